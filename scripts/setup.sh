@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv with a CPU build of torch and titan_contrastive (editable, with test extras).
+#   TORCH_SPEC        torch requirement (default torch==2.13.0)
+#   TORCH_INDEX_URL   extra index for torch, e.g. https://download.pytorch.org/whl/cpu on a CPU-only
+#                     machine whose pip would otherwise pull the multi-GB CUDA build from PyPI.
+# GPU users: create the venv, install the torch build for their CUDA, then `pip install -e '.[dev]'`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    .venv/bin/pip install -q ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
+fi
+.venv/bin/pip install -q -e '.[dev]'
+.venv/bin/python -c "import torch, titan_contrastive; print(f'titan_contrastive {titan_contrastive.__version__}, torch {torch.__version__}, cuda {torch.cuda.is_available()}')"

@@ -1,0 +1,133 @@
+"""Config loading: precedence CLI > TOML > defaults, --help, and every error path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_contrastive.config import ConfigError, JobConfig, parse_args
+from titan_contrastive.train import gradient_accumulation_steps
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "cfg.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_without_anything() -> None:
+    assert parse_args([]) == JobConfig()
+
+
+def test_precedence_cli_over_toml_over_defaults(tmp_path: Path) -> None:
+    f = write(tmp_path, "[training]\nsteps = 7\nlocal_batch_size = 3\n[optimizer]\nlr = 0.5\n")
+    cfg = parse_args(["--job.config_file", f, "--training.steps=9", "--optimizer.lr", "0.25"])
+    assert cfg.training.steps == 9  # CLI beats TOML
+    assert cfg.optimizer.lr == 0.25
+    assert cfg.training.local_batch_size == 3  # TOML beats default
+    assert cfg.training.max_norm == JobConfig().training.max_norm  # default kept
+
+
+def test_both_cli_spellings_and_types(tmp_path: Path) -> None:
+    cfg = parse_args(["--training.deterministic=true", "--training.seed", "5", "--loss.negatives", "microbatch", "--data.path=/x y"])
+    assert cfg.training.deterministic is True and cfg.training.seed == 5 and cfg.data.path == "/x y"
+    assert parse_args(["--training.deterministic", "False"]).training.deterministic is False
+    assert parse_args(["--training.local-batch-size=4"]).training.local_batch_size == 4
+
+
+def test_shipped_configs_parse() -> None:
+    for path in sorted((REPO / "train_configs").glob("*.toml")):
+        parse_args(["--job.config_file", str(path)])
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--training.stepz=3"], ["training.stepz", "did you mean 'steps'", "valid keys in [training]"]),
+        (["--trainin.steps=3"], ["trainin.steps", "training.steps"]),
+        (["--training.steps=abc"], ["training.steps='abc'", "an integer"]),
+        (["--optimizer.lr=fast"], ["optimizer.lr='fast'", "a number"]),
+        (["--training.deterministic=maybe"], ["training.deterministic='maybe'", "true or false"]),
+        (["--loss.negatives=all"], ["loss.negatives='all'", "microbatch, global"]),
+        (["--data.dataset=imagenet"], ["data.dataset='imagenet'", "fashion_mnist, emoji"]),
+        (["--training.local_batch_size=0"], ["training.local_batch_size=0", "out of range", ">= 1"]),
+        (["--training.global_batch_size=0"], ["training.global_batch_size=0", "-1"]),
+        (["--optimizer.beta2=1.5"], ["optimizer.beta2=1.5", "[0, 1)"]),
+        (["--training.steps"], ["--training.steps needs a value"]),
+        (["stray"], ["unexpected argument 'stray'"]),
+        (["--job.config_file=/nonexistent.toml"], ["/nonexistent.toml", "does not exist"]),
+    ],
+)
+def test_cli_errors_name_key_value_and_choices(argv: list[str], expected: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv)
+    message = str(info.value)
+    assert "\n" not in message
+    for part in expected:
+        assert part in message
+
+
+@pytest.mark.parametrize(
+    "toml, expected",
+    [
+        ("[trainin]\nsteps = 3\n", ["cfg.toml", "trainin.steps", "sections"]),
+        ("[training]\nlr = 0.1\n", ["cfg.toml", "training.lr", "valid keys in [training]"]),
+        ('[training]\nsteps = "ten"\n', ["cfg.toml", "training.steps='ten'", "an integer"]),
+        ("[training]\nsteps = 1.5\n", ["training.steps=1.5", "an integer"]),
+        ("[training]\nsteps = true\n", ["training.steps=True", "an integer"]),
+        ('[loss]\nnegatives = "some"\n', ["loss.negatives='some'", "microbatch, global"]),
+        ("[training]\nsteps = -2\n", ["training.steps=-2", "out of range"]),
+        ("steps = 3\n", ["top-level key 'steps' must be a [section]"]),
+        ("[training\n", ["not valid TOML"]),
+    ],
+)
+def test_toml_errors(tmp_path: Path, toml: str, expected: list[str]) -> None:
+    f = write(tmp_path, toml)
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--job.config_file", f])
+    message = str(info.value)
+    assert "\n" not in message
+    for part in expected:
+        assert part in message
+
+
+def test_help_lists_every_option_and_exits_zero() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "titan_contrastive.train", "--help"],
+        capture_output=True, text=True, cwd=REPO, env={"COLUMNS": "200", "PATH": ""}, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    cfg = JobConfig()
+    for section in vars(cfg):
+        for key in vars(getattr(cfg, section)):
+            assert f"--{section}.{key}" in out.stdout, f"--{section}.{key} missing from --help"
+    assert "Samples per process per forward/backward" in out.stdout  # field docs are shown
+
+
+def test_bad_config_exits_nonzero_with_one_line_before_compute(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "titan_contrastive.train", "--training.stepz=1", f"--job.dump_folder={tmp_path / 'dump'}"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "training.stepz" in lines[0]
+    assert not (tmp_path / "dump").exists()  # nothing was written
+
+
+def test_gradient_accumulation_steps() -> None:
+    assert gradient_accumulation_steps(-1, 8, 2) == 1
+    assert gradient_accumulation_steps(64, 2, 8) == 4
+    assert gradient_accumulation_steps(16, 16, 1) == 1
+    with pytest.raises(ConfigError) as info:
+        gradient_accumulation_steps(100, 8, 2)
+    message = str(info.value)
+    for part in ["global_batch_size=100", "(8)", "(2)", "= 16", "96 or 112"]:
+        assert part in message
+    with pytest.raises(ConfigError, match="nearest valid global batch sizes: 16"):
+        gradient_accumulation_steps(8, 8, 2)

@@ -1,0 +1,145 @@
+"""The trainer's gradient accumulation, loss rescaling and eval loss, against dense references.
+
+All in float64 on the real `clip/debug` model and real bundled data, through `Trainer.train_step`
+(the code path `run_train.sh` runs).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_contrastive.components.loss import RescaleAccumulatedLoss, clip_loss
+from titan_contrastive.config import ConfigError, parse_args
+from titan_contrastive.train import Trainer
+from tests.dist_utils import run_distributed
+
+REL = 1e-10
+
+
+def make_trainer(tmp: str, *extra: str) -> Trainer:
+    return Trainer(parse_args([
+        "--training.dtype=float64", "--training.max_norm=0", "--training.steps=3", "--data.context_length=32",
+        "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp}", *extra,
+    ]))
+
+
+def batch(trainer: Trainer, start: int, size: int) -> dict[str, torch.Tensor]:
+    return trainer.train_set.__getitems__(list(range(start, start + size)))
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rel: float = REL) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        err = (got[name] - want[name]).norm() / want[name].norm().clamp_min(1e-300)
+        assert err <= rel, f"{name}: relative error {err:.3e} > {rel}"
+
+
+def separable_loss(image_emb: torch.Tensor, text_emb: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
+    """A per-sample loss (mean over samples of a function of pair i alone)."""
+    return ((logit_scale * image_emb - text_emb) ** 2).sum(-1).mean()
+
+
+def test_accumulation_is_exact_for_a_separable_loss(tmp_path: Path) -> None:
+    trainer = make_trainer(str(tmp_path), "--training.local_batch_size=2", "--training.global_batch_size=8")
+    assert trainer.ga_steps == 4
+    full, init = batch(trainer, 0, 8), copy.deepcopy(trainer.model.state_dict())
+
+    trainer.loss_fn = RescaleAccumulatedLoss(separable_loss, 1)
+    out_big = trainer.train_step([full])
+    want = grads(trainer.model)
+
+    micro = [{k: v[i : i + 2] for k, v in full.items()} for i in range(0, 8, 2)]
+    trainer.model.load_state_dict(init)
+    trainer.loss_fn = RescaleAccumulatedLoss(separable_loss, 4)
+    out_acc = trainer.train_step(micro)
+    assert_close(grads(trainer.model), want)
+    assert abs(out_acc["loss"] - out_big["loss"]) <= REL * abs(out_big["loss"])
+
+    # without the 1/k rescale the accumulated gradient is k times too large: the wrapper matters
+    trainer.model.load_state_dict(init)
+    trainer.loss_fn = RescaleAccumulatedLoss(separable_loss, 1)
+    trainer.train_step(micro)
+    assert_close({n: g / 4 for n, g in grads(trainer.model).items()}, want)
+
+
+def test_accumulation_is_not_the_big_batch_for_infonce(tmp_path: Path) -> None:
+    """Seed 004 says accumulation 'equals a larger batch'; for InfoNCE it does not (k small problems)."""
+    trainer = make_trainer(str(tmp_path), "--training.local_batch_size=2", "--training.global_batch_size=8")
+    full, init = batch(trainer, 0, 8), copy.deepcopy(trainer.model.state_dict())
+    trainer.loss_fn = RescaleAccumulatedLoss(clip_loss, 1)
+    trainer.train_step([full])
+    big = grads(trainer.model)
+    trainer.model.load_state_dict(init)
+    trainer.loss_fn = RescaleAccumulatedLoss(clip_loss, 4)
+    trainer.train_step([{k: v[i : i + 2] for k, v in full.items()} for i in range(0, 8, 2)])
+    diff = (grads(trainer.model)["logit_scale"] - big["logit_scale"]).abs() / big["logit_scale"].abs()
+    assert diff > 1e-3
+
+
+def test_rescale_wrapper_and_no_rescale() -> None:
+    wrapped = RescaleAccumulatedLoss(lambda x: x * 3.0, 4)
+    x = torch.tensor(2.0)
+    assert wrapped(x).item() == 1.5
+    with wrapped.no_rescale():
+        assert wrapped(x).item() == 6.0
+        with wrapped.no_rescale():
+            pass
+        assert wrapped(x).item() == 6.0  # nested exit restores the outer setting
+    assert wrapped(x).item() == 1.5
+    with pytest.raises(ValueError):
+        RescaleAccumulatedLoss(lambda x: x, 0)
+
+
+def test_eval_loss_is_never_rescaled(tmp_path: Path) -> None:
+    trainer = make_trainer(str(tmp_path), "--training.local_batch_size=4", "--training.global_batch_size=16", "--eval.batch_size=1000")
+    assert trainer.ga_steps == 4
+    result = trainer.evaluate()
+    model, data = trainer.model.eval(), trainer.eval_set
+    with torch.no_grad():
+        losses = []
+        for start in range(0, len(data), 1000):
+            b = data.__getitems__(list(range(start, min(start + 1000, len(data)))))
+            img, txt = model(b["image"].double(), b["text"])
+            losses.append(clip_loss(img, txt, model.logit_scale.exp()))
+    want = torch.stack(losses).mean().item()
+    assert abs(result["loss"] - want) <= 1e-9 * want
+    assert 0.0 <= result["zero_shot_top1"] <= 1.0 and result["num_samples"] == len(data)
+
+
+def test_global_negatives_is_a_clear_error_for_now(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not available yet"):
+        make_trainer(str(tmp_path), "--loss.negatives=global")
+
+
+def _dp_microbatch_negatives(tmp: str, local: int, ga: int) -> None:
+    """Each accumulation step: the microbatches of all ranks form one contrastive problem."""
+    import torch.distributed as dist
+
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    trainer = make_trainer(tmp, f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga * world}")
+    rank = dist.get_rank()
+    assert trainer.ga_steps == ga and trainer.dp_degree == world
+    reference = trainer.spec.build_model(trainer.model_args).double()  # a plain, unwrapped twin
+    reference.load_state_dict(trainer.model.state_dict())
+    # microstep j: rank r holds samples [j*local*world + r*local, ... + local)
+    steps = [batch(trainer, j * local * world, local * world) for j in range(ga)]
+    mine = [{k: v[rank * local : (rank + 1) * local] for k, v in s.items()} for s in steps]
+    trainer.train_step(mine)
+
+    for s in steps:  # dense single-process reference of the same k problems
+        img, txt = reference(s["image"].double(), s["text"])
+        (clip_loss(img, txt, reference.logit_scale.exp()) / ga).backward()
+    assert_close(grads(trainer.model), grads(reference))
+
+
+@pytest.mark.parametrize("world, local, ga", [(2, 3, 2), (4, 2, 3)])
+def test_data_parallel_microbatch_negatives_match_dense(tmp_path: Path, world: int, local: int, ga: int) -> None:
+    run_distributed(_dp_microbatch_negatives, world, str(tmp_path), local, ga)

@@ -1,0 +1,111 @@
+"""Training metrics: console log line, TensorBoard and `metrics.jsonl`, written by rank 0.
+
+Throughput is reported in samples (image-text pairs) per second, not tokens: a contrastive
+step's cost is set by the number of pairs. MFU is reported when the device's peak FLOP/s
+is known (configured, or looked up for common GPUs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import time
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("titan_contrastive")
+
+# Dense bf16 tensor-core peak per GPU, TFLOP/s (vendor data sheets, SXM parts).
+_KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+def device_peak_tflops(device: torch.device, configured: float) -> float:
+    """Peak TFLOP/s for MFU: the configured value, a known GPU's, or 0 (unknown; no MFU)."""
+    if configured > 0:
+        return configured
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in _KNOWN_PEAK_TFLOPS.items():
+            if key in name:
+                return value
+    return 0.0
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak, or the peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+class MetricsProcessor:
+    """Collects timings between log steps and writes one record per log/eval event."""
+
+    def __init__(self, dump_folder: str, *, rank: int, enable_tensorboard: bool, device: torch.device,
+                 flops_per_sample: int, peak_tflops: float, world_size: int) -> None:
+        self.rank = rank
+        self.device = device
+        self.flops_per_sample = flops_per_sample
+        self.peak_flops = peak_tflops * 1e12 * world_size
+        self.writer = None
+        self.jsonl = None
+        if rank == 0:
+            os.makedirs(dump_folder, exist_ok=True)
+            self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a", encoding="utf-8")
+            if enable_tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(os.path.join(dump_folder, "tb"))
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new measurement window (called after every log line)."""
+        self.window_start = time.perf_counter()
+        self.data_time = 0.0
+        self.samples = 0
+
+    def record(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        """Write one record to TensorBoard (`{kind}/{name}`) and metrics.jsonl (rank 0 only)."""
+        if self.rank != 0:
+            return
+        if self.writer is not None:
+            for name, value in values.items():
+                if isinstance(value, (int, float)):
+                    self.writer.add_scalar(f"{kind}/{name}", value, step)
+            self.writer.flush()
+        assert self.jsonl is not None
+        self.jsonl.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
+        self.jsonl.flush()
+
+    def log_train(self, step: int, *, loss: float, lr: float, grad_norm: float, **extra: Any) -> dict[str, Any]:
+        """Summarise the window since the last log: samples/s, MFU, memory, data share."""
+        elapsed = max(time.perf_counter() - self.window_start, 1e-9)
+        values: dict[str, Any] = {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "samples_per_s": self.samples / elapsed,
+            "peak_memory_gib": peak_memory_gib(self.device),
+            "data_share": self.data_time / elapsed,
+            **extra,
+        }
+        if self.peak_flops > 0:
+            values["mfu"] = self.samples * self.flops_per_sample / elapsed / self.peak_flops
+        self.record("train", step, values)
+        mfu = f"  mfu {values['mfu']:.1%}" if "mfu" in values else ""
+        logger.info(
+            f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  grad_norm {grad_norm:.3f}  "
+            f"samples/s {values['samples_per_s']:.0f}{mfu}  peak_mem {values['peak_memory_gib']:.2f} GiB  "
+            f"data {values['data_share']:.0%}"
+        )
+        self.reset()
+        return values
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()

@@ -1,0 +1,32 @@
+"""AdamW with CLIP's parameter groups: weight decay on matrices only."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from titan_contrastive.config.job_config import Optimizer as OptimizerConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Split parameters: >= 2-D weights decay; biases, norm gains, and scalars such as
+    logit_scale do not (decaying the temperature would pull it toward 1, as open_clip notes).
+    Embedding tables are 2-D but are excluded by name, as in CLIP."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_embedding = "embedding" in name or name.endswith("class_embedding")
+        (decay if p.ndim >= 2 and not is_embedding else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """Build the optimizer named in `[optimizer]` (AdamW is the only choice so far)."""
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        foreach=True,
+    )

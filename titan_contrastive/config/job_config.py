@@ -1,0 +1,159 @@
+"""The configuration tree: one dataclass per TOML section, every field documented.
+
+The docstring under each field is what `--help` prints (tyro reads it). Range constraints
+live next to the field as `metadata={"check": (predicate, "what is valid")}` so that the
+validator in `manager.py` can name the key, the bad value and the valid values in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+
+def _opt(default: Any, check: Callable[[Any], bool] | None = None, expect: str = "") -> Any:
+    """A field with an optional range check; `expect` says what is valid, for error messages."""
+    metadata = {"check": (check, expect)} if check is not None else {}
+    return field(default=default, metadata=metadata)
+
+
+def _positive(default: int) -> Any:
+    return _opt(default, lambda v: v >= 1, "an integer >= 1")
+
+
+def _non_negative(default: float) -> Any:
+    return _opt(default, lambda v: v >= 0, "a number >= 0")
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML file to load before applying command-line overrides (CLI > TOML > defaults)."""
+    dump_folder: str = "./outputs"
+    """Folder for logs, `metrics.jsonl` and TensorBoard events (`{dump_folder}/tb`)."""
+    description: str = ""
+    """Free text describing the run; logged at start."""
+    custom_import: str = ""
+    """Python module imported before the model is looked up, so a user package can call
+    `titan_contrastive.models.register_model(...)` for its own model family."""
+
+
+@dataclass
+class Model:
+    name: str = "clip"
+    """Registered model family (see `titan_contrastive.models.list_models()`)."""
+    flavor: str = "debug"
+    """Size preset of the family, e.g. `debug` (CPU) or `vit_b32` (CLIP ViT-B/32)."""
+
+
+@dataclass
+class Training:
+    local_batch_size: int = _positive(128)
+    """Samples per process per forward/backward (one microbatch)."""
+    global_batch_size: int = _opt(-1, lambda v: v == -1 or v >= 1, "-1 (= local batch x DP degree) or an integer >= 1")
+    """Samples per optimizer step over all processes. Gradient accumulation steps =
+    global_batch_size // (local_batch_size * dp_degree); -1 means one microbatch per step."""
+    steps: int = _positive(200)
+    """Number of optimizer steps."""
+    max_norm: float = _non_negative(1.0)
+    """Clip the total gradient norm to this after the last microbatch; 0 disables clipping."""
+    seed: int = _opt(0, lambda v: v >= 0, "an integer >= 0")
+    """Seed for parameter init, data order and per-sample randomness."""
+    deterministic: bool = False
+    """Use deterministic algorithms (`torch.use_deterministic_algorithms`); slower on GPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: `auto` picks CUDA when available, else CPU (gloo backend)."""
+    dtype: Literal["float32", "float64"] = "float32"
+    """Parameter and compute dtype. float64 exists for exactness checks against dense references."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = _opt(-1, lambda v: v == -1 or v >= 1, "-1 (all processes) or an integer >= 1")
+    """Data-parallel (DDP) degree; -1 uses every process. Must equal WORLD_SIZE for now."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW"] = "AdamW"
+    """Optimizer class."""
+    lr: float = _opt(1e-3, lambda v: v > 0, "a number > 0")
+    """Peak learning rate (reached at the end of warmup)."""
+    beta1: float = _opt(0.9, lambda v: 0 <= v < 1, "a number in [0, 1)")
+    """AdamW beta1."""
+    beta2: float = _opt(0.98, lambda v: 0 <= v < 1, "a number in [0, 1)")
+    """AdamW beta2 (0.98 as in CLIP)."""
+    eps: float = _opt(1e-6, lambda v: v > 0, "a number > 0")
+    """AdamW epsilon."""
+    weight_decay: float = _non_negative(0.1)
+    """Decoupled weight decay on matrices; biases, norms, embeddings and logit_scale get none."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = _opt(20, lambda v: v >= 0, "an integer >= 0")
+    """Linear warmup from lr/(warmup_steps+1) to lr over this many steps."""
+    decay_type: Literal["cosine", "linear", "none"] = "cosine"
+    """Decay after warmup, down to lr * min_lr_factor at the last step."""
+    min_lr_factor: float = _opt(0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+    """Final learning rate as a fraction of the peak."""
+
+
+@dataclass
+class Loss:
+    name: str = "clip"
+    """Training loss; `clip` is the symmetric InfoNCE with the model's learnable logit scale."""
+    negatives: Literal["microbatch", "global"] = "microbatch"
+    """Which samples form one contrastive problem. `microbatch`: the current microbatches of
+    all DP ranks (gathered with gradient); accumulation steps do not add negatives.
+    `global`: the whole global batch, exactly (streaming loss + GradCache) - not available yet."""
+
+
+@dataclass
+class Data:
+    dataset: Literal["fashion_mnist", "emoji"] = "fashion_mnist"
+    """Image-text dataset: `fashion_mnist` (captions from class names, zero-shot eval) or
+    `emoji` (image <-> emoji name, retrieval eval on held-out emoji)."""
+    path: str = ""
+    """Data location; empty = the Debian package (Fashion-MNIST) if installed, else the bundled subset."""
+    num_workers: int = _opt(0, lambda v: v >= 0, "an integer >= 0")
+    """DataLoader worker processes (0 loads in the training process; the data is in memory)."""
+    context_length: int = _opt(32, lambda v: v >= 4, "an integer >= 4")
+    """Text tokens per caption (byte-level tokenizer, BOS and EOS included)."""
+    augment: bool = True
+    """Per-sample augmentation in the train split (a pure function of seed, epoch and index)."""
+
+
+@dataclass
+class Eval:
+    freq: int = _opt(0, lambda v: v >= 0, "an integer >= 0 (0 = only after the last step)")
+    """Evaluate every this many steps (and always after the last step)."""
+    batch_size: int = _positive(500)
+    """Images per evaluation batch; the eval loss is the mean over consecutive batches of this size."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _positive(10)
+    """Log step, loss, lr, grad norm, samples/s, memory and data-loading share every N steps."""
+    enable_tensorboard: bool = True
+    """Write TensorBoard events to `{dump_folder}/tb` (rank 0)."""
+    peak_tflops: float = _non_negative(0.0)
+    """Device peak TFLOP/s for MFU; 0 = look up known GPUs (H100/H200/A100), no MFU on CPU."""
+
+
+@dataclass
+class JobConfig:
+    """titan_contrastive training job. Values come from defaults, then the TOML given by
+    --job.config_file, then --section.key=value overrides."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    loss: Loss = field(default_factory=Loss)
+    data: Data = field(default_factory=Data)
+    eval: Eval = field(default_factory=Eval)
+    metrics: Metrics = field(default_factory=Metrics)

@@ -1,0 +1,230 @@
+"""Load a `JobConfig`: defaults, then TOML (`--job.config_file`), then `--section.key` overrides.
+
+Order of operations in `parse_args`:
+1. split argv into `--section.key` options and their values (`--a.b=v`, `--a.b v`, and for
+   list fields `--a.b v1 v2` or `--a.b=v1,v2`); check every key and value against the
+   dataclass types;
+2. read the TOML named by `--job.config_file`, check it the same way, apply it to the defaults;
+3. hand the normalised argv to tyro with the TOML-merged config as its default, so `--help`
+   shows the effective values and tyro builds the final tree;
+4. check cross-field ranges (`metadata["check"]` on each field).
+
+Why check before tyro: tyro prints multi-line panels and does not see TOML values at all; a
+user sweeping configs wants one line naming the key, the bad value and the valid choices, the
+same for both sources. tyro still owns `--help` and the construction of the dataclass tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from typing import Any
+
+import tyro
+
+from titan_contrastive.config.job_config import JobConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python < 3.11 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line naming the key, the value and the fix."""
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _sections() -> dict[str, type]:
+    """{section name: section dataclass}, in declaration order."""
+    return typing.get_type_hints(JobConfig)
+
+
+def _fields_of(section: str) -> dict[str, Any]:
+    """{field name: type} of one section."""
+    return typing.get_type_hints(_sections()[section])
+
+
+def _suggest(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f"did you mean '{close[0]}'? " if close else ""
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{k}" for s in _sections() for k in _fields_of(s)]
+
+
+def _resolve_key(key: str, origin: str) -> tuple[str, str, Any]:
+    """Map 'section.key' to its (section, field, type), or raise naming the valid choices."""
+    sections = _sections()
+    section, _, name = key.partition(".")
+    if section not in sections or not name:
+        raise ConfigError(
+            f"{origin}: unknown option '{key}'; {_suggest(key, _all_keys())}"
+            f"options are section.key with sections: {', '.join(sections)} (see --help)"
+        )
+    fields = _fields_of(section)
+    if name not in fields:
+        raise ConfigError(
+            f"{origin}: unknown key '{key}'; {_suggest(name, list(fields)) or _suggest(key, _all_keys())}"
+            f"valid keys in [{section}]: {', '.join(fields)}"
+        )
+    return section, name, fields[name]
+
+
+def coerce(key: str, value: Any, tp: Any, origin: str) -> Any:
+    """Convert a TOML value or CLI string(s) to `tp`, or raise a one-line ConfigError."""
+    origin_ = typing.get_origin(tp)
+
+    def bad(expect: str) -> ConfigError:
+        return ConfigError(f"{origin}: {key}={value!r} is invalid: expected {expect}")
+
+    if origin_ is typing.Literal:
+        choices = typing.get_args(tp)
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if value not in choices:
+            return_choices = ", ".join(map(str, choices))
+            raise ConfigError(f"{origin}: {key}={value!r} is not a valid choice; choose one of: {return_choices}")
+        return value
+    if origin_ in (list, tuple):
+        (item_tp, *_) = typing.get_args(tp)
+        items = value if isinstance(value, list) else [value]
+        if len(items) == 1 and isinstance(items[0], str) and "," in items[0]:
+            items = [v for v in items[0].split(",") if v]
+        return [coerce(key, v, item_tp, origin) for v in items]
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise bad(f"one value of type {getattr(tp, '__name__', tp)}")
+        value = value[0]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise bad("true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad("an integer")
+        if isinstance(value, int):
+            return value
+        try:
+            return int(str(value))
+        except ValueError:
+            raise bad("an integer") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad("a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise bad("a number") from None
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    raise bad(f"a value of type {tp}")  # pragma: no cover - only for new field types
+
+
+def split_cli(argv: list[str]) -> dict[str, list[str]]:
+    """Group argv into {'section.key': [values]}; values may be given as '--k=v' or '--k v'."""
+    options: dict[str, list[str]] = {}
+    current: str | None = None
+    for token in argv:
+        if token.startswith("--"):
+            key, eq, value = token[2:].partition("=")
+            key = key.replace("-", "_")  # tyro spells options either way
+            current = key
+            options[key] = [value] if eq else []
+        elif current is None:
+            raise ConfigError(f"command line: unexpected argument {token!r}; options look like --section.key=value")
+        else:
+            options[current].append(token)
+    return options
+
+
+def check_cli(argv: list[str]) -> dict[tuple[str, str], Any]:
+    """Validate every CLI option; return {(section, field): typed value}."""
+    out: dict[tuple[str, str], Any] = {}
+    for key, values in split_cli(argv).items():
+        section, name, tp = _resolve_key(key, "command line")
+        if not values:
+            raise ConfigError(f"command line: --{key} needs a value, e.g. --{key}=VALUE")
+        out[(section, name)] = coerce(key, values, tp, "command line")
+    return out
+
+
+def load_toml(path: str) -> dict[tuple[str, str], Any]:
+    """Read and validate a TOML config; return {(section, field): typed value}."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"job.config_file={path!r} does not exist; pass an existing TOML file, e.g. train_configs/debug.toml") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"job.config_file={path!r} is not valid TOML: {e}") from None
+    out: dict[tuple[str, str], Any] = {}
+    for section, table in raw.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: top-level key '{section}' must be a [section]; sections: {', '.join(_sections())}")
+        for name, value in table.items():
+            sec, fld, tp = _resolve_key(f"{section}.{name}", path)
+            out[(sec, fld)] = coerce(f"{section}.{name}", value, tp, path)
+    return out
+
+
+def _apply(cfg: JobConfig, values: dict[tuple[str, str], Any]) -> JobConfig:
+    for (section, name), value in values.items():
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    """Run the per-field range checks declared in `job_config.py`."""
+    for section in dataclasses.fields(cfg):
+        sec = getattr(cfg, section.name)
+        for f in dataclasses.fields(sec):
+            check, expect = f.metadata.get("check", (None, ""))
+            value = getattr(sec, f.name)
+            if check is not None and not check(value):
+                raise ConfigError(
+                    f"{section.name}.{f.name}={value!r} is out of range: expected {expect} "
+                    f"(set --{section.name}.{f.name}=... or [{section.name}] {f.name} in the TOML)"
+                )
+
+
+def _tyro_argv(cli: dict[tuple[str, str], Any]) -> list[str]:
+    argv: list[str] = []
+    for (section, name), value in cli.items():
+        argv.append(f"--{section}.{name}")
+        argv.extend(str(v) for v in (value if isinstance(value, list) else [value]))
+    return argv
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Build the JobConfig from defaults < TOML < CLI. Raises ConfigError on bad input;
+    `--help` prints every option with its doc and effective default and exits 0."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    wants_help = any(a in ("-h", "--help") for a in argv)
+    rest = [a for a in argv if a not in ("-h", "--help")]
+    cli = check_cli(rest)
+    cfg = JobConfig()
+    config_file = cli.get(("job", "config_file"), "")
+    if config_file:
+        cfg = _apply(cfg, load_toml(config_file))
+    tyro_args = _tyro_argv(cli) + (["--help"] if wants_help else [])
+    cfg = tyro.cli(
+        JobConfig,
+        args=tyro_args,
+        default=cfg,
+        prog="python -m titan_contrastive.train",
+        config=(tyro.conf.FlagConversionOff,),
+        use_underscores=True,
+    )
+    validate(cfg)
+    return cfg

@@ -1,0 +1,37 @@
+"""Image-text datasets and the data-parallel loader.
+
+`build_dataset(name, split, ...)` loads a whole split into memory (nothing is downloaded:
+the data comes from `path`, an installed Debian package, or the bundle in
+titan_contrastive/assets); `build_dataloader(dataset, ...)` returns this rank's endless,
+resumable stream of batch dicts {image, text, label, index}.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from titan_contrastive.datasets.base import DataError, ImageTextDataset
+from titan_contrastive.datasets.emoji import build_emoji
+from titan_contrastive.datasets.fashion_mnist import build_fashion_mnist
+from titan_contrastive.datasets.loader import BlockedDistributedSampler, EpochLoader, build_dataloader
+from titan_contrastive.datasets.tokenizer import ByteTokenizer
+
+__all__ = [
+    "DATASETS", "SPLITS", "BlockedDistributedSampler", "ByteTokenizer", "DataError", "EpochLoader",
+    "ImageTextDataset", "build_dataloader", "build_dataset",
+]
+
+_BUILDERS: dict[str, Callable[..., ImageTextDataset]] = {"fashion_mnist": build_fashion_mnist, "emoji": build_emoji}
+DATASETS: tuple[str, ...] = tuple(_BUILDERS)
+SPLITS: tuple[str, ...] = ("train", "test")
+
+
+def build_dataset(name: str, split: str, *, path: str = "", seed: int = 0, context_length: int = 32,
+                  augment: bool = True) -> ImageTextDataset:
+    """One split of a dataset, in memory. `seed` drives the per-sample randomness of the train
+    split (caption template, flips when `augment`); the test split is deterministic."""
+    if name not in _BUILDERS:
+        raise DataError(f"data.dataset={name!r}: unknown dataset; choose one of {', '.join(DATASETS)}")
+    if split not in SPLITS:
+        raise DataError(f"split={split!r}: unknown split; choose one of {', '.join(SPLITS)}")
+    return _BUILDERS[name](split, path=path, seed=seed, context_length=context_length, augment=augment)

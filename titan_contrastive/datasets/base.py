@@ -1,0 +1,146 @@
+"""The in-memory image-text dataset shared by every source, and the data error type.
+
+Why in memory and map-style: the bundled sets are a few MB, so a batch is one tensor gather
+(`__getitems__`) instead of B Python calls and a collate; map-style keeps the sample order under
+the control of the sampler, which is what makes resumption and rank-count invariance exact.
+
+Why a counter-based hash for per-sample randomness: the caption template and the flip of sample
+`i` in epoch `e` must not depend on which rank or worker loads it, nor on what else is in its
+batch, so that 1 process x 16 samples and 2 processes x 8 see identical data. A stateful RNG
+cannot give that; `sample_hash(seed, epoch, stream, i)` can, vectorized over the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from titan_contrastive.datasets.tokenizer import ByteTokenizer
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64 increment
+STREAM_TEMPLATE = 0
+STREAM_FLIP = 1
+
+
+class DataError(ValueError):
+    """Bad data or data settings. The message is one line: the file or field, the bad value, the fix."""
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer: a bijection on uint64 with full avalanche (uint64 products wrap)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def sample_hash(seed: int, epoch: int, stream: int, indices: np.ndarray) -> np.ndarray:
+    """64 random bits per index, a pure function of (seed, epoch, stream, index)."""
+    key = np.array([seed & _MASK64], dtype=np.uint64)
+    for part in (epoch, stream):
+        key = _mix64(key ^ np.uint64((part + _GOLDEN) & _MASK64))
+    return _mix64(key ^ (indices.astype(np.uint64) + np.uint64(_GOLDEN)))
+
+
+class ImageTextDataset:
+    """Images, labels and caption subjects held as tensors; `__getitems__` returns a whole batch.
+
+    A sample's caption is `templates[t].format(subjects[text_ids[i]])`. All (template, subject)
+    pairs are tokenized once up front, so a batch's text is a gather, not a tokenizer call. In the
+    train split `t` is drawn per (seed, epoch, index); in the test split it is always 0, which is
+    also the caption that `captions()` returns for retrieval evaluation.
+
+    Public attributes: name, split, image_shape (C,H,W), labels (int64 [N]), tokenizer,
+    class_names (None when captions are not classes), templates, subjects, source (where the
+    data was read from), full (the complete official split), seed, epoch.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        split: str,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        text_ids: torch.Tensor,
+        subjects: Sequence[str],
+        templates: Sequence[str],
+        mean: Sequence[float],
+        std: Sequence[float],
+        class_names: list[str] | None,
+        seed: int,
+        hflip: bool,
+        context_length: int,
+        source: str,
+        full: bool,
+    ) -> None:
+        if images.dtype != torch.uint8 or images.ndim != 4 or not len(images) == len(labels) == len(text_ids):
+            raise ValueError(f"{name}: images must be uint8 [N,C,H,W] with one label and text id per image")
+        self.name = name
+        self.split = split
+        self.seed = seed
+        self.epoch = 0
+        self.hflip = hflip
+        self.source = source
+        self.full = full
+        self.class_names = class_names
+        self.templates = list(templates)
+        self.subjects = list(subjects)
+        self.tokenizer = ByteTokenizer(context_length)
+        self.image_shape: tuple[int, int, int] = tuple(images.shape[1:])  # type: ignore[assignment]
+        self._images = images
+        self.labels = labels.long()
+        self._text_ids = text_ids.long()
+        channels = self.image_shape[0]
+        mean_t = torch.tensor(mean, dtype=torch.float32).view(channels, 1, 1)
+        std_t = torch.tensor(std, dtype=torch.float32).view(channels, 1, 1)
+        # (x / 255 - mean) / std as one multiply-add on the uint8 -> float32 batch
+        self._scale = 1.0 / (255.0 * std_t)
+        self._shift = -mean_t / std_t
+        # [num_templates, num_subjects, context_length]
+        self._tokens = torch.stack([self.tokenizer.encode([t.format(s) for s in self.subjects]) for t in self.templates])
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __repr__(self) -> str:
+        return f"ImageTextDataset({self.name}/{self.split}: {len(self)} samples, image {self.image_shape}, source {self.source})"
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose per-sample randomness `__getitems__` draws."""
+        self.epoch = epoch
+
+    def _template_ids(self, idx: np.ndarray) -> np.ndarray:
+        if self.split != "train":
+            return np.zeros(len(idx), dtype=np.int64)
+        return (sample_hash(self.seed, self.epoch, STREAM_TEMPLATE, idx) % np.uint64(len(self.templates))).astype(np.int64)
+
+    def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The batch dict: image float32 [B,C,H,W] (normalized), text int64 [B,L], label int64 [B], index int64 [B]."""
+        idx_np = np.asarray(indices, dtype=np.int64)
+        idx = torch.from_numpy(idx_np)
+        images = self._images[idx]
+        if self.hflip:
+            flip = torch.from_numpy((sample_hash(self.seed, self.epoch, STREAM_FLIP, idx_np) >> np.uint64(63)).astype(np.bool_))
+            images = torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
+        template = torch.from_numpy(self._template_ids(idx_np))
+        return {
+            "image": images.float().mul_(self._scale).add_(self._shift),
+            "text": self._tokens[template, self._text_ids[idx]],
+            "label": self.labels[idx],
+            "index": idx,
+        }
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        """One sample, unbatched; the same values it has inside any batch."""
+        return {key: value[0] for key, value in self.__getitems__([index]).items()}
+
+    def captions(self, indices: Sequence[int]) -> list[str]:
+        """Template-0 captions (what the test split tokenizes), for retrieval evaluation and logs."""
+        return [self.templates[0].format(self.subjects[i]) for i in self._text_ids[torch.as_tensor(indices, dtype=torch.long)].tolist()]
+
+    def encode_text(self, texts: list[str]) -> torch.Tensor:
+        """Tokenize free text (e.g. zero-shot class prompts) exactly as the captions are."""
+        return self.tokenizer.encode(texts)

@@ -1,0 +1,169 @@
+"""Data-parallel loading: a blocked distributed sampler and an endless, resumable epoch loop.
+
+Three guarantees, each tested in tests/test_data.py:
+1. Rank-count invariance. At step s of an epoch, rank r of W gets `perm[s*G + r*b : s*G + (r+1)*b]`
+   (b = local batch, G = b*W): the global batch (ranks concatenated in order) is a fixed slice
+   of the epoch's permutation, so 1 process x 16 and 2 processes x 8 train on the same samples.
+   torch's DistributedSampler deals indices round-robin (`perm[r::W]`), which breaks this.
+2. Per-sample randomness depends only on (seed, epoch, index): see `ImageTextDataset`.
+3. Exact resumption. `EpochLoader.state_dict()` holds the epoch and the StatefulDataLoader's
+   state (which includes the sampler's position), so a restored run yields exactly the batch the
+   uninterrupted run would have, also across epoch boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import Sampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from titan_contrastive.datasets.base import DataError, ImageTextDataset
+
+
+class BlockedDistributedSampler(Sampler[int]):
+    """This rank's indices for one epoch, in blocks of `local_batch_size` (guarantee 1 above).
+
+    The epoch's permutation is `torch.randperm(n)` seeded with `seed + epoch` (as in
+    DistributedSampler). With `drop_last` the trailing n mod G samples are dropped; without it
+    the permutation wraps around to fill the last global batch, so every rank has equal steps.
+    State is (epoch, yielded), the same protocol as torchdata's StatefulDistributedSampler,
+    so StatefulDataLoader saves and restores it.
+    """
+
+    def __init__(self, dataset_len: int, *, local_batch_size: int, rank: int, world_size: int, seed: int,
+                 shuffle: bool = True, drop_last: bool = True) -> None:
+        self.dataset_len = dataset_len
+        self.local_batch_size = local_batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.yielded = 0
+        self._resume_at: int | None = None
+        global_batch = local_batch_size * world_size
+        self.steps_per_epoch = dataset_len // global_batch if drop_last else math.ceil(dataset_len / global_batch)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def global_order(self) -> torch.Tensor:
+        """The epoch's sample order over all ranks, trimmed or wrapped to whole global batches."""
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_len, generator=generator)
+        else:
+            order = torch.arange(self.dataset_len)
+        total = self.steps_per_epoch * self.local_batch_size * self.world_size
+        return order.repeat(math.ceil(total / self.dataset_len))[:total]
+
+    def __iter__(self) -> Iterator[int]:
+        # eager (not a generator body): `yielded` is right even before the first index is drawn
+        start = self._resume_at or 0
+        self._resume_at = None
+        self.yielded = start
+        blocks = self.global_order().view(self.steps_per_epoch, self.world_size, self.local_batch_size)
+        return self._count(blocks[:, self.rank].reshape(-1)[start:].tolist())
+
+    def _count(self, indices: list[int]) -> Iterator[int]:
+        for index in indices:
+            self.yielded += 1
+            yield index
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.local_batch_size
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "yielded": self.yielded}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Restore; the next `__iter__` continues that epoch after the yielded indices."""
+        self.epoch = state_dict["epoch"]
+        self.yielded = self._resume_at = state_dict["yielded"]
+
+
+def passthrough_collate(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`ImageTextDataset.__getitems__` already returns the batch dict (module level: picklable)."""
+    return batch
+
+
+class EpochLoader:
+    """An endless iterator of local batches that moves to the next epoch by itself.
+
+    `StatefulDataLoader` covers one epoch; the trainer wants steps. On the end of an epoch this
+    advances the epoch of both the sampler (new permutation) and the dataset (new per-sample
+    randomness) and starts the next. The dataset's epoch is set before each `iter()`, which is
+    when worker processes copy the dataset (persistent workers are off for this reason).
+    `state_dict()` / `load_state_dict()` follow torch.distributed.checkpoint's Stateful protocol.
+    """
+
+    def __init__(self, dataloader: StatefulDataLoader, sampler: BlockedDistributedSampler, dataset: ImageTextDataset) -> None:
+        self.dataloader = dataloader
+        self.sampler = sampler
+        self.dataset = dataset
+        self.epoch = 0
+        self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
+        self._set_epoch(0)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch
+
+    def _set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.sampler.set_epoch(epoch)
+        self.dataset.set_epoch(epoch)
+
+    def __iter__(self) -> EpochLoader:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._iterator is None:
+            self._iterator = iter(self.dataloader)
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self._set_epoch(self.epoch + 1)
+            self._iterator = iter(self.dataloader)
+            return next(self._iterator)  # build_dataloader guarantees at least one batch per epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "dataloader": self.dataloader.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a state from `state_dict()`; the next batch is the one that followed it."""
+        self._set_epoch(state_dict["epoch"])
+        self.dataloader.load_state_dict(state_dict["dataloader"])
+        self._iterator = None
+
+
+def build_dataloader(dataset: ImageTextDataset, *, local_batch_size: int, dp_rank: int, dp_world_size: int, seed: int,
+                     num_workers: int = 0, shuffle: bool = True, drop_last: bool = True) -> EpochLoader:
+    """This rank's endless, resumable batch stream (an EpochLoader over a StatefulDataLoader)."""
+    if local_batch_size < 1 or dp_world_size < 1 or not 0 <= dp_rank < dp_world_size:
+        raise DataError(
+            f"local_batch_size={local_batch_size}, dp_rank={dp_rank}, dp_world_size={dp_world_size}: "
+            "need local_batch_size >= 1 and 0 <= dp_rank < dp_world_size"
+        )
+    if local_batch_size * dp_world_size > len(dataset):
+        raise DataError(
+            f"training.local_batch_size={local_batch_size} x dp_world_size={dp_world_size} = "
+            f"{local_batch_size * dp_world_size} samples per step exceeds the {len(dataset)} samples of "
+            f"{dataset.name}/{dataset.split}; use a local batch size of at most {len(dataset) // dp_world_size}"
+        )
+    sampler = BlockedDistributedSampler(
+        len(dataset), local_batch_size=local_batch_size, rank=dp_rank, world_size=dp_world_size,
+        seed=seed, shuffle=shuffle, drop_last=drop_last,
+    )
+    with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in recent torch; harmless
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        dataloader = StatefulDataLoader(
+            dataset, batch_size=local_batch_size, sampler=sampler, num_workers=num_workers,
+            collate_fn=passthrough_collate, drop_last=drop_last, persistent_workers=False,
+        )
+    return EpochLoader(dataloader, sampler, dataset)

@@ -1,0 +1,49 @@
+"""Byte-level tokenizer: every UTF-8 byte is a token, so no vocabulary file has to ship.
+
+Captions here are short English phrases; bytes keep the tokenizer exact, dependency-free and
+identical on every rank. The text model pools at the EOS position, found with
+`(ids == ByteTokenizer.EOS).int().argmax(-1)`, so EOS is always present, even after truncation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class ByteTokenizer:
+    """`encode` -> [B, context_length] int64: BOS, the text's UTF-8 bytes (each + 3), EOS, PAD..."""
+
+    PAD = 0
+    BOS = 1
+    EOS = 2
+    OFFSET = 3  # byte b is token b + OFFSET
+    vocab_size = 256 + OFFSET
+
+    def __init__(self, context_length: int = 32) -> None:
+        if context_length < 3:
+            raise ValueError(f"context_length={context_length}: too short for BOS, one byte and EOS; use 3 or more")
+        self.context_length = context_length
+
+    def encode(self, texts: list[str]) -> torch.Tensor:
+        """Token ids [len(texts), context_length]. Texts longer than context_length - 2 bytes are
+        cut so that EOS stays the last non-pad token (a cut may split a multi-byte character)."""
+        if isinstance(texts, str):
+            raise TypeError("ByteTokenizer.encode takes a list of strings, not a single string")
+        ids = np.full((len(texts), self.context_length), self.PAD, dtype=np.int64)
+        ids[:, 0] = self.BOS
+        max_bytes = self.context_length - 2
+        for row, text in enumerate(texts):
+            data = np.frombuffer(text.encode("utf-8")[:max_bytes], dtype=np.uint8)
+            ids[row, 1 : 1 + len(data)] = data.astype(np.int64) + self.OFFSET
+            ids[row, 1 + len(data)] = self.EOS
+        return torch.from_numpy(ids)
+
+    def decode(self, ids: torch.Tensor) -> list[str]:
+        """Inverse of `encode` up to truncation: the bytes between BOS and the first EOS."""
+        texts = []
+        for row in ids.tolist():
+            end = row.index(self.EOS) if self.EOS in row else len(row)
+            data = bytes(t - self.OFFSET for t in row[:end] if t >= self.OFFSET)
+            texts.append(data.decode("utf-8", errors="replace"))
+        return texts

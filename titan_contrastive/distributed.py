@@ -1,0 +1,67 @@
+"""Process-group setup and data-parallel wrapping (torchrun environment, gloo on CPU, NCCL on CUDA)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+logger = logging.getLogger("titan_contrastive")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_device(choice: str, local_rank: int) -> torch.device:
+    """`auto` -> CUDA when available, else CPU; `cuda` without a GPU is an error."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("training.device='cuda' but no CUDA device is visible; use --training.device=cpu (or auto)")
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device_choice: str) -> DistInfo:
+    """Join the torchrun process group (if launched by torchrun) and pick this rank's device.
+
+    On CPU the cores are split between the local processes so two processes on a 2-core
+    machine do not oversubscribe (torch would otherwise start one thread per core in each).
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_choice, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    if device.type == "cpu":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def apply_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
+    """Wrap in DDP when there is more than one process; gradients are averaged over ranks."""
+    if not info.is_distributed:
+        return model
+    device_ids = [info.device.index] if info.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,35 @@
+"""Model families and their registry.
+
+Importing this package registers the built-in families (currently "clip"). The trainer
+resolves `model.name` / `model.flavor` with `get_model_spec` / `get_flavor_args`.
+
+To add a family from your own package, call `register_model` at import time of one of
+your modules and point `job.custom_import` at it::
+
+    from titan_contrastive.models import ModelSpec, register_model
+
+    register_model(ModelSpec(name="my_family", flavors={"small": MyArgs(...)},
+                             build_model=MyModel, blocks=lambda m: list(m.layers),
+                             default_loss="clip"))
+"""
+
+from titan_contrastive.models.registry import (
+    ModelRegistryError,
+    ModelSpec,
+    get_flavor_args,
+    get_model_spec,
+    list_models,
+    register_model,
+)
+
+# Imported for its side effect: registers the "clip" family.
+from titan_contrastive.models import clip  # noqa: E402,F401  isort: skip
+
+__all__ = [
+    "ModelRegistryError",
+    "ModelSpec",
+    "get_flavor_args",
+    "get_model_spec",
+    "list_models",
+    "register_model",
+]

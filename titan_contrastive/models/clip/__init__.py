@@ -1,0 +1,11 @@
+"""The CLIP model family; importing this package registers it under the name "clip"."""
+
+from titan_contrastive.models.clip.args import CLIPArgs, clip_flavors
+from titan_contrastive.models.clip.model import CLIP, clip_blocks
+from titan_contrastive.models.registry import ModelSpec, register_model
+
+__all__ = ["CLIP", "CLIPArgs", "clip_blocks", "clip_flavors"]
+
+register_model(
+    ModelSpec(name="clip", flavors=clip_flavors, build_model=CLIP, blocks=clip_blocks, default_loss="clip")
+)

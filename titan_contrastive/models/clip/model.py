@@ -1,0 +1,173 @@
+"""CLIP dual encoder: ViT image tower, causal text tower, learnable log temperature.
+
+Each tower returns the final L2-normalized embedding, so `model.encoder_x(images)` equals
+`model.encode_image(images)`; a streaming (GradCache-like) step can therefore run the towers
+separately without re-implementing the projection / normalization.
+
+No buffers: every tensor is a parameter, so a model built on the meta device is complete
+after `to_empty(device=...)` + `init_weights()`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from titan_contrastive.models.clip.args import CLIPArgs
+from titan_contrastive.models.transformer import Transformer
+
+__all__ = ["CLIP", "EOS_ID", "ImageTower", "TextTower", "clip_blocks"]
+
+EOS_ID = 2
+"""End-of-text id of the project's tokenizer (PAD=0, BOS=1, EOS=2); the text tower pools there."""
+
+
+class ImageTower(nn.Module):
+    """ViT: patch embedding + class token + positional embedding -> blocks -> class token -> proj."""
+
+    def __init__(self, args: CLIPArgs) -> None:
+        super().__init__()
+        width = args.vision_width
+        self.in_channels, self.image_size = args.in_channels, args.image_size
+        patch = args.patch_size
+        self.conv1 = nn.Conv2d(args.in_channels, width, kernel_size=patch, stride=patch, bias=False)
+        self.class_embedding = nn.Parameter(torch.empty(width))
+        self.positional_embedding = nn.Parameter(torch.empty(args.num_patches + 1, width))
+        self.ln_pre = nn.LayerNorm(width)
+        self.transformer = Transformer(
+            width, args.vision_layers, args.vision_heads, args.mlp_ratio, args.dropout, causal=False
+        )
+        self.ln_post = nn.LayerNorm(width)
+        self.proj = nn.Parameter(torch.empty(width, args.embed_dim))
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """open_clip ViT init: embeddings and projection ~ N(0, width^-0.5); the patch
+        embedding keeps PyTorch's default conv init (uniform, bound fan_in^-0.5)."""
+        scale = self.proj.shape[0] ** -0.5
+        nn.init.kaiming_uniform_(self.conv1.weight, a=math.sqrt(5), generator=generator)
+        for param in (self.class_embedding, self.positional_embedding, self.proj):
+            nn.init.normal_(param, std=scale, generator=generator)
+        self.ln_pre.reset_parameters()
+        self.ln_post.reset_parameters()
+        self.transformer.init_weights(generator)
+
+    def forward(self, images: Tensor) -> Tensor:
+        """[B, C, H, W] images -> [B, embed_dim] unit-norm embeddings."""
+        expected = (self.in_channels, self.image_size, self.image_size)
+        if images.ndim != 4 or tuple(images.shape[1:]) != expected:
+            raise ValueError(
+                f"image tower expects images of shape [B, {', '.join(map(str, expected))}] "
+                f"(in_channels, image_size, image_size), got {list(images.shape)}"
+            )
+        x = self.conv1(images).flatten(2).transpose(1, 2)  # [B, patches, width]
+        cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
+        x = torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype)
+        x = self.transformer(self.ln_pre(x))
+        return F.normalize(self.ln_post(x[:, 0]) @ self.proj, dim=-1)
+
+
+class TextTower(nn.Module):
+    """Causal transformer over token ids, pooled at the EOS token, then projected."""
+
+    def __init__(self, args: CLIPArgs) -> None:
+        super().__init__()
+        width = args.text_width
+        self.context_length = args.context_length
+        self.token_embedding = nn.Embedding(args.vocab_size, width)
+        self.positional_embedding = nn.Parameter(torch.empty(args.context_length, width))
+        self.transformer = Transformer(
+            width, args.text_layers, args.text_heads, args.mlp_ratio, args.dropout, causal=True
+        )
+        self.ln_final = nn.LayerNorm(width)
+        self.text_projection = nn.Parameter(torch.empty(width, args.embed_dim))
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """open_clip text init: token std 0.02, positions std 0.01, projection std width^-0.5."""
+        nn.init.normal_(self.token_embedding.weight, std=0.02, generator=generator)
+        nn.init.normal_(self.positional_embedding, std=0.01, generator=generator)
+        self.ln_final.reset_parameters()
+        nn.init.normal_(self.text_projection, std=self.text_projection.shape[0] ** -0.5, generator=generator)
+        self.transformer.init_weights(generator)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """[B, L] token ids -> [B, embed_dim] unit-norm embeddings, read at the first EOS.
+
+        A row without EOS is pooled at position 0 (argmax of an all-zero row).
+        """
+        if ids.ndim != 2 or ids.shape[1] != self.context_length or ids.is_floating_point():
+            raise ValueError(
+                f"text tower expects integer token ids of shape [B, {self.context_length}] (context_length), "
+                f"got {ids.dtype} {list(ids.shape)}"
+            )
+        x = self.token_embedding(ids) + self.positional_embedding
+        x = self.transformer(x)
+        eos = (ids == EOS_ID).int().argmax(-1)
+        pooled = x[torch.arange(x.shape[0], device=x.device), eos]
+        return F.normalize(self.ln_final(pooled) @ self.text_projection, dim=-1)
+
+
+class CLIP(nn.Module):
+    """Image tower `visual`, text tower `text` and the learnable log temperature `logit_scale`.
+
+    Built with the global torch RNG (seed it first for reproducibility); a meta-device build
+    is materialized with `to_empty(device=...)` followed by `init_weights()`.
+    """
+
+    def __init__(self, args: CLIPArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.visual = ImageTower(args)
+        self.text = TextTower(args)
+        self.logit_scale = nn.Parameter(torch.empty(()))
+        self.init_weights()
+
+    @property
+    def encoder_x(self) -> ImageTower:
+        """The tower for the first modality (images), under the name the streaming step uses."""
+        return self.visual
+
+    @property
+    def encoder_y(self) -> TextTower:
+        """The tower for the second modality (text)."""
+        return self.text
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """(Re)initialize every parameter in place.
+
+        With `seed=None` the global RNG is used (deterministic given `torch.manual_seed`);
+        with a seed, a private generator on the parameters' device, leaving the global RNG
+        untouched (on the meta device there is nothing to draw, so the seed is ignored).
+        """
+        device = self.logit_scale.device
+        generator = None
+        if seed is not None and device.type != "meta":
+            generator = torch.Generator(device=device).manual_seed(seed)
+        self.visual.init_weights(generator)
+        self.text.init_weights(generator)
+        nn.init.constant_(self.logit_scale, self.args.init_logit_scale)
+
+    def encode_image(self, images: Tensor) -> Tensor:
+        """[B, C, H, W] -> [B, embed_dim], L2-normalized."""
+        return self.visual(images)
+
+    def encode_text(self, ids: Tensor) -> Tensor:
+        """[B, context_length] token ids -> [B, embed_dim], L2-normalized."""
+        return self.text(ids)
+
+    def forward(self, images: Tensor, texts: Tensor) -> tuple[Tensor, Tensor]:
+        """(image embeddings, text embeddings); the loss applies `logit_scale`."""
+        return self.encode_image(images), self.encode_text(texts)
+
+    def blocks(self) -> list[nn.Module]:
+        """Residual blocks of both towers: the per-block FSDP / checkpoint / compile units."""
+        return [*self.visual.transformer.blocks, *self.text.transformer.blocks]
+
+
+def clip_blocks(model: nn.Module) -> list[nn.Module]:
+    """`ModelSpec.blocks` for the CLIP family."""
+    if not isinstance(model, CLIP):
+        raise TypeError(f"clip_blocks expects a CLIP model, got {type(model).__name__}")
+    return model.blocks()
