@@ -109,14 +109,23 @@ def test_help_lists_every_option_and_exits_zero() -> None:
     assert "Samples per process per forward/backward" in out.stdout  # field docs are shown
 
 
-def test_bad_config_exits_nonzero_with_one_line_before_compute(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "arg, expected",
+    [
+        ("--training.stepz=1", "training.stepz"),
+        ("--model.name=resnet", "model.name='resnet' is not a registered model family; valid: clip"),
+        ("--model.flavor=huge", "model.flavor='huge' is not a flavor of 'clip'; valid: debug, vit_b32"),
+        ("--data.path=/no/such/folder", "/no/such/folder"),
+    ],
+)
+def test_bad_input_exits_nonzero_with_one_line_before_compute(tmp_path: Path, arg: str, expected: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "titan_contrastive.train", "--training.stepz=1", f"--job.dump_folder={tmp_path / 'dump'}"],
+        [sys.executable, "-m", "titan_contrastive.train", arg, f"--job.dump_folder={tmp_path / 'dump'}"],
         capture_output=True, text=True, cwd=REPO, timeout=120,
     )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "training.stepz" in lines[0]
+    assert len(lines) == 1 and expected in lines[0], out.stderr
     assert not (tmp_path / "dump").exists()  # nothing was written
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -42,3 +44,13 @@ def test_bad_batch_arithmetic_fails_before_compute(tmp_path: Path) -> None:
     assert "training.global_batch_size=40 is not a multiple" in out.stdout + out.stderr
     assert "32 or 48" in out.stdout + out.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_default_config_reaches_the_zero_shot_target(tmp_path: Path) -> None:
+    """The README's claim: `./run_train.sh` with the defaults reaches zero-shot top-1 >= 0.75."""
+    out = launch(tmp_path, 1)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "final eval step 600" in out.stdout
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert evals[-1]["zero_shot_top1"] >= 0.75
