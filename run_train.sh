@@ -5,13 +5,12 @@
 #   LOG_RANK    ranks whose output is shown (default: 0; e.g. 0,1)
 #   extra arguments are passed to the trainer, e.g. --training.steps=50
 set -euo pipefail
-cd "$(dirname "$0")"
 
 if [ -z "${NGPU:-}" ]; then
     NGPU=$( (command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -c '^GPU') || true)
     [ "${NGPU:-0}" -ge 1 ] 2>/dev/null || NGPU=1
 fi
-CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug.toml"}
+CONFIG_FILE=${CONFIG_FILE:-"$(dirname "$0")/train_configs/debug.toml"}
 LOG_RANK=${LOG_RANK:-0}
 PYTHON=${PYTHON:-python}
 

@@ -109,7 +109,7 @@ class Trainer:
         self.dtype = getattr(torch, cfg.training.dtype)
         with self.device:
             self.model = self.spec.build_model(self.model_args).to(self.dtype)
-        self.model_parts = apply_ddp(self.model, self.dist)
+        self.dp_model = apply_ddp(self.model, self.dist)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         dp_group = torch.distributed.group.WORLD if self.dist.is_distributed else None
@@ -139,14 +139,14 @@ class Trainer:
     def _microbatch_context(self, is_last: bool) -> contextlib.AbstractContextManager:
         """DDP all-reduces gradients only after the last microbatch of a step."""
         if self.dist.is_distributed and not is_last:
-            return self.model_parts.no_sync()
+            return self.dp_model.no_sync()
         return contextlib.nullcontext()
 
     def forward_backward_step(self, batch: dict[str, torch.Tensor], is_last: bool = True) -> torch.Tensor:
         """One microbatch: forward, rescaled loss, backward (grads accumulate in .grad)."""
         with self._microbatch_context(is_last):
             images = batch["image"].to(self.device, self.dtype)
-            image_emb, text_emb = self.model_parts(images, batch["text"].to(self.device))
+            image_emb, text_emb = self.dp_model(images, batch["text"].to(self.device))
             loss = self.loss_fn(image_emb, text_emb, self.model.logit_scale.exp())
             del image_emb, text_emb
             loss.backward()
