@@ -156,9 +156,9 @@ def test_flops_per_sample_matches_flop_counter(debug_model: CLIP, debug_args: CL
     # The math backend lowers attention to bmm, which FlopCounterMode counts on CPU.
     with sdpa_kernel(SDPBackend.MATH):
         with FlopCounterMode(display=False) as forward:
-            image_emb, text_emb = debug_model(images, texts)
+            image_emb, text_emb, _ = debug_model(images, texts)
         with FlopCounterMode(display=False) as training:
-            image_emb, text_emb = debug_model(images, texts)
+            image_emb, text_emb, _ = debug_model(images, texts)
             (image_emb.sum() + text_emb.sum()).backward()
     analytic = debug_args.flops_per_sample() * batch
     assert forward.get_total_flops() * 3 == analytic
@@ -171,12 +171,12 @@ def test_flops_per_sample_matches_flop_counter(debug_model: CLIP, debug_args: CL
 
 
 def test_forward_shapes_and_unit_norm(debug_model: CLIP, debug_args: CLIPArgs) -> None:
-    image_emb, text_emb = debug_model(make_images(3, debug_args), make_texts(3, debug_args))
+    image_emb, text_emb, _ = debug_model(make_images(3, debug_args), make_texts(3, debug_args))
     assert image_emb.shape == text_emb.shape == (3, debug_args.embed_dim)
     torch.testing.assert_close(image_emb.norm(dim=-1), torch.ones(3))
     torch.testing.assert_close(text_emb.norm(dim=-1), torch.ones(3))
     assert debug_model.encoder_x is debug_model.visual and debug_model.encoder_y is debug_model.text
-    torch.testing.assert_close(debug_model.logit_scale, torch.tensor(debug_args.init_logit_scale))
+    torch.testing.assert_close(debug_model.logit_scale, torch.tensor([debug_args.init_logit_scale]))
     assert models.get_model_spec("clip").blocks(debug_model) == debug_model.blocks()
     assert len(debug_model.blocks()) == debug_args.vision_layers + debug_args.text_layers
 

@@ -54,3 +54,18 @@ def test_default_config_reaches_the_zero_shot_target(tmp_path: Path) -> None:
     assert "final eval step 600" in out.stdout
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     assert evals[-1]["zero_shot_top1"] >= 0.75
+
+
+def test_two_node_launch_over_c10d_rendezvous(tmp_path: Path) -> None:
+    """run_train.sh's multi-node path: two 'nodes' (one process each) on this machine."""
+    from tests.dist_utils import free_port
+
+    env = {**os.environ, "NGPU": "1", "NNODES": "2", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}", "RDZV_ID": "test",
+           "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    args = ["./run_train.sh", f"--job.dump_folder={tmp_path}", "--training.steps=2", "--training.local_batch_size=8",
+            "--eval.enable=false", "--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=1"]
+    nodes = [subprocess.Popen(args, cwd=REPO, env={**env, "NODE_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outputs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), outputs
+    assert any("parallelism: ddp (replicate 2 x shard 1)" in out and "dp degree 2" in out for out in outputs), outputs

@@ -8,8 +8,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 logger = logging.getLogger("titan_contrastive")
 
@@ -52,14 +50,6 @@ def init_distributed(device_choice: str) -> DistInfo:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
-
-
-def apply_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
-    """Wrap in DDP when there is more than one process; gradients are averaged over ranks."""
-    if not info.is_distributed:
-        return model
-    device_ids = [info.device.index] if info.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
 
 
 def destroy_distributed() -> None:

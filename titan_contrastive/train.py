@@ -2,12 +2,14 @@
 
 Order of operations (everything that can fail on bad input runs before any compute):
 1. parse and validate the config; join the process group; seed;
-2. resolve the model family/flavor, the loss mode and the gradient-accumulation steps;
+2. resolve the model family/flavor, the loss mode, the DP layout and the accumulation steps;
 3. load the train and eval datasets (missing data fails here);
-4. build the model (args updated from the data), wrap in DDP, build optimizer/scheduler/loss;
-5. loop: per step, k microbatches of forward+backward (DDP syncs only on the last), clip the
-   gradient norm, optimizer step, scheduler step; log every `log_freq`, evaluate every
-   `eval.freq` and after the last step.
+4. build the model (args from the data), then AC -> compile -> FSDP2/HSDP/DDP per block;
+   optimizer, scheduler, losses, metrics; restore the latest complete checkpoint if enabled;
+5. loop: per step, k microbatches of forward+backward (gradient sync on the last one only for
+   DDP, and for FSDP2 with `defer_grad_sync`), unscale (fp16), clip the gradient norm, check
+   for non-finite values, optimizer step, scheduler step; log every `log_freq`, evaluate every
+   `eval.freq` and after the last step, checkpoint every `checkpoint.interval` and at the end.
 """
 
 from __future__ import annotations
@@ -18,24 +20,32 @@ import logging
 import math
 import sys
 import time
+import warnings
 from typing import Any, Iterator
 
 import torch
-from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_contrastive import models
+from titan_contrastive.components.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState, TrainState
 from titan_contrastive.components.evaluate import evaluate
 from titan_contrastive.components.loss import RescaleAccumulatedLoss, build_loss_fn
 from titan_contrastive.components.lr_scheduler import build_lr_scheduler
 from titan_contrastive.components.metrics import MetricsProcessor, device_peak_tflops
 from titan_contrastive.components.optimizer import build_optimizer
+from titan_contrastive.components.precision import at_least_fp32, build_precision
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets import DataError, build_dataloader, build_dataset
-from titan_contrastive.distributed import apply_ddp, destroy_distributed, init_distributed
+from titan_contrastive.distributed import destroy_distributed, init_distributed
+from titan_contrastive.parallelisms import ParallelDims, parallelize_model
 
 logger = logging.getLogger("titan_contrastive")
 
 MAX_LOGIT_SCALE = math.log(100.0)  # CLIP clamps the temperature at 1/100
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient norm with `training.on_nonfinite = "stop"`."""
 
 
 def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, dp_degree: int) -> int:
@@ -47,11 +57,10 @@ def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, d
     if global_batch_size % per_microstep != 0 or global_batch_size < per_microstep:
         below = max(per_microstep, global_batch_size // per_microstep * per_microstep)
         above = (global_batch_size // per_microstep + 1) * per_microstep
-        nearest = sorted({below, above})
         raise ConfigError(
             f"training.global_batch_size={global_batch_size} is not a multiple of local_batch_size "
             f"({local_batch_size}) x dp_degree ({dp_degree}) = {per_microstep}; nearest valid global batch "
-            f"sizes: {' or '.join(map(str, nearest))}"
+            f"sizes: {' or '.join(map(str, sorted({below, above})))}"
         )
     return global_batch_size // per_microstep
 
@@ -67,7 +76,7 @@ class Trainer:
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
 
-        # 2. model family, loss mode, batch arithmetic: all checked before data or compute
+        # 2. model family, loss mode, DP layout, batch arithmetic: checked before data or compute
         if cfg.job.custom_import:
             importlib.import_module(cfg.job.custom_import)
         self.spec = models.get_model_spec(cfg.model.name)
@@ -77,17 +86,14 @@ class Trainer:
                 "loss.negatives='global' is not available yet (it needs the streaming loss and GradCache); "
                 "use loss.negatives='microbatch' - see README 'Microbatch vs global negatives'"
             )
-        replicate = cfg.parallelism.data_parallel_replicate_degree
-        if replicate not in (-1, self.dist.world_size):
-            raise ConfigError(
-                f"parallelism.data_parallel_replicate_degree={replicate} does not match WORLD_SIZE={self.dist.world_size}; "
-                f"use -1 or {self.dist.world_size}"
-            )
-        self.dp_degree = self.dist.world_size
+        par = cfg.parallelism
+        self.dims = ParallelDims.from_config(par.data_parallel_replicate_degree, par.data_parallel_shard_degree, self.dist.world_size)
+        self.dp_degree = self.dims.dp_degree
         self.ga_steps = gradient_accumulation_steps(cfg.training.global_batch_size, cfg.training.local_batch_size, self.dp_degree)
         self.global_batch_size = cfg.training.local_batch_size * self.ga_steps * self.dp_degree
+        self.precision = build_precision(cfg.training, fsdp=self.dims.fsdp_enabled, device=self.device)
 
-        # 3. data
+        # 3. data (every rank is a DP rank: the DP rank is the global rank)
         data = cfg.data
         common = dict(path=data.path, seed=cfg.training.seed, context_length=data.context_length)
         self.train_set = build_dataset(data.dataset, "train", augment=data.augment, **common)
@@ -97,19 +103,22 @@ class Trainer:
             dp_world_size=self.dp_degree, seed=cfg.training.seed, num_workers=data.num_workers,
         )
 
-        # 4. model, optimizer, schedule, losses
+        # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params)
         try:
             self.model_args = flavor_args.update_from_data(
-                image_shape=self.train_set.image_shape,
-                vocab_size=self.train_set.tokenizer.vocab_size,
+                image_shape=self.train_set.image_shape, vocab_size=self.train_set.tokenizer.vocab_size,
                 context_length=data.context_length,
             )
         except ValueError as e:  # the flavor does not fit this dataset
             raise ConfigError(f"model.flavor={cfg.model.flavor!r} with data.dataset={data.dataset!r}: {e}") from None
-        self.dtype = getattr(torch, cfg.training.dtype)
         with self.device:
-            self.model = self.spec.build_model(self.model_args).to(self.dtype)
-        self.dp_model = apply_ddp(self.model, self.dist)
+            self.model = self.spec.build_model(self.model_args).to(self.precision.param_dtype)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.dp_model = parallelize_model(
+            self.model, self.spec.blocks(self.model), self.dims, self.mesh, device=self.device,
+            ac_mode=cfg.activation_checkpoint.mode, compile_backend=cfg.compile.backend if cfg.compile.enable else None,
+            param_dtype=self.precision.fsdp_param_dtype, reduce_dtype=self.precision.reduce_dtype,
+        )
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         dp_group = torch.distributed.group.WORLD if self.dist.is_distributed else None
@@ -120,8 +129,21 @@ class Trainer:
             device=self.device, flops_per_sample=self.model_args.flops_per_sample(),
             peak_tflops=device_peak_tflops(self.device, cfg.metrics.peak_tflops), world_size=self.dist.world_size,
         )
-        self.step = 0
+        self.train_state = TrainState()
+        self._last_scale = torch.zeros(())  # exp(logit_scale) of the last microbatch, for the log
+        self.checkpointer = CheckpointManager(
+            cfg.checkpoint, dump_folder=cfg.job.dump_folder,
+            states={"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
+                    "lr_scheduler": self.lr_scheduler, "train_state": self.train_state},
+            per_rank_states={"dataloader": self.loader, "rng": RNGState(self.device)},
+            rank=self.dist.rank, dp_rank=self.dist.rank, dp_degree=self.dp_degree,
+        )
         self._log_start()
+        self.checkpointer.load()
+
+    @property
+    def step(self) -> int:
+        return self.train_state.step
 
     def _log_start(self) -> None:
         cfg, ds = self.cfg, self.train_set
@@ -131,40 +153,92 @@ class Trainer:
             f"training FLOPs/sample {self.model_args.flops_per_sample():.3e} (encoders; loss excluded)  device {self.device}"
         )
         logger.info(
+            f"parallelism: {self.dims.mode} (replicate {self.dims.dp_replicate} x shard {self.dims.dp_shard})  "
+            f"params {cfg.training.dtype}  compute {self.precision.compute_dtype}  AC {cfg.activation_checkpoint.mode}  "
+            f"compile {cfg.compile.backend if cfg.compile.enable else 'off'}"
+        )
+        logger.info(
             f"batch: local {cfg.training.local_batch_size}  x  grad-accum steps {self.ga_steps}  x  dp degree {self.dp_degree}  "
             f"=  global {self.global_batch_size};  negatives per contrastive problem: "
             f"{cfg.training.local_batch_size * self.dp_degree} (loss.negatives=microbatch: accumulation adds no negatives)"
         )
 
-    def _microbatch_context(self, is_last: bool) -> contextlib.AbstractContextManager:
-        """DDP all-reduces gradients only after the last microbatch of a step."""
-        if self.dist.is_distributed and not is_last:
+    def forward(self, images: torch.Tensor, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The model's forward with this run's dtype and autocast, through the FSDP root / the
+        unwrapped DDP module (evaluation; the train step calls the DP wrapper)."""
+        with self.precision.autocast():
+            return self.model(images.to(self.device, self.precision.param_dtype), texts.to(self.device))
+
+    def _grad_sync(self, is_last: bool) -> contextlib.AbstractContextManager:
+        """Gradient reduction only after the last microbatch: always for DDP (no_sync), for
+        FSDP2 only with `defer_grad_sync` (otherwise it reduce-scatters every microbatch)."""
+        if self.dims.ddp_enabled and not is_last:
             return self.dp_model.no_sync()
+        if self.dims.fsdp_enabled and self.cfg.parallelism.defer_grad_sync:
+            self.model.set_requires_gradient_sync(is_last)
         return contextlib.nullcontext()
 
     def forward_backward_step(self, batch: dict[str, torch.Tensor], is_last: bool = True) -> torch.Tensor:
-        """One microbatch: forward, rescaled loss, backward (grads accumulate in .grad)."""
-        with self._microbatch_context(is_last):
-            images = batch["image"].to(self.device, self.dtype)
-            image_emb, text_emb = self.dp_model(images, batch["text"].to(self.device))
-            loss = self.loss_fn(image_emb, text_emb, self.model.logit_scale.exp())
+        """One microbatch: forward, rescaled loss (in >= fp32), backward into .grad."""
+        with self._grad_sync(is_last):
+            with self.precision.autocast():
+                images = batch["image"].to(self.device, self.precision.param_dtype)
+                image_emb, text_emb, scale = self.dp_model(images, batch["text"].to(self.device))
+            loss = self.loss_fn(at_least_fp32(image_emb), at_least_fp32(text_emb), at_least_fp32(scale))
             del image_emb, text_emb
-            loss.backward()
+            (self.precision.scaler.scale(loss) if self.precision.scaler else loss).backward()
+        self._last_scale = scale.detach()
         return loss.detach()
 
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """Total gradient norm over all ranks (FSDP/HSDP shards included), clipped to max_norm."""
+        if self.precision.scaler is not None:
+            self.precision.scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.training.max_norm if self.cfg.training.max_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """zero_grad -> k x forward_backward -> clip -> optimizer step -> scheduler step."""
+        """zero_grad -> k x forward_backward -> unscale/clip -> finite check -> step -> schedule."""
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.lr_scheduler.get_last_lr()[0]
         losses = [self.forward_backward_step(mb, is_last=i == len(microbatches) - 1) for i, mb in enumerate(microbatches)]
-        max_norm = self.cfg.training.max_norm if self.cfg.training.max_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        self.optimizer.step()
-        self.lr_scheduler.step()
+        loss = torch.stack(losses).sum().item()  # each is already / k: the sum is the mean
+        grad_norm = self._clip_grad_norm().item()
+        step = self.train_state.step + 1
+        skipped = False
+        scaler = self.precision.scaler
+        if not math.isfinite(loss) or (scaler is None and not math.isfinite(grad_norm)):
+            skipped = self._on_nonfinite(step, loss, grad_norm)
+        elif scaler is not None:  # fp16: the scaler skips steps with inf/nan gradients itself
+            before = scaler.get_scale()
+            scaler.step(self.optimizer)
+            scaler.update()
+            if scaler.get_scale() < before:
+                skipped = True
+                logger.warning(f"step {step}: float16 gradients overflowed (grad_norm={grad_norm}); optimizer step skipped, loss scale {before:g} -> {scaler.get_scale():g}")
+        else:
+            self.optimizer.step()
+        with warnings.catch_warnings():  # a skipped step advances the schedule on purpose
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            self.lr_scheduler.step()
+        if skipped:
+            self.train_state.skipped_steps += 1
         with torch.no_grad():
             self.model.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
-        # each loss is already divided by k: their sum is the mean microbatch loss
-        return {"loss": torch.stack(losses).sum().item(), "lr": lr, "grad_norm": grad_norm.item()}
+        self.train_state.step = step
+        self.train_state.samples_seen += self.global_batch_size
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped_steps": self.train_state.skipped_steps}
+
+    def _on_nonfinite(self, step: int, loss: float, grad_norm: float) -> bool:
+        """Stop with the step and values, or skip the optimizer step (logged and counted)."""
+        if self.cfg.training.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"step {step}: non-finite loss={loss} grad_norm={grad_norm}; lower optimizer.lr, check the data, "
+                "or set training.on_nonfinite=skip to skip such steps"
+            )
+        logger.warning(f"step {step}: non-finite loss={loss} grad_norm={grad_norm}; optimizer step skipped ({self.train_state.skipped_steps + 1} so far)")
+        return True
 
     def next_microbatches(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         start = time.perf_counter()
@@ -174,7 +248,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         return evaluate(
-            self.model, self.eval_set, self.eval_loss_fn, batch_size=self.cfg.eval.batch_size,
+            self.model, self.forward, self.eval_set, self.eval_loss_fn, batch_size=self.cfg.eval.batch_size,
             device=self.device, rank=self.dist.rank, world_size=self.dist.world_size,
         )
 
@@ -184,34 +258,39 @@ class Trainer:
         self.metrics.reset()
         results: dict[str, Any] = {}
         while self.step < cfg.training.steps:
-            microbatches = self.next_microbatches(data_iter)
-            out = self.train_step(microbatches)
-            self.step += 1
+            out = self.train_step(self.next_microbatches(data_iter))
             self.metrics.samples += self.global_batch_size
-            if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
-                self.metrics.log_train(self.step, **out, logit_scale=self.model.logit_scale.exp().item())
             last = self.step == cfg.training.steps
-            if last or (cfg.eval.freq and self.step % cfg.eval.freq == 0):
+            if self.step % cfg.metrics.log_freq == 0 or last:
+                self.metrics.log_train(self.step, **out, logit_scale=self._last_scale.item())
+            side_work = False  # eval and checkpoint time stays out of samples/s
+            if cfg.eval.enable and (last or (cfg.eval.freq and self.step % cfg.eval.freq == 0)):
                 start = time.perf_counter()
                 results = self.evaluate()
                 self.metrics.record("eval", self.step, results)
                 shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items() if k != "num_samples")
                 logger.info(f"{'final ' if last else ''}eval step {self.step} on {int(results['num_samples'])} {self.eval_set.name} test samples: {shown} ({time.perf_counter() - start:.1f}s)")
+                side_work = True
+            if self.checkpointer.maybe_save(self.step, last_step=last) or side_work:
                 self.metrics.reset()
         return results
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[titan_contrastive] %(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
     trainer = None
     try:
         trainer = Trainer(parse_args(argv))
         start = time.perf_counter()
         trainer.train()
         logger.info(f"training done in {time.perf_counter() - start:.1f}s")
-    except (ConfigError, DataError, models.ModelRegistryError) as e:
+    except (ConfigError, DataError, CheckpointError, models.ModelRegistryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     finally:
         if trainer is not None:
             trainer.metrics.close()

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_contrastive.components.precision import at_least_fp32
+
 
 def _gather_rows(local: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """All-gather row shards of different lengths (`counts[r]` rows on rank r), in rank order."""
@@ -29,39 +31,49 @@ def _gather_rows(local: torch.Tensor, counts: list[int]) -> torch.Tensor:
     return torch.cat([p[:n] for p, n in zip(parts, counts)])
 
 
-def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
-    """Metrics in float32 for bf16/fp16 models, but float64 models keep float64."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+Forward = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @torch.no_grad()
-def embed_dataset(model: nn.Module, dataset: Any, *, batch_size: int, device: torch.device,
-                  rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Image and caption embeddings and labels of the whole dataset, on every rank."""
+def embed_dataset(forward: Forward, dataset: Any, *, batch_size: int, device: torch.device,
+                  rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Image and caption embeddings, labels and exp(logit_scale), all rows on every rank.
+
+    Every rank runs the same number of forward calls (FSDP2 all-gathers parameters inside each
+    call, a collective): a rank whose shard is used up runs one sample again and drops it.
+    """
     if len(dataset) < world_size:
         raise ValueError(f"eval set has {len(dataset)} samples, fewer than the {world_size} data-parallel ranks")
     shards = np.array_split(np.arange(len(dataset)), world_size)
+    mine, counts = shards[rank], [len(s) for s in shards]
     img, txt, labels = [], [], []
-    for start in range(0, len(shards[rank]), batch_size):
-        batch = dataset.__getitems__(shards[rank][start : start + batch_size].tolist())
-        images = batch["image"].to(device, model.logit_scale.dtype)
-        image_emb, text_emb = model(images, batch["text"].to(device))
-        img.append(_at_least_fp32(image_emb))
-        txt.append(_at_least_fp32(text_emb))
-        labels.append(batch["label"].to(device))
-    counts = [len(s) for s in shards]
+    scale = None
+    for start in range(0, max(counts), batch_size):
+        indices = mine[start : start + batch_size].tolist()
+        batch = dataset.__getitems__(indices or [int(mine[0])])
+        image_emb, text_emb, scale = forward(batch["image"].to(device), batch["text"].to(device))
+        if indices:
+            img.append(at_least_fp32(image_emb))
+            txt.append(at_least_fp32(text_emb))
+            labels.append(batch["label"].to(device))
     local = (torch.cat(img), torch.cat(txt), torch.cat(labels))
-    return tuple(_gather_rows(t, counts) for t in local)  # type: ignore[return-value]
+    assert scale is not None
+    return (*(_gather_rows(t, counts) for t in local), at_least_fp32(scale))  # type: ignore[return-value]
 
 
 @torch.no_grad()
-def zero_shot_classifier(model: nn.Module, dataset: Any, device: torch.device) -> torch.Tensor:
-    """[num_classes, dim]: the normalised mean embedding of each class over all templates."""
-    rows = []
-    for name in dataset.class_names:
-        emb = _at_least_fp32(model.encode_text(dataset.encode_text([t.format(name) for t in dataset.templates]).to(device)))
-        rows.append(nn.functional.normalize(emb.mean(0), dim=-1))
-    return torch.stack(rows)
+def zero_shot_classifier(forward: Forward, dataset: Any, device: torch.device) -> torch.Tensor:
+    """[num_classes, dim]: the normalised mean embedding of each class over all templates.
+
+    The captions go through the model's full forward (with placeholder images) rather than a
+    text-tower call: under FSDP2 only the root forward unshards the root's parameters.
+    """
+    captions = [t.format(name) for name in dataset.class_names for t in dataset.templates]
+    ids = dataset.encode_text(captions).to(device)
+    placeholder = torch.zeros(len(captions), *dataset.image_shape, device=device)
+    _, emb, _ = forward(placeholder, ids)
+    per_class = at_least_fp32(emb).view(len(dataset.class_names), len(dataset.templates), -1).mean(1)
+    return nn.functional.normalize(per_class, dim=-1)
 
 
 def recall_at_k(image_emb: torch.Tensor, text_emb: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> dict[str, float]:
@@ -73,18 +85,21 @@ def recall_at_k(image_emb: torch.Tensor, text_emb: torch.Tensor, ks: tuple[int, 
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: Any, loss_fn: Callable[..., torch.Tensor], *, batch_size: int,
-             device: torch.device, rank: int = 0, world_size: int = 1) -> dict[str, float]:
-    """Eval loss plus zero-shot accuracy or retrieval recall; `loss_fn` must be unscaled."""
+def evaluate(model: nn.Module, forward: Forward, dataset: Any, loss_fn: Callable[..., torch.Tensor], *,
+             batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1) -> dict[str, float]:
+    """Eval loss plus zero-shot accuracy or retrieval recall; `loss_fn` must be unscaled.
+
+    `forward(images, texts) -> (image_emb, text_emb, exp(logit_scale))` runs `model` with the
+    trainer's dtype and autocast; `model` is only switched to eval mode and back.
+    """
     was_training = model.training
     model.eval()
     try:
-        img, txt, labels = embed_dataset(model, dataset, batch_size=batch_size, device=device, rank=rank, world_size=world_size)
-        scale = _at_least_fp32(model.logit_scale.exp())
+        img, txt, labels, scale = embed_dataset(forward, dataset, batch_size=batch_size, device=device, rank=rank, world_size=world_size)
         losses = [loss_fn(img[i : i + batch_size], txt[i : i + batch_size], scale) for i in range(0, len(img), batch_size)]
         out = {"loss": torch.stack(losses).mean().item(), "num_samples": float(len(img))}
         if dataset.class_names:
-            pred = (img @ zero_shot_classifier(model, dataset, device).T).argmax(1)
+            pred = (img @ zero_shot_classifier(forward, dataset, device).T).argmax(1)
             out["zero_shot_top1"] = (pred == labels).float().mean().item()
         else:
             out.update(recall_at_k(img, txt))

@@ -64,13 +64,44 @@ class Training:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: `auto` picks CUDA when available, else CPU (gloo backend)."""
     dtype: Literal["float32", "float64"] = "float32"
-    """Parameter and compute dtype. float64 exists for exactness checks against dense references."""
+    """Master parameter dtype. float64 exists for exactness checks against dense references."""
+    mixed_precision_param: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype: float32 = no mixed precision. FSDP2 casts parameters with its
+    MixedPrecisionPolicy; DDP and a single device use autocast. float16 adds a gradient scaler."""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the gradient reduction across data-parallel ranks."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A non-finite loss or gradient norm: `stop` the run naming the step and values, or `skip`
+    the optimizer step and count it (metric `skipped_steps`). Never silent."""
 
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = _opt(-1, lambda v: v == -1 or v >= 1, "-1 (all processes) or an integer >= 1")
-    """Data-parallel (DDP) degree; -1 uses every process. Must equal WORLD_SIZE for now."""
+    data_parallel_replicate_degree: int = _opt(1, lambda v: v == -1 or v >= 1, "-1 (fill the rest) or an integer >= 1")
+    """Replicas (DDP when alone, the outer dimension of HSDP); -1 fills what the shard degree leaves."""
+    data_parallel_shard_degree: int = _opt(-1, lambda v: v == -1 or v >= 1, "-1 (fill the rest) or an integer >= 1")
+    """FSDP2 shard group size (FSDP when alone, the inner dimension of HSDP); -1 fills the rest.
+    replicate x shard must equal WORLD_SIZE."""
+    defer_grad_sync: bool = False
+    """FSDP2 with gradient accumulation: reduce-scatter only after the last microbatch (k-fold less
+    gradient traffic, but full unsharded gradients held on every rank between microbatches).
+    Default off: reduce-scatter every microbatch, keeping FSDP's memory saving, which is why
+    accumulation is usually on. DDP always defers (no_sync), as its gradients are full anyway."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Per block: `full` recomputes the whole block in backward; `selective` saves the outputs of
+    matmuls and attention and recomputes the cheap elementwise ops (norms, GELU, adds)."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each block (after activation checkpointing, before FSDP, as torchtitan)."""
+    backend: str = "inductor"
+    """torch.compile backend (`inductor`; `aot_eager` compiles fast, useful on CPU and in tests)."""
 
 
 @dataclass
@@ -126,6 +157,8 @@ class Data:
 
 @dataclass
 class Eval:
+    enable: bool = True
+    """Evaluate at all (every `freq` steps and after the last step)."""
     freq: int = _opt(0, lambda v: v >= 0, "an integer >= 0 (0 = only after the last step)")
     """Evaluate every this many steps (and always after the last step)."""
     batch_size: int = _positive(500)
@@ -143,6 +176,20 @@ class Metrics:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save DCP checkpoints and resume from the latest complete one at start."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder; each checkpoint is `step-N`."""
+    interval: int = _positive(100)
+    """Save every this many steps (and after the last step)."""
+    keep_latest_k: int = _opt(2, lambda v: v >= 0, "an integer >= 0 (0 keeps all)")
+    """Keep only the newest k complete checkpoints; 0 keeps all."""
+    load_step: int = _opt(-1, lambda v: v == -1 or v >= 0, "-1 (latest complete) or a step >= 0")
+    """Step to resume from; -1 = the latest complete checkpoint. A missing step is an error."""
+
+
+@dataclass
 class JobConfig:
     """titan_contrastive training job. Values come from defaults, then the TOML given by
     --job.config_file, then --section.key=value overrides."""
@@ -151,9 +198,12 @@ class JobConfig:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     loss: Loss = field(default_factory=Loss)
     data: Data = field(default_factory=Data)
     eval: Eval = field(default_factory=Eval)
     metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)

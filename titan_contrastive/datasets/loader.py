@@ -165,5 +165,8 @@ def build_dataloader(dataset: ImageTextDataset, *, local_batch_size: int, dp_ran
         dataloader = StatefulDataLoader(
             dataset, batch_size=local_batch_size, sampler=sampler, num_workers=num_workers,
             collate_fn=passthrough_collate, drop_last=drop_last, persistent_workers=False,
+            # its own generator: creating iterators must not draw from the global RNG, or a resumed
+            # run (which creates one iterator fewer) would see different dropout/init randomness
+            generator=torch.Generator(),
         )
     return EpochLoader(dataloader, sampler, dataset)

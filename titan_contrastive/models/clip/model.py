@@ -121,7 +121,8 @@ class CLIP(nn.Module):
         self.args = args
         self.visual = ImageTower(args)
         self.text = TextTower(args)
-        self.logit_scale = nn.Parameter(torch.empty(()))
+        # shape [1], not a scalar: FSDP2 shards parameters on dim 0 and rejects 0-d ones
+        self.logit_scale = nn.Parameter(torch.empty(1))
         self.init_weights()
 
     @property
@@ -157,9 +158,13 @@ class CLIP(nn.Module):
         """[B, context_length] token ids -> [B, embed_dim], L2-normalized."""
         return self.text(ids)
 
-    def forward(self, images: Tensor, texts: Tensor) -> tuple[Tensor, Tensor]:
-        """(image embeddings, text embeddings); the loss applies `logit_scale`."""
-        return self.encode_image(images), self.encode_text(texts)
+    def forward(self, images: Tensor, texts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(image embeddings, text embeddings, exp(logit_scale)).
+
+        The temperature is returned by forward (as open_clip does) rather than read from the
+        attribute by the caller: under FSDP2 a parameter is only unsharded inside forward.
+        """
+        return self.encode_image(images), self.encode_text(texts), self.logit_scale.exp()
 
     def blocks(self) -> list[nn.Module]:
         """Residual blocks of both towers: the per-block FSDP / checkpoint / compile units."""

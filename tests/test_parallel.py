@@ -1,0 +1,174 @@
+"""DDP / FSDP2 / HSDP on gloo give a single process's parameters; AC, compile, precision, non-finite.
+
+Every layout trains 3 optimizer steps of the real clip/debug model on real data in float64 with
+gradient clipping active, and must end with the parameters (and the logged loss sequence) of one
+process running the same global batch: rel. err <= 1e-10.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from titan_contrastive.config import ConfigError, parse_args
+from titan_contrastive.train import NonFiniteError, Trainer
+from tests.dist_utils import run_distributed
+
+LOCAL = 2  # samples per rank per microbatch
+REL = 1e-10
+
+
+def make_trainer(dump: Path, *extra: str) -> Trainer:
+    return Trainer(parse_args([
+        "--training.dtype=float64", "--training.max_norm=0.5", "--training.steps=3", "--metrics.log_freq=1",
+        "--metrics.enable_tensorboard=false", "--eval.enable=false", "--lr_scheduler.warmup_steps=1",
+        f"--job.dump_folder={dump}", *extra,
+    ]))
+
+
+def losses(dump: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _train_layouts(tmp: str, layouts: list[tuple[str, list[str]]]) -> None:
+    for name, extra in layouts:
+        trainer = make_trainer(Path(tmp) / name, *extra)
+        trainer.train()
+        params = full_params(trainer)
+        if torch.distributed.get_rank() == 0:
+            torch.save(params, Path(tmp) / f"{name}.pt")
+        trainer.metrics.close()
+
+
+def reference(tmp: Path, local: int, ga: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    dump = tmp / f"reference_{local}_{ga}"
+    trainer = make_trainer(dump, f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga}")
+    trainer.train()
+    trainer.metrics.close()
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, losses(dump)
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for key in want:
+        err = ((got[key] - want[key]).norm() / want[key].norm()).item()
+        assert err <= REL, f"{what}: {key} relative error {err:.2e}"
+
+
+def layout(name: str, replicate: int, shard: int, ga: int, world: int, defer: bool = False) -> tuple[str, list[str]]:
+    return (f"{name}_ga{ga}_defer{int(defer)}", [
+        f"--parallelism.data_parallel_replicate_degree={replicate}", f"--parallelism.data_parallel_shard_degree={shard}",
+        f"--parallelism.defer_grad_sync={str(defer).lower()}", f"--training.local_batch_size={LOCAL}",
+        f"--training.global_batch_size={LOCAL * ga * world}",
+    ])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layouts_match_a_single_process(tmp_path: Path, world: int) -> None:
+    if world == 2:
+        layouts = [layout("ddp", 2, 1, 1, 2), layout("ddp", 2, 1, 2, 2),
+                   layout("fsdp", 1, 2, 1, 2), layout("fsdp", 1, 2, 2, 2), layout("fsdp", 1, 2, 2, 2, defer=True)]
+    else:
+        layouts = [layout("fsdp", 1, 4, 2, 4), layout("fsdp", 1, 4, 2, 4, defer=True),
+                   layout("hsdp", 2, 2, 1, 4), layout("hsdp", 2, 2, 2, 4), layout("hsdp", 2, 2, 2, 4, defer=True)]
+    run_distributed(_train_layouts, world, str(tmp_path), layouts)
+    refs = {ga: reference(tmp_path, LOCAL * world, ga) for ga in (1, 2)}
+    for name, _ in layouts:
+        ga = int(name.split("_ga")[1][0])
+        want_params, want_losses = refs[ga]
+        assert_same(torch.load(tmp_path / f"{name}.pt"), want_params, name)
+        got = losses(tmp_path / name)
+        assert len(got) == 3 and all(abs(g - w) <= REL * abs(w) for g, w in zip(got, want_losses)), (name, got, want_losses)
+
+
+def test_degrees_are_validated(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"replicate_degree \(2\) x data_parallel_shard_degree \(-1\) must equal WORLD_SIZE=1"):
+        make_trainer(tmp_path, "--parallelism.data_parallel_replicate_degree=2")
+    with pytest.raises(ConfigError, match="both -1"):
+        make_trainer(tmp_path, "--parallelism.data_parallel_replicate_degree=-1")
+
+
+def one_step_grads(tmp: Path, *extra: str) -> dict[str, torch.Tensor]:
+    trainer = make_trainer(tmp, "--training.local_batch_size=6", "--training.max_norm=0", *extra)
+    trainer.train_step([trainer.train_set.__getitems__(list(range(6)))])
+    trainer.metrics.close()
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.parametrize("extra", [["--activation_checkpoint.mode=full"], ["--activation_checkpoint.mode=selective"],
+                                   ["--compile.enable=true", "--compile.backend=aot_eager"],
+                                   ["--activation_checkpoint.mode=selective", "--compile.enable=true", "--compile.backend=aot_eager"]])
+def test_ac_and_compile_keep_gradients(tmp_path: Path, extra: list[str]) -> None:
+    want = one_step_grads(tmp_path / "plain")
+    got = one_step_grads(tmp_path / "variant", *extra)
+    assert_same(got, want, " ".join(extra))
+
+
+def test_bfloat16_autocast_tracks_float32(tmp_path: Path) -> None:
+    def run(name: str, *extra: str) -> list[float]:
+        trainer = Trainer(parse_args([
+            "--training.steps=3", "--training.local_batch_size=16", "--metrics.log_freq=1", "--eval.enable=false",
+            "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path / name}", *extra,
+        ]))
+        trainer.train()
+        trainer.metrics.close()
+        return losses(tmp_path / name)
+
+    fp32, bf16 = run("fp32"), run("bf16", "--training.mixed_precision_param=bfloat16")
+    assert all(abs(a - b) <= 2e-2 * a for a, b in zip(fp32, bf16)), (fp32, bf16)
+    assert fp32 != bf16  # autocast really ran in bfloat16
+
+
+def test_float16_scaler_skips_overflowing_steps(tmp_path: Path) -> None:
+    trainer = Trainer(parse_args([
+        "--training.mixed_precision_param=float16", "--training.local_batch_size=8", "--eval.enable=false",
+        "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path}",
+    ]))
+    scaler = trainer.precision.scaler
+    assert scaler is not None
+    scaler._init_scale = 2.0**100  # noqa: SLF001 - force an overflow on the first step
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    out = trainer.train_step([trainer.train_set.__getitems__(list(range(8)))])
+    assert out["skipped_steps"] == 1 and scaler.get_scale() < 2.0**100
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    out = trainer.train_step([trainer.train_set.__getitems__(list(range(8, 16)))])
+    assert torch.isfinite(torch.tensor(out["loss"]))
+    trainer.metrics.close()
+
+
+def test_float64_with_mixed_precision_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="mixed_precision_param='bfloat16' with training.dtype='float64'"):
+        make_trainer(tmp_path, "--training.mixed_precision_param=bfloat16")
+
+
+def nan_batch(trainer: Trainer) -> dict[str, torch.Tensor]:
+    batch = trainer.train_set.__getitems__(list(range(4)))
+    batch["image"][0, 0, 0, 0] = float("nan")
+    return batch
+
+
+def test_nonfinite_stop_names_step_and_values(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, "--training.local_batch_size=4")
+    with pytest.raises(NonFiniteError, match=r"step 1: non-finite loss=nan grad_norm=nan"):
+        trainer.train_step([nan_batch(trainer)])
+    trainer.metrics.close()
+
+
+def test_nonfinite_skip_keeps_parameters_and_counts(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, "--training.local_batch_size=4", "--training.on_nonfinite=skip")
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    out = trainer.train_step([nan_batch(trainer)])
+    assert out["skipped_steps"] == 1 and trainer.step == 1
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    out = trainer.train_step([trainer.train_set.__getitems__(list(range(4, 8)))])  # training goes on
+    assert out["skipped_steps"] == 1 and torch.isfinite(torch.tensor(out["loss"]))
+    trainer.metrics.close()

@@ -1,0 +1,316 @@
+"""Atomic, validated, resumable checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout: `{dump_folder}/{checkpoint.folder}/step-{N}/`, one DCP directory per checkpoint plus a
+`manifest.json` ({"step", "dp_degree", "world_size", "files": {relative path: size in bytes}}).
+
+A save is atomic: DCP writes into `step-N.tmp`, then (after a barrier) rank 0 writes the manifest,
+fsyncs it and renames the folder to `step-N`. A crash mid-save therefore leaves only a `.tmp`
+folder, which loading reports, ignores and removes. Before loading, a checkpoint is checked
+against its manifest (every file present with its size), so a truncated or half-deleted one is
+reported and skipped in favour of the previous valid one (or is an error when asked for by
+`checkpoint.load_step`).
+
+Global states (model, optimizer, LR scheduler, train state) are saved once: DCP deduplicates
+replicated entries and shards DTensors, so FSDP2 runs reshard on load to another world size.
+Per-rank states (data loader position, RNG) differ between data-parallel ranks, so each is stored
+under `{name}/dp_rank_{r}`, pickled into one bytes object: its nested structure (the
+StatefulDataLoader's state has None-or-dict fields) then need not match the structure of a fresh
+object at load time, which DCP would otherwise require. Those states cannot be mapped onto another
+data-parallel degree, so resuming with one is an error, not a silent change of the data order.
+
+Fault injection (for tests): with the environment variable `TITAN_CONTRASTIVE_FAULT` set to
+`kill_during_save@<step>`, rank 0 sends itself SIGKILL during the save of that step, after DCP
+has written the files into `step-<step>.tmp` and before the manifest and the rename: exactly
+the state a crash mid-save leaves behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import signal
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Protocol, TypeVar
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+
+from titan_contrastive.components.train_state import ModelState, OptimizerState, RNGState, TrainState
+
+__all__ = [
+    "CheckpointError", "CheckpointManager", "FAULT_ENV", "MANIFEST", "ModelState", "OptimizerState", "RNGState",
+    "TrainState",
+]
+
+logger = logging.getLogger("titan_contrastive")
+
+FAULT_ENV = "TITAN_CONTRASTIVE_FAULT"
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"step-(\d+)")
+_TMP_DIR = re.compile(r"step-(\d+)\.tmp")
+T = TypeVar("T")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be saved or resumed from; the message names it and what is wrong."""
+
+
+class CheckpointConfig(Protocol):
+    """The `[checkpoint]` config section (see `config.job_config.Checkpoint`)."""
+
+    enable: bool
+    folder: str
+    interval: int
+    keep_latest_k: int
+    load_step: int
+
+
+class _PickledState:
+    """Stores a per-rank Stateful as one pickled bytes object (why: see the module docstring)."""
+
+    def __init__(self, inner: Stateful) -> None:
+        self.inner = inner
+
+    def state_dict(self) -> dict[str, bytes]:
+        return {"pickle": pickle.dumps(self.inner.state_dict())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(pickle.loads(state_dict["pickle"]))
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for an exception; for DCP's CheckpointException, each failing rank's error."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(f"rank {rank}: {_describe(error)}" for rank, (error, _) in sorted(exc.failures.items()))
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Saves and restores `states` (global) and `per_rank_states` (per data-parallel rank).
+
+    Collective under torch.distributed: every rank calls `maybe_save`/`save`/`load` at the same
+    step. Rank 0 alone touches the folder structure (manifest, rename, pruning, cleanup, choice of
+    the checkpoint to load) and shares the outcome, so all ranks load the same checkpoint and
+    raise the same error rather than some of them waiting forever in a collective.
+    Assumes a filesystem shared by all ranks, as DCP's FileSystemWriter does.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, *, dump_folder: str, states: dict[str, Stateful],
+                 per_rank_states: dict[str, Stateful], rank: int, dp_rank: int, dp_degree: int) -> None:
+        self.cfg = cfg
+        self.folder = Path(dump_folder) / cfg.folder
+        self.states = states
+        self.per_rank_states = per_rank_states
+        self.rank = rank
+        self.dp_rank = dp_rank
+        self.dp_degree = dp_degree
+
+    # ------------------------------------------------------------------ public API
+
+    def maybe_save(self, step: int, *, last_step: bool = False) -> bool:
+        """Save when enabled and `step` is on the interval or the last one; return whether it saved."""
+        if not self.cfg.enable or not (last_step or step % self.cfg.interval == 0):
+            return False
+        self.save(step)
+        return True
+
+    def save(self, step: int) -> None:
+        """Write checkpoint `step-{step}` atomically (collective); then prune to `keep_latest_k`."""
+        start = time.perf_counter()
+        tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
+        self._on_rank0(lambda: self._prepare(tmp), f"preparing {tmp}")
+        self._dcp(dcp.save, tmp, f"saving checkpoint step-{step} ({tmp})")
+        if self.rank == 0 and os.environ.get(FAULT_ENV, "") == f"kill_during_save@{step}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        self._barrier()  # every rank's files are in tmp before rank 0 lists them
+        # the broadcast of the outcome is the closing barrier: no rank moves on before the rename
+        self._on_rank0(lambda: self._finalize(step, tmp, final), f"finalizing checkpoint {final}")
+        if self.rank == 0:
+            logger.info(f"saved checkpoint step-{step} to {final} in {time.perf_counter() - start:.2f}s")
+
+    def load(self) -> int | None:
+        """Restore `checkpoint.load_step`, or the latest valid checkpoint when it is -1.
+
+        Returns the step restored; None when disabled or when the folder holds no complete
+        checkpoint. Raises CheckpointError for a missing or corrupt `load_step`, when every
+        complete checkpoint is corrupt, for a changed data-parallel degree, and when DCP fails.
+        """
+        if not self.cfg.enable:
+            return None
+        chosen = self._on_rank0(self._choose, f"choosing a checkpoint in {self.folder}")
+        if chosen is None:
+            if self.rank == 0:
+                logger.info(f"no checkpoint in {self.folder}; starting from scratch")
+            return None
+        step, saved_dp = chosen
+        path = self.folder / f"step-{step}"
+        if self.per_rank_states and saved_dp != self.dp_degree:
+            raise CheckpointError(
+                f"checkpoint step-{step} was saved with dp degree {saved_dp}, this run has {self.dp_degree}; "
+                f"model and optimizer would reshard but the data loader position cannot; resume with "
+                f"{saved_dp} data-parallel processes or start a new run (set checkpoint.folder to a new folder)"
+            )
+        self._dcp(dcp.load, path, f"loading checkpoint step-{step} ({path})")
+        if self.rank == 0:
+            logger.info(f"resumed from checkpoint step-{step} ({path})")
+        return step
+
+    def available_steps(self) -> list[int]:
+        """Steps of the complete (renamed) checkpoints, sorted; `load` still validates them."""
+        return sorted(int(m[1]) for m in self._entries(_STEP_DIR))
+
+    # ------------------------------------------------------------------ rank 0 work
+
+    def _prepare(self, tmp: Path) -> None:
+        if tmp.exists():  # left over from an interrupted save of this step
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+
+    def _finalize(self, step: int, tmp: Path, final: Path) -> None:
+        files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        manifest = {"step": step, "dp_degree": self.dp_degree,
+                    "world_size": dist.get_world_size() if self._distributed() else 1, "files": files}
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        stale = final.with_name(final.name + ".stale")
+        if final.exists():  # re-saving a step (a run restarted from an earlier checkpoint)
+            shutil.rmtree(stale, ignore_errors=True)
+            os.replace(final, stale)
+        os.replace(tmp, final)
+        _fsync_dir(self.folder)
+        shutil.rmtree(stale, ignore_errors=True)
+        if self.cfg.keep_latest_k > 0:
+            for old in self.available_steps()[:-self.cfg.keep_latest_k]:
+                shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
+
+    def _choose(self) -> tuple[int, int] | None:
+        """(step, saved dp degree) of the checkpoint to load, or None; warns about what it skips."""
+        for match in self._entries(_TMP_DIR):
+            path = self.folder / match[0]
+            logger.warning(f"incomplete checkpoint {path} (interrupted save) ignored and removed")
+            shutil.rmtree(path, ignore_errors=True)
+        steps = self.available_steps()
+        wanted = self.cfg.load_step
+        if wanted >= 0:
+            if wanted not in steps:
+                raise CheckpointError(f"checkpoint.load_step={wanted} not found in {self.folder}; available steps: {steps}")
+            manifest, problem = self._validate(wanted)
+            if manifest is None:
+                raise CheckpointError(f"checkpoint step-{wanted} ({self.folder / f'step-{wanted}'}) is corrupt: {problem}")
+            return wanted, int(manifest["dp_degree"])
+        problems = []
+        for step in reversed(steps):
+            manifest, problem = self._validate(step)
+            if manifest is not None:
+                return step, int(manifest["dp_degree"])
+            logger.warning(f"checkpoint step-{step} ({self.folder / f'step-{step}'}) is corrupt: {problem}; skipped")
+            problems.append(f"step-{step}: {problem}")
+        if problems:  # resuming was expected; silently starting over would later prune these
+            raise CheckpointError(
+                f"no valid checkpoint in {self.folder} ({'; '.join(problems)}); repair or move them, "
+                "or start a new run (set checkpoint.folder to a new folder)"
+            )
+        return None
+
+    def _validate(self, step: int) -> tuple[dict[str, Any] | None, str]:
+        """(manifest, "") for a checkpoint that matches its manifest, else (None, what is wrong)."""
+        path = self.folder / f"step-{step}"
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+            files = manifest["files"]
+            saved_step, _, _ = int(manifest["step"]), int(manifest["dp_degree"]), int(manifest["world_size"])
+        except FileNotFoundError:
+            return None, f"{MANIFEST} is missing"
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return None, f"{MANIFEST} is unreadable ({type(exc).__name__}: {exc})"
+        if saved_step != step:
+            return None, f"{MANIFEST} is for step {saved_step}"
+        if not isinstance(files, dict) or not files:
+            return None, f"{MANIFEST} lists no files"
+        wrong = []
+        for name, size in files.items():
+            file = path / name
+            if not file.is_file():
+                wrong.append(f"{name} is missing")
+            elif file.stat().st_size != size:
+                wrong.append(f"{name} has {file.stat().st_size} bytes, {MANIFEST} says {size}")
+        if wrong:
+            return None, "; ".join(wrong[:3]) + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
+        return manifest, ""
+
+    # ------------------------------------------------------------------ helpers
+
+    def _entries(self, pattern: re.Pattern[str]) -> list[re.Match[str]]:
+        if not self.folder.is_dir():
+            return []
+        return [m for p in self.folder.iterdir() if p.is_dir() and (m := pattern.fullmatch(p.name))]
+
+    def _dcp_state(self) -> dict[str, Stateful]:
+        state = dict(self.states)
+        for name, stateful in self.per_rank_states.items():
+            state[f"{name}/dp_rank_{self.dp_rank}"] = _PickledState(stateful)
+        return state
+
+    def _dcp(self, fn: Callable[..., Any], path: Path, what: str) -> None:
+        """dcp.save / dcp.load, failing with a one-line CheckpointError that names the checkpoint.
+
+        DCP gathers the errors of all ranks into one CheckpointException (a BaseException, so
+        `except Exception` misses it) on every rank, so all ranks raise together.
+        """
+        try:
+            with warnings.catch_warnings():  # no_dist is intended when not distributed
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                fn(self._dcp_state(), checkpoint_id=str(path), no_dist=not self._distributed())
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(f"{what} failed: {_describe(exc)}") from exc
+
+    @staticmethod
+    def _distributed() -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def _barrier(self) -> None:
+        if self._distributed():
+            dist.barrier()
+
+    def _on_rank0(self, fn: Callable[[], T], what: str) -> T:
+        """Run `fn` on rank 0 and give its result, or its error as a CheckpointError, to every rank."""
+        result: Any = None
+        error: str | None = None
+        cause: BaseException | None = None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except Exception as exc:  # shared, or the other ranks would wait forever in the broadcast
+                cause = exc
+                error = str(exc) if isinstance(exc, CheckpointError) else f"{what} failed: {type(exc).__name__}: {exc}"
+        if self._distributed():
+            box = [(result, error)]
+            dist.broadcast_object_list(box, src=0)
+            result, error = box[0]
+        if error is not None:
+            raise CheckpointError(error) from cause
+        return result

@@ -1,0 +1,99 @@
+"""The Stateful pieces of a training run that are not Stateful by themselves.
+
+Each follows torch.distributed.checkpoint's `Stateful` protocol (`state_dict()` /
+`load_state_dict()`), so `CheckpointManager` hands them to DCP as they are. The LR scheduler
+(LambdaLR) and the data loader (EpochLoader) already follow it and need no wrapper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+)
+
+
+class ModelState:
+    """The model's parameters and buffers through DCP's state-dict API.
+
+    `get_model_state_dict` strips wrapper prefixes (DDP's `module.`, compile's `_orig_mod.`)
+    and keeps FSDP2 parameters as DTensors, so the saved FQNs are those of the plain model and
+    DCP can reshard FSDP shards when a run resumes on a different number of processes.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict)
+
+
+class OptimizerState:
+    """The optimizer state keyed by parameter FQN (not by position), so it reshards like the model.
+
+    On a fresh optimizer `get_optimizer_state_dict` first creates the state with a zero-lr step,
+    which gives DCP tensors of the right shape to load into.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state_dict)
+
+
+@dataclass
+class TrainState:
+    """Counters of the run that the model and optimizer do not hold (identical on every rank)."""
+
+    step: int = 0
+    samples_seen: int = 0
+    skipped_steps: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for f in fields(self):
+            setattr(self, f.name, int(state_dict[f.name]))
+
+
+class RNGState:
+    """This rank's global RNG streams: the CPU generator and, on a CUDA device, that device's.
+
+    Restoring them makes anything random after a resume (dropout, augmentation drawn from the
+    global generator) continue exactly as the uninterrupted run would have. The states differ
+    per rank, so the manager stores them under a per-rank key.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+
+    def _cuda_device(self) -> torch.device | None:
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            return None
+        return self.device if self.device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {"cpu": torch.get_rng_state()}
+        cuda = self._cuda_device()
+        if cuda is not None:
+            state["cuda"] = torch.cuda.get_rng_state(cuda)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state_dict["cpu"].cpu())
+        cuda = self._cuda_device()
+        if cuda is not None and "cuda" in state_dict:
+            torch.cuda.set_rng_state(state_dict["cuda"].cpu(), cuda)
