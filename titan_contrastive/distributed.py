@@ -55,3 +55,31 @@ def init_distributed(device_choice: str) -> DistInfo:
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old ones
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _AllGatherWithGrad(torch.autograd.Function):
+    """Concatenate every rank's equal-sized `x` along dim 0; backward returns this rank's slice of
+    the gradient summed over all ranks (each rank's loss used every row)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.rows = group, x.shape[0]
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        _all_gather(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        mine = grad.new_empty((ctx.rows, *grad.shape[1:]))
+        _reduce_scatter(mine, grad.contiguous(), group=ctx.group)
+        return mine, None
+
+
+def all_gather_with_grad(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """All-gather along dim 0 that autograd differentiates (torch.distributed.nn's is deprecated)."""
+    return _AllGatherWithGrad.apply(x, group)

@@ -19,8 +19,9 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
+
+from titan_contrastive.distributed import all_gather_with_grad
 
 
 class RescaleAccumulatedLoss:
@@ -80,8 +81,8 @@ class ClipLoss:
 
     def __call__(self, image_emb: torch.Tensor, text_emb: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            image_emb = torch.cat(dist_nn.all_gather(image_emb, group=self.group))
-            text_emb = torch.cat(dist_nn.all_gather(text_emb, group=self.group))
+            image_emb = all_gather_with_grad(image_emb, self.group)
+            text_emb = all_gather_with_grad(text_emb, self.group)
         return clip_loss(image_emb, text_emb, logit_scale)
 
 
