@@ -251,3 +251,18 @@ def test_workers_match_main_process_and_resume() -> None:
 
 def test_datasets_constant() -> None:
     assert DATASETS == ("fashion_mnist", "emoji")
+
+
+def test_image_size_resizes_every_image() -> None:
+    native = build_dataset("fashion_mnist", "test", path=BUNDLE)
+    big = build_dataset("fashion_mnist", "test", path=BUNDLE, image_size=64)
+    assert big.image_shape == (1, 64, 64) and native.image_shape == (1, 28, 28)
+    a, b = native.__getitems__([0, 5]), big.__getitems__([0, 5])
+    assert b["image"].shape == (2, 1, 64, 64) and torch.equal(a["text"], b["text"])
+    want = torch.nn.functional.interpolate(a["image"], size=(64, 64), mode="bilinear", align_corners=False)
+    assert torch.equal(b["image"], want)
+    assert big[5]["image"].shape == (1, 64, 64)
+    big.resize(0)
+    assert big.image_shape == (1, 28, 28) and torch.equal(big.__getitems__([0, 5])["image"], a["image"])
+    with pytest.raises(DataError, match="data.image_size=-1"):
+        big.resize(-1)

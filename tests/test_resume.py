@@ -31,6 +31,7 @@ STEPS = 6
 ARGS = ["--training.steps=6", "--training.local_batch_size=32", "--training.global_batch_size=128",
         "--lr_scheduler.warmup_steps=2", "--metrics.log_freq=1", "--eval.enable=false",
         "--metrics.enable_tensorboard=false", "--checkpoint.enable=true", "--checkpoint.keep_latest_k=0"]
+FSDP2 = ("--parallelism.data_parallel_replicate_degree=1", "--parallelism.data_parallel_shard_degree=2")
 
 
 def launch(dump: Path, nproc: int, *args: str, fault: str = "") -> subprocess.CompletedProcess:
@@ -102,19 +103,20 @@ def test_stop_and_resume_is_bit_identical(tmp_path: Path, nproc: int) -> None:
 def test_kill_during_save_then_rerun_resumes_from_last_complete(tmp_path: Path) -> None:
     """SIGKILL of rank 0 while it writes step-4 (files in step-4.tmp, no manifest, no rename);
     torchrun tears the job down; a plain rerun resumes from step-2, says so, and finishes
-    exactly like an uninterrupted run."""
+    exactly like an uninterrupted run. FSDP2 here (sharded model and optimizer state); the
+    stop/resume test above runs the debug config's DDP layout."""
     whole, crashed = tmp_path / "whole", tmp_path / "crashed"
-    ok(launch(whole, 2, "--checkpoint.interval=2"))
+    ok(launch(whole, 2, "--checkpoint.interval=2", *FSDP2))
 
-    out = launch(crashed, 2, "--checkpoint.interval=2", fault="kill_during_save@4")
+    out = launch(crashed, 2, "--checkpoint.interval=2", *FSDP2, fault="kill_during_save@4")
     assert out.returncode != 0
     folder = crashed / "checkpoint"
     assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-4.tmp"]
     assert any((folder / "step-4.tmp").iterdir())  # DCP had written files: a real partial save
 
-    log = ok(launch(crashed, 2, "--checkpoint.interval=2"))
+    log = ok(launch(crashed, 2, "--checkpoint.interval=2", *FSDP2))
     assert "step-4.tmp (interrupted save) ignored and removed" in log
-    assert "resumed from checkpoint step-2" in log
+    assert "resumed from checkpoint step-2" in log and "parallelism: fsdp (replicate 1 x shard 2)" in log
     assert not (folder / "step-4.tmp").exists()
 
     want, got = losses(whole), losses(crashed)  # `losses` also checks steps 3-4, logged twice

@@ -95,7 +95,7 @@ class Trainer:
 
         # 3. data (every rank is a DP rank: the DP rank is the global rank)
         data = cfg.data
-        common = dict(path=data.path, seed=cfg.training.seed, context_length=data.context_length)
+        common = dict(path=data.path, seed=cfg.training.seed, context_length=data.context_length, image_size=data.image_size)
         self.train_set = build_dataset(data.dataset, "train", augment=data.augment, **common)
         self.eval_set = build_dataset(data.dataset, "test", augment=False, **common)
         self.loader = build_dataloader(

@@ -153,6 +153,9 @@ class Data:
     """Text tokens per caption (byte-level tokenizer, BOS and EOS included)."""
     augment: bool = True
     """Per-sample augmentation in the train split (a pure function of seed, epoch and index)."""
+    image_size: int = _opt(0, lambda v: v >= 0, "0 (native size) or a size in pixels")
+    """0 = the dataset's native size; N = images resized (bilinear) to N x N, e.g. 224 for
+    clip/vit_b32 (patch 32) on the 28x28 Fashion-MNIST."""
 
 
 @dataclass

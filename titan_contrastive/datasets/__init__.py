@@ -27,11 +27,14 @@ SPLITS: tuple[str, ...] = ("train", "test")
 
 
 def build_dataset(name: str, split: str, *, path: str = "", seed: int = 0, context_length: int = 32,
-                  augment: bool = True) -> ImageTextDataset:
+                  augment: bool = True, image_size: int = 0) -> ImageTextDataset:
     """One split of a dataset, in memory. `seed` drives the per-sample randomness of the train
-    split (caption template, flips when `augment`); the test split is deterministic."""
+    split (caption template, flips when `augment`); the test split is deterministic.
+    `image_size` > 0 serves images resized to that square size."""
     if name not in _BUILDERS:
         raise DataError(f"data.dataset={name!r}: unknown dataset; choose one of {', '.join(DATASETS)}")
     if split not in SPLITS:
         raise DataError(f"split={split!r}: unknown split; choose one of {', '.join(SPLITS)}")
-    return _BUILDERS[name](split, path=path, seed=seed, context_length=context_length, augment=augment)
+    dataset = _BUILDERS[name](split, path=path, seed=seed, context_length=context_length, augment=augment)
+    dataset.resize(image_size)
+    return dataset

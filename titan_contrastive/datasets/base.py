@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from titan_contrastive.datasets.tokenizer import ByteTokenizer
 
@@ -91,6 +92,7 @@ class ImageTextDataset:
         self.tokenizer = ByteTokenizer(context_length)
         self.image_shape: tuple[int, int, int] = tuple(images.shape[1:])  # type: ignore[assignment]
         self._images = images
+        self._size = 0  # 0: native size (see `resize`)
         self.labels = labels.long()
         self._text_ids = text_ids.long()
         channels = self.image_shape[0]
@@ -107,6 +109,15 @@ class ImageTextDataset:
 
     def __repr__(self) -> str:
         return f"ImageTextDataset({self.name}/{self.split}: {len(self)} samples, image {self.image_shape}, source {self.source})"
+
+    def resize(self, size: int) -> None:
+        """Serve images resized (bilinear) to size x size; 0 keeps the native size. Why: large
+        flavors have patch sizes the small native images do not divide (ViT-B/32 wants 224)."""
+        if size < 0:
+            raise DataError(f"data.image_size={size}: must be 0 (native size) or a positive size in pixels")
+        channels = self.image_shape[0]
+        self._size = size
+        self.image_shape = (channels, size, size) if size else tuple(self._images.shape[1:])  # type: ignore[assignment]
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose per-sample randomness `__getitems__` draws."""
@@ -126,8 +137,12 @@ class ImageTextDataset:
             flip = torch.from_numpy((sample_hash(self.seed, self.epoch, STREAM_FLIP, idx_np) >> np.uint64(63)).astype(np.bool_))
             images = torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
         template = torch.from_numpy(self._template_ids(idx_np))
+        pixels = images.float().mul_(self._scale).add_(self._shift)
+        if self._size and self._size != images.shape[-1]:
+            pixels = F.interpolate(pixels, size=(self._size, self._size), mode="bilinear", align_corners=False,
+                                   antialias=self._size < images.shape[-1])
         return {
-            "image": images.float().mul_(self._scale).add_(self._shift),
+            "image": pixels,
             "text": self._tokens[template, self._text_ids[idx]],
             "label": self.labels[idx],
             "index": idx,

@@ -105,7 +105,7 @@ class CLIPArgs:
             raise ValueError(
                 f"data images are {channels}x{height}x{width} but the flavor's "
                 f"patch_size={self.patch_size} does not divide {height}; resize the images to a "
-                f"multiple of {self.patch_size} or use a flavor whose patch_size divides the image size"
+                f"multiple of {self.patch_size} (data.image_size) or use a flavor whose patch_size divides the image size"
             )
         return dataclasses.replace(
             self,
