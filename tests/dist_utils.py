@@ -22,6 +22,16 @@ def _entry(rank: int, fn: Callable[..., None], world_size: int, port: int, args:
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
     )
     fn(*args)
+    # tear down as the trainer does: drop wrappers holding collective work, then barrier +
+    # destroy, or gloo aborts the process at interpreter exit
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_distributed(fn: Callable[..., None], world_size: int, *args: Any) -> None:

@@ -120,9 +120,51 @@ def test_eval_loss_is_never_rescaled(tmp_path: Path) -> None:
     assert 0.0 <= result["zero_shot_top1"] <= 1.0 and result["num_samples"] == len(data)
 
 
-def test_global_negatives_is_a_clear_error_for_now(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="not available yet"):
-        make_trainer(str(tmp_path), "--loss.negatives=global")
+def test_global_negatives_with_accumulation_equal_one_big_batch(tmp_path: Path) -> None:
+    """negatives=global, GA 4 x 2 samples == the dense loss of the batch of 8 in one microbatch."""
+    trainer = make_trainer(str(tmp_path), "--training.local_batch_size=2", "--training.global_batch_size=8",
+                           "--loss.negatives=global", "--loss.stream_chunk_size=3")
+    assert trainer.ga_steps == 4 and trainer.global_step is not None
+    full, init = batch(trainer, 0, 8), copy.deepcopy(trainer.model.state_dict())
+    out = trainer.train_step([{k: v[i : i + 2] for k, v in full.items()} for i in range(0, 8, 2)])
+    got = grads(trainer.model)
+
+    trainer.model.load_state_dict(init)
+    trainer.global_step = None
+    trainer.loss_fn = RescaleAccumulatedLoss(clip_loss, 1)
+    want_out = trainer.train_step([full])
+    assert_close(got, grads(trainer.model))
+    assert abs(out["loss"] - want_out["loss"]) <= REL * want_out["loss"]
+
+
+def _dp_global_negatives(tmp: str, local: int, ga: int, layout: list[str]) -> None:
+    """negatives=global on P ranks: the whole global batch is one problem (dense reference)."""
+    import torch.distributed as dist
+
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    trainer = make_trainer(tmp, f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga * world}",
+                           "--loss.negatives=global", "--loss.stream_chunk_size=5", *layout)
+    rank = dist.get_rank()
+    reference = trainer.spec.build_model(trainer.model_args).double()
+    reference.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
+    steps = [batch(trainer, j * local * world, local * world) for j in range(ga)]
+    mine = [{k: v[rank * local : (rank + 1) * local] for k, v in s.items()} for s in steps]
+    out = trainer.train_step(mine)
+
+    every = {k: torch.cat([s[k] for s in steps]) for k in steps[0]}  # one problem over all samples
+    img, txt, scale = reference(every["image"].double(), every["text"])
+    loss = clip_loss(img, txt, scale)
+    loss.backward()
+    assert_close(grads(trainer.model), grads(reference))
+    assert abs(out["loss"] - loss.item()) <= REL * loss.item()
+
+
+DDP = ["--parallelism.data_parallel_replicate_degree=-1", "--parallelism.data_parallel_shard_degree=1"]
+
+
+@pytest.mark.parametrize("world, local, ga, layout", [(2, 3, 2, []), (2, 3, 2, DDP), (4, 2, 3, [])], ids=["fsdp2", "ddp2", "fsdp4"])
+def test_data_parallel_global_negatives_match_dense(tmp_path: Path, world: int, local: int, ga: int, layout: list[str]) -> None:
+    run_distributed(_dp_global_negatives, world, str(tmp_path), local, ga, layout)
 
 
 def _dp_microbatch_negatives(tmp: str, local: int, ga: int) -> None:

@@ -52,14 +52,31 @@ def init_distributed(device_choice: str) -> DistInfo:
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(barrier: bool = False) -> None:
+    """Tear down the process group; with `barrier` (after a successful run) once all ranks are done.
+
+    The barrier keeps a rank from destroying its gloo pairs while a peer is still inside the
+    last collective, and the caller drops the model first: FSDP2 keeps the last collective's
+    work objects alive, and gloo aborting them at interpreter exit kills the process (SIGABRT
+    after a successful run; seen as a flaky exit code in the resume tests). No barrier after
+    an error: the other ranks may be inside a different collective.
+    """
     if dist.is_initialized():
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 
 # torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old ones
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_tensor(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's equal-sized `x` concatenated along dim 0, in rank order (no autograd)."""
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    _all_gather(out, x.contiguous(), group=group)
+    return out
 
 
 class _AllGatherWithGrad(torch.autograd.Function):
@@ -69,9 +86,7 @@ class _AllGatherWithGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:  # type: ignore[override]
         ctx.group, ctx.rows = group, x.shape[0]
-        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-        _all_gather(out, x.contiguous(), group=group)
-        return out
+        return all_gather_tensor(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]

@@ -15,6 +15,7 @@ Order of operations (everything that can fail on bad input runs before any compu
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import logging
 import math
@@ -37,6 +38,7 @@ from titan_contrastive.components.precision import at_least_fp32, build_precisio
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets import DataError, build_dataloader, build_dataset
 from titan_contrastive.distributed import destroy_distributed, init_distributed
+from titan_contrastive.distributed_clip import StreamingClipStep
 from titan_contrastive.parallelisms import ParallelDims, parallelize_model
 
 logger = logging.getLogger("titan_contrastive")
@@ -81,11 +83,6 @@ class Trainer:
             importlib.import_module(cfg.job.custom_import)
         self.spec = models.get_model_spec(cfg.model.name)
         flavor_args = models.get_flavor_args(cfg.model.name, cfg.model.flavor)
-        if cfg.loss.negatives == "global":
-            raise ConfigError(
-                "loss.negatives='global' is not available yet (it needs the streaming loss and GradCache); "
-                "use loss.negatives='microbatch' - see README 'Microbatch vs global negatives'"
-            )
         par = cfg.parallelism
         self.dims = ParallelDims.from_config(par.data_parallel_replicate_degree, par.data_parallel_shard_degree, self.dist.world_size)
         self.dp_degree = self.dims.dp_degree
@@ -124,6 +121,10 @@ class Trainer:
         dp_group = torch.distributed.group.WORLD if self.dist.is_distributed else None
         self.loss_fn = RescaleAccumulatedLoss(build_loss_fn(cfg.loss.name, dp_group), self.ga_steps)
         self.eval_loss_fn = build_loss_fn(cfg.loss.name)  # local and never rescaled
+        self.global_step: StreamingClipStep | None = None
+        if cfg.loss.negatives == "global":  # one exact problem over the global batch (seed 001)
+            self.global_step = StreamingClipStep(stream_chunk_size=cfg.loss.stream_chunk_size, group=dp_group,
+                                                 grad_average_factor=self.dp_degree)
         self.metrics = MetricsProcessor(
             cfg.job.dump_folder, rank=self.dist.rank, enable_tensorboard=cfg.metrics.enable_tensorboard,
             device=self.device, flops_per_sample=self.model_args.flops_per_sample(),
@@ -157,10 +158,14 @@ class Trainer:
             f"params {cfg.training.dtype}  compute {self.precision.compute_dtype}  AC {cfg.activation_checkpoint.mode}  "
             f"compile {cfg.compile.backend if cfg.compile.enable else 'off'}"
         )
+        if self.global_step is not None:
+            negatives = (f"{self.global_batch_size} (loss.negatives=global: one exact problem over the global batch, "
+                         f"streamed in blocks of {cfg.loss.stream_chunk_size} rows; the {self.ga_steps} microbatches are re-forward chunks)")
+        else:
+            negatives = f"{cfg.training.local_batch_size * self.dp_degree} (loss.negatives=microbatch: accumulation adds no negatives)"
         logger.info(
             f"batch: local {cfg.training.local_batch_size}  x  grad-accum steps {self.ga_steps}  x  dp degree {self.dp_degree}  "
-            f"=  global {self.global_batch_size};  negatives per contrastive problem: "
-            f"{cfg.training.local_batch_size * self.dp_degree} (loss.negatives=microbatch: accumulation adds no negatives)"
+            f"=  global {self.global_batch_size};  negatives per contrastive problem: {negatives}"
         )
 
     def forward(self, images: torch.Tensor, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -178,16 +183,22 @@ class Trainer:
             self.model.set_requires_gradient_sync(is_last)
         return contextlib.nullcontext()
 
-    def forward_backward_step(self, batch: dict[str, torch.Tensor], is_last: bool = True) -> torch.Tensor:
-        """One microbatch: forward, rescaled loss (in >= fp32), backward into .grad."""
-        with self._grad_sync(is_last):
-            with self.precision.autocast():
-                images = batch["image"].to(self.device, self.precision.param_dtype)
-                image_emb, text_emb, scale = self.dp_model(images, batch["text"].to(self.device))
-            loss = self.loss_fn(at_least_fp32(image_emb), at_least_fp32(text_emb), at_least_fp32(scale))
-            del image_emb, text_emb
-            (self.precision.scaler.scale(loss) if self.precision.scaler else loss).backward()
+    def encode(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The DP-wrapped model on one microbatch under autocast; outputs in >= float32."""
+        with self.precision.autocast():
+            images = batch["image"].to(self.device, self.precision.param_dtype)
+            image_emb, text_emb, scale = self.dp_model(images, batch["text"].to(self.device))
         self._last_scale = scale.detach()
+        return at_least_fp32(image_emb), at_least_fp32(text_emb), at_least_fp32(scale)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.precision.scaler.scale(loss) if self.precision.scaler else loss).backward()
+
+    def forward_backward_step(self, batch: dict[str, torch.Tensor], is_last: bool = True) -> torch.Tensor:
+        """One microbatch (loss.negatives=microbatch): forward, rescaled loss, backward into .grad."""
+        with self._grad_sync(is_last):
+            loss = self.loss_fn(*self.encode(batch))
+            self.backward(loss)
         return loss.detach()
 
     def _clip_grad_norm(self) -> torch.Tensor:
@@ -202,8 +213,11 @@ class Trainer:
         """zero_grad -> k x forward_backward -> unscale/clip -> finite check -> step -> schedule."""
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.lr_scheduler.get_last_lr()[0]
-        losses = [self.forward_backward_step(mb, is_last=i == len(microbatches) - 1) for i, mb in enumerate(microbatches)]
-        loss = torch.stack(losses).sum().item()  # each is already / k: the sum is the mean
+        if self.global_step is not None:  # one problem over all microbatches of all ranks
+            loss = self.global_step(self.encode, microbatches, grad_sync=self._grad_sync, backward=self.backward).item()
+        else:
+            losses = [self.forward_backward_step(mb, is_last=i == len(microbatches) - 1) for i, mb in enumerate(microbatches)]
+            loss = torch.stack(losses).sum().item()  # each is already / k: the sum is the mean
         grad_norm = self._clip_grad_norm().item()
         step = self.train_state.step + 1
         skipped = False
@@ -279,12 +293,13 @@ class Trainer:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[titan_contrastive] %(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
     warnings.filterwarnings("ignore", message=".*set_vital.*")
-    trainer = None
+    trainer, finished = None, False
     try:
         trainer = Trainer(parse_args(argv))
         start = time.perf_counter()
         trainer.train()
         logger.info(f"training done in {time.perf_counter() - start:.1f}s")
+        finished = True
     except (ConfigError, DataError, CheckpointError, models.ModelRegistryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -294,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if trainer is not None:
             trainer.metrics.close()
-        destroy_distributed()
+            del trainer  # release FSDP2's collective state before the process group goes
+            gc.collect()
+        destroy_distributed(barrier=finished)
     return 0
 
 

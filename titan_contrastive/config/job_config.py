@@ -137,7 +137,10 @@ class Loss:
     negatives: Literal["microbatch", "global"] = "microbatch"
     """Which samples form one contrastive problem. `microbatch`: the current microbatches of
     all DP ranks (gathered with gradient); accumulation steps do not add negatives.
-    `global`: the whole global batch, exactly (streaming loss + GradCache) - not available yet."""
+    `global`: the whole global batch is one problem, exactly, at O(N d) memory (the streaming
+    distributed step, seed 001); the accumulation microbatches become its re-forward chunks."""
+    stream_chunk_size: int = _positive(1024)
+    """negatives=global: logit rows per block; extra memory ~ 2 x stream_chunk_size x N floats."""
 
 
 @dataclass
