@@ -96,7 +96,7 @@ class StreamingClipStep:
         s = torch.tensor(self.fixed_scale) if not learnable else scale.detach().reshape(())
         s = s.to(zx_local.device, accumulation_dtype(zx_local))
         zx_all, zy_all = self._gather(zx_local), self._gather(zy_local)
-        n, c = len(zx_all), len(zx_local)
+        c = len(zx_local)
         own = range(self.rank * c, (self.rank + 1) * c)
 
         # B. own rows' and columns' LSEs, gathered; the loss

@@ -1,0 +1,165 @@
+"""Symmetric InfoNCE loss alone, forward + backward: dense (open_clip style) vs streaming, side by side.
+
+    python benchmarks/loss_bench.py                                   # GPU: N = 8K .. 1M, d = 512
+    python benchmarks/loss_bench.py --n 1024 2048 4096 8192 --repeats 3   # CPU-sized
+
+For each N and dtype (float32, bfloat16) every available implementation gets the same unit-norm
+embeddings [N, d] (leaf tensors, so "backward" is the gradient w.r.t. the embeddings and the
+temperature's gradient is the embeddings' concern), runs warm-up + `--repeats` timed fwd+bwd,
+and reports the median time and the peak extra memory (CUDA: allocator peak above the inputs;
+CPU: the largest single tensor any op produced, a proxy that still shows N x N vs chunk x N).
+Implementations: `dense` (logits = s * Zx Zy^T, cross-entropy both ways), `streaming`
+(titan_contrastive's StreamingClipStep, one process, `--chunk` rows per block), and, when
+installed, `inf_cl` (PyPI inf-cl) and `memeff`. A run that does not fit is recorded as OOM.
+Writes `loss_bench_<device>.json` and `.png` under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from titan_contrastive.components.loss import clip_loss
+from titan_contrastive.distributed_clip import StreamingClipStep
+
+SCALE = 1 / 0.07
+
+
+def dense(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
+    clip_loss(zx, zy, torch.tensor(SCALE, device=zx.device)).backward()
+
+
+def streaming(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
+    StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SCALE)(lambda _: (zx * 1, zy * 1, None), [None])
+
+
+def inf_cl(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA + Triton only
+    from inf_cl import cal_inf_loss  # one direction per call, scale applied to the first argument
+
+    scale = torch.tensor(SCALE, device=zx.device)
+    (0.5 * (cal_inf_loss(zx, zy, scale=scale) + cal_inf_loss(zy, zx, scale=scale))).backward()
+
+
+def memeff(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA + Triton only
+    from memeff import MemoryEfficientCLIPLoss  # stable=False: the plain loss, unscaled gradients
+
+    MemoryEfficientCLIPLoss(temperature=1 / SCALE, normalized_inputs=True, stable=False)(zx, zy).backward()
+
+
+IMPLEMENTATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], None]] = {"dense": dense, "streaming": streaming}
+if torch.cuda.is_available():  # both packages are Triton kernels
+    for _name, _fn in (("inf_cl", inf_cl), ("memeff", memeff)):
+        if importlib.util.find_spec(_name) is not None:
+            IMPLEMENTATIONS[_name] = _fn
+
+
+class LargestTensor(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def measure(fn: Callable, n: int, d: int, dtype: torch.dtype, chunk: int, repeats: int, device: torch.device) -> dict[str, Any]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    zx = F.normalize(torch.randn(n, d, device=device, generator=gen), dim=-1).to(dtype).requires_grad_()
+    zy = F.normalize(torch.randn(n, d, device=device, generator=gen), dim=-1).to(dtype).requires_grad_()
+    cuda = device.type == "cuda"
+    times = []
+    try:
+        for i in range(repeats + 1):
+            zx.grad = zy.grad = None
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            start = time.perf_counter()
+            fn(zx, zy, chunk)
+            if cuda:
+                torch.cuda.synchronize()
+            if i:  # the first run is warm-up
+                times.append(time.perf_counter() - start)
+        if cuda:
+            extra = torch.cuda.max_memory_allocated() - base
+        else:
+            zx.grad = zy.grad = None
+            with LargestTensor() as probe:
+                fn(zx, zy, chunk)
+            extra = probe.largest
+    except torch.OutOfMemoryError:
+        return {"status": "OOM"}
+    finally:
+        zx.grad = zy.grad = None
+    return {"status": "ok", "median_s": statistics.median(times), "times_s": times, "extra_bytes": extra,
+            "memory_kind": "cuda_peak_above_inputs" if cuda else "largest_tensor"}
+
+
+def plot(rows: list[dict[str, Any]], device: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for impl in sorted({r["impl"] for r in rows}):
+        for dtype, style in (("float32", "-"), ("bfloat16", "--")):
+            sel = [r for r in rows if r["impl"] == impl and r["dtype"] == dtype and r["status"] == "ok"]
+            if sel:
+                ax1.plot([r["n"] for r in sel], [r["median_s"] * 1e3 for r in sel], "o" + style, label=f"{impl} {dtype}")
+                ax2.plot([r["n"] for r in sel], [r["extra_bytes"] / 2**20 for r in sel], "o" + style, label=f"{impl} {dtype}")
+    ax1.set(xscale="log", yscale="log", xlabel="N", ylabel="fwd+bwd ms (median)", title="time")
+    ax2.set(xscale="log", yscale="log", xlabel="N", ylabel="MiB", title="peak extra memory" if "cuda" in device.lower() or "H100" in device else "largest tensor")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"symmetric InfoNCE, d={rows[0]['d']}, {device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, nargs="+", default=[2**13, 2**14, 2**15, 2**16, 2**17, 2**18, 2**19, 2**20])
+    parser.add_argument("--d", type=int, default=512)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--chunk", type=int, default=1024, help="streaming rows per block")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=list(IMPLEMENTATIONS))
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    rows = []
+    for n in args.n:
+        for dtype in args.dtypes:
+            for impl in args.impls:
+                chunk = min(args.chunk, max(1, (2**28) // n)) if impl == "streaming" and device.type == "cuda" else args.chunk
+                row = {"impl": impl, "n": n, "d": args.d, "dtype": dtype, "chunk": chunk,
+                       **measure(IMPLEMENTATIONS[impl], n, args.d, getattr(torch, dtype), chunk, args.repeats, device)}
+                rows.append(row)
+                shown = f"{row['median_s'] * 1e3:9.1f} ms  {row['extra_bytes'] / 2**20:9.1f} MiB" if row["status"] == "ok" else "      OOM"
+                print(f"N={n:>8} {dtype:>8} {impl:>10}: {shown}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "cuda" if device.type == "cuda" else "cpu"
+    (out / f"loss_bench_{tag}.json").write_text(json.dumps({"device": name, "torch": torch.__version__, "config": vars(args), "rows": rows}, indent=1))
+    plot(rows, name, out / f"loss_bench_{tag}.png")
+
+
+if __name__ == "__main__":
+    main()
