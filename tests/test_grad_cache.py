@@ -1,0 +1,223 @@
+"""GradCache against a dense full-batch backward (float64, rel. err <= 1e-10).
+
+The reference runs the same encoders on the same chunks in the same order from the same seed
+(so dropout draws the same masks), concatenates the representations *with* their graphs and
+backpropagates the loss once: the only difference from GradCache is the caching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_contrastive.grad_cache import GradCache, GradCacheError, cached, split_inputs
+from titan_contrastive.grad_cache.inputs import get_rep
+from tests.dist_utils import run_distributed
+
+REL = 1e-10
+B = 13  # chunk sizes below do not divide it
+
+
+def info_nce(q: torch.Tensor, p: torch.Tensor, n: torch.Tensor | None = None, *, temperature: float = 0.1) -> torch.Tensor:
+    """DPR-style: query i against all positives (+ hard negatives); loss_fn(*reps, **kwargs)."""
+    keys = p if n is None else torch.cat([p, n])
+    logits = F.normalize(q, dim=-1) @ F.normalize(keys, dim=-1).T / temperature
+    return F.cross_entropy(logits, torch.arange(len(q)))
+
+
+class Tower(nn.Module):
+    """Dict or tensor inputs, dropout inside; returns a tensor, a tuple or an output object."""
+
+    def __init__(self, d_in: int, out: str = "tensor") -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, 12), nn.GELU(), nn.Dropout(0.25), nn.Linear(12, 6))
+        self.out = out
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, flag: str = "") -> Any:
+        rep = self.net(x if mask is None else x * mask)
+        if self.out == "tuple":
+            return rep, rep.sum()
+        if self.out == "object":
+            return Output(pooler_output=rep, hidden=rep * 2)
+        return rep
+
+
+@dataclass
+class Output:
+    pooler_output: torch.Tensor
+    hidden: torch.Tensor
+
+
+def towers(*kinds: str) -> list[Tower]:
+    torch.manual_seed(0)
+    return [Tower(8, kind).double() for kind in kinds]
+
+
+def data(n: int = B, d: int = 8, seed: int = 1) -> torch.Tensor:
+    return torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def reference(models: list[nn.Module], inputs: list[Any], chunk_sizes: list[int], loss_kwargs: dict | None = None,
+              seed: int = 5) -> tuple[float, list[list[torch.Tensor]]]:
+    """Dense: the same chunked forwards in the same RNG order, one loss, one backward."""
+    copies: dict[int, nn.Module] = {}
+    models = [copies.setdefault(id(m), copy.deepcopy(m)) for m in models]
+    torch.manual_seed(seed)
+    reps = []
+    for model, x, size in zip(models, inputs, chunk_sizes):
+        reps.append(torch.cat([get_rep(_call(model, c)) for c in split_inputs(x, size)]))
+    loss = info_nce(*reps, **(loss_kwargs or {}))
+    loss.backward()
+    unique = list({id(m): m for m in models}.values())
+    return loss.item(), [[p.grad.clone() for p in m.parameters()] for m in unique]
+
+
+def _call(model: nn.Module, chunk: Any) -> Any:
+    if isinstance(chunk, dict):
+        return model(**chunk)
+    if isinstance(chunk, (list, tuple)):
+        return model(*chunk)
+    return model(chunk)
+
+
+def grads_of(models: list[nn.Module]) -> list[list[torch.Tensor]]:
+    unique = list({id(m): m for m in models}.values())
+    return [[p.grad for p in m.parameters()] for m in unique]
+
+
+def assert_close(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None:
+    for gm, wm in zip(got, want, strict=True):
+        for g, w in zip(gm, wm, strict=True):
+            err = ((g - w).norm() / w.norm()).item()
+            assert err <= REL, f"relative error {err:.2e}"
+
+
+def run_case(models: list[nn.Module], inputs: list[Any], chunk_sizes: list[int], **loss_kwargs: Any) -> None:
+    want_loss, want = reference(models, inputs, chunk_sizes, loss_kwargs)
+    gc = GradCache(models, chunk_sizes, info_nce)
+    torch.manual_seed(5)
+    loss = gc.cache_step(*inputs, **loss_kwargs)
+    assert abs(loss.item() - want_loss) <= REL * want_loss
+    assert_close(grads_of(models), want)
+
+
+def test_two_towers_tensor_inputs_uneven_chunks() -> None:
+    q, p = towers("tensor", "tensor")
+    run_case([q, p], [data(), data(seed=2)], [4, 5])
+
+
+def test_one_tower_both_sides() -> None:
+    """One model object passed twice (tied towers): its gradient collects both sides."""
+    (m,) = towers("tensor")
+    run_case([m, m], [data(), data(seed=2)], [3, 6])
+
+
+def test_hard_negatives_and_loss_kwargs() -> None:
+    q, p = towers("tensor", "tensor")
+    run_case([q, p, p], [data(), data(seed=2), data(n=7, seed=3)], [5, 4, 3], temperature=0.05)
+
+
+def test_dict_list_and_output_object_inputs() -> None:
+    q, p = towers("object", "tuple")
+    as_dict = {"x": data(), "mask": (data(seed=9) > 0).double(), "flag": "kept as is"}  # a non-tensor entry goes to every chunk
+    run_case([q, p], [as_dict, [data(seed=2), (data(seed=8) > 0).double()]], [2, 5])
+
+
+def test_dropout_needs_the_rng_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    import titan_contrastive.grad_cache.grad_cache as module
+
+    monkeypatch.setattr(module, "RandContext", contextlib.nullcontext)
+    q, p = towers("tensor", "tensor")
+    with pytest.raises(AssertionError, match="relative error"):
+        run_case([q, p], [data(), data(seed=2)], [4, 5])
+
+
+def test_functional_api_with_keyword_arguments() -> None:
+    q, p = towers("tensor", "tensor")
+    x, y = data(), data(seed=2)
+    want_loss, want = reference([q, p], [x, y], [4, 5])
+
+    @cached
+    def encode(model: nn.Module, batch: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return model(batch) * scale
+
+    torch.manual_seed(5)
+    qs = [encode(q, c, scale=1.0) for c in x.split(4)]
+    ps = [encode(p, c, scale=1.0) for c in y.split(5)]
+    loss = info_nce(torch.cat([r for r, _ in qs]), torch.cat([r for r, _ in ps]))
+    loss.backward()
+    for rep, closure in qs + ps:
+        closure(rep)
+    assert abs(loss.item() - want_loss) <= REL * want_loss
+    assert_close(grads_of([q, p]), want)
+
+
+def test_clear_errors() -> None:
+    q, p = towers("tensor", "tensor")
+    with pytest.raises(GradCacheError, match=r"chunk_sizes\[1\]=0: must be an integer >= 1"):
+        GradCache([q, p], [4, 0], info_nce)
+    with pytest.raises(GradCacheError, match="tensors disagree on the batch dimension .*'x'.*: 13.*'mask'.*: 12"):
+        split_inputs({"x": data(), "mask": data(n=12)}, 4)
+    with pytest.raises(GradCacheError, match="fp16=True needs a scaler"):
+        GradCache([q, p], 4, info_nce, fp16=True)
+    with pytest.raises(GradCacheError, match=r"cannot find a representation in the model output of type dict \(fields: \['logits'\]\)"):
+        GradCache([lambda x: {"logits": x}], 4, info_nce).forward_no_grad(lambda x: {"logits": x}, [data()])
+    with pytest.raises(GradCacheError, match="2 inputs for 3 models"):
+        GradCache([q, p, p], 4, info_nce).cache_step(data(), data())
+
+
+# ------------------------------------------------------------------ data parallel: DDP and FSDP2
+
+
+def _dp_matches_dense(wrapper: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, p = towers("tensor", "tensor")
+    x, y = data(n=2 * B), data(n=2 * B, seed=2)
+    mine = slice(rank * B, (rank + 1) * B)
+    # each rank's loss is over its own local batch; DDP / FSDP2 average the ranks' gradients
+    refs = [reference([q, p], [x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]], [4, 5], seed=5 + r) for r in range(world)]
+    want = [[sum(r[1][m][i] for r in refs) / world for i in range(len(refs[0][1][m]))] for m in range(2)]
+    if wrapper == "ddp":
+        models = [nn.parallel.DistributedDataParallel(q), nn.parallel.DistributedDataParallel(p)]
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        models = [fully_shard(q), fully_shard(p)]
+    torch.manual_seed(5 + rank)
+    GradCache(models, [4, 5], info_nce).cache_step(x[mine], y[mine], no_sync_except_last=True)
+    got = [[g.full_tensor() if hasattr(g, "full_tensor") else g for g in m] for m in grads_of([q, p])]
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_two_processes_no_sync_except_last_match_dense(wrapper: str) -> None:
+    run_distributed(_dp_matches_dense, 2, wrapper)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+def test_fp16_scaler_on_cuda() -> None:  # pragma: no cover - CI has no GPU
+    torch.manual_seed(0)
+    q, p = Tower(8).cuda(), Tower(8).cuda()
+    x, y = data().float().cuda(), data(seed=2).float().cuda()
+    want_q = copy.deepcopy(q)
+    want_p = copy.deepcopy(p)
+    torch.manual_seed(5)
+    info_nce(torch.cat([want_q(c) for c in x.split(4)]), torch.cat([want_p(c) for c in y.split(5)])).backward()
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    torch.manual_seed(5)
+    GradCache([q, p], [4, 5], info_nce, fp16=True, scaler=scaler).cache_step(x, y)
+    scaler.unscale_(torch.optim.SGD(list(q.parameters()) + list(p.parameters()), lr=0.0))
+    for got, want in zip(list(q.parameters()) + list(p.parameters()), list(want_q.parameters()) + list(want_p.parameters())):
+        assert torch.allclose(got.grad, want.grad, rtol=2e-2, atol=1e-3)

@@ -1,0 +1,141 @@
+"""GradCache (Gao et al. 2021): a contrastive batch as large as you like at the memory of one chunk.
+
+Order of operations in `cache_step(*model_inputs)` (one input per model, e.g. queries and
+passages, plus hard negatives):
+1. split every input into chunks (`chunk_sizes[i]` samples for model i);
+2. `forward_no_grad`: per chunk, capture the RNG (RandContext) and run the model without a
+   graph; concatenate the chunk representations;
+3. `build_cache`: the loss on the detached, float32 representations; backward gives
+   dL/d(representation) for every sample (the "gradient cache"); with float16 the loss is scaled
+   by the GradScaler first, so the cache holds scaled gradients and the parameter gradients come
+   out scaled as the scaler expects;
+4. `forward_backward`: per chunk, replay its RNG, forward with a graph, backward of the float32
+   surrogate <representation, cached gradient>: by the chain rule this accumulates exactly
+   dL/dtheta. With `no_sync_except_last` the data-parallel reduction runs only on the very last
+   chunk a model sees (DDP `no_sync`, FSDP2 `set_requires_gradient_sync`; a plain model needs
+   nothing), also when one model is passed twice (tied towers).
+The caller then steps the optimizer (through the scaler with float16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from titan_contrastive.components.rand_context import RandContext
+from titan_contrastive.grad_cache.inputs import GradCacheError, float_dot, get_rep, model_call, split_inputs
+
+
+def _sync_context(model: nn.Module, sync: bool) -> ContextManager:
+    """The context for one chunk's backward: reduce gradients only when `sync`."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if sync else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (FSDPModule)
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+class GradCache:
+    """Cached-gradient training step for any number of encoders (one input per encoder).
+
+    models: the encoders, in the order of `model_inputs` and of `loss_fn`'s arguments; the same
+    module may appear more than once (tied towers). chunk_sizes: one per model (or one for all).
+    loss_fn(*reps, **loss_kwargs) -> scalar. split_input_fn(model_input, chunk_size) -> chunks
+    (default: `split_inputs`, or `vlm.split_vlm_inputs` for packed VLM inputs). get_rep_fn(output)
+    -> Tensor (default: `get_rep` with `rep_attribute`). fp16 runs forwards under float16 autocast
+    and needs `scaler`; `autocast_dtype=torch.bfloat16` runs them under bfloat16 autocast, no scaler.
+    """
+
+    def __init__(self, models: Sequence[nn.Module], chunk_sizes: int | Sequence[int], loss_fn: Callable[..., Tensor],
+                 split_input_fn: Callable[[Any, int], list[Any]] | None = None,
+                 get_rep_fn: Callable[[Any], Tensor] | None = None, fp16: bool = False,
+                 scaler: torch.amp.GradScaler | None = None, *, autocast_dtype: torch.dtype | None = None,
+                 rep_attribute: str = "pooler_output") -> None:
+        self.models = list(models)
+        sizes = [chunk_sizes] * len(self.models) if isinstance(chunk_sizes, int) else list(chunk_sizes)
+        if len(sizes) != len(self.models):
+            raise GradCacheError(f"{len(sizes)} chunk sizes for {len(self.models)} models; give one per model (or one int for all)")
+        for i, size in enumerate(sizes):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise GradCacheError(f"chunk_sizes[{i}]={size!r}: must be an integer >= 1")
+        if fp16 and scaler is None:
+            raise GradCacheError("fp16=True needs a scaler (torch.amp.GradScaler) to keep float16 gradients from underflowing")
+        self.chunk_sizes = sizes
+        self.loss_fn = loss_fn
+        self.split_input_fn = split_input_fn
+        self.get_rep_fn = get_rep_fn
+        self.fp16 = fp16
+        self.scaler = scaler
+        self.autocast_dtype = torch.float16 if fp16 else autocast_dtype
+        self.rep_attribute = rep_attribute
+
+    # ------------------------------------------------------------------ the three steps
+
+    def split(self, model_input: Any, chunk_size: int, what: str = "input") -> list[Any]:
+        if self.split_input_fn is not None:
+            return self.split_input_fn(model_input, chunk_size)
+        return split_inputs(model_input, chunk_size, what)
+
+    def _autocast(self, model: nn.Module) -> ContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        param = next(model.parameters(), None)
+        return torch.autocast(param.device.type if param is not None else "cpu", dtype=self.autocast_dtype)
+
+    def _rep(self, model: nn.Module, chunk: Any) -> Tensor:
+        with self._autocast(model):
+            output = model_call(model, chunk)
+        return self.get_rep_fn(output) if self.get_rep_fn is not None else get_rep(output, self.rep_attribute)
+
+    def forward_no_grad(self, model: nn.Module, chunks: Sequence[Any]) -> tuple[Tensor, list[RandContext]]:
+        """Step 1: representations of all chunks without a graph, and each chunk's RNG state."""
+        reps, states = [], []
+        with torch.no_grad():
+            for chunk in chunks:
+                states.append(RandContext())
+                reps.append(self._rep(model, chunk))
+        return torch.cat(reps), states
+
+    def build_cache(self, *reps: Tensor, **loss_kwargs: Any) -> tuple[list[Tensor], Tensor]:
+        """Step 2: the loss on detached float32 representations and dL/d(rep) for each input."""
+        leaves = [r.detach().to(torch.promote_types(r.dtype, torch.float32)).requires_grad_() for r in reps]
+        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+            loss = self.loss_fn(*leaves, **loss_kwargs)
+        (self.scaler.scale(loss) if self.fp16 else loss).backward()
+        cache = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+        return cache, loss.detach()
+
+    def forward_backward(self, model: nn.Module, chunks: Sequence[Any], cached_gradients: Tensor,
+                         random_states: Sequence[RandContext], no_sync_except_last: bool = False,
+                         sync_on_last: bool = True) -> None:
+        """Step 3: replay each chunk's RNG, forward with a graph, backward of <rep, cached grad>.
+
+        `sync_on_last=False` keeps even the last chunk unsynced (the model is used again later).
+        """
+        start = 0
+        for i, (chunk, state) in enumerate(zip(chunks, random_states)):
+            sync = not no_sync_except_last or (sync_on_last and i == len(chunks) - 1)
+            with _sync_context(model, sync):
+                with state:
+                    rep = self._rep(model, chunk)
+                grad = cached_gradients[start : start + len(rep)]
+                start += len(rep)
+                if grad.shape != rep.shape:
+                    raise GradCacheError(f"re-forward of chunk {i} gave a representation of shape {tuple(rep.shape)}, the cache holds {tuple(grad.shape)}")
+                float_dot(rep, grad).backward()
+
+    def cache_step(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> Tensor:
+        """Steps 1-3 for one batch: gradients accumulate in .grad; returns the loss (detached)."""
+        if len(model_inputs) != len(self.models):
+            raise GradCacheError(f"{len(model_inputs)} inputs for {len(self.models)} models; pass one input per model")
+        chunks = [self.split(x, size, f"input {i}") for i, (x, size) in enumerate(zip(model_inputs, self.chunk_sizes))]
+        reps, states = zip(*(self.forward_no_grad(m, c) for m, c in zip(self.models, chunks)))
+        cache, loss = self.build_cache(*reps, **loss_kwargs)
+        last_use = {id(m): i for i, m in enumerate(self.models)}  # a tied model syncs after its last use
+        for i, (model, model_chunks, grads, model_states) in enumerate(zip(self.models, chunks, cache, states)):
+            self.forward_backward(model, model_chunks, grads, model_states, no_sync_except_last,
+                                  sync_on_last=last_use[id(model)] == i)
+        return loss

@@ -1,0 +1,94 @@
+"""Splitting model inputs into chunks, calling a model on a chunk, finding the representation.
+
+GradCache is model-agnostic, so it meets inputs of every shape: a Tensor, a Mapping (a dict or a
+tokenizer's BatchEncoding), a list or tuple of those. Every tensor in an input must share the
+batch dimension (dim 0); a disagreement is an error that names the keys and sizes, because
+splitting such an input on dim 0 would silently pair the wrong rows. Non-tensor values (flags,
+strings) are passed unchanged to every chunk. Packed VLM inputs whose pixel tensor is not
+batch-major are split by `vlm.split_vlm_inputs` instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+
+class GradCacheError(ValueError):
+    """Bad input to GradCache: the message says what was given and what is expected."""
+
+
+def _tensors(model_input: Any, prefix: str = "input") -> dict[str, Tensor]:
+    """Every tensor inside `model_input`, by a readable path (for batch-size checks and errors)."""
+    if isinstance(model_input, Tensor):
+        return {prefix: model_input}
+    if isinstance(model_input, Mapping):
+        return {k: v for key, value in model_input.items() for k, v in _tensors(value, f"{prefix}[{key!r}]").items()}
+    if isinstance(model_input, (list, tuple)):
+        return {k: v for i, value in enumerate(model_input) for k, v in _tensors(value, f"{prefix}[{i}]").items()}
+    return {}
+
+
+def batch_size(model_input: Any, what: str = "input") -> int:
+    """The shared dim-0 size of every tensor in `model_input`; an error when they disagree."""
+    tensors = _tensors(model_input, what)
+    if not tensors:
+        raise GradCacheError(f"{what} holds no tensor (got {type(model_input).__name__}); pass a Tensor, a dict or a list/tuple of tensors")
+    sizes = {name: (t.shape[0] if t.dim() else None) for name, t in tensors.items()}
+    if len(set(sizes.values())) != 1 or None in sizes.values():
+        shown = ", ".join(f"{name}: {size}" for name, size in sizes.items())
+        raise GradCacheError(f"{what}: tensors disagree on the batch dimension ({shown}); every tensor needs the same dim-0 size")
+    return next(iter(sizes.values()))
+
+
+def _slice(model_input: Any, start: int, stop: int) -> Any:
+    if isinstance(model_input, Tensor):
+        return model_input[start:stop]
+    if isinstance(model_input, Mapping):
+        return {key: _slice(value, start, stop) for key, value in model_input.items()}
+    if isinstance(model_input, (list, tuple)):
+        return type(model_input)(_slice(value, start, stop) for value in model_input)
+    return model_input
+
+
+def split_inputs(model_input: Any, chunk_size: int, what: str = "input") -> list[Any]:
+    """`model_input` cut into consecutive chunks of `chunk_size` samples (the last may be smaller)."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise GradCacheError(f"chunk size {chunk_size!r} for {what}: must be an integer >= 1")
+    n = batch_size(model_input, what)
+    return [_slice(model_input, start, min(start + chunk_size, n)) for start in range(0, n, chunk_size)]
+
+
+def model_call(model: Callable[..., Any], chunk: Any) -> Any:
+    """dict -> model(**chunk); list/tuple -> model(*chunk); anything else -> model(chunk)."""
+    if isinstance(chunk, Mapping):
+        return model(**chunk)
+    if isinstance(chunk, (list, tuple)):
+        return model(*chunk)
+    return model(chunk)
+
+
+def get_rep(output: Any, rep_attribute: str = "pooler_output") -> Tensor:
+    """The representation in a model output: a Tensor itself, the first element of a tuple/list,
+    or the `rep_attribute` of an output object (transformers' ModelOutput, a dataclass)."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    value = output.get(rep_attribute) if isinstance(output, Mapping) else getattr(output, rep_attribute, None)
+    if isinstance(value, Tensor):
+        return value
+    fields = list(output.keys()) if isinstance(output, Mapping) else [a for a in vars(output)] if hasattr(output, "__dict__") else []
+    raise GradCacheError(
+        f"cannot find a representation in the model output of type {type(output).__name__} (fields: {fields}); "
+        f"return a Tensor, set rep_attribute to the field that holds it (now {rep_attribute!r}), or pass get_rep_fn"
+    )
+
+
+def float_dot(rep: Tensor, grad: Tensor) -> Tensor:
+    """<rep, grad> in float32 or better, whatever the representation's dtype (bf16 / fp16 sums lose digits)."""
+    dtype = torch.promote_types(torch.promote_types(rep.dtype, grad.dtype), torch.float32)
+    return torch.dot(rep.flatten().to(dtype), grad.flatten().to(dtype))

@@ -1,0 +1,122 @@
+"""VLM-aware chunking and retrieval-batch unpacking (seed 000, sections 5, 6 and 10).
+
+Qwen-VL-style processors pack the patches of all images of a batch into one tensor:
+`pixel_values` is [total_patches, ...], not [batch, ...], and `image_grid_thw` [num_images, 3]
+gives each image's (t, h, w) grid, so image i owns t*h*w consecutive rows. Splitting such a
+batch on dim 0 cuts images apart; `split_vlm_inputs` cuts on image boundaries instead.
+
+A retrieval collator emits one flat dict for query, positive and negative sides. The prefixed
+keys (`query_*`, `pos_*`, `neg_*`) are authoritative; the legacy un-prefixed aliases
+(`input_ids`, `attention_mask` for the query text; `pixel_values`, `image_grid_thw` for the
+image side) are the fallback. Lookups use `is None`, never `or`: a multi-element Tensor has no
+truth value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from titan_contrastive.grad_cache.inputs import GradCacheError, split_inputs
+
+TEXT_FIELDS = ("input_ids", "attention_mask")
+IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
+# retrieval mode -> (query kind, positive kind); negatives are of the positive's kind
+MODES: dict[str, tuple[str, str]] = {
+    "t2i": ("text", "image"), "i2i": ("image", "image"), "t2t": ("text", "text"),
+    "i2t": ("image", "text"), "m2i": ("multi", "image"),
+}
+
+
+def split_vlm_inputs(inputs: Any, chunk_size: int, images_per_sample: Sequence[int] | Tensor | None = None) -> list[Any]:
+    """Chunks of `chunk_size` samples; packed `pixel_values` split by `image_grid_thw` patch counts.
+
+    Without both `pixel_values` and `image_grid_thw` (text only, CLIP-style [B, C, H, W] images, a
+    plain Tensor) every tensor is split on dim 0. With them, the sample count is the batch size
+    of `input_ids` (or the number of images); each sample has one image unless
+    `images_per_sample` says otherwise.
+    """
+    if not isinstance(inputs, Mapping) or inputs.get("pixel_values") is None or inputs.get("image_grid_thw") is None:
+        return split_inputs(inputs, chunk_size, "inputs")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise GradCacheError(f"chunk size {chunk_size!r}: must be an integer >= 1")
+    grid: Tensor = inputs["image_grid_thw"]
+    pixels: Tensor = inputs["pixel_values"]
+    patches = grid.long().prod(dim=1)  # t*h*w per image
+    if int(patches.sum()) != pixels.shape[0]:
+        raise GradCacheError(f"image_grid_thw gives {int(patches.sum())} patches (sum of t*h*w) but pixel_values has {pixels.shape[0]} rows")
+    ids = inputs.get("input_ids")
+    samples = ids.shape[0] if ids is not None else (len(images_per_sample) if images_per_sample is not None else len(grid))
+    counts = torch.as_tensor(images_per_sample if images_per_sample is not None else [1] * samples, dtype=torch.long)
+    if len(counts) != samples or int(counts.sum()) != len(grid):
+        raise GradCacheError(
+            f"{len(grid)} images (image_grid_thw rows) for {samples} samples: pass images_per_sample (one count per sample, "
+            f"summing to {len(grid)}) when samples do not have exactly one image each"
+            if images_per_sample is None else
+            f"images_per_sample has {len(counts)} entries summing to {int(counts.sum())}; need {samples} entries summing to {len(grid)}"
+        )
+    image_end = torch.cumsum(counts, 0)  # images of samples [0, s) are grid rows [0, image_end[s-1])
+    patch_end = torch.cumsum(patches, 0)
+    batch_keys = {k for k, v in inputs.items() if isinstance(v, Tensor) and k not in IMAGE_FIELDS and v.dim() and v.shape[0] == samples}
+    odd = [k for k, v in inputs.items() if isinstance(v, Tensor) and k not in IMAGE_FIELDS and k not in batch_keys]
+    if odd:
+        raise GradCacheError(f"tensors {odd} have no batch dimension of {samples} samples; only pixel_values and image_grid_thw may be packed")
+    chunks = []
+    for start in range(0, samples, chunk_size):
+        stop = min(start + chunk_size, samples)
+        img0 = int(image_end[start - 1]) if start else 0
+        img1 = int(image_end[stop - 1])
+        px0 = int(patch_end[img0 - 1]) if img0 else 0
+        px1 = int(patch_end[img1 - 1]) if img1 else 0
+        chunk = {k: (v[start:stop] if k in batch_keys else v) for k, v in inputs.items()}
+        chunk["image_grid_thw"] = grid[img0:img1]
+        chunk["pixel_values"] = pixels[px0:px1]
+        chunks.append(chunk)
+    return chunks
+
+
+def _pick(batch: Mapping[str, Any], prefix: str, field: str, legacy: bool) -> Any:
+    value = batch.get(f"{prefix}_{field}")
+    if value is None and legacy:
+        value = batch.get(field)
+    return value
+
+
+def _side(batch: Mapping[str, Any], prefix: str, kind: str, legacy_text: bool, legacy_image: bool, mode: str) -> dict[str, Any]:
+    needs = {"text": TEXT_FIELDS, "image": IMAGE_FIELDS, "multi": TEXT_FIELDS + IMAGE_FIELDS}[kind]
+    side = {}
+    for field in needs:
+        value = _pick(batch, prefix, field, legacy_text if field in TEXT_FIELDS else legacy_image)
+        if value is not None:
+            side[field] = value
+    if kind == "image":  # a VLM's image item also carries its chat-template tokens
+        for field in TEXT_FIELDS:
+            value = batch.get(f"{prefix}_{field}")
+            if value is not None:
+                side[field] = value
+    required = ("input_ids",) if kind == "text" else ("pixel_values",) if kind == "image" else ("input_ids", "pixel_values")
+    for field in required:
+        if field not in side:
+            tried = [f"{prefix}_{field}"] + ([field] if (legacy_text if field in TEXT_FIELDS else legacy_image) else [])
+            raise GradCacheError(f"retrieval mode {mode!r}: the {prefix} side needs {field}; none of the keys {tried} is in the batch (keys: {sorted(batch)})")
+    return side
+
+
+def unpack_batch(batch: Mapping[str, Any], mode: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    """(query, positive, negative or None) model inputs of a collated retrieval batch.
+
+    Legacy aliases: `input_ids` / `attention_mask` serve the query; `pixel_values` /
+    `image_grid_thw` serve the positive when it is an image, else the query.
+    """
+    if mode not in MODES:
+        raise GradCacheError(f"retrieval mode {mode!r}: choose one of {', '.join(MODES)}")
+    query_kind, pos_kind = MODES[mode]
+    image_alias_to_query = pos_kind != "image"
+    query = _side(batch, "query", query_kind, legacy_text=True, legacy_image=image_alias_to_query, mode=mode)
+    positive = _side(batch, "pos", pos_kind, legacy_text=False, legacy_image=not image_alias_to_query, mode=mode)
+    has_negative = any(key.startswith("neg_") and batch[key] is not None for key in batch)
+    negative = _side(batch, "neg", pos_kind, legacy_text=False, legacy_image=False, mode=mode) if has_negative else None
+    return query, positive, negative
