@@ -191,3 +191,57 @@ def _dp_microbatch_negatives(tmp: str, local: int, ga: int) -> None:
 @pytest.mark.parametrize("world, local, ga", [(2, 3, 2), (4, 2, 3)])
 def test_data_parallel_microbatch_negatives_match_dense(tmp_path: Path, world: int, local: int, ga: int) -> None:
     run_distributed(_dp_microbatch_negatives, world, str(tmp_path), local, ga)
+
+
+def test_gradcache_chunks_give_the_unchunked_gradients(tmp_path: Path) -> None:
+    """[gradcache]: microbatches of 6 forwarded in chunks of 4 (uneven) == plain microbatches of 6."""
+    plain = make_trainer(str(tmp_path / "plain"), "--training.local_batch_size=6", "--training.global_batch_size=12")
+    cached = make_trainer(str(tmp_path / "cached"), "--training.local_batch_size=6", "--training.global_batch_size=12",
+                          "--gradcache.enabled=true", "--gradcache.chunk_sizes=4")
+    cached.model.load_state_dict(plain.model.state_dict())
+    micro = [batch(plain, 0, 6), batch(plain, 6, 6)]
+    want, got = plain.train_step(micro), cached.train_step(micro)
+    assert_close(grads(cached.model), grads(plain.model))
+    assert abs(got["loss"] - want["loss"]) <= REL * want["loss"]
+
+
+def test_gradcache_with_global_negatives_equals_one_big_batch(tmp_path: Path) -> None:
+    cached = make_trainer(str(tmp_path), "--training.local_batch_size=4", "--training.global_batch_size=8",
+                          "--loss.negatives=global", "--gradcache.enabled=true", "--gradcache.chunk_sizes=3")
+    init = copy.deepcopy(cached.model.state_dict())
+    full = batch(cached, 0, 8)
+    out = cached.train_step([{k: v[:4] for k, v in full.items()}, {k: v[4:] for k, v in full.items()}])
+    got = grads(cached.model)
+    cached.model.load_state_dict(init)
+    cached.global_step, cached.chunk_size = None, None
+    cached.loss_fn = RescaleAccumulatedLoss(clip_loss, 1)
+    want = cached.train_step([full])
+    assert_close(got, grads(cached.model))
+    assert abs(out["loss"] - want["loss"]) <= REL * want["loss"]
+
+
+def test_gradcache_per_tower_sizes_must_match_for_clip(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"gradcache.chunk_sizes=\[4, 8\]: the clip family runs both towers in one forward"):
+        make_trainer(str(tmp_path), "--gradcache.enabled=true", "--gradcache.chunk_sizes=4,8")
+
+
+def _dp_gradcache(tmp: str, layout: list[str]) -> None:
+    """GradCache on 2 ranks (no_sync except the last chunk) == the dense gathered problem."""
+    import torch.distributed as dist
+
+    trainer = make_trainer(tmp, "--training.local_batch_size=5", "--training.global_batch_size=20",
+                           "--gradcache.enabled=true", "--gradcache.chunk_sizes=2", *layout)
+    rank = dist.get_rank()
+    reference = trainer.spec.build_model(trainer.model_args).double()
+    reference.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
+    steps = [batch(trainer, j * 10, 10) for j in range(2)]
+    trainer.train_step([{k: v[rank * 5 : (rank + 1) * 5] for k, v in s.items()} for s in steps])
+    for s in steps:  # each microbatch step of both ranks is one problem
+        img, txt, scale = reference(s["image"].double(), s["text"])
+        (clip_loss(img, txt, scale) / 2).backward()
+    assert_close(grads(trainer.model), grads(reference))
+
+
+@pytest.mark.parametrize("layout", [[], DDP], ids=["fsdp2", "ddp"])
+def test_data_parallel_gradcache_matches_dense(tmp_path: Path, layout: list[str]) -> None:
+    run_distributed(_dp_gradcache, 2, str(tmp_path), layout)

@@ -39,6 +39,7 @@ from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets import DataError, build_dataloader, build_dataset
 from titan_contrastive.distributed import destroy_distributed, init_distributed
 from titan_contrastive.distributed_clip import StreamingClipStep
+from titan_contrastive.grad_cache import GradCache, split_inputs
 from titan_contrastive.parallelisms import ParallelDims, parallelize_model
 
 logger = logging.getLogger("titan_contrastive")
@@ -121,6 +122,11 @@ class Trainer:
         dp_group = torch.distributed.group.WORLD if self.dist.is_distributed else None
         self.loss_fn = RescaleAccumulatedLoss(build_loss_fn(cfg.loss.name, dp_group), self.ga_steps)
         self.eval_loss_fn = build_loss_fn(cfg.loss.name)  # local and never rescaled
+        sizes = cfg.gradcache.chunk_sizes
+        if cfg.gradcache.enabled and len(set(sizes)) > 1:
+            raise ConfigError(f"gradcache.chunk_sizes={sizes}: the {cfg.model.name} family runs both towers in one forward; "
+                              f"give one chunk size (e.g. --gradcache.chunk_sizes={min(sizes)})")
+        self.chunk_size = sizes[0] if cfg.gradcache.enabled else None
         self.global_step: StreamingClipStep | None = None
         if cfg.loss.negatives == "global":  # one exact problem over the global batch (seed 001)
             self.global_step = StreamingClipStep(stream_chunk_size=cfg.loss.stream_chunk_size, group=dp_group,
@@ -163,6 +169,8 @@ class Trainer:
                          f"streamed in blocks of {cfg.loss.stream_chunk_size} rows; the {self.ga_steps} microbatches are re-forward chunks)")
         else:
             negatives = f"{cfg.training.local_batch_size * self.dp_degree} (loss.negatives=microbatch: accumulation adds no negatives)"
+        if self.chunk_size:
+            negatives += f"; GradCache: forwards in chunks of {self.chunk_size} samples"
         logger.info(
             f"batch: local {cfg.training.local_batch_size}  x  grad-accum steps {self.ga_steps}  x  dp degree {self.dp_degree}  "
             f"=  global {self.global_batch_size};  negatives per contrastive problem: {negatives}"
@@ -191,6 +199,26 @@ class Trainer:
         self._last_scale = scale.detach()
         return at_least_fp32(image_emb), at_least_fp32(text_emb), at_least_fp32(scale)
 
+    def _packed(self, image: torch.Tensor, text: torch.Tensor, **_: Any) -> torch.Tensor:
+        """GradCache's view of the model: one [B, 2d+1] representation (image, text, scale)."""
+        image_emb, text_emb, scale = self.encode({"image": image, "text": text})
+        return torch.cat([image_emb, text_emb, scale.reshape(1, 1).expand(len(image_emb), 1)], dim=1)
+
+    def _packed_loss(self, rep: torch.Tensor) -> torch.Tensor:
+        dim = (rep.shape[1] - 1) // 2
+        return self.loss_fn(rep[:, :dim], rep[:, dim : 2 * dim], rep[0, 2 * dim])
+
+    def gradcache_step(self, microbatches: list[dict[str, torch.Tensor]]) -> float:
+        """negatives=microbatch with GradCache: each microbatch (with all DP ranks') is one
+        problem, forwarded in chunks; gradients sync on the last chunk of the last microbatch."""
+        total = 0.0
+        for i, mb in enumerate(microbatches):
+            is_last = i == len(microbatches) - 1
+            cache = GradCache([self._packed], self.chunk_size, self._packed_loss, fp16=self.precision.scaler is not None,
+                              scaler=self.precision.scaler, sync_context=lambda _m, sync, last=is_last: self._grad_sync(sync and last))
+            total += cache.cache_step(mb, no_sync_except_last=True).item()
+        return total
+
     def backward(self, loss: torch.Tensor) -> None:
         (self.precision.scaler.scale(loss) if self.precision.scaler else loss).backward()
 
@@ -214,7 +242,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.lr_scheduler.get_last_lr()[0]
         if self.global_step is not None:  # one problem over all microbatches of all ranks
-            loss = self.global_step(self.encode, microbatches, grad_sync=self._grad_sync, backward=self.backward).item()
+            chunks = [c for mb in microbatches for c in split_inputs(mb, self.chunk_size)] if self.chunk_size else microbatches
+            loss = self.global_step(self.encode, chunks, grad_sync=self._grad_sync, backward=self.backward).item()
+        elif self.chunk_size:
+            loss = self.gradcache_step(microbatches)
         else:
             losses = [self.forward_backward_step(mb, is_last=i == len(microbatches) - 1) for i, mb in enumerate(microbatches)]
             loss = torch.stack(losses).sum().item()  # each is already / k: the sum is the mean

@@ -14,6 +14,8 @@ from typing import Any, Callable, Literal
 def _opt(default: Any, check: Callable[[Any], bool] | None = None, expect: str = "") -> Any:
     """A field with an optional range check; `expect` says what is valid, for error messages."""
     metadata = {"check": (check, expect)} if check is not None else {}
+    if isinstance(default, list):  # mutable: each config gets its own copy
+        return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
@@ -144,6 +146,18 @@ class Loss:
 
 
 @dataclass
+class GradCacheConfig:
+    enabled: bool = False
+    """Forward each microbatch in chunks (GradCache): the contrastive problem stays the
+    microbatch of all DP ranks (negatives=microbatch) or the global batch (negatives=global),
+    while activation memory is that of one chunk. Costs one extra forward per sample."""
+    chunk_sizes: list[int] = _opt([32], lambda v: 1 <= len(v) <= 2 and all(x >= 1 for x in v),
+                                  "one or two integers >= 1 (one chunk size, or image and text tower)")
+    """Samples per forward chunk: one value, or one per tower (image, text). The clip family runs
+    both towers in one forward, so its two values must be equal."""
+
+
+@dataclass
 class Data:
     dataset: Literal["fashion_mnist", "emoji"] = "fashion_mnist"
     """Image-text dataset: `fashion_mnist` (captions from class names, zero-shot eval) or
@@ -209,6 +223,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     loss: Loss = field(default_factory=Loss)
+    gradcache: GradCacheConfig = field(default_factory=GradCacheConfig)
     data: Data = field(default_factory=Data)
     eval: Eval = field(default_factory=Eval)
     metrics: Metrics = field(default_factory=Metrics)

@@ -47,13 +47,16 @@ class GradCache:
     (default: `split_inputs`, or `vlm.split_vlm_inputs` for packed VLM inputs). get_rep_fn(output)
     -> Tensor (default: `get_rep` with `rep_attribute`). fp16 runs forwards under float16 autocast
     and needs `scaler`; `autocast_dtype=torch.bfloat16` runs them under bfloat16 autocast, no scaler.
+    sync_context(model, sync) replaces the DDP / FSDP2 detection when the caller owns the wrapper
+    (a trainer whose "model" is a function around its DP module).
     """
 
     def __init__(self, models: Sequence[nn.Module], chunk_sizes: int | Sequence[int], loss_fn: Callable[..., Tensor],
                  split_input_fn: Callable[[Any, int], list[Any]] | None = None,
                  get_rep_fn: Callable[[Any], Tensor] | None = None, fp16: bool = False,
                  scaler: torch.amp.GradScaler | None = None, *, autocast_dtype: torch.dtype | None = None,
-                 rep_attribute: str = "pooler_output") -> None:
+                 rep_attribute: str = "pooler_output",
+                 sync_context: Callable[[nn.Module, bool], ContextManager] | None = None) -> None:
         self.models = list(models)
         sizes = [chunk_sizes] * len(self.models) if isinstance(chunk_sizes, int) else list(chunk_sizes)
         if len(sizes) != len(self.models):
@@ -71,6 +74,7 @@ class GradCache:
         self.scaler = scaler
         self.autocast_dtype = torch.float16 if fp16 else autocast_dtype
         self.rep_attribute = rep_attribute
+        self.sync_context = sync_context or _sync_context
 
     # ------------------------------------------------------------------ the three steps
 
@@ -118,7 +122,7 @@ class GradCache:
         start = 0
         for i, (chunk, state) in enumerate(zip(chunks, random_states)):
             sync = not no_sync_except_last or (sync_on_last and i == len(chunks) - 1)
-            with _sync_context(model, sync):
+            with self.sync_context(model, sync):
                 with state:
                     rep = self._rep(model, chunk)
                 grad = cached_gradients[start : start + len(rep)]
