@@ -221,3 +221,18 @@ def test_fp16_scaler_on_cuda() -> None:  # pragma: no cover - CI has no GPU
     scaler.unscale_(torch.optim.SGD(list(q.parameters()) + list(p.parameters()), lr=0.0))
     for got, want in zip(list(q.parameters()) + list(p.parameters()), list(want_q.parameters()) + list(want_p.parameters())):
         assert torch.allclose(got.grad, want.grad, rtol=2e-2, atol=1e-3)
+
+
+def test_bfloat16_autocast_on_a_plain_function_tracks_float32() -> None:
+    """autocast_dtype works for a function "model" (no .parameters()), surrogate in float32."""
+    q, p = (t.float() for t in towers("tensor", "tensor"))
+    x, y = data().float(), data(seed=2).float()
+    grads = []
+    for dtype in (None, torch.bfloat16):
+        for m in (q, p):
+            m.zero_grad()
+        torch.manual_seed(5)
+        GradCache([lambda a: q(a), lambda b: p(b)], [4, 5], info_nce, autocast_dtype=dtype).cache_step(x, y)
+        grads.append([t.grad.clone() for t in q.parameters()])
+    for fp32, bf16 in zip(*grads):
+        assert not torch.equal(fp32, bf16) and torch.allclose(fp32, bf16, rtol=5e-2, atol=5e-3)

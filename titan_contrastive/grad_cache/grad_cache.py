@@ -86,8 +86,10 @@ class GradCache:
     def _autocast(self, model: nn.Module) -> ContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        param = next(model.parameters(), None)
-        return torch.autocast(param.device.type if param is not None else "cpu", dtype=self.autocast_dtype)
+        params = model.parameters() if isinstance(model, nn.Module) else iter(())  # a plain function: no module
+        param = next(params, None)
+        device = param.device.type if param is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.autocast(device, dtype=self.autocast_dtype)
 
     def _rep(self, model: nn.Module, chunk: Any) -> Tensor:
         with self._autocast(model):
