@@ -250,7 +250,7 @@ def test_workers_match_main_process_and_resume() -> None:
 
 
 def test_datasets_constant() -> None:
-    assert DATASETS == ("fashion_mnist", "emoji")
+    assert DATASETS == ("fashion_mnist", "emoji", "wordnet")
 
 
 def test_image_size_resizes_every_image() -> None:

@@ -39,7 +39,7 @@ from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets import DataError, build_dataloader, build_dataset
 from titan_contrastive.distributed import destroy_distributed, init_distributed
 from titan_contrastive.distributed_clip import StreamingClipStep
-from titan_contrastive.grad_cache import GradCache, split_inputs
+from titan_contrastive.grad_cache import GradCache, split_inputs, split_vlm_inputs
 from titan_contrastive.parallelisms import ParallelDims, parallelize_model
 
 logger = logging.getLogger("titan_contrastive")
@@ -93,9 +93,21 @@ class Trainer:
 
         # 3. data (every rank is a DP rank: the DP rank is the global rank)
         data = cfg.data
-        common = dict(path=data.path, seed=cfg.training.seed, context_length=data.context_length, image_size=data.image_size)
+        try:  # a pretrained family brings its tokenizer (an optional dependency: a clear error if missing)
+            tokenizer = self.spec.build_tokenizer(flavor_args) if self.spec.build_tokenizer else None
+        except ImportError as e:
+            raise ConfigError(str(e)) from None
+        common = dict(path=data.path, seed=cfg.training.seed, context_length=data.context_length, image_size=data.image_size,
+                      tokenizer=tokenizer)
         self.train_set = build_dataset(data.dataset, "train", augment=data.augment, **common)
         self.eval_set = build_dataset(data.dataset, "test", augment=False, **common)
+        if self.spec.packed_patches:  # Qwen-VL-style packed patches at the flavor's patch size
+            for ds in (self.train_set, self.eval_set):
+                ds.pack_patches(flavor_args.patch_size, data.image_sizes)
+        elif data.image_sizes:
+            raise ConfigError(f"data.image_sizes={data.image_sizes}: mixed resolutions need a family that reads packed patches "
+                              f"(model.name=vlm); {cfg.model.name} takes one size: set data.image_size instead")
+        self.split = split_vlm_inputs if self.spec.packed_patches else split_inputs  # GradCache / re-forward chunks
         self.loader = build_dataloader(
             self.train_set, local_batch_size=cfg.training.local_batch_size, dp_rank=self.dist.rank,
             dp_world_size=self.dp_degree, seed=cfg.training.seed, num_workers=data.num_workers,
@@ -176,11 +188,16 @@ class Trainer:
             f"=  global {self.global_batch_size};  negatives per contrastive problem: {negatives}"
         )
 
-    def forward(self, images: torch.Tensor, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _inputs(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The family's two model inputs from a batch, on the device (float ones in the param dtype)."""
+        inputs = [batch[key] for key in self.spec.input_keys]
+        return [x.to(self.device, self.precision.param_dtype) if x.is_floating_point() else x.to(self.device) for x in inputs]
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The model's forward with this run's dtype and autocast, through the FSDP root / the
         unwrapped DDP module (evaluation; the train step calls the DP wrapper)."""
         with self.precision.autocast():
-            return self.model(images.to(self.device, self.precision.param_dtype), texts.to(self.device))
+            return self.model(*self._inputs(batch))
 
     def _grad_sync(self, is_last: bool) -> contextlib.AbstractContextManager:
         """Gradient reduction only after the last microbatch: always for DDP (no_sync), for
@@ -194,14 +211,13 @@ class Trainer:
     def encode(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The DP-wrapped model on one microbatch under autocast; outputs in >= float32."""
         with self.precision.autocast():
-            images = batch["image"].to(self.device, self.precision.param_dtype)
-            image_emb, text_emb, scale = self.dp_model(images, batch["text"].to(self.device))
+            image_emb, text_emb, scale = self.dp_model(*self._inputs(batch))
         self._last_scale = scale.detach()
         return at_least_fp32(image_emb), at_least_fp32(text_emb), at_least_fp32(scale)
 
-    def _packed(self, image: torch.Tensor, text: torch.Tensor, **_: Any) -> torch.Tensor:
-        """GradCache's view of the model: one [B, 2d+1] representation (image, text, scale)."""
-        image_emb, text_emb, scale = self.encode({"image": image, "text": text})
+    def _packed(self, **batch: torch.Tensor) -> torch.Tensor:
+        """GradCache's view of the model: one [B, 2d+1] representation (both towers, scale)."""
+        image_emb, text_emb, scale = self.encode(batch)
         return torch.cat([image_emb, text_emb, scale.reshape(1, 1).expand(len(image_emb), 1)], dim=1)
 
     def _packed_loss(self, rep: torch.Tensor) -> torch.Tensor:
@@ -214,7 +230,7 @@ class Trainer:
         total = 0.0
         for i, mb in enumerate(microbatches):
             is_last = i == len(microbatches) - 1
-            cache = GradCache([self._packed], self.chunk_size, self._packed_loss, fp16=self.precision.scaler is not None,
+            cache = GradCache([self._packed], self.chunk_size, self._packed_loss, split_input_fn=self.split, fp16=self.precision.scaler is not None,
                               scaler=self.precision.scaler, sync_context=lambda _m, sync, last=is_last: self._grad_sync(sync and last))
             total += cache.cache_step(mb, no_sync_except_last=True).item()
         return total
@@ -242,7 +258,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.lr_scheduler.get_last_lr()[0]
         if self.global_step is not None:  # one problem over all microbatches of all ranks
-            chunks = [c for mb in microbatches for c in split_inputs(mb, self.chunk_size)] if self.chunk_size else microbatches
+            chunks = [c for mb in microbatches for c in self.split(mb, self.chunk_size)] if self.chunk_size else microbatches
             loss = self.global_step(self.encode, chunks, grad_sync=self._grad_sync, backward=self.backward).item()
         elif self.chunk_size:
             loss = self.gradcache_step(microbatches)

@@ -31,13 +31,14 @@ def _gather_rows(local: torch.Tensor, counts: list[int]) -> torch.Tensor:
     return torch.cat([p[:n] for p, n in zip(parts, counts)])
 
 
-Forward = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Forward = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @torch.no_grad()
 def embed_dataset(forward: Forward, dataset: Any, *, batch_size: int, device: torch.device,
                   rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Image and caption embeddings, labels and exp(logit_scale), all rows on every rank.
+    """Both towers' embeddings (image/caption, query/document), labels (or sample indices)
+    and exp(logit_scale), all rows on every rank.
 
     Every rank runs the same number of forward calls (FSDP2 all-gathers parameters inside each
     call, a collective): a rank whose shard is used up runs one sample again and drops it.
@@ -51,11 +52,11 @@ def embed_dataset(forward: Forward, dataset: Any, *, batch_size: int, device: to
     for start in range(0, max(counts), batch_size):
         indices = mine[start : start + batch_size].tolist()
         batch = dataset.__getitems__(indices or [int(mine[0])])
-        image_emb, text_emb, scale = forward(batch["image"].to(device), batch["text"].to(device))
+        image_emb, text_emb, scale = forward(batch)
         if indices:
             img.append(at_least_fp32(image_emb))
             txt.append(at_least_fp32(text_emb))
-            labels.append(batch["label"].to(device))
+            labels.append(batch.get("label", batch["index"]).to(device))
     local = (torch.cat(img), torch.cat(txt), torch.cat(labels))
     assert scale is not None
     return (*(_gather_rows(t, counts) for t in local), at_least_fp32(scale))  # type: ignore[return-value]
@@ -65,23 +66,26 @@ def embed_dataset(forward: Forward, dataset: Any, *, batch_size: int, device: to
 def zero_shot_classifier(forward: Forward, dataset: Any, device: torch.device) -> torch.Tensor:
     """[num_classes, dim]: the normalised mean embedding of each class over all templates.
 
-    The captions go through the model's full forward (with placeholder images) rather than a
-    text-tower call: under FSDP2 only the root forward unshards the root's parameters.
+    The captions go through the model's full forward (with the first image as a placeholder, in
+    whatever form the dataset serves images) rather than a text-tower call: under FSDP2 only the
+    root forward unshards the root's parameters.
     """
     captions = [t.format(name) for name in dataset.class_names for t in dataset.templates]
-    ids = dataset.encode_text(captions).to(device)
-    placeholder = torch.zeros(len(captions), *dataset.image_shape, device=device)
-    _, emb, _ = forward(placeholder, ids)
+    batch = dataset.__getitems__([0] * len(captions))
+    batch["text"] = dataset.encode_text(captions)
+    _, emb, _ = forward(batch)
     per_class = at_least_fp32(emb).view(len(dataset.class_names), len(dataset.templates), -1).mean(1)
     return nn.functional.normalize(per_class, dim=-1)
 
 
-def recall_at_k(image_emb: torch.Tensor, text_emb: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> dict[str, float]:
-    """Image->text recall@k where caption i belongs to image i."""
+def recall_at_k(image_emb: torch.Tensor, text_emb: torch.Tensor, ks: tuple[int, ...] = (1, 5),
+                direction: str = "image_to_text") -> dict[str, float]:
+    """First-tower -> second-tower recall@k where item i belongs to item i (caption i to image i,
+    lemma i to definition i)."""
     sims = image_emb @ text_emb.T
     correct = sims.diagonal().unsqueeze(1)
-    rank = (sims > correct).sum(1)  # number of captions scored above the right one
-    return {f"image_to_text_r@{k}": (rank < k).float().mean().item() for k in ks}
+    rank = (sims > correct).sum(1)  # number of candidates scored above the right one
+    return {f"{direction}_r@{k}": (rank < k).float().mean().item() for k in ks}
 
 
 @torch.no_grad()
@@ -89,7 +93,7 @@ def evaluate(model: nn.Module, forward: Forward, dataset: Any, loss_fn: Callable
              batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1) -> dict[str, float]:
     """Eval loss plus zero-shot accuracy or retrieval recall; `loss_fn` must be unscaled.
 
-    `forward(images, texts) -> (image_emb, text_emb, exp(logit_scale))` runs `model` with the
+    `forward(batch) -> (first tower's emb, second tower's emb, exp(logit_scale))` runs `model` with the
     trainer's dtype and autocast; `model` is only switched to eval mode and back.
     """
     was_training = model.training
@@ -102,7 +106,7 @@ def evaluate(model: nn.Module, forward: Forward, dataset: Any, loss_fn: Callable
             pred = (img @ zero_shot_classifier(forward, dataset, device).T).argmax(1)
             out["zero_shot_top1"] = (pred == labels).float().mean().item()
         else:
-            out.update(recall_at_k(img, txt))
+            out.update(recall_at_k(img, txt, getattr(dataset, "recall_ks", (1, 5)), getattr(dataset, "recall_direction", "image_to_text")))
         return out
     finally:
         model.train(was_training)

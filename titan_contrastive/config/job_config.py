@@ -43,9 +43,9 @@ class Job:
 @dataclass
 class Model:
     name: str = "clip"
-    """Registered model family (see `titan_contrastive.models.list_models()`)."""
+    """Registered model family: `clip`, `bi_encoder` (pretrained MiniLM, needs `.[hf]`), or your own."""
     flavor: str = "debug"
-    """Size preset of the family, e.g. `debug` (CPU) or `vit_b32` (CLIP ViT-B/32)."""
+    """Size preset of the family: clip `debug` (CPU) / `vit_b32`; bi_encoder `minilm_l6` / `minilm_l6_dual`."""
 
 
 @dataclass
@@ -159,9 +159,10 @@ class GradCacheConfig:
 
 @dataclass
 class Data:
-    dataset: Literal["fashion_mnist", "emoji"] = "fashion_mnist"
-    """Image-text dataset: `fashion_mnist` (captions from class names, zero-shot eval) or
-    `emoji` (image <-> emoji name, retrieval eval on held-out emoji)."""
+    dataset: Literal["fashion_mnist", "emoji", "wordnet"] = "fashion_mnist"
+    """`fashion_mnist` (image-caption, zero-shot eval), `emoji` (image <-> emoji name, retrieval
+    eval on held-out emoji) or `wordnet` (definition <-> lemma text pairs for model.name=bi_encoder,
+    recall@1/@10 on 2,000 held-out definitions)."""
     path: str = ""
     """Data location; empty = the Debian package (Fashion-MNIST) if installed, else the bundled subset."""
     num_workers: int = _opt(0, lambda v: v >= 0, "an integer >= 0")
@@ -173,6 +174,10 @@ class Data:
     image_size: int = _opt(0, lambda v: v >= 0, "0 (native size) or a size in pixels")
     """0 = the dataset's native size; N = images resized (bilinear) to N x N, e.g. 224 for
     clip/vit_b32 (patch 32) on the 28x28 Fashion-MNIST."""
+    image_sizes: list[int] = _opt([], lambda v: all(x >= 1 for x in v), "a list of sizes in pixels, each >= 1")
+    """Mixed resolutions for families that read packed patches (model.name=vlm): each image is
+    served at one of these square sizes (train: drawn per sample and epoch; test: cycled), as
+    Qwen-VL-style `pixel_values` + `image_grid_thw`. Empty = one size (image_size or native)."""
 
 
 @dataclass

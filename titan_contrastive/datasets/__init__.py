@@ -8,33 +8,43 @@ resumable stream of batch dicts {image, text, label, index}.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from titan_contrastive.datasets.base import DataError, ImageTextDataset
 from titan_contrastive.datasets.emoji import build_emoji
 from titan_contrastive.datasets.fashion_mnist import build_fashion_mnist
 from titan_contrastive.datasets.loader import BlockedDistributedSampler, EpochLoader, build_dataloader
 from titan_contrastive.datasets.tokenizer import ByteTokenizer
+from titan_contrastive.datasets.wordnet import TextPairDataset, build_wordnet
 
 __all__ = [
     "DATASETS", "SPLITS", "BlockedDistributedSampler", "ByteTokenizer", "DataError", "EpochLoader",
-    "ImageTextDataset", "build_dataloader", "build_dataset",
+    "ImageTextDataset", "TextPairDataset", "build_dataloader", "build_dataset",
 ]
 
-_BUILDERS: dict[str, Callable[..., ImageTextDataset]] = {"fashion_mnist": build_fashion_mnist, "emoji": build_emoji}
+_BUILDERS: dict[str, Callable[..., ImageTextDataset | TextPairDataset]] = {
+    "fashion_mnist": build_fashion_mnist, "emoji": build_emoji, "wordnet": build_wordnet,
+}
+TOKENIZED_BY_MODEL = ("wordnet",)  # datasets that tokenize with the model family's tokenizer
 DATASETS: tuple[str, ...] = tuple(_BUILDERS)
 SPLITS: tuple[str, ...] = ("train", "test")
 
 
 def build_dataset(name: str, split: str, *, path: str = "", seed: int = 0, context_length: int = 32,
-                  augment: bool = True, image_size: int = 0) -> ImageTextDataset:
+                  augment: bool = True, image_size: int = 0, tokenizer: Any = None) -> ImageTextDataset | TextPairDataset:
     """One split of a dataset, in memory. `seed` drives the per-sample randomness of the train
     split (caption template, flips when `augment`); the test split is deterministic.
-    `image_size` > 0 serves images resized to that square size."""
+    `image_size` > 0 serves images resized to that square size. `tokenizer`: the model family's
+    own tokenizer, for the text-pair datasets that use one (wordnet)."""
     if name not in _BUILDERS:
         raise DataError(f"data.dataset={name!r}: unknown dataset; choose one of {', '.join(DATASETS)}")
     if split not in SPLITS:
         raise DataError(f"split={split!r}: unknown split; choose one of {', '.join(SPLITS)}")
+    if name in TOKENIZED_BY_MODEL:
+        return _BUILDERS[name](split, path=path, context_length=context_length, tokenizer=tokenizer)
+    if tokenizer is not None:
+        raise DataError(f"data.dataset={name!r} is image-text with its own tokenizer, but the model family brings a "
+                        f"pretrained text tokenizer; use a text-pair dataset ({', '.join(TOKENIZED_BY_MODEL)})")
     dataset = _BUILDERS[name](split, path=path, seed=seed, context_length=context_length, augment=augment)
     dataset.resize(image_size)
     return dataset

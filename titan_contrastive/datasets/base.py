@@ -18,12 +18,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from titan_contrastive.datasets.packing import pack_images
 from titan_contrastive.datasets.tokenizer import ByteTokenizer
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64 increment
 STREAM_TEMPLATE = 0
 STREAM_FLIP = 1
+STREAM_SIZE = 2
 
 
 class DataError(ValueError):
@@ -93,6 +95,8 @@ class ImageTextDataset:
         self.image_shape: tuple[int, int, int] = tuple(images.shape[1:])  # type: ignore[assignment]
         self._images = images
         self._size = 0  # 0: native size (see `resize`)
+        self._patch_size = 0  # > 0: packed patches (see `pack_patches`)
+        self._sizes: list[int] = []
         self.labels = labels.long()
         self._text_ids = text_ids.long()
         channels = self.image_shape[0]
@@ -119,6 +123,29 @@ class ImageTextDataset:
         self._size = size
         self.image_shape = (channels, size, size) if size else tuple(self._images.shape[1:])  # type: ignore[assignment]
 
+    def pack_patches(self, patch_size: int, sizes: Sequence[int] = ()) -> None:
+        """Serve Qwen-VL-style packed patches instead of [B, C, H, W] images: `pixel_values`
+        [total_patches, C·p·p] and `image_grid_thw` [B, 3], each image at one of `sizes` (square,
+        in pixels; empty = the current size). Train: the size of sample i is drawn per (seed,
+        epoch, i); test: sizes[i % len(sizes)], so evaluation covers every resolution."""
+        sizes = list(sizes) or [self.image_shape[1]]
+        bad = [s for s in sizes if s < patch_size or s % patch_size]
+        if patch_size < 1 or bad:
+            raise DataError(f"data.image_sizes={sizes}: {bad} are not positive multiples of the model's patch size "
+                            f"{patch_size}; use sizes like {[patch_size * k for k in (2, 3, 4)]}")
+        self._patch_size, self._sizes = patch_size, sorted(set(sizes))
+        self.image_shape = (self.image_shape[0], self._sizes[-1], self._sizes[-1])
+
+    @property
+    def image_sizes(self) -> list[int]:
+        """The resolutions packed batches mix (empty when images are served as [B, C, H, W])."""
+        return list(self._sizes)
+
+    def _image_size_ids(self, idx: np.ndarray) -> np.ndarray:
+        if self.split != "train":
+            return idx % len(self._sizes)
+        return (sample_hash(self.seed, self.epoch, STREAM_SIZE, idx) % np.uint64(len(self._sizes))).astype(np.int64)
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose per-sample randomness `__getitems__` draws."""
         self.epoch = epoch
@@ -129,7 +156,8 @@ class ImageTextDataset:
         return (sample_hash(self.seed, self.epoch, STREAM_TEMPLATE, idx) % np.uint64(len(self.templates))).astype(np.int64)
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
-        """The batch dict: image float32 [B,C,H,W] (normalized), text int64 [B,L], label int64 [B], index int64 [B]."""
+        """The batch dict: image float32 [B,C,H,W] (normalized), text int64 [B,L], label int64 [B], index int64 [B];
+        with `pack_patches`, pixel_values float32 [total_patches, C·p·p] and image_grid_thw int64 [B, 3] instead of image."""
         idx_np = np.asarray(indices, dtype=np.int64)
         idx = torch.from_numpy(idx_np)
         images = self._images[idx]
@@ -138,18 +166,21 @@ class ImageTextDataset:
             images = torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
         template = torch.from_numpy(self._template_ids(idx_np))
         pixels = images.float().mul_(self._scale).add_(self._shift)
+        text = {"text": self._tokens[template, self._text_ids[idx]], "label": self.labels[idx], "index": idx}
+        if self._patch_size:
+            sizes = np.asarray(self._sizes)[self._image_size_ids(idx_np)]
+            pixel_values, grid = pack_images(pixels, sizes, self._patch_size)
+            return {"pixel_values": pixel_values, "image_grid_thw": grid, **text}
         if self._size and self._size != images.shape[-1]:
             pixels = F.interpolate(pixels, size=(self._size, self._size), mode="bilinear", align_corners=False,
                                    antialias=self._size < images.shape[-1])
-        return {
-            "image": pixels,
-            "text": self._tokens[template, self._text_ids[idx]],
-            "label": self.labels[idx],
-            "index": idx,
-        }
+        return {"image": pixels, **text}
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        """One sample, unbatched; the same values it has inside any batch."""
+        """One sample, unbatched; the same values it has inside any batch (packed: all its patch rows)."""
+        if self._patch_size:
+            batch = self.__getitems__([index])
+            return {k: v if k == "pixel_values" else v[0] for k, v in batch.items()}
         return {key: value[0] for key, value in self.__getitems__([index]).items()}
 
     def captions(self, indices: Sequence[int]) -> list[str]:

@@ -59,6 +59,16 @@ class ModelSpec:
     checkpointing and compile (typically the residual blocks)."""
     default_loss: str = "clip"
     """Name of the loss the family trains with."""
+    input_keys: tuple[str, ...] = ("image", "text")
+    """The batch entries passed to `model(*inputs)`, in order (e.g. ("query", "doc")); the model
+    returns (first tower's embeddings, second tower's embeddings, exp(logit_scale))."""
+    build_tokenizer: Callable[[Any], Any] | None = None
+    """For families with their own (pretrained) tokenizer: args -> tokenizer, handed to the
+    datasets that tokenize with it. None: datasets use their own tokenizer."""
+    packed_patches: bool = False
+    """The family reads Qwen-VL-style packed patches: the trainer asks the image dataset for
+    `pixel_values` / `image_grid_thw` at the flavor's `patch_size` (and `data.image_sizes`), and
+    chunks batches on image boundaries (`grad_cache.split_vlm_inputs`)."""
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -44,11 +44,12 @@ class Attention(nn.Module):
         self.in_proj = nn.Linear(width, 3 * width)
         self.out_proj = nn.Linear(width, width)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        """`attn_mask`: optional bool [B, 1, 1, T], True where a key may be attended (padding)."""
         b, t, w = x.shape
         # [B, T, 3, H, D] -> three [B, H, T, D]
         q, k, v = self.in_proj(x).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=self.causal)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, w))
 
 
@@ -80,8 +81,8 @@ class ResidualBlock(nn.Module):
         self.mlp = MLP(width, mlp_hidden(width, mlp_ratio))
         self.dropout = _maybe_dropout(dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x)))
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x), attn_mask))
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
     def init_weights(
@@ -112,9 +113,9 @@ class Transformer(nn.Module):
             ResidualBlock(width, heads, mlp_ratio, dropout, causal=causal) for _ in range(layers)
         )
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if attn_mask is None else block(x, attn_mask)
         return x
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:

