@@ -63,7 +63,7 @@ def embed_dataset(forward: Forward, dataset: Any, *, batch_size: int, device: to
 
 
 @torch.no_grad()
-def zero_shot_classifier(forward: Forward, dataset: Any, device: torch.device) -> torch.Tensor:
+def zero_shot_classifier(forward: Forward, dataset: Any) -> torch.Tensor:
     """[num_classes, dim]: the normalised mean embedding of each class over all templates.
 
     The captions go through the model's full forward (with the first image as a placeholder, in
@@ -103,7 +103,7 @@ def evaluate(model: nn.Module, forward: Forward, dataset: Any, loss_fn: Callable
         losses = [loss_fn(img[i : i + batch_size], txt[i : i + batch_size], scale) for i in range(0, len(img), batch_size)]
         out = {"loss": torch.stack(losses).mean().item(), "num_samples": float(len(img))}
         if dataset.class_names:
-            pred = (img @ zero_shot_classifier(forward, dataset, device).T).argmax(1)
+            pred = (img @ zero_shot_classifier(forward, dataset).T).argmax(1)
             out["zero_shot_top1"] = (pred == labels).float().mean().item()
         else:
             out.update(recall_at_k(img, txt, getattr(dataset, "recall_ks", (1, 5)), getattr(dataset, "recall_direction", "image_to_text")))

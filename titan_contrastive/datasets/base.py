@@ -128,11 +128,15 @@ class ImageTextDataset:
         [total_patches, C·p·p] and `image_grid_thw` [B, 3], each image at one of `sizes` (square,
         in pixels; empty = the current size). Train: the size of sample i is drawn per (seed,
         epoch, i); test: sizes[i % len(sizes)], so evaluation covers every resolution."""
+        example = [patch_size * k for k in (2, 3, 4)]
+        if not sizes and self.image_shape[1] % patch_size:
+            raise DataError(f"{self.name} images are {self.image_shape[1]} px, not a multiple of the model's patch size {patch_size}; "
+                            f"set data.image_sizes (e.g. {example}) or data.image_size to a multiple of {patch_size}")
         sizes = list(sizes) or [self.image_shape[1]]
         bad = [s for s in sizes if s < patch_size or s % patch_size]
-        if patch_size < 1 or bad:
+        if bad:
             raise DataError(f"data.image_sizes={sizes}: {bad} are not positive multiples of the model's patch size "
-                            f"{patch_size}; use sizes like {[patch_size * k for k in (2, 3, 4)]}")
+                            f"{patch_size}; use sizes like {example}")
         self._patch_size, self._sizes = patch_size, sorted(set(sizes))
         self.image_shape = (self.image_shape[0], self._sizes[-1], self._sizes[-1])
 
