@@ -22,6 +22,7 @@ import math
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -29,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_contrastive import models
 from titan_contrastive.components.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState, TrainState
-from titan_contrastive.components.evaluate import evaluate
+from titan_contrastive.components.evaluate import evaluate, evaluate_reconstruction
 from titan_contrastive.components.loss import RescaleAccumulatedLoss, build_loss_fn
 from titan_contrastive.components.lr_scheduler import build_lr_scheduler
 from titan_contrastive.components.metrics import MetricsProcessor, device_peak_tflops
@@ -41,6 +42,7 @@ from titan_contrastive.distributed import destroy_distributed, init_distributed
 from titan_contrastive.distributed_clip import StreamingClipStep
 from titan_contrastive.grad_cache import GradCache, split_inputs, split_vlm_inputs
 from titan_contrastive.parallelisms import ParallelDims, parallelize_model
+from titan_contrastive.pixel_step import PixelStep, pixel_loss_options
 
 logger = logging.getLogger("titan_contrastive")
 
@@ -101,13 +103,16 @@ class Trainer:
                       tokenizer=tokenizer)
         self.train_set = build_dataset(data.dataset, "train", augment=data.augment, **common)
         self.eval_set = build_dataset(data.dataset, "test", augment=False, **common)
-        if self.spec.packed_patches:  # Qwen-VL-style packed patches at the flavor's patch size
-            for ds in (self.train_set, self.eval_set):
+        layout = self.spec.image_layout
+        for ds in (self.train_set, self.eval_set):
+            if layout == "packed":  # Qwen-VL-style packed patches at the flavor's patch size
                 ds.pack_patches(flavor_args.patch_size, data.image_sizes)
-        elif data.image_sizes:
-            raise ConfigError(f"data.image_sizes={data.image_sizes}: mixed resolutions need a family that reads packed patches "
-                              f"(model.name=vlm); {cfg.model.name} takes one size: set data.image_size instead")
-        self.split = split_vlm_inputs if self.spec.packed_patches else split_inputs  # GradCache / re-forward chunks
+            elif layout == "masked":  # [-1, 1], zero-padded, with masks (the vae's pixel loss)
+                ds.serve_masked(flavor_args.downsample, data.image_sizes)
+            elif data.image_sizes:
+                raise ConfigError(f"data.image_sizes={data.image_sizes}: mixed resolutions need a family that reads packed patches "
+                                  f"or masks (model.name=vlm or vae); {cfg.model.name} takes one size: set data.image_size instead")
+        self.split = split_vlm_inputs if layout == "packed" else split_inputs  # GradCache / re-forward chunks
         self.loader = build_dataloader(
             self.train_set, local_batch_size=cfg.training.local_batch_size, dp_rank=self.dist.rank,
             dp_world_size=self.dp_degree, seed=cfg.training.seed, num_workers=data.num_workers,
@@ -132,8 +137,18 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         dp_group = torch.distributed.group.WORLD if self.dist.is_distributed else None
-        self.loss_fn = RescaleAccumulatedLoss(build_loss_fn(cfg.loss.name, dp_group), self.ga_steps)
-        self.eval_loss_fn = build_loss_fn(cfg.loss.name)  # local and never rescaled
+        loss_name = cfg.loss.name or self.spec.default_loss
+        if loss_name != self.spec.default_loss:
+            raise ConfigError(f"loss.name={loss_name!r}: the {cfg.model.name} family trains with {self.spec.default_loss!r}; "
+                              f"set loss.name={self.spec.default_loss} or leave it empty")
+        self.pixel = loss_name == "pixel"  # the loss is computed inside the model (vae family)
+        if self.pixel:
+            self.model.pixel_loss_options = pixel_loss_options(cfg, fsdp=self.dims.fsdp_enabled, fp16_scaler=self.precision.scaler is not None)
+            self.pixel_step = PixelStep(channels=self.train_set.image_shape[0], dp_degree=self.dp_degree, device=self.device,
+                                        distributed=self.dist.is_distributed)
+        else:
+            self.loss_fn = RescaleAccumulatedLoss(build_loss_fn(loss_name, dp_group), self.ga_steps)
+            self.eval_loss_fn = build_loss_fn(loss_name)  # local and never rescaled
         sizes = cfg.gradcache.chunk_sizes
         if cfg.gradcache.enabled and len(set(sizes)) > 1:
             raise ConfigError(f"gradcache.chunk_sizes={sizes}: the {cfg.model.name} family runs both towers in one forward; "
@@ -169,23 +184,27 @@ class Trainer:
         logger.info(f"data: {ds.name} train {len(ds)} samples ({'full set' if ds.full else 'bundled subset'}, {ds.source}), eval {len(self.eval_set)}")
         logger.info(
             f"model: {cfg.model.name}/{cfg.model.flavor}  params {self.model_args.num_params():,}  "
-            f"training FLOPs/sample {self.model_args.flops_per_sample():.3e} (encoders; loss excluded)  device {self.device}"
+            f"training FLOPs/sample {f'{flops:.3e}' if (flops := self.model_args.flops_per_sample()) else 'n/a'} (encoders; loss excluded)  device {self.device}"
         )
         logger.info(
             f"parallelism: {self.dims.mode} (replicate {self.dims.dp_replicate} x shard {self.dims.dp_shard})  "
             f"params {cfg.training.dtype}  compute {self.precision.compute_dtype}  AC {cfg.activation_checkpoint.mode}  "
             f"compile {cfg.compile.backend if cfg.compile.enable else 'off'}"
         )
-        if self.global_step is not None:
-            negatives = (f"{self.global_batch_size} (loss.negatives=global: one exact problem over the global batch, "
+        if self.pixel:
+            px = cfg.pixel_loss
+            negatives = (f"pixel loss: masked {px.loss_type} mean over the global batch, decoder mode {px.mode}, chunks of "
+                         f"{'adaptive size' if px.adaptive else px.chunk_size}")
+        elif self.global_step is not None:
+            negatives = (f"negatives per contrastive problem: {self.global_batch_size} (loss.negatives=global: one exact problem over the global batch, "
                          f"streamed in blocks of {cfg.loss.stream_chunk_size} rows; the {self.ga_steps} microbatches are re-forward chunks)")
         else:
-            negatives = f"{cfg.training.local_batch_size * self.dp_degree} (loss.negatives=microbatch: accumulation adds no negatives)"
+            negatives = f"negatives per contrastive problem: {cfg.training.local_batch_size * self.dp_degree} (loss.negatives=microbatch: accumulation adds no negatives)"
         if self.chunk_size:
             negatives += f"; GradCache: forwards in chunks of {self.chunk_size} samples"
         logger.info(
             f"batch: local {cfg.training.local_batch_size}  x  grad-accum steps {self.ga_steps}  x  dp degree {self.dp_degree}  "
-            f"=  global {self.global_batch_size};  negatives per contrastive problem: {negatives}"
+            f"=  global {self.global_batch_size};  {negatives}"
         )
 
     def _inputs(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -235,6 +254,10 @@ class Trainer:
             total += cache.cache_step(mb, no_sync_except_last=True).item()
         return total
 
+    def _pixel_forward(self, batch: dict[str, torch.Tensor], backward_scale: float) -> torch.Tensor:
+        with self.precision.autocast():
+            return self.dp_model(*self._inputs(batch), backward_scale=backward_scale)[0]
+
     def backward(self, loss: torch.Tensor) -> None:
         (self.precision.scaler.scale(loss) if self.precision.scaler else loss).backward()
 
@@ -257,7 +280,9 @@ class Trainer:
         """zero_grad -> k x forward_backward -> unscale/clip -> finite check -> step -> schedule."""
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.lr_scheduler.get_last_lr()[0]
-        if self.global_step is not None:  # one problem over all microbatches of all ranks
+        if self.pixel:
+            loss = self.pixel_step(self._pixel_forward, microbatches, grad_sync=self._grad_sync, backward=self.backward)
+        elif self.global_step is not None:  # one problem over all microbatches of all ranks
             chunks = [c for mb in microbatches for c in self.split(mb, self.chunk_size)] if self.chunk_size else microbatches
             loss = self.global_step(self.encode, chunks, grad_sync=self._grad_sync, backward=self.backward).item()
         elif self.chunk_size:
@@ -285,8 +310,9 @@ class Trainer:
             self.lr_scheduler.step()
         if skipped:
             self.train_state.skipped_steps += 1
-        with torch.no_grad():
-            self.model.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
+        if hasattr(self.model, "logit_scale"):
+            with torch.no_grad():
+                self.model.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
         self.train_state.step = step
         self.train_state.samples_seen += self.global_batch_size
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped_steps": self.train_state.skipped_steps}
@@ -308,6 +334,13 @@ class Trainer:
         return batches
 
     def evaluate(self) -> dict[str, float]:
+        if self.pixel:  # masked MSE / PSNR of reconstructions, PNG grid in the dump folder
+            def reconstruct(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                with self.precision.autocast():
+                    return self.model(*self._inputs(batch), reconstruct=True)
+            return evaluate_reconstruction(self.model, reconstruct, self.eval_set, batch_size=self.cfg.eval.batch_size,
+                                           device=self.device, rank=self.dist.rank, world_size=self.dist.world_size,
+                                           grid_path=Path(self.cfg.job.dump_folder) / f"reconstructions_step{self.step}.png")
         return evaluate(
             self.model, self.forward, self.eval_set, self.eval_loss_fn, batch_size=self.cfg.eval.batch_size,
             device=self.device, rank=self.dist.rank, world_size=self.dist.world_size,
@@ -323,7 +356,7 @@ class Trainer:
             self.metrics.samples += self.global_batch_size
             last = self.step == cfg.training.steps
             if self.step % cfg.metrics.log_freq == 0 or last:
-                self.metrics.log_train(self.step, **out, logit_scale=self._last_scale.item())
+                self.metrics.log_train(self.step, **out, **({} if self.pixel else {"logit_scale": self._last_scale.item()}))
             side_work = False  # eval and checkpoint time stays out of samples/s
             if cfg.eval.enable and (last or (cfg.eval.freq and self.step % cfg.eval.freq == 0)):
                 start = time.perf_counter()

@@ -6,11 +6,18 @@ Order of operations in `evaluate`:
 3. the eval loss is the mean of the *unscaled* loss over consecutive batches of
    `batch_size` (independent of the number of ranks and of gradient accumulation);
 4. zero-shot top-1 (datasets with class names) or image->text recall@1/@5 (others).
+
+`evaluate_reconstruction` (vae family): masked MSE and PSNR of the reconstructions in [0, 1],
+summed exactly over ranks (numerator and denominator), and a PNG grid of originals over
+reconstructions.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
+
+import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -108,5 +115,55 @@ def evaluate(model: nn.Module, forward: Forward, dataset: Any, loss_fn: Callable
         else:
             out.update(recall_at_k(img, txt, getattr(dataset, "recall_ks", (1, 5)), getattr(dataset, "recall_direction", "image_to_text")))
         return out
+    finally:
+        model.train(was_training)
+
+
+def _save_grid(originals: torch.Tensor, recons: torch.Tensor, masks: torch.Tensor, path: Path, scale: int = 4) -> None:
+    """Originals (top row) over reconstructions (bottom row), padding shown black, as a PNG."""
+    from PIL import Image
+
+    def row(x: torch.Tensor) -> torch.Tensor:  # [N, C, H, W] in [-1, 1] -> [C, H, N*(W+2)]
+        x = ((x.float() * 0.5 + 0.5).clamp(0, 1) * masks.float()).cpu()
+        return torch.cat([torch.nn.functional.pad(img, (1, 1)) for img in x], dim=2)
+
+    grid = torch.cat([row(originals), torch.zeros(originals.shape[1], 2, row(originals).shape[2]), row(recons)], dim=1)
+    pixels = (grid * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    image = Image.fromarray(pixels[..., 0] if pixels.shape[2] == 1 else pixels)
+    tmp = path.with_suffix(".tmp.png")
+    image.resize((image.width * scale, image.height * scale), Image.NEAREST).save(tmp)
+    tmp.replace(path)
+
+
+@torch.no_grad()
+def evaluate_reconstruction(model: nn.Module, reconstruct: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
+                            dataset: Any, *, batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1,
+                            grid_path: Path | None = None, grid_images: int = 12) -> dict[str, float]:
+    """Masked MSE / PSNR of `reconstruct(batch) -> (loss, images)` over the dataset (every rank runs
+    the same number of calls, as FSDP2 needs); rank 0 writes the grid of the first images."""
+    if len(dataset) < world_size:
+        raise ValueError(f"eval set has {len(dataset)} samples, fewer than the {world_size} data-parallel ranks")
+    was_training = model.training
+    model.eval()
+    try:
+        shards = np.array_split(np.arange(len(dataset)), world_size)
+        mine, longest = shards[rank], max(len(s) for s in shards)
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # squared error, scored values
+        for start in range(0, longest, batch_size):
+            indices = mine[start : start + batch_size].tolist()
+            batch = dataset.__getitems__(indices or [int(mine[0])])
+            _, recon = reconstruct(batch)
+            if not indices:
+                continue
+            image, mask = batch["image"].to(device, torch.float64), batch["mask"].to(device, torch.float64)
+            err = ((recon.double() * 0.5 + 0.5).clamp(0, 1) - (image * 0.5 + 0.5).clamp(0, 1)).square()
+            sums += torch.stack([(err * mask).sum(), mask.sum() * image.shape[1]])
+            if rank == 0 and start == 0 and grid_path is not None:
+                n = min(grid_images, len(indices))
+                _save_grid(batch["image"][:n], recon[:n], batch["mask"][:n], grid_path)
+        if world_size > 1:
+            dist.all_reduce(sums)
+        mse = (sums[0] / sums[1]).item()
+        return {"loss": mse, "num_samples": float(len(dataset)), "psnr_db": 10 * math.log10(1 / mse) if mse > 0 else math.inf}
     finally:
         model.train(was_training)

@@ -92,7 +92,7 @@ class MetricsProcessor:
             "data_share": self.data_time / elapsed,
             **extra,
         }
-        if self.peak_flops > 0:
+        if self.peak_flops > 0 and self.flops_per_sample > 0:  # 0: FLOPs not modelled (vae)
             values["mfu"] = self.samples * self.flops_per_sample / elapsed / self.peak_flops
         self.record("train", step, values)
         mfu = f"  mfu {values['mfu']:.1%}" if "mfu" in values else ""

@@ -134,8 +134,10 @@ class LRScheduler:
 
 @dataclass
 class Loss:
-    name: str = "clip"
-    """Training loss; `clip` is the symmetric InfoNCE with the model's learnable logit scale."""
+    name: Literal["", "clip", "pixel"] = ""
+    """Training loss; empty = the model family's own. `clip`: symmetric InfoNCE with the model's
+    learnable logit scale (clip, bi_encoder, vlm). `pixel`: masked reconstruction loss through the
+    decoder, see [pixel_loss] (vae)."""
     negatives: Literal["microbatch", "global"] = "microbatch"
     """Which samples form one contrastive problem. `microbatch`: the current microbatches of
     all DP ranks (gathered with gradient); accumulation steps do not add negatives.
@@ -143,6 +145,24 @@ class Loss:
     distributed step, seed 001); the accumulation microbatches become its re-forward chunks."""
     stream_chunk_size: int = _positive(1024)
     """negatives=global: logit rows per block; extra memory ~ 2 x stream_chunk_size x N floats."""
+
+
+@dataclass
+class PixelLoss:
+    """The vae family's masked pixel loss (seed 003); see components/pixel_loss.py."""
+
+    mode: Literal["v0", "chunked", "per_chunk_backward"] = "per_chunk_backward"
+    """`v0` decodes the batch at once; `chunked` decodes in chunks but keeps every chunk's graph
+    until backward; `per_chunk_backward` backpropagates each chunk at once (peak activations of
+    one chunk). All three give the same loss and gradients. Env PIXEL_LOSS_USE_V0=1 forces v0."""
+    loss_type: Literal["l2", "mse", "l1"] = "l2"
+    """Per-pixel difference in [0, 1] space: squared (l2, mse) or absolute (l1)."""
+    chunk_size: int = _positive(2)
+    """Images per decode when `adaptive` is false."""
+    adaptive: bool = True
+    """Pick the chunk size from the resolution: >= 1 MP -> 1, >= 0.25 MP -> 2, else 4."""
+    empty_cache_every: int = _opt(0, lambda v: v >= 0, "an integer >= 0 (0 = never)")
+    """CUDA only: torch.cuda.empty_cache() every this many chunks (seed 003 used 2)."""
 
 
 @dataclass
@@ -228,6 +248,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     loss: Loss = field(default_factory=Loss)
+    pixel_loss: PixelLoss = field(default_factory=PixelLoss)
     gradcache: GradCacheConfig = field(default_factory=GradCacheConfig)
     data: Data = field(default_factory=Data)
     eval: Eval = field(default_factory=Eval)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from titan_contrastive.datasets.packing import pack_images
+from titan_contrastive.datasets.packing import pack_images, pad_to_batch, resize_each
 from titan_contrastive.datasets.tokenizer import ByteTokenizer
 
 _MASK64 = (1 << 64) - 1
@@ -95,7 +95,8 @@ class ImageTextDataset:
         self.image_shape: tuple[int, int, int] = tuple(images.shape[1:])  # type: ignore[assignment]
         self._images = images
         self._size = 0  # 0: native size (see `resize`)
-        self._patch_size = 0  # > 0: packed patches (see `pack_patches`)
+        self._layout = "batch"  # or "packed" (see `pack_patches`) or "masked" (see `serve_masked`)
+        self._patch_size = 0
         self._sizes: list[int] = []
         self.labels = labels.long()
         self._text_ids = text_ids.long()
@@ -123,21 +124,36 @@ class ImageTextDataset:
         self._size = size
         self.image_shape = (channels, size, size) if size else tuple(self._images.shape[1:])  # type: ignore[assignment]
 
+    def _mixed_sizes(self, sizes: Sequence[int], multiple: int, what: str) -> list[int]:
+        """The validated resolutions to mix (`data.image_sizes`, else the current size)."""
+        example = [multiple * k for k in (2, 3, 4)]
+        if not sizes and self.image_shape[1] % multiple:
+            raise DataError(f"{self.name} images are {self.image_shape[1]} px, not a multiple of the model's {what} {multiple}; "
+                            f"set data.image_sizes (e.g. {example}) or data.image_size to a multiple of {multiple}")
+        sizes = list(sizes) or [self.image_shape[1]]
+        bad = [s for s in sizes if s < multiple or s % multiple]
+        if bad:
+            raise DataError(f"data.image_sizes={sizes}: {bad} are not positive multiples of the model's {what} {multiple}; "
+                            f"use sizes like {example}")
+        return sorted(set(sizes))
+
     def pack_patches(self, patch_size: int, sizes: Sequence[int] = ()) -> None:
         """Serve Qwen-VL-style packed patches instead of [B, C, H, W] images: `pixel_values`
         [total_patches, C·p·p] and `image_grid_thw` [B, 3], each image at one of `sizes` (square,
         in pixels; empty = the current size). Train: the size of sample i is drawn per (seed,
         epoch, i); test: sizes[i % len(sizes)], so evaluation covers every resolution."""
-        example = [patch_size * k for k in (2, 3, 4)]
-        if not sizes and self.image_shape[1] % patch_size:
-            raise DataError(f"{self.name} images are {self.image_shape[1]} px, not a multiple of the model's patch size {patch_size}; "
-                            f"set data.image_sizes (e.g. {example}) or data.image_size to a multiple of {patch_size}")
-        sizes = list(sizes) or [self.image_shape[1]]
-        bad = [s for s in sizes if s < patch_size or s % patch_size]
-        if bad:
-            raise DataError(f"data.image_sizes={sizes}: {bad} are not positive multiples of the model's patch size "
-                            f"{patch_size}; use sizes like {example}")
-        self._patch_size, self._sizes = patch_size, sorted(set(sizes))
+        self._sizes = self._mixed_sizes(sizes, patch_size, "patch size")
+        self._layout, self._patch_size = "packed", patch_size
+        self.image_shape = (self.image_shape[0], self._sizes[-1], self._sizes[-1])
+
+    def serve_masked(self, multiple: int, sizes: Sequence[int] = ()) -> None:
+        """Serve images in [-1, 1] at mixed sizes (chosen like `pack_patches`), zero-padded to the
+        largest into `image` [B, C, S, S], with `mask` [B, 1, S, S] = 1 on real pixels (the vae
+        family's masked pixel loss). Sizes must be multiples of `multiple` (the downsampling)."""
+        self._sizes = self._mixed_sizes(sizes, multiple, "downsampling factor")
+        self._layout = "masked"
+        self._scale = torch.full_like(self._scale, 1 / 127.5)
+        self._shift = torch.full_like(self._shift, -1.0)
         self.image_shape = (self.image_shape[0], self._sizes[-1], self._sizes[-1])
 
     @property
@@ -161,7 +177,8 @@ class ImageTextDataset:
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The batch dict: image float32 [B,C,H,W] (normalized), text int64 [B,L], label int64 [B], index int64 [B];
-        with `pack_patches`, pixel_values float32 [total_patches, C·p·p] and image_grid_thw int64 [B, 3] instead of image."""
+        with `pack_patches`, pixel_values float32 [total_patches, C·p·p] and image_grid_thw int64 [B, 3] instead of image;
+        with `serve_masked`, image in [-1, 1] zero-padded and mask float32 [B, 1, H, W]."""
         idx_np = np.asarray(indices, dtype=np.int64)
         idx = torch.from_numpy(idx_np)
         images = self._images[idx]
@@ -171,10 +188,13 @@ class ImageTextDataset:
         template = torch.from_numpy(self._template_ids(idx_np))
         pixels = images.float().mul_(self._scale).add_(self._shift)
         text = {"text": self._tokens[template, self._text_ids[idx]], "label": self.labels[idx], "index": idx}
-        if self._patch_size:
-            sizes = np.asarray(self._sizes)[self._image_size_ids(idx_np)]
-            pixel_values, grid = pack_images(pixels, sizes, self._patch_size)
+        if self._layout == "packed":
+            pixel_values, grid = pack_images(pixels, np.asarray(self._sizes)[self._image_size_ids(idx_np)], self._patch_size)
             return {"pixel_values": pixel_values, "image_grid_thw": grid, **text}
+        if self._layout == "masked":
+            resized = resize_each(pixels, np.asarray(self._sizes)[self._image_size_ids(idx_np)])
+            image, mask = pad_to_batch(resized, size=self._sizes[-1])
+            return {"image": image, "mask": mask, **text}
         if self._size and self._size != images.shape[-1]:
             pixels = F.interpolate(pixels, size=(self._size, self._size), mode="bilinear", align_corners=False,
                                    antialias=self._size < images.shape[-1])
@@ -182,7 +202,7 @@ class ImageTextDataset:
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         """One sample, unbatched; the same values it has inside any batch (packed: all its patch rows)."""
-        if self._patch_size:
+        if self._layout == "packed":
             batch = self.__getitems__([index])
             return {k: v if k == "pixel_values" else v[0] for k, v in batch.items()}
         return {key: value[0] for key, value in self.__getitems__([index]).items()}

@@ -1,6 +1,6 @@
 """Model families and their registry.
 
-Importing this package registers the built-in families ("clip", "bi_encoder", "vlm"). The trainer
+Importing this package registers the built-in families ("clip", "bi_encoder", "vlm", "vae"). The trainer
 resolves `model.name` / `model.flavor` with `get_model_spec` / `get_flavor_args`.
 
 To add a family from your own package, call `register_model` at import time of one of
@@ -22,8 +22,8 @@ from titan_contrastive.models.registry import (
     register_model,
 )
 
-# Imported for their side effect: register the "clip", "bi_encoder" and "vlm" families.
-from titan_contrastive.models import bi_encoder, clip, vlm  # noqa: E402,F401  isort: skip
+# Imported for their side effect: register the "clip", "bi_encoder", "vlm" and "vae" families.
+from titan_contrastive.models import bi_encoder, clip, vae, vlm  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "ModelRegistryError",

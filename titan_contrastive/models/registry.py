@@ -65,16 +65,20 @@ class ModelSpec:
     build_tokenizer: Callable[[Any], Any] | None = None
     """For families with their own (pretrained) tokenizer: args -> tokenizer, handed to the
     datasets that tokenize with it. None: datasets use their own tokenizer."""
-    packed_patches: bool = False
-    """The family reads Qwen-VL-style packed patches: the trainer asks the image dataset for
-    `pixel_values` / `image_grid_thw` at the flavor's `patch_size` (and `data.image_sizes`), and
-    chunks batches on image boundaries (`grad_cache.split_vlm_inputs`)."""
+    image_layout: str = "batch"
+    """How the family takes images: "batch" ([B, C, H, W], one size), "packed" (Qwen-VL-style
+    `pixel_values` [total_patches, C·p·p] + `image_grid_thw` at the flavor's `patch_size`; chunks
+    are cut on image boundaries with `grad_cache.split_vlm_inputs`) or "masked" (variable sizes
+    zero-padded to [B, C, H, W] with a `mask` [B, 1, H, W] of real pixels). `data.image_sizes`
+    mixes resolutions for "packed" and "masked"."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ModelRegistryError("ModelSpec.name must be a non-empty string")
         if not self.flavors:
             raise ModelRegistryError(f"ModelSpec {self.name!r} has no flavors; give at least one")
+        if self.image_layout not in ("batch", "packed", "masked"):
+            raise ModelRegistryError(f"ModelSpec {self.name!r}: image_layout={self.image_layout!r}; choose batch, packed or masked")
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

@@ -9,4 +9,4 @@ from titan_contrastive.models.vlm.model import PackedImageTower, VLMEmbedder, vl
 __all__ = ["PackedImageTower", "VLMArgs", "VLMEmbedder", "vlm_blocks", "vlm_flavors"]
 
 register_model(ModelSpec(name="vlm", flavors=vlm_flavors, build_model=VLMEmbedder, blocks=vlm_blocks, default_loss="clip",
-                         input_keys=("pixel_values", "image_grid_thw", "text"), packed_patches=True))
+                         input_keys=("pixel_values", "image_grid_thw", "text"), image_layout="packed"))
