@@ -48,3 +48,28 @@ def test_cuda_rng_state_round_trip() -> None:
     first = torch.rand(4, device="cuda")
     state.load_state_dict(saved)
     assert torch.equal(torch.rand(4, device="cuda"), first)
+
+
+def test_pixel_loss_modes_on_cuda_bf16_and_memory() -> None:
+    """bf16 on CUDA: every mode tracks v0, and per_chunk_backward's allocator peak is well below v0's."""
+    from titan_contrastive.components.pixel_loss import compute_pixel_loss
+    from titan_contrastive.models.vae import Decoder, vae_flavors
+
+    torch.manual_seed(0)
+    decoder = Decoder(vae_flavors["debug"]).cuda().bfloat16().requires_grad_(False)
+    latents = torch.randn(8, 4, 32, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    images = torch.rand(8, 3, 128, 128, device="cuda", dtype=torch.bfloat16) * 2 - 1
+    masks = torch.ones(8, 1, 128, 128, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for mode in ("v0", "chunked", "per_chunk_backward"):
+        latents.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        compute_pixel_loss(latents, images, masks, decoder, mode=mode, adaptive=False, chunk_size=1).backward()
+        torch.cuda.synchronize()
+        results[mode] = (latents.grad.float().clone(), torch.cuda.max_memory_allocated() - base)
+    for mode in ("chunked", "per_chunk_backward"):
+        err = (results[mode][0] - results["v0"][0]).norm() / results["v0"][0].norm()
+        assert err < 2e-2, (mode, err)
+    assert results["per_chunk_backward"][1] < 0.4 * results["v0"][1]

@@ -8,6 +8,7 @@ claim: saved-for-backward bytes are measured with saved-tensor hooks.
 
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
 
@@ -191,3 +192,14 @@ def test_saved_activations_chunked_vs_per_chunk_backward(setup) -> None:
     v0, chunked, per_chunk = (SavedBytes(params).measure(setup, m) for m in ("v0", "chunked", "per_chunk_backward"))
     assert chunked >= 0.95 * v0
     assert per_chunk <= 1.1 * v0 / N
+
+
+@pytest.mark.parametrize("mode", ["chunked", "per_chunk_backward"])
+def test_bfloat16_tracks_v0_and_float64(setup, mode: str) -> None:
+    """bf16 decoder and latents: each mode within bf16 rounding of bf16 v0 and of the float64 loss."""
+    decoder, upstream, images, masks = setup
+    exact = run(setup, compute_pixel_loss_v0)
+    bf16 = (copy.deepcopy(decoder).bfloat16(), torch.nn.Parameter(upstream.detach().bfloat16()), images.bfloat16(), masks.bfloat16())
+    want, got = run(bf16, compute_pixel_loss_v0), run(bf16, compute_pixel_loss, mode=mode, adaptive=False, chunk_size=2)
+    assert abs(got[0] - want[0]) <= 1e-2 * want[0] and abs(got[0] - exact[0]) <= 3e-2 * exact[0]
+    assert rel_err(got[1].double(), want[1].double()) <= 2e-2 and rel_err(got[1].double(), exact[1]) <= 5e-2
