@@ -208,7 +208,7 @@ class Trainer:
         )
 
     def _inputs(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """The family's two model inputs from a batch, on the device (float ones in the param dtype)."""
+        """The family's model inputs (`spec.input_keys`) from a batch, on the device (float ones in the param dtype)."""
         inputs = [batch[key] for key in self.spec.input_keys]
         return [x.to(self.device, self.precision.param_dtype) if x.is_floating_point() else x.to(self.device) for x in inputs]
 
