@@ -19,36 +19,17 @@ import contextlib
 import json
 import statistics
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from titan_contrastive.components.memory_probe import SavedActivations
 from titan_contrastive.components.pixel_loss import compute_pixel_loss
 from titan_contrastive.models.vae import Decoder, vae_flavors
 
 MODES = {"v0": dict(mode="v0"), "chunked": dict(mode="chunked"), "chunked+empty_cache/2": dict(mode="chunked", empty_cache_every=2),
          "per_chunk_backward": dict(mode="per_chunk_backward")}
-
-
-class SavedActivations:
-    """Peak bytes of non-parameter tensors saved for backward that are still alive."""
-
-    def __init__(self, params: set[int]) -> None:
-        self.params, self.live, self.peak = params, 0, 0
-
-    def pack(self, t: torch.Tensor) -> object:
-        holder = type("Saved", (), {})()
-        holder.t = t
-        size = 0 if t.data_ptr() in self.params else t.numel() * t.element_size()
-        self.live += size
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(holder, self._free, size)
-        return holder
-
-    def _free(self, size: int) -> None:
-        self.live -= size
 
 
 def sync(device: torch.device) -> None:
@@ -62,13 +43,11 @@ def measure(decoder: Decoder, n: int, size: int, mode: str, args: argparse.Names
     latents = torch.randn(n, cfg.latent_channels, size // cfg.downsample, size // cfg.downsample, device=device, dtype=dtype, requires_grad=True)
     images = torch.rand(n, 3, size, size, device=device, dtype=dtype) * 2 - 1
     masks = torch.ones(n, 1, size, size, device=device, dtype=dtype)
-    params = {p.data_ptr() for p in decoder.parameters()}
     row: dict[str, Any] = {"case": f"{n}x{size}", "mode": mode, "images": n, "size": size}
 
-    def once(track: SavedActivations | None = None) -> None:
+    def once(probe: SavedActivations | None = None) -> None:
         latents.grad = None
-        hooks = torch.autograd.graph.saved_tensors_hooks(track.pack, lambda h: h.t) if track else contextlib.nullcontext()
-        with hooks:
+        with probe or contextlib.nullcontext():
             loss = compute_pixel_loss(latents, images, masks, decoder, **MODES[mode])
         loss.backward()
 
@@ -88,9 +67,9 @@ def measure(decoder: Decoder, n: int, size: int, mode: str, args: argparse.Names
             times.append(time.perf_counter() - start)
         if device.type == "cuda":
             row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-        track = SavedActivations(params)
-        once(track)
-        row.update(time_ms=1e3 * statistics.median(times), saved_activations_gib=track.peak / 2**30)
+        probe = SavedActivations(decoder.parameters())
+        once(probe)
+        row.update(time_ms=1e3 * statistics.median(times), saved_activations_gib=probe.peak / 2**30)
     except torch.OutOfMemoryError:
         row.update(oom=True)
         latents.grad = None
