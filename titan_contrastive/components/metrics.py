@@ -92,6 +92,8 @@ class MetricsProcessor:
             "data_share": self.data_time / elapsed,
             **extra,
         }
+        if self.device.type == "cuda":  # what the caching allocator holds (fragmentation included)
+            values["peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
         if self.peak_flops > 0 and self.flops_per_sample > 0:  # 0: FLOPs not modelled (vae)
             values["mfu"] = self.samples * self.flops_per_sample / elapsed / self.peak_flops
         self.record("train", step, values)
