@@ -33,6 +33,7 @@ from titan_contrastive.components.checkpoint import CheckpointError, CheckpointM
 from titan_contrastive.components.evaluate import evaluate, evaluate_reconstruction
 from titan_contrastive.components.loss import RescaleAccumulatedLoss, build_loss_fn
 from titan_contrastive.components.lr_scheduler import build_lr_scheduler
+from titan_contrastive.components.memory_planner import MemoryBudgetError, measure_step, plan_trainer
 from titan_contrastive.components.metrics import MetricsProcessor, device_peak_tflops
 from titan_contrastive.components.optimizer import build_optimizer
 from titan_contrastive.components.precision import at_least_fp32, build_precision
@@ -174,6 +175,9 @@ class Trainer:
         )
         self._log_start()
         self.checkpointer.load()
+        if cfg.memory.plan and not cfg.memory.budget_gib:
+            raise ConfigError("memory.plan=true needs memory.budget_gib > 0 (the per-device budget to plan for)")
+        self.memory_plan = plan_trainer(self) if cfg.memory.budget_gib else None  # before any real step
 
     @property
     def step(self) -> int:
@@ -333,6 +337,17 @@ class Trainer:
         self.metrics.data_time += time.perf_counter() - start
         return batches
 
+    def _measured_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """The first step under a memory plan, through the probe: measured peak against the plan."""
+        out: dict[str, float] = {}
+        plan = self.memory_plan
+        peak = measure_step(lambda: out.update(self.train_step(batches)), self.device, self.model, self.optimizer) / 2**30
+        plan.checked = True
+        logger.info(f"memory: first step peaked at {peak:.3f} GiB; planned {plan.predicted_gib:.3f} GiB, budget {plan.budget_gib:g} GiB "
+                    f"({'within' if peak <= plan.budget_gib else 'OVER'} budget)")
+        self.metrics.record("memory", self.step, {"peak_gib": peak, "planned_gib": plan.predicted_gib, "budget_gib": plan.budget_gib, "chunk": plan.chunk})
+        return out
+
     def evaluate(self) -> dict[str, float]:
         if self.pixel:  # masked MSE / PSNR of reconstructions, PNG grid in the dump folder
             def reconstruct(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,7 +367,8 @@ class Trainer:
         self.metrics.reset()
         results: dict[str, Any] = {}
         while self.step < cfg.training.steps:
-            out = self.train_step(self.next_microbatches(data_iter))
+            batches = self.next_microbatches(data_iter)
+            out = self._measured_step(batches) if self.memory_plan and not self.memory_plan.checked else self.train_step(batches)
             self.metrics.samples += self.global_batch_size
             last = self.step == cfg.training.steps
             if self.step % cfg.metrics.log_freq == 0 or last:
@@ -376,11 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     trainer, finished = None, False
     try:
         trainer = Trainer(parse_args(argv))
+        if trainer.cfg.memory.plan:  # dry run: the plan is logged, nothing is trained
+            finished = True
+            return 0
         start = time.perf_counter()
         trainer.train()
         logger.info(f"training done in {time.perf_counter() - start:.1f}s")
         finished = True
-    except (ConfigError, DataError, CheckpointError, models.ModelRegistryError) as e:
+    except (ConfigError, DataError, CheckpointError, models.ModelRegistryError, MemoryBudgetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:

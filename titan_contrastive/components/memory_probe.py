@@ -1,4 +1,4 @@
-"""SavedActivations: peak bytes of tensors saved for backward, a device-independent memory probe.
+"""Memory probes: bytes saved for backward (device-independent) and peak bytes allocated.
 
 Why: what a chunked loss saves or frees is a property of the autograd graph, not of the device.
 Counting the tensors that autograd saves (and their release when the graph is freed) measures it
@@ -13,8 +13,9 @@ from collections.abc import Iterable
 from types import TracebackType
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SavedActivations"]
+__all__ = ["PeakMemory", "SavedActivations"]
 
 
 class _Saved:
@@ -50,3 +51,68 @@ class SavedActivations:
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
         self._hooks.__exit__(kind, value, tb)
+
+
+class PeakMemory:
+    """Peak bytes allocated inside the block above what was allocated at entry.
+
+    CUDA: the caching allocator's statistics (reset at entry). CPU, which has no resettable
+    allocator peak (RSS only grows): every tensor an operator returns inside the block is counted
+    once per storage until the last tensor object referring to it is freed. Tensors created
+    before the block (parameters, optimizer state) are the baseline, not counted.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+        self._live = 0
+        self._refs: dict[int, list[int]] = {}  # storage pointer -> [bytes, live tensor objects]
+        self._mode: TorchDispatchMode | None = None
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0:  # empty or meta
+            return
+        entry = self._refs.get(key)
+        if entry is None:
+            entry = self._refs[key] = [storage.nbytes(), 0]
+            self._live += entry[0]
+            self.peak = max(self.peak, self._live)
+        entry[1] += 1
+        weakref.finalize(tensor, self._release, key)
+
+    def _release(self, key: int) -> None:
+        entry = self._refs.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                self._live -= entry[0]
+                del self._refs[key]
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            probe = self
+
+            class _Mode(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                    out = func(*args, **(kwargs or {}))
+                    for t in torch.utils._pytree.tree_leaves(out):
+                        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                            probe._track(t)
+                    return out
+
+            self._mode = _Mode()
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+        elif self._mode is not None:
+            self._mode.__exit__(kind, value, tb)

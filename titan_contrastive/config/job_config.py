@@ -201,6 +201,18 @@ class Data:
 
 
 @dataclass
+class Memory:
+    budget_gib: float = _non_negative(0.0)
+    """Per-device memory budget; > 0 turns on the planner: before training, real train steps at a
+    few chunk sizes are measured and the largest chunk that fits is used (GradCache chunk for
+    contrastive families, decoder chunk for vae). 0 = off."""
+    plan: bool = False
+    """With budget_gib: print the plan and exit without training (a dry run)."""
+    margin: float = _opt(0.05, lambda v: 0 <= v < 0.5, "a fraction in [0, 0.5)")
+    """Head-room kept below the budget (allocator fragmentation, data-dependent sizes)."""
+
+
+@dataclass
 class Eval:
     enable: bool = True
     """Evaluate at all (every `freq` steps and after the last step)."""
@@ -251,6 +263,7 @@ class JobConfig:
     pixel_loss: PixelLoss = field(default_factory=PixelLoss)
     gradcache: GradCacheConfig = field(default_factory=GradCacheConfig)
     data: Data = field(default_factory=Data)
+    memory: Memory = field(default_factory=Memory)
     eval: Eval = field(default_factory=Eval)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
