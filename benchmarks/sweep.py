@@ -35,7 +35,8 @@ except ModuleNotFoundError:  # Python < 3.11
 REPO = Path(__file__).resolve().parents[1]
 GRIDS = Path(__file__).parent / "grids"
 FIELDS = ["strategy", "global_batch_size", "status", "samples_per_s", "samples_per_s_min", "samples_per_s_max", "mfu",
-          "peak_memory_gib", "peak_reserved_gib", "final_loss", "timed_windows", "wall_s", "detail"]
+          "peak_memory_gib", "peak_reserved_gib", "final_loss", "timed_windows", "wall_s",
+          "budget_gib", "planned_chunk", "planned_gib", "first_step_peak_gib", "detail"]
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "MemoryError")
 
 
@@ -53,7 +54,8 @@ def load_grid(name_or_path: str) -> dict[str, Any]:
 
 def point_command(grid: dict[str, Any], strategy: dict[str, Any], global_batch: int, dump: Path) -> list[str]:
     overrides = [o.replace("{global}", str(global_batch)) for o in strategy.get("overrides", [])]
-    return ["./run_train.sh", f"--job.dump_folder={dump}", f"--training.global_batch_size={global_batch}", *grid["base"], *overrides]
+    base = [o.replace("{global}", str(global_batch)) for o in grid["base"]]
+    return ["./run_train.sh", f"--job.dump_folder={dump}", f"--training.global_batch_size={global_batch}", *base, *overrides]
 
 
 def summarize(records: list[dict[str, Any]], warmup_windows: int) -> dict[str, Any]:
@@ -71,6 +73,9 @@ def summarize(records: list[dict[str, Any]], warmup_windows: int) -> dict[str, A
         row["mfu"] = statistics.median(w["mfu"] for w in timed)
     if any("peak_reserved_gib" in w for w in windows):
         row["peak_reserved_gib"] = max(w.get("peak_reserved_gib", 0.0) for w in windows)
+    plan = next((r for r in records if r.get("kind") == "memory"), None)
+    if plan is not None:  # [memory] budget_gib: the planner's choice and the first step measured against it
+        row.update(budget_gib=plan["budget_gib"], planned_chunk=plan["chunk"], planned_gib=plan["planned_gib"], first_step_peak_gib=plan["peak_gib"])
     return row
 
 

@@ -7,11 +7,14 @@ kernels; for GradCache nothing changes but the chunking), so the plan is the lar
 
 Order of operations (after the checkpoint restore, before the first step):
 1. snapshot model, optimizer, LR scheduler, train state, loss scaler and RNG;
-2. one warm-up train step at the smallest candidate (creates the optimizer state, compiles);
-3. measure the peak of a train step at two small chunk sizes; fit peak(c) = a + b·c;
-4. candidates are powers of two up to the local batch, plus the local batch; take the largest
-   predicted to fit budget · (1 - margin), measure it, and step down until a measurement fits;
-5. restore the snapshot and apply the chunk. The trainer measures its first step against the plan.
+2. one warm-up train step at chunk 1 (creates the optimizer state, compiles), then measure the
+   peak of a train step at chunk 1 (over budget: error);
+3. walk up the candidates (powers of two up to the local batch, and the local batch): predict the
+   next one's peak by extrapolating linearly from the two largest measured chunks, stop if the
+   prediction exceeds budget · (1 - margin), else measure it and stop if the measurement does;
+   the plan is the largest measured chunk that fit. So no probe is launched that is predicted not
+   to fit (on a GPU it could run out of memory; if it does anyway, it counts as over budget);
+4. restore the snapshot and apply the chunk. The trainer measures its first real step against it.
 Peaks are the maximum over ranks, so every rank picks the same chunk. A budget that even chunk 1
 does not meet is an error naming the smallest memory that would work. Probe steps read their own
 batches from the dataset; the data loader does not move.
@@ -44,8 +47,7 @@ class MemoryBudgetError(ValueError):
 class MemoryPlan:
     knob: str
     chunk: int
-    predicted_gib: float
-    measured_gib: float
+    predicted_gib: float  # the probe step's measured peak at `chunk`: what a training step will use
     budget_gib: float
     probes: dict[int, float]  # chunk -> measured peak (GiB)
     checked: bool = False  # the trainer has measured a real step against the plan
@@ -87,33 +89,32 @@ def plan_chunk(*, knob: str, local_batch: int, budget_gib: float, margin: float,
     probes: dict[int, int] = {}
 
     def probe(c: int) -> int:
-        if c not in probes:
-            apply(c)
+        apply(c)
+        try:
             probes[c] = measure_step(step, device, model, optimizer)
-            logger.info(f"memory plan: {knob}={c} peaks at {probes[c] / GIB:.3f} GiB")
+        except torch.OutOfMemoryError:  # over any budget; free what the failed step held
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            probes[c] = 2**62
+        logger.info(f"memory plan: {knob}={c} peaks at {probes[c] / GIB:.3f} GiB")
         return probes[c]
 
     try:
         apply(1)
         step()  # warm-up: optimizer state, compilation, allocator
-        c1, c2 = min(2, local_batch), min(8, local_batch)
         if probe(1) > budget:
             raise MemoryBudgetError(
                 f"memory.budget_gib={budget_gib:g} cannot be met: even {knob}=1 peaks at {probes[1] / GIB:.3f} GiB; "
                 f"the smallest budget that works is about {probes[1] / GIB / (1 - margin):.3f} GiB (or shard the model, "
                 f"e.g. FSDP2 over more ranks, or use a lower precision)")
-        low = probe(c1)
-        slope = (probe(c2) - low) / (c2 - c1) if c2 > c1 else 0.0
-        intercept = probes[c1] - slope * c1
-        candidates = sorted({*(2**k for k in range(local_batch.bit_length()) if 2**k <= local_batch), local_batch})
-        fitting = [c for c in candidates if intercept + slope * c <= budget] or [1]
-        for c in reversed(fitting):  # the prediction may be optimistic: measure, step down if over
-            if probe(c) <= budget:
-                chunk = c
+        chunk = 1
+        for c in sorted({*(2**k for k in range(1, local_batch.bit_length()) if 2**k <= local_batch), local_batch} - {1}):
+            (c0, m0), (c1, m1) = sorted(probes.items())[-2:] if len(probes) > 1 else ((0, 0), (1, probes[1]))
+            if len(probes) > 1 and m1 + (m1 - m0) / (c1 - c0) * (c - c1) > budget:
+                break  # predicted over budget: never probe it (on a GPU it might not even fit)
+            if probe(c) > budget:
                 break
-        else:
-            chunk = 1
-        predicted = intercept + slope * chunk
+            chunk = c
     finally:
         for s, state in zip(stateful, snapshot):
             s.load_state_dict(state)
@@ -122,7 +123,7 @@ def plan_chunk(*, knob: str, local_batch: int, budget_gib: float, margin: float,
             torch.cuda.set_rng_state(rng[1], device)
         optimizer.zero_grad(set_to_none=True)
     apply(chunk)
-    return MemoryPlan(knob, chunk, predicted / GIB, probes[chunk] / GIB, budget_gib, {c: v / GIB for c, v in sorted(probes.items())})
+    return MemoryPlan(knob, chunk, probes[chunk] / GIB, budget_gib, {c: v / GIB for c, v in sorted(probes.items())})
 
 
 def plan_trainer(trainer: Any) -> MemoryPlan:
@@ -148,7 +149,7 @@ def plan_trainer(trainer: Any) -> MemoryPlan:
     plan = plan_chunk(knob=knob, local_batch=local, budget_gib=cfg.memory.budget_gib, margin=cfg.memory.margin, apply=apply,
                       step=lambda: trainer.train_step(batches), device=trainer.device, model=trainer.model,
                       optimizer=trainer.optimizer, stateful=stateful)
-    logger.info(f"memory plan: {knob}={plan.chunk} (local batch {local}) predicted {plan.predicted_gib:.3f} GiB, measured "
-                f"{plan.measured_gib:.3f} GiB, budget {plan.budget_gib:g} GiB (margin {cfg.memory.margin:.0%}); probes: "
+    logger.info(f"memory plan: {knob}={plan.chunk} (local batch {local}) predicted peak {plan.predicted_gib:.3f} GiB, "
+                f"budget {plan.budget_gib:g} GiB (margin {cfg.memory.margin:.0%}); probes: "
                 + ", ".join(f"{c}: {g:.3f}" for c, g in plan.probes.items()))
     return plan
