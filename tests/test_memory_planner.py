@@ -32,7 +32,8 @@ def test_plan_fits_the_budget_and_does_not_change_training(tmp_path: Path) -> No
     planned = make_trainer(str(tmp_path / "planned"), *PLAN, "--memory.budget_gib=0.04")
     plan = planned.memory_plan
     assert 1 < plan.chunk < 64 and plan.predicted_gib <= 0.04 and planned.chunk_size == plan.chunk
-    assert set(plan.probes) >= {1, 2, plan.chunk} and max(plan.probes) <= 2 * plan.chunk  # never probed far past the budget
+    probes = plan.probes["gradcache.chunk_sizes"]
+    assert set(probes) >= {1, 2, plan.chunk} and max(probes) <= 2 * plan.chunk  # never probed far past the budget
     planned.train()
     record = [json.loads(line) for line in (tmp_path / "planned" / "metrics.jsonl").read_text().splitlines() if '"memory"' in line][0]
     assert record["peak_gib"] <= 0.04 and record["chunk"] == plan.chunk
@@ -52,9 +53,18 @@ def test_vae_plans_the_decoder_chunk(tmp_path: Path) -> None:
                            "--parallelism.data_parallel_replicate_degree=-1", "--parallelism.data_parallel_shard_degree=1",
                            "--memory.budget_gib=0.1")
     plan = trainer.memory_plan
-    assert plan.knob == "pixel_loss.chunk_size" and plan.predicted_gib <= 0.1 and 1 < plan.chunk < 16
+    assert list(plan.chunks) == ["pixel_loss.chunk_size"] and plan.predicted_gib <= 0.1 and 1 < plan.chunk < 16
     assert trainer.model.pixel_loss_options["chunk_size"] == plan.chunk and not trainer.model.pixel_loss_options["adaptive"]
-    assert plan.probes[plan.chunk] > plan.probes[1]  # memory grows with the chunk
+    assert plan.probes["pixel_loss.chunk_size"][plan.chunk] > plan.probes["pixel_loss.chunk_size"][1]  # grows with the chunk
+
+
+def test_global_negatives_also_plan_the_stream_chunk(tmp_path: Path) -> None:
+    trainer = make_trainer(str(tmp_path), *PLAN, "--loss.negatives=global", "--loss.stream_chunk_size=16", "--memory.budget_gib=0.06")
+    plan = trainer.memory_plan
+    assert list(plan.chunks) == ["gradcache.chunk_sizes", "loss.stream_chunk_size"] and plan.predicted_gib <= 0.06
+    assert trainer.global_step.chunk == plan.chunks["loss.stream_chunk_size"] >= 16 and trainer.chunk_size in (plan.chunk, None)
+    stream = plan.probes["loss.stream_chunk_size"]
+    assert min(stream) == 16 and stream[min(stream)] <= stream[max(stream)]
 
 
 def test_impossible_budget_names_the_smallest_that_works(tmp_path: Path) -> None:

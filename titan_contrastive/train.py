@@ -345,7 +345,8 @@ class Trainer:
         plan.checked = True
         logger.info(f"memory: first step peaked at {peak:.3f} GiB; planned {plan.predicted_gib:.3f} GiB, budget {plan.budget_gib:g} GiB "
                     f"({'within' if peak <= plan.budget_gib else 'OVER'} budget)")
-        self.metrics.record("memory", self.step, {"peak_gib": peak, "planned_gib": plan.predicted_gib, "budget_gib": plan.budget_gib, "chunk": plan.chunk})
+        self.metrics.record("memory", self.step, {"peak_gib": peak, "planned_gib": plan.predicted_gib, "budget_gib": plan.budget_gib,
+                                                   "chunk": plan.chunk, "chunks": plan.chunks})
         return out
 
     def evaluate(self) -> dict[str, float]:

@@ -1,20 +1,22 @@
-"""Memory planner: the largest chunk that fits `[memory] budget_gib`, chosen by measuring real steps.
+"""Memory planner: the largest chunks that fit `[memory] budget_gib`, chosen by measuring real steps.
 
-Which knob: the samples forwarded at once. For contrastive families that is the GradCache chunk
-(`gradcache.chunk_sizes`; a chunk equal to the local batch means no GradCache); for the vae family
-the decoder chunk (`pixel_loss.chunk_size`, adaptive off). Larger chunks run faster (fewer, larger
-kernels; for GradCache nothing changes but the chunking), so the plan is the largest that fits.
+Knobs, planned in this order: the samples forwarded at once — the GradCache chunk for contrastive
+families (`gradcache.chunk_sizes`; a chunk equal to the local batch means no GradCache) or the
+decoder chunk for vae (`pixel_loss.chunk_size`, adaptive off) — then, under global negatives, the
+loss's stream chunk (`loss.stream_chunk_size`, from its configured value up to the global batch)
+with what is left. Larger chunks run faster (fewer, larger kernels, fewer loss blocks; the result
+is the same), so each knob gets the largest value that fits.
 
 Order of operations (after the checkpoint restore, before the first step):
 1. snapshot model, optimizer, LR scheduler, train state, loss scaler and RNG;
-2. one warm-up train step at chunk 1 (creates the optimizer state, compiles), then measure the
-   peak of a train step at chunk 1 (over budget: error);
-3. walk up the candidates (powers of two up to the local batch, and the local batch): predict the
+2. one warm-up train step at the smallest candidates (creates the optimizer state, compiles);
+   per knob: measure a train step at its smallest candidate (over budget: error), then
+3. walk up the candidates (doubling up to the local / global batch, then that): predict the
    next one's peak by extrapolating linearly from the two largest measured chunks, stop if the
    prediction exceeds budget · (1 - margin), else measure it and stop if the measurement does;
    the plan is the largest measured chunk that fit. So no probe is launched that is predicted not
    to fit (on a GPU it could run out of memory; if it does anyway, it counts as over budget);
-4. restore the snapshot and apply the chunk. The trainer measures its first real step against it.
+4. restore the snapshot and apply the chunks. The trainer measures its first real step against it.
 Peaks are the maximum over ranks, so every rank picks the same chunk. A budget that even chunk 1
 does not meet is an error naming the smallest memory that would work. Probe steps read their own
 batches from the dataset; the data loader does not move.
@@ -33,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_contrastive.components.memory_probe import PeakMemory
 
-__all__ = ["MemoryBudgetError", "MemoryPlan", "measure_step", "plan_chunk", "plan_trainer", "static_bytes"]
+__all__ = ["Knob", "MemoryBudgetError", "MemoryPlan", "doubling", "measure_step", "plan_chunks", "plan_trainer", "static_bytes"]
 
 logger = logging.getLogger("titan_contrastive")
 GIB = 2**30
@@ -44,13 +46,34 @@ class MemoryBudgetError(ValueError):
 
 
 @dataclass
+class Knob:
+    """One chunk size to plan: its config name, candidates (the first must fit), how to set it."""
+
+    name: str
+    candidates: list[int]
+    apply: Callable[[int], None]
+
+
+@dataclass
 class MemoryPlan:
-    knob: str
-    chunk: int
-    predicted_gib: float  # the probe step's measured peak at `chunk`: what a training step will use
+    chunks: dict[str, int]  # knob name -> chosen chunk
+    predicted_gib: float  # the last probe step's measured peak at the chosen chunks: what a step will use
     budget_gib: float
-    probes: dict[int, float]  # chunk -> measured peak (GiB)
+    probes: dict[str, dict[int, float]]  # knob -> chunk -> measured peak (GiB)
     checked: bool = False  # the trainer has measured a real step against the plan
+
+    @property
+    def chunk(self) -> int:
+        """The primary knob's chunk (GradCache or decoder chunk)."""
+        return next(iter(self.chunks.values()))
+
+
+def doubling(start: int, stop: int) -> list[int]:
+    """start, 2·start, 4·start, … below stop, then stop."""
+    out = [start]
+    while out[-1] * 2 < stop:
+        out.append(out[-1] * 2)
+    return out + ([stop] if stop > start else [])
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -78,43 +101,49 @@ def measure_step(step: Callable[[], object], device: torch.device, model: torch.
     return int(peak.item())
 
 
-def plan_chunk(*, knob: str, local_batch: int, budget_gib: float, margin: float, apply: Callable[[int], None],
-               step: Callable[[], object], device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               stateful: list) -> MemoryPlan:
-    """Steps 1-5 of the module docstring; `apply(c)` sets the chunk, `step()` runs one train step,
-    `stateful` are the objects whose `state_dict` the probes may change."""
+def plan_chunks(knobs: list[Knob], *, budget_gib: float, margin: float, step: Callable[[], object], device: torch.device,
+                model: torch.nn.Module, optimizer: torch.optim.Optimizer, stateful: list) -> MemoryPlan:
+    """Steps 1-4 of the module docstring for each knob in turn (each walk starts from the chunks
+    chosen so far); `step()` runs one train step, `stateful` are the objects whose `state_dict`
+    the probes may change."""
     snapshot = [copy.deepcopy(s.state_dict()) for s in stateful]
     rng = torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
     budget = budget_gib * GIB * (1 - margin)
-    probes: dict[int, int] = {}
+    probes: dict[str, dict[int, int]] = {k.name: {} for k in knobs}
+    chosen: dict[str, int] = {}
 
-    def probe(c: int) -> int:
-        apply(c)
+    def probe(knob: Knob, c: int) -> int:
+        knob.apply(c)
         try:
-            probes[c] = measure_step(step, device, model, optimizer)
+            probes[knob.name][c] = measure_step(step, device, model, optimizer)
         except torch.OutOfMemoryError:  # over any budget; free what the failed step held
             optimizer.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-            probes[c] = 2**62
-        logger.info(f"memory plan: {knob}={c} peaks at {probes[c] / GIB:.3f} GiB")
-        return probes[c]
+            probes[knob.name][c] = 2**62
+        logger.info(f"memory plan: {knob.name}={c} peaks at {probes[knob.name][c] / GIB:.3f} GiB")
+        return probes[knob.name][c]
 
     try:
-        apply(1)
+        for knob in knobs:
+            knob.apply(knob.candidates[0])
         step()  # warm-up: optimizer state, compilation, allocator
-        if probe(1) > budget:
-            raise MemoryBudgetError(
-                f"memory.budget_gib={budget_gib:g} cannot be met: even {knob}=1 peaks at {probes[1] / GIB:.3f} GiB; "
-                f"the smallest budget that works is about {probes[1] / GIB / (1 - margin):.3f} GiB (or shard the model, "
-                f"e.g. FSDP2 over more ranks, or use a lower precision)")
-        chunk = 1
-        for c in sorted({*(2**k for k in range(1, local_batch.bit_length()) if 2**k <= local_batch), local_batch} - {1}):
-            (c0, m0), (c1, m1) = sorted(probes.items())[-2:] if len(probes) > 1 else ((0, 0), (1, probes[1]))
-            if len(probes) > 1 and m1 + (m1 - m0) / (c1 - c0) * (c - c1) > budget:
-                break  # predicted over budget: never probe it (on a GPU it might not even fit)
-            if probe(c) > budget:
-                break
-            chunk = c
+        for knob in knobs:
+            first, seen = knob.candidates[0], probes[knob.name]
+            if probe(knob, first) > budget:
+                raise MemoryBudgetError(
+                    f"memory.budget_gib={budget_gib:g} cannot be met: even {knob.name}={first} peaks at {seen[first] / GIB:.3f} GiB; "
+                    f"the smallest budget that works is about {seen[first] / GIB / (1 - margin):.3f} GiB (or lower "
+                    f"loss.stream_chunk_size, shard the model over more ranks, or use a lower precision)")
+            chosen[knob.name] = first
+            for c in knob.candidates[1:]:
+                if len(seen) > 1:  # extrapolate from the two largest measured chunks
+                    (c0, m0), (c1, m1) = sorted(seen.items())[-2:]
+                    if m1 + (m1 - m0) / (c1 - c0) * (c - c1) > budget:
+                        break  # predicted over budget: never probe it (on a GPU it might not even fit)
+                if probe(knob, c) > budget:
+                    break
+                chosen[knob.name] = c
+            knob.apply(chosen[knob.name])
     finally:
         for s, state in zip(stateful, snapshot):
             s.load_state_dict(state)
@@ -122,34 +151,36 @@ def plan_chunk(*, knob: str, local_batch: int, budget_gib: float, margin: float,
         if rng[1] is not None:
             torch.cuda.set_rng_state(rng[1], device)
         optimizer.zero_grad(set_to_none=True)
-    apply(chunk)
-    return MemoryPlan(knob, chunk, probes[chunk] / GIB, budget_gib, {c: v / GIB for c, v in sorted(probes.items())})
+    last = knobs[-1]
+    return MemoryPlan(chosen, probes[last.name][chosen[last.name]] / GIB, budget_gib,
+                      {k: {c: v / GIB for c, v in sorted(p.items())} for k, p in probes.items()})
 
 
 def plan_trainer(trainer: Any) -> MemoryPlan:
-    """`plan_chunk` for a built Trainer: its knob, probe batches read from its train set (rank r's
-    microbatch j is samples (j·dp + r)·b ... + b, wrapping around), its train step."""
+    """`plan_chunks` for a built Trainer: its knobs (decoder chunk for vae; GradCache chunk, then
+    the stream chunk under global negatives), probe batches read from its train set (rank r's
+    microbatch j is samples (j·dp + r)·b … + b, wrapping around), its train step."""
     cfg, local = trainer.cfg, trainer.cfg.training.local_batch_size
     if trainer.pixel:
-        knob = "pixel_loss.chunk_size"
-
-        def apply(c: int) -> None:
-            trainer.model.pixel_loss_options.update(chunk_size=c, adaptive=False)
+        knobs = [Knob("pixel_loss.chunk_size", doubling(1, local),
+                      lambda c: trainer.model.pixel_loss_options.update(chunk_size=c, adaptive=False))]
     else:
-        knob = "gradcache.chunk_sizes"
-
-        def apply(c: int) -> None:
+        def set_chunk(c: int) -> None:
             trainer.chunk_size = c if c < local else None  # the whole microbatch at once: no GradCache
+
+        knobs = [Knob("gradcache.chunk_sizes", doubling(1, local), set_chunk)]
+        if trainer.global_step is not None:  # streamed loss blocks: ~2 x chunk x N floats
+            start = min(cfg.loss.stream_chunk_size, trainer.global_batch_size)
+            knobs.append(Knob("loss.stream_chunk_size", doubling(start, trainer.global_batch_size),
+                              lambda c: setattr(trainer.global_step, "chunk", c)))
     n = len(trainer.train_set)
     batches = [trainer.train_set.__getitems__([(((j * trainer.dp_degree + trainer.dist.rank) * local) + i) % n for i in range(local)])
                for j in range(trainer.ga_steps)]
     stateful = [trainer.model, trainer.optimizer, trainer.lr_scheduler, trainer.train_state]
     if trainer.precision.scaler is not None:
         stateful.append(trainer.precision.scaler)
-    plan = plan_chunk(knob=knob, local_batch=local, budget_gib=cfg.memory.budget_gib, margin=cfg.memory.margin, apply=apply,
-                      step=lambda: trainer.train_step(batches), device=trainer.device, model=trainer.model,
-                      optimizer=trainer.optimizer, stateful=stateful)
-    logger.info(f"memory plan: {knob}={plan.chunk} (local batch {local}) predicted peak {plan.predicted_gib:.3f} GiB, "
-                f"budget {plan.budget_gib:g} GiB (margin {cfg.memory.margin:.0%}); probes: "
-                + ", ".join(f"{c}: {g:.3f}" for c, g in plan.probes.items()))
+    plan = plan_chunks(knobs, budget_gib=cfg.memory.budget_gib, margin=cfg.memory.margin, step=lambda: trainer.train_step(batches),
+                       device=trainer.device, model=trainer.model, optimizer=trainer.optimizer, stateful=stateful)
+    logger.info(f"memory plan: {', '.join(f'{k}={c}' for k, c in plan.chunks.items())} (local batch {local}) predicted peak "
+                f"{plan.predicted_gib:.3f} GiB, budget {plan.budget_gib:g} GiB (margin {cfg.memory.margin:.0%})")
     return plan
