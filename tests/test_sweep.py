@@ -55,5 +55,5 @@ overrides = ["--training.local_batch_size=0"]
 
 
 def test_unknown_grid_is_a_one_line_error() -> None:
-    with pytest.raises(SystemExit, match=r"--grid nope: no such grid; choose one of cpu_small, gpu"):
+    with pytest.raises(SystemExit, match=r"--grid nope: no such grid; choose one of cpu_planner, cpu_small, gpu"):
         sweep.load_grid("nope")
