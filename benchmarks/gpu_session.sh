@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Every GPU check and figure this project still owes, in stages that each fit one 10-minute call
+# of the device tool (H100/H200, Python 3.12, torch 2.11, no internet; see .library/device).
+#
+#   here, once:   bash benchmarks/gpu_session.sh wheels     # the packages its image lacks, into .whl/
+#   on the GPU:   run(command="bash benchmarks/gpu_session.sh 1", carry=[".whl"])   then 2, then 3
+#
+#   1  pytest -m gpu; the loss benchmark (dense vs streaming, N 8K..1M, fp32 + bf16)     (issue 4)
+#   2  the pixel-loss benchmark through the sd decoder (issue 6); GradCache ratio + memory (issue 5)
+#   3  the vit_b32 training-stack table (issue 3); the gpu sweep grid (issue 7)
+# Results go to $OUT (what the device tool brings back), else benchmarks/results.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results}"
+step() { echo "== $*"; timeout "$1" "${@:2}" 2>&1 | tee -a "$out/gpu_session.log" | tail -40; echo "== exit ${PIPESTATUS[0]}"; }
+case "${1:-}" in
+  wheels)
+    mkdir -p .git/info && { grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude; }
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+      tyro docstring-parser typeguard shtab torchdata
+    ls .whl; exit 0 ;;
+  1|2|3)
+    mkdir -p "$out"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+    python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.txt" ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3" >&2; exit 2 ;;
+esac
+case "$1" in
+  1) step 120 python3 -m pytest -q -m gpu -p no:cacheprovider
+     step 420 python3 benchmarks/loss_bench.py --out "$out" ;;
+  2) step 300 python3 benchmarks/pixel_loss_bench.py --out "$out"
+     step 270 python3 benchmarks/gradcache_bench.py --out "$out" ;;
+  3) step 240 python3 benchmarks/train_bench.py --out "$out"
+     step 330 python3 benchmarks/sweep.py --grid gpu --out "$out" --timeout 120 ;;
+esac
