@@ -5,7 +5,8 @@
 #   here, once:   bash benchmarks/gpu_session.sh wheels     # the packages its image lacks, into .whl/
 #   on the GPU:   run(command="bash benchmarks/gpu_session.sh 1", carry=[".whl"])   then 2, then 3
 #
-#   1  pytest -m gpu; the loss benchmark (dense vs streaming, N 8K..1M, fp32 + bf16)     (issue 4)
+#   1  pytest -m gpu and the Triton kernel tests; the loss benchmark (dense, streaming, the
+#      fused kernel, inf-cl/memeff if carried; N 8K..1M, fp32 + bf16)                  (issues 4, 8)
 #   2  the pixel-loss benchmark through the sd decoder (issue 6); GradCache ratio + memory (issue 5)
 #   3  the vit_b32 training-stack table (issue 3); the gpu sweep grid (issue 7)
 # Results go to $OUT (what the device tool brings back), else benchmarks/results.
@@ -29,6 +30,7 @@ case "${1:-}" in
 esac
 case "$1" in
   1) step 120 python3 -m pytest -q -m gpu -p no:cacheprovider
+     step 120 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider   # compiled, bf16 dot included
      step 420 python3 benchmarks/loss_bench.py --out "$out" ;;
   2) step 300 python3 benchmarks/pixel_loss_bench.py --out "$out"
      step 270 python3 benchmarks/gradcache_bench.py --out "$out" ;;

@@ -42,6 +42,10 @@ def streaming(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
     StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SCALE)(lambda _: (zx * 1, zy * 1, None), [None])
 
 
+def streaming_triton(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA only
+    StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SCALE, kernel="triton")(lambda _: (zx * 1, zy * 1, None), [None])
+
+
 def inf_cl(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA + Triton only
     from inf_cl import cal_inf_loss  # one direction per call, scale applied to the first argument
 
@@ -56,9 +60,10 @@ def memeff(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: n
 
 
 IMPLEMENTATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], None]] = {"dense": dense, "streaming": streaming}
-if torch.cuda.is_available():  # both packages are Triton kernels
-    for _name, _fn in (("inf_cl", inf_cl), ("memeff", memeff)):
-        if importlib.util.find_spec(_name) is not None:
+if torch.cuda.is_available():  # Triton kernels: ours (needs triton) and the two packages
+    for _name, _package, _fn in (("streaming_triton", "triton", streaming_triton), ("inf_cl", "inf_cl", inf_cl),
+                                 ("memeff", "memeff", memeff)):
+        if importlib.util.find_spec(_package) is not None:
             IMPLEMENTATIONS[_name] = _fn
 
 

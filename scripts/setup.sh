@@ -13,4 +13,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/pip install -q ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 fi
 .venv/bin/pip install -q -e '.[dev]'
+# Triton runs the fused-kernel tests on CPU (TRITON_INTERPRET=1); CUDA torch builds bring their own.
+.venv/bin/python -c "import triton" 2>/dev/null || .venv/bin/pip install -q triton
 .venv/bin/python -c "import torch, titan_contrastive; print(f'titan_contrastive {titan_contrastive.__version__}, torch {torch.__version__}, cuda {torch.cuda.is_available()}')"

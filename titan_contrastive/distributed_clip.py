@@ -61,12 +61,13 @@ class StreamingClipStep:
     """
 
     def __init__(self, *, stream_chunk_size: int, group: dist.ProcessGroup | None = None,
-                 grad_average_factor: int = 1, fixed_scale: float | None = None) -> None:
+                 grad_average_factor: int = 1, fixed_scale: float | None = None, kernel: str = "pytorch") -> None:
         if not isinstance(stream_chunk_size, int) or stream_chunk_size < 1:
             raise DistributedClipError(f"STREAM_CHUNK_SIZE={stream_chunk_size!r}: must be an integer >= 1 (e.g. 1024)")
         if fixed_scale is not None and not (math.isfinite(fixed_scale) and fixed_scale > 0):
             raise DistributedClipError(f"TAU={1 / fixed_scale if fixed_scale else fixed_scale!r}: must be a number > 0 (e.g. 0.07)")
         self.chunk = stream_chunk_size
+        self.kernel = kernel  # "pytorch" or a fused Triton path (components/streaming_loss.py)
         self.group = group
         self.world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if self.world > 1 else 0
@@ -100,12 +101,12 @@ class StreamingClipStep:
         own = range(self.rank * c, (self.rank + 1) * c)
 
         # B. own rows' and columns' LSEs, gathered; the loss
-        row_lse = self._gather(streamed_lse(zx_local, zy_all, s, self.chunk))
-        col_lse = self._gather(streamed_lse(zy_local, zx_all, s, self.chunk))
+        row_lse = self._gather(streamed_lse(zx_local, zy_all, s, self.chunk, self.kernel))
+        col_lse = self._gather(streamed_lse(zy_local, zx_all, s, self.chunk, self.kernel))
         loss = infonce_loss_from_lse(zx_all, zy_all, row_lse, col_lse, s)
 
         # C. own embedding gradients
-        gx, gy = streamed_embedding_grads(zx_all, zy_all, own, row_lse, col_lse, s, self.chunk)
+        gx, gy = streamed_embedding_grads(zx_all, zy_all, own, row_lse, col_lse, s, self.chunk, self.kernel)
         del zx_all, zy_all, zx_parts, zy_parts
 
         # D. replayed forward with a graph; surrogate backward (x P: the reduction averages)

@@ -156,9 +156,14 @@ class Trainer:
                               f"give one chunk size (e.g. --gradcache.chunk_sizes={min(sizes)})")
         self.chunk_size = sizes[0] if cfg.gradcache.enabled else None
         self.global_step: StreamingClipStep | None = None
+        if cfg.loss.kernel != "pytorch":  # fused kernels: fail here, not at the first step
+            try:
+                importlib.import_module("titan_contrastive.kernels.streaming_triton")
+            except ImportError as e:
+                raise ConfigError(f"loss.kernel={cfg.loss.kernel} needs triton ({e}); pip install triton, or set loss.kernel=pytorch") from None
         if cfg.loss.negatives == "global":  # one exact problem over the global batch (seed 001)
             self.global_step = StreamingClipStep(stream_chunk_size=cfg.loss.stream_chunk_size, group=dp_group,
-                                                 grad_average_factor=self.dp_degree)
+                                                 grad_average_factor=self.dp_degree, kernel=cfg.loss.kernel)
         self.metrics = MetricsProcessor(
             cfg.job.dump_folder, rank=self.dist.rank, enable_tensorboard=cfg.metrics.enable_tensorboard,
             device=self.device, flops_per_sample=self.model_args.flops_per_sample(),

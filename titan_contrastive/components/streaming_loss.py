@@ -13,12 +13,18 @@ memory is O(chunk * N + N * d); the logits are formed in at least float32 (float
 float64). The functions take *global* embedding matrices and a range of rows, so each rank
 computes only its own rows: the distributed step (`titan_contrastive.distributed_clip`)
 splits the work instead of repeating it on every rank as the seed does.
+
+`kernel="triton"` / `"triton_exact"` (IEEE fp32 dot products) runs the same two loops as fused
+Triton kernels (`titan_contrastive.kernels.streaming_triton`; S stays in registers, `chunk` is
+unused); `"pytorch"` (the default, and the reference) is the code below.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+KERNELS = ("pytorch", "triton", "triton_exact")
 
 
 def accumulation_dtype(x: Tensor) -> torch.dtype:
@@ -31,12 +37,22 @@ def _logits(queries: Tensor, keys: Tensor, scale: Tensor) -> Tensor:
     return (queries @ keys.T).to(accumulation_dtype(queries)).mul_(scale)
 
 
-def streamed_lse(queries: Tensor, keys: Tensor, scale: Tensor, chunk: int) -> Tensor:
+def _triton(kernel: str):  # noqa: ANN202 - the module, imported only when asked for
+    if kernel not in KERNELS:
+        raise ValueError(f"loss.kernel={kernel!r}: choose one of {', '.join(KERNELS)}")
+    from titan_contrastive.kernels import streaming_triton
+
+    return streaming_triton
+
+
+def streamed_lse(queries: Tensor, keys: Tensor, scale: Tensor, chunk: int, kernel: str = "pytorch") -> Tensor:
     """[len(queries)]: logsumexp_j(scale * q_i . k_j), `chunk` queries at a time.
 
     Row LSE of S for rows `queries` of Zx when keys = Zy; column LSE when queries are rows of
     Zy and keys = Zx (S^T = s * Zy Zx^T).
     """
+    if kernel != "pytorch":
+        return _triton(kernel).lse(queries.contiguous(), keys.contiguous(), float(scale), exact=kernel == "triton_exact")
     out = torch.empty(len(queries), dtype=accumulation_dtype(queries), device=queries.device)
     for start in range(0, len(queries), chunk):
         out[start : start + chunk] = torch.logsumexp(_logits(queries[start : start + chunk], keys, scale), dim=1)
@@ -57,7 +73,7 @@ def _softmax_sum_times(block: Tensor, row_shift: Tensor, col_shift: Tensor, valu
 
 
 def streamed_embedding_grads(zx: Tensor, zy: Tensor, rows: range, row_lse: Tensor, col_lse: Tensor, scale: Tensor,
-                             chunk: int) -> tuple[Tensor, Tensor]:
+                             chunk: int, kernel: str = "pytorch") -> tuple[Tensor, Tensor]:
     """(dL/dZx[rows], dL/dZy[rows]) of the global loss, `chunk` rows at a time.
 
     zx, zy: the global [N, d] embeddings (detached); row_lse, col_lse: the global LSEs (a, b).
@@ -67,6 +83,12 @@ def streamed_embedding_grads(zx: Tensor, zy: Tensor, rows: range, row_lse: Tenso
     n = len(zx)
     coef = scale / (2 * n)
     acc = accumulation_dtype(zx)
+    if kernel != "pytorch":
+        fused, own = _triton(kernel), slice(rows.start, rows.stop)
+        zx, zy, exact, s = zx.contiguous(), zy.contiguous(), kernel == "triton_exact", float(scale)
+        gx = fused.softmax_pair_times(zx[own], zy, row_lse[own], col_lse, s, exact=exact)
+        gy = fused.softmax_pair_times(zy[own], zx, col_lse[own], row_lse, s, exact=exact)
+        return coef * (gx - 2 * zy[own].to(acc)), coef * (gy - 2 * zx[own].to(acc))
     gx = torch.empty(len(rows), zx.shape[1], dtype=acc, device=zx.device)
     gy = torch.empty_like(gx)
     for start in range(rows.start, rows.stop, chunk):

@@ -145,6 +145,10 @@ class Loss:
     distributed step, seed 001); the accumulation microbatches become its re-forward chunks."""
     stream_chunk_size: int = _positive(1024)
     """negatives=global: logit rows per block; extra memory ~ 2 x stream_chunk_size x N floats."""
+    kernel: Literal["pytorch", "triton", "triton_exact"] = "pytorch"
+    """negatives=global: the streamed LSE / gradient loops in PyTorch (the reference), or as fused
+    Triton kernels (`triton`: TF32 dot products for float32 embeddings; `triton_exact`: IEEE
+    float32). Needs triton (CUDA, or TRITON_INTERPRET=1 on CPU); not yet measured on a GPU."""
 
 
 @dataclass

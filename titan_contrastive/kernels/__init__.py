@@ -1,0 +1,2 @@
+"""Optional fused kernels (Triton). Importing a kernel module needs `triton`; nothing else imports
+them unless asked to (`[loss] kernel = "triton"`)."""
