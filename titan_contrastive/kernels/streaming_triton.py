@@ -8,8 +8,8 @@ exp(s_ij − k_shift_j)) · k_j. Both shifts are final LSEs known from the forwa
 renormalisation is needed; this is the row-softmax plus column-softmax product that the
 embedding gradients need (dZx with shifts (a, b) over Zy; dZy with shifts (b, a) over Zx).
 
-Both take any N (masked tails), d up to 1024 (the dot products run over d in tiles; the output of
-the second kernel is split over d tiles on the grid), bf16 / fp16 / fp32 inputs with fp32
+Both take any N (masked tails), d up to 1024 (the dot products run over d in tiles of 64; the
+output of the second kernel is split over d tiles of up to 256 on the grid, each recomputing S), bf16 / fp16 / fp32 inputs with fp32
 accumulation (the logits tile is fp32; bf16/fp16 inputs go through the tensor-core dot with fp32
 accumulators), and `exact=True` for IEEE fp32 dot products (inputs upcast) instead of TF32. Inputs must be
 row-major contiguous (a clear error otherwise). Set TRITON_INTERPRET=1 before importing this
@@ -31,6 +31,7 @@ from torch import Tensor
 __all__ = ["lse", "softmax_pair_times"]
 
 BLOCK_M, BLOCK_N, BLOCK_D = 32, 32, 64
+MAX_BLOCK_OUT = 256  # output columns per program of the gradient kernel (register budget)
 
 
 @triton.jit
@@ -67,11 +68,11 @@ def _lse_kernel(q_ptr, k_ptr, out_ptr, n_q, n_k, d, scale, EXACT: tl.constexpr, 
 
 @triton.jit
 def _pair_kernel(q_ptr, k_ptr, qs_ptr, ks_ptr, out_ptr, n_q, n_k, d, scale, EXACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_OUT: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    out_dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # this program's output columns
+    out_dims = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)  # this program's output columns
     q_shift = tl.load(qs_ptr + rows, mask=rows < n_q, other=0.0)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_OUT), dtype=tl.float32)
     for c0 in range(0, n_k, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
         s = _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D)
@@ -120,7 +121,8 @@ def softmax_pair_times(queries: Tensor, keys: Tensor, q_shift: Tensor, k_shift: 
     if q_shift.shape != (len(queries),) or k_shift.shape != (len(keys),):
         raise ValueError(f"shifts must be [{len(queries)}] and [{len(keys)}], got {list(q_shift.shape)} and {list(k_shift.shape)}")
     out = torch.empty(queries.shape, dtype=torch.float32, device=queries.device) if out is None else out
-    grid = (triton.cdiv(len(queries), BLOCK_M), triton.cdiv(queries.shape[1], BLOCK_D))
+    block_out = min(triton.next_power_of_2(queries.shape[1]), MAX_BLOCK_OUT)  # each output tile recomputes S once
+    grid = (triton.cdiv(len(queries), BLOCK_M), triton.cdiv(queries.shape[1], block_out))
     _pair_kernel[grid](queries, keys, q_shift.float().contiguous(), k_shift.float().contiguous(), out, len(queries), len(keys),
-                       queries.shape[1], float(scale), _exact(exact), BLOCK_M, BLOCK_N, BLOCK_D)
+                       queries.shape[1], float(scale), _exact(exact), BLOCK_M, BLOCK_N, BLOCK_D, block_out)
     return out
