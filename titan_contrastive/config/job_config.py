@@ -43,9 +43,11 @@ class Job:
 @dataclass
 class Model:
     name: str = "clip"
-    """Registered model family: `clip`, `bi_encoder` (pretrained MiniLM, needs `.[hf]`), or your own."""
+    """Registered model family: `clip`, `bi_encoder` (pretrained MiniLM, needs `.[hf]`), `vlm`
+    (packed patches), `vae` (pixel loss), or your own."""
     flavor: str = "debug"
-    """Size preset of the family: clip `debug` (CPU) / `vit_b32`; bi_encoder `minilm_l6` / `minilm_l6_dual`."""
+    """Size preset of the family: clip `debug` (CPU) / `vit_b32`; bi_encoder `minilm_l6` / `minilm_l6_dual`;
+    vlm `debug`; vae `debug` / `sd`."""
 
 
 @dataclass
@@ -199,9 +201,9 @@ class Data:
     """0 = the dataset's native size; N = images resized (bilinear) to N x N, e.g. 224 for
     clip/vit_b32 (patch 32) on the 28x28 Fashion-MNIST."""
     image_sizes: list[int] = _opt([], lambda v: all(x >= 1 for x in v), "a list of sizes in pixels, each >= 1")
-    """Mixed resolutions for families that read packed patches (model.name=vlm): each image is
-    served at one of these square sizes (train: drawn per sample and epoch; test: cycled), as
-    Qwen-VL-style `pixel_values` + `image_grid_thw`. Empty = one size (image_size or native)."""
+    """Mixed resolutions (model.name=vlm or vae): each image is served at one of these square sizes
+    (train: drawn per sample and epoch; test: cycled), as Qwen-VL-style packed patches (vlm) or
+    zero-padded with a pixel mask (vae). Empty = one size (image_size or native)."""
 
 
 @dataclass
@@ -209,7 +211,8 @@ class Memory:
     budget_gib: float = _non_negative(0.0)
     """Per-device memory budget; > 0 turns on the planner: before training, real train steps at a
     few chunk sizes are measured and the largest chunk that fits is used (GradCache chunk for
-    contrastive families, decoder chunk for vae). 0 = off."""
+    contrastive families, decoder chunk for vae; then the stream chunk under global negatives).
+    0 = off."""
     plan: bool = False
     """With budget_gib: print the plan and exit without training (a dry run)."""
     margin: float = _opt(0.05, lambda v: 0 <= v < 0.5, "a fraction in [0, 0.5)")
