@@ -69,3 +69,17 @@ def test_two_node_launch_over_c10d_rendezvous(tmp_path: Path) -> None:
     outputs = [n.communicate(timeout=300)[0] for n in nodes]
     assert all(n.returncode == 0 for n in nodes), outputs
     assert any("parallelism: ddp (replicate 2 x shard 1)" in out and "dp degree 2" in out for out in outputs), outputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, key, target", [
+    ("train_configs/vae_debug.toml", "psnr_db", 20.0),          # README: 21.76 dB
+    ("train_configs/emoji_vlm.toml", "image_to_text_r@5", 0.12),  # README: 0.175 (chance 0.025)
+])
+def test_family_configs_reach_their_readme_results(tmp_path: Path, config: str, key: str, target: float) -> None:
+    """The vae and vlm configs as the README runs them (CONFIG_FILE=... ./run_train.sh), with margin."""
+    env = {**os.environ, "NGPU": "1", "PYTHON": sys.executable, "LOG_RANK": "0", "CUDA_VISIBLE_DEVICES": "", "CONFIG_FILE": config}
+    out = subprocess.run(["./run_train.sh", f"--job.dump_folder={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert evals[-1][key] >= target, evals[-1]
