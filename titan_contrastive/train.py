@@ -33,13 +33,14 @@ from titan_contrastive.components.checkpoint import CheckpointError, CheckpointM
 from titan_contrastive.components.evaluate import evaluate, evaluate_reconstruction
 from titan_contrastive.components.loss import RescaleAccumulatedLoss, build_loss_fn
 from titan_contrastive.components.lr_scheduler import build_lr_scheduler
-from titan_contrastive.components.memory_planner import MemoryBudgetError, measure_step, plan_trainer
+from titan_contrastive.components.memory_planner import MemoryBudgetError, measured_first_step, plan_trainer
 from titan_contrastive.components.metrics import MetricsProcessor, device_peak_tflops
 from titan_contrastive.components.optimizer import build_optimizer
 from titan_contrastive.components.precision import at_least_fp32, build_precision
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets import DataError, build_dataloader, build_dataset
 from titan_contrastive.distributed import destroy_distributed, init_distributed
+from titan_contrastive.components.streaming_loss import require_kernel
 from titan_contrastive.distributed_clip import StreamingClipStep
 from titan_contrastive.grad_cache import GradCache, split_inputs, split_vlm_inputs
 from titan_contrastive.parallelisms import ParallelDims, parallelize_model
@@ -156,11 +157,10 @@ class Trainer:
                               f"give one chunk size (e.g. --gradcache.chunk_sizes={min(sizes)})")
         self.chunk_size = sizes[0] if cfg.gradcache.enabled else None
         self.global_step: StreamingClipStep | None = None
-        if cfg.loss.kernel != "pytorch":  # fused kernels: fail here, not at the first step
-            try:
-                importlib.import_module("titan_contrastive.kernels.streaming_triton")
-            except ImportError as e:
-                raise ConfigError(f"loss.kernel={cfg.loss.kernel} needs triton ({e}); pip install triton, or set loss.kernel=pytorch") from None
+        try:  # fused kernels: a missing triton fails here, not at the first step
+            require_kernel(cfg.loss.kernel)
+        except ImportError as e:
+            raise ConfigError(str(e)) from None
         if cfg.loss.negatives == "global":  # one exact problem over the global batch (seed 001)
             self.global_step = StreamingClipStep(stream_chunk_size=cfg.loss.stream_chunk_size, group=dp_group,
                                                  grad_average_factor=self.dp_degree, kernel=cfg.loss.kernel)
@@ -342,18 +342,6 @@ class Trainer:
         self.metrics.data_time += time.perf_counter() - start
         return batches
 
-    def _measured_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """The first step under a memory plan, through the probe: measured peak against the plan."""
-        out: dict[str, float] = {}
-        plan = self.memory_plan
-        peak = measure_step(lambda: out.update(self.train_step(batches)), self.device, self.model, self.optimizer) / 2**30
-        plan.checked = True
-        logger.info(f"memory: first step peaked at {peak:.3f} GiB; planned {plan.predicted_gib:.3f} GiB, budget {plan.budget_gib:g} GiB "
-                    f"({'within' if peak <= plan.budget_gib else 'OVER'} budget)")
-        self.metrics.record("memory", self.step, {"peak_gib": peak, "planned_gib": plan.predicted_gib, "budget_gib": plan.budget_gib,
-                                                   "chunk": plan.chunk, "chunks": plan.chunks})
-        return out
-
     def evaluate(self) -> dict[str, float]:
         if self.pixel:  # masked MSE / PSNR of reconstructions, PNG grid in the dump folder
             def reconstruct(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,7 +362,7 @@ class Trainer:
         results: dict[str, Any] = {}
         while self.step < cfg.training.steps:
             batches = self.next_microbatches(data_iter)
-            out = self._measured_step(batches) if self.memory_plan and not self.memory_plan.checked else self.train_step(batches)
+            out = measured_first_step(self, batches) if self.memory_plan and not self.memory_plan.checked else self.train_step(batches)
             self.metrics.samples += self.global_batch_size
             last = self.step == cfg.training.steps
             if self.step % cfg.metrics.log_freq == 0 or last:

@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor
 
 from titan_contrastive.components.memory_probe import PeakMemory
 
-__all__ = ["Knob", "MemoryBudgetError", "MemoryPlan", "doubling", "measure_step", "plan_chunks", "plan_trainer", "static_bytes"]
+__all__ = ["Knob", "MemoryBudgetError", "MemoryPlan", "doubling", "measure_step", "measured_first_step", "plan_chunks", "plan_trainer",
+           "static_bytes"]
 
 logger = logging.getLogger("titan_contrastive")
 GIB = 2**30
@@ -184,3 +185,17 @@ def plan_trainer(trainer: Any) -> MemoryPlan:
     logger.info(f"memory plan: {', '.join(f'{k}={c}' for k, c in plan.chunks.items())} (local batch {local}) predicted peak "
                 f"{plan.predicted_gib:.3f} GiB, budget {plan.budget_gib:g} GiB (margin {cfg.memory.margin:.0%})")
     return plan
+
+
+def measured_first_step(trainer: Any, batches: list) -> dict[str, float]:
+    """The trainer's first step under a plan, through the probe: measured peak against the plan,
+    logged and recorded in metrics.jsonl (kind "memory")."""
+    out: dict[str, float] = {}
+    plan = trainer.memory_plan
+    peak = measure_step(lambda: out.update(trainer.train_step(batches)), trainer.device, trainer.model, trainer.optimizer) / GIB
+    plan.checked = True
+    logger.info(f"memory: first step peaked at {peak:.3f} GiB; planned {plan.predicted_gib:.3f} GiB, budget {plan.budget_gib:g} GiB "
+                f"({'within' if peak <= plan.budget_gib else 'OVER'} budget)")
+    trainer.metrics.record("memory", trainer.step, {"peak_gib": peak, "planned_gib": plan.predicted_gib, "budget_gib": plan.budget_gib,
+                                                    "chunk": plan.chunk, "chunks": plan.chunks})
+    return out

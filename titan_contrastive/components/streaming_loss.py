@@ -21,6 +21,8 @@ unused); `"pytorch"` (the default, and the reference) is the code below.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import Tensor
 
@@ -37,12 +39,20 @@ def _logits(queries: Tensor, keys: Tensor, scale: Tensor) -> Tensor:
     return (queries @ keys.T).to(accumulation_dtype(queries)).mul_(scale)
 
 
-def _triton(kernel: str):  # noqa: ANN202 - the module, imported only when asked for
+def require_kernel(kernel: str) -> None:
+    """Check that `kernel` can run: a known name, and triton importable for the fused ones."""
     if kernel not in KERNELS:
         raise ValueError(f"loss.kernel={kernel!r}: choose one of {', '.join(KERNELS)}")
-    from titan_contrastive.kernels import streaming_triton
+    if kernel != "pytorch":
+        try:
+            importlib.import_module("titan_contrastive.kernels.streaming_triton")
+        except ImportError as e:
+            raise ImportError(f"loss.kernel={kernel} needs triton ({e}); pip install triton, or set loss.kernel=pytorch") from None
 
-    return streaming_triton
+
+def _triton(kernel: str):  # noqa: ANN202 - the module, imported only when asked for
+    require_kernel(kernel)
+    return importlib.import_module("titan_contrastive.kernels.streaming_triton")
 
 
 def streamed_lse(queries: Tensor, keys: Tensor, scale: Tensor, chunk: int, kernel: str = "pytorch") -> Tensor:
