@@ -26,9 +26,9 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_contrastive.components.loss import clip_loss
+from titan_contrastive.components.memory_probe import LargestTensor
 from titan_contrastive.distributed_clip import StreamingClipStep
 
 SCALE = 1 / 0.07
@@ -67,19 +67,6 @@ if torch.cuda.is_available():  # Triton kernels: ours (needs triton) and the two
             IMPLEMENTATIONS[_name] = _fn
 
 
-class LargestTensor(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel() * t.element_size())
-        return out
-
-
 def measure(fn: Callable, n: int, d: int, dtype: torch.dtype, chunk: int, repeats: int, device: torch.device) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(0)
     zx = F.normalize(torch.randn(n, d, device=device, generator=gen), dim=-1).to(dtype).requires_grad_()
@@ -105,7 +92,7 @@ def measure(fn: Callable, n: int, d: int, dtype: torch.dtype, chunk: int, repeat
             zx.grad = zy.grad = None
             with LargestTensor() as probe:
                 fn(zx, zy, chunk)
-            extra = probe.largest
+            extra = probe.largest_bytes
     except torch.OutOfMemoryError:
         return {"status": "OOM"}
     finally:

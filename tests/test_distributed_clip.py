@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_contrastive.components.loss import clip_loss
+from titan_contrastive.components.memory_probe import LargestTensor
 from titan_contrastive.distributed_clip import DistributedClipError, StreamingClipStep, distributed_train_step
 from tests.dist_utils import run_distributed
 
@@ -165,21 +165,6 @@ def test_logit_scale_counted_once_not_per_microbatch() -> None:
 
 
 # ------------------------------------------------------------------ memory: no N x N, no B x N
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the element count of the largest tensor any op produces."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 def test_never_allocates_more_than_chunk_by_n() -> None:

@@ -58,8 +58,8 @@ class PixelStep:
         if self.distributed:
             dist.all_reduce(total)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for j, mb in enumerate(microbatches):
-            weight = (dens[j] / total.clamp_min(MIN_DENOMINATOR)).item() * self.dp_degree
+        weights = (torch.stack(dens) / total.clamp_min(MIN_DENOMINATOR) * self.dp_degree).tolist()  # one host sync
+        for j, (mb, weight) in enumerate(zip(microbatches, weights)):
             with grad_sync(j == len(microbatches) - 1):
                 loss = forward(mb, weight)
                 backward(loss * weight)

@@ -344,7 +344,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         if self.pixel:  # masked MSE / PSNR of reconstructions, PNG grid in the dump folder
-            def reconstruct(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            def reconstruct(batch: dict[str, torch.Tensor]) -> torch.Tensor:
                 with self.precision.autocast():
                     return self.model(*self._inputs(batch), reconstruct=True)
             return evaluate_reconstruction(self.model, reconstruct, self.eval_set, batch_size=self.cfg.eval.batch_size,

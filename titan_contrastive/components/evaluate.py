@@ -14,16 +14,18 @@ reconstructions.
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
+import contextlib
 import math
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_contrastive.components.pixel_loss import masked_error_sum
 from titan_contrastive.components.precision import at_least_fp32
 
 
@@ -41,24 +43,43 @@ def _gather_rows(local: torch.Tensor, counts: list[int]) -> torch.Tensor:
 Forward = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
+def _shards(dataset: Any, world_size: int) -> list[np.ndarray]:
+    """Contiguous index shards, one per DP rank."""
+    if len(dataset) < world_size:
+        raise ValueError(f"eval set has {len(dataset)} samples, fewer than the {world_size} data-parallel ranks")
+    return np.array_split(np.arange(len(dataset)), world_size)
+
+
+def _rank_batches(dataset: Any, batch_size: int, rank: int, world_size: int) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+    """(indices, batch) over this rank's shard. Every rank gets the same number of batches (FSDP2
+    all-gathers parameters inside each forward call, a collective): a rank whose shard is used up
+    gets ([], a batch of one sample again) to run and drop."""
+    shards = _shards(dataset, world_size)
+    mine = shards[rank]
+    for start in range(0, max(len(s) for s in shards), batch_size):
+        indices = mine[start : start + batch_size].tolist()
+        yield indices, dataset.__getitems__(indices or [int(mine[0])])
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode for the block, then back to what it was."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def embed_dataset(forward: Forward, dataset: Any, *, batch_size: int, device: torch.device,
                   rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both towers' embeddings (image/caption, query/document), labels (or sample indices)
-    and exp(logit_scale), all rows on every rank.
-
-    Every rank runs the same number of forward calls (FSDP2 all-gathers parameters inside each
-    call, a collective): a rank whose shard is used up runs one sample again and drops it.
-    """
-    if len(dataset) < world_size:
-        raise ValueError(f"eval set has {len(dataset)} samples, fewer than the {world_size} data-parallel ranks")
-    shards = np.array_split(np.arange(len(dataset)), world_size)
-    mine, counts = shards[rank], [len(s) for s in shards]
+    and exp(logit_scale), all rows on every rank."""
     img, txt, labels = [], [], []
     scale = None
-    for start in range(0, max(counts), batch_size):
-        indices = mine[start : start + batch_size].tolist()
-        batch = dataset.__getitems__(indices or [int(mine[0])])
+    for indices, batch in _rank_batches(dataset, batch_size, rank, world_size):
         image_emb, text_emb, scale = forward(batch)
         if indices:
             img.append(at_least_fp32(image_emb))
@@ -66,6 +87,7 @@ def embed_dataset(forward: Forward, dataset: Any, *, batch_size: int, device: to
             labels.append(batch.get("label", batch["index"]).to(device))
     local = (torch.cat(img), torch.cat(txt), torch.cat(labels))
     assert scale is not None
+    counts = [len(s) for s in _shards(dataset, world_size)]
     return (*(_gather_rows(t, counts) for t in local), at_least_fp32(scale))  # type: ignore[return-value]
 
 
@@ -103,9 +125,7 @@ def evaluate(model: nn.Module, forward: Forward, dataset: Any, loss_fn: Callable
     `forward(batch) -> (first tower's emb, second tower's emb, exp(logit_scale))` runs `model` with the
     trainer's dtype and autocast; `model` is only switched to eval mode and back.
     """
-    was_training = model.training
-    model.eval()
-    try:
+    with _eval_mode(model):
         img, txt, labels, scale = embed_dataset(forward, dataset, batch_size=batch_size, device=device, rank=rank, world_size=world_size)
         losses = [loss_fn(img[i : i + batch_size], txt[i : i + batch_size], scale) for i in range(0, len(img), batch_size)]
         out = {"loss": torch.stack(losses).mean().item(), "num_samples": float(len(img))}
@@ -115,8 +135,6 @@ def evaluate(model: nn.Module, forward: Forward, dataset: Any, loss_fn: Callable
         else:
             out.update(recall_at_k(img, txt, getattr(dataset, "recall_ks", (1, 5)), getattr(dataset, "recall_direction", "image_to_text")))
         return out
-    finally:
-        model.train(was_training)
 
 
 def _save_grid(originals: torch.Tensor, recons: torch.Tensor, masks: torch.Tensor, path: Path, scale: int = 4) -> None:
@@ -127,7 +145,8 @@ def _save_grid(originals: torch.Tensor, recons: torch.Tensor, masks: torch.Tenso
         x = ((x.float() * 0.5 + 0.5).clamp(0, 1) * masks.float()).cpu()
         return torch.cat([torch.nn.functional.pad(img, (1, 1)) for img in x], dim=2)
 
-    grid = torch.cat([row(originals), torch.zeros(originals.shape[1], 2, row(originals).shape[2]), row(recons)], dim=1)
+    top = row(originals)
+    grid = torch.cat([top, torch.zeros(originals.shape[1], 2, top.shape[2]), row(recons)], dim=1)
     pixels = (grid * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
     image = Image.fromarray(pixels[..., 0] if pixels.shape[2] == 1 else pixels)
     tmp = path.with_suffix(".tmp.png")
@@ -136,34 +155,23 @@ def _save_grid(originals: torch.Tensor, recons: torch.Tensor, masks: torch.Tenso
 
 
 @torch.no_grad()
-def evaluate_reconstruction(model: nn.Module, reconstruct: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
-                            dataset: Any, *, batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1,
+def evaluate_reconstruction(model: nn.Module, reconstruct: Callable[[dict[str, torch.Tensor]], torch.Tensor], dataset: Any, *,
+                            batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1,
                             grid_path: Path | None = None, grid_images: int = 12) -> dict[str, float]:
-    """Masked MSE / PSNR of `reconstruct(batch) -> (loss, images)` over the dataset (every rank runs
-    the same number of calls, as FSDP2 needs); rank 0 writes the grid of the first images."""
-    if len(dataset) < world_size:
-        raise ValueError(f"eval set has {len(dataset)} samples, fewer than the {world_size} data-parallel ranks")
-    was_training = model.training
-    model.eval()
-    try:
-        shards = np.array_split(np.arange(len(dataset)), world_size)
-        mine, longest = shards[rank], max(len(s) for s in shards)
+    """Masked MSE / PSNR of `reconstruct(batch) -> images` over the dataset (numerator and
+    denominator summed over ranks); rank 0 writes the grid of its first images."""
+    with _eval_mode(model):
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # squared error, scored values
-        for start in range(0, longest, batch_size):
-            indices = mine[start : start + batch_size].tolist()
-            batch = dataset.__getitems__(indices or [int(mine[0])])
-            _, recon = reconstruct(batch)
+        for i, (indices, batch) in enumerate(_rank_batches(dataset, batch_size, rank, world_size)):
+            recon = reconstruct(batch)
             if not indices:
                 continue
             image, mask = batch["image"].to(device, torch.float64), batch["mask"].to(device, torch.float64)
-            err = ((recon.double() * 0.5 + 0.5).clamp(0, 1) - (image * 0.5 + 0.5).clamp(0, 1)).square()
-            sums += torch.stack([(err * mask).sum(), mask.sum() * image.shape[1]])
-            if rank == 0 and start == 0 and grid_path is not None:
+            sums += torch.stack([masked_error_sum(recon.double(), image, mask, "l2"), mask.sum() * image.shape[1]])
+            if rank == 0 and i == 0 and grid_path is not None:
                 n = min(grid_images, len(indices))
                 _save_grid(batch["image"][:n], recon[:n], batch["mask"][:n], grid_path)
         if world_size > 1:
             dist.all_reduce(sums)
         mse = (sums[0] / sums[1]).item()
         return {"loss": mse, "num_samples": float(len(dataset)), "psnr_db": 10 * math.log10(1 / mse) if mse > 0 else math.inf}
-    finally:
-        model.train(was_training)

@@ -1,4 +1,5 @@
-"""Memory probes: bytes saved for backward (device-independent) and peak bytes allocated.
+"""Memory probes: bytes saved for backward (device-independent), peak bytes allocated, and the
+largest single tensor any operator produces (what proves "never an N x N block").
 
 Why: what a chunked loss saves or frees is a property of the autograd graph, not of the device.
 Counting the tensors that autograd saves (and their release when the graph is freed) measures it
@@ -15,7 +16,7 @@ from types import TracebackType
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["PeakMemory", "SavedActivations"]
+__all__ = ["LargestTensor", "PeakMemory", "SavedActivations"]
 
 
 class _Saved:
@@ -116,3 +117,19 @@ class PeakMemory:
             self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
         elif self._mode is not None:
             self._mode.__exit__(kind, value, tb)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Inside the block, the largest tensor any operator returns: `largest` elements, `largest_bytes`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = self.largest_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+                self.largest_bytes = max(self.largest_bytes, t.numel() * t.element_size())
+        return out

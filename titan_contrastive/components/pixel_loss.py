@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["MIN_DENOMINATOR", "PixelLossMode", "calculate_chunk_size", "compute_pixel_loss", "compute_pixel_loss_v0"]
+__all__ = ["MIN_DENOMINATOR", "PixelLossMode", "calculate_chunk_size", "compute_pixel_loss", "compute_pixel_loss_v0", "masked_error_sum"]
 
 logger = logging.getLogger("titan_contrastive")
 MIN_DENOMINATOR = 1e-3
@@ -68,7 +68,7 @@ def _check(latents: Tensor, images: Tensor, masks: Tensor, loss_type: str) -> No
         raise ValueError(f"{latents.shape[0]} latents for {images.shape[0]} images; pass one latent per image")
 
 
-def _masked_sum(pred: Tensor, images: Tensor, masks: Tensor, loss_type: str) -> Tensor:
+def masked_error_sum(pred: Tensor, images: Tensor, masks: Tensor, loss_type: str) -> Tensor:
     """Σ m · ℓ over a chunk, in at least float32; pred is cropped to the images' padded size."""
     if pred.shape[2] < images.shape[2] or pred.shape[3] < images.shape[3] or pred.shape[1] != images.shape[1]:
         raise ValueError(f"decoded images {list(pred.shape)} are smaller than (or have other channels than) the targets {list(images.shape)}")
@@ -88,7 +88,7 @@ def _finish(numerator: Tensor, denominator: Tensor) -> Tensor:
 def compute_pixel_loss_v0(latents: Tensor, images: Tensor, masks: Tensor, decode: Decode, loss_type: str = "l2") -> Tensor:
     """The original: decode every latent at once, one masked mean. The reference for the others."""
     _check(latents, images, masks, loss_type)
-    numerator = _masked_sum(decode(latents), images, masks, loss_type)
+    numerator = masked_error_sum(decode(latents), images, masks, loss_type)
     return _finish(numerator, masks.to(numerator.dtype).sum() * images.shape[1])
 
 
@@ -135,10 +135,10 @@ def compute_pixel_loss(latents: Tensor, images: Tensor, masks: Tensor, decode: D
         for k, start in enumerate(range(0, len(latents), chunk)):
             rows = slice(start, start + chunk)
             if cached is None:  # chunked: keep the graph, free the forward's transient buffers
-                numerator = numerator + _masked_sum(decode(latents[rows]), images[rows], masks[rows], loss_type)
+                numerator = numerator + masked_error_sum(decode(latents[rows]), images[rows], masks[rows], loss_type)
             else:  # per_chunk_backward: backpropagate this chunk now, keep only gradients
                 leaf = latents[rows].detach().requires_grad_(latents.requires_grad)
-                part = _masked_sum(decode(leaf), images[rows], masks[rows], loss_type)
+                part = masked_error_sum(decode(leaf), images[rows], masks[rows], loss_type)
                 if part.requires_grad:
                     (_finish(part, denominator) * backward_scale).backward()
                 if leaf.grad is not None and backward_scale != 0:  # scale 0: the caller drops this loss

@@ -126,10 +126,10 @@ class AutoEncoder(nn.Module):
             if isinstance(module, (nn.Conv2d, nn.GroupNorm)):
                 module.reset_parameters()
 
-    def forward(self, images: Tensor, masks: Tensor, backward_scale: float = 1.0, reconstruct: bool = False) -> tuple[Tensor, Tensor]:
-        """(masked pixel loss of the reconstruction, latents); `reconstruct=True` (evaluation, no
-        grad): (loss, the decoded images) instead. Going through forward matters under FSDP2,
-        whose root unshards its parameters only there.
+    def forward(self, images: Tensor, masks: Tensor, backward_scale: float = 1.0, reconstruct: bool = False) -> tuple[Tensor, Tensor] | Tensor:
+        """(masked pixel loss of the reconstruction, latents); `reconstruct=True` (evaluation): the
+        decoded images only, which the evaluation scores itself. Going through forward matters
+        under FSDP2, whose root unshards its parameters only there.
 
         Order: encode -> `compute_pixel_loss` (decode in chunks per `pixel_loss_options`). With
         mode per_chunk_backward the decoder's backward happens here, inside the DP wrapper's
@@ -142,9 +142,7 @@ class AutoEncoder(nn.Module):
                              f"downsampling factor {self.args.downsample} (pad them, see pad_to_batch)")
         latents = self.encoder(images)
         if reconstruct:
-            decoded = self.decoder(latents)
-            return compute_pixel_loss(latents, images, masks, lambda _: decoded, mode="v0",
-                                      loss_type=self.pixel_loss_options.get("loss_type", "l2")), decoded
+            return self.decoder(latents)
         loss = compute_pixel_loss(latents, images, masks, self.decoder, backward_scale=backward_scale, **self.pixel_loss_options)
         if self.pixel_loss_options.get("mode") == "per_chunk_backward" and torch.is_grad_enabled():
             loss = loss + sum(p.reshape(-1)[0] * 0 for p in self.decoder.parameters() if p.requires_grad)
