@@ -39,11 +39,12 @@ def dense(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
 
 
 def streaming(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
-    StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SCALE)(lambda _: (zx * 1, zy * 1, None), [None])
+    StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SCALE, kernel="pytorch")(lambda _: (zx * 1, zy * 1, None), [None])
 
 
 def streaming_triton(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA only
-    StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SCALE, kernel="triton")(lambda _: (zx * 1, zy * 1, None), [None])
+    kernel = "triton_exact" if zx.dtype == torch.float32 else "triton"
+    StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SCALE, kernel=kernel)(lambda _: (zx * 1, zy * 1, None), [None])
 
 
 def inf_cl(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA + Triton only
@@ -97,7 +98,8 @@ def measure(fn: Callable, n: int, d: int, dtype: torch.dtype, chunk: int, repeat
         return {"status": "OOM"}
     finally:
         zx.grad = zy.grad = None
-    return {"status": "ok", "median_s": statistics.median(times), "times_s": times, "extra_bytes": extra,
+    median = statistics.median(times)
+    return {"status": "ok", "median_s": median, "times_s": times, "extra_bytes": extra, "floor_tflops": 8 * n * n * d / median / 1e12,
             "memory_kind": "cuda_peak_above_inputs" if cuda else "largest_tensor"}
 
 
@@ -144,7 +146,8 @@ def main() -> None:
                 row = {"impl": impl, "n": n, "d": args.d, "dtype": dtype, "chunk": chunk,
                        **measure(IMPLEMENTATIONS[impl], n, args.d, getattr(torch, dtype), chunk, args.repeats, device)}
                 rows.append(row)
-                shown = f"{row['median_s'] * 1e3:9.1f} ms  {row['extra_bytes'] / 2**20:9.1f} MiB" if row["status"] == "ok" else "      OOM"
+                shown = (f"{row['median_s'] * 1e3:9.1f} ms  {row['extra_bytes'] / 2**20:9.1f} MiB  {row['floor_tflops']:6.1f} TFLOP/s (8N²d)"
+                         if row["status"] == "ok" else "      OOM")
                 print(f"N={n:>8} {dtype:>8} {impl:>10}: {shown}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

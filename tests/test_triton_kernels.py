@@ -17,15 +17,20 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA and TRITON_INTERPRET is not 1 (tests/conftest.py sets it)", allow_module_level=True)
 
+from titan_contrastive.components import streaming_loss  # noqa: E402
 from titan_contrastive.components.loss import clip_loss  # noqa: E402
-from titan_contrastive.distributed_clip import StreamingClipStep  # noqa: E402
-from titan_contrastive.kernels.streaming_triton import lse, softmax_pair_times  # noqa: E402
+from titan_contrastive.distributed_clip import StreamingClipStep, distributed_train_step  # noqa: E402
+from titan_contrastive.kernels.streaming_triton import row_col_lse, softmax_weights  # noqa: E402
+from tests.dist_utils import run_distributed  # noqa: E402
+from tests.test_distributed_clip import GradRecorder  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [(torch.float32, "triton_exact", 1e-5), (torch.bfloat16, "triton", 1e-2)]
+DTYPE_IDS = ["fp32-exact", "bf16"]
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).norm() / want.norm()).item()
+    return ((got.double().cpu() - want.cpu()).norm() / want.cpu().norm()).item()
 
 
 def embeddings(n: int, d: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -34,25 +39,55 @@ def embeddings(n: int, d: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("d", [64, 128, 256, 512, 768, 1024])
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32-exact", "bf16"])
-def test_kernels_match_dense_float64(d: int, dtype: torch.dtype, tol: float) -> None:
-    m, n, scale = 37, 53, 14.285  # no multiple of any block
+@pytest.mark.parametrize("dtype, kernel, tol", DTYPES, ids=DTYPE_IDS)
+def test_kernels_match_dense_float64(d: int, dtype: torch.dtype, kernel: str, tol: float) -> None:
+    """Both kernels on a 37 x 53 block (no multiple of any tile; two column panels of the forward;
+    on the interpreter two programs, one owning two row blocks) against float64."""
+    m, n, scale, offset = 37, 53, 14.285, 9
     q, k = embeddings(m, d, dtype, 0), embeddings(n, d, dtype, 1)
-    s = scale * (q.double() @ k.double().T)
-    exact = dtype == torch.float32
-    assert rel(lse(q, k, scale, exact=exact), torch.logsumexp(s, 1)) <= tol
-    q_shift, k_shift = torch.logsumexp(s, 1), torch.logsumexp(s, 0)
-    want = ((s - q_shift[:, None]).exp() + (s - k_shift[None, :]).exp()) @ k.double()
-    assert rel(softmax_pair_times(q, k, q_shift.float(), k_shift.float(), scale, exact=exact), want) <= tol
+    s = scale * (q.double() @ k.double().T).cpu()
+    exact = kernel == "triton_exact"
+    row, col = row_col_lse(q, k, scale, exact=exact, panel=32)
+    assert rel(row, torch.logsumexp(s, 1)) <= tol and rel(col, torch.logsumexp(s, 0)) <= tol
+    a, b = torch.logsumexp(s, 1), torch.logsumexp(s, 0)
+    positive = torch.arange(n)[None, :] == torch.arange(m)[:, None] + offset
+    want = (s - a[:, None]).exp() + (s - b[None, :]).exp() - 2 * positive
+    got = softmax_weights(q, k, a.float().to(DEVICE), b.float().to(DEVICE), scale, offset, exact=exact)
+    assert got.dtype == (torch.float32 if exact else dtype)
+    assert rel(got, want) <= tol
 
 
-def test_every_output_element_is_written() -> None:
-    q, k = embeddings(45, 96, torch.float32, 2), embeddings(70, 96, torch.float32, 3)
-    out1 = torch.full((45,), float("nan"), device=DEVICE)
-    out2 = torch.full((45, 96), float("nan"), device=DEVICE)
-    lse(q, k, 10.0, exact=True, out=out1)
-    softmax_pair_times(q, k, out1, lse(k, q, 10.0, exact=True), 10.0, exact=True, out=out2)
-    assert torch.isfinite(out1).all() and torch.isfinite(out2).all()
+@pytest.mark.parametrize("dtype, kernel, tol", DTYPES, ids=DTYPE_IDS)
+def test_fused_gradients_of_two_row_shares_equal_dense_autograd(dtype: torch.dtype, kernel: str, tol: float) -> None:
+    """fused_lse / fused_embedding_grads for rows [0, 20) and [20, 53), as two ranks would call
+    them: merged column LSEs, concatenated dZx and summed dZy shares equal autograd of the dense
+    float64 loss; panels of 16 do not divide either share."""
+    n, d, scale = 53, 96, torch.tensor(11.0, device=DEVICE)
+    zx, zy = embeddings(n, d, dtype, 2), embeddings(n, d, dtype, 3)
+    x64, y64 = zx.double().cpu().requires_grad_(), zy.double().cpu().requires_grad_()
+    want = clip_loss(x64, y64, torch.tensor(11.0, dtype=torch.float64))
+    want.backward()
+    shares = [range(0, 20), range(20, n)]
+    lses = [streaming_loss.fused_lse(zx[r.start : r.stop], zy, scale, kernel) for r in shares]
+    row = torch.cat([r for r, _ in lses])
+    col = torch.stack([c for _, c in lses]).logsumexp(0)
+    loss = streaming_loss.infonce_loss_from_lse(zx, zy, row, col, scale)
+    assert abs(loss.item() - want.item()) <= tol * want.item()
+    gx, gy = zip(*(streaming_loss.fused_embedding_grads(zx[r.start : r.stop], zy, row[r.start : r.stop], col, scale, r.start,
+                                                        kernel, panel=16) for r in shares))
+    assert rel(torch.cat(gx), x64.grad) <= tol
+    assert rel(sum(gy), y64.grad) <= tol
+
+
+def test_every_output_element_is_written_and_no_other() -> None:
+    """W into a NaN-poisoned strided view: every element of the view written, the rest untouched."""
+    q, k = embeddings(45, 96, torch.float32, 4), embeddings(70, 96, torch.float32, 5)
+    row, col = row_col_lse(q, k, 10.0, exact=True)
+    assert torch.isfinite(row).all() and torch.isfinite(col).all()
+    buffer = torch.full((50, 80), float("nan"), device=DEVICE)
+    softmax_weights(q, k, row, torch.zeros(70, device=DEVICE), 10.0, 0, exact=True, out=buffer[:45, :70])
+    assert torch.isfinite(buffer[:45, :70]).all()
+    assert buffer[45:].isnan().all() and buffer[:, 70:].isnan().all()
 
 
 class Towers(torch.nn.Module):
@@ -93,7 +128,78 @@ def test_streaming_step_with_the_kernel_equals_dense_loss_and_gradients() -> Non
 def test_bad_inputs(bad, message: str) -> None:
     q, k = embeddings(8, 64, torch.float32, 6), embeddings(8, 64, torch.float32, 7)
     with pytest.raises(ValueError, match=message):
-        lse(*bad(q, k), 1.0)
+        row_col_lse(*bad(q, k), 1.0)
+    with pytest.raises(ValueError, match=message):
+        softmax_weights(*bad(q, k), torch.zeros(8), torch.zeros(8), 1.0, 0)
+
+
+def test_bad_weight_buffer() -> None:
+    q = embeddings(8, 64, torch.float32, 6)
+    lse = torch.zeros(8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"out must be \[8, 8\] with unit column stride"):
+        softmax_weights(q, q, lse, lse, 1.0, 0, out=torch.empty(16, 8, device=DEVICE)[::2].T)
+    with pytest.raises(ValueError, match=r"LSEs must be \[8\] and \[8\]"):
+        softmax_weights(q, q, lse[:7], lse, 1.0, 0)
+
+
+def _kernel_step_matches_dense(wrapper: str) -> None:
+    """distributed_train_step with KERNEL=triton_exact on this process group (rows against all
+    columns: partial column LSEs all-gathered, dZy shares reduce-scattered) == dense float64."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = Towers()
+    reference = Towers().double()
+    reference.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(1)
+    n = 12 * world
+    x, y = torch.randn(n, 8, generator=g), torch.randn(n, 5, generator=g)
+    want = clip_loss(*reference(x.double(), y.double()))
+    want.backward()
+    if wrapper == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+    recorder = GradRecorder(model.parameters())
+    local = slice(rank * 12, (rank + 1) * 12)
+    config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": 5, "STREAM_CHUNK_SIZE": 7, "TAU": None, "KERNEL": "triton_exact"}
+    loss = distributed_train_step(model, recorder, x[local], y[local], config)
+    assert abs(loss - want.item()) <= 1e-5 * want.item()
+    for got, (name, p) in zip(recorder.grads, reference.named_parameters()):
+        assert rel(got, p.grad) <= 1e-5, name
+
+
+@pytest.mark.parametrize("world, wrapper", [(2, "ddp"), (4, "fsdp")])
+def test_distributed_kernel_step_equals_dense(world: int, wrapper: str) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("gloo processes on CPU: the interpreter path")
+    run_distributed(_kernel_step_matches_dense, world, wrapper)
+
+
+def test_auto_picks_pytorch_off_cuda_and_for_float64() -> None:
+    assert streaming_loss.resolve_kernel("auto", torch.zeros(2, 4)) == "pytorch"
+    assert streaming_loss.resolve_kernel("auto", torch.zeros(2, 4, dtype=torch.float64, device=DEVICE)) == "pytorch"
+    assert streaming_loss.resolve_kernel("triton", torch.zeros(2, 4)) == "triton"
+
+
+def test_auto_self_check_accepts_the_kernels_and_rejects_a_wrong_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check `auto` runs once per device before using the kernels: true for these kernels, and a
+    warning + false when the weights come out wrong (what a miscompile would look like)."""
+    check = streaming_loss._agrees_on_device.__wrapped__
+    assert check("triton_exact", DEVICE, torch.float32, 32)
+    from titan_contrastive.kernels import streaming_triton
+
+    real = streaming_triton.softmax_weights
+    monkeypatch.setattr(streaming_triton, "softmax_weights", lambda *a, **k: real(*a, **k).mul_(1.05))
+    with pytest.warns(UserWarning, match=r"disagree with PyTorch on .* d=32 .*; using the PyTorch path"):
+        assert not check("triton_exact", DEVICE, torch.float32, 32)
+    monkeypatch.setattr(streaming_triton, "softmax_weights", lambda *a, **k: 1 / 0)
+    with pytest.warns(UserWarning, match=r"failed on .* \(ZeroDivisionError: division by zero\); using the PyTorch path"):
+        assert not check("triton_exact", DEVICE, torch.float32, 32)
 
 
 def test_trainer_global_negatives_with_the_kernel(tmp_path) -> None:  # noqa: ANN001

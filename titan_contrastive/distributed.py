@@ -79,20 +79,25 @@ def all_gather_tensor(x: torch.Tensor, group: dist.ProcessGroup | None = None) -
     return out
 
 
+def reduce_scatter_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """This rank's equal dim-0 slice of the sum of every rank's `x` (no autograd)."""
+    mine = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
+    _reduce_scatter(mine, x.contiguous(), group=group)
+    return mine
+
+
 class _AllGatherWithGrad(torch.autograd.Function):
     """Concatenate every rank's equal-sized `x` along dim 0; backward returns this rank's slice of
     the gradient summed over all ranks (each rank's loss used every row)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:  # type: ignore[override]
-        ctx.group, ctx.rows = group, x.shape[0]
+        ctx.group = group
         return all_gather_tensor(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        mine = grad.new_empty((ctx.rows, *grad.shape[1:]))
-        _reduce_scatter(mine, grad.contiguous(), group=ctx.group)
-        return mine, None
+        return reduce_scatter_sum(grad, ctx.group), None
 
 
 def all_gather_with_grad(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -14,19 +14,30 @@ float64). The functions take *global* embedding matrices and a range of rows, so
 computes only its own rows: the distributed step (`titan_contrastive.distributed_clip`)
 splits the work instead of repeating it on every rank as the seed does.
 
-`kernel="triton"` / `"triton_exact"` (IEEE fp32 dot products) runs the same two loops as fused
-Triton kernels (`titan_contrastive.kernels.streaming_triton`; S stays in registers, `chunk` is
-unused); `"pytorch"` (the default, and the reference) is the code below.
+`kernel="triton"` / `"triton_exact"` (IEEE fp32 dot products) computes the same quantities with
+the fused Triton kernels (`titan_contrastive.kernels.streaming_triton`), organised differently:
+a rank takes its rows of S against all N columns, once forward (`fused_lse`: its row LSEs and
+its partial column LSEs, merged over ranks by the caller) and once backward
+(`fused_embedding_grads`: W = P + Q - 2I per panel, then dZx[own] = W Zy and this rank's share
+of dZy = W^T Zx as GEMMs, summed over ranks by the caller): 8 N^2 d FLOPs instead of 12.
+`"auto"` (the default) takes the kernels on CUDA for bf16 / fp16 (`triton`) and fp32
+(`triton_exact`) once a self-check on the device agrees with the PyTorch path, and the PyTorch
+path everywhere else (CPU, float64, no triton).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
+import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-KERNELS = ("pytorch", "triton", "triton_exact")
+KERNELS = ("auto", "pytorch", "triton", "triton_exact")
+FUSED_PANEL = 8192  # rows x columns of W per backward panel: 128 MiB in bf16, 256 MiB in fp32
 
 
 def accumulation_dtype(x: Tensor) -> torch.dtype:
@@ -43,7 +54,7 @@ def require_kernel(kernel: str) -> None:
     """Check that `kernel` can run: a known name, and triton importable for the fused ones."""
     if kernel not in KERNELS:
         raise ValueError(f"loss.kernel={kernel!r}: choose one of {', '.join(KERNELS)}")
-    if kernel != "pytorch":
+    if kernel not in ("auto", "pytorch"):
         try:
             importlib.import_module("titan_contrastive.kernels.streaming_triton")
         except ImportError as e:
@@ -55,14 +66,12 @@ def _triton(kernel: str):  # noqa: ANN202 - the module, imported only when asked
     return importlib.import_module("titan_contrastive.kernels.streaming_triton")
 
 
-def streamed_lse(queries: Tensor, keys: Tensor, scale: Tensor, chunk: int, kernel: str = "pytorch") -> Tensor:
+def streamed_lse(queries: Tensor, keys: Tensor, scale: Tensor, chunk: int) -> Tensor:
     """[len(queries)]: logsumexp_j(scale * q_i . k_j), `chunk` queries at a time.
 
     Row LSE of S for rows `queries` of Zx when keys = Zy; column LSE when queries are rows of
     Zy and keys = Zx (S^T = s * Zy Zx^T).
     """
-    if kernel != "pytorch":
-        return _triton(kernel).lse(queries.contiguous(), keys.contiguous(), float(scale), exact=kernel == "triton_exact")
     out = torch.empty(len(queries), dtype=accumulation_dtype(queries), device=queries.device)
     for start in range(0, len(queries), chunk):
         out[start : start + chunk] = torch.logsumexp(_logits(queries[start : start + chunk], keys, scale), dim=1)
@@ -83,7 +92,7 @@ def _softmax_sum_times(block: Tensor, row_shift: Tensor, col_shift: Tensor, valu
 
 
 def streamed_embedding_grads(zx: Tensor, zy: Tensor, rows: range, row_lse: Tensor, col_lse: Tensor, scale: Tensor,
-                             chunk: int, kernel: str = "pytorch") -> tuple[Tensor, Tensor]:
+                             chunk: int) -> tuple[Tensor, Tensor]:
     """(dL/dZx[rows], dL/dZy[rows]) of the global loss, `chunk` rows at a time.
 
     zx, zy: the global [N, d] embeddings (detached); row_lse, col_lse: the global LSEs (a, b).
@@ -93,12 +102,6 @@ def streamed_embedding_grads(zx: Tensor, zy: Tensor, rows: range, row_lse: Tenso
     n = len(zx)
     coef = scale / (2 * n)
     acc = accumulation_dtype(zx)
-    if kernel != "pytorch":
-        fused, own = _triton(kernel), slice(rows.start, rows.stop)
-        zx, zy, exact, s = zx.contiguous(), zy.contiguous(), kernel == "triton_exact", float(scale)
-        gx = fused.softmax_pair_times(zx[own], zy, row_lse[own], col_lse, s, exact=exact)
-        gy = fused.softmax_pair_times(zy[own], zx, col_lse[own], row_lse, s, exact=exact)
-        return coef * (gx - 2 * zy[own].to(acc)), coef * (gy - 2 * zx[own].to(acc))
     gx = torch.empty(len(rows), zx.shape[1], dtype=acc, device=zx.device)
     gy = torch.empty_like(gx)
     for start in range(rows.start, rows.stop, chunk):
@@ -111,3 +114,76 @@ def streamed_embedding_grads(zx: Tensor, zy: Tensor, rows: range, row_lse: Tenso
         block = _logits(zy[start:stop], zx, scale)
         gy[out] = coef * (_softmax_sum_times(block, row_lse[None, :], col_lse[start:stop, None], zx) - 2 * zx[start:stop].to(acc))
     return gx, gy
+
+
+# ------------------------------------------------------------------ the fused Triton path
+
+def fused_lse(zx_own: Tensor, zy: Tensor, scale: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
+    """(row LSE of this rank's rows [c], their partial column LSE [N]) in one pass over S[own, :].
+
+    The global column LSE is the logsumexp of the partials over ranks (the caller's all-gather).
+    """
+    return _triton(kernel).row_col_lse(zx_own.contiguous(), zy.contiguous(), float(scale), exact=kernel == "triton_exact")
+
+
+def fused_embedding_grads(zx_own: Tensor, zy: Tensor, row_lse_own: Tensor, col_lse: Tensor, scale: Tensor, first_row: int,
+                          kernel: str, panel: int = FUSED_PANEL) -> tuple[Tensor, Tensor]:
+    """(dL/dZx[own] [c, d], this rank's share of dL/dZy [N, d]), float32, from one recompute of S[own, :].
+
+    first_row: the global index of zx_own[0] (its positive is column first_row). Per panel of
+    at most `panel` x `panel`: the kernel writes W = P + Q - 2I, then dZx[rows] += W Zy[cols]
+    and dZy[cols] += W^T Zx[rows] (cuBLAS; bf16 inputs give bf16 products, each added once to
+    the float32 sums). The shares of dZy sum to the gradient over ranks.
+    """
+    fused, exact = _triton(kernel), kernel == "triton_exact"
+    zx_own, zy = zx_own.contiguous(), zy.contiguous()
+    c, n = len(zx_own), len(zy)
+    w_dtype = torch.float32 if exact or zx_own.dtype == torch.float32 else zx_own.dtype
+    gx = torch.zeros(c, zy.shape[1], dtype=torch.float32, device=zy.device)
+    gy = torch.zeros(n, zy.shape[1], dtype=torch.float32, device=zy.device)
+    w_buffer = torch.empty(min(panel, c), min(panel, n), dtype=w_dtype, device=zy.device)
+    for r0 in range(0, c, panel):
+        rows = slice(r0, min(r0 + panel, c))
+        x_rows = zx_own[rows].to(w_dtype)
+        for c0 in range(0, n, panel):
+            cols = slice(c0, min(c0 + panel, n))
+            w = fused.softmax_weights(zx_own[rows], zy[cols], row_lse_own[rows], col_lse[cols], float(scale), first_row + r0 - c0,
+                                      exact=exact, out=w_buffer[: rows.stop - r0, : cols.stop - c0])
+            gx[rows] += w @ zy[cols].to(w_dtype)
+            gy[cols] += w.T @ x_rows
+    coef = float(scale) / (2 * n)
+    return gx.mul_(coef), gy.mul_(coef)
+
+
+def resolve_kernel(kernel: str, z: Tensor) -> str:
+    """The path for embeddings like `z`: `kernel` itself unless "auto" (see the module docstring)."""
+    if kernel != "auto":
+        return kernel
+    if z.device.type != "cuda" or z.dtype == torch.float64 or importlib.util.find_spec("triton") is None:
+        return "pytorch"
+    fused = "triton_exact" if z.dtype == torch.float32 else "triton"
+    return fused if _agrees_on_device(fused, z.device, z.dtype, z.shape[1]) else "pytorch"
+
+
+@functools.cache
+def _agrees_on_device(kernel: str, device: torch.device, dtype: torch.dtype, d: int) -> bool:
+    """Once per (device, dtype, d): the fused path against the PyTorch path on a small problem
+    (333 rows, two panels). A toolchain that miscompiles falls back to PyTorch with a warning."""
+    gen = torch.Generator(device).manual_seed(0)
+    zx, zy = (F.normalize(torch.randn(333, d, device=device, generator=gen), dim=1).to(dtype) for _ in range(2))
+    scale = torch.tensor(20.0, device=device)
+    try:
+        row, col = fused_lse(zx, zy, scale, kernel)
+        got = fused_embedding_grads(zx, zy, row, col, scale, 0, kernel, panel=256)
+    except Exception as e:  # noqa: BLE001 - any failure means: do not use it
+        warnings.warn(f"loss.kernel=auto: the Triton kernels failed on {device} ({type(e).__name__}: {e}); using the PyTorch path")
+        return False
+    x32, y32 = zx.float(), zy.float()
+    want_row, want_col = streamed_lse(x32, y32, scale, 333), streamed_lse(y32, x32, scale, 333)
+    want = streamed_embedding_grads(x32, y32, range(333), want_row, want_col, scale, 333)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    errors = [((g - w).norm() / w.norm()).item() for g, w in zip((row, col, *got), (want_row, want_col, *want))]
+    if not max(errors) <= tol:
+        warnings.warn(f"loss.kernel=auto: the Triton kernels disagree with PyTorch on {device} {dtype} d={d} "
+                      f"(relative errors {', '.join(f'{e:.1e}' for e in errors)}); using the PyTorch path")
+    return max(errors) <= tol

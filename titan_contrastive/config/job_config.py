@@ -147,10 +147,12 @@ class Loss:
     distributed step, seed 001); the accumulation microbatches become its re-forward chunks."""
     stream_chunk_size: int = _positive(1024)
     """negatives=global: logit rows per block; extra memory ~ 2 x stream_chunk_size x N floats."""
-    kernel: Literal["pytorch", "triton", "triton_exact"] = "pytorch"
-    """negatives=global: the streamed LSE / gradient loops in PyTorch (the reference), or as fused
-    Triton kernels (`triton`: TF32 dot products for float32 embeddings; `triton_exact`: IEEE
-    float32). Needs triton (CUDA, or TRITON_INTERPRET=1 on CPU); not yet measured on a GPU."""
+    kernel: Literal["auto", "pytorch", "triton", "triton_exact"] = "auto"
+    """negatives=global: how the logit blocks are computed. `pytorch`: streamed blocks of
+    stream_chunk_size x N (the reference; CPU and float64). `triton`: fused Triton kernels, S in
+    registers, one pass forward and one recompute backward (TF32 dots for float32 embeddings);
+    `triton_exact`: the same with IEEE float32 dots. `auto`: on CUDA the fused kernels (exact for
+    float32) after a one-time self-check against pytorch on the device, else pytorch."""
 
 
 @dataclass

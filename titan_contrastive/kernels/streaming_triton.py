@@ -1,22 +1,25 @@
-"""Fused Triton kernels for the streaming symmetric InfoNCE (the two hot loops of streaming_loss.py).
+"""Fused Triton kernels for the streaming symmetric InfoNCE: one pass over S forward, one recompute backward.
 
-`lse(queries, keys, scale)`: logsumexp_j(scale · q_i·k_j) for every query, one pass over key tiles
-with an online max / sum (flash-attention's forward without values); S never leaves registers.
+S = scale · Q K^T for a block of rows Q [M, d] (this rank's) against columns K [N, d] (all of
+them) is formed tile by tile in registers and never stored:
 
-`softmax_pair_times(queries, keys, q_shift, k_shift, scale)`: Σ_j (exp(s_ij − q_shift_i) +
-exp(s_ij − k_shift_j)) · k_j. Both shifts are final LSEs known from the forward, so no online
-renormalisation is needed; this is the row-softmax plus column-softmax product that the
-embedding gradients need (dZx with shifts (a, b) over Zy; dZy with shifts (b, a) over Zx).
+`row_col_lse(q, k, scale)` -> (row LSE [M] over all N columns, column LSE [N] over these M
+rows only). One pass over the tiles: every tile updates its rows' online max / sum (in
+registers) and its columns' online max / sum (a per-program partial in memory, merged by one
+logsumexp over the programs at the end of each column panel). A rank's column LSEs are partial;
+the distributed step merges them over ranks (seed 001's all-gather design).
 
-Both take any N (masked tails), d up to 1024 (the dot products run over d in tiles of 64; the
-output of the second kernel is split over d tiles of up to 256 on the grid, each recomputing S), bf16 / fp16 / fp32 inputs with fp32
-accumulation (the logits tile is fp32; bf16/fp16 inputs go through the tensor-core dot with fp32
-accumulators), and `exact=True` for IEEE fp32 dot products (inputs upcast) instead of TF32. Inputs must be
-row-major contiguous (a clear error otherwise). Set TRITON_INTERPRET=1 before importing this
-module to run the kernels on CPU (tests do).
+`softmax_weights(q, k, row_lse, col_lse, scale, diag_offset, out)` -> W = exp(S - a 1^T) +
+exp(S - 1 b^T) - 2 I (the identity shifted by `diag_offset`: row i's positive is column
+i + diag_offset), written in the input dtype (bf16/fp16) or float32. This is the only place the
+backward recomputes S: both embedding gradients are then GEMMs on the same W (dZx = W Zy,
+dZy = W^T Zx, cuBLAS), done panel by panel in components/streaming_loss.py. Against the PyTorch
+path, which recomputes S twice forward and twice backward (12 N^2 d FLOPs), this does 8 N^2 d.
 
-Status: correctness is tested (interpreter on CPU, compiled on CUDA when present); speed is not
-yet measured on a GPU, so the PyTorch path stays the default (`[loss] kernel = "pytorch"`).
+Inputs: bf16 / fp16 / fp32, row-major contiguous, d <= 1024, any M, N (masked tails). The
+logit tile is fp32; bf16/fp16 go through the tensor-core dot with fp32 accumulators; `exact`
+computes the dot in IEEE fp32 (inputs upcast) instead of TF32 / bf16. Tile sizes are autotuned
+per (d, dtype) on CUDA. Set TRITON_INTERPRET=1 before importing this module to run it on CPU.
 """
 
 from __future__ import annotations
@@ -28,10 +31,25 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["lse", "softmax_pair_times"]
+__all__ = ["row_col_lse", "softmax_weights"]
 
-BLOCK_M, BLOCK_N, BLOCK_D = 32, 32, 64
-MAX_BLOCK_OUT = 256  # output columns per program of the gradient kernel (register budget)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+LSE_PANEL = 8192  # columns per forward launch: the per-program partials are programs x LSE_PANEL floats
+
+
+def _configs(shapes: list[tuple[int, int, int, int, int]]) -> list[triton.Config]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, warps, stages) candidates; the interpreter gets one small tile
+    so that tests with a few dozen rows still cross tile, panel and program boundaries."""
+    if INTERPRET:
+        shapes = [(16, 16, 32, 1, 1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_D": k}, num_warps=w, num_stages=s) for m, n, k, w, s in shapes]
+
+
+# Hopper candidates (H100: 228 KB shared memory / SM); the autotuner keeps the fastest per (d, dtype)
+_LSE_CONFIGS = _configs([(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 128, 8, 2),
+                         (64, 64, 64, 4, 4)])
+_WEIGHT_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2),
+                            (64, 128, 64, 4, 4)])
 
 
 @triton.jit
@@ -50,47 +68,64 @@ def _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT: tl.constexpr, B
     return acc * scale
 
 
+@triton.autotune(configs=_LSE_CONFIGS, key=["d", "EXACT"],
+                 restore_value=["row_max_ptr", "row_sum_ptr", "col_max_ptr", "col_sum_ptr"])
 @triton.jit
-def _lse_kernel(q_ptr, k_ptr, out_ptr, n_q, n_k, d, scale, EXACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for c0 in range(0, n_k, BLOCK_N):
-        cols = c0 + tl.arange(0, BLOCK_N)
-        s = _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D)
-        s = tl.where(cols[None, :] < n_k, s, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(s, axis=1))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(s - new_max[:, None]), axis=1)
-        running_max = new_max
-    tl.store(out_ptr + rows, running_max + tl.log(running_sum), mask=rows < n_q)
+def _lse_pass_kernel(q_ptr, k_ptr, row_max_ptr, row_sum_ptr, col_max_ptr, col_sum_ptr, n_q, n_k, d, col_stride, scale,
+                     N_PROGRAMS: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Program p owns row blocks p, p + P, ... and one row of the column partials. Per row block:
+    # load its rows' running (max, sum) -> sweep every column tile of the panel, updating the rows
+    # in registers and the columns' partials in memory -> store the rows -> barrier (the next row
+    # block reads the column partials this one wrote).
+    pid = tl.program_id(0)
+    col_max_ptr += pid * col_stride
+    col_sum_ptr += pid * col_stride
+    for block in range(pid, tl.cdiv(n_q, BLOCK_M), N_PROGRAMS):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_q
+        r_max = tl.load(row_max_ptr + rows, mask=row_ok, other=float("-inf"))
+        r_sum = tl.load(row_sum_ptr + rows, mask=row_ok, other=0.0)
+        for c0 in range(0, n_k, BLOCK_N):
+            cols = c0 + tl.arange(0, BLOCK_N)
+            col_ok = cols < n_k
+            s = _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D)
+            s = tl.where(row_ok[:, None] & col_ok[None, :], s, float("-inf"))
+            new_max = tl.maximum(r_max, tl.max(s, axis=1))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # padded rows: no inf - inf
+            r_sum = r_sum * tl.exp(r_max - shift) + tl.sum(tl.exp(s - shift[:, None]), axis=1)
+            r_max = new_max
+            c_max = tl.load(col_max_ptr + cols, mask=col_ok, other=float("-inf"))
+            c_sum = tl.load(col_sum_ptr + cols, mask=col_ok, other=0.0)
+            new_c = tl.maximum(c_max, tl.max(s, axis=0))
+            c_shift = tl.where(new_c == float("-inf"), 0.0, new_c)
+            c_sum = c_sum * tl.exp(c_max - c_shift) + tl.sum(tl.exp(s - c_shift[None, :]), axis=0)
+            tl.store(col_max_ptr + cols, new_c, mask=col_ok)
+            tl.store(col_sum_ptr + cols, c_sum, mask=col_ok)
+        tl.store(row_max_ptr + rows, r_max, mask=row_ok)
+        tl.store(row_sum_ptr + rows, r_sum, mask=row_ok)
+        tl.debug_barrier()
 
 
+@triton.autotune(configs=_WEIGHT_CONFIGS, key=["d", "EXACT"])
 @triton.jit
-def _pair_kernel(q_ptr, k_ptr, qs_ptr, ks_ptr, out_ptr, n_q, n_k, d, scale, EXACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_OUT: tl.constexpr):
+def _weights_kernel(q_ptr, k_ptr, a_ptr, b_ptr, w_ptr, n_q, n_k, d, w_stride, scale, diag_offset, EXACT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    out_dims = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)  # this program's output columns
-    q_shift = tl.load(qs_ptr + rows, mask=rows < n_q, other=0.0)
-    acc = tl.zeros((BLOCK_M, BLOCK_OUT), dtype=tl.float32)
-    for c0 in range(0, n_k, BLOCK_N):
-        cols = c0 + tl.arange(0, BLOCK_N)
-        s = _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D)
-        k_shift = tl.load(ks_ptr + cols, mask=cols < n_k, other=float("inf"))  # masked columns weigh 0
-        w = tl.exp(s - q_shift[:, None]) * (cols[None, :] < n_k) + tl.exp(s - k_shift[None, :])
-        v = tl.load(k_ptr + cols[:, None] * d + out_dims[None, :], mask=(cols[:, None] < n_k) & (out_dims[None, :] < d), other=0.0)
-        if EXACT:
-            acc += tl.dot(w, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(w.to(v.dtype), v)
-    tl.store(out_ptr + rows[:, None] * d + out_dims[None, :], acc, mask=(rows[:, None] < n_q) & (out_dims[None, :] < d))
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    s = _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D)
+    a = tl.load(a_ptr + rows, mask=rows < n_q, other=0.0)
+    b = tl.load(b_ptr + cols, mask=cols < n_k, other=0.0)
+    positive = cols[None, :] == rows[:, None] + diag_offset
+    w = tl.exp(s - a[:, None]) + tl.exp(s - b[None, :]) - 2.0 * positive.to(tl.float32)
+    tl.store(w_ptr + rows[:, None] * w_stride + cols[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=(rows[:, None] < n_q) & (cols[None, :] < n_k))
 
 
 def _exact(exact: bool) -> bool:
     """Triton 3.9's interpreter computes bf16/fp16 tl.dot wrongly (garbage); under it the tiles are
     upcast and multiplied in IEEE fp32, so CPU tests check everything but the low-precision dot
     itself, which the CUDA test covers."""
-    return exact or os.environ.get("TRITON_INTERPRET") == "1"
+    return exact or INTERPRET
 
 
 def _check(queries: Tensor, keys: Tensor) -> None:
@@ -105,24 +140,54 @@ def _check(queries: Tensor, keys: Tensor) -> None:
         raise ValueError(f"embedding dim {queries.shape[1]} > 1024 is not supported by the Triton kernels; use [loss] kernel = \"pytorch\"")
 
 
-def lse(queries: Tensor, keys: Tensor, scale: float, *, exact: bool = False, out: Tensor | None = None) -> Tensor:
-    """[M] float32: logsumexp_j(scale · queries_i · keys_j) (into `out` if given)."""
-    _check(queries, keys)
-    out = torch.empty(len(queries), dtype=torch.float32, device=queries.device) if out is None else out
-    grid = (triton.cdiv(len(queries), BLOCK_M),)
-    _lse_kernel[grid](queries, keys, out, len(queries), len(keys), queries.shape[1], float(scale), _exact(exact), BLOCK_M, BLOCK_N, BLOCK_D)
-    return out
+def _programs(rows: int, device: torch.device) -> int:
+    """Forward programs: about two per SM (each sweeps whole row blocks); two under the interpreter,
+    so tests see a program own several row blocks."""
+    target = 2 if device.type != "cuda" else 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(target, triton.cdiv(rows, 16)))
 
 
-def softmax_pair_times(queries: Tensor, keys: Tensor, q_shift: Tensor, k_shift: Tensor, scale: float, *, exact: bool = False,
-                       out: Tensor | None = None) -> Tensor:
-    """[M, d] float32: Σ_j (exp(s_ij − q_shift_i) + exp(s_ij − k_shift_j)) · keys_j, s = scale · q·k."""
+def row_col_lse(queries: Tensor, keys: Tensor, scale: float, *, exact: bool = False, panel: int = LSE_PANEL) -> tuple[Tensor, Tensor]:
+    """(logsumexp_j S_ij for every query [M], logsumexp_i S_ij over these queries for every key [N]), float32.
+
+    One pass over S = scale · queries · keys^T; extra memory 2 x programs x `panel` floats.
+    """
     _check(queries, keys)
-    if q_shift.shape != (len(queries),) or k_shift.shape != (len(keys),):
-        raise ValueError(f"shifts must be [{len(queries)}] and [{len(keys)}], got {list(q_shift.shape)} and {list(k_shift.shape)}")
-    out = torch.empty(queries.shape, dtype=torch.float32, device=queries.device) if out is None else out
-    block_out = min(triton.next_power_of_2(queries.shape[1]), MAX_BLOCK_OUT)  # each output tile recomputes S once
-    grid = (triton.cdiv(len(queries), BLOCK_M), triton.cdiv(queries.shape[1], block_out))
-    _pair_kernel[grid](queries, keys, q_shift.float().contiguous(), k_shift.float().contiguous(), out, len(queries), len(keys),
-                       queries.shape[1], float(scale), _exact(exact), BLOCK_M, BLOCK_N, BLOCK_D, block_out)
+    m, n, d = len(queries), len(keys), queries.shape[1]
+    f32 = dict(dtype=torch.float32, device=queries.device)
+    row_max, row_sum = torch.full((m,), float("-inf"), **f32), torch.zeros(m, **f32)
+    col_lse = torch.empty(n, **f32)
+    programs = _programs(m, queries.device)
+    col_max, col_sum = torch.empty(programs, min(panel, n), **f32), torch.empty(programs, min(panel, n), **f32)
+    for c0 in range(0, n, panel):  # column panels: the partials' memory does not grow with N
+        width = min(panel, n - c0)
+        col_max.fill_(float("-inf"))
+        col_sum.zero_()
+        _lse_pass_kernel[(programs,)](queries, keys[c0 : c0 + width], row_max, row_sum, col_max, col_sum, m, width, d,
+                                      col_max.stride(0), float(scale), programs, _exact(exact))
+        col_lse[c0 : c0 + width] = torch.logsumexp(col_max[:, :width] + col_sum[:, :width].log(), dim=0)
+    return row_max + row_sum.log(), col_lse
+
+
+def softmax_weights(queries: Tensor, keys: Tensor, row_lse: Tensor, col_lse: Tensor, scale: float, diag_offset: int, *,
+                    exact: bool = False, out: Tensor | None = None) -> Tensor:
+    """W [M, N] = exp(S - row_lse) + exp(S - col_lse) - 2 [j == i + diag_offset], S = scale · q·k.
+
+    Written into `out` (any row stride, unit column stride; its dtype is W's) or a new tensor in
+    the inputs' dtype (float32 when `exact`).
+    """
+    _check(queries, keys)
+    m, n = len(queries), len(keys)
+    if row_lse.shape != (m,) or col_lse.shape != (n,):
+        raise ValueError(f"LSEs must be [{m}] and [{n}], got {list(row_lse.shape)} and {list(col_lse.shape)}")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32 if exact else queries.dtype, device=queries.device)
+    if out.shape != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{m}, {n}] with unit column stride, got {list(out.shape)} strides {out.stride()}")
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
+
+    _weights_kernel[grid](queries, keys, row_lse.float().contiguous(), col_lse.float().contiguous(), out, m, n, queries.shape[1],
+                          out.stride(0), float(scale), int(diag_offset), _exact(exact))
     return out
