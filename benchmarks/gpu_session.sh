@@ -21,7 +21,7 @@ case "${1:-}" in
     mkdir -p .git/info && { grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude; }
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-      tyro docstring-parser typeguard shtab torchdata open-clip-torch ftfy wcwidth regex
+      tyro docstring-parser typeguard shtab torchdata open-clip-torch ftfy wcwidth regex inf-cl==1.2.1 memeff==0.3.1
     ls .whl; exit 0 ;;
   1|2|3|4)
     mkdir -p "$out"

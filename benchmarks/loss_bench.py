@@ -11,6 +11,8 @@ CPU: the largest single tensor any op produced, a proxy that still shows N x N v
 Implementations: `dense` (logits = s * Zx Zy^T, cross-entropy both ways), `streaming`
 (titan_contrastive's StreamingClipStep, one process, `--chunk` rows per block), and, when
 installed, `inf_cl` (PyPI inf-cl) and `memeff`. A run that does not fit is recorded as OOM.
+First every implementation's embedding gradients are checked against the dense float64 loss at
+N = `--check-n` (printed and stored), so each timed line is known to compute the same thing.
 Writes `loss_bench_<device>.json` and `.png` under `--out`.
 """
 
@@ -103,6 +105,23 @@ def measure(fn: Callable, n: int, d: int, dtype: torch.dtype, chunk: int, repeat
             "memory_kind": "cuda_peak_above_inputs" if cuda else "largest_tensor"}
 
 
+def agreement(impls: list[str], n: int, d: int, dtype: torch.dtype, device: torch.device) -> dict[str, dict[str, float]]:
+    """Before timing: each implementation's loss gradients against the dense float64 reference on
+    the same embeddings (relative errors), so every timed line computes the same quantity."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    x64 = F.normalize(torch.randn(n, d, device=device, generator=gen, dtype=torch.float64), dim=-1)
+    y64 = F.normalize(torch.randn(n, d, device=device, generator=gen, dtype=torch.float64), dim=-1)
+    rx, ry = x64.clone().requires_grad_(), y64.clone().requires_grad_()
+    clip_loss(rx, ry, torch.tensor(SCALE, device=device, dtype=torch.float64)).backward()
+    result = {}
+    for impl in impls:
+        zx, zy = x64.to(dtype).requires_grad_(), y64.to(dtype).requires_grad_()
+        IMPLEMENTATIONS[impl](zx, zy, 256)
+        result[impl] = {"dzx": ((zx.grad.double() - rx.grad).norm() / rx.grad.norm()).item(),
+                        "dzy": ((zy.grad.double() - ry.grad).norm() / ry.grad.norm()).item()}
+    return result
+
+
 def plot(rows: list[dict[str, Any]], device: str, path: Path) -> None:
     import matplotlib
 
@@ -134,10 +153,17 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1024, help="streaming rows per block")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=list(IMPLEMENTATIONS))
+    parser.add_argument("--check-n", type=int, default=3000, help="N of the gradient agreement check run first")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    checks = {}
+    for dtype in args.dtypes:
+        checks[dtype] = agreement(args.impls, args.check_n, args.d, getattr(torch, dtype), device)
+        for impl, err in checks[dtype].items():
+            print(f"check N={args.check_n} {dtype:>8} {impl:>16}: gradient rel. error vs dense float64 "
+                  f"dZx {err['dzx']:.1e}  dZy {err['dzy']:.1e}", flush=True)
     rows = []
     for n in args.n:
         for dtype in args.dtypes:
@@ -152,7 +178,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "cuda" if device.type == "cuda" else "cpu"
-    (out / f"loss_bench_{tag}.json").write_text(json.dumps({"device": name, "torch": torch.__version__, "config": vars(args), "rows": rows}, indent=1))
+    (out / f"loss_bench_{tag}.json").write_text(json.dumps({"device": name, "torch": torch.__version__, "config": vars(args), "agreement": checks,
+                                                               "rows": rows}, indent=1))
     plot(rows, name, out / f"loss_bench_{tag}.png")
 
 
