@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix_str(f"{strategy['name']} @ {global_batch}")
             rows.append(run_point(grid, strategy, global_batch, Path(tmp), args.timeout))
             bar.write(json.dumps(rows[-1]))
-    write_results(grid, rows, args.out, device)
+            write_results(grid, rows, args.out, device)  # after every point: a killed sweep keeps what it measured
     print(f"wrote {args.out}/sweep_{grid['name']}.csv, .json and .png")
     return 0
 
