@@ -118,6 +118,7 @@ class Trainer:
         self.loader = build_dataloader(
             self.train_set, local_batch_size=cfg.training.local_batch_size, dp_rank=self.dist.rank,
             dp_world_size=self.dp_degree, seed=cfg.training.seed, num_workers=data.num_workers,
+            pin_memory=self.device.type == "cuda",
         )
 
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params)
@@ -218,8 +219,8 @@ class Trainer:
 
     def _inputs(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The family's model inputs (`spec.input_keys`) from a batch, on the device (float ones in the param dtype)."""
-        inputs = [batch[key] for key in self.spec.input_keys]
-        return [x.to(self.device, self.precision.param_dtype) if x.is_floating_point() else x.to(self.device) for x in inputs]
+        inputs = [batch[key].to(self.device, non_blocking=True) for key in self.spec.input_keys]  # then cast on the device
+        return [x.to(self.precision.param_dtype) if x.is_floating_point() else x for x in inputs]
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The model's forward with this run's dtype and autocast, through the FSDP root / the

@@ -143,8 +143,11 @@ class EpochLoader:
 
 
 def build_dataloader(dataset: ImageTextDataset, *, local_batch_size: int, dp_rank: int, dp_world_size: int, seed: int,
-                     num_workers: int = 0, shuffle: bool = True, drop_last: bool = True) -> EpochLoader:
-    """This rank's endless, resumable batch stream (an EpochLoader over a StatefulDataLoader)."""
+                     num_workers: int = 0, shuffle: bool = True, drop_last: bool = True, pin_memory: bool = False) -> EpochLoader:
+    """This rank's endless, resumable batch stream (an EpochLoader over a StatefulDataLoader).
+
+    pin_memory (for a CUDA run): page-locked batches, so the trainer's host-to-device copies are
+    asynchronous and run at full PCIe speed."""
     if local_batch_size < 1 or dp_world_size < 1 or not 0 <= dp_rank < dp_world_size:
         raise DataError(
             f"local_batch_size={local_batch_size}, dp_rank={dp_rank}, dp_world_size={dp_world_size}: "
@@ -164,7 +167,7 @@ def build_dataloader(dataset: ImageTextDataset, *, local_batch_size: int, dp_ran
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         dataloader = StatefulDataLoader(
             dataset, batch_size=local_batch_size, sampler=sampler, num_workers=num_workers,
-            collate_fn=passthrough_collate, drop_last=drop_last, persistent_workers=False,
+            collate_fn=passthrough_collate, drop_last=drop_last, persistent_workers=False, pin_memory=pin_memory,
             # its own generator: creating iterators must not draw from the global RNG, or a resumed
             # run (which creates one iterator fewer) would see different dropout/init randomness
             generator=torch.Generator(),
