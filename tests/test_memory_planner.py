@@ -70,6 +70,14 @@ def test_global_negatives_also_plan_the_stream_chunk(tmp_path: Path) -> None:
     assert min(stream) == 16 and stream[min(stream)] <= stream[max(stream)]
 
 
+def test_fused_kernels_have_no_stream_chunk_to_plan(tmp_path: Path) -> None:
+    """With the Triton kernels (fixed panels) the stream chunk sets no memory: it is not probed."""
+    pytest.importorskip("triton")
+    trainer = make_trainer(str(tmp_path), *PLAN, "--loss.negatives=global", "--loss.kernel=triton_exact", "--training.dtype=float32",
+                           "--memory.budget_gib=0.06")
+    assert list(trainer.memory_plan.chunks) == ["gradcache.chunk_sizes"]
+
+
 def test_impossible_budget_names_the_smallest_that_works(tmp_path: Path) -> None:
     with pytest.raises(MemoryBudgetError, match=r"^memory.budget_gib=0.0001 cannot be met: even gradcache.chunk_sizes=1 peaks at [0-9.]+ GiB; "
                                                  r"the smallest budget that works is about [0-9.]+ GiB"):

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titan_contrastive.components.memory_probe import PeakMemory
+from titan_contrastive.components.streaming_loss import preferred_kernel
 
 __all__ = ["Knob", "MemoryBudgetError", "MemoryPlan", "doubling", "measure_step", "measured_first_step", "plan_chunks", "plan_trainer",
            "static_bytes"]
@@ -157,6 +158,12 @@ def plan_chunks(knobs: list[Knob], *, budget_gib: float, margin: float, step: Ca
                       {k: {c: v / GIB for c, v in sorted(p.items())} for k, p in probes.items()})
 
 
+def _streams_in_blocks(trainer: Any) -> bool:
+    """Whether the global-negatives loss runs the PyTorch path, whose memory the stream chunk sets;
+    the fused kernels' panels are fixed (the trainer's embeddings reach the loss in float32)."""
+    return preferred_kernel(trainer.global_step.kernel, trainer.device, torch.float32) == "pytorch"
+
+
 def plan_trainer(trainer: Any) -> MemoryPlan:
     """`plan_chunks` for a built Trainer: its knobs (decoder chunk for vae; GradCache chunk, then
     the stream chunk under global negatives), probe batches read from its train set (rank r's
@@ -170,7 +177,7 @@ def plan_trainer(trainer: Any) -> MemoryPlan:
             trainer.chunk_size = c if c < local else None  # the whole microbatch at once: no GradCache
 
         knobs = [Knob("gradcache.chunk_sizes", doubling(1, local), set_chunk)]
-        if trainer.global_step is not None:  # streamed loss blocks: ~2 x chunk x N floats
+        if trainer.global_step is not None and _streams_in_blocks(trainer):  # streamed loss blocks: ~2 x chunk x N floats
             start = min(cfg.loss.stream_chunk_size, trainer.global_batch_size)
             knobs.append(Knob("loss.stream_chunk_size", doubling(start, trainer.global_batch_size),
                               lambda c: setattr(trainer.global_step, "chunk", c)))

@@ -155,13 +155,20 @@ def fused_embedding_grads(zx_own: Tensor, zy: Tensor, row_lse_own: Tensor, col_l
     return gx.mul_(coef), gy.mul_(coef)
 
 
-def resolve_kernel(kernel: str, z: Tensor) -> str:
-    """The path for embeddings like `z`: `kernel` itself unless "auto" (see the module docstring)."""
+def preferred_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
+    """What "auto" picks for embeddings on `device` in `dtype`, before the self-check."""
     if kernel != "auto":
         return kernel
-    if z.device.type != "cuda" or z.dtype == torch.float64 or importlib.util.find_spec("triton") is None:
+    if device.type != "cuda" or dtype == torch.float64 or importlib.util.find_spec("triton") is None:
         return "pytorch"
-    fused = "triton_exact" if z.dtype == torch.float32 else "triton"
+    return "triton_exact" if dtype == torch.float32 else "triton"
+
+
+def resolve_kernel(kernel: str, z: Tensor) -> str:
+    """The path for embeddings like `z`: `kernel` itself unless "auto" (see the module docstring)."""
+    fused = preferred_kernel(kernel, z.device, z.dtype)
+    if kernel != "auto" or fused == "pytorch":
+        return fused
     return fused if _agrees_on_device(fused, z.device, z.dtype, z.shape[1]) else "pytorch"
 
 
