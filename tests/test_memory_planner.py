@@ -1,5 +1,6 @@
 """The memory planner on CPU: measured (tensor-byte) peaks, a plan within budget that does not
-change training, the vae knob, an impossible budget, the dry run, and the probe itself."""
+change training, the fastest fitting chunk (on a controlled clock), the vae knob, an impossible
+budget, the dry run, and the probe itself."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_contrastive.components.memory_planner import MemoryBudgetError
+from titan_contrastive.components import memory_planner
+from titan_contrastive.components.memory_planner import Knob, MemoryBudgetError, plan_chunks
 from titan_contrastive.components.memory_probe import PeakMemory
 from titan_contrastive.train import main
 from tests.test_trainer import assert_close, make_trainer
@@ -35,8 +37,10 @@ def test_plan_fits_the_budget_and_does_not_change_training(tmp_path: Path) -> No
     probes = plan.probes["gradcache.chunk_sizes"]
     assert set(probes) >= {1, 2, plan.chunk} and max(probes) <= 2 * plan.chunk  # never probed far past the budget
     usable = 0.04 * (1 - planned.cfg.memory.margin)
-    assert probes[plan.chunk] <= usable  # the chosen chunk was measured to fit ...
-    assert 2 * plan.chunk not in probes or probes[2 * plan.chunk] > usable  # ... and it is the largest: the next one did not
+    seconds = plan.step_seconds["gradcache.chunk_sizes"]
+    assert set(seconds) == {c for c, peak in probes.items() if peak <= usable}  # every chunk that fit was timed ...
+    assert probes[plan.chunk] <= usable and seconds[plan.chunk] <= min(seconds.values()) * 1.03  # ... the chosen fits and is fastest
+    assert 2 * max(seconds) not in probes or probes[2 * max(seconds)] > usable  # the walk stopped at the first that did not fit
     planned.train()
     record = [json.loads(line) for line in (tmp_path / "planned" / "metrics.jsonl").read_text().splitlines() if '"memory"' in line][0]
     assert record["peak_gib"] <= 0.04 and record["chunk"] == plan.chunk
@@ -44,6 +48,32 @@ def test_plan_fits_the_budget_and_does_not_change_training(tmp_path: Path) -> No
     manual = make_trainer(str(tmp_path / "manual"), *PLAN, "--gradcache.enabled=true", f"--gradcache.chunk_sizes={plan.chunk}")
     manual.train()
     assert_close(dict(planned.model.named_parameters()), dict(manual.model.named_parameters()), rel=0.0)
+
+
+def test_the_fastest_fitting_chunk_wins_and_the_larger_within_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
+    """plan_chunks on a synthetic step whose memory grows with the chunk and whose duration is set
+    on a fake clock: chunk 4 is fastest, 8 is within 3 % of it (chosen), 16 fits but is slower, 32
+    is predicted to fit but measured over budget (not timed), 64 is then predicted over (never run)."""
+    clock, chunk, cost = [0.0], [1], {1: 8.0, 2: 4.0, 4: 2.0, 8: 2.05, 16: 3.0, 32: 1.0, 64: 0.5}
+    mib = {1: 1, 2: 2, 4: 4, 8: 8, 16: 10, 32: 40, 64: 80}
+    monkeypatch.setattr(memory_planner.time, "perf_counter", lambda: clock[0])
+    model = torch.nn.Linear(2, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    runs: list[int] = []
+
+    def step() -> None:
+        runs.append(chunk[0])
+        held = torch.empty(mib[chunk[0]] * 2**20, dtype=torch.uint8)
+        clock[0] += cost[chunk[0]]
+        del held
+
+    knob = Knob("chunk", [1, 2, 4, 8, 16, 32, 64], lambda c: chunk.__setitem__(0, c))
+    plan = plan_chunks([knob], budget_gib=24 / 1024, margin=0.0, step=step, device=torch.device("cpu"), model=model, optimizer=sgd,
+                       stateful=[model, sgd])
+    assert plan.chunks == {"chunk": 8} and chunk[0] == 8
+    assert plan.step_seconds["chunk"] == pytest.approx({1: 8.0, 2: 4.0, 4: 2.0, 8: 2.05, 16: 3.0})
+    assert set(plan.probes["chunk"]) == {1, 2, 4, 8, 16, 32} and 64 not in runs
+    assert plan.predicted_gib == plan.probes["chunk"][8] < 24 / 1024
 
 
 def test_generous_budget_means_no_chunking(tmp_path: Path) -> None:

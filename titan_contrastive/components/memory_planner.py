@@ -1,11 +1,13 @@
-"""Memory planner: the largest chunks that fit `[memory] budget_gib`, chosen by measuring real steps.
+"""Memory planner: the fastest chunks that fit `[memory] budget_gib`, chosen by measuring real steps.
 
 Knobs, planned in this order: the samples forwarded at once — the GradCache chunk for contrastive
 families (`gradcache.chunk_sizes`; a chunk equal to the local batch means no GradCache) or the
 decoder chunk for vae (`pixel_loss.chunk_size`, adaptive off) — then, under global negatives, the
 loss's stream chunk (`loss.stream_chunk_size`, from its configured value up to the global batch)
-with what is left. Larger chunks run faster (fewer, larger kernels, fewer loss blocks; the result
-is the same), so each knob gets the largest value that fits.
+with what is left. The result is the same at any chunk; the speed is not. Larger chunks usually run
+faster (fewer, larger kernels, fewer loss blocks) but not always (caches, allocator pressure), so
+each chunk that fits is timed and each knob gets the fastest, the larger one when two are within
+3 %.
 
 Order of operations (after the checkpoint restore, before the first step):
 1. snapshot model, optimizer, LR scheduler, train state, loss scaler and RNG;
@@ -13,11 +15,12 @@ Order of operations (after the checkpoint restore, before the first step):
    per knob: measure a train step at its smallest candidate (over budget: error), then
 3. walk up the candidates (doubling up to the local / global batch, then that): predict the
    next one's peak by extrapolating linearly from the two largest measured chunks, stop if the
-   prediction exceeds budget · (1 - margin), else measure it and stop if the measurement does;
-   the plan is the largest measured chunk that fit. So no probe is launched that is predicted not
+   prediction exceeds budget · (1 - margin), else measure it and stop if the measurement does.
+   A chunk that fit runs one more step, timed (the first paid for compiling and allocating at
+   that size). The plan is the fastest chunk that fit. No probe is launched that is predicted not
    to fit (on a GPU it could run out of memory; if it does anyway, it counts as over budget);
 4. restore the snapshot and apply the chunks. The trainer measures its first real step against it.
-Peaks are the maximum over ranks, so every rank picks the same chunk. A budget that even chunk 1
+Peaks and times are the maximum over ranks, so every rank picks the same chunk. A budget that even chunk 1
 does not meet is an error naming the smallest memory that would work. Probe steps read their own
 batches from the dataset; the data loader does not move.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,11 +40,12 @@ from torch.distributed.tensor import DTensor
 from titan_contrastive.components.memory_probe import PeakMemory
 from titan_contrastive.components.streaming_loss import preferred_kernel
 
-__all__ = ["Knob", "MemoryBudgetError", "MemoryPlan", "doubling", "measure_step", "measured_first_step", "plan_chunks", "plan_trainer",
-           "static_bytes"]
+__all__ = ["Knob", "MemoryBudgetError", "MemoryPlan", "doubling", "fastest", "measure_step", "measured_first_step", "plan_chunks",
+           "plan_trainer", "static_bytes", "timed_step"]
 
 logger = logging.getLogger("titan_contrastive")
 GIB = 2**30
+TIME_TOLERANCE = 0.03  # chunks this close to the fastest count as equally fast; the larger wins
 
 
 class MemoryBudgetError(ValueError):
@@ -62,6 +67,7 @@ class MemoryPlan:
     predicted_gib: float  # the last probe step's measured peak at the chosen chunks: what a step will use
     budget_gib: float
     probes: dict[str, dict[int, float]]  # knob -> chunk -> measured peak (GiB)
+    step_seconds: dict[str, dict[int, float]]  # knob -> chunk that fit -> timed step (s)
     checked: bool = False  # the trainer has measured a real step against the plan
 
     @property
@@ -103,6 +109,29 @@ def measure_step(step: Callable[[], object], device: torch.device, model: torch.
     return int(peak.item())
 
 
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor(value, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def timed_step(step: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one train step (device work included), max over ranks."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    step()
+    sync()
+    return _max_over_ranks(time.perf_counter() - start, device)
+
+
+def fastest(seconds: dict[int, float]) -> int:
+    """The chunk with the shortest step; among those within TIME_TOLERANCE of it, the largest."""
+    best = min(seconds.values())
+    return max(c for c, s in seconds.items() if s <= best * (1 + TIME_TOLERANCE))
+
+
 def plan_chunks(knobs: list[Knob], *, budget_gib: float, margin: float, step: Callable[[], object], device: torch.device,
                 model: torch.nn.Module, optimizer: torch.optim.Optimizer, stateful: list) -> MemoryPlan:
     """Steps 1-4 of the module docstring for each knob in turn (each walk starts from the chunks
@@ -112,6 +141,7 @@ def plan_chunks(knobs: list[Knob], *, budget_gib: float, margin: float, step: Ca
     rng = torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
     budget = budget_gib * GIB * (1 - margin)
     probes: dict[str, dict[int, int]] = {k.name: {} for k in knobs}
+    seconds: dict[str, dict[int, float]] = {k.name: {} for k in knobs}
     chosen: dict[str, int] = {}
 
     def probe(knob: Knob, c: int) -> int:
@@ -122,7 +152,11 @@ def plan_chunks(knobs: list[Knob], *, budget_gib: float, margin: float, step: Ca
             optimizer.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
             probes[knob.name][c] = 2**62
-        logger.info(f"memory plan: {knob.name}={c} peaks at {probes[knob.name][c] / GIB:.3f} GiB")
+        fits = probes[knob.name][c] <= budget
+        if fits:
+            seconds[knob.name][c] = timed_step(step, device)
+        logger.info(f"memory plan: {knob.name}={c} peaks at {probes[knob.name][c] / GIB:.3f} GiB"
+                    + (f", step {seconds[knob.name][c]:.3f} s" if fits else " (over budget)"))
         return probes[knob.name][c]
 
     try:
@@ -136,7 +170,6 @@ def plan_chunks(knobs: list[Knob], *, budget_gib: float, margin: float, step: Ca
                     f"memory.budget_gib={budget_gib:g} cannot be met: even {knob.name}={first} peaks at {seen[first] / GIB:.3f} GiB; "
                     f"the smallest budget that works is about {seen[first] / GIB / (1 - margin):.3f} GiB (or lower "
                     f"loss.stream_chunk_size, shard the model over more ranks, or use a lower precision)")
-            chosen[knob.name] = first
             for c in knob.candidates[1:]:
                 if len(seen) > 1:  # extrapolate from the two largest measured chunks
                     (c0, m0), (c1, m1) = sorted(seen.items())[-2:]
@@ -144,7 +177,7 @@ def plan_chunks(knobs: list[Knob], *, budget_gib: float, margin: float, step: Ca
                         break  # predicted over budget: never probe it (on a GPU it might not even fit)
                 if probe(knob, c) > budget:
                     break
-                chosen[knob.name] = c
+            chosen[knob.name] = fastest(seconds[knob.name])
             knob.apply(chosen[knob.name])
     finally:
         for s, state in zip(stateful, snapshot):
@@ -155,7 +188,8 @@ def plan_chunks(knobs: list[Knob], *, budget_gib: float, margin: float, step: Ca
         optimizer.zero_grad(set_to_none=True)
     last = knobs[-1]
     return MemoryPlan(chosen, probes[last.name][chosen[last.name]] / GIB, budget_gib,
-                      {k: {c: v / GIB for c, v in sorted(p.items())} for k, p in probes.items()})
+                      {k: {c: v / GIB for c, v in sorted(p.items())} for k, p in probes.items()},
+                      {k: dict(sorted(t.items())) for k, t in seconds.items()})
 
 
 def _streams_in_blocks(trainer: Any) -> bool:

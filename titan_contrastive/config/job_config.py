@@ -146,7 +146,8 @@ class Loss:
     `global`: the whole global batch is one problem, exactly, at O(N d) memory (the streaming
     distributed step, seed 001); the accumulation microbatches become its re-forward chunks."""
     stream_chunk_size: int = _positive(1024)
-    """negatives=global: logit rows per block; extra memory ~ 2 x stream_chunk_size x N floats."""
+    """negatives=global, PyTorch path: logit rows per block; extra memory ~ 2 x stream_chunk_size x N floats
+    (the fused kernels use fixed 8192-wide panels instead)."""
     kernel: Literal["auto", "pytorch", "triton", "triton_exact"] = "auto"
     """negatives=global: how the logit blocks are computed. `pytorch`: streamed blocks of
     stream_chunk_size x N (the reference; CPU and float64). `triton`: fused Triton kernels, S in
