@@ -20,6 +20,7 @@ from torch import nn
 
 from titan_contrastive.components.loss import clip_loss
 from titan_contrastive.components.memory_probe import LargestTensor
+from titan_contrastive.components.streaming_loss import loss_dtype
 from titan_contrastive.distributed_clip import DistributedClipError, StreamingClipStep, distributed_train_step
 from tests.dist_utils import run_distributed
 
@@ -223,6 +224,15 @@ def test_missing_key_and_unnormalized_embeddings() -> None:
     model.forward = lambda a, b: (model.encoder_x(a), F.normalize(model.encoder_y(b), dim=-1))  # forgot to normalize
     with pytest.raises(DistributedClipError, match=r"z_x is not L2-normalized .* z = torch.nn.functional.normalize"):
         distributed_train_step(model, sgd, x, y, good_config())
+
+
+def test_auto_reads_float32_embeddings_in_the_autocast_dtype() -> None:
+    """Only "auto" under bf16 / fp16 mixed precision rounds float32 embeddings to the compute dtype
+    (as autocast does for the dense loss's matmul); explicit kernels and float64 keep theirs."""
+    bf16, f32, f64 = torch.bfloat16, torch.float32, torch.float64
+    assert loss_dtype("auto", f32, bf16) == bf16 and loss_dtype("auto", f32, torch.float16) == torch.float16
+    assert loss_dtype("auto", f32, f32) == f32 and loss_dtype("auto", f32, None) == f32 and loss_dtype("auto", f64, bf16) == f64
+    assert loss_dtype("triton_exact", f32, bf16) == f32 and loss_dtype("pytorch", f32, bf16) == f32
 
 
 def _world_errors() -> None:

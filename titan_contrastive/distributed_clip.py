@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from titan_contrastive.components.rand_context import RandContext
 from titan_contrastive.components.streaming_loss import (
-    accumulation_dtype, fused_embedding_grads, fused_lse, infonce_loss_from_lse, require_kernel, resolve_kernel, streamed_embedding_grads,
+    accumulation_dtype, fused_embedding_grads, fused_lse, infonce_loss_from_lse, loss_dtype, require_kernel, resolve_kernel, streamed_embedding_grads,
     streamed_lse,
 )
 from titan_contrastive.distributed import all_gather_tensor, reduce_scatter_sum
@@ -67,13 +67,15 @@ class StreamingClipStep:
     """
 
     def __init__(self, *, stream_chunk_size: int, group: dist.ProcessGroup | None = None,
-                 grad_average_factor: int = 1, fixed_scale: float | None = None, kernel: str = "auto") -> None:
+                 grad_average_factor: int = 1, fixed_scale: float | None = None, kernel: str = "auto",
+                 compute_dtype: torch.dtype | None = None) -> None:
         if not isinstance(stream_chunk_size, int) or stream_chunk_size < 1:
             raise DistributedClipError(f"STREAM_CHUNK_SIZE={stream_chunk_size!r}: must be an integer >= 1 (e.g. 1024)")
         if fixed_scale is not None and not (math.isfinite(fixed_scale) and fixed_scale > 0):
             raise DistributedClipError(f"TAU={1 / fixed_scale if fixed_scale else fixed_scale!r}: must be a number > 0 (e.g. 0.07)")
         self.chunk = stream_chunk_size
         self.kernel = kernel  # "auto", "pytorch" or a fused Triton path (components/streaming_loss.py)
+        self.compute_dtype = compute_dtype  # the caller's autocast dtype, if any (see streaming_loss.loss_dtype)
         self.group = group
         self.world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if self.world > 1 else 0
@@ -106,7 +108,8 @@ class StreamingClipStep:
         c = len(zx_local)
         own = range(self.rank * c, (self.rank + 1) * c)
 
-        kernel = resolve_kernel(self.kernel, zx_local)
+        dtype = loss_dtype(self.kernel, zx_local.dtype, self.compute_dtype)
+        kernel = resolve_kernel(self.kernel, zx_local.to(dtype))
         if kernel == "pytorch":
             # B. own rows' and columns' LSEs, gathered; the loss
             row_lse = self._gather(streamed_lse(zx_local, zy_all, s, self.chunk))
@@ -115,6 +118,7 @@ class StreamingClipStep:
             # C. own embedding gradients
             gx, gy = streamed_embedding_grads(zx_all, zy_all, own, row_lse, col_lse, s, self.chunk)
         else:
+            zx_local, zx_all, zy_all = zx_local.to(dtype), zx_all.to(dtype), zy_all.to(dtype)
             # B. own rows against all columns in one pass: row LSEs, partial column LSEs merged over ranks
             row_own, col_part = fused_lse(zx_local, zy_all, s, kernel)
             row_lse = self._gather(row_own)

@@ -164,7 +164,8 @@ class Trainer:
             raise ConfigError(str(e)) from None
         if cfg.loss.negatives == "global":  # one exact problem over the global batch (seed 001)
             self.global_step = StreamingClipStep(stream_chunk_size=cfg.loss.stream_chunk_size, group=dp_group,
-                                                 grad_average_factor=self.dp_degree, kernel=cfg.loss.kernel)
+                                                 grad_average_factor=self.dp_degree, kernel=cfg.loss.kernel,
+                                                 compute_dtype=self.precision.compute_dtype)
         self.metrics = MetricsProcessor(
             cfg.job.dump_folder, rank=self.dist.rank, enable_tensorboard=cfg.metrics.enable_tensorboard,
             device=self.device, flops_per_sample=self.model_args.flops_per_sample(),

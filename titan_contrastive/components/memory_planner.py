@@ -20,9 +20,9 @@ Order of operations (after the checkpoint restore, before the first step):
    that size). The plan is the fastest chunk that fit. No probe is launched that is predicted not
    to fit (on a GPU it could run out of memory; if it does anyway, it counts as over budget);
 4. restore the snapshot and apply the chunks. The trainer measures its first real step against it.
-Peaks and times are the maximum over ranks, so every rank picks the same chunk. A budget that even chunk 1
-does not meet is an error naming the smallest memory that would work. Probe steps read their own
-batches from the dataset; the data loader does not move.
+Peaks and times are the maximum over ranks, so every rank picks the same chunk. A budget that even
+chunk 1 does not meet is an error naming the smallest memory that would work. Probe steps read
+their own batches from the dataset; the data loader does not move.
 """
 
 from __future__ import annotations

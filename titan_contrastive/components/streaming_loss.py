@@ -164,6 +164,15 @@ def preferred_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> s
     return "triton_exact" if dtype == torch.float32 else "triton"
 
 
+def loss_dtype(kernel: str, z_dtype: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the loss reads embeddings in: under "auto" with bf16 / fp16 mixed precision, float32
+    embeddings go in `compute_dtype` (the rounding autocast gives the dense loss's logit matmul, and
+    the fused kernels then run on tensor cores with float32 accumulation); otherwise their own."""
+    if kernel == "auto" and z_dtype == torch.float32 and compute_dtype in (torch.bfloat16, torch.float16):
+        return compute_dtype
+    return z_dtype
+
+
 def resolve_kernel(kernel: str, z: Tensor) -> str:
     """The path for embeddings like `z`: `kernel` itself unless "auto" (see the module docstring)."""
     fused = preferred_kernel(kernel, z.device, z.dtype)

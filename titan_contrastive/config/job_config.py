@@ -153,7 +153,8 @@ class Loss:
     stream_chunk_size x N (the reference; CPU and float64). `triton`: fused Triton kernels, S in
     registers, one pass forward and one recompute backward (TF32 dots for float32 embeddings);
     `triton_exact`: the same with IEEE float32 dots. `auto`: on CUDA the fused kernels (exact for
-    float32) after a one-time self-check against pytorch on the device, else pytorch."""
+    float32; under bf16/fp16 mixed precision on the embeddings rounded to that dtype, as autocast
+    rounds the dense loss's matmul) after a one-time self-check against pytorch, else pytorch."""
 
 
 @dataclass
