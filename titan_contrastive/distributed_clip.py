@@ -157,6 +157,17 @@ class StreamingClipStep:
             )
 
 
+def build_streaming_step(loss: Any, *, group: dist.ProcessGroup | None, dp_degree: int,
+                         compute_dtype: torch.dtype | None) -> StreamingClipStep | None:
+    """The trainer's step from its `[loss]` section: None for microbatch negatives. The kernel is
+    checked now (ImportError without triton), not at the first step."""
+    require_kernel(loss.kernel)
+    if loss.negatives != "global":
+        return None
+    return StreamingClipStep(stream_chunk_size=loss.stream_chunk_size, group=group, grad_average_factor=dp_degree, kernel=loss.kernel,
+                             compute_dtype=compute_dtype)
+
+
 # ------------------------------------------------------------------ the seed's interface
 
 _KEYS = ("GLOBAL_BATCH_SIZE", "MICRO_BATCH_SIZE", "STREAM_CHUNK_SIZE", "TAU")

@@ -40,8 +40,7 @@ from titan_contrastive.components.precision import at_least_fp32, build_precisio
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets import DataError, build_dataloader, build_dataset
 from titan_contrastive.distributed import destroy_distributed, init_distributed
-from titan_contrastive.components.streaming_loss import require_kernel
-from titan_contrastive.distributed_clip import StreamingClipStep
+from titan_contrastive.distributed_clip import build_streaming_step
 from titan_contrastive.grad_cache import GradCache, split_inputs, split_vlm_inputs
 from titan_contrastive.parallelisms import ParallelDims, parallelize_model
 from titan_contrastive.pixel_step import PixelStep, pixel_loss_options
@@ -157,15 +156,11 @@ class Trainer:
             raise ConfigError(f"gradcache.chunk_sizes={sizes}: the {cfg.model.name} family runs both towers in one forward; "
                               f"give one chunk size (e.g. --gradcache.chunk_sizes={min(sizes)})")
         self.chunk_size = sizes[0] if cfg.gradcache.enabled else None
-        self.global_step: StreamingClipStep | None = None
-        try:  # fused kernels: a missing triton fails here, not at the first step
-            require_kernel(cfg.loss.kernel)
+        try:  # negatives=global: one exact problem over the global batch (seed 001); a missing triton fails here
+            self.global_step = build_streaming_step(cfg.loss, group=dp_group, dp_degree=self.dp_degree,
+                                                    compute_dtype=self.precision.compute_dtype)
         except ImportError as e:
             raise ConfigError(str(e)) from None
-        if cfg.loss.negatives == "global":  # one exact problem over the global batch (seed 001)
-            self.global_step = StreamingClipStep(stream_chunk_size=cfg.loss.stream_chunk_size, group=dp_group,
-                                                 grad_average_factor=self.dp_degree, kernel=cfg.loss.kernel,
-                                                 compute_dtype=self.precision.compute_dtype)
         self.metrics = MetricsProcessor(
             cfg.job.dump_folder, rank=self.dist.rank, enable_tensorboard=cfg.metrics.enable_tensorboard,
             device=self.device, flops_per_sample=self.model_args.flops_per_sample(),
