@@ -206,6 +206,7 @@ def good_config(**changes: Any) -> dict[str, Any]:
     ({"GLOBAL_BATCH_SIZE": 30}, N, N, r"local batch is 24 but GLOBAL_BATCH_SIZE / WORLD_SIZE = 30 / 1 = 30"),
     ({}, N, N - 1, r"local_x has 24 samples but local_y has 23"),
     ({"TAU": None}, N, N, r"no temperature: the model has no `logit_scale` and TAU is not set"),
+    ({"KERNEL": "fast"}, N, N, r"config\['KERNEL'\]='fast': choose one of auto, pytorch, triton, triton_exact"),
 ])
 def test_bad_input_is_one_clear_line(change: dict, x_rows: int, y_rows: int, message: str) -> None:
     model = make_model(False)

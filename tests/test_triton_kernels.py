@@ -102,22 +102,24 @@ class Towers(torch.nn.Module):
         return F.normalize(self.fx(x), dim=-1), F.normalize(self.fy(y), dim=-1), self.logit_scale.exp()
 
 
-def test_streaming_step_with_the_kernel_equals_dense_loss_and_gradients() -> None:
-    """The whole symmetric loss, learnable scale included, through StreamingClipStep(kernel="triton_exact")
-    with uneven microbatches, against the dense float64 loss of the same model."""
+@pytest.mark.parametrize("kernel, tol", [("triton_exact", 1e-5), ("triton", 1e-2)])
+def test_streaming_step_with_the_kernel_equals_dense_loss_and_gradients(kernel: str, tol: float) -> None:
+    """The whole symmetric loss, the learnable scale's gradient included, through StreamingClipStep
+    with uneven microbatches, against the dense float64 loss of the same model (`triton`: TF32 dots
+    on CUDA)."""
     torch.manual_seed(0)
     model = Towers().to(DEVICE)
     reference = Towers().double()
     reference.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(50, 8, generator=g), torch.randn(50, 5, generator=g)
-    loss = StreamingClipStep(stream_chunk_size=16, kernel="triton_exact")(
+    loss = StreamingClipStep(stream_chunk_size=16, kernel=kernel)(
         lambda mb: model(x[mb].to(DEVICE), y[mb].to(DEVICE)), [slice(0, 20), slice(20, 37), slice(37, 50)])
     want = clip_loss(*reference(x.double(), y.double()))
     want.backward()
-    assert abs(loss.item() - want.item()) <= 1e-5 * want.item()
+    assert abs(loss.item() - want.item()) <= tol * want.item()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert rel(p.grad.cpu(), q.grad) <= 1e-5, name
+        assert rel(p.grad.cpu(), q.grad) <= tol, name
 
 
 @pytest.mark.parametrize("bad, message", [

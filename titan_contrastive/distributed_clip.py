@@ -40,14 +40,14 @@ from torch import Tensor, nn
 
 from titan_contrastive.components.rand_context import RandContext
 from titan_contrastive.components.streaming_loss import (
-    accumulation_dtype, fused_embedding_grads, fused_lse, infonce_loss_from_lse, loss_dtype, require_kernel, resolve_kernel, streamed_embedding_grads,
-    streamed_lse,
+    accumulation_dtype, fused_embedding_grads, fused_lse, infonce_loss_from_lse, loss_dtype, require_kernel, resolve_kernel,
+    streamed_embedding_grads, streamed_lse,
 )
 from titan_contrastive.distributed import all_gather_tensor, reduce_scatter_sum
 
 # (microbatch) -> (z_x, z_y, exp(logit_scale) or None); embeddings L2-normalized
 Encode = Callable[[Any], tuple[Tensor, Tensor, Tensor | None]]
-# |1 - ||z||| allowed whatever the container dtype: a model under bf16 autocast normalizes in bf16
+# |1 - ||z||| allowed whatever the container dtype: a model under bf16 autocast may normalize in bf16
 # (off by ~3e-3) and the trainer hands float32 copies over; a forgotten normalize is off by far more
 NORM_TOLERANCE = 2e-2
 
