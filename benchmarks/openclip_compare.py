@@ -68,6 +68,12 @@ def stage(trainer: Trainer, count: int, micro: int) -> list[dict[str, torch.Tens
     return out
 
 
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def timed(run_step: Callable[[], None], steps: int, device: torch.device) -> dict[str, Any]:
     """One warm-up step, then `steps` timed ones; OOM is a result. Peak: CUDA allocated (CPU smoke
     runs: the process's peak RSS)."""
@@ -98,7 +104,8 @@ def run_ours(global_batch: int, micro: int, steps: int, device: torch.device) ->
         result = timed(lambda: trainer.train_step(microbatches), steps, device)
         flops = trainer.model_args.flops_per_sample()
         inputs = [[mb[k] for k in trainer.spec.input_keys] for mb in microbatches]
-        del trainer
+        del trainer, microbatches
+    release(device)  # our model and optimizer must not sit in open_clip's peak
     return result, inputs, args, flops
 
 
@@ -136,7 +143,8 @@ def run_open_clip(inputs: list, ours: Any, micro: int, steps: int, device: torch
         train_one_epoch(model, data, loss, 0, optimizer, None, None, None, args)
 
     result = timed(one_step, steps, device)
-    del model, optimizer
+    del model, optimizer, one_step
+    release(device)
     return result, params
 
 
@@ -186,8 +194,7 @@ def main() -> None:
         if ours_params != their_params:
             raise SystemExit(f"parameter counts differ: ours {ours_params:,} vs open_clip {their_params:,}")
         del inputs
-        gc.collect()
-        torch.cuda.empty_cache()
+        release(device)
         for impl, result in (("ours", ours), ("open_clip", theirs)):
             row = {"impl": impl, "global_batch": global_batch, "micro": args.micro, "params": ours_params, **result}
             if result["status"] == "ok":
