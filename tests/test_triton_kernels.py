@@ -227,3 +227,51 @@ def test_missing_triton_is_a_config_error(tmp_path, monkeypatch) -> None:  # noq
     monkeypatch.setitem(sys.modules, "titan_contrastive.kernels.streaming_triton", None)  # import raises ImportError
     with pytest.raises(ConfigError, match=r"^loss.kernel=triton needs triton .*; pip install triton, or set loss.kernel=pytorch$"):
         make_trainer(str(tmp_path), "--loss.kernel=triton", "--loss.negatives=global")
+
+
+_AOT = r'''
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from titan_contrastive.kernels import streaming_triton as st
+
+out = []
+for dt, exact in (("bf16", False), ("fp32", True)):  # what `auto` runs: mixed precision, and float32
+    kernels = (("lse", st._lse_pass_kernel, {"row_max_ptr": "*fp32", "row_sum_ptr": "*fp32", "col_max_ptr": "*fp32",
+                "col_sum_ptr": "*fp32", "n_q": "i32", "n_k": "i32", "d": "i32", "col_stride": "i32", "scale": "fp32",
+                "N_PROGRAMS": "constexpr"}, {"N_PROGRAMS": 264}),
+               ("weights", st._weights_kernel, {"a_ptr": "*fp32", "b_ptr": "*fp32", "w_ptr": "*fp32" if exact else f"*{dt}",
+                "n_q": "i32", "n_k": "i32", "d": "i32", "w_stride": "i32", "scale": "fp32", "diag_offset": "i32"}, {}))
+    for name, tuner, args, consts in kernels:
+        for cfg in tuner.configs:
+            sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", **args, "EXACT": "constexpr", "BLOCK_M": "constexpr",
+                   "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"}
+            k = triton.compile(ASTSource(fn=tuner.fn, signature=sig, constexprs={**consts, "EXACT": exact, **cfg.kwargs}),
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            out.append({"kernel": name, "dtype": dt, "config": str(cfg), "shared": k.metadata.shared})
+print(json.dumps(out))
+'''
+
+
+def test_every_autotune_config_compiles_for_hopper_within_shared_memory() -> None:
+    """No GPU needed: Triton compiles each kernel x autotune config for sm_90 (PTX, then the bundled
+    ptxas), for the bf16 and exact-float32 variants `auto` runs, and each fits an H100's 227 KiB
+    of shared memory per block. Catches what the interpreter cannot: lowering errors, and tiles
+    that no Hopper can launch."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists() and shutil.which("ptxas") is None:
+        pytest.skip("this triton has no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for real, not interpret
+    done = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(compiled) == 2 * 2 * 5
+    too_big = [c for c in compiled if c["shared"] > 232448]
+    assert not too_big, too_big
