@@ -239,16 +239,21 @@ out = []
 for dt, exact in (("bf16", False), ("fp32", True)):  # what `auto` runs: mixed precision, and float32
     kernels = (("lse", st._lse_pass_kernel, {"row_max_ptr": "*fp32", "row_sum_ptr": "*fp32", "col_max_ptr": "*fp32",
                 "col_sum_ptr": "*fp32", "n_q": "i32", "n_k": "i32", "d": "i32", "col_stride": "i32", "scale": "fp32",
-                "N_PROGRAMS": "constexpr"}, {"N_PROGRAMS": 264}),
+                "N_PROGRAMS": "constexpr"}, {"N_PROGRAMS": 264}, (0, 1, 2, 3, 4, 5, 8, 9)),
                ("weights", st._weights_kernel, {"a_ptr": "*fp32", "b_ptr": "*fp32", "w_ptr": "*fp32" if exact else f"*{dt}",
-                "n_q": "i32", "n_k": "i32", "d": "i32", "w_stride": "i32", "scale": "fp32", "diag_offset": "i32"}, {}))
-    for name, tuner, args, consts in kernels:
+                "n_q": "i32", "n_k": "i32", "d": "i32", "w_stride": "i32", "scale": "fp32", "diag_offset": "i32"}, {},
+                (0, 1, 2, 3, 4, 7, 8)))
+    for name, tuner, args, consts, aligned in kernels:
+        # what the JIT specializes for d = 512 and aligned buffers: 16-divisible pointers, d and strides
+        # (vectorized loads, cp.async pipelining: the shared memory a real launch needs)
+        attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
         for cfg in tuner.configs:
             sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", **args, "EXACT": "constexpr", "BLOCK_M": "constexpr",
                    "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"}
-            k = triton.compile(ASTSource(fn=tuner.fn, signature=sig, constexprs={**consts, "EXACT": exact, **cfg.kwargs}),
+            k = triton.compile(ASTSource(fn=tuner.fn, signature=sig, constexprs={**consts, "EXACT": exact, **cfg.kwargs}, attrs=attrs),
                                target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-            out.append({"kernel": name, "dtype": dt, "config": str(cfg), "shared": k.metadata.shared})
+            out.append({"kernel": name, "dtype": dt, "config": str(cfg), "shared": k.metadata.shared,
+                        "cp_async": "cp.async.cg.shared.global" in k.asm["ptx"], "wgmma": "wgmma.mma_async" in k.asm["ptx"]})
 print(json.dumps(out))
 '''
 
@@ -273,5 +278,8 @@ def test_every_autotune_config_compiles_for_hopper_within_shared_memory() -> Non
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(compiled) == 2 * 2 * 5
+    print(*(f"{c['kernel']} {c['dtype']} {c['config'].split(', num_ctas')[0]}: {c['shared'] // 1024} KiB" for c in compiled), sep="\n")
     too_big = [c for c in compiled if c["shared"] > 232448]
     assert not too_big, too_big
+    assert all(c["cp_async"] for c in compiled)  # loads pipelined through shared memory
+    assert all(c["wgmma"] for c in compiled if c["dtype"] == "bf16")  # Hopper tensor cores
