@@ -121,3 +121,23 @@ def test_dry_run_plans_and_exits(tmp_path: Path, capsys: pytest.CaptureFixture) 
     assert not (tmp_path / "metrics.jsonl").exists() or '"train"' not in (tmp_path / "metrics.jsonl").read_text()
     assert main([*args[:2], "--memory.plan=true", *args[4:]]) == 2
     assert "memory.plan=true needs memory.budget_gib > 0" in capsys.readouterr().err
+
+
+def test_two_ranks_plan_the_same_chunks(tmp_path: Path) -> None:
+    """torchrun, 2 gloo processes, global negatives: every probe's peak and time is the maximum over
+    ranks, so both ranks log the same measurements and the same plan, and the run completes."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from tests.test_run_train import REPO
+
+    env = {**os.environ, "NGPU": "2", "PYTHON": sys.executable, "LOG_RANK": "0,1", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(["./run_train.sh", f"--job.dump_folder={tmp_path}", *PLAN, "--training.steps=2", "--eval.enable=false",
+                          "--loss.negatives=global", "--memory.budget_gib=0.05", "--metrics.enable_tensorboard=false"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = {rank: re.findall(rf"\[rank{rank}\]:\[titan_contrastive\] \S+ (memory plan: .*)", out.stdout) for rank in (0, 1)}
+    assert lines[0] and lines[0] == lines[1]
+    assert "gradcache.chunk_sizes=" in lines[0][-1] and "within budget" in out.stdout
