@@ -53,12 +53,12 @@ class PixelStep:
 
     def __call__(self, forward: Callable[[dict[str, torch.Tensor], float], torch.Tensor], microbatches: list[dict[str, torch.Tensor]], *,
                  grad_sync: Callable[[bool], contextlib.AbstractContextManager], backward: Callable[[torch.Tensor], None]) -> float:
-        dens = [mb["mask"].to(self.device, torch.float64).sum() * self.channels for mb in microbatches]
-        total = torch.stack(dens).sum()
+        dens = torch.stack([mb["mask"].to(self.device, torch.float64).sum() * self.channels for mb in microbatches])
+        total = dens.sum()
         if self.distributed:
             dist.all_reduce(total)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        weights = (torch.stack(dens) / total.clamp_min(MIN_DENOMINATOR) * self.dp_degree).tolist()  # one host sync
+        weights = (dens / total.clamp_min(MIN_DENOMINATOR) * self.dp_degree).tolist()  # one host sync
         for j, (mb, weight) in enumerate(zip(microbatches, weights)):
             with grad_sync(j == len(microbatches) - 1):
                 loss = forward(mb, weight)

@@ -15,6 +15,7 @@ Order of operations (everything that can fail on bad input runs before any compu
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib
 import logging
@@ -218,11 +219,11 @@ class Trainer:
         inputs = [batch[key].to(self.device, non_blocking=True) for key in self.spec.input_keys]  # then cast on the device
         return [x.to(self.precision.param_dtype) if x.is_floating_point() else x for x in inputs]
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, batch: dict[str, torch.Tensor], **kwargs: Any) -> Any:
         """The model's forward with this run's dtype and autocast, through the FSDP root / the
         unwrapped DDP module (evaluation; the train step calls the DP wrapper)."""
         with self.precision.autocast():
-            return self.model(*self._inputs(batch))
+            return self.model(*self._inputs(batch), **kwargs)
 
     def _grad_sync(self, is_last: bool) -> contextlib.AbstractContextManager:
         """Gradient reduction only after the last microbatch: always for DDP (no_sync), for
@@ -341,9 +342,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         if self.pixel:  # masked MSE / PSNR of reconstructions, PNG grid in the dump folder
-            def reconstruct(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-                with self.precision.autocast():
-                    return self.model(*self._inputs(batch), reconstruct=True)
+            reconstruct = functools.partial(self.forward, reconstruct=True)
             return evaluate_reconstruction(self.model, reconstruct, self.eval_set, batch_size=self.cfg.eval.batch_size,
                                            device=self.device, rank=self.dist.rank, world_size=self.dist.world_size,
                                            grid_path=Path(self.cfg.job.dump_folder) / f"reconstructions_step{self.step}.png")

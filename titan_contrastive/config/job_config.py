@@ -214,9 +214,9 @@ class Data:
 class Memory:
     budget_gib: float = _non_negative(0.0)
     """Per-device memory budget; > 0 turns on the planner: before training, real train steps at a
-    few chunk sizes are measured and the largest chunk that fits is used (GradCache chunk for
-    contrastive families, decoder chunk for vae; then the stream chunk under global negatives).
-    0 = off."""
+    few chunk sizes are measured and the fastest chunk that fits is used, the larger within 3 %
+    (GradCache chunk for contrastive families, decoder chunk for vae; then the stream chunk under
+    global negatives on the PyTorch loss path). 0 = off."""
     plan: bool = False
     """With budget_gib: print the plan and exit without training (a dry run)."""
     margin: float = _opt(0.05, lambda v: 0 <= v < 0.5, "a fraction in [0, 0.5)")

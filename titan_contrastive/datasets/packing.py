@@ -79,5 +79,3 @@ def pad_to_batch(images: list[torch.Tensor], multiple: int = 1, size: int = 0) -
         batch[i, :, : x.shape[1], : x.shape[2]] = x
         mask[i, :, : x.shape[1], : x.shape[2]] = 1
     return batch, mask
-
-

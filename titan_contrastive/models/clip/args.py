@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from titan_contrastive.models.transformer import mlp_hidden
 
@@ -28,6 +29,24 @@ def _block_flops(tokens: int, width: int, hidden: int) -> int:
     each), plus attention scores and values (2*T*T*w each; causal masking is not
     subtracted, as kernels and `FlopCounterMode` do not subtract it either)."""
     return 2 * tokens * (4 * width * width + 2 * width * hidden) + 2 * 2 * tokens * tokens * width
+
+
+def text_tower_params(args: Any) -> int:
+    """Parameters of the causal text tower (`clip.model.TextTower`) of any args with CLIP's text
+    fields (CLIPArgs, VLMArgs): embeddings, blocks, ln_final, projection (no bias)."""
+    tw = args.text_width
+    return (args.vocab_size * tw  # token embedding
+            + args.context_length * tw  # positional embedding
+            + args.text_layers * _block_params(tw, mlp_hidden(tw, args.mlp_ratio))
+            + 2 * tw  # ln_final
+            + tw * args.embed_dim)  # text projection, no bias
+
+
+def text_tower_flops(args: Any) -> int:
+    """Forward matmul FLOPs of the text tower on one caption (the full context, as the causal
+    kernel's FLOPs are not subtracted) and its projection of the pooled token."""
+    tw = args.text_width
+    return args.text_layers * _block_flops(args.context_length, tw, mlp_hidden(tw, args.mlp_ratio)) + 2 * tw * args.embed_dim
 
 
 @dataclass(frozen=True)
@@ -117,7 +136,7 @@ class CLIPArgs:
 
     def num_params(self) -> int:
         """Exact parameter count of `CLIP(self)` (tied to the module layout; tested)."""
-        vw, tw = self.vision_width, self.text_width
+        vw = self.vision_width
         vision = (
             vw  # class embedding
             + (self.num_patches + 1) * vw  # positional embedding
@@ -127,14 +146,7 @@ class CLIPArgs:
             + 2 * vw  # ln_post
             + vw * self.embed_dim  # proj, no bias
         )
-        text = (
-            self.vocab_size * tw  # token embedding
-            + self.context_length * tw  # positional embedding
-            + self.text_layers * _block_params(tw, mlp_hidden(tw, self.mlp_ratio))
-            + 2 * tw  # ln_final
-            + tw * self.embed_dim  # text projection, no bias
-        )
-        return vision + text + 1  # + logit_scale
+        return vision + text_tower_params(self) + 1  # + logit_scale
 
     def flops_per_sample(self) -> int:
         """Training FLOPs (forward x 3 for forward + backward) of one image-text pair.
@@ -145,17 +157,13 @@ class CLIPArgs:
         loss is excluded because its cost grows with the batch (N x N logits); add
         `loss_flops(batch)` for a step.
         """
-        vw, tw = self.vision_width, self.text_width
+        vw = self.vision_width
         vision = (
             2 * self.num_patches * self.in_channels * self.patch_size**2 * vw
             + self.vision_layers * _block_flops(self.num_patches + 1, vw, mlp_hidden(vw, self.mlp_ratio))
             + 2 * vw * self.embed_dim
         )
-        text = (
-            self.text_layers * _block_flops(self.context_length, tw, mlp_hidden(tw, self.mlp_ratio))
-            + 2 * tw * self.embed_dim
-        )
-        return 3 * (vision + text)
+        return 3 * (vision + text_tower_flops(self))
 
     def loss_flops(self, batch: int) -> int:
         """Training FLOPs of the logits of `batch` pairs scored against each other.

@@ -56,7 +56,22 @@ def _mid(channels: int, args: VAEArgs) -> list[nn.Module]:
     return blocks
 
 
-class Encoder(nn.Module):
+class _ConvStack(nn.Module):
+    """conv_in -> blocks -> GroupNorm, SiLU -> conv_out: the shape the encoder and decoder share."""
+
+    conv_in: nn.Conv2d
+    blocks: nn.ModuleList
+    norm_out: nn.GroupNorm
+    conv_out: nn.Conv2d
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.conv_in(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.conv_out(F.silu(self.norm_out(x)))
+
+
+class Encoder(_ConvStack):
     def __init__(self, args: VAEArgs) -> None:
         super().__init__()
         widths = [args.base_channels * m for m in args.channel_mults]
@@ -72,12 +87,6 @@ class Encoder(nn.Module):
         self.blocks = nn.ModuleList([*blocks, *_mid(cin, args)])
         self.norm_out, self.conv_out = nn.GroupNorm(args.groups, cin), nn.Conv2d(cin, args.latent_channels, 3, padding=1)
 
-    def forward(self, images: Tensor) -> Tensor:
-        x = self.conv_in(images)
-        for block in self.blocks:
-            x = block(x)
-        return self.conv_out(F.silu(self.norm_out(x)))
-
 
 class Upsample(nn.Module):
     def __init__(self, channels: int) -> None:
@@ -88,7 +97,7 @@ class Upsample(nn.Module):
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
-class Decoder(nn.Module):
+class Decoder(_ConvStack):
     def __init__(self, args: VAEArgs) -> None:
         super().__init__()
         widths = [args.base_channels * m for m in args.channel_mults][::-1]
@@ -103,12 +112,6 @@ class Decoder(nn.Module):
                 blocks.append(Upsample(width))
         self.blocks = nn.ModuleList(blocks)
         self.norm_out, self.conv_out = nn.GroupNorm(args.groups, cin), nn.Conv2d(cin, args.in_channels, 3, padding=1)
-
-    def forward(self, latents: Tensor) -> Tensor:
-        x = self.conv_in(latents)
-        for block in self.blocks:
-            x = block(x)
-        return self.conv_out(F.silu(self.norm_out(x)))
 
 
 class AutoEncoder(nn.Module):

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from titan_contrastive.models.clip.args import _block_flops, _block_params
+from titan_contrastive.models.clip.args import _block_flops, _block_params, text_tower_flops, text_tower_params
 from titan_contrastive.models.transformer import mlp_hidden
 
 __all__ = ["VLMArgs", "vlm_flavors"]
@@ -65,21 +65,18 @@ class VLMArgs:
 
     def num_params(self) -> int:
         """Exact parameter count of `VLMEmbedder(self)` (tested against the module)."""
-        vw, tw = self.vision_width, self.text_width
+        vw = self.vision_width
         vision = (self.patch_dim * vw + 2 * self.max_grid * vw + 2 * vw  # patch embed, row/col positions, ln_pre
                   + self.vision_layers * _block_params(vw, mlp_hidden(vw, self.mlp_ratio)) + 2 * vw + vw * self.embed_dim)
-        text = (self.vocab_size * tw + self.context_length * tw
-                + self.text_layers * _block_params(tw, mlp_hidden(tw, self.mlp_ratio)) + 2 * tw + tw * self.embed_dim)
-        return vision + text + 1
+        return vision + text_tower_params(self) + 1
 
     def flops_per_sample(self) -> int:
         """Training FLOPs (3 x forward matmuls) of one pair with the image at the largest resolution
         (an upper bound when `data.image_sizes` mixes resolutions); the loss is excluded."""
-        vw, tw, tokens = self.vision_width, self.text_width, self.max_grid**2
+        vw, tokens = self.vision_width, self.max_grid**2
         vision = (2 * tokens * self.patch_dim * vw + self.vision_layers * _block_flops(tokens, vw, mlp_hidden(vw, self.mlp_ratio))
                   + 2 * vw * self.embed_dim)
-        text = self.text_layers * _block_flops(self.context_length, tw, mlp_hidden(tw, self.mlp_ratio)) + 2 * tw * self.embed_dim
-        return 3 * (vision + text)
+        return 3 * (vision + text_tower_flops(self))
 
 
 vlm_flavors: dict[str, VLMArgs] = {
