@@ -3,7 +3,7 @@ reduce-scatter vs `defer_grad_sync` (set_requires_gradient_sync), measured, not 
 
     torchrun --standalone --nproc_per_node=2 benchmarks/grad_sync_traffic.py [--flavor debug] [--out benchmarks/results]
 
-Runs the trainer's own microbatch path (`Trainer.forward_backward_step`, FSDP2 built by
+Runs the trainer's own microbatch path (`AccumulateStep.microbatch`, FSDP2 built by
 `parallelize_model`) for one optimizer step at several accumulation depths k, and counts, on
 rank 0, every FSDP2 collective (torch.distributed.all_gather_single / reduce_scatter_single,
 wrapped) with the bytes it moves, plus the gradient bytes a rank holds after each microbatch
@@ -73,7 +73,7 @@ def measure(flavor: str, ga: int, defer: bool, dump: str) -> dict[str, Any]:
     CALLS.clear()
     held = []
     for i, batch in enumerate(microbatches):  # the body of Trainer.train_step, with a probe per microbatch
-        trainer.forward_backward_step(batch, is_last=i == ga - 1)
+        trainer.gradient_step.microbatch(batch, is_last=i == ga - 1)
         held.append(held_grad_bytes(trainer.model))
     param_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())  # DTensor numel is global
     trainer.metrics.close()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from titan_contrastive.components.checkpoint import (
+from titan_contrastive.checkpoint import (
     FAULT_ENV, MANIFEST, CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState, TrainState,
 )
 from titan_contrastive.datasets import EpochLoader, ImageTextDataset, build_dataloader

@@ -142,7 +142,7 @@ def test_without_rng_replay_dropout_breaks_exactness(monkeypatch: pytest.MonkeyP
     """The seed has no replay; with dropout its re-forward differs. This guards the replay."""
     import contextlib
 
-    import titan_contrastive.distributed_clip as module
+    import titan_contrastive.grad_cache.engine as module  # the replay the streaming step shares with GradCache
 
     monkeypatch.setattr(module, "RandContext", contextlib.nullcontext)
     with pytest.raises(AssertionError, match="relative error"):

@@ -40,7 +40,7 @@ def test_bfloat16_selective_ac_compile_on_cuda(tmp_path: Path) -> None:
 
 
 def test_cuda_rng_state_round_trip() -> None:
-    from titan_contrastive.components.train_state import RNGState
+    from titan_contrastive.checkpoint import RNGState
 
     state = RNGState("cuda")
     saved = state.state_dict()

@@ -131,7 +131,7 @@ def test_dict_list_and_output_object_inputs() -> None:
 
 
 def test_dropout_needs_the_rng_replay(monkeypatch: pytest.MonkeyPatch) -> None:
-    import titan_contrastive.grad_cache.grad_cache as module
+    import titan_contrastive.grad_cache.engine as module  # the replay every cached-gradient path shares
 
     monkeypatch.setattr(module, "RandContext", contextlib.nullcontext)
     q, p = towers("tensor", "tensor")

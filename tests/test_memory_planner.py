@@ -13,6 +13,7 @@ import torch
 from titan_contrastive.components import memory_planner
 from titan_contrastive.components.memory_planner import Knob, MemoryBudgetError, plan_chunks
 from titan_contrastive.components.memory_probe import PeakMemory
+from titan_contrastive.steps import AccumulateStep
 from titan_contrastive.train import main
 from tests.test_trainer import assert_close, make_trainer
 
@@ -33,7 +34,7 @@ def test_peak_memory_counts_live_tensor_bytes_on_cpu() -> None:
 def test_plan_fits_the_budget_and_does_not_change_training(tmp_path: Path) -> None:
     planned = make_trainer(str(tmp_path / "planned"), *PLAN, "--memory.budget_gib=0.04")
     plan = planned.memory_plan
-    assert 1 < plan.chunk < 64 and planned.chunk_size == plan.chunk  # chunked, and applied after the restore
+    assert 1 < plan.chunk < 64 and planned.gradient_step.chunk_size == plan.chunk  # chunked, and applied after the restore
     probes = plan.probes["gradcache.chunk_sizes"]
     seconds = plan.step_seconds["gradcache.chunk_sizes"]
     assert set(probes) >= {1, 2, plan.chunk} and max(probes) <= 2 * max(seconds)  # never probed far past the budget
@@ -78,7 +79,7 @@ def test_the_fastest_fitting_chunk_wins_and_the_larger_within_tolerance(monkeypa
 
 def test_generous_budget_means_no_chunking(tmp_path: Path) -> None:
     trainer = make_trainer(str(tmp_path), *PLAN, "--memory.budget_gib=10")
-    assert trainer.memory_plan.chunk == 64 and trainer.chunk_size is None
+    assert trainer.memory_plan.chunk == 64 and isinstance(trainer.gradient_step, AccumulateStep)  # no GradCache chunk
 
 
 def test_vae_plans_the_decoder_chunk(tmp_path: Path) -> None:
@@ -87,7 +88,7 @@ def test_vae_plans_the_decoder_chunk(tmp_path: Path) -> None:
                            "--memory.budget_gib=0.1")
     plan = trainer.memory_plan
     assert list(plan.chunks) == ["pixel_loss.chunk_size"] and plan.predicted_gib <= 0.1 and 1 < plan.chunk < 16
-    assert trainer.model.pixel_loss_options["chunk_size"] == plan.chunk and not trainer.model.pixel_loss_options["adaptive"]
+    assert trainer.gradient_step.decode_chunk == plan.chunk  # a fixed decoder chunk: adaptive off
     assert plan.probes["pixel_loss.chunk_size"][plan.chunk] > plan.probes["pixel_loss.chunk_size"][1]  # grows with the chunk
 
 
@@ -95,7 +96,7 @@ def test_global_negatives_also_plan_the_stream_chunk(tmp_path: Path) -> None:
     trainer = make_trainer(str(tmp_path), *PLAN, "--loss.negatives=global", "--loss.stream_chunk_size=16", "--memory.budget_gib=0.06")
     plan = trainer.memory_plan
     assert list(plan.chunks) == ["gradcache.chunk_sizes", "loss.stream_chunk_size"] and plan.predicted_gib <= 0.06
-    assert trainer.global_step.chunk == plan.chunks["loss.stream_chunk_size"] >= 16 and trainer.chunk_size in (plan.chunk, None)
+    assert trainer.gradient_step.streaming.chunk == plan.chunks["loss.stream_chunk_size"] >= 16 and trainer.gradient_step.chunk_size in (plan.chunk, None)
     stream = plan.probes["loss.stream_chunk_size"]
     assert min(stream) == 16 and stream[min(stream)] <= stream[max(stream)]
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from titan_contrastive.components.checkpoint import FAULT_ENV
+from titan_contrastive.checkpoint import FAULT_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6

@@ -9,6 +9,15 @@ the check is bit-identical: every logged loss `==` and the SHA-256 of every para
 Elsewhere another CPU's kernels may sum in another order, so it is relative error <= 1e-10 on
 the losses and on each parameter's sum and norm.
 
+One known exception, in the last bits only: single-process GradCache (`LAST_BITS`). The old
+trainer packed both towers and the scale into one [B, 2d+1] tensor, so the loss read the text
+embeddings as a strided view of it; autograd's matmul backward picks its product order from the
+operand's layout (`(a.T @ g).T` for that view, `g.T @ a` for the contiguous tensor the multi-output
+GradCache hands the loss now), which changes the text gradients by ~1 ulp (5.6e-17). After 3
+steps the losses differ by <= 2.6e-16 and the parameters' sums by <= 1.3e-13 relative to their
+norms, so these cases are held to 1e-10, not to the bit. On 2 processes the loss all-gathers
+contiguous copies either way, and every case, GradCache included, is bit-identical.
+
 Re-record (only when a change is *meant* to change the numbers, and say so in the commit):
     python -m tests.test_step_baseline --record
 """
@@ -34,6 +43,7 @@ COMMON = ["--training.dtype=float64", "--training.max_norm=0.5", "--training.ste
 DDP = ["--parallelism.data_parallel_replicate_degree=-1", "--parallelism.data_parallel_shard_degree=1"]
 VAE = ["--model.name=vae", "--data.dataset=emoji", "--data.image_sizes=16,24,32"]
 VLM = ["--model.name=vlm", "--data.dataset=emoji", "--data.image_sizes=16,24,32"]
+LAST_BITS = {("gradcache", 1), ("gradcache_ddp", 1), ("gradcache_vlm", 1)}  # see the module docstring
 
 
 def cases(world: int) -> dict[str, list[str]]:
@@ -103,18 +113,25 @@ def test_step_kinds_reproduce_the_recorded_run(tmp_path: Path, world: int) -> No
     fixture = json.loads(FIXTURE.read_text())
     want, got = fixture[f"world{world}"], run(tmp_path, world)
     assert got.keys() == want.keys()
-    bitwise = fixture["platform"] == platform()
+    bitwise_platform = fixture["platform"] == platform()
+    problems = []
     for name in want:
         w, g = want[name], got[name]
         assert len(g["losses"]) == len(w["losses"]) == 3, name
-        if bitwise:
-            assert g["losses"] == w["losses"], f"{name}: losses {g['losses']} != recorded {w['losses']}"
-            assert g["sha256"] == w["sha256"], f"{name}: final parameters differ from the recorded run"
+        bitwise = bitwise_platform and (name, world) not in LAST_BITS
+        if bitwise and g["losses"] != w["losses"]:
+            problems.append(f"{name}: losses {g['losses']} != recorded {w['losses']}")
+        if bitwise and g["sha256"] != w["sha256"]:
+            problems.append(f"{name}: final parameters are not bit-identical to the recorded run")
         for a, b in zip(g["losses"], w["losses"]):
-            assert abs(a - b) <= REL * abs(b), f"{name}: loss {a} vs recorded {b}"
+            if not abs(a - b) <= REL * abs(b):
+                problems.append(f"{name}: loss {a} vs recorded {b}")
         assert g["fingerprint"].keys() == w["fingerprint"].keys(), name
-        for param, ((s, n), (ws, wn)) in ((p, (g["fingerprint"][p], w["fingerprint"][p])) for p in w["fingerprint"]):
-            assert abs(n - wn) <= REL * wn and abs(s - ws) <= REL * max(wn, 1e-300), f"{name}: {param} sum/norm {s}/{n} vs {ws}/{wn}"
+        for param, (s, n) in g["fingerprint"].items():
+            ws, wn = w["fingerprint"][param]
+            if not (abs(n - wn) <= REL * wn and abs(s - ws) <= REL * max(wn, 1e-300)):
+                problems.append(f"{name}: {param} sum/norm {s}/{n} vs recorded {ws}/{wn}")
+    assert not problems, "\n".join(problems)
 
 
 def record() -> None:

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_contrastive.components.loss import RescaleAccumulatedLoss, clip_loss
 from titan_contrastive.config import ConfigError, parse_args
+from titan_contrastive.steps import AccumulateStep, GlobalNegativesStep
 from titan_contrastive.train import Trainer
 from tests.dist_utils import run_distributed
 
@@ -48,6 +49,11 @@ def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], re
         assert err <= rel, f"{name}: relative error {err:.3e} > {rel}"
 
 
+def use_plain_step(trainer: Trainer, loss_fn) -> None:
+    """Run the trainer's plain accumulation step with this (already rescaled) loss."""
+    trainer.gradient_step = AccumulateStep(trainer.step_context, loss_fn)
+
+
 def separable_loss(image_emb: torch.Tensor, text_emb: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
     """A per-sample loss (mean over samples of a function of pair i alone)."""
     return ((logit_scale * image_emb - text_emb) ** 2).sum(-1).mean()
@@ -58,20 +64,20 @@ def test_accumulation_is_exact_for_a_separable_loss(tmp_path: Path) -> None:
     assert trainer.ga_steps == 4
     full, init = batch(trainer, 0, 8), copy.deepcopy(trainer.model.state_dict())
 
-    trainer.loss_fn = RescaleAccumulatedLoss(separable_loss, 1)
+    use_plain_step(trainer, RescaleAccumulatedLoss(separable_loss, 1))
     out_big = trainer.train_step([full])
     want = grads(trainer.model)
 
     micro = [{k: v[i : i + 2] for k, v in full.items()} for i in range(0, 8, 2)]
     trainer.model.load_state_dict(init)
-    trainer.loss_fn = RescaleAccumulatedLoss(separable_loss, 4)
+    use_plain_step(trainer, RescaleAccumulatedLoss(separable_loss, 4))
     out_acc = trainer.train_step(micro)
     assert_close(grads(trainer.model), want)
     assert abs(out_acc["loss"] - out_big["loss"]) <= REL * abs(out_big["loss"])
 
     # without the 1/k rescale the accumulated gradient is k times too large: the wrapper matters
     trainer.model.load_state_dict(init)
-    trainer.loss_fn = RescaleAccumulatedLoss(separable_loss, 1)
+    use_plain_step(trainer, RescaleAccumulatedLoss(separable_loss, 1))
     trainer.train_step(micro)
     assert_close({n: g / 4 for n, g in grads(trainer.model).items()}, want)
 
@@ -80,11 +86,11 @@ def test_accumulation_is_not_the_big_batch_for_infonce(tmp_path: Path) -> None:
     """Seed 004 says accumulation 'equals a larger batch'; for InfoNCE it does not (k small problems)."""
     trainer = make_trainer(str(tmp_path), "--training.local_batch_size=2", "--training.global_batch_size=8")
     full, init = batch(trainer, 0, 8), copy.deepcopy(trainer.model.state_dict())
-    trainer.loss_fn = RescaleAccumulatedLoss(clip_loss, 1)
+    use_plain_step(trainer, RescaleAccumulatedLoss(clip_loss, 1))
     trainer.train_step([full])
     big = grads(trainer.model)
     trainer.model.load_state_dict(init)
-    trainer.loss_fn = RescaleAccumulatedLoss(clip_loss, 4)
+    use_plain_step(trainer, RescaleAccumulatedLoss(clip_loss, 4))
     trainer.train_step([{k: v[i : i + 2] for k, v in full.items()} for i in range(0, 8, 2)])
     diff = (grads(trainer.model)["logit_scale"] - big["logit_scale"]).abs() / big["logit_scale"].abs()
     assert diff > 1e-3
@@ -124,14 +130,13 @@ def test_global_negatives_with_accumulation_equal_one_big_batch(tmp_path: Path) 
     """negatives=global, GA 4 x 2 samples == the dense loss of the batch of 8 in one microbatch."""
     trainer = make_trainer(str(tmp_path), "--training.local_batch_size=2", "--training.global_batch_size=8",
                            "--loss.negatives=global", "--loss.stream_chunk_size=3")
-    assert trainer.ga_steps == 4 and trainer.global_step is not None
+    assert trainer.ga_steps == 4 and isinstance(trainer.gradient_step, GlobalNegativesStep)
     full, init = batch(trainer, 0, 8), copy.deepcopy(trainer.model.state_dict())
     out = trainer.train_step([{k: v[i : i + 2] for k, v in full.items()} for i in range(0, 8, 2)])
     got = grads(trainer.model)
 
     trainer.model.load_state_dict(init)
-    trainer.global_step = None
-    trainer.loss_fn = RescaleAccumulatedLoss(clip_loss, 1)
+    use_plain_step(trainer, RescaleAccumulatedLoss(clip_loss, 1))
     want_out = trainer.train_step([full])
     assert_close(got, grads(trainer.model))
     assert abs(out["loss"] - want_out["loss"]) <= REL * want_out["loss"]
@@ -213,8 +218,7 @@ def test_gradcache_with_global_negatives_equals_one_big_batch(tmp_path: Path) ->
     out = cached.train_step([{k: v[:4] for k, v in full.items()}, {k: v[4:] for k, v in full.items()}])
     got = grads(cached.model)
     cached.model.load_state_dict(init)
-    cached.global_step, cached.chunk_size = None, None
-    cached.loss_fn = RescaleAccumulatedLoss(clip_loss, 1)
+    use_plain_step(cached, RescaleAccumulatedLoss(clip_loss, 1))
     want = cached.train_step([full])
     assert_close(got, grads(cached.model))
     assert abs(out["loss"] - want["loss"]) <= REL * want["loss"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_contrastive.grad_cache import MODES, GradCacheError, split_vlm_inputs, unpack_batch
+from titan_contrastive.datasets.retrieval import MODES, unpack_batch
+from titan_contrastive.grad_cache import GradCacheError, split_vlm_inputs
 
 
 def packed_batch(samples: int, images_per_sample: list[int], seed: int) -> dict[str, torch.Tensor]:

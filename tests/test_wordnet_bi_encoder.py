@@ -68,7 +68,7 @@ def test_bi_encoder_params_shapes_and_gradcache_with_real_dropout(tmp_path: Path
     model.load_state_dict(init)
     model.zero_grad()
     torch.manual_seed(7)
-    parts = [cached.encode({k: v[s : s + 4] for k, v in batch.items()}) for s in (0, 4)]
+    parts = [cached.step_context.encode({k: v[s : s + 4] for k, v in batch.items()}) for s in (0, 4)]
     loss = clip_loss(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), parts[0][2])
     loss.backward()
     assert abs(out["loss"] - loss.item()) <= REL * loss.item()

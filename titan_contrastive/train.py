@@ -2,20 +2,21 @@
 
 Order of operations (everything that can fail on bad input runs before any compute):
 1. parse and validate the config; join the process group; seed;
-2. resolve the model family/flavor, the loss mode, the DP layout and the accumulation steps;
-3. load the train and eval datasets (missing data fails here);
-4. build the model (args from the data), then AC -> compile -> FSDP2/HSDP/DDP per block;
-   optimizer, scheduler, losses, metrics; restore the latest complete checkpoint if enabled;
-5. loop: per step, k microbatches of forward+backward (gradient sync on the last one only for
-   DDP, and for FSDP2 with `defer_grad_sync`), unscale (fp16), clip the gradient norm, check
-   for non-finite values, optimizer step, scheduler step; log every `log_freq`, evaluate every
-   `eval.freq` and after the last step, checkpoint every `checkpoint.interval` and at the end.
+2. resolve the model family/flavor and its loss, the DP layout and the accumulation steps;
+3. load the train and eval datasets (missing data fails here), laid out as the family reads them;
+4. build the model (args from the data and the config), then AC -> compile -> FSDP2/HSDP/DDP per
+   block; optimizer, scheduler, the gradient step (`steps/`: the kind the family, `[loss]` and
+   `[gradcache]` select), metrics; restore the latest complete checkpoint if enabled; with
+   `[memory] budget_gib`, plan the step's chunks by measuring probe steps;
+5. loop: per step, the gradient step turns k microbatches into gradients and the loss (the
+   data-parallel reduction in the last backward only), then unscale (fp16), clip the gradient
+   norm, check for non-finite values, optimizer step, scheduler step; log every `log_freq`,
+   evaluate every `eval.freq` and after the last step, checkpoint every `checkpoint.interval`
+   and at the end. The loop does not know which kind of step it runs.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import gc
 import importlib
 import logging
@@ -30,21 +31,17 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titan_contrastive import models
-from titan_contrastive.components.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState, TrainState
-from titan_contrastive.components.evaluate import evaluate, evaluate_reconstruction
-from titan_contrastive.components.loss import RescaleAccumulatedLoss, build_loss_fn
+from titan_contrastive.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState, TrainState
+from titan_contrastive.components.evaluate import EvalContext
 from titan_contrastive.components.lr_scheduler import build_lr_scheduler
-from titan_contrastive.components.memory_planner import MemoryBudgetError, measured_first_step, plan_trainer
+from titan_contrastive.components.memory_planner import MemoryBudgetError, MemoryPlan, measured_first_step, plan_step, probe_batches
 from titan_contrastive.components.metrics import MetricsProcessor, device_peak_tflops
 from titan_contrastive.components.optimizer import build_optimizer
-from titan_contrastive.components.precision import at_least_fp32, build_precision
+from titan_contrastive.components.precision import build_precision
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets import DataError, build_dataloader, build_dataset
-from titan_contrastive.distributed import destroy_distributed, init_distributed
-from titan_contrastive.distributed_clip import build_streaming_step
-from titan_contrastive.grad_cache import GradCache, split_inputs, split_vlm_inputs
-from titan_contrastive.parallelisms import ParallelDims, parallelize_model
-from titan_contrastive.pixel_step import PixelStep, pixel_loss_options
+from titan_contrastive.parallelisms import ParallelDims, destroy_distributed, init_distributed, parallelize_model
+from titan_contrastive.steps import StepContext, build_gradient_step
 
 logger = logging.getLogger("titan_contrastive")
 
@@ -83,11 +80,15 @@ class Trainer:
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
 
-        # 2. model family, loss mode, DP layout, batch arithmetic: checked before data or compute
+        # 2. model family and its loss, DP layout, batch arithmetic: checked before data or compute
         if cfg.job.custom_import:
             importlib.import_module(cfg.job.custom_import)
         self.spec = models.get_model_spec(cfg.model.name)
         flavor_args = models.get_flavor_args(cfg.model.name, cfg.model.flavor)
+        self.loss_name = cfg.loss.name or self.spec.default_loss
+        if self.loss_name != self.spec.default_loss:
+            raise ConfigError(f"loss.name={self.loss_name!r}: the {cfg.model.name} family trains with {self.spec.default_loss!r}; "
+                              f"set loss.name={self.spec.default_loss} or leave it empty")
         par = cfg.parallelism
         self.dims = ParallelDims.from_config(par.data_parallel_replicate_degree, par.data_parallel_shard_degree, self.dist.world_size)
         self.dp_degree = self.dims.dp_degree
@@ -95,7 +96,7 @@ class Trainer:
         self.global_batch_size = cfg.training.local_batch_size * self.ga_steps * self.dp_degree
         self.precision = build_precision(cfg.training, fsdp=self.dims.fsdp_enabled, device=self.device)
 
-        # 3. data (every rank is a DP rank: the DP rank is the global rank)
+        # 3. data (every rank is a DP rank: the DP rank is the global rank), laid out for the family
         data = cfg.data
         try:  # a pretrained family brings its tokenizer (an optional dependency: a clear error if missing)
             tokenizer = self.spec.build_tokenizer(flavor_args) if self.spec.build_tokenizer else None
@@ -105,28 +106,20 @@ class Trainer:
                       tokenizer=tokenizer)
         self.train_set = build_dataset(data.dataset, "train", augment=data.augment, **common)
         self.eval_set = build_dataset(data.dataset, "test", augment=False, **common)
-        layout = self.spec.image_layout
         for ds in (self.train_set, self.eval_set):
-            if layout == "packed":  # Qwen-VL-style packed patches at the flavor's patch size
-                ds.pack_patches(flavor_args.patch_size, data.image_sizes)
-            elif layout == "masked":  # [-1, 1], zero-padded, with masks (the vae's pixel loss)
-                ds.serve_masked(flavor_args.downsample, data.image_sizes)
-            elif data.image_sizes:
-                raise ConfigError(f"data.image_sizes={data.image_sizes}: mixed resolutions need a family that reads packed patches "
-                                  f"or masks (model.name=vlm or vae); {cfg.model.name} takes one size: set data.image_size instead")
-        self.split = split_vlm_inputs if layout == "packed" else split_inputs  # GradCache / re-forward chunks
+            self.spec.layout.prepare(ds, flavor_args, data.image_sizes, cfg.model.name)
         self.loader = build_dataloader(
             self.train_set, local_batch_size=cfg.training.local_batch_size, dp_rank=self.dist.rank,
             dp_world_size=self.dp_degree, seed=cfg.training.seed, num_workers=data.num_workers,
             pin_memory=self.device.type == "cuda",
         )
 
-        # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params)
+        # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step
         try:
-            self.model_args = flavor_args.update_from_data(
+            self.model_args = self.spec.update_from_config(flavor_args.update_from_data(
                 image_shape=self.train_set.image_shape, vocab_size=self.train_set.tokenizer.vocab_size,
                 context_length=data.context_length,
-            )
+            ), cfg)
         except ValueError as e:  # the flavor does not fit this dataset
             raise ConfigError(f"model.flavor={cfg.model.flavor!r} with data.dataset={data.dataset!r}: {e}") from None
         with self.device:
@@ -139,36 +132,19 @@ class Trainer:
         )
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        dp_group = torch.distributed.group.WORLD if self.dist.is_distributed else None
-        loss_name = cfg.loss.name or self.spec.default_loss
-        if loss_name != self.spec.default_loss:
-            raise ConfigError(f"loss.name={loss_name!r}: the {cfg.model.name} family trains with {self.spec.default_loss!r}; "
-                              f"set loss.name={self.spec.default_loss} or leave it empty")
-        self.pixel = loss_name == "pixel"  # the loss is computed inside the model (vae family)
-        if self.pixel:
-            self.model.pixel_loss_options = pixel_loss_options(cfg, fsdp=self.dims.fsdp_enabled, fp16_scaler=self.precision.scaler is not None)
-            self.pixel_step = PixelStep(channels=self.train_set.image_shape[0], dp_degree=self.dp_degree, device=self.device,
-                                        distributed=self.dist.is_distributed)
-        else:
-            self.loss_fn = RescaleAccumulatedLoss(build_loss_fn(loss_name, dp_group), self.ga_steps)
-            self.eval_loss_fn = build_loss_fn(loss_name)  # local and never rescaled
-        sizes = cfg.gradcache.chunk_sizes
-        if cfg.gradcache.enabled and len(set(sizes)) > 1:
-            raise ConfigError(f"gradcache.chunk_sizes={sizes}: the {cfg.model.name} family runs both towers in one forward; "
-                              f"give one chunk size (e.g. --gradcache.chunk_sizes={min(sizes)})")
-        self.chunk_size = sizes[0] if cfg.gradcache.enabled else None
-        try:  # negatives=global: one exact problem over the global batch (seed 001); a missing triton fails here
-            self.global_step = build_streaming_step(cfg.loss, group=dp_group, dp_degree=self.dp_degree,
-                                                    compute_dtype=self.precision.compute_dtype)
-        except ImportError as e:
-            raise ConfigError(str(e)) from None
+        self.step_context = StepContext(
+            model=self.model, dp_model=self.dp_model, input_keys=self.spec.input_keys, layout=self.spec.layout, precision=self.precision,
+            device=self.device, dp_group=torch.distributed.group.WORLD if self.dist.is_distributed else None, dp_degree=self.dp_degree,
+            ga_steps=self.ga_steps, local_batch_size=cfg.training.local_batch_size, defer_fsdp_sync=par.defer_grad_sync,
+            family=cfg.model.name,
+        )
+        self.gradient_step = build_gradient_step(self.spec, self.step_context, cfg, self.loss_name)
         self.metrics = MetricsProcessor(
             cfg.job.dump_folder, rank=self.dist.rank, enable_tensorboard=cfg.metrics.enable_tensorboard,
             device=self.device, flops_per_sample=self.model_args.flops_per_sample(),
             peak_tflops=device_peak_tflops(self.device, cfg.metrics.peak_tflops), world_size=self.dist.world_size,
         )
         self.train_state = TrainState()
-        self._last_scale = torch.zeros(())  # exp(logit_scale) of the last microbatch, for the log
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, dump_folder=cfg.job.dump_folder,
             states={"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
@@ -180,7 +156,7 @@ class Trainer:
         self.checkpointer.load()
         if cfg.memory.plan and not cfg.memory.budget_gib:
             raise ConfigError("memory.plan=true needs memory.budget_gib > 0 (the per-device budget to plan for)")
-        self.memory_plan = plan_trainer(self) if cfg.memory.budget_gib else None  # before any real step
+        self.memory_plan = self._plan_memory() if cfg.memory.budget_gib else None  # before any real step
 
     @property
     def step(self) -> int:
@@ -198,82 +174,33 @@ class Trainer:
             f"params {cfg.training.dtype}  compute {self.precision.compute_dtype}  AC {cfg.activation_checkpoint.mode}  "
             f"compile {cfg.compile.backend if cfg.compile.enable else 'off'}"
         )
-        if self.pixel:
-            px = cfg.pixel_loss
-            negatives = (f"pixel loss: masked {px.loss_type} mean over the global batch, decoder mode {px.mode}, chunks of "
-                         f"{'adaptive size' if px.adaptive else px.chunk_size}")
-        elif self.global_step is not None:
-            negatives = (f"negatives per contrastive problem: {self.global_batch_size} (loss.negatives=global: one exact problem over the global batch, "
-                         f"streamed in blocks of {cfg.loss.stream_chunk_size} rows; the {self.ga_steps} microbatches are re-forward chunks)")
-        else:
-            negatives = f"negatives per contrastive problem: {cfg.training.local_batch_size * self.dp_degree} (loss.negatives=microbatch: accumulation adds no negatives)"
-        if self.chunk_size:
-            negatives += f"; GradCache: forwards in chunks of {self.chunk_size} samples"
         logger.info(
             f"batch: local {cfg.training.local_batch_size}  x  grad-accum steps {self.ga_steps}  x  dp degree {self.dp_degree}  "
-            f"=  global {self.global_batch_size};  {negatives}"
+            f"=  global {self.global_batch_size};  {self.gradient_step.describe()}"
         )
 
-    def _inputs(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """The family's model inputs (`spec.input_keys`) from a batch, on the device (float ones in the param dtype)."""
-        inputs = [batch[key].to(self.device, non_blocking=True) for key in self.spec.input_keys]  # then cast on the device
-        return [x.to(self.precision.param_dtype) if x.is_floating_point() else x for x in inputs]
+    def _plan_memory(self) -> MemoryPlan:
+        """The step's knobs, planned on probe steps (the planner restores every state after them);
+        the step is then rebuilt with the chosen values."""
+        batches = probe_batches(self.train_set, local_batch_size=self.cfg.training.local_batch_size, ga_steps=self.ga_steps,
+                                dp_degree=self.dp_degree, rank=self.dist.rank)
+
+        def probe(knobs: dict[str, int]) -> None:
+            self.gradient_step = build_gradient_step(self.spec, self.step_context, self.cfg, self.loss_name, knobs)
+            self.train_step(batches)
+
+        scaler = self.precision.scaler
+        plan = plan_step(self.gradient_step.knobs(), probe, budget_gib=self.cfg.memory.budget_gib, margin=self.cfg.memory.margin,
+                         device=self.device, model=self.model, optimizer=self.optimizer,
+                         stateful=[self.model, self.optimizer, self.lr_scheduler, self.train_state, *([scaler] if scaler else [])])
+        self.gradient_step = build_gradient_step(self.spec, self.step_context, self.cfg, self.loss_name, plan.chunks)
+        return plan
 
     def forward(self, batch: dict[str, torch.Tensor], **kwargs: Any) -> Any:
         """The model's forward with this run's dtype and autocast, through the FSDP root / the
         unwrapped DDP module (evaluation; the train step calls the DP wrapper)."""
         with self.precision.autocast():
-            return self.model(*self._inputs(batch), **kwargs)
-
-    def _grad_sync(self, is_last: bool) -> contextlib.AbstractContextManager:
-        """Gradient reduction only after the last microbatch: always for DDP (no_sync), for
-        FSDP2 only with `defer_grad_sync` (otherwise it reduce-scatters every microbatch)."""
-        if self.dims.ddp_enabled and not is_last:
-            return self.dp_model.no_sync()
-        if self.dims.fsdp_enabled and self.cfg.parallelism.defer_grad_sync:
-            self.model.set_requires_gradient_sync(is_last)
-        return contextlib.nullcontext()
-
-    def encode(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The DP-wrapped model on one microbatch under autocast; outputs in >= float32."""
-        with self.precision.autocast():
-            image_emb, text_emb, scale = self.dp_model(*self._inputs(batch))
-        self._last_scale = scale.detach()
-        return at_least_fp32(image_emb), at_least_fp32(text_emb), at_least_fp32(scale)
-
-    def _packed(self, **batch: torch.Tensor) -> torch.Tensor:
-        """GradCache's view of the model: one [B, 2d+1] representation (both towers, scale)."""
-        image_emb, text_emb, scale = self.encode(batch)
-        return torch.cat([image_emb, text_emb, scale.reshape(1, 1).expand(len(image_emb), 1)], dim=1)
-
-    def _packed_loss(self, rep: torch.Tensor) -> torch.Tensor:
-        dim = (rep.shape[1] - 1) // 2
-        return self.loss_fn(rep[:, :dim], rep[:, dim : 2 * dim], rep[0, 2 * dim])
-
-    def gradcache_step(self, microbatches: list[dict[str, torch.Tensor]]) -> float:
-        """negatives=microbatch with GradCache: each microbatch (with all DP ranks') is one
-        problem, forwarded in chunks; gradients sync on the last chunk of the last microbatch."""
-        total = 0.0
-        for i, mb in enumerate(microbatches):
-            is_last = i == len(microbatches) - 1
-            cache = GradCache([self._packed], self.chunk_size, self._packed_loss, split_input_fn=self.split, fp16=self.precision.scaler is not None,
-                              scaler=self.precision.scaler, sync_context=lambda _m, sync, last=is_last: self._grad_sync(sync and last))
-            total += cache.cache_step(mb, no_sync_except_last=True).item()
-        return total
-
-    def _pixel_forward(self, batch: dict[str, torch.Tensor], backward_scale: float) -> torch.Tensor:
-        with self.precision.autocast():
-            return self.dp_model(*self._inputs(batch), backward_scale=backward_scale)[0]
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.precision.scaler.scale(loss) if self.precision.scaler else loss).backward()
-
-    def forward_backward_step(self, batch: dict[str, torch.Tensor], is_last: bool = True) -> torch.Tensor:
-        """One microbatch (loss.negatives=microbatch): forward, rescaled loss, backward into .grad."""
-        with self._grad_sync(is_last):
-            loss = self.loss_fn(*self.encode(batch))
-            self.backward(loss)
-        return loss.detach()
+            return self.model(*self.step_context.inputs(batch), **kwargs)
 
     def _clip_grad_norm(self) -> torch.Tensor:
         """Total gradient norm over all ranks (FSDP/HSDP shards included), clipped to max_norm."""
@@ -284,19 +211,10 @@ class Trainer:
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """zero_grad -> k x forward_backward -> unscale/clip -> finite check -> step -> schedule."""
+        """zero_grad -> the gradient step over k microbatches -> unscale/clip -> finite check -> step -> schedule."""
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.lr_scheduler.get_last_lr()[0]
-        if self.pixel:
-            loss = self.pixel_step(self._pixel_forward, microbatches, grad_sync=self._grad_sync, backward=self.backward)
-        elif self.global_step is not None:  # one problem over all microbatches of all ranks
-            chunks = [c for mb in microbatches for c in self.split(mb, self.chunk_size)] if self.chunk_size else microbatches
-            loss = self.global_step(self.encode, chunks, grad_sync=self._grad_sync, backward=self.backward).item()
-        elif self.chunk_size:
-            loss = self.gradcache_step(microbatches)
-        else:
-            losses = [self.forward_backward_step(mb, is_last=i == len(microbatches) - 1) for i, mb in enumerate(microbatches)]
-            loss = torch.stack(losses).sum().item()  # each is already / k: the sum is the mean
+        loss = self.gradient_step(microbatches)
         grad_norm = self._clip_grad_norm().item()
         step = self.train_state.step + 1
         skipped = False
@@ -341,15 +259,15 @@ class Trainer:
         return batches
 
     def evaluate(self) -> dict[str, float]:
-        if self.pixel:  # masked MSE / PSNR of reconstructions, PNG grid in the dump folder
-            reconstruct = functools.partial(self.forward, reconstruct=True)
-            return evaluate_reconstruction(self.model, reconstruct, self.eval_set, batch_size=self.cfg.eval.batch_size,
-                                           device=self.device, rank=self.dist.rank, world_size=self.dist.world_size,
-                                           grid_path=Path(self.cfg.job.dump_folder) / f"reconstructions_step{self.step}.png")
-        return evaluate(
-            self.model, self.forward, self.eval_set, self.eval_loss_fn, batch_size=self.cfg.eval.batch_size,
-            device=self.device, rank=self.dist.rank, world_size=self.dist.world_size,
-        )
+        """The family's evaluation (`ModelSpec.evaluate`) on the held-out split."""
+        cfg = self.cfg
+        return self.spec.evaluate(EvalContext(self.model, self.forward, self.eval_set, self.loss_name, cfg.eval.batch_size, self.device,
+                                              self.dist.rank, self.dist.world_size, Path(cfg.job.dump_folder), self.step))
+
+    def _measured_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """The first step under a memory plan goes through the probe (peak against the plan)."""
+        return measured_first_step(self.memory_plan, lambda: self.train_step(batches), device=self.device, model=self.model,
+                                   optimizer=self.optimizer, record=self.metrics.record, step_number=self.step + 1)
 
     def train(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -358,11 +276,11 @@ class Trainer:
         results: dict[str, Any] = {}
         while self.step < cfg.training.steps:
             batches = self.next_microbatches(data_iter)
-            out = measured_first_step(self, batches) if self.memory_plan and not self.memory_plan.checked else self.train_step(batches)
+            out = self._measured_step(batches) if self.memory_plan and not self.memory_plan.checked else self.train_step(batches)
             self.metrics.samples += self.global_batch_size
             last = self.step == cfg.training.steps
             if self.step % cfg.metrics.log_freq == 0 or last:
-                self.metrics.log_train(self.step, **out, **({} if self.pixel else {"logit_scale": self._last_scale.item()}))
+                self.metrics.log_train(self.step, **out, **self.gradient_step.log_values())
             side_work = False  # eval and checkpoint time stays out of samples/s
             if cfg.eval.enable and (last or (cfg.eval.freq and self.step % cfg.eval.freq == 0)):
                 start = time.perf_counter()

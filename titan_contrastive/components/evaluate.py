@@ -1,5 +1,8 @@
 """Evaluation: zero-shot classification (class captions as the classifier) or retrieval recall.
 
+A family names its evaluation in its spec (`ModelSpec.evaluate`): `evaluate_contrastive`
+(default) or `evaluate_reconstructions` (vae), each taking one `EvalContext`.
+
 Order of operations in `evaluate`:
 1. each DP rank embeds its contiguous shard of the eval set (no grad, model in eval mode);
 2. the embeddings are all-gathered, so every rank holds all rows in dataset order;
@@ -15,8 +18,10 @@ reconstructions.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,8 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_contrastive.components.loss import build_loss_fn
 from titan_contrastive.components.pixel_loss import masked_error_sum
 from titan_contrastive.components.precision import at_least_fp32
+from titan_contrastive.datasets.protocol import Dataset, ZeroShotDataset
 
 
 def _gather_rows(local: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -40,17 +47,35 @@ def _gather_rows(local: torch.Tensor, counts: list[int]) -> torch.Tensor:
     return torch.cat([p[:n] for p, n in zip(parts, counts)])
 
 
-Forward = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Forward = Callable[..., Any]  # (batch, **model kwargs) -> the model's outputs, with the run's dtype and autocast
 
 
-def _shards(dataset: Any, world_size: int) -> list[np.ndarray]:
+@dataclass(frozen=True)
+class EvalContext:
+    """What an evaluation gets from the run (built by the trainer at each evaluation)."""
+
+    model: nn.Module
+    """Switched to eval mode for the evaluation, and back."""
+    forward: Forward
+    dataset: Dataset
+    """The held-out split; every rank evaluates a contiguous shard of it."""
+    loss_name: str
+    batch_size: int
+    device: torch.device
+    rank: int
+    world_size: int
+    dump_folder: Path
+    step: int
+
+
+def _shards(dataset: Dataset, world_size: int) -> list[np.ndarray]:
     """Contiguous index shards, one per DP rank."""
     if len(dataset) < world_size:
         raise ValueError(f"eval set has {len(dataset)} samples, fewer than the {world_size} data-parallel ranks")
     return np.array_split(np.arange(len(dataset)), world_size)
 
 
-def _rank_batches(dataset: Any, batch_size: int, rank: int, world_size: int) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+def _rank_batches(dataset: Dataset, batch_size: int, rank: int, world_size: int) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
     """(indices, batch) over this rank's shard. Every rank gets the same number of batches (FSDP2
     all-gathers parameters inside each forward call, a collective): a rank whose shard is used up
     gets ([], a batch of one sample again) to run and drop."""
@@ -73,7 +98,7 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 @torch.no_grad()
-def embed_dataset(forward: Forward, dataset: Any, *, batch_size: int, device: torch.device,
+def embed_dataset(forward: Forward, dataset: Dataset, *, batch_size: int, device: torch.device,
                   rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both towers' embeddings (image/caption, query/document), labels (or sample indices)
     and exp(logit_scale), all rows on every rank."""
@@ -92,7 +117,7 @@ def embed_dataset(forward: Forward, dataset: Any, *, batch_size: int, device: to
 
 
 @torch.no_grad()
-def zero_shot_classifier(forward: Forward, dataset: Any) -> torch.Tensor:
+def zero_shot_classifier(forward: Forward, dataset: ZeroShotDataset) -> torch.Tensor:
     """[num_classes, dim]: the normalised mean embedding of each class over all templates.
 
     The captions go through the model's full forward (with the first image as a placeholder, in
@@ -118,7 +143,7 @@ def recall_at_k(image_emb: torch.Tensor, text_emb: torch.Tensor, ks: tuple[int, 
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, forward: Forward, dataset: Any, loss_fn: Callable[..., torch.Tensor], *,
+def evaluate(model: nn.Module, forward: Forward, dataset: Dataset, loss_fn: Callable[..., torch.Tensor], *,
              batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1) -> dict[str, float]:
     """Eval loss plus zero-shot accuracy or retrieval recall; `loss_fn` must be unscaled.
 
@@ -133,8 +158,14 @@ def evaluate(model: nn.Module, forward: Forward, dataset: Any, loss_fn: Callable
             pred = (img @ zero_shot_classifier(forward, dataset).T).argmax(1)
             out["zero_shot_top1"] = (pred == labels).float().mean().item()
         else:
-            out.update(recall_at_k(img, txt, getattr(dataset, "recall_ks", (1, 5)), getattr(dataset, "recall_direction", "image_to_text")))
+            out.update(recall_at_k(img, txt, dataset.recall_ks, dataset.recall_direction))
         return out
+
+
+def evaluate_contrastive(ctx: EvalContext) -> dict[str, float]:
+    """`evaluate` with the family's loss, unscaled (never divided by the accumulation steps)."""
+    return evaluate(ctx.model, ctx.forward, ctx.dataset, build_loss_fn(ctx.loss_name), batch_size=ctx.batch_size, device=ctx.device,
+                    rank=ctx.rank, world_size=ctx.world_size)
 
 
 def _save_grid(originals: torch.Tensor, recons: torch.Tensor, masks: torch.Tensor, path: Path, scale: int = 4) -> None:
@@ -155,7 +186,7 @@ def _save_grid(originals: torch.Tensor, recons: torch.Tensor, masks: torch.Tenso
 
 
 @torch.no_grad()
-def evaluate_reconstruction(model: nn.Module, reconstruct: Callable[[dict[str, torch.Tensor]], torch.Tensor], dataset: Any, *,
+def evaluate_reconstruction(model: nn.Module, reconstruct: Callable[[dict[str, torch.Tensor]], torch.Tensor], dataset: Dataset, *,
                             batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1,
                             grid_path: Path | None = None, grid_images: int = 12) -> dict[str, float]:
     """Masked MSE / PSNR of `reconstruct(batch) -> images` over the dataset (numerator and
@@ -175,3 +206,11 @@ def evaluate_reconstruction(model: nn.Module, reconstruct: Callable[[dict[str, t
             dist.all_reduce(sums)
         mse = (sums[0] / sums[1]).item()
         return {"loss": mse, "num_samples": float(len(dataset)), "psnr_db": 10 * math.log10(1 / mse) if mse > 0 else math.inf}
+
+
+def evaluate_reconstructions(ctx: EvalContext) -> dict[str, float]:
+    """`evaluate_reconstruction` through `forward(batch, reconstruct=True)`; the grid goes to
+    `{dump_folder}/reconstructions_step{step}.png`."""
+    return evaluate_reconstruction(ctx.model, functools.partial(ctx.forward, reconstruct=True), ctx.dataset, batch_size=ctx.batch_size,
+                                   device=ctx.device, rank=ctx.rank, world_size=ctx.world_size,
+                                   grid_path=ctx.dump_folder / f"reconstructions_step{ctx.step}.png")

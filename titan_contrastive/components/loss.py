@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from titan_contrastive.distributed import all_gather_with_grad
+from titan_contrastive.parallelisms.collectives import all_gather_with_grad
 
 
 class RescaleAccumulatedLoss:

@@ -1,10 +1,12 @@
 """Memory planner: the fastest chunks that fit `[memory] budget_gib`, chosen by measuring real steps.
 
-Knobs, planned in this order: the samples forwarded at once — the GradCache chunk for contrastive
-families (`gradcache.chunk_sizes`; a chunk equal to the local batch means no GradCache) or the
-decoder chunk for vae (`pixel_loss.chunk_size`, adaptive off) — then, under global negatives, the
-loss's stream chunk (`loss.stream_chunk_size`, from its configured value up to the global batch)
-with what is left. The result is the same at any chunk; the speed is not. Larger chunks usually run
+Knobs are what the run's gradient step offers (`GradientStep.knobs()`), planned in that order:
+the samples forwarded at once — the GradCache chunk for contrastive families
+(`gradcache.chunk_sizes`; a chunk equal to the local batch means no GradCache) or the decoder
+chunk for vae (`pixel_loss.chunk_size`, adaptive off) — then, under global negatives, the loss's
+stream chunk (`loss.stream_chunk_size`, from its configured value up to the global batch) with
+what is left. The planner gets the knobs and a callable that runs one probe train step at given
+knob values, and returns the chosen values; it reads and writes nothing else of the run. The result is the same at any chunk; the speed is not. Larger chunks usually run
 faster (fewer, larger kernels, fewer loss blocks) but not always (caches, allocator pressure), so
 each chunk that fits is timed and each knob gets the fastest, the larger one when two are within
 3 %.
@@ -19,7 +21,8 @@ Order of operations (after the checkpoint restore, before the first step):
    A chunk that fit runs one more step, timed (the first paid for compiling and allocating at
    that size). The plan is the fastest chunk that fit. No probe is launched that is predicted not
    to fit (on a GPU it could run out of memory; if it does anyway, it counts as over budget);
-4. restore the snapshot and apply the chunks. The trainer measures its first real step against it.
+4. restore the snapshot and apply the chunks. The first real step is measured against the plan
+   (`measured_first_step`).
 Peaks and times are the maximum over ranks, so every rank picks the same chunk. A budget that even
 chunk 1 does not meet is an error naming the smallest memory that would work. Probe steps read
 their own batches from the dataset; the data loader does not move.
@@ -28,20 +31,21 @@ their own batches from the dataset; the data loader does not move.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titan_contrastive.components.memory_probe import PeakMemory
-from titan_contrastive.components.streaming_loss import preferred_kernel
+from titan_contrastive.components.rng import capture_rng, restore_rng
 
 __all__ = ["Knob", "MemoryBudgetError", "MemoryPlan", "doubling", "fastest", "measure_step", "measured_first_step", "plan_chunks",
-           "plan_trainer", "static_bytes", "timed_step"]
+           "plan_step", "probe_batches", "static_bytes", "timed_step"]
 
 logger = logging.getLogger("titan_contrastive")
 GIB = 2**30
@@ -68,7 +72,7 @@ class MemoryPlan:
     budget_gib: float
     probes: dict[str, dict[int, float]]  # knob -> chunk -> measured peak (GiB)
     step_seconds: dict[str, dict[int, float]]  # knob -> chunk that fit -> timed step (s)
-    checked: bool = False  # the trainer has measured a real step against the plan
+    checked: bool = False  # a real step has been measured against the plan
 
     @property
     def chunk(self) -> int:
@@ -138,7 +142,7 @@ def plan_chunks(knobs: list[Knob], *, budget_gib: float, margin: float, step: Ca
     chosen so far); `step()` runs one train step, `stateful` are the objects whose `state_dict`
     the probes may change."""
     snapshot = [copy.deepcopy(s.state_dict()) for s in stateful]
-    rng = torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+    rng = capture_rng([device] if device.type == "cuda" else [])
     budget = budget_gib * GIB * (1 - margin)
     probes: dict[str, dict[int, int]] = {k.name: {} for k in knobs}
     seconds: dict[str, dict[int, float]] = {k.name: {} for k in knobs}
@@ -182,9 +186,7 @@ def plan_chunks(knobs: list[Knob], *, budget_gib: float, margin: float, step: Ca
     finally:
         for s, state in zip(stateful, snapshot):
             s.load_state_dict(state)
-        torch.set_rng_state(rng[0])
-        if rng[1] is not None:
-            torch.cuda.set_rng_state(rng[1], device)
+        restore_rng(rng)
         optimizer.zero_grad(set_to_none=True)
     last = knobs[-1]
     return MemoryPlan(chosen, probes[last.name][chosen[last.name]] / GIB, budget_gib,
@@ -192,51 +194,37 @@ def plan_chunks(knobs: list[Knob], *, budget_gib: float, margin: float, step: Ca
                       {k: dict(sorted(t.items())) for k, t in seconds.items()})
 
 
-def _streams_in_blocks(trainer: Any) -> bool:
-    """Whether the global-negatives loss runs the PyTorch path, whose memory the stream chunk sets;
-    the fused kernels' panels are fixed (the trainer's embeddings reach the loss in float32)."""
-    return preferred_kernel(trainer.global_step.kernel, trainer.device, torch.float32) == "pytorch"
+def probe_batches(dataset: Any, *, local_batch_size: int, ga_steps: int, dp_degree: int, rank: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's microbatches for the probe steps, read from the dataset (the loader does not
+    move): rank r's microbatch j is samples (j·dp + r)·b … + b, wrapping around."""
+    n, b = len(dataset), local_batch_size
+    return [dataset.__getitems__([((j * dp_degree + rank) * b + i) % n for i in range(b)]) for j in range(ga_steps)]
 
 
-def plan_trainer(trainer: Any) -> MemoryPlan:
-    """`plan_chunks` for a built Trainer: its knobs (decoder chunk for vae; GradCache chunk, then
-    the stream chunk under global negatives), probe batches read from its train set (rank r's
-    microbatch j is samples (j·dp + r)·b … + b, wrapping around), its train step."""
-    cfg, local = trainer.cfg, trainer.cfg.training.local_batch_size
-    if trainer.pixel:
-        knobs = [Knob("pixel_loss.chunk_size", doubling(1, local),
-                      lambda c: trainer.model.pixel_loss_options.update(chunk_size=c, adaptive=False))]
-    else:
-        def set_chunk(c: int) -> None:
-            trainer.chunk_size = c if c < local else None  # the whole microbatch at once: no GradCache
-
-        knobs = [Knob("gradcache.chunk_sizes", doubling(1, local), set_chunk)]
-        if trainer.global_step is not None and _streams_in_blocks(trainer):  # streamed loss blocks: ~2 x chunk x N floats
-            start = min(cfg.loss.stream_chunk_size, trainer.global_batch_size)
-            knobs.append(Knob("loss.stream_chunk_size", doubling(start, trainer.global_batch_size),
-                              lambda c: setattr(trainer.global_step, "chunk", c)))
-    n = len(trainer.train_set)
-    batches = [trainer.train_set.__getitems__([(((j * trainer.dp_degree + trainer.dist.rank) * local) + i) % n for i in range(local)])
-               for j in range(trainer.ga_steps)]
-    stateful = [trainer.model, trainer.optimizer, trainer.lr_scheduler, trainer.train_state]
-    if trainer.precision.scaler is not None:
-        stateful.append(trainer.precision.scaler)
-    plan = plan_chunks(knobs, budget_gib=cfg.memory.budget_gib, margin=cfg.memory.margin, step=lambda: trainer.train_step(batches),
-                       device=trainer.device, model=trainer.model, optimizer=trainer.optimizer, stateful=stateful)
-    logger.info(f"memory plan: {', '.join(f'{k}={c}' for k, c in plan.chunks.items())} (local batch {local}) predicted peak "
-                f"{plan.predicted_gib:.3f} GiB, budget {plan.budget_gib:g} GiB (margin {cfg.memory.margin:.0%})")
+def plan_step(knobs: dict[str, Sequence[int]], probe: Callable[[dict[str, int]], object], *, budget_gib: float, margin: float,
+              device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer, stateful: list) -> MemoryPlan:
+    """`plan_chunks` over a step's knobs (name -> candidates); `probe(values)` runs one train step
+    with those knob values. The chosen values are `MemoryPlan.chunks`."""
+    values: dict[str, int] = {}
+    plan = plan_chunks([Knob(name, list(candidates), functools.partial(values.__setitem__, name)) for name, candidates in knobs.items()],
+                       budget_gib=budget_gib, margin=margin, step=lambda: probe(dict(values)), device=device, model=model,
+                       optimizer=optimizer, stateful=stateful)
+    logger.info(f"memory plan: {', '.join(f'{k}={c}' for k, c in plan.chunks.items())} predicted peak "
+                f"{plan.predicted_gib:.3f} GiB, budget {plan.budget_gib:g} GiB (margin {margin:.0%})")
     return plan
 
 
-def measured_first_step(trainer: Any, batches: list) -> dict[str, float]:
-    """The trainer's first step under a plan, through the probe: measured peak against the plan,
-    logged and recorded in metrics.jsonl (kind "memory")."""
+def measured_first_step(plan: MemoryPlan, step: Callable[[], dict[str, float]], *, device: torch.device, model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer, record: Callable[[str, int, dict[str, Any]], None],
+                        step_number: int) -> dict[str, float]:
+    """The first real step under a plan, through the probe: its measured peak against the plan,
+    logged and recorded as step `step_number` through `record(kind, step, values)` (the metrics
+    API; kind "memory")."""
     out: dict[str, float] = {}
-    plan = trainer.memory_plan
-    peak = measure_step(lambda: out.update(trainer.train_step(batches)), trainer.device, trainer.model, trainer.optimizer) / GIB
+    peak = measure_step(lambda: out.update(step()), device, model, optimizer) / GIB
     plan.checked = True
     logger.info(f"memory: first step peaked at {peak:.3f} GiB; planned {plan.predicted_gib:.3f} GiB, budget {plan.budget_gib:g} GiB "
                 f"({'within' if peak <= plan.budget_gib else 'OVER'} budget)")
-    trainer.metrics.record("memory", trainer.step, {"peak_gib": peak, "planned_gib": plan.predicted_gib, "budget_gib": plan.budget_gib,
-                                                    "chunk": plan.chunk, "chunks": plan.chunks})
+    record("memory", step_number, {"peak_gib": peak, "planned_gib": plan.predicted_gib, "budget_gib": plan.budget_gib,
+                                     "chunk": plan.chunk, "chunks": plan.chunks})
     return out

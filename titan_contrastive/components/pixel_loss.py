@@ -30,20 +30,39 @@ argument; `PIXEL_LOSS_DEBUG=1` logs one line per call and rank.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from typing import Callable, Literal
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["MIN_DENOMINATOR", "PixelLossMode", "calculate_chunk_size", "compute_pixel_loss", "compute_pixel_loss_v0", "masked_error_sum"]
+__all__ = ["MIN_DENOMINATOR", "PixelLossMode", "PixelLossOptions", "calculate_chunk_size", "compute_pixel_loss", "compute_pixel_loss_v0", "masked_error_sum"]
 
 logger = logging.getLogger("titan_contrastive")
 MIN_DENOMINATOR = 1e-3
 PixelLossMode = Literal["v0", "chunked", "per_chunk_backward"]
 Decode = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class PixelLossOptions:
+    """`compute_pixel_loss`'s keywords, as a model carries them in its args (`VAEArgs.pixel_loss`,
+    set from `[pixel_loss]`). The defaults are `compute_pixel_loss`'s."""
+
+    mode: PixelLossMode = "chunked"
+    loss_type: str = "l2"
+    chunk_size: int = 2
+    adaptive: bool = True
+    empty_cache_every: int = 0
+
+    def kwargs(self, decode_chunk: int | None = None) -> dict[str, Any]:
+        """The keywords for one call; `decode_chunk` fixes the images per decode (adaptive off)."""
+        options = self if decode_chunk is None else dataclasses.replace(self, chunk_size=decode_chunk, adaptive=False)
+        return dataclasses.asdict(options)
 
 
 def calculate_chunk_size(num_images: int, max_h: int, max_w: int, base_chunk_size: int = 2, adaptive: bool = True) -> int:

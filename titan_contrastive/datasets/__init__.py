@@ -1,4 +1,5 @@
-"""Image-text datasets and the data-parallel loader.
+"""Datasets (their interface: `protocol.Dataset`), the data layouts families read, retrieval
+batches, and the data-parallel loader.
 
 `build_dataset(name, split, ...)` loads a whole split into memory (nothing is downloaded:
 the data comes from `path`, an installed Debian package, or the bundle in
@@ -14,15 +15,16 @@ from titan_contrastive.datasets.base import DataError, ImageTextDataset
 from titan_contrastive.datasets.emoji import build_emoji
 from titan_contrastive.datasets.fashion_mnist import build_fashion_mnist
 from titan_contrastive.datasets.loader import BlockedDistributedSampler, EpochLoader, build_dataloader
-from titan_contrastive.datasets.tokenizer import ByteTokenizer
+from titan_contrastive.datasets.protocol import Dataset, ZeroShotDataset
+from titan_contrastive.datasets.tokenizer import ByteTokenizer, PairTokenizer
 from titan_contrastive.datasets.wordnet import TextPairDataset, build_wordnet
 
 __all__ = [
-    "DATASETS", "SPLITS", "BlockedDistributedSampler", "ByteTokenizer", "DataError", "EpochLoader",
-    "ImageTextDataset", "TextPairDataset", "build_dataloader", "build_dataset",
+    "DATASETS", "SPLITS", "BlockedDistributedSampler", "ByteTokenizer", "DataError", "Dataset", "EpochLoader",
+    "ImageTextDataset", "PairTokenizer", "TextPairDataset", "ZeroShotDataset", "build_dataloader", "build_dataset",
 ]
 
-_BUILDERS: dict[str, Callable[..., ImageTextDataset | TextPairDataset]] = {
+_BUILDERS: dict[str, Callable[..., Dataset]] = {
     "fashion_mnist": build_fashion_mnist, "emoji": build_emoji, "wordnet": build_wordnet,
 }
 TOKENIZED_BY_MODEL = ("wordnet",)  # datasets that tokenize with the model family's tokenizer
@@ -31,7 +33,7 @@ SPLITS: tuple[str, ...] = ("train", "test")
 
 
 def build_dataset(name: str, split: str, *, path: str = "", seed: int = 0, context_length: int = 32,
-                  augment: bool = True, image_size: int = 0, tokenizer: Any = None) -> ImageTextDataset | TextPairDataset:
+                  augment: bool = True, image_size: int = 0, tokenizer: Any = None) -> Dataset:
     """One split of a dataset, in memory. `seed` drives the per-sample randomness of the train
     split (caption template, flips when `augment`); the test split is deterministic.
     `image_size` > 0 serves images resized to that square size. `tokenizer`: the model family's

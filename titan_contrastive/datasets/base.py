@@ -55,9 +55,8 @@ class ImageTextDataset:
     train split `t` is drawn per (seed, epoch, index); in the test split it is always 0, which is
     also the caption that `captions()` returns for retrieval evaluation.
 
-    Public attributes: name, split, image_shape (C,H,W), labels (int64 [N]), tokenizer,
-    class_names (None when captions are not classes), templates, subjects, source (where the
-    data was read from), full (the complete official split), seed, epoch.
+    A `datasets.protocol.ZeroShotDataset` (a `Dataset` when `class_names` is None); also labels
+    (int64 [N]), subjects, seed, epoch.
     """
 
     def __init__(
@@ -83,6 +82,8 @@ class ImageTextDataset:
             raise ValueError(f"{name}: images must be uint8 [N,C,H,W] with one label and text id per image")
         self.name = name
         self.split = split
+        self.recall_ks = (1, 5)
+        self.recall_direction = "image_to_text"
         self.seed = seed
         self.epoch = 0
         self.hflip = hflip

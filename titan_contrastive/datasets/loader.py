@@ -21,7 +21,8 @@ import torch
 from torch.utils.data import Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titan_contrastive.datasets.base import DataError, ImageTextDataset
+from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.protocol import Dataset
 
 
 class BlockedDistributedSampler(Sampler[int]):
@@ -102,7 +103,7 @@ class EpochLoader:
     `state_dict()` / `load_state_dict()` follow torch.distributed.checkpoint's Stateful protocol.
     """
 
-    def __init__(self, dataloader: StatefulDataLoader, sampler: BlockedDistributedSampler, dataset: ImageTextDataset) -> None:
+    def __init__(self, dataloader: StatefulDataLoader, sampler: BlockedDistributedSampler, dataset: Dataset) -> None:
         self.dataloader = dataloader
         self.sampler = sampler
         self.dataset = dataset
@@ -142,7 +143,7 @@ class EpochLoader:
         self._iterator = None
 
 
-def build_dataloader(dataset: ImageTextDataset, *, local_batch_size: int, dp_rank: int, dp_world_size: int, seed: int,
+def build_dataloader(dataset: Dataset, *, local_batch_size: int, dp_rank: int, dp_world_size: int, seed: int,
                      num_workers: int = 0, shuffle: bool = True, drop_last: bool = True, pin_memory: bool = False) -> EpochLoader:
     """This rank's endless, resumable batch stream (an EpochLoader over a StatefulDataLoader).
 

@@ -1,11 +1,19 @@
-"""Byte-level tokenizer: every UTF-8 byte is a token, so no vocabulary file has to ship.
+"""Tokenizers: the byte-level one the bundled image-caption sets use, and a family's pretrained one.
 
-Captions here are short English phrases; bytes keep the tokenizer exact, dependency-free and
-identical on every rank. The text model pools at the EOS position, found with
-`(ids == ByteTokenizer.EOS).int().argmax(-1)`, so EOS is always present, even after truncation.
+`ByteTokenizer`: every UTF-8 byte is a token, so no vocabulary file has to ship. Captions here
+are short English phrases; bytes keep the tokenizer exact, dependency-free and identical on every
+rank. The text model pools at the EOS position, found with `(ids == ByteTokenizer.EOS).int().argmax(-1)`,
+so EOS is always present, even after truncation.
+
+`PairTokenizer`: a model family's pretrained subword tokenizer (Hugging Face) for text pairs,
+with the length the family's document tower reads (its args), handed to the dataset by the
+family's `ModelSpec.build_tokenizer`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,3 +55,21 @@ class ByteTokenizer:
             data = bytes(t - self.OFFSET for t in row[:end] if t >= self.OFFSET)
             texts.append(data.decode("utf-8", errors="replace"))
         return texts
+
+
+@dataclass(frozen=True)
+class PairTokenizer:
+    """Queries are cut to `[data] context_length`, documents to the family's `doc_length`."""
+
+    hf: Any
+    """A Hugging Face tokenizer (called with padding/truncation to a fixed length)."""
+    doc_length: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.vocab_size
+
+    def encode(self, texts: list[str], length: int) -> torch.Tensor:
+        """Token ids [len(texts), length], padded and truncated."""
+        out = self.hf(texts, padding="max_length", truncation=True, max_length=length, return_tensors="np")
+        return torch.from_numpy(np.asarray(out["input_ids"], dtype=np.int64))

@@ -5,7 +5,8 @@ de force"). The bundle (titan_contrastive/assets/wordnet, made by
 scripts/build_wordnet_pairs.py from the Debian package wordnet-base; WordNet licence alongside)
 holds 115,659 training pairs and 2,000 held-out test pairs whose lemmas are unique and never
 appear in training. Evaluation: recall@1 and @10 of each test definition against the 2,000 test
-lemmas. Texts are tokenized once, at load, by the model family's tokenizer (MiniLM WordPiece).
+lemmas. Texts are tokenized once, at load, by the model family's tokenizer (MiniLM WordPiece):
+queries to `[data] context_length` tokens, documents to the family's `doc_length`.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import gzip
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.tokenizer import PairTokenizer
 
 BUNDLE_DIR = Path(__file__).resolve().parents[1] / "assets" / "wordnet"
-DOC_LENGTH = 16
 
 
 def load_pairs(folder: Path, split: str) -> tuple[list[str], list[str]]:
@@ -40,7 +40,7 @@ def load_pairs(folder: Path, split: str) -> tuple[list[str], list[str]]:
 class TextPairDataset:
     """Pre-tokenized (query, document) pairs; batches are {query, doc, index} id tensors."""
 
-    def __init__(self, *, name: str, split: str, queries: list[str], docs: list[str], tokenizer: Any,
+    def __init__(self, *, name: str, split: str, queries: list[str], docs: list[str], tokenizer: PairTokenizer,
                  query_length: int, source: str) -> None:
         self.name, self.split, self.source, self.full = name, split, source, True
         self.image_shape = None
@@ -48,12 +48,8 @@ class TextPairDataset:
         self.recall_ks = (1, 10)
         self.recall_direction = "query_to_doc"
         self.tokenizer = tokenizer
-        self._queries = self._tokenize(queries, query_length)
-        self._docs = self._tokenize(docs, DOC_LENGTH)
-
-    def _tokenize(self, texts: list[str], length: int) -> torch.Tensor:
-        out = self.tokenizer(texts, padding="max_length", truncation=True, max_length=length, return_tensors="np")
-        return torch.from_numpy(np.asarray(out["input_ids"], dtype=np.int64))
+        self._queries = tokenizer.encode(queries, query_length)
+        self._docs = tokenizer.encode(docs, tokenizer.doc_length)
 
     def __len__(self) -> int:
         return len(self._queries)

@@ -19,11 +19,10 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-import torch
 from torch import Tensor
 
-from titan_contrastive.components.rand_context import RandContext
-from titan_contrastive.grad_cache.inputs import GradCacheError, float_dot
+from titan_contrastive.grad_cache import engine
+from titan_contrastive.grad_cache.inputs import GradCacheError
 
 
 def cached(func: Callable[..., Tensor]) -> Callable[..., tuple[Tensor, Callable[[Tensor], None]]]:
@@ -31,9 +30,10 @@ def cached(func: Callable[..., Tensor]) -> Callable[..., tuple[Tensor, Callable[
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> tuple[Tensor, Callable[[Tensor], None]]:
-        state = RandContext()
-        with torch.no_grad():
-            rep = func(*args, **kwargs)
+        def call(_: Any) -> Tensor:
+            return func(*args, **kwargs)
+
+        (rep,), states = engine.forward_no_grad(call, [None])
         if not isinstance(rep, Tensor):
             raise GradCacheError(f"@cached function {func.__name__} returned {type(rep).__name__}; it must return the representation Tensor")
         leaf = rep.detach().requires_grad_()
@@ -42,9 +42,7 @@ def cached(func: Callable[..., Tensor]) -> Callable[..., tuple[Tensor, Callable[
             """Backprop `used.grad` (the cache filled by the loss) through a replayed forward."""
             if used.grad is None:
                 raise GradCacheError(f"no gradient on the representation from {func.__name__}: call loss.backward() first, on the tensor it returned")
-            with state:
-                again = func(*args, **kwargs)
-            float_dot(again, used.grad).backward()
+            engine.forward_backward(call, [None], states, lambda i, outputs: [used.grad])
 
         return leaf, backward
 

@@ -12,9 +12,17 @@ passages, plus hard negatives):
 4. `forward_backward`: per chunk, replay its RNG, forward with a graph, backward of the float32
    surrogate <representation, cached gradient>: by the chain rule this accumulates exactly
    dL/dtheta. With `no_sync_except_last` the data-parallel reduction runs only on the very last
-   chunk a model sees (DDP `no_sync`, FSDP2 `set_requires_gradient_sync`; a plain model needs
-   nothing), also when one model is passed twice (tied towers).
-The caller then steps the optimizer (through the scaler with float16).
+   chunk a model sees (`parallelisms.grad_sync`: DDP `no_sync`, FSDP2 deferral; a plain model
+   needs nothing), also when one model is passed twice (tied towers).
+The caller then steps the optimizer (through the scaler with float16). Steps 2 and 4 are the
+cached-gradient engine (`engine.py`), which the streaming global-negatives step shares.
+
+A model with several outputs (a CLIP model: image embeddings, text embeddings, exp(logit_scale))
+is one model whose `get_rep_fn` returns a tuple: `loss_fn` receives every representation, model by
+model, output by output. A 0-dim output is a per-step value that does not depend on the chunk (a
+temperature): the loss sees the first chunk's, its whole gradient flows back through the first
+chunk's re-forward and the other chunks backpropagate a zero for it (so every parameter is
+reached in every chunk's backward, as DDP's reducer expects).
 """
 
 from __future__ import annotations
@@ -25,17 +33,39 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 from torch import Tensor, nn
 
-from titan_contrastive.components.rand_context import RandContext
-from titan_contrastive.grad_cache.inputs import GradCacheError, float_dot, get_rep, model_call, split_inputs
+from titan_contrastive.components.rng import RandContext
+from titan_contrastive.grad_cache import engine
+from titan_contrastive.grad_cache.engine import Outputs, as_tuple
+from titan_contrastive.grad_cache.inputs import GradCacheError, get_rep, model_call, split_inputs
+from titan_contrastive.parallelisms.grad_sync import grad_sync
+
+Reps = Tensor | tuple[Tensor, ...]  # one model's representations of a whole input (tuple: several outputs)
 
 
-def _sync_context(model: nn.Module, sync: bool) -> ContextManager:
-    """The context for one chunk's backward: reduce gradients only when `sync`."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return contextlib.nullcontext() if sync else model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (FSDPModule)
-        model.set_requires_gradient_sync(sync)
-    return contextlib.nullcontext()
+def _merge(parts: list[Tensor]) -> Tensor:
+    """One output over all chunks: per-sample rows concatenated; a 0-dim value is the first chunk's."""
+    return parts[0] if parts[0].dim() == 0 else torch.cat(parts)
+
+
+def _chunk_gradients(cached: Reps) -> Callable[[int, tuple[Tensor | None, ...]], list[Tensor]]:
+    """`engine.forward_backward`'s gradients: each chunk's rows of each output's cache, in order;
+    a 0-dim output's gradient goes to the first chunk, zero to the others."""
+    cache = as_tuple(cached)
+    offsets = [0] * len(cache)
+
+    def gradients(i: int, outputs: tuple[Tensor | None, ...]) -> list[Tensor]:
+        grads = []
+        for k, grad in enumerate(cache):
+            if grad.dim() == 0:
+                grads.append(grad if i == 0 else torch.zeros_like(grad))
+                continue
+            out = outputs[k] if k < len(outputs) else None
+            rows = len(out) if out is not None and out.dim() else 0
+            grads.append(grad[offsets[k] : offsets[k] + rows])
+            offsets[k] += rows
+        return grads
+
+    return gradients
 
 
 class GradCache:
@@ -49,6 +79,7 @@ class GradCache:
     and needs `scaler`; `autocast_dtype=torch.bfloat16` runs them under bfloat16 autocast, no scaler.
     sync_context(model, sync) replaces the DDP / FSDP2 detection when the caller owns the wrapper
     (a trainer whose "model" is a function around its DP module).
+    get_rep_fn may return a tuple: a model with several outputs (see the module docstring).
     """
 
     def __init__(self, models: Sequence[nn.Module], chunk_sizes: int | Sequence[int], loss_fn: Callable[..., Tensor],
@@ -74,7 +105,7 @@ class GradCache:
         self.scaler = scaler
         self.autocast_dtype = torch.float16 if fp16 else autocast_dtype
         self.rep_attribute = rep_attribute
-        self.sync_context = sync_context or _sync_context
+        self.sync_context = sync_context or grad_sync
 
     # ------------------------------------------------------------------ the three steps
 
@@ -91,19 +122,17 @@ class GradCache:
         device = param.device.type if param is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         return torch.autocast(device, dtype=self.autocast_dtype)
 
-    def _rep(self, model: nn.Module, chunk: Any) -> Tensor:
+    def _rep(self, model: nn.Module, chunk: Any) -> Outputs:
         with self._autocast(model):
             output = model_call(model, chunk)
         return self.get_rep_fn(output) if self.get_rep_fn is not None else get_rep(output, self.rep_attribute)
 
-    def forward_no_grad(self, model: nn.Module, chunks: Sequence[Any]) -> tuple[Tensor, list[RandContext]]:
+    def forward_no_grad(self, model: nn.Module, chunks: Sequence[Any]) -> tuple[Reps, list[RandContext]]:
         """Step 1: representations of all chunks without a graph, and each chunk's RNG state."""
-        reps, states = [], []
-        with torch.no_grad():
-            for chunk in chunks:
-                states.append(RandContext())
-                reps.append(self._rep(model, chunk))
-        return torch.cat(reps), states
+        outputs, states = engine.forward_no_grad(lambda chunk: self._rep(model, chunk), chunks)
+        if isinstance(outputs[0], Tensor):
+            return _merge(outputs), states
+        return tuple(_merge([as_tuple(o)[k] for o in outputs]) for k in range(len(outputs[0]))), states
 
     def build_cache(self, *reps: Tensor, **loss_kwargs: Any) -> tuple[list[Tensor], Tensor]:
         """Step 2: the loss on detached float32 representations and dL/d(rep) for each input."""
@@ -114,24 +143,20 @@ class GradCache:
         cache = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
         return cache, loss.detach()
 
-    def forward_backward(self, model: nn.Module, chunks: Sequence[Any], cached_gradients: Tensor,
+    def forward_backward(self, model: nn.Module, chunks: Sequence[Any], cached_gradients: Reps,
                          random_states: Sequence[RandContext], no_sync_except_last: bool = False,
                          sync_on_last: bool = True) -> None:
         """Step 3: replay each chunk's RNG, forward with a graph, backward of <rep, cached grad>.
 
-        `sync_on_last=False` keeps even the last chunk unsynced (the model is used again later).
+        `cached_gradients`: as `forward_no_grad` returned the representations (a tuple for a
+        model with several outputs). `sync_on_last=False` keeps even the last chunk unsynced
+        (the model is used again later).
         """
-        start = 0
-        for i, (chunk, state) in enumerate(zip(chunks, random_states)):
-            sync = not no_sync_except_last or (sync_on_last and i == len(chunks) - 1)
-            with self.sync_context(model, sync):
-                with state:
-                    rep = self._rep(model, chunk)
-                grad = cached_gradients[start : start + len(rep)]
-                start += len(rep)
-                if grad.shape != rep.shape:
-                    raise GradCacheError(f"re-forward of chunk {i} gave a representation of shape {tuple(rep.shape)}, the cache holds {tuple(grad.shape)}")
-                float_dot(rep, grad).backward()
+        def sync(i: int) -> ContextManager:
+            return self.sync_context(model, not no_sync_except_last or (sync_on_last and i == len(chunks) - 1))
+
+        engine.forward_backward(lambda chunk: self._rep(model, chunk), chunks, random_states, _chunk_gradients(cached_gradients),
+                                sync=sync)
 
     def cache_step(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> Tensor:
         """Steps 1-3 for one batch: gradients accumulate in .grad; returns the loss (detached)."""
@@ -139,9 +164,11 @@ class GradCache:
             raise GradCacheError(f"{len(model_inputs)} inputs for {len(self.models)} models; pass one input per model")
         chunks = [self.split(x, size, f"input {i}") for i, (x, size) in enumerate(zip(model_inputs, self.chunk_sizes))]
         reps, states = zip(*(self.forward_no_grad(m, c) for m, c in zip(self.models, chunks)))
-        cache, loss = self.build_cache(*reps, **loss_kwargs)
+        widths = [len(as_tuple(r)) for r in reps]  # outputs per model
+        cache, loss = self.build_cache(*(t for r in reps for t in as_tuple(r)), **loss_kwargs)
         last_use = {id(m): i for i, m in enumerate(self.models)}  # a tied model syncs after its last use
-        for i, (model, model_chunks, grads, model_states) in enumerate(zip(self.models, chunks, cache, states)):
-            self.forward_backward(model, model_chunks, grads, model_states, no_sync_except_last,
-                                  sync_on_last=last_use[id(model)] == i)
+        for i, (model, model_chunks, model_states) in enumerate(zip(self.models, chunks, states)):
+            first = sum(widths[:i])
+            grads = cache[first] if isinstance(reps[i], Tensor) else tuple(cache[first : first + widths[i]])
+            self.forward_backward(model, model_chunks, grads, model_states, no_sync_except_last, sync_on_last=last_use[id(model)] == i)
         return loss

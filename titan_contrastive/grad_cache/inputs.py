@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable
 
-import torch
 from torch import Tensor
 
 
@@ -86,9 +85,3 @@ def get_rep(output: Any, rep_attribute: str = "pooler_output") -> Tensor:
         f"cannot find a representation in the model output of type {type(output).__name__} (fields: {fields}); "
         f"return a Tensor, set rep_attribute to the field that holds it (now {rep_attribute!r}), or pass get_rep_fn"
     )
-
-
-def float_dot(rep: Tensor, grad: Tensor) -> Tensor:
-    """<rep, grad> in float32 or better, whatever the representation's dtype (bf16 / fp16 sums lose digits)."""
-    dtype = torch.promote_types(torch.promote_types(rep.dtype, grad.dtype), torch.float32)
-    return torch.dot(rep.flatten().to(dtype), grad.flatten().to(dtype))

@@ -2,8 +2,9 @@
 
 Why a registry: the trainer only knows `model.name` and `model.flavor` from the config. A
 family describes itself once in a `ModelSpec` (how to build it, its size presets, which
-submodules are the per-block units for FSDP / activation checkpointing / compile, and which
-loss it trains with), so the trainer never imports a concrete model class.
+submodules are the per-block units for FSDP / activation checkpointing / compile, which loss it
+trains with, how its data is laid out, a step kind of its own if it needs one, how it is
+evaluated), so the trainer never imports a concrete model class and never branches on a family.
 
 Families register themselves when their package is imported; `titan_contrastive.models`
 imports the built-in ones. A user family lives in the user's own package::
@@ -24,6 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+from titan_contrastive.components.evaluate import EvalContext, evaluate_contrastive
+from titan_contrastive.datasets.layouts import IMAGES, DataLayout
 
 __all__ = [
     "ModelRegistryError",
@@ -58,27 +62,31 @@ class ModelSpec:
     """Returns the submodules that are the units for per-block FSDP, activation
     checkpointing and compile (typically the residual blocks)."""
     default_loss: str = "clip"
-    """Name of the loss the family trains with."""
+    """The loss the family trains with: the default of `[loss] name`, a name in
+    `components.loss.LOSSES` (which builds it) unless the family's own step computes it."""
     input_keys: tuple[str, ...] = ("image", "text")
     """The batch entries passed to `model(*inputs)`, in order (e.g. ("query", "doc")); the model
     returns (first tower's embeddings, second tower's embeddings, exp(logit_scale))."""
     build_tokenizer: Callable[[Any], Any] | None = None
     """For families with their own (pretrained) tokenizer: args -> tokenizer, handed to the
     datasets that tokenize with it. None: datasets use their own tokenizer."""
-    image_layout: str = "batch"
-    """How the family takes images: "batch" ([B, C, H, W], one size), "packed" (Qwen-VL-style
-    `pixel_values` [total_patches, C·p·p] + `image_grid_thw` at the flavor's `patch_size`; chunks
-    are cut on image boundaries with `grad_cache.split_vlm_inputs`) or "masked" (variable sizes
-    zero-padded to [B, C, H, W] with a `mask` [B, 1, H, W] of real pixels). `data.image_sizes`
-    mixes resolutions for "packed" and "masked"."""
+    layout: DataLayout = IMAGES
+    """How the family takes images (`datasets.layouts`): prepares the datasets (e.g. packed
+    patches at the flavor's patch size, masked mixed-size images) and cuts batches into chunks."""
+    update_from_config: Callable[[Any, Any], Any] = lambda args, cfg: args
+    """(args, JobConfig) -> args: settings of the job that the model reads from its args (the
+    vae's `[pixel_loss]` options). Default: none."""
+    build_step: Callable[..., Any] | None = None
+    """A step kind of the family's own (`steps.StepBuilder`, e.g. the vae's pixel step); None:
+    the contrastive kind `[loss] negatives` and `[gradcache]` select (`steps.build_gradient_step`)."""
+    evaluate: Callable[[EvalContext], dict[str, float]] = evaluate_contrastive
+    """Evaluation on the held-out split: zero-shot / retrieval (default) or the vae's reconstructions."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ModelRegistryError("ModelSpec.name must be a non-empty string")
         if not self.flavors:
             raise ModelRegistryError(f"ModelSpec {self.name!r} has no flavors; give at least one")
-        if self.image_layout not in ("batch", "packed", "masked"):
-            raise ModelRegistryError(f"ModelSpec {self.name!r}: image_layout={self.image_layout!r}; choose batch, packed or masked")
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

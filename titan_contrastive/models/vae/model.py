@@ -121,7 +121,6 @@ class AutoEncoder(nn.Module):
         super().__init__()
         self.args = args
         self.encoder, self.decoder = Encoder(args), Decoder(args)
-        self.pixel_loss_options: dict = {}  # compute_pixel_loss keywords, set by the trainer
 
     def init_weights(self, seed: int | None = None) -> None:
         """PyTorch's default conv / norm init (what the SD VAE trains from)."""
@@ -129,12 +128,14 @@ class AutoEncoder(nn.Module):
             if isinstance(module, (nn.Conv2d, nn.GroupNorm)):
                 module.reset_parameters()
 
-    def forward(self, images: Tensor, masks: Tensor, backward_scale: float = 1.0, reconstruct: bool = False) -> tuple[Tensor, Tensor] | Tensor:
+    def forward(self, images: Tensor, masks: Tensor, backward_scale: float = 1.0, reconstruct: bool = False,
+                decode_chunk: int | None = None) -> tuple[Tensor, Tensor] | Tensor:
         """(masked pixel loss of the reconstruction, latents); `reconstruct=True` (evaluation): the
         decoded images only, which the evaluation scores itself. Going through forward matters
-        under FSDP2, whose root unshards its parameters only there.
+        under FSDP2, whose root unshards its parameters only there. `decode_chunk` fixes the
+        images per decoder call for this forward (the memory planner's knob).
 
-        Order: encode -> `compute_pixel_loss` (decode in chunks per `pixel_loss_options`). With
+        Order: encode -> `compute_pixel_loss` (decode in chunks per `args.pixel_loss`). With
         mode per_chunk_backward the decoder's backward happens here, inside the DP wrapper's
         forward, where DDP ignores gradient hooks; a zero-weighted touch of every decoder
         parameter then makes the caller's backward fire their hooks once, so DDP all-reduces the
@@ -146,8 +147,9 @@ class AutoEncoder(nn.Module):
         latents = self.encoder(images)
         if reconstruct:
             return self.decoder(latents)
-        loss = compute_pixel_loss(latents, images, masks, self.decoder, backward_scale=backward_scale, **self.pixel_loss_options)
-        if self.pixel_loss_options.get("mode") == "per_chunk_backward" and torch.is_grad_enabled():
+        options = self.args.pixel_loss
+        loss = compute_pixel_loss(latents, images, masks, self.decoder, backward_scale=backward_scale, **options.kwargs(decode_chunk))
+        if options.mode == "per_chunk_backward" and torch.is_grad_enabled():
             loss = loss + sum(p.reshape(-1)[0] * 0 for p in self.decoder.parameters() if p.requires_grad)
         return loss, latents
 

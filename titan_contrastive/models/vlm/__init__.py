@@ -2,6 +2,7 @@
 (`pixel_values` [total_patches, C·p·p] + `image_grid_thw`) at mixed resolutions, and a causal
 text tower. Importing this package registers it under the name "vlm"."""
 
+from titan_contrastive.datasets.layouts import PACKED_PATCHES
 from titan_contrastive.models.registry import ModelSpec, register_model
 from titan_contrastive.models.vlm.args import VLMArgs, vlm_flavors
 from titan_contrastive.models.vlm.model import PackedImageTower, VLMEmbedder, vlm_blocks
@@ -9,4 +10,4 @@ from titan_contrastive.models.vlm.model import PackedImageTower, VLMEmbedder, vl
 __all__ = ["PackedImageTower", "VLMArgs", "VLMEmbedder", "vlm_blocks", "vlm_flavors"]
 
 register_model(ModelSpec(name="vlm", flavors=vlm_flavors, build_model=VLMEmbedder, blocks=vlm_blocks, default_loss="clip",
-                         input_keys=("pixel_values", "image_grid_thw", "text"), image_layout="packed"))
+                         input_keys=("pixel_values", "image_grid_thw", "text"), layout=PACKED_PATCHES))

@@ -43,12 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_contrastive.components.train_state import ModelState, OptimizerState, RNGState, TrainState
-
-__all__ = [
-    "CheckpointError", "CheckpointManager", "FAULT_ENV", "MANIFEST", "ModelState", "OptimizerState", "RNGState",
-    "TrainState",
-]
+__all__ = ["CheckpointError", "CheckpointManager", "FAULT_ENV", "MANIFEST"]
 
 logger = logging.getLogger("titan_contrastive")
 

@@ -1,4 +1,4 @@
-"""The Stateful pieces of a training run that are not Stateful by themselves.
+"""Stateful adapters: the pieces of a training run that the checkpoint manager saves, made Stateful.
 
 Each follows torch.distributed.checkpoint's `Stateful` protocol (`state_dict()` /
 `load_state_dict()`), so `CheckpointManager` hands them to DCP as they are. The LR scheduler
@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
+
+from titan_contrastive.components.rng import RNGSnapshot, capture_rng, cuda_index, restore_rng
 
 
 class ModelState:
@@ -78,22 +80,13 @@ class RNGState:
     """
 
     def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
-
-    def _cuda_device(self) -> torch.device | None:
-        if self.device.type != "cuda" or not torch.cuda.is_available():
-            return None
-        return self.device if self.device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(device)
+        self.cuda_index = cuda_index(device) if device.type == "cuda" and torch.cuda.is_available() else None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {"cpu": torch.get_rng_state()}
-        cuda = self._cuda_device()
-        if cuda is not None:
-            state["cuda"] = torch.cuda.get_rng_state(cuda)
-        return state
+        snapshot = capture_rng([] if self.cuda_index is None else [self.cuda_index])
+        return {"cpu": snapshot.cpu, **({} if self.cuda_index is None else {"cuda": snapshot.cuda[self.cuda_index]})}
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        torch.set_rng_state(state_dict["cpu"].cpu())
-        cuda = self._cuda_device()
-        if cuda is not None and "cuda" in state_dict:
-            torch.cuda.set_rng_state(state_dict["cuda"].cpu(), cuda)
+        cuda = {self.cuda_index: state_dict["cuda"]} if self.cuda_index is not None and "cuda" in state_dict else {}
+        restore_rng(RNGSnapshot(state_dict["cpu"], cuda))

@@ -1,0 +1,53 @@
+"""How a model family takes its images: the data layout its spec names (`ModelSpec.layout`).
+
+A layout does two things, both the family's business rather than the trainer's:
+- `prepare(dataset, args, image_sizes, family)`: ask the dataset to serve batches the way the
+  model reads them (at the flavor's patch size or downsampling factor, at the mixed resolutions
+  of `[data] image_sizes`), or refuse settings the family cannot read;
+- `split(batch, chunk_size)`: cut a batch into chunks of samples for GradCache and the
+  global-negatives re-forward, without cutting a sample apart.
+
+IMAGES: [B, C, H, W] at one size (clip, bi_encoder's text pairs); PACKED_PATCHES: Qwen-VL-style
+`pixel_values` [total_patches, C·p·p] + `image_grid_thw`, cut on image boundaries (vlm);
+MASKED_IMAGES: [-1, 1] images zero-padded to the largest size with a pixel `mask` (vae).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from titan_contrastive.config import ConfigError
+from titan_contrastive.grad_cache.inputs import split_inputs
+from titan_contrastive.grad_cache.vlm import split_vlm_inputs
+
+__all__ = ["IMAGES", "MASKED_IMAGES", "PACKED_PATCHES", "DataLayout"]
+
+
+def _one_size(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) -> None:
+    if image_sizes:
+        raise ConfigError(f"data.image_sizes={list(image_sizes)}: mixed resolutions need a family that reads packed patches "
+                          f"or masks (model.name=vlm or vae); {family} takes one size: set data.image_size instead")
+
+
+def _packed(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) -> None:
+    dataset.pack_patches(args.patch_size, image_sizes)
+
+
+def _masked(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) -> None:
+    dataset.serve_masked(args.downsample, image_sizes)
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    name: str
+    prepare: Callable[[Any, Any, Sequence[int], str], None]
+    """(dataset, the flavor's args, `[data] image_sizes`, family name) -> None; a ConfigError or
+    DataError when the family cannot read those settings."""
+    split: Callable[[Any, int], list[Any]]
+    """(batch, chunk size) -> chunks of at most that many samples."""
+
+
+IMAGES = DataLayout("images", _one_size, split_inputs)
+PACKED_PATCHES = DataLayout("packed_patches", _packed, split_vlm_inputs)
+MASKED_IMAGES = DataLayout("masked_images", _masked, split_inputs)

@@ -1,0 +1,83 @@
+"""The cached-gradient engine: the two passes over chunks that every cached-gradient method shares.
+
+1. `forward_no_grad(call, chunks)`: per chunk, capture the RNG (`RandContext`) and run
+   `call(chunk)` without a graph. The caller then computes the loss on the outputs and its
+   gradient with respect to each output: the gradient cache.
+2. `forward_backward(call, chunks, states, gradients)`: per chunk, replay its RNG, run `call`
+   again with a graph and backpropagate the surrogate  sum_k <output_k, cached gradient_k>  (in
+   float32 or better). Its gradient with respect to each output is the cached one, so by the chain
+   rule the parameters receive exactly dL/dtheta, with the activations of one chunk alive at a time.
+
+`call` may return a Tensor or a tuple of Tensors (a CLIP model: image embeddings, text
+embeddings, exp(logit_scale)); an output without a cached gradient (None) is left out of the
+surrogate. Users: `GradCache` (class and `@cached`) and the streaming global-negatives step
+(its phases A and D), so the replay and the surrogate exist once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from titan_contrastive.components.rng import RandContext
+from titan_contrastive.grad_cache.inputs import GradCacheError
+
+__all__ = ["Outputs", "as_tuple", "float_dot", "forward_backward", "forward_no_grad"]
+
+Outputs = Union[Tensor, tuple[Union[Tensor, None], ...]]
+
+
+def as_tuple(outputs: Outputs) -> tuple[Tensor | None, ...]:
+    return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+
+
+def float_dot(rep: Tensor, grad: Tensor) -> Tensor:
+    """<rep, grad> in float32 or better, whatever the representation's dtype (bf16 / fp16 sums lose digits)."""
+    dtype = torch.promote_types(torch.promote_types(rep.dtype, grad.dtype), torch.float32)
+    return torch.dot(rep.flatten().to(dtype), grad.flatten().to(dtype))
+
+
+def forward_no_grad(call: Callable[[Any], Outputs], chunks: Sequence[Any]) -> tuple[list[Outputs], list[RandContext]]:
+    """Pass 1: every chunk's outputs without a graph, and the RNG state each chunk started from."""
+    outputs, states = [], []
+    with torch.no_grad():
+        for chunk in chunks:
+            states.append(RandContext())
+            outputs.append(call(chunk))
+    return outputs, states
+
+
+def forward_backward(call: Callable[[Any], Outputs], chunks: Sequence[Any], states: Sequence[RandContext],
+                     gradients: Callable[[int, tuple[Tensor | None, ...]], Sequence[Tensor | None]], *,
+                     sync: Callable[[int], ContextManager] = lambda i: contextlib.nullcontext(),
+                     backward: Callable[[Tensor], None] = Tensor.backward) -> None:
+    """Pass 2: per chunk i, replay its RNG, re-run `call` with a graph and backpropagate the surrogate.
+
+    `gradients(i, outputs)` gives chunk i's cached gradient per output (None: not in the loss);
+    it sees the re-forward's outputs, so a caller can slice a concatenated cache by their sizes.
+    `sync(i)` is the context for chunk i's forward and backward (the data-parallel reduction:
+    `parallelisms.grad_sync`); `backward(surrogate)` runs the backward (a float16 caller scales).
+    """
+    for i, (chunk, state) in enumerate(zip(chunks, states)):
+        with sync(i):
+            with state:
+                outputs = as_tuple(call(chunk))
+            grads = list(gradients(i, outputs))
+            if len(grads) != len(outputs):
+                raise GradCacheError(f"re-forward of chunk {i} gave {len(outputs)} outputs, the cache holds {len(grads)}")
+            terms = []
+            for out, grad in zip(outputs, grads):
+                if grad is None:
+                    continue
+                if out is None or grad.shape != out.shape:
+                    shape = None if out is None else tuple(out.shape)
+                    raise GradCacheError(f"re-forward of chunk {i} gave a representation of shape {shape}, the cache holds {tuple(grad.shape)}")
+                terms.append(float_dot(out, grad))
+            if terms:
+                surrogate = terms[0]
+                for term in terms[1:]:
+                    surrogate = surrogate + term
+                backward(surrogate)

@@ -1,0 +1,45 @@
+"""Gradient steps: one protocol (`base.GradientStep`) for "turn a step's microbatches into gradients
+and a loss", one module per kind.
+
+| kind | module | when |
+|---|---|---|
+| plain accumulation (RescaleAccumulatedLoss) | `accumulate.py` | `[loss] negatives = "microbatch"` |
+| GradCache chunks, microbatch negatives | `gradcache.py` | ... and `[gradcache] enabled` |
+| one exact problem over the global batch (seed 001) | `global_negatives.py` | `[loss] negatives = "global"` |
+| the masked pixel loss (seed 003) | `pixel.py` | the vae family (`ModelSpec.build_step`) |
+
+A new kind is a module here with a `StepBuilder` and one line: an entry in `CONTRASTIVE_STEPS`
+(chosen by `[loss] negatives` and whether microbatches are chunked), or `build_step=` in a
+family's `ModelSpec` for a family-specific kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from titan_contrastive.config import JobConfig
+from titan_contrastive.steps.accumulate import AccumulateStep
+from titan_contrastive.steps.base import Batch, GradientStep, StepBuilder, StepContext
+from titan_contrastive.steps.contrastive import gradcache_chunk
+from titan_contrastive.steps.global_negatives import GlobalNegativesStep, StreamingClipStep
+from titan_contrastive.steps.gradcache import GradCacheStep
+from titan_contrastive.steps.pixel import PixelStep
+
+__all__ = ["CONTRASTIVE_STEPS", "AccumulateStep", "Batch", "GlobalNegativesStep", "GradCacheStep", "GradientStep", "PixelStep",
+           "StepBuilder", "StepContext", "StreamingClipStep", "build_gradient_step"]
+
+# ([loss] negatives, microbatches forwarded in GradCache chunks) -> the step kind's builder
+CONTRASTIVE_STEPS: dict[tuple[str, bool], StepBuilder] = {
+    ("microbatch", False): AccumulateStep.build,
+    ("microbatch", True): GradCacheStep.build,
+    ("global", False): GlobalNegativesStep.build,
+    ("global", True): GlobalNegativesStep.build,  # the chunks are its re-forward units
+}
+
+
+def build_gradient_step(spec: Any, ctx: StepContext, cfg: JobConfig, loss_name: str, knobs: dict[str, int] | None = None) -> GradientStep:
+    """The family's own kind (`spec.build_step`), else the contrastive kind the config selects.
+    `knobs`: values the memory planner chose (config key -> value), over the config's."""
+    knobs = knobs or {}
+    build = spec.build_step or CONTRASTIVE_STEPS[(cfg.loss.negatives, gradcache_chunk(ctx, cfg, knobs) is not None)]
+    return build(ctx, cfg, loss_name, knobs)

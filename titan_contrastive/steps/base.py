@@ -1,0 +1,126 @@
+"""The step protocol: what the trainer's loop calls to turn one optimizer step's microbatches into
+accumulated gradients and the step's loss, and the explicit objects every step works with.
+
+Why a protocol: the ways to compute a step's gradients (plain accumulation, GradCache chunks, one
+exact problem over the global batch, the masked pixel loss) differ in everything but their
+contract. The trainer builds one step at start (`steps.build_gradient_step`) and its loop only
+calls it, so a new kind is a new module, not a new branch in the loop, the start log, the
+memory planner and the evaluation.
+
+Contract of a step, per call with this rank's k microbatches:
+1. the caller has zeroed the gradients;
+2. the step runs forwards and backwards so that `.grad` holds exactly the gradient of the
+   step's loss (as its kind defines it), data-parallel reduction included (deferred to the last
+   backward through `StepContext.grad_sync`), float16-scaled through `StepContext.backward`;
+3. it returns the step's loss as a float, the same on every rank.
+The caller then unscales, clips, steps the optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from titan_contrastive.components.precision import Precision, at_least_fp32
+from titan_contrastive.config import JobConfig
+from titan_contrastive.datasets.layouts import DataLayout
+from titan_contrastive.parallelisms.grad_sync import grad_sync
+
+__all__ = ["Batch", "GradientStep", "StepBuilder", "StepContext"]
+
+Batch = dict[str, Tensor]
+
+
+class GradientStep(Protocol):
+    """Microbatches -> accumulated gradients and the loss; see the module docstring."""
+
+    def __call__(self, microbatches: Sequence[Batch]) -> float:
+        """Accumulate the step's gradient into `.grad`; return the step's loss."""
+
+    def describe(self) -> str:
+        """How the step forms its problems, for the start log (after the batch arithmetic)."""
+
+    def knobs(self) -> dict[str, list[int]]:
+        """The chunk sizes the memory planner may choose, config key -> candidates (the first must
+        fit); the chosen values are passed back to `build_gradient_step` as `knobs`."""
+
+    def log_values(self) -> dict[str, float]:
+        """Extra values for the train log line (e.g. the temperature)."""
+
+
+@dataclass
+class StepContext:
+    """The explicit objects a step works with; the trainer builds it once, a step never sees the trainer."""
+
+    model: nn.Module
+    """The module the optimizer owns (the FSDP2 root, or the plain model under DDP)."""
+    dp_model: nn.Module
+    """What a training forward calls: the DDP wrapper, or `model` itself (FSDP2 wraps in place)."""
+    input_keys: tuple[str, ...]
+    """The batch entries passed to the model, in order (`ModelSpec.input_keys`)."""
+    layout: DataLayout
+    """How a batch is cut into chunks (GradCache, re-forward chunks)."""
+    precision: Precision
+    device: torch.device
+    dp_group: dist.ProcessGroup | None
+    """The data-parallel group whose ranks share a contrastive problem (None: one process)."""
+    dp_degree: int
+    ga_steps: int
+    local_batch_size: int
+    defer_fsdp_sync: bool = False
+    """`[parallelism] defer_grad_sync`: FSDP2 reduce-scatters only after the last backward."""
+    family: str = ""
+    last_scale: Tensor | None = field(default=None, init=False)
+    """exp(logit_scale) from the last contrastive forward, for the log."""
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.local_batch_size * self.ga_steps * self.dp_degree
+
+    def inputs(self, batch: Batch) -> list[Tensor]:
+        """The model inputs of a batch on the device, floating ones in the parameter dtype
+        (copied asynchronously from pinned memory, then cast on the device)."""
+        inputs = [batch[key].to(self.device, non_blocking=True) for key in self.input_keys]
+        return [x.to(self.precision.param_dtype) if x.is_floating_point() else x for x in inputs]
+
+    def run(self, batch: Batch, **kwargs: Any) -> Any:
+        """The data-parallel model on one batch under this run's autocast."""
+        with self.precision.autocast():
+            return self.dp_model(*self.inputs(batch), **kwargs)
+
+    def encode(self, batch: Batch) -> tuple[Tensor, ...]:
+        """A contrastive forward: (first tower's embeddings, second tower's, exp(logit_scale), ...)
+        in float32 or better, whatever the compute dtype."""
+        outputs = self.run(batch)
+        if len(outputs) > 2:
+            self.last_scale = outputs[2].detach()
+        return tuple(at_least_fp32(out) for out in outputs)
+
+    def grad_sync(self, is_last: bool) -> ContextManager:
+        """The context around one microbatch's forward + backward (`parallelisms.grad_sync`)."""
+        return grad_sync(self.dp_model, is_last, defer_fsdp=self.defer_fsdp_sync)
+
+    def backward(self, loss: Tensor) -> None:
+        """Backward of a loss, scaled first under float16 loss scaling."""
+        (self.precision.scaler.scale(loss) if self.precision.scaler else loss).backward()
+
+    def split(self, batch: Batch, chunk_size: int | None) -> list[Batch]:
+        """A microbatch cut into chunks of `chunk_size` samples (None: the microbatch itself)."""
+        return self.layout.split(batch, chunk_size) if chunk_size else [batch]
+
+
+# (context, config, the family's loss name, planner-chosen knob values) -> step
+StepBuilder = Callable[[StepContext, JobConfig, str, "dict[str, int]"], GradientStep]
+
+
+class ContrastiveLog:
+    """The temperature in the train log, for the contrastive step kinds."""
+
+    ctx: StepContext
+
+    def log_values(self) -> dict[str, float]:
+        return {} if self.ctx.last_scale is None else {"logit_scale": self.ctx.last_scale.item()}

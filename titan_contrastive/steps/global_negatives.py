@@ -1,0 +1,204 @@
+"""The exact streaming distributed CLIP step (seed 001): one contrastive problem over the whole
+global batch, O(N * d) memory, gradients identical to the dense loss.
+
+Order of operations in `StreamingClipStep.__call__` (P data-parallel ranks, C = N/P rows each):
+A. per microbatch: capture the RNG, forward without a graph (the cached-gradient engine's first
+   pass, `grad_cache.engine`); all-gather the embeddings -> global Zx, Zy [N, d] on every rank
+   (sync 1);
+B. this rank's row LSEs (its rows of S) and column LSEs (its columns), streamed in blocks of
+   `stream_chunk_size` x N; all-gather both (sync 2: 2N numbers); the loss from the LSEs and
+   the diagonal, on every rank;
+C. this rank's embedding gradients dL/dZx[own], dL/dZy[own] (streamed, same blocks);
+   with the fused kernels (`kernel`, "auto" on CUDA) B and C take this rank's rows against all
+   columns once each instead: B all-gathers row LSEs and partial column LSEs (P x N floats), C
+   reduce-scatters each rank's share of dZy (N x d floats);
+D. per microbatch: replay its RNG, forward with a graph, backward of the surrogate
+   <zx, P gx> + <zy, P gy> + <s, P <zx_detached, gx> / s_detached> (the engine's second pass):
+   the chain rule from the cached gradients into the parameters, the temperature's share included;
+E. the data-parallel wrapper's gradient reduction (sync 3) averages over P, which the factor P
+   in D turns into the exact sum. It runs after the last microbatch only (`parallelisms.grad_sync`).
+
+`GlobalNegativesStep` is the trainer's step kind for `[loss] negatives = "global"`: the k
+accumulation microbatches (cut into `[gradcache]` chunks when enabled) are the re-forward units.
+The seed's own interface, `distributed_train_step`, is in `titan_contrastive.distributed_clip`.
+
+Where this differs from the seed, and why: the seed computes all N row and column LSEs on every
+rank (P-fold redundant O(N^2 d) work); here each rank computes its own C rows and columns and
+shares them with a 2N-float all-gather. The seed replays no randomness, so with dropout its
+re-forward differs from the forward it took gradients from; here RandContext replays it. The
+seed has a fixed temperature only; a learnable `logit_scale` gets its exact gradient,
+once per step. The seed's microbatch loop lets DDP all-reduce after every microbatch; here
+only the last one syncs. Its embeddings must be normalized only for the logits to be bounded;
+they are checked cheaply (O(N d)) and un-normalized ones are an error, because a forward that
+forgot to normalize is far more often a bug than an intent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from titan_contrastive.components.memory_planner import doubling
+from titan_contrastive.components.streaming_loss import (
+    accumulation_dtype, fused_embedding_grads, fused_lse, infonce_loss_from_lse, loss_dtype, preferred_kernel, require_kernel,
+    resolve_kernel, streamed_embedding_grads, streamed_lse,
+)
+from titan_contrastive.config import ConfigError, JobConfig
+from titan_contrastive.grad_cache import engine
+from titan_contrastive.parallelisms.collectives import all_gather_tensor, reduce_scatter_sum
+from titan_contrastive.steps.base import Batch, ContrastiveLog, StepContext
+from titan_contrastive.steps.contrastive import chunk_knob, gradcache_chunk
+
+__all__ = ["DistributedClipError", "GlobalNegativesStep", "StreamingClipStep"]
+
+# (microbatch) -> (z_x, z_y, exp(logit_scale) or None); embeddings L2-normalized
+Encode = Callable[[Any], tuple[Tensor | None, ...]]
+# |1 - ||z||| allowed whatever the container dtype: a model under bf16 autocast may normalize in bf16
+# (off by ~3e-3) and the trainer hands float32 copies over; a forgotten normalize is off by far more
+NORM_TOLERANCE = 2e-2
+STREAM_KNOB = "loss.stream_chunk_size"
+
+
+class DistributedClipError(ValueError):
+    """Bad input to the streaming CLIP step; the message names the value and the fix."""
+
+
+class StreamingClipStep:
+    """Forward + backward of the exact global symmetric InfoNCE for one optimizer step.
+
+    `encode` runs the model on one microbatch; `grad_sync(is_last)` returns the context for
+    that microbatch's backward (DDP `no_sync` / FSDP2 deferral, from the caller);
+    `backward(surrogate)` runs the backward (a float16 caller scales it first).
+    `grad_average_factor` is what the data-parallel reduction divides by (P for DDP / FSDP2,
+    1 for an unwrapped model). `fixed_scale` = 1/tau replaces a learnable temperature.
+    """
+
+    def __init__(self, *, stream_chunk_size: int, group: dist.ProcessGroup | None = None,
+                 grad_average_factor: int = 1, fixed_scale: float | None = None, kernel: str = "auto",
+                 compute_dtype: torch.dtype | None = None) -> None:
+        if not isinstance(stream_chunk_size, int) or stream_chunk_size < 1:
+            raise DistributedClipError(f"STREAM_CHUNK_SIZE={stream_chunk_size!r}: must be an integer >= 1 (e.g. 1024)")
+        if fixed_scale is not None and not (math.isfinite(fixed_scale) and fixed_scale > 0):
+            raise DistributedClipError(f"TAU={1 / fixed_scale if fixed_scale else fixed_scale!r}: must be a number > 0 (e.g. 0.07)")
+        self.chunk = stream_chunk_size
+        self.kernel = kernel  # "auto", "pytorch" or a fused Triton path (components/streaming_loss.py)
+        self.compute_dtype = compute_dtype  # the caller's autocast dtype, if any (see streaming_loss.loss_dtype)
+        self.group = group
+        self.world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if self.world > 1 else 0
+        self.grad_average_factor = grad_average_factor
+        self.fixed_scale = fixed_scale
+
+    def __call__(self, encode: Encode, microbatches: Sequence[Any], *,
+                 grad_sync: Callable[[bool], ContextManager] = lambda is_last: contextlib.nullcontext(),
+                 backward: Callable[[Tensor], None] = lambda t: t.backward()) -> Tensor:
+        """Accumulate the exact gradient of the global loss into .grad; return the loss (detached)."""
+        # A. no-graph forward per microbatch, RNG captured for the replay (the cached-gradient engine); all-gather
+        outputs, rand = engine.forward_no_grad(encode, microbatches)
+        zx_parts, zy_parts = [o[0] for o in outputs], [o[1] for o in outputs]
+        scale = outputs[-1][2] if len(outputs[-1]) > 2 else None
+        zx_local, zy_local = torch.cat(zx_parts), torch.cat(zy_parts)
+        if zx_local.shape != zy_local.shape:
+            raise DistributedClipError(f"z_x {tuple(zx_local.shape)} and z_y {tuple(zy_local.shape)} must have the same shape [batch, dim]")
+        self._check_normalized(zx_local, "z_x")
+        self._check_normalized(zy_local, "z_y")
+        learnable = self.fixed_scale is None
+        if learnable and scale is None:
+            raise DistributedClipError("no temperature: the model has no `logit_scale` and TAU is not set; give TAU (e.g. 0.07) or add a logit_scale parameter")
+        s = torch.tensor(self.fixed_scale) if not learnable else scale.detach().reshape(())
+        s = s.to(zx_local.device, accumulation_dtype(zx_local))
+        zx_all, zy_all = self._gather(zx_local), self._gather(zy_local)
+        c = len(zx_local)
+        own = range(self.rank * c, (self.rank + 1) * c)
+
+        dtype = loss_dtype(self.kernel, zx_local.dtype, self.compute_dtype)
+        kernel = resolve_kernel(self.kernel, zx_local.to(dtype))
+        if kernel == "pytorch":
+            # B. own rows' and columns' LSEs, gathered; the loss
+            row_lse = self._gather(streamed_lse(zx_local, zy_all, s, self.chunk))
+            col_lse = self._gather(streamed_lse(zy_local, zx_all, s, self.chunk))
+            loss = infonce_loss_from_lse(zx_all, zy_all, row_lse, col_lse, s)
+            # C. own embedding gradients
+            gx, gy = streamed_embedding_grads(zx_all, zy_all, own, row_lse, col_lse, s, self.chunk)
+        else:
+            zx_local, zx_all, zy_all = zx_local.to(dtype), zx_all.to(dtype), zy_all.to(dtype)
+            # B. own rows against all columns in one pass: row LSEs, partial column LSEs merged over ranks
+            row_own, col_part = fused_lse(zx_local, zy_all, s, kernel)
+            row_lse = self._gather(row_own)
+            col_lse = self._gather(col_part).view(self.world, -1).logsumexp(0)
+            loss = infonce_loss_from_lse(zx_all, zy_all, row_lse, col_lse, s)
+            # C. one recompute of the same rows: dZx[own], and dZy's share summed into the owners
+            gx, gy_share = fused_embedding_grads(zx_local, zy_all, row_own, col_lse, s, own.start, kernel)
+            gy = reduce_scatter_sum(gy_share, self.group) if self.world > 1 else gy_share
+        del zx_all, zy_all
+
+        # D. replayed forward with a graph, backward of the surrogate <z, cached gradient> (the engine);
+        #    the cache is x P: the data-parallel reduction averages
+        factor = self.grad_average_factor
+        ends = list(itertools.accumulate(len(z) for z in zx_parts))
+        del zx_parts, zy_parts, outputs
+
+        def gradients(j: int, out: tuple[Tensor | None, ...]) -> list[Tensor | None]:
+            rows = slice(ends[j - 1] if j else 0, ends[j])
+            grads: list[Tensor | None] = [gx[rows] * factor, gy[rows] * factor]
+            if learnable:  # dL/ds = <Zx, dL/dZx> / s, this microbatch's rows' share
+                share = (zx_local[rows].to(gx.dtype) * gx[rows]).sum() / s
+                grads.append((share * factor).reshape(out[2].shape))
+            return grads + [None] * (len(out) - len(grads))
+
+        engine.forward_backward(encode, microbatches, rand, gradients, sync=lambda j: grad_sync(j == len(microbatches) - 1),
+                                backward=backward)
+        return loss.detach()
+
+    def _gather(self, x: Tensor) -> Tensor:
+        return all_gather_tensor(x, self.group) if self.world > 1 else x
+
+    @staticmethod
+    def _check_normalized(z: Tensor, name: str) -> None:
+        err = (z.detach().to(accumulation_dtype(z)).norm(dim=1) - 1).abs().max().item() if len(z) else 0.0
+        if not err <= NORM_TOLERANCE:
+            raise DistributedClipError(
+                f"{name} is not L2-normalized (max | ||z|| - 1 | = {err:.3g}); normalize in forward: "
+                "z = torch.nn.functional.normalize(z, dim=-1)"
+            )
+
+
+class GlobalNegativesStep(ContrastiveLog):
+    """`[loss] negatives = "global"`: the whole global batch is one exact contrastive problem."""
+
+    def __init__(self, ctx: StepContext, streaming: StreamingClipStep, chunk_size: int | None) -> None:
+        self.ctx, self.streaming, self.chunk_size = ctx, streaming, chunk_size
+
+    @classmethod
+    def build(cls, ctx: StepContext, cfg: JobConfig, loss_name: str, knobs: dict[str, int]) -> GlobalNegativesStep:
+        try:  # a fused kernel without triton fails here, before any compute
+            require_kernel(cfg.loss.kernel)
+        except ImportError as e:
+            raise ConfigError(str(e)) from None
+        streaming = StreamingClipStep(stream_chunk_size=knobs.get(STREAM_KNOB, cfg.loss.stream_chunk_size), group=ctx.dp_group,
+                                      grad_average_factor=ctx.dp_degree, kernel=cfg.loss.kernel, compute_dtype=ctx.precision.compute_dtype)
+        return cls(ctx, streaming, gradcache_chunk(ctx, cfg, knobs))
+
+    def __call__(self, microbatches: Sequence[Batch]) -> float:
+        chunks = [chunk for mb in microbatches for chunk in self.ctx.split(mb, self.chunk_size)]
+        return self.streaming(self.ctx.encode, chunks, grad_sync=self.ctx.grad_sync, backward=self.ctx.backward).item()
+
+    def describe(self) -> str:
+        text = (f"negatives per contrastive problem: {self.ctx.global_batch_size} (loss.negatives=global: one exact problem over the "
+                f"global batch, streamed in blocks of {self.streaming.chunk} rows; the {self.ctx.ga_steps} microbatches are re-forward chunks)")
+        return text + (f"; GradCache: forwards in chunks of {self.chunk_size} samples" if self.chunk_size else "")
+
+    def knobs(self) -> dict[str, list[int]]:
+        """The forward chunk, then the loss's stream chunk on the PyTorch path (~2 x chunk x N floats;
+        the fused kernels' panels are fixed). The trainer hands the loss float32 embeddings."""
+        knobs = chunk_knob(self.ctx)
+        if preferred_kernel(self.streaming.kernel, self.ctx.device, torch.float32) == "pytorch":
+            n = self.ctx.global_batch_size
+            knobs[STREAM_KNOB] = doubling(min(self.streaming.chunk, n), n)
+        return knobs
