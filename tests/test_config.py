@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
-from titan_contrastive.train import gradient_accumulation_steps
+from titan_contrastive.parallelisms import gradient_accumulation_steps
 
 REPO = Path(__file__).resolve().parents[1]
 

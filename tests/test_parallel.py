@@ -8,7 +8,6 @@ process running the same global batch: rel. err <= 1e-10.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest

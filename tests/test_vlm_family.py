@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from titan_contrastive.components.loss import RescaleAccumulatedLoss, clip_loss
+from titan_contrastive.components.loss import clip_loss
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.packing import unpatchify

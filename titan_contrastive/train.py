@@ -40,7 +40,7 @@ from titan_contrastive.components.optimizer import build_optimizer
 from titan_contrastive.components.precision import build_precision
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets import DataError, build_dataloader, build_dataset
-from titan_contrastive.parallelisms import ParallelDims, destroy_distributed, init_distributed, parallelize_model
+from titan_contrastive.parallelisms import ParallelDims, destroy_distributed, gradient_accumulation_steps, init_distributed, parallelize_model
 from titan_contrastive.steps import StepContext, build_gradient_step
 
 logger = logging.getLogger("titan_contrastive")
@@ -50,23 +50,6 @@ MAX_LOGIT_SCALE = math.log(100.0)  # CLIP clamps the temperature at 1/100
 
 class NonFiniteError(RuntimeError):
     """A non-finite loss or gradient norm with `training.on_nonfinite = "stop"`."""
-
-
-def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, dp_degree: int) -> int:
-    """global // (local x dp); -1 means one microbatch per step. Non-multiples are an error
-    that names the three numbers and the nearest valid global batch sizes."""
-    per_microstep = local_batch_size * dp_degree
-    if global_batch_size == -1:
-        return 1
-    if global_batch_size % per_microstep != 0 or global_batch_size < per_microstep:
-        below = max(per_microstep, global_batch_size // per_microstep * per_microstep)
-        above = (global_batch_size // per_microstep + 1) * per_microstep
-        raise ConfigError(
-            f"training.global_batch_size={global_batch_size} is not a multiple of local_batch_size "
-            f"({local_batch_size}) x dp_degree ({dp_degree}) = {per_microstep}; nearest valid global batch "
-            f"sizes: {' or '.join(map(str, sorted({below, above})))}"
-        )
-    return global_batch_size // per_microstep
 
 
 class Trainer:
@@ -217,19 +200,10 @@ class Trainer:
         loss = self.gradient_step(microbatches)
         grad_norm = self._clip_grad_norm().item()
         step = self.train_state.step + 1
-        skipped = False
-        scaler = self.precision.scaler
-        if not math.isfinite(loss) or (scaler is None and not math.isfinite(grad_norm)):
+        if not math.isfinite(loss) or (self.precision.scaler is None and not math.isfinite(grad_norm)):
             skipped = self._on_nonfinite(step, loss, grad_norm)
-        elif scaler is not None:  # fp16: the scaler skips steps with inf/nan gradients itself
-            before = scaler.get_scale()
-            scaler.step(self.optimizer)
-            scaler.update()
-            if scaler.get_scale() < before:
-                skipped = True
-                logger.warning(f"step {step}: float16 gradients overflowed (grad_norm={grad_norm}); optimizer step skipped, loss scale {before:g} -> {scaler.get_scale():g}")
-        else:
-            self.optimizer.step()
+        else:  # fp16: the scaler skips steps with inf/nan gradients itself (and says so)
+            skipped = self.precision.optimizer_step(self.optimizer, f"step {step}: float16 gradients overflowed (grad_norm={grad_norm})")
         with warnings.catch_warnings():  # a skipped step advances the schedule on purpose
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
             self.lr_scheduler.step()

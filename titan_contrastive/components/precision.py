@@ -10,6 +10,7 @@ gradients and lowers the scale; the trainer logs every such skip.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from titan_contrastive.config import ConfigError
 from titan_contrastive.config.job_config import Training
 
+logger = logging.getLogger("titan_contrastive")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -43,6 +45,20 @@ class Precision:
         if self.mixed and not self.fsdp:
             return torch.autocast(self.device_type, dtype=self.compute_dtype)
         return contextlib.nullcontext()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, overflow: str) -> bool:
+        """`optimizer.step()`, through the scaler under float16; True when the scaler skipped the
+        step (inf/nan gradients), which it logs as `overflow` with the scale before and after."""
+        if self.scaler is None:
+            optimizer.step()
+            return False
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        if self.scaler.get_scale() < before:
+            logger.warning(f"{overflow}; optimizer step skipped, loss scale {before:g} -> {self.scaler.get_scale():g}")
+            return True
+        return False
 
 
 def build_precision(cfg: Training, *, fsdp: bool, device: torch.device) -> Precision:

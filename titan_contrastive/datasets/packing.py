@@ -18,7 +18,6 @@ image in its top-left corner and a [N, 1, H, W] mask that is 1 on its real pixel
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import numpy as np
 import torch

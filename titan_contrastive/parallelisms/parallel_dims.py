@@ -1,4 +1,5 @@
-"""Data-parallel layout: replicate x shard degrees, validated against WORLD_SIZE, one DeviceMesh.
+"""Data-parallel layout: replicate x shard degrees, validated against WORLD_SIZE, one DeviceMesh,
+and the batch arithmetic over it (global batch = local batch x accumulation steps x DP degree).
 
 replicate only -> DDP; shard only -> FSDP2; both -> HSDP (FSDP2 on a 2-D mesh: shard inside a
 group, replicate across groups). Every rank is a data-parallel rank (no tensor/pipeline
@@ -62,3 +63,20 @@ class ParallelDims:
         if self.world_size == 1:
             return None
         return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, dp_degree: int) -> int:
+    """global // (local x dp); -1 means one microbatch per step. Non-multiples are an error
+    that names the three numbers and the nearest valid global batch sizes."""
+    per_microstep = local_batch_size * dp_degree
+    if global_batch_size == -1:
+        return 1
+    if global_batch_size % per_microstep != 0 or global_batch_size < per_microstep:
+        below = max(per_microstep, global_batch_size // per_microstep * per_microstep)
+        above = (global_batch_size // per_microstep + 1) * per_microstep
+        raise ConfigError(
+            f"training.global_batch_size={global_batch_size} is not a multiple of local_batch_size "
+            f"({local_batch_size}) x dp_degree ({dp_degree}) = {per_microstep}; nearest valid global batch "
+            f"sizes: {' or '.join(map(str, sorted({below, above})))}"
+        )
+    return global_batch_size // per_microstep
