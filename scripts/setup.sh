@@ -15,4 +15,7 @@ fi
 .venv/bin/pip install -q -e '.[dev]'
 # Triton runs the fused-kernel tests on CPU (TRITON_INTERPRET=1); CUDA torch builds bring their own.
 .venv/bin/python -c "import triton" 2>/dev/null || .venv/bin/pip install -q triton
+# open_clip's SigLipLoss is the reference of tests/test_siglip.py, which loads only its loss.py (torch
+# alone); --no-deps: the package's torchvision would pull another torch and does not import on CPU here.
+.venv/bin/pip install -q --no-deps open-clip-torch==3.3.0
 .venv/bin/python -c "import torch, titan_contrastive; print(f'titan_contrastive {titan_contrastive.__version__}, torch {torch.__version__}, cuda {torch.cuda.is_available()}')"

@@ -75,9 +75,10 @@ def test_two_node_launch_over_c10d_rendezvous(tmp_path: Path) -> None:
 @pytest.mark.parametrize("config, key, target", [
     ("train_configs/vae_debug.toml", "psnr_db", 20.0),          # README: 21.76 dB
     ("train_configs/emoji_vlm.toml", "image_to_text_r@5", 0.12),  # README: 0.175 (chance 0.025)
+    ("train_configs/siglip_debug.toml", "zero_shot_top1", 0.75),  # README: 0.81
 ])
 def test_family_configs_reach_their_readme_results(tmp_path: Path, config: str, key: str, target: float) -> None:
-    """The vae and vlm configs as the README runs them (CONFIG_FILE=... ./run_train.sh), with margin."""
+    """The vae, vlm and siglip configs as the README runs them (CONFIG_FILE=... ./run_train.sh), with margin."""
     env = {**os.environ, "NGPU": "1", "PYTHON": sys.executable, "LOG_RANK": "0", "CUDA_VISIBLE_DEVICES": "", "CONFIG_FILE": config}
     out = subprocess.run(["./run_train.sh", f"--job.dump_folder={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

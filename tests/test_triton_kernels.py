@@ -18,9 +18,9 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA and TRITON_INTERPRET is not 1 (tests/conftest.py sets it)", allow_module_level=True)
 
 from titan_contrastive.components import streaming_loss  # noqa: E402
-from titan_contrastive.components.loss import clip_loss  # noqa: E402
+from titan_contrastive.components.loss import clip_loss, sigmoid_loss  # noqa: E402
 from titan_contrastive.distributed_clip import StreamingClipStep, distributed_train_step  # noqa: E402
-from titan_contrastive.kernels.streaming_triton import row_col_lse, softmax_weights  # noqa: E402
+from titan_contrastive.kernels.streaming_triton import row_col_lse, sigmoid_weights, softmax_weights  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.test_distributed_clip import GradRecorder  # noqa: E402
 
@@ -77,6 +77,73 @@ def test_fused_gradients_of_two_row_shares_equal_dense_autograd(dtype: torch.dty
                                                         kernel, panel=16) for r in shares))
     assert rel(torch.cat(gx), x64.grad) <= tol
     assert rel(sum(gy), y64.grad) <= tol
+
+
+@pytest.mark.parametrize("d", [64, 512, 1024])
+@pytest.mark.parametrize("dtype, kernel, tol", DTYPES, ids=DTYPE_IDS)
+def test_sigmoid_kernel_matches_dense_float64(d: int, dtype: torch.dtype, kernel: str, tol: float) -> None:
+    """SigLIP's W = -z sigmoid(-z (S + b)) on a 37 x 53 block with the positives shifted by 9, and
+    the row sums it adds atomically (loss terms, W) on top of what the rows already hold."""
+    m, n, scale, bias, offset = 37, 53, 10.0, -4.0, 9
+    q, k = embeddings(m, d, dtype, 0), embeddings(n, d, dtype, 1)
+    logits = scale * (q.double() @ k.double().T).cpu() + bias
+    z = torch.where(torch.arange(n)[None, :] == torch.arange(m)[:, None] + offset, 1.0, -1.0).double()
+    held = torch.linspace(0, 0.25, m, dtype=torch.float32, device=DEVICE)  # small: float32 adds must not round the sums away
+    loss_rows, bias_rows = held.clone(), held.clone()
+    got = sigmoid_weights(q, k, scale, bias, offset, loss_rows=loss_rows, bias_rows=bias_rows, exact=kernel == "triton_exact")
+    want = -z * torch.sigmoid(-z * logits)
+    assert rel(got, want) <= tol
+    assert rel(loss_rows - held, -F.logsigmoid(z * logits).sum(1)) <= tol and rel(bias_rows - held, want.sum(1)) <= tol
+
+
+@pytest.mark.parametrize("dtype, kernel, tol", DTYPES, ids=DTYPE_IDS)
+def test_fused_sigmoid_of_two_row_shares_equals_dense_autograd(dtype: torch.dtype, kernel: str, tol: float) -> None:
+    """fused_sigmoid for rows [0, 20) and [20, 53), as two ranks would call it, panels of 16: the
+    summed losses, concatenated dZx, summed dZy shares and dL/db equal autograd of the dense loss."""
+    n, d = 53, 96
+    zx, zy = embeddings(n, d, dtype, 2), embeddings(n, d, dtype, 3)
+    x64, y64 = zx.double().cpu().requires_grad_(), zy.double().cpu().requires_grad_()
+    b64 = torch.tensor(-3.0, dtype=torch.float64, requires_grad=True)
+    want = sigmoid_loss(x64, y64, torch.tensor(11.0, dtype=torch.float64), b64)
+    want.backward()
+    scale, bias = torch.tensor(11.0, device=DEVICE), torch.tensor(-3.0, device=DEVICE)
+    parts = [streaming_loss.fused_sigmoid(zx[r.start : r.stop], zy, scale, bias, r.start, kernel, panel=16)
+             for r in (range(0, 20), range(20, n))]
+    assert abs(sum(p[0] for p in parts).item() - want.item()) <= tol * want.item()
+    assert rel(torch.cat([p[1] for p in parts]), x64.grad) <= tol and rel(sum(p[2] for p in parts), y64.grad) <= tol
+    assert abs(sum(p[3].sum() for p in parts).item() - b64.grad.item()) <= tol * abs(b64.grad.item())
+
+
+class SigTowers(torch.nn.Module):
+    """Two linear towers to d=64, normalized; a learnable log temperature and bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fx, self.fy = torch.nn.Linear(8, 64), torch.nn.Linear(5, 64)
+        self.logit_scale = torch.nn.Parameter(torch.tensor([2.0]))
+        self.logit_bias = torch.nn.Parameter(torch.tensor([-4.0]))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.normalize(self.fx(x), dim=-1), F.normalize(self.fy(y), dim=-1), self.logit_scale.exp(), self.logit_bias
+
+
+@pytest.mark.parametrize("kernel, tol", [("triton_exact", 1e-5), ("triton", 1e-2)])
+def test_streaming_sigmoid_step_with_the_kernel_equals_dense(kernel: str, tol: float) -> None:
+    """The sigmoid loss through StreamingClipStep and the fused kernel, t' and b learnable, uneven
+    microbatches, against the dense float64 loss of the same model."""
+    torch.manual_seed(0)
+    model = SigTowers().to(DEVICE)
+    reference = SigTowers().double()
+    reference.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(50, 8, generator=g), torch.randn(50, 5, generator=g)
+    loss = StreamingClipStep(stream_chunk_size=16, kernel=kernel, loss="siglip")(
+        lambda mb: model(x[mb].to(DEVICE), y[mb].to(DEVICE)), [slice(0, 20), slice(20, 37), slice(37, 50)])
+    want = sigmoid_loss(*reference(x.double(), y.double()))
+    want.backward()
+    assert abs(loss.item() - want.item()) <= tol * want.item()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert rel(p.grad.cpu(), q.grad) <= tol, name
 
 
 def test_every_output_element_is_written_and_no_other() -> None:
@@ -195,6 +262,7 @@ def test_auto_self_check_accepts_the_kernels_and_rejects_a_wrong_one(monkeypatch
     assert check("triton_exact", DEVICE, torch.float32, 32)
     from titan_contrastive.kernels import streaming_triton
 
+    assert check("triton_exact", DEVICE, torch.float32, 32, "siglip")
     real = streaming_triton.softmax_weights
     monkeypatch.setattr(streaming_triton, "softmax_weights", lambda *a, **k: real(*a, **k).mul_(1.05))
     with pytest.warns(UserWarning, match=r"disagree with PyTorch on .* d=32 .*; using the PyTorch path"):
@@ -235,6 +303,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from titan_contrastive.kernels import streaming_triton as st
 
+import sys
+WANT = sys.argv[1].split(",")
 out = []
 for dt, exact in (("bf16", False), ("fp32", True)):  # what `auto` runs: mixed precision, and float32
     kernels = (("lse", st._lse_pass_kernel, {"row_max_ptr": "*fp32", "row_sum_ptr": "*fp32", "col_max_ptr": "*fp32",
@@ -242,8 +312,11 @@ for dt, exact in (("bf16", False), ("fp32", True)):  # what `auto` runs: mixed p
                 "N_PROGRAMS": "constexpr"}, {"N_PROGRAMS": 264}, (0, 1, 2, 3, 4, 5, 8, 9)),
                ("weights", st._weights_kernel, {"a_ptr": "*fp32", "b_ptr": "*fp32", "w_ptr": "*fp32" if exact else f"*{dt}",
                 "n_q": "i32", "n_k": "i32", "d": "i32", "w_stride": "i32", "scale": "fp32", "diag_offset": "i32"}, {},
+                (0, 1, 2, 3, 4, 7, 8)),
+               ("sigmoid", st._sigmoid_kernel, {"w_ptr": "*fp32" if exact else f"*{dt}", "loss_ptr": "*fp32", "bias_ptr": "*fp32",
+                "n_q": "i32", "n_k": "i32", "d": "i32", "w_stride": "i32", "scale": "fp32", "bias": "fp32", "diag_offset": "i32"}, {},
                 (0, 1, 2, 3, 4, 7, 8)))
-    for name, tuner, args, consts, aligned in kernels:
+    for name, tuner, args, consts, aligned in (k for k in kernels if k[0] in WANT):
         # what the JIT specializes for d = 512 and aligned buffers: 16-divisible pointers, d and strides
         # (vectorized loads, cp.async pipelining: the shared memory a real launch needs)
         attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
@@ -258,11 +331,8 @@ print(json.dumps(out))
 '''
 
 
-def test_every_autotune_config_compiles_for_hopper_within_shared_memory() -> None:
-    """No GPU needed: Triton compiles each kernel x autotune config for sm_90 (PTX, then the bundled
-    ptxas), for the bf16 and exact-float32 variants `auto` runs, and each fits an H100's 227 KiB
-    of shared memory per block. Catches what the interpreter cannot: lowering errors, and tiles
-    that no Hopper can launch."""
+def compile_for_hopper(kernels: str) -> list[dict]:
+    """Compile the named kernels (comma-separated) x every autotune config for sm_90, without a GPU."""
     import json
     import shutil
     import subprocess
@@ -274,12 +344,62 @@ def test_every_autotune_config_compiles_for_hopper_within_shared_memory() -> Non
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists() and shutil.which("ptxas") is None:
         pytest.skip("this triton has no ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for real, not interpret
-    done = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", _AOT, kernels], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_autotune_config_compiles_for_hopper_within_shared_memory() -> None:
+    """No GPU needed: Triton compiles each kernel x autotune config for sm_90 (PTX, then the bundled
+    ptxas), for the bf16 and exact-float32 variants `auto` runs, and each fits an H100's 227 KiB
+    of shared memory per block. Catches what the interpreter cannot: lowering errors, and tiles
+    that no Hopper can launch."""
+    compiled = compile_for_hopper("lse,weights")
     assert len(compiled) == 2 * 2 * 5
     print(*(f"{c['kernel']} {c['dtype']} {c['config'].split(', num_ctas')[0]}: {c['shared'] // 1024} KiB" for c in compiled), sep="\n")
     too_big = [c for c in compiled if c["shared"] > 232448]
     assert not too_big, too_big
     assert all(c["cp_async"] for c in compiled)  # loads pipelined through shared memory
     assert all(c["wgmma"] for c in compiled if c["dtype"] == "bf16")  # Hopper tensor cores
+
+
+def test_the_sigmoid_kernel_compiles_for_hopper_within_shared_memory() -> None:
+    """The same for the sigmoid kernel: every config for sm_90, bf16 and exact fp32, within 227 KiB,
+    pipelined, on tensor cores in bf16."""
+    compiled = compile_for_hopper("sigmoid")
+    assert len(compiled) == 2 * 5
+    assert not [c for c in compiled if c["shared"] > 232448]
+    assert all(c["cp_async"] for c in compiled) and all(c["wgmma"] for c in compiled if c["dtype"] == "bf16")
+
+
+
+def _sigmoid_kernel_step_matches_dense() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = SigTowers()
+    reference = SigTowers().double()
+    reference.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(1)
+    n = 12 * world
+    x, y = torch.randn(n, 8, generator=g), torch.randn(n, 5, generator=g)
+    want = sigmoid_loss(*reference(x.double(), y.double()))
+    want.backward()
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    recorder = GradRecorder(model.parameters())
+    mine = slice(rank * 12, (rank + 1) * 12)
+    config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": 5, "STREAM_CHUNK_SIZE": 7, "TAU": None, "LOSS": "siglip", "KERNEL": "triton_exact"}
+    loss = distributed_train_step(model, recorder, x[mine], y[mine], config)
+    assert abs(loss - want.item()) <= 1e-5 * want.item()
+    for got, (name, p) in zip(recorder.grads, reference.named_parameters()):
+        assert rel(got, p.grad) <= 1e-5, name
+
+
+def test_distributed_sigmoid_kernel_step_equals_dense() -> None:
+    """distributed_train_step with LOSS=siglip through the fused kernel on 2 DDP processes: t' and b
+    counted once over ranks and microbatches."""
+    if torch.cuda.is_available():
+        pytest.skip("gloo processes on CPU: the interpreter path")
+    run_distributed(_sigmoid_kernel_step_matches_dense, 2)

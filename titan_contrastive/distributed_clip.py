@@ -1,5 +1,6 @@
-"""Seed 001's interface to the exact streaming distributed CLIP step:
-`distributed_train_step(model, optimizer, local_x, local_y, config)`.
+"""Seed 001's interface to the exact streaming distributed contrastive step:
+`distributed_train_step(model, optimizer, local_x, local_y, config)`, with the seed's softmax
+loss (`config["LOSS"] = "clip"`, the default) or SigLIP's sigmoid loss ("siglip").
 
 The algorithm (phases A-E, O(N d) memory, gradients identical to the dense loss) is
 `StreamingClipStep` in `titan_contrastive.steps.global_negatives`, which the trainer runs for
@@ -38,15 +39,17 @@ def _positive_int(config: Mapping[str, Any], key: str) -> int:
 
 def distributed_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, local_x: Tensor, local_y: Tensor,
                            config: Mapping[str, Any]) -> float:
-    """One optimizer step of the exact global symmetric InfoNCE; returns the global loss on every rank.
+    """One optimizer step of the exact global contrastive loss; returns the global loss on every rank.
 
     model: DDP-wrapped, FSDP2 (`fully_shard`), or plain on a single process; `forward(x, y)`
-    returns L2-normalized `(z_x, z_y)` (or `(z_x, z_y, exp(logit_scale))`). config: N =
-    GLOBAL_BATCH_SIZE (= local batch x world size), MICRO_BATCH_SIZE (re-forward chunk),
-    STREAM_CHUNK_SIZE (rows per logit block), TAU (fixed temperature; None = learn the
-    model's `logit_scale`: s = exp(logit_scale), optionally clamped to s <= config
-    ["MAX_LOGIT_SCALE"], e.g. 100 as in CLIP). Optional KERNEL: "auto" (default: the fused
-    Triton kernels on CUDA), "pytorch", "triton" or "triton_exact" (components/streaming_loss.py).
+    returns L2-normalized `(z_x, z_y)`, optionally followed by `exp(logit_scale)` and, for the
+    sigmoid loss, `logit_bias`. config: N = GLOBAL_BATCH_SIZE (= local batch x world size),
+    MICRO_BATCH_SIZE (re-forward chunk), STREAM_CHUNK_SIZE (rows per logit block), TAU (fixed
+    temperature, t = 1/TAU; None = learn the model's `logit_scale`: t = exp(logit_scale),
+    optionally clamped to t <= config["MAX_LOGIT_SCALE"], e.g. 100 as in CLIP). Optional LOSS:
+    "clip" (default; symmetric InfoNCE) or "siglip" (the sigmoid loss, with BIAS: a fixed bias, or
+    None to learn the model's `logit_bias`). Optional KERNEL: "auto" (default: the fused Triton
+    kernels on CUDA for clip), "pytorch", "triton" or "triton_exact" (components/streaming_loss.py).
     """
     missing = [k for k in _KEYS if k not in config]
     if missing:
@@ -66,29 +69,44 @@ def distributed_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, l
     tau = config["TAU"]
     if tau is not None and not (isinstance(tau, (int, float)) and not isinstance(tau, bool) and tau > 0):
         raise DistributedClipError(f"config['TAU']={tau!r}: must be a number > 0 (e.g. 0.07), or None to learn logit_scale")
+    loss_name = config.get("LOSS", "clip")
+    if loss_name not in ("clip", "siglip"):
+        raise DistributedClipError(f"LOSS={loss_name!r}: choose clip (softmax, InfoNCE) or siglip (sigmoid)")
+    fixed_bias = config.get("BIAS")
+    if fixed_bias is not None and (isinstance(fixed_bias, bool) or not isinstance(fixed_bias, (int, float))):
+        raise DistributedClipError(f"config['BIAS']={fixed_bias!r}: must be a number (e.g. -10), or None to learn logit_bias")
+    if loss_name != "siglip" and fixed_bias is not None:
+        raise DistributedClipError(f"config['BIAS']={fixed_bias!r} is for LOSS='siglip'; LOSS={loss_name!r} has no bias")
     max_scale = config.get("MAX_LOGIT_SCALE")
     kernel = config.get("KERNEL", "auto")
     try:
         require_kernel(kernel)
     except (ValueError, ImportError) as e:
         raise DistributedClipError(str(e).replace("loss.kernel=", "config['KERNEL']=")) from None
-    logit_scale = getattr(_unwrap(model), "logit_scale", None)
+    unwrapped = _unwrap(model)
+    logit_scale, logit_bias = getattr(unwrapped, "logit_scale", None), getattr(unwrapped, "logit_bias", None)
 
-    def encode(mb: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor | None]:
+    def from_model(param: Tensor | None, name: str, place: str) -> Tensor | None:
+        if param is not None and hasattr(param, "placements"):  # a DTensor shard: FSDP2 unshards it only inside forward
+            raise DistributedClipError(f"FSDP2 shards {name} outside forward; return it as forward's {place} output")
+        return param
+
+    def encode(mb: tuple[Tensor, Tensor]) -> tuple[Tensor | None, ...]:
         out = model(*mb)
         zx, zy = out[0], out[1]
         scale = out[2] if len(out) > 2 else None
+        bias = out[3] if len(out) > 3 else None
         if scale is None and tau is None and logit_scale is not None:
-            if hasattr(logit_scale, "placements"):  # a DTensor shard: FSDP2 unshards it only inside forward
-                raise DistributedClipError("FSDP2 shards logit_scale outside forward; return exp(logit_scale) as forward's third output")
-            scale = logit_scale.exp()
+            scale = from_model(logit_scale, "logit_scale", "third").exp()
+        if bias is None and fixed_bias is None and loss_name == "siglip":
+            bias = from_model(logit_bias, "logit_bias", "fourth")
         if scale is not None and max_scale is not None:
             scale = scale.clamp(max=max_scale)
-        return zx, zy, scale
+        return zx, zy, scale, bias
 
     step = StreamingClipStep(stream_chunk_size=chunk, group=dist.group.WORLD if world > 1 else None,
                              grad_average_factor=world if wrapped else 1, fixed_scale=None if tau is None else 1.0 / tau,
-                             kernel=kernel)
+                             kernel=kernel, loss=loss_name, fixed_bias=None if fixed_bias is None else float(fixed_bias))
     microbatches = [(local_x[i : i + micro], local_y[i : i + micro]) for i in range(0, len(local_x), micro)]
     optimizer.zero_grad(set_to_none=True)
     # DDP reduces after the last microbatch only; FSDP2 reduce-scatters every one (its memory saving)

@@ -68,9 +68,9 @@ class Trainer:
             importlib.import_module(cfg.job.custom_import)
         self.spec = models.get_model_spec(cfg.model.name)
         flavor_args = models.get_flavor_args(cfg.model.name, cfg.model.flavor)
-        self.loss_name = cfg.loss.name or self.spec.default_loss
-        if self.loss_name != self.spec.default_loss:
-            raise ConfigError(f"loss.name={self.loss_name!r}: the {cfg.model.name} family trains with {self.spec.default_loss!r}; "
+        self.loss_name, losses = cfg.loss.name or self.spec.default_loss, (self.spec.default_loss, *self.spec.other_losses)
+        if self.loss_name not in losses:
+            raise ConfigError(f"loss.name={self.loss_name!r}: the {cfg.model.name} family trains with {' or '.join(map(repr, losses))}; "
                               f"set loss.name={self.spec.default_loss} or leave it empty")
         par = cfg.parallelism
         self.dims = ParallelDims.from_config(par.data_parallel_replicate_degree, par.data_parallel_shard_degree, self.dist.world_size)
@@ -99,12 +99,11 @@ class Trainer:
 
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step
         try:
-            self.model_args = self.spec.update_from_config(flavor_args.update_from_data(
-                image_shape=self.train_set.image_shape, vocab_size=self.train_set.tokenizer.vocab_size,
-                context_length=data.context_length,
-            ), cfg)
+            sized = flavor_args.update_from_data(image_shape=self.train_set.image_shape, vocab_size=self.train_set.tokenizer.vocab_size,
+                                                 context_length=data.context_length)
         except ValueError as e:  # the flavor does not fit this dataset
             raise ConfigError(f"model.flavor={cfg.model.flavor!r} with data.dataset={data.dataset!r}: {e}") from None
+        self.model_args = self.spec.update_from_config(sized, cfg)
         with self.device:
             self.model = self.spec.build_model(self.model_args).to(self.precision.param_dtype)
         self.mesh = self.dims.build_mesh(self.device.type)

@@ -99,21 +99,22 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 @torch.no_grad()
 def embed_dataset(forward: Forward, dataset: Dataset, *, batch_size: int, device: torch.device,
-                  rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Both towers' embeddings (image/caption, query/document), labels (or sample indices)
-    and exp(logit_scale), all rows on every rank."""
+                  rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Both towers' embeddings (image/caption, query/document) and labels (or sample indices),
+    all rows on every rank, and the loss's scalars the model returns after them (exp(logit_scale)
+    and, for the sigmoid loss, logit_bias)."""
     img, txt, labels = [], [], []
-    scale = None
+    scalars: tuple[torch.Tensor, ...] = ()
     for indices, batch in _rank_batches(dataset, batch_size, rank, world_size):
-        image_emb, text_emb, scale = forward(batch)
+        image_emb, text_emb, *rest = forward(batch)
+        scalars = tuple(at_least_fp32(x) for x in rest)
         if indices:
             img.append(at_least_fp32(image_emb))
             txt.append(at_least_fp32(text_emb))
             labels.append(batch.get("label", batch["index"]).to(device))
     local = (torch.cat(img), torch.cat(txt), torch.cat(labels))
-    assert scale is not None
     counts = [len(s) for s in _shards(dataset, world_size)]
-    return (*(_gather_rows(t, counts) for t in local), at_least_fp32(scale))  # type: ignore[return-value]
+    return (*(_gather_rows(t, counts) for t in local), scalars)  # type: ignore[return-value]
 
 
 @torch.no_grad()
@@ -127,7 +128,7 @@ def zero_shot_classifier(forward: Forward, dataset: ZeroShotDataset) -> torch.Te
     captions = [t.format(name) for name in dataset.class_names for t in dataset.templates]
     batch = dataset.__getitems__([0] * len(captions))
     batch["text"] = dataset.encode_text(captions)
-    _, emb, _ = forward(batch)
+    emb = forward(batch)[1]
     per_class = at_least_fp32(emb).view(len(dataset.class_names), len(dataset.templates), -1).mean(1)
     return nn.functional.normalize(per_class, dim=-1)
 
@@ -147,12 +148,12 @@ def evaluate(model: nn.Module, forward: Forward, dataset: Dataset, loss_fn: Call
              batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1) -> dict[str, float]:
     """Eval loss plus zero-shot accuracy or retrieval recall; `loss_fn` must be unscaled.
 
-    `forward(batch) -> (first tower's emb, second tower's emb, exp(logit_scale))` runs `model` with the
-    trainer's dtype and autocast; `model` is only switched to eval mode and back.
+    `forward(batch) -> (first tower's emb, second tower's emb, exp(logit_scale)[, logit_bias])` runs
+    `model` with the trainer's dtype and autocast; `model` is only switched to eval mode and back.
     """
     with _eval_mode(model):
-        img, txt, labels, scale = embed_dataset(forward, dataset, batch_size=batch_size, device=device, rank=rank, world_size=world_size)
-        losses = [loss_fn(img[i : i + batch_size], txt[i : i + batch_size], scale) for i in range(0, len(img), batch_size)]
+        img, txt, labels, scalars = embed_dataset(forward, dataset, batch_size=batch_size, device=device, rank=rank, world_size=world_size)
+        losses = [loss_fn(img[i : i + batch_size], txt[i : i + batch_size], *scalars) for i in range(0, len(img), batch_size)]
         out = {"loss": torch.stack(losses).mean().item(), "num_samples": float(len(img))}
         if dataset.class_names:
             pred = (img @ zero_shot_classifier(forward, dataset).T).argmax(1)

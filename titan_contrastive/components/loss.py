@@ -7,14 +7,23 @@ so the summed gradients are the mean of the k microbatch gradients. For a per-sa
 (MSE, pixel loss) with equal microbatches that *is* the big-batch gradient. For InfoNCE it is
 not: a microbatch only sees its own negatives, so accumulating k microbatches of b samples
 trains on k problems of b, never one problem of k*b. The trainer therefore names the choice
-(`[loss] negatives`): "microbatch" is this wrapper around `ClipLoss`; "global" (one exact
-problem over the global batch) needs the streaming loss and GradCache.
+(`[loss] negatives`): "microbatch" is this wrapper around `ClipLoss` / `SigLipLoss`; "global"
+(one exact problem over the global batch) needs the streaming loss and GradCache.
+
+The losses, over a contrastive problem of N pairs with L2-normalized embeddings x_i, y_j and the
+temperature t = exp(t') the model returns:
+- `clip` (symmetric InfoNCE, softmax): L = 1/(2N) sum_i [CE(t x_i . Y, i) + CE(t y_i . X, i)];
+- `siglip` (SigLIP's sigmoid loss): l_ij = t <x_i, y_j> + b, z_ij = +1 if i = j else -1,
+  L = -(1/N) sum_i sum_j log sigmoid(z_ij l_ij), with a learnable bias b.
+`LOSSES` names each with its initial temperature (and bias) and builds its microbatch form.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -86,11 +95,66 @@ class ClipLoss:
         return clip_loss(image_emb, text_emb, logit_scale)
 
 
-LOSSES: dict[str, Callable[[dist.ProcessGroup | None], Callable[..., torch.Tensor]]] = {"clip": ClipLoss}
+def sigmoid_loss(image_emb: torch.Tensor, text_emb: torch.Tensor, logit_scale: torch.Tensor, logit_bias: torch.Tensor,
+                 first_row: int = 0, num_pairs: int | None = None) -> torch.Tensor:
+    """SigLIP's loss of the rows `image_emb` (global rows first_row, first_row + 1, ...) against all
+    columns `text_emb`: -(1/num_pairs) sum over these rows and all columns of log sigmoid(z l).
+    With the defaults (all rows, N = len) it is the dense reference, open_clip's formula;
+    materialises the rows x N logits."""
+    if image_emb.shape[1:] != text_emb.shape[1:]:
+        raise ValueError(f"image embeddings {tuple(image_emb.shape)} and text embeddings {tuple(text_emb.shape)} must have the same dim")
+    logits = logit_scale * image_emb @ text_emb.T + logit_bias
+    rows = torch.arange(first_row, first_row + len(image_emb), device=logits.device)
+    signs = torch.where(rows[:, None] == torch.arange(len(text_emb), device=logits.device), 1.0, -1.0).to(logits.dtype)
+    return -F.logsigmoid(signs * logits).sum() / (num_pairs or len(image_emb))
+
+
+class SigLipLoss:
+    """The sigmoid loss over the microbatches of all ranks of `group`: this rank's rows against
+    every rank's columns (gathered with gradient), never the whole N x N on one rank.
+
+    Each rank's loss is its rows' sum divided by its own batch (open_clip's normalization); the
+    gather's backward sums every rank's gradient into the local columns and the data-parallel
+    average over P ranks then gives exactly dL/dtheta of the gathered problem. The returned value
+    is the mean over ranks (one scalar all-reduce), so every rank logs the problem's loss L; its
+    gradient is this rank's share.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if self.world_size > 1 else 0
+
+    def __call__(self, image_emb: torch.Tensor, text_emb: torch.Tensor, logit_scale: torch.Tensor,
+                 logit_bias: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias)
+        columns = all_gather_with_grad(text_emb, self.group)
+        local = sigmoid_loss(image_emb, columns, logit_scale, logit_bias, first_row=self.rank * len(image_emb))
+        mean = local.detach().clone()
+        dist.all_reduce(mean, group=self.group)
+        return local + (mean / self.world_size - local.detach())  # value: L on every rank; gradient: this rank's share
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A contrastive loss by name: how to build its microbatch form over a DP group, and the
+    temperature (and bias) a model starts from for it."""
+
+    build: Callable[[dist.ProcessGroup | None], Callable[..., torch.Tensor]]
+    init_logit_scale: float
+    init_logit_bias: float | None = None
+    """None: the loss has no bias (the model returns none)."""
+
+
+LOSSES: dict[str, LossSpec] = {
+    "clip": LossSpec(ClipLoss, init_logit_scale=math.log(1 / 0.07)),
+    "siglip": LossSpec(SigLipLoss, init_logit_scale=math.log(10.0), init_logit_bias=-10.0),  # SigLIP's init
+}
 
 
 def build_loss_fn(name: str, group: dist.ProcessGroup | None = None) -> Callable[..., torch.Tensor]:
     """Build a loss by name; `group` is the data-parallel group whose microbatches share negatives."""
     if name not in LOSSES:
         raise ValueError(f"loss.name={name!r} is not a known loss; valid: {', '.join(LOSSES)}")
-    return LOSSES[name](group)
+    return LOSSES[name].build(group)

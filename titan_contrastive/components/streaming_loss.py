@@ -20,6 +20,9 @@ a rank takes its rows of S against all N columns, once forward (`fused_lse`: its
 its partial column LSEs, merged over ranks by the caller) and once backward
 (`fused_embedding_grads`: W = P + Q - 2I per panel, then dZx[own] = W Zy and this rank's share
 of dZy = W^T Zx as GEMMs, summed over ranks by the caller): 8 N^2 d FLOPs instead of 12.
+`streamed_sigmoid` is the same for SigLIP's sigmoid loss, a sum over pairs: one pass, no
+log-sum-exp; `fused_sigmoid` does it with the fused kernel (W = N dL/dl per panel, then GEMMs).
+
 `"auto"` (the default) takes the kernels on CUDA for bf16 / fp16 (`triton`) and fp32
 (`triton_exact`) once a self-check on the device agrees with the PyTorch path, and the PyTorch
 path everywhere else (CPU, float64, no triton).
@@ -31,6 +34,7 @@ import functools
 import importlib
 import importlib.util
 import warnings
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +120,39 @@ def streamed_embedding_grads(zx: Tensor, zy: Tensor, rows: range, row_lse: Tenso
     return gx, gy
 
 
+def streamed_sigmoid(zx_own: Tensor, zy: Tensor, scale: Tensor, bias: Tensor, first_row: int, chunk: int,
+                     num_pairs: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """SigLIP's loss over the rows `zx_own` (global rows first_row, ...) against all columns `zy`,
+    and its gradients, in one pass over blocks of `chunk` rows x N (N = `num_pairs`, default len(zy)).
+
+    l = s Zx Zy^T + b, z = +1 on the global diagonal, -1 elsewhere, L = -(1/N) sum log sigmoid(z l);
+    W = dL/dl = -z sigmoid(-z l) / N. Returns (these rows' part of L, dL/dZx[own] = s W Zy, this
+    rank's share of dL/dZy = s W^T Zx[own] for all N columns (the caller sums the shares over ranks),
+    dL/db per own row = W summed over columns). A sum over pairs needs no normalizer, so unlike the
+    softmax loss there is no log-sum-exp pass: one block of logits per step of the loop, ~3 chunk x N
+    x d multiply-adds each (the softmax path forms its blocks 4 times, two of them with products).
+    """
+    n = num_pairs or len(zy)
+    acc = accumulation_dtype(zx_own)
+    gx = torch.empty(len(zx_own), zx_own.shape[1], dtype=acc, device=zx_own.device)
+    gy = torch.zeros(len(zy), zy.shape[1], dtype=acc, device=zy.device)
+    bias_rows = torch.empty(len(zx_own), dtype=acc, device=zx_own.device)
+    loss = torch.zeros((), dtype=acc, device=zx_own.device)
+    for start in range(0, len(zx_own), chunk):
+        rows = slice(start, start + chunk)
+        signed = _logits(zx_own[rows], zy, scale).add_(bias).neg_()  # z l, built in place: -l, then +l on the diagonal
+        r = torch.arange(len(signed), device=signed.device)
+        diag = (r, first_row + start + r)
+        signed[diag] = -signed[diag]
+        loss -= F.logsigmoid(signed).sum()
+        w = signed.neg_().sigmoid_()  # sigmoid(-z l)
+        w[diag] *= -1  # -z sigmoid(-z l) = N dL/dl
+        gx[rows] = w.to(zy.dtype) @ zy
+        gy += w.T.to(zx_own.dtype) @ zx_own[rows]
+        bias_rows[rows] = w.sum(1)
+    return loss / n, gx.mul_(scale / n), gy.mul_(scale / n), bias_rows.div_(n)
+
+
 # ------------------------------------------------------------------ the fused Triton path
 
 def fused_lse(zx_own: Tensor, zy: Tensor, scale: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
@@ -136,6 +173,30 @@ def fused_embedding_grads(zx_own: Tensor, zy: Tensor, row_lse_own: Tensor, col_l
     the float32 sums). The shares of dZy sum to the gradient over ranks.
     """
     fused, exact = _triton(kernel), kernel == "triton_exact"
+    gx, gy = _fused_products(zx_own, zy, exact, panel, lambda x, y, offset, out: fused.softmax_weights(
+        x, y, row_lse_own[offset[0] : offset[0] + len(x)], col_lse[offset[1] : offset[1] + len(y)], float(scale),
+        first_row + offset[0] - offset[1], exact=exact, out=out))
+    coef = float(scale) / (2 * len(zy))
+    return gx.mul_(coef), gy.mul_(coef)
+
+
+def fused_sigmoid(zx_own: Tensor, zy: Tensor, scale: Tensor, bias: Tensor, first_row: int, kernel: str,
+                  panel: int = FUSED_PANEL) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`streamed_sigmoid` with the fused kernel: per panel one pass over S writes W = N dL/dl and
+    adds the rows' loss terms and W sums; the embedding gradients are GEMMs on W (float32 sums)."""
+    fused, exact = _triton(kernel), kernel == "triton_exact"
+    f32 = dict(dtype=torch.float32, device=zy.device)
+    loss_rows, bias_rows = torch.zeros(len(zx_own), **f32), torch.zeros(len(zx_own), **f32)
+    gx, gy = _fused_products(zx_own, zy, exact, panel, lambda x, y, offset, out: fused.sigmoid_weights(
+        x, y, float(scale), float(bias), first_row + offset[0] - offset[1], loss_rows=loss_rows[offset[0] : offset[0] + len(x)],
+        bias_rows=bias_rows[offset[0] : offset[0] + len(x)], exact=exact, out=out))
+    n = len(zy)
+    return loss_rows.sum() / n, gx.mul_(float(scale) / n), gy.mul_(float(scale) / n), bias_rows.div_(n)
+
+
+def _fused_products(zx_own: Tensor, zy: Tensor, exact: bool, panel: int, weights: Callable[..., Tensor]) -> tuple[Tensor, Tensor]:
+    """(sum W Zy per own row, sum W^T Zx[own] per column), float32, over panels of at most `panel`
+    x `panel`; `weights(x_rows, y_cols, (first own row, first column), out)` writes the panel's W."""
     zx_own, zy = zx_own.contiguous(), zy.contiguous()
     c, n = len(zx_own), len(zy)
     w_dtype = torch.float32 if exact or zx_own.dtype == torch.float32 else zx_own.dtype
@@ -147,12 +208,10 @@ def fused_embedding_grads(zx_own: Tensor, zy: Tensor, row_lse_own: Tensor, col_l
         x_rows = zx_own[rows].to(w_dtype)
         for c0 in range(0, n, panel):
             cols = slice(c0, min(c0 + panel, n))
-            w = fused.softmax_weights(zx_own[rows], zy[cols], row_lse_own[rows], col_lse[cols], float(scale), first_row + r0 - c0,
-                                      exact=exact, out=w_buffer[: rows.stop - r0, : cols.stop - c0])
+            w = weights(zx_own[rows], zy[cols], (r0, c0), w_buffer[: rows.stop - r0, : cols.stop - c0])
             gx[rows] += w @ zy[cols].to(w_dtype)
             gy[cols] += w.T @ x_rows
-    coef = float(scale) / (2 * n)
-    return gx.mul_(coef), gy.mul_(coef)
+    return gx, gy
 
 
 def preferred_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -173,32 +232,40 @@ def loss_dtype(kernel: str, z_dtype: torch.dtype, compute_dtype: torch.dtype | N
     return z_dtype
 
 
-def resolve_kernel(kernel: str, z: Tensor) -> str:
+def resolve_kernel(kernel: str, z: Tensor, loss: str = "clip") -> str:
     """The path for embeddings like `z`: `kernel` itself unless "auto" (see the module docstring)."""
     fused = preferred_kernel(kernel, z.device, z.dtype)
     if kernel != "auto" or fused == "pytorch":
         return fused
-    return fused if _agrees_on_device(fused, z.device, z.dtype, z.shape[1]) else "pytorch"
+    return fused if _agrees_on_device(fused, z.device, z.dtype, z.shape[1], loss) else "pytorch"
+
+
+def _fused_and_reference(loss: str, zx: Tensor, zy: Tensor, kernel: str) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """The self-check's problem (all rows, two panels): the fused outputs and the PyTorch path's."""
+    scale, n = torch.tensor(20.0, device=zx.device), len(zx)
+    x32, y32 = zx.float(), zy.float()
+    if loss == "siglip":
+        bias = torch.tensor(-5.0, device=zx.device)
+        return fused_sigmoid(zx, zy, scale, bias, 0, kernel, panel=256), streamed_sigmoid(x32, y32, scale, bias, 0, n)
+    row, col = fused_lse(zx, zy, scale, kernel)
+    got = fused_embedding_grads(zx, zy, row, col, scale, 0, kernel, panel=256)
+    want_row, want_col = streamed_lse(x32, y32, scale, n), streamed_lse(y32, x32, scale, n)
+    return (row, col, *got), (want_row, want_col, *streamed_embedding_grads(x32, y32, range(n), want_row, want_col, scale, n))
 
 
 @functools.cache
-def _agrees_on_device(kernel: str, device: torch.device, dtype: torch.dtype, d: int) -> bool:
-    """Once per (device, dtype, d): the fused path against the PyTorch path on a small problem
+def _agrees_on_device(kernel: str, device: torch.device, dtype: torch.dtype, d: int, loss: str = "clip") -> bool:
+    """Once per (device, dtype, d, loss): the fused path against the PyTorch path on a small problem
     (333 rows, two panels). A toolchain that miscompiles falls back to PyTorch with a warning."""
     gen = torch.Generator(device).manual_seed(0)
     zx, zy = (F.normalize(torch.randn(333, d, device=device, generator=gen), dim=1).to(dtype) for _ in range(2))
-    scale = torch.tensor(20.0, device=device)
     try:
-        row, col = fused_lse(zx, zy, scale, kernel)
-        got = fused_embedding_grads(zx, zy, row, col, scale, 0, kernel, panel=256)
+        got, want = _fused_and_reference(loss, zx, zy, kernel)
     except Exception as e:  # noqa: BLE001 - any failure means: do not use it
         warnings.warn(f"loss.kernel=auto: the Triton kernels failed on {device} ({type(e).__name__}: {e}); using the PyTorch path")
         return False
-    x32, y32 = zx.float(), zy.float()
-    want_row, want_col = streamed_lse(x32, y32, scale, 333), streamed_lse(y32, x32, scale, 333)
-    want = streamed_embedding_grads(x32, y32, range(333), want_row, want_col, scale, 333)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    errors = [((g - w).norm() / w.norm()).item() for g, w in zip((row, col, *got), (want_row, want_col, *want))]
+    errors = [((g - w).norm() / w.norm()).item() for g, w in zip(got, want)]
     if not max(errors) <= tol:
         warnings.warn(f"loss.kernel=auto: the Triton kernels disagree with PyTorch on {device} {dtype} d={d} "
                       f"(relative errors {', '.join(f'{e:.1e}' for e in errors)}); using the PyTorch path")

@@ -136,10 +136,12 @@ class LRScheduler:
 
 @dataclass
 class Loss:
-    name: Literal["", "clip", "pixel"] = ""
+    name: Literal["", "clip", "siglip", "pixel"] = ""
     """Training loss; empty = the model family's own. `clip`: symmetric InfoNCE with the model's
-    learnable logit scale (clip, bi_encoder, vlm). `pixel`: masked reconstruction loss through the
-    decoder, see [pixel_loss] (vae)."""
+    learnable logit scale (clip, bi_encoder, vlm). `siglip`: the sigmoid loss of SigLIP,
+    -(1/N) sum_ij log sigmoid(z_ij (t <x_i, y_j> + b)), z = +1 for pairs, -1 otherwise (clip
+    family; adds a `logit_bias`). `pixel`: masked reconstruction loss through the decoder, see
+    [pixel_loss] (vae)."""
     negatives: Literal["microbatch", "global"] = "microbatch"
     """Which samples form one contrastive problem. `microbatch`: the current microbatches of
     all DP ranks (gathered with gradient); accumulation steps do not add negatives.
@@ -155,6 +157,15 @@ class Loss:
     `triton_exact`: the same with IEEE float32 dots. `auto`: on CUDA the fused kernels (exact for
     float32; under bf16/fp16 mixed precision on the embeddings rounded to that dtype, as autocast
     rounds the dense loss's matmul) after a one-time self-check against pytorch, else pytorch."""
+    init_logit_scale: float | None = None
+    """t' at the start, the temperature being t = exp(t'); empty (or `none`) = the loss's own:
+    log(1/0.07) for clip, log(10) for siglip (SigLIP's init). clip family."""
+    init_logit_bias: float | None = None
+    """siglip: the bias b at the start; empty = -10 (SigLIP's init). clip family."""
+    learn_logit_scale: bool = True
+    """Train t' (true) or keep the temperature fixed at its initial value (false)."""
+    learn_logit_bias: bool = True
+    """siglip: train b (true) or keep it fixed at its initial value (false)."""
 
 
 @dataclass

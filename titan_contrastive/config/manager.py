@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
+import types
 import typing
 from typing import Any
 
@@ -84,6 +85,12 @@ def coerce(key: str, value: Any, tp: Any, origin: str) -> Any:
     def bad(expect: str) -> ConfigError:
         return ConfigError(f"{origin}: {key}={value!r} is invalid: expected {expect}")
 
+    if origin_ in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp):  # `X | None`: "none" unsets
+        one = value[0] if isinstance(value, list) and len(value) == 1 else value
+        if one is None or (isinstance(one, str) and one.lower() in ("none", "null")):
+            return None
+        (inner,) = [t for t in typing.get_args(tp) if t is not type(None)]
+        return coerce(key, value, inner, origin)
     if origin_ is typing.Literal:
         choices = typing.get_args(tp)
         if isinstance(value, list) and len(value) == 1:

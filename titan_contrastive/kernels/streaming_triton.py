@@ -16,6 +16,13 @@ backward recomputes S: both embedding gradients are then GEMMs on the same W (dZ
 dZy = W^T Zx, cuBLAS), done panel by panel in components/streaming_loss.py. Against the PyTorch
 path, which recomputes S twice forward and twice backward (12 N^2 d FLOPs), this does 8 N^2 d.
 
+`sigmoid_weights(q, k, scale, bias, diag_offset, out, loss_rows, bias_rows)` -> W = dL/dl of
+SigLIP's sigmoid loss up to 1/N, -z sigmoid(-z l) with l = S + bias and z = +1 on the shifted
+diagonal, -1 elsewhere, written like the softmax W; the same tile also adds each row's loss terms
+-log sigmoid(z l) and its W sum (dL/db) into float32 row vectors (atomic adds across column
+tiles). A sum over pairs needs no normalizer: this is the loss's only pass over S, forward and
+backward at once, and the GEMMs on W give both embedding gradients.
+
 Inputs: bf16 / fp16 / fp32, row-major contiguous, d <= 1024, any M, N (masked tails). The
 logit tile is fp32; bf16/fp16 go through the tensor-core dot with fp32 accumulators; `exact`
 computes the dot in IEEE fp32 (inputs upcast) instead of TF32 / bf16. Tile sizes are autotuned
@@ -31,7 +38,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["row_col_lse", "softmax_weights"]
+__all__ = ["row_col_lse", "sigmoid_weights", "softmax_weights"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LSE_PANEL = 8192  # columns per forward launch: the per-program partials are programs x LSE_PANEL floats
@@ -121,6 +128,24 @@ def _weights_kernel(q_ptr, k_ptr, a_ptr, b_ptr, w_ptr, n_q, n_k, d, w_stride, sc
              mask=(rows[:, None] < n_q) & (cols[None, :] < n_k))
 
 
+@triton.autotune(configs=_WEIGHT_CONFIGS, key=["d", "EXACT"], restore_value=["loss_ptr", "bias_ptr"])
+@triton.jit
+def _sigmoid_kernel(q_ptr, k_ptr, w_ptr, loss_ptr, bias_ptr, n_q, n_k, d, w_stride, scale, bias, diag_offset, EXACT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = (rows[:, None] < n_q) & (cols[None, :] < n_k)
+    logits = _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D) + bias
+    positive = cols[None, :] == rows[:, None] + diag_offset
+    zl = tl.where(positive, logits, -logits)
+    loss = tl.maximum(-zl, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(zl)))  # -log sigmoid(zl), stable
+    sig = 1.0 / (1.0 + tl.exp(zl))  # sigmoid(-zl)
+    w = tl.where(valid, tl.where(positive, -sig, sig), 0.0)
+    tl.store(w_ptr + rows[:, None] * w_stride + cols[None, :], w.to(w_ptr.dtype.element_ty), mask=valid)
+    tl.atomic_add(loss_ptr + rows, tl.sum(tl.where(valid, loss, 0.0), axis=1), mask=rows < n_q)
+    tl.atomic_add(bias_ptr + rows, tl.sum(w, axis=1), mask=rows < n_q)
+
+
 def _exact(exact: bool) -> bool:
     """Triton 3.9's interpreter computes bf16/fp16 tl.dot wrongly (garbage); under it the tiles are
     upcast and multiplied in IEEE fp32, so CPU tests check everything but the low-precision dot
@@ -191,3 +216,30 @@ def softmax_weights(queries: Tensor, keys: Tensor, row_lse: Tensor, col_lse: Ten
     _weights_kernel[grid](queries, keys, row_lse.float().contiguous(), col_lse.float().contiguous(), out, m, n, queries.shape[1],
                           out.stride(0), float(scale), int(diag_offset), _exact(exact))
     return out
+
+
+def sigmoid_weights(queries: Tensor, keys: Tensor, scale: float, bias: float, diag_offset: int, *, loss_rows: Tensor,
+                    bias_rows: Tensor, exact: bool = False, out: Tensor | None = None) -> Tensor:
+    """W [M, N] = -z sigmoid(-z (S + bias)), S = scale · q·k, z = +1 where j == i + diag_offset.
+
+    Also adds each row's sum of -log sigmoid(z (S + bias)) into `loss_rows` and of W into
+    `bias_rows` (float32 [M]). W goes into `out` (any row stride, unit column stride) or a new
+    tensor in the inputs' dtype (float32 when `exact`).
+    """
+    _check(queries, keys)
+    m, n = len(queries), len(keys)
+    for name, rows in (("loss_rows", loss_rows), ("bias_rows", bias_rows)):
+        if rows.shape != (m,) or rows.dtype != torch.float32 or not rows.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 [{m}], got {rows.dtype} {list(rows.shape)}")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32 if exact else queries.dtype, device=queries.device)
+    if out.shape != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{m}, {n}] with unit column stride, got {list(out.shape)} strides {out.stride()}")
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
+
+    _sigmoid_kernel[grid](queries, keys, out, loss_rows, bias_rows, m, n, queries.shape[1], out.stride(0), float(scale), float(bias),
+                          int(diag_offset), _exact(exact))
+    return out
+

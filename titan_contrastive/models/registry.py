@@ -64,6 +64,9 @@ class ModelSpec:
     default_loss: str = "clip"
     """The loss the family trains with: the default of `[loss] name`, a name in
     `components.loss.LOSSES` (which builds it) unless the family's own step computes it."""
+    other_losses: tuple[str, ...] = ()
+    """Further losses `[loss] name` may pick for this family (its model provides what they read,
+    e.g. the sigmoid loss's bias through `update_from_config`)."""
     input_keys: tuple[str, ...] = ("image", "text")
     """The batch entries passed to `model(*inputs)`, in order (e.g. ("query", "doc")); the model
     returns (first tower's embeddings, second tower's embeddings, exp(logit_scale))."""

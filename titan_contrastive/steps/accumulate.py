@@ -23,12 +23,12 @@ __all__ = ["AccumulateStep"]
 class AccumulateStep(ContrastiveLog):
     """k x (forward, loss / k, backward); `loss_fn` is already divided by k (RescaleAccumulatedLoss)."""
 
-    def __init__(self, ctx: StepContext, loss_fn: Callable[..., Tensor]) -> None:
-        self.ctx, self.loss_fn = ctx, loss_fn
+    def __init__(self, ctx: StepContext, loss_fn: Callable[..., Tensor], loss_name: str = "given") -> None:
+        self.ctx, self.loss_fn, self.loss_name = ctx, loss_fn, loss_name
 
     @classmethod
     def build(cls, ctx: StepContext, cfg: JobConfig, loss_name: str, knobs: dict[str, int]) -> AccumulateStep:
-        return cls(ctx, train_loss(ctx, loss_name))
+        return cls(ctx, train_loss(ctx, loss_name), loss_name)
 
     def microbatch(self, batch: Batch, is_last: bool = True) -> Tensor:
         """One microbatch: forward, rescaled loss, backward into .grad (reduced if `is_last`)."""
@@ -42,7 +42,7 @@ class AccumulateStep(ContrastiveLog):
         return torch.stack(losses).sum().item()  # each is already / k: the sum is the mean
 
     def describe(self) -> str:
-        return microbatch_problem(self.ctx, None)
+        return microbatch_problem(self.ctx, self.loss_name, None)
 
     def knobs(self) -> dict[str, list[int]]:
         return chunk_knob(self.ctx)

@@ -74,8 +74,8 @@ class StepContext:
     defer_fsdp_sync: bool = False
     """`[parallelism] defer_grad_sync`: FSDP2 reduce-scatters only after the last backward."""
     family: str = ""
-    last_scale: Tensor | None = field(default=None, init=False)
-    """exp(logit_scale) from the last contrastive forward, for the log."""
+    last_scalars: tuple[Tensor, ...] = field(default=(), init=False)
+    """What the last contrastive forward returned after the embeddings (exp(logit_scale)[, logit_bias]), for the log."""
 
     @property
     def global_batch_size(self) -> int:
@@ -96,8 +96,7 @@ class StepContext:
         """A contrastive forward: (first tower's embeddings, second tower's, exp(logit_scale), ...)
         in float32 or better, whatever the compute dtype."""
         outputs = self.run(batch)
-        if len(outputs) > 2:
-            self.last_scale = outputs[2].detach()
+        self.last_scalars = tuple(out.detach() for out in outputs[2:])
         return tuple(at_least_fp32(out) for out in outputs)
 
     def grad_sync(self, is_last: bool) -> ContextManager:
@@ -118,9 +117,9 @@ StepBuilder = Callable[[StepContext, JobConfig, str, "dict[str, int]"], Gradient
 
 
 class ContrastiveLog:
-    """The temperature in the train log, for the contrastive step kinds."""
+    """The temperature (and the sigmoid loss's bias) in the train log, for the contrastive step kinds."""
 
     ctx: StepContext
 
     def log_values(self) -> dict[str, float]:
-        return {} if self.ctx.last_scale is None else {"logit_scale": self.ctx.last_scale.item()}
+        return {name: value.item() for name, value in zip(("logit_scale", "logit_bias"), self.ctx.last_scalars)}

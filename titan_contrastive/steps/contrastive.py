@@ -35,6 +35,7 @@ def chunk_knob(ctx: StepContext) -> dict[str, list[int]]:
     return {CHUNK_KNOB: doubling(1, ctx.local_batch_size)}
 
 
-def microbatch_problem(ctx: StepContext, chunk: int | None) -> str:
-    text = f"negatives per contrastive problem: {ctx.local_batch_size * ctx.dp_degree} (loss.negatives=microbatch: accumulation adds no negatives)"
+def microbatch_problem(ctx: StepContext, loss_name: str, chunk: int | None) -> str:
+    text = (f"{loss_name} loss; negatives per contrastive problem: {ctx.local_batch_size * ctx.dp_degree} (loss.negatives=microbatch: "
+            "accumulation adds no negatives)")
     return text + (f"; GradCache: forwards in chunks of {chunk} samples" if chunk else "")

@@ -47,7 +47,7 @@ from torch import Tensor
 from titan_contrastive.components.memory_planner import doubling
 from titan_contrastive.components.streaming_loss import (
     accumulation_dtype, fused_embedding_grads, fused_lse, infonce_loss_from_lse, loss_dtype, preferred_kernel, require_kernel,
-    resolve_kernel, streamed_embedding_grads, streamed_lse,
+    fused_sigmoid, resolve_kernel, streamed_embedding_grads, streamed_lse, streamed_sigmoid,
 )
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.grad_cache import engine
@@ -81,11 +81,15 @@ class StreamingClipStep:
 
     def __init__(self, *, stream_chunk_size: int, group: dist.ProcessGroup | None = None,
                  grad_average_factor: int = 1, fixed_scale: float | None = None, kernel: str = "auto",
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, loss: str = "clip", fixed_bias: float | None = None) -> None:
         if not isinstance(stream_chunk_size, int) or stream_chunk_size < 1:
             raise DistributedClipError(f"STREAM_CHUNK_SIZE={stream_chunk_size!r}: must be an integer >= 1 (e.g. 1024)")
         if fixed_scale is not None and not (math.isfinite(fixed_scale) and fixed_scale > 0):
             raise DistributedClipError(f"TAU={1 / fixed_scale if fixed_scale else fixed_scale!r}: must be a number > 0 (e.g. 0.07)")
+        if loss not in ("clip", "siglip"):
+            raise DistributedClipError(f"LOSS={loss!r}: choose clip (softmax, InfoNCE) or siglip (sigmoid)")
+        if fixed_bias is not None and not math.isfinite(fixed_bias):
+            raise DistributedClipError(f"BIAS={fixed_bias!r}: must be a finite number (e.g. -10), or None to learn logit_bias")
         self.chunk = stream_chunk_size
         self.kernel = kernel  # "auto", "pytorch" or a fused Triton path (components/streaming_loss.py)
         self.compute_dtype = compute_dtype  # the caller's autocast dtype, if any (see streaming_loss.loss_dtype)
@@ -94,6 +98,8 @@ class StreamingClipStep:
         self.rank = dist.get_rank(group) if self.world > 1 else 0
         self.grad_average_factor = grad_average_factor
         self.fixed_scale = fixed_scale
+        self.loss = loss
+        self.fixed_bias = fixed_bias
 
     def __call__(self, encode: Encode, microbatches: Sequence[Any], *,
                  grad_sync: Callable[[bool], ContextManager] = lambda is_last: contextlib.nullcontext(),
@@ -102,7 +108,7 @@ class StreamingClipStep:
         # A. no-graph forward per microbatch, RNG captured for the replay (the cached-gradient engine); all-gather
         outputs, rand = engine.forward_no_grad(encode, microbatches)
         zx_parts, zy_parts = [o[0] for o in outputs], [o[1] for o in outputs]
-        scale = outputs[-1][2] if len(outputs[-1]) > 2 else None
+        scale, bias = (list(outputs[-1][2:4]) + [None, None])[:2]
         zx_local, zy_local = torch.cat(zx_parts), torch.cat(zy_parts)
         if zx_local.shape != zy_local.shape:
             raise DistributedClipError(f"z_x {tuple(zx_local.shape)} and z_y {tuple(zy_local.shape)} must have the same shape [batch, dim]")
@@ -111,31 +117,22 @@ class StreamingClipStep:
         learnable = self.fixed_scale is None
         if learnable and scale is None:
             raise DistributedClipError("no temperature: the model has no `logit_scale` and TAU is not set; give TAU (e.g. 0.07) or add a logit_scale parameter")
-        s = torch.tensor(self.fixed_scale) if not learnable else scale.detach().reshape(())
-        s = s.to(zx_local.device, accumulation_dtype(zx_local))
+        acc = accumulation_dtype(zx_local)
+        s = (torch.tensor(self.fixed_scale) if not learnable else scale.detach().reshape(())).to(zx_local.device, acc)
+        learn_bias = self.loss == "siglip" and self.fixed_bias is None
+        if learn_bias and bias is None:
+            raise DistributedClipError("no bias: the sigmoid loss needs logit_bias as the model's fourth output, or a fixed BIAS (e.g. -10)")
         zx_all, zy_all = self._gather(zx_local), self._gather(zy_local)
         c = len(zx_local)
         own = range(self.rank * c, (self.rank + 1) * c)
 
-        dtype = loss_dtype(self.kernel, zx_local.dtype, self.compute_dtype)
-        kernel = resolve_kernel(self.kernel, zx_local.to(dtype))
-        if kernel == "pytorch":
-            # B. own rows' and columns' LSEs, gathered; the loss
-            row_lse = self._gather(streamed_lse(zx_local, zy_all, s, self.chunk))
-            col_lse = self._gather(streamed_lse(zy_local, zx_all, s, self.chunk))
-            loss = infonce_loss_from_lse(zx_all, zy_all, row_lse, col_lse, s)
-            # C. own embedding gradients
-            gx, gy = streamed_embedding_grads(zx_all, zy_all, own, row_lse, col_lse, s, self.chunk)
+        # B + C: the loss and this rank's embedding gradients (and, sigmoid, its rows' share of dL/db)
+        bias_rows = None
+        if self.loss == "siglip":
+            b = (torch.tensor(self.fixed_bias) if not learn_bias else bias.detach().reshape(())).to(zx_local.device, acc)
+            loss, gx, gy, bias_rows, zx_local = self._sigmoid(zx_local, zy_all, s, b, own)
         else:
-            zx_local, zx_all, zy_all = zx_local.to(dtype), zx_all.to(dtype), zy_all.to(dtype)
-            # B. own rows against all columns in one pass: row LSEs, partial column LSEs merged over ranks
-            row_own, col_part = fused_lse(zx_local, zy_all, s, kernel)
-            row_lse = self._gather(row_own)
-            col_lse = self._gather(col_part).view(self.world, -1).logsumexp(0)
-            loss = infonce_loss_from_lse(zx_all, zy_all, row_lse, col_lse, s)
-            # C. one recompute of the same rows: dZx[own], and dZy's share summed into the owners
-            gx, gy_share = fused_embedding_grads(zx_local, zy_all, row_own, col_lse, s, own.start, kernel)
-            gy = reduce_scatter_sum(gy_share, self.group) if self.world > 1 else gy_share
+            loss, gx, gy, zx_local = self._softmax(zx_local, zy_local, zx_all, zy_all, s, own)
         del zx_all, zy_all
 
         # D. replayed forward with a graph, backward of the surrogate <z, cached gradient> (the engine);
@@ -146,15 +143,60 @@ class StreamingClipStep:
 
         def gradients(j: int, out: tuple[Tensor | None, ...]) -> list[Tensor | None]:
             rows = slice(ends[j - 1] if j else 0, ends[j])
-            grads: list[Tensor | None] = [gx[rows] * factor, gy[rows] * factor]
-            if learnable:  # dL/ds = <Zx, dL/dZx> / s, this microbatch's rows' share
+            grads: list[Tensor | None] = [gx[rows] * factor, gy[rows] * factor, None, None]
+            if learnable:  # dL/ds = <Zx, dL/dZx> / s (l depends on s only through s <x, y>), this microbatch's rows' share
                 share = (zx_local[rows].to(gx.dtype) * gx[rows]).sum() / s
-                grads.append((share * factor).reshape(out[2].shape))
-            return grads + [None] * (len(out) - len(grads))
+                grads[2] = (share * factor).reshape(out[2].shape)
+            if learn_bias:  # dL/db, this microbatch's rows' share
+                grads[3] = (bias_rows[rows].sum() * factor).reshape(out[3].shape)
+            return (grads + [None] * len(out))[: len(out)]
 
         engine.forward_backward(encode, microbatches, rand, gradients, sync=lambda j: grad_sync(j == len(microbatches) - 1),
                                 backward=backward)
         return loss.detach()
+
+    def _softmax(self, zx_local: Tensor, zy_local: Tensor, zx_all: Tensor, zy_all: Tensor, s: Tensor,
+                 own: range) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Symmetric InfoNCE: (loss, dL/dZx[own], dL/dZy[own], the own rows as the loss read them)."""
+        dtype = loss_dtype(self.kernel, zx_local.dtype, self.compute_dtype)
+        kernel = resolve_kernel(self.kernel, zx_local.to(dtype))
+        if kernel == "pytorch":
+            # B. own rows' and columns' LSEs, gathered; the loss
+            row_lse = self._gather(streamed_lse(zx_local, zy_all, s, self.chunk))
+            col_lse = self._gather(streamed_lse(zy_local, zx_all, s, self.chunk))
+            loss = infonce_loss_from_lse(zx_all, zy_all, row_lse, col_lse, s)
+            # C. own embedding gradients
+            gx, gy = streamed_embedding_grads(zx_all, zy_all, own, row_lse, col_lse, s, self.chunk)
+            return loss, gx, gy, zx_local
+        zx_local, zx_all, zy_all = zx_local.to(dtype), zx_all.to(dtype), zy_all.to(dtype)
+        # B. own rows against all columns in one pass: row LSEs, partial column LSEs merged over ranks
+        row_own, col_part = fused_lse(zx_local, zy_all, s, kernel)
+        row_lse = self._gather(row_own)
+        col_lse = self._gather(col_part).view(self.world, -1).logsumexp(0)
+        loss = infonce_loss_from_lse(zx_all, zy_all, row_lse, col_lse, s)
+        # C. one recompute of the same rows: dZx[own], and dZy's share summed into the owners
+        gx, gy_share = fused_embedding_grads(zx_local, zy_all, row_own, col_lse, s, own.start, kernel)
+        gy = reduce_scatter_sum(gy_share, self.group) if self.world > 1 else gy_share
+        return loss, gx, gy, zx_local
+
+    def _sigmoid(self, zx_local: Tensor, zy_all: Tensor, s: Tensor, b: Tensor,
+                 own: range) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """SigLIP's loss, a sum over pairs, so B and C are one pass over this rank's rows against all
+        columns (no log-sum-exp to gather first): (loss, dL/dZx[own], dL/dZy[own], dL/db per own
+        row, the own rows as the loss read them)."""
+        dtype = loss_dtype(self.kernel, zx_local.dtype, self.compute_dtype)
+        kernel = resolve_kernel(self.kernel, zx_local.to(dtype), loss="siglip")
+        if kernel == "pytorch":
+            loss, gx, gy_share, bias_rows = streamed_sigmoid(zx_local, zy_all, s, b, own.start, self.chunk)
+        else:
+            zx_local, zy_all = zx_local.to(dtype), zy_all.to(dtype)
+            loss, gx, gy_share, bias_rows = fused_sigmoid(zx_local, zy_all, s, b, own.start, kernel)
+        if self.world > 1:
+            dist.all_reduce(loss, group=self.group)
+            gy = reduce_scatter_sum(gy_share, self.group)
+        else:
+            gy = gy_share
+        return loss, gx, gy, bias_rows, zx_local
 
     def _gather(self, x: Tensor) -> Tensor:
         return all_gather_tensor(x, self.group) if self.world > 1 else x
@@ -181,8 +223,12 @@ class GlobalNegativesStep(ContrastiveLog):
             require_kernel(cfg.loss.kernel)
         except ImportError as e:
             raise ConfigError(str(e)) from None
-        streaming = StreamingClipStep(stream_chunk_size=knobs.get(STREAM_KNOB, cfg.loss.stream_chunk_size), group=ctx.dp_group,
-                                      grad_average_factor=ctx.dp_degree, kernel=cfg.loss.kernel, compute_dtype=ctx.precision.compute_dtype)
+        try:
+            streaming = StreamingClipStep(stream_chunk_size=knobs.get(STREAM_KNOB, cfg.loss.stream_chunk_size), group=ctx.dp_group,
+                                          grad_average_factor=ctx.dp_degree, kernel=cfg.loss.kernel, compute_dtype=ctx.precision.compute_dtype,
+                                          loss=loss_name)
+        except DistributedClipError as e:
+            raise ConfigError(str(e)) from None
         return cls(ctx, streaming, gradcache_chunk(ctx, cfg, knobs))
 
     def __call__(self, microbatches: Sequence[Batch]) -> float:
@@ -190,8 +236,9 @@ class GlobalNegativesStep(ContrastiveLog):
         return self.streaming(self.ctx.encode, chunks, grad_sync=self.ctx.grad_sync, backward=self.ctx.backward).item()
 
     def describe(self) -> str:
-        text = (f"negatives per contrastive problem: {self.ctx.global_batch_size} (loss.negatives=global: one exact problem over the "
-                f"global batch, streamed in blocks of {self.streaming.chunk} rows; the {self.ctx.ga_steps} microbatches are re-forward chunks)")
+        text = (f"{self.streaming.loss} loss; negatives per contrastive problem: {self.ctx.global_batch_size} (loss.negatives=global: "
+                f"one exact problem over the global batch, streamed in blocks of {self.streaming.chunk} rows; the {self.ctx.ga_steps} "
+                "microbatches are re-forward chunks)")
         return text + (f"; GradCache: forwards in chunks of {self.chunk_size} samples" if self.chunk_size else "")
 
     def knobs(self) -> dict[str, list[int]]:

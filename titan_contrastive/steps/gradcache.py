@@ -23,14 +23,14 @@ __all__ = ["GradCacheStep"]
 
 
 class GradCacheStep(ContrastiveLog):
-    def __init__(self, ctx: StepContext, loss_fn: Callable[..., Tensor], chunk_size: int) -> None:
-        self.ctx, self.loss_fn, self.chunk_size = ctx, loss_fn, chunk_size
+    def __init__(self, ctx: StepContext, loss_fn: Callable[..., Tensor], chunk_size: int, loss_name: str = "given") -> None:
+        self.ctx, self.loss_fn, self.chunk_size, self.loss_name = ctx, loss_fn, chunk_size, loss_name
 
     @classmethod
     def build(cls, ctx: StepContext, cfg: JobConfig, loss_name: str, knobs: dict[str, int]) -> GradCacheStep:
         chunk = gradcache_chunk(ctx, cfg, knobs)
         assert chunk is not None, "GradCacheStep needs a chunk size (steps.build_gradient_step picks AccumulateStep otherwise)"
-        return cls(ctx, train_loss(ctx, loss_name), chunk)
+        return cls(ctx, train_loss(ctx, loss_name), chunk, loss_name)
 
     def outputs(self, **batch: Tensor) -> tuple[Tensor, ...]:
         """The model's outputs for GradCache: embeddings per sample, the temperature as a 0-dim
@@ -49,7 +49,7 @@ class GradCacheStep(ContrastiveLog):
         return total
 
     def describe(self) -> str:
-        return microbatch_problem(self.ctx, self.chunk_size)
+        return microbatch_problem(self.ctx, self.loss_name, self.chunk_size)
 
     def knobs(self) -> dict[str, list[int]]:
         return chunk_knob(self.ctx)

@@ -7,5 +7,6 @@ from titan_contrastive.models.registry import ModelSpec, register_model
 __all__ = ["CLIP", "CLIPArgs", "clip_blocks", "clip_flavors"]
 
 register_model(
-    ModelSpec(name="clip", flavors=clip_flavors, build_model=CLIP, blocks=clip_blocks, default_loss="clip")
+    ModelSpec(name="clip", flavors=clip_flavors, build_model=CLIP, blocks=clip_blocks, default_loss="clip", other_losses=("siglip",),
+              update_from_config=CLIPArgs.update_from_config)
 )

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from titan_contrastive.components.loss import LOSSES
+from titan_contrastive.config import ConfigError
 from titan_contrastive.models.transformer import mlp_hidden
 
 __all__ = ["CLIPArgs", "clip_flavors"]
@@ -76,7 +78,12 @@ class CLIPArgs:
     dropout: float = 0.0
     """Residual dropout on attention and MLP outputs in both towers."""
     init_logit_scale: float = math.log(1 / 0.07)
-    """Initial value of the learnable log temperature (CLIP: log(1/0.07))."""
+    """Initial value of the log temperature t' (CLIP: log(1/0.07)); set from the job's loss."""
+    init_logit_bias: float | None = None
+    """Initial logit bias b of the sigmoid loss; None: no bias (the softmax loss)."""
+    learn_logit_scale: bool = True
+    """Train t' (a parameter either way; frozen when false)."""
+    learn_logit_bias: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -134,6 +141,18 @@ class CLIPArgs:
             context_length=context_length,
         )
 
+    def update_from_config(self, cfg: Any) -> CLIPArgs:
+        """A copy with the temperature and bias the job's loss starts from: `[loss] init_logit_scale`,
+        `init_logit_bias`, `learn_*`, or the loss's own initial values (`components.loss.LOSSES`)."""
+        name, loss = cfg.loss.name or "clip", cfg.loss
+        if LOSSES[name].init_logit_bias is None and loss.init_logit_bias is not None:
+            raise ConfigError(f"loss.init_logit_bias={loss.init_logit_bias}: loss.name={name!r} has no bias; "
+                              "use --loss.name=siglip or leave loss.init_logit_bias empty")
+        bias = LOSSES[name].init_logit_bias if loss.init_logit_bias is None else loss.init_logit_bias
+        scale = LOSSES[name].init_logit_scale if loss.init_logit_scale is None else loss.init_logit_scale
+        return dataclasses.replace(self, init_logit_scale=scale, init_logit_bias=bias, learn_logit_scale=loss.learn_logit_scale,
+                                   learn_logit_bias=loss.learn_logit_bias)
+
     def num_params(self) -> int:
         """Exact parameter count of `CLIP(self)` (tied to the module layout; tested)."""
         vw = self.vision_width
@@ -146,7 +165,7 @@ class CLIPArgs:
             + 2 * vw  # ln_post
             + vw * self.embed_dim  # proj, no bias
         )
-        return vision + text_tower_params(self) + 1  # + logit_scale
+        return vision + text_tower_params(self) + 1 + (self.init_logit_bias is not None)  # + logit_scale (+ logit_bias)
 
     def flops_per_sample(self) -> int:
         """Training FLOPs (forward x 3 for forward + backward) of one image-text pair.

@@ -122,7 +122,9 @@ class CLIP(nn.Module):
         self.visual = ImageTower(args)
         self.text = TextTower(args)
         # shape [1], not a scalar: FSDP2 shards parameters on dim 0 and rejects 0-d ones
-        self.logit_scale = nn.Parameter(torch.empty(1))
+        self.logit_scale = nn.Parameter(torch.empty(1), requires_grad=args.learn_logit_scale)
+        if args.init_logit_bias is not None:  # the sigmoid loss's bias
+            self.logit_bias = nn.Parameter(torch.empty(1), requires_grad=args.learn_logit_bias)
         self.init_weights()
 
     @property
@@ -149,6 +151,8 @@ class CLIP(nn.Module):
         self.visual.init_weights(generator)
         self.text.init_weights(generator)
         nn.init.constant_(self.logit_scale, self.args.init_logit_scale)
+        if self.args.init_logit_bias is not None:
+            nn.init.constant_(self.logit_bias, self.args.init_logit_bias)
 
     def encode_image(self, images: Tensor) -> Tensor:
         """[B, C, H, W] -> [B, embed_dim], L2-normalized."""
@@ -158,13 +162,15 @@ class CLIP(nn.Module):
         """[B, context_length] token ids -> [B, embed_dim], L2-normalized."""
         return self.text(ids)
 
-    def forward(self, images: Tensor, texts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(image embeddings, text embeddings, exp(logit_scale)).
+    def forward(self, images: Tensor, texts: Tensor) -> tuple[Tensor, ...]:
+        """(image embeddings, text embeddings, exp(logit_scale)[, logit_bias]).
 
-        The temperature is returned by forward (as open_clip does) rather than read from the
-        attribute by the caller: under FSDP2 a parameter is only unsharded inside forward.
+        The temperature (and the sigmoid loss's bias) are returned by forward (as open_clip does)
+        rather than read from the attributes by the caller: under FSDP2 a parameter is only
+        unsharded inside forward.
         """
-        return self.encode_image(images), self.encode_text(texts), self.logit_scale.exp()
+        out = (self.encode_image(images), self.encode_text(texts), self.logit_scale.exp())
+        return (*out, self.logit_bias) if self.args.init_logit_bias is not None else out
 
     def blocks(self) -> list[nn.Module]:
         """Residual blocks of both towers: the per-block FSDP / checkpoint / compile units."""
