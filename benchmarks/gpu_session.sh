@@ -10,7 +10,8 @@
 #   2  ours vs open_clip accum_freq at 1K..64K; the gpu sweep grid                      (issue 7)
 #   3  the pixel-loss benchmark through the sd decoder (issue 6); GradCache ratio + memory (issue 5)
 #   4  the vit_b32 training-stack table (issue 3)
-# A session has 30 device-minutes: stages 1-3 fit; 4 goes to the next one.
+#   5  the loss benchmark for SigLIP's sigmoid loss (dense, streamed, fused kernel)      (issue 15)
+# A session has 30 device-minutes: stages 1-3 fit; 4 and 5 go to the next one.
 # Results go to $OUT (what the device tool brings back), else benchmarks/results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,20 +24,21 @@ case "${1:-}" in
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
       tyro docstring-parser typeguard shtab torchdata open-clip-torch ftfy wcwidth regex inf-cl==1.2.1 memeff==0.3.1
     ls .whl; exit 0 ;;
-  1|2|3|4)
+  1|2|3|4|5)
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.txt" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5" >&2; exit 2 ;;
 esac
 case "$1" in
   1) step 120 python3 -m pytest -q -m gpu -p no:cacheprovider
      step 120 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider   # compiled, bf16 dot included
-     step 420 python3 benchmarks/loss_bench.py --out "$out" ;;
+     step 360 python3 benchmarks/loss_bench.py --losses clip --out "$out" ;;
   2) step 240 python3 benchmarks/openclip_compare.py --out "$out"
      step 330 python3 benchmarks/sweep.py --grid gpu --out "$out" --timeout 120 ;;
   3) step 300 python3 benchmarks/pixel_loss_bench.py --out "$out"
      step 270 python3 benchmarks/gradcache_bench.py --out "$out" ;;
   4) step 540 python3 benchmarks/train_bench.py --out "$out" ;;
+  5) step 540 python3 benchmarks/loss_bench.py --losses siglip --out "$out" ;;
 esac

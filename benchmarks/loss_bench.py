@@ -79,7 +79,15 @@ def streaming_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
         lambda _: (zx * 1, zy * 1), [None])
 
 
+def streaming_triton_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA only
+    kernel = "triton_exact" if zx.dtype == torch.float32 else "triton"
+    StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SIGLIP_SCALE, kernel=kernel, loss="siglip", fixed_bias=SIGLIP_BIAS)(
+        lambda _: (zx * 1, zy * 1), [None])
+
+
 SIGLIP: dict[str, Callable[[torch.Tensor, torch.Tensor, int], None]] = {"dense": dense_siglip, "streaming": streaming_siglip}
+if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+    SIGLIP["streaming_triton"] = streaming_triton_siglip
 IMPLEMENTATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], None]] = {"dense": dense, "streaming": streaming}
 if torch.cuda.is_available():  # Triton kernels: ours (needs triton) and the two packages
     for _name, _package, _fn in (("streaming_triton", "triton", streaming_triton), ("inf_cl", "inf_cl", inf_cl),

@@ -69,7 +69,7 @@ class ModelSpec:
     e.g. the sigmoid loss's bias through `update_from_config`)."""
     input_keys: tuple[str, ...] = ("image", "text")
     """The batch entries passed to `model(*inputs)`, in order (e.g. ("query", "doc")); the model
-    returns (first tower's embeddings, second tower's embeddings, exp(logit_scale))."""
+    returns (first tower's embeddings, second tower's embeddings, exp(logit_scale)[, logit_bias])."""
     build_tokenizer: Callable[[Any], Any] | None = None
     """For families with their own (pretrained) tokenizer: args -> tokenizer, handed to the
     datasets that tokenize with it. None: datasets use their own tokenizer."""

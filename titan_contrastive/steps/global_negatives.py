@@ -1,5 +1,6 @@
 """The exact streaming distributed CLIP step (seed 001): one contrastive problem over the whole
-global batch, O(N * d) memory, gradients identical to the dense loss.
+global batch, O(N * d) memory, gradients identical to the dense loss; for the softmax loss of
+the seed (`loss="clip"`) and for SigLIP's sigmoid loss (`loss="siglip"`).
 
 Order of operations in `StreamingClipStep.__call__` (P data-parallel ranks, C = N/P rows each):
 A. per microbatch: capture the RNG, forward without a graph (the cached-gradient engine's first
@@ -12,9 +13,13 @@ C. this rank's embedding gradients dL/dZx[own], dL/dZy[own] (streamed, same bloc
    with the fused kernels (`kernel`, "auto" on CUDA) B and C take this rank's rows against all
    columns once each instead: B all-gathers row LSEs and partial column LSEs (P x N floats), C
    reduce-scatters each rank's share of dZy (N x d floats);
+B+C for the sigmoid loss, a sum over pairs with no normalizer: one pass of this rank's rows
+   against all columns gives its loss terms (all-reduced), dZx[own], its share of dZy
+   (reduce-scattered) and its rows' share of dL/db (`streaming_loss.streamed_sigmoid`);
 D. per microbatch: replay its RNG, forward with a graph, backward of the surrogate
    <zx, P gx> + <zy, P gy> + <s, P <zx_detached, gx> / s_detached> (the engine's second pass):
-   the chain rule from the cached gradients into the parameters, the temperature's share included;
+   the chain rule from the cached gradients into the parameters, the temperature's share (and
+   the sigmoid loss's bias share <b, P sum of its rows' dL/db>) included;
 E. the data-parallel wrapper's gradient reduction (sync 3) averages over P, which the factor P
    in D turns into the exact sum. It runs after the last microbatch only (`parallelisms.grad_sync`).
 
@@ -46,8 +51,8 @@ from torch import Tensor
 
 from titan_contrastive.components.memory_planner import doubling
 from titan_contrastive.components.streaming_loss import (
-    accumulation_dtype, fused_embedding_grads, fused_lse, infonce_loss_from_lse, loss_dtype, preferred_kernel, require_kernel,
-    fused_sigmoid, resolve_kernel, streamed_embedding_grads, streamed_lse, streamed_sigmoid,
+    accumulation_dtype, fused_embedding_grads, fused_lse, fused_sigmoid, infonce_loss_from_lse, loss_dtype, preferred_kernel,
+    require_kernel, resolve_kernel, streamed_embedding_grads, streamed_lse, streamed_sigmoid,
 )
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.grad_cache import engine
@@ -57,7 +62,7 @@ from titan_contrastive.steps.contrastive import chunk_knob, gradcache_chunk
 
 __all__ = ["DistributedClipError", "GlobalNegativesStep", "StreamingClipStep"]
 
-# (microbatch) -> (z_x, z_y, exp(logit_scale) or None); embeddings L2-normalized
+# (microbatch) -> (z_x, z_y[, exp(logit_scale) or None[, logit_bias or None]]); embeddings L2-normalized
 Encode = Callable[[Any], tuple[Tensor | None, ...]]
 # |1 - ||z||| allowed whatever the container dtype: a model under bf16 autocast may normalize in bf16
 # (off by ~3e-3) and the trainer hands float32 copies over; a forgotten normalize is off by far more
@@ -70,13 +75,15 @@ class DistributedClipError(ValueError):
 
 
 class StreamingClipStep:
-    """Forward + backward of the exact global symmetric InfoNCE for one optimizer step.
+    """Forward + backward of the exact global loss (symmetric InfoNCE, or SigLIP's sigmoid loss
+    with `loss="siglip"`) for one optimizer step.
 
     `encode` runs the model on one microbatch; `grad_sync(is_last)` returns the context for
     that microbatch's backward (DDP `no_sync` / FSDP2 deferral, from the caller);
     `backward(surrogate)` runs the backward (a float16 caller scales it first).
     `grad_average_factor` is what the data-parallel reduction divides by (P for DDP / FSDP2,
-    1 for an unwrapped model). `fixed_scale` = 1/tau replaces a learnable temperature.
+    1 for an unwrapped model). `fixed_scale` = 1/tau replaces a learnable temperature, and
+    `fixed_bias` the sigmoid loss's learnable bias (encode's fourth output).
     """
 
     def __init__(self, *, stream_chunk_size: int, group: dist.ProcessGroup | None = None,
