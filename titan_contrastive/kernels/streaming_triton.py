@@ -32,6 +32,7 @@ per (d, dtype) on CUDA. Set TRITON_INTERPRET=1 before importing this module to r
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 import triton
@@ -194,6 +195,16 @@ def row_col_lse(queries: Tensor, keys: Tensor, scale: float, *, exact: bool = Fa
     return row_max + row_sum.log(), col_lse
 
 
+def _panel_output(queries: Tensor, m: int, n: int, exact: bool, out: Tensor | None) -> tuple[Tensor, Callable[[dict], tuple[int, int]]]:
+    """The W panel to write (`out`, checked, or a new one in the inputs' dtype; float32 when exact)
+    and the launch grid over its tiles."""
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32 if exact else queries.dtype, device=queries.device)
+    if out.shape != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{m}, {n}] with unit column stride, got {list(out.shape)} strides {out.stride()}")
+    return out, lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+
+
 def softmax_weights(queries: Tensor, keys: Tensor, row_lse: Tensor, col_lse: Tensor, scale: float, diag_offset: int, *,
                     exact: bool = False, out: Tensor | None = None) -> Tensor:
     """W [M, N] = exp(S - row_lse) + exp(S - col_lse) - 2 [j == i + diag_offset], S = scale · q·k.
@@ -205,14 +216,7 @@ def softmax_weights(queries: Tensor, keys: Tensor, row_lse: Tensor, col_lse: Ten
     m, n = len(queries), len(keys)
     if row_lse.shape != (m,) or col_lse.shape != (n,):
         raise ValueError(f"LSEs must be [{m}] and [{n}], got {list(row_lse.shape)} and {list(col_lse.shape)}")
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32 if exact else queries.dtype, device=queries.device)
-    if out.shape != (m, n) or out.stride(1) != 1:
-        raise ValueError(f"out must be [{m}, {n}] with unit column stride, got {list(out.shape)} strides {out.stride()}")
-
-    def grid(meta: dict) -> tuple[int, int]:
-        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
-
+    out, grid = _panel_output(queries, m, n, exact, out)
     _weights_kernel[grid](queries, keys, row_lse.float().contiguous(), col_lse.float().contiguous(), out, m, n, queries.shape[1],
                           out.stride(0), float(scale), int(diag_offset), _exact(exact))
     return out
@@ -231,14 +235,7 @@ def sigmoid_weights(queries: Tensor, keys: Tensor, scale: float, bias: float, di
     for name, rows in (("loss_rows", loss_rows), ("bias_rows", bias_rows)):
         if rows.shape != (m,) or rows.dtype != torch.float32 or not rows.is_contiguous():
             raise ValueError(f"{name} must be a contiguous float32 [{m}], got {rows.dtype} {list(rows.shape)}")
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32 if exact else queries.dtype, device=queries.device)
-    if out.shape != (m, n) or out.stride(1) != 1:
-        raise ValueError(f"out must be [{m}, {n}] with unit column stride, got {list(out.shape)} strides {out.stride()}")
-
-    def grid(meta: dict) -> tuple[int, int]:
-        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
-
+    out, grid = _panel_output(queries, m, n, exact, out)
     _sigmoid_kernel[grid](queries, keys, out, loss_rows, bias_rows, m, n, queries.shape[1], out.stride(0), float(scale), float(bias),
                           int(diag_offset), _exact(exact))
     return out
