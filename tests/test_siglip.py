@@ -138,6 +138,12 @@ def test_siglip_settings_are_checked(tmp_path: Path) -> None:
     trainer = make_trainer(str(tmp_path), "--loss.name=siglip")  # SigLIP's initial values
     assert trainer.model.logit_scale.item() == pytest.approx(math.log(10)) and trainer.model.logit_bias.item() == -10.0
     trainer.metrics.close()
+    vlm = ["--model.name=vlm", "--data.dataset=emoji"]  # the temperature keys reach every contrastive family
+    with pytest.raises(ConfigError, match=r"^loss.init_logit_bias=-1.0: loss.name='clip' has no bias"):
+        make_trainer(str(tmp_path), *vlm, "--loss.init_logit_bias=-1")
+    trainer = make_trainer(str(tmp_path), *vlm, "--loss.init_logit_scale=1.25", "--loss.learn_logit_scale=false")
+    assert trainer.model.logit_scale.item() == 1.25 and not trainer.model.logit_scale.requires_grad
+    trainer.metrics.close()
 
 
 # ------------------------------------------------------------------ distributed_train_step, dropout

@@ -24,12 +24,13 @@ import contextlib
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from titan_contrastive.config import ConfigError
 from titan_contrastive.parallelisms.collectives import all_gather_with_grad
 
 
@@ -158,3 +159,27 @@ def build_loss_fn(name: str, group: dist.ProcessGroup | None = None) -> Callable
     if name not in LOSSES:
         raise ValueError(f"loss.name={name!r} is not a known loss; valid: {', '.join(LOSSES)}")
     return LOSSES[name].build(group)
+
+
+class Temperature(NamedTuple):
+    """The temperature (and bias) a contrastive model starts from, and which of them train."""
+
+    init_logit_scale: float
+    init_logit_bias: float | None
+    learn_logit_scale: bool
+    learn_logit_bias: bool
+
+
+def temperature_from_config(cfg: Any, default_logit_scale: float | None = None) -> Temperature:
+    """`[loss] init_logit_scale / init_logit_bias / learn_*` for a model's args; unset values come
+    from the loss (`LOSSES`), or `default_logit_scale` (a pretrained family's own). A bias for a
+    loss without one is a one-line error (it would be silently unused)."""
+    name, loss = cfg.loss.name or "clip", cfg.loss
+    spec = LOSSES[name]
+    if spec.init_logit_bias is None and loss.init_logit_bias is not None:
+        raise ConfigError(f"loss.init_logit_bias={loss.init_logit_bias}: loss.name={name!r} has no bias; "
+                          "use --loss.name=siglip or leave loss.init_logit_bias empty")
+    scale = loss.init_logit_scale if loss.init_logit_scale is not None else (
+        spec.init_logit_scale if default_logit_scale is None else default_logit_scale)
+    bias = spec.init_logit_bias if loss.init_logit_bias is None else loss.init_logit_bias
+    return Temperature(scale, bias, loss.learn_logit_scale, loss.learn_logit_bias)

@@ -36,8 +36,9 @@ class PixelStep:
     """The masked pixel loss of the global batch; `decode_chunk` (the planner's knob) fixes the
     images per decoder call, else the model's args decide."""
 
-    def __init__(self, ctx: StepContext, *, channels: int, options: PixelLossOptions, decode_chunk: int | None = None) -> None:
-        self.ctx, self.channels, self.options, self.decode_chunk = ctx, channels, options, decode_chunk
+    def __init__(self, ctx: StepContext, decode_chunk: int | None = None) -> None:
+        self.ctx, self.decode_chunk = ctx, decode_chunk
+        self.options: PixelLossOptions = ctx.model.args.pixel_loss  # what the vae decodes with ([pixel_loss] via its args)
 
     @classmethod
     def build(cls, ctx: StepContext, cfg: JobConfig, loss_name: str, knobs: dict[str, int]) -> PixelStep:
@@ -46,7 +47,7 @@ class PixelStep:
         if cfg.loss.negatives == "global" or cfg.gradcache.enabled:
             raise ConfigError(f"model.name={ctx.family} trains with the pixel loss; loss.negatives=global and gradcache.enabled "
                               "are for contrastive losses: set loss.negatives=microbatch and gradcache.enabled=false")
-        options: PixelLossOptions = ctx.model.args.pixel_loss  # what the vae decodes with ([pixel_loss] via its args)
+        options: PixelLossOptions = ctx.model.args.pixel_loss
         if options.mode == "per_chunk_backward" and isinstance(ctx.model, FSDPModule):
             raise ConfigError("pixel_loss.mode=per_chunk_backward runs the decoder's backward inside the forward, which FSDP2 does "
                               "not allow; use DDP (--parallelism.data_parallel_replicate_degree=-1 "
@@ -54,11 +55,12 @@ class PixelStep:
         if options.mode == "per_chunk_backward" and ctx.precision.scaler is not None:
             raise ConfigError("pixel_loss.mode=per_chunk_backward does not support float16 loss scaling; "
                               "use training.mixed_precision_param=bfloat16 or pixel_loss.mode=chunked")
-        return cls(ctx, channels=ctx.model.args.in_channels, options=options, decode_chunk=knobs.get(DECODE_KNOB))
+        return cls(ctx, decode_chunk=knobs.get(DECODE_KNOB))
 
     def __call__(self, microbatches: Sequence[Batch]) -> float:
         ctx, dp_degree = self.ctx, self.ctx.dp_degree
-        dens = torch.stack([mb["mask"].to(ctx.device, torch.float64).sum() * self.channels for mb in microbatches])
+        channels = ctx.model.args.in_channels
+        dens = torch.stack([mb["mask"].to(ctx.device, torch.float64).sum() * channels for mb in microbatches])
         total = dens.sum()
         if ctx.dp_group is not None:
             dist.all_reduce(total, group=ctx.dp_group)

@@ -13,4 +13,5 @@ from titan_contrastive.models.registry import ModelSpec, register_model
 __all__ = ["BiEncoder", "BiEncoderArgs", "bi_encoder_blocks", "bi_encoder_flavors", "build_tokenizer", "load_tokenizer"]
 
 register_model(ModelSpec(name="bi_encoder", flavors=bi_encoder_flavors, build_model=BiEncoder, blocks=bi_encoder_blocks,
-                         default_loss="clip", input_keys=("query", "doc"), build_tokenizer=build_tokenizer))
+                         default_loss="clip", input_keys=("query", "doc"), build_tokenizer=build_tokenizer,
+                         update_from_config=BiEncoderArgs.update_from_config))

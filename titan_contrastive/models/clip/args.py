@@ -12,8 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from titan_contrastive.components.loss import LOSSES
-from titan_contrastive.config import ConfigError
+from titan_contrastive.components.loss import temperature_from_config
 from titan_contrastive.models.transformer import mlp_hidden
 
 __all__ = ["CLIPArgs", "clip_flavors"]
@@ -142,16 +141,9 @@ class CLIPArgs:
         )
 
     def update_from_config(self, cfg: Any) -> CLIPArgs:
-        """A copy with the temperature and bias the job's loss starts from: `[loss] init_logit_scale`,
-        `init_logit_bias`, `learn_*`, or the loss's own initial values (`components.loss.LOSSES`)."""
-        name, loss = cfg.loss.name or "clip", cfg.loss
-        if LOSSES[name].init_logit_bias is None and loss.init_logit_bias is not None:
-            raise ConfigError(f"loss.init_logit_bias={loss.init_logit_bias}: loss.name={name!r} has no bias; "
-                              "use --loss.name=siglip or leave loss.init_logit_bias empty")
-        bias = LOSSES[name].init_logit_bias if loss.init_logit_bias is None else loss.init_logit_bias
-        scale = LOSSES[name].init_logit_scale if loss.init_logit_scale is None else loss.init_logit_scale
-        return dataclasses.replace(self, init_logit_scale=scale, init_logit_bias=bias, learn_logit_scale=loss.learn_logit_scale,
-                                   learn_logit_bias=loss.learn_logit_bias)
+        """A copy with the temperature and bias the job's loss starts from (`[loss] init_logit_scale`,
+        `init_logit_bias`, `learn_*`, or the loss's own initial values: `components.loss`)."""
+        return dataclasses.replace(self, **temperature_from_config(cfg)._asdict())
 
     def num_params(self) -> int:
         """Exact parameter count of `CLIP(self)` (tied to the module layout; tested)."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
+from titan_contrastive.components.loss import temperature_from_config
 from titan_contrastive.models.clip.args import _block_flops, _block_params, text_tower_flops, text_tower_params
 from titan_contrastive.models.transformer import mlp_hidden
 
@@ -37,6 +39,7 @@ class VLMArgs:
     mlp_ratio: float = 4.0
     dropout: float = 0.0
     init_logit_scale: float = math.log(1 / 0.07)
+    learn_logit_scale: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -48,6 +51,11 @@ class VLMArgs:
                 raise ValueError(f"VLMArgs.{tower}_width={width} is not divisible by {tower}_heads={heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"VLMArgs.dropout={self.dropout} must be in [0, 1)")
+
+    def update_from_config(self, cfg: Any) -> VLMArgs:
+        """A copy with the job's `[loss] init_logit_scale` / `learn_logit_scale` (the softmax loss: no bias)."""
+        t = temperature_from_config(cfg)
+        return dataclasses.replace(self, init_logit_scale=t.init_logit_scale, learn_logit_scale=t.learn_logit_scale)
 
     @property
     def patch_dim(self) -> int:

@@ -91,7 +91,7 @@ class VLMEmbedder(nn.Module):
         self.args = args
         self.visual = PackedImageTower(args)
         self.text = TextTower(args)  # type: ignore[arg-type]  # VLMArgs has the text fields TextTower reads
-        self.logit_scale = nn.Parameter(torch.empty(1))  # shape [1]: FSDP2 shards on dim 0
+        self.logit_scale = nn.Parameter(torch.empty(1), requires_grad=args.learn_logit_scale)  # shape [1]: FSDP2 shards on dim 0
         self.init_weights()
 
     def init_weights(self, seed: int | None = None) -> None:
