@@ -159,9 +159,9 @@ class Loss:
     rounds the dense loss's matmul) after a one-time self-check against pytorch, else pytorch."""
     init_logit_scale: float | None = None
     """t' at the start, the temperature being t = exp(t'); empty (or `none`) = the loss's own:
-    log(1/0.07) for clip, log(10) for siglip (SigLIP's init). clip family."""
+    log(1/0.07) for clip, log(10) for siglip (SigLIP's init); bi_encoder: log(20)."""
     init_logit_bias: float | None = None
-    """siglip: the bias b at the start; empty = -10 (SigLIP's init). clip family."""
+    """siglip: the bias b at the start; empty = -10 (SigLIP's init)."""
     learn_logit_scale: bool = True
     """Train t' (true) or keep the temperature fixed at its initial value (false)."""
     learn_logit_bias: bool = True
