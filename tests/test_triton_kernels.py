@@ -211,21 +211,23 @@ def test_bad_weight_buffer() -> None:
         softmax_weights(q, q, lse[:7], lse, 1.0, 0)
 
 
-def _kernel_step_matches_dense(wrapper: str) -> None:
+def _kernel_step_matches_dense(wrapper: str, loss: str = "clip") -> None:
     """distributed_train_step with KERNEL=triton_exact on this process group (rows against all
-    columns: partial column LSEs all-gathered, dZy shares reduce-scattered) == dense float64."""
+    columns: partial column LSEs all-gathered, dZy shares reduce-scattered) == dense float64;
+    `loss="siglip"`: the sigmoid loss with a learnable bias."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    model = Towers()
-    reference = Towers().double()
+    towers, dense = (SigTowers, sigmoid_loss) if loss == "siglip" else (Towers, clip_loss)
+    model = towers()
+    reference = towers().double()
     reference.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(1)
     n = 12 * world
     x, y = torch.randn(n, 8, generator=g), torch.randn(n, 5, generator=g)
-    want = clip_loss(*reference(x.double(), y.double()))
+    want = dense(*reference(x.double(), y.double()))
     want.backward()
     if wrapper == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -235,7 +237,7 @@ def _kernel_step_matches_dense(wrapper: str) -> None:
         fully_shard(model)
     recorder = GradRecorder(model.parameters())
     local = slice(rank * 12, (rank + 1) * 12)
-    config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": 5, "STREAM_CHUNK_SIZE": 7, "TAU": None, "KERNEL": "triton_exact"}
+    config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": 5, "STREAM_CHUNK_SIZE": 7, "TAU": None, "KERNEL": "triton_exact", "LOSS": loss}
     loss = distributed_train_step(model, recorder, x[local], y[local], config)
     assert abs(loss - want.item()) <= 1e-5 * want.item()
     for got, (name, p) in zip(recorder.grads, reference.named_parameters()):
@@ -373,33 +375,10 @@ def test_the_sigmoid_kernel_compiles_for_hopper_within_shared_memory() -> None:
 
 
 
-def _sigmoid_kernel_step_matches_dense() -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    model = SigTowers()
-    reference = SigTowers().double()
-    reference.load_state_dict(model.state_dict())
-    g = torch.Generator().manual_seed(1)
-    n = 12 * world
-    x, y = torch.randn(n, 8, generator=g), torch.randn(n, 5, generator=g)
-    want = sigmoid_loss(*reference(x.double(), y.double()))
-    want.backward()
-    model = torch.nn.parallel.DistributedDataParallel(model)
-    recorder = GradRecorder(model.parameters())
-    mine = slice(rank * 12, (rank + 1) * 12)
-    config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": 5, "STREAM_CHUNK_SIZE": 7, "TAU": None, "LOSS": "siglip", "KERNEL": "triton_exact"}
-    loss = distributed_train_step(model, recorder, x[mine], y[mine], config)
-    assert abs(loss - want.item()) <= 1e-5 * want.item()
-    for got, (name, p) in zip(recorder.grads, reference.named_parameters()):
-        assert rel(got, p.grad) <= 1e-5, name
-
 
 def test_distributed_sigmoid_kernel_step_equals_dense() -> None:
     """distributed_train_step with LOSS=siglip through the fused kernel on 2 DDP processes: t' and b
     counted once over ranks and microbatches."""
     if torch.cuda.is_available():
         pytest.skip("gloo processes on CPU: the interpreter path")
-    run_distributed(_sigmoid_kernel_step_matches_dense, 2)
+    run_distributed(_kernel_step_matches_dense, 2, "ddp", "siglip")

@@ -6,10 +6,11 @@ the samples forwarded at once — the GradCache chunk for contrastive families
 chunk for vae (`pixel_loss.chunk_size`, adaptive off) — then, under global negatives, the loss's
 stream chunk (`loss.stream_chunk_size`, from its configured value up to the global batch) with
 what is left. The planner gets the knobs and a callable that runs one probe train step at given
-knob values, and returns the chosen values; it reads and writes nothing else of the run. The result is the same at any chunk; the speed is not. Larger chunks usually run
-faster (fewer, larger kernels, fewer loss blocks) but not always (caches, allocator pressure), so
-each chunk that fits is timed and each knob gets the fastest, the larger one when two are within
-3 %.
+knob values, and returns the chosen values; it reads and writes nothing else of the run.
+
+The result is the same at any chunk; the speed is not. Larger chunks usually run faster (fewer,
+larger kernels, fewer loss blocks) but not always (caches, allocator pressure), so each chunk that
+fits is timed and each knob gets the fastest, the larger one when two are within 3 %.
 
 Order of operations (after the checkpoint restore, before the first step):
 1. snapshot model, optimizer, LR scheduler, train state, loss scaler and RNG;
