@@ -39,7 +39,8 @@ from titan_contrastive.components.metrics import MetricsProcessor, device_peak_t
 from titan_contrastive.components.optimizer import build_optimizer
 from titan_contrastive.components.precision import build_precision
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
-from titan_contrastive.datasets import DataError, build_dataloader, build_dataset
+from titan_contrastive.datasets import DataError, build_dataset
+from titan_contrastive.datasets.build import build_data
 from titan_contrastive.parallelisms import ParallelDims, destroy_distributed, gradient_accumulation_steps, init_distributed, parallelize_model
 from titan_contrastive.steps import StepContext, build_gradient_step
 
@@ -80,29 +81,22 @@ class Trainer:
         self.precision = build_precision(cfg.training, fsdp=self.dims.fsdp_enabled, device=self.device)
 
         # 3. data (every rank is a DP rank: the DP rank is the global rank), laid out for the family
-        data = cfg.data
         try:  # a pretrained family brings its tokenizer (an optional dependency: a clear error if missing)
             tokenizer = self.spec.build_tokenizer(flavor_args) if self.spec.build_tokenizer else None
         except ImportError as e:
             raise ConfigError(str(e)) from None
-        common = dict(path=data.path, seed=cfg.training.seed, context_length=data.context_length, image_size=data.image_size,
-                      tokenizer=tokenizer)
-        self.train_set = build_dataset(data.dataset, "train", augment=data.augment, **common)
-        self.eval_set = build_dataset(data.dataset, "test", augment=False, **common)
-        for ds in (self.train_set, self.eval_set):
-            self.spec.layout.prepare(ds, flavor_args, data.image_sizes, cfg.model.name)
-        self.loader = build_dataloader(
-            self.train_set, local_batch_size=cfg.training.local_batch_size, dp_rank=self.dist.rank,
-            dp_world_size=self.dp_degree, seed=cfg.training.seed, num_workers=data.num_workers,
-            pin_memory=self.device.type == "cuda",
-        )
+        data = build_data(cfg.data, cfg.eval, seed=cfg.training.seed, family_tokenizer=tokenizer, build_bundled=build_dataset,
+                          prepare=lambda ds: self.spec.layout.prepare(ds, flavor_args, cfg.data.image_sizes, cfg.model.name),
+                          local_batch_size=cfg.training.local_batch_size, dp_rank=self.dist.rank, dp_degree=self.dp_degree,
+                          pin_memory=self.device.type == "cuda")
+        self.train_set, self.eval_set, self.zero_shot_set, self.loader = data.train_set, data.eval_set, data.zero_shot_set, data.loader
 
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step
         try:
             sized = flavor_args.update_from_data(image_shape=self.train_set.image_shape, vocab_size=self.train_set.tokenizer.vocab_size,
-                                                 context_length=data.context_length)
+                                                 context_length=data.context_length, eos_id=getattr(self.train_set.tokenizer, "EOS", 0))
         except ValueError as e:  # the flavor does not fit this dataset
-            raise ConfigError(f"model.flavor={cfg.model.flavor!r} with data.dataset={data.dataset!r}: {e}") from None
+            raise ConfigError(f"model.flavor={cfg.model.flavor!r} with data.dataset={cfg.data.dataset!r}: {e}") from None
         self.model_args = self.spec.update_from_config(sized, cfg)
         with self.device:
             self.model = self.spec.build_model(self.model_args).to(self.precision.param_dtype)
@@ -146,7 +140,9 @@ class Trainer:
 
     def _log_start(self) -> None:
         cfg, ds = self.cfg, self.train_set
-        logger.info(f"data: {ds.name} train {len(ds)} samples ({'full set' if ds.full else 'bundled subset'}, {ds.source}), eval {len(self.eval_set)}")
+        held_out = f"eval {len(self.eval_set)}" if self.eval_set else "no eval set (data.val_path)"
+        zero_shot = f", zero-shot {len(self.zero_shot_set)} images" if self.zero_shot_set else ""
+        logger.info(f"data: {ds.name} train {len(ds)} samples ({'full set' if ds.full else 'bundled subset'}, {ds.source}), {held_out}{zero_shot}")
         logger.info(
             f"model: {cfg.model.name}/{cfg.model.flavor}  params {self.model_args.num_params():,}  "
             f"training FLOPs/sample {f'{flops:.3e}' if (flops := self.model_args.flops_per_sample()) else 'n/a'} (encoders; loss excluded)  device {self.device}"
@@ -232,10 +228,15 @@ class Trainer:
         return batches
 
     def evaluate(self) -> dict[str, float]:
-        """The family's evaluation (`ModelSpec.evaluate`) on the held-out split."""
-        cfg = self.cfg
-        return self.spec.evaluate(EvalContext(self.model, self.forward, self.eval_set, self.loss_name, cfg.eval.batch_size, self.device,
-                                              self.dist.rank, self.dist.world_size, Path(cfg.job.dump_folder), self.step))
+        """The family's evaluation (`ModelSpec.evaluate`) on the held-out split, then zero-shot
+        classification on `eval.zero_shot_path` (its keys prefixed `zero_shot/`)."""
+        cfg, results = self.cfg, {}
+        for prefix, ds in (("", self.eval_set), ("zero_shot/", self.zero_shot_set)):
+            if ds is not None:
+                results.update({prefix + k: v for k, v in self.spec.evaluate(EvalContext(
+                    self.model, self.forward, ds, self.loss_name, cfg.eval.batch_size, self.device, self.dist.rank,
+                    self.dist.world_size, Path(cfg.job.dump_folder), self.step)).items()})
+        return results
 
     def _measured_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """The first step under a memory plan goes through the probe (peak against the plan)."""
@@ -253,14 +254,16 @@ class Trainer:
             self.metrics.samples += self.global_batch_size
             last = self.step == cfg.training.steps
             if self.step % cfg.metrics.log_freq == 0 or last:
-                self.metrics.log_train(self.step, **out, **self.gradient_step.log_values())
+                self.metrics.log_train(self.step, **out, **self.gradient_step.log_values(), **self.loader.bad_samples.values())
             side_work = False  # eval and checkpoint time stays out of samples/s
-            if cfg.eval.enable and (last or (cfg.eval.freq and self.step % cfg.eval.freq == 0)):
+            if cfg.eval.enable and (self.eval_set or self.zero_shot_set) and (last or (cfg.eval.freq and self.step % cfg.eval.freq == 0)):
                 start = time.perf_counter()
                 results = self.evaluate()
                 self.metrics.record("eval", self.step, results)
-                shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items() if k != "num_samples")
-                logger.info(f"{'final ' if last else ''}eval step {self.step} on {int(results['num_samples'])} {self.eval_set.name} test samples: {shown} ({time.perf_counter() - start:.1f}s)")
+                shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items() if not k.endswith("num_samples"))
+                where = " and ".join(f"{int(results[p + 'num_samples'])} {ds.name} test samples" for p, ds in
+                                     (("", self.eval_set), ("zero_shot/", self.zero_shot_set)) if ds is not None)
+                logger.info(f"{'final ' if last else ''}eval step {self.step} on {where}: {shown} ({time.perf_counter() - start:.1f}s)")
                 side_work = True
             if self.checkpointer.maybe_save(self.step, last_step=last) or side_work:
                 self.metrics.reset()

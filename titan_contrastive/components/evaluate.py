@@ -8,7 +8,7 @@ Order of operations in `evaluate`:
 2. the embeddings are all-gathered, so every rank holds all rows in dataset order;
 3. the eval loss is the mean of the *unscaled* loss over consecutive batches of
    `batch_size` (independent of the number of ranks and of gradient accumulation);
-4. zero-shot top-1 (datasets with class names) or image->text recall@1/@5 (others).
+4. zero-shot top-1 (datasets with class names) or recall@k both ways, image->text and text->image (others).
 
 `evaluate_reconstruction` (vae family): masked MSE and PSNR of the reconstructions in [0, 1],
 summed exactly over ranks (numerator and denominator), and a PNG grid of originals over
@@ -158,8 +158,9 @@ def evaluate(model: nn.Module, forward: Forward, dataset: Dataset, loss_fn: Call
         if dataset.class_names:
             pred = (img @ zero_shot_classifier(forward, dataset).T).argmax(1)
             out["zero_shot_top1"] = (pred == labels).float().mean().item()
-        else:
+        else:  # both ways: image->text and text->image (query->doc and doc->query)
             out.update(recall_at_k(img, txt, dataset.recall_ks, dataset.recall_direction))
+            out.update(recall_at_k(txt, img, dataset.recall_ks, "_to_".join(reversed(dataset.recall_direction.split("_to_")))))
         return out
 
 

@@ -200,21 +200,57 @@ class GradCacheConfig:
 
 @dataclass
 class Data:
-    dataset: Literal["fashion_mnist", "emoji", "wordnet"] = "fashion_mnist"
-    """`fashion_mnist` (image-caption, zero-shot eval), `emoji` (image <-> emoji name, retrieval
-    eval on held-out emoji) or `wordnet` (definition <-> lemma text pairs for model.name=bi_encoder,
-    recall@1/@10 on 2,000 held-out definitions)."""
+    dataset: Literal["fashion_mnist", "emoji", "wordnet", "csv", "webdataset", "hf", "pairs"] = "fashion_mnist"
+    """Bundled, zero setup: `fashion_mnist` (image-caption, zero-shot eval), `emoji` (image <-> name,
+    retrieval eval), `wordnet` (definition <-> lemma pairs for model.name=bi_encoder). Your data:
+    `csv` (image paths + captions), `webdataset` (tar shards, img2dataset layout), `hf` (a Hugging
+    Face dataset on disk) for clip; `pairs` (JSONL/TSV/Parquet text pairs) for bi_encoder."""
     path: str = ""
-    """Data location; empty = the Debian package (Fashion-MNIST) if installed, else the bundled subset."""
+    """Training data. Bundled sets: a folder (empty = the Debian package if installed, else the
+    bundle). csv: the file. webdataset: tars as a brace pattern (`shards/{00000..00099}.tar`) or the
+    `shards.json` make_shards writes. hf: a save_to_disk folder or a Parquet/JSON/Arrow/CSV file.
+    pairs: a .jsonl/.tsv/.parquet file. Several sources of one kind: joined with `::`."""
+    val_path: str = ""
+    """Held-out data of the same kind for evaluation (retrieval recall@1/5/10 both ways, or pair
+    recall); empty = no retrieval eval for your own data (the bundled sets bring their test split)."""
+    upsampling_factors: list[float] = _opt([], lambda v: all(x > 0 for x in v), "a list of numbers > 0")
+    """One factor per `::`-joined source: source i gives round(factor x its size) samples per epoch
+    (open_clip's --train-data-upsampling-factors); empty = 1 each."""
+    csv_img_key: str = "filepath"
+    """csv: column of image paths (relative paths resolve against the CSV's folder)."""
+    csv_caption_key: str = "title"
+    """csv: column of captions."""
+    csv_separator: str = "\t"
+    """csv: the column separator (open_clip's default is a tab)."""
+    wds_image_key: str = "jpg;jpeg;png;webp"
+    """webdataset: the image member's extensions, tried in order."""
+    wds_caption_key: str = "txt"
+    """webdataset: the caption member's extension, or `json:<field>` for a field of the sample's .json."""
+    hf_image_column: str = "image"
+    """hf: the column of images (an Image feature, bytes, or paths)."""
+    hf_text_column: str = "text"
+    """hf: the column of captions."""
+    pairs_columns: list[str] = _opt([], lambda v: len(v) != 1, "empty or at least two column names")
+    """pairs: the columns (query, positive, negatives...) of JSONL/Parquet rows; empty = the row's
+    columns in order (sentence-transformers' convention: anchor, positive, then negatives)."""
+    tokenizer: Literal["auto", "byte", "clip_bpe"] = "auto"
+    """Caption tokenizer of image-text data: `byte` (UTF-8 bytes, the bundled sets' default) or
+    `clip_bpe` (CLIP's 49,408-token BPE, context 77 as in CLIP; auto = clip_bpe for your own data)."""
+    max_bad_fraction: float = _opt(0.001, lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
+    """Undecodable images, missing captions and unreadable files or shards are skipped, counted and
+    logged; past this fraction of the samples loaded (at least one epoch's worth) the run stops."""
     num_workers: int = _opt(0, lambda v: v >= 0, "an integer >= 0")
-    """DataLoader worker processes (0 loads in the training process; the data is in memory)."""
-    context_length: int = _opt(32, lambda v: v >= 4, "an integer >= 4")
-    """Text tokens per caption (byte-level tokenizer, BOS and EOS included)."""
+    """DataLoader worker processes (0 loads in the training process; right for the in-memory
+    bundled sets; 2 or more for your own data, which is decoded per sample)."""
+    context_length: int = _opt(0, lambda v: v == 0 or v >= 4, "0 (the tokenizer's default) or an integer >= 4")
+    """Text tokens per caption, start and end tokens included; 0 = 32 for the byte tokenizer and
+    the pairs' queries, 77 for clip_bpe."""
     augment: bool = True
-    """Per-sample augmentation in the train split (a pure function of seed, epoch and index)."""
+    """Per-sample augmentation in the train split (a pure function of seed, epoch and index): flips
+    of the bundled images, random-resized crops of your own."""
     image_size: int = _opt(0, lambda v: v >= 0, "0 (native size) or a size in pixels")
-    """0 = the dataset's native size; N = images resized (bilinear) to N x N, e.g. 224 for
-    clip/vit_b32 (patch 32) on the 28x28 Fashion-MNIST."""
+    """0 = the dataset's native size (224 for your own data); N = images resized to N x N, e.g. 224
+    for clip/vit_b32 (patch 32) on the 28x28 Fashion-MNIST."""
     image_sizes: list[int] = _opt([], lambda v: all(x >= 1 for x in v), "a list of sizes in pixels, each >= 1")
     """Mixed resolutions (model.name=vlm or vae): each image is served at one of these square sizes
     (train: drawn per sample and epoch; test: cycled), as Qwen-VL-style packed patches (vlm) or
@@ -242,6 +278,15 @@ class Eval:
     """Evaluate every this many steps (and always after the last step)."""
     batch_size: int = _positive(500)
     """Images per evaluation batch; the eval loss is the mean over consecutive batches of this size."""
+    zero_shot_path: str = ""
+    """Zero-shot classification on an ImageFolder-layout folder (one sub-folder of images per
+    class), as well as the run's own evaluation; empty = none."""
+    zero_shot_names: str = ""
+    """A text file of class names, one per line in sorted sub-folder order; empty = the folder
+    names (underscores as spaces)."""
+    zero_shot_templates: str = "openai"
+    """Prompt templates: `openai` (CLIP's 80 ImageNet prompts, as open_clip), `simple` (open_clip's
+    short list), or a text file with one template per line, each with `{}` for the class name."""
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titan_contrastive.datasets.bad_samples import BadSampleLog
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.protocol import Dataset
 
@@ -101,12 +102,15 @@ class EpochLoader:
     randomness) and starts the next. The dataset's epoch is set before each `iter()`, which is
     when worker processes copy the dataset (persistent workers are off for this reason).
     `state_dict()` / `load_state_dict()` follow torch.distributed.checkpoint's Stateful protocol.
+    Skipped bad samples are taken out of each batch and counted here (`bad_samples`).
     """
 
-    def __init__(self, dataloader: StatefulDataLoader, sampler: BlockedDistributedSampler, dataset: Dataset) -> None:
+    def __init__(self, dataloader: StatefulDataLoader, sampler: BlockedDistributedSampler, dataset: Dataset,
+                 bad_samples: BadSampleLog) -> None:
         self.dataloader = dataloader
         self.sampler = sampler
         self.dataset = dataset
+        self.bad_samples = bad_samples
         self.epoch = 0
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
         self._set_epoch(0)
@@ -127,26 +131,33 @@ class EpochLoader:
         if self._iterator is None:
             self._iterator = iter(self.dataloader)
         try:
-            return next(self._iterator)
-        except StopIteration:
-            self._set_epoch(self.epoch + 1)
-            self._iterator = iter(self.dataloader)
-            return next(self._iterator)  # build_dataloader guarantees at least one batch per epoch
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                self._set_epoch(self.epoch + 1)
+                self._iterator = iter(self.dataloader)
+                batch = next(self._iterator)  # build_dataloader guarantees at least one batch per epoch
+        except DataError as e:  # from a worker, the message holds the worker's traceback: keep its last line
+            raise DataError(str(e).strip().splitlines()[-1].split("DataError: ", 1)[-1]) from None
+        return self.bad_samples.update(batch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "dataloader": self.dataloader.state_dict()}
+        return {"epoch": self.epoch, "dataloader": self.dataloader.state_dict(), "bad_samples": self.bad_samples.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state from `state_dict()`; the next batch is the one that followed it."""
         self._set_epoch(state_dict["epoch"])
         self.dataloader.load_state_dict(state_dict["dataloader"])
+        self.bad_samples.load_state_dict(state_dict.get("bad_samples", {}))
         self._iterator = None
 
 
 def build_dataloader(dataset: Dataset, *, local_batch_size: int, dp_rank: int, dp_world_size: int, seed: int,
-                     num_workers: int = 0, shuffle: bool = True, drop_last: bool = True, pin_memory: bool = False) -> EpochLoader:
+                     num_workers: int = 0, shuffle: bool = True, drop_last: bool = True, pin_memory: bool = False,
+                     max_bad_fraction: float = 0.001) -> EpochLoader:
     """This rank's endless, resumable batch stream (an EpochLoader over a StatefulDataLoader).
 
+    max_bad_fraction: see `datasets.bad_samples` (sources that skip damaged records).
     pin_memory (for a CUDA run): page-locked batches, so the trainer's host-to-device copies are
     asynchronous and run at full PCIe speed."""
     if local_batch_size < 1 or dp_world_size < 1 or not 0 <= dp_rank < dp_world_size:
@@ -173,4 +184,4 @@ def build_dataloader(dataset: Dataset, *, local_batch_size: int, dp_rank: int, d
             # run (which creates one iterator fewer) would see different dropout/init randomness
             generator=torch.Generator(),
         )
-    return EpochLoader(dataloader, sampler, dataset)
+    return EpochLoader(dataloader, sampler, dataset, BadSampleLog(max_bad_fraction, len(sampler)))

@@ -68,7 +68,7 @@ class BiEncoderArgs:
         t = temperature_from_config(cfg, default_logit_scale=math.log(self.init_scale))
         return dataclasses.replace(self, init_scale=math.exp(t.init_logit_scale), learn_logit_scale=t.learn_logit_scale)
 
-    def update_from_data(self, *, image_shape: Any = None, vocab_size: int = 0, context_length: int = 32) -> BiEncoderArgs:
+    def update_from_data(self, *, image_shape: Any = None, vocab_size: int = 0, context_length: int = 32, eos_id: int = 0) -> BiEncoderArgs:
         """The query length comes from data.context_length; vocabulary and widths from the checkpoint."""
         return dataclasses.replace(self, query_length=context_length)
 

@@ -74,6 +74,9 @@ class CLIPArgs:
     text_heads: int
     mlp_ratio: float = 4.0
     """MLP hidden size = int(width * mlp_ratio)."""
+    eos_id: int = 2
+    """The tokenizer's end-of-text id, where the text tower pools (byte tokenizer 2, CLIP BPE 49407);
+    overridden from the tokenizer."""
     dropout: float = 0.0
     """Residual dropout on attention and MLP outputs in both towers."""
     init_logit_scale: float = math.log(1 / 0.07)
@@ -114,7 +117,7 @@ class CLIPArgs:
         return (self.image_size // self.patch_size) ** 2
 
     def update_from_data(
-        self, *, image_shape: tuple[int, int, int], vocab_size: int, context_length: int
+        self, *, image_shape: tuple[int, int, int], vocab_size: int, context_length: int, eos_id: int = 2
     ) -> CLIPArgs:
         """A copy whose input sizes come from the data, so one flavor fits several datasets.
 
@@ -138,6 +141,7 @@ class CLIPArgs:
             image_size=height,
             vocab_size=vocab_size,
             context_length=context_length,
+            eos_id=eos_id,
         )
 
     def update_from_config(self, cfg: Any) -> CLIPArgs:

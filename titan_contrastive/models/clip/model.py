@@ -22,7 +22,7 @@ from titan_contrastive.models.transformer import Transformer
 __all__ = ["CLIP", "EOS_ID", "ImageTower", "TextTower", "clip_blocks"]
 
 EOS_ID = 2
-"""End-of-text id of the project's tokenizer (PAD=0, BOS=1, EOS=2); the text tower pools there."""
+"""End-of-text id of the byte tokenizer (PAD=0, BOS=1, EOS=2), the default of `CLIPArgs.eos_id`."""
 
 
 class ImageTower(nn.Module):
@@ -76,6 +76,7 @@ class TextTower(nn.Module):
         super().__init__()
         width = args.text_width
         self.context_length = args.context_length
+        self.eos_id = args.eos_id
         self.token_embedding = nn.Embedding(args.vocab_size, width)
         self.positional_embedding = nn.Parameter(torch.empty(args.context_length, width))
         self.transformer = Transformer(
@@ -104,7 +105,7 @@ class TextTower(nn.Module):
             )
         x = self.token_embedding(ids) + self.positional_embedding
         x = self.transformer(x)
-        eos = (ids == EOS_ID).int().argmax(-1)
+        eos = (ids == self.eos_id).int().argmax(-1)
         pooled = x[torch.arange(x.shape[0], device=x.device), eos]
         return F.normalize(self.ln_final(pooled) @ self.text_projection, dim=-1)
 

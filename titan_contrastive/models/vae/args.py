@@ -48,7 +48,7 @@ class VAEArgs:
         """Image side / latent side (8 for the SD / FLUX VAE)."""
         return 2 ** (len(self.channel_mults) - 1)
 
-    def update_from_data(self, *, image_shape: tuple[int, int, int], vocab_size: int = 0, context_length: int = 0) -> VAEArgs:
+    def update_from_data(self, *, image_shape: tuple[int, int, int], vocab_size: int = 0, context_length: int = 0, eos_id: int = 0) -> VAEArgs:
         """A copy with the data's channel count; image sides must be multiples of `downsample`."""
         channels, height, width = image_shape
         if height % self.downsample or width % self.downsample:

@@ -62,7 +62,7 @@ class VLMArgs:
         """Length of one `pixel_values` row."""
         return self.in_channels * self.patch_size**2
 
-    def update_from_data(self, *, image_shape: tuple[int, int, int], vocab_size: int, context_length: int) -> VLMArgs:
+    def update_from_data(self, *, image_shape: tuple[int, int, int], vocab_size: int, context_length: int, eos_id: int = 0) -> VLMArgs:
         """A copy sized for the data; `image_shape` is (C, H, W) of the *largest* resolution served."""
         channels, height, width = image_shape
         if height % self.patch_size or width % self.patch_size:

@@ -1,0 +1,148 @@
+"""`build_data`: the `[data]` / `[eval]` sections -> train set, eval sets and this rank's loader.
+
+Order of operations (all before any model is built, so a missing file costs no compute):
+1. resolve the tokenizer and context length (`data.tokenizer`, `data.context_length` = 0);
+2. the train split, then the held-out split (the bundled sets' test split, or `data.val_path`),
+   then the zero-shot folder (`eval.zero_shot_path`); each laid out for the family (`prepare`);
+3. this rank's resumable loader over the train split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
+from titan_contrastive.datasets.files import FileImageTextDataset
+from titan_contrastive.datasets.image_folder import ImageFolderZeroShot, load_templates
+from titan_contrastive.datasets.loader import EpochLoader, build_dataloader
+from titan_contrastive.datasets.pairs import PairsDataset
+from titan_contrastive.datasets.protocol import Dataset
+from titan_contrastive.datasets.sources import CsvSource, HfSource, Source, WebDatasetSource, WeightedSources
+from titan_contrastive.datasets.tokenizer import ByteTokenizer
+
+FILE_SOURCES = ("csv", "webdataset", "hf")
+DEFAULT_IMAGE_SIZE = 224
+DEFAULT_CONTEXT = {"byte": 32, "clip_bpe": 77}
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """The `[data]` keys that say how to read the user's files (see config/job_config.py `Data`)."""
+
+    csv_img_key: str = "filepath"
+    csv_caption_key: str = "title"
+    csv_separator: str = "\t"
+    wds_image_key: str = "jpg;jpeg;png;webp"
+    wds_caption_key: str = "txt"
+    hf_image_column: str = "image"
+    hf_text_column: str = "text"
+    upsampling_factors: tuple[float, ...] = ()
+
+    @classmethod
+    def from_config(cls, data: Any) -> SourceOptions:
+        return cls(**{f.name: tuple(v) if isinstance(v := getattr(data, f.name), list) else v for f in fields(cls)})
+
+
+def open_source(kind: str, path: str, options: SourceOptions, *, seed: int, split: str = "train") -> Source:
+    """The records behind `path` (`::` joins several, weighted by `upsampling_factors`)."""
+    if not path:
+        raise DataError(f"data.path is empty: data.dataset={kind!r} reads your files; set data.path (see README, 'Your own data')")
+    parts = path.split("::")
+    factors = options.upsampling_factors or (1.0,) * len(parts)
+    if len(factors) != len(parts):
+        raise DataError(f"data.upsampling_factors={list(factors)}: {len(factors)} factor(s) for the {len(parts)} sources "
+                        f"in data.path; give one factor per '::'-joined source")
+    sources: list[Source] = []
+    for part in parts:
+        if kind == "csv":
+            sources.append(CsvSource(part, img_key=options.csv_img_key, caption_key=options.csv_caption_key,
+                                     separator=options.csv_separator))
+        elif kind == "webdataset":
+            sources.append(WebDatasetSource(part, image_keys=options.wds_image_key, caption_key=options.wds_caption_key))
+        else:
+            sources.append(HfSource(part, image_column=options.hf_image_column, text_column=options.hf_text_column, split=split))
+    if len(sources) == 1 and factors[0] == 1.0:
+        return sources[0]
+    return WeightedSources(sources, factors, seed)
+
+
+def text_tokenizer(name: str, dataset: str, context_length: int) -> Any:
+    """The caption tokenizer of image-text data (`auto`: byte for the bundled sets, else clip_bpe)."""
+    if name == "auto":
+        name = "clip_bpe" if dataset in FILE_SOURCES else "byte"
+    length = context_length or DEFAULT_CONTEXT[name]
+    return ByteTokenizer(length) if name == "byte" else ClipBpeTokenizer(length)
+
+
+@dataclass
+class DataBundle:
+    train_set: Dataset
+    eval_set: Dataset | None
+    """None: no held-out data (your own data without data.val_path)."""
+    zero_shot_set: Dataset | None
+    loader: EpochLoader
+    context_length: int
+
+
+def build_file_dataset(kind: str, split: str, path: str, options: SourceOptions, *, tokenizer: Any, image_size: int,
+                       seed: int, augment: bool) -> FileImageTextDataset:
+    """One split of the user's image-caption data."""
+    source = open_source(kind, path, options, seed=seed, split=split)
+    return FileImageTextDataset(name=kind, split=split, source=source, tokenizer=tokenizer,
+                                image_size=image_size or DEFAULT_IMAGE_SIZE, seed=seed, augment=augment)
+
+
+def build_data(data: Any, eval_cfg: Any, *, seed: int, family_tokenizer: Any, prepare: Callable[[Dataset], None],
+               build_bundled: Callable[..., Dataset], local_batch_size: int, dp_rank: int, dp_degree: int,
+               pin_memory: bool) -> DataBundle:
+    """The run's data (see the module docstring). `family_tokenizer`: a pretrained family's own
+    (bi_encoder), for text pairs; `build_bundled`: `datasets.build_dataset` for the bundled sets."""
+    eval_sets: list[Dataset | None] = []
+    if data.dataset in FILE_SOURCES:
+        if family_tokenizer is not None:
+            raise DataError(f"data.dataset={data.dataset!r} is image-text; the model family reads text pairs: use "
+                            "data.dataset='pairs' or 'wordnet'")
+        tokenizer = text_tokenizer(data.tokenizer, data.dataset, data.context_length)
+        context_length, options = tokenizer.context_length, SourceOptions.from_config(data)
+        common = dict(tokenizer=tokenizer, image_size=data.image_size, seed=seed)
+        train = build_file_dataset(data.dataset, "train", data.path, options, augment=data.augment, **common)
+        if data.val_path:
+            eval_sets.append(build_file_dataset(data.dataset, "test", data.val_path, options, augment=False, **common))
+        else:
+            eval_sets.append(None)
+    elif data.dataset == "pairs":
+        if family_tokenizer is None:
+            raise DataError("data.dataset='pairs' is text-to-text and needs a model family with a text tokenizer: "
+                            "use model.name='bi_encoder'")
+        context_length = data.context_length or DEFAULT_CONTEXT["byte"]
+        common = dict(tokenizer=family_tokenizer, query_length=context_length, columns=data.pairs_columns,
+                      max_bad_fraction=data.max_bad_fraction)
+        if not data.path:
+            raise DataError("data.path is empty: data.dataset='pairs' reads your .jsonl/.tsv/.parquet file; set data.path")
+        train = PairsDataset(split="train", path=data.path, **common)
+        eval_sets.append(PairsDataset(split="test", path=data.val_path, **common) if data.val_path else None)
+    else:
+        if data.tokenizer == "clip_bpe":
+            raise DataError(f"data.tokenizer='clip_bpe' with data.dataset={data.dataset!r}: the bundled sets use the byte "
+                            "tokenizer; set data.tokenizer='auto' or use your own data (csv, webdataset, hf)")
+        context_length = data.context_length or DEFAULT_CONTEXT["byte"]
+        common = dict(path=data.path, seed=seed, context_length=context_length, image_size=data.image_size, tokenizer=family_tokenizer)
+        train = build_bundled(data.dataset, "train", augment=data.augment, **common)
+        eval_sets.append(build_bundled(data.dataset, "test", augment=False, **common))
+    if eval_cfg.zero_shot_path:
+        if not isinstance(train, FileImageTextDataset):
+            raise DataError(f"eval.zero_shot_path={eval_cfg.zero_shot_path}: zero-shot folders are read as RGB photos like "
+                            f"your own image-text data (csv, webdataset, hf), not with data.dataset={data.dataset!r}; leave it empty")
+        eval_sets.append(ImageFolderZeroShot(eval_cfg.zero_shot_path, names_file=eval_cfg.zero_shot_names,
+                                             templates=load_templates(eval_cfg.zero_shot_templates), tokenizer=train.tokenizer,
+                                             image_size=train.image_shape[-1]))
+    else:
+        eval_sets.append(None)
+    for ds in (train, *eval_sets):
+        if ds is not None:
+            prepare(ds)
+    loader = build_dataloader(train, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_degree, seed=seed,
+                              num_workers=data.num_workers, pin_memory=pin_memory, max_bad_fraction=data.max_bad_fraction)
+    return DataBundle(train, eval_sets[0], eval_sets[1], loader, context_length)

@@ -1,0 +1,114 @@
+"""The user's image-caption data (CSV, webdataset shards, Hugging Face datasets) as a `Dataset`.
+
+Order of operations in `__getitems__`, per sample: read the record from its source -> decode
+with Pillow -> crop (train: random-resized, from (seed, epoch, index); eval: central) -> then,
+per batch, normalize and tokenize. A sample's pixels and tokens are a function of (seed, epoch,
+index) alone, as for the bundled sets, so the loader's rank-count invariance and exact resume hold.
+
+Bad samples (an image that does not decode, a missing caption, an unreadable file or shard) are
+skipped: the slot takes the next good sample in source order, so batches keep their size (the
+step's shapes and the DP arithmetic depend on it) and the substitute is the same in every run,
+which keeps resumption exact. Each skip is returned under `BAD_SAMPLES` in the batch; the loader
+takes it out, counts it by reason, logs it and stops the run past `data.max_bad_fraction`
+(`datasets.bad_samples`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
+from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.image_transforms import OPENAI_MEAN, OPENAI_STD, Normalize, crop_resize, decode_image, sample_rng
+from titan_contrastive.datasets.sources import BadSample, Record, Source
+
+MAX_SUBSTITUTES = 64
+"""Consecutive bad records after which a batch gives up (the data is broken, not noisy)."""
+
+
+class FileImageTextDataset:
+    """A `datasets.protocol.Dataset` over a `sources.Source`: image [B,3,S,S] float32, text [B,L]
+    int64, index [B] int64 (and BAD_SAMPLES, a list of skipped records). Retrieval evaluation
+    (recall@1/5/10 both ways) when it is the eval split; `class_names` is None."""
+
+    def __init__(self, *, name: str, split: str, source: Source, tokenizer: Any, image_size: int, seed: int,
+                 augment: bool, mean: Sequence[float] = OPENAI_MEAN, std: Sequence[float] = OPENAI_STD) -> None:
+        if image_size < 1:
+            raise DataError(f"data.image_size={image_size}: {name} images come in all sizes; set the square training size "
+                            "in pixels (e.g. 224 for clip/vit_b32)")
+        self.name, self.split, self.source, self.full = name, split, source.location, True
+        self.image_shape: tuple[int, int, int] = (3, image_size, image_size)
+        self.tokenizer = tokenizer
+        self.class_names = None
+        self.recall_ks = (1, 5, 10)
+        self.recall_direction = "image_to_text"
+        self.seed, self.epoch, self.train = seed, 0, augment and split == "train"
+        self._source = source
+        self._normalize = Normalize(mean, std)
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __repr__(self) -> str:
+        return f"FileImageTextDataset({self.name}/{self.split}: {len(self)} samples from {self.source})"
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self._source, "set_epoch"):
+            self._source.set_epoch(epoch)
+
+    def resize(self, size: int) -> None:
+        """Serve size x size images (the trainer passes `data.image_size`)."""
+        if size < 1:
+            raise DataError(f"data.image_size={size}: set the square training size in pixels for {self.name} data")
+        self.image_shape = (3, size, size)
+
+    def pack_patches(self, patch_size: int, sizes: Sequence[int] = ()) -> None:
+        raise DataError(f"data.dataset={self.name!r} serves [B, 3, S, S] images; the vlm family's packed patches are "
+                        "served by the bundled sets only; use model.name=clip")
+
+    serve_masked = pack_patches
+
+    def _read(self, index: int, bad: list[BadSample]) -> tuple[Image.Image, Record]:
+        """The record at `index`, or the next good one in source order (each bad one appended to `bad`)."""
+        j = index
+        for _ in range(MAX_SUBSTITUTES):
+            try:
+                record = self._source.read(j)
+            except BadSample as e:
+                bad.append(e)
+            else:
+                try:
+                    return decode_image(record.image), record
+                except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+                    bad.append(BadSample("undecodable_image", record.where, record.key, f"{type(e).__name__}: {e}"))
+            j = (j + 1) % len(self._source)
+        raise DataError(f"{bad[-1].where}: {MAX_SUBSTITUTES} bad samples in a row from sample {index} (last: {bad[-1]}); "
+                        "the data is damaged: check the files or rebuild the shards")
+
+    def __getitems__(self, indices: Sequence[int]) -> dict[str, Any]:
+        size = self.image_shape[-1]
+        pixels = np.empty((len(indices), size, size, 3), dtype=np.uint8)
+        captions, bad = [], []
+        for row, index in enumerate(indices):
+            image, record = self._read(int(index), bad)
+            rng = sample_rng(self.seed, self.epoch, int(index)) if self.train else None
+            pixels[row] = crop_resize(image, size, train=self.train, rng=rng)
+            captions.append(record.caption)
+        return {"image": self._normalize(pixels), "text": self.tokenizer.encode(captions),
+                "index": torch.as_tensor(list(indices), dtype=torch.long), BAD_SAMPLES: bad}
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        batch = self.__getitems__([index])
+        return {k: v if k == BAD_SAMPLES else v[0] for k, v in batch.items()}
+
+    def captions(self, indices: Sequence[int]) -> list[str]:
+        """The captions of these samples (logs, inspection)."""
+        return [self._source.read(int(i)).caption for i in indices]
+
+    def encode_text(self, texts: list[str]) -> torch.Tensor:
+        return self.tokenizer.encode(texts)

@@ -1,0 +1,95 @@
+"""Zero-shot classification on the user's images: an ImageFolder-layout folder as a `ZeroShotDataset`.
+
+`root/<class>/<image>`: one sub-folder per class, sorted by name (torchvision's ImageFolder
+convention, so class i is the i-th folder). Class names are the folder names with underscores as
+spaces, or the lines of a names file (one per class, in the same order). The classifier averages
+each class's text embedding over the prompt templates (`openai`: CLIP's 80 ImageNet prompts;
+`simple`: open_clip's short list; or a file). Images get the eval transform (central crop); an
+image that does not decode stops the evaluation with its path (an eval set should be clean).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.image_transforms import Normalize, crop_resize, decode_image
+from titan_contrastive.datasets.sources import IMAGE_EXTENSIONS
+
+PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "prompts"
+
+
+def load_templates(spec: str) -> list[str]:
+    """`openai`, `simple`, or a file of templates (one per line, each with `{}`)."""
+    file = PROMPTS / f"{spec}.txt" if spec in ("openai", "simple") else Path(spec).expanduser()
+    if not file.is_file():
+        raise DataError(f"eval.zero_shot_templates={spec!r}: not 'openai', 'simple' or a file; give a text file with one template per line")
+    templates = [line.strip() for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    bad = [t for t in templates if t.count("{}") != 1]
+    if not templates or bad:
+        raise DataError(f"{file}: every template needs exactly one '{{}}' for the class name (first bad: {bad[0] if bad else 'none given'!r})")
+    return templates
+
+
+class ImageFolderZeroShot:
+    """A `datasets.protocol.ZeroShotDataset`: image [B,3,S,S], text (each image's class under the
+    first template, for the eval loss), label, index."""
+
+    def __init__(self, root: str, *, names_file: str, templates: Sequence[str], tokenizer: Any, image_size: int) -> None:
+        folder = Path(root).expanduser()
+        if not folder.is_dir():
+            raise DataError(f"eval.zero_shot_path={root}: no such folder; give a folder with one sub-folder of images per class")
+        classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
+        self._files: list[Path] = []
+        labels: list[int] = []
+        for label, name in enumerate(classes):
+            files = sorted(p for p in (folder / name).rglob("*") if p.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS)
+            self._files += files
+            labels += [label] * len(files)
+        if len(classes) < 2 or not self._files:
+            raise DataError(f"eval.zero_shot_path={root}: {len(classes)} class folder(s) with {len(self._files)} images; "
+                            "zero-shot classification needs at least 2 class sub-folders of images")
+        self.class_names = [name.replace("_", " ") for name in classes]
+        if names_file:
+            names = [line.strip() for line in Path(names_file).expanduser().read_text(encoding="utf-8").splitlines() if line.strip()]
+            if len(names) != len(classes):
+                raise DataError(f"eval.zero_shot_names={names_file}: {len(names)} names for {len(classes)} class folders in {root}; "
+                                "give one name per line, in sorted folder order")
+            self.class_names = names
+        self.name, self.split, self.source, self.full = "zero_shot", "test", str(folder), True
+        self.templates = list(templates)
+        self.tokenizer = tokenizer
+        self.image_shape: tuple[int, int, int] = (3, image_size, image_size)
+        self.recall_ks, self.recall_direction = (1, 5), "image_to_text"
+        self.labels = torch.tensor(labels, dtype=torch.long)
+        self._normalize = Normalize()
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Deterministic: the eval transform has no randomness."""
+
+    def resize(self, size: int) -> None:
+        self.image_shape = (3, size, size)
+
+    def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        size = self.image_shape[-1]
+        pixels = np.empty((len(indices), size, size, 3), dtype=np.uint8)
+        for row, i in enumerate(indices):
+            try:
+                pixels[row] = crop_resize(decode_image(self._files[i].read_bytes()), size, train=False)
+            except (OSError, ValueError, SyntaxError) as e:
+                raise DataError(f"{self._files[i]}: not a readable image ({type(e).__name__}: {e}); remove it from the "
+                                "zero-shot folder") from None
+        idx = torch.as_tensor(list(indices), dtype=torch.long)
+        labels = self.labels[idx]
+        text = self.encode_text([self.templates[0].format(self.class_names[c]) for c in labels.tolist()])
+        return {"image": self._normalize(pixels), "text": text, "label": labels, "index": idx}
+
+    def encode_text(self, texts: list[str]) -> torch.Tensor:
+        return self.tokenizer.encode(texts)

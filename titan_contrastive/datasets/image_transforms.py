@@ -1,0 +1,86 @@
+"""CLIP-style image transforms on Pillow images, with per-sample randomness from (seed, epoch, index).
+
+Train: a random-resized crop (open_clip's defaults: area scale 0.9-1.0 of the image, aspect ratio
+3/4-4/3, bicubic) to `size` x `size`. Eval: the central square of the image resized to `size`,
+which is Resize(size) + CenterCrop(size) in one resampling instead of two. Then (x/255 - mean)/std
+with OpenAI CLIP's mean/std by default.
+
+Why not torchvision: it does not import beside every torch build this project supports, and the
+transforms needed are two Pillow calls. Why `np.random.default_rng((seed, epoch, index))`: a crop
+must not depend on which rank or worker loads the sample, nor on what else is in its batch, so
+that 1 process x 16 samples and 2 processes x 8 (and a resumed run) see identical pixels.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+CROP_SCALE = (0.9, 1.0)  # open_clip's training default (torchvision's own is 0.08-1.0)
+CROP_RATIO = (3 / 4, 4 / 3)
+CROP_TRIES = 10  # as torchvision: then fall back to the central crop
+
+Box = tuple[int, int, int, int]
+
+
+def decode_image(data: bytes | Image.Image) -> Image.Image:
+    """An RGB Pillow image from encoded bytes (JPEG, PNG, WebP, ...) or an image; raises
+    OSError/ValueError (Pillow's errors) on data that does not decode."""
+    image = data if isinstance(data, Image.Image) else Image.open(io.BytesIO(data))
+    image.load()  # decode now: a truncated file fails here, inside the caller's try
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def center_box(width: int, height: int) -> Box:
+    """The central square of a width x height image."""
+    side = min(width, height)
+    left, top = (width - side) // 2, (height - side) // 2
+    return left, top, left + side, top + side
+
+
+def random_resized_box(width: int, height: int, rng: np.random.Generator) -> Box:
+    """torchvision's RandomResizedCrop box: area a fraction CROP_SCALE of the image, log-uniform
+    aspect ratio in CROP_RATIO; after CROP_TRIES misses, the central square."""
+    area = width * height
+    log_ratio = (math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1]))
+    for _ in range(CROP_TRIES):
+        target = area * rng.uniform(*CROP_SCALE)
+        ratio = math.exp(rng.uniform(*log_ratio))
+        w, h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+        if 0 < w <= width and 0 < h <= height:
+            left, top = int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1))
+            return left, top, left + w, top + h
+    return center_box(width, height)
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """The generator of one sample's randomness in one epoch (a pure function of the three)."""
+    return np.random.default_rng((seed, epoch, index))
+
+
+def crop_resize(image: Image.Image, size: int, *, train: bool, rng: np.random.Generator | None = None) -> np.ndarray:
+    """uint8 [size, size, 3]: the train crop (needs `rng`) or the eval central crop, bicubic."""
+    box = random_resized_box(*image.size, rng) if train and rng is not None else center_box(*image.size)
+    return np.asarray(image.resize((size, size), Image.Resampling.BICUBIC, box=box), dtype=np.uint8)
+
+
+class Normalize:
+    """uint8 [B, H, W, C] -> float32 [B, C, H, W], (x / 255 - mean) / std as one multiply-add
+    (the same float32 operations as the bundled sets, so equal pixels give equal tensors)."""
+
+    def __init__(self, mean: Sequence[float] = OPENAI_MEAN, std: Sequence[float] = OPENAI_STD) -> None:
+        mean_t = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+        std_t = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+        self.scale = 1.0 / (255.0 * std_t)
+        self.shift = -mean_t / std_t
+
+    def __call__(self, pixels: np.ndarray) -> torch.Tensor:
+        images = torch.from_numpy(pixels).permute(0, 3, 1, 2)
+        return images.float().mul_(self.scale).add_(self.shift)

@@ -1,0 +1,289 @@
+"""Where image-caption records come from: CSV files, webdataset tar shards, Hugging Face datasets.
+
+A source is an indexable list of raw records: `read(i)` returns the image's encoded bytes (or a
+decoded image, for a Hugging Face image column) and its caption, or raises `BadSample` naming the
+file or shard, the sample key and the reason. Decoding, cropping and tokenizing happen in
+`files.FileImageTextDataset`, the same for every source.
+
+Why random access (map-style) also for tar shards: the loader's blocked sampler gives every DP
+rank a slice of one global permutation, which is what makes the global batch independent of the
+number of ranks and workers, and mid-epoch resumption exact (the sampler's position is in the
+checkpoint). `wids.IndexedTarSamples` indexes a shard once (a scan of its tar headers, through
+mmap) and then reads any sample at its offset; shards are opened lazily, a few at a time.
+
+Several sources of one kind are joined with `::` (open_clip's syntax) and weighted by
+`data.upsampling_factors`: source i contributes round(f_i * n_i) samples to each epoch; a
+fraction takes a window of the source that moves with the epoch, so over epochs all of it is seen.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol, Sequence
+
+import numpy as np
+
+from titan_contrastive.datasets.base import DataError
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+
+
+class BadSample(Exception):
+    """A record that cannot be used; the dataset skips it and counts it by `reason`."""
+
+    def __init__(self, reason: str, where: str, key: str, detail: str = "") -> None:
+        super().__init__(f"{where} sample {key}: {reason}{f' ({detail})' if detail else ''}")
+        self.reason, self.where, self.key, self.detail = reason, where, key, detail
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses from DataLoader workers by pickle
+        return BadSample, (self.reason, self.where, self.key, self.detail)
+
+
+class Record(NamedTuple):
+    image: Any
+    """Encoded image bytes, or a Pillow image."""
+    caption: str
+    where: str
+    """The file or shard it was read from."""
+    key: str
+    """The sample's key in it (a row number, a tar key)."""
+
+
+class Source(Protocol):
+    location: str
+
+    def __len__(self) -> int: ...
+
+    def read(self, index: int) -> Record: ...
+
+
+def _caption(text: Any, where: str, key: str) -> str:
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    if not isinstance(text, str) or not text.strip():
+        raise BadSample("missing_caption", where, key)
+    return text.strip()
+
+
+class CsvSource:
+    """Rows of a CSV/TSV: an image path (relative paths resolve against the file's folder) and a caption."""
+
+    def __init__(self, path: str, *, img_key: str = "filepath", caption_key: str = "title", separator: str = "\t") -> None:
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise DataError(f"data.path={path}: no such CSV file; give a CSV/TSV with columns {img_key!r} and {caption_key!r}")
+        self.location = str(file)
+        try:
+            with open(file, newline="", encoding="utf-8") as f:
+                reader = csv.DictReader(f, delimiter=separator)
+                columns = reader.fieldnames or []
+                missing = [c for c in (img_key, caption_key) if c not in columns]
+                if missing:
+                    raise DataError(f"{file}: no column {missing[0]!r} (columns: {', '.join(columns) or 'none'}, separator "
+                                    f"{separator!r}); set data.csv_img_key / data.csv_caption_key / data.csv_separator")
+                rows = [(row[img_key], row[caption_key]) for row in reader]
+        except (UnicodeDecodeError, csv.Error) as e:
+            raise DataError(f"{file}: not a readable UTF-8 CSV ({e}); fix the file or data.csv_separator") from None
+        if not rows:
+            raise DataError(f"{file}: no rows; give a CSV with at least one image and caption")
+        folder = file.parent
+        self._paths = [str(folder / p) if p and not os.path.isabs(p) else p for p, _ in rows]
+        self._captions = [c for _, c in rows]
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def read(self, index: int) -> Record:
+        where, key = self.location, f"row {index + 2}"  # line number in the file (header is line 1)
+        path = self._paths[index]
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise BadSample("unreadable_file", path or where, key, e.strerror or str(e)) from None
+        return Record(data, _caption(self._captions[index], where, key), path, key)
+
+
+def expand_shards(pattern: str) -> list[str]:
+    """`shards/{000000..000123}.tar` (brace expansion) or a glob-free list of paths."""
+    import braceexpand
+
+    return [url for part in pattern.split(",") for url in braceexpand.braceexpand(part.strip()) if url]
+
+
+class WebDatasetSource:
+    """Samples of webdataset tar shards (img2dataset's layout: `<key>.jpg`, `<key>.txt`, `<key>.json`).
+
+    `path`: a brace pattern / comma list of tars, or a wids descriptor `*.json` (`make_shards`
+    writes `shards.json`), whose sample counts spare the scan of every shard at start.
+    `caption_key`: `txt`, or `json:<field>` for a field of the sample's JSON.
+    """
+
+    MAX_OPEN = 8
+
+    def __init__(self, path: str, *, image_keys: str = "jpg;jpeg;png;webp", caption_key: str = "txt") -> None:
+        from wids.wids import IndexedTarSamples
+
+        self.location = path
+        self.image_keys = ["." + k.strip().lstrip(".") for k in image_keys.split(";") if k.strip()]
+        self.caption_key = caption_key
+        self.unreadable: list[str] = []
+        if path.endswith(".json"):
+            urls, counts = self._descriptor(Path(path))
+        else:
+            urls, counts = expand_shards(path), []
+            missing = [u for u in urls if not Path(u).is_file()]
+            if not urls or missing:
+                raise DataError(f"data.path={path}: no such shard {missing[0] if missing else path}; give existing tar files "
+                                "as a brace pattern (shards/{00000..00009}.tar) or a shards.json from make_shards")
+            for url in urls:  # index each shard once; one that cannot be read is reported and left out
+                try:
+                    counts.append(len(IndexedTarSamples(path=url)))
+                except Exception as e:  # noqa: BLE001 - any failure to index a tar means an unusable shard
+                    self.unreadable.append(f"{url} ({type(e).__name__}: {e})")
+                    counts.append(0)
+        self._urls = urls
+        self._ends = np.cumsum(counts)
+        if not self._ends.size or not self._ends[-1]:
+            first = f" (first: {self.unreadable[0]})" if self.unreadable else ""
+            raise DataError(f"data.path={path}: no readable samples in {len(urls)} shard(s){first}; check the tar files")
+        self._open: OrderedDict[int, Any] = OrderedDict()
+
+    @staticmethod
+    def _descriptor(file: Path) -> tuple[list[str], list[int]]:
+        try:
+            spec = json.loads(file.read_text())
+            shards = spec["shardlist"]
+            urls = [str(file.parent / s["url"]) if not os.path.isabs(s["url"]) else s["url"] for s in shards]
+            return urls, [int(s["nsamples"]) for s in shards]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{file}: not a wids shard descriptor ({type(e).__name__}: {e}); give the shards.json that "
+                            "make_shards writes, or the tar files as a brace pattern") from None
+
+    def __len__(self) -> int:
+        return int(self._ends[-1])
+
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers: open shards stay behind
+        return {**self.__dict__, "_open": OrderedDict()}
+
+    def _shard(self, shard: int) -> Any:
+        from wids.wids import IndexedTarSamples
+
+        if shard not in self._open:
+            if len(self._open) >= self.MAX_OPEN:
+                self._open.popitem(last=False)[1].close()
+            self._open[shard] = IndexedTarSamples(path=self._urls[shard])
+        self._open.move_to_end(shard)
+        return self._open[shard]
+
+    def read(self, index: int) -> Record:
+        shard = int(np.searchsorted(self._ends, index, side="right"))
+        inner = index - (int(self._ends[shard - 1]) if shard else 0)
+        url = self._urls[shard]
+        try:
+            sample = self._shard(shard)[inner]
+        except Exception as e:  # noqa: BLE001 - a damaged shard: the sample is skipped and counted
+            raise BadSample("unreadable_shard", url, f"#{inner}", f"{type(e).__name__}: {e}") from None
+        sample = {k: v.getvalue() if hasattr(v, "getvalue") else v for k, v in sample.items()}  # wids gives BytesIO
+        key = sample.get("__key__", f"#{inner}")
+        image = next((sample[k] for k in self.image_keys if k in sample), None)
+        if image is None:
+            raise BadSample("missing_image", url, key, f"no member with extension {'/'.join(self.image_keys)}")
+        if self.caption_key.startswith("json:"):
+            try:
+                text = json.loads(sample[".json"])[self.caption_key[5:]]
+            except (KeyError, ValueError, TypeError):
+                raise BadSample("missing_caption", url, key, f"no {self.caption_key}") from None
+        else:
+            text = sample.get("." + self.caption_key.lstrip("."))
+        return Record(image, _caption(text, url, key), url, key)
+
+
+class HfSource:
+    """A Hugging Face `datasets` dataset on local disk: a `save_to_disk` folder, or Parquet / JSON
+    / Arrow / CSV files read with `load_dataset(<format>, data_files=...)`. Never a hub download
+    (HF_DATASETS_OFFLINE is set). Images: an `Image` column (read undecoded), bytes, or paths."""
+
+    FORMATS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": "arrow", ".csv": "csv"}
+
+    def __init__(self, path: str, *, image_column: str = "image", text_column: str = "text", split: str = "train") -> None:
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import datasets
+
+        self.location = path
+        target = Path(path).expanduser()
+        try:
+            if target.is_dir():
+                ds = datasets.load_from_disk(str(target))
+                if isinstance(ds, datasets.DatasetDict):
+                    if split not in ds:
+                        raise DataError(f"data.path={path}: a DatasetDict without split {split!r} (splits: {', '.join(ds)}); "
+                                        "save the split you want or point data.path at it")
+                    ds = ds[split]
+            elif target.is_file() and target.suffix in self.FORMATS:
+                ds = datasets.load_dataset(self.FORMATS[target.suffix], data_files=str(target), split="train")
+            else:
+                raise DataError(f"data.path={path}: not a save_to_disk folder or a {'/'.join(self.FORMATS)} file; "
+                                "give one of those (nothing is fetched from the hub)")
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001 - datasets raises many types for an unreadable folder or file
+            raise DataError(f"data.path={path}: not a readable Hugging Face dataset ({type(e).__name__}: {e})") from None
+        missing = [c for c in (image_column, text_column) if c not in ds.column_names]
+        if missing:
+            raise DataError(f"{path}: no column {missing[0]!r} (columns: {', '.join(ds.column_names)}); "
+                            "set data.hf_image_column / data.hf_text_column")
+        if isinstance(ds.features[image_column], datasets.Image):
+            ds = ds.cast_column(image_column, datasets.Image(decode=False))  # decode here, where a bad image is counted
+        self._ds, self._image, self._text = ds, image_column, text_column
+        self._folder = target.parent if target.is_file() else target
+
+    def __len__(self) -> int:
+        return len(self._ds)
+
+    def read(self, index: int) -> Record:
+        row, key = self._ds[index], f"row {index}"
+        image = row[self._image]
+        if isinstance(image, dict):  # datasets.Image(decode=False): {"bytes", "path"}
+            image = image.get("bytes") or image.get("path")
+        if isinstance(image, str):
+            path = Path(image) if os.path.isabs(image) else self._folder / image
+            try:
+                image = path.read_bytes()
+            except OSError as e:
+                raise BadSample("unreadable_file", str(path), key, e.strerror or str(e)) from None
+        if image is None:
+            raise BadSample("missing_image", self.location, key)
+        return Record(image, _caption(row[self._text], self.location, key), self.location, key)
+
+
+class WeightedSources:
+    """Sources joined with `::`, source i contributing round(factor_i * len_i) samples per epoch."""
+
+    def __init__(self, sources: Sequence[Source], factors: Sequence[float], seed: int) -> None:
+        self.sources, self.seed, self.epoch = list(sources), seed, 0
+        self.location = "::".join(s.location for s in self.sources)
+        self._sizes = [max(1, round(f * len(s))) for f, s in zip(factors, self.sources)]
+        self._ends = np.cumsum(self._sizes)
+
+    def __len__(self) -> int:
+        return int(self._ends[-1])
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(source, index in it) of a virtual index; a partial source's window moves each epoch."""
+        i = int(np.searchsorted(self._ends, index, side="right"))
+        slot = index - (int(self._ends[i - 1]) if i else 0)
+        n = len(self.sources[i])
+        offset = int(np.random.default_rng((self.seed, self.epoch, i)).integers(n)) if self._sizes[i] % n else 0
+        return i, (slot + offset) % n
+
+    def read(self, index: int) -> Record:
+        i, inner = self.locate(index)
+        return self.sources[i].read(inner)
