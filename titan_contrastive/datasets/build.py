@@ -65,7 +65,7 @@ def open_source(kind: str, path: str, options: SourceOptions, *, seed: int, spli
             sources.append(HfSource(part, image_column=options.hf_image_column, text_column=options.hf_text_column, split=split))
     if len(sources) == 1 and factors[0] == 1.0:
         return sources[0]
-    return WeightedSources(sources, factors, seed)
+    return WeightedSources(sources, factors)
 
 
 def text_tokenizer(name: str, dataset: str, context_length: int) -> Any:

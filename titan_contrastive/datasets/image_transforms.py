@@ -25,7 +25,7 @@ OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 CROP_SCALE = (0.9, 1.0)  # open_clip's training default (torchvision's own is 0.08-1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
-CROP_TRIES = 10  # as torchvision: then fall back to the central crop
+CROP_TRIES = 10  # as torchvision, then its fallback
 
 Box = tuple[int, int, int, int]
 
@@ -47,7 +47,8 @@ def center_box(width: int, height: int) -> Box:
 
 def random_resized_box(width: int, height: int, rng: np.random.Generator) -> Box:
     """torchvision's RandomResizedCrop box: area a fraction CROP_SCALE of the image, log-uniform
-    aspect ratio in CROP_RATIO; after CROP_TRIES misses, the central square."""
+    aspect ratio in CROP_RATIO; after CROP_TRIES misses, the whole image cut to the nearest
+    aspect ratio in CROP_RATIO, centred (torchvision's fallback)."""
     area = width * height
     log_ratio = (math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1]))
     for _ in range(CROP_TRIES):
@@ -57,7 +58,13 @@ def random_resized_box(width: int, height: int, rng: np.random.Generator) -> Box
         if 0 < w <= width and 0 < h <= height:
             left, top = int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1))
             return left, top, left + w, top + h
-    return center_box(width, height)
+    w, h = width, height
+    if width / height < CROP_RATIO[0]:
+        h = round(width / CROP_RATIO[0])
+    elif width / height > CROP_RATIO[1]:
+        w = round(height * CROP_RATIO[1])
+    left, top = (width - w) // 2, (height - h) // 2
+    return left, top, left + w, top + h
 
 
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:

@@ -55,7 +55,10 @@ def _rows(file: Path, columns: Sequence[str]) -> list[list[Any]]:
         if missing:
             raise DataError(f"{file}: no column {missing[0]!r} in the header ({', '.join(header)}); fix data.pairs_columns")
         return [[line[header.index(c)] if header.index(c) < len(line) else None for c in columns] for line in lines[1:]]
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{file}: Parquet needs pyarrow: pip install -e '.[data]' (or give .jsonl/.tsv)") from None
 
     table = pq.read_table(file)
     names = list(columns) or table.column_names

@@ -13,7 +13,7 @@ mmap) and then reads any sample at its offset; shards are opened lazily, a few a
 
 Several sources of one kind are joined with `::` (open_clip's syntax) and weighted by
 `data.upsampling_factors`: source i contributes round(f_i * n_i) samples to each epoch; a
-fraction takes a window of the source that moves with the epoch, so over epochs all of it is seen.
+fraction reads consecutive windows of the source, epoch after epoch, so all of it is seen.
 """
 
 from __future__ import annotations
@@ -212,7 +212,11 @@ class HfSource:
     def __init__(self, path: str, *, image_column: str = "image", text_column: str = "text", split: str = "train") -> None:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        import datasets
+        try:
+            import datasets
+        except ImportError:
+            raise DataError("data.dataset='hf' needs the Hugging Face datasets package: pip install -e '.[data]'") from None
+        datasets.disable_progress_bars()
 
         self.location = path
         target = Path(path).expanduser()
@@ -262,10 +266,14 @@ class HfSource:
 
 
 class WeightedSources:
-    """Sources joined with `::`, source i contributing round(factor_i * len_i) samples per epoch."""
+    """Sources joined with `::`, source i contributing round(factor_i * len_i) samples per epoch.
 
-    def __init__(self, sources: Sequence[Source], factors: Sequence[float], seed: int) -> None:
-        self.sources, self.seed, self.epoch = list(sources), seed, 0
+    A source whose share is not a whole number of copies is read in consecutive windows that
+    continue from epoch to epoch (epoch e starts at e x share, modulo its length), so every one of
+    its samples is seen equally often over epochs."""
+
+    def __init__(self, sources: Sequence[Source], factors: Sequence[float]) -> None:
+        self.sources, self.epoch = list(sources), 0
         self.location = "::".join(s.location for s in self.sources)
         self._sizes = [max(1, round(f * len(s))) for f, s in zip(factors, self.sources)]
         self._ends = np.cumsum(self._sizes)
@@ -277,12 +285,10 @@ class WeightedSources:
         self.epoch = epoch
 
     def locate(self, index: int) -> tuple[int, int]:
-        """(source, index in it) of a virtual index; a partial source's window moves each epoch."""
+        """(source, index in it) of an index of the joined epoch."""
         i = int(np.searchsorted(self._ends, index, side="right"))
         slot = index - (int(self._ends[i - 1]) if i else 0)
-        n = len(self.sources[i])
-        offset = int(np.random.default_rng((self.seed, self.epoch, i)).integers(n)) if self._sizes[i] % n else 0
-        return i, (slot + offset) % n
+        return i, (slot + self.epoch * self._sizes[i]) % len(self.sources[i])
 
     def read(self, index: int) -> Record:
         i, inner = self.locate(index)
