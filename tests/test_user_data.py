@@ -304,3 +304,59 @@ def test_random_resized_crop_stays_inside_the_image() -> None:
     assert random_resized_box(100, 20, sample_rng(0, 0, 0)) == (36, 0, 63, 20)  # nothing fits: the fallback, 27 x 20
     assert center_box(32, 32) == (0, 0, 32, 32) and center_box(40, 20) == (10, 0, 30, 20)
     assert random_resized_box(64, 48, sample_rng(1, 2, 3)) == random_resized_box(64, 48, sample_rng(1, 2, 3))
+
+
+# --- through the trainer -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,nproc,workers", [("csv", 1, 2), ("webdataset", 2, 0), ("hf", 2, 2)])
+def test_trainer_resumes_bit_identically(emoji: dict, tmp_path: Path, kind: str, nproc: int, workers: int) -> None:
+    """Through run_train.sh: 6 steps at once vs 3 steps, then a launch that resumes from step 3:
+    the same losses and the same final checkpoint, bit for bit (random crops, clip_bpe captions)."""
+    import shutil
+
+    from tests.test_resume import STEPS, assert_identical, checkpoint, launch, losses, ok
+
+    if kind not in emoji["paths"]:
+        pytest.skip("the [data] extra (Hugging Face datasets) is not installed")
+    args = (f"--data.dataset={kind}", f"--data.path={emoji['paths'][kind]}", "--data.image_size=32",
+            f"--data.num_workers={workers}", "--checkpoint.interval=3")
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    ok(launch(whole, nproc, *args))
+    (resumed / "checkpoint").mkdir(parents=True)
+    shutil.copytree(whole / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
+    assert "resumed from checkpoint step-3" in ok(launch(resumed, nproc, *args))
+    want, got = losses(whole), losses(resumed)
+    assert sorted(want) == list(range(1, STEPS + 1)) and sorted(got) == [4, 5, 6]
+    assert all(got[s] == want[s] for s in got), (got, want)
+    assert_identical(checkpoint(resumed, STEPS), checkpoint(whole, STEPS))
+
+
+def test_trainer_reports_bad_samples_and_evaluates_your_data(emoji: dict, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A damaged CSV trains (3 bad samples skipped, counted in metrics.jsonl), with retrieval recall
+    both ways on data.val_path and zero-shot top-1 on an ImageFolder; at max_bad_fraction 0 it stops
+    with exit code 2 and one line naming the file."""
+    from titan_contrastive.train import main
+
+    caplog.set_level("INFO", logger="titan_contrastive")
+    root = emoji["root"]
+    for c, name in enumerate(["alpha", "beta"]):
+        (tmp_path / "zs" / name).mkdir(parents=True)
+        for i in range(3):
+            (tmp_path / "zs" / name / f"{i}.png").write_bytes((root / "img" / f"{c * 3 + i:04d}.png").read_bytes())
+    args = ["--data.dataset=csv", f"--data.path={_damaged_csv(emoji, tmp_path)}", f"--data.val_path={emoji['paths']['csv']}",
+            "--data.image_size=32", "--training.local_batch_size=20", "--training.steps=2", "--metrics.log_freq=1",
+            "--metrics.enable_tensorboard=false", f"--eval.zero_shot_path={tmp_path / 'zs'}", "--eval.zero_shot_templates=simple"]
+    assert main([*args, "--data.max_bad_fraction=0.1", f"--job.dump_folder={tmp_path / 'run'}"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert train[-1]["bad_samples"] == 3 and train[-1]["bad_samples/unreadable_file"] == 1
+    evals = [r for r in records if r["kind"] == "eval"][-1]
+    assert evals["num_samples"] == 200 and evals["zero_shot/num_samples"] == 6
+    assert {"image_to_text_r@10", "text_to_image_r@1", "zero_shot/zero_shot_top1"} <= evals.keys()
+    assert "skipped bad sample" in caplog.text and "eval step 2 on 200 csv test samples and 6 zero_shot test samples" in caplog.text
+    capsys.readouterr()
+    assert main([*args, "--data.max_bad_fraction=0", f"--job.dump_folder={tmp_path / 'strict'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.max_bad_fraction" in err[0] and any(f in err[0] for f in ("damaged.csv", "missing.png", "bad.jpg")), err
