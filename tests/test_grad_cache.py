@@ -29,7 +29,7 @@ def info_nce(q: torch.Tensor, p: torch.Tensor, n: torch.Tensor | None = None, *,
     """DPR-style: query i against all positives (+ hard negatives); loss_fn(*reps, **kwargs)."""
     keys = p if n is None else torch.cat([p, n])
     logits = F.normalize(q, dim=-1) @ F.normalize(keys, dim=-1).T / temperature
-    return F.cross_entropy(logits, torch.arange(len(q)))
+    return F.cross_entropy(logits, torch.arange(len(q), device=q.device))
 
 
 class Tower(nn.Module):

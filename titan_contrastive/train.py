@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_contrastive import models
 from titan_contrastive.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState, TrainState
-from titan_contrastive.components.evaluate import EvalContext
+from titan_contrastive.components.evaluate import EvalContext, describe_results, evaluate_sets
 from titan_contrastive.components.lr_scheduler import build_lr_scheduler
 from titan_contrastive.components.memory_planner import MemoryBudgetError, MemoryPlan, measured_first_step, plan_step, probe_batches
 from titan_contrastive.components.metrics import MetricsProcessor, device_peak_tflops
@@ -85,11 +85,12 @@ class Trainer:
             tokenizer = self.spec.build_tokenizer(flavor_args) if self.spec.build_tokenizer else None
         except ImportError as e:
             raise ConfigError(str(e)) from None
-        data = build_data(cfg.data, cfg.eval, seed=cfg.training.seed, family_tokenizer=tokenizer, build_bundled=build_dataset,
-                          prepare=lambda ds: self.spec.layout.prepare(ds, flavor_args, cfg.data.image_sizes, cfg.model.name),
-                          local_batch_size=cfg.training.local_batch_size, dp_rank=self.dist.rank, dp_degree=self.dp_degree,
-                          pin_memory=self.device.type == "cuda")
+        self.data = data = build_data(
+            cfg.data, cfg.eval, seed=cfg.training.seed, family_tokenizer=tokenizer, build_bundled=build_dataset,
+            prepare=lambda ds: self.spec.layout.prepare(ds, flavor_args, cfg.data.image_sizes, cfg.model.name),
+            local_batch_size=cfg.training.local_batch_size, dp_rank=self.dist.rank, dp_degree=self.dp_degree, pin_memory=self.device.type == "cuda")
         self.train_set, self.eval_set, self.zero_shot_set, self.loader = data.train_set, data.eval_set, data.zero_shot_set, data.loader
+        self._eval_sets = {"": self.eval_set, "zero_shot/": self.zero_shot_set}  # result key prefix -> held-out set
 
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step
         try:
@@ -139,10 +140,8 @@ class Trainer:
         return self.train_state.step
 
     def _log_start(self) -> None:
-        cfg, ds = self.cfg, self.train_set
-        held_out = f"eval {len(self.eval_set)}" if self.eval_set else "no eval set (data.val_path)"
-        zero_shot = f", zero-shot {len(self.zero_shot_set)} images" if self.zero_shot_set else ""
-        logger.info(f"data: {ds.name} train {len(ds)} samples ({'full set' if ds.full else 'bundled subset'}, {ds.source}), {held_out}{zero_shot}")
+        cfg = self.cfg
+        logger.info(f"data: {self.data.describe()}")
         logger.info(
             f"model: {cfg.model.name}/{cfg.model.flavor}  params {self.model_args.num_params():,}  "
             f"training FLOPs/sample {f'{flops:.3e}' if (flops := self.model_args.flops_per_sample()) else 'n/a'} (encoders; loss excluded)  device {self.device}"
@@ -228,23 +227,30 @@ class Trainer:
         return batches
 
     def evaluate(self) -> dict[str, float]:
-        """The family's evaluation (`ModelSpec.evaluate`) on the held-out split, then zero-shot
-        classification on `eval.zero_shot_path` (its keys prefixed `zero_shot/`)."""
-        cfg, results = self.cfg, {}
-        for prefix, ds in (("", self.eval_set), ("zero_shot/", self.zero_shot_set)):
-            if ds is not None:
-                results.update({prefix + k: v for k, v in self.spec.evaluate(EvalContext(
-                    self.model, self.forward, ds, self.loss_name, cfg.eval.batch_size, self.device, self.dist.rank,
-                    self.dist.world_size, Path(cfg.job.dump_folder), self.step)).items()})
-        return results
+        """The family's evaluation (`ModelSpec.evaluate`) on the held-out split and on `eval.zero_shot_path`."""
+        cfg = self.cfg
+        return evaluate_sets(self.spec.evaluate, lambda ds: EvalContext(
+            self.model, self.forward, ds, self.loss_name, cfg.eval.batch_size, self.device, self.dist.rank, self.dist.world_size,
+            Path(cfg.job.dump_folder), self.step), self._eval_sets)
 
     def _measured_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """The first step under a memory plan goes through the probe (peak against the plan)."""
         return measured_first_step(self.memory_plan, lambda: self.train_step(batches), device=self.device, model=self.model,
                                    optimizer=self.optimizer, record=self.metrics.record, step_number=self.step + 1)
 
+    def _evaluate_and_log(self, last: bool) -> dict[str, float]:
+        start = time.perf_counter()
+        results = self.evaluate()
+        self.metrics.record("eval", self.step, results)
+        logger.info(f"{'final ' if last else ''}eval step {self.step} {describe_results(results, self._eval_sets)} ({time.perf_counter() - start:.1f}s)")
+        return results
+
     def train(self) -> dict[str, Any]:
+        """The loop; a run resumed at its last step only evaluates (how a finished run is re-evaluated)."""
         cfg = self.cfg
+        evaluates = cfg.eval.enable and any(ds is not None for ds in self._eval_sets.values())
+        if self.step >= cfg.training.steps:  # nothing left to train (the checkpoint is at the last step)
+            return self._evaluate_and_log(last=True) if evaluates else {}
         data_iter = iter(self.loader)
         self.metrics.reset()
         results: dict[str, Any] = {}
@@ -255,16 +261,8 @@ class Trainer:
             last = self.step == cfg.training.steps
             if self.step % cfg.metrics.log_freq == 0 or last:
                 self.metrics.log_train(self.step, **out, **self.gradient_step.log_values(), **self.loader.bad_samples.values())
-            side_work = False  # eval and checkpoint time stays out of samples/s
-            if cfg.eval.enable and (self.eval_set or self.zero_shot_set) and (last or (cfg.eval.freq and self.step % cfg.eval.freq == 0)):
-                start = time.perf_counter()
-                results = self.evaluate()
-                self.metrics.record("eval", self.step, results)
-                shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items() if not k.endswith("num_samples"))
-                where = " and ".join(f"{int(results[p + 'num_samples'])} {ds.name} test samples" for p, ds in
-                                     (("", self.eval_set), ("zero_shot/", self.zero_shot_set)) if ds is not None)
-                logger.info(f"{'final ' if last else ''}eval step {self.step} on {where}: {shown} ({time.perf_counter() - start:.1f}s)")
-                side_work = True
+            side_work = evaluates and (last or (cfg.eval.freq and self.step % cfg.eval.freq == 0))
+            results = self._evaluate_and_log(last) if side_work else results  # eval and checkpoint time stay out of samples/s
             if self.checkpointer.maybe_save(self.step, last_step=last) or side_work:
                 self.metrics.reset()
         return results

@@ -170,6 +170,23 @@ def evaluate_contrastive(ctx: EvalContext) -> dict[str, float]:
                     rank=ctx.rank, world_size=ctx.world_size)
 
 
+def evaluate_sets(evaluate_fn: Callable[[EvalContext], dict[str, float]], context: Callable[[Dataset], EvalContext],
+                  sets: dict[str, Dataset | None]) -> dict[str, float]:
+    """The family's evaluation of each held-out set, its keys prefixed with the set's key in `sets`
+    (the run's test split: "", the zero-shot folder: "zero_shot/")."""
+    results: dict[str, float] = {}
+    for prefix, dataset in sets.items():
+        if dataset is not None:
+            results.update({prefix + k: v for k, v in evaluate_fn(context(dataset)).items()})
+    return results
+
+
+def describe_results(results: dict[str, float], sets: dict[str, Dataset | None]) -> str:
+    """'on 200 emoji test samples and ...: loss 1.2345  ...' for the log."""
+    where = " and ".join(f"{int(results[p + 'num_samples'])} {ds.name} test samples" for p, ds in sets.items() if ds is not None)
+    return f"on {where}: " + "  ".join(f"{k} {v:.4f}" for k, v in results.items() if not k.endswith("num_samples"))
+
+
 def _save_grid(originals: torch.Tensor, recons: torch.Tensor, masks: torch.Tensor, path: Path, scale: int = 4) -> None:
     """Originals (top row) over reconstructions (bottom row), padding shown black, as a PNG."""
     from PIL import Image

@@ -211,8 +211,9 @@ class Data:
     `shards.json` make_shards writes. hf: a save_to_disk folder or a Parquet/JSON/Arrow/CSV file.
     pairs: a .jsonl/.tsv/.parquet file. Several sources of one kind: joined with `::`."""
     val_path: str = ""
-    """Held-out data of the same kind for evaluation (retrieval recall@1/5/10 both ways, or pair
-    recall); empty = no retrieval eval for your own data (the bundled sets bring their test split)."""
+    """Held-out data for evaluation (retrieval recall@1/5/10 both ways, or pair recall@1/10), of
+    the same kind as `dataset`, except that a .csv/.tsv file is always read as csv; empty = no
+    retrieval eval for your own data (the bundled sets bring their test split)."""
     upsampling_factors: list[float] = _opt([], lambda v: all(x > 0 for x in v), "a list of numbers > 0")
     """One factor per `::`-joined source: source i gives round(factor x its size) samples per epoch
     (open_clip's --train-data-upsampling-factors); empty = 1 each."""

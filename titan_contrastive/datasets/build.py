@@ -85,6 +85,12 @@ class DataBundle:
     loader: EpochLoader
     context_length: int
 
+    def describe(self) -> str:
+        ds, held_out, zero_shot = self.train_set, self.eval_set, self.zero_shot_set
+        evals = f"eval {len(held_out)}" if held_out is not None else "no eval set (data.val_path is empty)"
+        return (f"{ds.name} train {len(ds)} samples ({'full set' if ds.full else 'bundled subset'}, {ds.source}), {evals}"
+                + (f", zero-shot {len(zero_shot)} images in {len(zero_shot.class_names)} classes" if zero_shot is not None else ""))
+
 
 def build_file_dataset(kind: str, split: str, path: str, options: SourceOptions, *, tokenizer: Any, image_size: int,
                        seed: int, augment: bool) -> FileImageTextDataset:
@@ -108,8 +114,9 @@ def build_data(data: Any, eval_cfg: Any, *, seed: int, family_tokenizer: Any, pr
         context_length, options = tokenizer.context_length, SourceOptions.from_config(data)
         common = dict(tokenizer=tokenizer, image_size=data.image_size, seed=seed)
         train = build_file_dataset(data.dataset, "train", data.path, options, augment=data.augment, **common)
-        if data.val_path:
-            eval_sets.append(build_file_dataset(data.dataset, "test", data.val_path, options, augment=False, **common))
+        if data.val_path:  # a CSV/TSV is read as csv whatever the train data is (held-out sets are often small files)
+            kind = "csv" if data.val_path.endswith((".csv", ".tsv")) else data.dataset
+            eval_sets.append(build_file_dataset(kind, "test", data.val_path, options, augment=False, **common))
         else:
             eval_sets.append(None)
     elif data.dataset == "pairs":

@@ -40,6 +40,8 @@ class VLMArgs:
     dropout: float = 0.0
     init_logit_scale: float = math.log(1 / 0.07)
     learn_logit_scale: bool = True
+    eos_id: int = 2
+    """End-of-text id where the text tower (clip's) pools; from the tokenizer."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -62,14 +64,14 @@ class VLMArgs:
         """Length of one `pixel_values` row."""
         return self.in_channels * self.patch_size**2
 
-    def update_from_data(self, *, image_shape: tuple[int, int, int], vocab_size: int, context_length: int, eos_id: int = 0) -> VLMArgs:
+    def update_from_data(self, *, image_shape: tuple[int, int, int], vocab_size: int, context_length: int, eos_id: int = 2) -> VLMArgs:
         """A copy sized for the data; `image_shape` is (C, H, W) of the *largest* resolution served."""
         channels, height, width = image_shape
         if height % self.patch_size or width % self.patch_size:
             raise ValueError(f"the largest data image is {height}x{width}, not a multiple of patch_size={self.patch_size}; "
                              f"set data.image_sizes to multiples of {self.patch_size}")
         return dataclasses.replace(self, in_channels=channels, max_grid=max(height, width) // self.patch_size,
-                                   vocab_size=vocab_size, context_length=context_length)
+                                   vocab_size=vocab_size, context_length=context_length, eos_id=eos_id)
 
     def num_params(self) -> int:
         """Exact parameter count of `VLMEmbedder(self)` (tested against the module)."""
