@@ -213,6 +213,11 @@ def main() -> None:
         if ours["status"] == theirs["status"] == "ok":
             print(f"B={global_batch:>6}  ours / open_clip: {theirs['step_s'] / ours['step_s']:.2f}x samples/s, "
                   f"{ours['peak_gib'] / theirs['peak_gib']:.2f}x peak memory", flush=True)
+        save(rows, args, name, peak)  # after every batch size: a run stopped at a time limit keeps what it measured
+    plot(rows, name, Path(args.out) / "openclip_compare.png")
+
+
+def save(rows: list[dict], args: argparse.Namespace, name: str, peak: float) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "openclip_compare.json").write_text(json.dumps({"device": name, "torch": torch.__version__, "peak_tflops": peak,
@@ -222,7 +227,6 @@ def main() -> None:
                                 extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    plot(rows, name, out / "openclip_compare.png")
 
 
 if __name__ == "__main__":

@@ -84,3 +84,20 @@ def test_family_configs_reach_their_readme_results(tmp_path: Path, config: str, 
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     assert evals[-1][key] >= target, evals[-1]
+
+
+@pytest.mark.slow
+def test_own_data_walkthrough_reaches_its_readme_result(tmp_path: Path) -> None:
+    """README 'Your own data': export the emoji as files, shard them, train own_data_clip.toml."""
+    run = dict(cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "export_emoji_files.py"), "--out", "mydata"], env=env, **run)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run([sys.executable, "-m", "titan_contrastive.datasets.make_shards", "mydata/train.csv", "--out", "mydata/shards",
+                          "--samples-per-shard", "500"], env=env, **run)
+    assert out.returncode == 0, out.stderr
+    env.update(NGPU="1", PYTHON=sys.executable, LOG_RANK="0", CUDA_VISIBLE_DEVICES="", CONFIG_FILE=str(REPO / "train_configs" / "own_data_clip.toml"))
+    out = subprocess.run([str(REPO / "run_train.sh"), "--job.dump_folder=outputs"], env=env, **run)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    evals = [json.loads(line) for line in (tmp_path / "outputs" / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert evals[-1]["image_to_text_r@1"] >= 0.12 and evals[-1]["zero_shot/num_samples"] == 200, evals[-1]  # README: 0.195
