@@ -21,7 +21,8 @@ from PIL import Image
 
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES, BadSampleLog
-from titan_contrastive.datasets.build import SourceOptions, build_file_dataset, open_source
+from titan_contrastive.config.job_config import Data
+from titan_contrastive.datasets.build import build_file_dataset, open_source
 from titan_contrastive.datasets.emoji import MEAN, STD
 from titan_contrastive.datasets.files import FileImageTextDataset
 from titan_contrastive.datasets.image_folder import ImageFolderZeroShot, load_templates
@@ -64,7 +65,7 @@ def emoji(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 def _dataset(emoji: dict, kind: str, *, augment: bool, split: str = "train", path: str = "") -> FileImageTextDataset:
     if kind not in emoji["paths"]:
         pytest.skip("the [data] extra (Hugging Face datasets) is not installed")
-    source = open_source(kind, path or emoji["paths"][kind], SourceOptions(), seed=0)
+    source = open_source(kind, path or emoji["paths"][kind], Data())
     return FileImageTextDataset(name=kind, split=split, source=source, tokenizer=ByteTokenizer(32), image_size=32, seed=3,
                                 augment=augment, mean=MEAN, std=STD)
 
@@ -182,7 +183,7 @@ def test_bad_sample_limit_stops_with_the_file_and_key(emoji: dict, tmp_path: Pat
 def test_weighted_sources(emoji: dict) -> None:
     """`a::b` with factors 1 and 0.5: 200 + 100 samples per epoch; the half window moves per epoch."""
     paths = emoji["paths"]
-    source = open_source("csv", f"{paths['csv']}::{paths['csv']}", SourceOptions(upsampling_factors=(1.0, 0.5)), seed=0)
+    source = open_source("csv", f"{paths['csv']}::{paths['csv']}", Data(upsampling_factors=[1.0, 0.5]))
     assert len(source) == 300
     windows = []
     for epoch in range(6):
@@ -190,7 +191,7 @@ def test_weighted_sources(emoji: dict) -> None:
         windows.append({source.locate(i)[1] for i in range(200, 300)})
     assert all(len(w) == 100 for w in windows) and len(set().union(*windows)) == 200
     with pytest.raises(DataError, match="one factor per"):
-        open_source("csv", paths["csv"], SourceOptions(upsampling_factors=(1.0, 2.0)), seed=0)
+        open_source("csv", paths["csv"], Data(upsampling_factors=[1.0, 2.0]))
 
 
 def _one_line(err: pytest.ExceptionInfo, *needles: str) -> None:
@@ -201,27 +202,27 @@ def _one_line(err: pytest.ExceptionInfo, *needles: str) -> None:
 
 
 def test_errors_are_one_line(emoji: dict, tmp_path: Path) -> None:
-    opts = SourceOptions()
+    opts = Data()
     with pytest.raises(DataError) as err:
-        open_source("csv", str(tmp_path / "nope.csv"), opts, seed=0)
+        open_source("csv", str(tmp_path / "nope.csv"), opts)
     _one_line(err, "nope.csv")
     (tmp_path / "cols.csv").write_text("path\tcaption\na.png\tx\n")
     with pytest.raises(DataError) as err:
-        open_source("csv", str(tmp_path / "cols.csv"), opts, seed=0)
+        open_source("csv", str(tmp_path / "cols.csv"), opts)
     _one_line(err, "cols.csv", "'filepath'", "data.csv_img_key")
     with pytest.raises(DataError) as err:
-        open_source("webdataset", str(tmp_path / "{0..3}.tar"), opts, seed=0)
+        open_source("webdataset", str(tmp_path / "{0..3}.tar"), opts)
     _one_line(err, "0.tar", "brace pattern")
     (tmp_path / "junk.tar").write_bytes(b"\0" * 10 + b"junk")
     with pytest.raises(DataError) as err:
-        open_source("webdataset", str(tmp_path / "junk.tar"), opts, seed=0)
+        open_source("webdataset", str(tmp_path / "junk.tar"), opts)
     _one_line(err, "junk.tar")
     with pytest.raises(DataError) as err:
-        open_source("csv", "", opts, seed=0)
+        open_source("csv", "", opts)
     _one_line(err, "data.path")
     if "hf" in emoji["paths"]:
         with pytest.raises(DataError) as err:
-            open_source("hf", emoji["paths"]["hf"], SourceOptions(hf_text_column="caption"), seed=0)
+            open_source("hf", emoji["paths"]["hf"], Data(hf_text_column="caption"))
         _one_line(err, "'caption'", "data.hf_text_column")
     with pytest.raises(DataError) as err:
         build_file_dataset("csv", "train", emoji["paths"]["csv"], opts, tokenizer=ByteTokenizer(32), image_size=32, seed=0,
@@ -235,7 +236,7 @@ def test_errors_are_one_line(emoji: dict, tmp_path: Path) -> None:
 def test_unreadable_shard_is_left_out_and_named(emoji: dict, tmp_path: Path) -> None:
     shards = sorted((emoji["root"] / "shards").glob("*.tar"))
     (tmp_path / "bad.tar").write_bytes(b"\0" * 10 + b"junk")
-    source = open_source("webdataset", f"{shards[0]},{tmp_path / 'bad.tar'}", SourceOptions(), seed=0)
+    source = open_source("webdataset", f"{shards[0]},{tmp_path / 'bad.tar'}", Data())
     assert len(source) == 64 and len(source.unreadable) == 1 and "bad.tar" in source.unreadable[0]
 
 

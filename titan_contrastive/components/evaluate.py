@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,7 +34,10 @@ from torch import nn
 from titan_contrastive.components.loss import build_loss_fn
 from titan_contrastive.components.pixel_loss import masked_error_sum
 from titan_contrastive.components.precision import at_least_fp32
+from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.protocol import Dataset, ZeroShotDataset
+
+logger = logging.getLogger("titan_contrastive")
 
 
 def _gather_rows(local: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -83,7 +87,10 @@ def _rank_batches(dataset: Dataset, batch_size: int, rank: int, world_size: int)
     mine = shards[rank]
     for start in range(0, max(len(s) for s in shards), batch_size):
         indices = mine[start : start + batch_size].tolist()
-        yield indices, dataset.__getitems__(indices or [int(mine[0])])
+        batch = dataset.__getitems__(indices or [int(mine[0])])
+        for skip in batch.pop(BAD_SAMPLES, None) or []:  # the dataset filled the slot with the next good sample
+            logger.warning(f"eval: skipped bad sample: {skip}")
+        yield indices, batch
 
 
 @contextlib.contextmanager

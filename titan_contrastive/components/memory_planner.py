@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_contrastive.components.memory_probe import PeakMemory
 from titan_contrastive.components.rng import capture_rng, restore_rng
+from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 
 __all__ = ["Knob", "MemoryBudgetError", "MemoryPlan", "doubling", "fastest", "measure_step", "measured_first_step", "plan_chunks",
            "plan_step", "probe_batches", "static_bytes", "timed_step"]
@@ -199,7 +200,8 @@ def probe_batches(dataset: Any, *, local_batch_size: int, ga_steps: int, dp_degr
     """This rank's microbatches for the probe steps, read from the dataset (the loader does not
     move): rank r's microbatch j is samples (j·dp + r)·b … + b, wrapping around."""
     n, b = len(dataset), local_batch_size
-    return [dataset.__getitems__([((j * dp_degree + rank) * b + i) % n for i in range(b)]) for j in range(ga_steps)]
+    batches = [dataset.__getitems__([((j * dp_degree + rank) * b + i) % n for i in range(b)]) for j in range(ga_steps)]
+    return [{k: v for k, v in batch.items() if k != BAD_SAMPLES} for batch in batches]  # skips are the loader's to report
 
 
 def plan_step(knobs: dict[str, Sequence[int]], probe: Callable[[dict[str, int]], object], *, budget_gib: float, margin: float,

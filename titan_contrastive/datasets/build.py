@@ -9,9 +9,10 @@ Order of operations (all before any model is built, so a missing file costs no c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable
 
+from titan_contrastive.config.job_config import Data, Eval
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
 from titan_contrastive.datasets.files import FileImageTextDataset
@@ -27,42 +28,24 @@ DEFAULT_IMAGE_SIZE = 224
 DEFAULT_CONTEXT = {"byte": 32, "clip_bpe": 77}
 
 
-@dataclass(frozen=True)
-class SourceOptions:
-    """The `[data]` keys that say how to read the user's files (see config/job_config.py `Data`)."""
-
-    csv_img_key: str = "filepath"
-    csv_caption_key: str = "title"
-    csv_separator: str = "\t"
-    wds_image_key: str = "jpg;jpeg;png;webp"
-    wds_caption_key: str = "txt"
-    hf_image_column: str = "image"
-    hf_text_column: str = "text"
-    upsampling_factors: tuple[float, ...] = ()
-
-    @classmethod
-    def from_config(cls, data: Any) -> SourceOptions:
-        return cls(**{f.name: tuple(v) if isinstance(v := getattr(data, f.name), list) else v for f in fields(cls)})
-
-
-def open_source(kind: str, path: str, options: SourceOptions, *, seed: int, split: str = "train") -> Source:
-    """The records behind `path` (`::` joins several, weighted by `upsampling_factors`)."""
+def open_source(kind: str, path: str, data: Data, *, split: str = "train") -> Source:
+    """The records behind `path` (`::` joins several, weighted by `data.upsampling_factors`), read
+    as the `[data]` section `data` says (column names, shard member keys)."""
     if not path:
         raise DataError(f"data.path is empty: data.dataset={kind!r} reads your files; set data.path (see README, 'Your own data')")
     parts = path.split("::")
-    factors = options.upsampling_factors or (1.0,) * len(parts)
+    factors = data.upsampling_factors or [1.0] * len(parts)
     if len(factors) != len(parts):
         raise DataError(f"data.upsampling_factors={list(factors)}: {len(factors)} factor(s) for the {len(parts)} sources "
                         f"in data.path; give one factor per '::'-joined source")
     sources: list[Source] = []
     for part in parts:
         if kind == "csv":
-            sources.append(CsvSource(part, img_key=options.csv_img_key, caption_key=options.csv_caption_key,
-                                     separator=options.csv_separator))
+            sources.append(CsvSource(part, img_key=data.csv_img_key, caption_key=data.csv_caption_key, separator=data.csv_separator))
         elif kind == "webdataset":
-            sources.append(WebDatasetSource(part, image_keys=options.wds_image_key, caption_key=options.wds_caption_key))
+            sources.append(WebDatasetSource(part, image_keys=data.wds_image_key, caption_key=data.wds_caption_key))
         else:
-            sources.append(HfSource(part, image_column=options.hf_image_column, text_column=options.hf_text_column, split=split))
+            sources.append(HfSource(part, image_column=data.hf_image_column, text_column=data.hf_text_column, split=split))
     if len(sources) == 1 and factors[0] == 1.0:
         return sources[0]
     return WeightedSources(sources, factors)
@@ -92,15 +75,15 @@ class DataBundle:
                 + (f", zero-shot {len(zero_shot)} images in {len(zero_shot.class_names)} classes" if zero_shot is not None else ""))
 
 
-def build_file_dataset(kind: str, split: str, path: str, options: SourceOptions, *, tokenizer: Any, image_size: int,
-                       seed: int, augment: bool) -> FileImageTextDataset:
-    """One split of the user's image-caption data."""
-    source = open_source(kind, path, options, seed=seed, split=split)
+def build_file_dataset(kind: str, split: str, path: str, data: Data, *, tokenizer: Any, image_size: int, seed: int,
+                       augment: bool) -> FileImageTextDataset:
+    """One split of the user's image-caption data (`data`: the `[data]` section)."""
+    source = open_source(kind, path, data, split=split)
     return FileImageTextDataset(name=kind, split=split, source=source, tokenizer=tokenizer,
                                 image_size=image_size or DEFAULT_IMAGE_SIZE, seed=seed, augment=augment)
 
 
-def build_data(data: Any, eval_cfg: Any, *, seed: int, family_tokenizer: Any, prepare: Callable[[Dataset], None],
+def build_data(data: Data, eval_cfg: Eval, *, seed: int, family_tokenizer: Any, prepare: Callable[[Dataset], None],
                build_bundled: Callable[..., Dataset], local_batch_size: int, dp_rank: int, dp_degree: int,
                pin_memory: bool) -> DataBundle:
     """The run's data (see the module docstring). `family_tokenizer`: a pretrained family's own
@@ -111,12 +94,12 @@ def build_data(data: Any, eval_cfg: Any, *, seed: int, family_tokenizer: Any, pr
             raise DataError(f"data.dataset={data.dataset!r} is image-text; the model family reads text pairs: use "
                             "data.dataset='pairs' or 'wordnet'")
         tokenizer = text_tokenizer(data.tokenizer, data.dataset, data.context_length)
-        context_length, options = tokenizer.context_length, SourceOptions.from_config(data)
+        context_length = tokenizer.context_length
         common = dict(tokenizer=tokenizer, image_size=data.image_size, seed=seed)
-        train = build_file_dataset(data.dataset, "train", data.path, options, augment=data.augment, **common)
+        train = build_file_dataset(data.dataset, "train", data.path, data, augment=data.augment, **common)
         if data.val_path:  # a CSV/TSV is read as csv whatever the train data is (held-out sets are often small files)
             kind = "csv" if data.val_path.endswith((".csv", ".tsv")) else data.dataset
-            eval_sets.append(build_file_dataset(kind, "test", data.val_path, options, augment=False, **common))
+            eval_sets.append(build_file_dataset(kind, "test", data.val_path, data, augment=False, **common))
         else:
             eval_sets.append(None)
     elif data.dataset == "pairs":
