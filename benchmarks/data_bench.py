@@ -1,7 +1,10 @@
 """Throughput of the "bring your own data" input pipeline (CSV and webdataset sources), on CPU.
 
-    python benchmarks/data_bench.py            # full run (~5 min on a 2-core CPU)
-    python benchmarks/data_bench.py --quick    # smoke run (< 60 s)
+    python benchmarks/data_bench.py            # full run (~1.5 min on a quiet 2-core CPU)
+    python benchmarks/data_bench.py --quick    # smoke run (~20 s; writes under the temp dir)
+
+Run it on an otherwise idle machine: other jobs on the cores change every number several-fold
+(the 1-minute load average at start and end is recorded in the JSON).
 
 Test data is made at run time in a temp dir (nothing is downloaded): N (default 1024) JPEGs of
 256x256, the bundled 32x32 emoji upscaled with Pillow bicubic and saved at quality 90 (~10 KB
@@ -68,9 +71,11 @@ def make_data(root: Path, n: int) -> dict[str, str]:
 
 
 def build(kind: str, path: str):
-    from titan_contrastive.datasets.build import SourceOptions, build_file_dataset, text_tokenizer
+    from titan_contrastive.config.job_config import Data
+    from titan_contrastive.datasets import build as b
 
-    return build_file_dataset(kind, "train", path, SourceOptions(), tokenizer=text_tokenizer("clip_bpe", kind, CONTEXT),
+    # Data(): the [data] section's defaults (tab-separated filepath/title, jpg/txt shard members)
+    return b.build_file_dataset(kind, "train", path, Data(), tokenizer=b.text_tokenizer("clip_bpe", kind, CONTEXT),
                               image_size=SIZE, seed=0, augment=True)
 
 
@@ -95,7 +100,7 @@ def time_loader(kind: str, path: str, workers: int, batches: int, min_batches: i
 
 def time_pieces(path: str) -> dict[str, float]:
     """ms per image of each step of FileImageTextDataset.__getitems__, main process, one batch."""
-    from titan_contrastive.datasets.image_transforms import crop_resize, decode_image, sample_rng
+    from titan_contrastive.datasets import image_transforms as tf
 
     ds = build("csv", path)
     source, idx = ds._source, list(range(BATCH))
@@ -104,9 +109,9 @@ def time_pieces(path: str) -> dict[str, float]:
         t0 = time.perf_counter()
         records = [source.read(i) for i in idx]
         t1 = time.perf_counter()
-        imgs = [decode_image(r.image) for r in records]
+        imgs = [tf.decode_image(r.image) for r in records]
         t2 = time.perf_counter()
-        pixels = np.stack([crop_resize(im, SIZE, train=True, rng=sample_rng(0, 0, i)) for i, im in zip(idx, imgs)])
+        pixels = np.stack([tf.crop_resize(im, SIZE, train=True, rng=tf.sample_rng(0, 0, i)) for i, im in zip(idx, imgs)])
         t3 = time.perf_counter()
         ds._normalize(pixels)
         t4 = time.perf_counter()
@@ -129,7 +134,7 @@ def time_trainer(csv_path: str, workers: int, steps: int) -> dict:
                f"--data.num_workers={workers}"]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
         start = time.perf_counter()
-        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        out = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start
         if out.returncode:
             raise SystemExit(f"trainer failed (num_workers={workers}):\n{out.stderr[-4000:]}")
