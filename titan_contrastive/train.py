@@ -17,6 +17,7 @@ Order of operations (everything that can fail on bad input runs before any compu
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import logging
@@ -41,6 +42,7 @@ from titan_contrastive.components.precision import build_precision
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.build import build_data
+from titan_contrastive.interop import InteropError, load_state
 from titan_contrastive.parallelisms import ParallelDims, destroy_distributed, gradient_accumulation_steps, init_distributed, parallelize_model
 from titan_contrastive.steps import StepContext, build_gradient_step
 
@@ -61,14 +63,13 @@ class Trainer:
         self.dist = init_distributed(cfg.training.device)
         self.device = self.dist.device
         torch.manual_seed(cfg.training.seed)
-        if cfg.training.deterministic:
-            torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(cfg.training.deterministic)
 
         # 2. model family and its loss, DP layout, batch arithmetic: checked before data or compute
         if cfg.job.custom_import:
             importlib.import_module(cfg.job.custom_import)
         self.spec = models.get_model_spec(cfg.model.name)
-        flavor_args = models.get_flavor_args(cfg.model.name, cfg.model.flavor)
+        flavor_args, init_state = models.resolve_model_args(cfg.model.name, cfg.model.flavor, cfg.model.init_from)
         self.loss_name, losses = cfg.loss.name or self.spec.default_loss, (self.spec.default_loss, *self.spec.other_losses)
         if self.loss_name not in losses:
             raise ConfigError(f"loss.name={self.loss_name!r}: the {cfg.model.name} family trains with {' or '.join(map(repr, losses))}; "
@@ -81,16 +82,12 @@ class Trainer:
         self.precision = build_precision(cfg.training, fsdp=self.dims.fsdp_enabled, device=self.device)
 
         # 3. data (every rank is a DP rank: the DP rank is the global rank), laid out for the family
-        try:  # a pretrained family brings its tokenizer (an optional dependency: a clear error if missing)
-            tokenizer = self.spec.build_tokenizer(flavor_args) if self.spec.build_tokenizer else None
-        except ImportError as e:
-            raise ConfigError(str(e)) from None
-        self.data = data = build_data(
-            cfg.data, cfg.eval, seed=cfg.training.seed, family_tokenizer=tokenizer, build_bundled=build_dataset,
+        self.data = data = build_data(  # a pretrained family brings its own tokenizer (spec.build_tokenizer)
+            cfg.data, cfg.eval, seed=cfg.training.seed, build_bundled=build_dataset,
+            family_tokenizer=lambda: self.spec.build_tokenizer(flavor_args) if self.spec.build_tokenizer else None,
             prepare=lambda ds: self.spec.layout.prepare(ds, flavor_args, cfg.data.image_sizes, cfg.model.name),
             local_batch_size=cfg.training.local_batch_size, dp_rank=self.dist.rank, dp_degree=self.dp_degree, pin_memory=self.device.type == "cuda")
         self.train_set, self.eval_set, self.zero_shot_set, self.loader = data.train_set, data.eval_set, data.zero_shot_set, data.loader
-        self._eval_sets = {"": self.eval_set, "zero_shot/": self.zero_shot_set}  # result key prefix -> held-out set
 
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step
         try:
@@ -101,6 +98,8 @@ class Trainer:
         self.model_args = self.spec.update_from_config(sized, cfg)
         with self.device:
             self.model = self.spec.build_model(self.model_args).to(self.precision.param_dtype)
+        if init_state is not None:  # [model] init_from: the checkpoint's weights, before any sharding
+            load_state(self.model, init_state, f"model.init_from={cfg.model.init_from}")
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_model = parallelize_model(
             self.model, self.spec.blocks(self.model), self.dims, self.mesh, device=self.device,
@@ -128,6 +127,7 @@ class Trainer:
                     "lr_scheduler": self.lr_scheduler, "train_state": self.train_state},
             per_rank_states={"dataloader": self.loader, "rng": RNGState(self.device)},
             rank=self.dist.rank, dp_rank=self.dist.rank, dp_degree=self.dp_degree,
+            model_info={"family": cfg.model.name, "args": dataclasses.asdict(self.model_args)},
         )
         self._log_start()
         self.checkpointer.load()
@@ -231,7 +231,7 @@ class Trainer:
         cfg = self.cfg
         return evaluate_sets(self.spec.evaluate, lambda ds: EvalContext(
             self.model, self.forward, ds, self.loss_name, cfg.eval.batch_size, self.device, self.dist.rank, self.dist.world_size,
-            Path(cfg.job.dump_folder), self.step), self._eval_sets)
+            Path(cfg.job.dump_folder), self.step), self.data.eval_sets)
 
     def _measured_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """The first step under a memory plan goes through the probe (peak against the plan)."""
@@ -242,13 +242,13 @@ class Trainer:
         start = time.perf_counter()
         results = self.evaluate()
         self.metrics.record("eval", self.step, results)
-        logger.info(f"{'final ' if last else ''}eval step {self.step} {describe_results(results, self._eval_sets)} ({time.perf_counter() - start:.1f}s)")
+        logger.info(f"{'final ' if last else ''}eval step {self.step} {describe_results(results, self.data.eval_sets)} ({time.perf_counter() - start:.1f}s)")
         return results
 
     def train(self) -> dict[str, Any]:
         """The loop; a run resumed at its last step only evaluates (how a finished run is re-evaluated)."""
         cfg = self.cfg
-        evaluates = cfg.eval.enable and any(ds is not None for ds in self._eval_sets.values())
+        evaluates = cfg.eval.enable and any(ds is not None for ds in self.data.eval_sets.values())
         if self.step >= cfg.training.steps:  # nothing left to train (the checkpoint is at the last step)
             return self._evaluate_and_log(last=True) if evaluates else {}
         data_iter = iter(self.loader)
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
         logger.info(f"training done in {time.perf_counter() - start:.1f}s")
         finished = True
-    except (ConfigError, DataError, CheckpointError, models.ModelRegistryError, MemoryBudgetError) as e:
+    except (ConfigError, DataError, CheckpointError, models.ModelRegistryError, MemoryBudgetError, InteropError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:

@@ -1,7 +1,8 @@
 """Atomic, validated, resumable checkpoints with torch.distributed.checkpoint (DCP).
 
 Layout: `{dump_folder}/{checkpoint.folder}/step-{N}/`, one DCP directory per checkpoint plus a
-`manifest.json` ({"step", "dp_degree", "world_size", "files": {relative path: size in bytes}}).
+`manifest.json` ({"step", "dp_degree", "world_size", "files": {relative path: size in bytes}, "model":
+{"family", "args"}}, the architecture `interop.read_checkpoint` rebuilds the model from).
 
 A save is atomic: DCP writes into `step-N.tmp`, then (after a barrier) rank 0 writes the manifest,
 fsyncs it and renames the folder to `step-N`. A crash mid-save therefore leaves only a `.tmp`
@@ -113,8 +114,10 @@ class CheckpointManager:
     """
 
     def __init__(self, cfg: CheckpointConfig, *, dump_folder: str, states: dict[str, Stateful],
-                 per_rank_states: dict[str, Stateful], rank: int, dp_rank: int, dp_degree: int) -> None:
+                 per_rank_states: dict[str, Stateful], rank: int, dp_rank: int, dp_degree: int,
+                 model_info: dict[str, Any] | None = None) -> None:
         self.cfg = cfg
+        self.model_info = model_info  # {"family", "args"}: what `interop.read_checkpoint` rebuilds the model from
         self.folder = Path(dump_folder) / cfg.folder
         self.states = states
         self.per_rank_states = per_rank_states
@@ -186,7 +189,8 @@ class CheckpointManager:
     def _finalize(self, step: int, tmp: Path, final: Path) -> None:
         files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"step": step, "dp_degree": self.dp_degree,
-                    "world_size": dist.get_world_size() if self._distributed() else 1, "files": files}
+                    "world_size": dist.get_world_size() if self._distributed() else 1, "files": files,
+                    **({"model": self.model_info} if self.model_info else {})}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()

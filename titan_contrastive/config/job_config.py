@@ -48,6 +48,11 @@ class Model:
     flavor: str = "debug"
     """Size preset of the family: clip `debug` (CPU) / `vit_b32`; bi_encoder `minilm_l6` / `minilm_l6_dual`;
     vlm `debug`; vae `debug` / `sd`."""
+    init_from: str = ""
+    """Start from a checkpoint's weights (clip): a Hugging Face CLIP folder (config.json +
+    model.safetensors) or a step-N folder of one of our runs; its architecture replaces the
+    flavor's. The data must match it (data.image_size, data.tokenizer = clip_bpe for CLIP's
+    vocabulary, data.context_length). Empty = random init."""
 
 
 @dataclass

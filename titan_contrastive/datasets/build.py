@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from titan_contrastive.config import ConfigError
 from titan_contrastive.config.job_config import Data, Eval
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
@@ -68,6 +69,11 @@ class DataBundle:
     loader: EpochLoader
     context_length: int
 
+    @property
+    def eval_sets(self) -> dict[str, Dataset | None]:
+        """Result-key prefix -> held-out set: the test split ("") and the zero-shot folder ("zero_shot/")."""
+        return {"": self.eval_set, "zero_shot/": self.zero_shot_set}
+
     def describe(self) -> str:
         ds, held_out, zero_shot = self.train_set, self.eval_set, self.zero_shot_set
         evals = f"eval {len(held_out)}" if held_out is not None else "no eval set (data.val_path is empty)"
@@ -83,14 +89,19 @@ def build_file_dataset(kind: str, split: str, path: str, data: Data, *, tokenize
                                 image_size=image_size or DEFAULT_IMAGE_SIZE, seed=seed, augment=augment)
 
 
-def build_data(data: Data, eval_cfg: Eval, *, seed: int, family_tokenizer: Any, prepare: Callable[[Dataset], None],
+def build_data(data: Data, eval_cfg: Eval, *, seed: int, family_tokenizer: Callable[[], Any], prepare: Callable[[Dataset], None],
                build_bundled: Callable[..., Dataset], local_batch_size: int, dp_rank: int, dp_degree: int,
                pin_memory: bool) -> DataBundle:
-    """The run's data (see the module docstring). `family_tokenizer`: a pretrained family's own
-    (bi_encoder), for text pairs; `build_bundled`: `datasets.build_dataset` for the bundled sets."""
+    """The run's data (see the module docstring). `family_tokenizer()`: a pretrained family's own
+    tokenizer (bi_encoder) for text pairs, or None; an ImportError (its optional dependency is
+    missing) becomes a one-line ConfigError. `build_bundled`: `datasets.build_dataset`."""
+    try:
+        pair_tokenizer = family_tokenizer()
+    except ImportError as e:
+        raise ConfigError(str(e)) from None
     eval_sets: list[Dataset | None] = []
     if data.dataset in FILE_SOURCES:
-        if family_tokenizer is not None:
+        if pair_tokenizer is not None:
             raise DataError(f"data.dataset={data.dataset!r} is image-text; the model family reads text pairs: use "
                             "data.dataset='pairs' or 'wordnet'")
         tokenizer = text_tokenizer(data.tokenizer, data.dataset, data.context_length)
@@ -103,11 +114,11 @@ def build_data(data: Data, eval_cfg: Eval, *, seed: int, family_tokenizer: Any, 
         else:
             eval_sets.append(None)
     elif data.dataset == "pairs":
-        if family_tokenizer is None:
+        if pair_tokenizer is None:
             raise DataError("data.dataset='pairs' is text-to-text and needs a model family with a text tokenizer: "
                             "use model.name='bi_encoder'")
         context_length = data.context_length or DEFAULT_CONTEXT["byte"]
-        common = dict(tokenizer=family_tokenizer, query_length=context_length, columns=data.pairs_columns,
+        common = dict(tokenizer=pair_tokenizer, query_length=context_length, columns=data.pairs_columns,
                       max_bad_fraction=data.max_bad_fraction)
         if not data.path:
             raise DataError("data.path is empty: data.dataset='pairs' reads your .jsonl/.tsv/.parquet file; set data.path")
@@ -118,7 +129,7 @@ def build_data(data: Data, eval_cfg: Eval, *, seed: int, family_tokenizer: Any, 
             raise DataError(f"data.tokenizer='clip_bpe' with data.dataset={data.dataset!r}: the bundled sets use the byte "
                             "tokenizer; set data.tokenizer='auto' or use your own data (csv, webdataset, hf)")
         context_length = data.context_length or DEFAULT_CONTEXT["byte"]
-        common = dict(path=data.path, seed=seed, context_length=context_length, image_size=data.image_size, tokenizer=family_tokenizer)
+        common = dict(path=data.path, seed=seed, context_length=context_length, image_size=data.image_size, tokenizer=pair_tokenizer)
         train = build_bundled(data.dataset, "train", augment=data.augment, **common)
         eval_sets.append(build_bundled(data.dataset, "test", augment=False, **common))
     if eval_cfg.zero_shot_path:

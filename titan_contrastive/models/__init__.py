@@ -20,6 +20,7 @@ from titan_contrastive.models.registry import (
     get_model_spec,
     list_models,
     register_model,
+    resolve_model_args,
 )
 
 # Imported for their side effect: register the "clip", "bi_encoder", "vlm" and "vae" families.
@@ -32,4 +33,5 @@ __all__ = [
     "get_model_spec",
     "list_models",
     "register_model",
+    "resolve_model_args",
 ]

@@ -36,6 +36,7 @@ __all__ = [
     "get_model_spec",
     "list_models",
     "register_model",
+    "resolve_model_args",
 ]
 
 
@@ -84,6 +85,9 @@ class ModelSpec:
     the contrastive kind `[loss] negatives` and `[gradcache]` select (`steps.build_gradient_step`)."""
     evaluate: Callable[[EvalContext], dict[str, float]] = evaluate_contrastive
     """Evaluation on the held-out split: zero-shot / retrieval (default) or the vae's reconstructions."""
+    read_checkpoint: Callable[[str], tuple[Any, dict[str, Any]]] | None = None
+    """path -> (args, state dict in the family's layout): what `[model] init_from` starts from
+    (clip: `interop.read_checkpoint`, Hugging Face CLIP folders and our step folders). None: none."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -124,6 +128,20 @@ def get_model_spec(name: str) -> ModelSpec:
             f"{', '.join(list_models())} "
             "(register your own with titan_contrastive.models.register_model)"
         ) from None
+
+
+def resolve_model_args(name: str, flavor: str, init_from: str = "") -> tuple[Any, dict[str, Any] | None]:
+    """(args, initial weights or None): the checkpoint's architecture and weights with
+    `init_from` (the flavor is then not used), else the flavor's args."""
+    if not init_from:
+        return get_flavor_args(name, flavor), None
+    spec = get_model_spec(name)
+    if spec.read_checkpoint is None:
+        raise ModelRegistryError(f"model.init_from={init_from!r}: the {name} family reads no checkpoints; leave it empty")
+    try:
+        return spec.read_checkpoint(init_from)
+    except (OSError, ValueError) as e:
+        raise ModelRegistryError(f"model.init_from={init_from!r}: {e}") from None
 
 
 def get_flavor_args(name: str, flavor: str) -> Any:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Attention", "MLP", "ResidualBlock", "Transformer", "mlp_hidden"]
+__all__ = ["ACTIVATIONS", "Attention", "MLP", "QuickGELU", "ResidualBlock", "Transformer", "mlp_hidden"]
 
 
 def mlp_hidden(width: int, mlp_ratio: float) -> int:
@@ -53,13 +53,23 @@ class Attention(nn.Module):
         return self.out_proj(out.transpose(1, 2).reshape(b, t, w))
 
 
-class MLP(nn.Module):
-    """Two-layer GELU MLP (open_clip's default activation for ViT-B/32)."""
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x): the activation OpenAI's CLIP checkpoints were trained with."""
 
-    def __init__(self, width: int, hidden: int) -> None:
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS = {"gelu": nn.GELU, "quick_gelu": QuickGELU}
+
+
+class MLP(nn.Module):
+    """Two-layer MLP; GELU (open_clip's default for ViT-B/32) or OpenAI's quick GELU."""
+
+    def __init__(self, width: int, hidden: int, act: str = "gelu") -> None:
         super().__init__()
         self.c_fc = nn.Linear(width, hidden)
-        self.act = nn.GELU()
+        self.act = ACTIVATIONS[act]()
         self.c_proj = nn.Linear(hidden, width)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -73,12 +83,12 @@ class ResidualBlock(nn.Module):
     where RNG replay under activation checkpointing matters.
     """
 
-    def __init__(self, width: int, heads: int, mlp_ratio: float, dropout: float, *, causal: bool) -> None:
+    def __init__(self, width: int, heads: int, mlp_ratio: float, dropout: float, *, causal: bool, act: str = "gelu") -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(width)
         self.attn = Attention(width, heads, causal=causal)
         self.ln_2 = nn.LayerNorm(width)
-        self.mlp = MLP(width, mlp_hidden(width, mlp_ratio))
+        self.mlp = MLP(width, mlp_hidden(width, mlp_ratio), act)
         self.dropout = _maybe_dropout(dropout)
 
     def forward(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
@@ -105,12 +115,12 @@ class Transformer(nn.Module):
     """A stack of `ResidualBlock`s; `blocks` is what per-block parallelism wraps."""
 
     def __init__(
-        self, width: int, layers: int, heads: int, mlp_ratio: float, dropout: float, *, causal: bool
+        self, width: int, layers: int, heads: int, mlp_ratio: float, dropout: float, *, causal: bool, act: str = "gelu"
     ) -> None:
         super().__init__()
         self.width = width
         self.blocks = nn.ModuleList(
-            ResidualBlock(width, heads, mlp_ratio, dropout, causal=causal) for _ in range(layers)
+            ResidualBlock(width, heads, mlp_ratio, dropout, causal=causal, act=act) for _ in range(layers)
         )
 
     def forward(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:

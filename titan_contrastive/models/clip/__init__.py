@@ -6,7 +6,13 @@ from titan_contrastive.models.registry import ModelSpec, register_model
 
 __all__ = ["CLIP", "CLIPArgs", "clip_blocks", "clip_flavors"]
 
+def _read_checkpoint(path: str) -> tuple[CLIPArgs, dict]:
+    from titan_contrastive.interop import read_checkpoint  # interop imports this package: import when used
+
+    return read_checkpoint(path)
+
+
 register_model(
     ModelSpec(name="clip", flavors=clip_flavors, build_model=CLIP, blocks=clip_blocks, default_loss="clip", other_losses=("siglip",),
-              update_from_config=CLIPArgs.update_from_config)
+              update_from_config=CLIPArgs.update_from_config, read_checkpoint=_read_checkpoint)
 )

@@ -76,7 +76,10 @@ class CLIPArgs:
     """MLP hidden size = int(width * mlp_ratio)."""
     eos_id: int = 2
     """The tokenizer's end-of-text id, where the text tower pools (byte tokenizer 2, CLIP BPE 49407);
-    overridden from the tokenizer."""
+    overridden from the tokenizer. -1: pool at the row's highest id (HF's legacy CLIP configs)."""
+    act: str = "gelu"
+    """MLP activation of both towers: `gelu` (open_clip's ViT-B/32 default) or `quick_gelu`
+    (OpenAI's checkpoints); set by a checkpoint's config."""
     dropout: float = 0.0
     """Residual dropout on attention and MLP outputs in both towers."""
     init_logit_scale: float = math.log(1 / 0.07)
@@ -94,6 +97,8 @@ class CLIPArgs:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"CLIPArgs.{name}={getattr(self, name)} must be an integer >= 1")
+        if self.act not in ("gelu", "quick_gelu"):
+            raise ValueError(f"CLIPArgs.act={self.act!r}: use 'gelu' or 'quick_gelu'")
         for tower in ("vision", "text"):
             width, heads = getattr(self, f"{tower}_width"), getattr(self, f"{tower}_heads")
             if width % heads:

@@ -38,7 +38,7 @@ class ImageTower(nn.Module):
         self.positional_embedding = nn.Parameter(torch.empty(args.num_patches + 1, width))
         self.ln_pre = nn.LayerNorm(width)
         self.transformer = Transformer(
-            width, args.vision_layers, args.vision_heads, args.mlp_ratio, args.dropout, causal=False
+            width, args.vision_layers, args.vision_heads, args.mlp_ratio, args.dropout, causal=False, act=args.act
         )
         self.ln_post = nn.LayerNorm(width)
         self.proj = nn.Parameter(torch.empty(width, args.embed_dim))
@@ -80,7 +80,7 @@ class TextTower(nn.Module):
         self.token_embedding = nn.Embedding(args.vocab_size, width)
         self.positional_embedding = nn.Parameter(torch.empty(args.context_length, width))
         self.transformer = Transformer(
-            width, args.text_layers, args.text_heads, args.mlp_ratio, args.dropout, causal=True
+            width, args.text_layers, args.text_heads, args.mlp_ratio, args.dropout, causal=True, act=args.act
         )
         self.ln_final = nn.LayerNorm(width)
         self.text_projection = nn.Parameter(torch.empty(width, args.embed_dim))
@@ -105,7 +105,7 @@ class TextTower(nn.Module):
             )
         x = self.token_embedding(ids) + self.positional_embedding
         x = self.transformer(x)
-        eos = (ids == self.eos_id).int().argmax(-1)
+        eos = ids.argmax(-1) if self.eos_id < 0 else (ids == self.eos_id).int().argmax(-1)
         pooled = x[torch.arange(x.shape[0], device=x.device), eos]
         return F.normalize(self.ln_final(pooled) @ self.text_projection, dim=-1)
 

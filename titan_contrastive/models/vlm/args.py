@@ -42,6 +42,8 @@ class VLMArgs:
     learn_logit_scale: bool = True
     eos_id: int = 2
     """End-of-text id where the text tower (clip's) pools; from the tokenizer."""
+    act: str = "gelu"
+    """MLP activation of the text tower (clip's)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -1,0 +1,147 @@
+"""Checkpoints in and out: Hugging Face CLIP folders and our step folders (tiny random models, float32).
+
+- a transformers `CLIPModel` saved with `save_pretrained` loads through `load_clip` and
+  `[model] init_from`; our embeddings equal `get_image_features` / `get_text_features` (normalized)
+  to <= 1e-5, for a current config (pooling at `eos_token_id`) and a legacy one (at the highest id);
+- `--to hf` writes a folder transformers loads and reproduces; ours -> hf -> ours is bit-identical;
+- our own checkpoints, FSDP-sharded over 2 processes included, load and export the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers", reason="interop with transformers needs the [hf] extra")
+
+from titan_contrastive.export import main as export_main  # noqa: E402
+from titan_contrastive.interop import InteropError, detect_format, load_clip, read_checkpoint  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_hf(folder: Path, *, eos: int = 49407, vocab: int = 49408, context: int = 77, image: int = 32, act: str = "quick_gelu") -> Path:
+    torch.manual_seed(0)
+    tower = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, hidden_act=act)
+    config = transformers.CLIPConfig(
+        text_config=dict(tower, vocab_size=vocab, max_position_embeddings=context, eos_token_id=eos, bos_token_id=vocab - 2, pad_token_id=1),
+        vision_config=dict(tower, image_size=image, patch_size=8), projection_dim=24)
+    model = transformers.CLIPModel(config)
+    with torch.no_grad():  # non-trivial norms and scale, so a mapping mistake cannot hide behind ones and zeros
+        for name, p in model.named_parameters():
+            if "norm" in name or name == "logit_scale":
+                p.add_(torch.rand_like(p) * 0.5)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def reference(folder: Path, images: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    model = transformers.CLIPModel.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        img, txt = model.get_image_features(pixel_values=images), model.get_text_features(input_ids=ids)
+    img, txt = (getattr(x, "pooler_output", x) for x in (img, txt))
+    return F.normalize(img, dim=-1), F.normalize(txt, dim=-1)
+
+
+def inputs(vocab: int = 49408, context: int = 77, eos: int = 49407) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(3, 3, 32, 32, generator=g)
+    ids = torch.randint(3, vocab - 3, (3, context), generator=g)
+    for row, end in enumerate((5, context - 1, 20)):  # EOS then padding, as a tokenizer writes them
+        ids[row, end] = eos
+        ids[row, end + 1 :] = 0
+    return images, ids
+
+
+@pytest.mark.parametrize("eos", [49407, 2])
+def test_load_clip_equals_transformers(tmp_path: Path, eos: int) -> None:
+    """eos 49407: HF pools at that id; eos 2 (legacy configs): at the highest id, which EOS is."""
+    folder = tiny_hf(tmp_path / "hf", eos=eos)
+    assert detect_format(folder) == "hf"
+    images, ids = inputs()
+    want_img, want_txt = reference(folder, images, ids)
+    model = load_clip(folder)
+    with torch.no_grad():
+        got_img, got_txt = model.encode_image(images), model.encode_text(ids)
+    assert (got_img - want_img).abs().max() <= 1e-5 and (got_txt - want_txt).abs().max() <= 1e-5
+    assert model.text.eos_id == (49407 if eos == 49407 else -1)
+
+
+def test_export_to_hf_and_back_is_bit_identical(tmp_path: Path) -> None:
+    src = tiny_hf(tmp_path / "hf", act="gelu")
+    assert export_main([str(src), "--to", "hf", "--out", str(tmp_path / "out")]) == 0
+    images, ids = inputs()
+    want = reference(src, images, ids)
+    got = reference(tmp_path / "out", images, ids)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))  # transformers reproduces them exactly
+    a, b = read_checkpoint(src)[1], read_checkpoint(tmp_path / "out")[1]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    tok = transformers.CLIPTokenizerFast.from_pretrained(str(tmp_path / "out"))
+    from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
+
+    text = ["a photo of a cat", "Two dogs, playing!"]
+    ours = ClipBpeTokenizer(77).encode(text)
+    theirs = tok(text)["input_ids"]
+    assert [row[: len(t)].tolist() for row, t in zip(ours, theirs)] == theirs  # same ids up to the padding
+
+
+def test_bad_checkpoints_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(InteropError, match="not a checkpoint this project reads"):
+        detect_format(tmp_path)
+    folder = tiny_hf(tmp_path / "hf")
+    config = json.loads((folder / "config.json").read_text())
+    config["vision_config"]["num_hidden_layers"] = 3
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InteropError) as err:
+        read_checkpoint(folder)
+    assert "missing keys ['vision_model.encoder.layers.2" in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+def _run(dump: Path, nproc: int, *args: str) -> str:
+    env = {**os.environ, "NGPU": str(nproc), "PYTHON": sys.executable, "LOG_RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(["./run_train.sh", f"--job.dump_folder={dump}", "--training.local_batch_size=8", "--eval.enable=false",
+                          "--metrics.enable_tensorboard=false", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout + out.stderr
+
+
+def test_init_from_hf_then_our_fsdp_checkpoint_loads_and_exports(tmp_path: Path) -> None:
+    """A 2-process FSDP2 run starts from a Hugging Face folder (emoji at 32 px, CLIP BPE captions),
+    trains 2 steps and saves; its sharded step folder loads through load_clip and exports to hf."""
+    from titan_contrastive.config import parse_args
+    from titan_contrastive.train import Trainer
+
+    src = tiny_hf(tmp_path / "hf")
+    with pytest.raises(InteropError, match="mis-shaped.*token_embedding.*set data.image_size, data.context_length"):
+        Trainer(parse_args([f"--model.init_from={src}", "--data.dataset=emoji", "--data.image_size=32",  # byte tokens: vocab 259
+                            f"--job.dump_folder={tmp_path / 'x'}", "--metrics.enable_tensorboard=false"]))
+    csv_dir = tmp_path / "csv"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "export_emoji_files.py"), "--out", str(csv_dir)], check=True,
+                   capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    data = ["--data.dataset=csv", f"--data.path={csv_dir / 'train.csv'}", "--data.image_size=32", "--data.context_length=77"]
+    trainer = Trainer(parse_args([f"--model.init_from={src}", *data, f"--job.dump_folder={tmp_path / 'y'}",
+                                  "--metrics.enable_tensorboard=false"]))
+    start = read_checkpoint(src)[1]
+    assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in start.items())
+    trainer.metrics.close()
+    del trainer
+    _run(tmp_path / "run", 2, f"--model.init_from={src}", *data, "--training.steps=2", "--checkpoint.enable=true",
+         "--parallelism.data_parallel_replicate_degree=1", "--parallelism.data_parallel_shard_degree=2")
+    step = tmp_path / "run" / "checkpoint" / "step-2"
+    assert detect_format(step) == "ours"
+    model = load_clip(step)
+    trained = read_checkpoint(step)[1]
+    assert not torch.equal(trained["visual.proj"], start["visual.proj"])  # it trained
+    assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "exported")]) == 0
+    images, ids = inputs()
+    want_img, want_txt = reference(tmp_path / "exported", images, ids)
+    with torch.no_grad():
+        assert (model.encode_image(images) - want_img).abs().max() <= 1e-5
+        assert (model.encode_text(ids) - want_txt).abs().max() <= 1e-5

@@ -1,0 +1,96 @@
+"""Checkpoints in and out of the clip family: Hugging Face CLIP folders and this project's own.
+
+`read_checkpoint(path) -> (CLIPArgs, state dict)` detects the format:
+- a Hugging Face transformers CLIP folder (`config.json` + `model.safetensors` or
+  `pytorch_model.bin`): the architecture from its config, weights converted (`hf_clip`);
+- one of our checkpoints (a `step-N` folder of DCP files with its `manifest.json`): the
+  architecture from the manifest's `model` entry, the weights consolidated from however many
+  FSDP shards wrote them (DCP reads them into one plain state dict, no process group needed).
+
+`load_clip(path)` builds the model from that: `encode_image(pixel_values)` and
+`encode_text(input_ids)` return L2-normalized embeddings. `[model] init_from` starts a training
+run from the same weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from titan_contrastive.interop.hf_clip import InteropError, args_from_hf_config, from_hf_state_dict
+from titan_contrastive.models.clip.args import CLIPArgs
+from titan_contrastive.models.clip.model import CLIP
+
+__all__ = ["InteropError", "load_clip", "read_checkpoint", "detect_format"]
+
+
+def detect_format(path: str | Path) -> str:
+    """`hf` or `ours`; anything else is a one-line error naming what was expected."""
+    folder = Path(path).expanduser()
+    if (folder / "config.json").is_file() and any((folder / f).is_file() for f in ("model.safetensors", "pytorch_model.bin")):
+        return "hf"
+    if (folder / "manifest.json").is_file():
+        return "ours"
+    raise InteropError(f"{path}: not a checkpoint this project reads; give a Hugging Face CLIP folder (config.json + "
+                       "model.safetensors) or a step-N folder of one of our runs (with manifest.json)")
+
+
+def _read_hf(folder: Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("model_type") not in (None, "clip"):
+        raise InteropError(f"{folder}/config.json: model_type={config.get('model_type')!r}; only CLIP models (model_type 'clip') load here")
+    args = args_from_hf_config(config)
+    if (folder / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        weights = load_file(str(folder / "model.safetensors"))
+    else:
+        weights = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    return args, from_hf_state_dict(weights, args)
+
+
+def _read_ours(folder: Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
+    import torch.distributed.checkpoint as dcp
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    model = manifest.get("model") or {}
+    if model.get("family") != "clip":
+        raise InteropError(f"{folder}/manifest.json: model {model.get('family', 'unrecorded')!r}; only clip-family checkpoints "
+                           "written by this version or later (their manifest names the model) load here")
+    args = CLIPArgs(**model["args"])
+    state = {"model": CLIP(args).state_dict()}
+    dcp.load(state, checkpoint_id=str(folder))  # consolidates FSDP shards into the plain tensors given
+    return args, state["model"]
+
+
+def read_checkpoint(path: str | Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
+    """(architecture, our-layout state dict) of a checkpoint in any format `detect_format` knows."""
+    folder = Path(path).expanduser()
+    return _read_hf(folder) if detect_format(folder) == "hf" else _read_ours(folder)
+
+
+def load_state(model: torch.nn.Module, state: dict[str, Tensor], source: str) -> None:
+    """`model.load_state_dict(state)` with a one-line error naming the first mismatched keys."""
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in sorted(set(own) & set(state))
+              if state[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        raise InteropError(f"{source}: missing {missing[:3]}, unexpected {unexpected[:3]}, mis-shaped {shapes[:3]}; the model "
+                           "built from the config does not match the checkpoint: set data.image_size, data.context_length "
+                           "and data.tokenizer to the checkpoint's (or leave model.init_from empty)")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            tensor.copy_(state[name])
+
+
+def load_clip(path: str | Path) -> CLIP:
+    """The clip model of a checkpoint (any format above), in eval mode on the CPU."""
+    args, state = read_checkpoint(path)
+    model = CLIP(dataclasses.replace(args, dropout=0.0))
+    load_state(model, state, str(path))
+    return model.eval()
