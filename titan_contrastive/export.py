@@ -1,11 +1,18 @@
-"""`python -m titan_contrastive.export SRC --to hf --out DIR`: a clip checkpoint as a Hugging Face CLIP folder.
+"""`python -m titan_contrastive.export SRC --to hf|sentence-transformers --out DIR`: checkpoints for the ecosystem.
 
-SRC is anything `[model] init_from` reads (`interop.detect_format`): one of our step-N folders
-(FSDP shards are consolidated by DCP on load) or a Hugging Face CLIP folder. DIR receives what
-`transformers.CLIPModel.from_pretrained(DIR)` and `CLIPTokenizerFast.from_pretrained(DIR)` load:
-`config.json`, `model.safetensors` and CLIP's BPE tokenizer files (built by transformers from the
-vocabulary this package ships). The folder is written under a temporary name and renamed when
-complete. Needs transformers (`pip install -e '.[hf]'`).
+`--to hf` (clip family): SRC is anything `[model] init_from` reads (`interop.detect_format`): one
+of our step-N folders (FSDP shards are consolidated by DCP on load) or a Hugging Face CLIP folder.
+DIR receives what `transformers.CLIPModel.from_pretrained(DIR)` and
+`CLIPTokenizerFast.from_pretrained(DIR)` load: `config.json`, `model.safetensors` and CLIP's BPE
+tokenizer files (built by transformers from the vocabulary this package ships).
+
+`--to sentence-transformers` (bi_encoder family): SRC is one of our step folders; DIR is what
+`sentence_transformers.SentenceTransformer(DIR)` loads: the tower (`--tower query|doc`; the same
+one when shared) with its tokenizer, mean pooling over real tokens and L2 normalization, the
+embedding the bi_encoder trains, cut at its query / document length.
+
+The folder is written under a temporary name and renamed when complete. Needs transformers
+(`pip install -e '.[hf]'`; sentence-transformers for its format).
 
 Why through transformers' own `CLIPModel`: the weights are loaded into it strictly before they
 are saved, so a folder this writes is one transformers has already accepted.
@@ -22,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-FORMATS = ("hf",)
+FORMATS = ("hf", "sentence-transformers")
 
 
 def write_hf_tokenizer(out: Path, context_length: int) -> None:
@@ -46,6 +53,36 @@ def write_hf_tokenizer(out: Path, context_length: int) -> None:
                           model_max_length=context_length).save_pretrained(str(out))
 
 
+def _replace(tmp: Path, out: Path) -> None:
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def export_sentence_transformers(src: str, out: Path, tower: str = "query") -> None:
+    from sentence_transformers import SentenceTransformer, models
+
+    from titan_contrastive.interop import read_ours
+    from titan_contrastive.models import get_model_spec
+
+    family, args, state = read_ours(Path(src).expanduser())
+    if family != "bi_encoder":
+        raise ValueError(f"{src}: a {family} checkpoint; --to sentence-transformers exports the bi_encoder family (clip: --to hf)")
+    model = get_model_spec(family).build_model(args)
+    model.load_state_dict(state)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tempfile.TemporaryDirectory() as hf_dir:
+        from titan_contrastive.models.bi_encoder.model import load_tokenizer
+
+        getattr(model, f"{tower}_tower").save_pretrained(hf_dir)
+        load_tokenizer().save_pretrained(hf_dir)
+        length = args.query_length if tower == "query" else args.doc_length
+        encoder = models.Transformer(hf_dir, max_seq_length=length)
+        pooling = models.Pooling(encoder.get_word_embedding_dimension(), pooling_mode="mean")
+        SentenceTransformer(modules=[encoder, pooling, models.Normalize()], device="cpu").save(str(tmp))
+    _replace(tmp, out)
+
+
 def export_hf(src: str, out: Path) -> None:
     from transformers import CLIPModel
 
@@ -63,20 +100,25 @@ def export_hf(src: str, out: Path) -> None:
     model.save_pretrained(str(tmp), safe_serialization=True)
     if args.vocab_size == 49408:  # CLIP's vocabulary: ship its tokenizer (the byte tokenizer has no HF equivalent)
         write_hf_tokenizer(tmp, args.context_length)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    _replace(tmp, out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m titan_contrastive.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="one of our step-N checkpoint folders, or a Hugging Face CLIP folder")
-    parser.add_argument("--to", choices=FORMATS, required=True, help="hf: a transformers CLIPModel folder")
+    parser.add_argument("--to", choices=FORMATS, required=True,
+                        help="hf: a transformers CLIPModel folder (clip); sentence-transformers: a SentenceTransformer folder (bi_encoder)")
     parser.add_argument("--out", type=Path, required=True, help="folder to write (replaced if it exists)")
+    parser.add_argument("--tower", choices=("query", "doc"), default="query", help="sentence-transformers: which tower (default: query)")
     args = parser.parse_args(argv)
     try:
-        export_hf(args.src, args.out)
+        if args.to == "hf":
+            export_hf(args.src, args.out)
+        else:
+            export_sentence_transformers(args.src, args.out, args.tower)
     except ImportError as e:
-        print(f"error: --to hf needs {e.name}: pip install -e '.[hf]'", file=sys.stderr)
+        print(f"error: --to {args.to} needs {e.name}: pip install -e '.[hf]'" + (" sentence-transformers" if args.to != "hf" else ""),
+              file=sys.stderr)
         return 2
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_contrastive import models
 from titan_contrastive.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState, TrainState
+from titan_contrastive.components.freeze import apply_freeze
 from titan_contrastive.components.evaluate import EvalContext, describe_results, evaluate_sets
 from titan_contrastive.components.lr_scheduler import build_lr_scheduler
 from titan_contrastive.components.memory_planner import MemoryBudgetError, MemoryPlan, measured_first_step, plan_step, probe_batches
@@ -100,6 +101,7 @@ class Trainer:
             self.model = self.spec.build_model(self.model_args).to(self.precision.param_dtype)
         if init_state is not None:  # [model] init_from: the checkpoint's weights, before any sharding
             load_state(self.model, init_state, f"model.init_from={cfg.model.init_from}")
+        apply_freeze(self.model, cfg.model.freeze, cfg.model.unlocked_layers, self.spec.towers)  # before DP and the optimizer
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_model = parallelize_model(
             self.model, self.spec.blocks(self.model), self.dims, self.mesh, device=self.device,
@@ -201,8 +203,7 @@ class Trainer:
         with warnings.catch_warnings():  # a skipped step advances the schedule on purpose
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
             self.lr_scheduler.step()
-        if skipped:
-            self.train_state.skipped_steps += 1
+        self.train_state.skipped_steps += int(skipped)
         if hasattr(self.model, "logit_scale"):
             with torch.no_grad():
                 self.model.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
@@ -213,10 +214,8 @@ class Trainer:
     def _on_nonfinite(self, step: int, loss: float, grad_norm: float) -> bool:
         """Stop with the step and values, or skip the optimizer step (logged and counted)."""
         if self.cfg.training.on_nonfinite == "stop":
-            raise NonFiniteError(
-                f"step {step}: non-finite loss={loss} grad_norm={grad_norm}; lower optimizer.lr, check the data, "
-                "or set training.on_nonfinite=skip to skip such steps"
-            )
+            raise NonFiniteError(f"step {step}: non-finite loss={loss} grad_norm={grad_norm}; lower optimizer.lr, check the data, "
+                                 "or set training.on_nonfinite=skip to skip such steps")
         logger.warning(f"step {step}: non-finite loss={loss} grad_norm={grad_norm}; optimizer step skipped ({self.train_state.skipped_steps + 1} so far)")
         return True
 

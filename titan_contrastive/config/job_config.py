@@ -53,6 +53,13 @@ class Model:
     model.safetensors) or a step-N folder of one of our runs; its architecture replaces the
     flavor's. The data must match it (data.image_size, data.tokenizer = clip_bpe for CLIP's
     vocabulary, data.context_length). Empty = random init."""
+    freeze: list[str] = _opt([], None)
+    """Locked towers / partial tuning: tower names (clip `image`, `text`; bi_encoder `query`, `doc`)
+    or fnmatch patterns over parameter names. Frozen parameters get no gradients and no optimizer
+    state; a wholly frozen tower runs without a graph (LiT: `["text"]` or `["image"]`)."""
+    unlocked_layers: int = _opt(0, lambda v: v >= 0, "an integer >= 0")
+    """Of each tower named in `freeze`, the last N residual blocks (and the norm and projection
+    after them) stay trainable (open_clip's --lock-image-unlocked-groups)."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,7 +26,7 @@ from titan_contrastive.interop.hf_clip import InteropError, args_from_hf_config,
 from titan_contrastive.models.clip.args import CLIPArgs
 from titan_contrastive.models.clip.model import CLIP
 
-__all__ = ["InteropError", "load_clip", "read_checkpoint", "detect_format"]
+__all__ = ["InteropError", "detect_format", "load_clip", "load_state", "read_checkpoint", "read_ours"]
 
 
 def detect_format(path: str | Path) -> str:
@@ -53,18 +54,31 @@ def _read_hf(folder: Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
     return args, from_hf_state_dict(weights, args)
 
 
-def _read_ours(folder: Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
+def read_ours(folder: Path) -> tuple[str, Any, dict[str, Tensor]]:
+    """(family, args, state dict) of one of our step folders, any family: the manifest names the
+    family and its args; DCP consolidates the FSDP shards into the tensors of a freshly built model."""
     import torch.distributed.checkpoint as dcp
 
+    from titan_contrastive.models import get_model_spec
+
     manifest = json.loads((folder / "manifest.json").read_text())
-    model = manifest.get("model") or {}
-    if model.get("family") != "clip":
-        raise InteropError(f"{folder}/manifest.json: model {model.get('family', 'unrecorded')!r}; only clip-family checkpoints "
-                           "written by this version or later (their manifest names the model) load here")
-    args = CLIPArgs(**model["args"])
-    state = {"model": CLIP(args).state_dict()}
+    model = manifest.get("model")
+    if not model:
+        raise InteropError(f"{folder}/manifest.json names no model (written before 2026-11-24); rebuild it with the run's "
+                           "config instead, or save it again with this version")
+    spec = get_model_spec(model["family"])
+    args = dataclasses.replace(next(iter(spec.flavors.values())), **model["args"])
+    state = {"model": spec.build_model(args).state_dict()}
     dcp.load(state, checkpoint_id=str(folder))  # consolidates FSDP shards into the plain tensors given
-    return args, state["model"]
+    return model["family"], args, state["model"]
+
+
+def _read_ours(folder: Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
+    family, args, state = read_ours(folder)
+    if family != "clip":
+        raise InteropError(f"{folder}: a {family} checkpoint; this reads clip-family ones (export a bi_encoder with "
+                           "--to sentence-transformers)")
+    return args, state
 
 
 def read_checkpoint(path: str | Path) -> tuple[CLIPArgs, dict[str, Tensor]]:

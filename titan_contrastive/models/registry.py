@@ -21,6 +21,7 @@ and is loaded by setting `job.custom_import = "my_pkg.my_family"` in the config.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,8 @@ class ModelSpec:
     the contrastive kind `[loss] negatives` and `[gradcache]` select (`steps.build_gradient_step`)."""
     evaluate: Callable[[EvalContext], dict[str, float]] = evaluate_contrastive
     """Evaluation on the held-out split: zero-shot / retrieval (default) or the vae's reconstructions."""
+    towers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Tower name -> parameter-name prefix, for `[model] freeze` (clip: image -> "visual.")."""
     read_checkpoint: Callable[[str], tuple[Any, dict[str, Any]]] | None = None
     """path -> (args, state dict in the family's layout): what `[model] init_from` starts from
     (clip: `interop.read_checkpoint`, Hugging Face CLIP folders and our step folders). None: none."""

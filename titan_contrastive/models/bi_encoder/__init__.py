@@ -14,4 +14,4 @@ __all__ = ["BiEncoder", "BiEncoderArgs", "bi_encoder_blocks", "bi_encoder_flavor
 
 register_model(ModelSpec(name="bi_encoder", flavors=bi_encoder_flavors, build_model=BiEncoder, blocks=bi_encoder_blocks,
                          default_loss="clip", input_keys=("query", "doc"), build_tokenizer=build_tokenizer,
-                         update_from_config=BiEncoderArgs.update_from_config))
+                         update_from_config=BiEncoderArgs.update_from_config, towers={"query": "query_tower.", "doc": "doc_tower."}))

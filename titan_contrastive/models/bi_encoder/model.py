@@ -9,6 +9,7 @@ sentence-transformers' MultipleNegativesRankingLoss, and is learned like CLIP's.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -120,7 +121,8 @@ class BiEncoder(nn.Module):
 
     def _embed(self, tower: nn.Module, ids: Tensor) -> Tensor:
         mask = (ids != self.pad_id).to(torch.long)
-        hidden = tower(input_ids=ids, attention_mask=mask).last_hidden_state
+        with torch.no_grad() if getattr(tower, "frozen", False) else contextlib.nullcontext():  # a locked tower: no graph
+            hidden = tower(input_ids=ids, attention_mask=mask).last_hidden_state
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         return F.normalize((hidden * weights).sum(1) / weights.sum(1).clamp_min(1), dim=-1)
 

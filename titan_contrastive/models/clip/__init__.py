@@ -14,5 +14,6 @@ def _read_checkpoint(path: str) -> tuple[CLIPArgs, dict]:
 
 register_model(
     ModelSpec(name="clip", flavors=clip_flavors, build_model=CLIP, blocks=clip_blocks, default_loss="clip", other_losses=("siglip",),
-              update_from_config=CLIPArgs.update_from_config, read_checkpoint=_read_checkpoint)
+              update_from_config=CLIPArgs.update_from_config, read_checkpoint=_read_checkpoint,
+              towers={"image": "visual.", "text": "text."})
 )

@@ -10,6 +10,8 @@ after `to_empty(device=...)` + `init_weights()`.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 
 import torch
@@ -156,12 +158,14 @@ class CLIP(nn.Module):
             nn.init.constant_(self.logit_bias, self.args.init_logit_bias)
 
     def encode_image(self, images: Tensor) -> Tensor:
-        """[B, C, H, W] -> [B, embed_dim], L2-normalized."""
-        return self.visual(images)
+        """[B, C, H, W] -> [B, embed_dim], L2-normalized (a locked tower: without a graph)."""
+        with torch.no_grad() if getattr(self.visual, "frozen", False) else contextlib.nullcontext():
+            return self.visual(images)
 
     def encode_text(self, ids: Tensor) -> Tensor:
-        """[B, context_length] token ids -> [B, embed_dim], L2-normalized."""
-        return self.text(ids)
+        """[B, context_length] token ids -> [B, embed_dim], L2-normalized (a locked tower: without a graph)."""
+        with torch.no_grad() if getattr(self.text, "frozen", False) else contextlib.nullcontext():
+            return self.text(ids)
 
     def forward(self, images: Tensor, texts: Tensor) -> tuple[Tensor, ...]:
         """(image embeddings, text embeddings, exp(logit_scale)[, logit_bias]).

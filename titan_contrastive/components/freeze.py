@@ -1,0 +1,80 @@
+"""Locked towers and partial tuning: `[model] freeze` and `unlocked_layers` (LiT, open_clip's --lock-*).
+
+`freeze` entries are tower names of the family (`ModelSpec.towers`: clip `image`, `text`;
+bi_encoder `query`, `doc`) or fnmatch patterns over parameter names (`text.transformer.blocks.*`).
+`unlocked_layers = N` leaves the last N residual blocks of each frozen tower trainable, with what
+follows them (final norm, projection), as open_clip's `--lock-image-unlocked-groups`.
+
+Order of operations (the trainer calls this after the weights are loaded, before data parallelism
+and the optimizer): match -> `requires_grad = False` -> a tower with nothing left to train is
+marked `frozen`, and the family's forward runs it under `no_grad` (no graph, no saved
+activations: the LiT saving) -> one log line saying what trains. The optimizer's parameter groups
+skip frozen parameters, so they get neither gradients nor optimizer state.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import re
+from collections.abc import Mapping, Sequence
+
+from torch import nn
+
+from titan_contrastive.config import ConfigError
+
+logger = logging.getLogger("titan_contrastive")
+_BLOCK = re.compile(r"\.blocks\.(\d+)\.|\.layer\.(\d+)\.")  # a residual block's index in its tower
+
+
+def _tower_module(model: nn.Module, prefix: str) -> nn.Module:
+    return model.get_submodule(prefix.rstrip("."))
+
+
+def _unlocked(name: str, prefix: str, depth: int, unlocked_layers: int) -> bool:
+    """Whether a frozen tower's parameter stays trainable: in its last `unlocked_layers` blocks or after them."""
+    if unlocked_layers <= 0:
+        return False
+    match = _BLOCK.search(name[len(prefix) - 1 :])
+    if match:
+        return int(match.group(1) or match.group(2)) >= depth - unlocked_layers
+    return "post" in name or "final" in name or name.endswith(("proj", "projection"))
+
+
+def _depth(names: list[str], prefix: str) -> int:
+    indices = [int(m.group(1) or m.group(2)) for n in names if n.startswith(prefix) and (m := _BLOCK.search(n[len(prefix) - 1 :]))]
+    return max(indices, default=-1) + 1
+
+
+def apply_freeze(model: nn.Module, freeze: Sequence[str], unlocked_layers: int, towers: Mapping[str, str]) -> str:
+    """Freeze what `freeze` names (see the module docstring); returns the summary it logs."""
+    params = dict(model.named_parameters())
+    names = list(params)
+    frozen: set[str] = set()
+    for entry in freeze:
+        if entry in towers:
+            prefix = towers[entry]
+            depth = _depth(names, prefix)
+            matched = [n for n in names if n.startswith(prefix) and not _unlocked(n, prefix, depth, unlocked_layers)]
+        else:
+            matched = fnmatch.filter(names, entry)
+        if not matched:
+            known = ", ".join(towers) or "none"
+            raise ConfigError(f"model.freeze entry {entry!r} matches no parameter; use a tower name ({known}) or a pattern "
+                              f"over parameter names such as {names[0]!r}")
+        frozen.update(matched)
+    for name in frozen:
+        params[name].requires_grad_(False)
+    locked = []
+    for tower, prefix in towers.items():
+        module = _tower_module(model, prefix)
+        module.frozen = not any(p.requires_grad for p in module.parameters())
+        if module.frozen:
+            locked.append(tower)
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+    total = sum(p.numel() for p in params.values())
+    summary = (f"trains {trainable:,} of {total:,} parameters" + (f"; frozen: {len(frozen)} tensors" if frozen else "")
+               + (f"; locked towers (run without a graph): {', '.join(locked)}" if locked else ""))
+    if freeze:
+        logger.info(f"freeze: {summary}")
+    return summary
