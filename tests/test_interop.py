@@ -174,3 +174,45 @@ def test_bi_encoder_exports_to_sentence_transformers(tmp_path: Path) -> None:
     pristine = get_model_spec(family).build_model(args)
     assert not torch.equal(pristine.query_tower.embeddings.word_embeddings.weight, state["query_tower.embeddings.word_embeddings.weight"])
     assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "x")]) == 2  # a bi_encoder is not a CLIP
+
+
+def test_open_clip_format_round_trip(tmp_path: Path) -> None:
+    """ours -> open_clip layout (config + safetensors) -> ours is bit-identical; without the config
+    the architecture is read from the tensors' shapes (heads = width / 64, quick GELU, as open_clip's
+    build_model_from_openai_state_dict); a state-dict file with open_clip's training wrapper loads too."""
+    from safetensors.torch import load_file
+
+    from titan_contrastive.interop.openclip import args_from_open_clip
+
+    src = tiny_hf(tmp_path / "hf")
+    assert export_main([str(src), "--to", "open_clip", "--out", str(tmp_path / "oc")]) == 0
+    assert detect_format(tmp_path / "oc") == "open_clip"
+    (args_a, a), (args_b, b) = read_checkpoint(src), read_checkpoint(tmp_path / "oc")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (args_b.vision_heads, args_b.act, args_b.eos_id) == (4, "quick_gelu", -1)
+    config = json.loads((tmp_path / "oc" / "open_clip_config.json").read_text())
+    assert config["model_cfg"]["vision_cfg"] == {"image_size": 32, "layers": 2, "width": 32, "patch_size": 8, "head_width": 8, "mlp_ratio": 4.0}
+    weights = load_file(str(tmp_path / "oc" / "open_clip_model.safetensors"))
+    assert "transformer.resblocks.1.attn.in_proj_weight" in weights and weights["logit_scale"].shape == ()
+    inferred = args_from_open_clip(None, weights)
+    assert (inferred.embed_dim, inferred.image_size, inferred.patch_size, inferred.vision_layers, inferred.text_layers,
+            inferred.context_length, inferred.vocab_size) == (24, 32, 8, 2, 2, 77, 49408)
+    torch.save({"epoch": 3, "state_dict": {f"module.{k}": v for k, v in weights.items()}}, tmp_path / "epoch_3.pt")
+    (tmp_path / "open_clip_config.json").write_text(json.dumps(config))
+    c = read_checkpoint(tmp_path / "epoch_3.pt")[1]
+    assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_open_clip_loads_our_export(tmp_path: Path) -> None:
+    """Where open_clip imports (it needs torchvision, which does not import beside torch 2.13 on
+    CPU here: benchmarks/interop_openclip.py runs this in its own venv), its model built from our
+    export gives our embeddings."""
+    open_clip = pytest.importorskip("open_clip", reason="open_clip needs torchvision; see benchmarks/interop_openclip.py")
+    src = tiny_hf(tmp_path / "hf", act="gelu")
+    assert export_main([str(src), "--to", "open_clip", "--out", str(tmp_path / "oc")]) == 0
+    theirs, _, _ = open_clip.create_model_and_transforms(f"local-dir:{tmp_path / 'oc'}")
+    images, ids = inputs()
+    ours = load_clip(src)
+    with torch.no_grad():
+        assert (theirs.eval().encode_image(images, normalize=True) - ours.encode_image(images)).abs().max() <= 1e-5
+        assert (theirs.encode_text(ids, normalize=True) - ours.encode_text(ids)).abs().max() <= 1e-5

@@ -67,7 +67,7 @@ def test_unknown_name_and_flavor_list_valid_choices() -> None:
         "model.name='foo' is not a registered model family; valid: bi_encoder, clip, vae, vlm "
         "(register your own with titan_contrastive.models.register_model)"
     )
-    expected = r"^model.flavor='x' is not a flavor of 'clip'; valid: debug, vit_b32$"
+    expected = r"^model.flavor='x' is not a flavor of 'clip'; valid: debug, vit_b32, vit_b16, vit_l14$"
     with pytest.raises(ValueError, match=expected):
         models.get_flavor_args("clip", "x")
 
@@ -148,6 +148,14 @@ def test_vit_b32_matches_open_clip_param_count() -> None:
     assert sum(p.numel() for p in model.parameters()) == args.num_params() == 151_277_313
     assert sum(p.numel() for p in model.visual.parameters()) == 87_849_216
     assert len(model.blocks()) == 24
+
+
+@pytest.mark.parametrize("flavor, params", [("vit_b16", 149_620_737), ("vit_l14", 427_616_513)])
+def test_larger_flavors_match_openai_param_counts(flavor: str, params: int) -> None:
+    args = clip_flavors[flavor]
+    with torch.device("meta"):
+        model = CLIP(args)
+    assert sum(p.numel() for p in model.parameters()) == args.num_params() == params
 
 
 def test_flops_per_sample_matches_flop_counter(debug_model: CLIP, debug_args: CLIPArgs) -> None:

@@ -6,6 +6,10 @@ DIR receives what `transformers.CLIPModel.from_pretrained(DIR)` and
 `CLIPTokenizerFast.from_pretrained(DIR)` load: `config.json`, `model.safetensors` and CLIP's BPE
 tokenizer files (built by transformers from the vocabulary this package ships).
 
+`--to open_clip` (clip family, same SRC): `open_clip_config.json` + `open_clip_model.safetensors`,
+the layout open_clip reads from a local folder or the hub (`create_model_and_transforms(
+"local-dir:DIR")`).
+
 `--to sentence-transformers` (bi_encoder family): SRC is one of our step folders; DIR is what
 `sentence_transformers.SentenceTransformer(DIR)` loads: the tower (`--tower query|doc`; the same
 one when shared) with its tokenizer, mean pooling over real tokens and L2 normalization, the
@@ -29,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-FORMATS = ("hf", "sentence-transformers")
+FORMATS = ("hf", "open_clip", "sentence-transformers")
 
 
 def write_hf_tokenizer(out: Path, context_length: int) -> None:
@@ -83,6 +87,21 @@ def export_sentence_transformers(src: str, out: Path, tower: str = "query") -> N
     _replace(tmp, out)
 
 
+def export_open_clip(src: str, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    from titan_contrastive.interop import read_checkpoint
+    from titan_contrastive.interop.openclip import CONFIG_FILE, WEIGHT_FILES, open_clip_config, to_open_clip_state_dict
+
+    args, state = read_checkpoint(src)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / CONFIG_FILE).write_text(json.dumps(open_clip_config(args), indent=1))
+    save_file(to_open_clip_state_dict(state), str(tmp / WEIGHT_FILES[0]))
+    _replace(tmp, out)
+
+
 def export_hf(src: str, out: Path) -> None:
     from transformers import CLIPModel
 
@@ -107,13 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m titan_contrastive.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="one of our step-N checkpoint folders, or a Hugging Face CLIP folder")
     parser.add_argument("--to", choices=FORMATS, required=True,
-                        help="hf: a transformers CLIPModel folder (clip); sentence-transformers: a SentenceTransformer folder (bi_encoder)")
+                        help="hf: a transformers CLIPModel folder, open_clip: open_clip's folder layout (clip); "
+                             "sentence-transformers: a SentenceTransformer folder (bi_encoder)")
     parser.add_argument("--out", type=Path, required=True, help="folder to write (replaced if it exists)")
     parser.add_argument("--tower", choices=("query", "doc"), default="query", help="sentence-transformers: which tower (default: query)")
     args = parser.parse_args(argv)
     try:
         if args.to == "hf":
             export_hf(args.src, args.out)
+        elif args.to == "open_clip":
+            export_open_clip(args.src, args.out)
         else:
             export_sentence_transformers(args.src, args.out, args.tower)
     except ImportError as e:

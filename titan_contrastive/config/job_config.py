@@ -46,7 +46,7 @@ class Model:
     """Registered model family: `clip`, `bi_encoder` (pretrained MiniLM, needs `.[hf]`), `vlm`
     (packed patches), `vae` (pixel loss), or your own."""
     flavor: str = "debug"
-    """Size preset of the family: clip `debug` (CPU) / `vit_b32`; bi_encoder `minilm_l6` / `minilm_l6_dual`;
+    """Size preset of the family: clip `debug` (CPU) / `vit_b32` / `vit_b16` / `vit_l14`; bi_encoder `minilm_l6` / `minilm_l6_dual`;
     vlm `debug`; vae `debug` / `sd`."""
     init_from: str = ""
     """Start from a checkpoint's weights (clip): a Hugging Face CLIP folder (config.json +

@@ -3,6 +3,9 @@
 `read_checkpoint(path) -> (CLIPArgs, state dict)` detects the format:
 - a Hugging Face transformers CLIP folder (`config.json` + `model.safetensors` or
   `pytorch_model.bin`): the architecture from its config, weights converted (`hf_clip`);
+- an open_clip checkpoint: a state-dict file (`.safetensors`, `.bin`, `.pt`; an open_clip training
+  checkpoint's `state_dict` too) or a folder holding `open_clip_model.safetensors`, with
+  `open_clip_config.json` beside it when there is one (`openclip`);
 - one of our checkpoints (a `step-N` folder of DCP files with its `manifest.json`): the
   architecture from the manifest's `model` entry, the weights consolidated from however many
   FSDP shards wrote them (DCP reads them into one plain state dict, no process group needed).
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from titan_contrastive.interop import openclip
 from titan_contrastive.interop.hf_clip import InteropError, args_from_hf_config, from_hf_state_dict
 from titan_contrastive.models.clip.args import CLIPArgs
 from titan_contrastive.models.clip.model import CLIP
@@ -30,14 +34,45 @@ __all__ = ["InteropError", "detect_format", "load_clip", "load_state", "read_che
 
 
 def detect_format(path: str | Path) -> str:
-    """`hf` or `ours`; anything else is a one-line error naming what was expected."""
+    """`hf`, `open_clip` or `ours`; anything else is a one-line error naming what was expected."""
     folder = Path(path).expanduser()
+    if folder.is_file() and folder.suffix in (".safetensors", ".bin", ".pt", ".pth"):
+        return "open_clip"
+    if any((folder / f).is_file() for f in openclip.WEIGHT_FILES):
+        return "open_clip"
     if (folder / "config.json").is_file() and any((folder / f).is_file() for f in ("model.safetensors", "pytorch_model.bin")):
         return "hf"
     if (folder / "manifest.json").is_file():
         return "ours"
     raise InteropError(f"{path}: not a checkpoint this project reads; give a Hugging Face CLIP folder (config.json + "
-                       "model.safetensors) or a step-N folder of one of our runs (with manifest.json)")
+                       "model.safetensors), an open_clip state dict (.safetensors/.bin/.pt, open_clip_config.json beside it) "
+                       "or a step-N folder of one of our runs (with manifest.json)")
+
+
+def _load_weights(file: Path) -> dict[str, Tensor]:
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(file))
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a TorchScript archive (OpenAI's own .pt) or a damaged file
+        raise InteropError(f"{file}: not a state dict ({type(e).__name__}); OpenAI's TorchScript .pt files are not read: "
+                           "use open_clip's or Hugging Face's conversion of them") from None
+    state = state.get("state_dict", state) if isinstance(state, dict) else state
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def _read_open_clip(path: Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
+    file = path if path.is_file() else next(path / f for f in openclip.WEIGHT_FILES if (path / f).is_file())
+    weights = _load_weights(file)
+    config_file = file.parent / openclip.CONFIG_FILE
+    config = json.loads(config_file.read_text()) if config_file.is_file() else None
+    try:
+        args = openclip.args_from_open_clip(config, weights)
+    except KeyError as e:
+        raise InteropError(f"{file}: no {e} in the weights or {openclip.CONFIG_FILE}; not an open_clip CLIP checkpoint") from None
+    return args, openclip.from_open_clip_state_dict(weights)
 
 
 def _read_hf(folder: Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
@@ -84,7 +119,8 @@ def _read_ours(folder: Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
 def read_checkpoint(path: str | Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
     """(architecture, our-layout state dict) of a checkpoint in any format `detect_format` knows."""
     folder = Path(path).expanduser()
-    return _read_hf(folder) if detect_format(folder) == "hf" else _read_ours(folder)
+    readers = {"hf": _read_hf, "open_clip": _read_open_clip, "ours": _read_ours}
+    return readers[detect_format(folder)](folder)
 
 
 def load_state(model: torch.nn.Module, state: dict[str, Tensor], source: str) -> None:

@@ -207,4 +207,16 @@ clip_flavors: dict[str, CLIPArgs] = {
         vision_width=768, vision_layers=12, vision_heads=12,
         vocab_size=49408, context_length=77, text_width=512, text_layers=12, text_heads=8,
     ),
+    # open_clip ViT-B-16 / ViT-L-14 (OpenAI's ViT-B/16, ViT-L/14: 149,620,737 and 427,616,513 parameters);
+    # OpenAI's own weights use quick GELU (their checkpoints' config sets it when loaded with init_from)
+    "vit_b16": CLIPArgs(
+        embed_dim=512, image_size=224, patch_size=16, in_channels=3,
+        vision_width=768, vision_layers=12, vision_heads=12,
+        vocab_size=49408, context_length=77, text_width=512, text_layers=12, text_heads=8,
+    ),
+    "vit_l14": CLIPArgs(
+        embed_dim=768, image_size=224, patch_size=14, in_channels=3,
+        vision_width=1024, vision_layers=24, vision_heads=16,
+        vocab_size=49408, context_length=77, text_width=768, text_layers=12, text_heads=12,
+    ),
 }
