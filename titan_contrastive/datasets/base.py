@@ -12,7 +12,7 @@ cannot give that; `sample_hash(seed, epoch, stream, i)` can, vectorized over the
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -77,6 +77,7 @@ class ImageTextDataset:
         context_length: int,
         source: str,
         full: bool,
+        tokenizer: Any = None,
     ) -> None:
         if images.dtype != torch.uint8 or images.ndim != 4 or not len(images) == len(labels) == len(text_ids):
             raise ValueError(f"{name}: images must be uint8 [N,C,H,W] with one label and text id per image")
@@ -92,7 +93,7 @@ class ImageTextDataset:
         self.class_names = class_names
         self.templates = list(templates)
         self.subjects = list(subjects)
-        self.tokenizer = ByteTokenizer(context_length)
+        self.tokenizer = tokenizer or ByteTokenizer(context_length)  # a family's own (CaptionTokenizer), else bytes
         self.image_shape: tuple[int, int, int] = tuple(images.shape[1:])  # type: ignore[assignment]
         self._images = images
         self._size = 0  # 0: native size (see `resize`)

@@ -22,7 +22,7 @@ from titan_contrastive.datasets.loader import EpochLoader, build_dataloader
 from titan_contrastive.datasets.pairs import PairsDataset
 from titan_contrastive.datasets.protocol import Dataset
 from titan_contrastive.datasets.sources import CsvSource, HfSource, Source, WebDatasetSource, WeightedSources
-from titan_contrastive.datasets.tokenizer import ByteTokenizer
+from titan_contrastive.datasets.tokenizer import ByteTokenizer, CaptionTokenizer
 
 FILE_SOURCES = ("csv", "webdataset", "hf")
 DEFAULT_IMAGE_SIZE = 224
@@ -101,10 +101,10 @@ def build_data(data: Data, eval_cfg: Eval, *, seed: int, family_tokenizer: Calla
         raise ConfigError(str(e)) from None
     eval_sets: list[Dataset | None] = []
     if data.dataset in FILE_SOURCES:
-        if pair_tokenizer is not None:
+        if pair_tokenizer is not None and not isinstance(pair_tokenizer, CaptionTokenizer):
             raise DataError(f"data.dataset={data.dataset!r} is image-text; the model family reads text pairs: use "
                             "data.dataset='pairs' or 'wordnet'")
-        tokenizer = text_tokenizer(data.tokenizer, data.dataset, data.context_length)
+        tokenizer = pair_tokenizer or text_tokenizer(data.tokenizer, data.dataset, data.context_length)
         context_length = tokenizer.context_length
         common = dict(tokenizer=tokenizer, image_size=data.image_size, seed=seed)
         train = build_file_dataset(data.dataset, "train", data.path, data, augment=data.augment, **common)
@@ -128,7 +128,7 @@ def build_data(data: Data, eval_cfg: Eval, *, seed: int, family_tokenizer: Calla
         if data.tokenizer == "clip_bpe":
             raise DataError(f"data.tokenizer='clip_bpe' with data.dataset={data.dataset!r}: the bundled sets use the byte "
                             "tokenizer; set data.tokenizer='auto' or use your own data (csv, webdataset, hf)")
-        context_length = data.context_length or DEFAULT_CONTEXT["byte"]
+        context_length = getattr(pair_tokenizer, "context_length", 0) or data.context_length or DEFAULT_CONTEXT["byte"]
         common = dict(path=data.path, seed=seed, context_length=context_length, image_size=data.image_size, tokenizer=pair_tokenizer)
         train = build_bundled(data.dataset, "train", augment=data.augment, **common)
         eval_sets.append(build_bundled(data.dataset, "test", augment=False, **common))

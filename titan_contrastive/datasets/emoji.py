@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,7 +69,8 @@ def split_ids(num_emoji: int, split: str) -> np.ndarray:
     return np.sort(perm[:NUM_TEST] if split == "test" else perm[NUM_TEST:])
 
 
-def build_emoji(split: str, *, path: str = "", seed: int = 0, context_length: int = 32, augment: bool = True) -> ImageTextDataset:
+def build_emoji(split: str, *, path: str = "", seed: int = 0, context_length: int = 32, augment: bool = True,
+                tokenizer: Any = None) -> ImageTextDataset:
     """The emoji split as an ImageTextDataset. `augment` is accepted for a uniform signature but
     does nothing: emoji are not flipped (many are asymmetric symbols, arrows and letters)."""
     file = npz_file(path)
@@ -91,4 +93,5 @@ def build_emoji(split: str, *, path: str = "", seed: int = 0, context_length: in
         context_length=context_length,
         source=str(file),
         full=True,
+        tokenizer=tokenizer,
     )

@@ -14,6 +14,7 @@ import math
 import struct
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -95,7 +96,8 @@ def load_split(folder: Path, split: str, path_setting: str = "") -> tuple[np.nda
     return images, labels
 
 
-def build_fashion_mnist(split: str, *, path: str = "", seed: int = 0, context_length: int = 32, augment: bool = True) -> ImageTextDataset:
+def build_fashion_mnist(split: str, *, path: str = "", seed: int = 0, context_length: int = 32, augment: bool = True,
+                        tokenizer: Any = None) -> ImageTextDataset:
     """The Fashion-MNIST split as an ImageTextDataset; train samples get a random template and,
     with `augment`, a random horizontal flip (clothes are left-right symmetric)."""
     folder = data_folder(path)
@@ -116,4 +118,5 @@ def build_fashion_mnist(split: str, *, path: str = "", seed: int = 0, context_le
         context_length=context_length,
         source=str(folder),
         full=len(labels) == FULL_SIZES[split],
+        tokenizer=tokenizer,
     )

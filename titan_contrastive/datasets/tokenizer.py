@@ -73,3 +73,19 @@ class PairTokenizer:
         """Token ids [len(texts), length], padded and truncated."""
         out = self.hf(texts, padding="max_length", truncation=True, max_length=length, return_tensors="np")
         return torch.from_numpy(np.asarray(out["input_ids"], dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class CaptionTokenizer:
+    """A family's pretrained tokenizer at one length, for image captions (the lit family's text
+    tower reads MiniLM's WordPiece ids instead of the byte tokenizer's)."""
+
+    pair: PairTokenizer
+    context_length: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.pair.vocab_size
+
+    def encode(self, texts: list[str]) -> torch.Tensor:
+        return self.pair.encode(texts, self.context_length)

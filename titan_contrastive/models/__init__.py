@@ -23,8 +23,8 @@ from titan_contrastive.models.registry import (
     resolve_model_args,
 )
 
-# Imported for their side effect: register the "clip", "bi_encoder", "vlm" and "vae" families.
-from titan_contrastive.models import bi_encoder, clip, vae, vlm  # noqa: E402,F401  isort: skip
+# Imported for their side effect: register the "clip", "bi_encoder", "lit", "vlm" and "vae" families.
+from titan_contrastive.models import bi_encoder, clip, lit, vae, vlm  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "ModelRegistryError",

@@ -98,6 +98,16 @@ class BiEncoderArgs:
 bi_encoder_flavors = {"minilm_l6": BiEncoderArgs(shared=True), "minilm_l6_dual": BiEncoderArgs(shared=False)}
 
 
+def mean_pooled(tower: nn.Module, ids: Tensor, pad_id: int) -> Tensor:
+    """sentence-transformers' embedding: the last hidden state averaged over real tokens, L2-normalized
+    (a locked tower, `tower.frozen`, runs without a graph)."""
+    mask = (ids != pad_id).to(torch.long)
+    with torch.no_grad() if getattr(tower, "frozen", False) else contextlib.nullcontext():
+        hidden = tower(input_ids=ids, attention_mask=mask).last_hidden_state
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    return F.normalize((hidden * weights).sum(1) / weights.sum(1).clamp_min(1), dim=-1)
+
+
 class BiEncoder(nn.Module):
     def __init__(self, args: BiEncoderArgs) -> None:
         super().__init__()
@@ -120,11 +130,7 @@ class BiEncoder(nn.Module):
             self.logit_scale.fill_(math.log(self.args.init_scale))
 
     def _embed(self, tower: nn.Module, ids: Tensor) -> Tensor:
-        mask = (ids != self.pad_id).to(torch.long)
-        with torch.no_grad() if getattr(tower, "frozen", False) else contextlib.nullcontext():  # a locked tower: no graph
-            hidden = tower(input_ids=ids, attention_mask=mask).last_hidden_state
-        weights = mask.unsqueeze(-1).to(hidden.dtype)
-        return F.normalize((hidden * weights).sum(1) / weights.sum(1).clamp_min(1), dim=-1)
+        return mean_pooled(tower, ids, self.pad_id)
 
     def forward(self, query: Tensor, doc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(query embeddings, document embeddings, exp(logit_scale))."""

@@ -1,0 +1,127 @@
+"""The lit family: a trainable ViT image tower against the pretrained all-MiniLM-L6-v2 text tower.
+
+LiT (Zhai et al. 2022, "locked-image tuning") locks a pretrained tower and trains the other one
+into its embedding space. Here the roles are swapped, because the pretrained tower that ships
+offline is a text one: `[model] freeze = ["text"]` locks MiniLM (sentence-transformers' mean-pooled,
+normalized 384-d embedding) and the image tower learns to land on its captions' embeddings;
+without `freeze` both towers train (the comparison the README reports). Captions are MiniLM
+WordPiece ids (`datasets.tokenizer.CaptionTokenizer`), so any image-text dataset works, bundled or
+your own. Needs the `[hf]` extra (transformers and the offline weights package).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from titan_contrastive.components.loss import temperature_from_config
+from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
+from titan_contrastive.models.bi_encoder.model import BiEncoderArgs, load_tokenizer, mean_pooled, model_dir
+from titan_contrastive.models.clip.args import CLIPArgs
+from titan_contrastive.models.clip.model import ImageTower
+from titan_contrastive.models.registry import ModelSpec, register_model
+
+__all__ = ["LiT", "LiTArgs", "lit_flavors"]
+
+
+@dataclass(frozen=True)
+class LiTArgs:
+    image_size: int = 28
+    """Side of the square input images; from the data."""
+    patch_size: int = 4
+    in_channels: int = 1
+    """From the data."""
+    vision_width: int = 64
+    vision_layers: int = 2
+    vision_heads: int = 4
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+    context_length: int = 16
+    """MiniLM tokens per caption ([CLS] and [SEP] included)."""
+    init_logit_scale: float = math.log(1 / 0.07)
+    learn_logit_scale: bool = True
+
+    @functools.cached_property
+    def _text(self) -> BiEncoderArgs:
+        return BiEncoderArgs(query_length=self.context_length, doc_length=self.context_length)
+
+    def image_args(self) -> CLIPArgs:
+        """The image tower's sizes as the clip family's ViT reads them; it projects to MiniLM's width.
+        (Its text fields are placeholders: only `ImageTower` is built from them.)"""
+        return CLIPArgs(embed_dim=self._text._config.hidden_size, image_size=self.image_size, patch_size=self.patch_size,
+                        in_channels=self.in_channels, vision_width=self.vision_width, vision_layers=self.vision_layers,
+                        vision_heads=self.vision_heads, vocab_size=1, context_length=1, text_width=self.vision_heads,
+                        text_layers=1, text_heads=self.vision_heads, mlp_ratio=self.mlp_ratio, dropout=self.dropout)
+
+    def update_from_config(self, cfg: Any) -> LiTArgs:
+        t = temperature_from_config(cfg, default_logit_scale=math.log(1 / 0.07))
+        return dataclasses.replace(self, init_logit_scale=t.init_logit_scale, learn_logit_scale=t.learn_logit_scale)
+
+    def update_from_data(self, *, image_shape: tuple[int, int, int], vocab_size: int = 0, context_length: int = 16,
+                         eos_id: int = 0) -> LiTArgs:
+        channels, height, width = image_shape
+        if height != width or height % self.patch_size:
+            raise ValueError(f"data images are {channels}x{height}x{width}; the image tower needs square images whose side "
+                             f"the patch size {self.patch_size} divides: set data.image_size")
+        return dataclasses.replace(self, in_channels=channels, image_size=height, context_length=context_length)
+
+    def num_params(self) -> int:
+        """Exact: the ViT (the clip count without its text tower and scale), MiniLM, logit_scale."""
+        image = self.image_args()
+        from titan_contrastive.models.clip.args import text_tower_params
+
+        return (image.num_params() - text_tower_params(image) - 1) + (self._text.num_params() - 1) + 1
+
+    def flops_per_sample(self) -> int:
+        from titan_contrastive.models.clip.args import text_tower_flops
+
+        image = self.image_args()
+        return (image.flops_per_sample() - 3 * text_tower_flops(image)) + 6 * self._text._layer_params() * self.context_length
+
+
+lit_flavors = {"minilm_debug": LiTArgs()}
+
+
+class LiT(nn.Module):
+    """`visual` (ViT, trained) and `text` (MiniLM, pretrained), `logit_scale`; forward as clip's."""
+
+    def __init__(self, args: LiTArgs) -> None:
+        super().__init__()
+        from transformers import AutoModel
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # the checkpoint's unused pooler: keep the load report out of the log
+        hf_logging.disable_progress_bar()
+        self.args = args
+        self.visual = ImageTower(args.image_args())
+        self.text = AutoModel.from_pretrained(str(model_dir()), local_files_only=True, add_pooling_layer=False)
+        self.pad_id = load_tokenizer().pad_token_id
+        self.logit_scale = nn.Parameter(torch.empty(1), requires_grad=args.learn_logit_scale)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """The image tower and the scale; MiniLM keeps its pretrained weights."""
+        self.visual.init_weights()
+        nn.init.constant_(self.logit_scale, self.args.init_logit_scale)
+
+    def forward(self, images: Tensor, texts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        with torch.no_grad() if getattr(self.visual, "frozen", False) else contextlib.nullcontext():
+            image = self.visual(images)
+        return image, mean_pooled(self.text, texts, self.pad_id), self.logit_scale.exp()
+
+
+def build_tokenizer(args: LiTArgs) -> CaptionTokenizer:
+    return CaptionTokenizer(PairTokenizer(load_tokenizer(), doc_length=args.context_length), args.context_length)
+
+
+register_model(ModelSpec(
+    name="lit", flavors=lit_flavors, build_model=LiT, blocks=lambda m: [*m.visual.transformer.blocks, *m.text.encoder.layer],
+    default_loss="clip", build_tokenizer=build_tokenizer, update_from_config=LiTArgs.update_from_config,
+    towers={"image": "visual.", "text": "text."}))
