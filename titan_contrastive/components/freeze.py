@@ -7,9 +7,13 @@ follows them (final norm, projection), as open_clip's `--lock-image-unlocked-gro
 
 Order of operations (the trainer calls this after the weights are loaded, before data parallelism
 and the optimizer): match -> `requires_grad = False` -> a tower with nothing left to train is
-marked `frozen`, and the family's forward runs it under `no_grad` (no graph, no saved
-activations: the LiT saving) -> one log line saying what trains. The optimizer's parameter groups
-skip frozen parameters, so they get neither gradients nor optimizer state.
+marked `frozen` and kept in eval mode (a locked tower gives fixed features: no dropout) -> one log
+line saying what trains. The optimizer's parameter groups skip frozen parameters, so they get
+neither gradients nor optimizer state. The family's forward calls a locked tower through
+`locked_forward`: without a graph (no saved activations: the LiT saving), and inside a
+cached-gradient re-forward (GradCache, global negatives) not at all, reusing pass 1's output, so
+it runs once per sample under every step kind. Pinning it to eval mode is what makes that reuse
+exact: it draws no random numbers, so skipping it leaves the other tower's dropout replay intact.
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ import logging
 import re
 from collections.abc import Mapping, Sequence
 
-from torch import nn
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
 
 from titan_contrastive.config import ConfigError
+from titan_contrastive.grad_cache.engine import replayed
 
 logger = logging.getLogger("titan_contrastive")
 _BLOCK = re.compile(r"\.blocks\.(\d+)\.|\.layer\.(\d+)\.")  # a residual block's index in its tower
@@ -44,6 +52,24 @@ def _unlocked(name: str, prefix: str, depth: int, unlocked_layers: int) -> bool:
 def _depth(names: list[str], prefix: str) -> int:
     indices = [int(m.group(1) or m.group(2)) for n in names if n.startswith(prefix) and (m := _BLOCK.search(n[len(prefix) - 1 :]))]
     return max(indices, default=-1) + 1
+
+
+def locked_forward(tower: nn.Module, index: int, run: Callable[[], Tensor]) -> Tensor:
+    """`run()` (the tower's forward); for a locked tower (`tower.frozen`) without a graph, and inside
+    a cached-gradient re-forward pass 1's output `index` of the model (engine.replayed) instead."""
+    if not getattr(tower, "frozen", False):
+        return run()
+    cached = replayed(index)
+    if cached is not None:
+        return cached
+    with torch.no_grad():
+        return run()
+
+
+def _pin_eval(module: nn.Module) -> None:
+    """Keep `module` in eval mode whatever `model.train()` asks (its parent calls `module.train(mode)`)."""
+    module.eval()
+    module.train = lambda mode=True: nn.Module.train(module, False)  # type: ignore[method-assign]
 
 
 def apply_freeze(model: nn.Module, freeze: Sequence[str], unlocked_layers: int, towers: Mapping[str, str]) -> str:
@@ -70,6 +96,7 @@ def apply_freeze(model: nn.Module, freeze: Sequence[str], unlocked_layers: int, 
         module = _tower_module(model, prefix)
         module.frozen = not any(p.requires_grad for p in module.parameters())
         if module.frozen:
+            _pin_eval(module)
             locked.append(tower)
     trainable = sum(p.numel() for p in params.values() if p.requires_grad)
     total = sum(p.numel() for p in params.values())

@@ -102,7 +102,7 @@ def coerce(key: str, value: Any, tp: Any, origin: str) -> Any:
     if origin_ in (list, tuple):
         (item_tp, *_) = typing.get_args(tp)
         items = value if isinstance(value, list) else [value]
-        if len(items) == 1 and isinstance(items[0], str) and "," in items[0]:
+        if len(items) == 1 and isinstance(items[0], str) and ("," in items[0] or not items[0]):  # `--a.b=` empties a list
             items = [v for v in items[0].split(",") if v]
         return [coerce(key, v, item_tp, origin) for v in items]
     if isinstance(value, list):

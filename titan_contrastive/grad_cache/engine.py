@@ -10,13 +10,16 @@
 
 `call` may return a Tensor or a tuple of Tensors (a CLIP model: image embeddings, text
 embeddings, exp(logit_scale)); an output without a cached gradient (None) is left out of the
-surrogate. Users: `GradCache` (class and `@cached`) and the streaming global-negatives step
+surrogate. With `replay` (pass 1's outputs per chunk), `replayed(k)` gives a model, inside pass
+2, pass 1's output k of the chunk being re-run: a part that needs no graph (a locked tower,
+`components.freeze`) returns it instead of running again, so it runs once per sample. Users: `GradCache` (class and `@cached`) and the streaming global-negatives step
 (its phases A and D), so the replay and the surrogate exist once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any, Callable, ContextManager, Sequence, Union
 
 import torch
@@ -25,7 +28,7 @@ from torch import Tensor
 from titan_contrastive.components.rng import RandContext
 from titan_contrastive.grad_cache.inputs import GradCacheError
 
-__all__ = ["Outputs", "as_tuple", "float_dot", "forward_backward", "forward_no_grad"]
+__all__ = ["Outputs", "as_tuple", "float_dot", "forward_backward", "forward_no_grad", "replayed"]
 
 Outputs = Union[Tensor, tuple[Union[Tensor, None], ...]]
 
@@ -38,6 +41,24 @@ def float_dot(rep: Tensor, grad: Tensor) -> Tensor:
     """<rep, grad> in float32 or better, whatever the representation's dtype (bf16 / fp16 sums lose digits)."""
     dtype = torch.promote_types(torch.promote_types(rep.dtype, grad.dtype), torch.float32)
     return torch.dot(rep.flatten().to(dtype), grad.flatten().to(dtype))
+
+
+_REPLAY: contextvars.ContextVar[tuple[Tensor | None, ...] | None] = contextvars.ContextVar("gradcache_replay", default=None)
+
+
+def replayed(index: int) -> Tensor | None:
+    """Inside a pass-2 re-forward given `replay`: pass 1's output `index` of the chunk being re-run; else None."""
+    outputs = _REPLAY.get()
+    return None if outputs is None else outputs[index]
+
+
+@contextlib.contextmanager
+def _replaying(outputs: Outputs | None) -> Any:
+    token = _REPLAY.set(None if outputs is None else as_tuple(outputs))
+    try:
+        yield
+    finally:
+        _REPLAY.reset(token)
 
 
 def forward_no_grad(call: Callable[[Any], Outputs], chunks: Sequence[Any]) -> tuple[list[Outputs], list[RandContext]]:
@@ -53,17 +74,18 @@ def forward_no_grad(call: Callable[[Any], Outputs], chunks: Sequence[Any]) -> tu
 def forward_backward(call: Callable[[Any], Outputs], chunks: Sequence[Any], states: Sequence[RandContext],
                      gradients: Callable[[int, tuple[Tensor | None, ...]], Sequence[Tensor | None]], *,
                      sync: Callable[[int], ContextManager] = lambda i: contextlib.nullcontext(),
-                     backward: Callable[[Tensor], None] = Tensor.backward) -> None:
+                     backward: Callable[[Tensor], None] = Tensor.backward, replay: Sequence[Outputs] | None = None) -> None:
     """Pass 2: per chunk i, replay its RNG, re-run `call` with a graph and backpropagate the surrogate.
 
     `gradients(i, outputs)` gives chunk i's cached gradient per output (None: not in the loss);
     it sees the re-forward's outputs, so a caller can slice a concatenated cache by their sizes.
     `sync(i)` is the context for chunk i's forward and backward (the data-parallel reduction:
     `parallelisms.grad_sync`); `backward(surrogate)` runs the backward (a float16 caller scales).
+    `replay[i]`: chunk i's pass-1 outputs, offered to the model through `replayed` (see above).
     """
     for i, (chunk, state) in enumerate(zip(chunks, states)):
         with sync(i):
-            with state:
+            with state, _replaying(replay[i] if replay is not None else None):
                 outputs = as_tuple(call(chunk))
             grads = list(gradients(i, outputs))
             if len(grads) != len(outputs):

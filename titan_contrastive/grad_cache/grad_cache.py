@@ -106,6 +106,7 @@ class GradCache:
         self.autocast_dtype = torch.float16 if fp16 else autocast_dtype
         self.rep_attribute = rep_attribute
         self.sync_context = sync_context or grad_sync
+        self._pass1: dict[int, list] = {}  # id(chunks) -> step 1's per-chunk outputs, until step 3 replays them
 
     # ------------------------------------------------------------------ the three steps
 
@@ -130,6 +131,7 @@ class GradCache:
     def forward_no_grad(self, model: nn.Module, chunks: Sequence[Any]) -> tuple[Reps, list[RandContext]]:
         """Step 1: representations of all chunks without a graph, and each chunk's RNG state."""
         outputs, states = engine.forward_no_grad(lambda chunk: self._rep(model, chunk), chunks)
+        self._pass1[id(chunks)] = outputs  # offered to step 3's re-forward (engine.replayed: a locked tower runs once)
         if isinstance(outputs[0], Tensor):
             return _merge(outputs), states
         return tuple(_merge([as_tuple(o)[k] for o in outputs]) for k in range(len(outputs[0]))), states
@@ -156,13 +158,14 @@ class GradCache:
             return self.sync_context(model, not no_sync_except_last or (sync_on_last and i == len(chunks) - 1))
 
         engine.forward_backward(lambda chunk: self._rep(model, chunk), chunks, random_states, _chunk_gradients(cached_gradients),
-                                sync=sync)
+                                sync=sync, replay=self._pass1.pop(id(chunks), None))
 
     def cache_step(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> Tensor:
         """Steps 1-3 for one batch: gradients accumulate in .grad; returns the loss (detached)."""
         if len(model_inputs) != len(self.models):
             raise GradCacheError(f"{len(model_inputs)} inputs for {len(self.models)} models; pass one input per model")
         chunks = [self.split(x, size, f"input {i}") for i, (x, size) in enumerate(zip(model_inputs, self.chunk_sizes))]
+        self._pass1.clear()
         reps, states = zip(*(self.forward_no_grad(m, c) for m, c in zip(self.models, chunks)))
         widths = [len(as_tuple(r)) for r in reps]  # outputs per model
         cache, loss = self.build_cache(*(t for r in reps for t in as_tuple(r)), **loss_kwargs)

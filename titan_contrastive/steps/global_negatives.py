@@ -146,7 +146,7 @@ class StreamingClipStep:
         #    the cache is x P: the data-parallel reduction averages
         factor = self.grad_average_factor
         ends = list(itertools.accumulate(len(z) for z in zx_parts))
-        del zx_parts, zy_parts, outputs
+        del zx_parts, zy_parts
 
         def gradients(j: int, out: tuple[Tensor | None, ...]) -> list[Tensor | None]:
             rows = slice(ends[j - 1] if j else 0, ends[j])
@@ -159,7 +159,7 @@ class StreamingClipStep:
             return (grads + [None] * len(out))[: len(out)]
 
         engine.forward_backward(encode, microbatches, rand, gradients, sync=lambda j: grad_sync(j == len(microbatches) - 1),
-                                backward=backward)
+                                backward=backward, replay=outputs)  # a locked tower reuses its pass-A embeddings
         return loss.detach()
 
     def _softmax(self, zx_local: Tensor, zy_local: Tensor, zx_all: Tensor, zy_all: Tensor, s: Tensor,

@@ -9,7 +9,6 @@ sentence-transformers' MultipleNegativesRankingLoss, and is learned like CLIP's.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titan_contrastive.components.freeze import locked_forward
 from titan_contrastive.components.loss import temperature_from_config
 from titan_contrastive.datasets.tokenizer import PairTokenizer
 
@@ -98,14 +98,16 @@ class BiEncoderArgs:
 bi_encoder_flavors = {"minilm_l6": BiEncoderArgs(shared=True), "minilm_l6_dual": BiEncoderArgs(shared=False)}
 
 
-def mean_pooled(tower: nn.Module, ids: Tensor, pad_id: int) -> Tensor:
+def mean_pooled(tower: nn.Module, ids: Tensor, pad_id: int, index: int) -> Tensor:
     """sentence-transformers' embedding: the last hidden state averaged over real tokens, L2-normalized
-    (a locked tower, `tower.frozen`, runs without a graph)."""
-    mask = (ids != pad_id).to(torch.long)
-    with torch.no_grad() if getattr(tower, "frozen", False) else contextlib.nullcontext():
+    (a locked tower, `tower.frozen`, through `locked_forward`; `index`: its output's place in the model's)."""
+    def run() -> Tensor:
+        mask = (ids != pad_id).to(torch.long)
         hidden = tower(input_ids=ids, attention_mask=mask).last_hidden_state
-    weights = mask.unsqueeze(-1).to(hidden.dtype)
-    return F.normalize((hidden * weights).sum(1) / weights.sum(1).clamp_min(1), dim=-1)
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        return F.normalize((hidden * weights).sum(1) / weights.sum(1).clamp_min(1), dim=-1)
+
+    return locked_forward(tower, index, run)
 
 
 class BiEncoder(nn.Module):
@@ -129,12 +131,12 @@ class BiEncoder(nn.Module):
         with torch.no_grad():
             self.logit_scale.fill_(math.log(self.args.init_scale))
 
-    def _embed(self, tower: nn.Module, ids: Tensor) -> Tensor:
-        return mean_pooled(tower, ids, self.pad_id)
+    def _embed(self, tower: nn.Module, ids: Tensor, index: int = 0) -> Tensor:
+        return mean_pooled(tower, ids, self.pad_id, index)
 
     def forward(self, query: Tensor, doc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(query embeddings, document embeddings, exp(logit_scale))."""
-        return self._embed(self.query_tower, query), self._embed(self.doc_tower, doc), self.logit_scale.exp()
+        return self._embed(self.query_tower, query, 0), self._embed(self.doc_tower, doc, 1), self.logit_scale.exp()
 
 
 def bi_encoder_blocks(model: BiEncoder) -> list[nn.Module]:

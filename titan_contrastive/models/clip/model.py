@@ -10,14 +10,13 @@ after `to_empty(device=...)` + `init_weights()`.
 
 from __future__ import annotations
 
-import contextlib
-
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titan_contrastive.components.freeze import locked_forward
 from titan_contrastive.models.clip.args import CLIPArgs
 from titan_contrastive.models.transformer import Transformer
 
@@ -158,14 +157,12 @@ class CLIP(nn.Module):
             nn.init.constant_(self.logit_bias, self.args.init_logit_bias)
 
     def encode_image(self, images: Tensor) -> Tensor:
-        """[B, C, H, W] -> [B, embed_dim], L2-normalized (a locked tower: without a graph)."""
-        with torch.no_grad() if getattr(self.visual, "frozen", False) else contextlib.nullcontext():
-            return self.visual(images)
+        """[B, C, H, W] -> [B, embed_dim], L2-normalized (a locked tower: `locked_forward`)."""
+        return locked_forward(self.visual, 0, lambda: self.visual(images))
 
     def encode_text(self, ids: Tensor) -> Tensor:
-        """[B, context_length] token ids -> [B, embed_dim], L2-normalized (a locked tower: without a graph)."""
-        with torch.no_grad() if getattr(self.text, "frozen", False) else contextlib.nullcontext():
-            return self.text(ids)
+        """[B, context_length] token ids -> [B, embed_dim], L2-normalized (a locked tower: `locked_forward`)."""
+        return locked_forward(self.text, 1, lambda: self.text(ids))
 
     def forward(self, images: Tensor, texts: Tensor) -> tuple[Tensor, ...]:
         """(image embeddings, text embeddings, exp(logit_scale)[, logit_bias]).

@@ -11,7 +11,6 @@ your own. Needs the `[hf]` extra (transformers and the offline weights package).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from titan_contrastive.components.freeze import locked_forward
 from titan_contrastive.components.loss import temperature_from_config
 from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
 from titan_contrastive.models.bi_encoder.model import BiEncoderArgs, load_tokenizer, mean_pooled, model_dir
@@ -112,9 +112,8 @@ class LiT(nn.Module):
         nn.init.constant_(self.logit_scale, self.args.init_logit_scale)
 
     def forward(self, images: Tensor, texts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        with torch.no_grad() if getattr(self.visual, "frozen", False) else contextlib.nullcontext():
-            image = self.visual(images)
-        return image, mean_pooled(self.text, texts, self.pad_id), self.logit_scale.exp()
+        image = locked_forward(self.visual, 0, lambda: self.visual(images))
+        return image, mean_pooled(self.text, texts, self.pad_id, 1), self.logit_scale.exp()
 
 
 def build_tokenizer(args: LiTArgs) -> CaptionTokenizer:
