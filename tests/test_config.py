@@ -113,7 +113,7 @@ def test_help_lists_every_option_and_exits_zero() -> None:
     "arg, expected",
     [
         ("--training.stepz=1", "training.stepz"),
-        ("--model.name=resnet", "model.name='resnet' is not a registered model family; valid: bi_encoder, clip, vae, vlm"),
+        ("--model.name=resnet", "model.name='resnet' is not a registered model family; valid: bi_encoder, clip, lit, vae, vlm"),
         ("--model.flavor=huge", "model.flavor='huge' is not a flavor of 'clip'; valid: debug, vit_b32, vit_b16, vit_l14"),
         ("--data.path=/no/such/folder", "/no/such/folder"),
     ],

@@ -43,11 +43,11 @@ class Job:
 @dataclass
 class Model:
     name: str = "clip"
-    """Registered model family: `clip`, `bi_encoder` (pretrained MiniLM, needs `.[hf]`), `vlm`
-    (packed patches), `vae` (pixel loss), or your own."""
+    """Registered model family: `clip`, `bi_encoder` (pretrained MiniLM, needs `.[hf]`), `lit` (a ViT
+    against the pretrained MiniLM text tower, `.[hf]`), `vlm` (packed patches), `vae` (pixel loss), or your own."""
     flavor: str = "debug"
-    """Size preset of the family: clip `debug` (CPU) / `vit_b32` / `vit_b16` / `vit_l14`; bi_encoder `minilm_l6` / `minilm_l6_dual`;
-    vlm `debug`; vae `debug` / `sd`."""
+    """Size preset of the family: clip `debug` (CPU) / `vit_b32` / `vit_b16` / `vit_l14`; bi_encoder `minilm_l6` /
+    `minilm_l6_dual`; lit `minilm_debug`; vlm `debug`; vae `debug` / `sd`."""
     init_from: str = ""
     """Start from a checkpoint's weights (clip): a Hugging Face CLIP folder (config.json +
     model.safetensors) or a step-N folder of one of our runs; its architecture replaces the
