@@ -25,7 +25,6 @@ are saved, so a folder this writes is one transformers has already accepted.
 from __future__ import annotations
 
 import argparse
-import gzip
 import inspect
 import json
 import shutil
@@ -40,19 +39,16 @@ def write_hf_tokenizer(out: Path, context_length: int) -> None:
     """CLIP's BPE as transformers' CLIPTokenizerFast files (vocab.json + merges.txt -> its converter)."""
     from transformers import CLIPTokenizerFast
 
-    from titan_contrastive.datasets.clip_bpe import VOCAB_FILE, bytes_to_unicode
+    from titan_contrastive.datasets.clip_bpe import vocab_and_merges
 
-    lines = gzip.decompress(VOCAB_FILE.read_bytes()).decode("utf-8").split("\n")
-    merges = lines[1 : 49152 - 256 - 2 + 1]
-    vocab = list(bytes_to_unicode().values())
-    vocab += [v + "</w>" for v in vocab] + ["".join(m.split()) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    vocab, merges = vocab_and_merges()
     ids = {t: i for i, t in enumerate(vocab)}
     if "vocab" in inspect.signature(CLIPTokenizerFast.__init__).parameters:  # transformers >= 5 takes them directly
-        CLIPTokenizerFast(vocab=ids, merges=[tuple(m.split()) for m in merges], model_max_length=context_length).save_pretrained(str(out))
+        CLIPTokenizerFast(vocab=ids, merges=merges, model_max_length=context_length).save_pretrained(str(out))
         return
     with tempfile.TemporaryDirectory() as tmp:  # transformers 4 reads files
         (Path(tmp) / "vocab.json").write_text(json.dumps(ids, ensure_ascii=False))
-        (Path(tmp) / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+        (Path(tmp) / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
         CLIPTokenizerFast(vocab_file=str(Path(tmp) / "vocab.json"), merges_file=str(Path(tmp) / "merges.txt"),
                           model_max_length=context_length).save_pretrained(str(out))
 

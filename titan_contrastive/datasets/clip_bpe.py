@@ -58,14 +58,21 @@ def _ftfy_table() -> dict[int, str]:
 _FTFY = _ftfy_table()
 
 
-@lru_cache(maxsize=1)
-def build_tokenizer() -> Tokenizer:
-    """The `tokenizers.Tokenizer`, built once per process (DataLoader workers each build their own)."""
+def vocab_and_merges() -> tuple[list[str], list[tuple[str, str]]]:
+    """CLIP's 49,408 tokens in id order and its 48,894 merges, from the shipped file (openai/CLIP's
+    construction: the 256 byte characters, the same with '</w>', one token per merge, 2 specials)."""
     with gzip.open(VOCAB_FILE, "rt", encoding="utf-8") as file:
         lines = file.read().split("\n")
     merges = [tuple(line.split()) for line in lines[1 : 49152 - 256 - 2 + 1]]
     vocab = list(bytes_to_unicode().values())
     vocab += [v + "</w>" for v in vocab] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    return vocab, merges  # type: ignore[return-value]
+
+
+@lru_cache(maxsize=1)
+def build_tokenizer() -> Tokenizer:
+    """The `tokenizers.Tokenizer`, built once per process (DataLoader workers each build their own)."""
+    vocab, merges = vocab_and_merges()
     bpe = models.BPE(
         {token: i for i, token in enumerate(vocab)}, merges,
         continuing_subword_prefix="", end_of_word_suffix="</w>", unk_token=None, fuse_unk=False,
