@@ -106,10 +106,10 @@ def export_hf(src: str, out: Path) -> None:
 
     args, state = read_checkpoint(src)
     model = CLIPModel(hf_config_from_args(args))
-    model.load_state_dict(to_hf_state_dict(state, args), strict=False)  # position_ids buffers are the model's own
-    missing = [k for k in model.state_dict() if k not in to_hf_state_dict(state, args) and not k.endswith("position_ids")]
-    if missing:
-        raise ValueError(f"{src}: transformers' CLIPModel has weights the checkpoint lacks: {missing[:3]}")
+    result = model.load_state_dict(to_hf_state_dict(state, args), strict=False)  # position_ids buffers are the model's own
+    missing = [k for k in result.missing_keys if not k.endswith("position_ids")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{src}: transformers' CLIPModel lacks {result.unexpected_keys[:3]} and wants {missing[:3]}")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), safe_serialization=True)

@@ -80,12 +80,7 @@ def _read_hf(folder: Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
     if config.get("model_type") not in (None, "clip"):
         raise InteropError(f"{folder}/config.json: model_type={config.get('model_type')!r}; only CLIP models (model_type 'clip') load here")
     args = args_from_hf_config(config)
-    if (folder / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-
-        weights = load_file(str(folder / "model.safetensors"))
-    else:
-        weights = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    weights = _load_weights(next(folder / f for f in ("model.safetensors", "pytorch_model.bin") if (folder / f).is_file()))
     return args, from_hf_state_dict(weights, args)
 
 
