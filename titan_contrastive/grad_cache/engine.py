@@ -12,8 +12,9 @@
 embeddings, exp(logit_scale)); an output without a cached gradient (None) is left out of the
 surrogate. With `replay` (pass 1's outputs per chunk), `replayed(k)` gives a model, inside pass
 2, pass 1's output k of the chunk being re-run: a part that needs no graph (a locked tower,
-`components.freeze`) returns it instead of running again, so it runs once per sample. Users: `GradCache` (class and `@cached`) and the streaming global-negatives step
-(its phases A and D), so the replay and the surrogate exist once.
+`components.freeze`) returns it instead of running again, so it runs once per sample.
+Users: `GradCache` (class and `@cached`) and the streaming global-negatives step (its phases A
+and D), so the replay and the surrogate exist once.
 """
 
 from __future__ import annotations
