@@ -150,7 +150,7 @@ def test_round_trip_is_bit_exact(tmp_path: Path, caplog: pytest.LogCaptureFixtur
     expected_losses = train(run, 5)  # crosses into the next epoch
     manifest = json.loads((tmp_path / "ckpt/step-3" / MANIFEST).read_text())
     assert manifest["step"] == 3 and manifest["dp_degree"] == 1 and manifest["world_size"] == 1
-    assert ".metadata" in manifest["files"] and all(size > 0 for size in manifest["files"].values())
+    assert ".metadata" in manifest["files"] and all(f["bytes"] > 0 and len(f["sha256"]) == 64 for f in manifest["files"].values())
 
     fresh = make_run(tmp_path, seed=1)
     assert not torch.equal(params(fresh)["fc1.weight"], params(run)["fc1.weight"])
@@ -204,6 +204,24 @@ def _delete(folder: Path) -> str:
     return ".metadata is missing"
 
 
+def _flip_bytes(folder: Path) -> str:
+    """A few flipped bytes in the middle of the data file: same size, different content."""
+    data = folder / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    for i in range(len(raw) // 2, len(raw) // 2 + 4):
+        raw[i] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    return "__0_0.distcp: its content does not match the sha256"
+
+
+def _flip_metadata(folder: Path) -> str:
+    meta = folder / ".metadata"
+    raw = bytearray(meta.read_bytes())
+    raw[-1] ^= 0x01
+    meta.write_bytes(bytes(raw))
+    return ".metadata: its content does not match the sha256"
+
+
 def _no_manifest(folder: Path) -> str:
     (folder / MANIFEST).unlink()
     return f"{MANIFEST} is missing"
@@ -214,7 +232,7 @@ def _garbage_manifest(folder: Path) -> str:
     return f"{MANIFEST} is unreadable"
 
 
-@pytest.mark.parametrize("corrupt", [_truncate, _delete, _no_manifest, _garbage_manifest])
+@pytest.mark.parametrize("corrupt", [_truncate, _delete, _flip_bytes, _flip_metadata, _no_manifest, _garbage_manifest])
 def test_corrupt_checkpoint_is_skipped_or_an_error(tmp_path: Path, caplog: pytest.LogCaptureFixture, corrupt: Any) -> None:
     saved_run(tmp_path)
     problem = corrupt(tmp_path / "ckpt/step-4")
@@ -330,3 +348,13 @@ def test_fsdp2_two_processes_round_trip_and_reshard(tmp_path: Path) -> None:
     expected = torch.load(tmp_path / "expected_0.pt", weights_only=False)
     assert_equal_states(params(single), expected["params_at_save"])
     assert_equal_states(optim_state(single), expected["optim_at_save"])
+
+
+def test_manifest_without_checksums_still_loads(tmp_path: Path) -> None:
+    """Checkpoints saved before the checksums (sizes only) validate by size and load."""
+    saved_run(tmp_path)
+    path = tmp_path / "ckpt/step-4" / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["files"] = {name: entry["bytes"] for name, entry in manifest["files"].items()}
+    path.write_text(json.dumps(manifest))
+    assert make_run(tmp_path, seed=1).manager.load() == 4

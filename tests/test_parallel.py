@@ -15,7 +15,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from titan_contrastive.config import ConfigError, parse_args
-from titan_contrastive.train import NonFiniteError, Trainer
+from titan_contrastive.components.nonfinite import NonFiniteError, NonFiniteGuard
+from titan_contrastive.train import Trainer
 from tests.dist_utils import run_distributed
 
 LOCAL = 2  # samples per rank per microbatch
@@ -161,7 +162,7 @@ def nan_batch(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 def test_nonfinite_stop_names_step_and_values(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, "--training.local_batch_size=4")
-    with pytest.raises(NonFiniteError, match=r"step 1: non-finite loss=nan grad_norm=nan"):
+    with pytest.raises(NonFiniteError, match=r"step 1: non-finite loss=nan, grad_norm=nan; "):
         trainer.train_step([nan_batch(trainer)])
     trainer.metrics.close()
 
@@ -175,3 +176,35 @@ def test_nonfinite_skip_keeps_parameters_and_counts(tmp_path: Path) -> None:
     out = trainer.train_step([trainer.train_set.__getitems__(list(range(4, 8)))])  # training goes on
     assert out["skipped_steps"] == 1 and torch.isfinite(torch.tensor(out["loss"]))
     trainer.metrics.close()
+
+
+def test_metrics_jsonl_is_strict_json_with_nonfinite_values(tmp_path: Path) -> None:
+    """A skipped non-finite step is logged; metrics.jsonl stays strict JSON ("nan" as a string)."""
+    import json
+
+    trainer = make_trainer(tmp_path, "--training.local_batch_size=4", "--training.on_nonfinite=skip")
+    out = trainer.train_step([nan_batch(trainer)])
+    trainer.metrics.log_train(1, **out)
+    trainer.metrics.close()
+
+    def reject(constant: str) -> None:
+        raise ValueError(f"non-strict JSON constant {constant}")
+
+    records = [json.loads(line, parse_constant=reject) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] == "nan" and records[-1]["grad_norm"] == "nan" and records[-1]["skipped_steps"] == 1
+
+
+def test_skipping_gives_up_after_max_consecutive_skips(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """on_nonfinite=skip stops (NonFiniteError: exit code 3) past max_consecutive_skips in a row; a
+    finite step resets the count; the message names only the values that were non-finite."""
+    trainer = make_trainer(tmp_path, "--training.local_batch_size=4", "--training.on_nonfinite=skip", "--training.max_consecutive_skips=2")
+    for _ in range(2):
+        assert trainer.train_step([nan_batch(trainer)])["skipped_steps"] >= 1
+    assert "2 in a row" in caplog.text
+    with pytest.raises(NonFiniteError, match=r"step 3: non-finite loss=nan, grad_norm=nan, 3 steps in a row, past training.max_consecutive_skips=2"):
+        trainer.train_step([nan_batch(trainer)])
+    trainer.metrics.close()
+    guard = NonFiniteGuard("skip", 1)
+    assert guard.check(1, 2.5, float("inf"), 0) is True and "non-finite grad_norm=inf;" in caplog.text  # loss=2.5 is not blamed
+    assert guard.check(2, 2.5, 1.0, 1) is None and guard.in_row == 0  # a finite step resets the count
+    assert guard.check(3, float("nan"), 1.0, 1) is True

@@ -38,6 +38,7 @@ from titan_contrastive.components.evaluate import EvalContext, describe_results,
 from titan_contrastive.components.lr_scheduler import build_lr_scheduler
 from titan_contrastive.components.memory_planner import MemoryBudgetError, MemoryPlan, measured_first_step, plan_step, probe_batches
 from titan_contrastive.components.metrics import MetricsProcessor, device_peak_tflops
+from titan_contrastive.components.nonfinite import NonFiniteError, NonFiniteGuard
 from titan_contrastive.components.optimizer import build_optimizer
 from titan_contrastive.components.precision import build_precision
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
@@ -50,10 +51,6 @@ from titan_contrastive.steps import StepContext, build_gradient_step
 logger = logging.getLogger("titan_contrastive")
 
 MAX_LOGIT_SCALE = math.log(100.0)  # CLIP clamps the temperature at 1/100
-
-
-class NonFiniteError(RuntimeError):
-    """A non-finite loss or gradient norm with `training.on_nonfinite = "stop"`."""
 
 
 class Trainer:
@@ -123,6 +120,7 @@ class Trainer:
             peak_tflops=device_peak_tflops(self.device, cfg.metrics.peak_tflops), world_size=self.dist.world_size,
         )
         self.train_state = TrainState()
+        self.nonfinite = NonFiniteGuard(cfg.training.on_nonfinite, cfg.training.max_consecutive_skips)
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, dump_folder=cfg.job.dump_folder,
             states={"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
@@ -196,9 +194,9 @@ class Trainer:
         loss = self.gradient_step(microbatches)
         grad_norm = self._clip_grad_norm().item()
         step = self.train_state.step + 1
-        if not math.isfinite(loss) or (self.precision.scaler is None and not math.isfinite(grad_norm)):
-            skipped = self._on_nonfinite(step, loss, grad_norm)
-        else:  # fp16: the scaler skips steps with inf/nan gradients itself (and says so)
+        # fp16: the scaler skips steps with inf/nan gradients itself (and says so): only the loss is checked here
+        skipped = self.nonfinite.check(step, loss, grad_norm if self.precision.scaler is None else 0.0, self.train_state.skipped_steps)
+        if skipped is None:
             skipped = self.precision.optimizer_step(self.optimizer, f"step {step}: float16 gradients overflowed (grad_norm={grad_norm})")
         with warnings.catch_warnings():  # a skipped step advances the schedule on purpose
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
@@ -210,14 +208,6 @@ class Trainer:
         self.train_state.step = step
         self.train_state.samples_seen += self.global_batch_size
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped_steps": self.train_state.skipped_steps}
-
-    def _on_nonfinite(self, step: int, loss: float, grad_norm: float) -> bool:
-        """Stop with the step and values, or skip the optimizer step (logged and counted)."""
-        if self.cfg.training.on_nonfinite == "stop":
-            raise NonFiniteError(f"step {step}: non-finite loss={loss} grad_norm={grad_norm}; lower optimizer.lr, check the data, "
-                                 "or set training.on_nonfinite=skip to skip such steps")
-        logger.warning(f"step {step}: non-finite loss={loss} grad_norm={grad_norm}; optimizer step skipped ({self.train_state.skipped_steps + 1} so far)")
-        return True
 
     def next_microbatches(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         start = time.perf_counter()

@@ -1,15 +1,16 @@
 """Atomic, validated, resumable checkpoints with torch.distributed.checkpoint (DCP).
 
 Layout: `{dump_folder}/{checkpoint.folder}/step-{N}/`, one DCP directory per checkpoint plus a
-`manifest.json` ({"step", "dp_degree", "world_size", "files": {relative path: size in bytes}, "model":
-{"family", "args"}}, the architecture `interop.read_checkpoint` rebuilds the model from).
+`manifest.json` ({"step", "dp_degree", "world_size", "files": {relative path: {"bytes", "sha256"}},
+"model": {"family", "args"}}, the architecture `interop.read_checkpoint` rebuilds the model from).
 
 A save is atomic: DCP writes into `step-N.tmp`, then (after a barrier) rank 0 writes the manifest,
 fsyncs it and renames the folder to `step-N`. A crash mid-save therefore leaves only a `.tmp`
 folder, which loading reports, ignores and removes. Before loading, a checkpoint is checked
-against its manifest (every file present with its size), so a truncated or half-deleted one is
-reported and skipped in favour of the previous valid one (or is an error when asked for by
-`checkpoint.load_step`).
+against its manifest (every file present with its size, then its SHA-256), so a truncated,
+half-deleted or corrupted-in-place one (flipped bytes, same size) is reported with the file's
+name and skipped in favour of the previous valid one (or is an error when asked for by
+`checkpoint.load_step`). Manifests written before the checksums (sizes only) are still read.
 
 Global states (model, optimizer, LR scheduler, train state) are saved once: DCP deduplicates
 replicated entries and shards DTensors, so FSDP2 runs reshard on load to another world size.
@@ -27,6 +28,7 @@ the state a crash mid-save leaves behind.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -50,6 +52,15 @@ logger = logging.getLogger("titan_contrastive")
 
 FAULT_ENV = "TITAN_CONTRASTIVE_FAULT"
 MANIFEST = "manifest.json"
+
+
+def _sha256(path: Path) -> str:
+    """The file's SHA-256, read in 4 MiB blocks (checkpoint files can be many GB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
 _STEP_DIR = re.compile(r"step-(\d+)")
 _TMP_DIR = re.compile(r"step-(\d+)\.tmp")
 T = TypeVar("T")
@@ -187,7 +198,8 @@ class CheckpointManager:
         tmp.mkdir(parents=True)
 
     def _finalize(self, step: int, tmp: Path, final: Path) -> None:
-        files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"step": step, "dp_degree": self.dp_degree,
                     "world_size": dist.get_world_size() if self._distributed() else 1, "files": files,
                     **({"model": self.model_info} if self.model_info else {})}
@@ -251,12 +263,16 @@ class CheckpointManager:
         if not isinstance(files, dict) or not files:
             return None, f"{MANIFEST} lists no files"
         wrong = []
-        for name, size in files.items():
+        entries = {name: entry if isinstance(entry, dict) else {"bytes": entry} for name, entry in files.items()}
+        for name, entry in entries.items():  # sizes first: cheap, and a truncated file needs no hashing
             file = path / name
             if not file.is_file():
                 wrong.append(f"{name} is missing")
-            elif file.stat().st_size != size:
-                wrong.append(f"{name} has {file.stat().st_size} bytes, {MANIFEST} says {size}")
+            elif file.stat().st_size != entry["bytes"]:
+                wrong.append(f"{name} has {file.stat().st_size} bytes, {MANIFEST} says {entry['bytes']}")
+        if not wrong:
+            wrong = [f"{name}: its content does not match the sha256 in {MANIFEST} (corrupted in place)"
+                     for name, entry in entries.items() if "sha256" in entry and _sha256(path / name) != entry["sha256"]]
         if wrong:
             return None, "; ".join(wrong[:3]) + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
         return manifest, ""

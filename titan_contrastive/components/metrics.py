@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import time
@@ -39,6 +40,12 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def strict_json(record: dict[str, Any]) -> dict[str, Any]:
+    """metrics.jsonl is strict JSON: a non-finite number is written as the string "nan", "inf" or
+    "-inf" (bare NaN / Infinity are not JSON, and strict parsers reject the line)."""
+    return {k: (str(v).lower() if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
 
 
 class MetricsProcessor:
@@ -77,7 +84,7 @@ class MetricsProcessor:
                     self.writer.add_scalar(f"{kind}/{name}", value, step)
             self.writer.flush()
         assert self.jsonl is not None
-        self.jsonl.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
+        self.jsonl.write(json.dumps(strict_json({"kind": kind, "step": step, **values}), allow_nan=False) + "\n")
         self.jsonl.flush()
 
     def log_train(self, step: int, *, loss: float, lr: float, grad_norm: float, **extra: Any) -> dict[str, Any]:

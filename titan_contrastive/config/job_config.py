@@ -89,6 +89,9 @@ class Training:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient norm: `stop` the run naming the step and values, or `skip`
     the optimizer step and count it (metric `skipped_steps`). Never silent."""
+    max_consecutive_skips: int = _positive(10)
+    """With on_nonfinite=skip: past this many skipped steps in a row the run stops as `stop` does
+    (exit code 3): a run that only skips is stuck."""
 
 
 @dataclass
