@@ -140,3 +140,33 @@ def test_gradient_accumulation_steps() -> None:
         assert part in message
     with pytest.raises(ConfigError, match="nearest valid global batch sizes: 16"):
         gradient_accumulation_steps(8, 8, 2)
+
+
+def test_strict_parsing(tmp_path: Path) -> None:
+    """What used to be taken leniently is a one-line error: a list for a number in TOML, non-ASCII
+    digits, inf/nan, job.config_file inside a TOML, a folder or non-UTF-8 as config."""
+    cases = {
+        "list.toml": ("[training]\nsteps = [5]\n", "training.steps=[5] is invalid: expected one value of type int, not a list"),
+        "inf.toml": ("[optimizer]\nlr = inf\n", "optimizer.lr=inf is invalid: expected a finite number"),
+        "nested.toml": ('[job]\nconfig_file = "other.toml"\n', "job.config_file inside a TOML is not read"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError) as err:
+            parse_args([f"--job.config_file={tmp_path / name}"])
+        assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    (tmp_path / "latin1.toml").write_bytes("[job]\ndescription = \"caf\xe9\"\n".encode("latin-1"))
+    for path, message in ((tmp_path, "is a folder"), (tmp_path / "latin1.toml", "is not UTF-8")):
+        with pytest.raises(ConfigError, match=message):
+            parse_args([f"--job.config_file={path}"])
+    for argv, message in ((["--training.steps=５"], "expected an integer in ASCII digits"),
+                          (["--optimizer.lr=nan"], "expected a finite number")):
+        with pytest.raises(ConfigError, match=message):
+            parse_args(argv)
+    assert parse_args(["--training.steps", "7"]).training.steps == 7  # the CLI's own list form still works
+
+
+def test_repeated_flag_warns_and_the_last_wins(capsys: pytest.CaptureFixture) -> None:
+    assert parse_args(["--training.steps=5", "--training.steps=6"]).training.steps == 6
+    err = capsys.readouterr().err
+    assert "warning: command line: --training.steps is given more than once (5, then 6); the last one is used" in err

