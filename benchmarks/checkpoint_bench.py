@@ -15,23 +15,14 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from titan_contrastive.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState
 from titan_contrastive.checkpoint.manager import _sha256
+from titan_contrastive.config.job_config import Checkpoint
 from titan_contrastive.models import get_flavor_args, get_model_spec
-
-
-@dataclass
-class Cfg:
-    enable: bool = True
-    folder: str = "ckpt"
-    interval: int = 1
-    keep_latest_k: int = 0
-    load_step: int = -1
 
 
 def main() -> None:
@@ -47,7 +38,7 @@ def main() -> None:
     optimizer.step()
     saves, hashes, sizes = [], [], 0
     with tempfile.TemporaryDirectory() as tmp:
-        manager = CheckpointManager(Cfg(), dump_folder=tmp, states={"model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
+        manager = CheckpointManager(Checkpoint(enable=True, folder="ckpt", interval=1, keep_latest_k=0), dump_folder=tmp, states={"model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
                                     "train_state": TrainState()}, per_rank_states={}, rank=0, dp_rank=0, dp_degree=1)
         for step in range(1, args.repeats + 1):
             start = time.perf_counter()

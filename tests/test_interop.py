@@ -162,9 +162,9 @@ def test_bi_encoder_exports_to_sentence_transformers(tmp_path: Path) -> None:
          "--data.context_length=24", "--training.steps=1", "--checkpoint.enable=true", "--optimizer.lr=1e-3")
     step = tmp_path / "run" / "checkpoint" / "step-1"
     assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 0
-    family, args, state = read_ours(step)
-    ours = get_model_spec(family).build_model(args).eval()
-    ours.load_state_dict(state)
+    family, args, ours = read_ours(step)
+    ours.eval()
+    state = ours.state_dict()
     texts = ["a masterly or brilliant feat", "frozen water", "the fifth letter of the Greek alphabet, said quickly twice"]
     ids = build_tokenizer(args).encode(texts, args.query_length)
     with torch.no_grad():
@@ -187,7 +187,7 @@ def test_open_clip_format_round_trip(tmp_path: Path) -> None:
     src = tiny_hf(tmp_path / "hf")
     assert export_main([str(src), "--to", "open_clip", "--out", str(tmp_path / "oc")]) == 0
     assert detect_format(tmp_path / "oc") == "open_clip"
-    (args_a, a), (args_b, b) = read_checkpoint(src), read_checkpoint(tmp_path / "oc")
+    (_, a), (args_b, b) = read_checkpoint(src), read_checkpoint(tmp_path / "oc")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (args_b.vision_heads, args_b.act, args_b.eos_id) == (4, "quick_gelu", -1)
     config = json.loads((tmp_path / "oc" / "open_clip_config.json").read_text())

@@ -62,13 +62,10 @@ def export_sentence_transformers(src: str, out: Path, tower: str = "query") -> N
     from sentence_transformers import SentenceTransformer, models
 
     from titan_contrastive.interop import read_ours
-    from titan_contrastive.models import get_model_spec
 
-    family, args, state = read_ours(Path(src).expanduser())
+    family, args, model = read_ours(Path(src).expanduser())
     if family != "bi_encoder":
         raise ValueError(f"{src}: a {family} checkpoint; --to sentence-transformers exports the bi_encoder family (clip: --to hf)")
-    model = get_model_spec(family).build_model(args)
-    model.load_state_dict(state)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     with tempfile.TemporaryDirectory() as hf_dir:

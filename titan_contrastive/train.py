@@ -85,7 +85,7 @@ class Trainer:
             family_tokenizer=lambda: self.spec.build_tokenizer(flavor_args) if self.spec.build_tokenizer else None,
             prepare=lambda ds: self.spec.layout.prepare(ds, flavor_args, cfg.data.image_sizes, cfg.model.name),
             local_batch_size=cfg.training.local_batch_size, dp_rank=self.dist.rank, dp_degree=self.dp_degree, pin_memory=self.device.type == "cuda")
-        self.train_set, self.eval_set, self.zero_shot_set, self.loader = data.train_set, data.eval_set, data.zero_shot_set, data.loader
+        self.train_set, self.eval_set, self.loader = data.train_set, data.eval_set, data.loader
 
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step
         try:

@@ -131,6 +131,7 @@ class WebDatasetSource:
         self.image_keys = ["." + k.strip().lstrip(".") for k in image_keys.split(";") if k.strip()]
         self.caption_key = caption_key
         self.unreadable: list[str] = []
+        self._open: OrderedDict[int, Any] = OrderedDict()  # shard -> its index (at most MAX_OPEN held)
         if path.endswith(".json"):
             urls, counts = self._descriptor(Path(path))
         else:
@@ -139,18 +140,20 @@ class WebDatasetSource:
             if not urls or missing:
                 raise DataError(f"data.path={path}: no such shard {missing[0] if missing else path}; give existing tar files "
                                 "as a brace pattern (shards/{00000..00009}.tar) or a shards.json from make_shards")
-            for url in urls:  # index each shard once; one that cannot be read is reported and left out
+            for shard, url in enumerate(urls):  # index each shard; one that cannot be read is reported and left out
                 try:
-                    counts.append(len(IndexedTarSamples(path=url)))
+                    samples = IndexedTarSamples(path=url)
                 except Exception as e:  # noqa: BLE001 - any failure to index a tar means an unusable shard
                     self.unreadable.append(f"{url} ({type(e).__name__}: {e})")
                     counts.append(0)
+                else:
+                    counts.append(len(samples))
+                    self._keep(shard, samples)  # the first reads use this index instead of scanning again
         self._urls = urls
         self._ends = np.cumsum(counts)
         if not self._ends.size or not self._ends[-1]:
             first = f" (first: {self.unreadable[0]})" if self.unreadable else ""
             raise DataError(f"data.path={path}: no readable samples in {len(urls)} shard(s){first}; check the tar files")
-        self._open: OrderedDict[int, Any] = OrderedDict()
 
     @staticmethod
     def _descriptor(file: Path) -> tuple[list[str], list[int]]:
@@ -169,13 +172,17 @@ class WebDatasetSource:
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers: open shards stay behind
         return {**self.__dict__, "_open": OrderedDict()}
 
+    def _keep(self, shard: int, samples: Any) -> None:
+        """Hold a shard's index, closing the least recently used one past MAX_OPEN."""
+        if len(self._open) >= self.MAX_OPEN:
+            self._open.popitem(last=False)[1].close()
+        self._open[shard] = samples
+
     def _shard(self, shard: int) -> Any:
         from wids.wids import IndexedTarSamples
 
         if shard not in self._open:
-            if len(self._open) >= self.MAX_OPEN:
-                self._open.popitem(last=False)[1].close()
-            self._open[shard] = IndexedTarSamples(path=self._urls[shard])
+            self._keep(shard, IndexedTarSamples(path=self._urls[shard]))
         self._open.move_to_end(shard)
         return self._open[shard]
 

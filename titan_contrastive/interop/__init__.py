@@ -84,9 +84,9 @@ def _read_hf(folder: Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
     return args, from_hf_state_dict(weights, args)
 
 
-def read_ours(folder: Path) -> tuple[str, Any, dict[str, Tensor]]:
-    """(family, args, state dict) of one of our step folders, any family: the manifest names the
-    family and its args; DCP consolidates the FSDP shards into the tensors of a freshly built model."""
+def read_ours(folder: Path) -> tuple[str, Any, torch.nn.Module]:
+    """(family, args, model) of one of our step folders, any family: the manifest names the family
+    and its args; DCP consolidates the FSDP shards straight into the built model's tensors."""
     import torch.distributed.checkpoint as dcp
 
     from titan_contrastive.models import get_model_spec
@@ -98,17 +98,17 @@ def read_ours(folder: Path) -> tuple[str, Any, dict[str, Tensor]]:
                            "config instead, or save it again with this version")
     spec = get_model_spec(model["family"])
     args = dataclasses.replace(next(iter(spec.flavors.values())), **model["args"])
-    state = {"model": spec.build_model(args).state_dict()}
-    dcp.load(state, checkpoint_id=str(folder))  # consolidates FSDP shards into the plain tensors given
-    return model["family"], args, state["model"]
+    built = spec.build_model(args)
+    dcp.load({"model": built.state_dict()}, checkpoint_id=str(folder))  # in place: state_dict() holds the parameters themselves
+    return model["family"], args, built
 
 
 def _read_ours(folder: Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
-    family, args, state = read_ours(folder)
+    family, args, model = read_ours(folder)
     if family != "clip":
         raise InteropError(f"{folder}: a {family} checkpoint; this reads clip-family ones (export a bi_encoder with "
                            "--to sentence-transformers)")
-    return args, state
+    return args, model.state_dict()
 
 
 def read_checkpoint(path: str | Path) -> tuple[CLIPArgs, dict[str, Tensor]]:

@@ -24,7 +24,7 @@ from titan_contrastive.components.freeze import locked_forward
 from titan_contrastive.components.loss import temperature_from_config
 from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
 from titan_contrastive.models.bi_encoder.model import BiEncoderArgs, load_tokenizer, mean_pooled, model_dir
-from titan_contrastive.models.clip.args import CLIPArgs
+from titan_contrastive.models.clip.args import CLIPArgs, text_tower_flops, text_tower_params
 from titan_contrastive.models.clip.model import ImageTower
 from titan_contrastive.models.registry import ModelSpec, register_model
 
@@ -75,13 +75,9 @@ class LiTArgs:
     def num_params(self) -> int:
         """Exact: the ViT (the clip count without its text tower and scale), MiniLM, logit_scale."""
         image = self.image_args()
-        from titan_contrastive.models.clip.args import text_tower_params
-
         return (image.num_params() - text_tower_params(image) - 1) + (self._text.num_params() - 1) + 1
 
     def flops_per_sample(self) -> int:
-        from titan_contrastive.models.clip.args import text_tower_flops
-
         image = self.image_args()
         return (image.flops_per_sample() - 3 * text_tower_flops(image)) + 6 * self._text._layer_params() * self.context_length
 
