@@ -202,7 +202,11 @@ def good_config(**changes: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("change, x_rows, y_rows, message", [
     ({"STREAM_CHUNK_SIZE": 0}, N, N, r"config\['STREAM_CHUNK_SIZE'\]=0: must be an integer >= 1"),
     ({"MICRO_BATCH_SIZE": -2}, N, N, r"config\['MICRO_BATCH_SIZE'\]=-2: must be an integer >= 1"),
-    ({"TAU": 0.0}, N, N, r"config\['TAU'\]=0.0: must be a number > 0"),
+    ({"TAU": 0.0}, N, N, r"config\['TAU'\]=0.0: must be a finite number > 0"),
+    ({"TAU": float("inf")}, N, N, r"config\['TAU'\]=inf: must be a finite number > 0"),  # was reported as TAU=0.0
+    ({"TAU": float("nan")}, N, N, r"config\['TAU'\]=nan: must be a finite number > 0"),
+    ({"MAX_LOGIT_SCALE": -1.0}, N, N, r"config\['MAX_LOGIT_SCALE'\]=-1.0: must be a finite number > 0"),  # was accepted
+    ({"MAX_LOGIT_SCALE": "100"}, N, N, r"config\['MAX_LOGIT_SCALE'\]='100': must be a finite number > 0"),
     ({"GLOBAL_BATCH_SIZE": 30}, N, N, r"local batch is 24 but GLOBAL_BATCH_SIZE / WORLD_SIZE = 30 / 1 = 30"),
     ({}, N, N - 1, r"local_x has 24 samples but local_y has 23"),
     ({"TAU": None}, N, N, r"no temperature: the model has no `logit_scale` and TAU is not set"),

@@ -171,6 +171,9 @@ def test_clear_errors() -> None:
         GradCache([lambda x: {"logits": x}], 4, info_nce).forward_no_grad(lambda x: {"logits": x}, [data()])
     with pytest.raises(GradCacheError, match="2 inputs for 3 models"):
         GradCache([q, p, p], 4, info_nce).cache_step(data(), data())
+    with pytest.raises(GradCacheError, match=r"input 0 is an empty batch \(0 samples\)") as info:  # was a raw torch.cat error
+        GradCache([q, p], 4, info_nce).cache_step(data(n=0), data(n=0))
+    assert "\n" not in str(info.value)
 
 
 # ------------------------------------------------------------------ data parallel: DDP and FSDP2

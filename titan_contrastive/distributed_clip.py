@@ -10,6 +10,7 @@ or plain model, a config dict with the seed's keys, one optimizer step, the glob
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import torch
@@ -28,6 +29,10 @@ _KEYS = ("GLOBAL_BATCH_SIZE", "MICRO_BATCH_SIZE", "STREAM_CHUNK_SIZE", "TAU")
 
 def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 def _positive_int(config: Mapping[str, Any], key: str) -> int:
@@ -67,17 +72,20 @@ def distributed_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, l
     if len(local_x) != n // world:
         raise DistributedClipError(f"local batch is {len(local_x)} but GLOBAL_BATCH_SIZE / WORLD_SIZE = {n} / {world} = {n // world}; pass each rank its N/P samples")
     tau = config["TAU"]
-    if tau is not None and not (isinstance(tau, (int, float)) and not isinstance(tau, bool) and tau > 0):
-        raise DistributedClipError(f"config['TAU']={tau!r}: must be a number > 0 (e.g. 0.07), or None to learn logit_scale")
+    if tau is not None and not (_is_number(tau) and 0 < tau < math.inf):
+        raise DistributedClipError(f"config['TAU']={tau!r}: must be a finite number > 0 (e.g. 0.07), or None to learn logit_scale")
     loss_name = config.get("LOSS", "clip")
     if loss_name not in ("clip", "siglip"):
         raise DistributedClipError(f"LOSS={loss_name!r}: choose clip (softmax, InfoNCE) or siglip (sigmoid)")
     fixed_bias = config.get("BIAS")
-    if fixed_bias is not None and (isinstance(fixed_bias, bool) or not isinstance(fixed_bias, (int, float))):
-        raise DistributedClipError(f"config['BIAS']={fixed_bias!r}: must be a number (e.g. -10), or None to learn logit_bias")
+    if fixed_bias is not None and not (_is_number(fixed_bias) and math.isfinite(fixed_bias)):
+        raise DistributedClipError(f"config['BIAS']={fixed_bias!r}: must be a finite number (e.g. -10), or None to learn logit_bias")
     if loss_name != "siglip" and fixed_bias is not None:
         raise DistributedClipError(f"config['BIAS']={fixed_bias!r} is for LOSS='siglip'; LOSS={loss_name!r} has no bias")
     max_scale = config.get("MAX_LOGIT_SCALE")
+    if max_scale is not None and not (_is_number(max_scale) and 0 < max_scale < math.inf):
+        raise DistributedClipError(f"config['MAX_LOGIT_SCALE']={max_scale!r}: must be a finite number > 0 (the largest temperature "
+                                   "t = 1/TAU, e.g. 100 as in CLIP), or None for no clamp")
     kernel = config.get("KERNEL", "auto")
     try:
         require_kernel(kernel)

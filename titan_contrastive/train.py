@@ -1,18 +1,21 @@
 """The trainer: `python -m titan_contrastive.train --job.config_file F [--section.key=value ...]`.
 
 Order of operations (everything that can fail on bad input runs before any compute):
-1. parse and validate the config; join the process group; seed;
+1. parse and validate the config; join the process group (`[comm] init_timeout_seconds`); check
+   that the dump and checkpoint folders are writable (components/preflight.py); seed;
 2. resolve the model family/flavor and its loss, the DP layout and the accumulation steps;
 3. load the train and eval datasets (missing data fails here), laid out as the family reads them;
 4. build the model (args from the data and the config), then AC -> compile -> FSDP2/HSDP/DDP per
    block; optimizer, scheduler, the gradient step (`steps/`: the kind the family, `[loss]` and
-   `[gradcache]` select), metrics; restore the latest complete checkpoint if enabled; with
+   `[gradcache]` select), metrics; check that a checkpoint fits; restore the latest valid checkpoint if enabled (the config's
+   hyperparameters win, changes are logged: checkpoint/resume.py); with
    `[memory] budget_gib`, plan the step's chunks by measuring probe steps;
 5. loop: per step, the gradient step turns k microbatches into gradients and the loss (the
    data-parallel reduction in the last backward only), then unscale (fp16), clip the gradient
    norm, check for non-finite values, optimizer step, scheduler step; log every `log_freq`,
    evaluate every `eval.freq` and after the last step, checkpoint every `checkpoint.interval`
-   and at the end. The loop does not know which kind of step it runs.
+   and at the end. The loop does not know which kind of step it runs. After the first step
+   collectives wait `[comm] train_timeout_seconds`. Exit codes: README, "Faults and recovery".
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titan_contrastive import models
-from titan_contrastive.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState, TrainState
+from titan_contrastive.checkpoint import CheckpointError, CheckpointManager, LRSchedulerState, ModelState, OptimizerState, RNGState, TrainState
 from titan_contrastive.components.freeze import apply_freeze
 from titan_contrastive.components.evaluate import EvalContext, describe_results, evaluate_sets
 from titan_contrastive.components.lr_scheduler import build_lr_scheduler
@@ -41,11 +44,13 @@ from titan_contrastive.components.metrics import MetricsProcessor, device_peak_t
 from titan_contrastive.components.nonfinite import NonFiniteError, NonFiniteGuard
 from titan_contrastive.components.optimizer import build_optimizer
 from titan_contrastive.components.precision import build_precision
+from titan_contrastive.components.preflight import check_output_folders, checkpoint_bytes
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.build import build_data
 from titan_contrastive.interop import InteropError, load_state
-from titan_contrastive.parallelisms import ParallelDims, destroy_distributed, gradient_accumulation_steps, init_distributed, parallelize_model
+from titan_contrastive.parallelisms import (ParallelDims, collective_failure, destroy_distributed, gradient_accumulation_steps, init_distributed,
+                                            parallelize_model, set_collective_timeout)
 from titan_contrastive.steps import StepContext, build_gradient_step
 
 logger = logging.getLogger("titan_contrastive")
@@ -58,8 +63,9 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
-        self.dist = init_distributed(cfg.training.device)
+        self.dist = init_distributed(cfg.training.device, cfg.comm.init_timeout_seconds)
         self.device = self.dist.device
+        check_output_folders(cfg.job.dump_folder, cfg.checkpoint.folder if cfg.checkpoint.enable else None, log=self.dist.rank == 0)
         torch.manual_seed(cfg.training.seed)
         torch.use_deterministic_algorithms(cfg.training.deterministic)
 
@@ -84,7 +90,8 @@ class Trainer:
             cfg.data, cfg.eval, seed=cfg.training.seed, build_bundled=build_dataset,
             family_tokenizer=lambda: self.spec.build_tokenizer(flavor_args) if self.spec.build_tokenizer else None,
             prepare=lambda ds: self.spec.layout.prepare(ds, flavor_args, cfg.data.image_sizes, cfg.model.name),
-            local_batch_size=cfg.training.local_batch_size, dp_rank=self.dist.rank, dp_degree=self.dp_degree, pin_memory=self.device.type == "cuda")
+            local_batch_size=cfg.training.local_batch_size, dp_rank=self.dist.rank, dp_degree=self.dp_degree, pin_memory=self.device.type == "cuda",
+            global_batch_size=self.global_batch_size)
         self.train_set, self.eval_set, self.loader = data.train_set, data.eval_set, data.loader
 
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step
@@ -114,23 +121,24 @@ class Trainer:
             family=cfg.model.name,
         )
         self.gradient_step = build_gradient_step(self.spec, self.step_context, cfg, self.loss_name)
-        self.metrics = MetricsProcessor(
-            cfg.job.dump_folder, rank=self.dist.rank, enable_tensorboard=cfg.metrics.enable_tensorboard,
-            device=self.device, flops_per_sample=self.model_args.flops_per_sample(),
-            peak_tflops=device_peak_tflops(self.device, cfg.metrics.peak_tflops), world_size=self.dist.world_size,
-        )
         self.train_state = TrainState()
         self.nonfinite = NonFiniteGuard(cfg.training.on_nonfinite, cfg.training.max_consecutive_skips)
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, dump_folder=cfg.job.dump_folder,
             states={"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
-                    "lr_scheduler": self.lr_scheduler, "train_state": self.train_state},
+                    "lr_scheduler": LRSchedulerState(self.lr_scheduler), "train_state": self.train_state},
             per_rank_states={"dataloader": self.loader, "rng": RNGState(self.device)},
             rank=self.dist.rank, dp_rank=self.dist.rank, dp_degree=self.dp_degree,
-            model_info={"family": cfg.model.name, "args": dataclasses.asdict(self.model_args)},
+            model_info={"family": cfg.model.name, "args": dataclasses.asdict(self.model_args)}, run_config=dataclasses.asdict(cfg),
         )
         self._log_start()
+        self.checkpointer.preflight(checkpoint_bytes(self.model))
         self.checkpointer.load()
+        self.metrics = MetricsProcessor(  # after the checks above: a run that fails them writes nothing
+            cfg.job.dump_folder, rank=self.dist.rank, enable_tensorboard=cfg.metrics.enable_tensorboard,
+            device=self.device, flops_per_sample=self.model_args.flops_per_sample(),
+            peak_tflops=device_peak_tflops(self.device, cfg.metrics.peak_tflops), world_size=self.dist.world_size,
+        )
         if cfg.memory.plan and not cfg.memory.budget_gib:
             raise ConfigError("memory.plan=true needs memory.budget_gib > 0 (the per-device budget to plan for)")
         self.memory_plan = self._plan_memory() if cfg.memory.budget_gib else None  # before any real step
@@ -142,19 +150,13 @@ class Trainer:
     def _log_start(self) -> None:
         cfg = self.cfg
         logger.info(f"data: {self.data.describe()}")
-        logger.info(
-            f"model: {cfg.model.name}/{cfg.model.flavor}  params {self.model_args.num_params():,}  "
-            f"training FLOPs/sample {f'{flops:.3e}' if (flops := self.model_args.flops_per_sample()) else 'n/a'} (encoders; loss excluded)  device {self.device}"
-        )
-        logger.info(
-            f"parallelism: {self.dims.mode} (replicate {self.dims.dp_replicate} x shard {self.dims.dp_shard})  "
-            f"params {cfg.training.dtype}  compute {self.precision.compute_dtype}  AC {cfg.activation_checkpoint.mode}  "
-            f"compile {cfg.compile.backend if cfg.compile.enable else 'off'}"
-        )
-        logger.info(
-            f"batch: local {cfg.training.local_batch_size}  x  grad-accum steps {self.ga_steps}  x  dp degree {self.dp_degree}  "
-            f"=  global {self.global_batch_size};  {self.gradient_step.describe()}"
-        )
+        logger.info(f"model: {cfg.model.name}/{cfg.model.flavor}  params {self.model_args.num_params():,}  training FLOPs/sample "
+                    f"{f'{flops:.3e}' if (flops := self.model_args.flops_per_sample()) else 'n/a'} (encoders; loss excluded)  device {self.device}")
+        logger.info(f"parallelism: {self.dims.mode} (replicate {self.dims.dp_replicate} x shard {self.dims.dp_shard})  "
+                    f"params {cfg.training.dtype}  compute {self.precision.compute_dtype}  AC {cfg.activation_checkpoint.mode}  "
+                    f"compile {cfg.compile.backend if cfg.compile.enable else 'off'}")
+        logger.info(f"batch: local {cfg.training.local_batch_size}  x  grad-accum steps {self.ga_steps}  x  dp degree {self.dp_degree}  "
+                    f"=  global {self.global_batch_size};  {self.gradient_step.describe()}")
 
     def _plan_memory(self) -> MemoryPlan:
         """The step's knobs, planned on probe steps (the planner restores every state after them);
@@ -240,19 +242,21 @@ class Trainer:
         evaluates = cfg.eval.enable and any(ds is not None for ds in self.data.eval_sets.values())
         if self.step >= cfg.training.steps:  # nothing left to train (the checkpoint is at the last step)
             return self._evaluate_and_log(last=True) if evaluates else {}
-        data_iter = iter(self.loader)
+        data_iter, resumed_at = iter(self.loader), self.step
         self.metrics.reset()
         results: dict[str, Any] = {}
         while self.step < cfg.training.steps:
             batches = self.next_microbatches(data_iter)
             out = self._measured_step(batches) if self.memory_plan and not self.memory_plan.checked else self.train_step(batches)
+            if self.step == resumed_at + 1:  # start-up's longer timeout ends after this process's first step
+                set_collective_timeout(cfg.comm.train_timeout_seconds)
             self.metrics.samples += self.global_batch_size
             last = self.step == cfg.training.steps
             if self.step % cfg.metrics.log_freq == 0 or last:
                 self.metrics.log_train(self.step, **out, **self.gradient_step.log_values(), **self.loader.bad_samples.values())
             side_work = evaluates and (last or (cfg.eval.freq and self.step % cfg.eval.freq == 0))
             results = self._evaluate_and_log(last) if side_work else results  # eval and checkpoint time stay out of samples/s
-            if self.checkpointer.maybe_save(self.step, last_step=last) or side_work:
+            if self.checkpointer.maybe_save(self.step, last_step=last, protect_before=self.nonfinite.streak_start) or side_work:
                 self.metrics.reset()
         return results
 
@@ -274,8 +278,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}{trainer.checkpointer.resume_hint(trainer.nonfinite.streak_start) if trainer else ''}", file=sys.stderr)
         return 3
+    except RuntimeError as e:  # a collective that timed out or lost its peer: one line, exit 4 (anything else: a bug)
+        if (line := collective_failure(e)) is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 4
     finally:
         if trainer is not None:
             trainer.metrics.close()

@@ -2,7 +2,8 @@
 
 Layout: `{dump_folder}/{checkpoint.folder}/step-{N}/`, one DCP directory per checkpoint plus a
 `manifest.json` ({"step", "dp_degree", "world_size", "files": {relative path: {"bytes", "sha256"}},
-"model": {"family", "args"}}, the architecture `interop.read_checkpoint` rebuilds the model from).
+"model": {"family", "args"}}, the architecture `interop.read_checkpoint` rebuilds the model from,
+and "config", the run's config, which a resume compares with its own: `resume.py`).
 
 A save is atomic: DCP writes into `step-N.tmp`, then (after a barrier) rank 0 writes the manifest,
 fsyncs it and renames the folder to `step-N`. A crash mid-save therefore leaves only a `.tmp`
@@ -20,6 +21,14 @@ StatefulDataLoader's state has None-or-dict fields) then need not match the stru
 object at load time, which DCP would otherwise require. Those states cannot be mapped onto another
 data-parallel degree, so resuming with one is an error, not a silent change of the data order.
 
+A `load_step` older than the newest checkpoint is a rewind: the newer checkpoints are moved aside
+(not deleted) into `abandoned-<time>-<random>/`, so the next auto-resume continues the new history rather
+than the abandoned one. Pruning (`keep_latest_k`) spares the newest checkpoint written before a
+run of skipped non-finite steps began (`protect_before`), so a run stuck on non-finite steps does
+not prune its last good state away. Saving needs room: `preflight` fails before step 1 when the
+folder cannot hold one checkpoint of the estimated size, and a save that runs out of space says
+"no space left on device" with the folder and removes its partial files.
+
 Fault injection (for tests): with the environment variable `TITAN_CONTRASTIVE_FAULT` set to
 `kill_during_save@<step>`, rank 0 sends itself SIGKILL during the save of that step, after DCP
 has written the files into `step-<step>.tmp` and before the manifest and the rename: exactly
@@ -28,6 +37,7 @@ the state a crash mid-save leaves behind.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -36,6 +46,7 @@ import pickle
 import re
 import shutil
 import signal
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -45,6 +56,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
+
+from titan_contrastive.checkpoint.resume import IncompatibleResume, config_changes
+from titan_contrastive.components.preflight import format_bytes, free_bytes
 
 __all__ = ["CheckpointError", "CheckpointManager", "FAULT_ENV", "MANIFEST"]
 
@@ -100,6 +114,23 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
+def _out_of_space(exc: BaseException, folder: Path) -> bool:
+    """Whether a failed save ran out of space: ENOSPC anywhere in the error (DCP wraps each rank's),
+    or a nearly full folder (torch's zip writer reports a short write as "unexpected pos")."""
+    todo, seen = [exc], set()
+    while todo:
+        error = todo.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in str(error):
+            return True
+        if isinstance(error, CheckpointException):
+            todo += [failure for failure, _ in error.failures.values()]
+        todo += [e for e in (error.__cause__, error.__context__) if e is not None]
+    return free_bytes(folder) < 1 << 20
+
+
 def _fsync_dir(path: Path) -> None:
     """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
     try:
@@ -126,9 +157,10 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, *, dump_folder: str, states: dict[str, Stateful],
                  per_rank_states: dict[str, Stateful], rank: int, dp_rank: int, dp_degree: int,
-                 model_info: dict[str, Any] | None = None) -> None:
+                 model_info: dict[str, Any] | None = None, run_config: dict[str, Any] | None = None) -> None:
         self.cfg = cfg
         self.model_info = model_info  # {"family", "args"}: what `interop.read_checkpoint` rebuilds the model from
+        self.run_config = run_config  # {section: {key: value}}: what a resume compares its config with
         self.folder = Path(dump_folder) / cfg.folder
         self.states = states
         self.per_rank_states = per_rank_states
@@ -138,24 +170,52 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ public API
 
-    def maybe_save(self, step: int, *, last_step: bool = False) -> bool:
+    def preflight(self, estimated_bytes: int) -> None:
+        """Before step 1: fail when the folder cannot hold one checkpoint of about `estimated_bytes`,
+        warn when it cannot hold the `keep_latest_k` + 1 that exist during a save (rank 0 logs)."""
+        if not self.cfg.enable:
+            return
+        free = free_bytes(self.folder)
+        if free < estimated_bytes:
+            raise CheckpointError(
+                f"checkpoint.folder={self.folder}: {format_bytes(free)} free, a checkpoint of this run needs about "
+                f"{format_bytes(estimated_bytes)}; free space there or set checkpoint.folder (or job.dump_folder) elsewhere")
+        kept = self.cfg.keep_latest_k + 1 if self.cfg.keep_latest_k else 0
+        if self.rank == 0:
+            logger.info(f"checkpoints: about {format_bytes(estimated_bytes)} each in {self.folder} ({format_bytes(free)} free)")
+            if kept and free < kept * estimated_bytes:
+                logger.warning(f"checkpoint.folder={self.folder}: {format_bytes(free)} free holds fewer than the {kept} checkpoints "
+                               f"that exist during a save with keep_latest_k={self.cfg.keep_latest_k}; a later save may run out of space")
+
+    def maybe_save(self, step: int, *, last_step: bool = False, protect_before: int | None = None) -> bool:
         """Save when enabled and `step` is on the interval or the last one; return whether it saved."""
         if not self.cfg.enable or not (last_step or step % self.cfg.interval == 0):
             return False
-        self.save(step)
+        self.save(step, protect_before=protect_before)
         return True
 
-    def save(self, step: int) -> None:
-        """Write checkpoint `step-{step}` atomically (collective); then prune to `keep_latest_k`."""
+    def save(self, step: int, *, protect_before: int | None = None) -> None:
+        """Write checkpoint `step-{step}` atomically (collective); then prune to `keep_latest_k`,
+        sparing the newest checkpoint older than step `protect_before` when given (see module doc)."""
         start = time.perf_counter()
         tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
         self._on_rank0(lambda: self._prepare(tmp), f"preparing {tmp}")
-        self._dcp(dcp.save, tmp, f"saving checkpoint step-{step} ({tmp})")
+        try:
+            self._dcp(dcp.save, tmp, f"saving checkpoint step-{step} ({tmp})")
+        except CheckpointError as exc:  # nothing half-written stays behind; a full disk is named as such
+            out_of_space = _out_of_space(exc, self.folder)
+            self._on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True), f"removing {tmp}")
+            if out_of_space:
+                raise CheckpointError(
+                    f"saving checkpoint step-{step} failed: no space left on device in {self.folder} "
+                    f"({format_bytes(free_bytes(self.folder))} free after removing the partial save); free space, lower "
+                    "checkpoint.keep_latest_k or set checkpoint.folder elsewhere, then resume from the last checkpoint") from exc
+            raise
         if self.rank == 0 and os.environ.get(FAULT_ENV, "") == f"kill_during_save@{step}":
             os.kill(os.getpid(), signal.SIGKILL)
         self._barrier()  # every rank's files are in tmp before rank 0 lists them
         # the broadcast of the outcome is the closing barrier: no rank moves on before the rename
-        self._on_rank0(lambda: self._finalize(step, tmp, final), f"finalizing checkpoint {final}")
+        self._on_rank0(lambda: self._finalize(step, tmp, final, protect_before), f"finalizing checkpoint {final}")
         if self.rank == 0:
             logger.info(f"saved checkpoint step-{step} to {final} in {time.perf_counter() - start:.2f}s")
 
@@ -173,18 +233,21 @@ class CheckpointManager:
             if self.rank == 0:
                 logger.info(f"no checkpoint in {self.folder}; starting from scratch")
             return None
-        step, saved_dp = chosen
+        step, manifest, changes = chosen
         path = self.folder / f"step-{step}"
-        if self.per_rank_states and saved_dp != self.dp_degree:
-            raise CheckpointError(
-                f"checkpoint step-{step} was saved with dp degree {saved_dp}, this run has {self.dp_degree}; "
-                f"model and optimizer would reshard but the data loader position cannot; resume with "
-                f"{saved_dp} data-parallel processes or start a new run (set checkpoint.folder to a new folder)"
-            )
         self._dcp(dcp.load, path, f"loading checkpoint step-{step} ({path})")
         if self.rank == 0:
             logger.info(f"resumed from checkpoint step-{step} ({path})")
+            if "config" not in manifest:
+                logger.info(f"checkpoint step-{step} predates config records: config changes since it cannot be listed")
+            for change in changes:
+                logger.info(f"resume: config changed since step-{step}, applied: {change}")
         return step
+
+    def resume_hint(self, before_step: int | None) -> str:
+        """'; that is checkpoint step-N (...)': the newest checkpoint older than `before_step`, if any."""
+        older = [s for s in self.available_steps() if before_step is not None and s < before_step]
+        return f"; that is checkpoint step-{older[-1]} (--checkpoint.load_step={older[-1]})" if self.cfg.enable and older else ""
 
     def available_steps(self) -> list[int]:
         """Steps of the complete (renamed) checkpoints, sorted; `load` still validates them."""
@@ -197,12 +260,13 @@ class CheckpointManager:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
 
-    def _finalize(self, step: int, tmp: Path, final: Path) -> None:
+    def _finalize(self, step: int, tmp: Path, final: Path, protect_before: int | None) -> None:
         files = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
                  for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"step": step, "dp_degree": self.dp_degree,
                     "world_size": dist.get_world_size() if self._distributed() else 1, "files": files,
-                    **({"model": self.model_info} if self.model_info else {})}
+                    **({"model": self.model_info} if self.model_info else {}),
+                    **({"config": self.run_config} if self.run_config else {})}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -215,11 +279,32 @@ class CheckpointManager:
         _fsync_dir(self.folder)
         shutil.rmtree(stale, ignore_errors=True)
         if self.cfg.keep_latest_k > 0:
-            for old in self.available_steps()[:-self.cfg.keep_latest_k]:
-                shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
+            steps = self.available_steps()
+            spared = max((s for s in steps if protect_before is not None and s < protect_before), default=None)
+            for old in steps[:-self.cfg.keep_latest_k]:
+                if old == spared:
+                    logger.info(f"keeping checkpoint step-{old} beyond keep_latest_k: the last one before the non-finite steps")
+                else:
+                    shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
 
-    def _choose(self) -> tuple[int, int] | None:
-        """(step, saved dp degree) of the checkpoint to load, or None; warns about what it skips."""
+    def _compatible(self, step: int, manifest: dict[str, Any]) -> list[str]:
+        """The config changes to apply since `step` (`resume.py`); CheckpointError when the run
+        cannot continue it (another data-parallel degree, model or trainable set)."""
+        saved_dp = int(manifest["dp_degree"])
+        if self.per_rank_states and saved_dp != self.dp_degree:
+            raise CheckpointError(
+                f"checkpoint step-{step} was saved with dp degree {saved_dp}, this run has {self.dp_degree}; "
+                f"model and optimizer would reshard but the data loader position cannot; resume with "
+                f"{saved_dp} data-parallel processes or start a new run (set checkpoint.folder to a new folder)"
+            )
+        try:
+            return config_changes(step, manifest, self.run_config, self.model_info)
+        except IncompatibleResume as exc:
+            raise CheckpointError(str(exc)) from None
+
+    def _choose(self) -> tuple[int, dict[str, Any], list[str]] | None:
+        """(step, manifest, config changes) of the checkpoint to load, or None; warns about what it
+        skips; a `load_step` rewind moves the newer checkpoints aside once the run can continue it."""
         for match in self._entries(_TMP_DIR):
             path = self.folder / match[0]
             logger.warning(f"incomplete checkpoint {path} (interrupted save) ignored and removed")
@@ -232,12 +317,14 @@ class CheckpointManager:
             manifest, problem = self._validate(wanted)
             if manifest is None:
                 raise CheckpointError(f"checkpoint step-{wanted} ({self.folder / f'step-{wanted}'}) is corrupt: {problem}")
-            return wanted, int(manifest["dp_degree"])
+            changes = self._compatible(wanted, manifest)
+            self._set_aside([s for s in steps if s > wanted], wanted)
+            return wanted, manifest, changes
         problems = []
         for step in reversed(steps):
             manifest, problem = self._validate(step)
             if manifest is not None:
-                return step, int(manifest["dp_degree"])
+                return step, manifest, self._compatible(step, manifest)
             logger.warning(f"checkpoint step-{step} ({self.folder / f'step-{step}'}) is corrupt: {problem}; skipped")
             problems.append(f"step-{step}: {problem}")
         if problems:  # resuming was expected; silently starting over would later prune these
@@ -246,6 +333,18 @@ class CheckpointManager:
                 "or start a new run (set checkpoint.folder to a new folder)"
             )
         return None
+
+    def _set_aside(self, newer: list[int], wanted: int) -> None:
+        """Move the checkpoints after a rewind target into `abandoned-<time>/` (kept, never loaded)."""
+        if not newer:
+            return
+        aside = Path(tempfile.mkdtemp(prefix=f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}-", dir=self.folder))
+        for step in newer:
+            os.replace(self.folder / f"step-{step}", aside / f"step-{step}")
+        _fsync_dir(self.folder)
+        logger.warning(f"checkpoint.load_step={wanted} rewinds the run: the newer checkpoints "
+                       f"{', '.join(f'step-{s}' for s in newer)} were moved to {aside} (not deleted), so later "
+                       "resumes continue from here; move them back to return to that history")
 
     def _validate(self, step: int) -> tuple[dict[str, Any] | None, str]:
         """(manifest, "") for a checkpoint that matches its manifest, else (None, what is wrong)."""

@@ -1,8 +1,15 @@
 """Stateful adapters: the pieces of a training run that the checkpoint manager saves, made Stateful.
 
 Each follows torch.distributed.checkpoint's `Stateful` protocol (`state_dict()` /
-`load_state_dict()`), so `CheckpointManager` hands them to DCP as they are. The LR scheduler
-(LambdaLR) and the data loader (EpochLoader) already follow it and need no wrapper.
+`load_state_dict()`), so `CheckpointManager` hands them to DCP as they are. The data loader
+(EpochLoader) already follows it and needs no wrapper.
+
+Hyperparameters come from the config, state from the checkpoint (the resume table in
+`checkpoint/resume.py`): `OptimizerState` restores moments and step counts but keeps the param
+groups' lr, betas, eps and weight decay that the config built, and `LRSchedulerState` restores
+only the position in the schedule and recomputes the lr from the config's schedule. Loading
+the plain objects would bring back the old peak lr (LambdaLR saves its `base_lrs`) and the old
+AdamW settings, silently ignoring a changed config.
 """
 
 from __future__ import annotations
@@ -52,7 +59,30 @@ class OptimizerState:
         return get_optimizer_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state_dict)
+        for group, hyperparameters in zip(self.optimizer.param_groups, configured, strict=True):
+            group.update(hyperparameters)
+
+
+class LRSchedulerState:
+    """A LambdaLR's position (steps taken), saved in LambdaLR's own format; on load the lr is
+    recomputed from this run's schedule at that position (the config's peak, warmup, decay and
+    total steps), instead of LambdaLR's saved `base_lrs`."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        scheduler = self.scheduler
+        scheduler.last_epoch, scheduler._step_count = int(state_dict["last_epoch"]), int(state_dict["_step_count"])
+        lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+        for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        scheduler._last_lr = lrs
 
 
 @dataclass

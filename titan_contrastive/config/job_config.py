@@ -330,6 +330,18 @@ class Checkpoint:
 
 
 @dataclass
+class Comm:
+    init_timeout_seconds: int = _positive(300)
+    """Collective timeout from process-group start until the first train step is done (covers
+    start-up work: data indexing, model build, checkpoint load, memory-planner probes)."""
+    train_timeout_seconds: int = _positive(300)
+    """Collective timeout after the first step: a rank that waits longer for its peers (one
+    stalled or died) ends the job with exit code 4 instead of hanging. It must exceed the longest
+    gap between two collectives: a step, an evaluation, a checkpoint save with its checksums
+    (torchtitan's default is 100 on GPUs; 300 leaves room for CPU steps and large saves)."""
+
+
+@dataclass
 class JobConfig:
     """titan_contrastive training job. Values come from defaults, then the TOML given by
     --job.config_file, then --section.key=value overrides."""
@@ -350,3 +362,4 @@ class JobConfig:
     eval: Eval = field(default_factory=Eval)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    comm: Comm = field(default_factory=Comm)

@@ -91,10 +91,12 @@ def build_file_dataset(kind: str, split: str, path: str, data: Data, *, tokenize
 
 def build_data(data: Data, eval_cfg: Eval, *, seed: int, family_tokenizer: Callable[[], Any], prepare: Callable[[Dataset], None],
                build_bundled: Callable[..., Dataset], local_batch_size: int, dp_rank: int, dp_degree: int,
-               pin_memory: bool) -> DataBundle:
+               pin_memory: bool, global_batch_size: int = 0) -> DataBundle:
     """The run's data (see the module docstring). `family_tokenizer()`: a pretrained family's own
     tokenizer (bi_encoder) for text pairs, or None; an ImportError (its optional dependency is
-    missing) becomes a one-line ConfigError. `build_bundled`: `datasets.build_dataset`."""
+    missing) becomes a one-line ConfigError. `build_bundled`: `datasets.build_dataset`.
+    `global_batch_size` (samples per optimizer step) may not exceed the training set: one step
+    would then hold samples twice (0: not checked)."""
     try:
         pair_tokenizer = family_tokenizer()
     except ImportError as e:
@@ -144,6 +146,11 @@ def build_data(data: Data, eval_cfg: Eval, *, seed: int, family_tokenizer: Calla
     for ds in (train, *eval_sets):
         if ds is not None:
             prepare(ds)
+    if global_batch_size > len(train):
+        per_batch = local_batch_size * dp_degree
+        raise DataError(f"training.global_batch_size={global_batch_size} exceeds the {len(train)} samples of {train.name}/{train.split}: "
+                        f"one step would use samples twice; use at most {len(train) // per_batch * per_batch} (a multiple of "
+                        f"local_batch_size x dp degree = {per_batch}) or more data")
     loader = build_dataloader(train, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_degree, seed=seed,
                               num_workers=data.num_workers, pin_memory=pin_memory, max_bad_fraction=data.max_bad_fraction)
     return DataBundle(train, eval_sets[0], eval_sets[1], loader, context_length)

@@ -165,6 +165,8 @@ class GradCache:
         if len(model_inputs) != len(self.models):
             raise GradCacheError(f"{len(model_inputs)} inputs for {len(self.models)} models; pass one input per model")
         chunks = [self.split(x, size, f"input {i}") for i, (x, size) in enumerate(zip(model_inputs, self.chunk_sizes))]
+        if empty := [i for i, c in enumerate(chunks) if not c]:
+            raise GradCacheError(f"input {empty[0]} is an empty batch (0 samples); a contrastive loss needs at least one pair: skip empty batches")
         self._pass1.clear()
         reps, states = zip(*(self.forward_no_grad(m, c) for m, c in zip(self.models, chunks)))
         widths = [len(as_tuple(r)) for r in reps]  # outputs per model

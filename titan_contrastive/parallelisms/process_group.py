@@ -1,6 +1,12 @@
 """Process-group setup: join the torchrun job, pick this rank's device, tear down cleanly.
 
 Backend: gloo on CPU, NCCL on CUDA. Collectives live in `collectives.py`.
+
+Timeouts (`[comm]`, torchtitan's names): the group starts with `init_timeout_seconds`; after the
+first train step the trainer calls `set_collective_timeout(train_timeout_seconds)`, which applies
+to every process group (the device mesh's included). A rank that waits longer than that for a
+peer (stalled, stopped, dead) raises; `collective_failure` recognises the error, so the trainer
+ends with one line naming the timeout (exit code 4) rather than hanging until the job is killed.
 """
 
 from __future__ import annotations
@@ -8,9 +14,13 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from titan_contrastive.config import ConfigError
 
 logger = logging.getLogger("titan_contrastive")
 
@@ -30,14 +40,17 @@ class DistInfo:
 def resolve_device(choice: str, local_rank: int) -> torch.device:
     """`auto` -> CUDA when available, else CPU; `cuda` without a GPU is an error."""
     if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("training.device='cuda' but no CUDA device is visible; use --training.device=cpu (or auto)")
+        raise ConfigError("training.device='cuda' but no CUDA device is visible; use --training.device=cpu (or auto)")
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
-def init_distributed(device_choice: str) -> DistInfo:
+_timeout = {"key": "comm.init_timeout_seconds", "seconds": 0}  # the one in force, for error messages
+
+
+def init_distributed(device_choice: str, init_timeout_seconds: int = 300) -> DistInfo:
     """Join the torchrun process group (if launched by torchrun) and pick this rank's device.
 
     On CPU the cores are split between the local processes so two processes on a 2-core
@@ -48,11 +61,37 @@ def init_distributed(device_choice: str) -> DistInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_choice, local_rank)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
+                                timeout=timedelta(seconds=init_timeout_seconds))
+        _timeout.update(key="comm.init_timeout_seconds", seconds=init_timeout_seconds)
     if device.type == "cpu":
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def set_collective_timeout(seconds: int, key: str = "comm.train_timeout_seconds") -> None:
+    """Give every process group (default and sub-groups) this timeout; no-op when not distributed."""
+    if not dist.is_initialized():
+        return
+    for group in list(distributed_c10d._world.pg_map):
+        distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+    _timeout.update(key=key, seconds=seconds)
+
+
+def collective_failure(exc: BaseException) -> str | None:
+    """One line for a collective that timed out or lost its peer, else None (not such an error).
+
+    Gloo raises a plain RuntimeError ("Timed out waiting 5000ms for recv operation", "Connection
+    closed by peer"), NCCL a DistBackendError; DDP re-raises it from backward."""
+    text = " ".join(str(exc).split())
+    if not dist.is_initialized() or not (isinstance(exc, dist.DistError) or any(
+            marker in text for marker in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "timed out"))):
+        return None
+    detail = text.split("] ", 1)[-1][:200]  # drop gloo's source-location prefix
+    return (f"a collective did not complete ({detail}): another rank stalled or died (see its log); "
+            f"{_timeout['key']}={_timeout['seconds']} is the wait allowed; raise it if a step, evaluation or "
+            "checkpoint save really takes longer")
 
 
 def destroy_distributed(barrier: bool = False) -> None:
