@@ -7,9 +7,9 @@ Order of operations (everything that can fail on bad input runs before any compu
 3. load the train and eval datasets (missing data fails here), laid out as the family reads them;
 4. build the model (args from the data and the config), then AC -> compile -> FSDP2/HSDP/DDP per
    block; optimizer, scheduler, the gradient step (`steps/`: the kind the family, `[loss]` and
-   `[gradcache]` select), metrics; check that a checkpoint fits; restore the latest valid checkpoint if enabled (the config's
-   hyperparameters win, changes are logged: checkpoint/resume.py); with
-   `[memory] budget_gib`, plan the step's chunks by measuring probe steps;
+   `[gradcache]` select); check that a checkpoint fits; restore the latest valid checkpoint if
+   enabled (the config's hyperparameters win, changes are logged: checkpoint/resume.py); metrics;
+   with `[memory] budget_gib`, plan the step's chunks by measuring probe steps;
 5. loop: per step, the gradient step turns k microbatches into gradients and the loss (the
    data-parallel reduction in the last backward only), then unscale (fp16), clip the gradient
    norm, check for non-finite values, optimizer step, scheduler step; log every `log_freq`,

@@ -86,7 +86,7 @@ def collective_failure(exc: BaseException) -> str | None:
     closed by peer"), NCCL a DistBackendError; DDP re-raises it from backward."""
     text = " ".join(str(exc).split())
     if not dist.is_initialized() or not (isinstance(exc, dist.DistError) or any(
-            marker in text for marker in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "timed out"))):
+            marker in text for marker in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer"))):
         return None
     detail = text.split("] ", 1)[-1][:200]  # drop gloo's source-location prefix
     return (f"a collective did not complete ({detail}): another rank stalled or died (see its log); "
