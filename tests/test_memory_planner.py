@@ -87,9 +87,12 @@ def test_vae_plans_the_decoder_chunk(tmp_path: Path) -> None:
                            "--parallelism.data_parallel_replicate_degree=-1", "--parallelism.data_parallel_shard_degree=1",
                            "--memory.budget_gib=0.1")
     plan = trainer.memory_plan
-    assert list(plan.chunks) == ["pixel_loss.chunk_size"] and plan.predicted_gib <= 0.1 and 1 < plan.chunk < 16
+    assert list(plan.chunks) == ["pixel_loss.chunk_size"] and plan.predicted_gib <= 0.1 and plan.chunk < 16
     assert trainer.gradient_step.decode_chunk == plan.chunk  # a fixed decoder chunk: adaptive off
-    assert plan.probes["pixel_loss.chunk_size"][plan.chunk] > plan.probes["pixel_loss.chunk_size"][1]  # grows with the chunk
+    # Which fitting chunk wins is a matter of measured time (the rule is tested on a fake clock above; on a
+    # loaded CI machine chunk 2's probe once took 13 s against 1.4 s, and chunk 1 won). The memory side is not:
+    probes = plan.probes["pixel_loss.chunk_size"]
+    assert max(probes) > 1 and probes[max(probes)] > probes[1]  # chunks above 1 were probed; memory grows with the chunk
 
 
 def test_global_negatives_also_plan_the_stream_chunk(tmp_path: Path) -> None:
