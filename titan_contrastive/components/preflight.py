@@ -33,22 +33,24 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def free_bytes(path: Path) -> int:
-    """Free space where `path` is or would be created (its nearest existing ancestor)."""
+def _nearest_existing(path: str | Path) -> Path:
+    """`path` itself if it exists, else its nearest existing ancestor (where it would be created)."""
     path = Path(path).absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
-    return shutil.disk_usage(path).free
+    return path
+
+
+def free_bytes(path: Path) -> int:
+    """Free space where `path` is or would be created (its nearest existing ancestor)."""
+    return shutil.disk_usage(_nearest_existing(path)).free
 
 
 def check_writable(path: str | Path, key: str) -> int:
     """Whether files can be written at `path` (or, before it exists, in its nearest existing
     ancestor: nothing is created, so a run that fails later leaves no folder behind); returns the
     free bytes there. A probe file is written, fsynced and removed. ConfigError if unusable."""
-    path = Path(path).absolute()
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    path, existing = Path(path).absolute(), _nearest_existing(path)
     probe = existing / f".write-test-{socket.gethostname()}-{os.getpid()}"
     if not existing.is_dir():
         raise ConfigError(f"{key}={path}: cannot write there ({existing} is a file, not a folder); choose another folder (--{key}=...)")
