@@ -1,7 +1,7 @@
 """A contrastive loss alone, forward + backward: dense (open_clip style) vs streaming, side by side.
 
     python benchmarks/loss_bench.py                                   # GPU: N = 8K .. 1M, d = 512
-    python benchmarks/loss_bench.py --n 1024 2048 4096 8192 --repeats 3   # CPU-sized
+    python benchmarks/loss_bench.py --n 2048 8192 --dtypes float32 --losses clip --repeats 7   # CPU quick run
     python benchmarks/loss_bench.py --losses siglip ...                # only SigLIP's sigmoid loss
 
 Losses (`--losses`, default both): `clip` (symmetric InfoNCE) and `siglip` (the sigmoid loss,
@@ -10,15 +10,26 @@ t = 10, b = -10: SigLIP's init). For siglip, `dense` is open_clip's formula (N x
 
 For each N and dtype (float32, bfloat16) every available implementation gets the same unit-norm
 embeddings [N, d] (leaf tensors, so "backward" is the gradient w.r.t. the embeddings and the
-temperature's gradient is the embeddings' concern), runs warm-up + `--repeats` timed fwd+bwd,
-and reports the median time and the peak extra memory (CUDA: allocator peak above the inputs;
-CPU: the largest single tensor any op produced, a proxy that still shows N x N vs chunk x N).
+temperature's gradient is the embeddings' concern). The implementations are timed interleaved,
+round-robin in one process (one warm-up round, then `--repeats` rounds, each starting at the next
+implementation), so drift in a shared machine's load hits all of them alike; each reports its
+median fwd+bwd time and its peak extra memory (CUDA: allocator peak above the inputs; CPU, which
+has no allocator peak counter: one more untimed call under `memory_probe.PeakMemory`, the most
+bytes of tensors alive at once, and `LargestTensor`, the largest single tensor any op produced, a
+proxy that still shows N x N vs chunk x N; `extra_bytes` is the latter, as before).
 Implementations: `dense` (logits = s * Zx Zy^T, cross-entropy both ways), `streaming`
-(titan_contrastive's StreamingClipStep, one process, `--chunk` rows per block), and, when
-installed, `inf_cl` (PyPI inf-cl) and `memeff`. A run that does not fit is recorded as OOM.
-First every implementation's embedding gradients are checked against the dense float64 loss at
-N = `--check-n` (printed and stored), so each timed line is known to compute the same thing.
-Writes `loss_bench_<device>.json` and `.png` under `--out`.
+(titan_contrastive's StreamingClipStep on the PyTorch path, one process, `--chunk` rows per
+block, default the config's loss.stream_chunk_size), `open_clip` (open_clip's own `ClipLoss`,
+world size 1, from the installed open-clip-torch wheel: two logit matmuls), and, on CUDA,
+`streaming_triton` and, when installed, `inf_cl` (PyPI inf-cl) and `memeff`. A run that does not
+fit is recorded as OOM. First every implementation's embedding gradients are checked against the
+dense float64 loss at N = `--check-n` (printed and stored), so each timed line is known to
+compute the same thing. Writes `loss_bench_<device>[_<losses>].json` and `.png` under `--out`.
+
+On a CPU shared with other processes, OpenMP's default wait policy (worker threads spin at each
+parallel op's barrier) makes every op wait for a descheduled thread: implementations with many
+small ops (streaming's per-tile passes) then lose several-fold. `OMP_WAIT_POLICY=PASSIVE` (or
+`OMP_NUM_THREADS=1`) avoids that; the JSON records both variables.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -34,8 +46,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from titan_contrastive.components import streaming_loss
 from titan_contrastive.components.loss import clip_loss, sigmoid_loss
-from titan_contrastive.components.memory_probe import LargestTensor
+from titan_contrastive.components.memory_probe import LargestTensor, PeakMemory
+from titan_contrastive.config.job_config import Loss as LossConfig
 from titan_contrastive.distributed_clip import StreamingClipStep
 
 SCALE = 1 / 0.07
@@ -49,6 +63,28 @@ def dense(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
 
 def streaming(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
     StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SCALE, kernel="pytorch")(lambda _: (zx * 1, zy * 1, None), [None])
+
+
+def open_clip_loss_module():  # noqa: ANN201 - the module, or None when open-clip-torch is not installed
+    """open_clip's loss.py from the installed wheel, loaded on its own (the package imports
+    torchvision, which need not import beside this torch; loss.py imports only torch), as
+    tests/test_siglip.py does."""
+    spec = importlib.util.find_spec("open_clip")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "loss.py"
+    module_spec = importlib.util.spec_from_file_location("open_clip_loss", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+OPEN_CLIP = open_clip_loss_module()
+
+
+def open_clip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
+    """open_clip's ClipLoss at world size 1: s * Zx Zy^T and s * Zy Zx^T as two matmuls, cross-entropy each way."""
+    OPEN_CLIP.ClipLoss()(zx, zy, torch.tensor(SCALE, device=zx.device)).backward()
 
 
 def streaming_triton(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA only
@@ -89,6 +125,8 @@ SIGLIP: dict[str, Callable[[torch.Tensor, torch.Tensor, int], None]] = {"dense":
 if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
     SIGLIP["streaming_triton"] = streaming_triton_siglip
 IMPLEMENTATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], None]] = {"dense": dense, "streaming": streaming}
+if OPEN_CLIP is not None:
+    IMPLEMENTATIONS["open_clip"] = open_clip
 if torch.cuda.is_available():  # Triton kernels: ours (needs triton) and the two packages
     for _name, _package, _fn in (("streaming_triton", "triton", streaming_triton), ("inf_cl", "inf_cl", inf_cl),
                                  ("memeff", "memeff", memeff)):
@@ -101,40 +139,74 @@ def skipped(impl: str, exc: Exception) -> dict[str, str]:
     return {"impl": impl, "skipped": f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"}
 
 
-def measure(fn: Callable, n: int, d: int, dtype: torch.dtype, chunk: int, repeats: int, device: torch.device,
-            floor: int = 8) -> dict[str, Any]:
+def measure(fns: dict[str, Callable], n: int, d: int, dtype: torch.dtype, chunks: dict[str, int], repeats: int,
+            device: torch.device, floor: int = 8) -> dict[str, dict[str, Any]]:
+    """Every implementation of `fns` on the same embeddings, interleaved: a warm-up round, then
+    `repeats` rounds, round r starting at implementation r (mod the count), so slow drift in the
+    machine's load cannot favour one. An implementation that runs out of memory is recorded as OOM
+    (a third-party one that raises, as skipped) and leaves the rotation; the others go on."""
     gen = torch.Generator(device=device).manual_seed(0)
     zx = F.normalize(torch.randn(n, d, device=device, generator=gen), dim=-1).to(dtype).requires_grad_()
     zy = F.normalize(torch.randn(n, d, device=device, generator=gen), dim=-1).to(dtype).requires_grad_()
     cuda = device.type == "cuda"
-    times = []
-    try:
-        for i in range(repeats + 1):
-            zx.grad = zy.grad = None
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            start = time.perf_counter()
-            fn(zx, zy, chunk)
-            if cuda:
-                torch.cuda.synchronize()
-            if i:  # the first run is warm-up
-                times.append(time.perf_counter() - start)
-        if cuda:
-            extra = torch.cuda.max_memory_allocated() - base
-        else:
-            zx.grad = zy.grad = None
-            with LargestTensor() as probe:
-                fn(zx, zy, chunk)
-            extra = probe.largest_bytes
-    except torch.OutOfMemoryError:
-        return {"status": "OOM"}
-    finally:
+    times: dict[str, list[float]] = {impl: [] for impl in fns}
+    extra = dict.fromkeys(fns, 0)
+    results: dict[str, dict[str, Any]] = {}
+    live = list(fns)
+
+    def once(impl: str) -> float:
         zx.grad = zy.grad = None
-    median = statistics.median(times)
-    return {"status": "ok", "median_s": median, "times_s": times, "extra_bytes": extra, "floor_tflops": floor * n * n * d / median / 1e12,
-            "memory_kind": "cuda_peak_above_inputs" if cuda else "largest_tensor"}
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        fns[impl](zx, zy, chunks[impl])
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if cuda:
+            extra[impl] = max(extra[impl], torch.cuda.max_memory_allocated() - base)
+        return elapsed
+
+    def drop(impl: str, result: dict[str, Any]) -> None:
+        results[impl] = result
+        live.remove(impl)
+        zx.grad = zy.grad = None
+        if cuda:
+            torch.cuda.empty_cache()
+
+    for r in range(repeats + 1):  # round 0 is the warm-up
+        k = r % len(live) if live else 0
+        for impl in live[k:] + live[:k]:
+            try:
+                elapsed = once(impl)
+            except torch.OutOfMemoryError:
+                drop(impl, {"status": "OOM"})
+                continue
+            except Exception as exc:
+                if impl not in THIRD_PARTY:
+                    raise
+                drop(impl, {"status": "skipped", **skipped(impl, exc)})
+                continue
+            if r:
+                times[impl].append(elapsed)
+    for impl in live:
+        median = statistics.median(times[impl])
+        row = {"status": "ok", "median_s": median, "times_s": times[impl], "floor_tflops": floor * n * n * d / median / 1e12}
+        if cuda:
+            row.update(extra_bytes=extra[impl], memory_kind="cuda_peak_above_inputs")
+        else:  # untimed: the probes dispatch every op through Python
+            zx.grad = zy.grad = None
+            with LargestTensor() as largest:
+                fns[impl](zx, zy, chunks[impl])
+            zx.grad = zy.grad = None
+            with PeakMemory(device) as peak:
+                fns[impl](zx, zy, chunks[impl])
+            row.update(extra_bytes=largest.largest_bytes, memory_kind="largest_tensor", peak_live_bytes=peak.peak)
+        results[impl] = row
+    zx.grad = zy.grad = None
+    return {impl: results[impl] for impl in fns}
 
 
 def agreement(impls: dict[str, Callable], reference: Callable, n: int, d: int, dtype: torch.dtype,
@@ -187,11 +259,15 @@ def plot(rows: list[dict[str, Any]], device: str, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, nargs="+", default=[2**13, 2**14, 2**15, 2**16, 2**17, 2**18, 2**19, 2**20])
+    parser.add_argument("--n", type=int, nargs="+", default=None,
+                        help="batch sizes (default: 8K .. 1M on CUDA, 2K and 8K on CPU)")
     parser.add_argument("--d", type=int, default=512)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--chunk", type=int, default=1024, help="streaming rows per block")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunk", type=int, default=LossConfig.stream_chunk_size,
+                        help="streaming rows per block (default: the config's loss.stream_chunk_size)")
+    parser.add_argument("--tile-bytes", type=int, default=streaming_loss.TILE_BYTES,
+                        help="CPU streaming: bytes per elementwise row tile (streaming_loss.TILE_BYTES; 1099511627776 = no tiling)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds after the warm-up (the median is reported)")
     parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=list(IMPLEMENTATIONS),
                         help="softmax implementations; siglip has dense and streaming")
     parser.add_argument("--losses", nargs="+", default=["clip", "siglip"], choices=["clip", "siglip"])
@@ -199,6 +275,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    streaming_loss.TILE_BYTES = args.tile_bytes
+    if args.n is None:
+        args.n = [2**13, 2**14, 2**15, 2**16, 2**17, 2**18, 2**19, 2**20] if device.type == "cuda" else [2**11, 2**13]
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     impls = {"clip": {i: IMPLEMENTATIONS[i] for i in args.impls}, "siglip": SIGLIP}
     impls = {loss: impls[loss] for loss in args.losses}
@@ -216,30 +295,36 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     tag = ("cuda" if device.type == "cuda" else "cpu") + ("" if args.losses == ["clip", "siglip"] else "_" + "_".join(args.losses))
 
-    def save() -> None:  # after every row: a run stopped at a time limit keeps what it measured
+    def save() -> None:  # after every (N, dtype, loss): a run stopped at a time limit keeps what it measured
         (out / f"loss_bench_{tag}.json").write_text(json.dumps({"device": name, "torch": torch.__version__, "config": vars(args),
+                                                                   "timing": "interleaved round-robin, median of the timed rounds",
+                                                                   "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")},
                                                                    "agreement": checks, "rows": rows}, indent=1))
 
     rows: list[dict] = []
     for n in args.n:
         for dtype in args.dtypes:
             for loss, fns in impls.items():
-                for impl, fn in fns.items():
-                    chunk = min(args.chunk, max(1, (2**28) // n)) if impl == "streaming" and device.type == "cuda" else args.chunk
-                    row = {"loss": loss, "impl": impl, "n": n, "d": args.d, "dtype": dtype, "chunk": chunk}
+                chunks = {impl: min(args.chunk, max(1, (2**28) // n)) if impl == "streaming" and device.type == "cuda" else args.chunk
+                          for impl in fns}
+                measured = measure(fns, n, args.d, getattr(torch, dtype), chunks, args.repeats, device, FLOOR[loss])
+                dense_s = measured.get("dense", {}).get("median_s")
+                for impl, result in measured.items():
+                    row = {"loss": loss, "impl": impl, "n": n, "d": args.d, "dtype": dtype, "chunk": chunks[impl], **result}
+                    if row["status"] == "ok" and dense_s:
+                        row["vs_dense"] = row["median_s"] / dense_s
                     rows.append(row)
-                    try:
-                        row.update(measure(fn, n, args.d, getattr(torch, dtype), chunk, args.repeats, device, FLOOR[loss]))
-                    except Exception as exc:
-                        if impl not in THIRD_PARTY:
-                            raise
-                        row.update(status="skipped", **skipped(impl, exc))
-                        print(f"N={n:>8} {dtype:>8} {loss:>6} {impl:>10}: skipped ({row['skipped']})", flush=True)
+                    if row["status"] == "skipped":
+                        print(f"N={n:>8} {dtype:>8} {loss:>6} {impl:>16}: skipped ({row['skipped']})", flush=True)
                         continue
-                    shown = (f"{row['median_s'] * 1e3:9.1f} ms  {row['extra_bytes'] / 2**20:9.1f} MiB  {row['floor_tflops']:6.1f} TFLOP/s "
+                    shown = (f"{row['median_s'] * 1e3:9.1f} ms  {row['extra_bytes'] / 2**20:9.1f} MiB  {row['floor_tflops']:6.2f} TFLOP/s "
                              f"({FLOOR[loss]}N²d)" if row["status"] == "ok" else "      OOM")
-                    print(f"N={n:>8} {dtype:>8} {loss:>6} {impl:>10}: {shown}", flush=True)
-                    save()
+                    if "vs_dense" in row:
+                        shown += f"  {row['vs_dense']:5.2f}x dense"
+                    if "peak_live_bytes" in row:
+                        shown += f"  peak live {row['peak_live_bytes'] / 2**20:.1f} MiB"
+                    print(f"N={n:>8} {dtype:>8} {loss:>6} {impl:>16}: {shown}", flush=True)
+                save()
     save()
     plot(rows, name, out / f"loss_bench_{tag}.png")
 

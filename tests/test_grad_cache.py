@@ -179,6 +179,45 @@ def test_clear_errors() -> None:
 # ------------------------------------------------------------------ data parallel: DDP and FSDP2
 
 
+class PairTower(nn.Module):
+    """One model, two outputs (a CLIP-like model: both sides in one forward), dropout inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.p = towers("tensor", "tensor")
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        return self.q(x), self.p(y)
+
+
+def pair_reference(model: PairTower, x: torch.Tensor, y: torch.Tensor, chunk: int, seed: int) -> tuple[float, list[torch.Tensor]]:
+    """Dense: the same chunks in the same RNG order, with their graphs, one loss, one backward."""
+    model = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    outs = [model(a, b) for a, b in zip(x.split(chunk), y.split(chunk))]
+    loss = info_nce(torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]))
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("chunk", [4, 13, 20])
+def test_one_model_keeps_its_last_chunk_graph(chunk: int) -> None:
+    """One model: pass 1 keeps the last chunk's graph, so k chunks take 2k - 1 forwards (k <= 1:
+    one), and the loss and every gradient still equal the dense backward's (dropout on)."""
+    model = PairTower()
+    x, y = data(), data(seed=2)
+    want_loss, want = pair_reference(model, x, y, chunk, seed=5)
+    torch.manual_seed(5)
+    loss = GradCache([model], chunk, info_nce, split_input_fn=lambda pair, size: list(zip(pair[0].split(size), pair[1].split(size))),
+                     get_rep_fn=tuple).cache_step((x, y))
+    chunks = -(-B // chunk)
+    assert model.calls == 2 * chunks - 1
+    assert abs(loss.item() - want_loss) <= REL * want_loss
+    assert_close([[p.grad for p in model.parameters()]], [want])
+
+
 def _dp_matches_dense(wrapper: str) -> None:
     import torch.distributed as dist
 
@@ -206,6 +245,38 @@ def _dp_matches_dense(wrapper: str) -> None:
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
 def test_two_processes_no_sync_except_last_match_dense(wrapper: str) -> None:
     run_distributed(_dp_matches_dense, 2, wrapper)
+
+
+def _dp_pair_matches_dense(wrapper: str) -> None:
+    """One model on 2 ranks: the kept chunk's forward runs under no_sync (DDP decides in forward)
+    and its backward first, the last re-forward syncs; chunks of 4 over 13 rows per rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = PairTower()
+    x, y = data(n=2 * B), data(n=2 * B, seed=2)
+    mine = slice(rank * B, (rank + 1) * B)
+    refs = [pair_reference(model, x[r * B:(r + 1) * B], y[r * B:(r + 1) * B], 4, seed=5 + r) for r in range(world)]
+    want = [sum(r[1][i] for r in refs) / world for i in range(len(refs[0][1]))]
+    if wrapper == "ddp":
+        wrapped: nn.Module = nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        wrapped = fully_shard(model)
+    torch.manual_seed(5 + rank)
+    split = lambda pair, size: list(zip(pair[0].split(size), pair[1].split(size)))  # noqa: E731
+    GradCache([wrapped], 4, info_nce, split_input_fn=split, get_rep_fn=tuple).cache_step((x[mine], y[mine]), no_sync_except_last=True)
+    assert model.calls == 2 * 4 - 1
+    got = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in (p.grad for p in model.parameters())]
+    assert_close([got], [want])
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_two_processes_one_model_kept_chunk_match_dense(wrapper: str) -> None:
+    run_distributed(_dp_pair_matches_dense, 2, wrapper)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

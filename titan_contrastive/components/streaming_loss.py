@@ -8,18 +8,27 @@ Q = exp(S - 1 b^T) (column softmax).
     dL/dZx = s/(2N) * (P + Q - 2I) Zy          dL/dZy = s/(2N) * (P + Q - 2I)^T Zx
     dL/dlog(s) = <Zx, dL/dZx>                  (= <Zy, dL/dZy>)
 
-Every function here touches S only in blocks of `chunk` rows (or columns) by N, so the extra
-memory is O(chunk * N + N * d); the logits are formed in at least float32 (float64 stays
-float64). The functions take *global* embedding matrices and a range of rows, so each rank
-computes only its own rows: the distributed step (`titan_contrastive.distributed_clip`)
-splits the work instead of repeating it on every rank as the seed does.
+Every function here touches S only in blocks of at most `chunk` rows by N, so the extra memory
+is O(chunk * N + N * d); the logits are formed in at least float32 (float64 stays float64). A
+rank takes its own rows of S against all N columns, once forward and once backward, with the
+same organisation on both paths, which differ only in the pair of functions:
+- forward, `streamed_row_col_lse` (PyTorch) / `fused_lse` (Triton): the row LSEs of its rows and
+  their partial column LSEs, which the caller merges over ranks with a logsumexp;
+- backward, `streamed_softmax_grads` / `fused_embedding_grads`: W = P + Q - 2I per block, then
+  dZx[own] = W Zy and this rank's share of dZy = W^T Zx[own] as GEMMs; the caller sums the
+  shares over ranks (a reduce-scatter).
+That is 8 N^2 d FLOPs over all ranks (one GEMM forward, three backward), against 6 for the dense
+loss, whose passes over N x N matrices (softmax both ways, their backward, the transposed copy)
+cost more than the two extra GEMMs on the 2-core CPU measured from N = 8K (benchmarks/loss_bench.py). On CPU the PyTorch path runs each block's elementwise passes on
+row tiles of ~`TILE_BYTES`, which stay in cache from one pass to the next; its forward takes one
+exp per logit (the column sums reuse the row pass's exponentials, with an exact fallback for
+columns where that could underflow), its backward two. The step (`steps/global_negatives.py`)
+passes a `KeptBlock`, so the backward starts with the forward's last block instead of
+recomputing it (at N <= chunk: 6 N^2 d). The distributed step (`titan_contrastive.distributed_clip`)
+splits the rows over ranks instead of repeating the work on every rank as the seed does.
 
 `kernel="triton"` / `"triton_exact"` (IEEE fp32 dot products) computes the same quantities with
-the fused Triton kernels (`titan_contrastive.kernels.streaming_triton`), organised differently:
-a rank takes its rows of S against all N columns, once forward (`fused_lse`: its row LSEs and
-its partial column LSEs, merged over ranks by the caller) and once backward
-(`fused_embedding_grads`: W = P + Q - 2I per panel, then dZx[own] = W Zy and this rank's share
-of dZy = W^T Zx as GEMMs, summed over ranks by the caller): 8 N^2 d FLOPs instead of 12.
+the fused Triton kernels (`titan_contrastive.kernels.streaming_triton`), S never in memory.
 `streamed_sigmoid` is the same for SigLIP's sigmoid loss, a sum over pairs: one pass, no
 log-sum-exp; `fused_sigmoid` does it with the fused kernel (W = N dL/dl per panel, then GEMMs).
 
@@ -33,6 +42,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import math
 import warnings
 from typing import Callable
 
@@ -70,53 +80,177 @@ def _triton(kernel: str):  # noqa: ANN202 - the module, imported only when asked
     return importlib.import_module("titan_contrastive.kernels.streaming_triton")
 
 
-def streamed_lse(queries: Tensor, keys: Tensor, scale: Tensor, chunk: int) -> Tensor:
-    """[len(queries)]: logsumexp_j(scale * q_i . k_j), `chunk` queries at a time.
-
-    Row LSE of S for rows `queries` of Zx when keys = Zy; column LSE when queries are rows of
-    Zy and keys = Zx (S^T = s * Zy Zx^T).
-    """
-    out = torch.empty(len(queries), dtype=accumulation_dtype(queries), device=queries.device)
-    for start in range(0, len(queries), chunk):
-        out[start : start + chunk] = torch.logsumexp(_logits(queries[start : start + chunk], keys, scale), dim=1)
-    return out
-
-
 def infonce_loss_from_lse(zx: Tensor, zy: Tensor, row_lse: Tensor, col_lse: Tensor, scale: Tensor) -> Tensor:
     """L from the global LSEs and the diagonal only: O(N * d)."""
     diag = (zx.to(row_lse.dtype) * zy.to(row_lse.dtype)).sum(1) * scale
     return (row_lse.sum() + col_lse.sum() - 2 * diag.sum()) / (2 * len(zx))
 
 
-def _softmax_sum_times(block: Tensor, row_shift: Tensor, col_shift: Tensor, values: Tensor) -> Tensor:
-    """(exp(block - row_shift) + exp(block - col_shift)) @ values, with `block` consumed in place."""
-    weights = (block - row_shift).exp_()
-    weights += block.sub_(col_shift).exp_()
-    return (weights.to(values.dtype) @ values).to(block.dtype)
+# ------------------------------------------------------------------ the PyTorch path
+
+TILE_BYTES = 2 << 20  # CPU: a block's elementwise passes run on ~2 MiB row tiles, which stay in cache between passes
 
 
-def streamed_embedding_grads(zx: Tensor, zy: Tensor, rows: range, row_lse: Tensor, col_lse: Tensor, scale: Tensor,
-                             chunk: int) -> tuple[Tensor, Tensor]:
-    """(dL/dZx[rows], dL/dZy[rows]) of the global loss, `chunk` rows at a time.
+def _tile_rows(block: Tensor) -> int:
+    """Rows per elementwise tile of `block`: on CPU ~TILE_BYTES (at least one row), so the
+    passes over a tile (subtract, exp, sum, ...) read it from cache, not from memory; elsewhere
+    the whole block (a GPU gains nothing from tiling, only launches)."""
+    if block.device.type != "cpu":
+        return max(1, len(block))
+    return max(1, TILE_BYTES // max(1, block.shape[1] * block.element_size()))
 
-    zx, zy: the global [N, d] embeddings (detached); row_lse, col_lse: the global LSEs (a, b).
-    For dZx the blocks are rows of S (P and Q restricted to those rows); for dZy they are
-    columns of S, formed as rows of S^T = s * Zy Zx^T.
+
+def _logits_into(out: Tensor, queries: Tensor, keys: Tensor, scale: float) -> Tensor:
+    """out = scale * queries @ keys^T, out in the accumulation dtype: one GEMM with the scale as its
+    alpha when the embeddings are already in that dtype; else the product in theirs, copied into
+    out and scaled there."""
+    if queries.dtype == out.dtype:
+        return out.addmm_(queries, keys.T, beta=0, alpha=scale)
+    return out.copy_(queries @ keys.T).mul_(scale)  # scaled in out's dtype, not rounded to the inputs' again
+
+
+def _underflow_margin(dtype: torch.dtype, rows: int) -> float:
+    """How far (in log units, negative) a sum of `rows` exponentials exp(x - shift) may lie below
+    its shift and still be exact: each term that flushes or goes subnormal is off by less than
+    the smallest normal `tiny`, so a sum >= rows * tiny / eps (e times that, for margin) is off by
+    less than one rounding error. fp32: about -63 at 1K rows; fp64: about -664."""
+    info = torch.finfo(dtype)
+    return math.log(rows * info.tiny / info.eps) + 1.0
+
+
+class KeptBlock:
+    """The last block of logits of a `streamed_row_col_lse` call, kept for the
+    `streamed_softmax_grads` call on the same rows that follows: that one starts with this block
+    instead of recomputing it (one of the four GEMMs of a block saved; a quarter of all the work
+    when the rows fit in one chunk), in the same buffer, so no extra memory. Used only if the
+    embeddings, their versions and the scale are those of the LSE call; emptied when used."""
+
+    __slots__ = ("buffer", "key", "start")
+
+    def __init__(self) -> None:
+        self.buffer: Tensor | None = None
+        self.key: tuple = ()
+        self.start = -1
+
+    @staticmethod
+    def key_of(zx_own: Tensor, zy: Tensor, scale: float, chunk: int) -> tuple:
+        return (zx_own.data_ptr(), zx_own.shape, zx_own.stride(), zx_own._version, zx_own.dtype,
+                zy.data_ptr(), zy.shape, zy.stride(), zy._version, scale, chunk)
+
+    def take(self, key: tuple) -> tuple[Tensor | None, int]:
+        """(the buffer holding the kept block, its first row) if it is for `key`, else (None, -1)."""
+        buffer, start, match = self.buffer, self.start, self.key == key
+        self.buffer, self.key, self.start = None, (), -1
+        return (buffer, start) if match else (None, -1)
+
+
+def streamed_row_col_lse(zx_own: Tensor, zy: Tensor, scale: Tensor, chunk: int,
+                         keep: KeptBlock | None = None) -> tuple[Tensor, Tensor]:
+    """(row LSE of the rows `zx_own` [c], their partial column LSE [N]) in one pass over S[own, :],
+    `chunk` rows x N at a time; the PyTorch twin of `fused_lse`.
+
+    The global column LSE is the logsumexp of the partials over ranks (or over any split of the
+    rows). Per block, on tiles of rows: E = exp(S - m) with m the tile's row maxima gives the
+    row sums; the column sums come from the same E, sum_i E_ij exp(m_i - M) (a GEMV, M the
+    tile's largest m), so each logit takes one exp. A column whose block sum lies so far below
+    the block's shift that flushed terms could matter (fp32: below ~e^-63; with unit embeddings,
+    only at s > 31) is recomputed from the block's logits with a plain logsumexp, so the result
+    is exact in every case. `keep`: the last block stays there for `streamed_softmax_grads`.
     """
-    n = len(zx)
-    coef = scale / (2 * n)
-    acc = accumulation_dtype(zx)
-    gx = torch.empty(len(rows), zx.shape[1], dtype=acc, device=zx.device)
-    gy = torch.empty_like(gx)
-    for start in range(rows.start, rows.stop, chunk):
-        stop = min(start + chunk, rows.stop)
-        out = slice(start - rows.start, stop - rows.start)
-        # rows of S: P[i, :] = exp(S_i: - a_i), Q[i, :] = exp(S_i: - b)
-        block = _logits(zx[start:stop], zy, scale)
-        gx[out] = coef * (_softmax_sum_times(block, row_lse[start:stop, None], col_lse[None, :], zy) - 2 * zy[start:stop].to(acc))
-        # columns of S as rows of S^T: P[:, j]^T = exp(S_:j - a), Q[:, j]^T = exp(S_:j - b_j)
-        block = _logits(zy[start:stop], zx, scale)
-        gy[out] = coef * (_softmax_sum_times(block, row_lse[None, :], col_lse[start:stop, None], zx) - 2 * zx[start:stop].to(acc))
+    acc = accumulation_dtype(zx_own)
+    c, n = len(zx_own), len(zy)
+    dev = zx_own.device
+    s = float(scale)
+    row_lse = torch.empty(c, dtype=acc, device=dev)
+    if c == 0:
+        return row_lse, torch.full((n,), -math.inf, dtype=acc, device=dev)
+    block_buf = torch.empty(min(chunk, c), n, dtype=acc, device=dev)
+    tile = min(_tile_rows(block_buf), len(block_buf))
+    tiles_per_block = -(-len(block_buf) // tile)
+    exps = torch.empty(tile, n, dtype=acc, device=dev)
+    col_parts = torch.empty(tiles_per_block, n, dtype=acc, device=dev)  # per tile: log sum_i exp(S_ij - M_tile)
+    shifts = torch.empty(tiles_per_block, 1, dtype=acc, device=dev)
+    col_lse = None
+    for start in range(0, c, chunk):
+        stop = min(start + chunk, c)
+        block = _logits_into(block_buf[: stop - start], zx_own[start:stop], zy, s)
+        k = 0
+        for t0 in range(0, len(block), tile):
+            logits = block[t0 : t0 + tile]
+            rows, e = row_lse[start + t0 : start + t0 + len(logits)], exps[: len(logits)]
+            row_max = logits.amax(1)
+            torch.sub(logits, row_max[:, None], out=e).exp_()
+            torch.sum(e, 1, out=rows)
+            rows.log_().add_(row_max)
+            torch.amax(row_max, 0, keepdim=True, out=shifts[k])
+            torch.mv(e.T, row_max.sub_(shifts[k]).exp_(), out=col_parts[k])
+            k += 1
+        parts = col_parts[:k].log_().add_(shifts[:k])
+        block_col = parts[0] if k == 1 else torch.logsumexp(parts, 0)
+        suspect = block_col < shifts[:k].max() + _underflow_margin(acc, len(block))
+        if suspect.any():  # flushed terms might matter: those columns straight from the logits
+            cols = suspect.nonzero()[:, 0]
+            block_col[cols] = torch.logsumexp(block[:, cols], 0)
+        col_lse = block_col.clone() if col_lse is None else torch.logaddexp(col_lse, block_col, out=col_lse)
+    if keep is not None:
+        keep.buffer, keep.start, keep.key = block_buf, start, KeptBlock.key_of(zx_own, zy, s, chunk)
+    return row_lse, col_lse
+
+
+def streamed_softmax_grads(zx_own: Tensor, zy: Tensor, row_lse_own: Tensor, col_lse: Tensor, scale: Tensor, first_row: int,
+                           chunk: int, keep: KeptBlock | None = None) -> tuple[Tensor, Tensor]:
+    """(dL/dZx[own] [c, d], this rank's share of dL/dZy [N, d]) from one recompute of S[own, :],
+    `chunk` rows x N at a time; the PyTorch twin of `fused_embedding_grads`.
+
+    row_lse_own: the LSEs a of these rows; col_lse: the global column LSEs b; first_row: the
+    global index of zx_own[0] (its positive is column first_row). Per block, W = exp(S - a) +
+    exp(S - b) - 2I (on tiles of rows that stay in cache on CPU), then dZx[rows] = W Zy and
+    dZy += W^T Zx[rows], both GEMMs scaled by s/(2N) (low-precision embeddings take W in their
+    dtype, as the fused kernel does). The shares of dZy sum to the gradient over ranks. Blocks
+    run last to first, so the first can be the one `keep` holds from the LSE pass.
+    """
+    acc = accumulation_dtype(zx_own)
+    c, n = len(zx_own), len(zy)
+    dev = zx_own.device
+    s = float(scale)
+    coef = s / (2 * n)
+    gx = torch.empty(c, zy.shape[1], dtype=acc, device=dev)
+    if c == 0:
+        return gx, torch.zeros(n, zy.shape[1], dtype=acc, device=dev)
+    gy = torch.empty(n, zy.shape[1], dtype=acc, device=dev)  # written by the first block's product, then summed into
+    block_buf, kept = keep.take(KeptBlock.key_of(zx_own, zy, s, chunk)) if keep is not None else (None, -1)
+    if block_buf is None:
+        block_buf = torch.empty(min(chunk, c), n, dtype=acc, device=dev)
+    tile = min(_tile_rows(block_buf), len(block_buf))
+    p = torch.empty(tile, n, dtype=acc, device=dev)
+    col_shift = col_lse[None, :]
+    low = zy.dtype != acc
+    starts = range(0, c, chunk)
+    for start in reversed(starts):
+        stop, first = min(start + chunk, c), start == starts[-1]
+        block = block_buf[: stop - start]
+        if start != kept:
+            _logits_into(block, zx_own[start:stop], zy, s)
+        for t0 in range(0, len(block), tile):
+            logits = block[t0 : t0 + tile]
+            pt = p[: len(logits)]
+            torch.sub(logits, row_lse_own[start + t0 : start + t0 + len(logits), None], out=pt).exp_()  # P
+            logits.sub_(col_shift).exp_().add_(pt)  # Q + P, in place
+        block.diagonal(first_row + start).sub_(2)  # - 2I on the global diagonal
+        if low:  # W rounded to the embeddings' dtype for the products, their results summed in float32
+            w = block.to(zy.dtype)
+            gx[start:stop] = w @ zy
+            share = w.T @ zx_own[start:stop]
+            if first:
+                gy.copy_(share)
+            else:
+                gy += share
+        else:
+            gx[start:stop].addmm_(block, zy, beta=0, alpha=coef)
+            gy.addmm_(block.T, zx_own[start:stop], beta=0 if first else 1, alpha=coef)
+    if low:
+        gx.mul_(coef)
+        gy.mul_(coef)
     return gx, gy
 
 
@@ -249,8 +383,8 @@ def _fused_and_reference(loss: str, zx: Tensor, zy: Tensor, kernel: str) -> tupl
         return fused_sigmoid(zx, zy, scale, bias, 0, kernel, panel=256), streamed_sigmoid(x32, y32, scale, bias, 0, n)
     row, col = fused_lse(zx, zy, scale, kernel)
     got = fused_embedding_grads(zx, zy, row, col, scale, 0, kernel, panel=256)
-    want_row, want_col = streamed_lse(x32, y32, scale, n), streamed_lse(y32, x32, scale, n)
-    return (row, col, *got), (want_row, want_col, *streamed_embedding_grads(x32, y32, range(n), want_row, want_col, scale, n))
+    want_row, want_col = streamed_row_col_lse(x32, y32, scale, n)
+    return (row, col, *got), (want_row, want_col, *streamed_softmax_grads(x32, y32, want_row, want_col, scale, 0, n))
 
 
 @functools.cache

@@ -211,6 +211,15 @@ class GradCacheConfig:
                                   "one or two integers >= 1 (one chunk size, or image and text tower)")
     """Samples per forward chunk: one value, or one per tower (image, text). The clip family runs
     both towers in one forward, so its two values must be equal."""
+    chunk_tokens: int = _opt(0, lambda v: v >= 0, "0 (off) or an integer >= 1")
+    """Tokens per forward chunk instead of `chunk_sizes` samples, for text families (bi_encoder);
+    0 = off. The microbatch's samples are sorted by length and each chunk takes as many as fit
+    (samples x the chunk's longest query + longest document <= chunk_tokens; at least one sample),
+    so short texts go in large chunks and long ones in small chunks (sentence-transformers'
+    mini_batch_num_tokens); the loss sees the samples in their original order, so the loss and the
+    gradients are those of any chunking. E.g. 32 x the median tokens per sample. Needs
+    enabled = true and loss.negatives = microbatch; the memory planner plans chunk_sizes, not this.
+    (Every chunk is cut to its longest sequence either way.)"""
 
 
 @dataclass

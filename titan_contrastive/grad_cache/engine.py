@@ -8,6 +8,14 @@
    float32 or better). Its gradient with respect to each output is the cached one, so by the chain
    rule the parameters receive exactly dL/dtheta, with the activations of one chunk alive at a time.
 
+`keep_last`: pass 1 runs its last chunk with a graph (it is the last forward before the loss) and
+pass 2 backpropagates that chunk first, from the kept graph, then re-runs the others: one forward
+in k saved, the same values (the re-forward would replay the same RNG), and still the activations
+of one chunk alive at a time (the kept graph is freed before the first re-forward). Pass 2's
+`sync(is_last)` marks the chunk processed last, which is then chunk k-2. The kept chunk's
+forward runs inside `keep_last()`: the data-parallel context its backward needs (DDP decides in
+forward), sync only when it is the only chunk.
+
 `call` may return a Tensor or a tuple of Tensors (a CLIP model: image embeddings, text
 embeddings, exp(logit_scale)); an output without a cached gradient (None) is left out of the
 surrogate. With `replay` (pass 1's outputs per chunk), `replayed(k)` gives a model, inside pass
@@ -29,7 +37,7 @@ from torch import Tensor
 from titan_contrastive.components.rng import RandContext
 from titan_contrastive.grad_cache.inputs import GradCacheError
 
-__all__ = ["Outputs", "as_tuple", "float_dot", "forward_backward", "forward_no_grad", "replayed"]
+__all__ = ["Kept", "Outputs", "as_tuple", "float_dot", "forward_backward", "forward_no_grad", "replayed"]
 
 Outputs = Union[Tensor, tuple[Union[Tensor, None], ...]]
 
@@ -62,32 +70,62 @@ def _replaying(outputs: Outputs | None) -> Any:
         _REPLAY.reset(token)
 
 
-def forward_no_grad(call: Callable[[Any], Outputs], chunks: Sequence[Any]) -> tuple[list[Outputs], list[RandContext]]:
-    """Pass 1: every chunk's outputs without a graph, and the RNG state each chunk started from."""
-    outputs, states = [], []
-    with torch.no_grad():
-        for chunk in chunks:
-            states.append(RandContext())
+class Kept:
+    """Pass 1's last chunk run with a graph (`forward_no_grad(keep_last=...)`): its outputs, which
+    pass 2 backpropagates instead of re-running the chunk. Stands in that chunk's RNG state."""
+
+    def __init__(self, outputs: Outputs) -> None:
+        self.outputs = as_tuple(outputs)
+
+
+def _detached(outputs: Outputs) -> Outputs:
+    if isinstance(outputs, (tuple, list)):
+        return tuple(None if o is None else o.detach() for o in outputs)
+    return outputs.detach()
+
+
+def forward_no_grad(call: Callable[[Any], Outputs], chunks: Sequence[Any], *,
+                    keep_last: Callable[[], ContextManager] | None = None) -> tuple[list[Outputs], list[RandContext | Kept]]:
+    """Pass 1: every chunk's outputs without a graph, and the RNG state each chunk started from.
+    With `keep_last`, the last chunk runs with a graph inside `keep_last()`: its outputs are
+    returned detached and its state is a `Kept` holding the graph."""
+    outputs: list[Outputs] = []
+    states: list[RandContext | Kept] = []
+    for i, chunk in enumerate(chunks):
+        if keep_last is not None and i == len(chunks) - 1:
+            with keep_last():
+                kept = call(chunk)
+            states.append(Kept(kept))
+            outputs.append(_detached(kept))
+            continue
+        states.append(RandContext())
+        with torch.no_grad():
             outputs.append(call(chunk))
     return outputs, states
 
 
-def forward_backward(call: Callable[[Any], Outputs], chunks: Sequence[Any], states: Sequence[RandContext],
+def forward_backward(call: Callable[[Any], Outputs], chunks: Sequence[Any], states: Sequence[RandContext | Kept],
                      gradients: Callable[[int, tuple[Tensor | None, ...]], Sequence[Tensor | None]], *,
-                     sync: Callable[[int], ContextManager] = lambda i: contextlib.nullcontext(),
+                     sync: Callable[[bool], ContextManager] = lambda is_last: contextlib.nullcontext(),
                      backward: Callable[[Tensor], None] = Tensor.backward, replay: Sequence[Outputs] | None = None) -> None:
     """Pass 2: per chunk i, replay its RNG, re-run `call` with a graph and backpropagate the surrogate.
 
     `gradients(i, outputs)` gives chunk i's cached gradient per output (None: not in the loss);
-    it sees the re-forward's outputs, so a caller can slice a concatenated cache by their sizes.
-    `sync(i)` is the context for chunk i's forward and backward (the data-parallel reduction:
-    `parallelisms.grad_sync`); `backward(surrogate)` runs the backward (a float16 caller scales).
-    `replay[i]`: chunk i's pass-1 outputs, offered to the model through `replayed` (see above).
+    it sees the re-forward's outputs, so a caller can slice a cache by their sizes. `sync(is_last)`
+    is the context for a chunk's forward and backward, is_last for the chunk processed last (the
+    data-parallel reduction: `parallelisms.grad_sync`); `backward(surrogate)` runs the backward (a
+    float16 caller scales). `replay[i]`: chunk i's pass-1 outputs, offered to the model through
+    `replayed` (see above). A `Kept` state (pass 1's graph) is processed first, without a re-forward.
     """
-    for i, (chunk, state) in enumerate(zip(chunks, states)):
-        with sync(i):
-            with state, _replaying(replay[i] if replay is not None else None):
-                outputs = as_tuple(call(chunk))
+    order = sorted(range(len(chunks)), key=lambda i: not isinstance(states[i], Kept))  # the kept graph first: freed first
+    for n, i in enumerate(order):
+        state = states[i]
+        with sync(n == len(order) - 1):
+            if isinstance(state, Kept):
+                outputs, state.outputs = state.outputs, ()  # the graph goes with this chunk's backward
+            else:
+                with state, _replaying(replay[i] if replay is not None else None):
+                    outputs = as_tuple(call(chunks[i]))
             grads = list(gradients(i, outputs))
             if len(grads) != len(outputs):
                 raise GradCacheError(f"re-forward of chunk {i} gave {len(outputs)} outputs, the cache holds {len(grads)}")
@@ -99,6 +137,7 @@ def forward_backward(call: Callable[[Any], Outputs], chunks: Sequence[Any], stat
                     shape = None if out is None else tuple(out.shape)
                     raise GradCacheError(f"re-forward of chunk {i} gave a representation of shape {shape}, the cache holds {tuple(grad.shape)}")
                 terms.append(float_dot(out, grad))
+            del outputs
             if terms:
                 surrogate = terms[0]
                 for term in terms[1:]:

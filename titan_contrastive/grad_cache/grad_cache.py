@@ -2,18 +2,25 @@
 
 Order of operations in `cache_step(*model_inputs)` (one input per model, e.g. queries and
 passages, plus hard negatives):
-1. split every input into chunks (`chunk_sizes[i]` samples for model i);
+1. split every input into chunks (`chunk_sizes[i]` samples for model i; or, with
+   `chunk_tokens[i]`, the samples sorted by length and packed into chunks of at most that many
+   tokens, `tokens.token_chunks`), each cut to its longest sequence (`tokens.trim_padding`: the
+   trailing columns that are padding in every row of the chunk, where the input marks its padding
+   with an `attention_mask` or `pad_ids`; a no-op for anything else);
 2. `forward_no_grad`: per chunk, capture the RNG (RandContext) and run the model without a
-   graph; concatenate the chunk representations;
+   graph (with one model, its last chunk with a graph, kept for step 4); concatenate the chunk
+   representations (put back in batch order after token chunks);
 3. `build_cache`: the loss on the detached, float32 representations; backward gives
    dL/d(representation) for every sample (the "gradient cache"); with float16 the loss is scaled
    by the GradScaler first, so the cache holds scaled gradients and the parameter gradients come
    out scaled as the scaler expects;
-4. `forward_backward`: per chunk, replay its RNG, forward with a graph, backward of the float32
+4. `forward_backward`: the kept chunk first, from its graph; then per chunk, replay its RNG,
+   forward with a graph; each chunk's backward of the float32
    surrogate <representation, cached gradient>: by the chain rule this accumulates exactly
-   dL/dtheta. With `no_sync_except_last` the data-parallel reduction runs only on the very last
-   chunk a model sees (`parallelisms.grad_sync`: DDP `no_sync`, FSDP2 deferral; a plain model
-   needs nothing), also when one model is passed twice (tied towers).
+   dL/dtheta (token chunks take their rows of the cache in chunk order). With
+   `no_sync_except_last` the data-parallel reduction runs only on the very last chunk a model sees
+   (`parallelisms.grad_sync`: DDP `no_sync`, FSDP2 deferral; a plain model needs nothing), also
+   when one model is passed twice (tied towers).
 The caller then steps the optimizer (through the scaler with float16). Steps 2 and 4 are the
 cached-gradient engine (`engine.py`), which the streaming global-negatives step shares.
 
@@ -28,15 +35,18 @@ reached in every chunk's backward, as DDP's reducer expects).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from titan_contrastive.components.rng import RandContext
 from titan_contrastive.grad_cache import engine
 from titan_contrastive.grad_cache.engine import Outputs, as_tuple
-from titan_contrastive.grad_cache.inputs import GradCacheError, get_rep, model_call, split_inputs
+from titan_contrastive.grad_cache.inputs import GradCacheError, get_rep, model_call, split_inputs, take_chunks
+from titan_contrastive.grad_cache.tokens import token_chunks, trim_padding
 from titan_contrastive.parallelisms.grad_sync import grad_sync
 
 Reps = Tensor | tuple[Tensor, ...]  # one model's representations of a whole input (tuple: several outputs)
@@ -47,10 +57,21 @@ def _merge(parts: list[Tensor]) -> Tensor:
     return parts[0] if parts[0].dim() == 0 else torch.cat(parts)
 
 
-def _chunk_gradients(cached: Reps) -> Callable[[int, tuple[Tensor | None, ...]], list[Tensor]]:
-    """`engine.forward_backward`'s gradients: each chunk's rows of each output's cache, in order;
-    a 0-dim output's gradient goes to the first chunk, zero to the others."""
+def _reorder(reps: Reps, index: Tensor | None) -> Reps:
+    """Per-sample rows in the order `index` gives (0-dim values as they are); None: unchanged."""
+    if index is None:
+        return reps
+    out = tuple(t if t.dim() == 0 else t.index_select(0, index.to(t.device)) for t in as_tuple(reps))
+    return out[0] if isinstance(reps, Tensor) else out
+
+
+def _chunk_gradients(cached: Reps, rows: Sequence[Sequence[int]] | None = None) -> Callable[[int, tuple[Tensor | None, ...]], list[Tensor]]:
+    """`engine.forward_backward`'s gradients: each chunk's rows of each output's cache; a 0-dim
+    output's gradient goes to the first chunk, zero to the others. `rows[i][k]`: chunk i's rows of
+    output k (pass 1's outputs), so chunks may come in any order; None: in order, sized by the
+    re-forward's outputs."""
     cache = as_tuple(cached)
+    starts = None if rows is None else [[sum(r[k] for r in rows[:i]) for k in range(len(cache))] for i in range(len(rows))]
     offsets = [0] * len(cache)
 
     def gradients(i: int, outputs: tuple[Tensor | None, ...]) -> list[Tensor]:
@@ -60,12 +81,18 @@ def _chunk_gradients(cached: Reps) -> Callable[[int, tuple[Tensor | None, ...]],
                 grads.append(grad if i == 0 else torch.zeros_like(grad))
                 continue
             out = outputs[k] if k < len(outputs) else None
-            rows = len(out) if out is not None and out.dim() else 0
-            grads.append(grad[offsets[k] : offsets[k] + rows])
-            offsets[k] += rows
+            n = len(out) if out is not None and out.dim() else 0
+            start = offsets[k] if starts is None else starts[i][k]
+            grads.append(grad[start : start + n])
+            offsets[k] += n
         return grads
 
     return gradients
+
+
+def _rows(outputs: Sequence[Outputs]) -> list[list[int]]:
+    """Rows of each output of each chunk (0 for a 0-dim or missing output)."""
+    return [[len(o) if o is not None and o.dim() else 0 for o in as_tuple(out)] for out in outputs]
 
 
 class GradCache:
@@ -80,6 +107,14 @@ class GradCache:
     sync_context(model, sync) replaces the DDP / FSDP2 detection when the caller owns the wrapper
     (a trainer whose "model" is a function around its DP module).
     get_rep_fn may return a tuple: a model with several outputs (see the module docstring).
+
+    Text inputs (`tokens`): a Mapping input with an `attention_mask`, or with entries that `pad_ids`
+    ({key: pad id}) names as right-padded token ids, has each chunk cut to its longest sequence
+    (`trim_padding=False`: not). chunk_tokens (one per model or one for all; 0 = chunks of
+    `chunk_sizes`): chunks of length-sorted samples, as many as fit that many tokens, padding
+    included; the loss sees the representations in batch order, so the loss and the gradients do
+    not depend on the sample order. With a token budget every rank of `group` (None: the default
+    group, when torch.distributed is initialized) runs as many chunks as the rank with the most.
     """
 
     def __init__(self, models: Sequence[nn.Module], chunk_sizes: int | Sequence[int], loss_fn: Callable[..., Tensor],
@@ -87,7 +122,9 @@ class GradCache:
                  get_rep_fn: Callable[[Any], Tensor] | None = None, fp16: bool = False,
                  scaler: torch.amp.GradScaler | None = None, *, autocast_dtype: torch.dtype | None = None,
                  rep_attribute: str = "pooler_output",
-                 sync_context: Callable[[nn.Module, bool], ContextManager] | None = None) -> None:
+                 sync_context: Callable[[nn.Module, bool], ContextManager] | None = None,
+                 chunk_tokens: int | Sequence[int] = 0, pad_ids: Mapping[str, int] | None = None, trim_padding: bool = True,
+                 group: dist.ProcessGroup | None = None) -> None:
         self.models = list(models)
         sizes = [chunk_sizes] * len(self.models) if isinstance(chunk_sizes, int) else list(chunk_sizes)
         if len(sizes) != len(self.models):
@@ -95,9 +132,21 @@ class GradCache:
         for i, size in enumerate(sizes):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise GradCacheError(f"chunk_sizes[{i}]={size!r}: must be an integer >= 1")
+        tokens = [chunk_tokens] * len(self.models) if isinstance(chunk_tokens, int) else list(chunk_tokens)
+        if len(tokens) != len(self.models):
+            raise GradCacheError(f"{len(tokens)} chunk_tokens for {len(self.models)} models; give one per model (or one int for all)")
+        for i, budget in enumerate(tokens):
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+                raise GradCacheError(f"chunk_tokens[{i}]={budget!r}: must be 0 (chunks of chunk_sizes samples) or an integer >= 1")
+        if any(tokens) and split_input_fn is not None:
+            raise GradCacheError("chunk_tokens packs batch-major inputs itself; it does not combine with split_input_fn")
         if fp16 and scaler is None:
             raise GradCacheError("fp16=True needs a scaler (torch.amp.GradScaler) to keep float16 gradients from underflowing")
         self.chunk_sizes = sizes
+        self.chunk_tokens = tokens
+        self.pad_ids = dict(pad_ids or {})
+        self.trim_padding = trim_padding
+        self.group = group
         self.loss_fn = loss_fn
         self.split_input_fn = split_input_fn
         self.get_rep_fn = get_rep_fn
@@ -111,9 +160,22 @@ class GradCache:
     # ------------------------------------------------------------------ the three steps
 
     def split(self, model_input: Any, chunk_size: int, what: str = "input") -> list[Any]:
+        """Chunks of `chunk_size` samples, each cut to its longest sequence."""
         if self.split_input_fn is not None:
-            return self.split_input_fn(model_input, chunk_size)
-        return split_inputs(model_input, chunk_size, what)
+            return self._trimmed(self.split_input_fn(model_input, chunk_size))
+        return self._trimmed(split_inputs(model_input, chunk_size, what))
+
+    def chunk(self, model_input: Any, index: int) -> tuple[list[Any], Tensor | None]:
+        """Model `index`'s chunks of `model_input`, and with a token budget the order of the samples
+        in them (chunk rows k = batch rows order[k]); None: batch order."""
+        what = f"input {index}"
+        if not self.chunk_tokens[index]:
+            return self.split(model_input, self.chunk_sizes[index], what), None
+        order, sizes = token_chunks(model_input, self.chunk_tokens[index], self.pad_ids, group=self.group, what=what)
+        return self._trimmed(take_chunks(model_input, order, sizes, what)), order
+
+    def _trimmed(self, chunks: list[Any]) -> list[Any]:
+        return [trim_padding(c, self.pad_ids) for c in chunks] if self.trim_padding else chunks
 
     def _autocast(self, model: nn.Module) -> ContextManager:
         if self.autocast_dtype is None:
@@ -128,9 +190,11 @@ class GradCache:
             output = model_call(model, chunk)
         return self.get_rep_fn(output) if self.get_rep_fn is not None else get_rep(output, self.rep_attribute)
 
-    def forward_no_grad(self, model: nn.Module, chunks: Sequence[Any]) -> tuple[Reps, list[RandContext]]:
-        """Step 1: representations of all chunks without a graph, and each chunk's RNG state."""
-        outputs, states = engine.forward_no_grad(lambda chunk: self._rep(model, chunk), chunks)
+    def forward_no_grad(self, model: nn.Module, chunks: Sequence[Any], *,
+                        keep_last: Callable[[], ContextManager] | None = None) -> tuple[Reps, list[RandContext | engine.Kept]]:
+        """Step 1: representations of all chunks without a graph, and each chunk's RNG state
+        (`keep_last`: the last chunk keeps its graph for step 3, `engine.forward_no_grad`)."""
+        outputs, states = engine.forward_no_grad(lambda chunk: self._rep(model, chunk), chunks, keep_last=keep_last)
         self._pass1[id(chunks)] = outputs  # offered to step 3's re-forward (engine.replayed: a locked tower runs once)
         if isinstance(outputs[0], Tensor):
             return _merge(outputs), states
@@ -146,7 +210,7 @@ class GradCache:
         return cache, loss.detach()
 
     def forward_backward(self, model: nn.Module, chunks: Sequence[Any], cached_gradients: Reps,
-                         random_states: Sequence[RandContext], no_sync_except_last: bool = False,
+                         random_states: Sequence[RandContext | engine.Kept], no_sync_except_last: bool = False,
                          sync_on_last: bool = True) -> None:
         """Step 3: replay each chunk's RNG, forward with a graph, backward of <rep, cached grad>.
 
@@ -154,26 +218,32 @@ class GradCache:
         model with several outputs). `sync_on_last=False` keeps even the last chunk unsynced
         (the model is used again later).
         """
-        def sync(i: int) -> ContextManager:
-            return self.sync_context(model, not no_sync_except_last or (sync_on_last and i == len(chunks) - 1))
+        pass1 = self._pass1.pop(id(chunks), None)
+        engine.forward_backward(lambda chunk: self._rep(model, chunk), chunks, random_states,
+                                _chunk_gradients(cached_gradients, None if pass1 is None else _rows(pass1)),
+                                sync=lambda is_last: self._sync(model, no_sync_except_last, sync_on_last and is_last), replay=pass1)
 
-        engine.forward_backward(lambda chunk: self._rep(model, chunk), chunks, random_states, _chunk_gradients(cached_gradients),
-                                sync=sync, replay=self._pass1.pop(id(chunks), None))
+    def _sync(self, model: nn.Module, no_sync_except_last: bool, last: bool) -> ContextManager:
+        return self.sync_context(model, not no_sync_except_last or last)
 
     def cache_step(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> Tensor:
         """Steps 1-3 for one batch: gradients accumulate in .grad; returns the loss (detached)."""
         if len(model_inputs) != len(self.models):
             raise GradCacheError(f"{len(model_inputs)} inputs for {len(self.models)} models; pass one input per model")
-        chunks = [self.split(x, size, f"input {i}") for i, (x, size) in enumerate(zip(model_inputs, self.chunk_sizes))]
+        chunks, orders = zip(*(self.chunk(x, i) for i, x in enumerate(model_inputs)))
         if empty := [i for i, c in enumerate(chunks) if not c]:
             raise GradCacheError(f"input {empty[0]} is an empty batch (0 samples); a contrastive loss needs at least one pair: skip empty batches")
         self._pass1.clear()
-        reps, states = zip(*(self.forward_no_grad(m, c) for m, c in zip(self.models, chunks)))
+        # one model: its last chunk keeps its graph (one forward saved, engine.forward_no_grad); with several,
+        # kept graphs would be alive together, so each chunk is re-run
+        keep = (lambda: self._sync(self.models[0], no_sync_except_last, len(chunks[0]) == 1)) if len(self.models) == 1 else None
+        reps, states = zip(*(self.forward_no_grad(m, c, keep_last=keep) for m, c in zip(self.models, chunks)))
+        reps = [_reorder(r, None if o is None else torch.argsort(o)) for r, o in zip(reps, orders)]  # batch order for the loss
         widths = [len(as_tuple(r)) for r in reps]  # outputs per model
         cache, loss = self.build_cache(*(t for r in reps for t in as_tuple(r)), **loss_kwargs)
         last_use = {id(m): i for i, m in enumerate(self.models)}  # a tied model syncs after its last use
         for i, (model, model_chunks, model_states) in enumerate(zip(self.models, chunks, states)):
             first = sum(widths[:i])
-            grads = cache[first] if isinstance(reps[i], Tensor) else tuple(cache[first : first + widths[i]])
+            grads = _reorder(cache[first] if isinstance(reps[i], Tensor) else tuple(cache[first : first + widths[i]]), orders[i])
             self.forward_backward(model, model_chunks, grads, model_states, no_sync_except_last, sync_on_last=last_use[id(model)] == i)
         return loss

@@ -5,7 +5,8 @@ tokenizer's BatchEncoding), a list or tuple of those. Every tensor in an input m
 batch dimension (dim 0); a disagreement is an error that names the keys and sizes, because
 splitting such an input on dim 0 would silently pair the wrong rows. Non-tensor values (flags,
 strings) are passed unchanged to every chunk. Packed VLM inputs whose pixel tensor is not
-batch-major are split by `vlm.split_vlm_inputs` instead.
+batch-major are split by `vlm.split_vlm_inputs` instead. `take_chunks` cuts a permutation of the
+samples (token chunks, `tokens.token_chunks`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,28 @@ def _slice(model_input: Any, start: int, stop: int) -> Any:
     if isinstance(model_input, (list, tuple)):
         return type(model_input)(_slice(value, start, stop) for value in model_input)
     return model_input
+
+
+def _take(model_input: Any, rows: Tensor) -> Any:
+    if isinstance(model_input, Tensor):
+        return model_input.index_select(0, rows.to(model_input.device))
+    if isinstance(model_input, Mapping):
+        return {key: _take(value, rows) for key, value in model_input.items()}
+    if isinstance(model_input, (list, tuple)):
+        return type(model_input)(_take(value, rows) for value in model_input)
+    return model_input
+
+
+def take_chunks(model_input: Any, order: Tensor, sizes: list[int], what: str = "input") -> list[Any]:
+    """Chunks of the samples `order[0:sizes[0]]`, then the next `sizes[1]`, ... (a permutation of
+    the batch cut into chunks of the given sizes)."""
+    n = batch_size(model_input, what)
+    if sorted(order.tolist()) != list(range(n)) or sum(sizes) != n:
+        raise GradCacheError(f"{what}: an order of {len(order)} samples in chunks of {sum(sizes)} for a batch of {n}")
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    return [_take(model_input, order[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def split_inputs(model_input: Any, chunk_size: int, what: str = "input") -> list[Any]:

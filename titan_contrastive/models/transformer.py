@@ -47,8 +47,9 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         """`attn_mask`: optional bool [B, 1, 1, T], True where a key may be attended (padding)."""
         b, t, w = x.shape
-        # [B, T, 3, H, D] -> three [B, H, T, D]
-        q, k, v = self.in_proj(x).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        # [B, T, 3, H, D] -> three [B, H, T, D] views; unbind, not permute(2, 0, 3, 1, 4): the same
+        # values, but permute's backward stacks q, k, v gradients into a new tensor and copies it
+        q, k, v = (z.transpose(1, 2) for z in self.in_proj(x).view(b, t, 3, self.heads, w // self.heads).unbind(2))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=self.causal)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, w))
 

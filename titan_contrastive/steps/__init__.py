@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from titan_contrastive.config import JobConfig
+from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.steps.accumulate import AccumulateStep
 from titan_contrastive.steps.base import Batch, GradientStep, StepBuilder, StepContext
 from titan_contrastive.steps.contrastive import gradcache_chunk
@@ -42,4 +42,20 @@ def build_gradient_step(spec: Any, ctx: StepContext, cfg: JobConfig, loss_name: 
     `knobs`: values the memory planner chose (config key -> value), over the config's."""
     knobs = knobs or {}
     build = spec.build_step or CONTRASTIVE_STEPS[(cfg.loss.negatives, gradcache_chunk(ctx, cfg, knobs) is not None)]
+    if cfg.gradcache.chunk_tokens and build != GradCacheStep.build:
+        raise ConfigError(f"gradcache.chunk_tokens={cfg.gradcache.chunk_tokens} packs GradCache chunks, which only the GradCache step "
+                          f"with microbatch negatives runs, but {_why_not_gradcache(spec, ctx, cfg)}")
     return build(ctx, cfg, loss_name, knobs)
+
+
+def _why_not_gradcache(spec: Any, ctx: StepContext, cfg: JobConfig) -> str:
+    """Why the chosen step is not GradCacheStep, and the fix (for `gradcache.chunk_tokens`)."""
+    if spec.build_step is not None:
+        return f"the {ctx.family} family has its own step: set gradcache.chunk_tokens=0"
+    if cfg.loss.negatives != "microbatch":
+        return (f"loss.negatives={cfg.loss.negatives!r} (one problem over the global batch, re-forwarded in gradcache.chunk_sizes "
+                "samples): set loss.negatives=microbatch or gradcache.chunk_tokens=0")
+    if not cfg.gradcache.enabled:
+        return "gradcache.enabled=false: set gradcache.enabled=true or gradcache.chunk_tokens=0"
+    return "the memory planner chose whole microbatches (memory.budget_gib): set gradcache.chunk_tokens=0"
+

