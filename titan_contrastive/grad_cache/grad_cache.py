@@ -35,6 +35,7 @@ reached in every chunk's backward, as DDP's reducer expects).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Mapping
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -71,7 +72,7 @@ def _chunk_gradients(cached: Reps, rows: Sequence[Sequence[int]] | None = None) 
     output k (pass 1's outputs), so chunks may come in any order; None: in order, sized by the
     re-forward's outputs."""
     cache = as_tuple(cached)
-    starts = None if rows is None else [[sum(r[k] for r in rows[:i]) for k in range(len(cache))] for i in range(len(rows))]
+    starts = None if rows is None else [[0] * len(cache), *itertools.accumulate(rows, lambda a, b: [x + y for x, y in zip(a, b)])]
     offsets = [0] * len(cache)
 
     def gradients(i: int, outputs: tuple[Tensor | None, ...]) -> list[Tensor]:
@@ -93,6 +94,17 @@ def _chunk_gradients(cached: Reps, rows: Sequence[Sequence[int]] | None = None) 
 def _rows(outputs: Sequence[Outputs]) -> list[list[int]]:
     """Rows of each output of each chunk (0 for a 0-dim or missing output)."""
     return [[len(o) if o is not None and o.dim() else 0 for o in as_tuple(out)] for out in outputs]
+
+
+def _per_model(value: int | Sequence[int], models: int, what: str, name: str, minimum: int, must: str) -> list[int]:
+    """One integer >= `minimum` per model, from one for all or a sequence (a one-line error otherwise)."""
+    values = [value] * models if isinstance(value, int) else list(value)
+    if len(values) != models:
+        raise GradCacheError(f"{len(values)} {what} for {models} models; give one per model (or one int for all)")
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise GradCacheError(f"{name}[{i}]={v!r}: must be {must}")
+    return values
 
 
 class GradCache:
@@ -126,18 +138,9 @@ class GradCache:
                  chunk_tokens: int | Sequence[int] = 0, pad_ids: Mapping[str, int] | None = None, trim_padding: bool = True,
                  group: dist.ProcessGroup | None = None) -> None:
         self.models = list(models)
-        sizes = [chunk_sizes] * len(self.models) if isinstance(chunk_sizes, int) else list(chunk_sizes)
-        if len(sizes) != len(self.models):
-            raise GradCacheError(f"{len(sizes)} chunk sizes for {len(self.models)} models; give one per model (or one int for all)")
-        for i, size in enumerate(sizes):
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise GradCacheError(f"chunk_sizes[{i}]={size!r}: must be an integer >= 1")
-        tokens = [chunk_tokens] * len(self.models) if isinstance(chunk_tokens, int) else list(chunk_tokens)
-        if len(tokens) != len(self.models):
-            raise GradCacheError(f"{len(tokens)} chunk_tokens for {len(self.models)} models; give one per model (or one int for all)")
-        for i, budget in enumerate(tokens):
-            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-                raise GradCacheError(f"chunk_tokens[{i}]={budget!r}: must be 0 (chunks of chunk_sizes samples) or an integer >= 1")
+        sizes = _per_model(chunk_sizes, len(self.models), "chunk sizes", "chunk_sizes", 1, "an integer >= 1")
+        tokens = _per_model(chunk_tokens, len(self.models), "chunk_tokens", "chunk_tokens", 0,
+                            "0 (chunks of chunk_sizes samples) or an integer >= 1")
         if any(tokens) and split_input_fn is not None:
             raise GradCacheError("chunk_tokens packs batch-major inputs itself; it does not combine with split_input_fn")
         if fp16 and scaler is None:

@@ -58,4 +58,3 @@ def _why_not_gradcache(spec: Any, ctx: StepContext, cfg: JobConfig) -> str:
     if not cfg.gradcache.enabled:
         return "gradcache.enabled=false: set gradcache.enabled=true or gradcache.chunk_tokens=0"
     return "the memory planner chose whole microbatches (memory.budget_gib): set gradcache.chunk_tokens=0"
-

@@ -4,8 +4,8 @@ the seed (`loss="clip"`) and for SigLIP's sigmoid loss (`loss="siglip"`).
 
 Order of operations in `StreamingClipStep.__call__` (P data-parallel ranks, C = N/P rows each):
 A. per microbatch: capture the RNG, forward without a graph (the cached-gradient engine's first
-   pass, `grad_cache.engine`); all-gather the embeddings -> global Zx, Zy [N, d] on every rank
-   (sync 1);
+   pass, `grad_cache.engine`; the last microbatch with its graph, kept for D); all-gather the
+   embeddings -> global Zx, Zy [N, d] on every rank (sync 1);
 B. this rank's rows of S against all N columns, once, in blocks of `stream_chunk_size` rows (or
    one fused kernel, `kernel`, "auto" on CUDA): its row LSEs and its partial column LSEs; all-gather
    both (sync 2: N + P x N floats), merge the column parts; the loss from the LSEs and the
@@ -16,7 +16,8 @@ C. one recompute of the same rows (the PyTorch path starts with B's last block, 
 B+C for the sigmoid loss, a sum over pairs with no normalizer: one pass of this rank's rows
    against all columns gives its loss terms (all-reduced), dZx[own], its share of dZy
    (reduce-scattered) and its rows' share of dL/db (`streaming_loss.streamed_sigmoid`);
-D. per microbatch: replay its RNG, forward with a graph, backward of the surrogate
+D. per microbatch (the last one first, from the graph A kept: it is not re-run): replay its RNG,
+   forward with a graph, backward of the surrogate
    <zx, P gx> + <zy, P gy> + <s, P <zx_detached, gx> / s_detached> (the engine's second pass):
    the chain rule from the cached gradients into the parameters, the temperature's share (and
    the sigmoid loss's bias share <b, P sum of its rows' dL/db>) included;
