@@ -156,7 +156,7 @@ def test_token_chunks_sort_and_pack_to_the_budget(monkeypatch: pytest.MonkeyPatc
     assert sizes == [2, 3, 4, 1]
     assert token_chunks(batch, 1, {"query": 0, "doc": 0})[1] == [1] * 10  # a sample over budget is a chunk alone
     # another rank runs 6 chunks: this one splits its largest chunks in two until it has as many
-    monkeypatch.setattr(tokens_module, "_max_over", lambda value, group: 6)
+    monkeypatch.setattr(tokens_module, "max_over_ranks", lambda value, group: 6)
     assert token_chunks(batch, 30, {"query": 0, "doc": 0})[1] == [2, 2, 1, 2, 2, 1]
     with pytest.raises(GradCacheError, match="has no padded token field"):
         token_chunks({"image": torch.randn(4, 3)}, 30)

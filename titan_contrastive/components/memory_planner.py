@@ -39,12 +39,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titan_contrastive.components.memory_probe import PeakMemory
 from titan_contrastive.components.rng import capture_rng, restore_rng
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
+from titan_contrastive.parallelisms.collectives import max_over_ranks
 
 __all__ = ["Knob", "MemoryBudgetError", "MemoryPlan", "doubling", "fastest", "measure_step", "measured_first_step", "plan_chunks",
            "plan_step", "probe_batches", "static_bytes", "timed_step"]
@@ -109,17 +109,7 @@ def measure_step(step: Callable[[], object], device: torch.device, model: torch.
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else static_bytes(model, optimizer)
     with PeakMemory(device) as probe:
         step()
-    peak = torch.tensor(float(base + probe.peak), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return int(peak.item())
-
-
-def _max_over_ranks(value: float, device: torch.device) -> float:
-    t = torch.tensor(value, dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return int(max_over_ranks(float(base + probe.peak)))
 
 
 def timed_step(step: Callable[[], object], device: torch.device) -> float:
@@ -129,7 +119,7 @@ def timed_step(step: Callable[[], object], device: torch.device) -> float:
     start = time.perf_counter()
     step()
     sync()
-    return _max_over_ranks(time.perf_counter() - start, device)
+    return max_over_ranks(time.perf_counter() - start)
 
 
 def fastest(seconds: dict[int, float]) -> int:

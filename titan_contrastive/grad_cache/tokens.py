@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from titan_contrastive.grad_cache.inputs import GradCacheError
+from titan_contrastive.parallelisms.collectives import max_over_ranks
 
 __all__ = ["PaddedField", "padded_fields", "right_trimmed", "token_chunks", "trim_padding"]
 
@@ -92,16 +93,6 @@ def trim_padding(model_input: Any, pad_ids: Mapping[str, int] | None = None) -> 
     return {k: v[:, : cuts[k]] if k in cuts else v for k, v in model_input.items()}
 
 
-def _max_over(value: int, group: dist.ProcessGroup | None) -> int:
-    """The largest `value` over the ranks of `group` (this rank's alone without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return value
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    t = torch.tensor([value], dtype=torch.long, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
-
-
 def token_chunks(model_input: Any, chunk_tokens: int, pad_ids: Mapping[str, int] | None = None, *,
                  group: dist.ProcessGroup | None = None, what: str = "input") -> tuple[Tensor, list[int]]:
     """(order, sizes): the samples of `model_input`, longest first (ties in batch order), and
@@ -134,7 +125,7 @@ def token_chunks(model_input: Any, chunk_tokens: int, pad_ids: Mapping[str, int]
             longest, n = wider, n + 1
         sizes.append(n)
         start += n
-    most = _max_over(len(sizes), group)
+    most = int(max_over_ranks(len(sizes), group))
     while len(sizes) < most:  # a sub-chunk of a chunk is under budget too
         i = max(range(len(sizes)), key=sizes.__getitem__)
         if sizes[i] < 2:

@@ -1,5 +1,5 @@
 """Tensor collectives over the data-parallel group: all-gather (with and without autograd) and
-reduce-scatter, equal-sized shards along dim 0, in rank order."""
+reduce-scatter, equal-sized shards along dim 0, in rank order; the largest of a number over ranks."""
 
 from __future__ import annotations
 
@@ -23,6 +23,17 @@ def reduce_scatter_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None) 
     mine = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
     _reduce_scatter(mine, x.contiguous(), group=group)
     return mine
+
+
+def max_over_ranks(value: float, group: dist.ProcessGroup | None = None) -> float:
+    """The largest `value` over the ranks of `group` (float64: exact for integers below 2^53); this
+    rank's own without torch.distributed. On the device the backend needs (CUDA for NCCL)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    t = torch.tensor(value, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
 
 
 class _AllGatherWithGrad(torch.autograd.Function):

@@ -144,7 +144,7 @@ class StreamingClipStep:
             b = (torch.tensor(self.fixed_bias) if not learn_bias else bias.detach().reshape(())).to(zx_local.device, acc)
             loss, gx, gy, bias_rows, zx_local = self._sigmoid(zx_local, zy_all, s, b, own)
         else:
-            loss, gx, gy, zx_local = self._softmax(zx_local, zy_local, zx_all, zy_all, s, own)
+            loss, gx, gy, zx_local = self._softmax(zx_local, zx_all, zy_all, s, own)  # each rank reads its own rows of S
         del zx_all, zy_all
 
         # D. replayed forward with a graph, backward of the surrogate <z, cached gradient> (the engine);
@@ -167,15 +167,13 @@ class StreamingClipStep:
                                 backward=backward, replay=outputs)  # a locked tower reuses its pass-A embeddings
         return loss.detach()
 
-    def _softmax(self, zx_local: Tensor, zy_local: Tensor, zx_all: Tensor, zy_all: Tensor, s: Tensor,
-                 own: range) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _softmax(self, zx_local: Tensor, zx_all: Tensor, zy_all: Tensor, s: Tensor, own: range) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Symmetric InfoNCE: (loss, dL/dZx[own], dL/dZy[own], the own rows as the loss read them).
 
         One organisation for both paths (8 N^2 d FLOPs over all ranks), which differ only in the two
         functions: B. this rank's rows of S against all N columns, once: its row LSEs and partial
         column LSEs, gathered and merged over ranks; C. one recompute of the same rows: dZx[own],
         and this rank's share of dZy, reduce-scattered to the owners."""
-        del zy_local  # the columns are all of zy_all: each rank reads its own rows of S only
         dtype = loss_dtype(self.kernel, zx_local.dtype, self.compute_dtype)
         kernel = resolve_kernel(self.kernel, zx_local.to(dtype))
         if kernel == "pytorch":  # the embeddings' own dtype (blocks in the accumulation dtype); C starts with B's last block
