@@ -11,12 +11,18 @@ and raises `DataError` once this rank's skips exceed
 so one bad sample never stops a run, early noise is judged against a whole epoch, and a damaged
 dataset stops within its first epoch with the file and key of the last skip. The counts are part
 of the loader's checkpointed state, so a resumed run continues them.
+
+Shards that indexing left out or cut short (`sources.ShardLoss`, logged once when the source was
+opened) are reported beside them as `bad_shards`, `bad_shards/<reason>` and
+`bad_shards/samples_lost`. They are found again at every start, so they are not checkpointed,
+and they do not count against `data.max_bad_fraction`: the samples they lost are never loaded.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from titan_contrastive.datasets.base import DataError
@@ -28,11 +34,12 @@ BAD_SAMPLES = "bad_samples"
 
 
 class BadSampleLog:
-    def __init__(self, max_bad_fraction: float, epoch_samples: int) -> None:
+    def __init__(self, max_bad_fraction: float, epoch_samples: int, shard_losses: Sequence[Any] = ()) -> None:
         self.max_bad_fraction = max_bad_fraction
         self.epoch_samples = epoch_samples
         self.counts: Counter[str] = Counter()
         self.seen = 0
+        self.shard_losses = list(shard_losses)
 
     @property
     def total(self) -> int:
@@ -56,8 +63,14 @@ class BadSampleLog:
         return batch
 
     def values(self) -> dict[str, int]:
-        """For the train log and metrics.jsonl: `bad_samples` and `bad_samples/<reason>` (this rank)."""
-        return {"bad_samples": self.total, **{f"bad_samples/{k}": v for k, v in sorted(self.counts.items())}} if self.counts else {}
+        """For the train log and metrics.jsonl: `bad_samples` and `bad_samples/<reason>` (this rank), and
+        `bad_shards`, `bad_shards/<reason>`, `bad_shards/samples_lost` when indexing lost any."""
+        out = {"bad_samples": self.total, **{f"bad_samples/{k}": v for k, v in sorted(self.counts.items())}} if self.counts else {}
+        if self.shard_losses:
+            reasons = Counter(loss.reason for loss in self.shard_losses)
+            out.update({"bad_shards": len(self.shard_losses), **{f"bad_shards/{k}": v for k, v in sorted(reasons.items())},
+                        "bad_shards/samples_lost": sum(loss.lost for loss in self.shard_losses)})
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"counts": dict(self.counts), "seen": self.seen}

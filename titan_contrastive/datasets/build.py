@@ -9,6 +9,7 @@ Order of operations (all before any model is built, so a missing file costs no c
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -78,7 +79,20 @@ class DataBundle:
         ds, held_out, zero_shot = self.train_set, self.eval_set, self.zero_shot_set
         evals = f"eval {len(held_out)}" if held_out is not None else "no eval set (data.val_path is empty)"
         return (f"{ds.name} train {len(ds)} samples ({'full set' if ds.full else 'bundled subset'}, {ds.source}), {evals}"
-                + (f", zero-shot {len(zero_shot)} images in {len(zero_shot.class_names)} classes" if zero_shot is not None else ""))
+                + (f", zero-shot {len(zero_shot)} images in {len(zero_shot.class_names)} classes" if zero_shot is not None else "")
+                + "".join(describe_losses(split, d) for split, d in (("train", ds), ("eval", held_out)) if d is not None))
+
+
+def describe_losses(split: str, ds: Dataset) -> str:
+    """"; train: 2 bad shards ..." for the data line when indexing left shards out or cut them short, else ""."""
+    losses = getattr(ds, "shard_losses", [])
+    if not losses:
+        return ""
+    reasons = ", ".join(f"{n} {r}" for r, n in sorted(Counter(loss.reason for loss in losses).items()))
+    uncounted = sum(not loss.promised for loss in losses)
+    more = f", plus any more in the {uncounted} without a shards.json or _stats.json count" if uncounted else ""
+    return (f"; {split}: {len(losses)} bad shard(s) left out or cut short ({reasons}; {sum(loss.lost for loss in losses)} "
+            f"samples lost{more}; see the warnings above)")
 
 
 def build_file_dataset(kind: str, split: str, path: str, data: Data, *, tokenizer: Any, image_size: int, seed: int,

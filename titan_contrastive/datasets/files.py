@@ -10,7 +10,8 @@ skipped: the slot takes the next good sample in source order, so batches keep th
 step's shapes and the DP arithmetic depend on it) and the substitute is the same in every run,
 which keeps resumption exact. Each skip is returned under `BAD_SAMPLES` in the batch; the loader
 takes it out, counts it by reason, logs it and stops the run past `data.max_bad_fraction`
-(`datasets.bad_samples`).
+(`datasets.bad_samples`). Shards that indexing left out or cut short were logged when the source
+was opened; they are listed in `shard_losses` and counted as `bad_shards`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class FileImageTextDataset:
         self.recall_direction = "image_to_text"
         self.seed, self.epoch, self.train = seed, 0, augment and split == "train"
         self._source = source
+        self.shard_losses = list(getattr(source, "losses", []))
+        """What indexing left out of the source (`sources.ShardLoss`), for the data line and `bad_shards` metrics."""
         self._normalize = Normalize(mean, std)
 
     def __len__(self) -> int:

@@ -19,6 +19,7 @@ import torch
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.image_transforms import Normalize, crop_resize, decode_image
 from titan_contrastive.datasets.sources import IMAGE_EXTENSIONS
+from titan_contrastive.datasets.tar_shards import read_regular
 
 PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "prompts"
 
@@ -28,7 +29,7 @@ def load_templates(spec: str) -> list[str]:
     file = PROMPTS / f"{spec}.txt" if spec in ("openai", "simple") else Path(spec).expanduser()
     if not file.is_file():
         raise DataError(f"eval.zero_shot_templates={spec!r}: not 'openai', 'simple' or a file; give a text file with one template per line")
-    templates = [line.strip() for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    templates = [line.strip() for line in file.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
     bad = [t for t in templates if t.count("{}") != 1]
     if not templates or bad:
         raise DataError(f"{file}: every template needs exactly one '{{}}' for the class name (first bad: {bad[0] if bad else 'none given'!r})")
@@ -55,7 +56,12 @@ class ImageFolderZeroShot:
                             "zero-shot classification needs at least 2 class sub-folders of images")
         self.class_names = [name.replace("_", " ") for name in classes]
         if names_file:
-            names = [line.strip() for line in Path(names_file).expanduser().read_text(encoding="utf-8").splitlines() if line.strip()]
+            try:
+                text = read_regular(Path(names_file).expanduser()).decode("utf-8-sig")
+            except (OSError, UnicodeDecodeError) as e:
+                raise DataError(f"eval.zero_shot_names={names_file}: not a readable UTF-8 text file ({e}); give one class name "
+                                "per line") from None
+            names = [line.strip() for line in text.splitlines() if line.strip()]
             if len(names) != len(classes):
                 raise DataError(f"eval.zero_shot_names={names_file}: {len(names)} names for {len(classes)} class folders in {root}; "
                                 "give one name per line, in sorted folder order")
@@ -82,7 +88,7 @@ class ImageFolderZeroShot:
         pixels = np.empty((len(indices), size, size, 3), dtype=np.uint8)
         for row, i in enumerate(indices):
             try:
-                pixels[row] = crop_resize(decode_image(self._files[i].read_bytes()), size, train=False)
+                pixels[row] = crop_resize(decode_image(read_regular(self._files[i])), size, train=False)
             except (OSError, ValueError, SyntaxError) as e:
                 raise DataError(f"{self._files[i]}: not a readable image ({type(e).__name__}: {e}); remove it from the "
                                 "zero-shot folder") from None

@@ -32,10 +32,21 @@ Box = tuple[int, int, int, int]
 
 def decode_image(data: bytes | Image.Image) -> Image.Image:
     """An RGB Pillow image from encoded bytes (JPEG, PNG, WebP, ...) or an image; raises
-    OSError/ValueError (Pillow's errors) on data that does not decode."""
+    OSError/ValueError (Pillow's errors) on data that does not decode. 16-bit grayscale (a 16-bit
+    PNG or TIFF) is scaled to 8 bits first (`to_8bit`)."""
     image = data if isinstance(data, Image.Image) else Image.open(io.BytesIO(data))
     image.load()  # decode now: a truncated file fails here, inside the caller's try
+    if image.mode == "I" or image.mode.startswith("I;16"):
+        image = to_8bit(image)
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def to_8bit(image: Image.Image) -> Image.Image:
+    """An 'L' image from 16-bit grayscale ('I;16', 'I;16B', ..., or 'I' holding 0-65535): the high
+    byte of each value, so 16-bit v * 257 gives back 8-bit v. Why: Pillow's own conversion clips at
+    255, which turns all but the darkest 0.4 % of a 16-bit image's range white."""
+    wide = np.asarray(image).astype(np.int64)
+    return Image.fromarray((np.clip(wide, 0, 65535) >> 8).astype(np.uint8))
 
 
 def center_box(width: int, height: int) -> Box:

@@ -184,4 +184,5 @@ def build_dataloader(dataset: Dataset, *, local_batch_size: int, dp_rank: int, d
             # run (which creates one iterator fewer) would see different dropout/init randomness
             generator=torch.Generator(),
         )
-    return EpochLoader(dataloader, sampler, dataset, BadSampleLog(max_bad_fraction, len(sampler)))
+    bad_samples = BadSampleLog(max_bad_fraction, len(sampler), shard_losses=getattr(dataset, "shard_losses", ()))
+    return EpochLoader(dataloader, sampler, dataset, bad_samples)

@@ -27,6 +27,8 @@ from typing import Iterable
 import webdataset as wds
 from PIL import Image
 
+from titan_contrastive.datasets.tar_shards import read_regular
+
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 OUTPUTS = re.compile(r"\d{5,}(\.tar|\.tar\.tmp|_stats\.json(\.tmp)?)|shards\.json(\.tmp)?")  # what --overwrite deletes
 
@@ -37,7 +39,7 @@ class ShardError(Exception):
 
 def _read_image(path: Path) -> tuple[bytes, str, tuple[int, int]]:
     """The file's bytes, its tar extension, and (width, height) read from the header only."""
-    data = path.read_bytes()
+    data = read_regular(path)  # a FIFO or folder is refused (OSError), never opened
     with Image.open(io.BytesIO(data)) as img:  # lazy: reads the header, decodes no pixels
         size, fmt = img.size, (img.format or "").lower()
     ext = path.suffix.lower().lstrip(".") or fmt
@@ -128,7 +130,7 @@ def write_shards(samples: Iterable[tuple[str, str]], out: Path, samples_per_shar
 def read_csv(path: Path, img_key: str, caption_key: str, sep: str) -> list[tuple[str, str]]:
     """(image path as written, caption) per row of a CSV/TSV, in file order."""
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of the first column
             reader = csv.DictReader(f, delimiter=sep)
             columns = reader.fieldnames or []
             for key, flag in ((img_key, "--csv-img-key"), (caption_key, "--csv-caption-key")):
@@ -145,7 +147,7 @@ def read_csv(path: Path, img_key: str, caption_key: str, sep: str) -> list[tuple
 
 def _read_caption(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8").strip()
+        return path.read_text(encoding="utf-8-sig").strip()
     except (OSError, UnicodeDecodeError) as err:
         raise ShardError(f"{path}: cannot read caption ({err}); save it as UTF-8 text")
 

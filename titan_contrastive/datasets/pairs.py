@@ -35,7 +35,7 @@ def _rows(file: Path, columns: Sequence[str]) -> list[list[Any]]:
     """Each row's values in column order."""
     if file.suffix == ".jsonl":
         rows = []
-        for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(file.read_text(encoding="utf-8-sig").splitlines(), 1):  # -sig: a byte-order mark is no JSON
             if not line.strip():
                 continue
             try:
@@ -46,7 +46,7 @@ def _rows(file: Path, columns: Sequence[str]) -> list[list[Any]]:
                         else list(obj.values()) if isinstance(obj, dict) else list(obj))
         return rows
     if file.suffix == ".tsv":
-        with open(file, newline="", encoding="utf-8") as f:
+        with open(file, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of the first column
             lines = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
         if not columns:
             return lines

@@ -8,8 +8,19 @@ file or shard, the sample key and the reason. Decoding, cropping and tokenizing 
 Why random access (map-style) also for tar shards: the loader's blocked sampler gives every DP
 rank a slice of one global permutation, which is what makes the global batch independent of the
 number of ranks and workers, and mid-epoch resumption exact (the sampler's position is in the
-checkpoint). `wids.IndexedTarSamples` indexes a shard once (a scan of its tar headers, through
-mmap) and then reads any sample at its offset; shards are opened lazily, a few at a time.
+checkpoint). A shard is indexed once (`tar_shards.TarShard`: wids' `IndexedTarSamples`, whose
+index is checked for damage) and then any sample is read at its offset through mmap; shards are
+opened lazily, a few at a time.
+
+Nothing is dropped silently. A shard that is not a tar, has no samples, or breaks off (cut short,
+or bad bytes) is found when the source is opened (with a `shards.json`, only a shard whose size
+disagrees with it is scanned then; the others are checked when first read): the samples before
+the break are kept, and the loss (`ShardLoss`: reason, shard, samples kept and lost, detail) is
+logged as a warning and listed in `losses`, which the data line at start and the `bad_shards`
+metrics report. How many samples a shard should hold comes from `shards.json` or from the
+`<shard>_stats.json` that make_shards and img2dataset write beside it. A sample that cannot be
+read later is a `BadSample`, counted per read. A path that is not a regular file (a FIFO would
+block the reader forever) is never opened.
 
 Several sources of one kind are joined with `::` (open_clip's syntax) and weighted by
 `data.upsampling_factors`: source i contributes round(f_i * n_i) samples to each epoch; a
@@ -20,7 +31,9 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
+import stat
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, Sequence
@@ -28,6 +41,9 @@ from typing import Any, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.tar_shards import NotRegularFile, TarShard, looks_like_tar, read_regular
+
+logger = logging.getLogger("titan_contrastive")
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 
@@ -43,6 +59,42 @@ class BadSample(Exception):
         return BadSample, (self.reason, self.where, self.key, self.detail)
 
 
+class ShardLoss(NamedTuple):
+    """A shard, or its tail, that indexing left out (logged once when the source is opened)."""
+
+    reason: str
+    """unreadable_shard (not a tar), empty_shard (no samples), truncated_shard (the file ends inside a
+    member or header), damaged_shard (bad bytes where a header should be), missing_samples (a whole
+    tar with fewer samples than its index lists)."""
+    where: str
+    kept: int
+    """Samples of the shard that are read."""
+    lost: int
+    """Samples lost: what its index promised minus `kept`; else the sample at the break if one was left out (a lower bound)."""
+    promised: str
+    """Where its sample count comes from ("shards.json", "00000_stats.json"), "" when nothing says."""
+    detail: str
+
+    def __str__(self) -> str:
+        kept = f"kept its first {self.kept} samples" if self.kept else "left out"
+        if self.promised:
+            lost = f"lost {self.lost} of the {self.kept + self.lost} samples {self.promised} lists"
+        else:
+            whatever = "whatever followed the break" if self.reason in ("truncated_shard", "damaged_shard") else "whatever it held"
+            lost = f"lost {whatever} (no shards.json or _stats.json says how many samples)"
+        return f"bad shard {self.where}: {self.reason} ({self.detail}); {kept}, {lost}"
+
+
+def read_file(path: str, where: str, key: str) -> bytes:
+    """A sample's file, or BadSample: unreadable_file, or not_a_regular_file (never opened)."""
+    try:
+        return read_regular(path)
+    except NotRegularFile as e:
+        raise BadSample("not_a_regular_file", path or where, key, str(e)) from None
+    except OSError as e:
+        raise BadSample("unreadable_file", path or where, key, e.strerror or str(e)) from None
+
+
 class Record(NamedTuple):
     image: Any
     """Encoded image bytes, or a Pillow image."""
@@ -55,6 +107,8 @@ class Record(NamedTuple):
 
 class Source(Protocol):
     location: str
+    losses: list[ShardLoss]
+    """What indexing left out (see the module docstring); empty for sources without shards."""
 
     def __len__(self) -> int: ...
 
@@ -75,10 +129,11 @@ class CsvSource:
     def __init__(self, path: str, *, img_key: str = "filepath", caption_key: str = "title", separator: str = "\t") -> None:
         file = Path(path).expanduser()
         if not file.is_file():
-            raise DataError(f"data.path={path}: no such CSV file; give a CSV/TSV with columns {img_key!r} and {caption_key!r}")
-        self.location = str(file)
-        try:
-            with open(file, newline="", encoding="utf-8") as f:
+            what = "not a regular file" if file.exists() else "no such CSV file"
+            raise DataError(f"data.path={path}: {what}; give a CSV/TSV with columns {img_key!r} and {caption_key!r}")
+        self.location, self.losses = str(file), []
+        try:  # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is not part of the first column's name
+            with open(file, newline="", encoding="utf-8-sig") as f:
                 reader = csv.DictReader(f, delimiter=separator)
                 columns = reader.fieldnames or []
                 missing = [c for c in (img_key, caption_key) if c not in columns]
@@ -100,10 +155,7 @@ class CsvSource:
     def read(self, index: int) -> Record:
         where, key = self.location, f"row {index + 2}"  # line number in the file (header is line 1)
         path = self._paths[index]
-        try:
-            data = Path(path).read_bytes()
-        except OSError as e:
-            raise BadSample("unreadable_file", path or where, key, e.strerror or str(e)) from None
+        data = read_file(path, where, key)
         return Record(data, _caption(self._captions[index], where, key), path, key)
 
 
@@ -117,54 +169,106 @@ def expand_shards(pattern: str) -> list[str]:
 class WebDatasetSource:
     """Samples of webdataset tar shards (img2dataset's layout: `<key>.jpg`, `<key>.txt`, `<key>.json`).
 
-    `path`: a brace pattern / comma list of tars, or a wids descriptor `*.json` (`make_shards`
-    writes `shards.json`), whose sample counts spare the scan of every shard at start.
-    `caption_key`: `txt`, or `json:<field>` for a field of the sample's JSON.
+    `path`: a brace pattern / comma list of tars, every one scanned at start, or a wids descriptor
+    `*.json` (`make_shards` writes `shards.json`), whose sample counts spare the scans: only a shard
+    whose size differs from the descriptor's `filesize` (or, without one, that does not start with
+    a tar header) is scanned then. `caption_key`: `txt`, or `json:<field>` for a field of the sample's JSON.
+    Shards left out or cut short: `losses`, each also logged (see the module docstring).
     """
 
     MAX_OPEN = 8
 
     def __init__(self, path: str, *, image_keys: str = "jpg;jpeg;png;webp", caption_key: str = "txt") -> None:
-        from wids.wids import IndexedTarSamples
-
         self.location = path
         self.image_keys = ["." + k.strip().lstrip(".") for k in image_keys.split(";") if k.strip()]
         self.caption_key = caption_key
-        self.unreadable: list[str] = []
-        self._open: OrderedDict[int, Any] = OrderedDict()  # shard -> its index (at most MAX_OPEN held)
+        self.losses: list[ShardLoss] = []
+        self._open: OrderedDict[int, TarShard] = OrderedDict()  # shard -> its index (at most MAX_OPEN held)
         if path.endswith(".json"):
-            urls, counts = self._descriptor(Path(path))
+            urls, listed, sizes = self._descriptor(Path(path))
         else:
-            urls, counts = expand_shards(path), []
-            missing = [u for u in urls if not Path(u).is_file()]
-            if not urls or missing:
-                raise DataError(f"data.path={path}: no such shard {missing[0] if missing else path}; give existing tar files "
-                                "as a brace pattern (shards/{00000..00009}.tar) or a shards.json from make_shards")
-            for shard, url in enumerate(urls):  # index each shard; one that cannot be read is reported and left out
-                try:
-                    samples = IndexedTarSamples(path=url)
-                except Exception as e:  # noqa: BLE001 - any failure to index a tar means an unusable shard
-                    self.unreadable.append(f"{url} ({type(e).__name__}: {e})")
-                    counts.append(0)
-                else:
-                    counts.append(len(samples))
-                    self._keep(shard, samples)  # the first reads use this index instead of scanning again
+            urls = expand_shards(path)
+            listed, sizes = [None] * len(urls), [None] * len(urls)
         self._urls = urls
+        self._check_files(path, urls)
+        counts = []
+        for shard, url in enumerate(urls):
+            if listed[shard] is None:  # a brace pattern: scan, comparing with make_shards' / img2dataset's stats if present
+                stats, promised = self._stats_count(url)
+                counts.append(self._scan(shard, url, promised, stats))
+            elif os.stat(url).st_size != sizes[shard] if sizes[shard] is not None else not looks_like_tar(url):
+                counts.append(self._scan(shard, url, listed[shard], Path(path).name))  # changed since the descriptor
+            else:
+                counts.append(listed[shard])
+        self._counts = counts
         self._ends = np.cumsum(counts)
         if not self._ends.size or not self._ends[-1]:
-            first = f" (first: {self.unreadable[0]})" if self.unreadable else ""
-            raise DataError(f"data.path={path}: no readable samples in {len(urls)} shard(s){first}; check the tar files")
+            first = f" (first: {self.losses[0]})" if self.losses else ""
+            raise DataError(f"data.path={path}: no readable samples in {len(urls)} shard(s){first}; check or rebuild the tar files")
 
     @staticmethod
-    def _descriptor(file: Path) -> tuple[list[str], list[int]]:
+    def _descriptor(file: Path) -> tuple[list[str], list[int | None], list[int | None]]:
+        """(shard paths, sample counts, file sizes or None) of a wids descriptor."""
         try:
-            spec = json.loads(file.read_text())
+            spec = json.loads(file.read_text(encoding="utf-8-sig"))
             shards = spec["shardlist"]
             urls = [str(file.parent / s["url"]) if not os.path.isabs(s["url"]) else s["url"] for s in shards]
-            return urls, [int(s["nsamples"]) for s in shards]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            sizes = [int(s["filesize"]) if s.get("filesize") is not None else None for s in shards]
+            return urls, [int(s["nsamples"]) for s in shards], sizes
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise DataError(f"{file}: not a wids shard descriptor ({type(e).__name__}: {e}); give the shards.json that "
                             "make_shards writes, or the tar files as a brace pattern") from None
+
+    @staticmethod
+    def _check_files(path: str, urls: list[str]) -> None:
+        """Every shard exists and is a regular file (a FIFO would block the reader): else one DataError."""
+        if not urls:
+            raise DataError(f"data.path={path}: names no shards; give tar files as a brace pattern (shards/{{00000..00009}}.tar) "
+                            "or a shards.json from make_shards")
+        for url in urls:
+            try:
+                mode = os.stat(url).st_mode
+            except OSError as e:
+                raise DataError(f"data.path={path}: no such shard {url} ({e.strerror}); give existing tar files as a brace "
+                                "pattern (shards/{00000..00009}.tar) or a shards.json from make_shards") from None
+            if not stat.S_ISREG(mode):
+                raise DataError(f"data.path={path}: shard {url} is not a regular file; give tar files (a FIFO or folder "
+                                "cannot be read by offset)")
+
+    @staticmethod
+    def _stats_count(url: str) -> tuple[str, int | None]:
+        """(file name, its `successes`) of the `<shard>_stats.json` beside a shard, or ("", None)."""
+        stats = Path(url).with_name(Path(url).name.removesuffix(".tar") + "_stats.json")
+        try:
+            return stats.name, int(json.loads(read_regular(stats))["successes"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return "", None
+
+    def _scan(self, shard: int, url: str, promised: int | None, origin: str) -> int:
+        """Index a shard now; log and list what it loses (see `ShardLoss`). Returns its readable samples."""
+        origin = origin if promised is not None else ""
+        try:
+            samples = TarShard(url)
+        except Exception as e:  # noqa: BLE001 - any failure to index a tar means an unusable shard
+            detail = " ".join(f"not a tar: {type(e).__name__}: {e}".split())
+            loss = ShardLoss("unreadable_shard", url, 0, promised or 0, origin, detail)
+        else:
+            kept = len(samples)
+            self._keep(shard, samples)  # the first reads use this index instead of scanning again
+            if samples.damage:
+                lost = max(promised - kept, 0) if promised is not None else int(bool(samples.lost_key))
+                at_break = f"; sample {samples.lost_key} at the break left out" if samples.lost_key else ""
+                loss = ShardLoss("truncated_shard" if samples.cut_short else "damaged_shard", url, kept, lost, origin,
+                                 samples.damage + at_break)
+            elif promised is not None and kept < promised:
+                loss = ShardLoss("missing_samples", url, kept, promised - kept, origin, f"a whole tar of {kept} samples")
+            elif not kept:
+                loss = ShardLoss("empty_shard", url, 0, 0, origin, "a tar without samples")
+            else:
+                return kept
+        self.losses.append(loss)
+        logger.warning(str(loss))
+        return loss.kept
 
     def __len__(self) -> int:
         return int(self._ends[-1])
@@ -172,17 +276,15 @@ class WebDatasetSource:
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers: open shards stay behind
         return {**self.__dict__, "_open": OrderedDict()}
 
-    def _keep(self, shard: int, samples: Any) -> None:
+    def _keep(self, shard: int, samples: TarShard) -> None:
         """Hold a shard's index, closing the least recently used one past MAX_OPEN."""
         if len(self._open) >= self.MAX_OPEN:
             self._open.popitem(last=False)[1].close()
         self._open[shard] = samples
 
-    def _shard(self, shard: int) -> Any:
-        from wids.wids import IndexedTarSamples
-
+    def _shard(self, shard: int) -> TarShard:
         if shard not in self._open:
-            self._keep(shard, IndexedTarSamples(path=self._urls[shard]))
+            self._keep(shard, TarShard(self._urls[shard]))
         self._open.move_to_end(shard)
         return self._open[shard]
 
@@ -191,9 +293,16 @@ class WebDatasetSource:
         inner = index - (int(self._ends[shard - 1]) if shard else 0)
         url = self._urls[shard]
         try:
-            sample = self._shard(shard)[inner]
+            samples = self._shard(shard)
+            if inner >= len(samples):  # the tar changed since it was indexed, or the descriptor's count was wrong
+                damage = f"; {samples.damage}" if samples.damage else ""
+                raise BadSample("truncated_shard", url, f"#{inner}", f"{len(samples)} of its {self._counts[shard]} indexed "
+                                f"samples can be read{damage}")
+            sample = samples[inner]
+        except BadSample:
+            raise
         except Exception as e:  # noqa: BLE001 - a damaged shard: the sample is skipped and counted
-            raise BadSample("unreadable_shard", url, f"#{inner}", f"{type(e).__name__}: {e}") from None
+            raise BadSample("unreadable_shard", url, f"#{inner}", " ".join(f"{type(e).__name__}: {e}".split())) from None
         sample = {k: v.getvalue() if hasattr(v, "getvalue") else v for k, v in sample.items()}  # wids gives BytesIO
         key = sample.get("__key__", f"#{inner}")
         image = next((sample[k] for k in self.image_keys if k in sample), None)
@@ -225,7 +334,7 @@ class HfSource:
             raise DataError("data.dataset='hf' needs the Hugging Face datasets package: pip install -e '.[data]'") from None
         datasets.disable_progress_bars()
 
-        self.location = path
+        self.location, self.losses = path, []
         target = Path(path).expanduser()
         try:
             if target.is_dir():
@@ -263,10 +372,7 @@ class HfSource:
             image = image.get("bytes") or image.get("path")
         if isinstance(image, str):
             path = Path(image) if os.path.isabs(image) else self._folder / image
-            try:
-                image = path.read_bytes()
-            except OSError as e:
-                raise BadSample("unreadable_file", str(path), key, e.strerror or str(e)) from None
+            image = read_file(str(path), self.location, key)
         if image is None:
             raise BadSample("missing_image", self.location, key)
         return Record(image, _caption(row[self._text], self.location, key), self.location, key)
@@ -282,6 +388,7 @@ class WeightedSources:
     def __init__(self, sources: Sequence[Source], factors: Sequence[float]) -> None:
         self.sources, self.epoch = list(sources), 0
         self.location = "::".join(s.location for s in self.sources)
+        self.losses = [loss for s in self.sources for loss in s.losses]
         self._sizes = [max(1, round(f * len(s))) for f, s in zip(factors, self.sources)]
         self._ends = np.cumsum(self._sizes)
 
