@@ -7,19 +7,23 @@ and "config", the run's config, which a resume compares with its own: `resume.py
 
 A save is atomic: DCP writes into `step-N.tmp`, then (after a barrier) rank 0 writes the manifest,
 fsyncs it and renames the folder to `step-N`. A crash mid-save therefore leaves only a `.tmp`
-folder, which loading reports, ignores and removes. Before loading, a checkpoint is checked
-against its manifest (every file present with its size, then its SHA-256), so a truncated,
-half-deleted or corrupted-in-place one (flipped bytes, same size) is reported with the file's
-name and skipped in favour of the previous valid one (or is an error when asked for by
-`checkpoint.load_step`). Manifests written before the checksums (sizes only) are still read.
+folder, which loading reports, ignores and removes. Loading goes through `reader.py`, as every
+reader of a checkpoint does: the checkpoint is first checked against its manifest (every file
+present with its size, then its SHA-256), so a truncated, half-deleted or corrupted-in-place one
+(flipped bytes, same size) is reported with the file's name and skipped in favour of the previous
+valid one (or is an error when asked for by `checkpoint.load_step`); then it is read without
+running code from it (allowlisting unpicklers; the trust model is in `reader.py`). Manifests
+written before the checksums (sizes only) are still read, with a warning.
 
 Global states (model, optimizer, LR scheduler, train state) are saved once: DCP deduplicates
 replicated entries and shards DTensors, so FSDP2 runs reshard on load to another world size.
 Per-rank states (data loader position, RNG) differ between data-parallel ranks, so each is stored
 under `{name}/dp_rank_{r}`, pickled into one bytes object: its nested structure (the
 StatefulDataLoader's state has None-or-dict fields) then need not match the structure of a fresh
-object at load time, which DCP would otherwise require. Those states cannot be mapped onto another
-data-parallel degree, so resuming with one is an error, not a silent change of the data order.
+object at load time, which DCP would otherwise require. The bytes are unpickled with an allowlist
+of the globals such a state names (`reader.unpickle_state`), never with `pickle.loads`. Those
+states cannot be mapped onto another data-parallel degree, so resuming with one is an error, not
+a silent change of the data order.
 
 A `load_step` older than the newest checkpoint is a rewind: the newer checkpoints are moved aside
 (not deleted) into `abandoned-<time>-<random>/`, so the next auto-resume continues the new history rather
@@ -38,7 +42,6 @@ the state a crash mid-save leaves behind.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -57,6 +60,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
+from titan_contrastive.checkpoint import reader
+from titan_contrastive.checkpoint.reader import MANIFEST, CheckpointError, describe
+from titan_contrastive.checkpoint.reader import sha256 as _sha256
 from titan_contrastive.checkpoint.resume import IncompatibleResume, config_changes
 from titan_contrastive.components.preflight import format_bytes, free_bytes
 
@@ -65,23 +71,9 @@ __all__ = ["CheckpointError", "CheckpointManager", "FAULT_ENV", "MANIFEST"]
 logger = logging.getLogger("titan_contrastive")
 
 FAULT_ENV = "TITAN_CONTRASTIVE_FAULT"
-MANIFEST = "manifest.json"
-
-
-def _sha256(path: Path) -> str:
-    """The file's SHA-256, read in 4 MiB blocks (checkpoint files can be many GB)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 _STEP_DIR = re.compile(r"step-(\d+)")
 _TMP_DIR = re.compile(r"step-(\d+)\.tmp")
 T = TypeVar("T")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be saved or resumed from; the message names it and what is wrong."""
 
 
 class CheckpointConfig(Protocol):
@@ -95,23 +87,18 @@ class CheckpointConfig(Protocol):
 
 
 class _PickledState:
-    """Stores a per-rank Stateful as one pickled bytes object (why: see the module docstring)."""
+    """Stores a per-rank Stateful as one pickled bytes object (why: see the module docstring),
+    read back with the allowlisting unpickler (`reader.unpickle_state`)."""
 
-    def __init__(self, inner: Stateful) -> None:
+    def __init__(self, inner: Stateful, key: str) -> None:
         self.inner = inner
+        self.key = key
 
     def state_dict(self) -> dict[str, bytes]:
         return {"pickle": pickle.dumps(self.inner.state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.inner.load_state_dict(pickle.loads(state_dict["pickle"]))
-
-
-def _describe(exc: BaseException) -> str:
-    """One line for an exception; for DCP's CheckpointException, each failing rank's error."""
-    if isinstance(exc, CheckpointException):
-        return "; ".join(f"rank {rank}: {_describe(error)}" for rank, (error, _) in sorted(exc.failures.items()))
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        self.inner.load_state_dict(reader.unpickle_state(state_dict["pickle"], f"checkpoint item {self.key!r}"))
 
 
 def _out_of_space(exc: BaseException, folder: Path) -> bool:
@@ -224,8 +211,8 @@ class CheckpointManager:
 
         Returns the step restored; None when disabled or when the folder holds no complete
         checkpoint. Raises CheckpointError for a missing or corrupt `load_step`, when every
-        complete checkpoint is corrupt, for a changed data-parallel degree, and when DCP fails.
-        """
+        complete checkpoint is corrupt, for a changed data-parallel degree, and when DCP fails or
+        the checkpoint holds more than plain data (`reader.py`: nothing in it may run code)."""
         if not self.cfg.enable:
             return None
         chosen = self._on_rank0(self._choose, f"choosing a checkpoint in {self.folder}")
@@ -235,7 +222,7 @@ class CheckpointManager:
             return None
         step, manifest, changes = chosen
         path = self.folder / f"step-{step}"
-        self._dcp(dcp.load, path, f"loading checkpoint step-{step} ({path})")
+        reader.load(self._dcp_state(), path, manifest, what=f"loading checkpoint step-{step} ({path})", distributed=self._distributed())
         if self.rank == 0:
             logger.info(f"resumed from checkpoint step-{step} ({path})")
             if "config" not in manifest:
@@ -348,33 +335,7 @@ class CheckpointManager:
 
     def _validate(self, step: int) -> tuple[dict[str, Any] | None, str]:
         """(manifest, "") for a checkpoint that matches its manifest, else (None, what is wrong)."""
-        path = self.folder / f"step-{step}"
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-            files = manifest["files"]
-            saved_step, _, _ = int(manifest["step"]), int(manifest["dp_degree"]), int(manifest["world_size"])
-        except FileNotFoundError:
-            return None, f"{MANIFEST} is missing"
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            return None, f"{MANIFEST} is unreadable ({type(exc).__name__}: {exc})"
-        if saved_step != step:
-            return None, f"{MANIFEST} is for step {saved_step}"
-        if not isinstance(files, dict) or not files:
-            return None, f"{MANIFEST} lists no files"
-        wrong = []
-        entries = {name: entry if isinstance(entry, dict) else {"bytes": entry} for name, entry in files.items()}
-        for name, entry in entries.items():  # sizes first: cheap, and a truncated file needs no hashing
-            file = path / name
-            if not file.is_file():
-                wrong.append(f"{name} is missing")
-            elif file.stat().st_size != entry["bytes"]:
-                wrong.append(f"{name} has {file.stat().st_size} bytes, {MANIFEST} says {entry['bytes']}")
-        if not wrong:
-            wrong = [f"{name}: its content does not match the sha256 in {MANIFEST} (corrupted in place)"
-                     for name, entry in entries.items() if "sha256" in entry and _sha256(path / name) != entry["sha256"]]
-        if wrong:
-            return None, "; ".join(wrong[:3]) + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
-        return manifest, ""
+        return reader.validate(self.folder / f"step-{step}", step)
 
     # ------------------------------------------------------------------ helpers
 
@@ -386,11 +347,12 @@ class CheckpointManager:
     def _dcp_state(self) -> dict[str, Stateful]:
         state = dict(self.states)
         for name, stateful in self.per_rank_states.items():
-            state[f"{name}/dp_rank_{self.dp_rank}"] = _PickledState(stateful)
+            key = f"{name}/dp_rank_{self.dp_rank}"
+            state[key] = _PickledState(stateful, f"{key}.pickle")
         return state
 
     def _dcp(self, fn: Callable[..., Any], path: Path, what: str) -> None:
-        """dcp.save / dcp.load, failing with a one-line CheckpointError that names the checkpoint.
+        """dcp.save, failing with a one-line CheckpointError that names the checkpoint.
 
         DCP gathers the errors of all ranks into one CheckpointException (a BaseException, so
         `except Exception` misses it) on every rank, so all ranks raise together.
@@ -400,7 +362,7 @@ class CheckpointManager:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 fn(self._dcp_state(), checkpoint_id=str(path), no_dist=not self._distributed())
         except (Exception, CheckpointException) as exc:
-            raise CheckpointError(f"{what} failed: {_describe(exc)}") from exc
+            raise CheckpointError(f"{what} failed: {describe(exc)}") from exc
 
     @staticmethod
     def _distributed() -> bool:
