@@ -177,9 +177,10 @@ def test_bi_encoder_exports_to_sentence_transformers(tmp_path: Path) -> None:
 
 
 def test_open_clip_format_round_trip(tmp_path: Path) -> None:
-    """ours -> open_clip layout (config + safetensors) -> ours is bit-identical; without the config
-    the architecture is read from the tensors' shapes (heads = width / 64, quick GELU, as open_clip's
-    build_model_from_openai_state_dict); a state-dict file with open_clip's training wrapper loads too."""
+    """ours -> open_clip layout (config + safetensors) -> ours is bit-identical, pooling at the same
+    EOS id (`text_cfg` pool_type "eos"); without the config the architecture is read from the tensors'
+    shapes (heads = width / 64, quick GELU, as open_clip's build_model_from_openai_state_dict); a
+    state-dict file with open_clip's training wrapper loads too."""
     from safetensors.torch import load_file
 
     from titan_contrastive.interop.openclip import args_from_open_clip
@@ -189,7 +190,7 @@ def test_open_clip_format_round_trip(tmp_path: Path) -> None:
     assert detect_format(tmp_path / "oc") == "open_clip"
     (_, a), (args_b, b) = read_checkpoint(src), read_checkpoint(tmp_path / "oc")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert (args_b.vision_heads, args_b.act, args_b.eos_id) == (4, "quick_gelu", -1)
+    assert (args_b.vision_heads, args_b.act, args_b.eos_id) == (4, "quick_gelu", 49407)  # text_cfg: pool_type eos, eos_id
     config = json.loads((tmp_path / "oc" / "open_clip_config.json").read_text())
     assert config["model_cfg"]["vision_cfg"] == {"image_size": 32, "layers": 2, "width": 32, "patch_size": 8, "head_width": 8, "mlp_ratio": 4.0}
     weights = load_file(str(tmp_path / "oc" / "open_clip_model.safetensors"))

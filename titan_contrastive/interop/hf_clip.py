@@ -9,10 +9,15 @@ is bit-identical. What the architecture takes from the HF config:
 - `hidden_act`: `quick_gelu` (OpenAI's checkpoints) or `gelu`;
 - the pooling token: HF pools the text tower at the first `eos_token_id`, except the legacy
   `eos_token_id == 2` of older OpenAI configs, where it pools at the highest id in the row
-  (`CLIPArgs.eos_id = -1` here, which is the same thing for CLIP's BPE, whose EOS is its last id).
+  (`CLIPArgs.eos_id = -1` here, which is the same thing for CLIP's BPE, whose EOS is its last id);
+- the image channels (`num_channels`), so 1-channel models export and load as they are.
 
 Not representable (a one-line error): different MLP ratios or activations in the two towers, a
-layer-norm epsilon other than 1e-5, SigLIP's `logit_bias` on export.
+layer-norm epsilon other than 1e-5, SigLIP's `logit_bias` on export, and on export a model that
+pools at the first id 2, the byte tokenizer's EOS: transformers reads `eos_token_id == 2` as its
+legacy rule (`CLIPTextTransformer`: `if self.eos_token_id == 2` pools at the argmax id, which for
+the byte tokenizer is a byte, not EOS) and has no other way to say "first 2" (a list `[2]` passes
+the config but breaks its forward), so such an export would change the text embeddings.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ def args_from_hf_config(config: Any) -> CLIPArgs:
     if eps != {1e-5}:
         raise InteropError(f"CLIP config: layer_norm_eps={sorted(eps)}; the clip family uses 1e-5")
     eos = text.get("eos_token_id", HF_LEGACY_EOS)
+    if not isinstance(eos, int):
+        raise InteropError(f"CLIP config: text_config eos_token_id={eos!r}; transformers' CLIP text model pools at one id, give an integer")
     return CLIPArgs(
         embed_dim=cfg["projection_dim"], image_size=vision["image_size"], patch_size=vision["patch_size"],
         in_channels=vision.get("num_channels", 3), vision_width=vision["hidden_size"], vision_layers=vision["num_hidden_layers"],
@@ -60,6 +67,11 @@ def hf_config_from_args(args: CLIPArgs) -> Any:
 
     if args.init_logit_bias is not None:
         raise InteropError("the model has SigLIP's logit_bias, which transformers' CLIPModel has no place for; export a clip-loss model")
+    if args.eos_id == HF_LEGACY_EOS:
+        raise InteropError(f"the model pools its text at the first token id {HF_LEGACY_EOS} (the byte tokenizer's EOS), which "
+                           f"transformers' CLIPModel cannot express: it reads eos_token_id={HF_LEGACY_EOS} as its legacy rule and "
+                           "pools at the highest id, changing the text embeddings; export with --to open_clip, or train with "
+                           "data.tokenizer=clip_bpe")
 
     def tower(width: int, layers: int, heads: int) -> dict[str, Any]:
         return dict(hidden_size=width, intermediate_size=int(width * args.mlp_ratio), num_hidden_layers=layers,
@@ -121,7 +133,8 @@ def from_hf_state_dict(hf: dict[str, Tensor], args: CLIPArgs) -> dict[str, Tenso
     """CLIPModel's state dict -> ours. Keys it lacks or has in excess (position_ids buffers aside)
     are a one-line error naming the first few."""
     expected = {h for _, h in _renames(args)} | {"visual_projection.weight", "text_projection.weight", "logit_scale"}
-    expected |= {f"{hp}.{i}.self_attn.{q}_proj.{p}" for _, hp, n in _towers(args) for i in range(n) for q in "qkv" for p in ("weight", "bias")}
+    expected |= {f"{hp}.{i}.self_attn.{q}_proj.{p}" for _, hp, n in _towers(args) for i in range(n) for q in "qkv"
+                 for p in ("weight", "bias")}
     present = {k for k in hf if not k.endswith("position_ids")}
     missing, unexpected = sorted(expected - present), sorted(present - expected)
     if missing or unexpected:
