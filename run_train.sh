@@ -7,6 +7,9 @@
 #   PYTHON        interpreter (default: python)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the other ranks get after one fails, from SIGTERM to
 #                 SIGKILL (default here 5, torchrun's is 30: a hung or stopped rank ignores SIGTERM)
+#   TITAN_PREEMPT_GRACE_SECONDS  when this script gets SIGTERM (scancel, Kubernetes) or SIGUSR1 (sbatch
+#                 --signal=USR1@120), every rank finishes its step and saves a checkpoint; the seconds
+#                 it waits for them before SIGKILL (default 120; a step and a save must fit in it and in the cluster's own grace)
 # Multi-node (same command on every node; nothing else assumes a single node):
 #   NNODES        number of nodes, a positive integer (default 1: torchrun --standalone)
 #   NODE_RANK     this node's rank 0..NNODES-1 (optional with c10d rendezvous; e.g. $SLURM_NODEID)
@@ -16,6 +19,7 @@
 # Exit codes (the first rank to fail; one list: EXIT_CODES in titan_contrastive/launch.py):
 #   0 success   1 unexpected error (a bug; traceback shown)   2 bad config, data or checkpoint
 #   3 non-finite loss or gradient norm   4 a collective timed out or a peer rank failed
+#   5 stopped by SIGTERM/SIGUSR1 after a step, checkpoint saved (if enabled): rerun the same command to resume
 #   128+N a rank was killed by signal N (137: SIGKILL, often the out-of-memory killer)
 set -euo pipefail
 

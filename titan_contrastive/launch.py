@@ -7,6 +7,15 @@ code was. A config error (the trainer's exit code 2, one `error: ...` line) and 
 `torch.distributed.run.run(args)`, catches the `ChildFailedError`, prints one line about the root
 cause (the earliest failure) and exits with that rank's code, so `run_train.sh` returns what the
 trainer returned (`EXIT_CODES`; 128+N for a rank killed by signal N, as a shell reports it).
+
+Stopped by the cluster: when the launcher itself gets SIGTERM (scancel, Kubernetes) or SIGUSR1
+(Slurm's `--signal=USR1@<seconds>`), torchrun's agent forwards it to the ranks, which finish their
+step, save a checkpoint and exit 5 (`components/preemption.py`); the launcher waits for them up to
+TITAN_PREEMPT_GRACE_SECONDS (default 120: room for a step and a large save) before SIGKILL, and
+exits 5 when every rank did. That wait is torchrun's own `--shutdown-timeout`, which torchrun
+applies to the signals it handles, and SIGUSR1 is added to the signals it handles. The wait after
+a rank *fails* stays TORCH_ELASTIC_SHUTDOWN_TIMEOUT (`honour_shutdown_timeout`), and so does the
+wait after other signals (Ctrl-C), so a hung job still ends quickly.
 """
 
 from __future__ import annotations
@@ -19,16 +28,20 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from titan_contrastive.components.preemption import STOP_SIGNALS, STOPPED
+
 PROG = "run_train.sh"
-# the one list of exit codes (titan_contrastive.train.main returns 0-4; a shell reports 128+N for signal N)
+# the one list of exit codes (titan_contrastive.train.main returns 0-5; a shell reports 128+N for signal N)
 EXIT_CODES = {
     0: "success",
     1: "unexpected error, a bug",
     2: "bad config, data or checkpoint",
     3: "non-finite loss or gradient norm",
     4: "a collective timed out or a peer rank failed",
+    STOPPED: "stopped by SIGTERM or SIGUSR1 after a step, its checkpoint saved (if enabled); rerun the same command to resume",
 }
-EXPLAINED_BY = {1: "its traceback", 2: "its error line", 3: "its error line", 4: "its error line"}  # what the rank printed
+EXPLAINED_BY = {1: "its traceback", 2: "its error line", 3: "its error line", 4: "its error line", STOPPED: "its last log line"}
+GRACE_ENV, GRACE_DEFAULT = "TITAN_PREEMPT_GRACE_SECONDS", 120  # from a stop signal to SIGKILL of the ranks
 SIGNAL_HINTS = {signal.SIGKILL: "often the out-of-memory killer, see `dmesg`"}
 
 
@@ -70,39 +83,90 @@ def shown_ranks(local_ranks_filter: str) -> set[int] | None:
     return {int(r) for r in local_ranks_filter.split(",")} if local_ranks_filter else None
 
 
-def honour_shutdown_timeout(seconds: int) -> None:
-    """Make `seconds` the SIGTERM-to-SIGKILL grace that torchrun gives the other ranks after one fails.
+def honour_shutdown_timeout(seconds: int | None, exit_codes: dict[int, int | None] | None = None) -> None:
+    """Make `seconds` the SIGTERM-to-SIGKILL grace that torchrun gives the other ranks after one fails,
+    and after a signal other than SIGTERM/SIGUSR1; record each rank's exit code in `exit_codes`.
 
     torchrun's --shutdown-timeout / TORCH_ELASTIC_SHUTDOWN_TIMEOUT reaches only its own signal
     handling: after a worker fails, `PContext.close()` stops the others with its default of 30 s
     (torch 2.13; see pytorch/pytorch#192815), so a rank that ignores SIGTERM (stopped, stuck in the
-    kernel, or handling it) kept the job alive 30 s more. Explicit timeouts passed to `close` are unaffected.
+    kernel, or handling it) kept the job alive 30 s more. Here --shutdown-timeout is the stop grace
+    (see the module docstring), so the signals that do not stop with a checkpoint are capped at
+    `seconds` too; torchrun's other explicit timeouts (restarts) are unaffected. `seconds=None`
+    keeps torchrun's waits. The exit codes tell a stop in which every rank saved (all `STOPPED`)
+    from one cut short: torchrun drops them when it was signalled.
     """
     close = PContext.close
 
-    def close_within(self, death_sig=None, timeout: int = seconds) -> None:
+    def close_within(self, death_sig=None, timeout=None) -> None:
+        if timeout is None:
+            timeout = 30 if seconds is None else seconds
+        elif death_sig is not None and death_sig not in STOP_SIGNALS and seconds is not None:
+            timeout = min(timeout, seconds)
         close(self, death_sig, timeout)
+        if exit_codes is not None:
+            exit_codes.update({rank: h.proc.poll() for rank, h in getattr(self, "subprocess_handlers", {}).items()})
 
     PContext.close = close_within
 
 
+def whole_seconds(env: dict[str, str], name: str, default: int | None) -> int | None:
+    """`env[name]` as whole seconds (`default` when unset); ValueError naming the variable when not a number."""
+    value = env.get(name, "" if default is None else str(default))
+    if value == "" and default is None:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{PROG}: {name}={value}: must be a whole number of seconds, e.g. {default or 5}")
+    return int(value)
+
+
+def with_stop_signals(signals: str) -> str:
+    """torchrun's --signals-to-handle with SIGTERM and SIGUSR1 added (SIGUSR1's default action
+    would end the launcher and leave the ranks running unsupervised)."""
+    names = [s.strip() for s in signals.split(",") if s.strip()]
+    return ",".join(names + [sig.name for sig in STOP_SIGNALS if sig.name not in names])
+
+
+def stopped(sig: signal.Signals, exit_codes: dict[int, int | None], grace: int) -> tuple[int, str]:
+    """(exit code, one line) after the launcher was stopped by `sig`: STOPPED when every rank stopped
+    after a step with its checkpoint; else 128+sig, naming the ranks that did not."""
+    if exit_codes and all(code == STOPPED for code in exit_codes.values()):
+        return STOPPED, f"{PROG}: stopped by {sig.name}: every rank finished its step, exit code {STOPPED} ({EXIT_CODES[STOPPED]})"
+    code = 128 + sig
+    if not exit_codes:
+        return code, f"{PROG}: stopped by {sig.name} before any rank started, exit code {code}"
+
+    def outcome(c: int | None) -> str:  # a Popen return code: negative for a signal
+        return "still running" if c is None else f"exited with {c} ({meaning(c)})" if c >= 0 else meaning(128 - c)
+
+    what = ", ".join(f"local rank {rank} {outcome(c)}" for rank, c in sorted(exit_codes.items()) if c != STOPPED)
+    hint = f"; if a step and a save take longer than {GRACE_ENV}={grace} seconds, raise it" if sig in STOP_SIGNALS else ""
+    return code, f"{PROG}: stopped by {sig.name}, exit code {code}; not stopped after a step: {what}{hint}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = torchrun.parse_args(argv)
-    seconds = args.shutdown_timeout if args.shutdown_timeout is not None else os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
-    if seconds is not None:
-        if not str(seconds).isdigit():
-            print(f"{PROG}: TORCH_ELASTIC_SHUTDOWN_TIMEOUT={seconds}: must be a whole number of seconds, e.g. 5", file=sys.stderr)
-            return 2
-        honour_shutdown_timeout(int(seconds))
+    try:
+        failure_grace = args.shutdown_timeout if args.shutdown_timeout is not None else \
+            whole_seconds(dict(os.environ), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
+        stop_grace = whole_seconds(dict(os.environ), GRACE_ENV, GRACE_DEFAULT)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    exit_codes: dict[int, int | None] = {}
+    honour_shutdown_timeout(failure_grace, exit_codes)
+    args.shutdown_timeout = stop_grace  # torchrun's agent: from forwarding the signal it got to SIGKILL
+    args.signals_to_handle = with_stop_signals(args.signals_to_handle)
     try:
         torchrun.run(args)
     except ChildFailedError as e:
         code, line = summarize(e, shown_ranks(args.local_ranks_filter))
         print(line, file=sys.stderr)
         return code
-    except SignalException as e:  # torchrun itself was told to stop (Ctrl-C, scancel): it stopped the ranks
-        print(f"{PROG}: stopped by {e.sigval.name}, exit code {128 + e.sigval}", file=sys.stderr)
-        return 128 + e.sigval
+    except SignalException as e:  # torchrun itself was told to stop (Ctrl-C, scancel): it forwarded the signal to the ranks
+        code, line = stopped(e.sigval, exit_codes, stop_grace)
+        print(line, file=sys.stderr)
+        return code
     return 0
 
 

@@ -16,6 +16,8 @@ Order of operations (everything that can fail on bad input runs before any compu
    evaluate every `eval.freq` and after the last step, checkpoint every `checkpoint.interval`
    and at the end. The loop does not know which kind of step it runs. After the first step
    collectives wait `[comm] train_timeout_seconds`. Exit codes: README, "Faults and recovery".
+`main`: SIGTERM/SIGUSR1 stop the run after the current step with a checkpoint, exit code 5
+(components/preemption.py); the run folder is locked from the preflight to exit (components/run_lock.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import dataclasses
 import gc
 import importlib
 import logging
-import math
 import sys
 import time
 import warnings
@@ -36,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_contrastive import models
 from titan_contrastive.checkpoint import CheckpointError, CheckpointManager, LRSchedulerState, ModelState, OptimizerState, RNGState, TrainState
+from titan_contrastive.checkpoint.resume import model_source, report_unread_init_from
 from titan_contrastive.components.freeze import apply_freeze
 from titan_contrastive.components.evaluate import EvalContext, describe_results, evaluate_sets
 from titan_contrastive.components.lr_scheduler import build_lr_scheduler
@@ -44,8 +46,11 @@ from titan_contrastive.components.metrics import MetricsProcessor, device_peak_t
 from titan_contrastive.components.nonfinite import NonFiniteError, NonFiniteGuard
 from titan_contrastive.components.optimizer import build_optimizer
 from titan_contrastive.components.precision import build_precision
+from titan_contrastive.components.preemption import STOPPED, StopSignals, stop_message
 from titan_contrastive.components.preflight import check_output_folders, checkpoint_bytes
+from titan_contrastive.components.run_lock import RunLock
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
+from titan_contrastive.config.manager import MAX_LOGIT_SCALE, check_contrastive_problem, log_config_warnings
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.build import build_data
 from titan_contrastive.interop import InteropError, load_state
@@ -55,17 +60,17 @@ from titan_contrastive.steps import StepContext, build_gradient_step
 
 logger = logging.getLogger("titan_contrastive")
 
-MAX_LOGIT_SCALE = math.log(100.0)  # CLIP clamps the temperature at 1/100
-
 
 class Trainer:
-    """Builds every component from a JobConfig and runs the training loop."""
+    """Builds every component from a JobConfig and runs the training loop; `run_lock` and `stop`: see `main`."""
 
-    def __init__(self, cfg: JobConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: JobConfig, run_lock: RunLock | None = None, stop: StopSignals | None = None) -> None:
+        self.cfg, self.stop, self.stopped_by = cfg, stop, None
         self.dist = init_distributed(cfg.training.device, cfg.comm.init_timeout_seconds)
         self.device = self.dist.device
         check_output_folders(cfg.job.dump_folder, cfg.checkpoint.folder if cfg.checkpoint.enable else None, log=self.dist.rank == 0)
+        if run_lock is not None:
+            run_lock.acquire(cfg.job.dump_folder, rank=self.dist.rank, distributed=self.dist.is_distributed)
         torch.manual_seed(cfg.training.seed)
         torch.use_deterministic_algorithms(cfg.training.deterministic)
 
@@ -73,7 +78,7 @@ class Trainer:
         if cfg.job.custom_import:
             importlib.import_module(cfg.job.custom_import)
         self.spec = models.get_model_spec(cfg.model.name)
-        flavor_args, init_state = models.resolve_model_args(cfg.model.name, cfg.model.flavor, cfg.model.init_from)
+        flavor_args, init_state, self.resumed = model_source(cfg, self.spec, models.resolve_model_args)  # a resume reads no init_from
         self.loss_name, losses = cfg.loss.name or self.spec.default_loss, (self.spec.default_loss, *self.spec.other_losses)
         if self.loss_name not in losses:
             raise ConfigError(f"loss.name={self.loss_name!r}: the {cfg.model.name} family trains with {' or '.join(map(repr, losses))}; "
@@ -83,6 +88,7 @@ class Trainer:
         self.dp_degree = self.dims.dp_degree
         self.ga_steps = gradient_accumulation_steps(cfg.training.global_batch_size, cfg.training.local_batch_size, self.dp_degree)
         self.global_batch_size = cfg.training.local_batch_size * self.ga_steps * self.dp_degree
+        check_contrastive_problem(cfg, self.dp_degree, self.global_batch_size, contrastive=self.spec.build_step is None)
         self.precision = build_precision(cfg.training, fsdp=self.dims.fsdp_enabled, device=self.device)
 
         # 3. data (every rank is a DP rank: the DP rank is the global rank), laid out for the family
@@ -133,14 +139,12 @@ class Trainer:
         )
         self._log_start()
         self.checkpointer.preflight(checkpoint_bytes(self.model))
-        self.checkpointer.load()
+        report_unread_init_from(cfg.model.init_from, self.checkpointer.load(), self.resumed)
         self.metrics = MetricsProcessor(  # after the checks above: a run that fails them writes nothing
             cfg.job.dump_folder, rank=self.dist.rank, enable_tensorboard=cfg.metrics.enable_tensorboard,
             device=self.device, flops_per_sample=self.model_args.flops_per_sample(),
             peak_tflops=device_peak_tflops(self.device, cfg.metrics.peak_tflops), world_size=self.dist.world_size,
         )
-        if cfg.memory.plan and not cfg.memory.budget_gib:
-            raise ConfigError("memory.plan=true needs memory.budget_gib > 0 (the per-device budget to plan for)")
         self.memory_plan = self._plan_memory() if cfg.memory.budget_gib else None  # before any real step
 
     @property
@@ -157,10 +161,10 @@ class Trainer:
                     f"compile {cfg.compile.backend if cfg.compile.enable else 'off'}")
         logger.info(f"batch: local {cfg.training.local_batch_size}  x  grad-accum steps {self.ga_steps}  x  dp degree {self.dp_degree}  "
                     f"=  global {self.global_batch_size};  {self.gradient_step.describe()}")
+        log_config_warnings(cfg)
 
     def _plan_memory(self) -> MemoryPlan:
-        """The step's knobs, planned on probe steps (the planner restores every state after them);
-        the step is then rebuilt with the chosen values."""
+        """The step's knobs, planned on probe steps (the planner restores every state); the step is rebuilt with them."""
         batches = probe_batches(self.train_set, local_batch_size=self.cfg.training.local_batch_size, ga_steps=self.ga_steps,
                                 dp_degree=self.dp_degree, rank=self.dist.rank)
 
@@ -176,8 +180,7 @@ class Trainer:
         return plan
 
     def forward(self, batch: dict[str, torch.Tensor], **kwargs: Any) -> Any:
-        """The model's forward with this run's dtype and autocast, through the FSDP root / the
-        unwrapped DDP module (evaluation; the train step calls the DP wrapper)."""
+        """The model's forward, this run's dtype and autocast, via the FSDP root / unwrapped DDP module (eval; not the train step)."""
         with self.precision.autocast():
             return self.model(*self.step_context.inputs(batch), **kwargs)
 
@@ -204,9 +207,9 @@ class Trainer:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
             self.lr_scheduler.step()
         self.train_state.skipped_steps += int(skipped)
-        if hasattr(self.model, "logit_scale"):
+        if (scale := getattr(self.model, "logit_scale", None)) is not None and scale.requires_grad:  # learned only: a fixed one stays
             with torch.no_grad():
-                self.model.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
+                scale.clamp_(0, MAX_LOGIT_SCALE)
         self.train_state.step = step
         self.train_state.samples_seen += self.global_batch_size
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped_steps": self.train_state.skipped_steps}
@@ -252,8 +255,14 @@ class Trainer:
                 set_collective_timeout(cfg.comm.train_timeout_seconds)
             self.metrics.samples += self.global_batch_size
             last = self.step == cfg.training.steps
-            if self.step % cfg.metrics.log_freq == 0 or last:
+            stop = self.stop.agreed() if self.stop else None  # every rank after every step: all stop after the same one
+            if self.step % cfg.metrics.log_freq == 0 or last or stop:
                 self.metrics.log_train(self.step, **out, **self.gradient_step.log_values(), **self.loader.bad_samples.values())
+            if stop:  # save the step just done, no evaluation first (the grace period is short)
+                self.stopped_by = stop
+                logger.info(stop_message(stop, self.step, self.checkpointer.maybe_save(self.step, last_step=True,
+                                                                                        protect_before=self.nonfinite.streak_start)))
+                break
             side_work = evaluates and (last or (cfg.eval.freq and self.step % cfg.eval.freq == 0))
             results = self._evaluate_and_log(last) if side_work else results  # eval and checkpoint time stay out of samples/s
             if self.checkpointer.maybe_save(self.step, last_step=last, protect_before=self.nonfinite.streak_start) or side_work:
@@ -264,16 +273,18 @@ class Trainer:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[titan_contrastive] %(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
     warnings.filterwarnings("ignore", message=".*set_vital.*")
-    trainer, finished = None, False
+    trainer, finished, lock, stop = None, False, RunLock(), StopSignals().install()
     try:
-        trainer = Trainer(parse_args(argv))
+        trainer = Trainer(parse_args(argv), run_lock=lock, stop=stop)
         if trainer.cfg.memory.plan:  # dry run: the plan is logged, nothing is trained
             finished = True
             return 0
         start = time.perf_counter()
         trainer.train()
-        logger.info(f"training done in {time.perf_counter() - start:.1f}s")
         finished = True
+        if trainer.stopped_by is not None:
+            return STOPPED
+        logger.info(f"training done in {time.perf_counter() - start:.1f}s")
     except (ConfigError, DataError, CheckpointError, models.ModelRegistryError, MemoryBudgetError, InteropError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -290,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
             trainer.metrics.close()
             del trainer  # release FSDP2's collective state before the process group goes
             gc.collect()
+        lock.release()
         destroy_distributed(barrier=finished)
+        stop.restore()  # a signal until here only set a flag: the process exits with this function's code
     return 0
 
 

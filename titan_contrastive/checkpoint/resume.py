@@ -12,14 +12,28 @@ Why a change is applied rather than refused: lowering the lr after a loss spike,
 whose config drifted from the one that wrote the checkpoint should never be a surprise.
 The manifest of every checkpoint records the config (`"config"`) for this comparison; a
 checkpoint written before that is resumed without it (and says so).
+
+`model.init_from` is read only by a run that starts without a checkpoint: the weights it names
+would be overwritten by the checkpoint's, and the architecture comes from the checkpoint's
+manifest (`resumed_model_args`; the data and config still size it and must agree, as above).
+So a requeued job whose staged init weights are gone still resumes, and an init_from changed
+since the checkpoint is reported as not applied (`report_unread_init_from`) rather than as a change.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any
+import logging
+import re
+from pathlib import Path
+from typing import Any, Callable
 
-NOT_COMPARED = {"job.config_file", "job.dump_folder", "job.description", "checkpoint.load_step", "memory.plan"}
+from titan_contrastive.config import ConfigError
+
+logger = logging.getLogger("titan_contrastive")
+
+NOT_COMPARED = {"job.config_file", "job.dump_folder", "job.description", "checkpoint.load_step", "memory.plan", "model.init_from"}
 MUST_AGREE = {
     "model.freeze": "the frozen parameters have no optimizer state",
     "model.unlocked_layers": "the frozen parameters have no optimizer state",
@@ -68,3 +82,60 @@ def config_changes(step: int, manifest: dict[str, Any], config: dict[str, Any] |
         if key in MUST_AGREE:
             raise IncompatibleResume(f"{change} since checkpoint step-{step}, but {MUST_AGREE[key]}; {fix}")
     return changes
+
+
+def _manifest(folder: Path) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("model"), dict) else None
+
+
+def resumed_model_args(cfg: Any, spec: Any) -> tuple[Any, dict[str, Any]] | None:
+    """With `model.init_from` and checkpointing: (model args, manifest) of the checkpoint the resume
+    will load, `checkpoint.load_step` or the newest `step-N` with a readable manifest naming this
+    family's model (CheckpointManager.load verifies it and falls back to an older one, of the same
+    run and architecture). None otherwise, or when its manifest predates model records: the run
+    then reads `model.init_from`."""
+    if not (cfg.model.init_from and cfg.checkpoint.enable):
+        return None
+    checkpoint_folder, load_step = Path(cfg.job.dump_folder) / cfg.checkpoint.folder, cfg.checkpoint.load_step
+    if load_step >= 0:
+        candidates = [load_step]
+    else:
+        found = (re.fullmatch(r"step-(\d+)", p.name) for p in checkpoint_folder.iterdir()) if checkpoint_folder.is_dir() else ()
+        candidates = sorted((int(m[1]) for m in found if m), reverse=True)
+    for step in candidates:
+        manifest = _manifest(checkpoint_folder / f"step-{step}")
+        if manifest is None or manifest["model"].get("family") != spec.name:
+            continue
+        try:
+            return dataclasses.replace(next(iter(spec.flavors.values())), **manifest["model"].get("args", {})), manifest
+        except TypeError:  # fields this version does not know
+            return None
+    return None
+
+
+def model_source(cfg: Any, spec: Any, resolve: Callable[[str, str, str], tuple[Any, Any]]) -> tuple[Any, Any, dict[str, Any] | None]:
+    """(model args, initial weights or None, manifest of the checkpoint to resume or None): the
+    checkpoint's architecture when `resumed_model_args` finds one, else `resolve(name, flavor,
+    init_from)` (`models.resolve_model_args`: the flavor's args, or init_from's args and weights)."""
+    resumed = resumed_model_args(cfg, spec)
+    if resumed is not None:
+        return resumed[0], None, resumed[1]
+    return (*resolve(cfg.model.name, cfg.model.flavor, cfg.model.init_from), None)
+
+
+def report_unread_init_from(init_from: str, step: int | None, manifest: dict[str, Any] | None) -> None:
+    """Log that `init_from` was left unread because checkpoint `step` was resumed (`manifest`: the
+    one `model_source` read; None: init_from was read, nothing to say). ConfigError when no
+    checkpoint loaded after all: the model would silently be a random init."""
+    if manifest is None:
+        return
+    saved = manifest.get("config", {}).get("model", {}).get("init_from")
+    if step is None:  # the checkpoint seen at start-up vanished before it could load
+        raise ConfigError(f"model.init_from={init_from!r} was not read because a checkpoint was to be resumed, but it "
+                          "is gone (moved or removed during start-up); rerun to start from model.init_from")
+    changed = f" (changed since step-{step}: {saved!r} -> {init_from!r}; not applied)" if saved is not None and saved != init_from else ""
+    logger.info(f"model.init_from={init_from!r} not read: resuming checkpoint step-{step}, whose weights replace it{changed}")

@@ -7,8 +7,15 @@ validator in `manager.py` can name the key, the bad value and the valid values i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
+
+# A learned logit scale t' is clamped to [0, MAX_LOGIT_SCALE] after every step (CLIP's temperature
+# cap, t = exp(t') <= 100); a fixed one is kept as given, within +-MAX_FIXED_LOGIT_SCALE (t between
+# 1e-4 and 1e4: beyond, the logits overflow float16, or no longer tell pairs apart).
+MAX_LOGIT_SCALE = math.log(100.0)
+MAX_FIXED_LOGIT_SCALE = math.log(1e4)
 
 
 def _opt(default: Any, check: Callable[[Any], bool] | None = None, expect: str = "") -> Any:
@@ -32,7 +39,8 @@ class Job:
     config_file: str = ""
     """TOML file to load before applying command-line overrides (CLI > TOML > defaults)."""
     dump_folder: str = "./outputs"
-    """Folder for logs, `metrics.jsonl` and TensorBoard events (`{dump_folder}/tb`)."""
+    """Folder for logs, `metrics.jsonl` and TensorBoard events (`{dump_folder}/tb`); one run at a
+    time: a run holds `.titan_contrastive.lock` in it, and a second run on it stops at start."""
     description: str = ""
     """Free text describing the run; logged at start."""
     custom_import: str = ""
@@ -142,7 +150,8 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = _opt(20, lambda v: v >= 0, "an integer >= 0")
-    """Linear warmup from lr/(warmup_steps+1) to lr over this many steps."""
+    """Linear warmup from lr/(warmup_steps+1) to lr over this many steps. At or beyond
+    training.steps the lr never reaches its peak (a warning at start; kept for short smoke runs)."""
     decay_type: Literal["cosine", "linear", "none"] = "cosine"
     """Decay after warmup, down to lr * min_lr_factor at the last step."""
     min_lr_factor: float = _opt(0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]")
@@ -174,7 +183,9 @@ class Loss:
     rounds the dense loss's matmul) after a one-time self-check against pytorch, else pytorch."""
     init_logit_scale: float | None = None
     """t' at the start, the temperature being t = exp(t'); empty (or `none`) = the loss's own:
-    log(1/0.07) for clip, log(10) for siglip (SigLIP's init); bi_encoder: log(20)."""
+    log(1/0.07) for clip, log(10) for siglip (SigLIP's init); bi_encoder: log(20). A learned t'
+    is clamped to [0, log 100] after every step, so it must start there; a fixed one (learn_logit_scale
+    = false) is never clamped and may be any value in [-log 1e4, log 1e4]."""
     init_logit_bias: float | None = None
     """siglip: the bias b at the start; empty = -10 (SigLIP's init)."""
     learn_logit_scale: bool = True
@@ -331,7 +342,7 @@ class Checkpoint:
     folder: str = "checkpoint"
     """Checkpoint folder, relative to job.dump_folder; each checkpoint is `step-N`."""
     interval: int = _positive(100)
-    """Save every this many steps (and after the last step)."""
+    """Save every this many steps (and after the last step, and after the step a SIGTERM/SIGUSR1 stops)."""
     keep_latest_k: int = _opt(2, lambda v: v >= 0, "an integer >= 0 (0 keeps all)")
     """Keep only the newest k complete checkpoints; 0 keeps all."""
     load_step: int = _opt(-1, lambda v: v == -1 or v >= 0, "-1 (latest complete) or a step >= 0")

@@ -7,7 +7,10 @@ Order of operations in `parse_args`:
 2. read the TOML named by `--job.config_file`, check it the same way, apply it to the defaults;
 3. hand the normalised argv to tyro with the TOML-merged config as its default, so `--help`
    shows the effective values and tyro builds the final tree;
-4. check cross-field ranges (`metadata["check"]` on each field).
+4. check per-field ranges (`metadata["check"]` on each field), then the combinations of fields
+   a run cannot train with (`_check_combinations`). What needs the process count (the size of
+   a contrastive problem) is checked by the trainer with `check_contrastive_problem`; what is
+   legitimate but surprising is only warned about (`log_config_warnings`, at start).
 
 Why check before tyro: tyro prints multi-line panels and does not see TOML values at all; a
 user sweeping configs wants one line naming the key, the bad value and the valid choices, the
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import sys
 import types
@@ -26,7 +30,7 @@ from typing import Any
 
 import tyro
 
-from titan_contrastive.config.job_config import JobConfig
+from titan_contrastive.config.job_config import MAX_FIXED_LOGIT_SCALE, MAX_LOGIT_SCALE, JobConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -226,6 +230,62 @@ def validate(cfg: JobConfig) -> None:
                     f"{section.name}.{f.name}={value!r} is out of range: expected {expect} "
                     f"(set --{section.name}.{f.name}=... or [{section.name}] {f.name} in the TOML)"
                 )
+    _check_combinations(cfg)
+
+
+def _check_combinations(cfg: JobConfig) -> None:
+    """Values that are valid alone but not together. A memory plan needs a budget. The logit scale's
+    range depends on whether it is learned: a learned one is clamped to [0, log 100] after every
+    step, so an init outside would silently change at step 1; a fixed one is never clamped, but past
+    exp(+-9.2) it overflows or carries no signal, which used to surface at step 1 as a non-finite
+    loss advising a lower lr."""
+    if cfg.memory.plan and not cfg.memory.budget_gib:
+        raise ConfigError("memory.plan=true needs memory.budget_gib > 0 (the per-device budget to plan for)")
+    scale = cfg.loss.init_logit_scale
+    if scale is None:
+        return
+    if cfg.loss.learn_logit_scale and not 0 <= scale <= MAX_LOGIT_SCALE:
+        raise ConfigError(f"loss.init_logit_scale={scale!r} is out of range for a learned scale: expected a number in "
+                          f"[0, {MAX_LOGIT_SCALE:.4f}] (the clamp applied after every step, temperature exp(t') <= 100); "
+                          f"to train at exp({scale!r}) = {math.exp(scale):.4g} set loss.learn_logit_scale=false")
+    if not cfg.loss.learn_logit_scale and abs(scale) > MAX_FIXED_LOGIT_SCALE:
+        raise ConfigError(f"loss.init_logit_scale={scale!r} is out of range: expected a number in [-{MAX_FIXED_LOGIT_SCALE:.4f}, "
+                          f"{MAX_FIXED_LOGIT_SCALE:.4f}] (a fixed temperature exp(t') between 1e-4 and 1e4; beyond, the logits "
+                          "overflow float16 or no longer tell pairs apart)")
+
+
+def check_contrastive_problem(cfg: JobConfig, dp_degree: int, global_batch_size: int, *, contrastive: bool = True) -> None:
+    """A contrastive step needs at least two pairs in each problem: with one, the clip loss and its
+    gradient are exactly 0 (siglip's has no negatives), and the run trained nothing, silently.
+    A problem is the microbatches of all DP ranks (`negatives = "microbatch"`, chunked by GradCache
+    or not) or the whole global batch (`negatives = "global"`). `contrastive=False`: a family with
+    its own step (vae's pixel loss), where one sample per batch is fine."""
+    local = cfg.training.local_batch_size
+    problem = global_batch_size if cfg.loss.negatives == "global" else local * dp_degree
+    if problem >= 2 or not contrastive:
+        return
+    fix = "raise training.global_batch_size" if cfg.loss.negatives == "global" else (
+        "raise training.local_batch_size (loss.negatives=global with a larger training.global_batch_size makes the whole "
+        "global batch one problem instead)")
+    raise ConfigError(f"training.local_batch_size={local} with loss.negatives={cfg.loss.negatives} on {dp_degree} process"
+                      f"{'es' if dp_degree > 1 else ''}: each contrastive problem holds one pair, whose loss and gradient "
+                      f"carry no negatives (clip: exactly 0); {fix}")
+
+
+def log_config_warnings(cfg: JobConfig) -> list[str]:
+    """Log (and return) the settings a run can train with but that are rarely meant; never an error.
+
+    warmup_steps >= training.steps: the lr rises for the whole run and never reaches its peak or
+    decays. A warning, not an error: a smoke run (`--training.steps=2` with a config's warmup) is
+    legitimate and common, and a resumed run may extend training.steps past the warmup."""
+    out = []
+    warmup, steps = cfg.lr_scheduler.warmup_steps, cfg.training.steps
+    if warmup >= steps:
+        out.append(f"lr_scheduler.warmup_steps={warmup} >= training.steps={steps}: the lr rises for the whole run, reaching "
+                   f"{steps / (warmup + 1):.2g} x optimizer.lr at the last step, and never decays; lower warmup_steps for a full schedule")
+    for line in out:
+        logging.getLogger("titan_contrastive").warning(f"warning: {line}")
+    return out
 
 
 def _tyro_argv(cli: dict[tuple[str, str], Any]) -> list[str]:
