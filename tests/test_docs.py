@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL = {"bash", "sh", "shell"}
 # titan_contrastive's subpackages: docs name their files relative to the package (`steps/pixel.py`)
-PACKAGE_DIRS = ("steps", "components", "grad_cache", "kernels", "parallelisms", "checkpoint", "config", "models",
+PACKAGE_DIRS = ("steps", "components", "grad_cache", "batching", "kernels", "parallelisms", "checkpoint", "config", "models",
                 "datasets", "interop")
 FILE_EXTS = ("py", "toml", "sh", "md", "json", "jsonl", "png", "csv", "log", "safetensors", "bin", "pt", "pth", "txt",
              "tsv", "tar", "parquet")

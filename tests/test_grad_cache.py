@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_contrastive.grad_cache import GradCache, GradCacheError, cached, split_inputs
+from titan_contrastive.batching import BatchError, split_inputs
+from titan_contrastive.grad_cache import GradCache, GradCacheError, Replay, cached
 from titan_contrastive.grad_cache.inputs import get_rep
 from tests.dist_utils import run_distributed
 
@@ -163,7 +164,8 @@ def test_clear_errors() -> None:
     q, p = towers("tensor", "tensor")
     with pytest.raises(GradCacheError, match=r"chunk_sizes\[1\]=0: must be an integer >= 1"):
         GradCache([q, p], [4, 0], info_nce)
-    with pytest.raises(GradCacheError, match="tensors disagree on the batch dimension .*'x'.*: 13.*'mask'.*: 12"):
+    assert GradCacheError is BatchError  # one error type: a bad split and a bad GradCache argument alike
+    with pytest.raises(BatchError, match="tensors disagree on the batch dimension .*'x'.*: 13.*'mask'.*: 12"):
         split_inputs({"x": data(), "mask": data(n=12)}, 4)
     with pytest.raises(GradCacheError, match="fp16=True needs a scaler"):
         GradCache([q, p], 4, info_nce, fp16=True)
@@ -216,6 +218,60 @@ def test_one_model_keeps_its_last_chunk_graph(chunk: int) -> None:
     assert model.calls == 2 * chunks - 1
     assert abs(loss.item() - want_loss) <= REL * want_loss
     assert_close([[p.grad for p in model.parameters()]], [want])
+
+
+class LockedPair(PairTower):
+    """A PairTower whose first side is locked (no gradient, eval mode: no dropout draws) and which
+    takes `replay`: in a re-forward it returns pass 1's output of that side instead of running it
+    (what `components.freeze.locked_forward` does for the families)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q.requires_grad_(False).eval()
+        self.locked_rows = 0
+        self.replays: list[Replay | None] = []
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *,
+                replay: Replay | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        self.replays.append(replay)
+        if replay is None:
+            self.locked_rows += len(x)
+            with torch.no_grad():
+                locked = self.q(x)
+        else:
+            locked = replay[0]
+        return locked, self.p(y)
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_replay_hands_the_re_forward_its_first_pass_outputs(replay: bool) -> None:
+    """`replay=True`: each re-forward gets pass 1's outputs of its chunk as the keyword `replay` (a
+    `Replay`, not a tuple: data-parallel wrappers rewrite tensors inside tuples), so the locked side
+    runs once per sample; without it the model gets no `replay` and the locked side runs again.
+    Either way the loss and the trained side's gradients equal the dense backward's (dropout on)."""
+    model = LockedPair()
+    x, y = data(), data(seed=2)
+    dense = copy.deepcopy(model)
+    torch.manual_seed(5)
+    outs = [dense(a, b) for a, b in zip(x.split(4), y.split(4))]
+    want_loss = info_nce(torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]))
+    want_loss.backward()
+    torch.manual_seed(5)
+    split = lambda pair, size: list(zip(pair[0].split(size), pair[1].split(size)))  # noqa: E731
+    loss = GradCache([model], 4, info_nce, split_input_fn=split, get_rep_fn=tuple, replay=replay).cache_step((x, y))
+    assert abs(loss.item() - want_loss.item()) <= REL * want_loss.item()
+    assert_close([[p.grad for p in model.p.parameters()]], [[p.grad for p in dense.p.parameters()]])
+    assert all(p.grad is None for p in model.q.parameters())
+    first, again = model.replays[:4], model.replays[4:]  # 4 chunks; the last one's graph is kept, not re-run
+    assert first == [None] * 4 and len(again) == 3
+    if replay:
+        assert model.locked_rows == B
+        for i, got in enumerate(again):
+            assert isinstance(got, Replay) and not isinstance(got, tuple) and len(got) == 2
+            with torch.no_grad():
+                assert torch.equal(got[0], model.q(x[4 * i : 4 * i + 4]))
+    else:
+        assert again == [None] * 3 and model.locked_rows == B + 12
 
 
 def _dp_matches_dense(wrapper: str) -> None:

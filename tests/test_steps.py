@@ -16,11 +16,11 @@ from torch import nn
 
 from titan_contrastive import steps
 from titan_contrastive.checkpoint import RNGState
-from titan_contrastive.components.rng import RandContext, capture_rng, restore_rng
+from titan_contrastive.grad_cache.rng import RandContext, capture_rng, restore_rng
 from titan_contrastive.datasets import Dataset, ZeroShotDataset, build_dataset
 from titan_contrastive.grad_cache import GradCache, GradCacheError, forward_backward, forward_no_grad
 from titan_contrastive.models import registry
-from titan_contrastive.parallelisms import grad_sync
+from titan_contrastive.grad_cache.sync import grad_sync
 from tests.dist_utils import run_distributed
 from tests.test_trainer import assert_close, make_trainer
 

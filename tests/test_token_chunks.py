@@ -1,4 +1,4 @@
-"""Token-aware GradCache chunks (`grad_cache/tokens.py`): each chunk cut to its longest sequence,
+"""Token-aware GradCache chunks (`batching/tokens.py`): each chunk cut to its longest sequence,
 `chunk_tokens` packing length-sorted samples, against a plain dense full-batch backward.
 
 The text tower is a tiny random BertModel (2 layers, hidden 32, no download) that really reads
@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_contrastive.grad_cache import GradCache, GradCacheError, split_inputs
-from titan_contrastive.grad_cache import tokens as tokens_module
-from titan_contrastive.grad_cache.tokens import padded_fields, right_trimmed, token_chunks, trim_padding
+from titan_contrastive.batching import BatchError, split_inputs
+from titan_contrastive.batching import tokens as tokens_module
+from titan_contrastive.batching.tokens import padded_fields, right_trimmed, token_chunks, trim_padding
+from titan_contrastive.grad_cache import GradCache, GradCacheError
 from tests.dist_utils import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -158,9 +159,9 @@ def test_token_chunks_sort_and_pack_to_the_budget(monkeypatch: pytest.MonkeyPatc
     # another rank runs 6 chunks: this one splits its largest chunks in two until it has as many
     monkeypatch.setattr(tokens_module, "max_over_ranks", lambda value, group: 6)
     assert token_chunks(batch, 30, {"query": 0, "doc": 0})[1] == [2, 2, 1, 2, 2, 1]
-    with pytest.raises(GradCacheError, match="has no padded token field"):
+    with pytest.raises(BatchError, match="has no padded token field"):
         token_chunks({"image": torch.randn(4, 3)}, 30)
-    with pytest.raises(GradCacheError, match="chunk_tokens=0 for input: must be an integer >= 1"):
+    with pytest.raises(BatchError, match="chunk_tokens=0 for input: must be an integer >= 1"):
         token_chunks(batch, 0, {"query": 0})
     with pytest.raises(GradCacheError, match="does not combine with split_input_fn"):
         GradCache([TextTower()], 4, symmetric_infonce, split_input_fn=split_inputs, chunk_tokens=30)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from titan_contrastive.batching import BatchError, split_vlm_inputs
 from titan_contrastive.datasets.retrieval import MODES, unpack_batch
-from titan_contrastive.grad_cache import GradCacheError, split_vlm_inputs
 
 
 def packed_batch(samples: int, images_per_sample: list[int], seed: int) -> dict[str, torch.Tensor]:
@@ -50,10 +50,10 @@ def test_one_image_per_sample_by_default_and_clip_style_split_on_dim0() -> None:
 
 def test_image_count_mismatch_is_a_clear_error() -> None:
     batch = packed_batch(3, [1, 2, 1], 1)
-    with pytest.raises(GradCacheError, match="4 images .* for 3 samples: pass images_per_sample"):
+    with pytest.raises(BatchError, match="4 images .* for 3 samples: pass images_per_sample"):
         split_vlm_inputs(batch, 2)
     batch["pixel_values"] = batch["pixel_values"][:-1]
-    with pytest.raises(GradCacheError, match="patches .* but pixel_values has"):
+    with pytest.raises(BatchError, match="patches .* but pixel_values has"):
         split_vlm_inputs(batch, 2, images_per_sample=[1, 2, 1])
 
 
@@ -102,7 +102,8 @@ def test_unpack_never_truth_tests_tensors_and_names_missing_keys() -> None:
     batch = {"query_input_ids": torch.zeros(2, 3), "pixel_values": torch.randn(6, 4), "image_grid_thw": torch.ones(2, 3)}
     q, p, _ = unpack_batch(batch, "t2i")  # a multi-element tensor in an `or` would raise here
     assert torch.equal(p["pixel_values"], batch["pixel_values"])
-    with pytest.raises(GradCacheError, match=r"mode 't2t': the pos side needs input_ids; none of the keys \['pos_input_ids'\]"):
+    with pytest.raises(BatchError,
+                       match=r"mode 't2t': the pos side needs input_ids; none of the keys \['pos_input_ids'\]"):
         unpack_batch(batch, "t2t")
-    with pytest.raises(GradCacheError, match="retrieval mode 'x2y': choose one of t2i, i2i, t2t, i2t, m2i"):
+    with pytest.raises(BatchError, match="retrieval mode 'x2y': choose one of t2i, i2i, t2t, i2t, m2i"):
         unpack_batch(batch, "x2y")

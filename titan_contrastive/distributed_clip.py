@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from titan_contrastive.components.streaming_loss import require_kernel
-from titan_contrastive.parallelisms.grad_sync import grad_sync
+from titan_contrastive.grad_cache.sync import grad_sync
 from titan_contrastive.steps.global_negatives import DistributedClipError, StreamingClipStep
 
 __all__ = ["DistributedClipError", "StreamingClipStep", "distributed_train_step"]

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
-from titan_contrastive.components.rng import RNGSnapshot, capture_rng, cuda_index, restore_rng
+from titan_contrastive.grad_cache.rng import RNGSnapshot, capture_rng, cuda_index, restore_rng
 
 
 class ModelState:

@@ -12,7 +12,9 @@ line saying what trains. The optimizer's parameter groups skip frozen parameters
 neither gradients nor optimizer state. The family's forward calls a locked tower through
 `locked_forward`: without a graph (no saved activations: the LiT saving), and inside a
 cached-gradient re-forward (GradCache, global negatives) not at all, reusing pass 1's output, so
-it runs once per sample under every step kind. Pinning it to eval mode is what makes that reuse
+it runs once per sample under every step kind. The re-forward hands the model pass 1's outputs
+as its `replay` argument (`grad_cache.engine.Replay`, through the step's `StepContext.encode`),
+and the forward passes them on to `locked_forward`. Pinning it to eval mode is what makes that reuse
 exact: it draws no random numbers, so skipping it leaves the other tower's dropout replay intact.
 """
 
@@ -29,7 +31,6 @@ import torch
 from torch import Tensor, nn
 
 from titan_contrastive.config import ConfigError
-from titan_contrastive.grad_cache.engine import replayed
 
 logger = logging.getLogger("titan_contrastive")
 _BLOCK = re.compile(r"\.blocks\.(\d+)\.|\.layer\.(\d+)\.")  # a residual block's index in its tower
@@ -54,12 +55,15 @@ def _depth(names: list[str], prefix: str) -> int:
     return max(indices, default=-1) + 1
 
 
-def locked_forward(tower: nn.Module, index: int, run: Callable[[], Tensor]) -> Tensor:
+def locked_forward(tower: nn.Module, index: int, run: Callable[[], Tensor],
+                   replay: Sequence[Tensor | None] | None = None) -> Tensor:
     """`run()` (the tower's forward); for a locked tower (`tower.frozen`) without a graph, and inside
-    a cached-gradient re-forward pass 1's output `index` of the model (engine.replayed) instead."""
+    a cached-gradient re-forward `replay[index]` instead: `replay` is the model's argument of that
+    name (pass 1's outputs of the chunk, None outside a re-forward), `index` the place of this
+    tower's output among the model's."""
     if not getattr(tower, "frozen", False):
         return run()
-    cached = replayed(index)
+    cached = None if replay is None else replay[index]
     if cached is not None:
         return cached
     with torch.no_grad():

@@ -42,7 +42,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titan_contrastive.components.memory_probe import PeakMemory
-from titan_contrastive.components.rng import capture_rng, restore_rng
+from titan_contrastive.grad_cache.rng import capture_rng, restore_rng
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.parallelisms.collectives import max_over_ranks
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from titan_contrastive.batching import split_inputs, split_vlm_inputs
 from titan_contrastive.config import ConfigError
-from titan_contrastive.grad_cache.inputs import split_inputs
-from titan_contrastive.grad_cache.vlm import split_vlm_inputs
 
 __all__ = ["IMAGES", "MASKED_IMAGES", "PACKED_PATCHES", "DataLayout"]
 

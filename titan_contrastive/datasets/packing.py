@@ -6,7 +6,7 @@ Why packed: a VLM processor keeps each image at (close to) its own resolution, s
 common [C, H, W]; it flattens every image into its p×p patches and concatenates them, with
 `image_grid_thw` [num_images, 3] = (t, h, w) in patches telling where each image starts. This
 module produces exactly that from a float image batch, so the `vlm` family and
-`grad_cache.split_vlm_inputs` run on real mixed-resolution data.
+`batching.split_vlm_inputs` run on real mixed-resolution data.
 
 Order inside one image: row-major over the h×w grid (t = 1: still images); each row of
 `pixel_values` is one patch flattened channel-major (C, p, p), like Qwen2-VL's processor with

@@ -9,7 +9,7 @@ Why everything is tokenized at load, as for WordNet: a batch is then one gather,
 are small next to images. A row with an empty query or positive is skipped at load, counted
 and logged; past `data.max_bad_fraction` of the file the load stops, naming the file and row.
 Extra columns are hard negatives, served as `neg` [B, k, doc_length]: the GradCache API takes
-them as its third input (`grad_cache.unpack_batch`); the trainer's bi_encoder step trains on
+them as its third input (`datasets.retrieval.unpack_batch`); the trainer's bi_encoder step trains on
 in-batch negatives and says so at start when a file has them.
 """
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from titan_contrastive.grad_cache.inputs import GradCacheError
-from titan_contrastive.grad_cache.vlm import IMAGE_FIELDS
+from titan_contrastive.batching import IMAGE_FIELDS, BatchError
 
 __all__ = ["MODES", "unpack_batch"]
 
@@ -49,7 +48,8 @@ def _side(batch: Mapping[str, Any], prefix: str, kind: str, legacy_text: bool, l
     for field in required:
         if field not in side:
             tried = [f"{prefix}_{field}"] + ([field] if (legacy_text if field in TEXT_FIELDS else legacy_image) else [])
-            raise GradCacheError(f"retrieval mode {mode!r}: the {prefix} side needs {field}; none of the keys {tried} is in the batch (keys: {sorted(batch)})")
+            raise BatchError(f"retrieval mode {mode!r}: the {prefix} side needs {field}; "
+                             f"none of the keys {tried} is in the batch (keys: {sorted(batch)})")
     return side
 
 
@@ -60,7 +60,7 @@ def unpack_batch(batch: Mapping[str, Any], mode: str) -> tuple[dict[str, Any], d
     `image_grid_thw` serve the positive when it is an image, else the query.
     """
     if mode not in MODES:
-        raise GradCacheError(f"retrieval mode {mode!r}: choose one of {', '.join(MODES)}")
+        raise BatchError(f"retrieval mode {mode!r}: choose one of {', '.join(MODES)}")
     query_kind, pos_kind = MODES[mode]
     image_alias_to_query = pos_kind != "image"
     query = _side(batch, "query", query_kind, legacy_text=True, legacy_image=image_alias_to_query, mode=mode)

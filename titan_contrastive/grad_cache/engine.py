@@ -18,26 +18,28 @@ forward), sync only when it is the only chunk.
 
 `call` may return a Tensor or a tuple of Tensors (a CLIP model: image embeddings, text
 embeddings, exp(logit_scale)); an output without a cached gradient (None) is left out of the
-surrogate. With `replay` (pass 1's outputs per chunk), `replayed(k)` gives a model, inside pass
-2, pass 1's output k of the chunk being re-run: a part that needs no graph (a locked tower,
-`components.freeze`) returns it instead of running again, so it runs once per sample.
+surrogate. With `replay` (pass 1's outputs per chunk), pass 2 calls `call(chunk, replay=...)`, a
+`Replay` of that chunk's pass-1 outputs: a part of the model that needs no graph (a locked tower,
+`components.freeze`) returns its entry instead of running again, so it runs once per sample. The
+outputs go to the model as an argument, explicitly, through every layer between (GradCache, the
+trainer's steps, the model's forward).
 Users: `GradCache` (class and `@cached`) and the streaming global-negatives step (its phases A
-and D), so the replay and the surrogate exist once.
+and D), so the RNG replay and the surrogate exist once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-from typing import Any, Callable, ContextManager, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Callable, ContextManager, Union
 
 import torch
 from torch import Tensor
 
-from titan_contrastive.components.rng import RandContext
-from titan_contrastive.grad_cache.inputs import GradCacheError
+from .inputs import GradCacheError
+from .rng import RandContext
 
-__all__ = ["Kept", "Outputs", "as_tuple", "float_dot", "forward_backward", "forward_no_grad", "replayed"]
+__all__ = ["Kept", "Outputs", "Replay", "as_tuple", "float_dot", "forward_backward", "forward_no_grad"]
 
 Outputs = Union[Tensor, tuple[Union[Tensor, None], ...]]
 
@@ -52,22 +54,24 @@ def float_dot(rep: Tensor, grad: Tensor) -> Tensor:
     return torch.dot(rep.flatten().to(dtype), grad.flatten().to(dtype))
 
 
-_REPLAY: contextvars.ContextVar[tuple[Tensor | None, ...] | None] = contextvars.ContextVar("gradcache_replay", default=None)
+class Replay(Sequence):
+    """Pass 1's outputs of the chunk a pass-2 re-forward runs: `replay[k]` is output k (None where
+    pass 1 returned none). The model receives it as its `replay` argument. A sequence of its own
+    rather than a tuple on purpose: data-parallel wrappers rewrite the tensors they find in a
+    forward's arguments, inside tuples, lists and dicts (FSDP2 casts them to its compute dtype, DDP
+    moves them to its device), and pass 1's outputs must reach the model exactly as pass 1 returned
+    them."""
 
+    __slots__ = ("outputs",)
 
-def replayed(index: int) -> Tensor | None:
-    """Inside a pass-2 re-forward given `replay`: pass 1's output `index` of the chunk being re-run; else None."""
-    outputs = _REPLAY.get()
-    return None if outputs is None else outputs[index]
+    def __init__(self, outputs: Outputs) -> None:
+        self.outputs = as_tuple(outputs)
 
+    def __getitem__(self, index: int) -> Tensor | None:  # type: ignore[override]
+        return self.outputs[index]
 
-@contextlib.contextmanager
-def _replaying(outputs: Outputs | None) -> Any:
-    token = _REPLAY.set(None if outputs is None else as_tuple(outputs))
-    try:
-        yield
-    finally:
-        _REPLAY.reset(token)
+    def __len__(self) -> int:
+        return len(self.outputs)
 
 
 class Kept:
@@ -85,7 +89,8 @@ def _detached(outputs: Outputs) -> Outputs:
 
 
 def forward_no_grad(call: Callable[[Any], Outputs], chunks: Sequence[Any], *,
-                    keep_last: Callable[[], ContextManager] | None = None) -> tuple[list[Outputs], list[RandContext | Kept]]:
+                    keep_last: Callable[[], ContextManager] | None = None,
+                    ) -> tuple[list[Outputs], list[RandContext | Kept]]:
     """Pass 1: every chunk's outputs without a graph, and the RNG state each chunk started from.
     With `keep_last`, the last chunk runs with a graph inside `keep_last()`: its outputs are
     returned detached and its state is a `Kept` holding the graph."""
@@ -104,38 +109,43 @@ def forward_no_grad(call: Callable[[Any], Outputs], chunks: Sequence[Any], *,
     return outputs, states
 
 
-def forward_backward(call: Callable[[Any], Outputs], chunks: Sequence[Any], states: Sequence[RandContext | Kept],
+def forward_backward(call: Callable[..., Outputs], chunks: Sequence[Any], states: Sequence[RandContext | Kept],
                      gradients: Callable[[int, tuple[Tensor | None, ...]], Sequence[Tensor | None]], *,
                      sync: Callable[[bool], ContextManager] = lambda is_last: contextlib.nullcontext(),
-                     backward: Callable[[Tensor], None] = Tensor.backward, replay: Sequence[Outputs] | None = None) -> None:
+                     backward: Callable[[Tensor], None] = Tensor.backward,
+                     replay: Sequence[Outputs] | None = None) -> None:
     """Pass 2: per chunk i, replay its RNG, re-run `call` with a graph and backpropagate the surrogate.
 
     `gradients(i, outputs)` gives chunk i's cached gradient per output (None: not in the loss);
     it sees the re-forward's outputs, so a caller can slice a cache by their sizes. `sync(is_last)`
     is the context for a chunk's forward and backward, is_last for the chunk processed last (the
-    data-parallel reduction: `parallelisms.grad_sync`); `backward(surrogate)` runs the backward (a
-    float16 caller scales). `replay[i]`: chunk i's pass-1 outputs, offered to the model through
-    `replayed` (see above). A `Kept` state (pass 1's graph) is processed first, without a re-forward.
+    data-parallel reduction: `sync.grad_sync`); `backward(surrogate)` runs the backward (a
+    float16 caller scales). `replay[i]`: chunk i's pass-1 outputs; given, chunk i is re-run as
+    `call(chunk, replay=Replay(replay[i]))` (see above), else as `call(chunk)`. A `Kept` state
+    (pass 1's graph) is processed first, without a re-forward.
     """
-    order = sorted(range(len(chunks)), key=lambda i: not isinstance(states[i], Kept))  # the kept graph first: freed first
+    # the kept graph first: freed first
+    order = sorted(range(len(chunks)), key=lambda i: not isinstance(states[i], Kept))
     for n, i in enumerate(order):
         state = states[i]
         with sync(n == len(order) - 1):
             if isinstance(state, Kept):
                 outputs, state.outputs = state.outputs, ()  # the graph goes with this chunk's backward
             else:
-                with state, _replaying(replay[i] if replay is not None else None):
-                    outputs = as_tuple(call(chunks[i]))
+                with state:
+                    outputs = as_tuple(call(chunks[i]) if replay is None else call(chunks[i], replay=Replay(replay[i])))
             grads = list(gradients(i, outputs))
             if len(grads) != len(outputs):
-                raise GradCacheError(f"re-forward of chunk {i} gave {len(outputs)} outputs, the cache holds {len(grads)}")
+                raise GradCacheError(f"re-forward of chunk {i} gave {len(outputs)} outputs, "
+                                     f"the cache holds {len(grads)}")
             terms = []
             for out, grad in zip(outputs, grads):
                 if grad is None:
                     continue
                 if out is None or grad.shape != out.shape:
                     shape = None if out is None else tuple(out.shape)
-                    raise GradCacheError(f"re-forward of chunk {i} gave a representation of shape {shape}, the cache holds {tuple(grad.shape)}")
+                    raise GradCacheError(f"re-forward of chunk {i} gave a representation of shape {shape}, "
+                                         f"the cache holds {tuple(grad.shape)}")
                 terms.append(float_dot(out, grad))
             del outputs
             if terms:

@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 from torch import Tensor
 
-from titan_contrastive.grad_cache import engine
-from titan_contrastive.grad_cache.inputs import GradCacheError
+from . import engine
+from .inputs import GradCacheError
 
 
 def cached(func: Callable[..., Tensor]) -> Callable[..., tuple[Tensor, Callable[[Tensor], None]]]:
@@ -35,13 +35,15 @@ def cached(func: Callable[..., Tensor]) -> Callable[..., tuple[Tensor, Callable[
 
         (rep,), states = engine.forward_no_grad(call, [None])
         if not isinstance(rep, Tensor):
-            raise GradCacheError(f"@cached function {func.__name__} returned {type(rep).__name__}; it must return the representation Tensor")
+            raise GradCacheError(f"@cached function {func.__name__} returned {type(rep).__name__}; "
+                                 "it must return the representation Tensor")
         leaf = rep.detach().requires_grad_()
 
         def backward(used: Tensor) -> None:
             """Backprop `used.grad` (the cache filled by the loss) through a replayed forward."""
             if used.grad is None:
-                raise GradCacheError(f"no gradient on the representation from {func.__name__}: call loss.backward() first, on the tensor it returned")
+                raise GradCacheError(f"no gradient on the representation from {func.__name__}: "
+                                     "call loss.backward() first, on the tensor it returned")
             engine.forward_backward(call, [None], states, lambda i, outputs: [used.grad])
 
         return leaf, backward

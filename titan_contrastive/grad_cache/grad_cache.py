@@ -4,7 +4,7 @@ Order of operations in `cache_step(*model_inputs)` (one input per model, e.g. qu
 passages, plus hard negatives):
 1. split every input into chunks (`chunk_sizes[i]` samples for model i; or, with
    `chunk_tokens[i]`, the samples sorted by length and packed into chunks of at most that many
-   tokens, `tokens.token_chunks`), each cut to its longest sequence (`tokens.trim_padding`: the
+   tokens, `batching.token_chunks`), each cut to its longest sequence (`batching.trim_padding`: the
    trailing columns that are padding in every row of the chunk, where the input marks its padding
    with an `attention_mask` or `pad_ids`; a no-op for anything else);
 2. `forward_no_grad`: per chunk, capture the RNG (RandContext) and run the model without a
@@ -15,11 +15,12 @@ passages, plus hard negatives):
    by the GradScaler first, so the cache holds scaled gradients and the parameter gradients come
    out scaled as the scaler expects;
 4. `forward_backward`: the kept chunk first, from its graph; then per chunk, replay its RNG,
-   forward with a graph; each chunk's backward of the float32
+   forward with a graph (with `replay=True` the model also receives step 2's outputs of the chunk
+   as its `replay` argument, `engine.Replay`); each chunk's backward of the float32
    surrogate <representation, cached gradient>: by the chain rule this accumulates exactly
    dL/dtheta (token chunks take their rows of the cache in chunk order). With
    `no_sync_except_last` the data-parallel reduction runs only on the very last chunk a model sees
-   (`parallelisms.grad_sync`: DDP `no_sync`, FSDP2 deferral; a plain model needs nothing), also
+   (`sync.grad_sync`: DDP `no_sync`, FSDP2 deferral; a plain model needs nothing), also
    when one model is passed twice (tied towers).
 The caller then steps the optimizer (through the scaler with float16). Steps 2 and 4 are the
 cached-gradient engine (`engine.py`), which the streaming global-negatives step shares.
@@ -43,12 +44,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from titan_contrastive.components.rng import RandContext
-from titan_contrastive.grad_cache import engine
-from titan_contrastive.grad_cache.engine import Outputs, as_tuple
-from titan_contrastive.grad_cache.inputs import GradCacheError, get_rep, model_call, split_inputs, take_chunks
-from titan_contrastive.grad_cache.tokens import token_chunks, trim_padding
-from titan_contrastive.parallelisms.grad_sync import grad_sync
+from ..batching import split_inputs, take_chunks, token_chunks, trim_padding
+from . import engine
+from .engine import Outputs, Replay, as_tuple
+from .inputs import GradCacheError, get_rep, model_call
+from .rng import RandContext
+from .sync import grad_sync
 
 Reps = Tensor | tuple[Tensor, ...]  # one model's representations of a whole input (tuple: several outputs)
 
@@ -66,13 +67,17 @@ def _reorder(reps: Reps, index: Tensor | None) -> Reps:
     return out[0] if isinstance(reps, Tensor) else out
 
 
-def _chunk_gradients(cached: Reps, rows: Sequence[Sequence[int]] | None = None) -> Callable[[int, tuple[Tensor | None, ...]], list[Tensor]]:
+def _chunk_gradients(cached: Reps, rows: Sequence[Sequence[int]] | None = None,
+                     ) -> Callable[[int, tuple[Tensor | None, ...]], list[Tensor]]:
     """`engine.forward_backward`'s gradients: each chunk's rows of each output's cache; a 0-dim
     output's gradient goes to the first chunk, zero to the others. `rows[i][k]`: chunk i's rows of
     output k (pass 1's outputs), so chunks may come in any order; None: in order, sized by the
     re-forward's outputs."""
     cache = as_tuple(cached)
-    starts = None if rows is None else [[0] * len(cache), *itertools.accumulate(rows, lambda a, b: [x + y for x, y in zip(a, b)])]
+    if rows is None:
+        starts = None
+    else:
+        starts = [[0] * len(cache), *itertools.accumulate(rows, lambda a, b: [x + y for x, y in zip(a, b)])]
     offsets = [0] * len(cache)
 
     def gradients(i: int, outputs: tuple[Tensor | None, ...]) -> list[Tensor]:
@@ -113,12 +118,16 @@ class GradCache:
     models: the encoders, in the order of `model_inputs` and of `loss_fn`'s arguments; the same
     module may appear more than once (tied towers). chunk_sizes: one per model (or one for all).
     loss_fn(*reps, **loss_kwargs) -> scalar. split_input_fn(model_input, chunk_size) -> chunks
-    (default: `split_inputs`, or `vlm.split_vlm_inputs` for packed VLM inputs). get_rep_fn(output)
+    (default: `batching.split_inputs`; `batching.split_vlm_inputs` for packed VLM inputs). get_rep_fn(output)
     -> Tensor (default: `get_rep` with `rep_attribute`). fp16 runs forwards under float16 autocast
     and needs `scaler`; `autocast_dtype=torch.bfloat16` runs them under bfloat16 autocast, no scaler.
     sync_context(model, sync) replaces the DDP / FSDP2 detection when the caller owns the wrapper
     (a trainer whose "model" is a function around its DP module).
     get_rep_fn may return a tuple: a model with several outputs (see the module docstring).
+    replay=True: the models take a keyword argument `replay`; step 3's re-forward of a chunk passes
+    step 1's outputs of that chunk in it (`engine.Replay`, one entry per output of `get_rep_fn`), so
+    a part that needs no graph (a locked tower) can return them instead of running again. Step 1
+    passes nothing.
 
     Text inputs (`tokens`): a Mapping input with an `attention_mask`, or with entries that `pad_ids`
     ({key: pad id}) names as right-padded token ids, has each chunk cut to its longest sequence
@@ -136,7 +145,7 @@ class GradCache:
                  rep_attribute: str = "pooler_output",
                  sync_context: Callable[[nn.Module, bool], ContextManager] | None = None,
                  chunk_tokens: int | Sequence[int] = 0, pad_ids: Mapping[str, int] | None = None, trim_padding: bool = True,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, replay: bool = False) -> None:
         self.models = list(models)
         sizes = _per_model(chunk_sizes, len(self.models), "chunk sizes", "chunk_sizes", 1, "an integer >= 1")
         tokens = _per_model(chunk_tokens, len(self.models), "chunk_tokens", "chunk_tokens", 0,
@@ -144,7 +153,8 @@ class GradCache:
         if any(tokens) and split_input_fn is not None:
             raise GradCacheError("chunk_tokens packs batch-major inputs itself; it does not combine with split_input_fn")
         if fp16 and scaler is None:
-            raise GradCacheError("fp16=True needs a scaler (torch.amp.GradScaler) to keep float16 gradients from underflowing")
+            raise GradCacheError("fp16=True needs a scaler (torch.amp.GradScaler) to keep float16 gradients "
+                                 "from underflowing")
         self.chunk_sizes = sizes
         self.chunk_tokens = tokens
         self.pad_ids = dict(pad_ids or {})
@@ -158,7 +168,8 @@ class GradCache:
         self.autocast_dtype = torch.float16 if fp16 else autocast_dtype
         self.rep_attribute = rep_attribute
         self.sync_context = sync_context or grad_sync
-        self._pass1: dict[int, list] = {}  # id(chunks) -> step 1's per-chunk outputs, until step 3 replays them
+        self.replay = replay
+        self._pass1: dict[int, list] = {}  # id(chunks) -> step 1's per-chunk outputs, until step 3 reads them
 
     # ------------------------------------------------------------------ the three steps
 
@@ -188,17 +199,18 @@ class GradCache:
         device = param.device.type if param is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         return torch.autocast(device, dtype=self.autocast_dtype)
 
-    def _rep(self, model: nn.Module, chunk: Any) -> Outputs:
+    def _rep(self, model: nn.Module, chunk: Any, **kwargs: Any) -> Outputs:
         with self._autocast(model):
-            output = model_call(model, chunk)
+            output = model_call(model, chunk, **kwargs)
         return self.get_rep_fn(output) if self.get_rep_fn is not None else get_rep(output, self.rep_attribute)
 
     def forward_no_grad(self, model: nn.Module, chunks: Sequence[Any], *,
-                        keep_last: Callable[[], ContextManager] | None = None) -> tuple[Reps, list[RandContext | engine.Kept]]:
+                        keep_last: Callable[[], ContextManager] | None = None,
+                        ) -> tuple[Reps, list[RandContext | engine.Kept]]:
         """Step 1: representations of all chunks without a graph, and each chunk's RNG state
         (`keep_last`: the last chunk keeps its graph for step 3, `engine.forward_no_grad`)."""
         outputs, states = engine.forward_no_grad(lambda chunk: self._rep(model, chunk), chunks, keep_last=keep_last)
-        self._pass1[id(chunks)] = outputs  # offered to step 3's re-forward (engine.replayed: a locked tower runs once)
+        self._pass1[id(chunks)] = outputs  # step 3: their rows, and with `replay` the re-forward's argument
         if isinstance(outputs[0], Tensor):
             return _merge(outputs), states
         return tuple(_merge([as_tuple(o)[k] for o in outputs]) for k in range(len(outputs[0]))), states
@@ -222,9 +234,14 @@ class GradCache:
         (the model is used again later).
         """
         pass1 = self._pass1.pop(id(chunks), None)
-        engine.forward_backward(lambda chunk: self._rep(model, chunk), chunks, random_states,
+
+        def call(chunk: Any, replay: Replay | None = None) -> Outputs:
+            return self._rep(model, chunk) if replay is None else self._rep(model, chunk, replay=replay)
+
+        engine.forward_backward(call, chunks, random_states,
                                 _chunk_gradients(cached_gradients, None if pass1 is None else _rows(pass1)),
-                                sync=lambda is_last: self._sync(model, no_sync_except_last, sync_on_last and is_last), replay=pass1)
+                                sync=lambda is_last: self._sync(model, no_sync_except_last, sync_on_last and is_last),
+                                replay=pass1 if self.replay else None)
 
     def _sync(self, model: nn.Module, no_sync_except_last: bool, last: bool) -> ContextManager:
         return self.sync_context(model, not no_sync_except_last or last)

@@ -1,12 +1,12 @@
-"""Splitting model inputs into chunks, calling a model on a chunk, finding the representation.
+"""Calling a model on a chunk and finding the representation in what it returns; GradCache's error.
 
-GradCache is model-agnostic, so it meets inputs of every shape: a Tensor, a Mapping (a dict or a
-tokenizer's BatchEncoding), a list or tuple of those. Every tensor in an input must share the
-batch dimension (dim 0); a disagreement is an error that names the keys and sizes, because
-splitting such an input on dim 0 would silently pair the wrong rows. Non-tensor values (flags,
-strings) are passed unchanged to every chunk. Packed VLM inputs whose pixel tensor is not
-batch-major are split by `vlm.split_vlm_inputs` instead. `take_chunks` cuts a permutation of the
-samples (token chunks, `tokens.token_chunks`).
+GradCache is model-agnostic, so it meets inputs and outputs of every shape: a chunk is a Tensor,
+a Mapping (a dict or a tokenizer's BatchEncoding) or a list/tuple (`model_call` spreads it into
+the call), and an output is a Tensor, a tuple or an output object (`get_rep`). Cutting inputs
+into chunks is the batching layer's (`titan_contrastive.batching`).
+
+`GradCacheError` is the batching layer's `BatchError` under GradCache's name, one type: a bad
+argument to GradCache and an input its chunking cannot cut are caught by the same `except`.
 """
 
 from __future__ import annotations
@@ -16,81 +16,21 @@ from typing import Any, Callable
 
 from torch import Tensor
 
+from ..batching.inputs import BatchError
 
-class GradCacheError(ValueError):
-    """Bad input to GradCache: the message says what was given and what is expected."""
+__all__ = ["GradCacheError", "get_rep", "model_call"]
 
-
-def _tensors(model_input: Any, prefix: str = "input") -> dict[str, Tensor]:
-    """Every tensor inside `model_input`, by a readable path (for batch-size checks and errors)."""
-    if isinstance(model_input, Tensor):
-        return {prefix: model_input}
-    if isinstance(model_input, Mapping):
-        return {k: v for key, value in model_input.items() for k, v in _tensors(value, f"{prefix}[{key!r}]").items()}
-    if isinstance(model_input, (list, tuple)):
-        return {k: v for i, value in enumerate(model_input) for k, v in _tensors(value, f"{prefix}[{i}]").items()}
-    return {}
+GradCacheError = BatchError
 
 
-def batch_size(model_input: Any, what: str = "input") -> int:
-    """The shared dim-0 size of every tensor in `model_input`; an error when they disagree."""
-    tensors = _tensors(model_input, what)
-    if not tensors:
-        raise GradCacheError(f"{what} holds no tensor (got {type(model_input).__name__}); pass a Tensor, a dict or a list/tuple of tensors")
-    sizes = {name: (t.shape[0] if t.dim() else None) for name, t in tensors.items()}
-    if len(set(sizes.values())) != 1 or None in sizes.values():
-        shown = ", ".join(f"{name}: {size}" for name, size in sizes.items())
-        raise GradCacheError(f"{what}: tensors disagree on the batch dimension ({shown}); every tensor needs the same dim-0 size")
-    return next(iter(sizes.values()))
-
-
-def _slice(model_input: Any, start: int, stop: int) -> Any:
-    if isinstance(model_input, Tensor):
-        return model_input[start:stop]
-    if isinstance(model_input, Mapping):
-        return {key: _slice(value, start, stop) for key, value in model_input.items()}
-    if isinstance(model_input, (list, tuple)):
-        return type(model_input)(_slice(value, start, stop) for value in model_input)
-    return model_input
-
-
-def _take(model_input: Any, rows: Tensor) -> Any:
-    if isinstance(model_input, Tensor):
-        return model_input.index_select(0, rows.to(model_input.device))
-    if isinstance(model_input, Mapping):
-        return {key: _take(value, rows) for key, value in model_input.items()}
-    if isinstance(model_input, (list, tuple)):
-        return type(model_input)(_take(value, rows) for value in model_input)
-    return model_input
-
-
-def take_chunks(model_input: Any, order: Tensor, sizes: list[int], what: str = "input") -> list[Any]:
-    """Chunks of the samples `order[0:sizes[0]]`, then the next `sizes[1]`, ... (a permutation of
-    the batch cut into chunks of the given sizes)."""
-    n = batch_size(model_input, what)
-    if sorted(order.tolist()) != list(range(n)) or sum(sizes) != n:
-        raise GradCacheError(f"{what}: an order of {len(order)} samples in chunks of {sum(sizes)} for a batch of {n}")
-    bounds = [0]
-    for size in sizes:
-        bounds.append(bounds[-1] + size)
-    return [_take(model_input, order[a:b]) for a, b in zip(bounds, bounds[1:])]
-
-
-def split_inputs(model_input: Any, chunk_size: int, what: str = "input") -> list[Any]:
-    """`model_input` cut into consecutive chunks of `chunk_size` samples (the last may be smaller)."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise GradCacheError(f"chunk size {chunk_size!r} for {what}: must be an integer >= 1")
-    n = batch_size(model_input, what)
-    return [_slice(model_input, start, min(start + chunk_size, n)) for start in range(0, n, chunk_size)]
-
-
-def model_call(model: Callable[..., Any], chunk: Any) -> Any:
-    """dict -> model(**chunk); list/tuple -> model(*chunk); anything else -> model(chunk)."""
+def model_call(model: Callable[..., Any], chunk: Any, **kwargs: Any) -> Any:
+    """dict -> model(**chunk); list/tuple -> model(*chunk); anything else -> model(chunk); `kwargs`
+    (the re-forward's `replay`) go along as keyword arguments."""
     if isinstance(chunk, Mapping):
-        return model(**chunk)
+        return model(**chunk, **kwargs)
     if isinstance(chunk, (list, tuple)):
-        return model(*chunk)
-    return model(chunk)
+        return model(*chunk, **kwargs)
+    return model(chunk, **kwargs)
 
 
 def get_rep(output: Any, rep_attribute: str = "pooler_output") -> Tensor:
@@ -103,7 +43,8 @@ def get_rep(output: Any, rep_attribute: str = "pooler_output") -> Tensor:
     value = output.get(rep_attribute) if isinstance(output, Mapping) else getattr(output, rep_attribute, None)
     if isinstance(value, Tensor):
         return value
-    fields = list(output.keys()) if isinstance(output, Mapping) else [a for a in vars(output)] if hasattr(output, "__dict__") else []
+    fields = (list(output.keys()) if isinstance(output, Mapping) else [a for a in vars(output)]
+              if hasattr(output, "__dict__") else [])
     raise GradCacheError(
         f"cannot find a representation in the model output of type {type(output).__name__} (fields: {fields}); "
         f"return a Tensor, set rep_attribute to the field that holds it (now {rep_attribute!r}), or pass get_rep_fn"

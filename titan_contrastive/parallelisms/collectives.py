@@ -1,10 +1,14 @@
 """Tensor collectives over the data-parallel group: all-gather (with and without autograd) and
-reduce-scatter, equal-sized shards along dim 0, in rank order; the largest of a number over ranks."""
+reduce-scatter, equal-sized shards along dim 0, in rank order; the largest of a number over ranks
+(`max_over_ranks`, defined in `batching/tokens.py`, whose token budgets need it and which imports
+only torch)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from titan_contrastive.batching.tokens import max_over_ranks
 
 # torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old ones
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -23,17 +27,6 @@ def reduce_scatter_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None) 
     mine = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
     _reduce_scatter(mine, x.contiguous(), group=group)
     return mine
-
-
-def max_over_ranks(value: float, group: dist.ProcessGroup | None = None) -> float:
-    """The largest `value` over the ranks of `group` (float64: exact for integers below 2^53); this
-    rank's own without torch.distributed. On the device the backend needs (CUDA for NCCL)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return value
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    t = torch.tensor(value, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.item()
 
 
 class _AllGatherWithGrad(torch.autograd.Function):

@@ -18,6 +18,7 @@ The caller then unscales, clips, steps the optimizer.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Protocol, Sequence
 
@@ -28,7 +29,7 @@ from torch import Tensor, nn
 from titan_contrastive.components.precision import Precision, at_least_fp32
 from titan_contrastive.config import JobConfig
 from titan_contrastive.datasets.layouts import DataLayout
-from titan_contrastive.parallelisms.grad_sync import grad_sync
+from titan_contrastive.grad_cache.sync import grad_sync
 
 __all__ = ["Batch", "GradientStep", "StepBuilder", "StepContext"]
 
@@ -76,6 +77,12 @@ class StepContext:
     family: str = ""
     last_scalars: tuple[Tensor, ...] = field(default=(), init=False)
     """What the last contrastive forward returned after the embeddings (exp(logit_scale)[, logit_bias]), for the log."""
+    takes_replay: bool = field(default=False, init=False)
+    """Whether the model's forward has a `replay` parameter (the families with locked towers), so
+    that a cached-gradient re-forward hands it the first pass's outputs (`encode`)."""
+
+    def __post_init__(self) -> None:
+        self.takes_replay = "replay" in inspect.signature(self.model.forward).parameters
 
     @property
     def global_batch_size(self) -> int:
@@ -92,15 +99,17 @@ class StepContext:
         with self.precision.autocast():
             return self.dp_model(*self.inputs(batch), **kwargs)
 
-    def encode(self, batch: Batch) -> tuple[Tensor, ...]:
+    def encode(self, batch: Batch, replay: Sequence[Tensor | None] | None = None) -> tuple[Tensor, ...]:
         """A contrastive forward: (first tower's embeddings, second tower's, exp(logit_scale), ...)
-        in float32 or better, whatever the compute dtype."""
-        outputs = self.run(batch)
+        in float32 or better, whatever the compute dtype. `replay`: in a cached-gradient re-forward
+        (GradCache, global negatives), the first pass's outputs of `batch` (`grad_cache.engine.Replay`),
+        passed to a model that `takes_replay`: its locked towers return them instead of running."""
+        outputs = self.run(batch, replay=replay) if replay is not None and self.takes_replay else self.run(batch)
         self.last_scalars = tuple(out.detach() for out in outputs[2:])
         return tuple(at_least_fp32(out) for out in outputs)
 
     def grad_sync(self, is_last: bool) -> ContextManager:
-        """The context around one microbatch's forward + backward (`parallelisms.grad_sync`)."""
+        """The context around one microbatch's forward + backward (`grad_cache.sync`)."""
         return grad_sync(self.dp_model, is_last, defer_fsdp=self.defer_fsdp_sync)
 
     def backward(self, loss: Tensor) -> None:

@@ -17,12 +17,13 @@ B+C for the sigmoid loss, a sum over pairs with no normalizer: one pass of this 
    against all columns gives its loss terms (all-reduced), dZx[own], its share of dZy
    (reduce-scattered) and its rows' share of dL/db (`streaming_loss.streamed_sigmoid`);
 D. per microbatch (the last one first, from the graph A kept: it is not re-run): replay its RNG,
-   forward with a graph, backward of the surrogate
+   forward with a graph (with `replay=True`, `encode(microbatch, replay=...)`: A's outputs of that
+   microbatch, which a locked tower returns instead of running), backward of the surrogate
    <zx, P gx> + <zy, P gy> + <s, P <zx_detached, gx> / s_detached> (the engine's second pass):
    the chain rule from the cached gradients into the parameters, the temperature's share (and
    the sigmoid loss's bias share <b, P sum of its rows' dL/db>) included;
 E. the data-parallel wrapper's gradient reduction (sync 3) averages over P, which the factor P
-   in D turns into the exact sum. It runs after the last microbatch only (`parallelisms.grad_sync`).
+   in D turns into the exact sum. It runs after the last microbatch only (`grad_cache.sync`).
 
 `GlobalNegativesStep` is the trainer's step kind for `[loss] negatives = "global"`: the k
 accumulation microbatches (cut into `[gradcache]` chunks when enabled) are the re-forward units.
@@ -84,7 +85,9 @@ class StreamingClipStep:
 
     `encode` runs the model on one microbatch; `grad_sync(is_last)` returns the context for
     that microbatch's backward (DDP `no_sync` / FSDP2 deferral, from the caller);
-    `backward(surrogate)` runs the backward (a float16 caller scales it first).
+    `backward(surrogate)` runs the backward (a float16 caller scales it first). `replay=True`:
+    `encode` takes a keyword `replay`, and D's re-forward passes A's outputs of the microbatch in it
+    (`grad_cache.engine.Replay`), so a locked tower returns them instead of running again.
     `grad_average_factor` is what the data-parallel reduction divides by (P for DDP / FSDP2,
     1 for an unwrapped model). `fixed_scale` = 1/tau replaces a learnable temperature, and
     `fixed_bias` the sigmoid loss's learnable bias (encode's fourth output).
@@ -114,7 +117,7 @@ class StreamingClipStep:
 
     def __call__(self, encode: Encode, microbatches: Sequence[Any], *,
                  grad_sync: Callable[[bool], ContextManager] = lambda is_last: contextlib.nullcontext(),
-                 backward: Callable[[Tensor], None] = lambda t: t.backward()) -> Tensor:
+                 backward: Callable[[Tensor], None] = lambda t: t.backward(), replay: bool = False) -> Tensor:
         """Accumulate the exact gradient of the global loss into .grad; return the loss (detached)."""
         # A. no-graph forward per microbatch, RNG captured for the replay (the cached-gradient engine); all-gather
         #    (the last microbatch keeps its graph: D backpropagates it first instead of re-running it)
@@ -163,8 +166,8 @@ class StreamingClipStep:
                 grads[3] = (bias_rows[rows].sum() * factor).reshape(out[3].shape)
             return (grads + [None] * len(out))[: len(out)]
 
-        engine.forward_backward(encode, microbatches, rand, gradients, sync=grad_sync,
-                                backward=backward, replay=outputs)  # a locked tower reuses its pass-A embeddings
+        engine.forward_backward(encode, microbatches, rand, gradients, sync=grad_sync, backward=backward,
+                                replay=outputs if replay else None)  # a locked tower reuses its pass-A embeddings
         return loss.detach()
 
     def _softmax(self, zx_local: Tensor, zx_all: Tensor, zy_all: Tensor, s: Tensor, own: range) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -248,7 +251,8 @@ class GlobalNegativesStep(ContrastiveLog):
 
     def __call__(self, microbatches: Sequence[Batch]) -> float:
         chunks = [chunk for mb in microbatches for chunk in self.ctx.split(mb, self.chunk_size)]
-        return self.streaming(self.ctx.encode, chunks, grad_sync=self.ctx.grad_sync, backward=self.ctx.backward).item()
+        return self.streaming(self.ctx.encode, chunks, grad_sync=self.ctx.grad_sync, backward=self.ctx.backward,
+                              replay=True).item()
 
     def describe(self) -> str:
         text = (f"{self.streaming.loss} loss; negatives per contrastive problem: {self.ctx.global_batch_size} (loss.negatives=global: "

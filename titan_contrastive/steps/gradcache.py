@@ -10,7 +10,7 @@ only in the last chunk of the last microbatch.
 Text families (a model with `padded_inputs`: {batch key: pad id}, the bi_encoder) get token-aware
 chunks: each chunk cut to its longest sequence, and with `[gradcache] chunk_tokens` chunks of
 length-sorted samples packed to a token budget, their embeddings put back in batch order before
-the loss (`grad_cache.tokens`). Every DP rank then runs as many chunks as the rank with the most.
+the loss (`batching.tokens`). Every DP rank then runs as many chunks as the rank with the most.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Sequence
 from torch import Tensor
 
 from titan_contrastive.config import ConfigError, JobConfig
-from titan_contrastive.grad_cache import GradCache
+from titan_contrastive.grad_cache import GradCache, Replay
 from titan_contrastive.steps.base import Batch, ContrastiveLog, StepContext
 from titan_contrastive.steps.contrastive import CHUNK_KNOB, chunk_knob, gradcache_chunk, microbatch_problem, train_loss
 
@@ -56,10 +56,11 @@ class GradCacheStep(ContrastiveLog):
             raise _planner_error(tokens)
         return cls(ctx, train_loss(ctx, loss_name), chunk, loss_name, chunk_tokens=tokens, pad_ids=pad_ids)
 
-    def outputs(self, **batch: Tensor) -> tuple[Tensor, ...]:
+    def outputs(self, *, replay: Replay | None = None, **batch: Tensor) -> tuple[Tensor, ...]:
         """The model's outputs for GradCache: embeddings per sample, the temperature as a 0-dim
-        per-step value (GradCache gives its whole gradient to the first chunk)."""
-        return tuple(out if out.dim() > 1 else out.reshape(()) for out in self.ctx.encode(batch))
+        per-step value (GradCache gives its whole gradient to the first chunk). `replay`: in the
+        re-forward, the first pass's outputs of the chunk, for the model (`StepContext.encode`)."""
+        return tuple(out if out.dim() > 1 else out.reshape(()) for out in self.ctx.encode(batch, replay=replay))
 
     def __call__(self, microbatches: Sequence[Batch]) -> float:
         total = 0.0
@@ -67,9 +68,11 @@ class GradCacheStep(ContrastiveLog):
         for i, mb in enumerate(microbatches):
             is_last = i == len(microbatches) - 1
             split = None if self.chunk_tokens else self.ctx.layout.split  # token chunks are cut by GradCache itself
-            cache = GradCache([self.outputs], self.chunk_size, self.loss_fn, split_input_fn=split, get_rep_fn=tuple, fp16=precision.scaler is not None, scaler=precision.scaler,
+            cache = GradCache([self.outputs], self.chunk_size, self.loss_fn, split_input_fn=split, get_rep_fn=tuple,
+                              fp16=precision.scaler is not None, scaler=precision.scaler,
                               sync_context=lambda _model, sync, last=is_last: self.ctx.grad_sync(sync and last),
-                              chunk_tokens=self.chunk_tokens, pad_ids=self.pad_ids, group=self.ctx.dp_group)
+                              chunk_tokens=self.chunk_tokens, pad_ids=self.pad_ids, group=self.ctx.dp_group,
+                              replay=True)  # the model's locked towers reuse the first pass's embeddings
             total += cache.cache_step(mb, no_sync_except_last=True).item()
         return total
 

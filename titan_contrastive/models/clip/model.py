@@ -11,6 +11,7 @@ after `to_empty(device=...)` + `init_weights()`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -156,22 +157,26 @@ class CLIP(nn.Module):
         if self.args.init_logit_bias is not None:
             nn.init.constant_(self.logit_bias, self.args.init_logit_bias)
 
-    def encode_image(self, images: Tensor) -> Tensor:
-        """[B, C, H, W] -> [B, embed_dim], L2-normalized (a locked tower: `locked_forward`)."""
-        return locked_forward(self.visual, 0, lambda: self.visual(images))
+    def encode_image(self, images: Tensor, replay: Sequence[Tensor | None] | None = None) -> Tensor:
+        """[B, C, H, W] -> [B, embed_dim], L2-normalized (a locked tower: `locked_forward`, `replay`
+        as forward's)."""
+        return locked_forward(self.visual, 0, lambda: self.visual(images), replay)
 
-    def encode_text(self, ids: Tensor) -> Tensor:
-        """[B, context_length] token ids -> [B, embed_dim], L2-normalized (a locked tower: `locked_forward`)."""
-        return locked_forward(self.text, 1, lambda: self.text(ids))
+    def encode_text(self, ids: Tensor, replay: Sequence[Tensor | None] | None = None) -> Tensor:
+        """[B, context_length] token ids -> [B, embed_dim], L2-normalized (a locked tower:
+        `locked_forward`, `replay` as forward's)."""
+        return locked_forward(self.text, 1, lambda: self.text(ids), replay)
 
-    def forward(self, images: Tensor, texts: Tensor) -> tuple[Tensor, ...]:
+    def forward(self, images: Tensor, texts: Tensor, *,
+                replay: Sequence[Tensor | None] | None = None) -> tuple[Tensor, ...]:
         """(image embeddings, text embeddings, exp(logit_scale)[, logit_bias]).
 
         The temperature (and the sigmoid loss's bias) are returned by forward (as open_clip does)
         rather than read from the attributes by the caller: under FSDP2 a parameter is only
-        unsharded inside forward.
+        unsharded inside forward. `replay`: in a cached-gradient re-forward, pass 1's outputs of
+        these samples (`grad_cache.engine.Replay`), which a locked tower returns instead of running.
         """
-        out = (self.encode_image(images), self.encode_text(texts), self.logit_scale.exp())
+        out = (self.encode_image(images, replay), self.encode_text(texts, replay), self.logit_scale.exp())
         return (*out, self.logit_bias) if self.args.init_logit_bias is not None else out
 
     def blocks(self) -> list[nn.Module]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,9 +108,12 @@ class LiT(nn.Module):
         self.visual.init_weights()
         nn.init.constant_(self.logit_scale, self.args.init_logit_scale)
 
-    def forward(self, images: Tensor, texts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        image = locked_forward(self.visual, 0, lambda: self.visual(images))
-        return image, mean_pooled(self.text, texts, self.pad_id, 1), self.logit_scale.exp()
+    def forward(self, images: Tensor, texts: Tensor, *,
+                replay: Sequence[Tensor | None] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """`replay`: in a cached-gradient re-forward, pass 1's outputs of these samples
+        (`grad_cache.engine.Replay`), which the locked tower returns instead of running."""
+        image = locked_forward(self.visual, 0, lambda: self.visual(images), replay)
+        return image, mean_pooled(self.text, texts, self.pad_id, 1, replay), self.logit_scale.exp()
 
 
 def build_tokenizer(args: LiTArgs) -> CaptionTokenizer:

@@ -32,10 +32,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from titan_contrastive.grad_cache.inputs import GradCacheError
-from titan_contrastive.parallelisms.collectives import max_over_ranks
+from .inputs import BatchError
 
-__all__ = ["PaddedField", "padded_fields", "right_trimmed", "token_chunks", "trim_padding"]
+__all__ = ["PaddedField", "max_over_ranks", "padded_fields", "right_trimmed", "token_chunks", "trim_padding"]
+
+
+def max_over_ranks(value: float, group: dist.ProcessGroup | None = None) -> float:
+    """The largest `value` over the ranks of `group` (float64: exact for integers below 2^53); this
+    rank's own without torch.distributed. On the device the backend needs (CUDA for NCCL).
+    (`parallelisms.collectives` names it for the rest of the project: one copy, here, because this
+    package imports only torch.)"""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return value
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    t = torch.tensor(value, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
 
 
 @dataclass(frozen=True)
@@ -63,7 +76,8 @@ def padded_fields(model_input: Any, pad_ids: Mapping[str, int] | None = None) ->
     mask = model_input.get("attention_mask")
     if isinstance(mask, Tensor) and mask.dim() == 2:
         rows, width = mask.shape
-        keys = tuple(k for k, v in model_input.items() if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[:2] == (rows, width))
+        keys = tuple(k for k, v in model_input.items()
+                     if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[:2] == (rows, width))
         fields.append(PaddedField(keys, width, _lengths(mask != 0)))
         taken.update(keys)
     for key, pad in (pad_ids or {}).items():
@@ -105,11 +119,11 @@ def token_chunks(model_input: Any, chunk_tokens: int, pad_ids: Mapping[str, int]
     torch.distributed is initialized.
     """
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise GradCacheError(f"chunk_tokens={chunk_tokens!r} for {what}: must be an integer >= 1")
+        raise BatchError(f"chunk_tokens={chunk_tokens!r} for {what}: must be an integer >= 1")
     fields = padded_fields(model_input, pad_ids)
     if not fields:
         keys = list(model_input) if isinstance(model_input, Mapping) else type(model_input).__name__
-        raise GradCacheError(f"{what} has no padded token field ({keys}); a token budget needs an attention_mask or "
+        raise BatchError(f"{what} has no padded token field ({keys}); a token budget needs an attention_mask or "
                              f"pad_ids naming its right-padded token ids (now {dict(pad_ids or {})})")
     lengths = torch.stack([f.lengths for f in fields], dim=1).cpu()  # [B, fields]
     order = torch.sort(lengths.sum(1), descending=True, stable=True).indices
@@ -129,7 +143,7 @@ def token_chunks(model_input: Any, chunk_tokens: int, pad_ids: Mapping[str, int]
     while len(sizes) < most:  # a sub-chunk of a chunk is under budget too
         i = max(range(len(sizes)), key=sizes.__getitem__)
         if sizes[i] < 2:
-            raise GradCacheError(f"{what}: {len(rows)} samples cannot make the {most} chunks another rank runs; "
+            raise BatchError(f"{what}: {len(rows)} samples cannot make the {most} chunks another rank runs; "
                                  "give every rank the same number of samples")
         sizes[i : i + 1] = [sizes[i] - sizes[i] // 2, sizes[i] // 2]
     return order, sizes

@@ -2,7 +2,8 @@
 
 One place reads and writes torch's global generators (the CPU one and each CUDA device's), for
 every user of them: `RandContext` (the cached-gradient engine's replay), the checkpointed
-`RNGState` and the memory planner's snapshot.
+`RNGState` and the memory planner's snapshot. It lives in
+`grad_cache/` because the engine needs it and the package imports nothing else of the project.
 
 Why `RandContext`: cached-gradient methods (GradCache, the streaming global-negatives step) run
 each chunk's forward twice, once without a graph to get embeddings and once with a graph to
@@ -75,7 +76,8 @@ class RandContext:
         restore_rng(self.snapshot)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         assert self._fork is not None, "RandContext exited without being entered"
         self._fork.__exit__(exc_type, exc, tb)
         self._fork = None

@@ -13,6 +13,9 @@ helper they all use, whatever the wrapper:
   which is why the trainer defers only with `[parallelism] defer_grad_sync` (GradCache and the
   seed's API defer by default: their chunks are small by design).
 - A plain module (one process): nothing to defer.
+
+It lives in `grad_cache/` because GradCache defers by default and the package imports nothing
+else of the project; the step kinds and `distributed_clip` import it from here.
 """
 
 from __future__ import annotations

@@ -16,12 +16,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from titan_contrastive.grad_cache.inputs import GradCacheError, split_inputs
+from .inputs import BatchError, split_inputs
+
+__all__ = ["IMAGE_FIELDS", "split_vlm_inputs"]
 
 IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
+"""The entries of a packed image batch: the patches and each image's (t, h, w) grid."""
 
 
-def split_vlm_inputs(inputs: Any, chunk_size: int, images_per_sample: Sequence[int] | Tensor | None = None) -> list[Any]:
+def split_vlm_inputs(inputs: Any, chunk_size: int,
+                     images_per_sample: Sequence[int] | Tensor | None = None) -> list[Any]:
     """Chunks of `chunk_size` samples; packed `pixel_values` split by `image_grid_thw` patch counts.
 
     Without both `pixel_values` and `image_grid_thw` (text only, CLIP-style [B, C, H, W] images, a
@@ -32,28 +36,35 @@ def split_vlm_inputs(inputs: Any, chunk_size: int, images_per_sample: Sequence[i
     if not isinstance(inputs, Mapping) or inputs.get("pixel_values") is None or inputs.get("image_grid_thw") is None:
         return split_inputs(inputs, chunk_size, "inputs")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise GradCacheError(f"chunk size {chunk_size!r}: must be an integer >= 1")
+        raise BatchError(f"chunk size {chunk_size!r}: must be an integer >= 1")
     grid: Tensor = inputs["image_grid_thw"]
     pixels: Tensor = inputs["pixel_values"]
     patches = grid.long().prod(dim=1)  # t*h*w per image
     if int(patches.sum()) != pixels.shape[0]:
-        raise GradCacheError(f"image_grid_thw gives {int(patches.sum())} patches (sum of t*h*w) but pixel_values has {pixels.shape[0]} rows")
+        raise BatchError(f"image_grid_thw gives {int(patches.sum())} patches (sum of t*h*w) "
+                         f"but pixel_values has {pixels.shape[0]} rows")
     ids = inputs.get("input_ids")
-    samples = ids.shape[0] if ids is not None else (len(images_per_sample) if images_per_sample is not None else len(grid))
+    if ids is not None:
+        samples = ids.shape[0]
+    else:
+        samples = len(images_per_sample) if images_per_sample is not None else len(grid)
     counts = torch.as_tensor(images_per_sample if images_per_sample is not None else [1] * samples, dtype=torch.long)
     if len(counts) != samples or int(counts.sum()) != len(grid):
-        raise GradCacheError(
-            f"{len(grid)} images (image_grid_thw rows) for {samples} samples: pass images_per_sample (one count per sample, "
-            f"summing to {len(grid)}) when samples do not have exactly one image each"
+        raise BatchError(
+            f"{len(grid)} images (image_grid_thw rows) for {samples} samples: pass images_per_sample "
+            f"(one count per sample, summing to {len(grid)}) when samples do not have exactly one image each"
             if images_per_sample is None else
-            f"images_per_sample has {len(counts)} entries summing to {int(counts.sum())}; need {samples} entries summing to {len(grid)}"
+            f"images_per_sample has {len(counts)} entries summing to {int(counts.sum())}; "
+            f"need {samples} entries summing to {len(grid)}"
         )
     image_end = torch.cumsum(counts, 0)  # images of samples [0, s) are grid rows [0, image_end[s-1])
     patch_end = torch.cumsum(patches, 0)
-    batch_keys = {k for k, v in inputs.items() if isinstance(v, Tensor) and k not in IMAGE_FIELDS and v.dim() and v.shape[0] == samples}
+    batch_keys = {k for k, v in inputs.items()
+                  if isinstance(v, Tensor) and k not in IMAGE_FIELDS and v.dim() and v.shape[0] == samples}
     odd = [k for k, v in inputs.items() if isinstance(v, Tensor) and k not in IMAGE_FIELDS and k not in batch_keys]
     if odd:
-        raise GradCacheError(f"tensors {odd} have no batch dimension of {samples} samples; only pixel_values and image_grid_thw may be packed")
+        raise BatchError(f"tensors {odd} have no batch dimension of {samples} samples; "
+                         "only pixel_values and image_grid_thw may be packed")
     chunks = []
     for start in range(0, samples, chunk_size):
         stop = min(start + chunk_size, samples)

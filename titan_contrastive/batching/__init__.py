@@ -1,0 +1,22 @@
+"""Cutting a batch into chunks of samples: the layer both the data side and GradCache read.
+
+- `inputs`: the one error type (`BatchError`), the batch size every tensor of an input shares,
+  consecutive chunks (`split_inputs`) and chunks of a permutation of the samples (`take_chunks`);
+- `vlm`: Qwen-VL-style packed patches cut on image boundaries (`split_vlm_inputs`) and the names
+  of those image fields (`IMAGE_FIELDS`);
+- `tokens`: right-padded token ids, each chunk cut to its longest sequence (`trim_padding`,
+  `right_trimmed`) and chunks packed by a token budget (`token_chunks`), whose plan every rank
+  of a process group runs alike (`max_over_ranks`).
+
+The rule that keeps the layers apart: this package imports only torch and itself. `datasets/`
+(its layouts, retrieval batches) and `grad_cache/` both import it, and neither imports the other,
+so the data side never loads the training engine and `grad_cache/` can be copied into another
+project together with this folder. Imports inside the package are relative for that reason.
+"""
+
+from .inputs import BatchError, batch_size, split_inputs, take_chunks
+from .tokens import PaddedField, max_over_ranks, padded_fields, right_trimmed, token_chunks, trim_padding
+from .vlm import IMAGE_FIELDS, split_vlm_inputs
+
+__all__ = ["IMAGE_FIELDS", "BatchError", "PaddedField", "batch_size", "max_over_ranks", "padded_fields",
+           "right_trimmed", "split_inputs", "split_vlm_inputs", "take_chunks", "token_chunks", "trim_padding"]
