@@ -1,63 +1,73 @@
 """What the checkpoint checksums cost: save time with the SHA-256 of every file against the hashing alone.
 
-    python benchmarks/checkpoint_bench.py [--flavor vit_b32] [--repeats 3]
+    python -m benchmarks.checkpoint_bench [--flavor vit_b32] [--repeats 3]
+    python -m benchmarks.checkpoint_bench --flavor debug --repeats 2 --out /tmp/bench   # quick
 
 Builds the clip model of `--flavor` with AdamW state (one zero-lr step), saves it through the real
 `CheckpointManager` (DCP files + manifest with checksums) `--repeats` times, and times the whole
 save and, separately, hashing the saved files (what `_finalize` adds, and what validation costs on
-load). Medians; writes results/checkpoint_bench.json. CPU, one process.
+load), interleaved by the harness (a save, then a hash of the newest step folder). Medians (and the
+peak RSS of each); writes checkpoint_bench.json under --out. CPU, one process.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks import harness
 from titan_contrastive.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState
 from titan_contrastive.checkpoint.manager import _sha256
 from titan_contrastive.config.job_config import Checkpoint
 from titan_contrastive.models import get_flavor_args, get_model_spec
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavor", default="vit_b32")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args()
+    parser.add_argument("--warmup", type=int, default=0, help="untimed save + hash rounds first")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
+    args = parser.parse_args(argv)
     model = get_model_spec("clip").build_model(get_flavor_args("clip", args.flavor))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    saves, hashes, sizes = [], [], 0
     with tempfile.TemporaryDirectory() as tmp:
-        manager = CheckpointManager(Checkpoint(enable=True, folder="ckpt", interval=1, keep_latest_k=0), dump_folder=tmp, states={"model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
-                                    "train_state": TrainState()}, per_rank_states={}, rank=0, dp_rank=0, dp_degree=1)
-        for step in range(1, args.repeats + 1):
-            start = time.perf_counter()
-            manager.save(step)
-            saves.append(time.perf_counter() - start)
-            files = [p for p in (Path(tmp) / "ckpt" / f"step-{step}").rglob("*") if p.is_file()]
-            sizes = sum(p.stat().st_size for p in files)
-            start = time.perf_counter()
+        states = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
+                  "train_state": TrainState()}
+        cfg = Checkpoint(enable=True, folder="ckpt", interval=1, keep_latest_k=0)
+        manager = CheckpointManager(cfg, dump_folder=tmp, states=states, per_rank_states={}, rank=0, dp_rank=0,
+                                    dp_degree=1)
+        saved = [0]
+
+        def save() -> None:
+            saved.append(saved[-1] + 1)
+            manager.save(saved[-1])
+
+        def hash_files() -> int:
+            files = [p for p in (Path(tmp) / "ckpt" / f"step-{saved[-1]}").rglob("*") if p.is_file()]
             for p in files:
                 _sha256(p)
-            hashes.append(time.perf_counter() - start)
-    save, digest = statistics.median(saves), statistics.median(hashes)
-    result = {"date": time.strftime("%Y-%m-%d"), "flavor": args.flavor, "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "checkpoint_bytes": sizes, "save_s_median": save, "hash_s_median": digest, "hash_share_of_save": digest / save,
-              "hash_mb_per_s": sizes / digest / 1e6, "saves_s": saves, "hashes_s": hashes}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "checkpoint_bench.json").write_text(json.dumps(result, indent=1))
-    print(f"{args.flavor}: checkpoint {sizes / 2**30:.2f} GiB, save {save:.2f} s of which hashing {digest:.2f} s "
-          f"({digest / save:.0%}, {sizes / digest / 1e6:.0f} MB/s); the same hashing runs once when a checkpoint is validated on load")
+            return sum(p.stat().st_size for p in files)
+
+        runs = harness.round_robin({"save": save, "hash": hash_files}, args.repeats, warmup=args.warmup,
+                                   keep_values=True)
+    sizes = runs["hash"].values[-1]
+    save_s, hash_s = runs["save"].median_s, runs["hash"].median_s
+    result = {"flavor": args.flavor, "threads": torch.get_num_threads(), "checkpoint_bytes": sizes,
+              "save_s_median": save_s, "hash_s_median": hash_s, "hash_share_of_save": hash_s / save_s,
+              "hash_mb_per_s": sizes / hash_s / 1e6, "saves_s": runs["save"].times_s, "hashes_s": runs["hash"].times_s,
+              "save": runs["save"].row(), "hash": runs["hash"].row()}
+    meta = harness.metadata("cpu", repeats=args.repeats, warmup=args.warmup)
+    harness.write_results(args.out, "checkpoint_bench", meta, result)
+    print(f"{args.flavor}: checkpoint {sizes / 2**30:.2f} GiB, save {save_s:.2f} s of which hashing {hash_s:.2f} s "
+          f"({hash_s / save_s:.0%}, {sizes / hash_s / 1e6:.0f} MB/s); the same hashing runs once when a checkpoint "
+          "is validated on load")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Throughput of the "bring your own data" input pipeline (CSV and webdataset sources), on CPU.
 
-    python benchmarks/data_bench.py            # full run (~1.5 min on a quiet 2-core CPU)
-    python benchmarks/data_bench.py --quick    # smoke run (~20 s; writes under the temp dir)
+    python -m benchmarks.data_bench            # full run (~1.5 min on a quiet 2-core CPU)
+    python -m benchmarks.data_bench --quick    # smoke run (~20 s; writes under the temp dir)
 
 Run it on an otherwise idle machine: other jobs on the cores change every number several-fold
 (the 1-minute load average at start and end is recorded in the JSON).
@@ -17,14 +17,15 @@ webdataset shards (make_shards.write_shards, 256 samples per shard, read through
    local batch 64. The first batch (worker start-up included) is a warm-up, not timed; then
    --batches batches (default: the rest of 2 epochs, so one epoch boundary with its worker
    restart is included; at least 8; each measurement stops after --max-seconds). images/s is
-   the median over --repeats, configurations interleaved round-robin within each repeat. Per
-   worker: images/s / workers (workers=0: the main process alone).
+   the median over --repeats, configurations interleaved round-robin by the harness (each repeat
+   starting one configuration later). Per worker: images/s / workers (workers=0: the main process alone).
 2. Pieces, in the main process, on one batch of 64 (median of 3 passes), in ms per image:
    file read, JPEG decode, crop+resize, normalize, tokenization.
 3. The trainer's data-wait share: `python -m titan_contrastive.train` with train_configs/debug.toml
    (clip/debug) on the CSV source, --data.image_size=64 (the debug flavor's patch size 4
    divides it), batch 64, 12 steps, log every 4; `data_share` and `samples_per_s` from
-   metrics.jsonl train records without the first (warm-up), median, at --data.num_workers 0 and 2.
+   metrics.jsonl train records without the first (warm-up), median, at --data.num_workers 0 and 2,
+   with the peak RSS of the trainer's largest process (harness.run_child).
 Writes data_bench.{json,csv,png} under --out.
 """
 
@@ -35,7 +36,6 @@ import csv
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,8 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks import harness
+
+REPO = harness.REPO
 SOURCES, WORKERS, BATCH, SIZE, CONTEXT = ("csv", "webdataset"), (0, 1, 2), 64, 224, 77
 
 
@@ -60,7 +61,8 @@ def make_data(root: Path, n: int) -> dict[str, str]:
     rows = []
     for i in range(n):
         rel = f"img/{i:05d}.jpg"
-        Image.fromarray(images[i % len(images)]).resize((256, 256), Image.Resampling.BICUBIC).save(root / rel, quality=90)
+        image = Image.fromarray(images[i % len(images)]).resize((256, 256), Image.Resampling.BICUBIC)
+        image.save(root / rel, quality=90)
         rows.append((rel, "a photo of " + str(names[i % len(names)])))
     with open(root / "train.csv", "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f, delimiter="\t")
@@ -76,11 +78,12 @@ def build(kind: str, path: str):
 
     # Data(): the [data] section's defaults (tab-separated filepath/title, jpg/txt shard members)
     return b.build_file_dataset(kind, "train", path, Data(), tokenizer=b.text_tokenizer("clip_bpe", kind, CONTEXT),
-                              image_size=SIZE, seed=0, augment=True)
+                                image_size=SIZE, seed=0, augment=True)
 
 
 def time_loader(kind: str, path: str, workers: int, batches: int, min_batches: int, max_seconds: float) -> dict:
-    """images/s of `batches` batches after a warm-up batch (stops after max_seconds, >= min_batches)."""
+    """images/s of `batches` batches after a warm-up batch (stops after max_seconds, >= min_batches): the
+    loader's start and first batch are not in the rate, so the harness's own timing of the call is not used."""
     from titan_contrastive.datasets.loader import build_dataloader
 
     loader = build_dataloader(build(kind, path), local_batch_size=BATCH, dp_rank=0, dp_world_size=1, seed=0,
@@ -111,7 +114,8 @@ def time_pieces(path: str) -> dict[str, float]:
         t1 = time.perf_counter()
         imgs = [tf.decode_image(r.image) for r in records]
         t2 = time.perf_counter()
-        pixels = np.stack([tf.crop_resize(im, SIZE, train=True, rng=tf.sample_rng(0, 0, i)) for i, im in zip(idx, imgs)])
+        pixels = np.stack([tf.crop_resize(im, SIZE, train=True, rng=tf.sample_rng(0, 0, i))
+                           for i, im in zip(idx, imgs)])
         t3 = time.perf_counter()
         ds._normalize(pixels)
         t4 = time.perf_counter()
@@ -119,13 +123,14 @@ def time_pieces(path: str) -> dict[str, float]:
         t5 = time.perf_counter()
         for key, dt in zip(passes, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             passes[key].append(dt * 1e3 / BATCH)
-    pieces = {k: statistics.median(v) for k, v in passes.items()}
+    pieces = {k: harness.summary(v)["median"] for k, v in passes.items()}
     pieces["total"] = sum(pieces.values())
     return pieces
 
 
 def time_trainer(csv_path: str, workers: int, steps: int) -> dict:
-    """Median data_share / samples_per_s of the trainer's log records after the first."""
+    """Median data_share / samples_per_s of the trainer's log records after the first, and the peak RSS
+    of the trainer's largest process (its data workers are processes of their own)."""
     with tempfile.TemporaryDirectory() as dump:
         cmd = [sys.executable, "-m", "titan_contrastive.train", "--job.config_file=train_configs/debug.toml",
                "--data.dataset=csv", f"--data.path={csv_path}", "--data.image_size=64",
@@ -133,30 +138,19 @@ def time_trainer(csv_path: str, workers: int, steps: int) -> dict:
                "--eval.enable=false", "--metrics.enable_tensorboard=false", f"--job.dump_folder={dump}",
                f"--data.num_workers={workers}"]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-        start = time.perf_counter()
-        out = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True)
-        wall = time.perf_counter() - start
+        out = harness.run_child(cmd, cwd=REPO, env=env)
         if out.returncode:
             raise SystemExit(f"trainer failed (num_workers={workers}):\n{out.stderr[-4000:]}")
         records = [json.loads(line) for line in Path(dump, "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"][1:]
-    return {"workers": workers, "records": len(train), "wall_s": wall,
+    return {"workers": workers, "records": len(train), "wall_s": out.wall_s, "peak_rss_mib": out.peak_rss_mib,
             "data_share": statistics.median(r["data_share"] for r in train),
             "samples_per_s": statistics.median(r["samples_per_s"] for r in train),
             "per_record": [{k: r[k] for k in ("step", "data_share", "samples_per_s")} for r in train]}
 
 
-def cpu_name() -> str:
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
-
-
-def plot(rows: list[dict], trainer: list[dict], title: str, file: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict], trainer: list[dict], title: str):  # noqa: ANN201 - a matplotlib figure
+    plt = harness.pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.6), gridspec_kw={"width_ratios": [2, 1]})
     width = 0.8 / len(SOURCES)
     for i, source in enumerate(SOURCES):
@@ -168,29 +162,30 @@ def plot(rows: list[dict], trainer: list[dict], title: str, file: Path) -> None:
     ax.set_title("loader alone", fontsize=9)
     ax.legend(fontsize=8)
     bars = ax2.bar([f"W={t['workers']}" for t in trainer], [100 * t["data_share"] for t in trainer], color="tab:gray")
-    ax2.bar_label(bars, labels=[f"{100 * t['data_share']:.0f}%\n{t['samples_per_s']:.0f} smp/s" for t in trainer], fontsize=7)
+    ax2.bar_label(bars, labels=[f"{100 * t['data_share']:.0f}%\n{t['samples_per_s']:.0f} smp/s" for t in trainer],
+                  fontsize=7)
     ax2.set_ylim(0, 110)
     ax2.set_ylabel("data-wait share of step time (%)")
     ax2.set_title("trainer clip/debug, csv, 64 px", fontsize=9)
     fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(file, dpi=120)
+    return fig
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=1024, help="images generated")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batches", type=int, default=0, help="timed batches per measurement (0: the rest of 2 epochs)")
+    parser.add_argument("--batches", type=int, default=0,
+                        help="timed batches per measurement (0: the rest of 2 epochs)")
     parser.add_argument("--max-seconds", type=float, default=8.0, help="stop a measurement after this (>= 8 batches)")
     parser.add_argument("--trainer-steps", type=int, default=12)
     parser.add_argument("--quick", action="store_true", help="smoke run: N=128, 1 repeat, 3 batches, 8 trainer steps")
     parser.add_argument("--out", type=Path, help="default: benchmarks/results (--quick: a folder under the temp dir)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     min_batches = 8
     if args.quick:
         args.n, args.repeats, args.batches, args.trainer_steps, min_batches = 128, 1, 3, 8, 3
-    args.out = args.out or (Path(tempfile.gettempdir()) / "data_bench_quick" if args.quick else REPO / "benchmarks" / "results")
+    args.out = args.out or (Path(tempfile.gettempdir()) / "data_bench_quick" if args.quick else harness.RESULTS)
     batches = args.batches or max(min_batches, 2 * (args.n // BATCH) - 1)
     t_start, load_start = time.perf_counter(), os.getloadavg()
     import torch
@@ -198,16 +193,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_data(Path(tmp), args.n)
         jpeg_kb = statistics.mean(p.stat().st_size for p in Path(tmp, "img").iterdir()) / 1024
-        print(f"data: {args.n} JPEGs 256x256, mean {jpeg_kb:.1f} KB ({time.perf_counter() - t_start:.1f} s)", flush=True)
-        configs = [(s, w) for s in SOURCES for w in WORKERS]
-        runs: dict[tuple[str, int], list[dict]] = {c: [] for c in configs}
-        for rep in range(args.repeats):
-            for i in range(len(configs)):  # round-robin, starting one later each repeat
-                source, workers = configs[(i + rep) % len(configs)]
-                res = time_loader(source, paths[source], workers, batches, min_batches, args.max_seconds)
-                runs[source, workers].append(res)
-                print(f"repeat {rep + 1}/{args.repeats} {source:10s} workers={workers} {res['images_per_s']:7.1f} images/s "
-                      f"({res['batches']} batches, warm-up {res['warmup_s']:.2f} s)", flush=True)
+        print(f"data: {args.n} JPEGs 256x256, mean {jpeg_kb:.1f} KB ({time.perf_counter() - t_start:.1f} s)",
+              flush=True)
+        configs = {f"{s}/{w}": (s, w) for s in SOURCES for w in WORKERS}
+
+        def loader(source: str, workers: int) -> dict:
+            res = time_loader(source, paths[source], workers, batches, min_batches, args.max_seconds)
+            print(f"{source:10s} workers={workers} {res['images_per_s']:7.1f} images/s "
+                  f"({res['batches']} batches, warm-up {res['warmup_s']:.2f} s)", flush=True)
+            return res
+
+        measured = harness.round_robin({key: (lambda s=s, w=w: loader(s, w)) for key, (s, w) in configs.items()},
+                                       args.repeats, warmup=0, rss=False, keep_values=True,
+                                       log=lambda line: print(line.split(":")[0].replace("round", "repeat"), "done"))
+        runs = {configs[key]: m.values for key, m in measured.items()}
         pieces = time_pieces(paths["csv"])
         print("pieces (ms/image): " + ", ".join(f"{k} {v:.3f}" for k, v in pieces.items()), flush=True)
         trainer = []
@@ -225,22 +224,16 @@ def main() -> None:
                      "batches": statistics.median(r["batches"] for r in res),
                      "warmup_s": statistics.median(r["warmup_s"] for r in res)})
     runtime = time.perf_counter() - t_start
-    device = f"{cpu_name()}, {os.cpu_count()} cores"
-    name = "data_bench"
-    args.out.mkdir(parents=True, exist_ok=True)
     config = {"n": args.n, "jpeg": "256x256 q90", "mean_jpeg_kb": jpeg_kb, "batch": BATCH, "image_size": SIZE,
               "context_length": CONTEXT, "repeats": args.repeats, "batches": batches, "min_batches": min_batches,
               "max_seconds": args.max_seconds, "trainer_steps": args.trainer_steps, "trainer_image_size": 64,
               "torch_threads": torch.get_num_threads(), "quick": args.quick}
-    (args.out / f"{name}.json").write_text(json.dumps(
-        {"device": device, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "config": config,
-         "runtime_s": runtime, "loadavg_1_5_15min": {"start": load_start, "end": os.getloadavg()}, "loader": rows, "pieces_ms_per_image": pieces, "trainer": trainer,
-         "runs": {f"{s}/{w}": r for (s, w), r in runs.items()}}, indent=1) + "\n")
-    with open(args.out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, trainer, f"data_bench: {device}, torch {torch.__version__}, {args.n} JPEGs 256 px", args.out / f"{name}.png")
+    meta = harness.metadata("cpu")
+    payload = {"config": config, "runtime_s": runtime,
+               "loadavg_1_5_15min": {"start": load_start, "end": os.getloadavg()}, "pieces_ms_per_image": pieces, "trainer": trainer, "runs": {f"{s}/{w}": r for (s, w), r in runs.items()}}
+    title = f"data_bench: {meta['cpu']}, {meta['cores']} cores, torch {torch.__version__}, {args.n} JPEGs 256 px"
+    harness.write_results(args.out, "data_bench", meta, payload, rows=rows, rows_key="loader",
+                          figure=lambda: plot(rows, trainer, title))
     for row in rows:
         print(row)
     print(f"total runtime {runtime:.0f} s")

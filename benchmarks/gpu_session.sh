@@ -4,6 +4,7 @@
 #
 #   here, once:   bash benchmarks/gpu_session.sh wheels     # the packages its image lacks, into .whl/
 #   on the GPU:   run(command="bash benchmarks/gpu_session.sh 1", carry=[".whl"])   then 2, 3, 4
+#   (the copy there has no .git: prefix BENCH_COMMIT=<git rev-parse HEAD here> so the results name their commit)
 #
 #   1  pytest -m gpu and the Triton kernel tests                                        (issues 4, 8)
 #   6  the loss benchmark's largest rows (bf16, N 256K..1M; 8K..256K were measured on
@@ -37,11 +38,11 @@ esac
 case "$1" in
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider
      step 420 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider ;;  # compiled, bf16 dot included (>120 s)
-  6) step 560 python3 benchmarks/loss_bench.py --losses clip --n 262144 524288 1048576 --dtypes bfloat16 --repeats 3 --out "$out" ;;
-  2) step 240 python3 benchmarks/openclip_compare.py --out "$out"
-     step 330 python3 benchmarks/sweep.py --grid gpu --out "$out" --timeout 120 ;;
-  3) step 300 python3 benchmarks/pixel_loss_bench.py --out "$out"
-     step 270 python3 benchmarks/gradcache_bench.py --out "$out" ;;
-  4) step 540 python3 benchmarks/train_bench.py --out "$out" ;;
-  5) step 540 python3 benchmarks/loss_bench.py --losses siglip --out "$out" ;;
+  6) step 560 python3 -m benchmarks.loss_bench --losses clip --n 262144 524288 1048576 --dtypes bfloat16 --repeats 3 --out "$out" ;;
+  2) step 240 python3 -m benchmarks.openclip_compare --out "$out"
+     step 330 python3 -m benchmarks.sweep --grid gpu --out "$out" --timeout 120 ;;
+  3) step 300 python3 -m benchmarks.pixel_loss_bench --out "$out"
+     step 270 python3 -m benchmarks.gradcache_bench --out "$out" ;;
+  4) step 540 python3 -m benchmarks.train_bench --out "$out" ;;
+  5) step 540 python3 -m benchmarks.loss_bench --losses siglip --out "$out" ;;
 esac

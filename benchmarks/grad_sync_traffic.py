@@ -1,22 +1,23 @@
 """Gradient-sync traffic and held gradient memory under accumulation: FSDP2 per-microbatch
 reduce-scatter vs `defer_grad_sync` (set_requires_gradient_sync), measured, not estimated.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/grad_sync_traffic.py [--flavor debug] [--out benchmarks/results]
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.grad_sync_traffic [--flavor debug] [--out benchmarks/results]
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.grad_sync_traffic --ga 1 2 --out /tmp/bench   # quick
 
 Runs the trainer's own microbatch path (`AccumulateStep.microbatch`, FSDP2 built by
 `parallelize_model`) for one optimizer step at several accumulation depths k, and counts, on
 rank 0, every FSDP2 collective (torch.distributed.all_gather_single / reduce_scatter_single,
 wrapped) with the bytes it moves, plus the gradient bytes a rank holds after each microbatch
 (sharded `.grad` and FSDP2's unsharded accumulated gradients). The byte counts are properties of
-the algorithm, not of the device, so a CPU/gloo run gives the numbers a GPU/NCCL run would.
-Writes `grad_sync_traffic.json` and `grad_sync_traffic.png` under `--out`.
+the algorithm, not of the device, so a CPU/gloo run gives the numbers a GPU/NCCL run would (nothing
+is timed: the harness gives rank 0's metadata and files). Writes `grad_sync_traffic.{json,csv,png}`
+under `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from benchmarks import harness
 from titan_contrastive.config import parse_args
 from titan_contrastive.train import Trainer
 
@@ -54,7 +56,8 @@ def held_grad_bytes(model: torch.nn.Module) -> int:
         for fsdp_param in group.fsdp_params if group is not None else []:
             sharded = fsdp_param.sharded_param.grad  # a DTensor: count this rank's shard
             unsharded = getattr(fsdp_param, "_unsharded_param", None)  # held while sync is deferred
-            for grad in (None if sharded is None else sharded.to_local(), None if unsharded is None else unsharded.grad):
+            grads = (None if sharded is None else sharded.to_local(), None if unsharded is None else unsharded.grad)
+            for grad in grads:
                 total += 0 if grad is None else grad.numel() * grad.element_size()
     return total
 
@@ -62,8 +65,9 @@ def held_grad_bytes(model: torch.nn.Module) -> int:
 def measure(flavor: str, ga: int, defer: bool, dump: str) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = Trainer(parse_args([
-        f"--model.flavor={flavor}", "--training.local_batch_size=8", f"--training.global_batch_size={8 * ga * world}",
-        f"--parallelism.defer_grad_sync={str(defer).lower()}", "--eval.enable=false",
+        f"--model.flavor={flavor}", "--training.local_batch_size=8",
+        f"--training.global_batch_size={8 * ga * world}", f"--parallelism.defer_grad_sync={str(defer).lower()}",
+        "--eval.enable=false",
         "--metrics.enable_tensorboard=false", f"--job.dump_folder={dump}",
     ]))
     assert trainer.dims.mode == "fsdp" and trainer.ga_steps == ga
@@ -77,41 +81,41 @@ def measure(flavor: str, ga: int, defer: bool, dump: str) -> dict[str, Any]:
         held.append(held_grad_bytes(trainer.model))
     param_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())  # DTensor numel is global
     trainer.metrics.close()
-    return {"flavor": flavor, "ga_steps": ga, "defer_grad_sync": defer, "world_size": world, "param_bytes": param_bytes,
-            "reduce_scatter_calls": CALLS["reduce_scatter_single"], "reduce_scatter_bytes": BYTES["reduce_scatter_single"],
-            "all_gather_calls": CALLS["all_gather_single"], "all_gather_bytes": BYTES["all_gather_single"],
-            "max_held_grad_bytes_between_microbatches": max(held[:-1], default=held[-1]), "held_after_each_microbatch": held}
+    return {"flavor": flavor, "ga_steps": ga, "defer_grad_sync": defer, "world_size": world,
+            "param_bytes": param_bytes, "reduce_scatter_calls": CALLS["reduce_scatter_single"],
+            "reduce_scatter_bytes": BYTES["reduce_scatter_single"], "all_gather_calls": CALLS["all_gather_single"],
+            "all_gather_bytes": BYTES["all_gather_single"],
+            "max_held_grad_bytes_between_microbatches": max(held[:-1], default=held[-1]),
+            "held_after_each_microbatch": held}
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict[str, Any]]):  # noqa: ANN201 - a matplotlib figure
+    plt = harness.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for defer, style in ((False, "o-"), (True, "s--")):
         sel = [r for r in rows if r["defer_grad_sync"] == defer]
         ks = [r["ga_steps"] for r in sel]
         label = "defer_grad_sync" if defer else "reduce-scatter every microbatch"
         ax1.plot(ks, [r["reduce_scatter_bytes"] / r["param_bytes"] for r in sel], style, label=label)
-        ax2.plot(ks, [r["max_held_grad_bytes_between_microbatches"] / r["param_bytes"] for r in sel], style, label=label)
-    ax1.set(xlabel="accumulation steps k", ylabel="reduce-scatter bytes / parameter bytes", title="gradient traffic per step")
-    ax2.set(xlabel="accumulation steps k", ylabel="held gradient bytes / parameter bytes", title="gradient memory per rank")
+        held = [r["max_held_grad_bytes_between_microbatches"] / r["param_bytes"] for r in sel]
+        ax2.plot(ks, held, style, label=label)
+    ax1.set(xlabel="accumulation steps k", ylabel="reduce-scatter bytes / parameter bytes",
+            title="gradient traffic per step")
+    ax2.set(xlabel="accumulation steps k", ylabel="held gradient bytes / parameter bytes",
+            title="gradient memory per rank")
     for ax in (ax1, ax2):
         ax.legend()
         ax.grid(alpha=0.3)
     fig.suptitle(f"FSDP2, {rows[0]['world_size']} ranks, clip/{rows[0]['flavor']} (bytes are device-independent)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flavor", default="debug")
     parser.add_argument("--ga", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
+    args = parser.parse_args(argv)
     for name in ("all_gather_single", "reduce_scatter_single"):
         _count(name)
     rows = []
@@ -120,11 +124,10 @@ def main() -> None:
             for ga in args.ga:
                 rows.append(measure(args.flavor, ga, defer, dump))
     if int(os.environ.get("RANK", "0")) == 0:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "grad_sync_traffic.json").write_text(json.dumps(rows, indent=1))
-        plot(rows, out / "grad_sync_traffic.png")
-        print(f"{'defer':>6} {'k':>3} {'RS calls':>9} {'RS bytes/params':>16} {'AG bytes/params':>16} {'held grads/params':>18}")
+        meta = harness.metadata(world_size=rows[0]["world_size"], backend=dist.get_backend())
+        harness.write_results(args.out, "grad_sync_traffic", meta, rows=rows, figure=lambda: plot(rows))
+        print(f"{'defer':>6} {'k':>3} {'RS calls':>9} {'RS bytes/params':>16} {'AG bytes/params':>16} "
+              f"{'held grads/params':>18}")
         for r in rows:
             p = r["param_bytes"]
             print(f"{str(r['defer_grad_sync']):>6} {r['ga_steps']:>3} {r['reduce_scatter_calls']:>9} "

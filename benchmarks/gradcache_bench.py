@@ -1,29 +1,30 @@
 """GradCache vs plain training step for CLIP: time ratio at a batch that fits both, and peak
 memory as the contrastive batch grows with a fixed chunk.
 
-    python benchmarks/gradcache_bench.py                         # GPU: vit_b32 at 224, bf16
-    python benchmarks/gradcache_bench.py --flavor debug --image-size 28 --dtype float32 \\
-        --ratio-batch 64 --chunk 16 --batches 64 128 --repeats 2  # CPU smoke
+    python -m benchmarks.gradcache_bench                         # GPU: vit_b32 at 224, bf16
+    python -m benchmarks.gradcache_bench --flavor debug --image-size 28 --dtype float32 \\
+        --ratio-batch 64 --chunk 16 --batches 64 128 --repeats 2 --out /tmp/bench  # CPU smoke
 
 Both steps run the same model (the registry's clip flavor, AdamW, bf16 autocast on GPU) on
 random images and token ids: plain = one forward + backward of the whole batch; GradCache =
-`titan_contrastive.grad_cache.GradCache` with `--chunk` samples per forward. Times are medians
-of `--repeats` after one warm-up, in one run; peak memory is the CUDA allocator peak (CPU: not
-measured). Theory: GradCache adds one no-grad forward to forward + backward, 4/3 of the plain
-compute; the issue's target is <= 1.38x. Writes `gradcache_bench.json` / `.png` under `--out`.
+`titan_contrastive.grad_cache.GradCache` with `--chunk` samples per forward. Both steps run
+interleaved by the harness (one warm-up round, then `--repeats` rounds at the ratio batch and half
+as many per scaling batch); times are medians; peak memory is the CUDA allocator peak (CPU: the
+process's peak RSS during the step, a lower bound since both steps share the heap). Theory:
+GradCache adds one no-grad forward to forward + backward, 4/3 of the plain compute; the issue's
+target is <= 1.38x. Writes `gradcache_bench_{cuda,cpu}.{json,csv,png}` under `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from benchmarks import harness
 from titan_contrastive import models
 from titan_contrastive.components.loss import clip_loss
 from titan_contrastive.datasets import ByteTokenizer
@@ -46,8 +47,12 @@ def make_batch(n: int, args: argparse.Namespace, device: torch.device) -> tuple[
     return images, texts
 
 
-def steps(model: torch.nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace, device: torch.device) -> dict[str, Callable]:
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.dtype == "bfloat16" else (lambda: torch.autocast(device.type, enabled=False))
+def steps(model: torch.nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace,
+          device: torch.device) -> dict[str, Callable]:
+    def autocast() -> torch.autocast:
+        if args.dtype == "bfloat16":
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return torch.autocast(device.type, enabled=False)
 
     def plain(images: torch.Tensor, texts: torch.Tensor) -> None:
         opt.zero_grad(set_to_none=True)
@@ -75,27 +80,42 @@ def steps(model: torch.nn.Module, opt: torch.optim.Optimizer, args: argparse.Nam
     return {"plain": plain, "gradcache": gradcache}
 
 
-def timed(fn: Callable, batch: tuple[torch.Tensor, torch.Tensor], repeats: int, device: torch.device) -> dict[str, Any]:
-    cuda = device.type == "cuda"
-    times = []
-    try:
-        for i in range(repeats + 1):
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-            fn(*batch)
-            if cuda:
-                torch.cuda.synchronize()
-            if i:
-                times.append(time.perf_counter() - start)
-    except torch.OutOfMemoryError:
-        return {"status": "OOM"}
-    return {"status": "ok", "median_s": statistics.median(times), "times_s": times,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+def timed(fns: dict[str, Callable], batch: tuple[torch.Tensor, torch.Tensor], repeats: int,
+          device: torch.device) -> dict[str, dict[str, Any]]:
+    """Both steps on `batch`, interleaved (harness.round_robin, one warm-up round); OOM is a result."""
+    runs = harness.round_robin({k: (lambda fn=fn: fn(*batch)) for k, fn in fns.items()}, repeats, warmup=1,
+                               device=device, rss=device.type != "cuda")
+    rows = {}
+    for k, m in runs.items():
+        row = {"status": m.status}
+        if m.ok:
+            row.update(median_s=m.median_s, min_s=min(m.times_s), max_s=max(m.times_s), times_s=m.times_s,
+                       peak_gib=m.cuda_peak_bytes / 2**30 if m.cuda_peak_bytes is not None else None,
+                       peak_rss_mib=m.peak_rss_mib)
+        rows[k] = row
+    return rows
 
 
-def main() -> None:
+def plot(scaling: list[dict[str, Any]], impls: list[str], args: argparse.Namespace, name: str, cuda: bool):  # noqa: ANN201
+    plt = harness.pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for impl in impls:
+        rows = [r for r in scaling if r["impl"] == impl and r["status"] == "ok"]
+        ax1.plot([r["batch"] for r in rows], [r["median_s"] for r in rows], "o-", label=impl)
+        memory = [r["peak_gib"] if cuda else r["peak_rss_mib"] / 1024 for r in rows]
+        ax2.plot([r["batch"] for r in rows], memory, "o-", label=impl)
+    ax1.set(xscale="log", yscale="log", xlabel="contrastive batch", ylabel="step s (median)", title="step time")
+    ax2.set(xscale="log", xlabel="contrastive batch", ylabel="GiB",
+            title="peak memory (CUDA allocator)" if cuda else "peak RSS of the process")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    fig.suptitle(f"clip/{args.flavor} {args.dtype}, GradCache chunk {args.chunk}, {name}")
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flavor", default="vit_b32")
     parser.add_argument("--image-size", type=int, default=224)
@@ -105,50 +125,31 @@ def main() -> None:
     parser.add_argument("--ratio-batch", type=int, default=512, help="a batch that fits both steps")
     parser.add_argument("--batches", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
+    args = parser.parse_args(argv)
+    device = harness.default_device()
+    name = harness.device_name(device)
     model, opt, _ = build(args, device)
     fns = steps(model, opt, args, device)
     batch = make_batch(args.ratio_batch, args, device)
-    ratio = {k: timed(fn, batch, args.repeats, device) for k, fn in fns.items()}
+    ratio: dict[str, Any] = timed(fns, batch, args.repeats, device)
     if all(r["status"] == "ok" for r in ratio.values()):
         ratio["gradcache_over_plain"] = ratio["gradcache"]["median_s"] / ratio["plain"]["median_s"]
-        print(f"batch {args.ratio_batch}, chunk {args.chunk}: GradCache / plain = {ratio['gradcache_over_plain']:.3f}", flush=True)
+        print(f"batch {args.ratio_batch}, chunk {args.chunk}: GradCache / plain = {ratio['gradcache_over_plain']:.3f}",
+              flush=True)
+    del batch
     scaling = []
     for n in args.batches:
         batch = make_batch(n, args, device)
-        for k, fn in fns.items():
-            row = {"impl": k, "batch": n, **timed(fn, batch, max(1, args.repeats // 2), device)}
-            scaling.append(row)
-            print(json.dumps({key: row[key] for key in row if key != "times_s"}), flush=True)
+        for k, result in timed(fns, batch, max(1, args.repeats // 2), device).items():
+            scaling.append({"impl": k, "batch": n, **result})
+            print(json.dumps({key: value for key, value in scaling[-1].items() if key != "times_s"}), flush=True)
         del batch
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     tag = "cuda" if device.type == "cuda" else "cpu"
-    (out / f"gradcache_bench_{tag}.json").write_text(json.dumps({"device": name, "config": vars(args), "ratio": ratio, "scaling": scaling}, indent=1))
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for impl in fns:
-        rows = [r for r in scaling if r["impl"] == impl and r["status"] == "ok"]
-        ax1.plot([r["batch"] for r in rows], [r["median_s"] for r in rows], "o-", label=impl)
-        if device.type == "cuda":
-            ax2.plot([r["batch"] for r in rows], [r["peak_gib"] for r in rows], "o-", label=impl)
-    ax1.set(xscale="log", yscale="log", xlabel="contrastive batch", ylabel="step s (median)", title="step time")
-    ax2.set(xscale="log", xlabel="contrastive batch", ylabel="GiB", title="peak memory" if device.type == "cuda" else "peak memory (GPU only)")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend()
-    fig.suptitle(f"clip/{args.flavor} {args.dtype}, GradCache chunk {args.chunk}, {name}")
-    fig.tight_layout()
-    fig.savefig(out / f"gradcache_bench_{tag}.png", dpi=120)
+    payload = {"device": name, "config": vars(args), "ratio": ratio}
+    harness.write_results(args.out, f"gradcache_bench_{tag}", harness.metadata(device), payload,
+                          rows=scaling, rows_key="scaling",
+                          figure=lambda: plot(scaling, list(fns), args, name, device.type == "cuda"))
 
 
 if __name__ == "__main__":

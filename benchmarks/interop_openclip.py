@@ -1,13 +1,12 @@
 """open_clip ViT-B-32 <-> titan_contrastive: random-init weights load both ways, same embeddings.
 
-    /tmp/ocvenv/bin/python benchmarks/interop_openclip.py [--out benchmarks/results/interop_openclip.json]
+    bash benchmarks/peers_venv.sh                                   # once: /tmp/peers_venv
+    /tmp/peers_venv/bin/python -m benchmarks.interop_openclip [--out benchmarks/results/interop_openclip.json]
 
-Runs in its own venv, since open_clip needs torchvision, which does not import beside the repo's torch 2.13:
-    python3 -m venv /tmp/ocvenv
-    /tmp/ocvenv/bin/pip install torch==2.14.1 torchvision==0.29.1   # local index: its only 2.14.1 is the cu130 build
-    /tmp/ocvenv/bin/pip install open-clip-torch
-    /tmp/ocvenv/bin/pip install torchdata tyro tensorboard numpy pillow tokenizers webdataset wids safetensors pytest
-    /tmp/ocvenv/bin/pip install --no-deps -e /work/main   # + `pip install transformers` for tests/test_interop.py there
+Runs in the peers venv (benchmarks/peers_venv.sh: torch 2.14.1, torchvision, open_clip, safetensors),
+since open_clip needs torchvision, which does not import beside the repo's torch 2.13; from the
+repository root, so this tree's titan_contrastive is the one imported. open_clip is imported only
+when it runs (`--help` works in the repo venv). Nothing is timed: the harness gives the metadata.
 
 What it checks (CPU, float32, eval, torch.manual_seed(0), no download):
 a) open_clip -> ours: `open_clip.create_model("ViT-B-32", pretrained=None)` with its LayerNorms, logit_scale
@@ -26,17 +25,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import platform
 import shutil
 import tempfile
 from pathlib import Path
 
-import open_clip
 import torch
-from safetensors.torch import load_file, save_file
 
+from benchmarks import harness
 from titan_contrastive import export
 from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
 from titan_contrastive.interop import detect_format, load_clip
@@ -56,11 +52,6 @@ def compare(pair_a, pair_b) -> dict[str, float]:
     return {tower: (a - b).abs().max().item() for tower, a, b in zip(("image", "text"), pair_a, pair_b)}
 
 
-def cpu_name() -> str:
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
-
-
 def write_our_step(model, folder: Path) -> Path:
     """One of our step folders (as the checkpoint manager writes it, one process): DCP + manifest."""
     import torch.distributed.checkpoint as dcp
@@ -73,10 +64,13 @@ def write_our_step(model, folder: Path) -> Path:
     return folder
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "interop_openclip.json")
-    out_file = parser.parse_args().out
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "interop_openclip.json", help="the JSON file")
+    out_file = parser.parse_args(argv).out
+    import open_clip  # needs torchvision: the peers venv
+    from safetensors.torch import load_file, save_file
+
     torch.manual_seed(0)
     theirs = open_clip.create_model("ViT-B-32", pretrained=None).eval()
     perturbed = []
@@ -88,15 +82,17 @@ def main() -> None:
     images = torch.randn(4, 3, 224, 224)
     ids = open_clip.get_tokenizer("ViT-B-32")(TEXTS)
     want = embed(theirs, images, ids, normalize=True)
-    result: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": "cpu", "dtype": "float32",
-                    "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "open_clip": open_clip.__version__, "model": "ViT-B-32 (random init, seed 0)",
-                    "perturbed_params": len(perturbed), "inputs": {"images": list(images.shape), "texts": TEXTS}}
+    meta = harness.metadata("cpu", open_clip=open_clip.__version__)
+    result: dict = {"device": "cpu", "dtype": "float32", "threads": torch.get_num_threads(),
+                    "model": "ViT-B-32 (random init, seed 0)", "perturbed_params": len(perturbed),
+                    "inputs": {"images": list(images.shape), "texts": TEXTS}}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "oc").mkdir()
-        save_file({k: v.contiguous() for k, v in theirs.state_dict().items()}, str(tmp / "oc" / "open_clip_model.safetensors"))
-        (tmp / "oc" / "open_clip_config.json").write_text(json.dumps({"model_cfg": open_clip.get_model_config("ViT-B-32")}))
+        save_file({k: v.contiguous() for k, v in theirs.state_dict().items()},
+                  str(tmp / "oc" / "open_clip_model.safetensors"))
+        config = {"model_cfg": open_clip.get_model_config("ViT-B-32")}
+        (tmp / "oc" / "open_clip_config.json").write_text(json.dumps(config))
         # a) open_clip -> ours, with the config json and without it (shape inference)
         ours = load_clip(tmp / "oc")
         got = embed(ours, images, ids)
@@ -112,8 +108,9 @@ def main() -> None:
             "without_config_json": {"act": inferred.args.act,
                                     "max_abs_diff": compare(embed(inferred, images, ids), want),
                                     "max_abs_diff_inferred_shapes_with_gelu": compare(embed(gelu, images, ids), want),
-                                    "note": "shape inference assumes OpenAI's quick GELU; open_clip's ViT-B-32 config uses "
-                                            "nn.GELU, so without open_clip_config.json the activation is wrong (expected)"}}
+                                    "note": "shape inference assumes OpenAI's quick GELU; open_clip's ViT-B-32 "
+                                            "config uses nn.GELU, so without open_clip_config.json the activation is "
+                                            "wrong (expected)"}}
         # b) ours -> open_clip: from the open_clip folder of (a) and from one of our own step folders
         sources = {"open_clip_folder": tmp / "oc", "our_step_folder": write_our_step(ours, tmp / "step-0")}
         result["ours_to_open_clip"] = {}
@@ -124,8 +121,10 @@ def main() -> None:
             again = embed(back, images, ids, normalize=True)
             exported, original = load_file(str(dst / "open_clip_model.safetensors")), theirs.state_dict()
             result["ours_to_open_clip"][label] = {
-                "src_format": detect_format(src), "export_rc": rc, "loader": 'open_clip.create_model_and_transforms("local-dir:DIR")',
-                "max_abs_diff_vs_ours": compare(again, got), "max_abs_diff_vs_original_open_clip": compare(again, want),
+                "src_format": detect_format(src), "export_rc": rc,
+                "loader": 'open_clip.create_model_and_transforms("local-dir:DIR")',
+                "max_abs_diff_vs_ours": compare(again, got),
+                "max_abs_diff_vs_original_open_clip": compare(again, want),
                 "state_dict_bit_identical_to_original": exported.keys() == original.keys()
                 and all(torch.equal(exported[k], original[k]) for k in original),
                 "loaded_state_bit_identical": all(torch.equal(v, original[k]) for k, v in back.state_dict().items())}
@@ -139,8 +138,7 @@ def main() -> None:
         "random init (no pretrained download): equality of the mapping, not of trained behaviour",
         f"torch {torch.__version__} is the only torch 2.14.1 wheel on the local index (a CUDA build), run on the CPU",
         "without open_clip_config.json the activation falls back to quick GELU (see without_config_json)"]
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    out_file.write_text(json.dumps(result, indent=1) + "\n")
+    harness.write_json(out_file, meta, result)
     print(json.dumps(result, indent=1))
 
 

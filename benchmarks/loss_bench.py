@@ -1,8 +1,8 @@
 """A contrastive loss alone, forward + backward: dense (open_clip style) vs streaming, side by side.
 
-    python benchmarks/loss_bench.py                                   # GPU: N = 8K .. 1M, d = 512
-    python benchmarks/loss_bench.py --n 2048 8192 --dtypes float32 --losses clip --repeats 7   # CPU quick run
-    python benchmarks/loss_bench.py --losses siglip ...                # only SigLIP's sigmoid loss
+    python -m benchmarks.loss_bench                                   # GPU: N = 8K .. 1M, d = 512
+    python -m benchmarks.loss_bench --n 2048 8192 --dtypes float32 --losses clip --repeats 7   # CPU quick run
+    python -m benchmarks.loss_bench --losses siglip ...                # only SigLIP's sigmoid loss
 
 Losses (`--losses`, default both): `clip` (symmetric InfoNCE) and `siglip` (the sigmoid loss,
 t = 10, b = -10: SigLIP's init). For siglip, `dense` is open_clip's formula (N x N logits,
@@ -11,12 +11,14 @@ t = 10, b = -10: SigLIP's init). For siglip, `dense` is open_clip's formula (N x
 For each N and dtype (float32, bfloat16) every available implementation gets the same unit-norm
 embeddings [N, d] (leaf tensors, so "backward" is the gradient w.r.t. the embeddings and the
 temperature's gradient is the embeddings' concern). The implementations are timed interleaved,
-round-robin in one process (one warm-up round, then `--repeats` rounds, each starting at the next
-implementation), so drift in a shared machine's load hits all of them alike; each reports its
-median fwd+bwd time and its peak extra memory (CUDA: allocator peak above the inputs; CPU, which
-has no allocator peak counter: one more untimed call under `memory_probe.PeakMemory`, the most
-bytes of tensors alive at once, and `LargestTensor`, the largest single tensor any op produced, a
-proxy that still shows N x N vs chunk x N; `extra_bytes` is the latter, as before).
+round-robin in one process by the harness (one warm-up round, then `--repeats` rounds, each starting
+at the next implementation), so drift in a shared machine's load hits all of them alike; each
+reports its median (and min, max) fwd+bwd time and its peak extra memory (CUDA: allocator peak above
+the inputs over the timed calls; CPU, which has no allocator peak counter: one more untimed call
+under `memory_probe.PeakMemory`, the most bytes of tensors alive at once, and `LargestTensor`, the
+largest single tensor any op produced, a proxy that still shows N x N vs chunk x N; `extra_bytes`
+is the latter, as before; the harness's peak RSS per call is stored too, a lower bound because the
+implementations share one heap).
 Implementations: `dense` (logits = s * Zx Zy^T, cross-entropy both ways), `streaming`
 (titan_contrastive's StreamingClipStep on the PyTorch path, one process, `--chunk` rows per
 block, default the config's loss.stream_chunk_size), `open_clip` (open_clip's own `ClipLoss`,
@@ -24,7 +26,7 @@ world size 1, from the installed open-clip-torch wheel: two logit matmuls), and,
 `streaming_triton` and, when installed, `inf_cl` (PyPI inf-cl) and `memeff`. A run that does not
 fit is recorded as OOM. First every implementation's embedding gradients are checked against the
 dense float64 loss at N = `--check-n` (printed and stored), so each timed line is known to
-compute the same thing. Writes `loss_bench_<device>[_<losses>].json` and `.png` under `--out`.
+compute the same thing. Writes `loss_bench_<device>[_<losses>].{json,csv,png}` under `--out`.
 
 On a CPU shared with other processes, OpenMP's default wait policy (worker threads spin at each
 parallel op's barrier) makes every op wait for a descheduled thread: implementations with many
@@ -35,17 +37,15 @@ small ops (streaming's per-tile passes) then lose several-fold. `OMP_WAIT_POLICY
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
-import json
-import os
-import statistics
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks import harness
 from titan_contrastive.components import streaming_loss
 from titan_contrastive.components.loss import clip_loss, sigmoid_loss
 from titan_contrastive.components.memory_probe import LargestTensor, PeakMemory
@@ -54,7 +54,8 @@ from titan_contrastive.distributed_clip import StreamingClipStep
 
 SCALE = 1 / 0.07
 SIGLIP_SCALE, SIGLIP_BIAS = 10.0, -10.0
-FLOOR = {"clip": 8, "siglip": 6}  # multiply-adds x 2 per pair and dim: fused softmax (8 N^2 d), sigmoid's 3 products (6 N^2 d)
+# multiply-adds x 2 per pair and dim: fused softmax (8 N^2 d), sigmoid's 3 products (6 N^2 d)
+FLOOR = {"clip": 8, "siglip": 6}
 
 
 def dense(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
@@ -62,13 +63,15 @@ def dense(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
 
 
 def streaming(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
-    StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SCALE, kernel="pytorch")(lambda _: (zx * 1, zy * 1, None), [None])
+    step = StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SCALE, kernel="pytorch")
+    step(lambda _: (zx * 1, zy * 1, None), [None])
 
 
+@functools.cache
 def open_clip_loss_module():  # noqa: ANN201 - the module, or None when open-clip-torch is not installed
     """open_clip's loss.py from the installed wheel, loaded on its own (the package imports
     torchvision, which need not import beside this torch; loss.py imports only torch), as
-    tests/test_siglip.py does."""
+    tests/test_siglip.py does; loaded on first use, not when this module is imported."""
     spec = importlib.util.find_spec("open_clip")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -79,17 +82,15 @@ def open_clip_loss_module():  # noqa: ANN201 - the module, or None when open-cli
     return module
 
 
-OPEN_CLIP = open_clip_loss_module()
-
-
 def open_clip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
     """open_clip's ClipLoss at world size 1: s * Zx Zy^T and s * Zy Zx^T as two matmuls, cross-entropy each way."""
-    OPEN_CLIP.ClipLoss()(zx, zy, torch.tensor(SCALE, device=zx.device)).backward()
+    open_clip_loss_module().ClipLoss()(zx, zy, torch.tensor(SCALE, device=zx.device)).backward()
 
 
 def streaming_triton(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA only
     kernel = "triton_exact" if zx.dtype == torch.float32 else "triton"
-    StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SCALE, kernel=kernel)(lambda _: (zx * 1, zy * 1, None), [None])
+    step = StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SCALE, kernel=kernel)
+    step(lambda _: (zx * 1, zy * 1, None), [None])
 
 
 def inf_cl(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA + Triton only
@@ -111,21 +112,24 @@ def dense_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
 
 
 def streaming_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
-    StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SIGLIP_SCALE, kernel="pytorch", loss="siglip", fixed_bias=SIGLIP_BIAS)(
-        lambda _: (zx * 1, zy * 1), [None])
+    step = StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SIGLIP_SCALE, kernel="pytorch", loss="siglip",
+                             fixed_bias=SIGLIP_BIAS)
+    step(lambda _: (zx * 1, zy * 1), [None])
 
 
 def streaming_triton_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA only
     kernel = "triton_exact" if zx.dtype == torch.float32 else "triton"
-    StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SIGLIP_SCALE, kernel=kernel, loss="siglip", fixed_bias=SIGLIP_BIAS)(
-        lambda _: (zx * 1, zy * 1), [None])
+    step = StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SIGLIP_SCALE, kernel=kernel, loss="siglip",
+                             fixed_bias=SIGLIP_BIAS)
+    step(lambda _: (zx * 1, zy * 1), [None])
 
 
-SIGLIP: dict[str, Callable[[torch.Tensor, torch.Tensor, int], None]] = {"dense": dense_siglip, "streaming": streaming_siglip}
+LossFn = Callable[[torch.Tensor, torch.Tensor, int], None]
+SIGLIP: dict[str, LossFn] = {"dense": dense_siglip, "streaming": streaming_siglip}
 if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
     SIGLIP["streaming_triton"] = streaming_triton_siglip
-IMPLEMENTATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], None]] = {"dense": dense, "streaming": streaming}
-if OPEN_CLIP is not None:
+IMPLEMENTATIONS: dict[str, LossFn] = {"dense": dense, "streaming": streaming}
+if importlib.util.find_spec("open_clip") is not None:  # the wheel is there (its loss.py is loaded on first use)
     IMPLEMENTATIONS["open_clip"] = open_clip
 if torch.cuda.is_available():  # Triton kernels: ours (needs triton) and the two packages
     for _name, _package, _fn in (("streaming_triton", "triton", streaming_triton), ("inf_cl", "inf_cl", inf_cl),
@@ -136,77 +140,50 @@ THIRD_PARTY = {"inf_cl", "memeff"}  # optional peers: an exception in one is rec
 
 
 def skipped(impl: str, exc: Exception) -> dict[str, str]:
-    return {"impl": impl, "skipped": f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"}
+    return {"impl": impl, "skipped": harness.reason(exc)}
 
 
 def measure(fns: dict[str, Callable], n: int, d: int, dtype: torch.dtype, chunks: dict[str, int], repeats: int,
             device: torch.device, floor: int = 8) -> dict[str, dict[str, Any]]:
-    """Every implementation of `fns` on the same embeddings, interleaved: a warm-up round, then
-    `repeats` rounds, round r starting at implementation r (mod the count), so slow drift in the
-    machine's load cannot favour one. An implementation that runs out of memory is recorded as OOM
-    (a third-party one that raises, as skipped) and leaves the rotation; the others go on."""
+    """Every implementation of `fns` on the same embeddings, interleaved (harness.round_robin): a
+    warm-up round, then `repeats` rounds, round r starting at implementation r (mod the count), so
+    slow drift in the machine's load cannot favour one. An implementation that runs out of memory is
+    recorded as OOM (a third-party one that raises, as skipped) and leaves the rotation; the others go on."""
     gen = torch.Generator(device=device).manual_seed(0)
     zx = F.normalize(torch.randn(n, d, device=device, generator=gen), dim=-1).to(dtype).requires_grad_()
     zy = F.normalize(torch.randn(n, d, device=device, generator=gen), dim=-1).to(dtype).requires_grad_()
     cuda = device.type == "cuda"
-    times: dict[str, list[float]] = {impl: [] for impl in fns}
-    extra = dict.fromkeys(fns, 0)
+
+    def reset(_: str = "") -> None:
+        zx.grad = zy.grad = None
+
+    runs = harness.round_robin({impl: (lambda fn=fn, impl=impl: fn(zx, zy, chunks[impl])) for impl, fn in fns.items()},
+                               repeats, warmup=1, before=reset, device=device, rss=not cuda, tolerate=THIRD_PARTY)
     results: dict[str, dict[str, Any]] = {}
-    live = list(fns)
-
-    def once(impl: str) -> float:
-        zx.grad = zy.grad = None
+    for impl, m in runs.items():
+        if m.status == "OOM":
+            results[impl] = {"status": "OOM"}
+            continue
+        if m.status == "skipped":
+            results[impl] = {"status": "skipped", "impl": impl, "skipped": m.reason}
+            continue
+        stats = harness.summary(m.times_s)
+        row = {"status": "ok", "median_s": stats["median"], "min_s": stats["min"], "max_s": stats["max"],
+               "times_s": m.times_s, "floor_tflops": floor * n * n * d / stats["median"] / 1e12}
         if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        start = time.perf_counter()
-        fns[impl](zx, zy, chunks[impl])
-        if cuda:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        if cuda:
-            extra[impl] = max(extra[impl], torch.cuda.max_memory_allocated() - base)
-        return elapsed
-
-    def drop(impl: str, result: dict[str, Any]) -> None:
-        results[impl] = result
-        live.remove(impl)
-        zx.grad = zy.grad = None
-        if cuda:
-            torch.cuda.empty_cache()
-
-    for r in range(repeats + 1):  # round 0 is the warm-up
-        k = r % len(live) if live else 0
-        for impl in live[k:] + live[:k]:
-            try:
-                elapsed = once(impl)
-            except torch.OutOfMemoryError:
-                drop(impl, {"status": "OOM"})
-                continue
-            except Exception as exc:
-                if impl not in THIRD_PARTY:
-                    raise
-                drop(impl, {"status": "skipped", **skipped(impl, exc)})
-                continue
-            if r:
-                times[impl].append(elapsed)
-    for impl in live:
-        median = statistics.median(times[impl])
-        row = {"status": "ok", "median_s": median, "times_s": times[impl], "floor_tflops": floor * n * n * d / median / 1e12}
-        if cuda:
-            row.update(extra_bytes=extra[impl], memory_kind="cuda_peak_above_inputs")
+            row.update(extra_bytes=m.cuda_peak_extra_bytes, memory_kind="cuda_peak_above_inputs")
         else:  # untimed: the probes dispatch every op through Python
-            zx.grad = zy.grad = None
+            reset()
             with LargestTensor() as largest:
                 fns[impl](zx, zy, chunks[impl])
-            zx.grad = zy.grad = None
+            reset()
             with PeakMemory(device) as peak:
                 fns[impl](zx, zy, chunks[impl])
-            row.update(extra_bytes=largest.largest_bytes, memory_kind="largest_tensor", peak_live_bytes=peak.peak)
+            row.update(extra_bytes=largest.largest_bytes, memory_kind="largest_tensor", peak_live_bytes=peak.peak,
+                       peak_rss_mib=m.peak_rss_mib, rss_growth_mib=m.rss_growth_mib)
         results[impl] = row
-    zx.grad = zy.grad = None
-    return {impl: results[impl] for impl in fns}
+    reset()
+    return results
 
 
 def agreement(impls: dict[str, Callable], reference: Callable, n: int, d: int, dtype: torch.dtype,
@@ -233,31 +210,28 @@ def agreement(impls: dict[str, Callable], reference: Callable, n: int, d: int, d
     return result
 
 
-def plot(rows: list[dict[str, Any]], device: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict[str, Any]], device: str, cuda: bool):  # noqa: ANN201 - a matplotlib figure
+    plt = harness.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for loss, impl in sorted({(r["loss"], r["impl"]) for r in rows}):
         for dtype, style in (("float32", "-"), ("bfloat16", "--")):
-            sel = [r for r in rows if (r["loss"], r["impl"]) == (loss, impl) and r["dtype"] == dtype and r["status"] == "ok"]
+            sel = [r for r in rows
+                   if (r["loss"], r["impl"], r["dtype"], r["status"]) == (loss, impl, dtype, "ok")]
             if sel:
                 label = f"{loss} {impl} {dtype}"
                 ax1.plot([r["n"] for r in sel], [r["median_s"] * 1e3 for r in sel], "o" + style, label=label)
                 ax2.plot([r["n"] for r in sel], [r["extra_bytes"] / 2**20 for r in sel], "o" + style, label=label)
     ax1.set(xscale="log", yscale="log", xlabel="N", ylabel="fwd+bwd ms (median)", title="time")
-    ax2.set(xscale="log", yscale="log", xlabel="N", ylabel="MiB", title="peak extra memory" if "cuda" in device.lower() or "H100" in device else "largest tensor")
+    ax2.set(xscale="log", yscale="log", xlabel="N", ylabel="MiB",
+            title="peak extra memory" if cuda else "largest tensor")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.suptitle(f"{' and '.join(sorted({r['loss'] for r in rows}))} loss, d={rows[0]['d']}, {device}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, nargs="+", default=None,
                         help="batch sizes (default: 8K .. 1M on CUDA, 2K and 8K on CPU)")
@@ -266,68 +240,76 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=LossConfig.stream_chunk_size,
                         help="streaming rows per block (default: the config's loss.stream_chunk_size)")
     parser.add_argument("--tile-bytes", type=int, default=streaming_loss.TILE_BYTES,
-                        help="CPU streaming: bytes per elementwise row tile (streaming_loss.TILE_BYTES; 1099511627776 = no tiling)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds after the warm-up (the median is reported)")
+                        help="CPU streaming: bytes per elementwise row tile (streaming_loss.TILE_BYTES; "
+                             "1099511627776 = no tiling)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed rounds after the warm-up (the median is reported)")
     parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=list(IMPLEMENTATIONS),
                         help="softmax implementations; siglip has dense and streaming")
     parser.add_argument("--losses", nargs="+", default=["clip", "siglip"], choices=["clip", "siglip"])
     parser.add_argument("--check-n", type=int, default=3000, help="N of the gradient agreement check run first")
-    parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
+    args = parser.parse_args(argv)
+    device = harness.default_device()
+    cuda = device.type == "cuda"
     streaming_loss.TILE_BYTES = args.tile_bytes
     if args.n is None:
-        args.n = [2**13, 2**14, 2**15, 2**16, 2**17, 2**18, 2**19, 2**20] if device.type == "cuda" else [2**11, 2**13]
-    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+        args.n = [2**13, 2**14, 2**15, 2**16, 2**17, 2**18, 2**19, 2**20] if cuda else [2**11, 2**13]
+    name = torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads)"
     impls = {"clip": {i: IMPLEMENTATIONS[i] for i in args.impls}, "siglip": SIGLIP}
     impls = {loss: impls[loss] for loss in args.losses}
     checks: dict[str, dict] = {}
     for loss, fns in impls.items():
         for dtype in args.dtypes:
-            reference = (IMPLEMENTATIONS if loss == "clip" else SIGLIP)["dense"]  # the check's reference, timed or not (--impls)
+            reference = (IMPLEMENTATIONS if loss == "clip" else SIGLIP)["dense"]  # the check's, timed or not (--impls)
             checks[f"{loss} {dtype}"] = agreement(fns, reference, args.check_n, args.d, getattr(torch, dtype), device)
             for impl, err in checks[f"{loss} {dtype}"].items():
+                where = f"check N={args.check_n} {loss:>6} {dtype:>8} {impl:>16}"
                 if "skipped" in err:
-                    print(f"check N={args.check_n} {loss:>6} {dtype:>8} {impl:>16}: skipped ({err['skipped']})", flush=True)
+                    print(f"{where}: skipped ({err['skipped']})", flush=True)
                     continue
-                print(f"check N={args.check_n} {loss:>6} {dtype:>8} {impl:>16}: gradient rel. error vs dense float64 "
-                      f"dZx {err['dzx']:.1e}  dZy {err['dzy']:.1e}", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = ("cuda" if device.type == "cuda" else "cpu") + ("" if args.losses == ["clip", "siglip"] else "_" + "_".join(args.losses))
-
-    def save() -> None:  # after every (N, dtype, loss): a run stopped at a time limit keeps what it measured
-        (out / f"loss_bench_{tag}.json").write_text(json.dumps({"device": name, "torch": torch.__version__, "config": vars(args),
-                                                                   "timing": "interleaved round-robin, median of the timed rounds",
-                                                                   "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")},
-                                                                   "agreement": checks, "rows": rows}, indent=1))
-
+                print(f"{where}: gradient rel. error vs dense float64 dZx {err['dzx']:.1e}  dZy {err['dzy']:.1e}",
+                      flush=True)
+    tag = ("cuda" if cuda else "cpu") + ("" if args.losses == ["clip", "siglip"] else "_" + "_".join(args.losses))
+    meta = harness.metadata(device)
     rows: list[dict] = []
+
+    def payload() -> dict[str, Any]:
+        return {"device": name, "config": vars(args), "timing": "interleaved round-robin, median of the timed rounds",
+                "agreement": checks}
+
     for n in args.n:
         for dtype in args.dtypes:
             for loss, fns in impls.items():
-                chunks = {impl: min(args.chunk, max(1, (2**28) // n)) if impl == "streaming" and device.type == "cuda" else args.chunk
+                chunks = {impl: min(args.chunk, max(1, (2**28) // n)) if impl == "streaming" and cuda else args.chunk
                           for impl in fns}
                 measured = measure(fns, n, args.d, getattr(torch, dtype), chunks, args.repeats, device, FLOOR[loss])
                 dense_s = measured.get("dense", {}).get("median_s")
                 for impl, result in measured.items():
-                    row = {"loss": loss, "impl": impl, "n": n, "d": args.d, "dtype": dtype, "chunk": chunks[impl], **result}
+                    row = {"loss": loss, "impl": impl, "n": n, "d": args.d, "dtype": dtype, "chunk": chunks[impl],
+                           **result}
                     if row["status"] == "ok" and dense_s:
                         row["vs_dense"] = row["median_s"] / dense_s
                     rows.append(row)
+                    where = f"N={n:>8} {dtype:>8} {loss:>6} {impl:>16}"
                     if row["status"] == "skipped":
-                        print(f"N={n:>8} {dtype:>8} {loss:>6} {impl:>16}: skipped ({row['skipped']})", flush=True)
+                        print(f"{where}: skipped ({row['skipped']})", flush=True)
                         continue
-                    shown = (f"{row['median_s'] * 1e3:9.1f} ms  {row['extra_bytes'] / 2**20:9.1f} MiB  {row['floor_tflops']:6.2f} TFLOP/s "
-                             f"({FLOOR[loss]}N²d)" if row["status"] == "ok" else "      OOM")
+                    shown = (f"{row['median_s'] * 1e3:9.1f} ms  {row['extra_bytes'] / 2**20:9.1f} MiB  "
+                             f"{row['floor_tflops']:6.2f} TFLOP/s ({FLOOR[loss]}N²d)"
+                             if row["status"] == "ok" else "      OOM")
                     if "vs_dense" in row:
                         shown += f"  {row['vs_dense']:5.2f}x dense"
                     if "peak_live_bytes" in row:
                         shown += f"  peak live {row['peak_live_bytes'] / 2**20:.1f} MiB"
-                    print(f"N={n:>8} {dtype:>8} {loss:>6} {impl:>16}: {shown}", flush=True)
-                save()
-    save()
-    plot(rows, name, out / f"loss_bench_{tag}.png")
+                    print(f"{where}: {shown}", flush=True)
+                # after every (N, dtype, loss): a run stopped at a time limit keeps what it measured
+                harness.write_json(args.out / f"loss_bench_{tag}.json", meta, {**payload(), "rows": rows})
+    harness.write_results(args.out, f"loss_bench_{tag}", meta, payload(), rows=rows,
+                          fields=["loss", "impl", "n", "d", "dtype", "chunk", "status", "median_s", "min_s", "max_s",
+                                  "vs_dense", "floor_tflops", "extra_bytes", "memory_kind", "peak_live_bytes",
+                                  "peak_rss_mib", "skipped"],
+                          figure=lambda: plot(rows, name, cuda) if any(r["status"] == "ok" for r in rows) else None)
 
 
 if __name__ == "__main__":

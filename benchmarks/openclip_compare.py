@@ -1,7 +1,9 @@
 """Our exact global-negatives step vs open_clip's `accum_freq` step: same model, same batch, one GPU.
 
-    python benchmarks/openclip_compare.py                          # H100: global batch 1K .. 64K
-    python benchmarks/openclip_compare.py --global-batch 512 1024 --micro 128 --steps 2   # quick
+    python -m benchmarks.openclip_compare                          # H100: global batch 1K .. 64K
+    python -m benchmarks.openclip_compare --global-batch 512 1024 --micro 128 --steps 2   # quick
+    /tmp/peers_venv/bin/python -m benchmarks.openclip_compare --device cpu --global-batch 16 --micro 8 \\
+        --steps 1 --out /tmp/bench                                 # CPU smoke of the wiring (peers venv)
 
 Both sides train CLIP ViT-B/32 (open_clip's `ViT-B-32` config with the text vocabulary of our
 byte tokenizer, which sizes our embedding table: the parameter counts are checked equal), float32
@@ -18,9 +20,11 @@ host-to-device copies inside the step and the peaks are the steps' own.
   re-forward and the dense loss over the whole global batch (it recomputes the N x N logits
   once per accumulation step).
 
-Per global batch: the median step time over `--steps` steps after one warm-up step, samples/s,
-MFU (the model's FLOPs per sample, like the trainer's metric) and the peak allocated memory. A
-point that runs out of memory is recorded as OOM. Writes openclip_compare.{json,csv,png} under
+Per global batch: the median step time over `--steps` steps after one warm-up step (harness.round_robin
+with one variant: the two sides cannot share the device while each one's peak is measured, so they
+run one after the other), samples/s, MFU (the model's FLOPs per sample, like the trainer's metric)
+and the peak allocated memory (CPU smoke runs: the peak RSS during a step). A point that runs out of
+memory is recorded as OOM. Writes openclip_compare.{json,csv,png} under
 `--out`. Needs CUDA and `open-clip-torch` (the device image has torchvision and timm;
 `benchmarks/gpu_session.sh wheels` fetches the rest).
 """
@@ -28,34 +32,31 @@ point that runs out of memory is recorded as OOM. Writes openclip_compare.{json,
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
-import json
 import logging
-import resource
-import statistics
 import tempfile
-import time
 import types
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from benchmarks import harness
 from titan_contrastive.components.metrics import device_peak_tflops
 from titan_contrastive.config import parse_args
 from titan_contrastive.train import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = harness.REPO
 
 
 def build_ours(global_batch: int, micro: int, device: str, dump: str) -> Trainer:
     return Trainer(parse_args([
         "--job.config_file", str(REPO / "train_configs/debug.toml"), f"--job.dump_folder={dump}",
-        "--model.flavor=vit_b32", "--data.dataset=emoji", "--data.image_size=224", "--data.context_length=77", "--data.num_workers=0",
-        f"--training.device={device}", "--training.mixed_precision_param=bfloat16", "--training.max_norm=0",
-        f"--training.local_batch_size={micro}", f"--training.global_batch_size={global_batch}",
-        "--loss.negatives=global", "--eval.enable=false", "--metrics.enable_tensorboard=false", "--checkpoint.enable=false",
+        "--model.flavor=vit_b32", "--data.dataset=emoji", "--data.image_size=224", "--data.context_length=77",
+        "--data.num_workers=0", f"--training.device={device}", "--training.mixed_precision_param=bfloat16",
+        "--training.max_norm=0", f"--training.local_batch_size={micro}", f"--training.global_batch_size={global_batch}",
+        "--loss.negatives=global", "--eval.enable=false", "--metrics.enable_tensorboard=false",
+        "--checkpoint.enable=false",
     ]))
 
 
@@ -70,7 +71,8 @@ def stage(trainer: Trainer, count: int, micro: int) -> list[dict[str, torch.Tens
     staged = []
     for i in range(min(count, DISTINCT)):
         batch = trainer.train_set.__getitems__([(i * micro + j) % n for j in range(micro)])
-        staged.append({k: v.to(trainer.device, torch.bfloat16) if v.is_floating_point() else v.to(trainer.device) for k, v in batch.items()})
+        staged.append({k: v.to(trainer.device, torch.bfloat16) if v.is_floating_point() else v.to(trainer.device)
+                       for k, v in batch.items()})
     return [staged[i % len(staged)] for i in range(count)]
 
 
@@ -81,28 +83,19 @@ def release(device: torch.device) -> None:
 
 
 def timed(run_step: Callable[[], None], steps: int, device: torch.device) -> dict[str, Any]:
-    """One warm-up step, then `steps` timed ones; OOM is a result. Peak: CUDA allocated (CPU smoke
-    runs: the process's peak RSS)."""
+    """One warm-up step, then `steps` timed ones (harness.round_robin, one variant); OOM is a result.
+    Peak: CUDA allocated (CPU smoke runs: the process's peak RSS during a step)."""
     cuda = device.type == "cuda"
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-    try:
-        run_step()
-        sync()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            run_step()
-            sync()
-            times.append(time.perf_counter() - start)
-    except torch.OutOfMemoryError:
-        return {"status": "OOM"}
-    peak = torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"status": "ok", "step_s": statistics.median(times), "times_s": times, "peak_gib": peak / 2**30}
+    m = harness.round_robin({"step": run_step}, steps, warmup=1, device=device, rss=not cuda)["step"]
+    if not m.ok:
+        return {"status": m.status}
+    peak = m.cuda_peak_bytes if cuda else m.peak_rss_mib * 2**20
+    return {"status": "ok", "step_s": m.median_s, "min_s": min(m.times_s), "max_s": max(m.times_s),
+            "times_s": m.times_s, "peak_gib": peak / 2**30}
 
 
-def run_ours(global_batch: int, micro: int, steps: int, device: torch.device) -> tuple[dict[str, Any], list, Any, float]:
+def run_ours(global_batch: int, micro: int, steps: int,
+             device: torch.device) -> tuple[dict[str, Any], list, Any, float]:
     with tempfile.TemporaryDirectory() as dump:
         trainer = build_ours(global_batch, micro, str(device), dump)
         args = trainer.model_args
@@ -136,12 +129,12 @@ def run_open_clip(inputs: list, ours: Any, micro: int, steps: int, device: torch
     text = {"context_length": ours.context_length, "vocab_size": ours.vocab_size, "width": ours.text_width,
             "heads": ours.text_heads, "layers": ours.text_layers}
     model = open_clip.create_model("ViT-B-32", pretrained=None, precision="fp32", device=device, text_cfg=text,
-                                 output_dict=True)
+                                   output_dict=True)
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    args = types.SimpleNamespace(device=str(device), precision="amp_bf16", distill=False, accum_freq=len(inputs), skip_scheduler=True,
-                                 horovod=False, grad_clip_norm=None, log_every_n_steps=10**9, world_size=1, batch_size=micro,
-                                 wandb=False, rank=0, local_rank=0)
+    args = types.SimpleNamespace(device=str(device), precision="amp_bf16", distill=False, accum_freq=len(inputs),
+                                 skip_scheduler=True, horovod=False, grad_clip_norm=None, log_every_n_steps=10**9,
+                                 world_size=1, batch_size=micro, wandb=False, rank=0, local_rank=0)
     loss = open_clip.ClipLoss()
 
     def one_step() -> None:
@@ -154,12 +147,8 @@ def run_open_clip(inputs: list, ours: Any, micro: int, steps: int, device: torch
     return result, params
 
 
-def plot(rows: list[dict[str, Any]], device: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict[str, Any]], device: str):  # noqa: ANN201 - a matplotlib figure
+    plt = harness.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for impl in ("ours", "open_clip"):
         sel = [r for r in rows if r["impl"] == impl and r["status"] == "ok"]
@@ -171,25 +160,30 @@ def plot(rows: list[dict[str, Any]], device: str, path: Path) -> None:
         ax.grid(alpha=0.3, which="both")
         ax.legend()
     fig.suptitle(f"CLIP ViT-B/32, bf16 autocast, exact global negatives vs open_clip accum_freq, {device}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
-def main() -> None:
+FIELDS = ["impl", "global_batch", "micro", "status", "step_s", "min_s", "max_s", "samples_per_s", "mfu", "peak_gib"]
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--global-batch", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 65536])
     parser.add_argument("--micro", type=int, default=256, help="microbatch (accumulation chunk) for both")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="for MFU; 0 = the trainer's table for this GPU")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the wiring (tiny batches)")
-    parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
+    args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("openclip_compare.py needs a CUDA GPU (ViT-B/32 at 224 px); run it through the device tool, or --device cpu for a smoke run")
+        raise SystemExit("openclip_compare needs a CUDA GPU (ViT-B/32 at 224 px); run it through the device tool, "
+                         "or --device cpu for a smoke run")
     logging.getLogger().setLevel(logging.WARNING)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke run)"
     peak = device_peak_tflops(device, args.peak_tflops)
+    meta = harness.metadata(device)
+    payload = {"device": name, "peak_tflops": peak, "config": vars(args)}
     rows = []
     for global_batch in args.global_batch:
         if global_batch % args.micro:
@@ -207,26 +201,16 @@ def main() -> None:
                 row["samples_per_s"] = global_batch / result["step_s"]
                 row["mfu"] = row["samples_per_s"] * flops / (peak * 1e12) if peak else None
             rows.append(row)
-            shown = (f"{row['samples_per_s']:9.0f} samples/s  MFU {row['mfu'] or 0:5.1%}  peak {row['peak_gib']:6.1f} GiB"
-                     if result["status"] == "ok" else "OOM")
+            shown = (f"{row['samples_per_s']:9.0f} samples/s  MFU {row['mfu'] or 0:5.1%}  "
+                     f"peak {row['peak_gib']:6.1f} GiB" if result["status"] == "ok" else result["status"])
             print(f"B={global_batch:>6} {impl:>9}: {shown}", flush=True)
         if ours["status"] == theirs["status"] == "ok":
             print(f"B={global_batch:>6}  ours / open_clip: {theirs['step_s'] / ours['step_s']:.2f}x samples/s, "
                   f"{ours['peak_gib'] / theirs['peak_gib']:.2f}x peak memory", flush=True)
-        save(rows, args, name, peak)  # after every batch size: a run stopped at a time limit keeps what it measured
-    plot(rows, name, Path(args.out) / "openclip_compare.png")
-
-
-def save(rows: list[dict], args: argparse.Namespace, name: str, peak: float) -> None:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "openclip_compare.json").write_text(json.dumps({"device": name, "torch": torch.__version__, "peak_tflops": peak,
-                                                           "config": vars(args), "rows": rows}, indent=1))
-    with open(out / "openclip_compare.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, ["impl", "global_batch", "micro", "status", "step_s", "samples_per_s", "mfu", "peak_gib"],
-                                extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+        # after every batch size: a run stopped at a time limit keeps what it measured
+        harness.write_results(args.out, "openclip_compare", meta, payload, rows=rows, fields=FIELDS)
+    harness.write_results(args.out, "openclip_compare", meta, payload, rows=rows, fields=FIELDS,
+                          figure=lambda: plot(rows, name))
 
 
 if __name__ == "__main__":

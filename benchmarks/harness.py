@@ -1,0 +1,457 @@
+"""The one harness every benchmark in benchmarks/ uses: interleaved timing, memory probes, run metadata, result files.
+
+Benchmarks run from the repository root as modules (`python -m benchmarks.NAME`), so `benchmarks` and
+`titan_contrastive` import without path edits. This module imports only torch and the standard library
+(matplotlib lazily, for figures), so it also runs in the peers venv (benchmarks/peers_venv.sh, another torch).
+
+Timing (`round_robin`): the compared variants run interleaved in one process, `warmup` untimed rounds and
+then `repeats` timed ones, each round starting one variant later, so neither the order within a round
+nor slow drift in a shared machine's load favours one variant; per variant the wall times, the process
+CPU times (they do not count time spent waiting for a core) and what each call returned; `summary` gives
+median / min / max. A variant that runs out of memory is recorded as "OOM" and leaves the rotation.
+
+Memory, per timed call:
+- CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, absolute and above what was
+  allocated when the call started.
+- CPU RSS: the kernel's per-process high-water mark (VmHWM in /proc/self/status). Linux >= 4.0 lets a
+  process reset it to the current RSS (writing 5 to /proc/self/clear_refs), so `PeakRSS` gives the peak of
+  one block of code in-process (this also lowers what getrusage's ru_maxrss reports afterwards). Variants
+  measured in one process share one heap: memory the allocator kept from an earlier call is reused, so
+  the growth is a lower bound there; a fresh process per variant is exact. Where the reset is refused the
+  peak is the process's since it started (`reset` False). getrusage's ru_maxrss cannot be reset, and a
+  child inherits its parent's high-water mark when it is spawned, so it is no per-child measure either:
+  `run_child` runs a command under a small wrapper interpreter and reports the largest ru_maxrss among
+  the wrapper's descendants, whose floor is the wrapper's own few MiB instead of this process's RSS.
+
+Metadata (`metadata`): date, device, CPU model and core counts, torch / CUDA / Python versions, torch
+threads, the repository's commit (`git rev-parse HEAD` where git and the .git folder are there, else
+$BENCH_COMMIT), the command line, the load average.
+
+Files (`write_results`): NAME.json ({"meta": ..., payload..., "rows": ...}), NAME.csv (the rows plus
+meta_* columns) and NAME.png (stamped with the metadata), under benchmarks/results unless the
+benchmark's --out says otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import platform
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+META_COLUMNS = ("date", "commit", "device", "torch")  # repeated on every CSV row as meta_<key>
+
+
+# ---------------------------------------------------------------- statistics and order
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    """{"median", "min", "max", "n"} of `values` ({"n": 0} when there are none)."""
+    if not values:
+        return {"n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def rotation(names: Sequence[str], round_index: int) -> list[str]:
+    """The order of one round: `names` starting at the (round_index mod count)-th."""
+    k = round_index % len(names) if names else 0
+    return [*names[k:], *names[:k]]
+
+
+def reason(exc: BaseException) -> str:
+    """An exception as one short line: its type and the first line of its message."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+
+
+# ---------------------------------------------------------------- memory probes
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def rss_mib() -> float | None:
+    """This process's resident memory now, MiB (None where /proc is not there)."""
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib / 1024
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory since it started or since the last `reset_peak_rss`, MiB."""
+    kib = _status_kib("VmHWM")
+    if kib is not None:
+        return kib / 1024
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return maxrss / (2**20 if sys.platform == "darwin" else 1024)
+
+
+def reset_peak_rss() -> bool:
+    """Set the peak RSS to the current RSS (Linux >= 4.0); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakRSS:
+    """Peak resident memory of a block of code, this process: `peak_mib` (the high-water mark during
+    the block), `start_mib` and `growth_mib` (peak above the RSS when the block started); `reset` tells
+    whether the mark could be reset at the start (if not, the peak is the process's since it started)."""
+
+    def __enter__(self) -> PeakRSS:
+        self.reset = reset_peak_rss()
+        self.start_mib = rss_mib()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.peak_mib = peak_rss_mib()
+        if self.start_mib is not None:
+            self.peak_mib = max(self.peak_mib, self.start_mib)
+        self.growth_mib = None if self.start_mib is None else self.peak_mib - self.start_mib
+
+
+# ---------------------------------------------------------------- interleaved timing
+
+
+@dataclasses.dataclass
+class Measurement:
+    """One variant of a `round_robin`: its timed calls and memory peaks (the max over the timed calls)."""
+
+    name: str
+    status: str = "ok"  # ok | OOM | skipped
+    reason: str = ""
+    times_s: list[float] = dataclasses.field(default_factory=list)
+    cpu_times_s: list[float] = dataclasses.field(default_factory=list)
+    values: list[Any] = dataclasses.field(default_factory=list)  # what each timed call returned (keep_values)
+    cuda_peak_bytes: int | None = None
+    cuda_peak_extra_bytes: int | None = None  # above the allocation at the call's start
+    peak_rss_mib: float | None = None
+    rss_growth_mib: float | None = None  # above the RSS at the call's start
+    rss_reset: bool | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and bool(self.times_s)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    def row(self) -> dict[str, Any]:
+        """The JSON-ready summary: status, median/min/max seconds, times, CPU times, the memory measured."""
+        if self.status != "ok":
+            return {"status": self.status, **({"reason": self.reason} if self.reason else {})}
+        stats, cpu = summary(self.times_s), summary(self.cpu_times_s)
+        row: dict[str, Any] = {"status": "ok", "median_s": stats.get("median"), "min_s": stats.get("min"),
+                               "max_s": stats.get("max"), "times_s": self.times_s,
+                               "median_cpu_s": cpu.get("median"), "cpu_times_s": self.cpu_times_s}
+        for key in ("cuda_peak_bytes", "cuda_peak_extra_bytes", "peak_rss_mib", "rss_growth_mib", "rss_reset"):
+            if getattr(self, key) is not None:
+                row[key] = getattr(self, key)
+        return row
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def round_robin(variants: Mapping[str, Callable[[], Any]], repeats: int, *, warmup: int = 1,
+                before: Callable[[str], None] | None = None, device: torch.device | str | None = None,
+                rss: bool = True, tolerate: Collection[str] | bool = (), keep_values: bool = False,
+                log: Callable[[str], None] | None = None) -> dict[str, Measurement]:
+    """Time every variant (a no-argument callable) `repeats` times, interleaved.
+
+    `warmup` untimed rounds, then `repeats` timed rounds; round r runs the variants still in the rotation
+    starting at the (r mod count)-th (`rotation`). `before(name)` runs untimed before every call (zeroing
+    gradients, say). On a CUDA `device` each call is synchronized before and after and its allocator
+    peak recorded; `rss` records each timed call's peak RSS (`PeakRSS`; leave it off where the work runs
+    in other processes). A call that raises torch.OutOfMemoryError ends its variant as "OOM"; another
+    exception ends it as "skipped" with its reason when `tolerate` is True or names the variant, and
+    propagates otherwise. The other variants go on. `keep_values`: keep what each timed call returns
+    (off by default: returned tensors would stay alive). `log(line)` gets one line per timed round.
+    Returns {name: Measurement} in the order of `variants`."""
+    dev = torch.device(device) if device is not None else None
+    cuda = dev is not None and dev.type == "cuda"
+    results = {name: Measurement(name) for name in variants}
+    live = list(variants)
+
+    def call(name: str, timed: bool) -> None:
+        if before is not None:
+            before(name)
+        m = results[name]
+        if cuda:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+        with PeakRSS() if rss and timed else contextlib.nullcontext() as probe:
+            start, cpu = time.perf_counter(), time.process_time()
+            value = variants[name]()
+            if cuda:
+                torch.cuda.synchronize(dev)
+            elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu
+        if not timed:
+            return
+        m.times_s.append(elapsed)
+        m.cpu_times_s.append(cpu_elapsed)
+        if keep_values:
+            m.values.append(value)
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(dev)
+            m.cuda_peak_bytes = int(_max(m.cuda_peak_bytes, peak))
+            m.cuda_peak_extra_bytes = int(_max(m.cuda_peak_extra_bytes, peak - base))
+        if probe is not None:
+            m.peak_rss_mib = _max(m.peak_rss_mib, probe.peak_mib)
+            m.rss_growth_mib = _max(m.rss_growth_mib, probe.growth_mib)
+            m.rss_reset = probe.reset
+
+    def drop(name: str, status: str, why: str) -> None:
+        results[name].status, results[name].reason = status, why
+        live.remove(name)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    for r in range(warmup + repeats):
+        for name in rotation(live, r):
+            failure = None
+            try:
+                call(name, timed=r >= warmup)
+            except torch.OutOfMemoryError as exc:
+                failure = ("OOM", reason(exc))
+            except Exception as exc:
+                if tolerate is not True and name not in (tolerate or ()):
+                    raise
+                failure = ("skipped", reason(exc))
+            if failure is not None:  # outside the except clause: its traceback no longer holds the call's tensors
+                drop(name, *failure)
+        if log is not None and r >= warmup:
+            log(f"round {r - warmup + 1}/{repeats}: " + "  ".join(
+                f"{name} {results[name].times_s[-1]:.4g}s" for name in variants if name in live))
+    return results
+
+
+# ---------------------------------------------------------------- subprocesses
+
+_WRAPPER = """\
+import json, resource, subprocess, sys
+rc = subprocess.call(sys.argv[2:])
+with open(sys.argv[1], "w") as f:
+    json.dump({"rc": rc, "maxrss_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}, f)
+sys.exit(rc if rc >= 0 else 128 - rc)
+"""
+
+
+@dataclasses.dataclass
+class Child:
+    """A finished `run_child`: exit code, captured output, wall time, peak RSS of its largest process."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
+    peak_rss_mib: float | None
+
+
+def run_child(cmd: Sequence[str | os.PathLike], *, cwd: str | os.PathLike | None = None,
+              env: Mapping[str, str] | None = None, timeout: float | None = None, check: bool = False) -> Child:
+    """Run `cmd` with its output captured (text), like subprocess.run, and measure the peak RSS of the
+    largest process in its tree (ru_maxrss of the reaped descendants of a small wrapper interpreter).
+    The tree gets its own session: on a timeout (subprocess.TimeoutExpired) or an interrupt the whole
+    tree is killed. `check`: a non-zero exit raises subprocess.CalledProcessError."""
+    with tempfile.TemporaryDirectory(prefix="bench_child_") as tmp:
+        report = Path(tmp) / "rusage.json"
+        wrapped = [sys.executable, "-I", "-S", "-c", _WRAPPER, str(report), *map(str, cmd)]
+        start = time.perf_counter()
+        proc = subprocess.Popen(wrapped, cwd=cwd, env=None if env is None else dict(env), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException as exc:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise subprocess.TimeoutExpired(list(map(str, cmd)), timeout or 0.0, out, err) from None
+            raise
+        wall = time.perf_counter() - start
+        usage = json.loads(report.read_text()) if report.is_file() else {}
+    rc = usage.get("rc", proc.returncode)
+    maxrss = usage.get("maxrss_kib")  # ru_maxrss: KiB on Linux, bytes on macOS
+    peak = None if maxrss is None else maxrss / (2**20 if sys.platform == "darwin" else 1024)
+    child = Child(rc, out, err, wall, peak)
+    if check and rc != 0:
+        raise subprocess.CalledProcessError(rc, list(map(str, cmd)), out, err)
+    return child
+
+
+# ---------------------------------------------------------------- metadata
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """The CUDA device's name, or "CPU"."""
+    dev = torch.device(device) if device is not None else default_device()
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def git_commit(tree: Path = REPO) -> dict[str, Any]:
+    """{"commit": HEAD of `tree`, "commit_dirty": tracked files changed}. Where there is no git or no .git
+    (a copy of the work tree on a lent machine), $BENCH_COMMIT names the commit if set, else None."""
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "--no-optional-locks", "-C", str(tree), *args], capture_output=True,
+                                 text=True, timeout=20, check=True)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip()
+
+    commit = git("rev-parse", "HEAD")
+    if not commit:
+        return {"commit": os.environ.get("BENCH_COMMIT") or None, "commit_dirty": None}
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "commit_dirty": None if status is None else bool(status)}
+
+
+def metadata(device: torch.device | str | None = None, **extra: Any) -> dict[str, Any]:
+    """What a result needs to be read later: when, on what, with which code. `extra` is added."""
+    dev = torch.device(device) if device is not None else default_device()
+    cores = os.cpu_count()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": device_name(dev), "cpu": cpu_model(), "cores": cores, "cores_usable": usable,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "platform": platform.platform(), **git_commit(),
+            "command": " ".join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
+            "loadavg_1_5_15min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "CUDA_VISIBLE_DEVICES")},
+            **extra}
+
+
+def stamp(meta: Mapping[str, Any]) -> str:
+    """One line of metadata for a figure."""
+    commit = meta.get("commit")
+    code = "no git" if not commit else commit[:10] + ("+changes" if meta.get("commit_dirty") else "")
+    device = meta.get("device", "?")
+    if device == "CPU":
+        device = f"{meta.get('cpu', 'CPU')}, {meta.get('cores')} cores"
+    return f"{device} | torch {meta.get('torch')} | {code} | {str(meta.get('date', ''))[:16]}"
+
+
+# ---------------------------------------------------------------- result files
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)  # Path, argparse values and the like
+
+
+def write_json(path: Path | str, meta: Mapping[str, Any], payload: Mapping[str, Any] | None = None) -> Path:
+    """{"meta": meta, **payload} as indented JSON at `path` (folders made)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": dict(meta), **(payload or {})}, indent=1, default=_jsonable) + "\n")
+    return path
+
+
+def write_csv(path: Path | str, rows: Iterable[Mapping[str, Any]], meta: Mapping[str, Any] | None = None,
+              fields: Sequence[str] | None = None) -> Path:
+    """`rows` as CSV at `path`: `fields` (default: every key, first seen first), lists and dicts as JSON
+    text, then the meta_* columns (META_COLUMNS) from `meta`."""
+    path, rows = Path(path), list(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = list(fields) if fields is not None else list(dict.fromkeys(k for row in rows for k in row))
+    extra = {f"meta_{k}": (meta or {}).get(k, "") for k in META_COLUMNS} if meta is not None else {}
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*fields, *extra], extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            cells = {k: json.dumps(v, default=_jsonable) if isinstance(v, (list, tuple, dict)) else v
+                     for k, v in row.items() if k in fields}
+            writer.writerow({**cells, **extra})
+    return path
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (imported only when a figure is drawn)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path | str, meta: Mapping[str, Any] | None = None, dpi: int = 120) -> Path:
+    """Save `fig` as `path` with the metadata stamped below it, and close it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    if meta is not None:
+        fig.text(0.5, -0.005, stamp(meta), ha="center", va="top", fontsize=7, color="0.35")
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    pyplot().close(fig)
+    return path
+
+
+def write_results(out: Path | str, name: str, meta: Mapping[str, Any], payload: Mapping[str, Any] | None = None,
+                  *, rows: Sequence[Mapping[str, Any]] | None = None, fields: Sequence[str] | None = None,
+                  rows_key: str = "rows", figure: Callable[[], Any] | None = None, dpi: int = 120) -> list[Path]:
+    """One benchmark's file set under `out`: NAME.json ({"meta", **payload, rows_key: rows}), NAME.csv when
+    there are rows, NAME.png when `figure()` returns a figure. Returns the paths written."""
+    out = Path(out)
+    body = {**(payload or {}), **({rows_key: list(rows)} if rows is not None else {})}
+    paths = [write_json(out / f"{name}.json", meta, body)]
+    if rows:
+        paths.append(write_csv(out / f"{name}.csv", rows, meta, fields))
+    fig = figure() if figure is not None else None
+    if fig is not None:
+        paths.append(save_figure(fig, out / f"{name}.png", meta, dpi))
+    return paths
