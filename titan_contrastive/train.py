@@ -15,14 +15,13 @@ Order of operations (everything that can fail on bad input runs before any compu
    norm, check for non-finite values, optimizer step, scheduler step; log every `log_freq`,
    evaluate every `eval.freq` and after the last step, checkpoint every `checkpoint.interval`
    and at the end. The loop does not know which kind of step it runs. After the first step
-   collectives wait `[comm] train_timeout_seconds`. Exit codes: README, "Faults and recovery".
+   collectives wait `[comm] train_timeout_seconds`. Exit codes: docs/checkpoints.md.
 `main`: SIGTERM/SIGUSR1 stop the run after the current step with a checkpoint, exit code 5
 (components/preemption.py); the run folder is locked from the preflight to exit (components/run_lock.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import importlib
 import logging
@@ -36,9 +35,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titan_contrastive import models
-from titan_contrastive.checkpoint import CheckpointError, CheckpointManager, LRSchedulerState, ModelState, OptimizerState, RNGState, TrainState
+from titan_contrastive.checkpoint import CheckpointError, TrainState, build_checkpointer
 from titan_contrastive.checkpoint.resume import model_source, report_unread_init_from
-from titan_contrastive.components.freeze import apply_freeze
 from titan_contrastive.components.evaluate import EvalContext, describe_results, evaluate_sets
 from titan_contrastive.components.lr_scheduler import build_lr_scheduler
 from titan_contrastive.components.memory_planner import MemoryBudgetError, MemoryPlan, measured_first_step, plan_step, probe_batches
@@ -53,7 +51,8 @@ from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.config.manager import MAX_LOGIT_SCALE, check_contrastive_problem, log_config_warnings
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.build import build_data
-from titan_contrastive.interop import InteropError, load_state
+from titan_contrastive.interop import InteropError
+from titan_contrastive.models.build import build_run_model
 from titan_contrastive.parallelisms import (ParallelDims, collective_failure, destroy_distributed, gradient_accumulation_steps, init_distributed,
                                             parallelize_model, set_collective_timeout)
 from titan_contrastive.steps import StepContext, build_gradient_step
@@ -101,17 +100,8 @@ class Trainer:
         self.train_set, self.eval_set, self.loader = data.train_set, data.eval_set, data.loader
 
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step
-        try:
-            sized = flavor_args.update_from_data(image_shape=self.train_set.image_shape, vocab_size=self.train_set.tokenizer.vocab_size,
-                                                 context_length=data.context_length, eos_id=getattr(self.train_set.tokenizer, "EOS", 0))
-        except ValueError as e:  # the flavor does not fit this dataset
-            raise ConfigError(f"model.flavor={cfg.model.flavor!r} with data.dataset={cfg.data.dataset!r}: {e}") from None
-        self.model_args = self.spec.update_from_config(sized, cfg)
-        with self.device:
-            self.model = self.spec.build_model(self.model_args).to(self.precision.param_dtype)
-        if init_state is not None:  # [model] init_from: the checkpoint's weights, before any sharding
-            load_state(self.model, init_state, f"model.init_from={cfg.model.init_from}")
-        apply_freeze(self.model, cfg.model.freeze, cfg.model.unlocked_layers, self.spec.towers)  # before DP and the optimizer
+        self.model_args, self.model = build_run_model(self.spec, cfg, flavor_args, self.train_set, data.context_length, init_state=init_state,
+                                                      param_dtype=self.precision.param_dtype, device=self.device)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_model = parallelize_model(
             self.model, self.spec.blocks(self.model), self.dims, self.mesh, device=self.device,
@@ -129,14 +119,8 @@ class Trainer:
         self.gradient_step = build_gradient_step(self.spec, self.step_context, cfg, self.loss_name)
         self.train_state = TrainState()
         self.nonfinite = NonFiniteGuard(cfg.training.on_nonfinite, cfg.training.max_consecutive_skips)
-        self.checkpointer = CheckpointManager(
-            cfg.checkpoint, dump_folder=cfg.job.dump_folder,
-            states={"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
-                    "lr_scheduler": LRSchedulerState(self.lr_scheduler), "train_state": self.train_state},
-            per_rank_states={"dataloader": self.loader, "rng": RNGState(self.device)},
-            rank=self.dist.rank, dp_rank=self.dist.rank, dp_degree=self.dp_degree,
-            model_info={"family": cfg.model.name, "args": dataclasses.asdict(self.model_args)}, run_config=dataclasses.asdict(cfg),
-        )
+        self.checkpointer = build_checkpointer(cfg, self.model, self.optimizer, self.lr_scheduler, self.train_state, self.loader,
+                                               device=self.device, rank=self.dist.rank, dp_degree=self.dp_degree, model_args=self.model_args)
         self._log_start()
         self.checkpointer.preflight(checkpoint_bytes(self.model))
         report_unread_init_from(cfg.model.init_from, self.checkpointer.load(), self.resumed)

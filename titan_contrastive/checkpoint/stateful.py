@@ -20,9 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
+from titan_contrastive.checkpoint.manager import CheckpointManager
 from titan_contrastive.grad_cache.rng import RNGSnapshot, capture_rng, cuda_index, restore_rng
 
 
@@ -120,3 +125,17 @@ class RNGState:
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         cuda = {self.cuda_index: state_dict["cuda"]} if self.cuda_index is not None and "cuda" in state_dict else {}
         restore_rng(RNGSnapshot(state_dict["cpu"], cuda))
+
+
+def build_checkpointer(cfg: Any, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                       train_state: TrainState, loader: Stateful, *, device: torch.device, rank: int, dp_degree: int,
+                       model_args: Any) -> CheckpointManager:
+    """The run's CheckpointManager (`cfg` is the JobConfig): model, optimizer, schedule and counters
+    saved once; each data-parallel rank's loader position and RNG streams per rank (the DP rank is
+    the global rank); the manifest records the model (family, args) and the run's config."""
+    return CheckpointManager(
+        cfg.checkpoint, dump_folder=cfg.job.dump_folder,
+        states={"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "lr_scheduler": LRSchedulerState(scheduler),
+                "train_state": train_state},
+        per_rank_states={"dataloader": loader, "rng": RNGState(device)}, rank=rank, dp_rank=rank, dp_degree=dp_degree,
+        model_info={"family": cfg.model.name, "args": asdict(model_args)}, run_config=asdict(cfg))

@@ -1,0 +1,33 @@
+"""The model a run trains: a family's args sized by the data and the config, built on the device,
+started from `[model] init_from`'s weights when given, with its locked towers frozen; all before
+any parallel wrapping (sharding, DDP) and before the optimizer sees a parameter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from titan_contrastive.components.freeze import apply_freeze
+from titan_contrastive.config import ConfigError, JobConfig
+from titan_contrastive.interop import load_state
+from titan_contrastive.models.registry import ModelSpec
+
+
+def build_run_model(spec: ModelSpec, cfg: JobConfig, flavor_args: Any, train_set: Any, context_length: int, *,
+                    param_dtype: torch.dtype, device: torch.device, init_state: dict[str, torch.Tensor] | None) -> tuple[Any, nn.Module]:
+    """(args, model): `flavor_args` sized by `train_set` (image shape, vocabulary, EOS) and by `cfg`,
+    the model built in `param_dtype` on `device`, `init_state` loaded, `model.freeze` applied."""
+    try:
+        sized = flavor_args.update_from_data(image_shape=train_set.image_shape, vocab_size=train_set.tokenizer.vocab_size,
+                                             context_length=context_length, eos_id=getattr(train_set.tokenizer, "EOS", 0))
+    except ValueError as e:  # the flavor does not fit this dataset
+        raise ConfigError(f"model.flavor={cfg.model.flavor!r} with data.dataset={cfg.data.dataset!r}: {e}") from None
+    args = spec.update_from_config(sized, cfg)
+    with device:
+        model = spec.build_model(args).to(param_dtype)
+    if init_state is not None:  # the checkpoint's weights, before any sharding
+        load_state(model, init_state, f"model.init_from={cfg.model.init_from}")
+    apply_freeze(model, cfg.model.freeze, cfg.model.unlocked_layers, spec.towers)
+    return args, model
