@@ -15,7 +15,6 @@ import dataclasses
 import json
 import logging
 import pickle
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 
 from titan_contrastive.checkpoint import MANIFEST, CheckpointError, CheckpointManager, ModelState, RNGState, TrainState
 from titan_contrastive.checkpoint.reader import sha256, unpickle_state
+from titan_contrastive.config.job_config import Checkpoint
 from titan_contrastive.export import main as export_main
 from titan_contrastive.interop import InteropError, load_state, read_checkpoint, read_ours
 from titan_contrastive.models.clip.args import CLIPArgs
@@ -31,15 +31,6 @@ from titan_contrastive.models.clip.model import CLIP
 
 ARGS = CLIPArgs(embed_dim=8, image_size=8, patch_size=4, in_channels=3, vision_width=16, vision_layers=1, vision_heads=2,
                 vocab_size=32, context_length=6, text_width=16, text_layers=1, text_heads=2)
-
-
-@dataclass
-class Cfg:
-    enable: bool = True
-    folder: str = "ckpt"
-    interval: int = 1
-    keep_latest_k: int = 0
-    load_step: int = -1
 
 
 class Payload:
@@ -66,7 +57,8 @@ class Fixed:
 
 
 def manager(dump: Path, model: Any, train_state: Any, rng: Any) -> CheckpointManager:
-    return CheckpointManager(Cfg(), dump_folder=str(dump), states={"model": model, "train_state": train_state},
+    cfg = Checkpoint(enable=True, folder="ckpt", interval=1, keep_latest_k=0)
+    return CheckpointManager(cfg, dump_folder=str(dump), states={"model": model, "train_state": train_state},
                              per_rank_states={"rng": rng}, rank=0, dp_rank=0, dp_degree=1,
                              model_info={"family": "clip", "args": dataclasses.asdict(ARGS)})
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ transformers = pytest.importorskip("transformers", reason="export needs the [hf]
 from titan_contrastive import export as export_module  # noqa: E402
 from titan_contrastive import interop  # noqa: E402
 from titan_contrastive.checkpoint import CheckpointManager, ModelState  # noqa: E402
+from titan_contrastive.config.job_config import Checkpoint
 from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer  # noqa: E402
 from titan_contrastive.datasets.tokenizer import ByteTokenizer  # noqa: E402
 from titan_contrastive.interop import load_clip, read_checkpoint  # noqa: E402
@@ -44,15 +44,6 @@ RGB = dataclasses.replace(BYTE, in_channels=3)
 TEXTS = ["a photo of a cat", "zebra", "Two dogs, playing in the snow at night!"]
 
 
-@dataclass
-class Cfg:
-    enable: bool = True
-    folder: str = "checkpoint"
-    interval: int = 1
-    keep_latest_k: int = 0
-    load_step: int = -1
-
-
 def step_folder(dump: Path, args: CLIPArgs = BYTE) -> tuple[Path, CLIP]:
     """step-1 of a run folder holding `args`' model, written as training writes it, and the model."""
     torch.manual_seed(0)
@@ -61,7 +52,8 @@ def step_folder(dump: Path, args: CLIPArgs = BYTE) -> tuple[Path, CLIP]:
         for name, p in model.named_parameters():
             if "ln" in name or name == "logit_scale":
                 p.add_(torch.rand_like(p) * 0.5)
-    CheckpointManager(Cfg(), dump_folder=str(dump), states={"model": ModelState(model)}, per_rank_states={}, rank=0, dp_rank=0,
+    cfg = Checkpoint(enable=True, folder="checkpoint", interval=1, keep_latest_k=0)
+    CheckpointManager(cfg, dump_folder=str(dump), states={"model": ModelState(model)}, per_rank_states={}, rank=0, dp_rank=0,
                       dp_degree=1, model_info={"family": "clip", "args": dataclasses.asdict(args)}).save(1)
     (dump / "metrics.jsonl").write_text('{"step": 1}\n')
     return dump / "checkpoint" / "step-1", model.eval()
