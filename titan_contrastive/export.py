@@ -20,8 +20,8 @@ or (with `--overwrite`) a previous export of this tool, recognised by the `MARKE
 (format, source and the files written) and holding nothing else. Never, even with `--overwrite`:
 the source or a folder holding it, the working directory or a folder holding it, a run folder
 (`metrics.jsonl`, `tb/`, the run lock, a checkpoint's `manifest.json` or `step-N/manifest.json`
-one or two levels down), a file or a symbolic link. Why: `--out` used to be deleted without a
-look, and `--out ..`, a run folder or the source step folder lost everything in it.
+one or two levels down), a file or a symbolic link. Why: replacing a folder deletes what is in it,
+so only what this tool wrote itself may be replaced.
 
 How DIR is written: into a fresh temporary folder beside it (`.DIR.tmp-*`), which is checked and
 then renamed into place; a previous export is renamed aside first and removed only once the new
@@ -34,9 +34,9 @@ library it is for (transformers' `CLIPModel`; `SentenceTransformer`; open_clip's
 open_clip reader, `interop.load_clip`, which follows open_clip's conventions: its config fields,
 pooling rule and layout) and its image and text embeddings on a few fixed inputs (random pixels;
 token rows laid out as our tokenizers write them, BOS, ids, EOS, padding; texts through the
-tokenizer for sentence-transformers) must equal the source model's within `TOLERANCE`. Why: a
-byte-tokenizer model once exported with exit 0 to folders whose text embeddings were 0.4 off (the
-target pooled at another token), and a 1-channel one to an open_clip folder that did not load. A
+tokenizer for sentence-transformers) must equal the source model's within `TOLERANCE`. Why: the
+formats carry conventions the weights do not (which token the text pools at, how many image
+channels), and a folder that loads without error can still compute other embeddings. A
 model the target format cannot express is a one-line error naming why (`interop.hf_clip`,
 `interop.openclip`) rather than a folder computing something else.
 
@@ -66,7 +66,6 @@ TOLERANCE = 1e-4
 """Largest difference allowed between the source's and the reloaded export's L2-normalized
 embeddings (unit vectors, so absolute and relative at once): float32 rounding of a different
 kernel order is ~1e-6; a wrong pooling token or weight is ~1e-1."""
-RUN_LOCK = ".titan_contrastive.lock"  # components/run_lock.LOCK_FILE: a training run's folder
 PROBE_TEXTS = ["a photo of a cat", "", "Two dogs, playing in the snow at night! " * 8]
 _STEP = re.compile(r"step-\d+")
 
@@ -83,7 +82,9 @@ def _refuse(message: str) -> NoReturn:
 
 def _run_data(folder: Path) -> str | None:
     """What marks `folder` as a run folder or a checkpoint folder (the first found), else None."""
-    for name in ("metrics.jsonl", RUN_LOCK, "manifest.json"):
+    from titan_contrastive.components.run_lock import LOCK_FILE
+
+    for name in ("metrics.jsonl", LOCK_FILE, "manifest.json"):
         if (folder / name).exists():
             return name
     if (folder / "tb").is_dir():

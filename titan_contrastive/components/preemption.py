@@ -2,7 +2,7 @@
 
 Why: Slurm (`scancel`, preemption, `--signal=USR1@<seconds>`) and Kubernetes (pod deletion) send
 SIGTERM or SIGUSR1 and allow a grace period before SIGKILL; the default action of those signals
-ended the trainer at once, losing every step since the last interval checkpoint.
+ends a process at once, losing every step since the last interval checkpoint.
 
 How: `StopSignals` replaces the handlers of those signals with one that only records the signal
 (a handler that did more could interrupt a checkpoint write or a collective halfway). The loop

@@ -1,6 +1,6 @@
 """One run per run folder: a lock file in `job.dump_folder`, held from start-up to exit.
 
-Why: two runs started on one folder overwrote each other's checkpoints and interleaved their
+Why: two runs on one folder would overwrite each other's checkpoints and interleave their
 `metrics.jsonl` lines, silently. Rank 0 creates `{dump_folder}/.titan_contrastive.lock`
 (`LOCK_FILE`) with `os.open(O_CREAT | O_EXCL)`, atomic also on NFS, holding JSON
 `{"pid", "host", "started", "pid_start"}`; it does so after the preflight folder check and before
