@@ -16,7 +16,7 @@
 #   RDZV_ENDPOINT host:port of the rendezvous (default $MASTER_ADDR:${MASTER_PORT:-29500})
 #   RDZV_ID       job id shared by all nodes (default titan_contrastive; e.g. $SLURM_JOB_ID)
 # Extra arguments go to the trainer, e.g. --training.steps=50
-# Exit codes (the first rank to fail; one list: EXIT_CODES in titan_contrastive/launch.py):
+# Exit codes (the first rank to fail; one list: EXIT_CODES in titan_contrastive/exit_codes.py):
 #   0 success   1 unexpected error (a bug; traceback shown)   2 bad config, data or checkpoint
 #   3 non-finite loss or gradient norm   4 a collective timed out or a peer rank failed
 #   5 stopped by SIGTERM/SIGUSR1 after a step, checkpoint saved (if enabled): rerun the same command to resume

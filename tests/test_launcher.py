@@ -16,18 +16,42 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from titan_contrastive.launch import EXIT_CODES, meaning, summarize
+from titan_contrastive.exit_codes import EXIT_CODES, meaning
+from titan_contrastive.launch import summarize
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ("--training.steps=2", "--training.local_batch_size=8", "--eval.enable=false", "--metrics.enable_tensorboard=false")
-BAD_BATCH = ("--training.steps=2", "--training.local_batch_size=16", "--training.global_batch_size=40", "--eval.enable=false")
+TINY = (
+    "--training.steps=2",
+    "--training.local_batch_size=8",
+    "--eval.enable=false",
+    "--metrics.enable_tensorboard=false",
+)
+BAD_BATCH = (
+    "--training.steps=2",
+    "--training.local_batch_size=16",
+    "--training.global_batch_size=40",
+    "--eval.enable=false",
+)
 
 
 def launch(tmp_path: Path, nproc: int | str, *args: str, **env: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NGPU": str(nproc), "PYTHON": sys.executable, "LOG_RANK": "0", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
-    return subprocess.run(["./run_train.sh", f"--job.dump_folder={tmp_path / 'out'}", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "NGPU": str(nproc),
+        "PYTHON": sys.executable,
+        "LOG_RANK": "0",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        **env,
+    }
+    return subprocess.run(
+        ["./run_train.sh", f"--job.dump_folder={tmp_path / 'out'}", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def assert_explained(out: subprocess.CompletedProcess, code: int, message: str) -> None:
@@ -91,14 +115,17 @@ def test_hidden_rank_fails_first_while_a_hung_rank_is_killed(tmp_path: Path) -> 
         "    open(fifo, 'w').close()\n"
         "    signal.pause()  # a hung rank (SIGKILL ends it)\n"
         "else:\n"
-        "    open(fifo).read()\n")
+        "    open(fifo).read()\n"
+    )
     start = time.monotonic()
     out = launch(tmp_path, 2, *BAD_BATCH, "--job.custom_import=hang_rank0")
     elapsed = time.monotonic() - start
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     assert "Unable to shutdown process" in out.stderr  # rank 0 did ignore SIGTERM and was SIGKILLed
-    assert out.stderr.rstrip().endswith("run_train.sh: rank 1 exited with code 2 (bad config, data or checkpoint); "
-                                        "its output is not shown: set LOG_RANK=1 to see it")
+    assert out.stderr.rstrip().endswith(
+        "run_train.sh: rank 1 exited with code 2 (bad config, data or checkpoint); "
+        "its output is not shown: set LOG_RANK=1 to see it"
+    )
     assert "Traceback" not in out.stdout + out.stderr
     assert elapsed < 25, elapsed
 
@@ -108,8 +135,11 @@ def test_root_cause_and_signal_codes() -> None:
     late_kill, early_error = ProcessFailure(0, 100, -9, ""), ProcessFailure(1, 101, 4, "")
     late_kill.timestamp, early_error.timestamp = 1000, 999
     code, line = summarize(ChildFailedError("train", {0: late_kill, 1: early_error}), shown_local_ranks={0, 1})
-    assert (code, line) == (4, "run_train.sh: rank 1 exited with code 4 (a collective timed out or a peer rank failed); "
-                               "see its error line above")
+    assert (code, line) == (
+        4,
+        "run_train.sh: rank 1 exited with code 4 (a collective timed out or a peer rank failed); "
+        "see its error line above",
+    )
     code, line = summarize(ChildFailedError("train", {5: late_kill}), shown_local_ranks=None)
     assert code == 137 and line.startswith("run_train.sh: rank 5 (local rank 0) was killed by SIGKILL (signal 9")
     assert meaning(137) == "killed by SIGKILL" and meaning(3) == EXIT_CODES[3]

@@ -23,31 +23,59 @@ import pytest
 from tests.test_faults import _worker_pid
 from tests.test_resume import assert_identical, checkpoint, losses
 from titan_contrastive.components.run_lock import LOCK_FILE
-from titan_contrastive.launch import EXIT_CODES, stopped, with_stop_signals
+from titan_contrastive.exit_codes import EXIT_CODES
+from titan_contrastive.launch import stopped, with_stop_signals
 from titan_contrastive.train import main
 
 REPO = Path(__file__).resolve().parents[1]
-RUN = ["--training.local_batch_size=8", "--eval.enable=false", "--metrics.log_freq=1", "--metrics.enable_tensorboard=false",
-       "--checkpoint.enable=true", "--checkpoint.interval=100000", "--checkpoint.keep_latest_k=0",
-       "--lr_scheduler.warmup_steps=0", "--lr_scheduler.decay_type=none"]
+RUN = [
+    "--training.local_batch_size=8",
+    "--eval.enable=false",
+    "--metrics.log_freq=1",
+    "--metrics.enable_tensorboard=false",
+    "--checkpoint.enable=true",
+    "--checkpoint.interval=100000",
+    "--checkpoint.keep_latest_k=0",
+    "--lr_scheduler.warmup_steps=0",
+    "--lr_scheduler.decay_type=none",
+]
 ENDLESS = "--training.steps=100000"
 
 
 def env(nproc: int) -> dict[str, str]:
     # TORCH_ELASTIC_SHUTDOWN_TIMEOUT=0: had the launcher used its after-a-failure grace for a stop
     # signal, the ranks would be SIGKILLed at once, before any save
-    return {**os.environ, "NGPU": str(nproc), "PYTHON": sys.executable, "LOG_RANK": "0", "CUDA_VISIBLE_DEVICES": "",
-            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0"}
+    return {
+        **os.environ,
+        "NGPU": str(nproc),
+        "PYTHON": sys.executable,
+        "LOG_RANK": "0",
+        "CUDA_VISIBLE_DEVICES": "",
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0",
+    }
 
 
 def launch(dump: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["./run_train.sh", f"--job.dump_folder={dump}", *RUN, *args], cwd=REPO, env=env(nproc),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["./run_train.sh", f"--job.dump_folder={dump}", *RUN, *args],
+        cwd=REPO,
+        env=env(nproc),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def start(command: list[str], nproc: int) -> subprocess.Popen:
-    return subprocess.Popen(command, cwd=REPO, env=env(nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env(nproc),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for_step(job: subprocess.Popen, dump: Path, step: int = 2, seconds: float = 120) -> None:
@@ -90,15 +118,22 @@ def test_sigterm_to_the_launcher_saves_and_the_rerun_is_bit_identical(tmp_path: 
     os.kill(job.pid, signal.SIGTERM)  # run_train.sh execs the launcher: this is the launcher
     code, out = finish(job)
     assert code == 5, out[-3000:]
-    assert f"run_train.sh: stopped by SIGTERM: every rank finished its step, exit code 5 ({EXIT_CODES[5]})" in out, out[-3000:]
+    assert f"run_train.sh: stopped by SIGTERM: every rank finished its step, exit code 5 ({EXIT_CODES[5]})" in out, out[
+        -3000:
+    ]
     reached = max(losses(stopped_run))
     assert reached >= 2 and saved_steps(stopped_run) == [f"step-{reached}"]
-    assert f"SIGTERM: stopped after step {reached}, checkpoint step-{reached} saved; rerun the same command to resume" in out
+    assert (
+        f"SIGTERM: stopped after step {reached}, checkpoint step-{reached} saved; rerun the same command to resume"
+        in out
+    )
     assert not (stopped_run / LOCK_FILE).exists()
 
     end = f"--training.steps={reached + 2}"
     resumed = launch(stopped_run, 1, end)
-    assert resumed.returncode == 0 and f"resumed from checkpoint step-{reached}" in resumed.stdout, resumed.stdout[-3000:]
+    assert resumed.returncode == 0 and f"resumed from checkpoint step-{reached}" in resumed.stdout, resumed.stdout[
+        -3000:
+    ]
     assert launch(whole, 1, end).returncode == 0
     want, got = losses(whole), losses(stopped_run)
     assert sorted(got) == list(range(1, reached + 3)) and got == want
@@ -124,8 +159,18 @@ def test_sigusr1_to_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path
 
 def test_sigusr1_to_the_trainer_itself(tmp_path: Path) -> None:
     """`python -m titan_contrastive.train`, no launcher: SIGUSR1 used to kill it (exit 138)."""
-    job = start([sys.executable, "-m", "titan_contrastive.train", "--job.config_file=train_configs/debug.toml",
-                 f"--job.dump_folder={tmp_path}", *RUN, ENDLESS], 1)
+    job = start(
+        [
+            sys.executable,
+            "-m",
+            "titan_contrastive.train",
+            "--job.config_file=train_configs/debug.toml",
+            f"--job.dump_folder={tmp_path}",
+            *RUN,
+            ENDLESS,
+        ],
+        1,
+    )
     wait_for_step(job, tmp_path)
     job.send_signal(signal.SIGUSR1)
     code, out = finish(job)
@@ -173,8 +218,9 @@ def signal_during(monkeypatch: pytest.MonkeyPatch, step: int, where: str = "step
         monkeypatch.setattr(dcp, "save", save_and_signal)
 
 
-def test_stop_without_checkpointing_still_ends_the_step_with_the_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                     caplog: pytest.LogCaptureFixture, harmless_sigterm) -> None:
+def test_stop_without_checkpointing_still_ends_the_step_with_the_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, harmless_sigterm
+) -> None:
     signal_during(monkeypatch, step=2)
     with caplog.at_level(logging.INFO, logger="titan_contrastive"):
         code = main([f"--job.dump_folder={tmp_path}", *RUN, "--checkpoint.enable=false", "--training.steps=6"])
@@ -184,7 +230,9 @@ def test_stop_without_checkpointing_still_ends_the_step_with_the_code(tmp_path: 
     assert signal.getsignal(signal.SIGTERM) is harmless_sigterm  # the caller's handler is back
 
 
-def test_a_second_sigterm_while_saving_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, harmless_sigterm) -> None:
+def test_a_second_sigterm_while_saving_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, harmless_sigterm
+) -> None:
     signal_during(monkeypatch, step=2, where="save")
     assert main([f"--job.dump_folder={tmp_path}", *RUN, "--training.steps=6"]) == 5
     assert saved_steps(tmp_path) == ["step-2"] and (tmp_path / "checkpoint" / "step-2" / "manifest.json").is_file()
@@ -202,5 +250,7 @@ def test_launcher_handles_sigusr1_and_reports_a_stop_cut_short() -> None:
     assert stopped(signal.SIGUSR1, {0: 5, 1: 5}, grace=120)[0] == 5
     code, line = stopped(signal.SIGTERM, {0: 5, 1: -9}, grace=120)
     assert code == 143
-    assert line == ("run_train.sh: stopped by SIGTERM, exit code 143; not stopped after a step: local rank 1 killed by SIGKILL; "
-                    "if a step and a save take longer than TITAN_PREEMPT_GRACE_SECONDS=120 seconds, raise it")
+    assert line == (
+        "run_train.sh: stopped by SIGTERM, exit code 143; not stopped after a step: local rank 1 killed by SIGKILL; "
+        "if a step and a save take longer than TITAN_PREEMPT_GRACE_SECONDS=120 seconds, raise it"
+    )

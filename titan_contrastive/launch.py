@@ -6,7 +6,7 @@ code was. A config error (the trainer's exit code 2, one `error: ...` line) and 
 (exit 3) then look the same, to a person and to a script. This launcher runs the same
 `torch.distributed.run.run(args)`, catches the `ChildFailedError`, prints one line about the root
 cause (the earliest failure) and exits with that rank's code, so `run_train.sh` returns what the
-trainer returned (`EXIT_CODES`; 128+N for a rank killed by signal N, as a shell reports it).
+trainer returned (`exit_codes.EXIT_CODES`; 128+N for a rank killed by signal N, as a shell reports it).
 
 Stopped by the cluster: when the launcher itself gets SIGTERM (scancel, Kubernetes) or SIGUSR1
 (Slurm's `--signal=USR1@<seconds>`), torchrun's agent forwards it to the ranks, which finish their
@@ -28,33 +28,27 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from titan_contrastive.components.preemption import STOP_SIGNALS, STOPPED
+from titan_contrastive.components.preemption import STOP_SIGNALS
+from titan_contrastive.exit_codes import (
+    BAD_INPUT,
+    BUG,
+    COLLECTIVE,
+    EXIT_CODES,
+    NONFINITE,
+    SIGNAL_HINTS,
+    STOPPED,
+    meaning,
+)
 
 PROG = "run_train.sh"
-# the one list of exit codes (titan_contrastive.train.main returns 0-5; a shell reports 128+N for signal N)
-EXIT_CODES = {
-    0: "success",
-    1: "unexpected error, a bug",
-    2: "bad config, data or checkpoint",
-    3: "non-finite loss or gradient norm",
-    4: "a collective timed out or a peer rank failed",
-    STOPPED: "stopped by SIGTERM or SIGUSR1 after a step, its checkpoint saved (if enabled); rerun the same command to resume",
-}
-EXPLAINED_BY = {1: "its traceback", 2: "its error line", 3: "its error line", 4: "its error line", STOPPED: "its last log line"}
+EXPLAINED_BY = {
+    BUG: "its traceback",
+    BAD_INPUT: "its error line",
+    NONFINITE: "its error line",
+    COLLECTIVE: "its error line",
+    STOPPED: "its last log line",
+}  # what the rank printed
 GRACE_ENV, GRACE_DEFAULT = "TITAN_PREEMPT_GRACE_SECONDS", 120  # from a stop signal to SIGKILL of the ranks
-SIGNAL_HINTS = {signal.SIGKILL: "often the out-of-memory killer, see `dmesg`"}
-
-
-def meaning(code: int) -> str:
-    """What an exit code of run_train.sh means, from `EXIT_CODES` (or the signal for 128+N)."""
-    if code in EXIT_CODES:
-        return EXIT_CODES[code]
-    if code > 128:
-        try:
-            return f"killed by {signal.Signals(code - 128).name}"
-        except ValueError:
-            return f"killed by signal {code - 128}"
-    return "not a code the trainer returns"
 
 
 def summarize(error: ChildFailedError, shown_local_ranks: set[int] | None) -> tuple[int, str]:
@@ -67,7 +61,9 @@ def summarize(error: ChildFailedError, shown_local_ranks: set[int] | None) -> tu
     if failure.exitcode < 0:  # killed by a signal: report it as a shell would, 128+N
         sig = -failure.exitcode
         code, hint = 128 + sig, SIGNAL_HINTS.get(sig)
-        line = f"{who} was killed by {failure.signal_name()} (signal {sig}{'; ' + hint if hint else ''}), exit code {code}"
+        line = (
+            f"{who} was killed by {failure.signal_name()} (signal {sig}{'; ' + hint if hint else ''}), exit code {code}"
+        )
     else:
         code = failure.exitcode
         line = f"{who} exited with code {code} ({meaning(code)})"
@@ -131,7 +127,10 @@ def stopped(sig: signal.Signals, exit_codes: dict[int, int | None], grace: int) 
     """(exit code, one line) after the launcher was stopped by `sig`: STOPPED when every rank stopped
     after a step with its checkpoint; else 128+sig, naming the ranks that did not."""
     if exit_codes and all(code == STOPPED for code in exit_codes.values()):
-        return STOPPED, f"{PROG}: stopped by {sig.name}: every rank finished its step, exit code {STOPPED} ({EXIT_CODES[STOPPED]})"
+        return (
+            STOPPED,
+            f"{PROG}: stopped by {sig.name}: every rank finished its step, exit code {STOPPED} ({EXIT_CODES[STOPPED]})",
+        )
     code = 128 + sig
     if not exit_codes:
         return code, f"{PROG}: stopped by {sig.name} before any rank started, exit code {code}"
@@ -140,15 +139,20 @@ def stopped(sig: signal.Signals, exit_codes: dict[int, int | None], grace: int) 
         return "still running" if c is None else f"exited with {c} ({meaning(c)})" if c >= 0 else meaning(128 - c)
 
     what = ", ".join(f"local rank {rank} {outcome(c)}" for rank, c in sorted(exit_codes.items()) if c != STOPPED)
-    hint = f"; if a step and a save take longer than {GRACE_ENV}={grace} seconds, raise it" if sig in STOP_SIGNALS else ""
+    hint = (
+        f"; if a step and a save take longer than {GRACE_ENV}={grace} seconds, raise it" if sig in STOP_SIGNALS else ""
+    )
     return code, f"{PROG}: stopped by {sig.name}, exit code {code}; not stopped after a step: {what}{hint}"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = torchrun.parse_args(argv)
     try:
-        failure_grace = args.shutdown_timeout if args.shutdown_timeout is not None else \
-            whole_seconds(dict(os.environ), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
+        failure_grace = (
+            args.shutdown_timeout
+            if args.shutdown_timeout is not None
+            else whole_seconds(dict(os.environ), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
+        )
         stop_grace = whole_seconds(dict(os.environ), GRACE_ENV, GRACE_DEFAULT)
     except ValueError as e:
         print(e, file=sys.stderr)
@@ -163,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         code, line = summarize(e, shown_ranks(args.local_ranks_filter))
         print(line, file=sys.stderr)
         return code
-    except SignalException as e:  # torchrun itself was told to stop (Ctrl-C, scancel): it forwarded the signal to the ranks
+    except (
+        SignalException
+    ) as e:  # torchrun itself was told to stop (Ctrl-C, scancel): it forwarded the signal to the ranks
         code, line = stopped(e.sigval, exit_codes, stop_grace)
         print(line, file=sys.stderr)
         return code

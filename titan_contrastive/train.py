@@ -28,33 +28,39 @@ import logging
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_contrastive import models
-from titan_contrastive.checkpoint import CheckpointError, TrainState, build_checkpointer
+from titan_contrastive import exit_codes, models
+from titan_contrastive.checkpoint import TrainState, build_checkpointer
 from titan_contrastive.checkpoint.resume import model_source, report_unread_init_from
 from titan_contrastive.components.evaluate import EvalContext, describe_results, evaluate_sets
 from titan_contrastive.components.lr_scheduler import build_lr_scheduler
-from titan_contrastive.components.memory_planner import MemoryBudgetError, MemoryPlan, measured_first_step, plan_step, probe_batches
-from titan_contrastive.components.metrics import MetricsProcessor, device_peak_tflops
-from titan_contrastive.components.nonfinite import NonFiniteError, NonFiniteGuard
+from titan_contrastive.components.memory_planner import MemoryPlan, measured_first_step, plan_step, probe_batches
+from titan_contrastive.components.metrics import MetricsProcessor
+from titan_contrastive.components.nonfinite import NonFiniteGuard
 from titan_contrastive.components.optimizer import build_optimizer
 from titan_contrastive.components.precision import build_precision
-from titan_contrastive.components.preemption import STOPPED, StopSignals, stop_message
+from titan_contrastive.components.preemption import StopSignals, stop_message
 from titan_contrastive.components.preflight import check_output_folders, checkpoint_bytes
 from titan_contrastive.components.run_lock import RunLock
-from titan_contrastive.config import ConfigError, JobConfig, parse_args
+from titan_contrastive.config import JobConfig, parse_args
 from titan_contrastive.config.manager import MAX_LOGIT_SCALE, check_contrastive_problem, log_config_warnings
-from titan_contrastive.datasets import DataError, build_dataset
+from titan_contrastive.datasets import build_dataset
 from titan_contrastive.datasets.build import build_data
-from titan_contrastive.interop import InteropError
-from titan_contrastive.models.build import build_run_model
-from titan_contrastive.parallelisms import (ParallelDims, collective_failure, destroy_distributed, gradient_accumulation_steps, init_distributed,
-                                            parallelize_model, set_collective_timeout)
+from titan_contrastive.models.build import build_run_model, resolve_loss
+from titan_contrastive.parallelisms import (
+    ParallelDims,
+    destroy_distributed,
+    gradient_accumulation_steps,
+    init_distributed,
+    parallelize_model,
+    set_collective_timeout,
+)
 from titan_contrastive.steps import StepContext, build_gradient_step
 
 logger = logging.getLogger("titan_contrastive")
@@ -78,10 +84,7 @@ class Trainer:
             importlib.import_module(cfg.job.custom_import)
         self.spec = models.get_model_spec(cfg.model.name)
         flavor_args, init_state, self.resumed = model_source(cfg, self.spec, models.resolve_model_args)  # a resume reads no init_from
-        self.loss_name, losses = cfg.loss.name or self.spec.default_loss, (self.spec.default_loss, *self.spec.other_losses)
-        if self.loss_name not in losses:
-            raise ConfigError(f"loss.name={self.loss_name!r}: the {cfg.model.name} family trains with {' or '.join(map(repr, losses))}; "
-                              f"set loss.name={self.spec.default_loss} or leave it empty")
+        self.loss_name = resolve_loss(self.spec, cfg.loss.name)
         par = cfg.parallelism
         self.dims = ParallelDims.from_config(par.data_parallel_replicate_degree, par.data_parallel_shard_degree, self.dist.world_size)
         self.dp_degree = self.dims.dp_degree
@@ -110,12 +113,8 @@ class Trainer:
         )
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.step_context = StepContext(
-            model=self.model, dp_model=self.dp_model, input_keys=self.spec.input_keys, layout=self.spec.layout, precision=self.precision,
-            device=self.device, dp_group=torch.distributed.group.WORLD if self.dist.is_distributed else None, dp_degree=self.dp_degree,
-            ga_steps=self.ga_steps, local_batch_size=cfg.training.local_batch_size, defer_fsdp_sync=par.defer_grad_sync,
-            family=cfg.model.name,
-        )
+        self.step_context = StepContext.for_run(cfg, self.spec, self.model, self.dp_model, self.precision, device=self.device,
+                                                distributed=self.dist.is_distributed, dp_degree=self.dp_degree, ga_steps=self.ga_steps)
         self.gradient_step = build_gradient_step(self.spec, self.step_context, cfg, self.loss_name)
         self.train_state = TrainState()
         self.nonfinite = NonFiniteGuard(cfg.training.on_nonfinite, cfg.training.max_consecutive_skips)
@@ -124,11 +123,8 @@ class Trainer:
         self._log_start()
         self.checkpointer.preflight(checkpoint_bytes(self.model))
         report_unread_init_from(cfg.model.init_from, self.checkpointer.load(), self.resumed)
-        self.metrics = MetricsProcessor(  # after the checks above: a run that fails them writes nothing
-            cfg.job.dump_folder, rank=self.dist.rank, enable_tensorboard=cfg.metrics.enable_tensorboard,
-            device=self.device, flops_per_sample=self.model_args.flops_per_sample(),
-            peak_tflops=device_peak_tflops(self.device, cfg.metrics.peak_tflops), world_size=self.dist.world_size,
-        )
+        self.metrics = MetricsProcessor.for_run(cfg, self.model_args, device=self.device, rank=self.dist.rank,  # after the checks above:
+                                                world_size=self.dist.world_size)  # a run that fails them writes nothing
         self.memory_plan = self._plan_memory() if cfg.memory.budget_gib else None  # before any real step
 
     @property
@@ -267,19 +263,13 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
         finished = True
         if trainer.stopped_by is not None:
-            return STOPPED
+            return exit_codes.STOPPED
         logger.info(f"training done in {time.perf_counter() - start:.1f}s")
-    except (ConfigError, DataError, CheckpointError, models.ModelRegistryError, MemoryBudgetError, InteropError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteError as e:
-        print(f"error: {e}{trainer.checkpointer.resume_hint(trainer.nonfinite.streak_start) if trainer else ''}", file=sys.stderr)
-        return 3
-    except RuntimeError as e:  # a collective that timed out or lost its peer: one line, exit 4 (anything else: a bug)
-        if (line := collective_failure(e)) is None:
+    except BaseException as e:  # noqa: BLE001 - a known failure is one line and its code; anything else propagates
+        hint = (lambda: trainer.checkpointer.resume_hint(trainer.nonfinite.streak_start)) if trainer else str
+        if (code := exit_codes.report(e, hint)) is None:
             raise
-        print(f"error: {line}", file=sys.stderr)
-        return 4
+        return code
     finally:
         if trainer is not None:
             trainer.metrics.close()

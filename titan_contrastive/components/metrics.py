@@ -51,8 +51,17 @@ def strict_json(record: dict[str, Any]) -> dict[str, Any]:
 class MetricsProcessor:
     """Collects timings between log steps and writes one record per log/eval event."""
 
-    def __init__(self, dump_folder: str, *, rank: int, enable_tensorboard: bool, device: torch.device,
-                 flops_per_sample: int, peak_tflops: float, world_size: int) -> None:
+    def __init__(
+        self,
+        dump_folder: str,
+        *,
+        rank: int,
+        enable_tensorboard: bool,
+        device: torch.device,
+        flops_per_sample: int,
+        peak_tflops: float,
+        world_size: int,
+    ) -> None:
         self.rank = rank
         self.device = device
         self.flops_per_sample = flops_per_sample
@@ -67,6 +76,22 @@ class MetricsProcessor:
 
                 self.writer = SummaryWriter(os.path.join(dump_folder, "tb"))
         self.reset()
+
+    @classmethod
+    def for_run(
+        cls, cfg: Any, model_args: Any, *, device: torch.device, rank: int, world_size: int
+    ) -> MetricsProcessor:
+        """The run's metrics (`cfg`: the JobConfig): in `job.dump_folder`, MFU against the model's
+        FLOPs per sample and the device's (or `metrics.peak_tflops`) peak."""
+        return cls(
+            cfg.job.dump_folder,
+            rank=rank,
+            enable_tensorboard=cfg.metrics.enable_tensorboard,
+            device=device,
+            flops_per_sample=model_args.flops_per_sample(),
+            peak_tflops=device_peak_tflops(device, cfg.metrics.peak_tflops),
+            world_size=world_size,
+        )
 
     def reset(self) -> None:
         """Start a new measurement window (called after every log line)."""

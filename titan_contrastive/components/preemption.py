@@ -22,8 +22,9 @@ import signal
 import threading
 from types import FrameType
 
+from titan_contrastive.exit_codes import STOPPED
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-STOPPED = 5  # the exit code (launch.EXIT_CODES)
 
 
 class StopSignals:
@@ -50,7 +51,9 @@ class StopSignals:
 
     def agreed(self) -> signal.Signals | None:
         """The stop signal if any rank got one (collective: every rank calls it after every step)."""
-        from titan_contrastive.parallelisms.collectives import max_over_ranks  # here: the launcher imports this module too
+        from titan_contrastive.parallelisms.collectives import (
+            max_over_ranks,
+        )  # here: the launcher imports this module too
 
         signum = int(max_over_ranks(float(self.received)))
         return signal.Signals(signum) if signum else None
@@ -59,6 +62,11 @@ class StopSignals:
 def stop_message(sig: signal.Signals, step: int, saved: bool) -> str:
     """The log line of a stop: what was saved, and how to go on."""
     if not saved:
-        return (f"{sig.name}: stopped after step {step}; checkpoint.enable=false, so nothing was saved and a rerun starts "
-                f"over (exit code {STOPPED})")
-    return f"{sig.name}: stopped after step {step}, checkpoint step-{step} saved; rerun the same command to resume (exit code {STOPPED})"
+        return (
+            f"{sig.name}: stopped after step {step}; checkpoint.enable=false, so nothing was saved and a rerun starts "
+            f"over (exit code {STOPPED})"
+        )
+    return (
+        f"{sig.name}: stopped after step {step}, checkpoint step-{step} saved; "
+        f"rerun the same command to resume (exit code {STOPPED})"
+    )

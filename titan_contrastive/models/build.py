@@ -1,6 +1,7 @@
-"""The model a run trains: a family's args sized by the data and the config, built on the device,
-started from `[model] init_from`'s weights when given, with its locked towers frozen; all before
-any parallel wrapping (sharding, DDP) and before the optimizer sees a parameter."""
+"""The model a run trains: its loss (`resolve_loss`), and the family's args sized by the data and
+the config, built on the device, started from `[model] init_from`'s weights when given, with its
+locked towers frozen (`build_run_model`); all before any parallel wrapping (sharding, DDP) and
+before the optimizer sees a parameter."""
 
 from __future__ import annotations
 
@@ -15,13 +16,37 @@ from titan_contrastive.interop import load_state
 from titan_contrastive.models.registry import ModelSpec
 
 
-def build_run_model(spec: ModelSpec, cfg: JobConfig, flavor_args: Any, train_set: Any, context_length: int, *,
-                    param_dtype: torch.dtype, device: torch.device, init_state: dict[str, torch.Tensor] | None) -> tuple[Any, nn.Module]:
+def resolve_loss(spec: ModelSpec, name: str) -> str:
+    """`[loss] name`, or the family's default when empty; ConfigError for a loss the family does not train with."""
+    loss, losses = name or spec.default_loss, (spec.default_loss, *spec.other_losses)
+    if loss not in losses:
+        raise ConfigError(
+            f"loss.name={loss!r}: the {spec.name} family trains with {' or '.join(map(repr, losses))}; "
+            f"set loss.name={spec.default_loss} or leave it empty"
+        )
+    return loss
+
+
+def build_run_model(
+    spec: ModelSpec,
+    cfg: JobConfig,
+    flavor_args: Any,
+    train_set: Any,
+    context_length: int,
+    *,
+    param_dtype: torch.dtype,
+    device: torch.device,
+    init_state: dict[str, torch.Tensor] | None,
+) -> tuple[Any, nn.Module]:
     """(args, model): `flavor_args` sized by `train_set` (image shape, vocabulary, EOS) and by `cfg`,
     the model built in `param_dtype` on `device`, `init_state` loaded, `model.freeze` applied."""
     try:
-        sized = flavor_args.update_from_data(image_shape=train_set.image_shape, vocab_size=train_set.tokenizer.vocab_size,
-                                             context_length=context_length, eos_id=getattr(train_set.tokenizer, "EOS", 0))
+        sized = flavor_args.update_from_data(
+            image_shape=train_set.image_shape,
+            vocab_size=train_set.tokenizer.vocab_size,
+            context_length=context_length,
+            eos_id=getattr(train_set.tokenizer, "EOS", 0),
+        )
     except ValueError as e:  # the flavor does not fit this dataset
         raise ConfigError(f"model.flavor={cfg.model.flavor!r} with data.dataset={cfg.data.dataset!r}: {e}") from None
     args = spec.update_from_config(sized, cfg)

@@ -19,8 +19,10 @@ The caller then unscales, clips, steps the optimizer.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -84,6 +86,37 @@ class StepContext:
     def __post_init__(self) -> None:
         self.takes_replay = "replay" in inspect.signature(self.model.forward).parameters
 
+    @classmethod
+    def for_run(
+        cls,
+        cfg: JobConfig,
+        spec: Any,
+        model: nn.Module,
+        dp_model: nn.Module,
+        precision: Precision,
+        *,
+        device: torch.device,
+        distributed: bool,
+        dp_degree: int,
+        ga_steps: int,
+    ) -> StepContext:
+        """The context of a training run (`spec`: the family's ModelSpec); every process is a
+        data-parallel rank, so the DP group is the world when `distributed`."""
+        return cls(
+            model=model,
+            dp_model=dp_model,
+            input_keys=spec.input_keys,
+            layout=spec.layout,
+            precision=precision,
+            device=device,
+            dp_group=dist.group.WORLD if distributed else None,
+            dp_degree=dp_degree,
+            ga_steps=ga_steps,
+            local_batch_size=cfg.training.local_batch_size,
+            defer_fsdp_sync=cfg.parallelism.defer_grad_sync,
+            family=cfg.model.name,
+        )
+
     @property
     def global_batch_size(self) -> int:
         return self.local_batch_size * self.ga_steps * self.dp_degree
@@ -108,7 +141,7 @@ class StepContext:
         self.last_scalars = tuple(out.detach() for out in outputs[2:])
         return tuple(at_least_fp32(out) for out in outputs)
 
-    def grad_sync(self, is_last: bool) -> ContextManager:
+    def grad_sync(self, is_last: bool) -> AbstractContextManager:
         """The context around one microbatch's forward + backward (`grad_cache.sync`)."""
         return grad_sync(self.dp_model, is_last, defer_fsdp=self.defer_fsdp_sync)
 
