@@ -38,11 +38,15 @@ def main(argv: list[str] | None = None) -> None:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     with tempfile.TemporaryDirectory() as tmp:
-        states = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
-                  "train_state": TrainState()}
+        states = {
+            "model": ModelState(model),
+            "optimizer": OptimizerState(model, optimizer),
+            "train_state": TrainState(),
+        }
         cfg = Checkpoint(enable=True, folder="ckpt", interval=1, keep_latest_k=0)
-        manager = CheckpointManager(cfg, dump_folder=tmp, states=states, per_rank_states={}, rank=0, dp_rank=0,
-                                    dp_degree=1)
+        manager = CheckpointManager(
+            cfg, dump_folder=tmp, states=states, per_rank_states={}, rank=0, dp_rank=0, dp_degree=1
+        )
         saved = [0]
 
         def save() -> None:
@@ -55,19 +59,31 @@ def main(argv: list[str] | None = None) -> None:
                 _sha256(p)
             return sum(p.stat().st_size for p in files)
 
-        runs = harness.round_robin({"save": save, "hash": hash_files}, args.repeats, warmup=args.warmup,
-                                   keep_values=True)
+        runs = harness.round_robin(
+            {"save": save, "hash": hash_files}, args.repeats, warmup=args.warmup, keep_values=True
+        )
     sizes = runs["hash"].values[-1]
     save_s, hash_s = runs["save"].median_s, runs["hash"].median_s
-    result = {"flavor": args.flavor, "threads": torch.get_num_threads(), "checkpoint_bytes": sizes,
-              "save_s_median": save_s, "hash_s_median": hash_s, "hash_share_of_save": hash_s / save_s,
-              "hash_mb_per_s": sizes / hash_s / 1e6, "saves_s": runs["save"].times_s, "hashes_s": runs["hash"].times_s,
-              "save": runs["save"].row(), "hash": runs["hash"].row()}
+    result = {
+        "flavor": args.flavor,
+        "threads": torch.get_num_threads(),
+        "checkpoint_bytes": sizes,
+        "save_s_median": save_s,
+        "hash_s_median": hash_s,
+        "hash_share_of_save": hash_s / save_s,
+        "hash_mb_per_s": sizes / hash_s / 1e6,
+        "saves_s": runs["save"].times_s,
+        "hashes_s": runs["hash"].times_s,
+        "save": runs["save"].row(),
+        "hash": runs["hash"].row(),
+    }
     meta = harness.metadata("cpu", repeats=args.repeats, warmup=args.warmup)
     harness.write_results(args.out, "checkpoint_bench", meta, result)
-    print(f"{args.flavor}: checkpoint {sizes / 2**30:.2f} GiB, save {save_s:.2f} s of which hashing {hash_s:.2f} s "
-          f"({hash_s / save_s:.0%}, {sizes / hash_s / 1e6:.0f} MB/s); the same hashing runs once when a checkpoint "
-          "is validated on load")
+    print(
+        f"{args.flavor}: checkpoint {sizes / 2**30:.2f} GiB, save {save_s:.2f} s of which hashing {hash_s:.2f} s "
+        f"({hash_s / save_s:.0%}, {sizes / hash_s / 1e6:.0f} MB/s); the same hashing runs once when a checkpoint "
+        "is validated on load"
+    )
 
 
 if __name__ == "__main__":

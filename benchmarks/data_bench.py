@@ -77,8 +77,16 @@ def build(kind: str, path: str):
     from titan_contrastive.datasets import build as b
 
     # Data(): the [data] section's defaults (tab-separated filepath/title, jpg/txt shard members)
-    return b.build_file_dataset(kind, "train", path, Data(), tokenizer=b.text_tokenizer("clip_bpe", kind, CONTEXT),
-                                image_size=SIZE, seed=0, augment=True)
+    return b.build_file_dataset(
+        kind,
+        "train",
+        path,
+        Data(),
+        tokenizer=b.text_tokenizer("clip_bpe", kind, CONTEXT),
+        image_size=SIZE,
+        seed=0,
+        augment=True,
+    )
 
 
 def time_loader(kind: str, path: str, workers: int, batches: int, min_batches: int, max_seconds: float) -> dict:
@@ -86,8 +94,9 @@ def time_loader(kind: str, path: str, workers: int, batches: int, min_batches: i
     loader's start and first batch are not in the rate, so the harness's own timing of the call is not used."""
     from titan_contrastive.datasets.loader import build_dataloader
 
-    loader = build_dataloader(build(kind, path), local_batch_size=BATCH, dp_rank=0, dp_world_size=1, seed=0,
-                              num_workers=workers)
+    loader = build_dataloader(
+        build(kind, path), local_batch_size=BATCH, dp_rank=0, dp_world_size=1, seed=0, num_workers=workers
+    )
     start = time.perf_counter()
     next(loader)
     warmup = time.perf_counter() - start
@@ -114,8 +123,9 @@ def time_pieces(path: str) -> dict[str, float]:
         t1 = time.perf_counter()
         imgs = [tf.decode_image(r.image) for r in records]
         t2 = time.perf_counter()
-        pixels = np.stack([tf.crop_resize(im, SIZE, train=True, rng=tf.sample_rng(0, 0, i))
-                           for i, im in zip(idx, imgs)])
+        pixels = np.stack(
+            [tf.crop_resize(im, SIZE, train=True, rng=tf.sample_rng(0, 0, i)) for i, im in zip(idx, imgs)]
+        )
         t3 = time.perf_counter()
         ds._normalize(pixels)
         t4 = time.perf_counter()
@@ -132,21 +142,37 @@ def time_trainer(csv_path: str, workers: int, steps: int) -> dict:
     """Median data_share / samples_per_s of the trainer's log records after the first, and the peak RSS
     of the trainer's largest process (its data workers are processes of their own)."""
     with tempfile.TemporaryDirectory() as dump:
-        cmd = [sys.executable, "-m", "titan_contrastive.train", "--job.config_file=train_configs/debug.toml",
-               "--data.dataset=csv", f"--data.path={csv_path}", "--data.image_size=64",
-               f"--training.local_batch_size={BATCH}", f"--training.steps={steps}", "--metrics.log_freq=4",
-               "--eval.enable=false", "--metrics.enable_tensorboard=false", f"--job.dump_folder={dump}",
-               f"--data.num_workers={workers}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "titan_contrastive.train",
+            "--job.config_file=train_configs/debug.toml",
+            "--data.dataset=csv",
+            f"--data.path={csv_path}",
+            "--data.image_size=64",
+            f"--training.local_batch_size={BATCH}",
+            f"--training.steps={steps}",
+            "--metrics.log_freq=4",
+            "--eval.enable=false",
+            "--metrics.enable_tensorboard=false",
+            f"--job.dump_folder={dump}",
+            f"--data.num_workers={workers}",
+        ]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
         out = harness.run_child(cmd, cwd=REPO, env=env)
         if out.returncode:
             raise SystemExit(f"trainer failed (num_workers={workers}):\n{out.stderr[-4000:]}")
         records = [json.loads(line) for line in Path(dump, "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"][1:]
-    return {"workers": workers, "records": len(train), "wall_s": out.wall_s, "peak_rss_mib": out.peak_rss_mib,
-            "data_share": statistics.median(r["data_share"] for r in train),
-            "samples_per_s": statistics.median(r["samples_per_s"] for r in train),
-            "per_record": [{k: r[k] for k in ("step", "data_share", "samples_per_s")} for r in train]}
+    return {
+        "workers": workers,
+        "records": len(train),
+        "wall_s": out.wall_s,
+        "peak_rss_mib": out.peak_rss_mib,
+        "data_share": statistics.median(r["data_share"] for r in train),
+        "samples_per_s": statistics.median(r["samples_per_s"] for r in train),
+        "per_record": [{k: r[k] for k in ("step", "data_share", "samples_per_s")} for r in train],
+    }
 
 
 def plot(rows: list[dict], trainer: list[dict], title: str):  # noqa: ANN201 - a matplotlib figure
@@ -162,8 +188,9 @@ def plot(rows: list[dict], trainer: list[dict], title: str):  # noqa: ANN201 - a
     ax.set_title("loader alone", fontsize=9)
     ax.legend(fontsize=8)
     bars = ax2.bar([f"W={t['workers']}" for t in trainer], [100 * t["data_share"] for t in trainer], color="tab:gray")
-    ax2.bar_label(bars, labels=[f"{100 * t['data_share']:.0f}%\n{t['samples_per_s']:.0f} smp/s" for t in trainer],
-                  fontsize=7)
+    ax2.bar_label(
+        bars, labels=[f"{100 * t['data_share']:.0f}%\n{t['samples_per_s']:.0f} smp/s" for t in trainer], fontsize=7
+    )
     ax2.set_ylim(0, 110)
     ax2.set_ylabel("data-wait share of step time (%)")
     ax2.set_title("trainer clip/debug, csv, 64 px", fontsize=9)
@@ -175,8 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=1024, help="images generated")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batches", type=int, default=0,
-                        help="timed batches per measurement (0: the rest of 2 epochs)")
+    parser.add_argument(
+        "--batches", type=int, default=0, help="timed batches per measurement (0: the rest of 2 epochs)"
+    )
     parser.add_argument("--max-seconds", type=float, default=8.0, help="stop a measurement after this (>= 8 batches)")
     parser.add_argument("--trainer-steps", type=int, default=12)
     parser.add_argument("--quick", action="store_true", help="smoke run: N=128, 1 repeat, 3 batches, 8 trainer steps")
@@ -193,47 +221,84 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_data(Path(tmp), args.n)
         jpeg_kb = statistics.mean(p.stat().st_size for p in Path(tmp, "img").iterdir()) / 1024
-        print(f"data: {args.n} JPEGs 256x256, mean {jpeg_kb:.1f} KB ({time.perf_counter() - t_start:.1f} s)",
-              flush=True)
+        print(
+            f"data: {args.n} JPEGs 256x256, mean {jpeg_kb:.1f} KB ({time.perf_counter() - t_start:.1f} s)", flush=True
+        )
         configs = {f"{s}/{w}": (s, w) for s in SOURCES for w in WORKERS}
 
         def loader(source: str, workers: int) -> dict:
             res = time_loader(source, paths[source], workers, batches, min_batches, args.max_seconds)
-            print(f"{source:10s} workers={workers} {res['images_per_s']:7.1f} images/s "
-                  f"({res['batches']} batches, warm-up {res['warmup_s']:.2f} s)", flush=True)
+            print(
+                f"{source:10s} workers={workers} {res['images_per_s']:7.1f} images/s "
+                f"({res['batches']} batches, warm-up {res['warmup_s']:.2f} s)",
+                flush=True,
+            )
             return res
 
-        measured = harness.round_robin({key: (lambda s=s, w=w: loader(s, w)) for key, (s, w) in configs.items()},
-                                       args.repeats, warmup=0, rss=False, keep_values=True,
-                                       log=lambda line: print(line.split(":")[0].replace("round", "repeat"), "done"))
+        measured = harness.round_robin(
+            {key: (lambda s=s, w=w: loader(s, w)) for key, (s, w) in configs.items()},
+            args.repeats,
+            warmup=0,
+            rss=False,
+            keep_values=True,
+            log=lambda line: print(line.split(":")[0].replace("round", "repeat"), "done"),
+        )
         runs = {configs[key]: m.values for key, m in measured.items()}
         pieces = time_pieces(paths["csv"])
         print("pieces (ms/image): " + ", ".join(f"{k} {v:.3f}" for k, v in pieces.items()), flush=True)
         trainer = []
         for workers in (0, 2):
             trainer.append(time_trainer(paths["csv"], workers, args.trainer_steps))
-            print(f"trainer workers={workers}: data_share {trainer[-1]['data_share']:.1%}, "
-                  f"{trainer[-1]['samples_per_s']:.0f} samples/s ({trainer[-1]['wall_s']:.1f} s)", flush=True)
+            print(
+                f"trainer workers={workers}: data_share {trainer[-1]['data_share']:.1%}, "
+                f"{trainer[-1]['samples_per_s']:.0f} samples/s ({trainer[-1]['wall_s']:.1f} s)",
+                flush=True,
+            )
     rows = []
     for (source, workers), res in runs.items():
         ips = statistics.median(r["images_per_s"] for r in res)
-        rows.append({"source": source, "workers": workers, "images_per_s": ips,
-                     "images_per_s_per_worker": ips / max(workers, 1),
-                     "min_images_per_s": min(r["images_per_s"] for r in res),
-                     "max_images_per_s": max(r["images_per_s"] for r in res),
-                     "batches": statistics.median(r["batches"] for r in res),
-                     "warmup_s": statistics.median(r["warmup_s"] for r in res)})
+        rows.append(
+            {
+                "source": source,
+                "workers": workers,
+                "images_per_s": ips,
+                "images_per_s_per_worker": ips / max(workers, 1),
+                "min_images_per_s": min(r["images_per_s"] for r in res),
+                "max_images_per_s": max(r["images_per_s"] for r in res),
+                "batches": statistics.median(r["batches"] for r in res),
+                "warmup_s": statistics.median(r["warmup_s"] for r in res),
+            }
+        )
     runtime = time.perf_counter() - t_start
-    config = {"n": args.n, "jpeg": "256x256 q90", "mean_jpeg_kb": jpeg_kb, "batch": BATCH, "image_size": SIZE,
-              "context_length": CONTEXT, "repeats": args.repeats, "batches": batches, "min_batches": min_batches,
-              "max_seconds": args.max_seconds, "trainer_steps": args.trainer_steps, "trainer_image_size": 64,
-              "torch_threads": torch.get_num_threads(), "quick": args.quick}
+    config = {
+        "n": args.n,
+        "jpeg": "256x256 q90",
+        "mean_jpeg_kb": jpeg_kb,
+        "batch": BATCH,
+        "image_size": SIZE,
+        "context_length": CONTEXT,
+        "repeats": args.repeats,
+        "batches": batches,
+        "min_batches": min_batches,
+        "max_seconds": args.max_seconds,
+        "trainer_steps": args.trainer_steps,
+        "trainer_image_size": 64,
+        "torch_threads": torch.get_num_threads(),
+        "quick": args.quick,
+    }
     meta = harness.metadata("cpu")
-    payload = {"config": config, "runtime_s": runtime,
-               "loadavg_1_5_15min": {"start": load_start, "end": os.getloadavg()}, "pieces_ms_per_image": pieces, "trainer": trainer, "runs": {f"{s}/{w}": r for (s, w), r in runs.items()}}
+    payload = {
+        "config": config,
+        "runtime_s": runtime,
+        "loadavg_1_5_15min": {"start": load_start, "end": os.getloadavg()},
+        "pieces_ms_per_image": pieces,
+        "trainer": trainer,
+        "runs": {f"{s}/{w}": r for (s, w), r in runs.items()},
+    }
     title = f"data_bench: {meta['cpu']}, {meta['cores']} cores, torch {torch.__version__}, {args.n} JPEGs 256 px"
-    harness.write_results(args.out, "data_bench", meta, payload, rows=rows, rows_key="loader",
-                          figure=lambda: plot(rows, trainer, title))
+    harness.write_results(
+        args.out, "data_bench", meta, payload, rows=rows, rows_key="loader", figure=lambda: plot(rows, trainer, title)
+    )
     for row in rows:
         print(row)
     print(f"total runtime {runtime:.0f} s")

@@ -20,8 +20,9 @@ import argparse
 import collections
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,12 +65,19 @@ def held_grad_bytes(model: torch.nn.Module) -> int:
 
 def measure(flavor: str, ga: int, defer: bool, dump: str) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    trainer = Trainer(parse_args([
-        f"--model.flavor={flavor}", "--training.local_batch_size=8",
-        f"--training.global_batch_size={8 * ga * world}", f"--parallelism.defer_grad_sync={str(defer).lower()}",
-        "--eval.enable=false",
-        "--metrics.enable_tensorboard=false", f"--job.dump_folder={dump}",
-    ]))
+    trainer = Trainer(
+        parse_args(
+            [
+                f"--model.flavor={flavor}",
+                "--training.local_batch_size=8",
+                f"--training.global_batch_size={8 * ga * world}",
+                f"--parallelism.defer_grad_sync={str(defer).lower()}",
+                "--eval.enable=false",
+                "--metrics.enable_tensorboard=false",
+                f"--job.dump_folder={dump}",
+            ]
+        )
+    )
     assert trainer.dims.mode == "fsdp" and trainer.ga_steps == ga
     microbatches = [trainer.train_set.__getitems__(list(range(i * 8, (i + 1) * 8))) for i in range(ga)]
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -81,12 +89,19 @@ def measure(flavor: str, ga: int, defer: bool, dump: str) -> dict[str, Any]:
         held.append(held_grad_bytes(trainer.model))
     param_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())  # DTensor numel is global
     trainer.metrics.close()
-    return {"flavor": flavor, "ga_steps": ga, "defer_grad_sync": defer, "world_size": world,
-            "param_bytes": param_bytes, "reduce_scatter_calls": CALLS["reduce_scatter_single"],
-            "reduce_scatter_bytes": BYTES["reduce_scatter_single"], "all_gather_calls": CALLS["all_gather_single"],
-            "all_gather_bytes": BYTES["all_gather_single"],
-            "max_held_grad_bytes_between_microbatches": max(held[:-1], default=held[-1]),
-            "held_after_each_microbatch": held}
+    return {
+        "flavor": flavor,
+        "ga_steps": ga,
+        "defer_grad_sync": defer,
+        "world_size": world,
+        "param_bytes": param_bytes,
+        "reduce_scatter_calls": CALLS["reduce_scatter_single"],
+        "reduce_scatter_bytes": BYTES["reduce_scatter_single"],
+        "all_gather_calls": CALLS["all_gather_single"],
+        "all_gather_bytes": BYTES["all_gather_single"],
+        "max_held_grad_bytes_between_microbatches": max(held[:-1], default=held[-1]),
+        "held_after_each_microbatch": held,
+    }
 
 
 def plot(rows: list[dict[str, Any]]):  # noqa: ANN201 - a matplotlib figure
@@ -99,10 +114,14 @@ def plot(rows: list[dict[str, Any]]):  # noqa: ANN201 - a matplotlib figure
         ax1.plot(ks, [r["reduce_scatter_bytes"] / r["param_bytes"] for r in sel], style, label=label)
         held = [r["max_held_grad_bytes_between_microbatches"] / r["param_bytes"] for r in sel]
         ax2.plot(ks, held, style, label=label)
-    ax1.set(xlabel="accumulation steps k", ylabel="reduce-scatter bytes / parameter bytes",
-            title="gradient traffic per step")
-    ax2.set(xlabel="accumulation steps k", ylabel="held gradient bytes / parameter bytes",
-            title="gradient memory per rank")
+    ax1.set(
+        xlabel="accumulation steps k",
+        ylabel="reduce-scatter bytes / parameter bytes",
+        title="gradient traffic per step",
+    )
+    ax2.set(
+        xlabel="accumulation steps k", ylabel="held gradient bytes / parameter bytes", title="gradient memory per rank"
+    )
     for ax in (ax1, ax2):
         ax.legend()
         ax.grid(alpha=0.3)
@@ -126,13 +145,17 @@ def main(argv: list[str] | None = None) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         meta = harness.metadata(world_size=rows[0]["world_size"], backend=dist.get_backend())
         harness.write_results(args.out, "grad_sync_traffic", meta, rows=rows, figure=lambda: plot(rows))
-        print(f"{'defer':>6} {'k':>3} {'RS calls':>9} {'RS bytes/params':>16} {'AG bytes/params':>16} "
-              f"{'held grads/params':>18}")
+        print(
+            f"{'defer':>6} {'k':>3} {'RS calls':>9} {'RS bytes/params':>16} {'AG bytes/params':>16} "
+            f"{'held grads/params':>18}"
+        )
         for r in rows:
             p = r["param_bytes"]
-            print(f"{str(r['defer_grad_sync']):>6} {r['ga_steps']:>3} {r['reduce_scatter_calls']:>9} "
-                  f"{r['reduce_scatter_bytes'] / p:>16.2f} {r['all_gather_bytes'] / p:>16.2f} "
-                  f"{r['max_held_grad_bytes_between_microbatches'] / p:>18.2f}")
+            print(
+                f"{str(r['defer_grad_sync']):>6} {r['ga_steps']:>3} {r['reduce_scatter_calls']:>9} "
+                f"{r['reduce_scatter_bytes'] / p:>16.2f} {r['all_gather_bytes'] / p:>16.2f} "
+                f"{r['max_held_grad_bytes_between_microbatches'] / p:>18.2f}"
+            )
     dist.destroy_process_group()
 
 

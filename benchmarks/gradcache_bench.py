@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -35,7 +36,8 @@ VOCAB = ByteTokenizer(8).vocab_size
 
 def build(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     flavor = models.get_flavor_args("clip", args.flavor).update_from_data(
-        image_shape=(3, args.image_size, args.image_size), vocab_size=VOCAB, context_length=args.context_length)
+        image_shape=(3, args.image_size, args.image_size), vocab_size=VOCAB, context_length=args.context_length
+    )
     with device:
         model = models.get_model_spec("clip").build_model(flavor)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-5), flavor
@@ -47,8 +49,9 @@ def make_batch(n: int, args: argparse.Namespace, device: torch.device) -> tuple[
     return images, texts
 
 
-def steps(model: torch.nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace,
-          device: torch.device) -> dict[str, Callable]:
+def steps(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace, device: torch.device
+) -> dict[str, Callable]:
     def autocast() -> torch.autocast:
         if args.dtype == "bfloat16":
             return torch.autocast(device.type, dtype=torch.bfloat16)
@@ -80,18 +83,29 @@ def steps(model: torch.nn.Module, opt: torch.optim.Optimizer, args: argparse.Nam
     return {"plain": plain, "gradcache": gradcache}
 
 
-def timed(fns: dict[str, Callable], batch: tuple[torch.Tensor, torch.Tensor], repeats: int,
-          device: torch.device) -> dict[str, dict[str, Any]]:
+def timed(
+    fns: dict[str, Callable], batch: tuple[torch.Tensor, torch.Tensor], repeats: int, device: torch.device
+) -> dict[str, dict[str, Any]]:
     """Both steps on `batch`, interleaved (harness.round_robin, one warm-up round); OOM is a result."""
-    runs = harness.round_robin({k: (lambda fn=fn: fn(*batch)) for k, fn in fns.items()}, repeats, warmup=1,
-                               device=device, rss=device.type != "cuda")
+    runs = harness.round_robin(
+        {k: (lambda fn=fn: fn(*batch)) for k, fn in fns.items()},
+        repeats,
+        warmup=1,
+        device=device,
+        rss=device.type != "cuda",
+    )
     rows = {}
     for k, m in runs.items():
         row = {"status": m.status}
         if m.ok:
-            row.update(median_s=m.median_s, min_s=min(m.times_s), max_s=max(m.times_s), times_s=m.times_s,
-                       peak_gib=m.cuda_peak_bytes / 2**30 if m.cuda_peak_bytes is not None else None,
-                       peak_rss_mib=m.peak_rss_mib)
+            row.update(
+                median_s=m.median_s,
+                min_s=min(m.times_s),
+                max_s=max(m.times_s),
+                times_s=m.times_s,
+                peak_gib=m.cuda_peak_bytes / 2**30 if m.cuda_peak_bytes is not None else None,
+                peak_rss_mib=m.peak_rss_mib,
+            )
         rows[k] = row
     return rows
 
@@ -105,8 +119,12 @@ def plot(scaling: list[dict[str, Any]], impls: list[str], args: argparse.Namespa
         memory = [r["peak_gib"] if cuda else r["peak_rss_mib"] / 1024 for r in rows]
         ax2.plot([r["batch"] for r in rows], memory, "o-", label=impl)
     ax1.set(xscale="log", yscale="log", xlabel="contrastive batch", ylabel="step s (median)", title="step time")
-    ax2.set(xscale="log", xlabel="contrastive batch", ylabel="GiB",
-            title="peak memory (CUDA allocator)" if cuda else "peak RSS of the process")
+    ax2.set(
+        xscale="log",
+        xlabel="contrastive batch",
+        ylabel="GiB",
+        title="peak memory (CUDA allocator)" if cuda else "peak RSS of the process",
+    )
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         if ax.lines:
@@ -135,8 +153,10 @@ def main(argv: list[str] | None = None) -> None:
     ratio: dict[str, Any] = timed(fns, batch, args.repeats, device)
     if all(r["status"] == "ok" for r in ratio.values()):
         ratio["gradcache_over_plain"] = ratio["gradcache"]["median_s"] / ratio["plain"]["median_s"]
-        print(f"batch {args.ratio_batch}, chunk {args.chunk}: GradCache / plain = {ratio['gradcache_over_plain']:.3f}",
-              flush=True)
+        print(
+            f"batch {args.ratio_batch}, chunk {args.chunk}: GradCache / plain = {ratio['gradcache_over_plain']:.3f}",
+            flush=True,
+        )
     del batch
     scaling = []
     for n in args.batches:
@@ -147,9 +167,15 @@ def main(argv: list[str] | None = None) -> None:
         del batch
     tag = "cuda" if device.type == "cuda" else "cpu"
     payload = {"device": name, "config": vars(args), "ratio": ratio}
-    harness.write_results(args.out, f"gradcache_bench_{tag}", harness.metadata(device), payload,
-                          rows=scaling, rows_key="scaling",
-                          figure=lambda: plot(scaling, list(fns), args, name, device.type == "cuda"))
+    harness.write_results(
+        args.out,
+        f"gradcache_bench_{tag}",
+        harness.metadata(device),
+        payload,
+        rows=scaling,
+        rows_key="scaling",
+        figure=lambda: plot(scaling, list(fns), args, name, device.type == "cuda"),
+    )
 
 
 if __name__ == "__main__":

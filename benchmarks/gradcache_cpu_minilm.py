@@ -41,8 +41,9 @@ import functools
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -87,8 +88,15 @@ class Setup:
 
         self.queries, self.docs = sample(pairs)
         args = BiEncoderArgs(query_length=QUERY_LENGTH)
-        data = TextPairDataset(name="wordnet", split="train", queries=self.queries, docs=self.docs,
-                               tokenizer=build_tokenizer(args), query_length=QUERY_LENGTH, source=str(BUNDLE_DIR))
+        data = TextPairDataset(
+            name="wordnet",
+            split="train",
+            queries=self.queries,
+            docs=self.docs,
+            tokenizer=build_tokenizer(args),
+            query_length=QUERY_LENGTH,
+            source=str(BUNDLE_DIR),
+        )
         self.batch = data.__getitems__(list(range(pairs)))
         self.batch = {"query": self.batch["query"], "doc": self.batch["doc"]}
         per_pair = lengths(self.batch["query"]) + lengths(self.batch["doc"])
@@ -104,8 +112,12 @@ class Setup:
             self.st = SentenceTransformer(str(bi_encoder_model.model_dir()), device="cpu")
             self.st.max_seq_length = QUERY_LENGTH  # our truncation (lemmas are <= 9 tokens, under our 16)
             self.st_loss = CachedMultipleNegativesRankingLoss(
-                self.st, scale=SCALE, mini_batch_size=CHUNK, directions=("query_to_doc", "doc_to_query"),
-                partition_mode="per_direction")
+                self.st,
+                scale=SCALE,
+                mini_batch_size=CHUNK,
+                directions=("query_to_doc", "doc_to_query"),
+                partition_mode="per_direction",
+            )
             # the data collator's work, outside the step as in sentence-transformers' trainer
             encode = getattr(self.st, "preprocess", None) or self.st.tokenize  # preprocess: sentence-transformers >= 6
             self.st_features = [encode(self.queries), encode(self.docs)]
@@ -127,8 +139,15 @@ class Setup:
             q, d, scale = model(query, doc)
             return q, d, scale.reshape(())  # a 0-dim per-step value, as steps/gradcache.py hands it
 
-        return GradCache([outputs], CHUNK, clip_loss, get_rep_fn=tuple, chunk_tokens=chunk_tokens,
-                         pad_ids=model.padded_inputs if trim else None, trim_padding=trim)
+        return GradCache(
+            [outputs],
+            CHUNK,
+            clip_loss,
+            get_rep_fn=tuple,
+            chunk_tokens=chunk_tokens,
+            pad_ids=model.padded_inputs if trim else None,
+            trim_padding=trim,
+        )
 
     def step(self, variant: str) -> float:
         """One train step of `variant`: gradients in .grad, returns the loss."""
@@ -165,17 +184,24 @@ class Setup:
             bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
             return sum((b - a) * int(q[order[a:b]].max() + d[order[a:b]].max()) for a, b in zip(bounds, bounds[1:]))
         # chunks of 32 in batch order, each at its longest sequence (ST: each column on its own, the same count)
-        return sum(len(q[s : s + CHUNK]) * int(q[s : s + CHUNK].max() + d[s : s + CHUNK].max())
-                   for s in range(0, n, CHUNK))
+        return sum(
+            len(q[s : s + CHUNK]) * int(q[s : s + CHUNK].max() + d[s : s + CHUNK].max()) for s in range(0, n, CHUNK)
+        )
 
     def encoder_grads(self, variant: str) -> dict[str, torch.Tensor]:
         """The encoder's parameter gradients by BertModel name (ours: query_tower., ST: 0.model. or 0.auto_model.)."""
         if variant == "st_cached_mnrl":
-            named = {n.split(".", 2)[2]: p for n, p in self.st.named_parameters()
-                     if n.startswith(("0.model.", "0.auto_model."))}
+            named = {
+                n.split(".", 2)[2]: p
+                for n, p in self.st.named_parameters()
+                if n.startswith(("0.model.", "0.auto_model."))
+            }
         else:
-            named = {n.split("query_tower.", 1)[1]: p for n, p in self.ours.named_parameters()
-                     if n.startswith("query_tower.")}
+            named = {
+                n.split("query_tower.", 1)[1]: p
+                for n, p in self.ours.named_parameters()
+                if n.startswith("query_tower.")
+            }
         return {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
 
 
@@ -184,15 +210,25 @@ def agreement(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> di
     assert sorted(got) == names, (sorted(set(got) ^ set(want)))[:5]
     per = {n: ((got[n] - want[n]).norm() / want[n].norm()).item() for n in names if "attention.self.key.bias" not in n}
     worst = max(per, key=per.get)
-    total = (torch.sqrt(sum((got[n] - want[n]).norm() ** 2 for n in names))
-             / torch.sqrt(sum(want[n].norm() ** 2 for n in names)))
+    total = torch.sqrt(sum((got[n] - want[n]).norm() ** 2 for n in names)) / torch.sqrt(
+        sum(want[n].norm() ** 2 for n in names)
+    )
     return {"max_param_rel_diff": per[worst], "worst_param": worst, "whole_grad_rel_diff": total.item()}
 
 
 def measure_rss(pairs: int, variant: str) -> dict[str, float]:
     """Run `variant` once in a fresh interpreter; its RSS before the step and its peak."""
-    cmd = [sys.executable, "-m", "benchmarks.gradcache_cpu_minilm", "--rss-one", variant, "--pairs", str(pairs),
-           "--threads", str(torch.get_num_threads())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.gradcache_cpu_minilm",
+        "--rss-one",
+        variant,
+        "--pairs",
+        str(pairs),
+        "--threads",
+        str(torch.get_num_threads()),
+    ]
     out = harness.run_child(cmd, cwd=harness.REPO, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if out.returncode != 0:
         return {"error": (out.stderr or out.stdout).strip().splitlines()[-1][:200]}
@@ -205,14 +241,22 @@ def rss_one(pairs: int, variant: str) -> None:
     setup_peak = harness.peak_rss_mib()
     with harness.PeakRSS() as step:
         setup.step(variant)
-    print(json.dumps({"rss_before_step_mib": round(step.start_mib, 1),
-                      "peak_rss_mib": round(max(step.peak_mib, setup_peak), 1),
-                      "step_peak_rss_mib": round(step.peak_mib, 1), "step_growth_mib": round(step.growth_mib, 1),
-                      "peak_reset": step.reset}))
+    print(
+        json.dumps(
+            {
+                "rss_before_step_mib": round(step.start_mib, 1),
+                "peak_rss_mib": round(max(step.peak_mib, setup_peak), 1),
+                "step_peak_rss_mib": round(step.peak_mib, 1),
+                "step_growth_mib": round(step.growth_mib, 1),
+                "peak_reset": step.reset,
+            }
+        )
+    )
 
 
-def run_size(pairs: int, variants: tuple[str, ...], repeats: int, rss: bool,
-             log: Callable[[str], None]) -> list[dict[str, Any]]:
+def run_size(
+    pairs: int, variants: tuple[str, ...], repeats: int, rss: bool, log: Callable[[str], None]
+) -> list[dict[str, Any]]:
     setup = Setup(pairs, variants)
     rows: dict[str, dict[str, Any]] = {v: {"pairs": pairs, "variant": v} for v in variants}
     log(f"{pairs} pairs: chunk_tokens budget {setup.budget} (= {CHUNK} x median tokens per pair)")
@@ -231,12 +275,21 @@ def run_size(pairs: int, variants: tuple[str, ...], repeats: int, rss: bool,
                 rows[v]["loss_vs_st"] = rows[v]["loss_eval_mode"] - rows["st_cached_mnrl"]["loss_eval_mode"]
     del grads
     setup.train(True)
-    runs = harness.round_robin({v: functools.partial(setup.step, v) for v in variants}, repeats, warmup=0,
-                               before=lambda _, zero=setup.zero_grad: zero(), rss=False,
-                               log=lambda line: log("  " + line))
+    runs = harness.round_robin(
+        {v: functools.partial(setup.step, v) for v in variants},
+        repeats,
+        warmup=0,
+        before=lambda _, zero=setup.zero_grad: zero(),
+        rss=False,
+        log=lambda line: log("  " + line),
+    )
     for v, m in runs.items():
-        rows[v].update(times_s=m.times_s, cpu_times_s=m.cpu_times_s, median_s=m.median_s,
-                       median_cpu_s=harness.summary(m.cpu_times_s)["median"])
+        rows[v].update(
+            times_s=m.times_s,
+            cpu_times_s=m.cpu_times_s,
+            median_s=m.median_s,
+            median_cpu_s=harness.summary(m.cpu_times_s)["median"],
+        )
     for v in variants:
         for ref in ("st_cached_mnrl", "full_batch"):
             if ref in rows:
@@ -254,12 +307,17 @@ def csv_row(r: dict[str, Any]) -> dict[str, Any]:
     """One row of gradcache_cpu_minilm.csv, numbers rounded for reading."""
     g, m = r.get("grad_vs_st", {}), r.get("rss", {})
     three = ("median_s", "x_st_cached_mnrl", "x_full_batch", "median_cpu_s", "cpu_x_st_cached_mnrl", "cpu_x_full_batch")
-    return {"pairs": r["pairs"], "variant": r["variant"], **{k: f"{r[k]:.3f}" if k in r else "" for k in three},
-            "tokens_forwarded_per_pass": r["tokens_forwarded_per_pass"],
-            "max_param_rel_diff_vs_st": f"{g['max_param_rel_diff']:.2e}" if g else "",
-            "whole_grad_rel_diff_vs_st": f"{g['whole_grad_rel_diff']:.2e}" if g else "",
-            "step_peak_rss_mib": m.get("step_peak_rss_mib", ""), "step_growth_mib": m.get("step_growth_mib", ""),
-            "times_s": " ".join(f"{t:.2f}" for t in r["times_s"])}
+    return {
+        "pairs": r["pairs"],
+        "variant": r["variant"],
+        **{k: f"{r[k]:.3f}" if k in r else "" for k in three},
+        "tokens_forwarded_per_pass": r["tokens_forwarded_per_pass"],
+        "max_param_rel_diff_vs_st": f"{g['max_param_rel_diff']:.2e}" if g else "",
+        "whole_grad_rel_diff_vs_st": f"{g['whole_grad_rel_diff']:.2e}" if g else "",
+        "step_peak_rss_mib": m.get("step_peak_rss_mib", ""),
+        "step_growth_mib": m.get("step_growth_mib", ""),
+        "times_s": " ".join(f"{t:.2f}" for t in r["times_s"]),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -268,8 +326,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-rss", action="store_true", help="skip the per-variant subprocesses that measure peak RSS")
-    parser.add_argument("--skip-full-at", type=int, default=0,
-                        help="leave full_batch out at this many pairs and above (0: never)")
+    parser.add_argument(
+        "--skip-full-at", type=int, default=0, help="leave full_batch out at this many pairs and above (0: never)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     parser.add_argument("--rss-one", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -284,25 +343,33 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore")
     rows = []
     for pairs in args.pairs:
-        variants = tuple(v for v in args.variants
-                         if not (v == "full_batch" and args.skip_full_at and pairs >= args.skip_full_at))
+        variants = tuple(
+            v for v in args.variants if not (v == "full_batch" and args.skip_full_at and pairs >= args.skip_full_at)
+        )
         rows += run_size(pairs, variants, args.repeats, not args.no_rss, lambda s: print(s, flush=True))
     import sentence_transformers
     import transformers
 
-    meta = harness.metadata("cpu", transformers=transformers.__version__,
-                            sentence_transformers=sentence_transformers.__version__, chunk=CHUNK, scale=SCALE)
+    meta = harness.metadata(
+        "cpu",
+        transformers=transformers.__version__,
+        sentence_transformers=sentence_transformers.__version__,
+        chunk=CHUNK,
+        scale=SCALE,
+    )
     harness.write_json(args.out / "gradcache_cpu_minilm.json", meta, {"rows": rows})
     harness.write_csv(args.out / "gradcache_cpu_minilm.csv", [csv_row(r) for r in rows], meta)
     print(f"wrote {args.out}/gradcache_cpu_minilm.json and .csv")
     for r in rows:
         g = r.get("grad_vs_st", {})
         nan = float("nan")
-        print(f"{r['pairs']:>5} {r['variant']:<15} {r['median_s']:7.2f}s  x ST {r.get('x_st_cached_mnrl', nan):.2f}  "
-              f"x full {r.get('x_full_batch', nan):.2f}  cpu {r['median_cpu_s']:7.2f}s  "
-              f"x ST {r.get('cpu_x_st_cached_mnrl', nan):.2f}  x full {r.get('cpu_x_full_batch', nan):.2f}  "
-              f"tokens {r['tokens_forwarded_per_pass']:>6}  grad vs ST {g.get('max_param_rel_diff', nan):.1e}  "
-              f"rss {r.get('rss', {})}")
+        print(
+            f"{r['pairs']:>5} {r['variant']:<15} {r['median_s']:7.2f}s  x ST {r.get('x_st_cached_mnrl', nan):.2f}  "
+            f"x full {r.get('x_full_batch', nan):.2f}  cpu {r['median_cpu_s']:7.2f}s  "
+            f"x ST {r.get('cpu_x_st_cached_mnrl', nan):.2f}  x full {r.get('cpu_x_full_batch', nan):.2f}  "
+            f"tokens {r['tokens_forwarded_per_pass']:>6}  grad vs ST {g.get('max_param_rel_diff', nan):.1e}  "
+            f"rss {r.get('rss', {})}"
+        )
 
 
 if __name__ == "__main__":

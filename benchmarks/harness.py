@@ -30,18 +30,18 @@ $BENCH_COMMIT), the command line, the load average.
 Files (`write_results`): NAME.json ({"meta": ..., payload..., "rows": ...}), NAME.csv (the rows plus
 meta_* columns) and NAME.png (stamped with the metadata), under benchmarks/results unless the
 benchmark's --out says otherwise.
+
+Metadata and result files are benchmarks/_harness_results.py's, re-exported here: a benchmark imports
+only `harness`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import csv
 import dataclasses
-import datetime
 import gc
 import json
 import os
-import platform
 import resource
 import signal
 import statistics
@@ -49,14 +49,57 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
-META_COLUMNS = ("date", "commit", "device", "torch")  # repeated on every CSV row as meta_<key>
+# re-exported: see the docstring
+from benchmarks._harness_results import (
+    META_COLUMNS,
+    REPO,
+    RESULTS,
+    cpu_model,
+    default_device,
+    device_name,
+    git_commit,
+    metadata,
+    pyplot,
+    save_figure,
+    stamp,
+    write_csv,
+    write_json,
+    write_results,
+)
+
+__all__ = [
+    "META_COLUMNS",
+    "REPO",
+    "RESULTS",
+    "Child",
+    "Measurement",
+    "PeakRSS",
+    "cpu_model",
+    "default_device",
+    "device_name",
+    "git_commit",
+    "metadata",
+    "peak_rss_mib",
+    "pyplot",
+    "reason",
+    "reset_peak_rss",
+    "rotation",
+    "round_robin",
+    "rss_mib",
+    "run_child",
+    "save_figure",
+    "stamp",
+    "summary",
+    "write_csv",
+    "write_json",
+    "write_results",
+]
 
 
 # ---------------------------------------------------------------- statistics and order
@@ -168,9 +211,15 @@ class Measurement:
         if self.status != "ok":
             return {"status": self.status, **({"reason": self.reason} if self.reason else {})}
         stats, cpu = summary(self.times_s), summary(self.cpu_times_s)
-        row: dict[str, Any] = {"status": "ok", "median_s": stats.get("median"), "min_s": stats.get("min"),
-                               "max_s": stats.get("max"), "times_s": self.times_s,
-                               "median_cpu_s": cpu.get("median"), "cpu_times_s": self.cpu_times_s}
+        row: dict[str, Any] = {
+            "status": "ok",
+            "median_s": stats.get("median"),
+            "min_s": stats.get("min"),
+            "max_s": stats.get("max"),
+            "times_s": self.times_s,
+            "median_cpu_s": cpu.get("median"),
+            "cpu_times_s": self.cpu_times_s,
+        }
         for key in ("cuda_peak_bytes", "cuda_peak_extra_bytes", "peak_rss_mib", "rss_growth_mib", "rss_reset"):
             if getattr(self, key) is not None:
                 row[key] = getattr(self, key)
@@ -181,10 +230,18 @@ def _max(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else max(a, b)
 
 
-def round_robin(variants: Mapping[str, Callable[[], Any]], repeats: int, *, warmup: int = 1,
-                before: Callable[[str], None] | None = None, device: torch.device | str | None = None,
-                rss: bool = True, tolerate: Collection[str] | bool = (), keep_values: bool = False,
-                log: Callable[[str], None] | None = None) -> dict[str, Measurement]:
+def round_robin(
+    variants: Mapping[str, Callable[[], Any]],
+    repeats: int,
+    *,
+    warmup: int = 1,
+    before: Callable[[str], None] | None = None,
+    device: torch.device | str | None = None,
+    rss: bool = True,
+    tolerate: Collection[str] | bool = (),
+    keep_values: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Measurement]:
     """Time every variant (a no-argument callable) `repeats` times, interleaved.
 
     `warmup` untimed rounds, then `repeats` timed rounds; round r runs the variants still in the rotation
@@ -251,8 +308,10 @@ def round_robin(variants: Mapping[str, Callable[[], Any]], repeats: int, *, warm
             if failure is not None:  # outside the except clause: its traceback no longer holds the call's tensors
                 drop(name, *failure)
         if log is not None and r >= warmup:
-            log(f"round {r - warmup + 1}/{repeats}: " + "  ".join(
-                f"{name} {results[name].times_s[-1]:.4g}s" for name in variants if name in live))
+            log(
+                f"round {r - warmup + 1}/{repeats}: "
+                + "  ".join(f"{name} {results[name].times_s[-1]:.4g}s" for name in variants if name in live)
+            )
     return results
 
 
@@ -278,8 +337,14 @@ class Child:
     peak_rss_mib: float | None
 
 
-def run_child(cmd: Sequence[str | os.PathLike], *, cwd: str | os.PathLike | None = None,
-              env: Mapping[str, str] | None = None, timeout: float | None = None, check: bool = False) -> Child:
+def run_child(
+    cmd: Sequence[str | os.PathLike],
+    *,
+    cwd: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    check: bool = False,
+) -> Child:
     """Run `cmd` with its output captured (text), like subprocess.run, and measure the peak RSS of the
     largest process in its tree (ru_maxrss of the reaped descendants of a small wrapper interpreter).
     The tree gets its own session: on a timeout (subprocess.TimeoutExpired) or an interrupt the whole
@@ -288,8 +353,15 @@ def run_child(cmd: Sequence[str | os.PathLike], *, cwd: str | os.PathLike | None
         report = Path(tmp) / "rusage.json"
         wrapped = [sys.executable, "-I", "-S", "-c", _WRAPPER, str(report), *map(str, cmd)]
         start = time.perf_counter()
-        proc = subprocess.Popen(wrapped, cwd=cwd, env=None if env is None else dict(env), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            wrapped,
+            cwd=cwd,
+            env=None if env is None else dict(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
         except BaseException as exc:
@@ -308,150 +380,3 @@ def run_child(cmd: Sequence[str | os.PathLike], *, cwd: str | os.PathLike | None
     if check and rc != 0:
         raise subprocess.CalledProcessError(rc, list(map(str, cmd)), out, err)
     return child
-
-
-# ---------------------------------------------------------------- metadata
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def device_name(device: torch.device | str | None = None) -> str:
-    """The CUDA device's name, or "CPU"."""
-    dev = torch.device(device) if device is not None else default_device()
-    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def git_commit(tree: Path = REPO) -> dict[str, Any]:
-    """{"commit": HEAD of `tree`, "commit_dirty": tracked files changed}. Where there is no git or no .git
-    (a copy of the work tree on a lent machine), $BENCH_COMMIT names the commit if set, else None."""
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", "--no-optional-locks", "-C", str(tree), *args], capture_output=True,
-                                 text=True, timeout=20, check=True)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip()
-
-    commit = git("rev-parse", "HEAD")
-    if not commit:
-        return {"commit": os.environ.get("BENCH_COMMIT") or None, "commit_dirty": None}
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "commit_dirty": None if status is None else bool(status)}
-
-
-def metadata(device: torch.device | str | None = None, **extra: Any) -> dict[str, Any]:
-    """What a result needs to be read later: when, on what, with which code. `extra` is added."""
-    dev = torch.device(device) if device is not None else default_device()
-    cores = os.cpu_count()
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": device_name(dev), "cpu": cpu_model(), "cores": cores, "cores_usable": usable,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "platform": platform.platform(), **git_commit(),
-            "command": " ".join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
-            "loadavg_1_5_15min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-            "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "CUDA_VISIBLE_DEVICES")},
-            **extra}
-
-
-def stamp(meta: Mapping[str, Any]) -> str:
-    """One line of metadata for a figure."""
-    commit = meta.get("commit")
-    code = "no git" if not commit else commit[:10] + ("+changes" if meta.get("commit_dirty") else "")
-    device = meta.get("device", "?")
-    if device == "CPU":
-        device = f"{meta.get('cpu', 'CPU')}, {meta.get('cores')} cores"
-    return f"{device} | torch {meta.get('torch')} | {code} | {str(meta.get('date', ''))[:16]}"
-
-
-# ---------------------------------------------------------------- result files
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.tolist()
-    if isinstance(value, (torch.dtype, torch.device)):
-        return str(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    return str(value)  # Path, argparse values and the like
-
-
-def write_json(path: Path | str, meta: Mapping[str, Any], payload: Mapping[str, Any] | None = None) -> Path:
-    """{"meta": meta, **payload} as indented JSON at `path` (folders made)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": dict(meta), **(payload or {})}, indent=1, default=_jsonable) + "\n")
-    return path
-
-
-def write_csv(path: Path | str, rows: Iterable[Mapping[str, Any]], meta: Mapping[str, Any] | None = None,
-              fields: Sequence[str] | None = None) -> Path:
-    """`rows` as CSV at `path`: `fields` (default: every key, first seen first), lists and dicts as JSON
-    text, then the meta_* columns (META_COLUMNS) from `meta`."""
-    path, rows = Path(path), list(rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields = list(fields) if fields is not None else list(dict.fromkeys(k for row in rows for k in row))
-    extra = {f"meta_{k}": (meta or {}).get(k, "") for k in META_COLUMNS} if meta is not None else {}
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*fields, *extra], extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            cells = {k: json.dumps(v, default=_jsonable) if isinstance(v, (list, tuple, dict)) else v
-                     for k, v in row.items() if k in fields}
-            writer.writerow({**cells, **extra})
-    return path
-
-
-def pyplot() -> Any:
-    """matplotlib.pyplot on the Agg backend (imported only when a figure is drawn)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig: Any, path: Path | str, meta: Mapping[str, Any] | None = None, dpi: int = 120) -> Path:
-    """Save `fig` as `path` with the metadata stamped below it, and close it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    if meta is not None:
-        fig.text(0.5, -0.005, stamp(meta), ha="center", va="top", fontsize=7, color="0.35")
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
-    pyplot().close(fig)
-    return path
-
-
-def write_results(out: Path | str, name: str, meta: Mapping[str, Any], payload: Mapping[str, Any] | None = None,
-                  *, rows: Sequence[Mapping[str, Any]] | None = None, fields: Sequence[str] | None = None,
-                  rows_key: str = "rows", figure: Callable[[], Any] | None = None, dpi: int = 120) -> list[Path]:
-    """One benchmark's file set under `out`: NAME.json ({"meta", **payload, rows_key: rows}), NAME.csv when
-    there are rows, NAME.png when `figure()` returns a figure. Returns the paths written."""
-    out = Path(out)
-    body = {**(payload or {}), **({rows_key: list(rows)} if rows is not None else {})}
-    paths = [write_json(out / f"{name}.json", meta, body)]
-    if rows:
-        paths.append(write_csv(out / f"{name}.csv", rows, meta, fields))
-    fig = figure() if figure is not None else None
-    if fig is not None:
-        paths.append(save_figure(fig, out / f"{name}.png", meta, dpi))
-    return paths

@@ -58,8 +58,13 @@ def write_our_step(model, folder: Path) -> Path:
 
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder))
     files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
-    manifest = {"step": 0, "dp_degree": 1, "world_size": 1, "files": files,
-                "model": {"family": "clip", "args": dataclasses.asdict(model.args)}}
+    manifest = {
+        "step": 0,
+        "dp_degree": 1,
+        "world_size": 1,
+        "files": files,
+        "model": {"family": "clip", "args": dataclasses.asdict(model.args)},
+    }
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return folder
 
@@ -83,14 +88,20 @@ def main(argv: list[str] | None = None) -> None:
     ids = open_clip.get_tokenizer("ViT-B-32")(TEXTS)
     want = embed(theirs, images, ids, normalize=True)
     meta = harness.metadata("cpu", open_clip=open_clip.__version__)
-    result: dict = {"device": "cpu", "dtype": "float32", "threads": torch.get_num_threads(),
-                    "model": "ViT-B-32 (random init, seed 0)", "perturbed_params": len(perturbed),
-                    "inputs": {"images": list(images.shape), "texts": TEXTS}}
+    result: dict = {
+        "device": "cpu",
+        "dtype": "float32",
+        "threads": torch.get_num_threads(),
+        "model": "ViT-B-32 (random init, seed 0)",
+        "perturbed_params": len(perturbed),
+        "inputs": {"images": list(images.shape), "texts": TEXTS},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "oc").mkdir()
-        save_file({k: v.contiguous() for k, v in theirs.state_dict().items()},
-                  str(tmp / "oc" / "open_clip_model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in theirs.state_dict().items()}, str(tmp / "oc" / "open_clip_model.safetensors")
+        )
         config = {"model_cfg": open_clip.get_model_config("ViT-B-32")}
         (tmp / "oc" / "open_clip_config.json").write_text(json.dumps(config))
         # a) open_clip -> ours, with the config json and without it (shape inference)
@@ -102,15 +113,18 @@ def main(argv: list[str] | None = None) -> None:
         gelu = CLIP(dataclasses.replace(inferred.args, act="gelu")).eval()  # the same inferred shapes, GELU
         gelu.load_state_dict(inferred.state_dict())
         result["open_clip_to_ours"] = {
-            "format": detect_format(tmp / "oc"), "act": ours.args.act,
+            "format": detect_format(tmp / "oc"),
+            "act": ours.args.act,
             "max_abs_diff": compare(got, want),
             "logit_scale_equal": torch.equal(ours.logit_scale.reshape(()), theirs.logit_scale.detach()),
-            "without_config_json": {"act": inferred.args.act,
-                                    "max_abs_diff": compare(embed(inferred, images, ids), want),
-                                    "max_abs_diff_inferred_shapes_with_gelu": compare(embed(gelu, images, ids), want),
-                                    "note": "shape inference assumes OpenAI's quick GELU; open_clip's ViT-B-32 "
-                                            "config uses nn.GELU, so without open_clip_config.json the activation is "
-                                            "wrong (expected)"}}
+            "without_config_json": {
+                "act": inferred.args.act,
+                "max_abs_diff": compare(embed(inferred, images, ids), want),
+                "max_abs_diff_inferred_shapes_with_gelu": compare(embed(gelu, images, ids), want),
+                "note": "shape inference assumes OpenAI's quick GELU; open_clip's ViT-B-32 "
+                "config uses nn.GELU, so without open_clip_config.json the activation is wrong (expected)",
+            },
+        }
         # b) ours -> open_clip: from the open_clip folder of (a) and from one of our own step folders
         sources = {"open_clip_folder": tmp / "oc", "our_step_folder": write_our_step(ours, tmp / "step-0")}
         result["ours_to_open_clip"] = {}
@@ -121,23 +135,30 @@ def main(argv: list[str] | None = None) -> None:
             again = embed(back, images, ids, normalize=True)
             exported, original = load_file(str(dst / "open_clip_model.safetensors")), theirs.state_dict()
             result["ours_to_open_clip"][label] = {
-                "src_format": detect_format(src), "export_rc": rc,
+                "src_format": detect_format(src),
+                "export_rc": rc,
                 "loader": 'open_clip.create_model_and_transforms("local-dir:DIR")',
                 "max_abs_diff_vs_ours": compare(again, got),
                 "max_abs_diff_vs_original_open_clip": compare(again, want),
                 "state_dict_bit_identical_to_original": exported.keys() == original.keys()
                 and all(torch.equal(exported[k], original[k]) for k in original),
-                "loaded_state_bit_identical": all(torch.equal(v, original[k]) for k, v in back.state_dict().items())}
+                "loaded_state_bit_identical": all(torch.equal(v, original[k]) for k, v in back.state_dict().items()),
+            }
     # c) parameter counts and tokenizers
     n_ours, n_theirs = (sum(p.numel() for p in m.parameters()) for m in (ours, theirs))
-    result["params"] = {"ours": n_ours, "open_clip": n_theirs, "equal": n_ours == n_theirs,
-                        "clip_args_num_params": ours.args.num_params()}
+    result["params"] = {
+        "ours": n_ours,
+        "open_clip": n_theirs,
+        "equal": n_ours == n_theirs,
+        "clip_args_num_params": ours.args.num_params(),
+    }
     our_ids = ClipBpeTokenizer(77).encode(TEXTS)
     result["tokenizer_ids_equal"] = torch.equal(our_ids.long(), ids.long())
     result["caveats"] = [
         "random init (no pretrained download): equality of the mapping, not of trained behaviour",
         f"torch {torch.__version__} is the only torch 2.14.1 wheel on the local index (a CUDA build), run on the CPU",
-        "without open_clip_config.json the activation falls back to quick GELU (see without_config_json)"]
+        "without open_clip_config.json the activation falls back to quick GELU (see without_config_json)",
+    ]
     harness.write_json(out_file, meta, result)
     print(json.dumps(result, indent=1))
 

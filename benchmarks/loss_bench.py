@@ -39,8 +39,9 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -112,15 +113,17 @@ def dense_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
 
 
 def streaming_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
-    step = StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SIGLIP_SCALE, kernel="pytorch", loss="siglip",
-                             fixed_bias=SIGLIP_BIAS)
+    step = StreamingClipStep(
+        stream_chunk_size=chunk, fixed_scale=SIGLIP_SCALE, kernel="pytorch", loss="siglip", fixed_bias=SIGLIP_BIAS
+    )
     step(lambda _: (zx * 1, zy * 1), [None])
 
 
 def streaming_triton_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA only
     kernel = "triton_exact" if zx.dtype == torch.float32 else "triton"
-    step = StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SIGLIP_SCALE, kernel=kernel, loss="siglip",
-                             fixed_bias=SIGLIP_BIAS)
+    step = StreamingClipStep(
+        stream_chunk_size=chunk, fixed_scale=SIGLIP_SCALE, kernel=kernel, loss="siglip", fixed_bias=SIGLIP_BIAS
+    )
     step(lambda _: (zx * 1, zy * 1), [None])
 
 
@@ -132,8 +135,11 @@ IMPLEMENTATIONS: dict[str, LossFn] = {"dense": dense, "streaming": streaming}
 if importlib.util.find_spec("open_clip") is not None:  # the wheel is there (its loss.py is loaded on first use)
     IMPLEMENTATIONS["open_clip"] = open_clip
 if torch.cuda.is_available():  # Triton kernels: ours (needs triton) and the two packages
-    for _name, _package, _fn in (("streaming_triton", "triton", streaming_triton), ("inf_cl", "inf_cl", inf_cl),
-                                 ("memeff", "memeff", memeff)):
+    for _name, _package, _fn in (
+        ("streaming_triton", "triton", streaming_triton),
+        ("inf_cl", "inf_cl", inf_cl),
+        ("memeff", "memeff", memeff),
+    ):
         if importlib.util.find_spec(_package) is not None:
             IMPLEMENTATIONS[_name] = _fn
 THIRD_PARTY = {"inf_cl", "memeff"}  # optional peers: an exception in one is recorded as skipped, the rest still run
@@ -143,8 +149,16 @@ def skipped(impl: str, exc: Exception) -> dict[str, str]:
     return {"impl": impl, "skipped": harness.reason(exc)}
 
 
-def measure(fns: dict[str, Callable], n: int, d: int, dtype: torch.dtype, chunks: dict[str, int], repeats: int,
-            device: torch.device, floor: int = 8) -> dict[str, dict[str, Any]]:
+def measure(
+    fns: dict[str, Callable],
+    n: int,
+    d: int,
+    dtype: torch.dtype,
+    chunks: dict[str, int],
+    repeats: int,
+    device: torch.device,
+    floor: int = 8,
+) -> dict[str, dict[str, Any]]:
     """Every implementation of `fns` on the same embeddings, interleaved (harness.round_robin): a
     warm-up round, then `repeats` rounds, round r starting at implementation r (mod the count), so
     slow drift in the machine's load cannot favour one. An implementation that runs out of memory is
@@ -157,8 +171,15 @@ def measure(fns: dict[str, Callable], n: int, d: int, dtype: torch.dtype, chunks
     def reset(_: str = "") -> None:
         zx.grad = zy.grad = None
 
-    runs = harness.round_robin({impl: (lambda fn=fn, impl=impl: fn(zx, zy, chunks[impl])) for impl, fn in fns.items()},
-                               repeats, warmup=1, before=reset, device=device, rss=not cuda, tolerate=THIRD_PARTY)
+    runs = harness.round_robin(
+        {impl: (lambda fn=fn, impl=impl: fn(zx, zy, chunks[impl])) for impl, fn in fns.items()},
+        repeats,
+        warmup=1,
+        before=reset,
+        device=device,
+        rss=not cuda,
+        tolerate=THIRD_PARTY,
+    )
     results: dict[str, dict[str, Any]] = {}
     for impl, m in runs.items():
         if m.status == "OOM":
@@ -168,8 +189,14 @@ def measure(fns: dict[str, Callable], n: int, d: int, dtype: torch.dtype, chunks
             results[impl] = {"status": "skipped", "impl": impl, "skipped": m.reason}
             continue
         stats = harness.summary(m.times_s)
-        row = {"status": "ok", "median_s": stats["median"], "min_s": stats["min"], "max_s": stats["max"],
-               "times_s": m.times_s, "floor_tflops": floor * n * n * d / stats["median"] / 1e12}
+        row = {
+            "status": "ok",
+            "median_s": stats["median"],
+            "min_s": stats["min"],
+            "max_s": stats["max"],
+            "times_s": m.times_s,
+            "floor_tflops": floor * n * n * d / stats["median"] / 1e12,
+        }
         if cuda:
             row.update(extra_bytes=m.cuda_peak_extra_bytes, memory_kind="cuda_peak_above_inputs")
         else:  # untimed: the probes dispatch every op through Python
@@ -179,15 +206,21 @@ def measure(fns: dict[str, Callable], n: int, d: int, dtype: torch.dtype, chunks
             reset()
             with PeakMemory(device) as peak:
                 fns[impl](zx, zy, chunks[impl])
-            row.update(extra_bytes=largest.largest_bytes, memory_kind="largest_tensor", peak_live_bytes=peak.peak,
-                       peak_rss_mib=m.peak_rss_mib, rss_growth_mib=m.rss_growth_mib)
+            row.update(
+                extra_bytes=largest.largest_bytes,
+                memory_kind="largest_tensor",
+                peak_live_bytes=peak.peak,
+                peak_rss_mib=m.peak_rss_mib,
+                rss_growth_mib=m.rss_growth_mib,
+            )
         results[impl] = row
     reset()
     return results
 
 
-def agreement(impls: dict[str, Callable], reference: Callable, n: int, d: int, dtype: torch.dtype,
-              device: torch.device) -> dict[str, dict[str, float]]:
+def agreement(
+    impls: dict[str, Callable], reference: Callable, n: int, d: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, dict[str, float]]:
     """Before timing: each implementation's loss gradients against the dense float64 reference on
     the same embeddings (relative errors), so every timed line computes the same quantity."""
     gen = torch.Generator(device=device).manual_seed(1)
@@ -205,8 +238,10 @@ def agreement(impls: dict[str, Callable], reference: Callable, n: int, d: int, d
                 raise
             result[impl] = skipped(impl, exc)
             continue
-        result[impl] = {"dzx": ((zx.grad.double() - rx.grad).norm() / rx.grad.norm()).item(),
-                        "dzy": ((zy.grad.double() - ry.grad).norm() / ry.grad.norm()).item()}
+        result[impl] = {
+            "dzx": ((zx.grad.double() - rx.grad).norm() / rx.grad.norm()).item(),
+            "dzy": ((zy.grad.double() - ry.grad).norm() / ry.grad.norm()).item(),
+        }
     return result
 
 
@@ -215,15 +250,15 @@ def plot(rows: list[dict[str, Any]], device: str, cuda: bool):  # noqa: ANN201 -
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for loss, impl in sorted({(r["loss"], r["impl"]) for r in rows}):
         for dtype, style in (("float32", "-"), ("bfloat16", "--")):
-            sel = [r for r in rows
-                   if (r["loss"], r["impl"], r["dtype"], r["status"]) == (loss, impl, dtype, "ok")]
+            sel = [r for r in rows if (r["loss"], r["impl"], r["dtype"], r["status"]) == (loss, impl, dtype, "ok")]
             if sel:
                 label = f"{loss} {impl} {dtype}"
                 ax1.plot([r["n"] for r in sel], [r["median_s"] * 1e3 for r in sel], "o" + style, label=label)
                 ax2.plot([r["n"] for r in sel], [r["extra_bytes"] / 2**20 for r in sel], "o" + style, label=label)
     ax1.set(xscale="log", yscale="log", xlabel="N", ylabel="fwd+bwd ms (median)", title="time")
-    ax2.set(xscale="log", yscale="log", xlabel="N", ylabel="MiB",
-            title="peak extra memory" if cuda else "largest tensor")
+    ax2.set(
+        xscale="log", yscale="log", xlabel="N", ylabel="MiB", title="peak extra memory" if cuda else "largest tensor"
+    )
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
@@ -233,19 +268,33 @@ def plot(rows: list[dict[str, Any]], device: str, cuda: bool):  # noqa: ANN201 -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, nargs="+", default=None,
-                        help="batch sizes (default: 8K .. 1M on CUDA, 2K and 8K on CPU)")
+    parser.add_argument(
+        "--n", type=int, nargs="+", default=None, help="batch sizes (default: 8K .. 1M on CUDA, 2K and 8K on CPU)"
+    )
     parser.add_argument("--d", type=int, default=512)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--chunk", type=int, default=LossConfig.stream_chunk_size,
-                        help="streaming rows per block (default: the config's loss.stream_chunk_size)")
-    parser.add_argument("--tile-bytes", type=int, default=streaming_loss.TILE_BYTES,
-                        help="CPU streaming: bytes per elementwise row tile (streaming_loss.TILE_BYTES; "
-                             "1099511627776 = no tiling)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="timed rounds after the warm-up (the median is reported)")
-    parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=list(IMPLEMENTATIONS),
-                        help="softmax implementations; siglip has dense and streaming")
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=LossConfig.stream_chunk_size,
+        help="streaming rows per block (default: the config's loss.stream_chunk_size)",
+    )
+    parser.add_argument(
+        "--tile-bytes",
+        type=int,
+        default=streaming_loss.TILE_BYTES,
+        help="CPU streaming: bytes per elementwise row tile (streaming_loss.TILE_BYTES; 1099511627776 = no tiling)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed rounds after the warm-up (the median is reported)"
+    )
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        default=list(IMPLEMENTATIONS),
+        choices=list(IMPLEMENTATIONS),
+        help="softmax implementations; siglip has dense and streaming",
+    )
     parser.add_argument("--losses", nargs="+", default=["clip", "siglip"], choices=["clip", "siglip"])
     parser.add_argument("--check-n", type=int, default=3000, help="N of the gradient agreement check run first")
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
@@ -268,26 +317,41 @@ def main(argv: list[str] | None = None) -> None:
                 if "skipped" in err:
                     print(f"{where}: skipped ({err['skipped']})", flush=True)
                     continue
-                print(f"{where}: gradient rel. error vs dense float64 dZx {err['dzx']:.1e}  dZy {err['dzy']:.1e}",
-                      flush=True)
+                print(
+                    f"{where}: gradient rel. error vs dense float64 dZx {err['dzx']:.1e}  dZy {err['dzy']:.1e}",
+                    flush=True,
+                )
     tag = ("cuda" if cuda else "cpu") + ("" if args.losses == ["clip", "siglip"] else "_" + "_".join(args.losses))
     meta = harness.metadata(device)
     rows: list[dict] = []
 
     def payload() -> dict[str, Any]:
-        return {"device": name, "config": vars(args), "timing": "interleaved round-robin, median of the timed rounds",
-                "agreement": checks}
+        return {
+            "device": name,
+            "config": vars(args),
+            "timing": "interleaved round-robin, median of the timed rounds",
+            "agreement": checks,
+        }
 
     for n in args.n:
         for dtype in args.dtypes:
             for loss, fns in impls.items():
-                chunks = {impl: min(args.chunk, max(1, (2**28) // n)) if impl == "streaming" and cuda else args.chunk
-                          for impl in fns}
+                chunks = {
+                    impl: min(args.chunk, max(1, (2**28) // n)) if impl == "streaming" and cuda else args.chunk
+                    for impl in fns
+                }
                 measured = measure(fns, n, args.d, getattr(torch, dtype), chunks, args.repeats, device, FLOOR[loss])
                 dense_s = measured.get("dense", {}).get("median_s")
                 for impl, result in measured.items():
-                    row = {"loss": loss, "impl": impl, "n": n, "d": args.d, "dtype": dtype, "chunk": chunks[impl],
-                           **result}
+                    row = {
+                        "loss": loss,
+                        "impl": impl,
+                        "n": n,
+                        "d": args.d,
+                        "dtype": dtype,
+                        "chunk": chunks[impl],
+                        **result,
+                    }
                     if row["status"] == "ok" and dense_s:
                         row["vs_dense"] = row["median_s"] / dense_s
                     rows.append(row)
@@ -295,9 +359,12 @@ def main(argv: list[str] | None = None) -> None:
                     if row["status"] == "skipped":
                         print(f"{where}: skipped ({row['skipped']})", flush=True)
                         continue
-                    shown = (f"{row['median_s'] * 1e3:9.1f} ms  {row['extra_bytes'] / 2**20:9.1f} MiB  "
-                             f"{row['floor_tflops']:6.2f} TFLOP/s ({FLOOR[loss]}N²d)"
-                             if row["status"] == "ok" else "      OOM")
+                    shown = (
+                        f"{row['median_s'] * 1e3:9.1f} ms  {row['extra_bytes'] / 2**20:9.1f} MiB  "
+                        f"{row['floor_tflops']:6.2f} TFLOP/s ({FLOOR[loss]}N²d)"
+                        if row["status"] == "ok"
+                        else "      OOM"
+                    )
                     if "vs_dense" in row:
                         shown += f"  {row['vs_dense']:5.2f}x dense"
                     if "peak_live_bytes" in row:
@@ -305,11 +372,33 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{where}: {shown}", flush=True)
                 # after every (N, dtype, loss): a run stopped at a time limit keeps what it measured
                 harness.write_json(args.out / f"loss_bench_{tag}.json", meta, {**payload(), "rows": rows})
-    harness.write_results(args.out, f"loss_bench_{tag}", meta, payload(), rows=rows,
-                          fields=["loss", "impl", "n", "d", "dtype", "chunk", "status", "median_s", "min_s", "max_s",
-                                  "vs_dense", "floor_tflops", "extra_bytes", "memory_kind", "peak_live_bytes",
-                                  "peak_rss_mib", "skipped"],
-                          figure=lambda: plot(rows, name, cuda) if any(r["status"] == "ok" for r in rows) else None)
+    harness.write_results(
+        args.out,
+        f"loss_bench_{tag}",
+        meta,
+        payload(),
+        rows=rows,
+        fields=[
+            "loss",
+            "impl",
+            "n",
+            "d",
+            "dtype",
+            "chunk",
+            "status",
+            "median_s",
+            "min_s",
+            "max_s",
+            "vs_dense",
+            "floor_tflops",
+            "extra_bytes",
+            "memory_kind",
+            "peak_live_bytes",
+            "peak_rss_mib",
+            "skipped",
+        ],
+        figure=lambda: plot(rows, name, cuda) if any(r["status"] == "ok" for r in rows) else None,
+    )
 
 
 if __name__ == "__main__":

@@ -32,12 +32,14 @@ memory is recorded as OOM. Writes openclip_compare.{json,csv,png} under
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import logging
 import tempfile
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -50,14 +52,29 @@ REPO = harness.REPO
 
 
 def build_ours(global_batch: int, micro: int, device: str, dump: str) -> Trainer:
-    return Trainer(parse_args([
-        "--job.config_file", str(REPO / "train_configs/debug.toml"), f"--job.dump_folder={dump}",
-        "--model.flavor=vit_b32", "--data.dataset=emoji", "--data.image_size=224", "--data.context_length=77",
-        "--data.num_workers=0", f"--training.device={device}", "--training.mixed_precision_param=bfloat16",
-        "--training.max_norm=0", f"--training.local_batch_size={micro}", f"--training.global_batch_size={global_batch}",
-        "--loss.negatives=global", "--eval.enable=false", "--metrics.enable_tensorboard=false",
-        "--checkpoint.enable=false",
-    ]))
+    return Trainer(
+        parse_args(
+            [
+                "--job.config_file",
+                str(REPO / "train_configs/debug.toml"),
+                f"--job.dump_folder={dump}",
+                "--model.flavor=vit_b32",
+                "--data.dataset=emoji",
+                "--data.image_size=224",
+                "--data.context_length=77",
+                "--data.num_workers=0",
+                f"--training.device={device}",
+                "--training.mixed_precision_param=bfloat16",
+                "--training.max_norm=0",
+                f"--training.local_batch_size={micro}",
+                f"--training.global_batch_size={global_batch}",
+                "--loss.negatives=global",
+                "--eval.enable=false",
+                "--metrics.enable_tensorboard=false",
+                "--checkpoint.enable=false",
+            ]
+        )
+    )
 
 
 DISTINCT = 8  # microbatches of real samples staged on the device; a global batch cycles through them
@@ -71,8 +88,12 @@ def stage(trainer: Trainer, count: int, micro: int) -> list[dict[str, torch.Tens
     staged = []
     for i in range(min(count, DISTINCT)):
         batch = trainer.train_set.__getitems__([(i * micro + j) % n for j in range(micro)])
-        staged.append({k: v.to(trainer.device, torch.bfloat16) if v.is_floating_point() else v.to(trainer.device)
-                       for k, v in batch.items()})
+        staged.append(
+            {
+                k: v.to(trainer.device, torch.bfloat16) if v.is_floating_point() else v.to(trainer.device)
+                for k, v in batch.items()
+            }
+        )
     return [staged[i % len(staged)] for i in range(count)]
 
 
@@ -90,17 +111,25 @@ def timed(run_step: Callable[[], None], steps: int, device: torch.device) -> dic
     if not m.ok:
         return {"status": m.status}
     peak = m.cuda_peak_bytes if cuda else m.peak_rss_mib * 2**20
-    return {"status": "ok", "step_s": m.median_s, "min_s": min(m.times_s), "max_s": max(m.times_s),
-            "times_s": m.times_s, "peak_gib": peak / 2**30}
+    return {
+        "status": "ok",
+        "step_s": m.median_s,
+        "min_s": min(m.times_s),
+        "max_s": max(m.times_s),
+        "times_s": m.times_s,
+        "peak_gib": peak / 2**30,
+    }
 
 
-def run_ours(global_batch: int, micro: int, steps: int,
-             device: torch.device) -> tuple[dict[str, Any], list, Any, float]:
+def run_ours(
+    global_batch: int, micro: int, steps: int, device: torch.device
+) -> tuple[dict[str, Any], list, Any, float]:
     with tempfile.TemporaryDirectory() as dump:
         trainer = build_ours(global_batch, micro, str(device), dump)
         args = trainer.model_args
         microbatches = stage(trainer, global_batch // micro, micro)
-        result = timed(lambda: trainer.train_step(microbatches), steps, device)
+        # a partial, not a closure: the `del` below must drop the last references to both
+        result = timed(functools.partial(trainer.train_step, microbatches), steps, device)
         flops = trainer.model_args.flops_per_sample()
         inputs = [[mb[k] for k in trainer.spec.input_keys] for mb in microbatches]
         del trainer, microbatches
@@ -121,26 +150,49 @@ class _Loader:
             yield from ((images, texts) for images, texts in self.inputs)
 
 
+def _open_clip_step(
+    train_one_epoch: Callable[..., Any], model: Any, loss: Any, optimizer: Any, args: Any, inputs: list
+) -> None:
+    """One open_clip training step: train_one_epoch over one step's `accum` microbatches."""
+    data = {"train": types.SimpleNamespace(dataloader=_Loader(inputs, 1), set_epoch=lambda epoch: None)}
+    train_one_epoch(model, data, loss, 0, optimizer, None, None, None, args)
+
+
 def run_open_clip(inputs: list, ours: Any, micro: int, steps: int, device: torch.device) -> tuple[dict[str, Any], int]:
     import open_clip
     from open_clip_train.train import train_one_epoch
 
     # ViT-B-32 with the text vocabulary of our data's tokenizer (ours sizes its embedding from the data)
-    text = {"context_length": ours.context_length, "vocab_size": ours.vocab_size, "width": ours.text_width,
-            "heads": ours.text_heads, "layers": ours.text_layers}
-    model = open_clip.create_model("ViT-B-32", pretrained=None, precision="fp32", device=device, text_cfg=text,
-                                   output_dict=True)
+    text = {
+        "context_length": ours.context_length,
+        "vocab_size": ours.vocab_size,
+        "width": ours.text_width,
+        "heads": ours.text_heads,
+        "layers": ours.text_layers,
+    }
+    model = open_clip.create_model(
+        "ViT-B-32", pretrained=None, precision="fp32", device=device, text_cfg=text, output_dict=True
+    )
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    args = types.SimpleNamespace(device=str(device), precision="amp_bf16", distill=False, accum_freq=len(inputs),
-                                 skip_scheduler=True, horovod=False, grad_clip_norm=None, log_every_n_steps=10**9,
-                                 world_size=1, batch_size=micro, wandb=False, rank=0, local_rank=0)
+    args = types.SimpleNamespace(
+        device=str(device),
+        precision="amp_bf16",
+        distill=False,
+        accum_freq=len(inputs),
+        skip_scheduler=True,
+        horovod=False,
+        grad_clip_norm=None,
+        log_every_n_steps=10**9,
+        world_size=1,
+        batch_size=micro,
+        wandb=False,
+        rank=0,
+        local_rank=0,
+    )
     loss = open_clip.ClipLoss()
-
-    def one_step() -> None:
-        data = {"train": types.SimpleNamespace(dataloader=_Loader(inputs, 1), set_epoch=lambda epoch: None)}
-        train_one_epoch(model, data, loss, 0, optimizer, None, None, None, args)
-
+    # a partial, not a closure: the `del` below must drop the last references to the model and optimizer
+    one_step = functools.partial(_open_clip_step, train_one_epoch, model, loss, optimizer, args, inputs)
     result = timed(one_step, steps, device)
     del model, optimizer, one_step
     release(device)
@@ -176,8 +228,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("openclip_compare needs a CUDA GPU (ViT-B/32 at 224 px); run it through the device tool, "
-                         "or --device cpu for a smoke run")
+        raise SystemExit(
+            "openclip_compare needs a CUDA GPU (ViT-B/32 at 224 px); run it through the device tool, "
+            "or --device cpu for a smoke run"
+        )
     logging.getLogger().setLevel(logging.WARNING)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke run)"
@@ -201,16 +255,23 @@ def main(argv: list[str] | None = None) -> None:
                 row["samples_per_s"] = global_batch / result["step_s"]
                 row["mfu"] = row["samples_per_s"] * flops / (peak * 1e12) if peak else None
             rows.append(row)
-            shown = (f"{row['samples_per_s']:9.0f} samples/s  MFU {row['mfu'] or 0:5.1%}  "
-                     f"peak {row['peak_gib']:6.1f} GiB" if result["status"] == "ok" else result["status"])
+            shown = (
+                f"{row['samples_per_s']:9.0f} samples/s  MFU {row['mfu'] or 0:5.1%}  peak {row['peak_gib']:6.1f} GiB"
+                if result["status"] == "ok"
+                else result["status"]
+            )
             print(f"B={global_batch:>6} {impl:>9}: {shown}", flush=True)
         if ours["status"] == theirs["status"] == "ok":
-            print(f"B={global_batch:>6}  ours / open_clip: {theirs['step_s'] / ours['step_s']:.2f}x samples/s, "
-                  f"{ours['peak_gib'] / theirs['peak_gib']:.2f}x peak memory", flush=True)
+            print(
+                f"B={global_batch:>6}  ours / open_clip: {theirs['step_s'] / ours['step_s']:.2f}x samples/s, "
+                f"{ours['peak_gib'] / theirs['peak_gib']:.2f}x peak memory",
+                flush=True,
+            )
         # after every batch size: a run stopped at a time limit keeps what it measured
         harness.write_results(args.out, "openclip_compare", meta, payload, rows=rows, fields=FIELDS)
-    harness.write_results(args.out, "openclip_compare", meta, payload, rows=rows, fields=FIELDS,
-                          figure=lambda: plot(rows, name))
+    harness.write_results(
+        args.out, "openclip_compare", meta, payload, rows=rows, fields=FIELDS, figure=lambda: plot(rows, name)
+    )
 
 
 if __name__ == "__main__":

@@ -42,152 +42,68 @@ larger ops): --quick uses 1.
 max_rel_diff = max|a - b| / max|b|: per tensor, the worst one (loss: the loss, dL/dzx, dL/dzy; clip_step:
 the initial embeddings), or over all encoder parameter gradients at once (gradcache: per tensor it is
 noise over noise for the attention key biases, whose exact gradient is 0).
+
+This module runs the comparisons and writes the files; how each side is built, and the rows, are
+benchmarks/_peers_sides.py's.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import gzip
+import functools
 import importlib.util
 import logging
 import os
-import shutil
-import sys
 import tempfile
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks import harness
+from benchmarks._peers_sides import (
+    CHUNK,
+    Results,
+    Row,
+    case_rows,
+    dense_loss,
+    device_meta,
+    encoder_grads,
+    max_rel_diff,
+    open_clip_loss,
+    open_clip_twin,
+    our_bi_encoder,
+    our_clip_trainer,
+    ours_loss,
+    reason,
+    sentence_transformers_side,
+    timed,
+    wordnet_subset,
+)
 from benchmarks.openclip_compare import _Loader  # the dataloader stand-in train_one_epoch iterates
-from titan_contrastive.components.loss import clip_loss, sigmoid_loss
-from titan_contrastive.config import JobConfig, parse_args
-from titan_contrastive.interop.openclip import open_clip_config, to_open_clip_state_dict
-from titan_contrastive.models.clip.args import clip_flavors
-from titan_contrastive.steps.global_negatives import StreamingClipStep
-from titan_contrastive.train import Trainer
-
-REPO = harness.REPO
-FIELDS = ["comparison", "case", "impl", "role", "status", "median_s", "min_s", "max_s", "samples_per_s",
-          "ratio_ours_over_peer", "max_rel_diff", "peak_rss_mib", "reference", "load1", "reason", "note"]
-Row = dict[str, Any]
-
-# ------------------------------------------------------------------ shared: timing, rows, output
-
-
-def timed(fns: dict[str, Callable[[], Any]], args: argparse.Namespace) -> dict[str, harness.Measurement]:
-    """--warmup untimed rounds, then --reps rounds of A, B, ... interleaved (harness.round_robin). A side
-    that raises is a skipped result with its reason; the others still run."""
-    return harness.round_robin(fns, args.reps, warmup=args.warmup, tolerate=True)
-
-
-reason = harness.reason
-
-
-def max_rel_diff(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], joint: bool = False) -> float:
-    """max|a - b| / max|b| per pair of tensors, the worst pair; `joint`: over all pairs together."""
-    err = [(g.double() - w.double()).abs().max().item() for g, w in zip(got, want)]
-    scale = [w.double().abs().max().item() for w in want]
-    return max(err) / max(max(scale), 1e-30) if joint else max(e / max(s, 1e-30) for e, s in zip(err, scale))
-
-
-def case_rows(comparison: str, case: str, roles: dict[str, str], runs: dict[str, harness.Measurement],
-              skipped: dict[str, str], *, peer: str, samples: int | None = None, diffs: dict[str, float] | None = None,
-              reference: str = "", notes: dict[str, str] | None = None) -> list[Row]:
-    """One row per implementation; `roles`: impl -> ours / peer / reference; ours rows get ours / peer."""
-    rows = []
-    for impl, role in roles.items():
-        row: Row = {"comparison": comparison, "case": case, "impl": impl, "role": role, "reference": reference,
-                    "note": (notes or {}).get(impl, "")}
-        m = runs.get(impl)
-        if m is not None and m.ok:
-            stats = harness.summary(m.times_s)
-            row.update(status="ok", median_s=stats["median"], min_s=stats["min"], max_s=stats["max"],
-                       times_s=m.times_s, max_rel_diff=(diffs or {}).get(impl), peak_rss_mib=m.peak_rss_mib,
-                       rss_growth_mib=m.rss_growth_mib)
-            if samples:
-                row["samples_per_s"] = samples / stats["median"]
-            if role == "ours" and peer in runs and runs[peer].ok:
-                row["ratio_ours_over_peer"] = stats["median"] / runs[peer].median_s
-        else:
-            why = m.reason if m is not None and m.reason else skipped.get(impl, "not run")
-            row.update(status="skipped", reason=why)
-        rows.append(row)
-    return rows
-
-
-class Results:
-    """Rows so far, rewritten to json + csv after every case (a crash keeps what was measured)."""
-
-    def __init__(self, out: Path, meta: dict[str, Any]) -> None:
-        self.out, self.meta, self.rows = out, meta, []
-
-    def add(self, rows: list[Row]) -> None:
-        for row in rows:  # the machine's 1-minute load average when measured: how shared it was
-            row["load1"] = os.getloadavg()[0]
-        self.rows += rows
-        for row in rows:
-            shown = (f"{row['median_s']:8.3f} s"
-                     + (f"  {row['samples_per_s']:8.0f} samples/s" if row.get("samples_per_s") else "")
-                     + (f"  ours/peer {row['ratio_ours_over_peer']:.2f}x" if row.get("ratio_ours_over_peer") else "")
-                     + (f"  max_rel_diff {row['max_rel_diff']:.1e}" if row.get("max_rel_diff") is not None else "")
-                     if row["status"] == "ok" else f"skipped: {row['reason']}")
-            print(f"  {row['comparison']:<10} {row['case']:<24} {row['impl']:<22} {shown}", flush=True)
-        harness.write_results(self.out, "peers_cpu", self.meta, rows=self.rows, fields=FIELDS)
-
-
-def device_meta(args: argparse.Namespace) -> dict[str, Any]:
-    versions = {}
-    for package in ("open_clip", "sentence_transformers", "transformers", "torchvision"):
-        try:
-            versions[package] = __import__(package).__version__
-        except Exception as e:  # noqa: BLE001
-            versions[package] = f"unavailable ({type(e).__name__})"
-    return harness.metadata("cpu", versions=versions, venv=sys.prefix,
-                            note="runs in the peer venv (benchmarks/peers_venv.sh): torch 2.14.1, not the repo's 2.13",
-                            quick=args.quick, reps=args.reps, warmup=args.warmup)
-
 
 # ------------------------------------------------------------------ 1. clip train step vs open_clip train_one_epoch
 
-W128 = dict(embed_dim=128, vision_width=128, vision_layers=4, vision_heads=4, text_width=128, text_layers=4, text_heads=4)
 CLIP_CASES = [  # (case, our extra flags, accumulation steps k (open_clip accum_freq), note)
     ("a) plain", [], 1, "same algorithm: one problem of B pairs"),
-    ("b) accumulation", ["--loss.negatives=microbatch"], 4,
-     "different algorithms: ours = k independent problems of B (plain accumulation); open_clip accum_freq = one problem of kB "
-     "(no-grad forward of all k, then per microbatch a re-forward and the dense kB x kB loss)"),
-    ("c) global negatives", ["--loss.negatives=global"], 4,
-     "same problem (kB negatives): ours = no-grad forward, exact streaming loss, re-forward with cached gradients; "
-     "open_clip accum_freq = re-forward + dense kB x kB loss per microbatch"),
+    (
+        "b) accumulation",
+        ["--loss.negatives=microbatch"],
+        4,
+        "different algorithms: ours = k independent problems of B (plain accumulation); open_clip accum_freq = one "
+        "problem of kB (no-grad forward of all k, then per microbatch a re-forward and the dense kB x kB loss)",
+    ),
+    (
+        "c) global negatives",
+        ["--loss.negatives=global"],
+        4,
+        "same problem (kB negatives): ours = no-grad forward, exact streaming loss, re-forward with cached gradients; "
+        "open_clip accum_freq = re-forward + dense kB x kB loss per microbatch",
+    ),
 ]
-
-
-def our_clip_trainer(local: int, k: int, extra: list[str], dump: str) -> Trainer:
-    clip_flavors["w128"] = dataclasses.replace(clip_flavors["debug"], **W128)
-    return Trainer(parse_args([
-        "--model.flavor=w128", "--data.dataset=fashion_mnist", "--data.context_length=40", "--data.num_workers=0",
-        "--training.device=cpu", f"--training.local_batch_size={local}", f"--training.global_batch_size={local * k}",
-        "--training.max_norm=1.0", "--optimizer.lr=5e-4", "--optimizer.weight_decay=0.1", "--optimizer.beta1=0.9",
-        "--optimizer.beta2=0.98", "--optimizer.eps=1e-6", "--lr_scheduler.warmup_steps=0", "--lr_scheduler.decay_type=none",
-        "--eval.enable=false", "--metrics.enable_tensorboard=false", "--checkpoint.enable=false", f"--job.dump_folder={dump}", *extra]))
-
-
-def open_clip_twin(trainer: Trainer) -> torch.nn.Module:
-    """open_clip's CLIP of our architecture, with our initial weights."""
-    import open_clip
-
-    args = trainer.model_args
-    cfg = open_clip_config(args)["model_cfg"]
-    cfg["text_cfg"].update(pool_type="eos", eos_id=args.eos_id)  # pool where ours pools (open_clip's default: argmax id)
-    model = open_clip.CLIP(**cfg, output_dict=True)
-    # open_clip's ViT hard-codes 3 input channels: a 1-channel patch conv reads the same images with ours' parameter count
-    model.visual.conv1 = torch.nn.Conv2d(args.in_channels, args.vision_width, args.patch_size, args.patch_size, bias=False)
-    model.load_state_dict(to_open_clip_state_dict(trainer.model.state_dict()))
-    return model
 
 
 def bench_clip_step(results: Results, args: argparse.Namespace) -> None:
@@ -207,14 +123,29 @@ def bench_clip_step(results: Results, args: argparse.Namespace) -> None:
         with torch.no_grad():  # same weights, same pooling: the same embeddings before any step
             ours_out, theirs_out = trainer.model(*inputs[0]), model(*inputs[0])
         diff = max_rel_diff([theirs_out["image_features"], theirs_out["text_features"]], ours_out[:2])
-        optimizer = build_optimizer(model, trainer.cfg.optimizer)  # the same AdamW construction and parameter groups as ours
-        oc_args = types.SimpleNamespace(device="cpu", precision="fp32", distill=False, accum_freq=k, skip_scheduler=True, horovod=False,
-                                        grad_clip_norm=1.0, log_every_n_steps=10**9, world_size=1, batch_size=local, wandb=False,
-                                        rank=0, local_rank=0)
+        # the same AdamW construction and parameter groups as ours
+        optimizer = build_optimizer(model, trainer.cfg.optimizer)
+        oc_args = types.SimpleNamespace(
+            device="cpu",
+            precision="fp32",
+            distill=False,
+            accum_freq=k,
+            skip_scheduler=True,
+            horovod=False,
+            grad_clip_norm=1.0,
+            log_every_n_steps=10**9,
+            world_size=1,
+            batch_size=local,
+            wandb=False,
+            rank=0,
+            local_rank=0,
+        )
         data = {"train": types.SimpleNamespace(dataloader=_Loader(inputs, 1), set_epoch=lambda epoch: None)}
         loss = open_clip.ClipLoss()
-        fns = {"ours": lambda: trainer.train_step(microbatches),
-               "open_clip": lambda: train_one_epoch(model, data, loss, 0, optimizer, None, None, None, oc_args)}
+        fns = {  # partials, not closures over the loop's variables; dropped at the end of the iteration
+            "ours": functools.partial(trainer.train_step, microbatches),
+            "open_clip": functools.partial(train_one_epoch, model, data, loss, 0, optimizer, None, None, None, oc_args),
+        }
         if ours_n != theirs_n:
             runs, skipped = {}, {"open_clip": f"parameter counts differ: ours {ours_n:,}, open_clip {theirs_n:,}"}
         else:
@@ -222,39 +153,24 @@ def bench_clip_step(results: Results, args: argparse.Namespace) -> None:
         label = f"{case} B={local}" + (f" k={k}" if k > 1 else "")
         shared = f"params: ours {ours_n:,}, open_clip {theirs_n:,}; {note}"
         notes = {"ours": f"{trainer.gradient_step.describe()}; {shared}", "open_clip": f"accum_freq={k}; {shared}"}
-        results.add(case_rows("clip_step", label, {"ours": "ours", "open_clip": "peer"}, runs, skipped,
-                              peer="open_clip", samples=local * k, diffs={"open_clip": diff},
-                              reference="ours: initial embeddings", notes=notes))
+        results.add(
+            case_rows(
+                "clip_step",
+                label,
+                {"ours": "ours", "open_clip": "peer"},
+                runs,
+                skipped,
+                peer="open_clip",
+                samples=local * k,
+                diffs={"open_clip": diff},
+                reference="ours: initial embeddings",
+                notes=notes,
+            )
+        )
+        del fns
 
 
-# ------------------------------------------------------------------ 2. the loss alone vs open_clip ClipLoss / SigLipLoss
-
-CLIP_SCALE, SIGLIP_SCALE, SIGLIP_BIAS = 1 / 0.07, 10.0, -10.0
-
-
-def ours_loss(kind: str, zx: torch.Tensor, zy: torch.Tensor) -> torch.Tensor:
-    """The one call site of our streaming loss (components/streaming_loss.py): StreamingClipStep's
-    loss path, one process, PyTorch kernel, the trainer's default block size, fixed temperature
-    (and bias). Accumulates dL/dzx, dL/dzy into .grad; returns the loss."""
-    step = StreamingClipStep(stream_chunk_size=JobConfig().loss.stream_chunk_size, kernel="pytorch", loss=kind,
-                             fixed_scale=CLIP_SCALE if kind == "clip" else SIGLIP_SCALE, fixed_bias=SIGLIP_BIAS if kind == "siglip" else None)
-    return step(lambda _: (zx * 1, zy * 1), [None])
-
-
-def dense_loss(kind: str, zx: torch.Tensor, zy: torch.Tensor) -> torch.Tensor:
-    loss = (clip_loss(zx, zy, torch.tensor(CLIP_SCALE)) if kind == "clip"
-            else sigmoid_loss(zx, zy, torch.tensor(SIGLIP_SCALE), torch.tensor(SIGLIP_BIAS)))
-    loss.backward()
-    return loss.detach()
-
-
-def open_clip_loss(kind: str, zx: torch.Tensor, zy: torch.Tensor) -> torch.Tensor:
-    from open_clip.loss import ClipLoss, SigLipLoss  # SigLipLoss is not exported at the top level
-
-    loss = (ClipLoss()(zx, zy, torch.tensor(CLIP_SCALE)) if kind == "clip"
-            else SigLipLoss()(zx, zy, torch.tensor(SIGLIP_SCALE), torch.tensor(SIGLIP_BIAS)))
-    loss.backward()
-    return loss.detach()
+# ----------------------------------------------------------------- 2. the loss alone vs open_clip ClipLoss / SigLipLoss
 
 
 def bench_loss(results: Results, args: argparse.Namespace) -> None:
@@ -265,7 +181,9 @@ def bench_loss(results: Results, args: argparse.Namespace) -> None:
             gen = torch.Generator().manual_seed(0)
             zx, zy = (F.normalize(torch.randn(n, 512, generator=gen), dim=-1).requires_grad_() for _ in range(2))
 
-            def run(fn: Callable, kind: str = kind, zx: torch.Tensor = zx, zy: torch.Tensor = zy) -> tuple[torch.Tensor, ...]:
+            def run(
+                fn: Callable, kind: str = kind, zx: torch.Tensor = zx, zy: torch.Tensor = zy
+            ) -> tuple[torch.Tensor, ...]:
                 zx.grad = zy.grad = None
                 return fn(kind, zx, zy), zx.grad, zy.grad
 
@@ -275,67 +193,48 @@ def bench_loss(results: Results, args: argparse.Namespace) -> None:
                     outputs[name] = [t.clone() for t in run(fn)]
                 except Exception as e:  # noqa: BLE001
                     failed[name] = reason(e)
-            diffs = {name: max_rel_diff(out, outputs["dense"]) for name, out in outputs.items()} if "dense" in outputs else {}
+            diffs = (
+                {name: max_rel_diff(out, outputs["dense"]) for name, out in outputs.items()}
+                if "dense" in outputs
+                else {}
+            )
             runs = timed({name: (lambda fn=fn: run(fn)) for name, fn in impls.items() if name in outputs}, args)
             notes = {"open_clip": "ClipLoss" if kind == "clip" else "SigLipLoss"}
-            results.add(case_rows("loss", f"{kind} N={n}", roles, runs, failed, peer="open_clip", samples=n,
-                                  diffs=diffs, reference="dense: loss, dL/dzx, dL/dzy", notes=notes))
+            results.add(
+                case_rows(
+                    "loss",
+                    f"{kind} N={n}",
+                    roles,
+                    runs,
+                    failed,
+                    peer="open_clip",
+                    samples=n,
+                    diffs=diffs,
+                    reference="dense: loss, dL/dzx, dL/dzy",
+                    notes=notes,
+                )
+            )
 
 
 # ------------------------------------------------------------------ 3. GradCache vs sentence-transformers' cached loss
 
-CHUNK = 32
-GRADCACHE_VARIANTS: list[tuple[str, list[str]]] = [  # (impl, our flags on top of train_configs/wordnet_minilm.toml): add variants here
+# (impl, our flags on top of train_configs/wordnet_minilm.toml): add variants here
+GRADCACHE_VARIANTS: list[tuple[str, list[str]]] = [
     ("ours", ["--gradcache.enabled=true", f"--gradcache.chunk_sizes={CHUNK}"]),
-    ("ours_chunk_tokens", ["--gradcache.enabled=true", "--gradcache.chunk_tokens=512"]),  # token budget ~ 32 x the median pair (16 tokens)
+    # token budget ~ 32 x the median pair (16 tokens)
+    ("ours_chunk_tokens", ["--gradcache.enabled=true", "--gradcache.chunk_tokens=512"]),
 ]
-PLAIN = ("plain_full_batch", ["--gradcache.enabled=false"])  # one forward + backward of the whole batch: the gradient reference
-
-
-def wordnet_subset(folder: str, count: int) -> str:
-    """`count` random pairs of the bundled WordNet training split (+ its test split) in `folder`, as
-    `data.path`: each trainer then tokenizes these instead of all 115,659 pairs."""
-    from titan_contrastive.datasets.wordnet import BUNDLE_DIR, load_pairs
-
-    queries, docs = load_pairs(BUNDLE_DIR, "train")
-    pick = torch.randperm(len(queries), generator=torch.Generator().manual_seed(0))[:count].tolist()
-    (Path(folder) / "pairs_train.tsv.gz").write_bytes(gzip.compress("".join(f"{queries[i]}\t{docs[i]}\n" for i in pick).encode()))
-    shutil.copy(BUNDLE_DIR / "pairs_test.tsv.gz", folder)
-    return folder
-
-
-def our_bi_encoder(n: int, flags: list[str], data: str, dump: str) -> Trainer:
-    trainer = Trainer(parse_args(["--job.config_file", str(REPO / "train_configs/wordnet_minilm.toml"), f"--data.path={data}",
-                                  f"--training.local_batch_size={n}", "--training.device=cpu", "--loss.learn_logit_scale=false",
-                                  "--eval.enable=false", "--metrics.enable_tensorboard=false", "--checkpoint.enable=false",
-                                  f"--job.dump_folder={dump}", *flags]))
-    trainer.model.eval()  # dropout off: every side computes the same gradient
-    return trainer
-
-
-def encoder_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameter gradients of the (first) Hugging Face encoder inside `model`, by its own names."""
-    from transformers import PreTrainedModel
-
-    encoder = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
-    return {name: p.grad for name, p in encoder.named_parameters() if p.grad is not None}
-
-
-def sentence_transformers_side(pad_id: int, scale: float) -> tuple[torch.nn.Module, torch.nn.Module]:
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss  # >= 6
-
-    from titan_contrastive.models.bi_encoder.model import model_dir
-
-    model = SentenceTransformer(str(model_dir()), device="cpu", local_files_only=True).eval()
-    loss = CachedMultipleNegativesRankingLoss(model, scale=scale, mini_batch_size=CHUNK, directions=("query_to_doc", "doc_to_query"),
-                                              partition_mode="per_direction")
-    return model, loss
+# one forward + backward of the whole batch: the gradient reference
+PLAIN = ("plain_full_batch", ["--gradcache.enabled=false"])
 
 
 def bench_gradcache(results: Results, args: argparse.Namespace) -> None:
-    luyug = ("not on PyPI here (`pip download grad-cache` finds no distribution; luyug/GradCache installs from its git repository)"
-             if importlib.util.find_spec("grad_cache") is None else "installed, but no runner for it is written here")
+    luyug = (
+        "not on PyPI here (`pip download grad-cache` finds no distribution; luyug/GradCache installs from its git "
+        "repository)"
+        if importlib.util.find_spec("grad_cache") is None
+        else "installed, but no runner for it is written here"
+    )
     st, sizes = None, (64, 128) if args.quick else (256, 1024)
     pairs = wordnet_subset(tempfile.mkdtemp(dir=args.dump), max(sizes))
     for n in sizes:
@@ -350,12 +249,18 @@ def bench_gradcache(results: Results, args: argparse.Namespace) -> None:
         batch = first.train_set.__getitems__(list(range(n)))  # random pairs already (wordnet_subset)
         fns: dict[str, Callable[[], Any]] = {}
         for impl, trainer in trainers.items():
-            fns[impl] = lambda t=trainer: (t.model.zero_grad(set_to_none=True), t.gradient_step([batch]))
+            fns[impl] = lambda t=trainer, batch=batch: (t.model.zero_grad(set_to_none=True), t.gradient_step([batch]))
         try:
             if st is None:
                 st = sentence_transformers_side(first.model.pad_id, first.model.logit_scale.exp().item())
-            features = [{"input_ids": batch[key], "attention_mask": (batch[key] != first.model.pad_id).long()} for key in ("query", "doc")]
-            fns["sentence_transformers"] = lambda: (st[0].zero_grad(set_to_none=True), st[1](features, None).backward())
+            features = [
+                {"input_ids": batch[key], "attention_mask": (batch[key] != first.model.pad_id).long()}
+                for key in ("query", "doc")
+            ]
+            fns["sentence_transformers"] = lambda st=st, features=features: (
+                st[0].zero_grad(set_to_none=True),
+                st[1](features, None).backward(),
+            )
         except Exception as e:  # noqa: BLE001
             failed["sentence_transformers"] = reason(e)
         runs = timed(fns, args)
@@ -363,18 +268,38 @@ def bench_gradcache(results: Results, args: argparse.Namespace) -> None:
         if "sentence_transformers" in runs and runs["sentence_transformers"].ok:
             grads["sentence_transformers"] = encoder_grads(st[0])
         reference = grads.get(PLAIN[0])
-        diffs = {impl: max_rel_diff([g[k] for k in reference], [reference[k] for k in reference], joint=True) for impl, g in grads.items()
-                 if reference is not None and reference.keys() <= g.keys()}
-        roles = {**{impl: "ours" for impl, _ in GRADCACHE_VARIANTS}, "sentence_transformers": "peer", "luyug_grad_cache": "peer",
-                 PLAIN[0]: "reference"}
+        diffs = {
+            impl: max_rel_diff([g[k] for k in reference], [reference[k] for k in reference], joint=True)
+            for impl, g in grads.items()
+            if reference is not None and reference.keys() <= g.keys()
+        }
+        roles = {
+            **{impl: "ours" for impl, _ in GRADCACHE_VARIANTS},
+            "sentence_transformers": "peer",
+            "luyug_grad_cache": "peer",
+            PLAIN[0]: "reference",
+        }
         tokens = f"batch padded to query {batch['query'].shape[1]} / doc {batch['doc'].shape[1]} tokens"
         notes = {impl: f"{t.gradient_step.describe()}; {tokens}" for impl, t in trainers.items()}
         if st is not None:
-            notes["sentence_transformers"] = (f"CachedMultipleNegativesRankingLoss mini_batch_size={CHUNK}, scale {st[1].scale:g}, query_to_doc"
-                                              f" + doc_to_query per direction; cuts each mini-batch's trailing padding; {tokens}")
-        results.add(case_rows("gradcache", f"MiniLM N={n}", roles, runs, {**failed, "luyug_grad_cache": luyug},
-                              peer="sentence_transformers", samples=n, diffs=diffs, reference=f"{PLAIN[0]}: encoder parameter gradients",
-                              notes=notes))
+            notes["sentence_transformers"] = (
+                f"CachedMultipleNegativesRankingLoss mini_batch_size={CHUNK}, scale {st[1].scale:g}, query_to_doc"
+                f" + doc_to_query per direction; cuts each mini-batch's trailing padding; {tokens}"
+            )
+        results.add(
+            case_rows(
+                "gradcache",
+                f"MiniLM N={n}",
+                roles,
+                runs,
+                {**failed, "luyug_grad_cache": luyug},
+                peer="sentence_transformers",
+                samples=n,
+                diffs=diffs,
+                reference=f"{PLAIN[0]}: encoder parameter gradients",
+                notes=notes,
+            )
+        )
         del trainers, fns
 
 
@@ -396,21 +321,45 @@ def plot(rows: list[Row], meta: dict[str, Any]):  # noqa: ANN201 - a matplotlib 
         impls = list(dict.fromkeys(r["impl"] for r in sel if r["status"] == "ok"))
         width = 0.8 / max(len(impls), 1)
         for j, impl in enumerate(impls):
-            found = [(i, r) for i, case in enumerate(cases) for r in sel if (r["case"], r["impl"], r["status"]) == (case, impl, "ok")]
+            found = [
+                (i, r)
+                for i, case in enumerate(cases)
+                for r in sel
+                if (r["case"], r["impl"], r["status"]) == (case, impl, "ok")
+            ]
             for i, row in found:
                 x = i + (j - (len(impls) - 1) / 2) * width
-                ax.bar(x, row["median_s"], width, color=colors[row["role"]], alpha=0.55 + 0.45 * (j % 2), edgecolor="black", linewidth=0.5,
-                       label=impl if (i, row) == found[0] else None)
+                ax.bar(
+                    x,
+                    row["median_s"],
+                    width,
+                    color=colors[row["role"]],
+                    alpha=0.55 + 0.45 * (j % 2),
+                    edgecolor="black",
+                    linewidth=0.5,
+                    label=impl if (i, row) == found[0] else None,
+                )
                 if row.get("ratio_ours_over_peer"):
-                    ax.annotate(f"{row['ratio_ours_over_peer']:.2f}x", (x, row["median_s"]), ha="center", va="bottom", fontsize=8)
+                    ax.annotate(
+                        f"{row['ratio_ours_over_peer']:.2f}x",
+                        (x, row["median_s"]),
+                        ha="center",
+                        va="bottom",
+                        fontsize=8,
+                    )
         ax.set_xticks(range(len(cases)), cases, rotation=15, fontsize=8)
-        ax.set(yscale="log", ylabel="median seconds (lower is better)", title=f"{comparison}: ours / peer time above ours")
+        ax.set(
+            yscale="log", ylabel="median seconds (lower is better)", title=f"{comparison}: ours / peer time above ours"
+        )
         for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
             axis(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.grid(alpha=0.3, axis="y", which="both")
         ax.legend(fontsize=7)
-    fig.suptitle(f"{meta['cpu']} ({meta['cores']} cores, {meta['torch_threads']} torch threads), torch {meta['torch']} (peer venv), "
-                 f"{meta['date'][:10]}{', quick' if meta['quick'] else ''}, median of {meta['reps']}", fontsize=9)
+    fig.suptitle(
+        f"{meta['cpu']} ({meta['cores']} cores, {meta['torch_threads']} torch threads), torch {meta['torch']} (peer "
+        f"venv), {meta['date'][:10]}{', quick' if meta['quick'] else ''}, median of {meta['reps']}",
+        fontsize=9,
+    )
     return fig
 
 
@@ -420,14 +369,20 @@ BENCHES = {"clip_step": bench_clip_step, "loss": bench_loss, "gradcache": bench_
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: smaller sizes, --reps 3 unless given")
-    parser.add_argument("--reps", type=int, default=None,
-                        help="timed repetitions per implementation (default 5, quick 3)")
-    parser.add_argument("--warmup", type=int, default=1, choices=range(1, 10), metavar="1..9",
-                        help="untimed rounds of every side first")
+    parser.add_argument(
+        "--reps", type=int, default=None, help="timed repetitions per implementation (default 5, quick 3)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=1, choices=range(1, 10), metavar="1..9", help="untimed rounds of every side first"
+    )
     parser.add_argument("--only", nargs="+", choices=list(BENCHES), default=list(BENCHES))
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: 1 with --quick, else torch's own); on a machine shared "
-                             "with other jobs every parallel op waits for its slowest thread: use 1")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: 1 with --quick, else torch's own); on a machine shared "
+        "with other jobs every parallel op waits for its slowest thread: use 1",
+    )
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for a hub
@@ -444,8 +399,18 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 BENCHES[name](results, args)
             except Exception as e:  # noqa: BLE001 - one comparison that cannot be set up does not cost the others
-                results.add([{"comparison": name, "case": "setup", "impl": "all", "role": "ours", "status": "skipped",
-                              "reason": reason(e)}])
+                results.add(
+                    [
+                        {
+                            "comparison": name,
+                            "case": "setup",
+                            "impl": "all",
+                            "role": "ours",
+                            "status": "skipped",
+                            "reason": reason(e),
+                        }
+                    ]
+                )
             fig = plot(results.rows, meta)
             if fig is not None:
                 harness.save_figure(fig, args.out / "peers_cpu.png", meta, dpi=110)

@@ -29,13 +29,17 @@ from titan_contrastive.components.memory_probe import SavedActivations
 from titan_contrastive.components.pixel_loss import compute_pixel_loss
 from titan_contrastive.models.vae import Decoder, vae_flavors
 
-MODES = {"v0": dict(mode="v0"), "chunked": dict(mode="chunked"),
-         "chunked+empty_cache/2": dict(mode="chunked", empty_cache_every=2),
-         "per_chunk_backward": dict(mode="per_chunk_backward")}
+MODES = {
+    "v0": dict(mode="v0"),
+    "chunked": dict(mode="chunked"),
+    "chunked+empty_cache/2": dict(mode="chunked", empty_cache_every=2),
+    "per_chunk_backward": dict(mode="per_chunk_backward"),
+}
 
 
-def measure(decoder: Decoder, n: int, size: int, modes: list[str], args: argparse.Namespace,
-            device: torch.device) -> list[dict[str, Any]]:
+def measure(
+    decoder: Decoder, n: int, size: int, modes: list[str], args: argparse.Namespace, device: torch.device
+) -> list[dict[str, Any]]:
     """One case: every mode on the same latents, images and masks, interleaved; one row per mode."""
     dtype = getattr(torch, args.dtype)
     cfg = vae_flavors[args.flavor]
@@ -53,8 +57,14 @@ def measure(decoder: Decoder, n: int, size: int, modes: list[str], args: argpars
     def reset(_: str = "") -> None:
         latents.grad = None
 
-    runs = harness.round_robin({mode: (lambda mode=mode: once(mode)) for mode in modes}, args.repeats, warmup=1,
-                               before=reset, device=device, rss=not cuda)
+    runs = harness.round_robin(
+        {mode: (lambda mode=mode: once(mode)) for mode in modes},
+        args.repeats,
+        warmup=1,
+        before=reset,
+        device=device,
+        rss=not cuda,
+    )
     rows = []
     for mode, m in runs.items():
         row: dict[str, Any] = {"case": f"{n}x{size}", "mode": mode, "images": n, "size": size}
@@ -75,8 +85,12 @@ def measure(decoder: Decoder, n: int, size: int, modes: list[str], args: argpars
             torch.cuda.empty_cache()
             continue
         stats = harness.summary(m.times_s)
-        row.update(time_ms=1e3 * stats["median"], min_ms=1e3 * stats["min"], max_ms=1e3 * stats["max"],
-                   saved_activations_gib=probe.peak / 2**30)
+        row.update(
+            time_ms=1e3 * stats["median"],
+            min_ms=1e3 * stats["min"],
+            max_ms=1e3 * stats["max"],
+            saved_activations_gib=probe.peak / 2**30,
+        )
     reset()
     return rows
 
@@ -127,10 +141,22 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row))
     suffix = "" if device.type == "cuda" else "_cpu"
     meta = harness.metadata(device)
-    payload = {"device": name, "flavor": args.flavor, "dtype": args.dtype, "repeats": args.repeats,
-               "decoder_trainable": args.trainable_decoder}
-    harness.write_results(args.out, f"pixel_loss_bench{suffix}", meta, payload, rows=rows, dpi=110,
-                          figure=lambda: plot(rows, f"pixel loss, vae/{args.flavor} decoder, {args.dtype}, {name}"))
+    payload = {
+        "device": name,
+        "flavor": args.flavor,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "decoder_trainable": args.trainable_decoder,
+    }
+    harness.write_results(
+        args.out,
+        f"pixel_loss_bench{suffix}",
+        meta,
+        payload,
+        rows=rows,
+        dpi=110,
+        figure=lambda: plot(rows, f"pixel loss, vae/{args.flavor} decoder, {args.dtype}, {name}"),
+    )
     print(f"wrote {args.out}/pixel_loss_bench{suffix}.json and .png")
 
 

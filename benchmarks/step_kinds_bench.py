@@ -30,12 +30,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 KINDS = {
     "accumulate": ["--training.local_batch_size=64", "--training.global_batch_size=256"],
-    "gradcache": ["--training.local_batch_size=64", "--training.global_batch_size=256", "--gradcache.enabled=true",
-                  "--gradcache.chunk_sizes=16"],
-    "global": ["--training.local_batch_size=64", "--training.global_batch_size=256", "--loss.negatives=global",
-               "--loss.stream_chunk_size=128"],
-    "pixel": ["--model.name=vae", "--data.dataset=emoji", "--training.local_batch_size=16",
-              "--training.global_batch_size=32"],
+    "gradcache": [
+        "--training.local_batch_size=64",
+        "--training.global_batch_size=256",
+        "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=16",
+    ],
+    "global": [
+        "--training.local_batch_size=64",
+        "--training.global_batch_size=256",
+        "--loss.negatives=global",
+        "--loss.stream_chunk_size=128",
+    ],
+    "pixel": [
+        "--model.name=vae",
+        "--data.dataset=emoji",
+        "--training.local_batch_size=16",
+        "--training.global_batch_size=32",
+    ],
 }
 
 
@@ -47,12 +59,22 @@ def worker(kind: str, warmup: int, steps: int, threads: int) -> None:
     from titan_contrastive.train import Trainer
 
     with tempfile.TemporaryDirectory() as dump:
-        trainer = Trainer(parse_args(["--metrics.enable_tensorboard=false", "--eval.enable=false",
-                                      f"--job.dump_folder={dump}", f"--training.steps={warmup + steps}", *KINDS[kind]]))
+        trainer = Trainer(
+            parse_args(
+                [
+                    "--metrics.enable_tensorboard=false",
+                    "--eval.enable=false",
+                    f"--job.dump_folder={dump}",
+                    f"--training.steps={warmup + steps}",
+                    *KINDS[kind],
+                ]
+            )
+        )
         torch.set_num_threads(threads)  # after the trainer's own choice
         local = trainer.cfg.training.local_batch_size
-        batches = [trainer.train_set.__getitems__(list(range(j * local, (j + 1) * local)))
-                   for j in range(trainer.ga_steps)]
+        batches = [
+            trainer.train_set.__getitems__(list(range(j * local, (j + 1) * local))) for j in range(trainer.ga_steps)
+        ]
         times = []
         for i in range(warmup + steps):
             start = time.perf_counter()
@@ -68,8 +90,18 @@ def measure(tree: Path, kind: str, args: argparse.Namespace) -> tuple[float, flo
     from benchmarks import harness
 
     env = {**os.environ, "PYTHONPATH": str(tree), "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--warmup", str(args.warmup),
-           "--steps", str(args.steps), "--threads", str(args.threads)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        kind,
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+    ]
     out = harness.run_child(cmd, env=env, cwd=tree, check=True)
     return statistics.median(json.loads(out.stdout.strip().splitlines()[-1])["times"]), out.peak_rss_mib
 
@@ -91,8 +123,9 @@ def plot(rows: list[dict], trees: list[str], device: str):  # noqa: ANN201 - a m
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--compare-tree", type=Path,
-                        help="another checkout of titan_contrastive (e.g. the commit before a change)")
+    parser.add_argument(
+        "--compare-tree", type=Path, help="another checkout of titan_contrastive (e.g. the commit before a change)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
@@ -107,25 +140,43 @@ def main(argv: list[str] | None = None) -> None:
 
     trees = {"this": REPO, **({"compare": args.compare_tree.resolve()} if args.compare_tree else {})}
     pairs = {f"{kind}/{name}": (kind, name) for kind in args.kinds for name in trees}
-    runs = harness.round_robin({key: (lambda kind=kind, name=name: measure(trees[name], kind, args))
-                                for key, (kind, name) in pairs.items()}, args.repeats, warmup=0, rss=False,
-                               keep_values=True, log=print)
+    runs = harness.round_robin(
+        {key: (lambda kind=kind, name=name: measure(trees[name], kind, args)) for key, (kind, name) in pairs.items()},
+        args.repeats,
+        warmup=0,
+        rss=False,
+        keep_values=True,
+        log=print,
+    )
     medians = {k: {t: [v[0] for v in runs[f"{k}/{t}"].values] for t in trees} for k in args.kinds}
     rows = []
     for kind, by_tree in medians.items():
-        row = {"kind": kind, **{f"{t}_ms": statistics.median(v) * 1e3 for t, v in by_tree.items()},
-               **{f"{t}_min_ms": min(v) * 1e3 for t, v in by_tree.items()},
-               **{f"{t}_peak_rss_mib": max((v[1] or 0.0) for v in runs[f"{kind}/{t}"].values) for t in trees}}
+        row = {
+            "kind": kind,
+            **{f"{t}_ms": statistics.median(v) * 1e3 for t, v in by_tree.items()},
+            **{f"{t}_min_ms": min(v) * 1e3 for t, v in by_tree.items()},
+            **{f"{t}_peak_rss_mib": max((v[1] or 0.0) for v in runs[f"{kind}/{t}"].values) for t in trees},
+        }
         if "compare" in by_tree:
             row["ratio"] = row["this_ms"] / row["compare_ms"]
         rows.append(row)
-    meta = harness.metadata("cpu", compare_tree=str(trees.get("compare", "")) or None,
-                            compare_commit=harness.git_commit(trees["compare"]) if "compare" in trees else None)
+    meta = harness.metadata(
+        "cpu",
+        compare_tree=str(trees.get("compare", "")) or None,
+        compare_commit=harness.git_commit(trees["compare"]) if "compare" in trees else None,
+    )
     device = f"CPU, {os.cpu_count()} cores, torch {meta['torch']}, {args.threads} thread(s) per process"
-    payload = {"device": device, "repeats": args.repeats, "steps": args.steps, "warmup": args.warmup,
-               "threads": args.threads, "medians_s": medians}
-    harness.write_results(args.out, "step_kinds_bench", meta, payload, rows=rows,
-                          figure=lambda: plot(rows, list(trees), device))
+    payload = {
+        "device": device,
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": args.threads,
+        "medians_s": medians,
+    }
+    harness.write_results(
+        args.out, "step_kinds_bench", meta, payload, rows=rows, figure=lambda: plot(rows, list(trees), device)
+    )
     for row in rows:
         print(row)
 

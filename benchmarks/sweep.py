@@ -34,9 +34,26 @@ from benchmarks import harness
 
 REPO = harness.REPO
 GRIDS = Path(__file__).parent / "grids"
-FIELDS = ["strategy", "global_batch_size", "status", "samples_per_s", "samples_per_s_min", "samples_per_s_max", "mfu",
-          "peak_memory_gib", "peak_reserved_gib", "final_loss", "timed_windows", "wall_s", "peak_rss_mib",
-          "budget_gib", "planned_chunk", "planned_gib", "first_step_peak_gib", "detail"]
+FIELDS = [
+    "strategy",
+    "global_batch_size",
+    "status",
+    "samples_per_s",
+    "samples_per_s_min",
+    "samples_per_s_max",
+    "mfu",
+    "peak_memory_gib",
+    "peak_reserved_gib",
+    "final_loss",
+    "timed_windows",
+    "wall_s",
+    "peak_rss_mib",
+    "budget_gib",
+    "planned_chunk",
+    "planned_gib",
+    "first_step_peak_gib",
+    "detail",
+]
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "MemoryError")
 
 
@@ -56,8 +73,13 @@ def load_grid(name_or_path: str) -> dict[str, Any]:
 def point_command(grid: dict[str, Any], strategy: dict[str, Any], global_batch: int, dump: Path) -> list[str]:
     overrides = [o.replace("{global}", str(global_batch)) for o in strategy.get("overrides", [])]
     base = [o.replace("{global}", str(global_batch)) for o in grid["base"]]
-    return ["./run_train.sh", f"--job.dump_folder={dump}", f"--training.global_batch_size={global_batch}", *base,
-            *overrides]
+    return [
+        "./run_train.sh",
+        f"--job.dump_folder={dump}",
+        f"--training.global_batch_size={global_batch}",
+        *base,
+        *overrides,
+    ]
 
 
 def summarize(records: list[dict[str, Any]], warmup_windows: int) -> dict[str, Any]:
@@ -68,9 +90,13 @@ def summarize(records: list[dict[str, Any]], warmup_windows: int) -> dict[str, A
     timed = windows[warmup_windows:] or windows[-1:]
     rates = harness.summary([w["samples_per_s"] for w in timed])
     row: dict[str, Any] = {
-        "status": "ok", "samples_per_s": rates["median"], "samples_per_s_min": rates["min"],
-        "samples_per_s_max": rates["max"], "peak_memory_gib": max(w["peak_memory_gib"] for w in windows),
-        "final_loss": windows[-1]["loss"], "timed_windows": len(timed),
+        "status": "ok",
+        "samples_per_s": rates["median"],
+        "samples_per_s_min": rates["min"],
+        "samples_per_s_max": rates["max"],
+        "peak_memory_gib": max(w["peak_memory_gib"] for w in windows),
+        "final_loss": windows[-1]["loss"],
+        "timed_windows": len(timed),
     }
     if all("mfu" in w for w in timed):
         row["mfu"] = harness.summary([w["mfu"] for w in timed])["median"]
@@ -78,13 +104,17 @@ def summarize(records: list[dict[str, Any]], warmup_windows: int) -> dict[str, A
         row["peak_reserved_gib"] = max(w.get("peak_reserved_gib", 0.0) for w in windows)
     plan = next((r for r in records if r.get("kind") == "memory"), None)
     if plan is not None:  # [memory] budget_gib: the planner's choice and the first step measured against it
-        row.update(budget_gib=plan["budget_gib"], planned_chunk=plan["chunk"], planned_gib=plan["planned_gib"],
-                   first_step_peak_gib=plan["peak_gib"])
+        row.update(
+            budget_gib=plan["budget_gib"],
+            planned_chunk=plan["chunk"],
+            planned_gib=plan["planned_gib"],
+            first_step_peak_gib=plan["peak_gib"],
+        )
     return row
 
 
 def classify_failure(output: str) -> dict[str, Any]:
-    """"oom" when the run died of memory, else "error" with the trainer's one-line `error:` message
+    """ "oom" when the run died of memory, else "error" with the trainer's one-line `error:` message
     (or the last meaningful line: torchrun appends a banner of '=' after a failed rank)."""
     if any(marker in output for marker in OOM_MARKERS):
         return {"status": "oom", "detail": "out of memory"}
@@ -93,11 +123,17 @@ def classify_failure(output: str) -> dict[str, Any]:
     return {"status": "error", "detail": (ours or lines or ["no output"])[-1][-300:]}
 
 
-def run_point(grid: dict[str, Any], strategy: dict[str, Any], global_batch: int, workdir: Path,
-              timeout: float) -> dict[str, Any]:
+def run_point(
+    grid: dict[str, Any], strategy: dict[str, Any], global_batch: int, workdir: Path, timeout: float
+) -> dict[str, Any]:
     dump = workdir / f"{strategy['name']}_{global_batch}".replace(" ", "_").replace(",", "").replace("/", "_")
-    env = {**os.environ, "NGPU": str(grid["nproc"]), "CONFIG_FILE": grid["config"], "PYTHON": sys.executable,
-           "LOG_RANK": "0"}
+    env = {
+        **os.environ,
+        "NGPU": str(grid["nproc"]),
+        "CONFIG_FILE": grid["config"],
+        "PYTHON": sys.executable,
+        "LOG_RANK": "0",
+    }
     row: dict[str, Any] = {"strategy": strategy["name"], "global_batch_size": global_batch}
     try:
         out = harness.run_child(point_command(grid, strategy, global_batch, dump), cwd=REPO, env=env, timeout=timeout)
@@ -115,14 +151,22 @@ def run_point(grid: dict[str, Any], strategy: dict[str, Any], global_batch: int,
     return row
 
 
-def write_results(grid: dict[str, Any], rows: list[dict[str, Any]], out: Path, device: str,
-                  meta: dict[str, Any] | None = None) -> None:
+def write_results(
+    grid: dict[str, Any], rows: list[dict[str, Any]], out: Path, device: str, meta: dict[str, Any] | None = None
+) -> None:
     meta = meta or harness.metadata()
-    payload = {"grid": grid["name"], "config": grid["config"], "nproc": grid["nproc"], "base": grid["base"],
-               "device": device, "strategies": grid["strategies"]}
+    payload = {
+        "grid": grid["name"],
+        "config": grid["config"],
+        "nproc": grid["nproc"],
+        "base": grid["base"],
+        "device": device,
+        "strategies": grid["strategies"],
+    }
     title = f"{grid['name']}: {grid['config']} x{grid['nproc']} on {device}"
-    harness.write_results(out, f"sweep_{grid['name']}", meta, payload, rows=rows, fields=FIELDS, dpi=110,
-                          figure=lambda: plot(rows, title))
+    harness.write_results(
+        out, f"sweep_{grid['name']}", meta, payload, rows=rows, fields=FIELDS, dpi=110, figure=lambda: plot(rows, title)
+    )
 
 
 def plot(rows: list[dict[str, Any]], title: str):  # noqa: ANN201 - a matplotlib figure
@@ -131,9 +175,14 @@ def plot(rows: list[dict[str, Any]], title: str):  # noqa: ANN201 - a matplotlib
     for name in dict.fromkeys(r["strategy"] for r in rows):
         ok = [r for r in rows if r["strategy"] == name and r["status"] == "ok"]
         xs = [r["global_batch_size"] for r in ok]
-        line, = ax1.plot(xs, [r["samples_per_s"] for r in ok], marker="o", label=name)
-        ax1.fill_between(xs, [r["samples_per_s_min"] for r in ok], [r["samples_per_s_max"] for r in ok], alpha=0.15,
-                         color=line.get_color())
+        (line,) = ax1.plot(xs, [r["samples_per_s"] for r in ok], marker="o", label=name)
+        ax1.fill_between(
+            xs,
+            [r["samples_per_s_min"] for r in ok],
+            [r["samples_per_s_max"] for r in ok],
+            alpha=0.15,
+            color=line.get_color(),
+        )
         ax2.plot(xs, [r["peak_memory_gib"] for r in ok], marker="o", color=line.get_color(), label=name)
         for r in rows:
             if r["strategy"] == name and r["status"] != "ok":

@@ -36,22 +36,39 @@ VARIANTS = {
 
 def run_variant(name: str, extra: list[str], args: argparse.Namespace, dump: Path) -> dict[str, Any]:
     env = {**os.environ, "NGPU": str(args.nproc), "PYTHON": sys.executable, "LOG_RANK": "0"}
-    cmd = ["./run_train.sh", f"--job.dump_folder={dump}", f"--model.flavor={args.flavor}",
-           f"--data.image_size={args.image_size}", f"--training.steps={args.steps}",
-           f"--training.local_batch_size={args.local_batch}", f"--training.mixed_precision_param={args.precision}",
-           "--parallelism.data_parallel_replicate_degree=1", "--parallelism.data_parallel_shard_degree=-1",
-           f"--metrics.log_freq={args.log_freq}", "--eval.enable=false", "--metrics.enable_tensorboard=false",
-           f"--compile.backend={args.compile_backend}", *extra]
+    cmd = [
+        "./run_train.sh",
+        f"--job.dump_folder={dump}",
+        f"--model.flavor={args.flavor}",
+        f"--data.image_size={args.image_size}",
+        f"--training.steps={args.steps}",
+        f"--training.local_batch_size={args.local_batch}",
+        f"--training.mixed_precision_param={args.precision}",
+        "--parallelism.data_parallel_replicate_degree=1",
+        "--parallelism.data_parallel_shard_degree=-1",
+        f"--metrics.log_freq={args.log_freq}",
+        "--eval.enable=false",
+        "--metrics.enable_tensorboard=false",
+        f"--compile.backend={args.compile_backend}",
+        *extra,
+    ]
     out = harness.run_child(cmd, cwd=REPO, env=env)
     if out.returncode != 0:
         raise SystemExit(f"variant {name} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     windows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
-    kept = windows[args.warmup:] or windows[-1:]
+    kept = windows[args.warmup :] or windows[-1:]
     rates = harness.summary([w["samples_per_s"] for w in kept])
-    row = {"variant": name, "samples_per_s": rates["median"], "samples_per_s_min": rates["min"],
-           "samples_per_s_max": rates["max"], "peak_memory_gib": max(w["peak_memory_gib"] for w in windows),
-           "windows": len(kept), "final_loss": windows[-1]["loss"], "wall_s": out.wall_s,
-           "peak_rss_mib": out.peak_rss_mib}
+    row = {
+        "variant": name,
+        "samples_per_s": rates["median"],
+        "samples_per_s_min": rates["min"],
+        "samples_per_s_max": rates["max"],
+        "peak_memory_gib": max(w["peak_memory_gib"] for w in windows),
+        "windows": len(kept),
+        "final_loss": windows[-1]["loss"],
+        "wall_s": out.wall_s,
+        "peak_rss_mib": out.peak_rss_mib,
+    }
     if "mfu" in kept[0]:
         row["mfu"] = statistics.median(w["mfu"] for w in kept)
     return row
@@ -92,25 +109,58 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
             return row
 
-        runs = harness.round_robin({name: (lambda name=name: launch(name)) for name in args.variants}, args.repeats,
-                                   warmup=0, rss=False, keep_values=True)
+        runs = harness.round_robin(
+            {name: (lambda name=name: launch(name)) for name in args.variants},
+            args.repeats,
+            warmup=0,
+            rss=False,
+            keep_values=True,
+        )
     rows = []
     for name, m in runs.items():
         launched = m.values
-        row = dict(launched[0]) if len(launched) == 1 else {
-            "variant": name, "repeats": len(launched),
-            **{k: statistics.median(r[k] for r in launched) for k in ("samples_per_s", "mfu", "wall_s")
-               if k in launched[0]},
-            "samples_per_s_min": min(r["samples_per_s"] for r in launched),
-            "samples_per_s_max": max(r["samples_per_s"] for r in launched),
-            "peak_memory_gib": max(r["peak_memory_gib"] for r in launched),
-            "peak_rss_mib": max(r["peak_rss_mib"] or 0.0 for r in launched), "launches": launched}
+        row = (
+            dict(launched[0])
+            if len(launched) == 1
+            else {
+                "variant": name,
+                "repeats": len(launched),
+                **{
+                    k: statistics.median(r[k] for r in launched)
+                    for k in ("samples_per_s", "mfu", "wall_s")
+                    if k in launched[0]
+                },
+                "samples_per_s_min": min(r["samples_per_s"] for r in launched),
+                "samples_per_s_max": max(r["samples_per_s"] for r in launched),
+                "peak_memory_gib": max(r["peak_memory_gib"] for r in launched),
+                "peak_rss_mib": max(r["peak_rss_mib"] or 0.0 for r in launched),
+                "launches": launched,
+            }
+        )
         rows.append(row)
     device = harness.device_name()
-    fields = ["variant", "repeats", "samples_per_s", "samples_per_s_min", "samples_per_s_max", "mfu", "peak_memory_gib",
-              "peak_rss_mib", "windows", "final_loss", "wall_s"]
-    harness.write_results(args.out, "train_bench", harness.metadata(), {"config": vars(args), "device": device},
-                          rows=rows, fields=fields, figure=lambda: plot(rows, args, device))
+    fields = [
+        "variant",
+        "repeats",
+        "samples_per_s",
+        "samples_per_s_min",
+        "samples_per_s_max",
+        "mfu",
+        "peak_memory_gib",
+        "peak_rss_mib",
+        "windows",
+        "final_loss",
+        "wall_s",
+    ]
+    harness.write_results(
+        args.out,
+        "train_bench",
+        harness.metadata(),
+        {"config": vars(args), "device": device},
+        rows=rows,
+        fields=fields,
+        figure=lambda: plot(rows, args, device),
+    )
 
 
 if __name__ == "__main__":

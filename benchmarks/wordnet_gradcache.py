@@ -39,9 +39,16 @@ VARIANTS: dict[str, tuple[int, float, int, int]] = {
 def command(name: str, dump: Path) -> list[str]:
     batch, lr, warmup, chunk = VARIANTS[name]
     steps = 1 if name == "frozen" else SAMPLES // batch
-    cmd = ["./run_train.sh", f"--job.dump_folder={dump}", "--metrics.enable_tensorboard=false",
-           f"--training.steps={steps}", f"--training.local_batch_size={batch}", f"--optimizer.lr={lr}",
-           f"--lr_scheduler.warmup_steps={warmup}", f"--metrics.log_freq={max(1, steps // 8)}"]
+    cmd = [
+        "./run_train.sh",
+        f"--job.dump_folder={dump}",
+        "--metrics.enable_tensorboard=false",
+        f"--training.steps={steps}",
+        f"--training.local_batch_size={batch}",
+        f"--optimizer.lr={lr}",
+        f"--lr_scheduler.warmup_steps={warmup}",
+        f"--metrics.log_freq={max(1, steps // 8)}",
+    ]
     if chunk:
         cmd += ["--gradcache.enabled=true", f"--gradcache.chunk_sizes={chunk}"]
     return cmd
@@ -54,12 +61,21 @@ def read(name: str, dump: Path) -> dict[str, Any]:
         raise SystemExit(f"{dump}/metrics.jsonl has no eval record: did the {name} run finish?")
     batch, lr, warmup, chunk = VARIANTS[name]
     curve = [(r["step"] * batch, r["loss"]) for r in records if r["kind"] == "train"]
-    return {"variant": name, "batch": batch, "gradcache_chunk": chunk or None, "lr": lr, "warmup_steps": warmup,
-            "steps": evals[-1]["step"], "r@1": evals[-1]["query_to_doc_r@1"], "r@10": evals[-1]["query_to_doc_r@10"],
-            "eval_loss": evals[-1]["loss"],
-            "samples_per_s": [r["samples_per_s"] for r in records if r["kind"] == "train"],
-            "peak_memory_gib": max((r["peak_memory_gib"] for r in records if r["kind"] == "train"), default=None),
-            "train_loss_vs_samples": curve, "command": " ".join(command(name, Path(f"<dump>_{name}")))}
+    return {
+        "variant": name,
+        "batch": batch,
+        "gradcache_chunk": chunk or None,
+        "lr": lr,
+        "warmup_steps": warmup,
+        "steps": evals[-1]["step"],
+        "r@1": evals[-1]["query_to_doc_r@1"],
+        "r@10": evals[-1]["query_to_doc_r@10"],
+        "eval_loss": evals[-1]["loss"],
+        "samples_per_s": [r["samples_per_s"] for r in records if r["kind"] == "train"],
+        "peak_memory_gib": max((r["peak_memory_gib"] for r in records if r["kind"] == "train"), default=None),
+        "train_loss_vs_samples": curve,
+        "command": " ".join(command(name, Path(f"<dump>_{name}"))),
+    }
 
 
 def plot(rows: list[dict[str, Any]]):  # noqa: ANN201 - a matplotlib figure
@@ -93,8 +109,13 @@ def main(argv: list[str] | None = None) -> None:
         prefix = args.collect or (args.out / "wordnet_runs" / "wn")
         dump = Path(f"{prefix}_{name}")
         if args.collect is None:
-            env = {**os.environ, "NGPU": "1", "PYTHON": sys.executable, "LOG_RANK": "0",
-                   "CONFIG_FILE": "train_configs/wordnet_minilm.toml"}
+            env = {
+                **os.environ,
+                "NGPU": "1",
+                "PYTHON": sys.executable,
+                "LOG_RANK": "0",
+                "CONFIG_FILE": "train_configs/wordnet_minilm.toml",
+            }
             result = harness.run_child(command(name, dump), cwd=REPO, env=env)
             if result.returncode != 0:
                 raise SystemExit(f"variant {name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
@@ -103,10 +124,30 @@ def main(argv: list[str] | None = None) -> None:
             wall = peak_rss = None  # not recorded in metrics.jsonl; time the launches yourself
         rows.append({**read(name, dump), "wall_s": wall, "peak_rss_mib": peak_rss})
         print(f"{name:>6}: batch {rows[-1]['batch']:>4}  R@1 {rows[-1]['r@1']:.4f}  R@10 {rows[-1]['r@10']:.4f}")
-    fields = ["variant", "batch", "gradcache_chunk", "lr", "warmup_steps", "steps", "r@1", "r@10", "eval_loss",
-              "peak_memory_gib", "wall_s", "peak_rss_mib"]
-    harness.write_results(args.out, "wordnet_gradcache", harness.metadata(), {"device": args.device,
-                          "samples_seen": SAMPLES}, rows=rows, fields=fields, dpi=110, figure=lambda: plot(rows))
+    fields = [
+        "variant",
+        "batch",
+        "gradcache_chunk",
+        "lr",
+        "warmup_steps",
+        "steps",
+        "r@1",
+        "r@10",
+        "eval_loss",
+        "peak_memory_gib",
+        "wall_s",
+        "peak_rss_mib",
+    ]
+    harness.write_results(
+        args.out,
+        "wordnet_gradcache",
+        harness.metadata(),
+        {"device": args.device, "samples_seen": SAMPLES},
+        rows=rows,
+        fields=fields,
+        dpi=110,
+        figure=lambda: plot(rows),
+    )
     print(f"wrote {args.out}/wordnet_gradcache.json and .png")
 
 

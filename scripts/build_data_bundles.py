@@ -61,9 +61,11 @@ def build_fashion_mnist(source: Path, out: Path) -> None:
     pixels = images.astype(np.float64) / 255.0
     logger.info("full training set: %d images, pixel mean %.4f std %.4f", len(images), pixels.mean(), pixels.std())
     rng = np.random.default_rng(SUBSET_SEED)
-    keep = np.sort(np.concatenate([
-        rng.choice(np.flatnonzero(labels == c), TRAIN_PER_CLASS, replace=False) for c in range(len(CLASS_NAMES))
-    ]))
+    keep = np.sort(
+        np.concatenate(
+            [rng.choice(np.flatnonzero(labels == c), TRAIN_PER_CLASS, replace=False) for c in range(len(CLASS_NAMES))]
+        )
+    )
     write_idx(out / FILES["train"][0], images[keep])
     write_idx(out / FILES["train"][1], labels[keep])
     logger.info("fashion_mnist: wrote %d train + 10000 test images to %s", len(keep), out)
@@ -111,15 +113,27 @@ def build_emoji(package: Path, out_file: Path) -> None:
         categories=np.array([e["category"] for e in entries]),
     )
     pixels = images.reshape(-1, 3).astype(np.float64) / 255.0
-    logger.info("emoji: wrote %d images %s to %s; RGB mean %s std %s", len(images), images.shape[1:], out_file,
-                np.round(pixels.mean(0), 4).tolist(), np.round(pixels.std(0), 4).tolist())
+    logger.info(
+        "emoji: wrote %d images %s to %s; RGB mean %s std %s",
+        len(images),
+        images.shape[1:],
+        out_file,
+        np.round(pixels.mean(0), 4).tolist(),
+        np.round(pixels.std(0), 4).tolist(),
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fashion-mnist", type=Path, default=SYSTEM_DIR, help="folder with the four original IDX .gz files")
-    parser.add_argument("--emoji-package", type=Path, default=Path("node_modules/emoji-datasource-google"),
-                        help="the extracted npm package emoji-datasource-google")
+    parser.add_argument(
+        "--fashion-mnist", type=Path, default=SYSTEM_DIR, help="folder with the four original IDX .gz files"
+    )
+    parser.add_argument(
+        "--emoji-package",
+        type=Path,
+        default=Path("node_modules/emoji-datasource-google"),
+        help="the extracted npm package emoji-datasource-google",
+    )
     parser.add_argument("--only", choices=["fashion_mnist", "emoji"], help="build one bundle only")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -7,7 +7,8 @@ One pair per synset: its gloss up to the first example sentence, and its first l
 as spaces, adjective markers such as "(a)" dropped). Test split: 2,000 synsets, drawn with seed 0
 from those whose lemma names no other synset and whose definition no other synset shares, so
 each test definition has exactly one right answer among the test lemmas and neither its lemma
-nor its definition text occurs in training; the training split is every other synset. Writes pairs_{train,test}.tsv.gz and copies the licence.
+nor its definition text occurs in training; the training split is every other synset. Writes
+pairs_{train,test}.tsv.gz and copies the licence.
 """
 
 from __future__ import annotations

@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
                     folder = args.out / "zero_shot" / categories[i].lower().replace(" & ", "_and_").replace(" ", "_")
                     folder.mkdir(parents=True, exist_ok=True)
                     Image.fromarray(images[i]).save(folder / path.name)
-    print(f"wrote {len(images)} emoji to {args.out}: train.csv, val.csv, zero_shot/ ({len(set(categories))} categories)")
+    print(
+        f"wrote {len(images)} emoji to {args.out}: train.csv, val.csv, zero_shot/ ({len(set(categories))} categories)"
+    )
     return 0
 
 

@@ -1,6 +1,7 @@
 """benchmarks/harness.py, the one harness every benchmark uses, and the benchmarks' shape: round-robin order,
 statistics, memory probes, metadata, result files; every benchmarks/*.py imports without side effects (no
-sys.path edits, no environment changes, nothing written) and answers --help."""
+sys.path edits, no environment changes, nothing written) and answers --help (a `_`-prefixed module is part of
+the harness or of one benchmark, and imports with it)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ import torch
 from benchmarks import harness
 
 REPO = Path(__file__).resolve().parents[1]
-MODULES = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if p.stem not in ("__init__", "harness"))
+# the benchmarks; not the harness, nor a `_`-prefixed module: a part of one (`_harness_results`, `_peers_sides`)
+MODULES = sorted(
+    p.stem for p in (REPO / "benchmarks").glob("*.py") if p.stem != "harness" and not p.stem.startswith("_")
+)
 
 
 def test_round_robin_rotates_the_order_and_times_only_after_warmup() -> None:
@@ -48,8 +52,13 @@ def test_out_of_memory_and_failures_leave_the_rotation() -> None:
         calls.append("broken")
         raise RuntimeError("no such kernel\nsecond line")
 
-    runs = harness.round_robin({"ok": lambda: calls.append("ok"), "oom": oom, "broken": broken}, repeats=2,
-                               warmup=1, tolerate={"broken"}, rss=False)
+    runs = harness.round_robin(
+        {"ok": lambda: calls.append("ok"), "oom": oom, "broken": broken},
+        repeats=2,
+        warmup=1,
+        tolerate={"broken"},
+        rss=False,
+    )
     assert calls == ["ok", "oom", "broken", "oom", "ok", "ok"]
     assert runs["ok"].ok and len(runs["ok"].times_s) == 2
     assert runs["oom"].status == "OOM" and runs["oom"].row()["status"] == "OOM"
@@ -70,13 +79,14 @@ def test_summary_and_row_statistics() -> None:
 def test_peak_rss_of_a_block_and_of_a_child() -> None:
     with harness.PeakRSS() as probe:
         block = bytearray(64 * 2**20)
-        block[:: 4096] = b"\1" * len(block[:: 4096])  # touch every page
+        block[::4096] = b"\1" * len(block[::4096])  # touch every page
     del block
     assert probe.peak_mib >= probe.start_mib
     if probe.reset:  # Linux >= 4.0: the peak is this block's
         assert probe.growth_mib > 48
-    child = harness.run_child([sys.executable, "-c", "b = bytearray(96 * 2**20); b[::4096] = b'1' * len(b[::4096]); "
-                               "print('done')"])
+    child = harness.run_child(
+        [sys.executable, "-c", "b = bytearray(96 * 2**20); b[::4096] = b'1' * len(b[::4096]); print('done')"]
+    )
     assert child.returncode == 0 and child.stdout == "done\n" and child.wall_s > 0
     # the child's own peak, not this process's (which ru_maxrss would hand down to it at spawn)
     assert child.peak_rss_mib is not None and 96 < child.peak_rss_mib < 96 + 64
@@ -88,8 +98,23 @@ def test_peak_rss_of_a_block_and_of_a_child() -> None:
 
 def test_metadata_names_the_machine_and_the_code() -> None:
     meta = harness.metadata("cpu", extra_key=1)
-    for key in ("date", "device", "cpu", "cores", "cores_usable", "torch", "cuda", "torch_threads", "python",
-                "platform", "commit", "commit_dirty", "command", "loadavg_1_5_15min", "env"):
+    for key in (
+        "date",
+        "device",
+        "cpu",
+        "cores",
+        "cores_usable",
+        "torch",
+        "cuda",
+        "torch_threads",
+        "python",
+        "platform",
+        "commit",
+        "commit_dirty",
+        "command",
+        "loadavg_1_5_15min",
+        "env",
+    ):
         assert key in meta, key
     assert meta["device"] == "CPU" and meta["torch"] == torch.__version__ and meta["extra_key"] == 1
     assert meta["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", meta["commit"])
@@ -105,8 +130,9 @@ def test_result_files_carry_the_metadata(tmp_path: Path) -> None:
         ax.plot([1, 2], [1, 2])
         return fig
 
-    paths = harness.write_results(tmp_path / "out", "bench", meta, {"config": {"n": 3, "out": tmp_path}}, rows=rows,
-                                  figure=figure)
+    paths = harness.write_results(
+        tmp_path / "out", "bench", meta, {"config": {"n": 3, "out": tmp_path}}, rows=rows, figure=figure
+    )
     assert [p.name for p in paths] == ["bench.json", "bench.csv", "bench.png"]
     saved = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert saved["meta"]["commit"] == "0123456789abcdef" and saved["rows"] == rows

@@ -18,11 +18,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
+from tests.dist_utils import run_distributed
 from titan_contrastive.checkpoint import (
-    FAULT_ENV, MANIFEST, CheckpointError, CheckpointManager, LRSchedulerState, ModelState, OptimizerState, RNGState, TrainState,
+    FAULT_ENV,
+    MANIFEST,
+    CheckpointError,
+    CheckpointManager,
+    LRSchedulerState,
+    ModelState,
+    OptimizerState,
+    RNGState,
+    TrainState,
 )
 from titan_contrastive.datasets import EpochLoader, ImageTextDataset, build_dataloader
-from tests.dist_utils import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,9 +60,21 @@ def tiny_dataset(n: int = 24) -> ImageTextDataset:
     images = torch.randint(0, 256, (n, 1, 4, 4), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     labels = torch.arange(n) % 3
     return ImageTextDataset(
-        name="tiny", split="train", images=images, labels=labels, text_ids=labels, subjects=["a", "b", "c"],
-        templates=["{}", "x {}"], mean=(0.5,), std=(0.25,), class_names=["a", "b", "c"], seed=7,
-        hflip=True, context_length=8, source="memory", full=True,
+        name="tiny",
+        split="train",
+        images=images,
+        labels=labels,
+        text_ids=labels,
+        subjects=["a", "b", "c"],
+        templates=["{}", "x {}"],
+        mean=(0.5,),
+        std=(0.25,),
+        class_names=["a", "b", "c"],
+        seed=7,
+        hflip=True,
+        context_length=8,
+        source="memory",
+        full=True,
     )
 
 
@@ -68,24 +88,42 @@ class Run:
     manager: CheckpointManager
 
 
-def make_run(dump: Path, cfg: Cfg | None = None, *, seed: int = 0, rank: int = 0, dp_degree: int = 1,
-             fsdp: bool = False, per_rank: bool = True) -> Run:
+def make_run(
+    dump: Path,
+    cfg: Cfg | None = None,
+    *,
+    seed: int = 0,
+    rank: int = 0,
+    dp_degree: int = 1,
+    fsdp: bool = False,
+    per_rank: bool = True,
+) -> Run:
     """A fresh model/optimizer/scheduler/loader; `seed` changes the initial parameters."""
     torch.manual_seed(seed)
     model = Net()
     if fsdp:
         from torch.distributed.fsdp import fully_shard
+
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
-    loader = build_dataloader(tiny_dataset(), local_batch_size=4 // dp_degree, dp_rank=rank, dp_world_size=dp_degree, seed=3)
+    loader = build_dataloader(
+        tiny_dataset(), local_batch_size=4 // dp_degree, dp_rank=rank, dp_world_size=dp_degree, seed=3
+    )
     train_state = TrainState()
     manager = CheckpointManager(
-        cfg or Cfg(), dump_folder=str(dump),
-        states={"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "lr_scheduler": LRSchedulerState(scheduler),
-                "train_state": train_state},
+        cfg or Cfg(),
+        dump_folder=str(dump),
+        states={
+            "model": ModelState(model),
+            "optimizer": OptimizerState(model, optimizer),
+            "lr_scheduler": LRSchedulerState(scheduler),
+            "train_state": train_state,
+        },
         per_rank_states={"dataloader": loader, "rng": RNGState("cpu")} if per_rank else {},
-        rank=rank, dp_rank=rank, dp_degree=dp_degree,
+        rank=rank,
+        dp_rank=rank,
+        dp_degree=dp_degree,
     )
     torch.manual_seed(100 + rank)  # the dropout stream, different per rank
     return Run(model, optimizer, scheduler, train_state, loader, manager)
@@ -113,7 +151,9 @@ def params(run: Run) -> dict[str, torch.Tensor]:
 
 
 def optim_state(run: Run) -> dict[str, Any]:
-    return get_optimizer_state_dict(run.model, run.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_optimizer_state_dict(
+        run.model, run.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def assert_equal_states(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -140,6 +180,7 @@ def saved_run(tmp_path: Path, steps: tuple[int, ...] = (2, 4), **cfg: Any) -> Ru
 
 # ---------------------------------------------------------------- single process
 
+
 def test_round_trip_is_bit_exact(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     run = make_run(tmp_path)
     train(run, 3)  # mid-epoch of the loader (6 steps per epoch)
@@ -150,7 +191,9 @@ def test_round_trip_is_bit_exact(tmp_path: Path, caplog: pytest.LogCaptureFixtur
     expected_losses = train(run, 5)  # crosses into the next epoch
     manifest = json.loads((tmp_path / "ckpt/step-3" / MANIFEST).read_text())
     assert manifest["step"] == 3 and manifest["dp_degree"] == 1 and manifest["world_size"] == 1
-    assert ".metadata" in manifest["files"] and all(f["bytes"] > 0 and len(f["sha256"]) == 64 for f in manifest["files"].values())
+    assert ".metadata" in manifest["files"] and all(
+        f["bytes"] > 0 and len(f["sha256"]) == 64 for f in manifest["files"].values()
+    )
 
     fresh = make_run(tmp_path, seed=1)
     assert not torch.equal(params(fresh)["fc1.weight"], params(run)["fc1.weight"])
@@ -233,7 +276,9 @@ def _garbage_manifest(folder: Path) -> str:
 
 
 @pytest.mark.parametrize("corrupt", [_truncate, _delete, _flip_bytes, _flip_metadata, _no_manifest, _garbage_manifest])
-def test_corrupt_checkpoint_is_skipped_or_an_error(tmp_path: Path, caplog: pytest.LogCaptureFixture, corrupt: Any) -> None:
+def test_corrupt_checkpoint_is_skipped_or_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, corrupt: Any
+) -> None:
     saved_run(tmp_path)
     problem = corrupt(tmp_path / "ckpt/step-4")
     fresh = make_run(tmp_path, seed=1)
@@ -286,10 +331,13 @@ def save_until_killed(dump: str) -> None:
 def test_kill_during_save_leaves_previous_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     env = {**os.environ, FAULT_ENV: "kill_during_save@4"}
     code = "import sys; from tests.test_checkpoint import save_until_killed; save_until_killed(sys.argv[1])"
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, env=env, capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=REPO, env=env, capture_output=True, timeout=120
+    )
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
     partial = tmp_path / "ckpt/step-4.tmp"
-    assert (partial / ".metadata").is_file() and not (partial / MANIFEST).exists()  # killed after DCP, before the manifest
+    # killed after DCP, before the manifest
+    assert (partial / ".metadata").is_file() and not (partial / MANIFEST).exists()
     fresh = make_run(tmp_path, seed=1)
     with caplog.at_level(logging.WARNING, logger="titan_contrastive"):
         assert fresh.manager.load() == 2
@@ -299,13 +347,15 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path: Path, caplog: pyt
 
 # ---------------------------------------------------------------- FSDP2 on 2 gloo processes
 
+
 def _fsdp_save(tmp: str) -> None:
     torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank()
     run = make_run(Path(tmp), rank=rank, dp_degree=2, fsdp=True)
     train(run, 2)
     run.manager.save(2)
-    at_save = copy.deepcopy({"params_at_save": params(run), "optim_at_save": optim_state(run)})  # "step" aliases the live state
+    # "step" aliases the live state
+    at_save = copy.deepcopy({"params_at_save": params(run), "optim_at_save": optim_state(run)})
     rand_after_save = torch.rand(3)
     losses = train(run, 2)
     expected = {"losses": losses, "rand": rand_after_save, "params": params(run), "optim": optim_state(run), **at_save}

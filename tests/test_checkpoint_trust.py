@@ -29,8 +29,20 @@ from titan_contrastive.interop import InteropError, load_state, read_checkpoint,
 from titan_contrastive.models.clip.args import CLIPArgs
 from titan_contrastive.models.clip.model import CLIP
 
-ARGS = CLIPArgs(embed_dim=8, image_size=8, patch_size=4, in_channels=3, vision_width=16, vision_layers=1, vision_heads=2,
-                vocab_size=32, context_length=6, text_width=16, text_layers=1, text_heads=2)
+ARGS = CLIPArgs(
+    embed_dim=8,
+    image_size=8,
+    patch_size=4,
+    in_channels=3,
+    vision_width=16,
+    vision_layers=1,
+    vision_heads=2,
+    vocab_size=32,
+    context_length=6,
+    text_width=16,
+    text_layers=1,
+    text_heads=2,
+)
 
 
 class Payload:
@@ -58,9 +70,16 @@ class Fixed:
 
 def manager(dump: Path, model: Any, train_state: Any, rng: Any) -> CheckpointManager:
     cfg = Checkpoint(enable=True, folder="ckpt", interval=1, keep_latest_k=0)
-    return CheckpointManager(cfg, dump_folder=str(dump), states={"model": model, "train_state": train_state},
-                             per_rank_states={"rng": rng}, rank=0, dp_rank=0, dp_degree=1,
-                             model_info={"family": "clip", "args": dataclasses.asdict(ARGS)})
+    return CheckpointManager(
+        cfg,
+        dump_folder=str(dump),
+        states={"model": model, "train_state": train_state},
+        per_rank_states={"rng": rng},
+        rank=0,
+        dp_rank=0,
+        dp_degree=1,
+        model_info={"family": "clip", "args": dataclasses.asdict(ARGS)},
+    )
 
 
 def clip_step(dump: Path, *, model: Any = None, train_state: Any = None, rng: Any = None) -> tuple[Path, CLIP]:
@@ -79,7 +98,9 @@ def resume(dump: Path) -> int | None:
 def rehash(step: Path) -> None:
     """Recompute the manifest, as whoever crafted the folder would."""
     manifest = json.loads((step / MANIFEST).read_text())
-    manifest["files"] = {name: {"bytes": (step / name).stat().st_size, "sha256": sha256(step / name)} for name in manifest["files"]}
+    manifest["files"] = {
+        name: {"bytes": (step / name).stat().st_size, "sha256": sha256(step / name)} for name in manifest["files"]
+    }
     (step / MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -98,7 +119,9 @@ def one_line(error: pytest.ExceptionInfo, *parts: str) -> str:
 def test_malicious_metadata_runs_nothing_on_any_path(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     step, clip = clip_step(tmp_path)
     state = read_checkpoint(step)[1]  # the clean checkpoint reads on every path
-    assert state.keys() == clip.state_dict().keys() and all(torch.equal(state[k], v) for k, v in clip.state_dict().items())
+    assert state.keys() == clip.state_dict().keys() and all(
+        torch.equal(state[k], v) for k, v in clip.state_dict().items()
+    )
     assert resume(tmp_path) == 1 and read_ours(step)[0] == "clip"
     assert export(step, tmp_path / "clean", capsys)[0] == 0
 
@@ -142,7 +165,9 @@ def test_malicious_byte_item_is_refused(tmp_path: Path, capsys: pytest.CaptureFi
 
     torch.manual_seed(0)
     weights = CLIP(ARGS).state_dict()
-    step, _ = clip_step(tmp_path / "b", model=Fixed({**weights, "logit_scale": Payload(weights["logit_scale"], marker)}))
+    step, _ = clip_step(
+        tmp_path / "b", model=Fixed({**weights, "logit_scale": Payload(weights["logit_scale"], marker)})
+    )
     with pytest.raises(CheckpointError) as error:
         resume(tmp_path / "b")
     one_line(error, "checkpoint item 'model.logit_scale' is a pickled object where a tensor is expected")
@@ -168,13 +193,17 @@ def _truncate(step: Path) -> None:
     data.write_bytes(data.read_bytes()[:-100])
 
 
-@pytest.mark.parametrize(("damage", "problem"), [
-    (_flip, "__0_0.distcp: its content does not match the sha256"),
-    (_truncate, "__0_0.distcp has"),
-    (lambda step: (step / ".metadata").unlink(), ".metadata is missing"),
-])
-def test_corrupted_checkpoint_is_refused_on_init_from_and_export(tmp_path: Path, capsys: pytest.CaptureFixture, damage: Any,
-                                                                 problem: str) -> None:
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (_flip, "__0_0.distcp: its content does not match the sha256"),
+        (_truncate, "__0_0.distcp has"),
+        (lambda step: (step / ".metadata").unlink(), ".metadata is missing"),
+    ],
+)
+def test_corrupted_checkpoint_is_refused_on_init_from_and_export(
+    tmp_path: Path, capsys: pytest.CaptureFixture, damage: Any, problem: str
+) -> None:
     step, _ = clip_step(tmp_path)
     damage(step)
     for read in (read_checkpoint, read_ours):
@@ -203,7 +232,10 @@ def test_manifest_with_sizes_only_loads_with_a_warning(tmp_path: Path, caplog: p
     with caplog.at_level(logging.WARNING, logger="titan_contrastive"):
         state = read_checkpoint(step)[1]
     assert torch.equal(state["logit_scale"], clip.logit_scale.detach())
-    assert f"checkpoint {step}: {MANIFEST} has sizes but no sha256" in caplog.text and "content is unverified" in caplog.text
+    assert (
+        f"checkpoint {step}: {MANIFEST} has sizes but no sha256" in caplog.text
+        and "content is unverified" in caplog.text
+    )
 
 
 def _open_clip_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> Path:
@@ -212,12 +244,17 @@ def _open_clip_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> Path:
     return tmp_path / "oc"
 
 
-@pytest.mark.parametrize(("damage", "problem"), [
-    (lambda raw: b"", "an empty file (0 bytes)"),
-    (lambda raw: b"\x07garbage" * 20, "not a readable safetensors file"),
-    (lambda raw: raw[:-64], "not a readable safetensors file"),
-])
-def test_damaged_safetensors_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, damage: Any, problem: str) -> None:
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (lambda raw: b"", "an empty file (0 bytes)"),
+        (lambda raw: b"\x07garbage" * 20, "not a readable safetensors file"),
+        (lambda raw: raw[:-64], "not a readable safetensors file"),
+    ],
+)
+def test_damaged_safetensors_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture, damage: Any, problem: str
+) -> None:
     weights = _open_clip_folder(tmp_path, capsys) / "open_clip_model.safetensors"
     weights.write_bytes(damage(weights.read_bytes()))
     for path in (weights.parent, weights):  # the folder, and the file alone (init_from takes both)
@@ -242,7 +279,9 @@ def test_integer_weights_are_refused(tmp_path: Path, capsys: pytest.CaptureFixtu
 
     model = CLIP(ARGS)  # init_from's last step, for readers of other families
     with pytest.raises(InteropError) as error:
-        load_state(model, {k: v.to(torch.int32) if k == "visual.proj" else v for k, v in model.state_dict().items()}, "src")
+        load_state(
+            model, {k: v.to(torch.int32) if k == "visual.proj" else v for k, v in model.state_dict().items()}, "src"
+        )
     one_line(error, "src: visual.proj is torch.int32")
 
     torch.manual_seed(0)  # one of our checkpoints with an integer tensor where the model has a float one
@@ -256,12 +295,26 @@ def test_integer_weights_are_refused(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_allowlist_reads_what_the_trainer_saves_and_nothing_else(tmp_path: Path) -> None:
     """The per-rank states (a StatefulDataLoader's, with workers too; RNG tensors) pass the
     allowlist; a global outside it does not, and never runs."""
-    loader_state = {"epoch": 1, "dataloader": {"_snapshot": {"_snapshot_step": 3, "_main_snapshot": {"_num_workers": 2,
-                    "_sampler_iter_state": {"samples_yielded": 12, "sampler_state": {"epoch": 1, "yielded": 12}}, "_shared_seed": None,
-                    "_base_seed": 883951781600517636}, "_worker_snapshots": {"worker_0": {"worker_id": 0, "dataset_state": None}}},
-                    "_iterator_finished": False}, "bad_samples": {"counts": {"decode": 2}, "seen": 12}}
+    loader_state = {
+        "epoch": 1,
+        "dataloader": {
+            "_snapshot": {
+                "_snapshot_step": 3,
+                "_main_snapshot": {
+                    "_num_workers": 2,
+                    "_sampler_iter_state": {"samples_yielded": 12, "sampler_state": {"epoch": 1, "yielded": 12}},
+                    "_shared_seed": None,
+                    "_base_seed": 883951781600517636,
+                },
+                "_worker_snapshots": {"worker_0": {"worker_id": 0, "dataset_state": None}},
+            },
+            "_iterator_finished": False,
+        },
+        "bad_samples": {"counts": {"decode": 2}, "seen": 12},
+    }
     assert unpickle_state(pickle.dumps(loader_state), "loader") == loader_state
-    rng = {"cpu": torch.get_rng_state(), "cuda": torch.arange(16, dtype=torch.uint8)}  # CUDA's arrives as a CPU uint8 tensor
+    # CUDA's arrives as a CPU uint8 tensor
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.arange(16, dtype=torch.uint8)}
     got = unpickle_state(pickle.dumps(rng), "rng")
     assert got.keys() == rng.keys() and all(torch.equal(got[k], v) for k, v in rng.items())
     marker = tmp_path / "ran"

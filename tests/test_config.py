@@ -34,7 +34,9 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path: Path) -> None:
 
 
 def test_both_cli_spellings_and_types(tmp_path: Path) -> None:
-    cfg = parse_args(["--training.deterministic=true", "--training.seed", "5", "--loss.negatives", "microbatch", "--data.path=/x y"])
+    cfg = parse_args(
+        ["--training.deterministic=true", "--training.seed", "5", "--loss.negatives", "microbatch", "--data.path=/x y"]
+    )
     assert cfg.training.deterministic is True and cfg.training.seed == 5 and cfg.data.path == "/x y"
     assert parse_args(["--training.deterministic", "False"]).training.deterministic is False
     assert parse_args(["--training.local-batch-size=4"]).training.local_batch_size == 4
@@ -99,7 +101,11 @@ def test_toml_errors(tmp_path: Path, toml: str, expected: list[str]) -> None:
 def test_help_lists_every_option_and_exits_zero() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "titan_contrastive.train", "--help"],
-        capture_output=True, text=True, cwd=REPO, env={"COLUMNS": "200", "PATH": ""}, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"COLUMNS": "200", "PATH": ""},
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     cfg = JobConfig()
@@ -113,15 +119,24 @@ def test_help_lists_every_option_and_exits_zero() -> None:
     "arg, expected",
     [
         ("--training.stepz=1", "training.stepz"),
-        ("--model.name=resnet", "model.name='resnet' is not a registered model family; valid: bi_encoder, clip, lit, vae, vlm"),
-        ("--model.flavor=huge", "model.flavor='huge' is not a flavor of 'clip'; valid: debug, vit_b32, vit_b16, vit_l14"),
+        (
+            "--model.name=resnet",
+            "model.name='resnet' is not a registered model family; valid: bi_encoder, clip, lit, vae, vlm",
+        ),
+        (
+            "--model.flavor=huge",
+            "model.flavor='huge' is not a flavor of 'clip'; valid: debug, vit_b32, vit_b16, vit_l14",
+        ),
         ("--data.path=/no/such/folder", "/no/such/folder"),
     ],
 )
 def test_bad_input_exits_nonzero_with_one_line_before_compute(tmp_path: Path, arg: str, expected: str) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "titan_contrastive.train", arg, f"--job.dump_folder={tmp_path / 'dump'}"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
     )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
@@ -146,7 +161,10 @@ def test_strict_parsing(tmp_path: Path) -> None:
     """What used to be taken leniently is a one-line error: a list for a number in TOML, non-ASCII
     digits, inf/nan, job.config_file inside a TOML, a folder or non-UTF-8 as config."""
     cases = {
-        "list.toml": ("[training]\nsteps = [5]\n", "training.steps=[5] is invalid: expected one value of type int, not a list"),
+        "list.toml": (
+            "[training]\nsteps = [5]\n",
+            "training.steps=[5] is invalid: expected one value of type int, not a list",
+        ),
         "inf.toml": ("[optimizer]\nlr = inf\n", "optimizer.lr=inf is invalid: expected a finite number"),
         "nested.toml": ('[job]\nconfig_file = "other.toml"\n', "job.config_file inside a TOML is not read"),
     }
@@ -155,12 +173,14 @@ def test_strict_parsing(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as err:
             parse_args([f"--job.config_file={tmp_path / name}"])
         assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
-    (tmp_path / "latin1.toml").write_bytes("[job]\ndescription = \"caf\xe9\"\n".encode("latin-1"))
+    (tmp_path / "latin1.toml").write_bytes('[job]\ndescription = "caf\xe9"\n'.encode("latin-1"))
     for path, message in ((tmp_path, "is a folder"), (tmp_path / "latin1.toml", "is not UTF-8")):
         with pytest.raises(ConfigError, match=message):
             parse_args([f"--job.config_file={path}"])
-    for argv, message in ((["--training.steps=５"], "expected an integer in ASCII digits"),
-                          (["--optimizer.lr=nan"], "expected a finite number")):
+    for argv, message in (
+        (["--training.steps=５"], "expected an integer in ASCII digits"),
+        (["--optimizer.lr=nan"], "expected a finite number"),
+    ):
         with pytest.raises(ConfigError, match=message):
             parse_args(argv)
     assert parse_args(["--training.steps", "7"]).training.steps == 7  # the CLI's own list form still works

@@ -12,9 +12,16 @@ import pytest
 import torch
 
 from titan_contrastive.datasets import (
-    DATASETS, ByteTokenizer, DataError, EpochLoader, ImageTextDataset, build_dataloader, build_dataset,
+    DATASETS,
+    ByteTokenizer,
+    DataError,
+    EpochLoader,
+    ImageTextDataset,
+    build_dataloader,
+    build_dataset,
+    emoji,
+    fashion_mnist,
 )
-from titan_contrastive.datasets import emoji, fashion_mnist
 from titan_contrastive.datasets.loader import BlockedDistributedSampler
 
 BUNDLE = str(fashion_mnist.BUNDLE_DIR)
@@ -39,13 +46,26 @@ def tiny_dataset(n: int = 40, split: str = "train", seed: int = 7) -> ImageTextD
     images = torch.randint(0, 256, (n, 1, 4, 4), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     labels = torch.arange(n) % 3
     return ImageTextDataset(
-        name="tiny", split=split, images=images, labels=labels, text_ids=labels, subjects=["a", "b", "c"],
-        templates=["{}", "x {}", "y {}", "z {}"], mean=(0.5,), std=(0.25,), class_names=["a", "b", "c"], seed=seed,
-        hflip=split == "train", context_length=8, source="memory", full=True,
+        name="tiny",
+        split=split,
+        images=images,
+        labels=labels,
+        text_ids=labels,
+        subjects=["a", "b", "c"],
+        templates=["{}", "x {}", "y {}", "z {}"],
+        mean=(0.5,),
+        std=(0.25,),
+        class_names=["a", "b", "c"],
+        seed=seed,
+        hflip=split == "train",
+        context_length=8,
+        source="memory",
+        full=True,
     )
 
 
 # ---------------------------------------------------------------- tokenizer
+
 
 def test_tokenizer_layout_and_round_trip() -> None:
     tok = ByteTokenizer(context_length=12)
@@ -71,6 +91,7 @@ def test_fashion_captions_fit_default_context() -> None:
 
 
 # ---------------------------------------------------------------- bundles and sources
+
 
 def test_fashion_bundle() -> None:
     test = build_dataset("fashion_mnist", "test", path=BUNDLE)
@@ -104,6 +125,7 @@ def test_fashion_source_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 # ---------------------------------------------------------------- errors
+
 
 def test_unknown_name_split_and_missing_paths(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="fashion_mnist, emoji"):
@@ -159,6 +181,7 @@ def test_batch_larger_than_dataset() -> None:
 
 # ---------------------------------------------------------------- per-sample determinism
 
+
 def test_sample_is_a_function_of_seed_epoch_index() -> None:
     ds = build_dataset("fashion_mnist", "train", path=BUNDLE, seed=3)
     a = ds.__getitems__([5, 17, 3])
@@ -188,6 +211,7 @@ def test_test_split_is_deterministic() -> None:
 
 # ---------------------------------------------------------------- sampler and loader
 
+
 def take(loader: EpochLoader, k: int) -> list[dict[str, torch.Tensor]]:
     return [next(loader) for _ in range(k)]
 
@@ -196,14 +220,19 @@ def test_sampler_blocks_are_disjoint_and_cover_the_epoch() -> None:
     shards = [list(BlockedDistributedSampler(50, local_batch_size=4, rank=r, world_size=3, seed=1)) for r in range(3)]
     assert [len(s) for s in shards] == [16, 16, 16]
     assert len(set().union(*map(set, shards))) == 48
-    padded = [list(BlockedDistributedSampler(50, local_batch_size=4, rank=r, world_size=3, seed=1, drop_last=False)) for r in range(3)]
+    padded = [
+        list(BlockedDistributedSampler(50, local_batch_size=4, rank=r, world_size=3, seed=1, drop_last=False))
+        for r in range(3)
+    ]
     assert [len(s) for s in padded] == [20, 20, 20] and set().union(*map(set, padded)) == set(range(50))
 
 
 def test_rank_split_invariance_across_epochs() -> None:
     kwargs = dict(seed=11, num_workers=0)
     single = build_dataloader(tiny_dataset(), local_batch_size=16, dp_rank=0, dp_world_size=1, **kwargs)
-    ranks = [build_dataloader(tiny_dataset(), local_batch_size=8, dp_rank=r, dp_world_size=2, **kwargs) for r in range(2)]
+    ranks = [
+        build_dataloader(tiny_dataset(), local_batch_size=8, dp_rank=r, dp_world_size=2, **kwargs) for r in range(2)
+    ]
     assert single.steps_per_epoch == 2
     for _ in range(7):  # 3.5 epochs
         whole = next(single)
@@ -219,7 +248,9 @@ def test_resume_continues_with_the_same_batches(k: int, world_size: int) -> None
     """20 samples, local batch 4: epochs of 5 steps (1 rank) or 2 steps (2 ranks); k + 6 crosses them."""
 
     def make() -> EpochLoader:
-        return build_dataloader(tiny_dataset(20), local_batch_size=4, dp_rank=world_size - 1, dp_world_size=world_size, seed=2)
+        return build_dataloader(
+            tiny_dataset(20), local_batch_size=4, dp_rank=world_size - 1, dp_world_size=world_size, seed=2
+        )
 
     reference = take(make(), k + 6)
     interrupted = make()
@@ -237,7 +268,9 @@ def test_resume_continues_with_the_same_batches(k: int, world_size: int) -> None
 
 def test_workers_match_main_process_and_resume() -> None:
     def make(workers: int) -> EpochLoader:
-        return build_dataloader(tiny_dataset(), local_batch_size=8, dp_rank=0, dp_world_size=1, seed=4, num_workers=workers)
+        return build_dataloader(
+            tiny_dataset(), local_batch_size=8, dp_rank=0, dp_world_size=1, seed=4, num_workers=workers
+        )
 
     reference = take(make(0), 12)
     loader = make(2)

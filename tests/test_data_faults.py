@@ -69,16 +69,24 @@ def _cut(tar: Path, at: int) -> None:
 
 
 def _dataset(path: str) -> FileImageTextDataset:
-    return FileImageTextDataset(name="webdataset", split="train", source=open_source("webdataset", path, Data()),
-                                tokenizer=ByteTokenizer(16), image_size=8, seed=0, augment=False)
+    return FileImageTextDataset(
+        name="webdataset",
+        split="train",
+        source=open_source("webdataset", path, Data()),
+        tokenizer=ByteTokenizer(16),
+        image_size=8,
+        seed=0,
+        augment=False,
+    )
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "titan_contrastive" and r.levelno == logging.WARNING]
 
 
-def test_garbage_shard_among_good_ones_is_logged_and_counted(shards: Path, tmp_path: Path,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_garbage_shard_among_good_ones_is_logged_and_counted(
+    shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     out = _copy(shards, tmp_path)
     (out / "junk.tar").write_bytes(b"this is not a tar file" * 40)
     caplog.set_level(logging.WARNING, logger="titan_contrastive")
@@ -89,13 +97,21 @@ def test_garbage_shard_among_good_ones_is_logged_and_counted(shards: Path, tmp_p
     assert [(loss.reason, Path(loss.where).name) for loss in ds.shard_losses] == [("unreadable_shard", "junk.tar")]
     loader = build_dataloader(ds, local_batch_size=8, dp_rank=0, dp_world_size=1, seed=0)
     assert next(loader)["image"].shape == (8, 3, 8, 8)
-    assert loader.bad_samples.values() == {"bad_shards": 1, "bad_shards/unreadable_shard": 1, "bad_shards/samples_lost": 0}
+    assert loader.bad_samples.values() == {
+        "bad_shards": 1,
+        "bad_shards/unreadable_shard": 1,
+        "bad_shards/samples_lost": 0,
+    }
     line = DataBundle(ds, None, None, loader, 16).describe()
-    assert "train: 1 bad shard(s) left out or cut short (1 unreadable_shard; 0 samples lost, plus any more in the 1 without" in line
+    assert (
+        "train: 1 bad shard(s) left out or cut short (1 unreadable_shard; 0 samples lost, plus any more in the 1 "
+        "without" in line
+    )
 
 
-def test_tar_cut_mid_member_keeps_the_whole_samples_and_counts_the_rest(shards: Path, tmp_path: Path,
-                                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_tar_cut_mid_member_keeps_the_whole_samples_and_counts_the_rest(
+    shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """wids alone indexes 9 samples of the cut shard (the 9th with half an image) and says nothing."""
     out = _copy(shards, tmp_path)
     png = _member(out / "00000.tar", "000000008.png")
@@ -111,7 +127,11 @@ def test_tar_cut_mid_member_keeps_the_whole_samples_and_counts_the_rest(shards: 
     (loss,) = ds.shard_losses
     assert (loss.reason, loss.kept, loss.lost) == ("truncated_shard", 8, 8)
     loader = build_dataloader(ds, local_batch_size=8, dp_rank=0, dp_world_size=1, seed=0)
-    assert loader.bad_samples.values() == {"bad_shards": 1, "bad_shards/truncated_shard": 1, "bad_shards/samples_lost": 8}
+    assert loader.bad_samples.values() == {
+        "bad_shards": 1,
+        "bad_shards/truncated_shard": 1,
+        "bad_shards/samples_lost": 8,
+    }
     assert "(1 truncated_shard; 8 samples lost" in DataBundle(ds, None, None, loader, 16).describe()
 
     (out / "00000_stats.json").unlink()  # nothing says how many there were: the loss is still named, as a lower bound
@@ -121,8 +141,9 @@ def test_tar_cut_mid_member_keeps_the_whole_samples_and_counts_the_rest(shards: 
     assert "lost whatever followed the break" in _warnings(caplog)[0]
 
 
-def test_tar_cut_inside_a_header_keeps_the_samples_before_it(shards: Path, tmp_path: Path,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_tar_cut_inside_a_header_keeps_the_samples_before_it(
+    shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """wids alone fails on the cut header, and the whole shard goes with it."""
     out = _copy(shards, tmp_path)
     _cut(out / "00001.tar", _member(out / "00001.tar", "000010005.json").offset + 100)
@@ -150,24 +171,31 @@ def test_shards_json_and_the_cut_shard_it_lists(shards: Path, tmp_path: Path, ca
     (out / "shards.json").write_text(json.dumps(index))
     ds = _dataset(str(out / "shards.json"))
     assert len(ds) == 2 * PER_SHARD and ds.shard_losses == []
-    loader = build_dataloader(ds, local_batch_size=2 * PER_SHARD, dp_rank=0, dp_world_size=1, seed=0, shuffle=False,
-                              max_bad_fraction=1.0)
-    next(loader)  # slots 3..15 each take the next readable sample (16), counting the skips on the way: 13 + 12 + ... + 1
+    loader = build_dataloader(
+        ds, local_batch_size=2 * PER_SHARD, dp_rank=0, dp_world_size=1, seed=0, shuffle=False, max_bad_fraction=1.0
+    )
+    # slots 3..15 each take the next readable sample (16), counting the skips on the way: 13 + 12 + ... + 1
+    next(loader)
     assert loader.bad_samples.values() == {"bad_samples": 91, "bad_samples/truncated_shard": 91}
-    assert any("truncated_shard (3 of its 16 indexed samples can be read; cut inside member 000000003.png" in w
-               for w in _warnings(caplog))
+    assert any(
+        "truncated_shard (3 of its 16 indexed samples can be read; cut inside member 000000003.png" in w
+        for w in _warnings(caplog)
+    )
 
 
 def test_every_shard_garbage_is_one_data_error(tmp_path: Path) -> None:
     for name in ("a.tar", "b.tar"):
         (tmp_path / name).write_bytes(os.urandom(4096))
-    (tmp_path / "shards.json").write_text(json.dumps({"shardlist": [{"url": "a.tar", "nsamples": 16},
-                                                                    {"url": "b.tar", "nsamples": 16}]}))
+    (tmp_path / "shards.json").write_text(
+        json.dumps({"shardlist": [{"url": "a.tar", "nsamples": 16}, {"url": "b.tar", "nsamples": 16}]})
+    )
     for path in (f"{tmp_path / 'a.tar'},{tmp_path / 'b.tar'}", str(tmp_path / "shards.json")):
         with pytest.raises(DataError) as err:
             open_source("webdataset", path, Data())
         message = str(err.value)
-        assert len(message.splitlines()) == 1 and "no readable samples in 2 shard(s)" in message and "a.tar" in message, message
+        assert (
+            len(message.splitlines()) == 1 and "no readable samples in 2 shard(s)" in message and "a.tar" in message
+        ), message
 
 
 def _gradient_pngs(tmp_path: Path) -> tuple[np.ndarray, Path, Path]:
@@ -182,14 +210,24 @@ def test_16bit_grayscale_decodes_like_its_8bit_version(tmp_path: Path) -> None:
     narrow, png16, png8 = _gradient_pngs(tmp_path)
     assert Image.open(png16).mode.startswith("I;16")
     want = np.asarray(decode_image(png8.read_bytes())).astype(int)
-    for image in (png16.read_bytes(), Image.open(png16).convert("I"),
-                  Image.frombytes("I;16B", (48, 40), (narrow.astype(np.uint16) * 257).astype(">u2").tobytes())):
+    for image in (
+        png16.read_bytes(),
+        Image.open(png16).convert("I"),
+        Image.frombytes("I;16B", (48, 40), (narrow.astype(np.uint16) * 257).astype(">u2").tobytes()),
+    ):
         got = np.asarray(decode_image(image)).astype(int)
         assert got.shape == (40, 48, 3) and np.abs(got - want).max() <= 1
     # through a CSV dataset: the same tensors within one level
     (tmp_path / "d.csv").write_text(f"filepath\ttitle\n{png16.name}\ta\n{png8.name}\ta\n")
-    ds = FileImageTextDataset(name="csv", split="test", source=open_source("csv", str(tmp_path / "d.csv"), Data()),
-                              tokenizer=ByteTokenizer(8), image_size=40, seed=0, augment=False)
+    ds = FileImageTextDataset(
+        name="csv",
+        split="test",
+        source=open_source("csv", str(tmp_path / "d.csv"), Data()),
+        tokenizer=ByteTokenizer(8),
+        image_size=40,
+        seed=0,
+        augment=False,
+    )
     image = ds.__getitems__([0, 1])["image"]
     level = 1 / (255 * 0.26)  # one 8-bit level after normalization, at the largest of CLIP's stds
     assert torch.allclose(image[0], image[1], atol=level)
@@ -243,20 +281,34 @@ def test_fifo_as_an_image_or_shard_is_refused_at_once(shards: Path, tmp_path: Pa
     os.mkfifo(tmp_path / "pipe.png")
     with open(tmp_path / "d.csv", "w", newline="") as f:
         csv.writer(f, delimiter="\t").writerows([["filepath", "title"], ["pipe.png", "a pipe"], ["ok.png", "red"]])
-    ds = FileImageTextDataset(name="csv", split="test", source=open_source("csv", str(tmp_path / "d.csv"), Data()),
-                              tokenizer=ByteTokenizer(8), image_size=8, seed=0, augment=False)
+    ds = FileImageTextDataset(
+        name="csv",
+        split="test",
+        source=open_source("csv", str(tmp_path / "d.csv"), Data()),
+        tokenizer=ByteTokenizer(8),
+        image_size=8,
+        seed=0,
+        augment=False,
+    )
     batch = _returns_within(10, lambda: ds.__getitems__([0]), tmp_path / "pipe.png")
     (skip,) = batch[BAD_SAMPLES]
     assert skip.reason == "not_a_regular_file" and "FIFO" in str(skip) and "pipe.png" in str(skip)
 
     with pytest.raises(ShardError, match="not a regular file"):  # make_shards from the same CSV
-        _returns_within(10, lambda: write_shards(read_csv(tmp_path / "d.csv", "filepath", "title", "\t"), tmp_path / "o",
-                                                 root=tmp_path), tmp_path / "pipe.png")
+        _returns_within(
+            10,
+            lambda: write_shards(
+                read_csv(tmp_path / "d.csv", "filepath", "title", "\t"), tmp_path / "o", root=tmp_path
+            ),
+            tmp_path / "pipe.png",
+        )
     for name in ("cat", "dog"):
         (tmp_path / "zs" / name).mkdir(parents=True)
         shutil.copy(tmp_path / "ok.png", tmp_path / "zs" / name / "0.png")
     os.mkfifo(tmp_path / "zs" / "dog" / "1.png")
-    zero_shot = ImageFolderZeroShot(str(tmp_path / "zs"), names_file="", templates=["{}"], tokenizer=ByteTokenizer(8), image_size=8)
+    zero_shot = ImageFolderZeroShot(
+        str(tmp_path / "zs"), names_file="", templates=["{}"], tokenizer=ByteTokenizer(8), image_size=8
+    )
     with pytest.raises(DataError, match="1.png: not a readable image"):
         _returns_within(10, lambda: zero_shot.__getitems__([2]), tmp_path / "zs" / "dog" / "1.png")
 
@@ -276,15 +328,24 @@ def test_trainer_logs_and_reports_bad_shards(shards: Path, tmp_path: Path, caplo
     (out / "00002.tar").write_bytes(b"\0" * 100 + b"garbage" * 100)
     _cut(out / "00001.tar", _member(out / "00001.tar", "000010010.png").offset_data + 5)
     caplog.set_level(logging.INFO, logger="titan_contrastive")
-    args = ["--data.dataset=webdataset", f"--data.path={out / '{00000..00002}.tar'}", "--data.image_size=8",
-            "--training.local_batch_size=8", "--training.steps=2", "--metrics.log_freq=1", "--metrics.enable_tensorboard=false",
-            f"--job.dump_folder={tmp_path / 'run'}"]
+    args = [
+        "--data.dataset=webdataset",
+        f"--data.path={out / '{00000..00002}.tar'}",
+        "--data.image_size=8",
+        "--training.local_batch_size=8",
+        "--training.steps=2",
+        "--metrics.log_freq=1",
+        "--metrics.enable_tensorboard=false",
+        f"--job.dump_folder={tmp_path / 'run'}",
+    ]
     assert main(args) == 0
     data_line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("data: "))
-    assert "train 26 samples" in data_line and "2 bad shard(s) left out or cut short (1 truncated_shard, 1 unreadable_shard" in data_line
+    assert (
+        "train 26 samples" in data_line
+        and "2 bad shard(s) left out or cut short (1 truncated_shard, 1 unreadable_shard" in data_line
+    )
     assert sum("bad shard" in w for w in _warnings(caplog)) == 2
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in records if r["kind"] == "train"][-1]
     assert (last["bad_shards"], last["bad_shards/truncated_shard"], last["bad_shards/unreadable_shard"]) == (2, 1, 1)
     assert last["bad_shards/samples_lost"] == 6
-

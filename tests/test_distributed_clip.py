@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.dist_utils import run_distributed
 from titan_contrastive.components.loss import clip_loss
 from titan_contrastive.components.memory_probe import LargestTensor
 from titan_contrastive.components.streaming_loss import loss_dtype
 from titan_contrastive.distributed_clip import DistributedClipError, StreamingClipStep, distributed_train_step
-from tests.dist_utils import run_distributed
 
 N, MICRO, CHUNK, TAU = 24, 5, 7, 0.1
 REL = 1e-10
@@ -124,7 +124,12 @@ def _step_matches_dense(learnable: bool, wrapper: str) -> None:
     x, y = data()
     local = slice(rank * N // world, (rank + 1) * N // world)
     torch.manual_seed(100 + rank)
-    config = {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": MICRO, "STREAM_CHUNK_SIZE": CHUNK, "TAU": None if learnable else TAU}
+    config = {
+        "GLOBAL_BATCH_SIZE": N,
+        "MICRO_BATCH_SIZE": MICRO,
+        "STREAM_CHUNK_SIZE": CHUNK,
+        "TAU": None if learnable else TAU,
+    }
     loss = distributed_train_step(model, recorder, x[local], y[local], config)
     assert abs(loss - want_loss) <= REL * want_loss, (loss, want_loss)
     assert_close(recorder.grads, want_grads)
@@ -162,8 +167,13 @@ def test_logit_scale_counted_once_not_per_microbatch() -> None:
     recorder = GradRecorder(model.parameters())
     x, y = data()
     torch.manual_seed(100)
-    distributed_train_step(model, recorder, x, y, {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": MICRO,
-                                                   "STREAM_CHUNK_SIZE": CHUNK, "TAU": None})
+    distributed_train_step(
+        model,
+        recorder,
+        x,
+        y,
+        {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": MICRO, "STREAM_CHUNK_SIZE": CHUNK, "TAU": None},
+    )
     index = [name for name, _ in model.named_parameters()].index("logit_scale")
     got_scale, want_scale = recorder.grads[index], want[index]
     assert abs(want_scale.item()) > 1e-3
@@ -204,24 +214,30 @@ def good_config(**changes: Any) -> dict[str, Any]:
     return {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": MICRO, "STREAM_CHUNK_SIZE": CHUNK, "TAU": TAU, **changes}
 
 
-@pytest.mark.parametrize("change, x_rows, y_rows, message", [
-    ({"STREAM_CHUNK_SIZE": 0}, N, N, r"config\['STREAM_CHUNK_SIZE'\]=0: must be an integer >= 1"),
-    ({"MICRO_BATCH_SIZE": -2}, N, N, r"config\['MICRO_BATCH_SIZE'\]=-2: must be an integer >= 1"),
-    ({"TAU": 0.0}, N, N, r"config\['TAU'\]=0.0: must be a finite number > 0"),
-    ({"TAU": float("inf")}, N, N, r"config\['TAU'\]=inf: must be a finite number > 0"),  # was reported as TAU=0.0
-    ({"TAU": float("nan")}, N, N, r"config\['TAU'\]=nan: must be a finite number > 0"),
-    ({"MAX_LOGIT_SCALE": -1.0}, N, N, r"config\['MAX_LOGIT_SCALE'\]=-1.0: must be a finite number > 0"),  # was accepted
-    ({"MAX_LOGIT_SCALE": "100"}, N, N, r"config\['MAX_LOGIT_SCALE'\]='100': must be a finite number > 0"),
-    ({"GLOBAL_BATCH_SIZE": 30}, N, N, r"local batch is 24 but GLOBAL_BATCH_SIZE / WORLD_SIZE = 30 / 1 = 30"),
-    ({}, N, N - 1, r"local_x has 24 samples but local_y has 23"),
-    ({"TAU": None}, N, N, r"no temperature: the model has no `logit_scale` and TAU is not set"),
-    ({"KERNEL": "fast"}, N, N, r"config\['KERNEL'\]='fast': choose one of auto, pytorch, triton, triton_exact"),
-])
+@pytest.mark.parametrize(
+    "change, x_rows, y_rows, message",
+    [
+        ({"STREAM_CHUNK_SIZE": 0}, N, N, r"config\['STREAM_CHUNK_SIZE'\]=0: must be an integer >= 1"),
+        ({"MICRO_BATCH_SIZE": -2}, N, N, r"config\['MICRO_BATCH_SIZE'\]=-2: must be an integer >= 1"),
+        ({"TAU": 0.0}, N, N, r"config\['TAU'\]=0.0: must be a finite number > 0"),
+        ({"TAU": float("inf")}, N, N, r"config\['TAU'\]=inf: must be a finite number > 0"),  # was reported as TAU=0.0
+        ({"TAU": float("nan")}, N, N, r"config\['TAU'\]=nan: must be a finite number > 0"),
+        # was accepted
+        ({"MAX_LOGIT_SCALE": -1.0}, N, N, r"config\['MAX_LOGIT_SCALE'\]=-1.0: must be a finite number > 0"),
+        ({"MAX_LOGIT_SCALE": "100"}, N, N, r"config\['MAX_LOGIT_SCALE'\]='100': must be a finite number > 0"),
+        ({"GLOBAL_BATCH_SIZE": 30}, N, N, r"local batch is 24 but GLOBAL_BATCH_SIZE / WORLD_SIZE = 30 / 1 = 30"),
+        ({}, N, N - 1, r"local_x has 24 samples but local_y has 23"),
+        ({"TAU": None}, N, N, r"no temperature: the model has no `logit_scale` and TAU is not set"),
+        ({"KERNEL": "fast"}, N, N, r"config\['KERNEL'\]='fast': choose one of auto, pytorch, triton, triton_exact"),
+    ],
+)
 def test_bad_input_is_one_clear_line(change: dict, x_rows: int, y_rows: int, message: str) -> None:
     model = make_model(False)
     x, y = data()
     with pytest.raises(DistributedClipError, match=message) as info:
-        distributed_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), x[:x_rows], y[:y_rows], good_config(**change))
+        distributed_train_step(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), x[:x_rows], y[:y_rows], good_config(**change)
+        )
     assert "\n" not in str(info.value)
 
 
@@ -241,7 +257,11 @@ def test_auto_reads_float32_embeddings_in_the_autocast_dtype() -> None:
     (as autocast does for the dense loss's matmul); explicit kernels and float64 keep theirs."""
     bf16, f32, f64 = torch.bfloat16, torch.float32, torch.float64
     assert loss_dtype("auto", f32, bf16) == bf16 and loss_dtype("auto", f32, torch.float16) == torch.float16
-    assert loss_dtype("auto", f32, f32) == f32 and loss_dtype("auto", f32, None) == f32 and loss_dtype("auto", f64, bf16) == f64
+    assert (
+        loss_dtype("auto", f32, f32) == f32
+        and loss_dtype("auto", f32, None) == f32
+        and loss_dtype("auto", f64, bf16) == f64
+    )
     assert loss_dtype("triton_exact", f32, bf16) == f32 and loss_dtype("pytorch", f32, bf16) == f32
 
 
@@ -255,7 +275,9 @@ def _world_errors() -> None:
     ddp = nn.parallel.DistributedDataParallel(model)
     with pytest.raises(DistributedClipError, match="GLOBAL_BATCH_SIZE=25 is not divisible by WORLD_SIZE=2"):
         distributed_train_step(ddp, sgd, x[:12], y[:12], good_config(GLOBAL_BATCH_SIZE=25))
-    with pytest.raises(DistributedClipError, match=r"local batch is 24 but GLOBAL_BATCH_SIZE / WORLD_SIZE = 24 / 2 = 12"):
+    with pytest.raises(
+        DistributedClipError, match=r"local batch is 24 but GLOBAL_BATCH_SIZE / WORLD_SIZE = 24 / 2 = 12"
+    ):
         distributed_train_step(ddp, sgd, x, y, good_config())
 
 

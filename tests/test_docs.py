@@ -15,7 +15,6 @@ by checking nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -26,8 +25,6 @@ import subprocess
 import sys
 import typing
 from pathlib import Path
-
-import pytest
 
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.config.manager import CLI, coerce
@@ -41,21 +38,50 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL = {"bash", "sh", "shell"}
 # titan_contrastive's subpackages: docs name their files relative to the package (`steps/pixel.py`)
-PACKAGE_DIRS = ("steps", "components", "grad_cache", "batching", "kernels", "parallelisms", "checkpoint", "config", "models",
-                "datasets", "interop")
-FILE_EXTS = ("py", "toml", "sh", "md", "json", "jsonl", "png", "csv", "log", "safetensors", "bin", "pt", "pth", "txt",
-             "tsv", "tar", "parquet")
+PACKAGE_DIRS = (
+    "steps",
+    "components",
+    "grad_cache",
+    "batching",
+    "kernels",
+    "parallelisms",
+    "checkpoint",
+    "config",
+    "models",
+    "datasets",
+    "interop",
+)
+FILE_EXTS = (
+    "py",
+    "toml",
+    "sh",
+    "md",
+    "json",
+    "jsonl",
+    "png",
+    "csv",
+    "log",
+    "safetensors",
+    "bin",
+    "pt",
+    "pth",
+    "txt",
+    "tsv",
+    "tar",
+    "parquet",
+)
 
 
 # ---------------------------------------------------------------- the config schema
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def schema() -> dict[str, dict[str, typing.Any]]:
     """{section: {key: type}}, exactly what `config/manager.py` resolves keys against."""
     return {name: typing.get_type_hints(cls) for name, cls in typing.get_type_hints(JobConfig).items()}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pyproject() -> dict:
     with open(REPO / "pyproject.toml", "rb") as f:
         return tomllib.load(f)
@@ -88,6 +114,7 @@ def check_flag(section: str, key: str, value: str | None, where: str) -> list[st
 
 # ---------------------------------------------------------------- markdown
 
+
 def blocks_and_prose(text: str) -> tuple[list[tuple[str, str, int]], str]:
     """([(language, body, first line number)], the text outside fenced blocks)."""
     blocks, prose, body, lang, start = [], [], None, "", 0
@@ -113,7 +140,7 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def anchors(path: Path) -> frozenset[str]:
     return headings(blocks_and_prose(path.read_text(encoding="utf-8"))[1])
 
@@ -151,8 +178,13 @@ def shell_lines(body: str) -> list[str]:
 # ---------------------------------------------------------------- the checks
 
 FLAG = re.compile(r"(?<![\w.-])--([A-Za-z_][\w-]*)\.([A-Za-z_][\w-]*)(?:=(\S*))?")
-PATH = re.compile(r"(?<![\w./{<$-])((?:titan_contrastive|train_configs|benchmarks|scripts|tests|docs|results|"
-                  + "|".join(PACKAGE_DIRS) + r")/[\w./-]*\w\.(?:" + "|".join(FILE_EXTS) + r"))(?![\w{])")
+PATH = re.compile(
+    r"(?<![\w./{<$-])((?:titan_contrastive|train_configs|benchmarks|scripts|tests|docs|results|"
+    + "|".join(PACKAGE_DIRS)
+    + r")/[\w./-]*\w\.(?:"
+    + "|".join(FILE_EXTS)
+    + r"))(?![\w{])"
+)
 
 
 def check_path(token: str, where: str) -> list[str]:
@@ -186,7 +218,8 @@ def check_span(span: str, where: str) -> list[str]:
         if not (key is None and section in extras):  # `[hf]`: a pip extra, not a section
             errors += check_key(section, key, where)
     sections = "|".join(map(re.escape, schema()))
-    for section, key in re.findall(rf"(?<![\w./\[-])({sections})\.([A-Za-z_]\w*)(?![\w(])", span):  # not `optimizer.step()`
+    # not `optimizer.step()`
+    for section, key in re.findall(rf"(?<![\w./\[-])({sections})\.([A-Za-z_]\w*)(?![\w(])", span):
         if key not in FILE_EXTS:  # `metrics.jsonl`, `loss.py`, `model.safetensors` are files
             errors += check_key(section, key, where)
     return errors
@@ -227,7 +260,10 @@ def check_shell(body: str, where: str, modules: set[str]) -> list[str]:
                     markers = {m.split(":")[0].strip() for m in pyproject()["tool"]["pytest"]["ini_options"]["markers"]}
                     for name in re.findall(r"\w+", target):
                         if name not in markers | {"not", "and", "or"}:
-                            errors.append(f"{where}: pytest -m {target}: {name} is not a declared marker ({', '.join(sorted(markers))})")
+                            errors.append(
+                                f"{where}: pytest -m {target}: {name} is not a declared marker "
+                                f"({', '.join(sorted(markers))})"
+                            )
             elif re.fullmatch(r"(?:\./)?(?:benchmarks|scripts)/[\w/.-]+", word) and not (REPO / word).exists():
                 errors.append(f"{where}: {word} does not exist")
         if "pip install" in line:
@@ -276,7 +312,9 @@ def check_python(body: str, where: str) -> list[str]:
         except ImportError as e:
             errors.append(f"{where}: from {module} import ...: {e}")
             continue
-        errors += [f"{where}: {module} has no {n}" for n in map(str.strip, names.split(",")) if n and not hasattr(mod, n)]
+        errors += [
+            f"{where}: {module} has no {n}" for n in map(str.strip, names.split(",")) if n and not hasattr(mod, n)
+        ]
     return errors
 
 
@@ -293,7 +331,10 @@ def check_links(prose: str, doc: Path, where: str) -> list[str]:
             continue
         file = (doc.parent / path).resolve()
         if not file.exists():
-            errors.append(f"{where}: link {target} -> {file.relative_to(REPO) if file.is_relative_to(REPO) else file} does not exist")
+            errors.append(
+                f"{where}: link {target} -> {file.relative_to(REPO) if file.is_relative_to(REPO) else file} does not "
+                "exist"
+            )
         elif anchor and file.suffix == ".md" and anchor not in anchors(file):
             errors.append(f"{where}: link {target}: no heading #{anchor} in {file.name}")
     return errors
@@ -318,7 +359,7 @@ def check_doc(doc: Path, text: str, modules: set[str]) -> list[str]:
     return list(dict.fromkeys(errors))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def all_results() -> tuple[tuple[str, ...], frozenset[str]]:
     modules: set[str] = set()
     errors = []
@@ -328,6 +369,7 @@ def all_results() -> tuple[tuple[str, ...], frozenset[str]]:
 
 
 # ---------------------------------------------------------------- the tests
+
 
 def test_docs_name_only_what_exists() -> None:
     errors, _ = all_results()
@@ -341,7 +383,9 @@ def test_every_docs_page_is_linked_from_the_readme_and_says_what_it_covers() -> 
         _, prose = blocks_and_prose(page.read_text(encoding="utf-8"))
         paragraphs = [p.strip() for p in prose.split("\n\n") if p.strip()]
         assert paragraphs[0].startswith("# "), f"docs/{page.name} does not start with a title"
-        assert not paragraphs[1].startswith(("#", "|", "-")), f"docs/{page.name}: no sentence under the title saying what it covers"
+        assert not paragraphs[1].startswith(("#", "|", "-")), (
+            f"docs/{page.name}: no sentence under the title saying what it covers"
+        )
 
 
 def test_the_modules_the_docs_run_answer_help_or_import() -> None:
@@ -350,8 +394,12 @@ def test_the_modules_the_docs_run_answer_help_or_import() -> None:
     for module in sorted(modules):
         source = Path(importlib.util.find_spec(module).origin).read_text(encoding="utf-8")
         if "argparse" in source:  # cheap: argparse entry points import their heavy parts after parsing
-            run = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
-            assert run.returncode == 0 and "usage" in run.stdout, f"{module} --help: rc {run.returncode}\n{run.stderr[-2000:]}"
+            run = subprocess.run(
+                [sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+            )
+            assert run.returncode == 0 and "usage" in run.stdout, (
+                f"{module} --help: rc {run.returncode}\n{run.stderr[-2000:]}"
+            )
         else:  # the trainer's tyro --help costs a full import and tyro's rendering: importing is the check
             importlib.import_module(module)
 
@@ -390,11 +438,21 @@ Set `[loss] negativez`, or `training.stepz`, see `components/nope.py` and [x](no
 def test_the_checker_catches_wrong_keys_paths_and_links() -> None:
     errors = check_doc(REPO / "docs" / "wrong.md", WRONG, set())
     text = "\n".join(errors)
-    for needle in ["training.stepz is not a config key", "loss.negatives=globl", "train_configs/nope.toml does not exist",
-                   "titan_contrastive.nope: no such module", "benchmarks/nope.py does not exist", "[nope] is not in pyproject",
-                   "fast is not a declared marker", "[nope] is not a config section", "has no Nope",
-                   "loss.negativez is not a config key", "components/nope.py does not exist", "link nope.md",
-                   "no heading #nope"]:
+    for needle in [
+        "training.stepz is not a config key",
+        "loss.negatives=globl",
+        "train_configs/nope.toml does not exist",
+        "titan_contrastive.nope: no such module",
+        "benchmarks/nope.py does not exist",
+        "[nope] is not in pyproject",
+        "fast is not a declared marker",
+        "[nope] is not a config section",
+        "has no Nope",
+        "loss.negativez is not a config key",
+        "components/nope.py does not exist",
+        "link nope.md",
+        "no heading #nope",
+    ]:
         assert needle in text, f"the checker missed {needle!r}; it reported:\n{text}"
     assert sum("training.stepz is not a config key" in e for e in errors) == 3, text  # the flag, the TOML key, the span
 

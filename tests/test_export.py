@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers", reason="export needs the [hf]
 from titan_contrastive import export as export_module  # noqa: E402
 from titan_contrastive import interop  # noqa: E402
 from titan_contrastive.checkpoint import CheckpointManager, ModelState  # noqa: E402
-from titan_contrastive.config.job_config import Checkpoint
+from titan_contrastive.config.job_config import Checkpoint  # noqa: E402
 from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer  # noqa: E402
 from titan_contrastive.datasets.tokenizer import ByteTokenizer  # noqa: E402
 from titan_contrastive.interop import load_clip, read_checkpoint  # noqa: E402
@@ -37,8 +37,21 @@ from titan_contrastive.models.clip.args import CLIPArgs  # noqa: E402
 from titan_contrastive.models.clip.model import CLIP  # noqa: E402
 
 # the debug flavor's shape, smaller: Fashion-MNIST-like 1-channel images, byte tokens (EOS 2)
-BYTE = CLIPArgs(embed_dim=16, image_size=8, patch_size=4, in_channels=1, vision_width=32, vision_layers=1, vision_heads=4,
-                vocab_size=ByteTokenizer.vocab_size, context_length=40, text_width=32, text_layers=1, text_heads=4, eos_id=2)
+BYTE = CLIPArgs(
+    embed_dim=16,
+    image_size=8,
+    patch_size=4,
+    in_channels=1,
+    vision_width=32,
+    vision_layers=1,
+    vision_heads=4,
+    vocab_size=ByteTokenizer.vocab_size,
+    context_length=40,
+    text_width=32,
+    text_layers=1,
+    text_heads=4,
+    eos_id=2,
+)
 BPE = dataclasses.replace(BYTE, vocab_size=49408, context_length=20, eos_id=49407)
 RGB = dataclasses.replace(BYTE, in_channels=3)
 TEXTS = ["a photo of a cat", "zebra", "Two dogs, playing in the snow at night!"]
@@ -53,13 +66,23 @@ def step_folder(dump: Path, args: CLIPArgs = BYTE) -> tuple[Path, CLIP]:
             if "ln" in name or name == "logit_scale":
                 p.add_(torch.rand_like(p) * 0.5)
     cfg = Checkpoint(enable=True, folder="checkpoint", interval=1, keep_latest_k=0)
-    CheckpointManager(cfg, dump_folder=str(dump), states={"model": ModelState(model)}, per_rank_states={}, rank=0, dp_rank=0,
-                      dp_degree=1, model_info={"family": "clip", "args": dataclasses.asdict(args)}).save(1)
+    CheckpointManager(
+        cfg,
+        dump_folder=str(dump),
+        states={"model": ModelState(model)},
+        per_rank_states={},
+        rank=0,
+        dp_rank=0,
+        dp_degree=1,
+        model_info={"family": "clip", "args": dataclasses.asdict(args)},
+    ).save(1)
     (dump / "metrics.jsonl").write_text('{"step": 1}\n')
     return dump / "checkpoint" / "step-1", model.eval()
 
 
-def run_export(capsys: pytest.CaptureFixture, src: Path, to: str, out: Path | str, *extra: str) -> tuple[int, list[str]]:
+def run_export(
+    capsys: pytest.CaptureFixture, src: Path, to: str, out: Path | str, *extra: str
+) -> tuple[int, list[str]]:
     capsys.readouterr()  # what ran before (transformers' progress bars) is not the export's
     code = export_module.main([str(src), "--to", to, "--out", str(out), *extra])
     return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
@@ -75,10 +98,14 @@ def leftovers(folder: Path) -> list[str]:
 
 
 def images_for(args: CLIPArgs) -> torch.Tensor:
-    return torch.randn(4, args.in_channels, args.image_size, args.image_size, generator=torch.Generator().manual_seed(5))
+    return torch.randn(
+        4, args.in_channels, args.image_size, args.image_size, generator=torch.Generator().manual_seed(5)
+    )
 
 
-def test_byte_tokenizer_one_channel_model_exports_to_open_clip_faithfully(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_byte_tokenizer_one_channel_model_exports_to_open_clip_faithfully(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """Before: exit 0, but the reload pooled at the highest id (0.4 off) and a 1-channel patch
     kernel could not load (the config said 3 channels)."""
     step, ours = step_folder(tmp_path / "run")
@@ -91,7 +118,8 @@ def test_byte_tokenizer_one_channel_model_exports_to_open_clip_faithfully(tmp_pa
     assert load_file(str(tmp_path / "oc" / "open_clip_model.safetensors"))["visual.conv1.weight"].shape == (32, 3, 4, 4)
     args, state = read_checkpoint(tmp_path / "oc")
     assert (args.in_channels, args.eos_id) == (1, 2)
-    assert all(torch.equal(state[k], v) for k, v in ours.state_dict().items())  # the 3-channel kernel folds back exactly
+    # the 3-channel kernel folds back exactly
+    assert all(torch.equal(state[k], v) for k, v in ours.state_dict().items())
     reloaded, ids, images = load_clip(tmp_path / "oc"), ByteTokenizer(40).encode(TEXTS), images_for(BYTE)
     with torch.no_grad():
         assert (reloaded.encode_text(ids) - ours.encode_text(ids)).abs().max() <= 1e-5
@@ -119,8 +147,10 @@ def test_one_channel_clip_bpe_model_to_hf_and_overwrite(tmp_path: Path, capsys: 
     theirs = transformers.CLIPModel.from_pretrained(str(out)).eval()
     ids, images = ClipBpeTokenizer(20).encode(TEXTS), images_for(BPE)
     with torch.no_grad():
-        img, txt = (getattr(x, "pooler_output", x) for x in (theirs.get_image_features(pixel_values=images),
-                                                              theirs.get_text_features(input_ids=ids)))
+        img, txt = (
+            getattr(x, "pooler_output", x)
+            for x in (theirs.get_image_features(pixel_values=images), theirs.get_text_features(input_ids=ids))
+        )
         assert (torch.nn.functional.normalize(img, dim=-1) - ours.encode_image(images)).abs().max() <= 1e-5
         assert (torch.nn.functional.normalize(txt, dim=-1) - ours.encode_text(ids)).abs().max() <= 1e-5
     code, err = run_export(capsys, step, "hf", out)
@@ -130,14 +160,22 @@ def test_one_channel_clip_bpe_model_to_hf_and_overwrite(tmp_path: Path, capsys: 
     assert json.loads((out / "config.json").read_text())["model_type"] == "clip" and leftovers(tmp_path) == []
 
 
-RUN_MARKS = {"run_metrics": "metrics.jsonl", "run_tb": "tb/events.out", "run_lock": ".titan_contrastive.lock",
-             "run_checkpoints": "ckpt/step-3/manifest.json", "step_folder": "manifest.json"}
+RUN_MARKS = {
+    "run_metrics": "metrics.jsonl",
+    "run_tb": "tb/events.out",
+    "run_lock": ".titan_contrastive.lock",
+    "run_checkpoints": "ckpt/step-3/manifest.json",
+    "step_folder": "manifest.json",
+}
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
-@pytest.mark.parametrize("case", ["dotdot", "cwd", "foreign", "source", "source_ancestor", "file", "export_with_extra", *RUN_MARKS])
-def test_refused_out_is_left_byte_identical(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
-                                            case: str, overwrite: bool) -> None:
+@pytest.mark.parametrize(
+    "case", ["dotdot", "cwd", "foreign", "source", "source_ancestor", "file", "export_with_extra", *RUN_MARKS]
+)
+def test_refused_out_is_left_byte_identical(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, case: str, overwrite: bool
+) -> None:
     """Before: each of these was `shutil.rmtree`d with exit 0 (`..` from a subfolder took the whole
     project). Now one line, exit 2, nothing read and nothing changed, even with --overwrite."""
     step, _ = step_folder(tmp_path / "run", RGB)
@@ -175,8 +213,9 @@ def test_refused_out_is_left_byte_identical(tmp_path: Path, capsys: pytest.Captu
     assert snapshot(tmp_path) == before
 
 
-def test_empty_folder_is_used_and_failed_export_keeps_the_previous_one(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_empty_folder_is_used_and_failed_export_keeps_the_previous_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A model that does not reload to its own embeddings (a corrupted write, or a zero tolerance) is
     refused in one line naming the tower; the previous export stays and no temporary folder does."""
     from titan_contrastive.interop import openclip

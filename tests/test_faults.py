@@ -18,8 +18,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -27,8 +27,16 @@ from titan_contrastive.components.lr_scheduler import lr_factor
 from titan_contrastive.train import main
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--training.local_batch_size=16", "--eval.enable=false", "--metrics.log_freq=1", "--metrics.enable_tensorboard=false",
-        "--checkpoint.enable=true", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0", "--lr_scheduler.warmup_steps=2"]
+TINY = [
+    "--training.local_batch_size=16",
+    "--eval.enable=false",
+    "--metrics.log_freq=1",
+    "--metrics.enable_tensorboard=false",
+    "--checkpoint.enable=true",
+    "--checkpoint.interval=2",
+    "--checkpoint.keep_latest_k=0",
+    "--lr_scheduler.warmup_steps=2",
+]
 
 
 def run(dump: Path, *args: str) -> int:
@@ -38,7 +46,9 @@ def run(dump: Path, *args: str) -> int:
 
 
 def train_records(dump: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"}
+    return {
+        r["step"]: r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"
+    }
 
 
 def steps_in(folder: Path) -> list[str]:
@@ -54,7 +64,9 @@ def one_error_line(capsys: pytest.CaptureFixture) -> str:
 # ------------------------------------------------------------------ resume semantics
 
 
-def test_changed_lr_and_steps_on_resume_are_applied_and_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_changed_lr_and_steps_on_resume_are_applied_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The restored scheduler used to keep the old peak lr; now the config's schedule is recomputed
     at the restored step, and every changed key is logged."""
     assert run(tmp_path, "--training.steps=4", "--optimizer.lr=1e-3") == 0
@@ -67,15 +79,29 @@ def test_changed_lr_and_steps_on_resume_are_applied_and_logged(tmp_path: Path, c
     for step in (5, 6):  # the new peak and the new total steps
         want = 5e-4 * lr_factor(step - 1, warmup_steps=2, total_steps=6, decay_type="cosine", min_lr_factor=0.0)
         assert logged[step]["lr"] == pytest.approx(want, rel=1e-12)
-    assert logged[4]["lr"] == pytest.approx(1e-3 * lr_factor(3, warmup_steps=2, total_steps=4, decay_type="cosine", min_lr_factor=0.0))
+    assert logged[4]["lr"] == pytest.approx(
+        1e-3 * lr_factor(3, warmup_steps=2, total_steps=4, decay_type="cosine", min_lr_factor=0.0)
+    )
 
 
-@pytest.mark.parametrize("change, message", [
-    ("--training.local_batch_size=8", "training.local_batch_size: 16 -> 8 since checkpoint step-2, but the data position is counted in local batches"),
-    ("--data.context_length=16", "checkpoint step-2 holds a different architecture (context_length: 32 -> 16"),
-    ("--model.freeze=text", "model.freeze: [] -> ['text'] since checkpoint step-2, but the frozen parameters have no optimizer state"),
-])
-def test_incompatible_resume_is_one_line_before_loading(tmp_path: Path, capsys: pytest.CaptureFixture, change: str, message: str) -> None:
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            "--training.local_batch_size=8",
+            "training.local_batch_size: 16 -> 8 since checkpoint step-2, but the data position is counted in local "
+            "batches",
+        ),
+        ("--data.context_length=16", "checkpoint step-2 holds a different architecture (context_length: 32 -> 16"),
+        (
+            "--model.freeze=text",
+            "model.freeze: [] -> ['text'] since checkpoint step-2, but the frozen parameters have no optimizer state",
+        ),
+    ],
+)
+def test_incompatible_resume_is_one_line_before_loading(
+    tmp_path: Path, capsys: pytest.CaptureFixture, change: str, message: str
+) -> None:
     assert run(tmp_path, "--training.steps=2") == 0
     capsys.readouterr()
     assert run(tmp_path, "--training.steps=4", change) == 2
@@ -106,12 +132,22 @@ def test_load_step_rewind_moves_newer_checkpoints_aside(tmp_path: Path, caplog: 
 # ------------------------------------------------------------------ non-finite steps
 
 
-def test_endless_skipping_stops_and_spares_the_last_good_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_endless_skipping_stops_and_spares_the_last_good_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """An lr of 1e30 makes every step after the first non-finite: with on_nonfinite=skip the run used
     to finish (exit 0) and keep_latest_k pruned the good checkpoints in favour of the stuck model."""
-    code = run(tmp_path, "--training.steps=20", "--optimizer.lr=1e30", "--lr_scheduler.warmup_steps=0", "--training.max_norm=0",
-               "--training.on_nonfinite=skip", "--training.max_consecutive_skips=3", "--checkpoint.interval=1",
-               "--checkpoint.keep_latest_k=1")
+    code = run(
+        tmp_path,
+        "--training.steps=20",
+        "--optimizer.lr=1e30",
+        "--lr_scheduler.warmup_steps=0",
+        "--training.max_norm=0",
+        "--training.on_nonfinite=skip",
+        "--training.max_consecutive_skips=3",
+        "--checkpoint.interval=1",
+        "--checkpoint.keep_latest_k=1",
+    )
     assert code == 3
     line = one_error_line(capsys)
     assert "step 5: non-finite loss=nan, grad_norm=nan, 4 steps in a row, past training.max_consecutive_skips=3" in line
@@ -140,8 +176,14 @@ def small_fs(tmp_path: Path) -> Iterator[callable]:
     def mount(size: str, *options: str) -> Path:
         point = tmp_path / f"fs{len(mounted)}"
         point.mkdir()
-        if os.geteuid() != 0 or not shutil.which("mount") or subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", ",".join((f"size={size}", *options)), "tmpfs", str(point)], capture_output=True).returncode:
+        if (
+            os.geteuid() != 0
+            or not shutil.which("mount")
+            or subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", ",".join((f"size={size}", *options)), "tmpfs", str(point)],
+                capture_output=True,
+            ).returncode
+        ):
             pytest.skip("cannot mount a tmpfs here (needs root); test_enospc_during_save_is_named covers the message")
         mounted.append(point)
         return point
@@ -154,7 +196,10 @@ def small_fs(tmp_path: Path) -> Iterator[callable]:
 def test_read_only_and_full_folders_fail_before_step_1(small_fs, capsys: pytest.CaptureFixture) -> None:
     read_only = small_fs("1m", "ro")
     assert run(read_only / "run", "--training.steps=2") == 2
-    assert f"job.dump_folder={read_only / 'run'}: cannot write there (Read-only file system in {read_only})" in one_error_line(capsys)
+    assert (
+        f"job.dump_folder={read_only / 'run'}: cannot write there (Read-only file system in {read_only})"
+        in one_error_line(capsys)
+    )
     full = small_fs("64k")
     with pytest.raises(OSError, match="No space left"), open(full / "filler", "wb") as filler:
         while True:  # fill it up
@@ -165,7 +210,9 @@ def test_read_only_and_full_folders_fail_before_step_1(small_fs, capsys: pytest.
     small = small_fs("2m")  # the debug clip's checkpoint (weights + AdamW moments) is ~3.3 MB
     assert run(small / "run", "--training.steps=2") == 2
     line = one_error_line(capsys)
-    assert f"checkpoint.folder={small / 'run' / 'checkpoint'}: 2.0 MiB free, a checkpoint of this run needs about" in line
+    assert (
+        f"checkpoint.folder={small / 'run' / 'checkpoint'}: 2.0 MiB free, a checkpoint of this run needs about" in line
+    )
     assert not (small / "run").exists()  # failed before step 1: nothing written
 
 
@@ -178,7 +225,9 @@ def test_full_disk_during_a_save_is_named_and_leaves_no_partial_files(small_fs, 
     assert sorted(train_records(room_for_one)) == [1, 2, 3, 4]
 
 
-def test_enospc_during_save_is_named(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_enospc_during_save_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same path without a tmpfs: the write fails with ENOSPC, as a full disk makes it fail."""
     import torch.distributed.checkpoint as dcp
 
@@ -192,21 +241,30 @@ def test_enospc_during_save_is_named(tmp_path: Path, capsys: pytest.CaptureFixtu
 
     monkeypatch.setattr(dcp, "save", save)
     assert run(tmp_path, "--training.steps=4") == 2
-    assert f"saving checkpoint step-4 failed: no space left on device in {tmp_path / 'checkpoint'}" in one_error_line(capsys)
+    assert f"saving checkpoint step-4 failed: no space left on device in {tmp_path / 'checkpoint'}" in one_error_line(
+        capsys
+    )
     assert steps_in(tmp_path / "checkpoint") == ["step-2"]
 
 
 # ------------------------------------------------------------------ one-line errors
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--training.device=cuda"], "training.device='cuda' but no CUDA device is visible; use --training.device=cpu"),
-    (["--data.dataset=emoji", "--training.global_batch_size=4096"],
-     "training.global_batch_size=4096 exceeds the 1706 samples of emoji/train: one step would use samples twice; use at most 1696"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--training.device=cuda"], "training.device='cuda' but no CUDA device is visible; use --training.device=cpu"),
+        (
+            ["--data.dataset=emoji", "--training.global_batch_size=4096"],
+            "training.global_batch_size=4096 exceeds the 1706 samples of emoji/train: one step would use samples "
+            "twice; use at most 1696",
+        ),
+    ],
+)
 def test_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], message: str) -> None:
     if "cuda" in args[0]:
         import torch
+
         if torch.cuda.is_available():
             pytest.skip("a GPU is visible")
     assert run(tmp_path, "--training.steps=2", *args) == 2
@@ -222,10 +280,24 @@ def test_stalled_rank_ends_the_job_with_the_timeout_named(tmp_path: Path) -> Non
     used to wait forever; it now fails after comm.train_timeout_seconds and the job exits 4."""
     timeout = 5
     env = {**os.environ, "NGPU": "2", "PYTHON": sys.executable, "LOG_RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
-    job = subprocess.Popen(["./run_train.sh", f"--job.dump_folder={tmp_path}", "--training.steps=100000", "--training.local_batch_size=8",
-                            "--eval.enable=false", "--metrics.log_freq=1", "--metrics.enable_tensorboard=false",
-                            f"--comm.train_timeout_seconds={timeout}"],
-                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = subprocess.Popen(
+        [
+            "./run_train.sh",
+            f"--job.dump_folder={tmp_path}",
+            "--training.steps=100000",
+            "--training.local_batch_size=8",
+            "--eval.enable=false",
+            "--metrics.log_freq=1",
+            "--metrics.enable_tensorboard=false",
+            f"--comm.train_timeout_seconds={timeout}",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     output = []
     try:
         for line in job.stdout:  # until rank 0 has logged step 1 (the train timeout is set by then)

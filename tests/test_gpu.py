@@ -15,10 +15,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_trains_and_evaluates_on_cuda(tmp_path: Path) -> None:
-    trainer = Trainer(parse_args([
-        "--training.device=cuda", "--training.steps=3", "--training.local_batch_size=64",
-        "--training.global_batch_size=128", "--metrics.log_freq=1", f"--job.dump_folder={tmp_path}",
-    ]))
+    trainer = Trainer(
+        parse_args(
+            [
+                "--training.device=cuda",
+                "--training.steps=3",
+                "--training.local_batch_size=64",
+                "--training.global_batch_size=128",
+                "--metrics.log_freq=1",
+                f"--job.dump_folder={tmp_path}",
+            ]
+        )
+    )
     assert next(trainer.model.parameters()).is_cuda
     result = trainer.train()
     assert math.isfinite(result["loss"]) and 0.0 <= result["zero_shot_top1"] <= 1.0
@@ -28,11 +36,22 @@ def test_trains_and_evaluates_on_cuda(tmp_path: Path) -> None:
 
 def test_bfloat16_selective_ac_compile_on_cuda(tmp_path: Path) -> None:
     """The issue-3 GPU stack on one device: bf16 autocast + selective AC + inductor per block."""
-    trainer = Trainer(parse_args([
-        "--training.device=cuda", "--training.steps=3", "--training.local_batch_size=64", "--eval.enable=false",
-        "--training.mixed_precision_param=bfloat16", "--activation_checkpoint.mode=selective", "--compile.enable=true",
-        "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path}",
-    ]))
+    trainer = Trainer(
+        parse_args(
+            [
+                "--training.device=cuda",
+                "--training.steps=3",
+                "--training.local_batch_size=64",
+                "--eval.enable=false",
+                "--training.mixed_precision_param=bfloat16",
+                "--activation_checkpoint.mode=selective",
+                "--compile.enable=true",
+                "--metrics.log_freq=1",
+                "--metrics.enable_tensorboard=false",
+                f"--job.dump_folder={tmp_path}",
+            ]
+        )
+    )
     trainer.train()
     trainer.metrics.close()
     losses = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"train"' in line]

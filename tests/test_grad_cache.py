@@ -17,16 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.dist_utils import run_distributed
 from titan_contrastive.batching import BatchError, split_inputs
 from titan_contrastive.grad_cache import GradCache, GradCacheError, Replay, cached
 from titan_contrastive.grad_cache.inputs import get_rep
-from tests.dist_utils import run_distributed
 
 REL = 1e-10
 B = 13  # chunk sizes below do not divide it
 
 
-def info_nce(q: torch.Tensor, p: torch.Tensor, n: torch.Tensor | None = None, *, temperature: float = 0.1) -> torch.Tensor:
+def info_nce(
+    q: torch.Tensor, p: torch.Tensor, n: torch.Tensor | None = None, *, temperature: float = 0.1
+) -> torch.Tensor:
     """DPR-style: query i against all positives (+ hard negatives); loss_fn(*reps, **kwargs)."""
     keys = p if n is None else torch.cat([p, n])
     logits = F.normalize(q, dim=-1) @ F.normalize(keys, dim=-1).T / temperature
@@ -65,8 +67,9 @@ def data(n: int = B, d: int = 8, seed: int = 1) -> torch.Tensor:
     return torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def reference(models: list[nn.Module], inputs: list[Any], chunk_sizes: list[int], loss_kwargs: dict | None = None,
-              seed: int = 5) -> tuple[float, list[list[torch.Tensor]]]:
+def reference(
+    models: list[nn.Module], inputs: list[Any], chunk_sizes: list[int], loss_kwargs: dict | None = None, seed: int = 5
+) -> tuple[float, list[list[torch.Tensor]]]:
     """Dense: the same chunked forwards in the same RNG order, one loss, one backward."""
     copies: dict[int, nn.Module] = {}
     models = [copies.setdefault(id(m), copy.deepcopy(m)) for m in models]
@@ -127,7 +130,8 @@ def test_hard_negatives_and_loss_kwargs() -> None:
 
 def test_dict_list_and_output_object_inputs() -> None:
     q, p = towers("object", "tuple")
-    as_dict = {"x": data(), "mask": (data(seed=9) > 0).double(), "flag": "kept as is"}  # a non-tensor entry goes to every chunk
+    # a non-tensor entry goes to every chunk
+    as_dict = {"x": data(), "mask": (data(seed=9) > 0).double(), "flag": "kept as is"}
     run_case([q, p], [as_dict, [data(seed=2), (data(seed=8) > 0).double()]], [2, 5])
 
 
@@ -169,11 +173,14 @@ def test_clear_errors() -> None:
         split_inputs({"x": data(), "mask": data(n=12)}, 4)
     with pytest.raises(GradCacheError, match="fp16=True needs a scaler"):
         GradCache([q, p], 4, info_nce, fp16=True)
-    with pytest.raises(GradCacheError, match=r"cannot find a representation in the model output of type dict \(fields: \['logits'\]\)"):
+    with pytest.raises(
+        GradCacheError, match=r"cannot find a representation in the model output of type dict \(fields: \['logits'\]\)"
+    ):
         GradCache([lambda x: {"logits": x}], 4, info_nce).forward_no_grad(lambda x: {"logits": x}, [data()])
     with pytest.raises(GradCacheError, match="2 inputs for 3 models"):
         GradCache([q, p, p], 4, info_nce).cache_step(data(), data())
-    with pytest.raises(GradCacheError, match=r"input 0 is an empty batch \(0 samples\)") as info:  # was a raw torch.cat error
+    # was a raw torch.cat error
+    with pytest.raises(GradCacheError, match=r"input 0 is an empty batch \(0 samples\)") as info:
         GradCache([q, p], 4, info_nce).cache_step(data(n=0), data(n=0))
     assert "\n" not in str(info.value)
 
@@ -194,7 +201,9 @@ class PairTower(nn.Module):
         return self.q(x), self.p(y)
 
 
-def pair_reference(model: PairTower, x: torch.Tensor, y: torch.Tensor, chunk: int, seed: int) -> tuple[float, list[torch.Tensor]]:
+def pair_reference(
+    model: PairTower, x: torch.Tensor, y: torch.Tensor, chunk: int, seed: int
+) -> tuple[float, list[torch.Tensor]]:
     """Dense: the same chunks in the same RNG order, with their graphs, one loss, one backward."""
     model = copy.deepcopy(model)
     torch.manual_seed(seed)
@@ -212,8 +221,13 @@ def test_one_model_keeps_its_last_chunk_graph(chunk: int) -> None:
     x, y = data(), data(seed=2)
     want_loss, want = pair_reference(model, x, y, chunk, seed=5)
     torch.manual_seed(5)
-    loss = GradCache([model], chunk, info_nce, split_input_fn=lambda pair, size: list(zip(pair[0].split(size), pair[1].split(size))),
-                     get_rep_fn=tuple).cache_step((x, y))
+    loss = GradCache(
+        [model],
+        chunk,
+        info_nce,
+        split_input_fn=lambda pair, size: list(zip(pair[0].split(size), pair[1].split(size))),
+        get_rep_fn=tuple,
+    ).cache_step((x, y))
     chunks = -(-B // chunk)
     assert model.calls == 2 * chunks - 1
     assert abs(loss.item() - want_loss) <= REL * want_loss
@@ -231,8 +245,9 @@ class LockedPair(PairTower):
         self.locked_rows = 0
         self.replays: list[Replay | None] = []
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, *,
-                replay: Replay | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, y: torch.Tensor, *, replay: Replay | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self.replays.append(replay)
         if replay is None:
             self.locked_rows += len(x)
@@ -284,7 +299,9 @@ def _dp_matches_dense(wrapper: str) -> None:
     x, y = data(n=2 * B), data(n=2 * B, seed=2)
     mine = slice(rank * B, (rank + 1) * B)
     # each rank's loss is over its own local batch; DDP / FSDP2 average the ranks' gradients
-    refs = [reference([q, p], [x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]], [4, 5], seed=5 + r) for r in range(world)]
+    refs = [
+        reference([q, p], [x[r * B : (r + 1) * B], y[r * B : (r + 1) * B]], [4, 5], seed=5 + r) for r in range(world)
+    ]
     want = [[sum(r[1][m][i] for r in refs) / world for i in range(len(refs[0][1][m]))] for m in range(2)]
     if wrapper == "ddp":
         models = [nn.parallel.DistributedDataParallel(q), nn.parallel.DistributedDataParallel(p)]
@@ -314,7 +331,7 @@ def _dp_pair_matches_dense(wrapper: str) -> None:
     model = PairTower()
     x, y = data(n=2 * B), data(n=2 * B, seed=2)
     mine = slice(rank * B, (rank + 1) * B)
-    refs = [pair_reference(model, x[r * B:(r + 1) * B], y[r * B:(r + 1) * B], 4, seed=5 + r) for r in range(world)]
+    refs = [pair_reference(model, x[r * B : (r + 1) * B], y[r * B : (r + 1) * B], 4, seed=5 + r) for r in range(world)]
     want = [sum(r[1][i] for r in refs) / world for i in range(len(refs[0][1]))]
     if wrapper == "ddp":
         wrapped: nn.Module = nn.parallel.DistributedDataParallel(model)
@@ -324,7 +341,9 @@ def _dp_pair_matches_dense(wrapper: str) -> None:
         wrapped = fully_shard(model)
     torch.manual_seed(5 + rank)
     split = lambda pair, size: list(zip(pair[0].split(size), pair[1].split(size)))  # noqa: E731
-    GradCache([wrapped], 4, info_nce, split_input_fn=split, get_rep_fn=tuple).cache_step((x[mine], y[mine]), no_sync_except_last=True)
+    GradCache([wrapped], 4, info_nce, split_input_fn=split, get_rep_fn=tuple).cache_step(
+        (x[mine], y[mine]), no_sync_except_last=True
+    )
     assert model.calls == 2 * 4 - 1
     got = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in (p.grad for p in model.parameters())]
     assert_close([got], [want])
@@ -349,7 +368,9 @@ def test_fp16_scaler_on_cuda() -> None:  # pragma: no cover - CI has no GPU
     torch.manual_seed(5)
     GradCache([q, p], [4, 5], info_nce, fp16=True, scaler=scaler).cache_step(x, y)
     scaler.unscale_(torch.optim.SGD(list(q.parameters()) + list(p.parameters()), lr=0.0))
-    for got, want in zip(list(q.parameters()) + list(p.parameters()), list(want_q.parameters()) + list(want_p.parameters())):
+    for got, want in zip(
+        list(q.parameters()) + list(p.parameters()), list(want_q.parameters()) + list(want_p.parameters())
+    ):
         assert torch.allclose(got.grad, want.grad, rtol=2e-2, atol=1e-3)
 
 

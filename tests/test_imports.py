@@ -110,7 +110,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for dep in sorted(edges[node]):
             if state.get(dep) == 1:
-                return path[path.index(dep):] + [dep]
+                return path[path.index(dep) :] + [dep]
             if dep not in state and (cycle := visit(dep)):
                 return cycle
         state[node] = 2
@@ -135,6 +135,7 @@ def loaded_by(statement: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- grad_cache and batching stand alone
+
 
 def test_grad_cache_imports_alone() -> None:
     loaded = loaded_by("import titan_contrastive.grad_cache")
@@ -190,8 +191,10 @@ def test_the_pair_runs_copied_into_another_package(tmp_path: Path) -> None:
 
 def test_one_copy_of_each_name_the_pair_took_over() -> None:
     """The rest of the project names the pair's objects: one definition of each."""
-    modules = {name: importlib.import_module(f"{ROOT}.{name}") for name in (
-        "batching", "grad_cache", "grad_cache.rng", "grad_cache.sync", "parallelisms.collectives")}
+    modules = {
+        name: importlib.import_module(f"{ROOT}.{name}")
+        for name in ("batching", "grad_cache", "grad_cache.rng", "grad_cache.sync", "parallelisms.collectives")
+    }
     batching, grad_cache, rng = modules["batching"], modules["grad_cache"], modules["grad_cache.rng"]
 
     assert grad_cache.grad_sync is modules["grad_cache.sync"].grad_sync
@@ -203,6 +206,7 @@ def test_one_copy_of_each_name_the_pair_took_over() -> None:
 
 
 # ---------------------------------------------------------------- the layers and the graph
+
 
 def test_datasets_and_grad_cache_never_import_each_other() -> None:
     edges = graph()

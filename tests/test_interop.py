@@ -27,12 +27,23 @@ from titan_contrastive.interop import InteropError, detect_format, load_clip, re
 REPO = Path(__file__).resolve().parents[1]
 
 
-def tiny_hf(folder: Path, *, eos: int = 49407, vocab: int = 49408, context: int = 77, image: int = 32, act: str = "quick_gelu") -> Path:
+def tiny_hf(
+    folder: Path, *, eos: int = 49407, vocab: int = 49408, context: int = 77, image: int = 32, act: str = "quick_gelu"
+) -> Path:
     torch.manual_seed(0)
     tower = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, hidden_act=act)
     config = transformers.CLIPConfig(
-        text_config=dict(tower, vocab_size=vocab, max_position_embeddings=context, eos_token_id=eos, bos_token_id=vocab - 2, pad_token_id=1),
-        vision_config=dict(tower, image_size=image, patch_size=8), projection_dim=24)
+        text_config=dict(
+            tower,
+            vocab_size=vocab,
+            max_position_embeddings=context,
+            eos_token_id=eos,
+            bos_token_id=vocab - 2,
+            pad_token_id=1,
+        ),
+        vision_config=dict(tower, image_size=image, patch_size=8),
+        projection_dim=24,
+    )
     model = transformers.CLIPModel(config)
     with torch.no_grad():  # non-trivial norms and scale, so a mapping mistake cannot hide behind ones and zeros
         for name, p in model.named_parameters():
@@ -106,8 +117,21 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path: Path) -> None:
 
 def _run(dump: Path, nproc: int, *args: str) -> str:
     env = {**os.environ, "NGPU": str(nproc), "PYTHON": sys.executable, "LOG_RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run(["./run_train.sh", f"--job.dump_folder={dump}", "--training.local_batch_size=8", "--eval.enable=false",
-                          "--metrics.enable_tensorboard=false", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            "./run_train.sh",
+            f"--job.dump_folder={dump}",
+            "--training.local_batch_size=8",
+            "--eval.enable=false",
+            "--metrics.enable_tensorboard=false",
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout + out.stderr
 
@@ -120,20 +144,55 @@ def test_init_from_hf_then_our_fsdp_checkpoint_loads_and_exports(tmp_path: Path)
 
     src = tiny_hf(tmp_path / "hf")
     with pytest.raises(InteropError, match="mis-shaped.*token_embedding.*set data.image_size, data.context_length"):
-        Trainer(parse_args([f"--model.init_from={src}", "--data.dataset=emoji", "--data.image_size=32",  # byte tokens: vocab 259
-                            f"--job.dump_folder={tmp_path / 'x'}", "--metrics.enable_tensorboard=false"]))
+        Trainer(
+            parse_args(
+                [
+                    f"--model.init_from={src}",
+                    "--data.dataset=emoji",
+                    "--data.image_size=32",  # byte tokens: vocab 259
+                    f"--job.dump_folder={tmp_path / 'x'}",
+                    "--metrics.enable_tensorboard=false",
+                ]
+            )
+        )
     csv_dir = tmp_path / "csv"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "export_emoji_files.py"), "--out", str(csv_dir)], check=True,
-                   capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    data = ["--data.dataset=csv", f"--data.path={csv_dir / 'train.csv'}", "--data.image_size=32", "--data.context_length=77"]
-    trainer = Trainer(parse_args([f"--model.init_from={src}", *data, f"--job.dump_folder={tmp_path / 'y'}",
-                                  "--metrics.enable_tensorboard=false"]))
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "export_emoji_files.py"), "--out", str(csv_dir)],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    data = [
+        "--data.dataset=csv",
+        f"--data.path={csv_dir / 'train.csv'}",
+        "--data.image_size=32",
+        "--data.context_length=77",
+    ]
+    trainer = Trainer(
+        parse_args(
+            [
+                f"--model.init_from={src}",
+                *data,
+                f"--job.dump_folder={tmp_path / 'y'}",
+                "--metrics.enable_tensorboard=false",
+            ]
+        )
+    )
     start = read_checkpoint(src)[1]
     assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in start.items())
     trainer.metrics.close()
     del trainer
-    log = _run(tmp_path / "run", 2, f"--model.init_from={src}", *data, "--training.steps=2", "--checkpoint.enable=true",
-               "--parallelism.data_parallel_replicate_degree=1", "--parallelism.data_parallel_shard_degree=2", "--model.freeze=image")
+    log = _run(
+        tmp_path / "run",
+        2,
+        f"--model.init_from={src}",
+        *data,
+        "--training.steps=2",
+        "--checkpoint.enable=true",
+        "--parallelism.data_parallel_replicate_degree=1",
+        "--parallelism.data_parallel_shard_degree=2",
+        "--model.freeze=image",
+    )
     assert "locked towers (run without a graph): image" in log
     step = tmp_path / "run" / "checkpoint" / "step-2"
     assert detect_format(step) == "ours"
@@ -158,21 +217,36 @@ def test_bi_encoder_exports_to_sentence_transformers(tmp_path: Path) -> None:
     from titan_contrastive.models import get_model_spec
     from titan_contrastive.models.bi_encoder.model import build_tokenizer
 
-    _run(tmp_path / "run", 1, "--model.name=bi_encoder", "--model.flavor=minilm_l6", "--data.dataset=wordnet",
-         "--data.context_length=24", "--training.steps=1", "--checkpoint.enable=true", "--optimizer.lr=1e-3")
+    _run(
+        tmp_path / "run",
+        1,
+        "--model.name=bi_encoder",
+        "--model.flavor=minilm_l6",
+        "--data.dataset=wordnet",
+        "--data.context_length=24",
+        "--training.steps=1",
+        "--checkpoint.enable=true",
+        "--optimizer.lr=1e-3",
+    )
     step = tmp_path / "run" / "checkpoint" / "step-1"
     assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 0
     family, args, ours = read_ours(step)
     ours.eval()
     state = ours.state_dict()
-    texts = ["a masterly or brilliant feat", "frozen water", "the fifth letter of the Greek alphabet, said quickly twice"]
+    texts = [
+        "a masterly or brilliant feat",
+        "frozen water",
+        "the fifth letter of the Greek alphabet, said quickly twice",
+    ]
     ids = build_tokenizer(args).encode(texts, args.query_length)
     with torch.no_grad():
         want = ours._embed(ours.query_tower, ids)
     got = st.SentenceTransformer(str(tmp_path / "st"), device="cpu").encode(texts, convert_to_tensor=True)
     assert (got - want).abs().max() <= 1e-6
     pristine = get_model_spec(family).build_model(args)
-    assert not torch.equal(pristine.query_tower.embeddings.word_embeddings.weight, state["query_tower.embeddings.word_embeddings.weight"])
+    assert not torch.equal(
+        pristine.query_tower.embeddings.word_embeddings.weight, state["query_tower.embeddings.word_embeddings.weight"]
+    )
     assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "x")]) == 2  # a bi_encoder is not a CLIP
 
 
@@ -190,14 +264,29 @@ def test_open_clip_format_round_trip(tmp_path: Path) -> None:
     assert detect_format(tmp_path / "oc") == "open_clip"
     (_, a), (args_b, b) = read_checkpoint(src), read_checkpoint(tmp_path / "oc")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert (args_b.vision_heads, args_b.act, args_b.eos_id) == (4, "quick_gelu", 49407)  # text_cfg: pool_type eos, eos_id
+    # text_cfg: pool_type eos, eos_id
+    assert (args_b.vision_heads, args_b.act, args_b.eos_id) == (4, "quick_gelu", 49407)
     config = json.loads((tmp_path / "oc" / "open_clip_config.json").read_text())
-    assert config["model_cfg"]["vision_cfg"] == {"image_size": 32, "layers": 2, "width": 32, "patch_size": 8, "head_width": 8, "mlp_ratio": 4.0}
+    assert config["model_cfg"]["vision_cfg"] == {
+        "image_size": 32,
+        "layers": 2,
+        "width": 32,
+        "patch_size": 8,
+        "head_width": 8,
+        "mlp_ratio": 4.0,
+    }
     weights = load_file(str(tmp_path / "oc" / "open_clip_model.safetensors"))
     assert "transformer.resblocks.1.attn.in_proj_weight" in weights and weights["logit_scale"].shape == ()
     inferred = args_from_open_clip(None, weights)
-    assert (inferred.embed_dim, inferred.image_size, inferred.patch_size, inferred.vision_layers, inferred.text_layers,
-            inferred.context_length, inferred.vocab_size) == (24, 32, 8, 2, 2, 77, 49408)
+    assert (
+        inferred.embed_dim,
+        inferred.image_size,
+        inferred.patch_size,
+        inferred.vision_layers,
+        inferred.text_layers,
+        inferred.context_length,
+        inferred.vocab_size,
+    ) == (24, 32, 8, 2, 2, 77, 49408)
     torch.save({"epoch": 3, "state_dict": {f"module.{k}": v for k, v in weights.items()}}, tmp_path / "epoch_3.pt")
     (tmp_path / "open_clip_config.json").write_text(json.dumps(config))
     c = read_checkpoint(tmp_path / "epoch_3.pt")[1]
@@ -208,7 +297,9 @@ def test_open_clip_loads_our_export(tmp_path: Path) -> None:
     """Where open_clip imports (it needs torchvision, which does not import beside torch 2.13 on
     CPU here: benchmarks/interop_openclip.py runs this in its own venv), its model built from our
     export gives our embeddings."""
-    open_clip = pytest.importorskip("open_clip", reason="open_clip needs torchvision; see benchmarks/interop_openclip.py")
+    open_clip = pytest.importorskip(
+        "open_clip", reason="open_clip needs torchvision; see benchmarks/interop_openclip.py"
+    )
     src = tiny_hf(tmp_path / "hf", act="gelu")
     assert export_main([str(src), "--to", "open_clip", "--out", str(tmp_path / "oc")]) == 0
     theirs, _, _ = open_clip.create_model_and_transforms(f"local-dir:{tmp_path / 'oc'}")

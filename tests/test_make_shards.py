@@ -28,8 +28,7 @@ def _make_images(folder: Path, n: int = N) -> list[tuple[str, str, tuple[int, in
     return out
 
 
-def _check_shards(out: Path, expected: list[tuple[str, str, tuple[int, int]]], root: Path,
-                  sizes=(10, 10, 5)) -> None:
+def _check_shards(out: Path, expected: list[tuple[str, str, tuple[int, int]]], root: Path, sizes=(10, 10, 5)) -> None:
     """Every shard read back with wids: keys, bytes, captions, json, stats and shards.json."""
     index = json.loads((out / "shards.json").read_text())
     assert index["__kind__"] == "wids-shard-index-v1" and index["wids_version"] == 1
@@ -72,7 +71,8 @@ def test_csv_tab_default(tmp_path, capsys):
     imgs = _make_images(tmp_path / "data")
     rows = list(reversed(imgs))  # CSV order, not path order, decides sample order
     (tmp_path / "data" / "train.csv").write_text(
-        "filepath\ttitle\n" + "".join(f"{rel}\t{cap}\n" for rel, cap, _ in rows), encoding="utf-8")
+        "filepath\ttitle\n" + "".join(f"{rel}\t{cap}\n" for rel, cap, _ in rows), encoding="utf-8"
+    )
     out = tmp_path / "shards"
     assert main([str(tmp_path / "data" / "train.csv"), "--out", str(out), "--samples-per-shard", "10"]) == 0
     assert "25 samples in 3 shards" in capsys.readouterr().out
@@ -82,10 +82,22 @@ def test_csv_tab_default(tmp_path, capsys):
 def test_csv_comma_custom_keys(tmp_path, capsys):
     imgs = _make_images(tmp_path)
     (tmp_path / "pairs.csv").write_text(
-        "id,image,text\n" + "".join(f"{i},{rel},{cap}\n" for i, (rel, cap, _) in enumerate(imgs)), encoding="utf-8")
+        "id,image,text\n" + "".join(f"{i},{rel},{cap}\n" for i, (rel, cap, _) in enumerate(imgs)), encoding="utf-8"
+    )
     out = tmp_path / "out"
-    argv = [str(tmp_path / "pairs.csv"), "--out", str(out), "--samples-per-shard", "10",
-            "--csv-separator", ",", "--csv-img-key", "image", "--csv-caption-key", "text"]
+    argv = [
+        str(tmp_path / "pairs.csv"),
+        "--out",
+        str(out),
+        "--samples-per-shard",
+        "10",
+        "--csv-separator",
+        ",",
+        "--csv-img-key",
+        "image",
+        "--csv-caption-key",
+        "text",
+    ]
     assert main(argv) == 0
     _check_shards(out, imgs, tmp_path)
 
@@ -157,16 +169,23 @@ def test_skip_bad_counts_corrupt_image(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert "12 samples in 2 shards" in stdout and "1 unreadable" in stdout
     _check_shards(tmp_path / "o", imgs, tmp_path, sizes=(10, 2))
-    assert json.loads((tmp_path / "o" / "00000_stats.json").read_text()) == \
-        {"count": 11, "successes": 10, "failed_to_read": 1}
+    assert json.loads((tmp_path / "o" / "00000_stats.json").read_text()) == {
+        "count": 11,
+        "successes": 10,
+        "failed_to_read": 1,
+    }
 
 
 def test_trailing_bad_image_makes_no_empty_shard(tmp_path):
     imgs = _make_images(tmp_path, 2)
     (tmp_path / "bad.png").write_bytes(b"not an image")
-    res = write_shards([(r, c) for r, c, _ in imgs] + [("bad.png", "x")], tmp_path / "o", 2, root=tmp_path,
-                       skip_bad=True)
+    res = write_shards(
+        [(r, c) for r, c, _ in imgs] + [("bad.png", "x")], tmp_path / "o", 2, root=tmp_path, skip_bad=True
+    )
     assert (res["samples"], res["shards"], res["skipped_bad"]) == (2, 1, 1)
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["00000.tar", "00000_stats.json", "shards.json"]
-    assert json.loads((tmp_path / "o" / "00000_stats.json").read_text()) == \
-        {"count": 3, "successes": 2, "failed_to_read": 1}
+    assert json.loads((tmp_path / "o" / "00000_stats.json").read_text()) == {
+        "count": 3,
+        "successes": 2,
+        "failed_to_read": 1,
+    }

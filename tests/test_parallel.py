@@ -14,21 +14,31 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from titan_contrastive.config import ConfigError, parse_args
-from titan_contrastive.components.nonfinite import NonFiniteError, NonFiniteGuard
-from titan_contrastive.train import Trainer
 from tests.dist_utils import run_distributed
+from titan_contrastive.components.nonfinite import NonFiniteError, NonFiniteGuard
+from titan_contrastive.config import ConfigError, parse_args
+from titan_contrastive.train import Trainer
 
 LOCAL = 2  # samples per rank per microbatch
 REL = 1e-10
 
 
 def make_trainer(dump: Path, *extra: str) -> Trainer:
-    return Trainer(parse_args([
-        "--training.dtype=float64", "--training.max_norm=0.5", "--training.steps=3", "--metrics.log_freq=1",
-        "--metrics.enable_tensorboard=false", "--eval.enable=false", "--lr_scheduler.warmup_steps=1",
-        f"--job.dump_folder={dump}", *extra,
-    ]))
+    return Trainer(
+        parse_args(
+            [
+                "--training.dtype=float64",
+                "--training.max_norm=0.5",
+                "--training.steps=3",
+                "--metrics.log_freq=1",
+                "--metrics.enable_tensorboard=false",
+                "--eval.enable=false",
+                "--lr_scheduler.warmup_steps=1",
+                f"--job.dump_folder={dump}",
+                *extra,
+            ]
+        )
+    )
 
 
 def losses(dump: Path) -> list[float]:
@@ -65,21 +75,36 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wha
 
 
 def layout(name: str, replicate: int, shard: int, ga: int, world: int, defer: bool = False) -> tuple[str, list[str]]:
-    return (f"{name}_ga{ga}_defer{int(defer)}", [
-        f"--parallelism.data_parallel_replicate_degree={replicate}", f"--parallelism.data_parallel_shard_degree={shard}",
-        f"--parallelism.defer_grad_sync={str(defer).lower()}", f"--training.local_batch_size={LOCAL}",
-        f"--training.global_batch_size={LOCAL * ga * world}",
-    ])
+    return (
+        f"{name}_ga{ga}_defer{int(defer)}",
+        [
+            f"--parallelism.data_parallel_replicate_degree={replicate}",
+            f"--parallelism.data_parallel_shard_degree={shard}",
+            f"--parallelism.defer_grad_sync={str(defer).lower()}",
+            f"--training.local_batch_size={LOCAL}",
+            f"--training.global_batch_size={LOCAL * ga * world}",
+        ],
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_layouts_match_a_single_process(tmp_path: Path, world: int) -> None:
     if world == 2:
-        layouts = [layout("ddp", 2, 1, 1, 2), layout("ddp", 2, 1, 2, 2),
-                   layout("fsdp", 1, 2, 1, 2), layout("fsdp", 1, 2, 2, 2), layout("fsdp", 1, 2, 2, 2, defer=True)]
+        layouts = [
+            layout("ddp", 2, 1, 1, 2),
+            layout("ddp", 2, 1, 2, 2),
+            layout("fsdp", 1, 2, 1, 2),
+            layout("fsdp", 1, 2, 2, 2),
+            layout("fsdp", 1, 2, 2, 2, defer=True),
+        ]
     else:
-        layouts = [layout("fsdp", 1, 4, 2, 4), layout("fsdp", 1, 4, 2, 4, defer=True),
-                   layout("hsdp", 2, 2, 1, 4), layout("hsdp", 2, 2, 2, 4), layout("hsdp", 2, 2, 2, 4, defer=True)]
+        layouts = [
+            layout("fsdp", 1, 4, 2, 4),
+            layout("fsdp", 1, 4, 2, 4, defer=True),
+            layout("hsdp", 2, 2, 1, 4),
+            layout("hsdp", 2, 2, 2, 4),
+            layout("hsdp", 2, 2, 2, 4, defer=True),
+        ]
     run_distributed(_train_layouts, world, str(tmp_path), layouts)
     refs = {ga: reference(tmp_path, LOCAL * world, ga) for ga in (1, 2)}
     for name, _ in layouts:
@@ -87,11 +112,17 @@ def test_layouts_match_a_single_process(tmp_path: Path, world: int) -> None:
         want_params, want_losses = refs[ga]
         assert_same(torch.load(tmp_path / f"{name}.pt"), want_params, name)
         got = losses(tmp_path / name)
-        assert len(got) == 3 and all(abs(g - w) <= REL * abs(w) for g, w in zip(got, want_losses)), (name, got, want_losses)
+        assert len(got) == 3 and all(abs(g - w) <= REL * abs(w) for g, w in zip(got, want_losses)), (
+            name,
+            got,
+            want_losses,
+        )
 
 
 def test_degrees_are_validated(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"replicate_degree \(2\) x data_parallel_shard_degree \(-1\) must equal WORLD_SIZE=1"):
+    with pytest.raises(
+        ConfigError, match=r"replicate_degree \(2\) x data_parallel_shard_degree \(-1\) must equal WORLD_SIZE=1"
+    ):
         make_trainer(tmp_path, "--parallelism.data_parallel_replicate_degree=2")
     with pytest.raises(ConfigError, match="both -1"):
         make_trainer(tmp_path, "--parallelism.data_parallel_replicate_degree=-1")
@@ -104,9 +135,15 @@ def one_step_grads(tmp: Path, *extra: str) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
 
 
-@pytest.mark.parametrize("extra", [["--activation_checkpoint.mode=full"], ["--activation_checkpoint.mode=selective"],
-                                   ["--compile.enable=true", "--compile.backend=aot_eager"],
-                                   ["--activation_checkpoint.mode=selective", "--compile.enable=true", "--compile.backend=aot_eager"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--activation_checkpoint.mode=full"],
+        ["--activation_checkpoint.mode=selective"],
+        ["--compile.enable=true", "--compile.backend=aot_eager"],
+        ["--activation_checkpoint.mode=selective", "--compile.enable=true", "--compile.backend=aot_eager"],
+    ],
+)
 def test_ac_and_compile_keep_gradients(tmp_path: Path, extra: list[str]) -> None:
     want = one_step_grads(tmp_path / "plain")
     got = one_step_grads(tmp_path / "variant", *extra)
@@ -117,12 +154,23 @@ def test_ac_and_compile_keep_gradients(tmp_path: Path, extra: list[str]) -> None
 def test_bfloat16_autocast_tracks_float32(tmp_path: Path, negatives: str) -> None:
     """Also with global negatives, whose step checks that the embeddings are normalized: the
     model normalizes in bf16 under autocast (|1 - ||z||| about 3e-3) and that must pass."""
+
     def run(name: str, *extra: str) -> list[float]:
-        trainer = Trainer(parse_args([
-            "--training.steps=3", "--training.local_batch_size=16", "--metrics.log_freq=1", "--eval.enable=false",
-            "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path / name}", f"--loss.negatives={negatives}",
-            "--training.global_batch_size=32", *extra,
-        ]))
+        trainer = Trainer(
+            parse_args(
+                [
+                    "--training.steps=3",
+                    "--training.local_batch_size=16",
+                    "--metrics.log_freq=1",
+                    "--eval.enable=false",
+                    "--metrics.enable_tensorboard=false",
+                    f"--job.dump_folder={tmp_path / name}",
+                    f"--loss.negatives={negatives}",
+                    "--training.global_batch_size=32",
+                    *extra,
+                ]
+            )
+        )
         trainer.train()
         trainer.metrics.close()
         return losses(tmp_path / name)
@@ -133,10 +181,17 @@ def test_bfloat16_autocast_tracks_float32(tmp_path: Path, negatives: str) -> Non
 
 
 def test_float16_scaler_skips_overflowing_steps(tmp_path: Path) -> None:
-    trainer = Trainer(parse_args([
-        "--training.mixed_precision_param=float16", "--training.local_batch_size=8", "--eval.enable=false",
-        "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path}",
-    ]))
+    trainer = Trainer(
+        parse_args(
+            [
+                "--training.mixed_precision_param=float16",
+                "--training.local_batch_size=8",
+                "--eval.enable=false",
+                "--metrics.enable_tensorboard=false",
+                f"--job.dump_folder={tmp_path}",
+            ]
+        )
+    )
     scaler = trainer.precision.scaler
     assert scaler is not None
     scaler._init_scale = 2.0**100  # noqa: SLF001 - force an overflow on the first step
@@ -190,21 +245,29 @@ def test_metrics_jsonl_is_strict_json_with_nonfinite_values(tmp_path: Path) -> N
     def reject(constant: str) -> None:
         raise ValueError(f"non-strict JSON constant {constant}")
 
-    records = [json.loads(line, parse_constant=reject) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line, parse_constant=reject) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
     assert records[-1]["loss"] == "nan" and records[-1]["grad_norm"] == "nan" and records[-1]["skipped_steps"] == 1
 
 
 def test_skipping_gives_up_after_max_consecutive_skips(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """on_nonfinite=skip stops (NonFiniteError: exit code 3) past max_consecutive_skips in a row; a
     finite step resets the count; the message names only the values that were non-finite."""
-    trainer = make_trainer(tmp_path, "--training.local_batch_size=4", "--training.on_nonfinite=skip", "--training.max_consecutive_skips=2")
+    trainer = make_trainer(
+        tmp_path, "--training.local_batch_size=4", "--training.on_nonfinite=skip", "--training.max_consecutive_skips=2"
+    )
     for _ in range(2):
         assert trainer.train_step([nan_batch(trainer)])["skipped_steps"] >= 1
     assert "2 in a row" in caplog.text
-    with pytest.raises(NonFiniteError, match=r"step 3: non-finite loss=nan, grad_norm=nan, 3 steps in a row, past training.max_consecutive_skips=2"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"step 3: non-finite loss=nan, grad_norm=nan, 3 steps in a row, past training.max_consecutive_skips=2",
+    ):
         trainer.train_step([nan_batch(trainer)])
     trainer.metrics.close()
     guard = NonFiniteGuard("skip", 1)
-    assert guard.check(1, 2.5, float("inf"), 0) is True and "non-finite grad_norm=inf;" in caplog.text  # loss=2.5 is not blamed
+    # loss=2.5 is not blamed
+    assert guard.check(1, 2.5, float("inf"), 0) is True and "non-finite grad_norm=inf;" in caplog.text
     assert guard.check(2, 2.5, 1.0, 1) is None and guard.in_row == 0  # a finite step resets the count
     assert guard.check(3, float("nan"), 1.0, 1) is True

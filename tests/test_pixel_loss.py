@@ -34,8 +34,12 @@ def setup() -> tuple[Decoder, torch.Tensor, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     decoder = Decoder(ARGS).double()
     sizes = [(16, 24), (24, 24), (8, 16), (24, 16), (12, 20)]
-    images, masks = pad_to_batch([torch.rand(3, h, w, dtype=torch.float64) * 2.2 - 1.1 for h, w in sizes], multiple=ARGS.downsample)
-    upstream = torch.nn.Parameter(torch.randn(N, ARGS.latent_channels, images.shape[2] // 4, images.shape[3] // 4, dtype=torch.float64))
+    images, masks = pad_to_batch(
+        [torch.rand(3, h, w, dtype=torch.float64) * 2.2 - 1.1 for h, w in sizes], multiple=ARGS.downsample
+    )
+    upstream = torch.nn.Parameter(
+        torch.randn(N, ARGS.latent_channels, images.shape[2] // 4, images.shape[3] // 4, dtype=torch.float64)
+    )
     return decoder, upstream, images, masks
 
 
@@ -46,7 +50,11 @@ def run(setup, fn, **kwargs) -> tuple[float, torch.Tensor, dict[str, torch.Tenso
     upstream.grad = None
     loss = fn(upstream * 1.5, images, masks, decoder, **kwargs)  # latents come out of an upstream graph
     loss.backward()
-    return loss.item(), upstream.grad.clone(), {n: None if p.grad is None else p.grad.clone() for n, p in decoder.named_parameters()}
+    return (
+        loss.item(),
+        upstream.grad.clone(),
+        {n: None if p.grad is None else p.grad.clone() for n, p in decoder.named_parameters()},
+    )
 
 
 def assert_same(got, want) -> None:
@@ -73,7 +81,9 @@ def test_masks_matter(setup) -> None:
     """The padded pixels are excluded: scoring them too changes the loss (the test above is not vacuous)."""
     decoder, upstream, images, masks = setup
     with torch.no_grad():
-        assert compute_pixel_loss_v0(upstream, images, masks, decoder) != compute_pixel_loss_v0(upstream, images, torch.ones_like(masks), decoder)
+        assert compute_pixel_loss_v0(upstream, images, masks, decoder) != compute_pixel_loss_v0(
+            upstream, images, torch.ones_like(masks), decoder
+        )
 
 
 @pytest.mark.parametrize("mode", ["chunked", "per_chunk_backward"])
@@ -92,7 +102,9 @@ def test_frozen_decoder(setup, mode: str) -> None:
 @pytest.mark.parametrize("mode", ["v0", "chunked", "per_chunk_backward"])
 def test_empty_masks_give_an_exact_zero_with_a_zero_gradient(setup, mode: str) -> None:
     decoder, upstream, images, masks = setup
-    value, grad, decoder_grads = run((decoder, upstream, images, torch.zeros_like(masks)), compute_pixel_loss, mode=mode)
+    value, grad, decoder_grads = run(
+        (decoder, upstream, images, torch.zeros_like(masks)), compute_pixel_loss, mode=mode
+    )
     assert value == 0.0 and torch.equal(grad, torch.zeros_like(grad))
     assert all(g is None or torch.equal(g, torch.zeros_like(g)) for g in decoder_grads.values())
 
@@ -103,7 +115,10 @@ def test_backward_scale_is_applied_to_the_in_call_backward(setup) -> None:
     decoder, upstream, images, masks = setup
     decoder.zero_grad(set_to_none=True)
     upstream.grad = None
-    (0.25 * compute_pixel_loss(upstream * 1.5, images, masks, decoder, mode="per_chunk_backward", backward_scale=0.25)).backward()
+    (
+        0.25
+        * compute_pixel_loss(upstream * 1.5, images, masks, decoder, mode="per_chunk_backward", backward_scale=0.25)
+    ).backward()
     assert rel_err(upstream.grad, 0.25 * want[1]) <= REL
     assert all(rel_err(p.grad, 0.25 * want[2][n]) <= REL for n, p in decoder.named_parameters())
 
@@ -111,7 +126,8 @@ def test_backward_scale_is_applied_to_the_in_call_backward(setup) -> None:
 def test_chunk_size_rule() -> None:
     assert calculate_chunk_size(8, 1024, 1024) == 1
     assert calculate_chunk_size(8, 512, 512) == 2
-    assert calculate_chunk_size(8, 500, 500) == 2 and calculate_chunk_size(8, 499, 499) == 4  # 0.25 MP is 500², not 512²
+    # 0.25 MP is 500², not 512²
+    assert calculate_chunk_size(8, 500, 500) == 2 and calculate_chunk_size(8, 499, 499) == 4
     assert calculate_chunk_size(8, 1000, 1000) == 1 and calculate_chunk_size(8, 999, 1000) == 2
     assert calculate_chunk_size(3, 256, 256) == 3  # never more than the images
     assert calculate_chunk_size(8, 1024, 1024, base_chunk_size=3, adaptive=False) == 3
@@ -139,10 +155,13 @@ def test_env_switches(setup, monkeypatch: pytest.MonkeyPatch, caplog: pytest.Log
     assert "[pixel loss] rank 0 mode v0 images 5 resolution 24x24 chunk 5 chunks 1 denominator" in caplog.text
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(loss_type="huber"), r"pixel_loss.loss_type='huber': choose l1, l2 or mse"),
-    (dict(mode="fast"), r"pixel_loss.mode='fast': choose v0, chunked or per_chunk_backward"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(loss_type="huber"), r"pixel_loss.loss_type='huber': choose l1, l2 or mse"),
+        (dict(mode="fast"), r"pixel_loss.mode='fast': choose v0, chunked or per_chunk_backward"),
+    ],
+)
 def test_bad_options(setup, bad: dict, message: str) -> None:
     decoder, upstream, images, masks = setup
     with pytest.raises(ValueError, match=message):
@@ -179,7 +198,12 @@ def test_bfloat16_tracks_v0_and_float64(setup, mode: str) -> None:
     """bf16 decoder and latents: each mode within bf16 rounding of bf16 v0 and of the float64 loss."""
     decoder, upstream, images, masks = setup
     exact = run(setup, compute_pixel_loss_v0)
-    bf16 = (copy.deepcopy(decoder).bfloat16(), torch.nn.Parameter(upstream.detach().bfloat16()), images.bfloat16(), masks.bfloat16())
+    bf16 = (
+        copy.deepcopy(decoder).bfloat16(),
+        torch.nn.Parameter(upstream.detach().bfloat16()),
+        images.bfloat16(),
+        masks.bfloat16(),
+    )
     want, got = run(bf16, compute_pixel_loss_v0), run(bf16, compute_pixel_loss, mode=mode, adaptive=False, chunk_size=2)
     assert abs(got[0] - want[0]) <= 1e-2 * want[0] and abs(got[0] - exact[0]) <= 3e-2 * exact[0]
     assert rel_err(got[1].double(), want[1].double()) <= 2e-2 and rel_err(got[1].double(), exact[1]) <= 5e-2

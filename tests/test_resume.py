@@ -28,17 +28,37 @@ STEPS = 6
 # flips and templates), AdamW with weight decay, warmup + cosine schedule, gradient clipping and
 # accumulation (4 microbatches per step on 1 process, 2 on 2). Resuming across an epoch boundary
 # is tested on the loader itself in test_data.py.
-ARGS = ["--training.steps=6", "--training.local_batch_size=32", "--training.global_batch_size=128",
-        "--lr_scheduler.warmup_steps=2", "--metrics.log_freq=1", "--eval.enable=false",
-        "--metrics.enable_tensorboard=false", "--checkpoint.enable=true", "--checkpoint.keep_latest_k=0"]
+ARGS = [
+    "--training.steps=6",
+    "--training.local_batch_size=32",
+    "--training.global_batch_size=128",
+    "--lr_scheduler.warmup_steps=2",
+    "--metrics.log_freq=1",
+    "--eval.enable=false",
+    "--metrics.enable_tensorboard=false",
+    "--checkpoint.enable=true",
+    "--checkpoint.keep_latest_k=0",
+]
 FSDP2 = ("--parallelism.data_parallel_replicate_degree=1", "--parallelism.data_parallel_shard_degree=2")
 
 
 def launch(dump: Path, nproc: int, *args: str, fault: str = "") -> subprocess.CompletedProcess:
-    env = {**os.environ, "NGPU": str(nproc), "PYTHON": sys.executable, "LOG_RANK": "0", "CUDA_VISIBLE_DEVICES": "",
-           FAULT_ENV: fault}
-    return subprocess.run(["./run_train.sh", f"--job.dump_folder={dump}", *ARGS, *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "NGPU": str(nproc),
+        "PYTHON": sys.executable,
+        "LOG_RANK": "0",
+        "CUDA_VISIBLE_DEVICES": "",
+        FAULT_ENV: fault,
+    }
+    return subprocess.run(
+        ["./run_train.sh", f"--job.dump_folder={dump}", *ARGS, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def ok(out: subprocess.CompletedProcess) -> str:

@@ -14,16 +14,21 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from titan_contrastive.components.run_lock import LOCK_FILE, RunLock, RunLockError, _process_start
 from titan_contrastive.train import Trainer, main
 
-TINY = ["--training.steps=1", "--training.local_batch_size=8", "--eval.enable=false", "--metrics.enable_tensorboard=false",
-        "--lr_scheduler.warmup_steps=0"]
+TINY = [
+    "--training.steps=1",
+    "--training.local_batch_size=8",
+    "--eval.enable=false",
+    "--metrics.enable_tensorboard=false",
+    "--lr_scheduler.warmup_steps=0",
+]
 
 
 def run(dump: Path, *args: str) -> int:
@@ -33,8 +38,15 @@ def run(dump: Path, *args: str) -> int:
 
 def write_lock(folder: Path, pid: int, host: str | None = None, **extra: object) -> str:
     folder.mkdir(parents=True, exist_ok=True)
-    content = json.dumps({"pid": pid, "host": host or socket.gethostname(), "started": time.time(), "pid_start": _process_start(pid),
-                          **extra})
+    content = json.dumps(
+        {
+            "pid": pid,
+            "host": host or socket.gethostname(),
+            "started": time.time(),
+            "pid_start": _process_start(pid),
+            **extra,
+        }
+    )
     (folder / LOCK_FILE).write_text(content)
     return content
 
@@ -54,8 +66,9 @@ def holder() -> Iterator[subprocess.Popen]:
     proc.wait(timeout=30)
 
 
-def test_second_run_on_a_folder_in_use_stops_before_any_compute(tmp_path: Path, holder: subprocess.Popen,
-                                                                capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> None:
+def test_second_run_on_a_folder_in_use_stops_before_any_compute(
+    tmp_path: Path, holder: subprocess.Popen, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
     """It used to run beside the first, both writing checkpoints and metrics.jsonl."""
     content = write_lock(tmp_path, holder.pid)
     with caplog.at_level(logging.INFO, logger="titan_contrastive"):
@@ -63,7 +76,8 @@ def test_second_run_on_a_folder_in_use_stops_before_any_compute(tmp_path: Path, 
     line = one_error_line(capsys)
     assert f"job.dump_folder={tmp_path} is in use by pid {holder.pid} on host {socket.gethostname()} (started " in line
     assert "still running; wait for it to finish or choose another job.dump_folder" in line
-    assert "data:" not in caplog.text and not (tmp_path / "metrics.jsonl").exists()  # stopped before the data, nothing written
+    # stopped before the data, nothing written
+    assert "data:" not in caplog.text and not (tmp_path / "metrics.jsonl").exists()
     assert (tmp_path / LOCK_FILE).read_text() == content  # the holder's lock is untouched
 
 
@@ -82,14 +96,17 @@ def test_lock_from_another_host_says_how_to_remove_it(tmp_path: Path, capsys: py
     write_lock(tmp_path, 12345, host="node-17")
     assert run(tmp_path) == 2
     line = one_error_line(capsys)
-    assert f"is in use by pid 12345 on host node-17 (started " in line
-    assert f"which this host cannot check; if that job is dead, remove its lock (rm {tmp_path / LOCK_FILE}) and rerun" in line
+    assert "is in use by pid 12345 on host node-17 (started " in line
+    assert (
+        f"which this host cannot check; if that job is dead, remove its lock (rm {tmp_path / LOCK_FILE}) and rerun"
+        in line
+    )
 
 
 @pytest.mark.parametrize("restart_count", ["0", "1"])
-def test_lock_of_the_same_slurm_job_before_its_requeue_is_taken_over(tmp_path: Path, restart_count: str,
-                                                                     monkeypatch: pytest.MonkeyPatch,
-                                                                     capsys: pytest.CaptureFixture) -> None:
+def test_lock_of_the_same_slurm_job_before_its_requeue_is_taken_over(
+    tmp_path: Path, restart_count: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """A requeued job (higher SLURM_RESTART_COUNT, any node) takes over its earlier incarnation's lock;
     the same incarnation on another node (a second run inside the job) is still refused."""
     write_lock(tmp_path, 12345, host="node-17", slurm_job_id="777", slurm_restart_count=0)
@@ -124,7 +141,11 @@ def test_lock_file_content_and_release_keeps_a_foreign_lock(tmp_path: Path) -> N
     lock = RunLock()
     lock.acquire(tmp_path / "a" / "b", rank=0, distributed=False)
     held = json.loads((tmp_path / "a" / "b" / LOCK_FILE).read_text())
-    assert held["pid"] == os.getpid() and held["host"] == socket.gethostname() and held["pid_start"] == _process_start(os.getpid())
+    assert (
+        held["pid"] == os.getpid()
+        and held["host"] == socket.gethostname()
+        and held["pid_start"] == _process_start(os.getpid())
+    )
     with pytest.raises(RunLockError, match="is in use by pid"):  # held, also against this very process
         RunLock().acquire(tmp_path / "a" / "b", rank=0, distributed=False)
     (tmp_path / "a" / "b" / LOCK_FILE).write_text('{"pid": 1, "host": "elsewhere"}')  # replaced behind its back

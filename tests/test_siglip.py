@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.dist_utils import run_distributed
+from tests.test_distributed_clip import GradRecorder, _join
+from tests.test_trainer import batch, full, make_trainer
 from titan_contrastive.components.loss import sigmoid_loss
 from titan_contrastive.components.memory_probe import LargestTensor
 from titan_contrastive.config import ConfigError
 from titan_contrastive.distributed_clip import DistributedClipError, StreamingClipStep, distributed_train_step
-from tests.dist_utils import run_distributed
-from tests.test_distributed_clip import GradRecorder, _join
-from tests.test_trainer import batch, full, make_trainer
 
 REL = 1e-10
 N, MICRO, CHUNK = 24, 5, 7
@@ -52,8 +52,11 @@ def test_dense_reference_is_the_definition() -> None:
     t, b = torch.tensor(3.0, dtype=torch.float64), torch.tensor(-2.0, dtype=torch.float64)
     want = naive_sigmoid_loss(x, y, t, b)
     assert abs(sigmoid_loss(x, y, t, b).item() - want.item()) <= REL * want.item()
-    rows = sigmoid_loss(x[2:5], y, t, b, first_row=2, num_pairs=7) + sigmoid_loss(x[:2], y, t, b, num_pairs=7) \
+    rows = (
+        sigmoid_loss(x[2:5], y, t, b, first_row=2, num_pairs=7)
+        + sigmoid_loss(x[:2], y, t, b, num_pairs=7)
         + sigmoid_loss(x[5:], y, t, b, first_row=5, num_pairs=7)
+    )
     assert abs(rows.item() - want.item()) <= REL * want.item()  # row blocks with the diagonal offset add up
 
 
@@ -70,8 +73,15 @@ def _trainer_matches_dense(tmp: str, negatives: str, local: int, ga: int, extra:
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    trainer = make_trainer(tmp, "--loss.name=siglip", f"--loss.negatives={negatives}", f"--training.local_batch_size={local}",
-                           f"--training.global_batch_size={local * ga * world}", "--loss.stream_chunk_size=5", *extra)
+    trainer = make_trainer(
+        tmp,
+        "--loss.name=siglip",
+        f"--loss.negatives={negatives}",
+        f"--training.local_batch_size={local}",
+        f"--training.global_batch_size={local * ga * world}",
+        "--loss.stream_chunk_size=5",
+        *extra,
+    )
     rank = dist.get_rank() if world > 1 else 0
     reference = trainer.spec.build_model(trainer.model_args).double()
     reference.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
@@ -97,22 +107,42 @@ def _trainer_matches_dense(tmp: str, negatives: str, local: int, ga: int, extra:
     assert ref["logit_bias"] is None or ref["logit_bias"].abs().item() > 1e-6  # the bias gradient is exercised
 
 
-FIXED = ["--loss.learn_logit_scale=false", "--loss.learn_logit_bias=false", "--loss.init_logit_scale=1.5", "--loss.init_logit_bias=-3"]
+FIXED = [
+    "--loss.learn_logit_scale=false",
+    "--loss.learn_logit_bias=false",
+    "--loss.init_logit_scale=1.5",
+    "--loss.init_logit_bias=-3",
+]
 GRADCACHE = ["--gradcache.enabled=true", "--gradcache.chunk_sizes=3"]
 DDP = ["--parallelism.data_parallel_replicate_degree=-1", "--parallelism.data_parallel_shard_degree=1"]
 
 
-@pytest.mark.parametrize("negatives, local, ga, extra", [
-    ("microbatch", 5, 2, []), ("microbatch", 5, 2, GRADCACHE), ("microbatch", 4, 2, FIXED),
-    ("global", 4, 3, []), ("global", 5, 2, GRADCACHE), ("global", 4, 2, FIXED),
-], ids=["micro", "micro-gradcache", "micro-fixed", "global", "global-gradcache", "global-fixed"])
+@pytest.mark.parametrize(
+    "negatives, local, ga, extra",
+    [
+        ("microbatch", 5, 2, []),
+        ("microbatch", 5, 2, GRADCACHE),
+        ("microbatch", 4, 2, FIXED),
+        ("global", 4, 3, []),
+        ("global", 5, 2, GRADCACHE),
+        ("global", 4, 2, FIXED),
+    ],
+    ids=["micro", "micro-gradcache", "micro-fixed", "global", "global-gradcache", "global-fixed"],
+)
 def test_trainer_single_process(tmp_path: Path, negatives: str, local: int, ga: int, extra: list[str]) -> None:
     _trainer_matches_dense(str(tmp_path), negatives, local, ga, extra)
 
 
-@pytest.mark.parametrize("world, negatives, extra", [
-    (2, "microbatch", DDP), (2, "global", FIXED), (4, "microbatch", GRADCACHE), (4, "global", [*DDP, *GRADCACHE]),
-], ids=["2-ddp-micro", "2-fsdp-global-fixed", "4-fsdp-micro-gradcache", "4-ddp-global-gradcache"])
+@pytest.mark.parametrize(
+    "world, negatives, extra",
+    [
+        (2, "microbatch", DDP),
+        (2, "global", FIXED),
+        (4, "microbatch", GRADCACHE),
+        (4, "global", [*DDP, *GRADCACHE]),
+    ],
+    ids=["2-ddp-micro", "2-fsdp-global-fixed", "4-fsdp-micro-gradcache", "4-ddp-global-gradcache"],
+)
 def test_trainer_data_parallel(tmp_path: Path, world: int, negatives: str, extra: list[str]) -> None:
     run_distributed(_trainer_matches_dense, world, str(tmp_path), negatives, 3, 2, extra)
 
@@ -124,14 +154,16 @@ def test_optional_numbers_parse_from_cli_and_toml(tmp_path: Path) -> None:
     assert parse_args(["--loss.init_logit_scale=1.5"]).loss.init_logit_scale == 1.5
     assert parse_args(["--loss.init_logit_bias", "-3"]).loss.init_logit_bias == -3.0
     assert parse_args(["--loss.init_logit_bias=2", "--loss.init_logit_bias=none"]).loss.init_logit_bias is None
-    (tmp_path / "c.toml").write_text("[loss]\nname = \"siglip\"\ninit_logit_bias = -7.5\n")
+    (tmp_path / "c.toml").write_text('[loss]\nname = "siglip"\ninit_logit_bias = -7.5\n')
     assert parse_args([f"--job.config_file={tmp_path / 'c.toml'}"]).loss.init_logit_bias == -7.5
     with pytest.raises(ConfigError, match=r"loss.init_logit_scale='warm' is invalid: expected a number"):
         parse_args(["--loss.init_logit_scale=warm"])
 
 
 def test_siglip_settings_are_checked(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^loss.init_logit_bias=-5.0: loss.name='clip' has no bias; use --loss.name=siglip"):
+    with pytest.raises(
+        ConfigError, match=r"^loss.init_logit_bias=-5.0: loss.name='clip' has no bias; use --loss.name=siglip"
+    ):
         make_trainer(str(tmp_path), "--loss.init_logit_bias=-5")
     with pytest.raises(ConfigError, match=r"^loss.name='siglip': the vae family trains with 'pixel'"):
         make_trainer(str(tmp_path), "--model.name=vae", "--data.dataset=emoji", "--loss.name=siglip")
@@ -216,8 +248,14 @@ def _step_matches_dense(learnable: bool, wrapper: str) -> None:
     x, y = step_data()
     mine = slice(rank * N // world, (rank + 1) * N // world)
     torch.manual_seed(100 + rank)
-    config = {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": MICRO, "STREAM_CHUNK_SIZE": CHUNK, "LOSS": "siglip",
-              "TAU": None if learnable else TAU, "BIAS": None if learnable else BIAS}
+    config = {
+        "GLOBAL_BATCH_SIZE": N,
+        "MICRO_BATCH_SIZE": MICRO,
+        "STREAM_CHUNK_SIZE": CHUNK,
+        "LOSS": "siglip",
+        "TAU": None if learnable else TAU,
+        "BIAS": None if learnable else BIAS,
+    }
     loss = distributed_train_step(model, recorder, x[mine], y[mine], config)
     assert abs(loss - want_loss) <= REL * want_loss, (loss, want_loss)
     assert len(recorder.grads) == len(want)
@@ -231,7 +269,9 @@ def test_distributed_train_step_single_process(learnable: bool) -> None:
     _step_matches_dense(learnable, "none")
 
 
-@pytest.mark.parametrize("world, wrapper, learnable", [(2, "ddp", True), (2, "fsdp", False), (4, "fsdp", True), (4, "ddp", False)])
+@pytest.mark.parametrize(
+    "world, wrapper, learnable", [(2, "ddp", True), (2, "fsdp", False), (4, "fsdp", True), (4, "ddp", False)]
+)
 def test_distributed_train_step_data_parallel(world: int, wrapper: str, learnable: bool) -> None:
     run_distributed(_step_matches_dense, world, learnable, wrapper)
 
@@ -250,11 +290,18 @@ def test_bad_siglip_config_is_one_line() -> None:
     model = SigEncoder(False).double()
     x, y = step_data()
     base = {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": MICRO, "STREAM_CHUNK_SIZE": CHUNK, "TAU": TAU}
-    with pytest.raises(DistributedClipError, match=r"^no bias: the sigmoid loss needs logit_bias as the model's fourth output, or a fixed BIAS"):
+    with pytest.raises(
+        DistributedClipError,
+        match=r"^no bias: the sigmoid loss needs logit_bias as the model's fourth output, or a fixed BIAS",
+    ):
         distributed_train_step(model, GradRecorder(model.parameters()), x, y, {**base, "LOSS": "siglip", "BIAS": None})
-    with pytest.raises(DistributedClipError, match=r"^config\['BIAS'\]=-2 is for LOSS='siglip'; LOSS='clip' has no bias$"):
+    with pytest.raises(
+        DistributedClipError, match=r"^config\['BIAS'\]=-2 is for LOSS='siglip'; LOSS='clip' has no bias$"
+    ):
         distributed_train_step(model, GradRecorder(model.parameters()), x, y, {**base, "BIAS": -2})
-    with pytest.raises(DistributedClipError, match=r"^LOSS='sigmoid': choose clip \(softmax, InfoNCE\) or siglip \(sigmoid\)$"):
+    with pytest.raises(
+        DistributedClipError, match=r"^LOSS='sigmoid': choose clip \(softmax, InfoNCE\) or siglip \(sigmoid\)$"
+    ):
         distributed_train_step(model, GradRecorder(model.parameters()), x, y, {**base, "LOSS": "sigmoid", "BIAS": -2.0})
 
 
@@ -277,7 +324,9 @@ def test_global_mode_never_allocates_more_than_chunk_by_n() -> None:
     got = (zx0.grad.clone(), zy0.grad.clone())
     zx0.grad = zy0.grad = None
     with LargestTensor() as dense_probe:  # control: the dense loss does allocate N x N
-        want = sigmoid_loss(zx0, zy0, torch.tensor(1 / TAU, dtype=torch.float64), torch.tensor(BIAS, dtype=torch.float64))
+        want = sigmoid_loss(
+            zx0, zy0, torch.tensor(1 / TAU, dtype=torch.float64), torch.tensor(BIAS, dtype=torch.float64)
+        )
         want.backward()
     assert dense_probe.largest >= n * n
     assert abs(loss.item() - want.item()) <= REL * want.item()
@@ -317,13 +366,29 @@ def _matches_open_clip(dist_impl: str) -> None:
     results = {}
     for name in ("open_clip", "ours_microbatch", "ours_global"):
         torch.manual_seed(0)
-        model = nn.parallel.DistributedDataParallel(SigEncoder(True).double().eval())  # eval: no dropout across the three
+        # eval: no dropout across the three
+        model = nn.parallel.DistributedDataParallel(SigEncoder(True).double().eval())
         sgd = torch.optim.SGD(model.parameters(), lr=0.5)
         if name == "ours_global":
-            loss = distributed_train_step(model, sgd, x[mine], y[mine], {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": MICRO,
-                                                                          "STREAM_CHUNK_SIZE": CHUNK, "TAU": None, "LOSS": "siglip"})
+            loss = distributed_train_step(
+                model,
+                sgd,
+                x[mine],
+                y[mine],
+                {
+                    "GLOBAL_BATCH_SIZE": N,
+                    "MICRO_BATCH_SIZE": MICRO,
+                    "STREAM_CHUNK_SIZE": CHUNK,
+                    "TAU": None,
+                    "LOSS": "siglip",
+                },
+            )
         else:
-            fn = open_clip.SigLipLoss(rank=rank, world_size=world, dist_impl=dist_impl) if name == "open_clip" else SigLipLoss(dist.group.WORLD)
+            fn = (
+                open_clip.SigLipLoss(rank=rank, world_size=world, dist_impl=dist_impl)
+                if name == "open_clip"
+                else SigLipLoss(dist.group.WORLD)
+            )
             value = fn(*model(x[mine], y[mine]))
             value.backward()
             sgd.step()

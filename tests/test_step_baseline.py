@@ -27,8 +27,15 @@ from tests.dist_utils import run_distributed
 
 FIXTURE = Path(__file__).parent / "fixtures" / "step_kinds.json"
 REL = 1e-10
-COMMON = ["--training.dtype=float64", "--training.max_norm=0.5", "--training.steps=3", "--metrics.log_freq=1",
-          "--metrics.enable_tensorboard=false", "--eval.enable=false", "--lr_scheduler.warmup_steps=1"]
+COMMON = [
+    "--training.dtype=float64",
+    "--training.max_norm=0.5",
+    "--training.steps=3",
+    "--metrics.log_freq=1",
+    "--metrics.enable_tensorboard=false",
+    "--eval.enable=false",
+    "--lr_scheduler.warmup_steps=1",
+]
 DDP = ["--parallelism.data_parallel_replicate_degree=-1", "--parallelism.data_parallel_shard_degree=1"]
 VAE = ["--model.name=vae", "--data.dataset=emoji", "--data.image_sizes=16,24,32"]
 VLM = ["--model.name=vlm", "--data.dataset=emoji", "--data.image_sizes=16,24,32"]
@@ -36,6 +43,7 @@ VLM = ["--model.name=vlm", "--data.dataset=emoji", "--data.image_sizes=16,24,32"
 
 def cases(world: int) -> dict[str, list[str]]:
     """Step kind -> config; batch sizes per rank that chunk sizes do not divide."""
+
     def batch(local: int, ga: int) -> list[str]:
         return [f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga * world}"]
 
@@ -46,11 +54,22 @@ def cases(world: int) -> dict[str, list[str]]:
         "gradcache_ddp": [*batch(5, 2), "--gradcache.enabled=true", "--gradcache.chunk_sizes=3", *DDP],
         "gradcache_vlm": [*VLM, *batch(5, 2), "--gradcache.enabled=true", "--gradcache.chunk_sizes=3"],
         "global": [*batch(4, 2), "--loss.negatives=global", "--loss.stream_chunk_size=3"],
-        "global_gradcache_ddp": [*batch(5, 2), "--loss.negatives=global", "--loss.stream_chunk_size=7",
-                                 "--gradcache.enabled=true", "--gradcache.chunk_sizes=3", *DDP],
+        "global_gradcache_ddp": [
+            *batch(5, 2),
+            "--loss.negatives=global",
+            "--loss.stream_chunk_size=7",
+            "--gradcache.enabled=true",
+            "--gradcache.chunk_sizes=3",
+            *DDP,
+        ],
         "pixel": [*VAE, *batch(3, 2), *DDP],
-        "pixel_chunked": [*VAE, *batch(3, 2), "--pixel_loss.mode=chunked", "--pixel_loss.adaptive=false",
-                          "--pixel_loss.chunk_size=2"],
+        "pixel_chunked": [
+            *VAE,
+            *batch(3, 2),
+            "--pixel_loss.mode=chunked",
+            "--pixel_loss.adaptive=false",
+            "--pixel_loss.chunk_size=2",
+        ],
     }
 
 

@@ -14,15 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_contrastive import steps
-from titan_contrastive.checkpoint import RNGState
-from titan_contrastive.grad_cache.rng import RandContext, capture_rng, restore_rng
-from titan_contrastive.datasets import Dataset, ZeroShotDataset, build_dataset
-from titan_contrastive.grad_cache import GradCache, GradCacheError, forward_backward, forward_no_grad
-from titan_contrastive.models import registry
-from titan_contrastive.grad_cache.sync import grad_sync
 from tests.dist_utils import run_distributed
 from tests.test_trainer import assert_close, make_trainer
+from titan_contrastive import steps
+from titan_contrastive.checkpoint import RNGState
+from titan_contrastive.datasets import Dataset, ZeroShotDataset, build_dataset
+from titan_contrastive.grad_cache import GradCache, GradCacheError, forward_backward, forward_no_grad
+from titan_contrastive.grad_cache.rng import RandContext, capture_rng, restore_rng
+from titan_contrastive.grad_cache.sync import grad_sync
+from titan_contrastive.models import registry
 
 REL = 1e-10
 
@@ -134,7 +134,10 @@ def test_gradcache_takes_a_model_with_several_outputs() -> None:
     dropout: the dense backward over the same chunks in the same RNG order, float64."""
     model = TwoTowers().double()
     gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(11, 6, generator=gen, dtype=torch.float64), torch.randn(11, 5, generator=gen, dtype=torch.float64)
+    x, y = (
+        torch.randn(11, 6, generator=gen, dtype=torch.float64),
+        torch.randn(11, 5, generator=gen, dtype=torch.float64),
+    )
     torch.manual_seed(9)
     parts = [model(x[i : i + 4], y[i : i + 4]) for i in range(0, 11, 4)]
     want_loss = symmetric_infonce(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), parts[0][2])
@@ -151,7 +154,9 @@ def test_engine_names_a_cache_that_does_not_fit_the_replay() -> None:
     model = TwoTowers().double()
     x, y = torch.randn(3, 6, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
     outputs, states = forward_no_grad(lambda c: model(*c), [(x, y)])
-    with pytest.raises(GradCacheError, match=r"re-forward of chunk 0 gave a representation of shape \(3, 4\), the cache holds \(2, 4\)"):
+    with pytest.raises(
+        GradCacheError, match=r"re-forward of chunk 0 gave a representation of shape \(3, 4\), the cache holds \(2, 4\)"
+    ):
         forward_backward(lambda c: model(*c), [(x, y)], states, lambda i, out: [torch.zeros(2, 4), None, None])
     with pytest.raises(GradCacheError, match="re-forward of chunk 0 gave 3 outputs, the cache holds 1"):
         forward_backward(lambda c: model(*c), [(x, y)], states, lambda i, out: [outputs[0][0]])
@@ -189,20 +194,30 @@ USER_STEP = '''
         def describe(self):
             return "traced step: " + super().describe()
 
-    register_model(dataclasses.replace(get_model_spec("clip"), name="clip_traced", build_step=TracedStep.build))  # the one line
+    # the one line
+    register_model(dataclasses.replace(get_model_spec("clip"), name="clip_traced", build_step=TracedStep.build))
 '''
 
 
-def test_a_new_step_kind_is_one_module_and_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_a_new_step_kind_is_one_module_and_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A family-specific kind (ModelSpec.build_step), from the user's own module: the trainer runs
     it, logs its description, and its losses are what the run logs."""
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     (tmp_path / "user_steps.py").write_text(textwrap.dedent(USER_STEP))
     monkeypatch.syspath_prepend(str(tmp_path))
     caplog.set_level(logging.INFO, logger="titan_contrastive")
-    trainer = make_trainer(str(tmp_path / "run"), "--job.custom_import=user_steps", "--model.name=clip_traced", "--metrics.log_freq=1",
-                           "--training.local_batch_size=4", "--training.global_batch_size=8", "--training.steps=2", "--eval.enable=false")
+    trainer = make_trainer(
+        str(tmp_path / "run"),
+        "--job.custom_import=user_steps",
+        "--model.name=clip_traced",
+        "--metrics.log_freq=1",
+        "--training.local_batch_size=4",
+        "--training.global_batch_size=8",
+        "--training.steps=2",
+        "--eval.enable=false",
+    )
     trainer.train()
     trainer.metrics.close()
     import user_steps
@@ -223,12 +238,19 @@ def test_a_contrastive_kind_is_chosen_by_its_registry_entry(tmp_path: Path, monk
             return super().__call__(microbatches)
 
     monkeypatch.setitem(steps.CONTRASTIVE_STEPS, ("microbatch", False), Recording.build)
-    trainer = make_trainer(str(tmp_path), "--training.local_batch_size=4", "--training.global_batch_size=12", "--training.steps=1",
-                           "--eval.enable=false")
+    trainer = make_trainer(
+        str(tmp_path),
+        "--training.local_batch_size=4",
+        "--training.global_batch_size=12",
+        "--training.steps=1",
+        "--eval.enable=false",
+    )
     assert type(trainer.gradient_step) is Recording
     trainer.train()
     trainer.metrics.close()
     assert calls == [3]
-    chunked = make_trainer(str(tmp_path / "c"), "--gradcache.enabled=true", "--gradcache.chunk_sizes=2", "--eval.enable=false")
+    chunked = make_trainer(
+        str(tmp_path / "c"), "--gradcache.enabled=true", "--gradcache.chunk_sizes=2", "--eval.enable=false"
+    )
     assert type(chunked.gradient_step) is steps.GradCacheStep
     chunked.metrics.close()

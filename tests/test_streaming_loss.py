@@ -18,7 +18,10 @@ from titan_contrastive.components import streaming_loss
 from titan_contrastive.components.loss import clip_loss
 from titan_contrastive.components.memory_probe import LargestTensor
 from titan_contrastive.components.streaming_loss import (
-    KeptBlock, infonce_loss_from_lse, streamed_row_col_lse, streamed_softmax_grads,
+    KeptBlock,
+    infonce_loss_from_lse,
+    streamed_row_col_lse,
+    streamed_softmax_grads,
 )
 
 N, D, LOG_SCALE = 37, 24, 2.6  # s = e^2.6 ~ 13.5
@@ -42,8 +45,9 @@ def dense(x: torch.Tensor, y: torch.Tensor, log_scale: float) -> tuple[float, to
     return loss.item(), x.grad, y.grad, t.grad.item()
 
 
-def streamed(zx: torch.Tensor, zy: torch.Tensor, log_scale: float, chunk: int, shares: list[range],
-             keep: bool = False) -> tuple[float, torch.Tensor, torch.Tensor, float]:
+def streamed(
+    zx: torch.Tensor, zy: torch.Tensor, log_scale: float, chunk: int, shares: list[range], keep: bool = False
+) -> tuple[float, torch.Tensor, torch.Tensor, float]:
     """The same four from the streamed functions, each share of rows called as one rank would be
     (`keep`: each with its KeptBlock, as the step does)."""
     acc = streaming_loss.accumulation_dtype(zx)
@@ -53,8 +57,10 @@ def streamed(zx: torch.Tensor, zy: torch.Tensor, log_scale: float, chunk: int, s
     row = torch.cat([r for r, _ in lses])
     col = torch.stack([c for _, c in lses]).logsumexp(0)  # the all-gather + merge over ranks
     loss = infonce_loss_from_lse(zx, zy, row, col, s)
-    grads = [streamed_softmax_grads(zx[r.start : r.stop], zy, row[r.start : r.stop], col, s, r.start, chunk, k)
-             for r, k in zip(shares, kept)]
+    grads = [
+        streamed_softmax_grads(zx[r.start : r.stop], zy, row[r.start : r.stop], col, s, r.start, chunk, k)
+        for r, k in zip(shares, kept)
+    ]
     assert all(k is None or k.buffer is None for k in kept)  # emptied when used
     gx = torch.cat([g for g, _ in grads])
     gy = sum(g for _, g in grads)  # the reduce-scatter

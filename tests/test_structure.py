@@ -14,8 +14,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "titan_contrastive"
 SOURCES = {p.relative_to(PACKAGE).as_posix(): p.read_text() for p in PACKAGE.rglob("*.py")}
 
 
-@pytest.mark.parametrize("needle, owner", [("set_requires_gradient_sync", "grad_cache/sync.py"),
-                                           ("get_rng_state", "grad_cache/rng.py")])
+@pytest.mark.parametrize(
+    "needle, owner", [("set_requires_gradient_sync", "grad_cache/sync.py"), ("get_rng_state", "grad_cache/rng.py")]
+)
 def test_one_module_owns_it(needle: str, owner: str) -> None:
     assert [name for name, text in SOURCES.items() if needle in text] == [owner]
 
@@ -23,7 +24,14 @@ def test_one_module_owns_it(needle: str, owner: str) -> None:
 def test_the_trainer_is_small_and_kind_agnostic() -> None:
     train = SOURCES["train.py"]
     assert len(train.splitlines()) <= 300
-    for kind in ("AccumulateStep", "GradCacheStep", "GlobalNegativesStep", "PixelStep", "StreamingClipStep", "GradCache("):
+    for kind in (
+        "AccumulateStep",
+        "GradCacheStep",
+        "GlobalNegativesStep",
+        "PixelStep",
+        "StreamingClipStep",
+        "GradCache(",
+    ):
         assert kind not in train, kind
 
 

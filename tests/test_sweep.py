@@ -16,17 +16,32 @@ _spec.loader.exec_module(sweep)
 
 
 def test_summarize_drops_warmup_and_reports_spread() -> None:
-    records = [{"kind": "train", "samples_per_s": s, "peak_memory_gib": m, "loss": l, "mfu": 0.1 * s}
-               for s, m, l in ((10.0, 1.0, 5.0), (100.0, 2.0, 4.0), (120.0, 1.5, 3.0), (90.0, 1.2, 2.0))]
+    records = [
+        {"kind": "train", "samples_per_s": s, "peak_memory_gib": m, "loss": loss, "mfu": 0.1 * s}
+        for s, m, loss in ((10.0, 1.0, 5.0), (100.0, 2.0, 4.0), (120.0, 1.5, 3.0), (90.0, 1.2, 2.0))
+    ]
     row = sweep.summarize([*records, {"kind": "eval", "loss": 9.0}], warmup_windows=1)
-    assert row == {"status": "ok", "samples_per_s": 100.0, "samples_per_s_min": 90.0, "samples_per_s_max": 120.0,
-                   "peak_memory_gib": 2.0, "final_loss": 2.0, "timed_windows": 3, "mfu": 10.0}
+    assert row == {
+        "status": "ok",
+        "samples_per_s": 100.0,
+        "samples_per_s_min": 90.0,
+        "samples_per_s_max": 120.0,
+        "peak_memory_gib": 2.0,
+        "final_loss": 2.0,
+        "timed_windows": 3,
+        "mfu": 10.0,
+    }
     assert sweep.summarize([], 1)["status"] == "error"
 
 
 def test_failures_are_classified() -> None:
-    assert sweep.classify_failure("...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate")["status"] == "oom"
-    assert sweep.classify_failure("x\nerror: training.local_batch_size=0: bad\n\n") == {"status": "error", "detail": "error: training.local_batch_size=0: bad"}
+    assert (
+        sweep.classify_failure("...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate")["status"] == "oom"
+    )
+    assert sweep.classify_failure("x\nerror: training.local_batch_size=0: bad\n\n") == {
+        "status": "error",
+        "detail": "error: training.local_batch_size=0: bad",
+    }
 
 
 def test_two_point_grid_end_to_end(tmp_path: Path) -> None:
@@ -46,8 +61,16 @@ overrides = ["--training.local_batch_size=0"]
     assert sweep.main(["--grid", str(grid), "--out", str(tmp_path / "out")]) == 0
     rows = list(csv.DictReader(open(tmp_path / "out" / "sweep_tiny.csv")))
     assert [(r["strategy"], r["global_batch_size"], r["status"]) for r in rows] == [
-        ("GA 32", "32", "ok"), ("GA 32", "64", "ok"), ("broken", "32", "error"), ("broken", "64", "error")]
-    assert float(rows[0]["samples_per_s"]) > 0 and rows[0]["timed_windows"] == "3" and float(rows[1]["peak_memory_gib"]) > 0
+        ("GA 32", "32", "ok"),
+        ("GA 32", "64", "ok"),
+        ("broken", "32", "error"),
+        ("broken", "64", "error"),
+    ]
+    assert (
+        float(rows[0]["samples_per_s"]) > 0
+        and rows[0]["timed_windows"] == "3"
+        and float(rows[1]["peak_memory_gib"]) > 0
+    )
     assert "training.local_batch_size" in rows[2]["detail"]
     meta = json.loads((tmp_path / "out" / "sweep_tiny.json").read_text())
     assert meta["device"] == "CPU" and len(meta["rows"]) == 4

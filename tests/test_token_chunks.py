@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.dist_utils import run_distributed
 from titan_contrastive.batching import BatchError, split_inputs
 from titan_contrastive.batching import tokens as tokens_module
 from titan_contrastive.batching.tokens import padded_fields, right_trimmed, token_chunks, trim_padding
 from titan_contrastive.grad_cache import GradCache, GradCacheError
-from tests.dist_utils import run_distributed
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,16 +38,28 @@ class TextTower(nn.Module):
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
-        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                         intermediate_size=64, max_position_embeddings=L, type_vocab_size=2,
-                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        config = transformers.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=L,
+            type_vocab_size=2,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
         torch.manual_seed(seed)
         self.bert = transformers.BertModel(config, add_pooling_layer=False).double()
         self.calls: list[tuple[int, int]] = []
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         self.calls.append(tuple(input_ids.shape))
-        hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
+        hidden = self.bert(
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
+        ).last_hidden_state
         weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * weights).sum(1) / weights.sum(1)
 
@@ -103,7 +115,9 @@ def assert_close(loss: float, got: list[torch.Tensor], want_loss: float, want: l
         assert err <= REL, f"parameter {i}: relative error {err:.2e}"
 
 
-def run_cache(models: list[nn.Module], inputs: list[dict[str, torch.Tensor]], **kwargs: Any) -> tuple[float, list[torch.Tensor]]:
+def run_cache(
+    models: list[nn.Module], inputs: list[dict[str, torch.Tensor]], **kwargs: Any
+) -> tuple[float, list[torch.Tensor]]:
     for m in models:
         m.zero_grad(set_to_none=True)
         m.calls.clear()
@@ -222,7 +236,9 @@ def test_bi_encoder_tower_call_trims_exactly() -> None:
     batch = texts(6, short=True, types=False)
     ids = batch["input_ids"]
     seen: list[int] = []
-    hook = tower.register_forward_hook(lambda mod, args, kwargs, out: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    hook = tower.register_forward_hook(
+        lambda mod, args, kwargs, out: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     got = mean_pooled(tower, ids, 0, 0)
     hook.remove()
     hidden = tower(input_ids=ids, attention_mask=batch["attention_mask"]).last_hidden_state
@@ -246,15 +262,33 @@ def test_trainer_chunk_tokens_on_minilm(tmp_path: Path) -> None:
     from titan_contrastive.config import ConfigError, parse_args
     from titan_contrastive.train import Trainer
 
-    common = ["--data.dataset=wordnet", "--training.dtype=float64", "--training.local_batch_size=7", "--data.context_length=24",
-              "--metrics.enable_tensorboard=false", "--eval.enable=false", "--gradcache.enabled=true"]
-    trainer = Trainer(parse_args(["--model.name=bi_encoder", "--model.flavor=minilm_l6", *common, "--gradcache.chunk_tokens=60",
-                                  f"--job.dump_folder={tmp_path / 'a'}"]))
+    common = [
+        "--data.dataset=wordnet",
+        "--training.dtype=float64",
+        "--training.local_batch_size=7",
+        "--data.context_length=24",
+        "--metrics.enable_tensorboard=false",
+        "--eval.enable=false",
+        "--gradcache.enabled=true",
+    ]
+    trainer = Trainer(
+        parse_args(
+            [
+                "--model.name=bi_encoder",
+                "--model.flavor=minilm_l6",
+                *common,
+                "--gradcache.chunk_tokens=60",
+                f"--job.dump_folder={tmp_path / 'a'}",
+            ]
+        )
+    )
     assert "chunks of <= 60 tokens" in trainer.gradient_step.describe()
     model = trainer.model.eval()  # no dropout: chunks of other shapes than the dense batch's draw other masks
     batch = trainer.train_set.__getitems__(list(range(100, 107)))
     calls: list[tuple[int, int]] = []
-    model.query_tower.register_forward_hook(lambda mod, args, kwargs, out: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    model.query_tower.register_forward_hook(
+        lambda mod, args, kwargs, out: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
 
     def step(b: dict[str, torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
         model.zero_grad(set_to_none=True)
@@ -274,24 +308,46 @@ def test_trainer_chunk_tokens_on_minilm(tmp_path: Path) -> None:
     perm = torch.tensor([3, 6, 0, 5, 1, 4, 2])
     assert_close(*step({k: v[perm] for k, v in batch.items()}), *want)
     trainer.metrics.close()
-    with pytest.raises(ConfigError, match="gradcache.chunk_tokens=60: the clip family's inputs are not padded token ids"):
+    with pytest.raises(
+        ConfigError, match="gradcache.chunk_tokens=60: the clip family's inputs are not padded token ids"
+    ):
         Trainer(parse_args([*common[1:], "--gradcache.chunk_tokens=60", f"--job.dump_folder={tmp_path / 'b'}"]))
 
 
-@pytest.mark.parametrize("flags, fix", [
-    (["--gradcache.enabled=false"], "gradcache.enabled=false: set gradcache.enabled=true or gradcache.chunk_tokens=0"),
-    (["--gradcache.enabled=true", "--loss.negatives=global"], "loss.negatives='global' .*: set loss.negatives=microbatch or "
-     "gradcache.chunk_tokens=0"),
-    (["--model.name=vae", "--model.flavor=debug", "--data.dataset=fashion_mnist"], "the vae family has its own step: set gradcache.chunk_tokens=0"),
-])
+@pytest.mark.parametrize(
+    "flags, fix",
+    [
+        (
+            ["--gradcache.enabled=false"],
+            "gradcache.enabled=false: set gradcache.enabled=true or gradcache.chunk_tokens=0",
+        ),
+        (
+            ["--gradcache.enabled=true", "--loss.negatives=global"],
+            "loss.negatives='global' .*: set loss.negatives=microbatch or gradcache.chunk_tokens=0",
+        ),
+        (
+            ["--model.name=vae", "--model.flavor=debug", "--data.dataset=fashion_mnist"],
+            "the vae family has its own step: set gradcache.chunk_tokens=0",
+        ),
+    ],
+)
 def test_chunk_tokens_where_no_gradcache_step_runs_is_an_error(tmp_path: Path, flags: list[str], fix: str) -> None:
     """A token budget that no step would use is a one-line error naming why and the fix, not ignored."""
     from titan_contrastive.config import ConfigError, parse_args
     from titan_contrastive.train import Trainer
 
     with pytest.raises(ConfigError, match=f"gradcache.chunk_tokens=64 packs GradCache chunks, .* but {fix}"):
-        Trainer(parse_args(["--metrics.enable_tensorboard=false", "--eval.enable=false", "--gradcache.chunk_tokens=64", *flags,
-                            f"--job.dump_folder={tmp_path}"]))
+        Trainer(
+            parse_args(
+                [
+                    "--metrics.enable_tensorboard=false",
+                    "--eval.enable=false",
+                    "--gradcache.chunk_tokens=64",
+                    *flags,
+                    f"--job.dump_folder={tmp_path}",
+                ]
+            )
+        )
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 

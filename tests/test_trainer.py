@@ -13,20 +13,29 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from tests.dist_utils import run_distributed
 from titan_contrastive.components.loss import RescaleAccumulatedLoss, clip_loss
 from titan_contrastive.config import ConfigError, parse_args
 from titan_contrastive.steps import AccumulateStep, GlobalNegativesStep
 from titan_contrastive.train import Trainer
-from tests.dist_utils import run_distributed
 
 REL = 1e-10
 
 
 def make_trainer(tmp: str, *extra: str) -> Trainer:
-    return Trainer(parse_args([
-        "--training.dtype=float64", "--training.max_norm=0", "--training.steps=3", "--data.context_length=32",
-        "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp}", *extra,
-    ]))
+    return Trainer(
+        parse_args(
+            [
+                "--training.dtype=float64",
+                "--training.max_norm=0",
+                "--training.steps=3",
+                "--data.context_length=32",
+                "--metrics.enable_tensorboard=false",
+                f"--job.dump_folder={tmp}",
+                *extra,
+            ]
+        )
+    )
 
 
 def batch(trainer: Trainer, start: int, size: int) -> dict[str, torch.Tensor]:
@@ -111,7 +120,9 @@ def test_rescale_wrapper_and_no_rescale() -> None:
 
 
 def test_eval_loss_is_never_rescaled(tmp_path: Path) -> None:
-    trainer = make_trainer(str(tmp_path), "--training.local_batch_size=4", "--training.global_batch_size=16", "--eval.batch_size=1000")
+    trainer = make_trainer(
+        str(tmp_path), "--training.local_batch_size=4", "--training.global_batch_size=16", "--eval.batch_size=1000"
+    )
     assert trainer.ga_steps == 4
     result = trainer.evaluate()
     model, data = trainer.model.eval(), trainer.eval_set
@@ -128,8 +139,13 @@ def test_eval_loss_is_never_rescaled(tmp_path: Path) -> None:
 
 def test_global_negatives_with_accumulation_equal_one_big_batch(tmp_path: Path) -> None:
     """negatives=global, GA 4 x 2 samples == the dense loss of the batch of 8 in one microbatch."""
-    trainer = make_trainer(str(tmp_path), "--training.local_batch_size=2", "--training.global_batch_size=8",
-                           "--loss.negatives=global", "--loss.stream_chunk_size=3")
+    trainer = make_trainer(
+        str(tmp_path),
+        "--training.local_batch_size=2",
+        "--training.global_batch_size=8",
+        "--loss.negatives=global",
+        "--loss.stream_chunk_size=3",
+    )
     assert trainer.ga_steps == 4 and isinstance(trainer.gradient_step, GlobalNegativesStep)
     full, init = batch(trainer, 0, 8), copy.deepcopy(trainer.model.state_dict())
     out = trainer.train_step([{k: v[i : i + 2] for k, v in full.items()} for i in range(0, 8, 2)])
@@ -147,8 +163,14 @@ def _dp_global_negatives(tmp: str, local: int, ga: int, layout: list[str]) -> No
     import torch.distributed as dist
 
     world = int(__import__("os").environ["WORLD_SIZE"])
-    trainer = make_trainer(tmp, f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga * world}",
-                           "--loss.negatives=global", "--loss.stream_chunk_size=5", *layout)
+    trainer = make_trainer(
+        tmp,
+        f"--training.local_batch_size={local}",
+        f"--training.global_batch_size={local * ga * world}",
+        "--loss.negatives=global",
+        "--loss.stream_chunk_size=5",
+        *layout,
+    )
     rank = dist.get_rank()
     reference = trainer.spec.build_model(trainer.model_args).double()
     reference.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
@@ -167,8 +189,12 @@ def _dp_global_negatives(tmp: str, local: int, ga: int, layout: list[str]) -> No
 DDP = ["--parallelism.data_parallel_replicate_degree=-1", "--parallelism.data_parallel_shard_degree=1"]
 
 
-@pytest.mark.parametrize("world, local, ga, layout", [(2, 3, 2, []), (2, 3, 2, DDP), (4, 2, 3, [])], ids=["fsdp2", "ddp2", "fsdp4"])
-def test_data_parallel_global_negatives_match_dense(tmp_path: Path, world: int, local: int, ga: int, layout: list[str]) -> None:
+@pytest.mark.parametrize(
+    "world, local, ga, layout", [(2, 3, 2, []), (2, 3, 2, DDP), (4, 2, 3, [])], ids=["fsdp2", "ddp2", "fsdp4"]
+)
+def test_data_parallel_global_negatives_match_dense(
+    tmp_path: Path, world: int, local: int, ga: int, layout: list[str]
+) -> None:
     run_distributed(_dp_global_negatives, world, str(tmp_path), local, ga, layout)
 
 
@@ -177,7 +203,9 @@ def _dp_microbatch_negatives(tmp: str, local: int, ga: int) -> None:
     import torch.distributed as dist
 
     world = int(__import__("os").environ["WORLD_SIZE"])
-    trainer = make_trainer(tmp, f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga * world}")
+    trainer = make_trainer(
+        tmp, f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga * world}"
+    )
     rank = dist.get_rank()
     assert trainer.ga_steps == ga and trainer.dp_degree == world
     reference = trainer.spec.build_model(trainer.model_args).double()  # a plain, unwrapped twin
@@ -201,8 +229,13 @@ def test_data_parallel_microbatch_negatives_match_dense(tmp_path: Path, world: i
 def test_gradcache_chunks_give_the_unchunked_gradients(tmp_path: Path) -> None:
     """[gradcache]: microbatches of 6 forwarded in chunks of 4 (uneven) == plain microbatches of 6."""
     plain = make_trainer(str(tmp_path / "plain"), "--training.local_batch_size=6", "--training.global_batch_size=12")
-    cached = make_trainer(str(tmp_path / "cached"), "--training.local_batch_size=6", "--training.global_batch_size=12",
-                          "--gradcache.enabled=true", "--gradcache.chunk_sizes=4")
+    cached = make_trainer(
+        str(tmp_path / "cached"),
+        "--training.local_batch_size=6",
+        "--training.global_batch_size=12",
+        "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=4",
+    )
     cached.model.load_state_dict(plain.model.state_dict())
     micro = [batch(plain, 0, 6), batch(plain, 6, 6)]
     want, got = plain.train_step(micro), cached.train_step(micro)
@@ -211,8 +244,14 @@ def test_gradcache_chunks_give_the_unchunked_gradients(tmp_path: Path) -> None:
 
 
 def test_gradcache_with_global_negatives_equals_one_big_batch(tmp_path: Path) -> None:
-    cached = make_trainer(str(tmp_path), "--training.local_batch_size=4", "--training.global_batch_size=8",
-                          "--loss.negatives=global", "--gradcache.enabled=true", "--gradcache.chunk_sizes=3")
+    cached = make_trainer(
+        str(tmp_path),
+        "--training.local_batch_size=4",
+        "--training.global_batch_size=8",
+        "--loss.negatives=global",
+        "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=3",
+    )
     init = copy.deepcopy(cached.model.state_dict())
     full = batch(cached, 0, 8)
     out = cached.train_step([{k: v[:4] for k, v in full.items()}, {k: v[4:] for k, v in full.items()}])
@@ -225,7 +264,9 @@ def test_gradcache_with_global_negatives_equals_one_big_batch(tmp_path: Path) ->
 
 
 def test_gradcache_per_tower_sizes_must_match_for_clip(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"gradcache.chunk_sizes=\[4, 8\]: the clip family runs both towers in one forward"):
+    with pytest.raises(
+        ConfigError, match=r"gradcache.chunk_sizes=\[4, 8\]: the clip family runs both towers in one forward"
+    ):
         make_trainer(str(tmp_path), "--gradcache.enabled=true", "--gradcache.chunk_sizes=4,8")
 
 
@@ -233,8 +274,14 @@ def _dp_gradcache(tmp: str, layout: list[str]) -> None:
     """GradCache on 2 ranks (no_sync except the last chunk) == the dense gathered problem."""
     import torch.distributed as dist
 
-    trainer = make_trainer(tmp, "--training.local_batch_size=5", "--training.global_batch_size=20",
-                           "--gradcache.enabled=true", "--gradcache.chunk_sizes=2", *layout)
+    trainer = make_trainer(
+        tmp,
+        "--training.local_batch_size=5",
+        "--training.global_batch_size=20",
+        "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=2",
+        *layout,
+    )
     rank = dist.get_rank()
     reference = trainer.spec.build_model(trainer.model_args).double()
     reference.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})

@@ -17,12 +17,12 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA and TRITON_INTERPRET is not 1 (tests/conftest.py sets it)", allow_module_level=True)
 
+from tests.dist_utils import run_distributed  # noqa: E402
+from tests.test_distributed_clip import GradRecorder  # noqa: E402
 from titan_contrastive.components import streaming_loss  # noqa: E402
 from titan_contrastive.components.loss import clip_loss, sigmoid_loss  # noqa: E402
 from titan_contrastive.distributed_clip import StreamingClipStep, distributed_train_step  # noqa: E402
 from titan_contrastive.kernels.streaming_triton import row_col_lse, sigmoid_weights, softmax_weights  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
-from tests.test_distributed_clip import GradRecorder  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [(torch.float32, "triton_exact", 1e-5), (torch.bfloat16, "triton", 1e-2)]
@@ -73,8 +73,14 @@ def test_fused_gradients_of_two_row_shares_equal_dense_autograd(dtype: torch.dty
     col = torch.stack([c for _, c in lses]).logsumexp(0)
     loss = streaming_loss.infonce_loss_from_lse(zx, zy, row, col, scale)
     assert abs(loss.item() - want.item()) <= tol * want.item()
-    gx, gy = zip(*(streaming_loss.fused_embedding_grads(zx[r.start : r.stop], zy, row[r.start : r.stop], col, scale, r.start,
-                                                        kernel, panel=16) for r in shares))
+    gx, gy = zip(
+        *(
+            streaming_loss.fused_embedding_grads(
+                zx[r.start : r.stop], zy, row[r.start : r.stop], col, scale, r.start, kernel, panel=16
+            )
+            for r in shares
+        )
+    )
     assert rel(torch.cat(gx), x64.grad) <= tol
     assert rel(sum(gy), y64.grad) <= tol
 
@@ -88,9 +94,12 @@ def test_sigmoid_kernel_matches_dense_float64(d: int, dtype: torch.dtype, kernel
     q, k = embeddings(m, d, dtype, 0), embeddings(n, d, dtype, 1)
     logits = scale * (q.double() @ k.double().T).cpu() + bias
     z = torch.where(torch.arange(n)[None, :] == torch.arange(m)[:, None] + offset, 1.0, -1.0).double()
-    held = torch.linspace(0, 0.25, m, dtype=torch.float32, device=DEVICE)  # small: float32 adds must not round the sums away
+    # small: float32 adds must not round the sums away
+    held = torch.linspace(0, 0.25, m, dtype=torch.float32, device=DEVICE)
     loss_rows, bias_rows = held.clone(), held.clone()
-    got = sigmoid_weights(q, k, scale, bias, offset, loss_rows=loss_rows, bias_rows=bias_rows, exact=kernel == "triton_exact")
+    got = sigmoid_weights(
+        q, k, scale, bias, offset, loss_rows=loss_rows, bias_rows=bias_rows, exact=kernel == "triton_exact"
+    )
     want = -z * torch.sigmoid(-z * logits)
     assert rel(got, want) <= tol
     assert rel(loss_rows - held, -F.logsigmoid(z * logits).sum(1)) <= tol and rel(bias_rows - held, want.sum(1)) <= tol
@@ -107,8 +116,10 @@ def test_fused_sigmoid_of_two_row_shares_equals_dense_autograd(dtype: torch.dtyp
     want = sigmoid_loss(x64, y64, torch.tensor(11.0, dtype=torch.float64), b64)
     want.backward()
     scale, bias = torch.tensor(11.0, device=DEVICE), torch.tensor(-3.0, device=DEVICE)
-    parts = [streaming_loss.fused_sigmoid(zx[r.start : r.stop], zy, scale, bias, r.start, kernel, panel=16)
-             for r in (range(0, 20), range(20, n))]
+    parts = [
+        streaming_loss.fused_sigmoid(zx[r.start : r.stop], zy, scale, bias, r.start, kernel, panel=16)
+        for r in (range(0, 20), range(20, n))
+    ]
     assert abs(sum(p[0] for p in parts).item() - want.item()) <= tol * want.item()
     assert rel(torch.cat([p[1] for p in parts]), x64.grad) <= tol and rel(sum(p[2] for p in parts), y64.grad) <= tol
     assert abs(sum(p[3].sum() for p in parts).item() - b64.grad.item()) <= tol * abs(b64.grad.item())
@@ -138,7 +149,8 @@ def test_streaming_sigmoid_step_with_the_kernel_equals_dense(kernel: str, tol: f
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(50, 8, generator=g), torch.randn(50, 5, generator=g)
     loss = StreamingClipStep(stream_chunk_size=16, kernel=kernel, loss="siglip")(
-        lambda mb: model(x[mb].to(DEVICE), y[mb].to(DEVICE)), [slice(0, 20), slice(20, 37), slice(37, 50)])
+        lambda mb: model(x[mb].to(DEVICE), y[mb].to(DEVICE)), [slice(0, 20), slice(20, 37), slice(37, 50)]
+    )
     want = sigmoid_loss(*reference(x.double(), y.double()))
     want.backward()
     assert abs(loss.item() - want.item()) <= tol * want.item()
@@ -181,7 +193,8 @@ def test_streaming_step_with_the_kernel_equals_dense_loss_and_gradients(kernel: 
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(50, 8, generator=g), torch.randn(50, 5, generator=g)
     loss = StreamingClipStep(stream_chunk_size=16, kernel=kernel)(
-        lambda mb: model(x[mb].to(DEVICE), y[mb].to(DEVICE)), [slice(0, 20), slice(20, 37), slice(37, 50)])
+        lambda mb: model(x[mb].to(DEVICE), y[mb].to(DEVICE)), [slice(0, 20), slice(20, 37), slice(37, 50)]
+    )
     want = clip_loss(*reference(x.double(), y.double()))
     want.backward()
     assert abs(loss.item() - want.item()) <= tol * want.item()
@@ -189,11 +202,14 @@ def test_streaming_step_with_the_kernel_equals_dense_loss_and_gradients(kernel: 
         assert rel(p.grad.cpu(), q.grad) <= tol, name
 
 
-@pytest.mark.parametrize("bad, message", [
-    (lambda q, k: (q.double(), k.double()), r"float64: use loss.kernel=pytorch"),
-    (lambda q, k: (q, torch.cat([k, k], 1)[:, ::2]), r"need row-major contiguous embeddings"),
-    (lambda q, k: (q[:, :32], k), r"same d"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda q, k: (q.double(), k.double()), r"float64: use loss.kernel=pytorch"),
+        (lambda q, k: (q, torch.cat([k, k], 1)[:, ::2]), r"need row-major contiguous embeddings"),
+        (lambda q, k: (q[:, :32], k), r"same d"),
+    ],
+)
 def test_bad_inputs(bad, message: str) -> None:
     q, k = embeddings(8, 64, torch.float32, 6), embeddings(8, 64, torch.float32, 7)
     with pytest.raises(ValueError, match=message):
@@ -237,7 +253,14 @@ def _kernel_step_matches_dense(wrapper: str, loss: str = "clip") -> None:
         fully_shard(model)
     recorder = GradRecorder(model.parameters())
     local = slice(rank * 12, (rank + 1) * 12)
-    config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": 5, "STREAM_CHUNK_SIZE": 7, "TAU": None, "KERNEL": "triton_exact", "LOSS": loss}
+    config = {
+        "GLOBAL_BATCH_SIZE": n,
+        "MICRO_BATCH_SIZE": 5,
+        "STREAM_CHUNK_SIZE": 7,
+        "TAU": None,
+        "KERNEL": "triton_exact",
+        "LOSS": loss,
+    }
     loss = distributed_train_step(model, recorder, x[local], y[local], config)
     assert abs(loss - want.item()) <= 1e-5 * want.item()
     for got, (name, p) in zip(recorder.grads, reference.named_parameters()):
@@ -270,7 +293,9 @@ def test_auto_self_check_accepts_the_kernels_and_rejects_a_wrong_one(monkeypatch
     with pytest.warns(UserWarning, match=r"disagree with PyTorch on .* d=32 .*; using the PyTorch path"):
         assert not check("triton_exact", DEVICE, torch.float32, 32)
     monkeypatch.setattr(streaming_triton, "softmax_weights", lambda *a, **k: 1 / 0)
-    with pytest.warns(UserWarning, match=r"failed on .* \(ZeroDivisionError: division by zero\); using the PyTorch path"):
+    with pytest.warns(
+        UserWarning, match=r"failed on .* \(ZeroDivisionError: division by zero\); using the PyTorch path"
+    ):
         assert not check("triton_exact", DEVICE, torch.float32, 32)
 
 
@@ -278,8 +303,13 @@ def test_trainer_global_negatives_with_the_kernel(tmp_path) -> None:  # noqa: AN
     """`[loss] kernel = "triton_exact"` in the trainer: the same step as the PyTorch path (float32)."""
     from tests.test_trainer import assert_close, grads, make_trainer
 
-    args = ["--training.dtype=float32", "--training.local_batch_size=6", "--training.global_batch_size=18", "--loss.negatives=global",
-            "--loss.stream_chunk_size=5"]
+    args = [
+        "--training.dtype=float32",
+        "--training.local_batch_size=6",
+        "--training.global_batch_size=18",
+        "--loss.negatives=global",
+        "--loss.stream_chunk_size=5",
+    ]
     fused, plain = (make_trainer(str(tmp_path / k), *args, f"--loss.kernel={k}") for k in ("triton_exact", "pytorch"))
     fused.model.load_state_dict(plain.model.state_dict())
     micro = [fused.train_set.__getitems__(list(range(s, s + 6))) for s in (0, 6, 12)]
@@ -291,15 +321,17 @@ def test_trainer_global_negatives_with_the_kernel(tmp_path) -> None:  # noqa: AN
 def test_missing_triton_is_a_config_error(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     import sys
 
-    from titan_contrastive.config import ConfigError
     from tests.test_trainer import make_trainer
+    from titan_contrastive.config import ConfigError
 
     monkeypatch.setitem(sys.modules, "titan_contrastive.kernels.streaming_triton", None)  # import raises ImportError
-    with pytest.raises(ConfigError, match=r"^loss.kernel=triton needs triton .*; pip install triton, or set loss.kernel=pytorch$"):
+    with pytest.raises(
+        ConfigError, match=r"^loss.kernel=triton needs triton .*; pip install triton, or set loss.kernel=pytorch$"
+    ):
         make_trainer(str(tmp_path), "--loss.kernel=triton", "--loss.negatives=global")
 
 
-_AOT = r'''
+_AOT = r"""
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -309,15 +341,16 @@ import sys
 WANT = sys.argv[1].split(",")
 out = []
 for dt, exact in (("bf16", False), ("fp32", True)):  # what `auto` runs: mixed precision, and float32
+    w = "*fp32" if exact else f"*{dt}"
     kernels = (("lse", st._lse_pass_kernel, {"row_max_ptr": "*fp32", "row_sum_ptr": "*fp32", "col_max_ptr": "*fp32",
                 "col_sum_ptr": "*fp32", "n_q": "i32", "n_k": "i32", "d": "i32", "col_stride": "i32", "scale": "fp32",
                 "N_PROGRAMS": "constexpr"}, {"N_PROGRAMS": 264}, (0, 1, 2, 3, 4, 5, 8, 9)),
-               ("weights", st._weights_kernel, {"a_ptr": "*fp32", "b_ptr": "*fp32", "w_ptr": "*fp32" if exact else f"*{dt}",
+               ("weights", st._weights_kernel, {"a_ptr": "*fp32", "b_ptr": "*fp32", "w_ptr": w,
                 "n_q": "i32", "n_k": "i32", "d": "i32", "w_stride": "i32", "scale": "fp32", "diag_offset": "i32"}, {},
                 (0, 1, 2, 3, 4, 7, 8)),
-               ("sigmoid", st._sigmoid_kernel, {"w_ptr": "*fp32" if exact else f"*{dt}", "loss_ptr": "*fp32", "bias_ptr": "*fp32",
-                "n_q": "i32", "n_k": "i32", "d": "i32", "w_stride": "i32", "scale": "fp32", "bias": "fp32", "diag_offset": "i32"}, {},
-                (0, 1, 2, 3, 4, 7, 8)))
+               ("sigmoid", st._sigmoid_kernel, {"w_ptr": w, "loss_ptr": "*fp32", "bias_ptr": "*fp32",
+                "n_q": "i32", "n_k": "i32", "d": "i32", "w_stride": "i32", "scale": "fp32", "bias": "fp32",
+                "diag_offset": "i32"}, {}, (0, 1, 2, 3, 4, 7, 8)))
     for name, tuner, args, consts, aligned in (k for k in kernels if k[0] in WANT):
         # what the JIT specializes for d = 512 and aligned buffers: 16-divisible pointers, d and strides
         # (vectorized loads, cp.async pipelining: the shared memory a real launch needs)
@@ -325,12 +358,15 @@ for dt, exact in (("bf16", False), ("fp32", True)):  # what `auto` runs: mixed p
         for cfg in tuner.configs:
             sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", **args, "EXACT": "constexpr", "BLOCK_M": "constexpr",
                    "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"}
-            k = triton.compile(ASTSource(fn=tuner.fn, signature=sig, constexprs={**consts, "EXACT": exact, **cfg.kwargs}, attrs=attrs),
-                               target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            source = ASTSource(fn=tuner.fn, signature=sig, constexprs={**consts, "EXACT": exact, **cfg.kwargs},
+                               attrs=attrs)
+            k = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
             out.append({"kernel": name, "dtype": dt, "config": str(cfg), "shared": k.metadata.shared,
-                        "cp_async": "cp.async.cg.shared.global" in k.asm["ptx"], "wgmma": "wgmma.mma_async" in k.asm["ptx"]})
+                        "cp_async": "cp.async.cg.shared.global" in k.asm["ptx"],
+                        "wgmma": "wgmma.mma_async" in k.asm["ptx"]})
 print(json.dumps(out))
-'''
+"""
 
 
 def compile_for_hopper(kernels: str) -> list[dict]:
@@ -358,7 +394,13 @@ def test_every_autotune_config_compiles_for_hopper_within_shared_memory() -> Non
     that no Hopper can launch."""
     compiled = compile_for_hopper("lse,weights")
     assert len(compiled) == 2 * 2 * 5
-    print(*(f"{c['kernel']} {c['dtype']} {c['config'].split(', num_ctas')[0]}: {c['shared'] // 1024} KiB" for c in compiled), sep="\n")
+    print(
+        *(
+            f"{c['kernel']} {c['dtype']} {c['config'].split(', num_ctas')[0]}: {c['shared'] // 1024} KiB"
+            for c in compiled
+        ),
+        sep="\n",
+    )
     too_big = [c for c in compiled if c["shared"] > 232448]
     assert not too_big, too_big
     assert all(c["cp_async"] for c in compiled)  # loads pipelined through shared memory
@@ -372,8 +414,6 @@ def test_the_sigmoid_kernel_compiles_for_hopper_within_shared_memory() -> None:
     assert len(compiled) == 2 * 5
     assert not [c for c in compiled if c["shared"] > 232448]
     assert all(c["cp_async"] for c in compiled) and all(c["wgmma"] for c in compiled if c["dtype"] == "bf16")
-
-
 
 
 def test_distributed_sigmoid_kernel_step_equals_dense() -> None:

@@ -19,9 +19,9 @@ import pytest
 import torch
 from PIL import Image
 
+from titan_contrastive.config.job_config import Data
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES, BadSampleLog
-from titan_contrastive.config.job_config import Data
 from titan_contrastive.datasets.build import build_file_dataset, open_source
 from titan_contrastive.datasets.emoji import MEAN, STD
 from titan_contrastive.datasets.files import FileImageTextDataset
@@ -66,8 +66,17 @@ def _dataset(emoji: dict, kind: str, *, augment: bool, split: str = "train", pat
     if kind not in emoji["paths"]:
         pytest.skip("the [data] extra (Hugging Face datasets) is not installed")
     source = open_source(kind, path or emoji["paths"][kind], Data())
-    return FileImageTextDataset(name=kind, split=split, source=source, tokenizer=ByteTokenizer(32), image_size=32, seed=3,
-                                augment=augment, mean=MEAN, std=STD)
+    return FileImageTextDataset(
+        name=kind,
+        split=split,
+        source=source,
+        tokenizer=ByteTokenizer(32),
+        image_size=32,
+        seed=3,
+        augment=augment,
+        mean=MEAN,
+        std=STD,
+    )
 
 
 @pytest.mark.parametrize("kind", SOURCES)
@@ -104,9 +113,17 @@ def test_loader_resumes_exactly(emoji: dict, kind: str, workers: int) -> None:
     run's (200 samples, 2 ranks x 16: 6 steps per epoch, so the 8 steps cross an epoch boundary)."""
     for world in (1, 2):
         for rank in range(world):
-            def loader():
-                return build_dataloader(_dataset(emoji, kind, augment=True), local_batch_size=16, dp_rank=rank,
-                                        dp_world_size=world, seed=5, num_workers=workers)
+
+            def loader(rank: int = rank, world: int = world):  # bound now: called within this iteration only
+                return build_dataloader(
+                    _dataset(emoji, kind, augment=True),
+                    local_batch_size=16,
+                    dp_rank=rank,
+                    dp_world_size=world,
+                    seed=5,
+                    num_workers=workers,
+                )
+
             whole = _take(loader(), 8)
             first = loader()
             _take(first, 4 if world == 2 else 5)
@@ -114,7 +131,7 @@ def test_loader_resumes_exactly(emoji: dict, kind: str, workers: int) -> None:
             resumed = loader()
             resumed.load_state_dict(state)
             tail = _take(resumed, 4 if world == 2 else 3)
-            for got, want in zip(tail, whole[-len(tail):]):
+            for got, want in zip(tail, whole[-len(tail) :]):
                 assert torch.equal(got["index"], want["index"]) and torch.equal(got["image"], want["image"])
                 assert torch.equal(got["text"], want["text"])
 
@@ -128,8 +145,14 @@ def test_an_epoch_is_split_disjoint_and_complete(emoji: dict, workers: int) -> N
         steps = 200 // global_batch
         per_rank = []
         for rank in range(world):
-            loader = build_dataloader(_dataset(emoji, "webdataset", augment=False), local_batch_size=8, dp_rank=rank,
-                                      dp_world_size=world, seed=1, num_workers=workers)
+            loader = build_dataloader(
+                _dataset(emoji, "webdataset", augment=False),
+                local_batch_size=8,
+                dp_rank=rank,
+                dp_world_size=world,
+                seed=1,
+                num_workers=workers,
+            )
             per_rank.append(torch.cat([b["index"] for b in _take(loader, steps)]))
             order = loader.sampler.global_order()
         seen = torch.cat(per_rank)
@@ -162,8 +185,12 @@ def test_bad_samples_are_skipped_counted_and_deterministic(emoji: dict, tmp_path
     assert torch.equal(ds.__getitems__([3, 10, 20, 21])["image"], batch["image"])
     log = BadSampleLog(max_bad_fraction=0.1, epoch_samples=40)
     out = log.update(batch)
-    assert BAD_SAMPLES not in out and log.values() == {"bad_samples": 3, "bad_samples/missing_caption": 1,
-                                                        "bad_samples/undecodable_image": 1, "bad_samples/unreadable_file": 1}
+    assert BAD_SAMPLES not in out and log.values() == {
+        "bad_samples": 3,
+        "bad_samples/missing_caption": 1,
+        "bad_samples/undecodable_image": 1,
+        "bad_samples/unreadable_file": 1,
+    }
     restored = BadSampleLog(0.1, 40)
     restored.load_state_dict(log.state_dict())
     assert restored.values() == log.values() and restored.seen == log.seen == 7
@@ -171,12 +198,16 @@ def test_bad_samples_are_skipped_counted_and_deterministic(emoji: dict, tmp_path
 
 def test_bad_sample_limit_stops_with_the_file_and_key(emoji: dict, tmp_path: Path) -> None:
     ds = _dataset(emoji, "csv", augment=False, path=str(_damaged_csv(emoji, tmp_path)))
-    loader = build_dataloader(ds, local_batch_size=40, dp_rank=0, dp_world_size=1, seed=0, shuffle=False, max_bad_fraction=0.0)
+    loader = build_dataloader(
+        ds, local_batch_size=40, dp_rank=0, dp_world_size=1, seed=0, shuffle=False, max_bad_fraction=0.0
+    )
     with pytest.raises(DataError) as err:  # 3 bad > max(1, 0 x 40): stop
         next(loader)
     message = str(err.value)
     assert len(message.splitlines()) == 1 and "data.max_bad_fraction" in message and "row 22" in message
-    loader = build_dataloader(ds, local_batch_size=40, dp_rank=0, dp_world_size=1, seed=0, shuffle=False, max_bad_fraction=0.1)
+    loader = build_dataloader(
+        ds, local_batch_size=40, dp_rank=0, dp_world_size=1, seed=0, shuffle=False, max_bad_fraction=0.1
+    )
     assert next(loader)["image"].shape == (40, 3, 32, 32) and loader.bad_samples.total == 3  # 3 <= 0.1 x 40
 
 
@@ -225,8 +256,16 @@ def test_errors_are_one_line(emoji: dict, tmp_path: Path) -> None:
             open_source("hf", emoji["paths"]["hf"], Data(hf_text_column="caption"))
         _one_line(err, "'caption'", "data.hf_text_column")
     with pytest.raises(DataError) as err:
-        build_file_dataset("csv", "train", emoji["paths"]["csv"], opts, tokenizer=ByteTokenizer(32), image_size=32, seed=0,
-                           augment=True).pack_patches(16)
+        build_file_dataset(
+            "csv",
+            "train",
+            emoji["paths"]["csv"],
+            opts,
+            tokenizer=ByteTokenizer(32),
+            image_size=32,
+            seed=0,
+            augment=True,
+        ).pack_patches(16)
     _one_line(err, "model.name=clip")
     with pytest.raises(DataError) as err:
         load_templates(str(tmp_path / "none.txt"))
@@ -237,7 +276,9 @@ def test_unreadable_shard_is_left_out_and_named(emoji: dict, tmp_path: Path) -> 
     shards = sorted((emoji["root"] / "shards").glob("*.tar"))
     (tmp_path / "bad.tar").write_bytes(b"\0" * 10 + b"junk")
     source = open_source("webdataset", f"{shards[0]},{tmp_path / 'bad.tar'}", Data())
-    assert len(source) == 64 and [(loss.reason, Path(loss.where).name) for loss in source.losses] == [("unreadable_shard", "bad.tar")]
+    assert len(source) == 64 and [(loss.reason, Path(loss.where).name) for loss in source.losses] == [
+        ("unreadable_shard", "bad.tar")
+    ]
 
 
 def test_zero_shot_image_folder(emoji: dict, tmp_path: Path) -> None:
@@ -246,7 +287,9 @@ def test_zero_shot_image_folder(emoji: dict, tmp_path: Path) -> None:
         (tmp_path / name).mkdir()
         for i in range(c + 2):
             (tmp_path / name / f"{i}.png").write_bytes((root / "img" / f"{c * 10 + i:04d}.png").read_bytes())
-    ds = ImageFolderZeroShot(str(tmp_path), names_file="", templates=["a photo of a {}."], tokenizer=ByteTokenizer(32), image_size=32)
+    ds = ImageFolderZeroShot(
+        str(tmp_path), names_file="", templates=["a photo of a {}."], tokenizer=ByteTokenizer(32), image_size=32
+    )
     assert ds.class_names == ["cat face", "dog", "zebra"] and len(ds) == 2 + 3 + 4
     batch = ds.__getitems__([0, 2, 8])
     assert batch["label"].tolist() == [0, 1, 2] and batch["image"].shape == (3, 3, 32, 32)
@@ -254,14 +297,20 @@ def test_zero_shot_image_folder(emoji: dict, tmp_path: Path) -> None:
     assert len(load_templates("openai")) == 80 and all("{}" in t for t in load_templates("simple"))
     (tmp_path / "names.txt").write_text("one\ntwo\n")
     with pytest.raises(DataError) as err:
-        ImageFolderZeroShot(str(tmp_path), names_file=str(tmp_path / "names.txt"), templates=["{}"], tokenizer=None, image_size=32)
+        ImageFolderZeroShot(
+            str(tmp_path), names_file=str(tmp_path / "names.txt"), templates=["{}"], tokenizer=None, image_size=32
+        )
     _one_line(err, "names.txt", "2 names for 3 class folders")
 
 
 def test_pairs_files(tmp_path: Path) -> None:
     from titan_contrastive.datasets.pairs import read_pairs
 
-    rows = [["what is a cat", "cat", "dog"], ["a large striped cat", "tiger", "zebra"], ["frozen water", "ice", "steam"]]
+    rows = [
+        ["what is a cat", "cat", "dog"],
+        ["a large striped cat", "tiger", "zebra"],
+        ["frozen water", "ice", "steam"],
+    ]
     with open(tmp_path / "p.jsonl", "w") as f:
         for q, p, n in rows:
             f.write(json.dumps({"anchor": q, "positive": p, "negative": n}) + "\n")
@@ -320,8 +369,13 @@ def test_trainer_resumes_bit_identically(emoji: dict, tmp_path: Path, kind: str,
 
     if kind not in emoji["paths"]:
         pytest.skip("the [data] extra (Hugging Face datasets) is not installed")
-    args = (f"--data.dataset={kind}", f"--data.path={emoji['paths'][kind]}", "--data.image_size=32",
-            f"--data.num_workers={workers}", "--checkpoint.interval=3")
+    args = (
+        f"--data.dataset={kind}",
+        f"--data.path={emoji['paths'][kind]}",
+        "--data.image_size=32",
+        f"--data.num_workers={workers}",
+        "--checkpoint.interval=3",
+    )
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     ok(launch(whole, nproc, *args))
     (resumed / "checkpoint").mkdir(parents=True)
@@ -333,8 +387,9 @@ def test_trainer_resumes_bit_identically(emoji: dict, tmp_path: Path, kind: str,
     assert_identical(checkpoint(resumed, STEPS), checkpoint(whole, STEPS))
 
 
-def test_trainer_reports_bad_samples_and_evaluates_your_data(emoji: dict, tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_trainer_reports_bad_samples_and_evaluates_your_data(
+    emoji: dict, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
     """A damaged CSV trains (3 bad samples skipped, counted in metrics.jsonl), with retrieval recall
     both ways on data.val_path and zero-shot top-1 on an ImageFolder; at max_bad_fraction 0 it stops
     with exit code 2 and one line naming the file."""
@@ -346,9 +401,18 @@ def test_trainer_reports_bad_samples_and_evaluates_your_data(emoji: dict, tmp_pa
         (tmp_path / "zs" / name).mkdir(parents=True)
         for i in range(3):
             (tmp_path / "zs" / name / f"{i}.png").write_bytes((root / "img" / f"{c * 3 + i:04d}.png").read_bytes())
-    args = ["--data.dataset=csv", f"--data.path={_damaged_csv(emoji, tmp_path)}", f"--data.val_path={emoji['paths']['csv']}",
-            "--data.image_size=32", "--training.local_batch_size=20", "--training.steps=2", "--metrics.log_freq=1",
-            "--metrics.enable_tensorboard=false", f"--eval.zero_shot_path={tmp_path / 'zs'}", "--eval.zero_shot_templates=simple"]
+    args = [
+        "--data.dataset=csv",
+        f"--data.path={_damaged_csv(emoji, tmp_path)}",
+        f"--data.val_path={emoji['paths']['csv']}",
+        "--data.image_size=32",
+        "--training.local_batch_size=20",
+        "--training.steps=2",
+        "--metrics.log_freq=1",
+        "--metrics.enable_tensorboard=false",
+        f"--eval.zero_shot_path={tmp_path / 'zs'}",
+        "--eval.zero_shot_templates=simple",
+    ]
     assert main([*args, "--data.max_bad_fraction=0.1", f"--job.dump_folder={tmp_path / 'run'}"]) == 0
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
@@ -356,11 +420,18 @@ def test_trainer_reports_bad_samples_and_evaluates_your_data(emoji: dict, tmp_pa
     evals = [r for r in records if r["kind"] == "eval"][-1]
     assert evals["num_samples"] == 200 and evals["zero_shot/num_samples"] == 6
     assert {"image_to_text_r@10", "text_to_image_r@1", "zero_shot/zero_shot_top1"} <= evals.keys()
-    assert "skipped bad sample" in caplog.text and "eval step 2 on 200 csv test samples and 6 zero_shot test samples" in caplog.text
+    assert (
+        "skipped bad sample" in caplog.text
+        and "eval step 2 on 200 csv test samples and 6 zero_shot test samples" in caplog.text
+    )
     capsys.readouterr()
     assert main([*args, "--data.max_bad_fraction=0", f"--job.dump_folder={tmp_path / 'strict'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "data.max_bad_fraction" in err[0] and any(f in err[0] for f in ("damaged.csv", "missing.png", "bad.jpg")), err
+    assert (
+        len(err) == 1
+        and "data.max_bad_fraction" in err[0]
+        and any(f in err[0] for f in ("damaged.csv", "missing.png", "bad.jpg"))
+    ), err
 
 
 def test_pairs_equal_the_bundled_wordnet_and_resume(tmp_path: Path) -> None:
@@ -387,10 +458,15 @@ def test_pairs_equal_the_bundled_wordnet_and_resume(tmp_path: Path) -> None:
     assert len(ds) == len(bundled) == 2000 and got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
     for rank in range(2):
-        def loader():
+
+        def loader(rank: int = rank):  # bound now: called within this iteration only
             return build_dataloader(ds, local_batch_size=300, dp_rank=rank, dp_world_size=2, seed=2, num_workers=2)
+
         whole, first = _take(loader(), 6), loader()
         _take(first, 2)
         resumed = loader()
         resumed.load_state_dict(first.state_dict())
-        assert all(torch.equal(a["query"], b["query"]) and torch.equal(a["doc"], b["doc"]) for a, b in zip(_take(resumed, 4), whole[2:]))
+        assert all(
+            torch.equal(a["query"], b["query"]) and torch.equal(a["doc"], b["doc"])
+            for a, b in zip(_take(resumed, 4), whole[2:])
+        )

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.dist_utils import run_distributed
+from tests.test_trainer import DDP, REL, assert_close, full, grads, make_trainer
 from titan_contrastive.components.pixel_loss import compute_pixel_loss_v0
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets import build_dataset
 from titan_contrastive.models.vae import AutoEncoder
-from tests.dist_utils import run_distributed
-from tests.test_trainer import DDP, REL, assert_close, full, grads, make_trainer
 
 VAE = ["--model.name=vae", "--data.dataset=emoji", "--data.image_sizes=8,16,24", "--eval.batch_size=100"]
 MODES = ["v0", "chunked", "per_chunk_backward"]
@@ -42,11 +42,19 @@ def dense_reference(model: AutoEncoder, batches: list[dict[str, torch.Tensor]]) 
 @pytest.mark.parametrize("mode", MODES)
 def test_accumulation_equals_one_dense_batch(tmp_path: Path, mode: str) -> None:
     """GA 3 over microbatches of 4 with unequal mask sizes == the masked mean of all 12 at once."""
-    trainer = make_trainer(str(tmp_path), *VAE, "--training.local_batch_size=4", "--training.global_batch_size=12",
-                           f"--pixel_loss.mode={mode}", "--pixel_loss.adaptive=false", "--pixel_loss.chunk_size=3")
+    trainer = make_trainer(
+        str(tmp_path),
+        *VAE,
+        "--training.local_batch_size=4",
+        "--training.global_batch_size=12",
+        f"--pixel_loss.mode={mode}",
+        "--pixel_loss.adaptive=false",
+        "--pixel_loss.chunk_size=3",
+    )
     init = copy.deepcopy(trainer.model.state_dict())
     micro = [trainer.train_set.__getitems__(list(range(s, s + 4))) for s in (0, 4, 8)]
-    assert len({float(m["mask"].sum()) for m in micro}) > 1  # unequal denominators: a plain mean of means would be wrong
+    # unequal denominators: a plain mean of means would be wrong
+    assert len({float(m["mask"].sum()) for m in micro}) > 1
     out = trainer.train_step(micro)
     got = grads(trainer.model)
     trainer.model.load_state_dict(init)
@@ -60,12 +68,22 @@ def test_accumulation_equals_one_dense_batch(tmp_path: Path, mode: str) -> None:
 def _dp_vae(tmp: str, mode: str, layout: list[str]) -> None:
     import torch.distributed as dist
 
-    trainer = make_trainer(tmp, *VAE, "--training.local_batch_size=3", "--training.global_batch_size=12",
-                           f"--pixel_loss.mode={mode}", "--pixel_loss.adaptive=false", "--pixel_loss.chunk_size=2", *layout)
+    trainer = make_trainer(
+        tmp,
+        *VAE,
+        "--training.local_batch_size=3",
+        "--training.global_batch_size=12",
+        f"--pixel_loss.mode={mode}",
+        "--pixel_loss.adaptive=false",
+        "--pixel_loss.chunk_size=2",
+        *layout,
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = AutoEncoder(trainer.model_args).double()
     reference.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
-    steps = [trainer.train_set.__getitems__(list(range(j * 3 * world, (j + 1) * 3 * world))) for j in range(trainer.ga_steps)]
+    steps = [
+        trainer.train_set.__getitems__(list(range(j * 3 * world, (j + 1) * 3 * world))) for j in range(trainer.ga_steps)
+    ]
     out = trainer.train_step([{k: v[rank * 3 : (rank + 1) * 3] for k, v in s.items()} for s in steps])
     loss = dense_reference(reference, steps)
     loss.backward()
@@ -73,9 +91,16 @@ def _dp_vae(tmp: str, mode: str, layout: list[str]) -> None:
     assert abs(out["loss"] - loss.item()) <= REL * loss.item()
 
 
-@pytest.mark.parametrize("world, mode, layout", [
-    (2, "per_chunk_backward", DDP), (2, "chunked", []), (4, "per_chunk_backward", DDP), (4, "v0", []),
-], ids=["2-ddp-per_chunk", "2-fsdp2-chunked", "4-ddp-per_chunk", "4-fsdp2-v0"])
+@pytest.mark.parametrize(
+    "world, mode, layout",
+    [
+        (2, "per_chunk_backward", DDP),
+        (2, "chunked", []),
+        (4, "per_chunk_backward", DDP),
+        (4, "v0", []),
+    ],
+    ids=["2-ddp-per_chunk", "2-fsdp2-chunked", "4-ddp-per_chunk", "4-fsdp2-v0"],
+)
 def test_data_parallel_matches_dense(tmp_path: Path, world: int, mode: str, layout: list[str]) -> None:
     run_distributed(_dp_vae, world, str(tmp_path), mode, layout)
 
@@ -85,11 +110,20 @@ def _config_error(tmp: str, extra: list[str], message: str) -> None:
         make_trainer(tmp, *VAE, *extra)
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--pixel_loss.mode=per_chunk_backward"], r"pixel_loss.mode=per_chunk_backward runs the decoder's backward inside the forward, which FSDP2"),
-    (["--loss.name=clip"], r"loss.name='clip': the vae family trains with 'pixel'"),
-    (["--gradcache.enabled=true", *DDP], r"model.name=vae trains with the pixel loss; loss.negatives=global and gradcache.enabled"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--pixel_loss.mode=per_chunk_backward"],
+            r"pixel_loss.mode=per_chunk_backward runs the decoder's backward inside the forward, which FSDP2",
+        ),
+        (["--loss.name=clip"], r"loss.name='clip': the vae family trains with 'pixel'"),
+        (
+            ["--gradcache.enabled=true", *DDP],
+            r"model.name=vae trains with the pixel loss; loss.negatives=global and gradcache.enabled",
+        ),
+    ],
+)
 def test_config_errors(tmp_path: Path, extra: list[str], message: str) -> None:
     if "FSDP2" in message:  # FSDP2 needs more than one process
         run_distributed(_config_error, 2, str(tmp_path), extra, message)
@@ -98,7 +132,9 @@ def test_config_errors(tmp_path: Path, extra: list[str], message: str) -> None:
 
 
 def test_train_and_evaluate_write_a_reconstruction_grid(tmp_path: Path) -> None:
-    trainer = make_trainer(str(tmp_path), *VAE, "--training.local_batch_size=8", "--training.dtype=float32", "--training.steps=4")
+    trainer = make_trainer(
+        str(tmp_path), *VAE, "--training.local_batch_size=8", "--training.dtype=float32", "--training.steps=4"
+    )
     results = trainer.train()
     assert results["num_samples"] == 200 and 0 < results["loss"] < 1 and results["psnr_db"] > 0
     assert (tmp_path / "reconstructions_step4.png").stat().st_size > 1000

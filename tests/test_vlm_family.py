@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from tests.dist_utils import run_distributed
+from tests.test_trainer import DDP, REL, assert_close, full, grads, make_trainer
 from titan_contrastive.components.loss import clip_loss
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets import DataError, build_dataset
@@ -24,8 +26,6 @@ from titan_contrastive.datasets.packing import unpatchify
 from titan_contrastive.grad_cache import split_vlm_inputs
 from titan_contrastive.models import get_flavor_args
 from titan_contrastive.models.vlm import VLMEmbedder
-from tests.dist_utils import run_distributed
-from tests.test_trainer import DDP, REL, assert_close, full, grads, make_trainer
 
 SIZES = [16, 24, 32]
 VLM = ["--model.name=vlm", "--data.dataset=emoji", "--data.image_sizes=16,24,32", "--eval.batch_size=200"]
@@ -46,7 +46,11 @@ def test_packing_serves_the_plain_pixels_at_mixed_sizes(emoji_pair: tuple) -> No
     assert grid.shape == (40, 3) and batch["pixel_values"].shape == (int(grid.prod(1).sum()), 3 * 8 * 8)
     assert set((grid[:, 1] * 8).tolist()) == set(SIZES)  # all three resolutions occur
     for image, got, (_, h, _) in zip(images, unpatchify(batch["pixel_values"], grid, 3, 8), grid.tolist()):
-        want = F.interpolate(image[None], size=(h * 8, h * 8), mode="bilinear", antialias=h * 8 < 32)[0] if h * 8 != 32 else image
+        want = (
+            F.interpolate(image[None], size=(h * 8, h * 8), mode="bilinear", antialias=h * 8 < 32)[0]
+            if h * 8 != 32
+            else image
+        )
         assert torch.equal(got, want)
     assert packed.image_shape == (3, 32, 32) and packed.image_sizes == SIZES
 
@@ -66,9 +70,14 @@ def test_packing_is_a_function_of_the_sample_not_the_batch(emoji_pair: tuple) ->
 
 def test_bad_packing_sizes_are_one_line_errors() -> None:
     ds = build_dataset("emoji", "train")
-    with pytest.raises(DataError, match=r"^data.image_sizes=\[20, 32\]: \[20\] are not positive multiples of the model's patch size 8"):
+    with pytest.raises(
+        DataError, match=r"^data.image_sizes=\[20, 32\]: \[20\] are not positive multiples of the model's patch size 8"
+    ):
         ds.pack_patches(8, [20, 32])
-    with pytest.raises(DataError, match=r"^fashion_mnist images are 28 px, not a multiple of the model's patch size 8; set data.image_sizes"):
+    with pytest.raises(
+        DataError,
+        match=r"^fashion_mnist images are 28 px, not a multiple of the model's patch size 8; set data.image_sizes",
+    ):
         build_dataset("fashion_mnist", "test").pack_patches(8)
 
 
@@ -94,17 +103,25 @@ def test_an_image_embedding_does_not_depend_on_its_batch(model: VLMEmbedder, emo
     packed, _ = emoji_pair
     batch = packed.__getitems__(list(range(12)))
     together = model.visual(batch["pixel_values"].double(), batch["image_grid_thw"])
-    alone = torch.cat([model.visual(c["pixel_values"].double(), c["image_grid_thw"]) for c in split_vlm_inputs(batch, 1)])
+    alone = torch.cat(
+        [model.visual(c["pixel_values"].double(), c["image_grid_thw"]) for c in split_vlm_inputs(batch, 1)]
+    )
     assert len(set(batch["image_grid_thw"][:, 1].tolist())) == 3
     assert (together - alone).abs().max() <= 1e-12
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda px, g: (px[:-1], g), r"image_grid_thw gives \d+ patches but pixel_values has \d+ rows"),
-    (lambda px, g: (px[:, :10], g), r"pixel_values must be \[total_patches, 192\] \(C·p·p\), got \[\d+, 10\]"),
-    (lambda px, g: (px, g.float()), r"image_grid_thw must be integer \[num_images, 3\]"),
-    (lambda px, g: (px, torch.tensor([[2, 2, 2]] * len(g))), r"rows must be \(1, h, w\) with 1 <= h, w <= max_grid=4"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda px, g: (px[:-1], g), r"image_grid_thw gives \d+ patches but pixel_values has \d+ rows"),
+        (lambda px, g: (px[:, :10], g), r"pixel_values must be \[total_patches, 192\] \(C·p·p\), got \[\d+, 10\]"),
+        (lambda px, g: (px, g.float()), r"image_grid_thw must be integer \[num_images, 3\]"),
+        (
+            lambda px, g: (px, torch.tensor([[2, 2, 2]] * len(g))),
+            r"rows must be \(1, h, w\) with 1 <= h, w <= max_grid=4",
+        ),
+    ],
+)
 def test_bad_packed_inputs_are_one_line_errors(model: VLMEmbedder, emoji_pair: tuple, change, message: str) -> None:
     batch = emoji_pair[0].__getitems__([0, 1, 2])
     with pytest.raises(ValueError, match=message):
@@ -128,8 +145,15 @@ def test_trainer_gradcache_on_packed_batches_equals_unchunked(tmp_path: Path) ->
 
 
 def test_trainer_global_negatives_with_gradcache_equal_one_dense_batch(tmp_path: Path) -> None:
-    trainer = make_trainer(str(tmp_path), *VLM, "--training.local_batch_size=5", "--training.global_batch_size=10",
-                           "--loss.negatives=global", "--gradcache.enabled=true", "--gradcache.chunk_sizes=4")
+    trainer = make_trainer(
+        str(tmp_path),
+        *VLM,
+        "--training.local_batch_size=5",
+        "--training.global_batch_size=10",
+        "--loss.negatives=global",
+        "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=4",
+    )
     init = copy.deepcopy(trainer.model.state_dict())
     whole = _batch(trainer, 0, 10)
     out = trainer.train_step(split_vlm_inputs(whole, 5))
@@ -147,8 +171,16 @@ def _dp_vlm_gradcache(tmp: str, layout: list[str]) -> None:
     """Each rank forwards its 5 packed samples in chunks of 2; a step of all ranks is one problem."""
     import torch.distributed as dist
 
-    trainer = make_trainer(tmp, *VLM, "--training.local_batch_size=5", "--training.global_batch_size=20",
-                           "--gradcache.enabled=true", "--gradcache.chunk_sizes=2", *layout)  # joins the process group
+    # joins the process group
+    trainer = make_trainer(
+        tmp,
+        *VLM,
+        "--training.local_batch_size=5",
+        "--training.global_batch_size=20",
+        "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=2",
+        *layout,
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     ga = trainer.ga_steps
     reference = trainer.spec.build_model(trainer.model_args).double()
@@ -167,12 +199,20 @@ def test_data_parallel_vlm_gradcache_matches_dense(tmp_path: Path, world: int, l
 
 
 def test_training_and_eval_run_on_packed_data(tmp_path: Path) -> None:
-    trainer = make_trainer(str(tmp_path), *VLM, "--training.local_batch_size=16", "--training.dtype=float32",
-                           "--gradcache.enabled=true", "--gradcache.chunk_sizes=6")
+    trainer = make_trainer(
+        str(tmp_path),
+        *VLM,
+        "--training.local_batch_size=16",
+        "--training.dtype=float32",
+        "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=6",
+    )
     results = trainer.train()
     assert results["num_samples"] == 200 and np.isfinite(results["loss"]) and 0 <= results["image_to_text_r@5"] <= 1
 
 
 def test_image_sizes_need_a_packed_family(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^data.image_sizes=\[16, 32\]: mixed resolutions need a family that reads packed patches"):
+    with pytest.raises(
+        ConfigError, match=r"^data.image_sizes=\[16, 32\]: mixed resolutions need a family that reads packed patches"
+    ):
         make_trainer(str(tmp_path), "--data.dataset=emoji", "--data.image_sizes=16,32")

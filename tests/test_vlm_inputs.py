@@ -12,11 +12,21 @@ from titan_contrastive.datasets.retrieval import MODES, unpack_batch
 def packed_batch(samples: int, images_per_sample: list[int], seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     n_images = sum(images_per_sample)
-    grid = torch.stack([torch.ones(n_images, dtype=torch.long), torch.randint(1, 5, (n_images,), generator=gen),
-                        torch.randint(1, 5, (n_images,), generator=gen)], dim=1)
+    grid = torch.stack(
+        [
+            torch.ones(n_images, dtype=torch.long),
+            torch.randint(1, 5, (n_images,), generator=gen),
+            torch.randint(1, 5, (n_images,), generator=gen),
+        ],
+        dim=1,
+    )
     patches = int(grid.prod(1).sum())
-    return {"input_ids": torch.randint(0, 100, (samples, 7), generator=gen), "attention_mask": torch.ones(samples, 7),
-            "pixel_values": torch.randn(patches, 3, 2, 2, generator=gen), "image_grid_thw": grid}
+    return {
+        "input_ids": torch.randint(0, 100, (samples, 7), generator=gen),
+        "attention_mask": torch.ones(samples, 7),
+        "pixel_values": torch.randn(patches, 3, 2, 2, generator=gen),
+        "image_grid_thw": grid,
+    }
 
 
 def concat(chunks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -57,19 +67,21 @@ def test_image_count_mismatch_is_a_clear_error() -> None:
         split_vlm_inputs(batch, 2, images_per_sample=[1, 2, 1])
 
 
-T = {"input_ids": torch.zeros(2, 3), "attention_mask": torch.ones(2, 3)}
-I = {"pixel_values": torch.randn(6, 4), "image_grid_thw": torch.tensor([[1, 1, 3], [1, 3, 1]])}
+TXT = {"input_ids": torch.zeros(2, 3), "attention_mask": torch.ones(2, 3)}
+IMG = {"pixel_values": torch.randn(6, 4), "image_grid_thw": torch.tensor([[1, 1, 3], [1, 3, 1]])}
 
 
 def prefixed(prefix: str, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {f"{prefix}_{k}": v.clone() + (1 if prefix == "pos" else 2 if prefix == "neg" else 0) for k, v in fields.items()}
+    return {
+        f"{prefix}_{k}": v.clone() + (1 if prefix == "pos" else 2 if prefix == "neg" else 0) for k, v in fields.items()
+    }
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-KINDS = {"text": T, "image": I, "multi": {**T, **I}}
+KINDS = {"text": TXT, "image": IMG, "multi": {**TXT, **IMG}}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -78,7 +90,7 @@ def test_unpack_prefixed_keys(mode: str) -> None:
     batch = {**prefixed("query", KINDS[qk]), **prefixed("pos", KINDS[pk]), **prefixed("neg", KINDS[pk])}
     batch.update({"input_ids": torch.full((2, 3), 99.0), "pixel_values": torch.full((6, 4), 99.0)})  # legacy decoys
     q, p, n = unpack_batch(batch, mode)
-    strip = lambda d, pre: {k[len(pre) + 1:]: v for k, v in d.items() if k.startswith(pre + "_")}  # noqa: E731
+    strip = lambda d, pre: {k[len(pre) + 1 :]: v for k, v in d.items() if k.startswith(pre + "_")}  # noqa: E731
     assert same(q, strip(batch, "query")) and same(p, strip(batch, "pos")) and same(n, strip(batch, "neg"))
 
 
@@ -89,21 +101,30 @@ def test_unpack_legacy_aliases(mode: str) -> None:
     # legacy text keys serve the query; legacy image keys serve the image positive, else the query
     for side, kind in (("query", qk), ("pos", pk)):
         for field, value in KINDS[kind].items():
-            legacy_ok = (field in T and side == "query") or (field in I and (side == "pos") == (pk == "image"))
+            legacy_ok = (field in TXT and side == "query") or (field in IMG and (side == "pos") == (pk == "image"))
             batch[field if legacy_ok and field not in batch else f"{side}_{field}"] = value.clone()
     q, p, n = unpack_batch(batch, mode)
-    assert n is None and q.keys() >= set(KINDS[qk]) - {"attention_mask"} and p.keys() >= set(KINDS[pk]) - {"attention_mask"}
+    assert (
+        n is None
+        and q.keys() >= set(KINDS[qk]) - {"attention_mask"}
+        and p.keys() >= set(KINDS[pk]) - {"attention_mask"}
+    )
     for side_dict, kind in ((q, qk), (p, pk)):
         for field, value in KINDS[kind].items():
             assert torch.equal(side_dict[field], value)
 
 
 def test_unpack_never_truth_tests_tensors_and_names_missing_keys() -> None:
-    batch = {"query_input_ids": torch.zeros(2, 3), "pixel_values": torch.randn(6, 4), "image_grid_thw": torch.ones(2, 3)}
+    batch = {
+        "query_input_ids": torch.zeros(2, 3),
+        "pixel_values": torch.randn(6, 4),
+        "image_grid_thw": torch.ones(2, 3),
+    }
     q, p, _ = unpack_batch(batch, "t2i")  # a multi-element tensor in an `or` would raise here
     assert torch.equal(p["pixel_values"], batch["pixel_values"])
-    with pytest.raises(BatchError,
-                       match=r"mode 't2t': the pos side needs input_ids; none of the keys \['pos_input_ids'\]"):
+    with pytest.raises(
+        BatchError, match=r"mode 't2t': the pos side needs input_ids; none of the keys \['pos_input_ids'\]"
+    ):
         unpack_batch(batch, "t2t")
     with pytest.raises(BatchError, match="retrieval mode 'x2y': choose one of t2i, i2i, t2t, i2t, m2i"):
         unpack_batch(batch, "x2y")

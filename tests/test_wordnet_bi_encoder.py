@@ -32,7 +32,9 @@ def test_bundle_split_is_held_out_with_unique_lemmas() -> None:
 
 
 def test_dataset_and_tokenizer_pairing_errors(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="data.dataset='wordnet' is text-to-text and needs a model family with a tokenizer"):
+    with pytest.raises(
+        DataError, match="data.dataset='wordnet' is text-to-text and needs a model family with a tokenizer"
+    ):
         build_dataset("wordnet", "test")
     with pytest.raises(DataError, match="data.dataset='fashion_mnist' is image-text"):
         build_dataset("fashion_mnist", "test", tokenizer=object())
@@ -48,11 +50,22 @@ def test_bi_encoder_params_shapes_and_gradcache_with_real_dropout(tmp_path: Path
     from titan_contrastive.train import Trainer
 
     def make(name: str, *extra: str) -> Trainer:
-        return Trainer(parse_args([
-            "--model.name=bi_encoder", "--model.flavor=minilm_l6", "--data.dataset=wordnet", "--training.dtype=float64", "--training.max_norm=0",
-            "--training.local_batch_size=6", "--data.context_length=24", "--metrics.enable_tensorboard=false",
-            f"--job.dump_folder={tmp_path / name}", *extra,
-        ]))
+        return Trainer(
+            parse_args(
+                [
+                    "--model.name=bi_encoder",
+                    "--model.flavor=minilm_l6",
+                    "--data.dataset=wordnet",
+                    "--training.dtype=float64",
+                    "--training.max_norm=0",
+                    "--training.local_batch_size=6",
+                    "--data.context_length=24",
+                    "--metrics.enable_tensorboard=false",
+                    f"--job.dump_folder={tmp_path / name}",
+                    *extra,
+                ]
+            )
+        )
 
     cached = make("cached", "--gradcache.enabled=true", "--gradcache.chunk_sizes=4")
     model = cached.model

@@ -11,7 +11,8 @@ or plain model, a config dict with the seed's keys, one optimizer step, the glob
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,8 +43,9 @@ def _positive_int(config: Mapping[str, Any], key: str) -> int:
     return value
 
 
-def distributed_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, local_x: Tensor, local_y: Tensor,
-                           config: Mapping[str, Any]) -> float:
+def distributed_train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, local_x: Tensor, local_y: Tensor, config: Mapping[str, Any]
+) -> float:
     """One optimizer step of the exact global contrastive loss; returns the global loss on every rank.
 
     model: DDP-wrapped, FSDP2 (`fully_shard`), or plain on a single process; `forward(x, y)`
@@ -58,34 +60,53 @@ def distributed_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, l
     """
     missing = [k for k in _KEYS if k not in config]
     if missing:
-        raise DistributedClipError(f"config lacks {', '.join(missing)}; it needs {', '.join(_KEYS)} (TAU=None learns logit_scale)")
+        raise DistributedClipError(
+            f"config lacks {', '.join(missing)}; it needs {', '.join(_KEYS)} (TAU=None learns logit_scale)"
+        )
     n, micro = _positive_int(config, "GLOBAL_BATCH_SIZE"), _positive_int(config, "MICRO_BATCH_SIZE")
     chunk = _positive_int(config, "STREAM_CHUNK_SIZE")
     world = dist.get_world_size() if dist.is_initialized() else 1
     wrapped = isinstance(model, (nn.parallel.DistributedDataParallel, FSDPModule))
     if world > 1 and not wrapped:
-        raise DistributedClipError(f"model is not DDP- or FSDP2-wrapped but WORLD_SIZE={world}: wrap it, or its gradients are never reduced")
+        raise DistributedClipError(
+            f"model is not DDP- or FSDP2-wrapped but WORLD_SIZE={world}: wrap it, or its gradients are never reduced"
+        )
     if n % world:
-        raise DistributedClipError(f"GLOBAL_BATCH_SIZE={n} is not divisible by WORLD_SIZE={world}; use a multiple of {world}")
+        raise DistributedClipError(
+            f"GLOBAL_BATCH_SIZE={n} is not divisible by WORLD_SIZE={world}; use a multiple of {world}"
+        )
     if len(local_x) != len(local_y):
-        raise DistributedClipError(f"local_x has {len(local_x)} samples but local_y has {len(local_y)}; they must be pairs")
+        raise DistributedClipError(
+            f"local_x has {len(local_x)} samples but local_y has {len(local_y)}; they must be pairs"
+        )
     if len(local_x) != n // world:
-        raise DistributedClipError(f"local batch is {len(local_x)} but GLOBAL_BATCH_SIZE / WORLD_SIZE = {n} / {world} = {n // world}; pass each rank its N/P samples")
+        raise DistributedClipError(
+            f"local batch is {len(local_x)} but GLOBAL_BATCH_SIZE / WORLD_SIZE = {n} / {world} = {n // world}; pass "
+            "each rank its N/P samples"
+        )
     tau = config["TAU"]
     if tau is not None and not (_is_number(tau) and 0 < tau < math.inf):
-        raise DistributedClipError(f"config['TAU']={tau!r}: must be a finite number > 0 (e.g. 0.07), or None to learn logit_scale")
+        raise DistributedClipError(
+            f"config['TAU']={tau!r}: must be a finite number > 0 (e.g. 0.07), or None to learn logit_scale"
+        )
     loss_name = config.get("LOSS", "clip")
     if loss_name not in ("clip", "siglip"):
         raise DistributedClipError(f"LOSS={loss_name!r}: choose clip (softmax, InfoNCE) or siglip (sigmoid)")
     fixed_bias = config.get("BIAS")
     if fixed_bias is not None and not (_is_number(fixed_bias) and math.isfinite(fixed_bias)):
-        raise DistributedClipError(f"config['BIAS']={fixed_bias!r}: must be a finite number (e.g. -10), or None to learn logit_bias")
+        raise DistributedClipError(
+            f"config['BIAS']={fixed_bias!r}: must be a finite number (e.g. -10), or None to learn logit_bias"
+        )
     if loss_name != "siglip" and fixed_bias is not None:
-        raise DistributedClipError(f"config['BIAS']={fixed_bias!r} is for LOSS='siglip'; LOSS={loss_name!r} has no bias")
+        raise DistributedClipError(
+            f"config['BIAS']={fixed_bias!r} is for LOSS='siglip'; LOSS={loss_name!r} has no bias"
+        )
     max_scale = config.get("MAX_LOGIT_SCALE")
     if max_scale is not None and not (_is_number(max_scale) and 0 < max_scale < math.inf):
-        raise DistributedClipError(f"config['MAX_LOGIT_SCALE']={max_scale!r}: must be a finite number > 0 (the largest temperature "
-                                   "t = 1/TAU, e.g. 100 as in CLIP), or None for no clamp")
+        raise DistributedClipError(
+            f"config['MAX_LOGIT_SCALE']={max_scale!r}: must be a finite number > 0 (the largest temperature "
+            "t = 1/TAU, e.g. 100 as in CLIP), or None for no clamp"
+        )
     kernel = config.get("KERNEL", "auto")
     try:
         require_kernel(kernel)
@@ -112,9 +133,15 @@ def distributed_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, l
             scale = scale.clamp(max=max_scale)
         return zx, zy, scale, bias
 
-    step = StreamingClipStep(stream_chunk_size=chunk, group=dist.group.WORLD if world > 1 else None,
-                             grad_average_factor=world if wrapped else 1, fixed_scale=None if tau is None else 1.0 / tau,
-                             kernel=kernel, loss=loss_name, fixed_bias=None if fixed_bias is None else float(fixed_bias))
+    step = StreamingClipStep(
+        stream_chunk_size=chunk,
+        group=dist.group.WORLD if world > 1 else None,
+        grad_average_factor=world if wrapped else 1,
+        fixed_scale=None if tau is None else 1.0 / tau,
+        kernel=kernel,
+        loss=loss_name,
+        fixed_bias=None if fixed_bias is None else float(fixed_bias),
+    )
     microbatches = [(local_x[i : i + micro], local_y[i : i + micro]) for i in range(0, len(local_x), micro)]
     optimizer.zero_grad(set_to_none=True)
     # DDP reduces after the last microbatch only; FSDP2 reduce-scatters every one (its memory saving)

@@ -1,4 +1,5 @@
-"""`python -m titan_contrastive.export SRC --to hf|open_clip|sentence-transformers --out DIR`: checkpoints for the ecosystem.
+"""`python -m titan_contrastive.export SRC --to hf|open_clip|sentence-transformers --out DIR`:
+checkpoints for the ecosystem.
 
 `--to hf` (clip family): SRC is anything `[model] init_from` reads (`interop.detect_format`): one
 of our step-N folders (FSDP shards are consolidated by DCP on load), a Hugging Face CLIP folder
@@ -106,7 +107,9 @@ def check_out(out: Path, src: str | Path, overwrite: bool) -> Path:
     doc); reads only names and the marker, never weights."""
     out = Path(out).expanduser()
     if out.is_symlink():
-        _refuse(f"--out {out} is a symbolic link; give the folder itself (export replaces it, never what a link points to)")
+        _refuse(
+            f"--out {out} is a symbolic link; give the folder itself (export replaces it, never what a link points to)"
+        )
     target, source, cwd = out.resolve(), Path(src).expanduser().resolve(), Path.cwd().resolve()
     if target == source or target in source.parents:
         _refuse(f"--out {out} is the source {src} or holds it; export never replaces its source: choose a new folder")
@@ -120,13 +123,17 @@ def check_out(out: Path, src: str | Path, overwrite: bool) -> Path:
         return target
     found = _run_data(target)
     if found:
-        _refuse(f"--out {out} holds {found}: a run or checkpoint folder, which export never replaces (not even with --overwrite); "
-                "choose a new folder")
+        _refuse(
+            f"--out {out} holds {found}: a run or checkpoint folder, which export never replaces (not even with "
+            "--overwrite); choose a new folder"
+        )
     marker = target / MARKER
     if not marker.is_file():
         if overwrite:
-            _refuse(f"--out {out} holds files this exporter did not write (no {MARKER}); --overwrite replaces only a previous "
-                    "export: choose a new or empty folder")
+            _refuse(
+                f"--out {out} holds files this exporter did not write (no {MARKER}); --overwrite replaces only a "
+                "previous export: choose a new or empty folder"
+            )
         _refuse(f"--out {out} is not empty; choose a new or empty folder (or --overwrite to replace a previous export)")
     if not overwrite:
         _refuse(f"--out {out} holds a previous export; pass --overwrite to replace it, or choose a new folder")
@@ -136,8 +143,11 @@ def check_out(out: Path, src: str | Path, overwrite: bool) -> Path:
         _refuse(f"--out {out}: {MARKER} is unreadable, so what the folder holds is unknown; choose a new folder")
     extra = [f for f in _files(target) if f not in listed]
     if extra:
-        _refuse(f"--out {out} holds {extra[0]}{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}, which the previous "
-                "export did not write; --overwrite replaces only an export's own files: move them or choose a new folder")
+        _refuse(
+            f"--out {out} holds {extra[0]}{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}, which the "
+            "previous "
+            "export did not write; --overwrite replaces only an export's own files: move them or choose a new folder"
+        )
     return target
 
 
@@ -157,7 +167,9 @@ def _install(tmp: Path, target: Path) -> None:
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
         if aside.exists():
-            print(f"warning: the previous export, set aside at {aside}, could not be removed completely", file=sys.stderr)
+            print(
+                f"warning: the previous export, set aside at {aside}, could not be removed completely", file=sys.stderr
+            )
 
 
 def export(src: str, out: Path, to: str, *, tower: str = "query", overwrite: bool = False) -> Path:
@@ -172,7 +184,9 @@ def export(src: str, out: Path, to: str, *, tower: str = "query", overwrite: boo
     try:
         WRITERS[to](src, tmp, tower)
         files = _files(tmp)
-        (tmp / MARKER).write_text(json.dumps({"format": to, "source": str(Path(src).expanduser().resolve()), "files": files}, indent=1))
+        (tmp / MARKER).write_text(
+            json.dumps({"format": to, "source": str(Path(src).expanduser().resolve()), "files": files}, indent=1)
+        )
         check_out(out, src, overwrite)  # again: nothing appeared in `out` while this ran
         _install(tmp, target)
     except BaseException:
@@ -195,12 +209,16 @@ def _compare(to: str, tower: str, want: Any, got: Any, library: str) -> None:
 
     got = torch.as_tensor(got, dtype=torch.float32)
     if got.shape != want.shape:
-        _refuse(f"--to {to}: {library} gives {tower} embeddings of shape {tuple(got.shape)}, the source {tuple(want.shape)}; "
-                "the export would change the model, so nothing was written")
+        _refuse(
+            f"--to {to}: {library} gives {tower} embeddings of shape {tuple(got.shape)}, the source "
+            f"{tuple(want.shape)}; the export would change the model, so nothing was written"
+        )
     diff = (got - want).abs().max().item()
     if not diff <= TOLERANCE:  # NaN too
-        _refuse(f"--to {to}: reloaded with {library}, the {tower} embeddings differ from the source's by up to {diff:.3g} "
-                f"(tolerance {TOLERANCE:g}); the export would change the model, so nothing was written")
+        _refuse(
+            f"--to {to}: reloaded with {library}, the {tower} embeddings differ from the source's by up to {diff:.3g} "
+            f"(tolerance {TOLERANCE:g}); the export would change the model, so nothing was written"
+        )
 
 
 def _reloaded(library: str, load: Callable[[], Any]) -> Any:
@@ -208,7 +226,9 @@ def _reloaded(library: str, load: Callable[[], Any]) -> Any:
         return load()
     except Exception as e:  # noqa: BLE001 - whatever the library raises: the folder it was given does not load
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        _refuse(f"the written folder does not load back with {library} ({type(e).__name__}: {first}); nothing was written")
+        _refuse(
+            f"the written folder does not load back with {library} ({type(e).__name__}: {first}); nothing was written"
+        )
 
 
 def probe_images(args: Any) -> Any:
@@ -239,7 +259,7 @@ def probe_ids(args: Any) -> Any:
     ids = torch.randint(0, vocab, (3, length), generator=g)
     for row, end in enumerate((min(1, length - 1), length // 2, length - 1)):
         ids[row, end] = args.eos_id if args.eos_id >= 0 else vocab - 1
-        ids[row, end + 1:] = 0
+        ids[row, end + 1 :] = 0
     return torch.cat([*rows, ids])
 
 
@@ -252,7 +272,9 @@ def _source_clip(args: Any, state: dict[str, Any], src: str) -> Any:
     return model.eval()
 
 
-def _check_clip(to: str, args: Any, ours: Any, library: str, image: Callable[[Any], Any], text: Callable[[Any], Any]) -> None:
+def _check_clip(
+    to: str, args: Any, ours: Any, library: str, image: Callable[[Any], Any], text: Callable[[Any], Any]
+) -> None:
     import torch
 
     images, ids = probe_images(args), probe_ids(args)
@@ -278,8 +300,11 @@ def write_hf_tokenizer(out: Path, context_length: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:  # transformers 4 reads files
         (Path(tmp) / "vocab.json").write_text(json.dumps(ids, ensure_ascii=False))
         (Path(tmp) / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
-        CLIPTokenizerFast(vocab_file=str(Path(tmp) / "vocab.json"), merges_file=str(Path(tmp) / "merges.txt"),
-                          model_max_length=context_length).save_pretrained(str(out))
+        CLIPTokenizerFast(
+            vocab_file=str(Path(tmp) / "vocab.json"),
+            merges_file=str(Path(tmp) / "merges.txt"),
+            model_max_length=context_length,
+        ).save_pretrained(str(out))
 
 
 def write_sentence_transformers(src: str, tmp: Path, tower: str = "query") -> None:
@@ -291,7 +316,9 @@ def write_sentence_transformers(src: str, tmp: Path, tower: str = "query") -> No
 
     family, args, model = read_ours(Path(src).expanduser())
     if family != "bi_encoder":
-        _refuse(f"{src}: a {family} checkpoint; --to sentence-transformers exports the bi_encoder family (clip: --to hf)")
+        _refuse(
+            f"{src}: a {family} checkpoint; --to sentence-transformers exports the bi_encoder family (clip: --to hf)"
+        )
     module = getattr(model.eval(), f"{tower}_tower")
     length = args.query_length if tower == "query" else args.doc_length
     with tempfile.TemporaryDirectory() as hf_dir:
@@ -303,7 +330,13 @@ def write_sentence_transformers(src: str, tmp: Path, tower: str = "query") -> No
     with torch.no_grad():
         want = model._embed(module, build_tokenizer(args).encode(PROBE_TEXTS, length), 0 if tower == "query" else 1)
     theirs = _reloaded("sentence-transformers", lambda: SentenceTransformer(str(tmp), device="cpu"))
-    _compare("sentence-transformers", tower, want, theirs.encode(PROBE_TEXTS, convert_to_tensor=True), "sentence-transformers")
+    _compare(
+        "sentence-transformers",
+        tower,
+        want,
+        theirs.encode(PROBE_TEXTS, convert_to_tensor=True),
+        "sentence-transformers",
+    )
 
 
 def write_open_clip(src: str, tmp: Path, tower: str = "") -> None:
@@ -322,10 +355,18 @@ def write_open_clip(src: str, tmp: Path, tower: str = "") -> None:
         theirs = _reloaded("this project's open_clip reader", lambda: load_clip(tmp))
         _check_clip("open_clip", args, ours, "this project's open_clip reader", theirs.encode_image, theirs.encode_text)
         return
-    model = _reloaded("open_clip", lambda: open_clip.create_model(f"local-dir:{tmp}", device="cpu").eval())  # the model, not transforms
-    rgb = (lambda x: x.expand(-1, 3, -1, -1)) if args.in_channels == 1 else (lambda x: x)  # a grayscale image as open_clip's RGB
-    _check_clip("open_clip", args, ours, "open_clip", lambda x: model.encode_image(rgb(x), normalize=True),
-                lambda ids: model.encode_text(ids, normalize=True))
+    # the model, not transforms
+    model = _reloaded("open_clip", lambda: open_clip.create_model(f"local-dir:{tmp}", device="cpu").eval())
+    # a grayscale image as open_clip's RGB
+    rgb = (lambda x: x.expand(-1, 3, -1, -1)) if args.in_channels == 1 else (lambda x: x)
+    _check_clip(
+        "open_clip",
+        args,
+        ours,
+        "open_clip",
+        lambda x: model.encode_image(rgb(x), normalize=True),
+        lambda ids: model.encode_text(ids, normalize=True),
+    )
 
 
 def write_hf(src: str, tmp: Path, tower: str = "") -> None:
@@ -336,7 +377,8 @@ def write_hf(src: str, tmp: Path, tower: str = "") -> None:
 
     args, state = read_checkpoint(src)
     model = CLIPModel(hf_config_from_args(args))
-    result = model.load_state_dict(to_hf_state_dict(state, args), strict=False)  # position_ids buffers are the model's own
+    # position_ids buffers are the model's own
+    result = model.load_state_dict(to_hf_state_dict(state, args), strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("position_ids")]
     if missing or result.unexpected_keys:
         _refuse(f"{src}: transformers' CLIPModel lacks {result.unexpected_keys[:3]} and wants {missing[:3]}")
@@ -350,26 +392,50 @@ def write_hf(src: str, tmp: Path, tower: str = "") -> None:
 
         return F.normalize(getattr(out, "pooler_output", out), dim=-1)
 
-    _check_clip("hf", args, _source_clip(args, state, src), "transformers", lambda x: features(theirs.get_image_features(pixel_values=x)),
-                lambda ids: features(theirs.get_text_features(input_ids=ids)))
+    _check_clip(
+        "hf",
+        args,
+        _source_clip(args, state, src),
+        "transformers",
+        lambda x: features(theirs.get_image_features(pixel_values=x)),
+        lambda ids: features(theirs.get_text_features(input_ids=ids)),
+    )
 
 
 WRITERS: dict[str, Callable[[str, Path, str], None]] = {
-    "hf": write_hf, "open_clip": write_open_clip, "sentence-transformers": write_sentence_transformers}
+    "hf": write_hf,
+    "open_clip": write_open_clip,
+    "sentence-transformers": write_sentence_transformers,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m titan_contrastive.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("src", help="one of our step-N checkpoint folders, a Hugging Face CLIP folder or an open_clip checkpoint")
-    parser.add_argument("--to", choices=FORMATS, required=True,
-                        help="hf: a transformers CLIPModel folder, open_clip: open_clip's folder layout (clip); "
-                             "sentence-transformers: a SentenceTransformer folder (bi_encoder)")
-    parser.add_argument("--out", type=Path, required=True,
-                        help="folder to write: new or empty (a previous export with --overwrite); written under a temporary "
-                             "name, checked by reloading, then renamed")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace --out when it is a previous export of this tool (never another folder)")
-    parser.add_argument("--tower", choices=("query", "doc"), default="query", help="sentence-transformers: which tower (default: query)")
+    parser.add_argument(
+        "src", help="one of our step-N checkpoint folders, a Hugging Face CLIP folder or an open_clip checkpoint"
+    )
+    parser.add_argument(
+        "--to",
+        choices=FORMATS,
+        required=True,
+        help="hf: a transformers CLIPModel folder, open_clip: open_clip's folder layout (clip); "
+        "sentence-transformers: a SentenceTransformer folder (bi_encoder)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="folder to write: new or empty (a previous export with --overwrite); written under a temporary "
+        "name, checked by reloading, then renamed",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace --out when it is a previous export of this tool (never another folder)",
+    )
+    parser.add_argument(
+        "--tower", choices=("query", "doc"), default="query", help="sentence-transformers: which tower (default: query)"
+    )
     args = parser.parse_args(argv)
     try:
         export(args.src, args.out, args.to, tower=args.tower, overwrite=args.overwrite)

@@ -18,5 +18,17 @@ from .inputs import BatchError, batch_size, split_inputs, take_chunks
 from .tokens import PaddedField, max_over_ranks, padded_fields, right_trimmed, token_chunks, trim_padding
 from .vlm import IMAGE_FIELDS, split_vlm_inputs
 
-__all__ = ["IMAGE_FIELDS", "BatchError", "PaddedField", "batch_size", "max_over_ranks", "padded_fields",
-           "right_trimmed", "split_inputs", "split_vlm_inputs", "take_chunks", "token_chunks", "trim_padding"]
+__all__ = [
+    "IMAGE_FIELDS",
+    "BatchError",
+    "PaddedField",
+    "batch_size",
+    "max_over_ranks",
+    "padded_fields",
+    "right_trimmed",
+    "split_inputs",
+    "split_vlm_inputs",
+    "take_chunks",
+    "token_chunks",
+    "trim_padding",
+]

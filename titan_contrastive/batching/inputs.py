@@ -27,8 +27,7 @@ def _tensors(model_input: Any, prefix: str = "input") -> dict[str, Tensor]:
     if isinstance(model_input, Tensor):
         return {prefix: model_input}
     if isinstance(model_input, Mapping):
-        return {k: v for key, value in model_input.items()
-                for k, v in _tensors(value, f"{prefix}[{key!r}]").items()}
+        return {k: v for key, value in model_input.items() for k, v in _tensors(value, f"{prefix}[{key!r}]").items()}
     if isinstance(model_input, (list, tuple)):
         return {k: v for i, value in enumerate(model_input) for k, v in _tensors(value, f"{prefix}[{i}]").items()}
     return {}
@@ -38,13 +37,16 @@ def batch_size(model_input: Any, what: str = "input") -> int:
     """The shared dim-0 size of every tensor in `model_input`; an error when they disagree."""
     tensors = _tensors(model_input, what)
     if not tensors:
-        raise BatchError(f"{what} holds no tensor (got {type(model_input).__name__}); "
-                         "pass a Tensor, a dict or a list/tuple of tensors")
+        raise BatchError(
+            f"{what} holds no tensor (got {type(model_input).__name__}); "
+            "pass a Tensor, a dict or a list/tuple of tensors"
+        )
     sizes = {name: (t.shape[0] if t.dim() else None) for name, t in tensors.items()}
     if len(set(sizes.values())) != 1 or None in sizes.values():
         shown = ", ".join(f"{name}: {size}" for name, size in sizes.items())
-        raise BatchError(f"{what}: tensors disagree on the batch dimension ({shown}); "
-                         "every tensor needs the same dim-0 size")
+        raise BatchError(
+            f"{what}: tensors disagree on the batch dimension ({shown}); every tensor needs the same dim-0 size"
+        )
     return next(iter(sizes.values()))
 
 

@@ -76,8 +76,9 @@ def padded_fields(model_input: Any, pad_ids: Mapping[str, int] | None = None) ->
     mask = model_input.get("attention_mask")
     if isinstance(mask, Tensor) and mask.dim() == 2:
         rows, width = mask.shape
-        keys = tuple(k for k, v in model_input.items()
-                     if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[:2] == (rows, width))
+        keys = tuple(
+            k for k, v in model_input.items() if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[:2] == (rows, width)
+        )
         fields.append(PaddedField(keys, width, _lengths(mask != 0)))
         taken.update(keys)
     for key, pad in (pad_ids or {}).items():
@@ -107,8 +108,14 @@ def trim_padding(model_input: Any, pad_ids: Mapping[str, int] | None = None) -> 
     return {k: v[:, : cuts[k]] if k in cuts else v for k, v in model_input.items()}
 
 
-def token_chunks(model_input: Any, chunk_tokens: int, pad_ids: Mapping[str, int] | None = None, *,
-                 group: dist.ProcessGroup | None = None, what: str = "input") -> tuple[Tensor, list[int]]:
+def token_chunks(
+    model_input: Any,
+    chunk_tokens: int,
+    pad_ids: Mapping[str, int] | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    what: str = "input",
+) -> tuple[Tensor, list[int]]:
     """(order, sizes): the samples of `model_input`, longest first (ties in batch order), and
     consecutive chunk sizes over that order; each chunk as many samples as fit `chunk_tokens`
     (samples x the chunk's longest sequence, summed over the padded fields; at least one sample).
@@ -123,8 +130,10 @@ def token_chunks(model_input: Any, chunk_tokens: int, pad_ids: Mapping[str, int]
     fields = padded_fields(model_input, pad_ids)
     if not fields:
         keys = list(model_input) if isinstance(model_input, Mapping) else type(model_input).__name__
-        raise BatchError(f"{what} has no padded token field ({keys}); a token budget needs an attention_mask or "
-                             f"pad_ids naming its right-padded token ids (now {dict(pad_ids or {})})")
+        raise BatchError(
+            f"{what} has no padded token field ({keys}); a token budget needs an attention_mask or "
+            f"pad_ids naming its right-padded token ids (now {dict(pad_ids or {})})"
+        )
     lengths = torch.stack([f.lengths for f in fields], dim=1).cpu()  # [B, fields]
     order = torch.sort(lengths.sum(1), descending=True, stable=True).indices
     rows = lengths[order].tolist()
@@ -143,7 +152,9 @@ def token_chunks(model_input: Any, chunk_tokens: int, pad_ids: Mapping[str, int]
     while len(sizes) < most:  # a sub-chunk of a chunk is under budget too
         i = max(range(len(sizes)), key=sizes.__getitem__)
         if sizes[i] < 2:
-            raise BatchError(f"{what}: {len(rows)} samples cannot make the {most} chunks another rank runs; "
-                                 "give every rank the same number of samples")
+            raise BatchError(
+                f"{what}: {len(rows)} samples cannot make the {most} chunks another rank runs; "
+                "give every rank the same number of samples"
+            )
         sizes[i : i + 1] = [sizes[i] - sizes[i] // 2, sizes[i] // 2]
     return order, sizes

@@ -24,8 +24,9 @@ IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
 """The entries of a packed image batch: the patches and each image's (t, h, w) grid."""
 
 
-def split_vlm_inputs(inputs: Any, chunk_size: int,
-                     images_per_sample: Sequence[int] | Tensor | None = None) -> list[Any]:
+def split_vlm_inputs(
+    inputs: Any, chunk_size: int, images_per_sample: Sequence[int] | Tensor | None = None
+) -> list[Any]:
     """Chunks of `chunk_size` samples; packed `pixel_values` split by `image_grid_thw` patch counts.
 
     Without both `pixel_values` and `image_grid_thw` (text only, CLIP-style [B, C, H, W] images, a
@@ -41,8 +42,10 @@ def split_vlm_inputs(inputs: Any, chunk_size: int,
     pixels: Tensor = inputs["pixel_values"]
     patches = grid.long().prod(dim=1)  # t*h*w per image
     if int(patches.sum()) != pixels.shape[0]:
-        raise BatchError(f"image_grid_thw gives {int(patches.sum())} patches (sum of t*h*w) "
-                         f"but pixel_values has {pixels.shape[0]} rows")
+        raise BatchError(
+            f"image_grid_thw gives {int(patches.sum())} patches (sum of t*h*w) "
+            f"but pixel_values has {pixels.shape[0]} rows"
+        )
     ids = inputs.get("input_ids")
     if ids is not None:
         samples = ids.shape[0]
@@ -53,18 +56,23 @@ def split_vlm_inputs(inputs: Any, chunk_size: int,
         raise BatchError(
             f"{len(grid)} images (image_grid_thw rows) for {samples} samples: pass images_per_sample "
             f"(one count per sample, summing to {len(grid)}) when samples do not have exactly one image each"
-            if images_per_sample is None else
-            f"images_per_sample has {len(counts)} entries summing to {int(counts.sum())}; "
+            if images_per_sample is None
+            else f"images_per_sample has {len(counts)} entries summing to {int(counts.sum())}; "
             f"need {samples} entries summing to {len(grid)}"
         )
     image_end = torch.cumsum(counts, 0)  # images of samples [0, s) are grid rows [0, image_end[s-1])
     patch_end = torch.cumsum(patches, 0)
-    batch_keys = {k for k, v in inputs.items()
-                  if isinstance(v, Tensor) and k not in IMAGE_FIELDS and v.dim() and v.shape[0] == samples}
+    batch_keys = {
+        k
+        for k, v in inputs.items()
+        if isinstance(v, Tensor) and k not in IMAGE_FIELDS and v.dim() and v.shape[0] == samples
+    }
     odd = [k for k, v in inputs.items() if isinstance(v, Tensor) and k not in IMAGE_FIELDS and k not in batch_keys]
     if odd:
-        raise BatchError(f"tensors {odd} have no batch dimension of {samples} samples; "
-                         "only pixel_values and image_grid_thw may be packed")
+        raise BatchError(
+            f"tensors {odd} have no batch dimension of {samples} samples; "
+            "only pixel_values and image_grid_thw may be packed"
+        )
     chunks = []
     for start in range(0, samples, chunk_size):
         stop = min(start + chunk_size, samples)

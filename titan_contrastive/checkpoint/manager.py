@@ -52,8 +52,9 @@ import signal
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -142,9 +143,19 @@ class CheckpointManager:
     Assumes a filesystem shared by all ranks, as DCP's FileSystemWriter does.
     """
 
-    def __init__(self, cfg: CheckpointConfig, *, dump_folder: str, states: dict[str, Stateful],
-                 per_rank_states: dict[str, Stateful], rank: int, dp_rank: int, dp_degree: int,
-                 model_info: dict[str, Any] | None = None, run_config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        *,
+        dump_folder: str,
+        states: dict[str, Stateful],
+        per_rank_states: dict[str, Stateful],
+        rank: int,
+        dp_rank: int,
+        dp_degree: int,
+        model_info: dict[str, Any] | None = None,
+        run_config: dict[str, Any] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.model_info = model_info  # {"family", "args"}: what `interop.read_checkpoint` rebuilds the model from
         self.run_config = run_config  # {section: {key: value}}: what a resume compares its config with
@@ -166,13 +177,21 @@ class CheckpointManager:
         if free < estimated_bytes:
             raise CheckpointError(
                 f"checkpoint.folder={self.folder}: {format_bytes(free)} free, a checkpoint of this run needs about "
-                f"{format_bytes(estimated_bytes)}; free space there or set checkpoint.folder (or job.dump_folder) elsewhere")
+                f"{format_bytes(estimated_bytes)}; free space there or set checkpoint.folder (or job.dump_folder) "
+                "elsewhere"
+            )
         kept = self.cfg.keep_latest_k + 1 if self.cfg.keep_latest_k else 0
         if self.rank == 0:
-            logger.info(f"checkpoints: about {format_bytes(estimated_bytes)} each in {self.folder} ({format_bytes(free)} free)")
+            logger.info(
+                f"checkpoints: about {format_bytes(estimated_bytes)} each in {self.folder} ({format_bytes(free)} free)"
+            )
             if kept and free < kept * estimated_bytes:
-                logger.warning(f"checkpoint.folder={self.folder}: {format_bytes(free)} free holds fewer than the {kept} checkpoints "
-                               f"that exist during a save with keep_latest_k={self.cfg.keep_latest_k}; a later save may run out of space")
+                logger.warning(
+                    f"checkpoint.folder={self.folder}: {format_bytes(free)} free holds fewer than the {kept} "
+                    "checkpoints "
+                    f"that exist during a save with keep_latest_k={self.cfg.keep_latest_k}; a later save may run out "
+                    "of space"
+                )
 
     def maybe_save(self, step: int, *, last_step: bool = False, protect_before: int | None = None) -> bool:
         """Save when enabled and `step` is on the interval or the last one; return whether it saved."""
@@ -195,8 +214,10 @@ class CheckpointManager:
             if out_of_space:
                 raise CheckpointError(
                     f"saving checkpoint step-{step} failed: no space left on device in {self.folder} "
-                    f"({format_bytes(free_bytes(self.folder))} free after removing the partial save); free space, lower "
-                    "checkpoint.keep_latest_k or set checkpoint.folder elsewhere, then resume from the last checkpoint") from exc
+                    f"({format_bytes(free_bytes(self.folder))} free after removing the partial save); free space, "
+                    "lower "
+                    "checkpoint.keep_latest_k or set checkpoint.folder elsewhere, then resume from the last checkpoint"
+                ) from exc
             raise
         if self.rank == 0 and os.environ.get(FAULT_ENV, "") == f"kill_during_save@{step}":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -222,7 +243,13 @@ class CheckpointManager:
             return None
         step, manifest, changes = chosen
         path = self.folder / f"step-{step}"
-        reader.load(self._dcp_state(), path, manifest, what=f"loading checkpoint step-{step} ({path})", distributed=self._distributed())
+        reader.load(
+            self._dcp_state(),
+            path,
+            manifest,
+            what=f"loading checkpoint step-{step} ({path})",
+            distributed=self._distributed(),
+        )
         if self.rank == 0:
             logger.info(f"resumed from checkpoint step-{step} ({path})")
             if "config" not in manifest:
@@ -234,7 +261,11 @@ class CheckpointManager:
     def resume_hint(self, before_step: int | None) -> str:
         """'; that is checkpoint step-N (...)': the newest checkpoint older than `before_step`, if any."""
         older = [s for s in self.available_steps() if before_step is not None and s < before_step]
-        return f"; that is checkpoint step-{older[-1]} (--checkpoint.load_step={older[-1]})" if self.cfg.enable and older else ""
+        return (
+            f"; that is checkpoint step-{older[-1]} (--checkpoint.load_step={older[-1]})"
+            if self.cfg.enable and older
+            else ""
+        )
 
     def available_steps(self) -> list[int]:
         """Steps of the complete (renamed) checkpoints, sorted; `load` still validates them."""
@@ -248,12 +279,19 @@ class CheckpointManager:
         tmp.mkdir(parents=True)
 
     def _finalize(self, step: int, tmp: Path, final: Path, protect_before: int | None) -> None:
-        files = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-                 for p in sorted(tmp.rglob("*")) if p.is_file()}
-        manifest = {"step": step, "dp_degree": self.dp_degree,
-                    "world_size": dist.get_world_size() if self._distributed() else 1, "files": files,
-                    **({"model": self.model_info} if self.model_info else {}),
-                    **({"config": self.run_config} if self.run_config else {})}
+        files = {
+            p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(tmp.rglob("*"))
+            if p.is_file()
+        }
+        manifest = {
+            "step": step,
+            "dp_degree": self.dp_degree,
+            "world_size": dist.get_world_size() if self._distributed() else 1,
+            "files": files,
+            **({"model": self.model_info} if self.model_info else {}),
+            **({"config": self.run_config} if self.run_config else {}),
+        }
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -268,9 +306,11 @@ class CheckpointManager:
         if self.cfg.keep_latest_k > 0:
             steps = self.available_steps()
             spared = max((s for s in steps if protect_before is not None and s < protect_before), default=None)
-            for old in steps[:-self.cfg.keep_latest_k]:
+            for old in steps[: -self.cfg.keep_latest_k]:
                 if old == spared:
-                    logger.info(f"keeping checkpoint step-{old} beyond keep_latest_k: the last one before the non-finite steps")
+                    logger.info(
+                        f"keeping checkpoint step-{old} beyond keep_latest_k: the last one before the non-finite steps"
+                    )
                 else:
                     shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
 
@@ -300,10 +340,14 @@ class CheckpointManager:
         wanted = self.cfg.load_step
         if wanted >= 0:
             if wanted not in steps:
-                raise CheckpointError(f"checkpoint.load_step={wanted} not found in {self.folder}; available steps: {steps}")
+                raise CheckpointError(
+                    f"checkpoint.load_step={wanted} not found in {self.folder}; available steps: {steps}"
+                )
             manifest, problem = self._validate(wanted)
             if manifest is None:
-                raise CheckpointError(f"checkpoint step-{wanted} ({self.folder / f'step-{wanted}'}) is corrupt: {problem}")
+                raise CheckpointError(
+                    f"checkpoint step-{wanted} ({self.folder / f'step-{wanted}'}) is corrupt: {problem}"
+                )
             changes = self._compatible(wanted, manifest)
             self._set_aside([s for s in steps if s > wanted], wanted)
             return wanted, manifest, changes
@@ -329,9 +373,11 @@ class CheckpointManager:
         for step in newer:
             os.replace(self.folder / f"step-{step}", aside / f"step-{step}")
         _fsync_dir(self.folder)
-        logger.warning(f"checkpoint.load_step={wanted} rewinds the run: the newer checkpoints "
-                       f"{', '.join(f'step-{s}' for s in newer)} were moved to {aside} (not deleted), so later "
-                       "resumes continue from here; move them back to return to that history")
+        logger.warning(
+            f"checkpoint.load_step={wanted} rewinds the run: the newer checkpoints "
+            f"{', '.join(f'step-{s}' for s in newer)} were moved to {aside} (not deleted), so later "
+            "resumes continue from here; move them back to return to that history"
+        )
 
     def _validate(self, step: int) -> tuple[dict[str, Any] | None, str]:
         """(manifest, "") for a checkpoint that matches its manifest, else (None, what is wrong)."""

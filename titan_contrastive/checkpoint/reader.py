@@ -52,8 +52,20 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-__all__ = ["MANIFEST", "METADATA", "CheckpointError", "RestrictedUnpickler", "SafeFileSystemReader", "SafeLoadPlanner", "describe",
-           "load", "sha256", "unpickle_state", "validate", "verify"]
+__all__ = [
+    "MANIFEST",
+    "METADATA",
+    "CheckpointError",
+    "RestrictedUnpickler",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "describe",
+    "load",
+    "sha256",
+    "unpickle_state",
+    "validate",
+    "verify",
+]
 
 logger = logging.getLogger("titan_contrastive")
 
@@ -96,9 +108,19 @@ def _load_storage(data: bytes) -> Any:
 # What DCP's `.metadata` names: its dataclasses, the entry of each stored piece (`_StorageInfo`),
 # tensor sizes, dtypes and layouts, and the path it was saved to (`StorageMeta.checkpoint_id`).
 METADATA_GLOBALS: dict[str, Any] = {
-    **{f"torch.distributed.checkpoint.metadata.{name}": getattr(dcp_metadata, name)
-       for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-                    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
+    **{
+        f"torch.distributed.checkpoint.metadata.{name}": getattr(dcp_metadata, name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    },
     "torch.distributed.checkpoint.filesystem._StorageInfo": dcp_filesystem._StorageInfo,
     "torch.Size": torch.Size,
     "torch.serialization._get_layout": torch.serialization._get_layout,
@@ -142,9 +164,13 @@ class RestrictedUnpickler(pickle.Unpickler):
 def _refused(what: str, exc: BaseException) -> CheckpointError:
     reason = str(exc) if isinstance(exc, pickle.UnpicklingError) else describe(exc)
     if "WeightsUnpickler error:" in reason:  # torch's weights-only message: keep its reason, not its advice
-        reason = reason.split("WeightsUnpickler error:", 1)[1].split("Check the documentation")[0].split(". Please use")[0]
-    return CheckpointError(f"{what}: refused to unpickle: {' '.join(reason.split())}; unpickling that could run code, which "
-                           "the checkpoints this project writes never need (the file was altered or written by something else)")
+        reason = (
+            reason.split("WeightsUnpickler error:", 1)[1].split("Check the documentation")[0].split(". Please use")[0]
+        )
+    return CheckpointError(
+        f"{what}: refused to unpickle: {' '.join(reason.split())}; unpickling that could run code, which "
+        "the checkpoints this project writes never need (the file was altered or written by something else)"
+    )
 
 
 def restricted_loads(data: bytes, allowed: Mapping[str, Any], what: str) -> Any:
@@ -189,10 +215,14 @@ class SafeFileSystemReader(FileSystemReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         for index, info in dict(self.storage_data).items():
-            if not isinstance(info, dcp_filesystem._StorageInfo) or (self.files is not None and info.relative_path not in self.files):
+            if not isinstance(info, dcp_filesystem._StorageInfo) or (
+                self.files is not None and info.relative_path not in self.files
+            ):
                 where = getattr(info, "relative_path", info)
-                raise CheckpointError(f"{self.path}/{METADATA}: stores {getattr(index, 'fqn', index)!r} in {where!r}, "
-                                      f"which {MANIFEST} does not list")
+                raise CheckpointError(
+                    f"{self.path}/{METADATA}: stores {getattr(index, 'fqn', index)!r} in {where!r}, "
+                    f"which {MANIFEST} does not list"
+                )
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -208,9 +238,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 continue
             if isinstance(entry, BytesStorageMetadata):
                 raise CheckpointError(f"checkpoint item {fqn!r} is a pickled object where a tensor is expected")
-            if isinstance(entry, TensorStorageMetadata) and value.is_floating_point() and not entry.properties.dtype.is_floating_point:
-                raise CheckpointError(f"checkpoint item {fqn!r} is {entry.properties.dtype}, the model's tensor is {value.dtype}: "
-                                      "floating-point weights stored as integers are not loaded (a damaged or foreign checkpoint)")
+            if (
+                isinstance(entry, TensorStorageMetadata)
+                and value.is_floating_point()
+                and not entry.properties.dtype.is_floating_point
+            ):
+                raise CheckpointError(
+                    f"checkpoint item {fqn!r} is {entry.properties.dtype}, the model's tensor is {value.dtype}: "
+                    "floating-point weights stored as integers are not loaded (a damaged or foreign checkpoint)"
+                )
         return plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -268,14 +304,19 @@ def validate(folder: Path, step: int | None = None) -> tuple[dict[str, Any] | No
         elif file.stat().st_size != entry["bytes"]:
             wrong.append(f"{name} has {file.stat().st_size} bytes, {MANIFEST} says {entry['bytes']}")
     if not wrong:
-        wrong = [f"{name}: its content does not match the sha256 in {MANIFEST} (corrupted in place)"
-                 for name, entry in entries.items() if "sha256" in entry and sha256(folder / name) != entry["sha256"]]
+        wrong = [
+            f"{name}: its content does not match the sha256 in {MANIFEST} (corrupted in place)"
+            for name, entry in entries.items()
+            if "sha256" in entry and sha256(folder / name) != entry["sha256"]
+        ]
     if wrong:
         return None, "; ".join(wrong[:3]) + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
     unverified = sorted(name for name, entry in entries.items() if "sha256" not in entry)
     if unverified:
-        logger.warning(f"checkpoint {folder}: {MANIFEST} has sizes but no sha256 for {', '.join(unverified[:3])}"
-                       f"{' ...' if len(unverified) > 3 else ''} (written by an older version): their content is unverified")
+        logger.warning(
+            f"checkpoint {folder}: {MANIFEST} has sizes but no sha256 for {', '.join(unverified[:3])}"
+            f"{' ...' if len(unverified) > 3 else ''} (written by an older version): their content is unverified"
+        )
     return manifest, ""
 
 
@@ -287,14 +328,22 @@ def verify(folder: str | Path) -> dict[str, Any]:
         return manifest
     if not (folder / MANIFEST).exists():
         if (folder / METADATA).is_file():
-            raise CheckpointError(f"{folder}: DCP checkpoint files without {MANIFEST}, so they cannot be verified (sizes, sha256) "
-                                  "and are not read; give a step-N folder written by this project's checkpointing")
+            raise CheckpointError(
+                f"{folder}: DCP checkpoint files without {MANIFEST}, so they cannot be verified (sizes, sha256) "
+                "and are not read; give a step-N folder written by this project's checkpointing"
+            )
         raise CheckpointError(f"{folder}: no {MANIFEST}; not a step-N folder written by this project's checkpointing")
     raise CheckpointError(f"checkpoint {folder} is corrupt: {problem}")
 
 
-def load(state_dict: dict[str, Any], folder: str | Path, manifest: dict[str, Any], *, what: str | None = None,
-         distributed: bool = False) -> None:
+def load(
+    state_dict: dict[str, Any],
+    folder: str | Path,
+    manifest: dict[str, Any],
+    *,
+    what: str | None = None,
+    distributed: bool = False,
+) -> None:
     """`dcp.load(state_dict)` from a folder `verify`/`validate` accepted (collective when
     `distributed`), through `SafeFileSystemReader` and `SafeLoadPlanner`; any failure is one
     CheckpointError line starting with `what` (default: "loading checkpoint FOLDER")."""

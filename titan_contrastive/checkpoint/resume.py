@@ -1,10 +1,18 @@
 """Resume semantics: what a resumed run takes from its checkpoint, and what from its config.
 
-| comes from | what | a change since the checkpoint was saved |
-|---|---|---|
-| the checkpoint | model weights; optimizer moments and step counts; each data-parallel rank's data position and RNG streams; the train state (step, samples seen, skipped steps) | - |
-| the config | learning rate and schedule (warmup, decay, min_lr_factor, training.steps: the lr is recomputed at the restored step); AdamW betas, eps, weight decay; max_norm; global batch size (accumulation steps); on_nonfinite and its limit; logging, eval, checkpoint interval and keep; timeouts; everything else not below | applied, and logged as `key: old -> new` |
-| must agree | the model (family and architecture args); which parameters train (model.freeze, unlocked_layers: they decide which have optimizer state); the data-parallel degree and training.local_batch_size (the data position is counted in their batches) | a one-line error before anything is loaded |
+From the checkpoint: model weights; optimizer moments and step counts; each data-parallel rank's
+data position and RNG streams; the train state (step, samples seen, skipped steps).
+
+From the config (a change since the save is applied, and logged as `key: old -> new`): learning
+rate and schedule (warmup, decay, min_lr_factor, training.steps: the lr is recomputed at the
+restored step); AdamW betas, eps, weight decay; max_norm; global batch size (accumulation steps);
+on_nonfinite and its limit; logging, eval, checkpoint interval and keep; timeouts; everything else
+not below.
+
+Must agree (a change is a one-line error before anything is loaded): the model (family and
+architecture args); which parameters train (model.freeze, unlocked_layers: they decide which have
+optimizer state); the data-parallel degree and training.local_batch_size (the data position is
+counted in their batches).
 
 Why a change is applied rather than refused: lowering the lr after a loss spike, extending
 `training.steps`, or raising the global batch is how runs are steered, and it must take effect
@@ -26,14 +34,22 @@ import dataclasses
 import json
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from titan_contrastive.config import ConfigError
 
 logger = logging.getLogger("titan_contrastive")
 
-NOT_COMPARED = {"job.config_file", "job.dump_folder", "job.description", "checkpoint.load_step", "memory.plan", "model.init_from"}
+NOT_COMPARED = {
+    "job.config_file",
+    "job.dump_folder",
+    "job.description",
+    "checkpoint.load_step",
+    "memory.plan",
+    "model.init_from",
+}
 MUST_AGREE = {
     "model.freeze": "the frozen parameters have no optimizer state",
     "model.unlocked_layers": "the frozen parameters have no optimizer state",
@@ -55,17 +71,24 @@ def _plain(value: Any) -> Any:
 
 
 def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    return [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}" for key in sorted(set(saved) | set(current))
-            if key not in NOT_COMPARED and _plain(saved.get(key)) != _plain(current.get(key))]
+    return [
+        f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
+        for key in sorted(set(saved) | set(current))
+        if key not in NOT_COMPARED and _plain(saved.get(key)) != _plain(current.get(key))
+    ]
 
 
-def config_changes(step: int, manifest: dict[str, Any], config: dict[str, Any] | None,
-                   model: dict[str, Any] | None) -> list[str]:
+def config_changes(
+    step: int, manifest: dict[str, Any], config: dict[str, Any] | None, model: dict[str, Any] | None
+) -> list[str]:
     """The config changes since checkpoint `step` was saved, as `key: old -> new` (to apply and log).
 
     Raises IncompatibleResume for a different model or a change in MUST_AGREE.
     """
-    fix = "resume with the saved value, or start a new run from these weights (checkpoint.folder=<new folder>, model.init_from=<this step's folder>)"
+    fix = (
+        "resume with the saved value, or start a new run from these weights "
+        "(checkpoint.folder=<new folder>, model.init_from=<this step's folder>)"
+    )
     saved_model = manifest.get("model")
     if model is not None and saved_model is not None and _plain(saved_model) != _plain(model):
         if saved_model.get("family") != model.get("family"):
@@ -104,7 +127,11 @@ def resumed_model_args(cfg: Any, spec: Any) -> tuple[Any, dict[str, Any]] | None
     if load_step >= 0:
         candidates = [load_step]
     else:
-        found = (re.fullmatch(r"step-(\d+)", p.name) for p in checkpoint_folder.iterdir()) if checkpoint_folder.is_dir() else ()
+        found = (
+            (re.fullmatch(r"step-(\d+)", p.name) for p in checkpoint_folder.iterdir())
+            if checkpoint_folder.is_dir()
+            else ()
+        )
         candidates = sorted((int(m[1]) for m in found if m), reverse=True)
     for step in candidates:
         manifest = _manifest(checkpoint_folder / f"step-{step}")
@@ -117,7 +144,9 @@ def resumed_model_args(cfg: Any, spec: Any) -> tuple[Any, dict[str, Any]] | None
     return None
 
 
-def model_source(cfg: Any, spec: Any, resolve: Callable[[str, str, str], tuple[Any, Any]]) -> tuple[Any, Any, dict[str, Any] | None]:
+def model_source(
+    cfg: Any, spec: Any, resolve: Callable[[str, str, str], tuple[Any, Any]]
+) -> tuple[Any, Any, dict[str, Any] | None]:
     """(model args, initial weights or None, manifest of the checkpoint to resume or None): the
     checkpoint's architecture when `resumed_model_args` finds one, else `resolve(name, flavor,
     init_from)` (`models.resolve_model_args`: the flavor's args, or init_from's args and weights)."""
@@ -135,7 +164,15 @@ def report_unread_init_from(init_from: str, step: int | None, manifest: dict[str
         return
     saved = manifest.get("config", {}).get("model", {}).get("init_from")
     if step is None:  # the checkpoint seen at start-up vanished before it could load
-        raise ConfigError(f"model.init_from={init_from!r} was not read because a checkpoint was to be resumed, but it "
-                          "is gone (moved or removed during start-up); rerun to start from model.init_from")
-    changed = f" (changed since step-{step}: {saved!r} -> {init_from!r}; not applied)" if saved is not None and saved != init_from else ""
-    logger.info(f"model.init_from={init_from!r} not read: resuming checkpoint step-{step}, whose weights replace it{changed}")
+        raise ConfigError(
+            f"model.init_from={init_from!r} was not read because a checkpoint was to be resumed, but it "
+            "is gone (moved or removed during start-up); rerun to start from model.init_from"
+        )
+    changed = (
+        f" (changed since step-{step}: {saved!r} -> {init_from!r}; not applied)"
+        if saved is not None and saved != init_from
+        else ""
+    )
+    logger.info(
+        f"model.init_from={init_from!r} not read: resuming checkpoint step-{step}, whose weights replace it{changed}"
+    )

@@ -84,7 +84,9 @@ class LRSchedulerState:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         scheduler = self.scheduler
         scheduler.last_epoch, scheduler._step_count = int(state_dict["last_epoch"]), int(state_dict["_step_count"])
-        lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+        lrs = [
+            base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+        ]
         for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         scheduler._last_lr = lrs
@@ -127,15 +129,35 @@ class RNGState:
         restore_rng(RNGSnapshot(state_dict["cpu"], cuda))
 
 
-def build_checkpointer(cfg: Any, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
-                       train_state: TrainState, loader: Stateful, *, device: torch.device, rank: int, dp_degree: int,
-                       model_args: Any) -> CheckpointManager:
+def build_checkpointer(
+    cfg: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    train_state: TrainState,
+    loader: Stateful,
+    *,
+    device: torch.device,
+    rank: int,
+    dp_degree: int,
+    model_args: Any,
+) -> CheckpointManager:
     """The run's CheckpointManager (`cfg` is the JobConfig): model, optimizer, schedule and counters
     saved once; each data-parallel rank's loader position and RNG streams per rank (the DP rank is
     the global rank); the manifest records the model (family, args) and the run's config."""
     return CheckpointManager(
-        cfg.checkpoint, dump_folder=cfg.job.dump_folder,
-        states={"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "lr_scheduler": LRSchedulerState(scheduler),
-                "train_state": train_state},
-        per_rank_states={"dataloader": loader, "rng": RNGState(device)}, rank=rank, dp_rank=rank, dp_degree=dp_degree,
-        model_info={"family": cfg.model.name, "args": asdict(model_args)}, run_config=asdict(cfg))
+        cfg.checkpoint,
+        dump_folder=cfg.job.dump_folder,
+        states={
+            "model": ModelState(model),
+            "optimizer": OptimizerState(model, optimizer),
+            "lr_scheduler": LRSchedulerState(scheduler),
+            "train_state": train_state,
+        },
+        per_rank_states={"dataloader": loader, "rng": RNGState(device)},
+        rank=rank,
+        dp_rank=rank,
+        dp_degree=dp_degree,
+        model_info={"family": cfg.model.name, "args": asdict(model_args)},
+        run_config=asdict(cfg),
+    )

@@ -21,10 +21,10 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,7 +79,9 @@ def _shards(dataset: Dataset, world_size: int) -> list[np.ndarray]:
     return np.array_split(np.arange(len(dataset)), world_size)
 
 
-def _rank_batches(dataset: Dataset, batch_size: int, rank: int, world_size: int) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+def _rank_batches(
+    dataset: Dataset, batch_size: int, rank: int, world_size: int
+) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
     """(indices, batch) over this rank's shard. Every rank gets the same number of batches (FSDP2
     all-gathers parameters inside each forward call, a collective): a rank whose shard is used up
     gets ([], a batch of one sample again) to run and drop."""
@@ -105,8 +107,9 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 @torch.no_grad()
-def embed_dataset(forward: Forward, dataset: Dataset, *, batch_size: int, device: torch.device,
-                  rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+def embed_dataset(
+    forward: Forward, dataset: Dataset, *, batch_size: int, device: torch.device, rank: int, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """Both towers' embeddings (image/caption, query/document) and labels (or sample indices),
     all rows on every rank, and the loss's scalars the model returns after them (exp(logit_scale)
     and, for the sigmoid loss, logit_bias)."""
@@ -140,8 +143,9 @@ def zero_shot_classifier(forward: Forward, dataset: ZeroShotDataset) -> torch.Te
     return nn.functional.normalize(per_class, dim=-1)
 
 
-def recall_at_k(image_emb: torch.Tensor, text_emb: torch.Tensor, ks: tuple[int, ...] = (1, 5),
-                direction: str = "image_to_text") -> dict[str, float]:
+def recall_at_k(
+    image_emb: torch.Tensor, text_emb: torch.Tensor, ks: tuple[int, ...] = (1, 5), direction: str = "image_to_text"
+) -> dict[str, float]:
     """First-tower -> second-tower recall@k where item i belongs to item i (caption i to image i,
     lemma i to definition i)."""
     sims = image_emb @ text_emb.T
@@ -151,34 +155,60 @@ def recall_at_k(image_emb: torch.Tensor, text_emb: torch.Tensor, ks: tuple[int, 
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, forward: Forward, dataset: Dataset, loss_fn: Callable[..., torch.Tensor], *,
-             batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1) -> dict[str, float]:
+def evaluate(
+    model: nn.Module,
+    forward: Forward,
+    dataset: Dataset,
+    loss_fn: Callable[..., torch.Tensor],
+    *,
+    batch_size: int,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict[str, float]:
     """Eval loss plus zero-shot accuracy or retrieval recall; `loss_fn` must be unscaled.
 
     `forward(batch) -> (first tower's emb, second tower's emb, exp(logit_scale)[, logit_bias])` runs
     `model` with the trainer's dtype and autocast; `model` is only switched to eval mode and back.
     """
     with _eval_mode(model):
-        img, txt, labels, scalars = embed_dataset(forward, dataset, batch_size=batch_size, device=device, rank=rank, world_size=world_size)
-        losses = [loss_fn(img[i : i + batch_size], txt[i : i + batch_size], *scalars) for i in range(0, len(img), batch_size)]
+        img, txt, labels, scalars = embed_dataset(
+            forward, dataset, batch_size=batch_size, device=device, rank=rank, world_size=world_size
+        )
+        losses = [
+            loss_fn(img[i : i + batch_size], txt[i : i + batch_size], *scalars) for i in range(0, len(img), batch_size)
+        ]
         out = {"loss": torch.stack(losses).mean().item(), "num_samples": float(len(img))}
         if dataset.class_names:
             pred = (img @ zero_shot_classifier(forward, dataset).T).argmax(1)
             out["zero_shot_top1"] = (pred == labels).float().mean().item()
         else:  # both ways: image->text and text->image (query->doc and doc->query)
             out.update(recall_at_k(img, txt, dataset.recall_ks, dataset.recall_direction))
-            out.update(recall_at_k(txt, img, dataset.recall_ks, "_to_".join(reversed(dataset.recall_direction.split("_to_")))))
+            out.update(
+                recall_at_k(txt, img, dataset.recall_ks, "_to_".join(reversed(dataset.recall_direction.split("_to_"))))
+            )
         return out
 
 
 def evaluate_contrastive(ctx: EvalContext) -> dict[str, float]:
     """`evaluate` with the family's loss, unscaled (never divided by the accumulation steps)."""
-    return evaluate(ctx.model, ctx.forward, ctx.dataset, build_loss_fn(ctx.loss_name), batch_size=ctx.batch_size, device=ctx.device,
-                    rank=ctx.rank, world_size=ctx.world_size)
+    return evaluate(
+        ctx.model,
+        ctx.forward,
+        ctx.dataset,
+        build_loss_fn(ctx.loss_name),
+        batch_size=ctx.batch_size,
+        device=ctx.device,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+    )
 
 
-def evaluate_sets(evaluate_fn: Callable[[EvalContext], dict[str, float]], context: Callable[[Dataset], EvalContext],
-                  sets: dict[str, Dataset | None]) -> dict[str, float]:
+def evaluate_sets(
+    evaluate_fn: Callable[[EvalContext], dict[str, float]],
+    context: Callable[[Dataset], EvalContext],
+    sets: dict[str, Dataset | None],
+) -> dict[str, float]:
     """The family's evaluation of each held-out set, its keys prefixed with the set's key in `sets`
     (the run's test split: "", the zero-shot folder: "zero_shot/")."""
     results: dict[str, float] = {}
@@ -190,7 +220,9 @@ def evaluate_sets(evaluate_fn: Callable[[EvalContext], dict[str, float]], contex
 
 def describe_results(results: dict[str, float], sets: dict[str, Dataset | None]) -> str:
     """'on 200 emoji test samples and ...: loss 1.2345  ...' for the log."""
-    where = " and ".join(f"{int(results[p + 'num_samples'])} {ds.name} test samples" for p, ds in sets.items() if ds is not None)
+    where = " and ".join(
+        f"{int(results[p + 'num_samples'])} {ds.name} test samples" for p, ds in sets.items() if ds is not None
+    )
     return f"on {where}: " + "  ".join(f"{k} {v:.4f}" for k, v in results.items() if not k.endswith("num_samples"))
 
 
@@ -212,9 +244,18 @@ def _save_grid(originals: torch.Tensor, recons: torch.Tensor, masks: torch.Tenso
 
 
 @torch.no_grad()
-def evaluate_reconstruction(model: nn.Module, reconstruct: Callable[[dict[str, torch.Tensor]], torch.Tensor], dataset: Dataset, *,
-                            batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1,
-                            grid_path: Path | None = None, grid_images: int = 12) -> dict[str, float]:
+def evaluate_reconstruction(
+    model: nn.Module,
+    reconstruct: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+    grid_path: Path | None = None,
+    grid_images: int = 12,
+) -> dict[str, float]:
     """Masked MSE / PSNR of `reconstruct(batch) -> images` over the dataset (numerator and
     denominator summed over ranks); rank 0 writes the grid of its first images."""
     with _eval_mode(model):
@@ -231,12 +272,23 @@ def evaluate_reconstruction(model: nn.Module, reconstruct: Callable[[dict[str, t
         if world_size > 1:
             dist.all_reduce(sums)
         mse = (sums[0] / sums[1]).item()
-        return {"loss": mse, "num_samples": float(len(dataset)), "psnr_db": 10 * math.log10(1 / mse) if mse > 0 else math.inf}
+        return {
+            "loss": mse,
+            "num_samples": float(len(dataset)),
+            "psnr_db": 10 * math.log10(1 / mse) if mse > 0 else math.inf,
+        }
 
 
 def evaluate_reconstructions(ctx: EvalContext) -> dict[str, float]:
     """`evaluate_reconstruction` through `forward(batch, reconstruct=True)`; the grid goes to
     `{dump_folder}/reconstructions_step{step}.png`."""
-    return evaluate_reconstruction(ctx.model, functools.partial(ctx.forward, reconstruct=True), ctx.dataset, batch_size=ctx.batch_size,
-                                   device=ctx.device, rank=ctx.rank, world_size=ctx.world_size,
-                                   grid_path=ctx.dump_folder / f"reconstructions_step{ctx.step}.png")
+    return evaluate_reconstruction(
+        ctx.model,
+        functools.partial(ctx.forward, reconstruct=True),
+        ctx.dataset,
+        batch_size=ctx.batch_size,
+        device=ctx.device,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        grid_path=ctx.dump_folder / f"reconstructions_step{ctx.step}.png",
+    )

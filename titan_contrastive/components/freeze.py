@@ -23,9 +23,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import re
-from collections.abc import Mapping, Sequence
-
-from typing import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -51,12 +49,17 @@ def _unlocked(name: str, prefix: str, depth: int, unlocked_layers: int) -> bool:
 
 
 def _depth(names: list[str], prefix: str) -> int:
-    indices = [int(m.group(1) or m.group(2)) for n in names if n.startswith(prefix) and (m := _BLOCK.search(n[len(prefix) - 1 :]))]
+    indices = [
+        int(m.group(1) or m.group(2))
+        for n in names
+        if n.startswith(prefix) and (m := _BLOCK.search(n[len(prefix) - 1 :]))
+    ]
     return max(indices, default=-1) + 1
 
 
-def locked_forward(tower: nn.Module, index: int, run: Callable[[], Tensor],
-                   replay: Sequence[Tensor | None] | None = None) -> Tensor:
+def locked_forward(
+    tower: nn.Module, index: int, run: Callable[[], Tensor], replay: Sequence[Tensor | None] | None = None
+) -> Tensor:
     """`run()` (the tower's forward); for a locked tower (`tower.frozen`) without a graph, and inside
     a cached-gradient re-forward `replay[index]` instead: `replay` is the model's argument of that
     name (pass 1's outputs of the chunk, None outside a re-forward), `index` the place of this
@@ -90,8 +93,10 @@ def apply_freeze(model: nn.Module, freeze: Sequence[str], unlocked_layers: int, 
             matched = fnmatch.filter(names, entry)
         if not matched:
             known = ", ".join(towers) or "none"
-            raise ConfigError(f"model.freeze entry {entry!r} matches no parameter; use a tower name ({known}) or a pattern "
-                              f"over parameter names such as {names[0]!r}")
+            raise ConfigError(
+                f"model.freeze entry {entry!r} matches no parameter; use a tower name ({known}) or a pattern "
+                f"over parameter names such as {names[0]!r}"
+            )
         frozen.update(matched)
     for name in frozen:
         params[name].requires_grad_(False)
@@ -104,8 +109,11 @@ def apply_freeze(model: nn.Module, freeze: Sequence[str], unlocked_layers: int, 
             locked.append(tower)
     trainable = sum(p.numel() for p in params.values() if p.requires_grad)
     total = sum(p.numel() for p in params.values())
-    summary = (f"trains {trainable:,} of {total:,} parameters" + (f"; frozen: {len(frozen)} tensors" if frozen else "")
-               + (f"; locked towers (run without a graph): {', '.join(locked)}" if locked else ""))
+    summary = (
+        f"trains {trainable:,} of {total:,} parameters"
+        + (f"; frozen: {len(frozen)} tensors" if frozen else "")
+        + (f"; locked towers (run without a graph): {', '.join(locked)}" if locked else "")
+    )
     if freeze:
         logger.info(f"freeze: {summary}")
     return summary

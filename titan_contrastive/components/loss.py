@@ -23,8 +23,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,10 @@ def clip_loss(image_emb: torch.Tensor, text_emb: torch.Tensor, logit_scale: torc
     Dense reference: materialises the N x N logits, so use it for batches that fit.
     """
     if image_emb.shape != text_emb.shape:
-        raise ValueError(f"image embeddings {tuple(image_emb.shape)} and text embeddings {tuple(text_emb.shape)} must have the same shape")
+        raise ValueError(
+            f"image embeddings {tuple(image_emb.shape)} and text embeddings {tuple(text_emb.shape)} must have the same "
+            "shape"
+        )
     logits = logit_scale * image_emb @ text_emb.T
     labels = torch.arange(logits.shape[0], device=logits.device)
     return 0.5 * (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels))
@@ -96,14 +100,23 @@ class ClipLoss:
         return clip_loss(image_emb, text_emb, logit_scale)
 
 
-def sigmoid_loss(image_emb: torch.Tensor, text_emb: torch.Tensor, logit_scale: torch.Tensor, logit_bias: torch.Tensor,
-                 first_row: int = 0, num_pairs: int | None = None) -> torch.Tensor:
+def sigmoid_loss(
+    image_emb: torch.Tensor,
+    text_emb: torch.Tensor,
+    logit_scale: torch.Tensor,
+    logit_bias: torch.Tensor,
+    first_row: int = 0,
+    num_pairs: int | None = None,
+) -> torch.Tensor:
     """SigLIP's loss of the rows `image_emb` (global rows first_row, first_row + 1, ...) against all
     columns `text_emb`: -(1/num_pairs) sum over these rows and all columns of log sigmoid(z l).
     With the defaults (all rows, N = len) it is the dense reference, open_clip's formula;
     materialises the rows x N logits."""
     if image_emb.shape[1:] != text_emb.shape[1:]:
-        raise ValueError(f"image embeddings {tuple(image_emb.shape)} and text embeddings {tuple(text_emb.shape)} must have the same dim")
+        raise ValueError(
+            f"image embeddings {tuple(image_emb.shape)} and text embeddings {tuple(text_emb.shape)} must have the same "
+            "dim"
+        )
     logits = logit_scale * image_emb @ text_emb.T + logit_bias
     rows = torch.arange(first_row, first_row + len(image_emb), device=logits.device)
     signs = torch.where(rows[:, None] == torch.arange(len(text_emb), device=logits.device), 1.0, -1.0).to(logits.dtype)
@@ -126,8 +139,9 @@ class SigLipLoss:
         self.world_size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if self.world_size > 1 else 0
 
-    def __call__(self, image_emb: torch.Tensor, text_emb: torch.Tensor, logit_scale: torch.Tensor,
-                 logit_bias: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, image_emb: torch.Tensor, text_emb: torch.Tensor, logit_scale: torch.Tensor, logit_bias: torch.Tensor
+    ) -> torch.Tensor:
         if self.world_size == 1:
             return sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias)
         columns = all_gather_with_grad(text_emb, self.group)
@@ -177,9 +191,14 @@ def temperature_from_config(cfg: Any, default_logit_scale: float | None = None) 
     name, loss = cfg.loss.name or "clip", cfg.loss
     spec = LOSSES[name]
     if spec.init_logit_bias is None and loss.init_logit_bias is not None:
-        raise ConfigError(f"loss.init_logit_bias={loss.init_logit_bias}: loss.name={name!r} has no bias; "
-                          "use --loss.name=siglip or leave loss.init_logit_bias empty")
-    scale = loss.init_logit_scale if loss.init_logit_scale is not None else (
-        spec.init_logit_scale if default_logit_scale is None else default_logit_scale)
+        raise ConfigError(
+            f"loss.init_logit_bias={loss.init_logit_bias}: loss.name={name!r} has no bias; "
+            "use --loss.name=siglip or leave loss.init_logit_bias empty"
+        )
+    scale = (
+        loss.init_logit_scale
+        if loss.init_logit_scale is not None
+        else (spec.init_logit_scale if default_logit_scale is None else default_logit_scale)
+    )
     bias = spec.init_logit_bias if loss.init_logit_bias is None else loss.init_logit_bias
     return Temperature(scale, bias, loss.learn_logit_scale, loss.learn_logit_bias)

@@ -29,7 +29,9 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_type: str
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Build the scheduler; call `.step()` once after every optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,

@@ -35,19 +35,32 @@ import copy
 import functools
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from titan_contrastive.components.memory_probe import PeakMemory
-from titan_contrastive.grad_cache.rng import capture_rng, restore_rng
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
+from titan_contrastive.grad_cache.rng import capture_rng, restore_rng
 from titan_contrastive.parallelisms.collectives import max_over_ranks
 
-__all__ = ["Knob", "MemoryBudgetError", "MemoryPlan", "doubling", "fastest", "measure_step", "measured_first_step", "plan_chunks",
-           "plan_step", "probe_batches", "static_bytes", "timed_step"]
+__all__ = [
+    "Knob",
+    "MemoryBudgetError",
+    "MemoryPlan",
+    "doubling",
+    "fastest",
+    "measure_step",
+    "measured_first_step",
+    "plan_chunks",
+    "plan_step",
+    "probe_batches",
+    "static_bytes",
+    "timed_step",
+]
 
 logger = logging.getLogger("titan_contrastive")
 GIB = 2**30
@@ -102,7 +115,9 @@ def static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
     return sum(_local_bytes(t) for t in tensors)
 
 
-def measure_step(step: Callable[[], object], device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def measure_step(
+    step: Callable[[], object], device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> int:
     """Peak bytes of one train step on this device, max over ranks: what is held between steps
     (CUDA: everything allocated at entry) plus the step's extra peak."""
     optimizer.zero_grad(set_to_none=True)
@@ -128,8 +143,17 @@ def fastest(seconds: dict[int, float]) -> int:
     return max(c for c, s in seconds.items() if s <= best * (1 + TIME_TOLERANCE))
 
 
-def plan_chunks(knobs: list[Knob], *, budget_gib: float, margin: float, step: Callable[[], object], device: torch.device,
-                model: torch.nn.Module, optimizer: torch.optim.Optimizer, stateful: list) -> MemoryPlan:
+def plan_chunks(
+    knobs: list[Knob],
+    *,
+    budget_gib: float,
+    margin: float,
+    step: Callable[[], object],
+    device: torch.device,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stateful: list,
+) -> MemoryPlan:
     """Steps 1-4 of the module docstring for each knob in turn (each walk starts from the chunks
     chosen so far); `step()` runs one train step, `stateful` are the objects whose `state_dict`
     the probes may change."""
@@ -151,8 +175,10 @@ def plan_chunks(knobs: list[Knob], *, budget_gib: float, margin: float, step: Ca
         fits = probes[knob.name][c] <= budget
         if fits:
             seconds[knob.name][c] = timed_step(step, device)
-        logger.info(f"memory plan: {knob.name}={c} peaks at {probes[knob.name][c] / GIB:.3f} GiB"
-                    + (f", step {seconds[knob.name][c]:.3f} s" if fits else " (over budget)"))
+        logger.info(
+            f"memory plan: {knob.name}={c} peaks at {probes[knob.name][c] / GIB:.3f} GiB"
+            + (f", step {seconds[knob.name][c]:.3f} s" if fits else " (over budget)")
+        )
         return probes[knob.name][c]
 
     try:
@@ -163,9 +189,11 @@ def plan_chunks(knobs: list[Knob], *, budget_gib: float, margin: float, step: Ca
             first, seen = knob.candidates[0], probes[knob.name]
             if probe(knob, first) > budget:
                 raise MemoryBudgetError(
-                    f"memory.budget_gib={budget_gib:g} cannot be met: even {knob.name}={first} peaks at {seen[first] / GIB:.3f} GiB; "
+                    f"memory.budget_gib={budget_gib:g} cannot be met: "
+                    f"even {knob.name}={first} peaks at {seen[first] / GIB:.3f} GiB; "
                     f"the smallest budget that works is about {seen[first] / GIB / (1 - margin):.3f} GiB (or lower "
-                    f"loss.stream_chunk_size, shard the model over more ranks, or use a lower precision)")
+                    f"loss.stream_chunk_size, shard the model over more ranks, or use a lower precision)"
+                )
             for c in knob.candidates[1:]:
                 if len(seen) > 1:  # extrapolate from the two largest measured chunks
                     (c0, m0), (c1, m1) = sorted(seen.items())[-2:]
@@ -181,43 +209,91 @@ def plan_chunks(knobs: list[Knob], *, budget_gib: float, margin: float, step: Ca
         restore_rng(rng)
         optimizer.zero_grad(set_to_none=True)
     last = knobs[-1]
-    return MemoryPlan(chosen, probes[last.name][chosen[last.name]] / GIB, budget_gib,
-                      {k: {c: v / GIB for c, v in sorted(p.items())} for k, p in probes.items()},
-                      {k: dict(sorted(t.items())) for k, t in seconds.items()})
+    return MemoryPlan(
+        chosen,
+        probes[last.name][chosen[last.name]] / GIB,
+        budget_gib,
+        {k: {c: v / GIB for c, v in sorted(p.items())} for k, p in probes.items()},
+        {k: dict(sorted(t.items())) for k, t in seconds.items()},
+    )
 
 
-def probe_batches(dataset: Any, *, local_batch_size: int, ga_steps: int, dp_degree: int, rank: int) -> list[dict[str, torch.Tensor]]:
+def probe_batches(
+    dataset: Any, *, local_batch_size: int, ga_steps: int, dp_degree: int, rank: int
+) -> list[dict[str, torch.Tensor]]:
     """This rank's microbatches for the probe steps, read from the dataset (the loader does not
     move): rank r's microbatch j is samples (j·dp + r)·b … + b, wrapping around."""
     n, b = len(dataset), local_batch_size
     batches = [dataset.__getitems__([((j * dp_degree + rank) * b + i) % n for i in range(b)]) for j in range(ga_steps)]
-    return [{k: v for k, v in batch.items() if k != BAD_SAMPLES} for batch in batches]  # skips are the loader's to report
+    return [
+        {k: v for k, v in batch.items() if k != BAD_SAMPLES} for batch in batches
+    ]  # skips are the loader's to report
 
 
-def plan_step(knobs: dict[str, Sequence[int]], probe: Callable[[dict[str, int]], object], *, budget_gib: float, margin: float,
-              device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer, stateful: list) -> MemoryPlan:
+def plan_step(
+    knobs: dict[str, Sequence[int]],
+    probe: Callable[[dict[str, int]], object],
+    *,
+    budget_gib: float,
+    margin: float,
+    device: torch.device,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stateful: list,
+) -> MemoryPlan:
     """`plan_chunks` over a step's knobs (name -> candidates); `probe(values)` runs one train step
     with those knob values. The chosen values are `MemoryPlan.chunks`."""
     values: dict[str, int] = {}
-    plan = plan_chunks([Knob(name, list(candidates), functools.partial(values.__setitem__, name)) for name, candidates in knobs.items()],
-                       budget_gib=budget_gib, margin=margin, step=lambda: probe(dict(values)), device=device, model=model,
-                       optimizer=optimizer, stateful=stateful)
-    logger.info(f"memory plan: {', '.join(f'{k}={c}' for k, c in plan.chunks.items())} predicted peak "
-                f"{plan.predicted_gib:.3f} GiB, budget {plan.budget_gib:g} GiB (margin {margin:.0%})")
+    plan = plan_chunks(
+        [
+            Knob(name, list(candidates), functools.partial(values.__setitem__, name))
+            for name, candidates in knobs.items()
+        ],
+        budget_gib=budget_gib,
+        margin=margin,
+        step=lambda: probe(dict(values)),
+        device=device,
+        model=model,
+        optimizer=optimizer,
+        stateful=stateful,
+    )
+    logger.info(
+        f"memory plan: {', '.join(f'{k}={c}' for k, c in plan.chunks.items())} predicted peak "
+        f"{plan.predicted_gib:.3f} GiB, budget {plan.budget_gib:g} GiB (margin {margin:.0%})"
+    )
     return plan
 
 
-def measured_first_step(plan: MemoryPlan, step: Callable[[], dict[str, float]], *, device: torch.device, model: torch.nn.Module,
-                        optimizer: torch.optim.Optimizer, record: Callable[[str, int, dict[str, Any]], None],
-                        step_number: int) -> dict[str, float]:
+def measured_first_step(
+    plan: MemoryPlan,
+    step: Callable[[], dict[str, float]],
+    *,
+    device: torch.device,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    record: Callable[[str, int, dict[str, Any]], None],
+    step_number: int,
+) -> dict[str, float]:
     """The first real step under a plan, through the probe: its measured peak against the plan,
     logged and recorded as step `step_number` through `record(kind, step, values)` (the metrics
     API; kind "memory")."""
     out: dict[str, float] = {}
     peak = measure_step(lambda: out.update(step()), device, model, optimizer) / GIB
     plan.checked = True
-    logger.info(f"memory: first step peaked at {peak:.3f} GiB; planned {plan.predicted_gib:.3f} GiB, budget {plan.budget_gib:g} GiB "
-                f"({'within' if peak <= plan.budget_gib else 'OVER'} budget)")
-    record("memory", step_number, {"peak_gib": peak, "planned_gib": plan.predicted_gib, "budget_gib": plan.budget_gib,
-                                     "chunk": plan.chunk, "chunks": plan.chunks})
+    logger.info(
+        f"memory: first step peaked at {peak:.3f} GiB; "
+        f"planned {plan.predicted_gib:.3f} GiB, budget {plan.budget_gib:g} GiB "
+        f"({'within' if peak <= plan.budget_gib else 'OVER'} budget)"
+    )
+    record(
+        "memory",
+        step_number,
+        {
+            "peak_gib": peak,
+            "planned_gib": plan.predicted_gib,
+            "budget_gib": plan.budget_gib,
+            "chunk": plan.chunk,
+            "chunks": plan.chunks,
+        },
+    )
     return out

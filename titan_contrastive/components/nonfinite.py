@@ -32,17 +32,26 @@ class NonFiniteGuard:
     def check(self, step: int, loss: float, grad_norm: float, skipped_so_far: int) -> bool | None:
         """None for finite values (the step goes on); True: skip this optimizer step; raises to stop."""
         self.last_step = step
-        bad = ", ".join(f"{name}={value}" for name, value in (("loss", loss), ("grad_norm", grad_norm)) if not math.isfinite(value))
+        bad = ", ".join(
+            f"{name}={value}" for name, value in (("loss", loss), ("grad_norm", grad_norm)) if not math.isfinite(value)
+        )
         if not bad:
             self.in_row = 0
             return None
         self.in_row += 1
         if self.on_nonfinite == "stop":
-            raise NonFiniteError(f"step {step}: non-finite {bad}; lower optimizer.lr, check the data, "
-                                 "or set training.on_nonfinite=skip to skip such steps")
+            raise NonFiniteError(
+                f"step {step}: non-finite {bad}; lower optimizer.lr, check the data, "
+                "or set training.on_nonfinite=skip to skip such steps"
+            )
         if self.in_row > self.limit:
-            raise NonFiniteError(f"step {step}: non-finite {bad}, {self.in_row} steps in a row, past training.max_consecutive_skips="
-                                 f"{self.limit}; the run is stuck: lower optimizer.lr or check the data, then resume from the last checkpoint "
-                                 f"before step {self.streak_start}")
-        logger.warning(f"step {step}: non-finite {bad}; optimizer step skipped ({skipped_so_far + 1} so far, {self.in_row} in a row)")
+            raise NonFiniteError(
+                f"step {step}: non-finite {bad}, {self.in_row} steps in a row, past training.max_consecutive_skips="
+                f"{self.limit}; the run is stuck: lower optimizer.lr or check the data, then resume from the last "
+                f"checkpoint before step {self.streak_start}"
+            )
+        logger.warning(
+            f"step {step}: non-finite {bad}; optimizer step skipped ({skipped_so_far + 1} so far, {self.in_row} in a "
+            "row)"
+        )
         return True

@@ -4,9 +4,10 @@
 
 with x̂ = decode(latents) cropped to the padded image size, both sides mapped from [-1, 1] to
 [0, 1] and clamped, ℓ = squared (l2/mse) or absolute (l1) difference, and m the per-pixel mask of
-padded variable-size images (`datasets.packing.pad_to_batch` builds both). The denominator depends only on the masks, so it is known before
-any decoding; below 1e-3 (nothing to score) the loss is an exact zero that keeps a zero-gradient
-path to the latents instead of a NaN, without a host sync.
+padded variable-size images (`datasets.packing.pad_to_batch` builds both). The denominator
+depends only on the masks, so it is known before any decoding; below 1e-3 (nothing to score)
+the loss is an exact zero that keeps a zero-gradient path to the latents instead of a NaN,
+without a host sync.
 
 Modes, order of operations:
 - "v0": decode the whole padded batch, one masked sum (the seed's original; the reference).
@@ -33,14 +34,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["MIN_DENOMINATOR", "PixelLossMode", "PixelLossOptions", "calculate_chunk_size", "compute_pixel_loss", "compute_pixel_loss_v0", "masked_error_sum"]
+__all__ = [
+    "MIN_DENOMINATOR",
+    "PixelLossMode",
+    "PixelLossOptions",
+    "calculate_chunk_size",
+    "compute_pixel_loss",
+    "compute_pixel_loss_v0",
+    "masked_error_sum",
+]
 
 logger = logging.getLogger("titan_contrastive")
 MIN_DENOMINATOR = 1e-3
@@ -65,7 +75,9 @@ class PixelLossOptions:
         return dataclasses.asdict(options)
 
 
-def calculate_chunk_size(num_images: int, max_h: int, max_w: int, base_chunk_size: int = 2, adaptive: bool = True) -> int:
+def calculate_chunk_size(
+    num_images: int, max_h: int, max_w: int, base_chunk_size: int = 2, adaptive: bool = True
+) -> int:
     """Images per decode: the seed's megapixel rule (≥ 1 MP → 1, ≥ 0.25 MP → 2, else 4) when
     `adaptive`, else `base_chunk_size`; never more than `num_images`, never less than 1."""
     if base_chunk_size < 1:
@@ -81,8 +93,17 @@ def calculate_chunk_size(num_images: int, max_h: int, max_w: int, base_chunk_siz
 def _check(latents: Tensor, images: Tensor, masks: Tensor, loss_type: str) -> None:
     if loss_type.lower() not in ("l1", "l2", "mse"):
         raise ValueError(f"pixel_loss.loss_type={loss_type!r}: choose l1, l2 or mse")
-    if images.ndim != 4 or masks.ndim != 4 or masks.shape[1] != 1 or masks.shape[0] != images.shape[0] or masks.shape[2:] != images.shape[2:]:
-        raise ValueError(f"images must be [N, C, H, W] and masks [N, 1, H, W] of the same N, H, W; got {list(images.shape)} and {list(masks.shape)}")
+    if (
+        images.ndim != 4
+        or masks.ndim != 4
+        or masks.shape[1] != 1
+        or masks.shape[0] != images.shape[0]
+        or masks.shape[2:] != images.shape[2:]
+    ):
+        raise ValueError(
+            f"images must be [N, C, H, W] and masks [N, 1, H, W] of the same N, H, W; got {list(images.shape)} and "
+            f"{list(masks.shape)}"
+        )
     if latents.shape[0] != images.shape[0]:
         raise ValueError(f"{latents.shape[0]} latents for {images.shape[0]} images; pass one latent per image")
 
@@ -90,7 +111,10 @@ def _check(latents: Tensor, images: Tensor, masks: Tensor, loss_type: str) -> No
 def masked_error_sum(pred: Tensor, images: Tensor, masks: Tensor, loss_type: str) -> Tensor:
     """Σ m · ℓ over a chunk, in at least float32; pred is cropped to the images' padded size."""
     if pred.shape[2] < images.shape[2] or pred.shape[3] < images.shape[3] or pred.shape[1] != images.shape[1]:
-        raise ValueError(f"decoded images {list(pred.shape)} are smaller than (or have other channels than) the targets {list(images.shape)}")
+        raise ValueError(
+            f"decoded images {list(pred.shape)} are smaller than (or have other channels than) the targets "
+            f"{list(images.shape)}"
+        )
     acc = torch.promote_types(pred.dtype, torch.float32)
     pred01 = (pred[:, :, : images.shape[2], : images.shape[3]].to(acc) * 0.5 + 0.5).clamp(0, 1)
     gt01 = (images.to(acc) * 0.5 + 0.5).clamp(0, 1)
@@ -104,7 +128,9 @@ def _finish(numerator: Tensor, denominator: Tensor) -> Tensor:
     return torch.where(ok, numerator / denominator.clamp_min(MIN_DENOMINATOR), numerator * 0)
 
 
-def compute_pixel_loss_v0(latents: Tensor, images: Tensor, masks: Tensor, decode: Decode, loss_type: str = "l2") -> Tensor:
+def compute_pixel_loss_v0(
+    latents: Tensor, images: Tensor, masks: Tensor, decode: Decode, loss_type: str = "l2"
+) -> Tensor:
     """The original: decode every latent at once, one masked mean. The reference for the others."""
     _check(latents, images, masks, loss_type)
     numerator = masked_error_sum(decode(latents), images, masks, loss_type)
@@ -126,9 +152,19 @@ class _InjectGradient(torch.autograd.Function):
         return (grad_out * cached).to(cached.dtype), None, None
 
 
-def compute_pixel_loss(latents: Tensor, images: Tensor, masks: Tensor, decode: Decode, *, loss_type: str = "l2",
-                       mode: PixelLossMode = "chunked", chunk_size: int = 2, adaptive: bool = True,
-                       empty_cache_every: int = 0, backward_scale: float = 1.0) -> Tensor:
+def compute_pixel_loss(
+    latents: Tensor,
+    images: Tensor,
+    masks: Tensor,
+    decode: Decode,
+    *,
+    loss_type: str = "l2",
+    mode: PixelLossMode = "chunked",
+    chunk_size: int = 2,
+    adaptive: bool = True,
+    empty_cache_every: int = 0,
+    backward_scale: float = 1.0,
+) -> Tensor:
     """The masked pixel loss of `decode(latents)` against `images` ([-1, 1], padded) under `masks`.
 
     Same value and gradients as `compute_pixel_loss_v0` in every mode (see the module docstring).
@@ -170,6 +206,10 @@ def compute_pixel_loss(latents: Tensor, images: Tensor, masks: Tensor, decode: D
             loss = _InjectGradient.apply(latents, loss, cached)
     if os.environ.get("PIXEL_LOSS_DEBUG", "0") == "1":
         rank = dist.get_rank() if dist.is_initialized() else 0
-        logger.info(f"[pixel loss] rank {rank} mode {mode} images {len(latents)} resolution {images.shape[2]}x{images.shape[3]} "
-                    f"chunk {chunk} chunks {chunks} denominator {masks.sum().item() * images.shape[1]:.1f} loss {loss.item():.6g}")
+        logger.info(
+            f"[pixel loss] rank {rank} mode {mode} images {len(latents)} resolution "
+            f"{images.shape[2]}x{images.shape[3]} "
+            f"chunk {chunk} chunks {chunks} denominator {masks.sum().item() * images.shape[1]:.1f} loss "
+            f"{loss.item():.6g}"
+        )
     return loss

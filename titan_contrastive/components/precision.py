@@ -73,7 +73,9 @@ def build_precision(cfg: Training, *, fsdp: bool, device: torch.device) -> Preci
     if compute == torch.float32:
         compute = param
     mixed = compute != param
-    reduce: torch.dtype | None = torch.bfloat16 if cfg.mixed_precision_reduce == "bfloat16" else (torch.float32 if mixed else None)
+    reduce: torch.dtype | None = (
+        torch.bfloat16 if cfg.mixed_precision_reduce == "bfloat16" else (torch.float32 if mixed else None)
+    )
     scaler = None
     if compute == torch.float16:
         if fsdp:

@@ -53,7 +53,10 @@ def check_writable(path: str | Path, key: str) -> int:
     path, existing = Path(path).absolute(), _nearest_existing(path)
     probe = existing / f".write-test-{socket.gethostname()}-{os.getpid()}"
     if not existing.is_dir():
-        raise ConfigError(f"{key}={path}: cannot write there ({existing} is a file, not a folder); choose another folder (--{key}=...)")
+        raise ConfigError(
+            f"{key}={path}: cannot write there ({existing} is a file, not a folder); choose another folder "
+            f"(--{key}=...)"
+        )
     try:
         with open(probe, "wb") as f:
             f.write(b"\0" * 4096)
@@ -61,8 +64,10 @@ def check_writable(path: str | Path, key: str) -> int:
             os.fsync(f.fileno())
     except OSError as exc:
         reason = exc.strerror or str(exc)
-        raise ConfigError(f"{key}={path}: cannot write there ({reason}{'' if existing == path else f' in {existing}'}); "
-                          f"choose a writable folder with free space (--{key}=...)") from None
+        raise ConfigError(
+            f"{key}={path}: cannot write there ({reason}{'' if existing == path else f' in {existing}'}); "
+            f"choose a writable folder with free space (--{key}=...)"
+        ) from None
     finally:
         try:
             probe.unlink(missing_ok=True)
@@ -76,6 +81,7 @@ def checkpoint_bytes(model: nn.Module, optimizer_states_per_param: int = 2) -> i
     full size even when FSDP shards them), AdamW's two moments of each trainable parameter, and
     DCP's ~2 KiB per stored tensor (serialization and `.metadata`; measured on the debug clip:
     the estimate is 0.4 % under its 3.30 MB checkpoint, against 16 % under without this term)."""
+
     def nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()  # a DTensor's numel is the global one
 
@@ -92,4 +98,6 @@ def check_output_folders(dump_folder: str, checkpoint_folder: str | None, *, log
         folders["checkpoint.folder"] = Path(dump_folder) / checkpoint_folder
     free = {key: check_writable(path, key) for key, path in folders.items()}
     if log:
-        logger.info("output folders: " + ", ".join(f"{folders[key]} ({format_bytes(n)} free)" for key, n in free.items()))
+        logger.info(
+            "output folders: " + ", ".join(f"{folders[key]} ({format_bytes(n)} free)" for key, n in free.items())
+        )

@@ -66,7 +66,11 @@ def _alive(holder: dict[str, Any]) -> bool:
 def _slurm() -> dict[str, Any]:
     """This process's Slurm job id and restart count (empty outside Slurm)."""
     job = os.environ.get("SLURM_JOB_ID")
-    return {"slurm_job_id": job, "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)} if job else {}
+    return (
+        {"slurm_job_id": job, "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)}
+        if job
+        else {}
+    )
 
 
 def _earlier_incarnation(holder: dict[str, Any]) -> bool:
@@ -81,7 +85,11 @@ def _earlier_incarnation(holder: dict[str, Any]) -> bool:
 
 
 def _describe(holder: dict[str, Any]) -> str:
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started"])) if "started" in holder else "at an unknown time"
+    started = (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started"]))
+        if "started" in holder
+        else "at an unknown time"
+    )
     return f"pid {holder['pid']} on host {holder['host']} (started {started})"
 
 
@@ -102,7 +110,10 @@ class RunLock:
             except RunLockError as exc:
                 error = str(exc)
             except OSError as exc:
-                error = f"job.dump_folder={folder}: cannot create its lock file {LOCK_FILE} ({exc.strerror or exc}); choose another folder"
+                error = (
+                    f"job.dump_folder={folder}: cannot create its lock file {LOCK_FILE} ({exc.strerror or exc}); "
+                    "choose another folder"
+                )
         if distributed:
             box = [error]
             dist.broadcast_object_list(box, src=0)
@@ -132,8 +143,13 @@ class RunLock:
         folder.mkdir(parents=True, exist_ok=True)
         self._created = list(reversed(missing))
         path = folder / LOCK_FILE
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "pid_start": _process_start(os.getpid()),
-              **_slurm()}
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.time(),
+            "pid_start": _process_start(os.getpid()),
+            **_slurm(),
+        }
         for _ in range(3):  # a lock released or taken over meanwhile: look again
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -147,8 +163,10 @@ class RunLock:
                 os.fsync(f.fileno())
             self.path = path
             return
-        raise RunLockError(f"job.dump_folder={folder}: its lock {path} changed hands while this run was taking it; "
-                           "another run started on this folder at the same moment: wait for it or choose another job.dump_folder")
+        raise RunLockError(
+            f"job.dump_folder={folder}: its lock {path} changed hands while this run was taking it; "
+            "another run started on this folder at the same moment: wait for it or choose another job.dump_folder"
+        )
 
     def _take_over_if_dead(self, path: Path) -> None:
         """Remove the lock at `path` when its holder is known dead; RunLockError when it is alive or unknown."""
@@ -161,16 +179,23 @@ class RunLock:
             holder = json.loads(content)
             holder["pid"], holder["host"] = int(holder["pid"]), str(holder["host"])
         except (ValueError, KeyError, TypeError):
-            raise RunLockError(f"job.dump_folder={folder} has a lock file it cannot read ({path}: {content[:60]!r}); if no run "
-                               f"uses this folder, remove it (rm {path}) and rerun, or choose another job.dump_folder") from None
-        if not _earlier_incarnation(holder):  # a requeued Slurm job's earlier incarnation has ended, on whichever node it ran
+            raise RunLockError(
+                f"job.dump_folder={folder} has a lock file it cannot read ({path}: {content[:60]!r}); if no run "
+                f"uses this folder, remove it (rm {path}) and rerun, or choose another job.dump_folder"
+            ) from None
+        # a requeued Slurm job's earlier incarnation has ended, on whichever node it ran
+        if not _earlier_incarnation(holder):
             if holder["host"] != socket.gethostname():
-                raise RunLockError(f"job.dump_folder={folder} is in use by {_describe(holder)}, which this host cannot check; if "
-                                   f"that job is dead, remove its lock (rm {path}) and rerun, else wait for it or choose another "
-                                   "job.dump_folder")
+                raise RunLockError(
+                    f"job.dump_folder={folder} is in use by {_describe(holder)}, which this host cannot check; if "
+                    f"that job is dead, remove its lock (rm {path}) and rerun, else wait for it or choose another "
+                    "job.dump_folder"
+                )
             if _alive(holder):
-                raise RunLockError(f"job.dump_folder={folder} is in use by {_describe(holder)}, still running; wait for it to "
-                                   "finish or choose another job.dump_folder")
+                raise RunLockError(
+                    f"job.dump_folder={folder} is in use by {_describe(holder)}, still running; wait for it to "
+                    "finish or choose another job.dump_folder"
+                )
         # dead: move it aside (atomic, so of two runs taking over only one removes it) and check it was the dead one
         aside = path.with_name(f"{LOCK_FILE}.stale-{os.getpid()}")
         try:

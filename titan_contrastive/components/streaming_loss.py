@@ -46,7 +46,7 @@ import importlib
 import importlib.util
 import math
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +74,9 @@ def require_kernel(kernel: str) -> None:
         try:
             importlib.import_module("titan_contrastive.kernels.streaming_triton")
         except ImportError as e:
-            raise ImportError(f"loss.kernel={kernel} needs triton ({e}); pip install triton, or set loss.kernel=pytorch") from None
+            raise ImportError(
+                f"loss.kernel={kernel} needs triton ({e}); pip install triton, or set loss.kernel=pytorch"
+            ) from None
 
 
 def _triton(kernel: str):  # noqa: ANN202 - the module, imported only when asked for
@@ -136,8 +138,19 @@ class KeptBlock:
 
     @staticmethod
     def key_of(zx_own: Tensor, zy: Tensor, scale: float, chunk: int) -> tuple:
-        return (zx_own.data_ptr(), zx_own.shape, zx_own.stride(), zx_own._version, zx_own.dtype,
-                zy.data_ptr(), zy.shape, zy.stride(), zy._version, scale, chunk)
+        return (
+            zx_own.data_ptr(),
+            zx_own.shape,
+            zx_own.stride(),
+            zx_own._version,
+            zx_own.dtype,
+            zy.data_ptr(),
+            zy.shape,
+            zy.stride(),
+            zy._version,
+            scale,
+            chunk,
+        )
 
     def take(self, key: tuple) -> tuple[Tensor | None, int]:
         """(the buffer holding the kept block, its first row) if it is for `key`, else (None, -1)."""
@@ -146,8 +159,9 @@ class KeptBlock:
         return (buffer, start) if match else (None, -1)
 
 
-def streamed_row_col_lse(zx_own: Tensor, zy: Tensor, scale: Tensor, chunk: int,
-                         keep: KeptBlock | None = None) -> tuple[Tensor, Tensor]:
+def streamed_row_col_lse(
+    zx_own: Tensor, zy: Tensor, scale: Tensor, chunk: int, keep: KeptBlock | None = None
+) -> tuple[Tensor, Tensor]:
     """(row LSE of the rows `zx_own` [c], their partial column LSE [N]) in one pass over S[own, :],
     `chunk` rows x N at a time; the PyTorch twin of `fused_lse`.
 
@@ -199,8 +213,16 @@ def streamed_row_col_lse(zx_own: Tensor, zy: Tensor, scale: Tensor, chunk: int,
     return row_lse, col_lse
 
 
-def streamed_softmax_grads(zx_own: Tensor, zy: Tensor, row_lse_own: Tensor, col_lse: Tensor, scale: Tensor, first_row: int,
-                           chunk: int, keep: KeptBlock | None = None) -> tuple[Tensor, Tensor]:
+def streamed_softmax_grads(
+    zx_own: Tensor,
+    zy: Tensor,
+    row_lse_own: Tensor,
+    col_lse: Tensor,
+    scale: Tensor,
+    first_row: int,
+    chunk: int,
+    keep: KeptBlock | None = None,
+) -> tuple[Tensor, Tensor]:
     """(dL/dZx[own] [c, d], this rank's share of dL/dZy [N, d]) from one recompute of S[own, :],
     `chunk` rows x N at a time; the PyTorch twin of `fused_embedding_grads`.
 
@@ -256,8 +278,9 @@ def streamed_softmax_grads(zx_own: Tensor, zy: Tensor, row_lse_own: Tensor, col_
     return gx, gy
 
 
-def streamed_sigmoid(zx_own: Tensor, zy: Tensor, scale: Tensor, bias: Tensor, first_row: int, chunk: int,
-                     num_pairs: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def streamed_sigmoid(
+    zx_own: Tensor, zy: Tensor, scale: Tensor, bias: Tensor, first_row: int, chunk: int, num_pairs: int | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """SigLIP's loss over the rows `zx_own` (global rows first_row, ...) against all columns `zy`,
     and its gradients, in one pass over blocks of `chunk` rows x N (N = `num_pairs`, default len(zy)).
 
@@ -291,16 +314,27 @@ def streamed_sigmoid(zx_own: Tensor, zy: Tensor, scale: Tensor, bias: Tensor, fi
 
 # ------------------------------------------------------------------ the fused Triton path
 
+
 def fused_lse(zx_own: Tensor, zy: Tensor, scale: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
     """(row LSE of this rank's rows [c], their partial column LSE [N]) in one pass over S[own, :].
 
     The global column LSE is the logsumexp of the partials over ranks (the caller's all-gather).
     """
-    return _triton(kernel).row_col_lse(zx_own.contiguous(), zy.contiguous(), float(scale), exact=kernel == "triton_exact")
+    return _triton(kernel).row_col_lse(
+        zx_own.contiguous(), zy.contiguous(), float(scale), exact=kernel == "triton_exact"
+    )
 
 
-def fused_embedding_grads(zx_own: Tensor, zy: Tensor, row_lse_own: Tensor, col_lse: Tensor, scale: Tensor, first_row: int,
-                          kernel: str, panel: int = FUSED_PANEL) -> tuple[Tensor, Tensor]:
+def fused_embedding_grads(
+    zx_own: Tensor,
+    zy: Tensor,
+    row_lse_own: Tensor,
+    col_lse: Tensor,
+    scale: Tensor,
+    first_row: int,
+    kernel: str,
+    panel: int = FUSED_PANEL,
+) -> tuple[Tensor, Tensor]:
     """(dL/dZx[own] [c, d], this rank's share of dL/dZy [N, d]), float32, from one recompute of S[own, :].
 
     first_row: the global index of zx_own[0] (its positive is column first_row). Per panel of
@@ -309,28 +343,58 @@ def fused_embedding_grads(zx_own: Tensor, zy: Tensor, row_lse_own: Tensor, col_l
     the float32 sums). The shares of dZy sum to the gradient over ranks.
     """
     fused, exact = _triton(kernel), kernel == "triton_exact"
-    gx, gy = _fused_products(zx_own, zy, exact, panel, lambda x, y, offset, out: fused.softmax_weights(
-        x, y, row_lse_own[offset[0] : offset[0] + len(x)], col_lse[offset[1] : offset[1] + len(y)], float(scale),
-        first_row + offset[0] - offset[1], exact=exact, out=out))
+    gx, gy = _fused_products(
+        zx_own,
+        zy,
+        exact,
+        panel,
+        lambda x, y, offset, out: fused.softmax_weights(
+            x,
+            y,
+            row_lse_own[offset[0] : offset[0] + len(x)],
+            col_lse[offset[1] : offset[1] + len(y)],
+            float(scale),
+            first_row + offset[0] - offset[1],
+            exact=exact,
+            out=out,
+        ),
+    )
     coef = float(scale) / (2 * len(zy))
     return gx.mul_(coef), gy.mul_(coef)
 
 
-def fused_sigmoid(zx_own: Tensor, zy: Tensor, scale: Tensor, bias: Tensor, first_row: int, kernel: str,
-                  panel: int = FUSED_PANEL) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def fused_sigmoid(
+    zx_own: Tensor, zy: Tensor, scale: Tensor, bias: Tensor, first_row: int, kernel: str, panel: int = FUSED_PANEL
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`streamed_sigmoid` with the fused kernel: per panel one pass over S writes W = N dL/dl and
     adds the rows' loss terms and W sums; the embedding gradients are GEMMs on W (float32 sums)."""
     fused, exact = _triton(kernel), kernel == "triton_exact"
     f32 = dict(dtype=torch.float32, device=zy.device)
     loss_rows, bias_rows = torch.zeros(len(zx_own), **f32), torch.zeros(len(zx_own), **f32)
-    gx, gy = _fused_products(zx_own, zy, exact, panel, lambda x, y, offset, out: fused.sigmoid_weights(
-        x, y, float(scale), float(bias), first_row + offset[0] - offset[1], loss_rows=loss_rows[offset[0] : offset[0] + len(x)],
-        bias_rows=bias_rows[offset[0] : offset[0] + len(x)], exact=exact, out=out))
+    gx, gy = _fused_products(
+        zx_own,
+        zy,
+        exact,
+        panel,
+        lambda x, y, offset, out: fused.sigmoid_weights(
+            x,
+            y,
+            float(scale),
+            float(bias),
+            first_row + offset[0] - offset[1],
+            loss_rows=loss_rows[offset[0] : offset[0] + len(x)],
+            bias_rows=bias_rows[offset[0] : offset[0] + len(x)],
+            exact=exact,
+            out=out,
+        ),
+    )
     n = len(zy)
     return loss_rows.sum() / n, gx.mul_(float(scale) / n), gy.mul_(float(scale) / n), bias_rows.div_(n)
 
 
-def _fused_products(zx_own: Tensor, zy: Tensor, exact: bool, panel: int, weights: Callable[..., Tensor]) -> tuple[Tensor, Tensor]:
+def _fused_products(
+    zx_own: Tensor, zy: Tensor, exact: bool, panel: int, weights: Callable[..., Tensor]
+) -> tuple[Tensor, Tensor]:
     """(sum W Zy per own row, sum W^T Zx[own] per column), float32, over panels of at most `panel`
     x `panel`; `weights(x_rows, y_cols, (first own row, first column), out)` writes the panel's W."""
     zx_own, zy = zx_own.contiguous(), zy.contiguous()
@@ -376,7 +440,9 @@ def resolve_kernel(kernel: str, z: Tensor, loss: str = "clip") -> str:
     return fused if _agrees_on_device(fused, z.device, z.dtype, z.shape[1], loss) else "pytorch"
 
 
-def _fused_and_reference(loss: str, zx: Tensor, zy: Tensor, kernel: str) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+def _fused_and_reference(
+    loss: str, zx: Tensor, zy: Tensor, kernel: str
+) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
     """The self-check's problem (all rows, two panels): the fused outputs and the PyTorch path's."""
     scale, n = torch.tensor(20.0, device=zx.device), len(zx)
     x32, y32 = zx.float(), zy.float()
@@ -398,11 +464,18 @@ def _agrees_on_device(kernel: str, device: torch.device, dtype: torch.dtype, d: 
     try:
         got, want = _fused_and_reference(loss, zx, zy, kernel)
     except Exception as e:  # noqa: BLE001 - any failure means: do not use it
-        warnings.warn(f"loss.kernel=auto: the Triton kernels failed on {device} ({type(e).__name__}: {e}); using the PyTorch path")
+        warnings.warn(
+            f"loss.kernel=auto: the Triton kernels failed on {device} ({type(e).__name__}: {e}); using the PyTorch "
+            "path",
+            stacklevel=2,
+        )
         return False
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     errors = [((g - w).norm() / w.norm()).item() for g, w in zip(got, want)]
     if not max(errors) <= tol:
-        warnings.warn(f"loss.kernel=auto: the Triton kernels disagree with PyTorch on {device} {dtype} d={d} "
-                      f"(relative errors {', '.join(f'{e:.1e}' for e in errors)}); using the PyTorch path")
+        warnings.warn(
+            f"loss.kernel=auto: the Triton kernels disagree with PyTorch on {device} {dtype} d={d} "
+            f"(relative errors {', '.join(f'{e:.1e}' for e in errors)}); using the PyTorch path",
+            stacklevel=2,
+        )
     return max(errors) <= tol

@@ -8,8 +8,9 @@ validator in `manager.py` can name the key, the bad value and the valid values i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 # A learned logit scale t' is clamped to [0, MAX_LOGIT_SCALE] after every step (CLIP's temperature
 # cap, t = exp(t') <= 100); a fixed one is kept as given, within +-MAX_FIXED_LOGIT_SCALE (t between
@@ -218,8 +219,11 @@ class GradCacheConfig:
     """Forward each microbatch in chunks (GradCache): the contrastive problem stays the
     microbatch of all DP ranks (negatives=microbatch) or the global batch (negatives=global),
     while activation memory is that of one chunk. Costs one extra forward per sample."""
-    chunk_sizes: list[int] = _opt([32], lambda v: 1 <= len(v) <= 2 and all(x >= 1 for x in v),
-                                  "one or two integers >= 1 (one chunk size, or image and text tower)")
+    chunk_sizes: list[int] = _opt(
+        [32],
+        lambda v: 1 <= len(v) <= 2 and all(x >= 1 for x in v),
+        "one or two integers >= 1 (one chunk size, or image and text tower)",
+    )
     """Samples per forward chunk: one value, or one per tower (image, text). The clip family runs
     both towers in one forward, so its two values must be equal."""
     chunk_tokens: int = _opt(0, lambda v: v >= 0, "0 (off) or an integer >= 1")

@@ -110,7 +110,8 @@ def coerce(key: str, value: Any, tp: Any, origin: str) -> Any:
     if origin_ in (list, tuple):
         (item_tp, *_) = typing.get_args(tp)
         items = value if isinstance(value, list) else [value]
-        if len(items) == 1 and isinstance(items[0], str) and ("," in items[0] or not items[0]):  # `--a.b=` empties a list
+        # `--a.b=` empties a list
+        if len(items) == 1 and isinstance(items[0], str) and ("," in items[0] or not items[0]):
             items = [v for v in items[0].split(",") if v]
         return [coerce(key, v, item_tp, origin) for v in items]
     if isinstance(value, list):  # the command line gives every value as a list of strings; a TOML list is not a scalar
@@ -163,8 +164,11 @@ def split_cli(argv: list[str]) -> dict[str, list[str]]:
             key = key.replace("-", "_")  # tyro spells options either way
             current = key
             if key in options:  # the last wins, as in tyro and argparse, but never silently
-                print(f"warning: {CLI}: --{key} is given more than once ({' '.join(options[key]) or 'no value'}, then "
-                      f"{value if eq else 'the values after it'}); the last one is used", file=sys.stderr)
+                print(
+                    f"warning: {CLI}: --{key} is given more than once ({' '.join(options[key]) or 'no value'}, then "
+                    f"{value if eq else 'the values after it'}); the last one is used",
+                    file=sys.stderr,
+                )
             options[key] = [value] if eq else []
         elif current is None:
             raise ConfigError(f"command line: unexpected argument {token!r}; options look like --section.key=value")
@@ -190,22 +194,32 @@ def load_toml(path: str) -> dict[tuple[str, str], Any]:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"job.config_file={path!r} does not exist; pass an existing TOML file, e.g. train_configs/debug.toml") from None
+        raise ConfigError(
+            f"job.config_file={path!r} does not exist; pass an existing TOML file, e.g. train_configs/debug.toml"
+        ) from None
     except IsADirectoryError:
-        raise ConfigError(f"job.config_file={path!r} is a folder; pass a TOML file, e.g. train_configs/debug.toml") from None
+        raise ConfigError(
+            f"job.config_file={path!r} is a folder; pass a TOML file, e.g. train_configs/debug.toml"
+        ) from None
     except PermissionError:
-        raise ConfigError(f"job.config_file={path!r} is not readable (permission denied); fix its permissions") from None
+        raise ConfigError(
+            f"job.config_file={path!r} is not readable (permission denied); fix its permissions"
+        ) from None
     except UnicodeDecodeError:
         raise ConfigError(f"job.config_file={path!r} is not UTF-8 text; save it as UTF-8 TOML") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"job.config_file={path!r} is not valid TOML: {e}") from None
     if isinstance(raw.get("job"), dict) and "config_file" in raw["job"]:
-        raise ConfigError(f"{path}: job.config_file inside a TOML is not read (configs do not include others); remove it and "
-                          "pass the file with --job.config_file")
+        raise ConfigError(
+            f"{path}: job.config_file inside a TOML is not read (configs do not include others); remove it and "
+            "pass the file with --job.config_file"
+        )
     out: dict[tuple[str, str], Any] = {}
     for section, table in raw.items():
         if not isinstance(table, dict):
-            raise ConfigError(f"{path}: top-level key '{section}' must be a [section]; sections: {', '.join(_sections())}")
+            raise ConfigError(
+                f"{path}: top-level key '{section}' must be a [section]; sections: {', '.join(_sections())}"
+            )
         for name, value in table.items():
             sec, fld, tp = _resolve_key(f"{section}.{name}", path)
             out[(sec, fld)] = coerce(f"{section}.{name}", value, tp, path)
@@ -245,16 +259,22 @@ def _check_combinations(cfg: JobConfig) -> None:
     if scale is None:
         return
     if cfg.loss.learn_logit_scale and not 0 <= scale <= MAX_LOGIT_SCALE:
-        raise ConfigError(f"loss.init_logit_scale={scale!r} is out of range for a learned scale: expected a number in "
-                          f"[0, {MAX_LOGIT_SCALE:.4f}] (the clamp applied after every step, temperature exp(t') <= 100); "
-                          f"to train at exp({scale!r}) = {math.exp(scale):.4g} set loss.learn_logit_scale=false")
+        raise ConfigError(
+            f"loss.init_logit_scale={scale!r} is out of range for a learned scale: expected a number in "
+            f"[0, {MAX_LOGIT_SCALE:.4f}] (the clamp applied after every step, temperature exp(t') <= 100); "
+            f"to train at exp({scale!r}) = {math.exp(scale):.4g} set loss.learn_logit_scale=false"
+        )
     if not cfg.loss.learn_logit_scale and abs(scale) > MAX_FIXED_LOGIT_SCALE:
-        raise ConfigError(f"loss.init_logit_scale={scale!r} is out of range: expected a number in [-{MAX_FIXED_LOGIT_SCALE:.4f}, "
-                          f"{MAX_FIXED_LOGIT_SCALE:.4f}] (a fixed temperature exp(t') between 1e-4 and 1e4; beyond, the logits "
-                          "overflow float16 or no longer tell pairs apart)")
+        raise ConfigError(
+            f"loss.init_logit_scale={scale!r} is out of range: expected a number in [-{MAX_FIXED_LOGIT_SCALE:.4f}, "
+            f"{MAX_FIXED_LOGIT_SCALE:.4f}] (a fixed temperature exp(t') between 1e-4 and 1e4; beyond, the logits "
+            "overflow float16 or no longer tell pairs apart)"
+        )
 
 
-def check_contrastive_problem(cfg: JobConfig, dp_degree: int, global_batch_size: int, *, contrastive: bool = True) -> None:
+def check_contrastive_problem(
+    cfg: JobConfig, dp_degree: int, global_batch_size: int, *, contrastive: bool = True
+) -> None:
     """A contrastive step needs at least two pairs in each problem: with one, the clip loss and its
     gradient are exactly 0 (siglip's has no negatives), and the run trained nothing, silently.
     A problem is the microbatches of all DP ranks (`negatives = "microbatch"`, chunked by GradCache
@@ -264,12 +284,19 @@ def check_contrastive_problem(cfg: JobConfig, dp_degree: int, global_batch_size:
     problem = global_batch_size if cfg.loss.negatives == "global" else local * dp_degree
     if problem >= 2 or not contrastive:
         return
-    fix = "raise training.global_batch_size" if cfg.loss.negatives == "global" else (
-        "raise training.local_batch_size (loss.negatives=global with a larger training.global_batch_size makes the whole "
-        "global batch one problem instead)")
-    raise ConfigError(f"training.local_batch_size={local} with loss.negatives={cfg.loss.negatives} on {dp_degree} process"
-                      f"{'es' if dp_degree > 1 else ''}: each contrastive problem holds one pair, whose loss and gradient "
-                      f"carry no negatives (clip: exactly 0); {fix}")
+    fix = (
+        "raise training.global_batch_size"
+        if cfg.loss.negatives == "global"
+        else (
+            "raise training.local_batch_size (loss.negatives=global with a larger training.global_batch_size makes the "
+            "whole global batch one problem instead)"
+        )
+    )
+    raise ConfigError(
+        f"training.local_batch_size={local} with loss.negatives={cfg.loss.negatives} on {dp_degree} process"
+        f"{'es' if dp_degree > 1 else ''}: each contrastive problem holds one pair, whose loss and gradient "
+        f"carry no negatives (clip: exactly 0); {fix}"
+    )
 
 
 def log_config_warnings(cfg: JobConfig) -> list[str]:
@@ -281,8 +308,11 @@ def log_config_warnings(cfg: JobConfig) -> list[str]:
     out = []
     warmup, steps = cfg.lr_scheduler.warmup_steps, cfg.training.steps
     if warmup >= steps:
-        out.append(f"lr_scheduler.warmup_steps={warmup} >= training.steps={steps}: the lr rises for the whole run, reaching "
-                   f"{steps / (warmup + 1):.2g} x optimizer.lr at the last step, and never decays; lower warmup_steps for a full schedule")
+        out.append(
+            f"lr_scheduler.warmup_steps={warmup} >= training.steps={steps}: the lr rises for the whole run, reaching "
+            f"{steps / (warmup + 1):.2g} x optimizer.lr at the last step, and never decays; lower warmup_steps for a "
+            "full schedule"
+        )
     for line in out:
         logging.getLogger("titan_contrastive").warning(f"warning: {line}")
     return out

@@ -9,7 +9,8 @@ resumable stream of batch dicts {image, text, label, index}.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from titan_contrastive.datasets.base import DataError, ImageTextDataset
 from titan_contrastive.datasets.emoji import build_emoji
@@ -20,20 +21,42 @@ from titan_contrastive.datasets.tokenizer import ByteTokenizer, CaptionTokenizer
 from titan_contrastive.datasets.wordnet import TextPairDataset, build_wordnet
 
 __all__ = [
-    "DATASETS", "SPLITS", "BlockedDistributedSampler", "ByteTokenizer", "DataError", "Dataset", "EpochLoader",
-    "ImageTextDataset", "PairTokenizer", "TextPairDataset", "ZeroShotDataset", "build_dataloader", "build_dataset",
+    "DATASETS",
+    "SPLITS",
+    "BlockedDistributedSampler",
+    "ByteTokenizer",
+    "DataError",
+    "Dataset",
+    "EpochLoader",
+    "ImageTextDataset",
+    "PairTokenizer",
+    "TextPairDataset",
+    "ZeroShotDataset",
+    "build_dataloader",
+    "build_dataset",
 ]
 
 _BUILDERS: dict[str, Callable[..., Dataset]] = {
-    "fashion_mnist": build_fashion_mnist, "emoji": build_emoji, "wordnet": build_wordnet,
+    "fashion_mnist": build_fashion_mnist,
+    "emoji": build_emoji,
+    "wordnet": build_wordnet,
 }
 TOKENIZED_BY_MODEL = ("wordnet",)  # datasets that tokenize with the model family's tokenizer
 DATASETS: tuple[str, ...] = tuple(_BUILDERS)
 SPLITS: tuple[str, ...] = ("train", "test")
 
 
-def build_dataset(name: str, split: str, *, path: str = "", seed: int = 0, context_length: int = 32,
-                  augment: bool = True, image_size: int = 0, tokenizer: Any = None) -> Dataset:
+def build_dataset(
+    name: str,
+    split: str,
+    *,
+    path: str = "",
+    seed: int = 0,
+    context_length: int = 32,
+    augment: bool = True,
+    image_size: int = 0,
+    tokenizer: Any = None,
+) -> Dataset:
     """One split of a dataset, in memory. `seed` drives the per-sample randomness of the train
     split (caption template, flips when `augment`); the test split is deterministic.
     `image_size` > 0 serves images resized to that square size. `tokenizer`: the model family's
@@ -45,8 +68,12 @@ def build_dataset(name: str, split: str, *, path: str = "", seed: int = 0, conte
     if name in TOKENIZED_BY_MODEL:
         return _BUILDERS[name](split, path=path, context_length=context_length, tokenizer=tokenizer)
     if tokenizer is not None and not isinstance(tokenizer, CaptionTokenizer):
-        raise DataError(f"data.dataset={name!r} is image-text with its own tokenizer, but the model family brings a "
-                        f"pretrained text tokenizer; use a text-pair dataset ({', '.join(TOKENIZED_BY_MODEL)})")
-    dataset = _BUILDERS[name](split, path=path, seed=seed, context_length=context_length, augment=augment, tokenizer=tokenizer)
+        raise DataError(
+            f"data.dataset={name!r} is image-text with its own tokenizer, but the model family brings a "
+            f"pretrained text tokenizer; use a text-pair dataset ({', '.join(TOKENIZED_BY_MODEL)})"
+        )
+    dataset = _BUILDERS[name](
+        split, path=path, seed=seed, context_length=context_length, augment=augment, tokenizer=tokenizer
+    )
     dataset.resize(image_size)
     return dataset

@@ -57,19 +57,30 @@ class BadSampleLog:
             logger.warning(f"skipped bad sample: {skip} ({self.total} skipped of {self.seen} loaded on this rank)")
         if bad and self.total > self.limit():
             last = bad[-1]
-            raise DataError(f"{last.where}: {self.total} bad samples of {self.seen} loaded exceed data.max_bad_fraction="
-                            f"{self.max_bad_fraction} ({dict(self.counts)}; last: sample {last.key}, {last.reason}); fix or "
-                            "remove the damaged files, or raise data.max_bad_fraction")
+            raise DataError(
+                f"{last.where}: {self.total} bad samples of {self.seen} loaded exceed data.max_bad_fraction="
+                f"{self.max_bad_fraction} ({dict(self.counts)}; last: sample {last.key}, {last.reason}); fix or "
+                "remove the damaged files, or raise data.max_bad_fraction"
+            )
         return batch
 
     def values(self) -> dict[str, int]:
         """For the train log and metrics.jsonl: `bad_samples` and `bad_samples/<reason>` (this rank), and
         `bad_shards`, `bad_shards/<reason>`, `bad_shards/samples_lost` when indexing lost any."""
-        out = {"bad_samples": self.total, **{f"bad_samples/{k}": v for k, v in sorted(self.counts.items())}} if self.counts else {}
+        out = (
+            {"bad_samples": self.total, **{f"bad_samples/{k}": v for k, v in sorted(self.counts.items())}}
+            if self.counts
+            else {}
+        )
         if self.shard_losses:
             reasons = Counter(loss.reason for loss in self.shard_losses)
-            out.update({"bad_shards": len(self.shard_losses), **{f"bad_shards/{k}": v for k, v in sorted(reasons.items())},
-                        "bad_shards/samples_lost": sum(loss.lost for loss in self.shard_losses)})
+            out.update(
+                {
+                    "bad_shards": len(self.shard_losses),
+                    **{f"bad_shards/{k}": v for k, v in sorted(reasons.items())},
+                    "bad_shards/samples_lost": sum(loss.lost for loss in self.shard_losses),
+                }
+            )
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -12,7 +12,8 @@ cannot give that; `sample_hash(seed, epoch, stream, i)` can, vectorized over the
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -109,13 +110,18 @@ class ImageTextDataset:
         self._scale = 1.0 / (255.0 * std_t)
         self._shift = -mean_t / std_t
         # [num_templates, num_subjects, context_length]
-        self._tokens = torch.stack([self.tokenizer.encode([t.format(s) for s in self.subjects]) for t in self.templates])
+        self._tokens = torch.stack(
+            [self.tokenizer.encode([t.format(s) for s in self.subjects]) for t in self.templates]
+        )
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __repr__(self) -> str:
-        return f"ImageTextDataset({self.name}/{self.split}: {len(self)} samples, image {self.image_shape}, source {self.source})"
+        return (
+            f"ImageTextDataset({self.name}/{self.split}: {len(self)} samples, image {self.image_shape}, "
+            f"source {self.source})"
+        )
 
     def resize(self, size: int) -> None:
         """Serve images resized (bilinear) to size x size; 0 keeps the native size. Why: large
@@ -130,13 +136,17 @@ class ImageTextDataset:
         """The validated resolutions to mix (`data.image_sizes`, else the current size)."""
         example = [multiple * k for k in (2, 3, 4)]
         if not sizes and self.image_shape[1] % multiple:
-            raise DataError(f"{self.name} images are {self.image_shape[1]} px, not a multiple of the model's {what} {multiple}; "
-                            f"set data.image_sizes (e.g. {example}) or data.image_size to a multiple of {multiple}")
+            raise DataError(
+                f"{self.name} images are {self.image_shape[1]} px, not a multiple of the model's {what} {multiple}; "
+                f"set data.image_sizes (e.g. {example}) or data.image_size to a multiple of {multiple}"
+            )
         sizes = list(sizes) or [self.image_shape[1]]
         bad = [s for s in sizes if s < multiple or s % multiple]
         if bad:
-            raise DataError(f"data.image_sizes={sizes}: {bad} are not positive multiples of the model's {what} {multiple}; "
-                            f"use sizes like {example}")
+            raise DataError(
+                f"data.image_sizes={sizes}: {bad} are not positive multiples of the model's {what} {multiple}; "
+                f"use sizes like {example}"
+            )
         return sorted(set(sizes))
 
     def pack_patches(self, patch_size: int, sizes: Sequence[int] = ()) -> None:
@@ -175,31 +185,42 @@ class ImageTextDataset:
     def _template_ids(self, idx: np.ndarray) -> np.ndarray:
         if self.split != "train":
             return np.zeros(len(idx), dtype=np.int64)
-        return (sample_hash(self.seed, self.epoch, STREAM_TEMPLATE, idx) % np.uint64(len(self.templates))).astype(np.int64)
+        return (sample_hash(self.seed, self.epoch, STREAM_TEMPLATE, idx) % np.uint64(len(self.templates))).astype(
+            np.int64
+        )
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The batch dict: image float32 [B,C,H,W] (normalized), text int64 [B,L], label int64 [B], index int64 [B];
-        with `pack_patches`, pixel_values float32 [total_patches, C·p·p] and image_grid_thw int64 [B, 3] instead of image;
-        with `serve_masked`, image in [-1, 1] zero-padded and mask float32 [B, 1, H, W]."""
+        with `pack_patches`, pixel_values float32 [total_patches, C·p·p] and image_grid_thw int64 [B, 3]
+        instead of image; with `serve_masked`, image in [-1, 1] zero-padded and mask float32 [B, 1, H, W]."""
         idx_np = np.asarray(indices, dtype=np.int64)
         idx = torch.from_numpy(idx_np)
         images = self._images[idx]
         if self.hflip:
-            flip = torch.from_numpy((sample_hash(self.seed, self.epoch, STREAM_FLIP, idx_np) >> np.uint64(63)).astype(np.bool_))
+            flip = torch.from_numpy(
+                (sample_hash(self.seed, self.epoch, STREAM_FLIP, idx_np) >> np.uint64(63)).astype(np.bool_)
+            )
             images = torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
         template = torch.from_numpy(self._template_ids(idx_np))
         pixels = images.float().mul_(self._scale).add_(self._shift)
         text = {"text": self._tokens[template, self._text_ids[idx]], "label": self.labels[idx], "index": idx}
         if self._layout == "packed":
-            pixel_values, grid = pack_images(pixels, np.asarray(self._sizes)[self._image_size_ids(idx_np)], self._patch_size)
+            pixel_values, grid = pack_images(
+                pixels, np.asarray(self._sizes)[self._image_size_ids(idx_np)], self._patch_size
+            )
             return {"pixel_values": pixel_values, "image_grid_thw": grid, **text}
         if self._layout == "masked":
             resized = resize_each(pixels, np.asarray(self._sizes)[self._image_size_ids(idx_np)])
             image, mask = pad_to_batch(resized, size=self._sizes[-1])
             return {"image": image, "mask": mask, **text}
         if self._size and self._size != images.shape[-1]:
-            pixels = F.interpolate(pixels, size=(self._size, self._size), mode="bilinear", align_corners=False,
-                                   antialias=self._size < images.shape[-1])
+            pixels = F.interpolate(
+                pixels,
+                size=(self._size, self._size),
+                mode="bilinear",
+                align_corners=False,
+                antialias=self._size < images.shape[-1],
+            )
         return {"image": pixels, **text}
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
@@ -211,7 +232,10 @@ class ImageTextDataset:
 
     def captions(self, indices: Sequence[int]) -> list[str]:
         """Template-0 captions (what the test split tokenizes), for retrieval evaluation and logs."""
-        return [self.templates[0].format(self.subjects[i]) for i in self._text_ids[torch.as_tensor(indices, dtype=torch.long)].tolist()]
+        return [
+            self.templates[0].format(self.subjects[i])
+            for i in self._text_ids[torch.as_tensor(indices, dtype=torch.long)].tolist()
+        ]
 
     def encode_text(self, texts: list[str]) -> torch.Tensor:
         """Tokenize free text (e.g. zero-shot class prompts) exactly as the captions are."""

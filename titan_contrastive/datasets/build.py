@@ -10,8 +10,9 @@ Order of operations (all before any model is built, so a missing file costs no c
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from titan_contrastive.config import ConfigError
 from titan_contrastive.config.job_config import Data, Eval
@@ -34,20 +35,30 @@ def open_source(kind: str, path: str, data: Data, *, split: str = "train") -> So
     """The records behind `path` (`::` joins several, weighted by `data.upsampling_factors`), read
     as the `[data]` section `data` says (column names, shard member keys)."""
     if not path:
-        raise DataError(f"data.path is empty: data.dataset={kind!r} reads your files; set data.path (see README, 'Your own data')")
+        raise DataError(
+            f"data.path is empty: data.dataset={kind!r} reads your files; set data.path (see README, 'Your own data')"
+        )
     parts = path.split("::")
     factors = data.upsampling_factors or [1.0] * len(parts)
     if len(factors) != len(parts):
-        raise DataError(f"data.upsampling_factors={list(factors)}: {len(factors)} factor(s) for the {len(parts)} sources "
-                        f"in data.path; give one factor per '::'-joined source")
+        raise DataError(
+            f"data.upsampling_factors={list(factors)}: {len(factors)} factor(s) for the {len(parts)} sources "
+            f"in data.path; give one factor per '::'-joined source"
+        )
     sources: list[Source] = []
     for part in parts:
         if kind == "csv":
-            sources.append(CsvSource(part, img_key=data.csv_img_key, caption_key=data.csv_caption_key, separator=data.csv_separator))
+            sources.append(
+                CsvSource(
+                    part, img_key=data.csv_img_key, caption_key=data.csv_caption_key, separator=data.csv_separator
+                )
+            )
         elif kind == "webdataset":
             sources.append(WebDatasetSource(part, image_keys=data.wds_image_key, caption_key=data.wds_caption_key))
         else:
-            sources.append(HfSource(part, image_column=data.hf_image_column, text_column=data.hf_text_column, split=split))
+            sources.append(
+                HfSource(part, image_column=data.hf_image_column, text_column=data.hf_text_column, split=split)
+            )
     if len(sources) == 1 and factors[0] == 1.0:
         return sources[0]
     return WeightedSources(sources, factors)
@@ -78,34 +89,61 @@ class DataBundle:
     def describe(self) -> str:
         ds, held_out, zero_shot = self.train_set, self.eval_set, self.zero_shot_set
         evals = f"eval {len(held_out)}" if held_out is not None else "no eval set (data.val_path is empty)"
-        return (f"{ds.name} train {len(ds)} samples ({'full set' if ds.full else 'bundled subset'}, {ds.source}), {evals}"
-                + (f", zero-shot {len(zero_shot)} images in {len(zero_shot.class_names)} classes" if zero_shot is not None else "")
-                + "".join(describe_losses(split, d) for split, d in (("train", ds), ("eval", held_out)) if d is not None))
+        return (
+            f"{ds.name} train {len(ds)} samples ({'full set' if ds.full else 'bundled subset'}, {ds.source}), {evals}"
+            + (
+                f", zero-shot {len(zero_shot)} images in {len(zero_shot.class_names)} classes"
+                if zero_shot is not None
+                else ""
+            )
+            + "".join(describe_losses(split, d) for split, d in (("train", ds), ("eval", held_out)) if d is not None)
+        )
 
 
 def describe_losses(split: str, ds: Dataset) -> str:
-    """"; train: 2 bad shards ..." for the data line when indexing left shards out or cut them short, else ""."""
+    """ "; train: 2 bad shards ..." for the data line when indexing left shards out or cut them short, else ""."""
     losses = getattr(ds, "shard_losses", [])
     if not losses:
         return ""
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(Counter(loss.reason for loss in losses).items()))
     uncounted = sum(not loss.promised for loss in losses)
     more = f", plus any more in the {uncounted} without a shards.json or _stats.json count" if uncounted else ""
-    return (f"; {split}: {len(losses)} bad shard(s) left out or cut short ({reasons}; {sum(loss.lost for loss in losses)} "
-            f"samples lost{more}; see the warnings above)")
+    return (
+        f"; {split}: {len(losses)} bad shard(s) left out or cut short ({reasons}; {sum(loss.lost for loss in losses)} "
+        f"samples lost{more}; see the warnings above)"
+    )
 
 
-def build_file_dataset(kind: str, split: str, path: str, data: Data, *, tokenizer: Any, image_size: int, seed: int,
-                       augment: bool) -> FileImageTextDataset:
+def build_file_dataset(
+    kind: str, split: str, path: str, data: Data, *, tokenizer: Any, image_size: int, seed: int, augment: bool
+) -> FileImageTextDataset:
     """One split of the user's image-caption data (`data`: the `[data]` section)."""
     source = open_source(kind, path, data, split=split)
-    return FileImageTextDataset(name=kind, split=split, source=source, tokenizer=tokenizer,
-                                image_size=image_size or DEFAULT_IMAGE_SIZE, seed=seed, augment=augment)
+    return FileImageTextDataset(
+        name=kind,
+        split=split,
+        source=source,
+        tokenizer=tokenizer,
+        image_size=image_size or DEFAULT_IMAGE_SIZE,
+        seed=seed,
+        augment=augment,
+    )
 
 
-def build_data(data: Data, eval_cfg: Eval, *, seed: int, family_tokenizer: Callable[[], Any], prepare: Callable[[Dataset], None],
-               build_bundled: Callable[..., Dataset], local_batch_size: int, dp_rank: int, dp_degree: int,
-               pin_memory: bool, global_batch_size: int = 0) -> DataBundle:
+def build_data(
+    data: Data,
+    eval_cfg: Eval,
+    *,
+    seed: int,
+    family_tokenizer: Callable[[], Any],
+    prepare: Callable[[Dataset], None],
+    build_bundled: Callable[..., Dataset],
+    local_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    pin_memory: bool,
+    global_batch_size: int = 0,
+) -> DataBundle:
     """The run's data (see the module docstring). `family_tokenizer()`: a pretrained family's own
     tokenizer (bi_encoder) for text pairs, or None; an ImportError (its optional dependency is
     missing) becomes a one-line ConfigError. `build_bundled`: `datasets.build_dataset`.
@@ -118,8 +156,10 @@ def build_data(data: Data, eval_cfg: Eval, *, seed: int, family_tokenizer: Calla
     eval_sets: list[Dataset | None] = []
     if data.dataset in FILE_SOURCES:
         if pair_tokenizer is not None and not isinstance(pair_tokenizer, CaptionTokenizer):
-            raise DataError(f"data.dataset={data.dataset!r} is image-text; the model family reads text pairs: use "
-                            "data.dataset='pairs' or 'wordnet'")
+            raise DataError(
+                f"data.dataset={data.dataset!r} is image-text; the model family reads text pairs: use "
+                "data.dataset='pairs' or 'wordnet'"
+            )
         tokenizer = pair_tokenizer or text_tokenizer(data.tokenizer, data.dataset, data.context_length)
         context_length = tokenizer.context_length
         common = dict(tokenizer=tokenizer, image_size=data.image_size, seed=seed)
@@ -131,30 +171,55 @@ def build_data(data: Data, eval_cfg: Eval, *, seed: int, family_tokenizer: Calla
             eval_sets.append(None)
     elif data.dataset == "pairs":
         if pair_tokenizer is None:
-            raise DataError("data.dataset='pairs' is text-to-text and needs a model family with a text tokenizer: "
-                            "use model.name='bi_encoder'")
+            raise DataError(
+                "data.dataset='pairs' is text-to-text and needs a model family with a text tokenizer: "
+                "use model.name='bi_encoder'"
+            )
         context_length = data.context_length or DEFAULT_CONTEXT["byte"]
-        common = dict(tokenizer=pair_tokenizer, query_length=context_length, columns=data.pairs_columns,
-                      max_bad_fraction=data.max_bad_fraction)
+        common = dict(
+            tokenizer=pair_tokenizer,
+            query_length=context_length,
+            columns=data.pairs_columns,
+            max_bad_fraction=data.max_bad_fraction,
+        )
         if not data.path:
-            raise DataError("data.path is empty: data.dataset='pairs' reads your .jsonl/.tsv/.parquet file; set data.path")
+            raise DataError(
+                "data.path is empty: data.dataset='pairs' reads your .jsonl/.tsv/.parquet file; set data.path"
+            )
         train = PairsDataset(split="train", path=data.path, **common)
         eval_sets.append(PairsDataset(split="test", path=data.val_path, **common) if data.val_path else None)
     else:
         if data.tokenizer == "clip_bpe":
-            raise DataError(f"data.tokenizer='clip_bpe' with data.dataset={data.dataset!r}: the bundled sets use the byte "
-                            "tokenizer; set data.tokenizer='auto' or use your own data (csv, webdataset, hf)")
+            raise DataError(
+                f"data.tokenizer='clip_bpe' with data.dataset={data.dataset!r}: the bundled sets use the byte "
+                "tokenizer; set data.tokenizer='auto' or use your own data (csv, webdataset, hf)"
+            )
         context_length = getattr(pair_tokenizer, "context_length", 0) or data.context_length or DEFAULT_CONTEXT["byte"]
-        common = dict(path=data.path, seed=seed, context_length=context_length, image_size=data.image_size, tokenizer=pair_tokenizer)
+        common = dict(
+            path=data.path,
+            seed=seed,
+            context_length=context_length,
+            image_size=data.image_size,
+            tokenizer=pair_tokenizer,
+        )
         train = build_bundled(data.dataset, "train", augment=data.augment, **common)
         eval_sets.append(build_bundled(data.dataset, "test", augment=False, **common))
     if eval_cfg.zero_shot_path:
         if not isinstance(train, FileImageTextDataset):
-            raise DataError(f"eval.zero_shot_path={eval_cfg.zero_shot_path}: zero-shot folders are read as RGB photos like "
-                            f"your own image-text data (csv, webdataset, hf), not with data.dataset={data.dataset!r}; leave it empty")
-        eval_sets.append(ImageFolderZeroShot(eval_cfg.zero_shot_path, names_file=eval_cfg.zero_shot_names,
-                                             templates=load_templates(eval_cfg.zero_shot_templates), tokenizer=train.tokenizer,
-                                             image_size=train.image_shape[-1]))
+            raise DataError(
+                f"eval.zero_shot_path={eval_cfg.zero_shot_path}: zero-shot folders are read as RGB photos like "
+                f"your own image-text data (csv, webdataset, hf), not with data.dataset={data.dataset!r}; leave it "
+                "empty"
+            )
+        eval_sets.append(
+            ImageFolderZeroShot(
+                eval_cfg.zero_shot_path,
+                names_file=eval_cfg.zero_shot_names,
+                templates=load_templates(eval_cfg.zero_shot_templates),
+                tokenizer=train.tokenizer,
+                image_size=train.image_shape[-1],
+            )
+        )
     else:
         eval_sets.append(None)
     for ds in (train, *eval_sets):
@@ -162,9 +227,20 @@ def build_data(data: Data, eval_cfg: Eval, *, seed: int, family_tokenizer: Calla
             prepare(ds)
     if global_batch_size > len(train):
         per_batch = local_batch_size * dp_degree
-        raise DataError(f"training.global_batch_size={global_batch_size} exceeds the {len(train)} samples of {train.name}/{train.split}: "
-                        f"one step would use samples twice; use at most {len(train) // per_batch * per_batch} (a multiple of "
-                        f"local_batch_size x dp degree = {per_batch}) or more data")
-    loader = build_dataloader(train, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_degree, seed=seed,
-                              num_workers=data.num_workers, pin_memory=pin_memory, max_bad_fraction=data.max_bad_fraction)
+        raise DataError(
+            f"training.global_batch_size={global_batch_size} exceeds the {len(train)} samples of "
+            f"{train.name}/{train.split}: "
+            f"one step would use samples twice; use at most {len(train) // per_batch * per_batch} (a multiple of "
+            f"local_batch_size x dp degree = {per_batch}) or more data"
+        )
+    loader = build_dataloader(
+        train,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_degree,
+        seed=seed,
+        num_workers=data.num_workers,
+        pin_memory=pin_memory,
+        max_bad_fraction=data.max_bad_fraction,
+    )
     return DataBundle(train, eval_sets[0], eval_sets[1], loader, context_length)

@@ -78,7 +78,9 @@ def build_tokenizer() -> Tokenizer:
         continuing_subword_prefix="", end_of_word_suffix="</w>", unk_token=None, fuse_unk=False,
     )  # fmt: skip
     tok = Tokenizer(bpe)
-    tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()])
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()]
+    )
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(_SPLIT), behavior="removed", invert=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),

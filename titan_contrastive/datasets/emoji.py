@@ -55,11 +55,18 @@ def load_emoji(file: Path) -> tuple[np.ndarray, list[str]]:
         raise DataError(f"{file}: missing array(s) {', '.join(missing)}; {_FIX}")
     images, names = arrays["images"], arrays["names"]
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
-        raise DataError(f"{file}: field images is {images.dtype} {list(images.shape)}, expected uint8 [N,H,W,3]; {_FIX}")
+        raise DataError(
+            f"{file}: field images is {images.dtype} {list(images.shape)}, expected uint8 [N,H,W,3]; {_FIX}"
+        )
     if names.shape != images.shape[:1]:
-        raise DataError(f"{file}: field names has shape {list(names.shape)} for {len(images)} images; expected one name per image; {_FIX}")
+        raise DataError(
+            f"{file}: field names has shape {list(names.shape)} for {len(images)} images; expected one name per image; "
+            f"{_FIX}"
+        )
     if len(images) <= NUM_TEST:
-        raise DataError(f"{file}: {len(images)} emoji, but {NUM_TEST} are held out for the test split; give more than {NUM_TEST}")
+        raise DataError(
+            f"{file}: {len(images)} emoji, but {NUM_TEST} are held out for the test split; give more than {NUM_TEST}"
+        )
     return images, [str(n) for n in names]
 
 
@@ -69,8 +76,9 @@ def split_ids(num_emoji: int, split: str) -> np.ndarray:
     return np.sort(perm[:NUM_TEST] if split == "test" else perm[NUM_TEST:])
 
 
-def build_emoji(split: str, *, path: str = "", seed: int = 0, context_length: int = 32, augment: bool = True,
-                tokenizer: Any = None) -> ImageTextDataset:
+def build_emoji(
+    split: str, *, path: str = "", seed: int = 0, context_length: int = 32, augment: bool = True, tokenizer: Any = None
+) -> ImageTextDataset:
     """The emoji split as an ImageTextDataset. `augment` is accepted for a uniform signature but
     does nothing: emoji are not flipped (many are asymmetric symbols, arrows and letters)."""
     file = npz_file(path)

@@ -55,11 +55,15 @@ def read_idx(path: Path, ndim: int) -> np.ndarray:
         with gzip.open(path, "rb") as f:
             data = f.read()
     except (OSError, EOFError, zlib.error) as e:
-        raise DataError(f"{path}: not a readable gzip file ({e}); replace it with the original download ({_FIX})") from e
+        raise DataError(
+            f"{path}: not a readable gzip file ({e}); replace it with the original download ({_FIX})"
+        ) from e
     magic = bytes([0, 0, 8, ndim])
     header = 4 + 4 * ndim
     if len(data) < header or data[:4] != magic:
-        raise DataError(f"{path}: IDX magic {data[:4].hex()} is not {magic.hex()} (uint8, {ndim}-d); wrong or corrupt file ({_FIX})")
+        raise DataError(
+            f"{path}: IDX magic {data[:4].hex()} is not {magic.hex()} (uint8, {ndim}-d); wrong or corrupt file ({_FIX})"
+        )
     shape = struct.unpack(f">{ndim}I", data[4:header])
     expected = header + math.prod(shape)
     if len(data) != expected:
@@ -90,14 +94,21 @@ def load_split(folder: Path, split: str, path_setting: str = "") -> tuple[np.nda
     images = read_idx(image_file, 3)
     labels = read_idx(label_file, 1)
     if len(labels) != len(images):
-        raise DataError(f"{label_file}: {len(labels)} labels for {len(images)} images in {image_file}; the two files do not belong together ({_FIX})")
+        raise DataError(
+            f"{label_file}: {len(labels)} labels for {len(images)} images in {image_file}; the two files do not belong "
+            f"together ({_FIX})"
+        )
     if len(labels) and labels.max() >= len(CLASS_NAMES):
-        raise DataError(f"{label_file}: label {labels.max()} out of range 0..{len(CLASS_NAMES) - 1}; not a Fashion-MNIST label file ({_FIX})")
+        raise DataError(
+            f"{label_file}: label {labels.max()} out of range 0..{len(CLASS_NAMES) - 1}; not a Fashion-MNIST label "
+            f"file ({_FIX})"
+        )
     return images, labels
 
 
-def build_fashion_mnist(split: str, *, path: str = "", seed: int = 0, context_length: int = 32, augment: bool = True,
-                        tokenizer: Any = None) -> ImageTextDataset:
+def build_fashion_mnist(
+    split: str, *, path: str = "", seed: int = 0, context_length: int = 32, augment: bool = True, tokenizer: Any = None
+) -> ImageTextDataset:
     """The Fashion-MNIST split as an ImageTextDataset; train samples get a random template and,
     with `augment`, a random horizontal flip (clothes are left-right symmetric)."""
     folder = data_folder(path)

@@ -16,7 +16,8 @@ was opened; they are listed in `shard_losses` and counted as `bad_shards`.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +25,14 @@ from PIL import Image
 
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.image_transforms import OPENAI_MEAN, OPENAI_STD, Normalize, crop_resize, decode_image, sample_rng
+from titan_contrastive.datasets.image_transforms import (
+    OPENAI_MEAN,
+    OPENAI_STD,
+    Normalize,
+    crop_resize,
+    decode_image,
+    sample_rng,
+)
 from titan_contrastive.datasets.sources import BadSample, Record, Source
 
 MAX_SUBSTITUTES = 64
@@ -36,11 +44,24 @@ class FileImageTextDataset:
     int64, index [B] int64 (and BAD_SAMPLES, a list of skipped records). Retrieval evaluation
     (recall@1/5/10 both ways) when it is the eval split; `class_names` is None."""
 
-    def __init__(self, *, name: str, split: str, source: Source, tokenizer: Any, image_size: int, seed: int,
-                 augment: bool, mean: Sequence[float] = OPENAI_MEAN, std: Sequence[float] = OPENAI_STD) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        split: str,
+        source: Source,
+        tokenizer: Any,
+        image_size: int,
+        seed: int,
+        augment: bool,
+        mean: Sequence[float] = OPENAI_MEAN,
+        std: Sequence[float] = OPENAI_STD,
+    ) -> None:
         if image_size < 1:
-            raise DataError(f"data.image_size={image_size}: {name} images come in all sizes; set the square training size "
-                            "in pixels (e.g. 224 for clip/vit_b32)")
+            raise DataError(
+                f"data.image_size={image_size}: {name} images come in all sizes; set the square training size "
+                "in pixels (e.g. 224 for clip/vit_b32)"
+            )
         self.name, self.split, self.source, self.full = name, split, source.location, True
         self.image_shape: tuple[int, int, int] = (3, image_size, image_size)
         self.tokenizer = tokenizer
@@ -71,8 +92,10 @@ class FileImageTextDataset:
         self.image_shape = (3, size, size)
 
     def pack_patches(self, patch_size: int, sizes: Sequence[int] = ()) -> None:
-        raise DataError(f"data.dataset={self.name!r} serves [B, 3, S, S] images; the vlm family's packed patches are "
-                        "served by the bundled sets only; use model.name=clip")
+        raise DataError(
+            f"data.dataset={self.name!r} serves [B, 3, S, S] images; the vlm family's packed patches are "
+            "served by the bundled sets only; use model.name=clip"
+        )
 
     serve_masked = pack_patches
 
@@ -90,8 +113,10 @@ class FileImageTextDataset:
                 except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
                     bad.append(BadSample("undecodable_image", record.where, record.key, f"{type(e).__name__}: {e}"))
             j = (j + 1) % len(self._source)
-        raise DataError(f"{bad[-1].where}: {MAX_SUBSTITUTES} bad samples in a row from sample {index} (last: {bad[-1]}); "
-                        "the data is damaged: check the files or rebuild the shards")
+        raise DataError(
+            f"{bad[-1].where}: {MAX_SUBSTITUTES} bad samples in a row from sample {index} (last: {bad[-1]}); "
+            "the data is damaged: check the files or rebuild the shards"
+        )
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, Any]:
         size = self.image_shape[-1]
@@ -102,8 +127,12 @@ class FileImageTextDataset:
             rng = sample_rng(self.seed, self.epoch, int(index)) if self.train else None
             pixels[row] = crop_resize(image, size, train=self.train, rng=rng)
             captions.append(record.caption)
-        return {"image": self._normalize(pixels), "text": self.tokenizer.encode(captions),
-                "index": torch.as_tensor(list(indices), dtype=torch.long), BAD_SAMPLES: bad}
+        return {
+            "image": self._normalize(pixels),
+            "text": self.tokenizer.encode(captions),
+            "index": torch.as_tensor(list(indices), dtype=torch.long),
+            BAD_SAMPLES: bad,
+        }
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         batch = self.__getitems__([index])

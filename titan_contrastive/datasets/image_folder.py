@@ -10,8 +10,9 @@ image that does not decode stops the evaluation with its path (an eval set shoul
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,11 +29,17 @@ def load_templates(spec: str) -> list[str]:
     """`openai`, `simple`, or a file of templates (one per line, each with `{}`)."""
     file = PROMPTS / f"{spec}.txt" if spec in ("openai", "simple") else Path(spec).expanduser()
     if not file.is_file():
-        raise DataError(f"eval.zero_shot_templates={spec!r}: not 'openai', 'simple' or a file; give a text file with one template per line")
+        raise DataError(
+            f"eval.zero_shot_templates={spec!r}: not 'openai', 'simple' or a file; give a text file with one template "
+            "per line"
+        )
     templates = [line.strip() for line in file.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
     bad = [t for t in templates if t.count("{}") != 1]
     if not templates or bad:
-        raise DataError(f"{file}: every template needs exactly one '{{}}' for the class name (first bad: {bad[0] if bad else 'none given'!r})")
+        raise DataError(
+            f"{file}: every template needs exactly one '{{}}' for the class name (first bad: "
+            f"{bad[0] if bad else 'none given'!r})"
+        )
     return templates
 
 
@@ -40,10 +47,14 @@ class ImageFolderZeroShot:
     """A `datasets.protocol.ZeroShotDataset`: image [B,3,S,S], text (each image's class under the
     first template, for the eval loss), label, index."""
 
-    def __init__(self, root: str, *, names_file: str, templates: Sequence[str], tokenizer: Any, image_size: int) -> None:
+    def __init__(
+        self, root: str, *, names_file: str, templates: Sequence[str], tokenizer: Any, image_size: int
+    ) -> None:
         folder = Path(root).expanduser()
         if not folder.is_dir():
-            raise DataError(f"eval.zero_shot_path={root}: no such folder; give a folder with one sub-folder of images per class")
+            raise DataError(
+                f"eval.zero_shot_path={root}: no such folder; give a folder with one sub-folder of images per class"
+            )
         classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
         self._files: list[Path] = []
         labels: list[int] = []
@@ -52,19 +63,25 @@ class ImageFolderZeroShot:
             self._files += files
             labels += [label] * len(files)
         if len(classes) < 2 or not self._files:
-            raise DataError(f"eval.zero_shot_path={root}: {len(classes)} class folder(s) with {len(self._files)} images; "
-                            "zero-shot classification needs at least 2 class sub-folders of images")
+            raise DataError(
+                f"eval.zero_shot_path={root}: {len(classes)} class folder(s) with {len(self._files)} images; "
+                "zero-shot classification needs at least 2 class sub-folders of images"
+            )
         self.class_names = [name.replace("_", " ") for name in classes]
         if names_file:
             try:
                 text = read_regular(Path(names_file).expanduser()).decode("utf-8-sig")
             except (OSError, UnicodeDecodeError) as e:
-                raise DataError(f"eval.zero_shot_names={names_file}: not a readable UTF-8 text file ({e}); give one class name "
-                                "per line") from None
+                raise DataError(
+                    f"eval.zero_shot_names={names_file}: not a readable UTF-8 text file ({e}); give one class name "
+                    "per line"
+                ) from None
             names = [line.strip() for line in text.splitlines() if line.strip()]
             if len(names) != len(classes):
-                raise DataError(f"eval.zero_shot_names={names_file}: {len(names)} names for {len(classes)} class folders in {root}; "
-                                "give one name per line, in sorted folder order")
+                raise DataError(
+                    f"eval.zero_shot_names={names_file}: {len(names)} names for {len(classes)} class folders in "
+                    f"{root}; give one name per line, in sorted folder order"
+                )
             self.class_names = names
         self.name, self.split, self.source, self.full = "zero_shot", "test", str(folder), True
         self.templates = list(templates)
@@ -90,8 +107,10 @@ class ImageFolderZeroShot:
             try:
                 pixels[row] = crop_resize(decode_image(read_regular(self._files[i])), size, train=False)
             except (OSError, ValueError, SyntaxError) as e:
-                raise DataError(f"{self._files[i]}: not a readable image ({type(e).__name__}: {e}); remove it from the "
-                                "zero-shot folder") from None
+                raise DataError(
+                    f"{self._files[i]}: not a readable image ({type(e).__name__}: {e}); remove it from the "
+                    "zero-shot folder"
+                ) from None
         idx = torch.as_tensor(list(indices), dtype=torch.long)
         labels = self.labels[idx]
         text = self.encode_text([self.templates[0].format(self.class_names[c]) for c in labels.tolist()])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -14,8 +14,9 @@ MASKED_IMAGES: [-1, 1] images zero-padded to the largest size with a pixel `mask
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from titan_contrastive.batching import split_inputs, split_vlm_inputs
 from titan_contrastive.config import ConfigError
@@ -25,8 +26,10 @@ __all__ = ["IMAGES", "MASKED_IMAGES", "PACKED_PATCHES", "DataLayout"]
 
 def _one_size(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) -> None:
     if image_sizes:
-        raise ConfigError(f"data.image_sizes={list(image_sizes)}: mixed resolutions need a family that reads packed patches "
-                          f"or masks (model.name=vlm or vae); {family} takes one size: set data.image_size instead")
+        raise ConfigError(
+            f"data.image_sizes={list(image_sizes)}: mixed resolutions need a family that reads packed patches "
+            f"or masks (model.name=vlm or vae); {family} takes one size: set data.image_size instead"
+        )
 
 
 def _packed(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -36,8 +37,17 @@ class BlockedDistributedSampler(Sampler[int]):
     so StatefulDataLoader saves and restores it.
     """
 
-    def __init__(self, dataset_len: int, *, local_batch_size: int, rank: int, world_size: int, seed: int,
-                 shuffle: bool = True, drop_last: bool = True) -> None:
+    def __init__(
+        self,
+        dataset_len: int,
+        *,
+        local_batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ) -> None:
         self.dataset_len = dataset_len
         self.local_batch_size = local_batch_size
         self.rank = rank
@@ -105,8 +115,13 @@ class EpochLoader:
     Skipped bad samples are taken out of each batch and counted here (`bad_samples`).
     """
 
-    def __init__(self, dataloader: StatefulDataLoader, sampler: BlockedDistributedSampler, dataset: Dataset,
-                 bad_samples: BadSampleLog) -> None:
+    def __init__(
+        self,
+        dataloader: StatefulDataLoader,
+        sampler: BlockedDistributedSampler,
+        dataset: Dataset,
+        bad_samples: BadSampleLog,
+    ) -> None:
         self.dataloader = dataloader
         self.sampler = sampler
         self.dataset = dataset
@@ -142,7 +157,11 @@ class EpochLoader:
         return self.bad_samples.update(batch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "dataloader": self.dataloader.state_dict(), "bad_samples": self.bad_samples.state_dict()}
+        return {
+            "epoch": self.epoch,
+            "dataloader": self.dataloader.state_dict(),
+            "bad_samples": self.bad_samples.state_dict(),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state from `state_dict()`; the next batch is the one that followed it."""
@@ -152,9 +171,19 @@ class EpochLoader:
         self._iterator = None
 
 
-def build_dataloader(dataset: Dataset, *, local_batch_size: int, dp_rank: int, dp_world_size: int, seed: int,
-                     num_workers: int = 0, shuffle: bool = True, drop_last: bool = True, pin_memory: bool = False,
-                     max_bad_fraction: float = 0.001) -> EpochLoader:
+def build_dataloader(
+    dataset: Dataset,
+    *,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    seed: int,
+    num_workers: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = True,
+    pin_memory: bool = False,
+    max_bad_fraction: float = 0.001,
+) -> EpochLoader:
     """This rank's endless, resumable batch stream (an EpochLoader over a StatefulDataLoader).
 
     max_bad_fraction: see `datasets.bad_samples` (sources that skip damaged records).
@@ -172,14 +201,25 @@ def build_dataloader(dataset: Dataset, *, local_batch_size: int, dp_rank: int, d
             f"{dataset.name}/{dataset.split}; use a local batch size of at most {len(dataset) // dp_world_size}"
         )
     sampler = BlockedDistributedSampler(
-        len(dataset), local_batch_size=local_batch_size, rank=dp_rank, world_size=dp_world_size,
-        seed=seed, shuffle=shuffle, drop_last=drop_last,
+        len(dataset),
+        local_batch_size=local_batch_size,
+        rank=dp_rank,
+        world_size=dp_world_size,
+        seed=seed,
+        shuffle=shuffle,
+        drop_last=drop_last,
     )
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in recent torch; harmless
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         dataloader = StatefulDataLoader(
-            dataset, batch_size=local_batch_size, sampler=sampler, num_workers=num_workers,
-            collate_fn=passthrough_collate, drop_last=drop_last, persistent_workers=False, pin_memory=pin_memory,
+            dataset,
+            batch_size=local_batch_size,
+            sampler=sampler,
+            num_workers=num_workers,
+            collate_fn=passthrough_collate,
+            drop_last=drop_last,
+            persistent_workers=False,
+            pin_memory=pin_memory,
             # its own generator: creating iterators must not draw from the global RNG, or a resumed
             # run (which creates one iterator fewer) would see different dropout/init randomness
             generator=torch.Generator(),

@@ -18,7 +18,6 @@ image in its top-left corner and a [N, 1, H, W] mask that is 1 on its real pixel
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -34,7 +33,9 @@ def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
     return x.reshape(n * (h // p) * (w // p), c * p * p)
 
 
-def unpatchify(pixel_values: torch.Tensor, grid_thw: torch.Tensor, channels: int, patch_size: int) -> list[torch.Tensor]:
+def unpatchify(
+    pixel_values: torch.Tensor, grid_thw: torch.Tensor, channels: int, patch_size: int
+) -> list[torch.Tensor]:
     """The inverse of packing: one [C, h·p, w·p] image per `grid_thw` row (for tests and debugging)."""
     p, out, start = patch_size, [], 0
     for t, h, w in grid_thw.tolist():
@@ -52,7 +53,9 @@ def resize_each(pixels: torch.Tensor, sizes: np.ndarray) -> list[torch.Tensor]:
         members = np.flatnonzero(sizes == size)
         group = pixels[torch.from_numpy(members)]
         if size != group.shape[-1]:
-            group = F.interpolate(group, size=(size, size), mode="bilinear", align_corners=False, antialias=size < group.shape[-1])
+            group = F.interpolate(
+                group, size=(size, size), mode="bilinear", align_corners=False, antialias=size < group.shape[-1]
+            )
         for i, image in zip(members.tolist(), group):
             out[i] = image
     return out  # type: ignore[return-value]
@@ -62,7 +65,9 @@ def pack_images(pixels: torch.Tensor, sizes: np.ndarray, patch_size: int) -> tup
     """(pixel_values, image_grid_thw) of a [B, C, H, W] float batch, image i at sizes[i]², its
     patches following image i-1's."""
     pixel_values = torch.cat([patchify(image[None], patch_size) for image in resize_each(pixels, sizes)])
-    grid = torch.tensor([[1, s // patch_size, s // patch_size] for s in sizes.tolist()], dtype=torch.long).reshape(-1, 3)
+    grid = torch.tensor([[1, s // patch_size, s // patch_size] for s in sizes.tolist()], dtype=torch.long).reshape(
+        -1, 3
+    )
     return pixel_values, grid
 
 

@@ -19,8 +19,9 @@ import csv
 import json
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -35,25 +36,34 @@ def _rows(file: Path, columns: Sequence[str]) -> list[list[Any]]:
     """Each row's values in column order."""
     if file.suffix == ".jsonl":
         rows = []
-        for n, line in enumerate(file.read_text(encoding="utf-8-sig").splitlines(), 1):  # -sig: a byte-order mark is no JSON
+        # -sig: a byte-order mark is no JSON
+        for n, line in enumerate(file.read_text(encoding="utf-8-sig").splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except ValueError as e:
                 raise DataError(f"{file}:{n}: not a JSON line ({e}); write one JSON object or list per line") from None
-            rows.append([obj.get(c) for c in columns] if columns and isinstance(obj, dict)
-                        else list(obj.values()) if isinstance(obj, dict) else list(obj))
+            rows.append(
+                [obj.get(c) for c in columns]
+                if columns and isinstance(obj, dict)
+                else list(obj.values())
+                if isinstance(obj, dict)
+                else list(obj)
+            )
         return rows
     if file.suffix == ".tsv":
-        with open(file, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of the first column
+        # -sig: a byte-order mark is not part of the first column
+        with open(file, newline="", encoding="utf-8-sig") as f:
             lines = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
         if not columns:
             return lines
         header = lines[0] if lines else []
         missing = [c for c in columns if c not in header]
         if missing:
-            raise DataError(f"{file}: no column {missing[0]!r} in the header ({', '.join(header)}); fix data.pairs_columns")
+            raise DataError(
+                f"{file}: no column {missing[0]!r} in the header ({', '.join(header)}); fix data.pairs_columns"
+            )
         return [[line[header.index(c)] if header.index(c) < len(line) else None for c in columns] for line in lines[1:]]
     try:
         import pyarrow.parquet as pq
@@ -64,7 +74,9 @@ def _rows(file: Path, columns: Sequence[str]) -> list[list[Any]]:
     names = list(columns) or table.column_names
     missing = [c for c in names if c not in table.column_names]
     if missing:
-        raise DataError(f"{file}: no column {missing[0]!r} (columns: {', '.join(table.column_names)}); fix data.pairs_columns")
+        raise DataError(
+            f"{file}: no column {missing[0]!r} (columns: {', '.join(table.column_names)}); fix data.pairs_columns"
+        )
     data = table.select(names).to_pydict()
     return [list(row) for row in zip(*(data[c] for c in names))]
 
@@ -73,7 +85,10 @@ def read_pairs(path: str, columns: Sequence[str], max_bad_fraction: float) -> tu
     """Rows of texts (query, positive, negatives...), each row as long as the first good one."""
     file = Path(path).expanduser()
     if file.suffix not in FORMATS or not file.is_file():
-        raise DataError(f"data.path={path}: not an existing {'/'.join(FORMATS)} file; give query/positive[/negative] rows in one of those")
+        raise DataError(
+            f"data.path={path}: not an existing {'/'.join(FORMATS)} file; give query/positive[/negative] rows in one "
+            "of those"
+        )
     try:
         raw = _rows(file, columns)
     except (OSError, UnicodeDecodeError, csv.Error) as e:
@@ -89,8 +104,11 @@ def read_pairs(path: str, columns: Sequence[str], max_bad_fraction: float) -> tu
             skipped[reason] += 1
             logger.warning(f"{file} row {n + 1}: {reason}; skipped")
             if sum(skipped.values()) > max(1, int(max_bad_fraction * len(raw))):
-                raise DataError(f"{file}: {sum(skipped.values())} bad rows of {len(raw)} exceed data.max_bad_fraction={max_bad_fraction} "
-                                f"({dict(skipped)}; last: row {n + 1}); fix the file or raise data.max_bad_fraction")
+                raise DataError(
+                    f"{file}: {sum(skipped.values())} bad rows of {len(raw)} exceed "
+                    f"data.max_bad_fraction={max_bad_fraction} "
+                    f"({dict(skipped)}; last: row {n + 1}); fix the file or raise data.max_bad_fraction"
+                )
             continue
         rows.append(texts)
     if not rows:
@@ -101,8 +119,16 @@ def read_pairs(path: str, columns: Sequence[str], max_bad_fraction: float) -> tu
 class PairsDataset:
     """Pre-tokenized rows: batches {query, doc, index[, neg]} (see the module docstring)."""
 
-    def __init__(self, *, split: str, path: str, tokenizer: PairTokenizer, query_length: int,
-                 columns: Sequence[str] = (), max_bad_fraction: float = 0.001) -> None:
+    def __init__(
+        self,
+        *,
+        split: str,
+        path: str,
+        tokenizer: PairTokenizer,
+        query_length: int,
+        columns: Sequence[str] = (),
+        max_bad_fraction: float = 0.001,
+    ) -> None:
         rows, self.skipped = read_pairs(path, columns, max_bad_fraction)
         self.name, self.split, self.source, self.full = "pairs", split, path, True
         self.image_shape = None
@@ -113,11 +139,18 @@ class PairsDataset:
         self.num_negatives = len(rows[0]) - 2
         self._queries = tokenizer.encode([r[0] for r in rows], query_length)
         self._docs = tokenizer.encode([r[1] for r in rows], tokenizer.doc_length)
-        self._negs = (tokenizer.encode([t for r in rows for t in r[2:]], tokenizer.doc_length).view(len(rows), self.num_negatives, -1)
-                      if self.num_negatives else None)
+        self._negs = (
+            tokenizer.encode([t for r in rows for t in r[2:]], tokenizer.doc_length).view(
+                len(rows), self.num_negatives, -1
+            )
+            if self.num_negatives
+            else None
+        )
         if self.num_negatives and split == "train":
-            logger.info(f"pairs: {self.num_negatives} hard negative(s) per row in {path}, served as `neg`; the trainer's "
-                        "bi_encoder step uses in-batch negatives (hard negatives: the GradCache API's third input)")
+            logger.info(
+                f"pairs: {self.num_negatives} hard negative(s) per row in {path}, served as `neg`; the trainer's "
+                "bi_encoder step uses in-batch negatives (hard negatives: the GradCache API's third input)"
+            )
 
     def __len__(self) -> int:
         return len(self._queries)

@@ -14,7 +14,8 @@ and exact resumption possible (`datasets.loader`).
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 

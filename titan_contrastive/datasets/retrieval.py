@@ -20,8 +20,11 @@ TEXT_FIELDS = ("input_ids", "attention_mask")
 
 # retrieval mode -> (query kind, positive kind); negatives are of the positive's kind
 MODES: dict[str, tuple[str, str]] = {
-    "t2i": ("text", "image"), "i2i": ("image", "image"), "t2t": ("text", "text"),
-    "i2t": ("image", "text"), "m2i": ("multi", "image"),
+    "t2i": ("text", "image"),
+    "i2i": ("image", "image"),
+    "t2t": ("text", "text"),
+    "i2t": ("image", "text"),
+    "m2i": ("multi", "image"),
 }
 
 
@@ -32,7 +35,9 @@ def _pick(batch: Mapping[str, Any], prefix: str, field: str, legacy: bool) -> An
     return value
 
 
-def _side(batch: Mapping[str, Any], prefix: str, kind: str, legacy_text: bool, legacy_image: bool, mode: str) -> dict[str, Any]:
+def _side(
+    batch: Mapping[str, Any], prefix: str, kind: str, legacy_text: bool, legacy_image: bool, mode: str
+) -> dict[str, Any]:
     needs = {"text": TEXT_FIELDS, "image": IMAGE_FIELDS, "multi": TEXT_FIELDS + IMAGE_FIELDS}[kind]
     side = {}
     for field in needs:
@@ -44,12 +49,16 @@ def _side(batch: Mapping[str, Any], prefix: str, kind: str, legacy_text: bool, l
             value = batch.get(f"{prefix}_{field}")
             if value is not None:
                 side[field] = value
-    required = ("input_ids",) if kind == "text" else ("pixel_values",) if kind == "image" else ("input_ids", "pixel_values")
+    required = (
+        ("input_ids",) if kind == "text" else ("pixel_values",) if kind == "image" else ("input_ids", "pixel_values")
+    )
     for field in required:
         if field not in side:
             tried = [f"{prefix}_{field}"] + ([field] if (legacy_text if field in TEXT_FIELDS else legacy_image) else [])
-            raise BatchError(f"retrieval mode {mode!r}: the {prefix} side needs {field}; "
-                             f"none of the keys {tried} is in the batch (keys: {sorted(batch)})")
+            raise BatchError(
+                f"retrieval mode {mode!r}: the {prefix} side needs {field}; "
+                f"none of the keys {tried} is in the batch (keys: {sorted(batch)})"
+            )
     return side
 
 

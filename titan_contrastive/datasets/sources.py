@@ -35,8 +35,9 @@ import logging
 import os
 import stat
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -70,7 +71,8 @@ class ShardLoss(NamedTuple):
     kept: int
     """Samples of the shard that are read."""
     lost: int
-    """Samples lost: what its index promised minus `kept`; else the sample at the break if one was left out (a lower bound)."""
+    """Samples lost: what its index promised minus `kept`; else the sample at the break if one was
+    left out (a lower bound)."""
     promised: str
     """Where its sample count comes from ("shards.json", "00000_stats.json"), "" when nothing says."""
     detail: str
@@ -80,7 +82,11 @@ class ShardLoss(NamedTuple):
         if self.promised:
             lost = f"lost {self.lost} of the {self.kept + self.lost} samples {self.promised} lists"
         else:
-            whatever = "whatever followed the break" if self.reason in ("truncated_shard", "damaged_shard") else "whatever it held"
+            whatever = (
+                "whatever followed the break"
+                if self.reason in ("truncated_shard", "damaged_shard")
+                else "whatever it held"
+            )
             lost = f"lost {whatever} (no shards.json or _stats.json says how many samples)"
         return f"bad shard {self.where}: {self.reason} ({self.detail}); {kept}, {lost}"
 
@@ -126,7 +132,9 @@ def _caption(text: Any, where: str, key: str) -> str:
 class CsvSource:
     """Rows of a CSV/TSV: an image path (relative paths resolve against the file's folder) and a caption."""
 
-    def __init__(self, path: str, *, img_key: str = "filepath", caption_key: str = "title", separator: str = "\t") -> None:
+    def __init__(
+        self, path: str, *, img_key: str = "filepath", caption_key: str = "title", separator: str = "\t"
+    ) -> None:
         file = Path(path).expanduser()
         if not file.is_file():
             what = "not a regular file" if file.exists() else "no such CSV file"
@@ -138,8 +146,10 @@ class CsvSource:
                 columns = reader.fieldnames or []
                 missing = [c for c in (img_key, caption_key) if c not in columns]
                 if missing:
-                    raise DataError(f"{file}: no column {missing[0]!r} (columns: {', '.join(columns) or 'none'}, separator "
-                                    f"{separator!r}); set data.csv_img_key / data.csv_caption_key / data.csv_separator")
+                    raise DataError(
+                        f"{file}: no column {missing[0]!r} (columns: {', '.join(columns) or 'none'}, separator "
+                        f"{separator!r}); set data.csv_img_key / data.csv_caption_key / data.csv_separator"
+                    )
                 rows = [(row[img_key], row[caption_key]) for row in reader]
         except (UnicodeDecodeError, csv.Error) as e:
             raise DataError(f"{file}: not a readable UTF-8 CSV ({e}); fix the file or data.csv_separator") from None
@@ -193,7 +203,8 @@ class WebDatasetSource:
         self._check_files(path, urls)
         counts = []
         for shard, url in enumerate(urls):
-            if listed[shard] is None:  # a brace pattern: scan, comparing with make_shards' / img2dataset's stats if present
+            # a brace pattern: scan, comparing with make_shards' / img2dataset's stats if present
+            if listed[shard] is None:
                 stats, promised = self._stats_count(url)
                 counts.append(self._scan(shard, url, promised, stats))
             elif os.stat(url).st_size != sizes[shard] if sizes[shard] is not None else not looks_like_tar(url):
@@ -204,7 +215,9 @@ class WebDatasetSource:
         self._ends = np.cumsum(counts)
         if not self._ends.size or not self._ends[-1]:
             first = f" (first: {self.losses[0]})" if self.losses else ""
-            raise DataError(f"data.path={path}: no readable samples in {len(urls)} shard(s){first}; check or rebuild the tar files")
+            raise DataError(
+                f"data.path={path}: no readable samples in {len(urls)} shard(s){first}; check or rebuild the tar files"
+            )
 
     @staticmethod
     def _descriptor(file: Path) -> tuple[list[str], list[int | None], list[int | None]]:
@@ -216,24 +229,32 @@ class WebDatasetSource:
             sizes = [int(s["filesize"]) if s.get("filesize") is not None else None for s in shards]
             return urls, [int(s["nsamples"]) for s in shards], sizes
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise DataError(f"{file}: not a wids shard descriptor ({type(e).__name__}: {e}); give the shards.json that "
-                            "make_shards writes, or the tar files as a brace pattern") from None
+            raise DataError(
+                f"{file}: not a wids shard descriptor ({type(e).__name__}: {e}); give the shards.json that "
+                "make_shards writes, or the tar files as a brace pattern"
+            ) from None
 
     @staticmethod
     def _check_files(path: str, urls: list[str]) -> None:
         """Every shard exists and is a regular file (a FIFO would block the reader): else one DataError."""
         if not urls:
-            raise DataError(f"data.path={path}: names no shards; give tar files as a brace pattern (shards/{{00000..00009}}.tar) "
-                            "or a shards.json from make_shards")
+            raise DataError(
+                f"data.path={path}: names no shards; give tar files as a brace pattern (shards/{{00000..00009}}.tar) "
+                "or a shards.json from make_shards"
+            )
         for url in urls:
             try:
                 mode = os.stat(url).st_mode
             except OSError as e:
-                raise DataError(f"data.path={path}: no such shard {url} ({e.strerror}); give existing tar files as a brace "
-                                "pattern (shards/{00000..00009}.tar) or a shards.json from make_shards") from None
+                raise DataError(
+                    f"data.path={path}: no such shard {url} ({e.strerror}); give existing tar files as a brace "
+                    "pattern (shards/{00000..00009}.tar) or a shards.json from make_shards"
+                ) from None
             if not stat.S_ISREG(mode):
-                raise DataError(f"data.path={path}: shard {url} is not a regular file; give tar files (a FIFO or folder "
-                                "cannot be read by offset)")
+                raise DataError(
+                    f"data.path={path}: shard {url} is not a regular file; give tar files (a FIFO or folder "
+                    "cannot be read by offset)"
+                )
 
     @staticmethod
     def _stats_count(url: str) -> tuple[str, int | None]:
@@ -258,10 +279,18 @@ class WebDatasetSource:
             if samples.damage:
                 lost = max(promised - kept, 0) if promised is not None else int(bool(samples.lost_key))
                 at_break = f"; sample {samples.lost_key} at the break left out" if samples.lost_key else ""
-                loss = ShardLoss("truncated_shard" if samples.cut_short else "damaged_shard", url, kept, lost, origin,
-                                 samples.damage + at_break)
+                loss = ShardLoss(
+                    "truncated_shard" if samples.cut_short else "damaged_shard",
+                    url,
+                    kept,
+                    lost,
+                    origin,
+                    samples.damage + at_break,
+                )
             elif promised is not None and kept < promised:
-                loss = ShardLoss("missing_samples", url, kept, promised - kept, origin, f"a whole tar of {kept} samples")
+                loss = ShardLoss(
+                    "missing_samples", url, kept, promised - kept, origin, f"a whole tar of {kept} samples"
+                )
             elif not kept:
                 loss = ShardLoss("empty_shard", url, 0, 0, origin, "a tar without samples")
             else:
@@ -296,13 +325,19 @@ class WebDatasetSource:
             samples = self._shard(shard)
             if inner >= len(samples):  # the tar changed since it was indexed, or the descriptor's count was wrong
                 damage = f"; {samples.damage}" if samples.damage else ""
-                raise BadSample("truncated_shard", url, f"#{inner}", f"{len(samples)} of its {self._counts[shard]} indexed "
-                                f"samples can be read{damage}")
+                raise BadSample(
+                    "truncated_shard",
+                    url,
+                    f"#{inner}",
+                    f"{len(samples)} of its {self._counts[shard]} indexed samples can be read{damage}",
+                )
             sample = samples[inner]
         except BadSample:
             raise
         except Exception as e:  # noqa: BLE001 - a damaged shard: the sample is skipped and counted
-            raise BadSample("unreadable_shard", url, f"#{inner}", " ".join(f"{type(e).__name__}: {e}".split())) from None
+            raise BadSample(
+                "unreadable_shard", url, f"#{inner}", " ".join(f"{type(e).__name__}: {e}".split())
+            ) from None
         sample = {k: v.getvalue() if hasattr(v, "getvalue") else v for k, v in sample.items()}  # wids gives BytesIO
         key = sample.get("__key__", f"#{inner}")
         image = next((sample[k] for k in self.image_keys if k in sample), None)
@@ -325,13 +360,17 @@ class HfSource:
 
     FORMATS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": "arrow", ".csv": "csv"}
 
-    def __init__(self, path: str, *, image_column: str = "image", text_column: str = "text", split: str = "train") -> None:
+    def __init__(
+        self, path: str, *, image_column: str = "image", text_column: str = "text", split: str = "train"
+    ) -> None:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
             import datasets
         except ImportError:
-            raise DataError("data.dataset='hf' needs the Hugging Face datasets package: pip install -e '.[data]'") from None
+            raise DataError(
+                "data.dataset='hf' needs the Hugging Face datasets package: pip install -e '.[data]'"
+            ) from None
         datasets.disable_progress_bars()
 
         self.location, self.losses = path, []
@@ -341,22 +380,30 @@ class HfSource:
                 ds = datasets.load_from_disk(str(target))
                 if isinstance(ds, datasets.DatasetDict):
                     if split not in ds:
-                        raise DataError(f"data.path={path}: a DatasetDict without split {split!r} (splits: {', '.join(ds)}); "
-                                        "save the split you want or point data.path at it")
+                        raise DataError(
+                            f"data.path={path}: a DatasetDict without split {split!r} (splits: {', '.join(ds)}); "
+                            "save the split you want or point data.path at it"
+                        )
                     ds = ds[split]
             elif target.is_file() and target.suffix in self.FORMATS:
                 ds = datasets.load_dataset(self.FORMATS[target.suffix], data_files=str(target), split="train")
             else:
-                raise DataError(f"data.path={path}: not a save_to_disk folder or a {'/'.join(self.FORMATS)} file; "
-                                "give one of those (nothing is fetched from the hub)")
+                raise DataError(
+                    f"data.path={path}: not a save_to_disk folder or a {'/'.join(self.FORMATS)} file; "
+                    "give one of those (nothing is fetched from the hub)"
+                )
         except DataError:
             raise
         except Exception as e:  # noqa: BLE001 - datasets raises many types for an unreadable folder or file
-            raise DataError(f"data.path={path}: not a readable Hugging Face dataset ({type(e).__name__}: {e})") from None
+            raise DataError(
+                f"data.path={path}: not a readable Hugging Face dataset ({type(e).__name__}: {e})"
+            ) from None
         missing = [c for c in (image_column, text_column) if c not in ds.column_names]
         if missing:
-            raise DataError(f"{path}: no column {missing[0]!r} (columns: {', '.join(ds.column_names)}); "
-                            "set data.hf_image_column / data.hf_text_column")
+            raise DataError(
+                f"{path}: no column {missing[0]!r} (columns: {', '.join(ds.column_names)}); "
+                "set data.hf_image_column / data.hf_text_column"
+            )
         if isinstance(ds.features[image_column], datasets.Image):
             ds = ds.cast_column(image_column, datasets.Image(decode=False))  # decode here, where a bad image is counted
         self._ds, self._image, self._text = ds, image_column, text_column

@@ -13,6 +13,7 @@ for the caller to log and count.
 `open_regular` opens only regular files: a FIFO named like an image or shard would block the
 reading process forever, a folder or a device would mislead.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,13 @@ import numpy as np
 from wids.wids import IndexedTarSamples, group_by_key, splitname
 from wids.wids_mmtar import MMIndexedTar
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 _CUT_SHORT = ("unexpected end of data", "truncated header", "empty header")
 """tarfile's messages for a file that ends inside a header or a member (the others mean bad bytes)."""
 _END_BLOCKS = 2 * tarfile.BLOCKSIZE
@@ -113,7 +119,9 @@ class _CompleteMembers(MMIndexedTar):
         entries = [(name, offset + tarfile.BLOCKSIZE, length) for name, offset, length in self.by_index]
         if any(start + length > size or len(name) >= 99 for name, start, length in entries):
             return False
-        end = max((start + -(-length // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE for _, start, length in entries), default=0)
+        end = max(
+            (start + -(-length // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE for _, start, length in entries), default=0
+        )
         if not self._zeros_from(end) or (entries and size - end < _END_BLOCKS):
             return False
         self._set_index(entries)
@@ -129,15 +137,18 @@ class _CompleteMembers(MMIndexedTar):
                 for member in tar:
                     if member.offset_data + member.size > size:
                         self.cut_member, self.cut_short = member.name, True
-                        self.damage = (f"cut inside member {member.name} ({size - member.offset_data} of its {member.size} bytes, "
-                                       f"file ends at byte {size})")
+                        self.damage = (
+                            f"cut inside member {member.name} ({size - member.offset_data} of its {member.size} bytes, "
+                            f"file ends at byte {size})"
+                        )
                         break
                     if member.isreg():
                         entries.append((member.name, member.offset_data, member.size))
                     end = tar.offset
                 else:
                     end = tar.offset  # where tarfile stopped: the end-of-archive blocks, or a header it could not read
-                    if size - end < tarfile.BLOCKSIZE and not self._zeros_from(end):  # tarfile ends silently at a cut header
+                    # tarfile ends silently at a cut header
+                    if size - end < tarfile.BLOCKSIZE and not self._zeros_from(end):
                         self.cut_short = True
                         self.damage = f"cut inside the header at byte {end} (file ends at byte {size})"
                     elif not self._zeros_from(end):  # ... and at a bad header past the first
@@ -146,10 +157,12 @@ class _CompleteMembers(MMIndexedTar):
                         self.cut_short = True
                         self.damage = f"cut at byte {size}, where a member ends: no end-of-archive blocks"
         except (tarfile.TarError, EOFError, ValueError, UnicodeError) as e:
-            if not entries and not _is_header(bytes(self.mmapped_file[:tarfile.BLOCKSIZE])):
+            if not entries and not _is_header(bytes(self.mmapped_file[: tarfile.BLOCKSIZE])):
                 raise  # not a tar at all
             self.cut_short = str(e) in _CUT_SHORT
-            self.damage = f"{'cut' if self.cut_short else 'unreadable'} after byte {end} of {size} ({type(e).__name__}: {e})"
+            self.damage = (
+                f"{'cut' if self.cut_short else 'unreadable'} after byte {end} of {size} ({type(e).__name__}: {e})"
+            )
         self._set_index(entries)
 
     def names(self) -> list[str]:
@@ -157,7 +170,7 @@ class _CompleteMembers(MMIndexedTar):
 
     def get_at_index(self, index: int) -> tuple[str, bytes]:
         name, start, size = self.by_index[index]
-        return name, self.mmapped_file[start:start + size]
+        return name, self.mmapped_file[start : start + size]
 
     def get_by_name(self, name: str) -> tuple[str, bytes]:
         return self.get_at_index(self.by_name[name])

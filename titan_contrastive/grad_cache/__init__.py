@@ -10,9 +10,10 @@ The rule that lets this folder stand alone: it imports torch, itself, and the ba
 `titan_contrastive.batching` (which imports only torch), and nothing else of the project. Input
 splitting, VLM-aware splitting and token-aware chunking are the batching layer's; they are
 re-exported here under the names GradCache users know. The rest of the project imports the RNG
-streams and the sync context from here (`grad_cache.rng`, `grad_cache.sync`), so each exists once. Imports within the pair are relative: `grad_cache/` and `batching/` can be
-copied side by side into another package and work unchanged. Unpacking a retrieval batch into
-query / positive / negative sides is a data concern: `titan_contrastive.datasets.retrieval`.
+streams and the sync context from here (`grad_cache.rng`, `grad_cache.sync`), so each exists once.
+Imports within the pair are relative: `grad_cache/` and `batching/` can be copied side by side
+into another package and work unchanged. Unpacking a retrieval batch into query / positive /
+negative sides is a data concern: `titan_contrastive.datasets.retrieval`.
 """
 
 from ..batching import right_trimmed, split_inputs, split_vlm_inputs, token_chunks, trim_padding
@@ -23,6 +24,20 @@ from .inputs import GradCacheError, get_rep
 from .rng import RandContext
 from .sync import grad_sync
 
-__all__ = ["GradCache", "GradCacheError", "RandContext", "Replay", "cached", "float_dot", "forward_backward",
-           "forward_no_grad", "get_rep", "grad_sync", "right_trimmed", "split_inputs", "split_vlm_inputs",
-           "token_chunks", "trim_padding"]
+__all__ = [
+    "GradCache",
+    "GradCacheError",
+    "RandContext",
+    "Replay",
+    "cached",
+    "float_dot",
+    "forward_backward",
+    "forward_no_grad",
+    "get_rep",
+    "grad_sync",
+    "right_trimmed",
+    "split_inputs",
+    "split_vlm_inputs",
+    "token_chunks",
+    "trim_padding",
+]

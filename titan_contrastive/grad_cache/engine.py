@@ -30,8 +30,8 @@ and D), so the RNG replay and the surrogate exist once.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
-from typing import Any, Callable, ContextManager, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,7 +41,7 @@ from .rng import RandContext
 
 __all__ = ["Kept", "Outputs", "Replay", "as_tuple", "float_dot", "forward_backward", "forward_no_grad"]
 
-Outputs = Union[Tensor, tuple[Union[Tensor, None], ...]]
+Outputs = Tensor | tuple[Tensor | None, ...]
 
 
 def as_tuple(outputs: Outputs) -> tuple[Tensor | None, ...]:
@@ -88,9 +88,12 @@ def _detached(outputs: Outputs) -> Outputs:
     return outputs.detach()
 
 
-def forward_no_grad(call: Callable[[Any], Outputs], chunks: Sequence[Any], *,
-                    keep_last: Callable[[], ContextManager] | None = None,
-                    ) -> tuple[list[Outputs], list[RandContext | Kept]]:
+def forward_no_grad(
+    call: Callable[[Any], Outputs],
+    chunks: Sequence[Any],
+    *,
+    keep_last: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> tuple[list[Outputs], list[RandContext | Kept]]:
     """Pass 1: every chunk's outputs without a graph, and the RNG state each chunk started from.
     With `keep_last`, the last chunk runs with a graph inside `keep_last()`: its outputs are
     returned detached and its state is a `Kept` holding the graph."""
@@ -109,11 +112,16 @@ def forward_no_grad(call: Callable[[Any], Outputs], chunks: Sequence[Any], *,
     return outputs, states
 
 
-def forward_backward(call: Callable[..., Outputs], chunks: Sequence[Any], states: Sequence[RandContext | Kept],
-                     gradients: Callable[[int, tuple[Tensor | None, ...]], Sequence[Tensor | None]], *,
-                     sync: Callable[[bool], ContextManager] = lambda is_last: contextlib.nullcontext(),
-                     backward: Callable[[Tensor], None] = Tensor.backward,
-                     replay: Sequence[Outputs] | None = None) -> None:
+def forward_backward(
+    call: Callable[..., Outputs],
+    chunks: Sequence[Any],
+    states: Sequence[RandContext | Kept],
+    gradients: Callable[[int, tuple[Tensor | None, ...]], Sequence[Tensor | None]],
+    *,
+    sync: Callable[[bool], contextlib.AbstractContextManager] = lambda is_last: contextlib.nullcontext(),
+    backward: Callable[[Tensor], None] = Tensor.backward,
+    replay: Sequence[Outputs] | None = None,
+) -> None:
     """Pass 2: per chunk i, replay its RNG, re-run `call` with a graph and backpropagate the surrogate.
 
     `gradients(i, outputs)` gives chunk i's cached gradient per output (None: not in the loss);
@@ -136,16 +144,19 @@ def forward_backward(call: Callable[..., Outputs], chunks: Sequence[Any], states
                     outputs = as_tuple(call(chunks[i]) if replay is None else call(chunks[i], replay=Replay(replay[i])))
             grads = list(gradients(i, outputs))
             if len(grads) != len(outputs):
-                raise GradCacheError(f"re-forward of chunk {i} gave {len(outputs)} outputs, "
-                                     f"the cache holds {len(grads)}")
+                raise GradCacheError(
+                    f"re-forward of chunk {i} gave {len(outputs)} outputs, the cache holds {len(grads)}"
+                )
             terms = []
             for out, grad in zip(outputs, grads):
                 if grad is None:
                     continue
                 if out is None or grad.shape != out.shape:
                     shape = None if out is None else tuple(out.shape)
-                    raise GradCacheError(f"re-forward of chunk {i} gave a representation of shape {shape}, "
-                                         f"the cache holds {tuple(grad.shape)}")
+                    raise GradCacheError(
+                        f"re-forward of chunk {i} gave a representation of shape {shape}, "
+                        f"the cache holds {tuple(grad.shape)}"
+                    )
                 terms.append(float_dot(out, grad))
             del outputs
             if terms:

@@ -17,7 +17,8 @@ representations used in more than one place). Positional and keyword arguments b
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor
 
@@ -35,15 +36,19 @@ def cached(func: Callable[..., Tensor]) -> Callable[..., tuple[Tensor, Callable[
 
         (rep,), states = engine.forward_no_grad(call, [None])
         if not isinstance(rep, Tensor):
-            raise GradCacheError(f"@cached function {func.__name__} returned {type(rep).__name__}; "
-                                 "it must return the representation Tensor")
+            raise GradCacheError(
+                f"@cached function {func.__name__} returned {type(rep).__name__}; "
+                "it must return the representation Tensor"
+            )
         leaf = rep.detach().requires_grad_()
 
         def backward(used: Tensor) -> None:
             """Backprop `used.grad` (the cache filled by the loss) through a replayed forward."""
             if used.grad is None:
-                raise GradCacheError(f"no gradient on the representation from {func.__name__}: "
-                                     "call loss.backward() first, on the tensor it returned")
+                raise GradCacheError(
+                    f"no gradient on the representation from {func.__name__}: "
+                    "call loss.backward() first, on the tensor it returned"
+                )
             engine.forward_backward(call, [None], states, lambda i, outputs: [used.grad])
 
         return leaf, backward

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Mapping
-from typing import Any, Callable, ContextManager, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,8 +67,10 @@ def _reorder(reps: Reps, index: Tensor | None) -> Reps:
     return out[0] if isinstance(reps, Tensor) else out
 
 
-def _chunk_gradients(cached: Reps, rows: Sequence[Sequence[int]] | None = None,
-                     ) -> Callable[[int, tuple[Tensor | None, ...]], list[Tensor]]:
+def _chunk_gradients(
+    cached: Reps,
+    rows: Sequence[Sequence[int]] | None = None,
+) -> Callable[[int, tuple[Tensor | None, ...]], list[Tensor]]:
     """`engine.forward_backward`'s gradients: each chunk's rows of each output's cache; a 0-dim
     output's gradient goes to the first chunk, zero to the others. `rows[i][k]`: chunk i's rows of
     output k (pass 1's outputs), so chunks may come in any order; None: in order, sized by the
@@ -138,23 +140,43 @@ class GradCache:
     group, when torch.distributed is initialized) runs as many chunks as the rank with the most.
     """
 
-    def __init__(self, models: Sequence[nn.Module], chunk_sizes: int | Sequence[int], loss_fn: Callable[..., Tensor],
-                 split_input_fn: Callable[[Any, int], list[Any]] | None = None,
-                 get_rep_fn: Callable[[Any], Tensor] | None = None, fp16: bool = False,
-                 scaler: torch.amp.GradScaler | None = None, *, autocast_dtype: torch.dtype | None = None,
-                 rep_attribute: str = "pooler_output",
-                 sync_context: Callable[[nn.Module, bool], ContextManager] | None = None,
-                 chunk_tokens: int | Sequence[int] = 0, pad_ids: Mapping[str, int] | None = None, trim_padding: bool = True,
-                 group: dist.ProcessGroup | None = None, replay: bool = False) -> None:
+    def __init__(
+        self,
+        models: Sequence[nn.Module],
+        chunk_sizes: int | Sequence[int],
+        loss_fn: Callable[..., Tensor],
+        split_input_fn: Callable[[Any, int], list[Any]] | None = None,
+        get_rep_fn: Callable[[Any], Tensor] | None = None,
+        fp16: bool = False,
+        scaler: torch.amp.GradScaler | None = None,
+        *,
+        autocast_dtype: torch.dtype | None = None,
+        rep_attribute: str = "pooler_output",
+        sync_context: Callable[[nn.Module, bool], contextlib.AbstractContextManager] | None = None,
+        chunk_tokens: int | Sequence[int] = 0,
+        pad_ids: Mapping[str, int] | None = None,
+        trim_padding: bool = True,
+        group: dist.ProcessGroup | None = None,
+        replay: bool = False,
+    ) -> None:
         self.models = list(models)
         sizes = _per_model(chunk_sizes, len(self.models), "chunk sizes", "chunk_sizes", 1, "an integer >= 1")
-        tokens = _per_model(chunk_tokens, len(self.models), "chunk_tokens", "chunk_tokens", 0,
-                            "0 (chunks of chunk_sizes samples) or an integer >= 1")
+        tokens = _per_model(
+            chunk_tokens,
+            len(self.models),
+            "chunk_tokens",
+            "chunk_tokens",
+            0,
+            "0 (chunks of chunk_sizes samples) or an integer >= 1",
+        )
         if any(tokens) and split_input_fn is not None:
-            raise GradCacheError("chunk_tokens packs batch-major inputs itself; it does not combine with split_input_fn")
+            raise GradCacheError(
+                "chunk_tokens packs batch-major inputs itself; it does not combine with split_input_fn"
+            )
         if fp16 and scaler is None:
-            raise GradCacheError("fp16=True needs a scaler (torch.amp.GradScaler) to keep float16 gradients "
-                                 "from underflowing")
+            raise GradCacheError(
+                "fp16=True needs a scaler (torch.amp.GradScaler) to keep float16 gradients from underflowing"
+            )
         self.chunk_sizes = sizes
         self.chunk_tokens = tokens
         self.pad_ids = dict(pad_ids or {})
@@ -191,7 +213,7 @@ class GradCache:
     def _trimmed(self, chunks: list[Any]) -> list[Any]:
         return [trim_padding(c, self.pad_ids) for c in chunks] if self.trim_padding else chunks
 
-    def _autocast(self, model: nn.Module) -> ContextManager:
+    def _autocast(self, model: nn.Module) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         params = model.parameters() if isinstance(model, nn.Module) else iter(())  # a plain function: no module
@@ -204,9 +226,13 @@ class GradCache:
             output = model_call(model, chunk, **kwargs)
         return self.get_rep_fn(output) if self.get_rep_fn is not None else get_rep(output, self.rep_attribute)
 
-    def forward_no_grad(self, model: nn.Module, chunks: Sequence[Any], *,
-                        keep_last: Callable[[], ContextManager] | None = None,
-                        ) -> tuple[Reps, list[RandContext | engine.Kept]]:
+    def forward_no_grad(
+        self,
+        model: nn.Module,
+        chunks: Sequence[Any],
+        *,
+        keep_last: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ) -> tuple[Reps, list[RandContext | engine.Kept]]:
         """Step 1: representations of all chunks without a graph, and each chunk's RNG state
         (`keep_last`: the last chunk keeps its graph for step 3, `engine.forward_no_grad`)."""
         outputs, states = engine.forward_no_grad(lambda chunk: self._rep(model, chunk), chunks, keep_last=keep_last)
@@ -224,9 +250,15 @@ class GradCache:
         cache = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
         return cache, loss.detach()
 
-    def forward_backward(self, model: nn.Module, chunks: Sequence[Any], cached_gradients: Reps,
-                         random_states: Sequence[RandContext | engine.Kept], no_sync_except_last: bool = False,
-                         sync_on_last: bool = True) -> None:
+    def forward_backward(
+        self,
+        model: nn.Module,
+        chunks: Sequence[Any],
+        cached_gradients: Reps,
+        random_states: Sequence[RandContext | engine.Kept],
+        no_sync_except_last: bool = False,
+        sync_on_last: bool = True,
+    ) -> None:
         """Step 3: replay each chunk's RNG, forward with a graph, backward of <rep, cached grad>.
 
         `cached_gradients`: as `forward_no_grad` returned the representations (a tuple for a
@@ -238,12 +270,16 @@ class GradCache:
         def call(chunk: Any, replay: Replay | None = None) -> Outputs:
             return self._rep(model, chunk) if replay is None else self._rep(model, chunk, replay=replay)
 
-        engine.forward_backward(call, chunks, random_states,
-                                _chunk_gradients(cached_gradients, None if pass1 is None else _rows(pass1)),
-                                sync=lambda is_last: self._sync(model, no_sync_except_last, sync_on_last and is_last),
-                                replay=pass1 if self.replay else None)
+        engine.forward_backward(
+            call,
+            chunks,
+            random_states,
+            _chunk_gradients(cached_gradients, None if pass1 is None else _rows(pass1)),
+            sync=lambda is_last: self._sync(model, no_sync_except_last, sync_on_last and is_last),
+            replay=pass1 if self.replay else None,
+        )
 
-    def _sync(self, model: nn.Module, no_sync_except_last: bool, last: bool) -> ContextManager:
+    def _sync(self, model: nn.Module, no_sync_except_last: bool, last: bool) -> contextlib.AbstractContextManager:
         return self.sync_context(model, not no_sync_except_last or last)
 
     def cache_step(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> Tensor:
@@ -252,18 +288,30 @@ class GradCache:
             raise GradCacheError(f"{len(model_inputs)} inputs for {len(self.models)} models; pass one input per model")
         chunks, orders = zip(*(self.chunk(x, i) for i, x in enumerate(model_inputs)))
         if empty := [i for i, c in enumerate(chunks) if not c]:
-            raise GradCacheError(f"input {empty[0]} is an empty batch (0 samples); a contrastive loss needs at least one pair: skip empty batches")
+            raise GradCacheError(
+                f"input {empty[0]} is an empty batch (0 samples); a contrastive loss needs at least one pair: skip "
+                "empty batches"
+            )
         self._pass1.clear()
         # one model: its last chunk keeps its graph (one forward saved, engine.forward_no_grad); with several,
         # kept graphs would be alive together, so each chunk is re-run
-        keep = (lambda: self._sync(self.models[0], no_sync_except_last, len(chunks[0]) == 1)) if len(self.models) == 1 else None
+        keep = (
+            (lambda: self._sync(self.models[0], no_sync_except_last, len(chunks[0]) == 1))
+            if len(self.models) == 1
+            else None
+        )
         reps, states = zip(*(self.forward_no_grad(m, c, keep_last=keep) for m, c in zip(self.models, chunks)))
-        reps = [_reorder(r, None if o is None else torch.argsort(o)) for r, o in zip(reps, orders)]  # batch order for the loss
+        # batch order for the loss
+        reps = [_reorder(r, None if o is None else torch.argsort(o)) for r, o in zip(reps, orders)]
         widths = [len(as_tuple(r)) for r in reps]  # outputs per model
         cache, loss = self.build_cache(*(t for r in reps for t in as_tuple(r)), **loss_kwargs)
         last_use = {id(m): i for i, m in enumerate(self.models)}  # a tied model syncs after its last use
         for i, (model, model_chunks, model_states) in enumerate(zip(self.models, chunks, states)):
             first = sum(widths[:i])
-            grads = _reorder(cache[first] if isinstance(reps[i], Tensor) else tuple(cache[first : first + widths[i]]), orders[i])
-            self.forward_backward(model, model_chunks, grads, model_states, no_sync_except_last, sync_on_last=last_use[id(model)] == i)
+            grads = _reorder(
+                cache[first] if isinstance(reps[i], Tensor) else tuple(cache[first : first + widths[i]]), orders[i]
+            )
+            self.forward_backward(
+                model, model_chunks, grads, model_states, no_sync_except_last, sync_on_last=last_use[id(model)] == i
+            )
         return loss

@@ -11,8 +11,8 @@ argument to GradCache and an input its chunking cannot cut are caught by the sam
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from torch import Tensor
 
@@ -43,8 +43,13 @@ def get_rep(output: Any, rep_attribute: str = "pooler_output") -> Tensor:
     value = output.get(rep_attribute) if isinstance(output, Mapping) else getattr(output, rep_attribute, None)
     if isinstance(value, Tensor):
         return value
-    fields = (list(output.keys()) if isinstance(output, Mapping) else [a for a in vars(output)]
-              if hasattr(output, "__dict__") else [])
+    fields = (
+        list(output.keys())
+        if isinstance(output, Mapping)
+        else [a for a in vars(output)]
+        if hasattr(output, "__dict__")
+        else []
+    )
     raise GradCacheError(
         f"cannot find a representation in the model output of type {type(output).__name__} (fields: {fields}); "
         f"return a Tensor, set rep_attribute to the field that holds it (now {rep_attribute!r}), or pass get_rep_fn"

@@ -17,9 +17,9 @@ would have without the replay.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Sequence
 
 import torch
 
@@ -76,8 +76,9 @@ class RandContext:
         restore_rng(self.snapshot)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         assert self._fork is not None, "RandContext exited without being entered"
         self._fork.__exit__(exc_type, exc, tb)
         self._fork = None

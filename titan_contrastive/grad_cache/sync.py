@@ -21,7 +21,6 @@ else of the project; the step kinds and `distributed_clip` import it from here.
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -29,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 __all__ = ["grad_sync"]
 
 
-def grad_sync(module: nn.Module, sync: bool, *, defer_fsdp: bool = True) -> ContextManager:
+def grad_sync(module: nn.Module, sync: bool, *, defer_fsdp: bool = True) -> contextlib.AbstractContextManager:
     """The context for one backward: let the data-parallel wrapper reduce gradients only if `sync`.
 
     Enter it around the forward *and* backward of that microbatch (DDP decides in forward)."""

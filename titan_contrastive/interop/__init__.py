@@ -47,13 +47,18 @@ def detect_format(path: str | Path) -> str:
         return "open_clip"
     if any((folder / f).is_file() for f in openclip.WEIGHT_FILES):
         return "open_clip"
-    if (folder / "config.json").is_file() and any((folder / f).is_file() for f in ("model.safetensors", "pytorch_model.bin")):
+    if (folder / "config.json").is_file() and any(
+        (folder / f).is_file() for f in ("model.safetensors", "pytorch_model.bin")
+    ):
         return "hf"
-    if (folder / "manifest.json").is_file() or (folder / ".metadata").is_file():  # without a manifest: refused by read_ours
+    # without a manifest: refused by read_ours
+    if (folder / "manifest.json").is_file() or (folder / ".metadata").is_file():
         return "ours"
-    raise InteropError(f"{path}: not a checkpoint this project reads; give a Hugging Face CLIP folder (config.json + "
-                       "model.safetensors), an open_clip state dict (.safetensors/.bin/.pt, open_clip_config.json beside it) "
-                       "or a step-N folder of one of our runs (with manifest.json)")
+    raise InteropError(
+        f"{path}: not a checkpoint this project reads; give a Hugging Face CLIP folder (config.json + "
+        "model.safetensors), an open_clip state dict (.safetensors/.bin/.pt, open_clip_config.json beside it) "
+        "or a step-N folder of one of our runs (with manifest.json)"
+    )
 
 
 def _read_json(file: Path) -> dict[str, Any]:
@@ -69,10 +74,14 @@ def _read_json(file: Path) -> dict[str, Any]:
 def _floating_only(state: dict[str, Tensor], file: Path) -> dict[str, Tensor]:
     """`state`, unless a weight is not floating point (HF's integer `position_ids` buffers aside): loading
     it would cast it to float without a word."""
-    wrong = [f"{k} is {v.dtype}" for k, v in state.items() if not v.is_floating_point() and not k.endswith("position_ids")]
+    wrong = [
+        f"{k} is {v.dtype}" for k, v in state.items() if not v.is_floating_point() and not k.endswith("position_ids")
+    ]
     if wrong:
-        raise InteropError(f"{file}: {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; the weights of a CLIP model are "
-                           "floating point, these are not: a damaged, quantized or foreign checkpoint")
+        raise InteropError(
+            f"{file}: {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; the weights of a CLIP model are "
+            "floating point, these are not: a damaged, quantized or foreign checkpoint"
+        )
     return state
 
 
@@ -85,14 +94,18 @@ def _load_weights(file: Path) -> dict[str, Tensor]:
         try:
             weights = load_file(str(file))
         except Exception as e:  # noqa: BLE001 - safetensors' own error type: a truncated or damaged file
-            raise InteropError(f"{file}: not a readable safetensors file ({' '.join(str(e).split())}); it is damaged or "
-                               "truncated: download or export it again") from None
+            raise InteropError(
+                f"{file}: not a readable safetensors file ({' '.join(str(e).split())}); it is damaged or "
+                "truncated: download or export it again"
+            ) from None
         return _floating_only(weights, file)
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a TorchScript archive (OpenAI's own .pt) or a damaged file
-        raise InteropError(f"{file}: not a state dict ({type(e).__name__}); OpenAI's TorchScript .pt files are not read: "
-                           "use open_clip's or Hugging Face's conversion of them") from None
+        raise InteropError(
+            f"{file}: not a state dict ({type(e).__name__}); OpenAI's TorchScript .pt files are not read: "
+            "use open_clip's or Hugging Face's conversion of them"
+        ) from None
     state = state.get("state_dict", state) if isinstance(state, dict) else state
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise InteropError(f"{file}: holds a {type(state).__name__} that is not a state dict of tensors")
@@ -107,16 +120,23 @@ def _read_open_clip(path: Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
     try:
         args = openclip.args_from_open_clip(config, weights)
     except KeyError as e:
-        raise InteropError(f"{file}: no {e} in the weights or {openclip.CONFIG_FILE}; not an open_clip CLIP checkpoint") from None
+        raise InteropError(
+            f"{file}: no {e} in the weights or {openclip.CONFIG_FILE}; not an open_clip CLIP checkpoint"
+        ) from None
     return args, openclip.from_open_clip_state_dict(weights, args.in_channels)
 
 
 def _read_hf(folder: Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
     config = _read_json(folder / "config.json")
     if config.get("model_type") not in (None, "clip"):
-        raise InteropError(f"{folder}/config.json: model_type={config.get('model_type')!r}; only CLIP models (model_type 'clip') load here")
+        raise InteropError(
+            f"{folder}/config.json: model_type={config.get('model_type')!r}; only CLIP models (model_type 'clip') load "
+            "here"
+        )
     args = args_from_hf_config(config)
-    weights = _load_weights(next(folder / f for f in ("model.safetensors", "pytorch_model.bin") if (folder / f).is_file()))
+    weights = _load_weights(
+        next(folder / f for f in ("model.safetensors", "pytorch_model.bin") if (folder / f).is_file())
+    )
     return args, from_hf_state_dict(weights, args)
 
 
@@ -134,14 +154,18 @@ def read_ours(folder: Path) -> tuple[str, Any, torch.nn.Module]:
         raise InteropError(str(e)) from None
     model = manifest.get("model")
     if not model:
-        raise InteropError(f"{folder}/manifest.json names no model (written before 2026-11-24); rebuild it with the run's "
-                           "config instead, or save it again with this version")
+        raise InteropError(
+            f"{folder}/manifest.json names no model (written before 2026-11-24); rebuild it with the run's "
+            "config instead, or save it again with this version"
+        )
     try:
         spec = get_model_spec(model["family"])
         args = dataclasses.replace(next(iter(spec.flavors.values())), **model["args"])
     except (KeyError, TypeError) as e:  # a manifest of another version, or edited
-        raise InteropError(f"{folder}/manifest.json: its model entry does not describe a model this version builds "
-                           f"({type(e).__name__}: {e})") from None
+        raise InteropError(
+            f"{folder}/manifest.json: its model entry does not describe a model this version builds "
+            f"({type(e).__name__}: {e})"
+        ) from None
     built = spec.build_model(args)
     try:  # in place: state_dict() holds the parameters themselves
         reader.load({"model": built.state_dict()}, folder, manifest, what=f"reading checkpoint {folder}")
@@ -153,8 +177,10 @@ def read_ours(folder: Path) -> tuple[str, Any, torch.nn.Module]:
 def _read_ours(folder: Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
     family, args, model = read_ours(folder)
     if family != "clip":
-        raise InteropError(f"{folder}: a {family} checkpoint; this reads clip-family ones (export a bi_encoder with "
-                           "--to sentence-transformers)")
+        raise InteropError(
+            f"{folder}: a {family} checkpoint; this reads clip-family ones (export a bi_encoder with "
+            "--to sentence-transformers)"
+        )
     return args, model.state_dict()
 
 
@@ -170,16 +196,27 @@ def load_state(model: torch.nn.Module, state: dict[str, Tensor], source: str) ->
     tensors for floating-point weights)."""
     own = model.state_dict()
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in sorted(set(own) & set(state))
-              if state[k].shape != own[k].shape]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in sorted(set(own) & set(state))
+        if state[k].shape != own[k].shape
+    ]
     if missing or unexpected or shapes:
-        raise InteropError(f"{source}: missing {missing[:3]}, unexpected {unexpected[:3]}, mis-shaped {shapes[:3]}; the model "
-                           "built from the config does not match the checkpoint: set data.image_size, data.context_length "
-                           "and data.tokenizer to the checkpoint's (or leave model.init_from empty)")
-    not_float = [f"{k} is {state[k].dtype}" for k in sorted(own) if own[k].is_floating_point() and not state[k].is_floating_point()]
+        raise InteropError(
+            f"{source}: missing {missing[:3]}, unexpected {unexpected[:3]}, mis-shaped {shapes[:3]}; the model "
+            "built from the config does not match the checkpoint: set data.image_size, data.context_length "
+            "and data.tokenizer to the checkpoint's (or leave model.init_from empty)"
+        )
+    not_float = [
+        f"{k} is {state[k].dtype}"
+        for k in sorted(own)
+        if own[k].is_floating_point() and not state[k].is_floating_point()
+    ]
     if not_float:  # copy_ would cast them to float without a word
-        raise InteropError(f"{source}: {', '.join(not_float[:3])}, where the model has floating-point weights: a damaged, "
-                           "quantized or foreign checkpoint")
+        raise InteropError(
+            f"{source}: {', '.join(not_float[:3])}, where the model has floating-point weights: a damaged, "
+            "quantized or foreign checkpoint"
+        )
     with torch.no_grad():
         for name, tensor in own.items():
             tensor.copy_(state[name])

@@ -45,12 +45,18 @@ CONFIG_FILE = "open_clip_config.json"
 WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 OURS_KEY = "titan_contrastive"
 """Top-level `open_clip_config.json` entry for what open_clip's config cannot say (`in_channels`)."""
-_RENAMES = [(r"\.resblocks\.", ".blocks."), (r"\.in_proj_weight$", ".in_proj.weight"), (r"\.in_proj_bias$", ".in_proj.bias")]
+_RENAMES = [
+    (r"\.resblocks\.", ".blocks."),
+    (r"\.in_proj_weight$", ".in_proj.weight"),
+    (r"\.in_proj_bias$", ".in_proj.bias"),
+]
 _TEXT_KEYS = ("token_embedding.", "positional_embedding", "transformer.", "ln_final.", "text_projection")
 _PATCH = "visual.conv1.weight"
 # options of open_clip's towers that change what they compute without changing the weights' keys
-_UNSUPPORTED = {"text_cfg": {"no_causal_mask": False, "final_ln_after_pool": False, "embed_cls": False},
-                "vision_cfg": {"pool_type": "tok", "final_ln_after_pool": False, "no_ln_pre": False}}
+_UNSUPPORTED = {
+    "text_cfg": {"no_causal_mask": False, "final_ln_after_pool": False, "embed_cls": False},
+    "vision_cfg": {"pool_type": "tok", "final_ln_after_pool": False, "no_ln_pre": False},
+}
 
 
 def _layers(state: dict[str, Tensor], prefix: str) -> int:
@@ -64,8 +70,10 @@ def _text_eos(text: dict[str, Any]) -> int:
         return -1
     if pool == "eos":
         return int(text.get("eos_id", 2))
-    raise InteropError(f"{CONFIG_FILE}: text_cfg pool_type={pool!r}; the clip family pools the text at its EOS token "
-                       "('eos') or at the highest id ('argmax')")
+    raise InteropError(
+        f"{CONFIG_FILE}: text_cfg pool_type={pool!r}; the clip family pools the text at its EOS token "
+        "('eos') or at the highest id ('argmax')"
+    )
 
 
 def args_from_open_clip(config: dict[str, Any] | None, state: dict[str, Tensor]) -> CLIPArgs:
@@ -74,54 +82,97 @@ def args_from_open_clip(config: dict[str, Any] | None, state: dict[str, Tensor])
         cfg = config.get("model_cfg", config)
         vision, text = cfg["vision_cfg"], cfg["text_cfg"]
         if "hf_model_name" in text or vision.get("timm_model_name") or vision.get("attentional_pool"):
-            raise InteropError(f"{CONFIG_FILE}: a model with a custom tower (hf_model_name / timm_model_name / attentional_pool); "
-                               "the clip family builds only open_clip's own ViT + text transformer")
+            raise InteropError(
+                f"{CONFIG_FILE}: a model with a custom tower (hf_model_name / timm_model_name / attentional_pool); "
+                "the clip family builds only open_clip's own ViT + text transformer"
+            )
         for section, defaults in _UNSUPPORTED.items():
             sub = cfg[section]
             changed = [f"{k}={sub[k]!r}" for k, d in defaults.items() if sub.get(k, d) != d]
             changed += [f"{k}={sub[k]!r}" for k in ("act_kwargs", "norm_kwargs") if sub.get(k)]
             if changed:
-                raise InteropError(f"{CONFIG_FILE}: {section} sets {', '.join(changed)}; the clip family builds open_clip's "
-                                   "default ViT and causal text transformer only")
+                raise InteropError(
+                    f"{CONFIG_FILE}: {section} sets {', '.join(changed)}; the clip family builds open_clip's "
+                    "default ViT and causal text transformer only"
+                )
         ratios = {vision.get("mlp_ratio", 4.0), text.get("mlp_ratio", 4.0)}
         if len(ratios) != 1:
-            raise InteropError(f"{CONFIG_FILE}: mlp_ratio {sorted(ratios)} differs between the towers; the clip family uses one")
+            raise InteropError(
+                f"{CONFIG_FILE}: mlp_ratio {sorted(ratios)} differs between the towers; the clip family uses one"
+            )
         width = vision["width"]
         return CLIPArgs(
-            embed_dim=cfg["embed_dim"], image_size=vision["image_size"], patch_size=vision["patch_size"],
+            embed_dim=cfg["embed_dim"],
+            image_size=vision["image_size"],
+            patch_size=vision["patch_size"],
             in_channels=int(config.get(OURS_KEY, {}).get("in_channels", 3)),
-            vision_width=width, vision_layers=vision["layers"], vision_heads=width // vision.get("head_width", 64),
-            vocab_size=text.get("vocab_size", 49408), context_length=text.get("context_length", 77), text_width=text["width"],
-            text_layers=text["layers"], text_heads=text.get("heads", 8), mlp_ratio=ratios.pop(),
-            act="quick_gelu" if cfg.get("quick_gelu") else "gelu", eos_id=_text_eos(text))
+            vision_width=width,
+            vision_layers=vision["layers"],
+            vision_heads=width // vision.get("head_width", 64),
+            vocab_size=text.get("vocab_size", 49408),
+            context_length=text.get("context_length", 77),
+            text_width=text["width"],
+            text_layers=text["layers"],
+            text_heads=text.get("heads", 8),
+            mlp_ratio=ratios.pop(),
+            act="quick_gelu" if cfg.get("quick_gelu") else "gelu",
+            eos_id=_text_eos(text),
+        )
     conv = state[_PATCH]
     grid = round((state["visual.positional_embedding"].shape[0] - 1) ** 0.5)
     return CLIPArgs(
-        embed_dim=state["text_projection"].shape[1], image_size=conv.shape[-1] * grid, patch_size=conv.shape[-1],
-        in_channels=conv.shape[1], vision_width=conv.shape[0], vision_layers=_layers(state, "visual.transformer."),
-        vision_heads=max(1, conv.shape[0] // 64), vocab_size=state["token_embedding.weight"].shape[0],
-        context_length=state["positional_embedding"].shape[0], text_width=state["ln_final.weight"].shape[0],
-        text_layers=_layers(state, "transformer."), text_heads=max(1, state["ln_final.weight"].shape[0] // 64), act="quick_gelu", eos_id=-1)
+        embed_dim=state["text_projection"].shape[1],
+        image_size=conv.shape[-1] * grid,
+        patch_size=conv.shape[-1],
+        in_channels=conv.shape[1],
+        vision_width=conv.shape[0],
+        vision_layers=_layers(state, "visual.transformer."),
+        vision_heads=max(1, conv.shape[0] // 64),
+        vocab_size=state["token_embedding.weight"].shape[0],
+        context_length=state["positional_embedding"].shape[0],
+        text_width=state["ln_final.weight"].shape[0],
+        text_layers=_layers(state, "transformer."),
+        text_heads=max(1, state["ln_final.weight"].shape[0] // 64),
+        act="quick_gelu",
+        eos_id=-1,
+    )
 
 
 def open_clip_config(args: CLIPArgs) -> dict[str, Any]:
     """`open_clip_config.json` content for a clip-family model (OpenAI's preprocessing)."""
     if args.init_logit_bias is not None:
-        raise InteropError("the model has SigLIP's logit_bias: open_clip's CLIP has none (its SigLIP models use custom towers)")
+        raise InteropError(
+            "the model has SigLIP's logit_bias: open_clip's CLIP has none (its SigLIP models use custom towers)"
+        )
     if args.vision_width % args.vision_heads:
         raise InteropError(f"vision_width {args.vision_width} is not a multiple of vision_heads {args.vision_heads}")
     if args.in_channels not in (1, 3):
-        raise InteropError(f"the model reads {args.in_channels}-channel images; open_clip's ViT reads 3 channels (1-channel "
-                           "models are written as their 3-channel equivalent), so this one has no open_clip form: export with --to hf")
+        raise InteropError(
+            f"the model reads {args.in_channels}-channel images; open_clip's ViT reads 3 channels (1-channel "
+            "models are written as their 3-channel equivalent), so this one has no open_clip form: export with --to hf"
+        )
     pooling = {"pool_type": "argmax"} if args.eos_id < 0 else {"pool_type": "eos", "eos_id": args.eos_id}
     return {
         "model_cfg": {
-            "embed_dim": args.embed_dim, "quick_gelu": args.act == "quick_gelu",
-            "vision_cfg": {"image_size": args.image_size, "layers": args.vision_layers, "width": args.vision_width,
-                           "patch_size": args.patch_size, "head_width": args.vision_width // args.vision_heads,
-                           "mlp_ratio": args.mlp_ratio},
-            "text_cfg": {"context_length": args.context_length, "vocab_size": args.vocab_size, "width": args.text_width,
-                         "heads": args.text_heads, "layers": args.text_layers, "mlp_ratio": args.mlp_ratio, **pooling},
+            "embed_dim": args.embed_dim,
+            "quick_gelu": args.act == "quick_gelu",
+            "vision_cfg": {
+                "image_size": args.image_size,
+                "layers": args.vision_layers,
+                "width": args.vision_width,
+                "patch_size": args.patch_size,
+                "head_width": args.vision_width // args.vision_heads,
+                "mlp_ratio": args.mlp_ratio,
+            },
+            "text_cfg": {
+                "context_length": args.context_length,
+                "vocab_size": args.vocab_size,
+                "width": args.text_width,
+                "heads": args.text_heads,
+                "layers": args.text_layers,
+                "mlp_ratio": args.mlp_ratio,
+                **pooling,
+            },
         },
         "preprocess_cfg": {"mean": [0.48145466, 0.4578275, 0.40821073], "std": [0.26862954, 0.26130258, 0.27577711]},
         OURS_KEY: {"in_channels": args.in_channels},
@@ -154,7 +205,11 @@ def to_open_clip_state_dict(ours: dict[str, Tensor], *, rgb: bool = False) -> di
     out = {}
     for name, tensor in ours.items():
         key = name.removeprefix("text.")
-        key = key.replace(".blocks.", ".resblocks.").replace(".in_proj.weight", ".in_proj_weight").replace(".in_proj.bias", ".in_proj_bias")
+        key = (
+            key.replace(".blocks.", ".resblocks.")
+            .replace(".in_proj.weight", ".in_proj_weight")
+            .replace(".in_proj.bias", ".in_proj_bias")
+        )
         out[key] = tensor.reshape(()) if name == "logit_scale" else tensor.contiguous()
     conv = out.get(_PATCH)
     if rgb and conv is not None and conv.shape[1] == 1:

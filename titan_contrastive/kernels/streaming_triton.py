@@ -32,7 +32,7 @@ per (d, dtype) on CUDA. Set TRITON_INTERPRET=1 before importing this module to r
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import triton
@@ -50,25 +50,45 @@ def _configs(shapes: list[tuple[int, int, int, int, int]]) -> list[triton.Config
     so that tests with a few dozen rows still cross tile, panel and program boundaries."""
     if INTERPRET:
         shapes = [(16, 16, 32, 1, 1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_D": k}, num_warps=w, num_stages=s) for m, n, k, w, s in shapes]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_D": k}, num_warps=w, num_stages=s) for m, n, k, w, s in shapes
+    ]
 
 
 # Hopper candidates (H100: 228 KB shared memory / SM); the autotuner keeps the fastest per (d, dtype)
-_LSE_CONFIGS = _configs([(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 128, 8, 2),
-                         (64, 64, 64, 4, 4)])
-_WEIGHT_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2),
-                            (64, 128, 64, 4, 4)])
+_LSE_CONFIGS = _configs(
+    [(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 128, 8, 2), (64, 64, 64, 4, 4)]
+)
+_WEIGHT_CONFIGS = _configs(
+    [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (64, 128, 64, 4, 4)]
+)
 
 
 @triton.jit
-def _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _scores(
+    q_ptr,
+    k_ptr,
+    rows,
+    cols,
+    n_q,
+    n_k,
+    d,
+    scale,
+    EXACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """scale · Q[rows] · K[cols]^T as an fp32 [BLOCK_M, BLOCK_N] tile, the dot product over d tiles."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for d0 in range(0, d, BLOCK_D):
         dims = d0 + tl.arange(0, BLOCK_D)
-        q = tl.load(q_ptr + rows[:, None] * d + dims[None, :], mask=(rows[:, None] < n_q) & (dims[None, :] < d), other=0.0)
-        k = tl.load(k_ptr + cols[:, None] * d + dims[None, :], mask=(cols[:, None] < n_k) & (dims[None, :] < d), other=0.0)
+        q = tl.load(
+            q_ptr + rows[:, None] * d + dims[None, :], mask=(rows[:, None] < n_q) & (dims[None, :] < d), other=0.0
+        )
+        k = tl.load(
+            k_ptr + cols[:, None] * d + dims[None, :], mask=(cols[:, None] < n_k) & (dims[None, :] < d), other=0.0
+        )
         if EXACT:
             acc += tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -76,11 +96,28 @@ def _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT: tl.constexpr, B
     return acc * scale
 
 
-@triton.autotune(configs=_LSE_CONFIGS, key=["d", "EXACT"],
-                 restore_value=["row_max_ptr", "row_sum_ptr", "col_max_ptr", "col_sum_ptr"])
+@triton.autotune(
+    configs=_LSE_CONFIGS, key=["d", "EXACT"], restore_value=["row_max_ptr", "row_sum_ptr", "col_max_ptr", "col_sum_ptr"]
+)
 @triton.jit
-def _lse_pass_kernel(q_ptr, k_ptr, row_max_ptr, row_sum_ptr, col_max_ptr, col_sum_ptr, n_q, n_k, d, col_stride, scale,
-                     N_PROGRAMS: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _lse_pass_kernel(
+    q_ptr,
+    k_ptr,
+    row_max_ptr,
+    row_sum_ptr,
+    col_max_ptr,
+    col_sum_ptr,
+    n_q,
+    n_k,
+    d,
+    col_stride,
+    scale,
+    N_PROGRAMS: tl.constexpr,
+    EXACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     # Program p owns row blocks p, p + P, ... and one row of the column partials. Per row block:
     # load its rows' running (max, sum) -> sweep every column tile of the panel, updating the rows
     # in registers and the columns' partials in memory -> store the rows -> barrier (the next row
@@ -116,8 +153,23 @@ def _lse_pass_kernel(q_ptr, k_ptr, row_max_ptr, row_sum_ptr, col_max_ptr, col_su
 
 @triton.autotune(configs=_WEIGHT_CONFIGS, key=["d", "EXACT"])
 @triton.jit
-def _weights_kernel(q_ptr, k_ptr, a_ptr, b_ptr, w_ptr, n_q, n_k, d, w_stride, scale, diag_offset, EXACT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _weights_kernel(
+    q_ptr,
+    k_ptr,
+    a_ptr,
+    b_ptr,
+    w_ptr,
+    n_q,
+    n_k,
+    d,
+    w_stride,
+    scale,
+    diag_offset,
+    EXACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     s = _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D)
@@ -125,14 +177,33 @@ def _weights_kernel(q_ptr, k_ptr, a_ptr, b_ptr, w_ptr, n_q, n_k, d, w_stride, sc
     b = tl.load(b_ptr + cols, mask=cols < n_k, other=0.0)
     positive = cols[None, :] == rows[:, None] + diag_offset
     w = tl.exp(s - a[:, None]) + tl.exp(s - b[None, :]) - 2.0 * positive.to(tl.float32)
-    tl.store(w_ptr + rows[:, None] * w_stride + cols[None, :], w.to(w_ptr.dtype.element_ty),
-             mask=(rows[:, None] < n_q) & (cols[None, :] < n_k))
+    tl.store(
+        w_ptr + rows[:, None] * w_stride + cols[None, :],
+        w.to(w_ptr.dtype.element_ty),
+        mask=(rows[:, None] < n_q) & (cols[None, :] < n_k),
+    )
 
 
 @triton.autotune(configs=_WEIGHT_CONFIGS, key=["d", "EXACT"], restore_value=["loss_ptr", "bias_ptr"])
 @triton.jit
-def _sigmoid_kernel(q_ptr, k_ptr, w_ptr, loss_ptr, bias_ptr, n_q, n_k, d, w_stride, scale, bias, diag_offset, EXACT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _sigmoid_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    loss_ptr,
+    bias_ptr,
+    n_q,
+    n_k,
+    d,
+    w_stride,
+    scale,
+    bias,
+    diag_offset,
+    EXACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = (rows[:, None] < n_q) & (cols[None, :] < n_k)
@@ -156,14 +227,24 @@ def _exact(exact: bool) -> bool:
 
 def _check(queries: Tensor, keys: Tensor) -> None:
     if queries.ndim != 2 or keys.ndim != 2 or queries.shape[1] != keys.shape[1]:
-        raise ValueError(f"queries and keys must be [M, d] and [N, d] with the same d, got {list(queries.shape)} and {list(keys.shape)}")
+        raise ValueError(
+            f"queries and keys must be [M, d] and [N, d] with the same d, got {list(queries.shape)} and "
+            f"{list(keys.shape)}"
+        )
     if not (queries.is_contiguous() and keys.is_contiguous()):
-        raise ValueError("the Triton contrastive kernels need row-major contiguous embeddings; call .contiguous() first")
+        raise ValueError(
+            "the Triton contrastive kernels need row-major contiguous embeddings; call .contiguous() first"
+        )
     if queries.dtype != keys.dtype or queries.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"embeddings must share one of float32 / bfloat16 / float16, got {queries.dtype} and {keys.dtype} "
-                         "(float64: use loss.kernel=pytorch)")
+        raise ValueError(
+            f"embeddings must share one of float32 / bfloat16 / float16, got {queries.dtype} and {keys.dtype} "
+            "(float64: use loss.kernel=pytorch)"
+        )
     if queries.shape[1] > 1024:
-        raise ValueError(f"embedding dim {queries.shape[1]} > 1024 is not supported by the Triton kernels; use [loss] kernel = \"pytorch\"")
+        raise ValueError(
+            f"embedding dim {queries.shape[1]} > 1024 is not supported by the Triton kernels; use [loss] kernel = "
+            '"pytorch"'
+        )
 
 
 def _programs(rows: int, device: torch.device) -> int:
@@ -173,7 +254,9 @@ def _programs(rows: int, device: torch.device) -> int:
     return max(1, min(target, triton.cdiv(rows, 16)))
 
 
-def row_col_lse(queries: Tensor, keys: Tensor, scale: float, *, exact: bool = False, panel: int = LSE_PANEL) -> tuple[Tensor, Tensor]:
+def row_col_lse(
+    queries: Tensor, keys: Tensor, scale: float, *, exact: bool = False, panel: int = LSE_PANEL
+) -> tuple[Tensor, Tensor]:
     """(logsumexp_j S_ij for every query [M], logsumexp_i S_ij over these queries for every key [N]), float32.
 
     One pass over S = scale · queries · keys^T; extra memory 2 x programs x `panel` floats.
@@ -189,24 +272,50 @@ def row_col_lse(queries: Tensor, keys: Tensor, scale: float, *, exact: bool = Fa
         width = min(panel, n - c0)
         col_max.fill_(float("-inf"))
         col_sum.zero_()
-        _lse_pass_kernel[(programs,)](queries, keys[c0 : c0 + width], row_max, row_sum, col_max, col_sum, m, width, d,
-                                      col_max.stride(0), float(scale), programs, _exact(exact))
+        _lse_pass_kernel[(programs,)](
+            queries,
+            keys[c0 : c0 + width],
+            row_max,
+            row_sum,
+            col_max,
+            col_sum,
+            m,
+            width,
+            d,
+            col_max.stride(0),
+            float(scale),
+            programs,
+            _exact(exact),
+        )
         col_lse[c0 : c0 + width] = torch.logsumexp(col_max[:, :width] + col_sum[:, :width].log(), dim=0)
     return row_max + row_sum.log(), col_lse
 
 
-def _panel_output(queries: Tensor, m: int, n: int, exact: bool, out: Tensor | None) -> tuple[Tensor, Callable[[dict], tuple[int, int]]]:
+def _panel_output(
+    queries: Tensor, m: int, n: int, exact: bool, out: Tensor | None
+) -> tuple[Tensor, Callable[[dict], tuple[int, int]]]:
     """The W panel to write (`out`, checked, or a new one in the inputs' dtype; float32 when exact)
     and the launch grid over its tiles."""
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32 if exact else queries.dtype, device=queries.device)
     if out.shape != (m, n) or out.stride(1) != 1:
-        raise ValueError(f"out must be [{m}, {n}] with unit column stride, got {list(out.shape)} strides {out.stride()}")
+        raise ValueError(
+            f"out must be [{m}, {n}] with unit column stride, got {list(out.shape)} strides {out.stride()}"
+        )
     return out, lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
 
 
-def softmax_weights(queries: Tensor, keys: Tensor, row_lse: Tensor, col_lse: Tensor, scale: float, diag_offset: int, *,
-                    exact: bool = False, out: Tensor | None = None) -> Tensor:
+def softmax_weights(
+    queries: Tensor,
+    keys: Tensor,
+    row_lse: Tensor,
+    col_lse: Tensor,
+    scale: float,
+    diag_offset: int,
+    *,
+    exact: bool = False,
+    out: Tensor | None = None,
+) -> Tensor:
     """W [M, N] = exp(S - row_lse) + exp(S - col_lse) - 2 [j == i + diag_offset], S = scale · q·k.
 
     Written into `out` (any row stride, unit column stride; its dtype is W's) or a new tensor in
@@ -217,13 +326,35 @@ def softmax_weights(queries: Tensor, keys: Tensor, row_lse: Tensor, col_lse: Ten
     if row_lse.shape != (m,) or col_lse.shape != (n,):
         raise ValueError(f"LSEs must be [{m}] and [{n}], got {list(row_lse.shape)} and {list(col_lse.shape)}")
     out, grid = _panel_output(queries, m, n, exact, out)
-    _weights_kernel[grid](queries, keys, row_lse.float().contiguous(), col_lse.float().contiguous(), out, m, n, queries.shape[1],
-                          out.stride(0), float(scale), int(diag_offset), _exact(exact))
+    _weights_kernel[grid](
+        queries,
+        keys,
+        row_lse.float().contiguous(),
+        col_lse.float().contiguous(),
+        out,
+        m,
+        n,
+        queries.shape[1],
+        out.stride(0),
+        float(scale),
+        int(diag_offset),
+        _exact(exact),
+    )
     return out
 
 
-def sigmoid_weights(queries: Tensor, keys: Tensor, scale: float, bias: float, diag_offset: int, *, loss_rows: Tensor,
-                    bias_rows: Tensor, exact: bool = False, out: Tensor | None = None) -> Tensor:
+def sigmoid_weights(
+    queries: Tensor,
+    keys: Tensor,
+    scale: float,
+    bias: float,
+    diag_offset: int,
+    *,
+    loss_rows: Tensor,
+    bias_rows: Tensor,
+    exact: bool = False,
+    out: Tensor | None = None,
+) -> Tensor:
     """W [M, N] = -z sigmoid(-z (S + bias)), S = scale · q·k, z = +1 where j == i + diag_offset.
 
     Also adds each row's sum of -log sigmoid(z (S + bias)) into `loss_rows` and of W into
@@ -236,7 +367,19 @@ def sigmoid_weights(queries: Tensor, keys: Tensor, scale: float, bias: float, di
         if rows.shape != (m,) or rows.dtype != torch.float32 or not rows.is_contiguous():
             raise ValueError(f"{name} must be a contiguous float32 [{m}], got {rows.dtype} {list(rows.shape)}")
     out, grid = _panel_output(queries, m, n, exact, out)
-    _sigmoid_kernel[grid](queries, keys, out, loss_rows, bias_rows, m, n, queries.shape[1], out.stride(0), float(scale), float(bias),
-                          int(diag_offset), _exact(exact))
+    _sigmoid_kernel[grid](
+        queries,
+        keys,
+        out,
+        loss_rows,
+        bias_rows,
+        m,
+        n,
+        queries.shape[1],
+        out.stride(0),
+        float(scale),
+        float(bias),
+        int(diag_offset),
+        _exact(exact),
+    )
     return out
-

@@ -20,8 +20,8 @@ and is loaded by setting `job.custom_import = "my_pkg.my_family"` in the config.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,8 +110,7 @@ def register_model(spec: ModelSpec, *, overwrite: bool = False) -> None:
     """
     if spec.name in _REGISTRY and not overwrite:
         raise ModelRegistryError(
-            f"model family {spec.name!r} is already registered; "
-            "pick another name or pass overwrite=True to replace it"
+            f"model family {spec.name!r} is already registered; pick another name or pass overwrite=True to replace it"
         )
     _REGISTRY[spec.name] = spec
 
@@ -140,7 +139,9 @@ def resolve_model_args(name: str, flavor: str, init_from: str = "") -> tuple[Any
         return get_flavor_args(name, flavor), None
     spec = get_model_spec(name)
     if spec.read_checkpoint is None:
-        raise ModelRegistryError(f"model.init_from={init_from!r}: the {name} family reads no checkpoints; leave it empty")
+        raise ModelRegistryError(
+            f"model.init_from={init_from!r}: the {name} family reads no checkpoints; leave it empty"
+        )
     try:
         return spec.read_checkpoint(init_from)
     except (OSError, ValueError) as e:

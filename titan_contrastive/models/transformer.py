@@ -84,7 +84,9 @@ class ResidualBlock(nn.Module):
     where RNG replay under activation checkpointing matters.
     """
 
-    def __init__(self, width: int, heads: int, mlp_ratio: float, dropout: float, *, causal: bool, act: str = "gelu") -> None:
+    def __init__(
+        self, width: int, heads: int, mlp_ratio: float, dropout: float, *, causal: bool, act: str = "gelu"
+    ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(width)
         self.attn = Attention(width, heads, causal=causal)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from titan_contrastive.batching.tokens import max_over_ranks
+from titan_contrastive.batching.tokens import max_over_ranks as max_over_ranks  # re-exported (see above)
 
 # torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old ones
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

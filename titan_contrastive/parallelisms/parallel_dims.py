@@ -62,7 +62,9 @@ class ParallelDims:
         """The (dp_replicate, dp_shard) mesh; None on a single process. Build it once per run."""
         if self.world_size == 1:
             return None
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+        return init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+        )
 
 
 def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, dp_degree: int) -> int:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,8 +72,14 @@ def apply_compile(blocks: list[nn.Module], backend: str) -> None:
         block.compile(backend=backend, fullgraph=False)
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, *, param_dtype: torch.dtype | None,
-               reduce_dtype: torch.dtype | None) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> None:
     """FSDP2: shard each block, then the root (its remaining parameters: embeddings,
     projections, logit_scale). A 2-D (replicate, shard) mesh gives HSDP."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -84,15 +91,26 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, *, p
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device, reduce_dtype: torch.dtype | None) -> nn.Module:
     """DDP over the replicate group; bfloat16 reduction through DDP's compression hook."""
     group = mesh["dp_replicate"].get_group()
-    ddp = DistributedDataParallel(model, process_group=group, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = DistributedDataParallel(
+        model, process_group=group, device_ids=[device.index] if device.type == "cuda" else None
+    )
     if reduce_dtype == torch.bfloat16:
         ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
     return ddp
 
 
-def parallelize_model(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, mesh: DeviceMesh | None, *,
-                      device: torch.device, ac_mode: str, compile_backend: str | None,
-                      param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> nn.Module:
+def parallelize_model(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    *,
+    device: torch.device,
+    ac_mode: str,
+    compile_backend: str | None,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> nn.Module:
     """Apply AC, compile and data parallelism; returns the module to call in the train step
     (the DDP wrapper, or the model itself: FSDP2 modifies the model in place)."""
     apply_ac(blocks, ac_mode)
@@ -100,7 +118,13 @@ def parallelize_model(model: nn.Module, blocks: list[nn.Module], dims: ParallelD
         apply_compile(blocks, compile_backend)
     if dims.fsdp_enabled:
         assert mesh is not None
-        apply_fsdp(model, blocks, mesh if dims.dp_replicate > 1 else mesh["dp_shard"], param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        apply_fsdp(
+            model,
+            blocks,
+            mesh if dims.dp_replicate > 1 else mesh["dp_shard"],
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+        )
         return model
     if dims.ddp_enabled:
         assert mesh is not None

@@ -61,8 +61,11 @@ def init_distributed(device_choice: str, init_timeout_seconds: int = 300) -> Dis
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_choice, local_rank)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
-                                timeout=timedelta(seconds=init_timeout_seconds))
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            device_id=device if device.type == "cuda" else None,
+            timeout=timedelta(seconds=init_timeout_seconds),
+        )
         _timeout.update(key="comm.init_timeout_seconds", seconds=init_timeout_seconds)
     if device.type == "cpu":
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -85,13 +88,19 @@ def collective_failure(exc: BaseException) -> str | None:
     Gloo raises a plain RuntimeError ("Timed out waiting 5000ms for recv operation", "Connection
     closed by peer"), NCCL a DistBackendError; DDP re-raises it from backward."""
     text = " ".join(str(exc).split())
-    if not dist.is_initialized() or not (isinstance(exc, dist.DistError) or any(
-            marker in text for marker in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer"))):
+    if not dist.is_initialized() or not (
+        isinstance(exc, dist.DistError)
+        or any(
+            marker in text for marker in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer")
+        )
+    ):
         return None
     detail = text.split("] ", 1)[-1][:200]  # drop gloo's source-location prefix
-    return (f"a collective did not complete ({detail}): another rank stalled or died (see its log); "
-            f"{_timeout['key']}={_timeout['seconds']} is the wait allowed; raise it if a step, evaluation or "
-            "checkpoint save really takes longer")
+    return (
+        f"a collective did not complete ({detail}): another rank stalled or died (see its log); "
+        f"{_timeout['key']}={_timeout['seconds']} is the wait allowed; raise it if a step, evaluation or "
+        "checkpoint save really takes longer"
+    )
 
 
 def destroy_distributed(barrier: bool = False) -> None:

@@ -25,8 +25,19 @@ from titan_contrastive.steps.global_negatives import GlobalNegativesStep, Stream
 from titan_contrastive.steps.gradcache import GradCacheStep
 from titan_contrastive.steps.pixel import PixelStep
 
-__all__ = ["CONTRASTIVE_STEPS", "AccumulateStep", "Batch", "GlobalNegativesStep", "GradCacheStep", "GradientStep", "PixelStep",
-           "StepBuilder", "StepContext", "StreamingClipStep", "build_gradient_step"]
+__all__ = [
+    "CONTRASTIVE_STEPS",
+    "AccumulateStep",
+    "Batch",
+    "GlobalNegativesStep",
+    "GradCacheStep",
+    "GradientStep",
+    "PixelStep",
+    "StepBuilder",
+    "StepContext",
+    "StreamingClipStep",
+    "build_gradient_step",
+]
 
 # ([loss] negatives, microbatches forwarded in GradCache chunks) -> the step kind's builder
 CONTRASTIVE_STEPS: dict[tuple[str, bool], StepBuilder] = {
@@ -37,14 +48,19 @@ CONTRASTIVE_STEPS: dict[tuple[str, bool], StepBuilder] = {
 }
 
 
-def build_gradient_step(spec: Any, ctx: StepContext, cfg: JobConfig, loss_name: str, knobs: dict[str, int] | None = None) -> GradientStep:
+def build_gradient_step(
+    spec: Any, ctx: StepContext, cfg: JobConfig, loss_name: str, knobs: dict[str, int] | None = None
+) -> GradientStep:
     """The family's own kind (`spec.build_step`), else the contrastive kind the config selects.
     `knobs`: values the memory planner chose (config key -> value), over the config's."""
     knobs = knobs or {}
     build = spec.build_step or CONTRASTIVE_STEPS[(cfg.loss.negatives, gradcache_chunk(ctx, cfg, knobs) is not None)]
     if cfg.gradcache.chunk_tokens and build != GradCacheStep.build:
-        raise ConfigError(f"gradcache.chunk_tokens={cfg.gradcache.chunk_tokens} packs GradCache chunks, which only the GradCache step "
-                          f"with microbatch negatives runs, but {_why_not_gradcache(spec, ctx, cfg)}")
+        raise ConfigError(
+            f"gradcache.chunk_tokens={cfg.gradcache.chunk_tokens} packs GradCache chunks, "
+            "which only the GradCache step "
+            f"with microbatch negatives runs, but {_why_not_gradcache(spec, ctx, cfg)}"
+        )
     return build(ctx, cfg, loss_name, knobs)
 
 
@@ -53,8 +69,11 @@ def _why_not_gradcache(spec: Any, ctx: StepContext, cfg: JobConfig) -> str:
     if spec.build_step is not None:
         return f"the {ctx.family} family has its own step: set gradcache.chunk_tokens=0"
     if cfg.loss.negatives != "microbatch":
-        return (f"loss.negatives={cfg.loss.negatives!r} (one problem over the global batch, re-forwarded in gradcache.chunk_sizes "
-                "samples): set loss.negatives=microbatch or gradcache.chunk_tokens=0")
+        return (
+            f"loss.negatives={cfg.loss.negatives!r} "
+            "(one problem over the global batch, re-forwarded in gradcache.chunk_sizes "
+            "samples): set loss.negatives=microbatch or gradcache.chunk_tokens=0"
+        )
     if not cfg.gradcache.enabled:
         return "gradcache.enabled=false: set gradcache.enabled=true or gradcache.chunk_tokens=0"
     return "the memory planner chose whole microbatches (memory.budget_gib): set gradcache.chunk_tokens=0"

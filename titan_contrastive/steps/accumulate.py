@@ -8,7 +8,7 @@ reduction runs in the last microbatch's backward only.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor

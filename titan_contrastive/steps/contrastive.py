@@ -23,8 +23,10 @@ def gradcache_chunk(ctx: StepContext, cfg: JobConfig, knobs: dict[str, int]) -> 
     large as the local batch means no chunking; a configured one is taken as given."""
     sizes = cfg.gradcache.chunk_sizes
     if cfg.gradcache.enabled and len(set(sizes)) > 1:
-        raise ConfigError(f"gradcache.chunk_sizes={sizes}: the {ctx.family} family runs both towers in one forward; "
-                          f"give one chunk size (e.g. --gradcache.chunk_sizes={min(sizes)})")
+        raise ConfigError(
+            f"gradcache.chunk_sizes={sizes}: the {ctx.family} family runs both towers in one forward; "
+            f"give one chunk size (e.g. --gradcache.chunk_sizes={min(sizes)})"
+        )
     if CHUNK_KNOB in knobs:
         return knobs[CHUNK_KNOB] if knobs[CHUNK_KNOB] < ctx.local_batch_size else None
     return sizes[0] if cfg.gradcache.enabled else None
@@ -36,6 +38,8 @@ def chunk_knob(ctx: StepContext) -> dict[str, list[int]]:
 
 
 def microbatch_problem(ctx: StepContext, loss_name: str, chunk: int | None) -> str:
-    text = (f"{loss_name} loss; negatives per contrastive problem: {ctx.local_batch_size * ctx.dp_degree} (loss.negatives=microbatch: "
-            "accumulation adds no negatives)")
+    text = (
+        f"{loss_name} loss; negatives per contrastive problem: {ctx.local_batch_size * ctx.dp_degree} "
+        "(loss.negatives=microbatch: accumulation adds no negatives)"
+    )
     return text + (f"; GradCache: forwards in chunks of {chunk} samples" if chunk else "")

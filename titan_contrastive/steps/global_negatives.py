@@ -48,7 +48,8 @@ import contextlib
 import functools
 import itertools
 import math
-from typing import Any, Callable, ContextManager, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,19 @@ from torch import Tensor
 
 from titan_contrastive.components.memory_planner import doubling
 from titan_contrastive.components.streaming_loss import (
-    KeptBlock, accumulation_dtype, fused_embedding_grads, fused_lse, fused_sigmoid, infonce_loss_from_lse, loss_dtype,
-    preferred_kernel, require_kernel, resolve_kernel, streamed_row_col_lse, streamed_sigmoid, streamed_softmax_grads,
+    KeptBlock,
+    accumulation_dtype,
+    fused_embedding_grads,
+    fused_lse,
+    fused_sigmoid,
+    infonce_loss_from_lse,
+    loss_dtype,
+    preferred_kernel,
+    require_kernel,
+    resolve_kernel,
+    streamed_row_col_lse,
+    streamed_sigmoid,
+    streamed_softmax_grads,
 )
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.grad_cache import engine
@@ -93,17 +105,30 @@ class StreamingClipStep:
     `fixed_bias` the sigmoid loss's learnable bias (encode's fourth output).
     """
 
-    def __init__(self, *, stream_chunk_size: int, group: dist.ProcessGroup | None = None,
-                 grad_average_factor: int = 1, fixed_scale: float | None = None, kernel: str = "auto",
-                 compute_dtype: torch.dtype | None = None, loss: str = "clip", fixed_bias: float | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        stream_chunk_size: int,
+        group: dist.ProcessGroup | None = None,
+        grad_average_factor: int = 1,
+        fixed_scale: float | None = None,
+        kernel: str = "auto",
+        compute_dtype: torch.dtype | None = None,
+        loss: str = "clip",
+        fixed_bias: float | None = None,
+    ) -> None:
         if not isinstance(stream_chunk_size, int) or stream_chunk_size < 1:
             raise DistributedClipError(f"STREAM_CHUNK_SIZE={stream_chunk_size!r}: must be an integer >= 1 (e.g. 1024)")
         if fixed_scale is not None and not (math.isfinite(fixed_scale) and fixed_scale > 0):
-            raise DistributedClipError(f"TAU={1 / fixed_scale if fixed_scale else fixed_scale!r}: must be a number > 0 (e.g. 0.07)")
+            raise DistributedClipError(
+                f"TAU={1 / fixed_scale if fixed_scale else fixed_scale!r}: must be a number > 0 (e.g. 0.07)"
+            )
         if loss not in ("clip", "siglip"):
             raise DistributedClipError(f"LOSS={loss!r}: choose clip (softmax, InfoNCE) or siglip (sigmoid)")
         if fixed_bias is not None and not math.isfinite(fixed_bias):
-            raise DistributedClipError(f"BIAS={fixed_bias!r}: must be a finite number (e.g. -10), or None to learn logit_bias")
+            raise DistributedClipError(
+                f"BIAS={fixed_bias!r}: must be a finite number (e.g. -10), or None to learn logit_bias"
+            )
         self.chunk = stream_chunk_size
         self.kernel = kernel  # "auto", "pytorch" or a fused Triton path (components/streaming_loss.py)
         self.compute_dtype = compute_dtype  # the caller's autocast dtype, if any (see streaming_loss.loss_dtype)
@@ -115,28 +140,43 @@ class StreamingClipStep:
         self.loss = loss
         self.fixed_bias = fixed_bias
 
-    def __call__(self, encode: Encode, microbatches: Sequence[Any], *,
-                 grad_sync: Callable[[bool], ContextManager] = lambda is_last: contextlib.nullcontext(),
-                 backward: Callable[[Tensor], None] = lambda t: t.backward(), replay: bool = False) -> Tensor:
+    def __call__(
+        self,
+        encode: Encode,
+        microbatches: Sequence[Any],
+        *,
+        grad_sync: Callable[[bool], contextlib.AbstractContextManager] = lambda is_last: contextlib.nullcontext(),
+        backward: Callable[[Tensor], None] = lambda t: t.backward(),
+        replay: bool = False,
+    ) -> Tensor:
         """Accumulate the exact gradient of the global loss into .grad; return the loss (detached)."""
         # A. no-graph forward per microbatch, RNG captured for the replay (the cached-gradient engine); all-gather
         #    (the last microbatch keeps its graph: D backpropagates it first instead of re-running it)
-        outputs, rand = engine.forward_no_grad(encode, microbatches, keep_last=lambda: grad_sync(len(microbatches) == 1))
+        outputs, rand = engine.forward_no_grad(
+            encode, microbatches, keep_last=lambda: grad_sync(len(microbatches) == 1)
+        )
         zx_parts, zy_parts = [o[0] for o in outputs], [o[1] for o in outputs]
         scale, bias = (list(outputs[-1][2:4]) + [None, None])[:2]
         zx_local, zy_local = torch.cat(zx_parts), torch.cat(zy_parts)
         if zx_local.shape != zy_local.shape:
-            raise DistributedClipError(f"z_x {tuple(zx_local.shape)} and z_y {tuple(zy_local.shape)} must have the same shape [batch, dim]")
+            raise DistributedClipError(
+                f"z_x {tuple(zx_local.shape)} and z_y {tuple(zy_local.shape)} must have the same shape [batch, dim]"
+            )
         self._check_normalized(zx_local, "z_x")
         self._check_normalized(zy_local, "z_y")
         learnable = self.fixed_scale is None
         if learnable and scale is None:
-            raise DistributedClipError("no temperature: the model has no `logit_scale` and TAU is not set; give TAU (e.g. 0.07) or add a logit_scale parameter")
+            raise DistributedClipError(
+                "no temperature: the model has no `logit_scale` and TAU is not set; give TAU (e.g. 0.07) or add a "
+                "logit_scale parameter"
+            )
         acc = accumulation_dtype(zx_local)
         s = (torch.tensor(self.fixed_scale) if not learnable else scale.detach().reshape(())).to(zx_local.device, acc)
         learn_bias = self.loss == "siglip" and self.fixed_bias is None
         if learn_bias and bias is None:
-            raise DistributedClipError("no bias: the sigmoid loss needs logit_bias as the model's fourth output, or a fixed BIAS (e.g. -10)")
+            raise DistributedClipError(
+                "no bias: the sigmoid loss needs logit_bias as the model's fourth output, or a fixed BIAS (e.g. -10)"
+            )
         zx_all, zy_all = self._gather(zx_local), self._gather(zy_local)
         c = len(zx_local)
         own = range(self.rank * c, (self.rank + 1) * c)
@@ -144,10 +184,13 @@ class StreamingClipStep:
         # B + C: the loss and this rank's embedding gradients (and, sigmoid, its rows' share of dL/db)
         bias_rows = None
         if self.loss == "siglip":
-            b = (torch.tensor(self.fixed_bias) if not learn_bias else bias.detach().reshape(())).to(zx_local.device, acc)
+            b = (torch.tensor(self.fixed_bias) if not learn_bias else bias.detach().reshape(())).to(
+                zx_local.device, acc
+            )
             loss, gx, gy, bias_rows, zx_local = self._sigmoid(zx_local, zy_all, s, b, own)
         else:
-            loss, gx, gy, zx_local = self._softmax(zx_local, zx_all, zy_all, s, own)  # each rank reads its own rows of S
+            # each rank reads its own rows of S
+            loss, gx, gy, zx_local = self._softmax(zx_local, zx_all, zy_all, s, own)
         del zx_all, zy_all
 
         # D. replayed forward with a graph, backward of the surrogate <z, cached gradient> (the engine);
@@ -159,18 +202,23 @@ class StreamingClipStep:
         def gradients(j: int, out: tuple[Tensor | None, ...]) -> list[Tensor | None]:
             rows = slice(ends[j - 1] if j else 0, ends[j])
             grads: list[Tensor | None] = [gx[rows] * factor, gy[rows] * factor, None, None]
-            if learnable:  # dL/ds = <Zx, dL/dZx> / s (l depends on s only through s <x, y>), this microbatch's rows' share
+            # dL/ds = <Zx, dL/dZx> / s (l depends on s only through s <x, y>), this microbatch's rows' share
+            if learnable:
                 share = (zx_local[rows].to(gx.dtype) * gx[rows]).sum() / s
                 grads[2] = (share * factor).reshape(out[2].shape)
             if learn_bias:  # dL/db, this microbatch's rows' share
                 grads[3] = (bias_rows[rows].sum() * factor).reshape(out[3].shape)
             return (grads + [None] * len(out))[: len(out)]
 
-        engine.forward_backward(encode, microbatches, rand, gradients, sync=grad_sync, backward=backward,
-                                replay=outputs if replay else None)  # a locked tower reuses its pass-A embeddings
+        # a locked tower reuses its pass-A embeddings
+        engine.forward_backward(
+            encode, microbatches, rand, gradients, sync=grad_sync, backward=backward, replay=outputs if replay else None
+        )
         return loss.detach()
 
-    def _softmax(self, zx_local: Tensor, zx_all: Tensor, zy_all: Tensor, s: Tensor, own: range) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _softmax(
+        self, zx_local: Tensor, zx_all: Tensor, zy_all: Tensor, s: Tensor, own: range
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Symmetric InfoNCE: (loss, dL/dZx[own], dL/dZy[own], the own rows as the loss read them).
 
         One organisation for both paths (8 N^2 d FLOPs over all ranks), which differ only in the two
@@ -179,7 +227,8 @@ class StreamingClipStep:
         and this rank's share of dZy, reduce-scattered to the owners."""
         dtype = loss_dtype(self.kernel, zx_local.dtype, self.compute_dtype)
         kernel = resolve_kernel(self.kernel, zx_local.to(dtype))
-        if kernel == "pytorch":  # the embeddings' own dtype (blocks in the accumulation dtype); C starts with B's last block
+        # the embeddings' own dtype (blocks in the accumulation dtype); C starts with B's last block
+        if kernel == "pytorch":
             keep = KeptBlock()
             row_col_lse = functools.partial(streamed_row_col_lse, chunk=self.chunk, keep=keep)
             softmax_grads = functools.partial(streamed_softmax_grads, chunk=self.chunk, keep=keep)
@@ -197,8 +246,9 @@ class StreamingClipStep:
         gy = reduce_scatter_sum(gy_share, self.group) if self.world > 1 else gy_share
         return loss, gx, gy, zx_local
 
-    def _sigmoid(self, zx_local: Tensor, zy_all: Tensor, s: Tensor, b: Tensor,
-                 own: range) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def _sigmoid(
+        self, zx_local: Tensor, zy_all: Tensor, s: Tensor, b: Tensor, own: range
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """SigLIP's loss, a sum over pairs, so B and C are one pass over this rank's rows against all
         columns (no log-sum-exp to gather first): (loss, dL/dZx[own], dL/dZy[own], dL/db per own
         row, the own rows as the loss read them)."""
@@ -242,22 +292,31 @@ class GlobalNegativesStep(ContrastiveLog):
         except ImportError as e:
             raise ConfigError(str(e)) from None
         try:
-            streaming = StreamingClipStep(stream_chunk_size=knobs.get(STREAM_KNOB, cfg.loss.stream_chunk_size), group=ctx.dp_group,
-                                          grad_average_factor=ctx.dp_degree, kernel=cfg.loss.kernel, compute_dtype=ctx.precision.compute_dtype,
-                                          loss=loss_name)
+            streaming = StreamingClipStep(
+                stream_chunk_size=knobs.get(STREAM_KNOB, cfg.loss.stream_chunk_size),
+                group=ctx.dp_group,
+                grad_average_factor=ctx.dp_degree,
+                kernel=cfg.loss.kernel,
+                compute_dtype=ctx.precision.compute_dtype,
+                loss=loss_name,
+            )
         except DistributedClipError as e:
             raise ConfigError(str(e)) from None
         return cls(ctx, streaming, gradcache_chunk(ctx, cfg, knobs))
 
     def __call__(self, microbatches: Sequence[Batch]) -> float:
         chunks = [chunk for mb in microbatches for chunk in self.ctx.split(mb, self.chunk_size)]
-        return self.streaming(self.ctx.encode, chunks, grad_sync=self.ctx.grad_sync, backward=self.ctx.backward,
-                              replay=True).item()
+        return self.streaming(
+            self.ctx.encode, chunks, grad_sync=self.ctx.grad_sync, backward=self.ctx.backward, replay=True
+        ).item()
 
     def describe(self) -> str:
-        text = (f"{self.streaming.loss} loss; negatives per contrastive problem: {self.ctx.global_batch_size} (loss.negatives=global: "
-                f"one exact problem over the global batch, streamed in blocks of {self.streaming.chunk} rows; the {self.ctx.ga_steps} "
-                "microbatches are re-forward chunks)")
+        text = (
+            f"{self.streaming.loss} loss; negatives per contrastive problem: {self.ctx.global_batch_size} "
+            "(loss.negatives=global: "
+            f"one exact problem over the global batch, streamed in blocks of {self.streaming.chunk} rows; the "
+            f"{self.ctx.ga_steps} microbatches are re-forward chunks)"
+        )
         return text + (f"; GradCache: forwards in chunks of {self.chunk_size} samples" if self.chunk_size else "")
 
     def knobs(self) -> dict[str, list[int]]:

@@ -15,7 +15,7 @@ the loss (`batching.tokens`). Every DP rank then runs as many chunks as the rank
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from torch import Tensor
 
@@ -28,8 +28,10 @@ __all__ = ["GradCacheStep"]
 
 
 def _planner_error(tokens: int) -> ConfigError:
-    return ConfigError(f"gradcache.chunk_tokens={tokens} sets the chunks by a token budget; the memory planner "
-                       "(memory.budget_gib) plans gradcache.chunk_sizes: use one of them")
+    return ConfigError(
+        f"gradcache.chunk_tokens={tokens} sets the chunks by a token budget; the memory planner "
+        "(memory.budget_gib) plans gradcache.chunk_sizes: use one of them"
+    )
 
 
 def padded_inputs(model: object) -> dict[str, int]:
@@ -38,20 +40,32 @@ def padded_inputs(model: object) -> dict[str, int]:
 
 
 class GradCacheStep(ContrastiveLog):
-    def __init__(self, ctx: StepContext, loss_fn: Callable[..., Tensor], chunk_size: int, loss_name: str = "given", *,
-                 chunk_tokens: int = 0, pad_ids: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        ctx: StepContext,
+        loss_fn: Callable[..., Tensor],
+        chunk_size: int,
+        loss_name: str = "given",
+        *,
+        chunk_tokens: int = 0,
+        pad_ids: Mapping[str, int] | None = None,
+    ) -> None:
         self.ctx, self.loss_fn, self.chunk_size, self.loss_name = ctx, loss_fn, chunk_size, loss_name
         self.chunk_tokens, self.pad_ids = chunk_tokens, dict(pad_ids or {})
 
     @classmethod
     def build(cls, ctx: StepContext, cfg: JobConfig, loss_name: str, knobs: dict[str, int]) -> GradCacheStep:
         chunk = gradcache_chunk(ctx, cfg, knobs)
-        assert chunk is not None, "GradCacheStep needs a chunk size (steps.build_gradient_step picks AccumulateStep otherwise)"
+        assert chunk is not None, (
+            "GradCacheStep needs a chunk size (steps.build_gradient_step picks AccumulateStep otherwise)"
+        )
         tokens, pad_ids = cfg.gradcache.chunk_tokens, padded_inputs(ctx.model)
         if tokens and not pad_ids:
-            raise ConfigError(f"gradcache.chunk_tokens={tokens}: the {ctx.family or 'model'} family's inputs are not padded token ids "
-                              "(its model declares no padded_inputs); token budgets are for text families such as bi_encoder: "
-                              "set gradcache.chunk_tokens=0")
+            raise ConfigError(
+                f"gradcache.chunk_tokens={tokens}: the {ctx.family or 'model'} family's inputs are not padded token "
+                "ids (its model declares no padded_inputs); token budgets are for text families such as bi_encoder: "
+                "set gradcache.chunk_tokens=0"
+            )
         if tokens and CHUNK_KNOB in knobs:
             raise _planner_error(tokens)
         return cls(ctx, train_loss(ctx, loss_name), chunk, loss_name, chunk_tokens=tokens, pad_ids=pad_ids)
@@ -68,18 +82,31 @@ class GradCacheStep(ContrastiveLog):
         for i, mb in enumerate(microbatches):
             is_last = i == len(microbatches) - 1
             split = None if self.chunk_tokens else self.ctx.layout.split  # token chunks are cut by GradCache itself
-            cache = GradCache([self.outputs], self.chunk_size, self.loss_fn, split_input_fn=split, get_rep_fn=tuple,
-                              fp16=precision.scaler is not None, scaler=precision.scaler,
-                              sync_context=lambda _model, sync, last=is_last: self.ctx.grad_sync(sync and last),
-                              chunk_tokens=self.chunk_tokens, pad_ids=self.pad_ids, group=self.ctx.dp_group,
-                              replay=True)  # the model's locked towers reuse the first pass's embeddings
+            # the model's locked towers reuse the first pass's embeddings
+            cache = GradCache(
+                [self.outputs],
+                self.chunk_size,
+                self.loss_fn,
+                split_input_fn=split,
+                get_rep_fn=tuple,
+                fp16=precision.scaler is not None,
+                scaler=precision.scaler,
+                sync_context=lambda _model, sync, last=is_last: self.ctx.grad_sync(sync and last),
+                chunk_tokens=self.chunk_tokens,
+                pad_ids=self.pad_ids,
+                group=self.ctx.dp_group,
+                replay=True,
+            )
             total += cache.cache_step(mb, no_sync_except_last=True).item()
         return total
 
     def describe(self) -> str:
         if self.chunk_tokens:
-            return (microbatch_problem(self.ctx, self.loss_name, None) + f"; GradCache: forwards in chunks of <= {self.chunk_tokens} "
-                    "tokens (length-sorted samples, each chunk cut to its longest sequence)")
+            return (
+                microbatch_problem(self.ctx, self.loss_name, None)
+                + f"; GradCache: forwards in chunks of <= {self.chunk_tokens} "
+                "tokens (length-sorted samples, each chunk cut to its longest sequence)"
+            )
         return microbatch_problem(self.ctx, self.loss_name, self.chunk_size)
 
     def knobs(self) -> dict[str, list[int]]:

@@ -9,14 +9,15 @@ the masks, so they are known before any compute.
 Order of operations:
 1. D_j = C · Σ mask over microbatch j; D = Σ_j D_j all-reduced over the DP ranks;
 2. per microbatch: the model returns its masked mean L_j (the decoder runs in chunks inside the
-   model, per its args' `pixel_loss` options, or at the memory planner's `decode_chunk`); backward of L_j · w_j with w_j = D_j / D · dp_degree, the
-   factor DDP / FSDP2 gradient averaging divides by again; gradient sync only on the last one;
+   model, per its args' `pixel_loss` options, or at the memory planner's `decode_chunk`); backward
+   of L_j · w_j with w_j = D_j / D · dp_degree, the factor DDP / FSDP2 gradient averaging divides
+   by again; gradient sync only on the last one;
 3. the logged loss Σ_j L_j · D_j / D, all-reduced: the global batch's masked mean.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,23 +39,30 @@ class PixelStep:
 
     def __init__(self, ctx: StepContext, decode_chunk: int | None = None) -> None:
         self.ctx, self.decode_chunk = ctx, decode_chunk
-        self.options: PixelLossOptions = ctx.model.args.pixel_loss  # what the vae decodes with ([pixel_loss] via its args)
+        # what the vae decodes with ([pixel_loss] via its args)
+        self.options: PixelLossOptions = ctx.model.args.pixel_loss
 
     @classmethod
     def build(cls, ctx: StepContext, cfg: JobConfig, loss_name: str, knobs: dict[str, int]) -> PixelStep:
         """Refuses what cannot work: contrastive settings, and a decoder backward inside the
         forward where FSDP2 or float16 loss scaling are on."""
         if cfg.loss.negatives == "global" or cfg.gradcache.enabled:
-            raise ConfigError(f"model.name={ctx.family} trains with the pixel loss; loss.negatives=global and gradcache.enabled "
-                              "are for contrastive losses: set loss.negatives=microbatch and gradcache.enabled=false")
+            raise ConfigError(
+                f"model.name={ctx.family} trains with the pixel loss; loss.negatives=global and gradcache.enabled "
+                "are for contrastive losses: set loss.negatives=microbatch and gradcache.enabled=false"
+            )
         options: PixelLossOptions = ctx.model.args.pixel_loss
         if options.mode == "per_chunk_backward" and isinstance(ctx.model, FSDPModule):
-            raise ConfigError("pixel_loss.mode=per_chunk_backward runs the decoder's backward inside the forward, which FSDP2 does "
-                              "not allow; use DDP (--parallelism.data_parallel_replicate_degree=-1 "
-                              "--parallelism.data_parallel_shard_degree=1) or pixel_loss.mode=chunked")
+            raise ConfigError(
+                "pixel_loss.mode=per_chunk_backward runs the decoder's backward inside the forward, which FSDP2 does "
+                "not allow; use DDP (--parallelism.data_parallel_replicate_degree=-1 "
+                "--parallelism.data_parallel_shard_degree=1) or pixel_loss.mode=chunked"
+            )
         if options.mode == "per_chunk_backward" and ctx.precision.scaler is not None:
-            raise ConfigError("pixel_loss.mode=per_chunk_backward does not support float16 loss scaling; "
-                              "use training.mixed_precision_param=bfloat16 or pixel_loss.mode=chunked")
+            raise ConfigError(
+                "pixel_loss.mode=per_chunk_backward does not support float16 loss scaling; "
+                "use training.mixed_precision_param=bfloat16 or pixel_loss.mode=chunked"
+            )
         return cls(ctx, decode_chunk=knobs.get(DECODE_KNOB))
 
     def __call__(self, microbatches: Sequence[Batch]) -> float:
@@ -78,7 +86,9 @@ class PixelStep:
     def describe(self) -> str:
         px = self.options
         chunks = self.decode_chunk or ("adaptive size" if px.adaptive else px.chunk_size)
-        return f"pixel loss: masked {px.loss_type} mean over the global batch, decoder mode {px.mode}, chunks of {chunks}"
+        return (
+            f"pixel loss: masked {px.loss_type} mean over the global batch, decoder mode {px.mode}, chunks of {chunks}"
+        )
 
     def knobs(self) -> dict[str, list[int]]:
         """Images per decoder call: 1, 2, 4, ... up to the microbatch (adaptive off)."""

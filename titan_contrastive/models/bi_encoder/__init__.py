@@ -6,12 +6,27 @@ does not need them.
 """
 
 from titan_contrastive.models.bi_encoder.model import (
-    BiEncoder, BiEncoderArgs, bi_encoder_blocks, bi_encoder_flavors, build_tokenizer, load_tokenizer,
+    BiEncoder,
+    BiEncoderArgs,
+    bi_encoder_blocks,
+    bi_encoder_flavors,
+    build_tokenizer,
+    load_tokenizer,
 )
 from titan_contrastive.models.registry import ModelSpec, register_model
 
 __all__ = ["BiEncoder", "BiEncoderArgs", "bi_encoder_blocks", "bi_encoder_flavors", "build_tokenizer", "load_tokenizer"]
 
-register_model(ModelSpec(name="bi_encoder", flavors=bi_encoder_flavors, build_model=BiEncoder, blocks=bi_encoder_blocks,
-                         default_loss="clip", input_keys=("query", "doc"), build_tokenizer=build_tokenizer,
-                         update_from_config=BiEncoderArgs.update_from_config, towers={"query": "query_tower.", "doc": "doc_tower."}))
+register_model(
+    ModelSpec(
+        name="bi_encoder",
+        flavors=bi_encoder_flavors,
+        build_model=BiEncoder,
+        blocks=bi_encoder_blocks,
+        default_loss="clip",
+        input_keys=("query", "doc"),
+        build_tokenizer=build_tokenizer,
+        update_from_config=BiEncoderArgs.update_from_config,
+        towers={"query": "query_tower.", "doc": "doc_tower."},
+    )
+)

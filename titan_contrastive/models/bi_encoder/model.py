@@ -78,7 +78,9 @@ class BiEncoderArgs:
         t = temperature_from_config(cfg, default_logit_scale=math.log(self.init_scale))
         return dataclasses.replace(self, init_scale=math.exp(t.init_logit_scale), learn_logit_scale=t.learn_logit_scale)
 
-    def update_from_data(self, *, image_shape: Any = None, vocab_size: int = 0, context_length: int = 32, eos_id: int = 0) -> BiEncoderArgs:
+    def update_from_data(
+        self, *, image_shape: Any = None, vocab_size: int = 0, context_length: int = 32, eos_id: int = 0
+    ) -> BiEncoderArgs:
         """The query length comes from data.context_length; vocabulary and widths from the checkpoint."""
         return dataclasses.replace(self, query_length=context_length)
 
@@ -107,13 +109,15 @@ class BiEncoderArgs:
 bi_encoder_flavors = {"minilm_l6": BiEncoderArgs(shared=True), "minilm_l6_dual": BiEncoderArgs(shared=False)}
 
 
-def mean_pooled(tower: nn.Module, ids: Tensor, pad_id: int, index: int,
-                replay: Sequence[Tensor | None] | None = None) -> Tensor:
+def mean_pooled(
+    tower: nn.Module, ids: Tensor, pad_id: int, index: int, replay: Sequence[Tensor | None] | None = None
+) -> Tensor:
     """sentence-transformers' embedding: the last hidden state averaged over real tokens, L2-normalized
     (a locked tower, `tower.frozen`, through `locked_forward`; `index`: its output's place in the model's,
     `replay`: the model's argument of that name).
     The tower runs on `ids` without the trailing columns that are padding in every row: the padding
     is masked, so that changes the embeddings by float rounding only, and saves its compute."""
+
     def run() -> Tensor:
         trimmed = right_trimmed(ids, pad_id)
         mask = (trimmed != pad_id).to(torch.long)
@@ -138,7 +142,9 @@ class BiEncoder(nn.Module):
         self.query_tower = AutoModel.from_pretrained(str(model_dir()), local_files_only=True, add_pooling_layer=False)
         self.doc_tower = self.query_tower if args.shared else copy.deepcopy(self.query_tower)
         self.pad_id = load_tokenizer().pad_token_id
-        self.logit_scale = nn.Parameter(torch.full((1,), math.log(args.init_scale)), requires_grad=args.learn_logit_scale)
+        self.logit_scale = nn.Parameter(
+            torch.full((1,), math.log(args.init_scale)), requires_grad=args.learn_logit_scale
+        )
 
     def init_weights(self) -> None:
         """Pretrained: only the scale has an initial value of its own."""
@@ -151,17 +157,22 @@ class BiEncoder(nn.Module):
         reads the sample lengths from (`[gradcache] chunk_tokens`, `batching.tokens`)."""
         return {"query": self.pad_id, "doc": self.pad_id}
 
-    def _embed(self, tower: nn.Module, ids: Tensor, index: int = 0,
-               replay: Sequence[Tensor | None] | None = None) -> Tensor:
+    def _embed(
+        self, tower: nn.Module, ids: Tensor, index: int = 0, replay: Sequence[Tensor | None] | None = None
+    ) -> Tensor:
         return mean_pooled(tower, ids, self.pad_id, index, replay)
 
-    def forward(self, query: Tensor, doc: Tensor, *,
-                replay: Sequence[Tensor | None] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        self, query: Tensor, doc: Tensor, *, replay: Sequence[Tensor | None] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """(query embeddings, document embeddings, exp(logit_scale)); `replay`: in a cached-gradient
         re-forward, pass 1's outputs of these samples (`grad_cache.engine.Replay`), which a locked
         tower returns instead of running."""
-        return (self._embed(self.query_tower, query, 0, replay), self._embed(self.doc_tower, doc, 1, replay),
-                self.logit_scale.exp())
+        return (
+            self._embed(self.query_tower, query, 0, replay),
+            self._embed(self.doc_tower, doc, 1, replay),
+            self.logit_scale.exp(),
+        )
 
 
 def bi_encoder_blocks(model: BiEncoder) -> list[nn.Module]:

@@ -6,6 +6,7 @@ from titan_contrastive.models.registry import ModelSpec, register_model
 
 __all__ = ["CLIP", "CLIPArgs", "clip_blocks", "clip_flavors"]
 
+
 def _read_checkpoint(path: str) -> tuple[CLIPArgs, dict]:
     from titan_contrastive.interop import read_checkpoint  # interop imports this package: import when used
 
@@ -13,7 +14,15 @@ def _read_checkpoint(path: str) -> tuple[CLIPArgs, dict]:
 
 
 register_model(
-    ModelSpec(name="clip", flavors=clip_flavors, build_model=CLIP, blocks=clip_blocks, default_loss="clip", other_losses=("siglip",),
-              update_from_config=CLIPArgs.update_from_config, read_checkpoint=_read_checkpoint,
-              towers={"image": "visual.", "text": "text."})
+    ModelSpec(
+        name="clip",
+        flavors=clip_flavors,
+        build_model=CLIP,
+        blocks=clip_blocks,
+        default_loss="clip",
+        other_losses=("siglip",),
+        update_from_config=CLIPArgs.update_from_config,
+        read_checkpoint=_read_checkpoint,
+        towers={"image": "visual.", "text": "text."},
+    )
 )

@@ -20,9 +20,14 @@ __all__ = ["CLIPArgs", "clip_flavors"]
 
 def _block_params(width: int, hidden: int) -> int:
     """ln_1 + in_proj (3w x w + 3w) + out_proj (w x w + w) + ln_2 + c_fc (+bias) + c_proj (+bias)."""
-    return 2 * width + (3 * width * width + 3 * width) + (width * width + width) + 2 * width + (
-        width * hidden + hidden
-    ) + (hidden * width + width)
+    return (
+        2 * width
+        + (3 * width * width + 3 * width)
+        + (width * width + width)
+        + 2 * width
+        + (width * hidden + hidden)
+        + (hidden * width + width)
+    )
 
 
 def _block_flops(tokens: int, width: int, hidden: int) -> int:
@@ -36,18 +41,23 @@ def text_tower_params(args: Any) -> int:
     """Parameters of the causal text tower (`clip.model.TextTower`) of any args with CLIP's text
     fields (CLIPArgs, VLMArgs): embeddings, blocks, ln_final, projection (no bias)."""
     tw = args.text_width
-    return (args.vocab_size * tw  # token embedding
-            + args.context_length * tw  # positional embedding
-            + args.text_layers * _block_params(tw, mlp_hidden(tw, args.mlp_ratio))
-            + 2 * tw  # ln_final
-            + tw * args.embed_dim)  # text projection, no bias
+    return (
+        args.vocab_size * tw  # token embedding
+        + args.context_length * tw  # positional embedding
+        + args.text_layers * _block_params(tw, mlp_hidden(tw, args.mlp_ratio))
+        + 2 * tw  # ln_final
+        + tw * args.embed_dim  # text projection, no bias
+    )
 
 
 def text_tower_flops(args: Any) -> int:
     """Forward matmul FLOPs of the text tower on one caption (the full context, as the causal
     kernel's FLOPs are not subtracted) and its projection of the pooled token."""
     tw = args.text_width
-    return args.text_layers * _block_flops(args.context_length, tw, mlp_hidden(tw, args.mlp_ratio)) + 2 * tw * args.embed_dim
+    return (
+        args.text_layers * _block_flops(args.context_length, tw, mlp_hidden(tw, args.mlp_ratio))
+        + 2 * tw * args.embed_dim
+    )
 
 
 @dataclass(frozen=True)
@@ -92,8 +102,18 @@ class CLIPArgs:
 
     def __post_init__(self) -> None:
         for name in (
-            "embed_dim", "image_size", "patch_size", "in_channels", "vision_width", "vision_layers",
-            "vision_heads", "vocab_size", "context_length", "text_width", "text_layers", "text_heads",
+            "embed_dim",
+            "image_size",
+            "patch_size",
+            "in_channels",
+            "vision_width",
+            "vision_layers",
+            "vision_heads",
+            "vocab_size",
+            "context_length",
+            "text_width",
+            "text_layers",
+            "text_heads",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"CLIPArgs.{name}={getattr(self, name)} must be an integer >= 1")
@@ -138,7 +158,8 @@ class CLIPArgs:
             raise ValueError(
                 f"data images are {channels}x{height}x{width} but the flavor's "
                 f"patch_size={self.patch_size} does not divide {height}; resize the images to a "
-                f"multiple of {self.patch_size} (data.image_size) or use a flavor whose patch_size divides the image size"
+                f"multiple of {self.patch_size} (data.image_size) or use a flavor whose patch_size divides the image "
+                "size"
             )
         return dataclasses.replace(
             self,
@@ -197,26 +218,62 @@ class CLIPArgs:
 clip_flavors: dict[str, CLIPArgs] = {
     # Tiny; trains on a 2-core CPU. Image / vocab / context sizes come from the data.
     "debug": CLIPArgs(
-        embed_dim=64, image_size=28, patch_size=4, in_channels=1,
-        vision_width=64, vision_layers=2, vision_heads=4,
-        vocab_size=259, context_length=32, text_width=64, text_layers=2, text_heads=4,
+        embed_dim=64,
+        image_size=28,
+        patch_size=4,
+        in_channels=1,
+        vision_width=64,
+        vision_layers=2,
+        vision_heads=4,
+        vocab_size=259,
+        context_length=32,
+        text_width=64,
+        text_layers=2,
+        text_heads=4,
     ),
     # OpenAI / open_clip ViT-B/32: 151,277,313 parameters with vocab 49408 and context 77.
     "vit_b32": CLIPArgs(
-        embed_dim=512, image_size=224, patch_size=32, in_channels=3,
-        vision_width=768, vision_layers=12, vision_heads=12,
-        vocab_size=49408, context_length=77, text_width=512, text_layers=12, text_heads=8,
+        embed_dim=512,
+        image_size=224,
+        patch_size=32,
+        in_channels=3,
+        vision_width=768,
+        vision_layers=12,
+        vision_heads=12,
+        vocab_size=49408,
+        context_length=77,
+        text_width=512,
+        text_layers=12,
+        text_heads=8,
     ),
     # open_clip ViT-B-16 / ViT-L-14 (OpenAI's ViT-B/16, ViT-L/14: 149,620,737 and 427,616,513 parameters);
     # OpenAI's own weights use quick GELU (their checkpoints' config sets it when loaded with init_from)
     "vit_b16": CLIPArgs(
-        embed_dim=512, image_size=224, patch_size=16, in_channels=3,
-        vision_width=768, vision_layers=12, vision_heads=12,
-        vocab_size=49408, context_length=77, text_width=512, text_layers=12, text_heads=8,
+        embed_dim=512,
+        image_size=224,
+        patch_size=16,
+        in_channels=3,
+        vision_width=768,
+        vision_layers=12,
+        vision_heads=12,
+        vocab_size=49408,
+        context_length=77,
+        text_width=512,
+        text_layers=12,
+        text_heads=8,
     ),
     "vit_l14": CLIPArgs(
-        embed_dim=768, image_size=224, patch_size=14, in_channels=3,
-        vision_width=1024, vision_layers=24, vision_heads=16,
-        vocab_size=49408, context_length=77, text_width=768, text_layers=12, text_heads=12,
+        embed_dim=768,
+        image_size=224,
+        patch_size=14,
+        in_channels=3,
+        vision_width=1024,
+        vision_layers=24,
+        vision_heads=16,
+        vocab_size=49408,
+        context_length=77,
+        text_width=768,
+        text_layers=12,
+        text_heads=12,
     ),
 }

@@ -167,8 +167,9 @@ class CLIP(nn.Module):
         `locked_forward`, `replay` as forward's)."""
         return locked_forward(self.text, 1, lambda: self.text(ids), replay)
 
-    def forward(self, images: Tensor, texts: Tensor, *,
-                replay: Sequence[Tensor | None] | None = None) -> tuple[Tensor, ...]:
+    def forward(
+        self, images: Tensor, texts: Tensor, *, replay: Sequence[Tensor | None] | None = None
+    ) -> tuple[Tensor, ...]:
         """(image embeddings, text embeddings, exp(logit_scale)[, logit_bias]).
 
         The temperature (and the sigmoid loss's bias) are returned by forward (as open_clip does)

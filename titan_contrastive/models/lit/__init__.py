@@ -56,21 +56,36 @@ class LiTArgs:
     def image_args(self) -> CLIPArgs:
         """The image tower's sizes as the clip family's ViT reads them; it projects to MiniLM's width.
         (Its text fields are placeholders: only `ImageTower` is built from them.)"""
-        return CLIPArgs(embed_dim=self._text._config.hidden_size, image_size=self.image_size, patch_size=self.patch_size,
-                        in_channels=self.in_channels, vision_width=self.vision_width, vision_layers=self.vision_layers,
-                        vision_heads=self.vision_heads, vocab_size=1, context_length=1, text_width=self.vision_heads,
-                        text_layers=1, text_heads=self.vision_heads, mlp_ratio=self.mlp_ratio, dropout=self.dropout)
+        return CLIPArgs(
+            embed_dim=self._text._config.hidden_size,
+            image_size=self.image_size,
+            patch_size=self.patch_size,
+            in_channels=self.in_channels,
+            vision_width=self.vision_width,
+            vision_layers=self.vision_layers,
+            vision_heads=self.vision_heads,
+            vocab_size=1,
+            context_length=1,
+            text_width=self.vision_heads,
+            text_layers=1,
+            text_heads=self.vision_heads,
+            mlp_ratio=self.mlp_ratio,
+            dropout=self.dropout,
+        )
 
     def update_from_config(self, cfg: Any) -> LiTArgs:
         t = temperature_from_config(cfg, default_logit_scale=math.log(1 / 0.07))
         return dataclasses.replace(self, init_logit_scale=t.init_logit_scale, learn_logit_scale=t.learn_logit_scale)
 
-    def update_from_data(self, *, image_shape: tuple[int, int, int], vocab_size: int = 0, context_length: int = 16,
-                         eos_id: int = 0) -> LiTArgs:
+    def update_from_data(
+        self, *, image_shape: tuple[int, int, int], vocab_size: int = 0, context_length: int = 16, eos_id: int = 0
+    ) -> LiTArgs:
         channels, height, width = image_shape
         if height != width or height % self.patch_size:
-            raise ValueError(f"data images are {channels}x{height}x{width}; the image tower needs square images whose side "
-                             f"the patch size {self.patch_size} divides: set data.image_size")
+            raise ValueError(
+                f"data images are {channels}x{height}x{width}; the image tower needs square images whose side "
+                f"the patch size {self.patch_size} divides: set data.image_size"
+            )
         return dataclasses.replace(self, in_channels=channels, image_size=height, context_length=context_length)
 
     def num_params(self) -> int:
@@ -80,7 +95,9 @@ class LiTArgs:
 
     def flops_per_sample(self) -> int:
         image = self.image_args()
-        return (image.flops_per_sample() - 3 * text_tower_flops(image)) + 6 * self._text._layer_params() * self.context_length
+        return (
+            image.flops_per_sample() - 3 * text_tower_flops(image)
+        ) + 6 * self._text._layer_params() * self.context_length
 
 
 lit_flavors = {"minilm_debug": LiTArgs()}
@@ -108,8 +125,9 @@ class LiT(nn.Module):
         self.visual.init_weights()
         nn.init.constant_(self.logit_scale, self.args.init_logit_scale)
 
-    def forward(self, images: Tensor, texts: Tensor, *,
-                replay: Sequence[Tensor | None] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        self, images: Tensor, texts: Tensor, *, replay: Sequence[Tensor | None] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """`replay`: in a cached-gradient re-forward, pass 1's outputs of these samples
         (`grad_cache.engine.Replay`), which the locked tower returns instead of running."""
         image = locked_forward(self.visual, 0, lambda: self.visual(images), replay)
@@ -120,7 +138,15 @@ def build_tokenizer(args: LiTArgs) -> CaptionTokenizer:
     return CaptionTokenizer(PairTokenizer(load_tokenizer(), doc_length=args.context_length), args.context_length)
 
 
-register_model(ModelSpec(
-    name="lit", flavors=lit_flavors, build_model=LiT, blocks=lambda m: [*m.visual.transformer.blocks, *m.text.encoder.layer],
-    default_loss="clip", build_tokenizer=build_tokenizer, update_from_config=LiTArgs.update_from_config,
-    towers={"image": "visual.", "text": "text."}))
+register_model(
+    ModelSpec(
+        name="lit",
+        flavors=lit_flavors,
+        build_model=LiT,
+        blocks=lambda m: [*m.visual.transformer.blocks, *m.text.encoder.layer],
+        default_loss="clip",
+        build_tokenizer=build_tokenizer,
+        update_from_config=LiTArgs.update_from_config,
+        towers={"image": "visual.", "text": "text."},
+    )
+)

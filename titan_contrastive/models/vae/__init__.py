@@ -10,6 +10,17 @@ from titan_contrastive.steps.pixel import PixelStep
 
 __all__ = ["AutoEncoder", "Decoder", "Encoder", "VAEArgs", "vae_blocks", "vae_flavors"]
 
-register_model(ModelSpec(name="vae", flavors=vae_flavors, build_model=AutoEncoder, blocks=vae_blocks, default_loss="pixel",
-                         input_keys=("image", "mask"), layout=MASKED_IMAGES, update_from_config=VAEArgs.update_from_config,
-                         build_step=PixelStep.build, evaluate=evaluate_reconstructions))
+register_model(
+    ModelSpec(
+        name="vae",
+        flavors=vae_flavors,
+        build_model=AutoEncoder,
+        blocks=vae_blocks,
+        default_loss="pixel",
+        input_keys=("image", "mask"),
+        layout=MASKED_IMAGES,
+        update_from_config=VAEArgs.update_from_config,
+        build_step=PixelStep.build,
+        evaluate=evaluate_reconstructions,
+    )
+)

@@ -48,19 +48,31 @@ class VAEArgs:
         """Image side / latent side (8 for the SD / FLUX VAE)."""
         return 2 ** (len(self.channel_mults) - 1)
 
-    def update_from_data(self, *, image_shape: tuple[int, int, int], vocab_size: int = 0, context_length: int = 0, eos_id: int = 0) -> VAEArgs:
+    def update_from_data(
+        self, *, image_shape: tuple[int, int, int], vocab_size: int = 0, context_length: int = 0, eos_id: int = 0
+    ) -> VAEArgs:
         """A copy with the data's channel count; image sides must be multiples of `downsample`."""
         channels, height, width = image_shape
         if height % self.downsample or width % self.downsample:
-            raise ValueError(f"the data images are {height}x{width}, not multiples of the vae's downsampling factor "
-                             f"{self.downsample}; set data.image_size / data.image_sizes to multiples of {self.downsample}")
+            raise ValueError(
+                f"the data images are {height}x{width}, not multiples of the vae's downsampling factor "
+                f"{self.downsample}; set data.image_size / data.image_sizes to multiples of {self.downsample}"
+            )
         return dataclasses.replace(self, in_channels=channels)
 
     def update_from_config(self, cfg: Any) -> VAEArgs:
         """A copy with the job's `[pixel_loss]` options."""
         px = cfg.pixel_loss
-        return dataclasses.replace(self, pixel_loss=PixelLossOptions(mode=px.mode, loss_type=px.loss_type, chunk_size=px.chunk_size,
-                                                                     adaptive=px.adaptive, empty_cache_every=px.empty_cache_every))
+        return dataclasses.replace(
+            self,
+            pixel_loss=PixelLossOptions(
+                mode=px.mode,
+                loss_type=px.loss_type,
+                chunk_size=px.chunk_size,
+                adaptive=px.adaptive,
+                empty_cache_every=px.empty_cache_every,
+            ),
+        )
 
     def num_params(self) -> int:
         """Parameter count, from a meta-device build (the layout has too many cases to count by hand)."""
@@ -76,9 +88,18 @@ class VAEArgs:
 
 vae_flavors: dict[str, VAEArgs] = {
     # Tiny; trains on a 2-core CPU: 4x downsampling, 4 latent channels.
-    "debug": VAEArgs(in_channels=3, latent_channels=4, base_channels=32, channel_mults=(1, 2, 2), num_res_blocks=1, groups=8),
+    "debug": VAEArgs(
+        in_channels=3, latent_channels=4, base_channels=32, channel_mults=(1, 2, 2), num_res_blocks=1, groups=8
+    ),
     # Shaped like the SD-3 / FLUX VAE: 16 latent channels, 8x downsampling, widths 128-256-512-512,
     # 2 (encoder) / 3 (decoder) ResBlocks per level, mid attention. Random weights: for memory benchmarks.
-    "sd": VAEArgs(in_channels=3, latent_channels=16, base_channels=128, channel_mults=(1, 2, 4, 4), num_res_blocks=2,
-                  groups=32, mid_attention=True),
+    "sd": VAEArgs(
+        in_channels=3,
+        latent_channels=16,
+        base_channels=128,
+        channel_mults=(1, 2, 4, 4),
+        num_res_blocks=2,
+        groups=32,
+        mid_attention=True,
+    ),
 }

@@ -40,7 +40,11 @@ class AttnBlock(nn.Module):
 
     def __init__(self, channels: int, groups: int) -> None:
         super().__init__()
-        self.norm, self.qkv, self.out = nn.GroupNorm(groups, channels), nn.Conv2d(channels, 3 * channels, 1), nn.Conv2d(channels, channels, 1)
+        self.norm, self.qkv, self.out = (
+            nn.GroupNorm(groups, channels),
+            nn.Conv2d(channels, 3 * channels, 1),
+            nn.Conv2d(channels, channels, 1),
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         b, c, h, w = x.shape
@@ -85,7 +89,10 @@ class Encoder(_ConvStack):
             if level < len(widths) - 1:
                 blocks.append(nn.Conv2d(width, width, 3, stride=2, padding=1))
         self.blocks = nn.ModuleList([*blocks, *_mid(cin, args)])
-        self.norm_out, self.conv_out = nn.GroupNorm(args.groups, cin), nn.Conv2d(cin, args.latent_channels, 3, padding=1)
+        self.norm_out, self.conv_out = (
+            nn.GroupNorm(args.groups, cin),
+            nn.Conv2d(cin, args.latent_channels, 3, padding=1),
+        )
 
 
 class Upsample(nn.Module):
@@ -128,8 +135,14 @@ class AutoEncoder(nn.Module):
             if isinstance(module, (nn.Conv2d, nn.GroupNorm)):
                 module.reset_parameters()
 
-    def forward(self, images: Tensor, masks: Tensor, backward_scale: float = 1.0, reconstruct: bool = False,
-                decode_chunk: int | None = None) -> tuple[Tensor, Tensor] | Tensor:
+    def forward(
+        self,
+        images: Tensor,
+        masks: Tensor,
+        backward_scale: float = 1.0,
+        reconstruct: bool = False,
+        decode_chunk: int | None = None,
+    ) -> tuple[Tensor, Tensor] | Tensor:
         """(masked pixel loss of the reconstruction, latents); `reconstruct=True` (evaluation): the
         decoded images only, which the evaluation scores itself. Going through forward matters
         under FSDP2, whose root unshards its parameters only there. `decode_chunk` fixes the
@@ -142,13 +155,17 @@ class AutoEncoder(nn.Module):
         accumulated decoder gradients with the encoder's.
         """
         if images.shape[2] % self.args.downsample or images.shape[3] % self.args.downsample:
-            raise ValueError(f"images are {images.shape[2]}x{images.shape[3]}; the vae needs sides divisible by its "
-                             f"downsampling factor {self.args.downsample} (pad them, see pad_to_batch)")
+            raise ValueError(
+                f"images are {images.shape[2]}x{images.shape[3]}; the vae needs sides divisible by its "
+                f"downsampling factor {self.args.downsample} (pad them, see pad_to_batch)"
+            )
         latents = self.encoder(images)
         if reconstruct:
             return self.decoder(latents)
         options = self.args.pixel_loss
-        loss = compute_pixel_loss(latents, images, masks, self.decoder, backward_scale=backward_scale, **options.kwargs(decode_chunk))
+        loss = compute_pixel_loss(
+            latents, images, masks, self.decoder, backward_scale=backward_scale, **options.kwargs(decode_chunk)
+        )
         if options.mode == "per_chunk_backward" and torch.is_grad_enabled():
             loss = loss + sum(p.reshape(-1)[0] * 0 for p in self.decoder.parameters() if p.requires_grad)
         return loss, latents

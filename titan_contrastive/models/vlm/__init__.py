@@ -9,6 +9,15 @@ from titan_contrastive.models.vlm.model import PackedImageTower, VLMEmbedder, vl
 
 __all__ = ["PackedImageTower", "VLMArgs", "VLMEmbedder", "vlm_blocks", "vlm_flavors"]
 
-register_model(ModelSpec(name="vlm", flavors=vlm_flavors, build_model=VLMEmbedder, blocks=vlm_blocks, default_loss="clip",
-                         input_keys=("pixel_values", "image_grid_thw", "text"), layout=PACKED_PATCHES,
-                         update_from_config=VLMArgs.update_from_config))
+register_model(
+    ModelSpec(
+        name="vlm",
+        flavors=vlm_flavors,
+        build_model=VLMEmbedder,
+        blocks=vlm_blocks,
+        default_loss="clip",
+        input_keys=("pixel_values", "image_grid_thw", "text"),
+        layout=PACKED_PATCHES,
+        update_from_config=VLMArgs.update_from_config,
+    )
+)

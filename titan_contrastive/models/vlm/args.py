@@ -66,33 +66,64 @@ class VLMArgs:
         """Length of one `pixel_values` row."""
         return self.in_channels * self.patch_size**2
 
-    def update_from_data(self, *, image_shape: tuple[int, int, int], vocab_size: int, context_length: int, eos_id: int = 2) -> VLMArgs:
+    def update_from_data(
+        self, *, image_shape: tuple[int, int, int], vocab_size: int, context_length: int, eos_id: int = 2
+    ) -> VLMArgs:
         """A copy sized for the data; `image_shape` is (C, H, W) of the *largest* resolution served."""
         channels, height, width = image_shape
         if height % self.patch_size or width % self.patch_size:
-            raise ValueError(f"the largest data image is {height}x{width}, not a multiple of patch_size={self.patch_size}; "
-                             f"set data.image_sizes to multiples of {self.patch_size}")
-        return dataclasses.replace(self, in_channels=channels, max_grid=max(height, width) // self.patch_size,
-                                   vocab_size=vocab_size, context_length=context_length, eos_id=eos_id)
+            raise ValueError(
+                f"the largest data image is {height}x{width}, not a multiple of patch_size={self.patch_size}; "
+                f"set data.image_sizes to multiples of {self.patch_size}"
+            )
+        return dataclasses.replace(
+            self,
+            in_channels=channels,
+            max_grid=max(height, width) // self.patch_size,
+            vocab_size=vocab_size,
+            context_length=context_length,
+            eos_id=eos_id,
+        )
 
     def num_params(self) -> int:
         """Exact parameter count of `VLMEmbedder(self)` (tested against the module)."""
         vw = self.vision_width
-        vision = (self.patch_dim * vw + 2 * self.max_grid * vw + 2 * vw  # patch embed, row/col positions, ln_pre
-                  + self.vision_layers * _block_params(vw, mlp_hidden(vw, self.mlp_ratio)) + 2 * vw + vw * self.embed_dim)
+        vision = (
+            self.patch_dim * vw
+            + 2 * self.max_grid * vw
+            + 2 * vw  # patch embed, row/col positions, ln_pre
+            + self.vision_layers * _block_params(vw, mlp_hidden(vw, self.mlp_ratio))
+            + 2 * vw
+            + vw * self.embed_dim
+        )
         return vision + text_tower_params(self) + 1
 
     def flops_per_sample(self) -> int:
         """Training FLOPs (3 x forward matmuls) of one pair with the image at the largest resolution
         (an upper bound when `data.image_sizes` mixes resolutions); the loss is excluded."""
         vw, tokens = self.vision_width, self.max_grid**2
-        vision = (2 * tokens * self.patch_dim * vw + self.vision_layers * _block_flops(tokens, vw, mlp_hidden(vw, self.mlp_ratio))
-                  + 2 * vw * self.embed_dim)
+        vision = (
+            2 * tokens * self.patch_dim * vw
+            + self.vision_layers * _block_flops(tokens, vw, mlp_hidden(vw, self.mlp_ratio))
+            + 2 * vw * self.embed_dim
+        )
         return 3 * (vision + text_tower_flops(self))
 
 
 vlm_flavors: dict[str, VLMArgs] = {
     # Tiny; trains on a 2-core CPU. Channels, grid, vocab and context come from the data.
-    "debug": VLMArgs(embed_dim=64, patch_size=8, in_channels=3, max_grid=4, vision_width=64, vision_layers=2,
-                     vision_heads=4, vocab_size=259, context_length=32, text_width=64, text_layers=2, text_heads=4),
+    "debug": VLMArgs(
+        embed_dim=64,
+        patch_size=8,
+        in_channels=3,
+        max_grid=4,
+        vision_width=64,
+        vision_layers=2,
+        vision_heads=4,
+        vocab_size=259,
+        context_length=32,
+        text_width=64,
+        text_layers=2,
+        text_heads=4,
+    ),
 }

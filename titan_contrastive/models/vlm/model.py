@@ -41,7 +41,9 @@ class PackedImageTower(nn.Module):
         self.row_embedding = nn.Parameter(torch.empty(args.max_grid, width))
         self.col_embedding = nn.Parameter(torch.empty(args.max_grid, width))
         self.ln_pre = nn.LayerNorm(width)
-        self.transformer = Transformer(width, args.vision_layers, args.vision_heads, args.mlp_ratio, args.dropout, causal=False)
+        self.transformer = Transformer(
+            width, args.vision_layers, args.vision_heads, args.mlp_ratio, args.dropout, causal=False
+        )
         self.ln_post = nn.LayerNorm(width)
         self.proj = nn.Parameter(torch.empty(width, args.embed_dim))
 
@@ -57,15 +59,25 @@ class PackedImageTower(nn.Module):
 
     def _check(self, pixel_values: Tensor, grid: Tensor) -> Tensor:
         if pixel_values.ndim != 2 or pixel_values.shape[1] != self.patch_dim:
-            raise ValueError(f"pixel_values must be [total_patches, {self.patch_dim}] (C·p·p), got {list(pixel_values.shape)}")
+            raise ValueError(
+                f"pixel_values must be [total_patches, {self.patch_dim}] (C·p·p), got {list(pixel_values.shape)}"
+            )
         if grid.ndim != 2 or grid.shape[1] != 3 or grid.is_floating_point():
-            raise ValueError(f"image_grid_thw must be integer [num_images, 3] (t, h, w), got {grid.dtype} {list(grid.shape)}")
-        if len(grid) and (bool((grid[:, 0] != 1).any()) or int(grid[:, 1:].min()) < 1 or int(grid[:, 1:].max()) > self.max_grid):
-            raise ValueError(f"image_grid_thw rows must be (1, h, w) with 1 <= h, w <= max_grid={self.max_grid} (still "
-                             f"images up to the largest training size), got {grid.tolist()}")
+            raise ValueError(
+                f"image_grid_thw must be integer [num_images, 3] (t, h, w), got {grid.dtype} {list(grid.shape)}"
+            )
+        if len(grid) and (
+            bool((grid[:, 0] != 1).any()) or int(grid[:, 1:].min()) < 1 or int(grid[:, 1:].max()) > self.max_grid
+        ):
+            raise ValueError(
+                f"image_grid_thw rows must be (1, h, w) with 1 <= h, w <= max_grid={self.max_grid} (still "
+                f"images up to the largest training size), got {grid.tolist()}"
+            )
         lengths = grid[:, 1] * grid[:, 2]
         if int(lengths.sum()) != pixel_values.shape[0]:
-            raise ValueError(f"image_grid_thw gives {int(lengths.sum())} patches but pixel_values has {pixel_values.shape[0]} rows")
+            raise ValueError(
+                f"image_grid_thw gives {int(lengths.sum())} patches but pixel_values has {pixel_values.shape[0]} rows"
+            )
         return lengths
 
     def forward(self, pixel_values: Tensor, image_grid_thw: Tensor) -> Tensor:
@@ -74,7 +86,9 @@ class PackedImageTower(nn.Module):
         widths = image_grid_thw[:, 2].repeat_interleave(lengths)
         starts = (torch.cumsum(lengths, 0) - lengths).repeat_interleave(lengths)
         local = torch.arange(len(pixel_values), device=pixel_values.device) - starts  # token index inside its image
-        x = self.patch_embed(pixel_values) + (self.row_embedding[local // widths] + self.col_embedding[local % widths]).to(pixel_values.dtype)
+        x = self.patch_embed(pixel_values) + (
+            self.row_embedding[local // widths] + self.col_embedding[local % widths]
+        ).to(pixel_values.dtype)
         x = pad_sequence(list(x.split(lengths.tolist())), batch_first=True)  # [B, L, width]
         valid = torch.arange(x.shape[1], device=x.device) < lengths.unsqueeze(1)  # [B, L]
         x = self.transformer(self.ln_pre(x), attn_mask=valid[:, None, None, :])
@@ -91,13 +105,16 @@ class VLMEmbedder(nn.Module):
         self.args = args
         self.visual = PackedImageTower(args)
         self.text = TextTower(args)  # type: ignore[arg-type]  # VLMArgs has the text fields TextTower reads
-        self.logit_scale = nn.Parameter(torch.empty(1), requires_grad=args.learn_logit_scale)  # shape [1]: FSDP2 shards on dim 0
+        # shape [1]: FSDP2 shards on dim 0
+        self.logit_scale = nn.Parameter(torch.empty(1), requires_grad=args.learn_logit_scale)
         self.init_weights()
 
     def init_weights(self, seed: int | None = None) -> None:
         """(Re)initialize in place; `seed` uses a private generator (see CLIP.init_weights)."""
         device = self.logit_scale.device
-        generator = torch.Generator(device=device).manual_seed(seed) if seed is not None and device.type != "meta" else None
+        generator = (
+            torch.Generator(device=device).manual_seed(seed) if seed is not None and device.type != "meta" else None
+        )
         self.visual.init_weights(generator)
         self.text.init_weights(generator)
         nn.init.constant_(self.logit_scale, self.args.init_logit_scale)
