@@ -68,13 +68,15 @@ def _cut(tar: Path, at: int) -> None:
     tar.write_bytes(tar.read_bytes()[:at])
 
 
-def _dataset(path: str) -> FileImageTextDataset:
+def _dataset(
+    path: str, kind: str = "webdataset", *, split: str = "train", context: int = 16, image_size: int = 8
+) -> FileImageTextDataset:
     return FileImageTextDataset(
-        name="webdataset",
-        split="train",
-        source=open_source("webdataset", path, Data()),
-        tokenizer=ByteTokenizer(16),
-        image_size=8,
+        name=kind,
+        split=split,
+        source=open_source(kind, path, Data()),
+        tokenizer=ByteTokenizer(context),
+        image_size=image_size,
         seed=0,
         augment=False,
     )
@@ -219,15 +221,7 @@ def test_16bit_grayscale_decodes_like_its_8bit_version(tmp_path: Path) -> None:
         assert got.shape == (40, 48, 3) and np.abs(got - want).max() <= 1
     # through a CSV dataset: the same tensors within one level
     (tmp_path / "d.csv").write_text(f"filepath\ttitle\n{png16.name}\ta\n{png8.name}\ta\n")
-    ds = FileImageTextDataset(
-        name="csv",
-        split="test",
-        source=open_source("csv", str(tmp_path / "d.csv"), Data()),
-        tokenizer=ByteTokenizer(8),
-        image_size=40,
-        seed=0,
-        augment=False,
-    )
+    ds = _dataset(str(tmp_path / "d.csv"), "csv", split="test", context=8, image_size=40)
     image = ds.__getitems__([0, 1])["image"]
     level = 1 / (255 * 0.26)  # one 8-bit level after normalization, at the largest of CLIP's stds
     assert torch.allclose(image[0], image[1], atol=level)
@@ -281,15 +275,7 @@ def test_fifo_as_an_image_or_shard_is_refused_at_once(shards: Path, tmp_path: Pa
     os.mkfifo(tmp_path / "pipe.png")
     with open(tmp_path / "d.csv", "w", newline="") as f:
         csv.writer(f, delimiter="\t").writerows([["filepath", "title"], ["pipe.png", "a pipe"], ["ok.png", "red"]])
-    ds = FileImageTextDataset(
-        name="csv",
-        split="test",
-        source=open_source("csv", str(tmp_path / "d.csv"), Data()),
-        tokenizer=ByteTokenizer(8),
-        image_size=8,
-        seed=0,
-        augment=False,
-    )
+    ds = _dataset(str(tmp_path / "d.csv"), "csv", split="test", context=8)
     batch = _returns_within(10, lambda: ds.__getitems__([0]), tmp_path / "pipe.png")
     (skip,) = batch[BAD_SAMPLES]
     assert skip.reason == "not_a_regular_file" and "FIFO" in str(skip) and "pipe.png" in str(skip)
