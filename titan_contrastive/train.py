@@ -1,27 +1,13 @@
 """The trainer: `python -m titan_contrastive.train --job.config_file F [--section.key=value ...]`.
 
-Order of operations (everything that can fail on bad input runs before any compute):
-1. parse and validate the config; join the process group (`[comm] init_timeout_seconds`); check
-   that the dump and checkpoint folders are writable (components/preflight.py); seed;
-2. resolve the model family/flavor and its loss, the DP layout and the accumulation steps;
-3. load the train and eval datasets (missing data fails here), laid out as the family reads them;
-4. build the model (args from the data and the config), then AC -> compile -> FSDP2/HSDP/DDP per
-   block; optimizer, scheduler, the gradient step (`steps/`: the kind the family, `[loss]` and
-   `[gradcache]` select); check that a checkpoint fits; restore the latest valid checkpoint if
-   enabled (the config's hyperparameters win, changes are logged: checkpoint/resume.py); metrics;
-   with `[memory] budget_gib`, plan the step's chunks by measuring probe steps;
-5. loop: per step, the gradient step turns k microbatches into gradients and the loss (the
-   data-parallel reduction in the last backward only), then unscale (fp16), clip the gradient
-   norm, check for non-finite values, optimizer step, scheduler step; log every `log_freq`,
-   evaluate every `eval.freq` and after the last step, checkpoint every `checkpoint.interval`
-   and at the end. The loop does not know which kind of step it runs. After the first step
-   collectives wait `[comm] train_timeout_seconds`. Exit codes: docs/checkpoints.md.
-`main`: SIGTERM/SIGUSR1 stop the run after the current step with a checkpoint, exit code 5
-(components/preemption.py); the run folder is locked from the preflight to exit (components/run_lock.py).
+It builds every component once from the config, everything that can fail on bad input first, then
+runs the loop; it knows neither the step kind nor the model family. The order of operations and the
+exit codes: docs/design.md#the-trainer.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import logging
@@ -33,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from titan_contrastive import exit_codes, models
 from titan_contrastive.checkpoint import TrainState, build_checkpointer
@@ -41,18 +26,18 @@ from titan_contrastive.checkpoint.resume import model_source, report_unread_init
 from titan_contrastive.components.evaluate import EvalContext, describe_results, evaluate_sets
 from titan_contrastive.components.lr_scheduler import build_lr_scheduler
 from titan_contrastive.components.memory_planner import MemoryPlan, measured_first_step, plan_step, probe_batches
-from titan_contrastive.components.metrics import MetricsProcessor
+from titan_contrastive.components.metrics import MetricsProcessor, log_run_start
 from titan_contrastive.components.nonfinite import NonFiniteGuard
-from titan_contrastive.components.optimizer import build_optimizer
+from titan_contrastive.components.optimizer import build_optimizer, clip_grad_norm
 from titan_contrastive.components.precision import build_precision
 from titan_contrastive.components.preemption import StopSignals, stop_message
 from titan_contrastive.components.preflight import check_output_folders, checkpoint_bytes
 from titan_contrastive.components.run_lock import RunLock
 from titan_contrastive.config import JobConfig, parse_args
-from titan_contrastive.config.manager import MAX_LOGIT_SCALE, check_contrastive_problem, log_config_warnings
+from titan_contrastive.config.manager import check_contrastive_problem, log_config_warnings
 from titan_contrastive.datasets import build_dataset
 from titan_contrastive.datasets.build import build_data
-from titan_contrastive.models.build import build_run_model, resolve_loss
+from titan_contrastive.models.build import build_run_model, clamp_logit_scale, resolve_loss
 from titan_contrastive.parallelisms import (
     ParallelDims,
     destroy_distributed,
@@ -70,126 +55,113 @@ class Trainer:
     """Builds every component from a JobConfig and runs the training loop; `run_lock` and `stop`: see `main`."""
 
     def __init__(self, cfg: JobConfig, run_lock: RunLock | None = None, stop: StopSignals | None = None) -> None:
+        # 1. the process group, writable output folders, the run lock, seeds
         self.cfg, self.stop, self.stopped_by = cfg, stop, None
-        self.dist = init_distributed(cfg.training.device, cfg.comm.init_timeout_seconds)
-        self.device = self.dist.device
-        check_output_folders(cfg.job.dump_folder, cfg.checkpoint.folder if cfg.checkpoint.enable else None, log=self.dist.rank == 0)
+        self.dist = dist = init_distributed(cfg.training.device, cfg.comm.init_timeout_seconds)
+        self.device = device = dist.device
+        check_output_folders(
+            cfg.job.dump_folder, cfg.checkpoint.folder if cfg.checkpoint.enable else None, dist.rank == 0
+        )
         if run_lock is not None:
-            run_lock.acquire(cfg.job.dump_folder, rank=self.dist.rank, distributed=self.dist.is_distributed)
+            run_lock.acquire(cfg.job.dump_folder, rank=dist.rank, distributed=dist.is_distributed)
         torch.manual_seed(cfg.training.seed)
         torch.use_deterministic_algorithms(cfg.training.deterministic)
 
         # 2. model family and its loss, DP layout, batch arithmetic: checked before data or compute
         if cfg.job.custom_import:
             importlib.import_module(cfg.job.custom_import)
-        self.spec = models.get_model_spec(cfg.model.name)
-        flavor_args, init_state, self.resumed = model_source(cfg, self.spec, models.resolve_model_args)  # a resume reads no init_from
-        self.loss_name = resolve_loss(self.spec, cfg.loss.name)
-        par = cfg.parallelism
-        self.dims = ParallelDims.from_config(par.data_parallel_replicate_degree, par.data_parallel_shard_degree, self.dist.world_size)
-        self.dp_degree = self.dims.dp_degree
-        self.ga_steps = gradient_accumulation_steps(cfg.training.global_batch_size, cfg.training.local_batch_size, self.dp_degree)
-        self.global_batch_size = cfg.training.local_batch_size * self.ga_steps * self.dp_degree
-        check_contrastive_problem(cfg, self.dp_degree, self.global_batch_size, contrastive=self.spec.build_step is None)
-        self.precision = build_precision(cfg.training, fsdp=self.dims.fsdp_enabled, device=self.device)
+        self.spec = spec = models.get_model_spec(cfg.model.name)
+        flavor_args, init_state, self.resumed = model_source(
+            cfg, spec, models.resolve_model_args
+        )  # resume: no init_from
+        self.loss_name = resolve_loss(spec, cfg.loss.name)
+        self.dims = dims = ParallelDims.for_run(cfg.parallelism, dist.world_size)
+        self.dp_degree = dp = dims.dp_degree
+        self.ga_steps = gradient_accumulation_steps(cfg.training.global_batch_size, cfg.training.local_batch_size, dp)
+        self.global_batch_size = cfg.training.local_batch_size * self.ga_steps * dp
+        check_contrastive_problem(cfg, dp, self.global_batch_size, contrastive=spec.build_step is None)
+        self.precision = precision = build_precision(cfg.training, fsdp=dims.fsdp_enabled, device=device)
 
-        # 3. data (every rank is a DP rank: the DP rank is the global rank), laid out for the family
-        self.data = data = build_data(  # a pretrained family brings its own tokenizer (spec.build_tokenizer)
-            cfg.data, cfg.eval, seed=cfg.training.seed, build_bundled=build_dataset,
-            family_tokenizer=lambda: self.spec.build_tokenizer(flavor_args) if self.spec.build_tokenizer else None,
-            prepare=lambda ds: self.spec.layout.prepare(ds, flavor_args, cfg.data.image_sizes, cfg.model.name),
-            local_batch_size=cfg.training.local_batch_size, dp_rank=self.dist.rank, dp_degree=self.dp_degree, pin_memory=self.device.type == "cuda",
-            global_batch_size=self.global_batch_size)
+        # 3. data (every rank is a DP rank: the DP rank is the global rank), laid out for the family, which may
+        # bring its own tokenizer (spec.build_tokenizer)
+        self.data = data = build_data(
+            cfg,
+            family_tokenizer=lambda: spec.build_tokenizer(flavor_args) if spec.build_tokenizer else None,
+            prepare=lambda ds: spec.layout.prepare(ds, flavor_args, cfg.data.image_sizes, cfg.model.name),
+            build_bundled=build_dataset,
+            dp_rank=dist.rank,
+            dp_degree=dp,
+            pin_memory=device.type == "cuda",
+            global_batch_size=self.global_batch_size,
+        )
         self.train_set, self.eval_set, self.loader = data.train_set, data.eval_set, data.loader
 
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step
-        self.model_args, self.model = build_run_model(self.spec, cfg, flavor_args, self.train_set, data.context_length, init_state=init_state,
-                                                      param_dtype=self.precision.param_dtype, device=self.device)
-        self.mesh = self.dims.build_mesh(self.device.type)
-        self.dp_model = parallelize_model(
-            self.model, self.spec.blocks(self.model), self.dims, self.mesh, device=self.device,
-            ac_mode=cfg.activation_checkpoint.mode, compile_backend=cfg.compile.backend if cfg.compile.enable else None,
-            param_dtype=self.precision.fsdp_param_dtype, reduce_dtype=self.precision.reduce_dtype,
-        )
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        dtype = precision.param_dtype
+        self.model_args, self.model = build_run_model(spec, cfg, flavor_args, data, init_state, dtype, device)
+        model, self.mesh = self.model, dims.build_mesh(device.type)
+        self.dp_model = parallelize_model(model, spec.blocks(model), dims, self.mesh, cfg, precision, device)
+        self.optimizer = build_optimizer(model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.step_context = StepContext.for_run(cfg, self.spec, self.model, self.dp_model, self.precision, device=self.device,
-                                                distributed=self.dist.is_distributed, dp_degree=self.dp_degree, ga_steps=self.ga_steps)
-        self.gradient_step = build_gradient_step(self.spec, self.step_context, cfg, self.loss_name)
+        self.step_context = StepContext.for_run(cfg, spec, model, self.dp_model, precision, dist, dp, self.ga_steps)
+        self.gradient_step = build_gradient_step(spec, self.step_context, cfg, self.loss_name)
         self.train_state = TrainState()
         self.nonfinite = NonFiniteGuard(cfg.training.on_nonfinite, cfg.training.max_consecutive_skips)
-        self.checkpointer = build_checkpointer(cfg, self.model, self.optimizer, self.lr_scheduler, self.train_state, self.loader,
-                                               device=self.device, rank=self.dist.rank, dp_degree=self.dp_degree, model_args=self.model_args)
-        self._log_start()
-        self.checkpointer.preflight(checkpoint_bytes(self.model))
+        states = (model, self.optimizer, self.lr_scheduler, self.train_state, self.loader)
+        self.checkpointer = build_checkpointer(cfg, *states, dist=dist, dp_degree=dp, model_args=self.model_args)
+        log_run_start(cfg, data, self.model_args, dist, dims, precision, self.ga_steps, self.gradient_step)
+        log_config_warnings(cfg)
+        self.checkpointer.preflight(checkpoint_bytes(model))
         report_unread_init_from(cfg.model.init_from, self.checkpointer.load(), self.resumed)
-        self.metrics = MetricsProcessor.for_run(cfg, self.model_args, device=self.device, rank=self.dist.rank,  # after the checks above:
-                                                world_size=self.dist.world_size)  # a run that fails them writes nothing
+        # after the checks above: a run that fails them writes nothing
+        self.metrics = MetricsProcessor.for_run(cfg, self.model_args, dist)
         self.memory_plan = self._plan_memory() if cfg.memory.budget_gib else None  # before any real step
 
     @property
     def step(self) -> int:
         return self.train_state.step
 
-    def _log_start(self) -> None:
-        cfg = self.cfg
-        logger.info(f"data: {self.data.describe()}")
-        logger.info(f"model: {cfg.model.name}/{cfg.model.flavor}  params {self.model_args.num_params():,}  training FLOPs/sample "
-                    f"{f'{flops:.3e}' if (flops := self.model_args.flops_per_sample()) else 'n/a'} (encoders; loss excluded)  device {self.device}")
-        logger.info(f"parallelism: {self.dims.mode} (replicate {self.dims.dp_replicate} x shard {self.dims.dp_shard})  "
-                    f"params {cfg.training.dtype}  compute {self.precision.compute_dtype}  AC {cfg.activation_checkpoint.mode}  "
-                    f"compile {cfg.compile.backend if cfg.compile.enable else 'off'}")
-        logger.info(f"batch: local {cfg.training.local_batch_size}  x  grad-accum steps {self.ga_steps}  x  dp degree {self.dp_degree}  "
-                    f"=  global {self.global_batch_size};  {self.gradient_step.describe()}")
-        log_config_warnings(cfg)
-
     def _plan_memory(self) -> MemoryPlan:
-        """The step's knobs, planned on probe steps (the planner restores every state); the step is rebuilt with them."""
-        batches = probe_batches(self.train_set, local_batch_size=self.cfg.training.local_batch_size, ga_steps=self.ga_steps,
-                                dp_degree=self.dp_degree, rank=self.dist.rank)
+        """The step's knobs planned on probe steps (the planner restores every state); the step rebuilt with them."""
+        cfg, rank = self.cfg, self.dist.rank
+        build = functools.partial(build_gradient_step, self.spec, self.step_context, cfg, self.loss_name)
+        batches = probe_batches(self.train_set, cfg.training.local_batch_size, self.ga_steps, self.dp_degree, rank)
 
         def probe(knobs: dict[str, int]) -> None:
-            self.gradient_step = build_gradient_step(self.spec, self.step_context, self.cfg, self.loss_name, knobs)
+            self.gradient_step = build(knobs)
             self.train_step(batches)
 
-        scaler = self.precision.scaler
-        plan = plan_step(self.gradient_step.knobs(), probe, budget_gib=self.cfg.memory.budget_gib, margin=self.cfg.memory.margin,
-                         device=self.device, model=self.model, optimizer=self.optimizer,
-                         stateful=[self.model, self.optimizer, self.lr_scheduler, self.train_state, *([scaler] if scaler else [])])
-        self.gradient_step = build_gradient_step(self.spec, self.step_context, self.cfg, self.loss_name, plan.chunks)
+        states = [self.model, self.optimizer, self.lr_scheduler, self.train_state, self.precision.scaler]
+        plan = plan_step(self.gradient_step.knobs(), probe, cfg.memory, self.device, self.model, self.optimizer, states)
+        self.gradient_step = build(plan.chunks)
         return plan
 
     def forward(self, batch: dict[str, torch.Tensor], **kwargs: Any) -> Any:
-        """The model's forward, this run's dtype and autocast, via the FSDP root / unwrapped DDP module (eval; not the train step)."""
+        """The model's forward in this run's dtype and autocast, through the FSDP root or the module DDP
+        wraps (evaluation; not the train step)."""
         with self.precision.autocast():
             return self.model(*self.step_context.inputs(batch), **kwargs)
-
-    def _clip_grad_norm(self) -> torch.Tensor:
-        """Total gradient norm over all ranks (FSDP/HSDP shards included), clipped to max_norm."""
-        if self.precision.scaler is not None:
-            self.precision.scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.training.max_norm if self.cfg.training.max_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """zero_grad -> the gradient step over k microbatches -> unscale/clip -> finite check -> step -> schedule."""
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.lr_scheduler.get_last_lr()[0]
         loss = self.gradient_step(microbatches)
-        grad_norm = self._clip_grad_norm().item()
+        grad_norm = clip_grad_norm(self.model, self.cfg.training.max_norm, self.optimizer, self.precision.scaler)
         step = self.train_state.step + 1
         # fp16: the scaler skips steps with inf/nan gradients itself (and says so): only the loss is checked here
-        skipped = self.nonfinite.check(step, loss, grad_norm if self.precision.scaler is None else 0.0, self.train_state.skipped_steps)
+        skipped = self.nonfinite.check(
+            step, loss, grad_norm if self.precision.scaler is None else 0.0, self.train_state.skipped_steps
+        )
         if skipped is None:
-            skipped = self.precision.optimizer_step(self.optimizer, f"step {step}: float16 gradients overflowed (grad_norm={grad_norm})")
+            skipped = self.precision.optimizer_step(
+                self.optimizer, f"step {step}: float16 gradients overflowed (grad_norm={grad_norm})"
+            )
         with warnings.catch_warnings():  # a skipped step advances the schedule on purpose
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
             self.lr_scheduler.step()
         self.train_state.skipped_steps += int(skipped)
-        if (scale := getattr(self.model, "logit_scale", None)) is not None and scale.requires_grad:  # learned only: a fixed one stays
-            with torch.no_grad():
-                scale.clamp_(0, MAX_LOGIT_SCALE)
+        clamp_logit_scale(self.model)
         self.train_state.step = step
         self.train_state.samples_seen += self.global_batch_size
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped_steps": self.train_state.skipped_steps}
@@ -202,22 +174,32 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """The family's evaluation (`ModelSpec.evaluate`) on the held-out split and on `eval.zero_shot_path`."""
-        cfg = self.cfg
-        return evaluate_sets(self.spec.evaluate, lambda ds: EvalContext(
-            self.model, self.forward, ds, self.loss_name, cfg.eval.batch_size, self.device, self.dist.rank, self.dist.world_size,
-            Path(cfg.job.dump_folder), self.step), self.data.eval_sets)
-
-    def _measured_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """The first step under a memory plan goes through the probe (peak against the plan)."""
-        return measured_first_step(self.memory_plan, lambda: self.train_step(batches), device=self.device, model=self.model,
-                                   optimizer=self.optimizer, record=self.metrics.record, step_number=self.step + 1)
+        cfg, dist = self.cfg, self.dist
+        run = (cfg.eval.batch_size, self.device, dist.rank, dist.world_size, Path(cfg.job.dump_folder), self.step)
+        contexts = functools.partial(EvalContext, self.model, self.forward)
+        return evaluate_sets(self.spec.evaluate, lambda ds: contexts(ds, self.loss_name, *run), self.data.eval_sets)
 
     def _evaluate_and_log(self, last: bool) -> dict[str, float]:
         start = time.perf_counter()
         results = self.evaluate()
         self.metrics.record("eval", self.step, results)
-        logger.info(f"{'final ' if last else ''}eval step {self.step} {describe_results(results, self.data.eval_sets)} ({time.perf_counter() - start:.1f}s)")
+        described, seconds = describe_results(results, self.data.eval_sets), time.perf_counter() - start
+        logger.info(f"{'final ' if last else ''}eval step {self.step} {described} ({seconds:.1f}s)")
         return results
+
+    def _step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """A train step; the first one under a memory plan is measured against the plan (its peak is logged)."""
+        if self.memory_plan is None or self.memory_plan.checked:
+            return self.train_step(batches)
+        return measured_first_step(
+            self.memory_plan,
+            lambda: self.train_step(batches),
+            device=self.device,
+            model=self.model,
+            optimizer=self.optimizer,
+            record=self.metrics.record,
+            step_number=self.step + 1,
+        )
 
     def train(self) -> dict[str, Any]:
         """The loop; a run resumed at its last step only evaluates (how a finished run is re-evaluated)."""
@@ -230,28 +212,34 @@ class Trainer:
         results: dict[str, Any] = {}
         while self.step < cfg.training.steps:
             batches = self.next_microbatches(data_iter)
-            out = self._measured_step(batches) if self.memory_plan and not self.memory_plan.checked else self.train_step(batches)
+            out = self._step(batches)
             if self.step == resumed_at + 1:  # start-up's longer timeout ends after this process's first step
                 set_collective_timeout(cfg.comm.train_timeout_seconds)
             self.metrics.samples += self.global_batch_size
             last = self.step == cfg.training.steps
             stop = self.stop.agreed() if self.stop else None  # every rank after every step: all stop after the same one
+            protect = self.nonfinite.streak_start  # pruning spares the last checkpoint before skipped steps began
             if self.step % cfg.metrics.log_freq == 0 or last or stop:
-                self.metrics.log_train(self.step, **out, **self.gradient_step.log_values(), **self.loader.bad_samples.values())
+                self.metrics.log_train(
+                    self.step, **out, **self.gradient_step.log_values(), **self.loader.bad_samples.values()
+                )
             if stop:  # save the step just done, no evaluation first (the grace period is short)
                 self.stopped_by = stop
-                logger.info(stop_message(stop, self.step, self.checkpointer.maybe_save(self.step, last_step=True,
-                                                                                        protect_before=self.nonfinite.streak_start)))
+                saved = self.checkpointer.maybe_save(self.step, last_step=True, protect_before=protect)
+                logger.info(stop_message(stop, self.step, saved))
                 break
             side_work = evaluates and (last or (cfg.eval.freq and self.step % cfg.eval.freq == 0))
-            results = self._evaluate_and_log(last) if side_work else results  # eval and checkpoint time stay out of samples/s
-            if self.checkpointer.maybe_save(self.step, last_step=last, protect_before=self.nonfinite.streak_start) or side_work:
+            results = self._evaluate_and_log(last) if side_work else results
+            saved = self.checkpointer.maybe_save(self.step, last_step=last, protect_before=protect)
+            if saved or side_work:  # eval and checkpoint time stay out of samples/s
                 self.metrics.reset()
         return results
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="[titan_contrastive] %(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
+    logging.basicConfig(
+        level=logging.INFO, format="[titan_contrastive] %(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout
+    )
     warnings.filterwarnings("ignore", message=".*set_vital.*")
     trainer, finished, lock, stop = None, False, RunLock(), StopSignals().install()
     try:

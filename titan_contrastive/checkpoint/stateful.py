@@ -137,14 +137,15 @@ def build_checkpointer(
     train_state: TrainState,
     loader: Stateful,
     *,
-    device: torch.device,
-    rank: int,
+    dist: Any,
     dp_degree: int,
     model_args: Any,
 ) -> CheckpointManager:
     """The run's CheckpointManager (`cfg` is the JobConfig): model, optimizer, schedule and counters
     saved once; each data-parallel rank's loader position and RNG streams per rank (the DP rank is
-    the global rank); the manifest records the model (family, args) and the run's config."""
+    the global rank); the manifest records the model (family, args) and the run's config. `dist`:
+    this process's parallelisms.DistInfo."""
+    device, rank = dist.device, dist.rank
     return CheckpointManager(
         cfg.checkpoint,
         dump_folder=cfg.job.dump_folder,

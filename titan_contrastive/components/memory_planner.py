@@ -219,7 +219,7 @@ def plan_chunks(
 
 
 def probe_batches(
-    dataset: Any, *, local_batch_size: int, ga_steps: int, dp_degree: int, rank: int
+    dataset: Any, local_batch_size: int, ga_steps: int, dp_degree: int, rank: int
 ) -> list[dict[str, torch.Tensor]]:
     """This rank's microbatches for the probe steps, read from the dataset (the loader does not
     move): rank r's microbatch j is samples (j·dp + r)·b … + b, wrapping around."""
@@ -233,16 +233,17 @@ def probe_batches(
 def plan_step(
     knobs: dict[str, Sequence[int]],
     probe: Callable[[dict[str, int]], object],
-    *,
-    budget_gib: float,
-    margin: float,
+    memory: Any,
     device: torch.device,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     stateful: list,
 ) -> MemoryPlan:
-    """`plan_chunks` over a step's knobs (name -> candidates); `probe(values)` runs one train step
-    with those knob values. The chosen values are `MemoryPlan.chunks`."""
+    """`plan_chunks` over a step's knobs (name -> candidates) within `[memory]`'s budget and margin
+    (`memory`: a config.job_config.Memory); `probe(values)` runs one train step with those knob
+    values; `stateful` is restored after each probe (None entries are skipped). The chosen values
+    are `MemoryPlan.chunks`."""
+    budget_gib, margin = memory.budget_gib, memory.margin
     values: dict[str, int] = {}
     plan = plan_chunks(
         [
@@ -255,7 +256,7 @@ def plan_step(
         device=device,
         model=model,
         optimizer=optimizer,
-        stateful=stateful,
+        stateful=[s for s in stateful if s is not None],
     )
     logger.info(
         f"memory plan: {', '.join(f'{k}={c}' for k, c in plan.chunks.items())} predicted peak "

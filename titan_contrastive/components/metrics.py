@@ -78,11 +78,11 @@ class MetricsProcessor:
         self.reset()
 
     @classmethod
-    def for_run(
-        cls, cfg: Any, model_args: Any, *, device: torch.device, rank: int, world_size: int
-    ) -> MetricsProcessor:
-        """The run's metrics (`cfg`: the JobConfig): in `job.dump_folder`, MFU against the model's
-        FLOPs per sample and the device's (or `metrics.peak_tflops`) peak."""
+    def for_run(cls, cfg: Any, model_args: Any, dist: Any) -> MetricsProcessor:
+        """The run's metrics (`cfg`: the JobConfig; `dist`: this process's parallelisms.DistInfo): in
+        `job.dump_folder`, MFU against the model's FLOPs per sample and the device's (or
+        `metrics.peak_tflops`) peak."""
+        device, rank, world_size = dist.device, dist.rank, dist.world_size
         return cls(
             cfg.job.dump_folder,
             rank=rank,
@@ -143,3 +143,27 @@ class MetricsProcessor:
             self.writer.close()
         if self.jsonl is not None:
             self.jsonl.close()
+
+
+def log_run_start(
+    cfg: Any, data: Any, model_args: Any, dist: Any, dims: Any, precision: Any, ga_steps: int, step: Any
+) -> None:
+    """The run's first log lines: data, model size and FLOPs, parallel layout and dtypes, the batch
+    arithmetic and the gradient step. Each object describes itself (`data.describe()`,
+    `step.describe()`); `dist` is this process's parallelisms.DistInfo."""
+    flops, device = model_args.flops_per_sample(), dist.device
+    global_batch_size = cfg.training.local_batch_size * ga_steps * dims.dp_degree
+    logger.info(f"data: {data.describe()}")
+    logger.info(
+        f"model: {cfg.model.name}/{cfg.model.flavor}  params {model_args.num_params():,}  training FLOPs/sample "
+        f"{f'{flops:.3e}' if flops else 'n/a'} (encoders; loss excluded)  device {device}"
+    )
+    logger.info(
+        f"parallelism: {dims.mode} (replicate {dims.dp_replicate} x shard {dims.dp_shard})  "
+        f"params {cfg.training.dtype}  compute {precision.compute_dtype}  AC {cfg.activation_checkpoint.mode}  "
+        f"compile {cfg.compile.backend if cfg.compile.enable else 'off'}"
+    )
+    logger.info(
+        f"batch: local {cfg.training.local_batch_size}  x  grad-accum steps {ga_steps}  x  dp degree {dims.dp_degree}  "
+        f"=  global {global_batch_size};  {step.describe()}"
+    )

@@ -1,9 +1,10 @@
-"""AdamW with CLIP's parameter groups: weight decay on matrices only."""
+"""AdamW with CLIP's parameter groups (weight decay on matrices only), and the gradient clipping before its step."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_contrastive.config.job_config import Optimizer as OptimizerConfig
 
@@ -30,3 +31,14 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
         eps=cfg.eps,
         foreach=True,
     )
+
+
+def clip_grad_norm(
+    model: nn.Module, max_norm: float, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
+) -> float:
+    """The total gradient norm over all ranks (FSDP/HSDP shards included), after unscaling float16
+    gradients; gradients are clipped to `max_norm` when it is > 0."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True)
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()

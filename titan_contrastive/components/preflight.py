@@ -91,7 +91,7 @@ def checkpoint_bytes(model: nn.Module, optimizer_states_per_param: int = 2) -> i
     return sum(map(nbytes, state)) + optimizer_states_per_param * sum(map(nbytes, trainable)) + 2048 * tensors
 
 
-def check_output_folders(dump_folder: str, checkpoint_folder: str | None, *, log: bool) -> None:
+def check_output_folders(dump_folder: str, checkpoint_folder: str | None, log: bool) -> None:
     """The dump folder and (when checkpointing) `{dump_folder}/{checkpoint_folder}`, checked writable."""
     folders = {"job.dump_folder": Path(dump_folder)}
     if checkpoint_folder is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_contrastive.config import ConfigError
-from titan_contrastive.config.job_config import Data, Eval
+from titan_contrastive.config.job_config import Data, JobConfig
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
 from titan_contrastive.datasets.files import FileImageTextDataset
@@ -131,14 +131,11 @@ def build_file_dataset(
 
 
 def build_data(
-    data: Data,
-    eval_cfg: Eval,
+    cfg: JobConfig,
     *,
-    seed: int,
     family_tokenizer: Callable[[], Any],
     prepare: Callable[[Dataset], None],
     build_bundled: Callable[..., Dataset],
-    local_batch_size: int,
     dp_rank: int,
     dp_degree: int,
     pin_memory: bool,
@@ -148,7 +145,8 @@ def build_data(
     tokenizer (bi_encoder) for text pairs, or None; an ImportError (its optional dependency is
     missing) becomes a one-line ConfigError. `build_bundled`: `datasets.build_dataset`.
     `global_batch_size` (samples per optimizer step) may not exceed the training set: one step
-    would then hold samples twice (0: not checked)."""
+    would then hold samples twice (0: not checked). `cfg` gives `[data]`, `[eval]`, the seed and the local batch."""
+    data, eval_cfg, seed, local_batch_size = cfg.data, cfg.eval, cfg.training.seed, cfg.training.local_batch_size
     try:
         pair_tokenizer = family_tokenizer()
     except ImportError as e:

@@ -1,7 +1,7 @@
 """The model a run trains: its loss (`resolve_loss`), and the family's args sized by the data and
 the config, built on the device, started from `[model] init_from`'s weights when given, with its
 locked towers frozen (`build_run_model`); all before any parallel wrapping (sharding, DDP) and
-before the optimizer sees a parameter."""
+before the optimizer sees a parameter; and the clamp of a learned logit scale after each step."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import nn
 
 from titan_contrastive.components.freeze import apply_freeze
 from titan_contrastive.config import ConfigError, JobConfig
+from titan_contrastive.config.job_config import MAX_LOGIT_SCALE
 from titan_contrastive.interop import load_state
 from titan_contrastive.models.registry import ModelSpec
 
@@ -31,15 +32,15 @@ def build_run_model(
     spec: ModelSpec,
     cfg: JobConfig,
     flavor_args: Any,
-    train_set: Any,
-    context_length: int,
-    *,
+    data: Any,
+    init_state: dict[str, torch.Tensor] | None,
     param_dtype: torch.dtype,
     device: torch.device,
-    init_state: dict[str, torch.Tensor] | None,
 ) -> tuple[Any, nn.Module]:
-    """(args, model): `flavor_args` sized by `train_set` (image shape, vocabulary, EOS) and by `cfg`,
-    the model built in `param_dtype` on `device`, `init_state` loaded, `model.freeze` applied."""
+    """(args, model): `flavor_args` sized by the run's data (a datasets.build.DataBundle: the training
+    set's image shape, vocabulary and EOS, the context length) and by `cfg`, the model built in
+    `param_dtype` on `device`, `init_state` loaded, `model.freeze` applied."""
+    train_set, context_length = data.train_set, data.context_length
     try:
         sized = flavor_args.update_from_data(
             image_shape=train_set.image_shape,
@@ -56,3 +57,10 @@ def build_run_model(
         load_state(model, init_state, f"model.init_from={cfg.model.init_from}")
     apply_freeze(model, cfg.model.freeze, cfg.model.unlocked_layers, spec.towers)
     return args, model
+
+
+def clamp_logit_scale(model: nn.Module) -> None:
+    """A learned `logit_scale` is kept in [0, log 100] after each optimizer step, as CLIP does; a fixed one stays."""
+    if (scale := getattr(model, "logit_scale", None)) is not None and scale.requires_grad:
+        with torch.no_grad():
+            scale.clamp_(0, MAX_LOGIT_SCALE)

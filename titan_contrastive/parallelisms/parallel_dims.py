@@ -9,6 +9,7 @@ parallelism), so the DP group is the whole world.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -20,6 +21,13 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     world_size: int
+
+    @classmethod
+    def for_run(cls, parallelism: Any, world_size: int) -> ParallelDims:
+        """`from_config` with the degrees of `[parallelism]` (a config.job_config.Parallelism)."""
+        return cls.from_config(
+            parallelism.data_parallel_replicate_degree, parallelism.data_parallel_shard_degree, world_size
+        )
 
     @classmethod
     def from_config(cls, replicate: int, shard: int, world_size: int) -> ParallelDims:

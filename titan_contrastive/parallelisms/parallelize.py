@@ -104,15 +104,15 @@ def parallelize_model(
     blocks: list[nn.Module],
     dims: ParallelDims,
     mesh: DeviceMesh | None,
-    *,
+    cfg: Any,
+    precision: Any,
     device: torch.device,
-    ac_mode: str,
-    compile_backend: str | None,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
 ) -> nn.Module:
-    """Apply AC, compile and data parallelism; returns the module to call in the train step
-    (the DDP wrapper, or the model itself: FSDP2 modifies the model in place)."""
+    """Apply AC (`[activation_checkpoint]`), compile (`[compile]`) and data parallelism (dtypes from
+    `precision`, a components.precision.Precision); `cfg` is the JobConfig. Returns the module to call
+    in the train step (the DDP wrapper, or the model itself: FSDP2 modifies the model in place)."""
+    ac_mode, compile_backend = cfg.activation_checkpoint.mode, cfg.compile.backend if cfg.compile.enable else None
+    param_dtype, reduce_dtype = precision.fsdp_param_dtype, precision.reduce_dtype
     apply_ac(blocks, ac_mode)
     if compile_backend is not None:
         apply_compile(blocks, compile_backend)

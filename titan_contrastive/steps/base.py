@@ -94,14 +94,14 @@ class StepContext:
         model: nn.Module,
         dp_model: nn.Module,
         precision: Precision,
-        *,
-        device: torch.device,
-        distributed: bool,
+        process: Any,
         dp_degree: int,
         ga_steps: int,
     ) -> StepContext:
-        """The context of a training run (`spec`: the family's ModelSpec); every process is a
-        data-parallel rank, so the DP group is the world when `distributed`."""
+        """The context of a training run (`spec`: the family's ModelSpec; `process`: this process's
+        parallelisms.DistInfo); every process is a data-parallel rank, so the DP group is the world
+        when the run is distributed."""
+        device, distributed = process.device, process.is_distributed
         return cls(
             model=model,
             dp_model=dp_model,
