@@ -1,7 +1,7 @@
 """torchrun, minus the traceback: `python -m titan_contrastive.launch <torchrun args> -m titan_contrastive.train ...`.
 
 Why this exists: when a rank exits non-zero, `torchrun` (`torch.distributed.run.main`, wrapped in
-`@record`) prints a 30-45 line `ChildFailedError` traceback and exits 1, whatever the rank's exit
+`@record`) prints a long `ChildFailedError` traceback and exits 1, whatever the rank's exit
 code was. A config error (the trainer's exit code 2, one `error: ...` line) and a non-finite stop
 (exit 3) then look the same, to a person and to a script. This launcher runs the same
 `torch.distributed.run.run(args)`, catches the `ChildFailedError`, prints one line about the root
@@ -86,7 +86,7 @@ def honour_shutdown_timeout(seconds: int | None, exit_codes: dict[int, int | Non
     torchrun's --shutdown-timeout / TORCH_ELASTIC_SHUTDOWN_TIMEOUT reaches only its own signal
     handling: after a worker fails, `PContext.close()` stops the others with its default of 30 s
     (torch 2.13; see pytorch/pytorch#192815), so a rank that ignores SIGTERM (stopped, stuck in the
-    kernel, or handling it) kept the job alive 30 s more. Here --shutdown-timeout is the stop grace
+    kernel, or handling it) would keep the job alive 30 s more. Here --shutdown-timeout is the stop grace
     (see the module docstring), so the signals that do not stop with a checkpoint are capped at
     `seconds` too; torchrun's other explicit timeouts (restarts) are unaffected. `seconds=None`
     keeps torchrun's waits. The exit codes tell a stop in which every rank saved (all `STOPPED`)

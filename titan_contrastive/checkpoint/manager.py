@@ -13,7 +13,7 @@ present with its size, then its SHA-256), so a truncated, half-deleted or corrup
 (flipped bytes, same size) is reported with the file's name and skipped in favour of the previous
 valid one (or is an error when asked for by `checkpoint.load_step`); then it is read without
 running code from it (allowlisting unpicklers; the trust model is in `reader.py`). Manifests
-written before the checksums (sizes only) are still read, with a warning.
+that record sizes only (no checksums) are still read, with a warning.
 
 Global states (model, optimizer, LR scheduler, train state) are saved once: DCP deduplicates
 replicated entries and shards DTensors, so FSDP2 runs reshard on load to another world size.

@@ -8,7 +8,7 @@ Trust model: nothing read from a checkpoint can run code, and nothing corrupted 
   read: every listed file present with its size, then its SHA-256, and DCP's `.metadata` among
   them. A truncated, half-deleted or corrupted-in-place file (flipped bytes, same size) is an
   error naming the file. A DCP folder without a manifest cannot be verified and is refused;
-  manifests written before the checksums (sizes only) still load, with a warning that their
+  manifests that record sizes only (no checksums) still load, with a warning that their
   content is unverified. The manifest guards against accidents, not against an attacker, who
   can recompute it: that is what the next point is for.
 - No code. Pickle runs whatever callables a file names, so each pickled piece is read with an

@@ -16,10 +16,10 @@ counted in their batches).
 
 Why a change is applied rather than refused: lowering the lr after a loss spike, extending
 `training.steps`, or raising the global batch is how runs are steered, and it must take effect
-(before, the restored scheduler silently kept the old peak). Why it is logged: a resumed run
+(a restored scheduler would otherwise silently keep the old peak). Why it is logged: a resumed run
 whose config drifted from the one that wrote the checkpoint should never be a surprise.
 The manifest of every checkpoint records the config (`"config"`) for this comparison; a
-checkpoint written before that is resumed without it (and says so).
+checkpoint whose manifest lacks it is resumed without the comparison (and says so).
 
 `model.init_from` is read only by a run that starts without a checkpoint: the weights it names
 would be overwritten by the checkpoint's, and the architecture comes from the checkpoint's
@@ -119,7 +119,7 @@ def resumed_model_args(cfg: Any, spec: Any) -> tuple[Any, dict[str, Any]] | None
     """With `model.init_from` and checkpointing: (model args, manifest) of the checkpoint the resume
     will load, `checkpoint.load_step` or the newest `step-N` with a readable manifest naming this
     family's model (CheckpointManager.load verifies it and falls back to an older one, of the same
-    run and architecture). None otherwise, or when its manifest predates model records: the run
+    run and architecture). None otherwise, or when its manifest records no model: the run
     then reads `model.init_from`."""
     if not (cfg.model.init_from and cfg.checkpoint.enable):
         return None

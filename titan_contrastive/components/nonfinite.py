@@ -2,8 +2,8 @@
 
 `stop` ends the run (exit code 3) naming the step and which values were non-finite. `skip` skips
 the optimizer step, logs it and counts it (metric `skipped_steps`), but only up to
-`max_consecutive_skips` steps in a row: a run that does nothing but skip is stuck, and before this
-limit existed it would train on to the end and exit 0 with an unchanged model. The count in a row
+`max_consecutive_skips` steps in a row: a run that does nothing but skip is stuck, and without this
+limit it would train on to the end and exit 0 with an unchanged model. The count in a row
 starts again after any finite step (and at a resume). `streak_start` is the first step of the
 current run of skipped steps (None when the last step was finite): checkpoint pruning spares the
 newest checkpoint before it, and the stop message names that checkpoint, the state to go back to.

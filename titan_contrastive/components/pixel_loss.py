@@ -10,13 +10,13 @@ the loss is an exact zero that keeps a zero-gradient path to the latents instead
 without a host sync.
 
 Modes, order of operations:
-- "v0": decode the whole padded batch, one masked sum (the seed's original; the reference).
+- "v0": decode the whole padded batch, one masked sum (the reference for the other modes).
 - "chunked": for each chunk of `chunk_size` images decode, add the chunk's masked sum to the
   numerator; one division at the end. What this frees: the *transient* forward buffers of the
   decoder (only one chunk's exist at a time). What it does not: every chunk's graph stays alive
   until the caller's `backward()`, so the activations saved for backward are the same as v0's.
-  Seed 003 claims peak memory drops to chunk/N of v0; that holds only without a backward
-  (evaluation) or when transient buffers dominate — measure before relying on it.
+  Peak memory drops to chunk/N of v0's only without a backward (evaluation) or when transient
+  buffers dominate.
 - "per_chunk_backward": each chunk is decoded from a detached leaf copy of its latents and
   backpropagated at once (numerator_c / denominator — exact, as the denominator is fixed), which
   frees its graph and accumulates the decoder's parameter gradients (if trainable) and the
@@ -24,8 +24,8 @@ Modes, order of operations:
   upstream graph (GradCache's surrogate), so one caller `backward()` reaches the encoder. Peak
   activation memory is one chunk's. Decoder gradients land in `.grad` during the call.
 
-The numerator is accumulated in at least float32 (the seed accumulated in the latent dtype:
-a bf16 running sum loses the small chunk terms). `PIXEL_LOSS_USE_V0=1` forces v0 whatever the
+The numerator is accumulated in at least float32, not in the latent dtype: a bf16 running sum
+loses the small chunk terms. `PIXEL_LOSS_USE_V0=1` forces v0 whatever the
 argument; `PIXEL_LOSS_DEBUG=1` logs one line per call and rank.
 """
 
@@ -78,7 +78,7 @@ class PixelLossOptions:
 def calculate_chunk_size(
     num_images: int, max_h: int, max_w: int, base_chunk_size: int = 2, adaptive: bool = True
 ) -> int:
-    """Images per decode: the seed's megapixel rule (≥ 1 MP → 1, ≥ 0.25 MP → 2, else 4) when
+    """Images per decode: a megapixel rule (≥ 1 MP → 1, ≥ 0.25 MP → 2, else 4) when
     `adaptive`, else `base_chunk_size`; never more than `num_images`, never less than 1."""
     if base_chunk_size < 1:
         raise ValueError(f"pixel_loss.chunk_size={base_chunk_size}: must be an integer >= 1")
@@ -131,7 +131,7 @@ def _finish(numerator: Tensor, denominator: Tensor) -> Tensor:
 def compute_pixel_loss_v0(
     latents: Tensor, images: Tensor, masks: Tensor, decode: Decode, loss_type: str = "l2"
 ) -> Tensor:
-    """The original: decode every latent at once, one masked mean. The reference for the others."""
+    """Decode every latent at once, one masked mean: the reference for the other modes."""
     _check(latents, images, masks, loss_type)
     numerator = masked_error_sum(decode(latents), images, masks, loss_type)
     return _finish(numerator, masks.to(numerator.dtype).sum() * images.shape[1])

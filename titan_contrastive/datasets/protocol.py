@@ -1,7 +1,7 @@
 """The interface every dataset gives the loader, the steps and evaluation.
 
-Why a Protocol and not a base class: the bundled sets are in-memory tensors, and sources to come
-(shards, files, Hugging Face datasets) will not share their storage; what the rest of the code
+Why a Protocol and not a base class: the bundled sets are in-memory tensors, and the other
+sources (shards, files, Hugging Face datasets) do not share their storage; what the rest of the code
 may rely on is this list, nothing else.
 
 Batches (`__getitems__`) are dicts of tensors whose dim 0 is the batch, except the packed

@@ -93,7 +93,7 @@ class _CompleteMembers(MMIndexedTar):
     Two scans: wids' own (fast: a struct per header), accepted when its result shows a whole tar,
     i.e. every member lies inside the file, only zeros follow the last one (at least the two
     end-of-archive blocks), and no name reaches the 100 characters of a ustar header (a longer
-    name lives in a pax header, which wids does not read); otherwise `tarfile`'s (about 8x slower,
+    name lives in a pax header, which wids does not read); otherwise `tarfile`'s (much slower,
     but it checks every header and stops at the first one that is bad or cut)."""
 
     def _build_index(self) -> None:  # called by MMIndexedTar.__init__ once the file is mapped

@@ -10,8 +10,8 @@ helper they all use, whatever the wrapper:
 - FSDP2 (also HSDP): `set_requires_gradient_sync(sync)` when deferral is asked for. Deferral
   trades memory for traffic: unsharded gradients are held on every rank until the last
   backward. Without it FSDP2 reduce-scatters after every backward and keeps its memory saving,
-  which is why the trainer defers only with `[parallelism] defer_grad_sync` (GradCache and the
-  seed's API defer by default: their chunks are small by design).
+  which is why the trainer defers only with `[parallelism] defer_grad_sync` (GradCache and
+  `grad_sync` itself defer by default: their chunks are small by design).
 - A plain module (one process): nothing to defer.
 
 It lives in `grad_cache/` because GradCache defers by default and the package imports nothing

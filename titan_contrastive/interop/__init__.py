@@ -155,7 +155,7 @@ def read_ours(folder: Path) -> tuple[str, Any, torch.nn.Module]:
     model = manifest.get("model")
     if not model:
         raise InteropError(
-            f"{folder}/manifest.json names no model (written before 2026-11-24); rebuild it with the run's "
+            f"{folder}/manifest.json names no model (written by an older version); rebuild it with the run's "
             "config instead, or save it again with this version"
         )
     try:

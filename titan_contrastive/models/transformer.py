@@ -1,8 +1,8 @@
 """Pre-norm transformer shared by the towers of the model families.
 
 Why one shared block type: per-block FSDP wrapping, activation checkpointing and
-`torch.compile` treat `ResidualBlock` as the unit, so both CLIP towers (and later
-families) should use the same class. Tensors are batch-first `[B, T, width]`.
+`torch.compile` treat `ResidualBlock` as the unit, so the CLIP towers and the vlm
+family's towers use the same class. Tensors are batch-first `[B, T, width]`.
 
 The parameter layout matches OpenAI/open_clip CLIP (fused q/k/v `in_proj` with bias,
 `out_proj`, `ln_1`/`ln_2`, MLP `c_fc`/`c_proj` with biases), so parameter counts agree

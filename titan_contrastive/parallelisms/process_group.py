@@ -109,7 +109,7 @@ def destroy_distributed(barrier: bool = False) -> None:
     The barrier keeps a rank from destroying its gloo pairs while a peer is still inside the
     last collective, and the caller drops the model first: FSDP2 keeps the last collective's
     work objects alive, and gloo aborting them at interpreter exit kills the process (SIGABRT
-    after a successful run; seen as a flaky exit code in the resume tests). No barrier after
+    after a successful run: a spurious failing exit code). No barrier after
     an error: the other ranks may be inside a different collective.
     """
     if dist.is_initialized():
