@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from benchmarks import harness
-from titan_contrastive.components.loss import clip_loss, sigmoid_loss
 from titan_contrastive.config import JobConfig, parse_args
 from titan_contrastive.interop.openclip import open_clip_config, to_open_clip_state_dict
+from titan_contrastive.losses import InfoNCE, Sigmoid
 from titan_contrastive.models.clip.args import clip_flavors
 from titan_contrastive.steps.global_negatives import StreamingClipStep
 from titan_contrastive.train import Trainer
@@ -218,13 +218,13 @@ CLIP_SCALE, SIGLIP_SCALE, SIGLIP_BIAS = 1 / 0.07, 10.0, -10.0
 
 
 def ours_loss(kind: str, zx: torch.Tensor, zy: torch.Tensor) -> torch.Tensor:
-    """The one call site of our streaming loss (components/streaming_loss.py): StreamingClipStep's
+    """The one call site of our streaming loss (titan_contrastive.losses): StreamingClipStep's
     loss path, one process, PyTorch kernel, the trainer's default block size, fixed temperature
     (and bias). Accumulates dL/dzx, dL/dzy into .grad; returns the loss."""
     step = StreamingClipStep(
         stream_chunk_size=JobConfig().loss.stream_chunk_size,
         kernel="pytorch",
-        loss=kind,
+        objective=InfoNCE() if kind == "clip" else Sigmoid(),
         fixed_scale=CLIP_SCALE if kind == "clip" else SIGLIP_SCALE,
         fixed_bias=SIGLIP_BIAS if kind == "siglip" else None,
     )
@@ -233,9 +233,9 @@ def ours_loss(kind: str, zx: torch.Tensor, zy: torch.Tensor) -> torch.Tensor:
 
 def dense_loss(kind: str, zx: torch.Tensor, zy: torch.Tensor) -> torch.Tensor:
     loss = (
-        clip_loss(zx, zy, torch.tensor(CLIP_SCALE))
+        InfoNCE().dense(zx, zy, torch.tensor(CLIP_SCALE))
         if kind == "clip"
-        else sigmoid_loss(zx, zy, torch.tensor(SIGLIP_SCALE), torch.tensor(SIGLIP_BIAS))
+        else Sigmoid().dense(zx, zy, torch.tensor(SIGLIP_SCALE), torch.tensor(SIGLIP_BIAS))
     )
     loss.backward()
     return loss.detach()

@@ -27,9 +27,9 @@ import torch
 
 from benchmarks import harness
 from titan_contrastive import models
-from titan_contrastive.components.loss import clip_loss
 from titan_contrastive.datasets import ByteTokenizer
 from titan_contrastive.grad_cache import GradCache
+from titan_contrastive.losses import InfoNCE
 
 VOCAB = ByteTokenizer(8).vocab_size
 
@@ -61,7 +61,7 @@ def steps(
         opt.zero_grad(set_to_none=True)
         with autocast():
             img, txt, scale = model(images, texts)
-        clip_loss(img.float(), txt.float(), scale.float()).backward()
+        InfoNCE().dense(img.float(), txt.float(), scale.float()).backward()
         opt.step()
 
     def packed(image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,7 @@ def steps(
 
     def loss(rep: torch.Tensor) -> torch.Tensor:
         d = (rep.shape[1] - 1) // 2
-        return clip_loss(rep[:, :d], rep[:, d : 2 * d], rep[0, 2 * d])
+        return InfoNCE().dense(rep[:, :d], rep[:, d : 2 * d], rep[0, 2 * d])
 
     cache = GradCache([packed], args.chunk, loss)
 

@@ -48,9 +48,9 @@ from typing import Any
 import torch
 
 from benchmarks import harness
-from titan_contrastive.components.loss import clip_loss
 from titan_contrastive.datasets.wordnet import BUNDLE_DIR, TextPairDataset, load_pairs
 from titan_contrastive.grad_cache import GradCache
+from titan_contrastive.losses import InfoNCE
 from titan_contrastive.models.bi_encoder import model as bi_encoder_model
 
 VARIANTS = ("ours_untrimmed", "ours_trimmed", "ours_tokens", "st_cached_mnrl", "full_batch")
@@ -142,7 +142,7 @@ class Setup:
         return GradCache(
             [outputs],
             CHUNK,
-            clip_loss,
+            InfoNCE().dense,
             get_rep_fn=tuple,
             chunk_tokens=chunk_tokens,
             pad_ids=model.padded_inputs if trim else None,
@@ -164,7 +164,7 @@ class Setup:
             return loss.item()
         if variant == "full_batch":
             q, d, scale = self.ours(self.batch["query"], self.batch["doc"])
-            loss = clip_loss(q, d, scale)
+            loss = InfoNCE().dense(q, d, scale)
             loss.backward()
             return loss.item()
         raise ValueError(variant)

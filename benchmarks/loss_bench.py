@@ -47,11 +47,11 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import harness
-from titan_contrastive.components import streaming_loss
-from titan_contrastive.components.loss import clip_loss, sigmoid_loss
 from titan_contrastive.components.memory_probe import LargestTensor, PeakMemory
 from titan_contrastive.config.job_config import Loss as LossConfig
 from titan_contrastive.distributed_clip import StreamingClipStep
+from titan_contrastive.losses import InfoNCE, Sigmoid
+from titan_contrastive.losses import streaming as streaming_loss
 
 SCALE = 1 / 0.07
 SIGLIP_SCALE, SIGLIP_BIAS = 10.0, -10.0
@@ -60,7 +60,7 @@ FLOOR = {"clip": 8, "siglip": 6}
 
 
 def dense(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
-    clip_loss(zx, zy, torch.tensor(SCALE, device=zx.device)).backward()
+    InfoNCE().dense(zx, zy, torch.tensor(SCALE, device=zx.device)).backward()
 
 
 def streaming(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
@@ -109,12 +109,12 @@ def memeff(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: n
 
 def dense_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
     scale, bias = torch.tensor(SIGLIP_SCALE, device=zx.device), torch.tensor(SIGLIP_BIAS, device=zx.device)
-    sigmoid_loss(zx, zy, scale, bias).backward()
+    Sigmoid().dense(zx, zy, scale, bias).backward()
 
 
 def streaming_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
     step = StreamingClipStep(
-        stream_chunk_size=chunk, fixed_scale=SIGLIP_SCALE, kernel="pytorch", loss="siglip", fixed_bias=SIGLIP_BIAS
+        stream_chunk_size=chunk, fixed_scale=SIGLIP_SCALE, kernel="pytorch", objective=Sigmoid(), fixed_bias=SIGLIP_BIAS
     )
     step(lambda _: (zx * 1, zy * 1), [None])
 
@@ -122,7 +122,7 @@ def streaming_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
 def streaming_triton_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA only
     kernel = "triton_exact" if zx.dtype == torch.float32 else "triton"
     step = StreamingClipStep(
-        stream_chunk_size=chunk, fixed_scale=SIGLIP_SCALE, kernel=kernel, loss="siglip", fixed_bias=SIGLIP_BIAS
+        stream_chunk_size=chunk, fixed_scale=SIGLIP_SCALE, kernel=kernel, objective=Sigmoid(), fixed_bias=SIGLIP_BIAS
     )
     step(lambda _: (zx * 1, zy * 1), [None])
 

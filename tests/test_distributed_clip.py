@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_utils import run_distributed
-from titan_contrastive.components.loss import clip_loss
 from titan_contrastive.components.memory_probe import LargestTensor
-from titan_contrastive.components.streaming_loss import loss_dtype
 from titan_contrastive.distributed_clip import DistributedClipError, StreamingClipStep, distributed_train_step
+from titan_contrastive.losses import InfoNCE
+from titan_contrastive.losses.fused import loss_dtype
 
 N, MICRO, CHUNK, TAU = 24, 5, 7, 0.1
 REL = 1e-10
@@ -83,7 +83,7 @@ def dense_reference(model: DualEncoder, world: int, learnable: bool) -> tuple[fl
             zx.append(out[0])
             zy.append(out[1])
     scale = model.logit_scale.exp() if learnable else torch.tensor(1 / TAU, dtype=torch.float64)
-    loss = clip_loss(torch.cat(zx), torch.cat(zy), scale)
+    loss = InfoNCE().dense(torch.cat(zx), torch.cat(zy), scale)
     loss.backward()
     return loss.item(), [p.grad for p in model.parameters()]
 
@@ -200,7 +200,7 @@ def test_never_allocates_more_than_chunk_by_n() -> None:
     got = (zx0.grad.clone(), zy0.grad.clone())
     zx0.grad = zy0.grad = None
     with LargestTensor() as dense_probe:  # control: the dense loss does allocate N x N
-        want = clip_loss(zx0, zy0, torch.tensor(1 / TAU, dtype=torch.float64))
+        want = InfoNCE().dense(zx0, zy0, torch.tensor(1 / TAU, dtype=torch.float64))
         want.backward()
     assert dense_probe.largest >= n * n
     assert abs(loss.item() - want.item()) <= REL * want.item()

@@ -55,7 +55,7 @@ def make_images(batch: int, args: CLIPArgs) -> torch.Tensor:
 
 def test_clip_is_registered() -> None:
     spec = models.get_model_spec("clip")
-    assert spec.name == "clip" and spec.default_loss == "clip"
+    assert spec.name == "clip" and spec.learns_bias
     assert "clip" in models.list_models()
     assert models.get_flavor_args("clip", "vit_b32") is clip_flavors["vit_b32"]
 
@@ -92,7 +92,7 @@ def test_custom_family_from_user_package(
                     self.layers = nn.ModuleList(nn.Linear(args.width, args.width) for _ in range(2))
 
             register_model(ModelSpec(name="toy", flavors={"tiny": ToyArgs(3)}, build_model=Toy,
-                                     blocks=lambda m: list(m.layers), default_loss="siglip"))
+                                     blocks=lambda m: list(m.layers), learns_bias=True))
             """
         )
     )
@@ -103,12 +103,12 @@ def test_custom_family_from_user_package(
         sys.modules.pop("user_family_pkg", None)
     spec = models.get_model_spec("toy")
     model = spec.build_model(models.get_flavor_args("toy", "tiny"))
-    assert len(spec.blocks(model)) == 2 and spec.default_loss == "siglip"
+    assert len(spec.blocks(model)) == 2 and spec.learns_bias
     assert {"clip", "toy"} <= set(models.list_models())
     with pytest.raises(ValueError, match="'toy' is already registered"):
         models.register_model(dataclasses.replace(spec, build_model=module.Toy))
-    models.register_model(dataclasses.replace(spec, default_loss="clip"), overwrite=True)
-    assert models.get_model_spec("toy").default_loss == "clip"
+    models.register_model(dataclasses.replace(spec, learns_bias=False), overwrite=True)
+    assert not models.get_model_spec("toy").learns_bias
 
 
 def test_duplicate_builtin_name_errors(isolated_registry: None) -> None:

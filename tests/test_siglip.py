@@ -27,10 +27,10 @@ from torch import nn
 from tests.dist_utils import run_distributed
 from tests.test_distributed_clip import GradRecorder, _join
 from tests.test_trainer import batch, full, make_trainer
-from titan_contrastive.components.loss import sigmoid_loss
 from titan_contrastive.components.memory_probe import LargestTensor
 from titan_contrastive.config import ConfigError
 from titan_contrastive.distributed_clip import DistributedClipError, StreamingClipStep, distributed_train_step
+from titan_contrastive.losses import MicrobatchLoss, Sigmoid
 
 REL = 1e-10
 N, MICRO, CHUNK = 24, 5, 7
@@ -51,11 +51,11 @@ def test_dense_reference_is_the_definition() -> None:
     x, y = (F.normalize(torch.randn(7, 4, generator=gen, dtype=torch.float64), dim=-1) for _ in range(2))
     t, b = torch.tensor(3.0, dtype=torch.float64), torch.tensor(-2.0, dtype=torch.float64)
     want = naive_sigmoid_loss(x, y, t, b)
-    assert abs(sigmoid_loss(x, y, t, b).item() - want.item()) <= REL * want.item()
+    assert abs(Sigmoid().dense(x, y, t, b).item() - want.item()) <= REL * want.item()
     rows = (
-        sigmoid_loss(x[2:5], y, t, b, first_row=2, num_pairs=7)
-        + sigmoid_loss(x[:2], y, t, b, num_pairs=7)
-        + sigmoid_loss(x[5:], y, t, b, first_row=5, num_pairs=7)
+        Sigmoid().rows(x[2:5], y, t, b, first_row=2, normalizer=7)
+        + Sigmoid().rows(x[:2], y, t, b, normalizer=7)
+        + Sigmoid().rows(x[5:], y, t, b, first_row=5, normalizer=7)
     )
     assert abs(rows.item() - want.item()) <= REL * want.item()  # row blocks with the diagonal offset add up
 
@@ -92,7 +92,7 @@ def _trainer_matches_dense(tmp: str, negatives: str, local: int, ga: int, extra:
     problems = [{k: torch.cat([s[k] for s in steps]) for k in steps[0]}] if negatives == "global" else steps
     want = 0.0
     for p in problems:
-        loss = sigmoid_loss(*reference(p["image"].double(), p["text"])) / len(problems)
+        loss = Sigmoid().dense(*reference(p["image"].double(), p["text"])) / len(problems)
         loss.backward()
         want += loss.item()
     assert abs(out["loss"] - want) <= REL * want
@@ -222,7 +222,7 @@ def dense_step_reference(model: SigEncoder, world: int) -> tuple[float, list[tor
         t, b = model.logit_scale.exp(), model.logit_bias
     else:
         t, b = torch.tensor(1 / TAU, dtype=torch.float64), torch.tensor(BIAS, dtype=torch.float64)
-    loss = sigmoid_loss(torch.cat(zx), torch.cat(zy), t, b)
+    loss = Sigmoid().dense(torch.cat(zx), torch.cat(zy), t, b)
     loss.backward()
     return loss.item(), [p.grad for p in model.parameters()]
 
@@ -292,15 +292,15 @@ def test_bad_siglip_config_is_one_line() -> None:
     base = {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": MICRO, "STREAM_CHUNK_SIZE": CHUNK, "TAU": TAU}
     with pytest.raises(
         DistributedClipError,
-        match=r"^no bias: the sigmoid loss needs logit_bias as the model's fourth output, or a fixed BIAS",
+        match=r"^no bias: siglip loss \(sigmoid\) needs logit_bias as the model's fourth output, or a fixed BIAS",
     ):
         distributed_train_step(model, GradRecorder(model.parameters()), x, y, {**base, "LOSS": "siglip", "BIAS": None})
     with pytest.raises(
-        DistributedClipError, match=r"^config\['BIAS'\]=-2 is for LOSS='siglip'; LOSS='clip' has no bias$"
+        DistributedClipError, match=r"^config\['BIAS'\]=-2: clip loss \(InfoNCE, symmetric\) has no bias$"
     ):
         distributed_train_step(model, GradRecorder(model.parameters()), x, y, {**base, "BIAS": -2})
     with pytest.raises(
-        DistributedClipError, match=r"^LOSS='sigmoid': choose clip \(softmax, InfoNCE\) or siglip \(sigmoid\)$"
+        DistributedClipError, match=r"^config\['LOSS'\]='sigmoid' is not an objective; valid: clip, siglip$"
     ):
         distributed_train_step(model, GradRecorder(model.parameters()), x, y, {**base, "LOSS": "sigmoid", "BIAS": -2.0})
 
@@ -317,14 +317,14 @@ def test_global_mode_never_allocates_more_than_chunk_by_n() -> None:
     def encode(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         return zx0[rows] * 1.0, zy0[rows] * 1.0  # the embeddings are the "parameters"
 
-    step = StreamingClipStep(stream_chunk_size=chunk, fixed_scale=1 / TAU, loss="siglip", fixed_bias=BIAS)
+    step = StreamingClipStep(stream_chunk_size=chunk, fixed_scale=1 / TAU, objective=Sigmoid(), fixed_bias=BIAS)
     with LargestTensor() as probe:
         loss = step(encode, [slice(i, i + micro) for i in range(0, n, micro)])
     assert probe.largest <= chunk * n < micro * n, probe.largest
     got = (zx0.grad.clone(), zy0.grad.clone())
     zx0.grad = zy0.grad = None
     with LargestTensor() as dense_probe:  # control: the dense loss does allocate N x N
-        want = sigmoid_loss(
+        want = Sigmoid().dense(
             zx0, zy0, torch.tensor(1 / TAU, dtype=torch.float64), torch.tensor(BIAS, dtype=torch.float64)
         )
         want.backward()
@@ -356,8 +356,6 @@ def _matches_open_clip(dist_impl: str) -> None:
     ranks' losses) against ours, as the microbatch loss and as distributed_train_step."""
     import torch.distributed as dist
 
-    from titan_contrastive.components.loss import SigLipLoss
-
     _join()
     rank, world = dist.get_rank(), dist.get_world_size()
     open_clip = open_clip_loss_module()
@@ -387,7 +385,7 @@ def _matches_open_clip(dist_impl: str) -> None:
             fn = (
                 open_clip.SigLipLoss(rank=rank, world_size=world, dist_impl=dist_impl)
                 if name == "open_clip"
-                else SigLipLoss(dist.group.WORLD)
+                else MicrobatchLoss(Sigmoid(), dist.group.WORLD)
             )
             value = fn(*model(x[mine], y[mine]))
             value.backward()

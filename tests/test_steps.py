@@ -224,7 +224,7 @@ def test_a_new_step_kind_is_one_module_and_one_line(
 
     logged = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert user_steps.TracedStep.trace == [(2, logged[0]), (2, logged[1])]
-    assert "traced step: clip loss; negatives per contrastive problem: 4" in caplog.text
+    assert "traced step: clip loss (InfoNCE, symmetric); negatives per contrastive problem: 4" in caplog.text
 
 
 def test_a_contrastive_kind_is_chosen_by_its_registry_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

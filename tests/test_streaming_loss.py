@@ -14,15 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_contrastive.components import streaming_loss
-from titan_contrastive.components.loss import clip_loss
 from titan_contrastive.components.memory_probe import LargestTensor
-from titan_contrastive.components.streaming_loss import (
-    KeptBlock,
-    infonce_loss_from_lse,
-    streamed_row_col_lse,
-    streamed_softmax_grads,
-)
+from titan_contrastive.losses import InfoNCE, streaming
+from titan_contrastive.losses.streaming import KeptBlock, streamed_row_col_lse, streamed_softmax_grads
 
 N, D, LOG_SCALE = 37, 24, 2.6  # s = e^2.6 ~ 13.5
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -36,11 +30,19 @@ def unit(n: int, d: int, seed: int) -> torch.Tensor:
     return F.normalize(torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64), dim=1)
 
 
+def loss_from_lse(
+    zx: torch.Tensor, zy: torch.Tensor, row: torch.Tensor, col: torch.Tensor, s: torch.Tensor
+) -> torch.Tensor:
+    """CLIP's loss from its log-sum-exps: the mean over rows and columns of LSE - s <zx_i, zy_i>."""
+    positive = s * (zx.to(row.dtype) * zy.to(row.dtype)).sum(1)
+    return ((row - positive).mean() + (col - positive).mean()) / 2
+
+
 def dense(x: torch.Tensor, y: torch.Tensor, log_scale: float) -> tuple[float, torch.Tensor, torch.Tensor, float]:
     """Autograd of the dense float64 loss: (L, dZx, dZy, dL/dlog s)."""
     x, y = x.double().clone().requires_grad_(), y.double().clone().requires_grad_()
     t = torch.tensor(log_scale, dtype=torch.float64, requires_grad=True)
-    loss = clip_loss(x, y, t.exp())
+    loss = InfoNCE().dense(x, y, t.exp())
     loss.backward()
     return loss.item(), x.grad, y.grad, t.grad.item()
 
@@ -50,13 +52,13 @@ def streamed(
 ) -> tuple[float, torch.Tensor, torch.Tensor, float]:
     """The same four from the streamed functions, each share of rows called as one rank would be
     (`keep`: each with its KeptBlock, as the step does)."""
-    acc = streaming_loss.accumulation_dtype(zx)
+    acc = streaming.accumulation_dtype(zx)
     s = torch.tensor(log_scale, dtype=torch.float64).exp().to(acc)
     kept = [KeptBlock() if keep else None for _ in shares]
     lses = [streamed_row_col_lse(zx[r.start : r.stop], zy, s, chunk, k) for r, k in zip(shares, kept)]
     row = torch.cat([r for r, _ in lses])
     col = torch.stack([c for _, c in lses]).logsumexp(0)  # the all-gather + merge over ranks
-    loss = infonce_loss_from_lse(zx, zy, row, col, s)
+    loss = loss_from_lse(zx, zy, row, col, s)
     grads = [
         streamed_softmax_grads(zx[r.start : r.stop], zy, row[r.start : r.stop], col, s, r.start, chunk, k)
         for r, k in zip(shares, kept)
@@ -123,7 +125,7 @@ def test_a_kept_block_is_used_only_for_the_same_inputs() -> None:
 def test_cpu_tiles_that_divide_nothing(dtype: torch.dtype, tile_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The elementwise passes run on row tiles of ~TILE_BYTES inside each block: tiles of 1, 3 and 7
     rows in blocks of 16 (and a last block of 5), two ranks."""
-    monkeypatch.setattr(streaming_loss, "TILE_BYTES", tile_rows * N * torch.finfo(dtype).bits // 8)
+    monkeypatch.setattr(streaming, "TILE_BYTES", tile_rows * N * torch.finfo(dtype).bits // 8)
     x, y = unit(N, D, 2), unit(N, D, 3)
     want = dense(x, y, LOG_SCALE)
     assert_matches(streamed(x.to(dtype), y.to(dtype), LOG_SCALE, 16, SPLITS["2 ranks"]), want, TOL[dtype])
@@ -158,7 +160,7 @@ def test_columns_far_below_the_shift_fall_back_exactly(dtype: torch.dtype, monke
     got = streamed(x.to(dtype), y.to(dtype), log_scale, 16, SPLITS["3 ranks"])
     assert_matches(got, dense(x, y, log_scale), 3e-5 if dtype == torch.float32 else TOL[dtype])
     if dtype == torch.float32:  # the case needs the fallback: without the check, column 0 underflows to -inf
-        monkeypatch.setattr(streaming_loss, "_underflow_margin", lambda dtype, rows: -float("inf"))
+        monkeypatch.setattr(streaming, "_underflow_margin", lambda dtype, rows: -float("inf"))
         _, col = streamed_row_col_lse(x.to(dtype), y.to(dtype), scale, 16)
         assert torch.isneginf(col[0])
 

@@ -14,8 +14,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tests.dist_utils import run_distributed
-from titan_contrastive.components.loss import RescaleAccumulatedLoss, clip_loss
 from titan_contrastive.config import ConfigError, parse_args
+from titan_contrastive.losses import InfoNCE, RescaleAccumulatedLoss
 from titan_contrastive.steps import AccumulateStep, GlobalNegativesStep
 from titan_contrastive.train import Trainer
 
@@ -95,11 +95,11 @@ def test_accumulation_is_not_the_big_batch_for_infonce(tmp_path: Path) -> None:
     """Seed 004 says accumulation 'equals a larger batch'; for InfoNCE it does not (k small problems)."""
     trainer = make_trainer(str(tmp_path), "--training.local_batch_size=2", "--training.global_batch_size=8")
     full, init = batch(trainer, 0, 8), copy.deepcopy(trainer.model.state_dict())
-    use_plain_step(trainer, RescaleAccumulatedLoss(clip_loss, 1))
+    use_plain_step(trainer, RescaleAccumulatedLoss(InfoNCE().dense, 1))
     trainer.train_step([full])
     big = grads(trainer.model)
     trainer.model.load_state_dict(init)
-    use_plain_step(trainer, RescaleAccumulatedLoss(clip_loss, 4))
+    use_plain_step(trainer, RescaleAccumulatedLoss(InfoNCE().dense, 4))
     trainer.train_step([{k: v[i : i + 2] for k, v in full.items()} for i in range(0, 8, 2)])
     diff = (grads(trainer.model)["logit_scale"] - big["logit_scale"]).abs() / big["logit_scale"].abs()
     assert diff > 1e-3
@@ -131,7 +131,7 @@ def test_eval_loss_is_never_rescaled(tmp_path: Path) -> None:
         for start in range(0, len(data), 1000):
             b = data.__getitems__(list(range(start, min(start + 1000, len(data)))))
             img, txt, scale = model(b["image"].double(), b["text"])
-            losses.append(clip_loss(img, txt, scale))
+            losses.append(InfoNCE().dense(img, txt, scale))
     want = torch.stack(losses).mean().item()
     assert abs(result["loss"] - want) <= 1e-9 * want
     assert 0.0 <= result["zero_shot_top1"] <= 1.0 and result["num_samples"] == len(data)
@@ -152,7 +152,7 @@ def test_global_negatives_with_accumulation_equal_one_big_batch(tmp_path: Path) 
     got = grads(trainer.model)
 
     trainer.model.load_state_dict(init)
-    use_plain_step(trainer, RescaleAccumulatedLoss(clip_loss, 1))
+    use_plain_step(trainer, RescaleAccumulatedLoss(InfoNCE().dense, 1))
     want_out = trainer.train_step([full])
     assert_close(got, grads(trainer.model))
     assert abs(out["loss"] - want_out["loss"]) <= REL * want_out["loss"]
@@ -180,7 +180,7 @@ def _dp_global_negatives(tmp: str, local: int, ga: int, layout: list[str]) -> No
 
     every = {k: torch.cat([s[k] for s in steps]) for k in steps[0]}  # one problem over all samples
     img, txt, scale = reference(every["image"].double(), every["text"])
-    loss = clip_loss(img, txt, scale)
+    loss = InfoNCE().dense(img, txt, scale)
     loss.backward()
     assert_close(grads(trainer.model), grads(reference))
     assert abs(out["loss"] - loss.item()) <= REL * loss.item()
@@ -217,7 +217,7 @@ def _dp_microbatch_negatives(tmp: str, local: int, ga: int) -> None:
 
     for s in steps:  # dense single-process reference of the same k problems
         img, txt, scale = reference(s["image"].double(), s["text"])
-        (clip_loss(img, txt, scale) / ga).backward()
+        (InfoNCE().dense(img, txt, scale) / ga).backward()
     assert_close(grads(trainer.model), grads(reference))
 
 
@@ -257,7 +257,7 @@ def test_gradcache_with_global_negatives_equals_one_big_batch(tmp_path: Path) ->
     out = cached.train_step([{k: v[:4] for k, v in full.items()}, {k: v[4:] for k, v in full.items()}])
     got = grads(cached.model)
     cached.model.load_state_dict(init)
-    use_plain_step(cached, RescaleAccumulatedLoss(clip_loss, 1))
+    use_plain_step(cached, RescaleAccumulatedLoss(InfoNCE().dense, 1))
     want = cached.train_step([full])
     assert_close(got, grads(cached.model))
     assert abs(out["loss"] - want["loss"]) <= REL * want["loss"]
@@ -289,7 +289,7 @@ def _dp_gradcache(tmp: str, layout: list[str]) -> None:
     trainer.train_step([{k: v[rank * 5 : (rank + 1) * 5] for k, v in s.items()} for s in steps])
     for s in steps:  # each microbatch step of both ranks is one problem
         img, txt, scale = reference(s["image"].double(), s["text"])
-        (clip_loss(img, txt, scale) / 2).backward()
+        (InfoNCE().dense(img, txt, scale) / 2).backward()
     assert_close(grads(trainer.model), grads(reference))
 
 

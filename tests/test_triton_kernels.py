@@ -19,10 +19,14 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.test_distributed_clip import GradRecorder  # noqa: E402
-from titan_contrastive.components import streaming_loss  # noqa: E402
-from titan_contrastive.components.loss import clip_loss, sigmoid_loss  # noqa: E402
+from tests.test_streaming_loss import loss_from_lse  # noqa: E402
 from titan_contrastive.distributed_clip import StreamingClipStep, distributed_train_step  # noqa: E402
 from titan_contrastive.kernels.streaming_triton import row_col_lse, sigmoid_weights, softmax_weights  # noqa: E402
+from titan_contrastive.losses import (  # noqa: E402
+    InfoNCE,
+    Sigmoid,
+    fused,  # noqa: E402
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [(torch.float32, "triton_exact", 1e-5), (torch.bfloat16, "triton", 1e-2)]
@@ -65,17 +69,17 @@ def test_fused_gradients_of_two_row_shares_equal_dense_autograd(dtype: torch.dty
     n, d, scale = 53, 96, torch.tensor(11.0, device=DEVICE)
     zx, zy = embeddings(n, d, dtype, 2), embeddings(n, d, dtype, 3)
     x64, y64 = zx.double().cpu().requires_grad_(), zy.double().cpu().requires_grad_()
-    want = clip_loss(x64, y64, torch.tensor(11.0, dtype=torch.float64))
+    want = InfoNCE().dense(x64, y64, torch.tensor(11.0, dtype=torch.float64))
     want.backward()
     shares = [range(0, 20), range(20, n)]
-    lses = [streaming_loss.fused_lse(zx[r.start : r.stop], zy, scale, kernel) for r in shares]
+    lses = [fused.fused_lse(zx[r.start : r.stop], zy, scale, kernel) for r in shares]
     row = torch.cat([r for r, _ in lses])
     col = torch.stack([c for _, c in lses]).logsumexp(0)
-    loss = streaming_loss.infonce_loss_from_lse(zx, zy, row, col, scale)
+    loss = loss_from_lse(zx, zy, row, col, scale)
     assert abs(loss.item() - want.item()) <= tol * want.item()
     gx, gy = zip(
         *(
-            streaming_loss.fused_embedding_grads(
+            fused.fused_embedding_grads(
                 zx[r.start : r.stop], zy, row[r.start : r.stop], col, scale, r.start, kernel, panel=16
             )
             for r in shares
@@ -113,11 +117,11 @@ def test_fused_sigmoid_of_two_row_shares_equals_dense_autograd(dtype: torch.dtyp
     zx, zy = embeddings(n, d, dtype, 2), embeddings(n, d, dtype, 3)
     x64, y64 = zx.double().cpu().requires_grad_(), zy.double().cpu().requires_grad_()
     b64 = torch.tensor(-3.0, dtype=torch.float64, requires_grad=True)
-    want = sigmoid_loss(x64, y64, torch.tensor(11.0, dtype=torch.float64), b64)
+    want = Sigmoid().dense(x64, y64, torch.tensor(11.0, dtype=torch.float64), b64)
     want.backward()
     scale, bias = torch.tensor(11.0, device=DEVICE), torch.tensor(-3.0, device=DEVICE)
     parts = [
-        streaming_loss.fused_sigmoid(zx[r.start : r.stop], zy, scale, bias, r.start, kernel, panel=16)
+        fused.fused_sigmoid(zx[r.start : r.stop], zy, scale, bias, r.start, kernel, panel=16)
         for r in (range(0, 20), range(20, n))
     ]
     assert abs(sum(p[0] for p in parts).item() - want.item()) <= tol * want.item()
@@ -148,10 +152,10 @@ def test_streaming_sigmoid_step_with_the_kernel_equals_dense(kernel: str, tol: f
     reference.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(50, 8, generator=g), torch.randn(50, 5, generator=g)
-    loss = StreamingClipStep(stream_chunk_size=16, kernel=kernel, loss="siglip")(
+    loss = StreamingClipStep(stream_chunk_size=16, kernel=kernel, objective=Sigmoid())(
         lambda mb: model(x[mb].to(DEVICE), y[mb].to(DEVICE)), [slice(0, 20), slice(20, 37), slice(37, 50)]
     )
-    want = sigmoid_loss(*reference(x.double(), y.double()))
+    want = Sigmoid().dense(*reference(x.double(), y.double()))
     want.backward()
     assert abs(loss.item() - want.item()) <= tol * want.item()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
@@ -195,7 +199,7 @@ def test_streaming_step_with_the_kernel_equals_dense_loss_and_gradients(kernel: 
     loss = StreamingClipStep(stream_chunk_size=16, kernel=kernel)(
         lambda mb: model(x[mb].to(DEVICE), y[mb].to(DEVICE)), [slice(0, 20), slice(20, 37), slice(37, 50)]
     )
-    want = clip_loss(*reference(x.double(), y.double()))
+    want = InfoNCE().dense(*reference(x.double(), y.double()))
     want.backward()
     assert abs(loss.item() - want.item()) <= tol * want.item()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
@@ -230,13 +234,13 @@ def test_bad_weight_buffer() -> None:
 def _kernel_step_matches_dense(wrapper: str, loss: str = "clip") -> None:
     """distributed_train_step with KERNEL=triton_exact on this process group (rows against all
     columns: partial column LSEs all-gathered, dZy shares reduce-scattered) == dense float64;
-    `loss="siglip"`: the sigmoid loss with a learnable bias."""
+    `objective=Sigmoid()`: the sigmoid loss with a learnable bias."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    towers, dense = (SigTowers, sigmoid_loss) if loss == "siglip" else (Towers, clip_loss)
+    towers, dense = (SigTowers, Sigmoid().dense) if loss == "siglip" else (Towers, InfoNCE().dense)
     model = towers()
     reference = towers().double()
     reference.load_state_dict(model.state_dict())
@@ -275,15 +279,15 @@ def test_distributed_kernel_step_equals_dense(world: int, wrapper: str) -> None:
 
 
 def test_auto_picks_pytorch_off_cuda_and_for_float64() -> None:
-    assert streaming_loss.resolve_kernel("auto", torch.zeros(2, 4)) == "pytorch"
-    assert streaming_loss.resolve_kernel("auto", torch.zeros(2, 4, dtype=torch.float64, device=DEVICE)) == "pytorch"
-    assert streaming_loss.resolve_kernel("triton", torch.zeros(2, 4)) == "triton"
+    assert fused.resolve_kernel("auto", torch.zeros(2, 4)) == "pytorch"
+    assert fused.resolve_kernel("auto", torch.zeros(2, 4, dtype=torch.float64, device=DEVICE)) == "pytorch"
+    assert fused.resolve_kernel("triton", torch.zeros(2, 4)) == "triton"
 
 
 def test_auto_self_check_accepts_the_kernels_and_rejects_a_wrong_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check `auto` runs once per device before using the kernels: true for these kernels, and a
     warning + false when the weights come out wrong (what a miscompile would look like)."""
-    check = streaming_loss._agrees_on_device.__wrapped__
+    check = fused._agrees_on_device.__wrapped__
     assert check("triton_exact", DEVICE, torch.float32, 32)
     from titan_contrastive.kernels import streaming_triton
 

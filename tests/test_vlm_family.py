@@ -19,11 +19,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.dist_utils import run_distributed
 from tests.test_trainer import DDP, REL, assert_close, full, grads, make_trainer
-from titan_contrastive.components.loss import clip_loss
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.packing import unpatchify
 from titan_contrastive.grad_cache import split_vlm_inputs
+from titan_contrastive.losses import InfoNCE
 from titan_contrastive.models import get_flavor_args
 from titan_contrastive.models.vlm import VLMEmbedder
 
@@ -161,7 +161,7 @@ def test_trainer_global_negatives_with_gradcache_equal_one_dense_batch(tmp_path:
     trainer.model.load_state_dict(init)
     trainer.optimizer.zero_grad(set_to_none=True)
     img, txt, scale = trainer.model(whole["pixel_values"].double(), whole["image_grid_thw"], whole["text"])
-    loss = clip_loss(img, txt, scale)
+    loss = InfoNCE().dense(img, txt, scale)
     loss.backward()
     assert_close(got, grads(trainer.model))
     assert abs(out["loss"] - loss.item()) <= REL * loss.item()
@@ -189,7 +189,7 @@ def _dp_vlm_gradcache(tmp: str, layout: list[str]) -> None:
     trainer.train_step([split_vlm_inputs(s, 5)[rank] for s in steps])
     for s in steps:
         img, txt, scale = reference(s["pixel_values"].double(), s["image_grid_thw"], s["text"])
-        (clip_loss(img, txt, scale) / ga).backward()
+        (InfoNCE().dense(img, txt, scale) / ga).backward()
     assert_close(grads(trainer.model), grads(reference))
 
 

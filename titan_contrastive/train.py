@@ -37,7 +37,7 @@ from titan_contrastive.config import JobConfig, parse_args
 from titan_contrastive.config.manager import check_contrastive_problem, log_config_warnings
 from titan_contrastive.datasets import build_dataset
 from titan_contrastive.datasets.build import build_data
-from titan_contrastive.models.build import build_run_model, clamp_logit_scale, resolve_loss
+from titan_contrastive.models.build import build_run_model, clamp_logit_scale, resolve_objective
 from titan_contrastive.parallelisms import (
     ParallelDims,
     destroy_distributed,
@@ -74,7 +74,7 @@ class Trainer:
         flavor_args, init_state, self.resumed = model_source(
             cfg, spec, models.resolve_model_args
         )  # resume: no init_from
-        self.loss_name = resolve_loss(spec, cfg.loss.name)
+        self.objective = resolve_objective(spec, cfg)
         self.dims = dims = ParallelDims.for_run(cfg.parallelism, dist.world_size)
         self.dp_degree = dp = dims.dp_degree
         self.ga_steps = gradient_accumulation_steps(cfg.training.global_batch_size, cfg.training.local_batch_size, dp)
@@ -104,7 +104,7 @@ class Trainer:
         self.optimizer = build_optimizer(model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step_context = StepContext.for_run(cfg, spec, model, self.dp_model, precision, dist, dp, self.ga_steps)
-        self.gradient_step = build_gradient_step(spec, self.step_context, cfg, self.loss_name)
+        self.gradient_step = build_gradient_step(spec, self.step_context, cfg, self.objective)
         self.train_state = TrainState()
         self.nonfinite = NonFiniteGuard(cfg.training.on_nonfinite, cfg.training.max_consecutive_skips)
         states = (model, self.optimizer, self.lr_scheduler, self.train_state, self.loader)
@@ -124,7 +124,7 @@ class Trainer:
     def _plan_memory(self) -> MemoryPlan:
         """The step's knobs planned on probe steps (the planner restores every state); the step rebuilt with them."""
         cfg, rank = self.cfg, self.dist.rank
-        build = functools.partial(build_gradient_step, self.spec, self.step_context, cfg, self.loss_name)
+        build = functools.partial(build_gradient_step, self.spec, self.step_context, cfg, self.objective)
         batches = probe_batches(self.train_set, cfg.training.local_batch_size, self.ga_steps, self.dp_degree, rank)
 
         def probe(knobs: dict[str, int]) -> None:
@@ -177,7 +177,7 @@ class Trainer:
         cfg, dist = self.cfg, self.dist
         run = (cfg.eval.batch_size, self.device, dist.rank, dist.world_size, Path(cfg.job.dump_folder), self.step)
         contexts = functools.partial(EvalContext, self.model, self.forward)
-        return evaluate_sets(self.spec.evaluate, lambda ds: contexts(ds, self.loss_name, *run), self.data.eval_sets)
+        return evaluate_sets(self.spec.evaluate, lambda ds: contexts(ds, self.objective, *run), self.data.eval_sets)
 
     def _evaluate_and_log(self, last: bool) -> dict[str, float]:
         start = time.perf_counter()

@@ -7,15 +7,16 @@ masked, so the columns after a chunk's longest sequence change nothing but the c
 representations are the untrimmed chunk's up to float rounding. `token_chunks` sorts a batch's
 samples by length and cuts them into consecutive chunks of as many samples as fit `chunk_tokens`
 (the tokens a trimmed chunk forwards, padding included: samples x its longest sequence, summed
-over the padded fields; at least one sample), so short texts go in large chunks, long ones in small
-chunks, and no chunk forwards much padding. GradCache gives the loss the samples in their
-original order (`GradCache.cache_step`).
+over the padded fields, k times for a field of k sequences per sample; at least one sample), so
+short texts go in large chunks, long ones in small chunks, and no chunk forwards much padding.
+GradCache gives the loss the samples in their original order (`GradCache.cache_step`).
 
 Where an input's padding is (its "padded fields"); only a Mapping input has any:
 - an `attention_mask` [B, L] (Hugging Face's convention) marks the padding of every tensor of the
   mapping with at least 2 dims and L columns (input_ids, token_type_ids, position_ids, the mask);
 - `pad_ids` {key: pad id} names right-padded token-id entries that come without a mask, one field
-  each (the bi_encoder's `query` and `doc`: `BiEncoder.padded_inputs`).
+  each (the bi_encoder's `query`, `doc` and `neg`: `BiEncoder.padded_inputs`); [B, k, L] ids (k
+  hard negatives per sample) are one field of k sequences per sample.
 Anything else (a Tensor, images, the clip family's byte-token captions) has no padded field:
 trimming is a no-op and a token budget is an error. A sample's length in a field is its last real
 column + 1 (interior padding stays), and left padding is never cut (the last column of a
@@ -58,7 +59,11 @@ class PaddedField:
     width: int
     """L: the columns of the field's tensors."""
     lengths: Tensor
-    """[B] per sample: its last real column + 1 (0: no real token)."""
+    """[B] per sample: its last real column + 1 (0: no real token; the longest of its sequences)."""
+    per_sample: int = 1
+    """Sequences per sample: 1, or k for token ids [B, k, L] (k hard negatives per sample)."""
+    last_dim: bool = False
+    """Whether the columns are the tensors' last dimension (token ids) rather than dimension 1."""
 
 
 def _lengths(real: Tensor) -> Tensor:
@@ -84,7 +89,10 @@ def padded_fields(model_input: Any, pad_ids: Mapping[str, int] | None = None) ->
     for key, pad in (pad_ids or {}).items():
         ids = model_input.get(key)
         if key not in taken and isinstance(ids, Tensor) and ids.dim() == 2:
-            fields.append(PaddedField((key,), ids.shape[1], _lengths(ids != pad)))
+            fields.append(PaddedField((key,), ids.shape[1], _lengths(ids != pad), last_dim=True))
+        elif key not in taken and isinstance(ids, Tensor) and ids.dim() == 3:  # [B, k, L]: k sequences per sample
+            lengths = _lengths((ids != pad).flatten(0, 1)).view(ids.shape[0], ids.shape[1])
+            fields.append(PaddedField((key,), ids.shape[2], lengths.amax(1), ids.shape[1], last_dim=True))
     return fields
 
 
@@ -102,10 +110,13 @@ def trim_padding(model_input: Any, pad_ids: Mapping[str, int] | None = None) -> 
     """`model_input` cut to its longest sequence in each padded field; unchanged without one.
     A Mapping comes back as a dict (a tokenizer's BatchEncoding too)."""
     fields = padded_fields(model_input, pad_ids)
-    cuts = {key: keep for f in fields if (keep := _kept(f.lengths, f.width)) < f.width for key in f.keys}
+    cuts = {key: (keep, f.last_dim) for f in fields if (keep := _kept(f.lengths, f.width)) < f.width for key in f.keys}
     if not cuts:
         return model_input
-    return {k: v[:, : cuts[k]] if k in cuts else v for k, v in model_input.items()}
+    return {
+        k: v if k not in cuts else (v[..., : cuts[k][0]] if cuts[k][1] else v[:, : cuts[k][0]])
+        for k, v in model_input.items()
+    }
 
 
 def token_chunks(
@@ -135,7 +146,8 @@ def token_chunks(
             f"pad_ids naming its right-padded token ids (now {dict(pad_ids or {})})"
         )
     lengths = torch.stack([f.lengths for f in fields], dim=1).cpu()  # [B, fields]
-    order = torch.sort(lengths.sum(1), descending=True, stable=True).indices
+    per_sample = [f.per_sample for f in fields]
+    order = torch.sort((lengths * torch.tensor(per_sample)).sum(1), descending=True, stable=True).indices
     rows = lengths[order].tolist()
     sizes: list[int] = []
     start = 0
@@ -143,7 +155,7 @@ def token_chunks(
         longest, n = rows[start], 1
         while start + n < len(rows):
             wider = [max(a, b) for a, b in zip(longest, rows[start + n])]
-            if sum(wider) * (n + 1) > chunk_tokens:
+            if sum(w * m for w, m in zip(wider, per_sample)) * (n + 1) > chunk_tokens:
                 break
             longest, n = wider, n + 1
         sizes.append(n)

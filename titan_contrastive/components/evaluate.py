@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_contrastive.components.loss import build_loss_fn
 from titan_contrastive.components.pixel_loss import masked_error_sum
 from titan_contrastive.components.precision import at_least_fp32
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.protocol import Dataset, ZeroShotDataset
+from titan_contrastive.losses import MicrobatchLoss, Objective
 
 logger = logging.getLogger("titan_contrastive")
 
@@ -63,7 +63,8 @@ class EvalContext:
     forward: Forward
     dataset: Dataset
     """The held-out split; every rank evaluates a contiguous shard of it."""
-    loss_name: str
+    objective: Objective | None
+    """The run's objective (None: a family with its own loss)."""
     batch_size: int
     device: torch.device
     rank: int
@@ -196,7 +197,7 @@ def evaluate_contrastive(ctx: EvalContext) -> dict[str, float]:
         ctx.model,
         ctx.forward,
         ctx.dataset,
-        build_loss_fn(ctx.loss_name),
+        MicrobatchLoss(ctx.objective),
         batch_size=ctx.batch_size,
         device=ctx.device,
         rank=ctx.rank,

@@ -161,12 +161,27 @@ class LRScheduler:
 
 @dataclass
 class Loss:
-    name: Literal["", "clip", "siglip", "pixel"] = ""
-    """Training loss; empty = the model family's own. `clip`: symmetric InfoNCE with the model's
-    learnable logit scale (clip, bi_encoder, vlm). `siglip`: the sigmoid loss of SigLIP,
-    -(1/N) sum_ij log sigmoid(z_ij (t <x_i, y_j> + b)), z = +1 for pairs, -1 otherwise (clip
-    family; adds a `logit_bias`). `pixel`: masked reconstruction loss through the decoder, see
-    [pixel_loss] (vae)."""
+    name: str = ""
+    """Training objective (`titan_contrastive.losses`); empty = the model family's own. `clip`:
+    InfoNCE with the model's learnable logit scale, symmetric unless `symmetric = false` (clip,
+    bi_encoder, vlm). `siglip`: the sigmoid loss of SigLIP, -(1/N) sum_ij log sigmoid(z_ij (t <x_i,
+    y_j> + b)), z = +1 for pairs, -1 otherwise (clip family; adds a `logit_bias`). `pixel`: masked
+    reconstruction loss through the decoder, see [pixel_loss] (vae). Objectives registered with
+    `losses.register_objective` (e.g. from `job.custom_import`) are named the same way."""
+    symmetric: bool = True
+    """clip: add the document -> query direction over the positives (CLIP's loss); false: queries
+    -> documents only (sentence-transformers' MultipleNegativesRankingLoss)."""
+    mask_duplicates: bool = False
+    """Mask columns that are the same document as a query's positive out of its negatives: the same
+    token ids (a text family's documents), e.g. a positive repeated in the batch or mined as a negative."""
+    mask_margin: float | None = None
+    """Mask columns with cos(q, d) > cos(q, positive) + mask_margin out of q's negatives (e.g. 0.1)."""
+    mask_relative: float | None = _opt(None, lambda v: v is None or 0 < v <= 1, "a number in (0, 1], or empty")
+    """Mask columns with cos(q, d) > mask_relative x cos(q, positive) (NV-Retriever; e.g. 0.95)."""
+    matryoshka_dims: list[int] = _opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")
+    """Train the loss on each of these leading-dimension prefixes, renormalized (e.g. [384, 256, 128, 64])."""
+    matryoshka_weights: list[float] = _opt([], lambda v: all(x > 0 for x in v), "numbers > 0")
+    """One weight per matryoshka_dims entry; empty = all 1."""
     negatives: Literal["microbatch", "global"] = "microbatch"
     """Which samples form one contrastive problem. `microbatch`: the current microbatches of
     all DP ranks (gathered with gradient); accumulation steps do not add negatives.

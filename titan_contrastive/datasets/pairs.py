@@ -8,9 +8,9 @@ is sentence-transformers' convention (anchor, positive, negatives...).
 Why everything is tokenized at load, as for WordNet: a batch is then one gather, and the texts
 are small next to images. A row with an empty query or positive is skipped at load, counted
 and logged; past `data.max_bad_fraction` of the file the load stops, naming the file and row.
-Extra columns are hard negatives, served as `neg` [B, k, doc_length]: the GradCache API takes
-them as its third input (`datasets.retrieval.unpack_batch`); the trainer's bi_encoder step trains on
-in-batch negatives and says so at start when a file has them.
+Extra columns are hard negatives, served as `neg` [B, k, doc_length]: every step kind adds them
+to the contrastive problem as extra columns (`batching.with_negatives`, `losses`), and the start
+log says how many a file has.
 """
 
 from __future__ import annotations
@@ -148,8 +148,8 @@ class PairsDataset:
         )
         if self.num_negatives and split == "train":
             logger.info(
-                f"pairs: {self.num_negatives} hard negative(s) per row in {path}, served as `neg`; the trainer's "
-                "bi_encoder step uses in-batch negatives (hard negatives: the GradCache API's third input)"
+                f"pairs: {self.num_negatives} hard negative(s) per row in {path}: each query's problem has the "
+                f"batch's positives and {self.num_negatives} hard negatives per query as columns"
             )
 
     def __len__(self) -> int:

@@ -13,7 +13,7 @@ the distributed step merges them over ranks (seed 001's all-gather design).
 exp(S - 1 b^T) - 2 I (the identity shifted by `diag_offset`: row i's positive is column
 i + diag_offset), written in the input dtype (bf16/fp16) or float32. This is the only place the
 backward recomputes S: both embedding gradients are then GEMMs on the same W (dZx = W Zy,
-dZy = W^T Zx, cuBLAS), done panel by panel in components/streaming_loss.py: 8 N^2 d FLOPs, as
+dZy = W^T Zx, cuBLAS), done panel by panel in losses/fused.py: 8 N^2 d FLOPs, as
 the PyTorch path (same organisation), with S never in memory.
 
 `sigmoid_weights(q, k, scale, bias, diag_offset, out, loss_rows, bias_rows)` -> W = dL/dl of

@@ -9,8 +9,7 @@ your modules and point `job.custom_import` at it::
     from titan_contrastive.models import ModelSpec, register_model
 
     register_model(ModelSpec(name="my_family", flavors={"small": MyArgs(...)},
-                             build_model=MyModel, blocks=lambda m: list(m.layers),
-                             default_loss="clip"))
+                             build_model=MyModel, blocks=lambda m: list(m.layers)))
 """
 
 from titan_contrastive.models.registry import (

@@ -1,4 +1,4 @@
-"""The model a run trains: its loss (`resolve_loss`), and the family's args sized by the data and
+"""The model a run trains: its objective (`resolve_objective`), and the family's args sized by the data and
 the config, built on the device, started from `[model] init_from`'s weights when given, with its
 locked towers frozen (`build_run_model`); all before any parallel wrapping (sharding, DDP) and
 before the optimizer sees a parameter; and the clamp of a learned logit scale after each step."""
@@ -14,18 +14,28 @@ from titan_contrastive.components.freeze import apply_freeze
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.config.job_config import MAX_LOGIT_SCALE
 from titan_contrastive.interop import load_state
+from titan_contrastive.losses import Objective, build_objective
 from titan_contrastive.models.registry import ModelSpec
 
 
-def resolve_loss(spec: ModelSpec, name: str) -> str:
-    """`[loss] name`, or the family's default when empty; ConfigError for a loss the family does not train with."""
-    loss, losses = name or spec.default_loss, (spec.default_loss, *spec.other_losses)
-    if loss not in losses:
+def resolve_objective(spec: ModelSpec, cfg: JobConfig) -> Objective | None:
+    """The objective `[loss]` describes (`losses.build_objective`), or None for a family whose own
+    step computes its own loss (`spec.own_loss`); ConfigError for an unknown objective, another
+    loss for such a family, or an objective that reads a bias the family's model does not learn."""
+    if spec.own_loss:
+        if cfg.loss.name not in ("", spec.own_loss):
+            raise ConfigError(
+                f"loss.name={cfg.loss.name!r}: the {spec.name} family trains with {spec.own_loss!r} (its own step); "
+                f"set loss.name={spec.own_loss} or leave it empty"
+            )
+        return None
+    objective = build_objective(cfg.loss)
+    if objective.has_bias and not spec.learns_bias:
         raise ConfigError(
-            f"loss.name={loss!r}: the {spec.name} family trains with {' or '.join(map(repr, losses))}; "
-            f"set loss.name={spec.default_loss} or leave it empty"
+            f"loss.name={cfg.loss.name!r}: {objective.describe()} reads a learned logit bias, which the {spec.name} "
+            "family's model does not have; use an objective without a bias (e.g. leave loss.name empty)"
         )
-    return loss
+    return objective
 
 
 def build_run_model(

@@ -63,12 +63,13 @@ class ModelSpec:
     blocks: Callable[[nn.Module], list[nn.Module]]
     """Returns the submodules that are the units for per-block FSDP, activation
     checkpointing and compile (typically the residual blocks)."""
-    default_loss: str = "clip"
-    """The loss the family trains with: the default of `[loss] name`, a name in
-    `components.loss.LOSSES` (which builds it) unless the family's own step computes it."""
-    other_losses: tuple[str, ...] = ()
-    """Further losses `[loss] name` may pick for this family (its model provides what they read,
-    e.g. the sigmoid loss's bias through `update_from_config`)."""
+    learns_bias: bool = False
+    """Whether the family's model learns a logit bias for objectives with one (`losses`: the
+    sigmoid loss; its args read it through `update_from_config`). A family without trains the
+    objectives without a bias only."""
+    own_loss: str = ""
+    """The name of the loss the family's own step (`build_step`) computes instead of an objective
+    (the vae's "pixel"): `[loss] name` is then empty or this, and the step gets no objective."""
     input_keys: tuple[str, ...] = ("image", "text")
     """The batch entries passed to `model(*inputs)`, in order (e.g. ("query", "doc")); the model
     returns (first tower's embeddings, second tower's embeddings, exp(logit_scale)[, logit_bias])."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from titan_contrastive.config import ConfigError, JobConfig
+from titan_contrastive.losses import Objective
 from titan_contrastive.steps.accumulate import AccumulateStep
 from titan_contrastive.steps.base import Batch, GradientStep, StepBuilder, StepContext
 from titan_contrastive.steps.contrastive import gradcache_chunk
@@ -49,7 +50,7 @@ CONTRASTIVE_STEPS: dict[tuple[str, bool], StepBuilder] = {
 
 
 def build_gradient_step(
-    spec: Any, ctx: StepContext, cfg: JobConfig, loss_name: str, knobs: dict[str, int] | None = None
+    spec: Any, ctx: StepContext, cfg: JobConfig, objective: Objective | None, knobs: dict[str, int] | None = None
 ) -> GradientStep:
     """The family's own kind (`spec.build_step`), else the contrastive kind the config selects.
     `knobs`: values the memory planner chose (config key -> value), over the config's."""
@@ -61,7 +62,7 @@ def build_gradient_step(
             "which only the GradCache step "
             f"with microbatch negatives runs, but {_why_not_gradcache(spec, ctx, cfg)}"
         )
-    return build(ctx, cfg, loss_name, knobs)
+    return build(ctx, cfg, objective, knobs)
 
 
 def _why_not_gradcache(spec: Any, ctx: StepContext, cfg: JobConfig) -> str:

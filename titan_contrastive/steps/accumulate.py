@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from titan_contrastive.config import JobConfig
+from titan_contrastive.losses import Objective
 from titan_contrastive.steps.base import Batch, ContrastiveLog, StepContext
 from titan_contrastive.steps.contrastive import chunk_knob, microbatch_problem, train_loss
 
@@ -21,19 +22,23 @@ __all__ = ["AccumulateStep"]
 
 
 class AccumulateStep(ContrastiveLog):
-    """k x (forward, loss / k, backward); `loss_fn` is already divided by k (RescaleAccumulatedLoss)."""
+    """k x (forward, loss / k, backward); `loss_fn` is already divided by k (RescaleAccumulatedLoss);
+    `objective` describes it for the start log; `ids`: the loss takes the documents' ids (`ids=`)."""
 
-    def __init__(self, ctx: StepContext, loss_fn: Callable[..., Tensor], loss_name: str = "given") -> None:
-        self.ctx, self.loss_fn, self.loss_name = ctx, loss_fn, loss_name
+    def __init__(
+        self, ctx: StepContext, loss_fn: Callable[..., Tensor], objective: str = "given loss", *, ids: bool = False
+    ) -> None:
+        self.ctx, self.loss_fn, self.objective, self.ids = ctx, loss_fn, objective, ids
 
     @classmethod
-    def build(cls, ctx: StepContext, cfg: JobConfig, loss_name: str, knobs: dict[str, int]) -> AccumulateStep:
-        return cls(ctx, train_loss(ctx, loss_name), loss_name)
+    def build(cls, ctx: StepContext, cfg: JobConfig, objective: Objective, knobs: dict[str, int]) -> AccumulateStep:
+        return cls(ctx, train_loss(ctx, objective), objective.describe(), ids=objective.needs_ids)
 
     def microbatch(self, batch: Batch, is_last: bool = True) -> Tensor:
         """One microbatch: forward, rescaled loss, backward into .grad (reduced if `is_last`)."""
         with self.ctx.grad_sync(is_last):
-            loss = self.loss_fn(*self.ctx.encode(batch))
+            ids = {"ids": self.ctx.document_ids(batch)} if self.ids else {}
+            loss = self.loss_fn(*self.ctx.encode(batch), **ids)
             self.ctx.backward(loss)
         return loss.detach()
 
@@ -42,7 +47,7 @@ class AccumulateStep(ContrastiveLog):
         return torch.stack(losses).sum().item()  # each is already / k: the sum is the mean
 
     def describe(self) -> str:
-        return microbatch_problem(self.ctx, self.loss_name, None)
+        return microbatch_problem(self.ctx, self.objective, None)
 
     def knobs(self) -> dict[str, list[int]]:
         return chunk_knob(self.ctx)

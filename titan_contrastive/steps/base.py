@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from titan_contrastive.batching import NEGATIVES, document_ids, with_negatives
 from titan_contrastive.components.precision import Precision, at_least_fp32
 from titan_contrastive.config import JobConfig
 from titan_contrastive.datasets.layouts import DataLayout
@@ -121,10 +122,21 @@ class StepContext:
     def global_batch_size(self) -> int:
         return self.local_batch_size * self.ga_steps * self.dp_degree
 
+    def document_ids(self, batch: Batch) -> Tensor:
+        """The ids of a batch's documents (the second input, with its hard negatives): [B] or
+        [B, 1 + k], equal for equal token ids (`batching.document_ids`), for the duplicate mask."""
+        key = self.input_keys[1]
+        pad_id = dict(getattr(self.model, "padded_inputs", None) or {}).get(key)
+        return document_ids(batch[key], batch.get(NEGATIVES), pad_id).to(self.device)
+
     def inputs(self, batch: Batch) -> list[Tensor]:
         """The model inputs of a batch on the device, floating ones in the parameter dtype
-        (copied asynchronously from pinned memory, then cast on the device)."""
+        (copied asynchronously from pinned memory, then cast on the device). Hard negatives
+        (`batch["neg"]`) join the second input, 1 + k documents per sample (`with_negatives`)."""
         inputs = [batch[key].to(self.device, non_blocking=True) for key in self.input_keys]
+        if NEGATIVES in batch:
+            pad_id = dict(getattr(self.model, "padded_inputs", None) or {}).get(self.input_keys[1])
+            inputs[1] = with_negatives(inputs[1], batch[NEGATIVES].to(self.device, non_blocking=True), pad_id)
         return [x.to(self.precision.param_dtype) if x.is_floating_point() else x for x in inputs]
 
     def run(self, batch: Batch, **kwargs: Any) -> Any:
@@ -134,10 +146,13 @@ class StepContext:
 
     def encode(self, batch: Batch, replay: Sequence[Tensor | None] | None = None) -> tuple[Tensor, ...]:
         """A contrastive forward: (first tower's embeddings, second tower's, exp(logit_scale), ...)
-        in float32 or better, whatever the compute dtype. `replay`: in a cached-gradient re-forward
+        in float32 or better, whatever the compute dtype; with hard negatives the second is
+        [B, 1 + k, d], each sample's positive then its negatives. `replay`: in a cached-gradient re-forward
         (GradCache, global negatives), the first pass's outputs of `batch` (`grad_cache.engine.Replay`),
         passed to a model that `takes_replay`: its locked towers return them instead of running."""
         outputs = self.run(batch, replay=replay) if replay is not None and self.takes_replay else self.run(batch)
+        if NEGATIVES in batch:  # the documents per sample: [B, 1 + k, d], the positive first
+            outputs = (outputs[0], outputs[1].reshape(len(outputs[0]), -1, outputs[1].shape[-1]), *outputs[2:])
         self.last_scalars = tuple(out.detach() for out in outputs[2:])
         return tuple(at_least_fp32(out) for out in outputs)
 
@@ -155,7 +170,9 @@ class StepContext:
 
 
 # (context, config, the family's loss name, planner-chosen knob values) -> step
-StepBuilder = Callable[[StepContext, JobConfig, str, "dict[str, int]"], GradientStep]
+StepBuilder = Callable[[StepContext, JobConfig, Any, "dict[str, int]"], GradientStep]
+"""(context, config, the run's objective (a `losses.Objective`; None for a family with its own loss),
+the planner's knobs) -> the step."""
 
 
 class ContrastiveLog:

@@ -1,11 +1,11 @@
-"""What the contrastive step kinds share: their training loss, their GradCache chunk, how they
-describe a microbatch problem, and the chunk knob they offer the memory planner."""
+"""What the contrastive step kinds share: their training loss, their GradCache
+chunk, how they describe a microbatch problem, and the chunk knob they offer the memory planner."""
 
 from __future__ import annotations
 
-from titan_contrastive.components.loss import RescaleAccumulatedLoss, build_loss_fn
 from titan_contrastive.components.memory_planner import doubling
 from titan_contrastive.config import ConfigError, JobConfig
+from titan_contrastive.losses import MicrobatchLoss, Objective, RescaleAccumulatedLoss
 from titan_contrastive.steps.base import StepContext
 
 __all__ = ["CHUNK_KNOB", "chunk_knob", "gradcache_chunk", "microbatch_problem", "train_loss"]
@@ -13,9 +13,9 @@ __all__ = ["CHUNK_KNOB", "chunk_knob", "gradcache_chunk", "microbatch_problem", 
 CHUNK_KNOB = "gradcache.chunk_sizes"
 
 
-def train_loss(ctx: StepContext, loss_name: str) -> RescaleAccumulatedLoss:
-    """The family's loss over the microbatches of all DP ranks, divided by the accumulation steps."""
-    return RescaleAccumulatedLoss(build_loss_fn(loss_name, ctx.dp_group), ctx.ga_steps)
+def train_loss(ctx: StepContext, objective: Objective) -> RescaleAccumulatedLoss:
+    """The objective over the microbatches of all DP ranks, divided by the accumulation steps."""
+    return RescaleAccumulatedLoss(MicrobatchLoss(objective, ctx.dp_group), ctx.ga_steps)
 
 
 def gradcache_chunk(ctx: StepContext, cfg: JobConfig, knobs: dict[str, int]) -> int | None:
@@ -37,9 +37,10 @@ def chunk_knob(ctx: StepContext) -> dict[str, list[int]]:
     return {CHUNK_KNOB: doubling(1, ctx.local_batch_size)}
 
 
-def microbatch_problem(ctx: StepContext, loss_name: str, chunk: int | None) -> str:
+def microbatch_problem(ctx: StepContext, objective: str, chunk: int | None) -> str:
+    """The start log's account of a microbatch problem; `objective`: its description."""
     text = (
-        f"{loss_name} loss; negatives per contrastive problem: {ctx.local_batch_size * ctx.dp_degree} "
+        f"{objective}; negatives per contrastive problem: {ctx.local_batch_size * ctx.dp_degree} "
         "(loss.negatives=microbatch: accumulation adds no negatives)"
     )
     return text + (f"; GradCache: forwards in chunks of {chunk} samples" if chunk else "")

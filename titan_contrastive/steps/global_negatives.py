@@ -1,52 +1,39 @@
-"""The exact streaming distributed CLIP step (seed 001): one contrastive problem over the whole
-global batch, O(N * d) memory, gradients identical to the dense loss; for the softmax loss of
-the seed (`loss="clip"`) and for SigLIP's sigmoid loss (`loss="siglip"`).
+"""The exact streaming distributed contrastive step: one contrastive problem over the whole
+global batch, O(N d) memory, gradients identical to the dense loss, for any objective
+(`titan_contrastive.losses`: its `streamed` form does B and C).
 
 Order of operations in `StreamingClipStep.__call__` (P data-parallel ranks, C = N/P rows each):
 A. per microbatch: capture the RNG, forward without a graph (the cached-gradient engine's first
    pass, `grad_cache.engine`; the last microbatch with its graph, kept for D); all-gather the
-   embeddings -> global Zx, Zy [N, d] on every rank (sync 1);
-B. this rank's rows of S against all N columns, once, in blocks of `stream_chunk_size` rows (or
-   one fused kernel, `kernel`, "auto" on CUDA): its row LSEs and its partial column LSEs; all-gather
-   both (sync 2: N + P x N floats), merge the column parts; the loss from the LSEs and the
-   diagonal, on every rank;
-C. one recompute of the same rows (the PyTorch path starts with B's last block, still in memory):
-   dL/dZx[own], and this rank's share of dL/dZy, reduce-scattered to the owners (N x d floats).
-   B and C together cost 8 N^2 d FLOPs over all ranks, the dense loss's forward and backward;
-B+C for the sigmoid loss, a sum over pairs with no normalizer: one pass of this rank's rows
-   against all columns gives its loss terms (all-reduced), dZx[own], its share of dZy
-   (reduce-scattered) and its rows' share of dL/db (`streaming_loss.streamed_sigmoid`);
+   embeddings -> global Zx [N, d] and the columns Zy [N (1 + k), d] on every rank: the positives,
+   then the hard negatives, if any (sync 1);
+B+C. the objective's streamed form on this rank's rows against all N columns, in blocks of
+   `stream_chunk_size` rows (or the fused kernels, `kernel`, where they serve the objective): the
+   loss (its statistics merged over ranks), dL/dZx[own], this rank's share of dL/dZy,
+   reduce-scattered to the owners (N x d floats), and the rows' shares of dL/ds (and dL/db). For
+   the softmax loss each rank reads its own rows of S twice (forward, one recompute), 8 N^2 d
+   FLOPs over all ranks, the dense loss's forward and backward; the sigmoid loss needs one pass;
 D. per microbatch (the last one first, from the graph A kept: it is not re-run): replay its RNG,
    forward with a graph (with `replay=True`, `encode(microbatch, replay=...)`: A's outputs of that
    microbatch, which a locked tower returns instead of running), backward of the surrogate
-   <zx, P gx> + <zy, P gy> + <s, P <zx_detached, gx> / s_detached> (the engine's second pass):
-   the chain rule from the cached gradients into the parameters, the temperature's share (and
-   the sigmoid loss's bias share <b, P sum of its rows' dL/db>) included;
+   <zx, P gx> + <zy, P gy> + <s, P ds> (+ <b, P db>) (the engine's second pass): the chain rule
+   from the cached gradients into the parameters;
 E. the data-parallel wrapper's gradient reduction (sync 3) averages over P, which the factor P
    in D turns into the exact sum. It runs after the last microbatch only (`grad_cache.sync`).
 
 `GlobalNegativesStep` is the trainer's step kind for `[loss] negatives = "global"`: the k
 accumulation microbatches (cut into `[gradcache]` chunks when enabled) are the re-forward units.
-The seed's own interface, `distributed_train_step`, is in `titan_contrastive.distributed_clip`.
-
-Where this differs from the seed, and why: the seed computes all N row and column LSEs on every
-rank in two passes over S (P-fold redundant), and C recomputes S by rows for dZx and again by
-columns for dZy: 4 P N^2 d + 8 N^2 d FLOPs over all ranks (12 N^2 d on one); here each rank
-reads its own C rows of S twice (B, C), 8 N^2 d in all, and shares the statistics and the dZy
-parts with collectives. The seed replays no randomness, so with dropout its
-re-forward differs from the forward it took gradients from; here RandContext replays it. The
-seed has a fixed temperature only; a learnable `logit_scale` gets its exact gradient,
-once per step. The seed's microbatch loop lets DDP all-reduce after every microbatch; here
-only the last one syncs. Its embeddings must be normalized only for the logits to be bounded;
-they are checked cheaply (O(N d)) and un-normalized ones are an error, because a forward that
-forgot to normalize is far more often a bug than an intent.
+`titan_contrastive.distributed_clip.distributed_train_step` is the same step behind a one-call
+interface. Dropout is replayed exactly (RandContext), a learnable temperature gets its exact
+gradient once per step, and un-normalized embeddings are an error (checked in O(N d)): a forward
+that forgot to normalize is far more often a bug than an intent.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,30 +43,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 from titan_contrastive.components.memory_planner import doubling
-from titan_contrastive.components.streaming_loss import (
-    KeptBlock,
-    accumulation_dtype,
-    fused_embedding_grads,
-    fused_lse,
-    fused_sigmoid,
-    infonce_loss_from_lse,
-    loss_dtype,
-    preferred_kernel,
-    require_kernel,
-    resolve_kernel,
-    streamed_row_col_lse,
-    streamed_sigmoid,
-    streamed_softmax_grads,
-)
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.grad_cache import engine
-from titan_contrastive.parallelisms.collectives import all_gather_tensor, reduce_scatter_sum
+from titan_contrastive.losses import InfoNCE, Objective, Ranks, split_documents, split_ids
+from titan_contrastive.losses.base import columns
+from titan_contrastive.losses.fused import choose_path, preferred_kernel, require_kernel
+from titan_contrastive.losses.streaming import accumulation_dtype
 from titan_contrastive.steps.base import Batch, ContrastiveLog, StepContext
 from titan_contrastive.steps.contrastive import chunk_knob, gradcache_chunk
 
 __all__ = ["DistributedClipError", "GlobalNegativesStep", "StreamingClipStep"]
 
-# (microbatch) -> (z_x, z_y[, exp(logit_scale) or None[, logit_bias or None]]); embeddings L2-normalized
+logger = logging.getLogger("titan_contrastive")
+
+# (microbatch) -> (z_x, z_y[, exp(logit_scale) or None[, logit_bias or None]]); embeddings L2-normalized;
+# z_y [b, d], or [b, 1 + k, d] with k hard negatives per sample (the positive first)
 Encode = Callable[[Any], tuple[Tensor | None, ...]]
 # |1 - ||z||| allowed whatever the container dtype: a model under bf16 autocast may normalize in bf16
 # (off by ~3e-3) and the trainer hands float32 copies over; a forgotten normalize is off by far more
@@ -88,12 +66,12 @@ STREAM_KNOB = "loss.stream_chunk_size"
 
 
 class DistributedClipError(ValueError):
-    """Bad input to the streaming CLIP step; the message names the value and the fix."""
+    """Bad input to the streaming step; the message names the value and the fix."""
 
 
 class StreamingClipStep:
-    """Forward + backward of the exact global loss (symmetric InfoNCE, or SigLIP's sigmoid loss
-    with `loss="siglip"`) for one optimizer step.
+    """Forward + backward of the exact global loss of `objective` (default: CLIP's symmetric
+    InfoNCE) for one optimizer step.
 
     `encode` runs the model on one microbatch; `grad_sync(is_last)` returns the context for
     that microbatch's backward (DDP `no_sync` / FSDP2 deferral, from the caller);
@@ -102,7 +80,7 @@ class StreamingClipStep:
     (`grad_cache.engine.Replay`), so a locked tower returns them instead of running again.
     `grad_average_factor` is what the data-parallel reduction divides by (P for DDP / FSDP2,
     1 for an unwrapped model). `fixed_scale` = 1/tau replaces a learnable temperature, and
-    `fixed_bias` the sigmoid loss's learnable bias (encode's fourth output).
+    `fixed_bias` the objective's learnable bias (encode's fourth output).
     """
 
     def __init__(
@@ -114,7 +92,7 @@ class StreamingClipStep:
         fixed_scale: float | None = None,
         kernel: str = "auto",
         compute_dtype: torch.dtype | None = None,
-        loss: str = "clip",
+        objective: Objective | None = None,
         fixed_bias: float | None = None,
     ) -> None:
         if not isinstance(stream_chunk_size, int) or stream_chunk_size < 1:
@@ -123,22 +101,21 @@ class StreamingClipStep:
             raise DistributedClipError(
                 f"TAU={1 / fixed_scale if fixed_scale else fixed_scale!r}: must be a number > 0 (e.g. 0.07)"
             )
-        if loss not in ("clip", "siglip"):
-            raise DistributedClipError(f"LOSS={loss!r}: choose clip (softmax, InfoNCE) or siglip (sigmoid)")
         if fixed_bias is not None and not math.isfinite(fixed_bias):
             raise DistributedClipError(
                 f"BIAS={fixed_bias!r}: must be a finite number (e.g. -10), or None to learn logit_bias"
             )
+        self.objective = objective if objective is not None else InfoNCE()
+        if fixed_bias is not None and not self.objective.has_bias:
+            raise DistributedClipError(f"BIAS={fixed_bias!r}: {self.objective.describe()} has no bias")
         self.chunk = stream_chunk_size
-        self.kernel = kernel  # "auto", "pytorch" or a fused Triton path (components/streaming_loss.py)
-        self.compute_dtype = compute_dtype  # the caller's autocast dtype, if any (see streaming_loss.loss_dtype)
-        self.group = group
-        self.world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if self.world > 1 else 0
+        self.kernel = kernel  # "auto", "pytorch" or a fused Triton path (losses/fused.py)
+        self.compute_dtype = compute_dtype  # the caller's autocast dtype, if any (see fused.loss_dtype)
+        self.ranks = Ranks(group)
         self.grad_average_factor = grad_average_factor
         self.fixed_scale = fixed_scale
-        self.loss = loss
         self.fixed_bias = fixed_bias
+        self.path = ""  # the path the last call took ("pytorch" or a fused kernel)
 
     def __call__(
         self,
@@ -148,8 +125,10 @@ class StreamingClipStep:
         grad_sync: Callable[[bool], contextlib.AbstractContextManager] = lambda is_last: contextlib.nullcontext(),
         backward: Callable[[Tensor], None] = lambda t: t.backward(),
         replay: bool = False,
+        ids: Tensor | None = None,
     ) -> Tensor:
-        """Accumulate the exact gradient of the global loss into .grad; return the loss (detached)."""
+        """Accumulate the exact gradient of the global loss into .grad; return the loss (detached).
+        `ids`: the local documents' ids, [b] or [b, 1 + k] like z_y (for an objective that reads them)."""
         # A. no-graph forward per microbatch, RNG captured for the replay (the cached-gradient engine); all-gather
         #    (the last microbatch keeps its graph: D backpropagates it first instead of re-running it)
         outputs, rand = engine.forward_no_grad(
@@ -158,12 +137,15 @@ class StreamingClipStep:
         zx_parts, zy_parts = [o[0] for o in outputs], [o[1] for o in outputs]
         scale, bias = (list(outputs[-1][2:4]) + [None, None])[:2]
         zx_local, zy_local = torch.cat(zx_parts), torch.cat(zy_parts)
-        if zx_local.shape != zy_local.shape:
+        if zx_local.dim() != 2 or zy_local.shape[:1] + zy_local.shape[-1:] != zx_local.shape or zy_local.dim() > 3:
             raise DistributedClipError(
-                f"z_x {tuple(zx_local.shape)} and z_y {tuple(zy_local.shape)} must have the same shape [batch, dim]"
+                f"z_x {tuple(zx_local.shape)} and z_y {tuple(zy_local.shape)}: z_y must be [batch, dim] like z_x, or "
+                "[batch, 1 + k, dim] with k hard negatives per sample"
             )
         self._check_normalized(zx_local, "z_x")
-        self._check_normalized(zy_local, "z_y")
+        self._check_normalized(zy_local.flatten(0, -2), "z_y")
+        positives, negatives = split_documents(zy_local)
+        k = len(negatives) // len(zx_local) if negatives is not None else 0
         learnable = self.fixed_scale is None
         if learnable and scale is None:
             raise DistributedClipError(
@@ -172,26 +154,31 @@ class StreamingClipStep:
             )
         acc = accumulation_dtype(zx_local)
         s = (torch.tensor(self.fixed_scale) if not learnable else scale.detach().reshape(())).to(zx_local.device, acc)
-        learn_bias = self.loss == "siglip" and self.fixed_bias is None
+        learn_bias = self.objective.has_bias and self.fixed_bias is None
         if learn_bias and bias is None:
             raise DistributedClipError(
-                "no bias: the sigmoid loss needs logit_bias as the model's fourth output, or a fixed BIAS (e.g. -10)"
+                f"no bias: {self.objective.describe()} needs logit_bias as the model's fourth output, or a fixed BIAS "
+                "(e.g. -10)"
             )
-        zx_all, zy_all = self._gather(zx_local), self._gather(zy_local)
-        c = len(zx_local)
-        own = range(self.rank * c, (self.rank + 1) * c)
-
-        # B + C: the loss and this rank's embedding gradients (and, sigmoid, its rows' share of dL/db)
-        bias_rows = None
-        if self.loss == "siglip":
+        b = None
+        if self.objective.has_bias:
             b = (torch.tensor(self.fixed_bias) if not learn_bias else bias.detach().reshape(())).to(
                 zx_local.device, acc
             )
-            loss, gx, gy, bias_rows, zx_local = self._sigmoid(zx_local, zy_all, s, b, own)
-        else:
-            # each rank reads its own rows of S
-            loss, gx, gy, zx_local = self._softmax(zx_local, zx_all, zy_all, s, own)
-        del zx_all, zy_all
+
+        # B + C. the objective's streamed form: this rank's rows against all columns
+        n, c = len(zx_local) * self.ranks.world, len(zx_local)
+        docs = columns(self.ranks.gather(positives), None if negatives is None else self.ranks.gather(negatives))
+        col_ids = None
+        if ids is not None:
+            pos_ids, neg_ids = split_ids(ids)
+            col_ids = columns(self.ranks.gather(pos_ids), None if neg_ids is None else self.ranks.gather(neg_ids))
+        result = self._streamed(zx_local, docs, s, b, n, c, col_ids)
+        gx, gy = result.grad_rows, self.ranks.scatter_sum(result.grad_cols[:n])
+        if k:  # the own samples' documents again: [c, 1 + k, d], each positive then its negatives
+            gn = self.ranks.scatter_sum(result.grad_cols[n:]).view(c, k, -1)
+            gy = torch.cat([gy.unsqueeze(1), gn], 1)
+        del docs
 
         # D. replayed forward with a graph, backward of the surrogate <z, cached gradient> (the engine);
         #    the cache is x P: the data-parallel reduction averages
@@ -202,72 +189,43 @@ class StreamingClipStep:
         def gradients(j: int, out: tuple[Tensor | None, ...]) -> list[Tensor | None]:
             rows = slice(ends[j - 1] if j else 0, ends[j])
             grads: list[Tensor | None] = [gx[rows] * factor, gy[rows] * factor, None, None]
-            # dL/ds = <Zx, dL/dZx> / s (l depends on s only through s <x, y>), this microbatch's rows' share
-            if learnable:
-                share = (zx_local[rows].to(gx.dtype) * gx[rows]).sum() / s
-                grads[2] = (share * factor).reshape(out[2].shape)
+            if learnable:  # dL/ds, this microbatch's rows' share
+                grads[2] = (result.scale_rows[rows].sum() * factor).reshape(out[2].shape)
             if learn_bias:  # dL/db, this microbatch's rows' share
-                grads[3] = (bias_rows[rows].sum() * factor).reshape(out[3].shape)
+                grads[3] = (result.bias_rows[rows].sum() * factor).reshape(out[3].shape)
             return (grads + [None] * len(out))[: len(out)]
 
         # a locked tower reuses its pass-A embeddings
         engine.forward_backward(
             encode, microbatches, rand, gradients, sync=grad_sync, backward=backward, replay=outputs if replay else None
         )
-        return loss.detach()
+        return result.loss.detach()
 
-    def _softmax(
-        self, zx_local: Tensor, zx_all: Tensor, zy_all: Tensor, s: Tensor, own: range
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Symmetric InfoNCE: (loss, dL/dZx[own], dL/dZy[own], the own rows as the loss read them).
-
-        One organisation for both paths (8 N^2 d FLOPs over all ranks), which differ only in the two
-        functions: B. this rank's rows of S against all N columns, once: its row LSEs and partial
-        column LSEs, gathered and merged over ranks; C. one recompute of the same rows: dZx[own],
-        and this rank's share of dZy, reduce-scattered to the owners."""
-        dtype = loss_dtype(self.kernel, zx_local.dtype, self.compute_dtype)
-        kernel = resolve_kernel(self.kernel, zx_local.to(dtype))
-        # the embeddings' own dtype (blocks in the accumulation dtype); C starts with B's last block
-        if kernel == "pytorch":
-            keep = KeptBlock()
-            row_col_lse = functools.partial(streamed_row_col_lse, chunk=self.chunk, keep=keep)
-            softmax_grads = functools.partial(streamed_softmax_grads, chunk=self.chunk, keep=keep)
-        else:
-            zx_local, zx_all, zy_all = zx_local.to(dtype), zx_all.to(dtype), zy_all.to(dtype)
-            row_col_lse = functools.partial(fused_lse, kernel=kernel)
-            softmax_grads = functools.partial(fused_embedding_grads, kernel=kernel)
-        # B. own rows against all columns in one pass: row LSEs, partial column LSEs merged over ranks
-        row_own, col_part = row_col_lse(zx_local, zy_all, s)
-        row_lse = self._gather(row_own)
-        col_lse = self._gather(col_part).view(self.world, -1).logsumexp(0) if self.world > 1 else col_part
-        loss = infonce_loss_from_lse(zx_all, zy_all, row_lse, col_lse, s)
-        # C. one recompute of the same rows: dZx[own], and dZy's share summed into the owners
-        gx, gy_share = softmax_grads(zx_local, zy_all, row_own, col_lse, s, own.start)
-        gy = reduce_scatter_sum(gy_share, self.group) if self.world > 1 else gy_share
-        return loss, gx, gy, zx_local
-
-    def _sigmoid(
-        self, zx_local: Tensor, zy_all: Tensor, s: Tensor, b: Tensor, own: range
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """SigLIP's loss, a sum over pairs, so B and C are one pass over this rank's rows against all
-        columns (no log-sum-exp to gather first): (loss, dL/dZx[own], dL/dZy[own], dL/db per own
-        row, the own rows as the loss read them)."""
-        dtype = loss_dtype(self.kernel, zx_local.dtype, self.compute_dtype)
-        kernel = resolve_kernel(self.kernel, zx_local.to(dtype), loss="siglip")
-        if kernel == "pytorch":
-            loss, gx, gy_share, bias_rows = streamed_sigmoid(zx_local, zy_all, s, b, own.start, self.chunk)
-        else:
-            zx_local, zy_all = zx_local.to(dtype), zy_all.to(dtype)
-            loss, gx, gy_share, bias_rows = fused_sigmoid(zx_local, zy_all, s, b, own.start, kernel)
-        if self.world > 1:
-            dist.all_reduce(loss, group=self.group)
-            gy = reduce_scatter_sum(gy_share, self.group)
-        else:
-            gy = gy_share
-        return loss, gx, gy, bias_rows, zx_local
-
-    def _gather(self, x: Tensor) -> Tensor:
-        return all_gather_tensor(x, self.group) if self.world > 1 else x
+    def _streamed(
+        self, zx_local: Tensor, zy_all: Tensor, s: Tensor, b: Tensor | None, n: int, c: int, ids: Tensor | None
+    ) -> Any:
+        """The objective's streamed form on the own rows against all columns `zy_all` (every
+        rank's positives, then every rank's hard negatives), on the path `choose_path` picks (the
+        fused kernels read the embeddings in their dtype)."""
+        try:
+            path, dtype = choose_path(self.kernel, self.objective, zx_local, self.compute_dtype, n, len(zy_all))
+        except ValueError as e:
+            raise DistributedClipError(str(e)) from None
+        if path != self.path and self.kernel != "pytorch" and self.ranks.rank == 0 and path == "pytorch":
+            logger.info(f"loss.kernel={self.kernel}: {self.objective.describe()} runs on the PyTorch path")
+        self.path = path
+        return self.objective.streamed(
+            zx_local.to(dtype),
+            zy_all.to(dtype),
+            s,
+            b,
+            first_row=self.ranks.rank * c,
+            num_queries=n,
+            chunk=self.chunk,
+            ranks=self.ranks,
+            kernel=path,
+            ids=ids,
+        )
 
     @staticmethod
     def _check_normalized(z: Tensor, name: str) -> None:
@@ -286,11 +244,18 @@ class GlobalNegativesStep(ContrastiveLog):
         self.ctx, self.streaming, self.chunk_size = ctx, streaming, chunk_size
 
     @classmethod
-    def build(cls, ctx: StepContext, cfg: JobConfig, loss_name: str, knobs: dict[str, int]) -> GlobalNegativesStep:
-        try:  # a fused kernel without triton fails here, before any compute
+    def build(
+        cls, ctx: StepContext, cfg: JobConfig, objective: Objective, knobs: dict[str, int]
+    ) -> GlobalNegativesStep:
+        try:  # a fused kernel without triton, or one that does not serve the objective, fails here
             require_kernel(cfg.loss.kernel)
         except ImportError as e:
             raise ConfigError(str(e)) from None
+        if cfg.loss.kernel in ("triton", "triton_exact") and not objective.fused(1, 1):
+            raise ConfigError(
+                f"loss.kernel={cfg.loss.kernel}: the fused kernels serve the plain symmetric problems only; "
+                f"{objective.describe()} runs on the PyTorch path: set loss.kernel=auto or pytorch"
+            )
         try:
             streaming = StreamingClipStep(
                 stream_chunk_size=knobs.get(STREAM_KNOB, cfg.loss.stream_chunk_size),
@@ -298,7 +263,7 @@ class GlobalNegativesStep(ContrastiveLog):
                 grad_average_factor=ctx.dp_degree,
                 kernel=cfg.loss.kernel,
                 compute_dtype=ctx.precision.compute_dtype,
-                loss=loss_name,
+                objective=objective,
             )
         except DistributedClipError as e:
             raise ConfigError(str(e)) from None
@@ -306,13 +271,14 @@ class GlobalNegativesStep(ContrastiveLog):
 
     def __call__(self, microbatches: Sequence[Batch]) -> float:
         chunks = [chunk for mb in microbatches for chunk in self.ctx.split(mb, self.chunk_size)]
+        ids = torch.cat([self.ctx.document_ids(c) for c in chunks]) if self.streaming.objective.needs_ids else None
         return self.streaming(
-            self.ctx.encode, chunks, grad_sync=self.ctx.grad_sync, backward=self.ctx.backward, replay=True
+            self.ctx.encode, chunks, grad_sync=self.ctx.grad_sync, backward=self.ctx.backward, replay=True, ids=ids
         ).item()
 
     def describe(self) -> str:
         text = (
-            f"{self.streaming.loss} loss; negatives per contrastive problem: {self.ctx.global_batch_size} "
+            f"{self.streaming.objective.describe()}; negatives per contrastive problem: {self.ctx.global_batch_size} "
             "(loss.negatives=global: "
             f"one exact problem over the global batch, streamed in blocks of {self.streaming.chunk} rows; the "
             f"{self.ctx.ga_steps} microbatches are re-forward chunks)"
@@ -323,7 +289,8 @@ class GlobalNegativesStep(ContrastiveLog):
         """The forward chunk, then the loss's stream chunk on the PyTorch path (~2 x chunk x N floats;
         the fused kernels' panels are fixed). The trainer hands the loss float32 embeddings."""
         knobs = chunk_knob(self.ctx)
-        if preferred_kernel(self.streaming.kernel, self.ctx.device, torch.float32) == "pytorch":
+        fused = self.streaming.objective.fused(1, 1)
+        if not fused or preferred_kernel(self.streaming.kernel, self.ctx.device, torch.float32) == "pytorch":
             n = self.ctx.global_batch_size
             knobs[STREAM_KNOB] = doubling(min(self.streaming.chunk, n), n)
         return knobs

@@ -15,14 +15,22 @@ the loss (`batching.tokens`). Every DP rank then runs as many chunks as the rank
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
 from torch import Tensor
 
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.grad_cache import GradCache, Replay
+from titan_contrastive.losses import Objective
 from titan_contrastive.steps.base import Batch, ContrastiveLog, StepContext
-from titan_contrastive.steps.contrastive import CHUNK_KNOB, chunk_knob, gradcache_chunk, microbatch_problem, train_loss
+from titan_contrastive.steps.contrastive import (
+    CHUNK_KNOB,
+    chunk_knob,
+    gradcache_chunk,
+    microbatch_problem,
+    train_loss,
+)
 
 __all__ = ["GradCacheStep"]
 
@@ -45,16 +53,17 @@ class GradCacheStep(ContrastiveLog):
         ctx: StepContext,
         loss_fn: Callable[..., Tensor],
         chunk_size: int,
-        loss_name: str = "given",
+        objective: str = "given loss",
         *,
         chunk_tokens: int = 0,
         pad_ids: Mapping[str, int] | None = None,
+        ids: bool = False,
     ) -> None:
-        self.ctx, self.loss_fn, self.chunk_size, self.loss_name = ctx, loss_fn, chunk_size, loss_name
-        self.chunk_tokens, self.pad_ids = chunk_tokens, dict(pad_ids or {})
+        self.ctx, self.loss_fn, self.chunk_size, self.objective = ctx, loss_fn, chunk_size, objective
+        self.chunk_tokens, self.pad_ids, self.ids = chunk_tokens, dict(pad_ids or {}), ids
 
     @classmethod
-    def build(cls, ctx: StepContext, cfg: JobConfig, loss_name: str, knobs: dict[str, int]) -> GradCacheStep:
+    def build(cls, ctx: StepContext, cfg: JobConfig, objective: Objective, knobs: dict[str, int]) -> GradCacheStep:
         chunk = gradcache_chunk(ctx, cfg, knobs)
         assert chunk is not None, (
             "GradCacheStep needs a chunk size (steps.build_gradient_step picks AccumulateStep otherwise)"
@@ -68,7 +77,15 @@ class GradCacheStep(ContrastiveLog):
             )
         if tokens and CHUNK_KNOB in knobs:
             raise _planner_error(tokens)
-        return cls(ctx, train_loss(ctx, loss_name), chunk, loss_name, chunk_tokens=tokens, pad_ids=pad_ids)
+        return cls(
+            ctx,
+            train_loss(ctx, objective),
+            chunk,
+            objective.describe(),
+            chunk_tokens=tokens,
+            pad_ids=pad_ids,
+            ids=objective.needs_ids,
+        )
 
     def outputs(self, *, replay: Replay | None = None, **batch: Tensor) -> tuple[Tensor, ...]:
         """The model's outputs for GradCache: embeddings per sample, the temperature as a 0-dim
@@ -83,10 +100,12 @@ class GradCacheStep(ContrastiveLog):
             is_last = i == len(microbatches) - 1
             split = None if self.chunk_tokens else self.ctx.layout.split  # token chunks are cut by GradCache itself
             # the model's locked towers reuse the first pass's embeddings
+            # the loss sees the representations in batch order, so the batch's document ids fit them
+            loss_fn = functools.partial(self.loss_fn, ids=self.ctx.document_ids(mb)) if self.ids else self.loss_fn
             cache = GradCache(
                 [self.outputs],
                 self.chunk_size,
-                self.loss_fn,
+                loss_fn,
                 split_input_fn=split,
                 get_rep_fn=tuple,
                 fp16=precision.scaler is not None,
@@ -103,11 +122,11 @@ class GradCacheStep(ContrastiveLog):
     def describe(self) -> str:
         if self.chunk_tokens:
             return (
-                microbatch_problem(self.ctx, self.loss_name, None)
+                microbatch_problem(self.ctx, self.objective, None)
                 + f"; GradCache: forwards in chunks of <= {self.chunk_tokens} "
                 "tokens (length-sorted samples, each chunk cut to its longest sequence)"
             )
-        return microbatch_problem(self.ctx, self.loss_name, self.chunk_size)
+        return microbatch_problem(self.ctx, self.objective, self.chunk_size)
 
     def knobs(self) -> dict[str, list[int]]:
         if self.chunk_tokens:

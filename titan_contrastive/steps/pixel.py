@@ -43,7 +43,7 @@ class PixelStep:
         self.options: PixelLossOptions = ctx.model.args.pixel_loss
 
     @classmethod
-    def build(cls, ctx: StepContext, cfg: JobConfig, loss_name: str, knobs: dict[str, int]) -> PixelStep:
+    def build(cls, ctx: StepContext, cfg: JobConfig, objective: None, knobs: dict[str, int]) -> PixelStep:
         """Refuses what cannot work: contrastive settings, and a decoder backward inside the
         forward where FSDP2 or float16 loss scaling are on."""
         if cfg.loss.negatives == "global" or cfg.gradcache.enabled:

@@ -23,7 +23,6 @@ register_model(
         flavors=bi_encoder_flavors,
         build_model=BiEncoder,
         blocks=bi_encoder_blocks,
-        default_loss="clip",
         input_keys=("query", "doc"),
         build_tokenizer=build_tokenizer,
         update_from_config=BiEncoderArgs.update_from_config,

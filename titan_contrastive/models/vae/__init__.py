@@ -16,11 +16,11 @@ register_model(
         flavors=vae_flavors,
         build_model=AutoEncoder,
         blocks=vae_blocks,
-        default_loss="pixel",
         input_keys=("image", "mask"),
         layout=MASKED_IMAGES,
         update_from_config=VAEArgs.update_from_config,
         build_step=PixelStep.build,
+        own_loss="pixel",
         evaluate=evaluate_reconstructions,
     )
 )

@@ -15,7 +15,6 @@ register_model(
         flavors=vlm_flavors,
         build_model=VLMEmbedder,
         blocks=vlm_blocks,
-        default_loss="clip",
         input_keys=("pixel_values", "image_grid_thw", "text"),
         layout=PACKED_PATCHES,
         update_from_config=VLMArgs.update_from_config,

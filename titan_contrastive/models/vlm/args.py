@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from titan_contrastive.components.loss import temperature_from_config
+from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.clip.args import _block_flops, _block_params, text_tower_flops, text_tower_params
 from titan_contrastive.models.transformer import mlp_hidden
 

@@ -1,0 +1,267 @@
+"""Hard negatives from the data through every step kind: a pairs file with two mined negatives per
+row trains all-MiniLM-L6-v2 (bi_encoder, float64), and each step kind's loss and every parameter
+gradient equal the objective's dense form over the whole batch, the hard negatives as extra
+columns (docs/losses.md#the-definitions). Also the token-budget plan that counts them, and
+`distributed_train_step` with HARD_NEGATIVES."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tests.dist_utils import run_distributed
+from tests.test_distributed_clip import GradRecorder
+from tests.test_trainer import assert_close, full, grads
+from tests.test_wordnet_bi_encoder import needs_hf
+from titan_contrastive.batching import document_ids, padded_fields, token_chunks, trim_padding, with_negatives
+from titan_contrastive.distributed_clip import DistributedClipError, distributed_train_step
+from titan_contrastive.losses import InfoNCE, build_objective, split_documents, split_ids
+from titan_contrastive.losses.base import columns
+
+REL = 1e-10
+K = 2
+
+WORDS = [
+    ("a small domesticated feline", "cat", "dog", "tiger"),
+    ("a large body of salt water", "ocean", "lake", "desert"),
+    ("a device that tells the time", "clock", "calendar", "cat"),  # query 0's positive, mined again
+    ("frozen water", "ice", "steam", "snow"),
+    ("the star at the centre of our solar system", "sun", "moon", "planet"),
+    ("a tool for cutting paper", "scissors", "knife", "ice"),  # query 3's positive
+    ("a building where books are lent", "library", "bookshop", "museum"),
+    ("the meal eaten in the morning", "breakfast", "dinner", "lunch"),
+    ("a two-wheeled vehicle moved by pedals", "bicycle", "motorcycle", "tricycle"),
+    ("the season after summer", "autumn", "winter", "spring"),
+    ("a person who flies an aircraft", "pilot", "sailor", "driver"),
+    ("a musical instrument with black and white keys", "piano", "guitar", "violin"),
+]
+
+
+def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Every gradient within REL of the reference, relative to its own norm or, for a gradient that
+    is zero in exact arithmetic (attention's key bias: softmax ignores a constant per row), to a
+    millionth of the whole gradient's norm: its float rounding depends on the chunks' shapes."""
+    assert got.keys() == want.keys()
+    total = torch.stack([w.norm() for w in want.values()]).norm()
+    for name, w in want.items():
+        err = (got[name] - w).norm() / torch.maximum(w.norm(), 1e-6 * total)
+        assert err <= REL, f"{name}: relative error {err:.3e} > {REL}"
+
+
+def pairs_file(tmp: Path) -> Path:
+    path = tmp / "pairs.jsonl"
+    with open(path, "w") as f:
+        for query, pos, *negs in WORDS:
+            f.write(json.dumps({"query": query, "positive": pos, **{f"negative_{i}": n for i, n in enumerate(negs)}}))
+            f.write("\n")
+    return path
+
+
+def make_trainer(tmp: Path, *extra: str):
+    """bi_encoder on the pairs file in `tmp` (`pairs_file`)."""
+    from tests.test_trainer import make_trainer as base
+
+    return base(
+        str(tmp / "run"),
+        "--model.name=bi_encoder",
+        "--model.flavor=minilm_l6",
+        "--data.dataset=pairs",
+        f"--data.path={tmp / 'pairs.jsonl'}",
+        "--data.context_length=16",
+        "--eval.enable=false",
+        *extra,
+    )
+
+
+def dense_reference(trainer, samples: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """The objective's dense form over all samples at once (the hard negatives as columns N + i k ...),
+    on a copy of the model in the trainer's mode."""
+    model = trainer.spec.build_model(trainer.model_args).double()
+    model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
+    model.train(trainer.model.training)
+    docs = with_negatives(samples["doc"], samples["neg"], model.pad_id)
+    q, d, scale = model(samples["query"], docs)
+    positives, negatives = split_documents(d.reshape(len(q), 1 + K, -1))
+    assert negatives is not None and len(negatives) == K * len(q)
+    objective, ids = build_objective(trainer.cfg.loss), None
+    if objective.needs_ids:
+        ids = columns(*split_ids(document_ids(samples["doc"], samples["neg"], model.pad_id)))
+        cols = columns(positives, negatives)
+        assert objective.false_negatives.dense(q, cols, ids).sum() == 2  # "cat" and "ice" mined again
+    loss = objective.dense(q, columns(positives, negatives), scale, ids=ids)
+    loss.backward()
+    return loss.item(), grads(model)
+
+
+KINDS = {
+    "accumulate": (6, 1, []),
+    "gradcache": (6, 1, ["--gradcache.enabled=true", "--gradcache.chunk_sizes=4"]),
+    "gradcache-tokens": (6, 1, ["--gradcache.enabled=true", "--gradcache.chunk_tokens=60"]),
+    "global": (3, 2, ["--loss.negatives=global", "--loss.stream_chunk_size=5"]),
+    "accumulate-duplicates": (6, 1, ["--loss.mask_duplicates=true"]),
+    "gradcache-tokens-duplicates": (
+        6,
+        1,
+        ["--gradcache.enabled=true", "--gradcache.chunk_tokens=60", "--loss.mask_duplicates=true"],
+    ),
+    "global-duplicates-oneway": (
+        3,
+        2,
+        [
+            "--loss.negatives=global",
+            "--loss.stream_chunk_size=5",
+            "--loss.mask_duplicates=true",
+            "--loss.symmetric=false",
+        ],
+    ),
+    "global-oneway-margin": (
+        3,
+        2,
+        ["--loss.negatives=global", "--loss.stream_chunk_size=5", "--loss.symmetric=false", "--loss.mask_margin=0.0"],
+    ),
+}
+
+
+def _step(tmp: Path, kind: str) -> None:
+    """One step of `kind` with dropout off (the model in eval mode: the chunks' dropout draws are
+    tested elsewhere) against the dense reference; P ranks x GA microbatches of `local`."""
+    local, ga, extra = KINDS[kind]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    trainer = make_trainer(
+        tmp, f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga * world}", *extra
+    )
+    trainer.model.eval()
+    data = trainer.train_set
+    steps = [data.__getitems__(list(range(j * local * world, (j + 1) * local * world))) for j in range(ga)]
+    assert steps[0]["neg"].shape[1] == K
+    mine = [{k: v[rank * local : (rank + 1) * local] for k, v in s.items()} for s in steps]
+    every = {k: torch.cat([s[k] for s in steps]) for k in steps[0]}
+    want_loss, want = dense_reference(trainer, every)
+    out = trainer.train_step(mine)
+    assert_grads_close(grads(trainer.model), want)
+    assert abs(out["loss"] - want_loss) <= REL * want_loss
+    trainer.metrics.close()
+
+
+@needs_hf
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_hard_negatives_in_every_step_kind_equal_the_dense_objective(tmp_path: Path, kind: str) -> None:
+    pairs_file(tmp_path)
+    _step(tmp_path, kind)
+
+
+def _step_distributed(tmp: str) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    _step(Path(tmp), "global")
+
+
+@needs_hf
+def test_hard_negatives_under_global_negatives_on_two_ranks(tmp_path: Path) -> None:
+    """FSDP2 on 2 gloo processes: every rank's hard negatives are columns of every query."""
+    pairs_file(tmp_path)
+    run_distributed(_step_distributed, 2, str(tmp_path))
+
+
+@needs_hf
+def test_hard_negatives_with_dropout_on(tmp_path: Path) -> None:
+    """Global negatives with MiniLM's dropout on: the re-forward replays each microbatch's dropout, so
+    the step equals the dense objective over the same forwards (the microbatches encoded in order
+    from the same seed, as the step's first pass does)."""
+    pairs_file(tmp_path)
+    trainer = make_trainer(
+        tmp_path, "--training.local_batch_size=3", "--training.global_batch_size=6", *KINDS["global"][2]
+    )
+    assert trainer.model.training
+    data = trainer.train_set
+    microbatches = [data.__getitems__([0, 1, 2]), data.__getitems__([3, 4, 5])]
+    init = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    torch.manual_seed(3)
+    out = trainer.train_step(microbatches)
+    got = grads(trainer.model)
+
+    trainer.model.load_state_dict(init)
+    trainer.model.zero_grad()
+    torch.manual_seed(3)
+    parts = [trainer.step_context.encode(mb) for mb in microbatches]
+    q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    loss = InfoNCE().dense(q, columns(*split_documents(d)), parts[0][2])
+    loss.backward()
+    assert abs(out["loss"] - loss.item()) <= REL * loss.item()
+    assert_grads_close(got, grads(trainer.model))
+    trainer.metrics.close()
+
+
+def test_token_budget_counts_every_hard_negative() -> None:
+    """[B, k, L] ids are one padded field of k sequences per sample: trimmed on their last dim and
+    counted k times in a chunk's tokens."""
+    pad = 0
+    query = torch.tensor([[5, 6, 0, 0], [5, 0, 0, 0], [5, 6, 7, 0]])
+    neg = torch.zeros(3, 2, 6, dtype=torch.long)
+    neg[0, 1, :5] = 9  # sample 0: a negative of 5 tokens
+    neg[1, 0, :1] = 9
+    neg[2, 0, :2] = 9
+    batch = {"query": query, "neg": neg}
+    fields = padded_fields(batch, {"query": pad, "neg": pad})
+    assert [(f.keys, f.per_sample, f.lengths.tolist()) for f in fields] == [
+        (("query",), 1, [2, 1, 3]),
+        (("neg",), 2, [5, 1, 2]),
+    ]
+    trimmed = trim_padding(batch, {"query": pad, "neg": pad})
+    assert trimmed["query"].shape == (3, 3) and trimmed["neg"].shape == (3, 2, 5)
+    # tokens per sample: query + 2 x negative = 12, 3, 7; a budget of 12 holds sample 0 alone, then
+    # samples 2 and 1 together (2 x (3 + 2 x 2) = 14 > 12: no), so three chunks
+    order, sizes = token_chunks(batch, 12, {"query": pad, "neg": pad})
+    assert order.tolist() == [0, 2, 1] and sizes == [1, 1, 1]
+    order, sizes = token_chunks(batch, 14, {"query": pad, "neg": pad})
+    assert sizes == [1, 2]
+
+
+class PairTowers(nn.Module):
+    """Two tiny towers: z_x from x [b, 6], z_y from y [b (1 + k), 6]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fx, self.fy = nn.Linear(6, 5), nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.normalize(self.fx(x), dim=-1), F.normalize(self.fy(y), dim=-1)
+
+
+def _seed_api(k: int) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = PairTowers().double()
+    reference = PairTowers().double()
+    reference.load_state_dict(model.state_dict())
+    n, micro = 10, 3
+    x = torch.randn(n, 6, dtype=torch.float64)
+    y = torch.randn(n * (1 + k), 6, dtype=torch.float64)
+    c = n // world
+    mine_x, mine_y = x[rank * c : (rank + 1) * c], y[rank * c * (1 + k) : (rank + 1) * c * (1 + k)]
+    ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": micro, "STREAM_CHUNK_SIZE": 4, "TAU": 0.1}
+    recorder = GradRecorder(model.parameters())
+    loss = distributed_train_step(ddp, recorder, mine_x, mine_y, {**config, "HARD_NEGATIVES": k})
+    zx, zy = reference(x, y)
+    want = InfoNCE().dense(zx, columns(*split_documents(zy.reshape(n, 1 + k, -1))), torch.tensor(10.0))
+    want.backward()
+    assert abs(loss - want.item()) <= REL * want.item()
+    assert_close(dict(enumerate(recorder.grads)), {i: p.grad for i, p in enumerate(reference.parameters())})
+    if rank == 0:
+        with pytest.raises(DistributedClipError, match=r"with HARD_NEGATIVES=2 local_y holds 3 rows per sample"):
+            distributed_train_step(ddp, recorder, mine_x, mine_y[:-1], {**config, "HARD_NEGATIVES": 2})
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_distributed_train_step_takes_hard_negatives(world: int) -> None:
+    run_distributed(_seed_api, world, K)

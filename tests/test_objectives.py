@@ -1,0 +1,423 @@
+"""Every objective's dense, microbatch and streamed forms against a reference written here from the
+definitions (docs/losses.md), one query at a time, in float64: the loss and the gradients of the
+queries, positives, hard negatives, temperature and bias, for every option and combination
+(hard negatives x masking x Matryoshka x symmetric), on 1, 2 and 4 gloo processes, with stream
+chunks that divide nothing."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.dist_utils import run_distributed
+from titan_contrastive.losses import FalseNegatives, InfoNCE, Matryoshka, Ranks, Sigmoid
+
+TOL = 1e-10
+N, K, D = 12, 2, 8  # queries, hard negatives per query, embedding dim
+
+
+# ------------------------------------------------------------------ the reference, from the definitions
+
+
+def _masked(i: int, j: int, q, cols, ids, masking: FalseNegatives) -> bool:
+    """Whether column j is removed from query i's problem (never the positive j = i)."""
+    if j == i:
+        return False
+    cos_pos, cos = float((q[i] @ cols[i]).detach()), float((q[i] @ cols[j]).detach())
+    return bool(
+        (masking.duplicates and int(ids[j]) == int(ids[i]))
+        or (masking.margin is not None and cos > cos_pos + masking.margin)
+        or (masking.relative is not None and cos > masking.relative * cos_pos)
+    )
+
+
+def reference_infonce(q, p, n, scale, ids, symmetric: bool, masking: FalseNegatives):
+    cols = torch.cat([p, n]) if n is not None else p
+    nq = len(q)
+    forward = 0.0
+    for i in range(nq):
+        kept = [j for j in range(len(cols)) if not _masked(i, j, q, cols, ids, masking)]
+        logits = torch.stack([scale * (q[i] @ cols[j]) for j in kept])
+        forward = forward - torch.log_softmax(logits, 0)[kept.index(i)]
+    if not symmetric:
+        return forward / nq
+    backward = 0.0
+    for j in range(nq):  # each positive document against the queries that keep it
+        kept = [i for i in range(nq) if not _masked(i, j, q, cols, ids, masking)]
+        logits = torch.stack([scale * (q[i] @ cols[j]) for i in kept])
+        backward = backward - torch.log_softmax(logits, 0)[kept.index(j)]
+    return (forward / nq + backward / nq) / 2
+
+
+def reference_sigmoid(q, p, n, scale, bias, ids, masking: FalseNegatives):
+    cols = torch.cat([p, n]) if n is not None else p
+    total = 0.0
+    for i in range(len(q)):
+        for j in range(len(cols)):
+            if not _masked(i, j, q, cols, ids, masking):
+                z = 1.0 if j == i else -1.0
+                total = total - F.logsigmoid(z * (scale * (q[i] @ cols[j]) + bias))
+    return total / len(q)
+
+
+def reference(case: dict, q, p, n, scale, bias, ids):
+    def prefix(z, m):  # Matryoshka: the first m dims, renormalized; without it the embeddings as given
+        return None if z is None else (F.normalize(z[:, :m], dim=1) if case["matryoshka"] else z)
+
+    total = 0.0
+    for m, w in case["matryoshka"] or [(q.shape[1], 1.0)]:
+        qm, pm, nm = prefix(q, m), prefix(p, m), prefix(n, m)
+        if case["objective"] == "siglip":
+            total = total + w * reference_sigmoid(qm, pm, nm, scale, bias, ids, case["masking"])
+        else:
+            total = total + w * reference_infonce(qm, pm, nm, scale, ids, case["symmetric"], case["masking"])
+    return total
+
+
+# ------------------------------------------------------------------ the cases
+
+
+def objective_of(case: dict):
+    if case["objective"] == "siglip":
+        objective = Sigmoid(false_negatives=case["masking"])
+    else:
+        objective = InfoNCE(symmetric=case["symmetric"], false_negatives=case["masking"])
+    if case["matryoshka"]:
+        dims, weights = zip(*case["matryoshka"])
+        objective = Matryoshka(objective, dims, weights)
+    return objective
+
+
+MASKINGS = {
+    "none": FalseNegatives(),
+    "duplicates": FalseNegatives(duplicates=True),
+    "margin": FalseNegatives(margin=0.05),
+    "relative": FalseNegatives(relative=0.9),
+    "all": FalseNegatives(duplicates=True, margin=0.1, relative=0.95),
+}
+CASES = [
+    dict(objective=obj, symmetric=sym, k=k, masking=MASKINGS[mask], matryoshka=mat, name=name)
+    for obj, sym, k, mask, mat in itertools.product(
+        ["clip", "siglip"], [True, False], [0, K], list(MASKINGS), [None, [(8, 1.0), (5, 0.5), (2, 0.25)]]
+    )
+    if not (obj == "siglip" and not sym)
+    for name in [f"{obj}-{'sym' if sym else 'oneway'}-k{k}-{mask}-{'mat' if mat else 'full'}"]
+]
+
+
+def problem(case: dict, seed: int = 0):
+    """Unit embeddings, some columns duplicated (same id, near-identical text) and some negatives
+    closer to the query than its positive, so every mask removes something."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(N, D, generator=gen, dtype=torch.float64), dim=1)
+    p = F.normalize(q + 0.9 * torch.randn(N, D, generator=gen, dtype=torch.float64), dim=1)
+    p[3] = F.normalize(p[7] + 1e-3 * torch.randn(D, generator=gen, dtype=torch.float64), dim=0)  # a duplicate
+    n = None
+    ids = torch.arange(N)
+    ids[3] = ids[7]
+    if case["k"]:
+        n = F.normalize(
+            q.repeat_interleave(case["k"], 0) + 1.1 * torch.randn(N * case["k"], D, generator=gen, dtype=torch.float64),
+            dim=1,
+        )
+        neg_ids = torch.arange(N, N + N * case["k"])
+        neg_ids[5] = ids[2]  # query 2's positive, mined as a negative of query 2
+        n[5] = F.normalize(p[2] + 1e-3 * torch.randn(D, generator=gen, dtype=torch.float64), dim=0)
+        ids = torch.cat([ids, neg_ids])
+    scale = torch.tensor(7.0, dtype=torch.float64)
+    bias = torch.tensor(-2.0, dtype=torch.float64)
+    return q, p, n, scale, bias, ids
+
+
+def leaves(*tensors):
+    return [None if t is None else t.clone().requires_grad_() for t in tensors]
+
+
+def reference_grads(case: dict, q, p, n, scale, bias, ids):
+    rq, rp, rn, rs, rb = leaves(q, p, n, scale, bias)
+    loss = reference(case, rq, rp, rn, rs, rb, ids)
+    named = {"q": rq, "p": rp, "n": rn, "s": rs, "b": rb}
+    named = {key: t for key, t in named.items() if t is not None}
+    grads = torch.autograd.grad(loss, list(named.values()), allow_unused=True)
+    return loss.detach(), dict(zip(named, grads))
+
+
+def _close(a, b, what: str) -> None:
+    b = torch.zeros_like(a) if b is None else b
+    err = (a - b).abs().max().item()
+    assert err <= TOL, f"{what}: max error {err:.3e}"
+
+
+def test_the_cases_mask_something() -> None:
+    """The problem is built so each mask removes at least one column (else masking tests nothing)."""
+    for mask in ["duplicates", "margin", "relative"]:
+        case = dict(k=K)
+        q, p, n, *_, ids = problem(case)
+        cols = torch.cat([p, n])
+        removed = sum(_masked(i, j, q, cols, ids, MASKINGS[mask]) for i in range(N) for j in range(len(cols)))
+        assert removed > 0, mask
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_dense_and_streamed_match_the_definition(case: dict) -> None:
+    q, p, n, scale, bias, ids = problem(case)
+    want_loss, want = reference_grads(case, q, p, n, scale, bias, ids)
+    objective = objective_of(case)
+    cols = torch.cat([p, n]) if n is not None else p
+
+    # dense form (autograd)
+    dq, dcols, ds, db = leaves(q, cols, scale, bias)
+    loss = objective.dense(dq, dcols, ds, db if objective.has_bias else None, ids)
+    loss.backward()
+    _close(loss.detach(), want_loss, "dense loss")
+    _close(dq.grad, want["q"], "dense dq")
+    _close(dcols.grad, torch.cat([want["p"], want["n"]]) if n is not None else want["p"], "dense dD")
+    _close(ds.grad, want["s"], "dense ds")
+
+    # streamed form, one process, chunks that divide nothing
+    for chunk in (5, 7, N):
+        out = objective.streamed(
+            q,
+            cols,
+            scale,
+            bias if objective.has_bias else None,
+            first_row=0,
+            num_queries=N,
+            chunk=chunk,
+            ranks=Ranks(None),
+            ids=ids,
+        )
+        _close(out.loss, want_loss, f"streamed loss, chunk {chunk}")
+        _close(out.grad_rows, want["q"], f"streamed dq, chunk {chunk}")
+        _close(out.grad_cols, torch.cat([want["p"], want["n"]]) if n is not None else want["p"], "streamed dD")
+        _close(out.scale_rows.sum(), want["s"], f"streamed ds, chunk {chunk}")
+        if objective.has_bias:
+            _close(out.bias_rows.sum(), want["b"], f"streamed db, chunk {chunk}")
+
+
+def _distributed(case_names: list[str]) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    cases = {c["name"]: c for c in CASES}
+    for name in case_names:
+        case = cases[name]
+        q, p, n, scale, bias, ids = problem(case, seed=1)
+        want_loss, want = reference_grads(case, q, p, n, scale, bias, ids)
+        objective = objective_of(case)
+        ranks = Ranks(dist.group.WORLD)
+        c = N // world
+        own = slice(rank * c, (rank + 1) * c)
+        k = case["k"]
+        own_neg = slice(rank * c * k, (rank + 1) * c * k)
+        cols = torch.cat([p, n]) if n is not None else p
+        b = bias if objective.has_bias else None
+
+        # streamed: own rows against all columns; the column shares summed over ranks
+        out = objective.streamed(
+            q[own], cols, scale, b, first_row=own.start, num_queries=N, chunk=3, ranks=ranks, ids=ids
+        )
+        _close(out.loss, want_loss, f"{name} streamed loss")
+        _close(out.grad_rows, want["q"][own], f"{name} streamed dq")
+        shares = out.grad_cols.clone()
+        dist.all_reduce(shares)
+        _close(shares, torch.cat([want["p"], want["n"]]) if n is not None else want["p"], f"{name} streamed dD")
+        s_total = out.scale_rows.sum().clone()
+        dist.all_reduce(s_total)
+        _close(s_total, want["s"], f"{name} streamed ds")
+
+        # microbatch: local embeddings gathered with gradient; a data-parallel average divides by P
+        lq, lp, ls, lb = leaves(q[own], p[own], scale, bias)
+        ln = None if n is None else n[own_neg].clone().requires_grad_()
+        local_ids = (ids[:N][own], None if n is None else ids[N:][own_neg])
+        loss = objective.microbatch(lq, (lp, ln), ls, lb if objective.has_bias else None, local_ids, ranks)
+        loss.backward()
+        _close(loss.detach(), want_loss, f"{name} microbatch loss")
+        _close(lq.grad / world, want["q"][own], f"{name} microbatch dq")
+        _close(lp.grad / world, want["p"][own], f"{name} microbatch dp")
+        if ln is not None:
+            _close(ln.grad / world, want["n"][own_neg], f"{name} microbatch dn")
+        s_grad = ls.grad.clone()
+        dist.all_reduce(s_grad)
+        _close(s_grad / world, want["s"], f"{name} microbatch ds")
+    dist.destroy_process_group()
+
+
+DIST_CASES = [c["name"] for c in CASES if c["masking"] in (MASKINGS["none"], MASKINGS["all"])]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_forms_match_the_definition(world: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_distributed(_distributed, world, DIST_CASES)
+
+
+def test_matryoshka_larger_than_the_embeddings_is_a_clear_error() -> None:
+    objective = Matryoshka(InfoNCE(), (16, 4), (1.0, 1.0))
+    q = F.normalize(torch.randn(4, 8, dtype=torch.float64), dim=1)
+    with pytest.raises(ValueError, match=r"loss.matryoshka_dims=\[16, 4\]: the embeddings have 8 dimensions"):
+        objective.dense(q, q, torch.tensor(1.0))
+
+
+def test_plain_clip_is_the_clip_loss() -> None:
+    """With no hard negatives, no mask and the symmetric form, InfoNCE is CLIP's loss (open_clip's formula)."""
+    q = F.normalize(torch.randn(6, 4, dtype=torch.float64), dim=1)
+    p = F.normalize(torch.randn(6, 4, dtype=torch.float64), dim=1)
+    logits = 3.0 * q @ p.T
+    labels = torch.arange(6)
+    clip = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    assert math.isclose(InfoNCE().dense(q, p, torch.tensor(3.0)).item(), clip.item(), rel_tol=1e-12)
+
+
+# ------------------------------------------------------------------ through the trainer's step kinds
+
+TRAINER_OPTIONS = {
+    "oneway-margin-matryoshka": [
+        "--loss.symmetric=false",
+        "--loss.mask_margin=0.0",
+        "--loss.matryoshka_dims=16,8",
+        "--loss.matryoshka_weights=1,0.5",
+    ],
+    "siglip-relative": ["--loss.name=siglip", "--loss.mask_relative=0.5"],
+}
+STEP_KINDS = {
+    "global": ["--loss.negatives=global", "--loss.stream_chunk_size=3"],
+    "gradcache": ["--gradcache.enabled=true", "--gradcache.chunk_sizes=3"],
+}
+
+
+def _dense_reference(trainer, samples: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """The run's objective (from its [loss]) in its dense form over all `samples` at once, on a
+    float64 copy of the model: the loss and every parameter gradient."""
+    from tests.test_trainer import full, grads
+    from titan_contrastive.losses import build_objective
+
+    reference = trainer.spec.build_model(trainer.model_args).double()
+    reference.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
+    out = reference(samples["image"].double(), samples["text"])
+    objective = build_objective(trainer.cfg.loss)
+    masked = objective.false_negatives.dense(out[0], out[1], None) if hasattr(objective, "false_negatives") else None
+    assert masked is None or masked.any()  # the mask takes part
+    loss = objective.dense(*out)
+    loss.backward()
+    return loss.item(), grads(reference)
+
+
+def _trainer_step(tmp: str, option: str, kind: str, local: int, ga: int) -> None:
+    """One step of the trainer (P ranks x GA microbatches of `local`) against the dense reference."""
+    from tests.test_trainer import assert_close, batch, grads, make_trainer
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    trainer = make_trainer(
+        tmp,
+        f"--training.local_batch_size={local}",
+        f"--training.global_batch_size={local * ga * world}",
+        *STEP_KINDS[kind],
+        *TRAINER_OPTIONS[option],
+    )
+    steps = [batch(trainer, j * local * world, local * world) for j in range(ga)]
+    mine = [{k: v[rank * local : (rank + 1) * local] for k, v in s.items()} for s in steps]
+    every = {k: torch.cat([s[k] for s in steps]) for k in steps[0]}
+    want_loss, want = _dense_reference(trainer, every)
+    out = trainer.train_step(mine)
+    assert_close(grads(trainer.model), want)
+    assert abs(out["loss"] - want_loss) <= TOL * abs(want_loss)
+
+
+@pytest.mark.parametrize("kind", list(STEP_KINDS))
+@pytest.mark.parametrize("option", list(TRAINER_OPTIONS))
+def test_step_kinds_train_the_objective_exactly(tmp_path, option: str, kind: str) -> None:
+    """Global negatives (GA 4 x 2, stream chunks of 3) and GradCache (one microbatch of 8 in chunks
+    of 3): the loss and every parameter gradient equal the dense objective over the whole batch."""
+    local, ga = (2, 4) if kind == "global" else (8, 1)
+    _trainer_step(str(tmp_path), option, kind, local, ga)
+
+
+def _trainer_step_distributed(tmp: str, option: str) -> None:
+    dist.init_process_group("gloo")
+    _trainer_step(tmp, option, "global", 3, 2)
+
+
+@pytest.mark.parametrize("option", list(TRAINER_OPTIONS))
+def test_global_negatives_train_the_objective_exactly_on_two_ranks(tmp_path, option: str) -> None:
+    run_distributed(_trainer_step_distributed, 2, str(tmp_path), option)
+
+
+USER_OBJECTIVE = '''
+import dataclasses
+from titan_contrastive.losses import InfoNCE, StreamResult, register_objective
+
+
+@dataclasses.dataclass(frozen=True)
+class Doubled:
+    """Twice InfoNCE: every form, and the gradients, doubled."""
+
+    inner: InfoNCE
+    name: str = "doubled"
+    has_bias = False
+    needs_ids = False
+    init_logit_scale = InfoNCE.init_logit_scale
+    init_logit_bias = None
+
+    def describe(self):
+        return "doubled " + self.inner.describe()
+
+    def dense(self, q, docs, scale, bias=None, ids=None):
+        return 2 * self.inner.dense(q, docs, scale, bias, ids)
+
+    def microbatch(self, q, docs, scale, bias, ids, ranks):
+        return 2 * self.inner.microbatch(q, docs, scale, bias, ids, ranks)
+
+    def streamed(self, q_own, docs, scale, bias=None, **kwargs):
+        r = self.inner.streamed(q_own, docs, scale, bias, **kwargs)
+        return StreamResult(2 * r.loss, 2 * r.grad_rows, 2 * r.grad_cols, 2 * r.scale_rows, None)
+
+    def fused(self, num_queries, num_columns):
+        return False
+
+
+register_objective("doubled", lambda loss, masking: Doubled(InfoNCE(loss.symmetric, masking)))
+'''
+
+
+@pytest.mark.parametrize("negatives", ["microbatch", "global"])
+def test_an_objective_from_a_user_module_is_one_registry_line(tmp_path, monkeypatch, negatives: str) -> None:
+    """`job.custom_import` loads a module that registers an objective; `[loss] name` picks it and
+    the step kinds run it: the logged loss is twice clip's on the same model and batch."""
+    import json
+    import textwrap
+
+    from tests.test_trainer import make_trainer
+    from titan_contrastive import losses
+
+    monkeypatch.setattr(losses, "OBJECTIVES", dict(losses.OBJECTIVES))
+    (tmp_path / "user_objective.py").write_text(textwrap.dedent(USER_OBJECTIVE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    logged = {}
+    monkeypatch.delitem(sys.modules, "user_objective", raising=False)  # imported afresh: it registers again
+    for name in ("clip", "doubled"):
+        run = tmp_path / name
+        trainer = make_trainer(
+            str(run),
+            "--job.custom_import=user_objective",
+            f"--loss.name={name}",
+            f"--loss.negatives={negatives}",
+            "--training.local_batch_size=4",
+            "--training.global_batch_size=8",
+            "--training.steps=1",
+            "--metrics.log_freq=1",
+            "--eval.enable=false",
+        )
+        trainer.train()
+        trainer.metrics.close()
+        logged[name] = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    sys.modules.pop("user_objective", None)
+    assert abs(logged["doubled"] - 2 * logged["clip"]) <= TOL * logged["doubled"]

@@ -1,0 +1,145 @@
+"""Our objectives against sentence-transformers' own losses on all-MiniLM-L6-v2 (float64, the
+bundled offline weights), each difference in definition stated where it is mapped:
+MultipleNegativesRankingLoss and CachedMultipleNegativesRankingLoss with hard negatives are
+one-way InfoNCE over the positives and negatives as columns (with both directions, per-direction
+softmaxes: symmetric InfoNCE), MatryoshkaLoss around it is our Matryoshka (truncation then cosine
+similarity: the prefixes renormalized), and GISTEmbedLoss with the model as its own guide is our
+margin and relative masks. The same loss and the same gradient of every parameter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_wordnet_bi_encoder import needs_hf
+from titan_contrastive.losses import FalseNegatives, InfoNCE, Matryoshka
+
+REL = 1e-10
+ANCHORS = ["a small domesticated feline", "frozen water", "the season after summer", "a tool for cutting paper"]
+POSITIVES = ["cat", "ice", "autumn", "scissors"]
+NEGATIVES = [["dog", "tiger"], ["steam", "snow"], ["winter", "spring"], ["knife", "stapler"]]
+SCALE = 20.0  # MultipleNegativesRankingLoss's default
+
+
+def _model():
+    from sentence_transformers import SentenceTransformer
+
+    from titan_contrastive.models.bi_encoder.model import model_dir
+
+    torch.manual_seed(0)
+    return SentenceTransformer(str(model_dir()), device="cpu", local_files_only=True).double().eval()
+
+
+def _features(model) -> list[dict]:
+    """anchor, positive, negative_1, negative_2 columns, as sentence-transformers' trainer passes them."""
+    columns = [ANCHORS, POSITIVES, [n[0] for n in NEGATIVES], [n[1] for n in NEGATIVES]]
+    return [model.tokenize(texts) for texts in columns]
+
+
+def _st_losses():  # noqa: ANN202 - sentence_transformers' losses module, wherever this version keeps it
+    try:
+        from sentence_transformers.sentence_transformer import losses
+    except ImportError:  # before 6.x
+        from sentence_transformers import losses
+    return losses
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return grads
+
+
+def _ours(model, objective, k: int = 2, scale: float = SCALE) -> tuple[float, dict[str, torch.Tensor]]:
+    q, p, *negs = (model(dict(f))["sentence_embedding"] for f in _features(model)[: 2 + k])
+    negatives = torch.stack(negs, 1).flatten(0, 1)  # query-major: n_11, n_12, n_21, ...
+    cols = torch.cat([p, negatives])
+    if hasattr(objective, "false_negatives") and objective.false_negatives.enabled:
+        assert objective.false_negatives.dense(q, cols, None).any()  # the mask takes part
+    loss = objective.dense(q, cols, torch.tensor(scale, dtype=torch.float64))
+    loss.backward()
+    return loss.item(), _grads(model)
+
+
+def _assert_same(got: tuple, want: tuple) -> None:
+    assert abs(got[0] - want[0]) <= REL * want[0]
+    assert got[1].keys() == want[1].keys() and got[1]
+    total = torch.stack([w.norm() for w in want[1].values()]).norm()
+    for name, w in want[1].items():
+        err = (got[1][name] - w).norm() / torch.maximum(w.norm(), 1e-6 * total)
+        assert err <= REL, f"{name}: {err:.2e}"
+
+
+@needs_hf
+def test_one_way_infonce_with_hard_negatives_is_multiple_negatives_ranking_loss() -> None:
+    losses = _st_losses()
+    model = _model()
+    st = losses.MultipleNegativesRankingLoss(model, scale=SCALE)
+    value = st(_features(model), None)
+    value.backward()
+    want = (value.item(), _grads(model))
+    _assert_same(_ours(model, InfoNCE(symmetric=False)), want)
+
+
+@needs_hf
+@pytest.mark.parametrize("mini_batch_size", [3, 16])
+def test_gradcache_objective_is_cached_multiple_negatives_ranking_loss(mini_batch_size: int) -> None:
+    """CachedMNRL (sentence-transformers' GradCache) with hard negatives, mini-batches of 3 that
+    divide nothing: the one-way objective's loss and gradients."""
+    losses = _st_losses()
+    model = _model()
+    st = losses.CachedMultipleNegativesRankingLoss(model, scale=SCALE, mini_batch_size=mini_batch_size)
+    value = st(_features(model), None)
+    value.backward()
+    want = (value.item(), _grads(model))
+    _assert_same(_ours(model, InfoNCE(symmetric=False)), want)
+
+
+@needs_hf
+def test_symmetric_infonce_is_both_directions_per_direction() -> None:
+    """MNRL with directions query_to_doc and doc_to_query, each its own softmax, averaged: our
+    symmetric InfoNCE (the document -> query direction over the positives)."""
+    losses = _st_losses()
+    model = _model()
+    st = losses.MultipleNegativesRankingLoss(
+        model, scale=SCALE, directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"
+    )
+    value = st(_features(model), None)
+    value.backward()
+    want = (value.item(), _grads(model))
+    _assert_same(_ours(model, InfoNCE(symmetric=True)), want)
+
+
+@needs_hf
+@pytest.mark.parametrize(
+    "strategy, margin, ours",
+    [("absolute", 0.05, FalseNegatives(margin=-0.05)), ("relative", 0.1, FalseNegatives(relative=0.9))],
+)
+def test_margin_masks_are_gist_embed_loss_with_the_model_as_its_guide(strategy: str, margin: float, ours) -> None:
+    """GISTEmbedLoss with the model as its own guide, without its anchor-anchor and
+    positive-positive terms, one hard negative: GIST masks a column whose similarity exceeds the
+    positive's minus `margin` (absolute) or the positive's times 1 - margin (relative), which is
+    ours with mask_margin = -margin and mask_relative = 1 - margin; its temperature 0.01 is t = 100."""
+    losses = _st_losses()
+    model = _model()
+    st = losses.GISTEmbedLoss(
+        model, model, margin_strategy=strategy, margin=margin, contrast_anchors=False, contrast_positives=False
+    )
+    value = st(_features(model)[:3], None)
+    value.backward()
+    want = (value.item(), _grads(model))
+    _assert_same(_ours(model, InfoNCE(symmetric=False, false_negatives=ours), k=1, scale=100.0), want)
+
+
+@needs_hf
+@pytest.mark.parametrize("weights", [(1.0, 1.0, 1.0), (1.0, 0.5, 0.25)])
+def test_matryoshka_is_sentence_transformers_matryoshka_loss(weights: tuple[float, ...]) -> None:
+    losses = _st_losses()
+    dims = (384, 128, 32)
+    model = _model()
+    inner = losses.MultipleNegativesRankingLoss(model, scale=SCALE)
+    st = losses.MatryoshkaLoss(model, inner, matryoshka_dims=list(dims), matryoshka_weights=list(weights))
+    value = st(_features(model), None)
+    value.backward()
+    want = (value.item(), _grads(model))
+    _assert_same(_ours(model, Matryoshka(InfoNCE(symmetric=False), dims, weights)), want)

@@ -1,0 +1,116 @@
+"""The objectives, each one object in its own module, named here.
+
+| `[loss] name` | objective | module |
+| --- | --- | --- |
+| `clip` | InfoNCE, symmetric or one-way, hard negatives as extra columns | `infonce.py` |
+| `siglip` | SigLIP's sigmoid loss, hard negatives as extra columns | `sigmoid.py` |
+
+Every objective takes the false-negative mask (`masking.py`) and may be wrapped in Matryoshka
+prefixes (`matryoshka.py`); `base.py` says what an objective is. A new objective is a module with
+such an object and one `register_objective` call (the pixel loss is the vae family's own step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from titan_contrastive.config import ConfigError
+from titan_contrastive.losses.base import (
+    MicrobatchLoss,
+    Objective,
+    Ranks,
+    RescaleAccumulatedLoss,
+    StreamResult,
+    split_documents,
+    split_ids,
+)
+from titan_contrastive.losses.infonce import InfoNCE
+from titan_contrastive.losses.masking import FalseNegatives
+from titan_contrastive.losses.matryoshka import Matryoshka
+from titan_contrastive.losses.sigmoid import Sigmoid
+
+__all__ = [
+    "OBJECTIVES",
+    "FalseNegatives",
+    "InfoNCE",
+    "Matryoshka",
+    "MicrobatchLoss",
+    "Objective",
+    "Ranks",
+    "RescaleAccumulatedLoss",
+    "Sigmoid",
+    "StreamResult",
+    "Temperature",
+    "build_objective",
+    "register_objective",
+    "split_documents",
+    "split_ids",
+    "temperature_from_config",
+]
+
+# `[loss] name` -> (the [loss] section, its false-negative mask) -> the objective
+ObjectiveBuilder = Callable[[Any, FalseNegatives], Objective]
+
+OBJECTIVES: dict[str, ObjectiveBuilder] = {
+    "clip": lambda loss, masking: InfoNCE(symmetric=loss.symmetric, false_negatives=masking),
+    "siglip": lambda loss, masking: Sigmoid(false_negatives=masking),
+}
+DEFAULT = "clip"
+
+
+def register_objective(name: str, build: ObjectiveBuilder) -> None:
+    """Make `[loss] name = NAME` build an objective (see `OBJECTIVES`)."""
+    OBJECTIVES[name] = build
+
+
+def build_objective(loss: Any, name: str | None = None) -> Objective:
+    """The objective `[loss]` (a config.job_config.Loss) describes, named `name` (default
+    `loss.name`, or clip when empty); ConfigError for an unknown name or bad Matryoshka settings."""
+    name = name or loss.name or DEFAULT
+    if name not in OBJECTIVES:
+        raise ConfigError(f"loss.name={name!r} is not an objective; valid: {', '.join(sorted(OBJECTIVES))}")
+    masking = FalseNegatives(loss.mask_duplicates, loss.mask_margin, loss.mask_relative)
+    objective = OBJECTIVES[name](loss, masking)
+    if not loss.matryoshka_dims:
+        if loss.matryoshka_weights:
+            raise ConfigError(
+                f"loss.matryoshka_weights={loss.matryoshka_weights} without loss.matryoshka_dims: give the dims too"
+            )
+        return objective
+    weights = loss.matryoshka_weights or [1.0] * len(loss.matryoshka_dims)
+    if len(weights) != len(loss.matryoshka_dims):
+        raise ConfigError(
+            f"loss.matryoshka_weights={loss.matryoshka_weights}: one weight per loss.matryoshka_dims entry "
+            f"({len(loss.matryoshka_dims)}), or leave it empty for all 1"
+        )
+    return Matryoshka(objective, tuple(loss.matryoshka_dims), tuple(float(w) for w in weights))
+
+
+class Temperature(NamedTuple):
+    """The temperature (and bias) a contrastive model starts from, and which of them train."""
+
+    init_logit_scale: float
+    init_logit_bias: float | None
+    learn_logit_scale: bool
+    learn_logit_bias: bool
+
+
+def temperature_from_config(cfg: Any, default_logit_scale: float | None = None) -> Temperature:
+    """`[loss] init_logit_scale / init_logit_bias / learn_*` for a model's args; unset values come
+    from the objective, or `default_logit_scale` (a pretrained family's own). A bias for an
+    objective without one is a one-line error (it would be silently unused)."""
+    loss = cfg.loss
+    objective = build_objective(loss)
+    if not objective.has_bias and loss.init_logit_bias is not None:
+        raise ConfigError(
+            f"loss.init_logit_bias={loss.init_logit_bias}: loss.name={objective.name!r} has no bias; "
+            "use --loss.name=siglip or leave loss.init_logit_bias empty"
+        )
+    scale = (
+        loss.init_logit_scale
+        if loss.init_logit_scale is not None
+        else (objective.init_logit_scale if default_logit_scale is None else default_logit_scale)
+    )
+    bias = objective.init_logit_bias if loss.init_logit_bias is None else loss.init_logit_bias
+    return Temperature(scale, bias, loss.learn_logit_scale, loss.learn_logit_bias)

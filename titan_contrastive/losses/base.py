@@ -1,0 +1,231 @@
+"""What every objective is, and the pieces they share.
+
+A contrastive problem: N queries q_i (the first tower: images, or query texts), their positives
+p_i and k >= 0 hard negatives n_i1..n_ik each (the second tower), over all ranks. The candidate
+documents are D = [p_1..p_N, n_11..n_1k, n_21..n_Nk]: N(1 + k) columns shared by every query,
+column i being query i's positive (sentence-transformers' and tevatron's convention). `ids`
+(optional, one int per column) say which columns are the same document (false-negative masking).
+
+An objective (`Objective`) owns its temperature (and bias) and three forms of one definition:
+- `dense`: the autograd reference over all queries and columns;
+- `microbatch`: over the embeddings of all ranks' current microbatches, gathered with gradient;
+- `streamed`: a rank's own query rows against all columns in blocks (O(chunk x M) memory), its
+  loss and the gradients of its rows, of all columns (this rank's share, to be summed over
+  ranks) and of the temperature and bias (per own row), for the cached-gradient steps.
+The steps call these and nothing loss-specific; `losses/__init__.py` names the objectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from titan_contrastive.parallelisms.collectives import all_gather_tensor, all_gather_with_grad, reduce_scatter_sum
+
+
+class StreamResult(NamedTuple):
+    """A rank's part of a streamed objective (the caller sums the shares over ranks)."""
+
+    loss: Tensor
+    """The whole problem's loss, the same on every rank (detached)."""
+    grad_rows: Tensor
+    """dL/dq for the own rows [c, d]."""
+    grad_cols: Tensor
+    """This rank's share of dL/dD for all columns [M, d]."""
+    scale_rows: Tensor
+    """This rank's share of dL/ds per own row [c] (s = exp(t'), the temperature's multiplier)."""
+    bias_rows: Tensor | None
+    """This rank's share of dL/db per own row [c], for objectives with a bias."""
+
+
+@dataclass
+class Ranks:
+    """The data-parallel ranks that share one contrastive problem (None: this process alone)."""
+
+    group: dist.ProcessGroup | None = None
+    world: int = field(init=False)
+    rank: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.world = dist.get_world_size(self.group) if self.group is not None and dist.is_initialized() else 1
+        self.rank = dist.get_rank(self.group) if self.world > 1 else 0
+
+    def gather(self, x: Tensor) -> Tensor:
+        """Every rank's `x`, concatenated in rank order along dim 0 (no gradient)."""
+        return all_gather_tensor(x, self.group) if self.world > 1 else x
+
+    def gather_with_grad(self, x: Tensor) -> Tensor:
+        """`gather`, with the gradient of every rank's copy summed back into `x`."""
+        return all_gather_with_grad(x, self.group) if self.world > 1 else x
+
+    def sum(self, x: Tensor) -> Tensor:
+        """The sum over ranks (in place)."""
+        if self.world > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def merge_lse(self, part: Tensor) -> Tensor:
+        """The logsumexp over ranks of per-rank partial log-sum-exps."""
+        return self.gather(part).view(self.world, -1).logsumexp(0) if self.world > 1 else part
+
+    def scatter_sum(self, x: Tensor) -> Tensor:
+        """The sum over ranks of `x` [world * c, ...], this rank's c rows of it."""
+        return reduce_scatter_sum(x, self.group) if self.world > 1 else x
+
+
+def columns(positives: Tensor, negatives: Tensor | None) -> Tensor:
+    """D = [positives; negatives] (negatives None or empty: the positives)."""
+    return positives if negatives is None or not len(negatives) else torch.cat([positives, negatives])
+
+
+class Objective(Protocol):
+    """A contrastive objective; see the module docstring. `microbatch` and `streamed` compute the
+    same loss as `dense` (the tests hold them to it); `fused` says whether the Triton kernels
+    (`losses/fused.py`) compute it."""
+
+    name: str
+    has_bias: bool
+    init_logit_scale: float
+    init_logit_bias: float | None
+    needs_ids: bool
+    """Whether it reads document ids (`ids`): the duplicate mask."""
+
+    def dense(
+        self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
+    ) -> Tensor: ...
+
+    def microbatch(
+        self,
+        q: Tensor,
+        docs: tuple[Tensor, Tensor | None],
+        scale: Tensor,
+        bias: Tensor | None,
+        ids: tuple[Tensor, Tensor | None] | None,
+        ranks: Ranks,
+    ) -> Tensor: ...
+
+    def streamed(
+        self,
+        q_own: Tensor,
+        docs: Tensor,
+        scale: Tensor,
+        bias: Tensor | None,
+        *,
+        first_row: int,
+        num_queries: int,
+        chunk: int,
+        ranks: Ranks,
+        kernel: str = "pytorch",
+        ids: Tensor | None = None,
+    ) -> StreamResult: ...
+
+    def fused(self, num_queries: int, num_columns: int) -> bool: ...
+
+    def describe(self) -> str: ...
+
+
+def gathered_problem(
+    q: Tensor,
+    docs: tuple[Tensor, Tensor | None],
+    ids: tuple[Tensor, Tensor | None] | None,
+    ranks: Ranks,
+    *,
+    with_rows: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(queries, columns D, column ids) of the problem over all ranks, gathered with gradient:
+    the positives of all ranks first, then their negatives (both in rank order, so query i's
+    negatives stay at N + i k ...). `with_rows=False`: the local queries, not gathered."""
+    positives, negatives = docs
+    cols = columns(ranks.gather_with_grad(positives), None if negatives is None else ranks.gather_with_grad(negatives))
+    col_ids = None
+    if ids is not None:
+        col_ids = columns(ranks.gather(ids[0]), None if ids[1] is None else ranks.gather(ids[1]))
+    return (ranks.gather_with_grad(q) if with_rows else q), cols, col_ids
+
+
+def row_scale_shares(q_own: Tensor, grad_rows: Tensor, scale: Tensor) -> Tensor:
+    """dL/ds per own row, <q_i, dL/dq_i> / s: the loss depends on s only through s <q, d>."""
+    return (q_own.to(grad_rows.dtype) * grad_rows).sum(1) / scale.to(grad_rows.dtype)
+
+
+class RescaleAccumulatedLoss:
+    """Wrap a training loss so each call returns `loss / accumulation_steps`.
+
+    Gradient accumulation and contrastive losses: dividing each microbatch loss by the k
+    accumulation steps makes the summed gradients the mean of the k microbatch gradients. For a
+    per-sample loss with equal microbatches that *is* the big-batch gradient; for a contrastive
+    loss it is not (a microbatch sees only its own negatives), which is why `[loss] negatives`
+    names the choice. Only the training loss is wrapped; evaluation builds its own, unwrapped.
+    `no_rescale()` turns the division off temporarily (e.g. to log the raw value of a microbatch).
+    """
+
+    def __init__(self, unwrapped_loss_fn: Callable[..., Tensor], accumulation_steps: int) -> None:
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={accumulation_steps} must be >= 1")
+        self.unwrapped_loss_fn = unwrapped_loss_fn
+        self.accumulation_steps = accumulation_steps
+        self.skip_rescale = False
+        functools.update_wrapper(self, unwrapped_loss_fn, updated=())
+
+    def __call__(self, *args, **kwargs) -> Tensor:
+        loss = self.unwrapped_loss_fn(*args, **kwargs)
+        return loss if self.skip_rescale else loss / self.accumulation_steps
+
+    @contextlib.contextmanager
+    def no_rescale(self) -> Iterator[None]:
+        """Return the raw loss inside the block (restores the previous setting on exit)."""
+        previous, self.skip_rescale = self.skip_rescale, True
+        try:
+            yield
+        finally:
+            self.skip_rescale = previous
+
+
+def split_documents(docs: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Per-sample documents [B, d] (positives) or [B, 1 + k, d] (the positive, then k hard
+    negatives; `batching.with_negatives`) as (positives [B, d], negatives [B k, d] or None)."""
+    if docs.dim() == 2:
+        return docs, None
+    return docs[:, 0], (docs[:, 1:].flatten(0, 1) if docs.shape[1] > 1 else None)
+
+
+def split_ids(ids: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Per-sample document ids [B] or [B, 1 + k] (`batching.document_ids`) as (the positives' [B],
+    the hard negatives' [B k] or None), the layout of `split_documents`."""
+    if ids.dim() == 1:
+        return ids, None
+    return ids[:, 0], (ids[:, 1:].flatten() if ids.shape[1] > 1 else None)
+
+
+class MicrobatchLoss:
+    """An objective's microbatch form as the loss function of a step: called with a model's
+    contrastive outputs `(q, docs, exp(t')[, bias])` (docs [B, d], or [B, 1 + k, d] with hard
+    negatives; `ids=`: their document ids, [B] or [B, 1 + k]), it returns the loss of the problem over the current
+    microbatches of all ranks of `group`."""
+
+    def __init__(self, objective: Objective, group: dist.ProcessGroup | None = None) -> None:
+        self.objective, self.ranks = objective, Ranks(group)
+
+    def __call__(
+        self,
+        q: Tensor,
+        docs: Tensor,
+        scale: Tensor,
+        bias: Tensor | None = None,
+        *,
+        ids: Tensor | None = None,
+    ) -> Tensor:
+        if q.dim() != 2 or docs.dim() not in (2, 3) or len(q) != len(docs) or q.shape[-1] != docs.shape[-1]:
+            raise ValueError(
+                f"query embeddings {tuple(q.shape)} and document embeddings {tuple(docs.shape)} must be [B, d] and "
+                "[B, d] (or [B, 1 + k, d] with hard negatives)"
+            )
+        split = None if ids is None else split_ids(ids)
+        return self.objective.microbatch(q, split_documents(docs), scale, bias, split, self.ranks)

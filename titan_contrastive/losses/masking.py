@@ -1,0 +1,88 @@
+"""False-negative masking: which columns are not negatives of a query, decided without gradient.
+
+For query i with positive column i (cosine c_ii = <q_i, d_i>), a column j != i is masked, that
+is removed from query i's problem (out of the softmax denominator; out of the sigmoid sum), when
+- `duplicates`: its id equals the positive's, `ids[j] == ids[i]` (the same document twice in the
+  batch: a second positive, not a negative);
+- `margin` (absolute): c_ij > c_ii + margin;
+- `relative` (NV-Retriever's "percentage of positive"): c_ij > relative * c_ii.
+The positive itself is never masked, and neither is a column that ties the threshold within
+rounding (an exact duplicate of the positive under margin 0: the duplicate rule decides it). In
+the symmetric softmax loss the document -> query direction uses the same mask, transposed:
+query i is left out of positive j's denominator when column j is masked for query i. The margin
+needs only c_ii, known before any block is formed, so the streamed forms apply the mask block
+by block (`FalseNegatives.for_rows`) and stay exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from titan_contrastive.losses.streaming import BlockMask
+
+
+@dataclass(frozen=True)
+class FalseNegatives:
+    """Which false negatives are masked; all off is no mask."""
+
+    duplicates: bool = False
+    margin: float | None = None
+    relative: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.duplicates or self.margin is not None or self.relative is not None
+
+    def describe(self) -> str:
+        parts = ["duplicate ids"] if self.duplicates else []
+        if self.margin is not None:
+            parts.append(f"cos > positive + {self.margin:g}")
+        if self.relative is not None:
+            parts.append(f"cos > {self.relative:g} x positive")
+        return " or ".join(parts)
+
+    def dense(self, q: Tensor, docs: Tensor, ids: Tensor | None, first_row: int = 0) -> Tensor | None:
+        """bool [len(q), M], True where masked, for the queries `q` (global rows first_row, ...;
+        default all) against all columns `docs`; None when nothing is masked."""
+        if not self.enabled:
+            return None
+        return self.for_rows(q, docs, 1.0, first_row, ids)(q.detach() @ docs.detach().T, 0)
+
+    def for_rows(self, q_own: Tensor, docs: Tensor, scale: float, first_row: int, ids: Tensor | None) -> BlockMask:
+        """The mask of the rows `q_own` (global rows first_row, ...) as a `BlockMask`: it reads a block
+        of logits s * <q, d> of own rows start, start + 1, ... against all columns."""
+        if self.duplicates and ids is None:
+            raise ValueError(
+                "loss.mask_duplicates needs an id per document: call the loss with ids= (e.g. "
+                "titan_contrastive.batching.document_ids of the documents' token ids)"
+            )
+        with torch.no_grad():
+            positive = scale * (q_own * docs[first_row : first_row + len(q_own)]).sum(1).to(torch.float64)
+        thresholds = []
+        if self.margin is not None:
+            thresholds.append(positive + scale * self.margin)
+        if self.relative is not None:
+            thresholds.append(positive * self.relative)
+        threshold = torch.minimum(*thresholds) if len(thresholds) == 2 else (thresholds[0] if thresholds else None)
+        pos_ids = ids[first_row : first_row + len(q_own)] if self.duplicates else None
+
+        def mask(block: Tensor, start: int) -> Tensor | None:
+            rows = slice(start, start + len(block))
+            masked = None
+            if threshold is not None:
+                # above the threshold by more than rounding: an exact duplicate of the positive (a tie) is
+                # never masked by the margin, whichever summation order computed the block
+                tie = 4 * docs.shape[1] ** 0.5 * torch.finfo(block.dtype).eps * max(scale, 1.0)
+                masked = block > threshold[rows, None].to(block.dtype) + tie
+            if pos_ids is not None:
+                same = ids[None, :] == pos_ids[rows, None]
+                masked = same if masked is None else masked | same
+            if masked is not None:
+                r = torch.arange(len(block), device=block.device)
+                masked[r, first_row + start + r] = False  # the positive stays
+            return masked
+
+        return mask

@@ -1,0 +1,128 @@
+"""Matryoshka embeddings: one objective at several leading-dimension prefixes, weighted.
+
+L = sum_m w_m L(normalize(q[:, :m]), normalize(D[:, :m])) for `dims` m (e.g. 384, 256, 128, 64)
+and `weights` w_m, as sentence-transformers' MatryoshkaLoss (which truncates the embeddings and
+lets the cosine similarity renormalize them). Each prefix is its own problem, false-negative
+margins included. Under GradCache and the streamed step the cached gradient is the sum over
+the prefixes, so each sample is still re-forwarded once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from titan_contrastive.losses.base import Objective, Ranks, StreamResult
+
+
+def prefix(z: Tensor, dim: int) -> Tensor:
+    """The first `dim` components of each embedding, L2-normalized again."""
+    return F.normalize(z[..., :dim], dim=-1)
+
+
+@dataclass(frozen=True)
+class Matryoshka:
+    inner: Objective
+    dims: tuple[int, ...]
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.dims) != len(self.weights) or not self.dims:
+            raise ValueError(f"matryoshka dims {self.dims} and weights {self.weights} must be as many, at least one")
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def has_bias(self) -> bool:
+        return self.inner.has_bias
+
+    @property
+    def needs_ids(self) -> bool:
+        return self.inner.needs_ids
+
+    @property
+    def kernel_kind(self) -> str:
+        return self.inner.kernel_kind
+
+    @property
+    def init_logit_scale(self) -> float:
+        return self.inner.init_logit_scale
+
+    @property
+    def init_logit_bias(self) -> float | None:
+        return self.inner.init_logit_bias
+
+    def describe(self) -> str:
+        dims = ", ".join(f"{m} x {w:g}" for m, w in zip(self.dims, self.weights))
+        return f"{self.inner.describe()}, Matryoshka over dims {dims}"
+
+    def check_dim(self, dim: int) -> None:
+        """ValueError when a prefix is longer than the embeddings."""
+        if max(self.dims) > dim:
+            raise ValueError(
+                f"loss.matryoshka_dims={list(self.dims)}: the embeddings have {dim} dimensions; use dims <= {dim}"
+            )
+
+    def dense(
+        self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
+    ) -> Tensor:
+        self.check_dim(q.shape[-1])
+        return sum(w * self.inner.dense(prefix(q, m), prefix(docs, m), scale, bias, ids) for m, w in self._pairs())
+
+    def microbatch(
+        self,
+        q: Tensor,
+        docs: tuple[Tensor, Tensor | None],
+        scale: Tensor,
+        bias: Tensor | None,
+        ids: tuple[Tensor, Tensor | None] | None,
+        ranks: Ranks,
+    ) -> Tensor:
+        self.check_dim(q.shape[-1])
+        positives, negatives = docs
+        return sum(
+            w
+            * self.inner.microbatch(
+                prefix(q, m),
+                (prefix(positives, m), None if negatives is None else prefix(negatives, m)),
+                scale,
+                bias,
+                ids,
+                ranks,
+            )
+            for m, w in self._pairs()
+        )
+
+    def fused(self, num_queries: int, num_columns: int) -> bool:
+        return self.inner.fused(num_queries, num_columns)
+
+    def streamed(self, q_own: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None, **kwargs) -> StreamResult:
+        """The inner objective's streamed form per prefix; its gradients are carried back through
+        the prefix and the renormalization (autograd on the [rows, d] and [M, d] embeddings only)."""
+        self.check_dim(q_own.shape[-1])
+        q_leaf, d_leaf = q_own.detach().requires_grad_(), docs.detach().requires_grad_()
+        loss = grad_rows = grad_cols = scale_rows = bias_rows = None
+        for m, w in self._pairs():
+            with torch.enable_grad():
+                qm, dm = prefix(q_leaf, m), prefix(d_leaf, m)
+            part = self.inner.streamed(qm.detach(), dm.detach(), scale, bias, **kwargs)
+            gq, gd = torch.autograd.grad(
+                (qm, dm), (q_leaf, d_leaf), (part.grad_rows.to(qm.dtype) * w, part.grad_cols.to(dm.dtype) * w)
+            )
+            loss = _add(loss, w * part.loss)
+            grad_rows, grad_cols = _add(grad_rows, gq), _add(grad_cols, gd)
+            scale_rows = _add(scale_rows, w * part.scale_rows)
+            bias_rows = None if part.bias_rows is None else _add(bias_rows, w * part.bias_rows)
+        return StreamResult(loss, grad_rows, grad_cols, scale_rows, bias_rows)
+
+    def _pairs(self) -> list[tuple[int, float]]:
+        return list(zip(self.dims, self.weights))
+
+
+def _add(total: Tensor | None, value: Tensor) -> Tensor:
+    return value if total is None else total + value
