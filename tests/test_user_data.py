@@ -318,6 +318,10 @@ def test_pairs_files(tmp_path: Path) -> None:
     (tmp_path / "p.tsv").write_text("".join("\t".join(r) + "\n" for r in rows))
     got, skipped = read_pairs(str(tmp_path / "p.jsonl"), (), max_bad_fraction=0.5)
     assert got == rows and skipped == {"missing_text": 1}
+    with open(tmp_path / "ragged.jsonl", "w") as f:  # a row with another number of hard negatives
+        for row in [*rows, ["a", "b", "c", "d"]]:
+            f.write(json.dumps(row) + "\n")
+    assert read_pairs(str(tmp_path / "ragged.jsonl"), (), 0.5) == (rows, {"ragged_negatives": 1})
     assert read_pairs(str(tmp_path / "p.tsv"), (), 0.0)[0] == rows
     assert read_pairs(str(tmp_path / "p.jsonl"), ("anchor", "positive"), 0.5)[0] == [r[:2] for r in rows]
     assert read_pairs(str(tmp_path / "p.jsonl"), (), max_bad_fraction=0.0)[0] == rows  # one bad row never stops a load

@@ -99,7 +99,15 @@ def read_pairs(path: str, columns: Sequence[str], max_bad_fraction: float) -> tu
     for n, row in enumerate(raw):
         texts = [t.strip() if isinstance(t, str) else "" for t in row]
         width = width or len(texts)
-        reason = "short_row" if len(texts) < 2 or len(texts) != width else "missing_text" if not all(texts) else ""
+        reason = (
+            "short_row"
+            if len(texts) < 2
+            else "ragged_negatives"  # another number of hard negatives than the first good row
+            if len(texts) != width
+            else "missing_text"
+            if not all(texts)
+            else ""
+        )
         if reason:
             skipped[reason] += 1
             logger.warning(f"{file} row {n + 1}: {reason}; skipped")
