@@ -265,3 +265,30 @@ def _seed_api(k: int) -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_distributed_train_step_takes_hard_negatives(world: int) -> None:
     run_distributed(_seed_api, world, K)
+
+
+@needs_hf
+def test_duplicate_mask_trains_and_evaluates(tmp_path: Path) -> None:
+    """With the duplicate mask a run trains and evaluates: the eval loss leaves the mask out (its
+    embeddings come without token ids) and is the plain objective over the held-out pairs."""
+    pairs = pairs_file(tmp_path)
+    trainer = make_trainer(
+        tmp_path,
+        "--loss.mask_duplicates=true",
+        "--training.local_batch_size=6",
+        "--training.steps=1",
+        "--eval.enable=true",
+        f"--data.val_path={pairs}",
+        "--eval.batch_size=6",
+    )
+    assert trainer.objective.needs_ids and not trainer.eval_objective.needs_ids
+    trainer.train()
+    trainer.metrics.close()
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (evaluated,) = [row for row in logged if row["kind"] == "eval"]
+    model = trainer.model.eval()
+    with torch.no_grad():  # the plain objective over the 12 held-out pairs, in eval batches of 6
+        pairs = trainer.data.eval_set.__getitems__(list(range(12)))
+        q, p, scale = model(pairs["query"], pairs["doc"])
+        want = torch.stack([InfoNCE().dense(q[i : i + 6], p[i : i + 6], scale) for i in (0, 6)]).mean()
+    assert evaluated["num_samples"] == 12 and abs(evaluated["loss"] - want.item()) <= 1e-9 * want.item()

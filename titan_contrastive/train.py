@@ -37,7 +37,7 @@ from titan_contrastive.config import JobConfig, parse_args
 from titan_contrastive.config.manager import check_contrastive_problem, log_config_warnings
 from titan_contrastive.datasets import build_dataset
 from titan_contrastive.datasets.build import build_data
-from titan_contrastive.models.build import build_run_model, clamp_logit_scale, resolve_objective
+from titan_contrastive.models.build import build_run_model, clamp_logit_scale, eval_objective, resolve_objective
 from titan_contrastive.parallelisms import (
     ParallelDims,
     destroy_distributed,
@@ -74,7 +74,7 @@ class Trainer:
         flavor_args, init_state, self.resumed = model_source(
             cfg, spec, models.resolve_model_args
         )  # resume: no init_from
-        self.objective = resolve_objective(spec, cfg)
+        self.objective, self.eval_objective = resolve_objective(spec, cfg), eval_objective(spec, cfg)
         self.dims = dims = ParallelDims.for_run(cfg.parallelism, dist.world_size)
         self.dp_degree = dp = dims.dp_degree
         self.ga_steps = gradient_accumulation_steps(cfg.training.global_batch_size, cfg.training.local_batch_size, dp)
@@ -138,9 +138,9 @@ class Trainer:
 
     def forward(self, batch: dict[str, torch.Tensor], **kwargs: Any) -> Any:
         """The model's forward in this run's dtype and autocast, through the FSDP root or the module DDP
-        wraps (evaluation; not the train step)."""
+        wraps (evaluation, which ranks positives: a held-out file's hard negatives stay out; not the train step)."""
         with self.precision.autocast():
-            return self.model(*self.step_context.inputs(batch), **kwargs)
+            return self.model(*self.step_context.inputs(batch, negatives=False), **kwargs)
 
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """zero_grad -> the gradient step over k microbatches -> unscale/clip -> finite check -> step -> schedule."""
@@ -177,7 +177,8 @@ class Trainer:
         cfg, dist = self.cfg, self.dist
         run = (cfg.eval.batch_size, self.device, dist.rank, dist.world_size, Path(cfg.job.dump_folder), self.step)
         contexts = functools.partial(EvalContext, self.model, self.forward)
-        return evaluate_sets(self.spec.evaluate, lambda ds: contexts(ds, self.objective, *run), self.data.eval_sets)
+        objective = self.eval_objective
+        return evaluate_sets(self.spec.evaluate, lambda ds: contexts(ds, objective, *run), self.data.eval_sets)
 
     def _evaluate_and_log(self, last: bool) -> dict[str, float]:
         start = time.perf_counter()

@@ -5,6 +5,7 @@ before the optimizer sees a parameter; and the clamp of a learned logit scale af
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -36,6 +37,14 @@ def resolve_objective(spec: ModelSpec, cfg: JobConfig) -> Objective | None:
             "family's model does not have; use an objective without a bias (e.g. leave loss.name empty)"
         )
     return objective
+
+
+def eval_objective(spec: ModelSpec, cfg: JobConfig) -> Objective | None:
+    """The objective of the evaluation loss: the run's, without the duplicate mask (evaluation
+    embeds documents without their token ids; a held-out set seldom repeats a document)."""
+    if not cfg.loss.mask_duplicates:
+        return resolve_objective(spec, cfg)
+    return resolve_objective(spec, dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, mask_duplicates=False)))
 
 
 def build_run_model(

@@ -129,12 +129,13 @@ class StepContext:
         pad_id = dict(getattr(self.model, "padded_inputs", None) or {}).get(key)
         return document_ids(batch[key], batch.get(NEGATIVES), pad_id).to(self.device)
 
-    def inputs(self, batch: Batch) -> list[Tensor]:
+    def inputs(self, batch: Batch, negatives: bool = True) -> list[Tensor]:
         """The model inputs of a batch on the device, floating ones in the parameter dtype
         (copied asynchronously from pinned memory, then cast on the device). Hard negatives
-        (`batch["neg"]`) join the second input, 1 + k documents per sample (`with_negatives`)."""
+        (`batch["neg"]`) join the second input, 1 + k documents per sample (`with_negatives`),
+        unless `negatives` is false."""
         inputs = [batch[key].to(self.device, non_blocking=True) for key in self.input_keys]
-        if NEGATIVES in batch:
+        if negatives and NEGATIVES in batch:
             pad_id = dict(getattr(self.model, "padded_inputs", None) or {}).get(self.input_keys[1])
             inputs[1] = with_negatives(inputs[1], batch[NEGATIVES].to(self.device, non_blocking=True), pad_id)
         return [x.to(self.precision.param_dtype) if x.is_floating_point() else x for x in inputs]
