@@ -122,12 +122,15 @@ class StepContext:
     def global_batch_size(self) -> int:
         return self.local_batch_size * self.ga_steps * self.dp_degree
 
+    @property
+    def doc_pad_id(self) -> int | None:
+        """The pad id of the second input's token ids, if the model names one (`padded_inputs`)."""
+        return dict(getattr(self.model, "padded_inputs", None) or {}).get(self.input_keys[1])
+
     def document_ids(self, batch: Batch) -> Tensor:
         """The ids of a batch's documents (the second input, with its hard negatives): [B] or
         [B, 1 + k], equal for equal token ids (`batching.document_ids`), for the duplicate mask."""
-        key = self.input_keys[1]
-        pad_id = dict(getattr(self.model, "padded_inputs", None) or {}).get(key)
-        return document_ids(batch[key], batch.get(NEGATIVES), pad_id).to(self.device)
+        return document_ids(batch[self.input_keys[1]], batch.get(NEGATIVES), self.doc_pad_id).to(self.device)
 
     def inputs(self, batch: Batch, negatives: bool = True) -> list[Tensor]:
         """The model inputs of a batch on the device, floating ones in the parameter dtype
@@ -136,8 +139,8 @@ class StepContext:
         unless `negatives` is false."""
         inputs = [batch[key].to(self.device, non_blocking=True) for key in self.input_keys]
         if negatives and NEGATIVES in batch:
-            pad_id = dict(getattr(self.model, "padded_inputs", None) or {}).get(self.input_keys[1])
-            inputs[1] = with_negatives(inputs[1], batch[NEGATIVES].to(self.device, non_blocking=True), pad_id)
+            negs = batch[NEGATIVES].to(self.device, non_blocking=True)
+            inputs[1] = with_negatives(inputs[1], negs, self.doc_pad_id)
         return [x.to(self.precision.param_dtype) if x.is_floating_point() else x for x in inputs]
 
     def run(self, batch: Batch, **kwargs: Any) -> Any:

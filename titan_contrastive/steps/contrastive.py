@@ -1,5 +1,5 @@
-"""What the contrastive step kinds share: their training loss, their GradCache
-chunk, how they describe a microbatch problem, and the chunk knob they offer the memory planner."""
+"""What the contrastive step kinds share: their training loss, their GradCache chunk, how they
+describe a microbatch problem, and the chunk knob they offer the memory planner."""
 
 from __future__ import annotations
 
