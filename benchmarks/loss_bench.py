@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         "--tile-bytes",
         type=int,
         default=streaming_loss.TILE_BYTES,
-        help="CPU streaming: bytes per elementwise row tile (streaming_loss.TILE_BYTES; 1099511627776 = no tiling)",
+        help="CPU streaming: bytes per elementwise row tile (losses/streaming.py TILE_BYTES; 2**40 = no tiling)",
     )
     parser.add_argument(
         "--repeats", type=int, default=5, help="timed rounds after the warm-up (the median is reported)"
