@@ -292,3 +292,20 @@ def test_duplicate_mask_trains_and_evaluates(tmp_path: Path) -> None:
         q, p, scale = model(pairs["query"], pairs["doc"])
         want = torch.stack([InfoNCE().dense(q[i : i + 6], p[i : i + 6], scale) for i in (0, 6)]).mean()
     assert evaluated["num_samples"] == 12 and abs(evaluated["loss"] - want.item()) <= 1e-9 * want.item()
+
+
+def test_documents_per_sample_with_no_negatives_are_the_plain_step() -> None:
+    """z_y as [b, 1, d] (per-sample documents, k = 0) is the [b, d] problem, its gradient in its shape."""
+    from titan_contrastive.steps.global_negatives import StreamingClipStep
+
+    gen = torch.Generator().manual_seed(0)
+    zx = F.normalize(torch.randn(7, 4, generator=gen, dtype=torch.float64), dim=-1)
+    zy = F.normalize(torch.randn(7, 4, generator=gen, dtype=torch.float64), dim=-1)
+    grads = []
+    for docs in (zy, zy.unsqueeze(1)):
+        x, y = zx.clone().requires_grad_(), docs.clone().requires_grad_()
+        step = StreamingClipStep(stream_chunk_size=3, fixed_scale=10.0)
+        loss = step(lambda _, x=x, y=y: (x * 1, y * 1, None), [None])
+        grads.append((loss, x.grad, y.grad.reshape(7, 4)))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert torch.equal(grads[0][1], grads[1][1]) and torch.equal(grads[0][2], grads[1][2])

@@ -175,9 +175,10 @@ class StreamingClipStep:
             col_ids = columns(self.ranks.gather(pos_ids), None if neg_ids is None else self.ranks.gather(neg_ids))
         result = self._streamed(zx_local, docs, s, b, n, c, col_ids)
         gx, gy = result.grad_rows, self.ranks.scatter_sum(result.grad_cols[:n])
-        if k:  # the own samples' documents again: [c, 1 + k, d], each positive then its negatives
-            gn = self.ranks.scatter_sum(result.grad_cols[n:]).view(c, k, -1)
-            gy = torch.cat([gy.unsqueeze(1), gn], 1)
+        if zy_local.dim() == 3:  # the own samples' documents again: [c, 1 + k, d], each positive then its negatives
+            gy = gy.unsqueeze(1)
+            if k:
+                gy = torch.cat([gy, self.ranks.scatter_sum(result.grad_cols[n:]).view(c, k, -1)], 1)
         del docs
 
         # D. replayed forward with a graph, backward of the surrogate <z, cached gradient> (the engine);
