@@ -123,9 +123,14 @@ class StepContext:
         return self.local_batch_size * self.ga_steps * self.dp_degree
 
     @property
+    def pad_ids(self) -> dict[str, int]:
+        """The model's right-padded token-id inputs {batch key: pad id} (its `padded_inputs`), else none."""
+        return dict(getattr(self.model, "padded_inputs", None) or {})
+
+    @property
     def doc_pad_id(self) -> int | None:
-        """The pad id of the second input's token ids, if the model names one (`padded_inputs`)."""
-        return dict(getattr(self.model, "padded_inputs", None) or {}).get(self.input_keys[1])
+        """The pad id of the second input's token ids, if the model names one."""
+        return self.pad_ids.get(self.input_keys[1])
 
     def document_ids(self, batch: Batch) -> Tensor:
         """The ids of a batch's documents (the second input, with its hard negatives): [B] or

@@ -145,7 +145,6 @@ class StreamingClipStep:
         self._check_normalized(zx_local, "z_x")
         self._check_normalized(zy_local.flatten(0, -2), "z_y")
         positives, negatives = split_documents(zy_local)
-        k = len(negatives) // len(zx_local) if negatives is not None else 0
         learnable = self.fixed_scale is None
         if learnable and scale is None:
             raise DistributedClipError(
@@ -177,8 +176,8 @@ class StreamingClipStep:
         gx, gy = result.grad_rows, self.ranks.scatter_sum(result.grad_cols[:n])
         if zy_local.dim() == 3:  # the own samples' documents again: [c, 1 + k, d], each positive then its negatives
             gy = gy.unsqueeze(1)
-            if k:
-                gy = torch.cat([gy, self.ranks.scatter_sum(result.grad_cols[n:]).view(c, k, -1)], 1)
+            if negatives is not None:
+                gy = torch.cat([gy, self.ranks.scatter_sum(result.grad_cols[n:]).view(c, zy_local.shape[1] - 1, -1)], 1)
         del docs
 
         # D. replayed forward with a graph, backward of the surrogate <z, cached gradient> (the engine);

@@ -42,11 +42,6 @@ def _planner_error(tokens: int) -> ConfigError:
     )
 
 
-def padded_inputs(model: object) -> dict[str, int]:
-    """The model's right-padded token-id inputs {batch key: pad id} (`padded_inputs`), else none."""
-    return dict(getattr(model, "padded_inputs", None) or {})
-
-
 class GradCacheStep(ContrastiveLog):
     def __init__(
         self,
@@ -68,7 +63,7 @@ class GradCacheStep(ContrastiveLog):
         assert chunk is not None, (
             "GradCacheStep needs a chunk size (steps.build_gradient_step picks AccumulateStep otherwise)"
         )
-        tokens, pad_ids = cfg.gradcache.chunk_tokens, padded_inputs(ctx.model)
+        tokens, pad_ids = cfg.gradcache.chunk_tokens, ctx.pad_ids
         if tokens and not pad_ids:
             raise ConfigError(
                 f"gradcache.chunk_tokens={tokens}: the {ctx.family or 'model'} family's inputs are not padded token "
