@@ -4,13 +4,16 @@
     python -m benchmarks.gradcache_cpu_minilm            # 256 and 1,024 WordNet pairs, chunk 32 (~25 min, 2 cores)
     python -m benchmarks.gradcache_cpu_minilm --pairs 256 --repeats 5 --no-rss
     python -m benchmarks.gradcache_cpu_minilm --pairs 64 --repeats 1 --out /tmp/bench   # quick
+    python -m benchmarks.gradcache_cpu_minilm --negatives 1 --variants ours_tokens st_cached_mnrl_tokens
 
 One train step = the forward and backward of the loss over the batch (no optimizer), on random
 WordNet training pairs (seed 0; definition -> lemma, our tokenization: queries cut to 32 tokens,
 lemmas padded to 16), the same MiniLM weights (the offline package) in every variant, train mode
 (dropout on), the symmetric InfoNCE at scale 20 (our bi_encoder's logit scale starts at log 20;
 sentence-transformers: scale=20, directions query_to_doc + doc_to_query, per_direction, which is
-the same loss). Variants:
+the same loss). With `--negatives 1`, each pair brings the bundle's mined hard negative (a sibling
+synset's lemma) as a third column: ours as `neg`, sentence-transformers as the triplets' third
+column, the same candidate set (every positive and every negative) and the same loss. Variants:
 
 - ours_untrimmed: GradCache, chunks of 32 samples at the full width (how it ran before token-aware
   chunks: the model's trim and GradCache's are switched off for it);
@@ -19,6 +22,9 @@ the same loss). Variants:
   length-sorted samples packed to that budget;
 - st_cached_mnrl: sentence-transformers' CachedMultipleNegativesRankingLoss, mini_batch_size 32
   (its mini-batches drop their trailing padding columns; the batch is padded to its longest);
+- st_cached_mnrl_tokens: the same with mini_batch_num_tokens = the same budget as ours_tokens (its
+  budget counts the real tokens of one column's consecutive sequences, ours the padded tokens of a
+  chunk of length-sorted samples over all columns: each bounds the tokens one forward holds);
 - full_batch: one plain forward of the whole batch (cut to the batch's longest sequence) and backward.
 
 Timings: the variants run round-robin in this process (harness.round_robin, each round starting one
@@ -36,8 +42,10 @@ differ, so compare the growth). Writes gradcache_cpu_minilm.json and .csv under 
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import functools
+import gzip
 import json
 import os
 import sys
@@ -48,21 +56,27 @@ from typing import Any
 import torch
 
 from benchmarks import harness
-from titan_contrastive.datasets.wordnet import BUNDLE_DIR, TextPairDataset, load_pairs
+from titan_contrastive.batching import NEGATIVES, with_negatives
+from titan_contrastive.datasets.wordnet import BUNDLE_DIR
 from titan_contrastive.grad_cache import GradCache
-from titan_contrastive.losses import InfoNCE
+from titan_contrastive.losses import InfoNCE, MicrobatchLoss
 from titan_contrastive.models.bi_encoder import model as bi_encoder_model
 
-VARIANTS = ("ours_untrimmed", "ours_trimmed", "ours_tokens", "st_cached_mnrl", "full_batch")
+VARIANTS = ("ours_untrimmed", "ours_trimmed", "ours_tokens", "st_cached_mnrl", "st_cached_mnrl_tokens", "full_batch")
+ST = ("st_cached_mnrl", "st_cached_mnrl_tokens")
 CHUNK = 32
 SCALE = 20.0
 QUERY_LENGTH = 32
 
 
-def sample(pairs: int, seed: int = 0) -> tuple[list[str], list[str]]:
-    queries, docs = load_pairs(BUNDLE_DIR, "train")
-    idx = torch.randperm(len(queries), generator=torch.Generator().manual_seed(seed))[:pairs].tolist()
-    return [queries[i] for i in idx], [docs[i] for i in idx]
+def sample(pairs: int, seed: int = 0) -> list[list[str]]:
+    """`pairs` random training rows (definition, lemma, mined negative lemma)."""
+    rows = [
+        line.split("\t")
+        for line in gzip.decompress((BUNDLE_DIR / "pairs_train.tsv.gz").read_bytes()).decode().splitlines()
+    ]
+    idx = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:pairs].tolist()
+    return [rows[i] for i in idx]
 
 
 def lengths(ids: torch.Tensor, pad: int = 0) -> torch.Tensor:
@@ -83,44 +97,47 @@ def untrimmed_model() -> Iterator[None]:
 class Setup:
     """The models and one batch, built only for the variants asked (the RSS subprocesses build one side)."""
 
-    def __init__(self, pairs: int, variants: tuple[str, ...]) -> None:
+    def __init__(self, pairs: int, variants: tuple[str, ...], negatives: int = 0) -> None:
         from titan_contrastive.models.bi_encoder import BiEncoderArgs, build_tokenizer
 
-        self.queries, self.docs = sample(pairs)
+        rows = sample(pairs)
+        self.columns = [[r[c] for r in rows] for c in range(2 + negatives)]
+        self.queries, self.docs = self.columns[:2]
         args = BiEncoderArgs(query_length=QUERY_LENGTH)
-        data = TextPairDataset(
-            name="wordnet",
-            split="train",
-            queries=self.queries,
-            docs=self.docs,
-            tokenizer=build_tokenizer(args),
-            query_length=QUERY_LENGTH,
-            source=str(BUNDLE_DIR),
-        )
-        self.batch = data.__getitems__(list(range(pairs)))
-        self.batch = {"query": self.batch["query"], "doc": self.batch["doc"]}
+        tokenizer = build_tokenizer(args)
+        self.batch = {
+            "query": tokenizer.encode(self.queries, QUERY_LENGTH),
+            "doc": tokenizer.encode(self.docs, tokenizer.doc_length),
+        }
         per_pair = lengths(self.batch["query"]) + lengths(self.batch["doc"])
+        if negatives:
+            self.batch[NEGATIVES] = tokenizer.encode(self.columns[2], tokenizer.doc_length).unsqueeze(1)
+            per_pair = per_pair + lengths(self.batch[NEGATIVES][:, 0])
         self.budget = CHUNK * int(per_pair.median())
         self.ours = self.st = None
         if any(v.startswith(("ours", "full")) for v in variants):
             self.ours = bi_encoder_model.BiEncoder(args)
             assert abs(self.ours.logit_scale.exp().item() - SCALE) < 1e-4, "our logit scale starts at 20"
-        if "st_cached_mnrl" in variants:
+        if any(v in ST for v in variants):
             from sentence_transformers import SentenceTransformer
             from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
             self.st = SentenceTransformer(str(bi_encoder_model.model_dir()), device="cpu")
             self.st.max_seq_length = QUERY_LENGTH  # our truncation (lemmas are <= 9 tokens, under our 16)
-            self.st_loss = CachedMultipleNegativesRankingLoss(
-                self.st,
-                scale=SCALE,
-                mini_batch_size=CHUNK,
-                directions=("query_to_doc", "doc_to_query"),
-                partition_mode="per_direction",
-            )
+            self.st_losses = {
+                v: CachedMultipleNegativesRankingLoss(
+                    self.st,
+                    scale=SCALE,
+                    mini_batch_size=CHUNK,
+                    mini_batch_num_tokens=self.budget if v == "st_cached_mnrl_tokens" else None,
+                    directions=("query_to_doc", "doc_to_query"),
+                    partition_mode="per_direction",
+                )
+                for v in ST
+            }
             # the data collator's work, outside the step as in sentence-transformers' trainer
             encode = getattr(self.st, "preprocess", None) or self.st.tokenize  # preprocess: sentence-transformers >= 6
-            self.st_features = [encode(self.queries), encode(self.docs)]
+            self.st_features = [encode(column) for column in self.columns]
 
     def train(self, mode: bool) -> None:
         for m in (self.ours, self.st):
@@ -132,17 +149,21 @@ class Setup:
             if m is not None:
                 m.zero_grad(set_to_none=True)
 
+    def outputs(
+        self, query: torch.Tensor, doc: torch.Tensor, neg: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """As StepContext.encode: the positive and its negatives in one forward, [B, 1 + k, d]."""
+        model = self.ours
+        q, d, scale = model(query, doc if neg is None else with_negatives(doc, neg, model.pad_id))
+        d = d if neg is None else d.reshape(len(q), -1, d.shape[-1])
+        return q, d, scale.reshape(())  # a 0-dim per-step value, as steps/gradcache.py hands it
+
     def _gradcache(self, *, chunk_tokens: int = 0, trim: bool = True) -> GradCache:
         model = self.ours
-
-        def outputs(query: torch.Tensor, doc: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            q, d, scale = model(query, doc)
-            return q, d, scale.reshape(())  # a 0-dim per-step value, as steps/gradcache.py hands it
-
         return GradCache(
-            [outputs],
+            [self.outputs],
             CHUNK,
-            InfoNCE().dense,
+            MicrobatchLoss(InfoNCE()),
             get_rep_fn=tuple,
             chunk_tokens=chunk_tokens,
             pad_ids=model.padded_inputs if trim else None,
@@ -158,39 +179,58 @@ class Setup:
             return self._gradcache().cache_step(self.batch).item()
         if variant == "ours_tokens":
             return self._gradcache(chunk_tokens=self.budget).cache_step(self.batch).item()
-        if variant == "st_cached_mnrl":
-            loss = self.st_loss(self.st_features, torch.zeros(len(self.queries)))
+        if variant in ST:
+            loss = self.st_losses[variant](self.st_features, torch.zeros(len(self.queries)))
             loss.backward()
             return loss.item()
         if variant == "full_batch":
-            q, d, scale = self.ours(self.batch["query"], self.batch["doc"])
-            loss = InfoNCE().dense(q, d, scale)
+            q, d, scale = self.outputs(**self.batch)  # the towers cut the batch to its longest sequence
+            loss = MicrobatchLoss(InfoNCE())(q, d, scale)
             loss.backward()
             return loss.item()
         raise ValueError(variant)
 
     def tokens_forwarded(self, variant: str) -> int:
         """Token positions one forward pass runs (padding included), both sides."""
-        q, d = lengths(self.batch["query"]), lengths(self.batch["doc"])
-        n = len(q)
+        columns = [lengths(self.batch["query"]), lengths(self.batch["doc"])]
+        if NEGATIVES in self.batch:  # the documents' tower reads the positive and the negative at one width
+            columns[1] = torch.maximum(columns[1], lengths(self.batch[NEGATIVES][:, 0]))
+        k = 1 + (NEGATIVES in self.batch)  # document sequences per sample
+        n = len(columns[0])
+
+        def cost(rows: Any) -> int:  # rows forwarded at their longest sequence, each column
+            return len(columns[0][rows]) * int(columns[0][rows].max() + k * columns[1][rows].max())
+
         if variant == "ours_untrimmed":
-            return n * (self.batch["query"].shape[1] + self.batch["doc"].shape[1])
+            return n * (self.batch["query"].shape[1] + k * self.batch["doc"].shape[1])
         if variant == "full_batch":
-            return n * int(q.max() + d.max())
+            return cost(slice(None))
         if variant == "ours_tokens":
             from titan_contrastive.grad_cache import token_chunks
 
             order, sizes = token_chunks(self.batch, self.budget, self.ours.padded_inputs)
             bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
-            return sum((b - a) * int(q[order[a:b]].max() + d[order[a:b]].max()) for a, b in zip(bounds, bounds[1:]))
-        # chunks of 32 in batch order, each at its longest sequence (ST: each column on its own, the same count)
-        return sum(
-            len(q[s : s + CHUNK]) * int(q[s : s + CHUNK].max() + d[s : s + CHUNK].max()) for s in range(0, n, CHUNK)
-        )
+            return sum(cost(order[a:b]) for a, b in zip(bounds, bounds[1:]))
+        if variant == "st_cached_mnrl_tokens":  # each column packed on its own, in batch order, by its real tokens
+            total = 0
+            for length in [lengths(self.batch["query"]), lengths(self.batch["doc"])] + (
+                [lengths(self.batch[NEGATIVES][:, 0])] if NEGATIVES in self.batch else []
+            ):
+                cumulative, begin = length.cumsum(0).tolist(), 0
+                while begin < n:
+                    end = max(
+                        begin + 1,
+                        bisect.bisect_right(cumulative, (cumulative[begin - 1] if begin else 0) + self.budget),
+                    )
+                    total += (end - begin) * int(length[begin:end].max())
+                    begin = end
+            return total
+        # chunks of 32 in batch order, each at its longest sequence (ST: each column on its own, about the same)
+        return sum(cost(slice(s, s + CHUNK)) for s in range(0, n, CHUNK))
 
     def encoder_grads(self, variant: str) -> dict[str, torch.Tensor]:
         """The encoder's parameter gradients by BertModel name (ours: query_tower., ST: 0.model. or 0.auto_model.)."""
-        if variant == "st_cached_mnrl":
+        if variant in ST:
             named = {
                 n.split(".", 2)[2]: p
                 for n, p in self.st.named_parameters()
@@ -216,7 +256,7 @@ def agreement(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> di
     return {"max_param_rel_diff": per[worst], "worst_param": worst, "whole_grad_rel_diff": total.item()}
 
 
-def measure_rss(pairs: int, variant: str) -> dict[str, float]:
+def measure_rss(pairs: int, variant: str, negatives: int) -> dict[str, float]:
     """Run `variant` once in a fresh interpreter; its RSS before the step and its peak."""
     cmd = [
         sys.executable,
@@ -228,6 +268,8 @@ def measure_rss(pairs: int, variant: str) -> dict[str, float]:
         str(pairs),
         "--threads",
         str(torch.get_num_threads()),
+        "--negatives",
+        str(negatives),
     ]
     out = harness.run_child(cmd, cwd=harness.REPO, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if out.returncode != 0:
@@ -235,8 +277,8 @@ def measure_rss(pairs: int, variant: str) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def rss_one(pairs: int, variant: str) -> None:
-    setup = Setup(pairs, (variant,))
+def rss_one(pairs: int, variant: str, negatives: int) -> None:
+    setup = Setup(pairs, (variant,), negatives)
     setup.train(True)
     setup_peak = harness.peak_rss_mib()
     with harness.PeakRSS() as step:
@@ -255,11 +297,11 @@ def rss_one(pairs: int, variant: str) -> None:
 
 
 def run_size(
-    pairs: int, variants: tuple[str, ...], repeats: int, rss: bool, log: Callable[[str], None]
+    pairs: int, variants: tuple[str, ...], repeats: int, rss: bool, log: Callable[[str], None], negatives: int = 0
 ) -> list[dict[str, Any]]:
-    setup = Setup(pairs, variants)
-    rows: dict[str, dict[str, Any]] = {v: {"pairs": pairs, "variant": v} for v in variants}
-    log(f"{pairs} pairs: chunk_tokens budget {setup.budget} (= {CHUNK} x median tokens per pair)")
+    setup = Setup(pairs, variants, negatives)
+    rows: dict[str, dict[str, Any]] = {v: {"pairs": pairs, "negatives": negatives, "variant": v} for v in variants}
+    log(f"{pairs} pairs, {negatives} hard negative(s): token budget {setup.budget} (= {CHUNK} x median tokens per row)")
     # untimed pass, dropout off: the loss and the gradients of every variant, against sentence-transformers'
     setup.train(False)
     grads = {}
@@ -268,11 +310,12 @@ def run_size(
         rows[v]["loss_eval_mode"] = setup.step(v)
         grads[v] = setup.encoder_grads(v)
         rows[v]["tokens_forwarded_per_pass"] = setup.tokens_forwarded("ours_trimmed" if v == "st_cached_mnrl" else v)
-    if "st_cached_mnrl" in variants:
+    st = next((v for v in ST if v in variants), None)
+    if st:
         for v in variants:
-            if v != "st_cached_mnrl":
-                rows[v]["grad_vs_st"] = agreement(grads[v], grads["st_cached_mnrl"])
-                rows[v]["loss_vs_st"] = rows[v]["loss_eval_mode"] - rows["st_cached_mnrl"]["loss_eval_mode"]
+            if v != st:
+                rows[v]["grad_vs_st"] = agreement(grads[v], grads[st])
+                rows[v]["loss_vs_st"] = rows[v]["loss_eval_mode"] - rows[st]["loss_eval_mode"]
     del grads
     setup.train(True)
     runs = harness.round_robin(
@@ -291,14 +334,14 @@ def run_size(
             median_cpu_s=harness.summary(m.cpu_times_s)["median"],
         )
     for v in variants:
-        for ref in ("st_cached_mnrl", "full_batch"):
+        for ref in (*ST, "full_batch"):
             if ref in rows:
                 rows[v][f"x_{ref}"] = rows[v]["median_s"] / rows[ref]["median_s"]
                 rows[v][f"cpu_x_{ref}"] = rows[v]["median_cpu_s"] / rows[ref]["median_cpu_s"]
     del setup
     if rss:
         for v in variants:
-            rows[v]["rss"] = measure_rss(pairs, v)
+            rows[v]["rss"] = measure_rss(pairs, v, negatives)
             log(f"  rss {v}: {rows[v]['rss']}")
     return list(rows.values())
 
@@ -306,9 +349,11 @@ def run_size(
 def csv_row(r: dict[str, Any]) -> dict[str, Any]:
     """One row of gradcache_cpu_minilm.csv, numbers rounded for reading."""
     g, m = r.get("grad_vs_st", {}), r.get("rss", {})
-    three = ("median_s", "x_st_cached_mnrl", "x_full_batch", "median_cpu_s", "cpu_x_st_cached_mnrl", "cpu_x_full_batch")
+    ratios = [f"{cpu}x_{ref}" for cpu in ("", "cpu_") for ref in (*ST, "full_batch")]
+    three = ("median_s", "median_cpu_s", *ratios)
     return {
         "pairs": r["pairs"],
+        "negatives": r["negatives"],
         "variant": r["variant"],
         **{k: f"{r[k]:.3f}" if k in r else "" for k in three},
         "tokens_forwarded_per_pass": r["tokens_forwarded_per_pass"],
@@ -325,6 +370,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pairs", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--negatives", type=int, default=0, choices=(0, 1), help="hard negatives per pair (the bundle has one)"
+    )
     parser.add_argument("--no-rss", action="store_true", help="skip the per-variant subprocesses that measure peak RSS")
     parser.add_argument(
         "--skip-full-at", type=int, default=0, help="leave full_batch out at this many pairs and above (0: never)"
@@ -336,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.rss_one:
-        rss_one(args.pairs[0], args.rss_one)
+        rss_one(args.pairs[0], args.rss_one, args.negatives)
         return
     import warnings
 
@@ -346,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
         variants = tuple(
             v for v in args.variants if not (v == "full_batch" and args.skip_full_at and pairs >= args.skip_full_at)
         )
-        rows += run_size(pairs, variants, args.repeats, not args.no_rss, lambda s: print(s, flush=True))
+        rows += run_size(pairs, variants, args.repeats, not args.no_rss, lambda s: print(s, flush=True), args.negatives)
     import sentence_transformers
     import transformers
 
@@ -357,14 +405,16 @@ def main(argv: list[str] | None = None) -> None:
         chunk=CHUNK,
         scale=SCALE,
     )
-    harness.write_json(args.out / "gradcache_cpu_minilm.json", meta, {"rows": rows})
-    harness.write_csv(args.out / "gradcache_cpu_minilm.csv", [csv_row(r) for r in rows], meta)
-    print(f"wrote {args.out}/gradcache_cpu_minilm.json and .csv")
+    name = "gradcache_cpu_minilm" + (f"_neg{args.negatives}" if args.negatives else "")
+    harness.write_json(args.out / f"{name}.json", meta, {"rows": rows})
+    harness.write_csv(args.out / f"{name}.csv", [csv_row(r) for r in rows], meta)
+    print(f"wrote {args.out}/{name}.json and .csv")
     for r in rows:
         g = r.get("grad_vs_st", {})
         nan = float("nan")
         print(
-            f"{r['pairs']:>5} {r['variant']:<15} {r['median_s']:7.2f}s  x ST {r.get('x_st_cached_mnrl', nan):.2f}  "
+            f"{r['pairs']:>5} {r['variant']:<21} {r['median_s']:7.2f}s  x ST {r.get('x_st_cached_mnrl', nan):.2f}  "
+            f"x ST tokens {r.get('x_st_cached_mnrl_tokens', nan):.2f}  "
             f"x full {r.get('x_full_batch', nan):.2f}  cpu {r['median_cpu_s']:7.2f}s  "
             f"x ST {r.get('cpu_x_st_cached_mnrl', nan):.2f}  x full {r.get('cpu_x_full_batch', nan):.2f}  "
             f"tokens {r['tokens_forwarded_per_pass']:>6}  grad vs ST {g.get('max_param_rel_diff', nan):.1e}  "
