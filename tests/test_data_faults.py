@@ -229,7 +229,7 @@ def test_16bit_grayscale_decodes_like_its_8bit_version(tmp_path: Path) -> None:
 
 def test_byte_order_mark_is_not_part_of_the_first_column(tmp_path: Path) -> None:
     from titan_contrastive.datasets.image_folder import load_templates
-    from titan_contrastive.datasets.pairs import read_pairs
+    from titan_contrastive.datasets.pairs import read_rows
 
     Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
     (tmp_path / "bom.csv").write_text("\ufefffilepath\ttitle\na.png\ta cat\n", encoding="utf-8")
@@ -237,9 +237,9 @@ def test_byte_order_mark_is_not_part_of_the_first_column(tmp_path: Path) -> None
     assert len(source) == 1 and source.read(0).caption == "a cat"
     assert read_csv(tmp_path / "bom.csv", "filepath", "title", "\t") == [("a.png", "a cat")]
     (tmp_path / "p.tsv").write_text("\ufeffq\td\nwhat is a cat\tcat\n", encoding="utf-8")
-    assert read_pairs(str(tmp_path / "p.tsv"), ("q", "d"), 0.0)[0] == [["what is a cat", "cat"]]
+    assert read_rows(str(tmp_path / "p.tsv"), ("q", "d"), max_bad_fraction=0.0).texts == [["what is a cat", "cat"]]
     (tmp_path / "p.jsonl").write_text('\ufeff{"q": "frozen water", "d": "ice"}\n', encoding="utf-8")
-    assert read_pairs(str(tmp_path / "p.jsonl"), (), 0.0)[0] == [["frozen water", "ice"]]
+    assert read_rows(str(tmp_path / "p.jsonl"), (), max_bad_fraction=0.0).texts == [["frozen water", "ice"]]
     (tmp_path / "t.txt").write_text("\ufeffa photo of {}.\n", encoding="utf-8")
     assert load_templates(str(tmp_path / "t.txt")) == ["a photo of {}."]
 

@@ -270,6 +270,7 @@ def test_trainer_chunk_tokens_on_minilm(tmp_path: Path) -> None:
         "--metrics.enable_tensorboard=false",
         "--eval.enable=false",
         "--gradcache.enabled=true",
+        "--data.hard_negatives=false",  # WordNet's mined negatives are tested in test_wordnet_bi_encoder.py
     ]
     trainer = Trainer(
         parse_args(

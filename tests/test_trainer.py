@@ -296,3 +296,32 @@ def _dp_gradcache(tmp: str, layout: list[str]) -> None:
 @pytest.mark.parametrize("layout", [[], DDP], ids=["fsdp2", "ddp"])
 def test_data_parallel_gradcache_matches_dense(tmp_path: Path, layout: list[str]) -> None:
     run_distributed(_dp_gradcache, 2, str(tmp_path), layout)
+
+
+def test_eval_dims_report_the_recall_of_cut_embeddings(tmp_path: Path) -> None:
+    from titan_contrastive.components.evaluate import embed_dataset
+
+    """eval.dims: recall of the first m dims, re-normalized, from the definition (rank of the right
+    item among all); the full embedding's keys unchanged; more dims than the model has is an error."""
+    trainer = make_trainer(str(tmp_path), "--data.dataset=emoji", "--eval.dims=8,3", "--eval.batch_size=64")
+    result = trainer.evaluate()
+    with torch.no_grad():  # the embeddings the evaluation ranks (their own forward is tested elsewhere)
+        trainer.model.eval()
+        img, txt, _, _ = embed_dataset(
+            trainer.forward, trainer.eval_set, batch_size=64, device=torch.device("cpu"), rank=0, world_size=1
+        )
+    assert img.shape[-1] > 8
+    for m, prefix in ((img.shape[-1], ""), (8, "dim8/"), (3, "dim3/")):
+        a, t = (torch.nn.functional.normalize(x[:, :m], dim=-1) for x in (img, txt))
+        sims = a @ t.T  # one product for both ways: rows of equal texts tie exactly, as in the evaluation
+        for k in (1, 5):
+            want = sum(int((sims[i] > sims[i, i]).sum()) < k for i in range(len(a))) / len(a)
+            assert abs(result[f"{prefix}image_to_text_r@{k}"] - want) < 1e-6, (m, k)  # float32 means of 0/1
+            back = sum(int((sims[:, i] > sims[i, i]).sum()) < k for i in range(len(t))) / len(t)
+            assert abs(result[f"{prefix}text_to_image_r@{k}"] - back) < 1e-6, (m, k)
+    assert result["dim3/image_to_text_r@1"] != result["image_to_text_r@1"] or result["dim3/image_to_text_r@5"] != (
+        result["image_to_text_r@5"]
+    )
+    trainer = make_trainer(str(tmp_path / "b"), "--data.dataset=emoji", f"--eval.dims={img.shape[-1] + 1}")
+    with pytest.raises(ValueError, match=rf"eval.dims has {img.shape[-1] + 1}, more than the {img.shape[-1]} dims"):
+        trainer.evaluate()

@@ -304,7 +304,7 @@ def test_zero_shot_image_folder(emoji: dict, tmp_path: Path) -> None:
 
 
 def test_pairs_files(tmp_path: Path) -> None:
-    from titan_contrastive.datasets.pairs import read_pairs
+    from titan_contrastive.datasets.pairs import read_rows
 
     rows = [
         ["what is a cat", "cat", "dog"],
@@ -316,31 +316,36 @@ def test_pairs_files(tmp_path: Path) -> None:
             f.write(json.dumps({"anchor": q, "positive": p, "negative": n}) + "\n")
         f.write(json.dumps({"anchor": "", "positive": "x", "negative": "y"}) + "\n")
     (tmp_path / "p.tsv").write_text("".join("\t".join(r) + "\n" for r in rows))
-    got, skipped = read_pairs(str(tmp_path / "p.jsonl"), (), max_bad_fraction=0.5)
+    got, _, skipped = read_rows(str(tmp_path / "p.jsonl"), (), max_bad_fraction=0.5)
     assert got == rows and skipped == {"missing_text": 1}
     with open(tmp_path / "ragged.jsonl", "w") as f:  # a row with another number of hard negatives
         for row in [*rows, ["a", "b", "c", "d"]]:
             f.write(json.dumps(row) + "\n")
-    assert read_pairs(str(tmp_path / "ragged.jsonl"), (), 0.5) == (rows, {"ragged_negatives": 1})
-    assert read_pairs(str(tmp_path / "p.tsv"), (), 0.0)[0] == rows
-    assert read_pairs(str(tmp_path / "p.jsonl"), ("anchor", "positive"), 0.5)[0] == [r[:2] for r in rows]
-    assert read_pairs(str(tmp_path / "p.jsonl"), (), max_bad_fraction=0.0)[0] == rows  # one bad row never stops a load
+    ragged = read_rows(str(tmp_path / "ragged.jsonl"), (), max_bad_fraction=0.5)
+    assert (ragged.texts, ragged.skipped) == (rows, {"ragged_negatives": 1})
+    assert read_rows(str(tmp_path / "p.tsv"), (), max_bad_fraction=0.0).texts == rows
+    assert read_rows(str(tmp_path / "p.jsonl"), ("anchor", "positive"), max_bad_fraction=0.5).texts == [
+        r[:2] for r in rows
+    ]
+    assert (
+        read_rows(str(tmp_path / "p.jsonl"), (), max_bad_fraction=0.0).texts == rows
+    )  # one bad row never stops a load
     with open(tmp_path / "p.jsonl", "a") as f:
         f.write(json.dumps(["only a query"]) + "\n")
     with pytest.raises(DataError) as err:  # two do, at max_bad_fraction 0 (limit max(1, 0 x 5))
-        read_pairs(str(tmp_path / "p.jsonl"), (), max_bad_fraction=0.0)
+        read_rows(str(tmp_path / "p.jsonl"), (), max_bad_fraction=0.0)
     _one_line(err, "p.jsonl", "row 5", "data.max_bad_fraction", "short_row")
     with pytest.raises(DataError) as err:
-        read_pairs(str(tmp_path / "p.txt"), (), 0.0)
+        read_rows(str(tmp_path / "p.txt"), (), max_bad_fraction=0.0)
     _one_line(err, "p.txt", ".jsonl")
     pytest.importorskip("pyarrow")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"q": [r[0] for r in rows], "d": [r[1] for r in rows]}), tmp_path / "p.parquet")
-    assert read_pairs(str(tmp_path / "p.parquet"), (), 0.0)[0] == [r[:2] for r in rows]
+    assert read_rows(str(tmp_path / "p.parquet"), (), max_bad_fraction=0.0).texts == [r[:2] for r in rows]
     with pytest.raises(DataError) as err:
-        read_pairs(str(tmp_path / "p.parquet"), ("query", "doc"), 0.0)
+        read_rows(str(tmp_path / "p.parquet"), ("query", "doc"), max_bad_fraction=0.0)
     _one_line(err, "p.parquet", "'query'", "data.pairs_columns")
 
 

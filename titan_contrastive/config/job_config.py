@@ -258,12 +258,13 @@ class Data:
     """Bundled, zero setup: `fashion_mnist` (image-caption, zero-shot eval), `emoji` (image <-> name,
     retrieval eval), `wordnet` (definition <-> lemma pairs for model.name=bi_encoder). Your data:
     `csv` (image paths + captions), `webdataset` (tar shards, img2dataset layout), `hf` (a Hugging
-    Face dataset on disk) for clip; `pairs` (JSONL/TSV/Parquet text pairs) for bi_encoder."""
+    Face dataset on disk) for clip; `pairs` (JSONL/CSV/TSV/Parquet/Hugging Face text pairs) for bi_encoder."""
     path: str = ""
     """Training data. Bundled sets: a folder (empty = the Debian package if installed, else the
     bundle). csv: the file. webdataset: tars as a brace pattern (`shards/{00000..00099}.tar`) or the
     `shards.json` make_shards writes. hf: a save_to_disk folder or a Parquet/JSON/Arrow/CSV file.
-    pairs: a .jsonl/.tsv/.parquet file. Several sources of one kind: joined with `::`."""
+    pairs: a .jsonl/.csv/.tsv/.parquet/.arrow file or a save_to_disk folder. Several sources of one
+    kind: joined with `::`."""
     val_path: str = ""
     """Held-out data for evaluation (retrieval recall@1/5/10 both ways, or pair recall@1/10), of
     the same kind as `dataset`, except that a .csv/.tsv file is always read as csv; empty = no
@@ -277,17 +278,31 @@ class Data:
     """csv: column of captions."""
     csv_separator: str = "\t"
     """csv: the column separator (open_clip's default is a tab)."""
+    csv_negative_keys: list[str] = _opt([], None)
+    """csv: columns of negative captions, one per column (hard negatives of the image); empty = none."""
     wds_image_key: str = "jpg;jpeg;png;webp"
     """webdataset: the image member's extensions, tried in order."""
     wds_caption_key: str = "txt"
     """webdataset: the caption member's extension, or `json:<field>` for a field of the sample's .json."""
+    wds_negative_key: str = ""
+    """webdataset: negative captions, `json:<field>` (a list in the sample's .json) or a member's
+    extension whose text holds one caption per line; empty = none."""
     hf_image_column: str = "image"
     """hf: the column of images (an Image feature, bytes, or paths)."""
     hf_text_column: str = "text"
     """hf: the column of captions."""
+    hf_negative_columns: list[str] = _opt([], None)
+    """hf: string columns of negative captions, or one column holding a list of them; empty = none."""
     pairs_columns: list[str] = _opt([], lambda v: len(v) != 1, "empty or at least two column names")
-    """pairs: the columns (query, positive, negatives...) of JSONL/Parquet rows; empty = the row's
-    columns in order (sentence-transformers' convention: anchor, positive, then negatives)."""
+    """pairs: the columns (query, positive, negatives...) of the rows; empty = the row's columns in
+    order (sentence-transformers' convention: anchor, positive, then negatives; an `id` column is
+    the positive's id, `label`/`score` columns are refused)."""
+    pairs_id_column: str = "id"
+    """pairs: the column holding the id of each row's positive document, used by loss.mask_duplicates
+    instead of the token ids (a negative whose text is a positive's gets that id); empty = none."""
+    hard_negatives: bool = True
+    """Serve the data's hard negatives (a pairs file's extra columns, WordNet's mined negative, the
+    negative captions of csv/webdataset/hf); false = in-batch negatives only."""
     tokenizer: Literal["auto", "byte", "clip_bpe"] = "auto"
     """Caption tokenizer of image-text data: `byte` (UTF-8 bytes, the bundled sets' default) or
     `clip_bpe` (CLIP's 49,408-token BPE, context 77 as in CLIP; auto = clip_bpe for your own data)."""
@@ -342,6 +357,10 @@ class Eval:
     zero_shot_templates: str = "openai"
     """Prompt templates: `openai` (CLIP's 80 ImageNet prompts, as open_clip), `simple` (open_clip's
     short list), or a text file with one template per line, each with `{}` for the class name."""
+    dims: list[int] = _opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")
+    """Also the retrieval recall of the embeddings cut to their first m dims and re-normalized, per
+    m (keys `dim{m}/...`): a Matryoshka model's smaller embeddings, or a plain model's truncated
+    ones; empty = `loss.matryoshka_dims`."""
 
 
 @dataclass

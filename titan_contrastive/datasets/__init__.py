@@ -18,7 +18,7 @@ from titan_contrastive.datasets.fashion_mnist import build_fashion_mnist
 from titan_contrastive.datasets.loader import BlockedDistributedSampler, EpochLoader, build_dataloader
 from titan_contrastive.datasets.protocol import Dataset, ZeroShotDataset
 from titan_contrastive.datasets.tokenizer import ByteTokenizer, CaptionTokenizer, PairTokenizer
-from titan_contrastive.datasets.wordnet import TextPairDataset, build_wordnet
+from titan_contrastive.datasets.wordnet import build_wordnet
 
 __all__ = [
     "DATASETS",
@@ -30,7 +30,6 @@ __all__ = [
     "EpochLoader",
     "ImageTextDataset",
     "PairTokenizer",
-    "TextPairDataset",
     "ZeroShotDataset",
     "build_dataloader",
     "build_dataset",
@@ -56,17 +55,21 @@ def build_dataset(
     augment: bool = True,
     image_size: int = 0,
     tokenizer: Any = None,
+    hard_negatives: bool = True,
 ) -> Dataset:
     """One split of a dataset, in memory. `seed` drives the per-sample randomness of the train
     split (caption template, flips when `augment`); the test split is deterministic.
     `image_size` > 0 serves images resized to that square size. `tokenizer`: the model family's
-    own tokenizer, for the text-pair datasets that use one (wordnet)."""
+    own tokenizer, for the text-pair datasets that use one (wordnet); `hard_negatives`: whether
+    they serve their mined negatives (data.hard_negatives)."""
     if name not in _BUILDERS:
         raise DataError(f"data.dataset={name!r}: unknown dataset; choose one of {', '.join(DATASETS)}")
     if split not in SPLITS:
         raise DataError(f"split={split!r}: unknown split; choose one of {', '.join(SPLITS)}")
     if name in TOKENIZED_BY_MODEL:
-        return _BUILDERS[name](split, path=path, context_length=context_length, tokenizer=tokenizer)
+        return _BUILDERS[name](
+            split, path=path, context_length=context_length, tokenizer=tokenizer, hard_negatives=hard_negatives
+        )
     if tokenizer is not None and not isinstance(tokenizer, CaptionTokenizer):
         raise DataError(
             f"data.dataset={name!r} is image-text with its own tokenizer, but the model family brings a "

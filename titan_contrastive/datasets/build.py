@@ -9,6 +9,7 @@ Order of operations (all before any model is built, so a missing file costs no c
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,21 +20,52 @@ from titan_contrastive.config.job_config import Data, JobConfig
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
 from titan_contrastive.datasets.files import FileImageTextDataset
+from titan_contrastive.datasets.hf_disk import HfSource
 from titan_contrastive.datasets.image_folder import ImageFolderZeroShot, load_templates
 from titan_contrastive.datasets.loader import EpochLoader, build_dataloader
 from titan_contrastive.datasets.pairs import PairsDataset
 from titan_contrastive.datasets.protocol import Dataset
-from titan_contrastive.datasets.sources import CsvSource, HfSource, Source, WebDatasetSource, WeightedSources
+from titan_contrastive.datasets.sources import CsvSource, Source, WebDatasetSource, WeightedSources
 from titan_contrastive.datasets.tokenizer import ByteTokenizer, CaptionTokenizer
 
 FILE_SOURCES = ("csv", "webdataset", "hf")
 DEFAULT_IMAGE_SIZE = 224
 DEFAULT_CONTEXT = {"byte": 32, "clip_bpe": 77}
+NEGATIVE_KEYS = {"csv": "csv_negative_keys", "webdataset": "wds_negative_key", "hf": "hf_negative_columns"}
+"""data.dataset -> the `[data]` key naming its negative captions."""
+logger = logging.getLogger("titan_contrastive")
 
 
-def open_source(kind: str, path: str, data: Data, *, split: str = "train") -> Source:
+def check_negative_keys(data: Data) -> None:
+    """A negative-caption key is set only for the kind of data that reads it, and says what it reads."""
+    for kind, key in NEGATIVE_KEYS.items():
+        value = getattr(data, key)
+        if value and data.dataset != kind:
+            fix = (
+                f"set data.{NEGATIVE_KEYS[data.dataset]} instead"
+                if data.dataset in NEGATIVE_KEYS
+                else "a pairs file's hard negatives are its extra columns"
+                if data.dataset == "pairs"
+                else "leave it empty"
+            )
+            raise DataError(
+                f"data.{key}={value!r} names negative captions of data.dataset={kind!r}, but data.dataset="
+                f"{data.dataset!r}: {fix}"
+            )
+    if data.wds_negative_key.strip() in ("json:", ".", "json"):
+        raise DataError(
+            f"data.wds_negative_key={data.wds_negative_key!r}: name a member extension (e.g. 'neg.txt') or a list "
+            "field of the sample's JSON ('json:negatives')"
+        )
+    key = NEGATIVE_KEYS.get(data.dataset, "")
+    if key and getattr(data, key) and not data.hard_negatives:
+        logger.info(f"data.hard_negatives=false: data.{key} is not read; each problem has in-batch negatives only")
+
+
+def open_source(kind: str, path: str, data: Data, *, split: str = "train", negatives: bool = False) -> Source:
     """The records behind `path` (`::` joins several, weighted by `data.upsampling_factors`), read
-    as the `[data]` section `data` says (column names, shard member keys)."""
+    as the `[data]` section `data` says (column names, shard member keys; with `negatives`, the
+    negative captions its `*_negative_*` keys name)."""
     if not path:
         raise DataError(
             f"data.path is empty: data.dataset={kind!r} reads your files; set data.path (see README, 'Your own data')"
@@ -50,14 +82,31 @@ def open_source(kind: str, path: str, data: Data, *, split: str = "train") -> So
         if kind == "csv":
             sources.append(
                 CsvSource(
-                    part, img_key=data.csv_img_key, caption_key=data.csv_caption_key, separator=data.csv_separator
+                    part,
+                    img_key=data.csv_img_key,
+                    caption_key=data.csv_caption_key,
+                    separator=data.csv_separator,
+                    negative_keys=data.csv_negative_keys if negatives else (),
                 )
             )
         elif kind == "webdataset":
-            sources.append(WebDatasetSource(part, image_keys=data.wds_image_key, caption_key=data.wds_caption_key))
+            sources.append(
+                WebDatasetSource(
+                    part,
+                    image_keys=data.wds_image_key,
+                    caption_key=data.wds_caption_key,
+                    negative_key=data.wds_negative_key if negatives else "",
+                )
+            )
         else:
             sources.append(
-                HfSource(part, image_column=data.hf_image_column, text_column=data.hf_text_column, split=split)
+                HfSource(
+                    part,
+                    image_column=data.hf_image_column,
+                    text_column=data.hf_text_column,
+                    split=split,
+                    negative_columns=data.hf_negative_columns if negatives else (),
+                )
             )
     if len(sources) == 1 and factors[0] == 1.0:
         return sources[0]
@@ -117,8 +166,9 @@ def describe_losses(split: str, ds: Dataset) -> str:
 def build_file_dataset(
     kind: str, split: str, path: str, data: Data, *, tokenizer: Any, image_size: int, seed: int, augment: bool
 ) -> FileImageTextDataset:
-    """One split of the user's image-caption data (`data`: the `[data]` section)."""
-    source = open_source(kind, path, data, split=split)
+    """One split of the user's image-caption data (`data`: the `[data]` section). Negative captions
+    are read for the train split only, with data.hard_negatives: evaluation ranks positives."""
+    source = open_source(kind, path, data, split=split, negatives=split == "train" and data.hard_negatives)
     return FileImageTextDataset(
         name=kind,
         split=split,
@@ -152,6 +202,7 @@ def build_data(
     except ImportError as e:
         raise ConfigError(str(e)) from None
     eval_sets: list[Dataset | None] = []
+    check_negative_keys(data)
     if data.dataset in FILE_SOURCES:
         if pair_tokenizer is not None and not isinstance(pair_tokenizer, CaptionTokenizer):
             raise DataError(
@@ -178,11 +229,14 @@ def build_data(
             tokenizer=pair_tokenizer,
             query_length=context_length,
             columns=data.pairs_columns,
+            id_column=data.pairs_id_column,
             max_bad_fraction=data.max_bad_fraction,
+            hard_negatives=data.hard_negatives,
         )
         if not data.path:
             raise DataError(
-                "data.path is empty: data.dataset='pairs' reads your .jsonl/.tsv/.parquet file; set data.path"
+                "data.path is empty: data.dataset='pairs' reads your .jsonl/.csv/.tsv/.parquet file or Hugging Face "
+                "dataset folder; set data.path"
             )
         train = PairsDataset(split="train", path=data.path, **common)
         eval_sets.append(PairsDataset(split="test", path=data.val_path, **common) if data.val_path else None)
@@ -199,6 +253,7 @@ def build_data(
             context_length=context_length,
             image_size=data.image_size,
             tokenizer=pair_tokenizer,
+            hard_negatives=data.hard_negatives,
         )
         train = build_bundled(data.dataset, "train", augment=data.augment, **common)
         eval_sets.append(build_bundled(data.dataset, "test", augment=False, **common))

@@ -12,10 +12,16 @@ which keeps resumption exact. Each skip is returned under `BAD_SAMPLES` in the b
 takes it out, counts it by reason, logs it and stops the run past `data.max_bad_fraction`
 (`datasets.bad_samples`). Shards that indexing left out or cut short were logged when the source
 was opened; they are listed in `shard_losses` and counted as `bad_shards`.
+
+A source that reads negative captions (`sources.Source.num_negatives` = k > 0) gives each sample
+k hard negatives, served as `neg` [B, k, L] token ids tokenized like the captions: the steps add
+them to the text columns of each image's problem (`batching.with_negatives`). A substituted slot
+takes the substitute's negatives with its caption.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +29,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from titan_contrastive.batching import NEGATIVES
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.image_transforms import (
@@ -35,14 +42,16 @@ from titan_contrastive.datasets.image_transforms import (
 )
 from titan_contrastive.datasets.sources import BadSample, Record, Source
 
+logger = logging.getLogger("titan_contrastive")
 MAX_SUBSTITUTES = 64
 """Consecutive bad records after which a batch gives up (the data is broken, not noisy)."""
 
 
 class FileImageTextDataset:
     """A `datasets.protocol.Dataset` over a `sources.Source`: image [B,3,S,S] float32, text [B,L]
-    int64, index [B] int64 (and BAD_SAMPLES, a list of skipped records). Retrieval evaluation
-    (recall@1/5/10 both ways) when it is the eval split; `class_names` is None."""
+    int64, index [B] int64, with negative captions `neg` [B, k, L] int64 (and BAD_SAMPLES, a list of
+    skipped records). Retrieval evaluation (recall@1/5/10 both ways) when it is the eval split;
+    `class_names` is None."""
 
     def __init__(
         self,
@@ -73,6 +82,12 @@ class FileImageTextDataset:
         self.shard_losses = list(getattr(source, "losses", []))
         """What indexing left out of the source (`sources.ShardLoss`), for the data line and `bad_shards` metrics."""
         self._normalize = Normalize(mean, std)
+        self.num_negatives = getattr(source, "num_negatives", 0)
+        if self.num_negatives and split == "train":
+            logger.info(
+                f"{name}: {self.num_negatives} negative caption(s) per sample in {source.location}: each image's "
+                f"problem has the batch's captions and {self.num_negatives} hard negatives per image as columns"
+            )
 
     def __len__(self) -> int:
         return len(self._source)
@@ -121,18 +136,22 @@ class FileImageTextDataset:
     def __getitems__(self, indices: Sequence[int]) -> dict[str, Any]:
         size = self.image_shape[-1]
         pixels = np.empty((len(indices), size, size, 3), dtype=np.uint8)
-        captions, bad = [], []
+        captions, negatives, bad = [], [], []
         for row, index in enumerate(indices):
             image, record = self._read(int(index), bad)
             rng = sample_rng(self.seed, self.epoch, int(index)) if self.train else None
             pixels[row] = crop_resize(image, size, train=self.train, rng=rng)
             captions.append(record.caption)
-        return {
+            negatives.extend(record.negatives)
+        batch = {
             "image": self._normalize(pixels),
             "text": self.tokenizer.encode(captions),
             "index": torch.as_tensor(list(indices), dtype=torch.long),
             BAD_SAMPLES: bad,
         }
+        if self.num_negatives:
+            batch[NEGATIVES] = self.tokenizer.encode(negatives).view(len(indices), self.num_negatives, -1)
+        return batch
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         batch = self.__getitems__([index])

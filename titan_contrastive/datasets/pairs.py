@@ -1,39 +1,61 @@
 """The user's text pairs for the bi_encoder family: `(query, positive[, negative, ...])` rows.
 
-Files: `.jsonl` (one JSON object per line, or a JSON list), `.tsv` (tab-separated; a header line
-when `data.pairs_columns` names the columns, else none), `.parquet`. Columns: those named by
-`data.pairs_columns` (query, positive, then negatives), else the row's columns in order, which
-is sentence-transformers' convention (anchor, positive, negatives...).
+Files: `.jsonl` (one JSON object per line, or a JSON list), `.csv` (comma-separated, a header
+line), `.tsv` (tab-separated; a header line when `data.pairs_columns` names the columns, else
+none), `.parquet`, and Hugging Face datasets on disk: a `save_to_disk` folder (of a DatasetDict,
+the split "train" or "test") or an `.arrow` file (`hf_disk`, never the hub).
+
+Columns: those named by `data.pairs_columns` (query, positive, then negatives), else the row's
+columns in order, which is sentence-transformers' convention (anchor, positive, negatives...),
+with two exceptions for named columns: the id column (`data.pairs_id_column`, `id`) is no text
+but the positive's id, and a `label` or `score` column is refused, as scored pairs are another
+loss's data. A negative column may hold a list of texts (tevatron's `negatives: [...]`),
+flattened in order.
+
+Ids: with an id column, every positive's document id is a hash of its id string, and a hard
+negative's is the id of a positive with exactly its text, else a hash of its text (another
+namespace); they are served as `doc_id` (`batching.DOC_IDS`) [B] or [B, 1 + k], and the duplicate
+mask (loss.mask_duplicates) then compares documents as the data names them, not by token ids.
+blake2b rather than Python's `hash`: the same ids in every process, run and worker.
 
 Why everything is tokenized at load, as for WordNet: a batch is then one gather, and the texts
-are small next to images. A row with an empty query or positive is skipped at load, counted
-and logged; past `data.max_bad_fraction` of the file the load stops, naming the file and row.
-Extra columns are hard negatives, served as `neg` [B, k, doc_length]: every step kind adds them
-to the contrastive problem as extra columns (`batching.with_negatives`, `losses`), and the start
-log says how many a file has.
+are small next to images. A bad row (an empty query, positive or negative, another number of
+negatives than the first row, a missing id) is skipped at load, counted and logged; past
+`data.max_bad_fraction` of the file the load stops, naming the file and row. Extra columns are
+hard negatives, served as `neg` [B, k, doc_length] unless data.hard_negatives is false: every
+step kind adds them to the contrastive problem as extra columns (`batching.with_negatives`,
+`losses`), and the start log says how many are served.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import logging
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from titan_contrastive.batching import DOC_IDS, NEGATIVES
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.hf_disk import open_hf_dataset
 from titan_contrastive.datasets.tokenizer import PairTokenizer
 
 logger = logging.getLogger("titan_contrastive")
-FORMATS = (".jsonl", ".tsv", ".parquet")
+FORMATS = (".jsonl", ".csv", ".tsv", ".parquet", ".arrow")
+SCORE_COLUMNS = ("label", "score")
 
 
-def _rows(file: Path, columns: Sequence[str]) -> list[list[Any]]:
-    """Each row's values in column order."""
+def _table(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, list[Any]]:
+    """(the column names, or None when rows come unnamed or name their own; the rows: dicts by
+    column name, or lists of values). `split`: a saved DatasetDict's split to read."""
+    if file.is_dir() or file.suffix == ".arrow":
+        ds = open_hf_dataset(str(file), split, kind="pairs", suffixes={".arrow": "arrow"})
+        return list(ds.column_names), ds.to_list()
     if file.suffix == ".jsonl":
         rows = []
         # -sig: a byte-order mark is no JSON
@@ -44,68 +66,103 @@ def _rows(file: Path, columns: Sequence[str]) -> list[list[Any]]:
                 obj = json.loads(line)
             except ValueError as e:
                 raise DataError(f"{file}:{n}: not a JSON line ({e}); write one JSON object or list per line") from None
-            rows.append(
-                [obj.get(c) for c in columns]
-                if columns and isinstance(obj, dict)
-                else list(obj.values())
-                if isinstance(obj, dict)
-                else list(obj)
-            )
-        return rows
-    if file.suffix == ".tsv":
+            rows.append(obj if isinstance(obj, dict) else list(obj))
+        return None, rows
+    if file.suffix in (".csv", ".tsv"):
+        tsv = file.suffix == ".tsv"
+        dialect = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if tsv else {}
         # -sig: a byte-order mark is not part of the first column
         with open(file, newline="", encoding="utf-8-sig") as f:
-            lines = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-        if not columns:
-            return lines
-        header = lines[0] if lines else []
-        missing = [c for c in columns if c not in header]
-        if missing:
-            raise DataError(
-                f"{file}: no column {missing[0]!r} in the header ({', '.join(header)}); fix data.pairs_columns"
-            )
-        return [[line[header.index(c)] if header.index(c) < len(line) else None for c in columns] for line in lines[1:]]
+            if tsv and not columns:  # a TSV without data.pairs_columns has no header
+                return None, list(csv.reader(f, **dialect))
+            reader = csv.DictReader(f, **dialect)  # a longer line's extra fields: a list under None
+            return list(reader.fieldnames or []), list(reader)
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"{file}: Parquet needs pyarrow: pip install -e '.[data]' (or give .jsonl/.tsv)") from None
-
+        raise DataError(f"{file}: Parquet needs pyarrow: pip install -e '.[data]' (or give .jsonl/.csv/.tsv)") from None
     table = pq.read_table(file)
-    names = list(columns) or table.column_names
-    missing = [c for c in names if c not in table.column_names]
-    if missing:
+    return list(table.column_names), table.to_pylist()
+
+
+class PairRows(NamedTuple):
+    texts: list[list[str]]
+    """Per row: query, positive, negatives..., every row as wide as the first."""
+    ids: list[str] | None
+    """Per row, its positive's id (the id column's value as text); None without an id column."""
+    skipped: Counter[str]
+    """Bad rows by reason."""
+
+
+def _fields(row: Any, columns: Sequence[str], id_column: str) -> tuple[list[Any], Any]:
+    """(the row's text values in column order, its id value or None)."""
+    if not isinstance(row, dict):
+        return list(row), None
+    ident = row.get(id_column) if id_column else None
+    return ([row.get(c) for c in columns] if columns else [v for k, v in row.items() if k != id_column]), ident
+
+
+def _check_columns(file: Path, names: list[str] | None, raw: list[Any], columns: Sequence[str], id_column: str) -> bool:
+    """Whether the rows have an id column; a DataError for a column that is not there or not allowed."""
+    if id_column and id_column in columns:
         raise DataError(
-            f"{file}: no column {missing[0]!r} (columns: {', '.join(table.column_names)}); fix data.pairs_columns"
+            f"data.pairs_id_column={id_column!r} is also in data.pairs_columns={list(columns)}: the id is not a "
+            "text; take it out of one of them"
         )
-    data = table.select(names).to_pydict()
-    return [list(row) for row in zip(*(data[c] for c in names))]
-
-
-def read_pairs(path: str, columns: Sequence[str], max_bad_fraction: float) -> tuple[list[list[str]], Counter[str]]:
-    """Rows of texts (query, positive, negatives...), each row as long as the first good one."""
-    file = Path(path).expanduser()
-    if file.suffix not in FORMATS or not file.is_file():
+    keys = set(names) if names is not None else {k for row in raw if isinstance(row, dict) for k in row}
+    missing = [c for c in columns if names is not None and c not in keys]
+    if missing:
+        raise DataError(f"{file}: no column {missing[0]!r} (columns: {', '.join(names or [])}); fix data.pairs_columns")
+    scored = [c for c in SCORE_COLUMNS if c in keys]
+    if scored and not columns:
         raise DataError(
-            f"data.path={path}: not an existing {'/'.join(FORMATS)} file; give query/positive[/negative] rows in one "
-            "of those"
+            f"{file}: a {scored[0]!r} column: this loader reads (anchor, positive, negatives...) rows, not scored "
+            "pairs; drop the column or name the text columns in data.pairs_columns"
+        )
+    if id_column and id_column not in keys and id_column != "id":
+        raise DataError(
+            f"data.pairs_id_column={id_column!r}: {file} has no such column (columns: {', '.join(map(str, keys))}); "
+            "name the positive's id column, or set it to '' for none"
+        )
+    return bool(id_column) and id_column in keys
+
+
+def read_rows(
+    path: str, columns: Sequence[str] = (), id_column: str = "id", max_bad_fraction: float = 0.001, split: str = "train"
+) -> PairRows:
+    """The usable rows of a pairs file and their ids (see the module docstring); `split`: which
+    split of a saved DatasetDict."""
+    file = Path(path).expanduser()
+    if not (file.is_dir() or (file.suffix in FORMATS and file.is_file())):
+        raise DataError(
+            f"data.path={path}: not an existing {'/'.join(FORMATS)} file or save_to_disk folder; give "
+            "query/positive[/negative] rows in one of those"
         )
     try:
-        raw = _rows(file, columns)
+        names, raw = _table(file, columns, split)
+    except DataError:
+        raise
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise DataError(f"{file}: not readable ({type(e).__name__}: {e})") from None
-    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file
-        raise DataError(f"{file}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-    rows, skipped, width = [], Counter(), 0
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file, a JSON line of no row
+        raise DataError(f"{file}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
+    has_ids = _check_columns(file, names, raw, columns, id_column)
+    rows, ids, skipped, width = [], [], Counter(), 0
     for n, row in enumerate(raw):
-        texts = [t.strip() if isinstance(t, str) else "" for t in row]
+        values, ident = _fields(row, columns, id_column if has_ids else "")
+        values = values[:2] + [t for v in values[2:] for t in (v if isinstance(v, (list, tuple)) else [v])]
+        texts = [t.strip() if isinstance(t, str) else "" for t in values]
+        ident = "" if ident is None else str(ident).strip()
         width = width or len(texts)
         reason = (
             "short_row"
             if len(texts) < 2
-            else "ragged_negatives"  # another number of hard negatives than the first good row
+            else "ragged_negatives"  # another number of hard negatives than the first row
             if len(texts) != width
             else "missing_text"
             if not all(texts)
+            else "missing_id"
+            if has_ids and not ident
             else ""
         )
         if reason:
@@ -119,13 +176,35 @@ def read_pairs(path: str, columns: Sequence[str], max_bad_fraction: float) -> tu
                 )
             continue
         rows.append(texts)
+        ids.append(ident)
     if not rows:
         raise DataError(f"{file}: no usable rows; every row needs a query and a positive")
-    return rows, skipped
+    return PairRows(rows, ids if has_ids else None, skipped)
+
+
+def _hash63(namespace: str, text: str) -> int:
+    """A stable 63-bit hash of a string in a namespace (the same in every process and run)."""
+    digest = hashlib.blake2b(f"{namespace}\0{text}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def document_id_table(rows: Sequence[Sequence[str]], ids: Sequence[str]) -> torch.Tensor:
+    """int64 [N, 1 + k]: row i's positive's id, then its negatives' (a positive's id for a negative
+    with exactly its text, the first such row's; else a hash of the text)."""
+    positive = [_hash63("id", i) for i in ids]
+    by_text: dict[str, int] = {}
+    for row, pid in zip(rows, positive):
+        by_text.setdefault(row[1], pid)
+    table = [
+        [pid] + [by_text[t] if t in by_text else _hash63("text", t) for t in row[2:]]
+        for row, pid in zip(rows, positive)
+    ]
+    return torch.tensor(table, dtype=torch.int64).view(len(rows), -1)
 
 
 class PairsDataset:
-    """Pre-tokenized rows: batches {query, doc, index[, neg]} (see the module docstring)."""
+    """Pre-tokenized rows: batches {query, doc, index[, neg][, doc_id]} (see the module docstring).
+    Built from a file (the constructor) or from rows in memory (`from_rows`, e.g. WordNet)."""
 
     def __init__(
         self,
@@ -135,30 +214,73 @@ class PairsDataset:
         tokenizer: PairTokenizer,
         query_length: int,
         columns: Sequence[str] = (),
+        id_column: str = "id",
         max_bad_fraction: float = 0.001,
+        hard_negatives: bool = True,
     ) -> None:
-        rows, self.skipped = read_pairs(path, columns, max_bad_fraction)
-        self.name, self.split, self.source, self.full = "pairs", split, path, True
+        rows = read_rows(path, columns, id_column, max_bad_fraction, split)
+        self.skipped = rows.skipped
+        self._setup(rows.texts, rows.ids, "pairs", split, path, tokenizer, query_length, hard_negatives)
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: Sequence[Sequence[str]],
+        *,
+        name: str,
+        split: str,
+        source: str,
+        tokenizer: PairTokenizer,
+        query_length: int,
+        ids: Sequence[str] | None = None,
+        hard_negatives: bool = True,
+    ) -> PairsDataset:
+        """A dataset of rows (query, positive, negatives...), all of one width; `ids`: the positives' ids."""
+        if not rows or len({len(r) for r in rows}) != 1 or len(rows[0]) < 2:
+            raise DataError(f"{source}: rows must all hold a query, a positive and the same number of negatives")
+        if ids is not None and len(ids) != len(rows):
+            raise DataError(f"{source}: {len(ids)} ids for {len(rows)} rows; give one id per row")
+        self = cls.__new__(cls)
+        self.skipped = Counter()
+        self._setup(rows, ids, name, split, source, tokenizer, query_length, hard_negatives)
+        return self
+
+    def _setup(
+        self,
+        rows: Sequence[Sequence[str]],
+        ids: Sequence[str] | None,
+        name: str,
+        split: str,
+        source: str,
+        tokenizer: PairTokenizer,
+        query_length: int,
+        hard_negatives: bool,
+    ) -> None:
+        self.name, self.split, self.source, self.full = name, split, source, True
         self.image_shape = None
         self.class_names = None
         self.recall_ks = (1, 10)
         self.recall_direction = "query_to_doc"
         self.tokenizer = tokenizer
-        self.num_negatives = len(rows[0]) - 2
+        in_file = len(rows[0]) - 2
+        self.num_negatives = in_file if hard_negatives else 0  # served per row as `neg` [B, k, L]; 0: none
         self._queries = tokenizer.encode([r[0] for r in rows], query_length)
         self._docs = tokenizer.encode([r[1] for r in rows], tokenizer.doc_length)
-        self._negs = (
-            tokenizer.encode([t for r in rows for t in r[2:]], tokenizer.doc_length).view(
-                len(rows), self.num_negatives, -1
-            )
-            if self.num_negatives
-            else None
-        )
-        if self.num_negatives and split == "train":
+        k = self.num_negatives
+        negatives = [t for r in rows for t in r[2:]] if k else []
+        self._negs = tokenizer.encode(negatives, tokenizer.doc_length).view(len(rows), k, -1) if k else None
+        ids_table = document_id_table(rows, ids) if ids is not None else None
+        self._ids = None if ids_table is None else ids_table if k else ids_table[:, 0]
+        if split == "train" and in_file:
             logger.info(
-                f"pairs: {self.num_negatives} hard negative(s) per row in {path}: each query's problem has the "
-                f"batch's positives and {self.num_negatives} hard negatives per query as columns"
+                f"{name}: {k} hard negative(s) per row served from {source}: each query's problem has the batch's "
+                f"positives and {k} hard negatives per query as columns"
+                if k
+                else f"{name}: data.hard_negatives=false: the {in_file} hard negative(s) per row in {source} are not "
+                "served; each query's problem has the batch's positives only"
             )
+        if split == "train" and ids is not None:
+            logger.info(f"{name}: document ids from the id column of {source} (loss.mask_duplicates compares them)")
 
     def __len__(self) -> int:
         return len(self._queries)
@@ -170,5 +292,7 @@ class PairsDataset:
         idx = torch.as_tensor(list(indices), dtype=torch.long)
         batch = {"query": self._queries[idx], "doc": self._docs[idx], "index": idx}
         if self._negs is not None:
-            batch["neg"] = self._negs[idx]
+            batch[NEGATIVES] = self._negs[idx]
+        if self._ids is not None:
+            batch[DOC_IDS] = self._ids[idx]
         return batch

@@ -1,9 +1,16 @@
-"""Where image-caption records come from: CSV files, webdataset tar shards, Hugging Face datasets.
+"""Where image-caption records come from: CSV files, webdataset tar shards (and Hugging Face datasets
+on disk, `hf_disk.HfSource`, built on the records and checks here).
 
 A source is an indexable list of raw records: `read(i)` returns the image's encoded bytes (or a
 decoded image, for a Hugging Face image column) and its caption, or raises `BadSample` naming the
 file or shard, the sample key and the reason. Decoding, cropping and tokenizing happen in
 `files.FileImageTextDataset`, the same for every source.
+
+Negative captions (hard negatives: `data.csv_negative_keys`, `wds_negative_key`,
+`hf_negative_columns`): k per record, fixed per source (`num_negatives`: the number of columns, or
+for a list-valued field the first record's count, read when the source opens), so that a batch
+is a [B, k] block; a record whose negatives are missing or of another count is a `BadSample`
+(missing_negatives, ragged_negatives), substituted and counted like any other.
 
 Why random access (map-style) also for tar shards: the loader's blocked sampler gives every DP
 rank a slice of one global permutation, which is what makes the global batch independent of the
@@ -35,7 +42,7 @@ import logging
 import os
 import stat
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -109,19 +116,23 @@ class Record(NamedTuple):
     """The file or shard it was read from."""
     key: str
     """The sample's key in it (a row number, a tar key)."""
+    negatives: tuple[str, ...] = ()
+    """Its negative captions, the source's `num_negatives` of them (none unless configured)."""
 
 
 class Source(Protocol):
     location: str
     losses: list[ShardLoss]
     """What indexing left out (see the module docstring); empty for sources without shards."""
+    num_negatives: int
+    """Negative captions per record (0: none read)."""
 
     def __len__(self) -> int: ...
 
     def read(self, index: int) -> Record: ...
 
 
-def _caption(text: Any, where: str, key: str) -> str:
+def caption_text(text: Any, where: str, key: str) -> str:
     if isinstance(text, bytes):
         text = text.decode("utf-8", errors="replace")
     if not isinstance(text, str) or not text.strip():
@@ -129,11 +140,49 @@ def _caption(text: Any, where: str, key: str) -> str:
     return text.strip()
 
 
+def _flatten(values: Sequence[Any]) -> list[Any]:
+    """Field values, a list-valued one expanded in place."""
+    return [t for v in values for t in (v if isinstance(v, (list, tuple)) else [v])]
+
+
+def negative_captions(values: Sequence[Any], count: int, where: str, key: str) -> tuple[str, ...]:
+    """A record's `count` negative captions from its fields' values (strings or lists of strings,
+    flattened in order), stripped; else BadSample missing_negatives or ragged_negatives."""
+    texts = [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t for t in _flatten(values)]
+    if not texts or any(not isinstance(t, str) or not t.strip() for t in texts):
+        raise BadSample("missing_negatives", where, key, "a negative caption is missing or empty")
+    if len(texts) != count:
+        raise BadSample("ragged_negatives", where, key, f"{len(texts)} negative captions where the source has {count}")
+    return tuple(t.strip() for t in texts)
+
+
+def first_negative_count(values_of: Callable[[int], Sequence[Any]], size: int, setting: str, where: str) -> int:
+    """The negatives per record of a list-valued field: the count of the first readable record that has any."""
+    for index in range(min(size, 64)):
+        try:
+            count = len(_flatten(values_of(index)))
+        except BadSample:
+            continue
+        if count:
+            return count
+    raise DataError(
+        f"{setting}: none of the first {min(size, 64)} samples of {where} has negative captions there; fix the "
+        "setting or the data"
+    )
+
+
 class CsvSource:
-    """Rows of a CSV/TSV: an image path (relative paths resolve against the file's folder) and a caption."""
+    """Rows of a CSV/TSV: an image path (relative paths resolve against the file's folder), a caption
+    and, with `negative_keys`, one negative caption per named column."""
 
     def __init__(
-        self, path: str, *, img_key: str = "filepath", caption_key: str = "title", separator: str = "\t"
+        self,
+        path: str,
+        *,
+        img_key: str = "filepath",
+        caption_key: str = "title",
+        separator: str = "\t",
+        negative_keys: Sequence[str] = (),
     ) -> None:
         file = Path(path).expanduser()
         if not file.is_file():
@@ -150,14 +199,22 @@ class CsvSource:
                         f"{file}: no column {missing[0]!r} (columns: {', '.join(columns) or 'none'}, separator "
                         f"{separator!r}); set data.csv_img_key / data.csv_caption_key / data.csv_separator"
                     )
-                rows = [(row[img_key], row[caption_key]) for row in reader]
+                unknown = [c for c in negative_keys if c not in columns]
+                if unknown:
+                    raise DataError(
+                        f"{file}: no column {unknown[0]!r} (columns: {', '.join(columns)}); fix "
+                        f"data.csv_negative_keys={list(negative_keys)}"
+                    )
+                rows = [(row[img_key], row[caption_key], tuple(row[c] for c in negative_keys)) for row in reader]
         except (UnicodeDecodeError, csv.Error) as e:
             raise DataError(f"{file}: not a readable UTF-8 CSV ({e}); fix the file or data.csv_separator") from None
         if not rows:
             raise DataError(f"{file}: no rows; give a CSV with at least one image and caption")
         folder = file.parent
-        self._paths = [str(folder / p) if p and not os.path.isabs(p) else p for p, _ in rows]
-        self._captions = [c for _, c in rows]
+        self._paths = [str(folder / p) if p and not os.path.isabs(p) else p for p, _, _ in rows]
+        self._captions = [c for _, c, _ in rows]
+        self._negatives = [n for _, _, n in rows]
+        self.num_negatives = len(negative_keys)
 
     def __len__(self) -> int:
         return len(self._paths)
@@ -166,7 +223,11 @@ class CsvSource:
         where, key = self.location, f"row {index + 2}"  # line number in the file (header is line 1)
         path = self._paths[index]
         data = read_file(path, where, key)
-        return Record(data, _caption(self._captions[index], where, key), path, key)
+        caption = caption_text(self._captions[index], where, key)
+        negatives = (
+            negative_captions(self._negatives[index], self.num_negatives, where, key) if self.num_negatives else ()
+        )
+        return Record(data, caption, path, key, negatives)
 
 
 def expand_shards(pattern: str) -> list[str]:
@@ -183,15 +244,19 @@ class WebDatasetSource:
     `*.json` (`make_shards` writes `shards.json`), whose sample counts spare the scans: only a shard
     whose size differs from the descriptor's `filesize` (or, without one, that does not start with
     a tar header) is scanned then. `caption_key`: `txt`, or `json:<field>` for a field of the sample's JSON.
+    `negative_key`: `json:<field>`, a list of negative captions in the sample's JSON, or a member's
+    extension whose text holds one negative caption per line; empty: none.
     Shards left out or cut short: `losses`, each also logged (see the module docstring).
     """
 
     MAX_OPEN = 8
 
-    def __init__(self, path: str, *, image_keys: str = "jpg;jpeg;png;webp", caption_key: str = "txt") -> None:
+    def __init__(
+        self, path: str, *, image_keys: str = "jpg;jpeg;png;webp", caption_key: str = "txt", negative_key: str = ""
+    ) -> None:
         self.location = path
         self.image_keys = ["." + k.strip().lstrip(".") for k in image_keys.split(";") if k.strip()]
-        self.caption_key = caption_key
+        self.caption_key, self.negative_key, self.num_negatives = caption_key, negative_key, 0
         self.losses: list[ShardLoss] = []
         self._open: OrderedDict[int, TarShard] = OrderedDict()  # shard -> its index (at most MAX_OPEN held)
         if path.endswith(".json"):
@@ -217,6 +282,11 @@ class WebDatasetSource:
             first = f" (first: {self.losses[0]})" if self.losses else ""
             raise DataError(
                 f"data.path={path}: no readable samples in {len(urls)} shard(s){first}; check or rebuild the tar files"
+            )
+        if negative_key:
+            setting = f"data.wds_negative_key={negative_key!r}"
+            self.num_negatives = first_negative_count(
+                lambda i: self._negative_values(*self._sample(i)), len(self), setting, path
             )
 
     @staticmethod
@@ -317,7 +387,8 @@ class WebDatasetSource:
         self._open.move_to_end(shard)
         return self._open[shard]
 
-    def read(self, index: int) -> Record:
+    def _sample(self, index: int) -> tuple[dict[str, Any], str, str]:
+        """(the sample's members by extension, its shard, its key), or BadSample."""
         shard = int(np.searchsorted(self._ends, index, side="right"))
         inner = index - (int(self._ends[shard - 1]) if shard else 0)
         url = self._urls[shard]
@@ -339,7 +410,24 @@ class WebDatasetSource:
                 "unreadable_shard", url, f"#{inner}", " ".join(f"{type(e).__name__}: {e}".split())
             ) from None
         sample = {k: v.getvalue() if hasattr(v, "getvalue") else v for k, v in sample.items()}  # wids gives BytesIO
-        key = sample.get("__key__", f"#{inner}")
+        return sample, url, sample.get("__key__", f"#{inner}")
+
+    def _negative_values(self, sample: dict[str, Any], url: str, key: str) -> list[Any]:
+        """The sample's negative captions as found (`negative_key`), or BadSample missing_negatives."""
+        if self.negative_key.startswith("json:"):
+            try:
+                value = json.loads(sample[".json"])[self.negative_key[5:]]
+            except (KeyError, ValueError, TypeError):
+                raise BadSample("missing_negatives", url, key, f"no {self.negative_key}") from None
+            return value if isinstance(value, list) else [value]
+        text = sample.get("." + self.negative_key.lstrip("."))
+        if text is None:
+            raise BadSample("missing_negatives", url, key, f"no member .{self.negative_key.lstrip('.')}")
+        text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else str(text)
+        return [line for line in text.splitlines() if line.strip()]
+
+    def read(self, index: int) -> Record:
+        sample, url, key = self._sample(index)
         image = next((sample[k] for k in self.image_keys if k in sample), None)
         if image is None:
             raise BadSample("missing_image", url, key, f"no member with extension {'/'.join(self.image_keys)}")
@@ -350,79 +438,13 @@ class WebDatasetSource:
                 raise BadSample("missing_caption", url, key, f"no {self.caption_key}") from None
         else:
             text = sample.get("." + self.caption_key.lstrip("."))
-        return Record(image, _caption(text, url, key), url, key)
-
-
-class HfSource:
-    """A Hugging Face `datasets` dataset on local disk: a `save_to_disk` folder, or Parquet / JSON
-    / Arrow / CSV files read with `load_dataset(<format>, data_files=...)`. Never a hub download
-    (HF_DATASETS_OFFLINE is set). Images: an `Image` column (read undecoded), bytes, or paths."""
-
-    FORMATS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": "arrow", ".csv": "csv"}
-
-    def __init__(
-        self, path: str, *, image_column: str = "image", text_column: str = "text", split: str = "train"
-    ) -> None:
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        try:
-            import datasets
-        except ImportError:
-            raise DataError(
-                "data.dataset='hf' needs the Hugging Face datasets package: pip install -e '.[data]'"
-            ) from None
-        datasets.disable_progress_bars()
-
-        self.location, self.losses = path, []
-        target = Path(path).expanduser()
-        try:
-            if target.is_dir():
-                ds = datasets.load_from_disk(str(target))
-                if isinstance(ds, datasets.DatasetDict):
-                    if split not in ds:
-                        raise DataError(
-                            f"data.path={path}: a DatasetDict without split {split!r} (splits: {', '.join(ds)}); "
-                            "save the split you want or point data.path at it"
-                        )
-                    ds = ds[split]
-            elif target.is_file() and target.suffix in self.FORMATS:
-                ds = datasets.load_dataset(self.FORMATS[target.suffix], data_files=str(target), split="train")
-            else:
-                raise DataError(
-                    f"data.path={path}: not a save_to_disk folder or a {'/'.join(self.FORMATS)} file; "
-                    "give one of those (nothing is fetched from the hub)"
-                )
-        except DataError:
-            raise
-        except Exception as e:  # noqa: BLE001 - datasets raises many types for an unreadable folder or file
-            raise DataError(
-                f"data.path={path}: not a readable Hugging Face dataset ({type(e).__name__}: {e})"
-            ) from None
-        missing = [c for c in (image_column, text_column) if c not in ds.column_names]
-        if missing:
-            raise DataError(
-                f"{path}: no column {missing[0]!r} (columns: {', '.join(ds.column_names)}); "
-                "set data.hf_image_column / data.hf_text_column"
-            )
-        if isinstance(ds.features[image_column], datasets.Image):
-            ds = ds.cast_column(image_column, datasets.Image(decode=False))  # decode here, where a bad image is counted
-        self._ds, self._image, self._text = ds, image_column, text_column
-        self._folder = target.parent if target.is_file() else target
-
-    def __len__(self) -> int:
-        return len(self._ds)
-
-    def read(self, index: int) -> Record:
-        row, key = self._ds[index], f"row {index}"
-        image = row[self._image]
-        if isinstance(image, dict):  # datasets.Image(decode=False): {"bytes", "path"}
-            image = image.get("bytes") or image.get("path")
-        if isinstance(image, str):
-            path = Path(image) if os.path.isabs(image) else self._folder / image
-            image = read_file(str(path), self.location, key)
-        if image is None:
-            raise BadSample("missing_image", self.location, key)
-        return Record(image, _caption(row[self._text], self.location, key), self.location, key)
+        caption = caption_text(text, url, key)
+        negatives = (
+            negative_captions(self._negative_values(sample, url, key), self.num_negatives, url, key)
+            if self.num_negatives
+            else ()
+        )
+        return Record(image, caption, url, key, negatives)
 
 
 class WeightedSources:
@@ -436,6 +458,14 @@ class WeightedSources:
         self.sources, self.epoch = list(sources), 0
         self.location = "::".join(s.location for s in self.sources)
         self.losses = [loss for s in self.sources for loss in s.losses]
+        counts = {s.location: getattr(s, "num_negatives", 0) for s in self.sources}
+        if len(set(counts.values())) > 1:
+            shown = ", ".join(f"{where}: {k}" for where, k in counts.items())
+            raise DataError(
+                f"data.path={self.location}: the sources hold different numbers of negative captions ({shown}); "
+                "give every source the same number"
+            )
+        self.num_negatives = next(iter(counts.values()))
         self._sizes = [max(1, round(f * len(s))) for f, s in zip(factors, self.sources)]
         self._ends = np.cumsum(self._sizes)
 

@@ -7,24 +7,27 @@ holds 115,659 training pairs and 2,000 held-out test pairs whose lemmas are uniq
 appear in training. Evaluation: recall@1 and @10 of each test definition against the 2,000 test
 lemmas. Texts are tokenized once, at load, by the model family's tokenizer (MiniLM WordPiece):
 queries to `[data] context_length` tokens, documents to the family's `doc_length`.
+
+A training file may carry a third column, a mined hard negative per definition (a lemma of a
+sibling synset): `definition<TAB>lemma<TAB>negative lemma`, every line of a file as wide. It is
+served as `neg` [B, 1, L] unless data.hard_negatives is false; the pairs are a `PairsDataset`
+built from the rows, like the user's text pairs.
 """
 
 from __future__ import annotations
 
 import gzip
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.tokenizer import PairTokenizer
+from titan_contrastive.datasets.pairs import PairsDataset
 
 BUNDLE_DIR = Path(__file__).resolve().parents[1] / "assets" / "wordnet"
 
 
-def load_pairs(folder: Path, split: str) -> tuple[list[str], list[str]]:
+def load_rows(folder: Path, split: str) -> list[list[str]]:
+    """The split's rows: [definition, lemma] or [definition, lemma, negative lemma], all one width."""
     file = folder / f"pairs_{split}.tsv.gz"
     if not file.exists():
         raise DataError(
@@ -37,61 +40,41 @@ def load_pairs(folder: Path, split: str) -> tuple[list[str], list[str]]:
         raise DataError(
             f"{file} is not a readable gzip TSV ({e}); rebuild it with scripts/build_wordnet_pairs.py"
         ) from None
-    if not rows or any(len(r) != 2 for r in rows):
-        raise DataError(f"{file}: every line must be 'definition<TAB>lemma'")
+    if not rows or len({len(r) for r in rows}) != 1 or len(rows[0]) not in (2, 3) or not all(all(r) for r in rows):
+        raise DataError(
+            f"{file}: every line must be 'definition<TAB>lemma' or 'definition<TAB>lemma<TAB>negative lemma', all "
+            "lines of a file alike; rebuild it with scripts/build_wordnet_pairs.py"
+        )
+    return rows
+
+
+def load_pairs(folder: Path, split: str) -> tuple[list[str], list[str]]:
+    """The split's definitions and their lemmas (without any negatives)."""
+    rows = load_rows(folder, split)
     return [r[0] for r in rows], [r[1] for r in rows]
 
 
-class TextPairDataset:
-    """Pre-tokenized (query, document) pairs; batches are {query, doc, index} id tensors."""
-
-    def __init__(
-        self,
-        *,
-        name: str,
-        split: str,
-        queries: list[str],
-        docs: list[str],
-        tokenizer: PairTokenizer,
-        query_length: int,
-        source: str,
-    ) -> None:
-        self.name, self.split, self.source, self.full = name, split, source, True
-        self.image_shape = None
-        self.class_names = None
-        self.recall_ks = (1, 10)
-        self.recall_direction = "query_to_doc"
-        self.tokenizer = tokenizer
-        self._queries = tokenizer.encode(queries, query_length)
-        self._docs = tokenizer.encode(docs, tokenizer.doc_length)
-
-    def __len__(self) -> int:
-        return len(self._queries)
-
-    def set_epoch(self, epoch: int) -> None:
-        """No per-sample randomness: the pairs are fixed."""
-
-    def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
-        idx = torch.as_tensor(list(indices), dtype=torch.long)
-        return {"query": self._queries[idx], "doc": self._docs[idx], "index": idx}
-
-
 def build_wordnet(
-    split: str, *, path: str = "", context_length: int = 32, tokenizer: Any = None, **_: Any
-) -> TextPairDataset:
+    split: str,
+    *,
+    path: str = "",
+    context_length: int = 32,
+    tokenizer: Any = None,
+    hard_negatives: bool = True,
+    **_: Any,
+) -> PairsDataset:
     if tokenizer is None:
         raise DataError(
             "data.dataset='wordnet' is text-to-text and needs a model family with a tokenizer: "
             "use model.name='bi_encoder'"
         )
     folder = Path(path) if path else BUNDLE_DIR
-    queries, docs = load_pairs(folder, split)
-    return TextPairDataset(
+    return PairsDataset.from_rows(
+        load_rows(folder, split),
         name="wordnet",
         split=split,
-        queries=queries,
-        docs=docs,
+        source=str(folder),
         tokenizer=tokenizer,
         query_length=context_length,
-        source=str(folder),
+        hard_negatives=hard_negatives,
     )

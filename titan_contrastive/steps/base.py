@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from titan_contrastive.batching import NEGATIVES, document_ids, with_negatives
+from titan_contrastive.batching import DOC_IDS, NEGATIVES, BatchError, document_ids, with_negatives
 from titan_contrastive.components.precision import Precision, at_least_fp32
 from titan_contrastive.config import JobConfig
 from titan_contrastive.datasets.layouts import DataLayout
@@ -134,8 +134,19 @@ class StepContext:
 
     def document_ids(self, batch: Batch) -> Tensor:
         """The ids of a batch's documents (the second input, with its hard negatives): [B] or
-        [B, 1 + k], equal for equal token ids (`batching.document_ids`), for the duplicate mask."""
-        return document_ids(batch[self.input_keys[1]], batch.get(NEGATIVES), self.doc_pad_id).to(self.device)
+        [B, 1 + k], for the duplicate mask: the data's own (`batch["doc_id"]`, e.g. a pairs file's
+        id column) when it serves them, else equal for equal token ids (`batching.document_ids`)."""
+        docs, negs = batch[self.input_keys[1]], batch.get(NEGATIVES)
+        if DOC_IDS not in batch:
+            return document_ids(docs, negs, self.doc_pad_id).to(self.device)
+        ids = batch[DOC_IDS]
+        want = (len(docs),) if negs is None else (len(docs), 1 + negs.shape[1])
+        if tuple(ids.shape) != want or ids.dtype != torch.int64:
+            raise BatchError(
+                f"batch[{DOC_IDS!r}] is {ids.dtype} {tuple(ids.shape)}; the documents (with hard negatives) need "
+                f"int64 {want}: one id per served document"
+            )
+        return ids.to(self.device)
 
     def inputs(self, batch: Batch, negatives: bool = True) -> list[Tensor]:
         """The model inputs of a batch on the device, floating ones in the parameter dtype
