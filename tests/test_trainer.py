@@ -319,8 +319,9 @@ def test_eval_dims_report_the_recall_of_cut_embeddings(tmp_path: Path) -> None:
             assert abs(result[f"{prefix}image_to_text_r@{k}"] - want) < 1e-6, (m, k)  # float32 means of 0/1
             back = sum(int((sims[:, i] > sims[i, i]).sum()) < k for i in range(len(t))) / len(t)
             assert abs(result[f"{prefix}text_to_image_r@{k}"] - back) < 1e-6, (m, k)
-    assert result["dim3/image_to_text_r@1"] != result["image_to_text_r@1"] or result["dim3/image_to_text_r@5"] != (
-        result["image_to_text_r@5"]
+    assert (
+        result["dim3/image_to_text_r@1"] != result["image_to_text_r@1"]
+        or result["dim3/image_to_text_r@5"] != (result["image_to_text_r@5"])
     )
     trainer = make_trainer(str(tmp_path / "b"), "--data.dataset=emoji", f"--eval.dims={img.shape[-1] + 1}")
     with pytest.raises(ValueError, match=rf"eval.dims has {img.shape[-1] + 1}, more than the {img.shape[-1]} dims"):
