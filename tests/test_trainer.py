@@ -323,6 +323,7 @@ def test_eval_dims_report_the_recall_of_cut_embeddings(tmp_path: Path) -> None:
         result["dim3/image_to_text_r@1"] != result["image_to_text_r@1"]
         or result["dim3/image_to_text_r@5"] != (result["image_to_text_r@5"])
     )
-    trainer = make_trainer(str(tmp_path / "b"), "--data.dataset=emoji", f"--eval.dims={img.shape[-1] + 1}")
-    with pytest.raises(ValueError, match=rf"eval.dims has {img.shape[-1] + 1}, more than the {img.shape[-1]} dims"):
-        trainer.evaluate()
+    d = img.shape[-1]
+    for key in ("eval.dims", "loss.matryoshka_dims"):  # found at start, before any step
+        with pytest.raises(ConfigError, match=rf"{key}=\[{d + 1}, 4\]: the embeddings have {d} dimensions"):
+            make_trainer(str(tmp_path / key), "--data.dataset=emoji", f"--{key}={d + 1},4")

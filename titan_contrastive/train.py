@@ -23,7 +23,7 @@ import torch
 from titan_contrastive import exit_codes, models
 from titan_contrastive.checkpoint import TrainState, build_checkpointer
 from titan_contrastive.checkpoint.resume import model_source, report_unread_init_from
-from titan_contrastive.components.evaluate import EvalContext, describe_results, evaluate_sets
+from titan_contrastive.components.evaluate import EvalContext, check_embedding_dims, describe_results, evaluate_sets
 from titan_contrastive.components.lr_scheduler import build_lr_scheduler
 from titan_contrastive.components.memory_planner import MemoryPlan, measured_first_step, plan_step, probe_batches
 from titan_contrastive.components.metrics import MetricsProcessor, log_run_start
@@ -113,6 +113,9 @@ class Trainer:
         log_config_warnings(cfg)
         self.checkpointer.preflight(checkpoint_bytes(model))
         report_unread_init_from(cfg.model.init_from, self.checkpointer.load(), self.resumed)
+        if self.objective is not None:  # Matryoshka prefixes and eval cuts that the embeddings are too short for
+            dims = {"loss.matryoshka_dims": cfg.loss.matryoshka_dims, "eval.dims": cfg.eval.dims}
+            check_embedding_dims(self.model, self.forward, self.eval_set or self.train_set, dims)
         # after the checks above: a run that fails them writes nothing
         self.metrics = MetricsProcessor.for_run(cfg, self.model_args, dist)
         self.memory_plan = self._plan_memory() if cfg.memory.budget_gib else None  # before any real step

@@ -33,6 +33,7 @@ from torch import nn
 
 from titan_contrastive.components.pixel_loss import masked_error_sum
 from titan_contrastive.components.precision import at_least_fp32
+from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.protocol import Dataset, ZeroShotDataset
 from titan_contrastive.losses import MicrobatchLoss, Objective
@@ -144,6 +145,19 @@ def zero_shot_classifier(forward: Forward, dataset: ZeroShotDataset) -> torch.Te
     emb = forward(batch)[1]
     per_class = at_least_fp32(emb).view(len(dataset.class_names), len(dataset.templates), -1).mean(1)
     return nn.functional.normalize(per_class, dim=-1)
+
+
+@torch.no_grad()
+def check_embedding_dims(model: nn.Module, forward: Forward, dataset: Dataset, dims: dict[str, list[int]]) -> None:
+    """A ConfigError before training when a setting (`dims`: {"eval.dims": [...], ...}) asks for more
+    dims than the embeddings have, found by the forward of one sample in eval mode."""
+    if not any(dims.values()):
+        return
+    with _eval_mode(model):
+        width = forward(dataset.__getitems__([0]))[0].shape[-1]
+    for key, values in dims.items():
+        if values and max(values) > width:
+            raise ConfigError(f"{key}={list(values)}: the embeddings have {width} dimensions; use dims <= {width}")
 
 
 def recall_at_k(
