@@ -326,6 +326,13 @@ sys.exit(rc if rc >= 0 else 128 - rc)
 """
 
 
+def train_env(nproc: int = 1, config_file: str | None = None) -> dict[str, str]:
+    """The environment of a `./run_train.sh` launch from a benchmark: this interpreter, `nproc`
+    ranks, rank 0's log only, and `config_file` as CONFIG_FILE when given."""
+    env = {**os.environ, "NGPU": str(nproc), "PYTHON": sys.executable, "LOG_RANK": "0"}
+    return env | ({"CONFIG_FILE": config_file} if config_file else {})
+
+
 @dataclasses.dataclass
 class Child:
     """A finished `run_child`: exit code, captured output, wall time, peak RSS of its largest process."""

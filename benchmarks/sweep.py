@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -127,13 +126,7 @@ def run_point(
     grid: dict[str, Any], strategy: dict[str, Any], global_batch: int, workdir: Path, timeout: float
 ) -> dict[str, Any]:
     dump = workdir / f"{strategy['name']}_{global_batch}".replace(" ", "_").replace(",", "").replace("/", "_")
-    env = {
-        **os.environ,
-        "NGPU": str(grid["nproc"]),
-        "CONFIG_FILE": grid["config"],
-        "PYTHON": sys.executable,
-        "LOG_RANK": "0",
-    }
+    env = harness.train_env(grid["nproc"], grid["config"])
     row: dict[str, Any] = {"strategy": strategy["name"], "global_batch_size": global_batch}
     try:
         out = harness.run_child(point_command(grid, strategy, global_batch, dump), cwd=REPO, env=env, timeout=timeout)

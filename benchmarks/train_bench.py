@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,7 @@ VARIANTS = {
 
 
 def run_variant(name: str, extra: list[str], args: argparse.Namespace, dump: Path) -> dict[str, Any]:
-    env = {**os.environ, "NGPU": str(args.nproc), "PYTHON": sys.executable, "LOG_RANK": "0"}
+    env = harness.train_env(args.nproc)
     cmd = [
         "./run_train.sh",
         f"--job.dump_folder={dump}",

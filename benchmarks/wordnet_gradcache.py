@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -109,13 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         prefix = args.collect or (args.out / "wordnet_runs" / "wn")
         dump = Path(f"{prefix}_{name}")
         if args.collect is None:
-            env = {
-                **os.environ,
-                "NGPU": "1",
-                "PYTHON": sys.executable,
-                "LOG_RANK": "0",
-                "CONFIG_FILE": "train_configs/wordnet_minilm.toml",
-            }
+            env = harness.train_env(config_file="train_configs/wordnet_minilm.toml")
             result = harness.run_child(command(name, dump), cwd=REPO, env=env)
             if result.returncode != 0:
                 raise SystemExit(f"variant {name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")

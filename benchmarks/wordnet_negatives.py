@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -118,8 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         dump = Path(f"{args.collect or (args.out / 'wordnet_runs' / 'wn')}_{name}")
         wall = peak_rss = None  # not in metrics.jsonl: only a launch from here times it
         if args.collect is None:
-            env = {**os.environ, "NGPU": "1", "PYTHON": sys.executable, "LOG_RANK": "0"}
-            env["CONFIG_FILE"] = "train_configs/wordnet_minilm.toml"
+            env = harness.train_env(config_file="train_configs/wordnet_minilm.toml")
             result = harness.run_child(command(name, dump), cwd=REPO, env=env)
             if result.returncode != 0:
                 raise SystemExit(f"variant {name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
