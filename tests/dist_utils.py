@@ -40,5 +40,8 @@ def _entry(rank: int, fn: Callable[..., None], world_size: int, port: int, args:
 
 
 def run_distributed(fn: Callable[..., None], world_size: int, *args: Any) -> None:
-    """Run `fn(*args)` on `world_size` processes; an exception on any rank fails the test."""
+    """Run `fn(*args)` on `world_size` processes; an exception on any rank fails the test.
+
+    `fn` may init the process group but must not destroy it: a wrapper still alive in its frame
+    (DDP's reducer) can hang at teardown; `_entry` barriers and destroys after `fn` has returned."""
     mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)

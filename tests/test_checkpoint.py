@@ -360,7 +360,6 @@ def _fsdp_save(tmp: str) -> None:
     losses = train(run, 2)
     expected = {"losses": losses, "rand": rand_after_save, "params": params(run), "optim": optim_state(run), **at_save}
     torch.save(expected, Path(tmp) / f"expected_{rank}.pt")
-    torch.distributed.destroy_process_group()
 
 
 def _fsdp_load(tmp: str) -> None:
@@ -376,7 +375,6 @@ def _fsdp_load(tmp: str) -> None:
     assert train(run, 2) == expected["losses"]
     assert_equal_states(params(run), expected["params"])
     assert_equal_states(optim_state(run), expected["optim"])
-    torch.distributed.destroy_process_group()
 
 
 def test_fsdp2_two_processes_round_trip_and_reshard(tmp_path: Path) -> None:
