@@ -325,9 +325,9 @@ def sentence_transformers_side(
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss  # >= 6
 
-    from titan_contrastive.models.bi_encoder.model import model_dir
+    from titan_contrastive.models.bi_encoder.folder import bundled_minilm
 
-    model = SentenceTransformer(str(model_dir()), device="cpu", local_files_only=True).eval()
+    model = SentenceTransformer(str(bundled_minilm()), device="cpu", local_files_only=True).eval()
     losses = {
         name: CachedMultipleNegativesRankingLoss(
             model,

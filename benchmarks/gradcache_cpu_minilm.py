@@ -61,6 +61,7 @@ from titan_contrastive.datasets.wordnet import BUNDLE_DIR
 from titan_contrastive.grad_cache import GradCache
 from titan_contrastive.losses import InfoNCE, MicrobatchLoss
 from titan_contrastive.models.bi_encoder import model as bi_encoder_model
+from titan_contrastive.models.bi_encoder.folder import bundled_minilm
 
 VARIANTS = ("ours_untrimmed", "ours_trimmed", "ours_tokens", "st_cached_mnrl", "st_cached_mnrl_tokens", "full_batch")
 ST = ("st_cached_mnrl", "st_cached_mnrl_tokens")
@@ -122,7 +123,7 @@ class Setup:
             from sentence_transformers import SentenceTransformer
             from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
-            self.st = SentenceTransformer(str(bi_encoder_model.model_dir()), device="cpu")
+            self.st = SentenceTransformer(str(bundled_minilm()), device="cpu")
             self.st.max_seq_length = QUERY_LENGTH  # our truncation (lemmas are <= 9 tokens, under our 16)
             self.st_losses = {
                 v: CachedMultipleNegativesRankingLoss(

@@ -70,7 +70,7 @@ def make_trainer(tmp: Path, *extra: str):
     return base(
         str(tmp / "run"),
         "--model.name=bi_encoder",
-        "--model.flavor=minilm_l6",
+        "--model.flavor=shared",
         "--data.dataset=pairs",
         f"--data.path={tmp / 'pairs.jsonl'}",
         "--data.context_length=16",

@@ -221,7 +221,7 @@ def test_bi_encoder_exports_to_sentence_transformers(tmp_path: Path) -> None:
         tmp_path / "run",
         1,
         "--model.name=bi_encoder",
-        "--model.flavor=minilm_l6",
+        "--model.flavor=shared",
         "--data.dataset=wordnet",
         "--data.context_length=24",
         "--training.steps=1",

@@ -24,10 +24,10 @@ SCALE = 20.0  # MultipleNegativesRankingLoss's default
 def _model():
     from sentence_transformers import SentenceTransformer
 
-    from titan_contrastive.models.bi_encoder.model import model_dir
+    from titan_contrastive.models.bi_encoder.folder import bundled_minilm
 
     torch.manual_seed(0)
-    return SentenceTransformer(str(model_dir()), device="cpu", local_files_only=True).double().eval()
+    return SentenceTransformer(str(bundled_minilm()), device="cpu", local_files_only=True).double().eval()
 
 
 def _features(model) -> list[dict]:

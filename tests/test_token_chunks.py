@@ -229,8 +229,8 @@ def test_no_padding_information_changes_nothing() -> None:
 
 
 def test_bi_encoder_tower_call_trims_exactly() -> None:
-    """The bi_encoder's mean_pooled cuts its ids to the longest row: embeddings equal the untrimmed ones."""
-    from titan_contrastive.models.bi_encoder.model import mean_pooled
+    """The bi_encoder's embed cuts its ids to the longest row: embeddings equal the untrimmed ones."""
+    from titan_contrastive.models.bi_encoder.model import embed
 
     tower = TextTower(0).bert
     batch = texts(6, short=True, types=False)
@@ -239,7 +239,7 @@ def test_bi_encoder_tower_call_trims_exactly() -> None:
     hook = tower.register_forward_hook(
         lambda mod, args, kwargs, out: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
     )
-    got = mean_pooled(tower, ids, 0, 0)
+    got = embed(tower, ids, 0, "mean", 0)
     hook.remove()
     hidden = tower(input_ids=ids, attention_mask=batch["attention_mask"]).last_hidden_state
     w = batch["attention_mask"].unsqueeze(-1).double()
@@ -276,7 +276,7 @@ def test_trainer_chunk_tokens_on_minilm(tmp_path: Path) -> None:
         parse_args(
             [
                 "--model.name=bi_encoder",
-                "--model.flavor=minilm_l6",
+                "--model.flavor=shared",
                 *common,
                 "--gradcache.chunk_tokens=60",
                 f"--job.dump_folder={tmp_path / 'a'}",

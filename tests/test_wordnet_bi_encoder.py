@@ -55,7 +55,7 @@ def test_bi_encoder_params_shapes_and_gradcache_with_real_dropout(tmp_path: Path
             parse_args(
                 [
                     "--model.name=bi_encoder",
-                    "--model.flavor=minilm_l6",
+                    "--model.flavor=shared",
                     "--data.dataset=wordnet",
                     "--training.dtype=float64",
                     "--training.max_norm=0",

@@ -309,10 +309,16 @@ def write_hf_tokenizer(out: Path, context_length: int) -> None:
 
 def write_sentence_transformers(src: str, tmp: Path, tower: str = "query") -> None:
     import torch
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+
+    try:  # sentence-transformers >= 6
+        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    except ImportError:
+        from sentence_transformers.models import Normalize, Pooling, Transformer
 
     from titan_contrastive.interop import read_ours
-    from titan_contrastive.models.bi_encoder.model import build_tokenizer, load_tokenizer
+    from titan_contrastive.models.bi_encoder.folder import load_tokenizer
+    from titan_contrastive.models.bi_encoder.model import build_tokenizer
 
     family, args, model = read_ours(Path(src).expanduser())
     if family != "bi_encoder":
@@ -321,20 +327,25 @@ def write_sentence_transformers(src: str, tmp: Path, tower: str = "query") -> No
         )
     module = getattr(model.eval(), f"{tower}_tower")
     length = args.query_length if tower == "query" else args.doc_length
+    prompts = {name: p for name, p in (("query", args.query_prompt), ("document", args.doc_prompt)) if p}
     with tempfile.TemporaryDirectory() as hf_dir:
         module.save_pretrained(hf_dir)
-        load_tokenizer().save_pretrained(hf_dir)
-        encoder = models.Transformer(hf_dir, max_seq_length=length)
-        pooling = models.Pooling(encoder.get_word_embedding_dimension(), pooling_mode="mean")
-        SentenceTransformer(modules=[encoder, pooling, models.Normalize()], device="cpu").save(str(tmp))
+        load_tokenizer(args.model_dir).save_pretrained(hf_dir)
+        encoder = Transformer(hf_dir, max_seq_length=length)
+        mode = {"last_token": "lasttoken"}.get(args.pooling, args.pooling)
+        pooling = Pooling(module.config.hidden_size, pooling_mode=mode)
+        SentenceTransformer(modules=[encoder, pooling, Normalize()], device="cpu", prompts=prompts).save(str(tmp))
+    tokenizer = build_tokenizer(args)
     with torch.no_grad():
-        want = model._embed(module, build_tokenizer(args).encode(PROBE_TEXTS, length), 0 if tower == "query" else 1)
+        ids = tokenizer.encode(PROBE_TEXTS, length, args.query_prompt if tower == "query" else args.doc_prompt)
+        want = model._embed(module, ids, 0 if tower == "query" else 1)
     theirs = _reloaded("sentence-transformers", lambda: SentenceTransformer(str(tmp), device="cpu"))
+    prompt_name = ("query" if tower == "query" else "document") if prompts else None
     _compare(
         "sentence-transformers",
         tower,
         want,
-        theirs.encode(PROBE_TEXTS, convert_to_tensor=True),
+        theirs.encode(PROBE_TEXTS, convert_to_tensor=True, prompt_name=prompt_name if prompt_name in prompts else None),
         "sentence-transformers",
     )
 

@@ -52,16 +52,28 @@ class Job:
 @dataclass
 class Model:
     name: str = "clip"
-    """Registered model family: `clip`, `bi_encoder` (pretrained MiniLM, needs `.[hf]`), `lit` (a ViT
-    against the pretrained MiniLM text tower, `.[hf]`), `vlm` (packed patches), `vae` (pixel loss), or your own."""
+    """Registered model family: `clip`, `bi_encoder` (a Hugging Face text model from `path`, needs `.[hf]`),
+    `lit` (a ViT against the pretrained MiniLM text tower, `.[hf]`), `vlm` (packed patches), `vae` (pixel
+    loss), or your own."""
     flavor: str = "debug"
-    """Size preset of the family: clip `debug` (CPU) / `vit_b32` / `vit_b16` / `vit_l14`; bi_encoder `minilm_l6` /
-    `minilm_l6_dual`; lit `minilm_debug`; vlm `debug`; vae `debug` / `sd`."""
+    """Size preset of the family: clip `debug` (CPU) / `vit_b32` / `vit_b16` / `vit_l14`; bi_encoder `shared` /
+    `dual` (one tower or two); lit `minilm_debug`; vlm `debug`; vae `debug` / `sd`."""
     init_from: str = ""
     """Start from a checkpoint's weights (clip): a Hugging Face CLIP folder (config.json +
     model.safetensors) or a step-N folder of one of our runs; its architecture replaces the
     flavor's. The data must match it (data.image_size, data.tokenizer = clip_bpe for CLIP's
     vocabulary, data.context_length). Empty = random init."""
+    path: str = ""
+    """bi_encoder: a local transformers or sentence-transformers folder (BERT, XLM-R, ModernBERT, a Qwen3 or
+    Llama-style decoder), or a hub id already in the local cache; never downloaded. Empty = the bundled
+    all-MiniLM-L6-v2."""
+    pooling: Literal["auto", "cls", "mean", "last_token"] = "auto"
+    """bi_encoder: `auto` = the sentence-transformers folder's pooling, else mean (encoders) or last_token
+    (decoders)."""
+    query_prompt: str = "auto"
+    """bi_encoder: text prepended to every query (E5 "query: ", an instruction); `auto` = the folder's query prompt."""
+    doc_prompt: str = "auto"
+    """bi_encoder: text prepended to every document; `auto` = the folder's `document` / `passage` prompt."""
     freeze: list[str] = _opt([], None)
     """Locked towers / partial tuning: tower names (clip `image`, `text`; bi_encoder `query`, `doc`)
     or fnmatch patterns over parameter names. Frozen parameters get no gradients and no optimizer
@@ -315,6 +327,9 @@ class Data:
     context_length: int = _opt(0, lambda v: v == 0 or v >= 4, "0 (the tokenizer's default) or an integer >= 4")
     """Text tokens per caption, start and end tokens included; 0 = 32 for the byte tokenizer and
     the pairs' queries, 77 for clip_bpe."""
+    doc_context_length: int = _opt(0, lambda v: v == 0 or v >= 4, "0 (the model's default) or an integer >= 4")
+    """Text pairs: tokens per document (context_length is the queries'); 0 = the model folder's max_seq_length
+    (512 at most), 16 for the bundled MiniLM."""
     augment: bool = True
     """Per-sample augmentation in the train split (a pure function of seed, epoch and index): flips
     of the bundled images, random-resized crops of your own."""

@@ -264,11 +264,11 @@ class PairsDataset:
         self.tokenizer = tokenizer
         in_file = len(rows[0]) - 2
         self.num_negatives = in_file if hard_negatives else 0  # served per row as `neg` [B, k, L]; 0: none
-        self._queries = tokenizer.encode([r[0] for r in rows], query_length)
-        self._docs = tokenizer.encode([r[1] for r in rows], tokenizer.doc_length)
+        self._queries = tokenizer.encode_queries([r[0] for r in rows], query_length)
+        self._docs = tokenizer.encode_docs([r[1] for r in rows])
         k = self.num_negatives
         negatives = [t for r in rows for t in r[2:]] if k else []
-        self._negs = tokenizer.encode(negatives, tokenizer.doc_length).view(len(rows), k, -1) if k else None
+        self._negs = tokenizer.encode_docs(negatives).view(len(rows), k, -1) if k else None
         ids_table = document_id_table(rows, ids) if ids is not None else None
         self._ids = None if ids_table is None else ids_table if k else ids_table[:, 0]
         if split == "train" and in_file:

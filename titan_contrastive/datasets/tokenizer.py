@@ -59,20 +59,45 @@ class ByteTokenizer:
 
 @dataclass(frozen=True)
 class PairTokenizer:
-    """Queries are cut to `[data] context_length`, documents to the family's `doc_length`."""
+    """Queries are cut to `[data] context_length`, documents to the family's `doc_length`; each side's
+    prompt is prepended to its texts (and counts toward its length)."""
 
     hf: Any
     """A Hugging Face tokenizer (called with padding/truncation to a fixed length)."""
     doc_length: int
+    pad_id: int | None = None
+    """What padding is written as (None: the tokenizer's pad token); -1 where that token also stands
+    in real text, e.g. a decoder's EOS, so that `ids != pad_id` is the attention mask."""
+    query_prompt: str = ""
+    doc_prompt: str = ""
 
     @property
     def vocab_size(self) -> int:
         return self.hf.vocab_size
 
-    def encode(self, texts: list[str], length: int) -> torch.Tensor:
-        """Token ids [len(texts), length], padded and truncated."""
-        out = self.hf(texts, padding="max_length", truncation=True, max_length=length, return_tensors="np")
-        return torch.from_numpy(np.asarray(out["input_ids"], dtype=np.int64))
+    def encode(self, texts: list[str], length: int, prompt: str = "") -> torch.Tensor:
+        """Token ids [len(texts), length] of `prompt + text`, right-padded with `pad_id` and truncated."""
+        out = self.hf(
+            [prompt + t for t in texts],
+            padding="max_length",
+            truncation=True,
+            max_length=length,
+            return_tensors="np",
+        )
+        ids = np.asarray(out["input_ids"], dtype=np.int64)
+        mask = np.asarray(out["attention_mask"], dtype=bool)
+        if self.hf.padding_side == "left":  # our batches are right-padded whatever the tokenizer prefers
+            order = np.argsort(~mask, axis=1, kind="stable")
+            ids, mask = np.take_along_axis(ids, order, 1), np.take_along_axis(mask, order, 1)
+        if self.pad_id is not None:
+            ids[~mask] = self.pad_id
+        return torch.from_numpy(ids)
+
+    def encode_queries(self, texts: list[str], length: int) -> torch.Tensor:
+        return self.encode(texts, length, self.query_prompt)
+
+    def encode_docs(self, texts: list[str]) -> torch.Tensor:
+        return self.encode(texts, self.doc_length, self.doc_prompt)
 
 
 @dataclass(frozen=True)

@@ -56,9 +56,9 @@ def build_run_model(
     param_dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[Any, nn.Module]:
-    """(args, model): `flavor_args` sized by the run's data (a datasets.build.DataBundle: the training
-    set's image shape, vocabulary and EOS, the context length) and by `cfg`, the model built in
-    `param_dtype` on `device`, `init_state` loaded, `model.freeze` applied."""
+    """(args, model): `flavor_args` (already through the family's `update_from_config`) sized by the run's
+    data (a datasets.build.DataBundle: the training set's image shape, vocabulary and EOS, the context
+    length), the model built in `param_dtype` on `device`, `init_state` loaded, `model.freeze` applied."""
     train_set, context_length = data.train_set, data.context_length
     try:
         sized = flavor_args.update_from_data(
@@ -69,13 +69,12 @@ def build_run_model(
         )
     except ValueError as e:  # the flavor does not fit this dataset
         raise ConfigError(f"model.flavor={cfg.model.flavor!r} with data.dataset={cfg.data.dataset!r}: {e}") from None
-    args = spec.update_from_config(sized, cfg)
     with device:
-        model = spec.build_model(args).to(param_dtype)
+        model = spec.build_model(sized).to(param_dtype)
     if init_state is not None:  # the checkpoint's weights, before any sharding
         load_state(model, init_state, f"model.init_from={cfg.model.init_from}")
     apply_freeze(model, cfg.model.freeze, cfg.model.unlocked_layers, spec.towers)
-    return args, model
+    return sized, model
 
 
 def clamp_logit_scale(model: nn.Module) -> None:

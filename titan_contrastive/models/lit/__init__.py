@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from titan_contrastive.components.freeze import locked_forward
 from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
 from titan_contrastive.losses import temperature_from_config
-from titan_contrastive.models.bi_encoder.model import BiEncoderArgs, load_tokenizer, mean_pooled, model_dir
+from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer, pad_id
+from titan_contrastive.models.bi_encoder.model import BiEncoderArgs, embed, load_text_tower
 from titan_contrastive.models.clip.args import CLIPArgs, text_tower_flops, text_tower_params
 from titan_contrastive.models.clip.model import ImageTower
 from titan_contrastive.models.registry import ModelSpec, register_model
@@ -57,7 +58,7 @@ class LiTArgs:
         """The image tower's sizes as the clip family's ViT reads them; it projects to MiniLM's width.
         (Its text fields are placeholders: only `ImageTower` is built from them.)"""
         return CLIPArgs(
-            embed_dim=self._text._config.hidden_size,
+            embed_dim=load_config(self._text.model_dir).hidden_size,
             image_size=self.image_size,
             patch_size=self.patch_size,
             in_channels=self.in_channels,
@@ -95,9 +96,9 @@ class LiTArgs:
 
     def flops_per_sample(self) -> int:
         image = self.image_args()
-        return (
-            image.flops_per_sample() - 3 * text_tower_flops(image)
-        ) + 6 * self._text._layer_params() * self.context_length
+        return (image.flops_per_sample() - 3 * text_tower_flops(image)) + 6 * self._text._counts[
+            1
+        ] * self.context_length
 
 
 lit_flavors = {"minilm_debug": LiTArgs()}
@@ -108,15 +109,10 @@ class LiT(nn.Module):
 
     def __init__(self, args: LiTArgs) -> None:
         super().__init__()
-        from transformers import AutoModel
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()  # the checkpoint's unused pooler: keep the load report out of the log
-        hf_logging.disable_progress_bar()
         self.args = args
         self.visual = ImageTower(args.image_args())
-        self.text = AutoModel.from_pretrained(str(model_dir()), local_files_only=True, add_pooling_layer=False)
-        self.pad_id = load_tokenizer().pad_token_id
+        self.text = load_text_tower(args._text.model_dir)
+        self.pad_id = pad_id(load_tokenizer(args._text.model_dir))
         self.logit_scale = nn.Parameter(torch.empty(1), requires_grad=args.learn_logit_scale)
         self.init_weights()
 
@@ -131,11 +127,12 @@ class LiT(nn.Module):
         """`replay`: in a cached-gradient re-forward, pass 1's outputs of these samples
         (`grad_cache.engine.Replay`), which the locked tower returns instead of running."""
         image = locked_forward(self.visual, 0, lambda: self.visual(images), replay)
-        return image, mean_pooled(self.text, texts, self.pad_id, 1, replay), self.logit_scale.exp()
+        return image, embed(self.text, texts, self.pad_id, "mean", 1, replay), self.logit_scale.exp()
 
 
 def build_tokenizer(args: LiTArgs) -> CaptionTokenizer:
-    return CaptionTokenizer(PairTokenizer(load_tokenizer(), doc_length=args.context_length), args.context_length)
+    hf = load_tokenizer(args._text.model_dir)
+    return CaptionTokenizer(PairTokenizer(hf, doc_length=args.context_length, pad_id=pad_id(hf)), args.context_length)
 
 
 register_model(

