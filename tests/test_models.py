@@ -86,6 +86,18 @@ def test_custom_family_from_user_package(
             class ToyArgs:
                 width: int
 
+                def update_from_data(self, **data):
+                    return self
+
+                def update_from_config(self, cfg):
+                    return self
+
+                def num_params(self):
+                    return 2 * (self.width * self.width + self.width)
+
+                def flops_per_sample(self):
+                    return 0
+
             class Toy(nn.Module):
                 def __init__(self, args):
                     super().__init__()
@@ -109,6 +121,25 @@ def test_custom_family_from_user_package(
         models.register_model(dataclasses.replace(spec, build_model=module.Toy))
     models.register_model(dataclasses.replace(spec, learns_bias=False), overwrite=True)
     assert not models.get_model_spec("toy").learns_bias
+
+
+def test_every_flavor_is_model_args_and_a_flavor_without_them_is_refused() -> None:
+    from titan_contrastive.models import ModelArgs
+
+    for name in models.list_models():
+        for flavor, args in models.get_model_spec(name).flavors.items():
+            assert isinstance(args, ModelArgs), (name, flavor)
+
+    @dataclasses.dataclass(frozen=True)
+    class Half:
+        def update_from_data(self, **data):
+            return self
+
+        def num_params(self):
+            return 0
+
+    with pytest.raises(ValueError, match=r"flavor 'x': its args \(Half\) lack update_from_config, flops_per_sample;"):
+        models.ModelSpec(name="half", flavors={"x": Half()}, build_model=nn.Identity, blocks=lambda m: [])
 
 
 def test_duplicate_builtin_name_errors(isolated_registry: None) -> None:

@@ -74,7 +74,7 @@ class Trainer:
         flavor_args, init_state, self.resumed = model_source(
             cfg, spec, models.resolve_model_args
         )  # resume: no init_from
-        flavor_args = spec.update_from_config(flavor_args, cfg)  # before the family's tokenizer reads them
+        flavor_args = flavor_args.update_from_config(cfg)  # before the family's tokenizer reads them
         self.objective, self.eval_objective = resolve_objective(spec, cfg), eval_objective(spec, cfg)
         self.dims = dims = ParallelDims.for_run(cfg.parallelism, dist.world_size)
         self.dp_degree = dp = dims.dp_degree

@@ -4,7 +4,7 @@ Importing this package registers the built-in families ("clip", "bi_encoder", "v
 resolves `model.name` / `model.flavor` with `get_model_spec` / `get_flavor_args`.
 
 To add a family from your own package, call `register_model` at import time of one of
-your modules and point `job.custom_import` at it::
+your modules and point `job.custom_import` at it; its args implement `ModelArgs`::
 
     from titan_contrastive.models import ModelSpec, register_model
 
@@ -12,6 +12,7 @@ your modules and point `job.custom_import` at it::
                              build_model=MyModel, blocks=lambda m: list(m.layers)))
 """
 
+from titan_contrastive.models.args import ModelArgs
 from titan_contrastive.models.registry import (
     ModelRegistryError,
     ModelSpec,
@@ -26,6 +27,7 @@ from titan_contrastive.models.registry import (
 from titan_contrastive.models import bi_encoder, clip, lit, vae, vlm  # noqa: E402,F401  isort: skip
 
 __all__ = [
+    "ModelArgs",
     "ModelRegistryError",
     "ModelSpec",
     "get_flavor_args",

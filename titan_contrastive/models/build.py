@@ -56,7 +56,7 @@ def build_run_model(
     param_dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[Any, nn.Module]:
-    """(args, model): `flavor_args` (already through the family's `update_from_config`) sized by the run's
+    """(args, model): `flavor_args` (already through its `update_from_config`) sized by the run's
     data (a datasets.build.DataBundle: the training set's image shape, vocabulary and EOS, the context
     length), the model built in `param_dtype` on `device`, `init_state` loaded, `model.freeze` applied."""
     train_set, context_length = data.train_set, data.context_length

@@ -29,6 +29,7 @@ from torch import nn
 
 from titan_contrastive.components.evaluate import EvalContext, evaluate_contrastive
 from titan_contrastive.datasets.layouts import IMAGES, DataLayout
+from titan_contrastive.models.args import ModelArgs, missing_methods
 
 __all__ = [
     "ModelRegistryError",
@@ -54,8 +55,8 @@ class ModelSpec:
 
     name: str
     """Family name, selected with `model.name` in the config, e.g. "clip"."""
-    flavors: Mapping[str, Any]
-    """Flavor name -> model args (a frozen dataclass instance) passed to `build_model`."""
+    flavors: Mapping[str, ModelArgs]
+    """Flavor name -> model args (a frozen dataclass instance with the `ModelArgs` methods) passed to `build_model`."""
     build_model: Callable[[Any], nn.Module]
     """Builds the model from its args. The trainer calls it under the target device or
     under `torch.device("meta")` (then `to_empty` + `init_weights`), so it must not
@@ -79,9 +80,6 @@ class ModelSpec:
     layout: DataLayout = IMAGES
     """How the family takes images (`datasets.layouts`): prepares the datasets (e.g. packed
     patches at the flavor's patch size, masked mixed-size images) and cuts batches into chunks."""
-    update_from_config: Callable[[Any, Any], Any] = lambda args, cfg: args
-    """(args, JobConfig) -> args: settings of the job that the model reads from its args (the
-    vae's `[pixel_loss]` options). Default: none."""
     build_step: Callable[..., Any] | None = None
     """A step kind of the family's own (`steps.StepBuilder`, e.g. the vae's pixel step); None:
     the contrastive kind `[loss] negatives` and `[gradcache]` select (`steps.build_gradient_step`)."""
@@ -98,6 +96,12 @@ class ModelSpec:
             raise ModelRegistryError("ModelSpec.name must be a non-empty string")
         if not self.flavors:
             raise ModelRegistryError(f"ModelSpec {self.name!r} has no flavors; give at least one")
+        for flavor, args in self.flavors.items():
+            if missing := missing_methods(args):
+                raise ModelRegistryError(
+                    f"ModelSpec {self.name!r} flavor {flavor!r}: its args ({type(args).__name__}) lack "
+                    f"{', '.join(missing)}; implement titan_contrastive.models.ModelArgs"
+                )
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

@@ -24,7 +24,6 @@ register_model(
         blocks=bi_encoder_blocks,
         input_keys=("query", "doc"),
         build_tokenizer=build_tokenizer,
-        update_from_config=BiEncoderArgs.update_from_config,
         towers={"query": "query_tower.", "doc": "doc_tower."},
     )
 )

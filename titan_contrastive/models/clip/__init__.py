@@ -20,7 +20,6 @@ register_model(
         build_model=CLIP,
         blocks=clip_blocks,
         learns_bias=True,
-        update_from_config=CLIPArgs.update_from_config,
         read_checkpoint=_read_checkpoint,
         towers={"image": "visual.", "text": "text."},
     )

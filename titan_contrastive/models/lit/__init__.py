@@ -142,7 +142,6 @@ register_model(
         build_model=LiT,
         blocks=lambda m: [*m.visual.transformer.blocks, *m.text.encoder.layer],
         build_tokenizer=build_tokenizer,
-        update_from_config=LiTArgs.update_from_config,
         towers={"image": "visual.", "text": "text."},
     )
 )

@@ -18,7 +18,6 @@ register_model(
         blocks=vae_blocks,
         input_keys=("image", "mask"),
         layout=MASKED_IMAGES,
-        update_from_config=VAEArgs.update_from_config,
         build_step=PixelStep.build,
         own_loss="pixel",
         evaluate=evaluate_reconstructions,

@@ -17,6 +17,5 @@ register_model(
         blocks=vlm_blocks,
         input_keys=("pixel_values", "image_grid_thw", "text"),
         layout=PACKED_PATCHES,
-        update_from_config=VLMArgs.update_from_config,
     )
 )

@@ -1,0 +1,42 @@
+"""`ModelArgs`: what every model family's args (a frozen dataclass, one per flavor) provide.
+
+The trainer never reads a family's fields; it calls these four methods: sizing by the data,
+the job's settings, and the two numbers it logs (parameters and training FLOPs per sample, for
+MFU). `register_model` refuses a flavor that lacks one, naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["ModelArgs", "missing_methods"]
+
+
+@runtime_checkable
+class ModelArgs(Protocol):
+    def update_from_data(self, *, image_shape: Any, vocab_size: int, context_length: int, eos_id: int) -> ModelArgs:
+        """A copy sized by the training data: its image shape (C, H, W), its tokenizer's vocabulary and
+        EOS id, the context length. A ValueError when the flavor cannot take this data (the message says why)."""
+        ...
+
+    def update_from_config(self, cfg: Any) -> ModelArgs:
+        """A copy with the job's settings the model reads from its args (temperature, a folder to load,
+        pixel-loss options); returns itself unchanged when there are none. Applied once, before the data."""
+        ...
+
+    def num_params(self) -> int:
+        """The built model's parameter count, exact."""
+        ...
+
+    def flops_per_sample(self) -> int:
+        """Training FLOPs per sample (forward and backward), 0 when not modelled (no MFU is logged then)."""
+        ...
+
+
+def missing_methods(args: Any) -> list[str]:
+    """The `ModelArgs` methods `args` lacks (empty when it is one)."""
+    return [
+        name
+        for name in ("update_from_data", "update_from_config", "num_params", "flops_per_sample")
+        if not callable(getattr(args, name, None))
+    ]
