@@ -275,3 +275,25 @@ def test_a_model_without_layer_classes_cannot_be_checkpointed_per_layer(
     capsys.readouterr()
     code, err = _train_main(tmp_path, f"--model.path={folder}", "--activation_checkpoint.mode=full", capsys=capsys)
     assert code == 2 and len(err) == 1 and "declares no _no_split_modules" in err[0], err
+
+
+@needs_hf
+def test_a_decoder_embedder_trains(tmp_path: Path) -> None:
+    """The tiny Qwen3-like decoder, last-token pooled, learns the 12 pairs: the contrastive loss over
+    the whole set (one batch) falls below half its start in 40 steps."""
+    trainer = folder_run(
+        tmp_path,
+        "decoder",
+        "--training.local_batch_size=12",
+        "--training.steps=40",
+        "--training.dtype=float32",
+        "--lr_scheduler.warmup_steps=0",
+        "--optimizer.lr=3e-3",
+        "--metrics.log_freq=1",
+    )
+    assert trainer.model_args.pooling == "last_token"
+    trainer.train()
+    trainer.metrics.close()
+    rows = [json.loads(line) for line in (tmp_path / "run-decoder" / "metrics.jsonl").read_text().splitlines()]
+    losses = [row["loss"] for row in rows if row.get("kind") == "train"]
+    assert len(losses) == 40 and losses[-1] < 0.5 * losses[0], losses
