@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tests.dist_utils import run_distributed
 from tests.hf_folders import decoder_folder, encoder_folder, st_folder
 from tests.test_hard_negatives import assert_grads_close
-from tests.test_trainer import full, grads
+from tests.test_trainer import full
 from tests.test_trainer import make_trainer as base_trainer
 from tests.test_wordnet_bi_encoder import needs_hf
 from titan_contrastive.losses import InfoNCE, split_documents
@@ -38,6 +38,11 @@ PAIRS = [
     ("steam from water", "steam"),
     ("a person who is a driver of a bus", "driver"),
 ]
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients of the trainable parameters (LoRA: the adapters and the scale), whole."""
+    return {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def folder_run(tmp: Path, kind: str, *extra: str, dropout: float = 0.1):
@@ -126,8 +131,9 @@ def _dense(trainer, samples: dict) -> tuple[float, dict[str, torch.Tensor]]:
     return loss.item(), grads(model)
 
 
-def _step(tmp: Path, arch: str, kind: str, *extra: str) -> None:
-    """One step of `kind` (dropout off: the model in eval mode) against the dense full-batch objective."""
+def _step(tmp: Path, arch: str, kind: str, *extra: str, warm: bool = False) -> None:
+    """One step of `kind` (dropout off: the model in eval mode) against the dense full-batch objective;
+    `warm`: after one step of it first (LoRA's B starts at zero, which would leave A's gradient zero)."""
     local, ga, args = KINDS[kind]
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -144,6 +150,8 @@ def _step(tmp: Path, arch: str, kind: str, *extra: str) -> None:
     steps = [data.__getitems__(list(range(j * local * world, (j + 1) * local * world))) for j in range(ga)]
     mine = [{k: v[rank * local : (rank + 1) * local] for k, v in s.items()} for s in steps]
     every = {k: torch.cat([s[k] for s in steps]) for k in steps[0]}
+    if warm:
+        trainer.train_step(mine)
     want_loss, want = _dense(trainer, every)
     out = trainer.train_step(mine)
     assert_grads_close(grads(trainer.model), want)
@@ -158,11 +166,11 @@ def test_every_step_kind_equals_the_dense_objective(tmp_path: Path, arch: str, k
     _step(tmp_path, arch, kind)
 
 
-def _step_distributed(tmp: str, arch: str, ddp: bool) -> None:
+def _step_distributed(tmp: str, arch: str, ddp: bool, *extra: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    extra = ["--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2"]
-    _step(Path(tmp), arch, "global", *(extra if ddp else []))
+    layout = ["--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2"]
+    _step(Path(tmp), arch, "global", *(layout if ddp else []), *extra, warm=bool(extra))
 
 
 @needs_hf

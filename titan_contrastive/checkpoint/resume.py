@@ -10,9 +10,9 @@ on_nonfinite and its limit; logging, eval, checkpoint interval and keep; timeout
 not below.
 
 Must agree (a change is a one-line error before anything is loaded): the model (family and
-architecture args); which parameters train (model.freeze, unlocked_layers: they decide which have
-optimizer state); the data-parallel degree and training.local_batch_size (the data position is
-counted in their batches).
+architecture args, LoRA's rank and target modules among them); which parameters train
+(model.freeze, unlocked_layers: they decide which have optimizer state); the data-parallel degree
+and training.local_batch_size (the data position is counted in their batches).
 
 Why a change is applied rather than refused: lowering the lr after a loss spike, extending
 `training.steps`, or raising the global batch is how runs are steered, and it must take effect

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -37,16 +38,25 @@ class ModelState:
     `get_model_state_dict` strips wrapper prefixes (DDP's `module.`, compile's `_orig_mod.`)
     and keeps FSDP2 parameters as DTensors, so the saved FQNs are those of the plain model and
     DCP can reshard FSDP shards when a run resumes on a different number of processes.
+    `trainable_only` (LoRA): frozen parameters are neither saved nor loaded (DCP's
+    `ignore_frozen_params`): the run rebuilds them identically from the model folder, and a
+    checkpoint holds the adapters alone.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, trainable_only: bool = False) -> None:
         self.model = model
+        self.options = StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        state = get_model_state_dict(self.model, options=self.options)
+        if self.options is None:
+            return state
+        # DCP leaves out a frozen parameter under its first name only: a shared tower's second name stays
+        frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        return {k: v for k, v in state.items() if k not in frozen}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
+        set_model_state_dict(self.model, state_dict, options=self.options)
 
 
 class OptimizerState:
@@ -150,7 +160,7 @@ def build_checkpointer(
         cfg.checkpoint,
         dump_folder=cfg.job.dump_folder,
         states={
-            "model": ModelState(model),
+            "model": ModelState(model, trainable_only=cfg.lora.enable),
             "optimizer": OptimizerState(model, optimizer),
             "lr_scheduler": LRSchedulerState(scheduler),
             "train_state": train_state,

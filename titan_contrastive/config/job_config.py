@@ -84,6 +84,23 @@ class Model:
 
 
 @dataclass
+class Lora:
+    """LoRA adapters (peft) on the bi_encoder's Hugging Face towers: only the adapters (and the logit
+    scale) train; checkpoints hold only them, the frozen base comes from `[model] path` again."""
+
+    enable: bool = False
+    rank: int = _positive(8)
+    """r: the adapters' inner dimension. A resumed run must keep it (the saved adapters' shapes)."""
+    alpha: float = _opt(16.0, lambda v: v > 0, "a number > 0")
+    """The adapters' output is scaled by alpha / rank."""
+    dropout: float = _opt(0.05, lambda v: 0 <= v < 1, "a number in [0, 1)")
+    """Dropout on the adapters' input (replayed exactly in a GradCache re-forward)."""
+    target_modules: list[str] = _opt([], None)
+    """Names (or name suffixes) of the linear layers to adapt; empty = peft's default for the
+    architecture (BERT: query, value; Qwen and Llama: q_proj, v_proj)."""
+
+
+@dataclass
 class Training:
     local_batch_size: int = _positive(128)
     """Samples per process per forward/backward (one microbatch)."""
@@ -421,6 +438,7 @@ class JobConfig:
 
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
+    lora: Lora = field(default_factory=Lora)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from titan_contrastive.batching import NEGATIVES, right_trimmed
 from titan_contrastive.components.freeze import locked_forward
+from titan_contrastive.components.lora import add_lora, default_targets
 from titan_contrastive.datasets.tokenizer import PairTokenizer
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import (
@@ -69,6 +70,12 @@ class BiEncoderArgs:
     init_scale: float = 20.0
     """t at the start (sentence-transformers' MultipleNegativesRankingLoss scale); `[loss] init_logit_scale` = log t."""
     learn_logit_scale: bool = True
+    lora_rank: int = 0
+    """`[lora] rank` when `[lora] enable`, else 0: no adapters, every weight trains."""
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ()
+    """The adapted modules: `[lora] target_modules`, or peft's default for the architecture."""
 
     def update_from_config(self, cfg: Any) -> BiEncoderArgs:
         """A copy with `[model]`'s path, pooling and prompts and `[data] doc_context_length` resolved
@@ -78,8 +85,18 @@ class BiEncoderArgs:
         resolved = self.resolve(
             m.path or self.path, m.pooling, m.query_prompt, m.doc_prompt, cfg.data.doc_context_length
         )
+        lora = cfg.lora
+        targets = ()
+        if lora.enable:
+            targets = tuple(lora.target_modules) or default_targets(load_config(resolved.model_dir).model_type)
         return dataclasses.replace(
-            resolved, init_scale=math.exp(t.init_logit_scale), learn_logit_scale=t.learn_logit_scale
+            resolved,
+            init_scale=math.exp(t.init_logit_scale),
+            learn_logit_scale=t.learn_logit_scale,
+            lora_rank=lora.rank if lora.enable else 0,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            lora_targets=targets,
         )
 
     def resolve(
@@ -130,11 +147,14 @@ class BiEncoderArgs:
 
     @functools.cached_property
     def _counts(self) -> tuple[int, int]:
-        """(all parameters, parameters in the repeated layers) of one tower, counted on the meta device."""
+        """(all parameters, parameters in the repeated layers) of one tower with its adapters, counted on the
+        meta device."""
         from transformers import AutoModel
 
         with torch.device("meta"):
             tower = AutoModel.from_config(load_config(self.model_dir))
+            if self.lora_rank:
+                add_lora(tower, self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets)
         layers = sum(p.numel() for block in layer_blocks(tower) for p in block.parameters())
         pooler = getattr(tower, "pooler", None)
         unused = sum(p.numel() for p in pooler.parameters()) if isinstance(pooler, nn.Module) else 0
@@ -226,6 +246,8 @@ class BiEncoder(nn.Module):
         self.args = args = args.resolve()
         model_dir = args.model_dir
         self.query_tower = load_text_tower(model_dir)
+        if args.lora_rank:  # adapters before the copy: a separate document tower gets its own
+            add_lora(self.query_tower, args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_targets)
         self.doc_tower = self.query_tower if args.shared else copy.deepcopy(self.query_tower)
         self.pad_id = pad_id(load_tokenizer(model_dir))
         self.logit_scale = nn.Parameter(

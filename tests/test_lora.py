@@ -1,0 +1,165 @@
+"""LoRA through peft on the bi_encoder's Hugging Face towers (tiny BERT-like and Qwen3-like folders,
+tests/hf_folders.py): only adapters train; every step kind equals the dense objective in float64 on
+1 and 2 gloo processes (FSDP2 with a frozen base, DDP), LoRA dropout replayed in GradCache; a
+checkpoint holds only the adapters and resumes bit-identically; a changed rank is a one-line error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.hf_folders import decoder_folder, encoder_folder
+from tests.test_hard_negatives import assert_grads_close
+from tests.test_hf_text import FOLDERS, KINDS, _step, _step_distributed, folder_run, grads
+from tests.test_wordnet_bi_encoder import needs_hf
+from titan_contrastive.losses import InfoNCE, split_documents
+from titan_contrastive.losses.base import columns
+
+pytest.importorskip("peft", reason="needs the optional extra: pip install -e '.[hf]'")
+
+LORA = ("--lora.enable=true", "--lora.rank=4", "--lora.alpha=8")
+REL = 1e-10
+
+
+@needs_hf
+@pytest.mark.parametrize("arch", list(FOLDERS))
+def test_only_the_adapters_train(tmp_path: Path, arch: str) -> None:
+    """peft's default targets for the architecture get adapters; the base gets no gradient, no optimizer
+    state and does not move; the adapters and the scale do."""
+    trainer = folder_run(tmp_path, arch, *LORA, "--training.local_batch_size=6")
+    targets = {"encoder": ("query", "value"), "decoder": ("q_proj", "v_proj")}[arch]
+    assert trainer.model_args.lora_targets == targets and trainer.model_args.lora_rank == 4
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    adapters = {n for n in trainable if ".lora_A." in n or ".lora_B." in n}
+    assert trainable == adapters | {"logit_scale"} and len(adapters) == 2 * 2 * 2  # 2 layers x 2 targets x (A, B)
+    assert all(n.split(".lora_")[0].endswith(targets) for n in adapters)
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    adapted = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n in adapters}
+    trainer.train_step([trainer.train_set.__getitems__(list(range(6)))])
+    params = dict(trainer.model.named_parameters())
+    assert all(torch.equal(params[n], p) for n, p in base.items())
+    assert any(not torch.equal(params[n], p) for n, p in adapted.items() if ".lora_B." in n)
+    stateful = {id(p) for p in trainer.optimizer.state}
+    assert {n for n, p in params.items() if id(p) in stateful} == trainable
+    total = sum(p.numel() for p in params.values())
+    assert trainer.model_args.num_params() == total  # the adapters counted
+    trainer.metrics.close()
+
+
+@needs_hf
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("arch", list(FOLDERS))
+def test_every_step_kind_with_lora_equals_the_dense_objective(tmp_path: Path, arch: str, kind: str) -> None:
+    _step(tmp_path, arch, kind, *LORA, warm=True)
+
+
+@needs_hf
+@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
+@pytest.mark.parametrize("arch", list(FOLDERS))
+def test_lora_global_negatives_on_two_ranks(tmp_path: Path, arch: str, parallel: str) -> None:
+    """FSDP2 shards a frozen base beside trainable adapters in each layer unit; DDP reduces the adapters."""
+    FOLDERS[arch](tmp_path)
+    run_distributed(_step_distributed, 2, str(tmp_path), arch, parallel == "ddp", *LORA)
+
+
+@needs_hf
+@pytest.mark.parametrize("arch", list(FOLDERS))
+def test_gradcache_replays_lora_dropout(tmp_path: Path, arch: str) -> None:
+    """LoRA dropout 0.3 (and the model's own dropout) on: GradCache chunks of 4 over 6 equal the dense
+    objective over the same forwards, the chunks encoded in order from the same seed."""
+    trainer = folder_run(
+        tmp_path,
+        arch,
+        *LORA,
+        "--lora.dropout=0.3",
+        "--training.local_batch_size=6",
+        "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=4",
+    )
+    batch = trainer.train_set.__getitems__(list(range(6)))
+    trainer.train_step([batch])  # B away from zero
+    init = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    torch.manual_seed(7)
+    out = trainer.train_step([batch])
+    got = grads(trainer.model)
+    trainer.model.load_state_dict(init)
+    trainer.model.zero_grad()
+    torch.manual_seed(7)
+    parts = [trainer.step_context.encode({k: v[s] for k, v in batch.items()}) for s in (slice(0, 4), slice(4, 6))]
+    q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    loss = InfoNCE().dense(q, columns(*split_documents(d)), parts[0][2])
+    loss.backward()
+    assert abs(out["loss"] - loss.item()) <= REL * loss.item()
+    assert_grads_close(got, grads(trainer.model))
+    trainer.metrics.close()
+
+
+def _run(tmp: Path, *extra: str):
+    return folder_run(
+        tmp,
+        "decoder",
+        *LORA,
+        "--lora.dropout=0.1",
+        "--training.local_batch_size=4",
+        "--training.steps=4",
+        "--checkpoint.enable=true",
+        "--checkpoint.interval=2",
+        "--metrics.log_freq=1",
+        *extra,
+    )
+
+
+@needs_hf
+def test_resume_with_lora_is_bit_identical_and_saves_only_adapters(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    whole = _run(tmp_path)
+    whole.train()
+    whole.metrics.close()
+    want = {n: p.detach().clone() for n, p in whole.model.named_parameters()}
+    run = tmp_path / "run-decoder"
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    want_losses = [r["loss"] for r in logged if r.get("kind") == "train"]
+    step2 = run / "checkpoint" / "step-2"
+    keys = FileSystemReader(str(step2)).read_metadata().state_dict_metadata.keys()
+    model_keys = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+    trainable = {n for n, p in whole.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    assert model_keys == trainable  # the adapters and the scale (under both names of the shared tower), no base weight
+
+    shutil.rmtree(run / "checkpoint" / "step-4")
+    (run / "metrics.jsonl").unlink()
+    resumed = _run(tmp_path)
+    assert resumed.step == 2
+    resumed.train()
+    resumed.metrics.close()
+    got = dict(resumed.model.named_parameters())
+    assert all(torch.equal(got[n], p) for n, p in want.items())
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(want_losses) == 4 and [r["loss"] for r in logged if r.get("kind") == "train"] == want_losses[2:]
+
+
+@needs_hf
+def test_a_changed_lora_rank_on_resume_is_a_one_line_error(tmp_path: Path) -> None:
+    from titan_contrastive.checkpoint import CheckpointError
+
+    first = _run(tmp_path, "--training.steps=2")
+    first.train()
+    first.metrics.close()
+    for change, says in (("--lora.rank=8", "lora_rank: 4 -> 8"), ("--lora.enable=false", "lora_rank: 4 -> 0")):
+        with pytest.raises(CheckpointError, match=rf"^checkpoint step-2 holds a different architecture \({says}[;)]"):
+            _run(tmp_path, "--training.steps=4", change)
+
+
+@needs_hf
+def test_target_modules_that_match_nothing_are_refused(tmp_path: Path) -> None:
+    from titan_contrastive.config import ConfigError
+
+    encoder_folder(tmp_path)
+    decoder_folder(tmp_path)
+    with pytest.raises(ConfigError, match=r"lora.target_modules=\['nowhere'\]"):
+        folder_run(tmp_path, "encoder", *LORA, "--lora.target_modules", "nowhere")
