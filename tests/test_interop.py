@@ -247,7 +247,18 @@ def test_bi_encoder_exports_to_sentence_transformers(tmp_path: Path) -> None:
     assert not torch.equal(
         pristine.query_tower.embeddings.word_embeddings.weight, state["query_tower.embeddings.word_embeddings.weight"]
     )
-    assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "x")]) == 2  # a bi_encoder is not a CLIP
+    # a transformers folder of the tower: AutoModel + its tokenizer, mean-pooled as the run does
+    assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+    from transformers import AutoModel, AutoTokenizer
+
+    tower = AutoModel.from_pretrained(str(tmp_path / "hf")).eval()
+    batch = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = tower(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    pooled = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+    assert (pooled - want).abs().max() <= 1e-5
+    assert export_main([str(step), "--to", "peft", "--out", str(tmp_path / "x")]) == 2  # no LoRA in this run
 
 
 def test_open_clip_format_round_trip(tmp_path: Path) -> None:

@@ -162,4 +162,63 @@ def test_target_modules_that_match_nothing_are_refused(tmp_path: Path) -> None:
     encoder_folder(tmp_path)
     decoder_folder(tmp_path)
     with pytest.raises(ConfigError, match=r"lora.target_modules=\['nowhere'\]"):
-        folder_run(tmp_path, "encoder", *LORA, "--lora.target_modules", "nowhere")
+        folder_run(tmp_path, "encoder", *LORA, "--training.local_batch_size=6", "--lora.target_modules", "nowhere")
+
+
+@needs_hf
+def test_exports_merged_and_as_a_peft_adapter(tmp_path: Path) -> None:
+    """A LoRA run's step folder: --to sentence-transformers and --to hf hold the merged weights, --to peft
+    the adapters alone; each loads in its library (PeftModel over the run's base folder) and gives the
+    run's embeddings within the exporter's 1e-4 (float32: the merge's rounding, other kernel shapes),
+    while the base alone is off by more than 1e-3."""
+    from peft import PeftModel
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel
+
+    from titan_contrastive.export import main as export_main
+    from titan_contrastive.interop import read_ours
+    from titan_contrastive.models.bi_encoder import build_tokenizer
+
+    run = folder_run(
+        tmp_path,
+        "encoder",
+        *LORA,
+        "--training.local_batch_size=6",
+        "--training.steps=2",
+        "--checkpoint.enable=true",
+        "--lr_scheduler.warmup_steps=0",
+        "--optimizer.lr=2e-2",
+    )
+    run.train()
+    run.metrics.close()
+    step = tmp_path / "run-encoder" / "checkpoint" / "step-2"
+    _, args, ours = read_ours(step)
+    ours.eval()
+    texts = ["frozen water", "a small animal kept as a pet", "the season after summer"]
+    ids = build_tokenizer(args).encode_queries(texts, args.query_length)
+    with torch.no_grad():
+        want = ours._embed(ours.query_tower, ids)
+    for to in ("sentence-transformers", "hf", "peft"):
+        assert export_main([str(step), "--to", to, "--out", str(tmp_path / to)]) == 0
+    assert (
+        SentenceTransformer(str(tmp_path / "sentence-transformers"), device="cpu").encode(texts, convert_to_tensor=True)
+        - want
+    ).abs().max() <= 1e-4
+
+    mask = ids != build_tokenizer(args).hf.pad_token_id
+
+    def mean_pooled(tower) -> torch.Tensor:
+        with torch.no_grad():
+            hidden = tower(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+        w = mask.unsqueeze(-1).float()
+        return torch.nn.functional.normalize((hidden * w).sum(1) / w.sum(1), dim=-1)
+
+    merged = AutoModel.from_pretrained(str(tmp_path / "hf")).eval()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    assert (mean_pooled(merged) - want).abs().max() <= 1e-4
+    base = AutoModel.from_pretrained(args.model_dir).eval()
+    adapter = PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    assert (mean_pooled(adapter) - want).abs().max() <= 1e-4
+    assert (
+        mean_pooled(AutoModel.from_pretrained(args.model_dir).eval()) - want
+    ).abs().max() > 1e-3  # it trained: 10x the tolerance

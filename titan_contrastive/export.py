@@ -1,4 +1,4 @@
-"""`python -m titan_contrastive.export SRC --to hf|open_clip|sentence-transformers --out DIR`:
+"""`python -m titan_contrastive.export SRC --to hf|open_clip|sentence-transformers|peft --out DIR`:
 checkpoints for the ecosystem.
 
 `--to hf` (clip family): SRC is anything `[model] init_from` reads (`interop.detect_format`): one
@@ -11,10 +11,13 @@ tokenizer files (built by transformers from the vocabulary this package ships).
 the layout open_clip reads from a local folder or the hub (`create_model_and_transforms(
 "local-dir:DIR")`).
 
-`--to sentence-transformers` (bi_encoder family): SRC is one of our step folders; DIR is what
-`sentence_transformers.SentenceTransformer(DIR)` loads: the tower (`--tower query|doc`; the same
-one when shared) with its tokenizer, mean pooling over real tokens and L2 normalization, the
-embedding the bi_encoder trains, cut at its query / document length.
+bi_encoder family (`models.bi_encoder.export`): SRC is one of our step folders, `--tower
+query|doc` picks the tower (the same one when shared). `--to sentence-transformers`: what
+`sentence_transformers.SentenceTransformer(DIR)` loads, the tower with its tokenizer, the run's
+pooling, L2 normalization and prompts, cut at its query / document length; `--to hf`: the tower
+as a transformers folder with its tokenizer; with LoRA both hold the merged weights. `--to peft`:
+the LoRA adapters alone, what `peft.PeftModel.from_pretrained(base, DIR)` loads over the run's
+`[model] path`.
 
 What DIR may be, checked before anything is read: a folder that does not exist yet, an empty one,
 or (with `--overwrite`) a previous export of this tool, recognised by the `MARKER` file it writes
@@ -60,7 +63,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-FORMATS = ("hf", "open_clip", "sentence-transformers")
+FORMATS = ("hf", "open_clip", "sentence-transformers", "peft")
 MARKER = ".titan_contrastive_export.json"
 """Written last into every export: {"format", "source", "files"}; what `--overwrite` may replace."""
 TOLERANCE = 1e-4
@@ -307,46 +310,34 @@ def write_hf_tokenizer(out: Path, context_length: int) -> None:
         ).save_pretrained(str(out))
 
 
-def write_sentence_transformers(src: str, tmp: Path, tower: str = "query") -> None:
-    import torch
-    from sentence_transformers import SentenceTransformer
+def _our_family(src: str) -> str | None:
+    """The family one of our step folders names in its manifest (JSON only, nothing else read), else None."""
+    try:
+        return json.loads((Path(src).expanduser() / "manifest.json").read_text())["model"]["family"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
-    try:  # sentence-transformers >= 6
-        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
-    except ImportError:
-        from sentence_transformers.models import Normalize, Pooling, Transformer
 
+def write_text(to: str, src: str, tmp: Path, tower: str = "query") -> None:
+    """A bi_encoder step folder's `tower` as `to` (`models.bi_encoder.export`), checked by reloading."""
     from titan_contrastive.interop import read_ours
-    from titan_contrastive.models.bi_encoder.folder import load_tokenizer
-    from titan_contrastive.models.bi_encoder.model import build_tokenizer
+    from titan_contrastive.models.bi_encoder.export import write
 
     family, args, model = read_ours(Path(src).expanduser())
     if family != "bi_encoder":
         _refuse(
-            f"{src}: a {family} checkpoint; --to sentence-transformers exports the bi_encoder family (clip: --to hf)"
+            f"{src}: a {family} checkpoint; --to {to} exports the bi_encoder family here (clip: --to hf, open_clip)"
         )
-    module = getattr(model.eval(), f"{tower}_tower")
-    length = args.query_length if tower == "query" else args.doc_length
-    prompts = {name: p for name, p in (("query", args.query_prompt), ("document", args.doc_prompt)) if p}
-    with tempfile.TemporaryDirectory() as hf_dir:
-        module.save_pretrained(hf_dir)
-        load_tokenizer(args.model_dir).save_pretrained(hf_dir)
-        encoder = Transformer(hf_dir, max_seq_length=length)
-        mode = {"last_token": "lasttoken"}.get(args.pooling, args.pooling)
-        pooling = Pooling(module.config.hidden_size, pooling_mode=mode)
-        SentenceTransformer(modules=[encoder, pooling, Normalize()], device="cpu", prompts=prompts).save(str(tmp))
-    tokenizer = build_tokenizer(args)
-    with torch.no_grad():
-        ids = tokenizer.encode(PROBE_TEXTS, length, args.query_prompt if tower == "query" else args.doc_prompt)
-        want = model._embed(module, ids, 0 if tower == "query" else 1)
-    theirs = _reloaded("sentence-transformers", lambda: SentenceTransformer(str(tmp), device="cpu"))
-    prompt_name = ("query" if tower == "query" else "document") if prompts else None
-    _compare(
-        "sentence-transformers",
+    write(
+        to,
+        model,
+        args,
+        tmp,
         tower,
-        want,
-        theirs.encode(PROBE_TEXTS, convert_to_tensor=True, prompt_name=prompt_name if prompt_name in prompts else None),
-        "sentence-transformers",
+        PROBE_TEXTS,
+        _reloaded,
+        lambda library, want, got: _compare(to, tower, want, got, library),
+        _refuse,
     )
 
 
@@ -381,6 +372,9 @@ def write_open_clip(src: str, tmp: Path, tower: str = "") -> None:
 
 
 def write_hf(src: str, tmp: Path, tower: str = "") -> None:
+    if _our_family(src) == "bi_encoder":
+        write_text("hf", src, tmp, tower or "query")
+        return
     from transformers import CLIPModel
 
     from titan_contrastive.interop import read_checkpoint
@@ -416,7 +410,8 @@ def write_hf(src: str, tmp: Path, tower: str = "") -> None:
 WRITERS: dict[str, Callable[[str, Path, str], None]] = {
     "hf": write_hf,
     "open_clip": write_open_clip,
-    "sentence-transformers": write_sentence_transformers,
+    "sentence-transformers": lambda src, tmp, tower: write_text("sentence-transformers", src, tmp, tower),
+    "peft": lambda src, tmp, tower: write_text("peft", src, tmp, tower),
 }
 
 
@@ -429,8 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         "--to",
         choices=FORMATS,
         required=True,
-        help="hf: a transformers CLIPModel folder, open_clip: open_clip's folder layout (clip); "
-        "sentence-transformers: a SentenceTransformer folder (bi_encoder)",
+        help="hf: a transformers folder (clip: CLIPModel; bi_encoder: the tower, LoRA merged), open_clip: "
+        "open_clip's folder layout (clip); sentence-transformers: a SentenceTransformer folder (bi_encoder); "
+        "peft: the LoRA adapters as a PEFT folder (bi_encoder trained with [lora])",
     )
     parser.add_argument(
         "--out",
@@ -445,14 +441,13 @@ def main(argv: list[str] | None = None) -> int:
         help="replace --out when it is a previous export of this tool (never another folder)",
     )
     parser.add_argument(
-        "--tower", choices=("query", "doc"), default="query", help="sentence-transformers: which tower (default: query)"
+        "--tower", choices=("query", "doc"), default="query", help="bi_encoder: which tower (default: query)"
     )
     args = parser.parse_args(argv)
     try:
         export(args.src, args.out, args.to, tower=args.tower, overwrite=args.overwrite)
     except ImportError as e:
-        extra = " sentence-transformers" if args.to == "sentence-transformers" else ""
-        print(f"error: --to {args.to} needs {e.name}: pip install -e '.[hf]'{extra}", file=sys.stderr)
+        print(f"error: --to {args.to} needs {e.name}: pip install -e '.[hf]'", file=sys.stderr)
         return 2
     except (OSError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

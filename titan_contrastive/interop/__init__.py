@@ -167,8 +167,12 @@ def read_ours(folder: Path) -> tuple[str, Any, torch.nn.Module]:
             f"({type(e).__name__}: {e})"
         ) from None
     built = spec.build_model(args)
+    state = built.state_dict()
+    if getattr(args, "lora_rank", 0):  # the checkpoint holds what trained; the frozen base is the model folder's
+        frozen = {n for n, p in built.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        state = {k: v for k, v in state.items() if k not in frozen}
     try:  # in place: state_dict() holds the parameters themselves
-        reader.load({"model": built.state_dict()}, folder, manifest, what=f"reading checkpoint {folder}")
+        reader.load({"model": state}, folder, manifest, what=f"reading checkpoint {folder}")
     except reader.CheckpointError as e:
         raise InteropError(str(e)) from None
     return model["family"], args, built

@@ -1,0 +1,125 @@
+"""The bi_encoder's exports (`python -m titan_contrastive.export STEP --to ...`), one tower at a time.
+
+- `sentence-transformers`: the tower with its tokenizer, Pooling (our mode), Normalize and the
+  run's prompts, what `SentenceTransformer(DIR)` loads;
+- `hf`: the tower as a transformers folder with its tokenizer (`AutoModel.from_pretrained(DIR)`);
+- `peft`: the LoRA adapters alone as a PEFT folder (`PeftModel.from_pretrained(base, DIR)`, the
+  base being the run's `[model] path`).
+
+With LoRA the first two hold the merged weights (W + B A alpha / r, peft's `merge_and_unload`).
+Each folder is loaded back by its library and must give the run's embeddings (the caller,
+`titan_contrastive.export`, compares them and installs the folder only then).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from titan_contrastive.components.lora import lora_config
+from titan_contrastive.models.bi_encoder.folder import load_tokenizer
+from titan_contrastive.models.bi_encoder.model import BiEncoder, BiEncoderArgs, build_tokenizer, embed, load_text_tower
+
+__all__ = ["FORMATS", "write"]
+
+FORMATS = ("sentence-transformers", "hf", "peft")
+
+
+def _adapted(args: BiEncoderArgs, tower: nn.Module) -> Any:
+    """A fresh base from the model folder with `tower`'s adapters, as a peft `PeftModel`."""
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+    config = lora_config(args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_targets)
+    wrapped = get_peft_model(load_text_tower(args.model_dir), config)
+    adapters = {f"base_model.model.{k}": v for k, v in get_peft_model_state_dict(tower).items()}
+    result = set_peft_model_state_dict(wrapped, adapters)
+    if result.unexpected_keys:  # peft skips what it does not place: a silent base model otherwise
+        raise ValueError(f"peft placed no adapter for {result.unexpected_keys[:3]}; nothing was written")
+    return wrapped.eval()
+
+
+def plain_tower(args: BiEncoderArgs, tower: nn.Module) -> nn.Module:
+    """The tower as a plain transformers model: itself, or with LoRA its merged copy."""
+    return _adapted(args, tower).merge_and_unload() if args.lora_rank else tower
+
+
+def _probe(model: BiEncoder, args: BiEncoderArgs, side: str, texts: list[str]) -> tuple[Tensor, Tensor]:
+    """(the probe texts' ids as the run tokenizes them, the run's embeddings of them) for `side`."""
+    import torch
+
+    tokenizer = build_tokenizer(args)
+    ids = tokenizer.encode_queries(texts, args.query_length) if side == "query" else tokenizer.encode_docs(texts)
+    with torch.no_grad():
+        return ids, model._embed(getattr(model, f"{side}_tower"), ids, 0 if side == "query" else 1)
+
+
+def write(
+    to: str,
+    model: BiEncoder,
+    args: BiEncoderArgs,
+    out: Path,
+    side: str,
+    texts: list[str],
+    reloaded: Callable[[str, Callable[[], Any]], Any],
+    compare: Callable[[str, Tensor, Any], None],
+    refuse: Callable[[str], Any],
+) -> None:
+    """Write `side`'s tower of `model` as `to` into `out`, then load it back with its library and
+    `compare(library, want, got)` its embeddings of `texts` with the run's."""
+    import torch
+
+    model.eval()
+    tower = getattr(model, f"{side}_tower")
+    ids, want = _probe(model, args, side, texts)
+    pad = model.pad_id
+    if to == "peft":
+        if not args.lora_rank:
+            refuse("--to peft exports LoRA adapters; this run trained without [lora] (use --to hf)")
+        from peft import PeftModel
+
+        _adapted(args, tower).save_pretrained(str(out))
+        theirs = reloaded("peft", lambda: PeftModel.from_pretrained(load_text_tower(args.model_dir), str(out)).eval())
+        with torch.no_grad():
+            compare("peft", want, embed(theirs, ids, pad, args.pooling, 0))
+        return
+    plain = plain_tower(args, tower)
+    if to == "hf":
+        from transformers import AutoModel
+
+        plain.save_pretrained(str(out))
+        load_tokenizer(args.model_dir).save_pretrained(str(out))
+        theirs = reloaded("transformers", lambda: AutoModel.from_pretrained(str(out)).eval())
+        with torch.no_grad():
+            compare("transformers", want, embed(theirs, ids, pad, args.pooling, 0))
+        return
+    _write_sentence_transformers(plain, args, out, side)
+    from sentence_transformers import SentenceTransformer
+
+    theirs = reloaded("sentence-transformers", lambda: SentenceTransformer(str(out), device="cpu"))
+    prompt = args.query_prompt if side == "query" else args.doc_prompt
+    name = ("query" if side == "query" else "document") if prompt else None
+    compare("sentence-transformers", want, theirs.encode(texts, convert_to_tensor=True, prompt_name=name))
+
+
+def _write_sentence_transformers(plain: nn.Module, args: BiEncoderArgs, out: Path, side: str) -> None:
+    import tempfile
+
+    from sentence_transformers import SentenceTransformer
+
+    try:  # sentence-transformers >= 6
+        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    except ImportError:
+        from sentence_transformers.models import Normalize, Pooling, Transformer
+
+    length = args.query_length if side == "query" else args.doc_length
+    prompts = {name: p for name, p in (("query", args.query_prompt), ("document", args.doc_prompt)) if p}
+    with tempfile.TemporaryDirectory() as hf_dir:
+        plain.save_pretrained(hf_dir)
+        load_tokenizer(args.model_dir).save_pretrained(hf_dir)
+        encoder = Transformer(hf_dir, max_seq_length=length)
+        mode = {"last_token": "lasttoken"}.get(args.pooling, args.pooling)
+        pooling = Pooling(plain.config.hidden_size, pooling_mode=mode)
+        SentenceTransformer(modules=[encoder, pooling, Normalize()], device="cpu", prompts=prompts).save(str(out))
