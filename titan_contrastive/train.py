@@ -23,7 +23,14 @@ import torch
 from titan_contrastive import exit_codes, models
 from titan_contrastive.checkpoint import TrainState, build_checkpointer
 from titan_contrastive.checkpoint.resume import model_source, report_unread_init_from
-from titan_contrastive.components.evaluate import EvalContext, check_embedding_dims, describe_results, evaluate_sets
+from titan_contrastive.components.beir_eval import evaluate_beir, load_beir, pair_embedders
+from titan_contrastive.components.evaluate import (
+    EvalContext,
+    check_embedding_dims,
+    describe_results,
+    eval_mode,
+    evaluate_sets,
+)
 from titan_contrastive.components.lr_scheduler import build_lr_scheduler
 from titan_contrastive.components.memory_planner import MemoryPlan, measured_first_step, plan_step, probe_batches
 from titan_contrastive.components.metrics import MetricsProcessor, log_run_start
@@ -96,6 +103,11 @@ class Trainer:
             global_batch_size=self.global_batch_size,
         )
         self.train_set, self.eval_set, self.loader = data.train_set, data.eval_set, data.loader
+        self.beir = (
+            load_beir(cfg.eval.beir_path, cfg.eval.beir_split) if cfg.eval.enable and cfg.eval.beir_path else None
+        )
+        if self.beir is not None:
+            pair_embedders(self.forward, self.train_set.tokenizer, 0)  # a family without text pairs: refused here
 
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step
         dtype = precision.param_dtype
@@ -182,7 +194,12 @@ class Trainer:
         run = (cfg.eval.batch_size, self.device, dist.rank, dist.world_size, Path(cfg.job.dump_folder), self.step)
         contexts = functools.partial(EvalContext, self.model, self.forward)
         objective, dims = self.eval_objective, tuple(cfg.eval.dims or cfg.loss.matryoshka_dims)
-        return evaluate_sets(self.spec.evaluate, lambda ds: contexts(ds, objective, *run, dims), self.data.eval_sets)
+        results = evaluate_sets(self.spec.evaluate, lambda ds: contexts(ds, objective, *run, dims), self.data.eval_sets)
+        if self.beir is not None:
+            embedders = pair_embedders(self.forward, self.train_set.tokenizer, self.model_args.query_length)
+            with eval_mode(self.model):
+                results.update(evaluate_beir(self.beir, *embedders, batch_size=run[0], rank=run[2], world_size=run[3]))
+        return results
 
     def _evaluate_and_log(self, last: bool) -> dict[str, float]:
         start = time.perf_counter()
@@ -209,7 +226,9 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """The loop; a run resumed at its last step only evaluates (how a finished run is re-evaluated)."""
         cfg = self.cfg
-        evaluates = cfg.eval.enable and any(ds is not None for ds in self.data.eval_sets.values())
+        evaluates = cfg.eval.enable and (
+            self.beir is not None or any(ds is not None for ds in self.data.eval_sets.values())
+        )
         if self.step >= cfg.training.steps:  # nothing left to train (the checkpoint is at the last step)
             return self._evaluate_and_log(last=True) if evaluates else {}
         data_iter, resumed_at = iter(self.loader), self.step

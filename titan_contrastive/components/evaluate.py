@@ -41,7 +41,7 @@ from titan_contrastive.losses import MicrobatchLoss, Objective
 logger = logging.getLogger("titan_contrastive")
 
 
-def _gather_rows(local: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def gather_rows(local: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """All-gather row shards of different lengths (`counts[r]` rows on rank r), in rank order."""
     if len(counts) == 1:
         return local
@@ -100,7 +100,7 @@ def _rank_batches(
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module) -> Iterator[None]:
     """The model in eval mode for the block, then back to what it was."""
     was_training = model.training
     model.eval()
@@ -128,7 +128,7 @@ def embed_dataset(
             labels.append(batch.get("label", batch["index"]).to(device))
     local = (torch.cat(img), torch.cat(txt), torch.cat(labels))
     counts = [len(s) for s in _shards(dataset, world_size)]
-    return (*(_gather_rows(t, counts) for t in local), scalars)  # type: ignore[return-value]
+    return (*(gather_rows(t, counts) for t in local), scalars)  # type: ignore[return-value]
 
 
 @torch.no_grad()
@@ -153,7 +153,7 @@ def check_embedding_dims(model: nn.Module, forward: Forward, dataset: Dataset, d
     dims than the embeddings have, found by the forward of one sample in eval mode."""
     if not any(dims.values()):
         return
-    with _eval_mode(model):
+    with eval_mode(model):
         width = forward(dataset.__getitems__([0]))[0].shape[-1]
     for key, values in dims.items():
         if values and max(values) > width:
@@ -191,7 +191,7 @@ def evaluate(
     `dims`: retrieval recall also with the embeddings cut to their first m dims and re-normalized
     (a Matryoshka model's smaller embeddings), under the keys `dim{m}/...`.
     """
-    with _eval_mode(model):
+    with eval_mode(model):
         img, txt, labels, scalars = embed_dataset(
             forward, dataset, batch_size=batch_size, device=device, rank=rank, world_size=world_size
         )
@@ -254,7 +254,9 @@ def describe_results(results: dict[str, float], sets: dict[str, Dataset | None])
     where = " and ".join(
         f"{int(results[p + 'num_samples'])} {ds.name} test samples" for p, ds in sets.items() if ds is not None
     )
-    return f"on {where}: " + "  ".join(f"{k} {v:.4f}" for k, v in results.items() if not k.endswith("num_samples"))
+    return f"on {where or 'the BEIR folder'}: " + "  ".join(
+        f"{k} {v:.4f}" for k, v in results.items() if not k.endswith("num_samples")
+    )
 
 
 def _save_grid(originals: torch.Tensor, recons: torch.Tensor, masks: torch.Tensor, path: Path, scale: int = 4) -> None:
@@ -289,7 +291,7 @@ def evaluate_reconstruction(
 ) -> dict[str, float]:
     """Masked MSE / PSNR of `reconstruct(batch) -> images` over the dataset (numerator and
     denominator summed over ranks); rank 0 writes the grid of its first images."""
-    with _eval_mode(model):
+    with eval_mode(model):
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # squared error, scored values
         for i, (indices, batch) in enumerate(_rank_batches(dataset, batch_size, rank, world_size)):
             recon = reconstruct(batch)

@@ -389,6 +389,12 @@ class Eval:
     zero_shot_templates: str = "openai"
     """Prompt templates: `openai` (CLIP's 80 ImageNet prompts, as open_clip), `simple` (open_clip's
     short list), or a text file with one template per line, each with `{}` for the class name."""
+    beir_path: str = ""
+    """Text pairs: also retrieval on a BEIR folder (corpus.jsonl, queries.jsonl, qrels/), embedded once
+    across the ranks: nDCG@10, MRR@10, MAP@100, Recall@1/10/100 (keys `beir/...`); `bundled` = the
+    WordNet set in assets/wordnet_beir; empty = none."""
+    beir_split: str = "test"
+    """Which qrels file of `beir_path` (qrels/{split}.tsv)."""
     dims: list[int] = _opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")
     """Also the retrieval recall of the embeddings cut to their first m dims and re-normalized, per
     m (keys `dim{m}/...`): a Matryoshka model's smaller embeddings, or a plain model's truncated

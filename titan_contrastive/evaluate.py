@@ -1,0 +1,99 @@
+"""`python -m titan_contrastive.evaluate MODEL [--beir DIR] [--out FILE]`: retrieval metrics of a text model.
+
+MODEL is one of our bi_encoder step folders (`.../checkpoint/step-N`, LoRA runs included) or a
+model folder the bi_encoder family loads (`[model] path`: a transformers or sentence-transformers
+folder, or a hub id already in the local cache). DIR is a local BEIR folder (`corpus.jsonl`,
+`queries.jsonl`, `qrels/{split}.tsv`), by default the bundled WordNet set. Prints nDCG@10,
+MRR@10, MAP@100 and Recall@1/10/100 as JSON (`components/beir_eval.py`: the figures
+sentence-transformers' InformationRetrievalEvaluator gives); `--out` writes them to a file too.
+
+Under torchrun (`torchrun --nproc_per_node=N -m titan_contrastive.evaluate ...`) every process
+holds the model and embeds its shard of the queries and the corpus; the results are the same as
+on one process. Bad input is one `error: ...` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def load_text_model(src: str, query_length: int, doc_length: int) -> tuple[Any, Any]:
+    """(args, model in eval mode): a step folder's bi_encoder, or a fresh one on a model folder."""
+    from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs
+
+    if (Path(src).expanduser() / "manifest.json").is_file():
+        import dataclasses
+
+        from titan_contrastive.interop import InteropError, read_ours
+
+        family, args, model = read_ours(Path(src))
+        if family != "bi_encoder":
+            raise InteropError(f"{src}: a {family} checkpoint; retrieval evaluation reads bi_encoder ones")
+        args = dataclasses.replace(args, query_length=query_length or args.query_length)
+        if doc_length:
+            args = dataclasses.replace(args, doc_length=doc_length)
+        return args, model.eval()
+    args = BiEncoderArgs(path=src, query_length=query_length or 64).resolve(doc_length=doc_length)
+    return args, BiEncoder(args).eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m titan_contrastive.evaluate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="a bi_encoder step folder, or a transformers / sentence-transformers folder")
+    parser.add_argument("--beir", default="bundled", help="a BEIR folder (default: the bundled WordNet set)")
+    parser.add_argument("--split", default="test", help="the qrels split: qrels/{split}.tsv (default: test)")
+    parser.add_argument("--batch-size", type=int, default=256, help="texts per forward (default: 256)")
+    parser.add_argument("--query-length", type=int, default=0, help="query tokens (default: the run's, else 64)")
+    parser.add_argument("--doc-length", type=int, default=0, help="document tokens (default: the run's / folder's)")
+    parser.add_argument("--out", type=Path, help="also write the metrics (JSON) to this file")
+    opts = parser.parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    from titan_contrastive import exit_codes
+    from titan_contrastive.components.beir_eval import evaluate_beir, load_beir, pair_embedders
+    from titan_contrastive.models.bi_encoder import build_tokenizer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
+    try:
+        if opts.batch_size < 1:
+            raise ValueError(f"--batch-size {opts.batch_size}: use an integer >= 1")
+        beir = load_beir(opts.beir, opts.split)
+        args, model = load_text_model(opts.model, opts.query_length, opts.doc_length)
+        model.to(device)
+
+        def forward(batch: dict[str, torch.Tensor]) -> Any:
+            return model(batch["query"].to(device), batch["doc"].to(device))
+
+        embedders = pair_embedders(forward, build_tokenizer(args), args.query_length)
+        results = evaluate_beir(beir, *embedders, batch_size=opts.batch_size, rank=rank, world_size=world, prefix="")
+    except (ValueError, OSError) as e:
+        code = exit_codes.report(e)
+        if code is None:
+            print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+            code = exit_codes.BAD_INPUT
+        return code
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank == 0:
+        text = json.dumps({"model": opts.model, "beir": opts.beir, "split": opts.split, **results}, indent=1)
+        print(text)
+        if opts.out is not None:
+            tmp = opts.out.with_name(f".{opts.out.name}.tmp")
+            tmp.write_text(text + "\n")
+            tmp.replace(opts.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
