@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 from titan_contrastive.datasets.wordnet import BUNDLE_DIR, load_pairs
 
