@@ -24,7 +24,7 @@ def main() -> None:
     test_defs, test_lemmas = load_pairs(BUNDLE_DIR, "test")
     _, train_lemmas = load_pairs(BUNDLE_DIR, "train")
     taken = {lemma.lower() for lemma in test_lemmas}
-    pool = sorted({lemma for lemma in train_lemmas if lemma.lower() not in taken}, key=str.lower)
+    pool = sorted({lemma for lemma in train_lemmas if lemma.lower() not in taken}, key=lambda x: (x.lower(), x))
     seen: set[str] = set()
     unique = [x for x in pool if not (x.lower() in seen or seen.add(x.lower()))]
     distractors = random.Random(SEED).sample(unique, DISTRACTORS)
