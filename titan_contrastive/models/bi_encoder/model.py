@@ -47,6 +47,7 @@ from titan_contrastive.models.bi_encoder.folder import (
 )
 
 DEFAULT_DOC_LENGTH = 512  # a folder's documents when neither it nor the config says
+MINILM_DOC_LENGTH = 16  # the bundled MiniLM's: a WordNet lemma fits
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,10 @@ class BiEncoderArgs:
     """Prepended to every document; `auto` = the folder's `document` (or `passage`) prompt, else none."""
     query_length: int = 32
     """Query tokens (special tokens and prompt included); set from data.context_length."""
-    doc_length: int = 16
-    """Document tokens; `[data] doc_context_length`, else the folder's max_seq_length (512 at most),
-    else (the bundled MiniLM) 16, which a WordNet lemma fits."""
+    doc_length: int = 0
+    """Document tokens; `[data] doc_context_length`, else the folder's max_seq_length (at most 512 and
+    its tokenizer's model_max_length), else (the bundled MiniLM) 16, which a WordNet lemma fits; 0
+    until `resolve`."""
     init_scale: float = 20.0
     """t at the start (sentence-transformers' MultipleNegativesRankingLoss scale); `[loss] init_logit_scale` = log t."""
     learn_logit_scale: bool = True
@@ -123,9 +125,10 @@ class BiEncoderArgs:
                 f"model.pooling='cls' with {folder.model_dir}: a decoder's first token sees no other token; use "
                 "model.pooling='last_token' (or mean)"
             )
-        if not doc_length:
-            default = min(folder.max_seq_length or DEFAULT_DOC_LENGTH, DEFAULT_DOC_LENGTH)
-            doc_length = default if path and path != self.path else self.doc_length
+        if not doc_length:  # the given length, else these args' own, else the folder's
+            limit = min(DEFAULT_DOC_LENGTH, load_tokenizer(folder.model_dir).model_max_length)
+            default = min(folder.max_seq_length or limit, limit) if path else MINILM_DOC_LENGTH
+            doc_length = self.doc_length if self.doc_length and path == self.path else default
         return dataclasses.replace(
             self,
             path=path,
