@@ -49,14 +49,17 @@ class ModelState:
 
     def state_dict(self) -> dict[str, Any]:
         state = get_model_state_dict(self.model, options=self.options)
-        if self.options is None:
-            return state
         # DCP leaves out a frozen parameter under its first name only: a shared tower's second name stays
-        frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-        return {k: v for k, v in state.items() if k not in frozen}
+        return state if self.options is None else without_frozen(self.model, state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state_dict, options=self.options)
+
+
+def without_frozen(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` without the entries of `model`'s frozen parameters, under every name they have."""
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in state.items() if k not in frozen}
 
 
 class OptimizerState:

@@ -168,9 +168,10 @@ def read_ours(folder: Path) -> tuple[str, Any, torch.nn.Module]:
         ) from None
     built = spec.build_model(args)
     state = built.state_dict()
-    if getattr(args, "lora_rank", 0):  # the checkpoint holds what trained; the frozen base is the model folder's
-        frozen = {n for n, p in built.named_parameters(remove_duplicate=False) if not p.requires_grad}
-        state = {k: v for k, v in state.items() if k not in frozen}
+    if manifest.get("config", {}).get("lora", {}).get("enable"):  # it holds what trained (checkpoint.stateful)
+        from titan_contrastive.checkpoint.stateful import without_frozen
+
+        state = without_frozen(built, state)
     try:  # in place: state_dict() holds the parameters themselves
         reader.load({"model": state}, folder, manifest, what=f"reading checkpoint {folder}")
     except reader.CheckpointError as e:
