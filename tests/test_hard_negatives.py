@@ -54,6 +54,29 @@ def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
         assert err <= REL, f"{name}: relative error {err:.3e} > {REL}"
 
 
+def assert_step_equals_its_forwards(trainer, microbatches: list[dict], pieces: list[dict], seed: int) -> None:
+    """With dropout on, the step (from `seed`) against the dense objective over the same forwards: the
+    `pieces` (its microbatches, or the chunks of one) encoded in order from the same seed, as the
+    step's first pass does; every trainable parameter's gradient and the loss within REL."""
+
+    def trainable_grads() -> dict[str, torch.Tensor]:
+        return {n: full(p.grad).detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+    init = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    torch.manual_seed(seed)
+    out = trainer.train_step(microbatches)
+    got = trainable_grads()
+    trainer.model.load_state_dict(init)
+    trainer.model.zero_grad()
+    torch.manual_seed(seed)
+    parts = [trainer.step_context.encode(piece) for piece in pieces]
+    q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    loss = InfoNCE().dense(q, columns(*split_documents(d)), parts[0][2])
+    loss.backward()
+    assert abs(out["loss"] - loss.item()) <= REL * loss.item()
+    assert_grads_close(got, trainable_grads())
+
+
 def pairs_file(tmp: Path) -> Path:
     path = tmp / "pairs.jsonl"
     with open(path, "w") as f:
@@ -182,20 +205,7 @@ def test_hard_negatives_with_dropout_on(tmp_path: Path) -> None:
     assert trainer.model.training
     data = trainer.train_set
     microbatches = [data.__getitems__([0, 1, 2]), data.__getitems__([3, 4, 5])]
-    init = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    torch.manual_seed(3)
-    out = trainer.train_step(microbatches)
-    got = grads(trainer.model)
-
-    trainer.model.load_state_dict(init)
-    trainer.model.zero_grad()
-    torch.manual_seed(3)
-    parts = [trainer.step_context.encode(mb) for mb in microbatches]
-    q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    loss = InfoNCE().dense(q, columns(*split_documents(d)), parts[0][2])
-    loss.backward()
-    assert abs(out["loss"] - loss.item()) <= REL * loss.item()
-    assert_grads_close(got, grads(trainer.model))
+    assert_step_equals_its_forwards(trainer, microbatches, microbatches, seed=3)
     trainer.metrics.close()
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from tests.hf_folders import decoder_folder, encoder_folder, st_folder
-from tests.test_hard_negatives import assert_grads_close
+from tests.test_hard_negatives import assert_grads_close, assert_step_equals_its_forwards
 from tests.test_trainer import full
 from tests.test_trainer import make_trainer as base_trainer
 from tests.test_wordnet_bi_encoder import needs_hf
@@ -205,20 +205,8 @@ def test_gradcache_with_dropout_on_equals_the_objective_of_its_forwards(tmp_path
     )
     assert trainer.model.training
     batch = trainer.train_set.__getitems__(list(range(6)))
-    init = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    torch.manual_seed(5)
-    out = trainer.train_step([batch])
-    got = grads(trainer.model)
-
-    trainer.model.load_state_dict(init)
-    trainer.model.zero_grad()
-    torch.manual_seed(5)
-    parts = [trainer.step_context.encode({k: v[s] for k, v in batch.items()}) for s in (slice(0, 4), slice(4, 6))]
-    q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    loss = InfoNCE().dense(q, columns(*split_documents(d)), parts[0][2])
-    loss.backward()
-    assert abs(out["loss"] - loss.item()) <= REL * loss.item()
-    assert_grads_close(got, grads(trainer.model))
+    chunks = [{k: v[s] for k, v in batch.items()} for s in (slice(0, 4), slice(4, 6))]
+    assert_step_equals_its_forwards(trainer, [batch], chunks, seed=5)
     torch.manual_seed(5)
     without = trainer.model(batch["query"][:4], batch["doc"][:4])[0]
     assert not torch.allclose(without, trainer.model.eval()(batch["query"][:4], batch["doc"][:4])[0])  # dropout is on

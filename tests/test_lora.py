@@ -14,11 +14,9 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.hf_folders import decoder_folder, encoder_folder
-from tests.test_hard_negatives import assert_grads_close
-from tests.test_hf_text import FOLDERS, KINDS, _step, _step_distributed, folder_run, grads
+from tests.test_hard_negatives import assert_step_equals_its_forwards
+from tests.test_hf_text import FOLDERS, KINDS, _step, _step_distributed, folder_run
 from tests.test_wordnet_bi_encoder import needs_hf
-from titan_contrastive.losses import InfoNCE, split_documents
-from titan_contrastive.losses.base import columns
 
 pytest.importorskip("peft", reason="needs the optional extra: pip install -e '.[hf]'")
 
@@ -83,19 +81,8 @@ def test_gradcache_replays_lora_dropout(tmp_path: Path, arch: str) -> None:
     )
     batch = trainer.train_set.__getitems__(list(range(6)))
     trainer.train_step([batch])  # B away from zero
-    init = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    torch.manual_seed(7)
-    out = trainer.train_step([batch])
-    got = grads(trainer.model)
-    trainer.model.load_state_dict(init)
-    trainer.model.zero_grad()
-    torch.manual_seed(7)
-    parts = [trainer.step_context.encode({k: v[s] for k, v in batch.items()}) for s in (slice(0, 4), slice(4, 6))]
-    q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    loss = InfoNCE().dense(q, columns(*split_documents(d)), parts[0][2])
-    loss.backward()
-    assert abs(out["loss"] - loss.item()) <= REL * loss.item()
-    assert_grads_close(got, grads(trainer.model))
+    chunks = [{k: v[s] for k, v in batch.items()} for s in (slice(0, 4), slice(4, 6))]
+    assert_step_equals_its_forwards(trainer, [batch], chunks, seed=7)
     trainer.metrics.close()
 
 
