@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -387,3 +387,27 @@ def run_child(
     if check and rc != 0:
         raise subprocess.CalledProcessError(rc, list(map(str, cmd)), out, err)
     return child
+
+
+def launch_variants(
+    names: Sequence[str],
+    command: Callable[[str, Path], list[str]],
+    read: Callable[[str, Path], dict[str, Any]],
+    *,
+    prefix: Path,
+    collect: bool,
+    config_file: str,
+) -> Iterator[dict[str, Any]]:
+    """One real `run_train.sh` launch of `config_file` per variant (`command(name, dump)`, the dump
+    folder `{prefix}_{name}`), each row `read(name, dump)` plus the launch's wall time and peak RSS;
+    with `collect`, the finished dumps are re-read instead (wall time and RSS are then unknown: they
+    are not in metrics.jsonl). A failed launch stops the benchmark with its output's tail."""
+    for name in names:
+        dump = Path(f"{prefix}_{name}")
+        wall = peak_rss = None
+        if not collect:
+            result = run_child(command(name, dump), cwd=REPO, env=train_env(config_file=config_file))
+            if result.returncode != 0:
+                raise SystemExit(f"variant {name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+            wall, peak_rss = result.wall_s, result.peak_rss_mib
+        yield {**read(name, dump), "wall_s": wall, "peak_rss_mib": peak_rss}

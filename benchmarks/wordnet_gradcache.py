@@ -23,7 +23,6 @@ from typing import Any
 
 from benchmarks import harness
 
-REPO = harness.REPO
 SAMPLES = 32_768
 # name -> (batch, lr, warmup steps, gradcache chunk or 0)
 VARIANTS: dict[str, tuple[int, float, int, int]] = {
@@ -103,19 +102,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="2-core CPU", help="named in the JSON")
     args = parser.parse_args(argv)
     rows = []
-    for name in args.variants:
-        prefix = args.collect or (args.out / "wordnet_runs" / "wn")
-        dump = Path(f"{prefix}_{name}")
-        if args.collect is None:
-            env = harness.train_env(config_file="train_configs/wordnet_minilm.toml")
-            result = harness.run_child(command(name, dump), cwd=REPO, env=env)
-            if result.returncode != 0:
-                raise SystemExit(f"variant {name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-            wall, peak_rss = result.wall_s, result.peak_rss_mib
-        else:
-            wall = peak_rss = None  # not recorded in metrics.jsonl; time the launches yourself
-        rows.append({**read(name, dump), "wall_s": wall, "peak_rss_mib": peak_rss})
-        print(f"{name:>6}: batch {rows[-1]['batch']:>4}  R@1 {rows[-1]['r@1']:.4f}  R@10 {rows[-1]['r@10']:.4f}")
+    prefix = args.collect or (args.out / "wordnet_runs" / "wn")
+    launches = harness.launch_variants(
+        args.variants,
+        command,
+        read,
+        prefix=prefix,
+        collect=args.collect is not None,
+        config_file="train_configs/wordnet_minilm.toml",
+    )
+    for row in launches:
+        rows.append(row)
+        print(f"{row['variant']:>6}: batch {row['batch']:>4}  R@1 {row['r@1']:.4f}  R@10 {row['r@10']:.4f}")
     fields = [
         "variant",
         "batch",

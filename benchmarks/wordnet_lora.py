@@ -32,7 +32,6 @@ from typing import Any
 
 from benchmarks import harness
 
-REPO = harness.REPO
 SAMPLES, BATCH, CHUNK, WARMUP = 8_192, 256, 32, 3
 VARIANTS: dict[str, tuple[float, list[str]]] = {
     "full": (1.1e-4, []),
@@ -40,6 +39,7 @@ VARIANTS: dict[str, tuple[float, list[str]]] = {
     "lora_r16": (5e-4, ["--lora.enable=true", "--lora.rank=16", "--lora.alpha=32"]),
 }
 N_TEST = 2000
+CONFIG = "train_configs/wordnet_minilm.toml"
 
 
 def command(name: str, dump: Path) -> list[str]:
@@ -136,19 +136,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="2-core CPU", help="named in the JSON")
     args = parser.parse_args(argv)
     rows = []
-    for name in args.variants:
-        dump = Path(f"{args.collect or (args.out / 'wordnet_runs' / 'wl')}_{name}")
-        wall = peak_rss = None  # not in metrics.jsonl: only a launch from here times it
-        if args.collect is None:
-            env = harness.train_env(config_file="train_configs/wordnet_minilm.toml")
-            result = harness.run_child(command(name, dump), cwd=REPO, env=env)
-            if result.returncode != 0:
-                raise SystemExit(f"variant {name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-            wall, peak_rss = result.wall_s, result.peak_rss_mib
-        rows.append({**read(name, dump), **parameter_counts(name), "wall_s": wall, "peak_rss_mib": peak_rss})
+    prefix = args.collect or (args.out / "wordnet_runs" / "wl")
+    launches = harness.launch_variants(
+        args.variants, command, read, prefix=prefix, collect=args.collect is not None, config_file=CONFIG
+    )
+    for launched in launches:
+        rows.append({**launched, **parameter_counts(launched["variant"])})
         row = rows[-1]
         print(
-            f"{name}: nDCG@10 {row['ndcg@10']:.4f} R@1 {row['recall@1']:.4f} R@10 {row['recall@10']:.4f} "
+            f"{row['variant']}: nDCG@10 {row['ndcg@10']:.4f} R@1 {row['recall@1']:.4f} R@10 {row['recall@10']:.4f} "
             f"trainable {row['trainable_params']:,} step {row['step_s']:.2f}s",
             flush=True,
         )

@@ -33,7 +33,6 @@ from typing import Any
 
 from benchmarks import harness
 
-REPO = harness.REPO
 SAMPLES, BATCH, CHUNK, LR, WARMUP = 16_384, 256, 32, 1.1e-4, 6
 DIMS = (384, 128, 64)
 MASK = ["--loss.mask_duplicates=true", "--loss.mask_relative=0.95"]
@@ -44,6 +43,7 @@ VARIANTS: dict[str, list[str]] = {
     "matryoshka": [*MASK, f"--loss.matryoshka_dims={','.join(map(str, DIMS))}"],
 }
 N_TEST = 2000
+CONFIG = "train_configs/wordnet_minilm.toml"
 
 
 def command(name: str, dump: Path) -> list[str]:
@@ -112,17 +112,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="2-core CPU", help="named in the JSON")
     args = parser.parse_args(argv)
     rows = []
-    for name in args.variants:
-        dump = Path(f"{args.collect or (args.out / 'wordnet_runs' / 'wn')}_{name}")
-        wall = peak_rss = None  # not in metrics.jsonl: only a launch from here times it
-        if args.collect is None:
-            env = harness.train_env(config_file="train_configs/wordnet_minilm.toml")
-            result = harness.run_child(command(name, dump), cwd=REPO, env=env)
-            if result.returncode != 0:
-                raise SystemExit(f"variant {name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-            wall, peak_rss = result.wall_s, result.peak_rss_mib
-        rows.append({**read(name, dump), "wall_s": wall, "peak_rss_mib": peak_rss})
-        print(name, "  ".join(f"R@{k} {m}d {rows[-1][f'r@{k}_{m}d']:.4f}" for m in DIMS for k in (1, 10)), flush=True)
+    prefix = args.collect or (args.out / "wordnet_runs" / "wn")
+    launches = harness.launch_variants(
+        args.variants, command, read, prefix=prefix, collect=args.collect is not None, config_file=CONFIG
+    )
+    for row in launches:
+        rows.append(row)
+        print(
+            row["variant"], "  ".join(f"R@{k} {m}d {row[f'r@{k}_{m}d']:.4f}" for m in DIMS for k in (1, 10)), flush=True
+        )
     fields = ["variant", "steps", "eval_loss"]
     fields += [f"{s}r@{k}_{m}d" for m in DIMS for k in (1, 10) for s in ("", "se_")] + ["wall_s", "peak_rss_mib"]
     harness.write_results(
