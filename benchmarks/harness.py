@@ -37,6 +37,7 @@ only `harness`.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import gc
@@ -387,6 +388,16 @@ def run_child(
     if check and rc != 0:
         raise subprocess.CalledProcessError(rc, list(map(str, cmd)), out, err)
     return child
+
+
+def variants_parser(description: str, variants: Sequence[str]) -> argparse.ArgumentParser:
+    """The options of a benchmark made of `launch_variants` runs: --out, --collect, --variants, --device."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--collect", type=Path, default=None, help="read PREFIX_{variant} dumps instead of running")
+    parser.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants))
+    parser.add_argument("--device", default="2-core CPU", help="named in the JSON")
+    return parser
 
 
 def launch_variants(

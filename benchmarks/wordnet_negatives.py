@@ -25,7 +25,6 @@ queries, not of training runs). Writes wordnet_negatives.{json,csv,png} under --
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -105,12 +104,7 @@ def plot(rows: list[dict[str, Any]]):  # noqa: ANN201 - a matplotlib figure
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=harness.RESULTS)
-    parser.add_argument("--collect", type=Path, default=None, help="read PREFIX_{variant} dumps instead of running")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--device", default="2-core CPU", help="named in the JSON")
-    args = parser.parse_args(argv)
+    args = harness.variants_parser(__doc__.splitlines()[0], list(VARIANTS)).parse_args(argv)
     rows = []
     prefix = args.collect or (args.out / "wordnet_runs" / "wn")
     launches = harness.launch_variants(
