@@ -23,9 +23,9 @@ import torch
 
 from benchmarks import harness
 from titan_contrastive.config import JobConfig, parse_args
-from titan_contrastive.interop.openclip import open_clip_config, to_open_clip_state_dict
 from titan_contrastive.losses import InfoNCE, Sigmoid
 from titan_contrastive.models.clip.args import clip_flavors
+from titan_contrastive.models.clip.openclip import open_clip_config, to_open_clip_state_dict
 from titan_contrastive.steps.global_negatives import StreamingClipStep
 from titan_contrastive.train import Trainer
 

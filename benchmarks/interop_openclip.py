@@ -12,7 +12,7 @@ What it checks (CPU, float32, eval, torch.manual_seed(0), no download):
 a) open_clip -> ours: `open_clip.create_model("ViT-B-32", pretrained=None)` with its LayerNorms, logit_scale
    and zero-initialized tensors (attention biases) perturbed, so a mapping mistake cannot hide behind
    ones and zeros, is saved as `open_clip_model.safetensors` + `open_clip_config.json` and read by
-   `interop.load_clip`; max |difference| of the normalized image / text embeddings (4 random 224x224
+   `models.clip.load_clip`; max |difference| of the normalized image / text embeddings (4 random 224x224
    images, 4 captions from open_clip's tokenizer). The same weights without the json (shape inference,
    which assumes OpenAI's quick GELU where open_clip's ViT-B-32 uses GELU) are reported, not hidden.
 b) ours -> open_clip: `export.main([SRC, "--to", "open_clip", "--out", DIR])`, read back by
@@ -35,8 +35,8 @@ import torch
 from benchmarks import harness
 from titan_contrastive import export
 from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
-from titan_contrastive.interop import detect_format, load_clip
 from titan_contrastive.models.clip.model import CLIP
+from titan_contrastive.models.clip.state_dict_adapter import detect_format, load_clip
 
 TEXTS = ["a photo of a cat", "a diagram of a transformer block", "Two dogs, playing in the snow!", "x"]
 

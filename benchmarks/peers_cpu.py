@@ -23,9 +23,9 @@ larger ops): --quick uses 1.
    open_clip_train's `train_one_epoch` (one optimizer step per call), fp32, constant lr, both with our AdamW
    construction (lr 5e-4, wd 0.1 on matrices, betas 0.9/0.98, eps 1e-6). Our clip family, flavor w128
    (registered here: width 128, 4+4 layers, 4 heads, embed 128) on fashion_mnist (28x28x1, patch 4, byte
-   tokenizer, context 40); open_clip's `CLIP` from `interop.open_clip_config`, pooling text at EOS as ours,
+   tokenizer, context 40); open_clip's `CLIP` from `models.clip.openclip.open_clip_config`, pooling text at EOS as ours,
    its 3-channel patch conv replaced by a 1-channel one (same images, equal parameter counts: checked),
-   loaded with our initial weights (`interop.to_open_clip_state_dict`; initial embeddings compared).
+   loaded with our initial weights (`models.clip.openclip.to_open_clip_state_dict`; initial embeddings compared).
    a) batch B; b) our accumulation (4 x B, loss.negatives=microbatch: 4 problems of B) vs open_clip
    accum_freq=4 (one problem of 4B): different algorithms; c) our exact global negatives
    (loss.negatives=global) vs open_clip accum_freq=4: the same problem, 4B negatives.

@@ -4,8 +4,8 @@ A tiny clip-family checkpoint is written by the real `CheckpointManager`, then m
 `.metadata`, a per-rank state or a byte item that is a pickle running code when loaded (it
 creates a marker file, then returns the real value, so the old readers loaded it and exited 0).
 Each is refused with one line, marker absent, on every path that reads it: resume
-(`CheckpointManager.load`), init_from (`interop.read_checkpoint`), export (`export.main`, exit 2)
-and `interop.read_ours`. Corrupted or unverifiable folders and damaged weight files are one-line
+(`CheckpointManager.load`), init_from (`models.clip.read_checkpoint`), export (`export.main`, exit 2)
+and `models.weights.read_ours`. Corrupted or unverifiable folders and damaged weight files are one-line
 errors on those paths too.
 """
 
@@ -25,9 +25,10 @@ from titan_contrastive.checkpoint import MANIFEST, CheckpointError, CheckpointMa
 from titan_contrastive.checkpoint.reader import sha256, unpickle_state
 from titan_contrastive.config.job_config import Checkpoint
 from titan_contrastive.export import main as export_main
-from titan_contrastive.interop import InteropError, load_state, read_checkpoint, read_ours
+from titan_contrastive.models.clip import read_checkpoint
 from titan_contrastive.models.clip.args import CLIPArgs
 from titan_contrastive.models.clip.model import CLIP
+from titan_contrastive.models.weights import WeightsError, load_state, read_ours
 
 ARGS = CLIPArgs(
     embed_dim=8,
@@ -133,7 +134,7 @@ def test_malicious_metadata_runs_nothing_on_any_path(tmp_path: Path, capsys: pyt
         resume(tmp_path)
     one_line(error, "loading checkpoint step-1", ".metadata: refused to unpickle", "builtins.eval")
     for read in (read_checkpoint, read_ours):
-        with pytest.raises(InteropError) as error:
+        with pytest.raises(WeightsError) as error:
             read(step)
         one_line(error, ".metadata: refused to unpickle", "builtins.eval")
     code, err = export(step, tmp_path / "out", capsys)
@@ -172,7 +173,7 @@ def test_malicious_byte_item_is_refused(tmp_path: Path, capsys: pytest.CaptureFi
         resume(tmp_path / "b")
     one_line(error, "checkpoint item 'model.logit_scale' is a pickled object where a tensor is expected")
     for read in (read_checkpoint, read_ours):
-        with pytest.raises(InteropError) as error:
+        with pytest.raises(WeightsError) as error:
             read(step)
         one_line(error, "'model.logit_scale' is a pickled object")
     code, err = export(step, tmp_path / "out", capsys)
@@ -207,7 +208,7 @@ def test_corrupted_checkpoint_is_refused_on_init_from_and_export(
     step, _ = clip_step(tmp_path)
     damage(step)
     for read in (read_checkpoint, read_ours):
-        with pytest.raises(InteropError) as error:
+        with pytest.raises(WeightsError) as error:
             read(step)
         one_line(error, f"checkpoint {step} is corrupt", problem)
     code, err = export(step, tmp_path / "out", capsys)
@@ -217,7 +218,7 @@ def test_corrupted_checkpoint_is_refused_on_init_from_and_export(
 def test_dcp_folder_without_manifest_cannot_be_verified(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     step, _ = clip_step(tmp_path)
     (step / MANIFEST).unlink()
-    with pytest.raises(InteropError) as error:
+    with pytest.raises(WeightsError) as error:
         read_checkpoint(step)
     one_line(error, f"{step}: DCP checkpoint files without {MANIFEST}, so they cannot be verified")
     code, err = export(step, tmp_path / "out", capsys)
@@ -258,7 +259,7 @@ def test_damaged_safetensors_is_one_line(
     weights = _open_clip_folder(tmp_path, capsys) / "open_clip_model.safetensors"
     weights.write_bytes(damage(weights.read_bytes()))
     for path in (weights.parent, weights):  # the folder, and the file alone (init_from takes both)
-        with pytest.raises(InteropError) as error:
+        with pytest.raises(WeightsError) as error:
             read_checkpoint(path)
         one_line(error, f"{weights}: {problem}")
     code, err = export(weights.parent, tmp_path / "out", capsys)
@@ -271,14 +272,14 @@ def test_integer_weights_are_refused(tmp_path: Path, capsys: pytest.CaptureFixtu
     weights = _open_clip_folder(tmp_path, capsys) / "open_clip_model.safetensors"
     state = load_file(str(weights))
     save_file({**state, "visual.proj": state["visual.proj"].to(torch.int32)}, str(weights))
-    with pytest.raises(InteropError) as error:
+    with pytest.raises(WeightsError) as error:
         read_checkpoint(weights.parent)
     one_line(error, f"{weights}: visual.proj is torch.int32")
     code, err = export(weights.parent, tmp_path / "out", capsys)
     assert code == 2 and len(err) == 1 and "visual.proj is torch.int32" in err[0], err
 
     model = CLIP(ARGS)  # init_from's last step, for readers of other families
-    with pytest.raises(InteropError) as error:
+    with pytest.raises(WeightsError) as error:
         load_state(
             model, {k: v.to(torch.int32) if k == "visual.proj" else v for k, v in model.state_dict().items()}, "src"
         )
@@ -287,7 +288,7 @@ def test_integer_weights_are_refused(tmp_path: Path, capsys: pytest.CaptureFixtu
     torch.manual_seed(0)  # one of our checkpoints with an integer tensor where the model has a float one
     ints = {k: v.to(torch.int32) if k == "visual.proj" else v for k, v in CLIP(ARGS).state_dict().items()}
     step, _ = clip_step(tmp_path / "ours", model=Fixed(ints))
-    with pytest.raises(InteropError) as error:
+    with pytest.raises(WeightsError) as error:
         read_checkpoint(step)
     one_line(error, "'model.visual.proj' is torch.int32, the model's tensor is torch.float32")
 

@@ -49,7 +49,6 @@ PACKAGE_DIRS = (
     "config",
     "models",
     "datasets",
-    "interop",
 )
 FILE_EXTS = (
     "py",

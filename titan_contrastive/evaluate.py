@@ -29,11 +29,11 @@ def load_text_model(src: str, query_length: int, doc_length: int) -> tuple[Any, 
     if (Path(src).expanduser() / "manifest.json").is_file():
         import dataclasses
 
-        from titan_contrastive.interop import InteropError, read_ours
+        from titan_contrastive.models.weights import WeightsError, read_ours
 
         family, args, model = read_ours(Path(src))
         if family != "bi_encoder":
-            raise InteropError(f"{src}: a {family} checkpoint; retrieval evaluation reads bi_encoder ones")
+            raise WeightsError(f"{src}: a {family} checkpoint; retrieval evaluation reads bi_encoder ones")
         args = dataclasses.replace(args, query_length=query_length or args.query_length)
         if doc_length:
             args = dataclasses.replace(args, doc_length=doc_length)

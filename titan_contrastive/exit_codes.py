@@ -47,12 +47,12 @@ def report(error: BaseException, resume_hint: Callable[[], str] = str) -> int | 
     from titan_contrastive.components.nonfinite import NonFiniteError
     from titan_contrastive.config import ConfigError
     from titan_contrastive.datasets import DataError
-    from titan_contrastive.interop import InteropError
     from titan_contrastive.models import ModelRegistryError
+    from titan_contrastive.models.weights import WeightsError
     from titan_contrastive.parallelisms import collective_failure
 
     if isinstance(
-        error, (ConfigError, DataError, CheckpointError, ModelRegistryError, MemoryBudgetError, InteropError)
+        error, (ConfigError, DataError, CheckpointError, ModelRegistryError, MemoryBudgetError, WeightsError)
     ):
         line, code = str(error), BAD_INPUT
     elif isinstance(error, NonFiniteError):

@@ -1,23 +1,18 @@
 """`python -m titan_contrastive.export SRC --to hf|open_clip|sentence-transformers|peft --out DIR`:
 checkpoints for the ecosystem.
 
-`--to hf` (clip family): SRC is anything `[model] init_from` reads (`interop.detect_format`): one
-of our step-N folders (FSDP shards are consolidated by DCP on load), a Hugging Face CLIP folder
-or an open_clip checkpoint. DIR receives what `transformers.CLIPModel.from_pretrained(DIR)` and
-`CLIPTokenizerFast.from_pretrained(DIR)` load: `config.json`, `model.safetensors` and CLIP's BPE
-tokenizer files (built by transformers from the vocabulary this package ships).
+SRC's family decides what it can be written as: the family one of our step-N folders names in
+its manifest (FSDP shards are consolidated by DCP on load), else the family whose state-dict
+adapter (`ModelSpec.state_dict_adapter`) claims the path; `--to` must be one of its formats.
 
-`--to open_clip` (clip family, same SRC): `open_clip_config.json` + `open_clip_model.safetensors`,
-the layout open_clip reads from a local folder or the hub (`create_model_and_transforms(
-"local-dir:DIR")`).
-
-bi_encoder family (`models.bi_encoder.export`): SRC is one of our step folders, `--tower
-query|doc` picks the tower (the same one when shared). `--to sentence-transformers`: what
-`sentence_transformers.SentenceTransformer(DIR)` loads, the tower with its tokenizer, the run's
-pooling, L2 normalization and prompts, cut at its query / document length; `--to hf`: the tower
-as a transformers folder with its tokenizer; with LoRA both hold the merged weights. `--to peft`:
-the LoRA adapters alone, what `peft.PeftModel.from_pretrained(base, DIR)` loads over the run's
-`[model] path`.
+- clip (`models.clip.state_dict_adapter`; SRC also a Hugging Face CLIP folder or an open_clip
+  checkpoint): `--to hf`, what `transformers.CLIPModel` and `CLIPTokenizerFast` load from DIR;
+  `--to open_clip`, the layout `open_clip.create_model("local-dir:DIR")` reads.
+- bi_encoder (`models.bi_encoder.export`; `--tower query|doc` picks the tower, the same one when
+  shared): `--to sentence-transformers`, the tower with its tokenizer, pooling, normalization and
+  prompts; `--to hf`, the tower as a transformers folder; with LoRA both hold the merged weights;
+  `--to peft`, the LoRA adapters alone, what `peft.PeftModel.from_pretrained(base, DIR)` loads over
+  the run's `[model] path`.
 
 What DIR may be, checked before anything is read: a folder that does not exist yet, an empty one,
 or (with `--overwrite`) a previous export of this tool, recognised by the `MARKER` file it writes
@@ -32,17 +27,10 @@ then renamed into place; a previous export is renamed aside first and removed on
 one is in place, and restored if that rename fails. On any failure the temporary folder goes and
 DIR is as it was.
 
-What is checked before the rename (faithfulness): the written folder is loaded back by the
-library it is for (transformers' `CLIPModel`; `SentenceTransformer`; open_clip's
-`create_model("local-dir:...")` where open_clip imports, else this project's own
-open_clip reader, `interop.load_clip`, which follows open_clip's conventions: its config fields,
-pooling rule and layout) and its image and text embeddings on a few fixed inputs (random pixels;
-token rows laid out as our tokenizers write them, BOS, ids, EOS, padding; texts through the
-tokenizer for sentence-transformers) must equal the source model's within `TOLERANCE`. Why: the
-formats carry conventions the weights do not (which token the text pools at, how many image
-channels), and a folder that loads without error can still compute other embeddings. A
-model the target format cannot express is a one-line error naming why (`interop.hf_clip`,
-`interop.openclip`) rather than a folder computing something else.
+What is checked before the rename (faithfulness, `models.export_check`): the written folder is
+loaded back by the library it is for and its embeddings of fixed probes must equal the source
+model's within `export_check.TOLERANCE`; a model the target format cannot express is a one-line
+error naming why, rather than a folder computing something else.
 
 Needs transformers (`pip install -e '.[hf]'`; sentence-transformers for its format).
 """
@@ -50,8 +38,6 @@ Needs transformers (`pip install -e '.[hf]'`; sentence-transformers for its form
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import inspect
 import json
 import os
 import re
@@ -61,24 +47,20 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 FORMATS = ("hf", "open_clip", "sentence-transformers", "peft")
+"""The built-in families' formats; a registered family may add its own (`StateDictAdapter.writes`)."""
 MARKER = ".titan_contrastive_export.json"
 """Written last into every export: {"format", "source", "files"}; what `--overwrite` may replace."""
-TOLERANCE = 1e-4
-"""Largest difference allowed between the source's and the reloaded export's L2-normalized
-embeddings (unit vectors, so absolute and relative at once): float32 rounding of a different
-kernel order is ~1e-6; a wrong pooling token or weight is ~1e-1."""
-PROBE_TEXTS = ["a photo of a cat", "", "Two dogs, playing in the snow at night! " * 8]
 _STEP = re.compile(r"step-\d+")
 
 
 def _refuse(message: str) -> NoReturn:
-    """Raise `message` as the project's one-line InteropError (interop, and torch with it, is imported when needed)."""
-    from titan_contrastive.interop import InteropError
+    """Raise `message` as the project's one-line WeightsError (imported when needed: torch comes with it)."""
+    from titan_contrastive.models.weights import WeightsError
 
-    raise InteropError(message)
+    raise WeightsError(message)
 
 
 # ------------------------------------------------------------------ where the export goes
@@ -185,7 +167,7 @@ def export(src: str, out: Path, to: str, *, tower: str = "query", overwrite: boo
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make the export private
     try:
-        WRITERS[to](src, tmp, tower)
+        writer(src, to)(src, tmp, tower)
         files = _files(tmp)
         (tmp / MARKER).write_text(
             json.dumps({"format": to, "source": str(Path(src).expanduser().resolve()), "files": files}, indent=1)
@@ -203,111 +185,7 @@ def export(src: str, out: Path, to: str, *, tower: str = "query", overwrite: boo
     return target
 
 
-# ------------------------------------------------------------------ faithfulness
-
-
-def _compare(to: str, tower: str, want: Any, got: Any, library: str) -> None:
-    """One-line InteropError when the reloaded export's embeddings are not the source's."""
-    import torch
-
-    got = torch.as_tensor(got, dtype=torch.float32)
-    if got.shape != want.shape:
-        _refuse(
-            f"--to {to}: {library} gives {tower} embeddings of shape {tuple(got.shape)}, the source "
-            f"{tuple(want.shape)}; the export would change the model, so nothing was written"
-        )
-    diff = (got - want).abs().max().item()
-    if not diff <= TOLERANCE:  # NaN too
-        _refuse(
-            f"--to {to}: reloaded with {library}, the {tower} embeddings differ from the source's by up to {diff:.3g} "
-            f"(tolerance {TOLERANCE:g}); the export would change the model, so nothing was written"
-        )
-
-
-def _reloaded(library: str, load: Callable[[], Any]) -> Any:
-    try:
-        return load()
-    except Exception as e:  # noqa: BLE001 - whatever the library raises: the folder it was given does not load
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        _refuse(
-            f"the written folder does not load back with {library} ({type(e).__name__}: {first}); nothing was written"
-        )
-
-
-def probe_images(args: Any) -> Any:
-    """Three fixed random images of the model's shape."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(3, args.in_channels, args.image_size, args.image_size, generator=g)
-
-
-def probe_ids(args: Any) -> Any:
-    """Token rows laid out as our tokenizers write them: PROBE_TEXTS through the model's tokenizer
-    when it is one of ours (byte: BOS 1, bytes + 3, EOS 2, PAD 0; CLIP BPE: 49406, ..., 49407, 0),
-    then random ids with EOS at the second, middle and last position and 0-padding after it."""
-    import torch
-
-    from titan_contrastive.datasets.tokenizer import ByteTokenizer
-
-    length, vocab = args.context_length, args.vocab_size
-    rows = []
-    if vocab == ByteTokenizer.vocab_size and args.eos_id == ByteTokenizer.EOS and length >= 3:
-        rows.append(ByteTokenizer(length).encode(PROBE_TEXTS))
-    elif vocab == 49408 and args.eos_id in (-1, 49407):
-        from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
-
-        rows.append(ClipBpeTokenizer(length).encode(PROBE_TEXTS))
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (3, length), generator=g)
-    for row, end in enumerate((min(1, length - 1), length // 2, length - 1)):
-        ids[row, end] = args.eos_id if args.eos_id >= 0 else vocab - 1
-        ids[row, end + 1 :] = 0
-    return torch.cat([*rows, ids])
-
-
-def _source_clip(args: Any, state: dict[str, Any], src: str) -> Any:
-    from titan_contrastive.interop import load_state
-    from titan_contrastive.models.clip.model import CLIP
-
-    model = CLIP(dataclasses.replace(args, dropout=0.0))
-    load_state(model, state, src)
-    return model.eval()
-
-
-def _check_clip(
-    to: str, args: Any, ours: Any, library: str, image: Callable[[Any], Any], text: Callable[[Any], Any]
-) -> None:
-    import torch
-
-    images, ids = probe_images(args), probe_ids(args)
-    with torch.no_grad():
-        _compare(to, "image", ours.encode_image(images), image(images), library)
-        _compare(to, "text", ours.encode_text(ids), text(ids), library)
-
-
-# ------------------------------------------------------------------ writers
-
-
-def write_hf_tokenizer(out: Path, context_length: int) -> None:
-    """CLIP's BPE as transformers' CLIPTokenizerFast files (vocab.json + merges.txt -> its converter)."""
-    from transformers import CLIPTokenizerFast
-
-    from titan_contrastive.datasets.clip_bpe import vocab_and_merges
-
-    vocab, merges = vocab_and_merges()
-    ids = {t: i for i, t in enumerate(vocab)}
-    if "vocab" in inspect.signature(CLIPTokenizerFast.__init__).parameters:  # transformers >= 5 takes them directly
-        CLIPTokenizerFast(vocab=ids, merges=merges, model_max_length=context_length).save_pretrained(str(out))
-        return
-    with tempfile.TemporaryDirectory() as tmp:  # transformers 4 reads files
-        (Path(tmp) / "vocab.json").write_text(json.dumps(ids, ensure_ascii=False))
-        (Path(tmp) / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
-        CLIPTokenizerFast(
-            vocab_file=str(Path(tmp) / "vocab.json"),
-            merges_file=str(Path(tmp) / "merges.txt"),
-            model_max_length=context_length,
-        ).save_pretrained(str(out))
+# ------------------------------------------------------------------ the family's writer
 
 
 def _our_family(src: str) -> str | None:
@@ -318,101 +196,32 @@ def _our_family(src: str) -> str | None:
         return None
 
 
-def write_text(to: str, src: str, tmp: Path, tower: str = "query") -> None:
-    """A bi_encoder step folder's `tower` as `to` (`models.bi_encoder.export`), checked by reloading."""
-    from titan_contrastive.interop import read_ours
-    from titan_contrastive.models.bi_encoder.export import write
+def writer(src: str, to: str) -> Callable[[str, Path, str], None]:
+    """The `to` writer of the family `src` belongs to (its `StateDictAdapter`): the family our step
+    folder names, else the one whose adapter claims the path."""
+    from titan_contrastive.models import get_model_spec, list_models
 
-    family, args, model = read_ours(Path(src).expanduser())
-    if family != "bi_encoder":
+    family = _our_family(src)
+    if family is None and (Path(src).expanduser() / ".metadata").is_file():  # DCP files: refused as unverifiable
+        from titan_contrastive.models.weights import read_ours
+
+        read_ours(Path(src))
+    if family is None:
+        claimed = [f for f in list_models() if get_model_spec(f).state_dict_adapter.claims(Path(src).expanduser())]
+        if not claimed:
+            _refuse(
+                f"{src}: not a checkpoint this project reads; give one of our step-N folders (with manifest.json), "
+                "a Hugging Face CLIP folder (config.json + model.safetensors) or an open_clip state dict "
+                "(.safetensors/.bin/.pt, open_clip_config.json beside it)"
+            )
+        family = claimed[0]
+    writes = get_model_spec(family).state_dict_adapter.writes
+    if to not in writes:
         _refuse(
-            f"{src}: a {family} checkpoint; --to {to} exports the bi_encoder family here (clip: --to hf, open_clip)"
+            f"--to {to}: {src} is a {family} checkpoint, which exports to {', '.join(writes) or 'no format'}; "
+            "pick one of those"
         )
-    write(
-        to,
-        model,
-        args,
-        tmp,
-        tower,
-        PROBE_TEXTS,
-        _reloaded,
-        lambda library, want, got: _compare(to, tower, want, got, library),
-        _refuse,
-    )
-
-
-def write_open_clip(src: str, tmp: Path, tower: str = "") -> None:
-    from safetensors.torch import save_file
-
-    from titan_contrastive.interop import load_clip, read_checkpoint
-    from titan_contrastive.interop.openclip import CONFIG_FILE, WEIGHT_FILES, open_clip_config, to_open_clip_state_dict
-
-    args, state = read_checkpoint(src)
-    (tmp / CONFIG_FILE).write_text(json.dumps(open_clip_config(args), indent=1))
-    save_file(to_open_clip_state_dict(state, rgb=True), str(tmp / WEIGHT_FILES[0]))
-    ours = _source_clip(args, state, src)
-    try:
-        import open_clip
-    except Exception:  # noqa: BLE001 - not installed, or its torchvision does not import: our reader of its format
-        theirs = _reloaded("this project's open_clip reader", lambda: load_clip(tmp))
-        _check_clip("open_clip", args, ours, "this project's open_clip reader", theirs.encode_image, theirs.encode_text)
-        return
-    # the model, not transforms
-    model = _reloaded("open_clip", lambda: open_clip.create_model(f"local-dir:{tmp}", device="cpu").eval())
-    # a grayscale image as open_clip's RGB
-    rgb = (lambda x: x.expand(-1, 3, -1, -1)) if args.in_channels == 1 else (lambda x: x)
-    _check_clip(
-        "open_clip",
-        args,
-        ours,
-        "open_clip",
-        lambda x: model.encode_image(rgb(x), normalize=True),
-        lambda ids: model.encode_text(ids, normalize=True),
-    )
-
-
-def write_hf(src: str, tmp: Path, tower: str = "") -> None:
-    if _our_family(src) == "bi_encoder":
-        write_text("hf", src, tmp, tower or "query")
-        return
-    from transformers import CLIPModel
-
-    from titan_contrastive.interop import read_checkpoint
-    from titan_contrastive.interop.hf_clip import hf_config_from_args, to_hf_state_dict
-
-    args, state = read_checkpoint(src)
-    model = CLIPModel(hf_config_from_args(args))
-    # position_ids buffers are the model's own
-    result = model.load_state_dict(to_hf_state_dict(state, args), strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("position_ids")]
-    if missing or result.unexpected_keys:
-        _refuse(f"{src}: transformers' CLIPModel lacks {result.unexpected_keys[:3]} and wants {missing[:3]}")
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    if args.vocab_size == 49408:  # CLIP's vocabulary: ship its tokenizer (the byte tokenizer has no HF equivalent)
-        write_hf_tokenizer(tmp, args.context_length)
-    theirs = _reloaded("transformers", lambda: CLIPModel.from_pretrained(str(tmp)).eval())
-
-    def features(out: Any) -> Any:
-        import torch.nn.functional as F
-
-        return F.normalize(getattr(out, "pooler_output", out), dim=-1)
-
-    _check_clip(
-        "hf",
-        args,
-        _source_clip(args, state, src),
-        "transformers",
-        lambda x: features(theirs.get_image_features(pixel_values=x)),
-        lambda ids: features(theirs.get_text_features(input_ids=ids)),
-    )
-
-
-WRITERS: dict[str, Callable[[str, Path, str], None]] = {
-    "hf": write_hf,
-    "open_clip": write_open_clip,
-    "sentence-transformers": lambda src, tmp, tower: write_text("sentence-transformers", src, tmp, tower),
-    "peft": lambda src, tmp, tower: write_text("peft", src, tmp, tower),
-}
+    return writes[to]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -422,10 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--to",
-        choices=FORMATS,
         required=True,
-        help="hf: a transformers folder (clip: CLIPModel; bi_encoder: the tower, LoRA merged), open_clip: "
-        "open_clip's folder layout (clip); sentence-transformers: a SentenceTransformer folder (bi_encoder); "
+        metavar="{" + ",".join(FORMATS) + "}",
+        help="one of the source family's formats (a family of your own may add more). hf: a transformers folder "
+        "(clip: CLIPModel; bi_encoder: the tower, LoRA merged), open_clip: open_clip's folder layout (clip); "
+        "sentence-transformers: a SentenceTransformer folder (bi_encoder); "
         "peft: the LoRA adapters as a PEFT folder (bi_encoder trained with [lora])",
     )
     parser.add_argument(
@@ -443,8 +253,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tower", choices=("query", "doc"), default="query", help="bi_encoder: which tower (default: query)"
     )
+    parser.add_argument(
+        "--custom-import",
+        default="",
+        metavar="MODULE",
+        help="a module of yours to import first: the one registering your model family (the run's job.custom_import)",
+    )
     args = parser.parse_args(argv)
     try:
+        if args.custom_import:
+            import importlib
+
+            importlib.import_module(args.custom_import)
         export(args.src, args.out, args.to, tower=args.tower, overwrite=args.overwrite)
     except ImportError as e:
         print(f"error: --to {args.to} needs {e.name}: pip install -e '.[hf]'", file=sys.stderr)

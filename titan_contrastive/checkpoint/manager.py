@@ -2,7 +2,7 @@
 
 Layout: `{dump_folder}/{checkpoint.folder}/step-{N}/`, one DCP directory per checkpoint plus a
 `manifest.json` ({"step", "dp_degree", "world_size", "files": {relative path: {"bytes", "sha256"}},
-"model": {"family", "args"}}, the architecture `interop.read_checkpoint` rebuilds the model from,
+"model": {"family", "args"}}, the architecture `models.weights.read_ours` rebuilds the model from,
 and "config", the run's config, which a resume compares with its own: `resume.py`).
 
 A save is atomic: DCP writes into `step-N.tmp`, then (after a barrier) rank 0 writes the manifest,
@@ -157,7 +157,7 @@ class CheckpointManager:
         run_config: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.model_info = model_info  # {"family", "args"}: what `interop.read_checkpoint` rebuilds the model from
+        self.model_info = model_info  # {"family", "args"}: what `models.weights.read_ours` rebuilds the model from
         self.run_config = run_config  # {section: {key: value}}: what a resume compares its config with
         self.folder = Path(dump_folder) / cfg.folder
         self.states = states

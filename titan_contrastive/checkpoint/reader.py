@@ -1,7 +1,7 @@
 """The one way a checkpoint folder is read: verified against its manifest, unpickled without code.
 
 Every reader of our step folders goes through here: resume (`CheckpointManager.load`),
-`[model] init_from`, `export` and `interop.read_ours` / `read_checkpoint` / `load_clip`.
+`[model] init_from`, `export` and `models.weights.read_ours` (and the families' readers built on it).
 
 Trust model: nothing read from a checkpoint can run code, and nothing corrupted is used.
 - Integrity. `validate` checks the folder against its `manifest.json` before anything else is
@@ -23,7 +23,7 @@ Trust model: nothing read from a checkpoint can run code, and nothing corrupted 
   documentation gives. Only the files the manifest lists are read (`.metadata` cannot send DCP
   elsewhere), and a stored item must have the kind the loading state expects: a pickled object
   or a non-float tensor where the model has a float tensor is refused rather than loaded.
-Weights in other formats (`interop`): safetensors holds no code, `.bin`/`.pt` files load with
+Weights in other formats (`models.weights`): safetensors holds no code, `.bin`/`.pt` files load with
 `torch.load(weights_only=True)`, configs are JSON.
 """
 

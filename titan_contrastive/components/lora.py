@@ -6,7 +6,9 @@ its parameter names stay what they were, with `.lora_A.default` / `.lora_B.defau
 the adapters train, so only they have gradients and optimizer state, and a checkpoint holds only
 what trains (`checkpoint.stateful.ModelState`, the frozen base comes back from the model folder).
 Target modules default to peft's own choice for the architecture (BERT: query, value; Llama and
-Qwen: q_proj, v_proj). LoRA dropout is an `nn.Dropout` like any other: a GradCache re-forward
+Qwen: q_proj, v_proj). `modules_to_save` (peft's name and matching: module names ending with one
+of them) train in full beside the adapters, e.g. the word embeddings; they must not nest, as
+peft's own save and load of nested ones fails. LoRA dropout is an `nn.Dropout` like any other: a GradCache re-forward
 replays its draws.
 """
 
@@ -34,19 +36,60 @@ def default_targets(model_type: str) -> tuple[str, ...]:
     return tuple(DEFAULTS[model_type])
 
 
-def lora_config(rank: int, alpha: float, dropout: float, targets: Sequence[str]) -> Any:
+def lora_config(
+    rank: int, alpha: float, dropout: float, targets: Sequence[str], modules_to_save: Sequence[str] = ()
+) -> Any:
     from peft import LoraConfig
 
-    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets))
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(targets),
+        modules_to_save=list(modules_to_save) or None,
+    )
 
 
-def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets: Sequence[str]) -> nn.Module:
+def _modules_to_save(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
+    """The modules whose names end with one of `names` (peft's rule); ConfigError for a name that
+    matches none, or matches modules inside one another."""
+    found: dict[str, nn.Module] = {}
+    for wanted in names:
+        matched = {n: m for n, m in model.named_modules() if n and n.endswith(wanted)}
+        if not matched:
+            leaves = [n for n, m in model.named_modules() if n and not list(m.children())][:4]
+            raise ConfigError(
+                f"lora.modules_to_save={list(names)}: no module's name ends with {wanted!r}; name modules of the "
+                f"model, e.g. {', '.join(leaves)}"
+            )
+        found.update(matched)
+    nested = sorted(n for n in found for o in found if n != o and n.startswith(f"{o}."))
+    if nested:
+        raise ConfigError(
+            f"lora.modules_to_save={list(names)} selects {nested[0]!r} inside another selected module; name the "
+            "innermost modules to train (e.g. 'word_embeddings' rather than 'embeddings'): peft cannot save nested ones"
+        )
+    return list(found.values())
+
+
+def add_lora(
+    model: nn.Module,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets: Sequence[str],
+    modules_to_save: Sequence[str] = (),
+) -> nn.Module:
     """`model` with LoRA adapters of `rank` on the modules named `targets` (peft's matching: exact
-    names or name suffixes), everything else frozen; ConfigError when no module matches."""
+    names or name suffixes) and `modules_to_save` trained in full, everything else frozen;
+    ConfigError when no module matches."""
     from peft import inject_adapter_in_model
 
+    full = _modules_to_save(model, modules_to_save)
     try:
         model = inject_adapter_in_model(lora_config(rank, alpha, dropout, targets), model)
     except ValueError as e:  # no target module found
         raise ConfigError(f"lora.target_modules={list(targets)}: {' '.join(str(e).split())[:200]}") from None
+    for module in full:
+        module.requires_grad_(True)
     return model

@@ -98,6 +98,10 @@ class Lora:
     target_modules: list[str] = _opt([], None)
     """Names (or name suffixes) of the linear layers to adapt; empty = peft's default for the
     architecture (BERT: query, value; Qwen and Llama: q_proj, v_proj)."""
+    modules_to_save: list[str] = _opt([], None)
+    """Modules trained in full beside the adapters (peft's `modules_to_save`: names or name suffixes
+    of modules that do not nest), e.g. ['word_embeddings'] (BERT) or ['embed_tokens'] (Qwen,
+    Llama); empty = the whole base stays frozen."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ from titan_contrastive.models.args import ModelArgs
 from titan_contrastive.models.registry import (
     ModelRegistryError,
     ModelSpec,
+    StateDictAdapter,
     get_flavor_args,
     get_model_spec,
     list_models,
@@ -30,6 +31,7 @@ __all__ = [
     "ModelArgs",
     "ModelRegistryError",
     "ModelSpec",
+    "StateDictAdapter",
     "get_flavor_args",
     "get_model_spec",
     "list_models",

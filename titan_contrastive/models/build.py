@@ -14,9 +14,9 @@ from torch import nn
 from titan_contrastive.components.freeze import apply_freeze
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.config.job_config import MAX_LOGIT_SCALE
-from titan_contrastive.interop import load_state
 from titan_contrastive.losses import Objective, build_objective
 from titan_contrastive.models.registry import ModelSpec
+from titan_contrastive.models.weights import load_state
 
 
 def resolve_objective(spec: ModelSpec, cfg: JobConfig) -> Objective | None:

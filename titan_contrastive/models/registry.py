@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -34,6 +35,7 @@ from titan_contrastive.models.args import ModelArgs, missing_methods
 __all__ = [
     "ModelRegistryError",
     "ModelSpec",
+    "StateDictAdapter",
     "get_flavor_args",
     "get_model_spec",
     "list_models",
@@ -47,6 +49,27 @@ class ModelRegistryError(ValueError):
 
     A `ValueError` subclass so that config validation can catch it with other bad values.
     """
+
+
+def _claims_nothing(path: Path) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class StateDictAdapter:
+    """How a family's weights go to and from other libraries' formats (torchtitan's
+    `state_dict_adapter`): what `[model] init_from` reads and what `python -m
+    titan_contrastive.export --to FORMAT` writes. The default reads and writes nothing."""
+
+    read: Callable[[str], tuple[Any, dict[str, Any]]] | None = None
+    """path -> (args, state dict in the family's layout), what `[model] init_from` starts from (clip:
+    Hugging Face CLIP folders, open_clip checkpoints and our step folders). None: none."""
+    claims: Callable[[Path], bool] = _claims_nothing
+    """Whether a path that is not one of our step folders is a checkpoint in a format `read` takes;
+    export picks the family of such a source by it (ours name theirs in the manifest)."""
+    writes: Mapping[str, Callable[[str, Path, str], None]] = dataclasses.field(default_factory=dict)
+    """Export format -> `write(src, folder, tower)`: writes `src` (a step folder of the family or a
+    path it claims) into `folder` and loads it back to check it (`models.export_check`)."""
 
 
 @dataclass(frozen=True)
@@ -87,9 +110,8 @@ class ModelSpec:
     """Evaluation on the held-out split: zero-shot / retrieval (default) or the vae's reconstructions."""
     towers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Tower name -> parameter-name prefix, for `[model] freeze` (clip: image -> "visual.")."""
-    read_checkpoint: Callable[[str], tuple[Any, dict[str, Any]]] | None = None
-    """path -> (args, state dict in the family's layout): what `[model] init_from` starts from
-    (clip: `interop.read_checkpoint`, Hugging Face CLIP folders and our step folders). None: none."""
+    state_dict_adapter: StateDictAdapter = StateDictAdapter()
+    """Import (`[model] init_from`) and export formats of the family's weights."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -143,12 +165,12 @@ def resolve_model_args(name: str, flavor: str, init_from: str = "") -> tuple[Any
     if not init_from:
         return get_flavor_args(name, flavor), None
     spec = get_model_spec(name)
-    if spec.read_checkpoint is None:
+    if spec.state_dict_adapter.read is None:
         raise ModelRegistryError(
             f"model.init_from={init_from!r}: the {name} family reads no checkpoints; leave it empty"
         )
     try:
-        return spec.read_checkpoint(init_from)
+        return spec.state_dict_adapter.read(init_from)
     except (OSError, ValueError) as e:
         raise ModelRegistryError(f"model.init_from={init_from!r}: {e}") from None
 

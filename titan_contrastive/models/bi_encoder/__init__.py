@@ -5,6 +5,7 @@ imported only when a model or tokenizer is built (`pip install -e '.[hf]'`), so 
 does not need them.
 """
 
+from titan_contrastive.models.bi_encoder.export import ADAPTER
 from titan_contrastive.models.bi_encoder.model import (
     BiEncoder,
     BiEncoderArgs,
@@ -25,5 +26,6 @@ register_model(
         input_keys=("query", "doc"),
         build_tokenizer=build_tokenizer,
         towers={"query": "query_tower.", "doc": "doc_tower."},
+        state_dict_adapter=ADAPTER,
     )
 )

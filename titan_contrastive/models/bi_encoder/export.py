@@ -7,23 +7,29 @@
   base being the run's `[model] path`).
 
 With LoRA the first two hold the merged weights (W + B A alpha / r, peft's `merge_and_unload`).
-Each folder is loaded back by its library and must give the run's embeddings (the caller,
-`titan_contrastive.export`, compares them and installs the folder only then).
+Each folder is loaded back by its library and must give the run's embeddings of fixed texts
+(`models.export_check`; `titan_contrastive.export` installs the folder only then). `ADAPTER` is the
+family's state-dict adapter: these writers, and no `[model] init_from` reader (the family starts
+from `[model] path`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from titan_contrastive.components.lora import lora_config
 from titan_contrastive.models.bi_encoder.folder import load_tokenizer
 from titan_contrastive.models.bi_encoder.model import BiEncoder, BiEncoderArgs, build_tokenizer, embed, load_text_tower
+from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
+from titan_contrastive.models.registry import StateDictAdapter
+from titan_contrastive.models.weights import read_ours
 
-__all__ = ["FORMATS", "write"]
+__all__ = ["ADAPTER", "FORMATS", "write"]
 
 FORMATS = ("sentence-transformers", "hf", "peft")
 
@@ -32,9 +38,14 @@ def _adapted(args: BiEncoderArgs, tower: nn.Module) -> Any:
     """A fresh base from the model folder with `tower`'s adapters, as a peft `PeftModel`."""
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
-    config = lora_config(args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_targets)
-    wrapped = get_peft_model(load_text_tower(args.model_dir), config)
+    wrapped = get_peft_model(load_text_tower(args.model_dir), lora_config(*args.lora_options))
     adapters = {f"base_model.model.{k}": v for k, v in get_peft_model_state_dict(tower).items()}
+    # what trained in full ([lora] modules_to_save), under the names peft saves them by
+    adapters |= {
+        f"base_model.model.{n}": p.detach()
+        for n, p in tower.named_parameters()
+        if p.requires_grad and ".lora_" not in n
+    }
     result = set_peft_model_state_dict(wrapped, adapters)
     if result.unexpected_keys:  # peft skips what it does not place: a silent base model otherwise
         raise ValueError(f"peft placed no adapter for {result.unexpected_keys[:3]}; nothing was written")
@@ -48,33 +59,24 @@ def plain_tower(args: BiEncoderArgs, tower: nn.Module) -> nn.Module:
 
 def _probe(model: BiEncoder, args: BiEncoderArgs, side: str, texts: list[str]) -> tuple[Tensor, Tensor]:
     """(the probe texts' ids as the run tokenizes them, the run's embeddings of them) for `side`."""
-    import torch
-
     tokenizer = build_tokenizer(args)
     ids = tokenizer.encode_queries(texts, args.query_length) if side == "query" else tokenizer.encode_docs(texts)
     with torch.no_grad():
         return ids, model._embed(getattr(model, f"{side}_tower"), ids, 0 if side == "query" else 1)
 
 
-def write(
-    to: str,
-    model: BiEncoder,
-    args: BiEncoderArgs,
-    out: Path,
-    side: str,
-    texts: list[str],
-    reloaded: Callable[[str, Callable[[], Any]], Any],
-    compare: Callable[[str, Tensor, Any], None],
-    refuse: Callable[[str], Any],
-) -> None:
-    """Write `side`'s tower of `model` as `to` into `out`, then load it back with its library and
-    `compare(library, want, got)` its embeddings of `texts` with the run's."""
-    import torch
-
+def write(to: str, src: str, out: Path, side: str = "query") -> None:
+    """Write `side`'s tower of the bi_encoder step folder `src` as `to` into `out`, then load it back
+    with its library and compare its embeddings of `PROBE_TEXTS` with the run's."""
+    family, args, model = read_ours(Path(src).expanduser())
+    if family != "bi_encoder":
+        refuse(f"{src}: a {family} checkpoint; --to {to} exports the bi_encoder family here")
     model.eval()
     tower = getattr(model, f"{side}_tower")
+    texts = PROBE_TEXTS
     ids, want = _probe(model, args, side, texts)
     pad = model.pad_id
+    check = partial(compare, to, side, want)
     if to == "peft":
         if not args.lora_rank:
             refuse("--to peft exports LoRA adapters; this run trained without [lora] (use --to hf)")
@@ -83,7 +85,7 @@ def write(
         _adapted(args, tower).save_pretrained(str(out))
         theirs = reloaded("peft", lambda: PeftModel.from_pretrained(load_text_tower(args.model_dir), str(out)).eval())
         with torch.no_grad():
-            compare("peft", want, embed(theirs, ids, pad, args.pooling, 0))
+            check(embed(theirs, ids, pad, args.pooling, 0), "peft")
         return
     plain = plain_tower(args, tower)
     if to == "hf":
@@ -93,7 +95,7 @@ def write(
         load_tokenizer(args.model_dir).save_pretrained(str(out))
         theirs = reloaded("transformers", lambda: AutoModel.from_pretrained(str(out)).eval())
         with torch.no_grad():
-            compare("transformers", want, embed(theirs, ids, pad, args.pooling, 0))
+            check(embed(theirs, ids, pad, args.pooling, 0), "transformers")
         return
     _write_sentence_transformers(plain, args, out, side)
     from sentence_transformers import SentenceTransformer
@@ -101,7 +103,7 @@ def write(
     theirs = reloaded("sentence-transformers", lambda: SentenceTransformer(str(out), device="cpu"))
     prompt = args.query_prompt if side == "query" else args.doc_prompt
     name = ("query" if side == "query" else "document") if prompt else None
-    compare("sentence-transformers", want, theirs.encode(texts, convert_to_tensor=True, prompt_name=name))
+    check(theirs.encode(texts, convert_to_tensor=True, prompt_name=name), "sentence-transformers")
 
 
 def _write_sentence_transformers(plain: nn.Module, args: BiEncoderArgs, out: Path, side: str) -> None:
@@ -123,3 +125,6 @@ def _write_sentence_transformers(plain: nn.Module, args: BiEncoderArgs, out: Pat
         mode = {"last_token": "lasttoken"}.get(args.pooling, args.pooling)
         pooling = Pooling(plain.config.hidden_size, pooling_mode=mode)
         SentenceTransformer(modules=[encoder, pooling, Normalize()], device="cpu", prompts=prompts).save(str(out))
+
+
+ADAPTER = StateDictAdapter(writes={to: partial(write, to) for to in FORMATS})

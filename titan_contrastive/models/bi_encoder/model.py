@@ -78,6 +78,8 @@ class BiEncoderArgs:
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = ()
     """The adapted modules: `[lora] target_modules`, or peft's default for the architecture."""
+    lora_modules_to_save: tuple[str, ...] = ()
+    """`[lora] modules_to_save`: modules trained in full beside the adapters."""
 
     def update_from_config(self, cfg: Any) -> BiEncoderArgs:
         """A copy with `[model]`'s path, pooling and prompts and `[data] doc_context_length` resolved
@@ -99,6 +101,7 @@ class BiEncoderArgs:
             lora_alpha=lora.alpha,
             lora_dropout=lora.dropout,
             lora_targets=targets,
+            lora_modules_to_save=tuple(lora.modules_to_save) if lora.enable else (),
         )
 
     def resolve(
@@ -145,6 +148,11 @@ class BiEncoderArgs:
         return dataclasses.replace(self, query_length=context_length)
 
     @property
+    def lora_options(self) -> tuple[int, float, float, tuple[str, ...], tuple[str, ...]]:
+        """`add_lora`'s and `lora_config`'s arguments: rank, alpha, dropout, targets, modules_to_save."""
+        return self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets, self.lora_modules_to_save
+
+    @property
     def model_dir(self) -> str:
         return read_text_folder(self.path).model_dir
 
@@ -157,7 +165,7 @@ class BiEncoderArgs:
         with torch.device("meta"):
             tower = AutoModel.from_config(load_config(self.model_dir))
             if self.lora_rank:
-                add_lora(tower, self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets)
+                add_lora(tower, *self.lora_options)
         layers = sum(p.numel() for block in layer_blocks(tower) for p in block.parameters())
         pooler = getattr(tower, "pooler", None)
         unused = sum(p.numel() for p in pooler.parameters()) if isinstance(pooler, nn.Module) else 0
@@ -250,7 +258,7 @@ class BiEncoder(nn.Module):
         model_dir = args.model_dir
         self.query_tower = load_text_tower(model_dir)
         if args.lora_rank:  # adapters before the copy: a separate document tower gets its own
-            add_lora(self.query_tower, args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_targets)
+            add_lora(self.query_tower, *args.lora_options)
         self.doc_tower = self.query_tower if args.shared else copy.deepcopy(self.query_tower)
         self.pad_id = pad_id(load_tokenizer(model_dir))
         self.logit_scale = nn.Parameter(

@@ -2,16 +2,10 @@
 
 from titan_contrastive.models.clip.args import CLIPArgs, clip_flavors
 from titan_contrastive.models.clip.model import CLIP, clip_blocks
+from titan_contrastive.models.clip.state_dict_adapter import ADAPTER, load_clip, read_checkpoint
 from titan_contrastive.models.registry import ModelSpec, register_model
 
-__all__ = ["CLIP", "CLIPArgs", "clip_blocks", "clip_flavors"]
-
-
-def _read_checkpoint(path: str) -> tuple[CLIPArgs, dict]:
-    from titan_contrastive.interop import read_checkpoint  # interop imports this package: import when used
-
-    return read_checkpoint(path)
-
+__all__ = ["CLIP", "CLIPArgs", "clip_blocks", "clip_flavors", "load_clip", "read_checkpoint"]
 
 register_model(
     ModelSpec(
@@ -20,7 +14,7 @@ register_model(
         build_model=CLIP,
         blocks=clip_blocks,
         learns_bias=True,
-        read_checkpoint=_read_checkpoint,
+        state_dict_adapter=ADAPTER,
         towers={"image": "visual.", "text": "text."},
     )
 )

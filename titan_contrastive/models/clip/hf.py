@@ -28,12 +28,9 @@ import torch
 from torch import Tensor
 
 from titan_contrastive.models.clip.args import CLIPArgs
+from titan_contrastive.models.weights import WeightsError
 
 HF_LEGACY_EOS = 2
-
-
-class InteropError(ValueError):
-    """A checkpoint that cannot be read or written as asked; one line naming the key and the fix."""
 
 
 def args_from_hf_config(config: Any) -> CLIPArgs:
@@ -43,16 +40,16 @@ def args_from_hf_config(config: Any) -> CLIPArgs:
     ratios = {tower: c["intermediate_size"] / c["hidden_size"] for tower, c in (("text", text), ("vision", vision))}
     acts = {text.get("hidden_act", "quick_gelu"), vision.get("hidden_act", "quick_gelu")}
     if len(set(ratios.values())) != 1 or len(acts) != 1 or acts - {"gelu", "quick_gelu"}:
-        raise InteropError(
+        raise WeightsError(
             f"CLIP config: MLP ratios {ratios} and activations {sorted(acts)} must be equal in both towers "
             "and gelu or quick_gelu; this checkpoint's architecture is not one the clip family builds"
         )
     eps = {text.get("layer_norm_eps", 1e-5), vision.get("layer_norm_eps", 1e-5)}
     if eps != {1e-5}:
-        raise InteropError(f"CLIP config: layer_norm_eps={sorted(eps)}; the clip family uses 1e-5")
+        raise WeightsError(f"CLIP config: layer_norm_eps={sorted(eps)}; the clip family uses 1e-5")
     eos = text.get("eos_token_id", HF_LEGACY_EOS)
     if not isinstance(eos, int):
-        raise InteropError(
+        raise WeightsError(
             f"CLIP config: text_config eos_token_id={eos!r}; transformers' CLIP text model pools at one id, give an "
             "integer"
         )
@@ -81,12 +78,12 @@ def hf_config_from_args(args: CLIPArgs) -> Any:
     from transformers import CLIPConfig
 
     if args.init_logit_bias is not None:
-        raise InteropError(
+        raise WeightsError(
             "the model has SigLIP's logit_bias, which transformers' CLIPModel has no place for; export a clip-loss "
             "model"
         )
     if args.eos_id == HF_LEGACY_EOS:
-        raise InteropError(
+        raise WeightsError(
             f"the model pools its text at the first token id {HF_LEGACY_EOS} (the byte tokenizer's EOS), which "
             f"transformers' CLIPModel cannot express: it reads eos_token_id={HF_LEGACY_EOS} as its legacy rule and "
             "pools at the highest id, changing the text embeddings; export with --to open_clip, or train with "
@@ -196,7 +193,7 @@ def from_hf_state_dict(hf: dict[str, Tensor], args: CLIPArgs) -> dict[str, Tenso
     present = {k for k in hf if not k.endswith("position_ids")}
     missing, unexpected = sorted(expected - present), sorted(present - expected)
     if missing or unexpected:
-        raise InteropError(
+        raise WeightsError(
             f"CLIP checkpoint: missing keys {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected keys "
             f"{unexpected[:3]}{'...' if len(unexpected) > 3 else ''}; the checkpoint's config.json does not "
             "describe its weights, or it is not a CLIPModel"

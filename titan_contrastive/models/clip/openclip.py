@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from titan_contrastive.interop.hf_clip import InteropError
 from titan_contrastive.models.clip.args import CLIPArgs
+from titan_contrastive.models.weights import WeightsError
 
 CONFIG_FILE = "open_clip_config.json"
 WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
@@ -70,7 +70,7 @@ def _text_eos(text: dict[str, Any]) -> int:
         return -1
     if pool == "eos":
         return int(text.get("eos_id", 2))
-    raise InteropError(
+    raise WeightsError(
         f"{CONFIG_FILE}: text_cfg pool_type={pool!r}; the clip family pools the text at its EOS token "
         "('eos') or at the highest id ('argmax')"
     )
@@ -82,7 +82,7 @@ def args_from_open_clip(config: dict[str, Any] | None, state: dict[str, Tensor])
         cfg = config.get("model_cfg", config)
         vision, text = cfg["vision_cfg"], cfg["text_cfg"]
         if "hf_model_name" in text or vision.get("timm_model_name") or vision.get("attentional_pool"):
-            raise InteropError(
+            raise WeightsError(
                 f"{CONFIG_FILE}: a model with a custom tower (hf_model_name / timm_model_name / attentional_pool); "
                 "the clip family builds only open_clip's own ViT + text transformer"
             )
@@ -91,13 +91,13 @@ def args_from_open_clip(config: dict[str, Any] | None, state: dict[str, Tensor])
             changed = [f"{k}={sub[k]!r}" for k, d in defaults.items() if sub.get(k, d) != d]
             changed += [f"{k}={sub[k]!r}" for k in ("act_kwargs", "norm_kwargs") if sub.get(k)]
             if changed:
-                raise InteropError(
+                raise WeightsError(
                     f"{CONFIG_FILE}: {section} sets {', '.join(changed)}; the clip family builds open_clip's "
                     "default ViT and causal text transformer only"
                 )
         ratios = {vision.get("mlp_ratio", 4.0), text.get("mlp_ratio", 4.0)}
         if len(ratios) != 1:
-            raise InteropError(
+            raise WeightsError(
                 f"{CONFIG_FILE}: mlp_ratio {sorted(ratios)} differs between the towers; the clip family uses one"
             )
         width = vision["width"]
@@ -141,13 +141,13 @@ def args_from_open_clip(config: dict[str, Any] | None, state: dict[str, Tensor])
 def open_clip_config(args: CLIPArgs) -> dict[str, Any]:
     """`open_clip_config.json` content for a clip-family model (OpenAI's preprocessing)."""
     if args.init_logit_bias is not None:
-        raise InteropError(
+        raise WeightsError(
             "the model has SigLIP's logit_bias: open_clip's CLIP has none (its SigLIP models use custom towers)"
         )
     if args.vision_width % args.vision_heads:
-        raise InteropError(f"vision_width {args.vision_width} is not a multiple of vision_heads {args.vision_heads}")
+        raise WeightsError(f"vision_width {args.vision_width} is not a multiple of vision_heads {args.vision_heads}")
     if args.in_channels not in (1, 3):
-        raise InteropError(
+        raise WeightsError(
             f"the model reads {args.in_channels}-channel images; open_clip's ViT reads 3 channels (1-channel "
             "models are written as their 3-channel equivalent), so this one has no open_clip form: export with --to hf"
         )
