@@ -121,7 +121,7 @@ def test_help_lists_every_option_and_exits_zero() -> None:
         ("--training.stepz=1", "training.stepz"),
         (
             "--model.name=resnet",
-            "model.name='resnet' is not a registered model family; valid: bi_encoder, clip, lit, vae, vlm",
+            "model.name='resnet' is not a registered model family; valid: bi_encoder, clip, lit, qwen_vl, vae, vlm",
         ),
         (
             "--model.flavor=huge",

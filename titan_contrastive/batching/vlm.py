@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .inputs import BatchError, split_inputs
+from .inputs import BatchError, split_inputs, take_chunks
 
-__all__ = ["IMAGE_FIELDS", "split_vlm_inputs"]
+__all__ = ["IMAGE_FIELDS", "split_vlm_inputs", "take_vlm_chunks"]
 
 IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
 """The entries of a packed image batch: the patches and each image's (t, h, w) grid."""
@@ -85,3 +85,33 @@ def split_vlm_inputs(
         chunk["pixel_values"] = pixels[px0:px1]
         chunks.append(chunk)
     return chunks
+
+
+def take_vlm_chunks(inputs: Any, order: Tensor, sizes: Sequence[int], what: str = "input") -> list[Any]:
+    """`batching.take_chunks` (chunks of a permutation of the samples) for packed inputs too: with
+    `pixel_values` and `image_grid_thw` (one image per sample), each chunk gets its samples' patch
+    rows, image after image in the chunk's order; anything else goes to `take_chunks`."""
+    if not isinstance(inputs, Mapping) or inputs.get("pixel_values") is None or inputs.get("image_grid_thw") is None:
+        return take_chunks(inputs, order, sizes, what)
+    grid: Tensor = inputs["image_grid_thw"]
+    pixels: Tensor = inputs["pixel_values"]
+    patches = grid.long().prod(dim=1)
+    if int(patches.sum()) != pixels.shape[0]:
+        raise BatchError(
+            f"{what}: image_grid_thw gives {int(patches.sum())} patches but pixel_values has {pixels.shape[0]} rows"
+        )
+    samples = len(grid)
+    rest = {k: v for k, v in inputs.items() if k not in IMAGE_FIELDS}
+    starts = torch.cumsum(patches, 0) - patches
+    chunks = take_chunks({**rest, "image_grid_thw": grid}, order, list(sizes), what) if rest else None
+    out, at = [], 0
+    for i, size in enumerate(sizes):
+        rows = order[at : at + size].tolist()
+        at += size
+        if any(not 0 <= r < samples for r in rows):
+            raise BatchError(f"{what}: sample rows {rows} outside the batch of {samples} images")
+        pixel_rows = torch.cat([torch.arange(int(starts[r]), int(starts[r] + patches[r])) for r in rows])
+        chunk = dict(chunks[i]) if chunks is not None else {"image_grid_thw": grid[rows]}
+        chunk["pixel_values"] = pixels.index_select(0, pixel_rows.to(pixels.device))
+        out.append(chunk)
+    return out

@@ -53,27 +53,30 @@ class Job:
 class Model:
     name: str = "clip"
     """Registered model family: `clip`, `bi_encoder` (a Hugging Face text model from `path`, needs `.[hf]`),
-    `lit` (a ViT against the pretrained MiniLM text tower, `.[hf]`), `vlm` (packed patches), `vae` (pixel
+    `lit` (a ViT against the pretrained MiniLM text tower, `.[hf]`), `qwen_vl` (a Qwen2-VL / Qwen2.5-VL /
+    Qwen3-VL embedder from `path`, `.[hf]`), `vlm` (a small packed-patch model for CPU tests), `vae` (pixel
     loss), or your own."""
     flavor: str = "debug"
     """Size preset of the family: clip `debug` (CPU) / `vit_b32` / `vit_b16` / `vit_l14`; bi_encoder `shared` /
-    `dual` (one tower or two); lit `minilm_debug`; vlm `debug`; vae `debug` / `sd`."""
+    `dual` (one tower or two); lit `minilm_debug`; qwen_vl `default`; vlm `debug`; vae `debug` / `sd`."""
     init_from: str = ""
     """Start from a checkpoint's weights (clip): a Hugging Face CLIP folder (config.json +
     model.safetensors) or a step-N folder of one of our runs; its architecture replaces the
     flavor's. The data must match it (data.image_size, data.tokenizer = clip_bpe for CLIP's
     vocabulary, data.context_length). Empty = random init."""
     path: str = ""
-    """bi_encoder: a local transformers or sentence-transformers folder (BERT, XLM-R, ModernBERT, a Qwen3 or
+    """bi_encoder, qwen_vl: a local transformers or sentence-transformers folder (BERT, XLM-R, ModernBERT, a Qwen3 or
     Llama-style decoder), or a hub id already in the local cache; never downloaded. Empty = the bundled
     all-MiniLM-L6-v2."""
     pooling: Literal["auto", "cls", "mean", "last_token"] = "auto"
     """bi_encoder: `auto` = the sentence-transformers folder's pooling, else mean (encoders) or last_token
     (decoders)."""
     query_prompt: str = "auto"
-    """bi_encoder: text prepended to every query (E5 "query: ", an instruction); `auto` = the folder's query prompt."""
+    """bi_encoder: text prepended to every query (E5 "query: ", an instruction); `auto` = the folder's query prompt.
+    qwen_vl: the query's template, `{text}` for the caption, `{image}` for the image."""
     doc_prompt: str = "auto"
-    """bi_encoder: text prepended to every document; `auto` = the folder's `document` / `passage` prompt."""
+    """bi_encoder: text prepended to every document; `auto` = the folder's `document` / `passage` prompt.
+    qwen_vl: the document's template (t2i: e.g. "{image} Summarize above image in one word:")."""
     freeze: list[str] = _opt([], None)
     """Locked towers / partial tuning: tower names (clip `image`, `text`; bi_encoder `query`, `doc`)
     or fnmatch patterns over parameter names. Frozen parameters get no gradients and no optimizer
@@ -361,6 +364,12 @@ class Data:
     """Mixed resolutions (model.name=vlm or vae): each image is served at one of these square sizes
     (train: drawn per sample and epoch; test: cycled), as Qwen-VL-style packed patches (vlm) or
     zero-padded with a pixel mask (vae). Empty = one size (image_size or native)."""
+    retrieval_mode: Literal["t2i", "i2t"] = "t2i"
+    """qwen_vl: which side is the image, the documents (t2i: captions query images) or the queries (i2t)."""
+    min_pixels: int = _opt(0, lambda v: v >= 0, "an integer >= 0")
+    """qwen_vl: images resized to at least this many pixels; 0 = the model folder's image processor's."""
+    max_pixels: int = _opt(0, lambda v: v >= 0, "an integer >= 0")
+    """qwen_vl: and to at most this many (visual tokens = pixels / (14·2)² for Qwen2-VL); 0 = the folder's."""
 
 
 @dataclass

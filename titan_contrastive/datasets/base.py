@@ -168,6 +168,13 @@ class ImageTextDataset:
         self._shift = torch.full_like(self._shift, -1.0)
         self.image_shape = (self.image_shape[0], self._sizes[-1], self._sizes[-1])
 
+    def serve_processed(self, process: Any, sizes: Sequence[int] = ()) -> None:
+        """Serve `process(images, captions)` of each batch (the qwen_vl family's processor): uint8 HWC
+        images, each at one of `sizes` (chosen like `pack_patches`; empty = the native size), and
+        their captions as text."""
+        self._sizes = self._mixed_sizes(sizes, 1, "size") if sizes else []
+        self._layout, self._process = "processed", process
+
     @property
     def image_sizes(self) -> list[int]:
         """The resolutions packed batches mix (empty when images are served as [B, C, H, W])."""
@@ -204,6 +211,16 @@ class ImageTextDataset:
         template = torch.from_numpy(self._template_ids(idx_np))
         pixels = images.float().mul_(self._scale).add_(self._shift)
         text = {"text": self._tokens[template, self._text_ids[idx]], "label": self.labels[idx], "index": idx}
+        if self._layout == "processed":
+            chosen = images.float()
+            if self._sizes:
+                chosen = resize_each(chosen, np.asarray(self._sizes)[self._image_size_ids(idx_np)])
+            arrays = [np.ascontiguousarray(x.round().clamp(0, 255).byte().permute(1, 2, 0).numpy()) for x in chosen]
+            captions = [
+                self.templates[t].format(self.subjects[s])
+                for t, s in zip(template.tolist(), self._text_ids[idx].tolist())
+            ]
+            return {**self._process(arrays, captions), "label": self.labels[idx], "index": idx}
         if self._layout == "packed":
             pixel_values, grid = pack_images(
                 pixels, np.asarray(self._sizes)[self._image_size_ids(idx_np)], self._patch_size
@@ -225,7 +242,7 @@ class ImageTextDataset:
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         """One sample, unbatched; the same values it has inside any batch (packed: all its patch rows)."""
-        if self._layout == "packed":
+        if self._layout in ("packed", "processed"):
             batch = self.__getitems__([index])
             return {k: v if k == "pixel_values" else v[0] for k, v in batch.items()}
         return {key: value[0] for key, value in self.__getitems__([index]).items()}

@@ -83,6 +83,7 @@ class FileImageTextDataset:
         """What indexing left out of the source (`sources.ShardLoss`), for the data line and `bad_shards` metrics."""
         self._normalize = Normalize(mean, std)
         self.num_negatives = getattr(source, "num_negatives", 0)
+        self._process: Any = None  # `serve_processed`
         if self.num_negatives and split == "train":
             logger.info(
                 f"{name}: {self.num_negatives} negative caption(s) per sample in {source.location}: each image's "
@@ -114,6 +115,16 @@ class FileImageTextDataset:
 
     serve_masked = pack_patches
 
+    def serve_processed(self, process: Any, sizes: Sequence[int] = ()) -> None:
+        """Serve `process(images, captions)` of each batch instead of tensors: the images decoded at their
+        native resolution (uint8 HWC), the model's processor resizing them (the qwen_vl family)."""
+        if sizes:
+            raise DataError(
+                f"data.image_sizes={list(sizes)}: {self.name} data is served at each image's own resolution "
+                "(the processor's min_pixels / max_pixels bound it); leave data.image_sizes empty"
+            )
+        self._process = process
+
     def _read(self, index: int, bad: list[BadSample]) -> tuple[Image.Image, Record]:
         """The record at `index`, or the next good one in source order (each bad one appended to `bad`)."""
         j = index
@@ -134,6 +145,8 @@ class FileImageTextDataset:
         )
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, Any]:
+        if self._process is not None:
+            return self._processed(indices)
         size = self.image_shape[-1]
         pixels = np.empty((len(indices), size, size, 3), dtype=np.uint8)
         captions, negatives, bad = [], [], []
@@ -152,6 +165,15 @@ class FileImageTextDataset:
         if self.num_negatives:
             batch[NEGATIVES] = self.tokenizer.encode(negatives).view(len(indices), self.num_negatives, -1)
         return batch
+
+    def _processed(self, indices: Sequence[int]) -> dict[str, Any]:
+        images, captions, bad = [], [], []
+        for index in indices:
+            image, record = self._read(int(index), bad)
+            images.append(np.asarray(image.convert("RGB")))
+            captions.append(record.caption)
+        batch = self._process(images, captions)
+        return {**batch, "index": torch.as_tensor(list(indices), dtype=torch.long), BAD_SAMPLES: bad}
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         batch = self.__getitems__([index])

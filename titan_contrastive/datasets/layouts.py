@@ -9,7 +9,9 @@ A layout does two things, both the family's business rather than the trainer's:
 
 IMAGES: [B, C, H, W] at one size (clip, bi_encoder's text pairs); PACKED_PATCHES: Qwen-VL-style
 `pixel_values` [total_patches, C·p·p] + `image_grid_thw`, cut on image boundaries (vlm);
-MASKED_IMAGES: [-1, 1] images zero-padded to the largest size with a pixel `mask` (vae).
+MASKED_IMAGES: [-1, 1] images zero-padded to the largest size with a pixel `mask` (vae); PROCESSED:
+uint8 images and captions through the family's own processor (`args.processor()`: qwen_vl's
+token ids and packed patches at native resolution), cut on image boundaries.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 from titan_contrastive.batching import split_inputs, split_vlm_inputs
 from titan_contrastive.config import ConfigError
 
-__all__ = ["IMAGES", "MASKED_IMAGES", "PACKED_PATCHES", "DataLayout"]
+__all__ = ["IMAGES", "MASKED_IMAGES", "PACKED_PATCHES", "PROCESSED", "DataLayout"]
 
 
 def _one_size(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) -> None:
@@ -34,6 +36,12 @@ def _one_size(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) 
 
 def _packed(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) -> None:
     dataset.pack_patches(args.patch_size, image_sizes)
+
+
+def _processed(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) -> None:
+    if not hasattr(dataset, "serve_processed"):
+        raise ConfigError(f"{family} reads images through its processor; {type(dataset).__name__} does not serve them")
+    dataset.serve_processed(args.processor(), image_sizes)
 
 
 def _masked(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) -> None:
@@ -53,3 +61,4 @@ class DataLayout:
 IMAGES = DataLayout("images", _one_size, split_inputs)
 PACKED_PATCHES = DataLayout("packed_patches", _packed, split_vlm_inputs)
 MASKED_IMAGES = DataLayout("masked_images", _masked, split_inputs)
+PROCESSED = DataLayout("processed", _processed, split_vlm_inputs)

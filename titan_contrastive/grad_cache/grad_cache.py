@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..batching import split_inputs, take_chunks, token_chunks, trim_padding
+from ..batching import split_inputs, take_vlm_chunks, token_chunks, trim_padding
 from . import engine
 from .engine import Outputs, Replay, as_tuple
 from .inputs import GradCacheError, get_rep, model_call
@@ -208,7 +208,7 @@ class GradCache:
         if not self.chunk_tokens[index]:
             return self.split(model_input, self.chunk_sizes[index], what), None
         order, sizes = token_chunks(model_input, self.chunk_tokens[index], self.pad_ids, group=self.group, what=what)
-        return self._trimmed(take_chunks(model_input, order, sizes, what)), order
+        return self._trimmed(take_vlm_chunks(model_input, order, sizes, what)), order
 
     def _trimmed(self, chunks: list[Any]) -> list[Any]:
         return [trim_padding(c, self.pad_ids) for c in chunks] if self.trim_padding else chunks

@@ -25,7 +25,7 @@ from titan_contrastive.models.registry import (
 )
 
 # Imported for their side effect: register the "clip", "bi_encoder", "lit", "vlm" and "vae" families.
-from titan_contrastive.models import bi_encoder, clip, lit, vae, vlm  # noqa: E402,F401  isort: skip
+from titan_contrastive.models import bi_encoder, clip, lit, qwen_vl, vae, vlm  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "ModelArgs",

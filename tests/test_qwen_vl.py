@@ -1,0 +1,223 @@
+"""The qwen_vl family on tiny random Qwen2-VL and Qwen3-VL folders built at test time
+(tests/hf_folders.py: 2 vision blocks, 2 decoder layers, a word-level tokenizer with Qwen's vision
+tokens, the PIL image processor). The processor's batches are what the model's own image processor
+and tokenizer give; every step kind (GradCache with fixed chunks and with a token budget counting
+visual and text tokens, accumulation, global negatives) equals the dense objective over the whole
+batch in float64 with images of different sizes in one batch, on 1 and 2 gloo processes (FSDP2 and
+DDP), LoRA on and off; dropout is replayed; a chunk never splits an image; bad input is one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+from tests.hf_folders import vl_folder
+from tests.test_hard_negatives import assert_grads_close, assert_step_equals_its_forwards
+from tests.test_hf_text import grads
+from tests.test_trainer import full
+from tests.test_trainer import make_trainer as base_trainer
+from tests.test_wordnet_bi_encoder import needs_hf
+from titan_contrastive.losses import InfoNCE
+
+pytest.importorskip("transformers", reason="needs the optional extra: pip install -e '.[hf]'")
+
+REL = 1e-10
+ARCHS = ("qwen2_vl", "qwen3_vl")
+# (local batch, accumulation steps, options); images at 28, 56 and 84 px: 2x2 to 6x6 patch grids
+KINDS = {
+    "gradcache": (6, 1, ["--gradcache.enabled=true", "--gradcache.chunk_sizes=4"]),
+    "gradcache-tokens": (6, 1, ["--gradcache.enabled=true", "--gradcache.chunk_tokens=40"]),
+    "accumulate": (3, 2, []),
+    "global": (3, 2, ["--loss.negatives=global", "--loss.stream_chunk_size=5"]),
+}
+LORA = ("--lora.enable=true", "--lora.rank=4", "--lora.alpha=8")
+
+
+def vl_run(tmp: Path, arch: str, *extra: str, dropout: float = 0.1):
+    """A trainer of the qwen_vl family on `arch`'s tiny folder and the bundled emoji at mixed sizes."""
+    if not (tmp / f"tiny-{arch}").exists():
+        vl_folder(tmp, arch, dropout)
+    return base_trainer(
+        str(tmp / f"run-{arch}"),
+        "--model.name=qwen_vl",
+        "--model.flavor=default",
+        f"--model.path={tmp / f'tiny-{arch}'}",
+        "--data.dataset=emoji",
+        "--data.image_sizes",
+        "28",
+        "56",
+        "84",
+        "--data.context_length=8",
+        "--eval.enable=false",
+        *extra,
+    )
+
+
+def _dense(trainer, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
+    """The objective from its definition on a float64 copy: the mean over `batches` (each one
+    contrastive problem) of symmetric InfoNCE over the whole batch's embeddings."""
+    model = trainer.spec.build_model(trainer.model_args).double()
+    model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
+    model.eval()
+    losses = []
+    for batch in batches:
+        q, d, scale = model(batch["query"], batch["doc"], batch["pixel_values"].double(), batch["image_grid_thw"])
+        losses.append(InfoNCE().dense(q, d, scale))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    return loss.item(), grads(model)
+
+
+def _step(tmp: Path, arch: str, kind: str, *extra: str) -> None:
+    """One step of `kind` (dropout off) against the dense objective over the whole global batch; one
+    warm-up step first so that LoRA's B (zero at the start) gives A a gradient."""
+    local, ga, args = KINDS[kind]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    trainer = vl_run(
+        tmp,
+        arch,
+        f"--training.local_batch_size={local}",
+        f"--training.global_batch_size={local * ga * world}",
+        *args,
+        *extra,
+    )
+    trainer.model.eval()
+    data = trainer.train_set
+    pieces = [
+        [list(range(j * local * world + rank * local, j * local * world + (rank + 1) * local))] for j in range(ga)
+    ]
+    mine = [data.__getitems__(p[0]) for p in pieces]
+    every = data.__getitems__(list(range(local * ga * world)))
+    assert len({tuple(g) for g in every["image_grid_thw"].tolist()}) >= 2  # images of different sizes
+    # accumulation: each microbatch (all ranks' part of it) is a contrastive problem of its own
+    problems = (
+        [data.__getitems__(list(range(j * local * world, (j + 1) * local * world))) for j in range(ga)]
+        if kind == "accumulate"
+        else [every]
+    )
+    trainer.train_step(mine)
+    want_loss, want = _dense(trainer, problems)
+    out = trainer.train_step(mine)
+    assert_grads_close(grads(trainer.model), want)
+    assert abs(out["loss"] - want_loss) <= REL * want_loss
+    trainer.metrics.close()
+
+
+@needs_hf
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_step_kind_equals_the_dense_objective(tmp_path: Path, arch: str, kind: str) -> None:
+    _step(tmp_path, arch, kind)
+
+
+@needs_hf
+@pytest.mark.parametrize("kind", ["gradcache", "gradcache-tokens"])
+def test_with_lora_and_the_images_as_queries(tmp_path: Path, kind: str) -> None:
+    _step(tmp_path, "qwen2_vl", kind, *LORA, "--data.retrieval_mode=i2t")
+
+
+def _two_ranks(tmp: str, arch: str, ddp: bool, *extra: str) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    layout = ["--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2"]
+    _step(Path(tmp), arch, "global", *(layout if ddp else []), *extra)
+    _step(Path(tmp) / "gc", arch, "gradcache-tokens", *(layout if ddp else []), *extra)
+
+
+@needs_hf
+@pytest.mark.parametrize("parallel,lora", [("fsdp2", False), ("ddp", True)])
+def test_two_ranks(tmp_path: Path, parallel: str, lora: bool) -> None:
+    vl_folder(tmp_path, "qwen2_vl")
+    vl_folder(tmp_path / "gc", "qwen2_vl")
+    run_distributed(_two_ranks, 2, str(tmp_path), "qwen2_vl", parallel == "ddp", *(LORA if lora else ()))
+
+
+@needs_hf
+def test_gradcache_replays_the_dropout_of_both_towers(tmp_path: Path) -> None:
+    trainer = vl_run(
+        tmp_path, "qwen2_vl", "--training.local_batch_size=6", "--gradcache.enabled=true", "--gradcache.chunk_sizes=4"
+    )
+    batch = trainer.train_set.__getitems__(list(range(6)))
+    assert_step_equals_its_forwards(trainer, [batch], trainer.step_context.split(batch, 4), seed=3)
+    trainer.metrics.close()
+
+
+@needs_hf
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batches_are_what_the_image_processor_and_tokenizer_give(tmp_path: Path, arch: str) -> None:
+    """pixel_values and image_grid_thw are the image processor's own output for the same images; each
+    document's ids are <|vision_start|>, prod(grid) / merge² <|image_pad|>, <|vision_end|>, then the
+    template's text; each query's ids are the tokenizer's ids of its caption, cut to context_length."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    folder = vl_folder(tmp_path, arch)
+    trainer = vl_run(tmp_path, arch, "--training.local_batch_size=6", "--model.doc_prompt={image} represent this")
+    data = trainer.train_set
+    batch = data.__getitems__([0, 1, 2])
+    processor, tokenizer = Qwen2VLImageProcessorPil.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    sizes = [data.image_sizes[k] for k in data._image_size_ids(np.arange(3))]
+    images = [
+        torch.nn.functional.interpolate(
+            data._images[i : i + 1].float(), size=(s, s), mode="bilinear", align_corners=False, antialias=s < 32
+        )
+        for i, s in enumerate(sizes)
+    ]
+    arrays = [x[0].round().clamp(0, 255).byte().permute(1, 2, 0).numpy() for x in images]
+    want = processor(images=arrays, return_tensors="pt")
+    assert torch.equal(batch["image_grid_thw"], want["image_grid_thw"])
+    assert torch.equal(batch["pixel_values"], want["pixel_values"].float())
+    start, pad, end = (
+        tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+    )
+    tail = tokenizer("represent this", add_special_tokens=False)["input_ids"]
+    for row, grid in zip(batch["doc"].tolist(), batch["image_grid_thw"]):
+        count = int(grid.prod()) // 4
+        assert row[: count + 2 + len(tail)] == [start, *[pad] * count, end, *tail]
+        assert all(x == -1 for x in row[count + 2 + len(tail) :])
+    templates = data._template_ids(np.arange(3))
+    captions = [data.templates[t].format(data.subjects[s]) for t, s in zip(templates, data._text_ids[:3].tolist())]
+    for row, caption in zip(batch["query"].tolist(), captions):
+        words = tokenizer(caption, add_special_tokens=False)["input_ids"][:8]
+        assert [x for x in row if x != -1] == words
+    trainer.metrics.close()
+
+
+def test_token_chunks_keep_every_image_whole() -> None:
+    from titan_contrastive.batching import take_vlm_chunks
+
+    grid = torch.tensor([[1, 2, 2], [1, 4, 6], [1, 2, 4], [1, 6, 6]])
+    pixels = torch.cat([torch.full((int(g.prod()), 3), float(i)) for i, g in enumerate(grid)])
+    batch = {"query": torch.arange(4).view(4, 1), "pixel_values": pixels, "image_grid_thw": grid}
+    chunks = take_vlm_chunks(batch, torch.tensor([3, 1, 0, 2]), [1, 3])
+    assert [c["query"].flatten().tolist() for c in chunks] == [[3], [1, 0, 2]]
+    for chunk in chunks:
+        owners = [i for i in chunk["query"].flatten().tolist() for _ in range(int(grid[i].prod()))]
+        assert chunk["pixel_values"][:, 0].tolist() == owners  # each image's rows, whole, in chunk order
+        assert torch.equal(chunk["image_grid_thw"], grid[chunk["query"].flatten()])
+
+
+@needs_hf
+def test_bad_input_is_one_line(tmp_path: Path) -> None:
+    from titan_contrastive.config import ConfigError
+    from titan_contrastive.models.qwen_vl.processor import VLProcessor
+
+    with pytest.raises(
+        ConfigError, match=r"model.doc_prompt='represent this': the image side's template needs \{image\}"
+    ):
+        vl_run(tmp_path, "qwen2_vl", "--training.local_batch_size=6", "--model.doc_prompt=represent this")
+    processor = VLProcessor(str(tmp_path / "tiny-qwen2_vl"), 0, 0, 8)
+    side = processor.encode("{image}", ["", ""], [np.zeros((28, 28, 3), np.uint8), np.zeros((56, 56, 3), np.uint8)])
+    with pytest.raises(ConfigError, match=r"asks for \[1, 4\] visual tokens per image, the ids hold \[4, 1\]"):
+        processor.check(side["ids"].flip(0), side["image_grid_thw"])
+    with pytest.raises(
+        ConfigError,
+        match=r"an image of shape \[\(28, 6000, 3\)\]: absolute aspect ratio must be smaller than 200, .*; crop it",
+    ):
+        processor.encode("{image}", [""], [np.zeros((28, 6000, 3), np.uint8)])

@@ -1,0 +1,19 @@
+"""The qwen_vl family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL embedders from a local folder); importing this
+package registers it. transformers is imported only when a model or processor is built."""
+
+from titan_contrastive.datasets.layouts import PROCESSED
+from titan_contrastive.models.qwen_vl.model import QwenVLArgs, QwenVLEmbedder, qwen_vl_blocks, qwen_vl_flavors
+from titan_contrastive.models.registry import ModelSpec, register_model
+
+__all__ = ["QwenVLArgs", "QwenVLEmbedder", "qwen_vl_blocks", "qwen_vl_flavors"]
+
+register_model(
+    ModelSpec(
+        name="qwen_vl",
+        flavors=qwen_vl_flavors,
+        build_model=QwenVLEmbedder,
+        blocks=qwen_vl_blocks,
+        input_keys=("query", "doc", "pixel_values", "image_grid_thw"),
+        layout=PROCESSED,
+    )
+)

@@ -1,0 +1,115 @@
+"""Texts and images as a Qwen-VL model reads them: what transformers' `Qwen2VLProcessor` does,
+without its video processor (which needs torchvision).
+
+Per sample and side, a template (`{image}` where the image goes, `{text}` the sample's text) is
+filled; `{image}` becomes `<|vision_start|>`, one `<|image_pad|>` per merged visual token
+(`prod(image_grid_thw) / merge_size²`) and `<|vision_end|>`; the folder's tokenizer turns the
+result into ids, right-padded with -1 (so padding is never a real token: Qwen pads with its EOS).
+Images go through the folder's image processor (`Qwen2VLImageProcessorPil`, its own `patch_size`,
+`merge_size`, mean and std) at their native resolution, resized to multiples of
+`patch_size · merge_size` within `[min_pixels, max_pixels]`; the patches of a batch's images are
+packed into one `pixel_values` [total_patches, C·t·p·p] with `image_grid_thw` [images, 3].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from titan_contrastive.config import ConfigError
+
+__all__ = ["IMAGE", "PAD", "VLProcessor"]
+
+IMAGE = "{image}"
+PAD = -1
+_START, _PAD, _END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+
+
+class VLProcessor:
+    """(texts, images) of one side -> token ids [B, L] (-1 padded) and packed image patches."""
+
+    def __init__(self, model_dir: str, min_pixels: int, max_pixels: int, max_text_tokens: int) -> None:
+        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+        from titan_contrastive.models.bi_encoder.folder import load_tokenizer
+
+        self.tokenizer = load_tokenizer(model_dir)
+        missing = [t for t in (_START, _PAD, _END) if self.tokenizer.convert_tokens_to_ids(t) in (None, -1)]
+        if missing or self.tokenizer.unk_token_id in [self.tokenizer.convert_tokens_to_ids(t) for t in (_PAD,)]:
+            raise ConfigError(f"{model_dir}: its tokenizer lacks {missing or [_PAD]}; not a Qwen-VL tokenizer")
+        self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(_PAD))
+        options = {}
+        if min_pixels:
+            options["min_pixels"] = min_pixels
+        if max_pixels:
+            options["max_pixels"] = max_pixels
+        try:
+            self.images = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True, **options)
+        except OSError:
+            raise ConfigError(
+                f"{model_dir}: no preprocessor_config.json; save the model's image processor into the folder"
+            ) from None
+        size = self.images.size or {}
+        self.min_pixels = int(size.get("shortest_edge", getattr(self.images, "min_pixels", 0) or 0))
+        self.max_pixels = int(size.get("longest_edge", getattr(self.images, "max_pixels", 0) or 0))
+        self.merge = int(self.images.merge_size)
+        self.max_text_tokens = max_text_tokens
+
+    def visual_tokens(self, grid: Tensor) -> list[int]:
+        """Merged visual tokens per image (`<|image_pad|>` per image in the ids)."""
+        return (grid.long().prod(-1) // self.merge**2).tolist()
+
+    def pixels(self, images: Sequence[np.ndarray]) -> tuple[Tensor, Tensor]:
+        """(pixel_values [patches, C·t·p·p] float32, image_grid_thw [images, 3]) of uint8 HWC images."""
+        try:
+            out = self.images(images=list(images), return_tensors="pt")
+        except ValueError as e:  # an aspect ratio or size its resizing cannot bring within the limits
+            raise ConfigError(
+                f"an image of shape {[tuple(x.shape) for x in images][:3]}: {' '.join(str(e).split())[:200]}; "
+                "crop it or change data.min_pixels / data.max_pixels"
+            ) from None
+        return out["pixel_values"].float(), out["image_grid_thw"].long()
+
+    def encode(self, template: str, texts: Sequence[str], images: Sequence[np.ndarray] | None) -> dict[str, Tensor]:
+        """One side of a batch: `template` per sample (with `{image}` when `images` are given, one each)."""
+        has_image = IMAGE in template
+        if has_image != (images is not None):
+            need = "an image side needs {image} in its template" if images is not None else "a text side has no image"
+            raise ConfigError(f"template {template!r}: {need}")
+        out: dict[str, Tensor] = {}
+        counts = [0] * len(texts)
+        if images is not None:
+            out["pixel_values"], out["image_grid_thw"] = self.pixels(images)
+            counts = self.visual_tokens(out["image_grid_thw"])
+        rows = []
+        for text, count in zip(texts, counts):
+            words = self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.max_text_tokens]
+            before, _, after = template.partition(IMAGE) if has_image else ("", "", template)
+            ids: list[int] = []
+            for part, image in ((before, True), (after, False)):
+                pieces = part.split("{text}")
+                for i, piece in enumerate(pieces):
+                    ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+                    if i < len(pieces) - 1:
+                        ids += words
+                if image and has_image:
+                    ids += self.tokenizer(_START + _PAD * count + _END, add_special_tokens=False)["input_ids"]
+            rows.append(ids)
+        width = max(len(r) for r in rows)
+        out["ids"] = torch.tensor([r + [PAD] * (width - len(r)) for r in rows], dtype=torch.long).reshape(
+            len(rows), width
+        )
+        return out
+
+    def check(self, ids: Tensor, grid: Tensor) -> None:
+        """A side's ids must hold each image's visual tokens: `<|image_pad|>` per row = its image's count."""
+        have = (ids == self.image_token_id).sum(1).tolist()
+        want = self.visual_tokens(grid)
+        if have != want:
+            raise ConfigError(
+                f"image_grid_thw {grid.tolist()[:3]} asks for {want[:3]} visual tokens per image, the ids hold "
+                f"{have[:3]}: ids and images of different samples, or a grid that does not match the patches"
+            )
