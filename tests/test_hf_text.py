@@ -178,6 +178,15 @@ def test_every_step_kind_equals_the_dense_objective(tmp_path: Path, arch: str, k
     _step(tmp_path, arch, kind)
 
 
+@needs_hf
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("arch", list(FOLDERS))
+def test_activation_checkpointing_keeps_the_step_exact(tmp_path: Path, arch: str, mode: str) -> None:
+    """Per-layer activation checkpointing under GradCache. Before: a decoder kept its keys and values in
+    a cache during training (`use_cache`), so a layer's recompute attended to them twice and failed."""
+    _step(tmp_path, arch, "gradcache", f"--activation_checkpoint.mode={mode}")
+
+
 def _step_distributed(tmp: str, arch: str, ddp: bool, *extra: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

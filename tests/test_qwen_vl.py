@@ -122,6 +122,12 @@ def test_with_lora_and_the_images_as_queries(tmp_path: Path, kind: str) -> None:
     _step(tmp_path, "qwen2_vl", kind, *LORA, "--data.retrieval_mode=i2t")
 
 
+@needs_hf
+@pytest.mark.parametrize("arch", ARCHS)
+def test_activation_checkpointing_of_vision_blocks_and_decoder_layers(tmp_path: Path, arch: str) -> None:
+    _step(tmp_path, arch, "gradcache-tokens", "--activation_checkpoint.mode=full")
+
+
 def _two_ranks(tmp: str, arch: str, ddp: bool, *extra: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

@@ -232,8 +232,8 @@ def embed(
 
 
 def load_text_tower(model_dir: str) -> nn.Module:
-    """The folder's base model (no LM head, no pooler: the pooling is ours), its load report kept out of the
-    log, in training mode as a freshly built module is (`from_pretrained` returns it in eval mode: its
+    """The folder's base model (no LM head, no pooler: the pooling is ours, no key-value cache), its load
+    report kept out of the log, in training mode as a freshly built module is (`from_pretrained` returns it in eval mode: its
     dropout would stay off in training until the first evaluation switched it on)."""
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
@@ -248,6 +248,9 @@ def load_text_tower(model_dir: str) -> nn.Module:
         ) from None
     if isinstance(getattr(tower, "pooler", None), nn.Module):
         tower.pooler = None
+    for config in (tower.config, getattr(tower.config, "text_config", None)):
+        if getattr(config, "use_cache", False):  # a decoder would keep every layer's keys and values (for generation)
+            config.use_cache = False  # and an activation-checkpointing recompute would attend to them twice
     return tower.train()
 
 
