@@ -227,3 +227,38 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         match=r"an image of shape \[\(28, 6000, 3\)\]: absolute aspect ratio must be smaller than 200, .*; crop it",
     ):
         processor.encode("{image}", [""], [np.zeros((28, 6000, 3), np.uint8)])
+
+
+@needs_hf
+@pytest.mark.parametrize("lora", [False, True])
+def test_exports_reload_and_embed_as_the_run(tmp_path: Path, lora: bool) -> None:
+    """A trained step folder: --to hf (merged with LoRA) and --to peft load back in transformers / peft
+    and give the run's query and document embeddings (the exporter compares them and exits 2 if not);
+    the transformers folder carries the tokenizer and the image processor."""
+    from transformers import AutoModel
+
+    from titan_contrastive.export import main as export_main
+
+    run = vl_run(
+        tmp_path,
+        "qwen2_vl",
+        *(LORA if lora else ()),
+        "--training.local_batch_size=6",
+        "--training.steps=2",
+        "--training.dtype=float32",
+        "--checkpoint.enable=true",
+        "--lr_scheduler.warmup_steps=0",
+        "--optimizer.lr=1e-2",
+    )
+    run.train()
+    run.metrics.close()
+    step = tmp_path / "run-qwen2_vl" / "checkpoint" / "step-2"
+    assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert {"preprocessor_config.json", "tokenizer.json", "config.json"} <= {
+        p.name for p in (tmp_path / "hf").iterdir()
+    }
+    merged = dict(AutoModel.from_pretrained(str(tmp_path / "hf")).named_parameters())
+    base = dict(AutoModel.from_pretrained(str(tmp_path / "tiny-qwen2_vl")).named_parameters())
+    assert any(not torch.equal(merged[n], base[n]) for n in base)  # it trained
+    assert export_main([str(step), "--to", "peft", "--out", str(tmp_path / "peft")]) == (0 if lora else 2)
+    assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 2

@@ -34,7 +34,7 @@ __all__ = ["ADAPTER", "FORMATS", "write"]
 FORMATS = ("sentence-transformers", "hf", "peft")
 
 
-def _adapted(args: BiEncoderArgs, tower: nn.Module) -> Any:
+def adapted(args: BiEncoderArgs, tower: nn.Module) -> Any:
     """A fresh base from the model folder with `tower`'s adapters, as a peft `PeftModel`."""
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
@@ -54,7 +54,7 @@ def _adapted(args: BiEncoderArgs, tower: nn.Module) -> Any:
 
 def plain_tower(args: BiEncoderArgs, tower: nn.Module) -> nn.Module:
     """The tower as a plain transformers model: itself, or with LoRA its merged copy."""
-    return _adapted(args, tower).merge_and_unload() if args.lora_rank else tower
+    return adapted(args, tower).merge_and_unload() if args.lora_rank else tower
 
 
 def _probe(model: BiEncoder, args: BiEncoderArgs, side: str, texts: list[str]) -> tuple[Tensor, Tensor]:
@@ -82,7 +82,7 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
             refuse("--to peft exports LoRA adapters; this run trained without [lora] (use --to hf)")
         from peft import PeftModel
 
-        _adapted(args, tower).save_pretrained(str(out))
+        adapted(args, tower).save_pretrained(str(out))
         theirs = reloaded("peft", lambda: PeftModel.from_pretrained(load_text_tower(args.model_dir), str(out)).eval())
         with torch.no_grad():
             check(embed(theirs, ids, pad, args.pooling, 0), "peft")

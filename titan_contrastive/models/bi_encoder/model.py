@@ -233,8 +233,8 @@ def embed(
 
 def load_text_tower(model_dir: str) -> nn.Module:
     """The folder's base model (no LM head, no pooler: the pooling is ours, no key-value cache), its load
-    report kept out of the log, in training mode as a freshly built module is (`from_pretrained` returns it in eval mode: its
-    dropout would stay off in training until the first evaluation switched it on)."""
+    report kept out of the log, in training mode as a freshly built module is (`from_pretrained` returns
+    it in eval mode: its dropout would stay off in training until the first evaluation switched it on)."""
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 

@@ -2,6 +2,7 @@
 package registers it. transformers is imported only when a model or processor is built."""
 
 from titan_contrastive.datasets.layouts import PROCESSED
+from titan_contrastive.models.qwen_vl.export import ADAPTER
 from titan_contrastive.models.qwen_vl.model import QwenVLArgs, QwenVLEmbedder, qwen_vl_blocks, qwen_vl_flavors
 from titan_contrastive.models.registry import ModelSpec, register_model
 
@@ -15,5 +16,6 @@ register_model(
         blocks=qwen_vl_blocks,
         input_keys=("query", "doc", "pixel_values", "image_grid_thw"),
         layout=PROCESSED,
+        state_dict_adapter=ADAPTER,
     )
 )

@@ -31,7 +31,7 @@ from titan_contrastive.models.bi_encoder.folder import layer_blocks, load_config
 from titan_contrastive.models.bi_encoder.model import load_text_tower, pooled
 from titan_contrastive.models.qwen_vl.processor import IMAGE, PAD, VLProcessor
 
-__all__ = ["MODES", "QwenVLArgs", "QwenVLEmbedder", "qwen_vl_blocks", "qwen_vl_flavors"]
+__all__ = ["MODES", "QwenVLArgs", "QwenVLEmbedder", "qwen_vl_blocks", "qwen_vl_flavors", "vl_embed"]
 
 LORA_TARGETS = ("q_proj", "v_proj")
 """LoRA's default: the language model's query and value projections (the vision blocks name theirs
@@ -111,6 +111,10 @@ class QwenVLArgs:
         return dataclasses.replace(self, text_length=context_length)
 
     @property
+    def model_dir(self) -> str:
+        return self.path
+
+    @property
     def lora_options(self) -> tuple[int, float, float, tuple[str, ...], tuple[str, ...]]:
         return self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets, self.lora_modules_to_save
 
@@ -156,6 +160,28 @@ class QwenVLArgs:
 qwen_vl_flavors = {"default": QwenVLArgs()}
 
 
+def vl_embed(
+    tower: nn.Module,
+    ids: Tensor,
+    pooling: str,
+    pixel_values: Tensor | None = None,
+    image_grid_thw: Tensor | None = None,
+) -> Tensor:
+    """The normalized embedding of each row of `ids` (-1 padded), with its image's patches when it has
+    one; the columns that are padding in every row are cut first (as GradCache cuts a chunk: the same
+    shapes, so the same dropout draws, in both)."""
+    ids = right_trimmed(ids, PAD)
+    mask = ids != PAD
+    images = {} if pixel_values is None else {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+    hidden = tower(
+        input_ids=ids.masked_fill(~mask, 0),
+        attention_mask=mask.long(),
+        mm_token_type_ids=(ids == tower.config.image_token_id).long(),
+        **images,
+    ).last_hidden_state
+    return F.normalize(pooled(hidden, mask, pooling), dim=-1)
+
+
 class QwenVLEmbedder(nn.Module):
     """One Qwen-VL tower for queries and documents, learnable `logit_scale`."""
 
@@ -165,7 +191,6 @@ class QwenVLEmbedder(nn.Module):
         self.tower = load_text_tower(args.path)
         if args.lora_rank:
             add_lora(self.tower, *args.lora_options)
-        self.image_token_id = int(self.tower.config.image_token_id)
         self.logit_scale = nn.Parameter(
             torch.full((1,), math.log(args.init_scale)), requires_grad=args.learn_logit_scale
         )
@@ -180,19 +205,7 @@ class QwenVLEmbedder(nn.Module):
         return {"query": PAD, "doc": PAD}
 
     def embed(self, ids: Tensor, pixel_values: Tensor | None = None, image_grid_thw: Tensor | None = None) -> Tensor:
-        """The normalized embedding of each row of `ids`, with its image's patches when it has one; the
-        columns that are padding in every row are cut first (as GradCache cuts a chunk: the same shapes,
-        so the same dropout draws, in both)."""
-        ids = right_trimmed(ids, PAD)
-        mask = ids != PAD
-        images = {} if pixel_values is None else {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
-        hidden = self.tower(
-            input_ids=ids.masked_fill(~mask, 0),
-            attention_mask=mask.long(),
-            mm_token_type_ids=(ids == self.image_token_id).long(),
-            **images,
-        ).last_hidden_state
-        return F.normalize(pooled(hidden, mask, self.args.pooling), dim=-1)
+        return vl_embed(self.tower, ids, self.args.pooling, pixel_values, image_grid_thw)
 
     def forward(
         self, query: Tensor, doc: Tensor, pixel_values: Tensor, image_grid_thw: Tensor

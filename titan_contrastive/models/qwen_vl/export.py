@@ -1,0 +1,76 @@
+"""The qwen_vl family's exports (`python -m titan_contrastive.export STEP --to ...`) and its
+state-dict adapter.
+
+- `hf`: the tower as a transformers folder with its tokenizer and image processor
+  (`AutoModel.from_pretrained(DIR)`), with LoRA the merged weights (peft's `merge_and_unload`);
+- `peft`: the LoRA adapters alone (`PeftModel.from_pretrained(base, DIR)` over the run's
+  `[model] path`).
+
+Each folder is loaded back and must give the run's query and document embeddings of a few probe
+captions and images of different sizes (`models.export_check`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from titan_contrastive.models.bi_encoder.export import adapted, plain_tower
+from titan_contrastive.models.bi_encoder.folder import load_tokenizer
+from titan_contrastive.models.bi_encoder.model import load_text_tower
+from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
+from titan_contrastive.models.qwen_vl.model import MODES, QwenVLArgs, vl_embed
+from titan_contrastive.models.registry import StateDictAdapter
+from titan_contrastive.models.weights import read_ours
+
+__all__ = ["ADAPTER", "FORMATS", "write"]
+
+FORMATS = ("hf", "peft")
+
+
+def _probe(args: QwenVLArgs) -> dict[str, torch.Tensor]:
+    g = np.random.default_rng(0)
+    images = [g.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((32, 48), (64, 64), (40, 96))]
+    return args.processor()(images, PROBE_TEXTS)
+
+
+def _embeddings(tower: torch.nn.Module, args: QwenVLArgs, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    image_side = MODES[args.mode]
+    images = (batch["pixel_values"].to(tower.dtype), batch["image_grid_thw"])
+    with torch.no_grad():
+        return [vl_embed(tower, batch[s], args.pooling, *(images if s == image_side else ())) for s in ("query", "doc")]
+
+
+def write(to: str, src: str, out: Path, tower_name: str = "") -> None:
+    """Write the qwen_vl step folder `src` as `to` into `out`, then load it back and compare embeddings."""
+    family, args, model = read_ours(Path(src).expanduser())
+    if family != "qwen_vl":
+        refuse(f"{src}: a {family} checkpoint; --to {to} exports the qwen_vl family here")
+    model.eval()
+    batch = _probe(args)
+    want = _embeddings(model.tower, args, batch)
+    if to == "peft":
+        if not args.lora_rank:
+            refuse("--to peft exports LoRA adapters; this run trained without [lora] (use --to hf)")
+        from peft import PeftModel
+
+        adapted(args, model.tower).save_pretrained(str(out))
+        theirs = reloaded("peft", lambda: PeftModel.from_pretrained(load_text_tower(args.path), str(out)).eval())
+        library = "peft"
+    else:
+        from transformers import AutoModel
+        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+        plain_tower(args, model.tower).save_pretrained(str(out))
+        load_tokenizer(args.path).save_pretrained(str(out))
+        Qwen2VLImageProcessorPil.from_pretrained(args.path, local_files_only=True).save_pretrained(str(out))
+        theirs = reloaded("transformers", lambda: AutoModel.from_pretrained(str(out)).eval())
+        library = "transformers"
+    for side, mine, got in zip(("query", "doc"), want, _embeddings(theirs, args, batch)):
+        compare(to, side, mine, got, library)
+
+
+ADAPTER = StateDictAdapter(writes={to: partial(write, to) for to in FORMATS})
