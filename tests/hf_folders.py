@@ -91,73 +91,10 @@ def st_folder(model: Path, pooling: str, prompts: dict[str, str]) -> Path:
     return out
 
 
-VL_SPECIALS = ["<|endoftext|>", "[UNK]", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-
-
 def vl_folder(root: Path, arch: str = "qwen2_vl", dropout: float = 0.1) -> Path:
-    """A tiny random Qwen2-VL or Qwen3-VL model (2 vision blocks, 2 decoder layers, 32 wide) with a
-    word-level tokenizer holding Qwen's vision tokens and the image processor (PIL backend; Qwen2-VL:
-    14-px patches, Qwen3-VL: 16-px; merge 2), saved to `root/tiny-{arch}`."""
-    import transformers
-    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+    """A tiny random Qwen2-VL or Qwen3-VL model (`models.qwen_vl.random_folder`: 2 vision blocks, 2
+    decoder layers, 32 wide; Qwen2-VL: 14-px patches, Qwen3-VL: 16-px; merge 2) with a word-level
+    tokenizer of the words above and Qwen's vision tokens, and the image processor, at `root/tiny-{arch}`."""
+    from titan_contrastive.models.qwen_vl.random_folder import write_random_folder
 
-    folder = root / f"tiny-{arch}"
-    eos = VL_SPECIALS[0]
-    tokenizer = _tokenizer(VL_SPECIALS[:2], "$A", eos, eos, "right")
-    tokenizer.add_special_tokens({"additional_special_tokens": VL_SPECIALS[2:]})
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VL_SPECIALS}
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        attention_dropout=dropout,
-        pad_token_id=ids[eos],
-        eos_token_id=ids[eos],
-        bos_token_id=None,
-    )
-    tokens = dict(
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    if arch == "qwen2_vl":
-        patch = 14
-        config = transformers.Qwen2VLConfig(
-            text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]}},
-            vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=patch),
-            **tokens,
-        )
-        model = transformers.Qwen2VLModel(config)
-    else:
-        patch = 16
-        config = transformers.Qwen3VLConfig(
-            text_config={
-                **text,
-                "head_dim": 8,
-                "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-            },
-            vision_config=dict(
-                depth=2,
-                hidden_size=32,
-                intermediate_size=64,
-                num_heads=4,
-                out_hidden_size=32,
-                patch_size=patch,
-                num_position_embeddings=64,
-                deepstack_visual_indexes=[1],
-            ),
-            **tokens,
-        )
-        model = transformers.Qwen3VLModel(config)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    merge = 2
-    Qwen2VLImageProcessorPil(
-        patch_size=patch, merge_size=merge, min_pixels=(patch * merge) ** 2, max_pixels=(patch * merge) ** 2 * 16
-    ).save_pretrained(folder)
-    return folder
+    return write_random_folder(root / f"tiny-{arch}", arch, "tiny", dropout, WORDS)
