@@ -262,3 +262,40 @@ def test_exports_reload_and_embed_as_the_run(tmp_path: Path, lora: bool) -> None
     assert any(not torch.equal(merged[n], base[n]) for n in base)  # it trained
     assert export_main([str(step), "--to", "peft", "--out", str(tmp_path / "peft")]) == (0 if lora else 2)
     assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 2
+
+
+@needs_hf
+def test_resume_with_lora_is_bit_identical(tmp_path: Path) -> None:
+    """Four steps at once against two, a checkpoint, and two more from it (LoRA: adapters only)."""
+    import json
+    import shutil
+
+    def run():
+        return vl_run(
+            tmp_path,
+            "qwen2_vl",
+            *LORA,
+            "--training.local_batch_size=4",
+            "--training.steps=4",
+            "--training.dtype=float32",
+            "--checkpoint.enable=true",
+            "--checkpoint.interval=2",
+            "--metrics.log_freq=1",
+        )
+
+    whole = run()
+    whole.train()
+    whole.metrics.close()
+    want = {n: p.detach().clone() for n, p in whole.model.named_parameters()}
+    folder = tmp_path / "run-qwen2_vl"
+    losses = [json.loads(x)["loss"] for x in (folder / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    shutil.rmtree(folder / "checkpoint" / "step-4")
+    (folder / "metrics.jsonl").unlink()
+    resumed = run()
+    assert resumed.step == 2
+    resumed.train()
+    resumed.metrics.close()
+    got = dict(resumed.model.named_parameters())
+    assert all(torch.equal(got[n], p) for n, p in want.items())
+    again = [json.loads(x)["loss"] for x in (folder / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    assert len(losses) == 4 and again == losses[2:]
