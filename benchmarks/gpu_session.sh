@@ -13,7 +13,10 @@
 #   3  the pixel-loss benchmark through the sd decoder (issue 6); GradCache ratio + memory (issue 5)
 #   4  the vit_b32 training-stack table (issue 3)
 #   5  the loss benchmark for SigLIP's sigmoid loss (dense, streamed, fused kernel)      (issue 15)
-# A session has 30 device-minutes, about three stages. 2026-11-24 (H100): stage 3 complete; 1 and 2 cut
+#   7  a random-init Qwen3-0.6B-like decoder embedder with LoRA through the trainer, one
+#      process (layout single: FSDP2 needs 2+ ranks): GradCache's largest batch and
+#      samples/s against plain training's (bf16, seq 128+128, chunk 64)                 (issue 29)
+# A session has 15 device-minutes (2026-11-25), about one stage. 2026-11-24 (H100): stage 3 complete; 1 and 2 cut
 # short by their time limits (results/gpu_session_stage*.log); 4, 5, 6 not run.
 # Results go to $OUT (what the device tool brings back), else benchmarks/results.
 set -uo pipefail
@@ -26,14 +29,14 @@ case "${1:-}" in
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
       tyro docstring-parser typeguard shtab torchdata open-clip-torch ftfy wcwidth regex inf-cl==1.2.1 memeff==0.3.1 \
-      webdataset wids braceexpand
+      webdataset wids braceexpand peft==0.21.2
     ls .whl; exit 0 ;;
-  1|2|3|4|5|6)
+  1|2|3|4|5|6|7)
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.txt" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7" >&2; exit 2 ;;
 esac
 case "$1" in
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider
@@ -45,4 +48,6 @@ case "$1" in
      step 270 python3 -m benchmarks.gradcache_bench --out "$out" ;;
   4) step 540 python3 -m benchmarks.train_bench --out "$out" ;;
   5) step 540 python3 -m benchmarks.loss_bench --losses siglip --out "$out" ;;
+  7) export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # the image's transformers, tokenizers; peft from .whl
+     step 560 python3 -m benchmarks.decoder_lora_bench --size 0.6b --time-budget 500 --repeats 2 --out "$out" ;;
 esac

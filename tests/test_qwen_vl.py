@@ -109,15 +109,21 @@ def _step(tmp: Path, arch: str, kind: str, *extra: str) -> None:
     trainer.metrics.close()
 
 
+# Qwen3-VL's accumulation and global negatives (20 s) run with the slow marker; Qwen2-VL's all by default.
+SLOW_KINDS = {("qwen3_vl", "accumulate"), ("qwen3_vl", "global")}
+
+
 @needs_hf
-@pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    "arch,kind",
+    [pytest.param(a, k, marks=[pytest.mark.slow] if (a, k) in SLOW_KINDS else []) for a in ARCHS for k in KINDS],
+)
 def test_every_step_kind_equals_the_dense_objective(tmp_path: Path, arch: str, kind: str) -> None:
     _step(tmp_path, arch, kind)
 
 
 @needs_hf
-@pytest.mark.parametrize("kind", ["gradcache", "gradcache-tokens"])
+@pytest.mark.parametrize("kind", ["gradcache", pytest.param("gradcache-tokens", marks=pytest.mark.slow)])
 def test_with_lora_and_the_images_as_queries(tmp_path: Path, kind: str) -> None:
     _step(tmp_path, "qwen2_vl", kind, *LORA, "--data.retrieval_mode=i2t")
 
@@ -137,6 +143,7 @@ def _two_ranks(tmp: str, arch: str, ddp: bool, *extra: str) -> None:
 
 
 @needs_hf
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel,lora", [("fsdp2", False), ("ddp", True)])
 def test_two_ranks(tmp_path: Path, parallel: str, lora: bool) -> None:
     vl_folder(tmp_path, "qwen2_vl")
