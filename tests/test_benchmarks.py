@@ -161,3 +161,63 @@ def test_benchmarks_import_without_side_effects_and_answer_help(monkeypatch: pyt
             module.main(["--help"])
         assert exit_.value.code == 0 and out.getvalue().startswith("usage:"), name
         assert "--out" in out.getvalue(), f"{name}: every benchmark writes where --out says"
+
+
+def test_decoder_lora_bench_search_doubles_to_oom_and_halves_a_start_that_does_not_fit() -> None:
+    """The batch search of benchmarks/decoder_lora_bench.py on a stand-in trainer that runs out of memory above
+    16 samples: doubling stops at the first OOM, a start that does not fit is halved until one does, a spent time
+    budget measures nothing, and another error ends the mode as an error."""
+    from benchmarks import decoder_lora_bench as bench
+
+    class Trainer:
+        device = torch.device("cpu")
+
+        def train_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+            if len(batches[0]["query"]) > 16:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 TiB")
+            return {"loss": 1.0}
+
+    args = bench.parse(["--seq-len", "4", "--repeats", "1", "--max-batch", "1024"])
+
+    def run(start: int, deadline: float | None = None, trainer: object = None) -> tuple[list[dict], dict]:
+        rows: list[dict] = []
+        end = bench.search(args, "plain", trainer or Trainer(), start, deadline, rows.append)
+        return [(r["batch"], r["status"]) for r in rows], end
+
+    assert run(4) == ([(4, "ok"), (8, "ok"), (16, "ok"), (32, "OOM")], {"stop": "out of memory at batch 32"})
+    assert run(64) == ([(64, "OOM"), (32, "OOM"), (16, "ok")], {"stop": "out of memory at batch 32"})
+    assert run(4, deadline=0.0) == ([], {"stop": "time budget: no time left"})
+
+    class Broken(Trainer):
+        def train_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+            raise ValueError("not a memory problem")
+
+    rows, end = run(4, trainer=Broken())
+    assert rows == [(4, "error")] and end == {"stop": "error at batch 4: ValueError: not a memory problem"}
+
+
+def test_decoder_lora_bench_runs_a_tiny_decoder_on_cpu(tmp_path: Path) -> None:
+    """benchmarks/decoder_lora_bench.py end to end on CPU (what gpu_session.sh 7 runs at 0.6B on an H100): a
+    tiny random Qwen3-like folder with LoRA through the trainer's own step, plain and GradCache at 4 and 8."""
+    pytest.importorskip("transformers", reason="needs the optional extra: pip install -e '.[hf]'")
+    pytest.importorskip("peft", reason="needs the optional extra: pip install -e '.[hf]'")
+    cmd = [sys.executable, "-m", "benchmarks.decoder_lora_bench", "--size", "tiny", "--device", "cpu"]
+    cmd += ["--seq-len", "16", "--start-batch", "4", "--chunk", "2", "--max-batch", "8", "--repeats", "1"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([*cmd, "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    saved = json.loads((tmp_path / "decoder_lora_bench.json").read_text())
+    for mode in ("plain", "gradcache"):
+        rows = [r for r in saved["rows"] if r["mode"] == mode]
+        assert [(r["batch"], r["status"]) for r in rows] == [(4, "ok"), (8, "ok")], rows
+        assert all(r["samples_per_s"] > 0 and r["median_s"] > 0 for r in rows)
+    summary = saved["summary"]
+    assert summary["largest_batch"] == {"plain": 8, "gradcache": 8}
+    assert summary["stop"] == {"plain": "max batch 8", "gradcache": "max batch 8"}
+    assert summary["gradcache_vs_plain_samples_per_s"] > 0 and summary["gradcache_vs_plain_batch"] == 1
+    assert summary["at_plain_largest_batch"]["batch"] == 8 and summary["at_plain_largest_batch"]["ratio"] > 0
+    assert saved["layout"] == "single" and saved["lora_targets"] == ["q_proj", "v_proj"]
+    assert 0 < saved["trainable_params"] < saved["params"]
+    assert "GradCache at its largest batch against plain at its largest: 1x the batch" in out.stdout
+    assert (tmp_path / "decoder_lora_bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(list(csv.DictReader(open(tmp_path / "decoder_lora_bench.csv")))) == 4
