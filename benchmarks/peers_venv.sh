@@ -22,7 +22,9 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
 
 "${PIP[@]}" "${PINS[@]}"
 # the peers; open_clip_train's train_one_epoch is in the [training] extra's package
-"${PIP[@]}" "${PINS[@]}" open-clip-torch==3.3.0 'open-clip-torch[training]==3.3.0' sentence-transformers transformers matplotlib
+# (pytest: the tests that need torchvision run here, e.g. tests/test_qwen_vl.py's full-processor check)
+"${PIP[@]}" "${PINS[@]}" open-clip-torch==3.3.0 'open-clip-torch[training]==3.3.0' sentence-transformers transformers matplotlib \
+  pytest pytest-timeout
 # what titan_contrastive imports: pyproject's dependencies and its `hf` extra (transformers, MiniLM, sentence-transformers)
 mapfile -t DEPS < <("$PYTHON" - "$REPO/pyproject.toml" <<'EOF'
 import sys, tomllib

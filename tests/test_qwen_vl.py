@@ -306,3 +306,44 @@ def test_resume_with_lora_is_bit_identical(tmp_path: Path) -> None:
     assert all(torch.equal(got[n], p) for n, p in want.items())
     again = [json.loads(x)["loss"] for x in (folder / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
     assert len(losses) == 4 and again == losses[2:]
+
+
+def test_batches_equal_the_full_transformers_processor(tmp_path: Path) -> None:
+    """Where torchvision imports (the peers venv of benchmarks/peers_venv.sh), transformers' own
+    Qwen2VLProcessor on the same images and filled templates: its input_ids where its attention mask
+    is 1 are our ids where they are not -1, its mm_token_type_ids are 1 exactly at our image tokens,
+    and the patches and grids are the same."""
+    pytest.importorskip("torchvision", reason="the full processor needs torchvision (benchmarks/peers_venv.sh has it)")
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    from titan_contrastive.models.qwen_vl.model import QwenVLArgs
+
+    folder = vl_folder(tmp_path, "qwen2_vl")
+    args = QwenVLArgs(path=str(folder), image_template="{image} represent this", text_length=16)
+    g = np.random.default_rng(0)
+    images = [g.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((28, 56), (84, 84), (60, 100))]
+    texts = ["a small cat", "the dog with wheels", "frozen water in winter"]
+    ours = args.processor()(images, texts)
+    full = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder),
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+        video_processor=Qwen2VLVideoProcessor(),
+    )
+    theirs = full(
+        text=["<|vision_start|><|image_pad|><|vision_end|> represent this"] * 3,
+        images=images,
+        return_tensors="pt",
+        padding=True,
+    )
+    assert torch.equal(ours["pixel_values"], theirs["pixel_values"].float())
+    assert torch.equal(ours["image_grid_thw"], theirs["image_grid_thw"])
+    for mine, ids, mask, types in zip(
+        ours["doc"], theirs["input_ids"], theirs["attention_mask"], theirs["mm_token_type_ids"]
+    ):
+        assert mine[mine != -1].tolist() == ids[mask.bool()].tolist()
+        image_token = full.image_token_id
+        assert (types[mask.bool()] == 1).tolist() == (mine[mine != -1] == image_token).tolist()
+    words = full(text=texts, return_tensors="pt", padding=True)
+    for mine, ids, mask in zip(ours["query"], words["input_ids"], words["attention_mask"]):
+        assert mine[mine != -1].tolist() == ids[mask.bool()].tolist()
