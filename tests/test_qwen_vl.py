@@ -38,8 +38,9 @@ KINDS = {
 LORA = ("--lora.enable=true", "--lora.rank=4", "--lora.alpha=8")
 
 
-def vl_run(tmp: Path, arch: str, *extra: str, dropout: float = 0.1):
-    """A trainer of the qwen_vl family on `arch`'s tiny folder and the bundled emoji at mixed sizes."""
+def vl_run(tmp: Path, arch: str, *extra: str, dropout: float = 0.1, sizes: tuple[str, ...] = ("28", "56", "84")):
+    """A trainer of the qwen_vl family on `arch`'s tiny folder and the bundled emoji at mixed `sizes`
+    (another dataset in `extra`: `sizes=()`)."""
     if not (tmp / f"tiny-{arch}").exists():
         vl_folder(tmp, arch, dropout)
     return base_trainer(
@@ -48,10 +49,7 @@ def vl_run(tmp: Path, arch: str, *extra: str, dropout: float = 0.1):
         "--model.flavor=default",
         f"--model.path={tmp / f'tiny-{arch}'}",
         "--data.dataset=emoji",
-        "--data.image_sizes",
-        "28",
-        "56",
-        "84",
+        *(("--data.image_sizes", *sizes) if sizes else ()),
         "--data.context_length=8",
         "--eval.enable=false",
         *extra,
@@ -347,3 +345,70 @@ def test_batches_equal_the_full_transformers_processor(tmp_path: Path) -> None:
     words = full(text=texts, return_tensors="pt", padding=True)
     for mine, ids, mask in zip(ours["query"], words["input_ids"], words["attention_mask"]):
         assert mine[mine != -1].tolist() == ids[mask.bool()].tolist()
+
+
+def _pictures_csv(root: Path) -> Path:
+    """Nine RGB PNGs of different sizes, each with a caption and two negative captions (a TSV)."""
+    import csv
+
+    from PIL import Image
+
+    g = np.random.default_rng(0)
+    (root / "img").mkdir(parents=True)
+    rows = []
+    for i, (h, w) in enumerate(
+        [(28, 28), (56, 84), (84, 56), (40, 40), (60, 90), (28, 56), (70, 70), (30, 60), (56, 56)]
+    ):
+        Image.fromarray(g.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "img" / f"{i}.png")
+        rows.append([f"img/{i}.png", f"a photo of a cat {i}", f"a dog {i}", f"frozen water {i}"])
+    with open(root / "train.csv", "w", newline="") as f:
+        writer = csv.writer(f, delimiter="\t")
+        writer.writerow(["filepath", "title", "neg_a", "neg_b"])
+        writer.writerows(rows)
+    return root / "train.csv"
+
+
+@needs_hf
+@pytest.mark.parametrize("chunks", ["--gradcache.chunk_sizes=4", "--gradcache.chunk_tokens=60"])
+def test_negative_captions_at_native_resolution_equal_the_definition(tmp_path: Path, chunks: str) -> None:
+    """i2t on image files at their own sizes, two negative captions per image: every query (image)
+    against the N (1 + k) captions, the captions against the images; GradCache equals the dense
+    objective in float64. t2i with negative captions is refused in one line (they would be images)."""
+    from titan_contrastive.batching import NEGATIVES, with_negatives
+    from titan_contrastive.datasets import DataError
+    from titan_contrastive.losses import split_documents
+    from titan_contrastive.losses.base import columns
+
+    table = _pictures_csv(tmp_path / "data")
+    data = ["--data.dataset=csv", f"--data.path={table}", "--data.csv_negative_keys=neg_a,neg_b"]
+    trainer = vl_run(
+        tmp_path,
+        "qwen2_vl",
+        *data,
+        "--training.local_batch_size=7",
+        "--gradcache.enabled=true",
+        chunks,
+        "--data.retrieval_mode=i2t",
+        sizes=(),
+    )
+    trainer.model.eval()
+    batch = trainer.train_set.__getitems__(list(range(7)))
+    batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    assert batch[NEGATIVES].shape[:2] == (7, 2) and len(set(map(tuple, batch["image_grid_thw"].tolist()))) >= 3
+    trainer.train_step([batch])
+    model = trainer.spec.build_model(trainer.model_args).double()
+    model.load_state_dict(trainer.model.state_dict())
+    model.eval()
+    docs = with_negatives(batch["doc"], batch[NEGATIVES], -1)
+    q, d, scale = model(batch["query"], docs, batch["pixel_values"].double(), batch["image_grid_thw"])
+    loss = InfoNCE().dense(q, columns(*split_documents(d.reshape(7, 3, -1))), scale)
+    loss.backward()
+    out = trainer.train_step([batch])
+    assert_grads_close(grads(trainer.model), grads(model))
+    assert abs(out["loss"] - loss.item()) <= REL * loss.item()
+    trainer.metrics.close()
+    with pytest.raises(
+        DataError,
+        match="negative captions, hard negatives of text documents: with this family they need data.retrieval_mode=i2t",
+    ):
+        vl_run(tmp_path / "t2i", "qwen2_vl", *data, "--training.local_batch_size=7", sizes=())

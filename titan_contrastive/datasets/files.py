@@ -123,6 +123,11 @@ class FileImageTextDataset:
                 f"data.image_sizes={list(sizes)}: {self.name} data is served at each image's own resolution "
                 "(the processor's min_pixels / max_pixels bound it); leave data.image_sizes empty"
             )
+        if self.num_negatives and not getattr(process, "negatives", False):
+            raise DataError(
+                f"{self.name} data serves negative captions, hard negatives of text documents: with this family "
+                "they need data.retrieval_mode=i2t (images query captions), or data.hard_negatives=false"
+            )
         self._process = process
 
     def _read(self, index: int, bad: list[BadSample]) -> tuple[Image.Image, Record]:
@@ -167,12 +172,13 @@ class FileImageTextDataset:
         return batch
 
     def _processed(self, indices: Sequence[int]) -> dict[str, Any]:
-        images, captions, bad = [], [], []
+        images, captions, negatives, bad = [], [], [], []
         for index in indices:
             image, record = self._read(int(index), bad)
             images.append(np.asarray(image.convert("RGB")))
             captions.append(record.caption)
-        batch = self._process(images, captions)
+            negatives.extend(record.negatives)
+        batch = self._process(images, captions, negatives if self.num_negatives else ())
         return {**batch, "index": torch.as_tensor(list(indices), dtype=torch.long), BAD_SAMPLES: bad}
 
     def __getitem__(self, index: int) -> dict[str, Any]:

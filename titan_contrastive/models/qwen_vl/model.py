@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from titan_contrastive.batching import right_trimmed
+from titan_contrastive.batching import NEGATIVES, right_trimmed
 from titan_contrastive.components.lora import add_lora
 from titan_contrastive.config import ConfigError
 from titan_contrastive.losses import temperature_from_config
@@ -137,23 +137,32 @@ class QwenVLArgs:
         """6 x decoder-layer parameters x the caption's tokens (the image side's visual tokens vary: not counted)."""
         return 6 * self._counts[1] * self.text_length
 
-    def processor(self) -> Callable[[Sequence[np.ndarray], Sequence[str]], dict[str, Tensor]]:
-        """(uint8 HWC images, captions) -> the batch entries: query, doc, pixel_values, image_grid_thw."""
+    def processor(self) -> Callable[..., dict[str, Tensor]]:
+        """(uint8 HWC images, captions[, negative captions, k per sample]) -> the batch entries: query,
+        doc, pixel_values, image_grid_thw[, neg: [B, k, L] ids of the negative captions]. Negative
+        captions are hard negatives of the documents, so they take the i2t mode (documents are text)."""
         proc = VLProcessor(self.path, self.min_pixels, self.max_pixels, self.text_length)
         image_side = MODES[self.mode]
         text_side = "doc" if image_side == "query" else "query"
 
-        def process(images: Sequence[np.ndarray], texts: Sequence[str]) -> dict[str, Tensor]:
+        def process(
+            images: Sequence[np.ndarray], texts: Sequence[str], negatives: Sequence[str] = ()
+        ) -> dict[str, Tensor]:
             picture = proc.encode(self.image_template, [""] * len(texts), images)
             proc.check(picture["ids"], picture["image_grid_thw"])  # the tokenizer kept every <|image_pad|>
             words = proc.encode(self.text_template, texts, None)
-            return {
+            batch = {
                 image_side: picture["ids"],
                 text_side: words["ids"],
                 "pixel_values": picture["pixel_values"],
                 "image_grid_thw": picture["image_grid_thw"],
             }
+            if negatives:
+                ids = proc.encode(self.text_template, negatives, None)["ids"]
+                batch[NEGATIVES] = ids.reshape(len(texts), len(negatives) // len(texts), -1)
+            return batch
 
+        process.negatives = image_side == "query"  # type: ignore[attr-defined]  # what serve_processed checks
         return process
 
 
@@ -202,7 +211,7 @@ class QwenVLEmbedder(nn.Module):
     @property
     def padded_inputs(self) -> dict[str, int]:
         """Right-padded token ids (batch key: pad id), for GradCache's trimming and token budgets."""
-        return {"query": PAD, "doc": PAD}
+        return {"query": PAD, "doc": PAD, NEGATIVES: PAD}
 
     def embed(self, ids: Tensor, pixel_values: Tensor | None = None, image_grid_thw: Tensor | None = None) -> Tensor:
         return vl_embed(self.tower, ids, self.args.pooling, pixel_values, image_grid_thw)
