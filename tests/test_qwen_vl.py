@@ -201,7 +201,7 @@ def test_batches_are_what_the_image_processor_and_tokenizer_give(tmp_path: Path,
 
 
 def test_token_chunks_keep_every_image_whole() -> None:
-    from titan_contrastive.batching import take_vlm_chunks
+    from titan_contrastive.batching import BatchError, take_vlm_chunks
 
     grid = torch.tensor([[1, 2, 2], [1, 4, 6], [1, 2, 4], [1, 6, 6]])
     pixels = torch.cat([torch.full((int(g.prod()), 3), float(i)) for i, g in enumerate(grid)])
@@ -212,6 +212,22 @@ def test_token_chunks_keep_every_image_whole() -> None:
         owners = [i for i in chunk["query"].flatten().tolist() for _ in range(int(grid[i].prod()))]
         assert chunk["pixel_values"][:, 0].tolist() == owners  # each image's rows, whole, in chunk order
         assert torch.equal(chunk["image_grid_thw"], grid[chunk["query"].flatten()])
+    # per side: the query's images and the document's, or a side without any (0 rows in every chunk)
+    sides = {
+        "query": torch.arange(4).view(4, 1),
+        "query_pixel_values": pixels,
+        "query_image_grid_thw": grid,
+        "doc_pixel_values": pixels[:0],
+        "doc_image_grid_thw": grid[:0],
+    }
+    for chunk in take_vlm_chunks(sides, torch.tensor([2, 0, 3, 1]), [2, 2]):
+        owners = [i for i in chunk["query"].flatten().tolist() for _ in range(int(grid[i].prod()))]
+        assert chunk["query_pixel_values"][:, 0].tolist() == owners
+        assert chunk["doc_pixel_values"].shape == (0, 3) and chunk["doc_image_grid_thw"].shape == (0, 3)
+    with pytest.raises(BatchError, match=r"3 images in doc_image_grid_thw for 4 samples; one each or none"):
+        take_vlm_chunks(
+            {**sides, "doc_pixel_values": pixels[:36], "doc_image_grid_thw": grid[:3]}, torch.arange(4), [4]
+        )
 
 
 @needs_hf

@@ -87,31 +87,56 @@ def split_vlm_inputs(
     return chunks
 
 
+def _packed_groups(inputs: Mapping[str, Any]) -> list[str]:
+    """The prefixes of the packed image groups in `inputs`: "" for `pixel_values` + `image_grid_thw`,
+    "query_" for `query_pixel_values` + `query_image_grid_thw`, and so on."""
+    return [
+        key[: -len("pixel_values")]
+        for key, value in inputs.items()
+        if key.endswith("pixel_values")
+        and isinstance(value, Tensor)
+        and inputs.get(f"{key[:-12]}image_grid_thw") is not None
+    ]
+
+
 def take_vlm_chunks(inputs: Any, order: Tensor, sizes: Sequence[int], what: str = "input") -> list[Any]:
-    """`batching.take_chunks` (chunks of a permutation of the samples) for packed inputs too: with
-    `pixel_values` and `image_grid_thw` (one image per sample), each chunk gets its samples' patch
-    rows, image after image in the chunk's order; anything else goes to `take_chunks`."""
-    if not isinstance(inputs, Mapping) or inputs.get("pixel_values") is None or inputs.get("image_grid_thw") is None:
+    """`batching.take_chunks` (chunks of a permutation of the samples) for packed inputs too: each
+    packed group (`pixel_values` + `image_grid_thw`, or per side `query_pixel_values` +
+    `query_image_grid_thw`, ...) holds one image per sample, or none (a side without images: 0
+    rows), and each chunk gets its samples' patch rows, image after image in the chunk's order; the
+    other tensors are batch-major. Without a packed group this is `take_chunks`."""
+    groups = _packed_groups(inputs) if isinstance(inputs, Mapping) else []
+    if not groups:
         return take_chunks(inputs, order, sizes, what)
-    grid: Tensor = inputs["image_grid_thw"]
-    pixels: Tensor = inputs["pixel_values"]
-    patches = grid.long().prod(dim=1)
-    if int(patches.sum()) != pixels.shape[0]:
-        raise BatchError(
-            f"{what}: image_grid_thw gives {int(patches.sum())} patches but pixel_values has {pixels.shape[0]} rows"
-        )
-    samples = len(grid)
-    rest = {k: v for k, v in inputs.items() if k not in IMAGE_FIELDS}
-    starts = torch.cumsum(patches, 0) - patches
-    chunks = take_chunks({**rest, "image_grid_thw": grid}, order, list(sizes), what) if rest else None
+    packed = {f"{g}{f}" for g in groups for f in IMAGE_FIELDS}
+    rest = {k: v for k, v in inputs.items() if k not in packed}
+    samples = len(order)
+    rows: dict[str, tuple[Tensor, Tensor]] = {}
+    for g in groups:
+        grid, pixels = inputs[f"{g}image_grid_thw"], inputs[f"{g}pixel_values"]
+        patches = grid.long().prod(dim=1)
+        if int(patches.sum()) != pixels.shape[0]:
+            raise BatchError(
+                f"{what}: {g}image_grid_thw gives {int(patches.sum())} patches but {g}pixel_values has "
+                f"{pixels.shape[0]} rows"
+            )
+        if len(grid) not in (0, samples):
+            raise BatchError(f"{what}: {len(grid)} images in {g}image_grid_thw for {samples} samples; one each or none")
+        rows[g] = (torch.cumsum(patches, 0) - patches, patches)
+    chunks = take_chunks(rest, order, list(sizes), what) if rest else [{} for _ in sizes]
     out, at = [], 0
-    for i, size in enumerate(sizes):
-        rows = order[at : at + size].tolist()
+    for chunk, size in zip(chunks, sizes):
+        members = order[at : at + size].tolist()
         at += size
-        if any(not 0 <= r < samples for r in rows):
-            raise BatchError(f"{what}: sample rows {rows} outside the batch of {samples} images")
-        pixel_rows = torch.cat([torch.arange(int(starts[r]), int(starts[r] + patches[r])) for r in rows])
-        chunk = dict(chunks[i]) if chunks is not None else {"image_grid_thw": grid[rows]}
-        chunk["pixel_values"] = pixels.index_select(0, pixel_rows.to(pixels.device))
+        chunk = dict(chunk)
+        for g in groups:
+            grid, pixels = inputs[f"{g}image_grid_thw"], inputs[f"{g}pixel_values"]
+            if not len(grid):  # a side without images
+                chunk[f"{g}image_grid_thw"], chunk[f"{g}pixel_values"] = grid, pixels
+                continue
+            starts, counts = rows[g]
+            index = [torch.arange(int(starts[r]), int(starts[r] + counts[r])) for r in members]
+            chunk[f"{g}image_grid_thw"] = grid[members]
+            chunk[f"{g}pixel_values"] = pixels.index_select(0, torch.cat(index).to(pixels.device))
         out.append(chunk)
     return out
