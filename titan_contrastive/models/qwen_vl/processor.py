@@ -1,10 +1,11 @@
 """Texts and images as a Qwen-VL model reads them: what transformers' `Qwen2VLProcessor` does,
 without its video processor (which needs torchvision).
 
-Per sample and side, a template (`{image}` where the image goes, `{text}` the sample's text) is
-filled; `{image}` becomes `<|vision_start|>`, one `<|image_pad|>` per merged visual token
-(`prod(image_grid_thw) / merge_size²`) and `<|vision_end|>`; the folder's tokenizer turns the
-result into ids, right-padded with -1 (so padding is never a real token: Qwen pads with its EOS).
+Per sample and side, a template (`{image}` where the image goes, `{text}` the sample's text, cut
+to its first `max_text_tokens` tokens) is filled; `{image}` becomes `<|vision_start|>`, one
+`<|image_pad|>` per merged visual token (`prod(image_grid_thw) / merge_size²`) and
+`<|vision_end|>`; the folder's tokenizer turns the whole string into ids, right-padded with -1 (so
+padding is never a real token: Qwen pads with its EOS).
 Images go through the folder's image processor (`Qwen2VLImageProcessorPil`, its own `patch_size`,
 `merge_size`, mean and std) at their native resolution, resized to multiples of
 `patch_size · merge_size` within `[min_pixels, max_pixels]`; the patches of a batch's images are
@@ -37,10 +38,11 @@ class VLProcessor:
         from titan_contrastive.models.bi_encoder.folder import load_tokenizer
 
         self.tokenizer = load_tokenizer(model_dir)
-        missing = [t for t in (_START, _PAD, _END) if self.tokenizer.convert_tokens_to_ids(t) in (None, -1)]
-        if missing or self.tokenizer.unk_token_id in [self.tokenizer.convert_tokens_to_ids(t) for t in (_PAD,)]:
-            raise ConfigError(f"{model_dir}: its tokenizer lacks {missing or [_PAD]}; not a Qwen-VL tokenizer")
-        self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(_PAD))
+        ids = {t: self.tokenizer.convert_tokens_to_ids(t) for t in (_START, _PAD, _END)}
+        missing = [t for t, i in ids.items() if i is None or i == self.tokenizer.unk_token_id]
+        if missing:
+            raise ConfigError(f"{model_dir}: its tokenizer lacks {missing}; not a Qwen-VL tokenizer")
+        self.image_token_id = int(ids[_PAD])
         options = {}
         if min_pixels:
             options["min_pixels"] = min_pixels
@@ -52,9 +54,6 @@ class VLProcessor:
             raise ConfigError(
                 f"{model_dir}: no preprocessor_config.json; save the model's image processor into the folder"
             ) from None
-        size = self.images.size or {}
-        self.min_pixels = int(size.get("shortest_edge", getattr(self.images, "min_pixels", 0) or 0))
-        self.max_pixels = int(size.get("longest_edge", getattr(self.images, "max_pixels", 0) or 0))
         self.merge = int(self.images.merge_size)
         self.max_text_tokens = max_text_tokens
 
@@ -86,18 +85,12 @@ class VLProcessor:
             counts = self.visual_tokens(out["image_grid_thw"])
         rows = []
         for text, count in zip(texts, counts):
-            words = self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.max_text_tokens]
-            before, _, after = template.partition(IMAGE) if has_image else ("", "", template)
-            ids: list[int] = []
-            for part, image in ((before, True), (after, False)):
-                pieces = part.split("{text}")
-                for i, piece in enumerate(pieces):
-                    ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
-                    if i < len(pieces) - 1:
-                        ids += words
-                if image and has_image:
-                    ids += self.tokenizer(_START + _PAD * count + _END, add_special_tokens=False)["input_ids"]
-            rows.append(ids)
+            words = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(words) > self.max_text_tokens:  # the caption cut to its first max_text_tokens tokens
+                text = self.tokenizer.decode(words[: self.max_text_tokens])
+            # the whole string at once, as the transformers processor tokenizes it (BPE merges across the template)
+            filled = template.replace(IMAGE, _START + _PAD * count + _END).replace("{text}", text)
+            rows.append(self.tokenizer(filled, add_special_tokens=False)["input_ids"])
         width = max(len(r) for r in rows)
         out["ids"] = torch.tensor([r + [PAD] * (width - len(r)) for r in rows], dtype=torch.long).reshape(
             len(rows), width
