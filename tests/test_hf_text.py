@@ -314,3 +314,17 @@ def test_a_decoder_embedder_trains(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "run-decoder" / "metrics.jsonl").read_text().splitlines()]
     losses = [row["loss"] for row in rows if row.get("kind") == "train"]
     assert len(losses) == 40 and losses[-1] < 0.5 * losses[0], losses
+
+
+@needs_hf
+def test_layer_blocks_are_found_after_sharding_renames_their_class(tmp_path: Path) -> None:
+    """FSDP2's fully_shard swaps a layer's class for a subclass named FSDP<name>; the layers are still found."""
+    from titan_contrastive.models.bi_encoder.folder import layer_blocks
+    from titan_contrastive.models.bi_encoder.model import load_text_tower
+
+    tower = load_text_tower(str(encoder_folder(tmp_path)))
+    layers = layer_blocks(tower)
+    assert len(layers) == 2
+    for layer in layers:
+        layer.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {})
+    assert layer_blocks(tower) == layers

@@ -209,5 +209,5 @@ def layer_blocks(model: nn.Module) -> list[nn.Module]:
         for module in model.modules()
         if isinstance(module, nn.ModuleList)
         for layer in module
-        if type(layer).__name__ in names
+        if any(cls.__name__ in names for cls in type(layer).__mro__)  # FSDP2 subclasses a sharded layer's class
     ]
