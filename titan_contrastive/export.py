@@ -13,6 +13,8 @@ adapter (`ModelSpec.state_dict_adapter`) claims the path; `--to` must be one of 
   prompts; `--to hf`, the tower as a transformers folder; with LoRA both hold the merged weights;
   `--to peft`, the LoRA adapters alone, what `peft.PeftModel.from_pretrained(base, DIR)` loads over
   the run's `[model] path`.
+- qwen_vl (`models.qwen_vl.export`): `--to hf`, the tower (LoRA merged) with its tokenizer and
+  image processor, what `transformers.AutoModel` loads; `--to peft`, the adapters.
 
 What DIR may be, checked before anything is read: a folder that does not exist yet, an empty one,
 or (with `--overwrite`) a previous export of this tool, recognised by the `MARKER` file it writes
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="{" + ",".join(FORMATS) + "}",
         help="one of the source family's formats (a family of your own may add more). hf: a transformers folder "
         "(clip: CLIPModel; bi_encoder: the tower, LoRA merged), open_clip: open_clip's folder layout (clip); "
-        "sentence-transformers: a SentenceTransformer folder (bi_encoder); "
+        "sentence-transformers: a SentenceTransformer folder (bi_encoder); qwen_vl: hf, peft; "
         "peft: the LoRA adapters as a PEFT folder (bi_encoder trained with [lora])",
     )
     parser.add_argument(
