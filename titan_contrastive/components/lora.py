@@ -8,8 +8,8 @@ what trains (`checkpoint.stateful.ModelState`, the frozen base comes back from t
 Target modules default to peft's own choice for the architecture (BERT: query, value; Llama and
 Qwen: q_proj, v_proj). `modules_to_save` (peft's name and matching: module names ending with one
 of them) train in full beside the adapters, e.g. the word embeddings; they must not nest, as
-peft's own save and load of nested ones fails. LoRA dropout is an `nn.Dropout` like any other: a GradCache re-forward
-replays its draws.
+peft's own save and load of nested ones fails. LoRA dropout is an `nn.Dropout` like any other: a
+GradCache re-forward replays its draws.
 """
 
 from __future__ import annotations

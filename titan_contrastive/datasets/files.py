@@ -183,7 +183,8 @@ class FileImageTextDataset:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         batch = self.__getitems__([index])
-        return {k: v if k == BAD_SAMPLES else v[0] for k, v in batch.items()}
+        whole = (BAD_SAMPLES, "pixel_values")  # packed patches (`serve_processed`): all of the sample's rows
+        return {k: v if k in whole else v[0] for k, v in batch.items()}
 
     def captions(self, indices: Sequence[int]) -> list[str]:
         """The captions of these samples (logs, inspection)."""
