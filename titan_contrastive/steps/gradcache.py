@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 
+import torch
 from torch import Tensor
 
 from titan_contrastive.config import ConfigError, JobConfig
@@ -89,7 +90,7 @@ class GradCacheStep(ContrastiveLog):
         return tuple(out if out.dim() > 1 else out.reshape(()) for out in self.ctx.encode(batch, replay=replay))
 
     def __call__(self, microbatches: Sequence[Batch]) -> float:
-        total = 0.0
+        losses = []
         precision = self.ctx.precision
         for i, mb in enumerate(microbatches):
             is_last = i == len(microbatches) - 1
@@ -111,8 +112,8 @@ class GradCacheStep(ContrastiveLog):
                 group=self.ctx.dp_group,
                 replay=True,
             )
-            total += cache.cache_step(mb, no_sync_except_last=True).item()
-        return total
+            losses.append(cache.cache_step(mb, no_sync_except_last=True).detach())
+        return torch.stack(losses).sum().item()  # one host sync per step, not one per microbatch
 
     def describe(self) -> str:
         if self.chunk_tokens:
