@@ -16,6 +16,9 @@
 #   7  a random-init Qwen3-0.6B-like decoder embedder with LoRA through the trainer, one
 #      process (layout single: FSDP2 needs 2+ ranks): GradCache's largest batch and
 #      samples/s against plain training's (bf16, seq 128+128, chunk 64)                 (issue 29)
+#   8  a random-init Qwen2-VL-2B (qwen_vl family, LoRA, bf16) on emoji at 448-1,024 px, one
+#      process: GradCache's largest batch with 4,096-token chunks against plain training's,
+#      samples/s and peak CUDA memory per batch (flat in the batch is the claim)         (issue 30)
 # A session has 15 device-minutes (2026-11-25), about one stage. 2026-11-24 (H100): stage 3 complete; 1 and 2 cut
 # short by their time limits (results/gpu_session_stage*.log); 4, 5, 6 not run.
 # Results go to $OUT (what the device tool brings back), else benchmarks/results.
@@ -31,12 +34,12 @@ case "${1:-}" in
       tyro docstring-parser typeguard shtab torchdata open-clip-torch ftfy wcwidth regex inf-cl==1.2.1 memeff==0.3.1 \
       webdataset wids braceexpand peft==0.21.2
     ls .whl; exit 0 ;;
-  1|2|3|4|5|6|7)
+  1|2|3|4|5|6|7|8)
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.txt" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8" >&2; exit 2 ;;
 esac
 case "$1" in
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider
@@ -50,4 +53,6 @@ case "$1" in
   5) step 540 python3 -m benchmarks.loss_bench --losses siglip --out "$out" ;;
   7) export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # the image's transformers, tokenizers; peft from .whl
      step 560 python3 -m benchmarks.decoder_lora_bench --size 0.6b --time-budget 500 --repeats 2 --out "$out" ;;
+  8) export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # transformers 5.17 from the image (Qwen2-VL's PIL processor); peft from .whl
+     step 560 python3 -m benchmarks.qwen_vl_chunks --gpu --size 2b --chunk-tokens 4096 --time-budget 480 --repeats 2 --out "$out" ;;
 esac

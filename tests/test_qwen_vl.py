@@ -56,6 +56,18 @@ def vl_run(tmp: Path, arch: str, *extra: str, dropout: float = 0.1, sizes: tuple
     )
 
 
+def _inputs(batch: dict, docs: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The model's inputs of a batch (query, doc, each side's images), floating ones in float64."""
+    keys = ("query", "doc", "query_pixel_values", "query_image_grid_thw", "doc_pixel_values", "doc_image_grid_thw")
+    out = [batch[k].double() if batch[k].is_floating_point() else batch[k] for k in keys]
+    return out if docs is None else [out[0], docs, *out[2:]]
+
+
+def _grid(batch: dict) -> torch.Tensor:
+    """The image grids of a batch's image side(s)."""
+    return torch.cat([batch["query_image_grid_thw"], batch["doc_image_grid_thw"]])
+
+
 def _dense(trainer, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
     """The objective from its definition on a float64 copy: the mean over `batches` (each one
     contrastive problem) of symmetric InfoNCE over the whole batch's embeddings."""
@@ -64,7 +76,7 @@ def _dense(trainer, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]
     model.eval()
     losses = []
     for batch in batches:
-        q, d, scale = model(batch["query"], batch["doc"], batch["pixel_values"].double(), batch["image_grid_thw"])
+        q, d, scale = model(*_inputs(batch))
         losses.append(InfoNCE().dense(q, d, scale))
     loss = torch.stack(losses).mean()
     loss.backward()
@@ -92,7 +104,7 @@ def _step(tmp: Path, arch: str, kind: str, *extra: str) -> None:
     ]
     mine = [data.__getitems__(p[0]) for p in pieces]
     every = data.__getitems__(list(range(local * ga * world)))
-    assert len({tuple(g) for g in every["image_grid_thw"].tolist()}) >= 2  # images of different sizes
+    assert len({tuple(g) for g in _grid(every).tolist()}) >= 2  # images of different sizes
     # accumulation: each microbatch (all ranks' part of it) is a contrastive problem of its own
     problems = (
         [data.__getitems__(list(range(j * local * world, (j + 1) * local * world))) for j in range(ga)]
@@ -182,13 +194,14 @@ def test_batches_are_what_the_image_processor_and_tokenizer_give(tmp_path: Path,
     ]
     arrays = [x[0].round().clamp(0, 255).byte().permute(1, 2, 0).numpy() for x in images]
     want = processor(images=arrays, return_tensors="pt")
-    assert torch.equal(batch["image_grid_thw"], want["image_grid_thw"])
-    assert torch.equal(batch["pixel_values"], want["pixel_values"].float())
+    assert torch.equal(batch["doc_image_grid_thw"], want["image_grid_thw"])
+    assert torch.equal(batch["doc_pixel_values"], want["pixel_values"].float())
+    assert batch["query_pixel_values"].shape[0] == 0 and batch["query_image_grid_thw"].shape == (0, 3)
     start, pad, end = (
         tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
     )
     tail = tokenizer("represent this", add_special_tokens=False)["input_ids"]
-    for row, grid in zip(batch["doc"].tolist(), batch["image_grid_thw"]):
+    for row, grid in zip(batch["doc"].tolist(), batch["doc_image_grid_thw"]):
         count = int(grid.prod()) // 4
         assert row[: count + 2 + len(tail)] == [start, *[pad] * count, end, *tail]
         assert all(x == -1 for x in row[count + 2 + len(tail) :])
@@ -334,7 +347,7 @@ def test_batches_equal_the_full_transformers_processor(tmp_path: Path) -> None:
     from titan_contrastive.models.qwen_vl.model import QwenVLArgs
 
     folder = vl_folder(tmp_path, "qwen2_vl")
-    args = QwenVLArgs(path=str(folder), image_template="{image} represent this", text_length=16)
+    args = QwenVLArgs(path=str(folder), doc_template="{image} represent this", text_length=16)
     g = np.random.default_rng(0)
     images = [g.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((28, 56), (84, 84), (60, 100))]
     texts = ["a small cat", "the dog with wheels", "frozen water in winter"]
@@ -350,8 +363,8 @@ def test_batches_equal_the_full_transformers_processor(tmp_path: Path) -> None:
         return_tensors="pt",
         padding=True,
     )
-    assert torch.equal(ours["pixel_values"], theirs["pixel_values"].float())
-    assert torch.equal(ours["image_grid_thw"], theirs["image_grid_thw"])
+    assert torch.equal(ours["doc_pixel_values"], theirs["pixel_values"].float())
+    assert torch.equal(ours["doc_image_grid_thw"], theirs["image_grid_thw"])
     for mine, ids, mask, types in zip(
         ours["doc"], theirs["input_ids"], theirs["attention_mask"], theirs["mm_token_type_ids"]
     ):
@@ -410,13 +423,13 @@ def test_negative_captions_at_native_resolution_equal_the_definition(tmp_path: P
     trainer.model.eval()
     batch = trainer.train_set.__getitems__(list(range(7)))
     batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    assert batch[NEGATIVES].shape[:2] == (7, 2) and len(set(map(tuple, batch["image_grid_thw"].tolist()))) >= 3
+    assert batch[NEGATIVES].shape[:2] == (7, 2) and len(set(map(tuple, _grid(batch).tolist()))) >= 3
     trainer.train_step([batch])
     model = trainer.spec.build_model(trainer.model_args).double()
     model.load_state_dict(trainer.model.state_dict())
     model.eval()
     docs = with_negatives(batch["doc"], batch[NEGATIVES], -1)
-    q, d, scale = model(batch["query"], docs, batch["pixel_values"].double(), batch["image_grid_thw"])
+    q, d, scale = model(*_inputs(batch, docs))
     loss = InfoNCE().dense(q, columns(*split_documents(d.reshape(7, 3, -1))), scale)
     loss.backward()
     out = trainer.train_step([batch])
@@ -428,3 +441,134 @@ def test_negative_captions_at_native_resolution_equal_the_definition(tmp_path: P
         match="negative captions, hard negatives of text documents: with this family they need data.retrieval_mode=i2t",
     ):
         vl_run(tmp_path / "t2i", "qwen2_vl", *data, "--training.local_batch_size=7", sizes=())
+
+
+def _vl_pairs(root: Path, bad: bool = False) -> Path:
+    """Nine JSONL rows of a query image and text and a document image and text, the images PNGs of
+    different sizes; with `bad`, row 2's document image is missing and row 4's query text empty."""
+    import json
+
+    from PIL import Image
+
+    g = np.random.default_rng(1)
+    (root / "img").mkdir(parents=True)
+    sizes = [(28, 28), (56, 84), (84, 56), (40, 40), (60, 90), (28, 56), (70, 70), (30, 60), (56, 56)]
+    rows = []
+    for i, (h, w) in enumerate(sizes):
+        Image.fromarray(g.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "img" / f"q{i}.png")
+        Image.fromarray(g.integers(0, 256, (w, h, 3), dtype=np.uint8)).save(root / "img" / f"d{i}.png")
+        rows.append(
+            {
+                "query_image": f"img/q{i}.png",
+                "query_text": f"a photo of a cat {i}",
+                "doc_image": f"img/d{i}.png",
+                "doc_text": f"a dog {i} in frozen water",
+            }
+        )
+    if bad:
+        rows[2]["doc_image"], rows[4]["query_text"] = "img/missing.png", " "
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root / "pairs.jsonl"
+
+
+def _vl_pairs_run(tmp: Path, mode: str, *extra: str, bad: bool = False):
+    table = tmp / "data" / "pairs.jsonl"
+    if not table.exists():
+        _vl_pairs(tmp / "data", bad)
+    return vl_run(
+        tmp,
+        "qwen2_vl",
+        "--data.dataset=vl_pairs",
+        f"--data.path={table}",
+        f"--data.retrieval_mode={mode}",
+        "--training.local_batch_size=7",
+        *extra,
+        sizes=(),
+    )
+
+
+@needs_hf
+@pytest.mark.parametrize("mode", ["i2i", "t2t", "m2i"])
+@pytest.mark.parametrize("chunks", ["--gradcache.chunk_sizes=4", "--gradcache.chunk_tokens=60"])
+def test_vl_pairs_in_every_mode_equal_the_dense_objective(tmp_path: Path, mode: str, chunks: str) -> None:
+    """i2i, t2t and m2i (image + text queries) on vl_pairs rows with images of different sizes: each
+    side carries its own packed images (none for a text side); GradCache with fixed chunks and with a
+    token budget equals the dense objective over the whole batch in float64."""
+    trainer = _vl_pairs_run(tmp_path, mode, "--gradcache.enabled=true", chunks)
+    trainer.model.eval()
+    batch = trainer.train_set.__getitems__(list(range(7)))
+    batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    image_token = trainer.model.tower.config.image_token_id
+    for side, kind in zip(("query", "doc"), {"i2i": "ii", "t2t": "tt", "m2i": "mi"}[mode]):
+        grid, ids = batch[f"{side}_image_grid_thw"], batch[side]
+        assert len(grid) == (0 if kind == "t" else 7)
+        visual = (ids == image_token).sum(1)
+        assert visual.tolist() == ((grid.prod(-1) // 4).tolist() if len(grid) else [0] * 7)
+        words = (ids != -1).sum(1) - visual - (2 if len(grid) else 0)  # beside the vision start and end tokens
+        assert (words > 0).all() if kind in "tm" else (words == 0).all()
+    if mode == "t2t":
+        assert not any(p.requires_grad for p in trainer.model.tower.visual.parameters())
+    else:
+        assert len({tuple(g) for g in _grid(batch).tolist()}) >= 3
+    trainer.train_step([batch])
+    want_loss, want = _dense(trainer, [batch])
+    out = trainer.train_step([batch])
+    assert_grads_close(grads(trainer.model), want)
+    assert abs(out["loss"] - want_loss) <= REL * want_loss
+    trainer.metrics.close()
+
+
+@needs_hf
+def test_vl_pairs_bad_rows_are_substituted_and_counted(tmp_path: Path) -> None:
+    """m2i: a row whose document image is missing and one whose query text is empty take the next
+    row's sample and are counted by reason; the held-out split (data.val_path) evaluates recall."""
+    from titan_contrastive.datasets.bad_samples import BAD_SAMPLES, BadSampleLog
+
+    table = _vl_pairs(tmp_path / "data", bad=True)
+    trainer = _vl_pairs_run(tmp_path, "m2i", f"--data.val_path={table}", "--eval.enable=true", "--eval.batch_size=4")
+    data = trainer.train_set
+    batch = data.__getitems__([2, 4, 0])
+    assert [(b.reason, b.key) for b in batch[BAD_SAMPLES]] == [("unreadable_file", "2"), ("missing_text", "4")]
+    again = data.__getitems__([3, 5, 0])
+    for key in ("query", "doc", "query_pixel_values", "doc_pixel_values", "doc_image_grid_thw"):
+        assert torch.equal(batch[key], again[key])
+    log = BadSampleLog(max_bad_fraction=0.5, epoch_samples=len(data))
+    log.update(batch)
+    assert log.counts == {"unreadable_file": 1, "missing_text": 1} and BAD_SAMPLES not in batch
+    results = trainer.evaluate()
+    assert results["num_samples"] == 9 and 0 <= results["query_to_doc_r@1"] <= 1 and "doc_to_query_r@5" in results
+    trainer.metrics.close()
+
+
+@needs_hf
+def test_modes_refuse_what_they_cannot_read_in_one_line(tmp_path: Path) -> None:
+    """Image-text data in i2i (bundled or files); an image side's template without {image}, a text
+    side's with it; vl_pairs with a family without a processor."""
+    from titan_contrastive.config import ConfigError
+    from titan_contrastive.datasets import DataError
+
+    refusal = "data.retrieval_mode=i2i needs rows with a query and a document: data.dataset='vl_pairs'"
+    with pytest.raises(DataError, match=refusal):
+        vl_run(tmp_path, "qwen2_vl", "--training.local_batch_size=6", "--data.retrieval_mode=i2i")
+    table = _pictures_csv(tmp_path / "csv")
+    with pytest.raises(DataError, match=refusal):
+        vl_run(
+            tmp_path, "qwen2_vl", "--data.dataset=csv", f"--data.path={table}", "--data.retrieval_mode=i2i", sizes=()
+        )
+    with pytest.raises(
+        ConfigError, match=r"model.query_prompt='represent this': the image side's template needs \{image\}"
+    ):
+        _vl_pairs_run(tmp_path, "i2i", "--model.query_prompt=represent this")
+    with pytest.raises(ConfigError, match=r"model.query_prompt='\{text\}': the multi side's template needs \{image\}"):
+        _vl_pairs_run(tmp_path, "m2i", "--model.query_prompt={text}")
+    with pytest.raises(ConfigError, match=r"the doc side is text in retrieval_mode=t2t; remove \{image\}"):
+        _vl_pairs_run(tmp_path, "t2t", "--model.doc_prompt={image} {text}")
+    with pytest.raises(
+        DataError, match=r"data.dataset='vl_pairs' .*model.name='clip' has none: use model.name='qwen_vl'"
+    ):
+        base_trainer(
+            str(tmp_path / "clip"),
+            "--data.dataset=vl_pairs",
+            f"--data.path={tmp_path / 'data' / 'pairs.jsonl'}",
+            "--eval.enable=false",
+        )

@@ -2,8 +2,8 @@
 
 - `inputs`: the one error type (`BatchError`), the batch size every tensor of an input shares,
   consecutive chunks (`split_inputs`) and chunks of a permutation of the samples (`take_chunks`);
-- `vlm`: Qwen-VL-style packed patches cut on image boundaries (`split_vlm_inputs`; chunks of a
-  permutation of the samples, `take_vlm_chunks`) and the names
+- `vlm`: Qwen-VL-style packed patches cut on image boundaries (`split_vlm_inputs`; per-side
+  groups in batch order, `split_sides`; chunks of a permutation of the samples, `take_vlm_chunks`) and the names
   of those image fields (`IMAGE_FIELDS`);
 - `negatives`: hard negatives laid out beside their positives as one document input
   (`with_negatives`, the batch key `NEGATIVES`) and the documents' ids (`document_ids`, or the
@@ -21,7 +21,7 @@ project together with this folder. Imports inside the package are relative for t
 from .inputs import BatchError, batch_size, split_inputs, take_chunks
 from .negatives import DOC_IDS, NEGATIVES, document_ids, with_negatives
 from .tokens import PaddedField, max_over_ranks, padded_fields, right_trimmed, token_chunks, trim_padding
-from .vlm import IMAGE_FIELDS, split_vlm_inputs, take_vlm_chunks
+from .vlm import IMAGE_FIELDS, split_sides, split_vlm_inputs, take_vlm_chunks
 
 __all__ = [
     "DOC_IDS",
@@ -35,6 +35,7 @@ __all__ = [
     "padded_fields",
     "right_trimmed",
     "split_inputs",
+    "split_sides",
     "split_vlm_inputs",
     "take_chunks",
     "take_vlm_chunks",

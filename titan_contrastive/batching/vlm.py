@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .inputs import BatchError, split_inputs, take_chunks
+from .inputs import BatchError, batch_size, split_inputs, take_chunks
 
-__all__ = ["IMAGE_FIELDS", "split_vlm_inputs", "take_vlm_chunks"]
+__all__ = ["IMAGE_FIELDS", "split_sides", "split_vlm_inputs", "take_vlm_chunks"]
 
 IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
 """The entries of a packed image batch: the patches and each image's (t, h, w) grid."""
@@ -140,3 +140,20 @@ def take_vlm_chunks(inputs: Any, order: Tensor, sizes: Sequence[int], what: str 
             chunk[f"{g}pixel_values"] = pixels.index_select(0, torch.cat(index).to(pixels.device))
         out.append(chunk)
     return out
+
+
+def split_sides(inputs: Any, chunk_size: int) -> list[Any]:
+    """Consecutive chunks of `chunk_size` samples (the last may be smaller) of a batch whose packed
+    groups are per side (`query_pixel_values` + `query_image_grid_thw`, `doc_...`; one image per
+    sample, or none): `take_vlm_chunks` in batch order, each image's patches kept whole. Without a
+    packed group this is `split_inputs`."""
+    groups = _packed_groups(inputs) if isinstance(inputs, Mapping) else []
+    if not groups:
+        return split_inputs(inputs, chunk_size, "inputs")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise BatchError(f"chunk size {chunk_size!r}: must be an integer >= 1")
+    packed = {f"{g}{f}" for g in groups for f in IMAGE_FIELDS}
+    rest = {k: v for k, v in inputs.items() if k not in packed and isinstance(v, Tensor)}
+    samples = batch_size(rest, "inputs") if rest else max(len(inputs[f"{g}image_grid_thw"]) for g in groups)
+    sizes = [min(chunk_size, samples - start) for start in range(0, samples, chunk_size)]
+    return take_vlm_chunks(inputs, torch.arange(samples), sizes, "inputs")

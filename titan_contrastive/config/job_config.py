@@ -290,11 +290,14 @@ class GradCacheConfig:
 
 @dataclass
 class Data:
-    dataset: Literal["fashion_mnist", "emoji", "wordnet", "csv", "webdataset", "hf", "pairs"] = "fashion_mnist"
+    dataset: Literal["fashion_mnist", "emoji", "wordnet", "csv", "webdataset", "hf", "pairs", "vl_pairs"] = (
+        "fashion_mnist"
+    )
     """Bundled, zero setup: `fashion_mnist` (image-caption, zero-shot eval), `emoji` (image <-> name,
     retrieval eval), `wordnet` (definition <-> lemma pairs for model.name=bi_encoder). Your data:
     `csv` (image paths + captions), `webdataset` (tar shards, img2dataset layout), `hf` (a Hugging
-    Face dataset on disk) for clip; `pairs` (JSONL/CSV/TSV/Parquet/Hugging Face text pairs) for bi_encoder."""
+    Face dataset on disk) for clip; `pairs` (JSONL/CSV/TSV/Parquet/Hugging Face text pairs) for bi_encoder;
+    `vl_pairs` (JSONL/CSV/TSV/Parquet rows query_image, query_text, doc_image, doc_text) for qwen_vl."""
     path: str = ""
     """Training data. Bundled sets: a folder (empty = the Debian package if installed, else the
     bundle). csv: the file. webdataset: tars as a brace pattern (`shards/{00000..00099}.tar`) or the
@@ -364,8 +367,9 @@ class Data:
     """Mixed resolutions (model.name=vlm or vae): each image is served at one of these square sizes
     (train: drawn per sample and epoch; test: cycled), as Qwen-VL-style packed patches (vlm) or
     zero-padded with a pixel mask (vae). Empty = one size (image_size or native)."""
-    retrieval_mode: Literal["t2i", "i2t"] = "t2i"
-    """qwen_vl: which side is the image, the documents (t2i: captions query images) or the queries (i2t)."""
+    retrieval_mode: Literal["t2i", "i2t", "i2i", "t2t", "m2i"] = "t2i"
+    """qwen_vl: each side's kind (t2i: texts query images; i2t, i2i, t2t; m2i: image + text queries,
+    images); image-text data trains t2i and i2t, the others need data.dataset = "vl_pairs"."""
     min_pixels: int = _opt(0, lambda v: v >= 0, "an integer >= 0")
     """qwen_vl: images resized to at least this many pixels; 0 = the model folder's image processor's."""
     max_pixels: int = _opt(0, lambda v: v >= 0, "an integer >= 0")

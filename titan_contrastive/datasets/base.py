@@ -244,7 +244,8 @@ class ImageTextDataset:
         """One sample, unbatched; the same values it has inside any batch (packed: all its patch rows)."""
         if self._layout in ("packed", "processed"):
             batch = self.__getitems__([index])
-            return {k: v if k == "pixel_values" else v[0] for k, v in batch.items()}
+            whole = ("pixel_values",) if self._layout == "packed" else ("pixel_values", "image_grid_thw")
+            return {k: v if k.endswith(whole) else v[0] for k, v in batch.items()}
         return {key: value[0] for key, value in self.__getitems__([index]).items()}
 
     def captions(self, indices: Sequence[int]) -> list[str]:

@@ -27,6 +27,7 @@ from titan_contrastive.datasets.pairs import PairsDataset
 from titan_contrastive.datasets.protocol import Dataset
 from titan_contrastive.datasets.sources import CsvSource, Source, WebDatasetSource, WeightedSources
 from titan_contrastive.datasets.tokenizer import ByteTokenizer, CaptionTokenizer
+from titan_contrastive.datasets.vl_pairs import VLPairsDataset, family_refusal
 
 FILE_SOURCES = ("csv", "webdataset", "hf")
 DEFAULT_IMAGE_SIZE = 224
@@ -240,6 +241,17 @@ def build_data(
             )
         train = PairsDataset(split="train", path=data.path, **common)
         eval_sets.append(PairsDataset(split="test", path=data.val_path, **common) if data.val_path else None)
+    elif data.dataset == "vl_pairs":  # images and texts per side, through the family's processor (qwen_vl)
+        if not data.path:
+            raise DataError(
+                "data.path is empty: data.dataset='vl_pairs' reads your .jsonl/.csv/.tsv/.parquet rows "
+                "(query_image, query_text, doc_image, doc_text); set data.path"
+            )
+        context_length = data.context_length or DEFAULT_CONTEXT["byte"]
+        train = VLPairsDataset(split="train", path=data.path, mode=data.retrieval_mode)
+        eval_sets.append(
+            VLPairsDataset(split="test", path=data.val_path, mode=data.retrieval_mode) if data.val_path else None
+        )
     else:
         if data.tokenizer == "clip_bpe":
             raise DataError(
@@ -278,6 +290,8 @@ def build_data(
     for ds in (train, *eval_sets):
         if ds is not None:
             prepare(ds)
+    if isinstance(train, VLPairsDataset) and not train.processed:  # the family's layout asked for no processor
+        raise DataError(family_refusal(cfg.model.name))
     if global_batch_size > len(train):
         per_batch = local_batch_size * dp_degree
         raise DataError(

@@ -183,8 +183,9 @@ class FileImageTextDataset:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         batch = self.__getitems__([index])
-        whole = (BAD_SAMPLES, "pixel_values")  # packed patches (`serve_processed`): all of the sample's rows
-        return {k: v if k in whole else v[0] for k, v in batch.items()}
+        # packed patches (`serve_processed`: `pixel_values`, `query_pixel_values`, ...): all of the sample's rows
+        packed = ("pixel_values", "image_grid_thw")  # a text side's are empty
+        return {k: v if k == BAD_SAMPLES or k.endswith(packed) else v[0] for k, v in batch.items()}
 
     def captions(self, indices: Sequence[int]) -> list[str]:
         """The captions of these samples (logs, inspection)."""

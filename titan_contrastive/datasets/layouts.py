@@ -10,8 +10,10 @@ A layout does two things, both the family's business rather than the trainer's:
 IMAGES: [B, C, H, W] at one size (clip, bi_encoder's text pairs); PACKED_PATCHES: Qwen-VL-style
 `pixel_values` [total_patches, C·p·p] + `image_grid_thw`, cut on image boundaries (vlm);
 MASKED_IMAGES: [-1, 1] images zero-padded to the largest size with a pixel `mask` (vae); PROCESSED:
-uint8 images and captions through the family's own processor (`args.processor()`: qwen_vl's
-token ids and packed patches at native resolution), cut on image boundaries.
+uint8 images and texts through the family's own processor (`args.processor()`: qwen_vl's token
+ids and packed patches per side at native resolution), cut on image boundaries (`split_sides`).
+A processor whose `refusal` is set takes only data that serves both sides (`serves_sides`:
+`vl_pairs`), not image-text rows.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from titan_contrastive.batching import split_inputs, split_vlm_inputs
+from titan_contrastive.batching import split_inputs, split_sides, split_vlm_inputs
 from titan_contrastive.config import ConfigError
+from titan_contrastive.datasets.base import DataError
 
 __all__ = ["IMAGES", "MASKED_IMAGES", "PACKED_PATCHES", "PROCESSED", "DataLayout"]
 
@@ -41,7 +44,10 @@ def _packed(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) ->
 def _processed(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) -> None:
     if not hasattr(dataset, "serve_processed"):
         raise ConfigError(f"{family} reads images through its processor; {type(dataset).__name__} does not serve them")
-    dataset.serve_processed(args.processor(), image_sizes)
+    process = args.processor()
+    if getattr(process, "refusal", "") and not getattr(dataset, "serves_sides", False):
+        raise DataError(process.refusal)  # image-text rows fill one side with the image, the other with the caption
+    dataset.serve_processed(process, image_sizes)
 
 
 def _masked(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) -> None:
@@ -61,4 +67,4 @@ class DataLayout:
 IMAGES = DataLayout("images", _one_size, split_inputs)
 PACKED_PATCHES = DataLayout("packed_patches", _packed, split_vlm_inputs)
 MASKED_IMAGES = DataLayout("masked_images", _masked, split_inputs)
-PROCESSED = DataLayout("processed", _processed, split_vlm_inputs)
+PROCESSED = DataLayout("processed", _processed, split_sides)

@@ -50,7 +50,7 @@ FORMATS = (".jsonl", ".csv", ".tsv", ".parquet", ".arrow")
 SCORE_COLUMNS = ("label", "score")
 
 
-def _table(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, list[Any]]:
+def read_table(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, list[Any]]:
     """(the column names, or None when rows come unnamed or name their own; the rows: dicts by
     column name, or lists of values). `split`: a saved DatasetDict's split to read."""
     if file.is_dir() or file.suffix == ".arrow":
@@ -139,7 +139,7 @@ def read_rows(
             "query/positive[/negative] rows in one of those"
         )
     try:
-        names, raw = _table(file, columns, split)
+        names, raw = read_table(file, columns, split)
     except DataError:
         raise
     except (OSError, UnicodeDecodeError, csv.Error) as e:

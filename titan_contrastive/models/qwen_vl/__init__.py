@@ -14,7 +14,14 @@ register_model(
         flavors=qwen_vl_flavors,
         build_model=QwenVLEmbedder,
         blocks=qwen_vl_blocks,
-        input_keys=("query", "doc", "pixel_values", "image_grid_thw"),
+        input_keys=(
+            "query",
+            "doc",
+            "query_pixel_values",
+            "query_image_grid_thw",
+            "doc_pixel_values",
+            "doc_image_grid_thw",
+        ),
         layout=PROCESSED,
         state_dict_adapter=ADAPTER,
     )

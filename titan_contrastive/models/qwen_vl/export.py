@@ -22,7 +22,7 @@ from titan_contrastive.models.bi_encoder.export import adapted, plain_tower
 from titan_contrastive.models.bi_encoder.folder import load_tokenizer
 from titan_contrastive.models.bi_encoder.model import load_text_tower
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
-from titan_contrastive.models.qwen_vl.model import MODES, QwenVLArgs, vl_embed
+from titan_contrastive.models.qwen_vl.model import SIDES, QwenVLArgs, vl_embed
 from titan_contrastive.models.registry import StateDictAdapter
 from titan_contrastive.models.weights import read_ours
 
@@ -32,16 +32,21 @@ FORMATS = ("hf", "peft")
 
 
 def _probe(args: QwenVLArgs) -> dict[str, torch.Tensor]:
+    """Probe samples of every field a side may read: images of different sizes and texts (one empty)."""
     g = np.random.default_rng(0)
     images = [g.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((32, 48), (64, 64), (40, 96))]
-    return args.processor()(images, PROBE_TEXTS)
+    return args.processor().sides(images, PROBE_TEXTS, images[::-1], PROBE_TEXTS[::-1])
 
 
 def _embeddings(tower: torch.nn.Module, args: QwenVLArgs, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    image_side = MODES[args.mode]
-    images = (batch["pixel_values"].to(tower.dtype), batch["image_grid_thw"])
+    """The query and document embeddings of the probe batch, each side with its images if it has any."""
+    out = []
     with torch.no_grad():
-        return [vl_embed(tower, batch[s], args.pooling, *(images if s == image_side else ())) for s in ("query", "doc")]
+        for side in SIDES:
+            grid = batch[f"{side}_image_grid_thw"]
+            images = (batch[f"{side}_pixel_values"].to(tower.dtype), grid) if len(grid) else ()
+            out.append(vl_embed(tower, batch[side], args.pooling, *images))
+    return out
 
 
 def write(to: str, src: str, out: Path, tower_name: str = "") -> None:
@@ -69,7 +74,7 @@ def write(to: str, src: str, out: Path, tower_name: str = "") -> None:
         Qwen2VLImageProcessorPil.from_pretrained(args.path, local_files_only=True).save_pretrained(str(out))
         theirs = reloaded("transformers", lambda: AutoModel.from_pretrained(str(out)).eval())
         library = "transformers"
-    for side, mine, got in zip(("query", "doc"), want, _embeddings(theirs, args, batch)):
+    for side, mine, got in zip(SIDES, want, _embeddings(theirs, args, batch)):
         compare(to, side, mine, got, library)
 
 

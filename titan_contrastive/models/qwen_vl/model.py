@@ -1,12 +1,15 @@
 """The qwen_vl family: a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model from a local folder as an embedder
 (VLM2Vec's and GME's recipe): one tower embeds queries and documents, each the normalized hidden
-state of its last real token (or the mean over its tokens), a text or an image with its template.
+state of its last real token (or the mean over its tokens), a text, an image or both with its
+side's template.
 
-A batch (`datasets`: any image-text set served through `QwenVLArgs.processor`) holds `query` and
-`doc` token ids [B, L] right-padded with -1, and the image side's packed `pixel_values` with its
-`image_grid_thw` (one image per sample; `[data] retrieval_mode` t2i: the documents are the images,
-i2t: the queries). The model builds what the transformers model needs beside the ids: the
-attention mask (ids != -1) and `mm_token_type_ids` (1 at `<|image_pad|>`, for M-RoPE).
+`[data] retrieval_mode` gives each side's kind (`datasets.retrieval.MODES`: t2i, i2t, i2i, t2t,
+m2i; text, image, or multi = image + text). A batch (served through `QwenVLArgs.processor`:
+image-text data in t2i / i2t, `vl_pairs` rows in every mode) holds `query` and `doc` token ids
+[B, L] right-padded with -1, and per side the packed `{side}_pixel_values` with its
+`{side}_image_grid_thw` (one image per sample; a side without images: 0 rows, grid [0, 3]). The
+model builds what the transformers model needs beside the ids: the attention mask (ids != -1) and
+`mm_token_type_ids` (1 at `<|image_pad|>`, for M-RoPE).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,18 +29,48 @@ from torch import Tensor, nn
 from titan_contrastive.batching import NEGATIVES, right_trimmed
 from titan_contrastive.components.lora import add_lora
 from titan_contrastive.config import ConfigError
+from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import layer_blocks, load_config, read_text_folder
 from titan_contrastive.models.bi_encoder.model import load_text_tower, pooled
 from titan_contrastive.models.qwen_vl.processor import IMAGE, PAD, VLProcessor
 
-__all__ = ["MODES", "QwenVLArgs", "QwenVLEmbedder", "qwen_vl_blocks", "qwen_vl_flavors", "vl_embed"]
+__all__ = [
+    "MODES",
+    "SIDES",
+    "TEMPLATES",
+    "QwenVLArgs",
+    "QwenVLEmbedder",
+    "SideProcessor",
+    "qwen_vl_blocks",
+    "qwen_vl_flavors",
+    "vl_embed",
+]
 
 LORA_TARGETS = ("q_proj", "v_proj")
 """LoRA's default: the language model's query and value projections (the vision blocks name theirs
 `qkv`: they stay frozen unless `[lora] target_modules` names them)."""
-MODES = {"t2i": "doc", "i2t": "query"}
-"""Retrieval mode -> the side whose samples are images (the other is the caption)."""
+SIDES = ("query", "doc")
+TEMPLATES = {"text": "{text}", "image": IMAGE, "multi": IMAGE + " {text}"}
+"""A side's default template by its kind (`MODES[mode]`: (query kind, document kind))."""
+IMAGE_TEXT_MODES = ("t2i", "i2t")
+"""The modes of image-text data (an image and a caption per row): the image is one side, the caption the other."""
+
+
+def check_template(side: str, kind: str, template: str, mode: str) -> None:
+    """An image or multi side's template has `{image}`, a text side's has none: else one ConfigError."""
+    key = f"model.{side}_prompt={template!r}"
+    if kind != "text" and IMAGE not in template:
+        raise ConfigError(
+            f"{key}: the {kind} side's template needs {IMAGE} where the image goes (retrieval_mode={mode}), "
+            f"e.g. '{IMAGE} Summarize above image in one word:'" + (" or '{image} {text}'" if kind == "multi" else "")
+        )
+    if kind == "text" and IMAGE in template:
+        raise ConfigError(
+            f"{key}: the {side} side is text in retrieval_mode={mode}; remove {IMAGE} from it (e.g. '{{text}}') "
+            "or choose a mode whose " + ("queries" if side == "query" else "documents") + " are images"
+        )
 
 
 @dataclass(frozen=True)
@@ -45,12 +78,13 @@ class QwenVLArgs:
     path: str = ""
     """The model folder (config, weights, tokenizer, preprocessor_config.json); `[model] path`."""
     mode: str = "t2i"
-    """`[data] retrieval_mode`: t2i (captions query images) or i2t."""
+    """`[data] retrieval_mode`: t2i (captions query images), i2t, i2i, t2t or m2i (image + text queries, images)."""
     pooling: str = "last_token"
-    text_template: str = "{text}"
-    """The text side's template (`[model] query_prompt` / `doc_prompt` for that side)."""
-    image_template: str = IMAGE
-    """The image side's: `{image}` where the image goes, e.g. "{image} Summarize above image in one word:"."""
+    query_template: str = TEMPLATES["text"]
+    """The queries' template (`[model] query_prompt`; `auto`: `TEMPLATES` of the side's kind): `{text}`
+    where the sample's text goes, `{image}` where its image goes (image and multi sides only)."""
+    doc_template: str = TEMPLATES["image"]
+    """The documents' (`[model] doc_prompt`), e.g. "{image} Summarize above image in one word:"."""
     min_pixels: int = 0
     """Images are resized to at least this many pixels (0: the folder's image processor's)."""
     max_pixels: int = 0
@@ -70,15 +104,12 @@ class QwenVLArgs:
         t = temperature_from_config(cfg, default_logit_scale=math.log(self.init_scale))
         mode = cfg.data.retrieval_mode
         if mode not in MODES:
-            raise ConfigError(f"data.retrieval_mode={mode!r}: the qwen_vl family trains {' or '.join(MODES)}")
-        image_side = MODES[mode]
-        prompts = {"query": cfg.model.query_prompt, "doc": cfg.model.doc_prompt}
-        image_prompt, text_prompt = prompts[image_side], prompts["doc" if image_side == "query" else "query"]
-        if image_prompt != "auto" and IMAGE not in image_prompt:
-            raise ConfigError(
-                f"model.{image_side}_prompt={image_prompt!r}: the image side's template needs {IMAGE} where the "
-                f"image goes (retrieval_mode={mode}), e.g. '{IMAGE} Summarize above image in one word:'"
-            )
+            raise ConfigError(f"data.retrieval_mode={mode!r}: the qwen_vl family trains {', '.join(MODES)}")
+        templates = {}
+        for side, kind in zip(SIDES, MODES[mode]):
+            prompt = getattr(cfg.model, f"{side}_prompt")
+            templates[side] = TEMPLATES[kind] if prompt == "auto" else prompt
+            check_template(side, kind, templates[side], mode)
         pooling = "last_token" if cfg.model.pooling == "auto" else cfg.model.pooling
         if pooling not in ("last_token", "mean"):
             raise ConfigError(f"model.pooling={pooling!r}: the qwen_vl family pools last_token or mean")
@@ -91,10 +122,10 @@ class QwenVLArgs:
             path=path,
             mode=mode,
             pooling=pooling,
-            text_template=self.text_template if text_prompt == "auto" else text_prompt,
-            image_template=self.image_template if image_prompt == "auto" else image_prompt,
+            query_template=templates["query"],
+            doc_template=templates["doc"],
             min_pixels=cfg.data.min_pixels,
-            text_length=cfg.data.context_length,
+            text_length=cfg.data.context_length or self.text_length,
             max_pixels=cfg.data.max_pixels,
             init_scale=math.exp(t.init_logit_scale),
             learn_logit_scale=t.learn_logit_scale,
@@ -134,36 +165,81 @@ class QwenVLArgs:
         return self._counts[0]
 
     def flops_per_sample(self) -> int:
-        """6 x decoder-layer parameters x the caption's tokens (the image side's visual tokens vary: not counted)."""
+        """6 x decoder-layer parameters x the caption's tokens (visual tokens vary with the images: not counted)."""
         return 6 * self._counts[1] * self.text_length
 
-    def processor(self) -> Callable[..., dict[str, Tensor]]:
-        """(uint8 HWC images, captions[, negative captions, k per sample]) -> the batch entries: query,
-        doc, pixel_values, image_grid_thw[, neg: [B, k, L] ids of the negative captions]. Negative
-        captions are hard negatives of the documents, so they take the i2t mode (documents are text)."""
-        proc = VLProcessor(self.path, self.min_pixels, self.max_pixels, self.text_length)
-        image_side = MODES[self.mode]
-        text_side = "doc" if image_side == "query" else "query"
+    def processor(self) -> SideProcessor:
+        """The batches' maker (`SideProcessor`): image-text data calls it, `vl_pairs` its `sides`."""
+        return SideProcessor(self)
 
-        def process(
-            images: Sequence[np.ndarray], texts: Sequence[str], negatives: Sequence[str] = ()
-        ) -> dict[str, Tensor]:
-            picture = proc.encode(self.image_template, [""] * len(texts), images)
-            proc.check(picture["ids"], picture["image_grid_thw"])  # the tokenizer kept every <|image_pad|>
-            words = proc.encode(self.text_template, texts, None)
-            batch = {
-                image_side: picture["ids"],
-                text_side: words["ids"],
-                "pixel_values": picture["pixel_values"],
-                "image_grid_thw": picture["image_grid_thw"],
-            }
-            if negatives:
-                ids = proc.encode(self.text_template, negatives, None)["ids"]
-                batch[NEGATIVES] = ids.reshape(len(texts), len(negatives) // len(texts), -1)
-            return batch
 
-        process.negatives = image_side == "query"  # type: ignore[attr-defined]  # what serve_processed checks
-        return process
+class SideProcessor:
+    """Samples -> the batch entries query, doc, `{side}_pixel_values`, `{side}_image_grid_thw` (see
+    the module docstring), each side filled by its template from its kind's fields.
+
+    - `sides(query_images, query_texts, doc_images, doc_texts)`: rows with a query and a document
+      (`datasets.vl_pairs`); a side reads what its kind needs (None for what it does not);
+    - `self(images, captions[, negative captions, k per sample])`: image-text data, t2i (captions
+      query images) and i2t only; negative captions are hard negatives of text documents, served as
+      `neg` [B, k, L] ids, so they take i2t (`negatives`, what `serve_processed` checks);
+    - `refusal`: why image-text data cannot train this mode ("" when it can), raised by the layout at start.
+    """
+
+    def __init__(self, args: QwenVLArgs) -> None:
+        self.mode = args.mode
+        self.proc = VLProcessor(args.path, args.min_pixels, args.max_pixels, args.text_length)
+        self.tokenizer = self.proc.tokenizer
+        self.kinds = dict(zip(SIDES, MODES[args.mode]))
+        self.templates = {"query": args.query_template, "doc": args.doc_template}
+        self.negatives = args.mode == "i2t"
+        image = self.proc.images
+        self.patch_width = 3 * int(image.temporal_patch_size) * int(image.patch_size) ** 2
+        self.refusal = (
+            ""
+            if args.mode in IMAGE_TEXT_MODES
+            else f"data.retrieval_mode={args.mode} needs rows with a query and a document: data.dataset='vl_pairs'"
+        )
+
+    def sides(
+        self,
+        query_images: Sequence[np.ndarray] | None,
+        query_texts: Sequence[str] | None,
+        doc_images: Sequence[np.ndarray] | None,
+        doc_texts: Sequence[str] | None,
+        negatives: Sequence[str] = (),
+    ) -> dict[str, Tensor]:
+        """The batch of these samples: uint8 HWC images and texts per side; `negatives`: k texts per
+        sample, documents of the text kind."""
+        given = {"query": (query_images, query_texts), "doc": (doc_images, doc_texts)}
+        batch: dict[str, Tensor] = {}
+        for side, kind in self.kinds.items():
+            images, texts = given[side]
+            images = None if kind == "text" else images
+            count = len(texts) if texts is not None else len(images) if images is not None else 0
+            texts = [""] * count if kind == "image" or texts is None else texts
+            out = self.proc.encode(self.templates[side], texts, images)
+            batch[side] = out["ids"]
+            if images is not None:
+                self.proc.check(out["ids"], out["image_grid_thw"])  # the tokenizer kept every <|image_pad|>
+                batch[f"{side}_pixel_values"] = out["pixel_values"]
+                batch[f"{side}_image_grid_thw"] = out["image_grid_thw"]
+            else:
+                batch[f"{side}_pixel_values"] = torch.zeros(0, self.patch_width)
+                batch[f"{side}_image_grid_thw"] = torch.zeros(0, 3, dtype=torch.long)
+        if negatives:
+            ids = self.proc.encode(self.templates["doc"], negatives, None)["ids"]
+            batch[NEGATIVES] = ids.reshape(len(batch["doc"]), len(negatives) // len(batch["doc"]), -1)
+        return batch
+
+    def __call__(
+        self, images: Sequence[np.ndarray], texts: Sequence[str], negatives: Sequence[str] = ()
+    ) -> dict[str, Tensor]:
+        """Image-text rows: the images on the mode's image side, the captions on the other."""
+        if self.refusal:
+            raise DataError(self.refusal)
+        if self.mode == "t2i":
+            return self.sides(None, texts, images, None, negatives)
+        return self.sides(images, None, None, texts, negatives)
 
 
 qwen_vl_flavors = {"default": QwenVLArgs()}
@@ -200,6 +276,9 @@ class QwenVLEmbedder(nn.Module):
         self.tower = load_text_tower(args.path)
         if args.lora_rank:
             add_lora(self.tower, *args.lora_options)
+        if MODES[args.mode] == ("text", "text"):  # t2t never runs the vision tower: frozen (DDP needs every grad)
+            for p in getattr(self.tower, "visual", nn.Module()).parameters():
+                p.requires_grad_(False)
         self.logit_scale = nn.Parameter(
             torch.full((1,), math.log(args.init_scale)), requires_grad=args.learn_logit_scale
         )
@@ -217,13 +296,19 @@ class QwenVLEmbedder(nn.Module):
         return vl_embed(self.tower, ids, self.args.pooling, pixel_values, image_grid_thw)
 
     def forward(
-        self, query: Tensor, doc: Tensor, pixel_values: Tensor, image_grid_thw: Tensor
+        self,
+        query: Tensor,
+        doc: Tensor,
+        query_pixel_values: Tensor,
+        query_image_grid_thw: Tensor,
+        doc_pixel_values: Tensor,
+        doc_image_grid_thw: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """(query embeddings, document embeddings, exp(logit_scale)); the images belong to the mode's side."""
-        image_side = MODES[self.args.mode]
+        """(query embeddings, document embeddings, exp(logit_scale)); each side with its own images
+        when its grid has rows."""
         return (
-            self.embed(query, *((pixel_values, image_grid_thw) if image_side == "query" else ())),
-            self.embed(doc, *((pixel_values, image_grid_thw) if image_side == "doc" else ())),
+            self.embed(query, *((query_pixel_values, query_image_grid_thw) if len(query_image_grid_thw) else ())),
+            self.embed(doc, *((doc_pixel_values, doc_image_grid_thw) if len(doc_image_grid_thw) else ())),
             self.logit_scale.exp(),
         )
 

@@ -1,0 +1,841 @@
+"""Qwen-VL: fixed GradCache chunks against a visual-token budget, per chunk of the re-forward (issue 30).
+
+    python -m benchmarks.qwen_vl_chunks                       # CPU: the table of docs/performance.md (~3 min)
+    python -m benchmarks.qwen_vl_chunks --quick --out /tmp/q  # smoke test (tiny model, small images, seconds)
+    python -m benchmarks.qwen_vl_chunks --gpu --time-budget 480 --out DIR             # one H100: gpu_session.sh 8
+    python -m benchmarks.qwen_vl_chunks --gpu --size tiny --device cpu --image-sizes 28 56 --chunk-tokens 40 \
+        --start-batch 4 --max-batch 8 --repeats 1 --out /tmp/g                        # the --gpu path, smoke
+
+A sample's visual tokens grow with its image's area: a Qwen2-VL image of 224 px is 16 x 16 patches
+(64 visual tokens after the 2 x 2 merge), one of 896 px 64 x 64 (1,024). GradCache with a fixed
+number of samples per chunk ignores this, so what one chunk holds for its backward depends on
+which images land in it; with `[gradcache] chunk_tokens` the samples are sorted by length and
+packed to a token budget (text + visual tokens of the chunk's ids, padding included), so a chunk
+holds at most that many tokens whatever the images.
+
+CPU mode (default). A random-init Qwen2-VL folder (`models.qwen_vl.random_folder`, size `small`:
+4 vision blocks and 4 decoder layers, 128 wide; a word-level tokenizer of the emoji captions' words)
+in a temporary folder, trained through the project's own `Trainer.train_step` in this process
+(`model.name=qwen_vl`, the bundled emoji, t2i: captions query images, float32), one trainer per
+variant, every variant the same batch: `--batch` samples with the images served at `--image-sizes`
+px (square images: the issue's "16 x 16 to 64 x 96 patches" is covered as 16 x 16 to 64 x 64),
+the same number of each size, in the data's order (`data.max_pixels` lets 896 px through unshrunk).
+Variants: GradCache with fixed chunks of `--chunk-sizes` samples, GradCache with token budgets
+`--chunk-tokens`, and `plain` (the whole batch in one forward and backward, for reference), run
+interleaved (`harness.round_robin`: `--warmup` untimed rounds, then `--repeats` timed ones).
+
+Per variant: the step's median seconds and its peak RSS growth (`harness.PeakRSS`; all variants
+share one heap, so a lower bound), and per chunk of the GradCache re-forward (the forward with
+gradients; GradCache runs its last chunk's with the first pass and keeps its graph, so every chunk
+has exactly one): its samples, the tokens it forwards (query + document ids after trimming,
+padding included: what a budget counts), its real and its visual tokens, its vision patches, and
+the bytes it saves for its backward, measured with `torch.autograd.graph.saved_tensors_hooks`
+around the model's forward: the unique storages of the saved tensors, without the parameters'
+and buffers' (held by the model anyway); a saved view of the batch's own inputs counts its own
+bytes, not the whole batch's. The chunks are the same at every step (the check is in the JSON:
+`chunks_repeatable`), and every variant trains the same model on the same batch, so their losses
+agree step by step up to float rounding (GradCache is exact; `loss_spread`).
+
+GPU mode (`--gpu`; benchmarks/gpu_session.sh 8). A random-init `write_random_folder(...,
+"qwen2_vl", "2b")` (Qwen2-VL-2B's dimensions) with LoRA (`[lora] enable`, rank `--lora-rank` on the
+language model's q_proj / v_proj), bfloat16 autocast on float32 master weights, images at
+`--image-sizes` (448-1,024 px), through `Trainer.train_step`, one process (layout single). Modes,
+in `--modes` order: `plain` (one forward and backward of the batch) and `gradcache` (token-budget
+chunks of `--chunk-tokens`). Each doubles the batch from `--start-batch` until CUDA runs out of
+memory, `--max-batch` or the time budget (benchmarks/decoder_lora_bench.py's search: a start that
+does not fit is halved until one does, down to 2 samples; the second mode starts at the first's
+largest batch when that is smaller, so both have a row there; `--time-budget` seconds from the
+start end a mode's search before a batch whose predicted time would pass its share of what is
+left). Per batch: one
+warm-up and `--repeats` timed steps, median samples/s, peak CUDA memory (peak RSS on CPU), and for
+gradcache the chunks of the last step (under autocast a chunk's saved bytes include the bfloat16
+copies of the frozen weights, ~3.7 GiB at 2b, that its graph keeps for the input gradients). The
+claim it measures: GradCache's peak memory is flat in the batch (the batch stays on the host; a
+chunk goes to the device when it is forwarded), so its largest batch is set by time, plain's by
+memory. The JSON is written after every row.
+
+Writes qwen_vl_chunks.{json,csv,png} (CPU) or qwen_vl_chunks_gpu.{json,csv,png} (--gpu) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks import harness
+
+NAME = "qwen_vl_chunks"
+GPU_NAME = "qwen_vl_chunks_gpu"
+MERGE = 2  # Qwen2-VL merges 2 x 2 patches into one visual token
+PAD = -1  # the qwen_vl family's pad id in its token ids
+CPU_DEFAULTS = dict(
+    size="small",
+    image_sizes=[224, 448, 672, 896],
+    batch=8,
+    chunk_sizes=[2, 4],
+    chunk_tokens=[1100, 2200],
+    context_length=16,
+    repeats=4,
+    warmup=1,
+)
+QUICK_DEFAULTS = dict(
+    size="tiny", image_sizes=[28, 56, 112], batch=6, chunk_sizes=[2, 3], chunk_tokens=[40, 80], repeats=1, warmup=0
+)
+GPU_DEFAULTS = dict(
+    size="2b", image_sizes=[448, 640, 832, 1024], chunk_tokens=[4096], context_length=32, repeats=2, warmup=1
+)
+GPU_MODES = ("plain", "gradcache")
+CHUNK_FIELDS = ("samples", "tokens", "real_tokens", "visual_tokens", "patches", "saved_mib")
+CPU_FIELDS = [
+    "variant",
+    "kind",
+    "chunk_size",
+    "chunk_tokens",
+    "status",
+    "chunks",
+    "samples_per_chunk",
+    "tokens_min",
+    "tokens_median",
+    "tokens_max",
+    "visual_tokens_min",
+    "visual_tokens_max",
+    "saved_mib_min",
+    "saved_mib_median",
+    "saved_mib_max",
+    "saved_spread",
+    "saved_max_over_mean",
+    "saved_mib_total",
+    "median_s",
+    "min_s",
+    "max_s",
+    "median_cpu_s",
+    "rss_growth_mib",
+    "loss",
+    "reason",
+]
+GPU_FIELDS = [
+    "mode",
+    "batch",
+    "chunk_tokens",
+    "status",
+    "samples_per_s",
+    "median_s",
+    "min_s",
+    "max_s",
+    "cuda_peak_gib",
+    "peak_rss_mib",
+    "chunks",
+    "tokens_max",
+    "saved_mib_max",
+    "loss",
+    "reason",
+]
+
+
+# ---------------------------------------------------------------- the model folder and the trainer
+
+
+def caption_words() -> list[str]:
+    """The words of the bundled emoji's names and caption templates (the tokenizer's vocabulary)."""
+    from titan_contrastive.datasets.emoji import BUNDLE_FILE, TEMPLATES, load_emoji
+
+    _, names = load_emoji(BUNDLE_FILE)
+    words = [w for t in TEMPLATES for w in t.replace("{}", " ").split()]
+    return list(dict.fromkeys([*words, *(w for n in names for w in n.split())]))
+
+
+def build_folder(folder: Path, size: str, seed: int = 0) -> Path:
+    """A random-init Qwen2-VL of `size` with the emoji words' tokenizer and the PIL image processor."""
+    import torch
+
+    from titan_contrastive.models.qwen_vl.random_folder import write_random_folder
+
+    torch.manual_seed(seed)
+    return write_random_folder(folder, "qwen2_vl", size, words=caption_words())
+
+
+def trainer_args(
+    args: argparse.Namespace, folder: Path, dump: Path, *, cuda: bool, chunk_size: int = 0, chunk_tokens: int = 0
+) -> list[str]:
+    """The overrides of one variant's trainer (chunk_size and chunk_tokens 0: the plain step)."""
+    overrides = [
+        f"--job.dump_folder={dump}",
+        "--model.name=qwen_vl",
+        "--model.flavor=default",
+        f"--model.path={folder}",
+        "--data.dataset=emoji",
+        "--data.retrieval_mode=t2i",
+        "--data.image_sizes",
+        *map(str, args.image_sizes),
+        f"--data.max_pixels={max(args.image_sizes) ** 2}",
+        f"--data.context_length={args.context_length}",
+        f"--training.local_batch_size={args.batch if not args.gpu else max(2, args.start_batch)}",
+        "--training.steps=1000000",
+        f"--training.device={'cuda' if cuda else 'cpu'}",
+        "--training.dtype=float32",
+        "--lr_scheduler.warmup_steps=0",
+        "--eval.enable=false",
+        "--checkpoint.enable=false",
+        "--metrics.enable_tensorboard=false",
+    ]
+    if args.gpu:
+        precision = args.precision or ("bfloat16" if cuda else "float32")
+        overrides += [
+            f"--training.mixed_precision_param={precision}",
+            "--lora.enable=true",
+            f"--lora.rank={args.lora_rank}",
+            f"--lora.alpha={2 * args.lora_rank}",
+        ]
+    if chunk_size:
+        overrides += ["--gradcache.enabled=true", f"--gradcache.chunk_sizes={chunk_size}"]
+    elif chunk_tokens:
+        overrides += ["--gradcache.enabled=true", f"--gradcache.chunk_tokens={chunk_tokens}"]
+    return overrides + list(args.train_arg)
+
+
+def build_trainer(overrides: list[str]) -> Any:
+    from titan_contrastive.config import parse_args
+    from titan_contrastive.train import Trainer
+
+    return Trainer(parse_args(overrides))
+
+
+# ---------------------------------------------------------------- what each chunk forwards and saves
+
+
+class ChunkProbe:
+    """Wraps a trainer's `step_context.encode` (the model's forward on one chunk, or on the whole
+    batch in the plain step): per forward with gradients, the chunk's token counts and the bytes it
+    saves for its backward (module docstring). `chunks` holds the records since the last `clear`."""
+
+    def __init__(self, trainer: Any) -> None:
+        import torch
+
+        ctx = trainer.step_context
+        self.inner = ctx.encode
+        model = trainer.model
+        self.held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self.image_token_id = getattr(getattr(model, "tower", None), "config", None)
+        self.image_token_id = getattr(self.image_token_id, "image_token_id", None)
+        self.chunks: list[dict[str, Any]] = []
+        self._torch = torch
+        ctx.encode = self  # an instance attribute: the steps call ctx.encode(batch, replay=...)
+
+    def clear(self) -> None:
+        self.chunks = []
+
+    def __call__(self, batch: dict[str, Any], replay: Any = None) -> Any:
+        torch = self._torch
+        if not torch.is_grad_enabled():
+            return self.inner(batch, replay=replay)
+        inputs = {t.untyped_storage().data_ptr() for t in batch.values() if isinstance(t, torch.Tensor)}
+        saved: dict[Any, int] = {}
+
+        def pack(t: Any) -> Any:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in self.held:
+                return t
+            if ptr in inputs:  # a view of the chunk's own input (the batch's storage): its own bytes
+                saved[(ptr, t.storage_offset(), tuple(t.shape))] = t.numel() * t.element_size()
+            else:
+                saved[ptr] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.inner(batch, replay=replay)
+        self.chunks.append({**chunk_tokens(batch), "saved_mib": sum(saved.values()) / 2**20})
+        return out
+
+
+def is_grid(key: str) -> bool:
+    """A batch entry of image grids [images, 3]: `image_grid_thw`, or a side's (`doc_image_grid_thw`)."""
+    return key.endswith("image_grid_thw")
+
+
+def is_packed(key: str) -> bool:
+    """A packed image entry (patches or grids), whose rows are not samples."""
+    return is_grid(key) or key.endswith("pixel_values")
+
+
+def image_grids(batch: dict[str, Any]) -> Any:
+    """Every image's (t, h, w) in the batch, of both sides, [images, 3]."""
+    import torch
+
+    grids = [v.long().reshape(-1, 3) for k, v in batch.items() if is_grid(k)]
+    return torch.cat(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
+
+
+def _trimmed_width(ids: Any) -> int:
+    """Columns of right-padded ids [B, L] after cutting the columns that are padding in every row."""
+    real = (ids != PAD).any(0).nonzero()
+    return int(real.max()) + 1 if len(real) else 1
+
+
+def chunk_tokens(batch: dict[str, Any]) -> dict[str, int]:
+    """A chunk's samples; tokens forwarded (query + document ids, each cut to its longest row, padding
+    included: what `[gradcache] chunk_tokens` counts); real (non-pad) tokens; visual tokens and patches."""
+    query, doc = batch["query"], batch["doc"]
+    n = len(query)
+    patches = int(image_grids(batch).prod(-1).sum())
+    return {
+        "samples": n,
+        "tokens": n * (_trimmed_width(query) + _trimmed_width(doc)),
+        "real_tokens": int((query != PAD).sum() + (doc != PAD).sum()),
+        "visual_tokens": patches // MERGE**2,
+        "patches": patches,
+    }
+
+
+def indices_of(batch: dict[str, Any]) -> range:
+    """The rows of a batch."""
+    return range(len(batch["query"]))
+
+
+def balanced_indices(dataset: Any, sizes: Sequence[int], batch: int) -> list[int]:
+    """The first samples of `dataset` in its order such that each of the `sizes` it serves appears
+    batch / len(sizes) times (the dataset draws each sample's size from a hash of its index)."""
+    import numpy as np
+
+    if batch % len(sizes):
+        raise SystemExit(f"--batch {batch}: give a multiple of the {len(sizes)} image sizes (the same number of each)")
+    want = batch // len(sizes)
+    drawn = dataset._image_size_ids(np.arange(len(dataset)))
+    taken: list[int] = []
+    counts = [0] * len(sizes)
+    for i, s in enumerate(drawn.tolist()):
+        if counts[s] < want:
+            counts[s] += 1
+            taken.append(i)
+        if len(taken) == batch:
+            return taken
+    raise SystemExit(f"the data set has too few samples of some size for a batch of {batch}")
+
+
+def describe_chunks(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """min / median / max of the per-chunk records, the spread of the saved bytes (max / min, and max /
+    mean: how far the largest chunk is above an even split of the same bytes), their sum."""
+    out: dict[str, Any] = {"chunks": len(chunks), "samples_per_chunk": [c["samples"] for c in chunks]}
+    for key in ("tokens", "visual_tokens", "saved_mib"):
+        values = [c[key] for c in chunks]
+        out |= {f"{key}_min": min(values), f"{key}_median": statistics.median(values), f"{key}_max": max(values)}
+    out["saved_spread"] = out["saved_mib_max"] / out["saved_mib_min"] if out["saved_mib_min"] else None
+    out["saved_mib_total"] = sum(c["saved_mib"] for c in chunks)
+    out["saved_max_over_mean"] = out["saved_mib_max"] * len(chunks) / out["saved_mib_total"]
+    return out
+
+
+def _same_chunks(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    key = lambda cs: sorted(tuple(c[k] for k in CHUNK_FIELDS[:-1]) + (round(c["saved_mib"], 6),) for c in cs)  # noqa: E731
+    return key(a) == key(b)
+
+
+# ---------------------------------------------------------------- CPU mode: the variants side by side
+
+
+def variants_of(args: argparse.Namespace) -> dict[str, dict[str, int]]:
+    """{name: {"chunk_size", "chunk_tokens"}}: fixed chunks, token budgets, plain (both 0)."""
+    out = {f"chunks of {c}": {"chunk_size": c, "chunk_tokens": 0} for c in args.chunk_sizes}
+    out |= {f"<= {t} tokens": {"chunk_size": 0, "chunk_tokens": t} for t in args.chunk_tokens}
+    if not args.no_plain:
+        out["plain"] = {"chunk_size": 0, "chunk_tokens": 0}
+    return out
+
+
+def run_cpu(args: argparse.Namespace, tmp: Path, start: float) -> None:
+    import torch
+
+    folder = build_folder(tmp / f"qwen2_vl-{args.size}", args.size)
+    print(f"built {folder.name} in {time.monotonic() - start:.1f} s", flush=True)
+    variants = variants_of(args)
+    trainers: dict[str, Any] = {}
+    probes: dict[str, ChunkProbe] = {}
+    try:
+        for name, v in variants.items():
+            dump = tmp / f"run-{len(trainers)}"
+            trainers[name] = build_trainer(trainer_args(args, folder, dump, cuda=False, **v))
+            probes[name] = ChunkProbe(trainers[name])
+        first = next(iter(trainers.values()))
+        params = sum(p.numel() for p in first.model.parameters())
+        data = first.train_set
+        indices = balanced_indices(data, args.image_sizes, args.batch)
+        batch = data.__getitems__(indices)
+        grids = [tuple(g) for g in image_grids(batch)[:, 1:].tolist()]
+        per_sample = [
+            chunk_tokens({k: v[i : i + 1] for k, v in batch.items() if k in ("query", "doc") or is_grid(k)})
+            for i in indices_of(batch)
+        ]
+        longest = max(s["tokens"] for s in per_sample)
+        print(f"batch of {args.batch}: patch grids {grids}; longest sample {longest} tokens")
+        for budget in args.chunk_tokens:
+            if budget < longest:
+                print(f"note: a budget of {budget} tokens is below the longest sample: that sample is a chunk alone")
+        print(f"{len(variants)} variants, {args.warmup} warm-up + {args.repeats} timed steps each", flush=True)
+        calls: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+
+        def step(name: str) -> dict[str, Any]:
+            out = trainers[name].train_step([batch])
+            record = {"loss": float(out["loss"]), "chunks": list(probes[name].chunks)}
+            calls[name].append(record)
+            return record
+
+        runs = harness.round_robin(
+            {name: (lambda name=name: step(name)) for name in variants},
+            args.repeats,
+            warmup=args.warmup,
+            before=lambda name: probes[name].clear(),
+            keep_values=True,
+            log=lambda line: print(line, flush=True),
+        )
+    finally:
+        for trainer in trainers.values():
+            trainer.metrics.close()
+    rows = []
+    for name, m in runs.items():
+        v = variants[name]
+        kind = "fixed" if v["chunk_size"] else "tokens" if v["chunk_tokens"] else "plain"
+        row: dict[str, Any] = {"variant": name, "kind": kind, **v, "status": m.status}
+        if m.ok:
+            last = m.values[-1]["chunks"]
+            every = [c["chunks"] for c in calls[name]]
+            row |= describe_chunks(last)
+            keys = (
+                "median_s",
+                "min_s",
+                "max_s",
+                "times_s",
+                "median_cpu_s",
+                "cpu_times_s",
+                "rss_growth_mib",
+                "peak_rss_mib",
+            )
+            row |= {k: m.row()[k] for k in keys}
+            row |= {
+                "loss": m.values[-1]["loss"],
+                "losses": [c["loss"] for c in calls[name]],
+                "chunks_repeatable": all(_same_chunks(every[0], c) for c in every[1:]),
+                "per_chunk": last,
+            }
+        else:
+            row["reason"] = m.reason
+        rows.append(row)
+    ok = [r for r in rows if r["status"] == "ok"]
+    n_steps = min((len(r["losses"]) for r in ok), default=0)
+    spread = [max(r["losses"][i] for r in ok) - min(r["losses"][i] for r in ok) for i in range(n_steps)]
+    meta = harness.metadata(torch.device("cpu"), loadavg_at_start=args.load_at_start)
+    payload = {
+        "config": vars(args),
+        "model": {"arch": "qwen2_vl", "size": args.size, "params": params},
+        "batch": {"indices": indices, "patch_grids": grids, "per_sample": per_sample},
+        "loss_spread": spread,  # per step: the largest minus the smallest loss over the variants
+    }
+    print_table(rows)
+    if spread:
+        print(f"losses of the variants at each step agree within {max(spread):.2e}")
+    title = (
+        f"Qwen2-VL {args.size} (random init), batch {args.batch} at {'/'.join(map(str, args.image_sizes))} px, "
+        f"float32, {harness.device_name('cpu')}"
+    )
+    harness.write_results(
+        args.out, NAME, meta, payload, rows=rows, fields=CPU_FIELDS, figure=lambda: plot_cpu(rows, title)
+    )
+    print(f"wrote {args.out}/{NAME}.json, .csv and .png ({time.monotonic() - start:.0f} s)")
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = ("variant", "chunks", "tokens min/med/max", "saved MiB min/med/max", "spread", "step s", "cpu s")
+    print("{:>18} {:>6} {:>22} {:>24} {:>7} {:>8} {:>8}".format(*head))
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['variant']:>18} {r['status']}: {r.get('reason', '')}")
+            continue
+        tokens = f"{r['tokens_min']}/{r['tokens_median']:g}/{r['tokens_max']}"
+        saved = f"{r['saved_mib_min']:.1f}/{r['saved_mib_median']:.1f}/{r['saved_mib_max']:.1f}"
+        spread = f"{r['saved_spread']:.2f}x" if r["saved_spread"] else "-"
+        times = f"{r['median_s']:>8.2f} {r['median_cpu_s']:>8.2f}"
+        print(f"{r['variant']:>18} {r['chunks']:>6} {tokens:>22} {saved:>24} {spread:>7} {times}")
+
+
+def plot_cpu(rows: list[dict[str, Any]], title: str):  # noqa: ANN201 - a matplotlib figure
+    plt = harness.pyplot()
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 4))
+    for i, r in enumerate(ok):
+        chunks = r["per_chunk"]
+        ax1.scatter([i] * len(chunks), [c["tokens"] for c in chunks], s=30, alpha=0.7)
+        ax2.scatter([i] * len(chunks), [c["saved_mib"] for c in chunks], s=30, alpha=0.7)
+        if r["chunk_tokens"]:
+            ax1.hlines(r["chunk_tokens"], i - 0.3, i + 0.3, colors="k", linestyles=":", lw=1)
+    ax3.bar(range(len(ok)), [r["median_s"] for r in ok], color="0.6")
+    labels = [r["variant"] for r in ok]
+    for ax, ylabel in (
+        (ax1, "tokens forwarded per chunk (ids, padded)"),
+        (ax2, "saved for backward per chunk (MiB)"),
+        (ax3, "step (s, median)"),
+    ):
+        ax.set_xticks(range(len(ok)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(ylabel)
+    ax2.set_ylim(bottom=0)
+    fig.suptitle(title, fontsize=9)
+    return fig
+
+
+# ---------------------------------------------------------------- GPU mode: the largest batch of each
+
+
+def is_oom(m: harness.Measurement) -> bool:
+    """torch's OutOfMemoryError, or an allocation failure that reaches Python as another error (cuBLAS's)."""
+    why = m.reason.lower()
+    return m.status == "OOM" or (m.status == "skipped" and ("out of memory" in why or "alloc_failed" in why))
+
+
+def search(
+    args: argparse.Namespace,
+    mode: str,
+    trainer: Any,
+    make_batch: Callable[[int], dict[str, Any]],
+    start: int,
+    deadline: float | None,
+    record: Callable[[dict[str, Any]], None],
+    probe: ChunkProbe | None = None,
+) -> dict[str, Any]:
+    """Double the batch from `start` (halving first while the start does not fit); each measured batch
+    goes to `record(row)`. Returns how the search ended: {"stop": reason}."""
+    import torch
+
+    device = trainer.device
+    cuda = device.type == "cuda"
+    batch, going_down, previous = start, False, None
+    while True:
+        if batch > args.max_batch:
+            return {"stop": f"max batch {args.max_batch}"}
+        if deadline is not None and time.monotonic() >= deadline:
+            return {"stop": "time budget: no time left"}
+        if deadline is not None and previous is not None:
+            per_step = previous["median_s"] * batch / previous["batch"]
+            needed = 1.15 * (per_step * (args.warmup + args.repeats) + previous["prepare_s"] * 2)
+            left = deadline - time.monotonic()
+            if needed > left:
+                return {"stop": f"time budget: batch {batch} needs ~{needed:.0f} s, {max(left, 0):.0f} s left"}
+        prepared = time.monotonic()
+        data = make_batch(batch)
+        prepare_s = time.monotonic() - prepared
+
+        def step(data: dict[str, Any] = data) -> dict[str, Any]:
+            try:
+                out = trainer.train_step([data])
+            except torch.OutOfMemoryError:
+                raise
+            except Exception:
+                traceback.print_exc()  # the harness keeps only its first line
+                raise
+            return {"loss": float(out["loss"]), "chunks": list(probe.chunks) if probe else []}
+
+        m = harness.round_robin(
+            {mode: step},
+            args.repeats,
+            warmup=args.warmup,
+            before=(lambda _: probe.clear()) if probe else None,
+            device=device,
+            rss=not cuda,
+            tolerate=True,
+            keep_values=True,
+        )[mode]
+        del data
+        row: dict[str, Any] = {"mode": mode, "batch": batch, "chunk_tokens": args.chunk_tokens[0] if probe else None}
+        if m.ok:
+            chunks = m.values[-1]["chunks"]
+            row |= {
+                "status": "ok",
+                "samples_per_s": batch / m.median_s,
+                "median_s": m.median_s,
+                "min_s": min(m.times_s),
+                "max_s": max(m.times_s),
+                "times_s": m.times_s,
+                "prepare_s": prepare_s,
+                "cuda_peak_gib": None if m.cuda_peak_bytes is None else m.cuda_peak_bytes / 2**30,
+                "peak_rss_mib": m.peak_rss_mib,
+                "loss": m.values[-1]["loss"],
+            }
+            if chunks:
+                row |= {
+                    "chunks": len(chunks),
+                    "tokens_max": max(c["tokens"] for c in chunks),
+                    "saved_mib_max": max(c["saved_mib"] for c in chunks),
+                }
+            m.values.clear()
+        else:
+            row |= {"status": "OOM" if is_oom(m) else "error", "reason": m.reason}
+        record(row)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        if row["status"] == "error":
+            return {"stop": f"error at batch {batch}: {m.reason}"}
+        if row["status"] == "OOM":
+            if previous is not None:
+                return {"stop": f"out of memory at batch {batch}"}
+            if batch <= 2:  # a contrastive batch needs two samples
+                return {"stop": f"out of memory at batch {batch}"}
+            batch, going_down = max(2, batch // 2), True  # the start does not fit: halve until one does
+            continue
+        if going_down:
+            return {"stop": f"out of memory at batch {batch * 2}"}
+        previous, batch = row, batch * 2
+
+
+class Batches:
+    """The first n samples of a data set (wrapping around), as one batch; a larger n processes only
+    the samples it adds to the largest batch made so far (the images are resized and cut into patches
+    on the host, ~0.1 s each at 1,024 px: the doubling search would otherwise process each twice)."""
+
+    def __init__(self, data: Any) -> None:
+        self.data, self.have = data, None
+
+    def _take(self, start: int, stop: int) -> dict[str, Any]:
+        return self.data.__getitems__([i % len(self.data) for i in range(start, stop)])
+
+    def first(self, n: int) -> dict[str, Any]:
+        have = 0 if self.have is None else len(self.have["query"])
+        if n <= have:
+            return self.have if n == have else self._take(0, n)
+        self.have = self._take(0, n) if self.have is None else concat_batches(self.have, self._take(have, n))
+        return self.have
+
+
+def concat_batches(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two processed batches as one, as the data set serves it: packed patches and grids one after the
+    other, right-padded token ids [B, L] padded to the wider of the two (PAD), the rest concatenated."""
+    import torch
+    import torch.nn.functional as F
+
+    out = {}
+    for key, x in a.items():
+        y = b[key]
+        if not is_packed(key) and x.dim() == 2 and x.shape[1] != y.shape[1]:
+            width = max(x.shape[1], y.shape[1])
+            x, y = (F.pad(t, (0, width - t.shape[1]), value=PAD) for t in (x, y))
+        out[key] = torch.cat([x, y])
+    return out
+
+
+def summarize_gpu(rows: list[dict[str, Any]], ends: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    ok = {mode: [r for r in rows if r["mode"] == mode and r["status"] == "ok"] for mode in GPU_MODES}
+    largest = {mode: max(rs, key=lambda r: r["batch"]) if rs else None for mode, rs in ok.items()}
+    peaks = {mode: [r.get("cuda_peak_gib") for r in rs] for mode, rs in ok.items()}
+    out: dict[str, Any] = {
+        "largest_batch": {m: r["batch"] if r else None for m, r in largest.items()},
+        "samples_per_s_at_largest": {m: r["samples_per_s"] if r else None for m, r in largest.items()},
+        "peak_gib_at_largest": {m: r.get("cuda_peak_gib") if r else None for m, r in largest.items()},
+        "peak_gib_range": {
+            m: [min(p), max(p)] if p and None not in p else None for m, p in peaks.items()
+        },  # flat for gradcache is the claim
+        "stop": {m: e["stop"] for m, e in ends.items()},
+        "gradcache_vs_plain_batch": None,
+        "gradcache_vs_plain_samples_per_s": None,
+    }
+    g, p = largest["gradcache"], largest["plain"]
+    if g and p:
+        out["gradcache_vs_plain_batch"] = g["batch"] / p["batch"]
+        out["gradcache_vs_plain_samples_per_s"] = g["samples_per_s"] / p["samples_per_s"]
+    return out
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    lines = []
+    for mode in GPU_MODES:
+        batch, rate = summary["largest_batch"].get(mode), summary["samples_per_s_at_largest"].get(mode)
+        stop = summary["stop"].get(mode, "not run")
+        if batch is None:
+            lines.append(f"{mode}: no batch fits ({stop})")
+            continue
+        peaks = summary["peak_gib_range"].get(mode)
+        memory = f", peak {peaks[0]:.1f}-{peaks[1]:.1f} GiB over its batches" if peaks else ""
+        lines.append(f"{mode}: largest batch {batch}, {rate:.2f} samples/s{memory} (stopped: {stop})")
+    if summary["gradcache_vs_plain_batch"] is not None:
+        lines.append(
+            f"GradCache at its largest batch against plain at its largest: {summary['gradcache_vs_plain_batch']:g}x "
+            f"the batch, {summary['gradcache_vs_plain_samples_per_s']:.3f}x the samples/s"
+        )
+    return lines
+
+
+def plot_gpu(rows: list[dict[str, Any]], title: str):  # noqa: ANN201 - a matplotlib figure
+    plt = harness.pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    memory_key = "cuda_peak_gib" if any(r.get("cuda_peak_gib") is not None for r in rows) else "peak_rss_mib"
+    for mode in GPU_MODES:
+        ok = sorted((r for r in rows if r["mode"] == mode and r["status"] == "ok"), key=lambda r: r["batch"])
+        if not ok:
+            continue
+        (line,) = ax1.plot([r["batch"] for r in ok], [r["samples_per_s"] for r in ok], "o-", label=mode)
+        ax2.plot([r["batch"] for r in ok], [r[memory_key] for r in ok], "o-", color=line.get_color(), label=mode)
+        for r in rows:
+            if r["mode"] == mode and r["status"] == "OOM":
+                ax2.axvline(r["batch"], color=line.get_color(), ls=":", lw=1, label=f"{mode} OOM")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("contrastive batch (samples)")
+        ax.legend(fontsize=8)
+    ax1.set_ylabel("samples/s (median)")
+    ax2.set_ylabel("peak CUDA memory (GiB)" if memory_key == "cuda_peak_gib" else "peak RSS (MiB)")
+    fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def run_gpu(args: argparse.Namespace, tmp: Path, start: float) -> None:
+    import torch
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit(
+            "qwen_vl_chunks --gpu runs as one process (an out-of-memory rank would leave its peers waiting)"
+        )
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else None
+    meta = harness.metadata(
+        device, pytorch_cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), loadavg_at_start=args.load_at_start
+    )
+    rows: list[dict[str, Any]] = []
+    ends: dict[str, dict[str, Any]] = {}
+    setup: dict[str, Any] = {"config": vars(args), "device": harness.device_name(device), "capacity_gib": capacity}
+    title = (
+        f"Qwen2-VL {args.size} (random init), LoRA r{args.lora_rank}, "
+        f"images {'/'.join(map(str, args.image_sizes))} px, "
+        f"GradCache <= {args.chunk_tokens[0]} tokens per chunk, {harness.device_name(device)}"
+    )
+
+    def save(figure: bool = False) -> None:
+        payload = {**setup, "summary": summarize_gpu(rows, ends), "modes": ends}
+        harness.write_results(
+            args.out,
+            GPU_NAME,
+            meta,
+            payload,
+            rows=rows,
+            fields=GPU_FIELDS,
+            figure=(lambda: plot_gpu(rows, title)) if figure and rows else None,
+        )
+
+    def record(row: dict[str, Any]) -> None:
+        rows.append(row)
+        rate = f"{row['samples_per_s']:.2f} samples/s" if row["status"] == "ok" else row["status"]
+        peak = f", peak {row['cuda_peak_gib']:.2f} GiB" if row.get("cuda_peak_gib") is not None else ""
+        chunks = f", {row['chunks']} chunks (<= {row['tokens_max']} tokens)" if row.get("chunks") else ""
+        print(f"{row['mode']} batch {row['batch']}: {rate}{peak}{chunks}", flush=True)
+        save()
+
+    folder = build_folder(tmp / f"qwen2_vl-{args.size}", args.size)
+    print(f"built {folder.name} in {time.monotonic() - start:.1f} s", flush=True)
+    batches: Batches | None = None
+    for i, mode in enumerate(args.modes):
+        deadline = None
+        if args.time_budget:
+            now = time.monotonic()
+            deadline = now + (start + args.time_budget - now) / (len(args.modes) - i)
+        before = torch.cuda.memory_allocated(device) / 2**30 if cuda else None  # what an earlier mode left
+        tokens = args.chunk_tokens[0] if mode == "gradcache" else 0
+        trainer = build_trainer(trainer_args(args, folder, tmp / f"run-{mode}", cuda=cuda, chunk_tokens=tokens))
+        try:
+            params = list(trainer.model.parameters())
+            setup |= {
+                "layout": trainer.dims.mode,
+                "params": sum(p.numel() for p in params),
+                "trainable_params": sum(p.numel() for p in params if p.requires_grad),
+                "lora_targets": list(trainer.model_args.lora_targets),
+            }
+            probe = ChunkProbe(trainer) if mode == "gradcache" else None
+            batches = batches or Batches(trainer.train_set)  # the data of every mode's trainer is the same
+
+            def make_batch(n: int, batches: Batches = batches) -> dict[str, Any]:
+                out = batches.first(n)
+                return {k: v.pin_memory() if cuda and hasattr(v, "pin_memory") else v for k, v in out.items()}
+
+            fits = [r["batch"] for r in rows if r["status"] == "ok"]  # the other mode's, measured first
+            first = min([args.start_batch, *fits])
+            ends[mode] = search(args, mode, trainer, make_batch, first, deadline, record, probe)
+        finally:
+            trainer.metrics.close()
+            del trainer
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        ends[mode]["cuda_allocated_before_gib"] = before
+        print(f"{mode}: {ends[mode]['stop']}", flush=True)
+        save()
+    save(figure=True)
+    for line in summary_lines(summarize_gpu(rows, ends)):
+        print(line)
+    print(f"wrote {args.out}/{GPU_NAME}.json, .csv and .png ({time.monotonic() - start:.0f} s)")
+    errors = [f"{mode}: {end['stop']}" for mode, end in ends.items() if end["stop"].startswith("error")]
+    if errors:
+        raise SystemExit("; ".join(errors))
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test: tiny model, 28-112 px, one timed step")
+    parser.add_argument(
+        "--gpu", action="store_true", help="the largest batch of plain and GradCache (module docstring)"
+    )
+    parser.add_argument(
+        "--size", choices=["tiny", "small", "2b"], help="random_folder size (small; --quick tiny; --gpu 2b)"
+    )
+    parser.add_argument(
+        "--image-sizes", type=int, nargs="+", help="px, squares (224 448 672 896; --gpu 448 640 832 1024)"
+    )
+    parser.add_argument("--batch", type=int, help="CPU: samples in the one global batch (8; --quick 6)")
+    parser.add_argument("--chunk-sizes", type=int, nargs="+", help="CPU: fixed GradCache chunks (2 4)")
+    parser.add_argument("--chunk-tokens", type=int, nargs="+", help="token budgets (1100 2200; --gpu one: 4096)")
+    parser.add_argument("--no-plain", action="store_true", help="CPU: leave out the plain reference step")
+    parser.add_argument("--context-length", type=int, help="caption tokens at most (16; --gpu 32)")
+    parser.add_argument("--repeats", type=int, help="timed steps per variant or batch size (4; --gpu 2)")
+    parser.add_argument("--warmup", type=int, help="untimed steps per variant or batch size (1; --quick 0)")
+    parser.add_argument("--start-batch", type=int, default=8, help="--gpu: the first batch tried")
+    parser.add_argument("--max-batch", type=int, default=1 << 16, help="--gpu: no batch above this")
+    parser.add_argument("--modes", nargs="+", choices=GPU_MODES, default=list(GPU_MODES), help="--gpu: in this order")
+    parser.add_argument("--time-budget", type=float, default=0.0, help="--gpu: seconds from the start; 0 = none")
+    parser.add_argument("--lora-rank", type=int, default=16, help="--gpu: LoRA rank (alpha 2 r)")
+    parser.add_argument("--precision", choices=["bfloat16", "float32"], help="--gpu: compute dtype (bf16 on CUDA)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="--gpu: where it runs")
+    parser.add_argument("--train-arg", action="append", default=[], help="a further trainer override (repeatable)")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
+    args = parser.parse_args(argv)
+    defaults = GPU_DEFAULTS if args.gpu else CPU_DEFAULTS | (QUICK_DEFAULTS if args.quick else {})
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.gpu and len(args.chunk_tokens) != 1:
+        parser.error("--gpu measures one token budget: give one --chunk-tokens")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    start = time.monotonic()
+    args.load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None  # others' work, before ours
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="[titan_contrastive] %(asctime)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+    )
+    with tempfile.TemporaryDirectory(prefix="qwen_vl_chunks_") as tmp:
+        (run_gpu if args.gpu else run_cpu)(args, Path(tmp), start)
+
+
+if __name__ == "__main__":
+    main()

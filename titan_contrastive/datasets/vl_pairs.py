@@ -1,0 +1,177 @@
+"""The user's query-document rows with images and texts on either side, for the qwen_vl family
+(`data.dataset = "vl_pairs"`): every retrieval mode, i2i, t2t and m2i included.
+
+Files: `.jsonl` (one JSON object per line), `.csv`, `.tsv` (both with a header line) or
+`.parquet` (`pairs.read_table`), with the columns `query_image`, `query_text`, `doc_image`,
+`doc_text`; image paths are relative to the file's folder. `[data] retrieval_mode` says which a
+row needs (`retrieval.MODES`: a text side its `*_text`, an image side its `*_image`, a multi side
+both); the others may be absent or empty.
+
+A row whose needed image is missing, unreadable or does not decode, or whose needed text is empty,
+is a bad sample: its slot takes the next good row (in file order, the same in every run) and the
+skip is listed under `BAD_SAMPLES` for the loader to count (`bad_samples`), as
+`files.FileImageTextDataset` does. Images are decoded at their own resolution and go, with the
+texts, through the family's processor (`serve_processed`: qwen_vl's `SideProcessor.sides`), which
+resizes them within `[min_pixels, max_pixels]`; nothing is random, so `set_epoch` changes nothing.
+Evaluation (`data.val_path`, the same columns) ranks each query's document among the split's
+documents: recall@1/5/10 query -> document and back.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
+from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.files import MAX_SUBSTITUTES
+from titan_contrastive.datasets.image_transforms import decode_image
+from titan_contrastive.datasets.pairs import read_table
+from titan_contrastive.datasets.retrieval import MODES
+from titan_contrastive.datasets.sources import BadSample, read_file
+
+__all__ = ["COLUMNS", "VLPairsDataset", "family_refusal"]
+
+FORMATS = (".jsonl", ".csv", ".tsv", ".parquet")
+SIDES = ("query", "doc")
+FIELDS = {"text": ("text",), "image": ("image",), "multi": ("image", "text")}
+"""A side's kind -> the fields a row needs for it."""
+COLUMNS = tuple(f"{side}_{field}" for side in SIDES for field in ("image", "text"))
+
+
+def family_refusal(family: str) -> str:
+    return (
+        f"data.dataset='vl_pairs' is read through a model family's processor (query and document images and "
+        f"texts); model.name={family!r} has none: use model.name='qwen_vl'"
+    )
+
+
+class VLPairsDataset:
+    """A `datasets.protocol.Dataset` of query-document rows (see the module docstring): batches of the
+    processor's entries (query, doc, per-side pixel_values and image_grid_thw), `index` [B] and
+    `BAD_SAMPLES`, once a family's processor serves them (`serve_processed`); `tokenizer` is then
+    the processor's."""
+
+    serves_sides = True
+    """Both sides' images and texts per row: every retrieval mode (`layouts.PROCESSED` checks it)."""
+
+    def __init__(self, *, split: str, path: str, mode: str) -> None:
+        file = Path(path).expanduser()
+        key = "data.path" if split == "train" else "data.val_path"
+        if file.suffix not in FORMATS or not file.is_file():
+            raise DataError(
+                f"{key}={path}: not an existing {'/'.join(FORMATS)} file; data.dataset='vl_pairs' reads rows with "
+                f"the columns {', '.join(COLUMNS)}"
+            )
+        if mode not in MODES:
+            raise DataError(f"data.retrieval_mode={mode!r}: vl_pairs trains {', '.join(MODES)}")
+        try:
+            _, rows = read_table(file, COLUMNS, split)
+        except DataError:
+            raise
+        except (OSError, UnicodeDecodeError, csv.Error) as e:
+            raise DataError(f"{file}: not readable ({type(e).__name__}: {e})") from None
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file
+            raise DataError(f"{file}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
+        self.kinds = dict(zip(SIDES, MODES[mode]))
+        self.needed = [f"{side}_{field}" for side, kind in self.kinds.items() for field in FIELDS[kind]]
+        if not rows:
+            raise DataError(f"{file}: no rows; give one row per query-document pair with {', '.join(self.needed)}")
+        if not all(isinstance(row, dict) for row in rows):
+            raise DataError(f"{file}: rows must be JSON objects (or a header line) naming {', '.join(self.needed)}")
+        missing = [c for c in self.needed if all(c not in row for row in rows)]
+        if missing:
+            raise DataError(
+                f"{file}: no column {', '.join(missing)}; data.retrieval_mode={mode} needs "
+                f"{', '.join(self.needed)} (image paths relative to the file's folder)"
+            )
+        self._rows = [{c: row.get(c) for c in self.needed} for row in rows]
+        self._root = file.parent
+        self.name, self.split, self.source, self.full = "vl_pairs", split, str(file), True
+        self.image_shape = None  # native resolution: the processor sizes each image
+        self.tokenizer: Any = None  # the processor's (`serve_processed`)
+        self.class_names = None
+        self.recall_ks = (1, 5, 10)
+        self.recall_direction = "query_to_doc"
+        self.num_negatives = 0
+        self.shard_losses: list[Any] = []
+        self._process: Any = None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __repr__(self) -> str:
+        return f"VLPairsDataset({self.split}: {len(self)} rows from {self.source})"
+
+    def set_epoch(self, epoch: int) -> None:
+        """No per-sample randomness: images at their own size, texts as written."""
+
+    @property
+    def processed(self) -> bool:
+        return self._process is not None
+
+    def serve_processed(self, process: Any, sizes: Sequence[int] = ()) -> None:
+        """Serve `process.sides(query images, query texts, document images, document texts)` of each batch."""
+        if sizes:
+            raise DataError(
+                f"data.image_sizes={list(sizes)}: vl_pairs images are served at their own resolution (the "
+                "processor's min_pixels / max_pixels bound it); leave data.image_sizes empty"
+            )
+        if not hasattr(process, "sides"):
+            raise DataError("data.dataset='vl_pairs' needs a processor that fills both sides: use model.name='qwen_vl'")
+        self._process, self.tokenizer = process, process.tokenizer
+
+    def pack_patches(self, *args: Any) -> None:
+        raise DataError(family_refusal("vlm"))
+
+    def serve_masked(self, *args: Any) -> None:
+        raise DataError(family_refusal("vae"))
+
+    def _fields(self, j: int) -> dict[str, Any]:
+        """Row `j`'s needed fields (texts stripped, images as uint8 HWC arrays), or BadSample."""
+        row, where, key = self._rows[j], self.source, str(j)
+        out: dict[str, Any] = {}
+        for column in self.needed:
+            value = row[column]
+            if column.endswith("_text"):
+                if not isinstance(value, str) or not value.strip():
+                    raise BadSample("missing_text", where, key, f"{column} is empty")
+                out[column] = value.strip()
+                continue
+            if not isinstance(value, str) or not value.strip():
+                raise BadSample("missing_image", where, key, f"{column} is empty")
+            data = read_file(str(self._root / value.strip()), where, key)
+            try:
+                out[column] = np.asarray(decode_image(data))
+            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+                raise BadSample("undecodable_image", where, key, f"{column}: {type(e).__name__}: {e}") from None
+        return out
+
+    def _read(self, index: int, bad: list[BadSample]) -> dict[str, Any]:
+        """Row `index`'s fields, or the next good row's (each bad one appended to `bad`)."""
+        j = index
+        for _ in range(MAX_SUBSTITUTES):
+            try:
+                return self._fields(j)
+            except BadSample as e:
+                bad.append(e)
+            j = (j + 1) % len(self._rows)
+        raise DataError(
+            f"{self.source}: {MAX_SUBSTITUTES} bad rows in a row from row {index} (last: {bad[-1]}); check the "
+            "file and its images"
+        )
+
+    def __getitems__(self, indices: Sequence[int]) -> dict[str, Any]:
+        if self._process is None:
+            raise DataError(family_refusal("this family"))
+        bad: list[BadSample] = []
+        rows = [self._read(int(i), bad) for i in indices]
+        fields = {c: [r[c] for r in rows] if c in self.needed else None for c in COLUMNS}
+        batch = self._process.sides(*(fields[c] for c in COLUMNS))
+        return {**batch, "index": torch.as_tensor(list(indices), dtype=torch.long), BAD_SAMPLES: bad}
