@@ -60,24 +60,31 @@ Writes qwen_vl_chunks.{json,csv,png} (CPU) or qwen_vl_chunks_gpu.{json,csv,png} 
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
-import statistics
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
+from benchmarks._qwen_vl_probe import (  # noqa: F401 - re-exported for the --gpu mode
+    CHUNK_FIELDS,
+    MERGE,
+    PAD,
+    ChunkProbe,
+    chunk_tokens,
+    describe_chunks,
+    image_grids,
+    is_grid,
+    is_packed,
+    same_chunks,
+)
 
 NAME = "qwen_vl_chunks"
 GPU_NAME = "qwen_vl_chunks_gpu"
-MERGE = 2  # Qwen2-VL merges 2 x 2 patches into one visual token
-PAD = -1  # the qwen_vl family's pad id in its token ids
 CPU_DEFAULTS = dict(
     size="small",
     image_sizes=[224, 448, 672, 896],
@@ -95,7 +102,6 @@ GPU_DEFAULTS = dict(
     size="2b", image_sizes=[448, 640, 832, 1024], chunk_tokens=[4096], context_length=32, repeats=2, warmup=1
 )
 GPU_MODES = ("plain", "gradcache")
-CHUNK_FIELDS = ("samples", "tokens", "real_tokens", "visual_tokens", "patches", "saved_mib")
 CPU_FIELDS = [
     "variant",
     "kind",
@@ -213,90 +219,6 @@ def build_trainer(overrides: list[str]) -> Any:
 # ---------------------------------------------------------------- what each chunk forwards and saves
 
 
-class ChunkProbe:
-    """Wraps a trainer's `step_context.encode` (the model's forward on one chunk, or on the whole
-    batch in the plain step): per forward with gradients, the chunk's token counts and the bytes it
-    saves for its backward (module docstring). `chunks` holds the records since the last `clear`."""
-
-    def __init__(self, trainer: Any) -> None:
-        import torch
-
-        ctx = trainer.step_context
-        self.inner = ctx.encode
-        model = trainer.model
-        self.held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-        self.image_token_id = getattr(getattr(model, "tower", None), "config", None)
-        self.image_token_id = getattr(self.image_token_id, "image_token_id", None)
-        self.chunks: list[dict[str, Any]] = []
-        self._torch = torch
-        ctx.encode = self  # an instance attribute: the steps call ctx.encode(batch, replay=...)
-
-    def clear(self) -> None:
-        self.chunks = []
-
-    def __call__(self, batch: dict[str, Any], replay: Any = None) -> Any:
-        torch = self._torch
-        if not torch.is_grad_enabled():
-            return self.inner(batch, replay=replay)
-        inputs = {t.untyped_storage().data_ptr() for t in batch.values() if isinstance(t, torch.Tensor)}
-        saved: dict[Any, int] = {}
-
-        def pack(t: Any) -> Any:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr in self.held:
-                return t
-            if ptr in inputs:  # a view of the chunk's own input (the batch's storage): its own bytes
-                saved[(ptr, t.storage_offset(), tuple(t.shape))] = t.numel() * t.element_size()
-            else:
-                saved[ptr] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = self.inner(batch, replay=replay)
-        self.chunks.append({**chunk_tokens(batch), "saved_mib": sum(saved.values()) / 2**20})
-        return out
-
-
-def is_grid(key: str) -> bool:
-    """A batch entry of image grids [images, 3]: `image_grid_thw`, or a side's (`doc_image_grid_thw`)."""
-    return key.endswith("image_grid_thw")
-
-
-def is_packed(key: str) -> bool:
-    """A packed image entry (patches or grids), whose rows are not samples."""
-    return is_grid(key) or key.endswith("pixel_values")
-
-
-def image_grids(batch: dict[str, Any]) -> Any:
-    """Every image's (t, h, w) in the batch, of both sides, [images, 3]."""
-    import torch
-
-    grids = [v.long().reshape(-1, 3) for k, v in batch.items() if is_grid(k)]
-    return torch.cat(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
-
-
-def _trimmed_width(ids: Any) -> int:
-    """Columns of right-padded ids [B, L] after cutting the columns that are padding in every row."""
-    real = (ids != PAD).any(0).nonzero()
-    return int(real.max()) + 1 if len(real) else 1
-
-
-def chunk_tokens(batch: dict[str, Any]) -> dict[str, int]:
-    """A chunk's samples; tokens forwarded (query + document ids, each cut to its longest row, padding
-    included: what `[gradcache] chunk_tokens` counts); real (non-pad) tokens; visual tokens and patches."""
-    query, doc = batch["query"], batch["doc"]
-    n = len(query)
-    patches = int(image_grids(batch).prod(-1).sum())
-    return {
-        "samples": n,
-        "tokens": n * (_trimmed_width(query) + _trimmed_width(doc)),
-        "real_tokens": int((query != PAD).sum() + (doc != PAD).sum()),
-        "visual_tokens": patches // MERGE**2,
-        "patches": patches,
-    }
-
-
 def indices_of(batch: dict[str, Any]) -> range:
     """The rows of a batch."""
     return range(len(batch["query"]))
@@ -320,27 +242,6 @@ def balanced_indices(dataset: Any, sizes: Sequence[int], batch: int) -> list[int
         if len(taken) == batch:
             return taken
     raise SystemExit(f"the data set has too few samples of some size for a batch of {batch}")
-
-
-def describe_chunks(chunks: list[dict[str, Any]]) -> dict[str, Any]:
-    """min / median / max of the per-chunk records, the spread of the saved bytes (max / min, and max /
-    mean: how far the largest chunk is above an even split of the same bytes), their sum."""
-    out: dict[str, Any] = {"chunks": len(chunks), "samples_per_chunk": [c["samples"] for c in chunks]}
-    for key in ("tokens", "visual_tokens", "saved_mib"):
-        values = [c[key] for c in chunks]
-        out |= {f"{key}_min": min(values), f"{key}_median": statistics.median(values), f"{key}_max": max(values)}
-    out["saved_spread"] = out["saved_mib_max"] / out["saved_mib_min"] if out["saved_mib_min"] else None
-    out["saved_mib_total"] = sum(c["saved_mib"] for c in chunks)
-    out["saved_max_over_mean"] = out["saved_mib_max"] * len(chunks) / out["saved_mib_total"]
-    return out
-
-
-def _same_chunks(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
-    key = lambda cs: sorted(tuple(c[k] for k in CHUNK_FIELDS[:-1]) + (round(c["saved_mib"], 6),) for c in cs)  # noqa: E731
-    return key(a) == key(b)
-
-
-# ---------------------------------------------------------------- CPU mode: the variants side by side
 
 
 def variants_of(args: argparse.Namespace) -> dict[str, dict[str, int]]:
@@ -423,7 +324,7 @@ def run_cpu(args: argparse.Namespace, tmp: Path, start: float) -> None:
             row |= {
                 "loss": m.values[-1]["loss"],
                 "losses": [c["loss"] for c in calls[name]],
-                "chunks_repeatable": all(_same_chunks(every[0], c) for c in every[1:]),
+                "chunks_repeatable": all(same_chunks(every[0], c) for c in every[1:]),
                 "per_chunk": last,
             }
         else:
@@ -493,296 +394,11 @@ def plot_cpu(rows: list[dict[str, Any]], title: str):  # noqa: ANN201 - a matplo
 # ---------------------------------------------------------------- GPU mode: the largest batch of each
 
 
-def is_oom(m: harness.Measurement) -> bool:
-    """torch's OutOfMemoryError, or an allocation failure that reaches Python as another error (cuBLAS's)."""
-    why = m.reason.lower()
-    return m.status == "OOM" or (m.status == "skipped" and ("out of memory" in why or "alloc_failed" in why))
+def _gpu() -> Any:
+    """The --gpu mode (benchmarks/_qwen_vl_gpu.py), imported when asked for: it imports this module."""
+    from benchmarks import _qwen_vl_gpu
 
-
-def search(
-    args: argparse.Namespace,
-    mode: str,
-    trainer: Any,
-    make_batch: Callable[[int], dict[str, Any]],
-    start: int,
-    deadline: float | None,
-    record: Callable[[dict[str, Any]], None],
-    probe: ChunkProbe | None = None,
-) -> dict[str, Any]:
-    """Double the batch from `start` (halving first while the start does not fit); each measured batch
-    goes to `record(row)`. Returns how the search ended: {"stop": reason}."""
-    import torch
-
-    device = trainer.device
-    cuda = device.type == "cuda"
-    batch, going_down, previous = start, False, None
-    while True:
-        if batch > args.max_batch:
-            return {"stop": f"max batch {args.max_batch}"}
-        if deadline is not None and time.monotonic() >= deadline:
-            return {"stop": "time budget: no time left"}
-        if deadline is not None and previous is not None:
-            per_step = previous["median_s"] * batch / previous["batch"]
-            needed = 1.15 * (per_step * (args.warmup + args.repeats) + previous["prepare_s"] * 2)
-            left = deadline - time.monotonic()
-            if needed > left:
-                return {"stop": f"time budget: batch {batch} needs ~{needed:.0f} s, {max(left, 0):.0f} s left"}
-        prepared = time.monotonic()
-        data = make_batch(batch)
-        prepare_s = time.monotonic() - prepared
-
-        def step(data: dict[str, Any] = data) -> dict[str, Any]:
-            try:
-                out = trainer.train_step([data])
-            except torch.OutOfMemoryError:
-                raise
-            except Exception:
-                traceback.print_exc()  # the harness keeps only its first line
-                raise
-            return {"loss": float(out["loss"]), "chunks": list(probe.chunks) if probe else []}
-
-        m = harness.round_robin(
-            {mode: step},
-            args.repeats,
-            warmup=args.warmup,
-            before=(lambda _: probe.clear()) if probe else None,
-            device=device,
-            rss=not cuda,
-            tolerate=True,
-            keep_values=True,
-        )[mode]
-        del data
-        row: dict[str, Any] = {"mode": mode, "batch": batch, "chunk_tokens": args.chunk_tokens[0] if probe else None}
-        if m.ok:
-            chunks = m.values[-1]["chunks"]
-            row |= {
-                "status": "ok",
-                "samples_per_s": batch / m.median_s,
-                "median_s": m.median_s,
-                "min_s": min(m.times_s),
-                "max_s": max(m.times_s),
-                "times_s": m.times_s,
-                "prepare_s": prepare_s,
-                "cuda_peak_gib": None if m.cuda_peak_bytes is None else m.cuda_peak_bytes / 2**30,
-                "peak_rss_mib": m.peak_rss_mib,
-                "loss": m.values[-1]["loss"],
-            }
-            if chunks:
-                row |= {
-                    "chunks": len(chunks),
-                    "tokens_max": max(c["tokens"] for c in chunks),
-                    "saved_mib_max": max(c["saved_mib"] for c in chunks),
-                }
-            m.values.clear()
-        else:
-            row |= {"status": "OOM" if is_oom(m) else "error", "reason": m.reason}
-        record(row)
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        if row["status"] == "error":
-            return {"stop": f"error at batch {batch}: {m.reason}"}
-        if row["status"] == "OOM":
-            if previous is not None:
-                return {"stop": f"out of memory at batch {batch}"}
-            if batch <= 2:  # a contrastive batch needs two samples
-                return {"stop": f"out of memory at batch {batch}"}
-            batch, going_down = max(2, batch // 2), True  # the start does not fit: halve until one does
-            continue
-        if going_down:
-            return {"stop": f"out of memory at batch {batch * 2}"}
-        previous, batch = row, batch * 2
-
-
-class Batches:
-    """The first n samples of a data set (wrapping around), as one batch; a larger n processes only
-    the samples it adds to the largest batch made so far (the images are resized and cut into patches
-    on the host, ~0.1 s each at 1,024 px: the doubling search would otherwise process each twice)."""
-
-    def __init__(self, data: Any) -> None:
-        self.data, self.have = data, None
-
-    def _take(self, start: int, stop: int) -> dict[str, Any]:
-        return self.data.__getitems__([i % len(self.data) for i in range(start, stop)])
-
-    def first(self, n: int) -> dict[str, Any]:
-        have = 0 if self.have is None else len(self.have["query"])
-        if n <= have:
-            return self.have if n == have else self._take(0, n)
-        self.have = self._take(0, n) if self.have is None else concat_batches(self.have, self._take(have, n))
-        return self.have
-
-
-def concat_batches(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Two processed batches as one, as the data set serves it: packed patches and grids one after the
-    other, right-padded token ids [B, L] padded to the wider of the two (PAD), the rest concatenated."""
-    import torch
-    import torch.nn.functional as F
-
-    out = {}
-    for key, x in a.items():
-        y = b[key]
-        if not is_packed(key) and x.dim() == 2 and x.shape[1] != y.shape[1]:
-            width = max(x.shape[1], y.shape[1])
-            x, y = (F.pad(t, (0, width - t.shape[1]), value=PAD) for t in (x, y))
-        out[key] = torch.cat([x, y])
-    return out
-
-
-def summarize_gpu(rows: list[dict[str, Any]], ends: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    ok = {mode: [r for r in rows if r["mode"] == mode and r["status"] == "ok"] for mode in GPU_MODES}
-    largest = {mode: max(rs, key=lambda r: r["batch"]) if rs else None for mode, rs in ok.items()}
-    peaks = {mode: [r.get("cuda_peak_gib") for r in rs] for mode, rs in ok.items()}
-    out: dict[str, Any] = {
-        "largest_batch": {m: r["batch"] if r else None for m, r in largest.items()},
-        "samples_per_s_at_largest": {m: r["samples_per_s"] if r else None for m, r in largest.items()},
-        "peak_gib_at_largest": {m: r.get("cuda_peak_gib") if r else None for m, r in largest.items()},
-        "peak_gib_range": {
-            m: [min(p), max(p)] if p and None not in p else None for m, p in peaks.items()
-        },  # flat for gradcache is the claim
-        "stop": {m: e["stop"] for m, e in ends.items()},
-        "gradcache_vs_plain_batch": None,
-        "gradcache_vs_plain_samples_per_s": None,
-    }
-    g, p = largest["gradcache"], largest["plain"]
-    if g and p:
-        out["gradcache_vs_plain_batch"] = g["batch"] / p["batch"]
-        out["gradcache_vs_plain_samples_per_s"] = g["samples_per_s"] / p["samples_per_s"]
-    return out
-
-
-def summary_lines(summary: dict[str, Any]) -> list[str]:
-    lines = []
-    for mode in GPU_MODES:
-        batch, rate = summary["largest_batch"].get(mode), summary["samples_per_s_at_largest"].get(mode)
-        stop = summary["stop"].get(mode, "not run")
-        if batch is None:
-            lines.append(f"{mode}: no batch fits ({stop})")
-            continue
-        peaks = summary["peak_gib_range"].get(mode)
-        memory = f", peak {peaks[0]:.1f}-{peaks[1]:.1f} GiB over its batches" if peaks else ""
-        lines.append(f"{mode}: largest batch {batch}, {rate:.2f} samples/s{memory} (stopped: {stop})")
-    if summary["gradcache_vs_plain_batch"] is not None:
-        lines.append(
-            f"GradCache at its largest batch against plain at its largest: {summary['gradcache_vs_plain_batch']:g}x "
-            f"the batch, {summary['gradcache_vs_plain_samples_per_s']:.3f}x the samples/s"
-        )
-    return lines
-
-
-def plot_gpu(rows: list[dict[str, Any]], title: str):  # noqa: ANN201 - a matplotlib figure
-    plt = harness.pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    memory_key = "cuda_peak_gib" if any(r.get("cuda_peak_gib") is not None for r in rows) else "peak_rss_mib"
-    for mode in GPU_MODES:
-        ok = sorted((r for r in rows if r["mode"] == mode and r["status"] == "ok"), key=lambda r: r["batch"])
-        if not ok:
-            continue
-        (line,) = ax1.plot([r["batch"] for r in ok], [r["samples_per_s"] for r in ok], "o-", label=mode)
-        ax2.plot([r["batch"] for r in ok], [r[memory_key] for r in ok], "o-", color=line.get_color(), label=mode)
-        for r in rows:
-            if r["mode"] == mode and r["status"] == "OOM":
-                ax2.axvline(r["batch"], color=line.get_color(), ls=":", lw=1, label=f"{mode} OOM")
-    for ax in (ax1, ax2):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("contrastive batch (samples)")
-        ax.legend(fontsize=8)
-    ax1.set_ylabel("samples/s (median)")
-    ax2.set_ylabel("peak CUDA memory (GiB)" if memory_key == "cuda_peak_gib" else "peak RSS (MiB)")
-    fig.suptitle(title, fontsize=9)
-    return fig
-
-
-def run_gpu(args: argparse.Namespace, tmp: Path, start: float) -> None:
-    import torch
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise SystemExit(
-            "qwen_vl_chunks --gpu runs as one process (an out-of-memory rank would leave its peers waiting)"
-        )
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if cuda else "cpu")
-    capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else None
-    meta = harness.metadata(
-        device, pytorch_cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), loadavg_at_start=args.load_at_start
-    )
-    rows: list[dict[str, Any]] = []
-    ends: dict[str, dict[str, Any]] = {}
-    setup: dict[str, Any] = {"config": vars(args), "device": harness.device_name(device), "capacity_gib": capacity}
-    title = (
-        f"Qwen2-VL {args.size} (random init), LoRA r{args.lora_rank}, "
-        f"images {'/'.join(map(str, args.image_sizes))} px, "
-        f"GradCache <= {args.chunk_tokens[0]} tokens per chunk, {harness.device_name(device)}"
-    )
-
-    def save(figure: bool = False) -> None:
-        payload = {**setup, "summary": summarize_gpu(rows, ends), "modes": ends}
-        harness.write_results(
-            args.out,
-            GPU_NAME,
-            meta,
-            payload,
-            rows=rows,
-            fields=GPU_FIELDS,
-            figure=(lambda: plot_gpu(rows, title)) if figure and rows else None,
-        )
-
-    def record(row: dict[str, Any]) -> None:
-        rows.append(row)
-        rate = f"{row['samples_per_s']:.2f} samples/s" if row["status"] == "ok" else row["status"]
-        peak = f", peak {row['cuda_peak_gib']:.2f} GiB" if row.get("cuda_peak_gib") is not None else ""
-        chunks = f", {row['chunks']} chunks (<= {row['tokens_max']} tokens)" if row.get("chunks") else ""
-        print(f"{row['mode']} batch {row['batch']}: {rate}{peak}{chunks}", flush=True)
-        save()
-
-    folder = build_folder(tmp / f"qwen2_vl-{args.size}", args.size)
-    print(f"built {folder.name} in {time.monotonic() - start:.1f} s", flush=True)
-    batches: Batches | None = None
-    for i, mode in enumerate(args.modes):
-        deadline = None
-        if args.time_budget:
-            now = time.monotonic()
-            deadline = now + (start + args.time_budget - now) / (len(args.modes) - i)
-        before = torch.cuda.memory_allocated(device) / 2**30 if cuda else None  # what an earlier mode left
-        tokens = args.chunk_tokens[0] if mode == "gradcache" else 0
-        trainer = build_trainer(trainer_args(args, folder, tmp / f"run-{mode}", cuda=cuda, chunk_tokens=tokens))
-        try:
-            params = list(trainer.model.parameters())
-            setup |= {
-                "layout": trainer.dims.mode,
-                "params": sum(p.numel() for p in params),
-                "trainable_params": sum(p.numel() for p in params if p.requires_grad),
-                "lora_targets": list(trainer.model_args.lora_targets),
-            }
-            probe = ChunkProbe(trainer) if mode == "gradcache" else None
-            batches = batches or Batches(trainer.train_set)  # the data of every mode's trainer is the same
-
-            def make_batch(n: int, batches: Batches = batches) -> dict[str, Any]:
-                out = batches.first(n)
-                return {k: v.pin_memory() if cuda and hasattr(v, "pin_memory") else v for k, v in out.items()}
-
-            fits = [r["batch"] for r in rows if r["status"] == "ok"]  # the other mode's, measured first
-            first = min([args.start_batch, *fits])
-            ends[mode] = search(args, mode, trainer, make_batch, first, deadline, record, probe)
-        finally:
-            trainer.metrics.close()
-            del trainer
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-        ends[mode]["cuda_allocated_before_gib"] = before
-        print(f"{mode}: {ends[mode]['stop']}", flush=True)
-        save()
-    save(figure=True)
-    for line in summary_lines(summarize_gpu(rows, ends)):
-        print(line)
-    print(f"wrote {args.out}/{GPU_NAME}.json, .csv and .png ({time.monotonic() - start:.0f} s)")
-    errors = [f"{mode}: {end['stop']}" for mode, end in ends.items() if end["stop"].startswith("error")]
-    if errors:
-        raise SystemExit("; ".join(errors))
-
-
-# ---------------------------------------------------------------- main
+    return _qwen_vl_gpu
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -834,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
         stream=sys.stdout,
     )
     with tempfile.TemporaryDirectory(prefix="qwen_vl_chunks_") as tmp:
-        (run_gpu if args.gpu else run_cpu)(args, Path(tmp), start)
+        (_gpu().run_gpu if args.gpu else run_cpu)(args, Path(tmp), start)
 
 
 if __name__ == "__main__":
