@@ -27,12 +27,6 @@ from benchmarks.qwen_vl_chunks import (
 )
 
 
-def is_oom(m: harness.Measurement) -> bool:
-    """torch's OutOfMemoryError, or an allocation failure that reaches Python as another error (cuBLAS's)."""
-    why = m.reason.lower()
-    return m.status == "OOM" or (m.status == "skipped" and ("out of memory" in why or "alloc_failed" in why))
-
-
 def search(
     args: argparse.Namespace,
     mode: str,
@@ -109,7 +103,7 @@ def search(
                 }
             m.values.clear()
         else:
-            row |= {"status": "OOM" if is_oom(m) else "error", "reason": m.reason}
+            row |= {"status": "OOM" if harness.is_oom(m) else "error", "reason": m.reason}
         record(row)
         gc.collect()
         if cuda:

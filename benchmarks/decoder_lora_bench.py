@@ -180,14 +180,6 @@ def trainer_args(args: argparse.Namespace, mode: str, folder: Path, pairs: Path,
     return overrides + list(args.train_arg)
 
 
-def is_oom(measurement: harness.Measurement) -> bool:
-    """torch's OutOfMemoryError, or an allocation failure that reaches Python as another error (cuBLAS's)."""
-    why = measurement.reason.lower()
-    return measurement.status == "OOM" or (
-        measurement.status == "skipped" and ("out of memory" in why or "alloc_failed" in why)
-    )
-
-
 def train_step(trainer: Any, batch: dict[str, Any]) -> Any:
     """`trainer.train_step([batch])`; an error other than running out of memory prints its traceback
     (the harness keeps only its first line) before it ends the mode."""
@@ -256,7 +248,7 @@ def search(
             }
             m.values.clear()
         else:
-            row |= {"status": "OOM" if is_oom(m) else "error", "reason": m.reason}
+            row |= {"status": "OOM" if harness.is_oom(m) else "error", "reason": m.reason}
         record(row)
         gc.collect()
         if cuda:

@@ -85,6 +85,7 @@ __all__ = [
     "default_device",
     "device_name",
     "git_commit",
+    "is_oom",
     "metadata",
     "peak_rss_mib",
     "pyplot",
@@ -225,6 +226,15 @@ class Measurement:
             if getattr(self, key) is not None:
                 row[key] = getattr(self, key)
         return row
+
+
+def is_oom(measurement: Measurement) -> bool:
+    """Whether a variant ran out of memory: torch's OutOfMemoryError, or an allocation failure that
+    reaches Python as another error (cuBLAS's)."""
+    why = measurement.reason.lower()
+    return measurement.status == "OOM" or (
+        measurement.status == "skipped" and ("out of memory" in why or "alloc_failed" in why)
+    )
 
 
 def _max(a: float | None, b: float | None) -> float | None:

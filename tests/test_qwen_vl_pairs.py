@@ -1,0 +1,152 @@
+"""The qwen_vl family on `data.dataset = "vl_pairs"` rows (a query image and text, a document image
+and text): the retrieval modes whose two sides both need more than a caption, i2i, t2t and m2i,
+each side with its own packed images (none for a text side). GradCache with fixed chunks and token
+budgets equals the dense objective over the whole batch in float64; bad rows are substituted and
+counted; what a mode cannot read is one line. Helpers shared with tests/test_qwen_vl.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_hard_negatives import assert_grads_close
+from tests.test_hf_text import grads
+from tests.test_qwen_vl import REL, _dense, _grid, _pictures_csv, vl_run
+from tests.test_trainer import make_trainer as base_trainer
+from tests.test_wordnet_bi_encoder import needs_hf
+
+pytest.importorskip("transformers", reason="needs the optional extra: pip install -e '.[hf]'")
+
+
+def _vl_pairs(root: Path, bad: bool = False) -> Path:
+    """Nine JSONL rows of a query image and text and a document image and text, the images PNGs of
+    different sizes; with `bad`, row 2's document image is missing and row 4's query text empty."""
+    import json
+
+    from PIL import Image
+
+    g = np.random.default_rng(1)
+    (root / "img").mkdir(parents=True)
+    sizes = [(28, 28), (56, 84), (84, 56), (40, 40), (60, 90), (28, 56), (70, 70), (30, 60), (56, 56)]
+    rows = []
+    for i, (h, w) in enumerate(sizes):
+        Image.fromarray(g.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "img" / f"q{i}.png")
+        Image.fromarray(g.integers(0, 256, (w, h, 3), dtype=np.uint8)).save(root / "img" / f"d{i}.png")
+        rows.append(
+            {
+                "query_image": f"img/q{i}.png",
+                "query_text": f"a photo of a cat {i}",
+                "doc_image": f"img/d{i}.png",
+                "doc_text": f"a dog {i} in frozen water",
+            }
+        )
+    if bad:
+        rows[2]["doc_image"], rows[4]["query_text"] = "img/missing.png", " "
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root / "pairs.jsonl"
+
+
+def _vl_pairs_run(tmp: Path, mode: str, *extra: str, bad: bool = False):
+    table = tmp / "data" / "pairs.jsonl"
+    if not table.exists():
+        _vl_pairs(tmp / "data", bad)
+    return vl_run(
+        tmp,
+        "qwen2_vl",
+        "--data.dataset=vl_pairs",
+        f"--data.path={table}",
+        f"--data.retrieval_mode={mode}",
+        "--training.local_batch_size=7",
+        *extra,
+        sizes=(),
+    )
+
+
+@needs_hf
+@pytest.mark.parametrize("mode", ["i2i", "t2t", "m2i"])
+@pytest.mark.parametrize("chunks", ["--gradcache.chunk_sizes=4", "--gradcache.chunk_tokens=60"])
+def test_vl_pairs_in_every_mode_equal_the_dense_objective(tmp_path: Path, mode: str, chunks: str) -> None:
+    """i2i, t2t and m2i (image + text queries) on vl_pairs rows with images of different sizes: each
+    side carries its own packed images (none for a text side); GradCache with fixed chunks and with a
+    token budget equals the dense objective over the whole batch in float64."""
+    trainer = _vl_pairs_run(tmp_path, mode, "--gradcache.enabled=true", chunks)
+    trainer.model.eval()
+    batch = trainer.train_set.__getitems__(list(range(7)))
+    batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    image_token = trainer.model.tower.config.image_token_id
+    for side, kind in zip(("query", "doc"), {"i2i": "ii", "t2t": "tt", "m2i": "mi"}[mode]):
+        grid, ids = batch[f"{side}_image_grid_thw"], batch[side]
+        assert len(grid) == (0 if kind == "t" else 7)
+        visual = (ids == image_token).sum(1)
+        assert visual.tolist() == ((grid.prod(-1) // 4).tolist() if len(grid) else [0] * 7)
+        words = (ids != -1).sum(1) - visual - (2 if len(grid) else 0)  # beside the vision start and end tokens
+        assert (words > 0).all() if kind in "tm" else (words == 0).all()
+    if mode == "t2t":
+        assert not any(p.requires_grad for p in trainer.model.tower.visual.parameters())
+    else:
+        assert len({tuple(g) for g in _grid(batch).tolist()}) >= 3
+    trainer.train_step([batch])
+    want_loss, want = _dense(trainer, [batch])
+    out = trainer.train_step([batch])
+    assert_grads_close(grads(trainer.model), want)
+    assert abs(out["loss"] - want_loss) <= REL * want_loss
+    trainer.metrics.close()
+
+
+@needs_hf
+def test_vl_pairs_bad_rows_are_substituted_and_counted(tmp_path: Path) -> None:
+    """m2i: a row whose document image is missing and one whose query text is empty take the next
+    row's sample and are counted by reason; the held-out split (data.val_path) evaluates recall."""
+    from titan_contrastive.datasets.bad_samples import BAD_SAMPLES, BadSampleLog
+
+    table = _vl_pairs(tmp_path / "data", bad=True)
+    trainer = _vl_pairs_run(tmp_path, "m2i", f"--data.val_path={table}", "--eval.enable=true", "--eval.batch_size=4")
+    data = trainer.train_set
+    batch = data.__getitems__([2, 4, 0])
+    assert [(b.reason, b.key) for b in batch[BAD_SAMPLES]] == [("unreadable_file", "2"), ("missing_text", "4")]
+    again = data.__getitems__([3, 5, 0])
+    for key in ("query", "doc", "query_pixel_values", "doc_pixel_values", "doc_image_grid_thw"):
+        assert torch.equal(batch[key], again[key])
+    log = BadSampleLog(max_bad_fraction=0.5, epoch_samples=len(data))
+    log.update(batch)
+    assert log.counts == {"unreadable_file": 1, "missing_text": 1} and BAD_SAMPLES not in batch
+    results = trainer.evaluate()
+    assert results["num_samples"] == 9 and 0 <= results["query_to_doc_r@1"] <= 1 and "doc_to_query_r@5" in results
+    trainer.metrics.close()
+
+
+@needs_hf
+def test_modes_refuse_what_they_cannot_read_in_one_line(tmp_path: Path) -> None:
+    """Image-text data in i2i (bundled or files); an image side's template without {image}, a text
+    side's with it; vl_pairs with a family without a processor."""
+    from titan_contrastive.config import ConfigError
+    from titan_contrastive.datasets import DataError
+
+    refusal = "data.retrieval_mode=i2i needs rows with a query and a document: data.dataset='vl_pairs'"
+    with pytest.raises(DataError, match=refusal):
+        vl_run(tmp_path, "qwen2_vl", "--training.local_batch_size=6", "--data.retrieval_mode=i2i")
+    table = _pictures_csv(tmp_path / "csv")
+    with pytest.raises(DataError, match=refusal):
+        vl_run(
+            tmp_path, "qwen2_vl", "--data.dataset=csv", f"--data.path={table}", "--data.retrieval_mode=i2i", sizes=()
+        )
+    with pytest.raises(
+        ConfigError, match=r"model.query_prompt='represent this': the image side's template needs \{image\}"
+    ):
+        _vl_pairs_run(tmp_path, "i2i", "--model.query_prompt=represent this")
+    with pytest.raises(ConfigError, match=r"model.query_prompt='\{text\}': the multi side's template needs \{image\}"):
+        _vl_pairs_run(tmp_path, "m2i", "--model.query_prompt={text}")
+    with pytest.raises(ConfigError, match=r"the doc side is text in retrieval_mode=t2t; remove \{image\}"):
+        _vl_pairs_run(tmp_path, "t2t", "--model.doc_prompt={image} {text}")
+    with pytest.raises(
+        DataError, match=r"data.dataset='vl_pairs' .*model.name='clip' has none: use model.name='qwen_vl'"
+    ):
+        base_trainer(
+            str(tmp_path / "clip"),
+            "--data.dataset=vl_pairs",
+            f"--data.path={tmp_path / 'data' / 'pairs.jsonl'}",
+            "--eval.enable=false",
+        )
