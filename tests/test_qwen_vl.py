@@ -252,6 +252,8 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         ConfigError, match=r"model.doc_prompt='represent this': the image side's template needs \{image\}"
     ):
         vl_run(tmp_path, "qwen2_vl", "--training.local_batch_size=6", "--model.doc_prompt=represent this")
+    with pytest.raises(ConfigError, match=r"^loss.mask_duplicates=true with retrieval_mode=t2i: duplicates are found"):
+        vl_run(tmp_path, "qwen2_vl", "--training.local_batch_size=6", "--loss.mask_duplicates=true")
     processor = VLProcessor(str(tmp_path / "tiny-qwen2_vl"), 0, 0, 8)
     side = processor.encode("{image}", ["", ""], [np.zeros((28, 28, 3), np.uint8), np.zeros((56, 56, 3), np.uint8)])
     with pytest.raises(ConfigError, match=r"asks for \[1, 4\] visual tokens per image, the ids hold \[4, 1\]"):

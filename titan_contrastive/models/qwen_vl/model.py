@@ -105,6 +105,12 @@ class QwenVLArgs:
         mode = cfg.data.retrieval_mode
         if mode not in MODES:
             raise ConfigError(f"data.retrieval_mode={mode!r}: the qwen_vl family trains {', '.join(MODES)}")
+        if cfg.loss.mask_duplicates and MODES[mode][1] != "text":
+            raise ConfigError(
+                f"loss.mask_duplicates=true with retrieval_mode={mode}: duplicates are found by their token ids, "
+                "and an image document's ids are its template and visual-token placeholders (two different "
+                "images of one size look alike); use loss.mask_margin or mask_relative, or set it false"
+            )
         templates = {}
         for side, kind in zip(SIDES, MODES[mode]):
             prompt = getattr(cfg.model, f"{side}_prompt")
