@@ -6,6 +6,10 @@
 #   on the GPU:   run(command="bash benchmarks/gpu_session.sh 1", carry=[".whl"])   then 2, 3, 4
 #   (the copy there has no .git: prefix BENCH_COMMIT=<git rev-parse HEAD here> so the results name their commit)
 #
+#   9  first (issue 31): the trainer's own step side by side (benchmarks/step_gpu_bench.py: plain,
+#      GradCache, global negatives, accumulation at 1K; global negatives at 4K and 16K; MFU, peak
+#      memory, host syncs per step, the trainer end to end), pytest -m gpu, the compiled rows; every
+#      result in $OUT/stage9.tar (more than the device tool's 8 files come back that way)
 #   1  pytest -m gpu and the Triton kernel tests                                        (issues 4, 8)
 #   6  the loss benchmark's largest rows (bf16, N 256K..1M; 8K..256K were measured on
 #      2026-11-24: results/gpu_loss_bench.log)                                          (issue 8)
@@ -34,14 +38,20 @@ case "${1:-}" in
       tyro docstring-parser typeguard shtab torchdata open-clip-torch ftfy wcwidth regex inf-cl==1.2.1 memeff==0.3.1 \
       webdataset wids braceexpand peft==0.21.2
     ls .whl; exit 0 ;;
-  1|2|3|4|5|6|7|8)
+  1|2|3|4|5|6|7|8|9)
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.txt" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9" >&2; exit 2 ;;
 esac
+res=/tmp/stage_results && mkdir -p "$res"
+pack() { tar -C "$res" -cf "$out/stage$1.tar" . ; }  # after every step: a time limit loses only the step in flight
 case "$1" in
+  9) step 280 python3 -m benchmarks.step_gpu_bench --e2e-steps 20 --timeout 100 --time-budget 260 --out "$res"; pack 9
+     step 100 python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$res/pytest_gpu.xml"; pack 9
+     step 170 python3 -m benchmarks.step_gpu_bench --variants --scale --compile plain gradcache --timeout 90 \
+       --time-budget 160 --tag compile --out "$res"; pack 9 ;;
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider
      step 420 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider ;;  # compiled, bf16 dot included (>120 s)
   6) step 560 python3 -m benchmarks.loss_bench --losses clip --n 262144 524288 1048576 --dtypes bfloat16 --repeats 3 --out "$out" ;;

@@ -70,7 +70,9 @@ def test_cuda_rng_state_round_trip() -> None:
 
 
 def test_pixel_loss_modes_on_cuda_bf16_and_memory() -> None:
-    """bf16 on CUDA: every mode tracks v0, and per_chunk_backward's allocator peak is well below v0's."""
+    """bf16 on CUDA: the chunked modes track the float32 gradient as closely as v0 does, and
+    per_chunk_backward's allocator peak is well below v0's. (v0 sums the error in bf16, the chunked modes in
+    float32: two bf16 results differ by up to both their errors, so each is held to the float32 reference.)"""
     from titan_contrastive.components.pixel_loss import compute_pixel_loss
     from titan_contrastive.models.vae import Decoder, vae_flavors
 
@@ -79,6 +81,9 @@ def test_pixel_loss_modes_on_cuda_bf16_and_memory() -> None:
     latents = torch.randn(8, 4, 32, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     images = torch.rand(8, 3, 128, 128, device="cuda", dtype=torch.bfloat16) * 2 - 1
     masks = torch.ones(8, 1, 128, 128, device="cuda", dtype=torch.bfloat16)
+    reference = latents.detach().float().requires_grad_(True)
+    compute_pixel_loss(reference, images.float(), masks.float(), decoder.float(), mode="v0", adaptive=False).backward()
+    decoder.bfloat16()
     results = {}
     for mode in ("v0", "chunked", "per_chunk_backward"):
         latents.grad = None
@@ -88,7 +93,7 @@ def test_pixel_loss_modes_on_cuda_bf16_and_memory() -> None:
         compute_pixel_loss(latents, images, masks, decoder, mode=mode, adaptive=False, chunk_size=1).backward()
         torch.cuda.synchronize()
         results[mode] = (latents.grad.float().clone(), torch.cuda.max_memory_allocated() - base)
-    for mode in ("chunked", "per_chunk_backward"):
-        err = (results[mode][0] - results["v0"][0]).norm() / results["v0"][0].norm()
-        assert err < 2e-2, (mode, err)
+    err = {mode: float((g - reference.grad).norm() / reference.grad.norm()) for mode, (g, _) in results.items()}
+    assert err["v0"] < 0.1, err  # bf16 through the decoder: ~3.5 % on CPU
+    assert err["chunked"] <= err["v0"] + 1e-2 and err["per_chunk_backward"] <= err["v0"] + 1e-2, err
     assert results["per_chunk_backward"][1] < 0.4 * results["v0"][1]
