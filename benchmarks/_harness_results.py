@@ -58,8 +58,11 @@ def default_device() -> torch.device:
 
 
 def git_commit(tree: Path = REPO) -> dict[str, Any]:
-    """{"commit": HEAD of `tree`, "commit_dirty": tracked files changed}. Where there is no git or no .git
-    (a copy of the work tree on a lent machine), $BENCH_COMMIT names the commit if set, else None."""
+    """{"commit": HEAD of `tree`, "commit_dirty": tracked files changed}. $BENCH_COMMIT, when set, names the
+    commit instead (a copy of the work tree on a lent machine: it may carry no .git, or the .git of an older
+    commit under newer files)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return {"commit": os.environ["BENCH_COMMIT"], "commit_dirty": None}
 
     def git(*args: str) -> str | None:
         try:
@@ -76,7 +79,7 @@ def git_commit(tree: Path = REPO) -> dict[str, Any]:
 
     commit = git("rev-parse", "HEAD")
     if not commit:
-        return {"commit": os.environ.get("BENCH_COMMIT") or None, "commit_dirty": None}
+        return {"commit": None, "commit_dirty": None}
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "commit_dirty": None if status is None else bool(status)}
 

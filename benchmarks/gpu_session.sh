@@ -10,6 +10,9 @@
 #      GradCache, global negatives, accumulation at 1K; global negatives at 4K and 16K; MFU, peak
 #      memory, host syncs per step, the trainer end to end), pytest -m gpu, the compiled rows; every
 #      result in $OUT/stage9.tar (more than the device tool's 8 files come back that way)
+#  10  (issue 31, after 9) pytest -m gpu (the host-sync test included); ours vs open_clip's accum_freq at
+#      32K with microbatches of 512; the step rows again with the fused AdamW (foreach beside it), the
+#      trainer end to end with 14 workers; all in $OUT/stage10.tar
 #   1  pytest -m gpu and the Triton kernel tests                                        (issues 4, 8)
 #   6  the loss benchmark's largest rows (bf16, N 256K..1M; 8K..256K were measured on
 #      2026-11-24: results/gpu_loss_bench.log)                                          (issue 8)
@@ -38,12 +41,12 @@ case "${1:-}" in
       tyro docstring-parser typeguard shtab torchdata open-clip-torch ftfy wcwidth regex inf-cl==1.2.1 memeff==0.3.1 \
       webdataset wids braceexpand peft==0.21.2
     ls .whl; exit 0 ;;
-  1|2|3|4|5|6|7|8|9)
+  1|2|3|4|5|6|7|8|9|10)
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.txt" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9|10" >&2; exit 2 ;;
 esac
 res=/tmp/stage_results && mkdir -p "$res"
 pack() { tar -C "$res" -cf "$out/stage$1.tar" . ; }  # after every step: a time limit loses only the step in flight
@@ -52,6 +55,12 @@ case "$1" in
      step 100 python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$res/pytest_gpu.xml"; pack 9
      step 170 python3 -m benchmarks.step_gpu_bench --variants --scale --compile plain gradcache --timeout 90 \
        --time-budget 160 --tag compile --out "$res"; pack 9 ;;
+  10) step 80 python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$res/pytest_gpu.xml"; pack 10
+      step 150 python3 -m benchmarks.openclip_compare --global-batch 32768 --micro 512 --steps 2 --out "$res"; pack 10
+      step 90 python3 -m benchmarks.step_gpu_bench --variants plain gradcache global --chunk 512 --scale --e2e-steps 20 \
+        --num-workers 14 --timeout 60 --time-budget 85 --tag fused --out "$res"; pack 10
+      step 30 python3 -m benchmarks.step_gpu_bench --variants plain --chunk 512 --scale --timeout 28 \
+        --override=--optimizer.implementation=foreach --tag foreach --out "$res"; pack 10 ;;
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider
      step 420 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider ;;  # compiled, bf16 dot included (>120 s)
   6) step 560 python3 -m benchmarks.loss_bench --losses clip --n 262144 524288 1048576 --dtypes bfloat16 --repeats 3 --out "$out" ;;

@@ -8,8 +8,8 @@ at one global batch, with MFU, peak memory, the host syncs each step makes, and 
 Each variant is one child process that builds `Trainer` from `train_configs/debug.toml` plus the
 variant's overrides (model, precision, batch, step kind), takes its microbatches from the training
 set once (pinned on CUDA), and times `Trainer.train_step` over `--steps` steps after `--warmup`
-(CUDA-synchronized; median). It then runs one more step with `torch.cuda.set_sync_debug_mode("warn")`
-and records every synchronizing call by the innermost frame of titan_contrastive on its stack, and,
+(CUDA-synchronized; median). It then runs one more step under CUDA's sync debug mode and records
+every synchronizing call by its call site (`components.host_syncs.sync_sites`), and,
 with `--e2e-steps`, `Trainer.train()` for that many more steps through the real data loader and
 logging (samples/s of the logged windows after the first). The variants at `--batch`:
 plain (one microbatch), gradcache (`--chunk` samples per forward), global (microbatches of `--chunk`,
@@ -22,14 +22,11 @@ only the row in flight); CSV and PNG at the end. Writes `step_gpu_bench_{cuda,cp
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +42,11 @@ def variants(args: argparse.Namespace) -> dict[str, list[str]]:
         "accumulate": [f"--training.local_batch_size={c}"],
     }
     table = {name: [f"--training.global_batch_size={b}", *o] for name, o in table.items()}
+    table = {name: [*o, *args.override] for name, o in table.items()}
     rows = {name: table[name] for name in args.variants}
     for n in args.scale:
         rows[f"global@{n}"] = [f"--training.global_batch_size={n}", f"--training.local_batch_size={c}"]
-        rows[f"global@{n}"].append("--loss.negatives=global")
+        rows[f"global@{n}"] += ["--loss.negatives=global", *args.override]
     for name in args.compile:
         rows[f"{name}+compile"] = [*table[name], "--compile.enable=true"]
     return rows
@@ -70,35 +68,10 @@ def common(args: argparse.Namespace, dump: str, total_steps: int) -> list[str]:
     ]
 
 
-def sync_sites(step: Any, device: Any) -> dict[str, int]:
-    """Every synchronizing CUDA call of one `step()`, counted by the innermost titan_contrastive frame."""
-    import torch
-
-    sites: collections.Counter[str] = collections.Counter()
-
-    def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
-        frames = traceback.extract_stack()[:-1]
-        ours = [f for f in frames if "titan_contrastive" in f.filename.replace("\\", "/").split("/")]
-        inner = frames[-1]
-        where = ours[-1] if ours else inner
-        path = where.filename.split("titan_contrastive/")[-1]
-        sites[f"{path}:{where.lineno} {where.name} <- {Path(inner.filename).name}:{inner.lineno}"] += 1
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-            torch.cuda.synchronize(device)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return dict(sites.most_common())
-
-
 def worker(name: str, overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from titan_contrastive.components.host_syncs import sync_sites
     from titan_contrastive.components.metrics import device_peak_tflops
     from titan_contrastive.config import parse_args
     from titan_contrastive.train import Trainer
@@ -136,15 +109,19 @@ def worker(name: str, overrides: list[str], args: argparse.Namespace) -> dict[st
         row["mfu"] = row["samples_per_s"] * flops / (peak * 1e12) if peak and flops else None
         if cuda:
             row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            row["sync_sites"] = sync_sites(lambda: trainer.train_step(batches), device)
+            row["sync_sites"] = dict(sync_sites(lambda: trainer.train_step(batches)).most_common())
+            sync()
             row["syncs"] = sum(row["sync_sites"].values())
         if args.e2e_steps:
             start = time.perf_counter()
             trainer.train()
             row["e2e_wall_s"] = time.perf_counter() - start
             logged = [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
-            rates = [r["samples_per_s"] for r in logged if "samples_per_s" in r][1:]
+            windows = [r for r in logged if "samples_per_s" in r][1:]
+            rates = [r["samples_per_s"] for r in windows]
             row["e2e_samples_per_s"] = statistics.median(rates) if rates else None
+            shares = [r["data_share"] for r in windows if "data_share" in r]
+            row["e2e_data_share"] = statistics.median(shares) if shares else None
             if rates:
                 row["e2e_over_bare"] = row["e2e_samples_per_s"] / row["samples_per_s"]
         trainer.metrics.close()
@@ -189,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-workers", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=240, help="seconds per variant")
     parser.add_argument("--time-budget", type=float, default=3600, help="seconds for all variants (then skipped)")
+    parser.add_argument(
+        "--override", action="append", default=[], help="one more trainer override for every variant (repeatable)"
+    )
     parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)

@@ -97,3 +97,41 @@ def test_pixel_loss_modes_on_cuda_bf16_and_memory() -> None:
     assert err["v0"] < 0.1, err  # bf16 through the decoder: ~3.5 % on CPU
     assert err["chunked"] <= err["v0"] + 1e-2 and err["per_chunk_backward"] <= err["v0"] + 1e-2, err
     assert results["per_chunk_backward"][1] < 0.4 * results["v0"][1]
+
+
+# The documented host syncs of a train step (docs/performance.md#host-syncs): the step's loss, read once; the
+# gradient norm, read once for clipping and the non-finite check; global negatives read the temperature once
+# (the fused kernels take it as a host float). Anything else found here is a regression.
+STEP_SYNCS = {
+    "accumulate": {"steps/accumulate.py:AccumulateStep.__call__", "components/optimizer.py:clip_grad_norm"},
+    "gradcache": {"steps/gradcache.py:GradCacheStep.__call__", "components/optimizer.py:clip_grad_norm"},
+    "global": {
+        "steps/global_negatives.py:GlobalNegativesStep.__call__",
+        "losses/infonce.py:InfoNCE.streamed",
+        "components/optimizer.py:clip_grad_norm",
+    },
+}
+STEP_KINDS = {
+    "accumulate": [],
+    "gradcache": ["--gradcache.enabled=true", "--gradcache.chunk_sizes=24"],
+    "global": ["--loss.negatives=global"],
+}
+
+
+@pytest.mark.parametrize("kind", list(STEP_KINDS))
+def test_train_step_syncs_only_where_documented(kind: str, tmp_path: Path) -> None:
+    from titan_contrastive.components.host_syncs import sync_sites
+
+    args = ["--training.device=cuda", "--training.local_batch_size=64", "--training.global_batch_size=128"]
+    args += ["--training.mixed_precision_param=bfloat16", "--eval.enable=false", f"--job.dump_folder={tmp_path}"]
+    trainer = Trainer(parse_args([*args, "--metrics.enable_tensorboard=false", *STEP_KINDS[kind]]))
+    local = trainer.cfg.training.local_batch_size
+    batches = [trainer.train_set.__getitems__(list(range(j * local, (j + 1) * local))) for j in range(2)]
+    batches = [{k: v.pin_memory() if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
+    trainer.train_step(batches)  # the first step's one-time checks (normalization) and allocations
+    torch.cuda.synchronize()
+    sites = sync_sites(lambda: trainer.train_step(batches))
+    torch.cuda.synchronize()
+    assert sites and set(sites) <= STEP_SYNCS[kind], dict(sites)
+    assert all(count == 1 for count in sites.values()), dict(sites)
+    trainer.metrics.close()

@@ -363,7 +363,11 @@ def test_fp16_scaler_on_cuda() -> None:  # pragma: no cover - CI has no GPU
     want_q = copy.deepcopy(q)
     want_p = copy.deepcopy(p)
     torch.manual_seed(5)
-    info_nce(torch.cat([want_q(c) for c in x.split(4)]), torch.cat([want_p(c) for c in y.split(5)])).backward()
+    # under float16 autocast like the GradCache run: CUDA's dropout draws its mask per dtype (a float32
+    # reference sees other masks and other gradients altogether)
+    with torch.autocast("cuda", dtype=torch.float16):
+        reps = torch.cat([want_q(c) for c in x.split(4)]), torch.cat([want_p(c) for c in y.split(5)])
+    info_nce(*(r.float() for r in reps)).backward()
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
     torch.manual_seed(5)
     GradCache([q, p], [4, 5], info_nce, fp16=True, scaler=scaler).cache_step(x, y)

@@ -14,14 +14,47 @@ GradCache re-forward replays its draws.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from titan_contrastive.config import ConfigError
 
-__all__ = ["add_lora", "default_targets", "lora_config"]
+__all__ = ["LoraFields", "add_lora", "default_targets", "lora_config"]
+
+
+@dataclass(frozen=True)
+class LoraFields:
+    """The `[lora]` settings a Hugging Face family's model args carry (its args subclass this)."""
+
+    lora_rank: int = 0
+    """`[lora] rank` when `[lora] enable`, else 0: no adapters, every weight trains."""
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ()
+    """The adapted modules: `[lora] target_modules`, or the family's default."""
+    lora_modules_to_save: tuple[str, ...] = ()
+    """`[lora] modules_to_save`: modules trained in full beside the adapters."""
+
+    @staticmethod
+    def from_config(lora: Any, default_targets: Callable[[], tuple[str, ...]]) -> dict[str, Any]:
+        """The fields' values from `[lora]` (`cfg.lora`), for `dataclasses.replace`; `default_targets()` is asked
+        only when LoRA is on and `target_modules` is empty."""
+        on = lora.enable
+        return {
+            "lora_rank": lora.rank if on else 0,
+            "lora_alpha": lora.alpha,
+            "lora_dropout": lora.dropout,
+            "lora_targets": (tuple(lora.target_modules) or default_targets()) if on else (),
+            "lora_modules_to_save": tuple(lora.modules_to_save) if on else (),
+        }
+
+    @property
+    def lora_options(self) -> tuple[int, float, float, tuple[str, ...], tuple[str, ...]]:
+        """`add_lora`'s and `lora_config`'s arguments: rank, alpha, dropout, targets, modules_to_save."""
+        return self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets, self.lora_modules_to_save
 
 
 def default_targets(model_type: str) -> tuple[str, ...]:

@@ -22,14 +22,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """Build the optimizer named in `[optimizer]` (AdamW is the only choice so far)."""
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+    """Build the optimizer named in `[optimizer]` (AdamW is the only choice so far) for parameters on `device`."""
+    fused = cfg.implementation == "fused" or (cfg.implementation == "auto" and device.type == "cuda")
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        foreach=True,
+        **({"fused": True} if fused else {"foreach": True}),
     )
 
 

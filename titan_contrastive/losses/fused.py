@@ -50,14 +50,12 @@ def _triton(kernel: str):  # noqa: ANN202 - the module, imported only when asked
     return importlib.import_module("titan_contrastive.kernels.streaming_triton")
 
 
-def fused_lse(zx_own: Tensor, zy: Tensor, scale: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
+def fused_lse(zx_own: Tensor, zy: Tensor, scale: float, kernel: str) -> tuple[Tensor, Tensor]:
     """(row LSE of this rank's rows [c], their partial column LSE [N]) in one pass over S[own, :].
 
     The global column LSE is the logsumexp of the partials over ranks (the caller's all-gather).
     """
-    return _triton(kernel).row_col_lse(
-        zx_own.contiguous(), zy.contiguous(), float(scale), exact=kernel == "triton_exact"
-    )
+    return _triton(kernel).row_col_lse(zx_own.contiguous(), zy.contiguous(), scale, exact=kernel == "triton_exact")
 
 
 def fused_embedding_grads(
@@ -65,7 +63,7 @@ def fused_embedding_grads(
     zy: Tensor,
     row_lse_own: Tensor,
     col_lse: Tensor,
-    scale: Tensor,
+    scale: float,
     first_row: int,
     kernel: str,
     panel: int = FUSED_PANEL,
@@ -88,18 +86,18 @@ def fused_embedding_grads(
             y,
             row_lse_own[offset[0] : offset[0] + len(x)],
             col_lse[offset[1] : offset[1] + len(y)],
-            float(scale),
+            scale,
             first_row + offset[0] - offset[1],
             exact=exact,
             out=out,
         ),
     )
-    coef = float(scale) / (2 * len(zy))
+    coef = scale / (2 * len(zy))
     return gx.mul_(coef), gy.mul_(coef)
 
 
 def fused_sigmoid(
-    zx_own: Tensor, zy: Tensor, scale: Tensor, bias: Tensor, first_row: int, kernel: str, panel: int = FUSED_PANEL
+    zx_own: Tensor, zy: Tensor, scale: float, bias: float, first_row: int, kernel: str, panel: int = FUSED_PANEL
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`streamed_sigmoid` with the fused kernel: per panel one pass over S writes W = N dL/dl and
     adds the rows' loss terms and W sums; the embedding gradients are GEMMs on W (float32 sums)."""
@@ -114,8 +112,8 @@ def fused_sigmoid(
         lambda x, y, offset, out: fused.sigmoid_weights(
             x,
             y,
-            float(scale),
-            float(bias),
+            scale,
+            bias,
             first_row + offset[0] - offset[1],
             loss_rows=loss_rows[offset[0] : offset[0] + len(x)],
             bias_rows=bias_rows[offset[0] : offset[0] + len(x)],
@@ -124,7 +122,7 @@ def fused_sigmoid(
         ),
     )
     n = len(zy)
-    return loss_rows.sum() / n, gx.mul_(float(scale) / n), gy.mul_(float(scale) / n), bias_rows.div_(n)
+    return loss_rows.sum() / n, gx.mul_(scale / n), gy.mul_(scale / n), bias_rows.div_(n)
 
 
 def _fused_products(

@@ -100,15 +100,15 @@ class InfoNCE:
         """The own rows against all columns: forward once (row LSEs, and for the symmetric form the
         positives' partial column LSEs, merged over ranks), then one recompute for the gradients.
         `kernel` other than "pytorch": the fused kernels (only where `fused` holds)."""
-        n, c, s = num_queries, len(q_own), float(scale)
+        n, c, s = num_queries, len(q_own), float(scale)  # the step's one host read of the scale (kernels take floats)
         mask = self.false_negatives.for_rows(q_own, docs, s, first_row, ids) if self.false_negatives.enabled else None
         if kernel == "pytorch":
             keep = KeptBlock()
             row_own, col_part = streamed_row_col_lse(
-                q_own, docs, scale, chunk, keep, lse_columns=n if self.symmetric else 0, mask=mask
+                q_own, docs, s, chunk, keep, lse_columns=n if self.symmetric else 0, mask=mask
             )
         else:
-            row_own, col_part = fused.fused_lse(q_own, docs, scale, kernel)
+            row_own, col_part = fused.fused_lse(q_own, docs, s, kernel)
         col_lse = ranks.merge_lse(col_part) if self.symmetric else None
         acc = row_own.dtype
         positive = (q_own.to(acc) * docs[first_row : first_row + c].to(acc)).sum(1) * scale.to(acc)
@@ -120,5 +120,5 @@ class InfoNCE:
             grads = functools.partial(streamed_softmax_grads, chunk=chunk, keep=keep, num_queries=n, mask=mask)
         else:
             grads = functools.partial(fused.fused_embedding_grads, kernel=kernel)
-        grad_rows, grad_cols = grads(q_own, docs, row_own, col_lse, scale, first_row)
+        grad_rows, grad_cols = grads(q_own, docs, row_own, col_lse, s, first_row)
         return StreamResult(loss, grad_rows, grad_cols, row_scale_shares(q_own, grad_rows, scale), None)

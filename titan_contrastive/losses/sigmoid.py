@@ -113,13 +113,14 @@ class Sigmoid:
         both embedding gradients and the rows' shares of dL/db."""
         if bias is None:
             raise ValueError("the sigmoid loss needs a bias (the model's logit_bias)")
+        s, b = torch.stack([scale.detach().reshape(()), bias.detach().reshape(()).to(scale.dtype)]).tolist()  # one read
         if kernel == "pytorch":
-            mask = None
-            if self.false_negatives.enabled:
-                mask = self.false_negatives.for_rows(q_own, docs, float(scale), first_row, ids)
+            mask = (
+                self.false_negatives.for_rows(q_own, docs, s, first_row, ids) if self.false_negatives.enabled else None
+            )
             loss, gx, gy, bias_rows = streamed_sigmoid(
-                q_own, docs, scale, bias, first_row, chunk, num_pairs=num_queries, mask=mask
+                q_own, docs, s, b, first_row, chunk, num_pairs=num_queries, mask=mask
             )
         else:
-            loss, gx, gy, bias_rows = fused.fused_sigmoid(q_own, docs, scale, bias, first_row, kernel)
+            loss, gx, gy, bias_rows = fused.fused_sigmoid(q_own, docs, s, b, first_row, kernel)
         return StreamResult(ranks.sum(loss.detach()), gx, gy, row_scale_shares(q_own, gx, scale), bias_rows)

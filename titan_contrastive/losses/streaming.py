@@ -127,7 +127,7 @@ class KeptBlock:
 def streamed_row_col_lse(
     zx_own: Tensor,
     zy: Tensor,
-    scale: Tensor,
+    scale: Tensor | float,
     chunk: int,
     keep: KeptBlock | None = None,
     *,
@@ -196,7 +196,7 @@ def streamed_softmax_grads(
     zy: Tensor,
     row_lse_own: Tensor,
     col_lse: Tensor | None,
-    scale: Tensor,
+    scale: Tensor | float,
     first_row: int,
     chunk: int,
     keep: KeptBlock | None = None,
@@ -272,8 +272,8 @@ def streamed_softmax_grads(
 def streamed_sigmoid(
     zx_own: Tensor,
     zy: Tensor,
-    scale: Tensor,
-    bias: Tensor,
+    scale: Tensor | float,
+    bias: Tensor | float,
     first_row: int,
     chunk: int,
     num_pairs: int | None = None,

@@ -109,6 +109,7 @@ class StreamingClipStep:
         if fixed_bias is not None and not self.objective.has_bias:
             raise DistributedClipError(f"BIAS={fixed_bias!r}: {self.objective.describe()} has no bias")
         self.chunk = stream_chunk_size
+        self._normalization_checked = False
         self.kernel = kernel  # "auto", "pytorch" or a fused Triton path (losses/fused.py)
         self.compute_dtype = compute_dtype  # the caller's autocast dtype, if any (see fused.loss_dtype)
         self.ranks = Ranks(group)
@@ -142,8 +143,10 @@ class StreamingClipStep:
                 f"z_x {tuple(zx_local.shape)} and z_y {tuple(zy_local.shape)}: z_y must be [batch, dim] like z_x, or "
                 "[batch, 1 + k, dim] with k hard negatives per sample"
             )
-        self._check_normalized(zx_local, "z_x")
-        self._check_normalized(zy_local.flatten(0, -2), "z_y")
+        if not self._normalization_checked:  # a host sync: once, the forward that normalizes does not change
+            self._check_normalized(zx_local, "z_x")
+            self._check_normalized(zy_local.flatten(0, -2), "z_y")
+            self._normalization_checked = True
         positives, negatives = split_documents(zy_local)
         learnable = self.fixed_scale is None
         if learnable and scale is None:

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from titan_contrastive.batching import NEGATIVES, right_trimmed
 from titan_contrastive.components.freeze import locked_forward
-from titan_contrastive.components.lora import add_lora, default_targets
+from titan_contrastive.components.lora import LoraFields, add_lora, default_targets
 from titan_contrastive.datasets.tokenizer import PairTokenizer
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import (
@@ -51,7 +51,7 @@ MINILM_DOC_LENGTH = 16  # the bundled MiniLM's: a WordNet lemma fits
 
 
 @dataclass(frozen=True)
-class BiEncoderArgs:
+class BiEncoderArgs(LoraFields):
     path: str = ""
     """`[model] path`: the model folder ("" = the bundled all-MiniLM-L6-v2)."""
     shared: bool = True
@@ -72,14 +72,6 @@ class BiEncoderArgs:
     init_scale: float = 20.0
     """t at the start (sentence-transformers' MultipleNegativesRankingLoss scale); `[loss] init_logit_scale` = log t."""
     learn_logit_scale: bool = True
-    lora_rank: int = 0
-    """`[lora] rank` when `[lora] enable`, else 0: no adapters, every weight trains."""
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    lora_targets: tuple[str, ...] = ()
-    """The adapted modules: `[lora] target_modules`, or peft's default for the architecture."""
-    lora_modules_to_save: tuple[str, ...] = ()
-    """`[lora] modules_to_save`: modules trained in full beside the adapters."""
 
     def update_from_config(self, cfg: Any) -> BiEncoderArgs:
         """A copy with `[model]`'s path, pooling and prompts and `[data] doc_context_length` resolved
@@ -89,19 +81,11 @@ class BiEncoderArgs:
         resolved = self.resolve(
             m.path or self.path, m.pooling, m.query_prompt, m.doc_prompt, cfg.data.doc_context_length
         )
-        lora = cfg.lora
-        targets = ()
-        if lora.enable:
-            targets = tuple(lora.target_modules) or default_targets(load_config(resolved.model_dir).model_type)
         return dataclasses.replace(
             resolved,
             init_scale=math.exp(t.init_logit_scale),
             learn_logit_scale=t.learn_logit_scale,
-            lora_rank=lora.rank if lora.enable else 0,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            lora_targets=targets,
-            lora_modules_to_save=tuple(lora.modules_to_save) if lora.enable else (),
+            **LoraFields.from_config(cfg.lora, lambda: default_targets(load_config(resolved.model_dir).model_type)),
         )
 
     def resolve(
@@ -146,11 +130,6 @@ class BiEncoderArgs:
     ) -> BiEncoderArgs:
         """The query length comes from data.context_length; vocabulary and widths from the checkpoint."""
         return dataclasses.replace(self, query_length=context_length)
-
-    @property
-    def lora_options(self) -> tuple[int, float, float, tuple[str, ...], tuple[str, ...]]:
-        """`add_lora`'s and `lora_config`'s arguments: rank, alpha, dropout, targets, modules_to_save."""
-        return self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets, self.lora_modules_to_save
 
     @property
     def model_dir(self) -> str:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titan_contrastive.batching import NEGATIVES, right_trimmed
-from titan_contrastive.components.lora import add_lora
+from titan_contrastive.components.lora import LoraFields, add_lora
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.retrieval import MODES
@@ -74,7 +74,7 @@ def check_template(side: str, kind: str, template: str, mode: str) -> None:
 
 
 @dataclass(frozen=True)
-class QwenVLArgs:
+class QwenVLArgs(LoraFields):
     path: str = ""
     """The model folder (config, weights, tokenizer, preprocessor_config.json); `[model] path`."""
     mode: str = "t2i"
@@ -94,11 +94,6 @@ class QwenVLArgs:
     init_scale: float = 50.0
     """t at the start: VLM2Vec's temperature 0.02."""
     learn_logit_scale: bool = True
-    lora_rank: int = 0
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    lora_targets: tuple[str, ...] = ()
-    lora_modules_to_save: tuple[str, ...] = ()
 
     def update_from_config(self, cfg: Any) -> QwenVLArgs:
         t = temperature_from_config(cfg, default_logit_scale=math.log(self.init_scale))
@@ -119,7 +114,6 @@ class QwenVLArgs:
         pooling = "last_token" if cfg.model.pooling == "auto" else cfg.model.pooling
         if pooling not in ("last_token", "mean"):
             raise ConfigError(f"model.pooling={pooling!r}: the qwen_vl family pools last_token or mean")
-        lora = cfg.lora
         path = read_text_folder(cfg.model.path or self.path).model_dir if (cfg.model.path or self.path) else ""
         if not path:
             raise ConfigError("model.path is empty: the qwen_vl family needs a local Qwen-VL folder")
@@ -135,11 +129,7 @@ class QwenVLArgs:
             max_pixels=cfg.data.max_pixels,
             init_scale=math.exp(t.init_logit_scale),
             learn_logit_scale=t.learn_logit_scale,
-            lora_rank=lora.rank if lora.enable else 0,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            lora_targets=(tuple(lora.target_modules) or LORA_TARGETS) if lora.enable else (),
-            lora_modules_to_save=tuple(lora.modules_to_save) if lora.enable else (),
+            **LoraFields.from_config(cfg.lora, lambda: LORA_TARGETS),
         )
 
     def update_from_data(
@@ -150,10 +140,6 @@ class QwenVLArgs:
     @property
     def model_dir(self) -> str:
         return self.path
-
-    @property
-    def lora_options(self) -> tuple[int, float, float, tuple[str, ...], tuple[str, ...]]:
-        return self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets, self.lora_modules_to_save
 
     @functools.cached_property
     def _counts(self) -> tuple[int, int]:
