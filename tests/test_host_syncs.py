@@ -24,3 +24,9 @@ def test_a_sync_is_named_by_the_innermost_frame_of_the_package() -> None:
 def test_a_sync_outside_the_package_is_named_by_its_own_frame() -> None:
     stack = [("/bench/run.py", "main"), ("/site-packages/torch/cuda/__init__.py", "synchronize")]
     assert _site([*stack, ("/usr/lib/python3.12/warnings.py", "warn")]) == "__init__.py:synchronize"
+
+
+def test_the_recorder_is_not_a_site() -> None:
+    recorder = (str(PACKAGE / "components" / "host_syncs.py"), "sync_sites.<locals>.record")
+    stack = [(str(PACKAGE / "steps" / "accumulate.py"), "AccumulateStep.__call__"), recorder]
+    assert _site(stack) == "steps/accumulate.py:AccumulateStep.__call__"

@@ -17,7 +17,8 @@ import torch
 
 __all__ = ["sync_sites"]
 
-_PACKAGE = Path(__file__).resolve().parents[1]
+_THIS = Path(__file__).resolve()
+_PACKAGE = _THIS.parents[1]
 
 
 def _stack() -> list[tuple[str, str]]:
@@ -32,8 +33,8 @@ def _stack() -> list[tuple[str, str]]:
 
 def _site(frames: list[tuple[str, str]]) -> str:
     """`path:function` of the innermost frame in this package (path relative to it), else of the innermost
-    frame outside the warnings module."""
-    frames = [f for f in frames if Path(f[0]).name != "warnings.py"]
+    frame; frames of the warnings module and of this one are not sites."""
+    frames = [f for f in frames if Path(f[0]).name != "warnings.py" and Path(f[0]).resolve() != _THIS]
     ours = [f for f in frames if Path(f[0]).resolve().is_relative_to(_PACKAGE)]
     filename, function = (ours or frames)[-1]
     path = Path(filename).resolve()
@@ -53,9 +54,10 @@ def sync_sites(fn: Callable[[], object]) -> collections.Counter[str]:
 
     shown = warnings.showwarning
     with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the mode's first switch in a process synchronizes once itself
+        torch.cuda.set_sync_debug_mode("warn")
         warnings.simplefilter("always")
         warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
