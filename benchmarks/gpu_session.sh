@@ -4,15 +4,16 @@
 #
 #   here, once:   bash benchmarks/gpu_session.sh wheels     # the packages its image lacks, into .whl/
 #   on the GPU:   run(command="bash benchmarks/gpu_session.sh 1", carry=[".whl"])   then 2, 3, 4
-#   (the copy there has no .git: prefix BENCH_COMMIT=<git rev-parse HEAD here> so the results name their commit)
+#   (the copy there may carry an older .git: prefix BENCH_COMMIT=<git rev-parse HEAD here>, which the results name)
 #
-#   9  first (issue 31): the trainer's own step side by side (benchmarks/step_gpu_bench.py: plain,
+#  Ordered by value; 10 goes first next time.
+#   9  (issue 31, run 2026-11-26 on an H200): the trainer's own step side by side (benchmarks/step_gpu_bench.py: plain,
 #      GradCache, global negatives, accumulation at 1K; global negatives at 4K and 16K; MFU, peak
 #      memory, host syncs per step, the trainer end to end), pytest -m gpu, the compiled rows; every
 #      result in $OUT/stage9.tar (more than the device tool's 8 files come back that way)
-#  10  (issue 31, after 9) pytest -m gpu (the host-sync test included); ours vs open_clip's accum_freq at
-#      32K with microbatches of 512; the step rows again with the fused AdamW (foreach beside it), the
-#      trainer end to end with 14 workers; all in $OUT/stage10.tar
+#  10  (issue 31) pytest -m gpu (the host-sync test: its recorder fixed after the 2026-11-26 run);
+#      ours vs open_clip's accum_freq at 32K, microbatches of 512; global negatives at 4K/16K/64K (flat
+#      memory); the trainer end to end with 4 and 14 workers (where its 16 % goes); all in $OUT/stage10.tar
 #   1  pytest -m gpu and the Triton kernel tests                                        (issues 4, 8)
 #   6  the loss benchmark's largest rows (bf16, N 256K..1M; 8K..256K were measured on
 #      2026-11-24: results/gpu_loss_bench.log)                                          (issue 8)
@@ -27,7 +28,8 @@
 #      process: GradCache's largest batch with 4,096-token chunks against plain training's,
 #      samples/s and peak CUDA memory per batch (flat in the batch is the claim)         (issue 30)
 # A session has 15 device-minutes (2026-11-25), about one stage. 2026-11-24 (H100): stage 3 complete; 1 and 2 cut
-# short by their time limits (results/gpu_session_stage*.log); 4, 5, 6 not run.
+# short by their time limits (results/gpu_session_stage*.log); 4, 5, 6 not run. 2026-11-26 (H200): stage 9 and
+# the first form of 10 (results/gpu_session_stage9.log, stage10.log); 1-8 not run.
 # Results go to $OUT (what the device tool brings back), else benchmarks/results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,10 +59,10 @@ case "$1" in
        --time-budget 160 --tag compile --out "$res"; pack 9 ;;
   10) step 80 python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$res/pytest_gpu.xml"; pack 10
       step 150 python3 -m benchmarks.openclip_compare --global-batch 32768 --micro 512 --steps 2 --out "$res"; pack 10
-      step 90 python3 -m benchmarks.step_gpu_bench --variants plain gradcache global --chunk 512 --scale --e2e-steps 20 \
-        --num-workers 14 --timeout 60 --time-budget 85 --tag fused --out "$res"; pack 10
-      step 30 python3 -m benchmarks.step_gpu_bench --variants plain --chunk 512 --scale --timeout 28 \
-        --override=--optimizer.implementation=foreach --tag foreach --out "$res"; pack 10 ;;
+      step 140 python3 -m benchmarks.step_gpu_bench --variants --chunk 512 --scale 4096 16384 65536 --timeout 80 \
+        --time-budget 135 --tag scale --out "$res"; pack 10
+      for w in 4 14; do step 60 python3 -m benchmarks.step_gpu_bench --variants plain --scale --e2e-steps 30 \
+        --num-workers $w --timeout 55 --tag workers$w --out "$res"; pack 10; done ;;
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider
      step 420 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider ;;  # compiled, bf16 dot included (>120 s)
   6) step 560 python3 -m benchmarks.loss_bench --losses clip --n 262144 524288 1048576 --dtypes bfloat16 --repeats 3 --out "$out" ;;

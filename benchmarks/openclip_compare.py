@@ -51,7 +51,7 @@ from titan_contrastive.train import Trainer
 REPO = harness.REPO
 
 
-def build_ours(global_batch: int, micro: int, device: str, dump: str) -> Trainer:
+def build_ours(micro: int, device: str, dump: str) -> Trainer:
     return Trainer(
         parse_args(
             [
@@ -67,7 +67,10 @@ def build_ours(global_batch: int, micro: int, device: str, dump: str) -> Trainer
                 "--training.mixed_precision_param=bfloat16",
                 "--training.max_norm=0",
                 f"--training.local_batch_size={micro}",
-                f"--training.global_batch_size={global_batch}",
+                # one microbatch for the trainer's bookkeeping: the bundled emoji set holds fewer samples than
+                # a 2K-64K batch, which the trainer refuses; `run_ours` gives the step all global / micro
+                # microbatches, which is all a global-negatives step reads
+                f"--training.global_batch_size={micro}",
                 "--loss.negatives=global",
                 "--eval.enable=false",
                 "--metrics.enable_tensorboard=false",
@@ -125,7 +128,7 @@ def run_ours(
     global_batch: int, micro: int, steps: int, device: torch.device
 ) -> tuple[dict[str, Any], list, Any, float]:
     with tempfile.TemporaryDirectory() as dump:
-        trainer = build_ours(global_batch, micro, str(device), dump)
+        trainer = build_ours(micro, str(device), dump)
         args = trainer.model_args
         microbatches = stage(trainer, global_batch // micro, micro)
         # a partial, not a closure: the `del` below must drop the last references to both
