@@ -77,10 +77,14 @@ def test_summary_and_row_statistics() -> None:
 
 
 def test_peak_rss_of_a_block_and_of_a_child() -> None:
+    import mmap
+
     with harness.PeakRSS() as probe:
-        block = bytearray(64 * 2**20)
-        block[::4096] = b"\1" * len(block[::4096])  # touch every page
-    del block
+        # fresh anonymous pages (a bytearray could reuse pages a long test process already holds), all touched
+        block = mmap.mmap(-1, 64 * 2**20)
+        for offset in range(0, len(block), 4096):
+            block[offset] = 1
+    block.close()
     assert probe.peak_mib >= probe.start_mib
     if probe.reset:  # Linux >= 4.0: the peak is this block's
         assert probe.growth_mib > 48

@@ -68,6 +68,22 @@ def _grid(batch: dict) -> torch.Tensor:
     return torch.cat([batch["query_image_grid_thw"], batch["doc_image_grid_thw"]])
 
 
+def _embeddings(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(queries, documents) of a batch, each side embedded with its own images; a batch's hard negatives
+    (`neg`, and `neg_*` images) each embedded on its own, as columns after the positives."""
+    from titan_contrastive.batching import NEGATIVES
+    from titan_contrastive.losses.base import columns
+
+    def embed(side: str, ids: torch.Tensor) -> torch.Tensor:
+        grid = batch[f"{side}_image_grid_thw"]
+        return model.embed(ids, *((batch[f"{side}_pixel_values"].double(), grid) if len(grid) else ()))
+
+    docs = embed("doc", batch["doc"])
+    if NEGATIVES in batch:
+        docs = columns(docs, embed(NEGATIVES, batch[NEGATIVES].flatten(0, 1)))  # sample after sample
+    return embed("query", batch["query"]), docs
+
+
 def _dense(trainer, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
     """The objective from its definition on a float64 copy: the mean over `batches` (each one
     contrastive problem) of symmetric InfoNCE over the whole batch's embeddings."""
@@ -76,16 +92,15 @@ def _dense(trainer, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]
     model.eval()
     losses = []
     for batch in batches:
-        q, d, scale = model(*_inputs(batch))
-        losses.append(InfoNCE().dense(q, d, scale))
+        losses.append(InfoNCE().dense(*_embeddings(model, batch), model.logit_scale.exp()))
     loss = torch.stack(losses).mean()
     loss.backward()
     return loss.item(), grads(model)
 
 
-def _step(tmp: Path, arch: str, kind: str, *extra: str) -> None:
+def _step(tmp: Path, arch: str, kind: str, *extra: str, sizes: tuple[str, ...] = ("28", "56", "84")) -> None:
     """One step of `kind` (dropout off) against the dense objective over the whole global batch; one
-    warm-up step first so that LoRA's B (zero at the start) gives A a gradient."""
+    warm-up step first so that LoRA's B (zero at the start) gives A a gradient. `sizes`: vl_run's."""
     local, ga, args = KINDS[kind]
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -96,18 +111,24 @@ def _step(tmp: Path, arch: str, kind: str, *extra: str) -> None:
         f"--training.global_batch_size={local * ga * world}",
         *args,
         *extra,
+        sizes=sizes,
     )
     trainer.model.eval()
     data = trainer.train_set
     pieces = [
         [list(range(j * local * world + rank * local, j * local * world + (rank + 1) * local))] for j in range(ga)
     ]
-    mine = [data.__getitems__(p[0]) for p in pieces]
-    every = data.__getitems__(list(range(local * ga * world)))
-    assert len({tuple(g) for g in _grid(every).tolist()}) >= 2  # images of different sizes
+
+    def get(indices: list[int]) -> dict:  # the tensors (what the loader passes on; it counts the bad samples)
+        return {k: v for k, v in data.__getitems__(indices).items() if isinstance(v, torch.Tensor)}
+
+    mine = [get(p[0]) for p in pieces]
+    every = get(list(range(local * ga * world)))
+    grids = _grid(every)
+    assert not len(grids) or len({tuple(g) for g in grids.tolist()}) >= 2  # images of different sizes
     # accumulation: each microbatch (all ranks' part of it) is a contrastive problem of its own
     problems = (
-        [data.__getitems__(list(range(j * local * world, (j + 1) * local * world))) for j in range(ga)]
+        [get(list(range(j * local * world, (j + 1) * local * world))) for j in range(ga)]
         if kind == "accumulate"
         else [every]
     )
@@ -237,7 +258,7 @@ def test_token_chunks_keep_every_image_whole() -> None:
         owners = [i for i in chunk["query"].flatten().tolist() for _ in range(int(grid[i].prod()))]
         assert chunk["query_pixel_values"][:, 0].tolist() == owners
         assert chunk["doc_pixel_values"].shape == (0, 3) and chunk["doc_image_grid_thw"].shape == (0, 3)
-    with pytest.raises(BatchError, match=r"3 images in doc_image_grid_thw for 4 samples; one each or none"):
+    with pytest.raises(BatchError, match=r"3 images in doc_image_grid_thw for 4 samples; the same number each"):
         take_vlm_chunks(
             {**sides, "doc_pixel_values": pixels[:36], "doc_image_grid_thw": grid[:3]}, torch.arange(4), [4]
         )

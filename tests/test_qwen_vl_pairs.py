@@ -11,19 +11,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
+from tests.dist_utils import run_distributed
+from tests.hf_folders import vl_folder
 from tests.test_hard_negatives import assert_grads_close
 from tests.test_hf_text import grads
-from tests.test_qwen_vl import REL, _dense, _grid, _pictures_csv, vl_run
+from tests.test_qwen_vl import REL, _dense, _grid, _pictures_csv, _step, vl_run
 from tests.test_trainer import make_trainer as base_trainer
 from tests.test_wordnet_bi_encoder import needs_hf
 
 pytest.importorskip("transformers", reason="needs the optional extra: pip install -e '.[hf]'")
 
 
-def _vl_pairs(root: Path, bad: bool = False) -> Path:
+def _vl_pairs(root: Path, bad: bool = False, negatives: str = "", count: int = 9) -> Path:
     """Nine JSONL rows of a query image and text and a document image and text, the images PNGs of
-    different sizes; with `bad`, row 2's document image is missing and row 4's query text empty."""
+    different sizes; with `bad`, row 2's document image is missing and row 4's query text empty;
+    `negatives` "image" or "text": two hard negatives per row in `doc_negatives` (images of sizes
+    unlike their row's document); `count` rows (sizes cycled)."""
     import json
 
     from PIL import Image
@@ -32,7 +37,8 @@ def _vl_pairs(root: Path, bad: bool = False) -> Path:
     (root / "img").mkdir(parents=True)
     sizes = [(28, 28), (56, 84), (84, 56), (40, 40), (60, 90), (28, 56), (70, 70), (30, 60), (56, 56)]
     rows = []
-    for i, (h, w) in enumerate(sizes):
+    for i in range(count):
+        h, w = sizes[i % 9]
         Image.fromarray(g.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "img" / f"q{i}.png")
         Image.fromarray(g.integers(0, 256, (w, h, 3), dtype=np.uint8)).save(root / "img" / f"d{i}.png")
         rows.append(
@@ -43,16 +49,22 @@ def _vl_pairs(root: Path, bad: bool = False) -> Path:
                 "doc_text": f"a dog {i} in frozen water",
             }
         )
+        if negatives == "image":
+            for j, (nh, nw) in enumerate([sizes[(i + 3) % 9], sizes[(i + 5) % 9]]):
+                Image.fromarray(g.integers(0, 256, (nh, nw, 3), dtype=np.uint8)).save(root / "img" / f"n{i}{j}.png")
+            rows[-1]["doc_negatives"] = [f"img/n{i}0.png", f"img/n{i}1.png"]
+        elif negatives == "text":
+            rows[-1]["doc_negatives"] = [f"a cat {i} on a warm roof", f"frozen water {i} without a dog"]
     if bad:
         rows[2]["doc_image"], rows[4]["query_text"] = "img/missing.png", " "
     (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root / "pairs.jsonl"
 
 
-def _vl_pairs_run(tmp: Path, mode: str, *extra: str, bad: bool = False):
+def _vl_pairs_run(tmp: Path, mode: str, *extra: str, bad: bool = False, negatives: str = ""):
     table = tmp / "data" / "pairs.jsonl"
     if not table.exists():
-        _vl_pairs(tmp / "data", bad)
+        _vl_pairs(tmp / "data", bad, negatives)
     return vl_run(
         tmp,
         "qwen2_vl",
@@ -96,6 +108,61 @@ def test_vl_pairs_in_every_mode_equal_the_dense_objective(tmp_path: Path, mode: 
     trainer.metrics.close()
 
 
+HARD_NEGATIVE_CASES = [
+    ("t2i", "--gradcache.chunk_sizes=4"),
+    ("t2t", "--gradcache.chunk_tokens=90"),
+    pytest.param("i2i", "--gradcache.chunk_tokens=200", marks=pytest.mark.slow),
+    pytest.param("m2i", "--loss.negatives=global", marks=pytest.mark.slow),
+]
+
+
+@needs_hf
+@pytest.mark.parametrize(("mode", "step"), HARD_NEGATIVE_CASES)
+def test_vl_pairs_hard_negatives_equal_the_definition(tmp_path: Path, mode: str, step: str) -> None:
+    """Two hard negatives per row (`doc_negatives`: images of their own sizes where the documents are
+    images, texts where they are texts): every query against the N (1 + k) documents, the documents
+    against the queries; GradCache (fixed chunks, token budgets: a sample's negative images move with
+    it) and global negatives equal the definition, with each negative embedded on its own, in float64."""
+    from titan_contrastive.batching import NEGATIVES
+
+    kind = "text" if mode == "t2t" else "image"
+    gradcache = () if "negatives=global" in step else ("--gradcache.enabled=true",)
+    trainer = _vl_pairs_run(tmp_path, mode, *gradcache, step, negatives=kind)
+    trainer.model.eval()
+    assert trainer.train_set.num_negatives == 2
+    batch = trainer.train_set.__getitems__(list(range(7)))
+    batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    assert batch[NEGATIVES].shape[:2] == (7, 2)
+    assert len(batch["neg_image_grid_thw"]) == (14 if kind == "image" else 0)
+    trainer.train_step([batch])
+    want_loss, want = _dense(trainer, [batch])  # each negative embedded on its own (tests/test_qwen_vl._embeddings)
+    out = trainer.train_step([batch])
+    assert_grads_close(grads(trainer.model), want)
+    assert abs(out["loss"] - want_loss) <= REL * want_loss
+    trainer.metrics.close()
+
+
+def _two_ranks(tmp: str, mode: str, negatives: str) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    table = Path(tmp) / "data" / "pairs.jsonl"
+    data = ("--data.dataset=vl_pairs", f"--data.path={table}", f"--data.retrieval_mode={mode}")
+    _step(Path(tmp), "qwen2_vl", "global", *data, sizes=())
+    _step(Path(tmp) / "gc", "qwen2_vl", "gradcache-tokens", *data, "--gradcache.chunk_tokens=200", sizes=())
+
+
+@needs_hf
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "negatives"), [("i2i", ""), ("t2t", "text"), ("m2i", "image")])
+def test_two_ranks(tmp_path: Path, mode: str, negatives: str) -> None:
+    """Two gloo processes (FSDP2), global negatives and GradCache with a token budget, against the dense
+    objective over both ranks' rows: i2i, t2t with negative texts, m2i with negative images."""
+    _vl_pairs(tmp_path / "data", negatives=negatives, count=12)
+    vl_folder(tmp_path, "qwen2_vl")
+    vl_folder(tmp_path / "gc", "qwen2_vl")
+    run_distributed(_two_ranks, 2, str(tmp_path), mode, negatives)
+
+
 @needs_hf
 def test_vl_pairs_bad_rows_are_substituted_and_counted(tmp_path: Path) -> None:
     """m2i: a row whose document image is missing and one whose query text is empty take the next
@@ -115,6 +182,30 @@ def test_vl_pairs_bad_rows_are_substituted_and_counted(tmp_path: Path) -> None:
     assert log.counts == {"unreadable_file": 1, "missing_text": 1} and BAD_SAMPLES not in batch
     results = trainer.evaluate()
     assert results["num_samples"] == 9 and 0 <= results["query_to_doc_r@1"] <= 1 and "doc_to_query_r@5" in results
+    trainer.metrics.close()
+
+
+@needs_hf
+def test_vl_pairs_bad_negatives_are_substituted_and_held_out_rows_serve_none(tmp_path: Path) -> None:
+    """A row with another number of negatives than the first, or a missing negative image, is a bad
+    sample like any other; the held-out split serves no negatives (evaluation ranks positives)."""
+    import json
+
+    from titan_contrastive.batching import NEGATIVES
+    from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
+
+    table = _vl_pairs(tmp_path / "data", negatives="image")
+    rows = [json.loads(line) for line in table.read_text().splitlines()]
+    rows[3]["doc_negatives"] = rows[3]["doc_negatives"][:1]
+    rows[5]["doc_negatives"][1] = "img/missing.png"
+    table.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trainer = _vl_pairs_run(tmp_path, "t2i", f"--data.val_path={table}")
+    batch = trainer.train_set.__getitems__([3, 5, 0])
+    assert [(b.reason, b.key) for b in batch[BAD_SAMPLES]] == [("ragged_negatives", "3"), ("unreadable_file", "5")]
+    assert batch[NEGATIVES].shape[:2] == (3, 2) and len(batch["neg_image_grid_thw"]) == 6
+    held_out = trainer.eval_set.__getitems__([0, 1])
+    assert trainer.eval_set.num_negatives == 0 and NEGATIVES not in held_out
+    assert len(held_out["neg_image_grid_thw"]) == 0
     trainer.metrics.close()
 
 

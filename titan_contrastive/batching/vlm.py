@@ -102,9 +102,10 @@ def _packed_groups(inputs: Mapping[str, Any]) -> list[str]:
 def take_vlm_chunks(inputs: Any, order: Tensor, sizes: Sequence[int], what: str = "input") -> list[Any]:
     """`batching.take_chunks` (chunks of a permutation of the samples) for packed inputs too: each
     packed group (`pixel_values` + `image_grid_thw`, or per side `query_pixel_values` +
-    `query_image_grid_thw`, ...) holds one image per sample, or none (a side without images: 0
-    rows), and each chunk gets its samples' patch rows, image after image in the chunk's order; the
-    other tensors are batch-major. Without a packed group this is `take_chunks`."""
+    `query_image_grid_thw`, ...) holds the same number m of images per sample, sample after sample
+    (m = 1; 0 for a side without images; k for k hard negative images each), and each chunk gets its
+    samples' grid and patch rows in the chunk's order; the other tensors are batch-major. Without a
+    packed group this is `take_chunks`."""
     groups = _packed_groups(inputs) if isinstance(inputs, Mapping) else []
     if not groups:
         return take_chunks(inputs, order, sizes, what)
@@ -120,8 +121,10 @@ def take_vlm_chunks(inputs: Any, order: Tensor, sizes: Sequence[int], what: str 
                 f"{what}: {g}image_grid_thw gives {int(patches.sum())} patches but {g}pixel_values has "
                 f"{pixels.shape[0]} rows"
             )
-        if len(grid) not in (0, samples):
-            raise BatchError(f"{what}: {len(grid)} images in {g}image_grid_thw for {samples} samples; one each or none")
+        if samples and len(grid) % samples:
+            raise BatchError(
+                f"{what}: {len(grid)} images in {g}image_grid_thw for {samples} samples; the same number each"
+            )
         rows[g] = (torch.cumsum(patches, 0) - patches, patches)
     chunks = take_chunks(rest, order, list(sizes), what) if rest else [{} for _ in sizes]
     out, at = [], 0
@@ -135,8 +138,10 @@ def take_vlm_chunks(inputs: Any, order: Tensor, sizes: Sequence[int], what: str 
                 chunk[f"{g}image_grid_thw"], chunk[f"{g}pixel_values"] = grid, pixels
                 continue
             starts, counts = rows[g]
-            index = [torch.arange(int(starts[r]), int(starts[r] + counts[r])) for r in members]
-            chunk[f"{g}image_grid_thw"] = grid[members]
+            m = len(grid) // samples
+            images = [r * m + i for r in members for i in range(m)]
+            index = [torch.arange(int(starts[j]), int(starts[j] + counts[j])) for j in images]
+            chunk[f"{g}image_grid_thw"] = grid[images]
             chunk[f"{g}pixel_values"] = pixels.index_select(0, torch.cat(index).to(pixels.device))
         out.append(chunk)
     return out
@@ -144,9 +149,9 @@ def take_vlm_chunks(inputs: Any, order: Tensor, sizes: Sequence[int], what: str 
 
 def split_sides(inputs: Any, chunk_size: int) -> list[Any]:
     """Consecutive chunks of `chunk_size` samples (the last may be smaller) of a batch whose packed
-    groups are per side (`query_pixel_values` + `query_image_grid_thw`, `doc_...`; one image per
-    sample, or none): `take_vlm_chunks` in batch order, each image's patches kept whole. Without a
-    packed group this is `split_inputs`."""
+    groups are per side (`query_pixel_values` + `query_image_grid_thw`, `doc_...`, `neg_...`; the same
+    number of images per sample, or none): `take_vlm_chunks` in batch order, each image's patches kept
+    whole. Without a packed group this is `split_inputs`."""
     groups = _packed_groups(inputs) if isinstance(inputs, Mapping) else []
     if not groups:
         return split_inputs(inputs, chunk_size, "inputs")

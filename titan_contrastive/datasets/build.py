@@ -248,7 +248,9 @@ def build_data(
                 "(query_image, query_text, doc_image, doc_text); set data.path"
             )
         context_length = data.context_length or DEFAULT_CONTEXT["byte"]
-        train = VLPairsDataset(split="train", path=data.path, mode=data.retrieval_mode)
+        train = VLPairsDataset(
+            split="train", path=data.path, mode=data.retrieval_mode, hard_negatives=data.hard_negatives
+        )
         eval_sets.append(
             VLPairsDataset(split="test", path=data.val_path, mode=data.retrieval_mode) if data.val_path else None
         )

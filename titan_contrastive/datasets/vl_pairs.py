@@ -5,14 +5,19 @@ Files: `.jsonl` (one JSON object per line), `.csv`, `.tsv` (both with a header l
 `.parquet` (`pairs.read_table`), with the columns `query_image`, `query_text`, `doc_image`,
 `doc_text`; image paths are relative to the file's folder. `[data] retrieval_mode` says which a
 row needs (`retrieval.MODES`: a text side its `*_text`, an image side its `*_image`, a multi side
-both); the others may be absent or empty.
+both); the others may be absent or empty. An optional `doc_negatives` column holds a row's hard
+negatives, documents of the documents' kind: texts (t2t, i2t) or image paths (t2i, i2i, m2i), a
+list (JSONL, Parquet) or one value; every row has as many as the first (the train split only, and
+only with `data.hard_negatives`). They go through the processor like the documents
+(`SideProcessor.sides`' `negatives`).
 
-A row whose needed image is missing, unreadable or does not decode, or whose needed text is empty,
-is a bad sample: its slot takes the next good row (in file order, the same in every run) and the
-skip is listed under `BAD_SAMPLES` for the loader to count (`bad_samples`), as
-`files.FileImageTextDataset` does. Images are decoded at their own resolution and go, with the
-texts, through the family's processor (`serve_processed`: qwen_vl's `SideProcessor.sides`), which
-resizes them within `[min_pixels, max_pixels]`; nothing is random, so `set_epoch` changes nothing.
+A row whose needed image is missing, unreadable or does not decode, or whose needed text is empty
+(a negative's included), or that holds another number of negatives, is a bad sample: its slot takes
+the next good row (in file order, the same in every run) and the skip is listed under `BAD_SAMPLES`
+for the loader to count (`bad_samples`), as `files.FileImageTextDataset` does. Images are decoded
+at their own resolution and go, with the texts, through the family's processor (`serve_processed`:
+qwen_vl's `SideProcessor.sides`), which resizes them within `[min_pixels, max_pixels]`; nothing is
+random, so `set_epoch` changes nothing.
 Evaluation (`data.val_path`, the same columns) ranks each query's document among the split's
 documents: recall@1/5/10 query -> document and back.
 """
@@ -43,6 +48,7 @@ SIDES = ("query", "doc")
 FIELDS = {"text": ("text",), "image": ("image",), "multi": ("image", "text")}
 """A side's kind -> the fields a row needs for it."""
 COLUMNS = tuple(f"{side}_{field}" for side in SIDES for field in ("image", "text"))
+NEGATIVES_COLUMN = "doc_negatives"
 
 
 def family_refusal(family: str) -> str:
@@ -61,7 +67,7 @@ class VLPairsDataset:
     serves_sides = True
     """Both sides' images and texts per row: every retrieval mode (`layouts.PROCESSED` checks it)."""
 
-    def __init__(self, *, split: str, path: str, mode: str) -> None:
+    def __init__(self, *, split: str, path: str, mode: str, hard_negatives: bool = True) -> None:
         file = Path(path).expanduser()
         key = "data.path" if split == "train" else "data.val_path"
         if file.suffix not in FORMATS or not file.is_file():
@@ -72,7 +78,7 @@ class VLPairsDataset:
         if mode not in MODES:
             raise DataError(f"data.retrieval_mode={mode!r}: vl_pairs trains {', '.join(MODES)}")
         try:
-            _, rows = read_table(file, COLUMNS, split)
+            _, rows = read_table(file, (*COLUMNS, NEGATIVES_COLUMN), split)
         except DataError:
             raise
         except (OSError, UnicodeDecodeError, csv.Error) as e:
@@ -91,7 +97,10 @@ class VLPairsDataset:
                 f"{file}: no column {', '.join(missing)}; data.retrieval_mode={mode} needs "
                 f"{', '.join(self.needed)} (image paths relative to the file's folder)"
             )
-        self._rows = [{c: row.get(c) for c in self.needed} for row in rows]
+        self._rows = [{c: row.get(c) for c in (*self.needed, NEGATIVES_COLUMN)} for row in rows]
+        self.negative_kind = "text" if self.kinds["doc"] == "text" else "image"
+        first = _as_list(rows[0].get(NEGATIVES_COLUMN))
+        self.num_negatives = len(first) if hard_negatives and split == "train" else 0
         self._root = file.parent
         self.name, self.split, self.source, self.full = "vl_pairs", split, str(file), True
         self.image_shape = None  # native resolution: the processor sizes each image
@@ -99,7 +108,6 @@ class VLPairsDataset:
         self.class_names = None
         self.recall_ks = (1, 5, 10)
         self.recall_direction = "query_to_doc"
-        self.num_negatives = 0
         self.shard_losses: list[Any] = []
         self._process: Any = None
 
@@ -133,24 +141,31 @@ class VLPairsDataset:
     def serve_masked(self, *args: Any) -> None:
         raise DataError(family_refusal("vae"))
 
-    def _fields(self, j: int) -> dict[str, Any]:
-        """Row `j`'s needed fields (texts stripped, images as uint8 HWC arrays), or BadSample."""
-        row, where, key = self._rows[j], self.source, str(j)
-        out: dict[str, Any] = {}
-        for column in self.needed:
-            value = row[column]
-            if column.endswith("_text"):
-                if not isinstance(value, str) or not value.strip():
-                    raise BadSample("missing_text", where, key, f"{column} is empty")
-                out[column] = value.strip()
-                continue
+    def _value(self, column: str, kind: str, value: Any, key: str) -> Any:
+        """One field: a text stripped, or an image path read and decoded to a uint8 HWC array; BadSample."""
+        where = self.source
+        if kind == "text":
             if not isinstance(value, str) or not value.strip():
-                raise BadSample("missing_image", where, key, f"{column} is empty")
-            data = read_file(str(self._root / value.strip()), where, key)
-            try:
-                out[column] = np.asarray(decode_image(data))
-            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-                raise BadSample("undecodable_image", where, key, f"{column}: {type(e).__name__}: {e}") from None
+                raise BadSample("missing_text", where, key, f"{column} is empty")
+            return value.strip()
+        if not isinstance(value, str) or not value.strip():
+            raise BadSample("missing_image", where, key, f"{column} is empty")
+        data = read_file(str(self._root / value.strip()), where, key)
+        try:
+            return np.asarray(decode_image(data))
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            raise BadSample("undecodable_image", where, key, f"{column}: {type(e).__name__}: {e}") from None
+
+    def _fields(self, j: int) -> dict[str, Any]:
+        """Row `j`'s needed fields (and its hard negatives, a list), or BadSample."""
+        row, key = self._rows[j], str(j)
+        out = {c: self._value(c, "text" if c.endswith("_text") else "image", row[c], key) for c in self.needed}
+        if self.num_negatives:
+            negatives = _as_list(row[NEGATIVES_COLUMN])
+            if len(negatives) != self.num_negatives:
+                detail = f"{NEGATIVES_COLUMN} holds {len(negatives)}, the first row {self.num_negatives}"
+                raise BadSample("ragged_negatives", self.source, key, detail)
+            out[NEGATIVES_COLUMN] = [self._value(NEGATIVES_COLUMN, self.negative_kind, v, key) for v in negatives]
         return out
 
     def _read(self, index: int, bad: list[BadSample]) -> dict[str, Any]:
@@ -173,5 +188,15 @@ class VLPairsDataset:
         bad: list[BadSample] = []
         rows = [self._read(int(i), bad) for i in indices]
         fields = {c: [r[c] for r in rows] if c in self.needed else None for c in COLUMNS}
-        batch = self._process.sides(*(fields[c] for c in COLUMNS))
+        negatives = [n for r in rows for n in r.get(NEGATIVES_COLUMN, ())]  # k per row, row after row
+        batch = self._process.sides(*(fields[c] for c in COLUMNS), negatives=negatives)
         return {**batch, "index": torch.as_tensor(list(indices), dtype=torch.long), BAD_SAMPLES: bad}
+
+
+def _as_list(value: Any) -> list[Any]:
+    """A negatives cell as a list: a list (JSONL, Parquet) as it is, one non-empty value as one, else none."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if hasattr(value, "tolist"):  # a Parquet list read as an array
+        return list(value.tolist())
+    return [] if value is None or (isinstance(value, str) and not value.strip()) else [value]

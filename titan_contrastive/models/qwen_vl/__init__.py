@@ -21,6 +21,8 @@ register_model(
             "query_image_grid_thw",
             "doc_pixel_values",
             "doc_image_grid_thw",
+            "neg_pixel_values",
+            "neg_image_grid_thw",
         ),
         layout=PROCESSED,
         state_dict_adapter=ADAPTER,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -198,10 +199,11 @@ class SideProcessor:
         query_texts: Sequence[str] | None,
         doc_images: Sequence[np.ndarray] | None,
         doc_texts: Sequence[str] | None,
-        negatives: Sequence[str] = (),
+        negatives: Sequence[str] | Sequence[np.ndarray] = (),
     ) -> dict[str, Tensor]:
-        """The batch of these samples: uint8 HWC images and texts per side; `negatives`: k texts per
-        sample, documents of the text kind."""
+        """The batch of these samples: uint8 HWC images and texts per side; `negatives`: k hard negatives
+        per sample, row after row, documents of the documents' kind (texts, or images): `neg` [B, k, L]
+        ids, and for images `neg_pixel_values` + `neg_image_grid_thw` (k per sample; empty otherwise)."""
         given = {"query": (query_images, query_texts), "doc": (doc_images, doc_texts)}
         batch: dict[str, Tensor] = {}
         for side, kind in self.kinds.items():
@@ -218,8 +220,17 @@ class SideProcessor:
             else:
                 batch[f"{side}_pixel_values"] = torch.zeros(0, self.patch_width)
                 batch[f"{side}_image_grid_thw"] = torch.zeros(0, 3, dtype=torch.long)
-        if negatives:
-            ids = self.proc.encode(self.templates["doc"], negatives, None)["ids"]
+        batch[f"{NEGATIVES}_pixel_values"] = torch.zeros(0, self.patch_width)
+        batch[f"{NEGATIVES}_image_grid_thw"] = torch.zeros(0, 3, dtype=torch.long)
+        if len(negatives):
+            if self.kinds["doc"] == "text":
+                ids = self.proc.encode(self.templates["doc"], negatives, None)["ids"]
+            else:
+                out = self.proc.encode(self.templates["doc"], [""] * len(negatives), negatives)
+                ids = out["ids"]
+                self.proc.check(ids, out["image_grid_thw"])
+                batch[f"{NEGATIVES}_pixel_values"] = out["pixel_values"]
+                batch[f"{NEGATIVES}_image_grid_thw"] = out["image_grid_thw"]
             batch[NEGATIVES] = ids.reshape(len(batch["doc"]), len(negatives) // len(batch["doc"]), -1)
         return batch
 
@@ -295,14 +306,34 @@ class QwenVLEmbedder(nn.Module):
         query_image_grid_thw: Tensor,
         doc_pixel_values: Tensor,
         doc_image_grid_thw: Tensor,
+        neg_pixel_values: Tensor | None = None,
+        neg_image_grid_thw: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(query embeddings, document embeddings, exp(logit_scale)); each side with its own images
-        when its grid has rows."""
+        when its grid has rows. Hard negative images (`neg_*`, k per sample) join the documents' when
+        `doc` holds them too (`batching.with_negatives`: B (1 + k) rows, each sample's positive first)."""
+        if neg_image_grid_thw is not None and len(neg_image_grid_thw) and len(doc) > len(doc_image_grid_thw):
+            doc_pixel_values, doc_image_grid_thw = interleave_images(
+                doc_pixel_values, doc_image_grid_thw, neg_pixel_values, neg_image_grid_thw
+            )
         return (
             self.embed(query, *((query_pixel_values, query_image_grid_thw) if len(query_image_grid_thw) else ())),
             self.embed(doc, *((doc_pixel_values, doc_image_grid_thw) if len(doc_image_grid_thw) else ())),
             self.logit_scale.exp(),
         )
+
+
+def interleave_images(pixels: Tensor, grid: Tensor, neg_pixels: Tensor, neg_grid: Tensor) -> tuple[Tensor, Tensor]:
+    """The packed images of B documents and their B k hard negatives in `with_negatives`' order:
+    sample by sample, its document's image then its k negatives' (patch rows and grid rows alike)."""
+    b = len(grid)
+    k = len(neg_grid) // b
+    both = torch.cat([grid, neg_grid])
+    order = torch.cat([torch.arange(b).unsqueeze(1), b + torch.arange(b * k).view(b, k)], 1).flatten()
+    patches = both.long().prod(-1).tolist()  # a host read, as the vision tower's own (it sizes its attention)
+    starts = list(itertools.accumulate(patches, initial=0))
+    rows = torch.cat([torch.arange(starts[i], starts[i] + patches[i]) for i in order.tolist()])
+    return torch.cat([pixels, neg_pixels]).index_select(0, rows.to(pixels.device)), both[order.to(both.device)]
 
 
 def qwen_vl_blocks(model: QwenVLEmbedder) -> list[nn.Module]:
