@@ -92,8 +92,8 @@ def st_folder(model: Path, pooling: str, prompts: dict[str, str]) -> Path:
 
 
 def vl_folder(root: Path, arch: str = "qwen2_vl", dropout: float = 0.1) -> Path:
-    """A tiny random Qwen2-VL or Qwen3-VL model (`models.qwen_vl.random_folder`: 2 vision blocks, 2
-    decoder layers, 32 wide; Qwen2-VL: 14-px patches, Qwen3-VL: 16-px; merge 2) with a word-level
+    """A tiny random Qwen2-VL, Qwen2.5-VL or Qwen3-VL model (`models.qwen_vl.random_folder`: 2 vision blocks,
+    2 decoder layers, 32 wide; Qwen2(.5)-VL: 14-px patches, Qwen3-VL: 16-px; merge 2) with a word-level
     tokenizer of the words above and Qwen's vision tokens, and the image processor, at `root/tiny-{arch}`."""
     from titan_contrastive.models.qwen_vl.random_folder import write_random_folder
 

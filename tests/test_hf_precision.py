@@ -1,5 +1,6 @@
 """bf16 mixed precision and per-layer torch.compile on the bi_encoder's Hugging Face towers (the tiny
-BERT-like encoder and Qwen3-like decoder of tests/hf_folders.py), with and without LoRA.
+BERT-like encoder and Qwen3-like decoder of tests/hf_folders.py), with and without LoRA; bf16 also on
+the qwen_vl family (tiny Qwen2-VL with LoRA, slow).
 
 Mixed precision runs under FSDP2 on 2 gloo processes (one process has no shard dimension, so FSDP2
 is not applied there and mixed precision would be autocast instead): the step's loss and gradient
@@ -196,3 +197,50 @@ def test_compiled_layers_under_fsdp2_and_bf16_give_the_eager_step(tmp_path: Path
     the same step eager under the same FSDP2 and bf16 (aot_eager runs the same bf16 ops: within 1e-5)."""
     _folder(tmp_path, arch)
     run_distributed(_compiled_under_fsdp2, 2, str(tmp_path), arch, lora)
+
+
+def _qwen_vl_bf16_under_fsdp2(tmp: str) -> None:
+    from tests.test_qwen_vl import LORA as VL_LORA
+    from tests.test_qwen_vl import vl_run
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, folder = dist.get_rank(), Path(tmp) / "tiny-qwen2_vl"
+    runs = [
+        vl_run(
+            Path(tmp) / name,
+            "qwen2_vl",
+            f"--model.path={folder}",  # one set of weights (dropout off) for both runs
+            "--training.dtype=float32",
+            "--training.local_batch_size=3",
+            *VL_LORA,
+            "--lora.dropout=0",
+            *extra,
+        )
+        for name, extra in (("fp32", ()), ("bf16", ("--training.mixed_precision_param=bfloat16",)))
+    ]
+    fp32, bf16 = runs
+    assert bf16.dims.mode == "fsdp" and bf16.precision.compute_dtype == torch.bfloat16
+    mine = fp32.train_set.__getitems__(list(range(3 * rank, 3 * rank + 3)))
+    (want_loss, want), (loss, got) = _same_step(runs, mine, lora=True)
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}
+    assert all(g.dtype == torch.float32 for g in got.values()) and got.keys() == want.keys()
+    g, w = _flat(got), _flat(want)
+    rel, cos = ((g - w).norm() / w.norm()).item(), torch.nn.functional.cosine_similarity(g, w, dim=0).item()
+    assert NOT_FP32 < rel <= BF16_GRAD_REL and cos >= BF16_COSINE, (rel, cos)
+    assert loss != want_loss and abs(loss - want_loss) <= BF16_LOSS_REL * want_loss, (loss, want_loss)
+    for run in runs:
+        run.metrics.close()
+
+
+@needs_hf
+@SLOW
+def test_qwen_vl_bf16_under_fsdp2_tracks_float32(tmp_path: Path) -> None:
+    """The qwen_vl family (tiny Qwen2-VL, LoRA, images of three sizes) with bf16 mixed precision under FSDP2 on
+    2 gloo processes: float32 parameters and gradients, loss and gradient within bf16's accuracy of float32."""
+    from tests.hf_folders import vl_folder
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        vl_folder(tmp_path, "qwen2_vl", 0.0)
+    run_distributed(_qwen_vl_bf16_under_fsdp2, 2, str(tmp_path))

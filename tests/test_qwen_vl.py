@@ -27,7 +27,7 @@ from titan_contrastive.losses import InfoNCE
 pytest.importorskip("transformers", reason="needs the optional extra: pip install -e '.[hf]'")
 
 REL = 1e-10
-ARCHS = ("qwen2_vl", "qwen3_vl")
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # (local batch, accumulation steps, options); images at 28, 56 and 84 px: 2x2 to 6x6 patch grids
 KINDS = {
     "gradcache": (6, 1, ["--gradcache.enabled=true", "--gradcache.chunk_sizes=4"]),
@@ -140,8 +140,11 @@ def _step(tmp: Path, arch: str, kind: str, *extra: str, sizes: tuple[str, ...] =
     trainer.metrics.close()
 
 
-# Qwen3-VL's accumulation and global negatives (20 s) run with the slow marker; Qwen2-VL's all by default.
-SLOW_KINDS = {("qwen3_vl", "accumulate"), ("qwen3_vl", "global")}
+# Qwen3-VL's accumulation and global negatives (20 s) and Qwen2.5-VL's all but its token budget run with the
+# slow marker; Qwen2-VL's all by default.
+SLOW_KINDS = {("qwen3_vl", "accumulate"), ("qwen3_vl", "global")} | {
+    ("qwen2_5_vl", k) for k in ("gradcache", "accumulate", "global")
+}
 
 
 @needs_hf

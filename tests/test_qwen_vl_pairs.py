@@ -17,7 +17,7 @@ from tests.dist_utils import run_distributed
 from tests.hf_folders import vl_folder
 from tests.test_hard_negatives import assert_grads_close
 from tests.test_hf_text import grads
-from tests.test_qwen_vl import REL, _dense, _grid, _pictures_csv, _step, vl_run
+from tests.test_qwen_vl import LORA, REL, _dense, _grid, _pictures_csv, _step, vl_run
 from tests.test_trainer import make_trainer as base_trainer
 from tests.test_wordnet_bi_encoder import needs_hf
 
@@ -142,25 +142,32 @@ def test_vl_pairs_hard_negatives_equal_the_definition(tmp_path: Path, mode: str,
     trainer.metrics.close()
 
 
-def _two_ranks(tmp: str, mode: str, negatives: str) -> None:
+def _two_ranks(tmp: str, mode: str, *extra: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     table = Path(tmp) / "data" / "pairs.jsonl"
-    data = ("--data.dataset=vl_pairs", f"--data.path={table}", f"--data.retrieval_mode={mode}")
+    data = ("--data.dataset=vl_pairs", f"--data.path={table}", f"--data.retrieval_mode={mode}", *extra)
     _step(Path(tmp), "qwen2_vl", "global", *data, sizes=())
     _step(Path(tmp) / "gc", "qwen2_vl", "gradcache-tokens", *data, "--gradcache.chunk_tokens=200", sizes=())
 
 
+DDP_LORA = ("--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2", *LORA)
+
+
 @needs_hf
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "negatives"), [("i2i", ""), ("t2t", "text"), ("m2i", "image")])
-def test_two_ranks(tmp_path: Path, mode: str, negatives: str) -> None:
-    """Two gloo processes (FSDP2), global negatives and GradCache with a token budget, against the dense
-    objective over both ranks' rows: i2i, t2t with negative texts, m2i with negative images."""
+@pytest.mark.parametrize(
+    ("mode", "negatives", "extra"),
+    [("i2i", "", ()), ("t2t", "text", ()), ("m2i", "image", ()), ("i2t", "text", DDP_LORA)],
+)
+def test_two_ranks(tmp_path: Path, mode: str, negatives: str, extra: tuple[str, ...]) -> None:
+    """Two gloo processes, global negatives and GradCache with a token budget, against the dense objective
+    over both ranks' rows: FSDP2 for i2i, t2t with negative texts and m2i with negative images; DDP with
+    LoRA for i2t with negative texts."""
     _vl_pairs(tmp_path / "data", negatives=negatives, count=12)
     vl_folder(tmp_path, "qwen2_vl")
     vl_folder(tmp_path / "gc", "qwen2_vl")
-    run_distributed(_two_ranks, 2, str(tmp_path), mode, negatives)
+    run_distributed(_two_ranks, 2, str(tmp_path), mode, *extra)
 
 
 @needs_hf

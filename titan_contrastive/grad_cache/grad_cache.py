@@ -208,6 +208,9 @@ class GradCache:
         if not self.chunk_tokens[index]:
             return self.split(model_input, self.chunk_sizes[index], what), None
         order, sizes = token_chunks(model_input, self.chunk_tokens[index], self.pad_ids, group=self.group, what=what)
+        # longest first, the remainder last; the engine keeps the last chunk's graph instead of re-running it,
+        # so the chunks go in reverse: the kept one is the first packed (longest sequences, a full budget)
+        order, sizes = torch.cat(torch.split(order, sizes)[::-1]), sizes[::-1]
         return self._trimmed(take_vlm_chunks(model_input, order, sizes, what)), order
 
     def _trimmed(self, chunks: list[Any]) -> list[Any]:

@@ -38,7 +38,7 @@ def _tokenizer(words: Sequence[str]):
 def write_random_folder(
     folder: Path, arch: str = "qwen2_vl", size: str = "tiny", dropout: float = 0.0, words: Sequence[str] = ()
 ) -> Path:
-    """A random `arch` (qwen2_vl or qwen3_vl) model of `size` saved to `folder` with its tokenizer
+    """A random `arch` (qwen2_vl, qwen2_5_vl or qwen3_vl) model of `size` saved to `folder` with its tokenizer
     (`words` and Qwen's special tokens) and image processor; the model's seed is torch's."""
     import transformers
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
@@ -83,6 +83,23 @@ def write_random_folder(
             **tokens,
         )
         model = transformers.Qwen2VLModel(config)
+    elif arch == "qwen2_5_vl":
+        patch = 14
+        config = transformers.Qwen2_5_VLConfig(
+            text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": section}},
+            vision_config=dict(
+                depth=s["depth"],
+                hidden_size=s["width"],
+                intermediate_size=2 * s["width"],
+                num_heads=s["vheads"],
+                out_hidden_size=s["hidden"],
+                patch_size=patch,
+                window_size=2 * patch * 2,  # windows of 2 x 2 merged patches: windowed and full attention both run
+                fullatt_block_indexes=[s["depth"] - 1],
+            ),
+            **tokens,
+        )
+        model = transformers.Qwen2_5_VLModel(config)
     elif arch == "qwen3_vl":
         patch = 16
         config = transformers.Qwen3VLConfig(
@@ -105,7 +122,7 @@ def write_random_folder(
         )
         model = transformers.Qwen3VLModel(config)
     else:
-        raise ValueError(f"arch={arch!r}: qwen2_vl or qwen3_vl")
+        raise ValueError(f"arch={arch!r}: qwen2_vl, qwen2_5_vl or qwen3_vl")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     merge = 2
