@@ -195,8 +195,8 @@ class VLPairsDataset:
 
 def _as_list(value: Any) -> list[Any]:
     """A negatives cell as a list: a list (JSONL, Parquet) as it is, one non-empty value as one, else none."""
+    if value is None or isinstance(value, str):
+        return [value] if value and value.strip() else []
     if isinstance(value, (list, tuple)):
         return list(value)
-    if hasattr(value, "tolist"):  # a Parquet list read as an array
-        return list(value.tolist())
-    return [] if value is None or (isinstance(value, str) and not value.strip()) else [value]
+    return list(value.tolist()) if hasattr(value, "tolist") else [value]  # a list read as an array
