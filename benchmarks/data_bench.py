@@ -20,13 +20,16 @@ webdataset shards (make_shards.write_shards, 256 samples per shard, read through
    the median over --repeats, configurations interleaved round-robin by the harness (each repeat
    starting one configuration later). Per worker: images/s / workers (workers=0: the main process alone).
 2. Pieces, in the main process, on one batch of 64 (median of 3 passes), in ms per image:
-   file read, JPEG decode, crop+resize, normalize, tokenization.
+   file read, JPEG decode, crop+resize (the full decode's path), decode_crop (the loader's: a JPEG
+   whose crop holds twice the output size decoded at reduced scale, then cropped), normalize,
+   tokenization; total = the loader's path (read, decode_crop, normalize, tokenize).
 3. The trainer's data-wait share: `python -m titan_contrastive.train` with train_configs/debug.toml
    (clip/debug) on the CSV source, --data.image_size=64 (the debug flavor's patch size 4
    divides it), batch 64, 12 steps, log every 4; `data_share` and `samples_per_s` from
    metrics.jsonl train records without the first (warm-up), median, at --data.num_workers 0 and 2,
    with the peak RSS of the trainer's largest process (harness.run_child).
-Writes data_bench.{json,csv,png} under --out.
+`--jpeg-size` makes the JPEGs that side instead of 256 (photos are 500-2,000 px). Writes
+data_bench.{json,csv,png} (other sizes: data_bench_{size}px.*) under --out.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ REPO = harness.REPO
 SOURCES, WORKERS, BATCH, SIZE, CONTEXT = ("csv", "webdataset"), (0, 1, 2), 64, 224, 77
 
 
-def make_data(root: Path, n: int) -> dict[str, str]:
+def make_data(root: Path, n: int, side: int = 256) -> dict[str, str]:
     """n JPEGs + captions as a CSV and as webdataset shards; {source: data.path}."""
     from PIL import Image
 
@@ -61,7 +64,7 @@ def make_data(root: Path, n: int) -> dict[str, str]:
     rows = []
     for i in range(n):
         rel = f"img/{i:05d}.jpg"
-        image = Image.fromarray(images[i % len(images)]).resize((256, 256), Image.Resampling.BICUBIC)
+        image = Image.fromarray(images[i % len(images)]).resize((side, side), Image.Resampling.BICUBIC)
         image.save(root / rel, quality=90)
         rows.append((rel, "a photo of " + str(names[i % len(names)])))
     with open(root / "train.csv", "w", newline="", encoding="utf-8") as f:
@@ -116,25 +119,29 @@ def time_pieces(path: str) -> dict[str, float]:
 
     ds = build("csv", path)
     source, idx = ds._source, list(range(BATCH))
-    passes: dict[str, list[float]] = {k: [] for k in ("read", "decode", "crop_resize", "normalize", "tokenize")}
+    keys = ("read", "decode", "crop_resize", "decode_crop", "normalize", "tokenize")
+    passes: dict[str, list[float]] = {k: [] for k in keys}
     for _ in range(3):
         t0 = time.perf_counter()
         records = [source.read(i) for i in idx]
         t1 = time.perf_counter()
         imgs = [tf.decode_image(r.image) for r in records]
         t2 = time.perf_counter()
-        pixels = np.stack(
-            [tf.crop_resize(im, SIZE, train=True, rng=tf.sample_rng(0, 0, i)) for i, im in zip(idx, imgs)]
-        )
+        [tf.crop_resize(im, SIZE, train=True, rng=tf.sample_rng(0, 0, i)) for i, im in zip(idx, imgs)]
         t3 = time.perf_counter()
-        ds._normalize(pixels)
+        pixels = np.stack(
+            [tf.decode_crop_resize(r.image, SIZE, train=True, rng=tf.sample_rng(0, 0, i)) for i, r in zip(idx, records)]
+        )
         t4 = time.perf_counter()
-        ds.tokenizer.encode([r.caption for r in records])
+        ds._normalize(pixels)
         t5 = time.perf_counter()
-        for key, dt in zip(passes, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+        ds.tokenizer.encode([r.caption for r in records])
+        t6 = time.perf_counter()
+        for key, dt in zip(passes, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)):
             passes[key].append(dt * 1e3 / BATCH)
     pieces = {k: harness.summary(v)["median"] for k, v in passes.items()}
-    pieces["total"] = sum(pieces.values())
+    # the loader's path: decode_crop (a large JPEG decoded at reduced scale) instead of decode + crop_resize
+    pieces["total"] = sum(v for k, v in pieces.items() if k not in ("decode", "crop_resize"))
     return pieces
 
 
@@ -201,6 +208,7 @@ def plot(rows: list[dict], trainer: list[dict], title: str):  # noqa: ANN201 - a
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=1024, help="images generated")
+    parser.add_argument("--jpeg-size", type=int, default=256, help="their side in pixels (photos: 500-2,000)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--batches", type=int, default=0, help="timed batches per measurement (0: the rest of 2 epochs)"
@@ -219,10 +227,12 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
-        paths = make_data(Path(tmp), args.n)
+        paths = make_data(Path(tmp), args.n, args.jpeg_size)
         jpeg_kb = statistics.mean(p.stat().st_size for p in Path(tmp, "img").iterdir()) / 1024
         print(
-            f"data: {args.n} JPEGs 256x256, mean {jpeg_kb:.1f} KB ({time.perf_counter() - t_start:.1f} s)", flush=True
+            f"data: {args.n} JPEGs {args.jpeg_size}x{args.jpeg_size}, mean {jpeg_kb:.1f} KB "
+            f"({time.perf_counter() - t_start:.1f} s)",
+            flush=True,
         )
         configs = {f"{s}/{w}": (s, w) for s in SOURCES for w in WORKERS}
 
@@ -272,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     runtime = time.perf_counter() - t_start
     config = {
         "n": args.n,
-        "jpeg": "256x256 q90",
+        "jpeg": f"{args.jpeg_size}x{args.jpeg_size} q90",
         "mean_jpeg_kb": jpeg_kb,
         "batch": BATCH,
         "image_size": SIZE,
@@ -295,9 +305,16 @@ def main(argv: list[str] | None = None) -> None:
         "trainer": trainer,
         "runs": {f"{s}/{w}": r for (s, w), r in runs.items()},
     }
-    title = f"data_bench: {meta['cpu']}, {meta['cores']} cores, torch {torch.__version__}, {args.n} JPEGs 256 px"
+    title = f"data_bench: {meta['cpu']}, {meta['cores']} cores, torch {torch.__version__}, {args.n} JPEGs"
+    title += f" {args.jpeg_size} px"
     harness.write_results(
-        args.out, "data_bench", meta, payload, rows=rows, rows_key="loader", figure=lambda: plot(rows, trainer, title)
+        args.out,
+        "data_bench" + (f"_{args.jpeg_size}px" if args.jpeg_size != 256 else ""),
+        meta,
+        payload,
+        rows=rows,
+        rows_key="loader",
+        figure=lambda: plot(rows, trainer, title),
     )
     for row in rows:
         print(row)

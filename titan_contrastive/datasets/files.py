@@ -21,8 +21,9 @@ takes the substitute's negatives with its caption.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,7 @@ from titan_contrastive.datasets.image_transforms import (
     OPENAI_MEAN,
     OPENAI_STD,
     Normalize,
-    crop_resize,
+    decode_crop_resize,
     decode_image,
     sample_rng,
 )
@@ -130,8 +131,11 @@ class FileImageTextDataset:
             )
         self._process = process
 
-    def _read(self, index: int, bad: list[BadSample]) -> tuple[Image.Image, Record]:
-        """The record at `index`, or the next good one in source order (each bad one appended to `bad`)."""
+    def _read(
+        self, index: int, bad: list[BadSample], decode: Callable[[Any], Any] = decode_image
+    ) -> tuple[Any, Record]:
+        """The record at `index`, or the next good one in source order (each bad one appended to `bad`),
+        with `decode(its image)`."""
         j = index
         for _ in range(MAX_SUBSTITUTES):
             try:
@@ -140,7 +144,7 @@ class FileImageTextDataset:
                 bad.append(e)
             else:
                 try:
-                    return decode_image(record.image), record
+                    return decode(record.image), record
                 except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
                     bad.append(BadSample("undecodable_image", record.where, record.key, f"{type(e).__name__}: {e}"))
             j = (j + 1) % len(self._source)
@@ -149,6 +153,11 @@ class FileImageTextDataset:
             "the data is damaged: check the files or rebuild the shards"
         )
 
+    def _pixels(self, index: int, size: int, data: Any) -> np.ndarray:
+        """Sample `index`'s crop (its own generator, fresh for each image tried) of the image `data`, uint8."""
+        rng = sample_rng(self.seed, self.epoch, index) if self.train else None
+        return decode_crop_resize(data, size, train=self.train, rng=rng)
+
     def __getitems__(self, indices: Sequence[int]) -> dict[str, Any]:
         if self._process is not None:
             return self._processed(indices)
@@ -156,9 +165,7 @@ class FileImageTextDataset:
         pixels = np.empty((len(indices), size, size, 3), dtype=np.uint8)
         captions, negatives, bad = [], [], []
         for row, index in enumerate(indices):
-            image, record = self._read(int(index), bad)
-            rng = sample_rng(self.seed, self.epoch, int(index)) if self.train else None
-            pixels[row] = crop_resize(image, size, train=self.train, rng=rng)
+            pixels[row], record = self._read(int(index), bad, functools.partial(self._pixels, int(index), size))
             captions.append(record.caption)
             negatives.extend(record.negatives)
         batch = {

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.image_transforms import Normalize, crop_resize, decode_image
+from titan_contrastive.datasets.image_transforms import Normalize, decode_crop_resize
 from titan_contrastive.datasets.sources import IMAGE_EXTENSIONS
 from titan_contrastive.datasets.tar_shards import read_regular
 
@@ -105,7 +105,7 @@ class ImageFolderZeroShot:
         pixels = np.empty((len(indices), size, size, 3), dtype=np.uint8)
         for row, i in enumerate(indices):
             try:
-                pixels[row] = crop_resize(decode_image(read_regular(self._files[i])), size, train=False)
+                pixels[row] = decode_crop_resize(read_regular(self._files[i]), size, train=False)
             except (OSError, ValueError, SyntaxError) as e:
                 raise DataError(
                     f"{self._files[i]}: not a readable image ({type(e).__name__}: {e}); remove it from the "

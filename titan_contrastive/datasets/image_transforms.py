@@ -89,6 +89,31 @@ def crop_resize(image: Image.Image, size: int, *, train: bool, rng: np.random.Ge
     return np.asarray(image.resize((size, size), Image.Resampling.BICUBIC, box=box), dtype=np.uint8)
 
 
+def decode_crop_resize(
+    data: bytes | Image.Image, size: int, *, train: bool, rng: np.random.Generator | None = None
+) -> np.ndarray:
+    """`crop_resize(decode_image(data), ...)` with the JPEG decoder's own downscaling: where the crop
+    box holds at least twice `size` pixels each way, the JPEG is decoded at 1/2, 1/4 or 1/8 scale
+    (Pillow's `draft`: the DCT scaled in the decoder, the largest reduction that leaves the box at
+    least `size` pixels each way) and the box scaled with it, so a large photo costs a fraction of
+    its full decode and of the bicubic pass over it. The box is drawn once, on the image's own size
+    (the same draws as `crop_resize`). Raises what `decode_image` raises."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        return crop_resize(decode_image(data), size, train=train, rng=rng)
+    image = Image.open(io.BytesIO(data))
+    box: tuple[float, ...] = (
+        random_resized_box(*image.size, rng) if train and rng is not None else center_box(*image.size)
+    )
+    w, h = box[2] - box[0], box[3] - box[1]
+    if image.format == "JPEG" and min(w, h) >= 2 * size:
+        width = image.width
+        image.draft("RGB", (math.ceil(image.width * size / w), math.ceil(image.height * size / h)))
+        factor = width / image.width  # 1, 2, 4 or 8
+        box = tuple(b / factor for b in box)
+    image = decode_image(image)
+    return np.asarray(image.resize((size, size), Image.Resampling.BICUBIC, box=box), dtype=np.uint8)
+
+
 class Normalize:
     """uint8 [B, H, W, C] -> float32 [B, C, H, W], (x / 255 - mean) / std as one multiply-add
     (the same float32 operations as the bundled sets, so equal pixels give equal tensors)."""
