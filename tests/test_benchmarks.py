@@ -283,3 +283,24 @@ def test_qwen_vl_chunks_gpu_mode_runs_on_cpu_with_a_tiny_model(tmp_path: Path) -
     assert saved["layout"] == "single" and saved["lora_targets"] == ["q_proj", "v_proj"]
     assert 0 < saved["trainable_params"] < saved["params"]
     assert (tmp_path / "qwen_vl_chunks_gpu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_step_gpu_bench_runs_every_variant_on_cpu(tmp_path: Path) -> None:
+    """benchmarks/step_gpu_bench.py end to end on CPU (what gpu_session.sh 9 and 10 run on a GPU): each variant
+    in its own process through Trainer.train_step, a global@N row past the one microbatch the trainer is
+    built for, the trainer end to end with its data-wait share; JSON, CSV and PNG written."""
+    cmd = [sys.executable, "-m", "benchmarks.step_gpu_bench", "--device", "cpu", "--flavor", "debug"]
+    cmd += ["--image-size", "0", "--precision", "float32", "--batch", "32", "--chunk", "12", "--scale", "48"]
+    cmd += ["--variants", "plain", "gradcache", "--e2e", "plain", "--e2e-steps", "4", "--log-freq", "2"]
+    cmd += ["--num-workers", "0", "--warmup", "1", "--steps", "1", "--timeout", "120", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "step_gpu_bench_cpu.json").read_text())["variants"]}
+    assert list(rows) == ["plain", "gradcache", "global@48"], rows
+    assert [rows[v]["global_batch"] for v in rows] == [32, 32, 48]
+    assert all(r["step_s"] > 0 and r["samples_per_s"] > 0 for r in rows.values())
+    assert rows["plain"]["time_over_plain"] == 1.0 and rows["gradcache"]["time_over_plain"] > 0
+    assert rows["plain"]["e2e_samples_per_s"] > 0 and 0 <= rows["plain"]["e2e_data_share"] < 1
+    assert "e2e_samples_per_s" not in rows["gradcache"] and "e2e_samples_per_s" not in rows["global@48"]
+    assert (tmp_path / "step_gpu_bench_cpu.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(list(csv.DictReader(open(tmp_path / "step_gpu_bench_cpu.csv")))) == 3
