@@ -16,8 +16,10 @@
 #      memory); the trainer end to end with 4 and 14 workers (where its 16 % goes); all in $OUT/stage10.tar
 #   1  pytest -m gpu and the Triton kernel tests                                        (issues 4, 8)
 #   6  the loss benchmark's largest rows (bf16, N 256K..1M; 8K..256K were measured on
-#      2026-11-24: results/gpu_loss_bench.log)                                          (issue 8)
-#   2  ours vs open_clip accum_freq at 1K..64K; the gpu sweep grid                      (issue 7)
+#      2026-11-24: results/gpu_loss_bench.log) and 64K again (its memory after 2026-11-26's
+#      changes: predicted 0.39 GiB, measured 1 GiB before): the fused kernel vs memeff    (issues 8, 31)
+#   2  the gpu sweep grids: run_train.sh on synthetic data at 1K..64K, microbatch vs global
+#      negatives, then the planner's 8 GiB budget (gpu_planner)                         (issues 7, 31)
 #   3  the pixel-loss benchmark through the sd decoder (issue 6); GradCache ratio + memory (issue 5)
 #   4  the vit_b32 training-stack table (issue 3)
 #   5  the loss benchmark for SigLIP's sigmoid loss (dense, streamed, fused kernel)      (issue 15)
@@ -65,9 +67,10 @@ case "$1" in
         --num-workers $w --timeout 55 --tag workers$w --out "$res"; pack 10; done ;;
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider
      step 420 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider ;;  # compiled, bf16 dot included (>120 s)
-  6) step 560 python3 -m benchmarks.loss_bench --losses clip --n 262144 524288 1048576 --dtypes bfloat16 --repeats 3 --out "$out" ;;
-  2) step 240 python3 -m benchmarks.openclip_compare --out "$out"
-     step 330 python3 -m benchmarks.sweep --grid gpu --out "$out" --timeout 120 ;;
+  6) step 560 python3 -m benchmarks.loss_bench --losses clip --n 65536 262144 524288 1048576 --dtypes bfloat16 \
+       --impls dense streaming_triton memeff --repeats 3 --out "$out" ;;  # the PyTorch stream: ~95 s per call at 1M
+  2) step 420 python3 -m benchmarks.sweep --grid gpu --out "$out" --timeout 150
+     step 150 python3 -m benchmarks.sweep --grid gpu_planner --out "$out" --timeout 70 ;;
   3) step 300 python3 -m benchmarks.pixel_loss_bench --out "$out"
      step 270 python3 -m benchmarks.gradcache_bench --out "$out" ;;
   4) step 540 python3 -m benchmarks.train_bench --out "$out" ;;

@@ -21,12 +21,14 @@ is the latter, as before; the harness's peak RSS per call is stored too, a lower
 implementations share one heap).
 Implementations: `dense` (logits = s * Zx Zy^T, cross-entropy both ways), `streaming`
 (titan_contrastive's StreamingClipStep on the PyTorch path, one process, `--chunk` rows per
-block, default the config's loss.stream_chunk_size), `open_clip` (open_clip's own `ClipLoss`,
-world size 1, from the installed open-clip-torch wheel: two logit matmuls), and, on CUDA,
-`streaming_triton` and, when installed, `inf_cl` (PyPI inf-cl) and `memeff`. A run that does not
-fit is recorded as OOM. First every implementation's embedding gradients are checked against the
-dense float64 loss at N = `--check-n` (printed and stored), so each timed line is known to
-compute the same thing. Writes `loss_bench_<device>[_<losses>].{json,csv,png}` under `--out`.
+block, default the config's loss.stream_chunk_size; its encode returns the input embeddings
+themselves, so the step's memory is the loss's, measured like the peers' loss functions),
+`open_clip` (open_clip's own `ClipLoss`, world size 1, from the installed open-clip-torch wheel:
+two logit matmuls), and, on CUDA, `streaming_triton` and, when installed, `inf_cl` (PyPI inf-cl)
+and `memeff`. A run that does not fit is recorded as OOM. First every implementation's embedding
+gradients are checked against the dense float64 loss at N = `--check-n` (printed and stored), so
+each timed line is known to compute the same thing. Writes
+`loss_bench_<device>[_<losses>].{json,csv,png}` under `--out`.
 
 On a CPU shared with other processes, OpenMP's default wait policy (worker threads spin at each
 parallel op's barrier) makes every op wait for a descheduled thread: implementations with many
@@ -51,6 +53,7 @@ from titan_contrastive.components.memory_probe import LargestTensor, PeakMemory
 from titan_contrastive.config.job_config import Loss as LossConfig
 from titan_contrastive.distributed_clip import StreamingClipStep
 from titan_contrastive.losses import InfoNCE, Sigmoid
+from titan_contrastive.losses import fused as fused_loss
 from titan_contrastive.losses import streaming as streaming_loss
 
 SCALE = 1 / 0.07
@@ -65,7 +68,7 @@ def dense(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
 
 def streaming(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
     step = StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SCALE, kernel="pytorch")
-    step(lambda _: (zx * 1, zy * 1, None), [None])
+    step(lambda _: (zx, zy, None), [None])  # the inputs themselves: the loss alone, as the peers
 
 
 @functools.cache
@@ -91,7 +94,7 @@ def open_clip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
 def streaming_triton(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA only
     kernel = "triton_exact" if zx.dtype == torch.float32 else "triton"
     step = StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SCALE, kernel=kernel)
-    step(lambda _: (zx * 1, zy * 1, None), [None])
+    step(lambda _: (zx, zy, None), [None])  # the inputs themselves: the loss alone, as the peers
 
 
 def inf_cl(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA + Triton only
@@ -116,7 +119,7 @@ def streaming_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
     step = StreamingClipStep(
         stream_chunk_size=chunk, fixed_scale=SIGLIP_SCALE, kernel="pytorch", objective=Sigmoid(), fixed_bias=SIGLIP_BIAS
     )
-    step(lambda _: (zx * 1, zy * 1), [None])
+    step(lambda _: (zx, zy), [None])
 
 
 def streaming_triton_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:  # pragma: no cover - CUDA only
@@ -124,7 +127,7 @@ def streaming_triton_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> N
     step = StreamingClipStep(
         stream_chunk_size=chunk, fixed_scale=SIGLIP_SCALE, kernel=kernel, objective=Sigmoid(), fixed_bias=SIGLIP_BIAS
     )
-    step(lambda _: (zx * 1, zy * 1), [None])
+    step(lambda _: (zx, zy), [None])
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, int], None]
@@ -323,6 +326,8 @@ def main(argv: list[str] | None = None) -> None:
                 )
     tag = ("cuda" if cuda else "cpu") + ("" if args.losses == ["clip", "siglip"] else "_" + "_".join(args.losses))
     meta = harness.metadata(device)
+    if cuda:  # whether the fused path's panel products go straight into float32 (losses/fused.py)
+        meta["fused_float32_gemm"] = fused_loss._add_product_fn(device, torch.bfloat16).__name__ == "_add_wide"
     rows: list[dict] = []
 
     def payload() -> dict[str, Any]:

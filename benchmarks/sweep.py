@@ -7,8 +7,9 @@
 A grid (benchmarks/grids/*.toml) names a config, a process count, global batch sizes, base
 overrides and strategies (named override lists; `{global}` is replaced by the point's global
 batch). Every (strategy, global batch) point is a `run_train.sh` launch, as users launch it, whose
-`metrics.jsonl` log windows give samples/s (median, min, max), MFU and peak memory; the first
-`warmup_windows` are not timed; harness.run_child adds the peak RSS of the launch's largest process.
+`metrics.jsonl` log windows give samples/s (median, min, max), MFU, the loader's share of the time
+and peak memory; the first `warmup_windows` are not timed; harness.run_child adds the peak RSS of
+the launch's largest process.
 A point that runs out of memory is recorded as "oom", another failure as "error" with its last line,
 and the sweep goes on. Writes sweep_{grid}.csv, .json and .png (samples/s and peak memory vs global
 batch, one line per strategy) under --out, with the harness's metadata.
@@ -41,6 +42,7 @@ FIELDS = [
     "samples_per_s_min",
     "samples_per_s_max",
     "mfu",
+    "data_share",
     "peak_memory_gib",
     "peak_reserved_gib",
     "final_loss",
@@ -97,6 +99,8 @@ def summarize(records: list[dict[str, Any]], warmup_windows: int) -> dict[str, A
         "final_loss": windows[-1]["loss"],
         "timed_windows": len(timed),
     }
+    if all("data_share" in w for w in timed):  # the share of the window spent waiting for the loader
+        row["data_share"] = harness.summary([w["data_share"] for w in timed])["median"]
     if all("mfu" in w for w in timed):
         row["mfu"] = harness.summary([w["mfu"] for w in timed])["median"]
     if any("peak_reserved_gib" in w for w in windows):

@@ -304,3 +304,17 @@ def test_step_gpu_bench_runs_every_variant_on_cpu(tmp_path: Path) -> None:
     assert "e2e_samples_per_s" not in rows["gradcache"] and "e2e_samples_per_s" not in rows["global@48"]
     assert (tmp_path / "step_gpu_bench_cpu.png").read_bytes()[:4] == b"\x89PNG"
     assert len(list(csv.DictReader(open(tmp_path / "step_gpu_bench_cpu.csv")))) == 3
+
+
+@pytest.mark.slow  # ~20 s in Triton's interpreter
+def test_loss_memory_counts_six_copies_of_the_embeddings_on_the_fused_path(tmp_path: Path) -> None:
+    """At its peak the fused loss holds the float32 dZx and dZy (2 + 2 units of N x d bf16) and one
+    bf16 W panel (8192^2 = 2 units at N = 64K, d = 512): 384 MiB there. The count before
+    2026-11-26's changes was 16 units, the 1,024 MiB an H100 measured."""
+    from benchmarks import loss_memory
+
+    loss_memory.main(["--shrink", "128", "--out", str(tmp_path)])
+    row = json.loads((tmp_path / "loss_memory.json").read_text())["rows"][0]
+    assert (row["n"], row["d"], row["panel"]) == (512, 4, 64)
+    assert 6.0 <= row["target_units"] <= 6.1 and 384 <= row["target_mib"] <= 391, row["target_units"]
+    assert (tmp_path / "loss_memory.png").stat().st_size > 10_000

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_utils import run_distributed
-from titan_contrastive.components.memory_probe import LargestTensor
+from titan_contrastive.components.memory_probe import LargestTensor, PeakMemory
 from titan_contrastive.distributed_clip import DistributedClipError, StreamingClipStep, distributed_train_step
 from titan_contrastive.losses import InfoNCE
 from titan_contrastive.losses.fused import loss_dtype
@@ -205,6 +205,33 @@ def test_never_allocates_more_than_chunk_by_n() -> None:
     assert dense_probe.largest >= n * n
     assert abs(loss.item() - want.item()) <= REL * want.item()
     assert_close(list(got), [zx0.grad, zy0.grad])
+
+
+@pytest.mark.parametrize("micro", [240, 70])
+def test_step_holds_a_few_copies_of_the_embeddings(micro: int) -> None:
+    """Besides O(chunk x N) blocks, the step holds the embeddings (the encode's outputs), their
+    gradients (float32 accumulators, then the outputs' gradients) and temporaries of a few rows:
+    at most 6 x N x d floats at any time (11 before the cache was scaled in place, the single
+    microbatch no longer copied and the surrogate's backward written in the outputs' dtype)."""
+    n, d, chunk = 240, 64, 8
+    gen = torch.Generator().manual_seed(1)
+    zx0 = F.normalize(torch.randn(n, d, generator=gen), dim=-1).requires_grad_()
+    zy0 = F.normalize(torch.randn(n, d, generator=gen), dim=-1).requires_grad_()
+
+    def encode(rows: slice) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return zx0[rows] * 1.0, zy0[rows] * 1.0, None
+
+    step = StreamingClipStep(stream_chunk_size=chunk, fixed_scale=1 / TAU, grad_average_factor=2)
+    microbatches = [slice(i, i + micro) for i in range(0, n, micro)]
+    step(encode, microbatches)  # the first call also checks the normalization
+    zx0.grad = zy0.grad = None
+    with PeakMemory(torch.device("cpu")) as probe:
+        step(encode, microbatches)
+    assert probe.peak <= 6 * n * d * 4, probe.peak / (n * d * 4)
+    want = torch.autograd.grad(
+        InfoNCE().dense(zx0, zy0, torch.tensor(1 / TAU)), [zx0, zy0]
+    )  # the factor 2 is the data-parallel average's: the step leaves 2x the gradient for it to halve
+    assert_close([zx0.grad / 2, zy0.grad / 2], list(want), rel=1e-5)
 
 
 # ------------------------------------------------------------------ bad input: one clear line each

@@ -17,8 +17,13 @@ _spec.loader.exec_module(sweep)
 
 def test_summarize_drops_warmup_and_reports_spread() -> None:
     records = [
-        {"kind": "train", "samples_per_s": s, "peak_memory_gib": m, "loss": loss, "mfu": 0.1 * s}
-        for s, m, loss in ((10.0, 1.0, 5.0), (100.0, 2.0, 4.0), (120.0, 1.5, 3.0), (90.0, 1.2, 2.0))
+        {"kind": "train", "samples_per_s": s, "peak_memory_gib": m, "loss": loss, "mfu": 0.1 * s, "data_share": f}
+        for s, m, loss, f in (
+            (10.0, 1.0, 5.0, 0.9),
+            (100.0, 2.0, 4.0, 0.01),
+            (120.0, 1.5, 3.0, 0.03),
+            (90.0, 1.2, 2.0, 0.02),
+        )
     ]
     row = sweep.summarize([*records, {"kind": "eval", "loss": 9.0}], warmup_windows=1)
     assert row == {
@@ -30,6 +35,7 @@ def test_summarize_drops_warmup_and_reports_spread() -> None:
         "final_loss": 2.0,
         "timed_windows": 3,
         "mfu": 10.0,
+        "data_share": 0.02,
     }
     assert sweep.summarize([], 1)["status"] == "error"
 
@@ -81,3 +87,17 @@ overrides = ["--training.local_batch_size=0"]
 def test_unknown_grid_is_a_one_line_error() -> None:
     with pytest.raises(SystemExit, match=r"--grid nope: no such grid; choose one of cpu_planner, cpu_small, gpu"):
         sweep.load_grid("nope")
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in sweep.GRIDS.glob("*.toml")))
+def test_every_shipped_grid_point_is_a_valid_config(name: str) -> None:
+    """A typo in a grid costs a GPU session its points: each point's launch arguments parse and
+    validate here (the command's flags after run_train.sh, on the grid's config)."""
+    from titan_contrastive.config.manager import parse_args
+
+    grid = sweep.load_grid(name)
+    for strategy in grid["strategies"]:
+        for global_batch in grid["global_batch_sizes"]:
+            argv = sweep.point_command(grid, strategy, global_batch, Path("/tmp/unused"))[1:]
+            cfg = parse_args([f"--job.config_file={grid['config']}", *argv])
+            assert cfg.training.global_batch_size == global_batch

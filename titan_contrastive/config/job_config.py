@@ -293,14 +293,17 @@ class GradCacheConfig:
 
 @dataclass
 class Data:
-    dataset: Literal["fashion_mnist", "emoji", "wordnet", "csv", "webdataset", "hf", "pairs", "vl_pairs"] = (
-        "fashion_mnist"
-    )
+    dataset: Literal[
+        "fashion_mnist", "emoji", "wordnet", "csv", "webdataset", "hf", "pairs", "vl_pairs", "synthetic"
+    ] = "fashion_mnist"
     """Bundled, zero setup: `fashion_mnist` (image-caption, zero-shot eval), `emoji` (image <-> name,
     retrieval eval), `wordnet` (definition <-> lemma pairs for model.name=bi_encoder). Your data:
     `csv` (image paths + captions), `webdataset` (tar shards, img2dataset layout), `hf` (a Hugging
     Face dataset on disk) for clip; `pairs` (JSONL/CSV/TSV/Parquet/Hugging Face text pairs) for bi_encoder;
-    `vl_pairs` (JSONL/CSV/TSV/Parquet rows query_image, query_text, doc_image, doc_text) for qwen_vl."""
+    `vl_pairs` (JSONL/CSV/TSV/Parquet rows query_image, query_text, doc_image, doc_text) for qwen_vl.
+    `synthetic`: generated image-caption JPEGs, as many as `synthetic_samples`, for speed runs (clip)."""
+    synthetic_samples: int = _opt(65536, lambda v: v >= 1, "an integer >= 1")
+    """synthetic: samples per epoch (every one decoded, cropped and tokenized like your own data)."""
     path: str = ""
     """Training data. Bundled sets: a folder (empty = the Debian package if installed, else the
     bundle). csv: the file. webdataset: tars as a brace pattern (`shards/{00000..00099}.tar`) or the

@@ -26,10 +26,11 @@ from titan_contrastive.datasets.loader import EpochLoader, build_dataloader
 from titan_contrastive.datasets.pairs import PairsDataset
 from titan_contrastive.datasets.protocol import Dataset
 from titan_contrastive.datasets.sources import CsvSource, Source, WebDatasetSource, WeightedSources
+from titan_contrastive.datasets.synthetic import SyntheticSource
 from titan_contrastive.datasets.tokenizer import ByteTokenizer, CaptionTokenizer
 from titan_contrastive.datasets.vl_pairs import VLPairsDataset, family_refusal
 
-FILE_SOURCES = ("csv", "webdataset", "hf")
+FILE_SOURCES = ("csv", "webdataset", "hf", "synthetic")
 DEFAULT_IMAGE_SIZE = 224
 DEFAULT_CONTEXT = {"byte": 32, "clip_bpe": 77}
 NEGATIVE_KEYS = {"csv": "csv_negative_keys", "webdataset": "wds_negative_key", "hf": "hf_negative_columns"}
@@ -169,13 +170,17 @@ def build_file_dataset(
 ) -> FileImageTextDataset:
     """One split of the user's image-caption data (`data`: the `[data]` section). Negative captions
     are read for the train split only, with data.hard_negatives: evaluation ranks positives."""
-    source = open_source(kind, path, data, split=split, negatives=split == "train" and data.hard_negatives)
+    image_size = image_size or DEFAULT_IMAGE_SIZE
+    if kind == "synthetic":  # JPEGs a little larger than the crops, as photos are
+        source: Source = SyntheticSource(data.synthetic_samples, max(256, image_size * 8 // 7), seed)
+    else:
+        source = open_source(kind, path, data, split=split, negatives=split == "train" and data.hard_negatives)
     return FileImageTextDataset(
         name=kind,
         split=split,
         source=source,
         tokenizer=tokenizer,
-        image_size=image_size or DEFAULT_IMAGE_SIZE,
+        image_size=image_size,
         seed=seed,
         augment=augment,
     )
@@ -214,6 +219,11 @@ def build_data(
         context_length = tokenizer.context_length
         common = dict(tokenizer=tokenizer, image_size=data.image_size, seed=seed)
         train = build_file_dataset(data.dataset, "train", data.path, data, augment=data.augment, **common)
+        if data.val_path and data.dataset == "synthetic":
+            raise DataError(
+                f"data.val_path={data.val_path!r}: synthetic data has no held-out set; leave data.val_path empty "
+                "and set eval.enable=false"
+            )
         if data.val_path:  # a CSV/TSV is read as csv whatever the train data is (held-out sets are often small files)
             kind = "csv" if data.val_path.endswith((".csv", ".tsv")) else data.dataset
             eval_sets.append(build_file_dataset(kind, "test", data.val_path, data, augment=False, **common))

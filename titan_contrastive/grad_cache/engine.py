@@ -48,10 +48,30 @@ def as_tuple(outputs: Outputs) -> tuple[Tensor | None, ...]:
     return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
 
 
+class _SurrogateDot(torch.autograd.Function):
+    """<rep, grad> in `dtype`; the backward writes go x grad, computed in `dtype`, straight into a
+    tensor of rep's dtype (one rounding, as a product then a cast, without the wide temporary)."""
+
+    @staticmethod
+    def forward(ctx: Any, rep: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:  # noqa: ANN401
+        ctx.save_for_backward(grad)
+        ctx.rep_dtype, ctx.dtype = rep.dtype, dtype
+        return torch.dot(rep.flatten().to(dtype), grad.flatten().to(dtype))
+
+    @staticmethod
+    def backward(ctx: Any, go: Tensor) -> tuple[Tensor, None, None]:  # noqa: ANN401
+        (grad,) = ctx.saved_tensors
+        out = torch.empty(grad.shape, dtype=ctx.rep_dtype, device=grad.device)
+        return torch.mul(grad.to(ctx.dtype), go.to(ctx.dtype), out=out), None, None
+
+
 def float_dot(rep: Tensor, grad: Tensor) -> Tensor:
-    """<rep, grad> in float32 or better, whatever the representation's dtype (bf16 / fp16 sums lose digits)."""
+    """<rep, grad> in float32 or better, whatever the representation's dtype (bf16 / fp16 sums lose
+    digits); its gradient with respect to `rep` is `grad` times the incoming gradient, in rep's dtype."""
     dtype = torch.promote_types(torch.promote_types(rep.dtype, grad.dtype), torch.float32)
-    return torch.dot(rep.flatten().to(dtype), grad.flatten().to(dtype))
+    if grad.shape != rep.shape:
+        raise GradCacheError(f"a cached gradient of shape {tuple(grad.shape)} for a representation {tuple(rep.shape)}")
+    return _SurrogateDot.apply(rep, grad.detach(), dtype)
 
 
 class Replay(Sequence):

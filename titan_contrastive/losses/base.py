@@ -29,6 +29,8 @@ from torch import Tensor
 
 from titan_contrastive.parallelisms.collectives import all_gather_tensor, all_gather_with_grad, reduce_scatter_sum
 
+ROW_BLOCK = 4096  # rows per block of `row_dots`: a 4096 x 512 float32 temporary is 8 MiB
+
 
 class StreamResult(NamedTuple):
     """A rank's part of a streamed objective (the caller sums the shares over ranks)."""
@@ -150,9 +152,16 @@ def gathered_problem(
     return (ranks.gather_with_grad(q) if with_rows else q), cols, col_ids
 
 
+def row_dots(a: Tensor, b: Tensor, dtype: torch.dtype, block: int = ROW_BLOCK) -> Tensor:
+    """<a_i, b_i> per row, each product and the sum in `dtype`, `block` rows at a time (the
+    temporary in `dtype` stays [block, d] however many rows there are)."""
+    blocks = range(0, len(a), block)
+    return torch.cat([a[i : i + block].to(dtype, copy=True).mul_(b[i : i + block]).sum(1) for i in blocks])
+
+
 def row_scale_shares(q_own: Tensor, grad_rows: Tensor, scale: Tensor) -> Tensor:
     """dL/ds per own row, <q_i, dL/dq_i> / s: the loss depends on s only through s <q, d>."""
-    return (q_own.to(grad_rows.dtype) * grad_rows).sum(1) / scale.to(grad_rows.dtype)
+    return row_dots(q_own, grad_rows, grad_rows.dtype) / scale.to(grad_rows.dtype)
 
 
 class RescaleAccumulatedLoss:

@@ -136,15 +136,40 @@ def _fused_products(
     gx = torch.zeros(c, zy.shape[1], dtype=torch.float32, device=zy.device)
     gy = torch.zeros(n, zy.shape[1], dtype=torch.float32, device=zy.device)
     w_buffer = torch.empty(min(panel, c), min(panel, n), dtype=w_dtype, device=zy.device)
+    add_product = _add_product_fn(zy.device, w_dtype)
     for r0 in range(0, c, panel):
         rows = slice(r0, min(r0 + panel, c))
         x_rows = zx_own[rows].to(w_dtype)
         for c0 in range(0, n, panel):
             cols = slice(c0, min(c0 + panel, n))
             w = weights(zx_own[rows], zy[cols], (r0, c0), w_buffer[: rows.stop - r0, : cols.stop - c0])
-            gx[rows] += w @ zy[cols].to(w_dtype)
-            gy[cols] += w.T @ x_rows
+            add_product(gx[rows], w, zy[cols].to(w_dtype))
+            add_product(gy[cols], w.T, x_rows)
     return gx, gy
+
+
+def _add_sum(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    acc += a @ b
+
+
+def _add_wide(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+
+
+@functools.cache
+def _add_product_fn(device: torch.device, dtype: torch.dtype) -> Callable[[Tensor, Tensor, Tensor], None]:
+    """acc (float32) += a @ b: one GEMM with a float32 output where the device has it (CUDA, bf16 /
+    fp16 inputs: no rounded product in between, no separate pass to add it), checked once on a small
+    problem; else the product in the inputs' dtype, then the sum."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return _add_sum
+    a = torch.linspace(-1, 1, 24, device=device).view(4, 6).to(dtype)
+    acc, want = torch.ones(4, 4, device=device), 1 + a.double() @ a.double().T
+    try:
+        _add_wide(acc, a, a.T)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return _add_sum
+    return _add_wide if torch.allclose(acc.double(), want, rtol=1e-5, atol=1e-5) else _add_sum
 
 
 def preferred_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str:

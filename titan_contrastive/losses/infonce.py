@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from titan_contrastive.losses import fused
-from titan_contrastive.losses.base import Ranks, StreamResult, gathered_problem, row_scale_shares
+from titan_contrastive.losses.base import Ranks, StreamResult, gathered_problem, row_dots, row_scale_shares
 from titan_contrastive.losses.masking import FalseNegatives
 from titan_contrastive.losses.streaming import KeptBlock, streamed_row_col_lse, streamed_softmax_grads
 
@@ -111,7 +111,7 @@ class InfoNCE:
             row_own, col_part = fused.fused_lse(q_own, docs, s, kernel)
         col_lse = ranks.merge_lse(col_part) if self.symmetric else None
         acc = row_own.dtype
-        positive = (q_own.to(acc) * docs[first_row : first_row + c].to(acc)).sum(1) * scale.to(acc)
+        positive = row_dots(q_own, docs[first_row : first_row + c], acc) * scale.to(acc)
         terms = (row_own - positive).sum()
         if self.symmetric:
             terms = terms + (col_lse[first_row : first_row + c] - positive).sum()

@@ -137,7 +137,11 @@ class StreamingClipStep:
         )
         zx_parts, zy_parts = [o[0] for o in outputs], [o[1] for o in outputs]
         scale, bias = (list(outputs[-1][2:4]) + [None, None])[:2]
-        zx_local, zy_local = torch.cat(zx_parts), torch.cat(zy_parts)
+        ends = list(itertools.accumulate(len(z) for z in zx_parts))
+        zx_local, zy_local = _joined(zx_parts), _joined(zy_parts)
+        del zx_parts, zy_parts
+        if not replay:  # the joined copies are all that is needed of A's outputs
+            outputs = None
         if zx_local.dim() != 2 or zy_local.shape[:1] + zy_local.shape[-1:] != zx_local.shape or zy_local.dim() > 3:
             raise DistributedClipError(
                 f"z_x {tuple(zx_local.shape)} and z_y {tuple(zy_local.shape)}: z_y must be [batch, dim] like z_x, or "
@@ -181,17 +185,17 @@ class StreamingClipStep:
             gy = gy.unsqueeze(1)
             if negatives is not None:
                 gy = torch.cat([gy, self.ranks.scatter_sum(result.grad_cols[n:]).view(c, zy_local.shape[1] - 1, -1)], 1)
-        del docs
+        del docs, zx_local, zy_local, positives, negatives
 
         # D. replayed forward with a graph, backward of the surrogate <z, cached gradient> (the engine);
-        #    the cache is x P: the data-parallel reduction averages
+        #    the cache is x P (in place: these buffers are the step's own): the data-parallel reduction averages
         factor = self.grad_average_factor
-        ends = list(itertools.accumulate(len(z) for z in zx_parts))
-        del zx_parts, zy_parts
+        if factor != 1:
+            gx, gy = gx.mul_(factor), gy.mul_(factor)
 
         def gradients(j: int, out: tuple[Tensor | None, ...]) -> list[Tensor | None]:
             rows = slice(ends[j - 1] if j else 0, ends[j])
-            grads: list[Tensor | None] = [gx[rows] * factor, gy[rows] * factor, None, None]
+            grads: list[Tensor | None] = [gx[rows], gy[rows], None, None]
             if learnable:  # dL/ds, this microbatch's rows' share
                 grads[2] = (result.scale_rows[rows].sum() * factor).reshape(out[2].shape)
             if learn_bias:  # dL/db, this microbatch's rows' share
@@ -238,6 +242,11 @@ class StreamingClipStep:
                 f"{name} is not L2-normalized (max | ||z|| - 1 | = {err:.3g}); normalize in forward: "
                 "z = torch.nn.functional.normalize(z, dim=-1)"
             )
+
+
+def _joined(parts: list[Tensor]) -> Tensor:
+    """The microbatches' embeddings as one tensor (one microbatch: itself, not a copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class GlobalNegativesStep(ContrastiveLog):
