@@ -14,6 +14,9 @@
 #  10  (issue 31) pytest -m gpu (the host-sync test: its recorder fixed after the 2026-11-26 run);
 #      ours vs open_clip's accum_freq at 32K, microbatches of 512; global negatives at 4K/16K/64K (flat
 #      memory); the trainer end to end with 4 and 14 workers (where its 16 % goes); all in $OUT/stage10.tar
+#  11  (issue 31) uint8 pixels normalized on the GPU against float32 from the workers (data.pixels_on_device),
+#      synthetic JPEG data, 14 workers: the bare step and the trainer end to end, plain and global
+#      negatives, microbatches of 512; all in $OUT/stage11.tar
 #   1  pytest -m gpu and the Triton kernel tests                                        (issues 4, 8)
 #   6  the loss benchmark's largest rows (bf16, N 256K..1M; 8K..256K were measured on
 #      2026-11-24: results/gpu_loss_bench.log) and 64K again (its memory after 2026-11-26's
@@ -45,12 +48,12 @@ case "${1:-}" in
       tyro docstring-parser typeguard shtab torchdata open-clip-torch ftfy wcwidth regex inf-cl==1.2.1 memeff==0.3.1 \
       webdataset wids braceexpand peft==0.21.2
     ls .whl; exit 0 ;;
-  1|2|3|4|5|6|7|8|9|10)
+  1|2|3|4|5|6|7|8|9|10|11)
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.txt" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9|10" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9|10|11" >&2; exit 2 ;;
 esac
 res=/tmp/stage_results && mkdir -p "$res"
 pack() { tar -C "$res" -cf "$out/stage$1.tar" . ; }  # after every step: a time limit loses only the step in flight
@@ -65,6 +68,9 @@ case "$1" in
         --time-budget 135 --tag scale --out "$res"; pack 10
       for w in 4 14; do step 60 python3 -m benchmarks.step_gpu_bench --variants plain --scale --e2e-steps 30 \
         --num-workers $w --timeout 55 --tag workers$w --out "$res"; pack 10; done ;;
+  11) for px in true false; do for v in plain global; do step 140 python3 -m benchmarks.step_gpu_bench --variants $v \
+        --scale --chunk 512 --e2e-steps 20 --num-workers 14 --timeout 130 --override=--data.dataset=synthetic \
+        --override=--data.pixels_on_device=$px --tag pixels_${px}_$v --out "$res"; pack 11; done; done ;;
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider
      step 420 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider ;;  # compiled, bf16 dot included (>120 s)
   6) step 560 python3 -m benchmarks.loss_bench --losses clip --n 65536 262144 524288 1048576 --dtypes bfloat16 \

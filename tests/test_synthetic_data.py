@@ -53,3 +53,71 @@ def test_the_trainer_runs_a_batch_larger_than_a_bundled_set(tmp_path: Path, caps
     assert main([*args, "--data.val_path=held_out.csv", f"--job.dump_folder={tmp_path / 'bad'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "data.val_path='held_out.csv'" in err[0] and "synthetic" in err[0], err
+
+
+def test_uint8_pixels_normalized_on_the_device_equal_the_workers_floats(tmp_path: Path) -> None:
+    """A GPU run's file data leaves the loader as uint8 (`pixels_on_device`) and the step normalizes
+    it: the model's inputs are the float path's to the bit, in the same memory layout, and so are
+    the embeddings. (On CPU the trainer keeps normalizing in the workers; here the switch is forced.)"""
+    import torch
+
+    from titan_contrastive.config import parse_args
+    from titan_contrastive.train import Trainer
+
+    trainer = Trainer(
+        parse_args(
+            [
+                "--data.dataset=synthetic",
+                "--data.synthetic_samples=64",
+                "--data.image_size=32",
+                "--training.local_batch_size=8",
+                "--training.steps=1",
+                "--eval.enable=false",
+                "--metrics.enable_tensorboard=false",
+                f"--job.dump_folder={tmp_path}",
+            ]
+        )
+    )
+    data, ctx = trainer.train_set, trainer.step_context
+    assert ctx.device_transforms == {} and not data.uint8_pixels  # CPU: floats from the workers
+    floats = data.__getitems__(list(range(8)))
+    data.serve_uint8()
+    raw = data.__getitems__(list(range(8)))
+    assert floats["image"].dtype == torch.float32 and raw["image"].dtype == torch.uint8
+    assert raw["image"].element_size() * 4 == floats["image"].element_size()  # a quarter of the bytes
+    assert torch.equal(raw["text"], floats["text"])
+    ctx.device_transforms = {"image": data.normalize.apply}
+    got, want = ctx.inputs(raw), ctx.inputs(floats)
+    assert torch.equal(got[0], want[0]) and got[0].stride() == want[0].stride() and torch.equal(got[1], want[1])
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(ctx.encode(raw), ctx.encode(floats)))
+    ctx.device_transforms = {}  # without the transform the step would feed raw bytes: the test's control
+    assert not torch.equal(ctx.inputs(raw)[0], want[0])
+    trainer.metrics.close()
+
+
+def test_build_data_sends_uint8_pixels_when_they_are_normalized_on_the_device() -> None:
+    import torch
+
+    from titan_contrastive.config import parse_args
+    from titan_contrastive.datasets import build_dataset
+    from titan_contrastive.datasets.build import build_data
+
+    cfg = parse_args(
+        [
+            "--data.dataset=synthetic",
+            "--data.synthetic_samples=32",
+            "--data.image_size=32",
+            "--training.local_batch_size=8",
+        ]
+    )
+    common = dict(family_tokenizer=lambda: None, prepare=lambda ds: None, build_bundled=build_dataset)
+    for on_device, dtype in ((False, torch.float32), (True, torch.uint8)):
+        bundle = build_data(cfg, **common, dp_rank=0, dp_degree=1, pin_memory=False, pixels_on_device=on_device)
+        assert set(bundle.device_transforms) == ({"image"} if on_device else set())
+        assert next(iter(bundle.loader))["image"].dtype == dtype
+    bundled = parse_args(
+        ["--data.dataset=emoji", "--training.local_batch_size=8"]
+    )  # in-memory sets resize floats in the loader: unchanged
+    bundle = build_data(bundled, **common, dp_rank=0, dp_degree=1, pin_memory=False, pixels_on_device=True)
+    assert bundle.device_transforms == {} and next(iter(bundle.loader))["image"].dtype == torch.float32

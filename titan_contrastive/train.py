@@ -101,6 +101,7 @@ class Trainer:
             dp_degree=dp,
             pin_memory=device.type == "cuda",
             global_batch_size=self.global_batch_size,
+            pixels_on_device=device.type == "cuda" and cfg.data.pixels_on_device,
         )
         self.train_set, self.eval_set, self.loader = data.train_set, data.eval_set, data.loader
         self.beir = (
@@ -116,7 +117,9 @@ class Trainer:
         self.dp_model = parallelize_model(model, spec.blocks(model), dims, self.mesh, cfg, precision, device)
         self.optimizer = build_optimizer(model, cfg.optimizer, device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.step_context = StepContext.for_run(cfg, spec, model, self.dp_model, precision, dist, dp, self.ga_steps)
+        self.step_context = StepContext.for_run(
+            cfg, spec, model, self.dp_model, precision, dist, dp, self.ga_steps, data.device_transforms
+        )
         self.gradient_step = build_gradient_step(spec, self.step_context, cfg, self.objective)
         self.train_state = TrainState()
         self.nonfinite = NonFiniteGuard(cfg.training.on_nonfinite, cfg.training.max_consecutive_skips)

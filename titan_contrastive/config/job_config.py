@@ -354,6 +354,9 @@ class Data:
     max_bad_fraction: float = _opt(0.001, lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
     """Undecodable images, missing captions and unreadable files or shards are skipped, counted and
     logged; past this fraction of the samples loaded (at least one epoch's worth) the run stops."""
+    pixels_on_device: bool = True
+    """On a GPU, images decoded from files (csv, webdataset, hf, synthetic) leave the loader as uint8
+    and are normalized on the device (a quarter of the bytes to pin and copy); false: float32 from the workers."""
     num_workers: int = _opt(0, lambda v: v >= 0, "an integer >= 0")
     """DataLoader worker processes (0 loads in the training process; right for the in-memory
     bundled sets; 2 or more for your own data, which is decoded per sample)."""

@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from torch import Tensor
 
 from titan_contrastive.config import ConfigError
 from titan_contrastive.config.job_config import Data, JobConfig
@@ -131,6 +133,8 @@ class DataBundle:
     zero_shot_set: Dataset | None
     loader: EpochLoader
     context_length: int
+    device_transforms: dict[str, Callable[[Tensor], Tensor]] = field(default_factory=dict)
+    """Batch key -> what the step applies to it on the device (`pixels_on_device`: uint8 -> normalized)."""
 
     @property
     def eval_sets(self) -> dict[str, Dataset | None]:
@@ -196,12 +200,17 @@ def build_data(
     dp_degree: int,
     pin_memory: bool,
     global_batch_size: int = 0,
+    pixels_on_device: bool = False,
 ) -> DataBundle:
     """The run's data (see the module docstring). `family_tokenizer()`: a pretrained family's own
     tokenizer (bi_encoder) for text pairs, or None; an ImportError (its optional dependency is
     missing) becomes a one-line ConfigError. `build_bundled`: `datasets.build_dataset`.
     `global_batch_size` (samples per optimizer step) may not exceed the training set: one step
-    would then hold samples twice (0: not checked). `cfg` gives `[data]`, `[eval]`, the seed and the local batch."""
+    would then hold samples twice (0: not checked). `pixels_on_device` (a GPU run): a training set
+    decoded from files serves uint8 images and the step normalizes them on the device
+    (`DataBundle.device_transforms`): a quarter of the bytes through the workers' shared memory,
+    the pinning and the host-to-device copy, which the global-negatives step makes twice per
+    microbatch. `cfg` gives `[data]`, `[eval]`, the seed and the local batch."""
     data, eval_cfg, seed, local_batch_size = cfg.data, cfg.eval, cfg.training.seed, cfg.training.local_batch_size
     try:
         pair_tokenizer = family_tokenizer()
@@ -312,6 +321,10 @@ def build_data(
             f"one step would use samples twice; use at most {len(train) // per_batch * per_batch} (a multiple of "
             f"local_batch_size x dp degree = {per_batch}) or more data"
         )
+    transforms = {}
+    if pixels_on_device and isinstance(train, FileImageTextDataset) and not train.processed:
+        train.serve_uint8()
+        transforms["image"] = train.normalize.apply
     loader = build_dataloader(
         train,
         local_batch_size=local_batch_size,
@@ -322,4 +335,4 @@ def build_data(
         pin_memory=pin_memory,
         max_bad_fraction=data.max_bad_fraction,
     )
-    return DataBundle(train, eval_sets[0], eval_sets[1], loader, context_length)
+    return DataBundle(train, eval_sets[0], eval_sets[1], loader, context_length, transforms)

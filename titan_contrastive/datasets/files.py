@@ -49,10 +49,10 @@ MAX_SUBSTITUTES = 64
 
 
 class FileImageTextDataset:
-    """A `datasets.protocol.Dataset` over a `sources.Source`: image [B,3,S,S] float32, text [B,L]
-    int64, index [B] int64, with negative captions `neg` [B, k, L] int64 (and BAD_SAMPLES, a list of
-    skipped records). Retrieval evaluation (recall@1/5/10 both ways) when it is the eval split;
-    `class_names` is None."""
+    """A `datasets.protocol.Dataset` over a `sources.Source`: image [B,3,S,S] float32 (uint8 after
+    `serve_uint8`), text [B,L] int64, index [B] int64, with negative captions `neg` [B, k, L] int64
+    (and BAD_SAMPLES, a list of skipped records). Retrieval evaluation (recall@1/5/10 both ways)
+    when it is the eval split; `class_names` is None."""
 
     def __init__(
         self,
@@ -82,7 +82,9 @@ class FileImageTextDataset:
         self._source = source
         self.shard_losses = list(getattr(source, "losses", []))
         """What indexing left out of the source (`sources.ShardLoss`), for the data line and `bad_shards` metrics."""
-        self._normalize = Normalize(mean, std)
+        self.normalize = Normalize(mean, std)
+        self.uint8_pixels = False
+        """`serve_uint8`: images leave the loader as uint8, for `normalize.apply` on the device."""
         self.num_negatives = getattr(source, "num_negatives", 0)
         self._process: Any = None  # `serve_processed`
         if self.num_negatives and split == "train":
@@ -115,6 +117,16 @@ class FileImageTextDataset:
         )
 
     serve_masked = pack_patches
+
+    @property
+    def processed(self) -> bool:
+        """Whether batches come from a model's processor (`serve_processed`) rather than as tensors."""
+        return self._process is not None
+
+    def serve_uint8(self) -> None:
+        """Serve `image` as uint8 [B, 3, S, S], not normalized: the step normalizes it on its device with
+        `normalize.apply` (a quarter of the bytes to pin and copy; the same values once normalized)."""
+        self.uint8_pixels = True
 
     def serve_processed(self, process: Any, sizes: Sequence[int] = ()) -> None:
         """Serve `process(images, captions)` of each batch instead of tensors: the images decoded at their
@@ -169,7 +181,7 @@ class FileImageTextDataset:
             captions.append(record.caption)
             negatives.extend(record.negatives)
         batch = {
-            "image": self._normalize(pixels),
+            "image": self.normalize.channels_first(pixels) if self.uint8_pixels else self.normalize(pixels),
             "text": self.tokenizer.encode(captions),
             "index": torch.as_tensor(list(indices), dtype=torch.long),
             BAD_SAMPLES: bad,

@@ -78,6 +78,9 @@ class StepContext:
     defer_fsdp_sync: bool = False
     """`[parallelism] defer_grad_sync`: FSDP2 reduce-scatters only after the last backward."""
     family: str = ""
+    device_transforms: dict[str, Callable[[Tensor], Tensor]] = field(default_factory=dict)
+    """Batch key -> what `inputs` applies to a uint8 entry once on the device (the data's
+    `DataBundle.device_transforms`: normalization of pixels sent as uint8)."""
     last_scalars: tuple[Tensor, ...] = field(default=(), init=False)
     """What the last contrastive forward returned after the embeddings (exp(logit_scale)[, logit_bias]), for the log."""
     takes_replay: bool = field(default=False, init=False)
@@ -98,6 +101,7 @@ class StepContext:
         process: Any,
         dp_degree: int,
         ga_steps: int,
+        device_transforms: dict[str, Callable[[Tensor], Tensor]] | None = None,
     ) -> StepContext:
         """The context of a training run (`spec`: the family's ModelSpec; `process`: this process's
         parallelisms.DistInfo); every process is a data-parallel rank, so the DP group is the world
@@ -116,6 +120,7 @@ class StepContext:
             local_batch_size=cfg.training.local_batch_size,
             defer_fsdp_sync=cfg.parallelism.defer_grad_sync,
             family=cfg.model.name,
+            device_transforms=dict(device_transforms or {}),
         )
 
     @property
@@ -150,10 +155,14 @@ class StepContext:
 
     def inputs(self, batch: Batch, negatives: bool = True) -> list[Tensor]:
         """The model inputs of a batch on the device, floating ones in the parameter dtype
-        (copied asynchronously from pinned memory, then cast on the device). Hard negatives
+        (copied asynchronously from pinned memory, then normalized (uint8 pixels,
+        `device_transforms`) and cast on the device). Hard negatives
         (`batch["neg"]`) join the second input, 1 + k documents per sample (`with_negatives`),
         unless `negatives` is false."""
         inputs = [batch[key].to(self.device, non_blocking=True) for key in self.input_keys]
+        for i, key in enumerate(self.input_keys):
+            if key in self.device_transforms and inputs[i].dtype == torch.uint8:
+                inputs[i] = self.device_transforms[key](inputs[i])
         if negatives and NEGATIVES in batch:
             negs = batch[NEGATIVES].to(self.device, non_blocking=True)
             inputs[1] = with_negatives(inputs[1], negs, self.doc_pad_id)
