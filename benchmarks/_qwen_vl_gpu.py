@@ -37,24 +37,14 @@ def search(
     record: Callable[[dict[str, Any]], None],
     probe: ChunkProbe | None = None,
 ) -> dict[str, Any]:
-    """Double the batch from `start` (halving first while the start does not fit); each measured batch
-    goes to `record(row)`. Returns how the search ended: {"stop": reason}."""
+    """Double the batch from `start` (halving first while the start does not fit; `harness.doubling_search`);
+    each measured batch goes to `record(row)`. Returns how the search ended: {"stop": reason}."""
     import torch
 
     device = trainer.device
     cuda = device.type == "cuda"
-    batch, going_down, previous = start, False, None
-    while True:
-        if batch > args.max_batch:
-            return {"stop": f"max batch {args.max_batch}"}
-        if deadline is not None and time.monotonic() >= deadline:
-            return {"stop": "time budget: no time left"}
-        if deadline is not None and previous is not None:
-            per_step = previous["median_s"] * batch / previous["batch"]
-            needed = 1.15 * (per_step * (args.warmup + args.repeats) + previous["prepare_s"] * 2)
-            left = deadline - time.monotonic()
-            if needed > left:
-                return {"stop": f"time budget: batch {batch} needs ~{needed:.0f} s, {max(left, 0):.0f} s left"}
+
+    def measure(batch: int) -> dict[str, Any]:
         prepared = time.monotonic()
         data = make_batch(batch)
         prepare_s = time.monotonic() - prepared
@@ -105,21 +95,21 @@ def search(
         else:
             row |= {"status": "OOM" if harness.is_oom(m) else "error", "reason": m.reason}
         record(row)
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        if row["status"] == "error":
-            return {"stop": f"error at batch {batch}: {m.reason}"}
-        if row["status"] == "OOM":
-            if previous is not None:
-                return {"stop": f"out of memory at batch {batch}"}
-            if batch <= 2:  # a contrastive batch needs two samples
-                return {"stop": f"out of memory at batch {batch}"}
-            batch, going_down = max(2, batch // 2), True  # the start does not fit: halve until one does
-            continue
-        if going_down:
-            return {"stop": f"out of memory at batch {batch * 2}"}
-        previous, batch = row, batch * 2
+        return row
+
+    def seconds_for(previous: dict[str, Any], batch: int) -> float:
+        per_step = previous["median_s"] * batch / previous["batch"]
+        return 1.15 * (per_step * (args.warmup + args.repeats) + previous["prepare_s"] * 2)
+
+    return harness.doubling_search(
+        start,
+        measure,
+        smallest=2,  # a contrastive batch needs two samples
+        largest=args.max_batch,
+        deadline=deadline,
+        seconds_for=seconds_for,
+        device=device,
+    )
 
 
 class Batches:
@@ -198,29 +188,6 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def plot_gpu(rows: list[dict[str, Any]], title: str):  # noqa: ANN201 - a matplotlib figure
-    plt = harness.pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    memory_key = "cuda_peak_gib" if any(r.get("cuda_peak_gib") is not None for r in rows) else "peak_rss_mib"
-    for mode in GPU_MODES:
-        ok = sorted((r for r in rows if r["mode"] == mode and r["status"] == "ok"), key=lambda r: r["batch"])
-        if not ok:
-            continue
-        (line,) = ax1.plot([r["batch"] for r in ok], [r["samples_per_s"] for r in ok], "o-", label=mode)
-        ax2.plot([r["batch"] for r in ok], [r[memory_key] for r in ok], "o-", color=line.get_color(), label=mode)
-        for r in rows:
-            if r["mode"] == mode and r["status"] == "OOM":
-                ax2.axvline(r["batch"], color=line.get_color(), ls=":", lw=1, label=f"{mode} OOM")
-    for ax in (ax1, ax2):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("contrastive batch (samples)")
-        ax.legend(fontsize=8)
-    ax1.set_ylabel("samples/s (median)")
-    ax2.set_ylabel("peak CUDA memory (GiB)" if memory_key == "cuda_peak_gib" else "peak RSS (MiB)")
-    fig.suptitle(title, fontsize=9)
-    return fig
-
-
 def run_gpu(args: argparse.Namespace, tmp: Path, start: float) -> None:
     import torch
 
@@ -252,7 +219,7 @@ def run_gpu(args: argparse.Namespace, tmp: Path, start: float) -> None:
             payload,
             rows=rows,
             fields=GPU_FIELDS,
-            figure=(lambda: plot_gpu(rows, title)) if figure and rows else None,
+            figure=(lambda: harness.plot_batch_search(rows, GPU_MODES, title)) if figure and rows else None,
         )
 
     def record(row: dict[str, Any]) -> None:

@@ -202,26 +202,14 @@ def search(
     deadline: float | None,
     record: Any,
 ) -> dict[str, Any]:
-    """Double the batch from `start` (halving first while the start does not fit); each measured batch
-    goes to `record(row)`. Returns how the search ended: {"stop": reason}."""
-    import torch
-
+    """Double the batch from `start` (halving first while the start does not fit; `harness.doubling_search`);
+    each measured batch goes to `record(row)`. Returns how the search ended: {"stop": reason}."""
     device, seq_len = trainer.device, args.seq_len
     cuda = device.type == "cuda"
-    batch, going_down, previous = start, False, None
-    while True:
-        if batch > args.max_batch:
-            return {"stop": f"max batch {args.max_batch}"}
-        if deadline is not None and time.monotonic() >= deadline:
-            return {"stop": "time budget: no time left"}
-        if deadline is not None and previous is not None:
-            per_step = previous["median_s"] * batch / previous["batch"]
-            needed = 1.15 * per_step * (args.warmup + args.repeats)
-            left = deadline - time.monotonic()
-            if needed > left:
-                return {"stop": f"time budget: batch {batch} needs ~{needed:.0f} s, {max(left, 0):.0f} s left"}
+
+    def measure(batch: int) -> dict[str, Any]:
         data = random_batch(batch, seq_len, pin=cuda, seed=batch)
-        runs = harness.round_robin(
+        m = harness.round_robin(
             {mode: lambda data=data: train_step(trainer, data)},
             args.repeats,
             warmup=args.warmup,
@@ -229,8 +217,7 @@ def search(
             rss=not cuda,
             tolerate=True,
             keep_values=True,
-        )
-        m = runs[mode]
+        )[mode]
         del data
         row: dict[str, Any] = {"mode": mode, "batch": batch, "chunk": args.chunk if mode == "gradcache" else None}
         if m.ok:
@@ -250,21 +237,20 @@ def search(
         else:
             row |= {"status": "OOM" if harness.is_oom(m) else "error", "reason": m.reason}
         record(row)
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        if row["status"] == "error":
-            return {"stop": f"error at batch {batch}: {m.reason}"}
-        if row["status"] == "OOM":
-            if previous is not None:
-                return {"stop": f"out of memory at batch {batch}"}
-            if batch <= 1:
-                return {"stop": "out of memory at batch 1"}
-            batch, going_down = max(1, batch // 2), True  # the start does not fit: halve until one does
-            continue
-        if going_down:
-            return {"stop": f"out of memory at batch {batch * 2}"}
-        previous, batch = row, batch * 2
+        return row
+
+    def seconds_for(previous: dict[str, Any], batch: int) -> float:
+        return 1.15 * previous["median_s"] * batch / previous["batch"] * (args.warmup + args.repeats)
+
+    return harness.doubling_search(
+        start,
+        measure,
+        smallest=1,
+        largest=args.max_batch,
+        deadline=deadline,
+        seconds_for=seconds_for,
+        device=device,
+    )
 
 
 # ---------------------------------------------------------------- summary, figure
@@ -317,30 +303,6 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     if same:
         lines.append(f"at batch {same['batch']}: GradCache {same['ratio']:.3f}x plain's samples/s")
     return lines
-
-
-def plot(rows: list[dict[str, Any]], title: str):  # noqa: ANN201 - a matplotlib figure
-    plt = harness.pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    memory_key = "cuda_peak_gib" if any(r.get("cuda_peak_gib") is not None for r in rows) else "peak_rss_mib"
-    for mode in MODES:
-        ok = sorted((r for r in rows if r["mode"] == mode and r["status"] == "ok"), key=lambda r: r["batch"])
-        if not ok:
-            continue
-        (line,) = ax1.plot([r["batch"] for r in ok], [r["samples_per_s"] for r in ok], "o-", label=mode)
-        ax2.plot([r["batch"] for r in ok], [r[memory_key] for r in ok], "o-", color=line.get_color(), label=mode)
-        for r in rows:
-            if r["mode"] == mode and r["status"] == "OOM":
-                ax1.axvline(r["batch"], color=line.get_color(), ls=":", lw=1)
-                ax2.axvline(r["batch"], color=line.get_color(), ls=":", lw=1, label=f"{mode} OOM")
-    for ax in (ax1, ax2):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("contrastive batch (samples)")
-        ax.legend(fontsize=8)
-    ax1.set_ylabel("samples/s (median)")
-    ax2.set_ylabel("peak CUDA memory (GiB)" if memory_key == "cuda_peak_gib" else "peak RSS (MiB)")
-    fig.suptitle(title, fontsize=9)
-    return fig
 
 
 # ---------------------------------------------------------------- main
@@ -412,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
             payload,
             rows=rows,
             fields=FIELDS,
-            figure=(lambda: plot(rows, title)) if figure and rows else None,
+            figure=(lambda: harness.plot_batch_search(rows, MODES, title)) if figure and rows else None,
         )
 
     def record(row: dict[str, Any]) -> None:
