@@ -285,6 +285,7 @@ def test_qwen_vl_chunks_gpu_mode_runs_on_cpu_with_a_tiny_model(tmp_path: Path) -
     assert (tmp_path / "qwen_vl_chunks_gpu.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # ~30 s: seven trainer processes
 def test_step_gpu_bench_runs_every_variant_on_cpu(tmp_path: Path) -> None:
     """benchmarks/step_gpu_bench.py end to end on CPU (what gpu_session.sh 9 and 10 run on a GPU): each variant
     in its own process through Trainer.train_step, a global@N row past the one microbatch the trainer is
