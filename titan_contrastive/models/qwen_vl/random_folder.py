@@ -68,10 +68,11 @@ def write_random_folder(
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )
+    mrope_text = {**text, "rope_scaling": {"type": "mrope", "mrope_section": section}}  # Qwen2-VL and Qwen2.5-VL
     if arch == "qwen2_vl":
         patch = 14
         config = transformers.Qwen2VLConfig(
-            text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": section}},
+            text_config=mrope_text,
             vision_config=dict(
                 depth=s["depth"],
                 embed_dim=s["width"],
@@ -86,7 +87,7 @@ def write_random_folder(
     elif arch == "qwen2_5_vl":
         patch = 14
         config = transformers.Qwen2_5_VLConfig(
-            text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": section}},
+            text_config=mrope_text,
             vision_config=dict(
                 depth=s["depth"],
                 hidden_size=s["width"],
