@@ -133,7 +133,7 @@ def time_pieces(path: str) -> dict[str, float]:
             [tf.decode_crop_resize(r.image, SIZE, train=True, rng=tf.sample_rng(0, 0, i)) for i, r in zip(idx, records)]
         )
         t4 = time.perf_counter()
-        ds._normalize(pixels)
+        ds.normalize(pixels)
         t5 = time.perf_counter()
         ds.tokenizer.encode([r.caption for r in records])
         t6 = time.perf_counter()

@@ -319,3 +319,14 @@ def test_loss_memory_counts_six_copies_of_the_embeddings_on_the_fused_path(tmp_p
     assert (row["n"], row["d"], row["panel"]) == (512, 4, 64)
     assert 6.0 <= row["target_units"] <= 6.1 and 384 <= row["target_mib"] <= 391, row["target_units"]
     assert (tmp_path / "loss_memory.png").stat().st_size > 10_000
+
+
+def test_data_bench_times_every_piece_of_the_loader_path(tmp_path: Path) -> None:
+    """data_bench's per-image pieces on 64 generated JPEGs (the dataset's own normalize and tokenizer)."""
+    from benchmarks import data_bench
+
+    pieces = data_bench.time_pieces(data_bench.make_data(tmp_path, 64)["csv"])
+    assert set(pieces) == {"read", "decode", "crop_resize", "decode_crop", "normalize", "tokenize", "total"}
+    assert all(v > 0 for v in pieces.values())
+    loader_path = ("read", "decode_crop", "normalize", "tokenize")
+    assert abs(pieces["total"] - sum(pieces[k] for k in loader_path)) < 1e-9
