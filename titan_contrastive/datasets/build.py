@@ -227,12 +227,12 @@ def build_data(
         tokenizer = pair_tokenizer or text_tokenizer(data.tokenizer, data.dataset, data.context_length)
         context_length = tokenizer.context_length
         common = dict(tokenizer=tokenizer, image_size=data.image_size, seed=seed)
-        train = build_file_dataset(data.dataset, "train", data.path, data, augment=data.augment, **common)
         if data.val_path and data.dataset == "synthetic":
             raise DataError(
                 f"data.val_path={data.val_path!r}: synthetic data has no held-out set; leave data.val_path empty "
                 "and set eval.enable=false"
             )
+        train = build_file_dataset(data.dataset, "train", data.path, data, augment=data.augment, **common)
         if data.val_path:  # a CSV/TSV is read as csv whatever the train data is (held-out sets are often small files)
             kind = "csv" if data.val_path.endswith((".csv", ".tsv")) else data.dataset
             eval_sets.append(build_file_dataset(kind, "test", data.val_path, data, augment=False, **common))
