@@ -176,33 +176,6 @@ def pyplot() -> Any:
     return plt
 
 
-def plot_batch_search(rows: Sequence[Mapping[str, Any]], modes: Sequence[str], title: str) -> Any:
-    """A batch search's figure: samples/s and peak memory against the batch, a line per mode of
-    its "ok" rows (`batch`, `samples_per_s`, `cuda_peak_gib` or `peak_rss_mib`), a dotted line at
-    each batch that ran out of memory."""
-    plt = pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    memory_key = "cuda_peak_gib" if any(r.get("cuda_peak_gib") is not None for r in rows) else "peak_rss_mib"
-    for mode in modes:
-        ok = sorted((r for r in rows if r["mode"] == mode and r["status"] == "ok"), key=lambda r: r["batch"])
-        if not ok:
-            continue
-        (line,) = ax1.plot([r["batch"] for r in ok], [r["samples_per_s"] for r in ok], "o-", label=mode)
-        ax2.plot([r["batch"] for r in ok], [r[memory_key] for r in ok], "o-", color=line.get_color(), label=mode)
-        for r in rows:
-            if r["mode"] == mode and r["status"] == "OOM":
-                ax1.axvline(r["batch"], color=line.get_color(), ls=":", lw=1)
-                ax2.axvline(r["batch"], color=line.get_color(), ls=":", lw=1, label=f"{mode} OOM")
-    for ax in (ax1, ax2):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("contrastive batch (samples)")
-        ax.legend(fontsize=8)
-    ax1.set_ylabel("samples/s (median)")
-    ax2.set_ylabel("peak CUDA memory (GiB)" if memory_key == "cuda_peak_gib" else "peak RSS (MiB)")
-    fig.suptitle(title, fontsize=9)
-    return fig
-
-
 def save_figure(fig: Any, path: Path | str, meta: Mapping[str, Any] | None = None, dpi: int = 120) -> Path:
     """Save `fig` as `path` with the metadata stamped below it, and close it."""
     path = Path(path)

@@ -5,7 +5,6 @@ GradCache with a visual-token budget; samples/s and peak memory per batch, JSON 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import time
 import traceback
@@ -14,17 +13,28 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.qwen_vl_chunks import (
-    GPU_FIELDS,
-    GPU_MODES,
-    GPU_NAME,
-    PAD,
-    ChunkProbe,
-    build_folder,
-    build_trainer,
-    is_packed,
-    trainer_args,
-)
+from benchmarks._qwen_vl_probe import PAD, ChunkProbe, is_packed
+from benchmarks._qwen_vl_trainer import build_folder, build_trainer, trainer_args
+
+GPU_NAME = "qwen_vl_chunks_gpu"
+GPU_MODES = ("plain", "gradcache")
+GPU_FIELDS = [
+    "mode",
+    "batch",
+    "chunk_tokens",
+    "status",
+    "samples_per_s",
+    "median_s",
+    "min_s",
+    "max_s",
+    "cuda_peak_gib",
+    "peak_rss_mib",
+    "chunks",
+    "tokens_max",
+    "saved_mib_max",
+    "loss",
+    "reason",
+]
 
 
 def search(
@@ -201,80 +211,56 @@ def run_gpu(args: argparse.Namespace, tmp: Path, start: float) -> None:
     meta = harness.metadata(
         device, pytorch_cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), loadavg_at_start=args.load_at_start
     )
-    rows: list[dict[str, Any]] = []
-    ends: dict[str, dict[str, Any]] = {}
     setup: dict[str, Any] = {"config": vars(args), "device": harness.device_name(device), "capacity_gib": capacity}
     title = (
         f"Qwen2-VL {args.size} (random init), LoRA r{args.lora_rank}, "
         f"images {'/'.join(map(str, args.image_sizes))} px, "
         f"GradCache <= {args.chunk_tokens[0]} tokens per chunk, {harness.device_name(device)}"
     )
-
-    def save(figure: bool = False) -> None:
-        payload = {**setup, "summary": summarize_gpu(rows, ends), "modes": ends}
-        harness.write_results(
-            args.out,
-            GPU_NAME,
-            meta,
-            payload,
-            rows=rows,
-            fields=GPU_FIELDS,
-            figure=(lambda: harness.plot_batch_search(rows, GPU_MODES, title)) if figure and rows else None,
-        )
-
-    def record(row: dict[str, Any]) -> None:
-        rows.append(row)
-        rate = f"{row['samples_per_s']:.2f} samples/s" if row["status"] == "ok" else row["status"]
-        peak = f", peak {row['cuda_peak_gib']:.2f} GiB" if row.get("cuda_peak_gib") is not None else ""
-        chunks = f", {row['chunks']} chunks (<= {row['tokens_max']} tokens)" if row.get("chunks") else ""
-        print(f"{row['mode']} batch {row['batch']}: {rate}{peak}{chunks}", flush=True)
-        save()
+    log = harness.SearchLog(
+        args.out,
+        GPU_NAME,
+        meta,
+        GPU_FIELDS,
+        args.modes,
+        title,
+        summarize_gpu,
+        setup,
+        note=lambda row: f", {row['chunks']} chunks (<= {row['tokens_max']} tokens)" if row.get("chunks") else "",
+    )
 
     folder = build_folder(tmp / f"qwen2_vl-{args.size}", args.size)
     print(f"built {folder.name} in {time.monotonic() - start:.1f} s", flush=True)
-    batches: Batches | None = None
-    for i, mode in enumerate(args.modes):
-        deadline = None
-        if args.time_budget:
-            now = time.monotonic()
-            deadline = now + (start + args.time_budget - now) / (len(args.modes) - i)
-        before = torch.cuda.memory_allocated(device) / 2**30 if cuda else None  # what an earlier mode left
+    batches: list[Batches] = []  # the data of every mode's trainer is the same: built once
+
+    def build(mode: str) -> Any:
         tokens = args.chunk_tokens[0] if mode == "gradcache" else 0
         trainer = build_trainer(trainer_args(args, folder, tmp / f"run-{mode}", cuda=cuda, chunk_tokens=tokens))
-        try:
-            params = list(trainer.model.parameters())
-            setup |= {
-                "layout": trainer.dims.mode,
-                "params": sum(p.numel() for p in params),
-                "trainable_params": sum(p.numel() for p in params if p.requires_grad),
-                "lora_targets": list(trainer.model_args.lora_targets),
-            }
-            probe = ChunkProbe(trainer) if mode == "gradcache" else None
-            batches = batches or Batches(trainer.train_set)  # the data of every mode's trainer is the same
+        params = list(trainer.model.parameters())
+        log.setup.update(
+            layout=trainer.dims.mode,
+            params=sum(p.numel() for p in params),
+            trainable_params=sum(p.numel() for p in params if p.requires_grad),
+            lora_targets=list(trainer.model_args.lora_targets),
+        )
+        batches[:] = batches or [Batches(trainer.train_set)]
+        return trainer
 
-            def make_batch(n: int, batches: Batches = batches) -> dict[str, Any]:
-                out = batches.first(n)
-                return {k: v.pin_memory() if cuda and hasattr(v, "pin_memory") else v for k, v in out.items()}
+    def make_batch(n: int) -> dict[str, Any]:
+        out = batches[0].first(n)
+        return {k: v.pin_memory() if cuda and hasattr(v, "pin_memory") else v for k, v in out.items()}
 
-            fits = [r["batch"] for r in rows if r["status"] == "ok"]  # the other mode's, measured first
-            first = min([args.start_batch, *fits])
-            ends[mode] = search(args, mode, trainer, make_batch, first, deadline, record, probe)
-        finally:
-            trainer.metrics.close()
-            del trainer
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-        ends[mode]["cuda_allocated_before_gib"] = before
-        print(f"{mode}: {ends[mode]['stop']}", flush=True)
-        save()
-    save(figure=True)
-    for line in summary_lines(summarize_gpu(rows, ends)):
-        print(line)
-    print(f"wrote {args.out}/{GPU_NAME}.json, .csv and .png ({time.monotonic() - start:.0f} s)")
-    errors = [f"{mode}: {end['stop']}" for mode, end in ends.items() if end["stop"].startswith("error")]
-    if errors:
-        raise SystemExit("; ".join(errors))
+    def search_mode(mode: str, trainer: Any, first: int, deadline: float | None) -> dict[str, Any]:
+        probe = ChunkProbe(trainer) if mode == "gradcache" else None
+        return search(args, mode, trainer, make_batch, first, deadline, log.record, probe)
 
-
-# ---------------------------------------------------------------- main
+    harness.search_each_mode(
+        log,
+        build=build,
+        search=search_mode,
+        start_batch=args.start_batch,
+        device=device,
+        start=start,
+        time_budget=args.time_budget,
+    )
+    harness.finish_modes(log, summary_lines, start)

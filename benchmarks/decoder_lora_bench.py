@@ -40,7 +40,6 @@ batch against plain at its largest, and both at plain's largest batch.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -355,68 +354,34 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if cuda else "cpu")
     capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else None
     meta = harness.metadata(device, pytorch_cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-    rows: list[dict[str, Any]] = []
-    ends: dict[str, dict[str, Any]] = {}
-    setup: dict[str, Any] = {"config": vars(args), "model": {"size": args.size, "vocab": VOCAB, **SIZES[args.size]}}
     title = (
         f"Qwen3-like {args.size} decoder (random init), LoRA r{args.lora_rank}, seq {args.seq_len}+{args.seq_len}, "
         f"GradCache chunk {args.chunk}, {harness.device_name(device)}"
     )
-
-    def save(figure: bool = False) -> None:
-        summary = summarize(rows, ends)
-        payload = {**setup, "device": harness.device_name(device), "capacity_gib": capacity, "summary": summary}
-        payload["modes"] = ends  # per mode: why its search stopped, CUDA memory still allocated when it began
-        harness.write_results(
-            args.out,
-            NAME,
-            meta,
-            payload,
-            rows=rows,
-            fields=FIELDS,
-            figure=(lambda: harness.plot_batch_search(rows, MODES, title)) if figure and rows else None,
-        )
-
-    def record(row: dict[str, Any]) -> None:
-        rows.append(row)
-        rate = f"{row['samples_per_s']:.1f} samples/s" if row["status"] == "ok" else row["status"]
-        peak = f", peak {row['cuda_peak_gib']:.2f} GiB" if row.get("cuda_peak_gib") is not None else ""
-        print(f"{row['mode']} batch {row['batch']}: {rate}{peak}", flush=True)
-        save()
+    model = {"size": args.size, "vocab": VOCAB, **SIZES[args.size]}
+    setup = {"config": vars(args), "model": model, "device": harness.device_name(device), "capacity_gib": capacity}
+    log = harness.SearchLog(args.out, NAME, meta, FIELDS, args.modes, title, summarize, setup)
 
     with tempfile.TemporaryDirectory(prefix="decoder_lora_") as tmp:
         folder = build_folder(Path(tmp) / f"qwen3-{args.size}", args.size, args.seq_len)
         pairs = write_pairs(Path(tmp) / "pairs.jsonl", args.start_batch)
         print(f"built {folder.name} in {time.monotonic() - start:.1f} s", flush=True)
-        for i, mode in enumerate(args.modes):
-            deadline = None
-            if args.time_budget:
-                now = time.monotonic()
-                deadline = now + (start + args.time_budget - now) / (len(args.modes) - i)
-            before = torch.cuda.memory_allocated(device) / 2**30 if cuda else None  # what an earlier mode left
+
+        def build(mode: str) -> Any:
             trainer = Trainer(parse_args(trainer_args(args, mode, folder, pairs, Path(tmp) / f"run-{mode}", cuda)))
-            try:
-                setup |= describe(trainer)
-                fits = [r["batch"] for r in rows if r["status"] == "ok"]  # the other mode's, measured first
-                start_batch = min([args.start_batch, *fits])  # so both modes have a row at the smaller largest batch
-                ends[mode] = search(args, mode, trainer, start_batch, deadline, record)
-            finally:
-                trainer.metrics.close()
-                del trainer
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
-            ends[mode]["cuda_allocated_before_gib"] = before
-            print(f"{mode}: {ends[mode]['stop']}", flush=True)
-            save()
-    save(figure=True)
-    summary = summarize(rows, ends)
-    for line in summary_lines(summary):
-        print(line)
-    print(f"wrote {args.out}/{NAME}.json, .csv and .png ({time.monotonic() - start:.0f} s)")
-    errors = [f"{mode}: {end['stop']}" for mode, end in ends.items() if end["stop"].startswith("error")]
-    if errors:
-        raise SystemExit("; ".join(errors))
+            log.setup.update(describe(trainer))
+            return trainer
+
+        harness.search_each_mode(
+            log,
+            build=build,
+            search=lambda mode, trainer, first, deadline: search(args, mode, trainer, first, deadline, log.record),
+            start_batch=args.start_batch,
+            device=device,
+            start=start,
+            time_budget=args.time_budget,
+        )
+    harness.finish_modes(log, summary_lines, start)
 
 
 if __name__ == "__main__":

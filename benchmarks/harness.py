@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 # re-exported: see the docstring
+from benchmarks._batch_search import SearchLog, doubling_search, finish_modes, plot_batch_search, search_each_mode
 from benchmarks._harness_results import (
     META_COLUMNS,
     REPO,
@@ -66,7 +67,6 @@ from benchmarks._harness_results import (
     device_name,
     git_commit,
     metadata,
-    plot_batch_search,
     pyplot,
     save_figure,
     stamp,
@@ -82,10 +82,12 @@ __all__ = [
     "Child",
     "Measurement",
     "PeakRSS",
+    "SearchLog",
     "cpu_model",
     "default_device",
     "device_name",
     "doubling_search",
+    "finish_modes",
     "git_commit",
     "is_oom",
     "metadata",
@@ -99,6 +101,7 @@ __all__ = [
     "rss_mib",
     "run_child",
     "save_figure",
+    "search_each_mode",
     "stamp",
     "summary",
     "write_csv",
@@ -435,43 +438,3 @@ def launch_variants(
                 raise SystemExit(f"variant {name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
             wall, peak_rss = result.wall_s, result.peak_rss_mib
         yield {**read(name, dump), "wall_s": wall, "peak_rss_mib": peak_rss}
-
-
-def doubling_search(
-    start: int,
-    measure: Callable[[int], dict[str, Any]],
-    *,
-    smallest: int,
-    largest: int,
-    deadline: float | None,
-    seconds_for: Callable[[dict[str, Any], int], float],
-    device: torch.device,
-) -> dict[str, Any]:
-    """The largest batch that fits: `measure(batch)` (which records its row) from `start`, doubling
-    while the row's status is "ok"; a start that runs out of memory ("OOM") is halved until one fits
-    (down to `smallest`); "error" ends the search, as do `largest` and the `deadline` (before a batch,
-    `seconds_for(the previous row, batch)` must fit in what is left). Returns {"stop": why it ended}."""
-    batch, going_down, previous = start, False, None
-    while True:
-        if batch > largest:
-            return {"stop": f"max batch {largest}"}
-        if deadline is not None and time.monotonic() >= deadline:
-            return {"stop": "time budget: no time left"}
-        if deadline is not None and previous is not None:
-            needed, left = seconds_for(previous, batch), deadline - time.monotonic()
-            if needed > left:
-                return {"stop": f"time budget: batch {batch} needs ~{needed:.0f} s, {max(left, 0):.0f} s left"}
-        row = measure(batch)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if row["status"] == "error":
-            return {"stop": f"error at batch {batch}: {row.get('reason')}"}
-        if row["status"] == "OOM":
-            if previous is not None or batch <= smallest:
-                return {"stop": f"out of memory at batch {batch}"}
-            batch, going_down = max(smallest, batch // 2), True  # the start does not fit: halve until one does
-            continue
-        if going_down:
-            return {"stop": f"out of memory at batch {batch * 2}"}
-        previous, batch = row, batch * 2

@@ -42,12 +42,11 @@ language model's q_proj / v_proj), bfloat16 autocast on float32 master weights, 
 `--image-sizes` (448-1,024 px), through `Trainer.train_step`, one process (layout single). Modes,
 in `--modes` order: `plain` (one forward and backward of the batch) and `gradcache` (token-budget
 chunks of `--chunk-tokens`). Each doubles the batch from `--start-batch` until CUDA runs out of
-memory, `--max-batch` or the time budget (benchmarks/decoder_lora_bench.py's search: a start that
-does not fit is halved until one does, down to 2 samples; the second mode starts at the first's
-largest batch when that is smaller, so both have a row there; `--time-budget` seconds from the
-start end a mode's search before a batch whose predicted time would pass its share of what is
-left). Per batch: one
-warm-up and `--repeats` timed steps, median samples/s, peak CUDA memory (peak RSS on CPU), and for
+memory, `--max-batch` or the time budget (`harness.search_each_mode`, as decoder_lora_bench: a
+start that does not fit is halved until one does, down to 2 samples; the second mode starts at the
+first's largest batch when that is smaller, so both have a row there; `--time-budget` seconds from
+the start end a mode's search before a batch whose predicted time would pass its share of what is
+left). Per batch: one warm-up and `--repeats` timed steps, median samples/s, peak CUDA memory (peak RSS on CPU), and for
 gradcache the chunks of the last step (under autocast a chunk's saved bytes include the bfloat16
 copies of the frozen weights, ~3.7 GiB at 2b, that its graph keeps for the input gradients). The
 claim it measures: GradCache's peak memory is flat in the batch (the batch stays on the host; a
@@ -69,22 +68,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import harness
-from benchmarks._qwen_vl_probe import (  # noqa: F401 - re-exported for the --gpu mode
-    CHUNK_FIELDS,
-    MERGE,
-    PAD,
+from benchmarks import _qwen_vl_gpu, harness
+from benchmarks._qwen_vl_gpu import GPU_MODES
+from benchmarks._qwen_vl_probe import (
     ChunkProbe,
     chunk_tokens,
     describe_chunks,
     image_grids,
     is_grid,
-    is_packed,
     same_chunks,
 )
+from benchmarks._qwen_vl_trainer import build_folder, build_trainer, trainer_args
 
 NAME = "qwen_vl_chunks"
-GPU_NAME = "qwen_vl_chunks_gpu"
 CPU_DEFAULTS = dict(
     size="small",
     image_sizes=[224, 448, 672, 896],
@@ -101,7 +97,6 @@ QUICK_DEFAULTS = dict(
 GPU_DEFAULTS = dict(
     size="2b", image_sizes=[448, 640, 832, 1024], chunk_tokens=[4096], context_length=32, repeats=2, warmup=1
 )
-GPU_MODES = ("plain", "gradcache")
 CPU_FIELDS = [
     "variant",
     "kind",
@@ -129,91 +124,6 @@ CPU_FIELDS = [
     "loss",
     "reason",
 ]
-GPU_FIELDS = [
-    "mode",
-    "batch",
-    "chunk_tokens",
-    "status",
-    "samples_per_s",
-    "median_s",
-    "min_s",
-    "max_s",
-    "cuda_peak_gib",
-    "peak_rss_mib",
-    "chunks",
-    "tokens_max",
-    "saved_mib_max",
-    "loss",
-    "reason",
-]
-
-
-# ---------------------------------------------------------------- the model folder and the trainer
-
-
-def caption_words() -> list[str]:
-    """The words of the bundled emoji's names and caption templates (the tokenizer's vocabulary)."""
-    from titan_contrastive.datasets.emoji import BUNDLE_FILE, TEMPLATES, load_emoji
-
-    _, names = load_emoji(BUNDLE_FILE)
-    words = [w for t in TEMPLATES for w in t.replace("{}", " ").split()]
-    return list(dict.fromkeys([*words, *(w for n in names for w in n.split())]))
-
-
-def build_folder(folder: Path, size: str, seed: int = 0) -> Path:
-    """A random-init Qwen2-VL of `size` with the emoji words' tokenizer and the PIL image processor."""
-    import torch
-
-    from titan_contrastive.models.qwen_vl.random_folder import write_random_folder
-
-    torch.manual_seed(seed)
-    return write_random_folder(folder, "qwen2_vl", size, words=caption_words())
-
-
-def trainer_args(
-    args: argparse.Namespace, folder: Path, dump: Path, *, cuda: bool, chunk_size: int = 0, chunk_tokens: int = 0
-) -> list[str]:
-    """The overrides of one variant's trainer (chunk_size and chunk_tokens 0: the plain step)."""
-    overrides = [
-        f"--job.dump_folder={dump}",
-        "--model.name=qwen_vl",
-        "--model.flavor=default",
-        f"--model.path={folder}",
-        "--data.dataset=emoji",
-        "--data.retrieval_mode=t2i",
-        "--data.image_sizes",
-        *map(str, args.image_sizes),
-        f"--data.max_pixels={max(args.image_sizes) ** 2}",
-        f"--data.context_length={args.context_length}",
-        f"--training.local_batch_size={args.batch if not args.gpu else max(2, args.start_batch)}",
-        "--training.steps=1000000",
-        f"--training.device={'cuda' if cuda else 'cpu'}",
-        "--training.dtype=float32",
-        "--lr_scheduler.warmup_steps=0",
-        "--eval.enable=false",
-        "--checkpoint.enable=false",
-        "--metrics.enable_tensorboard=false",
-    ]
-    if args.gpu:
-        precision = args.precision or ("bfloat16" if cuda else "float32")
-        overrides += [
-            f"--training.mixed_precision_param={precision}",
-            "--lora.enable=true",
-            f"--lora.rank={args.lora_rank}",
-            f"--lora.alpha={2 * args.lora_rank}",
-        ]
-    if chunk_size:
-        overrides += ["--gradcache.enabled=true", f"--gradcache.chunk_sizes={chunk_size}"]
-    elif chunk_tokens:
-        overrides += ["--gradcache.enabled=true", f"--gradcache.chunk_tokens={chunk_tokens}"]
-    return overrides + list(args.train_arg)
-
-
-def build_trainer(overrides: list[str]) -> Any:
-    from titan_contrastive.config import parse_args
-    from titan_contrastive.train import Trainer
-
-    return Trainer(parse_args(overrides))
 
 
 # ---------------------------------------------------------------- what each chunk forwards and saves
@@ -394,13 +304,6 @@ def plot_cpu(rows: list[dict[str, Any]], title: str):  # noqa: ANN201 - a matplo
 # ---------------------------------------------------------------- GPU mode: the largest batch of each
 
 
-def _gpu() -> Any:
-    """The --gpu mode (benchmarks/_qwen_vl_gpu.py), imported when asked for: it imports this module."""
-    from benchmarks import _qwen_vl_gpu
-
-    return _qwen_vl_gpu
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny model, 28-112 px, one timed step")
@@ -450,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
         stream=sys.stdout,
     )
     with tempfile.TemporaryDirectory(prefix="qwen_vl_chunks_") as tmp:
-        (_gpu().run_gpu if args.gpu else run_cpu)(args, Path(tmp), start)
+        (_qwen_vl_gpu.run_gpu if args.gpu else run_cpu)(args, Path(tmp), start)
 
 
 if __name__ == "__main__":

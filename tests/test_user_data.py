@@ -368,7 +368,9 @@ def test_random_resized_crop_stays_inside_the_image() -> None:
 # --- through the trainer -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind,nproc,workers", [("csv", 1, 2), ("webdataset", 2, 0), ("hf", 2, 2)])
+@pytest.mark.parametrize(
+    "kind,nproc,workers", [("csv", 1, 2), ("webdataset", 2, 0), pytest.param("hf", 2, 2, marks=pytest.mark.slow)]
+)
 def test_trainer_resumes_bit_identically(emoji: dict, tmp_path: Path, kind: str, nproc: int, workers: int) -> None:
     """Through run_train.sh: 6 steps at once vs 3 steps, then a launch that resumes from step 3:
     the same losses and the same final checkpoint, bit for bit (random crops, clip_bpe captions)."""

@@ -215,6 +215,22 @@ class CLIPArgs:
         return 3 * 2 * batch * batch * self.embed_dim
 
 
+# OpenAI / open_clip ViT-B/32: 151,277,313 parameters with vocab 49408 and context 77.
+_VIT_B32 = CLIPArgs(
+    embed_dim=512,
+    image_size=224,
+    patch_size=32,
+    in_channels=3,
+    vision_width=768,
+    vision_layers=12,
+    vision_heads=12,
+    vocab_size=49408,
+    context_length=77,
+    text_width=512,
+    text_layers=12,
+    text_heads=8,
+)
+
 clip_flavors: dict[str, CLIPArgs] = {
     # Tiny; trains on a 2-core CPU. Image / vocab / context sizes come from the data.
     "debug": CLIPArgs(
@@ -231,37 +247,10 @@ clip_flavors: dict[str, CLIPArgs] = {
         text_layers=2,
         text_heads=4,
     ),
-    # OpenAI / open_clip ViT-B/32: 151,277,313 parameters with vocab 49408 and context 77.
-    "vit_b32": CLIPArgs(
-        embed_dim=512,
-        image_size=224,
-        patch_size=32,
-        in_channels=3,
-        vision_width=768,
-        vision_layers=12,
-        vision_heads=12,
-        vocab_size=49408,
-        context_length=77,
-        text_width=512,
-        text_layers=12,
-        text_heads=8,
-    ),
+    "vit_b32": _VIT_B32,
     # open_clip ViT-B-16 / ViT-L-14 (OpenAI's ViT-B/16, ViT-L/14: 149,620,737 and 427,616,513 parameters);
     # OpenAI's own weights use quick GELU (their checkpoints' config sets it when loaded with init_from)
-    "vit_b16": CLIPArgs(
-        embed_dim=512,
-        image_size=224,
-        patch_size=16,
-        in_channels=3,
-        vision_width=768,
-        vision_layers=12,
-        vision_heads=12,
-        vocab_size=49408,
-        context_length=77,
-        text_width=512,
-        text_layers=12,
-        text_heads=8,
-    ),
+    "vit_b16": dataclasses.replace(_VIT_B32, patch_size=16),
     "vit_l14": CLIPArgs(
         embed_dim=768,
         image_size=224,
