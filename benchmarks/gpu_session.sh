@@ -20,7 +20,8 @@
 #   1  pytest -m gpu and the Triton kernel tests                                        (issues 4, 8)
 #   6  the loss benchmark's largest rows (bf16, N 256K..1M; 8K..256K were measured on
 #      2026-11-24: results/gpu_loss_bench.log) and 64K again (its memory after 2026-11-26's
-#      changes: predicted 0.39 GiB, measured 1 GiB before): the fused kernel vs memeff    (issues 8, 31)
+#      changes: predicted 0.39 GiB, measured 1 GiB before) and the resident forward tiles (NOTES, autotuned in the
+#      JSON): the fused kernel vs memeff                                                   (issues 8, 31)
 #   2  the gpu sweep grids: run_train.sh on synthetic data at 1K..64K, microbatch vs global
 #      negatives, then the planner's 8 GiB budget (gpu_planner)                         (issues 7, 31)
 #   3  the pixel-loss benchmark through the sd decoder (issue 6); GradCache ratio + memory (issue 5)

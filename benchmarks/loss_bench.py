@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -269,6 +270,16 @@ def plot(rows: list[dict[str, Any]], device: str, cuda: bool):  # noqa: ANN201 -
     return fig
 
 
+def autotuned() -> dict[str, dict[str, str]]:
+    """The configs the Triton autotuner chose so far, per kernel and key (d, exact, dtypes): which
+    tiles won, and whether the forward kept its rows resident (docs/kernels.md)."""
+    kernels = sys.modules.get("titan_contrastive.kernels.streaming_triton")
+    if kernels is None or kernels.INTERPRET:
+        return {}
+    tuners = {"lse": kernels._lse_pass_kernel, "weights": kernels._weights_kernel, "sigmoid": kernels._sigmoid_kernel}
+    return {name: {str(key): str(config) for key, config in tuner.cache.items()} for name, tuner in tuners.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -336,6 +347,7 @@ def main(argv: list[str] | None = None) -> None:
             "config": vars(args),
             "timing": "interleaved round-robin, median of the timed rounds",
             "agreement": checks,
+            "autotuned": autotuned(),
         }
 
     for n in args.n:

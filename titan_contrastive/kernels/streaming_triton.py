@@ -45,19 +45,55 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LSE_PANEL = 8192  # columns per forward launch: the per-program partials are programs x LSE_PANEL floats
 
 
-def _configs(shapes: list[tuple[int, int, int, int, int]]) -> list[triton.Config]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, warps, stages) candidates; the interpreter gets one small tile
-    so that tests with a few dozen rows still cross tile, panel and program boundaries."""
+def _configs(
+    shapes: list[tuple[int, int, int, int, int]], resident: list[tuple[int, int, int, int, int]] | None = None
+) -> list[triton.Config]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, warps, stages) candidates; with `resident` (a kernel that takes
+    RESIDENT), also those: the row block's whole d loaded once, BLOCK_D >= d. The interpreter gets
+    one small tile of each, so that tests with a few dozen rows still cross tile, panel and
+    program boundaries."""
     if INTERPRET:
-        shapes = [(16, 16, 32, 1, 1)]
+        shapes, resident = [(16, 16, 32, 1, 1)], None if resident is None else [(16, 16, 128, 1, 1)]
+    groups = [({}, shapes)] if resident is None else [({"RESIDENT": False}, shapes), ({"RESIDENT": True}, resident)]
     return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_D": k}, num_warps=w, num_stages=s) for m, n, k, w, s in shapes
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_D": k, **extra}, num_warps=w, num_stages=s)
+        for extra, group in groups
+        for m, n, k, w, s in group
     ]
 
 
-# Hopper candidates (H100: 228 KB shared memory / SM); the autotuner keeps the fastest per (d, dtype)
+RESIDENT_BYTES = 128 * 1024  # a resident row block's embeddings in shared memory, at most
+
+
+def resident_fits(config: triton.Config, itemsize: int) -> bool:
+    """Whether a resident config's row block (BLOCK_M x BLOCK_D of `itemsize`-byte elements) fits
+    RESIDENT_BYTES, leaving room for the pipelined column tiles in a Hopper SM's 227 KiB."""
+    return config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_D"] * itemsize <= RESIDENT_BYTES
+
+
+def _prune_resident(configs: list[triton.Config], named_args: dict, **_: object) -> list[triton.Config]:
+    """The streamed configs, and the resident ones whose BLOCK_D holds d (on a GPU with at most half
+    of it padding) and whose row block fits. Under the interpreter exactly one remains, so nothing
+    is timed: d <= 128 takes the resident path, larger d the streamed one (the tests cover both)."""
+    d, itemsize = named_args["d"], named_args["q_ptr"].element_size()
+
+    def holds(config: triton.Config) -> bool:
+        block = config.kwargs["BLOCK_D"]
+        return d <= block and (INTERPRET or (2 * d > block and resident_fits(config, itemsize)))
+
+    fits = [c for c in configs if not c.kwargs["RESIDENT"] or holds(c)]
+    if INTERPRET:
+        return [c for c in fits if c.kwargs["RESIDENT"]] or fits
+    return fits
+
+
+# Hopper candidates (H100: 228 KB shared memory / SM); the autotuner keeps the fastest per (d, dtype).
+# Resident (forward only): the row block's embeddings stay in shared memory across its sweep of the
+# columns, so each tile loads only its columns: BLOCK_M FLOPs per byte read instead of
+# BLOCK_M BLOCK_N / (BLOCK_M + BLOCK_N) (docs/kernels.md).
 _LSE_CONFIGS = _configs(
-    [(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 128, 8, 2), (64, 64, 64, 4, 4)]
+    [(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 128, 8, 2), (64, 64, 64, 4, 4)],
+    resident=[(128, 32, 512, 8, 2), (128, 64, 256, 8, 2)],
 )
 _WEIGHT_CONFIGS = _configs(
     [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (64, 128, 64, 4, 4)]
@@ -89,15 +125,23 @@ def _scores(
         k = tl.load(
             k_ptr + cols[:, None] * d + dims[None, :], mask=(cols[:, None] < n_k) & (dims[None, :] < d), other=0.0
         )
-        if EXACT:
-            acc += tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(q, tl.trans(k))
+        acc += _dot(q, k, EXACT)
     return acc * scale
 
 
+@triton.jit
+def _dot(q, k, EXACT: tl.constexpr):
+    """q · k^T as fp32: IEEE fp32 products when EXACT, else the inputs' tensor-core dot."""
+    if EXACT:
+        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    return tl.dot(q, tl.trans(k))
+
+
 @triton.autotune(
-    configs=_LSE_CONFIGS, key=["d", "EXACT"], restore_value=["row_max_ptr", "row_sum_ptr", "col_max_ptr", "col_sum_ptr"]
+    configs=_LSE_CONFIGS,
+    key=["d", "EXACT"],
+    restore_value=["row_max_ptr", "row_sum_ptr", "col_max_ptr", "col_sum_ptr"],
+    prune_configs_by={"early_config_prune": _prune_resident},
 )
 @triton.jit
 def _lse_pass_kernel(
@@ -117,6 +161,7 @@ def _lse_pass_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    RESIDENT: tl.constexpr,
 ):
     # Program p owns row blocks p, p + P, ... and one row of the column partials. Per row block:
     # load its rows' running (max, sum) -> sweep every column tile of the panel, updating the rows
@@ -130,10 +175,21 @@ def _lse_pass_kernel(
         row_ok = rows < n_q
         r_max = tl.load(row_max_ptr + rows, mask=row_ok, other=float("-inf"))
         r_sum = tl.load(row_sum_ptr + rows, mask=row_ok, other=0.0)
+        if RESIDENT:  # the rows' embeddings, loaded once for the whole sweep (BLOCK_D >= d)
+            dims = tl.arange(0, BLOCK_D)
+            q = tl.load(
+                q_ptr + rows[:, None] * d + dims[None, :], mask=row_ok[:, None] & (dims[None, :] < d), other=0.0
+            )
         for c0 in range(0, n_k, BLOCK_N):
             cols = c0 + tl.arange(0, BLOCK_N)
             col_ok = cols < n_k
-            s = _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D)
+            if RESIDENT:
+                k = tl.load(
+                    k_ptr + cols[:, None] * d + dims[None, :], mask=col_ok[:, None] & (dims[None, :] < d), other=0.0
+                )
+                s = _dot(q, k, EXACT) * scale
+            else:
+                s = _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D)
             s = tl.where(row_ok[:, None] & col_ok[None, :], s, float("-inf"))
             new_max = tl.maximum(r_max, tl.max(s, axis=1))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # padded rows: no inf - inf
