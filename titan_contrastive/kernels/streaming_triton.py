@@ -46,15 +46,22 @@ LSE_PANEL = 8192  # columns per forward launch: the per-program partials are pro
 
 
 def _configs(
-    shapes: list[tuple[int, int, int, int, int]], resident: list[tuple[int, int, int, int, int]] | None = None
+    shapes: list[tuple[int, int, int, int, int]],
+    resident: list[tuple[int, int, int, int, int]] | None = None,
+    col_tiles: int = 0,
 ) -> list[triton.Config]:
     """(BLOCK_M, BLOCK_N, BLOCK_D, warps, stages) candidates; with `resident` (a kernel that takes
-    RESIDENT), also those: the row block's whole d loaded once, BLOCK_D >= d. The interpreter gets
-    one small tile of each, so that tests with a few dozen rows still cross tile, panel and
-    program boundaries."""
+    RESIDENT), also those: the row block's whole d loaded once, BLOCK_D >= d; with `col_tiles` (a
+    kernel that takes COL_TILES), a resident program sweeps that many column tiles (a streamed one,
+    one). The interpreter gets one small tile of each, so that tests with a few dozen rows still
+    cross tile, panel and program boundaries."""
     if INTERPRET:
         shapes, resident = [(16, 16, 32, 1, 1)], None if resident is None else [(16, 16, 128, 1, 1)]
-    groups = [({}, shapes)] if resident is None else [({"RESIDENT": False}, shapes), ({"RESIDENT": True}, resident)]
+        col_tiles = min(col_tiles, 2)
+    groups = [({}, shapes)]
+    if resident is not None:
+        tiles = ({"COL_TILES": 1}, {"COL_TILES": col_tiles}) if col_tiles else ({}, {})
+        groups = [({"RESIDENT": False, **tiles[0]}, shapes), ({"RESIDENT": True, **tiles[1]}, resident)]
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_D": k, **extra}, num_warps=w, num_stages=s)
         for extra, group in groups
@@ -88,16 +95,23 @@ def _prune_resident(configs: list[triton.Config], named_args: dict, **_: object)
 
 
 # Hopper candidates (H100: 228 KB shared memory / SM); the autotuner keeps the fastest per (d, dtype).
-# Resident (forward only): the row block's embeddings stay in shared memory across its sweep of the
-# columns, so each tile loads only its columns: BLOCK_M FLOPs per byte read instead of
+# Resident: the row block's embeddings stay in shared memory while its program sweeps columns, so
+# each tile loads only its columns: BLOCK_M FLOPs per byte read instead of
 # BLOCK_M BLOCK_N / (BLOCK_M + BLOCK_N) (docs/kernels.md).
+_RESIDENT = [(128, 32, 512, 8, 2), (128, 64, 256, 8, 2)]
 _LSE_CONFIGS = _configs(
     [(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 128, 8, 2), (64, 64, 64, 4, 4)],
-    resident=[(128, 32, 512, 8, 2), (128, 64, 256, 8, 2)],
+    resident=_RESIDENT,
 )
-_WEIGHT_CONFIGS = _configs(
-    [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (64, 128, 64, 4, 4)]
-)
+_TILE_SHAPES = [
+    (128, 128, 64, 8, 3),
+    (128, 256, 64, 8, 3),
+    (256, 128, 64, 8, 3),
+    (128, 128, 128, 8, 2),
+    (64, 128, 64, 4, 4),
+]
+_WEIGHT_CONFIGS = _configs(_TILE_SHAPES, resident=_RESIDENT, col_tiles=8)
+_SIGMOID_CONFIGS = _configs(_TILE_SHAPES)
 
 
 @triton.jit
@@ -135,6 +149,13 @@ def _dot(q, k, EXACT: tl.constexpr):
     if EXACT:
         return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def _load_rows(ptr, rows, n, d, BLOCK_D: tl.constexpr):
+    """Embeddings [rows, :BLOCK_D] (zero past n rows and d dims): a resident row block, or a column tile."""
+    dims = tl.arange(0, BLOCK_D)
+    return tl.load(ptr + rows[:, None] * d + dims[None, :], mask=(rows[:, None] < n) & (dims[None, :] < d), other=0.0)
 
 
 @triton.autotune(
@@ -176,18 +197,12 @@ def _lse_pass_kernel(
         r_max = tl.load(row_max_ptr + rows, mask=row_ok, other=float("-inf"))
         r_sum = tl.load(row_sum_ptr + rows, mask=row_ok, other=0.0)
         if RESIDENT:  # the rows' embeddings, loaded once for the whole sweep (BLOCK_D >= d)
-            dims = tl.arange(0, BLOCK_D)
-            q = tl.load(
-                q_ptr + rows[:, None] * d + dims[None, :], mask=row_ok[:, None] & (dims[None, :] < d), other=0.0
-            )
+            q = _load_rows(q_ptr, rows, n_q, d, BLOCK_D)
         for c0 in range(0, n_k, BLOCK_N):
             cols = c0 + tl.arange(0, BLOCK_N)
             col_ok = cols < n_k
             if RESIDENT:
-                k = tl.load(
-                    k_ptr + cols[:, None] * d + dims[None, :], mask=col_ok[:, None] & (dims[None, :] < d), other=0.0
-                )
-                s = _dot(q, k, EXACT) * scale
+                s = _dot(q, _load_rows(k_ptr, cols, n_k, d, BLOCK_D), EXACT) * scale
             else:
                 s = _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D)
             s = tl.where(row_ok[:, None] & col_ok[None, :], s, float("-inf"))
@@ -207,7 +222,7 @@ def _lse_pass_kernel(
         tl.debug_barrier()
 
 
-@triton.autotune(configs=_WEIGHT_CONFIGS, key=["d", "EXACT"])
+@triton.autotune(configs=_WEIGHT_CONFIGS, key=["d", "EXACT"], prune_configs_by={"early_config_prune": _prune_resident})
 @triton.jit
 def _weights_kernel(
     q_ptr,
@@ -225,22 +240,31 @@ def _weights_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    RESIDENT: tl.constexpr,
+    COL_TILES: tl.constexpr,
 ):
+    # Program (i, j): row block i against column tiles j * COL_TILES ... (j + 1) * COL_TILES - 1.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    s = _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D)
     a = tl.load(a_ptr + rows, mask=rows < n_q, other=0.0)
-    b = tl.load(b_ptr + cols, mask=cols < n_k, other=0.0)
-    positive = cols[None, :] == rows[:, None] + diag_offset
-    w = tl.exp(s - a[:, None]) + tl.exp(s - b[None, :]) - 2.0 * positive.to(tl.float32)
-    tl.store(
-        w_ptr + rows[:, None] * w_stride + cols[None, :],
-        w.to(w_ptr.dtype.element_ty),
-        mask=(rows[:, None] < n_q) & (cols[None, :] < n_k),
-    )
+    if RESIDENT:  # the rows' embeddings, loaded once for the program's column tiles (BLOCK_D >= d)
+        q = _load_rows(q_ptr, rows, n_q, d, BLOCK_D)
+    for t in range(COL_TILES):
+        cols = (tl.program_id(1) * COL_TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if RESIDENT:
+            s = _dot(q, _load_rows(k_ptr, cols, n_k, d, BLOCK_D), EXACT) * scale
+        else:
+            s = _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D)
+        b = tl.load(b_ptr + cols, mask=cols < n_k, other=0.0)
+        positive = cols[None, :] == rows[:, None] + diag_offset
+        w = tl.exp(s - a[:, None]) + tl.exp(s - b[None, :]) - 2.0 * positive.to(tl.float32)
+        tl.store(
+            w_ptr + rows[:, None] * w_stride + cols[None, :],
+            w.to(w_ptr.dtype.element_ty),
+            mask=(rows[:, None] < n_q) & (cols[None, :] < n_k),
+        )
 
 
-@triton.autotune(configs=_WEIGHT_CONFIGS, key=["d", "EXACT"], restore_value=["loss_ptr", "bias_ptr"])
+@triton.autotune(configs=_SIGMOID_CONFIGS, key=["d", "EXACT"], restore_value=["loss_ptr", "bias_ptr"])
 @triton.jit
 def _sigmoid_kernel(
     q_ptr,
@@ -358,7 +382,10 @@ def _panel_output(
         raise ValueError(
             f"out must be [{m}, {n}] with unit column stride, got {list(out.shape)} strides {out.stride()}"
         )
-    return out, lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+    return out, lambda meta: (
+        triton.cdiv(m, meta["BLOCK_M"]),
+        triton.cdiv(n, meta["BLOCK_N"] * meta.get("COL_TILES", 1)),
+    )
 
 
 def softmax_weights(
