@@ -72,21 +72,25 @@ def _configs(
 RESIDENT_BYTES = 128 * 1024  # a resident row block's embeddings in shared memory, at most
 
 
-def resident_fits(config: triton.Config, itemsize: int) -> bool:
-    """Whether a resident config's row block (BLOCK_M x BLOCK_D of `itemsize`-byte elements) fits
-    RESIDENT_BYTES, leaving room for the pipelined column tiles in a Hopper SM's 227 KiB."""
-    return config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_D"] * itemsize <= RESIDENT_BYTES
+def resident_fits(config: triton.Config, itemsize: int, exact: bool) -> bool:
+    """Whether a resident config can run well: tensor-core dots on 2-byte inputs (the exact dot
+    upcasts its operands in registers, where a whole row block spills), and a row block
+    (BLOCK_M x BLOCK_D) within RESIDENT_BYTES, leaving room for the pipelined column tiles in a
+    Hopper SM's 227 KiB."""
+    size = config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_D"] * itemsize
+    return not exact and itemsize == 2 and size <= RESIDENT_BYTES
 
 
 def _prune_resident(configs: list[triton.Config], named_args: dict, **_: object) -> list[triton.Config]:
     """The streamed configs, and the resident ones whose BLOCK_D holds d (on a GPU with at most half
-    of it padding) and whose row block fits. Under the interpreter exactly one remains, so nothing
-    is timed: d <= 128 takes the resident path, larger d the streamed one (the tests cover both)."""
-    d, itemsize = named_args["d"], named_args["q_ptr"].element_size()
+    of it padding) and that fit (`resident_fits`). Under the interpreter exactly one remains, so
+    nothing is timed: d <= 128 takes the resident path, larger d the streamed one (the tests cover
+    both)."""
+    d, itemsize, exact = named_args["d"], named_args["q_ptr"].element_size(), named_args["EXACT"]
 
     def holds(config: triton.Config) -> bool:
         block = config.kwargs["BLOCK_D"]
-        return d <= block and (INTERPRET or (2 * d > block and resident_fits(config, itemsize)))
+        return d <= block and (INTERPRET or (2 * d > block and resident_fits(config, itemsize, exact)))
 
     fits = [c for c in configs if not c.kwargs["RESIDENT"] or holds(c)]
     if INTERPRET:
