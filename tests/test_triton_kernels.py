@@ -112,6 +112,8 @@ def test_sigmoid_kernel_matches_dense_float64(d: int, dtype: torch.dtype, kernel
     want = -z * torch.sigmoid(-z * logits)
     assert rel(got, want) <= tol
     assert rel(loss_rows - held, -F.logsigmoid(z * logits).sum(1)) <= tol and rel(bias_rows - held, want.sum(1)) <= tol
+    if streaming_triton.INTERPRET:  # both paths ran: resident rows (d <= 128 here), two column tiles a program
+        assert streaming_triton._sigmoid_kernel.best_config.kwargs["RESIDENT"] == (d <= 128)
 
 
 @pytest.mark.parametrize("dtype, kernel, tol", DTYPES, ids=DTYPE_IDS)
@@ -441,11 +443,12 @@ def test_every_autotune_config_compiles_for_hopper_within_shared_memory() -> Non
 
 def test_the_sigmoid_kernel_compiles_for_hopper_within_shared_memory() -> None:
     """The same for the sigmoid kernel: every config for sm_90, bf16 and exact fp32, within 227 KiB,
-    pipelined, on tensor cores in bf16."""
+    pipelined, on tensor cores in bf16, the resident tiles without spills."""
     compiled = compile_for_hopper("sigmoid")
-    assert len(compiled) == 2 * 5
+    assert len(compiled) == 2 * 5 + 2  # the resident tiles in bf16
     assert not [c for c in compiled if c["shared"] > 232448]
     assert all(c["cp_async"] for c in compiled) and all(c["wgmma"] for c in compiled if c["dtype"] == "bf16")
+    assert all(c["spill_bytes"] in (0, None) for c in compiled if c["resident"])
 
 
 def test_distributed_sigmoid_kernel_step_equals_dense() -> None:

@@ -107,15 +107,17 @@ _LSE_CONFIGS = _configs(
     [(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 128, 8, 2), (64, 64, 64, 4, 4)],
     resident=_RESIDENT,
 )
-_TILE_SHAPES = [
-    (128, 128, 64, 8, 3),
-    (128, 256, 64, 8, 3),
-    (256, 128, 64, 8, 3),
-    (128, 128, 128, 8, 2),
-    (64, 128, 64, 4, 4),
-]
-_WEIGHT_CONFIGS = _configs(_TILE_SHAPES, resident=_RESIDENT, col_tiles=8)
-_SIGMOID_CONFIGS = _configs(_TILE_SHAPES)
+_WEIGHT_CONFIGS = _configs(  # the softmax and the sigmoid W
+    [
+        (128, 128, 64, 8, 3),
+        (128, 256, 64, 8, 3),
+        (256, 128, 64, 8, 3),
+        (128, 128, 128, 8, 2),
+        (64, 128, 64, 4, 4),
+    ],
+    resident=_RESIDENT,
+    col_tiles=8,
+)
 
 
 @triton.jit
@@ -162,6 +164,30 @@ def _load_rows(ptr, rows, n, d, BLOCK_D: tl.constexpr):
     return tl.load(ptr + rows[:, None] * d + dims[None, :], mask=(rows[:, None] < n) & (dims[None, :] < d), other=0.0)
 
 
+@triton.jit
+def _tile_scores(
+    q,
+    q_ptr,
+    k_ptr,
+    rows,
+    cols,
+    n_q,
+    n_k,
+    d,
+    scale,
+    EXACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    RESIDENT: tl.constexpr,
+):
+    """The fp32 tile scale · Q[rows] · K[cols]^T: from the resident row block `q` and the columns,
+    or both sides streamed over d."""
+    if RESIDENT:
+        return _dot(q, _load_rows(k_ptr, cols, n_k, d, BLOCK_D), EXACT) * scale
+    return _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D)
+
+
 @triton.autotune(
     configs=_LSE_CONFIGS,
     key=["d", "EXACT"],
@@ -200,15 +226,16 @@ def _lse_pass_kernel(
         row_ok = rows < n_q
         r_max = tl.load(row_max_ptr + rows, mask=row_ok, other=float("-inf"))
         r_sum = tl.load(row_sum_ptr + rows, mask=row_ok, other=0.0)
-        if RESIDENT:  # the rows' embeddings, loaded once for the whole sweep (BLOCK_D >= d)
+        if RESIDENT:  # the rows' embeddings, loaded once for all the tiles below (BLOCK_D >= d)
             q = _load_rows(q_ptr, rows, n_q, d, BLOCK_D)
+        else:
+            q = 0.0  # unused: the tiles stream both sides
         for c0 in range(0, n_k, BLOCK_N):
             cols = c0 + tl.arange(0, BLOCK_N)
             col_ok = cols < n_k
-            if RESIDENT:
-                s = _dot(q, _load_rows(k_ptr, cols, n_k, d, BLOCK_D), EXACT) * scale
-            else:
-                s = _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D)
+            s = _tile_scores(
+                q, q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D, RESIDENT
+            )
             s = tl.where(row_ok[:, None] & col_ok[None, :], s, float("-inf"))
             new_max = tl.maximum(r_max, tl.max(s, axis=1))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # padded rows: no inf - inf
@@ -250,14 +277,13 @@ def _weights_kernel(
     # Program (i, j): row block i against column tiles j * COL_TILES ... (j + 1) * COL_TILES - 1.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     a = tl.load(a_ptr + rows, mask=rows < n_q, other=0.0)
-    if RESIDENT:  # the rows' embeddings, loaded once for the program's column tiles (BLOCK_D >= d)
+    if RESIDENT:  # the rows' embeddings, loaded once for all the tiles below (BLOCK_D >= d)
         q = _load_rows(q_ptr, rows, n_q, d, BLOCK_D)
+    else:
+        q = 0.0  # unused: the tiles stream both sides
     for t in range(COL_TILES):
         cols = (tl.program_id(1) * COL_TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if RESIDENT:
-            s = _dot(q, _load_rows(k_ptr, cols, n_k, d, BLOCK_D), EXACT) * scale
-        else:
-            s = _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D)
+        s = _tile_scores(q, q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D, RESIDENT)
         b = tl.load(b_ptr + cols, mask=cols < n_k, other=0.0)
         positive = cols[None, :] == rows[:, None] + diag_offset
         w = tl.exp(s - a[:, None]) + tl.exp(s - b[None, :]) - 2.0 * positive.to(tl.float32)
@@ -268,7 +294,12 @@ def _weights_kernel(
         )
 
 
-@triton.autotune(configs=_SIGMOID_CONFIGS, key=["d", "EXACT"], restore_value=["loss_ptr", "bias_ptr"])
+@triton.autotune(
+    configs=_WEIGHT_CONFIGS,
+    key=["d", "EXACT"],
+    restore_value=["loss_ptr", "bias_ptr"],
+    prune_configs_by={"early_config_prune": _prune_resident},
+)
 @triton.jit
 def _sigmoid_kernel(
     q_ptr,
@@ -287,19 +318,33 @@ def _sigmoid_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    RESIDENT: tl.constexpr,
+    COL_TILES: tl.constexpr,
 ):
+    # Program (i, j): row block i against column tiles j * COL_TILES ... (j + 1) * COL_TILES - 1; the
+    # rows' loss terms and W sums are summed over its tiles, then added once (atomically).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = (rows[:, None] < n_q) & (cols[None, :] < n_k)
-    logits = _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D) + bias
-    positive = cols[None, :] == rows[:, None] + diag_offset
-    zl = tl.where(positive, logits, -logits)
-    loss = tl.maximum(-zl, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(zl)))  # -log sigmoid(zl), stable
-    sig = 1.0 / (1.0 + tl.exp(zl))  # sigmoid(-zl)
-    w = tl.where(valid, tl.where(positive, -sig, sig), 0.0)
-    tl.store(w_ptr + rows[:, None] * w_stride + cols[None, :], w.to(w_ptr.dtype.element_ty), mask=valid)
-    tl.atomic_add(loss_ptr + rows, tl.sum(tl.where(valid, loss, 0.0), axis=1), mask=rows < n_q)
-    tl.atomic_add(bias_ptr + rows, tl.sum(w, axis=1), mask=rows < n_q)
+    if RESIDENT:  # the rows' embeddings, loaded once for all the tiles below (BLOCK_D >= d)
+        q = _load_rows(q_ptr, rows, n_q, d, BLOCK_D)
+    else:
+        q = 0.0  # unused: the tiles stream both sides
+    loss_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    w_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for t in range(COL_TILES):
+        cols = (tl.program_id(1) * COL_TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = (rows[:, None] < n_q) & (cols[None, :] < n_k)
+        s = _tile_scores(q, q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D, RESIDENT)
+        logits = s + bias
+        positive = cols[None, :] == rows[:, None] + diag_offset
+        zl = tl.where(positive, logits, -logits)
+        loss = tl.maximum(-zl, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(zl)))  # -log sigmoid(zl), stable
+        sig = 1.0 / (1.0 + tl.exp(zl))  # sigmoid(-zl)
+        w = tl.where(valid, tl.where(positive, -sig, sig), 0.0)
+        tl.store(w_ptr + rows[:, None] * w_stride + cols[None, :], w.to(w_ptr.dtype.element_ty), mask=valid)
+        loss_sum += tl.sum(tl.where(valid, loss, 0.0), axis=1)
+        w_sum += tl.sum(w, axis=1)
+    tl.atomic_add(loss_ptr + rows, loss_sum, mask=rows < n_q)
+    tl.atomic_add(bias_ptr + rows, w_sum, mask=rows < n_q)
 
 
 def _exact(exact: bool) -> bool:
