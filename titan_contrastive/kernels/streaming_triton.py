@@ -25,8 +25,10 @@ backward at once, and the GEMMs on W give both embedding gradients.
 
 Inputs: bf16 / fp16 / fp32, row-major contiguous, d <= 1024, any M, N (masked tails). The
 logit tile is fp32; bf16/fp16 go through the tensor-core dot with fp32 accumulators; `exact`
-computes the dot in IEEE fp32 (inputs upcast) instead of TF32 / bf16. Tile sizes are autotuned
-per (d, dtype) on CUDA. Set TRITON_INTERPRET=1 before importing this module to run it on CPU.
+computes the dot in IEEE fp32 (inputs upcast) instead of TF32 / bf16. Tiles are autotuned per
+(d, dtype) on CUDA, of two kinds: both sides streamed over d, or the row block resident in shared
+memory while its program sweeps columns (bf16 / fp16; docs/kernels.md). Set TRITON_INTERPRET=1
+before importing this module to run it on CPU.
 """
 
 from __future__ import annotations
