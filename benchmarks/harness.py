@@ -31,8 +31,9 @@ Files (`write_results`): NAME.json ({"meta": ..., payload..., "rows": ...}), NAM
 meta_* columns) and NAME.png (stamped with the metadata), under benchmarks/results unless the
 benchmark's --out says otherwise.
 
-Metadata and result files are benchmarks/_harness_results.py's, re-exported here: a benchmark imports
-only `harness`.
+Metadata and result files are benchmarks/_harness_results.py's, and the GPU benchmarks' largest-batch
+search (`SearchLog`, `search_each_mode`, `doubling_search`) benchmarks/_batch_search.py's, re-exported
+here: a benchmark imports only `harness`.
 """
 
 from __future__ import annotations
