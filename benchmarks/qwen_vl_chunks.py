@@ -46,10 +46,10 @@ memory, `--max-batch` or the time budget (`harness.search_each_mode`, as decoder
 start that does not fit is halved until one does, down to 2 samples; the second mode starts at the
 first's largest batch when that is smaller, so both have a row there; `--time-budget` seconds from
 the start end a mode's search before a batch whose predicted time would pass its share of what is
-left). Per batch: one warm-up and `--repeats` timed steps, median samples/s, peak CUDA memory (peak RSS on CPU), and for
-gradcache the chunks of the last step (under autocast a chunk's saved bytes include the bfloat16
-copies of the frozen weights, ~3.7 GiB at 2b, that its graph keeps for the input gradients). The
-claim it measures: GradCache's peak memory is flat in the batch (the batch stays on the host; a
+left). Per batch: one warm-up and `--repeats` timed steps, median samples/s, peak CUDA memory (peak
+RSS on CPU), and for gradcache the chunks of the last step (under autocast a chunk's saved bytes
+include the bfloat16 copies of the frozen weights, ~3.7 GiB at 2b, that its graph keeps for the
+input gradients). The claim it measures: GradCache's peak memory is flat in the batch (the batch stays on the host; a
 chunk goes to the device when it is forwarded), so its largest batch is set by time, plain's by
 memory. The JSON is written after every row.
 
