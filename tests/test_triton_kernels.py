@@ -347,6 +347,7 @@ import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from titan_contrastive.kernels import streaming_triton as st
+from titan_contrastive.kernels.tiles import resident_fits
 
 import re, subprocess, sys, tempfile
 from pathlib import Path
@@ -382,7 +383,7 @@ for dt, exact in (("bf16", False), ("fp32", True)):  # what `auto` runs: mixed p
         # (vectorized loads, cp.async pipelining: the shared memory a real launch needs)
         attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
         itemsize = 4 if exact else 2
-        for cfg in [c for c in tuner.configs if not c.kwargs.get("RESIDENT") or st.resident_fits(c, itemsize, exact)]:
+        for cfg in [c for c in tuner.configs if not c.kwargs.get("RESIDENT") or resident_fits(c, itemsize, exact)]:
             sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", **args, "EXACT": "constexpr", "BLOCK_M": "constexpr",
                    "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"}
             source = ASTSource(fn=tuner.fn, signature=sig, constexprs={**consts, "EXACT": exact, **cfg.kwargs},

@@ -27,13 +27,12 @@ Inputs: bf16 / fp16 / fp32, row-major contiguous, d <= 1024, any M, N (masked ta
 logit tile is fp32; bf16/fp16 go through the tensor-core dot with fp32 accumulators; `exact`
 computes the dot in IEEE fp32 (inputs upcast) instead of TF32 / bf16. Tiles are autotuned per
 (d, dtype) on CUDA, of two kinds: both sides streamed over d, or the row block resident in shared
-memory while its program sweeps columns (bf16 / fp16; docs/kernels.md). Set TRITON_INTERPRET=1
+memory while its program sweeps columns (bf16 / fp16; kernels/tiles.py). Set TRITON_INTERPRET=1
 before importing this module to run it on CPU.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -41,85 +40,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from titan_contrastive.kernels.tiles import INTERPRET, LSE_CONFIGS, WEIGHT_CONFIGS, prune_resident
+
 __all__ = ["row_col_lse", "sigmoid_weights", "softmax_weights"]
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LSE_PANEL = 8192  # columns per forward launch: the per-program partials are programs x LSE_PANEL floats
-
-
-def _configs(
-    shapes: list[tuple[int, int, int, int, int]],
-    resident: list[tuple[int, int, int, int, int]] | None = None,
-    col_tiles: int = 0,
-) -> list[triton.Config]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, warps, stages) candidates; with `resident` (a kernel that takes
-    RESIDENT), also those: the row block's whole d loaded once, BLOCK_D >= d; with `col_tiles` (a
-    kernel that takes COL_TILES), a resident program sweeps that many column tiles (a streamed one,
-    one). The interpreter gets one small tile of each, so that tests with a few dozen rows still
-    cross tile, panel and program boundaries."""
-    if INTERPRET:
-        shapes, resident = [(16, 16, 32, 1, 1)], None if resident is None else [(16, 16, 128, 1, 1)]
-        col_tiles = min(col_tiles, 2)
-    groups = [({}, shapes)]
-    if resident is not None:
-        tiles = ({"COL_TILES": 1}, {"COL_TILES": col_tiles}) if col_tiles else ({}, {})
-        groups = [({"RESIDENT": False, **tiles[0]}, shapes), ({"RESIDENT": True, **tiles[1]}, resident)]
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_D": k, **extra}, num_warps=w, num_stages=s)
-        for extra, group in groups
-        for m, n, k, w, s in group
-    ]
-
-
-RESIDENT_BYTES = 128 * 1024  # a resident row block's embeddings in shared memory, at most
-
-
-def resident_fits(config: triton.Config, itemsize: int, exact: bool) -> bool:
-    """Whether a resident config can run well: tensor-core dots on 2-byte inputs (the exact dot
-    upcasts its operands in registers, where a whole row block spills), and a row block
-    (BLOCK_M x BLOCK_D) within RESIDENT_BYTES, leaving room for the pipelined column tiles in a
-    Hopper SM's 227 KiB."""
-    size = config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_D"] * itemsize
-    return not exact and itemsize == 2 and size <= RESIDENT_BYTES
-
-
-def _prune_resident(configs: list[triton.Config], named_args: dict, **_: object) -> list[triton.Config]:
-    """The streamed configs, and the resident ones whose BLOCK_D holds d (on a GPU with at most half
-    of it padding) and that fit (`resident_fits`). Under the interpreter exactly one remains, so
-    nothing is timed: d <= 128 takes the resident path, larger d the streamed one (the tests cover
-    both)."""
-    d, itemsize, exact = named_args["d"], named_args["q_ptr"].element_size(), named_args["EXACT"]
-
-    def holds(config: triton.Config) -> bool:
-        block = config.kwargs["BLOCK_D"]
-        return d <= block and (INTERPRET or (2 * d > block and resident_fits(config, itemsize, exact)))
-
-    fits = [c for c in configs if not c.kwargs["RESIDENT"] or holds(c)]
-    if INTERPRET:
-        return [c for c in fits if c.kwargs["RESIDENT"]] or fits
-    return fits
-
-
-# Hopper candidates (H100: 228 KB shared memory / SM); the autotuner keeps the fastest per (d, dtype).
-# Resident: the row block's embeddings stay in shared memory while its program sweeps columns, so
-# each tile loads only its columns: BLOCK_M FLOPs per byte read instead of
-# BLOCK_M BLOCK_N / (BLOCK_M + BLOCK_N) (docs/kernels.md).
-_RESIDENT = [(128, 32, 512, 8, 2), (128, 64, 256, 8, 2)]
-_LSE_CONFIGS = _configs(
-    [(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 128, 8, 2), (64, 64, 64, 4, 4)],
-    resident=_RESIDENT,
-)
-_WEIGHT_CONFIGS = _configs(  # the softmax and the sigmoid W
-    [
-        (128, 128, 64, 8, 3),
-        (128, 256, 64, 8, 3),
-        (256, 128, 64, 8, 3),
-        (128, 128, 128, 8, 2),
-        (64, 128, 64, 4, 4),
-    ],
-    resident=_RESIDENT,
-    col_tiles=8,
-)
 
 
 @triton.jit
@@ -191,10 +116,10 @@ def _tile_scores(
 
 
 @triton.autotune(
-    configs=_LSE_CONFIGS,
+    configs=LSE_CONFIGS,
     key=["d", "EXACT"],
     restore_value=["row_max_ptr", "row_sum_ptr", "col_max_ptr", "col_sum_ptr"],
-    prune_configs_by={"early_config_prune": _prune_resident},
+    prune_configs_by={"early_config_prune": prune_resident},
 )
 @triton.jit
 def _lse_pass_kernel(
@@ -255,7 +180,7 @@ def _lse_pass_kernel(
         tl.debug_barrier()
 
 
-@triton.autotune(configs=_WEIGHT_CONFIGS, key=["d", "EXACT"], prune_configs_by={"early_config_prune": _prune_resident})
+@triton.autotune(configs=WEIGHT_CONFIGS, key=["d", "EXACT"], prune_configs_by={"early_config_prune": prune_resident})
 @triton.jit
 def _weights_kernel(
     q_ptr,
@@ -297,10 +222,10 @@ def _weights_kernel(
 
 
 @triton.autotune(
-    configs=_WEIGHT_CONFIGS,
+    configs=WEIGHT_CONFIGS,
     key=["d", "EXACT"],
     restore_value=["loss_ptr", "bias_ptr"],
-    prune_configs_by={"early_config_prune": _prune_resident},
+    prune_configs_by={"early_config_prune": prune_resident},
 )
 @triton.jit
 def _sigmoid_kernel(
