@@ -48,35 +48,6 @@ LSE_PANEL = 8192  # columns per forward launch: the per-program partials are pro
 
 
 @triton.jit
-def _scores(
-    q_ptr,
-    k_ptr,
-    rows,
-    cols,
-    n_q,
-    n_k,
-    d,
-    scale,
-    EXACT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """scale · Q[rows] · K[cols]^T as an fp32 [BLOCK_M, BLOCK_N] tile, the dot product over d tiles."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for d0 in range(0, d, BLOCK_D):
-        dims = d0 + tl.arange(0, BLOCK_D)
-        q = tl.load(
-            q_ptr + rows[:, None] * d + dims[None, :], mask=(rows[:, None] < n_q) & (dims[None, :] < d), other=0.0
-        )
-        k = tl.load(
-            k_ptr + cols[:, None] * d + dims[None, :], mask=(cols[:, None] < n_k) & (dims[None, :] < d), other=0.0
-        )
-        acc += _dot(q, k, EXACT)
-    return acc * scale
-
-
-@triton.jit
 def _dot(q, k, EXACT: tl.constexpr):
     """q · k^T as fp32: IEEE fp32 products when EXACT, else the inputs' tensor-core dot."""
     if EXACT:
@@ -85,9 +56,10 @@ def _dot(q, k, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(ptr, rows, n, d, BLOCK_D: tl.constexpr):
-    """Embeddings [rows, :BLOCK_D] (zero past n rows and d dims): a resident row block, or a column tile."""
-    dims = tl.arange(0, BLOCK_D)
+def _load_rows(ptr, rows, n, d, d0, BLOCK_D: tl.constexpr):
+    """Embeddings [rows, d0 : d0 + BLOCK_D] (zero past n rows and d dims): a d-slice of a streamed
+    tile, or (d0 = 0, BLOCK_D >= d) a resident row block or a column tile against it."""
+    dims = d0 + tl.arange(0, BLOCK_D)
     return tl.load(ptr + rows[:, None] * d + dims[None, :], mask=(rows[:, None] < n) & (dims[None, :] < d), other=0.0)
 
 
@@ -109,10 +81,13 @@ def _tile_scores(
     RESIDENT: tl.constexpr,
 ):
     """The fp32 tile scale · Q[rows] · K[cols]^T: from the resident row block `q` and the columns,
-    or both sides streamed over d."""
+    or both sides streamed over d in BLOCK_D slices."""
     if RESIDENT:
-        return _dot(q, _load_rows(k_ptr, cols, n_k, d, BLOCK_D), EXACT) * scale
-    return _scores(q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D)
+        return _dot(q, _load_rows(k_ptr, cols, n_k, d, 0, BLOCK_D), EXACT) * scale
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for d0 in range(0, d, BLOCK_D):
+        acc += _dot(_load_rows(q_ptr, rows, n_q, d, d0, BLOCK_D), _load_rows(k_ptr, cols, n_k, d, d0, BLOCK_D), EXACT)
+    return acc * scale
 
 
 @triton.autotune(
@@ -154,7 +129,7 @@ def _lse_pass_kernel(
         r_max = tl.load(row_max_ptr + rows, mask=row_ok, other=float("-inf"))
         r_sum = tl.load(row_sum_ptr + rows, mask=row_ok, other=0.0)
         if RESIDENT:  # the rows' embeddings, loaded once for all the tiles below (BLOCK_D >= d)
-            q = _load_rows(q_ptr, rows, n_q, d, BLOCK_D)
+            q = _load_rows(q_ptr, rows, n_q, d, 0, BLOCK_D)
         else:
             q = 0.0  # unused: the tiles stream both sides
         for c0 in range(0, n_k, BLOCK_N):
@@ -205,7 +180,7 @@ def _weights_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     a = tl.load(a_ptr + rows, mask=rows < n_q, other=0.0)
     if RESIDENT:  # the rows' embeddings, loaded once for all the tiles below (BLOCK_D >= d)
-        q = _load_rows(q_ptr, rows, n_q, d, BLOCK_D)
+        q = _load_rows(q_ptr, rows, n_q, d, 0, BLOCK_D)
     else:
         q = 0.0  # unused: the tiles stream both sides
     for t in range(COL_TILES):
@@ -252,7 +227,7 @@ def _sigmoid_kernel(
     # rows' loss terms and W sums are summed over its tiles, then added once (atomically).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     if RESIDENT:  # the rows' embeddings, loaded once for all the tiles below (BLOCK_D >= d)
-        q = _load_rows(q_ptr, rows, n_q, d, BLOCK_D)
+        q = _load_rows(q_ptr, rows, n_q, d, 0, BLOCK_D)
     else:
         q = 0.0  # unused: the tiles stream both sides
     loss_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
