@@ -17,6 +17,9 @@
 #  11  (issue 31) uint8 pixels normalized on the GPU against float32 from the workers (data.pixels_on_device),
 #      synthetic JPEG data, 14 workers: the bare step and the trainer end to end, plain and global
 #      negatives, microbatches of 512; all in $OUT/stage11.tar
+#  12  (issue 31, one 10-minute call) pytest -m gpu; the fused loss at N=64K, clip and siglip (resident tiles);
+#      ours vs open_clip's accum_freq at 32K; global negatives at 4K/16K/64K; all in $OUT/stage12.tar
+#  13  (issue 31, the same machine at once after 12) stage 11's plain rows alone; $OUT/stage13.tar
 #   1  pytest -m gpu and the Triton kernel tests                                        (issues 4, 8)
 #   6  the loss benchmark's largest rows (bf16, N 256K..1M; 8K..256K were measured on
 #      2026-11-24: results/gpu_loss_bench.log) and 64K again (its memory after 2026-11-26's
@@ -49,12 +52,12 @@ case "${1:-}" in
       tyro docstring-parser typeguard shtab torchdata open-clip-torch ftfy wcwidth regex inf-cl==1.2.1 memeff==0.3.1 \
       webdataset wids braceexpand peft==0.21.2
     ls .whl; exit 0 ;;
-  1|2|3|4|5|6|7|8|9|10|11)
+  1|2|3|4|5|6|7|8|9|10|11|12|13)
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.txt" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9|10|11" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9|10|11|12|13" >&2; exit 2 ;;
 esac
 res=/tmp/stage_results && mkdir -p "$res"
 pack() { tar -C "$res" -cf "$out/stage$1.tar" . ; }  # after every step: a time limit loses only the step in flight
@@ -72,6 +75,15 @@ case "$1" in
   11) for px in true false; do for v in plain global; do step 140 python3 -m benchmarks.step_gpu_bench --variants $v \
         --scale --chunk 512 --e2e-steps 20 --num-workers 14 --timeout 130 --override=--data.dataset=synthetic \
         --override=--data.pixels_on_device=$px --tag pixels_${px}_$v --out "$res"; pack 11; done; done ;;
+  12) step 80 python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$res/pytest_gpu.xml"; pack 12
+      step 150 python3 -m benchmarks.loss_bench --losses clip siglip --n 65536 --dtypes bfloat16 \
+        --impls dense streaming_triton memeff --repeats 5 --out "$res"; pack 12
+      step 150 python3 -m benchmarks.openclip_compare --global-batch 32768 --micro 512 --steps 2 --out "$res"; pack 12
+      step 140 python3 -m benchmarks.step_gpu_bench --variants --chunk 512 --scale 4096 16384 65536 --timeout 80 \
+        --time-budget 135 --tag scale --out "$res"; pack 12 ;;
+  13) for px in true false; do step 95 python3 -m benchmarks.step_gpu_bench --variants plain --scale --chunk 512 \
+        --e2e-steps 20 --num-workers 14 --timeout 90 --override=--data.dataset=synthetic \
+        --override=--data.pixels_on_device=$px --tag pixels_${px}_plain --out "$res"; pack 13; done ;;
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider
      step 420 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider ;;  # compiled, bf16 dot included (>120 s)
   6) step 560 python3 -m benchmarks.loss_bench --losses clip --n 65536 262144 524288 1048576 --dtypes bfloat16 \

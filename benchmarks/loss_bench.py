@@ -277,7 +277,7 @@ def autotuned() -> dict[str, dict[str, str]]:
     if kernels is None or kernels.INTERPRET:
         return {}
     tuners = {"lse": kernels._lse_pass_kernel, "weights": kernels._weights_kernel, "sigmoid": kernels._sigmoid_kernel}
-    return {name: {str(key): str(config) for key, config in tuner.cache.items()} for name, tuner in tuners.items()}
+    return {name: {str(k): str(c) for k, c in getattr(tuner, "cache", {}).items()} for name, tuner in tuners.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
