@@ -6,25 +6,23 @@
 #   on the GPU:   run(command="bash benchmarks/gpu_session.sh 1", carry=[".whl"])   then 2, 3, 4
 #   (the copy there may carry an older .git: prefix BENCH_COMMIT=<git rev-parse HEAD here>, which the results name)
 #
-#  Ordered by value; 10 goes first next time.
-#   9  (issue 31, run 2026-11-26 on an H200): the trainer's own step side by side (benchmarks/step_gpu_bench.py: plain,
-#      GradCache, global negatives, accumulation at 1K; global negatives at 4K and 16K; MFU, peak
-#      memory, host syncs per step, the trainer end to end), pytest -m gpu, the compiled rows; every
-#      result in $OUT/stage9.tar (more than the device tool's 8 files come back that way)
-#  10  (issue 31) pytest -m gpu (the host-sync test: its recorder fixed after the 2026-11-26 run);
-#      ours vs open_clip's accum_freq at 32K, microbatches of 512; global negatives at 4K/16K/64K (flat
-#      memory); the trainer end to end with 4 and 14 workers (where its 16 % goes); all in $OUT/stage10.tar
-#  11  (issue 31) uint8 pixels normalized on the GPU against float32 from the workers (data.pixels_on_device),
-#      synthetic JPEG data, 14 workers: the bare step and the trainer end to end, plain and global
-#      negatives, microbatches of 512; all in $OUT/stage11.tar
-#  12  (issue 31, one 10-minute call) pytest -m gpu; the fused loss at N=64K, clip and siglip (resident tiles);
-#      ours vs open_clip's accum_freq at 32K; global negatives at 4K/16K/64K; all in $OUT/stage12.tar
-#  13  (issue 31, the same machine at once after 12) stage 11's plain rows alone; $OUT/stage13.tar
+#  Ordered by value; 14 goes first next time. Done: 9 (H200, 2026-11-26); 10's pieces, 11's rows and 6's
+#  64K/256K/1M rows ran as 12 and 13 (H100, 2026-11-26, results/gpu_session_stage12.log), kept for reruns:
+#   9  the trainer's own step side by side (step_gpu_bench: plain, GradCache, global negatives, accumulation at
+#      1K; global negatives at 4K and 16K; MFU, memory, host syncs, end to end), pytest -m gpu, compiled rows
+#  10  pytest -m gpu; ours vs open_clip at 32K in microbatches of 512; global negatives at 4K/16K/64K; the
+#      trainer end to end with 4 and 14 workers
+#  11  uint8 pixels normalized on the GPU against float32 from the workers (data.pixels_on_device), synthetic
+#      JPEG data, 14 workers, plain and global negatives, bare and end to end
+#  12  one 10-minute call: pytest -m gpu; the fused loss at N=64K, clip and siglip; ours vs open_clip at 32K
+#      (microbatches of 512); global negatives at 4K/16K/64K; all in $OUT/stage12.tar
+#  13  the same machine at once after 12: stage 11's plain rows; $OUT/stage13.tar
+#  14  (issue 31) the fused loss per kernel and per backward panel size at 64K (benchmarks/loss_profile.py);
+#      ours vs open_clip at 32 x 1,024 (the issue's configuration); the vit_b32 step's time by kernel
+#      family, eager and compiled (step_gpu_bench --profile: where the MFU goes); all in $OUT/stage14.tar
 #   1  pytest -m gpu and the Triton kernel tests                                        (issues 4, 8)
-#   6  the loss benchmark's largest rows (bf16, N 256K..1M; 8K..256K were measured on
-#      2026-11-24: results/gpu_loss_bench.log) and 64K again (its memory after 2026-11-26's
-#      changes: predicted 0.39 GiB, measured 1 GiB before) and the resident forward tiles (NOTES, autotuned in the
-#      JSON): the fused kernel vs memeff                                                   (issues 8, 31)
+#   6  the loss benchmark's largest rows (bf16, N 64K..1M; 64K, 256K and 1M measured on 2026-11-26,
+#      512K not): the fused kernel vs memeff and dense                                    (issues 8, 31)
 #   2  the gpu sweep grids: run_train.sh on synthetic data at 1K..64K, microbatch vs global
 #      negatives, then the planner's 8 GiB budget (gpu_planner)                         (issues 7, 31)
 #   3  the pixel-loss benchmark through the sd decoder (issue 6); GradCache ratio + memory (issue 5)
@@ -38,7 +36,8 @@
 #      samples/s and peak CUDA memory per batch (flat in the batch is the claim)         (issue 30)
 # A session has 15 device-minutes (2026-11-25), about one stage. 2026-11-24 (H100): stage 3 complete; 1 and 2 cut
 # short by their time limits (results/gpu_session_stage*.log); 4, 5, 6 not run. 2026-11-26 (H200): stage 9 and
-# the first form of 10 (results/gpu_session_stage9.log, stage10.log); 1-8 not run.
+# the first form of 10 (results/gpu_session_stage9.log, stage10.log). 2026-11-26 (H100): 12, 13, the rest of 11
+# and 6's large rows; stage 1's kernel tests stopped at 150 s (18 passed). 2, 4, 5, 7, 8 not run.
 # Results go to $OUT (what the device tool brings back), else benchmarks/results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,12 +51,12 @@ case "${1:-}" in
       tyro docstring-parser typeguard shtab torchdata open-clip-torch ftfy wcwidth regex inf-cl==1.2.1 memeff==0.3.1 \
       webdataset wids braceexpand peft==0.21.2
     ls .whl; exit 0 ;;
-  1|2|3|4|5|6|7|8|9|10|11|12|13)
+  1|2|3|4|5|6|7|8|9|10|11|12|13|14)
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.txt" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9|10|11|12|13" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9|10|11|12|13|14" >&2; exit 2 ;;
 esac
 res=/tmp/stage_results && mkdir -p "$res"
 pack() { tar -C "$res" -cf "$out/stage$1.tar" . ; }  # after every step: a time limit loses only the step in flight
@@ -84,6 +83,12 @@ case "$1" in
   13) for px in true false; do step 95 python3 -m benchmarks.step_gpu_bench --variants plain --scale --chunk 512 \
         --e2e-steps 20 --num-workers 14 --timeout 90 --override=--data.dataset=synthetic \
         --override=--data.pixels_on_device=$px --tag pixels_${px}_plain --out "$res"; pack 13; done ;;
+  14) step 150 python3 -m benchmarks.loss_profile --out "$res"; pack 14
+      step 150 python3 -m benchmarks.openclip_compare --global-batch 32768 --micro 1024 --steps 2 --tag micro1024 \
+        --out "$res"; pack 14
+      step 210 python3 -m benchmarks.step_gpu_bench --variants plain global --compile plain --chunk 512 --scale \
+        --profile --num-workers 14 --override=--data.dataset=synthetic --timeout 110 --time-budget 200 \
+        --tag profile --out "$res"; pack 14 ;;
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider
      step 420 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider ;;  # compiled, bf16 dot included (>120 s)
   6) step 560 python3 -m benchmarks.loss_bench --losses clip --n 65536 262144 524288 1048576 --dtypes bfloat16 \

@@ -24,7 +24,7 @@ Per global batch: the median step time over `--steps` steps after one warm-up st
 with one variant: the two sides cannot share the device while each one's peak is measured, so they
 run one after the other), samples/s, MFU (the model's FLOPs per sample, like the trainer's metric)
 and the peak allocated memory (CPU smoke runs: the peak RSS during a step). A point that runs out of
-memory is recorded as OOM. Writes openclip_compare.{json,csv,png} under
+memory is recorded as OOM. Writes openclip_compare[_<--tag>].{json,csv,png} under
 `--out`. Needs CUDA and `open-clip-torch` (the device image has torchvision and timm;
 `benchmarks/gpu_session.sh wheels` fetches the rest).
 """
@@ -228,8 +228,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="for MFU; 0 = the trainer's table for this GPU")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the wiring (tiny batches)")
+    parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
+    stem = "openclip_compare" + (f"_{args.tag}" if args.tag else "")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
             "openclip_compare needs a CUDA GPU (ViT-B/32 at 224 px); run it through the device tool, "
@@ -271,10 +273,8 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
         # after every batch size: a run stopped at a time limit keeps what it measured
-        harness.write_results(args.out, "openclip_compare", meta, payload, rows=rows, fields=FIELDS)
-    harness.write_results(
-        args.out, "openclip_compare", meta, payload, rows=rows, fields=FIELDS, figure=lambda: plot(rows, name)
-    )
+        harness.write_results(args.out, stem, meta, payload, rows=rows, fields=FIELDS)
+    harness.write_results(args.out, stem, meta, payload, rows=rows, fields=FIELDS, figure=lambda: plot(rows, name))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ set once (pinned on CUDA), and times `Trainer.train_step` over `--steps` steps a
 (CUDA-synchronized; median). It then runs one more step under CUDA's sync debug mode and records
 every synchronizing call by its call site (`components.host_syncs.sync_sites`), and,
 with `--e2e-steps`, `Trainer.train()` for that many more steps through the real data loader and
-logging (samples/s of the logged windows after the first). The variants at `--batch`:
+logging (samples/s of the logged windows after the first); with `--profile`, one more step traced
+(`_kernel_profile.kernel_times`: milliseconds by kernel family, the top kernels, and `busy_share`,
+kernel time over the untraced step's wall time). The variants at `--batch`:
 plain (one microbatch), gradcache (`--chunk` samples per forward), global (microbatches of `--chunk`,
 negatives over the whole batch), accumulate (microbatches of `--chunk`, microbatch negatives); at each
 `--scale` batch: global with microbatches of `--chunk` (one warm-up, two timed steps; the trainer is
@@ -120,6 +122,11 @@ def worker(name: str, overrides: list[str], args: argparse.Namespace) -> dict[st
             row["sync_sites"] = dict(sync_sites(lambda: trainer.train_step(batches)).most_common())
             sync()
             row["syncs"] = sum(row["sync_sites"].values())
+        if args.profile:  # one more step, traced: where its time goes by kernel family
+            from benchmarks._kernel_profile import STEP_FAMILIES, kernel_times
+
+            row["profile"] = kernel_times(lambda: trainer.train_step(batches), device, STEP_FAMILIES)
+            row["busy_share"] = row["profile"]["total_ms"] / (row["step_s"] * 1e3)
         if args.e2e_steps:
             start = time.perf_counter()
             trainer.train()
@@ -171,6 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--e2e-steps", type=int, default=0, help="then Trainer.train() for this many steps")
     parser.add_argument("--e2e", nargs="*", default=["plain", "global"], help="variants run end to end")
     parser.add_argument("--log-freq", type=int, default=5)
+    parser.add_argument(
+        "--profile", action="store_true", help="trace one more step: time by kernel family (CPU: by operator)"
+    )
     parser.add_argument("--num-workers", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=240, help="seconds per variant")
     parser.add_argument("--time-budget", type=float, default=3600, help="seconds for all variants (then skipped)")
@@ -216,13 +226,21 @@ def main(argv: list[str] | None = None) -> None:
             row = {"variant": variant, "status": "error", "detail": f"timed out after {timeout:.0f} s"}
         row["overrides"] = overrides
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "sync_sites"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("sync_sites", "profile")}), flush=True)
+        if "profile" in row:
+            print(json.dumps(row["profile"]["families_ms"]), flush=True)
         harness.write_json(args.out / f"{name}.json", meta, {"variants": rows})
     base = next((r for r in rows if r["variant"].startswith("plain") and "step_s" in r), None)
     for row in rows:
         if base and "step_s" in row and row["global_batch"] == base["global_batch"]:
             row["time_over_plain"] = row["step_s"] / base["step_s"]
-    flat = [{k: v for k, v in r.items() if k not in ("sync_sites", "overrides")} for r in rows]
+    flat = [
+        {
+            **{k: v for k, v in r.items() if k not in ("sync_sites", "overrides", "profile")},
+            **{f"ms {k}": v for k, v in r.get("profile", {}).get("families_ms", {}).items()},
+        }
+        for r in rows
+    ]
     title = f"{args.flavor} {args.precision}, train_step per variant ({meta['device']}, {meta['date'][:10]})"
     harness.write_results(args.out, name, meta, {"variants": rows}, rows=flat, figure=lambda: plot(rows, title))
     for row in flat:

@@ -287,16 +287,20 @@ def test_qwen_vl_chunks_gpu_mode_runs_on_cpu_with_a_tiny_model(tmp_path: Path) -
 
 @pytest.mark.slow  # ~30 s: seven trainer processes
 def test_step_gpu_bench_runs_every_variant_on_cpu(tmp_path: Path) -> None:
-    """benchmarks/step_gpu_bench.py end to end on CPU (what gpu_session.sh 9 and 10 run on a GPU): each variant
+    """benchmarks/step_gpu_bench.py end to end on CPU (what gpu_session.sh 9, 12 and 14 run on a GPU): each variant
     in its own process through Trainer.train_step, a global@N row past the one microbatch the trainer is
     built for, the trainer end to end with its data-wait share; JSON, CSV and PNG written."""
     cmd = [sys.executable, "-m", "benchmarks.step_gpu_bench", "--device", "cpu", "--flavor", "debug"]
     cmd += ["--image-size", "0", "--precision", "float32", "--batch", "32", "--chunk", "12", "--scale", "48"]
     cmd += ["--variants", "plain", "gradcache", "--e2e", "plain", "--e2e-steps", "4", "--log-freq", "2"]
-    cmd += ["--num-workers", "0", "--warmup", "1", "--steps", "1", "--timeout", "120", "--out", str(tmp_path)]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
+    cmd += ["--num-workers", "0", "--warmup", "1", "--steps", "1", "--timeout", "120", "--profile"]
+    out = subprocess.run([*cmd, "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads((tmp_path / "step_gpu_bench_cpu.json").read_text())["variants"]}
+    for row in rows.values():  # --profile: the traced step's operator time by family, the GEMMs among them
+        families = row["profile"]["families_ms"]
+        assert sum(families.values()) == pytest.approx(row["profile"]["total_ms"]) and families["GEMM"] > 0
+        assert row["profile"]["top"] and 0 < row["busy_share"]
     assert list(rows) == ["plain", "gradcache", "global@48"], rows
     assert [rows[v]["global_batch"] for v in rows] == [32, 32, 48]
     assert all(r["step_s"] > 0 and r["samples_per_s"] > 0 for r in rows.values())
@@ -330,3 +334,21 @@ def test_data_bench_times_every_piece_of_the_loader_path(tmp_path: Path) -> None
     assert all(v > 0 for v in pieces.values())
     loader_path = ("read", "decode_crop", "normalize", "tokenize")
     assert abs(pieces["total"] - sum(pieces[k] for k in loader_path)) < 1e-9
+
+
+def test_loss_profile_times_each_panel_size_and_checks_the_gradients(tmp_path: Path) -> None:
+    """benchmarks/loss_profile.py through Triton's interpreter: both fused losses agree with the dense
+    float64 loss, each panel size is its own row, and the panel size reaches the backward (N = 96 in
+    panels of 40 is 3 x 3 panels, two GEMMs each; in panels of 100, one)."""
+    from benchmarks import loss_profile
+
+    args = ["--n", "96", "--d", "32", "--panels", "40", "100", "--repeats", "1", "--check-n", "60"]
+    loss_profile.main([*args, "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "loss_profile_cpu.json").read_text())
+    assert all(check["dzx"] < 1e-5 and check["dzy"] < 1e-5 for check in result["checks"].values()), result["checks"]
+    rows = {(r["loss"], r["panel"]): r for r in result["rows"]}
+    assert set(rows) == {(loss, panel) for loss in ("clip", "siglip") for panel in (40, 100)}
+    for (_, panel), row in rows.items():
+        assert row["status"] == "ok" and sum(row["families_ms"].values()) == pytest.approx(row["total_ms"])
+        assert row["families_launches"]["GEMM"] == (18 if panel == 40 else 2), row["top"]
+    assert (tmp_path / "loss_profile_cpu.png").read_bytes()[:4] == b"\x89PNG"

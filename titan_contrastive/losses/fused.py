@@ -66,7 +66,7 @@ def fused_embedding_grads(
     scale: float,
     first_row: int,
     kernel: str,
-    panel: int = FUSED_PANEL,
+    panel: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(dL/dZx[own] [c, d], this rank's share of dL/dZy [N, d]), float32, from one recompute of S[own, :].
 
@@ -97,7 +97,7 @@ def fused_embedding_grads(
 
 
 def fused_sigmoid(
-    zx_own: Tensor, zy: Tensor, scale: float, bias: float, first_row: int, kernel: str, panel: int = FUSED_PANEL
+    zx_own: Tensor, zy: Tensor, scale: float, bias: float, first_row: int, kernel: str, panel: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`streamed_sigmoid` with the fused kernel: per panel one pass over S writes W = N dL/dl and
     adds the rows' loss terms and W sums; the embedding gradients are GEMMs on W (float32 sums)."""
@@ -126,10 +126,12 @@ def fused_sigmoid(
 
 
 def _fused_products(
-    zx_own: Tensor, zy: Tensor, exact: bool, panel: int, weights: Callable[..., Tensor]
+    zx_own: Tensor, zy: Tensor, exact: bool, panel: int | None, weights: Callable[..., Tensor]
 ) -> tuple[Tensor, Tensor]:
     """(sum W Zy per own row, sum W^T Zx[own] per column), float32, over panels of at most `panel`
-    x `panel`; `weights(x_rows, y_cols, (first own row, first column), out)` writes the panel's W."""
+    x `panel` (None: FUSED_PANEL as it is at the call); `weights(x_rows, y_cols, (first own row,
+    first column), out)` writes the panel's W."""
+    panel = FUSED_PANEL if panel is None else panel
     zx_own, zy = zx_own.contiguous(), zy.contiguous()
     c, n = len(zx_own), len(zy)
     w_dtype = torch.float32 if exact or zx_own.dtype == torch.float32 else zx_own.dtype
