@@ -55,6 +55,20 @@ def test_the_trainer_runs_a_batch_larger_than_a_bundled_set(tmp_path: Path, caps
     assert len(err) == 1 and "data.val_path='held_out.csv'" in err[0] and "synthetic" in err[0], err
 
 
+def test_the_gpu_config_trains_on_the_cpu_with_a_small_model(tmp_path: Path) -> None:
+    """train_configs/clip_vit_b32_gpu.toml as shipped but for what a CPU cannot hold (the model, the
+    sizes, CUDA, bf16, workers): global negatives over 3 microbatches of synthetic pairs, logged."""
+    config = Path(__file__).resolve().parents[1] / "train_configs" / "clip_vit_b32_gpu.toml"
+    args = [f"--job.config_file={config}", "--model.flavor=debug", "--data.image_size=32"]
+    args += ["--training.device=cpu", "--training.mixed_precision_param=float32", "--data.num_workers=0"]
+    args += ["--training.local_batch_size=16", "--training.global_batch_size=48", "--data.synthetic_samples=96"]
+    args += ["--data.context_length=40", "--training.steps=2", "--metrics.log_freq=1"]
+    assert main([*args, "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path}"]) == 0
+    train = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["loss"]) for r in train)
+
+
 def test_uint8_pixels_normalized_on_the_device_equal_the_workers_floats(tmp_path: Path) -> None:
     """A GPU run's file data leaves the loader as uint8 (`pixels_on_device`) and the step normalizes
     it: the model's inputs are the float path's to the bit, in the same memory layout, and so are
