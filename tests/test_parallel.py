@@ -7,6 +7,7 @@ process running the same global batch: rel. err <= 1e-10.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -128,9 +129,10 @@ def test_degrees_are_validated(tmp_path: Path) -> None:
         make_trainer(tmp_path, "--parallelism.data_parallel_replicate_degree=-1")
 
 
-def one_step_grads(tmp: Path, *extra: str) -> dict[str, torch.Tensor]:
-    trainer = make_trainer(tmp, "--training.local_batch_size=6", "--training.max_norm=0", *extra)
-    trainer.train_step([trainer.train_set.__getitems__(list(range(6)))])
+def one_step_grads(tmp: Path, *extra: str, microbatches: int = 1) -> dict[str, torch.Tensor]:
+    args = ["--training.local_batch_size=6", f"--training.global_batch_size={6 * microbatches}"]
+    trainer = make_trainer(tmp, *args, "--training.max_norm=0", *extra)
+    trainer.train_step([trainer.train_set.__getitems__(list(range(6 * i, 6 * i + 6))) for i in range(microbatches)])
     trainer.metrics.close()
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
 
@@ -148,6 +150,18 @@ def test_ac_and_compile_keep_gradients(tmp_path: Path, extra: list[str]) -> None
     want = one_step_grads(tmp_path / "plain")
     got = one_step_grads(tmp_path / "variant", *extra)
     assert_same(got, want, " ".join(extra))
+
+
+def test_compiled_blocks_keep_the_global_negatives_gradient(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Global negatives run each compiled block twice per microbatch (no-grad first pass, then the
+    re-forward with its cached gradient): 3 microbatches of 6, dropout on, against eager."""
+    from titan_contrastive.models.clip.args import clip_flavors
+
+    monkeypatch.setitem(clip_flavors, "debug", dataclasses.replace(clip_flavors["debug"], dropout=0.1))
+    want = one_step_grads(tmp_path / "eager", "--loss.negatives=global", microbatches=3)
+    compiled = ["--compile.enable=true", "--compile.backend=aot_eager"]
+    got = one_step_grads(tmp_path / "compiled", "--loss.negatives=global", *compiled, microbatches=3)
+    assert_same(got, want, "compiled global negatives")
 
 
 @pytest.mark.parametrize("negatives", ["microbatch", "global"])
