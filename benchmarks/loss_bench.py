@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -270,14 +271,27 @@ def plot(rows: list[dict[str, Any]], device: str, cuda: bool):  # noqa: ANN201 -
     return fig
 
 
-def autotuned() -> dict[str, dict[str, str]]:
+def autotuned() -> dict[str, dict[str, Any]]:
     """The configs the Triton autotuner chose so far, per kernel and key (d, exact, dtypes): which
-    tiles won, and whether the forward kept its rows resident (docs/kernels.md)."""
+    tiles won, and whether the forward kept its rows resident (docs/kernels.md); with
+    `last_tuning_ms`, every candidate's time in the kernel's last tuning (Triton's
+    `configs_timings`: how close the losers came)."""
     kernels = sys.modules.get("titan_contrastive.kernels.streaming_triton")
     if kernels is None or kernels.INTERPRET:
         return {}
     tuners = {"lse": kernels._lse_pass_kernel, "weights": kernels._weights_kernel, "sigmoid": kernels._sigmoid_kernel}
-    return {name: {str(k): str(c) for k, c in getattr(tuner, "cache", {}).items()} for name, tuner in tuners.items()}
+    result: dict[str, dict[str, Any]] = {}
+    for name, tuner in tuners.items():
+        result[name] = {str(k): str(c) for k, c in getattr(tuner, "cache", {}).items()}
+        timings = getattr(tuner, "configs_timings", None) or {}
+        if timings:
+            finite = {
+                str(c): [float(v) for v in (t if isinstance(t, list | tuple) else [t])] for c, t in timings.items()
+            }
+            result[name]["last_tuning_ms"] = {
+                c: t if all(math.isfinite(v) for v in t) else None for c, t in finite.items()
+            }
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:

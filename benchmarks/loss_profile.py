@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                 shares = ", ".join(f"{k} {v:.1f}" for k, v in row["families_ms"].items() if v)
                 print(f"{label}: {row['median_s'] * 1e3:.1f} ms, {row['extra_bytes'] / 2**20:.0f} MiB; {shares}")
             rows.append(row)
+        payload["autotuned"] = loss_bench.autotuned()
         harness.write_json(args.out / f"{name}.json", meta, {**payload, "rows": rows})  # kept if a limit stops us
     fields = ["loss", "panel", "n", "d", "dtype", "status", "median_s", "extra_bytes", "floor_tflops", "total_ms"]
     flat = [
