@@ -352,3 +352,20 @@ def test_loss_profile_times_each_panel_size_and_checks_the_gradients(tmp_path: P
         assert row["status"] == "ok" and sum(row["families_ms"].values()) == pytest.approx(row["total_ms"])
         assert row["families_launches"]["GEMM"] == (18 if panel == 40 else 2), row["top"]
     assert (tmp_path / "loss_profile_cpu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow  # ~20 s in Triton's interpreter, two child processes
+def test_lse_probe_checks_and_times_each_forward(tmp_path: Path) -> None:
+    """benchmarks/lse_probe.py (gpu_session.sh 15's descriptor kernels) through the interpreter: the
+    pointer, TMA and warp-specialized forwards give float64's LSEs on a problem with ragged row, column
+    and d tails (the descriptors' zero padding), each forward alone and in the whole loss is timed."""
+    from benchmarks import lse_probe
+
+    lse_probe.main(["--n", "150", "--d", "40", "--check-n", "90", "--repeats", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "lse_probe_cpu.json").read_text())
+    assert set(result["lse_errors"]) == {"pointer", "tma", "tma_ws"}
+    assert all(e["rows"] < 1e-5 and e["cols"] < 1e-5 for e in result["lse_errors"].values()), result["lse_errors"]
+    assert [r["variant"] for r in result["rows"] if r["status"] == "ok"] == [
+        f"{part}, {name}" for name in ("pointer", "tma", "tma_ws") for part in ("forward", "loss")
+    ]
+    assert "WS: True" in result["configs"]["tma_ws"] and "WS: False" in result["configs"]["tma"]

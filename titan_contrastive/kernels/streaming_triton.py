@@ -90,6 +90,24 @@ def _tile_scores(
     return acc * scale
 
 
+@triton.jit
+def _lse_tile_update(s, row_ok, cols, col_ok, r_max, r_sum, col_max_ptr, col_sum_ptr):
+    """One fp32 tile `s` of the forward pass: its rows' online (max, sum), returned, and its columns'
+    partial (max, sum) in memory, updated; padded rows and columns count as -inf."""
+    s = tl.where(row_ok[:, None] & col_ok[None, :], s, float("-inf"))
+    new_max = tl.maximum(r_max, tl.max(s, axis=1))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # padded rows: no inf - inf
+    r_sum = r_sum * tl.exp(r_max - shift) + tl.sum(tl.exp(s - shift[:, None]), axis=1)
+    c_max = tl.load(col_max_ptr + cols, mask=col_ok, other=float("-inf"))
+    c_sum = tl.load(col_sum_ptr + cols, mask=col_ok, other=0.0)
+    new_c = tl.maximum(c_max, tl.max(s, axis=0))
+    c_shift = tl.where(new_c == float("-inf"), 0.0, new_c)
+    c_sum = c_sum * tl.exp(c_max - c_shift) + tl.sum(tl.exp(s - c_shift[None, :]), axis=0)
+    tl.store(col_max_ptr + cols, new_c, mask=col_ok)
+    tl.store(col_sum_ptr + cols, c_sum, mask=col_ok)
+    return new_max, r_sum
+
+
 @triton.autotune(
     configs=LSE_CONFIGS,
     key=["d", "EXACT"],
@@ -138,18 +156,7 @@ def _lse_pass_kernel(
             s = _tile_scores(
                 q, q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D, RESIDENT
             )
-            s = tl.where(row_ok[:, None] & col_ok[None, :], s, float("-inf"))
-            new_max = tl.maximum(r_max, tl.max(s, axis=1))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # padded rows: no inf - inf
-            r_sum = r_sum * tl.exp(r_max - shift) + tl.sum(tl.exp(s - shift[:, None]), axis=1)
-            r_max = new_max
-            c_max = tl.load(col_max_ptr + cols, mask=col_ok, other=float("-inf"))
-            c_sum = tl.load(col_sum_ptr + cols, mask=col_ok, other=0.0)
-            new_c = tl.maximum(c_max, tl.max(s, axis=0))
-            c_shift = tl.where(new_c == float("-inf"), 0.0, new_c)
-            c_sum = c_sum * tl.exp(c_max - c_shift) + tl.sum(tl.exp(s - c_shift[None, :]), axis=0)
-            tl.store(col_max_ptr + cols, new_c, mask=col_ok)
-            tl.store(col_sum_ptr + cols, c_sum, mask=col_ok)
+            r_max, r_sum = _lse_tile_update(s, row_ok, cols, col_ok, r_max, r_sum, col_max_ptr, col_sum_ptr)
         tl.store(row_max_ptr + rows, r_max, mask=row_ok)
         tl.store(row_sum_ptr + rows, r_sum, mask=row_ok)
         tl.debug_barrier()
