@@ -21,8 +21,8 @@
 #      ours vs open_clip at 32 x 1,024 (the issue's configuration); the vit_b32 step's time by kernel
 #      family, eager and compiled (step_gpu_bench --profile: where the MFU goes); all in $OUT/stage14.tar
 #  15  (issue 31; the same machine after 14 if time is left) the shipped train_configs/clip_vit_b32_gpu.toml end to
-#      end (run_train.sh, 8 steps of 32K pairs, its metrics.jsonl); the forward pass with TMA descriptor loads, with
-#      and without warp specialization, against the pointer tiles (benchmarks/lse_probe.py); $OUT/stage15.tar
+#      end (run_train.sh, 8 steps of 32K pairs, its metrics.jsonl); the fused loss's kernels with TMA descriptor
+#      copies (the forward also warp-specialized) against the pointer tiles (benchmarks/tma_probe.py); stage15.tar
 #   1  pytest -m gpu and the Triton kernel tests                                        (issues 4, 8)
 #   6  the loss benchmark's largest rows (bf16, N 64K..1M; 64K, 256K and 1M measured on 2026-11-26,
 #      512K not): the fused kernel vs memeff and dense                                    (issues 8, 31)
@@ -94,7 +94,7 @@ case "$1" in
         --tag profile --out "$res"; pack 14 ;;
   15) export CONFIG_FILE=train_configs/clip_vit_b32_gpu.toml PYTHON=python3
       step 150 ./run_train.sh --training.steps=8 --metrics.log_freq=2 --job.dump_folder="$res/gpu_config"; pack 15
-      step 200 python3 -m benchmarks.lse_probe --out "$res"; pack 15 ;;
+      step 200 python3 -m benchmarks.tma_probe --out "$res"; pack 15 ;;
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider
      step 420 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider ;;  # compiled, bf16 dot included (>120 s)
   6) step 560 python3 -m benchmarks.loss_bench --losses clip --n 65536 262144 524288 1048576 --dtypes bfloat16 \

@@ -354,18 +354,21 @@ def test_loss_profile_times_each_panel_size_and_checks_the_gradients(tmp_path: P
     assert (tmp_path / "loss_profile_cpu.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow  # ~20 s in Triton's interpreter, two child processes
-def test_lse_probe_checks_and_times_each_forward(tmp_path: Path) -> None:
-    """benchmarks/lse_probe.py (gpu_session.sh 15's descriptor kernels) through the interpreter: the
-    pointer, TMA and warp-specialized forwards give float64's LSEs on a problem with ragged row, column
-    and d tails (the descriptors' zero padding), each forward alone and in the whole loss is timed."""
-    from benchmarks import lse_probe
+@pytest.mark.slow  # ~25 s in Triton's interpreter, three child processes
+def test_tma_probe_checks_and_times_each_kernel_variant(tmp_path: Path) -> None:
+    """benchmarks/tma_probe.py (gpu_session.sh 15's descriptor kernels) through the interpreter: the
+    pointer, TMA and warp-specialized forwards give float64's LSEs and both W kernels its W, on problems
+    with ragged row, column and d tails (the descriptors' zero padding and clipped stores); each variant
+    is timed alone and in the whole loss, with the variant's own tiles (its config recorded)."""
+    from benchmarks import tma_probe
 
-    lse_probe.main(["--n", "150", "--d", "40", "--check-n", "90", "--repeats", "1", "--out", str(tmp_path)])
-    result = json.loads((tmp_path / "lse_probe_cpu.json").read_text())
-    assert set(result["lse_errors"]) == {"pointer", "tma", "tma_ws"}
-    assert all(e["rows"] < 1e-5 and e["cols"] < 1e-5 for e in result["lse_errors"].values()), result["lse_errors"]
-    assert [r["variant"] for r in result["rows"] if r["status"] == "ok"] == [
-        f"{part}, {name}" for name in ("pointer", "tma", "tma_ws") for part in ("forward", "loss")
-    ]
-    assert "WS: True" in result["configs"]["tma_ws"] and "WS: False" in result["configs"]["tma"]
+    tma_probe.main(["--n", "152", "--d", "40", "--check-n", "90", "--repeats", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "tma_probe_cpu.json").read_text())
+    checks = result["checks"]
+    assert set(checks) == {"forward:pointer", "forward:tma", "forward:tma_ws", "W:pointer", "W:tma"}
+    assert all(max(c.values()) < 1e-5 for c in checks.values()), checks
+    names = ["forward, pointer", "forward, tma", "forward, tma_ws", "W panel, pointer", "W panel, tma"]
+    names += ["loss, forward pointer", "loss, forward tma", "loss, forward tma_ws", "loss, forward tma + W tma"]
+    assert [r["variant"] for r in result["rows"] if r["status"] == "ok"] == names
+    assert "WS: True" in result["configs"]["forward:tma_ws"] and "WS: False" in result["configs"]["forward:tma"]
+    assert "BLOCK_M" in result["configs"]["W:tma"]
