@@ -19,7 +19,8 @@
 #  13  the same machine at once after 12: stage 11's plain rows; $OUT/stage13.tar
 #  14  (issue 31) the fused loss per kernel and per backward panel size at 64K (benchmarks/loss_profile.py);
 #      ours vs open_clip at 32 x 1,024 (the issue's configuration); the vit_b32 step's time by kernel
-#      family, eager and compiled (step_gpu_bench --profile: where the MFU goes); all in $OUT/stage14.tar
+#      family, plain and global negatives, eager and compiled (step_gpu_bench --profile: where the MFU goes; the
+#      compiled global-negatives step's first GPU run); all in $OUT/stage14.tar
 #  15  (issue 31; the same machine after 14 if time is left) the shipped train_configs/clip_vit_b32_gpu.toml end to
 #      end (run_train.sh, 8 steps of 32K pairs, its metrics.jsonl); the fused loss's kernels with TMA descriptor
 #      copies (the forward also warp-specialized) against the pointer tiles (benchmarks/tma_probe.py); stage15.tar
@@ -89,8 +90,8 @@ case "$1" in
   14) step 150 python3 -m benchmarks.loss_profile --out "$res"; pack 14
       step 150 python3 -m benchmarks.openclip_compare --global-batch 32768 --micro 1024 --steps 2 --tag micro1024 \
         --out "$res"; pack 14
-      step 210 python3 -m benchmarks.step_gpu_bench --variants plain global --compile plain --chunk 512 --scale \
-        --profile --num-workers 14 --override=--data.dataset=synthetic --timeout 110 --time-budget 200 \
+      step 250 python3 -m benchmarks.step_gpu_bench --variants plain global --compile plain global --chunk 512 \
+        --scale --profile --num-workers 14 --override=--data.dataset=synthetic --timeout 100 --time-budget 240 \
         --tag profile --out "$res"; pack 14 ;;
   15) export CONFIG_FILE=train_configs/clip_vit_b32_gpu.toml PYTHON=python3
       step 150 ./run_train.sh --training.steps=8 --metrics.log_freq=2 --job.dump_folder="$res/gpu_config"; pack 15
