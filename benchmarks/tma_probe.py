@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
         for variant in variants
     }
     print(f"check N={args.check_n}: max |result - float64| {checks}", flush=True)
+    path = args.out / f"tma_probe_{'cuda' if cuda else 'cpu'}.json"
+    harness.write_json(path, meta, {"check_n": args.check_n, "checks": checks})  # kept if a time limit stops the timing
     ok = {
         kernel: [v for v in variants if "error" not in checks[f"{kernel}:{v}"]]
         for kernel, (_, variants) in KERNELS.items()
@@ -280,9 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         if variants[v] is not None
     }
     payload = {"check_n": args.check_n, "checks": checks, "configs": configs, "rows": rows}
-    harness.write_json(
-        args.out / f"tma_probe_{'cuda' if cuda else 'cpu'}.json", meta, payload | {"autotuned": loss_bench.autotuned()}
-    )
+    harness.write_json(path, meta, payload | {"autotuned": loss_bench.autotuned()})
 
 
 if __name__ == "__main__":
