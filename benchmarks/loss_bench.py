@@ -154,6 +154,12 @@ def skipped(impl: str, exc: Exception) -> dict[str, str]:
     return {"impl": impl, "skipped": harness.reason(exc)}
 
 
+def embeddings(n: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Two [n, d] sets of unit-norm random embeddings in `dtype`, the same for the same seed."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return tuple(F.normalize(torch.randn(n, d, device=device, generator=gen), dim=-1).to(dtype) for _ in range(2))
+
+
 def measure(
     fns: dict[str, Callable],
     n: int,
@@ -168,9 +174,7 @@ def measure(
     warm-up round, then `repeats` rounds, round r starting at implementation r (mod the count), so
     slow drift in the machine's load cannot favour one. An implementation that runs out of memory is
     recorded as OOM (a third-party one that raises, as skipped) and leaves the rotation; the others go on."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    zx = F.normalize(torch.randn(n, d, device=device, generator=gen), dim=-1).to(dtype).requires_grad_()
-    zy = F.normalize(torch.randn(n, d, device=device, generator=gen), dim=-1).to(dtype).requires_grad_()
+    zx, zy = (z.requires_grad_() for z in embeddings(n, d, dtype, device))
     cuda = device.type == "cuda"
 
     def reset(_: str = "") -> None:

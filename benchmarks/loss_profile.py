@@ -21,9 +21,9 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks import harness, loss_bench
 from benchmarks._kernel_profile import LOSS_FAMILIES, kernel_times
@@ -39,20 +39,15 @@ def with_panel(fn: loss_bench.LossFn, panel: int) -> loss_bench.LossFn:
 
     @functools.wraps(fn)
     def call(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
-        kept, fused_loss.FUSED_PANEL = fused_loss.FUSED_PANEL, panel
-        try:
+        with mock.patch.object(fused_loss, "FUSED_PANEL", panel):
             fn(zx, zy, chunk)
-        finally:
-            fused_loss.FUSED_PANEL = kept
 
     return call
 
 
 def profiled(fn: loss_bench.LossFn, n: int, d: int, dtype: torch.dtype, chunk: int, device: torch.device) -> dict:
     """`kernel_times` of one call of `fn` (after one untraced call) on embeddings like `measure`'s."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    zx = F.normalize(torch.randn(n, d, device=device, generator=gen), dim=-1).to(dtype).requires_grad_()
-    zy = F.normalize(torch.randn(n, d, device=device, generator=gen), dim=-1).to(dtype).requires_grad_()
+    zx, zy = (z.requires_grad_() for z in loss_bench.embeddings(n, d, dtype, device))
 
     def call() -> None:
         zx.grad = zy.grad = None

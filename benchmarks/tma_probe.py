@@ -21,15 +21,16 @@ a GPU run shows it (benchmarks/NOTES.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -156,22 +157,14 @@ def using(choice: dict[str, str], fn: Callable[[], Any]) -> Callable[[], Any]:
     """`fn` with each kernel of `choice` ({"forward": variant, "W": variant}) in the production one's place."""
 
     def call() -> Any:
-        swaps = [(KERNELS[k][0], KERNELS[k][1][v]) for k, v in choice.items() if KERNELS[k][1][v] is not None]
-        kept = {name: getattr(streaming_triton, name) for name, _ in swaps}
-        for name, kernel in swaps:
-            setattr(streaming_triton, name, kernel)
-        try:
+        with contextlib.ExitStack() as swaps:
+            for kernel, variant in choice.items():
+                name, variants = KERNELS[kernel]
+                if variants[variant] is not None:
+                    swaps.enter_context(mock.patch.object(streaming_triton, name, variants[variant]))
             return fn()
-        finally:
-            for name, kernel in kept.items():
-                setattr(streaming_triton, name, kernel)
 
     return call
-
-
-def embeddings(n: int, d: int, dtype: torch.dtype, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return tuple(F.normalize(torch.randn(n, d, device=device, generator=gen), dim=-1).to(dtype) for _ in range(2))
 
 
 def errors_of(kernel: str, variant: str, n: int, d: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -179,7 +172,7 @@ def errors_of(kernel: str, variant: str, n: int, d: int, dtype: torch.dtype, dev
     LSEs, or W of the whole problem as one panel (its positives shifted by one, as on a second rank; N
     rounded down to a multiple of 8, as a descriptor's row stride must be 16 bytes)."""
     n = n if kernel == "forward" else n // 8 * 8
-    x, y = embeddings(n, d, dtype, device, seed=1)
+    x, y = loss_bench.embeddings(n, d, dtype, device, seed=1)
     logits = loss_bench.SCALE * x.double() @ y.double().T
     rows, cols = torch.logsumexp(logits, 1), torch.logsumexp(logits, 0)
     if kernel == "forward":
@@ -213,7 +206,7 @@ def checked_apart(kernel: str, variant: str, args: argparse.Namespace) -> dict:
 def timed_variants(n: int, d: int, dtype: torch.dtype, device: torch.device, ok: dict[str, list[str]]) -> dict:
     """The calls to time: each forward alone, each W kernel on one panel, the fused loss with each forward
     (pointer W) and with both descriptor kernels, where those passed their check."""
-    zx, zy = (z.requires_grad_() for z in embeddings(n, d, dtype, device, seed=0))
+    zx, zy = (z.requires_grad_() for z in loss_bench.embeddings(n, d, dtype, device))
     chunk = LossConfig.stream_chunk_size
     p = min(PANEL, n)
     lse = [t[:p].float().contiguous() for t in streaming_triton.row_col_lse(zx.detach(), zy.detach(), loss_bench.SCALE)]
