@@ -7,8 +7,8 @@
 `_weights_kernel`'s, with the row and column slices loaded (and W stored) through
 `tl.make_tensor_descriptor` (the copy engine on Hopper, pipelined like a GEMM's main loop) instead
 of masked pointer loads; the tile arithmetic is the production kernels' own (`_lse_tile_update`,
-`_dot`). The forward also comes with Hopper's automatic warp specialization of its column loop
-(`tma_ws`). For the probe's calls a variant takes the production kernel's place in `row_col_lse` /
+`_softmax_w_tile`, `_dot`). The forward also comes with Hopper's automatic warp specialization of
+its column loop (`tma_ws`). For the probe's calls a variant takes the production kernel's place in `row_col_lse` /
 `softmax_weights`, so the fused loss runs it unchanged otherwise. First each variant is compiled and
 checked in a child process (a compiler abort is a result, not the end of the probe): the forward's
 LSEs and W against float64 at N = `--check-n`, on the inputs' own rounding. Then, side by side
@@ -37,7 +37,7 @@ import triton.language as tl
 from benchmarks import harness, loss_bench
 from titan_contrastive.config.job_config import Loss as LossConfig
 from titan_contrastive.kernels import streaming_triton
-from titan_contrastive.kernels.streaming_triton import _dot, _lse_tile_update
+from titan_contrastive.kernels.streaming_triton import LOG2E, _dot, _lse_tile_update, _softmax_w_tile
 from titan_contrastive.kernels.tiles import INTERPRET
 
 FORWARD_SHAPES = [
@@ -63,7 +63,7 @@ def _lse_tma(
     n_k,
     d,
     col_stride,
-    scale,
+    scale2,
     N_PROGRAMS: tl.constexpr,
     EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -88,8 +88,9 @@ def _lse_tma(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for d0 in range(0, d, BLOCK_D):
                 acc += _dot(q_desc.load([block * BLOCK_M, d0]), k_desc.load([c0, d0]), EXACT)
+            edge = (block * BLOCK_M + BLOCK_M > n_q) | (c0 + BLOCK_N > n_k)
             r_max, r_sum = _lse_tile_update(
-                acc * scale, row_ok, cols, cols < n_k, r_max, r_sum, col_max_ptr, col_sum_ptr
+                acc * scale2, edge, row_ok, cols, cols < n_k, r_max, r_sum, col_max_ptr, col_sum_ptr
             )
         tl.store(row_max_ptr + rows, r_max, mask=row_ok)
         tl.store(row_sum_ptr + rows, r_sum, mask=row_ok)
@@ -107,7 +108,7 @@ def _weights_tma(
     n_k,
     d,
     w_stride,
-    scale,
+    scale2,
     diag_offset,
     EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -124,11 +125,9 @@ def _weights_tma(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for d0 in range(0, d, BLOCK_D):
         acc += _dot(q_desc.load([r0, d0]), k_desc.load([c0, d0]), EXACT)
-    s = acc * scale
-    a = tl.load(a_ptr + rows, mask=rows < n_q, other=0.0)
-    b = tl.load(b_ptr + cols, mask=cols < n_k, other=0.0)
-    positive = cols[None, :] == rows[:, None] + diag_offset
-    w = tl.exp(s - a[:, None]) + tl.exp(s - b[None, :]) - 2.0 * positive.to(tl.float32)
+    a2 = tl.load(a_ptr + rows, mask=rows < n_q, other=0.0) * LOG2E
+    b2 = tl.load(b_ptr + cols, mask=cols < n_k, other=0.0) * LOG2E
+    w = _softmax_w_tile(acc, scale2, a2, b2, r0, c0, diag_offset, BLOCK_M, BLOCK_N)
     w_desc.store([r0, c0], w.to(w_ptr.dtype.element_ty))
 
 

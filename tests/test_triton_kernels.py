@@ -7,13 +7,18 @@ masking; their speed is a GPU benchmark (benchmarks/loss_bench.py). Skipped with
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA and TRITON_INTERPRET is not 1 (tests/conftest.py sets it)", allow_module_level=True)
 
@@ -30,6 +35,7 @@ from titan_contrastive.losses import (  # noqa: E402
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ROOT = Path(__file__).resolve().parent.parent
 DTYPES = [(torch.float32, "triton_exact", 1e-5), (torch.bfloat16, "triton", 1e-2)]
 DTYPE_IDS = ["fp32-exact", "bf16"]
 
@@ -330,8 +336,6 @@ def test_trainer_global_negatives_with_the_kernel(tmp_path) -> None:  # noqa: AN
 
 
 def test_missing_triton_is_a_config_error(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    import sys
-
     from tests.test_trainer import make_trainer
     from titan_contrastive.config import ConfigError
 
@@ -343,16 +347,14 @@ def test_missing_triton_is_a_config_error(tmp_path, monkeypatch) -> None:  # noq
 
 
 _AOT = r"""
-import json, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re, subprocess, sys, tempfile
+from pathlib import Path
+import triton
+from benchmarks.kernel_sass import compile_for_hopper
 from titan_contrastive.kernels import streaming_triton as st
 from titan_contrastive.kernels.tiles import resident_fits
 
-import re, subprocess, sys, tempfile
-from pathlib import Path
 WANT = sys.argv[1].split(",")
-out = []
 # the bundled assemblers, newest first: the first that takes this PTX reports registers and spills
 PTXAS = sorted((Path(triton.__file__).parent / "backends/nvidia/bin").glob("ptxas*"), reverse=True)
 
@@ -367,29 +369,15 @@ def spills(ptx):
             if done.returncode == 0 and found:
                 return int(found.group(1))
     return None
+
+
+out = []
+kernels = {"lse": st._lse_pass_kernel, "weights": st._weights_kernel, "sigmoid": st._sigmoid_kernel}
 for dt, exact in (("bf16", False), ("fp32", True)):  # what `auto` runs: mixed precision, and float32
-    w = "*fp32" if exact else f"*{dt}"
-    kernels = (("lse", st._lse_pass_kernel, {"row_max_ptr": "*fp32", "row_sum_ptr": "*fp32", "col_max_ptr": "*fp32",
-                "col_sum_ptr": "*fp32", "n_q": "i32", "n_k": "i32", "d": "i32", "col_stride": "i32", "scale": "fp32",
-                "N_PROGRAMS": "constexpr"}, {"N_PROGRAMS": 264}, (0, 1, 2, 3, 4, 5, 8, 9)),
-               ("weights", st._weights_kernel, {"a_ptr": "*fp32", "b_ptr": "*fp32", "w_ptr": w,
-                "n_q": "i32", "n_k": "i32", "d": "i32", "w_stride": "i32", "scale": "fp32", "diag_offset": "i32"}, {},
-                (0, 1, 2, 3, 4, 7, 8)),
-               ("sigmoid", st._sigmoid_kernel, {"w_ptr": w, "loss_ptr": "*fp32", "bias_ptr": "*fp32",
-                "n_q": "i32", "n_k": "i32", "d": "i32", "w_stride": "i32", "scale": "fp32", "bias": "fp32",
-                "diag_offset": "i32"}, {}, (0, 1, 2, 3, 4, 7, 8)))
-    for name, tuner, args, consts, aligned in (k for k in kernels if k[0] in WANT):
-        # what the JIT specializes for d = 512 and aligned buffers: 16-divisible pointers, d and strides
-        # (vectorized loads, cp.async pipelining: the shared memory a real launch needs)
-        attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-        itemsize = 4 if exact else 2
+    for name in WANT:
+        tuner, itemsize = kernels[name], 4 if exact else 2
         for cfg in [c for c in tuner.configs if not c.kwargs.get("RESIDENT") or resident_fits(c, itemsize, exact)]:
-            sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", **args, "EXACT": "constexpr", "BLOCK_M": "constexpr",
-                   "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"}
-            source = ASTSource(fn=tuner.fn, signature=sig, constexprs={**consts, "EXACT": exact, **cfg.kwargs},
-                               attrs=attrs)
-            k = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            k = compile_for_hopper(tuner.fn, cfg, dt, exact)
             out.append({"kernel": name, "dtype": dt, "config": str(cfg), "shared": k.metadata.shared,
                         "cp_async": "cp.async.cg.shared.global" in k.asm["ptx"],
                         "wgmma": "wgmma.mma_async" in k.asm["ptx"],
@@ -399,20 +387,14 @@ print(json.dumps(out))
 """
 
 
-def compile_for_hopper(kernels: str) -> list[dict]:
+def compiled_configs(kernels: str) -> list[dict]:
     """Compile the named kernels (comma-separated) x every autotune config for sm_90, without a GPU."""
-    import json
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists() and shutil.which("ptxas") is None:
         pytest.skip("this triton has no ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for real, not interpret
-    done = subprocess.run([sys.executable, "-c", _AOT, kernels], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _AOT, kernels], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -422,9 +404,10 @@ def test_every_autotune_config_compiles_for_hopper_within_shared_memory() -> Non
     ptxas), for the bf16 and exact-float32 variants `auto` runs, and each fits an H100's 227 KiB
     of shared memory per block; the resident tiles spill no registers. Catches what the interpreter
     cannot: lowering errors, and tiles that no Hopper can launch."""
-    compiled = compile_for_hopper("lse,weights")
-    # per kernel 5 streamed configs, and in bf16 2 resident ones (the exact fp32 dot has none)
-    assert len(compiled) == 2 * ((5 + 2) + 5)
+    compiled = compiled_configs("lse,weights")
+    # the forward's 7 streamed configs and the W kernel's 5, each kernel's 2 resident ones in bf16
+    # (the exact fp32 dot has none)
+    assert len(compiled) == (7 + 2) + (5 + 2) + 7 + 5
     print(
         *(
             f"{c['kernel']} {c['dtype']} {c['config'].split(', num_ctas')[0]}: {c['shared'] // 1024} KiB"
@@ -445,11 +428,48 @@ def test_every_autotune_config_compiles_for_hopper_within_shared_memory() -> Non
 def test_the_sigmoid_kernel_compiles_for_hopper_within_shared_memory() -> None:
     """The same for the sigmoid kernel: every config for sm_90, bf16 and exact fp32, within 227 KiB,
     pipelined, on tensor cores in bf16, the resident tiles without spills."""
-    compiled = compile_for_hopper("sigmoid")
+    compiled = compiled_configs("sigmoid")
     assert len(compiled) == 2 * 5 + 2  # the resident tiles in bf16
     assert not [c for c in compiled if c["shared"] > 232448]
     assert all(c["cp_async"] for c in compiled) and all(c["wgmma"] for c in compiled if c["dtype"] == "bf16")
     assert all(c["spill_bytes"] in (0, None) for c in compiled if c["resident"])
+
+
+_SASS = r"""
+import json, triton
+from benchmarks.kernel_sass import classify, compile_for_hopper, disassemble
+from titan_contrastive.kernels import streaming_triton as st
+
+def counts(tuner, m, n, warps, stages):
+    cfg = next(c for c in tuner.configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_D"], c.num_warps,
+               c.num_stages, c.kwargs["RESIDENT"]) == (m, n, 64, warps, stages, False))
+    sass = disassemble(compile_for_hopper(tuner.fn, cfg))
+    return {**classify(sass), "logits": m * n / (32 * warps), "subnormal_fixups": sass.count("-126")}
+
+print(json.dumps({"forward 64": counts(st._lse_pass_kernel, 64, 128, 4, 3),
+                  "forward 128": counts(st._lse_pass_kernel, 128, 128, 4, 2),
+                  "W": counts(st._weights_kernel, 128, 256, 8, 3)}))
+"""
+
+
+def test_the_kernels_spend_few_instructions_per_logit_on_hopper() -> None:
+    """benchmarks/kernel_sass.py's counts on sm_90a SASS, for the tiles an H100 chose and the
+    128-row forward tiles: every exponential is one MUFU.EX2 without the subnormal fix-up that
+    `tl.exp` wraps around it (2 per logit), the W kernel's epilogue stays under 16 instructions per
+    logit (23.4 with `tl.exp` and a diagonal compare on every tile), and one warpgroup over 128 rows
+    halves the forward's column-statistics shuffles per logit, without spilling."""
+    if not (Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump").exists():
+        pytest.skip("this triton has no cuobjdump")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _SASS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    per_logit = {k: {c: v[c] / v["logits"] for c in v} for k, v in got.items()}
+    for name, c in per_logit.items():
+        assert 2.0 <= c["mufu"] <= 2.1 and got[name]["subnormal_fixups"] == 0 and got[name]["spill"] == 0, (name, c)
+    assert per_logit["W"]["total"] < 16, per_logit["W"]
+    assert per_logit["forward 128"]["shuffle"] <= 0.55 * per_logit["forward 64"]["shuffle"], per_logit
+    assert per_logit["forward 128"]["total"] < 0.8 * per_logit["forward 64"]["total"], per_logit
 
 
 def test_distributed_sigmoid_kernel_step_equals_dense() -> None:

@@ -45,6 +45,10 @@ from titan_contrastive.kernels.tiles import INTERPRET, LSE_CONFIGS, WEIGHT_CONFI
 __all__ = ["row_col_lse", "sigmoid_weights", "softmax_weights"]
 
 LSE_PANEL = 8192  # columns per forward launch: the per-program partials are programs x LSE_PANEL floats
+# The kernels exponentiate in base 2 (exp(x) = 2^(x log2 e)): Triton's exp2 is the hardware's
+# ex2.approx.ftz, one instruction; its exp adds a multiply and a subnormal fix-up around it.
+_LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
+LOG2E = tl.constexpr(_LOG2E)
 
 
 @triton.jit
@@ -64,7 +68,7 @@ def _load_rows(ptr, rows, n, d, d0, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _tile_scores(
+def _tile_dots(
     q,
     q_ptr,
     k_ptr,
@@ -73,39 +77,54 @@ def _tile_scores(
     n_q,
     n_k,
     d,
-    scale,
     EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     RESIDENT: tl.constexpr,
 ):
-    """The fp32 tile scale · Q[rows] · K[cols]^T: from the resident row block `q` and the columns,
-    or both sides streamed over d in BLOCK_D slices."""
+    """The fp32 tile Q[rows] · K[cols]^T (unscaled: each kernel folds its scale into the next
+    instruction): from the resident row block `q` and the columns, or both sides streamed over d in
+    BLOCK_D slices."""
     if RESIDENT:
-        return _dot(q, _load_rows(k_ptr, cols, n_k, d, 0, BLOCK_D), EXACT) * scale
+        return _dot(q, _load_rows(k_ptr, cols, n_k, d, 0, BLOCK_D), EXACT)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for d0 in range(0, d, BLOCK_D):
         acc += _dot(_load_rows(q_ptr, rows, n_q, d, d0, BLOCK_D), _load_rows(k_ptr, cols, n_k, d, d0, BLOCK_D), EXACT)
-    return acc * scale
+    return acc
 
 
 @triton.jit
-def _lse_tile_update(s, row_ok, cols, col_ok, r_max, r_sum, col_max_ptr, col_sum_ptr):
-    """One fp32 tile `s` of the forward pass: its rows' online (max, sum), returned, and its columns'
-    partial (max, sum) in memory, updated; padded rows and columns count as -inf."""
-    s = tl.where(row_ok[:, None] & col_ok[None, :], s, float("-inf"))
+def _lse_tile_update(s, edge, row_ok, cols, col_ok, r_max, r_sum, col_max_ptr, col_sum_ptr):
+    """One fp32 tile `s` of the forward pass, in base-2 units (scale · log2 e · q·k): its rows'
+    online (max, sum of 2^(s - max)), returned, and its columns' partial (max, sum) in memory,
+    updated. Padded rows and columns count as -inf; only a tile on the `edge` of the block has them."""
+    if edge:
+        s = tl.where(row_ok[:, None] & col_ok[None, :], s, float("-inf"))
     new_max = tl.maximum(r_max, tl.max(s, axis=1))
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # padded rows: no inf - inf
-    r_sum = r_sum * tl.exp(r_max - shift) + tl.sum(tl.exp(s - shift[:, None]), axis=1)
+    r_sum = r_sum * tl.math.exp2(r_max - shift) + tl.sum(tl.math.exp2(s - shift[:, None]), axis=1)
     c_max = tl.load(col_max_ptr + cols, mask=col_ok, other=float("-inf"))
     c_sum = tl.load(col_sum_ptr + cols, mask=col_ok, other=0.0)
     new_c = tl.maximum(c_max, tl.max(s, axis=0))
     c_shift = tl.where(new_c == float("-inf"), 0.0, new_c)
-    c_sum = c_sum * tl.exp(c_max - c_shift) + tl.sum(tl.exp(s - c_shift[None, :]), axis=0)
+    c_sum = c_sum * tl.math.exp2(c_max - c_shift) + tl.sum(tl.math.exp2(s - c_shift[None, :]), axis=0)
     tl.store(col_max_ptr + cols, new_c, mask=col_ok)
     tl.store(col_sum_ptr + cols, c_sum, mask=col_ok)
     return new_max, r_sum
+
+
+@triton.jit
+def _softmax_w_tile(acc, scale2, a2, b2, r0, c0, diag_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W's fp32 tile (rows r0 ..., columns c0 ...) from the raw dots `acc`: 2^(acc scale2 - a2) +
+    2^(acc scale2 - b2), i.e. exp(S - a) + exp(S - b) with S = scale · q·k, `scale2` = scale · log2 e
+    and the LSEs in base 2 (a2 = a · log2 e), minus 2 on the shifted diagonal: only a tile that
+    crosses it compares indices."""
+    w = tl.math.exp2(tl.fma(acc, scale2, -a2[:, None])) + tl.math.exp2(tl.fma(acc, scale2, -b2[None, :]))
+    if (r0 + diag_offset < c0 + BLOCK_N) & (c0 < r0 + diag_offset + BLOCK_M):
+        rows, cols = r0 + tl.arange(0, BLOCK_M), c0 + tl.arange(0, BLOCK_N)
+        w -= 2.0 * (cols[None, :] == rows[:, None] + diag_offset).to(tl.float32)
+    return w
 
 
 @triton.autotune(
@@ -126,7 +145,7 @@ def _lse_pass_kernel(
     n_k,
     d,
     col_stride,
-    scale,
+    scale2,
     N_PROGRAMS: tl.constexpr,
     EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -153,10 +172,11 @@ def _lse_pass_kernel(
         for c0 in range(0, n_k, BLOCK_N):
             cols = c0 + tl.arange(0, BLOCK_N)
             col_ok = cols < n_k
-            s = _tile_scores(
-                q, q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D, RESIDENT
+            s = scale2 * _tile_dots(
+                q, q_ptr, k_ptr, rows, cols, n_q, n_k, d, EXACT, BLOCK_M, BLOCK_N, BLOCK_D, RESIDENT
             )
-            r_max, r_sum = _lse_tile_update(s, row_ok, cols, col_ok, r_max, r_sum, col_max_ptr, col_sum_ptr)
+            edge = (block * BLOCK_M + BLOCK_M > n_q) | (c0 + BLOCK_N > n_k)
+            r_max, r_sum = _lse_tile_update(s, edge, row_ok, cols, col_ok, r_max, r_sum, col_max_ptr, col_sum_ptr)
         tl.store(row_max_ptr + rows, r_max, mask=row_ok)
         tl.store(row_sum_ptr + rows, r_sum, mask=row_ok)
         tl.debug_barrier()
@@ -174,7 +194,7 @@ def _weights_kernel(
     n_k,
     d,
     w_stride,
-    scale,
+    scale2,
     diag_offset,
     EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -184,23 +204,24 @@ def _weights_kernel(
     COL_TILES: tl.constexpr,
 ):
     # Program (i, j): row block i against column tiles j * COL_TILES ... (j + 1) * COL_TILES - 1.
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    a = tl.load(a_ptr + rows, mask=rows < n_q, other=0.0)
+    r0 = tl.program_id(0) * BLOCK_M
+    rows = r0 + tl.arange(0, BLOCK_M)
+    a2 = tl.load(a_ptr + rows, mask=rows < n_q, other=0.0) * LOG2E
     if RESIDENT:  # the rows' embeddings, loaded once for all the tiles below (BLOCK_D >= d)
         q = _load_rows(q_ptr, rows, n_q, d, 0, BLOCK_D)
     else:
         q = 0.0  # unused: the tiles stream both sides
     for t in range(COL_TILES):
-        cols = (tl.program_id(1) * COL_TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        s = _tile_scores(q, q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D, RESIDENT)
-        b = tl.load(b_ptr + cols, mask=cols < n_k, other=0.0)
-        positive = cols[None, :] == rows[:, None] + diag_offset
-        w = tl.exp(s - a[:, None]) + tl.exp(s - b[None, :]) - 2.0 * positive.to(tl.float32)
-        tl.store(
-            w_ptr + rows[:, None] * w_stride + cols[None, :],
-            w.to(w_ptr.dtype.element_ty),
-            mask=(rows[:, None] < n_q) & (cols[None, :] < n_k),
-        )
+        c0 = (tl.program_id(1) * COL_TILES + t) * BLOCK_N
+        cols = c0 + tl.arange(0, BLOCK_N)
+        acc = _tile_dots(q, q_ptr, k_ptr, rows, cols, n_q, n_k, d, EXACT, BLOCK_M, BLOCK_N, BLOCK_D, RESIDENT)
+        b2 = tl.load(b_ptr + cols, mask=cols < n_k, other=0.0) * LOG2E
+        w = _softmax_w_tile(acc, scale2, a2, b2, r0, c0, diag_offset, BLOCK_M, BLOCK_N).to(w_ptr.dtype.element_ty)
+        tile = w_ptr + rows[:, None] * w_stride + cols[None, :]
+        if (r0 + BLOCK_M > n_q) | (c0 + BLOCK_N > n_k):  # only an edge tile masks its store
+            tl.store(tile, w, mask=(rows[:, None] < n_q) & (cols[None, :] < n_k))
+        else:
+            tl.store(tile, w)
 
 
 @triton.autotune(
@@ -232,7 +253,8 @@ def _sigmoid_kernel(
 ):
     # Program (i, j): row block i against column tiles j * COL_TILES ... (j + 1) * COL_TILES - 1; the
     # rows' loss terms and W sums are summed over its tiles, then added once (atomically).
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r0 = tl.program_id(0) * BLOCK_M
+    rows = r0 + tl.arange(0, BLOCK_M)
     if RESIDENT:  # the rows' embeddings, loaded once for all the tiles below (BLOCK_D >= d)
         q = _load_rows(q_ptr, rows, n_q, d, 0, BLOCK_D)
     else:
@@ -240,17 +262,32 @@ def _sigmoid_kernel(
     loss_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     w_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for t in range(COL_TILES):
-        cols = (tl.program_id(1) * COL_TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = (rows[:, None] < n_q) & (cols[None, :] < n_k)
-        s = _tile_scores(q, q_ptr, k_ptr, rows, cols, n_q, n_k, d, scale, EXACT, BLOCK_M, BLOCK_N, BLOCK_D, RESIDENT)
-        logits = s + bias
-        positive = cols[None, :] == rows[:, None] + diag_offset
-        zl = tl.where(positive, logits, -logits)
-        loss = tl.maximum(-zl, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(zl)))  # -log sigmoid(zl), stable
-        sig = 1.0 / (1.0 + tl.exp(zl))  # sigmoid(-zl)
-        w = tl.where(valid, tl.where(positive, -sig, sig), 0.0)
-        tl.store(w_ptr + rows[:, None] * w_stride + cols[None, :], w.to(w_ptr.dtype.element_ty), mask=valid)
-        loss_sum += tl.sum(tl.where(valid, loss, 0.0), axis=1)
+        c0 = (tl.program_id(1) * COL_TILES + t) * BLOCK_N
+        cols = c0 + tl.arange(0, BLOCK_N)
+        logits = tl.fma(
+            _tile_dots(q, q_ptr, k_ptr, rows, cols, n_q, n_k, d, EXACT, BLOCK_M, BLOCK_N, BLOCK_D, RESIDENT),
+            scale,
+            bias,
+        )
+        # z l with z = -1 off the shifted diagonal; only a tile that crosses it compares indices
+        diagonal = (r0 + diag_offset < c0 + BLOCK_N) & (c0 < r0 + diag_offset + BLOCK_M)
+        zl = -logits
+        if diagonal:
+            zl = tl.where(cols[None, :] == rows[:, None] + diag_offset, logits, zl)
+        e = tl.math.exp2(-tl.abs(zl) * LOG2E)  # exp(-|z l|): one exponential serves both terms
+        loss = tl.maximum(-zl, 0.0) + tl.log(1.0 + e)  # -log sigmoid(z l), stable
+        w = tl.where(zl < 0.0, 1.0, e) / (1.0 + e)  # sigmoid(-z l) = W where z = -1
+        if diagonal:
+            w = tl.where(cols[None, :] == rows[:, None] + diag_offset, -w, w)
+        tile = w_ptr + rows[:, None] * w_stride + cols[None, :]
+        if (r0 + BLOCK_M > n_q) | (c0 + BLOCK_N > n_k):  # only an edge tile has padding to mask
+            valid = (rows[:, None] < n_q) & (cols[None, :] < n_k)
+            w = tl.where(valid, w, 0.0)
+            loss = tl.where(valid, loss, 0.0)
+            tl.store(tile, w.to(w_ptr.dtype.element_ty), mask=valid)
+        else:
+            tl.store(tile, w.to(w_ptr.dtype.element_ty))
+        loss_sum += tl.sum(loss, axis=1)
         w_sum += tl.sum(w, axis=1)
     tl.atomic_add(loss_ptr + rows, loss_sum, mask=rows < n_q)
     tl.atomic_add(bias_ptr + rows, w_sum, mask=rows < n_q)
@@ -321,12 +358,13 @@ def row_col_lse(
             width,
             d,
             col_max.stride(0),
-            float(scale),
+            float(scale) * _LOG2E,
             programs,
             _exact(exact),
         )
-        col_lse[c0 : c0 + width] = torch.logsumexp(col_max[:, :width] + col_sum[:, :width].log(), dim=0)
-    return row_max + row_sum.log(), col_lse
+        # the partials are in base 2 (max of scale log2 e q·k, sum of 2^(s - max))
+        col_lse[c0 : c0 + width] = torch.logsumexp((col_max[:, :width] + col_sum[:, :width].log2()) * LN2, dim=0)
+    return (row_max + row_sum.log2()) * LN2, col_lse
 
 
 def _panel_output(
@@ -377,7 +415,7 @@ def softmax_weights(
         n,
         queries.shape[1],
         out.stride(0),
-        float(scale),
+        float(scale) * _LOG2E,
         int(diag_offset),
         _exact(exact),
     )
