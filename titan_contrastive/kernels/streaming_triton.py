@@ -127,6 +127,48 @@ def _softmax_w_tile(acc, scale2, a2, b2, r0, c0, diag_offset, BLOCK_M: tl.conste
     return w
 
 
+if INTERPRET:
+
+    @triton.jit
+    def _rcp(x):
+        """1 / x (the interpreter's numpy division)."""
+        return 1.0 / x
+
+else:
+
+    @triton.jit
+    def _rcp(x):
+        """1 / x for x in [2, 6]: the MUFU's approximate reciprocal (rcp.approx.ftz, 1 ulp), one
+        instruction where `/` wraps range checks and rescaling around it."""
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def _sigmoid_tile(logits, positive_tile, rows, cols, diag_offset):
+    """(-log sigmoid(z l), W = -z sigmoid(-z l)) of a tile of logits l, z = +1 on the shifted
+    diagonal and -1 elsewhere; only a tile that crosses the diagonal (`positive_tile`) compares
+    indices. With x = -z l and e = exp(-|x|) (one exponential): -log sigmoid(-x) = max(x, 0) +
+    log1p(e) and sigmoid(x) = (1 or e) / (1 + e). log1p(e) is 2 atanh(t), t = e / (2 + e) <= 1/3,
+    by its odd series to t^13 (truncation below 1e-8 relative): every digit of e is kept where
+    log(1 + e) would round 1 + e to 1. 1 / (1 + e) and 1 / (2 + e) come from one reciprocal of
+    their product."""
+    x = logits
+    if positive_tile:
+        x = tl.where(cols[None, :] == rows[:, None] + diag_offset, -logits, logits)
+    e = tl.math.exp2(-tl.abs(x) * LOG2E)
+    p, q = 1.0 + e, 2.0 + e
+    r = _rcp(p * q)
+    t = e * r * p
+    t2 = t * t
+    log1p_e = 2.0 * t * (1.0 + t2 * (1 / 3 + t2 * (1 / 5 + t2 * (1 / 7 + t2 * (1 / 9 + t2 * (1 / 11 + t2 / 13))))))
+    w = tl.where(x > 0.0, 1.0, e) * (r * q)
+    if positive_tile:
+        w = tl.where(cols[None, :] == rows[:, None] + diag_offset, -w, w)
+    return tl.maximum(x, 0.0) + log1p_e, w
+
+
 @triton.autotune(
     configs=LSE_CONFIGS,
     key=["d", "EXACT"],
@@ -269,16 +311,8 @@ def _sigmoid_kernel(
             scale,
             bias,
         )
-        # z l with z = -1 off the shifted diagonal; only a tile that crosses it compares indices
-        diagonal = (r0 + diag_offset < c0 + BLOCK_N) & (c0 < r0 + diag_offset + BLOCK_M)
-        zl = -logits
-        if diagonal:
-            zl = tl.where(cols[None, :] == rows[:, None] + diag_offset, logits, zl)
-        e = tl.math.exp2(-tl.abs(zl) * LOG2E)  # exp(-|z l|): one exponential serves both terms
-        loss = tl.maximum(-zl, 0.0) + tl.log(1.0 + e)  # -log sigmoid(z l), stable
-        w = tl.where(zl < 0.0, 1.0, e) / (1.0 + e)  # sigmoid(-z l) = W where z = -1
-        if diagonal:
-            w = tl.where(cols[None, :] == rows[:, None] + diag_offset, -w, w)
+        positive_tile = (r0 + diag_offset < c0 + BLOCK_N) & (c0 < r0 + diag_offset + BLOCK_M)
+        loss, w = _sigmoid_tile(logits, positive_tile, rows, cols, diag_offset)
         tile = w_ptr + rows[:, None] * w_stride + cols[None, :]
         if (r0 + BLOCK_M > n_q) | (c0 + BLOCK_N > n_k):  # only an edge tile has padding to mask
             valid = (rows[:, None] < n_q) & (cols[None, :] < n_k)
