@@ -17,13 +17,15 @@
 #  12  one 10-minute call: pytest -m gpu; the fused loss at N=64K, clip and siglip; ours vs open_clip at 32K
 #      (microbatches of 512); global negatives at 4K/16K/64K; all in $OUT/stage12.tar
 #  13  the same machine at once after 12: stage 11's plain rows; $OUT/stage13.tar
-#  14  (issue 31) the fused loss per kernel and per backward panel size at 64K (benchmarks/loss_profile.py);
-#      ours vs open_clip at 32 x 1,024 (the issue's configuration); the vit_b32 step's time by kernel
-#      family, plain and global negatives, eager and compiled (step_gpu_bench --profile: where the MFU goes; the
-#      compiled global-negatives step's first GPU run); all in $OUT/stage14.tar
-#  15  (issue 31; the same machine after 14 if time is left) the shipped train_configs/clip_vit_b32_gpu.toml end to
-#      end (run_train.sh, 8 steps of 32K pairs, its metrics.jsonl); the fused loss's kernels with TMA descriptor
-#      copies (the forward also warp-specialized) against the pointer tiles (benchmarks/tma_probe.py); stage15.tar
+#  14  (issue 31) the fused loss per kernel and per backward panel size at 64K, and on the kernels of 60f25a4
+#      (before base-2 exponentials and 128-row tiles) side by side (benchmarks/loss_profile.py --baseline); the
+#      device Triton's SASS counts (kernel_sass); the vit_b32 step's time by kernel family, plain and global
+#      negatives, eager and compiled (step_gpu_bench --profile: where the MFU goes; the compiled global-negatives
+#      step's first GPU run); all in $OUT/stage14.tar
+#  15  (issue 31; the same machine after 14 if time is left) ours vs open_clip at 32 x 1,024 (the issue's
+#      configuration); the shipped train_configs/clip_vit_b32_gpu.toml end to end (run_train.sh, 8 steps of 32K
+#      pairs, its metrics.jsonl); the fused loss's kernels with TMA descriptor copies (the forward also
+#      warp-specialized) against the pointer tiles (benchmarks/tma_probe.py); stage15.tar
 #   1  pytest -m gpu and the Triton kernel tests                                        (issues 4, 8)
 #   6  the loss benchmark's largest rows (bf16, N 64K..1M; 64K, 256K and 1M measured on 2026-11-26,
 #      512K not): the fused kernel vs memeff and dense                                    (issues 8, 31)
@@ -87,13 +89,17 @@ case "$1" in
   13) for px in true false; do step 95 python3 -m benchmarks.step_gpu_bench --variants plain --scale --chunk 512 \
         --e2e-steps 20 --num-workers 14 --timeout 90 --override=--data.dataset=synthetic \
         --override=--data.pixels_on_device=$px --tag pixels_${px}_plain --out "$res"; pack 13; done ;;
-  14) step 150 python3 -m benchmarks.loss_profile --out "$res"; pack 14
-      step 150 python3 -m benchmarks.openclip_compare --global-batch 32768 --micro 1024 --steps 2 --tag micro1024 \
-        --out "$res"; pack 14
+  14) base=/tmp/kernels_60f25a4 && mkdir -p $base  # the kernels before base-2 exponentials and 128-row tiles
+      k=60f25a4:titan_contrastive/kernels
+      { git show $k/tiles.py > $base/tiles.py && git show $k/streaming_triton.py > $base/streaming_triton.py; } || base=
+      step 180 python3 -m benchmarks.loss_profile ${base:+--baseline $base} --out "$res"; pack 14
+      step 60 python3 -m benchmarks.kernel_sass --out "$res"; pack 14  # the device's Triton's SASS (CPU compile)
       step 250 python3 -m benchmarks.step_gpu_bench --variants plain global --compile plain global --chunk 512 \
         --scale --profile --num-workers 14 --override=--data.dataset=synthetic --timeout 100 --time-budget 240 \
         --tag profile --out "$res"; pack 14 ;;
-  15) export CONFIG_FILE=train_configs/clip_vit_b32_gpu.toml PYTHON=python3
+  15) step 150 python3 -m benchmarks.openclip_compare --global-batch 32768 --micro 1024 --steps 2 --tag micro1024 \
+        --out "$res"; pack 15
+      export CONFIG_FILE=train_configs/clip_vit_b32_gpu.toml PYTHON=python3
       step 150 ./run_train.sh --training.steps=8 --metrics.log_freq=2 --job.dump_folder="$res/gpu_config"; pack 15
       step 200 python3 -m benchmarks.tma_probe --out "$res"; pack 15 ;;
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider

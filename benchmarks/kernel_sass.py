@@ -6,14 +6,16 @@
 Every Triton kernel of `kernels/streaming_triton.py` in every autotune config that runs at d = 512
 in bf16 is compiled for sm_90a (Triton's PTX, the wheel's ptxas) and disassembled (the wheel's
 cuobjdump), and its SASS is counted by instruction class. A tile's epilogue (scaling, maxima,
-exponentials, sums, masks, the W store) is straight-line code unrolled over the thread's logits, so
-its count per logit is what each logit costs; the d-loop (copies, wgmma) is counted once though it
-runs d / BLOCK_D times, a small share. From the counts, a static model per tile and SM: issue cycles
-(instructions x warps / 4 schedulers) against the tensor cores' (2 BLOCK_M BLOCK_N d FLOP at 4,096
-per clock, dense bf16), the MUFU's (16 results per clock) and the shuffles' (32). Where issue exceeds
-the tensor cores, the epilogue, not the wgmma, sets the pace unless another tile's wgmma overlaps it.
-Nothing is timed here: `loss_profile` and `loss_bench` on a GPU decide. `--picks` marks the configs
-an H100's autotuner chose (a loss_bench JSON's `autotuned`). Writes kernel_sass.{json,csv,png}.
+exponentials, sums, the W store) is code unrolled over the thread's logits, so its count per logit
+is what each logit costs. Static counts: the d-loop (copies, wgmma) is counted once though it runs
+d / BLOCK_D times, and the branches only edge and diagonal tiles take are counted though most tiles
+skip them (for the epilogue, an upper bound on an interior tile). From them, a static model per
+tile and SM: issue cycles (instructions x warps / 4 schedulers) against the tensor cores' (2 BLOCK_M
+BLOCK_N d FLOP at 4,096 per clock, dense bf16), the MUFU's (16 results per clock) and the shuffles'
+(32). Where issue exceeds the tensor cores, the epilogue, not the wgmma, sets the pace unless another
+tile's wgmma overlaps it. Nothing is timed here: `loss_profile` and `loss_bench` on a GPU decide.
+`--picks` marks the configs an H100's autotuner chose (a loss_bench JSON's `autotuned`). Writes
+kernel_sass_triton<major.minor>.{json,csv,png}: the SASS depends on the Triton that compiled it.
 """
 
 from __future__ import annotations
@@ -113,7 +115,9 @@ def _package(root: Path | None) -> Any:
     return importlib.import_module("titan_contrastive.kernels.streaming_triton")
 
 
-def count(root: Path | None = None, picks: dict[str, set[str]] | None = None) -> list[dict[str, Any]]:
+def count(
+    root: Path | None = None, picks: dict[str, set[str]] | None = None, kernels: list[str] | None = None
+) -> list[dict[str, Any]]:
     """One row per kernel x config that runs at d = 512 in bf16: its SASS by class, per logit and
     in the static model."""
     import torch
@@ -121,8 +125,8 @@ def count(root: Path | None = None, picks: dict[str, set[str]] | None = None) ->
     st = _package(root)
     named = {"d": D, "q_ptr": torch.empty(0, dtype=torch.bfloat16), "EXACT": False}
     rows = []
-    for family, name in KERNELS.items():
-        tuner = getattr(st, name)
+    for family in kernels or KERNELS:
+        tuner = getattr(st, KERNELS[family])
         for cfg in st.prune_resident(tuner.configs, named):
             kernel = compile_for_hopper(tuner.fn, cfg)
             rows.append(model(family, cfg, classify(disassemble(kernel)), kernel.metadata.shared, picks or {}))
@@ -165,11 +169,12 @@ def h100_picks(path: Path) -> dict[str, set[str]]:
     return {names[k]: set(v.values()) for k, v in tuned.items() if k in names}
 
 
-def _run_worker(root: Path | None, picks: Path | None) -> list[dict[str, Any]]:
+def _run_worker(root: Path | None, picks: Path | None, kernels: list[str]) -> list[dict[str, Any]]:
     """`count` in a child without TRITON_INTERPRET (a real compile), for the package under `root`."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, named to silence its warning
     command = [sys.executable, "-m", "benchmarks.kernel_sass", "--worker", str(root or ""), "--picks", str(picks or "")]
+    command += ["--kernels", *kernels]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"compiling the kernels{f' of {root}' if root else ''} failed:\n{done.stderr[-3000:]}")
@@ -206,25 +211,30 @@ def plot(rows: list[dict[str, Any]], title: str) -> Any:
     return fig
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", help="a git revision whose kernels are counted beside this tree's")
     parser.add_argument("--picks", type=Path, default=ROOT / "benchmarks/results/loss_bench_cuda.json")
+    parser.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker is not None:  # the child: compile and print the rows
         picks = h100_picks(args.picks) if args.picks and args.picks.is_file() else {}
-        print(json.dumps(count(Path(args.worker) if args.worker else None, picks)))
+        print(json.dumps(count(Path(args.worker) if args.worker else None, picks, args.kernels)))
         return
-    rows = [{"revision": "this tree", **r} for r in _run_worker(None, args.picks)]
+    rows = [{"revision": "this tree", **r} for r in _run_worker(None, args.picks, args.kernels)]
     if args.baseline:
         with tempfile.TemporaryDirectory() as tmp:
-            base = _run_worker(_checkout(args.baseline, Path(tmp)), args.picks)
+            base = _run_worker(_checkout(args.baseline, Path(tmp)), args.picks, args.kernels)
         rows = [{"revision": args.baseline, **r} for r in base] + rows
-    meta = harness.metadata("cpu", target="sm_90a (compiled, not run)", d=D, baseline=args.baseline)
-    title = f"Fused-loss kernels, bf16, d = {D}: SASS per logit (configs an H100 chose)"
-    for path in harness.write_results(args.out, "kernel_sass", meta, rows=rows, figure=lambda: plot(rows, title)):
+    import triton
+
+    meta = harness.metadata("cpu", target="sm_90a (compiled, not run)", triton=triton.__version__, d=D)
+    meta["baseline"] = args.baseline
+    title = f"Fused-loss kernels, bf16, d = {D}, Triton {triton.__version__}: SASS per logit (configs an H100 chose)"
+    name = f"kernel_sass_triton{triton.__version__.rsplit('.', 1)[0]}"
+    for path in harness.write_results(args.out, name, meta, rows=rows, figure=lambda: plot(rows, title)):
         print(f"wrote {path}")
     for r in rows:
         print(

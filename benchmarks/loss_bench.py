@@ -275,12 +275,13 @@ def plot(rows: list[dict[str, Any]], device: str, cuda: bool):  # noqa: ANN201 -
     return fig
 
 
-def autotuned() -> dict[str, dict[str, Any]]:
+def autotuned(kernels: Any = None) -> dict[str, dict[str, Any]]:
     """The configs the Triton autotuner chose so far, per kernel and key (d, exact, dtypes): which
     tiles won, and whether the forward kept its rows resident (docs/kernels.md); with
     `last_tuning_ms`, every candidate's time in the kernel's last tuning (Triton's
-    `configs_timings`: how close the losers came)."""
-    kernels = sys.modules.get("titan_contrastive.kernels.streaming_triton")
+    `configs_timings`: how close the losers came). `kernels`: a kernel module (default: the
+    package's `kernels/streaming_triton`, if imported)."""
+    kernels = kernels or sys.modules.get("titan_contrastive.kernels.streaming_triton")
     if kernels is None or kernels.INTERPRET:
         return {}
     tuners = {"lse": kernels._lse_pass_kernel, "weights": kernels._weights_kernel, "sigmoid": kernels._sigmoid_kernel}

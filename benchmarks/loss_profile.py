@@ -11,15 +11,21 @@ panel before its two GEMMs; 4K panels of bf16 are 32 MiB and fit an H100's 50 MB
 are 128 MiB). Then one more call per panel under torch.profiler (`_kernel_profile.kernel_times`):
 milliseconds in the forward LSE pass, the W kernels, the GEMMs, copies and fills. Before timing,
 each loss's gradients at N = `--check-n` (panels of N / 3, so panel boundaries are crossed) are
-checked against the dense float64 loss. Writes `loss_profile_<device>.{json,csv,png}`.
+checked against the dense float64 loss. With `--baseline DIR` (an earlier revision's
+`kernels/tiles.py` and `kernels/streaming_triton.py`, e.g. from `git show REV:...`), each loss also
+runs on those kernels at the default panel, in the same round robin, checked the same way: the
+kernels' change measured side by side. Writes `loss_profile_<device>.{json,csv,png}`.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 from unittest import mock
 
@@ -45,6 +51,32 @@ def with_panel(fn: loss_bench.LossFn, panel: int) -> loss_bench.LossFn:
     return call
 
 
+def load_kernels(folder: Path) -> ModuleType:
+    """The `streaming_triton.py` in `folder`, importing the `tiles.py` beside it (an earlier revision's
+    kernels with their own autotune lists; the package's modules are left as they are)."""
+
+    def load(name: str, path: Path) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    tiles = load("baseline_tiles", folder / "tiles.py")
+    with mock.patch.dict(sys.modules, {"titan_contrastive.kernels.tiles": tiles}):
+        return load("baseline_streaming_triton", folder / "streaming_triton.py")
+
+
+def with_kernels(fn: loss_bench.LossFn, kernels: ModuleType) -> loss_bench.LossFn:
+    """`fn` with the fused losses calling `kernels` instead of the package's kernel module."""
+
+    @functools.wraps(fn)
+    def call(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
+        with mock.patch.object(fused_loss, "_triton", lambda kernel: kernels):
+            fn(zx, zy, chunk)
+
+    return call
+
+
 def profiled(fn: loss_bench.LossFn, n: int, d: int, dtype: torch.dtype, chunk: int, device: torch.device) -> dict:
     """`kernel_times` of one call of `fn` (after one untraced call) on embeddings like `measure`'s."""
     zx, zy = (z.requires_grad_() for z in loss_bench.embeddings(n, d, dtype, device))
@@ -61,7 +93,7 @@ def plot(rows: list[dict[str, Any]], title: str) -> Any:
     plt = harness.pyplot()
     ok = [r for r in rows if r.get("families_ms")]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    labels = [f"{r['loss']}\npanel {r['panel']}" for r in ok]
+    labels = [f"{r['loss']}\n{'baseline ' if r['kernels'] == 'baseline' else ''}panel {r['panel']}" for r in ok]
     bottom = [0.0] * len(ok)
     for family in [*LOSS_FAMILIES, "other"]:
         ms = [r["families_ms"].get(family, 0.0) for r in ok]
@@ -86,8 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--losses", nargs="+", default=["clip", "siglip"], choices=list(FUSED))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--check-n", type=int, default=3000)
+    parser.add_argument("--baseline", type=Path, help="a folder with an earlier tiles.py and streaming_triton.py")
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
+    baseline = load_kernels(args.baseline) if args.baseline else None
     device = harness.default_device()
     cuda = device.type == "cuda"
     n = args.n or (65536 if cuda else 600)
@@ -100,21 +134,45 @@ def main(argv: list[str] | None = None) -> None:
     for loss in args.losses:
         fns: dict[str, Callable] = {f"{loss} panel {p}": with_panel(FUSED[loss], p) for p in args.panels}
         check = {"fused": with_panel(FUSED[loss], max(16, args.check_n // 3))}
-        payload["checks"][loss] = loss_bench.agreement(check, DENSE[loss], args.check_n, args.d, dtype, device)["fused"]
-        print(f"check N={args.check_n} {loss}: gradient rel. error vs dense float64 {payload['checks'][loss]}")
+        kernels = {label: None for label in fns}
+        if baseline is not None:
+            fns[f"{loss} baseline kernels"] = with_kernels(FUSED[loss], baseline)
+            check["baseline"] = with_kernels(check["fused"], baseline)
+            kernels[f"{loss} baseline kernels"] = "baseline"
+        agree = loss_bench.agreement(check, DENSE[loss], args.check_n, args.d, dtype, device)
+        payload["checks"][loss] = agree["fused"]
+        if baseline is not None:
+            payload["checks"][f"{loss} baseline"] = agree["baseline"]
+        print(f"check N={args.check_n} {loss}: gradient rel. error vs dense float64 {agree}")
         measured = loss_bench.measure(
             fns, n, args.d, dtype, dict.fromkeys(fns, chunk), args.repeats, device, loss_bench.FLOOR[loss]
         )
-        for (label, fn), panel in zip(fns.items(), args.panels):
-            row = {"loss": loss, "panel": panel, "n": n, "d": args.d, "dtype": str(dtype), **measured[label]}
+        panels = [*args.panels, fused_loss.FUSED_PANEL]
+        for (label, fn), panel in zip(fns.items(), panels):
+            row = {"loss": loss, "kernels": kernels[label] or "this tree", "panel": panel, "n": n, "d": args.d}
+            row.update({"dtype": str(dtype), **measured[label]})
             if row["status"] == "ok":
                 row.update(profiled(fn, n, args.d, dtype, chunk, device))
                 shares = ", ".join(f"{k} {v:.1f}" for k, v in row["families_ms"].items() if v)
                 print(f"{label}: {row['median_s'] * 1e3:.1f} ms, {row['extra_bytes'] / 2**20:.0f} MiB; {shares}")
             rows.append(row)
         payload["autotuned"] = loss_bench.autotuned()
+        if baseline is not None:
+            payload["autotuned_baseline"] = loss_bench.autotuned(baseline)
         harness.write_json(args.out / f"{name}.json", meta, {**payload, "rows": rows})  # kept if a limit stops us
-    fields = ["loss", "panel", "n", "d", "dtype", "status", "median_s", "extra_bytes", "floor_tflops", "total_ms"]
+    fields = [
+        "loss",
+        "kernels",
+        "panel",
+        "n",
+        "d",
+        "dtype",
+        "status",
+        "median_s",
+        "extra_bytes",
+        "floor_tflops",
+        "total_ms",
+    ]
     flat = [
         {**{k: r.get(k) for k in fields}, **{f"ms {k}": v for k, v in r.get("families_ms", {}).items()}} for r in rows
     ]

@@ -339,19 +339,54 @@ def test_data_bench_times_every_piece_of_the_loader_path(tmp_path: Path) -> None
 def test_loss_profile_times_each_panel_size_and_checks_the_gradients(tmp_path: Path) -> None:
     """benchmarks/loss_profile.py through Triton's interpreter: both fused losses agree with the dense
     float64 loss, each panel size is its own row, and the panel size reaches the backward (N = 96 in
-    panels of 40 is 3 x 3 panels, two GEMMs each; in panels of 100, one)."""
+    panels of 40 is 3 x 3 panels, two GEMMs each; in panels of 100, one). `--baseline` runs the
+    losses on the kernel files of another folder (here this tree's, marked so that the test sees
+    they ran) beside the package's."""
     from benchmarks import loss_profile
+    from titan_contrastive.kernels import streaming_triton, tiles
 
+    baseline, mark = tmp_path / "baseline", tmp_path / "baseline_ran"
+    baseline.mkdir()
+    (baseline / "tiles.py").write_text(Path(tiles.__file__).read_text())
+    (baseline / "streaming_triton.py").write_text(
+        Path(streaming_triton.__file__).read_text()
+        + f"\n_real = row_col_lse\n\ndef row_col_lse(*a, **k):\n    Path({str(mark)!r}).touch()\n"
+        + "    return _real(*a, **k)\n\nfrom pathlib import Path\n"
+    )
     args = ["--n", "96", "--d", "32", "--panels", "40", "100", "--repeats", "1", "--check-n", "60"]
-    loss_profile.main([*args, "--out", str(tmp_path)])
+    loss_profile.main([*args, "--baseline", str(baseline), "--out", str(tmp_path)])
+    assert mark.exists()
     result = json.loads((tmp_path / "loss_profile_cpu.json").read_text())
+    assert set(result["checks"]) == {"clip", "siglip", "clip baseline", "siglip baseline"}
     assert all(check["dzx"] < 1e-5 and check["dzy"] < 1e-5 for check in result["checks"].values()), result["checks"]
-    rows = {(r["loss"], r["panel"]): r for r in result["rows"]}
-    assert set(rows) == {(loss, panel) for loss in ("clip", "siglip") for panel in (40, 100)}
-    for (_, panel), row in rows.items():
+    rows = {(r["loss"], r["kernels"], r["panel"]): r for r in result["rows"]}
+    want = {(loss, "this tree", panel) for loss in ("clip", "siglip") for panel in (40, 100)}
+    assert set(rows) == want | {(loss, "baseline", 8192) for loss in ("clip", "siglip")}
+    for (_, _, panel), row in rows.items():
         assert row["status"] == "ok" and sum(row["families_ms"].values()) == pytest.approx(row["total_ms"])
         assert row["families_launches"]["GEMM"] == (18 if panel == 40 else 2), row["top"]
     assert (tmp_path / "loss_profile_cpu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow  # ~15 s: six compiles for sm_90a
+def test_kernel_sass_counts_every_config_of_a_kernel(tmp_path: Path) -> None:
+    """benchmarks/kernel_sass.py on the softmax W kernel: one row per autotune config that runs at
+    d = 512 in bf16, the H100's pick marked, two MUFU.EX2 per logit in each, and the model's cycles
+    consistent with the counts; JSON, CSV and figure written under the Triton version's name."""
+    import triton
+
+    from benchmarks import kernel_sass
+
+    kernel_sass.main(["--kernels", "W (softmax)", "--out", str(tmp_path)])
+    name = f"kernel_sass_triton{triton.__version__.rsplit('.', 1)[0]}"
+    result = json.loads((tmp_path / f"{name}.json").read_text())
+    rows = result["rows"]
+    assert result["meta"]["triton"] == triton.__version__ and {r["kernel"] for r in rows} == {"W (softmax)"}
+    assert len(rows) == 6 and sum(r["h100_pick"] for r in rows) == 1  # 5 streamed tiles, 1 resident that fits
+    for r in rows:
+        assert r["mufu_per_logit"] == 2.0 and r["total"] == sum(r[c] for c in [*kernel_sass.CLASSES, "other"])
+        assert r["issue_cycles"] == round(r["total"] * int(r["config"].split(", ")[1].split()[0]) / 4)
+    assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / f"{name}.csv").exists()
 
 
 @pytest.mark.slow  # ~25 s in Triton's interpreter, three child processes
