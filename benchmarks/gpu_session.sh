@@ -93,9 +93,9 @@ case "$1" in
       k=60f25a4:titan_contrastive/kernels
       { git show $k/tiles.py > $base/tiles.py && git show $k/streaming_triton.py > $base/streaming_triton.py; } || base=
       step 180 python3 -m benchmarks.loss_profile ${base:+--baseline $base} --out "$res"; pack 14
-      step 60 python3 -m benchmarks.kernel_sass --out "$res"; pack 14  # the device's Triton's SASS (CPU compile)
-      step 250 python3 -m benchmarks.step_gpu_bench --variants plain global --compile plain global --chunk 512 \
-        --scale --profile --num-workers 14 --override=--data.dataset=synthetic --timeout 100 --time-budget 240 \
+      step 90 python3 -m benchmarks.kernel_sass --out "$res"; pack 14  # the device's Triton's SASS (CPU compile)
+      step 230 python3 -m benchmarks.step_gpu_bench --variants plain global --compile plain global --chunk 512 \
+        --scale --profile --num-workers 14 --override=--data.dataset=synthetic --timeout 100 --time-budget 220 \
         --tag profile --out "$res"; pack 14 ;;
   15) step 150 python3 -m benchmarks.openclip_compare --global-batch 32768 --micro 1024 --steps 2 --tag micro1024 \
         --out "$res"; pack 15
