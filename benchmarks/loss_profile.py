@@ -37,6 +37,7 @@ from titan_contrastive.config.job_config import Loss as LossConfig
 from titan_contrastive.losses import fused as fused_loss
 
 FUSED = {"clip": loss_bench.streaming_triton, "siglip": loss_bench.streaming_triton_siglip}
+PANEL = fused_loss.FUSED_PANEL  # the backward panel the baseline kernels run with (the default)
 DENSE = {"clip": loss_bench.dense, "siglip": loss_bench.dense_siglip}
 
 
@@ -132,25 +133,22 @@ def main(argv: list[str] | None = None) -> None:
     payload: dict[str, Any] = {"config": {**vars(args), "n": n, "dtype": str(dtype)}, "checks": {}}
     rows: list[dict[str, Any]] = []
     for loss in args.losses:
-        fns: dict[str, Callable] = {f"{loss} panel {p}": with_panel(FUSED[loss], p) for p in args.panels}
+        # (label, loss function, whose kernels, backward panel)
+        variants = [(f"{loss} panel {p}", with_panel(FUSED[loss], p), "this tree", p) for p in args.panels]
         check = {"fused": with_panel(FUSED[loss], max(16, args.check_n // 3))}
-        kernels = {label: None for label in fns}
         if baseline is not None:
-            fns[f"{loss} baseline kernels"] = with_kernels(FUSED[loss], baseline)
+            variants.append((f"{loss} baseline kernels", with_kernels(FUSED[loss], baseline), "baseline", PANEL))
             check["baseline"] = with_kernels(check["fused"], baseline)
-            kernels[f"{loss} baseline kernels"] = "baseline"
         agree = loss_bench.agreement(check, DENSE[loss], args.check_n, args.d, dtype, device)
-        payload["checks"][loss] = agree["fused"]
-        if baseline is not None:
-            payload["checks"][f"{loss} baseline"] = agree["baseline"]
+        payload["checks"].update({loss if k == "fused" else f"{loss} {k}": v for k, v in agree.items()})
         print(f"check N={args.check_n} {loss}: gradient rel. error vs dense float64 {agree}")
+        fns: dict[str, Callable] = {label: fn for label, fn, _, _ in variants}
         measured = loss_bench.measure(
             fns, n, args.d, dtype, dict.fromkeys(fns, chunk), args.repeats, device, loss_bench.FLOOR[loss]
         )
-        panels = [*args.panels, fused_loss.FUSED_PANEL]
-        for (label, fn), panel in zip(fns.items(), panels):
-            row = {"loss": loss, "kernels": kernels[label] or "this tree", "panel": panel, "n": n, "d": args.d}
-            row.update({"dtype": str(dtype), **measured[label]})
+        for label, fn, kernels, panel in variants:
+            row = {"loss": loss, "kernels": kernels, "panel": panel, "n": n, "d": args.d, "dtype": str(dtype)}
+            row.update(measured[label])
             if row["status"] == "ok":
                 row.update(profiled(fn, n, args.d, dtype, chunk, device))
                 shares = ", ".join(f"{k} {v:.1f}" for k, v in row["families_ms"].items() if v)
@@ -160,19 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         if baseline is not None:
             payload["autotuned_baseline"] = loss_bench.autotuned(baseline)
         harness.write_json(args.out / f"{name}.json", meta, {**payload, "rows": rows})  # kept if a limit stops us
-    fields = [
-        "loss",
-        "kernels",
-        "panel",
-        "n",
-        "d",
-        "dtype",
-        "status",
-        "median_s",
-        "extra_bytes",
-        "floor_tflops",
-        "total_ms",
-    ]
+    fields = "loss kernels panel n d dtype status median_s extra_bytes floor_tflops total_ms".split()
     flat = [
         {**{k: r.get(k) for k in fields}, **{f"ms {k}": v for k, v in r.get("families_ms", {}).items()}} for r in rows
     ]
