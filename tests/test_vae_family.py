@@ -4,6 +4,7 @@ accumulation and data parallelism (every mode against a dense float64 v0 referen
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,18 @@ from tests.test_trainer import DDP, REL, assert_close, full, grads, make_trainer
 from titan_contrastive.components.pixel_loss import compute_pixel_loss_v0
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets import build_dataset
-from titan_contrastive.models.vae import AutoEncoder
+from titan_contrastive.models.vae import AutoEncoder, vae_flavors
 
 VAE = ["--model.name=vae", "--data.dataset=emoji", "--data.image_sizes=8,16,24", "--eval.batch_size=100"]
 MODES = ["v0", "chunked", "per_chunk_backward"]
+
+
+@pytest.mark.parametrize("flavor", ["debug", "sd"])
+@pytest.mark.parametrize("change", [{}, {"mid_attention": True, "num_res_blocks": 3, "extra_decoder_blocks": 0}])
+def test_num_params_is_the_module_count(flavor: str, change: dict) -> None:
+    args = dataclasses.replace(vae_flavors[flavor], in_channels=1, **change)
+    with torch.device("meta"):
+        assert args.num_params() == sum(p.numel() for p in AutoEncoder(args).parameters())
 
 
 def test_masked_layout_serves_minus_one_to_one_images_with_masks() -> None:

@@ -6,8 +6,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from titan_contrastive.components.pixel_loss import PixelLossOptions
 
 __all__ = ["VAEArgs", "vae_flavors"]
@@ -75,15 +73,44 @@ class VAEArgs:
         )
 
     def num_params(self) -> int:
-        """Parameter count, from a meta-device build (the layout has too many cases to count by hand)."""
-        from titan_contrastive.models.vae.model import AutoEncoder
+        """Exact parameter count of `AutoEncoder(self)` (tested against the module)."""
+        widths = [self.base_channels * m for m in self.channel_mults]
 
-        with torch.device("meta"):
-            return sum(p.numel() for p in AutoEncoder(self).parameters())
+        def mid(c: int) -> int:
+            attention = _norm(c) + _conv(c, 3 * c, 1) + _conv(c, c, 1) + _res(c, c) if self.mid_attention else 0
+            return _res(c, c) + attention
+
+        def levels(widths: list[int], blocks: int) -> int:  # ResBlocks per level, a resampling conv between levels
+            cin, total = widths[0], 0
+            for width in widths:
+                total += _res(cin, width) + (blocks - 1) * _res(width, width)
+                cin = width
+            return total + sum(_conv(w, w, 3) for w in widths[:-1])
+
+        encoder = _conv(self.in_channels, widths[0], 3) + levels(widths, self.num_res_blocks) + mid(widths[-1])
+        decoder = _conv(self.latent_channels, widths[-1], 3) + mid(widths[-1])
+        decoder += levels(widths[::-1], self.num_res_blocks + self.extra_decoder_blocks)
+        outputs = _norm(widths[-1]) + _conv(widths[-1], self.latent_channels, 3)
+        outputs += _norm(widths[0]) + _conv(widths[0], self.in_channels, 3)
+        return encoder + decoder + outputs
 
     def flops_per_sample(self) -> int:
         """0: not modelled (convolution FLOPs depend on the image size); no MFU is reported."""
         return 0
+
+
+def _conv(cin: int, cout: int, kernel: int) -> int:
+    return cin * cout * kernel * kernel + cout
+
+
+def _norm(channels: int) -> int:
+    return 2 * channels
+
+
+def _res(cin: int, cout: int) -> int:
+    """A ResBlock: two norms and 3x3 convs, and a 1x1 skip conv when the widths differ."""
+    skip = _conv(cin, cout, 1) if cin != cout else 0
+    return _norm(cin) + _conv(cin, cout, 3) + _norm(cout) + _conv(cout, cout, 3) + skip
 
 
 vae_flavors: dict[str, VAEArgs] = {

@@ -11,16 +11,12 @@ the module so a per-chunk decoder backward runs during the DP wrapper's forward 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titan_contrastive.components.pixel_loss import compute_pixel_loss
-
-if TYPE_CHECKING:  # args.num_params builds this model: the args module imports this one
-    from titan_contrastive.models.vae.args import VAEArgs
+from titan_contrastive.models.vae.args import VAEArgs
 
 __all__ = ["AutoEncoder", "Decoder", "Encoder", "ResBlock", "vae_blocks"]
 
