@@ -4,7 +4,8 @@ lazily, for figures).
 
 Metadata (`metadata`): date, device, CPU model and core counts, torch / CUDA / Python versions, torch
 threads, the repository's commit (`git rev-parse HEAD` where git and the .git folder are there, else
-$BENCH_COMMIT), the command line, the load average.
+$BENCH_COMMIT), the command line, the load average. `package_at` extracts an earlier revision's package,
+for a benchmark that runs its code beside this tree's.
 
 Files (`write_results`): NAME.json ({"meta": ..., payload..., "rows": ...}), NAME.csv (the rows plus
 meta_* columns) and NAME.png (stamped with the metadata), under benchmarks/results unless the
@@ -21,6 +22,7 @@ import os
 import platform
 import subprocess
 import sys
+import tarfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,26 @@ def git_commit(tree: Path = REPO) -> dict[str, Any]:
         return {"commit": None, "commit_dirty": None}
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "commit_dirty": None if status is None else bool(status)}
+
+
+def package_at(revision: str, into: Path, repo: Path = REPO) -> Path:
+    """The `titan_contrastive` package of git `revision` extracted under `into` (git archive; the work tree
+    and the installed package untouched); `into`. ValueError naming the revision when git cannot read it."""
+    done = subprocess.run(
+        ["git", "-C", str(repo), "archive", "--format=tar", revision, "titan_contrastive"], capture_output=True
+    )
+    if done.returncode != 0:
+        why = done.stderr.decode(errors="replace").strip().splitlines()
+        raise ValueError(
+            f"--baseline {revision}: git cannot read that revision in {repo} ({why[-1] if why else 'no git'}); "
+            "name a commit this clone has (git log), or leave --baseline out"
+        )
+    tar = into / "package.tar"
+    tar.write_bytes(done.stdout)
+    with tarfile.open(tar) as t:
+        t.extractall(into, filter="data")
+    tar.unlink()
+    return into
 
 
 def metadata(device: torch.device | str | None = None, **extra: Any) -> dict[str, Any]:

@@ -89,9 +89,8 @@ case "$1" in
   13) for px in true false; do step 95 python3 -m benchmarks.step_gpu_bench --variants plain --scale --chunk 512 \
         --e2e-steps 20 --num-workers 14 --timeout 90 --override=--data.dataset=synthetic \
         --override=--data.pixels_on_device=$px --tag pixels_${px}_plain --out "$res"; pack 13; done ;;
-  14) base=/tmp/kernels_60f25a4 && mkdir -p $base  # the kernels before base-2 exponentials and 128-row tiles
-      k=60f25a4:titan_contrastive/kernels
-      { git show $k/tiles.py > $base/tiles.py && git show $k/streaming_triton.py > $base/streaming_triton.py; } || base=
+  14) base=60f25a4  # the kernels before base-2 exponentials and 128-row tiles, if this copy's .git has them
+      git cat-file -e "$base^{commit}" 2>/dev/null || base=
       step 180 python3 -m benchmarks.loss_profile ${base:+--baseline $base} --out "$res"; pack 14
       step 90 python3 -m benchmarks.kernel_sass --out "$res"; pack 14  # the device's Triton's SASS (CPU compile)
       step 230 python3 -m benchmarks.step_gpu_bench --variants plain global --compile plain global --chunk 512 \

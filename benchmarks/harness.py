@@ -25,7 +25,8 @@ Memory, per timed call:
 
 Metadata (`metadata`): date, device, CPU model and core counts, torch / CUDA / Python versions, torch
 threads, the repository's commit (`git rev-parse HEAD` where git and the .git folder are there, else
-$BENCH_COMMIT), the command line, the load average.
+$BENCH_COMMIT), the command line, the load average. `package_at` extracts an earlier revision's package,
+for a benchmark that runs its code beside this tree's.
 
 Files (`write_results`): NAME.json ({"meta": ..., payload..., "rows": ...}), NAME.csv (the rows plus
 meta_* columns) and NAME.png (stamped with the metadata), under benchmarks/results unless the
@@ -68,6 +69,7 @@ from benchmarks._harness_results import (
     device_name,
     git_commit,
     metadata,
+    package_at,
     pyplot,
     save_figure,
     stamp,
@@ -92,6 +94,7 @@ __all__ = [
     "git_commit",
     "is_oom",
     "metadata",
+    "package_at",
     "peak_rss_mib",
     "plot_batch_search",
     "pyplot",

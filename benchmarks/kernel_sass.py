@@ -28,7 +28,6 @@ import os
 import re
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -181,18 +180,6 @@ def _run_worker(root: Path | None, picks: Path | None, kernels: list[str]) -> li
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _checkout(revision: str, into: Path) -> Path:
-    """The package of git `revision` extracted under `into` (git archive; nothing else touched)."""
-    archive = subprocess.run(
-        ["git", "archive", "--format=tar", revision, "titan_contrastive"], cwd=ROOT, capture_output=True, check=True
-    ).stdout
-    tar = into / "package.tar"
-    tar.write_bytes(archive)
-    with tarfile.open(tar) as t:
-        t.extractall(into, filter="data")
-    return into
-
-
 def plot(rows: list[dict[str, Any]], title: str) -> Any:
     """Instructions per logit by class: per revision and kernel, the config an H100 chose and the
     one with the fewest issue cycles per tensor-core cycle in the model."""
@@ -230,11 +217,14 @@ def main(argv: list[str] | None = None) -> None:
         picks = h100_picks(args.picks) if args.picks and args.picks.is_file() else {}
         print(json.dumps(count(Path(args.worker) if args.worker else None, picks, args.kernels)))
         return
-    rows = [{"revision": "this tree", **r} for r in _run_worker(None, args.picks, args.kernels)]
-    if args.baseline:
-        with tempfile.TemporaryDirectory() as tmp:
-            base = _run_worker(_checkout(args.baseline, Path(tmp)), args.picks, args.kernels)
-        rows = [{"revision": args.baseline, **r} for r in base] + rows
+    with tempfile.TemporaryDirectory() as tmp:
+        try:  # an unreadable revision stops the run before anything compiles
+            base = harness.package_at(args.baseline, Path(tmp)) if args.baseline else None
+        except ValueError as e:
+            parser.error(str(e))
+        rows = [{"revision": "this tree", **r} for r in _run_worker(None, args.picks, args.kernels)]
+        if base is not None:
+            rows = [{"revision": args.baseline, **r} for r in _run_worker(base, args.picks, args.kernels)] + rows
     import triton
 
     meta = harness.metadata("cpu", target="sm_90a (compiled, not run)", triton=triton.__version__, d=D)

@@ -11,10 +11,10 @@ panel before its two GEMMs; 4K panels of bf16 are 32 MiB and fit an H100's 50 MB
 are 128 MiB). Then one more call per panel under torch.profiler (`_kernel_profile.kernel_times`):
 milliseconds in the forward LSE pass, the W kernels, the GEMMs, copies and fills. Before timing,
 each loss's gradients at N = `--check-n` (panels of N / 3, so panel boundaries are crossed) are
-checked against the dense float64 loss. With `--baseline DIR` (an earlier revision's
-`kernels/tiles.py` and `kernels/streaming_triton.py`, e.g. from `git show REV:...`), each loss also
-runs on those kernels at the default panel, in the same round robin, checked the same way: the
-kernels' change measured side by side. Writes `loss_profile_<device>.{json,csv,png}`.
+checked against the dense float64 loss. With `--baseline REV` (a git revision: its
+`kernels/tiles.py` and `kernels/streaming_triton.py`, extracted by `harness.package_at`), each loss
+also runs on that revision's kernels at the default panel, in the same round robin, checked the same
+way: the kernels' change measured side by side. Writes `loss_profile_<device>.{json,csv,png}`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import functools
 import importlib.util
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -52,9 +53,10 @@ def with_panel(fn: loss_bench.LossFn, panel: int) -> loss_bench.LossFn:
     return call
 
 
-def load_kernels(folder: Path) -> ModuleType:
-    """The `streaming_triton.py` in `folder`, importing the `tiles.py` beside it (an earlier revision's
-    kernels with their own autotune lists; the package's modules are left as they are)."""
+def load_kernels(package: Path) -> ModuleType:
+    """kernels/streaming_triton.py of the package folder `package`, importing the tiles.py beside it (an
+    earlier revision's kernels with their own autotune lists; the installed package's modules are left
+    as they are)."""
 
     def load(name: str, path: Path) -> ModuleType:
         spec = importlib.util.spec_from_file_location(name, path)
@@ -62,9 +64,9 @@ def load_kernels(folder: Path) -> ModuleType:
         spec.loader.exec_module(module)
         return module
 
-    tiles = load("baseline_tiles", folder / "tiles.py")
+    tiles = load("baseline_tiles", package / "kernels/tiles.py")
     with mock.patch.dict(sys.modules, {"titan_contrastive.kernels.tiles": tiles}):
-        return load("baseline_streaming_triton", folder / "streaming_triton.py")
+        return load("baseline_streaming_triton", package / "kernels/streaming_triton.py")
 
 
 def with_kernels(fn: loss_bench.LossFn, kernels: ModuleType) -> loss_bench.LossFn:
@@ -119,10 +121,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--losses", nargs="+", default=["clip", "siglip"], choices=list(FUSED))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--check-n", type=int, default=3000)
-    parser.add_argument("--baseline", type=Path, help="a folder with an earlier tiles.py and streaming_triton.py")
+    parser.add_argument("--baseline", help="a git revision whose kernels run beside this tree's (e.g. 60f25a4)")
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
-    baseline = load_kernels(args.baseline) if args.baseline else None
+    with tempfile.TemporaryDirectory() as tmp:  # the baseline's files stay for the run (Triton reads them)
+        try:
+            root = harness.package_at(args.baseline, Path(tmp)) if args.baseline else None
+        except ValueError as e:
+            parser.error(str(e))
+        profile(args, load_kernels(root / "titan_contrastive") if root else None)
+
+
+def profile(args: argparse.Namespace, baseline: ModuleType | None) -> None:
+    """The round robin, the kernel profiles and the result files of `main`'s arguments."""
     device = harness.default_device()
     cuda = device.type == "cuda"
     n = args.n or (65536 if cuda else 600)

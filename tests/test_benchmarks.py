@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -336,26 +337,34 @@ def test_data_bench_times_every_piece_of_the_loader_path(tmp_path: Path) -> None
     assert abs(pieces["total"] - sum(pieces[k] for k in loader_path)) < 1e-9
 
 
-def test_loss_profile_times_each_panel_size_and_checks_the_gradients(tmp_path: Path) -> None:
+def test_loss_profile_times_each_panel_size_and_checks_the_gradients(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """benchmarks/loss_profile.py through Triton's interpreter: both fused losses agree with the dense
     float64 loss, each panel size is its own row, and the panel size reaches the backward (N = 96 in
-    panels of 40 is 3 x 3 panels, two GEMMs each; in panels of 100, one). `--baseline` runs the
-    losses on the kernel files of another folder (here this tree's, marked so that the test sees
-    they ran) beside the package's."""
+    panels of 40 is 3 x 3 panels, two GEMMs each; in panels of 100, one). `--baseline HEAD` runs the
+    losses on the kernels of that revision, extracted outside the package (seen to run: the loaded
+    module is wrapped to leave a mark), beside the package's; a revision git lacks stops the run."""
+    import titan_contrastive
     from benchmarks import loss_profile
-    from titan_contrastive.kernels import streaming_triton, tiles
 
-    baseline, mark = tmp_path / "baseline", tmp_path / "baseline_ran"
-    baseline.mkdir()
-    (baseline / "tiles.py").write_text(Path(tiles.__file__).read_text())
-    (baseline / "streaming_triton.py").write_text(
-        Path(streaming_triton.__file__).read_text()
-        + f"\n_real = row_col_lse\n\ndef row_col_lse(*a, **k):\n    Path({str(mark)!r}).touch()\n"
-        + "    return _real(*a, **k)\n\nfrom pathlib import Path\n"
-    )
+    with pytest.raises(SystemExit, match="2"):
+        loss_profile.main(["--baseline", "no-such-revision", "--out", str(tmp_path)])
+    assert "--baseline no-such-revision: git cannot read that revision" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing computed, nothing written
+    calls, load = [], loss_profile.load_kernels
+
+    def marked(package: Path):  # noqa: ANN202
+        kernels = load(package)
+        assert Path(kernels.__file__).is_relative_to(package) and package != Path(titan_contrastive.__file__).parent
+        real = kernels.row_col_lse
+        kernels.row_col_lse = lambda *a, **k: calls.append(1) or real(*a, **k)
+        return kernels
+
     args = ["--n", "96", "--d", "32", "--panels", "40", "100", "--repeats", "1", "--check-n", "60"]
-    loss_profile.main([*args, "--baseline", str(baseline), "--out", str(tmp_path)])
-    assert mark.exists()
+    with mock.patch.object(loss_profile, "load_kernels", marked):
+        loss_profile.main([*args, "--baseline", "HEAD", "--out", str(tmp_path)])
+    assert calls
     result = json.loads((tmp_path / "loss_profile_cpu.json").read_text())
     assert set(result["checks"]) == {"clip", "siglip", "clip baseline", "siglip baseline"}
     assert all(check["dzx"] < 1e-5 and check["dzy"] < 1e-5 for check in result["checks"].values()), result["checks"]
