@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from titan_contrastive import exit_codes
+    from titan_contrastive import exit_codes, failures
     from titan_contrastive.components.beir_eval import evaluate_beir, load_beir, pair_embedders
     from titan_contrastive.models.bi_encoder import build_tokenizer
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         embedders = pair_embedders(forward, build_tokenizer(args), args.query_length)
         results = evaluate_beir(beir, *embedders, batch_size=opts.batch_size, rank=rank, world_size=world, prefix="")
     except (ValueError, OSError) as e:
-        code = exit_codes.report(e)
+        code = failures.report(e)
         if code is None:
             print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
             code = exit_codes.BAD_INPUT

@@ -1,5 +1,5 @@
-"""The exit codes of a run, one list for the trainer (`train.main`) and the launcher (`launch.py`),
-and which error gives which code.
+"""The exit codes of a run, one list for the trainer (`train.main`) and the launcher (`launch.py`);
+which error gives which code is `failures.py`.
 
 A person and a script must be able to tell a bad config (fix and rerun) from a non-finite stop
 (go back to a checkpoint), a lost peer (rerun) and a preemption (rerun, it resumes): each is its
@@ -10,8 +10,6 @@ process killed by signal N as 128+N.
 from __future__ import annotations
 
 import signal
-import sys
-from collections.abc import Callable
 
 SUCCESS, BUG, BAD_INPUT, NONFINITE, COLLECTIVE, STOPPED = 0, 1, 2, 3, 4, 5
 EXIT_CODES = {
@@ -36,32 +34,3 @@ def meaning(code: int) -> str:
         except ValueError:
             return f"killed by signal {code - 128}"
     return "not a code the trainer returns"
-
-
-def report(error: BaseException, resume_hint: Callable[[], str] = str) -> int | None:
-    """Print the one `error: ...` line of a known failure and return its code; None for anything
-    else (a bug: let its traceback through). `resume_hint()` ends a non-finite stop's line with the
-    checkpoint to go back to."""
-    from titan_contrastive.checkpoint import CheckpointError
-    from titan_contrastive.components.memory_planner import MemoryBudgetError
-    from titan_contrastive.components.nonfinite import NonFiniteError
-    from titan_contrastive.config import ConfigError
-    from titan_contrastive.datasets import DataError
-    from titan_contrastive.models import ModelRegistryError
-    from titan_contrastive.models.weights import WeightsError
-    from titan_contrastive.parallelisms import collective_failure
-
-    if isinstance(
-        error, (ConfigError, DataError, CheckpointError, ModelRegistryError, MemoryBudgetError, WeightsError)
-    ):
-        line, code = str(error), BAD_INPUT
-    elif isinstance(error, NonFiniteError):
-        line, code = f"{error}{resume_hint()}", NONFINITE
-    elif (
-        isinstance(error, RuntimeError) and (failure := collective_failure(error)) is not None
-    ):  # timed out or lost a peer
-        line, code = failure, COLLECTIVE
-    else:
-        return None
-    print(f"error: {line}", file=sys.stderr)
-    return code

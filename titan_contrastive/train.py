@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from titan_contrastive import exit_codes, models
+from titan_contrastive import exit_codes, failures, models
 from titan_contrastive.checkpoint import TrainState, build_checkpointer
 from titan_contrastive.checkpoint.resume import model_source, report_unread_init_from
 from titan_contrastive.components.beir_eval import evaluate_beir, load_beir, pair_embedders
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info(f"training done in {time.perf_counter() - start:.1f}s")
     except BaseException as e:  # noqa: BLE001 - a known failure is one line and its code; anything else propagates
         hint = (lambda: trainer.checkpointer.resume_hint(trainer.nonfinite.streak_start)) if trainer else str
-        if (code := exit_codes.report(e, hint)) is None:
+        if (code := failures.report(e, hint)) is None:
             raise
         return code
     finally:
