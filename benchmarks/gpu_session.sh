@@ -19,9 +19,9 @@
 #  13  the same machine at once after 12: stage 11's plain rows; $OUT/stage13.tar
 #  14  (issue 31) the fused loss per kernel and per backward panel size at 64K, and on the kernels of 60f25a4
 #      (before base-2 exponentials and 128-row tiles) side by side (benchmarks/loss_profile.py --baseline); the
-#      device Triton's SASS counts (kernel_sass); the vit_b32 step's time by kernel family, plain and global
-#      negatives, eager and compiled (step_gpu_bench --profile: where the MFU goes; the compiled global-negatives
-#      step's first GPU run); all in $OUT/stage14.tar
+#      vit_b32 step's time by kernel family, plain and global negatives, eager and compiled (step_gpu_bench
+#      --profile: where the MFU goes; the compiled global-negatives step's first GPU run); all in
+#      $OUT/stage14.tar. (The device Triton's SASS needs no GPU: kernel_sass with that Triton on PYTHONPATH.)
 #  15  (issue 31; the same machine after 14 if time is left) ours vs open_clip at 32 x 1,024 (the issue's
 #      configuration); the shipped train_configs/clip_vit_b32_gpu.toml end to end (run_train.sh, 8 steps of 32K
 #      pairs, its metrics.jsonl); the fused loss's kernels with TMA descriptor copies (the forward also
@@ -92,7 +92,6 @@ case "$1" in
   14) base=60f25a4  # the kernels before base-2 exponentials and 128-row tiles, if this copy's .git has them
       git cat-file -e "$base^{commit}" 2>/dev/null || base=
       step 180 python3 -m benchmarks.loss_profile ${base:+--baseline $base} --out "$res"; pack 14
-      step 90 python3 -m benchmarks.kernel_sass --out "$res"; pack 14  # the device's Triton's SASS (CPU compile)
       step 230 python3 -m benchmarks.step_gpu_bench --variants plain global --compile plain global --chunk 512 \
         --scale --profile --num-workers 14 --override=--data.dataset=synthetic --timeout 100 --time-budget 220 \
         --tag profile --out "$res"; pack 14 ;;

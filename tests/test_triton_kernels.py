@@ -452,7 +452,9 @@ def test_the_kernels_spend_few_instructions_per_logit_on_hopper() -> None:
     `tl.exp` wraps around it (2 MUFU per logit: the softmax kernels' two exponentials, SigLIP's one
     and its reciprocal), the W kernels' epilogues stay under 16 and 48 instructions per logit (23.4
     and 66.2 with `tl.exp`, `tl.log`, `/` and a diagonal compare on every tile), and one warpgroup
-    over 128 rows halves the forward's column-statistics shuffles per logit, without spilling."""
+    over 128 rows halves the forward's column-statistics shuffles per logit. Spills stay under 1 % of
+    the instructions: a Triton that reloads a few loop-invariant values per tile passes, an epilogue
+    that spills its tile (60f25a4's W) does not."""
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump").exists():
         pytest.skip("this triton has no cuobjdump")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -461,7 +463,8 @@ def test_the_kernels_spend_few_instructions_per_logit_on_hopper() -> None:
     got = json.loads(done.stdout.strip().splitlines()[-1])
     per_logit = {k: {c: v[c] / v["logits"] for c in v} for k, v in got.items()}
     for name, c in per_logit.items():
-        assert 2.0 <= c["mufu"] <= 2.1 and got[name]["subnormal_fixups"] == 0 and got[name]["spill"] == 0, (name, c)
+        assert 2.0 <= c["mufu"] <= 2.1 and got[name]["subnormal_fixups"] == 0, (name, c)
+        assert got[name]["spill"] <= 0.01 * got[name]["total"], (name, got[name])
     assert per_logit["W"]["total"] < 16, per_logit["W"]
     assert per_logit["W sigmoid"]["total"] < 48, per_logit["W sigmoid"]  # 66.2 with exp, log and `/`
     assert per_logit["forward 128"]["shuffle"] <= 0.55 * per_logit["forward 64"]["shuffle"], per_logit
