@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan_contrastive.kernels.tiles import INTERPRET, LSE_CONFIGS, WEIGHT_CONFIGS, prune_resident
+from titan_contrastive.kernels.tiles import INTERPRET, LSE_CONFIGS, SIGMOID_CONFIGS, WEIGHT_CONFIGS, prune_resident
 
 __all__ = ["row_col_lse", "sigmoid_weights", "softmax_weights"]
 
@@ -267,7 +267,7 @@ def _weights_kernel(
 
 
 @triton.autotune(
-    configs=WEIGHT_CONFIGS,
+    configs=SIGMOID_CONFIGS,
     key=["d", "EXACT"],
     restore_value=["loss_ptr", "bias_ptr"],
     prune_configs_by={"early_config_prune": prune_resident},
