@@ -13,8 +13,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/pip install -q ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 fi
 .venv/bin/pip install -q -e '.[dev,data,hf]'
-# Triton runs the fused-kernel tests on CPU (TRITON_INTERPRET=1); CUDA torch builds bring their own.
-.venv/bin/python -c "import triton" 2>/dev/null || .venv/bin/pip install -q triton
+# Triton runs the fused-kernel tests on CPU (TRITON_INTERPRET=1) and compiles them for sm_90 (the SASS tests),
+# pinned: its interpreter and compiler decide what those tests see; CUDA torch builds bring their own.
+.venv/bin/python -c "import triton" 2>/dev/null || .venv/bin/pip install -q triton==3.9.0
 # open_clip's SigLipLoss is the reference of tests/test_siglip.py, which loads only its loss.py (torch
 # alone); --no-deps: the package's torchvision would pull another torch and does not import on CPU here.
 .venv/bin/pip install -q --no-deps open-clip-torch==3.3.0

@@ -219,10 +219,25 @@ def test_weighted_sources(emoji: dict) -> None:
     windows = []
     for epoch in range(6):
         source.set_epoch(epoch)
-        windows.append({source.locate(i)[1] for i in range(200, 300)})
+        windows.append({source.mix.locate(i, epoch)[1] for i in range(200, 300)})
     assert all(len(w) == 100 for w in windows) and len(set().union(*windows)) == 200
     with pytest.raises(DataError, match="one factor per"):
         open_source("csv", paths["csv"], Data(upsampling_factors=[1.0, 2.0]))
+    assert len(open_source("csv", paths["csv"], Data(upsampling_factors=[1.0, 2.0]), split="test")) == 200
+    # data.same_source_batches: each step of 2 ranks x 10 from one source
+    assert _dataset(emoji, "csv", augment=False).source_sizes is None
+    ds = FileImageTextDataset(
+        name="csv", split="train", source=source, tokenizer=ByteTokenizer(32), image_size=32, seed=3, augment=False
+    )
+    assert ds.source_sizes == [200, 100]
+    ranks = [
+        build_dataloader(ds, local_batch_size=10, dp_rank=r, dp_world_size=2, seed=0, same_source_steps=20)
+        for r in range(2)
+    ]
+    assert ranks[0].steps_per_epoch == 15
+    for _ in range(15):
+        both = [i for loader in ranks for i in next(loader)["index"].tolist()]
+        assert len({i >= 200 for i in both}) == 1
 
 
 def _one_line(err: pytest.ExceptionInfo, *needles: str) -> None:

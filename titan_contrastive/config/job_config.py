@@ -309,14 +309,19 @@ class Data:
     bundle). csv: the file. webdataset: tars as a brace pattern (`shards/{00000..00099}.tar`) or the
     `shards.json` make_shards writes. hf: a save_to_disk folder or a Parquet/JSON/Arrow/CSV file.
     pairs: a .jsonl/.csv/.tsv/.parquet/.arrow file or a save_to_disk folder. Several sources of one
-    kind: joined with `::`."""
+    kind (csv, webdataset, hf, pairs): joined with `::`."""
     val_path: str = ""
     """Held-out data for evaluation (retrieval recall@1/5/10 both ways, or pair recall@1/10), of
     the same kind as `dataset`, except that a .csv/.tsv file is always read as csv; empty = no
     retrieval eval for your own data (the bundled sets bring their test split)."""
     upsampling_factors: list[float] = _opt([], lambda v: all(x > 0 for x in v), "a list of numbers > 0")
-    """One factor per `::`-joined source: source i gives round(factor x its size) samples per epoch
-    (open_clip's --train-data-upsampling-factors); empty = 1 each."""
+    """One factor per `::`-joined source of the training data: source i gives round(factor x its size)
+    samples per epoch (open_clip's --train-data-upsampling-factors); empty = 1 each."""
+    same_source_batches: bool = False
+    """With several `::`-joined sources: each optimizer step's global batch comes from one source, the
+    sources drawn in proportion to the steps they fill per epoch, so a query's in-batch negatives come
+    from its own dataset (sentence-transformers' proportional multi-dataset batches); a source's
+    remainder of a whole step is left out of that epoch (another part each epoch)."""
     csv_img_key: str = "filepath"
     """csv: column of image paths (relative paths resolve against the CSV's folder)."""
     csv_caption_key: str = "title"

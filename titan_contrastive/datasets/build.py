@@ -25,6 +25,7 @@ from titan_contrastive.datasets.files import FileImageTextDataset
 from titan_contrastive.datasets.hf_disk import HfSource
 from titan_contrastive.datasets.image_folder import ImageFolderZeroShot, load_templates
 from titan_contrastive.datasets.loader import EpochLoader, build_dataloader
+from titan_contrastive.datasets.mixing import split_sources
 from titan_contrastive.datasets.pairs import PairsDataset
 from titan_contrastive.datasets.protocol import Dataset
 from titan_contrastive.datasets.sources import CsvSource, Source, WebDatasetSource, WeightedSources
@@ -66,21 +67,27 @@ def check_negative_keys(data: Data) -> None:
         logger.info(f"data.hard_negatives=false: data.{key} is not read; each problem has in-batch negatives only")
 
 
+def check_joined_sources(data: Data) -> None:
+    """`::`-joined sources and their factors only where the data kind reads several."""
+    if data.dataset in (*FILE_SOURCES, "pairs") and data.dataset != "synthetic":
+        return
+    if data.upsampling_factors or "::" in data.path:
+        key = "upsampling_factors" if data.upsampling_factors else "path"
+        raise DataError(
+            f"data.{key}={getattr(data, key)!r}: data.dataset={data.dataset!r} reads one source; several sources "
+            "joined with '::' (and their factors) are for csv, webdataset, hf and pairs data"
+        )
+
+
 def open_source(kind: str, path: str, data: Data, *, split: str = "train", negatives: bool = False) -> Source:
-    """The records behind `path` (`::` joins several, weighted by `data.upsampling_factors`), read
+    """The records behind `path` (`::` joins several, the train split's weighted by `data.upsampling_factors`), read
     as the `[data]` section `data` says (column names, shard member keys; with `negatives`, the
     negative captions its `*_negative_*` keys name)."""
     if not path:
         raise DataError(
             f"data.path is empty: data.dataset={kind!r} reads your files; set data.path (see README, 'Your own data')"
         )
-    parts = path.split("::")
-    factors = data.upsampling_factors or [1.0] * len(parts)
-    if len(factors) != len(parts):
-        raise DataError(
-            f"data.upsampling_factors={list(factors)}: {len(factors)} factor(s) for the {len(parts)} sources "
-            f"in data.path; give one factor per '::'-joined source"
-        )
+    parts, factors = split_sources(path, data.upsampling_factors if split == "train" else ())
     sources: list[Source] = []
     for part in parts:
         if kind == "csv":
@@ -218,6 +225,7 @@ def build_data(
         raise ConfigError(str(e)) from None
     eval_sets: list[Dataset | None] = []
     check_negative_keys(data)
+    check_joined_sources(data)
     if data.dataset in FILE_SOURCES:
         if pair_tokenizer is not None and not isinstance(pair_tokenizer, CaptionTokenizer):
             raise DataError(
@@ -258,7 +266,7 @@ def build_data(
                 "data.path is empty: data.dataset='pairs' reads your .jsonl/.csv/.tsv/.parquet file or Hugging Face "
                 "dataset folder; set data.path"
             )
-        train = PairsDataset(split="train", path=data.path, **common)
+        train = PairsDataset(split="train", path=data.path, factors=data.upsampling_factors, **common)
         eval_sets.append(PairsDataset(split="test", path=data.val_path, **common) if data.val_path else None)
     elif data.dataset == "vl_pairs":  # images and texts per side, through the family's processor (qwen_vl)
         if not data.path:
@@ -334,5 +342,12 @@ def build_data(
         num_workers=data.num_workers,
         pin_memory=pin_memory,
         max_bad_fraction=data.max_bad_fraction,
+        same_source_steps=(global_batch_size or local_batch_size * dp_degree) if data.same_source_batches else 0,
     )
+    if data.same_source_batches:
+        step, sizes = loader.sampler.step_samples, loader.sampler.source_sizes
+        logger.info(
+            f"data.same_source_batches: each step's {step} samples come from one source; steps per epoch by source: "
+            + ", ".join(str(size // step) for size in sizes)
+        )
     return DataBundle(train, eval_sets[0], eval_sets[1], loader, context_length, transforms)

@@ -80,6 +80,8 @@ class FileImageTextDataset:
         self.recall_direction = "image_to_text"
         self.seed, self.epoch, self.train = seed, 0, augment and split == "train"
         self._source = source
+        self.source_sizes: list[int] | None = getattr(source, "sizes", None)
+        """Samples per epoch of each `::`-joined source (`data.same_source_batches`); None: one source."""
         self.shard_losses = list(getattr(source, "losses", []))
         """What indexing left out of the source (`sources.ShardLoss`), for the data line and `bad_shards` metrics."""
         self.normalize = Normalize(mean, std)

@@ -9,13 +9,19 @@ Three guarantees, each tested in tests/test_data.py:
 3. Exact resumption. `EpochLoader.state_dict()` holds the epoch and the StatefulDataLoader's
    state (which includes the sampler's position), so a restored run yields exactly the batch the
    uninterrupted run would have, also across epoch boundaries.
+
+With `source_sizes` (`data.same_source_batches` over `::`-joined sources) every optimizer step's
+samples (`step_samples`: local batch x ranks x accumulation steps) come from one source: the
+epoch's order is each source's own permutation cut into whole steps (its remainder left out of that
+epoch), the steps of all sources shuffled together, so a source is drawn in proportion to its steps
+(sentence-transformers' proportional multi-dataset sampler). Guarantees 1 to 3 hold as they are.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +40,8 @@ class BlockedDistributedSampler(Sampler[int]):
     DistributedSampler). With `drop_last` the trailing n mod G samples are dropped; without it
     the permutation wraps around to fill the last global batch, so every rank has equal steps.
     State is (epoch, yielded), the same protocol as torchdata's StatefulDistributedSampler,
-    so StatefulDataLoader saves and restores it.
+    so StatefulDataLoader saves and restores it. `source_sizes` / `step_samples`: batches of one
+    source per step (module docstring); the tails are then always dropped.
     """
 
     def __init__(
@@ -47,6 +54,8 @@ class BlockedDistributedSampler(Sampler[int]):
         seed: int,
         shuffle: bool = True,
         drop_last: bool = True,
+        source_sizes: Sequence[int] = (),
+        step_samples: int = 0,
     ) -> None:
         self.dataset_len = dataset_len
         self.local_batch_size = local_batch_size
@@ -60,19 +69,40 @@ class BlockedDistributedSampler(Sampler[int]):
         self._resume_at: int | None = None
         global_batch = local_batch_size * world_size
         self.steps_per_epoch = dataset_len // global_batch if drop_last else math.ceil(dataset_len / global_batch)
+        self.source_sizes, self.step_samples = list(source_sizes), step_samples
+        if self.source_sizes:
+            if step_samples < 1 or step_samples % global_batch or sum(self.source_sizes) != dataset_len:
+                raise ValueError(
+                    f"step_samples={step_samples} must be a multiple of the {global_batch} samples a loader step "
+                    f"takes, and source_sizes={self.source_sizes} must add up to the {dataset_len} samples"
+                )
+            steps = sum(size // step_samples for size in self.source_sizes)
+            self.steps_per_epoch = steps * (step_samples // global_batch)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def global_order(self) -> torch.Tensor:
         """The epoch's sample order over all ranks, trimmed or wrapped to whole global batches."""
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        if self.source_sizes:
+            return self._source_steps(generator)
         if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.dataset_len, generator=generator)
         else:
             order = torch.arange(self.dataset_len)
         total = self.steps_per_epoch * self.local_batch_size * self.world_size
         return order.repeat(math.ceil(total / self.dataset_len))[:total]
+
+    def _source_steps(self, generator: torch.Generator) -> torch.Tensor:
+        """Each source's permutation cut into whole optimizer steps, the steps of all sources shuffled."""
+        steps, start = [], 0
+        for size in self.source_sizes:
+            order = start + (torch.randperm(size, generator=generator) if self.shuffle else torch.arange(size))
+            steps.extend(order[: size // self.step_samples * self.step_samples].split(self.step_samples))
+            start += size
+        pick = torch.randperm(len(steps), generator=generator).tolist() if self.shuffle else range(len(steps))
+        return torch.cat([steps[i] for i in pick])
 
     def __iter__(self) -> Iterator[int]:
         # eager (not a generator body): `yielded` is right even before the first index is drawn
@@ -183,8 +213,12 @@ def build_dataloader(
     drop_last: bool = True,
     pin_memory: bool = False,
     max_bad_fraction: float = 0.001,
+    same_source_steps: int = 0,
 ) -> EpochLoader:
     """This rank's endless, resumable batch stream (an EpochLoader over a StatefulDataLoader).
+
+    same_source_steps: > 0 draws each run of that many samples (an optimizer step's, over all
+    ranks) from one of the dataset's `source_sizes` (`data.same_source_batches`).
 
     max_bad_fraction: see `datasets.bad_samples` (sources that skip damaged records).
     pin_memory (for a CUDA run): page-locked batches, so the trainer's host-to-device copies are
@@ -200,6 +234,20 @@ def build_dataloader(
             f"{local_batch_size * dp_world_size} samples per step exceeds the {len(dataset)} samples of "
             f"{dataset.name}/{dataset.split}; use a local batch size of at most {len(dataset) // dp_world_size}"
         )
+    sizes = list(getattr(dataset, "source_sizes", None) or ()) if same_source_steps else []
+    if same_source_steps and len(sizes) < 2:
+        raise DataError(
+            f"data.same_source_batches=true: {dataset.name}/{dataset.split} is one source; join several with '::' in "
+            "data.path (pairs, csv, webdataset or hf data), or set data.same_source_batches=false"
+        )
+    small = [(i, size) for i, size in enumerate(sizes) if size < same_source_steps]
+    if small:
+        i, size = small[0]
+        raise DataError(
+            f"data.same_source_batches=true: source {i + 1} of data.path gives {size} samples per epoch, fewer than "
+            f"the {same_source_steps} of one step (training.global_batch_size); raise its data.upsampling_factors, "
+            "lower the global batch, or leave it out"
+        )
     sampler = BlockedDistributedSampler(
         len(dataset),
         local_batch_size=local_batch_size,
@@ -208,6 +256,8 @@ def build_dataloader(
         seed=seed,
         shuffle=shuffle,
         drop_last=drop_last,
+        source_sizes=sizes,
+        step_samples=same_source_steps,
     )
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in recent torch; harmless
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")

@@ -12,6 +12,9 @@ but the positive's id, and a `label` or `score` column is refused, as scored pai
 loss's data. A negative column may hold a list of texts (tevatron's `negatives: [...]`),
 flattened in order.
 
+Several files join with `::` (`mixing.SourceMix`, weighted by `data.upsampling_factors`): they must
+agree on the number of negatives per row (unless data.hard_negatives is false) and on having ids.
+
 Ids: with an id column, every positive's document id is a hash of its id string, and a hard
 negative's is the id of a positive with exactly its text, else a hash of its text (another
 namespace); they are served as `doc_id` (`batching.DOC_IDS`) [B] or [B, 1 + k], and the duplicate
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import itertools
 import json
 import logging
 from collections import Counter
@@ -43,6 +47,7 @@ import torch
 from titan_contrastive.batching import DOC_IDS, NEGATIVES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.hf_disk import open_hf_dataset
+from titan_contrastive.datasets.mixing import SourceMix, split_sources
 from titan_contrastive.datasets.tokenizer import PairTokenizer
 
 logger = logging.getLogger("titan_contrastive")
@@ -182,6 +187,31 @@ def read_rows(
     return PairRows(rows, ids if has_ids else None, skipped)
 
 
+def _join(
+    parts: Sequence[str], files: Sequence[PairRows], hard_negatives: bool
+) -> tuple[list[list[str]], list[str] | None]:
+    """The rows and ids of `::`-joined files, in order (query and positive only where they disagree on
+    the number of hard negatives and `hard_negatives` is false); a DataError when they disagree on it
+    and the negatives are served, or on having an id column."""
+    widths = {part: len(f.texts[0]) - 2 for part, f in zip(parts, files)}
+    width = None if len(set(widths.values())) == 1 else 2
+    if width and hard_negatives:
+        shown = ", ".join(f"{part}: {k}" for part, k in widths.items())
+        raise DataError(
+            f"data.path={'::'.join(parts)}: the sources hold different numbers of hard negatives per row ({shown}); "
+            "give every source the same number, or set data.hard_negatives=false (queries and positives only)"
+        )
+    with_ids = [part for part, f in zip(parts, files) if f.ids is not None]
+    if with_ids and len(with_ids) != len(parts):
+        without = next(part for part, f in zip(parts, files) if f.ids is None)
+        raise DataError(
+            f"data.pairs_id_column: {with_ids[0]} has that column and {without} has not; give every source ids "
+            "(they are compared across sources) or set data.pairs_id_column=''"
+        )
+    texts = [row[:width] for f in files for row in f.texts]
+    return texts, [i for f in files for i in f.ids] if with_ids else None
+
+
 def _hash63(namespace: str, text: str) -> int:
     """A stable 63-bit hash of a string in a namespace (the same in every process and run)."""
     digest = hashlib.blake2b(f"{namespace}\0{text}".encode(), digest_size=8).digest()
@@ -217,10 +247,16 @@ class PairsDataset:
         id_column: str = "id",
         max_bad_fraction: float = 0.001,
         hard_negatives: bool = True,
+        factors: Sequence[float] = (),
     ) -> None:
-        rows = read_rows(path, columns, id_column, max_bad_fraction, split)
-        self.skipped = rows.skipped
-        self._setup(rows.texts, rows.ids, "pairs", split, path, tokenizer, query_length, hard_negatives)
+        parts, factors = split_sources(path, factors)
+        files = [read_rows(part, columns, id_column, max_bad_fraction, split) for part in parts]
+        texts, ids = _join(parts, files, hard_negatives)
+        self.skipped = sum((f.skipped for f in files), Counter())
+        self._setup(texts, ids, "pairs", split, path, tokenizer, query_length, hard_negatives)
+        if len(parts) > 1 or factors[0] != 1.0:
+            self._mix = SourceMix([len(f.texts) for f in files], factors)
+            self.source_sizes = self._mix.sizes
 
     @classmethod
     def from_rows(
@@ -257,6 +293,10 @@ class PairsDataset:
         hard_negatives: bool,
     ) -> None:
         self.name, self.split, self.source, self.full = name, split, source, True
+        self._mix: SourceMix | None = None
+        self.source_sizes: list[int] | None = None
+        """Samples per epoch of each `::`-joined file (`mixing.SourceMix`); None: one file, each row once."""
+        self.epoch = 0
         self.image_shape = None
         self.class_names = None
         self.recall_ks = (1, 10)
@@ -283,14 +323,22 @@ class PairsDataset:
             logger.info(f"{name}: document ids from the id column of {source} (loss.mask_duplicates compares them)")
 
     def __len__(self) -> int:
-        return len(self._queries)
+        return len(self._queries) if self._mix is None else len(self._mix)
 
     def set_epoch(self, epoch: int) -> None:
-        """No per-sample randomness: the pairs are fixed."""
+        """No per-sample randomness (the pairs are fixed); joined files' windows move per epoch."""
+        self.epoch = epoch
+
+    def rows(self, indices: Sequence[int]) -> list[int]:
+        """The rows (in the files' order) of these indices of the epoch."""
+        if self._mix is None:
+            return list(indices)
+        first = [0, *itertools.accumulate(self._mix.lengths)]
+        return [first[s] + row for s, row in (self._mix.locate(i, self.epoch) for i in indices)]
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
-        idx = torch.as_tensor(list(indices), dtype=torch.long)
-        batch = {"query": self._queries[idx], "doc": self._docs[idx], "index": idx}
+        idx = torch.as_tensor(self.rows(indices), dtype=torch.long)
+        batch = {"query": self._queries[idx], "doc": self._docs[idx], "index": torch.as_tensor(list(indices))}
         if self._negs is not None:
             batch[NEGATIVES] = self._negs[idx]
         if self._ids is not None:

@@ -9,7 +9,8 @@ Batches (`__getitems__`) are dicts of tensors whose dim 0 is the batch, except t
 (`ModelSpec.input_keys`), `index` is every sample's position in the split, `label` (image sets)
 its class, and `mask` (masked images) its real pixels. A sample's content is a function of
 (seed, epoch, index) alone, never of its batch, rank or worker: that makes rank-count invariance
-and exact resumption possible (`datasets.loader`).
+and exact resumption possible (`datasets.loader`). Optional: `source_sizes`, the samples per epoch of
+each `::`-joined source in index order (`mixing.SourceMix`), which `data.same_source_batches` reads.
 """
 
 from __future__ import annotations

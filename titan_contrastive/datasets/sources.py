@@ -49,6 +49,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.mixing import SourceMix
 from titan_contrastive.datasets.tar_shards import NotRegularFile, TarShard, looks_like_tar, read_regular
 
 logger = logging.getLogger("titan_contrastive")
@@ -448,11 +449,8 @@ class WebDatasetSource:
 
 
 class WeightedSources:
-    """Sources joined with `::`, source i contributing round(factor_i * len_i) samples per epoch.
-
-    A source whose share is not a whole number of copies is read in consecutive windows that
-    continue from epoch to epoch (epoch e starts at e x share, modulo its length), so every one of
-    its samples is seen equally often over epochs."""
+    """Sources joined with `::`, source i contributing round(factor_i * len_i) samples per epoch
+    (`mixing.SourceMix`: windows that continue from epoch to epoch)."""
 
     def __init__(self, sources: Sequence[Source], factors: Sequence[float]) -> None:
         self.sources, self.epoch = list(sources), 0
@@ -466,21 +464,19 @@ class WeightedSources:
                 "give every source the same number"
             )
         self.num_negatives = next(iter(counts.values()))
-        self._sizes = [max(1, round(f * len(s))) for f, s in zip(factors, self.sources)]
-        self._ends = np.cumsum(self._sizes)
+        self.mix = SourceMix([len(s) for s in self.sources], factors)
 
     def __len__(self) -> int:
-        return int(self._ends[-1])
+        return len(self.mix)
+
+    @property
+    def sizes(self) -> list[int]:
+        """Samples per epoch of each source, in index order."""
+        return self.mix.sizes
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def locate(self, index: int) -> tuple[int, int]:
-        """(source, index in it) of an index of the joined epoch."""
-        i = int(np.searchsorted(self._ends, index, side="right"))
-        slot = index - (int(self._ends[i - 1]) if i else 0)
-        return i, (slot + self.epoch * self._sizes[i]) % len(self.sources[i])
-
     def read(self, index: int) -> Record:
-        i, inner = self.locate(index)
+        i, inner = self.mix.locate(index, self.epoch)
         return self.sources[i].read(inner)

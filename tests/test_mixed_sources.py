@@ -1,0 +1,242 @@
+"""Several training sources in one run (`datasets/mixing.py`): `::`-joined text-pair files weighted by
+`data.upsampling_factors`, and `data.same_source_batches`, every optimizer step's samples from one
+source (`loader.BlockedDistributedSampler` with `source_sizes`).
+
+- joined pairs files serve each file's rows at the joined indices, a fractional share in windows that
+  move per epoch (every row seen as often over epochs), with the single files' tokens;
+- with same-source batches every step (local batch x ranks x accumulation steps) lies in one source,
+  each source gives its whole steps once per epoch and leaves out a different remainder each epoch,
+  the order is the same for 1 rank x 12 and 2 ranks x 6 (ranks concatenated), and a loader restored
+  mid-epoch continues with the batches of the uninterrupted one;
+- through the trainer: global negatives with accumulation take each step from one file and train;
+- one-line errors: files that disagree on hard negatives or ids, factors or '::' where one source is
+  read, a source smaller than a step, same-source batches over one source, a held-out file next to
+  weighted training files is read as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_pairs_data import make_trainer, write_jsonl
+from tests.test_wordnet_bi_encoder import needs_hf
+from titan_contrastive.config.job_config import Data
+from titan_contrastive.datasets import DataError
+from titan_contrastive.datasets.build import check_joined_sources
+from titan_contrastive.datasets.loader import BlockedDistributedSampler, build_dataloader
+from titan_contrastive.datasets.mixing import SourceMix, split_sources
+from titan_contrastive.datasets.pairs import PairsDataset
+
+pytestmark = needs_hf
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from titan_contrastive.models.bi_encoder.model import BiEncoderArgs, build_tokenizer
+
+    return build_tokenizer(BiEncoderArgs())
+
+
+def _files(tmp: Path, sizes: tuple[int, ...] = (11, 7, 5), negatives: tuple[int, ...] = (1, 1, 1)) -> list[Path]:
+    """One JSONL file per size: rows ("<file> query <i>", "<file> doc <i>", negatives...)."""
+    return [
+        write_jsonl(
+            tmp / f"f{f}.jsonl",
+            [[f"f{f} query {i}", f"f{f} doc {i}", *(f"f{f} neg {i} {j}" for j in range(k))] for i in range(n)],
+        )
+        for f, (n, k) in enumerate(zip(sizes, negatives))
+    ]
+
+
+def _joined(files: list[Path]) -> str:
+    return "::".join(map(str, files))
+
+
+def _source_of(sizes: list[int]) -> list[int]:
+    """Joined index -> its source."""
+    return [s for s, n in enumerate(sizes) for _ in range(n)]
+
+
+def _one_line(err: pytest.ExceptionInfo, *needles: str) -> None:
+    message = str(err.value)
+    assert len(message.splitlines()) == 1, message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_joined_files_serve_each_files_rows(tmp_path: Path, tokenizer) -> None:
+    files = _files(tmp_path)
+    common = dict(split="train", tokenizer=tokenizer, query_length=12)
+    singles = [PairsDataset(path=str(f), **common) for f in files]
+    joined = PairsDataset(path=_joined(files), factors=[2.0, 1.0, 0.6], **common)
+    assert joined.source_sizes == [22, 7, 3] and len(joined) == 32
+    assert PairsDataset(path=str(files[0]), **common).source_sizes is None
+    windows = []
+    for epoch in range(5):
+        joined.set_epoch(epoch)
+        batch = joined.__getitems__(range(32))
+        assert batch["index"].tolist() == list(range(32))
+        expected = [(0, i % 11) for i in range(22)] + [(1, i) for i in range(7)]
+        expected += [(2, (i + 3 * epoch) % 5) for i in range(3)]  # the 0.6 share: windows of 3 moving by 3
+        for key in ("query", "doc", "neg"):
+            want = torch.stack([singles[s].__getitems__([r])[key][0] for s, r in expected])
+            assert torch.equal(batch[key], want), (epoch, key)
+        windows.append({r for s, r in expected if s == 2})
+    assert [len(w) for w in windows] == [3] * 5 and set().union(*windows) == set(range(5))
+
+
+def test_source_mix_and_split() -> None:
+    mix = SourceMix([10, 4], [1.5, 0.5])
+    assert mix.sizes == [15, 2] and mix.starts == [0, 15] and len(mix) == 17
+    assert [mix.locate(i, 0) for i in (0, 9, 10, 14, 15, 16)] == [(0, 0), (0, 9), (0, 0), (0, 4), (1, 0), (1, 1)]
+    assert [mix.locate(i, 1) for i in (0, 15, 16)] == [(0, 5), (1, 2), (1, 3)]
+    assert split_sources("a::b", []) == (["a", "b"], [1.0, 1.0])
+    with pytest.raises(DataError) as err:
+        split_sources("a::b", [1.0])
+    _one_line(err, "data.upsampling_factors=[1.0]", "one factor per")
+    with pytest.raises(DataError) as err:
+        split_sources("a::::b", [])
+    _one_line(err, "data.path='a::::b'", "an empty source")
+
+
+def _steps(sampler: BlockedDistributedSampler) -> list[list[int]]:
+    """The epoch's optimizer steps (runs of step_samples) of the ranks' concatenated order."""
+    order = sampler.global_order().tolist()
+    return [order[i : i + sampler.step_samples] for i in range(0, len(order), sampler.step_samples)]
+
+
+def test_same_source_steps_in_the_sampler() -> None:
+    sizes = [37, 50, 13]  # steps of 12: 3, 4 and 1 whole steps; remainders 1, 2, 1
+    source = _source_of(sizes)
+    one = BlockedDistributedSampler(
+        100, local_batch_size=6, rank=0, world_size=1, seed=3, source_sizes=sizes, step_samples=12
+    )
+    assert one.steps_per_epoch == 16 and len(one) == 96
+    seen, orders = [], []
+    for epoch in range(3):
+        one.set_epoch(epoch)
+        steps = _steps(one)
+        assert len(steps) == 8 and all(len({source[i] for i in step}) == 1 for step in steps)
+        orders.append([source[step[0]] for step in steps])
+        counts = [sum(source[step[0]] == s for step in steps) for s in range(3)]
+        assert counts == [3, 4, 1]
+        flat = [i for step in steps for i in step]
+        assert len(set(flat)) == len(flat) == 96  # no sample twice in an epoch
+        seen.append(set(range(100)) - set(flat))
+        # two ranks of 6: each loader step is rank 0's 6 then rank 1's 6 of the same order
+        ranks = []
+        for rank in range(2):
+            sampler = BlockedDistributedSampler(
+                100, local_batch_size=3, rank=rank, world_size=2, seed=3, source_sizes=sizes, step_samples=12
+            )
+            sampler.set_epoch(epoch)
+            ranks.append(list(sampler))
+        merged = [i for j in range(0, 48, 3) for rank in ranks for i in rank[j : j + 3]]
+        assert merged == list(one) == flat
+    assert len({frozenset(s) for s in seen}) == 3  # the remainders differ by epoch
+    assert len({tuple(o) for o in orders}) == 3 and any(o != sorted(o) for o in orders)  # sources interleave
+    with pytest.raises(ValueError, match="must be a multiple"):
+        BlockedDistributedSampler(
+            100, local_batch_size=5, rank=0, world_size=1, seed=0, source_sizes=sizes, step_samples=12
+        )
+
+
+def test_same_source_loader_resumes_exactly(tmp_path: Path, tokenizer) -> None:
+    files = _files(tmp_path, sizes=(13, 9, 6))
+    ds = PairsDataset(path=_joined(files), split="train", tokenizer=tokenizer, query_length=12, factors=[1.0, 1.0, 2.0])
+
+    def loader():
+        return build_dataloader(ds, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=5, same_source_steps=4)
+
+    straight = loader()
+    source = _source_of(ds.source_sizes)
+    batches = [next(straight) for _ in range(30)]  # 6 + 4 + 6 = 16 loader steps per epoch: into the second
+    for j in range(0, 30, 2):
+        assert len({source[i] for b in batches[j : j + 2] for i in b["index"].tolist()}) == 1
+    resumed = loader()
+    for _ in range(11):
+        next(resumed)
+    state = resumed.state_dict()
+    restored = loader()
+    restored.load_state_dict(state)
+    for want in batches[11:]:
+        got = next(restored)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_trainer_takes_each_step_from_one_file(tmp_path: Path) -> None:
+    files = _files(tmp_path, sizes=(10, 8))
+    trainer = make_trainer(
+        tmp_path,
+        _joined(files),
+        "--training.local_batch_size=3",
+        "--training.global_batch_size=6",
+        "--training.steps=4",
+        "--metrics.log_freq=1",
+        "--loss.negatives=global",
+        "--loss.mask_duplicates=false",
+        "--data.same_source_batches=true",
+        "--data.upsampling_factors=1,1.5",
+        "--eval.enable=false",
+    )
+    assert trainer.train_set.source_sizes == [10, 12] and trainer.loader.steps_per_epoch == 6
+    source, steps = _source_of([10, 12]), _steps(trainer.loader.sampler)
+    assert len(steps) == 3 and all(len({source[i] for i in step}) == 1 for step in steps)
+    assert {source[step[0]] for step in steps} == {0, 1}  # both files in an epoch
+    trainer.train()
+    trainer.metrics.close()
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [row["loss"] for row in logged if row["kind"] == "train"]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_errors(tmp_path: Path, tokenizer) -> None:
+    common = dict(split="train", tokenizer=tokenizer, query_length=12)
+    files = _files(tmp_path, sizes=(6, 6), negatives=(1, 2))
+    with pytest.raises(DataError) as err:
+        PairsDataset(path=_joined(files), **common)
+    _one_line(err, "different numbers of hard negatives per row", "f0.jsonl: 1", "f1.jsonl: 2")
+    assert len(PairsDataset(path=_joined(files[:1] * 2), **common)) == 12
+    queries_only = PairsDataset(path=_joined(files), hard_negatives=False, **common)
+    assert len(queries_only) == 12 and set(queries_only.__getitems__(range(12))) == {"query", "doc", "index"}
+    with_ids = write_jsonl(tmp_path / "ids.jsonl", [{"id": str(i), "q": f"q {i}", "p": f"p {i}"} for i in range(6)])
+    (tmp_path / "plain").mkdir()
+    plain = _files(tmp_path / "plain", sizes=(6,), negatives=(0,))
+    with pytest.raises(DataError) as err:
+        PairsDataset(path=_joined([with_ids, *plain]), **common)
+    _one_line(err, "data.pairs_id_column", "ids.jsonl has that column", "set data.pairs_id_column=''")
+    for data, needle in (
+        (Data(dataset="wordnet", upsampling_factors=[1.0, 2.0]), "data.upsampling_factors=[1.0, 2.0]"),
+        (Data(dataset="vl_pairs", path="a.jsonl::b.jsonl"), "data.path='a.jsonl::b.jsonl'"),
+        (Data(dataset="synthetic", upsampling_factors=[2.0]), "data.dataset='synthetic' reads one source"),
+    ):
+        with pytest.raises(DataError) as err:
+            check_joined_sources(data)
+        _one_line(err, needle, "csv, webdataset, hf and pairs")
+    check_joined_sources(Data(dataset="pairs", path="a::b", upsampling_factors=[1.0, 2.0]))
+    one = PairsDataset(path=str(plain[0]), **common)
+    with pytest.raises(DataError) as err:
+        build_dataloader(one, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, same_source_steps=2)
+    _one_line(err, "data.same_source_batches=true", "is one source", "join several with '::'")
+    small = PairsDataset(path=_joined([plain[0], plain[0]]), factors=[1.0, 0.5], **common)
+    with pytest.raises(DataError) as err:
+        build_dataloader(small, local_batch_size=2, dp_rank=0, dp_world_size=2, seed=0, same_source_steps=4)
+    _one_line(err, "source 2 of data.path gives 3 samples per epoch, fewer than the 4", "data.upsampling_factors")
+
+
+def test_held_out_file_beside_weighted_training_files(tmp_path: Path) -> None:
+    """data.upsampling_factors weigh the training sources only: one held-out file is read as it is."""
+    files = _files(tmp_path, sizes=(8, 8))
+    trainer = make_trainer(
+        tmp_path,
+        _joined(files),
+        "--training.local_batch_size=4",
+        "--data.upsampling_factors=1,0.5",
+        f"--data.val_path={files[0]}",
+    )
+    assert len(trainer.train_set) == 12 and len(trainer.eval_set) == 8
+    trainer.metrics.close()

@@ -1,0 +1,53 @@
+"""Several sources as one training set: `::`-joined paths, their upsampling factors, and how an
+epoch's index maps to a source and a record in it.
+
+Source i gives `sizes[i] = max(1, round(factor_i x len_i))` samples to each epoch, at the joined
+indices `starts[i] ... starts[i] + sizes[i] - 1` (open_clip's --train-data-upsampling-factors). A
+share that is not a whole number of copies is read in consecutive windows continuing from epoch to
+epoch (epoch e starts at e x size_i, modulo the source's length), so over epochs every record of
+the source is seen equally often. With `data.same_source_batches` the loader's sampler reads
+`sizes` to draw each optimizer step's samples from one source (`loader.BlockedDistributedSampler`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from titan_contrastive.datasets.base import DataError
+
+__all__ = ["SourceMix", "split_sources"]
+
+
+def split_sources(path: str, factors: Sequence[float]) -> tuple[list[str], list[float]]:
+    """The parts of a `::`-joined `data.path` and one factor per part (`data.upsampling_factors`;
+    empty = 1 each), or a DataError when the counts disagree or a part is empty."""
+    parts = path.split("::")
+    if any(not p.strip() for p in parts):
+        raise DataError(f"data.path={path!r}: an empty source between '::' separators; name one source per part")
+    factors = list(factors) or [1.0] * len(parts)
+    if len(factors) != len(parts):
+        raise DataError(
+            f"data.upsampling_factors={factors}: {len(factors)} factor(s) for the {len(parts)} sources "
+            f"in data.path; give one factor per '::'-joined source"
+        )
+    return parts, factors
+
+
+class SourceMix:
+    """The joined index space of sources of `lengths` records weighted by `factors` (module docstring)."""
+
+    def __init__(self, lengths: Sequence[int], factors: Sequence[float]) -> None:
+        self.lengths = list(lengths)
+        self.sizes = [max(1, round(f * n)) for f, n in zip(factors, self.lengths)]
+        self._ends = np.cumsum(self.sizes)
+        self.starts = [int(e) - s for e, s in zip(self._ends, self.sizes)]
+
+    def __len__(self) -> int:
+        return int(self._ends[-1])
+
+    def locate(self, index: int, epoch: int) -> tuple[int, int]:
+        """(source, record in it) of joined index `index` in epoch `epoch`."""
+        i = int(np.searchsorted(self._ends, index, side="right"))
+        return i, (index - self.starts[i] + epoch * self.sizes[i]) % self.lengths[i]
