@@ -6,12 +6,13 @@ source (`loader.BlockedDistributedSampler` with `source_sizes`).
   move per epoch (every row seen as often over epochs), with the single files' tokens;
 - with same-source batches every step (local batch x ranks x accumulation steps) lies in one source,
   each source gives its whole steps once per epoch and leaves out a different remainder each epoch,
-  the order is the same for 1 rank x 12 and 2 ranks x 6 (ranks concatenated), and a loader restored
-  mid-epoch continues with the batches of the uninterrupted one;
+  the order is the same for 1 rank x 6 x 2 steps, 2 ranks x 3 x 2 and 4 ranks x 3 (ranks
+  concatenated), and a loader restored mid-epoch continues with the batches of the uninterrupted one;
 - through the trainer: global negatives with accumulation take each step from one file and train;
 - one-line errors: files that disagree on hard negatives or ids, factors or '::' where one source is
   read, a source smaller than a step, same-source batches over one source, a held-out file next to
   weighted training files is read as it is.
+Image-text sources: tests/test_user_data.py; vl_pairs files: tests/test_qwen_vl_pairs.py.
 """
 
 from __future__ import annotations
@@ -127,16 +128,18 @@ def test_same_source_steps_in_the_sampler() -> None:
         flat = [i for step in steps for i in step]
         assert len(set(flat)) == len(flat) == 96  # no sample twice in an epoch
         seen.append(set(range(100)) - set(flat))
-        # two ranks of 6: each loader step is rank 0's 6 then rank 1's 6 of the same order
-        ranks = []
-        for rank in range(2):
-            sampler = BlockedDistributedSampler(
-                100, local_batch_size=3, rank=rank, world_size=2, seed=3, source_sizes=sizes, step_samples=12
-            )
-            sampler.set_epoch(epoch)
-            ranks.append(list(sampler))
-        merged = [i for j in range(0, 48, 3) for rank in ranks for i in rank[j : j + 3]]
-        assert merged == list(one) == flat
+        # 2 ranks x 3 x 2 accumulation steps, 4 ranks x 3: each loader step is rank 0's 3, rank 1's 3, ...
+        for world in (2, 4):
+            ranks = []
+            for rank in range(world):
+                sampler = BlockedDistributedSampler(
+                    100, local_batch_size=3, rank=rank, world_size=world, seed=3, source_sizes=sizes, step_samples=12
+                )
+                sampler.set_epoch(epoch)
+                ranks.append(list(sampler))
+            merged = [i for j in range(0, 96 // world, 3) for rank in ranks for i in rank[j : j + 3]]
+            assert merged == flat, world
+        assert list(one) == flat
     assert len({frozenset(s) for s in seen}) == 3  # the remainders differ by epoch
     assert len({tuple(o) for o in orders}) == 3 and any(o != sorted(o) for o in orders)  # sources interleave
     with pytest.raises(ValueError, match="must be a multiple"):
@@ -211,13 +214,14 @@ def test_errors(tmp_path: Path, tokenizer) -> None:
     _one_line(err, "data.pairs_id_column", "ids.jsonl has that column", "set data.pairs_id_column=''")
     for data, needle in (
         (Data(dataset="wordnet", upsampling_factors=[1.0, 2.0]), "data.upsampling_factors=[1.0, 2.0]"),
-        (Data(dataset="vl_pairs", path="a.jsonl::b.jsonl"), "data.path='a.jsonl::b.jsonl'"),
+        (Data(dataset="emoji", path="a::b"), "data.path='a::b'"),
         (Data(dataset="synthetic", upsampling_factors=[2.0]), "data.dataset='synthetic' reads one source"),
     ):
         with pytest.raises(DataError) as err:
             check_joined_sources(data)
-        _one_line(err, needle, "csv, webdataset, hf and pairs")
-    check_joined_sources(Data(dataset="pairs", path="a::b", upsampling_factors=[1.0, 2.0]))
+        _one_line(err, needle, "csv, webdataset, hf, pairs and vl_pairs")
+    for kind in ("pairs", "vl_pairs", "csv", "webdataset", "hf"):
+        check_joined_sources(Data(dataset=kind, path="a::b", upsampling_factors=[1.0, 2.0]))
     one = PairsDataset(path=str(plain[0]), **common)
     with pytest.raises(DataError) as err:
         build_dataloader(one, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, same_source_steps=2)

@@ -248,3 +248,44 @@ def test_modes_refuse_what_they_cannot_read_in_one_line(tmp_path: Path) -> None:
             f"--data.path={tmp_path / 'data' / 'pairs.jsonl'}",
             "--eval.enable=false",
         )
+
+
+@needs_hf
+def test_joined_vl_pairs_files_with_same_source_batches(tmp_path: Path) -> None:
+    """Two files in their own folders (image paths relative to each) joined with `::`, the second at
+    half weight: its rows come at the joined indices with its own images, a bad row's substitute is
+    its own file's next row, and with data.same_source_batches every step is one file's; a step trains."""
+    from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
+    from titan_contrastive.datasets.vl_pairs import VLPairsDataset
+
+    first, second = _vl_pairs(tmp_path / "a"), _vl_pairs(tmp_path / "b", bad=True, count=8)
+    trainer = vl_run(
+        tmp_path,
+        "qwen2_vl",
+        "--data.dataset=vl_pairs",
+        f"--data.path={first}::{second}",
+        "--data.upsampling_factors=1,0.5",
+        "--data.same_source_batches=true",
+        "--data.retrieval_mode=m2i",
+        "--training.local_batch_size=4",
+        "--training.steps=1",
+        sizes=(),
+    )
+    data = trainer.train_set
+    assert data.source_sizes == [9, 4] and len(data) == 13
+    alone = VLPairsDataset(split="train", path=str(second), mode="m2i")
+    alone.serve_processed(data._process)
+    # the second file's window: rows 0-3, then 4-7; row 2's image is missing and row 4's query text empty,
+    # so rows 3 and 5 of that file take their places
+    for epoch, rows, reason in ((0, [0, 1, 3, 3], "unreadable_file"), (1, [5, 5, 6, 7], "missing_text")):
+        data.set_epoch(epoch)
+        joined, want = data.__getitems__(range(9, 13)), alone.__getitems__(rows)
+        for key in ("query", "doc", "query_pixel_values", "doc_pixel_values", "doc_image_grid_thw"):
+            assert torch.equal(joined[key], want[key]), (epoch, key)
+        (skipped,) = joined[BAD_SAMPLES]
+        assert skipped.reason == reason and skipped.where.startswith(str(second.parent))
+    data.set_epoch(0)
+    order = trainer.loader.sampler.global_order().tolist()
+    assert len(order) == 12 and all(len({i >= 9 for i in order[j : j + 4]}) == 1 for j in range(0, 12, 4))
+    trainer.train()
+    trainer.metrics.close()

@@ -309,7 +309,7 @@ class Data:
     bundle). csv: the file. webdataset: tars as a brace pattern (`shards/{00000..00099}.tar`) or the
     `shards.json` make_shards writes. hf: a save_to_disk folder or a Parquet/JSON/Arrow/CSV file.
     pairs: a .jsonl/.csv/.tsv/.parquet/.arrow file or a save_to_disk folder. Several sources of one
-    kind (csv, webdataset, hf, pairs): joined with `::`."""
+    kind (csv, webdataset, hf, pairs, vl_pairs): joined with `::`."""
     val_path: str = ""
     """Held-out data for evaluation (retrieval recall@1/5/10 both ways, or pair recall@1/10), of
     the same kind as `dataset`, except that a .csv/.tsv file is always read as csv; empty = no

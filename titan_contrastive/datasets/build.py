@@ -69,13 +69,13 @@ def check_negative_keys(data: Data) -> None:
 
 def check_joined_sources(data: Data) -> None:
     """`::`-joined sources and their factors only where the data kind reads several."""
-    if data.dataset in (*FILE_SOURCES, "pairs") and data.dataset != "synthetic":
+    if data.dataset in (*FILE_SOURCES, "pairs", "vl_pairs") and data.dataset != "synthetic":
         return
     if data.upsampling_factors or "::" in data.path:
         key = "upsampling_factors" if data.upsampling_factors else "path"
         raise DataError(
             f"data.{key}={getattr(data, key)!r}: data.dataset={data.dataset!r} reads one source; several sources "
-            "joined with '::' (and their factors) are for csv, webdataset, hf and pairs data"
+            "joined with '::' (and their factors) are for csv, webdataset, hf, pairs and vl_pairs data"
         )
 
 
@@ -276,7 +276,11 @@ def build_data(
             )
         context_length = data.context_length or DEFAULT_CONTEXT["byte"]
         train = VLPairsDataset(
-            split="train", path=data.path, mode=data.retrieval_mode, hard_negatives=data.hard_negatives
+            split="train",
+            path=data.path,
+            mode=data.retrieval_mode,
+            hard_negatives=data.hard_negatives,
+            factors=data.upsampling_factors,
         )
         eval_sets.append(
             VLPairsDataset(split="test", path=data.val_path, mode=data.retrieval_mode) if data.val_path else None

@@ -238,7 +238,7 @@ def build_dataloader(
     if same_source_steps and len(sizes) < 2:
         raise DataError(
             f"data.same_source_batches=true: {dataset.name}/{dataset.split} is one source; join several with '::' in "
-            "data.path (pairs, csv, webdataset or hf data), or set data.same_source_batches=false"
+            "data.path (csv, webdataset, hf, pairs or vl_pairs data), or set data.same_source_batches=false"
         )
     small = [(i, size) for i, size in enumerate(sizes) if size < same_source_steps]
     if small:

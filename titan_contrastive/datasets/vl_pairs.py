@@ -18,6 +18,8 @@ for the loader to count (`bad_samples`), as `files.FileImageTextDataset` does. I
 at their own resolution and go, with the texts, through the family's processor (`serve_processed`:
 qwen_vl's `SideProcessor.sides`), which resizes them within `[min_pixels, max_pixels]`; nothing is
 random, so `set_epoch` changes nothing.
+Several files join with `::` (`mixing.SourceMix`, weighted by `data.upsampling_factors`; image paths
+relative to each file's folder; a bad row's substitute comes from its own file).
 Evaluation (`data.val_path`, the same columns) ranks each query's document among the split's
 documents: recall@1/5/10 query -> document and back.
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 import csv
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +39,7 @@ from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.files import MAX_SUBSTITUTES
 from titan_contrastive.datasets.image_transforms import decode_image
+from titan_contrastive.datasets.mixing import SourceMix, split_sources
 from titan_contrastive.datasets.pairs import read_table
 from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.datasets.sources import BadSample, read_file
@@ -67,16 +70,47 @@ class VLPairsDataset:
     serves_sides = True
     """Both sides' images and texts per row: every retrieval mode (`layouts.PROCESSED` checks it)."""
 
-    def __init__(self, *, split: str, path: str, mode: str, hard_negatives: bool = True) -> None:
-        file = Path(path).expanduser()
+    def __init__(
+        self, *, split: str, path: str, mode: str, hard_negatives: bool = True, factors: Sequence[float] = ()
+    ) -> None:
+        if mode not in MODES:
+            raise DataError(f"data.retrieval_mode={mode!r}: vl_pairs trains {', '.join(MODES)}")
+        self.kinds = dict(zip(SIDES, MODES[mode]))
+        self.needed = [f"{side}_{field}" for side, kind in self.kinds.items() for field in FIELDS[kind]]
         key = "data.path" if split == "train" else "data.val_path"
+        parts, factors = split_sources(path, factors)
+        self._files = [self._read_file(part, key, mode, split) for part in parts]
+        self.negative_kind = "text" if self.kinds["doc"] == "text" else "image"
+        counts = {f.source: len(_as_list(f.rows[0].get(NEGATIVES_COLUMN))) for f in self._files}
+        self.num_negatives = next(iter(counts.values())) if hard_negatives and split == "train" else 0
+        if self.num_negatives and len(set(counts.values())) > 1:
+            shown = ", ".join(f"{where}: {k}" for where, k in counts.items())
+            raise DataError(
+                f"{key}={path}: the sources' first rows hold different numbers of {NEGATIVES_COLUMN} ({shown}); give "
+                "every source the same number, or set data.hard_negatives=false"
+            )
+        joined = len(parts) > 1 or factors[0] != 1.0
+        self._mix = SourceMix([len(f.rows) for f in self._files], factors) if joined else None
+        self.source_sizes = self._mix.sizes if self._mix else None
+        """Samples per epoch of each `::`-joined file (`mixing.SourceMix`); None: one file, each row once."""
+        self.epoch = 0
+        self.name, self.split, self.source, self.full = "vl_pairs", split, path, True
+        self.image_shape = None  # native resolution: the processor sizes each image
+        self.tokenizer: Any = None  # the processor's (`serve_processed`)
+        self.class_names = None
+        self.recall_ks = (1, 5, 10)
+        self.recall_direction = "query_to_doc"
+        self.shard_losses: list[Any] = []
+        self._process: Any = None
+
+    def _read_file(self, path: str, key: str, mode: str, split: str) -> _File:
+        """One file's rows (the needed columns and the negatives), or a DataError naming what is wrong."""
+        file = Path(path).expanduser()
         if file.suffix not in FORMATS or not file.is_file():
             raise DataError(
                 f"{key}={path}: not an existing {'/'.join(FORMATS)} file; data.dataset='vl_pairs' reads rows with "
                 f"the columns {', '.join(COLUMNS)}"
             )
-        if mode not in MODES:
-            raise DataError(f"data.retrieval_mode={mode!r}: vl_pairs trains {', '.join(MODES)}")
         try:
             _, rows = read_table(file, (*COLUMNS, NEGATIVES_COLUMN), split)
         except DataError:
@@ -85,8 +119,6 @@ class VLPairsDataset:
             raise DataError(f"{file}: not readable ({type(e).__name__}: {e})") from None
         except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file
             raise DataError(f"{file}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
-        self.kinds = dict(zip(SIDES, MODES[mode]))
-        self.needed = [f"{side}_{field}" for side, kind in self.kinds.items() for field in FIELDS[kind]]
         if not rows:
             raise DataError(f"{file}: no rows; give one row per query-document pair with {', '.join(self.needed)}")
         if not all(isinstance(row, dict) for row in rows):
@@ -97,28 +129,20 @@ class VLPairsDataset:
                 f"{file}: no column {', '.join(missing)}; data.retrieval_mode={mode} needs "
                 f"{', '.join(self.needed)} (image paths relative to the file's folder)"
             )
-        self._rows = [{c: row.get(c) for c in (*self.needed, NEGATIVES_COLUMN)} for row in rows]
-        self.negative_kind = "text" if self.kinds["doc"] == "text" else "image"
-        first = _as_list(rows[0].get(NEGATIVES_COLUMN))
-        self.num_negatives = len(first) if hard_negatives and split == "train" else 0
-        self._root = file.parent
-        self.name, self.split, self.source, self.full = "vl_pairs", split, str(file), True
-        self.image_shape = None  # native resolution: the processor sizes each image
-        self.tokenizer: Any = None  # the processor's (`serve_processed`)
-        self.class_names = None
-        self.recall_ks = (1, 5, 10)
-        self.recall_direction = "query_to_doc"
-        self.shard_losses: list[Any] = []
-        self._process: Any = None
+        return _File(
+            file.parent, str(file), [{c: row.get(c) for c in (*self.needed, NEGATIVES_COLUMN)} for row in rows]
+        )
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._files[0].rows) if self._mix is None else len(self._mix)
 
     def __repr__(self) -> str:
         return f"VLPairsDataset({self.split}: {len(self)} rows from {self.source})"
 
     def set_epoch(self, epoch: int) -> None:
-        """No per-sample randomness: images at their own size, texts as written."""
+        """No per-sample randomness (images at their own size, texts as written); joined files' windows
+        move per epoch."""
+        self.epoch = epoch
 
     @property
     def processed(self) -> bool:
@@ -141,44 +165,45 @@ class VLPairsDataset:
     def serve_masked(self, *args: Any) -> None:
         raise DataError(family_refusal("vae"))
 
-    def _value(self, column: str, kind: str, value: Any, key: str) -> Any:
+    def _value(self, file: _File, column: str, kind: str, value: Any, key: str) -> Any:
         """One field: a text stripped, or an image path read and decoded to a uint8 HWC array; BadSample."""
-        where = self.source
+        where = file.source
         if kind == "text":
             if not isinstance(value, str) or not value.strip():
                 raise BadSample("missing_text", where, key, f"{column} is empty")
             return value.strip()
         if not isinstance(value, str) or not value.strip():
             raise BadSample("missing_image", where, key, f"{column} is empty")
-        data = read_file(str(self._root / value.strip()), where, key)
+        data = read_file(str(file.root / value.strip()), where, key)
         try:
             return np.asarray(decode_image(data))
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
             raise BadSample("undecodable_image", where, key, f"{column}: {type(e).__name__}: {e}") from None
 
-    def _fields(self, j: int) -> dict[str, Any]:
-        """Row `j`'s needed fields (and its hard negatives, a list), or BadSample."""
-        row, key = self._rows[j], str(j)
-        out = {c: self._value(c, "text" if c.endswith("_text") else "image", row[c], key) for c in self.needed}
+    def _fields(self, file: _File, j: int) -> dict[str, Any]:
+        """Row `j` of `file`: its needed fields (and its hard negatives, a list), or BadSample."""
+        row, key = file.rows[j], str(j)
+        out = {c: self._value(file, c, "text" if c.endswith("_text") else "image", row[c], key) for c in self.needed}
         if self.num_negatives:
             negatives = _as_list(row[NEGATIVES_COLUMN])
             if len(negatives) != self.num_negatives:
                 detail = f"{NEGATIVES_COLUMN} holds {len(negatives)}, the first row {self.num_negatives}"
-                raise BadSample("ragged_negatives", self.source, key, detail)
-            out[NEGATIVES_COLUMN] = [self._value(NEGATIVES_COLUMN, self.negative_kind, v, key) for v in negatives]
+                raise BadSample("ragged_negatives", file.source, key, detail)
+            out[NEGATIVES_COLUMN] = [self._value(file, NEGATIVES_COLUMN, self.negative_kind, v, key) for v in negatives]
         return out
 
     def _read(self, index: int, bad: list[BadSample]) -> dict[str, Any]:
-        """Row `index`'s fields, or the next good row's (each bad one appended to `bad`)."""
-        j = index
+        """Sample `index`'s fields, or those of the next good row of its file (each bad one appended to `bad`)."""
+        source, row = (0, index) if self._mix is None else self._mix.locate(index, self.epoch)
+        file, j = self._files[source], row
         for _ in range(MAX_SUBSTITUTES):
             try:
-                return self._fields(j)
+                return self._fields(file, j)
             except BadSample as e:
                 bad.append(e)
-            j = (j + 1) % len(self._rows)
+            j = (j + 1) % len(file.rows)
         raise DataError(
-            f"{self.source}: {MAX_SUBSTITUTES} bad rows in a row from row {index} (last: {bad[-1]}); check the "
+            f"{file.source}: {MAX_SUBSTITUTES} bad rows in a row from row {row} (last: {bad[-1]}); check the "
             "file and its images"
         )
 
@@ -191,6 +216,13 @@ class VLPairsDataset:
         negatives = [n for r in rows for n in r.get(NEGATIVES_COLUMN, ())]  # k per row, row after row
         batch = self._process.sides(*(fields[c] for c in COLUMNS), negatives=negatives)
         return {**batch, "index": torch.as_tensor(list(indices), dtype=torch.long), BAD_SAMPLES: bad}
+
+
+class _File(NamedTuple):
+    root: Path
+    """Image paths are relative to it (the file's folder)."""
+    source: str
+    rows: list[dict[str, Any]]
 
 
 def _as_list(value: Any) -> list[Any]:
