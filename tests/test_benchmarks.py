@@ -416,3 +416,21 @@ def test_tma_probe_checks_and_times_each_kernel_variant(tmp_path: Path) -> None:
     assert [r["variant"] for r in result["rows"] if r["status"] == "ok"] == names
     assert "WS: True" in result["configs"]["forward:tma_ws"] and "WS: False" in result["configs"]["forward:tma"]
     assert "BLOCK_M" in result["configs"]["W:tma"]
+
+
+def test_mixed_sources_writes_two_tasks_of_the_same_pairs(tmp_path: Path) -> None:
+    """benchmarks.mixed_sources: `describe` is `define` with its columns swapped, the test split is
+    definition -> lemma, and each variant's command is a valid config that joins the two files."""
+    from benchmarks import mixed_sources
+    from titan_contrastive.config.manager import parse_args
+
+    files = mixed_sources.write_tasks(tmp_path / "tasks")
+    define, describe, test = ([line.split("\t") for line in files[k].read_text().splitlines()] for k in files)
+    assert len(define) == len(describe) > 100_000 and len(test) == 2000
+    assert [row[::-1] for row in define] == describe and all(len(row) == 2 for row in define + test)
+    for name in mixed_sources.VARIANTS:
+        cfg = parse_args(
+            [f"--job.config_file={REPO / mixed_sources.CONFIG}", *mixed_sources.command(name, tmp_path / name)[1:]]
+        )
+        assert cfg.data.path == f"{files['define']}::{files['describe']}" and cfg.data.dataset == "pairs"
+        assert cfg.data.same_source_batches == (name == "same_source")
