@@ -420,6 +420,39 @@ def variants_parser(description: str, variants: Sequence[str]) -> argparse.Argum
     return parser
 
 
+def train_flags(
+    dump: Path, *, steps: int, batch: int, lr: float, warmup: int, log_freq: int, chunk: int = 0
+) -> list[str]:
+    """`./run_train.sh` and the flags every variant run sets: its dump folder (no TensorBoard), steps,
+    local batch, lr, warm-up steps, log frequency, and GradCache chunks of `chunk` when > 0."""
+    return [
+        "./run_train.sh",
+        f"--job.dump_folder={dump}",
+        "--metrics.enable_tensorboard=false",
+        f"--training.steps={steps}",
+        f"--training.local_batch_size={batch}",
+        f"--optimizer.lr={lr}",
+        f"--lr_scheduler.warmup_steps={warmup}",
+        f"--metrics.log_freq={log_freq}",
+        *(["--gradcache.enabled=true", f"--gradcache.chunk_sizes={chunk}"] if chunk else []),
+    ]
+
+
+def run_records(name: str, dump: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the last eval record, the train records) of variant `name`'s finished run in `dump`; a run
+    without an eval record stops the benchmark."""
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["kind"] == "eval"]
+    if not evals:
+        raise SystemExit(f"{dump}/metrics.jsonl has no eval record: did the {name} run finish?")
+    return evals[-1], [r for r in records if r["kind"] == "train"]
+
+
+def recall_stderr(r: float, n: int) -> float:
+    """The standard error of a recall r over n queries (the sampling of the queries, not of training runs)."""
+    return (r * (1 - r) / n) ** 0.5
+
+
 def launch_variants(
     names: Sequence[str],
     command: Callable[[str, Path], list[str]],

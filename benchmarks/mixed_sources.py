@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import csv
 import gzip
-import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -60,42 +58,25 @@ def write_tasks(folder: Path) -> dict[str, Path]:
 def command(name: str, dump: Path) -> list[str]:
     steps = SAMPLES // BATCH
     files = {k: dump.parent / "tasks" / f"{k}.tsv" for k in ("define", "describe", "test")}
+    flags = dict(steps=steps, batch=BATCH, lr=LR, warmup=WARMUP, log_freq=max(1, steps // 8), chunk=CHUNK)
     return [
-        "./run_train.sh",
-        f"--job.dump_folder={dump}",
-        "--metrics.enable_tensorboard=false",
+        *harness.train_flags(dump, **flags),
         "--data.dataset=pairs",
         f"--data.path={files['define']}::{files['describe']}",
         f"--data.val_path={files['test']}",
         f"--data.context_length={CONTEXT}",
         f"--data.doc_context_length={CONTEXT}",
-        f"--training.steps={steps}",
-        f"--training.local_batch_size={BATCH}",
-        f"--optimizer.lr={LR}",
-        f"--lr_scheduler.warmup_steps={WARMUP}",
-        f"--metrics.log_freq={max(1, steps // 8)}",
-        "--gradcache.enabled=true",
-        f"--gradcache.chunk_sizes={CHUNK}",
         *VARIANTS[name],
     ]
 
 
-def stderr(r: float) -> float:
-    return math.sqrt(r * (1 - r) / N_TEST)
-
-
 def read(name: str, dump: Path) -> dict[str, Any]:
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in records if r["kind"] == "eval"]
-    if not evals:
-        raise SystemExit(f"{dump}/metrics.jsonl has no eval record: did the {name} run finish?")
-    last = evals[-1]
+    last, train = harness.run_records(name, dump)
     row: dict[str, Any] = {"variant": name, "steps": last["step"], "eval_loss": last["loss"]}
     for k in (1, 10):
         r = last[f"query_to_doc_r@{k}"]
-        row[f"r@{k}"], row[f"se_r@{k}"] = r, stderr(r)
+        row[f"r@{k}"], row[f"se_r@{k}"] = r, harness.recall_stderr(r, N_TEST)
     row["beir_ndcg@10"] = last.get("beir/ndcg@10")
-    train = [r for r in records if r["kind"] == "train"]
     row["samples_per_s"] = [r["samples_per_s"] for r in train]
     row["train_loss"] = [(r["step"] * BATCH, r["loss"]) for r in train]
     row["command"] = " ".join(command(name, Path(f"<dump>_{name}")))

@@ -16,7 +16,6 @@ Writes `wordnet_gradcache.{json,csv,png}` (recall@1 per variant, loss vs samples
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -35,41 +34,27 @@ VARIANTS: dict[str, tuple[int, float, int, int]] = {
 def command(name: str, dump: Path) -> list[str]:
     batch, lr, warmup, chunk = VARIANTS[name]
     steps = 1 if name == "frozen" else SAMPLES // batch
-    cmd = [
-        "./run_train.sh",
-        f"--job.dump_folder={dump}",
-        "--metrics.enable_tensorboard=false",
-        f"--training.steps={steps}",
-        f"--training.local_batch_size={batch}",
-        f"--optimizer.lr={lr}",
-        f"--lr_scheduler.warmup_steps={warmup}",
-        f"--metrics.log_freq={max(1, steps // 8)}",
-    ]
-    if chunk:
-        cmd += ["--gradcache.enabled=true", f"--gradcache.chunk_sizes={chunk}"]
-    return cmd
+    return harness.train_flags(
+        dump, steps=steps, batch=batch, lr=lr, warmup=warmup, log_freq=max(1, steps // 8), chunk=chunk
+    )
 
 
 def read(name: str, dump: Path) -> dict[str, Any]:
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in records if r["kind"] == "eval"]
-    if not evals:
-        raise SystemExit(f"{dump}/metrics.jsonl has no eval record: did the {name} run finish?")
+    last, train = harness.run_records(name, dump)
     batch, lr, warmup, chunk = VARIANTS[name]
-    curve = [(r["step"] * batch, r["loss"]) for r in records if r["kind"] == "train"]
     return {
         "variant": name,
         "batch": batch,
         "gradcache_chunk": chunk or None,
         "lr": lr,
         "warmup_steps": warmup,
-        "steps": evals[-1]["step"],
-        "r@1": evals[-1]["query_to_doc_r@1"],
-        "r@10": evals[-1]["query_to_doc_r@10"],
-        "eval_loss": evals[-1]["loss"],
-        "samples_per_s": [r["samples_per_s"] for r in records if r["kind"] == "train"],
-        "peak_memory_gib": max((r["peak_memory_gib"] for r in records if r["kind"] == "train"), default=None),
-        "train_loss_vs_samples": curve,
+        "steps": last["step"],
+        "r@1": last["query_to_doc_r@1"],
+        "r@10": last["query_to_doc_r@10"],
+        "eval_loss": last["loss"],
+        "samples_per_s": [r["samples_per_s"] for r in train],
+        "peak_memory_gib": max((r["peak_memory_gib"] for r in train), default=None),
+        "train_loss_vs_samples": [(r["step"] * batch, r["loss"]) for r in train],
         "command": " ".join(command(name, Path(f"<dump>_{name}"))),
     }
 

@@ -23,8 +23,6 @@ recall r over the 2,000 queries is sqrt(r (1 - r) / 2000). Writes wordnet_lora.{
 
 from __future__ import annotations
 
-import json
-import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -42,21 +40,9 @@ CONFIG = "train_configs/wordnet_minilm.toml"
 
 
 def command(name: str, dump: Path) -> list[str]:
-    steps = SAMPLES // BATCH
     lr, extra = VARIANTS[name]
-    return [
-        "./run_train.sh",
-        f"--job.dump_folder={dump}",
-        "--metrics.enable_tensorboard=false",
-        f"--training.steps={steps}",
-        f"--training.local_batch_size={BATCH}",
-        f"--optimizer.lr={lr}",
-        f"--lr_scheduler.warmup_steps={WARMUP}",
-        "--metrics.log_freq=4",
-        "--gradcache.enabled=true",
-        f"--gradcache.chunk_sizes={CHUNK}",
-        *extra,
-    ]
+    flags = dict(steps=SAMPLES // BATCH, batch=BATCH, lr=lr, warmup=WARMUP, log_freq=4, chunk=CHUNK)
+    return [*harness.train_flags(dump, **flags), *extra]
 
 
 def parameter_counts(name: str) -> dict[str, int]:
@@ -85,17 +71,13 @@ def parameter_counts(name: str) -> dict[str, int]:
 
 
 def read(name: str, dump: Path) -> dict[str, Any]:
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in records if r["kind"] == "eval"]
-    if not evals:
-        raise SystemExit(f"{dump}/metrics.jsonl has no eval record: did the {name} run finish?")
-    last = evals[-1]
+    last, train = harness.run_records(name, dump)
     row: dict[str, Any] = {"variant": name, "lr": VARIANTS[name][0], "steps": last["step"]}
     for key in ("ndcg@10", "mrr@10", "recall@1", "recall@10", "recall@100"):
         row[key] = last[f"beir/{key}"]
     for k in (1, 10):
-        row[f"se_recall@{k}"] = math.sqrt(row[f"recall@{k}"] * (1 - row[f"recall@{k}"]) / N_TEST)
-    train = [r for r in records if r["kind"] == "train"][1:]  # the first logged window holds the warm-up
+        row[f"se_recall@{k}"] = harness.recall_stderr(row[f"recall@{k}"], N_TEST)
+    train = train[1:]  # the first logged window holds the warm-up
     row["samples_per_s"] = statistics.median(r["samples_per_s"] for r in train)
     row["step_s"] = BATCH / row["samples_per_s"]
     row["train_loss"] = [(r["step"] * BATCH, r["loss"]) for r in train]

@@ -25,8 +25,6 @@ queries, not of training runs). Writes wordnet_negatives.{json,csv,png} under --
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -47,39 +45,18 @@ CONFIG = "train_configs/wordnet_minilm.toml"
 
 def command(name: str, dump: Path) -> list[str]:
     steps = SAMPLES // BATCH
-    return [
-        "./run_train.sh",
-        f"--job.dump_folder={dump}",
-        "--metrics.enable_tensorboard=false",
-        f"--training.steps={steps}",
-        f"--training.local_batch_size={BATCH}",
-        f"--optimizer.lr={LR}",
-        f"--lr_scheduler.warmup_steps={WARMUP}",
-        f"--metrics.log_freq={max(1, steps // 8)}",
-        "--gradcache.enabled=true",
-        f"--gradcache.chunk_sizes={CHUNK}",
-        f"--eval.dims={','.join(map(str, DIMS[1:]))}",
-        *VARIANTS[name],
-    ]
-
-
-def stderr(r: float) -> float:
-    return math.sqrt(r * (1 - r) / N_TEST)
+    flags = dict(steps=steps, batch=BATCH, lr=LR, warmup=WARMUP, log_freq=max(1, steps // 8), chunk=CHUNK)
+    return [*harness.train_flags(dump, **flags), f"--eval.dims={','.join(map(str, DIMS[1:]))}", *VARIANTS[name]]
 
 
 def read(name: str, dump: Path) -> dict[str, Any]:
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in records if r["kind"] == "eval"]
-    if not evals:
-        raise SystemExit(f"{dump}/metrics.jsonl has no eval record: did the {name} run finish?")
-    last = evals[-1]
+    last, train = harness.run_records(name, dump)
     row: dict[str, Any] = {"variant": name, "steps": last["step"], "eval_loss": last["loss"]}
     for m in DIMS:
         prefix = "" if m == DIMS[0] else f"dim{m}/"
         for k in (1, 10):
             r = last[f"{prefix}query_to_doc_r@{k}"]
-            row[f"r@{k}_{m}d"], row[f"se_r@{k}_{m}d"] = r, stderr(r)
-    train = [r for r in records if r["kind"] == "train"]
+            row[f"r@{k}_{m}d"], row[f"se_r@{k}_{m}d"] = r, harness.recall_stderr(r, N_TEST)
     row["samples_per_s"] = [r["samples_per_s"] for r in train]
     row["train_loss"] = [(r["step"] * BATCH, r["loss"]) for r in train]
     row["command"] = " ".join(command(name, Path(f"<dump>_{name}")))
