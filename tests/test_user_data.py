@@ -175,6 +175,24 @@ def _damaged_csv(emoji: dict, tmp_path: Path) -> Path:
     return file
 
 
+def test_a_joined_sources_bad_sample_is_substituted_from_its_own_source(emoji: dict, tmp_path: Path) -> None:
+    """damaged.csv at 11/40 (rows 0-10 in epoch 0) joined with another CSV (other emoji): index 10
+    (missing.png), the last of its source's range, takes index 0's record, not the next source's first
+    (index 11)."""
+    other = tmp_path / "other.csv"
+    with open(other, "w", newline="") as f:
+        writer = csv.writer(f, delimiter="\t")
+        writer.writerows([("filepath", "title"), *((str(emoji["root"] / p), c) for p, c in emoji["rows"][100:140])])
+    source = open_source("csv", f"{_damaged_csv(emoji, tmp_path)}::{other}", Data(upsampling_factors=[11 / 40, 1.0]))
+    assert source.sizes == [11, 40] and [source.mix.following(i) for i in (9, 10, 11, 50)] == [10, 0, 12, 11]
+    ds = FileImageTextDataset(
+        name="csv", split="train", source=source, tokenizer=ByteTokenizer(32), image_size=32, seed=3, augment=False
+    )
+    batch = ds.__getitems__([10, 0, 11])
+    assert [s.reason for s in batch[BAD_SAMPLES]] == ["unreadable_file"]
+    assert torch.equal(batch["text"][0], batch["text"][1]) and not torch.equal(batch["text"][0], batch["text"][2])
+
+
 def test_bad_samples_are_skipped_counted_and_deterministic(emoji: dict, tmp_path: Path) -> None:
     ds = _dataset(emoji, "csv", augment=True, path=str(_damaged_csv(emoji, tmp_path)))
     batch = ds.__getitems__([3, 10, 20, 21])

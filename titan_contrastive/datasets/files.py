@@ -148,8 +148,8 @@ class FileImageTextDataset:
     def _read(
         self, index: int, bad: list[BadSample], decode: Callable[[Any], Any] = decode_image
     ) -> tuple[Any, Record]:
-        """The record at `index`, or the next good one in source order (each bad one appended to `bad`),
-        with `decode(its image)`."""
+        """The record at `index`, or the next good one in source order (of its own source, when several are
+        joined; each bad one appended to `bad`), with `decode(its image)`."""
         j = index
         for _ in range(MAX_SUBSTITUTES):
             try:
@@ -161,7 +161,8 @@ class FileImageTextDataset:
                     return decode(record.image), record
                 except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
                     bad.append(BadSample("undecodable_image", record.where, record.key, f"{type(e).__name__}: {e}"))
-            j = (j + 1) % len(self._source)
+            mix = getattr(self._source, "mix", None)  # joined sources: the substitute comes from the same one
+            j = mix.following(j) if mix is not None else (j + 1) % len(self._source)
         raise DataError(
             f"{bad[-1].where}: {MAX_SUBSTITUTES} bad samples in a row from sample {index} (last: {bad[-1]}); "
             "the data is damaged: check the files or rebuild the shards"

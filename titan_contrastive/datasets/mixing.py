@@ -47,6 +47,12 @@ class SourceMix:
     def __len__(self) -> int:
         return int(self._ends[-1])
 
+    def following(self, index: int) -> int:
+        """The joined index after `index` within its source's range (wrapping to the range's start):
+        where a bad sample's substitute is read, so that it comes from the same source."""
+        i = int(np.searchsorted(self._ends, index, side="right"))
+        return self.starts[i] + (index - self.starts[i] + 1) % self.sizes[i]
+
     def locate(self, index: int, epoch: int) -> tuple[int, int]:
         """(source, record in it) of joined index `index` in epoch `epoch`."""
         i = int(np.searchsorted(self._ends, index, side="right"))
