@@ -12,11 +12,14 @@ source (`loader.BlockedDistributedSampler` with `source_sizes`).
 - one-line errors: files that disagree on hard negatives or ids, factors or '::' where one source is
   read, a source smaller than a step, same-source batches over one source, a held-out file next to
   weighted training files is read as it is.
-Image-text sources: tests/test_user_data.py; vl_pairs files: tests/test_qwen_vl_pairs.py.
+- image-text sources (csv) joined: the fractional share's window moves per epoch, factors weigh the
+  training split only, same-source steps on 2 ranks, and a bad sample at the end of a source's range
+  is substituted from that source. vl_pairs files: tests/test_qwen_vl_pairs.py.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -24,15 +27,22 @@ import pytest
 import torch
 
 from tests.test_pairs_data import make_trainer, write_jsonl
+from tests.test_user_data import _damaged_csv, _dataset, write_emoji_files
 from tests.test_wordnet_bi_encoder import needs_hf
 from titan_contrastive.config.job_config import Data
 from titan_contrastive.datasets import DataError
-from titan_contrastive.datasets.build import check_joined_sources
+from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
+from titan_contrastive.datasets.build import check_joined_sources, open_source
+from titan_contrastive.datasets.files import FileImageTextDataset
 from titan_contrastive.datasets.loader import BlockedDistributedSampler, build_dataloader
 from titan_contrastive.datasets.mixing import SourceMix, split_sources
 from titan_contrastive.datasets.pairs import PairsDataset
+from titan_contrastive.datasets.tokenizer import ByteTokenizer
 
-pytestmark = needs_hf
+
+@pytest.fixture(scope="module")
+def emoji(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    return write_emoji_files(tmp_path_factory.mktemp("emoji"))
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +79,7 @@ def _one_line(err: pytest.ExceptionInfo, *needles: str) -> None:
         assert needle in message, message
 
 
+@needs_hf
 def test_joined_files_serve_each_files_rows(tmp_path: Path, tokenizer) -> None:
     files = _files(tmp_path)
     common = dict(split="train", tokenizer=tokenizer, query_length=12)
@@ -148,6 +159,7 @@ def test_same_source_steps_in_the_sampler() -> None:
         )
 
 
+@needs_hf
 def test_same_source_loader_resumes_exactly(tmp_path: Path, tokenizer) -> None:
     files = _files(tmp_path, sizes=(13, 9, 6))
     ds = PairsDataset(path=_joined(files), split="train", tokenizer=tokenizer, query_length=12, factors=[1.0, 1.0, 2.0])
@@ -171,6 +183,7 @@ def test_same_source_loader_resumes_exactly(tmp_path: Path, tokenizer) -> None:
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@needs_hf
 def test_trainer_takes_each_step_from_one_file(tmp_path: Path) -> None:
     files = _files(tmp_path, sizes=(10, 8))
     trainer = make_trainer(
@@ -197,6 +210,7 @@ def test_trainer_takes_each_step_from_one_file(tmp_path: Path) -> None:
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
 
 
+@needs_hf
 def test_errors(tmp_path: Path, tokenizer) -> None:
     common = dict(split="train", tokenizer=tokenizer, query_length=12)
     files = _files(tmp_path, sizes=(6, 6), negatives=(1, 2))
@@ -232,6 +246,7 @@ def test_errors(tmp_path: Path, tokenizer) -> None:
     _one_line(err, "source 2 of data.path gives 3 samples per epoch, fewer than the 4", "data.upsampling_factors")
 
 
+@needs_hf
 def test_held_out_file_beside_weighted_training_files(tmp_path: Path) -> None:
     """data.upsampling_factors weigh the training sources only: one held-out file is read as it is."""
     files = _files(tmp_path, sizes=(8, 8))
@@ -244,3 +259,50 @@ def test_held_out_file_beside_weighted_training_files(tmp_path: Path) -> None:
     )
     assert len(trainer.train_set) == 12 and len(trainer.eval_set) == 8
     trainer.metrics.close()
+
+
+def test_weighted_sources(emoji: dict) -> None:
+    """`a::b` with factors 1 and 0.5: 200 + 100 samples per epoch; the half window moves per epoch."""
+    paths = emoji["paths"]
+    source = open_source("csv", f"{paths['csv']}::{paths['csv']}", Data(upsampling_factors=[1.0, 0.5]))
+    assert len(source) == 300
+    windows = []
+    for epoch in range(6):
+        source.set_epoch(epoch)
+        windows.append({source.mix.locate(i, epoch)[1] for i in range(200, 300)})
+    assert all(len(w) == 100 for w in windows) and len(set().union(*windows)) == 200
+    with pytest.raises(DataError, match="one factor per"):
+        open_source("csv", paths["csv"], Data(upsampling_factors=[1.0, 2.0]))
+    assert len(open_source("csv", paths["csv"], Data(upsampling_factors=[1.0, 2.0]), split="test")) == 200
+    # data.same_source_batches: each step of 2 ranks x 10 from one source
+    assert _dataset(emoji, "csv", augment=False).source_sizes is None
+    ds = FileImageTextDataset(
+        name="csv", split="train", source=source, tokenizer=ByteTokenizer(32), image_size=32, seed=3, augment=False
+    )
+    assert ds.source_sizes == [200, 100]
+    ranks = [
+        build_dataloader(ds, local_batch_size=10, dp_rank=r, dp_world_size=2, seed=0, same_source_steps=20)
+        for r in range(2)
+    ]
+    assert ranks[0].steps_per_epoch == 15
+    for _ in range(15):
+        both = [i for loader in ranks for i in next(loader)["index"].tolist()]
+        assert len({i >= 200 for i in both}) == 1
+
+
+def test_a_joined_sources_bad_sample_is_substituted_from_its_own_source(emoji: dict, tmp_path: Path) -> None:
+    """damaged.csv at 11/40 (rows 0-10 in epoch 0) joined with another CSV (other emoji): index 10
+    (missing.png), the last of its source's range, takes index 0's record, not the next source's first
+    (index 11)."""
+    other = tmp_path / "other.csv"
+    with open(other, "w", newline="") as f:
+        writer = csv.writer(f, delimiter="\t")
+        writer.writerows([("filepath", "title"), *((str(emoji["root"] / p), c) for p, c in emoji["rows"][100:140])])
+    source = open_source("csv", f"{_damaged_csv(emoji, tmp_path)}::{other}", Data(upsampling_factors=[11 / 40, 1.0]))
+    assert source.sizes == [11, 40] and [source.mix.following(i) for i in (9, 10, 11, 50)] == [10, 0, 12, 11]
+    ds = FileImageTextDataset(
+        name="csv", split="train", source=source, tokenizer=ByteTokenizer(32), image_size=32, seed=3, augment=False
+    )
+    batch = ds.__getitems__([10, 0, 11])
+    assert [s.reason for s in batch[BAD_SAMPLES]] == ["unreadable_file"]
+    assert torch.equal(batch["text"][0], batch["text"][1]) and not torch.equal(batch["text"][0], batch["text"][2])

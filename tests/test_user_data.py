@@ -35,8 +35,11 @@ SOURCES = ("csv", "webdataset", "hf")
 
 @pytest.fixture(scope="module")
 def emoji(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    return write_emoji_files(tmp_path_factory.mktemp("emoji"))
+
+
+def write_emoji_files(root: Path) -> dict[str, object]:
     """The bundled emoji test split (200 images, 32 px) written as PNG files + a CSV, tar shards and a HF dataset."""
-    root = tmp_path_factory.mktemp("emoji")
     bundled = build_dataset("emoji", "test", augment=False)
     images = bundled._images.permute(0, 2, 3, 1).numpy()
     captions = bundled.captions(range(len(bundled)))
@@ -175,24 +178,6 @@ def _damaged_csv(emoji: dict, tmp_path: Path) -> Path:
     return file
 
 
-def test_a_joined_sources_bad_sample_is_substituted_from_its_own_source(emoji: dict, tmp_path: Path) -> None:
-    """damaged.csv at 11/40 (rows 0-10 in epoch 0) joined with another CSV (other emoji): index 10
-    (missing.png), the last of its source's range, takes index 0's record, not the next source's first
-    (index 11)."""
-    other = tmp_path / "other.csv"
-    with open(other, "w", newline="") as f:
-        writer = csv.writer(f, delimiter="\t")
-        writer.writerows([("filepath", "title"), *((str(emoji["root"] / p), c) for p, c in emoji["rows"][100:140])])
-    source = open_source("csv", f"{_damaged_csv(emoji, tmp_path)}::{other}", Data(upsampling_factors=[11 / 40, 1.0]))
-    assert source.sizes == [11, 40] and [source.mix.following(i) for i in (9, 10, 11, 50)] == [10, 0, 12, 11]
-    ds = FileImageTextDataset(
-        name="csv", split="train", source=source, tokenizer=ByteTokenizer(32), image_size=32, seed=3, augment=False
-    )
-    batch = ds.__getitems__([10, 0, 11])
-    assert [s.reason for s in batch[BAD_SAMPLES]] == ["unreadable_file"]
-    assert torch.equal(batch["text"][0], batch["text"][1]) and not torch.equal(batch["text"][0], batch["text"][2])
-
-
 def test_bad_samples_are_skipped_counted_and_deterministic(emoji: dict, tmp_path: Path) -> None:
     ds = _dataset(emoji, "csv", augment=True, path=str(_damaged_csv(emoji, tmp_path)))
     batch = ds.__getitems__([3, 10, 20, 21])
@@ -227,35 +212,6 @@ def test_bad_sample_limit_stops_with_the_file_and_key(emoji: dict, tmp_path: Pat
         ds, local_batch_size=40, dp_rank=0, dp_world_size=1, seed=0, shuffle=False, max_bad_fraction=0.1
     )
     assert next(loader)["image"].shape == (40, 3, 32, 32) and loader.bad_samples.total == 3  # 3 <= 0.1 x 40
-
-
-def test_weighted_sources(emoji: dict) -> None:
-    """`a::b` with factors 1 and 0.5: 200 + 100 samples per epoch; the half window moves per epoch."""
-    paths = emoji["paths"]
-    source = open_source("csv", f"{paths['csv']}::{paths['csv']}", Data(upsampling_factors=[1.0, 0.5]))
-    assert len(source) == 300
-    windows = []
-    for epoch in range(6):
-        source.set_epoch(epoch)
-        windows.append({source.mix.locate(i, epoch)[1] for i in range(200, 300)})
-    assert all(len(w) == 100 for w in windows) and len(set().union(*windows)) == 200
-    with pytest.raises(DataError, match="one factor per"):
-        open_source("csv", paths["csv"], Data(upsampling_factors=[1.0, 2.0]))
-    assert len(open_source("csv", paths["csv"], Data(upsampling_factors=[1.0, 2.0]), split="test")) == 200
-    # data.same_source_batches: each step of 2 ranks x 10 from one source
-    assert _dataset(emoji, "csv", augment=False).source_sizes is None
-    ds = FileImageTextDataset(
-        name="csv", split="train", source=source, tokenizer=ByteTokenizer(32), image_size=32, seed=3, augment=False
-    )
-    assert ds.source_sizes == [200, 100]
-    ranks = [
-        build_dataloader(ds, local_batch_size=10, dp_rank=r, dp_world_size=2, seed=0, same_source_steps=20)
-        for r in range(2)
-    ]
-    assert ranks[0].steps_per_epoch == 15
-    for _ in range(15):
-        both = [i for loader in ranks for i in next(loader)["index"].tolist()]
-        assert len({i >= 200 for i in both}) == 1
 
 
 def _one_line(err: pytest.ExceptionInfo, *needles: str) -> None:
