@@ -35,7 +35,7 @@ from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.build import check_joined_sources, open_source
 from titan_contrastive.datasets.files import FileImageTextDataset
 from titan_contrastive.datasets.loader import BlockedDistributedSampler, build_dataloader
-from titan_contrastive.datasets.mixing import SourceMix, split_sources
+from titan_contrastive.datasets.mixing import SourceMix, joins, split_sources
 from titan_contrastive.datasets.pairs import PairsDataset
 from titan_contrastive.datasets.tokenizer import ByteTokenizer
 
@@ -106,6 +106,8 @@ def test_source_mix_and_split() -> None:
     assert mix.sizes == [15, 2] and mix.starts == [0, 15] and len(mix) == 17
     assert [mix.locate(i, 0) for i in (0, 9, 10, 14, 15, 16)] == [(0, 0), (0, 9), (0, 0), (0, 4), (1, 0), (1, 1)]
     assert [mix.locate(i, 1) for i in (0, 15, 16)] == [(0, 5), (1, 2), (1, 3)]
+    assert [mix.record(i, 1) for i in (0, 15, 16)] == [5, 12, 13]  # the second source's records follow the first's 10
+    assert not joins([1.0]) and joins([0.5]) and joins([1.0, 1.0])
     assert split_sources("a::b", []) == (["a", "b"], [1.0, 1.0])
     with pytest.raises(DataError) as err:
         split_sources("a::b", [1.0])

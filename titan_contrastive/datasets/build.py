@@ -25,7 +25,7 @@ from titan_contrastive.datasets.files import FileImageTextDataset
 from titan_contrastive.datasets.hf_disk import HfSource
 from titan_contrastive.datasets.image_folder import ImageFolderZeroShot, load_templates
 from titan_contrastive.datasets.loader import EpochLoader, build_dataloader
-from titan_contrastive.datasets.mixing import split_sources
+from titan_contrastive.datasets.mixing import joins, split_sources
 from titan_contrastive.datasets.pairs import PairsDataset
 from titan_contrastive.datasets.protocol import Dataset
 from titan_contrastive.datasets.sources import CsvSource, Source, WebDatasetSource, WeightedSources
@@ -119,9 +119,7 @@ def open_source(kind: str, path: str, data: Data, *, split: str = "train", negat
                     negative_columns=data.hf_negative_columns if negatives else (),
                 )
             )
-    if len(sources) == 1 and factors[0] == 1.0:
-        return sources[0]
-    return WeightedSources(sources, factors)
+    return WeightedSources(sources, factors) if joins(factors) else sources[0]
 
 
 def text_tokenizer(name: str, dataset: str, context_length: int) -> Any:

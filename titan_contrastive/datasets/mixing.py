@@ -17,7 +17,7 @@ import numpy as np
 
 from titan_contrastive.datasets.base import DataError
 
-__all__ = ["SourceMix", "split_sources"]
+__all__ = ["SourceMix", "joins", "split_sources"]
 
 
 def split_sources(path: str, factors: Sequence[float]) -> tuple[list[str], list[float]]:
@@ -35,6 +35,12 @@ def split_sources(path: str, factors: Sequence[float]) -> tuple[list[str], list[
     return parts, factors
 
 
+def joins(factors: Sequence[float]) -> bool:
+    """Whether sources with these factors (one per source, `split_sources`) need a `SourceMix`: more
+    than one, or one read other than exactly once per epoch."""
+    return len(factors) > 1 or factors[0] != 1.0
+
+
 class SourceMix:
     """The joined index space of sources of `lengths` records weighted by `factors` (module docstring)."""
 
@@ -43,6 +49,7 @@ class SourceMix:
         self.sizes = [max(1, round(f * n)) for f, n in zip(factors, self.lengths)]
         self._ends = np.cumsum(self.sizes)
         self.starts = [int(e) - s for e, s in zip(self._ends, self.sizes)]
+        self._offsets = np.cumsum([0, *self.lengths[:-1]]).tolist()  # each source's first record, all concatenated
 
     def __len__(self) -> int:
         return int(self._ends[-1])
@@ -57,3 +64,8 @@ class SourceMix:
         """(source, record in it) of joined index `index` in epoch `epoch`."""
         i = int(np.searchsorted(self._ends, index, side="right"))
         return i, (index - self.starts[i] + epoch * self.sizes[i]) % self.lengths[i]
+
+    def record(self, index: int, epoch: int) -> int:
+        """The position of `locate(index, epoch)`'s record among all sources' records, concatenated in order."""
+        source, record = self.locate(index, epoch)
+        return self._offsets[source] + record

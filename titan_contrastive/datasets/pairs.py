@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import itertools
 import json
 import logging
 from collections import Counter
@@ -47,7 +46,7 @@ import torch
 from titan_contrastive.batching import DOC_IDS, NEGATIVES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.hf_disk import open_hf_dataset
-from titan_contrastive.datasets.mixing import SourceMix, split_sources
+from titan_contrastive.datasets.mixing import SourceMix, joins, split_sources
 from titan_contrastive.datasets.tokenizer import PairTokenizer
 
 logger = logging.getLogger("titan_contrastive")
@@ -254,7 +253,7 @@ class PairsDataset:
         texts, ids = _join(parts, files, hard_negatives)
         self.skipped = sum((f.skipped for f in files), Counter())
         self._setup(texts, ids, "pairs", split, path, tokenizer, query_length, hard_negatives)
-        if len(parts) > 1 or factors[0] != 1.0:
+        if joins(factors):
             self._mix = SourceMix([len(f.texts) for f in files], factors)
             self.source_sizes = self._mix.sizes
 
@@ -333,8 +332,7 @@ class PairsDataset:
         """The rows (in the files' order) of these indices of the epoch."""
         if self._mix is None:
             return list(indices)
-        first = [0, *itertools.accumulate(self._mix.lengths)]
-        return [first[s] + row for s, row in (self._mix.locate(i, self.epoch) for i in indices)]
+        return [self._mix.record(i, self.epoch) for i in indices]
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         idx = torch.as_tensor(self.rows(indices), dtype=torch.long)

@@ -39,7 +39,7 @@ from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.files import MAX_SUBSTITUTES
 from titan_contrastive.datasets.image_transforms import decode_image
-from titan_contrastive.datasets.mixing import SourceMix, split_sources
+from titan_contrastive.datasets.mixing import SourceMix, joins, split_sources
 from titan_contrastive.datasets.pairs import read_table
 from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.datasets.sources import BadSample, read_file
@@ -89,8 +89,7 @@ class VLPairsDataset:
                 f"{key}={path}: the sources' first rows hold different numbers of {NEGATIVES_COLUMN} ({shown}); give "
                 "every source the same number, or set data.hard_negatives=false"
             )
-        joined = len(parts) > 1 or factors[0] != 1.0
-        self._mix = SourceMix([len(f.rows) for f in self._files], factors) if joined else None
+        self._mix = SourceMix([len(f.rows) for f in self._files], factors) if joins(factors) else None
         self.source_sizes = self._mix.sizes if self._mix else None
         """Samples per epoch of each `::`-joined file (`mixing.SourceMix`); None: one file, each row once."""
         self.epoch = 0
