@@ -453,6 +453,16 @@ def recall_stderr(r: float, n: int) -> float:
     return (r * (1 - r) / n) ** 0.5
 
 
+def wordnet_rows(split: str) -> list[list[str]]:
+    """The bundled WordNet pairs of `split` ("train": definition, lemma, sibling negative; "test":
+    definition, lemma), as the bundle stores them."""
+    import csv
+    import gzip
+
+    with gzip.open(REPO / "titan_contrastive/assets/wordnet" / f"pairs_{split}.tsv.gz", "rt", encoding="utf-8") as f:
+        return list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+
+
 def launch_variants(
     names: Sequence[str],
     command: Callable[[str, Path], list[str]],

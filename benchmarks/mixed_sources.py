@@ -23,8 +23,6 @@ Writes mixed_sources.{json,csv,png} under --out.
 
 from __future__ import annotations
 
-import csv
-import gzip
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +32,6 @@ SAMPLES, BATCH, CHUNK, LR, WARMUP, CONTEXT = 16_384, 256, 32, 1.1e-4, 6, 32
 VARIANTS: dict[str, list[str]] = {"mixed": [], "same_source": ["--data.same_source_batches=true"]}
 N_TEST = 2000
 CONFIG = "train_configs/wordnet_minilm.toml"
-WORDNET = harness.REPO / "titan_contrastive/assets/wordnet"
 
 
 def write_tasks(folder: Path) -> dict[str, Path]:
@@ -42,12 +39,9 @@ def write_tasks(folder: Path) -> dict[str, Path]:
     split, test.tsv (definition, lemma) from its test split; tab-separated, no header."""
     folder.mkdir(parents=True, exist_ok=True)
 
-    def pairs(split: str) -> list[tuple[str, str]]:
-        with gzip.open(WORDNET / f"pairs_{split}.tsv.gz", "rt", encoding="utf-8") as f:
-            return [(row[0], row[1]) for row in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
-
-    train = pairs("train")
-    files = {"define": train, "describe": [(lemma, definition) for definition, lemma in train], "test": pairs("test")}
+    train = [(row[0], row[1]) for row in harness.wordnet_rows("train")]
+    test = [(row[0], row[1]) for row in harness.wordnet_rows("test")]
+    files = {"define": train, "describe": [(lemma, definition) for definition, lemma in train], "test": test}
     out = {}
     for name, rows in files.items():
         out[name] = folder / f"{name}.tsv"

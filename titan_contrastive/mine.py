@@ -1,0 +1,274 @@
+"""`python -m titan_contrastive.mine PAIRS --model MODEL --out FILE`: hard negatives for your text pairs.
+
+PAIRS is a pairs file in any format `data.path` reads for `data.dataset = "pairs"` (JSONL, CSV,
+TSV, Parquet, a Hugging Face dataset on disk; `datasets.pairs`), with the same column rules
+(`--columns` and `--id-column` are `data.pairs_columns` and `data.pairs_id_column`). MODEL embeds
+both sides: one of our bi_encoder step folders (`.../checkpoint/step-N`, exported for the purpose
+through `export --to sentence-transformers`, which checks the export's embeddings against the
+run's), a sentence-transformers folder, or a transformers folder (mean pooling, as
+sentence-transformers builds it).
+
+The mining itself is sentence-transformers' `mine_hard_negatives`: every positive of the file is
+the corpus; each query's candidates are the corpus ranked by cosine, without the query's own
+positives (every row with that query text), those within `--relative-margin` of the positive's
+score (NV-Retriever's TopK-PercPos: at 0.05 a negative scores at most 95 % of the positive),
+above `--max-score`, below `--min-score` or within `--absolute-margin`; then the first
+`--range-min` candidates left are skipped and `--negatives` are taken from the next ones (`top`,
+or at random among those up to `--range-max` with `--sampling random`, seeded).
+
+FILE (`.jsonl`, `.parquet` or `.csv`) holds the rows in the input's order with sentence-transformers'
+columns, `anchor`, `positive`, `negative_1` ... `negative_k`, and the id column when the input has
+one; the input's own negative columns are replaced. A row for which fewer than k candidates pass
+the filters is left out (the count is printed). Train on it with `data.path=FILE`: every row
+then serves k hard negatives (`data.hard_negatives`).
+
+FILE is written under a temporary name beside it and renamed when complete; it is never an
+existing file unless `--overwrite`, and never the input. Bad arguments are one `error: ...` line
+and exit code 2, before any model is loaded. Needs the `hf` and `data` extras.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import random
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+OUT_FORMATS = (".jsonl", ".parquet", ".csv")
+SEARCH_BYTES = 1 << 28
+"""Bytes of float32 scores per block of queries against the whole corpus (sentence-transformers'
+`faiss_batch_size`, which also sizes its exact search without FAISS)."""
+
+
+class MineError(ValueError):
+    """A bad argument: one line naming the flag, the value and the fix."""
+
+
+def check_options(opts: argparse.Namespace) -> None:
+    """A MineError for numbers that cannot select `--negatives` candidates (before any file is read)."""
+    if opts.negatives < 1:
+        raise MineError(f"--negatives={opts.negatives}: mine at least 1 negative per row")
+    if opts.range_min < 0:
+        raise MineError(f"--range-min={opts.range_min}: the number of top candidates to skip is 0 or more")
+    if opts.range_max is not None and opts.range_max - opts.range_min < opts.negatives:
+        raise MineError(
+            f"--range-max={opts.range_max}: with --range-min={opts.range_min} it leaves "
+            f"{max(0, opts.range_max - opts.range_min)} candidates for --negatives={opts.negatives}; raise --range-max"
+        )
+    if opts.relative_margin is not None and not 0 <= opts.relative_margin < 1:
+        raise MineError(
+            f"--relative-margin={opts.relative_margin}: a fraction of the positive's score in [0, 1) (0.05: a "
+            "negative scores at most 95 % of its positive)"
+        )
+    if opts.absolute_margin is not None and opts.absolute_margin < 0:
+        raise MineError(f"--absolute-margin={opts.absolute_margin}: a cosine margin of 0 or more")
+    if opts.batch_size < 1:
+        raise MineError(f"--batch-size={opts.batch_size}: texts per forward, 1 or more")
+
+
+def check_paths(pairs: str, out: Path, overwrite: bool) -> Path:
+    """The resolved output file, or a MineError for an input that is not there or an output that may
+    not be written."""
+    from titan_contrastive.datasets.pairs import FORMATS
+
+    src = Path(pairs).expanduser()
+    if "::" in pairs:
+        raise MineError(f"PAIRS={pairs}: mine one file at a time (each file's positives are its own corpus)")
+    if not (src.is_dir() or (src.is_file() and src.suffix in FORMATS)):
+        raise MineError(f"PAIRS={pairs}: not an existing {'/'.join(FORMATS)} file or save_to_disk folder")
+    out = Path(out).expanduser()
+    if out.suffix not in OUT_FORMATS:
+        raise MineError(f"--out={out}: write {'/'.join(OUT_FORMATS)} (the formats data.path reads back)")
+    if out.resolve() == src.resolve():
+        raise MineError(f"--out={out} is the input; write the mined rows to a new file")
+    if out.is_dir() or out.is_symlink():
+        raise MineError(f"--out={out} is a folder or a link; give a file name")
+    if out.exists() and not overwrite:
+        raise MineError(f"--out={out} exists; choose a new file or pass --overwrite")
+    return out
+
+
+@contextlib.contextmanager
+def sentence_model(path: str, tower: str | None, device: str | None) -> Iterator[Any]:
+    """A SentenceTransformer of `path`: one of our bi_encoder step folders through a verified export
+    into a temporary folder (removed after), else a sentence-transformers or transformers folder."""
+    from sentence_transformers import SentenceTransformer
+
+    folder = Path(path).expanduser()
+    manifest = folder / "manifest.json"
+    if manifest.is_file():
+        try:
+            model = json.loads(manifest.read_text())["model"]
+            family, shared = model["family"], model["args"].get("shared", True)
+        except (OSError, ValueError, KeyError, TypeError):
+            raise MineError(f"--model={path}: its manifest.json names no model; give a step folder of this version")
+        if family != "bi_encoder":
+            raise MineError(f"--model={path}: a {family} checkpoint; mining embeds texts with a bi_encoder one")
+        if not shared and tower is None:
+            raise MineError(
+                f"--model={path} has separate query and doc towers, and mining embeds both sides with one: "
+                "pass --tower query or --tower doc"
+            )
+        from titan_contrastive.export import export
+
+        with tempfile.TemporaryDirectory(prefix="titan_contrastive_mine-") as tmp:
+            out = export(str(folder), Path(tmp) / "model", "sentence-transformers", tower=tower or "query")
+            yield SentenceTransformer(str(out), device=device)
+        return
+    if not ((folder / "modules.json").is_file() or (folder / "config.json").is_file()):
+        raise MineError(
+            f"--model={path}: not a bi_encoder step folder (manifest.json), a sentence-transformers folder "
+            "(modules.json) or a transformers folder (config.json)"
+        )
+    yield SentenceTransformer(str(folder), device=device)
+
+
+def mine(texts: Sequence[Sequence[str]], model: Any, opts: argparse.Namespace) -> list[list[str] | None]:
+    """Per input row, its query, positive and `opts.negatives` mined negatives; None where fewer
+    passed the filters."""
+    from datasets import Dataset
+    from sentence_transformers.util import mine_hard_negatives
+
+    corpus = len({row[1] for row in texts})
+    random.seed(opts.seed)  # sentence-transformers samples with `random` (--sampling random)
+    mined = mine_hard_negatives(
+        Dataset.from_dict({"anchor": [r[0] for r in texts], "positive": [r[1] for r in texts]}),
+        model,
+        range_min=opts.range_min,
+        range_max=opts.range_max,
+        max_score=opts.max_score,
+        min_score=opts.min_score,
+        absolute_margin=opts.absolute_margin,
+        relative_margin=opts.relative_margin,
+        num_negatives=opts.negatives,
+        sampling_strategy=opts.sampling,
+        query_prompt=opts.query_prompt,
+        corpus_prompt=opts.doc_prompt,
+        output_format="n-tuple",
+        batch_size=opts.batch_size,
+        faiss_batch_size=max(1, SEARCH_BYTES // (4 * corpus)),
+    )
+    names = [f"negative_{i}" for i in range(1, opts.negatives + 1)]
+    found = {(r["anchor"], r["positive"]): [r[n] for n in names] for r in mined}
+    return [[row[0], row[1], *found[(row[0], row[1])]] if (row[0], row[1]) in found else None for row in texts]
+
+
+def write_rows(out: Path, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """`rows` under `columns` into `out` (by its suffix), through a temporary file renamed when complete."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.tmp-", suffix=out.suffix)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        records = [dict(zip(columns, row)) for row in rows]
+        if out.suffix == ".parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(records), tmp)
+        elif out.suffix == ".csv":
+            with open(tmp, "w", newline="", encoding="utf-8") as f:
+                writer = csv.DictWriter(f, fieldnames=list(columns))
+                writer.writeheader()
+                writer.writerows(records)
+        else:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        tmp.chmod(0o666 & ~_umask())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m titan_contrastive.mine", description=__doc__.split("\n\n")[0])
+    p.add_argument("pairs", metavar="PAIRS", help="a pairs file (query, positive[, negatives...]) as data.path reads")
+    p.add_argument(
+        "--model", required=True, help="a bi_encoder step folder, or a sentence-transformers / transformers folder"
+    )
+    p.add_argument("--out", type=Path, required=True, help="the file to write: .jsonl, .parquet or .csv")
+    p.add_argument("--negatives", type=int, default=1, help="negatives per row (default: 1)")
+    p.add_argument("--range-min", type=int, default=0, help="skip this many top candidates (default: 0)")
+    p.add_argument("--range-max", type=int, default=None, help="consider candidates up to this rank (default: derived)")
+    p.add_argument(
+        "--relative-margin",
+        type=float,
+        default=0.05,
+        help="drop candidates scoring above (1 - m) x the positive (default: 0.05, NV-Retriever's TopK-PercPos)",
+    )
+    p.add_argument("--absolute-margin", type=float, default=None, help="drop candidates within m of the positive")
+    p.add_argument("--max-score", type=float, default=None, help="drop candidates scoring above this cosine")
+    p.add_argument("--min-score", type=float, default=None, help="drop candidates scoring below this cosine")
+    p.add_argument("--sampling", choices=("top", "random"), default="top", help="the best candidates, or random ones")
+    p.add_argument("--seed", type=int, default=0, help="seed of --sampling random (default: 0)")
+    p.add_argument("--columns", default="", help="query,positive column names (data.pairs_columns); default: in order")
+    p.add_argument("--id-column", default="id", help="the positive's id column, kept in FILE (data.pairs_id_column)")
+    p.add_argument("--query-prompt", default=None, help="text before each query (default: the model's 'query' prompt)")
+    p.add_argument("--doc-prompt", default=None, help="text before each document (default: the model's 'document' one)")
+    p.add_argument(
+        "--tower", choices=("query", "doc"), default=None, help="a checkpoint with two towers: embed with this one"
+    )
+    p.add_argument("--batch-size", type=int, default=64, help="texts per forward (default: 64)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: sentence-transformers' choice)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
+    return p
+
+
+def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
+    """Mine and write; (the file, rows written, rows left out)."""
+    from titan_contrastive.datasets.pairs import read_rows
+
+    check_options(opts)
+    out = check_paths(opts.pairs, opts.out, opts.overwrite)
+    columns = [c.strip() for c in opts.columns.split(",") if c.strip()]
+    if columns and len(columns) != 2:
+        raise MineError(f"--columns={opts.columns}: name two columns, the query's and the positive's")
+    read = read_rows(opts.pairs, columns, opts.id_column)
+    if len(read.texts[0]) > 2:
+        print(f"{opts.pairs}: its {len(read.texts[0]) - 2} negative column(s) are replaced by the mined ones")
+    with sentence_model(opts.model, opts.tower, opts.device) as model:
+        mined = mine(read.texts, model, opts)
+    kept = [(row, i) for row, i in zip(mined, read.ids or [None] * len(mined)) if row is not None]
+    if not kept:
+        raise MineError(
+            f"--negatives={opts.negatives}: no row has that many candidates passing the filters; loosen "
+            "--relative-margin / --max-score / --range-min, or raise --range-max"
+        )
+    names = ["anchor", "positive", *(f"negative_{i}" for i in range(1, opts.negatives + 1))]
+    with_ids = read.ids is not None
+    rows = [[*row, i] if with_ids else row for row, i in kept]
+    write_rows(out, [*names, opts.id_column] if with_ids else names, rows)
+    return out, len(kept), len(mined) - len(kept)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parser().parse_args(argv)
+    try:
+        out, written, left = run(opts)
+    except ImportError as e:
+        print(f"error: mining needs {e.name}: pip install -e '.[hf,data]'", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:  # MineError, DataError, WeightsError, sentence-transformers' own checks
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    note = f"; {left} row(s) left out: fewer than {opts.negatives} candidate(s) passed the filters" if left else ""
+    print(f"wrote {out}: {written} row(s) with {opts.negatives} mined negative(s) each{note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
