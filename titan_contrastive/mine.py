@@ -108,7 +108,9 @@ def sentence_model(path: str, tower: str | None, device: str | None) -> Iterator
             model = json.loads(manifest.read_text())["model"]
             family, shared = model["family"], model["args"].get("shared", True)
         except (OSError, ValueError, KeyError, TypeError):
-            raise MineError(f"--model={path}: its manifest.json names no model; give a step folder of this version")
+            raise MineError(
+                f"--model={path}: its manifest.json names no model; give a step folder of this version"
+            ) from None
         if family != "bi_encoder":
             raise MineError(f"--model={path}: a {family} checkpoint; mining embeds texts with a bi_encoder one")
         if not shared and tower is None:
