@@ -434,3 +434,19 @@ def test_mixed_sources_writes_two_tasks_of_the_same_pairs(tmp_path: Path) -> Non
         )
         assert cfg.data.path == f"{files['define']}::{files['describe']}" and cfg.data.dataset == "pairs"
         assert cfg.data.same_source_batches == (name == "same_source")
+
+
+def test_wordnet_mined_trains_each_variant_on_its_file(tmp_path: Path) -> None:
+    """benchmarks.wordnet_mined: each variant's command is a valid config on its own file, the
+    mined ones on theirs, and serves the file's negative unless it is a no-negative variant."""
+    from benchmarks import wordnet_mined
+    from titan_contrastive.config.manager import parse_args
+
+    files = wordnet_mined.files(tmp_path / "data")
+    sources = {"inbatch": "train", "siblings": "train", "mined": "mined", "mined_rows": "mined"}
+    for name in wordnet_mined.VARIANTS:
+        argv = wordnet_mined.command(name, tmp_path / name)
+        cfg = parse_args([f"--job.config_file={REPO / wordnet_mined.CONFIG}", *argv[1:]])
+        assert cfg.data.dataset == "pairs" and cfg.data.val_path == str(files["test"])
+        assert cfg.data.path == str(files[sources.get(name, name)])
+        assert cfg.data.hard_negatives == (name not in ("inbatch", "mined_rows"))

@@ -9,9 +9,10 @@ run's), a sentence-transformers folder, or a transformers folder (mean pooling, 
 sentence-transformers builds it).
 
 The mining itself is sentence-transformers' `mine_hard_negatives`: every positive of the file is
-the corpus; each query's candidates are the corpus ranked by cosine, without the query's own
-positives (every row with that query text), those within `--relative-margin` of the positive's
-score (NV-Retriever's TopK-PercPos: at 0.05 a negative scores at most 95 % of the positive),
+the corpus (with `--corpus`, a BEIR `corpus.jsonl`'s documents too); each query's candidates are
+the corpus ranked by cosine, without the query's own positives (every row with that query text),
+those within `--relative-margin` of the positive's score (NV-Retriever's TopK-PercPos: at 0.05 a
+negative scores at most 95 % of the positive; a query with several positives takes the weakest's),
 above `--max-score`, below `--min-score` or within `--absolute-margin`; then the first
 `--range-min` candidates left are skipped and `--negatives` are taken from the next ones (`top`,
 or at random among those up to `--range-max` with `--sampling random`, seeded).
@@ -132,13 +133,15 @@ def sentence_model(path: str, tower: str | None, device: str | None) -> Iterator
     yield SentenceTransformer(str(folder), device=device)
 
 
-def mine(texts: Sequence[Sequence[str]], model: Any, opts: argparse.Namespace) -> list[list[str] | None]:
+def mine(
+    texts: Sequence[Sequence[str]], model: Any, opts: argparse.Namespace, corpus: Sequence[str] | None = None
+) -> list[list[str] | None]:
     """Per input row, its query, positive and `opts.negatives` mined negatives; None where fewer
-    passed the filters."""
+    passed the filters. `corpus`: documents to mine from besides the positives."""
     from datasets import Dataset
     from sentence_transformers.util import mine_hard_negatives
 
-    corpus = len({row[1] for row in texts})
+    size = len({row[1] for row in texts} | set(corpus or ()))
     random.seed(opts.seed)  # sentence-transformers samples with `random` (--sampling random)
     mined = mine_hard_negatives(
         Dataset.from_dict({"anchor": [r[0] for r in texts], "positive": [r[1] for r in texts]}),
@@ -155,7 +158,8 @@ def mine(texts: Sequence[Sequence[str]], model: Any, opts: argparse.Namespace) -
         corpus_prompt=opts.doc_prompt,
         output_format="n-tuple",
         batch_size=opts.batch_size,
-        faiss_batch_size=max(1, SEARCH_BYTES // (4 * corpus)),
+        corpus=list(corpus) if corpus else None,
+        faiss_batch_size=max(1, SEARCH_BYTES // (4 * size)),
     )
     names = [f"negative_{i}" for i in range(1, opts.negatives + 1)]
     found = {(r["anchor"], r["positive"]): [r[n] for n in names] for r in mined}
@@ -196,6 +200,11 @@ def _umask() -> int:
     return mask
 
 
+def number_or_none(text: str) -> float | None:
+    """A float, or None for "none" (no such filter)."""
+    return None if text.strip().lower() == "none" else float(text)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m titan_contrastive.mine", description=__doc__.split("\n\n")[0])
     p.add_argument("pairs", metavar="PAIRS", help="a pairs file (query, positive[, negatives...]) as data.path reads")
@@ -208,15 +217,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--range-max", type=int, default=None, help="consider candidates up to this rank (default: derived)")
     p.add_argument(
         "--relative-margin",
-        type=float,
+        type=number_or_none,
         default=0.05,
-        help="drop candidates scoring above (1 - m) x the positive (default: 0.05, NV-Retriever's TopK-PercPos)",
+        help="drop candidates scoring above (1 - m) x the positive (default: 0.05, NV-Retriever's TopK-PercPos; "
+        "none: no such filter)",
     )
     p.add_argument("--absolute-margin", type=float, default=None, help="drop candidates within m of the positive")
     p.add_argument("--max-score", type=float, default=None, help="drop candidates scoring above this cosine")
     p.add_argument("--min-score", type=float, default=None, help="drop candidates scoring below this cosine")
     p.add_argument("--sampling", choices=("top", "random"), default="top", help="the best candidates, or random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of --sampling random (default: 0)")
+    p.add_argument("--corpus", default="", help="also mine from this BEIR corpus.jsonl (default: the positives only)")
     p.add_argument("--columns", default="", help="query,positive column names (data.pairs_columns); default: in order")
     p.add_argument("--id-column", default="id", help="the positive's id column, kept in FILE (data.pairs_id_column)")
     p.add_argument("--query-prompt", default=None, help="text before each query (default: the model's 'query' prompt)")
@@ -240,10 +251,17 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
     if columns and len(columns) != 2:
         raise MineError(f"--columns={opts.columns}: name two columns, the query's and the positive's")
     read = read_rows(opts.pairs, columns, opts.id_column)
+    corpus = None
+    if opts.corpus:
+        from titan_contrastive.components.retrieval_metrics import read_corpus
+
+        if not Path(opts.corpus).expanduser().is_file():
+            raise MineError(f"--corpus={opts.corpus}: not a file; give a BEIR corpus.jsonl (_id, title, text)")
+        corpus = list(read_corpus(Path(opts.corpus).expanduser()).values())
     if len(read.texts[0]) > 2:
         print(f"{opts.pairs}: its {len(read.texts[0]) - 2} negative column(s) are replaced by the mined ones")
     with sentence_model(opts.model, opts.tower, opts.device) as model:
-        mined = mine(read.texts, model, opts)
+        mined = mine(read.texts, model, opts, corpus)
     kept = [(row, i) for row, i in zip(mined, read.ids or [None] * len(mined)) if row is not None]
     if not kept:
         raise MineError(

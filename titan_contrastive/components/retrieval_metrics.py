@@ -89,6 +89,11 @@ def _texts(rows: Iterable[tuple[str, Any]], what: str) -> dict[str, str]:
     return texts
 
 
+def read_corpus(path: str | Path) -> dict[str, str]:
+    """`_id` -> text of a BEIR `corpus.jsonl` (title before text), as `read_beir` reads it."""
+    return _texts(_jsonl_rows(Path(path)), "document")
+
+
 def _tsv_rows(path: Path) -> Iterator[tuple[str, Any]]:
     if not path.is_file():
         raise DataError(f"{path}: not found; write qrels/{path.stem}.tsv (`query-id corpus-id score`, tab-separated)")
@@ -113,7 +118,7 @@ def read_beir(folder: str | Path, split: str = "test") -> BeirSet:
     layout of the MTEB sets on the hub: columns `_id`, `title`, `text`; `query-id`, `corpus-id`, `score`)."""
     folder = Path(folder)
     if (folder / "corpus.jsonl").exists() or not (folder / "corpus").is_dir():
-        corpus = _texts(_jsonl_rows(folder / "corpus.jsonl"), "document")
+        corpus = read_corpus(folder / "corpus.jsonl")
         queries = _texts(_jsonl_rows(folder / "queries.jsonl"), "query")
         judgements = _tsv_rows(folder / "qrels" / f"{split}.tsv")
     else:

