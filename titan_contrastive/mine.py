@@ -18,10 +18,11 @@ above `--max-score`, below `--min-score` or within `--absolute-margin`; then the
 or at random among those up to `--range-max` with `--sampling random`, seeded).
 
 FILE (`.jsonl`, `.parquet` or `.csv`) holds the rows in the input's order with sentence-transformers'
-columns, `anchor`, `positive`, `negative_1` ... `negative_k`, and the id column when the input has
-one; the input's own negative columns are replaced. A row for which fewer than k candidates pass
-the filters is left out (the count is printed). Train on it with `data.path=FILE`: every row
-then serves k hard negatives (`data.hard_negatives`).
+columns, `anchor`, `positive`, `negative_1` ... `negative_k`, and `id` when the input has an id
+column (what `data.pairs_id_column` reads by default); the input's own negative columns are
+replaced. A row for which fewer than k candidates pass the filters is left out (the count is
+printed). Train on it with `data.path=FILE`: every row then serves k hard negatives
+(`data.hard_negatives`).
 
 FILE is written under a temporary name beside it and renamed when complete; it is never an
 existing file unless `--overwrite`, and never the input. Bad arguments are one `error: ...` line
@@ -229,7 +230,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of --sampling random (default: 0)")
     p.add_argument("--corpus", default="", help="also mine from this BEIR corpus.jsonl (default: the positives only)")
     p.add_argument("--columns", default="", help="query,positive column names (data.pairs_columns); default: in order")
-    p.add_argument("--id-column", default="id", help="the positive's id column, kept in FILE (data.pairs_id_column)")
+    p.add_argument("--id-column", default="id", help="the positive's id column (data.pairs_id_column), written as `id`")
     p.add_argument("--query-prompt", default=None, help="text before each query (default: the model's 'query' prompt)")
     p.add_argument("--doc-prompt", default=None, help="text before each document (default: the model's 'document' one)")
     p.add_argument(
@@ -271,7 +272,7 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
     names = ["anchor", "positive", *(f"negative_{i}" for i in range(1, opts.negatives + 1))]
     with_ids = read.ids is not None
     rows = [[*row, i] if with_ids else row for row, i in kept]
-    write_rows(out, [*names, opts.id_column] if with_ids else names, rows)
+    write_rows(out, [*names, "id"] if with_ids else names, rows)  # "id": data.pairs_id_column's default
     return out, len(kept), len(mined) - len(kept)
 
 
