@@ -301,6 +301,18 @@ def test_an_id_column_of_another_name_is_written_as_id(tmp_path: Path, capsys: p
     assert [r[:2] for r in read_written(out)] == [r[:2] for r in rows]
 
 
+@pytest.mark.slow  # two encoding processes start: ~15 s
+def test_several_devices_write_the_same_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--device=cpu,cpu encodes in two processes: the same file as one process."""
+    step = bi_encoder_step(tmp_path, shared=True)
+    src = write_csv(tmp_path / "pairs.csv", tiny_rows(), [str(i) for i in range(40)])
+    flags = ("--negatives=2", "--relative-margin=0.01", "--range-max=60", "--batch-size=8")
+    for name, device in (("one", "cpu"), ("two", "cpu,cpu")):
+        out = tmp_path / f"{name}.jsonl"
+        assert mine(capsys, src, f"--model={step}", f"--out={out}", f"--device={device}", *flags) == (0, [])
+    assert (tmp_path / "one.jsonl").read_text() == (tmp_path / "two.jsonl").read_text()
+
+
 def test_two_towers_need_a_tower(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     step = bi_encoder_step(tmp_path, shared=False)
     src = write_csv(tmp_path / "pairs.csv", tiny_rows(), [str(i) for i in range(40)])

@@ -135,10 +135,15 @@ def sentence_model(path: str, tower: str | None, device: str | None) -> Iterator
 
 
 def mine(
-    texts: Sequence[Sequence[str]], model: Any, opts: argparse.Namespace, corpus: Sequence[str] | None = None
+    texts: Sequence[Sequence[str]],
+    model: Any,
+    opts: argparse.Namespace,
+    corpus: Sequence[str] | None = None,
+    pool: list[str] | None = None,
 ) -> list[list[str] | None]:
     """Per input row, its query, positive and `opts.negatives` mined negatives; None where fewer
-    passed the filters. `corpus`: documents to mine from besides the positives."""
+    passed the filters. `corpus`: documents to mine from besides the positives; `pool`: devices to
+    encode on, one process each."""
     from datasets import Dataset
     from sentence_transformers.util import mine_hard_negatives
 
@@ -160,6 +165,7 @@ def mine(
         output_format="n-tuple",
         batch_size=opts.batch_size,
         corpus=list(corpus) if corpus else None,
+        use_multi_process=pool or False,
         faiss_batch_size=max(1, SEARCH_BYTES // (4 * size)),
     )
     names = [f"negative_{i}" for i in range(1, opts.negatives + 1)]
@@ -237,7 +243,12 @@ def parser() -> argparse.ArgumentParser:
         "--tower", choices=("query", "doc"), default=None, help="a checkpoint with two towers: embed with this one"
     )
     p.add_argument("--batch-size", type=int, default=64, help="texts per forward (default: 64)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: sentence-transformers' choice)")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda, cuda:1 ..., or several (cuda:0,cuda:1): one encoding process each (default: "
+        "sentence-transformers' choice of one)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
     return p
 
@@ -261,8 +272,9 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
         corpus = list(read_corpus(Path(opts.corpus).expanduser()).values())
     if len(read.texts[0]) > 2:
         print(f"{opts.pairs}: its {len(read.texts[0]) - 2} negative column(s) are replaced by the mined ones")
-    with sentence_model(opts.model, opts.tower, opts.device) as model:
-        mined = mine(read.texts, model, opts, corpus)
+    devices = [d.strip() for d in (opts.device or "").split(",") if d.strip()]
+    with sentence_model(opts.model, opts.tower, devices[0] if devices else None) as model:
+        mined = mine(read.texts, model, opts, corpus, pool=devices if len(devices) > 1 else None)
     kept = [(row, i) for row, i in zip(mined, read.ids or [None] * len(mined)) if row is not None]
     if not kept:
         raise MineError(
