@@ -453,6 +453,33 @@ def recall_stderr(r: float, n: int) -> float:
     return (r * (1 - r) / n) ** 0.5
 
 
+def pairs_data_flags(train: str | Path, test: str | Path, context: int) -> list[str]:
+    """The flags of a run on text-pair files: `train` (a path, or paths joined with `::`), `test`
+    held out, both sides cut at `context` tokens."""
+    return [
+        "--data.dataset=pairs",
+        f"--data.path={train}",
+        f"--data.val_path={test}",
+        f"--data.context_length={context}",
+        f"--data.doc_context_length={context}",
+    ]
+
+
+def recall_row(name: str, dump: Path, *, n_test: int, batch: int) -> dict[str, Any]:
+    """Variant `name`'s finished run in `dump` as a row: steps, eval loss, query-to-document
+    recall@1/@10 with their standard errors over `n_test` queries, BEIR nDCG@10 when evaluated,
+    the logged samples/s and the training loss by samples seen (`batch` per step)."""
+    last, train = run_records(name, dump)
+    row: dict[str, Any] = {"variant": name, "steps": last["step"], "eval_loss": last["loss"]}
+    for k in (1, 10):
+        r = last[f"query_to_doc_r@{k}"]
+        row[f"r@{k}"], row[f"se_r@{k}"] = r, recall_stderr(r, n_test)
+    row["beir_ndcg@10"] = last.get("beir/ndcg@10")
+    row["samples_per_s"] = [r["samples_per_s"] for r in train]
+    row["train_loss"] = [(r["step"] * batch, r["loss"]) for r in train]
+    return row
+
+
 def wordnet_rows(split: str) -> list[list[str]]:
     """The bundled WordNet pairs of `split` ("train": definition, lemma, sibling negative; "test":
     definition, lemma), as the bundle stores them."""

@@ -53,28 +53,17 @@ def command(name: str, dump: Path) -> list[str]:
     steps = SAMPLES // BATCH
     files = {k: dump.parent / "tasks" / f"{k}.tsv" for k in ("define", "describe", "test")}
     flags = dict(steps=steps, batch=BATCH, lr=LR, warmup=WARMUP, log_freq=max(1, steps // 8), chunk=CHUNK)
+    joined = f"{files['define']}::{files['describe']}"
     return [
         *harness.train_flags(dump, **flags),
-        "--data.dataset=pairs",
-        f"--data.path={files['define']}::{files['describe']}",
-        f"--data.val_path={files['test']}",
-        f"--data.context_length={CONTEXT}",
-        f"--data.doc_context_length={CONTEXT}",
+        *harness.pairs_data_flags(joined, files["test"], CONTEXT),
         *VARIANTS[name],
     ]
 
 
 def read(name: str, dump: Path) -> dict[str, Any]:
-    last, train = harness.run_records(name, dump)
-    row: dict[str, Any] = {"variant": name, "steps": last["step"], "eval_loss": last["loss"]}
-    for k in (1, 10):
-        r = last[f"query_to_doc_r@{k}"]
-        row[f"r@{k}"], row[f"se_r@{k}"] = r, harness.recall_stderr(r, N_TEST)
-    row["beir_ndcg@10"] = last.get("beir/ndcg@10")
-    row["samples_per_s"] = [r["samples_per_s"] for r in train]
-    row["train_loss"] = [(r["step"] * BATCH, r["loss"]) for r in train]
-    row["command"] = " ".join(command(name, Path(f"<dump>_{name}")))
-    return row
+    row = harness.recall_row(name, dump, n_test=N_TEST, batch=BATCH)
+    return row | {"command": " ".join(command(name, Path(f"<dump>_{name}")))}
 
 
 def plot(rows: list[dict[str, Any]]):  # noqa: ANN201 - a matplotlib figure
