@@ -112,6 +112,7 @@ def plot(rows: list[dict[str, Any]]):  # noqa: ANN201 - a matplotlib figure
     ):
         bars = ax.bar([r["variant"] for r in rows], [r[key] for r in rows], yerr=[r.get(f"se_{key}", 0) for r in rows])
         ax.bar_label(bars, fmt="%.3f", fontsize=8)
+        ax.tick_params(axis="x", labelrotation=20)
         ax.set_ylabel(label if key.startswith("beir") else f"{label}, 2,000 held-out definitions (± 1 s.e.)")
     fig.suptitle(
         f"bi_encoder/minilm_l6 on WordNet, {SAMPLES} samples, batch {BATCH} (GradCache {CHUNK}): which negative"
