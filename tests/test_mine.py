@@ -106,8 +106,8 @@ def check_mined(
             continue
         query, positive, *negatives = written[i]
         assert (query, positive) == (row[0], row[1])
-        got = [score(query, n) for n in negatives]
-        assert len(got) == len(w) and max(abs(a - b) for a, b in zip(got, w)) <= MARGIN_TIE, (i, got, w)
+        scores = [score(query, n) for n in negatives]
+        assert len(scores) == len(w) and max(abs(a - b) for a, b in zip(scores, w)) <= MARGIN_TIE, (i, scores, w)
     return judged
 
 
