@@ -450,3 +450,24 @@ def test_wordnet_mined_trains_each_variant_on_its_file(tmp_path: Path) -> None:
         assert cfg.data.dataset == "pairs" and cfg.data.val_path == str(files["test"])
         assert cfg.data.path == str(files[sources.get(name, name)])
         assert cfg.data.hard_negatives == (name not in ("inbatch", "mined_rows"))
+
+
+def test_wordnet_directions_changes_only_the_objective(tmp_path: Path) -> None:
+    """benchmarks.wordnet_directions: each variant's command is a valid config whose objective is its
+    own (symmetric, one-way, Qwen3's and GTE's joint directions) on the same in-batch data."""
+    from benchmarks import wordnet_directions
+    from titan_contrastive.config.manager import parse_args
+    from titan_contrastive.losses import build_objective
+
+    described = {}
+    for name in wordnet_directions.VARIANTS:
+        argv = wordnet_directions.command(name, tmp_path / name)
+        cfg = parse_args([f"--job.config_file={REPO / wordnet_directions.CONFIG}", *argv[1:]])
+        assert cfg.data.hard_negatives is False and cfg.training.local_batch_size == wordnet_directions.BATCH
+        described[name] = build_objective(cfg.loss).describe()
+    assert described == {
+        "symmetric": "clip loss (InfoNCE, symmetric)",
+        "oneway": "clip loss (InfoNCE, one-way)",
+        "qwen3": "clip loss (InfoNCE, one-way, joint with query_to_query, doc_to_doc)",
+        "gte": "clip loss (InfoNCE, one-way, joint with query_to_query, doc_to_query, doc_to_doc)",
+    }

@@ -56,6 +56,7 @@ def test_shipped_configs_parse() -> None:
         (["--optimizer.lr=fast"], ["optimizer.lr='fast'", "a number"]),
         (["--training.deterministic=maybe"], ["training.deterministic='maybe'", "true or false"]),
         (["--loss.negatives=all"], ["loss.negatives='all'", "microbatch, global"]),
+        (["--loss.joint_directions=query_to_doc"], ["loss.joint_directions=['query_to_doc']", "doc_to_doc"]),
         (["--data.dataset=imagenet"], ["data.dataset='imagenet'", "fashion_mnist, emoji"]),
         (["--training.local_batch_size=0"], ["training.local_batch_size=0", "out of range", ">= 1"]),
         (["--training.global_batch_size=0"], ["training.global_batch_size=0", "-1"]),
@@ -128,6 +129,7 @@ def test_help_lists_every_option_and_exits_zero() -> None:
             "model.flavor='huge' is not a flavor of 'clip'; valid: debug, vit_b32, vit_b16, vit_l14",
         ),
         ("--data.path=/no/such/folder", "/no/such/folder"),
+        ("--loss.joint_directions=doc_to_doc", "loss.joint_directions=['doc_to_doc'] join each query's one softmax"),
     ],
 )
 def test_bad_input_exits_nonzero_with_one_line_before_compute(tmp_path: Path, arg: str, expected: str) -> None:

@@ -148,6 +148,19 @@ KINDS = {
         2,
         ["--loss.negatives=global", "--loss.stream_chunk_size=5", "--loss.symmetric=false", "--loss.mask_margin=0.0"],
     ),
+    "global-gte-duplicates-hardness": (  # GTE's joint directions, EmbeddingGemma's weighting of hard negatives
+        3,
+        2,
+        [
+            "--loss.negatives=global",
+            "--loss.stream_chunk_size=5",
+            "--loss.symmetric=false",
+            "--loss.joint_directions=query_to_query,doc_to_query,doc_to_doc",
+            "--loss.mask_duplicates=true",
+            "--loss.hardness_mode=hard_negatives",
+            "--loss.hardness_strength=5",
+        ],
+    ),
 }
 
 

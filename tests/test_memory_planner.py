@@ -102,6 +102,7 @@ def test_the_fastest_fitting_chunk_wins_and_the_larger_within_tolerance(monkeypa
     assert plan.predicted_gib == plan.probes["chunk"][8] < 24 / 1024
 
 
+@pytest.mark.slow  # ~20 s: keeps the default suite near 15 min; CI runs the slow marker too
 def test_generous_budget_means_no_chunking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     equal_step_times(monkeypatch)  # measured times pick the chunk otherwise: a loaded machine could favour a small one
     trainer = make_trainer(str(tmp_path), *PLAN, "--memory.budget_gib=10")
@@ -178,6 +179,7 @@ def test_dry_run_plans_and_exits(tmp_path: Path, capsys: pytest.CaptureFixture) 
     assert "memory.plan=true needs memory.budget_gib > 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~20 s: keeps the default suite near 15 min; CI runs the slow marker too
 def test_two_ranks_plan_the_same_chunks(tmp_path: Path) -> None:
     """torchrun, 2 gloo processes, global negatives: every probe's peak and time is the maximum over
     ranks, so both ranks log the same measurements and the same plan, and the run completes."""

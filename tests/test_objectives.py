@@ -1,11 +1,12 @@
 """Every objective's dense, microbatch and streamed forms against a reference written here from the
 definitions (docs/losses.md), one query at a time, in float64: the loss and the gradients of the
 queries, positives, hard negatives, temperature and bias, for every option and combination
-(hard negatives x masking x Matryoshka x symmetric), on 1, 2 and 4 gloo processes, with stream
-chunks that divide nothing."""
+(hard negatives x masking x Matryoshka x symmetric x joint directions), on 1, 2 and 4 gloo
+processes, with stream chunks that divide nothing."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -17,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
-from titan_contrastive.losses import FalseNegatives, InfoNCE, Matryoshka, Ranks, Sigmoid
+from titan_contrastive.losses import FalseNegatives, Hardness, InfoNCE, Matryoshka, Ranks, Sigmoid
 
 TOL = 1e-10
 N, K, D = 12, 2, 8  # queries, hard negatives per query, embedding dim
@@ -38,13 +39,21 @@ def _masked(i: int, j: int, q, cols, ids, masking: FalseNegatives) -> bool:
     )
 
 
-def reference_infonce(q, p, n, scale, ids, symmetric: bool, masking: FalseNegatives):
+def _logit(i: int, j: int, cos, scale, nq: int, k: int, hardness: Hardness):
+    """Query i's logit for column j: t cos, plus alpha sg(cos) on the negatives the mode weighs."""
+    own = j == i or nq + i * k <= j < nq + (i + 1) * k
+    weighed = {"in_batch_negatives": not own, "hard_negatives": own and j != i, "all_negatives": j != i}
+    return scale * cos + (hardness.strength * cos.detach() if weighed[hardness.mode] else 0.0)
+
+
+def reference_infonce(q, p, n, scale, ids, symmetric: bool, masking: FalseNegatives, hardness: Hardness):
     cols = torch.cat([p, n]) if n is not None else p
     nq = len(q)
+    k = (len(cols) - nq) // nq
     forward = 0.0
     for i in range(nq):
         kept = [j for j in range(len(cols)) if not _masked(i, j, q, cols, ids, masking)]
-        logits = torch.stack([scale * (q[i] @ cols[j]) for j in kept])
+        logits = torch.stack([_logit(i, j, q[i] @ cols[j], scale, nq, k, hardness) for j in kept])
         forward = forward - torch.log_softmax(logits, 0)[kept.index(i)]
     if not symmetric:
         return forward / nq
@@ -54,6 +63,45 @@ def reference_infonce(q, p, n, scale, ids, symmetric: bool, masking: FalseNegati
         logits = torch.stack([scale * (q[i] @ cols[j]) for i in kept])
         backward = backward - torch.log_softmax(logits, 0)[kept.index(j)]
     return (forward / nq + backward / nq) / 2
+
+
+def _kept(i: int, a, b, key_id, q, p, ids, masking: FalseNegatives) -> bool:
+    """Whether the candidate <a, b> (its id key_id) stays in query i's denominator under i's rule."""
+    cos_pos, cos = float((q[i] @ p[i]).detach()), float((a @ b).detach())
+    return not (
+        (masking.duplicates and int(key_id) == int(ids[i]))
+        or (masking.margin is not None and cos > cos_pos + masking.margin)
+        or (masking.relative is not None and cos > masking.relative * cos_pos)
+    )
+
+
+def reference_joint(q, p, n, scale, ids, directions: tuple[str, ...], masking: FalseNegatives, hardness: Hardness):
+    """One-way InfoNCE whose denominator also holds the other queries (query_to_query), every query
+    against the positive (doc_to_query) and the positive against the other queries' documents
+    (doc_to_doc); every candidate masked by query i's rule (query j's id is its positive's)."""
+    cols = torch.cat([p, n]) if n is not None else p
+    nq = len(q)
+    k = (len(cols) - nq) // nq
+    total = 0.0
+    for i in range(nq):
+        kept = functools.partial(_kept, i, q=q, p=p, ids=ids, masking=masking)
+        candidates = [scale * (q[i] @ p[i])]  # the positive first
+        candidates += [
+            _logit(i, j, q[i] @ cols[j], scale, nq, k, hardness)  # hardness: query -> document only
+            for j in range(len(cols))
+            if j != i and kept(q[i], cols[j], ids[j])
+        ]
+        if "query_to_query" in directions:
+            candidates += [scale * (q[i] @ q[j]) for j in range(nq) if j != i and kept(q[i], q[j], ids[j])]
+        if "doc_to_query" in directions:
+            candidates += [scale * (p[i] @ q[j]) for j in range(nq) if j == i or kept(p[i], q[j], ids[j])]
+        if "doc_to_doc" in directions:
+            own = {i, *(nq + i * k + t for t in range(k))}
+            candidates += [
+                scale * (p[i] @ cols[j]) for j in range(len(cols)) if j not in own and kept(p[i], cols[j], ids[j])
+            ]
+        total = total - torch.log_softmax(torch.stack(candidates), 0)[0]
+    return total / nq
 
 
 def reference_sigmoid(q, p, n, scale, bias, ids, masking: FalseNegatives):
@@ -76,8 +124,14 @@ def reference(case: dict, q, p, n, scale, bias, ids):
         qm, pm, nm = prefix(q, m), prefix(p, m), prefix(n, m)
         if case["objective"] == "siglip":
             total = total + w * reference_sigmoid(qm, pm, nm, scale, bias, ids, case["masking"])
+        elif case["directions"]:
+            total = total + w * reference_joint(
+                qm, pm, nm, scale, ids, case["directions"], case["masking"], case["hardness"]
+            )
         else:
-            total = total + w * reference_infonce(qm, pm, nm, scale, ids, case["symmetric"], case["masking"])
+            total = total + w * reference_infonce(
+                qm, pm, nm, scale, ids, case["symmetric"], case["masking"], case["hardness"]
+            )
     return total
 
 
@@ -88,7 +142,7 @@ def objective_of(case: dict):
     if case["objective"] == "siglip":
         objective = Sigmoid(false_negatives=case["masking"])
     else:
-        objective = InfoNCE(symmetric=case["symmetric"], false_negatives=case["masking"])
+        objective = InfoNCE(case["symmetric"], case["masking"], case["directions"], case["hardness"])
     if case["matryoshka"]:
         dims, weights = zip(*case["matryoshka"])
         objective = Matryoshka(objective, dims, weights)
@@ -102,13 +156,66 @@ MASKINGS = {
     "relative": FalseNegatives(relative=0.9),
     "all": FalseNegatives(duplicates=True, margin=0.1, relative=0.95),
 }
+MATRYOSHKA = [(8, 1.0), (5, 0.5), (2, 0.25)]
 CASES = [
-    dict(objective=obj, symmetric=sym, k=k, masking=MASKINGS[mask], matryoshka=mat, name=name)
+    dict(
+        objective=obj,
+        symmetric=sym,
+        k=k,
+        masking=MASKINGS[mask],
+        matryoshka=mat,
+        directions=(),
+        hardness=Hardness(),
+        name=name,
+    )
     for obj, sym, k, mask, mat in itertools.product(
-        ["clip", "siglip"], [True, False], [0, K], list(MASKINGS), [None, [(8, 1.0), (5, 0.5), (2, 0.25)]]
+        ["clip", "siglip"], [True, False], [0, K], list(MASKINGS), [None, MATRYOSHKA]
     )
     if not (obj == "siglip" and not sym)
     for name in [f"{obj}-{'sym' if sym else 'oneway'}-k{k}-{mask}-{'mat' if mat else 'full'}"]
+]
+DIRECTION_SETS = {  # GTE's improved contrastive loss; Qwen3-Embedding's and GISTEmbed's; each alone
+    "gte": ("query_to_query", "doc_to_query", "doc_to_doc"),
+    "qwen3": ("query_to_query", "doc_to_doc"),
+    "q2q": ("query_to_query",),
+    "d2q": ("doc_to_query",),
+    "d2d": ("doc_to_doc",),
+}
+CASES += [
+    dict(
+        objective="clip",
+        symmetric=False,
+        k=k,
+        masking=MASKINGS[mask],
+        matryoshka=mat,
+        directions=dirs,
+        hardness=Hardness(),
+        name=name,
+    )
+    for key, dirs in DIRECTION_SETS.items()
+    for k, mask, mat in itertools.product([0, K], list(MASKINGS), [None, MATRYOSHKA])
+    if len(dirs) > 1 or (mask in ("none", "all") and not mat)
+    for name in [f"clip-{key}-k{k}-{mask}-{'mat' if mat else 'full'}"]
+]
+HARDNESS = {  # sentence-transformers' three modes; LLaVE's alpha 9 (here 3, on t = 7)
+    mode: Hardness(mode, 3.0) for mode in ("in_batch_negatives", "hard_negatives", "all_negatives")
+}
+CASES += [
+    dict(
+        objective="clip",
+        symmetric=False,
+        k=k,
+        masking=MASKINGS[mask],
+        matryoshka=mat,
+        directions=dirs,
+        hardness=h,
+        name=name,
+    )
+    for mode, h in HARDNESS.items()
+    for dirs_key, dirs in {"oneway": (), "gte": DIRECTION_SETS["gte"]}.items()
+    for k, mask, mat in itertools.product([0, K], ["none", "all"], [None, MATRYOSHKA])
+    if not (dirs and mat)
+    for name in [f"clip-{dirs_key}-hard-{mode.split('_')[0]}-k{k}-{mask}-{'mat' if mat else 'full'}"]
 ]
 
 
@@ -163,6 +270,25 @@ def test_the_cases_mask_something() -> None:
         cols = torch.cat([p, n])
         removed = sum(_masked(i, j, q, cols, ids, MASKINGS[mask]) for i in range(N) for j in range(len(cols)))
         assert removed > 0, mask
+
+
+def test_the_cases_mask_something_in_every_joint_direction() -> None:
+    """Each mask also removes candidates of query_to_query, doc_to_query and doc_to_doc."""
+    q, p, n, *_, ids = problem(dict(k=K))
+    cols = torch.cat([p, n])
+    for mask in ["duplicates", "margin", "relative"]:
+        kept = [functools.partial(_kept, i, q=q, p=p, ids=ids, masking=MASKINGS[mask]) for i in range(N)]
+        removed = {
+            "query_to_query": sum(not kept[i](q[i], q[j], ids[j]) for i in range(N) for j in range(N) if j != i),
+            "doc_to_query": sum(not kept[i](p[i], q[j], ids[j]) for i in range(N) for j in range(N) if j != i),
+            "doc_to_doc": sum(
+                not kept[i](p[i], cols[j], ids[j])
+                for i in range(N)
+                for j in range(len(cols))
+                if j != i and not N + i * K <= j < N + (i + 1) * K  # not query i's own documents
+            ),
+        }
+        assert all(removed.values()), (mask, removed)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
@@ -265,6 +391,31 @@ def test_matryoshka_larger_than_the_embeddings_is_a_clear_error() -> None:
         objective.dense(q, q, torch.tensor(1.0))
 
 
+def test_joint_directions_and_hardness_only_for_one_way_infonce() -> None:
+    """Set for an objective that would ignore them, or with the symmetric loss: a one-line error."""
+    from titan_contrastive.config import ConfigError
+    from titan_contrastive.config.job_config import Loss
+    from titan_contrastive.losses import build_objective
+
+    built = build_objective(Loss(symmetric=False, joint_directions=["doc_to_doc"]))
+    assert built.directions == ("doc_to_doc",) and "joint with doc_to_doc" in built.describe()
+    with pytest.raises(ConfigError, match=r"loss.name='siglip' does not take them"):
+        build_objective(Loss(name="siglip", symmetric=False, joint_directions=["doc_to_doc"]))
+    with pytest.raises(ConfigError, match=r"set loss.symmetric=false"):
+        build_objective(Loss(joint_directions=["query_to_query"]))
+    assert InfoNCE(False, directions=("doc_to_doc",)).fused(8, 8) is False
+    weighed = build_objective(Loss(symmetric=False, hardness_mode="hard_negatives", hardness_strength=5.0))
+    assert (
+        weighed.hardness == Hardness("hard_negatives", 5.0)
+        and "hardness 5 x cos on hard negatives" in weighed.describe()
+    )
+    with pytest.raises(ConfigError, match=r"loss.hardness_strength=5.0 .* set loss.symmetric=false"):
+        build_objective(Loss(hardness_strength=5.0))
+    with pytest.raises(ConfigError, match=r"loss.name='siglip' does not take it"):
+        build_objective(Loss(name="siglip", hardness_strength=5.0))
+    assert InfoNCE(False, hardness=Hardness(strength=1.0)).fused(8, 8) is False
+
+
 def test_plain_clip_is_the_clip_loss() -> None:
     """With no hard negatives, no mask and the symmetric form, InfoNCE is CLIP's loss (open_clip's formula)."""
     q = F.normalize(torch.randn(6, 4, dtype=torch.float64), dim=1)
@@ -285,6 +436,12 @@ TRAINER_OPTIONS = {
         "--loss.matryoshka_weights=1,0.5",
     ],
     "siglip-relative": ["--loss.name=siglip", "--loss.mask_relative=0.5"],
+    "gte-margin-hardness": [
+        "--loss.symmetric=false",
+        "--loss.joint_directions=query_to_query,doc_to_query,doc_to_doc",
+        "--loss.mask_margin=0.0",
+        "--loss.hardness_strength=2",
+    ],
 }
 STEP_KINDS = {
     "global": ["--loss.negatives=global", "--loss.stream_chunk_size=3"],

@@ -3,8 +3,10 @@ bundled offline weights), each difference in definition stated where it is mappe
 MultipleNegativesRankingLoss and CachedMultipleNegativesRankingLoss with hard negatives are
 one-way InfoNCE over the positives and negatives as columns (with both directions, per-direction
 softmaxes: symmetric InfoNCE), MatryoshkaLoss around it is our Matryoshka (truncation then cosine
-similarity: the prefixes renormalized), and GISTEmbedLoss with the model as its own guide is our
-margin and relative masks. The same loss and the same gradient of every parameter."""
+similarity: the prefixes renormalized), MNRL with more directions in one joint softmax is our
+joint directions, and GISTEmbedLoss with the model as its own guide is our margin and relative
+masks (with its anchor-anchor and positive-positive terms: joint directions with the mask). The
+same loss and the same gradient of every parameter."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from tests.test_wordnet_bi_encoder import needs_hf
-from titan_contrastive.losses import FalseNegatives, InfoNCE, Matryoshka
+from titan_contrastive.losses import FalseNegatives, Hardness, InfoNCE, Matryoshka
 
 REL = 1e-10
 ANCHORS = ["a small domesticated feline", "frozen water", "the season after summer", "a tool for cutting paper"]
@@ -52,8 +54,9 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 def _ours(model, objective, k: int = 2, scale: float = SCALE) -> tuple[float, dict[str, torch.Tensor]]:
     q, p, *negs = (model(dict(f))["sentence_embedding"] for f in _features(model)[: 2 + k])
-    negatives = torch.stack(negs, 1).flatten(0, 1)  # query-major: n_11, n_12, n_21, ...
-    cols = torch.cat([p, negatives])
+    cols = (
+        torch.cat([p, torch.stack(negs, 1).flatten(0, 1)]) if negs else p
+    )  # negatives query-major: n_11, n_12, n_21, ...
     if hasattr(objective, "false_negatives") and objective.false_negatives.enabled:
         assert objective.false_negatives.dense(q, cols, None).any()  # the mask takes part
     loss = objective.dense(q, cols, torch.tensor(scale, dtype=torch.float64))
@@ -108,6 +111,84 @@ def test_symmetric_infonce_is_both_directions_per_direction() -> None:
     value.backward()
     want = (value.item(), _grads(model))
     _assert_same(_ours(model, InfoNCE(symmetric=True)), want)
+
+
+@needs_hf
+@pytest.mark.parametrize(
+    "directions",
+    [
+        ("query_to_query", "doc_to_query", "doc_to_doc"),
+        pytest.param(("query_to_query", "doc_to_doc"), marks=pytest.mark.slow),  # ~10 s each: the default suite's time
+        pytest.param(("doc_to_doc",), marks=pytest.mark.slow),
+    ],
+    ids=["gte", "qwen3", "doc_to_doc"],
+)
+def test_joint_directions_are_multiple_negatives_ranking_loss_joint(directions: tuple[str, ...]) -> None:
+    """MNRL with more directions and partition_mode "joint" (GTE's improved contrastive loss with
+    all of them), two hard negatives per query: our one-way InfoNCE with the same joint directions."""
+    losses = _st_losses()
+    model = _model()
+    st = losses.MultipleNegativesRankingLoss(
+        model, scale=SCALE, directions=("query_to_doc", *directions), partition_mode="joint"
+    )
+    value = st(_features(model), None)
+    value.backward()
+    want = (value.item(), _grads(model))
+    _assert_same(_ours(model, InfoNCE(symmetric=False, directions=directions)), want)
+
+
+GTE = ("query_to_query", "doc_to_query", "doc_to_doc")
+
+
+@needs_hf
+@pytest.mark.parametrize(
+    "mode, directions",
+    [
+        ("in_batch_negatives", ()),
+        pytest.param("hard_negatives", (), marks=pytest.mark.slow),  # ~10 s each: the default suite's time
+        pytest.param("all_negatives", (), marks=pytest.mark.slow),
+        pytest.param("all_negatives", GTE, marks=pytest.mark.slow),
+    ],
+    ids=["in_batch", "hard", "all", "all-gte"],
+)
+def test_hardness_weighting_is_multiple_negatives_ranking_loss_hardness(mode: str, directions: tuple) -> None:
+    """MNRL with hardness_mode and hardness_strength (LLaVE's alpha 9), two hard negatives per query
+    (with GTE's joint directions: the weighting on the query -> document logits only): ours."""
+    losses = _st_losses()
+    model = _model()
+    st = losses.MultipleNegativesRankingLoss(
+        model, scale=SCALE, directions=("query_to_doc", *directions), hardness_mode=mode, hardness_strength=9.0
+    )
+    value = st(_features(model), None)
+    value.backward()
+    want = (value.item(), _grads(model))
+    _assert_same(_ours(model, InfoNCE(False, directions=directions, hardness=Hardness(mode, 9.0))), want)
+
+
+@needs_hf
+def test_gist_embed_loss_with_its_anchor_and_positive_terms_is_joint_directions_with_the_mask() -> None:
+    """GISTEmbedLoss's defaults (anchor-anchor and positive-positive terms) with the model as its
+    own guide, on pairs: joint query_to_query and doc_to_doc, every term masked by the margin (GIST
+    masks each anchor and positive against itself by the same rule; ours leaves them out). The
+    margin masks some candidates of every term, and all of doc_to_doc's for some queries."""
+    from titan_contrastive.losses.directions import terms
+
+    losses = _st_losses()
+    model = _model()
+    st = losses.GISTEmbedLoss(model, model, margin_strategy="absolute", margin=0.42)
+    value = st(_features(model)[:2], None)
+    value.backward()
+    want = (value.item(), _grads(model))
+    objective = InfoNCE(False, FalseNegatives(margin=-0.42), ("query_to_query", "doc_to_doc"))
+    with torch.no_grad():
+        q, p = (
+            torch.nn.functional.normalize(model(dict(f))["sentence_embedding"], dim=1) for f in _features(model)[:2]
+        )
+    for term in terms(objective.directions, objective.false_negatives, q, q, p, 1.0, 0, len(q), None):
+        masked = term.mask(term.rows @ term.keys.T, 0)
+        assert masked.sum() > (0 if term.direction == "query_to_doc" else len(q)), term.direction  # beyond itself
+    assert masked.all(1).any()  # doc_to_doc: a query left with none of its candidates
+    _assert_same(_ours(model, objective, k=0, scale=100.0), want)
 
 
 @needs_hf

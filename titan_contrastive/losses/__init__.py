@@ -2,9 +2,10 @@
 
 | `[loss] name` | objective | module |
 | --- | --- | --- |
-| `clip` | InfoNCE, symmetric or one-way, hard negatives as extra columns | `infonce.py` |
+| `clip` | InfoNCE, symmetric or one-way (+ joint directions), hard negatives as extra columns | `infonce.py` |
 | `siglip` | SigLIP's sigmoid loss, hard negatives as extra columns | `sigmoid.py` |
 
+InfoNCE also takes joint directions (`directions.py`) and hardness weighting (`hardness.py`).
 Every objective takes the false-negative mask (`masking.py`) and may be wrapped in Matryoshka
 prefixes (`matryoshka.py`); `base.py` says what an objective is. A new objective is a module with
 such an object and one `register_objective` call (the pixel loss is the vae family's own step).
@@ -25,6 +26,7 @@ from titan_contrastive.losses.base import (
     split_documents,
     split_ids,
 )
+from titan_contrastive.losses.hardness import Hardness
 from titan_contrastive.losses.infonce import InfoNCE
 from titan_contrastive.losses.masking import FalseNegatives
 from titan_contrastive.losses.matryoshka import Matryoshka
@@ -33,6 +35,7 @@ from titan_contrastive.losses.sigmoid import Sigmoid
 __all__ = [
     "OBJECTIVES",
     "FalseNegatives",
+    "Hardness",
     "InfoNCE",
     "Matryoshka",
     "MicrobatchLoss",
@@ -53,7 +56,9 @@ __all__ = [
 ObjectiveBuilder = Callable[[Any, FalseNegatives], Objective]
 
 OBJECTIVES: dict[str, ObjectiveBuilder] = {
-    "clip": lambda loss, masking: InfoNCE(symmetric=loss.symmetric, false_negatives=masking),
+    "clip": lambda loss, masking: InfoNCE(
+        loss.symmetric, masking, tuple(loss.joint_directions), Hardness(loss.hardness_mode, loss.hardness_strength)
+    ),
     "siglip": lambda loss, masking: Sigmoid(false_negatives=masking),
 }
 DEFAULT = "clip"
@@ -71,7 +76,22 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
     if name not in OBJECTIVES:
         raise ConfigError(f"loss.name={name!r} is not an objective; valid: {', '.join(sorted(OBJECTIVES))}")
     masking = FalseNegatives(loss.mask_duplicates, loss.mask_margin, loss.mask_relative)
-    objective = OBJECTIVES[name](loss, masking)
+    try:
+        objective = OBJECTIVES[name](loss, masking)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if loss.joint_directions and tuple(getattr(objective, "directions", ())) != tuple(loss.joint_directions):
+        raise ConfigError(
+            f"loss.joint_directions={loss.joint_directions}: loss.name={name!r} does not take them; "
+            "they are InfoNCE's (loss.name=clip with loss.symmetric=false)"
+        )
+    if loss.hardness_strength and getattr(objective, "hardness", None) != Hardness(
+        loss.hardness_mode, loss.hardness_strength
+    ):
+        raise ConfigError(
+            f"loss.hardness_strength={loss.hardness_strength}: loss.name={name!r} does not take it; "
+            "it is InfoNCE's (loss.name=clip with loss.symmetric=false)"
+        )
     if not loss.matryoshka_dims:
         if loss.matryoshka_weights:
             raise ConfigError(

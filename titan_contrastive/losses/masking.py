@@ -54,20 +54,35 @@ class FalseNegatives:
     def for_rows(self, q_own: Tensor, docs: Tensor, scale: float, first_row: int, ids: Tensor | None) -> BlockMask:
         """The mask of the rows `q_own` (global rows first_row, ...) as a `BlockMask`: it reads a block
         of logits s * <q, d> of own rows start, start + 1, ... against all columns."""
-        if self.duplicates and ids is None:
+        with torch.no_grad():
+            positive = scale * (q_own * docs[first_row : first_row + len(q_own)]).sum(1).to(torch.float64)
+        return self.for_keys(positive, scale, first_row, docs.shape[1], ids, ids)
+
+    def for_keys(
+        self,
+        positive: Tensor,
+        scale: float,
+        first_row: int,
+        dim: int,
+        key_ids: Tensor | None,
+        ids: Tensor | None,
+    ) -> BlockMask:
+        """The mask of own rows first_row, ... whose positive logits s * <q_i, p_i> are `positive`,
+        against any keys (the columns, or the queries of a joint direction, `losses/directions.py`)
+        whose ids are `key_ids`; `ids`: the columns' ids (the rows' positives are ids[first_row...]).
+        The key at index first_row + r of row r is its positive (or its own query), never masked."""
+        if self.duplicates and (ids is None or key_ids is None):
             raise ValueError(
                 "loss.mask_duplicates needs an id per document: call the loss with ids= (e.g. "
                 "titan_contrastive.batching.document_ids of the documents' token ids)"
             )
-        with torch.no_grad():
-            positive = scale * (q_own * docs[first_row : first_row + len(q_own)]).sum(1).to(torch.float64)
         thresholds = []
         if self.margin is not None:
             thresholds.append(positive + scale * self.margin)
         if self.relative is not None:
             thresholds.append(positive * self.relative)
         threshold = torch.minimum(*thresholds) if len(thresholds) == 2 else (thresholds[0] if thresholds else None)
-        pos_ids = ids[first_row : first_row + len(q_own)] if self.duplicates else None
+        pos_ids = ids[first_row : first_row + len(positive)] if self.duplicates else None
 
         def mask(block: Tensor, start: int) -> Tensor | None:
             rows = slice(start, start + len(block))
@@ -75,10 +90,10 @@ class FalseNegatives:
             if threshold is not None:
                 # above the threshold by more than rounding: an exact duplicate of the positive (a tie) is
                 # never masked by the margin, whichever summation order computed the block
-                tie = 4 * docs.shape[1] ** 0.5 * torch.finfo(block.dtype).eps * max(scale, 1.0)
+                tie = 4 * dim**0.5 * torch.finfo(block.dtype).eps * max(scale, 1.0)
                 masked = block > threshold[rows, None].to(block.dtype) + tie
             if pos_ids is not None:
-                same = ids[None, :] == pos_ids[rows, None]
+                same = key_ids[None, :] == pos_ids[rows, None]
                 masked = same if masked is None else masked | same
             if masked is not None:
                 r = torch.arange(len(block), device=block.device)

@@ -41,6 +41,8 @@ from torch import Tensor
 
 # (logits of own rows start.. [rows, M], start) -> bool [rows, M], True where masked, or None
 BlockMask = Callable[[Tensor, int], "Tensor | None"]
+# (logits of own rows start.. [rows, M], start) -> None: reweights the block in place (hardness)
+BlockWeight = Callable[[Tensor, int], None]
 
 TILE_BYTES = 2 << 20  # CPU: a block's elementwise passes run on ~2 MiB row tiles, which stay in cache between passes
 
@@ -69,12 +71,21 @@ def _logits_into(out: Tensor, queries: Tensor, keys: Tensor, scale: float) -> Te
 
 
 def _masked_logits_into(
-    out: Tensor, queries: Tensor, keys: Tensor, scale: float, mask: BlockMask | None, start: int
+    out: Tensor,
+    queries: Tensor,
+    keys: Tensor,
+    scale: float,
+    mask: BlockMask | None,
+    start: int,
+    weight: BlockWeight | None = None,
 ) -> Tensor:
-    """`_logits_into`, then -inf where `mask` says so (the rows are own rows start, start + 1, ...)."""
+    """`_logits_into`, then -inf where `mask` says so (the rows are own rows start, start + 1, ...),
+    then the hardness `weight` (`losses/hardness.py`), in place."""
     _logits_into(out, queries, keys, scale)
     if mask is not None and (masked := mask(out, start)) is not None:
         out.masked_fill_(masked, -math.inf)
+    if weight is not None:
+        weight(out, start)
     return out
 
 
@@ -133,6 +144,7 @@ def streamed_row_col_lse(
     *,
     lse_columns: int | None = None,
     mask: BlockMask | None = None,
+    weight: BlockWeight | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(row LSE of the rows `zx_own` [c], their partial column LSE of the first `lse_columns`
     columns [lse_columns]; default all) in one pass over S[own, :], `chunk` rows x M at a time;
@@ -164,12 +176,12 @@ def streamed_row_col_lse(
     col_lse = torch.full((n_lse,), -math.inf, dtype=acc, device=dev)
     for start in range(0, c, chunk):
         stop = min(start + chunk, c)
-        block = _masked_logits_into(block_buf[: stop - start], zx_own[start:stop], zy, s, mask, start)
+        block = _masked_logits_into(block_buf[: stop - start], zx_own[start:stop], zy, s, mask, start, weight)
         k = 0
         for t0 in range(0, len(block), tile):
             logits = block[t0 : t0 + tile]
             rows, e = row_lse[start + t0 : start + t0 + len(logits)], exps[: len(logits)]
-            row_max = logits.amax(1)
+            row_max = logits.amax(1).clamp_(min=torch.finfo(acc).min)  # a row masked throughout: -inf, not nan
             torch.sub(logits, row_max[:, None], out=e).exp_()
             torch.sum(e, 1, out=rows)
             rows.log_().add_(row_max)
@@ -203,6 +215,8 @@ def streamed_softmax_grads(
     *,
     num_queries: int | None = None,
     mask: BlockMask | None = None,
+    weight: BlockWeight | None = None,
+    positive: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """(dL/dZx[own] [c, d], this rank's share of dL/dZy [M, d]) from one recompute of S[own, :],
     `chunk` rows x M at a time; the PyTorch twin of `fused.fused_embedding_grads`.
@@ -213,7 +227,9 @@ def streamed_softmax_grads(
     - 2I (symmetric) or P - I (on tiles of rows that stay in cache on CPU), then dZx[rows] = W Zy
     and dZy += W^T Zx[rows], both GEMMs scaled by s/(2N) or s/N (low-precision embeddings take W
     in their dtype, as the fused kernel does). Blocks run last to first, so the first can be the
-    one `keep` holds from the LSE pass.
+    one `keep` holds from the LSE pass. `positive=False` (a joint direction's extra candidates,
+    `losses/directions.py`): W = P, no positive on the diagonal. `mask` and `weight` must be those of
+    the LSE pass (the weight has no gradient: W multiplies s Zy and s Zx as without it).
     """
     acc = accumulation_dtype(zx_own)
     c, m = len(zx_own), len(zy)
@@ -239,7 +255,7 @@ def streamed_softmax_grads(
         stop, first = min(start + chunk, c), start == starts[-1]
         block = block_buf[: stop - start]
         if start != kept:
-            _masked_logits_into(block, zx_own[start:stop], zy, s, mask, start)
+            _masked_logits_into(block, zx_own[start:stop], zy, s, mask, start, weight)
         for t0 in range(0, len(block), tile):
             logits = block[t0 : t0 + tile]
             rows = row_lse_own[start + t0 : start + t0 + len(logits), None]
@@ -251,7 +267,8 @@ def streamed_softmax_grads(
             logits[:, :n_q].sub_(col_shift).exp_()  # Q on the positive columns
             logits[:, n_q:].zero_()
             logits.add_(pt)
-        block.diagonal(first_row + start).sub_(2 if symmetric else 1)  # - 2I (- I) on the global diagonal
+        if positive:
+            block.diagonal(first_row + start).sub_(2 if symmetric else 1)  # - 2I (- I) on the global diagonal
         if low:  # W rounded to the embeddings' dtype for the products, their results summed in float32
             w = block.to(zy.dtype)
             gx[start:stop] = w @ zy
