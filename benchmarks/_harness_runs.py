@@ -1,6 +1,7 @@
 """The harness's subprocesses and launched runs (re-exported by `benchmarks.harness`, the one module a
 benchmark imports): `run_child` with the peak RSS of its process tree, the environment of a
-`./run_train.sh` launch, and the variant runs the WordNet benchmarks make (flags, records, rows)."""
+`./run_train.sh` launch, and the variant runs the WordNet benchmarks make (flags, records, rows, and
+`recall_benchmark`, the whole of a retrieval benchmark's launch-and-write)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks._harness_results import REPO, RESULTS
+from benchmarks._harness_results import REPO, RESULTS, metadata, pyplot, write_results
 
 _WRAPPER = """\
 import json, resource, subprocess, sys
@@ -194,3 +195,69 @@ def launch_variants(
                 raise SystemExit(f"variant {name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
             wall, peak_rss = result.wall_s, result.peak_rss_mib
         yield {**read(name, dump), "wall_s": wall, "peak_rss_mib": peak_rss}
+
+
+RECALL_FIELDS = [
+    "variant",
+    "steps",
+    "eval_loss",
+    "r@1",
+    "se_r@1",
+    "r@10",
+    "se_r@10",
+    "beir_ndcg@10",
+    "wall_s",
+    "peak_rss_mib",
+]
+
+
+def recall_benchmark(
+    args: argparse.Namespace,
+    name: str,
+    command: Callable[[str, Path], list[str]],
+    read: Callable[[str, Path], dict[str, Any]],
+    *,
+    prefix: Path,
+    config_file: str,
+    payload: Mapping[str, Any],
+    figure: Callable[[list[dict[str, Any]]], Any],
+) -> list[dict[str, Any]]:
+    """A retrieval benchmark's variants (`variants_parser`'s `args`) launched or collected with
+    `launch_variants`, each row's recall printed as it lands, then NAME.{json,csv,png} under
+    args.out (`payload` beside the rows, `figure(rows)` the plot). Returns the rows."""
+    rows = []
+    for row in launch_variants(
+        args.variants, command, read, prefix=prefix, collect=args.collect is not None, config_file=config_file
+    ):
+        rows.append(row)
+        print(
+            row["variant"], f"R@1 {row['r@1']:.4f}  R@10 {row['r@10']:.4f}  nDCG@10 {row['beir_ndcg@10']}", flush=True
+        )
+    write_results(
+        args.out,
+        name,
+        metadata(),
+        {"device": args.device, **payload},
+        rows=rows,
+        fields=RECALL_FIELDS,
+        dpi=110,
+        figure=lambda: figure(rows),
+    )
+    print(f"wrote {args.out}/{name}.json, .csv and .png")
+    return rows
+
+
+def recall_bars(rows: list[dict[str, Any]], title: str, rotation: float = 0):  # noqa: ANN201 - a matplotlib figure
+    """recall@1, recall@10 (± 1 s.e.) and BEIR nDCG@10 per variant, three panels of bars."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = (("r@1", "recall@1"), ("r@10", "recall@10"), ("beir_ndcg@10", "BEIR nDCG@10 (5,000 lemmas)"))
+    for ax, (key, label) in zip(axes, panels):
+        bars = ax.bar(
+            [r["variant"] for r in rows], [r[key] or 0 for r in rows], yerr=[r.get(f"se_{key}", 0) for r in rows]
+        )
+        ax.bar_label(bars, fmt="%.3f", fontsize=8)
+        ax.tick_params(axis="x", labelrotation=rotation)
+        ax.set_ylabel(label if key.startswith("beir") else f"{label}, 2,000 held-out definitions (± 1 s.e.)")
+    fig.suptitle(title)
+    return fig

@@ -84,26 +84,16 @@ def main(argv: list[str] | None = None) -> None:
     prefix = args.collect or (harness.REPO / "outputs" / "mixed_sources_runs" / "ms")
     if args.collect is None:
         write_tasks(prefix.parent / "tasks")
-    rows = []
-    for row in harness.launch_variants(
-        args.variants, command, read, prefix=prefix, collect=args.collect is not None, config_file=CONFIG
-    ):
-        rows.append(row)
-        print(
-            row["variant"], f"R@1 {row['r@1']:.4f}  R@10 {row['r@10']:.4f}  nDCG@10 {row['beir_ndcg@10']}", flush=True
-        )
-    fields = ["variant", "steps", "eval_loss", "r@1", "se_r@1", "r@10", "se_r@10", "beir_ndcg@10", "wall_s"]
-    harness.write_results(
-        args.out,
+    harness.recall_benchmark(
+        args,
         "mixed_sources",
-        harness.metadata(),
-        {"device": args.device, "samples_seen": SAMPLES, "batch": BATCH, "gradcache_chunk": CHUNK, "lr": LR},
-        rows=rows,
-        fields=fields + ["peak_rss_mib"],
-        dpi=110,
-        figure=lambda: plot(rows),
+        command,
+        read,
+        prefix=prefix,
+        config_file=CONFIG,
+        payload={"samples_seen": SAMPLES, "batch": BATCH, "gradcache_chunk": CHUNK, "lr": LR},
+        figure=plot,
     )
-    print(f"wrote {args.out}/mixed_sources.json, .csv and .png")
 
 
 if __name__ == "__main__":

@@ -54,45 +54,24 @@ def read(name: str, dump: Path) -> dict[str, Any]:
 
 
 def plot(rows: list[dict[str, Any]]):  # noqa: ANN201 - a matplotlib figure
-    plt = harness.pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for ax, (key, label) in zip(
-        axes, (("r@1", "recall@1"), ("r@10", "recall@10"), ("beir_ndcg@10", "BEIR nDCG@10 (5,000 lemmas)"))
-    ):
-        bars = ax.bar(
-            [r["variant"] for r in rows], [r[key] or 0 for r in rows], yerr=[r.get(f"se_{key}", 0) for r in rows]
-        )
-        ax.bar_label(bars, fmt="%.3f", fontsize=8)
-        ax.set_ylabel(label if key.startswith("beir") else f"{label}, 2,000 held-out definitions (± 1 s.e.)")
-    fig.suptitle(
-        f"bi_encoder/minilm_l6 on WordNet, {SAMPLES} samples, batch {BATCH} (GradCache {CHUNK}): which softmax"
+    return harness.recall_bars(
+        rows, f"bi_encoder/minilm_l6 on WordNet, {SAMPLES} samples, batch {BATCH} (GradCache {CHUNK}): which softmax"
     )
-    return fig
 
 
 def main(argv: list[str] | None = None) -> None:
     args = harness.variants_parser(__doc__.splitlines()[0], list(VARIANTS)).parse_args(argv)
     prefix = args.collect or (harness.REPO / "outputs" / "wordnet_directions_runs" / "wd")
-    rows = []
-    for row in harness.launch_variants(
-        args.variants, command, read, prefix=prefix, collect=args.collect is not None, config_file=CONFIG
-    ):
-        rows.append(row)
-        print(
-            row["variant"], f"R@1 {row['r@1']:.4f}  R@10 {row['r@10']:.4f}  nDCG@10 {row['beir_ndcg@10']}", flush=True
-        )
-    fields = ["variant", "steps", "eval_loss", "r@1", "se_r@1", "r@10", "se_r@10", "beir_ndcg@10", "wall_s"]
-    harness.write_results(
-        args.out,
+    harness.recall_benchmark(
+        args,
         "wordnet_directions",
-        harness.metadata(),
-        {"device": args.device, "samples_seen": SAMPLES, "batch": BATCH, "gradcache_chunk": CHUNK, "lr": LR},
-        rows=rows,
-        fields=fields + ["peak_rss_mib"],
-        dpi=110,
-        figure=lambda: plot(rows),
+        command,
+        read,
+        prefix=prefix,
+        config_file=CONFIG,
+        payload={"samples_seen": SAMPLES, "batch": BATCH, "gradcache_chunk": CHUNK, "lr": LR},
+        figure=plot,
     )
-    print(f"wrote {args.out}/wordnet_directions.json, .csv and .png")
 
 
 if __name__ == "__main__":

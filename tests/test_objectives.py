@@ -157,22 +157,27 @@ MASKINGS = {
     "all": FalseNegatives(duplicates=True, margin=0.1, relative=0.95),
 }
 MATRYOSHKA = [(8, 1.0), (5, 0.5), (2, 0.25)]
-CASES = [
-    dict(
-        objective=obj,
-        symmetric=sym,
+
+
+def _case(name: str, k: int, mask: str, mat, objective="clip", symmetric=False, directions=(), hardness=None):
+    return dict(
+        objective=objective,
+        symmetric=symmetric,
         k=k,
         masking=MASKINGS[mask],
         matryoshka=mat,
-        directions=(),
-        hardness=Hardness(),
-        name=name,
+        directions=directions,
+        hardness=hardness or Hardness(),
+        name=f"{name}-k{k}-{mask}-{'mat' if mat else 'full'}",
     )
+
+
+CASES = [
+    _case(f"{obj}-{'sym' if sym else 'oneway'}", k, mask, mat, obj, sym)
     for obj, sym, k, mask, mat in itertools.product(
         ["clip", "siglip"], [True, False], [0, K], list(MASKINGS), [None, MATRYOSHKA]
     )
     if not (obj == "siglip" and not sym)
-    for name in [f"{obj}-{'sym' if sym else 'oneway'}-k{k}-{mask}-{'mat' if mat else 'full'}"]
 ]
 DIRECTION_SETS = {  # GTE's improved contrastive loss; Qwen3-Embedding's and GISTEmbed's; each alone
     "gte": ("query_to_query", "doc_to_query", "doc_to_doc"),
@@ -182,40 +187,20 @@ DIRECTION_SETS = {  # GTE's improved contrastive loss; Qwen3-Embedding's and GIS
     "d2d": ("doc_to_doc",),
 }
 CASES += [
-    dict(
-        objective="clip",
-        symmetric=False,
-        k=k,
-        masking=MASKINGS[mask],
-        matryoshka=mat,
-        directions=dirs,
-        hardness=Hardness(),
-        name=name,
-    )
+    _case(f"clip-{key}", k, mask, mat, directions=dirs)
     for key, dirs in DIRECTION_SETS.items()
     for k, mask, mat in itertools.product([0, K], list(MASKINGS), [None, MATRYOSHKA])
     if len(dirs) > 1 or (mask in ("none", "all") and not mat)
-    for name in [f"clip-{key}-k{k}-{mask}-{'mat' if mat else 'full'}"]
 ]
 HARDNESS = {  # sentence-transformers' three modes; LLaVE's alpha 9 (here 3, on t = 7)
     mode: Hardness(mode, 3.0) for mode in ("in_batch_negatives", "hard_negatives", "all_negatives")
 }
 CASES += [
-    dict(
-        objective="clip",
-        symmetric=False,
-        k=k,
-        masking=MASKINGS[mask],
-        matryoshka=mat,
-        directions=dirs,
-        hardness=h,
-        name=name,
-    )
+    _case(f"clip-{dirs_key}-hard-{mode.split('_')[0]}", k, mask, mat, directions=dirs, hardness=h)
     for mode, h in HARDNESS.items()
     for dirs_key, dirs in {"oneway": (), "gte": DIRECTION_SETS["gte"]}.items()
     for k, mask, mat in itertools.product([0, K], ["none", "all"], [None, MATRYOSHKA])
     if not (dirs and mat)
-    for name in [f"clip-{dirs_key}-hard-{mode.split('_')[0]}-k{k}-{mask}-{'mat' if mat else 'full'}"]
 ]
 
 

@@ -70,11 +70,21 @@ class Hardness:
         return logits + self.strength * cosines.detach() * chosen
 
     def for_rows(self, first_row: int, num_queries: int, scale: float) -> BlockWeight:
-        """The weighting of own rows first_row, ... as a `BlockWeight` on blocks of logits s <q, d>."""
+        """The weighting of own rows first_row, ... as a `BlockWeight` on blocks of logits s <q, d>:
+        the query's own 1 + k entries by index, and at most one multiply of the whole block."""
         factor = 1.0 + self.strength / scale
 
         def weight(block: Tensor, start: int) -> None:
-            chosen = self.selected(len(block), first_row + start, num_queries, block.shape[1], block.device)
-            block.mul_(chosen.to(block.dtype).mul_(factor - 1.0).add_(1.0))
+            n, k = num_queries, (block.shape[1] - num_queries) // num_queries
+            r = torch.arange(len(block), device=block.device)[:, None]
+            i = first_row + start + r
+            negatives = n + i * k + torch.arange(k, device=block.device)[None, :]  # [rows, k]: the own hard negatives
+            if self.mode == "hard_negatives":
+                block[r, negatives] *= factor
+                return
+            unweighted = i if self.mode == "all_negatives" else torch.cat([i, negatives], 1)
+            kept = block[r, unweighted]  # a copy, put back unchanged
+            block.mul_(factor)
+            block[r, unweighted] = kept
 
         return weight
