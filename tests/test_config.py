@@ -56,7 +56,6 @@ def test_shipped_configs_parse() -> None:
         (["--optimizer.lr=fast"], ["optimizer.lr='fast'", "a number"]),
         (["--training.deterministic=maybe"], ["training.deterministic='maybe'", "true or false"]),
         (["--loss.negatives=all"], ["loss.negatives='all'", "microbatch, global"]),
-        (["--loss.joint_directions=query_to_doc"], ["loss.joint_directions=['query_to_doc']", "doc_to_doc"]),
         (["--data.dataset=imagenet"], ["data.dataset='imagenet'", "fashion_mnist, emoji"]),
         (["--training.local_batch_size=0"], ["training.local_batch_size=0", "out of range", ">= 1"]),
         (["--training.global_batch_size=0"], ["training.global_batch_size=0", "-1"]),

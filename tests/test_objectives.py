@@ -388,6 +388,9 @@ def test_joint_directions_and_hardness_only_for_one_way_infonce() -> None:
         build_objective(Loss(name="siglip", symmetric=False, joint_directions=["doc_to_doc"]))
     with pytest.raises(ConfigError, match=r"set loss.symmetric=false"):
         build_objective(Loss(joint_directions=["query_to_query"]))
+    for bad in (["query_to_doc"], ["doc_to_doc", "doc_to_doc"]):
+        with pytest.raises(ConfigError, match=r"each at most once, from query_to_query, doc_to_query, doc_to_doc"):
+            build_objective(Loss(symmetric=False, joint_directions=bad))
     assert InfoNCE(False, directions=("doc_to_doc",)).fused(8, 8) is False
     weighed = build_objective(Loss(symmetric=False, hardness_mode="hard_negatives", hardness_strength=5.0))
     assert (

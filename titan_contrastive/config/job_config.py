@@ -210,21 +210,13 @@ class Loss:
     symmetric: bool = True
     """clip: add the document -> query direction over the positives (CLIP's loss); false: queries
     -> documents only (sentence-transformers' MultipleNegativesRankingLoss)."""
-    joint_directions: list[str] = _opt(
-        [],
-        lambda v: set(v) <= {"query_to_query", "doc_to_query", "doc_to_doc"} and len(set(v)) == len(v),
-        "each at most once from query_to_query, doc_to_query, doc_to_doc",
-    )
-    """clip, one-way: more candidates in each query's one softmax (sentence-transformers' directions,
-    partition_mode "joint"): the other queries (query_to_query), every query against the positive
-    (doc_to_query), the positive against the other queries' documents (doc_to_doc). GTE's improved
-    contrastive loss: all three; Qwen3-Embedding's and GISTEmbed's: query_to_query and doc_to_doc."""
+    joint_directions: list[str] = _opt([], None)
+    """clip, one-way: more candidates in each query's one softmax (sentence-transformers' joint directions):
+    query_to_query, doc_to_query, doc_to_doc; GTE: all three, Qwen3-Embedding: the first and last."""
     hardness_strength: float = _non_negative(0.0)
-    """clip, one-way: add hardness_strength x cos(q, d) (no gradient) to the logits of the negatives
-    hardness_mode names, so harder ones weigh more (LLaVE; EmbeddingGemma used 5 on hard negatives); 0 = off."""
+    """clip, one-way: + strength x cos(q, d) (no gradient) on hardness_mode's negatives (LLaVE); 0 = off."""
     hardness_mode: Literal["in_batch_negatives", "hard_negatives", "all_negatives"] = "in_batch_negatives"
-    """Which negatives hardness_strength weighs: the other queries' documents, the query's own hard
-    negatives, or both."""
+    """Which negatives hardness_strength weighs: other queries' documents, own hard negatives, or both."""
     mask_duplicates: bool = False
     """Mask columns that are the same document as a query's positive out of its negatives: the same
     token ids (a text family's documents), e.g. a positive repeated in the batch or mined as a negative."""
