@@ -359,7 +359,16 @@ def _distributed(case_names: list[str]) -> None:
         _close(s_grad / world, want["s"], f"{name} microbatch ds")
 
 
-DIST_CASES = [c["name"] for c in CASES if c["masking"] in (MASKINGS["none"], MASKINGS["all"])]
+def _distributed_case(case: dict) -> bool:
+    """On 2 and 4 processes: the plain objectives without and with every mask; the joint sets and the
+    hardness modes with every mask (a single direction, and hardness without hard negatives, on 1 only)."""
+    if not case["directions"] and not case["hardness"].enabled:
+        return case["masking"] in (MASKINGS["none"], MASKINGS["all"])
+    single = len(case["directions"]) == 1 or (case["hardness"].enabled and not case["k"])
+    return case["masking"] == MASKINGS["all"] and not single
+
+
+DIST_CASES = [c["name"] for c in CASES if _distributed_case(c)]
 
 
 @pytest.mark.parametrize("world", [2, 4])
