@@ -87,6 +87,14 @@ def columns(positives: Tensor, negatives: Tensor | None) -> Tensor:
     return positives if negatives is None or not len(negatives) else torch.cat([positives, negatives])
 
 
+def own_columns(first_row: int, rows: int, num_queries: int, num_columns: int, device: torch.device) -> Tensor:
+    """[rows, 1 + k]: the columns of D that are queries first_row, first_row + 1, ...'s own
+    documents, in the layout of `columns`: its positive i, then its hard negatives N + i k, ..."""
+    k = (num_columns - num_queries) // num_queries
+    i = first_row + torch.arange(rows, device=device)[:, None]
+    return torch.cat([i, num_queries + i * k + torch.arange(k, device=device)[None, :]], 1)
+
+
 class Objective(Protocol):
     """A contrastive objective; see the module docstring. `microbatch` and `streamed` compute the
     same loss as `dense` (the tests hold them to it); `fused` says whether the Triton kernels

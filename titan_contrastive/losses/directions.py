@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from titan_contrastive.losses.base import Ranks, StreamResult, row_dots
+from titan_contrastive.losses.base import Ranks, StreamResult, own_columns, row_dots
 from titan_contrastive.losses.hardness import Hardness
 from titan_contrastive.losses.masking import FalseNegatives
 from titan_contrastive.losses.streaming import BlockMask, streamed_row_col_lse, streamed_softmax_grads
@@ -67,18 +67,14 @@ def _either(a: BlockMask | None, b: BlockMask | None) -> BlockMask | None:
     return both
 
 
-def _own_keys(first_row: int, num_queries: int, negatives_per_query: int, with_negatives: bool) -> BlockMask:
-    """The keys that are query i's own (its query; or its positive and hard negatives): masked."""
+def _own_keys(first_row: int, num_queries: int, num_columns: int) -> BlockMask:
+    """The keys that are query i's own, masked: its query (keys: the N queries), or its positive
+    and hard negatives (keys: the columns)."""
 
     def own(block: Tensor, start: int) -> Tensor:
         masked = torch.zeros(block.shape, dtype=torch.bool, device=block.device)
-        r = torch.arange(len(block), device=block.device)
-        i = first_row + start + r
-        masked[r, i] = True
-        if with_negatives:
-            for t in range(negatives_per_query):
-                masked[r, num_queries + i * negatives_per_query + t] = True
-        return masked
+        cols = own_columns(first_row + start, len(block), num_queries, num_columns, block.device)
+        return masked.scatter_(1, cols if block.shape[1] == num_columns else cols[:, :1], True)
 
     return own
 
@@ -97,10 +93,9 @@ def terms(
     """query_to_doc, then each direction, with its mask, for the own rows `q_own` (global rows
     first_row, ...); `queries`: all N queries (the directions to queries need them)."""
     n = num_queries
-    k = (len(docs) - n) // n
     rows = {"q": q_own, "p": docs[first_row : first_row + len(q_own)]}
     keys, key_ids = {"q": queries, "d": docs}, {"q": None if ids is None else ids[:n], "d": ids}
-    own = {"query_to_query": _own_keys(first_row, n, k, False), "doc_to_doc": _own_keys(first_row, n, k, True)}
+    own = dict.fromkeys(("query_to_query", "doc_to_doc"), _own_keys(first_row, n, len(docs)))
     if false_negatives.enabled:
         with torch.no_grad():
             positive = scale * row_dots(q_own, rows["p"], torch.float64)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from titan_contrastive.losses.base import own_columns
 from titan_contrastive.losses.streaming import BlockWeight
 
 MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
@@ -48,21 +49,12 @@ class Hardness:
 
     def selected(self, rows: int, first_row: int, num_queries: int, num_columns: int, device) -> Tensor:
         """bool [rows, M]: the weighted columns of global rows first_row, first_row + 1, ..."""
-        n, k = num_queries, (num_columns - num_queries) // num_queries
-        r = torch.arange(rows, device=device)
-        i = first_row + r
-        own = torch.zeros(rows, num_columns, dtype=torch.bool, device=device)
-        own[r, i] = True
-        for t in range(k):
-            own[r, n + i * k + t] = True
+        cols = own_columns(first_row, rows, num_queries, num_columns, device)
         if self.mode == "in_batch_negatives":
-            return ~own
+            return torch.ones(rows, num_columns, dtype=torch.bool, device=device).scatter_(1, cols, False)
         if self.mode == "hard_negatives":
-            own[r, i] = False
-            return own
-        selected = torch.ones(rows, num_columns, dtype=torch.bool, device=device)
-        selected[r, i] = False
-        return selected
+            return torch.zeros(rows, num_columns, dtype=torch.bool, device=device).scatter_(1, cols[:, 1:], True)
+        return torch.ones(rows, num_columns, dtype=torch.bool, device=device).scatter_(1, cols[:, :1], False)
 
     def dense(self, logits: Tensor, cosines: Tensor, first_row: int, num_queries: int) -> Tensor:
         """`logits` [rows, M] with alpha * sg(cos) added on the weighted columns."""
@@ -75,16 +67,12 @@ class Hardness:
         factor = 1.0 + self.strength / scale
 
         def weight(block: Tensor, start: int) -> None:
-            n, k = num_queries, (block.shape[1] - num_queries) // num_queries
-            r = torch.arange(len(block), device=block.device)[:, None]
-            i = first_row + start + r
-            negatives = n + i * k + torch.arange(k, device=block.device)[None, :]  # [rows, k]: the own hard negatives
+            own = own_columns(first_row + start, len(block), num_queries, block.shape[1], block.device)
             if self.mode == "hard_negatives":
-                block[r, negatives] *= factor
+                block.scatter_(1, own[:, 1:], block.gather(1, own[:, 1:]).mul_(factor))
                 return
-            unweighted = i if self.mode == "all_negatives" else torch.cat([i, negatives], 1)
-            kept = block[r, unweighted]  # a copy, put back unchanged
-            block.mul_(factor)
-            block[r, unweighted] = kept
+            unweighted = own[:, :1] if self.mode == "all_negatives" else own
+            kept = block.gather(1, unweighted)  # put back unchanged
+            block.mul_(factor).scatter_(1, unweighted, kept)
 
         return weight
