@@ -45,20 +45,27 @@ def _logit(i: int, j: int, cos, scale, nq: int, k: int, hardness: Hardness):
     return scale * cos + (hardness.strength * cos.detach() if weighed[hardness.mode] else 0.0)
 
 
-def reference_infonce(q, p, n, scale, ids, symmetric: bool, masking: FalseNegatives, hardness: Hardness):
+def _cosines(q, p, n, guide):
+    """What the masks compare: the model's embeddings (queries, positives, columns), or a guide's."""
+    gq, gp, gn = guide or (q, p, n)
+    return gq, gp, torch.cat([gp, gn]) if gn is not None else gp
+
+
+def reference_infonce(q, p, n, scale, ids, symmetric: bool, masking: FalseNegatives, hardness: Hardness, guide=None):
     cols = torch.cat([p, n]) if n is not None else p
+    gq, _, gcols = _cosines(q, p, n, guide)
     nq = len(q)
     k = (len(cols) - nq) // nq
     forward = 0.0
     for i in range(nq):
-        kept = [j for j in range(len(cols)) if not _masked(i, j, q, cols, ids, masking)]
+        kept = [j for j in range(len(cols)) if not _masked(i, j, gq, gcols, ids, masking)]
         logits = torch.stack([_logit(i, j, q[i] @ cols[j], scale, nq, k, hardness) for j in kept])
         forward = forward - torch.log_softmax(logits, 0)[kept.index(i)]
     if not symmetric:
         return forward / nq
     backward = 0.0
     for j in range(nq):  # each positive document against the queries that keep it
-        kept = [i for i in range(nq) if not _masked(i, j, q, cols, ids, masking)]
+        kept = [i for i in range(nq) if not _masked(i, j, gq, gcols, ids, masking)]
         logits = torch.stack([scale * (q[i] @ cols[j]) for i in kept])
         backward = backward - torch.log_softmax(logits, 0)[kept.index(j)]
     return (forward / nq + backward / nq) / 2
@@ -74,47 +81,53 @@ def _kept(i: int, a, b, key_id, q, p, ids, masking: FalseNegatives) -> bool:
     )
 
 
-def reference_joint(q, p, n, scale, ids, directions: tuple[str, ...], masking: FalseNegatives, hardness: Hardness):
+def reference_joint(
+    q, p, n, scale, ids, directions: tuple[str, ...], masking: FalseNegatives, hardness: Hardness, guide=None
+):
     """One-way InfoNCE whose denominator also holds the other queries (query_to_query), every query
     against the positive (doc_to_query) and the positive against the other queries' documents
     (doc_to_doc); every candidate masked by query i's rule (query j's id is its positive's)."""
     cols = torch.cat([p, n]) if n is not None else p
     nq = len(q)
     k = (len(cols) - nq) // nq
+    gq, gp, gcols = _cosines(q, p, n, guide)
     total = 0.0
     for i in range(nq):
-        kept = functools.partial(_kept, i, q=q, p=p, ids=ids, masking=masking)
+        kept = functools.partial(_kept, i, q=gq, p=gp, ids=ids, masking=masking)
         candidates = [scale * (q[i] @ p[i])]  # the positive first
         candidates += [
             _logit(i, j, q[i] @ cols[j], scale, nq, k, hardness)  # hardness: query -> document only
             for j in range(len(cols))
-            if j != i and kept(q[i], cols[j], ids[j])
+            if j != i and kept(gq[i], gcols[j], ids[j])
         ]
         if "query_to_query" in directions:
-            candidates += [scale * (q[i] @ q[j]) for j in range(nq) if j != i and kept(q[i], q[j], ids[j])]
+            candidates += [scale * (q[i] @ q[j]) for j in range(nq) if j != i and kept(gq[i], gq[j], ids[j])]
         if "doc_to_query" in directions:
-            candidates += [scale * (p[i] @ q[j]) for j in range(nq) if j == i or kept(p[i], q[j], ids[j])]
+            candidates += [scale * (p[i] @ q[j]) for j in range(nq) if j == i or kept(gp[i], gq[j], ids[j])]
         if "doc_to_doc" in directions:
             own = {i, *(nq + i * k + t for t in range(k))}
             candidates += [
-                scale * (p[i] @ cols[j]) for j in range(len(cols)) if j not in own and kept(p[i], cols[j], ids[j])
+                scale * (p[i] @ cols[j]) for j in range(len(cols)) if j not in own and kept(gp[i], gcols[j], ids[j])
             ]
         total = total - torch.log_softmax(torch.stack(candidates), 0)[0]
     return total / nq
 
 
-def reference_sigmoid(q, p, n, scale, bias, ids, masking: FalseNegatives):
+def reference_sigmoid(q, p, n, scale, bias, ids, masking: FalseNegatives, guide=None):
     cols = torch.cat([p, n]) if n is not None else p
+    gq, _, gcols = _cosines(q, p, n, guide)
     total = 0.0
     for i in range(len(q)):
         for j in range(len(cols)):
-            if not _masked(i, j, q, cols, ids, masking):
+            if not _masked(i, j, gq, gcols, ids, masking):
                 z = 1.0 if j == i else -1.0
                 total = total - F.logsigmoid(z * (scale * (q[i] @ cols[j]) + bias))
     return total / len(q)
 
 
-def reference(case: dict, q, p, n, scale, bias, ids):
+def reference(case: dict, q, p, n, scale, bias, ids, guide=None):
+    """`guide`: a guide's (queries, positives, negatives), whose cosines the masks compare at every prefix."""
+
     def prefix(z, m):  # Matryoshka: the first m dims, renormalized; without it the embeddings as given
         return None if z is None else (F.normalize(z[:, :m], dim=1) if case["matryoshka"] else z)
 
@@ -122,14 +135,14 @@ def reference(case: dict, q, p, n, scale, bias, ids):
     for m, w in case["matryoshka"] or [(q.shape[1], 1.0)]:
         qm, pm, nm = prefix(q, m), prefix(p, m), prefix(n, m)
         if case["objective"] == "siglip":
-            total = total + w * reference_sigmoid(qm, pm, nm, scale, bias, ids, case["masking"])
+            total = total + w * reference_sigmoid(qm, pm, nm, scale, bias, ids, case["masking"], guide)
         elif case["directions"]:
             total = total + w * reference_joint(
-                qm, pm, nm, scale, ids, case["directions"], case["masking"], case["hardness"]
+                qm, pm, nm, scale, ids, case["directions"], case["masking"], case["hardness"], guide
             )
         else:
             total = total + w * reference_infonce(
-                qm, pm, nm, scale, ids, case["symmetric"], case["masking"], case["hardness"]
+                qm, pm, nm, scale, ids, case["symmetric"], case["masking"], case["hardness"], guide
             )
     return total
 
@@ -231,9 +244,9 @@ def leaves(*tensors):
     return [None if t is None else t.clone().requires_grad_() for t in tensors]
 
 
-def reference_grads(case: dict, q, p, n, scale, bias, ids):
+def reference_grads(case: dict, q, p, n, scale, bias, ids, guide=None):
     rq, rp, rn, rs, rb = leaves(q, p, n, scale, bias)
-    loss = reference(case, rq, rp, rn, rs, rb, ids)
+    loss = reference(case, rq, rp, rn, rs, rb, ids, guide)
     named = {"q": rq, "p": rp, "n": rn, "s": rs, "b": rb}
     named = {key: t for key, t in named.items() if t is not None}
     grads = torch.autograd.grad(loss, list(named.values()), allow_unused=True)

@@ -5,8 +5,9 @@ one-way InfoNCE over the positives and negatives as columns (with both direction
 softmaxes: symmetric InfoNCE), MatryoshkaLoss around it is our Matryoshka (truncation then cosine
 similarity: the prefixes renormalized), MNRL with more directions in one joint softmax is our
 joint directions, and GISTEmbedLoss with the model as its own guide is our margin and relative
-masks (with its anchor-anchor and positive-positive terms: joint directions with the mask). The
-same loss and the same gradient of every parameter."""
+masks (with its anchor-anchor and positive-positive terms: joint directions with the mask), with
+another guide our masks on that guide's cosines. The same loss and the same gradient of every
+parameter."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from tests.test_wordnet_bi_encoder import needs_hf
 from titan_contrastive.losses import FalseNegatives, Hardness, InfoNCE, Matryoshka
+from titan_contrastive.losses.guide import Guide
 
 REL = 1e-10
 ANCHORS = ["a small domesticated feline", "frozen water", "the season after summer", "a tool for cutting paper"]
@@ -30,6 +32,16 @@ def _model():
 
     torch.manual_seed(0)
     return SentenceTransformer(str(bundled_minilm()), device="cpu", local_files_only=True).double().eval()
+
+
+def perturbed(model):
+    """`model` with every weight moved by a third of its spread: a guide with the same tokenizer and other cosines."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.numel() > 1:
+                p.add_(p.std() * torch.randn(p.shape, generator=gen, dtype=p.dtype) / 3)
+    return model
 
 
 def _features(model) -> list[dict]:
@@ -189,6 +201,33 @@ def test_gist_embed_loss_with_its_anchor_and_positive_terms_is_joint_directions_
         assert masked.sum() > (0 if term.direction == "query_to_doc" else len(q)), term.direction  # beyond itself
     assert masked.all(1).any()  # doc_to_doc: a query left with none of its candidates
     _assert_same(_ours(model, objective, k=0, scale=100.0), want)
+
+
+@needs_hf
+def test_gist_embed_loss_with_another_guide_is_the_mask_on_that_guides_cosines() -> None:
+    """GISTEmbedLoss with a guide other than the model (the same tokenizer: GIST does not retokenize)
+    and its anchor-anchor and positive-positive terms, on pairs: ours with the same joint directions and
+    margin, its masks on the guide's cosines (`losses/guide.py`), which here keep other candidates than
+    the model's own would."""
+    from titan_contrastive.losses.directions import terms
+
+    losses = _st_losses()
+    model, guide = _model(), perturbed(_model())
+    st = losses.GISTEmbedLoss(model, guide, margin_strategy="absolute", margin=0.2)
+    value = st(_features(model)[:2], None)
+    value.backward()
+    want = (value.item(), _grads(model))
+    with torch.no_grad():
+        gq, gp = (guide(dict(f))["sentence_embedding"] for f in _features(guide)[:2])
+        q, p = (model(dict(f))["sentence_embedding"] for f in _features(model)[:2])
+    objective = InfoNCE(False, FalseNegatives(margin=-0.2), ("query_to_query", "doc_to_doc"))
+    guided = objective.with_guide(Guide(gq, gp))
+    masks = [
+        [t.mask(t.rows @ t.keys.T, 0) for t in terms(o.directions, o.false_negatives, q, q, p, 1.0, 0, len(q), None)]
+        for o in (objective, guided)
+    ]
+    assert any((ours != its).any() for ours, its in zip(*masks))  # the guide decides
+    _assert_same(_ours(model, guided, k=0, scale=100.0), want)
 
 
 @needs_hf

@@ -100,7 +100,7 @@ def assert_identical(got: Any, want: Any, where: str = "") -> None:
         assert got == want, where
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.slow), 2])  # 1: slow, the default suite's time
 def test_stop_and_resume_is_bit_identical(tmp_path: Path, nproc: int) -> None:
     """2k steps at once vs k steps, then a fresh launch that resumes from step k and runs k more."""
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"

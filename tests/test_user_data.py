@@ -358,7 +358,12 @@ def test_random_resized_crop_stays_inside_the_image() -> None:
 
 
 @pytest.mark.parametrize(
-    "kind,nproc,workers", [("csv", 1, 2), ("webdataset", 2, 0), pytest.param("hf", 2, 2, marks=pytest.mark.slow)]
+    "kind,nproc,workers",
+    [  # the default suite's time: one source kind there, the others under the slow marker
+        pytest.param("csv", 1, 2, marks=pytest.mark.slow),
+        ("webdataset", 2, 0),
+        pytest.param("hf", 2, 2, marks=pytest.mark.slow),
+    ],
 )
 def test_trainer_resumes_bit_identically(emoji: dict, tmp_path: Path, kind: str, nproc: int, workers: int) -> None:
     """Through run_train.sh: 6 steps at once vs 3 steps, then a launch that resumes from step 3:

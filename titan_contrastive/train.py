@@ -112,13 +112,13 @@ class Trainer:
 
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step
         dtype = precision.param_dtype
-        self.model_args, self.model = build_run_model(spec, cfg, flavor_args, data, init_state, dtype, device)
+        self.model_args, self.model, guide = build_run_model(spec, cfg, flavor_args, data, init_state, dtype, device)
         model, self.mesh = self.model, dims.build_mesh(device.type)
         self.dp_model = parallelize_model(model, spec.blocks(model), dims, self.mesh, cfg, precision, device)
         self.optimizer = build_optimizer(model, cfg.optimizer, device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step_context = StepContext.for_run(
-            cfg, spec, model, self.dp_model, precision, dist, dp, self.ga_steps, data.device_transforms
+            cfg, spec, model, self.dp_model, precision, dist, dp, self.ga_steps, data.device_transforms, guide
         )
         self.gradient_step = build_gradient_step(spec, self.step_context, cfg, self.objective)
         self.train_state = TrainState()

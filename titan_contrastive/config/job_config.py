@@ -69,8 +69,7 @@ class Model:
     Llama-style decoder), or a hub id already in the local cache; never downloaded. Empty = the bundled
     all-MiniLM-L6-v2."""
     pooling: Literal["auto", "cls", "mean", "last_token"] = "auto"
-    """bi_encoder: `auto` = the sentence-transformers folder's pooling, else mean (encoders) or last_token
-    (decoders)."""
+    """bi_encoder: `auto` = the sentence-transformers folder's pooling, else mean (encoders) / last_token (decoders)."""
     query_prompt: str = "auto"
     """bi_encoder: text prepended to every query (E5 "query: ", an instruction); `auto` = the folder's query prompt.
     qwen_vl: the query's template, `{text}` for the caption, `{image}` for the image."""
@@ -144,8 +143,7 @@ class Parallelism:
     data_parallel_replicate_degree: int = _opt(1, lambda v: v == -1 or v >= 1, "-1 (fill the rest) or an integer >= 1")
     """Replicas (DDP when alone, the outer dimension of HSDP); -1 fills what the shard degree leaves."""
     data_parallel_shard_degree: int = _opt(-1, lambda v: v == -1 or v >= 1, "-1 (fill the rest) or an integer >= 1")
-    """FSDP2 shard group size (FSDP when alone, the inner dimension of HSDP); -1 fills the rest.
-    replicate x shard must equal WORLD_SIZE."""
+    """FSDP2 shard group size (FSDP alone, the inner dimension of HSDP); -1 fills the rest; x replicate = WORLD_SIZE."""
     defer_grad_sync: bool = False
     """FSDP2 with gradient accumulation: reduce-scatter only after the last microbatch (k-fold less
     gradient traffic, but full unsharded gradients held on every rank between microbatches).
@@ -224,6 +222,8 @@ class Loss:
     """Mask columns with cos(q, d) > cos(q, positive) + mask_margin out of q's negatives (e.g. 0.1)."""
     mask_relative: float | None = _opt(None, lambda v: v is None or 0 < v <= 1, "a number in (0, 1], or empty")
     """Mask columns with cos(q, d) > mask_relative x cos(q, positive) (NV-Retriever; e.g. 0.95)."""
+    guide_model: str = ""
+    """A frozen model folder whose cosines the margin and relative masks compare (GISTEmbed's guide; bi_encoder)."""
     matryoshka_dims: list[int] = _opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")
     """Train the loss on each of these leading-dimension prefixes, renormalized (e.g. [384, 256, 128, 64])."""
     matryoshka_weights: list[float] = _opt([], lambda v: all(x > 0 for x in v), "numbers > 0")

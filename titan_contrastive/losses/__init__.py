@@ -76,6 +76,11 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
     if name not in OBJECTIVES:
         raise ConfigError(f"loss.name={name!r} is not an objective; valid: {', '.join(sorted(OBJECTIVES))}")
     masking = FalseNegatives(loss.mask_duplicates, loss.mask_margin, loss.mask_relative)
+    if loss.guide_model and loss.mask_margin is None and loss.mask_relative is None:
+        raise ConfigError(
+            f"loss.guide_model={loss.guide_model!r} decides the margin and relative masks, and neither is set: set "
+            "loss.mask_margin (GISTEmbed's margin m is mask_margin = -m) or loss.mask_relative"
+        )
     try:
         objective = OBJECTIVES[name](loss, masking)
     except ValueError as err:

@@ -21,13 +21,16 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from titan_contrastive.parallelisms.collectives import all_gather_tensor, all_gather_with_grad, reduce_scatter_sum
+
+if TYPE_CHECKING:
+    from titan_contrastive.losses.guide import Guide
 
 ROW_BLOCK = 4096  # rows per block of `row_dots`: a 4096 x 512 float32 temporary is 8 MiB
 
@@ -136,6 +139,10 @@ class Objective(Protocol):
         ids: Tensor | None = None,
     ) -> StreamResult: ...
 
+    def with_guide(self, guide: Guide | None) -> Objective:
+        """The same objective whose false-negative masks read a guide's cosines of one problem
+        (`losses/guide.py`); only a run with `[loss] guide_model` calls it."""
+
     def fused(self, num_queries: int, num_columns: int) -> bool: ...
 
     def describe(self) -> str: ...
@@ -224,8 +231,8 @@ def split_ids(ids: Tensor) -> tuple[Tensor, Tensor | None]:
 class MicrobatchLoss:
     """An objective's microbatch form as the loss function of a step: called with a model's
     contrastive outputs `(q, docs, exp(t')[, bias])` (docs [B, d], or [B, 1 + k, d] with hard
-    negatives; `ids=`: their document ids, [B] or [B, 1 + k]), it returns the loss of the problem over the current
-    microbatches of all ranks of `group`."""
+    negatives; `ids=`: their document ids, [B] or [B, 1 + k]; `guide=`: a guide's embeddings of the
+    whole problem), it returns the loss of the problem over the current microbatches of all ranks of `group`."""
 
     def __init__(self, objective: Objective, group: dist.ProcessGroup | None = None) -> None:
         self.objective, self.ranks = objective, Ranks(group)
@@ -238,6 +245,7 @@ class MicrobatchLoss:
         bias: Tensor | None = None,
         *,
         ids: Tensor | None = None,
+        guide: Guide | None = None,
     ) -> Tensor:
         if q.dim() != 2 or docs.dim() not in (2, 3) or len(q) != len(docs) or q.shape[-1] != docs.shape[-1]:
             raise ValueError(
@@ -245,4 +253,5 @@ class MicrobatchLoss:
                 "[B, d] (or [B, 1 + k, d] with hard negatives)"
             )
         split = None if ids is None else split_ids(ids)
-        return self.objective.microbatch(q, split_documents(docs), scale, bias, split, self.ranks)
+        objective = self.objective if guide is None else self.objective.with_guide(guide)
+        return objective.microbatch(q, split_documents(docs), scale, bias, split, self.ranks)

@@ -104,7 +104,7 @@ def terms(
         r, c = SIDES[direction]
         mask = None
         if false_negatives.enabled:
-            mask = false_negatives.for_keys(positive, scale, first_row, docs.shape[1], key_ids[c], ids)
+            mask = false_negatives.for_keys(positive, scale, first_row, docs.shape[1], key_ids[c], ids, (r, c))
         out.append(Term(direction, rows[r], keys[c], _either(mask, own.get(direction))))
     return out
 

@@ -14,6 +14,7 @@ MultipleNegativesRankingLoss; `directions` add the other queries and documents t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -26,6 +27,7 @@ from torch import Tensor
 from titan_contrastive.losses import fused
 from titan_contrastive.losses.base import Ranks, StreamResult, gathered_problem, row_dots, row_scale_shares
 from titan_contrastive.losses.directions import check_directions, dense_joint, streamed_joint
+from titan_contrastive.losses.guide import Guide
 from titan_contrastive.losses.hardness import Hardness
 from titan_contrastive.losses.masking import FalseNegatives
 from titan_contrastive.losses.streaming import KeptBlock, streamed_row_col_lse, streamed_softmax_grads
@@ -58,6 +60,9 @@ class InfoNCE:
     @property
     def needs_ids(self) -> bool:
         return self.false_negatives.duplicates
+
+    def with_guide(self, guide: Guide | None) -> InfoNCE:
+        return dataclasses.replace(self, false_negatives=self.false_negatives.guided(guide))
 
     def describe(self) -> str:
         options = ["symmetric" if self.symmetric else "one-way"]

@@ -11,16 +11,20 @@ rounding (an exact duplicate of the positive under margin 0: the duplicate rule 
 the symmetric softmax loss the document -> query direction uses the same mask, transposed:
 query i is left out of positive j's denominator when column j is masked for query i. The margin
 needs only c_ii, known before any block is formed, so the streamed forms apply the mask block
-by block (`FalseNegatives.for_rows`) and stay exact.
+by block (`FalseNegatives.for_rows`) and stay exact. With a guide (`losses/guide.py`, GISTEmbed) the
+margin and relative rules read the guide's cosines instead of the model's, the same in every form.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from titan_contrastive.losses.base import row_dots
+from titan_contrastive.losses.guide import Guide
 from titan_contrastive.losses.streaming import BlockMask
 
 
@@ -31,6 +35,12 @@ class FalseNegatives:
     duplicates: bool = False
     margin: float | None = None
     relative: float | None = None
+    guide: Guide | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The guide's embeddings of this problem (`guided`); None: the rules read the model's cosines."""
+
+    def guided(self, guide: Guide | None) -> FalseNegatives:
+        """The same rules on the guide's cosines of one problem (None: the model's)."""
+        return dataclasses.replace(self, guide=guide)
 
     @property
     def enabled(self) -> bool:
@@ -66,16 +76,30 @@ class FalseNegatives:
         dim: int,
         key_ids: Tensor | None,
         ids: Tensor | None,
+        sides: tuple[str, str] = ("q", "d"),
     ) -> BlockMask:
         """The mask of own rows first_row, ... whose positive logits s * <q_i, p_i> are `positive`,
         against any keys (the columns, or the queries of a joint direction, `losses/directions.py`)
         whose ids are `key_ids`; `ids`: the columns' ids (the rows' positives are ids[first_row...]).
-        The key at index first_row + r of row r is its positive (or its own query), never masked."""
+        The key at index first_row + r of row r is its positive (or its own query), never masked.
+        `sides`: what the rows and keys are (`directions.SIDES`), for the guide's cosines."""
         if self.duplicates and (ids is None or key_ids is None):
             raise ValueError(
                 "loss.mask_duplicates needs an id per document: call the loss with ids= (e.g. "
                 "titan_contrastive.batching.document_ids of the documents' token ids)"
             )
+        similarity = None  # the block's own logits
+        if self.guide is not None and (self.margin is not None or self.relative is not None):
+            rows_at = slice(first_row, first_row + len(positive))
+            guide_rows, guide_keys = self.guide.side(sides[0])[rows_at], self.guide.side(sides[1])
+            with torch.no_grad():
+                positive = row_dots(self.guide.queries[rows_at], self.guide.columns[rows_at], torch.float64)
+            scale, dim = 1.0, guide_keys.shape[1]
+
+            def similarity(block: Tensor, start: int) -> Tensor:
+                with torch.no_grad():
+                    return guide_rows[start : start + len(block)] @ guide_keys.T
+
         thresholds = []
         if self.margin is not None:
             thresholds.append(positive + scale * self.margin)
@@ -88,10 +112,11 @@ class FalseNegatives:
             rows = slice(start, start + len(block))
             masked = None
             if threshold is not None:
+                cosines = block if similarity is None else similarity(block, start)
                 # above the threshold by more than rounding: an exact duplicate of the positive (a tie) is
                 # never masked by the margin, whichever summation order computed the block
-                tie = 4 * dim**0.5 * torch.finfo(block.dtype).eps * max(scale, 1.0)
-                masked = block > threshold[rows, None].to(block.dtype) + tie
+                tie = 4 * dim**0.5 * torch.finfo(cosines.dtype).eps * max(scale, 1.0)
+                masked = cosines > threshold[rows, None].to(cosines.dtype) + tie
             if pos_ids is not None:
                 same = key_ids[None, :] == pos_ids[rows, None]
                 masked = same if masked is None else masked | same

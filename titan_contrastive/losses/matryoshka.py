@@ -3,12 +3,14 @@
 L = sum_m w_m L(normalize(q[:, :m]), normalize(D[:, :m])) for `dims` m (e.g. 384, 256, 128, 64)
 and `weights` w_m, as sentence-transformers' MatryoshkaLoss (which truncates the embeddings and
 lets the cosine similarity renormalize them). Each prefix is its own problem, false-negative
-margins included. Under GradCache and the streamed step the cached gradient is the sum over
-the prefixes, so each sample is still re-forwarded once.
+margins included (a guide's masks, `losses/guide.py`, are the same at every prefix). Under
+GradCache and the streamed step the cached gradient is the sum over the prefixes, so each sample
+is still re-forwarded once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from titan_contrastive.losses.base import Objective, Ranks, StreamResult
+from titan_contrastive.losses.guide import Guide
 
 
 def prefix(z: Tensor, dim: int) -> Tensor:
@@ -56,6 +59,9 @@ class Matryoshka:
     @property
     def init_logit_bias(self) -> float | None:
         return self.inner.init_logit_bias
+
+    def with_guide(self, guide: Guide | None) -> Matryoshka:
+        return dataclasses.replace(self, inner=self.inner.with_guide(guide))
 
     def describe(self) -> str:
         dims = ", ".join(f"{m} x {w:g}" for m, w in zip(self.dims, self.weights))

@@ -11,6 +11,7 @@ the streamed form is one pass.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from titan_contrastive.losses import fused
 from titan_contrastive.losses.base import Ranks, StreamResult, gathered_problem, row_scale_shares
+from titan_contrastive.losses.guide import Guide
 from titan_contrastive.losses.masking import FalseNegatives
 from titan_contrastive.losses.streaming import streamed_sigmoid
 
@@ -36,6 +38,9 @@ class Sigmoid:
     @property
     def needs_ids(self) -> bool:
         return self.false_negatives.duplicates
+
+    def with_guide(self, guide: Guide | None) -> Sigmoid:
+        return dataclasses.replace(self, false_negatives=self.false_negatives.guided(guide))
 
     def describe(self) -> str:
         masked = f", false negatives masked ({self.false_negatives.describe()})" if self.false_negatives.enabled else ""

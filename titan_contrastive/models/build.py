@@ -1,7 +1,8 @@
 """The model a run trains: its objective (`resolve_objective`), and the family's args sized by the data and
 the config, built on the device, started from `[model] init_from`'s weights when given, with its
-locked towers frozen (`build_run_model`); all before any parallel wrapping (sharding, DDP) and
-before the optimizer sees a parameter; and the clamp of a learned logit scale after each step."""
+locked towers frozen (`build_run_model`), and the frozen guide of its masks (`build_guide`); all
+before any parallel wrapping (sharding, DDP) and before the optimizer sees a parameter; and the
+clamp of a learned logit scale after each step."""
 
 from __future__ import annotations
 
@@ -55,10 +56,11 @@ def build_run_model(
     init_state: dict[str, torch.Tensor] | None,
     param_dtype: torch.dtype,
     device: torch.device,
-) -> tuple[Any, nn.Module]:
-    """(args, model): `flavor_args` (already through its `update_from_config`) sized by the run's
+) -> tuple[Any, nn.Module, nn.Module | None]:
+    """(args, model, guide): `flavor_args` (already through its `update_from_config`) sized by the run's
     data (a datasets.build.DataBundle: the training set's image shape, vocabulary and EOS, the context
-    length), the model built in `param_dtype` on `device`, `init_state` loaded, `model.freeze` applied."""
+    length), the model built in `param_dtype` on `device`, `init_state` loaded, `model.freeze` applied;
+    the frozen guide of `[loss] guide_model` (`build_guide`; None without), built first."""
     train_set, context_length = data.train_set, data.context_length
     try:
         sized = flavor_args.update_from_data(
@@ -69,12 +71,39 @@ def build_run_model(
         )
     except ValueError as e:  # the flavor does not fit this dataset
         raise ConfigError(f"model.flavor={cfg.model.flavor!r} with data.dataset={cfg.data.dataset!r}: {e}") from None
+    guide = build_guide(spec, cfg, sized, param_dtype, device)
     with device:
         model = spec.build_model(sized).to(param_dtype)
     if init_state is not None:  # the checkpoint's weights, before any sharding
         load_state(model, init_state, f"model.init_from={cfg.model.init_from}")
     apply_freeze(model, cfg.model.freeze, cfg.model.unlocked_layers, spec.towers)
-    return sized, model
+    return sized, model, guide
+
+
+def build_guide(
+    spec: ModelSpec, cfg: JobConfig, args: Any, param_dtype: torch.dtype, device: torch.device
+) -> nn.Module | None:
+    """`[loss] guide_model`: the frozen guide whose cosines decide the false-negative masks (GISTEmbed,
+    `losses/guide.py`), built like the run's model from its own folder (`args.as_guide`: the families
+    that take one) in `param_dtype` on `device`, in eval mode; None when unset."""
+    path = cfg.loss.guide_model
+    if not path:
+        return None
+    as_guide = getattr(args, "as_guide", None)
+    if as_guide is None:
+        raise ConfigError(
+            f"loss.guide_model={path!r}: the {spec.name} family takes no guide model (bi_encoder does); leave it empty"
+        )
+    try:
+        guide_args = as_guide(path)
+    except ConfigError as e:  # the folder's own message, about the guide's setting
+        message = str(e).replace("model.path", "loss.guide_model")
+        raise ConfigError(
+            message if message.startswith("loss.guide_model") else f"loss.guide_model={path!r}: {message}"
+        ) from None
+    with device:
+        guide = spec.build_model(guide_args).to(param_dtype)
+    return guide.requires_grad_(False).eval()
 
 
 def clamp_logit_scale(model: nn.Module) -> None:

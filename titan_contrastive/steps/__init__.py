@@ -62,6 +62,11 @@ def build_gradient_step(
             "which only the GradCache step "
             f"with microbatch negatives runs, but {_why_not_gradcache(spec, ctx, cfg)}"
         )
+    if ctx.guide is not None and not hasattr(objective, "with_guide"):  # a registered objective without it
+        raise ConfigError(
+            f"loss.guide_model={cfg.loss.guide_model!r}: the objective loss.name={cfg.loss.name!r} has no with_guide "
+            "(losses/base.py), so its masks cannot read a guide; add it or leave loss.guide_model empty"
+        )
     return build(ctx, cfg, objective, knobs)
 
 

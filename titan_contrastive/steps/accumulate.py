@@ -23,7 +23,8 @@ __all__ = ["AccumulateStep"]
 
 class AccumulateStep(ContrastiveLog):
     """k x (forward, loss / k, backward); `loss_fn` is already divided by k (RescaleAccumulatedLoss);
-    `objective` describes it for the start log; `ids`: the loss takes the documents' ids (`ids=`)."""
+    `objective` describes it for the start log; `ids`: the loss takes the documents' ids (`ids=`; a
+    run with a guide also hands it the guide's embeddings, `StepContext.loss_inputs`)."""
 
     def __init__(
         self, ctx: StepContext, loss_fn: Callable[..., Tensor], objective: str = "given loss", *, ids: bool = False
@@ -37,8 +38,7 @@ class AccumulateStep(ContrastiveLog):
     def microbatch(self, batch: Batch, is_last: bool = True) -> Tensor:
         """One microbatch: forward, rescaled loss, backward into .grad (reduced if `is_last`)."""
         with self.ctx.grad_sync(is_last):
-            ids = {"ids": self.ctx.document_ids(batch)} if self.ids else {}
-            loss = self.loss_fn(*self.ctx.encode(batch), **ids)
+            loss = self.loss_fn(*self.ctx.encode(batch), **self.ctx.loss_inputs(batch, self.ids))
             self.ctx.backward(loss)
         return loss.detach()
 

@@ -33,6 +33,8 @@ from titan_contrastive.components.precision import Precision, at_least_fp32
 from titan_contrastive.config import JobConfig
 from titan_contrastive.datasets.layouts import DataLayout
 from titan_contrastive.grad_cache.sync import grad_sync
+from titan_contrastive.losses.base import Ranks
+from titan_contrastive.losses.guide import Guide
 
 __all__ = ["Batch", "GradientStep", "StepBuilder", "StepContext"]
 
@@ -81,6 +83,9 @@ class StepContext:
     device_transforms: dict[str, Callable[[Tensor], Tensor]] = field(default_factory=dict)
     """Batch key -> what `inputs` applies to a uint8 entry once on the device (the data's
     `DataBundle.device_transforms`: normalization of pixels sent as uint8)."""
+    guide: nn.Module | None = None
+    """`[loss] guide_model`: the frozen model whose embeddings decide the false-negative masks
+    (GISTEmbed, `losses/guide.py`; `guide_of`), or None."""
     last_scalars: tuple[Tensor, ...] = field(default=(), init=False)
     """What the last contrastive forward returned after the embeddings (exp(logit_scale)[, logit_bias]), for the log."""
     takes_replay: bool = field(default=False, init=False)
@@ -102,6 +107,7 @@ class StepContext:
         dp_degree: int,
         ga_steps: int,
         device_transforms: dict[str, Callable[[Tensor], Tensor]] | None = None,
+        guide: nn.Module | None = None,
     ) -> StepContext:
         """The context of a training run (`spec`: the family's ModelSpec; `process`: this process's
         parallelisms.DistInfo); every process is a data-parallel rank, so the DP group is the world
@@ -121,6 +127,7 @@ class StepContext:
             defer_fsdp_sync=cfg.parallelism.defer_grad_sync,
             family=cfg.model.name,
             device_transforms=dict(device_transforms or {}),
+            guide=guide,
         )
 
     @property
@@ -184,6 +191,34 @@ class StepContext:
             outputs = (outputs[0], outputs[1].reshape(len(outputs[0]), -1, outputs[1].shape[-1]), *outputs[2:])
         self.last_scalars = tuple(out.detach() for out in outputs[2:])
         return tuple(at_least_fp32(out) for out in outputs)
+
+    def guide_of(self, batches: Sequence[Batch], chunk_size: int | None) -> Guide | None:
+        """The guide's embeddings of the problem these batches make with the other DP ranks' (`Guide`,
+        gathered), forwarded without a graph in chunks of `chunk_size` samples; None without a guide.
+        The guide is in eval mode: it draws no random numbers, so a replayed step is unchanged."""
+        if self.guide is None:
+            return None
+        queries, docs = [], []
+        with torch.no_grad(), self.precision.autocast():
+            for chunk in (c for batch in batches for c in self.split(batch, chunk_size)):
+                zq, zd = (at_least_fp32(z) for z in self.guide(*self.inputs(chunk))[:2])
+                queries.append(zq)
+                docs.append(zd.reshape(len(zq), -1, zd.shape[-1]) if NEGATIVES in chunk else zd)
+        return Guide.gathered(torch.cat(queries), torch.cat(docs), Ranks(self.dp_group))
+
+    @property
+    def guide_note(self) -> str:
+        """The start log's account of a guide (after the objective's)."""
+        note = "; the margin and relative masks compare the frozen guide's cosines (loss.guide_model)"
+        return note if self.guide is not None else ""
+
+    def loss_inputs(self, batch: Batch, ids: bool, chunk_size: int | None = None) -> dict[str, Any]:
+        """What a microbatch's loss reads besides the embeddings: its documents' ids when the objective
+        reads them (`ids`), the guide's embeddings in a run with a guide."""
+        inputs: dict[str, Any] = {"ids": self.document_ids(batch)} if ids else {}
+        if self.guide is not None:
+            inputs["guide"] = self.guide_of([batch], chunk_size)
+        return inputs
 
     def grad_sync(self, is_last: bool) -> AbstractContextManager:
         """The context around one microbatch's forward + backward (`grad_cache.sync`)."""

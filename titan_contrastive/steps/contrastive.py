@@ -40,7 +40,7 @@ def chunk_knob(ctx: StepContext) -> dict[str, list[int]]:
 def microbatch_problem(ctx: StepContext, objective: str, chunk: int | None) -> str:
     """The start log's account of a microbatch problem; `objective`: its description."""
     text = (
-        f"{objective}; negatives per contrastive problem: {ctx.local_batch_size * ctx.dp_degree} "
+        f"{objective}{ctx.guide_note}; negatives per contrastive problem: {ctx.local_batch_size * ctx.dp_degree} "
         "(loss.negatives=microbatch: accumulation adds no negatives)"
     )
     return text + (f"; GradCache: forwards in chunks of {chunk} samples" if chunk else "")

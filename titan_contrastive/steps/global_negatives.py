@@ -48,6 +48,7 @@ from titan_contrastive.grad_cache import engine
 from titan_contrastive.losses import InfoNCE, Objective, Ranks, split_documents, split_ids
 from titan_contrastive.losses.base import columns
 from titan_contrastive.losses.fused import choose_path, preferred_kernel, require_kernel
+from titan_contrastive.losses.guide import Guide
 from titan_contrastive.losses.streaming import accumulation_dtype
 from titan_contrastive.steps.base import Batch, ContrastiveLog, StepContext
 from titan_contrastive.steps.contrastive import chunk_knob, gradcache_chunk
@@ -127,9 +128,11 @@ class StreamingClipStep:
         backward: Callable[[Tensor], None] = lambda t: t.backward(),
         replay: bool = False,
         ids: Tensor | None = None,
+        guide: Guide | None = None,
     ) -> Tensor:
         """Accumulate the exact gradient of the global loss into .grad; return the loss (detached).
-        `ids`: the local documents' ids, [b] or [b, 1 + k] like z_y (for an objective that reads them)."""
+        `ids`: the local documents' ids, [b] or [b, 1 + k] like z_y (for an objective that reads them);
+        `guide`: a guide's embeddings of the global problem, whose cosines the masks compare."""
         # A. no-graph forward per microbatch, RNG captured for the replay (the cached-gradient engine); all-gather
         #    (the last microbatch keeps its graph: D backpropagates it first instead of re-running it)
         outputs, rand = engine.forward_no_grad(
@@ -179,7 +182,8 @@ class StreamingClipStep:
         if ids is not None:
             pos_ids, neg_ids = split_ids(ids)
             col_ids = columns(self.ranks.gather(pos_ids), None if neg_ids is None else self.ranks.gather(neg_ids))
-        result = self._streamed(zx_local, docs, s, b, n, c, col_ids)
+        objective = self.objective if guide is None else self.objective.with_guide(guide)
+        result = self._streamed(objective, zx_local, docs, s, b, n, c, col_ids)
         gx, gy = result.grad_rows, self.ranks.scatter_sum(result.grad_cols[:n])
         if zy_local.dim() == 3:  # the own samples' documents again: [c, 1 + k, d], each positive then its negatives
             gy = gy.unsqueeze(1)
@@ -209,19 +213,27 @@ class StreamingClipStep:
         return result.loss.detach()
 
     def _streamed(
-        self, zx_local: Tensor, zy_all: Tensor, s: Tensor, b: Tensor | None, n: int, c: int, ids: Tensor | None
+        self,
+        objective: Objective,
+        zx_local: Tensor,
+        zy_all: Tensor,
+        s: Tensor,
+        b: Tensor | None,
+        n: int,
+        c: int,
+        ids: Tensor | None,
     ) -> Any:
-        """The objective's streamed form on the own rows against all columns `zy_all` (every
+        """`objective`'s streamed form on the own rows against all columns `zy_all` (every
         rank's positives, then every rank's hard negatives), on the path `choose_path` picks (the
         fused kernels read the embeddings in their dtype)."""
         try:
-            path, dtype = choose_path(self.kernel, self.objective, zx_local, self.compute_dtype, n, len(zy_all))
+            path, dtype = choose_path(self.kernel, objective, zx_local, self.compute_dtype, n, len(zy_all))
         except ValueError as e:
             raise DistributedClipError(str(e)) from None
         if path != self.path and self.kernel != "pytorch" and self.ranks.rank == 0 and path == "pytorch":
-            logger.info(f"loss.kernel={self.kernel}: {self.objective.describe()} runs on the PyTorch path")
+            logger.info(f"loss.kernel={self.kernel}: {objective.describe()} runs on the PyTorch path")
         self.path = path
-        return self.objective.streamed(
+        return objective.streamed(
             zx_local.to(dtype),
             zy_all.to(dtype),
             s,
@@ -284,13 +296,16 @@ class GlobalNegativesStep(ContrastiveLog):
     def __call__(self, microbatches: Sequence[Batch]) -> float:
         chunks = [chunk for mb in microbatches for chunk in self.ctx.split(mb, self.chunk_size)]
         ids = torch.cat([self.ctx.document_ids(c) for c in chunks]) if self.streaming.objective.needs_ids else None
-        return self.streaming(
-            self.ctx.encode, chunks, grad_sync=self.ctx.grad_sync, backward=self.ctx.backward, replay=True, ids=ids
-        ).item()
+        ctx, guide = self.ctx, self.ctx.guide_of(chunks, None)
+        loss = self.streaming(
+            ctx.encode, chunks, grad_sync=ctx.grad_sync, backward=ctx.backward, replay=True, ids=ids, guide=guide
+        )
+        return loss.item()
 
     def describe(self) -> str:
         text = (
-            f"{self.streaming.objective.describe()}; negatives per contrastive problem: {self.ctx.global_batch_size} "
+            f"{self.streaming.objective.describe()}{self.ctx.guide_note}; negatives per contrastive problem: "
+            f"{self.ctx.global_batch_size} "
             "(loss.negatives=global: "
             f"one exact problem over the global batch, streamed in blocks of {self.streaming.chunk} rows; the "
             f"{self.ctx.ga_steps} microbatches are re-forward chunks)"

@@ -96,8 +96,8 @@ class GradCacheStep(ContrastiveLog):
             is_last = i == len(microbatches) - 1
             split = None if self.chunk_tokens else self.ctx.layout.split  # token chunks are cut by GradCache itself
             # the model's locked towers reuse the first pass's embeddings
-            # the loss sees the representations in batch order, so the batch's document ids fit them
-            loss_fn = functools.partial(self.loss_fn, ids=self.ctx.document_ids(mb)) if self.ids else self.loss_fn
+            # the loss sees the representations in batch order, so the batch's document ids (and guide) fit them
+            loss_fn = functools.partial(self.loss_fn, **self.ctx.loss_inputs(mb, self.ids, self.chunk_size))
             cache = GradCache(
                 [self.outputs],
                 self.chunk_size,

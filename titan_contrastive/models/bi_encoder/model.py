@@ -125,6 +125,26 @@ class BiEncoderArgs(LoraFields):
             doc_length=doc_length,
         )
 
+    def as_guide(self, path: str) -> BiEncoderArgs:
+        """The args of a frozen guide from folder `path` (`[loss] guide_model`, GISTEmbed): one tower, its
+        folder's pooling, no adapters. It embeds this model's token ids (prompts included), so its tokenizer
+        must be this one's and its positions must hold these lengths; a TextFolderError (one line) if not."""
+        guide = dataclasses.replace(self, path=path, pooling="auto", shared=True, lora_rank=0).resolve()
+        mine, theirs = load_tokenizer(self.model_dir), load_tokenizer(guide.model_dir)
+        if mine.get_vocab() != theirs.get_vocab() or pad_id(mine) != pad_id(theirs):
+            raise TextFolderError(
+                f"{guide.model_dir} tokenizes differently from the model ({len(theirs)} tokens, the model's "
+                f"{len(mine)}): the guide embeds the model's token ids; use a guide with the model's tokenizer"
+            )
+        longest = max(self.query_length, self.doc_length)
+        positions = getattr(load_config(guide.model_dir), "max_position_embeddings", longest)
+        if positions < longest:
+            raise TextFolderError(
+                f"{guide.model_dir} holds {positions} positions and the model's sequences reach {longest} tokens: "
+                "use a guide with as many positions, or shorten data.context_length / data.doc_context_length"
+            )
+        return guide
+
     def update_from_data(
         self, *, image_shape: Any = None, vocab_size: int = 0, context_length: int = 32, eos_id: int = 0
     ) -> BiEncoderArgs:

@@ -1,0 +1,173 @@
+"""A guide model (GISTEmbed, `[loss] guide_model`) through the trainer: all-MiniLM-L6-v2 trains on
+a pairs file with two hard negatives per row while a frozen guide (MiniLM with perturbed weights,
+saved as a sentence-transformers folder) decides the margin and relative masks. Each step kind's
+loss and every parameter gradient equal the objective's dense form over the whole batch with the
+guide's masks (float64, <= 1e-10), on one process and on two gloo ranks; the guide masks other
+candidates than the model would; the guide stays frozen; bad settings are one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+from tests.test_hard_negatives import REL, K, assert_grads_close, make_trainer, pairs_file
+from tests.test_trainer import full, grads
+from tests.test_wordnet_bi_encoder import needs_hf
+from titan_contrastive.batching import document_ids, with_negatives
+from titan_contrastive.config import ConfigError
+from titan_contrastive.losses import build_objective, split_documents, split_ids
+from titan_contrastive.losses.base import columns
+from titan_contrastive.losses.guide import Guide
+
+
+@pytest.fixture(scope="module")
+def guide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """MiniLM with every weight moved by a third of its spread: the same tokenizer, other cosines."""
+    from tests.test_objectives_vs_sentence_transformers import _model, perturbed
+
+    model = perturbed(_model()).float()
+    path = tmp_path_factory.mktemp("guide") / "perturbed-minilm"
+    model.save(str(path))
+    return path
+
+
+KINDS = {  # local batch, accumulation steps, options
+    "accumulate-oneway-margin": (6, 1, ["--loss.symmetric=false", "--loss.mask_margin=-0.05"]),
+    "gradcache-relative": (
+        6,
+        1,
+        ["--gradcache.enabled=true", "--gradcache.chunk_sizes=4", "--loss.mask_relative=0.95"],
+    ),
+    "global-gte-margin-duplicates": (
+        3,
+        2,
+        [
+            "--loss.negatives=global",
+            "--loss.stream_chunk_size=5",
+            "--loss.symmetric=false",
+            "--loss.joint_directions=query_to_query,doc_to_query,doc_to_doc",
+            "--loss.mask_margin=-0.05",
+            "--loss.mask_duplicates=true",
+        ],
+    ),
+}
+
+
+def guided_reference(trainer, samples: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """The objective's dense form over all samples at once, its masks on the guide's cosines of them."""
+    model = trainer.spec.build_model(trainer.model_args).double()
+    model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
+    model.train(trainer.model.training)
+    docs = with_negatives(samples["doc"], samples["neg"], model.pad_id)
+    q, d, scale = model(samples["query"], docs)
+    cols = columns(*split_documents(d.reshape(len(q), 1 + K, -1)))
+    with torch.no_grad():
+        gq, gd = trainer.step_context.guide(samples["query"], docs)[:2]
+    guide = Guide(gq, columns(*split_documents(gd.reshape(len(q), 1 + K, -1))))
+    plain = build_objective(trainer.cfg.loss)
+    ids = columns(*split_ids(document_ids(samples["doc"], samples["neg"], model.pad_id))) if plain.needs_ids else None
+    objective = plain.with_guide(guide)
+    by_guide, by_model = objective.false_negatives.dense(q, cols, ids), plain.false_negatives.dense(q, cols, ids)
+    assert by_guide.any() and not by_guide.all(1).any() and (by_guide != by_model).any()  # the guide decides
+    loss = objective.dense(q, cols, scale, ids=ids)
+    loss.backward()
+    return loss.item(), grads(model)
+
+
+def _step(tmp: Path, guide: Path, kind: str) -> None:
+    """One step of `kind` (dropout off) against the guided dense reference; P ranks x GA microbatches."""
+    local, ga, extra = KINDS[kind]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    trainer = make_trainer(
+        tmp,
+        f"--training.local_batch_size={local}",
+        f"--training.global_batch_size={local * ga * world}",
+        f"--loss.guide_model={guide}",
+        *extra,
+    )
+    assert "the frozen guide's cosines" in trainer.gradient_step.describe()
+    trainer.model.eval()
+    data = trainer.train_set
+    steps = [data.__getitems__(list(range(j * local * world, (j + 1) * local * world))) for j in range(ga)]
+    mine = [{k: v[rank * local : (rank + 1) * local] for k, v in s.items()} for s in steps]
+    every = {k: torch.cat([s[k] for s in steps]) for k in steps[0]}
+    want_loss, want = guided_reference(trainer, every)
+    before = {k: v.clone() for k, v in trainer.step_context.guide.state_dict().items()}
+    out = trainer.train_step(mine)
+    assert_grads_close(grads(trainer.model), want)
+    assert abs(out["loss"] - want_loss) <= REL * want_loss
+    guide_model = trainer.step_context.guide
+    assert not guide_model.training and not any(p.requires_grad or p.grad is not None for p in guide_model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in guide_model.state_dict().items())
+    trainer.metrics.close()
+
+
+@needs_hf
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_guide_decides_the_masks_in_every_step_kind_exactly(tmp_path: Path, guide_dir: Path, kind: str) -> None:
+    pairs_file(tmp_path)
+    _step(tmp_path, guide_dir, kind)
+
+
+def _step_distributed(tmp: str, guide: str) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    _step(Path(tmp), Path(guide), "global-gte-margin-duplicates")
+
+
+@needs_hf
+@pytest.mark.slow  # 16 s: the default suite's time; the objective's forms run on 2 and 4 processes in test_guide.py
+def test_a_guide_under_global_negatives_on_two_ranks(tmp_path: Path, guide_dir: Path) -> None:
+    """FSDP2 on 2 gloo processes: each rank's guide embeddings are gathered into the global problem's."""
+    pairs_file(tmp_path)
+    run_distributed(_step_distributed, 2, str(tmp_path), str(guide_dir))
+
+
+class WithoutGuide:
+    """A registered objective that cannot take a guide (InfoNCE without `with_guide`)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        if name == "with_guide":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+@needs_hf
+def test_a_guide_is_refused_where_it_cannot_work(tmp_path: Path, guide_dir: Path, monkeypatch) -> None:
+    """Without a margin or relative mask; for a family without guides; with another tokenizer; a folder
+    that holds no model; a registered objective without `with_guide`: one line naming loss.guide_model
+    and the fix, before any step."""
+    from tests.hf_folders import encoder_folder
+    from tests.test_trainer import make_trainer as clip_trainer
+    from titan_contrastive import losses
+
+    pairs_file(tmp_path)
+
+    def make(*extra: str):
+        return make_trainer(tmp_path, "--training.local_batch_size=6", "--training.global_batch_size=6", *extra)
+
+    with pytest.raises(ConfigError, match=r"loss.guide_model=.* neither is set: set loss.mask_margin"):
+        make(f"--loss.guide_model={guide_dir}")
+    with pytest.raises(ConfigError, match=r"the clip family takes no guide model \(bi_encoder does\)"):
+        clip_trainer(str(tmp_path / "clip"), f"--loss.guide_model={guide_dir}", "--loss.mask_margin=0")
+    bert = encoder_folder(tmp_path)
+    with pytest.raises(ConfigError, match=r"tokenizes differently from the model .*use a guide with the model's tok"):
+        make(f"--loss.guide_model={bert}", "--loss.mask_margin=0")
+    with pytest.raises(
+        ConfigError, match=r"loss.guide_model='/no/such/guide' is not a local folder .* set loss.guide_model=DIR"
+    ):
+        make("--loss.guide_model=/no/such/guide", "--loss.mask_margin=0")
+    monkeypatch.setattr(losses, "OBJECTIVES", dict(losses.OBJECTIVES))
+    losses.register_objective("no_guide", lambda loss, masking: WithoutGuide(losses.InfoNCE(False, masking)))
+    with pytest.raises(
+        ConfigError, match=r"loss.name='no_guide' has no with_guide .* add it or leave loss.guide_model empty"
+    ):
+        make(f"--loss.guide_model={guide_dir}", "--loss.mask_margin=0", "--loss.name=no_guide")
