@@ -472,3 +472,26 @@ def test_wordnet_directions_changes_only_the_objective(tmp_path: Path) -> None:
         "gte": "clip loss (InfoNCE, one-way, joint with query_to_query, doc_to_query, doc_to_doc)",
         "hardness": "clip loss (InfoNCE, one-way, hardness 9 x cos on in batch negatives)",
     }
+
+
+def test_wordnet_guide_changes_only_the_mask(tmp_path: Path) -> None:
+    """benchmarks.wordnet_guide: each variant's command is a valid config, one-way with the sibling
+    negatives, that differs only in its mask: none, the margin on the model's cosines, the margin on
+    the bundled MiniLM guide's."""
+    from benchmarks import wordnet_guide
+    from titan_contrastive.config.manager import parse_args
+    from titan_contrastive.losses import build_objective
+    from titan_contrastive.models.bi_encoder.folder import bundled_minilm
+
+    masks = {}
+    for name in wordnet_guide.VARIANTS:
+        argv = wordnet_guide.command(name, tmp_path / name)
+        cfg = parse_args([f"--job.config_file={REPO / wordnet_guide.CONFIG}", *argv[1:]])
+        assert cfg.data.hard_negatives is True and cfg.training.local_batch_size == wordnet_guide.BATCH
+        masks[name] = (build_objective(cfg.loss).describe(), cfg.loss.guide_model)
+    one_way = "clip loss (InfoNCE, one-way"
+    assert masks == {
+        "none": (f"{one_way})", ""),
+        "self": (f"{one_way}, false negatives masked (cos > positive + 0))", ""),
+        "guide": (f"{one_way}, false negatives masked (cos > positive + 0))", str(bundled_minilm())),
+    }
