@@ -2,8 +2,9 @@
 a pairs file with two hard negatives per row while a frozen guide (MiniLM with perturbed weights,
 saved as a sentence-transformers folder) decides the margin and relative masks. Each step kind's
 loss and every parameter gradient equal the objective's dense form over the whole batch with the
-guide's masks (float64, <= 1e-10), on one process and on two gloo ranks; the guide masks other
-candidates than the model would; the guide stays frozen; bad settings are one-line errors."""
+guide's masks (float64, <= 1e-10), on one process and on two gloo ranks, and with a guide of
+another vocabulary, which reads the model's ids as text; the guide masks other candidates than the
+model would; the guide stays frozen; bad settings are one-line errors."""
 
 from __future__ import annotations
 
@@ -121,6 +122,16 @@ def _step_distributed(tmp: str, guide: str) -> None:
 
 
 @needs_hf
+def test_a_guide_with_another_tokenizer_trains_exactly(tmp_path: Path) -> None:
+    """A tiny word-level BERT guides MiniLM: it reads MiniLM's token ids as text (`Retokenizer`), and
+    global negatives with GTE's directions equal the dense objective with its masks."""
+    from tests.hf_folders import encoder_folder
+
+    pairs_file(tmp_path)
+    _step(tmp_path, encoder_folder(tmp_path, dropout=0.0), "global-gte-margin-duplicates")
+
+
+@needs_hf
 @pytest.mark.slow  # 16 s: the default suite's time; the objective's forms run on 2 and 4 processes in test_guide.py
 def test_a_guide_under_global_negatives_on_two_ranks(tmp_path: Path, guide_dir: Path) -> None:
     """FSDP2 on 2 gloo processes: each rank's guide embeddings are gathered into the global problem's."""
@@ -142,12 +153,14 @@ class WithoutGuide:
 
 @needs_hf
 def test_a_guide_is_refused_where_it_cannot_work(tmp_path: Path, guide_dir: Path, monkeypatch) -> None:
-    """Without a margin or relative mask; for a family without guides; with another tokenizer; a folder
-    that holds no model; a registered objective without `with_guide`: one line naming loss.guide_model
-    and the fix, before any step."""
-    from tests.hf_folders import encoder_folder
+    """Without a margin or relative mask; for a family without guides; with the model's tokenizer and
+    fewer positions than its sequences; a folder that holds no model; a registered objective without
+    `with_guide`: one line naming loss.guide_model and the fix, before any step."""
+    from transformers import BertConfig, BertModel
+
     from tests.test_trainer import make_trainer as clip_trainer
     from titan_contrastive import losses
+    from titan_contrastive.models.bi_encoder.folder import bundled_minilm, load_tokenizer
 
     pairs_file(tmp_path)
 
@@ -158,9 +171,13 @@ def test_a_guide_is_refused_where_it_cannot_work(tmp_path: Path, guide_dir: Path
         make(f"--loss.guide_model={guide_dir}")
     with pytest.raises(ConfigError, match=r"the clip family takes no guide model \(bi_encoder does\)"):
         clip_trainer(str(tmp_path / "clip"), f"--loss.guide_model={guide_dir}", "--loss.mask_margin=0")
-    bert = encoder_folder(tmp_path)
-    with pytest.raises(ConfigError, match=r"tokenizes differently from the model .*use a guide with the model's tok"):
-        make(f"--loss.guide_model={bert}", "--loss.mask_margin=0")
+    short = tmp_path / "short-bert"  # MiniLM's tokenizer, 8 positions: the model's ids reach 16 tokens
+    tokenizer = load_tokenizer(str(bundled_minilm()))
+    config = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    BertModel(BertConfig(vocab_size=len(tokenizer), max_position_embeddings=8, **config)).save_pretrained(short)
+    tokenizer.save_pretrained(short)
+    with pytest.raises(ConfigError, match=r"holds 8 positions and the model's sequences reach 16 tokens: use a guide"):
+        make(f"--loss.guide_model={short}", "--loss.mask_margin=0")
     with pytest.raises(
         ConfigError, match=r"loss.guide_model='/no/such/guide' is not a local folder .* set loss.guide_model=DIR"
     ):

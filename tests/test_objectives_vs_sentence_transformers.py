@@ -231,6 +231,56 @@ def test_gist_embed_loss_with_another_guide_is_the_mask_on_that_guides_cosines()
 
 
 @needs_hf
+def test_a_guide_with_another_tokenizer_reads_the_text_as_gist_embed_loss_does(tmp_path) -> None:
+    """GISTEmbedLoss re-tokenizes for a guide with another vocabulary: it decodes the model's token
+    ids to text (special tokens skipped) and tokenizes that with the guide's tokenizer. Our guide
+    built for such a pair (`BiEncoderArgs.as_guide`: a tiny word-level BERT trains, MiniLM guides)
+    embeds the model's token ids the same way: the same loss and gradients with its masks."""
+    from sentence_transformers import SentenceTransformer
+
+    from tests.hf_folders import encoder_folder, st_folder
+    from titan_contrastive.losses.directions import terms
+    from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, build_tokenizer
+    from titan_contrastive.models.bi_encoder.folder import bundled_minilm
+
+    anchors = [
+        "a small animal kept as pet",
+        "frozen water",
+        "the season after summer",
+        "a person who flies an aircraft",
+    ]
+    positives = ["cat", "ice", "autumn", "pilot"]
+    folder = st_folder(encoder_folder(tmp_path, dropout=0.0), "mean", {})
+    torch.manual_seed(0)
+    model = SentenceTransformer(str(folder), device="cpu", local_files_only=True).double().eval()
+    guide_st = _model()
+    losses = _st_losses()
+    st = losses.GISTEmbedLoss(model, guide_st, margin_strategy="absolute", margin=0.1)
+    features = [model.tokenize(anchors), model.tokenize(positives)]
+    value = st(features, None)
+    value.backward()
+    want = (value.item(), _grads(model))
+
+    args = BiEncoderArgs(path=str(folder)).resolve()
+    guide_args = args.as_guide(str(bundled_minilm()))
+    assert guide_args.retokenize_from == args.model_dir
+    guide = BiEncoder(guide_args).double().eval()
+    tokens = build_tokenizer(args)
+    with torch.no_grad():
+        gq, gp = guide(tokens.encode_queries(anchors, args.query_length), tokens.encode_docs(positives))[:2]
+        for ours, f in ((gq, features[0]), (gp, features[1])):  # GIST's own re-tokenized guide embeddings
+            text = model.tokenizer.batch_decode(f["input_ids"], skip_special_tokens=True)
+            assert (ours - guide_st(dict(guide_st.tokenize(text)))["sentence_embedding"]).abs().max() <= REL
+    q, p = (model(dict(f))["sentence_embedding"] for f in features)
+    objective = InfoNCE(False, FalseNegatives(margin=-0.1), ("query_to_query", "doc_to_doc")).with_guide(Guide(gq, gp))
+    parts = terms(objective.directions, objective.false_negatives, q.detach(), q.detach(), p.detach(), 1.0, 0, 4, None)
+    assert sum(int(t.mask(t.rows @ t.keys.T, 0).sum()) for t in parts) > 2 * len(q)  # beyond their own keys
+    loss = objective.dense(q, p, torch.tensor(100.0, dtype=torch.float64))
+    loss.backward()
+    _assert_same((loss.item(), _grads(model)), want)
+
+
+@needs_hf
 @pytest.mark.parametrize(
     "strategy, margin, ours",
     [("absolute", 0.05, FalseNegatives(margin=-0.05)), ("relative", 0.1, FalseNegatives(relative=0.9))],

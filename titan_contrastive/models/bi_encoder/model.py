@@ -45,6 +45,7 @@ from titan_contrastive.models.bi_encoder.folder import (
     pad_id,
     read_text_folder,
 )
+from titan_contrastive.models.bi_encoder.retokenize import Retokenizer
 
 DEFAULT_DOC_LENGTH = 512  # a folder's documents when neither it nor the config says
 MINILM_DOC_LENGTH = 16  # the bundled MiniLM's: a WordNet lemma fits
@@ -72,6 +73,9 @@ class BiEncoderArgs(LoraFields):
     init_scale: float = 20.0
     """t at the start (sentence-transformers' MultipleNegativesRankingLoss scale); `[loss] init_logit_scale` = log t."""
     learn_logit_scale: bool = True
+    retokenize_from: str = ""
+    """A guide's (`as_guide`) with another vocabulary: the folder of the model whose token ids it reads as
+    text (`retokenize.py`); empty: it embeds them as they are."""
 
     def update_from_config(self, cfg: Any) -> BiEncoderArgs:
         """A copy with `[model]`'s path, pooling and prompts and `[data] doc_context_length` resolved
@@ -127,15 +131,14 @@ class BiEncoderArgs(LoraFields):
 
     def as_guide(self, path: str) -> BiEncoderArgs:
         """The args of a frozen guide from folder `path` (`[loss] guide_model`, GISTEmbed): one tower, its
-        folder's pooling, no adapters. It embeds this model's token ids (prompts included), so its tokenizer
-        must be this one's and its positions must hold these lengths; a TextFolderError (one line) if not."""
-        guide = dataclasses.replace(self, path=path, pooling="auto", shared=True, lora_rank=0).resolve()
+        folder's pooling, no adapters. With this model's tokenizer it embeds this model's token ids
+        (prompts included), and its positions must hold these lengths (a TextFolderError, one line, if
+        not); with another it reads them as text, up to its folder's sequence length (`retokenize_from`)."""
+        own = dict(path=path, pooling="auto", shared=True, lora_rank=0, query_prompt="", doc_prompt="", doc_length=0)
+        guide = dataclasses.replace(self, **own).resolve()  # its folder's pooling and sequence length
         mine, theirs = load_tokenizer(self.model_dir), load_tokenizer(guide.model_dir)
         if mine.get_vocab() != theirs.get_vocab() or pad_id(mine) != pad_id(theirs):
-            raise TextFolderError(
-                f"{guide.model_dir} tokenizes differently from the model ({len(theirs)} tokens, the model's "
-                f"{len(mine)}): the guide embeds the model's token ids; use a guide with the model's tokenizer"
-            )
+            return dataclasses.replace(guide, retokenize_from=self.model_dir)
         longest = max(self.query_length, self.doc_length)
         positions = getattr(load_config(guide.model_dir), "max_position_embeddings", longest)
         if positions < longest:
@@ -263,6 +266,9 @@ class BiEncoder(nn.Module):
             add_lora(self.query_tower, *args.lora_options)
         self.doc_tower = self.query_tower if args.shared else copy.deepcopy(self.query_tower)
         self.pad_id = pad_id(load_tokenizer(model_dir))
+        self.retokenize = (
+            Retokenizer(args.retokenize_from, model_dir, args.doc_length) if args.retokenize_from else None
+        )
         self.logit_scale = nn.Parameter(
             torch.full((1,), math.log(args.init_scale)), requires_grad=args.learn_logit_scale
         )
@@ -289,6 +295,8 @@ class BiEncoder(nn.Module):
         """(query embeddings, document embeddings, exp(logit_scale)); `replay`: in a cached-gradient
         re-forward, pass 1's outputs of these samples (`grad_cache.engine.Replay`), which a locked
         tower returns instead of running."""
+        if self.retokenize is not None:  # a guide with another vocabulary reads the ids as text
+            query, doc = self.retokenize(query), self.retokenize(doc)
         return (
             self._embed(self.query_tower, query, 0, replay),
             self._embed(self.doc_tower, doc, 1, replay),
