@@ -337,6 +337,7 @@ def test_data_bench_times_every_piece_of_the_loader_path(tmp_path: Path) -> None
     assert abs(pieces["total"] - sum(pieces[k] for k in loader_path)) < 1e-9
 
 
+@pytest.mark.slow  # ~30 s: the default suite's time (CI runs the slow marker too)
 def test_loss_profile_times_each_panel_size_and_checks_the_gradients(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

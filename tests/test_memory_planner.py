@@ -127,6 +127,7 @@ def test_vae_plans_the_decoder_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert probes[plan.chunk] > probes[1]  # grows with the chunk
 
 
+@pytest.mark.slow  # ~20 s: the default suite's time (CI runs the slow marker too)
 def test_global_negatives_also_plan_the_stream_chunk(tmp_path: Path) -> None:
     trainer = make_trainer(
         str(tmp_path), *PLAN, "--loss.negatives=global", "--loss.stream_chunk_size=16", "--memory.budget_gib=0.06"
@@ -164,6 +165,7 @@ def test_impossible_budget_names_the_smallest_that_works(tmp_path: Path) -> None
         make_trainer(str(tmp_path), *PLAN, "--memory.budget_gib=0.0001")
 
 
+@pytest.mark.slow  # ~20 s: the default suite's time (CI runs the slow marker too)
 def test_dry_run_plans_and_exits(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     args = [
         *PLAN,

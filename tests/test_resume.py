@@ -120,6 +120,7 @@ def test_stop_and_resume_is_bit_identical(tmp_path: Path, nproc: int) -> None:
     assert_identical(final_got, final_want)
 
 
+@pytest.mark.slow  # ~30 s: the default suite's time (CI runs the slow marker too)
 def test_kill_during_save_then_rerun_resumes_from_last_complete(tmp_path: Path) -> None:
     """SIGKILL of rank 0 while it writes step-4 (files in step-4.tmp, no manifest, no rename);
     torchrun tears the job down; a plain rerun resumes from step-2, says so, and finishes
