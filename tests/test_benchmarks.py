@@ -496,3 +496,28 @@ def test_wordnet_guide_changes_only_the_mask(tmp_path: Path) -> None:
         "self": (f"{one_way}, false negatives masked (cos > positive + 0))", ""),
         "guide": (f"{one_way}, false negatives masked (cos > positive + 0))", str(bundled_minilm())),
     }
+
+
+def test_wordnet_distill_changes_only_the_loss(tmp_path: Path) -> None:
+    """benchmarks.wordnet_distill: each variant's command is a valid config training the student
+    folder on the scored file, one-way, that differs only in the distillation term and the
+    objective's weight."""
+    from benchmarks import wordnet_distill
+    from titan_contrastive.config.manager import parse_args
+    from titan_contrastive.losses import build_objective
+
+    files = wordnet_distill.files(tmp_path / "data")
+    described = {}
+    for name in wordnet_distill.VARIANTS:
+        argv = wordnet_distill.command(name, tmp_path / name)
+        cfg = parse_args([f"--job.config_file={REPO / wordnet_distill.CONFIG}", *argv[1:]])
+        assert cfg.data.path == str(files["train"]) and cfg.model.path == str(files["student"])
+        assert cfg.data.hard_negatives is True and cfg.training.local_batch_size == wordnet_distill.BATCH
+        described[name] = build_objective(cfg.loss).describe()
+    one_way = "clip loss (InfoNCE, one-way)"
+    own = "over each query's own documents"
+    assert described == {
+        "contrastive": one_way,
+        "kl": f"1 x {one_way} + 1 x distillation (KL to the teacher's softmax at tau 1) {own}",
+        "margin_mse": f"no + 1 x distillation (margin MSE) {own}",
+    }

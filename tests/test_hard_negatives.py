@@ -54,10 +54,12 @@ def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
         assert err <= REL, f"{name}: relative error {err:.3e} > {REL}"
 
 
-def assert_step_equals_its_forwards(trainer, microbatches: list[dict], pieces: list[dict], seed: int) -> None:
-    """With dropout on, the step (from `seed`) against the dense objective over the same forwards: the
-    `pieces` (its microbatches, or the chunks of one) encoded in order from the same seed, as the
-    step's first pass does; every trainable parameter's gradient and the loss within REL."""
+def assert_step_equals_its_forwards(
+    trainer, microbatches: list[dict], pieces: list[dict], seed: int, objective=None
+) -> None:
+    """With dropout on, the step (from `seed`) against the dense objective (default CLIP's) over the
+    same forwards: the `pieces` (its microbatches, or the chunks of one) encoded in order from the
+    same seed, as the step's first pass does; every trainable parameter's gradient and the loss within REL."""
 
     def trainable_grads() -> dict[str, torch.Tensor]:
         return {n: full(p.grad).detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -71,7 +73,7 @@ def assert_step_equals_its_forwards(trainer, microbatches: list[dict], pieces: l
     torch.manual_seed(seed)
     parts = [trainer.step_context.encode(piece) for piece in pieces]
     q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    loss = InfoNCE().dense(q, columns(*split_documents(d)), parts[0][2])
+    loss = (objective or InfoNCE()).dense(q, columns(*split_documents(d)), parts[0][2])
     loss.backward()
     assert abs(out["loss"] - loss.item()) <= REL * loss.item()
     assert_grads_close(got, trainable_grads())
@@ -102,9 +104,9 @@ def make_trainer(tmp: Path, *extra: str):
     )
 
 
-def dense_reference(trainer, samples: dict) -> tuple[float, dict[str, torch.Tensor]]:
+def dense_reference(trainer, samples: dict, teacher=None) -> tuple[float, dict[str, torch.Tensor]]:
     """The objective's dense form over all samples at once (the hard negatives as columns N + i k ...),
-    on a copy of the model in the trainer's mode."""
+    on a copy of the model in the trainer's mode; `teacher`: the samples' teacher scores (loss.distill)."""
     model = trainer.spec.build_model(trainer.model_args).double()
     model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
     model.train(trainer.model.training)
@@ -113,6 +115,8 @@ def dense_reference(trainer, samples: dict) -> tuple[float, dict[str, torch.Tens
     positives, negatives = split_documents(d.reshape(len(q), 1 + K, -1))
     assert negatives is not None and len(negatives) == K * len(q)
     objective, ids = build_objective(trainer.cfg.loss), None
+    if teacher is not None:
+        objective = objective.with_teacher(teacher)
     if objective.needs_ids:
         ids = columns(*split_ids(document_ids(samples["doc"], samples["neg"], model.pad_id)))
         cols = columns(positives, negatives)

@@ -237,6 +237,21 @@ def test_a_step_folder_mines_with_the_runs_own_embeddings(
 
     data = PairsDataset(split="train", path=str(out), tokenizer=tokenizer, query_length=24)
     assert data.num_negatives == 1 and len(data) == len(read_written(out))
+    if suffix != ".jsonl":
+        return
+    # --scores: the same rows, and the model's cosines of each row's documents, read back as teacher scores
+    scored = tmp_path / "scored.jsonl"
+    flags = ("--range-max=100", "--relative-margin=0.01", "--scores")
+    assert mine(capsys, src, f"--model={step}", f"--out={scored}", *flags) == (0, [])
+    from titan_contrastive.batching import TEACHER_SCORES
+    from titan_contrastive.datasets.pairs import read_rows
+
+    back = read_rows(str(scored), teacher="kl")
+    assert back.texts == read_written(out)
+    for (query, *docs), got in zip(back.texts, back.scores):
+        assert got == pytest.approx([float(cache[query].double() @ cache[d].double()) for d in docs], abs=1e-5)
+    data = PairsDataset(split="train", path=str(scored), tokenizer=tokenizer, query_length=24, teacher="kl")
+    assert data.__getitems__([0])[TEACHER_SCORES].tolist() == [pytest.approx(back.scores[0], abs=1e-6)]
 
 
 def test_a_corpus_adds_candidates(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.test_wordnet_bi_encoder import needs_hf
-from titan_contrastive.losses import FalseNegatives, Hardness, InfoNCE, Matryoshka
+from titan_contrastive.losses import Distillation, Distilled, FalseNegatives, Hardness, InfoNCE, Matryoshka
 from titan_contrastive.losses.guide import Guide
 
 REL = 1e-10
@@ -313,3 +313,54 @@ def test_matryoshka_is_sentence_transformers_matryoshka_loss(weights: tuple[floa
     value.backward()
     want = (value.item(), _grads(model))
     _assert_same(_ours(model, Matryoshka(InfoNCE(symmetric=False), dims, weights)), want)
+
+
+TEACHER = torch.tensor([[6.0, 1.5, 2.5], [4.0, -1.0, 5.0], [3.0, 2.0, -2.0], [7.5, 0.5, 1.0]], dtype=torch.float64)
+"""A cross-encoder's scores of each anchor's positive and two negatives (one row ranks a negative first)."""
+
+
+@needs_hf
+@pytest.mark.parametrize("temperature", [1.0, 0.25])
+def test_kl_distillation_is_distill_kl_div_loss(temperature: float) -> None:
+    """DistillKLDivLoss(temperature=T) on a normalizing model: our kl term at t = 1/T, tau = T, times T^2
+    (their factor; ours leaves it out so that a learned temperature does not scale the gradient)."""
+    losses = _st_losses()
+    model = _model()
+    value = losses.DistillKLDivLoss(model, temperature=temperature)(_features(model), TEACHER)
+    value.backward()
+    want = (value.item(), _grads(model))
+    objective = Distilled(InfoNCE(symmetric=False), Distillation("kl", temperature**2, temperature), 0.0)
+    _assert_same(_ours(model, objective.with_teacher(TEACHER), scale=1 / temperature), want)
+
+
+@needs_hf
+@pytest.mark.parametrize("matryoshka", [False, True])
+def test_margin_mse_distillation_is_margin_mse_loss(matryoshka: bool) -> None:
+    """MarginMSELoss with the scores of the positive and both negatives (also under MatryoshkaLoss):
+    our margin_mse term alone at t = 1."""
+    losses = _st_losses()
+    model = _model()
+    dims, weights = (384, 64), (1.0, 0.5)
+    st = losses.MarginMSELoss(model)
+    if matryoshka:
+        st = losses.MatryoshkaLoss(model, st, matryoshka_dims=list(dims), matryoshka_weights=list(weights))
+    value = st(_features(model), TEACHER)
+    value.backward()
+    want = (value.item(), _grads(model))
+    objective = Distilled(InfoNCE(symmetric=False), Distillation("margin_mse"), 0.0)
+    objective = Matryoshka(objective, dims, weights) if matryoshka else objective
+    _assert_same(_ours(model, objective.with_teacher(TEACHER), scale=1.0), want)
+
+
+@needs_hf
+def test_infonce_plus_distillation_is_the_sum_of_the_two_losses() -> None:
+    """MultipleNegativesRankingLoss + 0.5 x MarginMSELoss (two losses on one batch, summed) is our
+    objective with the term weighted 0.5, at t = 20 for both (MarginMSE's dot product scaled by 20)."""
+    losses = _st_losses()
+    model = _model()
+    value = losses.MultipleNegativesRankingLoss(model, scale=SCALE)(_features(model), None)
+    value = value + 0.5 * losses.MarginMSELoss(model)(_features(model), TEACHER / SCALE) * SCALE**2
+    value.backward()
+    want = (value.item(), _grads(model))
+    objective = Distilled(InfoNCE(symmetric=False), Distillation("margin_mse", 0.5), 1.0)
+    _assert_same(_ours(model, objective.with_teacher(TEACHER)), want)

@@ -20,9 +20,10 @@ or at random among those up to `--range-max` with `--sampling random`, seeded).
 FILE (`.jsonl`, `.parquet` or `.csv`) holds the rows in the input's order with sentence-transformers'
 columns, `anchor`, `positive`, `negative_1` ... `negative_k`, and `id` when the input has an id
 column (what `data.pairs_id_column` reads by default); the input's own negative columns are
-replaced. A row for which fewer than k candidates pass the filters is left out (the count is
-printed). Train on it with `data.path=FILE`: every row then serves k hard negatives
-(`data.hard_negatives`).
+replaced. With `--scores`, a `scores` column holds the model's cosines of each row's positive and
+negatives (sentence-transformers' `output_scores`): a teacher's scores for `loss.distill`. A row
+for which fewer than k candidates pass the filters is left out (the count is printed). Train on it
+with `data.path=FILE`: every row then serves k hard negatives (`data.hard_negatives`).
 
 FILE is written under a temporary name beside it and renamed when complete; it is never an
 existing file unless `--overwrite`, and never the input. Bad arguments are one `error: ...` line
@@ -140,10 +141,11 @@ def mine(
     opts: argparse.Namespace,
     corpus: Sequence[str] | None = None,
     pool: list[str] | None = None,
-) -> list[list[str] | None]:
-    """Per input row, its query, positive and `opts.negatives` mined negatives; None where fewer
-    passed the filters. `corpus`: documents to mine from besides the positives; `pool`: devices to
-    encode on, one process each."""
+) -> list[list[Any] | None]:
+    """Per input row, its query, positive and `opts.negatives` mined negatives (then, with
+    `opts.scores`, the list of the model's cosines of the positive and each negative); None where
+    fewer passed the filters. `corpus`: documents to mine from besides the positives; `pool`:
+    devices to encode on, one process each."""
     from datasets import Dataset
     from sentence_transformers.util import mine_hard_negatives
 
@@ -163,12 +165,14 @@ def mine(
         query_prompt=opts.query_prompt,
         corpus_prompt=opts.doc_prompt,
         output_format="n-tuple",
+        output_scores=opts.scores,
         batch_size=opts.batch_size,
         corpus=list(corpus) if corpus else None,
         use_multi_process=pool or False,
         faiss_batch_size=max(1, SEARCH_BYTES // (4 * size)),
     )
     names = [f"negative_{i}" for i in range(1, opts.negatives + 1)]
+    names += ["scores"] if opts.scores else []
     found = {(r["anchor"], r["positive"]): [r[n] for n in names] for r in mined}
     return [[row[0], row[1], *found[(row[0], row[1])]] if (row[0], row[1]) in found else None for row in texts]
 
@@ -249,6 +253,9 @@ def parser() -> argparse.ArgumentParser:
         help="cpu, cuda, cuda:1 ..., or several (cuda:0,cuda:1): one encoding process each (default: "
         "sentence-transformers' choice of one)",
     )
+    p.add_argument(
+        "--scores", action="store_true", help="also write the cosines of positive and negatives (teacher scores)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
     return p
 
@@ -282,6 +289,7 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
             "--relative-margin / --max-score / --range-min, or raise --range-max"
         )
     names = ["anchor", "positive", *(f"negative_{i}" for i in range(1, opts.negatives + 1))]
+    names += ["scores"] if opts.scores else []
     with_ids = read.ids is not None
     rows = [[*row, i] if with_ids else row for row, i in kept]
     write_rows(out, [*names, "id"] if with_ids else names, rows)  # "id": data.pairs_id_column's default
@@ -299,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     note = f"; {left} row(s) left out: fewer than {opts.negatives} candidate(s) passed the filters" if left else ""
-    print(f"wrote {out}: {written} row(s) with {opts.negatives} mined negative(s) each{note}")
+    scores = " and their scores" if opts.scores else ""
+    print(f"wrote {out}: {written} row(s) with {opts.negatives} mined negative(s) each{scores}{note}")
     return 0
 
 

@@ -11,6 +11,7 @@ that sample's hard negatives.
 The duplicate mask compares document ids. `document_ids` derives them from the token ids; data
 that knows its documents' identities serves them instead as `doc_id` (`DOC_IDS`), int64 [B], or
 [B, 1 + k] in the layout above when it serves hard negatives (`datasets/pairs.py`'s id column).
+A teacher's scores of the same documents ride along as `TEACHER_SCORES` for distillation.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from torch import Tensor
 
 from .inputs import BatchError
 
-__all__ = ["DOC_IDS", "NEGATIVES", "document_ids", "with_negatives"]
+__all__ = ["DOC_IDS", "NEGATIVES", "TEACHER_SCORES", "document_ids", "with_negatives"]
 
 NEGATIVES = "neg"
 """The batch key of the hard negatives [B, k, ...]."""
 DOC_IDS = "doc_id"
 """The batch key of the documents' ids given by the data: int64 [B], or [B, 1 + k] with `NEGATIVES`."""
+TEACHER_SCORES = "teacher_scores"
+"""The batch key of a teacher's scores of each sample's documents, float32 [B, 1 + k] in the layout
+above (`losses/distill.py`)."""
 
 
 def with_negatives(doc: Tensor, neg: Tensor, pad_id: int | None) -> Tensor:

@@ -224,25 +224,27 @@ class Loss:
     """Mask columns with cos(q, d) > mask_relative x cos(q, positive) (NV-Retriever; e.g. 0.95)."""
     guide_model: str = ""
     """A frozen model folder whose cosines the margin and relative masks compare (GISTEmbed's guide; bi_encoder)."""
+    distill: Literal["", "kl", "margin_mse"] = ""
+    """Add distillation from the data's teacher scores (pairs' label/score column, 1 + k per row): kl, margin_mse."""
+    distill_weight: float = _non_negative(1.0)
+    """The distillation term's weight (loss = contrastive_weight x objective + distill_weight x term)."""
+    contrastive_weight: float = _non_negative(1.0)
+    """The contrastive objective's weight beside loss.distill; 0 = distillation alone."""
+    distill_temperature: float = _opt(1.0, lambda v: v > 0, "a number > 0")
+    """distill=kl: the teacher's temperature tau, its targets being softmax(scores / tau)."""
     matryoshka_dims: list[int] = _opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")
     """Train the loss on each of these leading-dimension prefixes, renormalized (e.g. [384, 256, 128, 64])."""
     matryoshka_weights: list[float] = _opt([], lambda v: all(x > 0 for x in v), "numbers > 0")
     """One weight per matryoshka_dims entry; empty = all 1."""
     negatives: Literal["microbatch", "global"] = "microbatch"
-    """Which samples form one contrastive problem. `microbatch`: the current microbatches of
-    all DP ranks (gathered with gradient); accumulation steps do not add negatives.
-    `global`: the whole global batch is one problem, exactly, at O(N d) memory (the streaming
-    distributed step, seed 001); the accumulation microbatches become its re-forward chunks."""
+    """Which samples form one contrastive problem. `microbatch`: the current microbatches of all DP
+    ranks; `global`: the whole global batch, exactly, at O(N d) memory (the streamed step)."""
     stream_chunk_size: int = _positive(1024)
     """negatives=global, PyTorch path: logit rows per block; extra memory ~ 2 x stream_chunk_size x N floats
     (the fused kernels use fixed 8192-wide panels instead)."""
     kernel: Literal["auto", "pytorch", "triton", "triton_exact"] = "auto"
-    """negatives=global: how the logit blocks are computed. `pytorch`: streamed blocks of
-    stream_chunk_size x N (the reference; CPU and float64). `triton`: fused Triton kernels, S in
-    registers, one pass forward and one recompute backward (TF32 dots for float32 embeddings);
-    `triton_exact`: the same with IEEE float32 dots. `auto`: on CUDA the fused kernels (exact for
-    float32; under bf16/fp16 mixed precision on the embeddings rounded to that dtype, as autocast
-    rounds the dense loss's matmul) after a one-time self-check against pytorch, else pytorch."""
+    """negatives=global: `pytorch` streamed blocks (the reference); `triton` fused kernels (TF32 dots for
+    float32), `triton_exact` IEEE dots; `auto`: on CUDA the fused kernels after a self-check, else pytorch."""
     init_logit_scale: float | None = None
     """t' at the start, the temperature being t = exp(t'); empty (or `none`) = the loss's own:
     log(1/0.07) for clip, log(10) for siglip (SigLIP's init); bi_encoder: log(20). A learned t'
@@ -353,7 +355,7 @@ class Data:
     pairs_columns: list[str] = _opt([], lambda v: len(v) != 1, "empty or at least two column names")
     """pairs: the columns (query, positive, negatives...) of the rows; empty = the row's columns in
     order (sentence-transformers' convention: anchor, positive, then negatives; an `id` column is
-    the positive's id, `label`/`score` columns are refused)."""
+    the positive's id, label/score columns are teacher scores for loss.distill)."""
     pairs_id_column: str = "id"
     """pairs: the column holding the id of each row's positive document, used by loss.mask_duplicates
     instead of the token ids (a negative whose text is a positive's gets that id); empty = none."""
@@ -400,10 +402,8 @@ class Data:
 @dataclass
 class Memory:
     budget_gib: float = _non_negative(0.0)
-    """Per-device memory budget; > 0 turns on the planner: before training, real train steps at a
-    few chunk sizes are measured and the fastest chunk that fits is used, the larger within 3 %
-    (GradCache chunk for contrastive families, decoder chunk for vae; then the stream chunk under
-    global negatives on the PyTorch loss path). 0 = off."""
+    """Per-device memory budget; > 0 turns on the planner: real train steps at a few chunk sizes are
+    measured and the fastest chunk that fits is used (docs/memory-planner.md). 0 = off."""
     plan: bool = False
     """With budget_gib: print the plan and exit without training (a dry run)."""
     margin: float = _opt(0.05, lambda v: 0 <= v < 0.5, "a fraction in [0, 0.5)")

@@ -67,6 +67,20 @@ def check_negative_keys(data: Data) -> None:
         logger.info(f"data.hard_negatives=false: data.{key} is not read; each problem has in-batch negatives only")
 
 
+def check_teacher(data: Data, distill: str) -> None:
+    """loss.distill reads a pairs file's teacher scores of each row's positive and hard negatives."""
+    if distill and data.dataset != "pairs":
+        raise DataError(
+            f"loss.distill={distill!r} reads a teacher's scores from text pairs (a label/score column), which "
+            f"data.dataset={data.dataset!r} does not serve: use data.dataset='pairs' or leave loss.distill empty"
+        )
+    if distill and not data.hard_negatives:
+        raise DataError(
+            f"loss.distill={distill!r} scores each query's positive against its hard negatives, and "
+            "data.hard_negatives=false serves none: set data.hard_negatives=true"
+        )
+
+
 def check_joined_sources(data: Data) -> None:
     """`::`-joined sources and their factors only where the data kind reads several."""
     if data.dataset in (*FILE_SOURCES, "pairs", "vl_pairs") and data.dataset != "synthetic":
@@ -223,6 +237,7 @@ def build_data(
         raise ConfigError(str(e)) from None
     eval_sets: list[Dataset | None] = []
     check_negative_keys(data)
+    check_teacher(data, cfg.loss.distill)
     check_joined_sources(data)
     if data.dataset in FILE_SOURCES:
         if pair_tokenizer is not None and not isinstance(pair_tokenizer, CaptionTokenizer):
@@ -264,7 +279,9 @@ def build_data(
                 "data.path is empty: data.dataset='pairs' reads your .jsonl/.csv/.tsv/.parquet file or Hugging Face "
                 "dataset folder; set data.path"
             )
-        train = PairsDataset(split="train", path=data.path, factors=data.upsampling_factors, **common)
+        train = PairsDataset(
+            split="train", path=data.path, factors=data.upsampling_factors, teacher=cfg.loss.distill, **common
+        )
         eval_sets.append(PairsDataset(split="test", path=data.val_path, **common) if data.val_path else None)
     elif data.dataset == "vl_pairs":  # images and texts per side, through the family's processor (qwen_vl)
         if not data.path:

@@ -8,8 +8,10 @@ the split "train" or "test") or an `.arrow` file (`hf_disk`, never the hub).
 Columns: those named by `data.pairs_columns` (query, positive, then negatives), else the row's
 columns in order, which is sentence-transformers' convention (anchor, positive, negatives...),
 with two exceptions for named columns: the id column (`data.pairs_id_column`, `id`) is no text
-but the positive's id, and a `label` or `score` column is refused, as scored pairs are another
-loss's data. A negative column may hold a list of texts (tevatron's `negatives: [...]`),
+but the positive's id, and a `label`, `labels`, `score` or `scores` column (sentence-transformers'
+label columns) is a
+teacher's scores of the row's documents in a run with loss.distill (refused otherwise: scored
+pairs are another loss's data). A negative column may hold a list of texts (tevatron's `negatives: [...]`),
 flattened in order.
 
 Several files join with `::` (`mixing.SourceMix`, weighted by `data.upsampling_factors`): they must
@@ -20,6 +22,11 @@ negative's is the id of a positive with exactly its text, else a hash of its tex
 namespace); they are served as `doc_id` (`batching.DOC_IDS`) [B] or [B, 1 + k], and the duplicate
 mask (loss.mask_duplicates) then compares documents as the data names them, not by token ids.
 blake2b rather than Python's `hash`: the same ids in every process, run and worker.
+
+Teacher scores (loss.distill, train split): per row a list of 1 + k numbers, the positive's score
+then each negative's (a JSON list in a CSV/TSV cell); for margin_mse also k margins T_0 - T_j (one
+number for a triplet), read as the scores [0, -m_1, ..., -m_k]. Served as `teacher_scores`
+(`batching.TEACHER_SCORES`) float32 [B, 1 + k]; a row whose scores are not such numbers is a bad row.
 
 Why everything is tokenized at load, as for WordNet: a batch is then one gather, and the texts
 are small next to images. A bad row (an empty query, positive or negative, another number of
@@ -36,6 +43,7 @@ import csv
 import hashlib
 import json
 import logging
+import math
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,7 +51,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from titan_contrastive.batching import DOC_IDS, NEGATIVES
+from titan_contrastive.batching import DOC_IDS, NEGATIVES, TEACHER_SCORES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.hf_disk import open_hf_dataset
 from titan_contrastive.datasets.mixing import SourceMix, joins, split_sources
@@ -51,7 +59,7 @@ from titan_contrastive.datasets.tokenizer import PairTokenizer
 
 logger = logging.getLogger("titan_contrastive")
 FORMATS = (".jsonl", ".csv", ".tsv", ".parquet", ".arrow")
-SCORE_COLUMNS = ("label", "score")
+SCORE_COLUMNS = ("label", "labels", "score", "scores")  # sentence-transformers' label columns
 
 
 def read_table(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, list[Any]]:
@@ -94,20 +102,43 @@ class PairRows(NamedTuple):
     """Per row: query, positive, negatives..., every row as wide as the first."""
     ids: list[str] | None
     """Per row, its positive's id (the id column's value as text); None without an id column."""
+    scores: list[list[float]] | None
+    """Per row, the teacher's scores of its 1 + k documents; None when not read."""
     skipped: Counter[str]
     """Bad rows by reason."""
 
 
-def _fields(row: Any, columns: Sequence[str], id_column: str) -> tuple[list[Any], Any]:
-    """(the row's text values in column order, its id value or None)."""
+def _fields(row: Any, columns: Sequence[str], id_column: str, score_column: str) -> tuple[list[Any], Any, Any]:
+    """(the row's text values in column order, its id value or None, its scores' value or None)."""
     if not isinstance(row, dict):
-        return list(row), None
+        return list(row), None, None
     ident = row.get(id_column) if id_column else None
-    return ([row.get(c) for c in columns] if columns else [v for k, v in row.items() if k != id_column]), ident
+    other = (id_column, score_column)
+    texts = [row.get(c) for c in columns] if columns else [v for k, v in row.items() if k not in other]
+    return texts, ident, row.get(score_column) if score_column else None
 
 
-def _check_columns(file: Path, names: list[str] | None, raw: list[Any], columns: Sequence[str], id_column: str) -> bool:
-    """Whether the rows have an id column; a DataError for a column that is not there or not allowed."""
+def _scores(value: Any, width: int, margins: bool) -> list[float] | None:
+    """A row's teacher scores of its `width` documents (see the module docstring), or None when
+    they are not that many finite numbers."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        return None
+    if margins and len(values) == width - 1:
+        return [0.0] + [-float(v) for v in values]
+    return [float(v) for v in values] if len(values) == width else None
+
+
+def _check_columns(
+    file: Path, names: list[str] | None, raw: list[Any], columns: Sequence[str], id_column: str, teacher: str
+) -> tuple[bool, str]:
+    """(whether the rows have an id column, the teacher's scores column or ""); a DataError for a
+    column that is not there or not allowed."""
     if id_column and id_column in columns:
         raise DataError(
             f"data.pairs_id_column={id_column!r} is also in data.pairs_columns={list(columns)}: the id is not a "
@@ -118,24 +149,36 @@ def _check_columns(file: Path, names: list[str] | None, raw: list[Any], columns:
     if missing:
         raise DataError(f"{file}: no column {missing[0]!r} (columns: {', '.join(names or [])}); fix data.pairs_columns")
     scored = [c for c in SCORE_COLUMNS if c in keys]
+    if teacher:
+        if len(scored) != 1 or names is None and not all(isinstance(row, dict) for row in raw):
+            raise DataError(
+                f"loss.distill={teacher}: {file} needs the teacher's scores in one named column, label, labels, score "
+                f"or scores (found: {', '.join(scored) or 'none'}); add it, or leave loss.distill empty"
+            )
+        return bool(id_column) and id_column in keys, scored[0]
     if scored and not columns:
         raise DataError(
             f"{file}: a {scored[0]!r} column: this loader reads (anchor, positive, negatives...) rows, not scored "
-            "pairs; drop the column or name the text columns in data.pairs_columns"
+            "pairs; drop the column, name the text columns in data.pairs_columns, or distill from it (loss.distill)"
         )
     if id_column and id_column not in keys and id_column != "id":
         raise DataError(
             f"data.pairs_id_column={id_column!r}: {file} has no such column (columns: {', '.join(map(str, keys))}); "
             "name the positive's id column, or set it to '' for none"
         )
-    return bool(id_column) and id_column in keys
+    return bool(id_column) and id_column in keys, ""
 
 
 def read_rows(
-    path: str, columns: Sequence[str] = (), id_column: str = "id", max_bad_fraction: float = 0.001, split: str = "train"
+    path: str,
+    columns: Sequence[str] = (),
+    id_column: str = "id",
+    max_bad_fraction: float = 0.001,
+    split: str = "train",
+    teacher: str = "",
 ) -> PairRows:
-    """The usable rows of a pairs file and their ids (see the module docstring); `split`: which
-    split of a saved DatasetDict."""
+    """The usable rows of a pairs file, their ids and (`teacher`: the loss.distill kind) the
+    teacher's scores (see the module docstring); `split`: which split of a saved DatasetDict."""
     file = Path(path).expanduser()
     if not (file.is_dir() or (file.suffix in FORMATS and file.is_file())):
         raise DataError(
@@ -150,14 +193,15 @@ def read_rows(
         raise DataError(f"{file}: not readable ({type(e).__name__}: {e})") from None
     except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file, a JSON line of no row
         raise DataError(f"{file}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
-    has_ids = _check_columns(file, names, raw, columns, id_column)
-    rows, ids, skipped, width = [], [], Counter(), 0
+    has_ids, score_column = _check_columns(file, names, raw, columns, id_column, teacher)
+    rows, ids, scores, skipped, width = [], [], [], Counter(), 0
     for n, row in enumerate(raw):
-        values, ident = _fields(row, columns, id_column if has_ids else "")
+        values, ident, scored = _fields(row, columns, id_column if has_ids else "", score_column)
         values = values[:2] + [t for v in values[2:] for t in (v if isinstance(v, (list, tuple)) else [v])]
         texts = [t.strip() if isinstance(t, str) else "" for t in values]
         ident = "" if ident is None else str(ident).strip()
         width = width or len(texts)
+        row_scores = _scores(scored, width - 1, teacher == "margin_mse") if teacher else None
         reason = (
             "short_row"
             if len(texts) < 2
@@ -167,6 +211,8 @@ def read_rows(
             if not all(texts)
             else "missing_id"
             if has_ids and not ident
+            else "bad_scores"  # not 1 + k finite numbers (or k margins)
+            if teacher and row_scores is None
             else ""
         )
         if reason:
@@ -181,14 +227,16 @@ def read_rows(
             continue
         rows.append(texts)
         ids.append(ident)
+        scores.append(row_scores)
     if not rows:
-        raise DataError(f"{file}: no usable rows; every row needs a query and a positive")
-    return PairRows(rows, ids if has_ids else None, skipped)
+        bad = f" ({dict(skipped)} skipped)" if skipped else ""
+        raise DataError(f"{file}: no usable rows{bad}; every row needs a query and a positive")
+    return PairRows(rows, ids if has_ids else None, scores if teacher else None, skipped)
 
 
 def _join(
     parts: Sequence[str], files: Sequence[PairRows], hard_negatives: bool
-) -> tuple[list[list[str]], list[str] | None]:
+) -> tuple[list[list[str]], list[str] | None, list[list[float]] | None]:
     """The rows and ids of `::`-joined files, in order (query and positive only where they disagree on
     the number of hard negatives and `hard_negatives` is false); a DataError when they disagree on it
     and the negatives are served, or on having an id column."""
@@ -208,7 +256,8 @@ def _join(
             "(they are compared across sources) or set data.pairs_id_column=''"
         )
     texts = [row[:width] for f in files for row in f.texts]
-    return texts, [i for f in files for i in f.ids] if with_ids else None
+    scores = [s for f in files for s in f.scores] if files[0].scores is not None else None
+    return texts, [i for f in files for i in f.ids] if with_ids else None, scores
 
 
 def _hash63(namespace: str, text: str) -> int:
@@ -247,12 +296,13 @@ class PairsDataset:
         max_bad_fraction: float = 0.001,
         hard_negatives: bool = True,
         factors: Sequence[float] = (),
+        teacher: str = "",
     ) -> None:
         parts, factors = split_sources(path, factors)
-        files = [read_rows(part, columns, id_column, max_bad_fraction, split) for part in parts]
-        texts, ids = _join(parts, files, hard_negatives)
+        files = [read_rows(part, columns, id_column, max_bad_fraction, split, teacher) for part in parts]
+        texts, ids, scores = _join(parts, files, hard_negatives)
         self.skipped = sum((f.skipped for f in files), Counter())
-        self._setup(texts, ids, "pairs", split, path, tokenizer, query_length, hard_negatives)
+        self._setup(texts, ids, "pairs", split, path, tokenizer, query_length, hard_negatives, scores)
         if joins(factors):
             self._mix = SourceMix([len(f.texts) for f in files], factors)
             self.source_sizes = self._mix.sizes
@@ -290,6 +340,7 @@ class PairsDataset:
         tokenizer: PairTokenizer,
         query_length: int,
         hard_negatives: bool,
+        scores: Sequence[Sequence[float]] | None = None,
     ) -> None:
         self.name, self.split, self.source, self.full = name, split, source, True
         self._mix: SourceMix | None = None
@@ -310,6 +361,12 @@ class PairsDataset:
         self._negs = tokenizer.encode_docs(negatives).view(len(rows), k, -1) if k else None
         ids_table = document_id_table(rows, ids) if ids is not None else None
         self._ids = None if ids_table is None else ids_table if k else ids_table[:, 0]
+        if scores is not None and not k:
+            raise DataError(
+                f"{source}: loss.distill compares each query's positive with its hard negatives, and the rows hold "
+                "none; give rows with hard negatives (and their scores), or leave loss.distill empty"
+            )
+        self._teacher = None if scores is None else torch.tensor(scores, dtype=torch.float32).view(len(rows), 1 + k)
         if split == "train" and in_file:
             logger.info(
                 f"{name}: {k} hard negative(s) per row served from {source}: each query's problem has the batch's "
@@ -318,6 +375,8 @@ class PairsDataset:
                 else f"{name}: data.hard_negatives=false: the {in_file} hard negative(s) per row in {source} are not "
                 "served; each query's problem has the batch's positives only"
             )
+        if self._teacher is not None:
+            logger.info(f"{name}: the teacher's scores of each row's 1 + {k} documents from {source} (loss.distill)")
         if split == "train" and ids is not None:
             logger.info(f"{name}: document ids from the id column of {source} (loss.mask_duplicates compares them)")
 
@@ -341,4 +400,6 @@ class PairsDataset:
             batch[NEGATIVES] = self._negs[idx]
         if self._ids is not None:
             batch[DOC_IDS] = self._ids[idx]
+        if self._teacher is not None:
+            batch[TEACHER_SCORES] = self._teacher[idx]
         return batch

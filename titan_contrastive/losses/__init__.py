@@ -6,9 +6,10 @@
 | `siglip` | SigLIP's sigmoid loss, hard negatives as extra columns | `sigmoid.py` |
 
 InfoNCE also takes joint directions (`directions.py`) and hardness weighting (`hardness.py`).
-Every objective takes the false-negative mask (`masking.py`) and may be wrapped in Matryoshka
-prefixes (`matryoshka.py`); `base.py` says what an objective is. A new objective is a module with
-such an object and one `register_objective` call (the pixel loss is the vae family's own step).
+Every objective takes the false-negative mask (`masking.py`), may add a distillation term from a
+teacher's scores (`distill.py`) and be wrapped in Matryoshka prefixes (`matryoshka.py`); `base.py`
+says what an objective is. A new objective is a module with such an object and one
+`register_objective` call (the pixel loss is the vae family's own step).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from titan_contrastive.losses.base import (
     split_documents,
     split_ids,
 )
+from titan_contrastive.losses.distill import Distillation, Distilled
 from titan_contrastive.losses.hardness import Hardness
 from titan_contrastive.losses.infonce import InfoNCE
 from titan_contrastive.losses.masking import FalseNegatives
@@ -34,6 +36,8 @@ from titan_contrastive.losses.sigmoid import Sigmoid
 
 __all__ = [
     "OBJECTIVES",
+    "Distillation",
+    "Distilled",
     "FalseNegatives",
     "Hardness",
     "InfoNCE",
@@ -96,6 +100,17 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
         raise ConfigError(
             f"loss.hardness_strength={loss.hardness_strength}: loss.name={name!r} does not take it; "
             "it is InfoNCE's (loss.name=clip with loss.symmetric=false)"
+        )
+    if loss.distill:
+        try:
+            distillation = Distillation(loss.distill, loss.distill_weight, loss.distill_temperature)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        objective = Distilled(objective, distillation, loss.contrastive_weight)
+    elif loss.contrastive_weight != 1.0:
+        raise ConfigError(
+            f"loss.contrastive_weight={loss.contrastive_weight} weighs the objective against a distillation term, and "
+            "loss.distill is empty: set loss.distill (kl or margin_mse) or leave the weight at 1"
         )
     if not loss.matryoshka_dims:
         if loss.matryoshka_weights:

@@ -63,6 +63,10 @@ class Matryoshka:
     def with_guide(self, guide: Guide | None) -> Matryoshka:
         return dataclasses.replace(self, inner=self.inner.with_guide(guide))
 
+    def with_teacher(self, teacher: Tensor) -> Matryoshka:
+        """The teacher's scores (`losses/distill.py`), the same at every prefix."""
+        return dataclasses.replace(self, inner=self.inner.with_teacher(teacher))
+
     def describe(self) -> str:
         dims = ", ".join(f"{m} x {w:g}" for m, w in zip(self.dims, self.weights))
         return f"{self.inner.describe()}, Matryoshka over dims {dims}"

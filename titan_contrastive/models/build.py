@@ -42,10 +42,12 @@ def resolve_objective(spec: ModelSpec, cfg: JobConfig) -> Objective | None:
 
 def eval_objective(spec: ModelSpec, cfg: JobConfig) -> Objective | None:
     """The objective of the evaluation loss: the run's, without the duplicate mask (evaluation
-    embeds documents without their token ids; a held-out set seldom repeats a document)."""
-    if not cfg.loss.mask_duplicates:
+    embeds documents without their token ids; a held-out set seldom repeats a document) and without
+    a distillation term (held-out pairs carry no teacher scores): the contrastive objective, unweighted."""
+    if not cfg.loss.mask_duplicates and not cfg.loss.distill:
         return resolve_objective(spec, cfg)
-    return resolve_objective(spec, dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, mask_duplicates=False)))
+    loss = dataclasses.replace(cfg.loss, mask_duplicates=False, distill="", contrastive_weight=1.0)
+    return resolve_objective(spec, dataclasses.replace(cfg, loss=loss))
 
 
 def build_run_model(

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from titan_contrastive.batching import DOC_IDS, NEGATIVES, BatchError, document_ids, with_negatives
+from titan_contrastive.batching import DOC_IDS, NEGATIVES, TEACHER_SCORES, BatchError, document_ids, with_negatives
 from titan_contrastive.components.precision import Precision, at_least_fp32
 from titan_contrastive.config import JobConfig
 from titan_contrastive.datasets.layouts import DataLayout
@@ -214,11 +214,22 @@ class StepContext:
 
     def loss_inputs(self, batch: Batch, ids: bool, chunk_size: int | None = None) -> dict[str, Any]:
         """What a microbatch's loss reads besides the embeddings: its documents' ids when the objective
-        reads them (`ids`), the guide's embeddings in a run with a guide."""
+        reads them (`ids`), the guide's embeddings in a run with a guide, the teacher's scores of data
+        that serves them (a run with loss.distill)."""
         inputs: dict[str, Any] = {"ids": self.document_ids(batch)} if ids else {}
         if self.guide is not None:
             inputs["guide"] = self.guide_of([batch], chunk_size)
+        if TEACHER_SCORES in batch:
+            inputs["teacher"] = self.teacher_scores([batch])
         return inputs
+
+    def teacher_scores(self, batches: Sequence[Batch]) -> Tensor | None:
+        """The teacher's scores of these batches' documents [B, 1 + k] on the device, in the
+        accumulation dtype; None when the data serves none."""
+        if not batches or TEACHER_SCORES not in batches[0]:
+            return None
+        scores = torch.cat([b[TEACHER_SCORES] for b in batches]).to(self.device)
+        return scores.to(torch.promote_types(self.precision.param_dtype, torch.float32))
 
     def grad_sync(self, is_last: bool) -> AbstractContextManager:
         """The context around one microbatch's forward + backward (`grad_cache.sync`)."""

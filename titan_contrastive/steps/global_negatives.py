@@ -129,10 +129,12 @@ class StreamingClipStep:
         replay: bool = False,
         ids: Tensor | None = None,
         guide: Guide | None = None,
+        teacher: Tensor | None = None,
     ) -> Tensor:
         """Accumulate the exact gradient of the global loss into .grad; return the loss (detached).
         `ids`: the local documents' ids, [b] or [b, 1 + k] like z_y (for an objective that reads them);
-        `guide`: a guide's embeddings of the global problem, whose cosines the masks compare."""
+        `guide`: a guide's embeddings of the global problem, whose cosines the masks compare;
+        `teacher`: a teacher's scores of the local documents [b, 1 + k] (a distilled objective)."""
         # A. no-graph forward per microbatch, RNG captured for the replay (the cached-gradient engine); all-gather
         #    (the last microbatch keeps its graph: D backpropagates it first instead of re-running it)
         outputs, rand = engine.forward_no_grad(
@@ -183,6 +185,8 @@ class StreamingClipStep:
             pos_ids, neg_ids = split_ids(ids)
             col_ids = columns(self.ranks.gather(pos_ids), None if neg_ids is None else self.ranks.gather(neg_ids))
         objective = self.objective if guide is None else self.objective.with_guide(guide)
+        if teacher is not None:
+            objective = objective.with_teacher(self.ranks.gather(teacher))
         result = self._streamed(objective, zx_local, docs, s, b, n, c, col_ids)
         gx, gy = result.grad_rows, self.ranks.scatter_sum(result.grad_cols[:n])
         if zy_local.dim() == 3:  # the own samples' documents again: [c, 1 + k, d], each positive then its negatives
@@ -298,8 +302,9 @@ class GlobalNegativesStep(ContrastiveLog):
         ids = torch.cat([self.ctx.document_ids(c) for c in chunks]) if self.streaming.objective.needs_ids else None
         ctx, guide = self.ctx, self.ctx.guide_of(chunks, None)
         loss = self.streaming(
-            ctx.encode, chunks, grad_sync=ctx.grad_sync, backward=ctx.backward, replay=True, ids=ids, guide=guide
-        )
+            ctx.encode, chunks, grad_sync=ctx.grad_sync, backward=ctx.backward, replay=True, ids=ids, guide=guide,
+            teacher=ctx.teacher_scores(chunks),
+        )  # fmt: skip
         return loss.item()
 
     def describe(self) -> str:
