@@ -167,9 +167,11 @@ def test_bad_teacher_data_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"\(found: label, score\)"):
         read_rows(str(both), teacher="kl")
     scored = tmp_path / "scored.jsonl"
-    scored.write_text(json.dumps(dict(query="q", positive="p", negative="n", label=[1, 0])) + "\n")
+    scored.write_text(json.dumps(dict(query="q", positive="p", negative="n", label=1.0)) + "\n")
     with pytest.raises(DataError, match="or distill from it"):
-        read_rows(str(scored))
+        read_rows(str(scored))  # one number per row: a scored pair's label
+    scored.write_text(json.dumps(dict(query="q", positive="p", negative="n", label=[1, 0])) + "\n")
+    assert read_rows(str(scored)) == ([["q", "p", "n"]], None, None, {})  # a teacher's list, left unread
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps(dict(query="q", positive="p", negative="n", label="[1, 0]")) + "\n")
     assert read_rows(str(text), teacher="kl").scores == [[1.0, 0.0]]

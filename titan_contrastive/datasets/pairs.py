@@ -9,10 +9,9 @@ Columns: those named by `data.pairs_columns` (query, positive, then negatives), 
 columns in order, which is sentence-transformers' convention (anchor, positive, negatives...),
 with two exceptions for named columns: the id column (`data.pairs_id_column`, `id`) is no text
 but the positive's id, and a `label`, `labels`, `score` or `scores` column (sentence-transformers'
-label columns) is a
-teacher's scores of the row's documents in a run with loss.distill (refused otherwise: scored
-pairs are another loss's data). A negative column may hold a list of texts (tevatron's `negatives: [...]`),
-flattened in order.
+label columns) is a teacher's scores of the row's documents, read in a run with loss.distill and
+else left (one number per row, a scored pair's label, is refused: another loss's data). A
+negative column may hold a list of texts (tevatron's `negatives: [...]`), flattened in order.
 
 Several files join with `::` (`mixing.SourceMix`, weighted by `data.upsampling_factors`): they must
 agree on the number of negatives per row (unless data.hard_negatives is false) and on having ids.
@@ -148,25 +147,41 @@ def _check_columns(
     missing = [c for c in columns if names is not None and c not in keys]
     if missing:
         raise DataError(f"{file}: no column {missing[0]!r} (columns: {', '.join(names or [])}); fix data.pairs_columns")
-    scored = [c for c in SCORE_COLUMNS if c in keys]
+    if id_column and id_column not in keys and id_column != "id":
+        raise DataError(
+            f"data.pairs_id_column={id_column!r}: {file} has no such column (columns: {', '.join(map(str, keys))}); "
+            "name the positive's id column, or set it to '' for none"
+        )
+    has_ids, scored = bool(id_column) and id_column in keys, [c for c in SCORE_COLUMNS if c in keys]
     if teacher:
         if len(scored) != 1 or names is None and not all(isinstance(row, dict) for row in raw):
             raise DataError(
                 f"loss.distill={teacher}: {file} needs the teacher's scores in one named column, label, labels, score "
                 f"or scores (found: {', '.join(scored) or 'none'}); add it, or leave loss.distill empty"
             )
-        return bool(id_column) and id_column in keys, scored[0]
+        return has_ids, scored[0]
     if scored and not columns:
+        first = next((row.get(scored[0]) for row in raw if isinstance(row, dict)), None)
+        if len(scored) == 1 and _score_list(first):
+            logger.info(
+                f"{file}: the teacher's scores in its {scored[0]!r} column are not read (loss.distill reads them)"
+            )
+            return has_ids, scored[0]
         raise DataError(
             f"{file}: a {scored[0]!r} column: this loader reads (anchor, positive, negatives...) rows, not scored "
             "pairs; drop the column, name the text columns in data.pairs_columns, or distill from it (loss.distill)"
         )
-    if id_column and id_column not in keys and id_column != "id":
-        raise DataError(
-            f"data.pairs_id_column={id_column!r}: {file} has no such column (columns: {', '.join(map(str, keys))}); "
-            "name the positive's id column, or set it to '' for none"
-        )
-    return bool(id_column) and id_column in keys, ""
+    return has_ids, ""
+
+
+def _score_list(value: Any) -> bool:
+    """Whether a score column's value is a list of scores (a teacher's, of a row's documents), not one label."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return False
+    return isinstance(value, (list, tuple)) and len(value) >= 2
 
 
 def read_rows(

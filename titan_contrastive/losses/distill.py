@@ -117,8 +117,9 @@ class Distilled:
         return self.inner.fused(num_queries, num_columns)
 
     def describe(self) -> str:
-        contrastive = f"{self.contrastive_weight:g} x {self.inner.describe()}" if self.contrastive_weight else "no"
-        return f"{contrastive} + {self.distillation.describe()}"
+        if not self.contrastive_weight:
+            return f"{self.distillation.describe()}, without the contrastive objective"
+        return f"{self.contrastive_weight:g} x {self.inner.describe()} + {self.distillation.describe()}"
 
     def _teacher(self, num_queries: int, num_columns: int) -> Tensor:
         """The bound scores, checked against the problem's shape."""
