@@ -117,14 +117,20 @@ def _fields(row: Any, columns: Sequence[str], id_column: str, score_column: str)
     return texts, ident, row.get(score_column) if score_column else None
 
 
+def _parsed(value: Any) -> Any:
+    """A score column's value, a JSON text (a CSV/TSV cell) read as JSON; None for text that is not JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None
+
+
 def _scores(value: Any, width: int, margins: bool) -> list[float] | None:
     """A row's teacher scores of its `width` documents (see the module docstring), or None when
     they are not that many finite numbers."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return None
+    value = _parsed(value)
     values = list(value) if isinstance(value, (list, tuple)) else [value]
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
         return None
@@ -176,11 +182,7 @@ def _check_columns(
 
 def _score_list(value: Any) -> bool:
     """Whether a score column's value is a list of scores (a teacher's, of a row's documents), not one label."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return False
+    value = _parsed(value)
     return isinstance(value, (list, tuple)) and len(value) >= 2
 
 
