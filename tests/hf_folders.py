@@ -1,6 +1,7 @@
 """Tiny random Hugging Face text models saved to folders at test time (nothing downloaded).
 
-`encoder_folder`: a BERT-like encoder ([CLS] text [SEP], [PAD]). `decoder_folder`: a Qwen3-like
+`encoder_folder`: a BERT-like encoder ([CLS] text [SEP], [PAD]); `cross_encoder_folder` the same
+with a one-logit head over a pair. `decoder_folder`: a Qwen3-like
 decoder whose tokenizer appends <|endoftext|> and pads with that same token on the left, as
 Qwen3-Embedding's does. `st_folder`: either wrapped as a sentence-transformers folder with its
 pooling and prompts. One word-level vocabulary, built from the words the tests use.
@@ -19,7 +20,7 @@ WORDS = (
 ).split()
 
 
-def _tokenizer(specials: list[str], template: str, pad: str, eos: str | None, side: str):
+def _tokenizer(specials: list[str], template: str, pad: str, eos: str | None, side: str, pair: str | None = None):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -27,7 +28,9 @@ def _tokenizer(specials: list[str], template: str, pad: str, eos: str | None, si
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
     used = sorted(set(re.findall(r"\[\w+\]|<\|\w+\|>", template)))
-    tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[(t, vocab[t]) for t in used])
+    tok.post_processor = processors.TemplateProcessing(
+        single=template, pair=pair, special_tokens=[(t, vocab[t]) for t in used]
+    )
     extra = {"eos_token": eos} if eos else {"cls_token": "[CLS]", "sep_token": "[SEP]"}
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", pad_token=pad, padding_side=side, model_max_length=64, **extra
@@ -50,6 +53,28 @@ def encoder_folder(root: Path, dropout: float = 0.1) -> Path:
         attention_probs_dropout_prob=dropout,
     )
     BertModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def cross_encoder_folder(root: Path) -> Path:
+    """A BERT-like cross-encoder ([CLS] query [SEP] document [SEP] -> one logit), as sentence-transformers'
+    CrossEncoder loads a transformers folder."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    folder = root / "tiny-cross-encoder"
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+    tokenizer = _tokenizer(specials, "[CLS] $A [SEP]", "[PAD]", None, "right", pair="[CLS] $A [SEP] $B:1 [SEP]:1")
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+        num_labels=1,
+    )
+    BertForSequenceClassification(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

@@ -297,6 +297,38 @@ def test_a_corpus_adds_candidates(tmp_path: Path, capsys: pytest.CaptureFixture)
     }
 
 
+def test_a_cross_encoder_chooses_and_scores_the_negatives(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--cross-encoder with every positive a candidate (--range-max past the corpus) and a filter that
+    passes all: each row's negatives are the other positives the cross-encoder scores highest, and
+    --scores writes its scores of the positive and each negative (what loss.distill reads)."""
+    from sentence_transformers import CrossEncoder
+
+    from tests.hf_folders import cross_encoder_folder
+    from titan_contrastive.datasets.pairs import read_rows
+
+    step = bi_encoder_step(tmp_path, shared=True)
+    ce_path = cross_encoder_folder(tmp_path)
+    rows = tiny_rows(20)
+    src = write_csv(tmp_path / "pairs.csv", rows, [f"t{i}" for i in range(len(rows))])
+    out = tmp_path / "mined.jsonl"
+    flags = ("--negatives=2", "--range-max=100", "--relative-margin=none", "--max-score=1e9", "--scores")
+    assert mine(capsys, src, f"--model={step}", f"--cross-encoder={ce_path}", f"--out={out}", *flags) == (0, [])
+    ce = CrossEncoder(str(ce_path), device="cpu")
+    back = read_rows(str(out), teacher="kl")
+    assert len(back.texts) == len(rows)
+    positives = [r[1] for r in rows]
+    for (query, positive, *negatives), scores in zip(back.texts, back.scores):
+        assert scores == pytest.approx(ce.predict([(query, d) for d in (positive, *negatives)]).tolist(), abs=1e-5)
+        others = sorted({p for p, r in zip(positives, rows) if r[0] != query})
+        ranked = sorted(ce.predict([(query, p) for p in others]).tolist(), reverse=True)
+        assert scores[1:] == pytest.approx(ranked[:2], abs=1e-5)
+    flags = ("--relative-margin=none",)
+    assert mine(capsys, src, f"--model={step}", f"--cross-encoder={ce_path}", f"--out={out}x", *flags)[1] == [
+        f"error: --cross-encoder={ce_path}: it scores the candidates the filters judge, and no filter is set "
+        "(--relative-margin none); set one (e.g. --max-score) or leave out the cross-encoder"
+    ]
+
+
 def test_an_id_column_of_another_name_is_written_as_id(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """--id-column=qid, named columns in another order: the output reads back with the default
     data.pairs_id_column, the same ids and texts in the same order."""

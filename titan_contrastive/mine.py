@@ -15,13 +15,16 @@ those within `--relative-margin` of the positive's score (NV-Retriever's TopK-Pe
 negative scores at most 95 % of the positive; a query with several positives takes the weakest's),
 above `--max-score`, below `--min-score` or within `--absolute-margin`; then the first
 `--range-min` candidates left are skipped and `--negatives` are taken from the next ones (`top`,
-or at random among those up to `--range-max` with `--sampling random`, seeded).
+or at random among those up to `--range-max` with `--sampling random`, seeded). With
+`--cross-encoder CE` (a sentence-transformers CrossEncoder folder) the candidates the model
+retrieved are scored again by CE, and the filters and `--scores` read CE's scores instead.
 
 FILE (`.jsonl`, `.parquet` or `.csv`) holds the rows in the input's order with sentence-transformers'
 columns, `anchor`, `positive`, `negative_1` ... `negative_k`, and `id` when the input has an id
 column (what `data.pairs_id_column` reads by default); the input's own negative columns are
-replaced. With `--scores`, a `scores` column holds the model's cosines of each row's positive and
-negatives (sentence-transformers' `output_scores`): a teacher's scores for `loss.distill`. A row
+replaced. With `--scores`, a `scores` column holds the model's cosines (or CE's scores) of each
+row's positive and negatives (sentence-transformers' `output_scores`): a teacher's scores for
+`loss.distill`. A row
 for which fewer than k candidates pass the filters is left out (the count is printed). Train on it
 with `data.path=FILE`: every row then serves k hard negatives (`data.hard_negatives`).
 
@@ -74,6 +77,14 @@ def check_options(opts: argparse.Namespace) -> None:
         raise MineError(f"--absolute-margin={opts.absolute_margin}: a cosine margin of 0 or more")
     if opts.batch_size < 1:
         raise MineError(f"--batch-size={opts.batch_size}: texts per forward, 1 or more")
+    filters = (opts.relative_margin, opts.absolute_margin, opts.max_score, opts.min_score)
+    if opts.cross_encoder and all(f is None for f in filters):
+        raise MineError(
+            f"--cross-encoder={opts.cross_encoder}: it scores the candidates the filters judge, and no filter is "
+            "set (--relative-margin none); set one (e.g. --max-score) or leave out the cross-encoder"
+        )
+    if opts.cross_encoder and not (Path(opts.cross_encoder).expanduser() / "config.json").is_file():
+        raise MineError(f"--cross-encoder={opts.cross_encoder}: not a cross-encoder folder (no config.json)")
 
 
 def check_paths(pairs: str, out: Path, overwrite: bool) -> Path:
@@ -141,11 +152,13 @@ def mine(
     opts: argparse.Namespace,
     corpus: Sequence[str] | None = None,
     pool: list[str] | None = None,
+    cross_encoder: Any = None,
 ) -> list[list[Any] | None]:
     """Per input row, its query, positive and `opts.negatives` mined negatives (then, with
     `opts.scores`, the list of the model's cosines of the positive and each negative); None where
     fewer passed the filters. `corpus`: documents to mine from besides the positives; `pool`:
-    devices to encode on, one process each."""
+    devices to encode on, one process each; `cross_encoder`: a CrossEncoder whose scores the
+    filters and the scores read."""
     from datasets import Dataset
     from sentence_transformers.util import mine_hard_negatives
 
@@ -166,6 +179,7 @@ def mine(
         corpus_prompt=opts.doc_prompt,
         output_format="n-tuple",
         output_scores=opts.scores,
+        cross_encoder=cross_encoder,
         batch_size=opts.batch_size,
         corpus=list(corpus) if corpus else None,
         use_multi_process=pool or False,
@@ -254,7 +268,10 @@ def parser() -> argparse.ArgumentParser:
         "sentence-transformers' choice of one)",
     )
     p.add_argument(
-        "--scores", action="store_true", help="also write the cosines of positive and negatives (teacher scores)"
+        "--cross-encoder", default="", help="a CrossEncoder folder that scores the candidates again (default: none)"
+    )
+    p.add_argument(
+        "--scores", action="store_true", help="also write the scores of the positive and negatives (teacher scores)"
     )
     p.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
     return p
@@ -280,8 +297,15 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
     if len(read.texts[0]) > 2:
         print(f"{opts.pairs}: its {len(read.texts[0]) - 2} negative column(s) are replaced by the mined ones")
     devices = [d.strip() for d in (opts.device or "").split(",") if d.strip()]
+    cross_encoder = None
+    if opts.cross_encoder:
+        from sentence_transformers import CrossEncoder
+
+        cross_encoder = CrossEncoder(str(Path(opts.cross_encoder).expanduser()), device=devices[0] if devices else None)
     with sentence_model(opts.model, opts.tower, devices[0] if devices else None) as model:
-        mined = mine(read.texts, model, opts, corpus, pool=devices if len(devices) > 1 else None)
+        mined = mine(
+            read.texts, model, opts, corpus, pool=devices if len(devices) > 1 else None, cross_encoder=cross_encoder
+        )
     kept = [(row, i) for row, i in zip(mined, read.ids or [None] * len(mined)) if row is not None]
     if not kept:
         raise MineError(

@@ -228,7 +228,7 @@ class StepContext:
         accumulation dtype; None when the data serves none."""
         if not batches or TEACHER_SCORES not in batches[0]:
             return None
-        scores = torch.cat([b[TEACHER_SCORES] for b in batches]).to(self.device)
+        scores = torch.cat([b[TEACHER_SCORES] for b in batches]).to(self.device, non_blocking=True)
         return scores.to(torch.promote_types(self.precision.param_dtype, torch.float32))
 
     def grad_sync(self, is_last: bool) -> AbstractContextManager:
