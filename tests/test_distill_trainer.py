@@ -8,6 +8,7 @@ errors before any step."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,26 @@ def test_distillation_under_gradcache_with_dropout_on(tmp_path: Path) -> None:
     batch = trainer.train_set.__getitems__(list(range(7)))
     objective = build_objective(trainer.cfg.loss).with_teacher(batch[TEACHER_SCORES].double())
     assert_step_equals_its_forwards(trainer, [batch], trainer.step_context.split(batch, 3), seed=3, objective=objective)
+
+
+@needs_hf
+def test_a_distilled_run_trains_logs_and_evaluates_on_its_own_scored_file(tmp_path: Path) -> None:
+    """Two global-negatives steps and the evaluation on the same scored file held out (its scores left
+    unread there: evaluation's loss is the contrastive objective's, on the positives)."""
+    path = scored_pairs_file(tmp_path, column="scores")
+    trainer = make_trainer(
+        tmp_path, "--training.local_batch_size=6", "--training.steps=2", "--loss.negatives=global",
+        "--loss.distill=margin_mse", "--eval.enable=true", f"--data.val_path={path}", "--eval.batch_size=5",
+        "--metrics.log_freq=1",
+    )  # fmt: skip
+    assert trainer.eval_objective.describe() == "clip loss (InfoNCE, symmetric)"
+    trainer.train()
+    trainer.metrics.close()
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [row["loss"] for row in logged if row["kind"] == "train"]
+    (evaluated,) = [row for row in logged if row["kind"] == "eval"]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    assert evaluated["num_samples"] == len(WORDS) and 0 <= evaluated["query_to_doc_r@1"] <= 1
 
 
 def _step_distributed(tmp: str) -> None:
