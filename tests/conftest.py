@@ -2,11 +2,27 @@
 
 Without CUDA, Triton kernels run in Triton's interpreter. The switch must be set before anything
 imports triton (torch.compile's inductor does, in other tests), because triton reads it once.
+`guide_dir`: a frozen model folder the guide and teacher-model tests share.
 """
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def guide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """MiniLM with every weight moved by a third of its spread, saved as a sentence-transformers
+    folder: the same tokenizer as the bundled MiniLM, other cosines (a guide's or a teacher's)."""
+    pytest.importorskip("sentence_transformers")
+    from tests.test_objectives_vs_sentence_transformers import _model, perturbed
+
+    model = perturbed(_model()).float()
+    path = tmp_path_factory.mktemp("guide") / "perturbed-minilm"
+    model.save(str(path))
+    return path

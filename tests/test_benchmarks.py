@@ -520,4 +520,6 @@ def test_wordnet_distill_changes_only_the_loss(tmp_path: Path) -> None:
         "contrastive": one_way,
         "kl": f"1 x {one_way} + 1 x distillation (KL to the teacher's softmax at tau 1) {own}",
         "margin_mse": f"1 x distillation (margin MSE) {own}, without the contrastive objective",
+        "kl_model": f"1 x {one_way} + 1 x distillation (KL to the teacher model's softmax over every column at "
+        "tau 0.05)",
     }

@@ -16,9 +16,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
+from tests.test_guide import guide_of
 from tests.test_objectives import CASES, N, _close, leaves, objective_of, problem, reference
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.losses import Distillation, Distilled, Matryoshka, MicrobatchLoss, Ranks, build_objective
+from titan_contrastive.losses.guide import Guide
 
 
 def teacher_of(k: int, seed: int = 0) -> torch.Tensor:
@@ -187,6 +189,146 @@ def test_distributed_forms_match_the_definition(world: int) -> None:
     run_distributed(_distributed, world, DIST_CASES)
 
 
+# ------------------------------------------------------------------ a teacher model: KL over every column
+
+
+def reference_model_term(tau: float, q, cols, scale, tq, tcols) -> torch.Tensor:
+    """The KL to a teacher model's softmax over every column, from its definition, one query at a time."""
+    total = 0.0
+    for i in range(len(q)):
+        logits = torch.stack([scale * (q[i] @ d) for d in cols])
+        target = torch.softmax(torch.stack([tq[i] @ t for t in tcols]) / tau, 0)
+        log_student = logits - torch.logsumexp(logits, 0)
+        total = total + sum(target[j] * (torch.log(target[j]) - log_student[j]) for j in range(len(cols)))
+    return total / len(q)
+
+
+def model_total(case: dict, dcase: dict, q, p, n, scale, bias, ids, teacher) -> torch.Tensor:
+    total = dcase["cw"] * reference(case, q, p, n, scale, bias, ids) if dcase["cw"] else 0.0
+    tq, tcols = teacher
+    for m, w in case["matryoshka"] or [(q.shape[1], 1.0)]:
+        qm, pm, nm = (
+            None if z is None else F.normalize(z[:, :m], dim=1) if case["matryoshka"] else z for z in (q, p, n)
+        )
+        cols = pm if nm is None else torch.cat([pm, nm])
+        total = total + w * dcase["w"] * reference_model_term(dcase["tau"], qm, cols, scale, tq, tcols)
+    return total
+
+
+def model_teacher(q, p, n, seed: int = 0) -> Guide:
+    gq, gp, gn = guide_of(q, p, n, seed)
+    return Guide(gq, gp if gn is None else torch.cat([gp, gn]))
+
+
+MODEL_DCASES = [  # the contrastive objective, weight of the term, of the objective, tau, hard negatives
+    ("clip-sym-k0-none-full", 1.0, 1.0, 0.05, 0),
+    ("clip-oneway-k2-none-full", 0.7, 0.0, 0.5, 2),
+    ("clip-oneway-k2-all-mat", 0.5, 0.5, 0.1, 2),
+    ("siglip-sym-k2-margin-full", 1.0, 1.0, 0.05, 2),
+    ("clip-gte-k0-all-full", 0.7, 1.0, 0.2, 0),
+]
+MODEL_PAIRS = [
+    (dict(BASE[name], k=k), dict(kind="kl", w=w, cw=cw, tau=tau, name=f"{name}-model-w{w}-cw{cw}-tau{tau}-k{k}"))
+    for name, w, cw, tau, k in MODEL_DCASES
+]
+
+
+def model_distilled_of(case: dict, dcase: dict):
+    inner = objective_of(dict(case, matryoshka=None))
+    objective = Distilled(inner, Distillation("kl", dcase["w"], dcase["tau"], model=True), dcase["cw"])
+    if case["matryoshka"]:
+        dims, weights = zip(*case["matryoshka"])
+        objective = Matryoshka(objective, dims, weights)
+    return objective
+
+
+@pytest.mark.parametrize("pair", MODEL_PAIRS, ids=[d["name"] for _, d in MODEL_PAIRS])
+def test_a_teacher_models_kl_over_every_column_matches_the_definition(pair) -> None:
+    case, dcase = pair
+    q, p, n, scale, bias, ids = problem(case)
+    teacher = model_teacher(q, p, n)
+    rq, rp, rn, rs, rb = leaves(q, p, n, scale, bias)
+    want_loss = model_total(case, dcase, rq, rp, rn, rs, rb, ids, (teacher.queries, teacher.columns))
+    wanted = [t for t in (rq, rp, rn, rs) if t is not None]
+    want_q, want_p, *want_n, want_s = torch.autograd.grad(want_loss, wanted)
+    objective = model_distilled_of(case, dcase).with_teacher(teacher)
+    cols = p if n is None else torch.cat([p, n])
+    want_cols = want_p if n is None else torch.cat([want_p, *want_n])
+    b = bias if objective.has_bias else None
+
+    dq, dcols, ds = leaves(q, cols, scale)
+    loss = objective.dense(dq, dcols, ds, b, ids)
+    loss.backward()
+    _close(loss.detach(), want_loss.detach(), "dense loss")
+    _close(dq.grad, want_q, "dense dq")
+    _close(dcols.grad, want_cols, "dense dD")
+    _close(ds.grad, want_s, "dense ds")
+    for chunk in (5, 7, N):
+        out = objective.streamed(q, cols, scale, b, first_row=0, num_queries=N, chunk=chunk, ranks=Ranks(None), ids=ids)
+        _close(out.loss, want_loss.detach(), f"streamed loss, chunk {chunk}")
+        _close(out.grad_rows, want_q, f"streamed dq, chunk {chunk}")
+        _close(out.grad_cols, want_cols, f"streamed dD, chunk {chunk}")
+        _close(out.scale_rows.sum(), want_s, f"streamed ds, chunk {chunk}")
+
+    mq, ms, mb = leaves(q, scale, bias)
+    k = case["k"]
+    mdocs = (p if n is None else torch.cat([p[:, None], n.view(N, k, -1)], 1)).clone().requires_grad_()
+    local_ids = ids if n is None else torch.cat([ids[:N, None], ids[N:].view(N, k)], 1)
+    loss = MicrobatchLoss(model_distilled_of(case, dcase))(
+        mq, mdocs, ms, mb if objective.has_bias else None, ids=local_ids, teacher=teacher
+    )
+    loss.backward()
+    _close(loss.detach(), want_loss.detach(), "microbatch loss")
+    _close(mq.grad, want_q, "microbatch dq")
+    _close(mdocs.grad if n is None else mdocs.grad[:, 0], want_p, "microbatch dp")
+
+
+def _model_distributed(names: list[str]) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    ranks = Ranks(dist.group.WORLD)
+    for case, dcase in (pair for pair in MODEL_PAIRS if pair[1]["name"] in names):
+        q, p, n, scale, bias, ids = problem(case, seed=1)
+        gq, gp, gn = guide_of(q, p, n, seed=1)
+        rq, rp, rn, rs, rb = leaves(q, p, n, scale, bias)
+        whole = model_teacher(q, p, n, seed=1)
+        want_loss = model_total(case, dcase, rq, rp, rn, rs, rb, ids, (whole.queries, whole.columns))
+        want_q, want_p, *want_n = torch.autograd.grad(want_loss, [t for t in (rq, rp, rn) if t is not None])
+        c, k = N // world, case["k"]
+        own, own_neg = slice(rank * c, (rank + 1) * c), slice(rank * c * k, (rank + 1) * c * k)
+        local = gp[own] if gn is None else torch.cat([gp[own, None], gn[own_neg].view(c, k, -1)], 1)
+        teacher = Guide.gathered(gq[own], local, ranks)  # as the steps gather the frozen model's embeddings
+        objective = model_distilled_of(case, dcase)
+        b = bias if objective.has_bias else None
+        cols = p if n is None else torch.cat([p, n])
+        out = objective.with_teacher(teacher).streamed(
+            q[own], cols, scale, b, first_row=own.start, num_queries=N, chunk=3, ranks=ranks, ids=ids
+        )
+        _close(out.loss, want_loss.detach(), f"{dcase['name']} streamed loss")
+        _close(out.grad_rows, want_q[own], f"{dcase['name']} streamed dq")
+        shares = out.grad_cols.clone()
+        dist.all_reduce(shares)
+        _close(shares, want_p if n is None else torch.cat([want_p, *want_n]), f"{dcase['name']} streamed dD")
+
+        lq, ls, lb = leaves(q[own], scale, bias)
+        ldocs = (p[own] if n is None else torch.cat([p[own, None], n[own_neg].view(c, k, -1)], 1)).clone()
+        ldocs.requires_grad_()
+        local_ids = ids[own] if n is None else torch.cat([ids[:N][own, None], ids[N:][own_neg].view(c, k)], 1)
+        loss = MicrobatchLoss(objective, dist.group.WORLD)(
+            lq, ldocs, ls, lb if objective.has_bias else None, ids=local_ids, teacher=teacher
+        )
+        loss.backward()
+        _close(loss.detach(), want_loss.detach(), f"{dcase['name']} microbatch loss")
+        _close(lq.grad / world, want_q[own], f"{dcase['name']} microbatch dq")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_teacher_models_distributed_forms_match_the_definition(world: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_distributed(_model_distributed, world, [d["name"] for _, d in MODEL_PAIRS[::2]])
+
+
 def test_kl_is_zero_when_the_student_agrees_with_the_teacher() -> None:
     """A student whose logits are the teacher's scores / tau has nothing to learn (KL, not cross-entropy)."""
     case, _ = PAIRS[0]
@@ -205,7 +347,7 @@ def test_an_unbound_or_misshapen_teacher_is_a_clear_error() -> None:
     case, _ = PAIRS[0]
     q, p, n, scale, *_ = problem(case)
     objective = Distilled(objective_of(case), Distillation("kl"))
-    with pytest.raises(ValueError, match="no teacher scores"):
+    with pytest.raises(ValueError, match="no teacher for this problem; the step must bind the data.s teacher scores"):
         objective.dense(q, torch.cat([p, n]), scale)
     with pytest.raises(ValueError, match=r"teacher scores \(12, 2\) for 12 queries and 36 columns"):
         objective.with_teacher(teacher_of(1)).dense(q, torch.cat([p, n]), scale)

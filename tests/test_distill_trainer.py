@@ -23,13 +23,16 @@ from tests.test_hard_negatives import (
     assert_step_equals_its_forwards,
     dense_reference,
     make_trainer,
+    pairs_file,
 )
-from tests.test_trainer import grads
+from tests.test_trainer import full, grads
 from tests.test_wordnet_bi_encoder import needs_hf
-from titan_contrastive.batching import TEACHER_SCORES
+from titan_contrastive.batching import TEACHER_SCORES, with_negatives
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.pairs import read_rows
-from titan_contrastive.losses import build_objective
+from titan_contrastive.losses import build_objective, split_documents
+from titan_contrastive.losses.base import columns
+from titan_contrastive.losses.guide import Guide
 
 
 def scores(i: int) -> list[float]:
@@ -138,6 +141,111 @@ def test_a_distilled_run_trains_logs_and_evaluates_on_its_own_scored_file(tmp_pa
     (evaluated,) = [row for row in logged if row["kind"] == "eval"]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
     assert evaluated["num_samples"] == len(WORDS) and 0 <= evaluated["query_to_doc_r@1"] <= 1
+
+
+MODEL_KINDS = {  # local batch, accumulation steps, options (the teacher model given by the test)
+    "accumulate-kl-no-negatives-own-mask": (  # the margin mask on the model's own cosines: the teacher only teaches
+        6,
+        1,
+        ["--data.hard_negatives=false", "--loss.distill_temperature=0.05", "--loss.mask_margin=-0.3"],
+    ),
+    "gradcache-kl-alone": (
+        6,
+        1,
+        [
+            "--gradcache.enabled=true",
+            "--gradcache.chunk_sizes=4",
+            "--loss.contrastive_weight=0",
+            "--loss.symmetric=false",
+        ],
+    ),
+    "global-kl-guide-matryoshka": (  # the same frozen model guides the masks and teaches
+        3,
+        2,
+        [
+            "--loss.negatives=global",
+            "--loss.stream_chunk_size=5",
+            "--loss.symmetric=false",
+            "--loss.mask_margin=-0.05",
+            "--loss.matryoshka_dims=384,64",
+            "--loss.distill_temperature=0.1",
+            "--loss.guide_model=<teacher>",
+        ],
+    ),
+}
+
+
+def taught_reference(trainer, samples: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """The dense objective over all samples at once, its KL targets the frozen teacher's cosines of
+    them over every column (and its masks the same model's, when it also guides)."""
+    model = trainer.spec.build_model(trainer.model_args).double()
+    model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
+    model.train(trainer.model.training)
+    docs = with_negatives(samples["doc"], samples["neg"], model.pad_id) if "neg" in samples else samples["doc"]
+    q, d, scale = model(samples["query"], docs)
+    width = len(d) // len(q)
+    cols = columns(*split_documents(d.reshape(len(q), width, -1)))
+    with torch.no_grad():
+        gq, gd = trainer.step_context.guide(samples["query"], docs)[:2]
+    teacher = Guide(gq, columns(*split_documents(gd.reshape(len(q), width, -1))))
+    objective = build_objective(trainer.cfg.loss).with_teacher(teacher)
+    objective = objective.with_guide(teacher) if trainer.cfg.loss.guide_model else objective
+    if trainer.cfg.loss.mask_margin is not None and not trainer.cfg.loss.guide_model:  # the model's own mask ...
+        masking = objective.inner.false_negatives
+        by_model, by_teacher = masking.dense(q, cols, None), masking.guided(teacher).dense(q, cols, None)
+        assert by_model.any() and (by_model != by_teacher).any()  # ... which the teacher's would not be
+    loss = objective.dense(q, cols, scale)
+    loss.backward()
+    return loss.item(), grads(model)
+
+
+@needs_hf
+@pytest.mark.parametrize("kind", list(MODEL_KINDS))
+def test_a_teacher_models_kl_in_every_step_kind_equals_the_dense_objective(
+    tmp_path: Path, guide_dir: Path, kind: str
+) -> None:
+    """all-MiniLM-L6-v2 taught by a perturbed MiniLM over every column (no scores in the data)."""
+    pairs_file(tmp_path)
+    local, ga, extra = MODEL_KINDS[kind]
+    trainer = make_trainer(
+        tmp_path,
+        f"--training.local_batch_size={local}",
+        f"--training.global_batch_size={local * ga}",
+        "--loss.distill=kl",
+        f"--loss.teacher_model={guide_dir}",
+        *[flag.replace("<teacher>", str(guide_dir)) for flag in extra],
+    )
+    assert "the frozen teacher's cosines" in trainer.gradient_step.describe()
+    assert "over every column" in trainer.gradient_step.describe()
+    trainer.model.eval()
+    steps = [trainer.train_set.__getitems__(list(range(j * local, (j + 1) * local))) for j in range(ga)]
+    assert TEACHER_SCORES not in steps[0]
+    every = {k: torch.cat([s[k] for s in steps]) for k in steps[0]}
+    want_loss, want = taught_reference(trainer, every)
+    out = trainer.train_step(steps)
+    assert_grads_close(grads(trainer.model), want)
+    assert abs(out["loss"] - want_loss) <= REL * want_loss
+    trainer.metrics.close()
+
+
+@needs_hf
+def test_a_teacher_model_is_refused_where_it_cannot_work(tmp_path: Path, guide_dir: Path) -> None:
+    from tests.test_trainer import make_trainer as clip_trainer
+    from titan_contrastive.config import ConfigError
+
+    pairs_file(tmp_path)
+    batch = ("--training.local_batch_size=6", "--training.global_batch_size=6")
+    teacher = f"--loss.teacher_model={guide_dir}"
+    with pytest.raises(ConfigError, match=r"loss.teacher_model=.* loss.distill is empty: set loss.distill=kl"):
+        make_trainer(tmp_path, teacher)
+    with pytest.raises(ConfigError, match=r"loss.distill=margin_mse: margin MSE reads the data's scores"):
+        make_trainer(tmp_path, teacher, "--loss.distill=margin_mse")
+    with pytest.raises(ConfigError, match=r"a run holds one frozen model; give both the same folder"):
+        make_trainer(
+            tmp_path, *batch, teacher, "--loss.distill=kl", f"--loss.guide_model={tmp_path}", "--loss.mask_margin=0"
+        )
+    with pytest.raises(ConfigError, match=r"loss.teacher_model=.* the clip family takes no frozen guide or teacher"):
+        clip_trainer(str(tmp_path / "clip"), teacher, "--loss.distill=kl")
 
 
 def _step_distributed(tmp: str) -> None:

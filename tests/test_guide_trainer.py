@@ -24,18 +24,6 @@ from titan_contrastive.losses import build_objective, split_documents, split_ids
 from titan_contrastive.losses.base import columns
 from titan_contrastive.losses.guide import Guide
 
-
-@pytest.fixture(scope="module")
-def guide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """MiniLM with every weight moved by a third of its spread: the same tokenizer, other cosines."""
-    from tests.test_objectives_vs_sentence_transformers import _model, perturbed
-
-    model = perturbed(_model()).float()
-    path = tmp_path_factory.mktemp("guide") / "perturbed-minilm"
-    model.save(str(path))
-    return path
-
-
 KINDS = {  # local batch, accumulation steps, options
     "accumulate-oneway-margin": (6, 1, ["--loss.symmetric=false", "--loss.mask_margin=-0.05"]),
     "gradcache-relative": (
@@ -169,7 +157,9 @@ def test_a_guide_is_refused_where_it_cannot_work(tmp_path: Path, guide_dir: Path
 
     with pytest.raises(ConfigError, match=r"loss.guide_model=.* neither is set: set loss.mask_margin"):
         make(f"--loss.guide_model={guide_dir}")
-    with pytest.raises(ConfigError, match=r"the clip family takes no guide model \(bi_encoder does\)"):
+    with pytest.raises(
+        ConfigError, match=r"the clip family takes no frozen guide or teacher model \(bi_encoder does\)"
+    ):
         clip_trainer(str(tmp_path / "clip"), f"--loss.guide_model={guide_dir}", "--loss.mask_margin=0")
     short = tmp_path / "short-bert"  # MiniLM's tokenizer, 8 positions: the model's ids reach 16 tokens
     tokenizer = load_tokenizer(str(bundled_minilm()))

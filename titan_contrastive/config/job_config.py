@@ -232,6 +232,8 @@ class Loss:
     """The contrastive objective's weight beside loss.distill; 0 = distillation alone."""
     distill_temperature: float = _opt(1.0, lambda v: v > 0, "a number > 0")
     """distill=kl: the teacher's temperature tau, its targets being softmax(scores / tau)."""
+    teacher_model: str = ""
+    """distill=kl: a frozen model folder whose cosines over every column are the teacher's scores (bi_encoder)."""
     matryoshka_dims: list[int] = _opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")
     """Train the loss on each of these leading-dimension prefixes, renormalized (e.g. [384, 256, 128, 64])."""
     matryoshka_weights: list[float] = _opt([], lambda v: all(x > 0 for x in v), "numbers > 0")
@@ -240,20 +242,18 @@ class Loss:
     """Which samples form one contrastive problem. `microbatch`: the current microbatches of all DP
     ranks; `global`: the whole global batch, exactly, at O(N d) memory (the streamed step)."""
     stream_chunk_size: int = _positive(1024)
-    """negatives=global, PyTorch path: logit rows per block; extra memory ~ 2 x stream_chunk_size x N floats
-    (the fused kernels use fixed 8192-wide panels instead)."""
+    """negatives=global, PyTorch path: logit rows per block; extra memory ~ 2 x stream_chunk_size x N floats."""
     kernel: Literal["auto", "pytorch", "triton", "triton_exact"] = "auto"
     """negatives=global: `pytorch` streamed blocks (the reference); `triton` fused kernels (TF32 dots for
     float32), `triton_exact` IEEE dots; `auto`: on CUDA the fused kernels after a self-check, else pytorch."""
     init_logit_scale: float | None = None
-    """t' at the start, the temperature being t = exp(t'); empty (or `none`) = the loss's own:
-    log(1/0.07) for clip, log(10) for siglip (SigLIP's init); bi_encoder: log(20). A learned t'
-    is clamped to [0, log 100] after every step, so it must start there; a fixed one (learn_logit_scale
-    = false) is never clamped and may be any value in [-log 1e4, log 1e4]."""
+    """t' at the start, t = exp(t'); empty = the loss's own: log(1/0.07) clip, log(10) siglip, log(20)
+    bi_encoder. A learned t' is clamped to [0, log 100] after every step, so it must start there; a
+    fixed one (learn_logit_scale = false) is never clamped, any value in [-log 1e4, log 1e4]."""
     init_logit_bias: float | None = None
     """siglip: the bias b at the start; empty = -10 (SigLIP's init)."""
     learn_logit_scale: bool = True
-    """Train t' (true) or keep the temperature fixed at its initial value (false)."""
+    """Train t' (true) or keep it fixed at its initial value (false)."""
     learn_logit_bias: bool = True
     """siglip: train b (true) or keep it fixed at its initial value (false)."""
 

@@ -68,11 +68,13 @@ def check_negative_keys(data: Data) -> None:
 
 
 def check_teacher(data: Data, distill: str) -> None:
-    """loss.distill reads a pairs file's teacher scores of each row's positive and hard negatives."""
+    """loss.distill without a teacher model reads a pairs file's teacher scores of each row's
+    positive and hard negatives (`distill`: empty when no scores are read)."""
     if distill and data.dataset != "pairs":
         raise DataError(
             f"loss.distill={distill!r} reads a teacher's scores from text pairs (a label/score column), which "
-            f"data.dataset={data.dataset!r} does not serve: use data.dataset='pairs' or leave loss.distill empty"
+            f"data.dataset={data.dataset!r} does not serve: use data.dataset='pairs', a loss.teacher_model, or "
+            "leave loss.distill empty"
         )
     if distill and not data.hard_negatives:
         raise DataError(
@@ -237,7 +239,8 @@ def build_data(
         raise ConfigError(str(e)) from None
     eval_sets: list[Dataset | None] = []
     check_negative_keys(data)
-    check_teacher(data, cfg.loss.distill)
+    scores = "" if cfg.loss.teacher_model else cfg.loss.distill  # the data's teacher scores, unless a model gives them
+    check_teacher(data, scores)
     check_joined_sources(data)
     if data.dataset in FILE_SOURCES:
         if pair_tokenizer is not None and not isinstance(pair_tokenizer, CaptionTokenizer):
@@ -279,9 +282,7 @@ def build_data(
                 "data.path is empty: data.dataset='pairs' reads your .jsonl/.csv/.tsv/.parquet file or Hugging Face "
                 "dataset folder; set data.path"
             )
-        train = PairsDataset(
-            split="train", path=data.path, factors=data.upsampling_factors, teacher=cfg.loss.distill, **common
-        )
+        train = PairsDataset(split="train", path=data.path, factors=data.upsampling_factors, teacher=scores, **common)
         eval_sets.append(PairsDataset(split="test", path=data.val_path, **common) if data.val_path else None)
     elif data.dataset == "vl_pairs":  # images and texts per side, through the family's processor (qwen_vl)
         if not data.path:

@@ -103,10 +103,17 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
         )
     if loss.distill:
         try:
-            distillation = Distillation(loss.distill, loss.distill_weight, loss.distill_temperature)
+            distillation = Distillation(
+                loss.distill, loss.distill_weight, loss.distill_temperature, bool(loss.teacher_model)
+            )
         except ValueError as err:
             raise ConfigError(str(err)) from None
         objective = Distilled(objective, distillation, loss.contrastive_weight)
+    elif loss.teacher_model:
+        raise ConfigError(
+            f"loss.teacher_model={loss.teacher_model!r} scores the problem for a distillation term, and loss.distill "
+            "is empty: set loss.distill=kl or leave loss.teacher_model empty"
+        )
     elif loss.contrastive_weight != 1.0:
         raise ConfigError(
             f"loss.contrastive_weight={loss.contrastive_weight} weighs the objective against a distillation term, and "

@@ -232,8 +232,9 @@ class MicrobatchLoss:
     """An objective's microbatch form as the loss function of a step: called with a model's
     contrastive outputs `(q, docs, exp(t')[, bias])` (docs [B, d], or [B, 1 + k, d] with hard
     negatives; `ids=`: their document ids, [B] or [B, 1 + k]; `guide=`: a guide's embeddings of the
-    whole problem; `teacher=`: a teacher's scores of the local documents [B, 1 + k], for a distilled
-    objective), it returns the loss of the problem over the current microbatches of all ranks of `group`."""
+    whole problem; `teacher=`: a distilled objective's teacher, the data's scores of the local
+    documents [B, 1 + k] or a teacher model's embeddings of the whole problem), it returns the loss
+    of the problem over the current microbatches of all ranks of `group`."""
 
     def __init__(self, objective: Objective, group: dist.ProcessGroup | None = None) -> None:
         self.objective, self.ranks = objective, Ranks(group)
@@ -247,7 +248,7 @@ class MicrobatchLoss:
         *,
         ids: Tensor | None = None,
         guide: Guide | None = None,
-        teacher: Tensor | None = None,
+        teacher: Tensor | Guide | None = None,
     ) -> Tensor:
         if q.dim() != 2 or docs.dim() not in (2, 3) or len(q) != len(docs) or q.shape[-1] != docs.shape[-1]:
             raise ValueError(
@@ -256,6 +257,6 @@ class MicrobatchLoss:
             )
         split = None if ids is None else split_ids(ids)
         objective = self.objective if guide is None else self.objective.with_guide(guide)
-        if teacher is not None:
-            objective = objective.with_teacher(self.ranks.gather(teacher))
+        if teacher is not None:  # the data's local scores, gathered; a teacher model's embeddings, whole
+            objective = objective.with_teacher(self.ranks.gather(teacher) if isinstance(teacher, Tensor) else teacher)
         return objective.microbatch(q, split_documents(docs), scale, bias, split, self.ranks)

@@ -1,19 +1,21 @@
-"""Knowledge distillation from a teacher's scores: each query's own documents ranked as the teacher ranks them.
+"""Knowledge distillation: the model's scores of a query's documents trained toward a teacher's.
 
-The data serves, per query i, a teacher's scores T_i0 of its positive and T_i1..T_ik of its k hard
-negatives (`datasets/pairs.py`: a `label` or `score` column, or `labels` / `scores`; e.g. a
-cross-encoder's logits). The student's scores are the objective's logits over the same documents,
-S_ij = t <q_i, d_ij>, and the term is
+A teacher scores what it can see. The data's scores (`datasets/pairs.py`: a `label` or `score`
+column, or `labels` / `scores`; e.g. a cross-encoder's logits) are T_i0 of query i's positive and
+T_i1..T_ik of its k hard negatives; a frozen teacher model (`[loss] teacher_model`, built like a
+guide, `losses/guide.py`) scores every column of the problem, T_ij = <g(q_i), g(d_j)>. With the
+model's logits S_ij = t <q_i, d_j> over the same documents the term is
 
     kl:          L_d = 1/N sum_i sum_j p_ij (log p_ij - log softmax(S_i)_j),   p_i = softmax(T_i / tau)
-    margin_mse:  L_d = 1/(N k) sum_i sum_{j >= 1} ((S_i0 - S_ij) - (T_i0 - T_ij))^2
+    margin_mse:  L_d = 1/(N k) sum_i sum_{j >= 1} ((S_i0 - S_ij) - (T_i0 - T_ij))^2    (the data's scores)
 
-(sentence-transformers' DistillKLDivLoss, without its tau^2 factor, and MarginMSELoss). The run's
-loss is contrastive_weight x the contrastive objective + weight x L_d (`Distilled`). A query's term
-reads only its own row, so each form is exact as it stands: the microbatch form on the gathered
-problem, the streamed form on a rank's own rows (their gradients, their documents' columns and
-their shares of dL/dt). The teacher's scores of the whole problem are bound per step
-(`with_teacher`), in the order of its queries, like a guide's embeddings.
+(sentence-transformers' DistillKLDivLoss, without its tau^2 factor, and MarginMSELoss; over every
+column, the in-batch KL of embedding distillation). The run's loss is contrastive_weight x the
+contrastive objective + weight x L_d (`Distilled`). A query's term reads only its own row, and a
+rank holds every column, so each form is exact as it stands: the microbatch form on the gathered
+problem, the streamed form on a rank's own rows in blocks (their gradients, their columns' shares
+and their shares of dL/dt). The teacher's scores of the whole problem are bound per step
+(`with_teacher`: the data's scores [N, 1 + k], or the teacher model's embeddings as a `Guide`).
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ KINDS = ("kl", "margin_mse")
 
 @dataclass(frozen=True)
 class Distillation:
-    """Which term (`kind`), its weight, and the teacher's temperature tau (kl)."""
+    """Which term (`kind`), its weight, the teacher's temperature tau (kl), and whether the teacher
+    is a frozen model (`model`: its cosines over every column) rather than the data's scores."""
 
     kind: str
     weight: float = 1.0
     temperature: float = 1.0
+    model: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -52,9 +56,14 @@ class Distillation:
             raise ValueError(
                 f"loss.distill_temperature={self.temperature}: only loss.distill=kl has a temperature; leave it at 1"
             )
+        if self.model and self.kind != "kl":
+            raise ValueError(
+                f"loss.distill={self.kind}: margin MSE reads the data's scores of each query's own documents, and "
+                "loss.teacher_model scores every column; use loss.distill=kl with it, or leave loss.teacher_model empty"
+            )
 
     def rows(self, logits: Tensor, teacher: Tensor) -> Tensor:
-        """The term of each row [c], from the student's logits and the teacher's scores [c, 1 + k]."""
+        """The term of each row [c], from the student's logits and the teacher's scores [c, columns]."""
         teacher = teacher.to(logits.dtype)
         if self.kind == "kl":
             p = torch.softmax(teacher / self.temperature, 1)
@@ -62,6 +71,9 @@ class Distillation:
         return ((logits[:, :1] - logits[:, 1:]) - (teacher[:, :1] - teacher[:, 1:])).square().mean(1)
 
     def describe(self) -> str:
+        if self.model:
+            what = f"KL to the teacher model's softmax over every column at tau {self.temperature:g}"
+            return f"{self.weight:g} x distillation ({what})"
         what = f"KL to the teacher's softmax at tau {self.temperature:g}" if self.kind == "kl" else "margin MSE"
         return f"{self.weight:g} x distillation ({what}) over each query's own documents"
 
@@ -75,13 +87,13 @@ def own_logits(q: Tensor, docs: Tensor, scale: Tensor, first_row: int, num_queri
 @dataclass(frozen=True)
 class Distilled:
     """A contrastive objective (weighted by `contrastive_weight`; 0 leaves it out) plus a
-    distillation term; see the module docstring. `teacher`: the scores [N, 1 + k] of the problem
-    the next call computes (`with_teacher`)."""
+    distillation term; see the module docstring. `teacher`: the data's scores [N, 1 + k], or the
+    teacher model's embeddings, of the problem the next call computes (`with_teacher`)."""
 
     inner: Objective
     distillation: Distillation
     contrastive_weight: float = 1.0
-    teacher: Tensor | None = field(default=None, compare=False, repr=False)
+    teacher: Tensor | Guide | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -110,7 +122,7 @@ class Distilled:
     def with_guide(self, guide: Guide | None) -> Distilled:
         return dataclasses.replace(self, inner=self.inner.with_guide(guide))
 
-    def with_teacher(self, teacher: Tensor) -> Distilled:
+    def with_teacher(self, teacher: Tensor | Guide) -> Distilled:
         return dataclasses.replace(self, teacher=teacher)
 
     def fused(self, num_queries: int, num_columns: int) -> bool:
@@ -121,22 +133,35 @@ class Distilled:
             return f"{self.distillation.describe()}, without the contrastive objective"
         return f"{self.contrastive_weight:g} x {self.inner.describe()} + {self.distillation.describe()}"
 
-    def _teacher(self, num_queries: int, num_columns: int) -> Tensor:
-        """The bound scores, checked against the problem's shape."""
-        if self.teacher is None:
-            raise ValueError("loss.distill: no teacher scores for this problem; the batches must carry them")
+    def _teacher(self, num_queries: int, num_columns: int) -> Tensor | Guide:
+        """The bound teacher, checked against the problem's shape and the teacher's kind."""
+        teacher, model = self.teacher, self.distillation.model
+        if teacher is None or isinstance(teacher, Guide) != model:
+            want = "the teacher model's embeddings" if model else "the data's teacher scores"
+            raise ValueError(f"loss.distill: no teacher for this problem; the step must bind {want}")
+        if model:
+            if (len(teacher.queries), len(teacher.columns)) != (num_queries, num_columns):
+                raise ValueError(
+                    f"loss.teacher_model: embeddings of {len(teacher.queries)} queries and {len(teacher.columns)} "
+                    f"columns for a problem of {num_queries} and {num_columns}"
+                )
+            return teacher
         k = (num_columns - num_queries) // max(num_queries, 1)
-        if k < 1 or tuple(self.teacher.shape) != (num_queries, 1 + k):
+        if k < 1 or tuple(teacher.shape) != (num_queries, 1 + k):
             raise ValueError(
-                f"loss.distill: teacher scores {tuple(self.teacher.shape)} for {num_queries} queries and "
+                f"loss.distill: teacher scores {tuple(teacher.shape)} for {num_queries} queries and "
                 f"{num_columns} columns; it needs [{num_queries}, 1 + k] with k >= 1 hard negatives per query"
             )
-        return self.teacher
+        return teacher
 
     def _term(self, q: Tensor, docs: Tensor, scale: Tensor) -> Tensor:
         """weight x L_d of a whole problem (autograd)."""
         teacher = self._teacher(len(q), len(docs))
-        return self.distillation.weight * self.distillation.rows(own_logits(q, docs, scale, 0, len(q)), teacher).mean()
+        if isinstance(teacher, Guide):
+            logits, scores = scale * (q @ docs.T), teacher.queries @ teacher.columns.T
+        else:
+            logits, scores = own_logits(q, docs, scale, 0, len(q)), teacher
+        return self.distillation.weight * self.distillation.rows(logits, scores).mean()
 
     def dense(
         self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
@@ -177,23 +202,17 @@ class Distilled:
         kernel: str = "pytorch",
         ids: Tensor | None = None,
     ) -> StreamResult:
-        """The own rows' terms by autograd on [c, 1 + k] logits; their documents' gradients land
-        in their columns of this rank's share."""
-        c, n = len(q_own), num_queries
-        teacher = self._teacher(n, len(docs))[first_row : first_row + c]
-        acc = torch.promote_types(q_own.dtype, torch.float32)
-        idx = own_columns(first_row, c, n, len(docs), docs.device)
-        with torch.enable_grad():
-            q_leaf = q_own.detach().to(acc).requires_grad_()
-            d_leaf = docs[idx].detach().to(acc).requires_grad_()
-            logits = scale.detach().to(acc) * torch.einsum("cd,ckd->ck", q_leaf, d_leaf)
-            term = self.distillation.rows(logits, teacher).sum() * (self.distillation.weight / n)
-            grad_rows, grad_own = torch.autograd.grad(term, (q_leaf, d_leaf))
-        grad_cols = torch.zeros(docs.shape, dtype=acc, device=docs.device)
-        grad_cols.index_put_((idx.flatten(),), grad_own.flatten(0, 1))
+        """The own rows' terms, their gradients and their columns' shares (`_own_documents` or
+        `_every_column`), then the inner objective's streamed form, weighted."""
+        n, acc = num_queries, torch.promote_types(q_own.dtype, torch.float32)
+        teacher = self._teacher(n, len(docs))
+        part = _every_column if isinstance(teacher, Guide) else _own_documents
+        term, grad_rows, grad_cols = part(
+            self.distillation, q_own, docs, scale.detach().to(acc), teacher, first_row, n, chunk
+        )
         loss = ranks.sum(term.detach().clone())
-        scale_rows = row_scale_shares(q_leaf.detach(), grad_rows, scale)
-        bias_rows = torch.zeros(c, dtype=acc, device=q_own.device) if self.has_bias else None
+        scale_rows = row_scale_shares(q_own.to(acc), grad_rows, scale)
+        bias_rows = torch.zeros(len(q_own), dtype=acc, device=q_own.device) if self.has_bias else None
         if not self.contrastive_weight:
             return StreamResult(loss, grad_rows, grad_cols, scale_rows, bias_rows)
         w = self.contrastive_weight
@@ -208,3 +227,46 @@ class Distilled:
             w * part.scale_rows + scale_rows.to(part.scale_rows.dtype),
             None if part.bias_rows is None else w * part.bias_rows,
         )
+
+
+def _own_documents(
+    distillation: Distillation, q_own: Tensor, docs: Tensor, scale: Tensor, teacher: Tensor, first_row: int, n: int, _
+) -> tuple[Tensor, Tensor, Tensor]:
+    """weight/N x the own rows' terms over their own documents (the data's scores), by autograd on
+    [c, 1 + k] logits; dL/dq of the rows, and dL/dD with their documents' gradients in their columns."""
+    c, acc = len(q_own), scale.dtype
+    idx = own_columns(first_row, c, n, len(docs), docs.device)
+    with torch.enable_grad():
+        q_leaf = q_own.detach().to(acc).requires_grad_()
+        d_leaf = docs[idx].detach().to(acc).requires_grad_()
+        logits = scale * torch.einsum("cd,ckd->ck", q_leaf, d_leaf)
+        term = distillation.rows(logits, teacher[first_row : first_row + c]).sum() * (distillation.weight / n)
+        grad_rows, grad_own = torch.autograd.grad(term, (q_leaf, d_leaf))
+    grad_cols = torch.zeros(docs.shape, dtype=acc, device=docs.device)
+    grad_cols.index_put_((idx.flatten(),), grad_own.flatten(0, 1))
+    return term, grad_rows, grad_cols
+
+
+def _every_column(
+    distillation: Distillation, q_own: Tensor, docs: Tensor, scale: Tensor, teacher: Guide, first_row: int, n: int,
+    chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """weight/N x the own rows' KL over every column (the teacher model's cosines), in blocks of
+    `chunk` rows (a rank holds every column, so each block holds its rows' whole softmax):
+    dL/dS = weight/N (softmax(S) - p), carried to the rows and the columns in closed form."""
+    acc, c = scale.dtype, len(q_own)
+    cols = docs.to(acc)
+    term = torch.zeros((), dtype=acc, device=q_own.device)
+    grad_rows = torch.empty(c, docs.shape[1], dtype=acc, device=q_own.device)
+    grad_cols = torch.zeros(cols.shape, dtype=acc, device=docs.device)
+    factor = distillation.weight / n
+    for start in range(0, c, chunk):
+        rows = q_own[start : start + chunk].to(acc)
+        log_student = torch.log_softmax(scale * (rows @ cols.T), 1)
+        targets = teacher.queries[first_row + start : first_row + start + len(rows)] @ teacher.columns.T
+        p = torch.softmax(targets.to(acc) / distillation.temperature, 1)
+        term += (torch.xlogy(p, p) - p * log_student).sum() * factor
+        grad_logits = (log_student.exp_() - p).mul_(factor * scale)
+        grad_rows[start : start + len(rows)] = grad_logits @ cols
+        grad_cols.addmm_(grad_logits.T, rows)
+    return term, grad_rows, grad_cols

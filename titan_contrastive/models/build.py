@@ -1,6 +1,6 @@
 """The model a run trains: its objective (`resolve_objective`), and the family's args sized by the data and
 the config, built on the device, started from `[model] init_from`'s weights when given, with its
-locked towers frozen (`build_run_model`), and the frozen guide of its masks (`build_guide`); all
+locked towers frozen (`build_run_model`), and the frozen guide of its masks or teacher (`build_guide`); all
 before any parallel wrapping (sharding, DDP) and before the optimizer sees a parameter; and the
 clamp of a learned logit scale after each step."""
 
@@ -46,7 +46,7 @@ def eval_objective(spec: ModelSpec, cfg: JobConfig) -> Objective | None:
     a distillation term (held-out pairs carry no teacher scores): the contrastive objective, unweighted."""
     if not cfg.loss.mask_duplicates and not cfg.loss.distill:
         return resolve_objective(spec, cfg)
-    loss = dataclasses.replace(cfg.loss, mask_duplicates=False, distill="", contrastive_weight=1.0)
+    loss = dataclasses.replace(cfg.loss, mask_duplicates=False, distill="", contrastive_weight=1.0, teacher_model="")
     return resolve_objective(spec, dataclasses.replace(cfg, loss=loss))
 
 
@@ -62,7 +62,7 @@ def build_run_model(
     """(args, model, guide): `flavor_args` (already through its `update_from_config`) sized by the run's
     data (a datasets.build.DataBundle: the training set's image shape, vocabulary and EOS, the context
     length), the model built in `param_dtype` on `device`, `init_state` loaded, `model.freeze` applied;
-    the frozen guide of `[loss] guide_model` (`build_guide`; None without), built first."""
+    the frozen guide or teacher model (`build_guide`; None without), built first."""
     train_set, context_length = data.train_set, data.context_length
     try:
         sized = flavor_args.update_from_data(
@@ -85,24 +85,32 @@ def build_run_model(
 def build_guide(
     spec: ModelSpec, cfg: JobConfig, args: Any, param_dtype: torch.dtype, device: torch.device
 ) -> nn.Module | None:
-    """`[loss] guide_model`: the frozen guide whose cosines decide the false-negative masks (GISTEmbed,
-    `losses/guide.py`), built like the run's model from its own folder (`args.as_guide`: the families
-    that take one) in `param_dtype` on `device`, in eval mode; None when unset."""
-    path = cfg.loss.guide_model
+    """The run's frozen model: `[loss] guide_model`, whose cosines decide the false-negative masks
+    (GISTEmbed, `losses/guide.py`), and/or `[loss] teacher_model`, whose cosines are a distillation's
+    targets (`losses/distill.py`; one model when both name the same folder), built like the run's
+    model from its own folder (`args.as_guide`: the families that take one) in `param_dtype` on
+    `device`, in eval mode; None when neither is set."""
+    loss = cfg.loss
+    if loss.guide_model and loss.teacher_model and loss.guide_model != loss.teacher_model:
+        raise ConfigError(
+            f"loss.teacher_model={loss.teacher_model!r} and loss.guide_model={loss.guide_model!r}: a run holds one "
+            "frozen model; give both the same folder, or leave one empty"
+        )
+    key = "loss.guide_model" if loss.guide_model else "loss.teacher_model"
+    path = loss.guide_model or loss.teacher_model
     if not path:
         return None
     as_guide = getattr(args, "as_guide", None)
     if as_guide is None:
         raise ConfigError(
-            f"loss.guide_model={path!r}: the {spec.name} family takes no guide model (bi_encoder does); leave it empty"
+            f"{key}={path!r}: the {spec.name} family takes no frozen guide or teacher model (bi_encoder does); "
+            "leave it empty"
         )
     try:
         guide_args = as_guide(path)
     except ConfigError as e:  # the folder's own message, about the guide's setting
-        message = str(e).replace("model.path", "loss.guide_model")
-        raise ConfigError(
-            message if message.startswith("loss.guide_model") else f"loss.guide_model={path!r}: {message}"
-        ) from None
+        message = str(e).replace("model.path", key)
+        raise ConfigError(message if message.startswith(key) else f"{key}={path!r}: {message}") from None
     with device:
         guide = spec.build_model(guide_args).to(param_dtype)
     return guide.requires_grad_(False).eval()

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from titan_contrastive.config import ConfigError, JobConfig
-from titan_contrastive.losses import Objective
+from titan_contrastive.losses import Distilled, Matryoshka, Objective
 from titan_contrastive.steps.accumulate import AccumulateStep
 from titan_contrastive.steps.base import Batch, GradientStep, StepBuilder, StepContext
 from titan_contrastive.steps.contrastive import gradcache_chunk
@@ -62,7 +62,10 @@ def build_gradient_step(
             "which only the GradCache step "
             f"with microbatch negatives runs, but {_why_not_gradcache(spec, ctx, cfg)}"
         )
-    if ctx.guide is not None and not hasattr(objective, "with_guide"):  # a registered objective without it
+    innermost = objective
+    while isinstance(innermost, (Matryoshka, Distilled)):  # the wrapped objective's masks read the guide
+        innermost = innermost.inner
+    if ctx.guide is not None and ctx.guide_masks and not hasattr(innermost, "with_guide"):  # a registered one
         raise ConfigError(
             f"loss.guide_model={cfg.loss.guide_model!r}: the objective loss.name={cfg.loss.name!r} has no with_guide "
             "(losses/base.py), so its masks cannot read a guide; add it or leave loss.guide_model empty"

@@ -84,8 +84,12 @@ class StepContext:
     """Batch key -> what `inputs` applies to a uint8 entry once on the device (the data's
     `DataBundle.device_transforms`: normalization of pixels sent as uint8)."""
     guide: nn.Module | None = None
-    """`[loss] guide_model`: the frozen model whose embeddings decide the false-negative masks
-    (GISTEmbed, `losses/guide.py`; `guide_of`), or None."""
+    """The frozen model (`guide_of`): `[loss] guide_model`'s, whose embeddings decide the false-negative
+    masks (GISTEmbed, `losses/guide.py`), and/or `[loss] teacher_model`'s, a distillation's targets; or None."""
+    guide_masks: bool = True
+    """Whether the frozen model's embeddings decide the masks (`[loss] guide_model`)."""
+    guide_teaches: bool = False
+    """Whether they are the distillation's teacher (`[loss] teacher_model`)."""
     last_scalars: tuple[Tensor, ...] = field(default=(), init=False)
     """What the last contrastive forward returned after the embeddings (exp(logit_scale)[, logit_bias]), for the log."""
     takes_replay: bool = field(default=False, init=False)
@@ -128,6 +132,8 @@ class StepContext:
             family=cfg.model.name,
             device_transforms=dict(device_transforms or {}),
             guide=guide,
+            guide_masks=bool(cfg.loss.guide_model),
+            guide_teaches=bool(cfg.loss.teacher_model),
         )
 
     @property
@@ -208,23 +214,32 @@ class StepContext:
 
     @property
     def guide_note(self) -> str:
-        """The start log's account of a guide (after the objective's)."""
-        note = "; the margin and relative masks compare the frozen guide's cosines (loss.guide_model)"
-        return note if self.guide is not None else ""
+        """The start log's account of the frozen model (after the objective's)."""
+        if self.guide is None:
+            return ""
+        masks = "; the margin and relative masks compare the frozen guide's cosines (loss.guide_model)"
+        teaches = "; the distillation's targets are the frozen teacher's cosines (loss.teacher_model)"
+        return (masks if self.guide_masks else "") + (teaches if self.guide_teaches else "")
+
+    def frozen_inputs(self, batches: Sequence[Batch], chunk_size: int | None) -> tuple[Guide | None, Any]:
+        """(the guide's embeddings for the masks, the distillation's teacher) of the problem these
+        batches make: the frozen model's embeddings in the roles it has (`guide_of`), and the data's
+        teacher scores when no teacher model gives them (None where none)."""
+        frozen = self.guide_of(batches, chunk_size)
+        teacher = frozen if self.guide_teaches else self.teacher_scores(batches)
+        return (frozen if self.guide_masks else None), teacher
 
     def loss_inputs(self, batch: Batch, ids: bool, chunk_size: int | None = None) -> dict[str, Any]:
         """What a microbatch's loss reads besides the embeddings: its documents' ids when the objective
-        reads them (`ids`), the guide's embeddings in a run with a guide, the teacher's scores of data
-        that serves them (a run with loss.distill)."""
+        reads them (`ids`), the guide's embeddings and the teacher's scores where the run has them
+        (`frozen_inputs`)."""
         inputs: dict[str, Any] = {"ids": self.document_ids(batch)} if ids else {}
-        if self.guide is not None:
-            inputs["guide"] = self.guide_of([batch], chunk_size)
-        if TEACHER_SCORES in batch:
-            inputs["teacher"] = self.teacher_scores([batch])
+        guide, teacher = self.frozen_inputs([batch], chunk_size)
+        inputs |= {key: value for key, value in (("guide", guide), ("teacher", teacher)) if value is not None}
         return inputs
 
     def teacher_scores(self, batches: Sequence[Batch]) -> Tensor | None:
-        """The teacher's scores of these batches' documents [B, 1 + k] on the device, in the
+        """The data's teacher scores of these batches' documents [B, 1 + k] on the device, in the
         accumulation dtype; None when the data serves none."""
         if not batches or TEACHER_SCORES not in batches[0]:
             return None

@@ -134,7 +134,8 @@ class StreamingClipStep:
         """Accumulate the exact gradient of the global loss into .grad; return the loss (detached).
         `ids`: the local documents' ids, [b] or [b, 1 + k] like z_y (for an objective that reads them);
         `guide`: a guide's embeddings of the global problem, whose cosines the masks compare;
-        `teacher`: a teacher's scores of the local documents [b, 1 + k] (a distilled objective)."""
+        `teacher`: a distilled objective's teacher: the data's scores of the local documents [b, 1 + k], or a
+        teacher model's embeddings of the global problem."""
         # A. no-graph forward per microbatch, RNG captured for the replay (the cached-gradient engine); all-gather
         #    (the last microbatch keeps its graph: D backpropagates it first instead of re-running it)
         outputs, rand = engine.forward_no_grad(
@@ -186,7 +187,7 @@ class StreamingClipStep:
             col_ids = columns(self.ranks.gather(pos_ids), None if neg_ids is None else self.ranks.gather(neg_ids))
         objective = self.objective if guide is None else self.objective.with_guide(guide)
         if teacher is not None:
-            objective = objective.with_teacher(self.ranks.gather(teacher))
+            objective = objective.with_teacher(self.ranks.gather(teacher) if isinstance(teacher, Tensor) else teacher)
         result = self._streamed(objective, zx_local, docs, s, b, n, c, col_ids)
         gx, gy = result.grad_rows, self.ranks.scatter_sum(result.grad_cols[:n])
         if zy_local.dim() == 3:  # the own samples' documents again: [c, 1 + k, d], each positive then its negatives
@@ -300,10 +301,11 @@ class GlobalNegativesStep(ContrastiveLog):
     def __call__(self, microbatches: Sequence[Batch]) -> float:
         chunks = [chunk for mb in microbatches for chunk in self.ctx.split(mb, self.chunk_size)]
         ids = torch.cat([self.ctx.document_ids(c) for c in chunks]) if self.streaming.objective.needs_ids else None
-        ctx, guide = self.ctx, self.ctx.guide_of(chunks, None)
+        ctx = self.ctx
+        guide, teacher = ctx.frozen_inputs(chunks, None)
         loss = self.streaming(
             ctx.encode, chunks, grad_sync=ctx.grad_sync, backward=ctx.backward, replay=True, ids=ids, guide=guide,
-            teacher=ctx.teacher_scores(chunks),
+            teacher=teacher,
         )  # fmt: skip
         return loss.item()
 
