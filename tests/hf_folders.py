@@ -37,46 +37,28 @@ def _tokenizer(specials: list[str], template: str, pad: str, eos: str | None, si
     )
 
 
-def encoder_folder(root: Path, dropout: float = 0.1) -> Path:
-    from transformers import BertConfig, BertModel
+def _bert(folder: Path, model_class: str, pair: str | None = None, **config) -> Path:
+    """A 2-layer, 16-wide BERT of `model_class` ([CLS] text [SEP]; `pair`: the template of two texts)."""
+    import transformers
 
-    folder = root / "tiny-bert"
-    tokenizer = _tokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]"], "[CLS] $A [SEP]", "[PAD]", None, "right")
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=64,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    )
-    BertModel(config).save_pretrained(folder)
+    tokenizer = _tokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]"], "[CLS] $A [SEP]", "[PAD]", None, "right", pair)
+    shape = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+    config = transformers.BertConfig(vocab_size=len(tokenizer), max_position_embeddings=64, **shape, **config)
+    getattr(transformers, model_class)(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def encoder_folder(root: Path, dropout: float = 0.1) -> Path:
+    drop = dict(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    return _bert(root / "tiny-bert", "BertModel", **drop)
 
 
 def cross_encoder_folder(root: Path) -> Path:
     """A BERT-like cross-encoder ([CLS] query [SEP] document [SEP] -> one logit), as sentence-transformers'
     CrossEncoder loads a transformers folder."""
-    from transformers import BertConfig, BertForSequenceClassification
-
-    folder = root / "tiny-cross-encoder"
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
-    tokenizer = _tokenizer(specials, "[CLS] $A [SEP]", "[PAD]", None, "right", pair="[CLS] $A [SEP] $B:1 [SEP]:1")
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=64,
-        num_labels=1,
-    )
-    BertForSequenceClassification(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    pair = "[CLS] $A [SEP] $B:1 [SEP]:1"
+    return _bert(root / "tiny-cross-encoder", "BertForSequenceClassification", pair, num_labels=1)
 
 
 def decoder_folder(root: Path, dropout: float = 0.1) -> Path:

@@ -148,6 +148,37 @@ class Objective(Protocol):
     def describe(self) -> str: ...
 
 
+class Wrapping:
+    """What an objective that wraps another (`inner`: Matryoshka, Distilled) takes from it as it is:
+    its name, bias, ids, kernel kind and initial temperature and bias."""
+
+    inner: Objective
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def has_bias(self) -> bool:
+        return self.inner.has_bias
+
+    @property
+    def needs_ids(self) -> bool:
+        return self.inner.needs_ids
+
+    @property
+    def kernel_kind(self) -> str:
+        return self.inner.kernel_kind
+
+    @property
+    def init_logit_scale(self) -> float:
+        return self.inner.init_logit_scale
+
+    @property
+    def init_logit_bias(self) -> float | None:
+        return self.inner.init_logit_bias
+
+
 def gathered_problem(
     q: Tensor,
     docs: tuple[Tensor, Tensor | None],

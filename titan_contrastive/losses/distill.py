@@ -30,6 +30,7 @@ from titan_contrastive.losses.base import (
     Objective,
     Ranks,
     StreamResult,
+    Wrapping,
     gathered_problem,
     own_columns,
     row_scale_shares,
@@ -85,7 +86,7 @@ def own_logits(q: Tensor, docs: Tensor, scale: Tensor, first_row: int, num_queri
 
 
 @dataclass(frozen=True)
-class Distilled:
+class Distilled(Wrapping):
     """A contrastive objective (weighted by `contrastive_weight`; 0 leaves it out) plus a
     distillation term; see the module docstring. `teacher`: the data's scores [N, 1 + k], or the
     teacher model's embeddings, of the problem the next call computes (`with_teacher`)."""
@@ -94,30 +95,6 @@ class Distilled:
     distillation: Distillation
     contrastive_weight: float = 1.0
     teacher: Tensor | Guide | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def has_bias(self) -> bool:
-        return self.inner.has_bias
-
-    @property
-    def needs_ids(self) -> bool:
-        return self.inner.needs_ids
-
-    @property
-    def kernel_kind(self) -> str:
-        return self.inner.kernel_kind
-
-    @property
-    def init_logit_scale(self) -> float:
-        return self.inner.init_logit_scale
-
-    @property
-    def init_logit_bias(self) -> float | None:
-        return self.inner.init_logit_bias
 
     def with_guide(self, guide: Guide | None) -> Distilled:
         return dataclasses.replace(self, inner=self.inner.with_guide(guide))

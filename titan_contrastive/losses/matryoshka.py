@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from titan_contrastive.losses.base import Objective, Ranks, StreamResult
+from titan_contrastive.losses.base import Objective, Ranks, StreamResult, Wrapping
 from titan_contrastive.losses.guide import Guide
 
 
@@ -27,7 +27,7 @@ def prefix(z: Tensor, dim: int) -> Tensor:
 
 
 @dataclass(frozen=True)
-class Matryoshka:
+class Matryoshka(Wrapping):
     inner: Objective
     dims: tuple[int, ...]
     weights: tuple[float, ...]
@@ -35,30 +35,6 @@ class Matryoshka:
     def __post_init__(self) -> None:
         if len(self.dims) != len(self.weights) or not self.dims:
             raise ValueError(f"matryoshka dims {self.dims} and weights {self.weights} must be as many, at least one")
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def has_bias(self) -> bool:
-        return self.inner.has_bias
-
-    @property
-    def needs_ids(self) -> bool:
-        return self.inner.needs_ids
-
-    @property
-    def kernel_kind(self) -> str:
-        return self.inner.kernel_kind
-
-    @property
-    def init_logit_scale(self) -> float:
-        return self.inner.init_logit_scale
-
-    @property
-    def init_logit_bias(self) -> float | None:
-        return self.inner.init_logit_bias
 
     def with_guide(self, guide: Guide | None) -> Matryoshka:
         return dataclasses.replace(self, inner=self.inner.with_guide(guide))

@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from titan_contrastive.config import ConfigError, JobConfig
-from titan_contrastive.losses import Distilled, Matryoshka, Objective
+from titan_contrastive.losses import Objective
+from titan_contrastive.losses.base import Wrapping
 from titan_contrastive.steps.accumulate import AccumulateStep
 from titan_contrastive.steps.base import Batch, GradientStep, StepBuilder, StepContext
 from titan_contrastive.steps.contrastive import gradcache_chunk
@@ -63,7 +64,7 @@ def build_gradient_step(
             f"with microbatch negatives runs, but {_why_not_gradcache(spec, ctx, cfg)}"
         )
     innermost = objective
-    while isinstance(innermost, (Matryoshka, Distilled)):  # the wrapped objective's masks read the guide
+    while isinstance(innermost, Wrapping):  # Matryoshka, Distilled: the wrapped objective's masks read the guide
         innermost = innermost.inner
     if ctx.guide is not None and ctx.guide_masks and not hasattr(innermost, "with_guide"):  # a registered one
         raise ConfigError(
