@@ -6,7 +6,9 @@ positive to be its negatives while a smaller model trains.
 The guide's embeddings carry no gradient and the loss is the model's, so every form of an objective
 stays exact with the same mask: the dense and microbatch forms read the guide's block of the whole
 problem, the streamed forms the guide's rows of each block. The steps compute them per batch with
-the run's frozen guide (`StepContext.guide_of`) and hand them to the loss as `guide=`.
+the run's frozen model (`StepContext.guide_of`) and hand them to the loss as `guide=`; the same
+embeddings of a teacher model (`[loss] teacher_model`) are a distillation's targets (`teacher=`,
+`losses/distill.py`).
 """
 
 from __future__ import annotations
