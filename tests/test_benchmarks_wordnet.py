@@ -1,0 +1,114 @@
+"""The WordNet training benchmarks' variants (benchmarks/mixed_sources.py, wordnet_*.py): each
+variant's command is a valid config that differs from the others only in what the benchmark compares."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_mixed_sources_writes_two_tasks_of_the_same_pairs(tmp_path: Path) -> None:
+    """benchmarks.mixed_sources: `describe` is `define` with its columns swapped, the test split is
+    definition -> lemma, and each variant's command is a valid config that joins the two files."""
+    from benchmarks import mixed_sources
+    from titan_contrastive.config.manager import parse_args
+
+    files = mixed_sources.write_tasks(tmp_path / "tasks")
+    define, describe, test = ([line.split("\t") for line in files[k].read_text().splitlines()] for k in files)
+    assert len(define) == len(describe) > 100_000 and len(test) == 2000
+    assert [row[::-1] for row in define] == describe and all(len(row) == 2 for row in define + test)
+    for name in mixed_sources.VARIANTS:
+        cfg = parse_args(
+            [f"--job.config_file={REPO / mixed_sources.CONFIG}", *mixed_sources.command(name, tmp_path / name)[1:]]
+        )
+        assert cfg.data.path == f"{files['define']}::{files['describe']}" and cfg.data.dataset == "pairs"
+        assert cfg.data.same_source_batches == (name == "same_source")
+
+
+def test_wordnet_mined_trains_each_variant_on_its_file(tmp_path: Path) -> None:
+    """benchmarks.wordnet_mined: each variant's command is a valid config on its own file, the
+    mined ones on theirs, and serves the file's negative unless it is a no-negative variant."""
+    from benchmarks import wordnet_mined
+    from titan_contrastive.config.manager import parse_args
+
+    files = wordnet_mined.files(tmp_path / "data")
+    sources = {"inbatch": "train", "siblings": "train", "mined": "mined", "mined_rows": "mined"}
+    for name in wordnet_mined.VARIANTS:
+        argv = wordnet_mined.command(name, tmp_path / name)
+        cfg = parse_args([f"--job.config_file={REPO / wordnet_mined.CONFIG}", *argv[1:]])
+        assert cfg.data.dataset == "pairs" and cfg.data.val_path == str(files["test"])
+        assert cfg.data.path == str(files[sources.get(name, name)])
+        assert cfg.data.hard_negatives == (name not in ("inbatch", "mined_rows"))
+
+
+def test_wordnet_directions_changes_only_the_objective(tmp_path: Path) -> None:
+    """benchmarks.wordnet_directions: each variant's command is a valid config whose objective is its
+    own (symmetric, one-way, Qwen3's and GTE's joint directions, hardness) on the same in-batch data."""
+    from benchmarks import wordnet_directions
+    from titan_contrastive.config.manager import parse_args
+    from titan_contrastive.losses import build_objective
+
+    described = {}
+    for name in wordnet_directions.VARIANTS:
+        argv = wordnet_directions.command(name, tmp_path / name)
+        cfg = parse_args([f"--job.config_file={REPO / wordnet_directions.CONFIG}", *argv[1:]])
+        assert cfg.data.hard_negatives is False and cfg.training.local_batch_size == wordnet_directions.BATCH
+        described[name] = build_objective(cfg.loss).describe()
+    assert described == {
+        "symmetric": "clip loss (InfoNCE, symmetric)",
+        "oneway": "clip loss (InfoNCE, one-way)",
+        "qwen3": "clip loss (InfoNCE, one-way, joint with query_to_query, doc_to_doc)",
+        "gte": "clip loss (InfoNCE, one-way, joint with query_to_query, doc_to_query, doc_to_doc)",
+        "hardness": "clip loss (InfoNCE, one-way, hardness 9 x cos on in batch negatives)",
+    }
+
+
+def test_wordnet_guide_changes_only_the_mask(tmp_path: Path) -> None:
+    """benchmarks.wordnet_guide: each variant's command is a valid config, one-way with the sibling
+    negatives, that differs only in its mask: none, the margin on the model's cosines, the margin on
+    the bundled MiniLM guide's."""
+    from benchmarks import wordnet_guide
+    from titan_contrastive.config.manager import parse_args
+    from titan_contrastive.losses import build_objective
+    from titan_contrastive.models.bi_encoder.folder import bundled_minilm
+
+    masks = {}
+    for name in wordnet_guide.VARIANTS:
+        argv = wordnet_guide.command(name, tmp_path / name)
+        cfg = parse_args([f"--job.config_file={REPO / wordnet_guide.CONFIG}", *argv[1:]])
+        assert cfg.data.hard_negatives is True and cfg.training.local_batch_size == wordnet_guide.BATCH
+        masks[name] = (build_objective(cfg.loss).describe(), cfg.loss.guide_model)
+    one_way = "clip loss (InfoNCE, one-way"
+    assert masks == {
+        "none": (f"{one_way})", ""),
+        "self": (f"{one_way}, false negatives masked (cos > positive + 0))", ""),
+        "guide": (f"{one_way}, false negatives masked (cos > positive + 0))", str(bundled_minilm())),
+    }
+
+
+def test_wordnet_distill_changes_only_the_loss(tmp_path: Path) -> None:
+    """benchmarks.wordnet_distill: each variant's command is a valid config training the student
+    folder on the scored file, one-way, that differs only in the distillation term and the
+    objective's weight."""
+    from benchmarks import wordnet_distill
+    from titan_contrastive.config.manager import parse_args
+    from titan_contrastive.losses import build_objective
+
+    files = wordnet_distill.files(tmp_path / "data")
+    described = {}
+    for name in wordnet_distill.VARIANTS:
+        argv = wordnet_distill.command(name, tmp_path / name)
+        cfg = parse_args([f"--job.config_file={REPO / wordnet_distill.CONFIG}", *argv[1:]])
+        assert cfg.data.path == str(files["train"]) and cfg.model.path == str(files["student"])
+        assert cfg.data.hard_negatives is True and cfg.training.local_batch_size == wordnet_distill.BATCH
+        described[name] = build_objective(cfg.loss).describe()
+    one_way = "clip loss (InfoNCE, one-way)"
+    own = "over each query's own documents"
+    assert described == {
+        "contrastive": one_way,
+        "kl": f"1 x {one_way} + 1 x distillation (KL to the teacher's softmax at tau 1) {own}",
+        "margin_mse": f"1 x distillation (margin MSE) {own}, without the contrastive objective",
+        "kl_model": f"1 x {one_way} + 1 x distillation (KL to the teacher model's softmax over every column at "
+        "tau 0.05)",
+    }
