@@ -198,6 +198,12 @@ def gathered_problem(
     return (ranks.gather_with_grad(q) if with_rows else q), cols, col_ids
 
 
+def bind_teacher(objective: Objective, teacher: Tensor | Guide, ranks: Ranks) -> Objective:
+    """`objective` with a distillation's teacher of the whole problem: the data's scores of the
+    local documents, gathered over `ranks`, or a teacher model's embeddings, gathered already."""
+    return objective.with_teacher(ranks.gather(teacher) if isinstance(teacher, Tensor) else teacher)
+
+
 def row_dots(a: Tensor, b: Tensor, dtype: torch.dtype, block: int = ROW_BLOCK) -> Tensor:
     """<a_i, b_i> per row, each product and the sum in `dtype`, `block` rows at a time (the
     temporary in `dtype` stays [block, d] however many rows there are)."""
@@ -288,6 +294,6 @@ class MicrobatchLoss:
             )
         split = None if ids is None else split_ids(ids)
         objective = self.objective if guide is None else self.objective.with_guide(guide)
-        if teacher is not None:  # the data's local scores, gathered; a teacher model's embeddings, whole
-            objective = objective.with_teacher(self.ranks.gather(teacher) if isinstance(teacher, Tensor) else teacher)
+        if teacher is not None:
+            objective = bind_teacher(objective, teacher, self.ranks)
         return objective.microbatch(q, split_documents(docs), scale, bias, split, self.ranks)

@@ -46,7 +46,7 @@ from titan_contrastive.components.memory_planner import doubling
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.grad_cache import engine
 from titan_contrastive.losses import InfoNCE, Objective, Ranks, split_documents, split_ids
-from titan_contrastive.losses.base import columns
+from titan_contrastive.losses.base import bind_teacher, columns
 from titan_contrastive.losses.fused import choose_path, preferred_kernel, require_kernel
 from titan_contrastive.losses.guide import Guide
 from titan_contrastive.losses.streaming import accumulation_dtype
@@ -187,7 +187,7 @@ class StreamingClipStep:
             col_ids = columns(self.ranks.gather(pos_ids), None if neg_ids is None else self.ranks.gather(neg_ids))
         objective = self.objective if guide is None else self.objective.with_guide(guide)
         if teacher is not None:
-            objective = objective.with_teacher(self.ranks.gather(teacher) if isinstance(teacher, Tensor) else teacher)
+            objective = bind_teacher(objective, teacher, self.ranks)
         result = self._streamed(objective, zx_local, docs, s, b, n, c, col_ids)
         gx, gy = result.grad_rows, self.ranks.scatter_sum(result.grad_cols[:n])
         if zy_local.dim() == 3:  # the own samples' documents again: [c, 1 + k, d], each positive then its negatives
