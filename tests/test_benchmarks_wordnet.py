@@ -89,26 +89,52 @@ def test_wordnet_guide_changes_only_the_mask(tmp_path: Path) -> None:
 
 def test_wordnet_distill_changes_only_the_loss(tmp_path: Path) -> None:
     """benchmarks.wordnet_distill: each variant's command is a valid config training the student
-    folder on the scored file, one-way, that differs only in the distillation term and the
-    objective's weight."""
+    folder (the `teacher` run: the bundled MiniLM, checkpointed) on a scored file, one-way, that
+    differs only in the distillation term, the objective's weight and the teacher; the variants of
+    the fine-tuned teacher read what its run trained, the others never do."""
     from benchmarks import wordnet_distill
     from titan_contrastive.config.manager import parse_args
     from titan_contrastive.losses import build_objective
+    from titan_contrastive.models.bi_encoder.folder import bundled_minilm
 
     files = wordnet_distill.files(tmp_path / "data")
-    described = {}
+    described, trained = {}, {}
     for name in wordnet_distill.VARIANTS:
         argv = wordnet_distill.command(name, tmp_path / name)
         cfg = parse_args([f"--job.config_file={REPO / wordnet_distill.CONFIG}", *argv[1:]])
-        assert cfg.data.path == str(files["train"]) and cfg.model.path == str(files["student"])
+        trained[name] = (Path(cfg.model.path).name, Path(cfg.data.path).name, cfg.loss.teacher_model)
+        assert cfg.checkpoint.enable is (name == "teacher")
         assert cfg.data.hard_negatives is True and cfg.training.local_batch_size == wordnet_distill.BATCH
         described[name] = build_objective(cfg.loss).describe()
     one_way = "clip loss (InfoNCE, one-way)"
     own = "over each query's own documents"
+    kl_own = f"1 x {one_way} + 1 x distillation (KL to the teacher's softmax at tau 1) {own}"
+    margin_mse = f"1 x distillation (margin MSE) {own}, without the contrastive objective"
+    kl_model = f"1 x {one_way} + 1 x distillation (KL to the teacher model's softmax over every column at tau 0.05)"
     assert described == {
         "contrastive": one_way,
-        "kl": f"1 x {one_way} + 1 x distillation (KL to the teacher's softmax at tau 1) {own}",
-        "margin_mse": f"1 x distillation (margin MSE) {own}, without the contrastive objective",
-        "kl_model": f"1 x {one_way} + 1 x distillation (KL to the teacher model's softmax over every column at "
-        "tau 0.05)",
+        "kl": kl_own,
+        "margin_mse": margin_mse,
+        "kl_model": kl_model,
+        "teacher": one_way,
+        "kl_ft": kl_own,
+        "margin_mse_ft": margin_mse,
+        "kl_model_ft": kl_model,
     }
+    minilm, ft = str(bundled_minilm()), str(files["teacher_ft"])
+    assert trained == {
+        "contrastive": ("student", "train.jsonl", ""),
+        "kl": ("student", "train.jsonl", ""),
+        "margin_mse": ("student", "train.jsonl", ""),
+        "kl_model": ("student", "train.jsonl", minilm),
+        "teacher": (Path(minilm).name, "train.jsonl", ""),
+        "kl_ft": ("student", "train_ft.jsonl", ""),
+        "margin_mse_ft": ("student", "train_ft.jsonl", ""),
+        "kl_model_ft": ("student", "train.jsonl", ft),
+    }
+    assert [n for n in wordnet_distill.VARIANTS if wordnet_distill.uses_finetuned(n)] == [
+        "kl_ft",
+        "margin_mse_ft",
+        "kl_model_ft",
+    ]
+    assert list(wordnet_distill.VARIANTS).index("teacher") < list(wordnet_distill.VARIANTS).index("kl_ft")
