@@ -26,6 +26,33 @@ def test_mixed_sources_writes_two_tasks_of_the_same_pairs(tmp_path: Path) -> Non
         assert cfg.data.same_source_batches == (name == "same_source")
 
 
+def test_wordnet_instructions_joins_two_tasks_of_the_same_queries(tmp_path: Path) -> None:
+    """benchmarks.wordnet_instructions: `relate` has `define`'s queries with the sibling lemma as the
+    positive; the joined variants differ only in the prompts (one per file, the held-out queries
+    behind `define`'s), and define_only trains on `define` alone."""
+    from benchmarks import wordnet_instructions as wi
+    from titan_contrastive.config.manager import parse_args
+
+    files = wi.write_tasks(tmp_path / "tasks")
+    define, relate, test = ([line.split("\t") for line in files[k].read_text().splitlines()] for k in files)
+    assert len(define) == len(relate) > 100_000 and len(test) == 2000
+    assert [r[0] for r in define] == [r[0] for r in relate] and sum(
+        a[1] != b[1] for a, b in zip(define, relate)
+    ) > 0.9 * len(define)
+    seen = {}
+    for name in wi.VARIANTS:
+        cfg = parse_args([f"--job.config_file={REPO / wi.CONFIG}", *wi.command(name, tmp_path / name)[1:]])
+        assert cfg.data.val_path == str(files["test"]) and cfg.data.context_length == wi.CONTEXT
+        seen[name] = (cfg.data.path, cfg.data.same_source_batches, cfg.data.query_prompts, cfg.model.query_prompt)
+    joined = f"{files['define']}::{files['relate']}"
+    instructions = list(wi.INSTRUCTIONS.values())
+    assert seen == {
+        "plain": (joined, True, [], "auto"),
+        "instructed": (joined, True, instructions, instructions[0]),
+        "define_only": (str(files["define"]), False, [], "auto"),
+    }
+
+
 def test_wordnet_mined_trains_each_variant_on_its_file(tmp_path: Path) -> None:
     """benchmarks.wordnet_mined: each variant's command is a valid config on its own file, the
     mined ones on theirs, and serves the file's negative unless it is a no-negative variant."""

@@ -42,6 +42,17 @@ def test_both_cli_spellings_and_types(tmp_path: Path) -> None:
     assert parse_args(["--training.local-batch-size=4"]).training.local_batch_size == 4
 
 
+def test_lists_split_at_commas_on_the_command_line_only(tmp_path: Path) -> None:
+    """One CLI value of a list splits at commas (`--model.freeze=a,b`); a TOML list never does, nor do
+    several CLI values (a prompt with a comma)."""
+    f = write(tmp_path, '[data]\nquery_prompts = ["Given a query, retrieve"]\ndoc_prompts = "a,b"\n')
+    cfg = parse_args(["--job.config_file", f, "--model.freeze=text,image"])
+    assert cfg.data.query_prompts == ["Given a query, retrieve"] and cfg.data.doc_prompts == ["a", "b"]
+    assert cfg.model.freeze == ["text", "image"]
+    cfg = parse_args(["--data.query_prompts", "q, 1: ", "", "--data.doc_prompts="])
+    assert cfg.data.query_prompts == ["q, 1: ", ""] and cfg.data.doc_prompts == []
+
+
 def test_shipped_configs_parse() -> None:
     for path in sorted((REPO / "train_configs").glob("*.toml")):
         parse_args(["--job.config_file", str(path)])

@@ -9,9 +9,12 @@ source (`loader.BlockedDistributedSampler` with `source_sizes`).
   the order is the same for 1 rank x 6 x 2 steps, 2 ranks x 3 x 2 and 4 ranks x 3 (ranks
   concatenated), and a loader restored mid-epoch continues with the batches of the uninterrupted one;
 - through the trainer: global negatives with accumulation take each step from one file and train;
+- each file's own prompts (`data.query_prompts`, `data.doc_prompts`: a task's instruction) give the
+  tokens of the same files with the prompts written into their texts, at every joined index and
+  epoch, in the dataset and through the trainer (whose held-out file keeps the model's prompt);
 - one-line errors: files that disagree on hard negatives or ids, factors or '::' where one source is
-  read, a source smaller than a step, same-source batches over one source, a held-out file next to
-  weighted training files is read as it is.
+  read, a source smaller than a step, same-source batches over one source, prompts not one per source
+  or for data that is not text pairs; a held-out file next to weighted training files is read as it is.
 - image-text sources (csv) joined: the fractional share's window moves per epoch, factors weigh the
   training split only, same-source steps on 2 ranks, and a bad sample at the end of a source's range
   is substituted from that source. vl_pairs files: tests/test_qwen_vl_pairs.py.
@@ -20,6 +23,7 @@ source (`loader.BlockedDistributedSampler` with `source_sizes`).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 
@@ -63,6 +67,21 @@ def _files(tmp: Path, sizes: tuple[int, ...] = (11, 7, 5), negatives: tuple[int,
     ]
 
 
+PROMPTS = {"query_prompts": ["Instruct: find the word, then\nQuery: ", ""], "doc_prompts": ["", "passage: "]}
+"""Two files' prompts: an instruction with a comma and a newline, and none, per side."""
+
+
+def _prefixed(files: list[Path], out: Path, query_prompts: list[str], doc_prompts: list[str]) -> list[Path]:
+    """`files` (of `_files`) rewritten under `out` with each file's prompts written into its texts
+    (documents' to the positive and every negative), the reference a prompt must reproduce."""
+    out.mkdir()
+    written = []
+    for f, q, d in zip(files, query_prompts or [""] * len(files), doc_prompts or [""] * len(files)):
+        rows = [json.loads(line) for line in f.read_text().splitlines()]
+        written.append(write_jsonl(out / f.name, [[q + r[0], *(d + t for t in r[1:])] for r in rows]))
+    return written
+
+
 def _joined(files: list[Path]) -> str:
     return "::".join(map(str, files))
 
@@ -99,6 +118,38 @@ def test_joined_files_serve_each_files_rows(tmp_path: Path, tokenizer) -> None:
             assert torch.equal(batch[key], want), (epoch, key)
         windows.append({r for s, r in expected if s == 2})
     assert [len(w) for w in windows] == [3] * 5 and set().union(*windows) == set(range(5))
+
+
+@needs_hf
+def test_each_source_gets_its_own_prompts(tmp_path: Path, tokenizer) -> None:
+    files = _files(tmp_path, sizes=(11, 7))
+    common = dict(split="train", query_length=20, factors=[2.0, 0.6])
+    prompted = PairsDataset(path=_joined(files), tokenizer=tokenizer, **common, **PROMPTS)
+    written = PairsDataset(
+        path=_joined(_prefixed(files, tmp_path / "prefixed", **PROMPTS)), tokenizer=tokenizer, **common
+    )
+    model_query = dataclasses.replace(tokenizer, query_prompt="query: ")  # a folder's own query prompt
+    docs_only = PairsDataset(path=_joined(files), tokenizer=model_query, doc_prompts=PROMPTS["doc_prompts"], **common)
+    docs_written = PairsDataset(
+        path=_joined(_prefixed(files, tmp_path / "docs", ["query: "] * 2, PROMPTS["doc_prompts"])),
+        tokenizer=tokenizer,
+        **common,
+    )
+    plain = PairsDataset(path=_joined(files), tokenizer=tokenizer, **common)
+    for epoch in range(3):
+        for ds in (prompted, written, docs_only, docs_written, plain):
+            ds.set_epoch(epoch)
+        got, want = prompted.__getitems__(range(len(prompted))), written.__getitems__(range(len(written)))
+        assert got.keys() == want.keys() == {"query", "doc", "neg", "index"}
+        for key in got:
+            assert torch.equal(got[key], want[key]), (epoch, key)
+        got, want = docs_only.__getitems__(range(26)), docs_written.__getitems__(range(26))
+        assert all(torch.equal(got[key], want[key]) for key in got), epoch
+    rows = plain.__getitems__(range(len(plain)))
+    changed = {k: (rows[k] != prompted.__getitems__(range(len(plain)))[k]).flatten(1).any(1) for k in ("query", "doc")}
+    source = [0] * 22 + [1] * 4
+    assert changed["query"].tolist() == [s == 0 for s in source]  # the first file's queries, the second's docs
+    assert changed["doc"].tolist() == [s == 1 for s in source]
 
 
 def test_source_mix_and_split() -> None:
@@ -238,6 +289,13 @@ def test_errors(tmp_path: Path, tokenizer) -> None:
         _one_line(err, needle, "csv, webdataset, hf, pairs and vl_pairs")
     for kind in ("pairs", "vl_pairs", "csv", "webdataset", "hf"):
         check_joined_sources(Data(dataset=kind, path="a::b", upsampling_factors=[1.0, 2.0]))
+    for key in PROMPTS:
+        with pytest.raises(DataError) as err:
+            PairsDataset(path=_joined(files), hard_negatives=False, **common, **{key: ["only one"]})
+        _one_line(err, f"data.{key}=['only one']: 1 prompt(s) for the 2 source(s)", "one per '::'-joined source")
+        with pytest.raises(DataError) as err:
+            check_joined_sources(Data(dataset="vl_pairs", path="a::b", **{key: ["x", "y"]}))
+        _one_line(err, f"data.{key}=['x', 'y']", "not data.dataset='vl_pairs'", f"set model.{key[:-1]}")
     one = PairsDataset(path=str(plain[0]), **common)
     with pytest.raises(DataError) as err:
         build_dataloader(one, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, same_source_steps=2)
@@ -246,6 +304,38 @@ def test_errors(tmp_path: Path, tokenizer) -> None:
     with pytest.raises(DataError) as err:
         build_dataloader(small, local_batch_size=2, dp_rank=0, dp_world_size=2, seed=0, same_source_steps=4)
     _one_line(err, "source 2 of data.path gives 3 samples per epoch, fewer than the 4", "data.upsampling_factors")
+
+
+@needs_hf
+def test_trainer_prompts_each_source_and_not_the_held_out_file(tmp_path: Path) -> None:
+    """From the TOML and the command line (one argument per prompt, commas kept): the training files
+    through their prompts, the held-out file through the model's (none for the bundled MiniLM)."""
+    files = _files(tmp_path, sizes=(8, 6))
+    config = tmp_path / "prompts.toml"
+    config.write_text(f"[data]\nquery_prompts = {json.dumps(PROMPTS['query_prompts'])}\n")
+    trainer = make_trainer(
+        tmp_path,
+        _joined(files),
+        f"--job.config_file={config}",
+        "--data.doc_prompts",
+        *PROMPTS["doc_prompts"],
+        "--training.local_batch_size=7",
+        "--training.steps=2",
+        "--metrics.log_freq=1",
+        f"--data.val_path={files[1]}",
+    )
+    assert trainer.cfg.data.query_prompts == PROMPTS["query_prompts"]
+    assert trainer.cfg.data.doc_prompts == PROMPTS["doc_prompts"]
+    common = dict(tokenizer=trainer.train_set.tokenizer, query_length=16)
+    written = PairsDataset(split="train", path=_joined(_prefixed(files, tmp_path / "prefixed", **PROMPTS)), **common)
+    for key, value in trainer.train_set.__getitems__(range(14)).items():
+        assert torch.equal(value, written.__getitems__(range(14))[key]), key
+    held_out = PairsDataset(split="test", path=str(files[1]), **common).__getitems__(range(6))
+    assert all(torch.equal(v, trainer.eval_set.__getitems__(range(6))[k]) for k, v in held_out.items())
+    trainer.train()
+    trainer.metrics.close()
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if r["kind"] == "train"] == [1, 2]
 
 
 @needs_hf

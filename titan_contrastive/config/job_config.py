@@ -290,14 +290,10 @@ class GradCacheConfig:
     """Samples per forward chunk: one value, or one per tower (image, text). The clip family runs
     both towers in one forward, so its two values must be equal."""
     chunk_tokens: int = _opt(0, lambda v: v >= 0, "0 (off) or an integer >= 1")
-    """Tokens per forward chunk instead of `chunk_sizes` samples, for text families (bi_encoder);
-    0 = off. The microbatch's samples are sorted by length and each chunk takes as many as fit
-    (samples x the chunk's longest query + longest document <= chunk_tokens; at least one sample),
-    so short texts go in large chunks and long ones in small chunks (sentence-transformers'
-    mini_batch_num_tokens); the loss sees the samples in their original order, so the loss and the
-    gradients are those of any chunking. E.g. 32 x the median tokens per sample. Needs
-    enabled = true and loss.negatives = microbatch; the memory planner plans chunk_sizes, not this.
-    (Every chunk is cut to its longest sequence either way.)"""
+    """Tokens per forward chunk instead of `chunk_sizes` samples, for text families (bi_encoder); 0 = off.
+    Samples sorted by length fill each chunk (samples x its longest query + longest document <= chunk_tokens;
+    at least one): sentence-transformers' mini_batch_num_tokens, exact at any chunking. E.g. 32 x the
+    median tokens per sample. Needs enabled = true and loss.negatives = microbatch; not planned by [memory]."""
 
 
 @dataclass
@@ -305,20 +301,18 @@ class Data:
     dataset: Literal[
         "fashion_mnist", "emoji", "wordnet", "csv", "webdataset", "hf", "pairs", "vl_pairs", "synthetic"
     ] = "fashion_mnist"
-    """Bundled, zero setup: `fashion_mnist` (image-caption, zero-shot eval), `emoji` (image <-> name,
-    retrieval eval), `wordnet` (definition <-> lemma pairs for model.name=bi_encoder). Your data:
-    `csv` (image paths + captions), `webdataset` (tar shards, img2dataset layout), `hf` (a Hugging
-    Face dataset on disk) for clip; `pairs` (JSONL/CSV/TSV/Parquet/Hugging Face text pairs) for bi_encoder;
-    `vl_pairs` (JSONL/CSV/TSV/Parquet rows query_image, query_text, doc_image, doc_text) for qwen_vl.
-    `synthetic`: generated image-caption JPEGs, as many as `synthetic_samples`, for speed runs (clip)."""
+    """Bundled: `fashion_mnist` (image-caption, zero-shot eval), `emoji` (image <-> name), `wordnet`
+    (definition <-> lemma, bi_encoder). Yours: `csv` (image paths + captions), `webdataset` (tar shards),
+    `hf` (a Hugging Face dataset on disk) for clip; `pairs` (JSONL/CSV/TSV/Parquet/HF text pairs) for
+    bi_encoder; `vl_pairs` (rows query_image, query_text, doc_image, doc_text) for qwen_vl. `synthetic`:
+    generated image-caption JPEGs (`synthetic_samples` of them) for speed runs (clip)."""
     synthetic_samples: int = _opt(65536, lambda v: v >= 1, "an integer >= 1")
     """synthetic: samples per epoch (every one decoded, cropped and tokenized like your own data)."""
     path: str = ""
-    """Training data. Bundled sets: a folder (empty = the Debian package if installed, else the
-    bundle). csv: the file. webdataset: tars as a brace pattern (`shards/{00000..00099}.tar`) or the
-    `shards.json` make_shards writes. hf: a save_to_disk folder or a Parquet/JSON/Arrow/CSV file.
-    pairs: a .jsonl/.csv/.tsv/.parquet/.arrow file or a save_to_disk folder. Several sources of one
-    kind (csv, webdataset, hf, pairs, vl_pairs): joined with `::`."""
+    """Training data. Bundled sets: a folder (empty = the Debian package if installed, else the bundle).
+    csv: the file. webdataset: tars as a brace pattern (`shards/{00000..00099}.tar`) or make_shards'
+    `shards.json`. hf: a save_to_disk folder or a Parquet/JSON/Arrow/CSV file. pairs: a .jsonl/.csv/.tsv/
+    .parquet/.arrow file or a save_to_disk folder. Several of one kind (csv, webdataset, hf, pairs, vl_pairs): `::`."""
     val_path: str = ""
     """Held-out data for evaluation (retrieval recall@1/5/10 both ways, or pair recall@1/10), of
     the same kind as `dataset`, except that a .csv/.tsv file is always read as csv; empty = no
@@ -331,6 +325,12 @@ class Data:
     sources drawn in proportion to the steps they fill per epoch, so a query's in-batch negatives come
     from its own dataset (sentence-transformers' proportional multi-dataset batches); a source's
     remainder of a whole step is left out of that epoch (another part each epoch)."""
+    query_prompts: list[str] = _opt([], None)
+    """pairs: one prompt per `::`-joined source of `path`, prepended to its queries in place of
+    model.query_prompt (a task's instruction; sentence-transformers' per-dataset prompts); "" = none.
+    Evaluation keeps model.query_prompt. Empty = model.query_prompt for every source."""
+    doc_prompts: list[str] = _opt([], None)
+    """pairs: the same for each source's documents and hard negatives; empty = model.doc_prompt."""
     csv_img_key: str = "filepath"
     """csv: column of image paths (relative paths resolve against the CSV's folder)."""
     csv_caption_key: str = "title"

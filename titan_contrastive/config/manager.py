@@ -110,8 +110,9 @@ def coerce(key: str, value: Any, tp: Any, origin: str) -> Any:
     if origin_ in (list, tuple):
         (item_tp, *_) = typing.get_args(tp)
         items = value if isinstance(value, list) else [value]
-        # `--a.b=` empties a list
-        if len(items) == 1 and isinstance(items[0], str) and ("," in items[0] or not items[0]):
+        # `--a.b=` empties a list; one CLI value (or TOML string) splits at commas, a TOML list never does
+        toml_list = isinstance(value, list) and origin != CLI
+        if not toml_list and len(items) == 1 and isinstance(items[0], str) and ("," in items[0] or not items[0]):
             items = [v for v in items[0].split(",") if v]
         return [coerce(key, v, item_tp, origin) for v in items]
     if isinstance(value, list):  # the command line gives every value as a list of strings; a TOML list is not a scalar

@@ -84,7 +84,15 @@ def check_teacher(data: Data, distill: str) -> None:
 
 
 def check_joined_sources(data: Data) -> None:
-    """`::`-joined sources and their factors only where the data kind reads several."""
+    """`::`-joined sources and their factors only where the data kind reads several; per-source prompts
+    only for text pairs."""
+    for key in ("query_prompts", "doc_prompts"):
+        if getattr(data, key) and data.dataset != "pairs":
+            prompt = key[:-1]  # model.query_prompt, model.doc_prompt
+            raise DataError(
+                f"data.{key}={getattr(data, key)!r}: per-source prompts are for text pairs (data.dataset='pairs'), "
+                f"not data.dataset={data.dataset!r}; leave it empty and set model.{prompt}"
+            )
     if data.dataset in (*FILE_SOURCES, "pairs", "vl_pairs") and data.dataset != "synthetic":
         return
     if data.upsampling_factors or "::" in data.path:
@@ -282,7 +290,15 @@ def build_data(
                 "data.path is empty: data.dataset='pairs' reads your .jsonl/.csv/.tsv/.parquet file or Hugging Face "
                 "dataset folder; set data.path"
             )
-        train = PairsDataset(split="train", path=data.path, factors=data.upsampling_factors, teacher=scores, **common)
+        train = PairsDataset(
+            split="train",
+            path=data.path,
+            factors=data.upsampling_factors,
+            teacher=scores,
+            query_prompts=data.query_prompts,
+            doc_prompts=data.doc_prompts,
+            **common,
+        )
         eval_sets.append(PairsDataset(split="test", path=data.val_path, **common) if data.val_path else None)
     elif data.dataset == "vl_pairs":  # images and texts per side, through the family's processor (qwen_vl)
         if not data.path:

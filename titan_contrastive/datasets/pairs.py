@@ -15,6 +15,8 @@ negative column may hold a list of texts (tevatron's `negatives: [...]`), flatte
 
 Several files join with `::` (`mixing.SourceMix`, weighted by `data.upsampling_factors`): they must
 agree on the number of negatives per row (unless data.hard_negatives is false) and on having ids.
+Each may have its own prompts (`data.query_prompts`, `data.doc_prompts`: a task's instruction),
+which replace the tokenizer's (the model's) for that file's queries, or documents and negatives.
 
 Ids: with an id column, every positive's document id is a hash of its id string, and a hard
 negative's is the id of a positive with exactly its text, else a hash of its text (another
@@ -39,12 +41,13 @@ step kind adds them to the contrastive problem as extra columns (`batching.with_
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import json
 import logging
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -277,6 +280,44 @@ def _join(
     return texts, [i for f in files for i in f.ids] if with_ids else None, scores
 
 
+def source_tokenizers(
+    tokenizer: PairTokenizer, parts: Sequence[str], query_prompts: Sequence[str], doc_prompts: Sequence[str]
+) -> list[PairTokenizer]:
+    """`tokenizer` with each source's prompts (`data.query_prompts`, `data.doc_prompts`: one per part, or
+    empty for the tokenizer's own), or a DataError when a list does not hold one per part."""
+    for key, prompts in (("query_prompts", query_prompts), ("doc_prompts", doc_prompts)):
+        if prompts and len(prompts) != len(parts):
+            raise DataError(
+                f"data.{key}={list(prompts)!r}: {len(prompts)} prompt(s) for the {len(parts)} source(s) in data.path; "
+                f"give one per '::'-joined source (\"\" for none), or leave it empty for model.{key[:-1]}"
+            )
+    tokenizers = [
+        dataclasses.replace(
+            tokenizer,
+            query_prompt=query_prompts[i] if query_prompts else tokenizer.query_prompt,
+            doc_prompt=doc_prompts[i] if doc_prompts else tokenizer.doc_prompt,
+        )
+        for i in range(len(parts))
+    ]
+    if query_prompts or doc_prompts:
+        for part, t in zip(parts, tokenizers):
+            logger.info(f"pairs: {part}: query prompt {t.query_prompt!r}, document prompt {t.doc_prompt!r}")
+    return tokenizers
+
+
+def _by_source(
+    spans: Sequence[tuple[int, PairTokenizer]],
+    rows: Sequence[Sequence[str]],
+    encode: Callable[[PairTokenizer, Sequence[Sequence[str]]], torch.Tensor],
+) -> torch.Tensor:
+    """`encode(tokenizer, rows)` of each source's rows (`spans`: how many, which tokenizer), concatenated."""
+    out, start = [], 0
+    for n, tokenizer in spans:
+        out.append(encode(tokenizer, rows[start : start + n]))
+        start += n
+    return torch.cat(out)
+
+
 def _hash63(namespace: str, text: str) -> int:
     """A stable 63-bit hash of a string in a namespace (the same in every process and run)."""
     digest = hashlib.blake2b(f"{namespace}\0{text}".encode(), digest_size=8).digest()
@@ -314,12 +355,16 @@ class PairsDataset:
         hard_negatives: bool = True,
         factors: Sequence[float] = (),
         teacher: str = "",
+        query_prompts: Sequence[str] = (),
+        doc_prompts: Sequence[str] = (),
     ) -> None:
         parts, factors = split_sources(path, factors)
+        tokenizers = source_tokenizers(tokenizer, parts, query_prompts, doc_prompts)
         files = [read_rows(part, columns, id_column, max_bad_fraction, split, teacher) for part in parts]
         texts, ids, scores = _join(parts, files, hard_negatives)
         self.skipped = sum((f.skipped for f in files), Counter())
-        self._setup(texts, ids, "pairs", split, path, tokenizer, query_length, hard_negatives, scores)
+        spans = [(len(f.texts), t) for f, t in zip(files, tokenizers)]
+        self._setup(texts, ids, "pairs", split, path, tokenizer, query_length, hard_negatives, scores, spans)
         if joins(factors):
             self._mix = SourceMix([len(f.texts) for f in files], factors)
             self.source_sizes = self._mix.sizes
@@ -358,7 +403,9 @@ class PairsDataset:
         query_length: int,
         hard_negatives: bool,
         scores: Sequence[Sequence[float]] | None = None,
+        spans: Sequence[tuple[int, PairTokenizer]] = (),
     ) -> None:
+        """`spans`: (rows, their tokenizer) per source in order; empty = every row through `tokenizer`."""
         self.name, self.split, self.source, self.full = name, split, source, True
         self._mix: SourceMix | None = None
         self.source_sizes: list[int] | None = None
@@ -371,11 +418,14 @@ class PairsDataset:
         self.tokenizer = tokenizer
         in_file = len(rows[0]) - 2
         self.num_negatives = in_file if hard_negatives else 0  # served per row as `neg` [B, k, L]; 0: none
-        self._queries = tokenizer.encode_queries([r[0] for r in rows], query_length)
-        self._docs = tokenizer.encode_docs([r[1] for r in rows])
+        spans = spans or [(len(rows), tokenizer)]
+        self._queries = _by_source(spans, rows, lambda t, part: t.encode_queries([r[0] for r in part], query_length))
+        self._docs = _by_source(spans, rows, lambda t, part: t.encode_docs([r[1] for r in part]))
         k = self.num_negatives
-        negatives = [t for r in rows for t in r[2:]] if k else []
-        self._negs = tokenizer.encode_docs(negatives).view(len(rows), k, -1) if k else None
+        negatives = (
+            _by_source(spans, rows, lambda t, part: t.encode_docs([d for r in part for d in r[2:]])) if k else None
+        )
+        self._negs = None if negatives is None else negatives.view(len(rows), k, -1)
         ids_table = document_id_table(rows, ids) if ids is not None else None
         self._ids = None if ids_table is None else ids_table if k else ids_table[:, 0]
         if scores is not None and not k:
