@@ -41,6 +41,7 @@ class Cfg:
     folder: str = "ckpt"
     interval: int = 2
     keep_latest_k: int = 0
+    keep_best: str = ""
     load_step: int = -1
 
 

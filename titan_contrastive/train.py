@@ -78,9 +78,8 @@ class Trainer:
         if cfg.job.custom_import:
             importlib.import_module(cfg.job.custom_import)
         self.spec = spec = models.get_model_spec(cfg.model.name)
-        flavor_args, init_state, self.resumed = model_source(
-            cfg, spec, models.resolve_model_args
-        )  # resume: no init_from
+        # resume: no init_from
+        flavor_args, init_state, self.resumed = model_source(cfg, spec, models.resolve_model_args)
         flavor_args = flavor_args.update_from_config(cfg)  # before the family's tokenizer reads them
         self.objective, self.eval_objective = resolve_objective(spec, cfg), eval_objective(spec, cfg)
         self.dims = dims = ParallelDims.for_run(cfg.parallelism, dist.world_size)
@@ -257,7 +256,8 @@ class Trainer:
                 break
             side_work = evaluates and (last or (cfg.eval.freq and self.step % cfg.eval.freq == 0))
             results = self._evaluate_and_log(last) if side_work else results
-            saved = self.checkpointer.maybe_save(self.step, last_step=last, protect_before=protect)
+            scored = results if side_work else None  # recorded in this step's checkpoint ([checkpoint] keep_best)
+            saved = self.checkpointer.maybe_save(self.step, last_step=last, protect_before=protect, evaluation=scored)
             if saved or side_work:  # eval and checkpoint time stay out of samples/s
                 self.metrics.reset()
         return results

@@ -29,9 +29,10 @@ A `load_step` older than the newest checkpoint is a rewind: the newer checkpoint
 (not deleted) into `abandoned-<time>-<random>/`, so the next auto-resume continues the new history rather
 than the abandoned one. Pruning (`keep_latest_k`) spares the newest checkpoint written before a
 run of skipped non-finite steps began (`protect_before`), so a run stuck on non-finite steps does
-not prune its last good state away. Saving needs room: `preflight` fails before step 1 when the
-folder cannot hold one checkpoint of the estimated size, and a save that runs out of space says
-"no space left on device" with the folder and removes its partial files.
+not prune its last good state away, nor the best checkpoint by `keep_best` (`best.py`: a save at an
+evaluated step records the evaluation in its manifest, `"eval"`). Saving needs room: `preflight`
+fails before step 1 when the folder cannot hold one checkpoint of the estimated size, and a save
+that runs out of space says "no space left on device" with the folder and removes its partial files.
 
 Fault injection (for tests): with the environment variable `TITAN_CONTRASTIVE_FAULT` set to
 `kill_during_save@<step>`, rank 0 sends itself SIGKILL during the save of that step, after DCP
@@ -62,6 +63,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_contrastive.checkpoint import reader
+from titan_contrastive.checkpoint.best import BestCheckpoint
 from titan_contrastive.checkpoint.reader import MANIFEST, CheckpointError, describe
 from titan_contrastive.checkpoint.reader import sha256 as _sha256
 from titan_contrastive.checkpoint.resume import IncompatibleResume, config_changes
@@ -84,6 +86,7 @@ class CheckpointConfig(Protocol):
     folder: str
     interval: int
     keep_latest_k: int
+    keep_best: str
     load_step: int
 
 
@@ -160,6 +163,7 @@ class CheckpointManager:
         self.model_info = model_info  # {"family", "args"}: what `models.weights.read_ours` rebuilds the model from
         self.run_config = run_config  # {section: {key: value}}: what a resume compares its config with
         self.folder = Path(dump_folder) / cfg.folder
+        self.best = BestCheckpoint(cfg.keep_best) if cfg.keep_best else None
         self.states = states
         self.per_rank_states = per_rank_states
         self.rank = rank
@@ -193,16 +197,26 @@ class CheckpointManager:
                     "of space"
                 )
 
-    def maybe_save(self, step: int, *, last_step: bool = False, protect_before: int | None = None) -> bool:
-        """Save when enabled and `step` is on the interval or the last one; return whether it saved."""
+    def maybe_save(
+        self,
+        step: int,
+        *,
+        last_step: bool = False,
+        protect_before: int | None = None,
+        evaluation: dict[str, Any] | None = None,
+    ) -> bool:
+        """Save when enabled and `step` is on the interval or the last one; return whether it saved.
+        `evaluation`: the results of the evaluation at this step, if it was evaluated."""
         if not self.cfg.enable or not (last_step or step % self.cfg.interval == 0):
             return False
-        self.save(step, protect_before=protect_before)
+        self.save(step, protect_before=protect_before, evaluation=evaluation)
         return True
 
-    def save(self, step: int, *, protect_before: int | None = None) -> None:
-        """Write checkpoint `step-{step}` atomically (collective); then prune to `keep_latest_k`,
-        sparing the newest checkpoint older than step `protect_before` when given (see module doc)."""
+    def save(self, step: int, *, protect_before: int | None = None, evaluation: dict[str, Any] | None = None) -> None:
+        """Write checkpoint `step-{step}` atomically (collective), its manifest recording `evaluation`'s
+        numbers under `keep_best`; then prune to `keep_latest_k`, sparing the newest checkpoint older than
+        step `protect_before` when given and the best (see module doc)."""
+        scores = self.best.scores(evaluation) if self.best is not None and evaluation is not None else None
         start = time.perf_counter()
         tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
         self._on_rank0(lambda: self._prepare(tmp), f"preparing {tmp}")
@@ -223,7 +237,9 @@ class CheckpointManager:
             os.kill(os.getpid(), signal.SIGKILL)
         self._barrier()  # every rank's files are in tmp before rank 0 lists them
         # the broadcast of the outcome is the closing barrier: no rank moves on before the rename
-        self._on_rank0(lambda: self._finalize(step, tmp, final, protect_before), f"finalizing checkpoint {final}")
+        self._on_rank0(
+            lambda: self._finalize(step, tmp, final, protect_before, scores), f"finalizing checkpoint {final}"
+        )
         if self.rank == 0:
             logger.info(f"saved checkpoint step-{step} to {final} in {time.perf_counter() - start:.2f}s")
 
@@ -278,7 +294,9 @@ class CheckpointManager:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
 
-    def _finalize(self, step: int, tmp: Path, final: Path, protect_before: int | None) -> None:
+    def _finalize(
+        self, step: int, tmp: Path, final: Path, protect_before: int | None, scores: dict[str, float] | None
+    ) -> None:
         files = {
             p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
             for p in sorted(tmp.rglob("*"))
@@ -291,6 +309,7 @@ class CheckpointManager:
             "files": files,
             **({"model": self.model_info} if self.model_info else {}),
             **({"config": self.run_config} if self.run_config else {}),
+            **({"eval": scores} if scores is not None else {}),
         }
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
@@ -303,6 +322,7 @@ class CheckpointManager:
         os.replace(tmp, final)
         _fsync_dir(self.folder)
         shutil.rmtree(stale, ignore_errors=True)
+        best = self._write_best()
         if self.cfg.keep_latest_k > 0:
             steps = self.available_steps()
             spared = max((s for s in steps if protect_before is not None and s < protect_before), default=None)
@@ -311,8 +331,20 @@ class CheckpointManager:
                     logger.info(
                         f"keeping checkpoint step-{old} beyond keep_latest_k: the last one before the non-finite steps"
                     )
+                elif best is not None and old == best[0]:
+                    logger.info(f"keeping checkpoint step-{old} beyond keep_latest_k: the best by {self.best.metric}")
                 else:
                     shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
+
+    def _write_best(self) -> tuple[int, float] | None:
+        """The best checkpoint by `keep_best` among those present, named in `best.json` (None when off)."""
+        if self.best is None:
+            return None
+        best = self.best.best(self.folder, self.available_steps())
+        self.best.write(self.folder, best)
+        if best is not None:
+            logger.info(f"best checkpoint by {self.best.metric}: step-{best[0]} ({best[1]:.6g})")
+        return best
 
     def _compatible(self, step: int, manifest: dict[str, Any]) -> list[str]:
         """The config changes to apply since `step` (`resume.py`); CheckpointError when the run
@@ -373,6 +405,7 @@ class CheckpointManager:
         for step in newer:
             os.replace(self.folder / f"step-{step}", aside / f"step-{step}")
         _fsync_dir(self.folder)
+        self._write_best()  # best.json names a checkpoint still in the folder
         logger.warning(
             f"checkpoint.load_step={wanted} rewinds the run: the newer checkpoints "
             f"{', '.join(f'step-{s}' for s in newer)} were moved to {aside} (not deleted), so later "

@@ -154,8 +154,7 @@ class Parallelism:
 @dataclass
 class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = "none"
-    """Per block: `full` recomputes the whole block in backward; `selective` saves the outputs of
-    matmuls and attention and recomputes the cheap elementwise ops (norms, GELU, adds)."""
+    """Per block: `full` recomputes the block in backward; `selective` keeps matmul and attention outputs."""
 
 
 @dataclass
@@ -188,8 +187,7 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = _opt(20, lambda v: v >= 0, "an integer >= 0")
-    """Linear warmup from lr/(warmup_steps+1) to lr over this many steps. At or beyond
-    training.steps the lr never reaches its peak (a warning at start; kept for short smoke runs)."""
+    """Linear warmup from lr/(warmup_steps+1) to lr over this many steps (at or beyond training.steps: a warning)."""
     decay_type: Literal["cosine", "linear", "none"] = "cosine"
     """Decay after warmup, down to lr * min_lr_factor at the last step."""
     min_lr_factor: float = _opt(0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]")
@@ -199,12 +197,10 @@ class LRScheduler:
 @dataclass
 class Loss:
     name: str = ""
-    """Training objective (`titan_contrastive.losses`); empty = the model family's own. `clip`:
-    InfoNCE with the model's learnable logit scale, symmetric unless `symmetric = false` (clip,
-    bi_encoder, vlm). `siglip`: the sigmoid loss of SigLIP, -(1/N) sum_ij log sigmoid(z_ij (t <x_i,
-    y_j> + b)), z = +1 for pairs, -1 otherwise (clip family; adds a `logit_bias`). `pixel`: masked
-    reconstruction loss through the decoder, see [pixel_loss] (vae). Objectives registered with
-    `losses.register_objective` (e.g. from `job.custom_import`) are named the same way."""
+    """Training objective (`titan_contrastive.losses`); empty = the family's own. `clip`: InfoNCE with a learned
+    logit scale, symmetric unless `symmetric = false` (clip, bi_encoder, vlm). `siglip`: SigLIP's sigmoid loss
+    (clip family; adds a `logit_bias`). `pixel`: the masked reconstruction loss of [pixel_loss] (vae). Objectives
+    registered with `losses.register_objective` (e.g. from `job.custom_import`) are named the same way."""
     symmetric: bool = True
     """clip: add the document -> query direction over the positives (CLIP's loss); false: queries
     -> documents only (sentence-transformers' MultipleNegativesRankingLoss)."""
@@ -458,7 +454,11 @@ class Checkpoint:
     interval: int = _positive(100)
     """Save every this many steps (and after the last step, and after the step a SIGTERM/SIGUSR1 stops)."""
     keep_latest_k: int = _opt(2, lambda v: v >= 0, "an integer >= 0 (0 keeps all)")
-    """Keep only the newest k complete checkpoints; 0 keeps all."""
+    """Keep only the newest k complete checkpoints (and the best by keep_best); 0 keeps all."""
+    keep_best: str = ""
+    """An eval metric (`beir/ndcg@10`, `query_to_doc_r@1`, `loss`: lower is better for *loss) whose best
+    checkpoint pruning spares, named in `<folder>/best.json` (HF's metric_for_best_model); needs eval.freq
+    to divide interval. Empty = off."""
     load_step: int = _opt(-1, lambda v: v == -1 or v >= 0, "-1 (latest complete) or a step >= 0")
     """Step to resume from; -1 = the latest complete checkpoint. A missing step is an error."""
 

@@ -249,13 +249,15 @@ def validate(cfg: JobConfig) -> None:
 
 
 def _check_combinations(cfg: JobConfig) -> None:
-    """Values that are valid alone but not together. A memory plan needs a budget. The logit scale's
+    """Values that are valid alone but not together. A memory plan needs a budget; keep_best an evaluation
+    at each checkpoint (`_check_keep_best`). The logit scale's
     range depends on whether it is learned: a learned one is clamped to [0, log 100] after every
     step, so an init outside would silently change at step 1; a fixed one is never clamped, but past
     exp(+-9.2) it overflows or carries no signal, and the run would fail at step 1 with a non-finite
     loss whose message points at the lr."""
     if cfg.memory.plan and not cfg.memory.budget_gib:
         raise ConfigError("memory.plan=true needs memory.budget_gib > 0 (the per-device budget to plan for)")
+    _check_keep_best(cfg)
     scale = cfg.loss.init_logit_scale
     if scale is None:
         return
@@ -271,6 +273,32 @@ def _check_combinations(cfg: JobConfig) -> None:
             f"{MAX_FIXED_LOGIT_SCALE:.4f}] (a fixed temperature exp(t') between 1e-4 and 1e4; beyond, the logits "
             "overflow float16 or no longer tell pairs apart)"
         )
+
+
+def _check_keep_best(cfg: JobConfig) -> None:
+    """`checkpoint.keep_best` compares checkpoints by the evaluation at their steps: it needs
+    checkpoints, an evaluation at each of them and something to evaluate (the metric's name itself
+    is checked against the first evaluation's, `checkpoint/best.py`)."""
+    best, ckpt, ev, data = cfg.checkpoint.keep_best, cfg.checkpoint, cfg.eval, cfg.data
+    if not best:
+        return
+    if not (ckpt.enable and ev.enable):
+        raise ConfigError(
+            f"checkpoint.keep_best={best!r} keeps the best checkpoint by its evaluation: set checkpoint.enable=true "
+            "and eval.enable=true"
+        )
+    if not ev.freq or ckpt.interval % ev.freq:
+        raise ConfigError(
+            f"checkpoint.keep_best={best!r} needs an evaluation at every checkpoint, and eval.freq={ev.freq} does not "
+            f"divide checkpoint.interval={ckpt.interval}: set eval.freq={ckpt.interval} (or a divisor of it)"
+        )
+    bundled = data.dataset in ("fashion_mnist", "emoji", "wordnet")  # they bring their test split
+    if not (bundled or data.val_path or ev.beir_path or ev.zero_shot_path):
+        raise ConfigError(
+            f"checkpoint.keep_best={best!r}: this run evaluates nothing; set data.val_path (or eval.beir_path)"
+        )
+    if best.startswith("beir/") and not ev.beir_path:
+        raise ConfigError(f"checkpoint.keep_best={best!r} is a BEIR metric and eval.beir_path is empty; set it")
 
 
 def check_contrastive_problem(
