@@ -3,8 +3,8 @@
 - the manager: each save at an evaluated step records the evaluation in its manifest; pruning to
   keep_latest_k spares the best (higher is better, lower for a *loss metric, ties to the earlier
   step, a NaN never); best.json names it, follows a rewind and a restart (read back from the
-  manifests, no state of its own); a metric the evaluation lacks is a one-line error before
-  anything is written;
+  manifests, no state of its own), on 2 gloo processes as on one; a metric the evaluation lacks is
+  a one-line error before anything is written;
 - through the trainer: the manifests hold the very records metrics.jsonl logged at those steps,
   best.json names the best of them, and the kept folders are the latest and the best;
 - one-line config errors: no checkpoints or no eval, eval.freq not dividing the interval, nothing
@@ -18,7 +18,9 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.dist_utils import run_distributed
 from tests.test_checkpoint import Cfg, make_run
 from tests.test_trainer import make_trainer
 from titan_contrastive.checkpoint import MANIFEST, CheckpointError
@@ -86,6 +88,23 @@ def test_best_follows_a_rewind_and_a_restart(tmp_path: Path) -> None:
     rewound = make_run(tmp_path, Cfg(interval=1, keep_latest_k=0, keep_best="loss"))
     rewound.manager.save(2)
     assert not (tmp_path / "ckpt" / BEST_FILE).exists()  # no checkpoint records a loss
+
+
+def _save_scored(tmp: str) -> None:
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    run = make_run(Path(tmp), Cfg(interval=1, keep_latest_k=1, keep_best="r@1"), rank=rank, dp_degree=2, fsdp=True)
+    for step, value in ((1, 0.4), (2, 0.8), (3, 0.6)):
+        run.train_state.step = step
+        run.manager.save(step, evaluation={"r@1": value})  # every rank evaluates to the same numbers
+    torch.distributed.destroy_process_group()
+
+
+def test_two_processes_keep_the_best(tmp_path: Path) -> None:
+    run_distributed(_save_scored, 2, str(tmp_path))
+    assert _kept(tmp_path) == [2, 3] and _best(tmp_path)["step"] == 2
+    manifest = json.loads((tmp_path / "ckpt" / "step-2" / MANIFEST).read_text())
+    assert manifest["world_size"] == 2 and manifest["eval"] == {"r@1": 0.8}
 
 
 def test_a_metric_the_evaluation_lacks_is_one_line_before_the_save(tmp_path: Path) -> None:
