@@ -37,9 +37,10 @@ class BestCheckpoint:
         evaluation's metrics when `metric` is not one of them (checked on every rank before the save)."""
         numbers = {k: float(v) for k, v in results.items() if isinstance(v, int | float) and not isinstance(v, bool)}
         if self.metric not in numbers:
+            named = ", ".join(sorted(k for k in numbers if not k.endswith("num_samples"))) or "none"
             raise CheckpointError(
-                f"checkpoint.keep_best={self.metric!r} is not a metric of this run's evaluation "
-                f"({', '.join(sorted(numbers)) or 'none'}); set checkpoint.keep_best to one of them"
+                f"checkpoint.keep_best={self.metric!r} is not a metric of this run's evaluation ({named}); "
+                "set checkpoint.keep_best to one of them"
             )
         return numbers
 
