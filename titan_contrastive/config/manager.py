@@ -249,12 +249,12 @@ def validate(cfg: JobConfig) -> None:
 
 
 def _check_combinations(cfg: JobConfig) -> None:
-    """Values that are valid alone but not together. A memory plan needs a budget; keep_best an evaluation
-    at each checkpoint (`_check_keep_best`). The logit scale's
-    range depends on whether it is learned: a learned one is clamped to [0, log 100] after every
-    step, so an init outside would silently change at step 1; a fixed one is never clamped, but past
-    exp(+-9.2) it overflows or carries no signal, and the run would fail at step 1 with a non-finite
-    loss whose message points at the lr."""
+    """Values that are valid alone but not together. A memory plan needs a budget; keep_best an
+    evaluation at each checkpoint (`_check_keep_best`). The logit scale's range depends on whether it
+    is learned: a learned one is clamped to [0, log 100] after every step, so an init outside would
+    silently change at step 1; a fixed one is never clamped, but past exp(+-9.2) it overflows or
+    carries no signal, and the run would fail at step 1 with a non-finite loss whose message points
+    at the lr."""
     if cfg.memory.plan and not cfg.memory.budget_gib:
         raise ConfigError("memory.plan=true needs memory.budget_gib > 0 (the per-device budget to plan for)")
     _check_keep_best(cfg)
