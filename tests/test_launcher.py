@@ -17,7 +17,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from titan_contrastive.exit_codes import EXIT_CODES, meaning
-from titan_contrastive.launch import summarize
+from titan_contrastive.launch import failure_grace, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = (
@@ -143,3 +143,15 @@ def test_root_cause_and_signal_codes() -> None:
     code, line = summarize(ChildFailedError("train", {5: late_kill}), shown_local_ranks=None)
     assert code == 137 and line.startswith("run_train.sh: rank 5 (local rank 0) was killed by SIGKILL (signal 9")
     assert meaning(137) == "killed by SIGKILL" and meaning(3) == EXIT_CODES[3]
+
+
+def test_failure_grace_without_torchruns_shutdown_timeout() -> None:
+    """torch 2.6-2.12's torchrun has no --shutdown-timeout (the launcher crashed reading it on the GPU
+    image's torch 2.11): the environment variable, else None; a given flag wins over the variable."""
+    from argparse import Namespace
+
+    env = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}
+    assert failure_grace(Namespace(), env) == 7
+    assert failure_grace(Namespace(), {}) is None
+    assert failure_grace(Namespace(shutdown_timeout=None), env) == 7
+    assert failure_grace(Namespace(shutdown_timeout=3), env) == 3

@@ -145,20 +145,23 @@ def stopped(sig: signal.Signals, exit_codes: dict[int, int | None], grace: int) 
     return code, f"{PROG}: stopped by {sig.name}, exit code {code}; not stopped after a step: {what}{hint}"
 
 
+def failure_grace(args: object, env: dict[str, str]) -> int | None:
+    """The grace after a rank fails: torchrun's --shutdown-timeout, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else
+    None (torchrun's own). An older torchrun (the GPU image's torch 2.11) has no --shutdown-timeout at all."""
+    given = getattr(args, "shutdown_timeout", None)
+    return given if given is not None else whole_seconds(env, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = torchrun.parse_args(argv)
     try:
-        failure_grace = (
-            args.shutdown_timeout
-            if args.shutdown_timeout is not None
-            else whole_seconds(dict(os.environ), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
-        )
+        grace_after_failure = failure_grace(args, dict(os.environ))
         stop_grace = whole_seconds(dict(os.environ), GRACE_ENV, GRACE_DEFAULT)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
     exit_codes: dict[int, int | None] = {}
-    honour_shutdown_timeout(failure_grace, exit_codes)
+    honour_shutdown_timeout(grace_after_failure, exit_codes)
     args.shutdown_timeout = stop_grace  # torchrun's agent: from forwarding the signal it got to SIGKILL
     args.signals_to_handle = with_stop_signals(args.signals_to_handle)
     try:
