@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import titan_contrastive.models as models
 from titan_contrastive.models import registry
 from titan_contrastive.models.clip import CLIP, CLIPArgs, clip_flavors
-from titan_contrastive.models.clip.model import EOS_ID
+from titan_contrastive.models.clip.model import EOS_ID, patchify
 
 
 @pytest.fixture
@@ -349,3 +349,24 @@ def test_dropout_is_random_in_train_and_off_in_eval(debug_args: CLIPArgs) -> Non
     model.eval()
     torch.testing.assert_close(model.encode_image(images), model.encode_image(images), rtol=0, atol=0)
     assert not any(isinstance(m, nn.Dropout) for m in CLIP(debug_args).modules())
+
+
+@pytest.mark.parametrize(("channels", "patch", "height", "width"), [(3, 4, 12, 20), (1, 7, 21, 14), (3, 16, 32, 32)])
+def test_patch_embedding_as_one_gemm_is_the_strided_convolution(
+    channels: int, patch: int, height: int, width: int
+) -> None:
+    """The image tower's patch embedding (patchify + F.linear) against nn.functional.conv2d with
+    stride = kernel, from its definition: outputs and the gradients of pixels and weight, float64."""
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(2, channels, height, width, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(5, channels, patch, patch, dtype=torch.float64, generator=gen, requires_grad=True)
+    probe = torch.randn(2, (height // patch) * (width // patch), 5, dtype=torch.float64, generator=gen)
+    ours = torch.nn.functional.linear(patchify(images, patch), weight.flatten(1))
+    conv = torch.nn.functional.conv2d(images, weight, stride=patch).flatten(2).transpose(1, 2)
+    assert ours.shape == conv.shape
+    torch.testing.assert_close(ours, conv, rtol=0, atol=1e-12)
+    grads = torch.autograd.grad((ours * probe).sum(), (images, weight))
+    expected = torch.autograd.grad((conv * probe).sum(), (images, weight))
+    for got, want in zip(grads, expected, strict=True):
+        assert want.abs().max() > 0
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

@@ -21,10 +21,20 @@ from titan_contrastive.components.freeze import locked_forward
 from titan_contrastive.models.clip.args import CLIPArgs
 from titan_contrastive.models.transformer import Transformer
 
-__all__ = ["CLIP", "EOS_ID", "ImageTower", "TextTower", "clip_blocks"]
+__all__ = ["CLIP", "EOS_ID", "ImageTower", "TextTower", "clip_blocks", "patchify"]
 
 EOS_ID = 2
 """End-of-text id of the byte tokenizer (PAD=0, BOS=1, EOS=2), the default of `CLIPArgs.eos_id`."""
+
+
+def patchify(images: Tensor, patch: int) -> Tensor:
+    """[B, C, H, W] -> [B, (H/patch)(W/patch), C*patch*patch], patches in row-major order, each flattened
+    as (channel, row, column): the conv weight's layout. The patch embedding is then one GEMM against
+    `conv1.weight.flatten(1)`: the sums of the stride-`patch` convolution, which cuDNN can run far slower
+    than the GEMM (its weight gradient above all; docs/performance.md)."""
+    b, c, h, w = images.shape
+    x = images.reshape(b, c, h // patch, patch, w // patch, patch).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // patch) * (w // patch), c * patch * patch)
 
 
 class ImageTower(nn.Module):
@@ -64,7 +74,7 @@ class ImageTower(nn.Module):
                 f"image tower expects images of shape [B, {', '.join(map(str, expected))}] "
                 f"(in_channels, image_size, image_size), got {list(images.shape)}"
             )
-        x = self.conv1(images).flatten(2).transpose(1, 2)  # [B, patches, width]
+        x = F.linear(patchify(images, self.conv1.kernel_size[0]), self.conv1.weight.flatten(1))  # [B, patches, width]
         cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
         x = torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype)
         x = self.transformer(self.ln_pre(x))
