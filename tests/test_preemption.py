@@ -140,6 +140,24 @@ def test_sigterm_to_the_launcher_saves_and_the_rerun_is_bit_identical(tmp_path: 
     assert_identical(checkpoint(stopped_run, reached + 2), checkpoint(whole, reached + 2))
 
 
+def test_sigterm_to_the_whole_process_group_with_data_workers(tmp_path: Path) -> None:
+    """Slurm's scancel and preemption, and `timeout`, signal every process of the job, the data workers
+    too: a worker ended by SIGTERM made the rank fail ("DataLoader worker ... killed by signal:
+    Terminated", exit 143, nothing saved; seen on the H100 under `timeout`). The workers leave the
+    signal to the trainer, which finishes its step, saves it and exits 5; the rerun resumes."""
+    job = start(["./run_train.sh", f"--job.dump_folder={tmp_path}", *RUN, ENDLESS, "--data.num_workers=2"], 1)
+    wait_for_step(job, tmp_path)
+    os.killpg(job.pid, signal.SIGTERM)  # the launcher, the rank and both workers
+    code, out = finish(job)
+    assert code == 5 and "Traceback" not in out and "killed by signal" not in out, out[-3000:]
+    reached = max(losses(tmp_path))
+    assert saved_steps(tmp_path) == [f"step-{reached}"]
+    resumed = launch(tmp_path, 1, f"--training.steps={reached + 1}", "--data.num_workers=2")
+    assert resumed.returncode == 0 and f"resumed from checkpoint step-{reached}" in resumed.stdout, resumed.stdout[
+        -3000:
+    ]
+
+
 def test_sigusr1_to_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
     """Slurm may signal the ranks themselves, at different steps: here only rank 1 gets SIGUSR1.
     Both stop after the same step (one all-reduce of the flag per step) and save it together;

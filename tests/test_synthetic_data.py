@@ -135,3 +135,27 @@ def test_build_data_sends_uint8_pixels_when_they_are_normalized_on_the_device() 
     )  # in-memory sets resize floats in the loader: unchanged
     bundle = build_data(bundled, **common, dp_rank=0, dp_degree=1, pin_memory=False, pixels_on_device=True)
     assert bundle.device_transforms == {} and next(iter(bundle.loader))["image"].dtype == torch.float32
+
+
+def test_the_workers_keep_a_whole_step_of_microbatches_ready() -> None:
+    """A step of k microbatches per rank: the workers prefetch k batches (at least PyTorch's two each),
+    so they load the next step while the current one computes (a 64-microbatch step on 14 workers
+    otherwise waited for most of its data on the H100); no workers, no prefetching."""
+    from titan_contrastive.config import parse_args
+    from titan_contrastive.datasets import build_dataset
+    from titan_contrastive.datasets.build import build_data
+
+    common = dict(family_tokenizer=lambda: None, prepare=lambda ds: None, build_bundled=build_dataset)
+    for workers, global_batch, dp, factor in ((3, 40, 1, 4), (3, 8, 1, 2), (2, 64, 2, 4), (0, 40, 1, None)):
+        cfg = parse_args(
+            [
+                "--data.dataset=synthetic",
+                "--data.synthetic_samples=64",
+                "--data.image_size=32",
+                f"--data.num_workers={workers}",
+                "--training.local_batch_size=4",
+            ]
+        )
+        bundle = build_data(cfg, **common, dp_rank=0, dp_degree=dp, pin_memory=False, global_batch_size=global_batch)
+        assert bundle.loader.dataloader.prefetch_factor == factor, (workers, global_batch, dp)
+    assert next(iter(bundle.loader))["image"].shape == (4, 3, 32, 32)

@@ -379,6 +379,7 @@ def build_data(
         pin_memory=pin_memory,
         max_bad_fraction=data.max_bad_fraction,
         same_source_steps=(global_batch_size or local_batch_size * dp_degree) if data.same_source_batches else 0,
+        step_batches=max(1, global_batch_size // (local_batch_size * dp_degree)),
     )
     if data.same_source_batches:
         step, sizes = loader.sampler.step_samples, loader.sampler.source_sizes

@@ -20,6 +20,7 @@ epoch), the steps of all sources shuffled together, so a source is drawn in prop
 from __future__ import annotations
 
 import math
+import signal
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 from torch.utils.data import Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titan_contrastive.components.preemption import STOP_SIGNALS
 from titan_contrastive.datasets.bad_samples import BadSampleLog
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.protocol import Dataset
@@ -201,6 +203,16 @@ class EpochLoader:
         self._iterator = None
 
 
+def leave_stop_signals_to_the_trainer(worker_id: int) -> None:
+    """A data worker's `worker_init_fn`: ignore SIGTERM/SIGUSR1. Slurm (scancel, preemption, --signal)
+    and `timeout` signal every process of the job, the workers too; a worker ended by one made the
+    trainer fail with "DataLoader worker ... killed by signal" instead of finishing its step and saving
+    (components/preemption.py). The loader still ends its workers, and a worker whose trainer died exits
+    by itself (PyTorch's parent watchdog)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def build_dataloader(
     dataset: Dataset,
     *,
@@ -214,11 +226,16 @@ def build_dataloader(
     pin_memory: bool = False,
     max_bad_fraction: float = 0.001,
     same_source_steps: int = 0,
+    step_batches: int = 1,
 ) -> EpochLoader:
     """This rank's endless, resumable batch stream (an EpochLoader over a StatefulDataLoader).
 
     same_source_steps: > 0 draws each run of that many samples (an optimizer step's, over all
     ranks) from one of the dataset's `source_sizes` (`data.same_source_batches`).
+
+    step_batches: the batches (microbatches) the trainer takes for one optimizer step; the workers keep
+    that many ready (at least two each, PyTorch's default), so that they load the next step's batches
+    while the current step computes: with fewer, a step of 64 microbatches waits for most of its data.
 
     max_bad_fraction: see `datasets.bad_samples` (sources that skip damaged records).
     pin_memory (for a CUDA run): page-locked batches, so the trainer's host-to-device copies are
@@ -270,6 +287,8 @@ def build_dataloader(
             drop_last=drop_last,
             persistent_workers=False,
             pin_memory=pin_memory,
+            prefetch_factor=max(2, -(-step_batches // num_workers)) if num_workers else None,
+            worker_init_fn=leave_stop_signals_to_the_trainer,
             # its own generator: creating iterators must not draw from the global RNG, or a resumed
             # run (which creates one iterator fewer) would see different dropout/init randomness
             generator=torch.Generator(),
