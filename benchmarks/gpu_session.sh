@@ -6,8 +6,9 @@
 #   on the GPU:   run(command="bash benchmarks/gpu_session.sh 1", carry=[".whl"])   then 2, 3, 4
 #   (the copy there may carry an older .git: prefix BENCH_COMMIT=<git rev-parse HEAD here>, which the results name)
 #
-#  Ordered by value; 14 goes first next time, then 15. Done: 9 (H200, 2026-11-26); 10's pieces, 11's rows and 6's
-#  64K/256K/1M rows ran as 12 and 13 (H100, 2026-11-26, results/gpu_session_stage12.log), kept for reruns:
+#  Ordered by value; 16 goes first next time. Done: 9 (H200, 2026-11-26); 10's pieces, 11's rows and 6's
+#  64K/256K/1M rows ran as 12 and 13 (H100, 2026-11-26, results/gpu_session_stage12.log); 14 and 15 (H100,
+#  2026-11-27, results/gpu_session_stage14.log, stage15.log); all kept for reruns:
 #   9  the trainer's own step side by side (step_gpu_bench: plain, GradCache, global negatives, accumulation at
 #      1K; global negatives at 4K and 16K; MFU, memory, host syncs, end to end), pytest -m gpu, compiled rows
 #  10  pytest -m gpu; ours vs open_clip at 32K in microbatches of 512; global negatives at 4K/16K/64K; the
@@ -26,6 +27,9 @@
 #      configuration); the shipped train_configs/clip_vit_b32_gpu.toml end to end (run_train.sh, 8 steps of 32K
 #      pairs, its metrics.jsonl); the fused loss's kernels with TMA descriptor copies (the forward also
 #      warp-specialized) against the pointer tiles (benchmarks/tma_probe.py); stage15.tar
+#  16  (issue 31) what 14 and 15 led to: pytest -m gpu; the step's kernel families again (plain, global negatives,
+#      plain compiled) with the patch embedding as one GEMM; the shipped clip_vit_b32_gpu.toml end to end with the
+#      loader prefetching a whole step and one epoch for the run (15 measured 2,072 samples/s, data 45 %); stage16.tar
 #   1  pytest -m gpu and the Triton kernel tests                                        (issues 4, 8)
 #   6  the loss benchmark's largest rows (bf16, N 64K..1M; 64K, 256K and 1M measured on 2026-11-26,
 #      512K not): the fused kernel vs memeff and dense                                    (issues 8, 31)
@@ -57,12 +61,12 @@ case "${1:-}" in
       tyro docstring-parser typeguard shtab torchdata open-clip-torch ftfy wcwidth regex inf-cl==1.2.1 memeff==0.3.1 \
       webdataset wids braceexpand peft==0.21.2
     ls .whl; exit 0 ;;
-  1|2|3|4|5|6|7|8|9|10|11|12|13|14|15)
+  1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16)
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.txt" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16" >&2; exit 2 ;;
 esac
 res=/tmp/stage_results && mkdir -p "$res"
 pack() { tar -C "$res" -cf "$out/stage$1.tar" . ; }  # after every step: a time limit loses only the step in flight
@@ -100,6 +104,12 @@ case "$1" in
       export CONFIG_FILE=train_configs/clip_vit_b32_gpu.toml PYTHON=python3
       step 150 ./run_train.sh --training.steps=8 --metrics.log_freq=2 --job.dump_folder="$res/gpu_config"; pack 15
       step 200 python3 -m benchmarks.tma_probe --out "$res"; pack 15 ;;
+  16) step 80 python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$res/pytest_gpu.xml"; pack 16
+      step 200 python3 -m benchmarks.step_gpu_bench --variants plain global --compile plain --chunk 512 --scale \
+        --profile --num-workers 14 --override=--data.dataset=synthetic --timeout 90 --time-budget 190 --tag profile16 \
+        --out "$res"; pack 16
+      export CONFIG_FILE=train_configs/clip_vit_b32_gpu.toml PYTHON=python3
+      step 200 ./run_train.sh --training.steps=10 --metrics.log_freq=2 --job.dump_folder="$res/gpu_config"; pack 16 ;;
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider
      step 420 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider ;;  # compiled, bf16 dot included (>120 s)
   6) step 560 python3 -m benchmarks.loss_bench --losses clip --n 65536 262144 524288 1048576 --dtypes bfloat16 \
