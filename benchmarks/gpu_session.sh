@@ -27,9 +27,9 @@
 #      configuration); the shipped train_configs/clip_vit_b32_gpu.toml end to end (run_train.sh, 8 steps of 32K
 #      pairs, its metrics.jsonl); the fused loss's kernels with TMA descriptor copies (the forward also
 #      warp-specialized) against the pointer tiles (benchmarks/tma_probe.py); stage15.tar
-#  16  (issue 31) what 14 and 15 led to: pytest -m gpu; the step's kernel families again (plain, global negatives,
-#      plain compiled) with the patch embedding as one GEMM; the shipped clip_vit_b32_gpu.toml end to end with the
-#      loader prefetching a whole step and one epoch for the run (15 measured 2,072 samples/s, data 45 %); stage16.tar
+#  16  (issue 31) what 14 and 15 led to: the plain step's kernel families again (eager, compiled) with the patch
+#      embedding as one GEMM; the shipped clip_vit_b32_gpu.toml end to end, eager and compiled, with the loader
+#      prefetching a whole step and one epoch for the run (15 measured 2,072 samples/s, data 45 %); stage16.tar
 #   1  pytest -m gpu and the Triton kernel tests                                        (issues 4, 8)
 #   6  the loss benchmark's largest rows (bf16, N 64K..1M; 64K, 256K and 1M measured on 2026-11-26,
 #      512K not): the fused kernel vs memeff and dense                                    (issues 8, 31)
@@ -104,12 +104,12 @@ case "$1" in
       export CONFIG_FILE=train_configs/clip_vit_b32_gpu.toml PYTHON=python3
       step 150 ./run_train.sh --training.steps=8 --metrics.log_freq=2 --job.dump_folder="$res/gpu_config"; pack 15
       step 200 python3 -m benchmarks.tma_probe --out "$res"; pack 15 ;;
-  16) step 80 python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$res/pytest_gpu.xml"; pack 16
-      step 200 python3 -m benchmarks.step_gpu_bench --variants plain global --compile plain --chunk 512 --scale \
-        --profile --num-workers 14 --override=--data.dataset=synthetic --timeout 90 --time-budget 190 --tag profile16 \
+  16) step 120 python3 -m benchmarks.step_gpu_bench --variants plain --compile plain --chunk 512 --scale --profile \
+        --num-workers 14 --override=--data.dataset=synthetic --timeout 80 --time-budget 110 --tag profile16 \
         --out "$res"; pack 16
       export CONFIG_FILE=train_configs/clip_vit_b32_gpu.toml PYTHON=python3
-      step 200 ./run_train.sh --training.steps=10 --metrics.log_freq=2 --job.dump_folder="$res/gpu_config"; pack 16 ;;
+      for c in false true; do step 200 ./run_train.sh --training.steps=10 --metrics.log_freq=2 --compile.enable=$c \
+        --job.dump_folder="$res/gpu_config_compile_$c"; pack 16; done ;;
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider
      step 420 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider ;;  # compiled, bf16 dot included (>120 s)
   6) step 560 python3 -m benchmarks.loss_bench --losses clip --n 65536 262144 524288 1048576 --dtypes bfloat16 \
