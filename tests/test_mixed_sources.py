@@ -294,8 +294,9 @@ def test_errors(tmp_path: Path, tokenizer) -> None:
             PairsDataset(path=_joined(files), hard_negatives=False, **common, **{key: ["only one"]})
         _one_line(err, f"data.{key}=['only one']: 1 prompt(s) for the 2 source(s)", "one per '::'-joined source")
         with pytest.raises(DataError) as err:
-            check_joined_sources(Data(dataset="vl_pairs", path="a::b", **{key: ["x", "y"]}))
-        _one_line(err, f"data.{key}=['x', 'y']", "not data.dataset='vl_pairs'", f"set model.{key[:-1]}")
+            check_joined_sources(Data(dataset="csv", path="a::b", **{key: ["x", "y"]}))
+        _one_line(err, f"data.{key}=['x', 'y']", "not data.dataset='csv'", f"set model.{key[:-1]}")
+        check_joined_sources(Data(dataset="vl_pairs", path="a::b", **{key: ["x", "y"]}))  # templates there
     one = PairsDataset(path=str(plain[0]), **common)
     with pytest.raises(DataError) as err:
         build_dataloader(one, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, same_source_steps=2)

@@ -289,3 +289,81 @@ def test_joined_vl_pairs_files_with_same_source_batches(tmp_path: Path) -> None:
     assert len(order) == 12 and all(len({i >= 9 for i in order[j : j + 4]}) == 1 for j in range(0, 12, 4))
     trainer.train()
     trainer.metrics.close()
+
+
+QUERY_TEMPLATE = "{image} Find the picture that answers: {text}"
+DOC_TEMPLATE = "{image} Summarize above image in one word:"
+
+
+@needs_hf
+def test_each_joined_vl_pairs_file_has_its_own_templates(tmp_path: Path) -> None:
+    """data.query_prompts / doc_prompts with vl_pairs (VLM2Vec's instruction per dataset): two joined
+    files in one batch, the first with its own query template, the second with its own document
+    template (hard negatives included), "" keeping the model's: each row holds exactly the ids and
+    images of its file served alone by a processor whose model templates are that file's; only the
+    templated sides differ from the model's; a step trains; the one-line errors at start."""
+    import dataclasses
+
+    from titan_contrastive.config import ConfigError
+    from titan_contrastive.datasets.base import DataError
+    from titan_contrastive.datasets.vl_pairs import VLPairsDataset
+    from titan_contrastive.models.qwen_vl.model import SideProcessor
+
+    first = _vl_pairs(tmp_path / "a", negatives="image")
+    second = _vl_pairs(tmp_path / "b", negatives="image", count=8)
+    common = ("--data.dataset=vl_pairs", "--data.retrieval_mode=m2i", "--training.local_batch_size=4")
+    trainer = vl_run(
+        tmp_path,
+        "qwen2_vl",
+        *common,
+        f"--data.path={first}::{second}",
+        "--data.query_prompts",
+        QUERY_TEMPLATE,
+        "",
+        "--data.doc_prompts",
+        "",
+        DOC_TEMPLATE,
+        "--training.steps=1",
+        sizes=(),
+    )
+    data, args = trainer.train_set, trainer.model_args
+    assert data.templates == {"query": [QUERY_TEMPLATE, ""], "doc": ["", DOC_TEMPLATE]}
+    own = {"query": args.query_template, "doc": args.doc_template}
+    files = {0: (first, {"query_template": QUERY_TEMPLATE}), 1: (second, {"doc_template": DOC_TEMPLATE})}
+    alone, plain = {}, {}
+    for source, (path, templates) in files.items():
+        alone[source] = VLPairsDataset(split="train", path=str(path), mode="m2i")
+        alone[source].serve_processed(SideProcessor(dataclasses.replace(args, **templates)))
+        plain[source] = VLPairsDataset(split="train", path=str(path), mode="m2i")
+        plain[source].serve_processed(data._process)  # the model's templates: the control
+    picks = [(0, 0), (1, 9), (0, 5), (1, 12)]  # (file, joined index): both files in one batch
+    joined = data.__getitems__([i for _, i in picks])
+
+    def rows(batch: dict, key: str) -> list[list[int]]:
+        flat = batch[key].reshape(-1, batch[key].shape[-1])
+        return [r[r != -1].tolist() for r in flat]
+
+    for key in ("query", "doc", "neg"):
+        got, want, control = rows(joined, key), [], []
+        for source, index in picks:
+            row = index - (9 if source else 0)
+            want += rows(alone[source].__getitems__([row]), key)
+            control += rows(plain[source].__getitems__([row]), key)
+        assert got == want, key
+        side = "query" if key == "query" else "doc"
+        templated = [s for s, _ in picks for _ in range(len(got) // len(picks))]
+        changed = [g != c for g, c in zip(got, control, strict=True)]
+        assert changed == [bool(data.templates[side][s]) for s in templated], (key, own[side])
+    for key in ("query_pixel_values", "doc_pixel_values", "neg_pixel_values", "doc_image_grid_thw"):
+        want = [alone[s].__getitems__([i - (9 if s else 0)])[key] for s, i in picks]
+        assert torch.equal(joined[key], torch.cat(want)), key
+    trainer.train()
+    trainer.metrics.close()
+
+    def start(*extra: str) -> None:
+        vl_run(tmp_path, "qwen2_vl", *common, f"--data.path={first}::{second}", *extra, sizes=())
+
+    with pytest.raises(DataError, match=r"data.query_prompts=\['\{image\} \{text\}'\]: 1 template\(s\) for the 2"):
+        start("--data.query_prompts", "{image} {text}")
+    with pytest.raises(ConfigError, match=r"data.doc_prompts\[1\]='Describe it:': the image side's template needs"):
+        start("--data.doc_prompts", "", "Describe it:")

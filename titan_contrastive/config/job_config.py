@@ -322,11 +322,11 @@ class Data:
     from its own dataset (sentence-transformers' proportional multi-dataset batches); a source's
     remainder of a whole step is left out of that epoch (another part each epoch)."""
     query_prompts: list[str] = _opt([], None)
-    """pairs: one prompt per `::`-joined source of `path`, prepended to its queries in place of
-    model.query_prompt (a task's instruction; sentence-transformers' per-dataset prompts); "" = none.
-    Evaluation keeps model.query_prompt. Empty = model.query_prompt for every source."""
+    """pairs: one prompt per `::`-joined source of `path`, prepended to its queries in place of model.query_prompt
+    (a task's instruction), "" = none; vl_pairs: one template per source ("" = the model's). Evaluation keeps
+    model.query_prompt. Empty = model.query_prompt for every source."""
     doc_prompts: list[str] = _opt([], None)
-    """pairs: the same for each source's documents and hard negatives; empty = model.doc_prompt."""
+    """pairs, vl_pairs: the same for each source's documents and hard negatives; empty = model.doc_prompt."""
     csv_img_key: str = "filepath"
     """csv: column of image paths (relative paths resolve against the CSV's folder)."""
     csv_caption_key: str = "title"

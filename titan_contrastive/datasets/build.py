@@ -85,13 +85,14 @@ def check_teacher(data: Data, distill: str) -> None:
 
 def check_joined_sources(data: Data) -> None:
     """`::`-joined sources and their factors only where the data kind reads several; per-source prompts
-    only for text pairs."""
+    only for text pairs and vl_pairs rows."""
     for key in ("query_prompts", "doc_prompts"):
-        if getattr(data, key) and data.dataset != "pairs":
+        if getattr(data, key) and data.dataset not in ("pairs", "vl_pairs"):
             prompt = key[:-1]  # model.query_prompt, model.doc_prompt
             raise DataError(
-                f"data.{key}={getattr(data, key)!r}: per-source prompts are for text pairs (data.dataset='pairs'), "
-                f"not data.dataset={data.dataset!r}; leave it empty and set model.{prompt}"
+                f"data.{key}={getattr(data, key)!r}: per-source prompts are for text pairs and vl_pairs rows "
+                f"(data.dataset='pairs' or 'vl_pairs'), not data.dataset={data.dataset!r}; leave it empty and set "
+                f"model.{prompt}"
             )
     if data.dataset in (*FILE_SOURCES, "pairs", "vl_pairs") and data.dataset != "synthetic":
         return
@@ -313,6 +314,8 @@ def build_data(
             mode=data.retrieval_mode,
             hard_negatives=data.hard_negatives,
             factors=data.upsampling_factors,
+            query_templates=data.query_prompts,
+            doc_templates=data.doc_prompts,
         )
         eval_sets.append(
             VLPairsDataset(split="test", path=data.val_path, mode=data.retrieval_mode) if data.val_path else None

@@ -19,7 +19,10 @@ at their own resolution and go, with the texts, through the family's processor (
 qwen_vl's `SideProcessor.sides`), which resizes them within `[min_pixels, max_pixels]`; nothing is
 random, so `set_epoch` changes nothing.
 Several files join with `::` (`mixing.SourceMix`, weighted by `data.upsampling_factors`; image paths
-relative to each file's folder; a bad row's substitute comes from its own file).
+relative to each file's folder; a bad row's substitute comes from its own file). Each file may have
+its own side templates (`data.query_prompts`, `data.doc_prompts`: a task's instruction, as VLM2Vec
+gives each dataset one), used in place of the model's (`model.query_prompt`, `doc_prompt`) for its
+rows, its hard negatives included; "" keeps the model's.
 Evaluation (`data.val_path`, the same columns) ranks each query's document among the split's
 documents: recall@1/5/10 query -> document and back.
 """
@@ -27,6 +30,7 @@ documents: recall@1/5/10 query -> document and back.
 from __future__ import annotations
 
 import csv
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -45,6 +49,8 @@ from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.datasets.sources import BadSample, read_file
 
 __all__ = ["COLUMNS", "VLPairsDataset", "family_refusal"]
+
+logger = logging.getLogger("titan_contrastive")
 
 FORMATS = (".jsonl", ".csv", ".tsv", ".parquet")
 SIDES = ("query", "doc")
@@ -71,7 +77,15 @@ class VLPairsDataset:
     """Both sides' images and texts per row: every retrieval mode (`layouts.PROCESSED` checks it)."""
 
     def __init__(
-        self, *, split: str, path: str, mode: str, hard_negatives: bool = True, factors: Sequence[float] = ()
+        self,
+        *,
+        split: str,
+        path: str,
+        mode: str,
+        hard_negatives: bool = True,
+        factors: Sequence[float] = (),
+        query_templates: Sequence[str] = (),
+        doc_templates: Sequence[str] = (),
     ) -> None:
         if mode not in MODES:
             raise DataError(f"data.retrieval_mode={mode!r}: vl_pairs trains {', '.join(MODES)}")
@@ -79,6 +93,15 @@ class VLPairsDataset:
         self.needed = [f"{side}_{field}" for side, kind in self.kinds.items() for field in FIELDS[kind]]
         key = "data.path" if split == "train" else "data.val_path"
         parts, factors = split_sources(path, factors)
+        self.templates = {"query": list(query_templates), "doc": list(doc_templates)}
+        """Per side, one template per file (`data.query_prompts` / `doc_prompts`; "": the model's), or none."""
+        for side, given in self.templates.items():
+            if given and len(given) != len(parts):
+                raise DataError(
+                    f"data.{side}_prompts={given!r}: {len(given)} template(s) for the {len(parts)} source(s) in "
+                    f"data.path; give one per '::'-joined source (\"\" for the model's), or leave it empty for "
+                    f"model.{side}_prompt"
+                )
         self._files = [self._read_file(part, key, mode, split) for part in parts]
         self.negative_kind = "text" if self.kinds["doc"] == "text" else "image"
         counts = {f.source: len(_as_list(f.rows[0].get(NEGATIVES_COLUMN))) for f in self._files}
@@ -156,6 +179,14 @@ class VLPairsDataset:
             )
         if not hasattr(process, "sides"):
             raise DataError("data.dataset='vl_pairs' needs a processor that fills both sides: use model.name='qwen_vl'")
+        for side, given in self.templates.items():
+            for i, template in enumerate(given):
+                if template:
+                    process.check_template(side, template, f"data.{side}_prompts[{i}]")
+        if any(self.templates.values()):
+            for i, file in enumerate(self._files):
+                shown = {s: (t[i] if t and t[i] else process.templates[s]) for s, t in self.templates.items()}
+                logger.info(f"vl_pairs: {file.source}: query template {shown['query']!r}, document {shown['doc']!r}")
         self._process, self.tokenizer = process, process.tokenizer
 
     def pack_patches(self, *args: Any) -> None:
@@ -191,13 +222,14 @@ class VLPairsDataset:
             out[NEGATIVES_COLUMN] = [self._value(file, NEGATIVES_COLUMN, self.negative_kind, v, key) for v in negatives]
         return out
 
-    def _read(self, index: int, bad: list[BadSample]) -> dict[str, Any]:
-        """Sample `index`'s fields, or those of the next good row of its file (each bad one appended to `bad`)."""
+    def _read(self, index: int, bad: list[BadSample]) -> tuple[int, dict[str, Any]]:
+        """Sample `index`'s file and fields, or those of the next good row of its file (each bad one appended
+        to `bad`)."""
         source, row = (0, index) if self._mix is None else self._mix.locate(index, self.epoch)
         file, j = self._files[source], row
         for _ in range(MAX_SUBSTITUTES):
             try:
-                return self._fields(file, j)
+                return source, self._fields(file, j)
             except BadSample as e:
                 bad.append(e)
             j = (j + 1) % len(file.rows)
@@ -210,10 +242,11 @@ class VLPairsDataset:
         if self._process is None:
             raise DataError(family_refusal("this family"))
         bad: list[BadSample] = []
-        rows = [self._read(int(i), bad) for i in indices]
+        sources, rows = zip(*(self._read(int(i), bad) for i in indices))
         fields = {c: [r[c] for r in rows] if c in self.needed else None for c in COLUMNS}
         negatives = [n for r in rows for n in r.get(NEGATIVES_COLUMN, ())]  # k per row, row after row
-        batch = self._process.sides(*(fields[c] for c in COLUMNS), negatives=negatives)
+        templates = {side: [given[s] for s in sources] for side, given in self.templates.items() if given}
+        batch = self._process.sides(*(fields[c] for c in COLUMNS), negatives=negatives, templates=templates)
         return {**batch, "index": torch.as_tensor(list(indices), dtype=torch.long), BAD_SAMPLES: bad}
 
 

@@ -59,9 +59,10 @@ IMAGE_TEXT_MODES = ("t2i", "i2t")
 """The modes of image-text data (an image and a caption per row): the image is one side, the caption the other."""
 
 
-def check_template(side: str, kind: str, template: str, mode: str) -> None:
-    """An image or multi side's template has `{image}`, a text side's has none: else one ConfigError."""
-    key = f"model.{side}_prompt={template!r}"
+def check_template(side: str, kind: str, template: str, mode: str, key: str = "") -> None:
+    """An image or multi side's template has `{image}`, a text side's has none: else one ConfigError
+    naming `key` (default: `model.{side}_prompt`)."""
+    key = f"{key or f'model.{side}_prompt'}={template!r}"
     if kind != "text" and IMAGE not in template:
         raise ConfigError(
             f"{key}: the {kind} side's template needs {IMAGE} where the image goes (retrieval_mode={mode}), "
@@ -193,6 +194,11 @@ class SideProcessor:
             else f"data.retrieval_mode={args.mode} needs rows with a query and a document: data.dataset='vl_pairs'"
         )
 
+    def check_template(self, side: str, template: str, key: str) -> None:
+        """A template for `side` in this mode (`data.query_prompts` / `doc_prompts` of vl_pairs data), or
+        one ConfigError naming `key`."""
+        check_template(side, self.kinds[side], template, self.mode, key)
+
     def sides(
         self,
         query_images: Sequence[np.ndarray] | None,
@@ -200,18 +206,26 @@ class SideProcessor:
         doc_images: Sequence[np.ndarray] | None,
         doc_texts: Sequence[str] | None,
         negatives: Sequence[str] | Sequence[np.ndarray] = (),
+        templates: dict[str, Sequence[str]] | None = None,
     ) -> dict[str, Tensor]:
         """The batch of these samples: uint8 HWC images and texts per side; `negatives`: k hard negatives
         per sample, row after row, documents of the documents' kind (texts, or images): `neg` [B, k, L]
-        ids, and for images `neg_pixel_values` + `neg_image_grid_thw` (k per sample; empty otherwise)."""
+        ids, and for images `neg_pixel_values` + `neg_image_grid_thw` (k per sample; empty otherwise).
+        `templates`: a side's template per sample in place of its own ("": its own; a source's template,
+        `datasets.vl_pairs`); the negatives take their row's document template."""
         given = {"query": (query_images, query_texts), "doc": (doc_images, doc_texts)}
+        own = (templates or {}).get
+        chosen = {
+            side: [t or self.templates[side] for t in own(side)] if own(side) else self.templates[side]
+            for side in SIDES
+        }
         batch: dict[str, Tensor] = {}
         for side, kind in self.kinds.items():
             images, texts = given[side]
             images = None if kind == "text" else images
             count = len(texts) if texts is not None else len(images) if images is not None else 0
             texts = [""] * count if kind == "image" or texts is None else texts
-            out = self.proc.encode(self.templates[side], texts, images)
+            out = self.proc.encode(chosen[side], texts, images)
             batch[side] = out["ids"]
             if images is not None:
                 self.proc.check(out["ids"], out["image_grid_thw"])  # the tokenizer kept every <|image_pad|>
@@ -223,15 +237,19 @@ class SideProcessor:
         batch[f"{NEGATIVES}_pixel_values"] = torch.zeros(0, self.patch_width)
         batch[f"{NEGATIVES}_image_grid_thw"] = torch.zeros(0, 3, dtype=torch.long)
         if len(negatives):
+            per_row = len(negatives) // len(batch["doc"])
+            template = (
+                chosen["doc"] if isinstance(chosen["doc"], str) else [t for t in chosen["doc"] for _ in range(per_row)]
+            )
             if self.kinds["doc"] == "text":
-                ids = self.proc.encode(self.templates["doc"], negatives, None)["ids"]
+                ids = self.proc.encode(template, negatives, None)["ids"]
             else:
-                out = self.proc.encode(self.templates["doc"], [""] * len(negatives), negatives)
+                out = self.proc.encode(template, [""] * len(negatives), negatives)
                 ids = out["ids"]
                 self.proc.check(ids, out["image_grid_thw"])
                 batch[f"{NEGATIVES}_pixel_values"] = out["pixel_values"]
                 batch[f"{NEGATIVES}_image_grid_thw"] = out["image_grid_thw"]
-            batch[NEGATIVES] = ids.reshape(len(batch["doc"]), len(negatives) // len(batch["doc"]), -1)
+            batch[NEGATIVES] = ids.reshape(len(batch["doc"]), per_row, -1)
         return batch
 
     def __call__(

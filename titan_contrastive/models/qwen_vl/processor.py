@@ -72,19 +72,25 @@ class VLProcessor:
             ) from None
         return out["pixel_values"].float(), out["image_grid_thw"].long()
 
-    def encode(self, template: str, texts: Sequence[str], images: Sequence[np.ndarray] | None) -> dict[str, Tensor]:
-        """One side of a batch: `template` per sample (with `{image}` when `images` are given, one each)."""
-        has_image = IMAGE in template
-        if has_image != (images is not None):
-            need = "an image side needs {image} in its template" if images is not None else "a text side has no image"
-            raise ConfigError(f"template {template!r}: {need}")
+    def encode(
+        self, template: str | Sequence[str], texts: Sequence[str], images: Sequence[np.ndarray] | None
+    ) -> dict[str, Tensor]:
+        """One side of a batch: `template` for every sample, or one per sample (each with `{image}` when
+        `images` are given, one each)."""
+        templates = [template] * len(texts) if isinstance(template, str) else list(template)
+        for each in dict.fromkeys(templates):
+            if (IMAGE in each) != (images is not None):
+                need = (
+                    "an image side needs {image} in its template" if images is not None else "a text side has no image"
+                )
+                raise ConfigError(f"template {each!r}: {need}")
         out: dict[str, Tensor] = {}
         counts = [0] * len(texts)
         if images is not None:
             out["pixel_values"], out["image_grid_thw"] = self.pixels(images)
             counts = self.visual_tokens(out["image_grid_thw"])
         rows = []
-        for text, count in zip(texts, counts):
+        for text, count, template in zip(texts, counts, templates, strict=True):
             words = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(words) > self.max_text_tokens:  # the caption cut to its first max_text_tokens tokens
                 text = self.tokenizer.decode(words[: self.max_text_tokens])
