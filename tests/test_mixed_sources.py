@@ -307,6 +307,46 @@ def test_errors(tmp_path: Path, tokenizer) -> None:
     _one_line(err, "source 2 of data.path gives 3 samples per epoch, fewer than the 4", "data.upsampling_factors")
 
 
+def test_the_train_log_averages_each_sources_loss(tmp_path: Path) -> None:
+    """With one source per step, each log record holds `loss/<file>`: the mean loss of that file's steps
+    since the last log line (logged every step: that step's loss, named after the file its samples
+    came from; once for 4 steps: the first run's losses averaged by file); without same_source_batches none."""
+    files = _files(tmp_path, sizes=(10, 8))
+    common = (
+        _joined(files),
+        "--training.local_batch_size=3",
+        "--training.global_batch_size=6",
+        "--training.steps=4",
+        "--loss.mask_duplicates=false",
+        "--data.upsampling_factors=1,1.5",
+        "--eval.enable=false",
+    )
+
+    def train(folder: str, *extra: str) -> tuple[list[dict], list[int]]:
+        trainer = make_trainer(tmp_path / folder, *common, *extra)
+        sampler = trainer.loader.sampler  # epoch 0's steps and their sources
+        sources = [_source_of([10, 12])[step[0]] for step in _steps(sampler)] if sampler.step_samples else []
+        trainer.train()
+        trainer.metrics.close()
+        logged = [json.loads(line) for line in (tmp_path / folder / "run" / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in logged if r["kind"] == "train"], sources
+
+    each, sources = train("each", "--data.same_source_batches=true", "--metrics.log_freq=1")
+    names = [[k[len("loss/") :] for k in r if k.startswith("loss/")] for r in each]
+    assert all(len(n) == 1 for n in names) and [n[0] for n in names[:3]] == [files[s].name for s in sources]
+    assert all(r[f"loss/{n[0]}"] == r["loss"] for r, n in zip(each, names))
+    (window,), _ = train("window", "--data.same_source_batches=true", "--metrics.log_freq=4")
+    by_file: dict[str, list[float]] = {}  # 4 steps of 2 files: one file has 2 or more in the window
+    for r, n in zip(each, names):
+        by_file.setdefault(f"loss/{n[0]}", []).append(r["loss"])
+    assert max(len(v) for v in by_file.values()) >= 2 and window["step"] == 4
+    assert {k: v for k, v in window.items() if k.startswith("loss/")} == {
+        k: sum(v) / len(v) for k, v in by_file.items()
+    }
+    mixed, _ = train("mixed", "--metrics.log_freq=1")
+    assert not any(k.startswith("loss/") for r in mixed for k in r)
+
+
 @needs_hf
 def test_trainer_prompts_each_source_and_not_the_held_out_file(tmp_path: Path) -> None:
     """From the TOML and the command line (one argument per prompt, commas kept): the training files

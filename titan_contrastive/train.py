@@ -241,7 +241,7 @@ class Trainer:
             out = self._step(batches)
             if self.step == resumed_at + 1:  # start-up's longer timeout ends after this process's first step
                 set_collective_timeout(cfg.comm.train_timeout_seconds)
-            self.metrics.samples += self.global_batch_size
+            self.metrics.add_step(self.global_batch_size, out["loss"], self.loader.step_source)
             last = self.step == cfg.training.steps
             stop = self.stop.agreed() if self.stop else None  # every rank after every step: all stop after the same one
             protect = self.nonfinite.streak_start  # pruning spares the last checkpoint before skipped steps began

@@ -98,6 +98,14 @@ class MetricsProcessor:
         self.window_start = time.perf_counter()
         self.data_time = 0.0
         self.samples = 0
+        self.source_losses: dict[str, list[float]] = {}
+
+    def add_step(self, samples: int, loss: float, source: str | None = None) -> None:
+        """One optimizer step of `samples` samples; with `source` (each step one source's), its loss is
+        averaged into that source's `loss/<source>` at the next log line."""
+        self.samples += samples
+        if source is not None:
+            self.source_losses.setdefault(source, []).append(loss)
 
     def record(self, kind: str, step: int, values: dict[str, Any]) -> None:
         """Write one record to TensorBoard (`{kind}/{name}`) and metrics.jsonl (rank 0 only)."""
@@ -122,6 +130,7 @@ class MetricsProcessor:
             "samples_per_s": self.samples / elapsed,
             "peak_memory_gib": peak_memory_gib(self.device),
             "data_share": self.data_time / elapsed,
+            **{f"loss/{name}": sum(losses) / len(losses) for name, losses in self.source_losses.items()},
             **extra,
         }
         if self.device.type == "cuda":  # what the caching allocator holds (fragmentation included)
@@ -134,6 +143,8 @@ class MetricsProcessor:
             f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  grad_norm {grad_norm:.3f}  "
             f"samples/s {values['samples_per_s']:.0f}{mfu}  peak_mem {values['peak_memory_gib']:.2f} GiB  "
             f"data {values['data_share']:.0%}"
+            + ("  loss by source " if self.source_losses else "")
+            + ", ".join(f"{name} {values[f'loss/{name}']:.4f}" for name in sorted(self.source_losses))
         )
         self.reset()
         return values
