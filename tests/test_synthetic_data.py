@@ -138,15 +138,16 @@ def test_build_data_sends_uint8_pixels_when_they_are_normalized_on_the_device() 
 
 
 def test_the_workers_keep_a_whole_step_of_microbatches_ready() -> None:
-    """A step of k microbatches per rank: the workers prefetch k batches (at least PyTorch's two each),
-    so they load the next step while the current one computes (a 64-microbatch step on 14 workers
-    otherwise waited for most of its data on the H100); no workers, no prefetching."""
+    """A step of k microbatches per rank: the workers prefetch k batches (at least PyTorch's two each, at
+    most MAX_PREFETCH), so they load the next step while the current one computes (a 64-microbatch step
+    on 14 workers otherwise waited for most of its data on the H100); no workers, no prefetching."""
     from titan_contrastive.config import parse_args
     from titan_contrastive.datasets import build_dataset
     from titan_contrastive.datasets.build import build_data
 
     common = dict(family_tokenizer=lambda: None, prepare=lambda ds: None, build_bundled=build_dataset)
-    for workers, global_batch, dp, factor in ((3, 40, 1, 4), (3, 8, 1, 2), (2, 64, 2, 4), (0, 40, 1, None)):
+    cases = ((3, 40, 1, 4), (3, 8, 1, 2), (2, 64, 2, 4), (1, 64, 1, 8), (0, 40, 1, None))  # 16 batches: at most 8
+    for workers, global_batch, dp, factor in cases:
         cfg = parse_args(
             [
                 "--data.dataset=synthetic",

@@ -224,6 +224,11 @@ class EpochLoader:
         self._iterator = None
 
 
+MAX_PREFETCH = 8
+"""Batches each worker keeps ready at most: a step of thousands of microbatches would otherwise hold a
+second step's worth of host memory beside the one the trainer collects."""
+
+
 def leave_stop_signals_to_the_trainer(worker_id: int) -> None:
     """A data worker's `worker_init_fn`: ignore SIGTERM/SIGUSR1. Slurm (scancel, preemption, --signal)
     and `timeout` signal every process of the job, the workers too; a worker ended by one made the
@@ -255,8 +260,9 @@ def build_dataloader(
     ranks) from one of the dataset's `source_sizes` (`data.same_source_batches`).
 
     step_batches: the batches (microbatches) the trainer takes for one optimizer step; the workers keep
-    that many ready (at least two each, PyTorch's default), so that they load the next step's batches
-    while the current step computes: with fewer, a step of 64 microbatches waits for most of its data.
+    that many ready (at least two each, PyTorch's default, at most MAX_PREFETCH each), so that they load
+    the next step's batches while the current step computes: with fewer, a step of 64 microbatches waits
+    for most of its data.
 
     max_bad_fraction: see `datasets.bad_samples` (sources that skip damaged records).
     pin_memory (for a CUDA run): page-locked batches, so the trainer's host-to-device copies are
@@ -308,7 +314,7 @@ def build_dataloader(
             drop_last=drop_last,
             persistent_workers=False,
             pin_memory=pin_memory,
-            prefetch_factor=max(2, -(-step_batches // num_workers)) if num_workers else None,
+            prefetch_factor=max(2, min(-(-step_batches // num_workers), MAX_PREFETCH)) if num_workers else None,
             worker_init_fn=leave_stop_signals_to_the_trainer,
             # its own generator: creating iterators must not draw from the global RNG, or a resumed
             # run (which creates one iterator fewer) would see different dropout/init randomness
