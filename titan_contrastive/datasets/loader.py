@@ -162,23 +162,15 @@ class EpochLoader:
         self.epoch = 0
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
         self._set_epoch(0)
-        self._source_ends, self._names = (
-            torch.tensor(sampler.source_sizes, dtype=torch.long).cumsum(0),
-            self.source_names,
-        )
+        self._source_ends = torch.tensor(sampler.source_sizes, dtype=torch.long).cumsum(0)
+        parts = str(dataset.source).split("::") if sampler.source_sizes else []
+        names = [Path(p.rstrip("/")).name or p for p in parts]
+        self.source_names = names if len(set(names)) == len(names) else parts
+        """With one source per step, each `::`-joined source's file or folder name (the whole part where two
+        parts share a name); else []."""
         self.step_source: str | None = None
         """The source of the batches just served, when every step is one source's (`data.same_source_batches`):
         its name in `source_names`; else None."""
-
-    @property
-    def source_names(self) -> list[str]:
-        """With one source per step, each `::`-joined source's file or folder name (the whole part where two
-        parts share a name); else []."""
-        if not self.sampler.source_sizes:
-            return []
-        parts = str(self.dataset.source).split("::")
-        names = [Path(p.rstrip("/")).name or p for p in parts]
-        return names if len(set(names)) == len(names) else parts
 
     @property
     def steps_per_epoch(self) -> int:
@@ -206,7 +198,7 @@ class EpochLoader:
             raise DataError(str(e).strip().splitlines()[-1].split("DataError: ", 1)[-1]) from None
         if len(self._source_ends):  # the joined index space holds the sources one after another
             source = int(torch.searchsorted(self._source_ends, batch["index"][:1], right=True)[0])
-            self.step_source = self._names[source]
+            self.step_source = self.source_names[source]
         return self.bad_samples.update(batch)
 
     def state_dict(self) -> dict[str, Any]:
