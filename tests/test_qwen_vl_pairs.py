@@ -363,7 +363,7 @@ def test_each_joined_vl_pairs_file_has_its_own_templates(tmp_path: Path) -> None
     def start(*extra: str) -> None:
         vl_run(tmp_path, "qwen2_vl", *common, f"--data.path={first}::{second}", *extra, sizes=())
 
-    with pytest.raises(DataError, match=r"data.query_prompts=\['\{image\} \{text\}'\]: 1 template\(s\) for the 2"):
+    with pytest.raises(DataError, match=r"data.query_prompts=\['\{image\} \{text\}'\]: 1 prompt\(s\) for the 2"):
         start("--data.query_prompts", "{image} {text}")
     with pytest.raises(ConfigError, match=r"data.doc_prompts\[1\]='Describe it:': the image side's template needs"):
         start("--data.doc_prompts", "", "Describe it:")

@@ -17,7 +17,7 @@ import numpy as np
 
 from titan_contrastive.datasets.base import DataError
 
-__all__ = ["SourceMix", "joins", "split_sources"]
+__all__ = ["SourceMix", "check_per_source", "joins", "split_sources"]
 
 
 def split_sources(path: str, factors: Sequence[float]) -> tuple[list[str], list[float]]:
@@ -33,6 +33,16 @@ def split_sources(path: str, factors: Sequence[float]) -> tuple[list[str], list[
             f"in data.path; give one factor per '::'-joined source"
         )
     return parts, factors
+
+
+def check_per_source(key: str, values: Sequence[str], parts: Sequence[str], empty: str) -> None:
+    """A DataError unless `data.<key>` (`values`: a prompt per source) is empty or holds one entry per
+    part of `data.path`; `empty` says what an entry "" means."""
+    if values and len(values) != len(parts):
+        raise DataError(
+            f"data.{key}={list(values)!r}: {len(values)} prompt(s) for the {len(parts)} source(s) in data.path; "
+            f"give one per '::'-joined source (\"\" for {empty}), or leave it empty for model.{key[:-1]}"
+        )
 
 
 def joins(factors: Sequence[float]) -> bool:

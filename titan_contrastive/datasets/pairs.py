@@ -56,7 +56,7 @@ import torch
 from titan_contrastive.batching import DOC_IDS, NEGATIVES, TEACHER_SCORES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.hf_disk import open_hf_dataset
-from titan_contrastive.datasets.mixing import SourceMix, joins, split_sources
+from titan_contrastive.datasets.mixing import SourceMix, check_per_source, joins, split_sources
 from titan_contrastive.datasets.tokenizer import PairTokenizer
 
 logger = logging.getLogger("titan_contrastive")
@@ -285,12 +285,8 @@ def source_tokenizers(
 ) -> list[PairTokenizer]:
     """`tokenizer` with each source's prompts (`data.query_prompts`, `data.doc_prompts`: one per part, or
     empty for the tokenizer's own), or a DataError when a list does not hold one per part."""
-    for key, prompts in (("query_prompts", query_prompts), ("doc_prompts", doc_prompts)):
-        if prompts and len(prompts) != len(parts):
-            raise DataError(
-                f"data.{key}={list(prompts)!r}: {len(prompts)} prompt(s) for the {len(parts)} source(s) in data.path; "
-                f"give one per '::'-joined source (\"\" for none), or leave it empty for model.{key[:-1]}"
-            )
+    check_per_source("query_prompts", query_prompts, parts, empty="none")
+    check_per_source("doc_prompts", doc_prompts, parts, empty="none")
     tokenizers = [
         dataclasses.replace(
             tokenizer,

@@ -43,7 +43,7 @@ from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.files import MAX_SUBSTITUTES
 from titan_contrastive.datasets.image_transforms import decode_image
-from titan_contrastive.datasets.mixing import SourceMix, joins, split_sources
+from titan_contrastive.datasets.mixing import SourceMix, check_per_source, joins, split_sources
 from titan_contrastive.datasets.pairs import read_table
 from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.datasets.sources import BadSample, read_file
@@ -96,12 +96,7 @@ class VLPairsDataset:
         self.templates = {"query": list(query_templates), "doc": list(doc_templates)}
         """Per side, one template per file (`data.query_prompts` / `doc_prompts`; "": the model's), or none."""
         for side, given in self.templates.items():
-            if given and len(given) != len(parts):
-                raise DataError(
-                    f"data.{side}_prompts={given!r}: {len(given)} template(s) for the {len(parts)} source(s) in "
-                    f"data.path; give one per '::'-joined source (\"\" for the model's), or leave it empty for "
-                    f"model.{side}_prompt"
-                )
+            check_per_source(f"{side}_prompts", given, parts, empty="the model's")
         self._files = [self._read_file(part, key, mode, split) for part in parts]
         self.negative_kind = "text" if self.kinds["doc"] == "text" else "image"
         counts = {f.source: len(_as_list(f.rows[0].get(NEGATIVES_COLUMN))) for f in self._files}
