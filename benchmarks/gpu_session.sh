@@ -6,7 +6,7 @@
 #   on the GPU:   run(command="bash benchmarks/gpu_session.sh 1", carry=[".whl"])   then 2, 3, 4
 #   (the copy there may carry an older .git: prefix BENCH_COMMIT=<git rev-parse HEAD here>, which the results name)
 #
-#  Ordered by value; 16 goes first next time. Done: 9 (H200, 2026-11-26); 10's pieces, 11's rows and 6's
+#  Ordered by value; 16 goes first next time, then 17. Done: 9 (H200, 2026-11-26); 10's pieces, 11's rows and 6's
 #  64K/256K/1M rows ran as 12 and 13 (H100, 2026-11-26, results/gpu_session_stage12.log); 14 and 15 (H100,
 #  2026-11-27, results/gpu_session_stage14.log, stage15.log); all kept for reruns:
 #   9  the trainer's own step side by side (step_gpu_bench: plain, GradCache, global negatives, accumulation at
@@ -30,6 +30,9 @@
 #  16  (issue 31) what 14 and 15 led to: the plain step's kernel families again (eager, compiled) with the patch
 #      embedding as one GEMM; the shipped clip_vit_b32_gpu.toml end to end, eager and compiled, with the loader
 #      prefetching a whole step and one epoch for the run (15 measured 2,072 samples/s, data 45 %); stage16.tar
+#  17  (issue 31; the same machine after 16) bf16 activations: the plain step's kernel families under autocast and
+#      under FSDP2 on the one GPU (parallelism.fsdp_one_device), eager and compiled, side by side; the shipped
+#      config end to end compiled with it (activation_traffic counts 36 % fewer bytes outside the GEMMs); stage17.tar
 #   1  pytest -m gpu and the Triton kernel tests                                        (issues 4, 8)
 #   6  the loss benchmark's largest rows (bf16, N 64K..1M; 64K, 256K and 1M measured on 2026-11-26,
 #      512K not): the fused kernel vs memeff and dense                                    (issues 8, 31)
@@ -39,7 +42,7 @@
 #   4  the vit_b32 training-stack table (issue 3)
 #   5  the loss benchmark for SigLIP's sigmoid loss (dense, streamed, fused kernel)      (issue 15)
 #   7  a random-init Qwen3-0.6B-like decoder embedder with LoRA through the trainer, one
-#      process (layout single: FSDP2 needs 2+ ranks): GradCache's largest batch and
+#      process (layout single): GradCache's largest batch and
 #      samples/s against plain training's (bf16, seq 128+128, chunk 64)                 (issue 29)
 #   8  a random-init Qwen2-VL-2B (qwen_vl family, LoRA, bf16) on emoji at 448-1,024 px, one
 #      process: GradCache's largest batch with 4,096-token chunks against plain training's,
@@ -61,12 +64,12 @@ case "${1:-}" in
       tyro docstring-parser typeguard shtab torchdata open-clip-torch ftfy wcwidth regex inf-cl==1.2.1 memeff==0.3.1 \
       webdataset wids braceexpand peft==0.21.2
     ls .whl; exit 0 ;;
-  1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16)
+  1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17)
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.txt" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17" >&2; exit 2 ;;
 esac
 res=/tmp/stage_results && mkdir -p "$res"
 pack() { tar -C "$res" -cf "$out/stage$1.tar" . ; }  # after every step: a time limit loses only the step in flight
@@ -110,6 +113,13 @@ case "$1" in
       export CONFIG_FILE=train_configs/clip_vit_b32_gpu.toml PYTHON=python3
       for c in false true; do step 200 ./run_train.sh --training.steps=10 --metrics.log_freq=2 --compile.enable=$c \
         --job.dump_folder="$res/gpu_config_compile_$c"; pack 16; done ;;
+  17) for f in false true; do step 150 python3 -m benchmarks.step_gpu_bench --variants plain --compile plain \
+        --chunk 512 --scale --profile --num-workers 14 --override=--data.dataset=synthetic \
+        --override=--parallelism.fsdp_one_device=$f --timeout 70 --time-budget 140 --tag fsdp1_$f --out "$res"; pack 17
+      done
+      export CONFIG_FILE=train_configs/clip_vit_b32_gpu.toml PYTHON=python3
+      step 200 ./run_train.sh --training.steps=10 --metrics.log_freq=2 --compile.enable=true \
+        --parallelism.fsdp_one_device=true --job.dump_folder="$res/gpu_config_fsdp1"; pack 17 ;;
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider
      step 420 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider ;;  # compiled, bf16 dot included (>120 s)
   6) step 560 python3 -m benchmarks.loss_bench --losses clip --n 65536 262144 524288 1048576 --dtypes bfloat16 \

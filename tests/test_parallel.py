@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from tests.dist_utils import run_distributed
 from titan_contrastive.components.nonfinite import NonFiniteError, NonFiniteGuard
 from titan_contrastive.config import ConfigError, parse_args
+from titan_contrastive.parallelisms import destroy_distributed
 from titan_contrastive.train import Trainer
 
 LOCAL = 2  # samples per rank per microbatch
@@ -60,9 +62,10 @@ def _train_layouts(tmp: str, layouts: list[tuple[str, list[str]]]) -> None:
         trainer.metrics.close()
 
 
-def reference(tmp: Path, local: int, ga: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(tmp: Path, local: int, ga: int, *extra: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     dump = tmp / f"reference_{local}_{ga}"
-    trainer = make_trainer(dump, f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga}")
+    batch = [f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga}"]
+    trainer = make_trainer(dump, *batch, *extra)
     trainer.train()
     trainer.metrics.close()
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, losses(dump)
@@ -118,6 +121,37 @@ def test_layouts_match_a_single_process(tmp_path: Path, world: int) -> None:
             got,
             want_losses,
         )
+
+
+def test_fsdp_on_one_device_matches_a_single_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """parallelism.fsdp_one_device: FSDP2 over a group of one (no torchrun), 2 microbatches, global
+    negatives, dropout on; its checkpoint resumes without FSDP. Both end at the plain run's parameters."""
+    from titan_contrastive.models.clip.args import clip_flavors
+
+    monkeypatch.setitem(clip_flavors, "debug", dataclasses.replace(clip_flavors["debug"], dropout=0.1))
+    common = ["--loss.negatives=global", "--checkpoint.enable=true", "--checkpoint.interval=2"]
+    want_params, want_losses = reference(tmp_path, LOCAL, 2, *common)
+    runs = [
+        ("one_device", "3", "true"),
+        ("one_device_then_plain", "2", "true"),
+        ("one_device_then_plain", "3", "false"),
+    ]
+    for name, steps, flag in runs:
+        extra = layout(name, 1, 1, 2, 1)[1]
+        trainer = make_trainer(
+            tmp_path / name, *extra, *common, f"--training.steps={steps}", f"--parallelism.fsdp_one_device={flag}"
+        )
+        try:
+            assert isinstance(trainer.model, FSDPModule) == (flag == "true"), name
+            trainer.train()
+            if steps == "3":
+                assert_same(full_params(trainer), want_params, f"{name} ({flag})")
+        finally:
+            trainer.metrics.close()
+            del trainer
+            destroy_distributed()
+        got = losses(tmp_path / name)
+        assert len(got) == int(steps) and all(abs(g - w) <= REL * abs(w) for g, w in zip(got, want_losses)), name
 
 
 def test_degrees_are_validated(tmp_path: Path) -> None:
@@ -192,6 +226,32 @@ def test_bfloat16_autocast_tracks_float32(tmp_path: Path, negatives: str) -> Non
     fp32, bf16 = run("fp32"), run("bf16", "--training.mixed_precision_param=bfloat16")
     assert all(abs(a - b) <= 2e-2 * a for a, b in zip(fp32, bf16)), (fp32, bf16)
     assert fp32 != bf16  # autocast really ran in bfloat16
+
+
+def test_fsdp_on_one_device_runs_the_residual_stream_in_bfloat16(tmp_path: Path) -> None:
+    """With bf16 mixed precision, autocast keeps the text tower's residual stream in float32 (float32
+    embeddings; each residual add promotes); FSDP2 on one device (parallelism.fsdp_one_device) runs it in
+    bf16, and its losses track float32 as autocast's do."""
+    seen: dict[str, torch.dtype] = {}
+
+    def run(name: str, *extra: str) -> list[float]:
+        args = ["--training.steps=3", "--training.local_batch_size=16", "--training.global_batch_size=32"]
+        trainer = make_trainer(tmp_path / name, "--training.dtype=float32", *args, *extra)
+        try:
+            text_block = trainer.model.text.transformer.blocks[-1]
+            text_block.register_forward_pre_hook(lambda module, inputs: seen.setdefault(name, inputs[0].dtype) and None)
+            trainer.train()
+        finally:
+            trainer.metrics.close()
+            del trainer
+            destroy_distributed()
+        return losses(tmp_path / name)
+
+    bf16 = "--training.mixed_precision_param=bfloat16"
+    fp32, fsdp = run("fp32"), run("fsdp", bf16, "--parallelism.fsdp_one_device=true")
+    run("autocast", bf16)
+    assert seen == {"fp32": torch.float32, "fsdp": torch.bfloat16, "autocast": torch.float32}
+    assert all(abs(a - b) <= 2e-2 * a for a, b in zip(fp32, fsdp)) and fp32 != fsdp, (fp32, fsdp)
 
 
 def test_float16_scaler_skips_overflowing_steps(tmp_path: Path) -> None:

@@ -64,7 +64,9 @@ class Trainer:
     def __init__(self, cfg: JobConfig, run_lock: RunLock | None = None, stop: StopSignals | None = None) -> None:
         # 1. the process group, writable output folders, the run lock, seeds
         self.cfg, self.stop, self.stopped_by = cfg, stop, None
-        self.dist = dist = init_distributed(cfg.training.device, cfg.comm.init_timeout_seconds)
+        self.dist = dist = init_distributed(
+            cfg.training.device, cfg.comm.init_timeout_seconds, one_device_group=cfg.parallelism.fsdp_one_device
+        )
         self.device = device = dist.device
         check_output_folders(
             cfg.job.dump_folder, cfg.checkpoint.folder if cfg.checkpoint.enable else None, dist.rank == 0
@@ -131,8 +133,7 @@ class Trainer:
         if self.objective is not None:  # Matryoshka prefixes and eval cuts that the embeddings are too short for
             dims = {"loss.matryoshka_dims": cfg.loss.matryoshka_dims, "eval.dims": cfg.eval.dims}
             check_embedding_dims(self.model, self.forward, self.eval_set or self.train_set, dims)
-        # after the checks above: a run that fails them writes nothing
-        self.metrics = MetricsProcessor.for_run(cfg, self.model_args, dist)
+        self.metrics = MetricsProcessor.for_run(cfg, self.model_args, dist)  # after the checks: failures write nothing
         self.memory_plan = self._plan_memory() if cfg.memory.budget_gib else None  # before any real step
 
     @property
@@ -155,8 +156,7 @@ class Trainer:
         return plan
 
     def forward(self, batch: dict[str, torch.Tensor], **kwargs: Any) -> Any:
-        """The model's forward in this run's dtype and autocast, through the FSDP root or the module DDP
-        wraps (evaluation, which ranks positives: a held-out file's hard negatives stay out; not the train step)."""
+        """The model's forward in this run's dtype and autocast (evaluation: held-out hard negatives stay out)."""
         with self.precision.autocast():
             return self.model(*self.step_context.inputs(batch, negatives=False), **kwargs)
 

@@ -1,8 +1,7 @@
 """The configuration tree: one dataclass per TOML section, every field documented.
 
-The docstring under each field is what `--help` prints (tyro reads it). Range constraints
-live next to the field as `metadata={"check": (predicate, "what is valid")}` so that the
-validator in `manager.py` can name the key, the bad value and the valid values in one line.
+The docstring under each field is what `--help` prints (tyro reads it). Range constraints live next to the
+field (`metadata={"check": (predicate, "what is valid")}`): `manager.py` names key, value and fix in one line.
 """
 
 from __future__ import annotations
@@ -126,8 +125,8 @@ class Training:
     dtype: Literal["float32", "float64"] = "float32"
     """Master parameter dtype. float64 exists for exactness checks against dense references."""
     mixed_precision_param: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype: float32 = no mixed precision. FSDP2 casts parameters with its
-    MixedPrecisionPolicy; DDP and a single device use autocast. float16 adds a gradient scaler."""
+    """Compute dtype: float32 = no mixed precision. FSDP2 casts parameters with its MixedPrecisionPolicy; DDP and a
+    single device use autocast (parallelism.fsdp_one_device: FSDP2 there too). float16 adds a gradient scaler."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient reduction across data-parallel ranks."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
@@ -145,10 +144,12 @@ class Parallelism:
     data_parallel_shard_degree: int = _opt(-1, lambda v: v == -1 or v >= 1, "-1 (fill the rest) or an integer >= 1")
     """FSDP2 shard group size (FSDP alone, the inner dimension of HSDP); -1 fills the rest; x replicate = WORLD_SIZE."""
     defer_grad_sync: bool = False
-    """FSDP2 with gradient accumulation: reduce-scatter only after the last microbatch (k-fold less
-    gradient traffic, but full unsharded gradients held on every rank between microbatches).
-    Default off: reduce-scatter every microbatch, keeping FSDP's memory saving, which is why
-    accumulation is usually on. DDP always defers (no_sync), as its gradients are full anyway."""
+    """FSDP2 with gradient accumulation: reduce-scatter only after the last microbatch (k-fold less traffic,
+    but full gradients on every rank between microbatches). Off: every microbatch, keeping FSDP's memory
+    saving, why accumulation is usually on. DDP always defers (no_sync): its gradients are full anyway."""
+    fsdp_one_device: bool = False
+    """On one device (WORLD_SIZE=1), FSDP2 over it for its mixed precision (bf16 parameter copies, every
+    activation bf16) in place of autocast (LayerNorm and the residual stream in float32); docs/performance.md."""
 
 
 @dataclass
@@ -466,8 +467,7 @@ class Checkpoint:
 @dataclass
 class Comm:
     init_timeout_seconds: int = _positive(300)
-    """Collective timeout from process-group start until the first train step is done (covers
-    start-up work: data indexing, model build, checkpoint load, memory-planner probes)."""
+    """Collective timeout from process-group start to the end of the first step (data indexing, model build, ...)."""
     train_timeout_seconds: int = _positive(300)
     """Collective timeout after the first step: a rank that waits longer for its peers (one
     stalled or died) ends the job with exit code 4 instead of hanging. It must exceed the longest

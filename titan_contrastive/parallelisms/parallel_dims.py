@@ -2,12 +2,14 @@
 and the batch arithmetic over it (global batch = local batch x accumulation steps x DP degree).
 
 replicate only -> DDP; shard only -> FSDP2; both -> HSDP (FSDP2 on a 2-D mesh: shard inside a
-group, replicate across groups). Every rank is a data-parallel rank (no tensor/pipeline
+group, replicate across groups); one process: no wrapper, or FSDP2 over its device for its mixed
+precision (`one_device_fsdp`). Every rank is a data-parallel rank (no tensor/pipeline
 parallelism), so the DP group is the whole world.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,13 +23,15 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     world_size: int
+    one_device_fsdp: bool = False  # FSDP2 over a single device (parallelism.fsdp_one_device at WORLD_SIZE=1)
 
     @classmethod
     def for_run(cls, parallelism: Any, world_size: int) -> ParallelDims:
         """`from_config` with the degrees of `[parallelism]` (a config.job_config.Parallelism)."""
-        return cls.from_config(
+        dims = cls.from_config(
             parallelism.data_parallel_replicate_degree, parallelism.data_parallel_shard_degree, world_size
         )
+        return dataclasses.replace(dims, one_device_fsdp=world_size == 1 and parallelism.fsdp_one_device)
 
     @classmethod
     def from_config(cls, replicate: int, shard: int, world_size: int) -> ParallelDims:
@@ -54,7 +58,7 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
+        return self.dp_shard > 1 or self.one_device_fsdp
 
     @property
     def ddp_enabled(self) -> bool:
@@ -67,8 +71,8 @@ class ParallelDims:
         return "ddp" if self.ddp_enabled else "single"
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The (dp_replicate, dp_shard) mesh; None on a single process. Build it once per run."""
-        if self.world_size == 1:
+        """The (dp_replicate, dp_shard) mesh; None on a single process without FSDP. Build it once per run."""
+        if self.world_size == 1 and not self.one_device_fsdp:
             return None
         return init_device_mesh(
             device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")

@@ -50,8 +50,11 @@ def resolve_device(choice: str, local_rank: int) -> torch.device:
 _timeout = {"key": "comm.init_timeout_seconds", "seconds": 0}  # the one in force, for error messages
 
 
-def init_distributed(device_choice: str, init_timeout_seconds: int = 300) -> DistInfo:
-    """Join the torchrun process group (if launched by torchrun) and pick this rank's device.
+def init_distributed(
+    device_choice: str, init_timeout_seconds: int = 300, *, one_device_group: bool = False
+) -> DistInfo:
+    """Join the torchrun process group (if launched by torchrun) and pick this rank's device; with
+    `one_device_group` a single process gets a group of one too (for FSDP2 on one device).
 
     On CPU the cores are split between the local processes so two processes on a 2-core
     machine do not oversubscribe (torch would otherwise start one thread per core in each).
@@ -60,11 +63,13 @@ def init_distributed(device_choice: str, init_timeout_seconds: int = 300) -> Dis
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_choice, local_rank)
-    if world_size > 1 and not dist.is_initialized():
+    if (world_size > 1 or one_device_group) and not dist.is_initialized():
+        alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if world_size == 1 else {}
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
             device_id=device if device.type == "cuda" else None,
             timeout=timedelta(seconds=init_timeout_seconds),
+            **alone,
         )
         _timeout.update(key="comm.init_timeout_seconds", seconds=init_timeout_seconds)
     if device.type == "cpu":
