@@ -3,7 +3,7 @@ and the batch arithmetic over it (global batch = local batch x accumulation step
 
 replicate only -> DDP; shard only -> FSDP2; both -> HSDP (FSDP2 on a 2-D mesh: shard inside a
 group, replicate across groups); one process: no wrapper, or FSDP2 over its device for its mixed
-precision (`one_device_fsdp`). Every rank is a data-parallel rank (no tensor/pipeline
+precision (`fsdp_one_device`). Every rank is a data-parallel rank (no tensor/pipeline
 parallelism), so the DP group is the whole world.
 """
 
@@ -23,7 +23,7 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     world_size: int
-    one_device_fsdp: bool = False  # FSDP2 over a single device (parallelism.fsdp_one_device at WORLD_SIZE=1)
+    fsdp_one_device: bool = False  # FSDP2 over a single device (parallelism.fsdp_one_device at WORLD_SIZE=1)
 
     @classmethod
     def for_run(cls, parallelism: Any, world_size: int) -> ParallelDims:
@@ -31,7 +31,7 @@ class ParallelDims:
         dims = cls.from_config(
             parallelism.data_parallel_replicate_degree, parallelism.data_parallel_shard_degree, world_size
         )
-        return dataclasses.replace(dims, one_device_fsdp=world_size == 1 and parallelism.fsdp_one_device)
+        return dataclasses.replace(dims, fsdp_one_device=world_size == 1 and parallelism.fsdp_one_device)
 
     @classmethod
     def from_config(cls, replicate: int, shard: int, world_size: int) -> ParallelDims:
@@ -58,7 +58,7 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1 or self.one_device_fsdp
+        return self.dp_shard > 1 or self.fsdp_one_device
 
     @property
     def ddp_enabled(self) -> bool:
@@ -72,7 +72,7 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """The (dp_replicate, dp_shard) mesh; None on a single process without FSDP. Build it once per run."""
-        if self.world_size == 1 and not self.one_device_fsdp:
+        if self.world_size == 1 and not self.fsdp_one_device:
             return None
         return init_device_mesh(
             device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
