@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--flavor", default="vit_b32")
     parser.add_argument("--batches", type=int, nargs=2, default=[4, 8], help="two batch sizes (pairs)")
-    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--image-size", type=int, default=224, help="0: the dataset's own (emoji: 32 px)")
     parser.add_argument("--predict", type=int, default=1024, help="extrapolate to this batch")
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
