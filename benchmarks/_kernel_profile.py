@@ -44,7 +44,8 @@ def kernel_times(
     fn: Callable[[], Any], device: torch.device, families: Mapping[str, str], calls: int = 1, top: int = 12
 ) -> dict[str, Any]:
     """Profile `calls` calls of `fn`; per call: milliseconds and launches by family (`families_ms`,
-    `families_launches`), the total (`total_ms`), and the `top` kernels (name, ms, launches) by time."""
+    `families_launches`), the total (`total_ms`), and the `top` kernels (name, ms, launches) by time,
+    overall and (`top_other`) of those no family names."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     if cuda:
@@ -65,14 +66,18 @@ def kernel_times(
     patterns = [(name, re.compile(pattern, re.IGNORECASE)) for name, pattern in families.items()]
     by_family: dict[str, float] = {name: 0.0 for name in [*families, "other"]}
     calls_by_family: Counter[str] = Counter()
+    unnamed: Counter[str] = Counter()
     for name, ms in times.items():
         family = next((f for f, pattern in patterns if pattern.search(name)), "other")
         by_family[family] += ms
         calls_by_family[family] += launches[name] // calls
+        if family == "other":
+            unnamed[name] = ms
     return {
         "families_ms": by_family,
         "families_launches": dict(calls_by_family),
         "total_ms": sum(times.values()),
         "top": [[name, ms, launches[name] // calls] for name, ms in times.most_common(top)],
+        "top_other": [[name, ms, launches[name] // calls] for name, ms in unnamed.most_common(top)],
         "measure": "CUDA kernel time" if cuda else "CPU operator self time",
     }

@@ -20,7 +20,9 @@ webdataset shards (make_shards.write_shards, 256 samples per shard, read through
    the median over --repeats, configurations interleaved round-robin by the harness (each repeat
    starting one configuration later). Per worker: images/s / workers (workers=0: the main process alone).
 2. Pieces, in the main process, on one batch of 64 (median of 3 passes), in ms per image:
-   file read, JPEG decode, crop+resize (the full decode's path), decode_crop (the loader's: a JPEG
+   file read, JPEG decode, crop_resize_pillow (the same boxes cut and resized by Pillow, as
+   torchvision's transforms and so open_clip do), crop_resize (ours: torch's antialiased bicubic on
+   uint8, the full decode's path), decode_crop (the loader's: a JPEG
    whose crop holds twice the output size decoded at reduced scale, then cropped), normalize,
    tokenization; total = the loader's path (read, decode_crop, normalize, tokenize).
 3. The trainer's data-wait share: `python -m titan_contrastive.train` with train_configs/debug.toml
@@ -115,18 +117,25 @@ def time_loader(kind: str, path: str, workers: int, batches: int, min_batches: i
 
 def time_pieces(path: str) -> dict[str, float]:
     """ms per image of each step of FileImageTextDataset.__getitems__, main process, one batch."""
+    from PIL import Image
+
     from titan_contrastive.datasets import image_transforms as tf
 
     ds = build("csv", path)
     source, idx = ds._source, list(range(BATCH))
-    keys = ("read", "decode", "crop_resize", "decode_crop", "normalize", "tokenize")
+    keys = ("read", "decode", "crop_resize_pillow", "crop_resize", "decode_crop", "normalize", "tokenize")
     passes: dict[str, list[float]] = {k: [] for k in keys}
+    sizes = [tf.decode_image(source.read(i).image).size for i in idx]
+    boxes = [tf.random_resized_box(*size, tf.sample_rng(0, 0, i)) for i, size in zip(idx, sizes)]
     for _ in range(3):
         t0 = time.perf_counter()
         records = [source.read(i) for i in idx]
         t1 = time.perf_counter()
         imgs = [tf.decode_image(r.image) for r in records]
         t2 = time.perf_counter()
+        # the same boxes resized by Pillow, as torchvision's transforms (and so open_clip) do on Pillow images
+        [np.asarray(im.crop(box).resize((SIZE, SIZE), Image.Resampling.BICUBIC)) for im, box in zip(imgs, boxes)]
+        t2b = time.perf_counter()
         [tf.crop_resize(im, SIZE, train=True, rng=tf.sample_rng(0, 0, i)) for i, im in zip(idx, imgs)]
         t3 = time.perf_counter()
         pixels = np.stack(
@@ -137,11 +146,11 @@ def time_pieces(path: str) -> dict[str, float]:
         t5 = time.perf_counter()
         ds.tokenizer.encode([r.caption for r in records])
         t6 = time.perf_counter()
-        for key, dt in zip(passes, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)):
+        for key, dt in zip(passes, (t1 - t0, t2 - t1, t2b - t2, t3 - t2b, t4 - t3, t5 - t4, t6 - t5)):
             passes[key].append(dt * 1e3 / BATCH)
     pieces = {k: harness.summary(v)["median"] for k, v in passes.items()}
     # the loader's path: decode_crop (a large JPEG decoded at reduced scale) instead of decode + crop_resize
-    pieces["total"] = sum(v for k, v in pieces.items() if k not in ("decode", "crop_resize"))
+    pieces["total"] = sum(v for k, v in pieces.items() if k not in ("decode", "crop_resize_pillow", "crop_resize"))
     return pieces
 
 

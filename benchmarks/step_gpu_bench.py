@@ -125,7 +125,7 @@ def worker(name: str, overrides: list[str], args: argparse.Namespace) -> dict[st
         if args.profile:  # one more step, traced: where its time goes by kernel family
             from benchmarks._kernel_profile import STEP_FAMILIES, kernel_times
 
-            row["profile"] = kernel_times(lambda: trainer.train_step(batches), device, STEP_FAMILIES)
+            row["profile"] = kernel_times(lambda: trainer.train_step(batches), device, STEP_FAMILIES, top=40)
             row["busy_share"] = row["profile"]["total_ms"] / (row["step_s"] * 1e3)
         if args.e2e_steps:
             start = time.perf_counter()

@@ -302,6 +302,9 @@ def test_step_gpu_bench_runs_every_variant_on_cpu(tmp_path: Path) -> None:
         families = row["profile"]["families_ms"]
         assert sum(families.values()) == pytest.approx(row["profile"]["total_ms"]) and families["GEMM"] > 0
         assert row["profile"]["top"] and 0 < row["busy_share"]
+        unnamed = row["profile"]["top_other"]  # what no family names, the largest first
+        assert unnamed and sum(ms for _, ms, _ in unnamed) == pytest.approx(families["other"], rel=0.5)
+        assert [ms for _, ms, _ in unnamed] == sorted((ms for _, ms, _ in unnamed), reverse=True)
     assert list(rows) == ["plain", "gradcache", "global@48"], rows
     assert [rows[v]["global_batch"] for v in rows] == [32, 32, 48]
     assert all(r["step_s"] > 0 and r["samples_per_s"] > 0 for r in rows.values())
@@ -331,7 +334,16 @@ def test_data_bench_times_every_piece_of_the_loader_path(tmp_path: Path) -> None
     from benchmarks import data_bench
 
     pieces = data_bench.time_pieces(data_bench.make_data(tmp_path, 64)["csv"])
-    assert set(pieces) == {"read", "decode", "crop_resize", "decode_crop", "normalize", "tokenize", "total"}
+    assert set(pieces) == {
+        "read",
+        "decode",
+        "crop_resize_pillow",
+        "crop_resize",
+        "decode_crop",
+        "normalize",
+        "tokenize",
+        "total",
+    }
     assert all(v > 0 for v in pieces.values())
     loader_path = ("read", "decode_crop", "normalize", "tokenize")
     assert abs(pieces["total"] - sum(pieces[k] for k in loader_path)) < 1e-9

@@ -1,5 +1,6 @@
-"""`decode_crop_resize`: a large JPEG decoded at reduced scale gives nearly the full decode's crop, faster to
-make; anything else is exactly `crop_resize(decode_image(...))`."""
+"""`resize_box` is Pillow's crop + bicubic resize (torchvision's and so open_clip's transform on Pillow
+images) up to a level; `decode_crop_resize`: a large JPEG decoded at reduced scale gives nearly the full
+decode's crop of the same region, faster to make; anything else is exactly `crop_resize(decode_image(...))`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import io
 import numpy as np
 from PIL import Image
 
-from titan_contrastive.datasets.image_transforms import crop_resize, decode_crop_resize, decode_image, sample_rng
+from titan_contrastive.datasets.image_transforms import (
+    center_box,
+    crop_resize,
+    decode_crop_resize,
+    decode_image,
+    random_resized_box,
+    reduced_box,
+    resize_box,
+    sample_rng,
+)
 
 
 def _encoded(width: int, height: int, fmt: str) -> bytes:
@@ -29,13 +39,36 @@ def test_small_images_and_pngs_are_the_plain_crop() -> None:
             assert np.array_equal(decode_crop_resize(data, 224, train=train, rng=sample_rng(0, 0, 3)), full)
 
 
+def test_resize_box_is_pillows_crop_and_bicubic_resize() -> None:
+    rng = np.random.default_rng(0)
+    noise = Image.fromarray(rng.integers(0, 256, (260, 300, 3), dtype=np.uint8))
+    smooth = decode_image(_encoded(300, 260, "PNG"))
+    cases = (((8, 5, 248, 250), 224), ((30, 40, 130, 180), 224), ((0, 0, 300, 260), 64), ((3, 7, 90, 60), 32))
+    for image in (noise, smooth):
+        for box, size in cases:  # shrink, enlarge, the whole image, a non-square box
+            ours = resize_box(image, box, size).astype(int)
+            pillow = np.asarray(image.crop(box).resize((size, size), Image.Resampling.BICUBIC)).astype(int)
+            assert ours.shape == pillow.shape == (size, size, 3)
+            assert np.abs(ours - pillow).max() <= 2 and (ours != pillow).mean() < 0.01, (box, (ours != pillow).mean())
+    assert not np.array_equal(resize_box(noise, (8, 5, 248, 250), 224), resize_box(noise, (9, 5, 249, 250), 224))
+
+
 def test_a_large_jpeg_is_decoded_smaller_and_keeps_its_crop() -> None:
-    data = _encoded(1024, 800, "JPEG")
-    for train in (True, False):
-        full = crop_resize(decode_image(data), 224, train=train, rng=sample_rng(0, 0, 3)).astype(float)
-        fast = decode_crop_resize(data, 224, train=train, rng=sample_rng(0, 0, 3)).astype(float)
-        assert not np.array_equal(fast, full)  # the reduced decode ran
-        assert np.abs(fast - full).mean() < 1.0 and np.abs(fast - full).max() < 40, np.abs(fast - full).mean()
-    image = Image.open(io.BytesIO(data))
+    for width, height in ((1024, 800), (2000, 1500), (1001, 777)):
+        data = _encoded(width, height, "JPEG")
+        for train in (True, False):
+            for index in range(3):
+                box = random_resized_box(width, height, sample_rng(0, 0, index)) if train else center_box(width, height)
+                image = Image.open(io.BytesIO(data))
+                image.draft("RGB", (300, 300))  # at least 224 each way for every box here
+                factor = round(width / image.width)
+                small = reduced_box(box, factor)
+                assert factor in (2, 4), factor
+                assert all(abs(a * factor - b) <= factor / 2 for a, b in zip(small, box)), (small, box)
+                fast = decode_crop_resize(data, 224, train=train, rng=sample_rng(0, 0, index)).astype(float)
+                full = resize_box(decode_image(data), tuple(a * factor for a in small), 224).astype(float)
+                assert np.abs(fast - full).mean() < 0.5 and np.abs(fast - full).max() < 20, np.abs(fast - full).mean()
+                assert not np.array_equal(fast, full)  # the reduced decode ran
+    image = Image.open(io.BytesIO(_encoded(1024, 800, "JPEG")))
     image.draft("RGB", (300, 300))
     assert image.size == (512, 400)  # Pillow's DCT scaling: 1/2 is the largest reduction keeping 300 x 300
