@@ -12,7 +12,7 @@ each; real photos are larger files with more detail, so their reads and decodes 
 caption "a photo of <emoji name>"; written as a tab-separated CSV (filepath, title) and as
 webdataset shards (make_shards.write_shards, 256 samples per shard, read through shards.json).
 
-1. Loader alone: for source in (csv, webdataset) x num_workers in (0, 1, 2), the train split
+1. Loader alone: for source in (csv, webdataset) x num_workers in --workers (0, 1, 2), the train split
    (random-resized crop to 224, CLIP BPE tokens, context 77) through build_dataloader with
    local batch 64. The first batch (worker start-up included) is a warm-up, not timed; then
    --batches batches (default: the rest of 2 epochs, so one epoch boundary with its worker
@@ -30,8 +30,10 @@ webdataset shards (make_shards.write_shards, 256 samples per shard, read through
    divides it), batch 64, 12 steps, log every 4; `data_share` and `samples_per_s` from
    metrics.jsonl train records without the first (warm-up), median, at --data.num_workers 0 and 2,
    with the peak RSS of the trainer's largest process (harness.run_child).
-`--jpeg-size` makes the JPEGs that side instead of 256 (photos are 500-2,000 px). Writes
-data_bench.{json,csv,png} (other sizes: data_bench_{size}px.*) under --out.
+`--jpeg-size` makes the JPEGs that side instead of 256 (photos are 500-2,000 px). `--uint8`: the
+loader serves uint8 pixels and leaves the normalization to the step, as a GPU run's workers do
+(`data.pixels_on_device`); without it they normalize to float32, as on a CPU run. Writes
+data_bench.{json,csv,png} (other sizes: data_bench_{size}px.*; `--uint8`: *_uint8.*) under --out.
 """
 
 from __future__ import annotations
@@ -77,12 +79,12 @@ def make_data(root: Path, n: int, side: int = 256) -> dict[str, str]:
     return {"csv": str(root / "train.csv"), "webdataset": str(root / "shards" / "shards.json")}
 
 
-def build(kind: str, path: str):
+def build(kind: str, path: str, uint8: bool = False):
     from titan_contrastive.config.job_config import Data
     from titan_contrastive.datasets import build as b
 
     # Data(): the [data] section's defaults (tab-separated filepath/title, jpg/txt shard members)
-    return b.build_file_dataset(
+    dataset = b.build_file_dataset(
         kind,
         "train",
         path,
@@ -92,15 +94,22 @@ def build(kind: str, path: str):
         seed=0,
         augment=True,
     )
+    if uint8:  # what a GPU run's workers make (data.pixels_on_device): the step normalizes on the device
+        dataset.serve_uint8()
+    return dataset
 
 
-def time_loader(kind: str, path: str, workers: int, batches: int, min_batches: int, max_seconds: float) -> dict:
+def time_loader(
+    kind: str, path: str, workers: int, batches: int, min_batches: int, max_seconds: float, uint8: bool = False
+) -> dict:
     """images/s of `batches` batches after a warm-up batch (stops after max_seconds, >= min_batches): the
     loader's start and first batch are not in the rate, so the harness's own timing of the call is not used."""
+    import torch
+
     from titan_contrastive.datasets.loader import build_dataloader
 
     loader = build_dataloader(
-        build(kind, path), local_batch_size=BATCH, dp_rank=0, dp_world_size=1, seed=0, num_workers=workers
+        build(kind, path, uint8), local_batch_size=BATCH, dp_rank=0, dp_world_size=1, seed=0, num_workers=workers
     )
     start = time.perf_counter()
     next(loader)
@@ -108,7 +117,7 @@ def time_loader(kind: str, path: str, workers: int, batches: int, min_batches: i
     start, done = time.perf_counter(), 0
     while done < batches and (done < min_batches or time.perf_counter() - start < max_seconds):
         batch = next(loader)
-        assert batch["image"].shape == (BATCH, 3, SIZE, SIZE)
+        assert batch["image"].shape == (BATCH, 3, SIZE, SIZE) and (batch["image"].dtype == torch.uint8) == uint8
         done += 1
     elapsed = time.perf_counter() - start
     del loader  # shuts its workers down
@@ -199,7 +208,8 @@ def plot(rows: list[dict], trainer: list[dict], title: str):  # noqa: ANN201 - a
         vals = [r["images_per_s"] for r in rows if r["source"] == source]
         bars = ax.bar([k + i * width for k in range(len(vals))], vals, width, label=source)
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
-    ax.set_xticks([k + width / 2 for k in range(len(WORKERS))], [f"{w} workers" for w in WORKERS])
+    workers = list(dict.fromkeys(r["workers"] for r in rows))
+    ax.set_xticks([k + width / 2 for k in range(len(workers))], [f"{w} workers" for w in workers])
     ax.set_ylabel(f"images/s (batch {BATCH}, crop {SIZE}, median)")
     ax.set_title("loader alone", fontsize=9)
     ax.legend(fontsize=8)
@@ -225,6 +235,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-seconds", type=float, default=8.0, help="stop a measurement after this (>= 8 batches)")
     parser.add_argument("--trainer-steps", type=int, default=12)
     parser.add_argument("--quick", action="store_true", help="smoke run: N=128, 1 repeat, 3 batches, 8 trainer steps")
+    parser.add_argument("--workers", type=int, nargs="+", default=list(WORKERS), help="loader worker counts")
+    parser.add_argument(
+        "--uint8", action="store_true", help="the loader serves uint8 pixels, as on a GPU (data.pixels_on_device)"
+    )
     parser.add_argument("--out", type=Path, help="default: benchmarks/results (--quick: a folder under the temp dir)")
     args = parser.parse_args(argv)
     min_batches = 8
@@ -243,10 +257,10 @@ def main(argv: list[str] | None = None) -> None:
             f"({time.perf_counter() - t_start:.1f} s)",
             flush=True,
         )
-        configs = {f"{s}/{w}": (s, w) for s in SOURCES for w in WORKERS}
+        configs = {f"{s}/{w}": (s, w) for s in SOURCES for w in args.workers}
 
         def loader(source: str, workers: int) -> dict:
-            res = time_loader(source, paths[source], workers, batches, min_batches, args.max_seconds)
+            res = time_loader(source, paths[source], workers, batches, min_batches, args.max_seconds, args.uint8)
             print(
                 f"{source:10s} workers={workers} {res['images_per_s']:7.1f} images/s "
                 f"({res['batches']} batches, warm-up {res['warmup_s']:.2f} s)",
@@ -304,6 +318,7 @@ def main(argv: list[str] | None = None) -> None:
         "trainer_image_size": 64,
         "torch_threads": torch.get_num_threads(),
         "quick": args.quick,
+        "uint8_pixels": args.uint8,
     }
     meta = harness.metadata("cpu")
     payload = {
@@ -315,10 +330,10 @@ def main(argv: list[str] | None = None) -> None:
         "runs": {f"{s}/{w}": r for (s, w), r in runs.items()},
     }
     title = f"data_bench: {meta['cpu']}, {meta['cores']} cores, torch {torch.__version__}, {args.n} JPEGs"
-    title += f" {args.jpeg_size} px"
+    title += f" {args.jpeg_size} px" + (", uint8 pixels" if args.uint8 else "")
     harness.write_results(
         args.out,
-        "data_bench" + (f"_{args.jpeg_size}px" if args.jpeg_size != 256 else ""),
+        "data_bench" + (f"_{args.jpeg_size}px" if args.jpeg_size != 256 else "") + ("_uint8" if args.uint8 else ""),
         meta,
         payload,
         rows=rows,

@@ -330,10 +330,12 @@ def test_loss_memory_counts_six_copies_of_the_embeddings_on_the_fused_path(tmp_p
 
 
 def test_data_bench_times_every_piece_of_the_loader_path(tmp_path: Path) -> None:
-    """data_bench's per-image pieces on 64 generated JPEGs (the dataset's own normalize and tokenizer)."""
+    """data_bench's per-image pieces on 64 generated JPEGs (the dataset's own normalize and tokenizer), and
+    its loader serving uint8 pixels (`--uint8`, a GPU run's workers; time_loader checks the dtype)."""
     from benchmarks import data_bench
 
-    pieces = data_bench.time_pieces(data_bench.make_data(tmp_path, 64)["csv"])
+    path = data_bench.make_data(tmp_path, 64)["csv"]
+    pieces = data_bench.time_pieces(path)
     assert set(pieces) == {
         "read",
         "decode",
@@ -347,6 +349,31 @@ def test_data_bench_times_every_piece_of_the_loader_path(tmp_path: Path) -> None
     assert all(v > 0 for v in pieces.values())
     loader_path = ("read", "decode_crop", "normalize", "tokenize")
     assert abs(pieces["total"] - sum(pieces[k] for k in loader_path)) < 1e-9
+    for uint8 in (False, True):
+        assert data_bench.time_loader("csv", path, 0, 1, 1, 5.0, uint8=uint8)["batches"] == 1
+
+
+def test_attention_probe_checks_each_backend_against_float64(tmp_path: Path) -> None:
+    """benchmarks/attention_probe.py (gpu_session.sh 18's attention rows) on CPU: both towers' shapes, each
+    backend that runs here checked against float64 math (a small nonzero error: another computation) and
+    timed; the CUDA-only ones recorded as unsupported; JSON, CSV and PNG written."""
+    from benchmarks import attention_probe
+
+    attention_probe.main(
+        ["--device", "cpu", "--batch", "2", "--dtype", "float32", "--repeats", "1"] + ["--out", str(tmp_path)]
+    )
+    rows = json.loads((tmp_path / "attention_probe_cpu.json").read_text())["rows"]
+    assert [(r["tower"], r["tokens"], r["heads"], r["causal"]) for r in rows[::5]] == [
+        ("image", 50, 12, False),
+        ("text", 77, 8, True),
+    ]
+    for row in rows:
+        if row["backend"] in ("auto", "math"):
+            assert row["status"] == "ok" and row["ms"] > 0 and row["step_ms"] == pytest.approx(12 * row["ms"])
+            assert 0 < row["out_error"] < 1e-5 and 0 < row["grad_error"] < 1e-5, row
+        if row["backend"] in ("efficient", "cudnn"):
+            assert row["status"] == "unsupported" and "ms" not in row
+    assert (tmp_path / "attention_probe_cpu.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow  # ~30 s: the default suite's time (CI runs the slow marker too)

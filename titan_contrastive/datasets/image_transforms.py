@@ -8,10 +8,12 @@ with OpenAI CLIP's mean/std by default.
 Pillow decodes; the box is cut out and resized by torch's antialiased bicubic interpolation on
 uint8 channels-last pixels, the filter of Pillow's bicubic resize (what torchvision's transforms,
 and so open_clip's, run on Pillow images) in torch's vectorized kernel: the same pixels up to a
-level in a few per mille of them, in under half Pillow's time. Why not torchvision: it does not
-import beside every torch build this project supports. Why `np.random.default_rng((seed, epoch, index))`: a crop
-must not depend on which rank or worker loads the sample, nor on what else is in its batch, so
-that 1 process x 16 samples and 2 processes x 8 (and a resumed run) see identical pixels.
+level in a few per mille of them, in about half Pillow's time or less. Why not torchvision: it does not
+import beside every torch build this project supports.
+
+Why `np.random.default_rng((seed, epoch, index))`: a crop must not depend on which rank or worker
+loads the sample, nor on what else is in its batch, so that 1 process x 16 samples and 2 processes
+x 8 (and a resumed run) see identical pixels.
 """
 
 from __future__ import annotations
