@@ -134,16 +134,16 @@ def time_pieces(path: str) -> dict[str, float]:
     source, idx = ds._source, list(range(BATCH))
     keys = ("read", "decode", "crop_resize_pillow", "crop_resize", "decode_crop", "normalize", "tokenize")
     passes: dict[str, list[float]] = {k: [] for k in keys}
-    sizes = [tf.decode_image(source.read(i).image).size for i in idx]
-    boxes = [tf.random_resized_box(*size, tf.sample_rng(0, 0, i)) for i, size in zip(idx, sizes)]
     for _ in range(3):
         t0 = time.perf_counter()
         records = [source.read(i) for i in idx]
         t1 = time.perf_counter()
         imgs = [tf.decode_image(r.image) for r in records]
         t2 = time.perf_counter()
-        # the same boxes resized by Pillow, as torchvision's transforms (and so open_clip) do on Pillow images
-        [np.asarray(im.crop(box).resize((SIZE, SIZE), Image.Resampling.BICUBIC)) for im, box in zip(imgs, boxes)]
+        # the same boxes cut and resized by Pillow, as torchvision's transforms (and so open_clip) do
+        for i, im in zip(idx, imgs):
+            box = tf.draw_box(*im.size, train=True, rng=tf.sample_rng(0, 0, i))
+            np.asarray(im.crop(box).resize((SIZE, SIZE), Image.Resampling.BICUBIC))
         t2b = time.perf_counter()
         [tf.crop_resize(im, SIZE, train=True, rng=tf.sample_rng(0, 0, i)) for i, im in zip(idx, imgs)]
         t3 = time.perf_counter()

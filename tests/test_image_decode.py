@@ -11,11 +11,10 @@ import numpy as np
 from PIL import Image
 
 from titan_contrastive.datasets.image_transforms import (
-    center_box,
     crop_resize,
     decode_crop_resize,
     decode_image,
-    random_resized_box,
+    draw_box,
     reduced_box,
     resize_box,
     sample_rng,
@@ -59,7 +58,7 @@ def test_a_large_jpeg_is_decoded_smaller_and_keeps_its_crop() -> None:
         data = _encoded(width, height, "JPEG")
         for train in (True, False):
             for index in range(3):
-                box = random_resized_box(width, height, sample_rng(0, 0, index)) if train else center_box(width, height)
+                box = draw_box(width, height, train=train, rng=sample_rng(0, 0, index))
                 image = Image.open(io.BytesIO(data))  # the reduction decode_crop_resize asks the decoder for
                 image.draft(
                     "RGB", (math.ceil(width * 224 / (box[2] - box[0])), math.ceil(height * 224 / (box[3] - box[1])))

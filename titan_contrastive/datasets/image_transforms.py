@@ -89,6 +89,11 @@ def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.default_rng((seed, epoch, index))
 
 
+def draw_box(width: int, height: int, *, train: bool, rng: np.random.Generator | None) -> Box:
+    """The train crop's box (needs `rng`) or the eval central square."""
+    return random_resized_box(width, height, rng) if train and rng is not None else center_box(width, height)
+
+
 def resize_box(image: Image.Image, box: Box, size: int) -> np.ndarray:
     """uint8 [size, size, 3]: the RGB image's `box` (left, top, right, bottom) cut out and resized,
     antialiased bicubic (Pillow's filter: Keys' a = -0.5, widened when shrinking)."""
@@ -101,7 +106,7 @@ def resize_box(image: Image.Image, box: Box, size: int) -> np.ndarray:
 
 def crop_resize(image: Image.Image, size: int, *, train: bool, rng: np.random.Generator | None = None) -> np.ndarray:
     """uint8 [size, size, 3]: the train crop (needs `rng`) or the eval central crop, bicubic."""
-    box = random_resized_box(*image.size, rng) if train and rng is not None else center_box(*image.size)
+    box = draw_box(*image.size, train=train, rng=rng)
     return resize_box(image, box, size)
 
 
@@ -118,7 +123,7 @@ def decode_crop_resize(
     if not isinstance(data, (bytes, bytearray, memoryview)):
         return crop_resize(decode_image(data), size, train=train, rng=rng)
     image = Image.open(io.BytesIO(data))
-    box = random_resized_box(*image.size, rng) if train and rng is not None else center_box(*image.size)
+    box = draw_box(*image.size, train=train, rng=rng)
     w, h = box[2] - box[0], box[3] - box[1]
     if image.format == "JPEG" and min(w, h) >= 2 * size:
         width = image.width
