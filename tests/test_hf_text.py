@@ -96,6 +96,34 @@ def test_sentence_transformers_folder_in_gives_its_embeddings(tmp_path: Path, ki
         assert (ours - want).abs().max() <= 1e-5
 
 
+def _tokenizers_own_call(tokenizer, texts: list[str], length: int, prompt: str) -> torch.Tensor:
+    """What PairTokenizer.encode is: the Hugging Face tokenizer's own padded, truncated call, real tokens
+    moved to the left, padding written as `pad_id`."""
+    out = tokenizer.hf([prompt + t for t in texts], padding="max_length", truncation=True, max_length=length)
+    ids, mask = torch.tensor(out["input_ids"]), torch.tensor(out["attention_mask"]).bool()
+    order = torch.argsort((~mask).int(), dim=1, stable=True)
+    ids, mask = ids.gather(1, order), mask.gather(1, order)
+    return ids.masked_fill(~mask, tokenizer.hf.pad_token_id if tokenizer.pad_id is None else tokenizer.pad_id)
+
+
+@needs_hf
+@pytest.mark.parametrize("kind", ["minilm", "encoder", "decoder"])
+def test_pair_tokenizer_gives_the_tokenizers_own_ids(tmp_path: Path, kind: str) -> None:
+    """PairTokenizer.encode reads the Rust tokenizer's ids directly; they equal the tokenizer's own
+    call (truncation, special tokens, left-padding decoders, prompts), and a second call is unchanged."""
+    from titan_contrastive.models.bi_encoder import BiEncoderArgs, build_tokenizer
+
+    args = BiEncoderArgs() if kind == "minilm" else BiEncoderArgs(path=str(FOLDERS[kind](tmp_path)))
+    tokenizer = build_tokenizer(args)
+    long = " ".join(w for q, d in PAIRS for w in (q + " " + d).split())
+    texts = [q for q, _ in PAIRS] + ["", long, "frozen [SEP] water <|endoftext|> ice", "Café naïve 雪 🙂 dog"]
+    for length, prompt in ((6, ""), (24, ""), (24, "query "), (64, "passage ")):
+        got = tokenizer.encode(texts, length, prompt)
+        want = _tokenizers_own_call(tokenizer, texts, length, prompt)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (length, prompt)
+        assert (got[:, 0] != want.new_tensor(-1)).all() and torch.equal(tokenizer.encode(texts, length, prompt), got)
+
+
 @needs_hf
 def test_document_length_defaults(tmp_path: Path) -> None:
     """Given > these args' own > the folder's (its tokenizer's 64 here, 512 at most) > the bundled MiniLM's 16."""

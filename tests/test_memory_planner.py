@@ -40,7 +40,7 @@ def equal_step_times(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_plan_fits_the_budget_and_does_not_change_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     equal_step_times(monkeypatch)
-    planned = make_trainer(str(tmp_path / "planned"), *PLAN, "--memory.budget_gib=0.04")
+    planned = make_trainer(str(tmp_path / "planned"), *PLAN, "--eval.enable=false", "--memory.budget_gib=0.04")
     plan = planned.memory_plan
     # chunked, and applied after the restore
     assert 1 < plan.chunk < 64 and planned.gradient_step.chunk_size == plan.chunk
@@ -62,7 +62,11 @@ def test_plan_fits_the_budget_and_does_not_change_training(tmp_path: Path, monke
     assert record["peak_gib"] <= 0.04 and record["chunk"] == plan.chunk
     # the probes left no trace: the same run configured with that chunk by hand ends identical
     manual = make_trainer(
-        str(tmp_path / "manual"), *PLAN, "--gradcache.enabled=true", f"--gradcache.chunk_sizes={plan.chunk}"
+        str(tmp_path / "manual"),
+        *PLAN,
+        "--eval.enable=false",
+        "--gradcache.enabled=true",
+        f"--gradcache.chunk_sizes={plan.chunk}",
     )
     manual.train()
     assert_close(dict(planned.model.named_parameters()), dict(manual.model.named_parameters()), rel=0.0)

@@ -120,16 +120,27 @@ def test_rescale_wrapper_and_no_rescale() -> None:
 
 
 def test_eval_loss_is_never_rescaled(tmp_path: Path) -> None:
+    """Under accumulation, the eval loss is the mean of the held-out batches' dense losses (600 random
+    Fashion-MNIST-format images in batches of 250, 250 and 100)."""
+    from tests.test_data import write_fashion_folder
+
+    (tmp_path / "fashion").mkdir()
+    folder = write_fashion_folder(tmp_path / "fashion", 600)
     trainer = make_trainer(
-        str(tmp_path), "--training.local_batch_size=4", "--training.global_batch_size=16", "--eval.batch_size=1000"
+        str(tmp_path / "run"),
+        "--training.local_batch_size=4",
+        "--training.global_batch_size=16",
+        f"--data.path={folder}",
+        "--eval.batch_size=250",
     )
     assert trainer.ga_steps == 4
     result = trainer.evaluate()
     model, data = trainer.model.eval(), trainer.eval_set
+    assert len(data) == 600
     with torch.no_grad():
         losses = []
-        for start in range(0, len(data), 1000):
-            b = data.__getitems__(list(range(start, min(start + 1000, len(data)))))
+        for start in range(0, len(data), 250):
+            b = data.__getitems__(list(range(start, min(start + 250, len(data)))))
             img, txt, scale = model(b["image"].double(), b["text"])
             losses.append(InfoNCE().dense(img, txt, scale))
     want = torch.stack(losses).mean().item()

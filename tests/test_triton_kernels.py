@@ -299,7 +299,10 @@ def test_auto_picks_pytorch_off_cuda_and_for_float64() -> None:
 
 def test_auto_self_check_accepts_the_kernels_and_rejects_a_wrong_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check `auto` runs once per device before using the kernels: true for these kernels, and a
-    warning + false when the weights come out wrong (what a miscompile would look like)."""
+    warning + false when the weights come out wrong (what a miscompile would look like). Its problem
+    made smaller (still two panels, the second ragged): the interpreter runs 333 rows in ~45 s."""
+    monkeypatch.setattr(fused, "SELF_CHECK_ROWS", 45)
+    monkeypatch.setattr(fused, "SELF_CHECK_PANEL", 32)
     check = fused._agrees_on_device.__wrapped__
     assert check("triton_exact", DEVICE, torch.float32, 32)
     from titan_contrastive.kernels import streaming_triton

@@ -12,6 +12,7 @@ family's `ModelSpec.build_tokenizer`.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,20 +78,23 @@ class PairTokenizer:
 
     def encode(self, texts: list[str], length: int, prompt: str = "") -> torch.Tensor:
         """Token ids [len(texts), length] of `prompt + text`, right-padded with `pad_id` and truncated."""
-        out = self.hf(
-            [prompt + t for t in texts],
-            padding="max_length",
-            truncation=True,
-            max_length=length,
-            return_tensors="np",
+        texts = [prompt + t for t in texts]
+        pad = self.hf.pad_token_id if self.pad_id is None else self.pad_id
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:  # a slow (Python) tokenizer: its own call, then our padding
+            rows = self.hf(texts, truncation=True, max_length=length)["input_ids"]
+        else:  # the Rust tokenizer's ids as the tokenizer's own call sets it up, without its per-text dicts
+            backend.no_padding()
+            backend.enable_truncation(max_length=length, strategy="longest_first", direction=self.hf.truncation_side)
+            if hasattr(backend, "encode_special_tokens"):  # tokenizers >= 0.19: special-token text split as text
+                backend.encode_special_tokens = bool(getattr(self.hf, "split_special_tokens", False))
+            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+            rows = [e.ids for e in encode(texts, add_special_tokens=True)]
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        ids = np.full((len(rows), length), pad, dtype=np.int64)
+        ids[np.arange(length) < lengths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum())
         )
-        ids = np.asarray(out["input_ids"], dtype=np.int64)
-        mask = np.asarray(out["attention_mask"], dtype=bool)
-        if self.hf.padding_side == "left":  # our batches are right-padded whatever the tokenizer prefers
-            order = np.argsort(~mask, axis=1, kind="stable")
-            ids, mask = np.take_along_axis(ids, order, 1), np.take_along_axis(mask, order, 1)
-        if self.pad_id is not None:
-            ids[~mask] = self.pad_id
         return torch.from_numpy(ids)
 
     def encode_queries(self, texts: list[str], length: int) -> torch.Tensor:

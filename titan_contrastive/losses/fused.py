@@ -200,6 +200,9 @@ def resolve_kernel(kernel: str, z: Tensor, kind: str = "softmax") -> str:
     return fused if _agrees_on_device(fused, z.device, z.dtype, z.shape[1], kind) else "pytorch"
 
 
+SELF_CHECK_ROWS, SELF_CHECK_PANEL = 333, 256  # the self-check's problem: two panels, the second ragged
+
+
 def _fused_and_reference(
     kind: str, zx: Tensor, zy: Tensor, kernel: str
 ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
@@ -208,9 +211,11 @@ def _fused_and_reference(
     x32, y32 = zx.float(), zy.float()
     if kind == "sigmoid":
         bias = torch.tensor(-5.0, device=zx.device)
-        return fused_sigmoid(zx, zy, scale, bias, 0, kernel, panel=256), streamed_sigmoid(x32, y32, scale, bias, 0, n)
+        return fused_sigmoid(zx, zy, scale, bias, 0, kernel, panel=SELF_CHECK_PANEL), streamed_sigmoid(
+            x32, y32, scale, bias, 0, n
+        )
     row, col = fused_lse(zx, zy, scale, kernel)
-    got = fused_embedding_grads(zx, zy, row, col, scale, 0, kernel, panel=256)
+    got = fused_embedding_grads(zx, zy, row, col, scale, 0, kernel, panel=SELF_CHECK_PANEL)
     want_row, want_col = streamed_row_col_lse(x32, y32, scale, n)
     return (row, col, *got), (want_row, want_col, *streamed_softmax_grads(x32, y32, want_row, want_col, scale, 0, n))
 
@@ -218,10 +223,12 @@ def _fused_and_reference(
 @functools.cache
 def _agrees_on_device(kernel: str, device: torch.device, dtype: torch.dtype, d: int, kind: str = "softmax") -> bool:
     """Once per (device, dtype, d, kind: "softmax" or "sigmoid"): the fused path against the PyTorch
-    path on a small problem (333 rows, two panels). A toolchain that miscompiles falls back to
+    path on a small problem (SELF_CHECK_ROWS rows, two panels). A toolchain that miscompiles falls back to
     PyTorch with a warning."""
     gen = torch.Generator(device).manual_seed(0)
-    zx, zy = (F.normalize(torch.randn(333, d, device=device, generator=gen), dim=1).to(dtype) for _ in range(2))
+    zx, zy = (
+        F.normalize(torch.randn(SELF_CHECK_ROWS, d, device=device, generator=gen), dim=1).to(dtype) for _ in range(2)
+    )
     try:
         got, want = _fused_and_reference(kind, zx, zy, kernel)
     except Exception as e:  # noqa: BLE001 - any failure means: do not use it
