@@ -201,16 +201,16 @@ def test_decoder_lora_bench_search_doubles_to_oom_and_halves_a_start_that_does_n
     assert rows == [(4, "error")] and end == {"stop": "error at batch 4: ValueError: not a memory problem"}
 
 
-def test_decoder_lora_bench_runs_a_tiny_decoder_on_cpu(tmp_path: Path) -> None:
+def test_decoder_lora_bench_runs_a_tiny_decoder_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """benchmarks/decoder_lora_bench.py end to end on CPU (what gpu_session.sh 7 runs at 0.6B on an H100): a
     tiny random Qwen3-like folder with LoRA through the trainer's own step, plain and GradCache at 4 and 8."""
     pytest.importorskip("transformers", reason="needs the optional extra: pip install -e '.[hf]'")
     pytest.importorskip("peft", reason="needs the optional extra: pip install -e '.[hf]'")
-    cmd = [sys.executable, "-m", "benchmarks.decoder_lora_bench", "--size", "tiny", "--device", "cpu"]
-    cmd += ["--seq-len", "16", "--start-batch", "4", "--chunk", "2", "--max-batch", "8", "--repeats", "1"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([*cmd, "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    from benchmarks import decoder_lora_bench
+
+    cmd = ["--size", "tiny", "--device", "cpu", "--seq-len", "16", "--start-batch", "4", "--chunk", "2"]
+    decoder_lora_bench.main([*cmd, "--max-batch", "8", "--repeats", "1", "--out", str(tmp_path)])  # in this process
+    stdout = capsys.readouterr().out
     saved = json.loads((tmp_path / "decoder_lora_bench.json").read_text())
     for mode in ("plain", "gradcache"):
         rows = [r for r in saved["rows"] if r["mode"] == mode]
@@ -223,7 +223,7 @@ def test_decoder_lora_bench_runs_a_tiny_decoder_on_cpu(tmp_path: Path) -> None:
     assert summary["at_plain_largest_batch"]["batch"] == 8 and summary["at_plain_largest_batch"]["ratio"] > 0
     assert saved["layout"] == "single" and saved["lora_targets"] == ["q_proj", "v_proj"]
     assert 0 < saved["trainable_params"] < saved["params"]
-    assert "GradCache at its largest batch against plain at its largest: 1x the batch" in out.stdout
+    assert "GradCache at its largest batch against plain at its largest: 1x the batch" in stdout
     assert (tmp_path / "decoder_lora_bench.png").read_bytes()[:4] == b"\x89PNG"
     assert len(list(csv.DictReader(open(tmp_path / "decoder_lora_bench.csv")))) == 4
 
@@ -233,9 +233,9 @@ def test_qwen_vl_chunks_quick_measures_every_chunk_and_the_budget_bounds_its_tok
     chunks, token budgets and the plain step on one batch of mixed image sizes; per chunk its tokens and the bytes
     it saves for backward; a budget's chunks stay within it, and every variant trains to the same loss."""
     pytest.importorskip("transformers", reason="needs the optional extra: pip install -e '.[hf]'")
-    cmd = [sys.executable, "-m", "benchmarks.qwen_vl_chunks", "--quick", "--out", str(tmp_path)]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    from benchmarks import qwen_vl_chunks
+
+    qwen_vl_chunks.main(["--quick", "--out", str(tmp_path)])  # in this process
     saved = json.loads((tmp_path / "qwen_vl_chunks.json").read_text())
     rows = {r["variant"]: r for r in saved["rows"]}
     assert list(rows) == ["chunks of 2", "chunks of 3", "<= 40 tokens", "<= 80 tokens", "plain"]
@@ -264,13 +264,10 @@ def test_qwen_vl_chunks_gpu_mode_runs_on_cpu_with_a_tiny_model(tmp_path: Path) -
     Qwen2-VL with LoRA, plain and GradCache with a token budget, the batch doubled from 4 to --max-batch 8."""
     pytest.importorskip("transformers", reason="needs the optional extra: pip install -e '.[hf]'")
     pytest.importorskip("peft", reason="needs the optional extra: pip install -e '.[hf]'")
-    cmd = [sys.executable, "-m", "benchmarks.qwen_vl_chunks", "--gpu", "--size", "tiny", "--device", "cpu"]
-    cmd += ["--image-sizes", "28", "56", "--chunk-tokens", "40", "--start-batch", "4", "--max-batch", "8"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run(
-        [*cmd, "--repeats", "1", "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    from benchmarks import qwen_vl_chunks
+
+    cmd = ["--gpu", "--size", "tiny", "--device", "cpu", "--image-sizes", "28", "56", "--chunk-tokens", "40"]
+    qwen_vl_chunks.main([*cmd, "--start-batch", "4", "--max-batch", "8", "--repeats", "1", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "qwen_vl_chunks_gpu.json").read_text())
     for mode in ("plain", "gradcache"):
         rows = [r for r in saved["rows"] if r["mode"] == mode]

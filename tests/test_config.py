@@ -109,27 +109,45 @@ def test_toml_errors(tmp_path: Path, toml: str, expected: list[str]) -> None:
         assert part in message
 
 
-def test_help_lists_every_option_and_exits_zero() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "titan_contrastive.train", "--help"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={"COLUMNS": "200", "PATH": ""},
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
+def test_help_lists_every_option_and_exits_zero(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from titan_contrastive.train import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
     cfg = JobConfig()
     for section in vars(cfg):
         for key in vars(getattr(cfg, section)):
-            assert f"--{section}.{key}" in out.stdout, f"--{section}.{key} missing from --help"
-    assert "Samples per process per forward/backward" in out.stdout  # field docs are shown
+            assert f"--{section}.{key}" in out, f"--{section}.{key} missing from --help"
+    assert "Samples per process per forward/backward" in out  # field docs are shown
+
+
+def test_bad_input_exits_nonzero_with_one_line_before_compute(tmp_path: Path) -> None:
+    """The process itself: exit code 2, one stderr line, nothing written."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "titan_contrastive.train",
+            "--training.stepz=1",
+            f"--job.dump_folder={tmp_path / 'dump'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "training.stepz" in lines[0], out.stderr
+    assert not (tmp_path / "d").exists()  # nothing was written
 
 
 @pytest.mark.parametrize(
     "arg, expected",
     [
-        ("--training.stepz=1", "training.stepz"),
         (
             "--model.name=resnet",
             "model.name='resnet' is not a registered model family; valid: bi_encoder, clip, lit, qwen_vl, vae, vlm",
@@ -142,17 +160,16 @@ def test_help_lists_every_option_and_exits_zero() -> None:
         ("--loss.joint_directions=doc_to_doc", "loss.joint_directions=['doc_to_doc'] join each query's one softmax"),
     ],
 )
-def test_bad_input_exits_nonzero_with_one_line_before_compute(tmp_path: Path, arg: str, expected: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "titan_contrastive.train", arg, f"--job.dump_folder={tmp_path / 'dump'}"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
-    assert out.returncode == 2
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and expected in lines[0], out.stderr
+def test_bad_values_give_code_2_and_one_line_before_compute(
+    tmp_path: Path, capsys: pytest.CaptureFixture, arg: str, expected: str
+) -> None:
+    """The trainer's own entry point in this process (the launch is tested above): each bad value
+    found while building the trainer, before anything is written."""
+    from titan_contrastive.train import main
+
+    assert main([arg, f"--job.dump_folder={tmp_path / 'dump'}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
     assert not (tmp_path / "dump").exists()  # nothing was written
 
 

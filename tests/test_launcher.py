@@ -63,10 +63,13 @@ def assert_explained(out: subprocess.CompletedProcess, code: int, message: str) 
     assert f"exited with code {code} ({EXIT_CODES[code]})" in out.stderr, out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_config_error_exits_2_with_one_line(tmp_path: Path, nproc: int) -> None:
+@pytest.mark.parametrize("nproc, fix", [(1, "32 or 48"), (2, "32 or 64")])
+def test_config_error_exits_2_with_one_line(tmp_path: Path, nproc: int, fix: str) -> None:
+    """Bad batch arithmetic (16 x dp degree does not divide 40): the line names the nearest global
+    batches that work, and nothing was written."""
     out = launch(tmp_path, nproc, *BAD_BATCH)
     assert_explained(out, 2, "training.global_batch_size=40 is not a multiple")
+    assert fix in out.stdout + out.stderr and not (tmp_path / "out").exists()
 
 
 def test_non_finite_loss_exits_3(tmp_path: Path) -> None:
@@ -82,12 +85,6 @@ def test_bad_ngpu_exits_2_before_torchrun(tmp_path: Path, ngpu: str) -> None:
     assert out.returncode == 2
     assert out.stderr == f"run_train.sh: NGPU={ngpu}: must be a positive integer (processes per node), e.g. NGPU=2\n"
     assert out.stdout == "" and not (tmp_path / "out").exists()
-
-
-def test_success_exits_0(tmp_path: Path) -> None:
-    out = launch(tmp_path, 1, *TINY)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "training done" in out.stdout and "run_train.sh:" not in out.stderr
 
 
 def test_unexplained_crash_keeps_its_traceback(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from titan_contrastive.steps import AccumulateStep
 from titan_contrastive.train import main
 
 PLAN = ["--training.local_batch_size=64", "--training.global_batch_size=128"]
+HALF = ["--training.local_batch_size=32", "--training.global_batch_size=64"]  # for the default suite's time
 
 
 def test_peak_memory_counts_live_tensor_bytes_on_cpu() -> None:
@@ -40,10 +41,10 @@ def equal_step_times(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_plan_fits_the_budget_and_does_not_change_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     equal_step_times(monkeypatch)
-    planned = make_trainer(str(tmp_path / "planned"), *PLAN, "--eval.enable=false", "--memory.budget_gib=0.04")
+    planned = make_trainer(str(tmp_path / "planned"), *HALF, "--eval.enable=false", "--memory.budget_gib=0.04")
     plan = planned.memory_plan
     # chunked, and applied after the restore
-    assert 1 < plan.chunk < 64 and planned.gradient_step.chunk_size == plan.chunk
+    assert 1 < plan.chunk < 32 and planned.gradient_step.chunk_size == plan.chunk
     probes = plan.probes["gradcache.chunk_sizes"]
     seconds = plan.step_seconds["gradcache.chunk_sizes"]
     assert set(probes) >= {1, 2, plan.chunk} and max(probes) <= 2 * max(seconds)  # never probed far past the budget
@@ -63,7 +64,7 @@ def test_plan_fits_the_budget_and_does_not_change_training(tmp_path: Path, monke
     # the probes left no trace: the same run configured with that chunk by hand ends identical
     manual = make_trainer(
         str(tmp_path / "manual"),
-        *PLAN,
+        *HALF,
         "--eval.enable=false",
         "--gradcache.enabled=true",
         f"--gradcache.chunk_sizes={plan.chunk}",
@@ -166,7 +167,7 @@ def test_impossible_budget_names_the_smallest_that_works(tmp_path: Path) -> None
         match=r"^memory.budget_gib=0.0001 cannot be met: even gradcache.chunk_sizes=1 peaks at [0-9.]+ GiB; "
         r"the smallest budget that works is about [0-9.]+ GiB",
     ):
-        make_trainer(str(tmp_path), *PLAN, "--memory.budget_gib=0.0001")
+        make_trainer(str(tmp_path), *HALF, "--memory.budget_gib=0.0001")
 
 
 @pytest.mark.slow  # ~20 s: the default suite's time (CI runs the slow marker too)

@@ -13,6 +13,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +101,26 @@ def assert_identical(got: Any, want: Any, where: str = "") -> None:
         assert got == want, where
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
+    """nproc -> the dump folder of one uninterrupted run on that many processes (checkpoints at
+    steps 3 and 6), launched once for the tests that read it."""
+    runs: dict[int, Path] = {}
+
+    def get(nproc: int) -> Path:
+        if nproc not in runs:
+            dump = tmp_path_factory.mktemp(f"whole_{nproc}")
+            ok(launch(dump, nproc, "--checkpoint.interval=3"))
+            runs[nproc] = dump
+        return runs[nproc]
+
+    return get
+
+
 @pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.slow), 2])  # 1: slow, the default suite's time
-def test_stop_and_resume_is_bit_identical(tmp_path: Path, nproc: int) -> None:
+def test_stop_and_resume_is_bit_identical(tmp_path: Path, uninterrupted: Callable[[int], Path], nproc: int) -> None:
     """2k steps at once vs k steps, then a fresh launch that resumes from step k and runs k more."""
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    ok(launch(whole, nproc, "--checkpoint.interval=3"))
+    whole, resumed = uninterrupted(nproc), tmp_path / "resumed"
     # the run that stopped at step 3: its dump folder holds what it saved, step-3
     (resumed / "checkpoint").mkdir(parents=True)
     shutil.copytree(whole / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
@@ -145,9 +161,11 @@ def test_kill_during_save_then_rerun_resumes_from_last_complete(tmp_path: Path) 
     assert_identical(checkpoint(crashed, STEPS), checkpoint(whole, STEPS))
 
 
-def test_resume_with_another_dp_degree_is_a_clear_error(tmp_path: Path) -> None:
-    ok(launch(tmp_path, 2, "--training.steps=2", "--checkpoint.interval=2"))
-    out = launch(tmp_path, 1, "--training.steps=4", "--checkpoint.interval=2")
+def test_resume_with_another_dp_degree_is_a_clear_error(tmp_path: Path, uninterrupted: Callable[[int], Path]) -> None:
+    """A 2-process run's checkpoint, resumed on 1 process."""
+    (tmp_path / "checkpoint").mkdir()
+    shutil.copytree(uninterrupted(2) / "checkpoint" / "step-3", tmp_path / "checkpoint" / "step-3")
+    out = launch(tmp_path, 1, "--checkpoint.interval=3")
     assert out.returncode != 0
-    assert "error: checkpoint step-2 was saved with dp degree 2, this run has 1" in out.stdout + out.stderr
+    assert "error: checkpoint step-3 was saved with dp degree 2, this run has 1" in out.stdout + out.stderr
     assert "[rank0]:Traceback" not in out.stdout + out.stderr  # (torchrun prints its own on any failure)

@@ -37,6 +37,7 @@ def test_two_process_cpu_smoke_run(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     log = out.stdout
+    assert "training done" in log and "run_train.sh:" not in out.stderr  # the launcher's lines are for failures
     assert "local 16  x  grad-accum steps 2  x  dp degree 2  =  global 64" in log
     assert "final eval step 4 on 10000 fashion_mnist test samples" in log
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -47,14 +48,6 @@ def test_two_process_cpu_smoke_run(tmp_path: Path) -> None:
         assert key in train[-1]
     assert evals and evals[-1]["num_samples"] == 10000 and 0 <= evals[-1]["zero_shot_top1"] <= 1
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
-
-
-def test_bad_batch_arithmetic_fails_before_compute(tmp_path: Path) -> None:
-    out = launch(tmp_path, 1, "--training.local_batch_size=16", "--training.global_batch_size=40")
-    assert out.returncode != 0
-    assert "training.global_batch_size=40 is not a multiple" in out.stdout + out.stderr
-    assert "32 or 48" in out.stdout + out.stderr
-    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
