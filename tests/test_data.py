@@ -143,7 +143,8 @@ def test_unknown_name_split_and_missing_paths(tmp_path: Path) -> None:
 @pytest.mark.parametrize("damage", ["truncated_gzip", "not_gzip", "magic", "short", "count", "label_range"])
 def test_corrupt_fashion_file_names_the_file(tmp_path: Path, damage: str) -> None:
     folder = write_fashion_folder(tmp_path)
-    image_file, label_file = (folder / name for name in fashion_mnist.FILES["test"])
+    assert len(build_dataset("fashion_mnist", "test", path=str(folder))) == 30  # read once, then damaged in place:
+    image_file, label_file = (folder / name for name in fashion_mnist.FILES["test"])  # the damage is what is read
     bad = label_file if damage in ("count", "label_range") else image_file
     if damage == "truncated_gzip":
         bad.write_bytes(bad.read_bytes()[:200])

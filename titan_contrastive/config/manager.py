@@ -5,8 +5,8 @@ Order of operations in `parse_args`:
    list fields `--a.b v1 v2` or `--a.b=v1,v2`); check every key and value against the
    dataclass types;
 2. read the TOML named by `--job.config_file`, check it the same way, apply it to the defaults;
-3. hand the normalised argv to tyro with the TOML-merged config as its default, so `--help`
-   shows the effective values and tyro builds the final tree;
+3. apply the checked command-line values over that; with `--help`, hand the normalised argv to
+   tyro with the TOML-merged config as its default, so the help shows the effective values;
 4. check per-field ranges (`metadata["check"]` on each field), then the combinations of fields
    a run cannot train with (`_check_combinations`). What needs the process count (the size of
    a contrastive problem) is checked by the trainer with `check_contrastive_problem`; what is
@@ -366,14 +366,15 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     config_file = cli.get(("job", "config_file"), "")
     if config_file:
         cfg = _apply(cfg, load_toml(config_file))
-    tyro_args = _tyro_argv(cli) + (["--help"] if wants_help else [])
-    cfg = tyro.cli(
-        JobConfig,
-        args=tyro_args,
-        default=cfg,
-        prog="python -m titan_contrastive.train",
-        config=(tyro.conf.FlagConversionOff,),
-        use_underscores=True,
-    )
+    if wants_help:  # tyro prints every option with its doc and effective default, and exits 0
+        tyro.cli(
+            JobConfig,
+            args=[*_tyro_argv(cli), "--help"],
+            default=cfg,
+            prog="python -m titan_contrastive.train",
+            config=(tyro.conf.FlagConversionOff,),
+            use_underscores=True,
+        )
+    cfg = _apply(cfg, cli)  # check_cli has typed every value
     validate(cfg)
     return cfg

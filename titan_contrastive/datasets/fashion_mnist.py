@@ -9,6 +9,7 @@ names, so one reader serves them all and a corrupt or truncated file is reported
 
 from __future__ import annotations
 
+import functools
 import gzip
 import math
 import struct
@@ -49,11 +50,19 @@ _FIX = (
 )
 
 
+@functools.lru_cache(maxsize=4)
+def _gunzip(path: Path, mtime_ns: int, size: int) -> bytes:
+    """The file's bytes after gunzip, kept for a later build from the same unchanged file in this
+    process (a notebook or a test session builds many trainers); a changed file is read again."""
+    with gzip.open(path, "rb") as f:
+        return f.read()
+
+
 def read_idx(path: Path, ndim: int) -> np.ndarray:
-    """A gzipped IDX file of unsigned bytes (magic 0x0000080N, N = ndim) as a uint8 array."""
+    """A gzipped IDX file of unsigned bytes (magic 0x0000080N, N = ndim) as a read-only uint8 array."""
     try:
-        with gzip.open(path, "rb") as f:
-            data = f.read()
+        stat = path.stat()
+        data = _gunzip(path.resolve(), stat.st_mtime_ns, stat.st_size)
     except (OSError, EOFError, zlib.error) as e:
         raise DataError(
             f"{path}: not a readable gzip file ({e}); replace it with the original download ({_FIX})"
