@@ -142,7 +142,7 @@ def test_bad_input_exits_nonzero_with_one_line_before_compute(tmp_path: Path) ->
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "training.stepz" in lines[0], out.stderr
-    assert not (tmp_path / "d").exists()  # nothing was written
+    assert not (tmp_path / "dump").exists()  # nothing was written
 
 
 @pytest.mark.parametrize(
