@@ -116,17 +116,13 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path: Path) -> None:
     assert "missing keys ['vision_model.encoder.layers.2" in str(err.value) and len(str(err.value).splitlines()) == 1
 
 
+SHORT_RUN = ("--training.local_batch_size=8", "--eval.enable=false", "--metrics.enable_tensorboard=false")
+
+
 def _run(dump: Path, nproc: int, *args: str) -> str:
     env = {**os.environ, "NGPU": str(nproc), "PYTHON": sys.executable, "LOG_RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run(
-        [
-            "./run_train.sh",
-            f"--job.dump_folder={dump}",
-            "--training.local_batch_size=8",
-            "--eval.enable=false",
-            "--metrics.enable_tensorboard=false",
-            *args,
-        ],
+        ["./run_train.sh", f"--job.dump_folder={dump}", *SHORT_RUN, *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -226,9 +222,7 @@ def test_bi_encoder_exports_to_sentence_transformers(tmp_path: Path) -> None:
     )
     run = [  # in this process: the export is under test here (test_run_train.py tests the launches)
         f"--job.dump_folder={tmp_path / 'run'}",
-        "--training.local_batch_size=8",
-        "--eval.enable=false",
-        "--metrics.enable_tensorboard=false",
+        *SHORT_RUN,
         "--model.name=bi_encoder",
         "--model.flavor=shared",
         "--data.dataset=pairs",
