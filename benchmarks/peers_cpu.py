@@ -127,7 +127,7 @@ def bench_clip_step(results: Results, args: argparse.Namespace) -> None:
             ours_out, theirs_out = trainer.model(*inputs[0]), model(*inputs[0])
         diff = max_rel_diff([theirs_out["image_features"], theirs_out["text_features"]], ours_out[:2])
         # the same AdamW construction and parameter groups as ours
-        optimizer = build_optimizer(model, trainer.cfg.optimizer, trainer.device)
+        optimizer = build_optimizer(model, trainer.cfg.optimizer)
         oc_args = types.SimpleNamespace(
             device="cpu",
             precision="fp32",

@@ -9,6 +9,7 @@ Where there is no fork server (not Linux), the ranks are spawned.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 from collections.abc import Callable
@@ -31,6 +32,9 @@ def _entry(
 ) -> None:
     os.environ.clear()  # the caller's environment now, not the fork server's from the session's start
     os.environ.update(env)
+    # the platform's default start method for this rank's own children (data workers), as in a rank
+    # torchrun starts: a fork server's child inherits "forkserver", which starts each worker slowly
+    multiprocessing.set_start_method(None, force=True)
     # the same variables torchrun sets, so the code under test joins exactly as in a real launch
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

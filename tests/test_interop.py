@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -153,12 +154,8 @@ def test_init_from_hf_then_our_fsdp_checkpoint_loads_and_exports(tmp_path: Path)
             )
         )
     csv_dir = tmp_path / "csv"
-    subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "export_emoji_files.py"), "--out", str(csv_dir)],
-        check=True,
-        capture_output=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    export = runpy.run_path(str(REPO / "scripts" / "export_emoji_files.py"), run_name="export_emoji_files")
+    assert export["main"](["--out", str(csv_dir)]) == 0
     data = [
         "--data.dataset=csv",
         f"--data.path={csv_dir / 'train.csv'}",

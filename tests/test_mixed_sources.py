@@ -343,7 +343,7 @@ def test_the_train_log_averages_each_sources_loss(tmp_path: Path) -> None:
     assert {k: v for k, v in window.items() if k.startswith("loss/")} == {
         k: sum(v) / len(v) for k, v in by_file.items()
     }
-    mixed, _ = train("mixed", "--metrics.log_freq=1")
+    mixed, _ = train("mixed", "--metrics.log_freq=1", "--training.steps=2")
     assert not any(k.startswith("loss/") for r in mixed for k in r)
 
 

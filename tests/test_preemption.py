@@ -40,6 +40,7 @@ RUN = [
     "--lr_scheduler.decay_type=none",
 ]
 ENDLESS = "--training.steps=100000"
+CONFIG = f"--job.config_file={REPO / 'train_configs' / 'debug.toml'}"  # run_train.sh's, for the runs in this process
 
 
 def env(nproc: int) -> dict[str, str]:
@@ -134,13 +135,14 @@ def test_sigterm_to_the_launcher_saves_and_the_rerun_is_bit_identical(tmp_path: 
     assert resumed.returncode == 0 and f"resumed from checkpoint step-{reached}" in resumed.stdout, resumed.stdout[
         -3000:
     ]
-    assert launch(whole, 1, end).returncode == 0
+    # the unbroken run, in this process (the same one-process run, without the launcher's start-up)
+    assert main([CONFIG, f"--job.dump_folder={whole}", *RUN, end]) == 0
     want, got = losses(whole), losses(stopped_run)
     assert sorted(got) == list(range(1, reached + 3)) and got == want
     assert_identical(checkpoint(stopped_run, reached + 2), checkpoint(whole, reached + 2))
 
 
-def test_sigterm_to_the_whole_process_group_with_data_workers(tmp_path: Path) -> None:
+def test_sigterm_to_the_whole_process_group_with_data_workers(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Slurm's scancel and preemption, and `timeout`, signal every process of the job, the data workers
     too: a worker ended by SIGTERM made the rank fail ("DataLoader worker ... killed by signal:
     Terminated", exit 143, nothing saved; seen on the H100 under `timeout`). The workers leave the
@@ -152,10 +154,12 @@ def test_sigterm_to_the_whole_process_group_with_data_workers(tmp_path: Path) ->
     assert code == 5 and "Traceback" not in out and "killed by signal" not in out, out[-3000:]
     reached = max(losses(tmp_path))
     assert saved_steps(tmp_path) == [f"step-{reached}"]
-    resumed = launch(tmp_path, 1, f"--training.steps={reached + 1}", "--data.num_workers=2")
-    assert resumed.returncode == 0 and f"resumed from checkpoint step-{reached}" in resumed.stdout, resumed.stdout[
-        -3000:
-    ]
+    # the rerun, in this process: the checkpoint the stopped workers' run saved is whole
+    with caplog.at_level(logging.INFO, logger="titan_contrastive"):
+        args = [f"--job.dump_folder={tmp_path}", *RUN, f"--training.steps={reached + 1}", "--data.num_workers=2"]
+        assert main([CONFIG, *args]) == 0
+    assert f"resumed from checkpoint step-{reached}" in caplog.text
+    assert sorted(losses(tmp_path)) == list(range(1, reached + 2))
 
 
 def test_sigusr1_to_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:

@@ -31,11 +31,12 @@ def test_records_are_jpegs_of_the_pool_with_their_own_captions() -> None:
 
 def test_the_trainer_runs_a_batch_larger_than_a_bundled_set(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """The emoji set (1,706 samples) refuses a global batch of 2,048; synthetic data serves it (one
-    step of clip/debug, crops of 32 px, microbatches of 512), and refuses a held-out path."""
+    step of clip/debug, crops of 16 px, captions cut to 16 tokens, microbatches of 512), and refuses a held-out path."""
     args = [
         "--data.dataset=synthetic",
         "--data.synthetic_samples=3000",
-        "--data.image_size=32",
+        "--data.image_size=16",
+        "--data.context_length=16",
         "--model.flavor=debug",
         "--training.local_batch_size=512",
         "--training.global_batch_size=2048",

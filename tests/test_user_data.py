@@ -357,6 +357,12 @@ def test_random_resized_crop_stays_inside_the_image() -> None:
 # --- through the trainer -------------------------------------------------------------------------
 
 
+def _train(args: list[str]) -> None:
+    from titan_contrastive.train import main
+
+    assert main(args) == 0
+
+
 @pytest.mark.parametrize(
     "kind,nproc,workers",
     [  # the default suite's time: one source kind there, the others under the slow marker
@@ -366,11 +372,13 @@ def test_random_resized_crop_stays_inside_the_image() -> None:
     ],
 )
 def test_trainer_resumes_bit_identically(emoji: dict, tmp_path: Path, kind: str, nproc: int, workers: int) -> None:
-    """Through run_train.sh: 6 steps at once vs 3 steps, then a launch that resumes from step 3:
-    the same losses and the same final checkpoint, bit for bit (random crops, clip_bpe captions)."""
+    """The trainer on `nproc` gloo processes: 6 steps at once vs 3 steps, then a run that resumes
+    from step 3 (it logs only steps 4-6): the same losses and the same final checkpoint, bit for
+    bit (random crops, clip_bpe captions). test_resume.py resumes through run_train.sh itself."""
     import shutil
 
-    from tests.test_resume import STEPS, assert_identical, checkpoint, launch, losses, ok
+    from tests.dist_utils import run_distributed
+    from tests.test_resume import ARGS, REPO, STEPS, assert_identical, checkpoint, losses
 
     if kind not in emoji["paths"]:
         pytest.skip("the [data] extra (Hugging Face datasets) is not installed")
@@ -382,10 +390,11 @@ def test_trainer_resumes_bit_identically(emoji: dict, tmp_path: Path, kind: str,
         "--checkpoint.interval=3",
     )
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    ok(launch(whole, nproc, *args))
+    config = [f"--job.config_file={REPO / 'train_configs' / 'debug.toml'}", *ARGS, *args]  # run_train.sh's
+    run_distributed(_train, nproc, [*config, f"--job.dump_folder={whole}"])
     (resumed / "checkpoint").mkdir(parents=True)
     shutil.copytree(whole / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
-    assert "resumed from checkpoint step-3" in ok(launch(resumed, nproc, *args))
+    run_distributed(_train, nproc, [*config, f"--job.dump_folder={resumed}"])
     want, got = losses(whole), losses(resumed)
     assert sorted(want) == list(range(1, STEPS + 1)) and sorted(got) == [4, 5, 6]
     assert all(got[s] == want[s] for s in got), (got, want)

@@ -116,7 +116,7 @@ class Trainer:
         self.model_args, self.model, guide = build_run_model(spec, cfg, flavor_args, data, init_state, dtype, device)
         model, self.mesh = self.model, dims.build_mesh(device.type)
         self.dp_model = parallelize_model(model, spec.blocks(model), dims, self.mesh, cfg, precision, device)
-        self.optimizer = build_optimizer(model, cfg.optimizer, device)
+        self.optimizer = build_optimizer(model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step_context = StepContext.for_run(
             cfg, spec, model, self.dp_model, precision, dist, dp, self.ga_steps, data.device_transforms, guide

@@ -22,9 +22,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
-    """Build the optimizer named in `[optimizer]` (AdamW is the only choice so far) for parameters on `device`."""
-    fused = cfg.implementation == "fused" or (cfg.implementation == "auto" and device.type == "cuda")
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """Build the optimizer named in `[optimizer]` (AdamW is the only choice so far) for its trainable parameters."""
+    fused = cfg.implementation == "fused"
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,

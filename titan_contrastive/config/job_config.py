@@ -180,9 +180,9 @@ class Optimizer:
     """AdamW epsilon."""
     weight_decay: float = _non_negative(0.1)
     """Decoupled weight decay on matrices; biases, norms, embeddings and logit_scale get none."""
-    implementation: Literal["auto", "foreach", "fused"] = "auto"
-    """`fused`: one kernel updates every parameter (torch's fused AdamW); `foreach`: a few batched kernels;
-    `auto`: fused on CUDA, foreach elsewhere. The update is the same up to rounding."""
+    implementation: Literal["fused", "foreach"] = "fused"
+    """`fused`: one kernel updates every parameter (torch's fused AdamW, on CUDA and CPU); `foreach`: a few
+    batched kernels per step. The update is the same up to rounding."""
 
 
 @dataclass
