@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_faults import _worker_pid
-from tests.test_resume import assert_identical, checkpoint, losses
+from tests.test_resume import DEBUG_CONFIG, assert_identical, checkpoint, losses
 from titan_contrastive.components.run_lock import LOCK_FILE
 from titan_contrastive.exit_codes import EXIT_CODES
 from titan_contrastive.launch import stopped, with_stop_signals
@@ -40,7 +40,6 @@ RUN = [
     "--lr_scheduler.decay_type=none",
 ]
 ENDLESS = "--training.steps=100000"
-CONFIG = f"--job.config_file={REPO / 'train_configs' / 'debug.toml'}"  # run_train.sh's, for the runs in this process
 
 
 def env(nproc: int) -> dict[str, str]:
@@ -136,7 +135,7 @@ def test_sigterm_to_the_launcher_saves_and_the_rerun_is_bit_identical(tmp_path: 
         -3000:
     ]
     # the unbroken run, in this process (the same one-process run, without the launcher's start-up)
-    assert main([CONFIG, f"--job.dump_folder={whole}", *RUN, end]) == 0
+    assert main([DEBUG_CONFIG, f"--job.dump_folder={whole}", *RUN, end]) == 0
     want, got = losses(whole), losses(stopped_run)
     assert sorted(got) == list(range(1, reached + 3)) and got == want
     assert_identical(checkpoint(stopped_run, reached + 2), checkpoint(whole, reached + 2))
@@ -157,7 +156,7 @@ def test_sigterm_to_the_whole_process_group_with_data_workers(tmp_path: Path, ca
     # the rerun, in this process: the checkpoint the stopped workers' run saved is whole
     with caplog.at_level(logging.INFO, logger="titan_contrastive"):
         args = [f"--job.dump_folder={tmp_path}", *RUN, f"--training.steps={reached + 1}", "--data.num_workers=2"]
-        assert main([CONFIG, *args]) == 0
+        assert main([DEBUG_CONFIG, *args]) == 0
     assert f"resumed from checkpoint step-{reached}" in caplog.text
     assert sorted(losses(tmp_path)) == list(range(1, reached + 2))
 
@@ -186,7 +185,7 @@ def test_sigusr1_to_the_trainer_itself(tmp_path: Path) -> None:
             sys.executable,
             "-m",
             "titan_contrastive.train",
-            "--job.config_file=train_configs/debug.toml",
+            DEBUG_CONFIG,
             f"--job.dump_folder={tmp_path}",
             *RUN,
             ENDLESS,

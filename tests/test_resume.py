@@ -40,6 +40,7 @@ ARGS = [
     "--checkpoint.enable=true",
     "--checkpoint.keep_latest_k=0",
 ]
+DEBUG_CONFIG = f"--job.config_file={REPO / 'train_configs' / 'debug.toml'}"  # run_train.sh's, for runs without it
 FSDP2 = ("--parallelism.data_parallel_replicate_degree=1", "--parallelism.data_parallel_shard_degree=2")
 
 

@@ -378,7 +378,7 @@ def test_trainer_resumes_bit_identically(emoji: dict, tmp_path: Path, kind: str,
     import shutil
 
     from tests.dist_utils import run_distributed
-    from tests.test_resume import ARGS, REPO, STEPS, assert_identical, checkpoint, losses
+    from tests.test_resume import ARGS, DEBUG_CONFIG, STEPS, assert_identical, checkpoint, losses
 
     if kind not in emoji["paths"]:
         pytest.skip("the [data] extra (Hugging Face datasets) is not installed")
@@ -390,7 +390,7 @@ def test_trainer_resumes_bit_identically(emoji: dict, tmp_path: Path, kind: str,
         "--checkpoint.interval=3",
     )
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    config = [f"--job.config_file={REPO / 'train_configs' / 'debug.toml'}", *ARGS, *args]  # run_train.sh's
+    config = [DEBUG_CONFIG, *ARGS, *args]
     run_distributed(_train, nproc, [*config, f"--job.dump_folder={whole}"])
     (resumed / "checkpoint").mkdir(parents=True)
     shutil.copytree(whole / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
