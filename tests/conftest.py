@@ -2,9 +2,11 @@
 
 Without CUDA, Triton kernels run in Triton's interpreter. The switch must be set before anything
 imports triton (torch.compile's inductor does, in other tests), because triton reads it once.
+After collection the imported objects are frozen out of the garbage collector's sight.
 `guide_dir`: a frozen model folder the guide and teacher-model tests share.
 """
 
+import gc
 import os
 from pathlib import Path
 
@@ -13,6 +15,18 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported (torch, transformers, every test module) lives for the session:
+    frozen out of the collector's sight, each collection (automatic, or the trainer's at the end of
+    a distributed run) scans what the tests made since, not half a million module objects."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    gc.unfreeze()  # the interpreter's last collection sees them again (Triton's bindings count leaks)
 
 
 @pytest.fixture(scope="session")

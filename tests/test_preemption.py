@@ -55,17 +55,6 @@ def env(nproc: int) -> dict[str, str]:
     }
 
 
-def launch(dump: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["./run_train.sh", f"--job.dump_folder={dump}", *RUN, *args],
-        cwd=REPO,
-        env=env(nproc),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def start(command: list[str], nproc: int) -> subprocess.Popen:
     return subprocess.Popen(
         command,
@@ -107,11 +96,14 @@ def saved_steps(dump: Path) -> list[str]:
     return sorted(p.name for p in (dump / "checkpoint").iterdir())
 
 
-def test_sigterm_to_the_launcher_saves_and_the_rerun_is_bit_identical(tmp_path: Path) -> None:
+def test_sigterm_to_the_launcher_saves_and_the_rerun_is_bit_identical(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """SIGTERM to run_train.sh: it used to exit 143 and save nothing. Now the rank finishes its step
     and saves it, the launcher waits for it (TITAN_PREEMPT_GRACE_SECONDS, not the 0 s failure grace
     set here) and exits 5; the rerun resumes and ends exactly like an unbroken run. One process:
-    two stop together below, and test_resume.py resumes two bit-identically."""
+    two stop together below. The rerun and the unbroken run go in this process (the trainer's code,
+    without the launcher's start-up); test_resume.py resumes two processes through the launcher."""
     stopped_run, whole = tmp_path / "stopped", tmp_path / "whole"
     job = start(["./run_train.sh", f"--job.dump_folder={stopped_run}", *RUN, ENDLESS], 1)
     wait_for_step(job, stopped_run)
@@ -130,11 +122,9 @@ def test_sigterm_to_the_launcher_saves_and_the_rerun_is_bit_identical(tmp_path: 
     assert not (stopped_run / LOCK_FILE).exists()
 
     end = f"--training.steps={reached + 2}"
-    resumed = launch(stopped_run, 1, end)
-    assert resumed.returncode == 0 and f"resumed from checkpoint step-{reached}" in resumed.stdout, resumed.stdout[
-        -3000:
-    ]
-    # the unbroken run, in this process (the same one-process run, without the launcher's start-up)
+    with caplog.at_level(logging.INFO, logger="titan_contrastive"):
+        assert main([DEBUG_CONFIG, f"--job.dump_folder={stopped_run}", *RUN, end]) == 0
+    assert f"resumed from checkpoint step-{reached}" in caplog.text
     assert main([DEBUG_CONFIG, f"--job.dump_folder={whole}", *RUN, end]) == 0
     want, got = losses(whole), losses(stopped_run)
     assert sorted(got) == list(range(1, reached + 3)) and got == want

@@ -258,6 +258,7 @@ HAS_MINILM = all(importlib.util.find_spec(m) is not None for m in ("transformers
 def test_trainer_chunk_tokens_on_minilm(tmp_path: Path) -> None:
     """[gradcache] chunk_tokens in the trainer (bi_encoder, float64, dropout off): the step's loss
     and gradients equal a dense full-batch backward, for the batch and a permutation of it."""
+    from tests.test_wordnet_bi_encoder import bundle_subset
     from titan_contrastive.config import ConfigError, parse_args
     from titan_contrastive.losses import InfoNCE
     from titan_contrastive.train import Trainer
@@ -278,6 +279,7 @@ def test_trainer_chunk_tokens_on_minilm(tmp_path: Path) -> None:
                 "--model.name=bi_encoder",
                 "--model.flavor=shared",
                 *common,
+                f"--data.path={bundle_subset(tmp_path / 'wordnet')}",
                 "--gradcache.chunk_tokens=60",
                 f"--job.dump_folder={tmp_path / 'a'}",
             ]

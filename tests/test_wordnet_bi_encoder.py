@@ -22,6 +22,18 @@ needs_hf = pytest.mark.skipif(not HAS_HF, reason="needs the optional extra: pip 
 REL = 1e-10
 
 
+def bundle_subset(folder: Path, rows: int = 200) -> Path:
+    """The bundle's first `rows` training and test lines (mined negatives included) as a
+    `data.path` folder: a trainer test pre-tokenizes a few hundred pairs, not all 117,659."""
+    import gzip
+
+    folder.mkdir(parents=True)
+    for split in ("train", "test"):
+        lines = gzip.decompress((BUNDLE_DIR / f"pairs_{split}.tsv.gz").read_bytes()).splitlines()[:rows]
+        (folder / f"pairs_{split}.tsv.gz").write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
+    return folder
+
+
 def test_bundle_split_is_held_out_with_unique_lemmas() -> None:
     train_defs, train_lemmas = load_pairs(BUNDLE_DIR, "train")
     test_defs, test_lemmas = load_pairs(BUNDLE_DIR, "test")
@@ -50,6 +62,8 @@ def test_bi_encoder_params_shapes_and_gradcache_with_real_dropout(tmp_path: Path
     from titan_contrastive.config import parse_args
     from titan_contrastive.train import Trainer
 
+    data = bundle_subset(tmp_path / "wordnet")
+
     def make(name: str, *extra: str) -> Trainer:
         return Trainer(
             parse_args(
@@ -57,6 +71,7 @@ def test_bi_encoder_params_shapes_and_gradcache_with_real_dropout(tmp_path: Path
                     "--model.name=bi_encoder",
                     "--model.flavor=shared",
                     "--data.dataset=wordnet",
+                    f"--data.path={data}",
                     "--training.dtype=float64",
                     "--training.max_norm=0",
                     "--training.local_batch_size=6",

@@ -8,7 +8,6 @@ exit codes: docs/design.md#the-trainer.
 from __future__ import annotations
 
 import functools
-import gc
 import importlib
 import logging
 import sys
@@ -288,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if trainer is not None:
             trainer.metrics.close()
-            del trainer  # release FSDP2's collective state before the process group goes
-            gc.collect()
+            del trainer  # destroy_distributed frees FSDP2's collective state before the process group goes
         lock.release()
         destroy_distributed(barrier=finished)
         stop.restore()  # a signal until here only set a flag: the process exits with this function's code

@@ -11,6 +11,7 @@ ends with one line naming the timeout (exit code 4) rather than hanging until th
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -112,12 +113,13 @@ def destroy_distributed(barrier: bool = False) -> None:
     """Tear down the process group; with `barrier` (after a successful run) once all ranks are done.
 
     The barrier keeps a rank from destroying its gloo pairs while a peer is still inside the
-    last collective, and the caller drops the model first: FSDP2 keeps the last collective's
-    work objects alive, and gloo aborting them at interpreter exit kills the process (SIGABRT
-    after a successful run: a spurious failing exit code). No barrier after
-    an error: the other ranks may be inside a different collective.
+    last collective, and the caller drops the model first (a garbage collection here frees it):
+    FSDP2 keeps the last collective's work objects alive, and gloo aborting them at interpreter
+    exit kills the process (SIGABRT after a successful run: a spurious failing exit code). No
+    barrier after an error: the other ranks may be inside a different collective.
     """
     if dist.is_initialized():
+        gc.collect()
         if barrier:
             dist.barrier()
         dist.destroy_process_group()
