@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import math
 import sys
@@ -49,13 +50,15 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
+@functools.cache  # evaluating the annotations is most of a parse's time; the classes never change
 def _sections() -> dict[str, type]:
-    """{section name: section dataclass}, in declaration order."""
+    """{section name: section dataclass}, in declaration order (read only)."""
     return typing.get_type_hints(JobConfig)
 
 
+@functools.cache
 def _fields_of(section: str) -> dict[str, Any]:
-    """{field name: type} of one section."""
+    """{field name: type} of one section (read only)."""
     return typing.get_type_hints(_sections()[section])
 
 
