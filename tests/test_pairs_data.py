@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import csv
-import gzip
 import hashlib
 import json
 import sys
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 
 from tests.test_hard_negatives import assert_grads_close
 from tests.test_trainer import full, grads
-from tests.test_wordnet_bi_encoder import needs_hf
+from tests.test_wordnet_bi_encoder import needs_hf, write_wordnet
 from titan_contrastive.batching import DOC_IDS, NEGATIVES, BatchError, document_ids, with_negatives
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.loader import build_dataloader
@@ -235,15 +234,9 @@ def test_hard_negatives_false_serves_in_batch_negatives_only(tmp_path: Path, tok
     assert all(torch.equal(a[k], b[k]) for k in b)
 
 
-def _wordnet(folder: Path, train: list[str], test: list[str]) -> None:
-    folder.mkdir(exist_ok=True)
-    for split, lines in (("train", train), ("test", test)):
-        (folder / f"pairs_{split}.tsv.gz").write_bytes(gzip.compress("".join(f"{x}\n" for x in lines).encode()))
-
-
 def test_wordnet_with_a_mined_negative(tmp_path: Path, tokenizer) -> None:
     three = [f"{q}\t{p}\t{n}" for _, q, p, n, _ in ROWS]
-    _wordnet(tmp_path / "wn", three, [f"{q}\t{p}" for _, q, p, _, _ in ROWS[:3]])
+    write_wordnet(tmp_path / "wn", three, [f"{q}\t{p}" for _, q, p, _, _ in ROWS[:3]])
     common = dict(path=str(tmp_path / "wn"), context_length=24, tokenizer=tokenizer)
     train = build_dataset("wordnet", "train", **common)
     batch = train.__getitems__([0, 4])
@@ -252,7 +245,7 @@ def test_wordnet_with_a_mined_negative(tmp_path: Path, tokenizer) -> None:
     assert NEGATIVES not in build_dataset("wordnet", "test", **common).__getitems__([0])
     off = build_dataset("wordnet", "train", hard_negatives=False, **common)
     assert NEGATIVES not in off.__getitems__([0]) and torch.equal(off.__getitems__([0, 4])["doc"], batch["doc"])
-    _wordnet(tmp_path / "mixed", [three[0], "a definition\ta lemma"], ["q\tp"])
+    write_wordnet(tmp_path / "mixed", [three[0], "a definition\ta lemma"], ["q\tp"])
     with pytest.raises(DataError) as err:
         build_dataset("wordnet", "train", **{**common, "path": str(tmp_path / "mixed")})
     _one_line(err, "pairs_train.tsv.gz", "all lines of a file alike")

@@ -6,6 +6,7 @@ the offline weights package.
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 from pathlib import Path
 
@@ -22,16 +23,22 @@ needs_hf = pytest.mark.skipif(not HAS_HF, reason="needs the optional extra: pip 
 REL = 1e-10
 
 
-def bundle_subset(folder: Path, rows: int = 200) -> Path:
-    """The bundle's first `rows` training and test lines (mined negatives included) as a
-    `data.path` folder: a trainer test pre-tokenizes a few hundred pairs, not all 117,659."""
-    import gzip
-
-    folder.mkdir(parents=True)
-    for split in ("train", "test"):
-        lines = gzip.decompress((BUNDLE_DIR / f"pairs_{split}.tsv.gz").read_bytes()).splitlines()[:rows]
-        (folder / f"pairs_{split}.tsv.gz").write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
+def write_wordnet(folder: Path, train: list[str], test: list[str]) -> Path:
+    """A `data.path` folder in the bundle's format from its lines (`definition<TAB>lemma[<TAB>negative]`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, lines in (("train", train), ("test", test)):
+        (folder / f"pairs_{split}.tsv.gz").write_bytes(gzip.compress("".join(f"{x}\n" for x in lines).encode()))
     return folder
+
+
+def bundle_subset(folder: Path, rows: int = 200) -> Path:
+    """The bundle's first `rows` training and test lines (mined negatives included): a trainer
+    test pre-tokenizes a few hundred pairs, not all 117,659."""
+    train, test = (
+        gzip.decompress((BUNDLE_DIR / f"pairs_{split}.tsv.gz").read_bytes()).decode().splitlines()[:rows]
+        for split in ("train", "test")
+    )
+    return write_wordnet(folder, train, test)
 
 
 def test_bundle_split_is_held_out_with_unique_lemmas() -> None:
