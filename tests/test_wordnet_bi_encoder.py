@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from titan_contrastive.datasets import DataError, build_dataset
-from titan_contrastive.datasets.wordnet import BUNDLE_DIR, load_pairs
+from titan_contrastive.datasets.wordnet import BUNDLE_DIR, load_pairs, load_rows
 from titan_contrastive.losses import InfoNCE, split_documents
 from titan_contrastive.losses.base import columns
 
@@ -34,10 +34,7 @@ def write_wordnet(folder: Path, train: list[str], test: list[str]) -> Path:
 def bundle_subset(folder: Path, rows: int = 200) -> Path:
     """The bundle's first `rows` training and test lines (mined negatives included): a trainer
     test pre-tokenizes a few hundred pairs, not all 117,659."""
-    train, test = (
-        gzip.decompress((BUNDLE_DIR / f"pairs_{split}.tsv.gz").read_bytes()).decode().splitlines()[:rows]
-        for split in ("train", "test")
-    )
+    train, test = (["\t".join(row) for row in load_rows(BUNDLE_DIR, split)[:rows]] for split in ("train", "test"))
     return write_wordnet(folder, train, test)
 
 
