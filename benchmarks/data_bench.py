@@ -80,7 +80,7 @@ def make_data(root: Path, n: int, side: int = 256) -> dict[str, str]:
 
 
 def build(kind: str, path: str, uint8: bool = False):
-    from titan_contrastive.config.job_config import Data
+    from titan_contrastive.config.data import Data
     from titan_contrastive.datasets import build as b
 
     # Data(): the [data] section's defaults (tab-separated filepath/title, jpg/txt shard members)

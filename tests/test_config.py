@@ -74,6 +74,14 @@ def test_shipped_configs_parse() -> None:
         (["--training.steps"], ["--training.steps needs a value"]),
         (["stray"], ["unexpected argument 'stray'"]),
         (["--job.config_file=/nonexistent.toml"], ["/nonexistent.toml", "does not exist"]),
+        (
+            ["--profiling.enable=true", "--training.steps=5", "--profiling.start_step=6"],
+            ["profiling.start_step=6", "training.steps=5", "nothing would be profiled", "start_step <= 5"],
+        ),
+        (
+            ["--profiling.memory_snapshot=true", "--profiling.steps=3", "--profiling.freq=3"],
+            ["profiling.freq=3 <= profiling.steps=3", "profiling.freq > 3"],
+        ),
     ],
 )
 def test_cli_errors_name_key_value_and_choices(argv: list[str], expected: list[str]) -> None:

@@ -27,7 +27,7 @@ import pytest
 import torch
 from PIL import Image
 
-from titan_contrastive.config.job_config import Data
+from titan_contrastive.config.data import Data
 from titan_contrastive.datasets import DataError
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.build import DataBundle, open_source

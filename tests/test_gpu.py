@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -135,3 +136,28 @@ def test_train_step_syncs_only_where_documented(kind: str, tmp_path: Path) -> No
     assert sites and set(sites) <= STEP_SYNCS[kind], dict(sites)
     assert all(count == 1 for count in sites.values()), dict(sites)
     trainer.metrics.close()
+
+
+def test_profiling_traces_cuda_kernels_and_snapshots_memory(tmp_path: Path) -> None:
+    """`[profiling]` on CUDA: the window's trace holds the GPU's kernels, and the allocator's history is
+    dumped at the window's end and, under an out-of-memory error, into `oom-step-N/`."""
+    from titan_contrastive.train import main
+
+    args = ["--training.device=cuda", "--training.local_batch_size=64", "--eval.enable=false"]
+    profiling = ["--profiling.enable=true", "--profiling.memory_snapshot=true", "--profiling.start_step=2"]
+    assert main([*args, *profiling, "--training.steps=2", f"--job.dump_folder={tmp_path}"]) == 0
+    window = tmp_path / "profile_traces" / "step-2"
+    events = json.loads((window / "rank0_trace.json").read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)
+    assert "Self CUDA" in (window / "rank0_ops.txt").read_text()
+    assert (window / "rank0_memory_snapshot.pickle").read_bytes()[:1] == b"\x80"  # a pickle's protocol byte
+
+    from titan_contrastive.components.profiling import StepProfiler
+    from titan_contrastive.config.job_config import Profiling
+
+    cfg = Profiling(memory_snapshot=True, start_step=5)
+    profiler = StepProfiler(cfg, str(tmp_path), rank=0, device=torch.device("cuda"), last_step=9)
+    with pytest.raises(torch.OutOfMemoryError), profiler.loop(first_step=1):
+        profiler.step()
+        torch.empty(2**50, dtype=torch.uint8, device="cuda")  # 1 PiB
+    assert (tmp_path / "profile_traces" / "oom-step-2" / "rank0_memory_snapshot.pickle").stat().st_size > 0

@@ -31,7 +31,7 @@ from tests.test_hard_negatives import assert_grads_close
 from tests.test_trainer import grads
 from tests.test_trainer import make_trainer as base_trainer
 from titan_contrastive.batching import NEGATIVES, with_negatives
-from titan_contrastive.config.job_config import Data
+from titan_contrastive.config.data import Data
 from titan_contrastive.datasets import DataError
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.build import build_file_dataset, check_negative_keys, open_source

@@ -33,7 +33,7 @@ import torch
 from tests.test_pairs_data import make_trainer, write_jsonl
 from tests.test_user_data import _damaged_csv, _dataset, write_emoji_files
 from tests.test_wordnet_bi_encoder import needs_hf
-from titan_contrastive.config.job_config import Data
+from titan_contrastive.config.data import Data
 from titan_contrastive.datasets import DataError
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.build import check_joined_sources, open_source

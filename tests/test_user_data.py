@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-from titan_contrastive.config.job_config import Data
+from titan_contrastive.config.data import Data
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES, BadSampleLog
 from titan_contrastive.datasets.build import build_file_dataset, open_source

@@ -38,6 +38,7 @@ from titan_contrastive.components.optimizer import build_optimizer, clip_grad_no
 from titan_contrastive.components.precision import build_precision
 from titan_contrastive.components.preemption import StopSignals, stop_message
 from titan_contrastive.components.preflight import check_output_folders, checkpoint_bytes
+from titan_contrastive.components.profiling import StepProfiler
 from titan_contrastive.components.run_lock import RunLock
 from titan_contrastive.config import JobConfig, parse_args
 from titan_contrastive.config.manager import check_contrastive_problem, log_config_warnings
@@ -67,6 +68,7 @@ class Trainer:
             cfg.training.device, cfg.comm.init_timeout_seconds, one_device_group=cfg.parallelism.fsdp_one_device
         )
         self.device = device = dist.device
+        self.profiler = StepProfiler.for_run(cfg, dist.rank, device)  # a memory snapshot on CPU: refused here
         check_output_folders(
             cfg.job.dump_folder, cfg.checkpoint.folder if cfg.checkpoint.enable else None, dist.rank == 0
         )
@@ -227,38 +229,38 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """The loop; a run resumed at its last step only evaluates (how a finished run is re-evaluated)."""
         cfg = self.cfg
-        evaluates = cfg.eval.enable and (
-            self.beir is not None or any(ds is not None for ds in self.data.eval_sets.values())
-        )
+        evaluates = cfg.eval.enable and any(s is not None for s in (self.beir, *self.data.eval_sets.values()))
         if self.step >= cfg.training.steps:  # nothing left to train (the checkpoint is at the last step)
             return self._evaluate_and_log(last=True) if evaluates else {}
-        data_iter, resumed_at = iter(self.loader), self.step
+        data_iter, resumed_at, results = iter(self.loader), self.step, {}
         self.metrics.reset()
-        results: dict[str, Any] = {}
-        while self.step < cfg.training.steps:
-            batches = self.next_microbatches(data_iter)
-            out = self._step(batches)
-            if self.step == resumed_at + 1:  # start-up's longer timeout ends after this process's first step
-                set_collective_timeout(cfg.comm.train_timeout_seconds)
-            self.metrics.add_step(self.global_batch_size, out["loss"], self.loader.step_source)
-            last = self.step == cfg.training.steps
-            stop = self.stop.agreed() if self.stop else None  # every rank after every step: all stop after the same one
-            protect = self.nonfinite.streak_start  # pruning spares the last checkpoint before skipped steps began
-            if self.step % cfg.metrics.log_freq == 0 or last or stop:
-                self.metrics.log_train(
-                    self.step, **out, **self.gradient_step.log_values(), **self.loader.bad_samples.values()
+        with self.profiler.loop(first_step=self.step + 1):
+            while self.step < cfg.training.steps:
+                out = self._step(self.next_microbatches(data_iter))
+                self.profiler.step()
+                if self.step == resumed_at + 1:  # start-up's longer timeout ends after this process's first step
+                    set_collective_timeout(cfg.comm.train_timeout_seconds)
+                self.metrics.add_step(self.global_batch_size, out["loss"], self.loader.step_source)
+                last = self.step == cfg.training.steps
+                stop = self.stop.agreed() if self.stop else None  # every rank: all stop after the same step
+                protect = self.nonfinite.streak_start  # pruning spares the last checkpoint before skipped steps began
+                if self.step % cfg.metrics.log_freq == 0 or last or stop:
+                    self.metrics.log_train(
+                        self.step, **out, **self.gradient_step.log_values(), **self.loader.bad_samples.values()
+                    )
+                if stop:  # save the step just done, no evaluation first (the grace period is short)
+                    self.stopped_by = stop
+                    saved = self.checkpointer.maybe_save(self.step, last_step=True, protect_before=protect)
+                    logger.info(stop_message(stop, self.step, saved))
+                    break
+                side_work = evaluates and (last or (cfg.eval.freq and self.step % cfg.eval.freq == 0))
+                results = self._evaluate_and_log(last) if side_work else results
+                scored = results if side_work else None  # recorded in this step's checkpoint ([checkpoint] keep_best)
+                saved = self.checkpointer.maybe_save(
+                    self.step, last_step=last, protect_before=protect, evaluation=scored
                 )
-            if stop:  # save the step just done, no evaluation first (the grace period is short)
-                self.stopped_by = stop
-                saved = self.checkpointer.maybe_save(self.step, last_step=True, protect_before=protect)
-                logger.info(stop_message(stop, self.step, saved))
-                break
-            side_work = evaluates and (last or (cfg.eval.freq and self.step % cfg.eval.freq == 0))
-            results = self._evaluate_and_log(last) if side_work else results
-            scored = results if side_work else None  # recorded in this step's checkpoint ([checkpoint] keep_best)
-            saved = self.checkpointer.maybe_save(self.step, last_step=last, protect_before=protect, evaluation=scored)
-            if saved or side_work:  # eval and checkpoint time stay out of samples/s
-                self.metrics.reset()
+                if saved or side_work:  # eval and checkpoint time stay out of samples/s
+                    self.metrics.reset()
         return results
 
 

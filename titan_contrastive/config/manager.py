@@ -261,6 +261,7 @@ def _check_combinations(cfg: JobConfig) -> None:
     if cfg.memory.plan and not cfg.memory.budget_gib:
         raise ConfigError("memory.plan=true needs memory.budget_gib > 0 (the per-device budget to plan for)")
     _check_keep_best(cfg)
+    _check_profiling(cfg)
     scale = cfg.loss.init_logit_scale
     if scale is None:
         return
@@ -302,6 +303,23 @@ def _check_keep_best(cfg: JobConfig) -> None:
         )
     if best.startswith("beir/") and not ev.beir_path:
         raise ConfigError(f"checkpoint.keep_best={best!r} is a BEIR metric and eval.beir_path is empty; set it")
+
+
+def _check_profiling(cfg: JobConfig) -> None:
+    """Windows of `[profiling]` that would trace nothing, or overlap."""
+    prof, steps = cfg.profiling, cfg.training.steps
+    if not (prof.enable or prof.memory_snapshot):
+        return
+    if prof.start_step > steps:
+        raise ConfigError(
+            f"profiling.start_step={prof.start_step} is after the run's last step (training.steps={steps}): nothing "
+            f"would be profiled; set profiling.start_step <= {steps}"
+        )
+    if prof.freq and prof.freq <= prof.steps:
+        raise ConfigError(
+            f"profiling.freq={prof.freq} <= profiling.steps={prof.steps}: each window would run into the next; set "
+            f"profiling.freq > {prof.steps} (or 0 for one window)"
+        )
 
 
 def check_contrastive_problem(

@@ -18,7 +18,8 @@ from typing import Any
 from torch import Tensor
 
 from titan_contrastive.config import ConfigError
-from titan_contrastive.config.job_config import Data, JobConfig
+from titan_contrastive.config.data import Data
+from titan_contrastive.config.job_config import JobConfig
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
 from titan_contrastive.datasets.files import FileImageTextDataset
