@@ -66,8 +66,9 @@ def trace_names(path: Path) -> str:
 
 def test_a_run_traces_its_windows_and_a_resumed_run_the_rest(tmp_path: Path) -> None:
     """Windows 2-3 and 5-6 (every 3 steps); the first run ends at step 3, the second resumes there
-    and traces 5-6 (its step 4 warms up): each window's folder, named by its last step, holds a whole
-    trace of exactly its steps and an op table, and no temporary file."""
+    and traces 5-6 (its step 4 warms up): each window's folder, named by its first step, holds a whole
+    trace of exactly its steps (whole loop iterations: data, step, logging, checkpoint) and an op
+    table, and no temporary file."""
     common = [
         f"--job.dump_folder={tmp_path}",
         *TINY,
@@ -78,17 +79,19 @@ def test_a_run_traces_its_windows_and_a_resumed_run_the_rest(tmp_path: Path) -> 
     ]
     assert main([*common, "--training.steps=3"]) == 0
     traces = tmp_path / "profile_traces"
-    assert sorted(p.name for p in traces.iterdir()) == ["step-3"]
-    assert trace_steps(traces / "step-3") == {"ProfilerStep#1", "ProfilerStep#2"}  # steps 2 and 3 of steps 1-3
+    assert sorted(p.name for p in traces.iterdir()) == ["step-2"]
+    assert trace_steps(traces / "step-2") == {"ProfilerStep#1", "ProfilerStep#2"}  # steps 2 and 3 of steps 1-3
     assert main([*common, "--training.steps=6"]) == 0  # resumes from step 3
-    assert sorted(p.name for p in traces.iterdir()) == ["step-3", "step-6"]
-    assert trace_steps(traces / "step-6") == {"ProfilerStep#1", "ProfilerStep#2"}  # steps 5 and 6 of steps 4-6
-    names = trace_names(traces / "step-6" / "rank0_trace.json")
-    assert "Optimizer.step#AdamW.step" in names and "enumerate(DataLoader)" in names  # the step and its data
-    table = (traces / "step-6" / "rank0_ops.txt").read_text()
+    assert sorted(p.name for p in traces.iterdir()) == ["step-2", "step-5"]
+    assert trace_steps(traces / "step-5") == {"ProfilerStep#1", "ProfilerStep#2"}  # steps 5 and 6 of steps 4-6
+    names = trace_names(traces / "step-5" / "rank0_trace.json")
+    for span in ("enumerate(DataLoader)", "Optimizer.step#AdamW.step", "MetricsProcessor.log_train"):
+        assert span in names, span  # the data, the step, the last step's log line
+    assert names.count("CheckpointManager.maybe_save") == 2  # each step asks; the last one saves
+    table = (traces / "step-5" / "rank0_ops.txt").read_text()
     assert "Self CPU" in table and "aten::mm" in table
     files = sorted(p.relative_to(traces).as_posix() for p in traces.rglob("*") if p.is_file())
-    assert files == [f"step-{n}/rank0_{kind}" for n in (3, 6) for kind in ("ops.txt", "trace.json")]
+    assert files == [f"step-{n}/rank0_{kind}" for n in (2, 5) for kind in ("ops.txt", "trace.json")]
 
 
 def _two_ranks(dump: str) -> None:
@@ -97,7 +100,7 @@ def _two_ranks(dump: str) -> None:
 
 def test_each_rank_writes_its_own_trace(tmp_path: Path) -> None:
     run_distributed(_two_ranks, 2, str(tmp_path))
-    window = tmp_path / "profile_traces" / "step-2"
+    window = tmp_path / "profile_traces" / "step-2"  # the window of step 2, the last
     assert sorted(p.name for p in window.iterdir()) == [
         "rank0_ops.txt",
         "rank0_trace.json",
@@ -118,7 +121,7 @@ def test_a_stop_inside_a_window_saves_what_it_recorded(tmp_path: Path) -> None:
             x = torch.tanh(x @ x)
             profiler.step()
         raise RuntimeError("stopped")
-    folder = tmp_path / "profile_traces" / "step-3"
+    folder = tmp_path / "profile_traces" / "step-2"
     assert trace_steps(folder) == {"ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"}  # 3: the unfinished one
     assert "aten::tanh" in trace_names(folder / "rank0_trace.json")
 

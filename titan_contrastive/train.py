@@ -237,7 +237,6 @@ class Trainer:
         with self.profiler.loop(first_step=self.step + 1):
             while self.step < cfg.training.steps:
                 out = self._step(self.next_microbatches(data_iter))
-                self.profiler.step()
                 if self.step == resumed_at + 1:  # start-up's longer timeout ends after this process's first step
                     set_collective_timeout(cfg.comm.train_timeout_seconds)
                 self.metrics.add_step(self.global_batch_size, out["loss"], self.loader.step_source)
@@ -261,6 +260,7 @@ class Trainer:
                 )
                 if saved or side_work:  # eval and checkpoint time stay out of samples/s
                     self.metrics.reset()
+                self.profiler.step()  # a traced step: its data, its step, its logging, evaluation, checkpoint
         return results
 
 

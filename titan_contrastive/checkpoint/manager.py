@@ -57,6 +57,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -197,6 +198,7 @@ class CheckpointManager:
                     "of space"
                 )
 
+    @torch.profiler.record_function("CheckpointManager.maybe_save")  # a named span in [profiling] traces
     def maybe_save(
         self,
         step: int,

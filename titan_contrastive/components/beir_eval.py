@@ -54,6 +54,7 @@ def embed_texts(
     return gather_rows(local, [len(s) for s in shards])
 
 
+@torch.profiler.record_function("evaluate_beir")  # a named span in [profiling] traces
 def evaluate_beir(
     beir: BeirSet,
     embed_queries: Callable[[list[str]], torch.Tensor],

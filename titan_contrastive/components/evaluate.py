@@ -235,6 +235,7 @@ def evaluate_contrastive(ctx: EvalContext) -> dict[str, float]:
     )
 
 
+@torch.profiler.record_function("evaluate_sets")  # a named span in [profiling] traces
 def evaluate_sets(
     evaluate_fn: Callable[[EvalContext], dict[str, float]],
     context: Callable[[Dataset], EvalContext],

@@ -120,6 +120,7 @@ class MetricsProcessor:
         self.jsonl.write(json.dumps(strict_json({"kind": kind, "step": step, **values}), allow_nan=False) + "\n")
         self.jsonl.flush()
 
+    @torch.profiler.record_function("MetricsProcessor.log_train")  # a named span in [profiling] traces
     def log_train(self, step: int, *, loss: float, lr: float, grad_norm: float, **extra: Any) -> dict[str, Any]:
         """Summarise the window since the last log: samples/s, MFU, memory, data share."""
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)

@@ -1,13 +1,14 @@
 """Traces of chosen training steps (torch.profiler) and, on CUDA, the caching allocator's history.
 
 `[profiling]` picks windows of steps: `steps` of them from `start_step`, again every `freq` steps.
-The step before a window warms the profiler up. A window covers whole loop iterations (the wait for
-data, the step, logging, evaluation and checkpoints): where a trainer loses time against its bare
-step. Each rank writes its own files into `{dump_folder}/{folder}/step-{N}/` (N: the last step
-traced): `rank{r}_trace.json` (chrome://tracing or Perfetto; its `ProfilerStep#k` is the process's
+The step before a window warms the profiler up. A traced step is a whole loop iteration (the wait for
+its data, the gradient and optimizer step, its logging, evaluation and checkpoint): where a trainer
+loses time against its bare step. Each rank writes its own files into `{dump_folder}/{folder}/step-{N}/`
+(N: the window's first step): `rank{r}_trace.json` (chrome://tracing or Perfetto; its `ProfilerStep#k` is the process's
 k-th step, from 0), `rank{r}_ops.txt` (the costliest ops) and, with `memory_snapshot`,
 `rank{r}_memory_snapshot.pickle` (pytorch.org/memory_viz); an out-of-memory error dumps the
-allocator's history into `oom-step-{N}/`. Each file is written under a temporary name and renamed:
+allocator's history into `oom-step-{N}/` (N: the step that failed); a memory snapshot at a window's end
+goes into the window's folder. Each file is written under a temporary name and renamed:
 a folder never holds half a file.
 """
 
@@ -107,7 +108,7 @@ class StepProfiler:
                 self._torch.step()
         window = self.window(self.done)
         if self.cfg.memory_snapshot and window is not None and window[1] == self.done:
-            self._save_memory(f"step-{self.done}")
+            self._save_memory(f"step-{window[0]}")
 
     def _path(self, leaf: str, name: str) -> Path:
         folder = self.folder / leaf
@@ -115,17 +116,17 @@ class StepProfiler:
         return folder / f"rank{self.rank}_{name}"
 
     def _save_trace(self, prof: torch.profiler.profile) -> None:
-        leaf = f"step-{self.done}"
-        trace = self._path(leaf, "trace.json")
+        """At a window's end, or when the loop ends inside one (a stop, an error): named by its first step."""
+        window = self.window(self.done) or self.window(self.done + 1)
+        first = window[0] if window is not None else self.done + 1
+        trace = self._path(f"step-{first}", "trace.json")
         prof.export_chrome_trace(f"{trace}.tmp")
         os.replace(f"{trace}.tmp", trace)
         device_time = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=device_time, row_limit=30)
-        _write_text(self._path(leaf, "ops.txt"), table + "\n")
+        _write_text(trace.with_name(f"rank{self.rank}_ops.txt"), table + "\n")
         if self.rank == 0:
-            first = (self.window(self.done) or (self.done, self.done))[0]
-            steps = f"steps {first}-{self.done}" if first < self.done else f"step {self.done}"
-            logger.info(f"profile of {steps}: {trace.parent}")
+            logger.info(f"profile from step {first}: {trace.parent}")
 
     def _save_memory(self, leaf: str) -> None:
         path = self._path(leaf, "memory_snapshot.pickle")
