@@ -30,7 +30,8 @@
 #  16  (issue 31) what 14 and 15 led to: the plain step's kernel families again (eager, compiled) with the patch
 #      embedding as one GEMM; the shipped clip_vit_b32_gpu.toml end to end, eager and compiled, with the loader
 #      prefetching a whole step and one epoch for the run (15 measured 2,072 samples/s, data 45 %), the eager run's
-#      step 4 traced by [profiling] (its op table in the tar, the trace gzipped beside it); stage16.tar
+#      last step traced by [profiling] (after its log line: a time limit in the export loses only the trace; the op
+#      table in the tar, the trace gzipped beside it); stage16.tar
 #  17  (issue 31; the same machine after 16) bf16 activations: the plain step's kernel families under autocast and
 #      under FSDP2 on the one GPU (parallelism.fsdp_one_device), eager and compiled, side by side; the shipped
 #      config end to end compiled with it (activation_traffic counts 36 % fewer bytes outside the GEMMs); stage17.tar
@@ -81,7 +82,7 @@ pack() { tar -C "$res" -cf "$out/stage$1.tar" . ; }  # after every step: a time 
 # tables (rank0_ops.txt) stay in it
 keep_traces() { for t in "$res"/*/profile_traces/*/*_trace.json; do [ -f "$t" ] || continue; gzip -9 "$t"
   [ "$(stat -c %s "$t.gz")" -lt 15728640 ] && mv "$t.gz" "$out/stage$1_$(basename "$(dirname "$t")")_trace.json.gz"
-  rm -f "$t.gz"; done; }
+  rm -f "$t.gz"; done; rm -f "$res"/*/profile_traces/*/*.tmp; }  # .tmp: an export a time limit cut short
 case "$1" in
   9) step 280 python3 -m benchmarks.step_gpu_bench --e2e-steps 20 --timeout 100 --time-budget 260 --out "$res"; pack 9
      step 100 python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$res/pytest_gpu.xml"; pack 9
@@ -120,7 +121,7 @@ case "$1" in
         --num-workers 14 --override=--data.dataset=synthetic --timeout 80 --time-budget 110 --tag profile16 \
         --out "$res"; pack 16
       export CONFIG_FILE=train_configs/clip_vit_b32_gpu.toml PYTHON=python3
-      for c in false true; do prof=(); [ $c = true ] || prof=(--profiling.enable=true --profiling.start_step=4)
+      for c in false true; do prof=(); [ $c = true ] || prof=(--profiling.enable=true --profiling.start_step=10)
         step 200 ./run_train.sh --training.steps=10 --metrics.log_freq=2 --compile.enable=$c "${prof[@]}" \
         --job.dump_folder="$res/gpu_config_compile_$c"; keep_traces 16; pack 16; done ;;
   17) for f in false true; do step 150 python3 -m benchmarks.step_gpu_bench --variants plain --compile plain \
