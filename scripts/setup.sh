@@ -3,7 +3,7 @@
 #   TORCH_SPEC        torch requirement (default torch==2.13.0)
 #   TORCH_INDEX_URL   extra index for torch, e.g. https://download.pytorch.org/whl/cpu on a CPU-only
 #                     machine whose pip would otherwise pull the multi-GB CUDA build from PyPI.
-# GPU users: create the venv, install the torch build for their CUDA, then `pip install -e '.[dev,data,hf]'`.
+# GPU users: create the venv, install the torch build for their CUDA, then `pip install -e '.[dev,data,hf,wandb]'`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,7 +12,7 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/pip install -q ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 fi
-.venv/bin/pip install -q -e '.[dev,data,hf]'
+.venv/bin/pip install -q -e '.[dev,data,hf,wandb]'
 # Triton runs the fused-kernel tests on CPU (TRITON_INTERPRET=1) and compiles them for sm_90 (the SASS tests),
 # pinned: its interpreter and compiler decide what those tests see; CUDA torch builds bring their own.
 .venv/bin/python -c "import triton" 2>/dev/null || .venv/bin/pip install -q triton==3.9.0

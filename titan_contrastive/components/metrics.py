@@ -7,6 +7,7 @@ is known (configured, or looked up for common GPUs).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -61,13 +62,16 @@ class MetricsProcessor:
         flops_per_sample: int,
         peak_tflops: float,
         world_size: int,
+        wandb_config: dict[str, Any] | None = None,
     ) -> None:
+        """`wandb_config`: the run's config, to log to Weights & Biases under; None = no W&B run."""
         self.rank = rank
         self.device = device
         self.flops_per_sample = flops_per_sample
         self.peak_flops = peak_tflops * 1e12 * world_size
         self.writer = None
         self.jsonl = None
+        self.wandb: Any = None
         if rank == 0:
             os.makedirs(dump_folder, exist_ok=True)
             self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a", encoding="utf-8")
@@ -75,6 +79,11 @@ class MetricsProcessor:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.writer = SummaryWriter(os.path.join(dump_folder, "tb"))
+            if wandb_config is not None:
+                import wandb  # the `wandb` extra; its absence is a config error (config/manager.py)
+
+                project = os.environ.get("WANDB_PROJECT", "titan_contrastive")
+                self.wandb = wandb.init(project=project, dir=dump_folder, config=wandb_config)
         self.reset()
 
     @classmethod
@@ -91,6 +100,7 @@ class MetricsProcessor:
             flops_per_sample=model_args.flops_per_sample(),
             peak_tflops=device_peak_tflops(device, cfg.metrics.peak_tflops),
             world_size=world_size,
+            wandb_config=dataclasses.asdict(cfg) if cfg.metrics.enable_wandb else None,
         )
 
     def reset(self) -> None:
@@ -108,7 +118,7 @@ class MetricsProcessor:
             self.source_losses.setdefault(source, []).append(loss)
 
     def record(self, kind: str, step: int, values: dict[str, Any]) -> None:
-        """Write one record to TensorBoard (`{kind}/{name}`) and metrics.jsonl (rank 0 only)."""
+        """Write one record to TensorBoard and W&B (`{kind}/{name}`) and metrics.jsonl (rank 0 only)."""
         if self.rank != 0:
             return
         if self.writer is not None:
@@ -116,6 +126,8 @@ class MetricsProcessor:
                 if isinstance(value, (int, float)):
                     self.writer.add_scalar(f"{kind}/{name}", value, step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log({f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
         assert self.jsonl is not None
         self.jsonl.write(json.dumps(strict_json({"kind": kind, "step": step, **values}), allow_nan=False) + "\n")
         self.jsonl.flush()
@@ -153,6 +165,9 @@ class MetricsProcessor:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
         if self.jsonl is not None:
             self.jsonl.close()
 

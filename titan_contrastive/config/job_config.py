@@ -325,6 +325,10 @@ class Metrics:
     """Log step, loss, lr, grad norm, samples/s, memory and data-loading share every N steps."""
     enable_tensorboard: bool = True
     """Write TensorBoard events to `{dump_folder}/tb` (rank 0)."""
+    enable_wandb: bool = False
+    """Also log every record to Weights & Biases (rank 0; the `wandb` extra): project `$WANDB_PROJECT` (default
+    titan_contrastive), the run's config as its config, files in `{dump_folder}/wandb`; `WANDB_MODE=offline` logs
+    without a network (`wandb sync` uploads later). A resumed run is a new W&B run at the same global steps."""
     peak_tflops: float = non_negative(0.0)
     """Device peak TFLOP/s for MFU; 0 = look up known GPUs (H100/H200/A100), no MFU on CPU."""
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib.util
 import logging
 import math
 import sys
@@ -249,6 +250,11 @@ def validate(cfg: JobConfig) -> None:
                     f"(set --{section.name}.{f.name}=... or [{section.name}] {f.name} in the TOML)"
                 )
     _check_combinations(cfg)
+    if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:  # an optional extra
+        raise ConfigError(
+            "metrics.enable_wandb=true needs the wandb package, which is not installed: pip install -e '.[wandb]' "
+            "(or set metrics.enable_wandb=false)"
+        )
 
 
 def _check_combinations(cfg: JobConfig) -> None:

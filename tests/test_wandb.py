@@ -1,0 +1,51 @@
+"""`[metrics] enable_wandb`: the run's records reach Weights & Biases (offline: the real client
+writing its run file, no network), and a machine without the package is told so before anything runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_contrastive.train import main
+
+ARGS = [
+    "--training.steps=3",
+    "--training.local_batch_size=8",
+    "--eval.enable=false",
+    "--metrics.log_freq=1",
+    "--metrics.enable_tensorboard=false",
+    "--lr_scheduler.warmup_steps=1",
+    "--metrics.enable_wandb=true",
+]
+
+
+def test_every_train_record_reaches_the_offline_wandb_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run file of the offline run holds the config and each logged loss, as metrics.jsonl has them
+    (W&B stores each value as its JSON text)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert main([f"--job.dump_folder={tmp_path}", *ARGS]) == 0
+    [run_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    data = run_file.read_bytes()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in ("train/loss", "train/lr", "train/grad_norm", "train/samples_per_s", "enable_wandb", "local_batch_size"):
+        assert key.encode() in data, key
+    for record in records:
+        assert json.dumps(record["loss"]).encode() in data, record["loss"]
+
+
+def test_without_the_package_it_is_one_line_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as on a machine without the extra
+    assert main([f"--job.dump_folder={tmp_path / 'dump'}", *ARGS]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: metrics.enable_wandb=true needs the wandb package, which is not installed: pip install -e "
+        "'.[wandb]' (or set metrics.enable_wandb=false)"
+    ]
+    assert not (tmp_path / "dump").exists()
