@@ -1,15 +1,15 @@
 """Traces of chosen training steps (torch.profiler) and, on CUDA, the caching allocator's history.
 
 `[profiling]` picks windows of steps: `steps` of them from `start_step`, again every `freq` steps.
-The step before a window warms the profiler up. A traced step is a whole loop iteration (the wait for
-its data, the gradient and optimizer step, its logging, evaluation and checkpoint): where a trainer
-loses time against its bare step. Each rank writes its own files into `{dump_folder}/{folder}/step-{N}/`
-(N: the window's first step): `rank{r}_trace.json` (chrome://tracing or Perfetto; its `ProfilerStep#k` is the process's
-k-th step, from 0), `rank{r}_ops.txt` (the costliest ops) and, with `memory_snapshot`,
-`rank{r}_memory_snapshot.pickle` (pytorch.org/memory_viz); an out-of-memory error dumps the
-allocator's history into `oom-step-{N}/` (N: the step that failed); a memory snapshot at a window's end
-goes into the window's folder. Each file is written under a temporary name and renamed:
-a folder never holds half a file.
+The step before a window warms the profiler up. A traced step is a whole loop iteration (the wait
+for its data, the gradient and optimizer step, its logging, evaluation and checkpoint): where a
+trainer loses time against its bare step. Each rank writes its own files into
+`{dump_folder}/{folder}/step-{N}/` (N: the window's first step): `rank{r}_trace.json`
+(chrome://tracing or Perfetto; its `ProfilerStep#k` is the process's k-th step, from 0),
+`rank{r}_ops.txt` (the costliest ops) and, with `memory_snapshot`, `rank{r}_memory_snapshot.pickle`
+(pytorch.org/memory_viz) at the window's end; an out-of-memory error dumps the allocator's history
+into `oom-step-{N}/` (N: the step that failed). Each file is written under a temporary name and
+renamed: a folder never holds half a file.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _MEMORY_HISTORY_ENTRIES = 100_000  # allocation events kept (a rolling window; t
 
 class StepProfiler:
     """`with profiler.loop(first_step):` around the training loop, `profiler.step()` after each step;
-    with neither `enable` nor `memory_snapshot` both cost nothing (no profiler is made)."""
+    with neither `enable` nor `memory_snapshot` set, both cost nothing (no profiler is made)."""
 
     def __init__(self, cfg: Profiling, dump_folder: str, *, rank: int, device: torch.device, last_step: int) -> None:
         if cfg.memory_snapshot and device.type != "cuda":

@@ -365,20 +365,22 @@ class Comm:
 @dataclass
 class Profiling:
     enable: bool = False
-    """Trace steps with torch.profiler (CPU and CUDA activities, op shapes): per rank and window, a
+    """Trace windows of steps with torch.profiler (CPU and CUDA activities, op shapes): per rank and window, a
     Chrome/Perfetto trace and a table of the costliest ops in `{dump_folder}/{folder}/step-{N}/` (N: the
-    window's last step). A window covers whole loop iterations: data loading, the step, logging."""
+    window's first step). A traced step is a whole loop iteration: its data wait, step, logging, eval, checkpoint."""
     folder: str = "profile_traces"
     """Trace folder, relative to job.dump_folder."""
     start_step: int = positive(3)
-    """First traced step; the step before it warms the profiler up (the first steps compile and fill caches)."""
+    """First step of the first window; the step before it warms the profiler up (the first steps compile and
+    fill caches)."""
     steps: int = positive(1)
     """Steps per window."""
     freq: int = opt(0, lambda v: v >= 0, "an integer >= 0 (0 traces one window)")
-    """Trace a window again every this many steps after start_step; 0 = once."""
+    """A window again every this many steps after start_step; 0 = one window."""
     memory_snapshot: bool = False
-    """CUDA: record the caching allocator's history and dump it at each window's end and on an out-of-memory
-    error (`rank{r}_memory_snapshot.pickle`, for pytorch.org/memory_viz). Needs enable = true and a GPU."""
+    """CUDA: record the caching allocator's history from the first step and dump it at each window's end and on
+    an out-of-memory error (`rank{r}_memory_snapshot.pickle`, for pytorch.org/memory_viz); with or without
+    `enable`. Costs time at every allocation: for diagnosis runs."""
 
 
 @dataclass
