@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -120,23 +120,23 @@ class StepProfiler:
         window = self.window(self.done) or self.window(self.done + 1)
         first = window[0] if window is not None else self.done + 1
         trace = self._path(f"step-{first}", "trace.json")
-        prof.export_chrome_trace(f"{trace}.tmp")
-        os.replace(f"{trace}.tmp", trace)
+        _renamed_into_place(trace, prof.export_chrome_trace)
         device_time = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=device_time, row_limit=30)
-        _write_text(trace.with_name(f"rank{self.rank}_ops.txt"), table + "\n")
+        table = prof.key_averages().table(sort_by=device_time, row_limit=30) + "\n"
+        ops = trace.with_name(f"rank{self.rank}_ops.txt")
+        _renamed_into_place(ops, lambda tmp: Path(tmp).write_text(table, encoding="utf-8"))
         if self.rank == 0:
             logger.info(f"profile from step {first}: {trace.parent}")
 
     def _save_memory(self, leaf: str) -> None:
         path = self._path(leaf, "memory_snapshot.pickle")
-        torch.cuda.memory._dump_snapshot(f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)
+        _renamed_into_place(path, torch.cuda.memory._dump_snapshot)
         if self.rank == 0:
             logger.info(f"memory snapshot: {path}")
 
 
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
+def _renamed_into_place(path: Path, write: Callable[[str], object]) -> None:
+    """`write(temporary path)`, then the rename to `path`: a reader never sees half a file."""
+    tmp = f"{path}.tmp"
+    write(tmp)
     os.replace(tmp, path)
