@@ -82,7 +82,7 @@ pack() { tar -C "$res" -cf "$out/stage$1.tar" . ; }  # after every step: a time 
 # tables (rank0_ops.txt) stay in it
 keep_traces() { for t in "$res"/*/profile_traces/*/*_trace.json; do [ -f "$t" ] || continue; gzip -9 "$t"
   [ "$(stat -c %s "$t.gz")" -lt 15728640 ] && mv "$t.gz" "$out/stage$1_$(basename "$(dirname "$t")")_trace.json.gz"
-  rm -f "$t.gz"; done; rm -f "$res"/*/profile_traces/*/*.tmp; }  # .tmp: an export a time limit cut short
+  rm -f "$t.gz"; done; rm -f "$res"/*/profile_traces/*/.*.tmp-*; }  # .NAME.tmp-*: an export a time limit cut short
 case "$1" in
   9) step 280 python3 -m benchmarks.step_gpu_bench --e2e-steps 20 --timeout 100 --time-budget 260 --out "$res"; pack 9
      step 100 python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$res/pytest_gpu.xml"; pack 9

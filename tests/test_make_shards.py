@@ -57,7 +57,7 @@ def _check_shards(out: Path, expected: list[tuple[str, str, tuple[int, int]]], r
         assert sample[".txt"].decode() == caption
         meta = json.loads(sample[".json"])
         assert meta == {"key": sample["__key__"], "caption": caption, "filepath": rel, "width": w, "height": h}
-    assert not list(out.glob("*.tmp"))
+    assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp-*"))
 
 
 def _error(capsys, argv: list[str]) -> str:
@@ -109,9 +109,14 @@ def test_folder_mode_sorted(tmp_path, capsys):
     out = tmp_path / "imgs" / "shards"  # out inside SRC is not scanned
     assert main([str(tmp_path / "imgs"), "--out", str(out), "--samples-per-shard", "10"]) == 0
     _check_shards(out, sorted(imgs, key=lambda r: r[0]), tmp_path / "imgs")
-    # --overwrite replaces the shards; a second folder scan must not pick up the output
+    # --overwrite replaces the shards (and a killed run's temporaries: a tar's, an index's), keeps other files;
+    # a second folder scan must not pick up the output
+    leftovers = ["00009.tar.tmp", ".shards.json.tmp-k1ll3d.json", ".00009_stats.json.tmp-a_b.json"]
+    for name in [*leftovers, "notes.txt"]:
+        (out / name).write_text("x")
     assert main([str(tmp_path / "imgs"), "--out", str(out), "--samples-per-shard", "10", "--overwrite"]) == 0
     _check_shards(out, sorted(imgs, key=lambda r: r[0]), tmp_path / "imgs")
+    assert not any((out / name).exists() for name in leftovers) and (out / "notes.txt").read_text() == "x"
 
 
 def test_wide_keys_and_write_shards_api(tmp_path):

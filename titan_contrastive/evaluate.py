@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from titan_contrastive.atomic_write import write_text_atomically
+
 
 def load_text_model(src: str, query_length: int, doc_length: int) -> tuple[Any, Any]:
     """(args, model in eval mode): a step folder's bi_encoder, or a fresh one on a model folder."""
@@ -89,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         text = json.dumps({"model": opts.model, "beir": opts.beir, "split": opts.split, **results}, indent=1)
         print(text)
         if opts.out is not None:
-            tmp = opts.out.with_name(f".{opts.out.name}.tmp")
-            tmp.write_text(text + "\n")
-            tmp.replace(opts.out)
+            write_text_atomically(opts.out, text + "\n")
     return 0
 
 

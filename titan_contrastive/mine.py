@@ -39,13 +39,14 @@ import argparse
 import contextlib
 import csv
 import json
-import os
 import random
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from titan_contrastive.atomic_write import write_atomically
 
 OUT_FORMATS = (".jsonl", ".parquet", ".csv")
 SEARCH_BYTES = 1 << 28
@@ -194,11 +195,9 @@ def mine(
 def write_rows(out: Path, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """`rows` under `columns` into `out` (by its suffix), through a temporary file renamed when complete."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.tmp-", suffix=out.suffix)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        records = [dict(zip(columns, row)) for row in rows]
+    records = [dict(zip(columns, row)) for row in rows]
+
+    def write(tmp: Path) -> None:
         if out.suffix == ".parquet":
             import pyarrow as pa
             import pyarrow.parquet as pq
@@ -212,17 +211,8 @@ def write_rows(out: Path, columns: Sequence[str], rows: Sequence[Sequence[Any]])
         else:
             with open(tmp, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        tmp.chmod(0o666 & ~_umask())
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    write_atomically(out, write)
 
 
 def number_or_none(text: str) -> float | None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from titan_contrastive.atomic_write import write_text_atomically
 from titan_contrastive.checkpoint.reader import MANIFEST, CheckpointError
 
 BEST_FILE = "best.json"
@@ -66,7 +66,5 @@ class BestCheckpoint:
             target.unlink(missing_ok=True)
             return
         step, value = best
-        tmp = target.with_name(f".{BEST_FILE}.tmp")
         record = {"metric": self.metric, "step": step, "value": value, "path": str(folder / f"step-{step}")}
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(tmp, target)
+        write_text_atomically(target, json.dumps(record, indent=1) + "\n")

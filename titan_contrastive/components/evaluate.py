@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_contrastive.atomic_write import write_atomically
 from titan_contrastive.components.pixel_loss import masked_error_sum
 from titan_contrastive.components.precision import at_least_fp32
 from titan_contrastive.config import ConfigError
@@ -272,9 +273,7 @@ def _save_grid(originals: torch.Tensor, recons: torch.Tensor, masks: torch.Tenso
     grid = torch.cat([top, torch.zeros(originals.shape[1], 2, top.shape[2]), row(recons)], dim=1)
     pixels = (grid * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
     image = Image.fromarray(pixels[..., 0] if pixels.shape[2] == 1 else pixels)
-    tmp = path.with_suffix(".tmp.png")
-    image.resize((image.width * scale, image.height * scale), Image.NEAREST).save(tmp)
-    tmp.replace(path)
+    write_atomically(path, image.resize((image.width * scale, image.height * scale), Image.NEAREST).save)
 
 
 @torch.no_grad()

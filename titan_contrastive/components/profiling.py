@@ -15,15 +15,15 @@ renamed: a folder never holds half a file.
 from __future__ import annotations
 
 import logging
-import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
+from titan_contrastive.atomic_write import write_atomically, write_text_atomically
 from titan_contrastive.config import ConfigError
 from titan_contrastive.config.job_config import JobConfig, Profiling
 
@@ -120,23 +120,16 @@ class StepProfiler:
         window = self.window(self.done) or self.window(self.done + 1)
         first = window[0] if window is not None else self.done + 1
         trace = self._path(f"step-{first}", "trace.json")
-        _renamed_into_place(trace, prof.export_chrome_trace)
+        write_atomically(trace, lambda tmp: prof.export_chrome_trace(str(tmp)))
         device_time = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=device_time, row_limit=30) + "\n"
         ops = trace.with_name(f"rank{self.rank}_ops.txt")
-        _renamed_into_place(ops, lambda tmp: Path(tmp).write_text(table, encoding="utf-8"))
+        write_text_atomically(ops, table)
         if self.rank == 0:
             logger.info(f"profile from step {first}: {trace.parent}")
 
     def _save_memory(self, leaf: str) -> None:
         path = self._path(leaf, "memory_snapshot.pickle")
-        _renamed_into_place(path, torch.cuda.memory._dump_snapshot)
+        write_atomically(path, lambda tmp: torch.cuda.memory._dump_snapshot(str(tmp)))
         if self.rank == 0:
             logger.info(f"memory snapshot: {path}")
-
-
-def _renamed_into_place(path: Path, write: Callable[[str], object]) -> None:
-    """`write(temporary path)`, then the rename to `path`: a reader never sees half a file."""
-    tmp = f"{path}.tmp"
-    write(tmp)
-    os.replace(tmp, path)

@@ -27,10 +27,13 @@ from pathlib import Path
 import webdataset as wds
 from PIL import Image
 
+from titan_contrastive.atomic_write import write_text_atomically
 from titan_contrastive.datasets.tar_shards import read_regular
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-OUTPUTS = re.compile(r"\d{5,}(\.tar|\.tar\.tmp|_stats\.json(\.tmp)?)|shards\.json(\.tmp)?")  # what --overwrite deletes
+OUTPUTS = re.compile(
+    r"\d{5,}(\.tar|\.tar\.tmp|_stats\.json)|shards\.json|\.(\d{5,}_stats|shards)\.json\.tmp-\w+\.json"
+)  # what --overwrite deletes
 
 
 class ShardError(Exception):
@@ -50,9 +53,7 @@ def _read_image(path: Path) -> tuple[bytes, str, tuple[int, int]]:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(obj, indent=1, ensure_ascii=False))
 
 
 def write_shards(
