@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from titan_contrastive.atomic_write import write_text_atomically
+
 logger = logging.getLogger("titan_contrastive")
 
 # Dense bf16 tensor-core peak per GPU, TFLOP/s (vendor data sheets, SXM parts).
@@ -63,8 +65,10 @@ class MetricsProcessor:
         peak_tflops: float,
         world_size: int,
         wandb_config: dict[str, Any] | None = None,
+        resumed: bool = False,
     ) -> None:
-        """`wandb_config`: the run's config, to log to Weights & Biases under; None = no W&B run."""
+        """`wandb_config`: the run's config, to log to Weights & Biases under; None = no W&B run.
+        `resumed`: the run continues from a checkpoint, so it continues the dump folder's W&B run."""
         self.rank = rank
         self.device = device
         self.flops_per_sample = flops_per_sample
@@ -80,17 +84,14 @@ class MetricsProcessor:
 
                 self.writer = SummaryWriter(os.path.join(dump_folder, "tb"))
             if wandb_config is not None:
-                import wandb  # the `wandb` extra; its absence is a config error (config/manager.py)
-
-                project = os.environ.get("WANDB_PROJECT", "titan_contrastive")
-                self.wandb = wandb.init(project=project, dir=dump_folder, config=wandb_config)
+                self.wandb = _start_wandb(dump_folder, wandb_config, resumed)
         self.reset()
 
     @classmethod
-    def for_run(cls, cfg: Any, model_args: Any, dist: Any) -> MetricsProcessor:
+    def for_run(cls, cfg: Any, model_args: Any, dist: Any, *, resumed: bool) -> MetricsProcessor:
         """The run's metrics (`cfg`: the JobConfig; `dist`: this process's parallelisms.DistInfo): in
         `job.dump_folder`, MFU against the model's FLOPs per sample and the device's (or
-        `metrics.peak_tflops`) peak."""
+        `metrics.peak_tflops`) peak; `resumed`: the run continues from a checkpoint."""
         device, rank, world_size = dist.device, dist.rank, dist.world_size
         return cls(
             cfg.job.dump_folder,
@@ -101,6 +102,7 @@ class MetricsProcessor:
             peak_tflops=device_peak_tflops(device, cfg.metrics.peak_tflops),
             world_size=world_size,
             wandb_config=dataclasses.asdict(cfg) if cfg.metrics.enable_wandb else None,
+            resumed=resumed,
         )
 
     def reset(self) -> None:
@@ -194,3 +196,24 @@ def log_run_start(
         f"batch: local {cfg.training.local_batch_size}  x  grad-accum steps {ga_steps}  x  dp degree {dims.dp_degree}  "
         f"=  global {global_batch_size};  {step.describe()}"
     )
+
+
+WANDB_RUN_ID = "run_id"
+"""`{dump_folder}/wandb/run_id`: the id of the dump folder's W&B run, which a resumed run continues."""
+
+
+def _start_wandb(dump_folder: str, config: dict[str, Any], resumed: bool) -> Any:
+    """The W&B run: `$WANDB_RUN_ID` when set (the client's own variable), else on a resumed run the
+    dump folder's last one, else a new one, whose id is kept for the next resume."""
+    import wandb  # the `wandb` extra; its absence is a config error (config/manager.py)
+
+    id_file = os.path.join(dump_folder, "wandb", WANDB_RUN_ID)
+    run_id = os.environ.get("WANDB_RUN_ID")
+    if not run_id and resumed and os.path.isfile(id_file):
+        with open(id_file, encoding="utf-8") as f:
+            run_id = f.read().strip() or None
+    project = os.environ.get("WANDB_PROJECT", "titan_contrastive")
+    run = wandb.init(project=project, dir=dump_folder, config=config, id=run_id, resume="allow" if run_id else None)
+    os.makedirs(os.path.dirname(id_file), exist_ok=True)
+    write_text_atomically(id_file, run.id + "\n")
+    return run
