@@ -43,6 +43,7 @@ class Cfg:
     keep_latest_k: int = 0
     keep_best: str = ""
     load_step: int = -1
+    async_mode: str = "disabled"
 
 
 class Net(nn.Module):
@@ -320,20 +321,25 @@ def test_dcp_failure_names_the_checkpoint(tmp_path: Path) -> None:
     assert "model.fc3.weight" in message and "\n" not in message
 
 
-def save_until_killed(dump: str) -> None:
-    """Subprocess body of the fault-injection test: saves step 2, then dies while saving step 4."""
-    run = make_run(Path(dump))
+def save_until_killed(dump: str, async_mode: str) -> None:
+    """Subprocess body of the fault-injection test: saves step 2, then dies while saving step 4
+    (with async_mode "async", in the save's background thread)."""
+    run = make_run(Path(dump), Cfg(async_mode=async_mode))
     train(run, 2)
-    run.manager.save(2)
+    run.manager.save(2, background=True)
     train(run, 2)
-    run.manager.save(4)
+    run.manager.save(4, background=True)
+    run.manager.wait()
 
 
-def test_kill_during_save_leaves_previous_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_kill_during_save_leaves_previous_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, async_mode: str
+) -> None:
     env = {**os.environ, FAULT_ENV: "kill_during_save@4"}
-    code = "import sys; from tests.test_checkpoint import save_until_killed; save_until_killed(sys.argv[1])"
+    code = "import sys; from tests.test_checkpoint import save_until_killed; save_until_killed(*sys.argv[1:])"
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)], cwd=REPO, env=env, capture_output=True, timeout=120
+        [sys.executable, "-c", code, str(tmp_path), async_mode], cwd=REPO, env=env, capture_output=True, timeout=120
     )
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
     partial = tmp_path / "ckpt/step-4.tmp"

@@ -225,26 +225,29 @@ def test_full_disk_during_a_save_is_named_and_leaves_no_partial_files(small_fs, 
     assert sorted(train_records(room_for_one)) == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("async_mode, steps", [("disabled", 4), ("async", 6)])
 def test_enospc_during_save_is_named(
-    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, async_mode: str, steps: int
 ) -> None:
-    """The same path without a tmpfs: the write fails with ENOSPC, as a full disk makes it fail."""
-    import torch.distributed.checkpoint as dcp
+    """The same path without a tmpfs: the write fails with ENOSPC, as a full disk makes it fail. A
+    background save of step 4 fails while steps 5-6 train; the save at step 6 raises its error."""
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    real_save = dcp.save
+    real = FileSystemWriter.write_data
 
-    def save(state, checkpoint_id, **kwargs):
-        if checkpoint_id.endswith("step-4.tmp"):
-            (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+    def write_data(self, plan, planner):
+        if str(self.path).endswith("step-4.tmp"):
+            (Path(self.path) / "__0_0.distcp").write_bytes(b"partial")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+        return real(self, plan, planner)
 
-    monkeypatch.setattr(dcp, "save", save)
-    assert run(tmp_path, "--training.steps=4") == 2
+    monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+    assert run(tmp_path, f"--training.steps={steps}", f"--checkpoint.async_mode={async_mode}") == 2
     assert f"saving checkpoint step-4 failed: no space left on device in {tmp_path / 'checkpoint'}" in one_error_line(
         capsys
     )
     assert steps_in(tmp_path / "checkpoint") == ["step-2"]
+    assert sorted(train_records(tmp_path)) == list(range(1, steps + 1))
 
 
 # ------------------------------------------------------------------ one-line errors

@@ -1,4 +1,5 @@
-"""Checkpointing: the atomic, validated DCP checkpoint manager (`manager.py`), the one reader every
+"""Checkpointing: the atomic, validated DCP checkpoint manager (`manager.py`) and how it writes a
+checkpoint folder, in the loop or in the background (`writer.py`), the one reader every
 path loads a checkpoint through, verified against its manifest and unpickled without code
 (`reader.py`, which states the trust model), the Stateful adapters of what the manager saves
 (`stateful.py`: model, optimizer, lr schedule, counters, RNG streams, and `build_checkpointer`)

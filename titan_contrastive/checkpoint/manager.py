@@ -6,7 +6,8 @@ Layout: `{dump_folder}/{checkpoint.folder}/step-{N}/`, one DCP directory per che
 and "config", the run's config, which a resume compares with its own: `resume.py`).
 
 A save is atomic: DCP writes into `step-N.tmp`, then (after a barrier) rank 0 writes the manifest,
-fsyncs it and renames the folder to `step-N`. A crash mid-save therefore leaves only a `.tmp`
+fsyncs it and renames the folder to `step-N` (`writer.py`, which also finishes a save in the
+background under `async_mode = "async"`). A crash mid-save therefore leaves only a `.tmp`
 folder, which loading reports, ignores and removes. Loading goes through `reader.py`, as every
 reader of a checkpoint does: the checkpoint is first checked against its manifest (every file
 present with its size, then its SHA-256), so a truncated, half-deleted or corrupted-in-place one
@@ -42,18 +43,18 @@ the state a crash mid-save leaves behind.
 
 from __future__ import annotations
 
-import errno
-import json
+import contextlib
+import functools
 import logging
 import os
-import pickle
 import re
 import shutil
 import signal
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -66,8 +67,15 @@ from torch.distributed.checkpoint.stateful import Stateful
 from titan_contrastive.checkpoint import reader
 from titan_contrastive.checkpoint.best import BestCheckpoint
 from titan_contrastive.checkpoint.reader import MANIFEST, CheckpointError, describe
-from titan_contrastive.checkpoint.reader import sha256 as _sha256
 from titan_contrastive.checkpoint.resume import IncompatibleResume, config_changes
+from titan_contrastive.checkpoint.writer import (
+    BackgroundSave,
+    PickledState,
+    fsync_dir,
+    install,
+    out_of_space,
+    write_manifest,
+)
 from titan_contrastive.components.preflight import format_bytes, free_bytes
 
 __all__ = ["CheckpointError", "CheckpointManager", "FAULT_ENV", "MANIFEST"]
@@ -78,6 +86,8 @@ FAULT_ENV = "TITAN_CONTRASTIVE_FAULT"
 _STEP_DIR = re.compile(r"step-(\d+)")
 _TMP_DIR = re.compile(r"step-(\d+)\.tmp")
 T = TypeVar("T")
+# one process saves with no_dist=True on purpose (and a background save warns in its own thread)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 class CheckpointConfig(Protocol):
@@ -89,52 +99,7 @@ class CheckpointConfig(Protocol):
     keep_latest_k: int
     keep_best: str
     load_step: int
-
-
-class _PickledState:
-    """Stores a per-rank Stateful as one pickled bytes object (why: see the module docstring),
-    read back with the allowlisting unpickler (`reader.unpickle_state`)."""
-
-    def __init__(self, inner: Stateful, key: str) -> None:
-        self.inner = inner
-        self.key = key
-
-    def state_dict(self) -> dict[str, bytes]:
-        return {"pickle": pickle.dumps(self.inner.state_dict())}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.inner.load_state_dict(reader.unpickle_state(state_dict["pickle"], f"checkpoint item {self.key!r}"))
-
-
-def _out_of_space(exc: BaseException, folder: Path) -> bool:
-    """Whether a failed save ran out of space: ENOSPC anywhere in the error (DCP wraps each rank's),
-    or a nearly full folder (torch's zip writer reports a short write as "unexpected pos")."""
-    todo, seen = [exc], set()
-    while todo:
-        error = todo.pop()
-        if id(error) in seen:
-            continue
-        seen.add(id(error))
-        if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in str(error):
-            return True
-        if isinstance(error, CheckpointException):
-            todo += [failure for failure, _ in error.failures.values()]
-        todo += [e for e in (error.__cause__, error.__context__) if e is not None]
-    return free_bytes(folder) < 1 << 20
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    async_mode: str
 
 
 class CheckpointManager:
@@ -170,6 +135,10 @@ class CheckpointManager:
         self.rank = rank
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
+        self.background = cfg.enable and cfg.async_mode == "async"
+        self._pending = BackgroundSave()
+        # the background saves' collectives (DCP's, the barrier, the outcome) on a group of their own
+        self._save_group = dist.new_group(backend="gloo") if self.background and self._distributed() else None
 
     # ------------------------------------------------------------------ public API
 
@@ -208,42 +177,51 @@ class CheckpointManager:
         evaluation: dict[str, Any] | None = None,
     ) -> bool:
         """Save when enabled and `step` is on the interval or the last one; return whether it saved.
-        `evaluation`: the results of the evaluation at this step, if it was evaluated."""
+        `evaluation`: the results of the evaluation at this step, if it was evaluated. With
+        `async_mode = "async"` an interval's save finishes in the background, the last one does not."""
         if not self.cfg.enable or not (last_step or step % self.cfg.interval == 0):
             return False
-        self.save(step, protect_before=protect_before, evaluation=evaluation)
+        self.save(step, protect_before=protect_before, evaluation=evaluation, background=not last_step)
         return True
 
-    def save(self, step: int, *, protect_before: int | None = None, evaluation: dict[str, Any] | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        *,
+        protect_before: int | None = None,
+        evaluation: dict[str, Any] | None = None,
+        background: bool = False,
+    ) -> None:
         """Write checkpoint `step-{step}` atomically (collective), its manifest recording `evaluation`'s
         numbers under `keep_best`; then prune to `keep_latest_k`, sparing the newest checkpoint older than
-        step `protect_before` when given and the best (see module doc)."""
+        step `protect_before` when given and the best (see module doc). `background` (with `async_mode =
+        "async"`): return once the state is copied to host memory; the rest follows in a thread
+        (`writer.py`), and the next save (or `wait`) raises its error."""
+        self.wait()  # an earlier background save is complete (or raises) before this one starts
         scores = self.best.scores(evaluation) if self.best is not None and evaluation is not None else None
         start = time.perf_counter()
         tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
         self._on_rank0(lambda: self._prepare(tmp), f"preparing {tmp}")
-        try:
-            self._dcp(dcp.save, tmp, f"saving checkpoint step-{step} ({tmp})")
-        except CheckpointError as exc:  # nothing half-written stays behind; a full disk is named as such
-            out_of_space = _out_of_space(exc, self.folder)
-            self._on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True), f"removing {tmp}")
-            if out_of_space:
-                raise CheckpointError(
-                    f"saving checkpoint step-{step} failed: no space left on device in {self.folder} "
-                    f"({format_bytes(free_bytes(self.folder))} free after removing the partial save); free space, "
-                    "lower "
-                    "checkpoint.keep_latest_k or set checkpoint.folder elsewhere, then resume from the last checkpoint"
-                ) from exc
-            raise
-        if self.rank == 0 and os.environ.get(FAULT_ENV, "") == f"kill_during_save@{step}":
-            os.kill(os.getpid(), signal.SIGKILL)
-        self._barrier()  # every rank's files are in tmp before rank 0 lists them
-        # the broadcast of the outcome is the closing barrier: no rank moves on before the rename
-        self._on_rank0(
-            lambda: self._finalize(step, tmp, final, protect_before, scores), f"finalizing checkpoint {final}"
-        )
+        what = f"saving checkpoint step-{step} ({tmp})"
+        complete = functools.partial(self._complete, step, tmp, final, protect_before, scores, start)
+        if not (background and self.background):
+            self._write(step, tmp, lambda: self._dcp(dcp.save, tmp, what))
+            complete()
+            return
+        save = functools.partial(dcp.async_save, process_group=self._save_group)
+        future = self._write(step, tmp, lambda: self._dcp(save, tmp, what))  # returns once the state is copied
         if self.rank == 0:
-            logger.info(f"saved checkpoint step-{step} to {final} in {time.perf_counter() - start:.2f}s")
+            logger.info(f"checkpoint step-{step}: state copied in {time.perf_counter() - start:.2f}s, writing it")
+
+        def in_background(group: dist.ProcessGroup | None = self._save_group) -> None:
+            self._write(step, tmp, functools.partial(_written, future, what), group)
+            complete(group)
+
+        self._pending.start(in_background)
+
+    def wait(self) -> None:
+        """Block until a background save is complete; raise its error (CheckpointError) if it failed."""
+        self._pending.wait()
 
     def load(self) -> int | None:
         """Restore `checkpoint.load_step`, or the latest valid checkpoint when it is -1.
@@ -289,6 +267,44 @@ class CheckpointManager:
         """Steps of the complete (renamed) checkpoints, sorted; `load` still validates them."""
         return sorted(int(m[1]) for m in self._entries(_STEP_DIR))
 
+    def _write(self, step: int, tmp: Path, write: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
+        """`write()` (the DCP files into `tmp`); when it fails, `tmp` is removed and a full disk is named
+        as such. `group`: the collectives' group."""
+        try:
+            return write()
+        except CheckpointError as exc:  # nothing half-written stays behind; a full disk is named as such
+            full = out_of_space(exc, self.folder)
+            self._on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True), f"removing {tmp}", group)
+            if full:
+                raise CheckpointError(
+                    f"saving checkpoint step-{step} failed: no space left on device in {self.folder} "
+                    f"({format_bytes(free_bytes(self.folder))} free after removing the partial save); free space, "
+                    "lower checkpoint.keep_latest_k or set checkpoint.folder elsewhere, then resume from the last "
+                    "checkpoint"
+                ) from exc
+            raise
+
+    def _complete(
+        self,
+        step: int,
+        tmp: Path,
+        final: Path,
+        protect_before: int | None,
+        scores: dict[str, float] | None,
+        start: float,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """After every rank's files are in `tmp` (a barrier): rank 0's manifest, rename and pruning."""
+        if self.rank == 0 and os.environ.get(FAULT_ENV, "") == f"kill_during_save@{step}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        self._barrier(group)  # every rank's files are in tmp before rank 0 lists them
+        # the broadcast of the outcome is the closing barrier: no rank moves on before the rename
+        self._on_rank0(
+            lambda: self._finalize(step, tmp, final, protect_before, scores), f"finalizing checkpoint {final}", group
+        )
+        if self.rank == 0:
+            logger.info(f"saved checkpoint step-{step} to {final} in {time.perf_counter() - start:.2f}s")
+
     # ------------------------------------------------------------------ rank 0 work
 
     def _prepare(self, tmp: Path) -> None:
@@ -299,31 +315,16 @@ class CheckpointManager:
     def _finalize(
         self, step: int, tmp: Path, final: Path, protect_before: int | None, scores: dict[str, float] | None
     ) -> None:
-        files = {
-            p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-            for p in sorted(tmp.rglob("*"))
-            if p.is_file()
-        }
-        manifest = {
+        record = {
             "step": step,
             "dp_degree": self.dp_degree,
             "world_size": dist.get_world_size() if self._distributed() else 1,
-            "files": files,
             **({"model": self.model_info} if self.model_info else {}),
             **({"config": self.run_config} if self.run_config else {}),
             **({"eval": scores} if scores is not None else {}),
         }
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        stale = final.with_name(final.name + ".stale")
-        if final.exists():  # re-saving a step (a run restarted from an earlier checkpoint)
-            shutil.rmtree(stale, ignore_errors=True)
-            os.replace(final, stale)
-        os.replace(tmp, final)
-        _fsync_dir(self.folder)
-        shutil.rmtree(stale, ignore_errors=True)
+        write_manifest(tmp, record)
+        install(tmp, final)
         best = self._write_best()
         if self.cfg.keep_latest_k > 0:
             steps = self.available_steps()
@@ -406,7 +407,7 @@ class CheckpointManager:
         aside = Path(tempfile.mkdtemp(prefix=f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}-", dir=self.folder))
         for step in newer:
             os.replace(self.folder / f"step-{step}", aside / f"step-{step}")
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         self._write_best()  # best.json names a checkpoint still in the folder
         logger.warning(
             f"checkpoint.load_step={wanted} rewinds the run: the newer checkpoints "
@@ -429,31 +430,23 @@ class CheckpointManager:
         state = dict(self.states)
         for name, stateful in self.per_rank_states.items():
             key = f"{name}/dp_rank_{self.dp_rank}"
-            state[key] = _PickledState(stateful, f"{key}.pickle")
+            state[key] = PickledState(stateful, f"{key}.pickle")
         return state
 
-    def _dcp(self, fn: Callable[..., Any], path: Path, what: str) -> None:
-        """dcp.save, failing with a one-line CheckpointError that names the checkpoint.
-
-        DCP gathers the errors of all ranks into one CheckpointException (a BaseException, so
-        `except Exception` misses it) on every rank, so all ranks raise together.
-        """
-        try:
-            with warnings.catch_warnings():  # no_dist is intended when not distributed
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                fn(self._dcp_state(), checkpoint_id=str(path), no_dist=not self._distributed())
-        except (Exception, CheckpointException) as exc:
-            raise CheckpointError(f"{what} failed: {describe(exc)}") from exc
+    def _dcp(self, fn: Callable[..., T], path: Path, what: str) -> T:
+        """dcp.save or dcp.async_save of the state into `path`, failing as `_failing_as` says."""
+        with _failing_as(what):
+            return fn(self._dcp_state(), checkpoint_id=str(path), no_dist=not self._distributed())
 
     @staticmethod
     def _distributed() -> bool:
         return dist.is_available() and dist.is_initialized()
 
-    def _barrier(self) -> None:
+    def _barrier(self, group: dist.ProcessGroup | None = None) -> None:
         if self._distributed():
-            dist.barrier()
+            dist.barrier(group=group)
 
-    def _on_rank0(self, fn: Callable[[], T], what: str) -> T:
+    def _on_rank0(self, fn: Callable[[], T], what: str, group: dist.ProcessGroup | None = None) -> T:
         """Run `fn` on rank 0 and give its result, or its error as a CheckpointError, to every rank."""
         result: Any = None
         error: str | None = None
@@ -466,8 +459,25 @@ class CheckpointManager:
                 error = str(exc) if isinstance(exc, CheckpointError) else f"{what} failed: {type(exc).__name__}: {exc}"
         if self._distributed():
             box = [(result, error)]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=group)
             result, error = box[0]
         if error is not None:
             raise CheckpointError(error) from cause
         return result
+
+
+@contextlib.contextmanager
+def _failing_as(what: str) -> Iterator[None]:
+    """A DCP error as a one-line CheckpointError that names the checkpoint. DCP gathers the errors of
+    all ranks into one CheckpointException (a BaseException, so `except Exception` misses it) on
+    every rank, so all ranks raise together."""
+    try:
+        yield
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"{what} failed: {describe(exc)}") from exc
+
+
+def _written(future: Future, what: str) -> None:
+    """Wait for a background DCP write (in the save's thread)."""
+    with _failing_as(what):
+        future.result()

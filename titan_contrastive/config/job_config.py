@@ -328,7 +328,8 @@ class Metrics:
     enable_wandb: bool = False
     """Also log every record to Weights & Biases (rank 0; the `wandb` extra): project `$WANDB_PROJECT` (default
     titan_contrastive), the run's config as its config, files in `{dump_folder}/wandb`; `WANDB_MODE=offline` logs
-    without a network (`wandb sync` uploads later). A resumed run is a new W&B run at the same global steps."""
+    without a network (`wandb sync` uploads later). A run resumed from a checkpoint continues the dump folder's W&B
+    run (id in `{dump_folder}/wandb/run_id`)."""
     peak_tflops: float = non_negative(0.0)
     """Device peak TFLOP/s for MFU; 0 = look up known GPUs (H100/H200/A100), no MFU on CPU."""
 
@@ -349,6 +350,10 @@ class Checkpoint:
     to divide interval. Empty = off."""
     load_step: int = opt(-1, lambda v: v == -1 or v >= 0, "-1 (latest complete) or a step >= 0")
     """Step to resume from; -1 = the latest complete checkpoint. A missing step is an error."""
+    async_mode: str = opt("disabled", lambda v: v in ("disabled", "async"), '"disabled" or "async"')
+    """"async" (torchtitan's name): an interval's save copies the state to host memory and returns; the
+    files, checksums and rename follow in a background thread, waited for by the next save (the last
+    step's save stays synchronous). Costs a host copy of the checkpointed state while it writes."""
 
 
 @dataclass
