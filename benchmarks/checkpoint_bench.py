@@ -19,6 +19,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -101,7 +102,23 @@ def main(argv: list[str] | None = None) -> None:
         "background": runs["background"].row(),
     }
     meta = harness.metadata("cpu", repeats=args.repeats, warmup=args.warmup)
-    harness.write_results(args.out, "checkpoint_bench", meta, result)
+    rows = [
+        {"what": "synchronous save (the loop waits)", "median_s": save_s},
+        {"what": "of which: hashing the files", "median_s": hash_s},
+        {"what": "background save: the loop waits", "median_s": blocked_s},
+        {"what": "background save: complete", "median_s": runs["background"].median_s},
+    ]
+
+    def figure() -> Any:
+        fig, ax = harness.pyplot().subplots(figsize=(7, 3))
+        ax.barh([r["what"] for r in rows][::-1], [r["median_s"] for r in rows][::-1], color="tab:blue")
+        for y, r in enumerate(rows[::-1]):
+            ax.annotate(f" {r['median_s']:.2f} s", (r["median_s"], y), va="center", fontsize=8)
+        ax.set_xlabel(f"seconds (median of {args.repeats})")
+        ax.set_title(f"checkpoint of clip/{args.flavor} + AdamW, {sizes / 2**30:.2f} GiB, CPU")
+        return fig
+
+    harness.write_results(args.out, "checkpoint_bench", meta, result, rows=rows, figure=figure)
     print(
         f"{args.flavor}: checkpoint {sizes / 2**30:.2f} GiB, save {save_s:.2f} s of which hashing {hash_s:.2f} s "
         f"({hash_s / save_s:.0%}, {sizes / hash_s / 1e6:.0f} MB/s); the same hashing runs once when a checkpoint "
