@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         ax.barh([r["what"] for r in rows][::-1], [r["median_s"] for r in rows][::-1], color="tab:blue")
         for y, r in enumerate(rows[::-1]):
             ax.annotate(f" {r['median_s']:.2f} s", (r["median_s"], y), va="center", fontsize=8)
+        ax.set_xlim(0, 1.15 * max(r["median_s"] for r in rows))  # room for the labels
         ax.set_xlabel(f"seconds (median of {args.repeats})")
         ax.set_title(f"checkpoint of clip/{args.flavor} + AdamW, {sizes / 2**30:.2f} GiB, CPU")
         return fig
