@@ -4,8 +4,6 @@ while training goes on, and what it writes is the state of its step; its failure
 from __future__ import annotations
 
 import copy
-import errno
-import os
 import threading
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from tests.dist_utils import run_distributed
 from tests.test_checkpoint import Cfg, _fsdp_load, assert_equal_states, make_run, optim_state, params, train
+from tests.test_faults import full_disk_when_writing
 from titan_contrastive.checkpoint import CheckpointError
 
 ASYNC = Cfg(async_mode="async", interval=2)
@@ -64,15 +63,7 @@ def test_the_last_save_waits_and_an_interval_save_waits_for_the_one_before(tmp_p
 def test_a_failed_background_save_is_raised_by_the_next_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A full disk while step 4 is written in the background: the next save raises the synchronous
     save's one-line error, and no partial files of step 4 stay."""
-    real = FileSystemWriter.write_data
-
-    def full_disk(self, plan, planner):
-        if str(self.path).endswith("step-4.tmp"):
-            (Path(self.path) / "__0_0.distcp").write_bytes(b"partial")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(self, plan, planner)
-
-    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+    full_disk_when_writing(monkeypatch, "step-4.tmp")
     run = make_run(tmp_path, ASYNC)
     train(run, 2)
     run.manager.maybe_save(2)

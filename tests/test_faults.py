@@ -51,6 +51,22 @@ def train_records(dump: Path) -> dict[int, dict]:
     }
 
 
+def full_disk_when_writing(monkeypatch: pytest.MonkeyPatch, folder_suffix: str) -> None:
+    """DCP's file writes into a folder ending in `folder_suffix` leave a partial file and fail with
+    ENOSPC, as on a full disk (in the loop or in a background save's thread)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    real = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if str(self.path).endswith(folder_suffix):
+            (Path(self.path) / "__0_0.distcp").write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+
+
 def steps_in(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
@@ -231,17 +247,7 @@ def test_enospc_during_save_is_named(
 ) -> None:
     """The same path without a tmpfs: the write fails with ENOSPC, as a full disk makes it fail. A
     background save of step 4 fails while steps 5-6 train; the save at step 6 raises its error."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    real = FileSystemWriter.write_data
-
-    def write_data(self, plan, planner):
-        if str(self.path).endswith("step-4.tmp"):
-            (Path(self.path) / "__0_0.distcp").write_bytes(b"partial")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(self, plan, planner)
-
-    monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+    full_disk_when_writing(monkeypatch, "step-4.tmp")
     assert run(tmp_path, f"--training.steps={steps}", f"--checkpoint.async_mode={async_mode}") == 2
     assert f"saving checkpoint step-4 failed: no space left on device in {tmp_path / 'checkpoint'}" in one_error_line(
         capsys
