@@ -198,7 +198,7 @@ def log_run_start(
     )
 
 
-WANDB_RUN_ID = "run_id"
+WANDB_ID_FILE = "run_id"
 """`{dump_folder}/wandb/run_id`: the id of the dump folder's W&B run, which a resumed run continues."""
 
 
@@ -207,7 +207,7 @@ def _start_wandb(dump_folder: str, config: dict[str, Any], resumed: bool) -> Any
     dump folder's last one, else a new one, whose id is kept for the next resume."""
     import wandb  # the `wandb` extra; its absence is a config error (config/manager.py)
 
-    id_file = os.path.join(dump_folder, "wandb", WANDB_RUN_ID)
+    id_file = os.path.join(dump_folder, "wandb", WANDB_ID_FILE)
     run_id = os.environ.get("WANDB_RUN_ID")
     if not run_id and resumed and os.path.isfile(id_file):
         with open(id_file, encoding="utf-8") as f:
