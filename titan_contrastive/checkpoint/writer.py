@@ -131,7 +131,3 @@ class BackgroundSave:
         self._thread, error, self._error = None, self._error, None
         if error is not None:
             raise error
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
