@@ -6,7 +6,7 @@ writers never share it; the target's suffix kept, so writers that choose a forma
 parquet) still do), gives it the permissions a plain `open` would (mkstemp makes 0600), then renames
 it over `path`. If `write` raises, or the process is interrupted by an exception, the temporary file
 is removed and `path` is untouched. Checkpoint folders keep their own protocol (manifest, fsync,
-folder rename: `checkpoint/manager.py`), as does `export.py`'s folder swap.
+folder rename: `checkpoint/writer.py`), as does `export.py`'s folder swap.
 """
 
 from __future__ import annotations
