@@ -1,5 +1,6 @@
 """What a checkpoint save costs the training loop: a synchronous save (with the SHA-256 of every file)
-against the hashing alone, and what a background save (`async_mode = "async"`) blocks for.
+against the hashing alone, and what a background save blocks for (`async_mode = "async"`, and
+`"async_with_pinned_mem"`, whose host copy is allocated once and refilled).
 
     python -m benchmarks.checkpoint_bench [--flavor vit_b32] [--repeats 3]
     python -m benchmarks.checkpoint_bench --flavor debug --repeats 2 --out /tmp/bench   # quick
@@ -7,9 +8,9 @@ against the hashing alone, and what a background save (`async_mode = "async"`) b
 Builds the clip model of `--flavor` with AdamW state (one zero-lr step), saves it through the real
 `CheckpointManager` (DCP files + manifest with checksums) `--repeats` times, and times the whole
 save and, separately, hashing the saved files (what `_finalize` adds, and what validation costs on
-load), and a background save: the time until `save` returns (the host copy of the state: what the
-loop waits for) and until the save is complete, interleaved by the harness. Medians (and the peak
-RSS of each); writes checkpoint_bench.json under --out. CPU, one process.
+load), and a background save in each mode: the time until `save` returns (the host copy of the
+state: what the loop waits for) and until the save is complete, interleaved by the harness. Medians
+(and the peak RSS of each); writes checkpoint_bench.json under --out. CPU, one process.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,20 +50,32 @@ def main(argv: list[str] | None = None) -> None:
             "optimizer": OptimizerState(model, optimizer),
             "train_state": TrainState(),
         }
-        cfg = Checkpoint(enable=True, folder="ckpt", interval=1, keep_latest_k=2, async_mode="async")
-        manager = CheckpointManager(
-            cfg, dump_folder=tmp, states=states, per_rank_states={}, rank=0, dp_rank=0, dp_degree=1
-        )
+        managers = {
+            mode: CheckpointManager(
+                Checkpoint(enable=True, folder="ckpt", interval=1, keep_latest_k=2, async_mode=mode),
+                dump_folder=tmp,
+                states=states,
+                per_rank_states={},
+                rank=0,
+                dp_rank=0,
+                dp_degree=1,
+            )
+            for mode in ("async", "async_with_pinned_mem")
+        }
+        manager = managers["async"]
         saved = [0]
 
-        def background_save() -> float:
-            """The whole save is timed; returns the part `save` blocked for."""
-            saved.append(saved[-1] + 1)
-            start = time.perf_counter()
-            manager.save(saved[-1], background=True)
-            blocked = time.perf_counter() - start
-            manager.wait()
-            return blocked
+        def background_save(mode: str) -> Callable[[], float]:
+            def timed() -> float:
+                """The whole save is timed; returns the part `save` blocked for."""
+                saved.append(saved[-1] + 1)
+                start = time.perf_counter()
+                managers[mode].save(saved[-1], background=True)
+                blocked = time.perf_counter() - start
+                managers[mode].wait()
+                return blocked
+
+            return timed
 
         def save() -> None:
             saved.append(saved[-1] + 1)
@@ -76,7 +90,12 @@ def main(argv: list[str] | None = None) -> None:
             return sum(p.stat().st_size for p in files)
 
         runs = harness.round_robin(
-            {"save": save, "hash": hash_files, "background": background_save},
+            {
+                "save": save,
+                "hash": hash_files,
+                "background": background_save("async"),
+                "pinned": background_save("async_with_pinned_mem"),
+            },
             args.repeats,
             warmup=args.warmup,
             keep_values=True,
@@ -84,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = runs["hash"].values[-1]
     save_s, hash_s = runs["save"].median_s, runs["hash"].median_s
     blocked_s = statistics.median(runs["background"].values)
+    pinned_s = statistics.median(runs["pinned"].values)
     result = {
         "flavor": args.flavor,
         "threads": torch.get_num_threads(),
@@ -100,6 +120,10 @@ def main(argv: list[str] | None = None) -> None:
         "save": runs["save"].row(),
         "hash": runs["hash"].row(),
         "background": runs["background"].row(),
+        "pinned_blocked_s_median": pinned_s,
+        "pinned_total_s_median": runs["pinned"].median_s,
+        "pinned_blocked_s": runs["pinned"].values,
+        "pinned": runs["pinned"].row(),
     }
     meta = harness.metadata("cpu", repeats=args.repeats, warmup=args.warmup)
     rows = [
@@ -107,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         {"what": "of which: hashing the files", "median_s": hash_s},
         {"what": "background save: the loop waits", "median_s": blocked_s},
         {"what": "background save: complete", "median_s": runs["background"].median_s},
+        {"what": "pinned_mem save: the loop waits", "median_s": pinned_s},
+        {"what": "pinned_mem save: complete", "median_s": runs["pinned"].median_s},
     ]
 
     def figure() -> Any:
@@ -128,6 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"background save: blocks the loop {blocked_s:.2f} s ({blocked_s / save_s:.0%} of a synchronous save), "
         f"complete after {runs['background'].median_s:.2f} s"
+    )
+    print(
+        f"async_with_pinned_mem: blocks the loop {pinned_s:.2f} s ({pinned_s / blocked_s:.2f}x the async mode's), "
+        f"complete after {runs['pinned'].median_s:.2f} s"
     )
 
 

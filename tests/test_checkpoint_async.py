@@ -1,45 +1,63 @@
-"""`[checkpoint] async_mode = "async"`: a save returns once the state is copied, its files are written
-while training goes on, and what it writes is the state of its step; its failures reach the loop."""
+"""`[checkpoint] async_mode = "async"` and `"async_with_pinned_mem"`: a save returns once the state is
+copied, its files are written while training goes on, and what it writes is the state of its step (also
+when the host copy is the previous save's, refilled); its failures reach the loop."""
 
 from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager
 
 from tests.dist_utils import run_distributed
 from tests.test_checkpoint import Cfg, _fsdp_load, assert_equal_states, make_run, optim_state, params, train
 from tests.test_faults import full_disk_when_writing
 from titan_contrastive.checkpoint import CheckpointError
+from titan_contrastive.checkpoint.writer import BackgroundSave
 
 ASYNC = Cfg(async_mode="async", interval=2)
+MODES = ["async", "async_with_pinned_mem"]
 
 
-def test_a_background_save_holds_the_state_of_its_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The files of step 2 are written only after three more steps changed the parameters, the AdamW
-    moments, the loader position and the RNG: the checkpoint still resumes into exactly step 2."""
-    release, writing = threading.Event(), []
+def hold_writes_of(step_folder: str, release: threading.Event, writing: list[bool] | None = None) -> Callable:
+    """A FileSystemWriter.write_data that writes `step_folder` only once `release` is set."""
     real = FileSystemWriter.write_data
 
     def held_write(self, plan, planner):  # the background write waits until the loop has moved on
-        writing.append(threading.current_thread() is not threading.main_thread())
-        assert release.wait(timeout=120)
+        if Path(self.path).name == step_folder:
+            if writing is not None:
+                writing.append(threading.current_thread() is not threading.main_thread())
+            assert release.wait(timeout=120)
         return real(self, plan, planner)
 
-    monkeypatch.setattr(FileSystemWriter, "write_data", held_write)
-    run = make_run(tmp_path, ASYNC)
-    train(run, 2)
+    return held_write
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_background_save_holds_the_state_of_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """Step 1 is saved, then the files of step 2 are written only after three more steps changed the
+    parameters, the AdamW moments, the loader position and the RNG: the checkpoint still resumes into
+    exactly step 2 (with the pinned mode, step 2's host copy is step 1's, refilled)."""
+    release, writing = threading.Event(), []
+    monkeypatch.setattr(FileSystemWriter, "write_data", hold_writes_of("step-2.tmp", release, writing))
+    run = make_run(tmp_path, Cfg(async_mode=mode, interval=2))
+    train(run, 1)
+    run.manager.save(1, background=True)
+    train(run, 1)
     assert run.manager.maybe_save(2) is True
-    assert run.manager.available_steps() == [] and (tmp_path / "ckpt" / "step-2.tmp").is_dir()
+    assert run.manager.available_steps() == [1] and (tmp_path / "ckpt" / "step-2.tmp").is_dir()
     rand_after_save = torch.rand(5)
     expected = train(run, 3)
     release.set()
     run.manager.wait()
-    assert writing == [True] and run.manager.available_steps() == [2]
+    assert writing == [True] and run.manager.available_steps() == [1, 2]
     assert not (tmp_path / "ckpt" / "step-2.tmp").exists()
 
     fresh = make_run(tmp_path, seed=1)
@@ -50,9 +68,46 @@ def test_a_background_save_holds_the_state_of_its_step(tmp_path: Path, monkeypat
     assert_equal_states(optim_state(fresh), optim_state(run))
 
 
-def test_the_last_save_waits_and_an_interval_save_waits_for_the_one_before(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_a_save_copies_the_state_only_once_the_save_before_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """The pinned mode refills the host copy that the save before writes from, so a save copies the
+    state only after that write is done (step 1's write held until the loop waits for it)."""
+    events: list[str] = []
+    release = threading.Event()
+    monkeypatch.setattr(FileSystemWriter, "write_data", hold_writes_of("step-1.tmp", release))
+    real_write, real_stage, real_wait = FileSystemWriter.write_data, DefaultStager.stage, BackgroundSave.wait
+
+    def write(self, plan, planner):
+        result = real_write(self, plan, planner)
+        events.append(f"wrote {Path(self.path).name}")
+        return result
+
+    def stage(self, state_dict, **kwargs):
+        events.append("copy")
+        return real_stage(self, state_dict, **kwargs)
+
+    def wait(self):  # the loop waits for the save in flight (if any): let its write go on
+        if events:
+            release.set()
+        real_wait(self)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", write)
+    monkeypatch.setattr(DefaultStager, "stage", stage)
+    monkeypatch.setattr(BackgroundSave, "wait", wait)
+    run = make_run(tmp_path, Cfg(async_mode=mode, interval=1))
+    for step in (1, 2):
+        train(run, 1)
+        run.manager.save(step, background=True)
+    run.manager.wait()
+    assert events == ["copy", "wrote step-1.tmp", "copy", "wrote step-2.tmp"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_last_save_waits_and_an_interval_save_waits_for_the_one_before(tmp_path: Path, mode: str) -> None:
     """Each interval save finishes before the next starts; the last step's is complete on return."""
-    run = make_run(tmp_path, Cfg(async_mode="async", interval=2, keep_latest_k=2))
+    run = make_run(tmp_path, Cfg(async_mode=mode, interval=2, keep_latest_k=2))
     for step in range(1, 8):
         train(run, 1)
         run.manager.maybe_save(step, last_step=step == 7)
@@ -79,21 +134,18 @@ def test_a_failed_background_save_is_raised_by_the_next_save(tmp_path: Path, mon
     run.manager.wait()  # raised once: nothing pending any more
 
 
-def _fsdp_background_save(tmp: str) -> None:
-    """Rank body: FSDP2 over 2 gloo processes, step 2 saved in the background while 2 more steps train
-    (the write held until they are done); what `_fsdp_load` expects of the checkpoint written beside."""
+def _fsdp_background_save(tmp: str, mode: str) -> None:
+    """Rank body: FSDP2 over 2 gloo processes, step 1 saved, then step 2 saved in the background while 2
+    more steps train (the write held until they are done); step 1 pruned (keep_latest_k = 1); what
+    `_fsdp_load` expects of the checkpoint written beside."""
     torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank()
     release = threading.Event()
-    real = FileSystemWriter.write_data
-
-    def held_write(self, plan, planner):
-        assert release.wait(timeout=120)
-        return real(self, plan, planner)
-
-    FileSystemWriter.write_data = held_write  # this process only
-    run = make_run(Path(tmp), ASYNC, rank=rank, dp_degree=2, fsdp=True)
-    train(run, 2)
+    FileSystemWriter.write_data = hold_writes_of("step-2.tmp", release)  # this process only
+    run = make_run(Path(tmp), Cfg(async_mode=mode, interval=2, keep_latest_k=1), rank=rank, dp_degree=2, fsdp=True)
+    train(run, 1)
+    run.manager.save(1, background=True)
+    train(run, 1)
     run.manager.save(2, background=True)
     at_save = copy.deepcopy({"params_at_save": params(run), "optim_at_save": optim_state(run)})
     rand_after_save = torch.rand(3)
@@ -104,7 +156,38 @@ def _fsdp_background_save(tmp: str) -> None:
     torch.save(expected, Path(tmp) / f"expected_{rank}.pt")
 
 
-def test_fsdp2_background_save_resumes_exactly_on_two_processes(tmp_path: Path) -> None:
-    run_distributed(_fsdp_background_save, 2, str(tmp_path))
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp2_background_save_resumes_exactly_on_two_processes(tmp_path: Path, mode: str) -> None:
+    run_distributed(_fsdp_background_save, 2, str(tmp_path), mode)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-2"]
     run_distributed(_fsdp_load, 2, str(tmp_path))  # resumes step 2 and trains on exactly as the saving run did
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_where_the_host_copy_lives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Every background save writes from a copy, never from the live tensors; with the pinned mode the
+    three saves write from one copy (refilled), which the next save's wait keeps from being refilled
+    while it is written."""
+    written: list[dict[str, int]] = []
+    real = FileSystemWriter.write_data
+
+    def recording_write(self, plan, planner):
+        written.append({k: v.data_ptr() for k, v in planner.state_dict.items() if isinstance(v, torch.Tensor)})
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", recording_write)
+    run = make_run(tmp_path, Cfg(async_mode=mode, interval=1))
+    for step in (1, 2, 3):
+        train(run, 1)
+        run.manager.save(step, background=True)
+    run.manager.wait()
+    named = list(run.model.named_parameters())
+    live = {f"model.{n}": p.data_ptr() for n, p in named} | {
+        f"optimizer.state.{n}.{moment}": run.optimizer.state[p][moment].data_ptr()
+        for n, p in named
+        for moment in ("exp_avg", "exp_avg_sq")
+    }
+    assert len(written) == 3 and all(name in save for save in written for name in live)
+    assert all(save[name] != ptr for save in written for name, ptr in live.items())
+    if mode == "async_with_pinned_mem":
+        assert written[0] == written[1] == written[2]

@@ -7,7 +7,7 @@ and "config", the run's config, which a resume compares with its own: `resume.py
 
 A save is atomic: DCP writes into `step-N.tmp`, then (after a barrier) rank 0 writes the manifest,
 fsyncs it and renames the folder to `step-N` (`writer.py`, which also finishes a save in the
-background under `async_mode = "async"`). A crash mid-save therefore leaves only a `.tmp`
+background under `async_mode = "async"` or `"async_with_pinned_mem"`). A crash mid-save therefore leaves only a `.tmp`
 folder, which loading reports, ignores and removes. Loading goes through `reader.py`, as every
 reader of a checkpoint does: the checkpoint is first checked against its manifest (every file
 present with its size, then its SHA-256), so a truncated, half-deleted or corrupted-in-place one
@@ -74,6 +74,7 @@ from titan_contrastive.checkpoint.writer import (
     fsync_dir,
     install,
     out_of_space,
+    reused_stager,
     write_manifest,
 )
 from titan_contrastive.components.preflight import format_bytes, free_bytes
@@ -135,8 +136,9 @@ class CheckpointManager:
         self.rank = rank
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
-        self.background = cfg.enable and cfg.async_mode == "async"
+        self.background = cfg.enable and cfg.async_mode != "disabled"
         self._pending = BackgroundSave()
+        self._stager = reused_stager() if self.background and cfg.async_mode == "async_with_pinned_mem" else None
         # the background saves' collectives (DCP's, the barrier, the outcome) on a group of their own
         self._save_group = dist.new_group(backend="gloo") if self.background and self._distributed() else None
 
@@ -177,8 +179,8 @@ class CheckpointManager:
         evaluation: dict[str, Any] | None = None,
     ) -> bool:
         """Save when enabled and `step` is on the interval or the last one; return whether it saved.
-        `evaluation`: the results of the evaluation at this step, if it was evaluated. With
-        `async_mode = "async"` an interval's save finishes in the background, the last one does not."""
+        `evaluation`: the results of the evaluation at this step, if it was evaluated. With an
+        `async_mode` an interval's save finishes in the background, the last one does not."""
         if not self.cfg.enable or not (last_step or step % self.cfg.interval == 0):
             return False
         self.save(step, protect_before=protect_before, evaluation=evaluation, background=not last_step)
@@ -194,8 +196,8 @@ class CheckpointManager:
     ) -> None:
         """Write checkpoint `step-{step}` atomically (collective), its manifest recording `evaluation`'s
         numbers under `keep_best`; then prune to `keep_latest_k`, sparing the newest checkpoint older than
-        step `protect_before` when given and the best (see module doc). `background` (with `async_mode =
-        "async"`): return once the state is copied to host memory; the rest follows in a thread
+        step `protect_before` when given and the best (see module doc). `background` (with an
+        `async_mode`): return once the state is copied to host memory; the rest follows in a thread
         (`writer.py`), and the next save (or `wait`) raises its error."""
         self.wait()  # an earlier background save is complete (or raises) before this one starts
         scores = self.best.scores(evaluation) if self.best is not None and evaluation is not None else None
@@ -208,7 +210,7 @@ class CheckpointManager:
             self._write(step, tmp, lambda: self._dcp(dcp.save, tmp, what))
             complete()
             return
-        save = functools.partial(dcp.async_save, process_group=self._save_group)
+        save = functools.partial(dcp.async_save, process_group=self._save_group, async_stager=self._stager)
         future = self._write(step, tmp, lambda: self._dcp(save, tmp, what))  # returns once the state is copied
         if self.rank == 0:
             logger.info(f"checkpoint step-{step}: state copied in {time.perf_counter() - start:.2f}s, writing it")

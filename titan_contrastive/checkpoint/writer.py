@@ -1,6 +1,6 @@
 """How a checkpoint folder is written (`reader.py` is how it is read): the per-rank states as
 pickled bytes, the manifest with every file's size and SHA-256, the rename into place, the test for
-a full disk, and a save that finishes in the background (`[checkpoint] async_mode = "async"`).
+a full disk, and a save that finishes in the background (`[checkpoint] async_mode`).
 
 A background save (torchtitan's `async_mode = "async"`): `dcp.async_save` copies the state to
 host memory before it returns (the training step that follows cannot change what is saved), then
@@ -9,6 +9,8 @@ synchronous one does (barrier, manifest with checksums on rank 0, rename, prunin
 group of its own (gloo), so that the training loop's collectives never interleave with the save's.
 The next save, the last step's save and a stop's save wait for it first; an error in it (a full
 disk, a failed write) is raised there, in the training loop, as the synchronous save would have.
+`async_mode = "async_with_pinned_mem"` (torchtitan's name) keeps that host copy between saves
+(`reused_stager`); the next save waits for the one before, so no write reads a copy being refilled.
 """
 
 from __future__ import annotations
@@ -23,14 +25,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_contrastive.checkpoint import reader
 from titan_contrastive.checkpoint.reader import MANIFEST
 from titan_contrastive.components.preflight import free_bytes
 
-__all__ = ["BackgroundSave", "PickledState", "fsync_dir", "install", "out_of_space", "write_manifest"]
+__all__ = [
+    "BackgroundSave",
+    "PickledState",
+    "fsync_dir",
+    "install",
+    "out_of_space",
+    "reused_stager",
+    "write_manifest",
+]
 
 
 class PickledState:
@@ -103,6 +115,17 @@ def install(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
     fsync_dir(final.parent)
     shutil.rmtree(stale, ignore_errors=True)
+
+
+def reused_stager() -> DefaultStager:
+    """DCP's stager with its cache: the first save allocates the host copy of each tensor (pinned where
+    CUDA is available, so the device-to-host copy runs at full bandwidth), later saves copy into it.
+    The copy itself stays synchronous: `dcp.async_save` returns with the step's state in host memory."""
+    cuda = torch.cuda.is_available()
+    options = StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+    )
+    return DefaultStager(options)
 
 
 class BackgroundSave:

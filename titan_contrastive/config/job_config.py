@@ -350,10 +350,16 @@ class Checkpoint:
     to divide interval. Empty = off."""
     load_step: int = opt(-1, lambda v: v == -1 or v >= 0, "-1 (latest complete) or a step >= 0")
     """Step to resume from; -1 = the latest complete checkpoint. A missing step is an error."""
-    async_mode: str = opt("disabled", lambda v: v in ("disabled", "async"), '"disabled" or "async"')
-    """"async" (torchtitan's name): an interval's save copies the state to host memory and returns; the
+    async_mode: str = opt(
+        "disabled",
+        lambda v: v in ("disabled", "async", "async_with_pinned_mem"),
+        '"disabled", "async" or "async_with_pinned_mem"',
+    )
+    """"async" (torchtitan's names): an interval's save copies the state to host memory and returns; the
     files, checksums and rename follow in a background thread, waited for by the next save (the last
-    step's save stays synchronous). Costs a host copy of the checkpointed state while it writes."""
+    step's save stays synchronous). Costs a host copy of the checkpointed state while it writes.
+    "async_with_pinned_mem": the same, the host copy allocated once (pinned on CUDA) and reused by every
+    save: a shorter wait, that copy's memory held for the whole run."""
 
 
 @dataclass
