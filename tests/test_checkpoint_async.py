@@ -166,8 +166,7 @@ def test_fsdp2_background_save_resumes_exactly_on_two_processes(tmp_path: Path, 
 @pytest.mark.parametrize("mode", MODES)
 def test_where_the_host_copy_lives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """Every background save writes from a copy, never from the live tensors; with the pinned mode the
-    three saves write from one copy (refilled), which the next save's wait keeps from being refilled
-    while it is written."""
+    three saves write from one copy, refilled (the order test above: never while it is written)."""
     written: list[dict[str, int]] = []
     real = FileSystemWriter.write_data
 
