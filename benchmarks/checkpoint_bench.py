@@ -1,6 +1,6 @@
 """What a checkpoint save costs the training loop: a synchronous save (with the SHA-256 of every file)
 against the hashing alone, and what a background save blocks for (`async_mode = "async"`, and
-`"async_with_pinned_mem"`, whose host copy is allocated once and refilled).
+`"async_with_pinned_mem"`, whose host copy is allocated once, refilled, and filled beside the next step).
 
     python -m benchmarks.checkpoint_bench [--flavor vit_b32] [--repeats 3]
     python -m benchmarks.checkpoint_bench --flavor debug --repeats 2 --out /tmp/bench   # quick
@@ -8,9 +8,12 @@ against the hashing alone, and what a background save blocks for (`async_mode = 
 Builds the clip model of `--flavor` with AdamW state (one zero-lr step), saves it through the real
 `CheckpointManager` (DCP files + manifest with checksums) `--repeats` times, and times the whole
 save and, separately, hashing the saved files (what `_finalize` adds, and what validation costs on
-load), and a background save in each mode: the time until `save` returns (the host copy of the
-state: what the loop waits for) and until the save is complete, interleaved by the harness. Medians
-(and the peak RSS of each); writes checkpoint_bench.json under --out. CPU, one process.
+load), and a background save in each mode: the time until `save` returns, then one training step
+(forward and backward of `--batch` pairs, the manager's `wait_for_staging`, the optimizer step) after it
+against the same step without a save: what the save costs the loop is the difference (the pinned mode's
+copy runs beside the step's forward and backward), and the time until the save is complete;
+interleaved by the harness. Medians (and the peak RSS of each); writes checkpoint_bench.json under
+--out. CPU, one process.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from benchmarks import harness
 from titan_contrastive.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState
@@ -37,13 +41,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flavor", default="vit_b32")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=0, help="untimed save + hash rounds first")
+    parser.add_argument("--batch", type=int, default=4, help="pairs in the training step after a save")
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
-    model = get_model_spec("clip").build_model(get_flavor_args("clip", args.flavor))
+    model_args = get_flavor_args("clip", args.flavor)
+    model = get_model_spec("clip").build_model(model_args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()
+    size, length = model_args.image_size, model_args.context_length
+    images = torch.randn(args.batch, model_args.in_channels, size, size)
+    texts = torch.randint(0, model_args.vocab_size, (args.batch, length))
     with tempfile.TemporaryDirectory() as tmp:
         states = {
             "model": ModelState(model),
@@ -60,20 +69,33 @@ def main(argv: list[str] | None = None) -> None:
                 dp_rank=0,
                 dp_degree=1,
             )
-            for mode in ("async", "async_with_pinned_mem")
+            for mode in ("async", "async_with_pinned_mem", "pinned_copy_first")
         }
+        # the pinned mode as it was before its copy went beside the step (0ade5e9): copied, then returned
+        managers["pinned_copy_first"]._stager = DefaultStager(StagingOptions(False, False, False, False))
         manager = managers["async"]
         saved = [0]
 
-        def background_save(mode: str) -> Callable[[], float]:
-            def timed() -> float:
-                """The whole save is timed; returns the part `save` blocked for."""
+        def train_step(wait_for_staging: Callable[[], None] = lambda: None) -> float:
+            start = time.perf_counter()
+            image_features, text_features, scale = model(images, texts)[:3]
+            (scale * image_features @ text_features.T).logsumexp(1).sum().backward()
+            wait_for_staging()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            return time.perf_counter() - start
+
+        def background_save(mode: str) -> Callable[[], tuple[float, float]]:
+            def timed() -> tuple[float, float]:
+                """The whole save is timed; returns the time `save` blocked for and then that of save + step."""
                 saved.append(saved[-1] + 1)
                 start = time.perf_counter()
                 managers[mode].save(saved[-1], background=True)
                 blocked = time.perf_counter() - start
+                train_step(managers[mode].wait_for_staging)
+                loop = time.perf_counter() - start
                 managers[mode].wait()
-                return blocked
+                return blocked, loop
 
             return timed
 
@@ -93,8 +115,10 @@ def main(argv: list[str] | None = None) -> None:
             {
                 "save": save,
                 "hash": hash_files,
+                "step": train_step,
                 "background": background_save("async"),
                 "pinned": background_save("async_with_pinned_mem"),
+                "copy_first": background_save("pinned_copy_first"),
             },
             args.repeats,
             warmup=args.warmup,
@@ -102,8 +126,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     sizes = runs["hash"].values[-1]
     save_s, hash_s = runs["save"].median_s, runs["hash"].median_s
-    blocked_s = statistics.median(runs["background"].values)
-    pinned_s = statistics.median(runs["pinned"].values)
+    step_s = statistics.median(runs["step"].values)
+    blocked_s, loop_s = (statistics.median(v) for v in zip(*runs["background"].values, strict=True))
+    pinned_s, pinned_loop_s = (statistics.median(v) for v in zip(*runs["pinned"].values, strict=True))
+    first_s, first_loop_s = (statistics.median(v) for v in zip(*runs["copy_first"].values, strict=True))
     result = {
         "flavor": args.flavor,
         "threads": torch.get_num_threads(),
@@ -114,25 +140,42 @@ def main(argv: list[str] | None = None) -> None:
         "hash_mb_per_s": sizes / hash_s / 1e6,
         "saves_s": runs["save"].times_s,
         "hashes_s": runs["hash"].times_s,
+        "batch": args.batch,
+        "step_s_median": step_s,
+        "steps_s": runs["step"].values,
         "background_blocked_s_median": blocked_s,
+        "background_save_and_step_s_median": loop_s,
+        "background_cost_to_loop_s": loop_s - step_s,
         "background_total_s_median": runs["background"].median_s,
-        "background_blocked_s": runs["background"].values,
+        "background_blocked_and_loop_s": runs["background"].values,
         "save": runs["save"].row(),
         "hash": runs["hash"].row(),
         "background": runs["background"].row(),
         "pinned_blocked_s_median": pinned_s,
+        "pinned_save_and_step_s_median": pinned_loop_s,
+        "pinned_cost_to_loop_s": pinned_loop_s - step_s,
         "pinned_total_s_median": runs["pinned"].median_s,
-        "pinned_blocked_s": runs["pinned"].values,
+        "pinned_blocked_and_loop_s": runs["pinned"].values,
         "pinned": runs["pinned"].row(),
+        "copy_first_blocked_s_median": first_s,
+        "copy_first_cost_to_loop_s": first_loop_s - step_s,
+        "copy_first_total_s_median": runs["copy_first"].median_s,
+        "copy_first_blocked_and_loop_s": runs["copy_first"].values,
+        "copy_first": runs["copy_first"].row(),
     }
     meta = harness.metadata("cpu", repeats=args.repeats, warmup=args.warmup)
     rows = [
         {"what": "synchronous save (the loop waits)", "median_s": save_s},
         {"what": "of which: hashing the files", "median_s": hash_s},
-        {"what": "background save: the loop waits", "median_s": blocked_s},
-        {"what": "background save: complete", "median_s": runs["background"].median_s},
-        {"what": "pinned_mem save: the loop waits", "median_s": pinned_s},
+        {"what": f"a training step ({args.batch} pairs), no save", "median_s": step_s},
+        {"what": "async save: returns after", "median_s": blocked_s},
+        {"what": "async save + the step: added to the step", "median_s": loop_s - step_s},
+        {"what": "async save: complete", "median_s": runs["background"].median_s},
+        {"what": "pinned_mem save: returns after", "median_s": pinned_s},
+        {"what": "pinned_mem save + the step: added to the step", "median_s": pinned_loop_s - step_s},
         {"what": "pinned_mem save: complete", "median_s": runs["pinned"].median_s},
+        {"what": "pinned, copy before return: returns after", "median_s": first_s},
+        {"what": "pinned, copy before return + the step: added", "median_s": first_loop_s - step_s},
     ]
 
     def figure() -> Any:
@@ -151,14 +194,16 @@ def main(argv: list[str] | None = None) -> None:
         f"({hash_s / save_s:.0%}, {sizes / hash_s / 1e6:.0f} MB/s); the same hashing runs once when a checkpoint "
         "is validated on load"
     )
-    print(
-        f"background save: blocks the loop {blocked_s:.2f} s ({blocked_s / save_s:.0%} of a synchronous save), "
-        f"complete after {runs['background'].median_s:.2f} s"
-    )
-    print(
-        f"async_with_pinned_mem: blocks the loop {pinned_s:.2f} s ({pinned_s / blocked_s:.2f}x the async mode's), "
-        f"complete after {runs['pinned'].median_s:.2f} s"
-    )
+    for mode, returned, loop, run in (
+        ("async", blocked_s, loop_s, "background"),
+        ("pinned", pinned_s, pinned_loop_s, "pinned"),
+        ("pinned, copy before return", first_s, first_loop_s, "copy_first"),
+    ):
+        print(
+            f"{mode} save: returns after {returned:.2f} s; save + a {step_s:.2f} s step take {loop:.2f} s (the save "
+            f"adds {loop - step_s:.2f} s, {(loop - step_s) / save_s:.0%} of a synchronous save), complete after "
+            f"{runs[run].median_s:.2f} s"
+        )
 
 
 if __name__ == "__main__":

@@ -138,6 +138,7 @@ def train(run: Run, steps: int) -> list[float]:
         batch = next(run.loader)
         loss = (run.model(batch["image"].flatten(1).double()).squeeze(-1) - batch["label"].double()).pow(2).mean()
         loss.backward()
+        run.manager.wait_for_staging()  # as the trainer does: the pinned mode's copy is done before the step
         run.optimizer.step()
         run.scheduler.step()
         run.optimizer.zero_grad()

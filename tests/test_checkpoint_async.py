@@ -190,3 +190,109 @@ def test_where_the_host_copy_lives(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert all(save[name] != ptr for save in written for name, ptr in live.items())
     if mode == "async_with_pinned_mem":
         assert written[0] == written[1] == written[2]
+
+
+def hold_copies(release: threading.Event, copied: list[int]) -> Callable:
+    """A DefaultStager._stage (the pinned mode's copy, in the stager's thread) that copies only once
+    `release` is set, then counts the copy in `copied`."""
+    real = DefaultStager._stage
+
+    def held_stage(self, state_dict, **kwargs):
+        assert release.wait(timeout=60)
+        staged = real(self, state_dict, **kwargs)
+        copied.append(1)
+        return staged
+
+    return held_stage
+
+
+def test_the_pinned_mode_copies_the_state_beside_the_next_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`async_with_pinned_mem`: the save returns before the state is copied, the next step's forward and
+    backward run beside the copy (held until the loop waits for it), and `wait_for_staging` returns only
+    once it is complete: the optimizer step after it cannot change what is saved, which resumes exactly."""
+    release, copied, at_step, armed = threading.Event(), [], [], []
+    monkeypatch.setattr(DefaultStager, "_stage", hold_copies(release, copied))
+    run = make_run(tmp_path, Cfg(async_mode="async_with_pinned_mem", interval=2))
+    wait_for_staging = run.manager.wait_for_staging
+
+    def release_then_wait() -> None:  # the loop's call, after the forward and backward: the copy goes on only now
+        if armed:
+            release.set()
+        wait_for_staging()
+
+    monkeypatch.setattr(run.manager, "wait_for_staging", release_then_wait)
+    run.optimizer.register_step_pre_hook(lambda *_: at_step.append(len(copied)))
+    train(run, 2)
+    run.manager.save(2, background=True)
+    assert copied == []  # the save returned with the copy still to do
+    armed.append(True)
+    rand_after_save = torch.rand(5)
+    expected = train(run, 3)
+    run.manager.wait()
+    assert at_step == [0, 0, 1, 1, 1]
+
+    fresh = make_run(tmp_path, seed=1)
+    assert fresh.manager.load() == 2 and fresh.train_state.step == 2
+    assert torch.equal(torch.rand(5), rand_after_save)
+    assert train(fresh, 3) == expected
+    assert_equal_states(params(fresh), params(run))
+    assert_equal_states(optim_state(fresh), optim_state(run))
+
+
+def test_the_trainer_waits_for_the_copy_before_each_optimizer_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through `Trainer.train`: every background save's copy (held until the trainer asks for it) is
+    complete before the next optimizer step; the last step's save is synchronous."""
+    from tests.test_trainer import make_trainer
+
+    trainer = make_trainer(
+        str(tmp_path),
+        "--checkpoint.enable=true",
+        "--checkpoint.interval=1",
+        "--checkpoint.async_mode=async_with_pinned_mem",
+    )
+    release, copied, saves, at_step, armed = threading.Event(), [], [], [], []
+    monkeypatch.setattr(DefaultStager, "_stage", hold_copies(release, copied))
+    manager = trainer.checkpointer
+    save, wait_for_staging = manager.save, manager.wait_for_staging
+
+    def recording_save(step: int, **kwargs) -> None:
+        release.clear()
+        armed.clear()  # the save's own wait for the save before releases nothing
+        saves.append(step)
+        save(step, **kwargs)
+        armed.append(True)
+
+    def release_then_wait() -> None:  # the trainer's call: the held copy goes on only now
+        if armed:
+            release.set()
+        wait_for_staging()
+
+    monkeypatch.setattr(manager, "save", recording_save)
+    monkeypatch.setattr(manager, "wait_for_staging", release_then_wait)
+    trainer.optimizer.register_step_pre_hook(lambda *_: at_step.append((len(saves), len(copied))))
+    trainer.train()
+    assert at_step == [(0, 0), (1, 1), (2, 2)] and saves == [1, 2, 3] and copied == [1, 1]
+    assert manager.available_steps() == [2, 3]  # keep_latest_k = 2
+
+
+def test_the_pinned_mode_refuses_a_forward_that_writes_to_the_state(tmp_path: Path) -> None:
+    """BatchNorm's running statistics change in forward, beside the pinned mode's copy: a one-line
+    config error naming the module and the fix, before anything is built on the state."""
+    from titan_contrastive.checkpoint import build_checkpointer
+    from titan_contrastive.checkpoint.stateful import check_forward_keeps_state
+    from titan_contrastive.config import ConfigError, parse_args
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    pinned = ["--checkpoint.enable=true", "--checkpoint.async_mode=async_with_pinned_mem"]
+    cfg = parse_args([f"--job.dump_folder={tmp_path}", *pinned])
+    dist = type("Dist", (), {"device": torch.device("cpu"), "rank": 0})
+    with pytest.raises(ConfigError) as info:
+        build_checkpointer(cfg, model, None, None, None, None, dist=dist, dp_degree=1, model_args=None)
+    assert str(info.value) == (
+        'checkpoint.async_mode = "async_with_pinned_mem": 1 (BatchNorm1d) updates its running statistics in '
+        'forward, beside the copy of the state that this mode makes; set checkpoint.async_mode = "async"'
+    )
+    model[1].track_running_stats = False  # batch statistics only: nothing written
+    check_forward_keeps_state(model)

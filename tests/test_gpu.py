@@ -161,3 +161,46 @@ def test_profiling_traces_cuda_kernels_and_snapshots_memory(tmp_path: Path) -> N
         profiler.step()
         torch.empty(2**50, dtype=torch.uint8, device="cuda")  # 1 PiB
     assert (tmp_path / "profile_traces" / "oom-step-2" / "rank0_memory_snapshot.pickle").stat().st_size > 0
+
+
+def test_pinned_mode_background_save_holds_its_step_on_cuda(tmp_path: Path) -> None:
+    """`async_mode = "async_with_pinned_mem"` on CUDA: the save is called right after an optimizer step
+    whose kernels are still queued, its copy (pinned, non-blocking, on the stager's stream) runs beside
+    the next step's forward and backward, the optimizer step waits for it: the checkpoint holds exactly
+    the state at the save, and a fresh model and optimizer load it."""
+    from tests.test_checkpoint import Cfg
+    from titan_contrastive.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState
+
+    def run(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, CheckpointManager]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(4))).cuda()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        states = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "train": TrainState()}
+        cfg = Cfg(async_mode="async_with_pinned_mem", interval=1)
+        manager = CheckpointManager(
+            cfg, dump_folder=str(tmp_path), states=states, per_rank_states={}, rank=0, dp_rank=0, dp_degree=1
+        )
+        return model, optimizer, manager
+
+    def state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        moments = [t for s in optimizer.state.values() for t in (s["exp_avg"], s["exp_avg_sq"])]
+        return [t.detach().cpu().clone() for t in (*model.parameters(), *moments)]
+
+    model, optimizer, manager = run(0)
+    x = torch.randn(256, 2048, device="cuda")
+    for step in range(1, 5):
+        model(x).square().mean().backward()
+        manager.wait_for_staging()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step in (2, 3):
+            manager.save(step, background=True)  # no host sync since the optimizer step
+            at_save = state(model, optimizer)  # the state is unchanged until the next optimizer step
+    manager.wait()
+    assert manager.available_steps() == [2, 3]
+
+    fresh_model, fresh_optimizer, fresh = run(1)
+    fresh_model(x).square().mean().backward()
+    fresh_optimizer.step()  # creates the moments that the checkpoint fills
+    assert fresh.load() == 3
+    assert all(torch.equal(a, b) for a, b in zip(state(fresh_model, fresh_optimizer), at_save, strict=True))

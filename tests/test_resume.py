@@ -137,13 +137,17 @@ def test_stop_and_resume_is_bit_identical(tmp_path: Path, uninterrupted: Callabl
     assert_identical(final_got, final_want)
 
 
-def test_background_checkpoints_equal_synchronous_ones(tmp_path: Path, uninterrupted: Callable[[int], Path]) -> None:
-    """Two processes, `async_mode = "async"`: step-3 is written while steps 4-6 train (on the saves'
-    own gloo group) and holds what the synchronous save of step 3 holds, bit for bit, as does step-6
-    (the last save, synchronous); the losses are the same."""
+@pytest.mark.parametrize("mode, copied", [("async", "copied"), ("async_with_pinned_mem", "copy started")])
+def test_background_checkpoints_equal_synchronous_ones(
+    tmp_path: Path, uninterrupted: Callable[[int], Path], mode: str, copied: str
+) -> None:
+    """Two processes, each background mode: step-3 is written while steps 4-6 train (on the saves' own
+    gloo group; the pinned mode copies the state beside step 4's forward and backward) and holds what
+    the synchronous save of step 3 holds, bit for bit, as does step-6 (the last save, synchronous); the
+    losses are the same."""
     whole, background = uninterrupted(2), tmp_path / "background"
-    log = ok(launch(background, 2, "--checkpoint.interval=3", "--checkpoint.async_mode=async"))
-    assert "checkpoint step-3: state copied in" in log and "saved checkpoint step-6" in log
+    log = ok(launch(background, 2, "--checkpoint.interval=3", f"--checkpoint.async_mode={mode}"))
+    assert f"checkpoint step-3: state {copied} in" in log and "saved checkpoint step-6" in log
     assert losses(background) == losses(whole)
     for step in (3, STEPS):
         assert_identical(checkpoint(background, step), checkpoint(whole, step), f"step-{step}")

@@ -81,7 +81,6 @@ class Trainer:
         if cfg.job.custom_import:
             importlib.import_module(cfg.job.custom_import)
         self.spec = spec = models.get_model_spec(cfg.model.name)
-        # resume: no init_from
         flavor_args, init_state, self.resumed = model_source(cfg, spec, models.resolve_model_args)
         flavor_args = flavor_args.update_from_config(cfg)  # before the family's tokenizer reads them
         self.objective, self.eval_objective = resolve_objective(spec, cfg), eval_objective(spec, cfg)
@@ -172,6 +171,7 @@ class Trainer:
         skipped = self.nonfinite.check(
             step, loss, grad_norm if self.precision.scaler is None else 0.0, self.train_state.skipped_steps
         )
+        self.checkpointer.wait_for_staging()  # a background save's copy of the state is complete before it changes
         if skipped is None:
             skipped = self.precision.optimizer_step(
                 self.optimizer, f"step {step}: float16 gradients overflowed (grad_norm={grad_norm})"

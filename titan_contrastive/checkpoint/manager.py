@@ -5,16 +5,15 @@ Layout: `{dump_folder}/{checkpoint.folder}/step-{N}/`, one DCP directory per che
 "model": {"family", "args"}}, the architecture `models.weights.read_ours` rebuilds the model from,
 and "config", the run's config, which a resume compares with its own: `resume.py`).
 
-A save is atomic: DCP writes into `step-N.tmp`, then (after a barrier) rank 0 writes the manifest,
-fsyncs it and renames the folder to `step-N` (`writer.py`, which also finishes a save in the
-background under `async_mode = "async"` or `"async_with_pinned_mem"`). A crash mid-save therefore leaves only a `.tmp`
-folder, which loading reports, ignores and removes. Loading goes through `reader.py`, as every
-reader of a checkpoint does: the checkpoint is first checked against its manifest (every file
-present with its size, then its SHA-256), so a truncated, half-deleted or corrupted-in-place one
-(flipped bytes, same size) is reported with the file's name and skipped in favour of the previous
-valid one (or is an error when asked for by `checkpoint.load_step`); then it is read without
-running code from it (allowlisting unpicklers; the trust model is in `reader.py`). Manifests
-that record sizes only (no checksums) are still read, with a warning.
+A save is atomic: DCP writes into `step-N.tmp`, then (after a barrier) rank 0 writes the manifest, fsyncs
+it and renames the folder to `step-N` (`writer.py`, which also finishes a save in the background under an
+`async_mode`). A crash mid-save therefore leaves only a `.tmp` folder, which loading reports, ignores and
+removes. Loading goes through `reader.py`, as every reader of a checkpoint does: the checkpoint is first
+checked against its manifest (every file present with its size, then its SHA-256), so a truncated,
+half-deleted or corrupted-in-place one (flipped bytes, same size) is reported with the file's name and
+skipped in favour of the previous valid one (or is an error when asked for by `checkpoint.load_step`);
+then it is read without running code from it (allowlisting unpicklers; the trust model is in
+`reader.py`). Manifests that record sizes only (no checksums) are still read, with a warning.
 
 Global states (model, optimizer, LR scheduler, train state) are saved once: DCP deduplicates
 replicated entries and shards DTensors, so FSDP2 runs reshard on load to another world size.
@@ -62,6 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_contrastive.checkpoint import reader
@@ -138,6 +138,7 @@ class CheckpointManager:
         self.dp_degree = dp_degree
         self.background = cfg.enable and cfg.async_mode != "disabled"
         self._pending = BackgroundSave()
+        self._staging: tuple[Future, str] | None = None  # the pinned mode's copy in flight, and what it saves
         self._stager = reused_stager() if self.background and cfg.async_mode == "async_with_pinned_mem" else None
         # the background saves' collectives (DCP's, the barrier, the outcome) on a group of their own
         self._save_group = dist.new_group(backend="gloo") if self.background and self._distributed() else None
@@ -197,7 +198,8 @@ class CheckpointManager:
         """Write checkpoint `step-{step}` atomically (collective), its manifest recording `evaluation`'s
         numbers under `keep_best`; then prune to `keep_latest_k`, sparing the newest checkpoint older than
         step `protect_before` when given and the best (see module doc). `background` (with an
-        `async_mode`): return once the state is copied to host memory; the rest follows in a thread
+        `async_mode`): return once the state is copied to host memory (`async_with_pinned_mem`: once the
+        copy started; `wait_for_staging` before the state changes); the rest follows in a thread
         (`writer.py`), and the next save (or `wait`) raises its error."""
         self.wait()  # an earlier background save is complete (or raises) before this one starts
         scores = self.best.scores(evaluation) if self.best is not None and evaluation is not None else None
@@ -210,10 +212,15 @@ class CheckpointManager:
             self._write(step, tmp, lambda: self._dcp(dcp.save, tmp, what))
             complete()
             return
+        if self._stager is not None and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the stager's stream copies the state once the step's kernels wrote it
         save = functools.partial(dcp.async_save, process_group=self._save_group, async_stager=self._stager)
-        future = self._write(step, tmp, lambda: self._dcp(save, tmp, what))  # returns once the state is copied
+        future = self._write(step, tmp, lambda: self._dcp(save, tmp, what))  # copied, or its copy started
+        if isinstance(future, AsyncSaveResponse):  # the pinned mode: the copy goes on beside the next step
+            self._staging, future = (future.staging_completion, what), future.upload_completion
         if self.rank == 0:
-            logger.info(f"checkpoint step-{step}: state copied in {time.perf_counter() - start:.2f}s, writing it")
+            copied, seconds = "copy started" if self._staging else "copied", time.perf_counter() - start
+            logger.info(f"checkpoint step-{step}: state {copied} in {seconds:.2f}s, writing it")
 
         def in_background(group: dist.ProcessGroup | None = self._save_group) -> None:
             self._write(step, tmp, functools.partial(_written, future, what), group)
@@ -221,8 +228,16 @@ class CheckpointManager:
 
         self._pending.start(in_background)
 
+    def wait_for_staging(self) -> None:
+        """Block until the pinned mode's host copy of a background save is complete: the training loop calls
+        this before the state changes (the optimizer step); the copy's error is raised as a CheckpointError."""
+        if self._staging is not None:
+            (staging, what), self._staging = self._staging, None
+            _written(staging, what)
+
     def wait(self) -> None:
         """Block until a background save is complete; raise its error (CheckpointError) if it failed."""
+        self.wait_for_staging()
         self._pending.wait()
 
     def load(self) -> int | None:
@@ -480,6 +495,6 @@ def _failing_as(what: str) -> Iterator[None]:
 
 
 def _written(future: Future, what: str) -> None:
-    """Wait for a background DCP write (in the save's thread)."""
+    """Wait for a background DCP future (a write, in the save's thread; the pinned mode's copy)."""
     with _failing_as(what):
         future.result()

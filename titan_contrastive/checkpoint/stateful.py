@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_contrastive.checkpoint.manager import CheckpointManager
+from titan_contrastive.config import ConfigError
 from titan_contrastive.grad_cache.rng import RNGSnapshot, capture_rng, cuda_index, restore_rng
 
 
@@ -159,6 +160,8 @@ def build_checkpointer(
     the global rank); the manifest records the model (family, args) and the run's config. `dist`:
     this process's parallelisms.DistInfo."""
     device, rank = dist.device, dist.rank
+    if cfg.checkpoint.enable and cfg.checkpoint.async_mode == "async_with_pinned_mem":
+        check_forward_keeps_state(model)
     return CheckpointManager(
         cfg.checkpoint,
         dump_folder=cfg.job.dump_folder,
@@ -175,3 +178,15 @@ def build_checkpointer(
         model_info={"family": cfg.model.name, "args": asdict(model_args)},
         run_config=asdict(cfg),
     )
+
+
+def check_forward_keeps_state(model: nn.Module) -> None:
+    """`async_with_pinned_mem` copies the state while the next step's forward and backward run: a module
+    whose forward writes to its saved state (BatchNorm's running statistics) is refused before step 1."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats:
+            raise ConfigError(
+                f'checkpoint.async_mode = "async_with_pinned_mem": {name} ({type(module).__name__}) updates its '
+                "running statistics in forward, beside the copy of the state that this mode makes; set "
+                'checkpoint.async_mode = "async"'
+            )

@@ -10,7 +10,10 @@ group of its own (gloo), so that the training loop's collectives never interleav
 The next save, the last step's save and a stop's save wait for it first; an error in it (a full
 disk, a failed write) is raised there, in the training loop, as the synchronous save would have.
 `async_mode = "async_with_pinned_mem"` (torchtitan's name) keeps that host copy between saves
-(`reused_stager`); the next save waits for the one before, so no write reads a copy being refilled.
+(`reused_stager`) and fills it in a thread of DCP's (on CUDA on a stream of its own) while the next step
+computes its forward and backward: the save returns at once, and the training loop calls the manager's
+`wait_for_staging` before the optimizer step, the first write to the state. The next save waits for the
+one before, so no write reads a copy being refilled.
 """
 
 from __future__ import annotations
@@ -120,10 +123,11 @@ def install(tmp: Path, final: Path) -> None:
 def reused_stager() -> DefaultStager:
     """DCP's stager with its cache: the first save allocates the host copy of each tensor (pinned where
     CUDA is available, so the device-to-host copy runs at full bandwidth), later saves copy into it.
-    The copy itself stays synchronous: `dcp.async_save` returns with the step's state in host memory."""
+    The copy runs in the stager's thread (`dcp.async_save` returns before it is done, with the copy's
+    future as `staging_completion`), on CUDA as non-blocking copies on the stager's stream."""
     cuda = torch.cuda.is_available()
     options = StagingOptions(
-        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
     )
     return DefaultStager(options)
 

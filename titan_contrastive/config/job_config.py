@@ -358,8 +358,9 @@ class Checkpoint:
     """"async" (torchtitan's names): an interval's save copies the state to host memory and returns; the
     files, checksums and rename follow in a background thread, waited for by the next save (the last
     step's save stays synchronous). Costs a host copy of the checkpointed state while it writes.
-    "async_with_pinned_mem": the same, the host copy allocated once (pinned on CUDA) and reused by every
-    save: a shorter wait, that copy's memory held for the whole run."""
+    "async_with_pinned_mem": the same, the host copy allocated once (pinned on CUDA), reused by every save
+    and filled while the next step's forward and backward run (complete before its optimizer step): a
+    shorter wait, that copy's memory held for the whole run; refused for a model with BatchNorm."""
 
 
 @dataclass
