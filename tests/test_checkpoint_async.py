@@ -296,3 +296,28 @@ def test_the_pinned_mode_refuses_a_forward_that_writes_to_the_state(tmp_path: Pa
     )
     model[1].track_running_stats = False  # batch statistics only: nothing written
     check_forward_keeps_state(model)
+
+
+def test_a_failed_pinned_copy_is_raised_before_the_optimizer_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pinned mode's copy fails in the stager's thread (host memory exhausted): `wait_for_staging`,
+    before the next optimizer step, raises it as a one-line checkpoint error naming the save, and the
+    save leaves no partial files."""
+
+    def failing_stage(self, state_dict, **kwargs):
+        raise RuntimeError("out of host memory while staging")
+
+    monkeypatch.setattr(DefaultStager, "_stage", failing_stage)
+    run = make_run(tmp_path, Cfg(async_mode="async_with_pinned_mem", interval=2))
+    train(run, 2)
+    run.manager.save(2, background=True)  # returns: the copy fails in the stager's thread
+    with pytest.raises(CheckpointError) as info:
+        train(run, 1)
+    message = str(info.value)
+    assert message.startswith(f"saving checkpoint step-2 ({tmp_path / 'ckpt' / 'step-2.tmp'}) failed: ")
+    assert "out of host memory while staging" in message and "\n" not in message
+    assert run.train_state.step == 2  # the optimizer step did not run
+    with pytest.raises(CheckpointError):  # the background write, which had nothing to write
+        run.manager.wait()
+    assert list((tmp_path / "ckpt").iterdir()) == []

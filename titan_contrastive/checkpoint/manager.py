@@ -15,15 +15,14 @@ skipped in favour of the previous valid one (or is an error when asked for by `c
 then it is read without running code from it (allowlisting unpicklers; the trust model is in
 `reader.py`). Manifests that record sizes only (no checksums) are still read, with a warning.
 
-Global states (model, optimizer, LR scheduler, train state) are saved once: DCP deduplicates
-replicated entries and shards DTensors, so FSDP2 runs reshard on load to another world size.
-Per-rank states (data loader position, RNG) differ between data-parallel ranks, so each is stored
-under `{name}/dp_rank_{r}`, pickled into one bytes object: its nested structure (the
-StatefulDataLoader's state has None-or-dict fields) then need not match the structure of a fresh
-object at load time, which DCP would otherwise require. The bytes are unpickled with an allowlist
-of the globals such a state names (`reader.unpickle_state`), never with `pickle.loads`. Those
-states cannot be mapped onto another data-parallel degree, so resuming with one is an error, not
-a silent change of the data order.
+Global states (model, optimizer, LR scheduler, train state) are saved once: DCP deduplicates replicated
+entries and shards DTensors, so FSDP2 runs reshard on load to another world size. Per-rank states (data
+loader position, RNG) differ between data-parallel ranks, so each is stored under `{name}/dp_rank_{r}`,
+pickled into one bytes object: its nested structure (the StatefulDataLoader's state has None-or-dict
+fields) then need not match the structure of a fresh object at load time, which DCP would otherwise
+require. The bytes are unpickled with an allowlist of the globals such a state names
+(`reader.unpickle_state`), never with `pickle.loads`. Those states cannot be mapped onto another
+data-parallel degree, so resuming with one is an error, not a silent change of the data order.
 
 A `load_step` older than the newest checkpoint is a rewind: the newer checkpoints are moved aside
 (not deleted) into `abandoned-<time>-<random>/`, so the next auto-resume continues the new history rather
@@ -138,7 +137,7 @@ class CheckpointManager:
         self.dp_degree = dp_degree
         self.background = cfg.enable and cfg.async_mode != "disabled"
         self._pending = BackgroundSave()
-        self._staging: tuple[Future, str] | None = None  # the pinned mode's copy in flight, and what it saves
+        self._staging: str | None = None  # what the pinned mode's copy in flight saves
         self._stager = reused_stager() if self.background and cfg.async_mode == "async_with_pinned_mem" else None
         # the background saves' collectives (DCP's, the barrier, the outcome) on a group of their own
         self._save_group = dist.new_group(backend="gloo") if self.background and self._distributed() else None
@@ -217,7 +216,7 @@ class CheckpointManager:
         save = functools.partial(dcp.async_save, process_group=self._save_group, async_stager=self._stager)
         future = self._write(step, tmp, lambda: self._dcp(save, tmp, what))  # copied, or its copy started
         if isinstance(future, AsyncSaveResponse):  # the pinned mode: the copy goes on beside the next step
-            self._staging, future = (future.staging_completion, what), future.upload_completion
+            self._staging, future = what, future.upload_completion
         if self.rank == 0:
             copied, seconds = "copy started" if self._staging else "copied", time.perf_counter() - start
             logger.info(f"checkpoint step-{step}: state {copied} in {seconds:.2f}s, writing it")
@@ -231,9 +230,10 @@ class CheckpointManager:
     def wait_for_staging(self) -> None:
         """Block until the pinned mode's host copy of a background save is complete: the training loop calls
         this before the state changes (the optimizer step); the copy's error is raised as a CheckpointError."""
-        if self._staging is not None:
-            (staging, what), self._staging = self._staging, None
-            _written(staging, what)
+        if self._staging is not None and self._stager is not None:
+            what, self._staging = self._staging, None
+            with _failing_as(what):  # the stager's own future: `staging_completion` reports a copy that
+                self._stager.synchronize_staging()  # failed before `async_save` returned as a success
 
     def wait(self) -> None:
         """Block until a background save is complete; raise its error (CheckpointError) if it failed."""
@@ -495,6 +495,6 @@ def _failing_as(what: str) -> Iterator[None]:
 
 
 def _written(future: Future, what: str) -> None:
-    """Wait for a background DCP future (a write, in the save's thread; the pinned mode's copy)."""
+    """Wait for a background DCP write (in the save's thread)."""
     with _failing_as(what):
         future.result()
