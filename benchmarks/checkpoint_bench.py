@@ -4,6 +4,7 @@ against the hashing alone, and what a background save blocks for (`async_mode = 
 
     python -m benchmarks.checkpoint_bench [--flavor vit_b32] [--repeats 3]
     python -m benchmarks.checkpoint_bench --flavor debug --repeats 2 --out /tmp/bench   # quick
+    python -m benchmarks.checkpoint_bench --device cuda --batch 256 --repeats 5   # on a GPU
 
 Builds the clip model of `--flavor` with AdamW state (one zero-lr step), saves it through the real
 `CheckpointManager` (DCP files + manifest with checksums) `--repeats` times, and times the whole
@@ -13,7 +14,8 @@ load), and a background save in each mode: the time until `save` returns, then o
 against the same step without a save: what the save costs the loop is the difference (the pinned mode's
 copy runs beside the step's forward and backward), and the time until the save is complete;
 interleaved by the harness. Medians (and the peak RSS of each); writes checkpoint_bench.json under
---out. CPU, one process.
+--out (checkpoint_bench_cuda.json with `--device cuda`: the model and its step on the GPU, the pinned
+mode's copy a device-to-host transfer). One process.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from benchmarks import harness
 from titan_contrastive.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState
 from titan_contrastive.checkpoint.reader import sha256 as _sha256
+from titan_contrastive.checkpoint.writer import stager_survives_reuse
 from titan_contrastive.config.job_config import Checkpoint
 from titan_contrastive.models import get_flavor_args, get_model_spec
 
@@ -42,17 +45,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=0, help="untimed save + hash rounds first")
     parser.add_argument("--batch", type=int, default=4, help="pairs in the training step after a save")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where the model, optimizer and step live")
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     model_args = get_flavor_args("clip", args.flavor)
-    model = get_model_spec("clip").build_model(model_args)
+    model = get_model_spec("clip").build_model(model_args).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()
     size, length = model_args.image_size, model_args.context_length
-    images = torch.randn(args.batch, model_args.in_channels, size, size)
-    texts = torch.randint(0, model_args.vocab_size, (args.batch, length))
+    images = torch.randn(args.batch, model_args.in_channels, size, size, device=device)
+    texts = torch.randint(0, model_args.vocab_size, (args.batch, length), device=device)
     with tempfile.TemporaryDirectory() as tmp:
         states = {
             "model": ModelState(model),
@@ -71,8 +77,17 @@ def main(argv: list[str] | None = None) -> None:
             )
             for mode in ("async", "async_with_pinned_mem", "pinned_copy_first")
         }
-        # the pinned mode as it was before its copy went beside the step (0ade5e9): copied, then returned
-        managers["pinned_copy_first"]._stager = DefaultStager(StagingOptions(False, False, False, False))
+        reusable = stager_survives_reuse()
+
+        def copy_first_stager() -> None:
+            """The pinned mode as it was before its copy went beside the step (0ade5e9): copied, then
+            returned; one stager kept, or a fresh one each save where torch's cannot copy twice (2.11)."""
+            manager = managers["pinned_copy_first"]
+            if manager._stager is None or not reusable:
+                if manager._stager is not None:
+                    manager._stager.close()
+                manager._stager = DefaultStager(StagingOptions(cuda, False, False, False))
+
         manager = managers["async"]
         saved = [0]
 
@@ -83,12 +98,16 @@ def main(argv: list[str] | None = None) -> None:
             wait_for_staging()
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
+            if cuda:
+                torch.cuda.synchronize()
             return time.perf_counter() - start
 
         def background_save(mode: str) -> Callable[[], tuple[float, float]]:
             def timed() -> tuple[float, float]:
                 """The whole save is timed; returns the time `save` blocked for and then that of save + step."""
                 saved.append(saved[-1] + 1)
+                if mode == "pinned_copy_first":
+                    copy_first_stager()
                 start = time.perf_counter()
                 managers[mode].save(saved[-1], background=True)
                 blocked = time.perf_counter() - start
@@ -163,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         "copy_first_blocked_and_loop_s": runs["copy_first"].values,
         "copy_first": runs["copy_first"].row(),
     }
-    meta = harness.metadata("cpu", repeats=args.repeats, warmup=args.warmup)
+    meta = harness.metadata(args.device, repeats=args.repeats, warmup=args.warmup)
     rows = [
         {"what": "synchronous save (the loop waits)", "median_s": save_s},
         {"what": "of which: hashing the files", "median_s": hash_s},
@@ -185,10 +204,12 @@ def main(argv: list[str] | None = None) -> None:
             ax.annotate(f" {r['median_s']:.2f} s", (r["median_s"], y), va="center", fontsize=8)
         ax.set_xlim(0, 1.15 * max(r["median_s"] for r in rows))  # room for the labels
         ax.set_xlabel(f"seconds (median of {args.repeats})")
-        ax.set_title(f"checkpoint of clip/{args.flavor} + AdamW, {sizes / 2**30:.2f} GiB, CPU")
+        ax.set_title(f"checkpoint of clip/{args.flavor} + AdamW, {sizes / 2**30:.2f} GiB, {args.device}")
         return fig
 
-    harness.write_results(args.out, "checkpoint_bench", meta, result, rows=rows, figure=figure)
+    harness.write_results(
+        args.out, "checkpoint_bench_cuda" if cuda else "checkpoint_bench", meta, result, rows=rows, figure=figure
+    )
     print(
         f"{args.flavor}: checkpoint {sizes / 2**30:.2f} GiB, save {save_s:.2f} s of which hashing {hash_s:.2f} s "
         f"({hash_s / save_s:.0%}, {sizes / hash_s / 1e6:.0f} MB/s); the same hashing runs once when a checkpoint "

@@ -6,7 +6,7 @@
 #   on the GPU:   run(command="bash benchmarks/gpu_session.sh 1", carry=[".whl"])   then 2, 3, 4
 #   (the copy there may carry an older .git: prefix BENCH_COMMIT=<git rev-parse HEAD here>, which the results name)
 #
-#  Ordered by value; 16 goes first next time, then 17, then 18. Done: 9 (H200, 2026-11-26); 10's pieces, 11's rows and 6's
+#  Ordered by value; 16 goes first next time, then 17, then 18, then 19. Done: 9 (H200, 2026-11-26); 10's pieces, 11's rows and 6's
 #  64K/256K/1M rows ran as 12 and 13 (H100, 2026-11-26, results/gpu_session_stage12.log); 14 and 15 (H100,
 #  2026-11-27, results/gpu_session_stage14.log, stage15.log); all kept for reruns:
 #   9  the trainer's own step side by side (step_gpu_bench: plain, GradCache, global negatives, accumulation at
@@ -38,6 +38,11 @@
 #  18  (issue 31) one layer's attention at vit_b32's shapes under each SDPA backend (attention_probe: the step's
 #      14 ms of cuDNN flash for < 1 TFLOP); the data workers' rate on the host's 16 cores with uint8 pixels (what
 #      a GPU run's workers make) at 256 and 768 px, 0, 1, 4 and 14 workers (data_bench --uint8); stage18.tar
+#  19  (issue 31; after 18) the checkpoint's cost on the GPU: the pinned mode's CUDA test (a save right after a
+#      queued optimizer step, its copy beside the next step); checkpoint_bench --device cuda (synchronous, async,
+#      pinned with the copy beside the step and before returning, each followed by a vit_b32 step of 256 pairs);
+#      the shipped config end to end with async_with_pinned_mem saves every 2 steps (metrics.jsonl; torch 2.11 there:
+#      a fresh stager each save, pytorch/pytorch#183413); stage19.tar
 #   1  pytest -m gpu and the Triton kernel tests                                        (issues 4, 8)
 #   6  the loss benchmark's largest rows (bf16, N 64K..1M; 64K, 256K and 1M measured on 2026-11-26,
 #      512K not): the fused kernel vs memeff and dense                                    (issues 8, 31)
@@ -69,12 +74,12 @@ case "${1:-}" in
       tyro docstring-parser typeguard shtab torchdata open-clip-torch ftfy wcwidth regex inf-cl==1.2.1 memeff==0.3.1 \
       webdataset wids braceexpand peft==0.21.2
     ls .whl; exit 0 ;;
-  1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18)
+  1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19)
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.txt" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19" >&2; exit 2 ;;
 esac
 res=/tmp/stage_results && mkdir -p "$res"
 pack() { tar -C "$res" -cf "$out/stage$1.tar" . ; }  # after every step: a time limit loses only the step in flight
@@ -134,6 +139,13 @@ case "$1" in
   18) step 90 python3 -m benchmarks.attention_probe --out "$res"; pack 18
       for px in 256 768; do step 240 python3 -m benchmarks.data_bench --uint8 --workers 0 1 4 14 --n 2048 \
         --repeats 2 --jpeg-size $px --out "$res"; pack 18; done ;;
+  19) step 60 python3 -m pytest -q -m gpu -p no:cacheprovider -k "pinned or rng" --junitxml="$res/pytest_gpu19.xml"
+      pack 19
+      step 200 python3 -m benchmarks.checkpoint_bench --device cuda --batch 256 --repeats 5 --out "$res"; pack 19
+      export CONFIG_FILE=train_configs/clip_vit_b32_gpu.toml PYTHON=python3
+      step 200 ./run_train.sh --training.steps=6 --metrics.log_freq=1 --checkpoint.enable=true \
+        --checkpoint.interval=2 --checkpoint.async_mode=async_with_pinned_mem --job.dump_folder="$res/gpu_config_pinned"
+      rm -rf "$res"/gpu_config_pinned/checkpoint; pack 19 ;;  # its log and metrics.jsonl, not 3.4 GB of checkpoints
   1) step 150 python3 -m pytest -q -m gpu -p no:cacheprovider
      step 420 python3 -m pytest -q tests/test_triton_kernels.py -p no:cacheprovider ;;  # compiled, bf16 dot included (>120 s)
   6) step 560 python3 -m benchmarks.loss_bench --losses clip --n 65536 262144 524288 1048576 --dtypes bfloat16 \

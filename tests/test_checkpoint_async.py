@@ -93,10 +93,10 @@ def test_a_save_copies_the_state_only_once_the_save_before_is_written(
             release.set()
         real_wait(self)
 
+    run = make_run(tmp_path, Cfg(async_mode=mode, interval=1))  # before the patches: its stager probe copies too
     monkeypatch.setattr(FileSystemWriter, "write_data", write)
     monkeypatch.setattr(DefaultStager, "stage", stage)
     monkeypatch.setattr(BackgroundSave, "wait", wait)
-    run = make_run(tmp_path, Cfg(async_mode=mode, interval=1))
     for step in (1, 2):
         train(run, 1)
         run.manager.save(step, background=True)
@@ -211,8 +211,8 @@ def test_the_pinned_mode_copies_the_state_beside_the_next_step(tmp_path: Path, m
     backward run beside the copy (held until the loop waits for it), and `wait_for_staging` returns only
     once it is complete: the optimizer step after it cannot change what is saved, which resumes exactly."""
     release, copied, at_step, armed = threading.Event(), [], [], []
-    monkeypatch.setattr(DefaultStager, "_stage", hold_copies(release, copied))
     run = make_run(tmp_path, Cfg(async_mode="async_with_pinned_mem", interval=2))
+    monkeypatch.setattr(DefaultStager, "_stage", hold_copies(release, copied))  # after the manager's probe
     wait_for_staging = run.manager.wait_for_staging
 
     def release_then_wait() -> None:  # the loop's call, after the forward and backward: the copy goes on only now
@@ -308,8 +308,8 @@ def test_a_failed_pinned_copy_is_raised_before_the_optimizer_step(
     def failing_stage(self, state_dict, **kwargs):
         raise RuntimeError("out of host memory while staging")
 
-    monkeypatch.setattr(DefaultStager, "_stage", failing_stage)
     run = make_run(tmp_path, Cfg(async_mode="async_with_pinned_mem", interval=2))
+    monkeypatch.setattr(DefaultStager, "_stage", failing_stage)  # after the manager's probe
     train(run, 2)
     run.manager.save(2, background=True)  # returns: the copy fails in the stager's thread
     with pytest.raises(CheckpointError) as info:
@@ -321,3 +321,38 @@ def test_a_failed_pinned_copy_is_raised_before_the_optimizer_step(
     with pytest.raises(CheckpointError):  # the background write, which had nothing to write
         run.manager.wait()
     assert list((tmp_path / "ckpt").iterdir()) == []
+
+
+def test_a_stager_that_cannot_copy_twice_gets_a_fresh_one_each_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.11's DCP stager closes its cache at the end of each copy, so a second copy fails
+    (pytorch/pytorch#183413; reproduced here): the manager finds out when it is built and gives each
+    save a fresh stager; three saves resume exactly. This torch's stager is reused."""
+    from titan_contrastive.checkpoint.writer import stager_survives_reuse
+
+    assert stager_survives_reuse()
+    real = DefaultStager._stage
+
+    def closing_stage(self, state_dict, **kwargs):
+        staged = real(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return staged
+
+    monkeypatch.setattr(DefaultStager, "_stage", closing_stage)
+    assert not stager_survives_reuse()
+    run = make_run(tmp_path, Cfg(async_mode="async_with_pinned_mem", interval=1, keep_latest_k=1))
+    for step in (1, 2, 3):
+        train(run, 1)
+        run.manager.save(step, background=True)
+    rand_after_save = torch.rand(5)
+    expected = train(run, 2)
+    run.manager.wait()
+    assert run.manager.available_steps() == [3]
+
+    fresh = make_run(tmp_path, seed=1)
+    assert fresh.manager.load() == 3 and fresh.train_state.step == 3
+    assert torch.equal(torch.rand(5), rand_after_save)
+    assert train(fresh, 2) == expected
+    assert_equal_states(params(fresh), params(run))
+    assert_equal_states(optim_state(fresh), optim_state(run))

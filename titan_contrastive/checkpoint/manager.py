@@ -41,7 +41,6 @@ the state a crash mid-save leaves behind.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -51,30 +50,31 @@ import signal
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_contrastive.checkpoint import reader
 from titan_contrastive.checkpoint.best import BestCheckpoint
-from titan_contrastive.checkpoint.reader import MANIFEST, CheckpointError, describe
+from titan_contrastive.checkpoint.reader import MANIFEST, CheckpointError
 from titan_contrastive.checkpoint.resume import IncompatibleResume, config_changes
 from titan_contrastive.checkpoint.writer import (
     BackgroundSave,
     PickledState,
+    failing_as,
     fsync_dir,
     install,
     out_of_space,
     reused_stager,
+    stager_survives_reuse,
     write_manifest,
+    written,
 )
 from titan_contrastive.components.preflight import format_bytes, free_bytes
 
@@ -138,7 +138,9 @@ class CheckpointManager:
         self.background = cfg.enable and cfg.async_mode != "disabled"
         self._pending = BackgroundSave()
         self._staging: str | None = None  # what the pinned mode's copy in flight saves
-        self._stager = reused_stager() if self.background and cfg.async_mode == "async_with_pinned_mem" else None
+        pinned = self.background and cfg.async_mode == "async_with_pinned_mem"
+        self._stager = reused_stager() if pinned else None
+        self._stager_per_save = pinned and not stager_survives_reuse()  # torch 2.11 (`writer.py`)
         # the background saves' collectives (DCP's, the barrier, the outcome) on a group of their own
         self._save_group = dist.new_group(backend="gloo") if self.background and self._distributed() else None
 
@@ -211,6 +213,9 @@ class CheckpointManager:
             self._write(step, tmp, lambda: self._dcp(dcp.save, tmp, what))
             complete()
             return
+        if self._stager_per_save:  # the save before is written (the wait above): its stager can go
+            self._stager.close()
+            self._stager = reused_stager()
         if self._stager is not None and torch.cuda.is_available():
             torch.cuda.synchronize()  # the stager's stream copies the state once the step's kernels wrote it
         save = functools.partial(dcp.async_save, process_group=self._save_group, async_stager=self._stager)
@@ -222,7 +227,7 @@ class CheckpointManager:
             logger.info(f"checkpoint step-{step}: state {copied} in {seconds:.2f}s, writing it")
 
         def in_background(group: dist.ProcessGroup | None = self._save_group) -> None:
-            self._write(step, tmp, functools.partial(_written, future, what), group)
+            self._write(step, tmp, functools.partial(written, future, what), group)
             complete(group)
 
         self._pending.start(in_background)
@@ -232,7 +237,7 @@ class CheckpointManager:
         this before the state changes (the optimizer step); the copy's error is raised as a CheckpointError."""
         if self._staging is not None and self._stager is not None:
             what, self._staging = self._staging, None
-            with _failing_as(what):  # the stager's own future: `staging_completion` reports a copy that
+            with failing_as(what):  # the stager's own future: `staging_completion` reports a copy that
                 self._stager.synchronize_staging()  # failed before `async_save` returned as a success
 
     def wait(self) -> None:
@@ -451,8 +456,8 @@ class CheckpointManager:
         return state
 
     def _dcp(self, fn: Callable[..., T], path: Path, what: str) -> T:
-        """dcp.save or dcp.async_save of the state into `path`, failing as `_failing_as` says."""
-        with _failing_as(what):
+        """dcp.save or dcp.async_save of the state into `path`, failing as `failing_as` says."""
+        with failing_as(what):
             return fn(self._dcp_state(), checkpoint_id=str(path), no_dist=not self._distributed())
 
     @staticmethod
@@ -481,20 +486,3 @@ class CheckpointManager:
         if error is not None:
             raise CheckpointError(error) from cause
         return result
-
-
-@contextlib.contextmanager
-def _failing_as(what: str) -> Iterator[None]:
-    """A DCP error as a one-line CheckpointError that names the checkpoint. DCP gathers the errors of
-    all ranks into one CheckpointException (a BaseException, so `except Exception` misses it) on
-    every rank, so all ranks raise together."""
-    try:
-        yield
-    except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"{what} failed: {describe(exc)}") from exc
-
-
-def _written(future: Future, what: str) -> None:
-    """Wait for a background DCP write (in the save's thread)."""
-    with _failing_as(what):
-        future.result()

@@ -18,13 +18,15 @@ one before, so no write reads a copy being refilled.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import pickle
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +36,20 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_contrastive.checkpoint import reader
-from titan_contrastive.checkpoint.reader import MANIFEST
+from titan_contrastive.checkpoint.reader import MANIFEST, CheckpointError, describe
 from titan_contrastive.components.preflight import free_bytes
 
 __all__ = [
     "BackgroundSave",
     "PickledState",
+    "failing_as",
     "fsync_dir",
     "install",
     "out_of_space",
     "reused_stager",
+    "stager_survives_reuse",
     "write_manifest",
+    "written",
 ]
 
 
@@ -130,6 +135,38 @@ def reused_stager() -> DefaultStager:
         use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
     )
     return DefaultStager(options)
+
+
+def stager_survives_reuse() -> bool:
+    """Whether a DCP stager can copy twice. torch 2.11's closes its cache at the end of every copy, and
+    the next copy then fails (KeyError; pytorch/pytorch#183413, fixed in later releases): there the
+    manager makes a fresh stager for each save, which allocates its host copy anew."""
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1)})
+        return True
+    except KeyError:
+        return False
+    finally:
+        stager.close()
+
+
+@contextlib.contextmanager
+def failing_as(what: str) -> Iterator[None]:
+    """A DCP error as a one-line CheckpointError that names the checkpoint. DCP gathers the errors of
+    all ranks into one CheckpointException (a BaseException, so `except Exception` misses it) on
+    every rank, so all ranks raise together."""
+    try:
+        yield
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"{what} failed: {describe(exc)}") from exc
+
+
+def written(future: Future, what: str) -> None:
+    """Wait for a background DCP write (in the save's thread)."""
+    with failing_as(what):
+        future.result()
 
 
 class BackgroundSave:
