@@ -128,8 +128,8 @@ def install(tmp: Path, final: Path) -> None:
 def reused_stager() -> DefaultStager:
     """DCP's stager with its cache: the first save allocates the host copy of each tensor (pinned where
     CUDA is available, so the device-to-host copy runs at full bandwidth), later saves copy into it.
-    The copy runs in the stager's thread (`dcp.async_save` returns before it is done, with the copy's
-    future as `staging_completion`), on CUDA as non-blocking copies on the stager's stream."""
+    The copy runs in the stager's thread (`dcp.async_save` returns before it is done; the stager's
+    `synchronize_staging` waits for it), on CUDA as non-blocking copies on the stager's stream."""
     cuda = torch.cuda.is_available()
     options = StagingOptions(
         use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
