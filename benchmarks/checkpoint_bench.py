@@ -146,9 +146,10 @@ def main(argv: list[str] | None = None) -> None:
     sizes = runs["hash"].values[-1]
     save_s, hash_s = runs["save"].median_s, runs["hash"].median_s
     step_s = statistics.median(runs["step"].values)
-    blocked_s, loop_s = (statistics.median(v) for v in zip(*runs["background"].values, strict=True))
-    pinned_s, pinned_loop_s = (statistics.median(v) for v in zip(*runs["pinned"].values, strict=True))
-    first_s, first_loop_s = (statistics.median(v) for v in zip(*runs["copy_first"].values, strict=True))
+    variants = {"background": "async", "pinned": "pinned_mem", "copy_first": "pinned, copy before return"}
+    blocked, loop = {}, {}  # each variant's medians: until `save` returns, and save + the step after it
+    for name in variants:
+        blocked[name], loop[name] = (statistics.median(v) for v in zip(*runs[name].values, strict=True))
     result = {
         "flavor": args.flavor,
         "threads": torch.get_num_threads(),
@@ -162,43 +163,32 @@ def main(argv: list[str] | None = None) -> None:
         "batch": args.batch,
         "step_s_median": step_s,
         "steps_s": runs["step"].values,
-        "background_blocked_s_median": blocked_s,
-        "background_save_and_step_s_median": loop_s,
-        "background_cost_to_loop_s": loop_s - step_s,
-        "background_total_s_median": runs["background"].median_s,
-        "background_blocked_and_loop_s": runs["background"].values,
         "save": runs["save"].row(),
         "hash": runs["hash"].row(),
-        "background": runs["background"].row(),
-        "pinned_blocked_s_median": pinned_s,
-        "pinned_save_and_step_s_median": pinned_loop_s,
-        "pinned_cost_to_loop_s": pinned_loop_s - step_s,
-        "pinned_total_s_median": runs["pinned"].median_s,
-        "pinned_blocked_and_loop_s": runs["pinned"].values,
-        "pinned": runs["pinned"].row(),
-        "copy_first_blocked_s_median": first_s,
-        "copy_first_cost_to_loop_s": first_loop_s - step_s,
-        "copy_first_total_s_median": runs["copy_first"].median_s,
-        "copy_first_blocked_and_loop_s": runs["copy_first"].values,
-        "copy_first": runs["copy_first"].row(),
     }
-    meta = harness.metadata(args.device, repeats=args.repeats, warmup=args.warmup)
     rows = [
         {"what": "synchronous save (the loop waits)", "median_s": save_s},
         {"what": "of which: hashing the files", "median_s": hash_s},
         {"what": f"a training step ({args.batch} pairs), no save", "median_s": step_s},
-        {"what": "async save: returns after", "median_s": blocked_s},
-        {"what": "async save + the step: added to the step", "median_s": loop_s - step_s},
-        {"what": "async save: complete", "median_s": runs["background"].median_s},
-        {"what": "pinned_mem save: returns after", "median_s": pinned_s},
-        {"what": "pinned_mem save + the step: added to the step", "median_s": pinned_loop_s - step_s},
-        {"what": "pinned_mem save: complete", "median_s": runs["pinned"].median_s},
-        {"what": "pinned, copy before return: returns after", "median_s": first_s},
-        {"what": "pinned, copy before return + the step: added", "median_s": first_loop_s - step_s},
     ]
+    for name, label in variants.items():
+        result |= {
+            f"{name}_blocked_s_median": blocked[name],
+            f"{name}_save_and_step_s_median": loop[name],
+            f"{name}_cost_to_loop_s": loop[name] - step_s,
+            f"{name}_total_s_median": runs[name].median_s,
+            f"{name}_blocked_and_loop_s": runs[name].values,
+            name: runs[name].row(),
+        }
+        rows += [
+            {"what": f"{label} save: returns after", "median_s": blocked[name]},
+            {"what": f"{label} save + the step: added", "median_s": loop[name] - step_s},
+            {"what": f"{label} save: complete", "median_s": runs[name].median_s},
+        ]
+    meta = harness.metadata(args.device, repeats=args.repeats, warmup=args.warmup)
 
     def figure() -> Any:
-        fig, ax = harness.pyplot().subplots(figsize=(7, 3))
+        fig, ax = harness.pyplot().subplots(figsize=(7, 1 + 0.28 * len(rows)))
         ax.barh([r["what"] for r in rows][::-1], [r["median_s"] for r in rows][::-1], color="tab:blue")
         for y, r in enumerate(rows[::-1]):
             ax.annotate(f" {r['median_s']:.2f} s", (r["median_s"], y), va="center", fontsize=8)
@@ -215,15 +205,11 @@ def main(argv: list[str] | None = None) -> None:
         f"({hash_s / save_s:.0%}, {sizes / hash_s / 1e6:.0f} MB/s); the same hashing runs once when a checkpoint "
         "is validated on load"
     )
-    for mode, returned, loop, run in (
-        ("async", blocked_s, loop_s, "background"),
-        ("pinned", pinned_s, pinned_loop_s, "pinned"),
-        ("pinned, copy before return", first_s, first_loop_s, "copy_first"),
-    ):
+    for name, label in variants.items():
         print(
-            f"{mode} save: returns after {returned:.2f} s; save + a {step_s:.2f} s step take {loop:.2f} s (the save "
-            f"adds {loop - step_s:.2f} s, {(loop - step_s) / save_s:.0%} of a synchronous save), complete after "
-            f"{runs[run].median_s:.2f} s"
+            f"{label} save: returns after {blocked[name]:.2f} s; save + a {step_s:.2f} s step take {loop[name]:.2f} s "
+            f"(the save adds {loop[name] - step_s:.2f} s, {(loop[name] - step_s) / save_s:.0%} of a synchronous "
+            f"save), complete after {runs[name].median_s:.2f} s"
         )
 
 

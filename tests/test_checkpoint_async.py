@@ -15,7 +15,16 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager
 
 from tests.dist_utils import run_distributed
-from tests.test_checkpoint import Cfg, _fsdp_load, assert_equal_states, make_run, optim_state, params, train
+from tests.test_checkpoint import (
+    Cfg,
+    Run,
+    _fsdp_load,
+    assert_equal_states,
+    make_run,
+    optim_state,
+    params,
+    train,
+)
 from tests.test_faults import full_disk_when_writing
 from titan_contrastive.checkpoint import CheckpointError
 from titan_contrastive.checkpoint.writer import BackgroundSave
@@ -36,6 +45,17 @@ def hold_writes_of(step_folder: str, release: threading.Event, writing: list[boo
         return real(self, plan, planner)
 
     return held_write
+
+
+def assert_resumes_exactly(tmp_path: Path, run: Run, step: int, rand: torch.Tensor, losses: list[float]) -> None:
+    """A fresh run (other initial parameters) loads checkpoint `step`, draws `rand` next as the saving run
+    did after its save, and trains on to `losses` and to the saving run's parameters and moments."""
+    fresh = make_run(tmp_path, seed=1)
+    assert fresh.manager.load() == step and fresh.train_state.step == step
+    assert torch.equal(torch.rand(5), rand)
+    assert train(fresh, run.train_state.step - step) == losses
+    assert_equal_states(params(fresh), params(run))
+    assert_equal_states(optim_state(fresh), optim_state(run))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -60,12 +80,7 @@ def test_a_background_save_holds_the_state_of_its_step(
     assert writing == [True] and run.manager.available_steps() == [1, 2]
     assert not (tmp_path / "ckpt" / "step-2.tmp").exists()
 
-    fresh = make_run(tmp_path, seed=1)
-    assert fresh.manager.load() == 2 and fresh.train_state.step == 2
-    assert torch.equal(torch.rand(5), rand_after_save)
-    assert train(fresh, 3) == expected
-    assert_equal_states(params(fresh), params(run))
-    assert_equal_states(optim_state(fresh), optim_state(run))
+    assert_resumes_exactly(tmp_path, run, 2, rand_after_save, expected)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -231,12 +246,7 @@ def test_the_pinned_mode_copies_the_state_beside_the_next_step(tmp_path: Path, m
     run.manager.wait()
     assert at_step == [0, 0, 1, 1, 1]
 
-    fresh = make_run(tmp_path, seed=1)
-    assert fresh.manager.load() == 2 and fresh.train_state.step == 2
-    assert torch.equal(torch.rand(5), rand_after_save)
-    assert train(fresh, 3) == expected
-    assert_equal_states(params(fresh), params(run))
-    assert_equal_states(optim_state(fresh), optim_state(run))
+    assert_resumes_exactly(tmp_path, run, 2, rand_after_save, expected)
 
 
 def test_the_trainer_waits_for_the_copy_before_each_optimizer_step(
@@ -350,9 +360,4 @@ def test_a_stager_that_cannot_copy_twice_gets_a_fresh_one_each_save(
     run.manager.wait()
     assert run.manager.available_steps() == [3]
 
-    fresh = make_run(tmp_path, seed=1)
-    assert fresh.manager.load() == 3 and fresh.train_state.step == 3
-    assert torch.equal(torch.rand(5), rand_after_save)
-    assert train(fresh, 2) == expected
-    assert_equal_states(params(fresh), params(run))
-    assert_equal_states(optim_state(fresh), optim_state(run))
+    assert_resumes_exactly(tmp_path, run, 3, rand_after_save, expected)
