@@ -23,7 +23,7 @@ import pytest
 from tests.test_faults import _worker_pid
 from tests.test_resume import DEBUG_CONFIG, assert_identical, checkpoint, losses
 from titan_contrastive.components.run_lock import LOCK_FILE
-from titan_contrastive.exit_codes import EXIT_CODES
+from titan_contrastive.exit_codes import EXIT_CODES, STOPPED
 from titan_contrastive.launch import stopped, with_stop_signals
 from titan_contrastive.train import main
 
@@ -265,3 +265,43 @@ def test_launcher_handles_sigusr1_and_reports_a_stop_cut_short() -> None:
         "run_train.sh: stopped by SIGTERM, exit code 143; not stopped after a step: local rank 1 killed by SIGKILL; "
         "if a step and a save take longer than TITAN_PREEMPT_GRACE_SECONDS=120 seconds, raise it"
     )
+
+
+def test_an_older_torchruns_stop_gets_the_stop_grace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.6-2.12's agent (the GPU image's 2.11) has no --shutdown-timeout: on a stop signal it closes
+    the ranks from its `except SignalException` with no timeout. That close, on a real rank that takes
+    a moment to save after SIGTERM, waits the stop grace, not the grace after a failure (here 0 s, which
+    would SIGKILL the rank before its save); outside a signal's handling it stays the failure grace."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+    from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
+
+    from titan_contrastive.launch import honour_shutdown_timeout
+
+    monkeypatch.setattr(PContext, "close", PContext.close)  # the launcher's patch of it is undone after the test
+    honour_shutdown_timeout(0, 60)
+    rank = (  # a rank that saves for 0.5 s after SIGTERM, then exits 5 (STOPPED)
+        "import pathlib, signal, sys, time; "
+        "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.5), sys.exit(5))); "
+        "pathlib.Path(sys.argv[1]).touch(); time.sleep(120)"
+    )
+
+    def run_rank(name: str) -> PContext:
+        ready = tmp_path / name
+        ranks = start_processes(
+            name, sys.executable, {0: ("-c", rank, str(ready))}, {0: {}}, DefaultLogsSpecs(log_dir=str(tmp_path))
+        )
+        deadline = time.monotonic() + 60
+        while not ready.exists():  # its handler is set
+            assert time.monotonic() < deadline and ranks.pids()[0] > 0
+            time.sleep(0.02)  # polling interval, not a wait for timing
+        return ranks
+
+    ranks = run_rank("stopped")
+    try:
+        raise SignalException("the launcher got SIGTERM", sigval=signal.SIGTERM)
+    except SignalException as e:
+        ranks.close(e.sigval)  # as torch 2.11's agent does
+    assert ranks.subprocess_handlers[0].proc.wait(timeout=60) == STOPPED
+    ranks = run_rank("failed")
+    ranks.close(signal.SIGTERM)  # its restart or clean-up close: the failure grace, 0 s
+    assert ranks.subprocess_handlers[0].proc.wait(timeout=60) == -signal.SIGKILL

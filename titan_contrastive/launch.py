@@ -13,7 +13,8 @@ Stopped by the cluster: when the launcher itself gets SIGTERM (scancel, Kubernet
 step, save a checkpoint and exit 5 (`components/preemption.py`); the launcher waits for them up to
 TITAN_PREEMPT_GRACE_SECONDS (default 120: room for a step and a large save) before SIGKILL, and
 exits 5 when every rank did. That wait is torchrun's own `--shutdown-timeout`, which torchrun
-applies to the signals it handles, and SIGUSR1 is added to the signals it handles. The wait after
+applies to the signals it handles (before torch 2.13, which lacks it, `honour_shutdown_timeout`
+applies it), and SIGUSR1 is added to the signals it handles. The wait after
 a rank *fails* stays TORCH_ELASTIC_SHUTDOWN_TIMEOUT (`honour_shutdown_timeout`), and so does the
 wait after other signals (Ctrl-C), so a hung job still ends quickly.
 """
@@ -79,9 +80,12 @@ def shown_ranks(local_ranks_filter: str) -> set[int] | None:
     return {int(r) for r in local_ranks_filter.split(",")} if local_ranks_filter else None
 
 
-def honour_shutdown_timeout(seconds: int | None, exit_codes: dict[int, int | None] | None = None) -> None:
+def honour_shutdown_timeout(
+    seconds: int | None, stop_grace: int, exit_codes: dict[int, int | None] | None = None
+) -> None:
     """Make `seconds` the SIGTERM-to-SIGKILL grace that torchrun gives the other ranks after one fails,
-    and after a signal other than SIGTERM/SIGUSR1; record each rank's exit code in `exit_codes`.
+    and after a signal other than SIGTERM/SIGUSR1, and `stop_grace` the grace after SIGTERM/SIGUSR1;
+    record each rank's exit code in `exit_codes`.
 
     torchrun's --shutdown-timeout / TORCH_ELASTIC_SHUTDOWN_TIMEOUT reaches only its own signal
     handling: after a worker fails, `PContext.close()` stops the others with its default of 30 s
@@ -89,14 +93,18 @@ def honour_shutdown_timeout(seconds: int | None, exit_codes: dict[int, int | Non
     kernel, or handling it) would keep the job alive 30 s more. Here --shutdown-timeout is the stop grace
     (see the module docstring), so the signals that do not stop with a checkpoint are capped at
     `seconds` too; torchrun's other explicit timeouts (restarts) are unaffected. `seconds=None`
-    keeps torchrun's waits. The exit codes tell a stop in which every rank saved (all `STOPPED`)
+    keeps torchrun's waits. An older torchrun (torch 2.6-2.12, no --shutdown-timeout) closes the ranks
+    after a signal with no timeout at all, from inside its handling of it: a stop signal gets
+    `stop_grace` there too. The exit codes tell a stop in which every rank saved (all `STOPPED`)
     from one cut short: torchrun drops them when it was signalled.
     """
     close = PContext.close
 
     def close_within(self, death_sig=None, timeout=None) -> None:
         if timeout is None:
-            timeout = 30 if seconds is None else seconds
+            handling = sys.exc_info()[1]  # the older agent closes from its `except SignalException`
+            stop = isinstance(handling, SignalException) and handling.sigval in STOP_SIGNALS
+            timeout = stop_grace if stop else 30 if seconds is None else seconds
         elif death_sig is not None and death_sig not in STOP_SIGNALS and seconds is not None:
             timeout = min(timeout, seconds)
         close(self, death_sig, timeout)
@@ -161,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     exit_codes: dict[int, int | None] = {}
-    honour_shutdown_timeout(grace_after_failure, exit_codes)
+    honour_shutdown_timeout(grace_after_failure, stop_grace, exit_codes)
     args.shutdown_timeout = stop_grace  # torchrun's agent: from forwarding the signal it got to SIGKILL
     args.signals_to_handle = with_stop_signals(args.signals_to_handle)
     try:

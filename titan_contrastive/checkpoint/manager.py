@@ -57,6 +57,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -138,9 +139,9 @@ class CheckpointManager:
         self.background = cfg.enable and cfg.async_mode != "disabled"
         self._pending = BackgroundSave()
         self._staging: str | None = None  # what the pinned mode's copy in flight saves
-        pinned = self.background and cfg.async_mode == "async_with_pinned_mem"
-        self._stager = reused_stager() if pinned else None
-        self._stager_per_save = pinned and not stager_survives_reuse()  # torch 2.11 (`writer.py`)
+        self._pinned = self.background and cfg.async_mode == "async_with_pinned_mem"
+        self._stager: DefaultStager | None = None  # made at the first pinned save, once the step used the device
+        self._stager_per_save = self._pinned and not stager_survives_reuse()  # torch 2.11 (`writer.py`)
         # the background saves' collectives (DCP's, the barrier, the outcome) on a group of their own
         self._save_group = dist.new_group(backend="gloo") if self.background and self._distributed() else None
 
@@ -213,8 +214,9 @@ class CheckpointManager:
             self._write(step, tmp, lambda: self._dcp(dcp.save, tmp, what))
             complete()
             return
-        if self._stager_per_save:  # the save before is written (the wait above): its stager can go
-            self._stager.close()
+        if self._pinned and (self._stager is None or self._stager_per_save):
+            if self._stager is not None:  # torch 2.11: the save before is written (the wait above)
+                self._stager.close()
             self._stager = reused_stager()
         if self._stager is not None and torch.cuda.is_available():
             torch.cuda.synchronize()  # the stager's stream copies the state once the step's kernels wrote it
