@@ -65,6 +65,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
+# a step's `timeout` stops run_train.sh with SIGTERM: the ranks finish their step (and save where checkpointing is
+# on) within this, not the default 120 s, so a stage overruns its limit by at most this much
+export TITAN_PREEMPT_GRACE_SECONDS=${TITAN_PREEMPT_GRACE_SECONDS:-30}
 step() { echo "== $*"; timeout "$1" "${@:2}" 2>&1 | tee -a "$out/gpu_session.log" | tail -40; echo "== exit ${PIPESTATUS[0]}"; }
 case "${1:-}" in
   wheels)
