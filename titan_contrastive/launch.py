@@ -13,7 +13,7 @@ Stopped by the cluster: when the launcher itself gets SIGTERM (scancel, Kubernet
 step, save a checkpoint and exit 5 (`components/preemption.py`); the launcher waits for them up to
 TITAN_PREEMPT_GRACE_SECONDS (default 120: room for a step and a large save) before SIGKILL, and
 exits 5 when every rank did. That wait is torchrun's own `--shutdown-timeout`, which torchrun
-applies to the signals it handles (before torch 2.13, which lacks it, `honour_shutdown_timeout`
+applies to the signals it handles (torchrun before torch 2.13 lacks it; there `honour_shutdown_timeout`
 applies it), and SIGUSR1 is added to the signals it handles. The wait after
 a rank *fails* stays TORCH_ELASTIC_SHUTDOWN_TIMEOUT (`honour_shutdown_timeout`), and so does the
 wait after other signals (Ctrl-C), so a hung job still ends quickly.
