@@ -137,7 +137,10 @@ def test_stop_and_resume_is_bit_identical(tmp_path: Path, uninterrupted: Callabl
     assert_identical(final_got, final_want)
 
 
-@pytest.mark.parametrize("mode, copied", [("async", "copied"), ("async_with_pinned_mem", "copy started")])
+@pytest.mark.parametrize(
+    "mode, copied",  # async: slow (~16 s; test_checkpoint_async's two-process FSDP2 save covers the mode by default)
+    [pytest.param("async", "copied", marks=pytest.mark.slow), ("async_with_pinned_mem", "copy started")],
+)
 def test_background_checkpoints_equal_synchronous_ones(
     tmp_path: Path, uninterrupted: Callable[[int], Path], mode: str, copied: str
 ) -> None:

@@ -455,6 +455,7 @@ print(json.dumps({"forward 64": counts(st._lse_pass_kernel, 64, 128, 4, 3),
 """
 
 
+@pytest.mark.slow  # ~18 s of compiling for sm_90a on 2 cores
 def test_the_kernels_spend_few_instructions_per_logit_on_hopper() -> None:
     """benchmarks/kernel_sass.py's counts on sm_90a SASS, for the tiles an H100 chose and the
     128-row forward tiles: every exponential is one MUFU.EX2 without the subnormal fix-up that
