@@ -337,18 +337,19 @@ def test_a_failed_pinned_copy_is_raised_before_the_optimizer_step(
 def test_a_stager_that_cannot_copy_twice_gets_a_fresh_one_each_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """torch 2.11's DCP stager closes its cache at the end of each copy, so a second copy fails
-    (pytorch/pytorch#183413; on a later torch reproduced by closing it so): the manager finds out when it
-    is built and gives each save a fresh stager; three saves resume exactly."""
-    real = DefaultStager._stage
+    """torch 2.11's DCP stager closes its cache at the end of each copy, so a second copy fails with a
+    KeyError (pytorch/pytorch#183413; on another torch reproduced by that symptom): the manager finds out
+    when it is built and gives each save a fresh stager; three saves resume exactly."""
+    real = DefaultStager.stage
 
-    def closing_stage(self, state_dict, **kwargs):
-        staged = real(self, state_dict, **kwargs)
-        self._state_dict_stager.close()
-        return staged
+    def stage_once(self, state_dict, **kwargs):
+        if getattr(self, "_copied_once", False):
+            raise KeyError("this stager's cache was closed after its first copy")
+        self._copied_once = True
+        return real(self, state_dict, **kwargs)
 
     if stager_survives_reuse():  # a torch with the fix: the patch is what makes a second copy fail
-        monkeypatch.setattr(DefaultStager, "_stage", closing_stage)
+        monkeypatch.setattr(DefaultStager, "stage", stage_once)
     assert not stager_survives_reuse()
     run = make_run(tmp_path, Cfg(async_mode="async_with_pinned_mem", interval=1, keep_latest_k=1))
     for step in (1, 2, 3):

@@ -243,3 +243,26 @@ def test_no_cycle_hides_in_an_import_deferred_into_a_function() -> None:
 def test_the_cycle_finder_finds_one() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_an_older_torch_is_refused_on_import() -> None:
+    """An environment with a torch older than pyproject.toml's floor (a container's, or one installed with
+    --no-deps) gets one line naming both versions, not an ImportError from inside DCP; a two-digit minor
+    version is not compared as text."""
+    from titan_contrastive import MIN_TORCH
+    from titan_contrastive.config.manager import tomllib
+
+    floor = ".".join(map(str, MIN_TORCH))
+    assert f"torch>={floor}" in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+
+    def import_with(version: str) -> subprocess.CompletedProcess:
+        code = f"import torch; torch.__version__ = {version!r}; import titan_contrastive"
+        return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    old = import_with("2.8.0+cu128")
+    assert old.returncode == 1
+    assert old.stderr.strip().splitlines()[-1] == (
+        f"ImportError: titan_contrastive needs torch >= {floor}, this is torch 2.8.0+cu128: "
+        "install a newer torch built for your CUDA (README.md: GPU users) and run again"
+    )
+    assert import_with("2.10.0.dev20260101+cu130").returncode == 0

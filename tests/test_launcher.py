@@ -143,7 +143,7 @@ def test_root_cause_and_signal_codes() -> None:
 
 
 def test_failure_grace_without_torchruns_shutdown_timeout() -> None:
-    """torch 2.6-2.12's torchrun has no --shutdown-timeout (the launcher crashed reading it on the GPU
+    """torch 2.9-2.12's torchrun has no --shutdown-timeout (the launcher crashed reading it on the GPU
     image's torch 2.11): the environment variable, else None; a given flag wins over the variable."""
     from argparse import Namespace
 

@@ -86,9 +86,11 @@ def wait_for_step(job: subprocess.Popen, dump: Path, step: int = 2, seconds: flo
 def finish(job: subprocess.Popen) -> tuple[int, str]:
     try:
         out = job.communicate(timeout=180)[0]
-    finally:
-        if job.poll() is None:
+    finally:  # the whole group: a rank the launcher left behind (e.g. on an unhandled signal) too
+        try:
             os.killpg(job.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return job.returncode, out
 
 
@@ -129,6 +131,21 @@ def test_sigterm_to_the_launcher_saves_and_the_rerun_is_bit_identical(
     want, got = losses(whole), losses(stopped_run)
     assert sorted(got) == list(range(1, reached + 3)) and got == want
     assert_identical(checkpoint(stopped_run, reached + 2), checkpoint(whole, reached + 2))
+
+
+def test_sigusr1_to_the_launcher_stops_the_run_after_a_step(tmp_path: Path) -> None:
+    """Slurm's `--signal=USR1@<seconds>` signals the launcher: it forwards SIGUSR1 to the ranks, which save,
+    and exits 5 (by default SIGUSR1 would end it and leave the ranks running unsupervised). Through
+    --signals-to-handle, or the launcher's own handler on a torchrun without it."""
+    job = start(["./run_train.sh", f"--job.dump_folder={tmp_path}", *RUN, ENDLESS], 1)
+    wait_for_step(job, tmp_path)
+    os.kill(job.pid, signal.SIGUSR1)
+    code, out = finish(job)
+    assert code == 5, out[-3000:]
+    assert "run_train.sh: stopped by SIGUSR1: every rank finished its step, exit code 5" in out, out[-3000:]
+    reached = max(losses(tmp_path))
+    assert f"SIGUSR1: stopped after step {reached}, checkpoint step-{reached} saved" in out
+    assert saved_steps(tmp_path) == [f"step-{reached}"]
 
 
 def test_sigterm_to_the_whole_process_group_with_data_workers(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -268,7 +285,7 @@ def test_launcher_handles_sigusr1_and_reports_a_stop_cut_short() -> None:
 
 
 def test_an_older_torchruns_stop_gets_the_stop_grace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch 2.6-2.12's agent (the GPU image's 2.11) has no --shutdown-timeout: on a stop signal it closes
+    """torch 2.9-2.12's agent (the GPU image's 2.11) has no --shutdown-timeout: on a stop signal it closes
     the ranks from its `except SignalException` with no timeout. That close, on a real rank that takes
     a moment to save after SIGTERM, waits the stop grace, not the grace after a failure (here 0 s, which
     would SIGKILL the rank before its save); outside a signal's handling it stays the failure grace."""

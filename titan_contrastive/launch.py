@@ -14,7 +14,7 @@ step, save a checkpoint and exit 5 (`components/preemption.py`); the launcher wa
 TITAN_PREEMPT_GRACE_SECONDS (default 120: room for a step and a large save) before SIGKILL, and
 exits 5 when every rank did. That wait is torchrun's own `--shutdown-timeout`, which torchrun
 applies to the signals it handles (torchrun before torch 2.13 lacks it; there `honour_shutdown_timeout`
-applies it), and SIGUSR1 is added to the signals it handles. The wait after
+applies it), and SIGUSR1 is added to the signals it handles (`handle_stop_signals`). The wait after
 a rank *fails* stays TORCH_ELASTIC_SHUTDOWN_TIMEOUT (`honour_shutdown_timeout`), and so does the
 wait after other signals (Ctrl-C), so a hung job still ends quickly.
 """
@@ -93,7 +93,7 @@ def honour_shutdown_timeout(
     kernel, or handling it) would keep the job alive 30 s more. Here --shutdown-timeout is the stop grace
     (see the module docstring), so the signals that do not stop with a checkpoint are capped at
     `seconds` too; torchrun's other explicit timeouts (restarts) are unaffected. `seconds=None`
-    keeps torchrun's waits. An older torchrun (torch 2.6-2.12, no --shutdown-timeout) closes the ranks
+    keeps torchrun's waits. An older torchrun (torch 2.9-2.12, no --shutdown-timeout) closes the ranks
     after a signal with no timeout at all, from inside its handling of it: a stop signal gets
     `stop_grace` there too. The exit codes tell a stop in which every rank saved (all `STOPPED`)
     from one cut short: torchrun drops them when it was signalled.
@@ -129,6 +129,21 @@ def with_stop_signals(signals: str) -> str:
     would end the launcher and leave the ranks running unsupervised)."""
     names = [s.strip() for s in signals.split(",") if s.strip()]
     return ",".join(names + [sig.name for sig in STOP_SIGNALS if sig.name not in names])
+
+
+def handle_stop_signals(args: object) -> None:
+    """Have torchrun's agent forward SIGTERM and SIGUSR1 to the ranks: a torchrun with --signals-to-handle
+    (torch 2.10 and later) is given them there; an older one handles SIGTERM, SIGINT, SIGHUP and SIGQUIT
+    only, by raising its SignalException from a handler: SIGUSR1 gets that handler here."""
+    if hasattr(args, "signals_to_handle"):
+        args.signals_to_handle = with_stop_signals(args.signals_to_handle)
+        return
+
+    def raise_signal_exception(signum: int, frame: object) -> None:
+        raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.Signals(signum))
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, raise_signal_exception)
 
 
 def stopped(sig: signal.Signals, exit_codes: dict[int, int | None], grace: int) -> tuple[int, str]:
@@ -171,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_codes: dict[int, int | None] = {}
     honour_shutdown_timeout(grace_after_failure, stop_grace, exit_codes)
     args.shutdown_timeout = stop_grace  # torchrun's agent: from forwarding the signal it got to SIGKILL
-    args.signals_to_handle = with_stop_signals(args.signals_to_handle)
+    handle_stop_signals(args)
     try:
         torchrun.run(args)
     except ChildFailedError as e:

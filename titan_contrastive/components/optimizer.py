@@ -41,5 +41,10 @@ def clip_grad_norm(
     gradients; gradients are clipped to `max_norm` when it is > 0."""
     if scaler is not None:
         scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True)
-    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    if isinstance(norm, DTensor):  # torch 2.9 leaves it partial over the shards, and the clip coefficient's
+        norm = norm.full_tensor()  # `norm + 1e-6` would then add 1e-6 to each rank's part
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm.item()
