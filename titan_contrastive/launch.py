@@ -134,7 +134,8 @@ def with_stop_signals(signals: str) -> str:
 def handle_stop_signals(args: object) -> None:
     """Have torchrun's agent forward SIGTERM and SIGUSR1 to the ranks: a torchrun with --signals-to-handle
     (torch 2.10 and later) is given them there; an older one handles SIGTERM, SIGINT, SIGHUP and SIGQUIT
-    only, by raising its SignalException from a handler: SIGUSR1 gets that handler here."""
+    only, by raising its SignalException from a handler: SIGTERM and SIGUSR1 get such a handler here
+    (torchrun sets its own for SIGTERM when the ranks start; before that, ours reports the stop)."""
     if hasattr(args, "signals_to_handle"):
         args.signals_to_handle = with_stop_signals(args.signals_to_handle)
         return
