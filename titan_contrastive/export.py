@@ -51,6 +51,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from titan_contrastive.extras import import_failure
+
 FORMATS = ("hf", "open_clip", "sentence-transformers", "peft")
 """The built-in families' formats; a registered family may add its own (`StateDictAdapter.writes`)."""
 MARKER = ".titan_contrastive_export.json"
@@ -269,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(args.custom_import)
         export(args.src, args.out, args.to, tower=args.tower, overwrite=args.overwrite)
     except ImportError as e:
-        print(f"error: --to {args.to} needs {e.name}: pip install -e '.[hf]'", file=sys.stderr)
+        print(f"error: {import_failure(e, f'--to {args.to}', 'hf')}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

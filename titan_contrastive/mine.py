@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_contrastive.atomic_write import write_atomically
+from titan_contrastive.extras import import_failure
 
 OUT_FORMATS = (".jsonl", ".parquet", ".csv")
 SEARCH_BYTES = 1 << 28
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out, written, left = run(opts)
     except ImportError as e:
-        print(f"error: mining needs {e.name}: pip install -e '.[hf,data]'", file=sys.stderr)
+        print(f"error: {import_failure(e, 'mining', 'hf,data')}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as e:  # MineError, DataError, WeightsError, sentence-transformers' own checks
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

