@@ -31,7 +31,8 @@ def test_every_floor_is_pinned_in_scripts_floors_txt() -> None:
         *(r for extra in project["optional-dependencies"].values() for r in extra),
     ]
     floors = floors_in(requirements)
-    assert floors.pop("torch") == "2.9" and len(floors) >= 15, floors
+    floors.pop("torch")  # its floor is MIN_TORCH (tests/test_imports.py)
+    assert len(floors) >= 15, floors  # the parser read them all
     pins = {}
     for line in (REPO / "scripts" / "floors.txt").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
