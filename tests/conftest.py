@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.needs import require
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -33,7 +35,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def guide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """MiniLM with every weight moved by a third of its spread, saved as a sentence-transformers
     folder: the same tokenizer as the bundled MiniLM, other cosines (a guide's or a teacher's)."""
-    pytest.importorskip("sentence_transformers")
+    require("hf")
     from tests.test_objectives_vs_sentence_transformers import _model, perturbed
 
     model = perturbed(_model()).float()

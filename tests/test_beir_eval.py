@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from tests.hf_folders import encoder_folder
+from tests.needs import needs
 from tests.test_hf_text import folder_run
 from tests.test_retrieval_metrics import write_beir
-from tests.test_wordnet_bi_encoder import needs_hf
 from titan_contrastive.components.beir_eval import BUNDLED, evaluate_beir, load_beir, pair_embedders
 
 METRICS = {"ndcg@10", "mrr@10", "map@100", "recall@1", "recall@10", "recall@100"}
@@ -30,7 +30,7 @@ def test_the_bundled_set() -> None:
     assert (BUNDLED / "LICENSE").is_file()
 
 
-@needs_hf
+@needs("hf")
 def test_the_evaluator_equals_sentence_transformers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """The bundled MiniLM through our evaluator (CLI) and through InformationRetrievalEvaluator."""
     from sentence_transformers import SentenceTransformer
@@ -79,7 +79,7 @@ def _on_ranks(folder: str, model_folder: str, out: str) -> None:
     torch.save(results, Path(out) / f"rank{dist.get_rank()}.pt")
 
 
-@needs_hf
+@needs("hf")
 def test_two_processes_give_what_one_gives(tmp_path: Path) -> None:
     """Each rank embeds its shard (odd sizes: 5 queries, 7 documents over 2 ranks in batches of 2)."""
     from tests.hf_folders import WORDS
@@ -96,7 +96,7 @@ def test_two_processes_give_what_one_gives(tmp_path: Path) -> None:
     assert set(one) == {f"beir/{m}" for m in METRICS}
 
 
-@needs_hf
+@needs("hf")
 def test_training_evaluates_on_a_beir_folder(tmp_path: Path) -> None:
     """`[eval] beir_path`: the metrics land in metrics.jsonl with the run's other evaluation."""
     trainer = folder_run(
@@ -114,7 +114,7 @@ def test_training_evaluates_on_a_beir_folder(tmp_path: Path) -> None:
     assert {f"beir/{m}" for m in METRICS} <= set(evaluated) and 0 <= evaluated["beir/ndcg@10"] <= 1
 
 
-@needs_hf
+@needs("hf")
 def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from titan_contrastive.evaluate import main
 

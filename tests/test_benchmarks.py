@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from benchmarks import harness
+from tests.needs import require
 
 REPO = Path(__file__).resolve().parents[1]
 # the benchmarks; not the harness, nor a `_`-prefixed module: a part of one (`_harness_results`, `_peers_sides`)
@@ -204,8 +205,7 @@ def test_decoder_lora_bench_search_doubles_to_oom_and_halves_a_start_that_does_n
 def test_decoder_lora_bench_runs_a_tiny_decoder_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """benchmarks/decoder_lora_bench.py end to end on CPU (what gpu_session.sh 7 runs at 0.6B on an H100): a
     tiny random Qwen3-like folder with LoRA through the trainer's own step, plain and GradCache at 4 and 8."""
-    pytest.importorskip("transformers", reason="needs the optional extra: pip install -e '.[hf]'")
-    pytest.importorskip("peft", reason="needs the optional extra: pip install -e '.[hf]'")
+    require("hf")
     from benchmarks import decoder_lora_bench
 
     cmd = ["--size", "tiny", "--device", "cpu", "--seq-len", "16", "--start-batch", "4", "--chunk", "2"]
@@ -232,7 +232,7 @@ def test_qwen_vl_chunks_quick_measures_every_chunk_and_the_budget_bounds_its_tok
     """benchmarks/qwen_vl_chunks.py --quick: a tiny random Qwen2-VL through the trainer's own step, fixed GradCache
     chunks, token budgets and the plain step on one batch of mixed image sizes; per chunk its tokens and the bytes
     it saves for backward; a budget's chunks stay within it, and every variant trains to the same loss."""
-    pytest.importorskip("transformers", reason="needs the optional extra: pip install -e '.[hf]'")
+    require("hf")
     from benchmarks import qwen_vl_chunks
 
     qwen_vl_chunks.main(["--quick", "--out", str(tmp_path)])  # in this process
@@ -262,8 +262,7 @@ def test_qwen_vl_chunks_quick_measures_every_chunk_and_the_budget_bounds_its_tok
 def test_qwen_vl_chunks_gpu_mode_runs_on_cpu_with_a_tiny_model(tmp_path: Path) -> None:
     """benchmarks/qwen_vl_chunks.py --gpu (what gpu_session.sh 8 runs at 2B on an H100) on CPU: a tiny random
     Qwen2-VL with LoRA, plain and GradCache with a token budget, the batch doubled from 4 to --max-batch 8."""
-    pytest.importorskip("transformers", reason="needs the optional extra: pip install -e '.[hf]'")
-    pytest.importorskip("peft", reason="needs the optional extra: pip install -e '.[hf]'")
+    require("hf")
     from benchmarks import qwen_vl_chunks
 
     cmd = ["--gpu", "--size", "tiny", "--device", "cpu", "--image-sizes", "28", "56", "--chunk-tokens", "40"]

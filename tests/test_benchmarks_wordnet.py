@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.needs import needs
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -91,6 +93,7 @@ def test_wordnet_directions_changes_only_the_objective(tmp_path: Path) -> None:
     }
 
 
+@needs("hf")
 def test_wordnet_guide_changes_only_the_mask(tmp_path: Path) -> None:
     """benchmarks.wordnet_guide: each variant's command is a valid config, one-way with the sibling
     negatives, that differs only in its mask: none, the margin on the model's cosines, the margin on
@@ -114,6 +117,7 @@ def test_wordnet_guide_changes_only_the_mask(tmp_path: Path) -> None:
     }
 
 
+@needs("hf")
 def test_wordnet_distill_changes_only_the_loss(tmp_path: Path) -> None:
     """benchmarks.wordnet_distill: each variant's command is a valid config training the student
     folder (the `teacher` run: the bundled MiniLM, checkpointed) on a scored file, one-way, that

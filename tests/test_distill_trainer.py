@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.needs import needs, require
 from tests.test_hard_negatives import (
     REL,
     WORDS,
@@ -26,7 +27,6 @@ from tests.test_hard_negatives import (
     pairs_file,
 )
 from tests.test_trainer import full, grads
-from tests.test_wordnet_bi_encoder import needs_hf
 from titan_contrastive.batching import TEACHER_SCORES, with_negatives
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.pairs import read_rows
@@ -102,14 +102,14 @@ def _step(tmp: Path, kind: str) -> None:
     trainer.metrics.close()
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_distillation_in_every_step_kind_equals_the_dense_objective(tmp_path: Path, kind: str) -> None:
     scored_pairs_file(tmp_path)
     _step(tmp_path, kind)
 
 
-@needs_hf
+@needs("hf")
 def test_distillation_under_gradcache_with_dropout_on(tmp_path: Path) -> None:
     """The chunks' dropout masks replayed: the step equals the distilled objective over the same forwards."""
     scored_pairs_file(tmp_path)
@@ -123,7 +123,7 @@ def test_distillation_under_gradcache_with_dropout_on(tmp_path: Path) -> None:
     assert_step_equals_its_forwards(trainer, [batch], trainer.step_context.split(batch, 3), seed=3, objective=objective)
 
 
-@needs_hf
+@needs("hf")
 def test_a_distilled_run_trains_logs_and_evaluates_on_its_own_scored_file(tmp_path: Path) -> None:
     """Two global-negatives steps and the evaluation on the same scored file held out (its scores left
     unread there: evaluation's loss is the contrastive objective's, on the positives)."""
@@ -199,7 +199,7 @@ def taught_reference(trainer, samples: dict) -> tuple[float, dict[str, torch.Ten
     return loss.item(), grads(model)
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize("kind", list(MODEL_KINDS))
 def test_a_teacher_models_kl_in_every_step_kind_equals_the_dense_objective(
     tmp_path: Path, guide_dir: Path, kind: str
@@ -228,7 +228,7 @@ def test_a_teacher_models_kl_in_every_step_kind_equals_the_dense_objective(
     trainer.metrics.close()
 
 
-@needs_hf
+@needs("hf")
 def test_a_teacher_model_is_refused_where_it_cannot_work(tmp_path: Path, guide_dir: Path) -> None:
     from tests.test_trainer import make_trainer as clip_trainer
     from titan_contrastive.config import ConfigError
@@ -254,7 +254,7 @@ def _step_distributed(tmp: str) -> None:
     _step(Path(tmp), "global-kl-matryoshka-mask")
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.slow  # ~15 s; the objective's forms run on 2 and 4 processes in test_distill.py
 def test_distillation_under_global_negatives_on_two_ranks(tmp_path: Path) -> None:
     """FSDP2 on 2 gloo processes: each rank's teacher scores are gathered into the global problem's."""
@@ -275,8 +275,9 @@ def test_teacher_scores_from_every_format_and_as_margins(tmp_path: Path, fmt: st
         ]
         path.write_text("\n".join(lines) + "\n")
     else:
-        pq = pytest.importorskip("pyarrow.parquet")
+        require("data")
         import pyarrow as pa
+        import pyarrow.parquet as pq
 
         pq.write_table(pa.Table.from_pylist(rows), path)
     got = read_rows(str(path), max_bad_fraction=0.5, teacher="kl")
@@ -310,7 +311,7 @@ def test_bad_teacher_data_is_a_clear_error(tmp_path: Path) -> None:
             read_rows(str(text), teacher="kl")
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize(
     "options, match",
     [
@@ -324,7 +325,7 @@ def test_distillation_settings_the_data_cannot_serve_are_refused(tmp_path: Path,
         make_trainer(tmp_path, "--loss.distill=kl", *options)
 
 
-@needs_hf
+@needs("hf")
 def test_rows_without_hard_negatives_are_refused(tmp_path: Path) -> None:
     (tmp_path / "pairs.jsonl").write_text(
         "".join(json.dumps(dict(query=q, positive=p, label=[1.0])) + "\n" for q, p, *_ in WORDS)

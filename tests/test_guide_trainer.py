@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.needs import needs
 from tests.test_hard_negatives import REL, K, assert_grads_close, make_trainer, pairs_file
 from tests.test_trainer import full, grads
-from tests.test_wordnet_bi_encoder import needs_hf
 from titan_contrastive.batching import document_ids, with_negatives
 from titan_contrastive.config import ConfigError
 from titan_contrastive.losses import build_objective, split_documents, split_ids
@@ -96,7 +96,7 @@ def _step(tmp: Path, guide: Path, kind: str) -> None:
     trainer.metrics.close()
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_guide_decides_the_masks_in_every_step_kind_exactly(tmp_path: Path, guide_dir: Path, kind: str) -> None:
     pairs_file(tmp_path)
@@ -109,7 +109,7 @@ def _step_distributed(tmp: str, guide: str) -> None:
     _step(Path(tmp), Path(guide), "global-gte-margin-duplicates")
 
 
-@needs_hf
+@needs("hf")
 def test_a_guide_with_another_tokenizer_trains_exactly(tmp_path: Path) -> None:
     """A tiny word-level BERT guides MiniLM: it reads MiniLM's token ids as text (`Retokenizer`), and
     global negatives with GTE's directions equal the dense objective with its masks."""
@@ -119,7 +119,7 @@ def test_a_guide_with_another_tokenizer_trains_exactly(tmp_path: Path) -> None:
     _step(tmp_path, encoder_folder(tmp_path, dropout=0.0), "global-gte-margin-duplicates")
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.slow  # 16 s: the default suite's time; the objective's forms run on 2 and 4 processes in test_guide.py
 def test_a_guide_under_global_negatives_on_two_ranks(tmp_path: Path, guide_dir: Path) -> None:
     """FSDP2 on 2 gloo processes: each rank's guide embeddings are gathered into the global problem's."""
@@ -139,7 +139,7 @@ class WithoutGuide:
         return getattr(self.inner, name)
 
 
-@needs_hf
+@needs("hf")
 def test_a_guide_is_refused_where_it_cannot_work(tmp_path: Path, guide_dir: Path, monkeypatch) -> None:
     """Without a margin or relative mask; for a family without guides; with the model's tokenizer and
     fewer positions than its sequences; a folder that holds no model; a registered objective without

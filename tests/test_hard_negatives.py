@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_utils import run_distributed
+from tests.needs import needs
 from tests.test_distributed_clip import GradRecorder
 from tests.test_trainer import assert_close, full, grads
-from tests.test_wordnet_bi_encoder import needs_hf
 from titan_contrastive.batching import document_ids, padded_fields, token_chunks, trim_padding, with_negatives
 from titan_contrastive.distributed_clip import DistributedClipError, distributed_train_step
 from titan_contrastive.losses import InfoNCE, build_objective, split_documents, split_ids
@@ -190,7 +190,7 @@ def _step(tmp: Path, kind: str) -> None:
     trainer.metrics.close()
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_hard_negatives_in_every_step_kind_equal_the_dense_objective(tmp_path: Path, kind: str) -> None:
     pairs_file(tmp_path)
@@ -203,14 +203,14 @@ def _step_distributed(tmp: str) -> None:
     _step(Path(tmp), "global")
 
 
-@needs_hf
+@needs("hf")
 def test_hard_negatives_under_global_negatives_on_two_ranks(tmp_path: Path) -> None:
     """FSDP2 on 2 gloo processes: every rank's hard negatives are columns of every query."""
     pairs_file(tmp_path)
     run_distributed(_step_distributed, 2, str(tmp_path))
 
 
-@needs_hf
+@needs("hf")
 def test_hard_negatives_with_dropout_on(tmp_path: Path) -> None:
     """Global negatives with MiniLM's dropout on: the re-forward replays each microbatch's dropout, so
     the step equals the dense objective over the same forwards (the microbatches encoded in order
@@ -293,7 +293,7 @@ def test_distributed_train_step_takes_hard_negatives(world: int) -> None:
     run_distributed(_seed_api, world, K)
 
 
-@needs_hf
+@needs("hf")
 def test_duplicate_mask_trains_and_evaluates(tmp_path: Path) -> None:
     """With the duplicate mask a run trains and evaluates: the eval loss leaves the mask out (its
     embeddings come without token ids) and is the plain objective over the held-out pairs."""

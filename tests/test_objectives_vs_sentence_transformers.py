@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_wordnet_bi_encoder import needs_hf
+from tests.needs import needs
 from titan_contrastive.losses import Distillation, Distilled, FalseNegatives, Hardness, InfoNCE, Matryoshka
 from titan_contrastive.losses.guide import Guide
 
@@ -85,7 +85,7 @@ def _assert_same(got: tuple, want: tuple) -> None:
         assert err <= REL, f"{name}: {err:.2e}"
 
 
-@needs_hf
+@needs("hf")
 def test_one_way_infonce_with_hard_negatives_is_multiple_negatives_ranking_loss() -> None:
     losses = _st_losses()
     model = _model()
@@ -96,7 +96,7 @@ def test_one_way_infonce_with_hard_negatives_is_multiple_negatives_ranking_loss(
     _assert_same(_ours(model, InfoNCE(symmetric=False)), want)
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize("mini_batch_size", [3, 16])
 def test_gradcache_objective_is_cached_multiple_negatives_ranking_loss(mini_batch_size: int) -> None:
     """CachedMNRL (sentence-transformers' GradCache) with hard negatives, mini-batches of 3 that
@@ -110,7 +110,7 @@ def test_gradcache_objective_is_cached_multiple_negatives_ranking_loss(mini_batc
     _assert_same(_ours(model, InfoNCE(symmetric=False)), want)
 
 
-@needs_hf
+@needs("hf")
 def test_symmetric_infonce_is_both_directions_per_direction() -> None:
     """MNRL with directions query_to_doc and doc_to_query, each its own softmax, averaged: our
     symmetric InfoNCE (the document -> query direction over the positives)."""
@@ -125,7 +125,7 @@ def test_symmetric_infonce_is_both_directions_per_direction() -> None:
     _assert_same(_ours(model, InfoNCE(symmetric=True)), want)
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize(
     "directions",
     [
@@ -152,7 +152,7 @@ def test_joint_directions_are_multiple_negatives_ranking_loss_joint(directions: 
 GTE = ("query_to_query", "doc_to_query", "doc_to_doc")
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize(
     "mode, directions",
     [
@@ -177,7 +177,7 @@ def test_hardness_weighting_is_multiple_negatives_ranking_loss_hardness(mode: st
     _assert_same(_ours(model, InfoNCE(False, directions=directions, hardness=Hardness(mode, 9.0))), want)
 
 
-@needs_hf
+@needs("hf")
 def test_gist_embed_loss_with_its_anchor_and_positive_terms_is_joint_directions_with_the_mask() -> None:
     """GISTEmbedLoss's defaults (anchor-anchor and positive-positive terms) with the model as its
     own guide, on pairs: joint query_to_query and doc_to_doc, every term masked by the margin (GIST
@@ -203,7 +203,7 @@ def test_gist_embed_loss_with_its_anchor_and_positive_terms_is_joint_directions_
     _assert_same(_ours(model, objective, k=0, scale=100.0), want)
 
 
-@needs_hf
+@needs("hf")
 def test_gist_embed_loss_with_another_guide_is_the_mask_on_that_guides_cosines() -> None:
     """GISTEmbedLoss with a guide other than the model (the same tokenizer: GIST does not retokenize)
     and its anchor-anchor and positive-positive terms, on pairs: ours with the same joint directions and
@@ -230,7 +230,7 @@ def test_gist_embed_loss_with_another_guide_is_the_mask_on_that_guides_cosines()
     _assert_same(_ours(model, guided, k=0, scale=100.0), want)
 
 
-@needs_hf
+@needs("hf")
 def test_a_guide_with_another_tokenizer_reads_the_text_as_gist_embed_loss_does(tmp_path) -> None:
     """GISTEmbedLoss re-tokenizes for a guide with another vocabulary: it decodes the model's token
     ids to text (special tokens skipped) and tokenizes that with the guide's tokenizer. Our guide
@@ -280,7 +280,7 @@ def test_a_guide_with_another_tokenizer_reads_the_text_as_gist_embed_loss_does(t
     _assert_same((loss.item(), _grads(model)), want)
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize(
     "strategy, margin, ours",
     [("absolute", 0.05, FalseNegatives(margin=-0.05)), ("relative", 0.1, FalseNegatives(relative=0.9))],
@@ -301,7 +301,7 @@ def test_margin_masks_are_gist_embed_loss_with_the_model_as_its_guide(strategy: 
     _assert_same(_ours(model, InfoNCE(symmetric=False, false_negatives=ours), k=1, scale=100.0), want)
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize("weights", [(1.0, 1.0, 1.0), (1.0, 0.5, 0.25)])
 def test_matryoshka_is_sentence_transformers_matryoshka_loss(weights: tuple[float, ...]) -> None:
     losses = _st_losses()
@@ -319,7 +319,7 @@ TEACHER = torch.tensor([[6.0, 1.5, 2.5], [4.0, -1.0, 5.0], [3.0, 2.0, -2.0], [7.
 """A cross-encoder's scores of each anchor's positive and two negatives (one row ranks a negative first)."""
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize("temperature", [1.0, 0.25])
 def test_kl_distillation_is_distill_kl_div_loss(temperature: float) -> None:
     """DistillKLDivLoss(temperature=T) on a normalizing model: our kl term at t = 1/T, tau = T, times T^2
@@ -333,7 +333,7 @@ def test_kl_distillation_is_distill_kl_div_loss(temperature: float) -> None:
     _assert_same(_ours(model, objective.with_teacher(TEACHER), scale=1 / temperature), want)
 
 
-@needs_hf
+@needs("hf")
 @pytest.mark.parametrize("matryoshka", [False, True])
 def test_margin_mse_distillation_is_margin_mse_loss(matryoshka: bool) -> None:
     """MarginMSELoss with the scores of the positive and both negatives (also under MatryoshkaLoss):
@@ -352,7 +352,7 @@ def test_margin_mse_distillation_is_margin_mse_loss(matryoshka: bool) -> None:
     _assert_same(_ours(model, objective.with_teacher(TEACHER), scale=1.0), want)
 
 
-@needs_hf
+@needs("hf")
 def test_infonce_plus_distillation_is_the_sum_of_the_two_losses() -> None:
     """MultipleNegativesRankingLoss + 0.5 x MarginMSELoss (two losses on one batch, summed) is our
     objective with the term weighted 0.5, at t = 20 for both (MarginMSE's dot product scaled by 20)."""

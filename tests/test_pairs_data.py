@@ -25,15 +25,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.needs import needs
 from tests.test_hard_negatives import assert_grads_close
 from tests.test_trainer import full, grads
-from tests.test_wordnet_bi_encoder import needs_hf, write_wordnet
+from tests.test_wordnet_bi_encoder import write_wordnet
 from titan_contrastive.batching import DOC_IDS, NEGATIVES, BatchError, document_ids, with_negatives
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.loader import build_dataloader
 from titan_contrastive.datasets.pairs import PairsDataset, read_rows
 
-pytestmark = needs_hf
+pytestmark = needs("hf")
 REL = 1e-10
 
 # (id, query, positive, negative 1, negative 2)

