@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import multiprocessing
 import struct
 from pathlib import Path
 
@@ -267,20 +268,32 @@ def test_resume_continues_with_the_same_batches(k: int, world_size: int) -> None
         assert torch.equal(want["text"], got["text"])
 
 
-def test_workers_match_main_process_and_resume() -> None:
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_workers_match_main_process_and_resume(start: str) -> None:
+    """Workers started as Linux does up to Python 3.13 (fork) and as Python 3.14 does (forkserver:
+    the dataset and the loader's functions pickled into a process that shares none of this one's
+    memory, as with macOS's spawn) yield the main process's batches, and resume them."""
+
     def make(workers: int) -> EpochLoader:
         return build_dataloader(
             tiny_dataset(), local_batch_size=8, dp_rank=0, dp_world_size=1, seed=4, num_workers=workers
         )
 
     reference = take(make(0), 12)
-    loader = make(2)
-    first = take(loader, 7)
-    state = loader.state_dict()
-    resumed = make(2)
-    resumed.load_state_dict(state)
-    for want, got in zip(reference, first + take(resumed, 5)):
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(start, force=True)
+    try:
+        loader = make(2)
+        first = take(loader, 7)
+        state = loader.state_dict()
+        resumed = make(2)
+        resumed.load_state_dict(state)
+        rest = take(resumed, 5)
+    finally:
+        multiprocessing.set_start_method(before, force=True)
+    for want, got in zip(reference, first + rest, strict=True):
         assert torch.equal(want["index"], got["index"]) and torch.equal(want["image"], got["image"])
+        assert torch.equal(want["text"], got["text"])
 
 
 def test_datasets_constant() -> None:
