@@ -33,5 +33,6 @@ def needs(*extras: str) -> pytest.MarkDecorator:
 
 def require(*extras: str) -> None:
     """Skips the calling test, fixture or module unless every package of each extra is installed."""
+    __tracebackhide__ = True  # the skip is reported at the caller's line, as pytest.importorskip's
     if not all(installed(e) for e in extras):
         pytest.skip(_reason(extras), allow_module_level=True)

@@ -14,7 +14,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.hf_folders import decoder_folder, encoder_folder
-from tests.needs import needs, require
+from tests.needs import require
 from tests.test_hard_negatives import assert_step_equals_its_forwards
 from tests.test_hf_text import FOLDERS, KINDS, _step, _step_distributed, folder_run
 
@@ -24,7 +24,6 @@ LORA = ("--lora.enable=true", "--lora.rank=4", "--lora.alpha=8")
 REL = 1e-10
 
 
-@needs("hf")
 @pytest.mark.parametrize("arch", list(FOLDERS))
 def test_only_the_adapters_train(tmp_path: Path, arch: str) -> None:
     """peft's default targets for the architecture get adapters; the base gets no gradient, no optimizer
@@ -49,14 +48,12 @@ def test_only_the_adapters_train(tmp_path: Path, arch: str) -> None:
     trainer.metrics.close()
 
 
-@needs("hf")
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("arch", list(FOLDERS))
 def test_every_step_kind_with_lora_equals_the_dense_objective(tmp_path: Path, arch: str, kind: str) -> None:
     _step(tmp_path, arch, kind, *LORA, warm=True)
 
 
-@needs("hf")
 @pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
 @pytest.mark.parametrize("arch", list(FOLDERS))
 def test_lora_global_negatives_on_two_ranks(tmp_path: Path, arch: str, parallel: str) -> None:
@@ -65,7 +62,6 @@ def test_lora_global_negatives_on_two_ranks(tmp_path: Path, arch: str, parallel:
     run_distributed(_step_distributed, 2, str(tmp_path), arch, parallel == "ddp", *LORA)
 
 
-@needs("hf")
 @pytest.mark.parametrize("arch", list(FOLDERS))
 def test_gradcache_replays_lora_dropout(tmp_path: Path, arch: str) -> None:
     """LoRA dropout 0.3 (and the model's own dropout) on: GradCache chunks of 4 over 6 equal the dense
@@ -101,7 +97,6 @@ def _run(tmp: Path, *extra: str):
     )
 
 
-@needs("hf")
 def test_resume_with_lora_is_bit_identical_and_saves_only_adapters(tmp_path: Path) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -130,7 +125,6 @@ def test_resume_with_lora_is_bit_identical_and_saves_only_adapters(tmp_path: Pat
     assert len(want_losses) == 4 and [r["loss"] for r in logged if r.get("kind") == "train"] == want_losses[2:]
 
 
-@needs("hf")
 def test_a_changed_lora_rank_on_resume_is_a_one_line_error(tmp_path: Path) -> None:
     from titan_contrastive.checkpoint import CheckpointError
 
@@ -142,7 +136,6 @@ def test_a_changed_lora_rank_on_resume_is_a_one_line_error(tmp_path: Path) -> No
             _run(tmp_path, "--training.steps=4", change)
 
 
-@needs("hf")
 def test_target_modules_that_match_nothing_are_refused(tmp_path: Path) -> None:
     from titan_contrastive.config import ConfigError
 
@@ -152,7 +145,6 @@ def test_target_modules_that_match_nothing_are_refused(tmp_path: Path) -> None:
         folder_run(tmp_path, "encoder", *LORA, "--training.local_batch_size=6", "--lora.target_modules", "nowhere")
 
 
-@needs("hf")
 def test_exports_merged_and_as_a_peft_adapter(tmp_path: Path) -> None:
     """A LoRA run's step folder: --to sentence-transformers and --to hf hold the merged weights, --to peft
     the adapters alone; each loads in its library (PeftModel over the run's base folder) and gives the
@@ -214,7 +206,6 @@ def test_exports_merged_and_as_a_peft_adapter(tmp_path: Path) -> None:
 SAVED = {"encoder": "word_embeddings", "decoder": "embed_tokens"}
 
 
-@needs("hf")
 @pytest.mark.parametrize("arch", list(FOLDERS))
 def test_modules_to_save_train_in_full_and_the_step_stays_exact(tmp_path: Path, arch: str) -> None:
     """`[lora] modules_to_save`: the word embeddings train in full beside the adapters (their gradient
@@ -231,7 +222,6 @@ def test_modules_to_save_train_in_full_and_the_step_stays_exact(tmp_path: Path, 
     _step(tmp_path / "exact", arch, "gradcache", *LORA, "--lora.modules_to_save", SAVED[arch], warm=True)
 
 
-@needs("hf")
 def test_modules_to_save_reach_the_checkpoint_and_every_export(tmp_path: Path) -> None:
     """The trained embeddings are in the checkpoint (beside the adapters) and in the merged and PEFT
     exports: each export passes the exporter's reload check (its embeddings equal the run's), and the
@@ -269,7 +259,6 @@ def test_modules_to_save_reach_the_checkpoint_and_every_export(tmp_path: Path) -
     assert torch.equal(merged, trained)
 
 
-@needs("hf")
 def test_modules_to_save_that_match_nothing_or_nest_are_refused(tmp_path: Path) -> None:
     from titan_contrastive.config import ConfigError
 

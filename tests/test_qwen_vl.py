@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from tests.hf_folders import vl_folder
-from tests.needs import needs, require
+from tests.needs import require
 from tests.test_hard_negatives import assert_grads_close, assert_step_equals_its_forwards
 from tests.test_hf_text import grads
 from tests.test_trainer import full
@@ -147,7 +147,6 @@ SLOW_KINDS = {("qwen3_vl", "accumulate"), ("qwen3_vl", "global")} | {
 }
 
 
-@needs("hf")
 @pytest.mark.parametrize(
     "arch,kind",
     [pytest.param(a, k, marks=[pytest.mark.slow] if (a, k) in SLOW_KINDS else []) for a in ARCHS for k in KINDS],
@@ -156,13 +155,11 @@ def test_every_step_kind_equals_the_dense_objective(tmp_path: Path, arch: str, k
     _step(tmp_path, arch, kind)
 
 
-@needs("hf")
 @pytest.mark.parametrize("kind", ["gradcache", pytest.param("gradcache-tokens", marks=pytest.mark.slow)])
 def test_with_lora_and_the_images_as_queries(tmp_path: Path, kind: str) -> None:
     _step(tmp_path, "qwen2_vl", kind, *LORA, "--data.retrieval_mode=i2t")
 
 
-@needs("hf")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_activation_checkpointing_of_vision_blocks_and_decoder_layers(tmp_path: Path, arch: str) -> None:
     _step(tmp_path, arch, "gradcache-tokens", "--activation_checkpoint.mode=full")
@@ -176,7 +173,6 @@ def _two_ranks(tmp: str, arch: str, ddp: bool, *extra: str) -> None:
     _step(Path(tmp) / "gc", arch, "gradcache-tokens", *(layout if ddp else []), *extra)
 
 
-@needs("hf")
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel,lora", [("fsdp2", False), ("ddp", True)])
 def test_two_ranks(tmp_path: Path, parallel: str, lora: bool) -> None:
@@ -185,7 +181,6 @@ def test_two_ranks(tmp_path: Path, parallel: str, lora: bool) -> None:
     run_distributed(_two_ranks, 2, str(tmp_path), "qwen2_vl", parallel == "ddp", *(LORA if lora else ()))
 
 
-@needs("hf")
 def test_gradcache_replays_the_dropout_of_both_towers(tmp_path: Path) -> None:
     trainer = vl_run(
         tmp_path, "qwen2_vl", "--training.local_batch_size=6", "--gradcache.enabled=true", "--gradcache.chunk_sizes=4"
@@ -195,7 +190,6 @@ def test_gradcache_replays_the_dropout_of_both_towers(tmp_path: Path) -> None:
     trainer.metrics.close()
 
 
-@needs("hf")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batches_are_what_the_image_processor_and_tokenizer_give(tmp_path: Path, arch: str) -> None:
     """pixel_values and image_grid_thw are the image processor's own output for the same images; each
@@ -267,7 +261,6 @@ def test_token_chunks_keep_every_image_whole() -> None:
         )
 
 
-@needs("hf")
 def test_bad_input_is_one_line(tmp_path: Path) -> None:
     from titan_contrastive.config import ConfigError
     from titan_contrastive.models.qwen_vl.processor import VLProcessor
@@ -289,7 +282,6 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         processor.encode("{image}", [""], [np.zeros((28, 6000, 3), np.uint8)])
 
 
-@needs("hf")
 @pytest.mark.parametrize("lora", [False, True])
 def test_exports_reload_and_embed_as_the_run(tmp_path: Path, lora: bool) -> None:
     """A trained step folder: --to hf (merged with LoRA) and --to peft load back in transformers / peft
@@ -324,7 +316,6 @@ def test_exports_reload_and_embed_as_the_run(tmp_path: Path, lora: bool) -> None
     assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 2
 
 
-@needs("hf")
 def test_resume_with_lora_is_bit_identical(tmp_path: Path) -> None:
     """Four steps at once against two, a checkpoint, and two more from it (LoRA: adapters only)."""
     import json
@@ -423,7 +414,6 @@ def _pictures_csv(root: Path) -> Path:
     return root / "train.csv"
 
 
-@needs("hf")
 @pytest.mark.parametrize("chunks", ["--gradcache.chunk_sizes=4", "--gradcache.chunk_tokens=60"])
 def test_negative_captions_at_native_resolution_equal_the_definition(tmp_path: Path, chunks: str) -> None:
     """i2t on image files at their own sizes, two negative captions per image: every query (image)

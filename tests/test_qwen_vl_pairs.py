@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from tests.hf_folders import vl_folder
-from tests.needs import needs, require
+from tests.needs import require
 from tests.test_hard_negatives import assert_grads_close
 from tests.test_hf_text import grads
 from tests.test_qwen_vl import LORA, REL, _dense, _grid, _pictures_csv, _step, vl_run
@@ -77,7 +77,6 @@ def _vl_pairs_run(tmp: Path, mode: str, *extra: str, bad: bool = False, negative
     )
 
 
-@needs("hf")
 @pytest.mark.parametrize("mode", ["i2i", "t2t", "m2i"])
 @pytest.mark.parametrize("chunks", ["--gradcache.chunk_sizes=4", "--gradcache.chunk_tokens=60"])
 def test_vl_pairs_in_every_mode_equal_the_dense_objective(tmp_path: Path, mode: str, chunks: str) -> None:
@@ -116,7 +115,6 @@ HARD_NEGATIVE_CASES = [
 ]
 
 
-@needs("hf")
 @pytest.mark.parametrize(("mode", "step"), HARD_NEGATIVE_CASES)
 def test_vl_pairs_hard_negatives_equal_the_definition(tmp_path: Path, mode: str, step: str) -> None:
     """Two hard negatives per row (`doc_negatives`: images of their own sizes where the documents are
@@ -154,7 +152,6 @@ def _two_ranks(tmp: str, mode: str, *extra: str) -> None:
 DDP_LORA = ("--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2", *LORA)
 
 
-@needs("hf")
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "negatives", "extra"),
@@ -170,7 +167,6 @@ def test_two_ranks(tmp_path: Path, mode: str, negatives: str, extra: tuple[str, 
     run_distributed(_two_ranks, 2, str(tmp_path), mode, *extra)
 
 
-@needs("hf")
 def test_vl_pairs_bad_rows_are_substituted_and_counted(tmp_path: Path) -> None:
     """m2i: a row whose document image is missing and one whose query text is empty take the next
     row's sample and are counted by reason; the held-out split (data.val_path) evaluates recall."""
@@ -192,7 +188,6 @@ def test_vl_pairs_bad_rows_are_substituted_and_counted(tmp_path: Path) -> None:
     trainer.metrics.close()
 
 
-@needs("hf")
 def test_vl_pairs_bad_negatives_are_substituted_and_held_out_rows_serve_none(tmp_path: Path) -> None:
     """A row with another number of negatives than the first, or a missing negative image, is a bad
     sample like any other; the held-out split serves no negatives (evaluation ranks positives)."""
@@ -216,7 +211,6 @@ def test_vl_pairs_bad_negatives_are_substituted_and_held_out_rows_serve_none(tmp
     trainer.metrics.close()
 
 
-@needs("hf")
 def test_modes_refuse_what_they_cannot_read_in_one_line(tmp_path: Path) -> None:
     """Image-text data in i2i (bundled or files); an image side's template without {image}, a text
     side's with it; vl_pairs with a family without a processor."""
@@ -250,7 +244,6 @@ def test_modes_refuse_what_they_cannot_read_in_one_line(tmp_path: Path) -> None:
         )
 
 
-@needs("hf")
 def test_joined_vl_pairs_files_with_same_source_batches(tmp_path: Path) -> None:
     """Two files in their own folders (image paths relative to each) joined with `::`, the second at
     half weight: its rows come at the joined indices with its own images, a bad row's substitute is
@@ -295,7 +288,6 @@ QUERY_TEMPLATE = "{image} Find the picture that answers: {text}"
 DOC_TEMPLATE = "{image} Summarize above image in one word:"
 
 
-@needs("hf")
 def test_each_joined_vl_pairs_file_has_its_own_templates(tmp_path: Path) -> None:
     """data.query_prompts / doc_prompts with vl_pairs (VLM2Vec's instruction per dataset): two joined
     files in one batch, the first with its own query template, the second with its own document

@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.needs import require
+from tests.needs import installed, require
 from titan_contrastive.config.data import Data
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES, BadSampleLog
@@ -55,20 +55,18 @@ def write_emoji_files(root: Path) -> dict[str, object]:
         writer.writerows(rows)
     write_shards([(str(root / p), c) for p, c in rows], root / "shards", samples_per_shard=64)
     paths = {"csv": str(root / "train.csv"), "webdataset": str(root / "shards" / "{00000..00003}.tar")}
-    try:
+    if installed("data"):
         import datasets
 
         ds = datasets.Dataset.from_dict({"image": [str(root / p) for p, _ in rows], "text": [c for _, c in rows]})
         ds.cast_column("image", datasets.Image()).save_to_disk(str(root / "hf"))
         paths["hf"] = str(root / "hf")
-    except ImportError:
-        pass
     return {"root": root, "bundled": bundled, "paths": paths, "rows": rows}
 
 
 def _dataset(emoji: dict, kind: str, *, augment: bool, split: str = "train", path: str = "") -> FileImageTextDataset:
-    if kind not in emoji["paths"]:
-        pytest.skip("the [data] extra (Hugging Face datasets) is not installed")
+    if kind == "hf":
+        require("data")
     source = open_source(kind, path or emoji["paths"][kind], Data())
     return FileImageTextDataset(
         name=kind,
@@ -381,8 +379,8 @@ def test_trainer_resumes_bit_identically(emoji: dict, tmp_path: Path, kind: str,
     from tests.dist_utils import run_distributed
     from tests.test_resume import ARGS, DEBUG_CONFIG, STEPS, assert_identical, checkpoint, losses
 
-    if kind not in emoji["paths"]:
-        pytest.skip("the [data] extra (Hugging Face datasets) is not installed")
+    if kind == "hf":
+        require("data")
     args = (
         f"--data.dataset={kind}",
         f"--data.path={emoji['paths'][kind]}",
