@@ -7,6 +7,7 @@
   with the import's own error, not advice to install what is installed.
 - Through the mining command: exit 2, that one `error:` line, nothing written. These tests make
   the package unimportable themselves, so they run with or without the extras.
+- The suite's own skips (`tests/needs.py`) know each extra's packages as pyproject.toml lists them.
 """
 
 from __future__ import annotations
