@@ -22,17 +22,21 @@ def installed(extra: str) -> bool:
     return all(importlib.util.find_spec(module) is not None for module in EXTRAS[extra])
 
 
-def _reason(extras: tuple[str, ...]) -> str:
+def _missing(extras: tuple[str, ...]) -> str:
+    """The skip's reason where one of the extras is not installed, else ''."""
+    if all(installed(e) for e in extras):
+        return ""
     return f"needs the optional extra: pip install -e '.[{','.join(extras)}]'"
 
 
 def needs(*extras: str) -> pytest.MarkDecorator:
     """A mark that skips the test unless every package of each extra is installed."""
-    return pytest.mark.skipif(not all(installed(e) for e in extras), reason=_reason(extras))
+    reason = _missing(extras)
+    return pytest.mark.skipif(bool(reason), reason=reason)
 
 
 def require(*extras: str) -> None:
     """Skips the calling test, fixture or module unless every package of each extra is installed."""
     __tracebackhide__ = True  # the skip is reported at the caller's line, as pytest.importorskip's
-    if not all(installed(e) for e in extras):
-        pytest.skip(_reason(extras), allow_module_level=True)
+    if reason := _missing(extras):
+        pytest.skip(reason, allow_module_level=True)

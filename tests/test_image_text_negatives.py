@@ -168,27 +168,28 @@ def _one_line(err: pytest.ExceptionInfo, *needles: str) -> None:
         assert needle in message, message
 
 
-@needs("data")
-def test_hf_negative_columns_are_checked_at_start(files: dict) -> None:
-    for setting, needles in (
-        ({"hf_negative_columns": ["nope"]}, ("'nope'", "data.hf_negative_columns")),
-        ({"hf_negative_columns": ["number"]}, ("'number'", "not captions", "data.hf_negative_columns")),
-        ({"hf_negative_columns": ["negs", "neg_a"]}, ("'negs'", "data.hf_negative_columns")),
-    ):
-        with pytest.raises(DataError) as err:
-            dataset(files, "hf", setting)
-        _one_line(err, *needles)
+REJECTED = [
+    ("csv", {"csv_negative_keys": ["neg_a", "nope"]}, ("'nope'", "data.csv_negative_keys")),
+    ("hf", {"hf_negative_columns": ["nope"]}, ("'nope'", "data.hf_negative_columns")),
+    ("hf", {"hf_negative_columns": ["number"]}, ("'number'", "not captions", "data.hf_negative_columns")),
+    ("hf", {"hf_negative_columns": ["negs", "neg_a"]}, ("'negs'", "data.hf_negative_columns")),
+    ("webdataset", {"wds_negative_key": "json:nope"}, ("data.wds_negative_key='json:nope'",)),
+    ("webdataset", {"wds_negative_key": "nope.txt"}, ("data.wds_negative_key='nope.txt'",)),
+]
+
+
+@pytest.mark.parametrize(
+    "kind,setting,needles",
+    [pytest.param(*row, marks=needs("data") if row[0] == "hf" else ()) for row in REJECTED],
+    ids=[f"{kind}-{list(setting.values())[0]}" for kind, setting, _ in REJECTED],
+)
+def test_negative_settings_are_checked_at_start(files: dict, kind: str, setting: dict, needles: tuple) -> None:
+    with pytest.raises(DataError) as err:
+        dataset(files, kind, setting)
+    _one_line(err, *needles)
 
 
 def test_settings_are_checked_at_start(files: dict, tmp_path: Path) -> None:
-    for kind, setting, needles in (
-        ("csv", {"csv_negative_keys": ["neg_a", "nope"]}, ("'nope'", "data.csv_negative_keys")),
-        ("webdataset", {"wds_negative_key": "json:nope"}, ("data.wds_negative_key='json:nope'",)),
-        ("webdataset", {"wds_negative_key": "nope.txt"}, ("data.wds_negative_key='nope.txt'",)),
-    ):
-        with pytest.raises(DataError) as err:
-            dataset(files, kind, setting)
-        _one_line(err, *needles)
     with pytest.raises(DataError) as err:
         check_negative_keys(Data(dataset="webdataset", csv_negative_keys=["neg_a"]))
     _one_line(err, "data.csv_negative_keys", "data.wds_negative_key")
