@@ -4,7 +4,9 @@
 with a one-logit head over a pair. `decoder_folder`: a Qwen3-like
 decoder whose tokenizer appends <|endoftext|> and pads with that same token on the left, as
 Qwen3-Embedding's does. `st_folder`: either wrapped as a sentence-transformers folder with its
-pooling and prompts. One word-level vocabulary, built from the words the tests use.
+pooling and prompts. `ARCHITECTURES`: more of what embedders are built on (XLM-R, MPNet, DistilBERT,
+DeBERTa-v2, ModernBERT, T5, Llama, Mistral, Qwen2, Gemma 3), 2 layers each. One word-level
+vocabulary, built from the words the tests use.
 """
 
 from __future__ import annotations
@@ -20,18 +22,27 @@ WORDS = (
 ).split()
 
 
-def _tokenizer(specials: list[str], template: str, pad: str, eos: str | None, side: str, pair: str | None = None):
+def _tokenizer(
+    specials: list[str],
+    template: str,
+    pad: str,
+    eos: str | None,
+    side: str,
+    pair: str | None = None,
+    cls: str = "[CLS]",
+    sep: str = "[SEP]",
+):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate([*specials, *WORDS])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
-    used = sorted(set(re.findall(r"\[\w+\]|<\|\w+\|>", template)))
+    used = sorted(set(re.findall(r"\[\w+\]|<\|\w+\|>|</?\w+>", template)))
     tok.post_processor = processors.TemplateProcessing(
         single=template, pair=pair, special_tokens=[(t, vocab[t]) for t in used]
     )
-    extra = {"eos_token": eos} if eos else {"cls_token": "[CLS]", "sep_token": "[SEP]"}
+    extra = {"eos_token": eos} if eos else {"cls_token": cls, "sep_token": sep}
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", pad_token=pad, padding_side=side, model_max_length=64, **extra
     )
@@ -105,3 +116,162 @@ def vl_folder(root: Path, arch: str = "qwen2_vl", dropout: float = 0.1) -> Path:
     from titan_contrastive.models.qwen_vl.random_folder import write_random_folder
 
     return write_random_folder(root / f"tiny-{arch}", arch, "tiny", dropout, WORDS)
+
+
+def _saved(folder: Path, model, tokenizer) -> Path:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _bert_tokenizer():
+    return _tokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]"], "[CLS] $A [SEP]", "[PAD]", None, "right")
+
+
+def albert_folder(root: Path) -> Path:
+    """A 2-layer ALBERT: one layer group whose weights every layer shares (no list of repeated layers)."""
+    from transformers import AlbertConfig, AlbertModel
+
+    tokenizer = _bert_tokenizer()
+    shape = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+    config = AlbertConfig(vocab_size=len(tokenizer), embedding_size=8, max_position_embeddings=64, **shape)
+    return _saved(root / "tiny-albert", AlbertModel(config), tokenizer)
+
+
+def _roberta_like(folder: Path, name: str, dropout: float) -> Path:
+    """XLM-R or MPNet: <s> text </s>, <pad> = 1 (the position ids count from it, as the real ones)."""
+    import transformers
+
+    tokenizer = _tokenizer(
+        ["<s>", "<pad>", "</s>", "[UNK]"], "<s> $A </s>", "<pad>", None, "right", cls="<s>", sep="</s>"
+    )
+    ids = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    drop = dict(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    shape = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=len(tokenizer), max_position_embeddings=66, **ids, **drop, **shape
+    )
+    return _saved(folder, getattr(transformers, f"{name}Model")(config), tokenizer)
+
+
+def _distilbert(folder: Path, dropout: float) -> Path:
+    from transformers import DistilBertConfig, DistilBertModel
+
+    tokenizer = _bert_tokenizer()
+    config = DistilBertConfig(
+        vocab_size=len(tokenizer),
+        dim=16,
+        n_layers=2,
+        n_heads=2,
+        hidden_dim=32,
+        dropout=dropout,
+        attention_dropout=dropout,
+    )
+    return _saved(folder, DistilBertModel(config), tokenizer)
+
+
+def _deberta(folder: Path, dropout: float) -> Path:
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    tokenizer = _bert_tokenizer()
+    config = DebertaV2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        relative_attention=True,
+        position_buckets=8,
+        pos_att_type=["p2c", "c2p"],
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    return _saved(folder, DebertaV2Model(config), tokenizer)
+
+
+def _modernbert(folder: Path, dropout: float) -> Path:
+    from transformers import ModernBertConfig, ModernBertModel
+
+    tokenizer = _bert_tokenizer()
+    config = ModernBertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+        local_attention=8,  # layer 0 global, layer 1 a sliding window of 8
+        global_attn_every_n_layers=2,
+        pad_token_id=0,
+        cls_token_id=2,
+        sep_token_id=3,
+        bos_token_id=2,
+        eos_token_id=3,
+        attention_dropout=dropout,
+        mlp_dropout=dropout,
+        embedding_dropout=dropout,
+    )
+    return _saved(folder, ModernBertModel(config), tokenizer)
+
+
+def _t5(folder: Path, dropout: float) -> Path:
+    """A whole T5 (encoder and decoder, as t5-base ships); the family trains its encoder (sentence-T5, GTR)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    tokenizer = _tokenizer(["<pad>", "</s>", "[UNK]"], "$A </s>", "<pad>", "</s>", "right")
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=2,
+        num_heads=2,
+        dropout_rate=dropout,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return _saved(folder, T5ForConditionalGeneration(config), tokenizer)
+
+
+def _decoder(folder: Path, name: str, dropout: float, **config) -> Path:
+    """A Llama, Mistral, Qwen2 or Gemma 3 decoder with Qwen's tokenizer (pads with the EOS it appends); its
+    config names no pad token, as theirs do (a pad id would zero that token's embedding at init)."""
+    import transformers
+
+    eos = "<|endoftext|>"
+    tokenizer = _tokenizer([eos, "[UNK]"], f"$A {eos}", eos, eos, "left")
+    shape = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    heads = dict(num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
+    built = getattr(transformers, f"{name}Config")(
+        vocab_size=len(tokenizer),
+        attention_dropout=dropout,
+        eos_token_id=0,
+        bos_token_id=None,
+        **shape,
+        **heads,
+        **config,
+    )
+    model = getattr(transformers, f"{name}Model")(built)
+    return _saved(folder, model, tokenizer)
+
+
+ARCHITECTURES = {
+    "xlm-roberta": lambda folder, dropout: _roberta_like(folder, "XLMRoberta", dropout),
+    "mpnet": lambda folder, dropout: _roberta_like(folder, "MPNet", dropout),
+    "distilbert": _distilbert,
+    "deberta-v2": _deberta,
+    "modernbert": _modernbert,
+    "t5": _t5,
+    "llama": lambda folder, dropout: _decoder(folder, "Llama", dropout),
+    "mistral": lambda folder, dropout: _decoder(folder, "Mistral", dropout, sliding_window=None),
+    "qwen2": lambda folder, dropout: _decoder(folder, "Qwen2", dropout),
+    "gemma3": lambda folder, dropout: _decoder(folder, "Gemma3Text", dropout, sliding_window=8),
+}
+"""Builders `(folder, dropout) -> folder` of tiny random models (`architecture_folder` writes them)."""
+
+
+def architecture_folder(root: Path, arch: str, dropout: float = 0.1) -> Path:
+    """`ARCHITECTURES[arch]`'s model at `root / tiny-<arch>`, written on first use."""
+    folder = root / f"tiny-{arch}"
+    return folder if folder.exists() else ARCHITECTURES[arch](folder, dropout)

@@ -43,15 +43,15 @@ WORDS = [
 ]
 
 
-def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    """Every gradient within REL of the reference, relative to its own norm or, for a gradient that
+def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rel: float = REL) -> None:
+    """Every gradient within `rel` of the reference, relative to its own norm or, for a gradient that
     is zero in exact arithmetic (attention's key bias: softmax ignores a constant per row), to a
     millionth of the whole gradient's norm: its float rounding depends on the chunks' shapes."""
     assert got.keys() == want.keys()
     total = torch.stack([w.norm() for w in want.values()]).norm()
     for name, w in want.items():
         err = (got[name] - w).norm() / torch.maximum(w.norm(), 1e-6 * total)
-        assert err <= REL, f"{name}: relative error {err:.3e} > {REL}"
+        assert err <= rel, f"{name}: relative error {err:.3e} > {rel}"
 
 
 def assert_step_equals_its_forwards(

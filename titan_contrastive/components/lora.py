@@ -6,9 +6,10 @@ its parameter names stay what they were, with `.lora_A.default` / `.lora_B.defau
 the adapters train, so only they have gradients and optimizer state, and a checkpoint holds only
 what trains (`checkpoint.stateful.ModelState`, the frozen base comes back from the model folder).
 Target modules default to peft's own choice for the architecture (BERT: query, value; Llama and
-Qwen: q_proj, v_proj). `modules_to_save` (peft's name and matching: module names ending with one
-of them) train in full beside the adapters, e.g. the word embeddings; they must not nest, as
-peft's own save and load of nested ones fails. LoRA dropout is an `nn.Dropout` like any other: a
+Qwen: q_proj, v_proj); `['all-linear']` is peft's every linear layer but an output head.
+`modules_to_save` (peft's name and matching: module names ending with one of them) train in full
+beside the adapters, e.g. the word embeddings; they must not nest, as peft's own save and load of
+nested ones fails. LoRA dropout is an `nn.Dropout` like any other: a
 GradCache re-forward replays its draws.
 """
 
@@ -64,7 +65,7 @@ def default_targets(model_type: str) -> tuple[str, ...]:
     if model_type not in DEFAULTS:
         raise ConfigError(
             f"lora.target_modules is empty and peft has no default for model type {model_type!r}; name the "
-            "linear layers to adapt, e.g. lora.target_modules=['q_proj','v_proj']"
+            "linear layers to adapt, e.g. lora.target_modules=['q_proj','v_proj'], or all of them: ['all-linear']"
         )
     return tuple(DEFAULTS[model_type])
 
@@ -78,7 +79,7 @@ def lora_config(
         r=rank,
         lora_alpha=alpha,
         lora_dropout=dropout,
-        target_modules=list(targets),
+        target_modules="all-linear" if tuple(targets) == ("all-linear",) else list(targets),  # peft's own key word
         modules_to_save=list(modules_to_save) or None,
     )
 

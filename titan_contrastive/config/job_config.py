@@ -84,7 +84,8 @@ class Lora:
     """Dropout on the adapters' input (replayed exactly in a GradCache re-forward)."""
     target_modules: list[str] = opt([], None)
     """Names (or name suffixes) of the linear layers to adapt; empty = peft's default for the
-    architecture (BERT: query, value; Qwen and Llama: q_proj, v_proj)."""
+    architecture (BERT: query, value; Qwen and Llama: q_proj, v_proj); ['all-linear'] = every linear
+    layer but an output head (peft's choice; MPNet, DistilBERT and ModernBERT have no default)."""
     modules_to_save: list[str] = opt([], None)
     """Modules trained in full beside the adapters (peft's `modules_to_save`: names or name suffixes
     of modules that do not nest), e.g. ['word_embeddings'] (BERT) or ['embed_tokens'] (Qwen,

@@ -116,8 +116,9 @@ def parallelize_model(
     if not blocks and (dims.fsdp_enabled or ac_mode != "none" or compile_backend is not None):
         raise ConfigError(
             f"model.name={cfg.model.name!r}: the model has no per-layer blocks to shard, checkpoint or compile (a "
-            "Hugging Face model whose class declares no _no_split_modules); set parallelism.data_parallel_shard_degree"
-            "=1 (DDP), parallelism.fsdp_one_device=false, activation_checkpoint.mode='none' and compile.enable=false"
+            "Hugging Face model that declares no _no_split_modules and holds no list of repeated layers, as ALBERT); "
+            "set parallelism.data_parallel_shard_degree=1 (DDP), parallelism.fsdp_one_device=false, "
+            "activation_checkpoint.mode='none' and compile.enable=false"
         )
     param_dtype, reduce_dtype = precision.fsdp_param_dtype, precision.reduce_dtype
     apply_ac(blocks, ac_mode)

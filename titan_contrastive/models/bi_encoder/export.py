@@ -2,7 +2,8 @@
 
 - `sentence-transformers`: the tower with its tokenizer, Pooling (our mode), Normalize and the
   run's prompts, what `SentenceTransformer(DIR)` loads;
-- `hf`: the tower as a transformers folder with its tokenizer (`AutoModel.from_pretrained(DIR)`);
+- `hf`: the tower as a transformers folder with its tokenizer (`AutoModel.from_pretrained(DIR)`; an
+  encoder-decoder's encoder: `AutoModelForTextEncoding`);
 - `peft`: the LoRA adapters alone as a PEFT folder (`PeftModel.from_pretrained(base, DIR)`, the
   base being the run's `[model] path`).
 
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from titan_contrastive.components.lora import lora_config
-from titan_contrastive.models.bi_encoder.folder import load_tokenizer
+from titan_contrastive.models.bi_encoder.folder import load_tokenizer, text_model_class
 from titan_contrastive.models.bi_encoder.model import BiEncoder, BiEncoderArgs, build_tokenizer, embed, load_text_tower
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
 from titan_contrastive.models.registry import StateDictAdapter
@@ -89,11 +90,10 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         return
     plain = plain_tower(args, tower)
     if to == "hf":
-        from transformers import AutoModel
-
         plain.save_pretrained(str(out))
         load_tokenizer(args.model_dir).save_pretrained(str(out))
-        theirs = reloaded("transformers", lambda: AutoModel.from_pretrained(str(out)).eval())
+        auto = text_model_class(plain.config, str(out))
+        theirs = reloaded("transformers", lambda: auto.from_pretrained(str(out)).eval())
         with torch.no_grad():
             check(embed(theirs, ids, pad, args.pooling, 0), "transformers")
         return

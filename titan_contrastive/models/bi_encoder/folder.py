@@ -200,14 +200,38 @@ def is_causal(config: Any) -> bool:
     return kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
+def text_model_class(config: Any, model_dir: str) -> Any:
+    """The transformers auto class a folder's text tower loads with: `AutoModelForTextEncoding` where
+    transformers names a text encoder for the architecture (an encoder-decoder's encoder alone: T5, mT5,
+    UMT5, as sentence-T5 and GTR use them; the decoder would want inputs of its own), else `AutoModel`
+    (the base model, no head); TextFolderError for another encoder-decoder, whose encoder has no class."""
+    from transformers import AutoModel, AutoModelForTextEncoding
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES
+
+    if config.model_type in MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES:
+        return AutoModelForTextEncoding
+    if getattr(config, "is_encoder_decoder", False):
+        raise TextFolderError(
+            f"{model_dir}: an encoder-decoder ({config.model_type}) whose encoder transformers cannot load alone "
+            "(AutoModelForTextEncoding); save its encoder as a model folder of its own and set model.path to it"
+        )
+    return AutoModel
+
+
 def layer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer layers, found by the classes the model itself declares unsplittable
-    (`_no_split_modules`, what accelerate and FSDP auto-wrap use) inside a ModuleList."""
+    """The repeated transformer layers: the classes the model itself declares unsplittable
+    (`_no_split_modules`, what accelerate and FSDP auto-wrap use) inside a ModuleList; for a model that
+    declares none there (MPNet, DistilBERT, DeBERTa, ELECTRA), the ModuleList of two or more modules of
+    one class that holds the most parameters; [] when there is neither (ALBERT shares one layer)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    return [
+    lists = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
+    declared = [
         layer
-        for module in model.modules()
-        if isinstance(module, nn.ModuleList)
-        for layer in module
+        for layers in lists
+        for layer in layers
         if any(cls.__name__ in names for cls in type(layer).__mro__)  # FSDP2 subclasses a sharded layer's class
     ]
+    if declared:
+        return declared
+    stacks = [layers for layers in lists if len(layers) > 1 and len({type(layer) for layer in layers}) == 1]
+    return list(max(stacks, key=lambda layers: sum(p.numel() for p in layers.parameters()), default=[]))

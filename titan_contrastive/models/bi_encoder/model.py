@@ -44,6 +44,7 @@ from titan_contrastive.models.bi_encoder.folder import (
     load_tokenizer,
     pad_id,
     read_text_folder,
+    text_model_class,
 )
 from titan_contrastive.models.bi_encoder.retokenize import Retokenizer
 
@@ -162,10 +163,9 @@ class BiEncoderArgs(LoraFields):
     def _counts(self) -> tuple[int, int]:
         """(all parameters, parameters in the repeated layers) of one tower with its adapters, counted on the
         meta device."""
-        from transformers import AutoModel
-
+        config = load_config(self.model_dir)
         with torch.device("meta"):
-            tower = AutoModel.from_config(load_config(self.model_dir))
+            tower = text_model_class(config, self.model_dir).from_config(config)
             if self.lora_rank:
                 add_lora(tower, *self.lora_options)
         layers = sum(p.numel() for block in layer_blocks(tower) for p in block.parameters())
@@ -234,16 +234,17 @@ def embed(
 
 
 def load_text_tower(model_dir: str) -> nn.Module:
-    """The folder's base model (no LM head, no pooler: the pooling is ours, no key-value cache), its load
+    """The folder's base model (no LM head, no pooler: the pooling is ours, no key-value cache; an
+    encoder-decoder's encoder, `folder.text_model_class`), its load
     report kept out of the log, in training mode as a freshly built module is (`from_pretrained` returns
     it in eval mode: its dropout would stay off in training until the first evaluation switched it on)."""
-    from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    auto = text_model_class(load_config(model_dir), model_dir)
     try:
-        tower = AutoModel.from_pretrained(model_dir, local_files_only=True)
+        tower = auto.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as e:
         raise TextFolderError(
             f"{model_dir}: transformers cannot load its weights ({' '.join(str(e).split())[:200]})"
