@@ -292,11 +292,19 @@ def test_bad_folders_and_settings_are_one_line_errors(tmp_path: Path, capsys: py
     no_tokenizer.mkdir()
     (no_tokenizer / "config.json").write_text((decoder / "config.json").read_text())
     (tmp_path / "empty").mkdir()
+    own_code = encoder_folder(tmp_path / "own-code")  # a model type whose code ships in the folder (auto_map)
+    config = json.loads((own_code / "config.json").read_text())
+    auto_map = {"AutoConfig": "configuration_tiny.TinyConfig", "AutoModel": "modeling_tiny.TinyModel"}
+    (own_code / "config.json").write_text(json.dumps(config | {"model_type": "tiny_custom", "auto_map": auto_map}))
+    (own_code / "configuration_tiny.py").write_text(
+        "from transformers import BertConfig\n\n\nclass TinyConfig(BertConfig):\n    model_type = 'tiny_custom'\n"
+    )
     cases = [
         (f"--model.path={tmp_path / 'empty'}", "holds no config.json nor modules.json"),
         ("--model.path=nobody/no-such-model", "not a local folder nor a model in the local Hugging Face cache"),
         (f"--model.path={no_tokenizer}", "no tokenizer transformers can load"),
         (f"--model.path={decoder} --model.pooling=cls", "a decoder's first token sees no other token"),
+        (f"--model.path={own_code}", "model type 'tiny_custom' is code the folder ships (config.json auto_map)"),
     ]
     capsys.readouterr()  # the folders' save progress bars
     for args, message in cases:

@@ -147,11 +147,21 @@ def read_text_folder(path: str) -> TextFolder:
 
 @functools.lru_cache(maxsize=8)
 def load_config(model_dir: str) -> Any:
+    """The folder's config (transformers' own classes only: a folder's shipped model code is never run,
+    and transformers never asks on the terminal whether to run it)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:
+        file = Path(model_dir) / "config.json"
+        shipped = _json(file) if file.is_file() else {}
+        if "auto_map" in shipped:
+            raise TextFolderError(
+                f"{model_dir}: its model type {shipped.get('model_type')!r} is code the folder ships (config.json "
+                "auto_map), which is never run here (no trust_remote_code); train a "
+                "checkpoint of an architecture transformers includes"
+            ) from None
         raise TextFolderError(
             f"{model_dir}: transformers cannot read its config.json ({' '.join(str(e).split())[:200]})"
         ) from None
@@ -170,7 +180,7 @@ def load_tokenizer(model_dir: str) -> Any:
             f"{model_dir}: no tokenizer transformers can load (none of {', '.join(_TOKENIZER_FILES)}); {fix}"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as e:
         raise TextFolderError(
             f"{model_dir}: no tokenizer transformers can load ({' '.join(str(e).split())[:160]}); {fix}"
