@@ -5,7 +5,8 @@ with a one-logit head over a pair. `decoder_folder`: a Qwen3-like
 decoder whose tokenizer appends <|endoftext|> and pads with that same token on the left, as
 Qwen3-Embedding's does. `st_folder`: either wrapped as a sentence-transformers folder with its
 pooling and prompts. `ARCHITECTURES`: more of what embedders are built on (XLM-R, MPNet, DistilBERT,
-DeBERTa-v2, ModernBERT, T5, Llama, Mistral, Qwen2, Gemma 3), 2 layers each. One word-level
+DeBERTa-v2, ModernBERT, T5, Llama, Mistral, Qwen2, Gemma 3; the BERT-like model with Dense modules
+after its pooling), 2 layers each. One word-level
 vocabulary, built from the words the tests use.
 """
 
@@ -256,6 +257,21 @@ def _decoder(folder: Path, name: str, dropout: float, **config) -> Path:
     return _saved(folder, model, tokenizer)
 
 
+def _with_dense(folder: Path, dropout: float) -> Path:
+    """A sentence-transformers folder of the BERT-like model with two Dense modules after its mean pooling
+    (16 -> 12, tanh; 12 -> 8, identity, no bias), as sentence-T5, LaBSE and EmbeddingGemma end."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
+
+    base = encoder_folder(folder.parent / f"{folder.name}-base", dropout)
+    torch.manual_seed(0)
+    dense = [Dense(16, 12), Dense(12, 8, bias=False, activation_function=torch.nn.Identity())]
+    modules = [Transformer(str(base), max_seq_length=24), Pooling(16, pooling_mode="mean"), *dense, Normalize()]
+    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    return folder
+
+
 ARCHITECTURES = {
     "xlm-roberta": lambda folder, dropout: _roberta_like(folder, "XLMRoberta", dropout),
     "mpnet": lambda folder, dropout: _roberta_like(folder, "MPNet", dropout),
@@ -267,6 +283,7 @@ ARCHITECTURES = {
     "mistral": lambda folder, dropout: _decoder(folder, "Mistral", dropout, sliding_window=None),
     "qwen2": lambda folder, dropout: _decoder(folder, "Qwen2", dropout),
     "gemma3": lambda folder, dropout: _decoder(folder, "Gemma3Text", dropout, sliding_window=8),
+    "bert-dense": _with_dense,
 }
 """Builders `(folder, dropout) -> folder` of tiny random models (`architecture_folder` writes them)."""
 

@@ -1,9 +1,11 @@
 """The bi_encoder family on what embedders are built on beyond test_hf_text.py's BERT and Qwen3: XLM-R,
-MPNet, DistilBERT, DeBERTa-v2, ModernBERT, T5 (its encoder alone), Llama, Mistral, Qwen2 and Gemma 3, tiny
-and random (tests/hf_folders.py: ARCHITECTURES). For each: the repeated layers are found (FSDP2, activation
+MPNet, DistilBERT, DeBERTa-v2, ModernBERT, T5 (its encoder alone), Llama, Mistral, Qwen2, Gemma 3 and a
+sentence-transformers folder whose pooling is followed by Dense modules, tiny and random
+(tests/hf_folders.py: ARCHITECTURES). For each: the repeated layers are found (FSDP2, activation
 checkpointing and compile units; MPNet, DistilBERT and DeBERTa declare no `_no_split_modules`); every
 step kind, activation checkpointing and LoRA equal the dense objective over the whole batch in float64;
-GradCache replays the dropout. MPNet and T5 also on two gloo processes under FSDP2, and exported."""
+GradCache replays the dropout. MPNet, T5 and the Dense folder also on two gloo processes under FSDP2,
+and exported."""
 
 from __future__ import annotations
 
@@ -90,19 +92,21 @@ def test_lora_without_peft_targets_names_the_fix(tmp_path: Path) -> None:
 
 
 @needs("hf")
-@pytest.mark.parametrize("arch", ["mpnet", "t5"])
+@pytest.mark.parametrize("arch", ["mpnet", "t5", "bert-dense"])
 def test_global_negatives_on_two_ranks_under_fsdp2(tmp_path: Path, arch: str) -> None:
-    """Each layer an FSDP2 unit: MPNet's found without `_no_split_modules`, T5's in its encoder alone."""
+    """Each layer an FSDP2 unit: MPNet's found without `_no_split_modules`, T5's in its encoder alone; the
+    Dense layers after a pooling sharded with the rest of the model."""
     architecture_folder(tmp_path, arch)
     run_distributed(_step_distributed, 2, str(tmp_path), arch, False)
 
 
 @needs("hf")
-@pytest.mark.parametrize("arch", ["mpnet", "t5"])
+@pytest.mark.parametrize("arch", ["mpnet", "t5", "bert-dense"])
 def test_exports_load_back_in_their_libraries(tmp_path: Path, arch: str) -> None:
-    """A step folder of each (MPNet with LoRA on all linear layers) exports to every format; each export is
-    loaded back by its library and checked by the exporter; sentence-transformers' embeddings of the run's
-    tokens equal the run's, and T5's transformers folder is its encoder."""
+    """A step folder of each (MPNet with LoRA on all linear layers) exports to every format it can hold; each
+    export is loaded back by its library and checked by the exporter; sentence-transformers' embeddings of
+    the run's tokens equal the run's; T5's transformers folder is its encoder; a model ending in Dense
+    modules is refused by --to hf, and its sentence-transformers folder holds them as trained."""
     from sentence_transformers import SentenceTransformer
 
     from titan_contrastive.export import main as export_main
@@ -117,7 +121,14 @@ def test_exports_load_back_in_their_libraries(tmp_path: Path, arch: str) -> None
     run.metrics.close()
     step = tmp_path / f"run-{arch}" / "checkpoint" / "step-1"
     for to in ("hf", "sentence-transformers", *(("peft",) if lora else ())):
-        assert export_main([str(step), "--to", to, "--out", str(tmp_path / to)]) == 0, to
+        code = export_main([str(step), "--to", to, "--out", str(tmp_path / to)])
+        assert code == (2 if (arch, to) == ("bert-dense", "hf") else 0), to
+    if arch == "bert-dense":
+        assert not (tmp_path / "hf").exists()
+        exported = SentenceTransformer(str(tmp_path / "sentence-transformers"), device="cpu")
+        start = SentenceTransformer(str(architecture_folder(tmp_path, arch)), device="cpu")
+        assert [type(m).__name__ for m in exported] == ["Transformer", "Pooling", "Dense", "Dense", "Normalize"]
+        assert not torch.equal(exported[2].linear.weight, start[2].linear.weight)  # the Dense layers trained
     if arch == "t5":
         assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["T5EncoderModel"]
     _, args, ours = read_ours(step)
@@ -150,3 +161,45 @@ def test_an_encoder_decoder_without_an_encoder_class_is_a_one_line_error(
     code, err = _train_main(tmp_path, f"--model.path={tmp_path / 'bart'}", capsys=capsys)
     assert code == 2 and len(err) == 1 and "an encoder-decoder (bart) whose encoder transformers cannot load" in err[0]
     assert not (tmp_path / "run" / "checkpoint").exists()
+
+
+@needs("hf")
+def test_dense_modules_give_sentence_transformers_embeddings(tmp_path: Path) -> None:
+    """A sentence-transformers folder ending in Dense modules: our embeddings of queries and documents
+    equal `SentenceTransformer(folder).encode` (float32), and differ from the pooling's alone."""
+    from sentence_transformers import SentenceTransformer
+
+    from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, build_tokenizer
+
+    folder = architecture_folder(tmp_path, "bert-dense")
+    args = BiEncoderArgs(path=str(folder), query_length=24).resolve(doc_length=24)
+    tokenizer, model = build_tokenizer(args), BiEncoder(args).eval()
+    texts = ["frozen water", "a small animal kept as a pet", "the season after summer", "a musical instrument"]
+    with torch.no_grad():
+        zq, zd, _ = model(tokenizer.encode_queries(texts, 24), tokenizer.encode_docs(texts))
+    want = SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_tensor=True)
+    assert zq.shape == (4, 8) and (zq - want).abs().max() <= 1e-5 and (zd - want).abs().max() <= 1e-5
+
+
+@needs("hf")
+def test_dense_modules_that_cannot_be_run_exactly_are_refused(tmp_path: Path) -> None:
+    from titan_contrastive.models.bi_encoder.folder import TextFolderError, read_text_folder
+
+    folder = architecture_folder(tmp_path, "bert-dense")
+    with pytest.raises(TextFolderError, match=r"model.freeze=\['query'\]: .* ends in Dense modules"):
+        folder_run(tmp_path, "bert-dense", "--model.freeze=query")
+    dense = folder / "2_Dense"
+    config = json.loads((dense / "config.json").read_text())
+    (dense / "config.json").write_text(json.dumps(config | {"activation_function": "mypackage.Swish"}))
+    with pytest.raises(TextFolderError, match=r"2_Dense: a Dense module with activation mypackage.Swish"):
+        read_text_folder(str(folder))
+    (dense / "config.json").write_text(json.dumps(config))
+    (dense / "model.safetensors").rename(dense / "pytorch_model.bin")
+    with pytest.raises(
+        TextFolderError, match=r"2_Dense: no model.safetensors \(a pytorch_model.bin is never unpickled"
+    ):
+        read_text_folder(str(folder))
+    modules = json.loads((folder / "modules.json").read_text())
+    (folder / "modules.json").write_text(json.dumps([modules[0], modules[2], modules[1], *modules[3:]]))
+    with pytest.raises(TextFolderError, match=r"Dense modules are supported between the Pooling and the Normalize"):
+        read_text_folder(str(folder))

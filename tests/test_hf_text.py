@@ -312,11 +312,13 @@ def test_bad_folders_and_settings_are_one_line_errors(tmp_path: Path, capsys: py
         assert code == 2 and len(err) == 1 and message in err[0], (args, err)
     st = st_folder(encoder_folder(tmp_path), "mean", {})
     modules = json.loads((st / "modules.json").read_text())
-    modules.insert(2, {"idx": 9, "name": "9", "path": "9_Dense", "type": "sentence_transformers.models.Dense"})
+    modules.insert(2, {"idx": 9, "name": "9", "path": "9_LayerNorm", "type": "sentence_transformers.models.LayerNorm"})
     (st / "modules.json").write_text(json.dumps(modules))
     capsys.readouterr()
     code, err = _train_main(tmp_path, f"--model.path={st}", capsys=capsys)
-    assert code == 2 and len(err) == 1 and "sentence_transformers.models.Dense" in err[0] and "not supported" in err[0]
+    assert (
+        code == 2 and len(err) == 1 and "sentence_transformers.models.LayerNorm" in err[0] and "not supported" in err[0]
+    )
     assert not (tmp_path / "run" / "checkpoint").exists()
 
 

@@ -1,9 +1,9 @@
 """The bi_encoder's exports (`python -m titan_contrastive.export STEP --to ...`), one tower at a time.
 
-- `sentence-transformers`: the tower with its tokenizer, Pooling (our mode), Normalize and the
-  run's prompts, what `SentenceTransformer(DIR)` loads;
+- `sentence-transformers`: the tower with its tokenizer, Pooling (our mode), the folder's Dense
+  layers as trained, Normalize and the run's prompts, what `SentenceTransformer(DIR)` loads;
 - `hf`: the tower as a transformers folder with its tokenizer (`AutoModel.from_pretrained(DIR)`; an
-  encoder-decoder's encoder: `AutoModelForTextEncoding`);
+  encoder-decoder's encoder: `AutoModelForTextEncoding`); refused for a folder with Dense layers;
 - `peft`: the LoRA adapters alone as a PEFT folder (`PeftModel.from_pretrained(base, DIR)`, the
   base being the run's `[model] path`).
 
@@ -75,6 +75,12 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
     model.eval()
     tower = getattr(model, f"{side}_tower")
     texts = PROBE_TEXTS
+    head = getattr(model, f"{side}_head")
+    if to == "hf" and head is not None:
+        refuse(
+            f"--to hf: {args.path} ends in Dense modules, which a transformers folder cannot hold; use --to "
+            "sentence-transformers"
+        )
     ids, want = _probe(model, args, side, texts)
     pad = model.pad_id
     check = partial(compare, to, side, want)
@@ -86,7 +92,7 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         adapted(args, tower).save_pretrained(str(out))
         theirs = reloaded("peft", lambda: PeftModel.from_pretrained(load_text_tower(args.model_dir), str(out)).eval())
         with torch.no_grad():
-            check(embed(theirs, ids, pad, args.pooling, 0), "peft")
+            check(embed(theirs, ids, pad, args.pooling, 0, head=head), "peft")  # a head is frozen under LoRA
         return
     plain = plain_tower(args, tower)
     if to == "hf":
@@ -97,7 +103,7 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         with torch.no_grad():
             check(embed(theirs, ids, pad, args.pooling, 0), "transformers")
         return
-    _write_sentence_transformers(plain, args, out, side)
+    _write_sentence_transformers(plain, head, args, out, side)
     from sentence_transformers import SentenceTransformer
 
     theirs = reloaded("sentence-transformers", lambda: SentenceTransformer(str(out), device="cpu"))
@@ -106,11 +112,25 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
     check(theirs.encode(texts, convert_to_tensor=True, prompt_name=name), "sentence-transformers")
 
 
-def _write_sentence_transformers(plain: nn.Module, args: BiEncoderArgs, out: Path, side: str) -> None:
+def _write_sentence_transformers(
+    plain: nn.Module, head: nn.Sequential | None, args: BiEncoderArgs, out: Path, side: str
+) -> None:
     import tempfile
 
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
+
+    dense = [
+        Dense(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            activation_function=type(activation)(),
+            init_weight=linear.weight.detach().clone(),
+            init_bias=None if linear.bias is None else linear.bias.detach().clone(),
+        )
+        for linear, activation in head or []
+    ]
 
     length = args.query_length if side == "query" else args.doc_length
     prompts = {name: p for name, p in (("query", args.query_prompt), ("document", args.doc_prompt)) if p}
@@ -120,7 +140,8 @@ def _write_sentence_transformers(plain: nn.Module, args: BiEncoderArgs, out: Pat
         encoder = Transformer(hf_dir, max_seq_length=length)
         mode = {"last_token": "lasttoken"}.get(args.pooling, args.pooling)
         pooling = Pooling(plain.config.hidden_size, pooling_mode=mode)
-        SentenceTransformer(modules=[encoder, pooling, Normalize()], device="cpu", prompts=prompts).save(str(out))
+        modules = [encoder, pooling, *dense, Normalize()]
+        SentenceTransformer(modules=modules, device="cpu", prompts=prompts).save(str(out))
 
 
 ADAPTER = StateDictAdapter(writes={to: partial(write, to) for to in FORMATS})

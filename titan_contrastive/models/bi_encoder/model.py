@@ -4,7 +4,8 @@ L2-normalized, as shared or separate query and document towers, with a learnable
 `[model] path` is a transformers or sentence-transformers folder (`folder.read_text_folder`;
 empty: the bundled all-MiniLM-L6-v2). Pooling is cls, mean (over real tokens) or last_token (the
 last real token, a decoder embedder's), by default the sentence-transformers folder's own, else
-mean for an encoder and last_token for a decoder. Per-side prompts (E5's "query: ", an
+mean for an encoder and last_token for a decoder; a sentence-transformers folder's Dense modules
+follow the pooling (`query_head`, `doc_head`; trained in full, frozen under LoRA). Per-side prompts (E5's "query: ", an
 instruction) are prepended by the tokenizer (`datasets.tokenizer.PairTokenizer`). `logit_scale`
 starts at log(20), the scale of sentence-transformers' MultipleNegativesRankingLoss.
 
@@ -24,6 +25,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +39,7 @@ from titan_contrastive.datasets.tokenizer import PairTokenizer
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import (
     POOLINGS,
+    DenseLayer,
     TextFolderError,
     is_causal,
     layer_blocks,
@@ -86,6 +89,11 @@ class BiEncoderArgs(LoraFields):
         resolved = self.resolve(
             m.path or self.path, m.pooling, m.query_prompt, m.doc_prompt, cfg.data.doc_context_length
         )
+        if m.freeze and read_text_folder(resolved.path).dense:  # a locked tower would run its head without a graph
+            raise TextFolderError(
+                f"model.freeze={m.freeze}: {resolved.path} ends in Dense modules, and locking its towers is not "
+                "supported; train it whole or with LoRA (model.freeze=[])"
+            )
         return dataclasses.replace(
             resolved,
             init_scale=math.exp(t.init_logit_scale),
@@ -174,8 +182,9 @@ class BiEncoderArgs(LoraFields):
         return sum(p.numel() for p in tower.parameters()) - unused, layers
 
     def num_params(self) -> int:
-        """Exact: the tower(s) without a pooler head, + logit_scale."""
-        return self._counts[0] * (1 if self.shared else 2) + 1
+        """Exact: the tower(s) without a pooler head, with the folder's Dense layers, + logit_scale."""
+        dense = sum(d.out_features * (d.in_features + d.bias) for d in read_text_folder(self.path).dense)
+        return (self._counts[0] + dense) * (1 if self.shared else 2) + 1
 
     def flops_per_sample(self) -> int:
         """6 x layer parameters x tokens of one query and one document (attention scores excluded)."""
@@ -211,6 +220,25 @@ def pooled(hidden: Tensor, mask: Tensor, pooling: str) -> Tensor:
     return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1)
 
 
+def dense_head(layers: Sequence[DenseLayer]) -> nn.Sequential | None:
+    """The folder's Dense modules (`folder.DenseLayer`), each a `Sequential(Linear, activation)` with its
+    weights (safetensors), in one Sequential; None without any."""
+    from safetensors.torch import load_file
+
+    modules: list[nn.Module] = []
+    for layer in layers:
+        linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias)
+        weights = load_file(str(Path(layer.folder) / "model.safetensors"))
+        try:
+            linear.load_state_dict(
+                {k.removeprefix("linear."): v for k, v in weights.items() if k.startswith("linear.")}
+            )
+        except RuntimeError as e:
+            raise TextFolderError(f"{layer.folder}: its weights do not fit its config.json ({str(e)[:160]})") from None
+        modules.append(nn.Sequential(linear, nn.Tanh() if layer.activation == "tanh" else nn.Identity()))
+    return nn.Sequential(*modules) if modules else None
+
+
 def embed(
     tower: nn.Module,
     ids: Tensor,
@@ -218,17 +246,20 @@ def embed(
     pooling: str,
     index: int,
     replay: Sequence[Tensor | None] | None = None,
+    head: nn.Module | None = None,
 ) -> Tensor:
-    """The tower's pooled, L2-normalized embedding of right-padded `ids` (a locked tower, `tower.frozen`,
-    through `locked_forward`; `index`: its output's place in the model's, `replay`: the model's argument
-    of that name). The tower runs on `ids` without the trailing columns that are padding in every row:
-    the padding is masked, so that changes the embeddings by float rounding only, and saves its compute."""
+    """The tower's pooled (then `head`'s, the folder's Dense layers), L2-normalized embedding of right-padded
+    `ids` (a locked tower, `tower.frozen`, through `locked_forward`; `index`: its output's place in the
+    model's, `replay`: the model's argument of that name). The tower runs on `ids` without the trailing
+    columns that are padding in every row: the padding is masked, so that changes the embeddings by float
+    rounding only, and saves its compute."""
 
     def run() -> Tensor:
         trimmed = right_trimmed(ids, pad)
         mask = trimmed != pad
         hidden = tower(input_ids=trimmed.masked_fill(~mask, 0), attention_mask=mask.long()).last_hidden_state
-        return F.normalize(pooled(hidden, mask, pooling), dim=-1)
+        vectors = pooled(hidden, mask, pooling)
+        return F.normalize(vectors if head is None else head(vectors), dim=-1)
 
     return locked_forward(tower, index, run, replay)
 
@@ -266,6 +297,11 @@ class BiEncoder(nn.Module):
         if args.lora_rank:  # adapters before the copy: a separate document tower gets its own
             add_lora(self.query_tower, *args.lora_options)
         self.doc_tower = self.query_tower if args.shared else copy.deepcopy(self.query_tower)
+        # the folder's Dense layers after the pooling; part of the frozen base under LoRA
+        self.query_head = dense_head(read_text_folder(args.path).dense)
+        if self.query_head is not None and args.lora_rank:
+            self.query_head.requires_grad_(False)
+        self.doc_head = self.query_head if args.shared else copy.deepcopy(self.query_head)
         self.pad_id = pad_id(load_tokenizer(model_dir))
         self.retokenize = (
             Retokenizer(args.retokenize_from, model_dir, args.doc_length) if args.retokenize_from else None
@@ -288,7 +324,9 @@ class BiEncoder(nn.Module):
     def _embed(
         self, tower: nn.Module, ids: Tensor, index: int = 0, replay: Sequence[Tensor | None] | None = None
     ) -> Tensor:
-        return embed(tower, ids, self.pad_id, self.args.pooling, index, replay)
+        """`tower`'s embeddings of `ids`, through the query head (`index` 0) or the document head (1)."""
+        head = self.query_head if index == 0 else self.doc_head
+        return embed(tower, ids, self.pad_id, self.args.pooling, index, replay, head)
 
     def forward(
         self, query: Tensor, doc: Tensor, *, replay: Sequence[Tensor | None] | None = None
