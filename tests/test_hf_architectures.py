@@ -203,3 +203,16 @@ def test_dense_modules_that_cannot_be_run_exactly_are_refused(tmp_path: Path) ->
     (folder / "modules.json").write_text(json.dumps([modules[0], modules[2], modules[1], *modules[3:]]))
     with pytest.raises(TextFolderError, match=r"Dense modules are supported between the Pooling and the Normalize"):
         read_text_folder(str(folder))
+
+
+@needs("hf")
+def test_a_decoder_made_bidirectional_pools_as_an_encoder(tmp_path: Path) -> None:
+    """EmbeddingGemma's Gemma 3 attends both ways (`use_bidirectional_attention`): `auto` pooling is mean
+    there, and cls is allowed; the causal Gemma 3 pools its last token."""
+    from tests.hf_folders import _decoder
+    from titan_contrastive.models.bi_encoder import BiEncoderArgs
+
+    both = _decoder(tmp_path / "both", "Gemma3Text", 0.0, sliding_window=8, use_bidirectional_attention=True)
+    assert BiEncoderArgs(path=str(both)).resolve().pooling == "mean"
+    assert BiEncoderArgs(path=str(both), pooling="cls").resolve().pooling == "cls"
+    assert BiEncoderArgs(path=str(architecture_folder(tmp_path, "gemma3"))).resolve().pooling == "last_token"

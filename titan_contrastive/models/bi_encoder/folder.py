@@ -258,7 +258,10 @@ def pad_id(tokenizer: Any) -> int:
 
 
 def is_causal(config: Any) -> bool:
-    """A decoder: its architecture is a causal LM and not a masked one (BERT is both)."""
+    """A decoder: its architecture is a causal LM and not a masked one (BERT is both), and its config does not
+    make its attention bidirectional (EmbeddingGemma's Gemma 3: `use_bidirectional_attention`)."""
+    if getattr(config, "use_bidirectional_attention", False):
+        return False
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
