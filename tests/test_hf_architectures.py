@@ -183,6 +183,7 @@ def test_dense_modules_give_sentence_transformers_embeddings(tmp_path: Path) -> 
 
 @needs("hf")
 def test_dense_modules_that_cannot_be_run_exactly_are_refused(tmp_path: Path) -> None:
+    from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs
     from titan_contrastive.models.bi_encoder.folder import TextFolderError, read_text_folder
 
     folder = architecture_folder(tmp_path, "bert-dense")
@@ -190,6 +191,9 @@ def test_dense_modules_that_cannot_be_run_exactly_are_refused(tmp_path: Path) ->
         folder_run(tmp_path, "bert-dense", "--model.freeze=query")
     dense = folder / "2_Dense"
     config = json.loads((dense / "config.json").read_text())
+    (dense / "config.json").write_text(json.dumps(config | {"in_features": 24}))
+    with pytest.raises(TextFolderError, match=r"2_Dense: in_features=24, and the embedding that reaches it is 16"):
+        BiEncoder(BiEncoderArgs(path=str(folder)))
     (dense / "config.json").write_text(json.dumps(config | {"activation_function": "mypackage.Swish"}))
     with pytest.raises(TextFolderError, match=r"2_Dense: a Dense module with activation mypackage.Swish"):
         read_text_folder(str(folder))

@@ -220,13 +220,19 @@ def pooled(hidden: Tensor, mask: Tensor, pooling: str) -> Tensor:
     return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1)
 
 
-def dense_head(layers: Sequence[DenseLayer]) -> nn.Sequential | None:
-    """The folder's Dense modules (`folder.DenseLayer`), each a `Sequential(Linear, activation)` with its
-    weights (safetensors), in one Sequential; None without any."""
+def dense_head(layers: Sequence[DenseLayer], width: int) -> nn.Sequential | None:
+    """The folder's Dense modules (`folder.DenseLayer`) after a pooling `width` wide, each a
+    `Sequential(Linear, activation)` with its weights (safetensors), in one Sequential; None without any."""
     from safetensors.torch import load_file
 
     modules: list[nn.Module] = []
     for layer in layers:
+        if layer.in_features != width:
+            raise TextFolderError(
+                f"{layer.folder}: in_features={layer.in_features}, and the embedding that reaches it is {width} "
+                "wide; repair its config.json or remove the module from modules.json"
+            )
+        width = layer.out_features
         linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias)
         weights = load_file(str(Path(layer.folder) / "model.safetensors"))
         try:
@@ -298,7 +304,7 @@ class BiEncoder(nn.Module):
             add_lora(self.query_tower, *args.lora_options)
         self.doc_tower = self.query_tower if args.shared else copy.deepcopy(self.query_tower)
         # the folder's Dense layers after the pooling; part of the frozen base under LoRA
-        self.query_head = dense_head(read_text_folder(args.path).dense)
+        self.query_head = dense_head(read_text_folder(args.path).dense, self.query_tower.config.hidden_size)
         if self.query_head is not None and args.lora_rank:
             self.query_head.requires_grad_(False)
         self.doc_head = self.query_head if args.shared else copy.deepcopy(self.query_head)
