@@ -18,8 +18,7 @@ import torch
 from tests.dist_utils import run_distributed
 from tests.hf_folders import ARCHITECTURES, architecture_folder
 from tests.needs import needs
-from tests.test_hard_negatives import assert_step_equals_its_forwards
-from tests.test_hf_text import KINDS, REL, _step, _step_distributed, folder_run
+from tests.test_hf_text import KINDS, REL, _step, _step_distributed, assert_gradcache_replays_dropout, folder_run
 
 ARCHS = list(ARCHITECTURES)
 # Gemma's RMSNorm computes in float32 whatever the model's dtype, so a float64 step is exact to float32's
@@ -71,16 +70,7 @@ def test_lora_steps_equal_the_dense_objective(tmp_path: Path, arch: str) -> None
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gradcache_replays_the_dropout(tmp_path: Path, arch: str) -> None:
     """Dropout on: GradCache chunks of 4 over 6 give the dense objective's gradient over the same forwards."""
-    trainer = folder_run(
-        tmp_path, arch, "--training.local_batch_size=6", "--gradcache.enabled=true", "--gradcache.chunk_sizes=4"
-    )
-    batch = trainer.train_set.__getitems__(list(range(6)))
-    chunks = [{k: v[s] for k, v in batch.items()} for s in (slice(0, 4), slice(4, 6))]
-    assert_step_equals_its_forwards(trainer, [batch], chunks, seed=5)
-    torch.manual_seed(5)
-    drawn = trainer.model(batch["query"][:4], batch["doc"][:4])[0]
-    assert not torch.allclose(drawn, trainer.model.eval()(batch["query"][:4], batch["doc"][:4])[0])  # dropout is on
-    trainer.metrics.close()
+    assert_gradcache_replays_dropout(tmp_path, arch)
 
 
 @needs("hf")
