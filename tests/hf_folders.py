@@ -6,8 +6,8 @@ decoder whose tokenizer appends <|endoftext|> and pads with that same token on t
 Qwen3-Embedding's does. `st_folder`: either wrapped as a sentence-transformers folder with its
 pooling and prompts. `ARCHITECTURES`: more of what embedders are built on (XLM-R, MPNet, DistilBERT,
 DeBERTa-v2, ModernBERT, T5, Llama, Mistral, Qwen2, Gemma 3; the BERT-like model with Dense modules
-after its pooling), 2 layers each. One word-level
-vocabulary, built from the words the tests use.
+after its pooling), 2 layers each. One word-level vocabulary, built from the words the tests use (the
+decoders of ARCHITECTURES: byte-level BPE learnt from them).
 """
 
 from __future__ import annotations
@@ -235,19 +235,38 @@ def _t5(folder: Path, dropout: float) -> Path:
     return _saved(folder, T5ForConditionalGeneration(config), tokenizer)
 
 
+def _byte_level_tokenizer():
+    """Qwen's kind of tokenizer: byte-level BPE (learnt here from the words above) that appends
+    <|endoftext|> and pads with it on the left. transformers loads a qwen2 folder's tokenizer as its own
+    Qwen2Tokenizer, which rebuilds a BPE from the file: a word-level one would lose its words there."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    eos = "<|endoftext|>"
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[eos], initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator([" ".join(WORDS)], trainer)
+    tok.post_processor = processors.TemplateProcessing(single=f"$A {eos}", special_tokens=[(eos, tok.token_to_id(eos))])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=eos, pad_token=eos, padding_side="left", model_max_length=64
+    )
+
+
 def _decoder(folder: Path, name: str, dropout: float, **config) -> Path:
-    """A Llama, Mistral, Qwen2 or Gemma 3 decoder with Qwen's tokenizer (pads with the EOS it appends); its
+    """A Llama, Mistral, Qwen2 or Gemma 3 decoder with Qwen's kind of tokenizer (`_byte_level_tokenizer`); its
     config names no pad token, as theirs do (a pad id would zero that token's embedding at init)."""
     import transformers
 
-    eos = "<|endoftext|>"
-    tokenizer = _tokenizer([eos, "[UNK]"], f"$A {eos}", eos, eos, "left")
+    tokenizer = _byte_level_tokenizer()
     shape = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
     heads = dict(num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
     built = getattr(transformers, f"{name}Config")(
         vocab_size=len(tokenizer),
         attention_dropout=dropout,
-        eos_token_id=0,
+        eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         **shape,
         **heads,

@@ -47,6 +47,19 @@ def test_the_repeated_layers_are_found_and_counted(tmp_path: Path, arch: str) ->
 
 
 @needs("hf")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_folders_tokenizer_keeps_the_words(tmp_path: Path, arch: str) -> None:
+    """The batches hold the texts (transformers loads a qwen2 folder's tokenizer as its own class, which a
+    word-level tokenizer would not survive: every text became 'a a a')."""
+    from titan_contrastive.models.bi_encoder import BiEncoderArgs, build_tokenizer
+
+    tokenizer = build_tokenizer(BiEncoderArgs(path=str(architecture_folder(tmp_path, arch))))
+    ids = tokenizer.encode_queries(["a small cat", "frozen water"], 16)
+    texts = [tokenizer.hf.decode(row[row != tokenizer.pad_id], skip_special_tokens=True).strip() for row in ids]
+    assert texts == ["a small cat", "frozen water"]
+
+
+@needs("hf")
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_step_kind_equals_the_dense_objective(tmp_path: Path, arch: str, kind: str) -> None:
