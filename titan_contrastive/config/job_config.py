@@ -50,9 +50,9 @@ class Model:
     flavor's. The data must match it (data.image_size, data.tokenizer = clip_bpe for CLIP's
     vocabulary, data.context_length). Empty = random init."""
     path: str = ""
-    """bi_encoder, qwen_vl: a local transformers or sentence-transformers folder (BERT, XLM-R, ModernBERT, a Qwen3 or
-    Llama-style decoder), or a hub id already in the local cache; never downloaded. Empty = the bundled
-    all-MiniLM-L6-v2."""
+    """bi_encoder, qwen_vl: a local transformers or sentence-transformers folder (BERT, XLM-R, MPNet, ModernBERT,
+    T5's encoder, a Qwen3, Llama or Gemma 3 decoder; Dense modules after the pooling), or a hub id already in
+    the local cache; never downloaded, and no code the folder ships is run. Empty = the bundled all-MiniLM-L6-v2."""
     pooling: Literal["auto", "cls", "mean", "last_token"] = "auto"
     """bi_encoder: `auto` = the sentence-transformers folder's pooling, else mean (encoders) / last_token (decoders)."""
     query_prompt: str = "auto"
