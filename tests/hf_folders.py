@@ -49,16 +49,25 @@ def _tokenizer(
     )
 
 
+def _saved(folder: Path, model, tokenizer) -> Path:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _bert_tokenizer(pair: str | None = None):
+    """[CLS] text [SEP], [PAD] on the right; `pair`: the template of two texts."""
+    return _tokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]"], "[CLS] $A [SEP]", "[PAD]", None, "right", pair)
+
+
 def _bert(folder: Path, model_class: str, pair: str | None = None, **config) -> Path:
     """A 2-layer, 16-wide BERT of `model_class` ([CLS] text [SEP]; `pair`: the template of two texts)."""
     import transformers
 
-    tokenizer = _tokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]"], "[CLS] $A [SEP]", "[PAD]", None, "right", pair)
+    tokenizer = _bert_tokenizer(pair)
     shape = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
     config = transformers.BertConfig(vocab_size=len(tokenizer), max_position_embeddings=64, **shape, **config)
-    getattr(transformers, model_class)(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return _saved(folder, getattr(transformers, model_class)(config), tokenizer)
 
 
 def encoder_folder(root: Path, dropout: float = 0.1) -> Path:
@@ -117,16 +126,6 @@ def vl_folder(root: Path, arch: str = "qwen2_vl", dropout: float = 0.1) -> Path:
     from titan_contrastive.models.qwen_vl.random_folder import write_random_folder
 
     return write_random_folder(root / f"tiny-{arch}", arch, "tiny", dropout, WORDS)
-
-
-def _saved(folder: Path, model, tokenizer) -> Path:
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def _bert_tokenizer():
-    return _tokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]"], "[CLS] $A [SEP]", "[PAD]", None, "right")
 
 
 def albert_folder(root: Path) -> Path:
