@@ -223,3 +223,19 @@ def test_a_decoder_made_bidirectional_pools_as_an_encoder(tmp_path: Path) -> Non
     assert BiEncoderArgs(path=str(both)).resolve().pooling == "mean"
     assert BiEncoderArgs(path=str(both), pooling="cls").resolve().pooling == "cls"
     assert BiEncoderArgs(path=str(architecture_folder(tmp_path, "gemma3"))).resolve().pooling == "last_token"
+
+
+@needs("hf")
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "bert-dense"])  # a Dense folder's towers cannot lock
+def test_unlocked_layers_leave_the_last_layer_training(tmp_path: Path, arch: str) -> None:
+    """`freeze = ["query"]` with `unlocked_layers = 1`: of the repeated layers the last trains and the first
+    does not, whatever the architecture names them (BERT's `layer.N`, a decoder's `layers.N`, T5's `block.N`
+    holding its own `layer.0`, `layer.1`)."""
+    from titan_contrastive.models.bi_encoder import bi_encoder_blocks
+
+    trainer = folder_run(
+        tmp_path, arch, "--model.freeze=query", "--model.unlocked_layers=1", "--training.local_batch_size=4"
+    )
+    trains = [any(p.requires_grad for p in block.parameters()) for block in bi_encoder_blocks(trainer.model)]
+    assert trains == [False, True]
+    trainer.metrics.close()

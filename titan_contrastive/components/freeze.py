@@ -31,7 +31,8 @@ from torch import Tensor, nn
 from titan_contrastive.config import ConfigError
 
 logger = logging.getLogger("titan_contrastive")
-_BLOCK = re.compile(r"\.blocks\.(\d+)\.|\.layer\.(\d+)\.")  # a residual block's index in its tower
+_BLOCK = re.compile(r"\.(?:blocks?|layers?)\.(\d+)\.")  # a residual block's index in its tower (the outermost)
+_AFTER = re.compile(r"(?:proj|projection|\.head)(?:\.|$)")  # a projection or pooling head (after the blocks)
 
 
 def _tower_module(model: nn.Module, prefix: str) -> nn.Module:
@@ -44,16 +45,12 @@ def _unlocked(name: str, prefix: str, depth: int, unlocked_layers: int) -> bool:
         return False
     match = _BLOCK.search(name[len(prefix) - 1 :])
     if match:
-        return int(match.group(1) or match.group(2)) >= depth - unlocked_layers
-    return "post" in name or "final" in name or name.endswith(("proj", "projection"))
+        return int(match.group(1)) >= depth - unlocked_layers
+    return "post" in name or "final" in name or _AFTER.search(name) is not None
 
 
 def _depth(names: list[str], prefix: str) -> int:
-    indices = [
-        int(m.group(1) or m.group(2))
-        for n in names
-        if n.startswith(prefix) and (m := _BLOCK.search(n[len(prefix) - 1 :]))
-    ]
+    indices = [int(m.group(1)) for n in names if n.startswith(prefix) and (m := _BLOCK.search(n[len(prefix) - 1 :]))]
     return max(indices, default=-1) + 1
 
 
