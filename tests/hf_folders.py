@@ -310,3 +310,57 @@ def architecture_folder(root: Path, arch: str, dropout: float = 0.1) -> Path:
     """`ARCHITECTURES[arch]`'s model at `root / tiny-<arch>`, written on first use."""
     folder = root / f"tiny-{arch}"
     return folder if folder.exists() else ARCHITECTURES[arch](folder, dropout)
+
+
+IMAGE_TEXT = ("clip", "siglip")
+"""The transformers image-text models `image_text_folder` builds (the hf_clip family)."""
+
+
+def image_text_folder(root: Path, kind: str = "clip", dropout: float = 0.1) -> Path:
+    """A 2-layer, 16-wide CLIP or SigLIP with its tokenizer and image processor: 16 px images in 8 px
+    patches; 12 tokens, the CLIP tokenizer's BOS text EOS padded with EOS, SigLIP's text EOS padded with EOS
+    (as theirs are: no attention mask, CLIP pools at the first EOS, SigLIP at the last position)."""
+    import transformers
+
+    folder = root / f"tiny-{kind}"
+    if folder.exists():
+        return folder
+    template = "<s> $A </s>" if kind == "clip" else "$A </s>"
+    tokenizer = _tokenizer(["<pad>", "[UNK]", "<s>", "</s>"], template, "</s>", "</s>", "right")
+    if kind == "clip":
+        tokenizer.bos_token = "<s>"
+    shape = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    name = "CLIP" if kind == "clip" else "Siglip"
+    text = getattr(transformers, f"{name}TextConfig")(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=12,
+        attention_dropout=dropout,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **shape,
+        **({"bos_token_id": 2} if kind == "clip" else {}),
+    )
+    vision = getattr(transformers, f"{name}VisionConfig")(
+        image_size=16, patch_size=8, attention_dropout=dropout, **shape
+    )
+    config = getattr(transformers, f"{name}Config")(
+        text_config=text, vision_config=vision, **({"projection_dim": 8} if kind == "clip" else {})
+    )
+    model = getattr(transformers, f"{name}Model")(config)
+    if kind == "siglip":
+        with __import__("torch").no_grad():
+            model.logit_scale.fill_(2.3)
+            model.logit_bias.fill_(-3.0)
+    _saved(folder, model, tokenizer)
+    processor = getattr(transformers, f"{name}ImageProcessorPil")
+    if kind == "clip":
+        images = processor(
+            size={"shortest_edge": 16},
+            crop_size={"height": 16, "width": 16},
+            image_mean=[0.48, 0.46, 0.41],
+            image_std=[0.27, 0.26, 0.28],
+        )
+    else:
+        images = processor(size={"height": 16, "width": 16}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    images.save_pretrained(folder)
+    return folder

@@ -158,7 +158,8 @@ def test_bad_input_exits_nonzero_with_one_line_before_compute(tmp_path: Path) ->
     [
         (
             "--model.name=resnet",
-            "model.name='resnet' is not a registered model family; valid: bi_encoder, clip, lit, qwen_vl, vae, vlm",
+            "model.name='resnet' is not a registered model family; valid: bi_encoder, clip, hf_clip, lit, qwen_vl, "
+            "vae, vlm",
         ),
         (
             "--model.flavor=huge",

@@ -90,7 +90,7 @@ class Data:
     bundled sets; 2 or more for your own data, which is decoded per sample)."""
     context_length: int = opt(0, lambda v: v == 0 or v >= 4, "0 (the tokenizer's default) or an integer >= 4")
     """Text tokens per caption, start and end tokens included; 0 = 32 for the byte tokenizer and
-    the pairs' queries, 77 for clip_bpe."""
+    the pairs' queries, 77 for clip_bpe, the folder's positions for hf_clip (SigLIP: exactly those)."""
     doc_context_length: int = opt(0, lambda v: v == 0 or v >= 4, "0 (the model's default) or an integer >= 4")
     """Text pairs: tokens per document (context_length is the queries'); 0 = the model folder's max_seq_length
     (512 at most), 16 for the bundled MiniLM."""
@@ -98,8 +98,8 @@ class Data:
     """Per-sample augmentation in the train split (a pure function of seed, epoch and index): flips
     of the bundled images, random-resized crops of your own."""
     image_size: int = opt(0, lambda v: v >= 0, "0 (native size) or a size in pixels")
-    """0 = the dataset's native size (224 for your own data); N = images resized to N x N, e.g. 224
-    for clip/vit_b32 (patch 32) on the 28x28 Fashion-MNIST."""
+    """0 = the dataset's native size (224 for your own data; hf_clip: its folder's size, the only one it
+    takes); N = images resized to N x N, e.g. 224 for clip/vit_b32 (patch 32) on the 28x28 Fashion-MNIST."""
     image_sizes: list[int] = opt([], lambda v: all(x >= 1 for x in v), "a list of sizes in pixels, each >= 1")
     """Mixed resolutions (model.name=vlm or vae): each image is served at one of these square sizes
     (train: drawn per sample and epoch; test: cycled), as Qwen-VL-style packed patches (vlm) or

@@ -37,13 +37,14 @@ class Job:
 @dataclass
 class Model:
     name: str = "clip"
-    """Registered model family: `clip`, `bi_encoder` (a Hugging Face text model from `path`, needs `.[hf]`),
-    `lit` (a ViT against the pretrained MiniLM text tower, `.[hf]`), `qwen_vl` (a Qwen2-VL / Qwen2.5-VL /
-    Qwen3-VL embedder from `path`, `.[hf]`), `vlm` (a small packed-patch model for CPU tests), `vae` (pixel
-    loss), or your own."""
+    """Registered model family: `clip`, `hf_clip` (a Hugging Face CLIP or SigLIP from `path`, needs `.[hf]`),
+    `bi_encoder` (a Hugging Face text model from `path`, `.[hf]`), `lit` (a ViT against the pretrained MiniLM
+    text tower, `.[hf]`), `qwen_vl` (a Qwen2-VL / Qwen2.5-VL / Qwen3-VL embedder from `path`, `.[hf]`), `vlm`
+    (a small packed-patch model for CPU tests), `vae` (pixel loss), or your own."""
     flavor: str = "debug"
     """Size preset of the family: clip `debug` (CPU) / `vit_b32` / `vit_b16` / `vit_l14`; bi_encoder `shared` /
-    `dual` (one tower or two); lit `minilm_debug`; qwen_vl `default`; vlm `debug`; vae `debug` / `sd`."""
+    `dual` (one tower or two); hf_clip `folder`; lit `minilm_debug`; qwen_vl `default`; vlm `debug`; vae `debug`
+    / `sd`."""
     init_from: str = ""
     """Start from a checkpoint's weights (clip): a Hugging Face CLIP folder (config.json +
     model.safetensors) or a step-N folder of one of our runs; its architecture replaces the
@@ -52,7 +53,8 @@ class Model:
     path: str = ""
     """bi_encoder, qwen_vl: a local transformers or sentence-transformers folder (BERT, XLM-R, MPNet, ModernBERT,
     T5's encoder, a Qwen3, Llama or Gemma 3 decoder; Dense modules after the pooling), or a hub id already in
-    the local cache; never downloaded, and no code the folder ships is run. Empty = the bundled all-MiniLM-L6-v2."""
+    the local cache; never downloaded, and no code the folder ships is run. Empty = the bundled all-MiniLM-L6-v2.
+    hf_clip: a transformers CLIP or SigLIP folder with its tokenizer and preprocessor_config.json (required)."""
     pooling: Literal["auto", "cls", "mean", "last_token"] = "auto"
     """bi_encoder: `auto` = the sentence-transformers folder's pooling, else mean (encoders) / last_token (decoders)."""
     query_prompt: str = "auto"

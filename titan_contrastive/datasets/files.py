@@ -112,6 +112,10 @@ class FileImageTextDataset:
             raise DataError(f"data.image_size={size}: set the square training size in pixels for {self.name} data")
         self.image_shape = (3, size, size)
 
+    def normalize_as(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        """Normalize with a model folder's image statistics (hf_clip) instead of OpenAI's."""
+        self.normalize = Normalize(mean, std)
+
     def pack_patches(self, patch_size: int, sizes: Sequence[int] = ()) -> None:
         raise DataError(
             f"data.dataset={self.name!r} serves [B, 3, S, S] images; the vlm family's packed patches are "

@@ -100,6 +100,10 @@ class ImageFolderZeroShot:
     def resize(self, size: int) -> None:
         self.image_shape = (3, size, size)
 
+    def normalize_as(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        """Normalize with a model folder's image statistics (hf_clip) instead of OpenAI's."""
+        self._normalize = Normalize(mean, std)
+
     def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         size = self.image_shape[-1]
         pixels = np.empty((len(indices), size, size, 3), dtype=np.uint8)

@@ -12,6 +12,8 @@ IMAGES: [B, C, H, W] at one size (clip, bi_encoder's text pairs); PACKED_PATCHES
 MASKED_IMAGES: [-1, 1] images zero-padded to the largest size with a pixel `mask` (vae); PROCESSED:
 uint8 images and texts through the family's own processor (`args.processor()`: qwen_vl's token
 ids and packed patches per side at native resolution), cut on image boundaries (`split_sides`).
+FOLDER_IMAGES: [B, 3, S, S] at the model folder's size, normalized with its processor's mean and std
+(`args.image_size`, `image_mean`, `image_std`: hf_clip), from the user's image-text files.
 A processor whose `refusal` is set takes only data that serves both sides (`serves_sides`:
 `vl_pairs`), not image-text rows.
 """
@@ -26,7 +28,7 @@ from titan_contrastive.batching import split_inputs, split_sides, split_vlm_inpu
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.base import DataError
 
-__all__ = ["IMAGES", "MASKED_IMAGES", "PACKED_PATCHES", "PROCESSED", "DataLayout"]
+__all__ = ["FOLDER_IMAGES", "IMAGES", "MASKED_IMAGES", "PACKED_PATCHES", "PROCESSED", "DataLayout"]
 
 
 def _one_size(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) -> None:
@@ -50,6 +52,18 @@ def _processed(dataset: Any, args: Any, image_sizes: Sequence[int], family: str)
     dataset.serve_processed(process, image_sizes)
 
 
+def _folder_images(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) -> None:
+    _one_size(dataset, args, image_sizes, family)
+    if not hasattr(dataset, "normalize_as"):
+        raise DataError(
+            f"data.dataset={getattr(dataset, 'name', type(dataset).__name__)!r}: {family} reads RGB photos "
+            "normalized with its folder's mean and std; use your own image-text data (data.dataset = csv, "
+            "webdataset, hf, synthetic)"
+        )
+    dataset.resize(args.image_size)
+    dataset.normalize_as(args.image_mean, args.image_std)
+
+
 def _masked(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) -> None:
     dataset.serve_masked(args.downsample, image_sizes)
 
@@ -68,3 +82,4 @@ IMAGES = DataLayout("images", _one_size, split_inputs)
 PACKED_PATCHES = DataLayout("packed_patches", _packed, split_vlm_inputs)
 MASKED_IMAGES = DataLayout("masked_images", _masked, split_inputs)
 PROCESSED = DataLayout("processed", _processed, split_sides)
+FOLDER_IMAGES = DataLayout("folder_images", _folder_images, split_inputs)

@@ -1,0 +1,423 @@
+"""The hf_clip family: a Hugging Face CLIP or SigLIP folder (tiny, random, built here) trained as an
+image-text dual encoder. Its batches are what transformers' own processor and tokenizer give, its
+embeddings what `get_image_features` / `get_text_features` give; every step kind (GradCache chunks that
+divide nothing, accumulation, streamed global negatives), both objectives, LoRA, a locked tower and
+FSDP2 on 2 gloo ranks equal the dense objective written from its definition in float64; the export
+loads back in transformers."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.dist_utils import run_distributed
+from tests.hf_folders import IMAGE_TEXT, WORDS, image_text_folder
+from tests.needs import require
+from tests.test_hard_negatives import assert_grads_close, assert_step_equals_its_forwards
+from tests.test_hf_text import grads
+from tests.test_trainer import full
+from tests.test_trainer import make_trainer as base_trainer
+from titan_contrastive.losses import InfoNCE, Sigmoid
+
+require("hf")
+
+REL = 1e-10
+SIZES = [(16, 16), (20, 30), (30, 20), (24, 24), (17, 40), (40, 40), (16, 25), (33, 18), (21, 21), (50, 30)]
+# (local batch, accumulation steps, options): chunks of 3 over 7 divide nothing
+KINDS = {
+    "gradcache": (7, 1, ["--gradcache.enabled=true", "--gradcache.chunk_sizes=3"]),
+    "accumulate": (3, 2, []),
+    "global": (3, 2, ["--loss.negatives=global", "--loss.stream_chunk_size=5"]),
+}
+LORA = ("--lora.enable=true", "--lora.rank=4", "--lora.alpha=8")
+
+
+def pictures(root: Path) -> Path:
+    """RGB PNGs of different sizes and shapes, each with a caption of the folder's words (a CSV)."""
+    from PIL import Image
+
+    g = np.random.default_rng(0)
+    (root / "img").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, (h, w) in enumerate(SIZES * 3):
+        Image.fromarray(g.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "img" / f"{i}.png")
+        rows.append([f"img/{i}.png", " ".join(g.choice(WORDS, size=int(g.integers(1, 14))))])
+    with open(root / "train.csv", "w", newline="") as f:
+        writer = csv.writer(f, delimiter="\t")
+        writer.writerow(["filepath", "title"])
+        writer.writerows(rows)
+    return root / "train.csv"
+
+
+def clip_run(tmp: Path, kind: str, *extra: str, dropout: float = 0.1):
+    """A trainer of the hf_clip family on `kind`'s tiny folder and the pictures' CSV."""
+    folder = image_text_folder(tmp, kind, dropout)
+    table = tmp / "data" / "train.csv"
+    if not table.exists():
+        pictures(tmp / "data")
+    return base_trainer(
+        str(tmp / f"run-{kind}"),
+        "--model.name=hf_clip",
+        "--model.flavor=folder",
+        f"--model.path={folder}",
+        "--data.dataset=csv",
+        f"--data.path={table}",
+        "--data.image_size=0",
+        "--data.context_length=0",
+        "--eval.enable=false",
+        *extra,
+    )
+
+
+def _tensors(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
+def _dense(trainer, problems: list[dict], objective) -> tuple[float, dict[str, torch.Tensor]]:
+    """The objective from its definition on a float64 copy: the mean over `problems` of the loss over
+    each whole problem's embeddings, made by transformers' own `get_*_features` path."""
+    model = trainer.spec.build_model(trainer.model_args).double()
+    model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
+    model.eval()
+    losses = []
+    for batch in problems:
+        out = model(batch["image"].double(), batch["text"])
+        losses.append(objective.dense(*out))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    return loss.item(), grads(model)
+
+
+def _step(tmp: Path, kind: str, step: str, *extra: str, objective=None) -> None:
+    """One step of `step` (dropout off) against the dense objective over the whole global batch; a warm-up
+    step first (LoRA's B starts at zero)."""
+    local, ga, args = KINDS[step]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    trainer = clip_run(
+        tmp,
+        kind,
+        f"--training.local_batch_size={local}",
+        f"--training.global_batch_size={local * ga * world}",
+        *args,
+        *extra,
+    )
+    trainer.model.eval()
+    data = trainer.train_set
+    mine = [
+        _tensors(
+            data.__getitems__(list(range(j * local * world + rank * local, j * local * world + (rank + 1) * local)))
+        )
+        for j in range(ga)
+    ]
+    problems = (
+        [_tensors(data.__getitems__(list(range(j * local * world, (j + 1) * local * world)))) for j in range(ga)]
+        if step == "accumulate"
+        else [_tensors(data.__getitems__(list(range(local * ga * world))))]
+    )
+    trainer.train_step(mine)
+    want_loss, want = _dense(trainer, problems, objective or InfoNCE())
+    out = trainer.train_step(mine)
+    trains = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert_grads_close({n: g for n, g in grads(trainer.model).items() if n in trains}, {n: want[n] for n in trains})
+    assert abs(out["loss"] - want_loss) <= REL * abs(want_loss)
+    trainer.metrics.close()
+
+
+@pytest.mark.parametrize("kind", IMAGE_TEXT)
+@pytest.mark.parametrize("step", KINDS)
+def test_every_step_kind_equals_the_dense_objective(tmp_path: Path, kind: str, step: str) -> None:
+    _step(tmp_path, kind, step)
+
+
+@pytest.mark.parametrize("step", ["gradcache", "global"])
+def test_siglip_with_its_sigmoid_loss_and_bias(tmp_path: Path, step: str) -> None:
+    """The sigmoid loss starts from the folder's scale and bias, and trains both exactly."""
+    _step(tmp_path, "siglip", step, "--loss.name=siglip", objective=Sigmoid())
+    trainer = clip_run(tmp_path / "again", "siglip", "--loss.name=siglip", "--training.local_batch_size=4")
+    assert trainer.model.logit_scale.item() == pytest.approx(2.3) and trainer.model.logit_bias.item() == -3.0
+    assert trainer.model.logit_bias.requires_grad
+    trainer.metrics.close()
+
+
+@pytest.mark.parametrize("kind", IMAGE_TEXT)
+def test_lora_and_a_locked_image_tower(tmp_path: Path, kind: str) -> None:
+    """LoRA on both towers' attention; and LiT's locked image tower (run without a graph, replayed)."""
+    _step(tmp_path, kind, "gradcache", *LORA)
+    _step(tmp_path / "lit", kind, "gradcache", "--model.freeze=image")
+
+
+def test_activation_checkpointing(tmp_path: Path) -> None:
+    _step(tmp_path, "clip", "gradcache", "--activation_checkpoint.mode=full")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", IMAGE_TEXT)
+def test_compiled_layers(tmp_path: Path, kind: str) -> None:
+    """torch.compile on each transformers layer (aot_eager: the graphs without inductor's C++ build)."""
+    _step(tmp_path, kind, "global", "--compile.enable=true", "--compile.backend=aot_eager")
+
+
+@pytest.mark.parametrize("kind", IMAGE_TEXT)
+def test_gradcache_replays_the_dropout_of_both_towers(tmp_path: Path, kind: str) -> None:
+    trainer = clip_run(
+        tmp_path, kind, "--training.local_batch_size=7", "--gradcache.enabled=true", "--gradcache.chunk_sizes=3"
+    )
+    assert trainer.model.training
+    batch = _tensors(trainer.train_set.__getitems__(list(range(7))))
+    chunks = [{k: v[s] for k, v in batch.items()} for s in (slice(0, 3), slice(3, 6), slice(6, 7))]
+    assert_step_equals_its_forwards(trainer, [batch], chunks, seed=5)
+    torch.manual_seed(5)
+    on = trainer.model(batch["image"][:3], batch["text"][:3])
+    off = trainer.model.eval()(batch["image"][:3], batch["text"][:3])
+    assert not torch.allclose(on[0], off[0]) and not torch.allclose(on[1], off[1])  # dropout is on in both towers
+    trainer.metrics.close()
+
+
+def _ranks(tmp: str, kind: str, steps: tuple[str, ...], *extra: str) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    for step in steps:
+        _step(Path(tmp) / step, kind, step, *extra)
+
+
+def _folders(tmp: Path, kind: str, steps: tuple[str, ...]) -> None:
+    """Each step's folder and pictures, written before the ranks start (they would race to write them)."""
+    for step in steps:
+        image_text_folder(tmp / step, kind)
+        pictures(tmp / step / "data")
+
+
+@pytest.mark.parametrize("kind", IMAGE_TEXT)
+def test_two_ranks_fsdp2(tmp_path: Path, kind: str) -> None:
+    """FSDP2 over both towers' layers on 2 gloo ranks: GradCache and global negatives."""
+    steps = ("gradcache", "global")
+    _folders(tmp_path, kind, steps)
+    run_distributed(_ranks, 2, str(tmp_path), kind, steps)
+
+
+@pytest.mark.slow
+def test_four_ranks_ddp_with_lora(tmp_path: Path) -> None:
+    steps = ("global", "gradcache")
+    _folders(tmp_path, "siglip", steps)
+    layout = ("--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=4")
+    run_distributed(_ranks, 4, str(tmp_path), "siglip", steps, *layout, *LORA)
+
+
+@pytest.mark.parametrize("kind", IMAGE_TEXT)
+def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind: str) -> None:
+    """The eval split's pixels of an image at the model's size equal the folder's image processor's, the
+    ids its tokenizer's at `padding="max_length"`, and the model's embeddings transformers' own
+    `get_image_features` / `get_text_features`, normalized."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
+
+    trainer = clip_run(tmp_path, kind, "--training.local_batch_size=4", "--training.dtype=float32")
+    folder = str(tmp_path / f"tiny-{kind}")
+    data = trainer.train_set
+    data.train = False  # the centre crop: at the model's size, the image itself
+    batch = data.__getitems__([0, 3])  # 16 x 16 and 24 x 24 pictures
+    captions = data.captions([0, 3])
+    processor = AutoImageProcessor.from_pretrained(folder, use_fast=False)
+    images = [Image.open(tmp_path / "data" / "img" / f"{i}.png").convert("RGB") for i in (0,)]
+    theirs = processor(images=images, return_tensors="pt")["pixel_values"]
+    assert torch.allclose(batch["image"][:1], theirs, atol=1e-5)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(captions, padding="max_length", max_length=12, truncation=True, return_tensors="pt")["input_ids"]
+    assert torch.equal(batch["text"], ids)
+    assert tokenizer.batch_decode(ids, skip_special_tokens=True) == captions
+    model = AutoModel.from_pretrained(folder).eval()
+    trainer.model.eval()
+    with torch.no_grad():
+        image, text, scale = trainer.model(batch["image"], batch["text"])[:3]
+        want_image = model.get_image_features(pixel_values=batch["image"]).pooler_output
+        want_text = model.get_text_features(input_ids=batch["text"]).pooler_output
+    assert torch.allclose(image, F.normalize(want_image, dim=-1), atol=1e-6)
+    assert torch.allclose(text, F.normalize(want_text, dim=-1), atol=1e-6)
+    assert torch.allclose(scale, model.logit_scale.exp())
+    assert trainer.model_args.num_params() == sum(p.numel() for p in trainer.model.parameters())
+    trainer.metrics.close()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_export_loads_back_in_transformers(tmp_path: Path, lora: bool) -> None:
+    """A trained step folder exported --to hf (LoRA merged) is the folder's model class, trained, with the
+    tokenizer and image processor; the exporter compares the reloaded embeddings (exit 2 if they differ)."""
+    from transformers import AutoModel
+
+    from titan_contrastive.export import main as export_main
+
+    run = clip_run(
+        tmp_path,
+        "clip",
+        *(LORA if lora else ()),
+        "--training.local_batch_size=5",
+        "--training.steps=2",
+        "--training.dtype=float32",
+        "--checkpoint.enable=true",
+        "--lr_scheduler.warmup_steps=0",
+        "--optimizer.lr=1e-2",
+    )
+    run.train()
+    run.metrics.close()
+    step = tmp_path / "run-clip" / "checkpoint" / "step-2"
+    assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert {"preprocessor_config.json", "tokenizer.json", "config.json"} <= {
+        p.name for p in (tmp_path / "hf").iterdir()
+    }
+    exported = dict(AutoModel.from_pretrained(str(tmp_path / "hf")).named_parameters())
+    base = dict(AutoModel.from_pretrained(str(tmp_path / "tiny-clip")).named_parameters())
+    assert exported.keys() == base.keys()
+    changed = [n for n in base if not torch.equal(exported[n], base[n])]
+    assert "logit_scale" in changed and any(".q_proj." in n for n in changed)  # it trained (LoRA: merged)
+    # sentence-transformers (6: CLIP folders as they are) embeds pictures and captions as the run does
+    from PIL import Image
+    from sentence_transformers import SentenceTransformer
+
+    model, data = run.model.eval(), run.train_set
+    data.train = False
+    batch = data.__getitems__([0, 3])  # 16 x 16 and 24 x 24: the first needs no resampling
+    with torch.no_grad():
+        image, text = model(batch["image"].float(), batch["text"])[:2]
+    st = SentenceTransformer(str(tmp_path / "hf"), device="cpu")
+    picture = Image.open(tmp_path / "data" / "img" / "0.png").convert("RGB")
+    theirs = st.encode([picture], convert_to_tensor=True, normalize_embeddings=True)
+    assert torch.allclose(theirs, image[:1], atol=1e-6)
+    theirs = st.encode(data.captions([0, 3]), convert_to_tensor=True, normalize_embeddings=True)
+    assert torch.allclose(theirs, text, atol=1e-6)
+    assert export_main([str(step), "--to", "open_clip", "--out", str(tmp_path / "oc")]) == 2
+
+
+def test_bad_input_is_one_line(tmp_path: Path) -> None:
+    from titan_contrastive.config import ConfigError
+    from titan_contrastive.datasets import DataError
+
+    with pytest.raises(ConfigError, match="model.path is empty: the hf_clip family trains"):
+        base_trainer(str(tmp_path / "a"), "--model.name=hf_clip", "--model.flavor=folder", "--data.dataset=synthetic")
+    with pytest.raises(ConfigError, match=r"data.image_size=32: .* reads 16x16 images .*set data.image_size=16 or 0"):
+        clip_run(tmp_path, "clip", "--data.image_size=32")
+    with pytest.raises(ConfigError, match=r"data.context_length=8: .* reads exactly 12 tokens \(SigLIP pools"):
+        clip_run(tmp_path, "siglip", "--data.context_length=8")
+    with pytest.raises(ConfigError, match=r"data.context_length=20: .* reads at most 12 tokens"):
+        clip_run(tmp_path, "clip", "--data.context_length=20")
+    with pytest.raises(DataError, match="data.dataset='emoji': hf_clip reads RGB photos normalized with its folder's"):
+        clip_run(tmp_path, "clip", "--data.dataset=emoji", "--data.path=")
+    from tests.hf_folders import encoder_folder
+
+    with pytest.raises(ConfigError, match="holds a 'bert' model; hf_clip trains CLIP and SigLIP folders"):
+        clip_run(tmp_path, "clip", f"--model.path={encoder_folder(tmp_path)}")
+    (tmp_path / "tiny-clip" / "preprocessor_config.json").unlink()
+    with pytest.raises(ConfigError, match="has no preprocessor_config.json"):
+        clip_run(tmp_path, "clip")
+
+
+def test_the_command_line_trains_evaluates_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`train.main` on a SigLIP folder with its sigmoid loss: retrieval recall on data.val_path
+    and zero-shot top-1 on an ImageFolder (both read at the folder's size and statistics), a checkpoint, and
+    two more steps resumed from it equal to four at once."""
+    import json
+
+    from titan_contrastive.train import main
+
+    folder = image_text_folder(tmp_path, "siglip")
+    table = pictures(tmp_path / "data")
+    for c, name in enumerate(["cat", "dog"]):
+        (tmp_path / "zs" / name).mkdir(parents=True)
+        for i in range(3):
+            picture = tmp_path / "data" / "img" / f"{c * 3 + i}.png"
+            (tmp_path / "zs" / name / f"{i}.png").write_bytes(picture.read_bytes())
+    args = [
+        "--model.name=hf_clip",
+        "--model.flavor=folder",
+        f"--model.path={folder}",
+        "--loss.name=siglip",
+        "--data.dataset=csv",
+        f"--data.path={table}",
+        f"--data.val_path={table}",
+        "--training.local_batch_size=6",
+        "--training.dtype=float32",
+        "--metrics.log_freq=1",
+        "--metrics.enable_tensorboard=false",
+        f"--eval.zero_shot_path={tmp_path / 'zs'}",
+        "--eval.zero_shot_templates=simple",
+        "--checkpoint.enable=true",
+        "--checkpoint.interval=2",
+        "--lr_scheduler.warmup_steps=0",
+        "--lr_scheduler.decay_type=none",  # the same rates whether a run ends at step 2 or 4
+    ]
+
+    def run(folder: str, steps: int) -> dict:
+        assert main([*args, f"--training.steps={steps}", f"--job.dump_folder={tmp_path / folder}"]) == 0
+        lines = (tmp_path / folder / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    whole = run("whole", 4)
+    evals = [r for r in whole if r["kind"] == "eval"][-1]
+    assert evals["num_samples"] == 30 and evals["zero_shot/num_samples"] == 6
+    assert {"image_to_text_r@1", "text_to_image_r@1", "zero_shot/zero_shot_top1"} <= evals.keys()
+    run("resumed", 2)
+    resumed = run("resumed", 4)
+    losses = {r["step"]: r["loss"] for r in whole if r["kind"] == "train"}
+    assert [r["loss"] for r in resumed if r["kind"] == "train" and r["step"] > 2] == [losses[3], losses[4]]
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("kind", IMAGE_TEXT)
+def test_unlocked_layers_of_a_locked_image_tower(tmp_path: Path, kind: str) -> None:
+    """`unlocked_layers = 1` leaves the image tower's last layer and what follows it training (CLIP's final
+    norm and projection; SigLIP's final norm and pooling head), nothing before it."""
+    trainer = clip_run(
+        tmp_path, kind, "--model.freeze=image", "--model.unlocked_layers=1", "--training.local_batch_size=4"
+    )
+    trains = {n for n, p in trainer.model.named_parameters() if p.requires_grad and n.startswith("visual.")}
+    layers = {n.split(".")[4] for n in trains if ".encoder.layers." in n}
+    after = {n.rsplit(".", 1)[0] for n in trains if ".encoder.layers." not in n}
+    assert layers == {"1"}
+    if kind == "clip":
+        assert after == {"visual.transformer.post_layernorm", "visual.projection"}
+    else:
+        head = {m for m in after if m.startswith("visual.transformer.head")}
+        assert head and after - head == {"visual.transformer.post_layernorm"}
+    assert not getattr(trainer.model.visual, "frozen", False)  # not locked: it runs with a graph
+    trainer.metrics.close()
+
+
+def test_a_clip_folder_under_the_sigmoid_loss_and_siglip_under_softmax(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A CLIP folder trained with the sigmoid loss learns a bias of its own from the loss's start (-10), exactly,
+    and its export to a CLIPModel, which cannot hold it, is refused; a SigLIP folder under a softmax objective
+    keeps its bias unused and frozen, with a warning."""
+    from titan_contrastive.export import main as export_main
+
+    _step(tmp_path, "clip", "gradcache", "--loss.name=siglip", objective=Sigmoid())
+    run = clip_run(tmp_path / "export", "clip", "--loss.name=siglip", "--training.local_batch_size=4")
+    assert run.model.logit_bias.item() == -10.0 and run.model.logit_bias.requires_grad
+    assert run.model_args.num_params() == sum(p.numel() for p in run.model.parameters())
+    run.metrics.close()
+    run = clip_run(
+        tmp_path / "export",
+        "clip",
+        "--loss.name=siglip",
+        "--training.local_batch_size=4",
+        "--training.steps=1",
+        "--checkpoint.enable=true",
+    )
+    run.train()
+    run.metrics.close()
+    step = tmp_path / "export" / "run-clip" / "checkpoint" / "step-1"
+    assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "hf")]) == 2
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
+    caplog.set_level("WARNING", logger="titan_contrastive")
+    run = clip_run(tmp_path / "softmax", "siglip", "--training.local_batch_size=4")
+    assert "is a SigLIP model and loss.name='clip' a softmax objective" in caplog.text
+    assert run.model.logit_bias.item() == -3.0 and not run.model.logit_bias.requires_grad
+    batch = run.train_set.__getitems__([0, 1])
+    assert len(run.model(batch["image"], batch["text"])) == 3  # no bias for the softmax objective
+    run.metrics.close()

@@ -1,0 +1,308 @@
+"""HFClip: a Hugging Face CLIP or SigLIP model from a local folder, trained as an image-text dual
+encoder with every step kind (GradCache, accumulation, global negatives) and either objective.
+
+`[model] path` is a transformers folder (`CLIPModel.save_pretrained` / `SiglipModel`, with its
+tokenizer and `preprocessor_config.json`). transformers' own modules do the compute: the model is
+split into two sides, `visual` (the vision transformer, then CLIP's `visual_projection`) and `text`
+(the text transformer, then CLIP's `text_projection`; SigLIP's heads live inside its transformers),
+so that each side is a tower `[model] freeze` can lock. Each side's pooled output is L2-normalized,
+as `get_image_features` / `get_text_features` and the logits of the models' own forward are.
+
+What the batches hold is what the folder's processor gives the model:
+- images at the folder's `vision_config.image_size`, normalized with its `image_mean` and
+  `image_std` (the `FOLDER_IMAGES` layout; the crops are ours: random-resized in training, centre
+  crop for evaluation);
+- token ids at one length, right-padded with the tokenizer's pad token and no attention mask, as
+  the processors give them: CLIP's text tower is causal and pools at the EOS, so the padding after
+  it changes nothing; SigLIP pools at the last position and was trained on ids padded to its
+  `max_position_embeddings` (`padding="max_length"` in its documentation), so its length is that.
+
+`logit_scale` (and SigLIP's `logit_bias`) start at the folder's values unless `[loss]` sets them; a
+CLIP folder trained with the sigmoid loss gets a bias of its own (the loss's initial value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from titan_contrastive.components.freeze import locked_forward
+from titan_contrastive.components.lora import LoraFields, add_lora
+from titan_contrastive.config import ConfigError
+from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
+from titan_contrastive.losses import temperature_from_config
+from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer, read_text_folder
+
+__all__ = ["KINDS", "HFClip", "HFClipArgs", "build_tokenizer", "hf_clip_blocks", "hf_clip_flavors", "load_hf_model"]
+
+logger = logging.getLogger("titan_contrastive")
+
+KINDS = {"clip": ("visual_projection", "text_projection"), "siglip": (None, None)}
+"""The model types read, and each one's projections after the image and text transformers."""
+LORA_TARGETS = ("q_proj", "v_proj")
+"""LoRA's default: the attention's query and value projections of both towers (peft names none for these types)."""
+
+
+def folder_kind(path: str) -> tuple[str, Any]:
+    """(model type, config) of the folder at `path`; one-line ConfigErrors for what it cannot train."""
+    if not path:
+        raise ConfigError(
+            "model.path is empty: the hf_clip family trains a Hugging Face CLIP or SigLIP folder; fetch one (e.g. "
+            "`hf download google/siglip-base-patch16-224 --local-dir DIR`) and set model.path=DIR"
+        )
+    model_dir = read_text_folder(path).model_dir
+    config = load_config(model_dir)
+    if config.model_type not in KINDS:
+        more = (
+            " (SigLIP 2's NaFlex inputs, patches at each image's own size, are not read yet)"
+            if config.model_type == "siglip2"
+            else ""
+        )
+        raise ConfigError(
+            f"model.path={path!r} holds a {config.model_type!r} model{more}; hf_clip trains CLIP and SigLIP "
+            "folders (model_type clip or siglip); a text model trains with model.name=bi_encoder"
+        )
+    return config.model_type, config
+
+
+def _statistics(model_dir: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(image_mean, image_std) of the folder's `preprocessor_config.json`."""
+    from titan_contrastive.models.weights import read_json
+
+    file = Path(model_dir) / "preprocessor_config.json"
+    if not file.is_file():
+        raise ConfigError(
+            f"{model_dir} has no preprocessor_config.json (the image mean and std the model was trained with); "
+            "save the model's processor into the folder (processor.save_pretrained)"
+        )
+    config = read_json(file)
+    mean, std = config.get("image_mean"), config.get("image_std")
+    if not (isinstance(mean, list) and isinstance(std, list) and len(mean) == len(std) == 3):
+        raise ConfigError(f"{file}: image_mean and image_std must be lists of 3 numbers, got {mean!r} and {std!r}")
+    return tuple(map(float, mean)), tuple(map(float, std))
+
+
+def _folder_bias(model_dir: str) -> float | None:
+    """The folder's `logit_bias` (SigLIP's), read from its safetensors without building the model; None without one."""
+    from safetensors import safe_open
+
+    from titan_contrastive.models.weights import read_json
+
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    file = root / (read_json(index)["weight_map"].get("logit_bias", "") if index.is_file() else "model.safetensors")
+    if not file.is_file():
+        raise ConfigError(f"{model_dir}: no model.safetensors (a pytorch_model.bin is never unpickled here)")
+    with safe_open(str(file), "pt") as f:
+        return float(f.get_tensor("logit_bias").reshape(-1)[0]) if "logit_bias" in f.keys() else None  # noqa: SIM118
+
+
+@dataclass(frozen=True)
+class HFClipArgs(LoraFields):
+    path: str = ""
+    """`[model] path`: the CLIP or SigLIP folder."""
+    context_length: int = 0
+    """Tokens per caption: `[data] context_length`, else the folder's (CLIP: its positions; SigLIP: exactly them)."""
+    image_size: int = 0
+    """The folder's `vision_config.image_size`; `[data] image_size` must be it or 0."""
+    image_mean: tuple[float, ...] = ()
+    image_std: tuple[float, ...] = ()
+    init_logit_scale: float | None = None
+    """None: the folder's `logit_scale`."""
+    init_logit_bias: float | None = None
+    """The sigmoid loss's starting bias (SigLIP: the folder's); None with an objective that has none."""
+    learn_logit_scale: bool = True
+    learn_logit_bias: bool = True
+
+    @property
+    def model_dir(self) -> str:
+        return read_text_folder(self.path).model_dir
+
+    def update_from_config(self, cfg: Any) -> HFClipArgs:
+        """A copy with the folder read (`[model] path`) and checked against `[data] image_size` and
+        `context_length`, the temperature and bias the run starts from, and `[lora]`."""
+        path = cfg.model.path or self.path
+        kind, config = folder_kind(path)
+        model_dir = read_text_folder(path).model_dir
+        size = int(config.vision_config.image_size)
+        if cfg.data.image_size not in (0, size):
+            raise ConfigError(
+                f"data.image_size={cfg.data.image_size}: {path} reads {size}x{size} images (vision_config.image_size); "
+                f"set data.image_size={size} or 0"
+            )
+        positions = int(config.text_config.max_position_embeddings)
+        length = cfg.data.context_length or positions
+        if (kind == "siglip" and length != positions) or length > positions:
+            need = "exactly" if kind == "siglip" else "at most"
+            why = " (SigLIP pools the last position of ids padded to it)" if kind == "siglip" else ""
+            raise ConfigError(
+                f"data.context_length={cfg.data.context_length}: {path} reads {need} {positions} tokens{why}; set "
+                f"data.context_length={positions} or 0"
+            )
+        t = temperature_from_config(cfg, default_logit_scale=0.0)  # checks a bias against the objective
+        bias = None
+        if t.init_logit_bias is not None:  # an objective with a bias: the configured one, the folder's, its own
+            bias = cfg.loss.init_logit_bias
+            if bias is None:
+                bias = _folder_bias(model_dir)
+            if bias is None:
+                bias = t.init_logit_bias
+        if kind == "siglip" and bias is None:
+            logger.warning(
+                f"warning: model.path={path!r} is a SigLIP model and loss.name={cfg.loss.name or 'clip'!r} a softmax "
+                "objective: its logit_bias is kept but not used; --loss.name=siglip trains the loss it was "
+                "pretrained with"
+            )
+        mean, std = _statistics(model_dir)
+        return dataclasses.replace(
+            self,
+            path=path,
+            context_length=length,
+            image_size=size,
+            image_mean=mean,
+            image_std=std,
+            init_logit_scale=cfg.loss.init_logit_scale,
+            init_logit_bias=bias,
+            learn_logit_scale=t.learn_logit_scale,
+            learn_logit_bias=t.learn_logit_bias,
+            **LoraFields.from_config(cfg.lora, lambda: LORA_TARGETS),
+        )
+
+    def update_from_data(
+        self, *, image_shape: Any = None, vocab_size: int = 0, context_length: int = 0, eos_id: int = 0
+    ) -> HFClipArgs:
+        """The sizes come from the folder; the data must serve them (the `FOLDER_IMAGES` layout resizes to it)."""
+        if tuple(image_shape) != (3, self.image_size, self.image_size):
+            raise ValueError(
+                f"data images are {'x'.join(map(str, image_shape))}; the folder reads "
+                f"3x{self.image_size}x{self.image_size}"
+            )
+        return self
+
+    @functools.cached_property
+    def _counts(self) -> tuple[int, int, int]:
+        """(all parameters, the vision layers', the text layers') of the folder's model with its adapters, on meta."""
+        from transformers import AutoModel
+
+        config = load_config(self.model_dir)
+        with torch.device("meta"):
+            model = AutoModel.from_config(config)
+            if self.lora_rank:
+                add_lora(model, *self.lora_options)
+        vision, text = (sum(p.numel() for p in tower.encoder.layers.parameters()) for tower in _towers(model))
+        return sum(p.numel() for p in model.parameters()), vision, text
+
+    def num_params(self) -> int:
+        """Exact: the folder's model (its logit_scale, SigLIP's logit_bias) and a bias of ours for a CLIP
+        folder under the sigmoid loss."""
+        kind = load_config(self.model_dir).model_type
+        return self._counts[0] + (self.init_logit_bias is not None and kind == "clip")
+
+    def flops_per_sample(self) -> int:
+        """6 x layer parameters x tokens of one image (its patches, CLIP's class token) and one caption
+        (attention scores excluded)."""
+        vision = load_config(self.model_dir).vision_config
+        patches = (vision.image_size // vision.patch_size) ** 2 + (load_config(self.model_dir).model_type == "clip")
+        return 6 * (self._counts[1] * patches + self._counts[2] * self.context_length)
+
+
+hf_clip_flavors = {"folder": HFClipArgs()}
+
+
+def _towers(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The (vision, text) transformers of a transformers CLIPModel / SiglipModel."""
+    return model.vision_model, model.text_model
+
+
+def load_hf_model(model_dir: str) -> nn.Module:
+    """The folder's transformers model (CLIPModel, SiglipModel) in training mode, its load report kept out of
+    the log."""
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModel.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"{model_dir}: transformers cannot load its weights ({' '.join(str(e).split())[:200]})"
+        ) from None
+    return model.train()
+
+
+class Side(nn.Module):
+    """One tower: a transformers vision or text transformer, then the projection (CLIP's) if any."""
+
+    def __init__(self, transformer: nn.Module, projection: nn.Module | None) -> None:
+        super().__init__()
+        self.transformer, self.projection = transformer, projection
+
+    def forward(self, **inputs: Tensor) -> Tensor:
+        pooled = self.transformer(**inputs).pooler_output
+        return F.normalize(pooled if self.projection is None else self.projection(pooled), dim=-1)
+
+
+class HFClip(nn.Module):
+    """`visual` and `text` (`Side`s of the folder's model), `logit_scale` (and `logit_bias`); forward as clip's."""
+
+    def __init__(self, args: HFClipArgs) -> None:
+        super().__init__()
+        self.args = args
+        model = load_hf_model(args.model_dir)
+        if args.lora_rank:  # before the split: peft sees the whole model's module names
+            add_lora(model, *args.lora_options)
+        image_proj, text_proj = KINDS[model.config.model_type]
+        vision, text = _towers(model)
+        self.visual = Side(vision, getattr(model, image_proj) if image_proj else None)
+        self.text = Side(text, getattr(model, text_proj) if text_proj else None)
+        self._start = {"logit_scale": float(model.logit_scale.detach().reshape(-1)[0])}
+        if hasattr(model, "logit_bias"):
+            self._start["logit_bias"] = float(model.logit_bias.detach().reshape(-1)[0])
+        if args.init_logit_scale is not None:
+            self._start["logit_scale"] = args.init_logit_scale
+        if args.init_logit_bias is not None:
+            self._start["logit_bias"] = args.init_logit_bias
+        self.logit_scale = nn.Parameter(torch.empty(1), requires_grad=args.learn_logit_scale)
+        if "logit_bias" in self._start:  # SigLIP's own is kept (and exported) under an objective without a bias
+            learn = args.learn_logit_bias and args.init_logit_bias is not None
+            self.logit_bias = nn.Parameter(torch.empty(1), requires_grad=learn)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Pretrained: only the scale (and bias) have starting values of their own."""
+        with torch.no_grad():
+            for name, value in self._start.items():
+                getattr(self, name).fill_(value)
+
+    def forward(
+        self, images: Tensor, texts: Tensor, *, replay: Sequence[Tensor | None] | None = None
+    ) -> tuple[Tensor, ...]:
+        """(image embeddings, text embeddings, exp(logit_scale)[, logit_bias]); `replay`: in a cached-gradient
+        re-forward, pass 1's outputs of these samples, which a locked tower returns instead of running."""
+        image = locked_forward(self.visual, 0, lambda: self.visual(pixel_values=images), replay)
+        text = locked_forward(self.text, 1, lambda: self.text(input_ids=texts), replay)
+        out = (image, text, self.logit_scale.exp())
+        return (*out, self.logit_bias) if self.args.init_logit_bias is not None else out
+
+
+def hf_clip_blocks(model: HFClip) -> list[nn.Module]:
+    """Both towers' transformer layers: FSDP2, activation checkpointing and compile units."""
+    return [*model.visual.transformer.encoder.layers, *model.text.transformer.encoder.layers]
+
+
+def build_tokenizer(args: HFClipArgs) -> CaptionTokenizer:
+    """`ModelSpec.build_tokenizer`: the folder's tokenizer at the args' length, padding with its pad token."""
+    hf = load_tokenizer(args.model_dir)
+    return CaptionTokenizer(
+        PairTokenizer(hf, doc_length=args.context_length, pad_id=int(hf.pad_token_id)), args.context_length
+    )
