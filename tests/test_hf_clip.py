@@ -421,3 +421,64 @@ def test_a_clip_folder_under_the_sigmoid_loss_and_siglip_under_softmax(
     batch = run.train_set.__getitems__([0, 1])
     assert len(run.model(batch["image"], batch["text"])) == 3  # no bias for the softmax objective
     run.metrics.close()
+
+
+def test_a_clip_family_export_fine_tunes_as_the_same_model(tmp_path: Path) -> None:
+    """clip/debug trained on the pictures with CLIP's BPE, exported --to hf (model, tokenizer, image processor
+    with the run's statistics) and read by hf_clip: two implementations (ours, transformers') of the same
+    weights give the same pixels, the same embeddings and the same loss of a step, in float64."""
+    from titan_contrastive.export import main as export_main
+
+    table = pictures(tmp_path / "data")
+    data = [
+        "--data.dataset=csv",
+        f"--data.path={table}",
+        "--data.context_length=12",
+        "--training.local_batch_size=7",
+        "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=3",
+    ]
+    clip = base_trainer(
+        str(tmp_path / "clip"),
+        "--model.name=clip",
+        "--model.flavor=debug",
+        "--data.tokenizer=clip_bpe",
+        "--data.image_size=16",
+        "--training.steps=1",
+        "--checkpoint.enable=true",
+        *data,
+    )
+    clip.train()
+    clip.metrics.close()
+    step = tmp_path / "clip" / "checkpoint" / "step-1"
+    assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+    ours = base_trainer(
+        str(tmp_path / "ours"),
+        "--model.name=clip",
+        f"--model.init_from={step}",
+        "--data.tokenizer=clip_bpe",
+        "--data.image_size=16",
+        *data,
+    )
+    theirs = base_trainer(
+        str(tmp_path / "theirs"),
+        "--model.name=hf_clip",
+        "--model.flavor=folder",
+        f"--model.path={tmp_path / 'hf'}",
+        "--data.image_size=0",
+        *data,
+    )
+    for trainer in (ours, theirs):
+        trainer.model.eval()
+    a, b = (_tensors(t.train_set.__getitems__(list(range(7)))) for t in (ours, theirs))
+    assert torch.equal(a["image"], b["image"])
+    real = a["text"] != 0  # our BPE pads with 0, CLIP's tokenizer with its EOS
+    assert torch.equal(a["text"][real], b["text"][real])
+    with torch.no_grad():
+        pairs = zip(ours.model(a["image"].double(), a["text"]), theirs.model(b["image"].double(), b["text"]))
+        for mine, its in pairs:
+            assert torch.allclose(mine, its, rtol=0, atol=1e-10)
+    losses = [t.train_step([batch])["loss"] for t, batch in ((ours, a), (theirs, b))]
+    assert abs(losses[0] - losses[1]) <= 1e-10 * losses[0]
+    for trainer in (ours, theirs):
+        trainer.metrics.close()

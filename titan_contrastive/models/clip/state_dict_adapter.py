@@ -17,7 +17,8 @@ run from the same weights.
 
 Export (`ADAPTER.writes`): `hf`, what `transformers.CLIPModel.from_pretrained(DIR)` and
 `CLIPTokenizerFast.from_pretrained(DIR)` load (config, safetensors, CLIP's BPE tokenizer files
-built by transformers from the vocabulary this package ships); `open_clip`, the layout
+built by transformers from the vocabulary this package ships, and for an RGB model the image
+processor's `preprocessor_config.json`: the folder the hf_clip family fine-tunes); `open_clip`, the layout
 `open_clip.create_model("local-dir:DIR")` reads. Each is loaded back (open_clip itself where it
 imports, else this module's reader of its format) and its image and text embeddings on fixed
 probes compared with the source's (`models.export_check`): random pixels and token rows laid out
@@ -188,6 +189,23 @@ def write_hf_tokenizer(out: Path, context_length: int) -> None:
     CLIPTokenizerFast(vocab=ids, merges=merges, model_max_length=context_length).save_pretrained(str(out))
 
 
+def write_hf_image_processor(out: Path, args: CLIPArgs) -> None:
+    """`preprocessor_config.json`: CLIP's resize and centre crop to the model's size, and OpenAI's mean and std,
+    which image files are normalized with here (a run on the bundled sets has the byte tokenizer: not exported)."""
+    from transformers.models.clip import CLIPImageProcessorPil
+
+    from titan_contrastive.datasets.image_transforms import OPENAI_MEAN, OPENAI_STD
+
+    size = args.image_size
+    processor = CLIPImageProcessorPil(
+        size={"shortest_edge": size},
+        crop_size={"height": size, "width": size},
+        image_mean=list(OPENAI_MEAN),
+        image_std=list(OPENAI_STD),
+    )
+    processor.save_pretrained(str(out))
+
+
 def write_open_clip(src: str, out: Path, tower: str = "") -> None:
     """`src` as open_clip's folder layout, checked with open_clip (or, where it does not import, our reader)."""
     from safetensors.torch import save_file
@@ -230,6 +248,8 @@ def write_hf(src: str, out: Path, tower: str = "") -> None:
     model.save_pretrained(str(out), safe_serialization=True)
     if args.vocab_size == 49408:  # CLIP's vocabulary: ship its tokenizer (the byte tokenizer has no HF equivalent)
         write_hf_tokenizer(out, args.context_length)
+    if args.in_channels == 3:
+        write_hf_image_processor(out, args)
     theirs = reloaded("transformers", lambda: CLIPModel.from_pretrained(str(out)).eval())
 
     def features(output: Any) -> Tensor:
