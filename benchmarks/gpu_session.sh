@@ -57,6 +57,8 @@
 #   8  a random-init Qwen2-VL-2B (qwen_vl family, LoRA, bf16) on emoji at 448-1,024 px, one
 #      process: GradCache's largest batch with 4,096-token chunks against plain training's,
 #      samples/s and peak CUDA memory per batch (flat in the batch is the claim)         (issue 30)
+#  20  the same ViT-B/32 CLIP through the clip family's modules and transformers' CLIPModel (hf_clip), one
+#      trainer step each, plain and GradCache, bf16 autocast, batch 1,024 (hf_clip_bench)
 # A session has 15 device-minutes (2026-11-25), about one stage. 2026-11-24 (H100): stage 3 complete; 1 and 2 cut
 # short by their time limits (results/gpu_session_stage*.log); 4, 5, 6 not run. 2026-11-26 (H200): stage 9 and
 # the first form of 10 (results/gpu_session_stage9.log, stage10.log). 2026-11-26 (H100): 12, 13, the rest of 11
@@ -163,4 +165,5 @@ case "$1" in
      step 560 python3 -m benchmarks.decoder_lora_bench --size 0.6b --time-budget 500 --repeats 2 --out "$out" ;;
   8) export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # transformers 5.17 from the image (Qwen2-VL's PIL processor); peft from .whl
      step 560 python3 -m benchmarks.qwen_vl_chunks --gpu --size 2b --chunk-tokens 4096 --time-budget 480 --repeats 2 --out "$out" ;;
+  20) step 300 python3 -m benchmarks.hf_clip_bench --batch 1024 --chunk 256 --repeats 5 --out "$out" ;;
 esac

@@ -228,6 +228,22 @@ def test_decoder_lora_bench_runs_a_tiny_decoder_on_cpu(tmp_path: Path, capsys: p
     assert len(list(csv.DictReader(open(tmp_path / "decoder_lora_bench.csv")))) == 4
 
 
+def test_hf_clip_bench_runs_both_families_on_the_same_weights(tmp_path: Path) -> None:
+    """benchmarks/hf_clip_bench.py (gpu_session.sh 20 at vit_b32 on a GPU) with clip/debug on CPU: both families,
+    both step kinds, the same first loss."""
+    require("hf")
+    from benchmarks import hf_clip_bench
+
+    hf_clip_bench.main(["--flavor", "debug", "--batch", "6", "--chunk", "4", "--repeats", "1", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "hf_clip_bench.json").read_text())
+    rows = {(r["family"], r["kind"]): r for r in saved["rows"]}
+    assert set(rows) == {(f, k) for f in ("clip", "hf_clip") for k in ("plain", "gradcache")}
+    assert all(r["samples_per_s"] > 0 and r["ratio"] > 0 for r in rows.values())
+    assert rows["clip", "plain"]["ratio"] == 1 and saved["first_loss_rel_diff"] < 1e-5
+    assert (tmp_path / "hf_clip_bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(list(csv.DictReader(open(tmp_path / "hf_clip_bench.csv")))) == 4
+
+
 def test_qwen_vl_chunks_quick_measures_every_chunk_and_the_budget_bounds_its_tokens(tmp_path: Path) -> None:
     """benchmarks/qwen_vl_chunks.py --quick: a tiny random Qwen2-VL through the trainer's own step, fixed GradCache
     chunks, token budgets and the plain step on one batch of mixed image sizes; per chunk its tokens and the bytes

@@ -210,8 +210,9 @@ class HFClipArgs(LoraFields):
     def flops_per_sample(self) -> int:
         """6 x layer parameters x tokens of one image (its patches, CLIP's class token) and one caption
         (attention scores excluded)."""
-        vision = load_config(self.model_dir).vision_config
-        patches = (vision.image_size // vision.patch_size) ** 2 + (load_config(self.model_dir).model_type == "clip")
+        config = load_config(self.model_dir)
+        vision = config.vision_config
+        patches = (vision.image_size // vision.patch_size) ** 2 + (config.model_type == "clip")
         return 6 * (self._counts[1] * patches + self._counts[2] * self.context_length)
 
 
