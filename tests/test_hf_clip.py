@@ -38,8 +38,9 @@ KINDS = {
 LORA = ("--lora.enable=true", "--lora.rank=4", "--lora.alpha=8")
 
 
-def pictures(root: Path) -> Path:
-    """RGB PNGs of different sizes and shapes, each with a caption of the folder's words (a CSV)."""
+def pictures(root: Path, negatives: int = 0) -> Path:
+    """RGB PNGs of different sizes and shapes, each with a caption of the folder's words (a TSV); `negatives`:
+    that many negative captions per picture too (columns neg_0, neg_1, ...)."""
     from PIL import Image
 
     g = np.random.default_rng(0)
@@ -47,10 +48,11 @@ def pictures(root: Path) -> Path:
     rows = []
     for i, (h, w) in enumerate(SIZES * 3):
         Image.fromarray(g.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "img" / f"{i}.png")
-        rows.append([f"img/{i}.png", " ".join(g.choice(WORDS, size=int(g.integers(1, 14))))])
+        captions = [" ".join(g.choice(WORDS, size=int(g.integers(1, 14)))) for _ in range(1 + negatives)]
+        rows.append([f"img/{i}.png", *captions])
     with open(root / "train.csv", "w", newline="") as f:
         writer = csv.writer(f, delimiter="\t")
-        writer.writerow(["filepath", "title"])
+        writer.writerow(["filepath", "title", *(f"neg_{j}" for j in range(negatives))])
         writer.writerows(rows)
     return root / "train.csv"
 
@@ -177,6 +179,43 @@ def test_gradcache_replays_the_dropout_of_both_towers(tmp_path: Path, kind: str)
     on = trainer.model(batch["image"][:3], batch["text"][:3])
     off = trainer.model.eval()(batch["image"][:3], batch["text"][:3])
     assert not torch.allclose(on[0], off[0]) and not torch.allclose(on[1], off[1])  # dropout is on in both towers
+    trainer.metrics.close()
+
+
+@pytest.mark.parametrize("step", ["gradcache", "global"])
+def test_negative_captions_equal_the_definition(tmp_path: Path, step: str) -> None:
+    """Two negative captions per picture: each image against the batch's captions and every image's
+    negatives as columns, each caption against the images; the step equals that objective in float64."""
+    from titan_contrastive.batching import NEGATIVES, with_negatives
+    from titan_contrastive.losses import split_documents
+    from titan_contrastive.losses.base import columns
+
+    table = pictures(tmp_path / "negatives", negatives=2)
+    local, ga, args = KINDS[step]
+    trainer = clip_run(
+        tmp_path,
+        "clip",
+        f"--data.path={table}",
+        "--data.csv_negative_keys=neg_0,neg_1",
+        f"--training.local_batch_size={local}",
+        f"--training.global_batch_size={local * ga}",
+        *args,
+    )
+    trainer.model.eval()
+    mine = [_tensors(trainer.train_set.__getitems__(list(range(j * local, (j + 1) * local)))) for j in range(ga)]
+    assert mine[0][NEGATIVES].shape[:2] == (local, 2)
+    every = _tensors(trainer.train_set.__getitems__(list(range(local * ga))))
+    trainer.train_step(mine)
+    model = trainer.spec.build_model(trainer.model_args).double()
+    model.load_state_dict(trainer.model.state_dict())
+    model.eval()
+    texts = with_negatives(every["text"], every[NEGATIVES], None)
+    images, docs, scale = model(every["image"].double(), texts)
+    loss = InfoNCE().dense(images, columns(*split_documents(docs.reshape(len(images), 3, -1))), scale)
+    loss.backward()
+    out = trainer.train_step(mine)
+    assert_grads_close(grads(trainer.model), grads(model))
+    assert abs(out["loss"] - loss.item()) <= REL * loss.item()
     trainer.metrics.close()
 
 
