@@ -1,0 +1,274 @@
+"""The hf_clip family against the libraries around it: its batches are what the folder's image processor and
+tokenizer give and its embeddings what transformers' `get_*_features` give; `train.main` evaluates and resumes;
+`--to hf` loads back in transformers and sentence-transformers; a clip-family export read by hf_clip is the same
+model in float64; the sigmoid loss on a CLIP folder and a softmax objective on SigLIP; one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.hf_folders import IMAGE_TEXT, image_text_folder
+from tests.needs import require
+from tests.test_hf_clip import LORA, _step, _tensors, clip_run, pictures
+from tests.test_trainer import make_trainer as base_trainer
+from titan_contrastive.losses import Sigmoid
+
+require("hf")
+
+
+@pytest.mark.parametrize("kind", IMAGE_TEXT)
+def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind: str) -> None:
+    """The eval split's pixels of an image at the model's size equal the folder's image processor's, the
+    ids its tokenizer's at `padding="max_length"`, and the model's embeddings transformers' own
+    `get_image_features` / `get_text_features`, normalized."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
+
+    trainer = clip_run(tmp_path, kind, "--training.local_batch_size=4", "--training.dtype=float32")
+    folder = str(tmp_path / f"tiny-{kind}")
+    data = trainer.train_set
+    data.train = False  # the centre crop: at the model's size, the image itself
+    batch = data.__getitems__([0, 3])  # 16 x 16 and 24 x 24 pictures
+    captions = data.captions([0, 3])
+    processor = AutoImageProcessor.from_pretrained(folder, use_fast=False)
+    images = [Image.open(tmp_path / "data" / "img" / f"{i}.png").convert("RGB") for i in (0,)]
+    theirs = processor(images=images, return_tensors="pt")["pixel_values"]
+    assert torch.allclose(batch["image"][:1], theirs, atol=1e-5)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(captions, padding="max_length", max_length=12, truncation=True, return_tensors="pt")["input_ids"]
+    assert torch.equal(batch["text"], ids)
+    assert tokenizer.batch_decode(ids, skip_special_tokens=True) == captions
+    model = AutoModel.from_pretrained(folder).eval()
+    trainer.model.eval()
+    with torch.no_grad():
+        image, text, scale = trainer.model(batch["image"], batch["text"])[:3]
+        want_image = model.get_image_features(pixel_values=batch["image"]).pooler_output
+        want_text = model.get_text_features(input_ids=batch["text"]).pooler_output
+    assert torch.allclose(image, F.normalize(want_image, dim=-1), atol=1e-6)
+    assert torch.allclose(text, F.normalize(want_text, dim=-1), atol=1e-6)
+    assert torch.allclose(scale, model.logit_scale.exp())
+    assert trainer.model_args.num_params() == sum(p.numel() for p in trainer.model.parameters())
+    trainer.metrics.close()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_export_loads_back_in_transformers(tmp_path: Path, lora: bool) -> None:
+    """A trained step folder exported --to hf (LoRA merged) is the folder's model class, trained, with the
+    tokenizer and image processor; the exporter compares the reloaded embeddings (exit 2 if they differ)."""
+    from transformers import AutoModel
+
+    from titan_contrastive.export import main as export_main
+
+    run = clip_run(
+        tmp_path,
+        "clip",
+        *(LORA if lora else ()),
+        "--training.local_batch_size=5",
+        "--training.steps=2",
+        "--training.dtype=float32",
+        "--checkpoint.enable=true",
+        "--lr_scheduler.warmup_steps=0",
+        "--optimizer.lr=1e-2",
+    )
+    run.train()
+    run.metrics.close()
+    step = tmp_path / "run-clip" / "checkpoint" / "step-2"
+    assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert {"preprocessor_config.json", "tokenizer.json", "config.json"} <= {
+        p.name for p in (tmp_path / "hf").iterdir()
+    }
+    exported = dict(AutoModel.from_pretrained(str(tmp_path / "hf")).named_parameters())
+    base = dict(AutoModel.from_pretrained(str(tmp_path / "tiny-clip")).named_parameters())
+    assert exported.keys() == base.keys()
+    changed = [n for n in base if not torch.equal(exported[n], base[n])]
+    assert "logit_scale" in changed and any(".q_proj." in n for n in changed)  # it trained (LoRA: merged)
+    # sentence-transformers (6: CLIP folders as they are) embeds pictures and captions as the run does
+    from PIL import Image
+    from sentence_transformers import SentenceTransformer
+
+    model, data = run.model.eval(), run.train_set
+    data.train = False
+    batch = data.__getitems__([0, 3])  # 16 x 16 and 24 x 24: the first needs no resampling
+    with torch.no_grad():
+        image, text = model(batch["image"].float(), batch["text"])[:2]
+    st = SentenceTransformer(str(tmp_path / "hf"), device="cpu")
+    picture = Image.open(tmp_path / "data" / "img" / "0.png").convert("RGB")
+    theirs = st.encode([picture], convert_to_tensor=True, normalize_embeddings=True)
+    assert torch.allclose(theirs, image[:1], atol=1e-6)
+    theirs = st.encode(data.captions([0, 3]), convert_to_tensor=True, normalize_embeddings=True)
+    assert torch.allclose(theirs, text, atol=1e-6)
+    assert export_main([str(step), "--to", "open_clip", "--out", str(tmp_path / "oc")]) == 2
+
+
+def test_bad_input_is_one_line(tmp_path: Path) -> None:
+    from titan_contrastive.config import ConfigError
+    from titan_contrastive.datasets import DataError
+
+    with pytest.raises(ConfigError, match="model.path is empty: the hf_clip family trains"):
+        base_trainer(str(tmp_path / "a"), "--model.name=hf_clip", "--model.flavor=folder", "--data.dataset=synthetic")
+    with pytest.raises(ConfigError, match=r"data.image_size=32: .* reads 16x16 images .*set data.image_size=16 or 0"):
+        clip_run(tmp_path, "clip", "--data.image_size=32")
+    with pytest.raises(ConfigError, match=r"data.context_length=8: .* reads exactly 12 tokens \(SigLIP pools"):
+        clip_run(tmp_path, "siglip", "--data.context_length=8")
+    with pytest.raises(ConfigError, match=r"data.context_length=20: .* reads at most 12 tokens"):
+        clip_run(tmp_path, "clip", "--data.context_length=20")
+    with pytest.raises(DataError, match="data.dataset='emoji': hf_clip reads RGB photos normalized with its folder's"):
+        clip_run(tmp_path, "clip", "--data.dataset=emoji", "--data.path=")
+    from tests.hf_folders import encoder_folder
+
+    with pytest.raises(ConfigError, match="holds a 'bert' model; hf_clip trains CLIP and SigLIP folders"):
+        clip_run(tmp_path, "clip", f"--model.path={encoder_folder(tmp_path)}")
+    (tmp_path / "tiny-clip" / "preprocessor_config.json").unlink()
+    with pytest.raises(ConfigError, match="has no preprocessor_config.json"):
+        clip_run(tmp_path, "clip")
+
+
+def test_the_command_line_trains_evaluates_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`train.main` on a SigLIP folder with its sigmoid loss: retrieval recall on data.val_path
+    and zero-shot top-1 on an ImageFolder (both read at the folder's size and statistics), a checkpoint, and
+    two more steps resumed from it equal to four at once."""
+    import json
+
+    from titan_contrastive.train import main
+
+    folder = image_text_folder(tmp_path, "siglip")
+    table = pictures(tmp_path / "data")
+    for c, name in enumerate(["cat", "dog"]):
+        (tmp_path / "zs" / name).mkdir(parents=True)
+        for i in range(3):
+            picture = tmp_path / "data" / "img" / f"{c * 3 + i}.png"
+            (tmp_path / "zs" / name / f"{i}.png").write_bytes(picture.read_bytes())
+    args = [
+        "--model.name=hf_clip",
+        "--model.flavor=folder",
+        f"--model.path={folder}",
+        "--loss.name=siglip",
+        "--data.dataset=csv",
+        f"--data.path={table}",
+        f"--data.val_path={table}",
+        "--training.local_batch_size=6",
+        "--training.dtype=float32",
+        "--metrics.log_freq=1",
+        "--metrics.enable_tensorboard=false",
+        f"--eval.zero_shot_path={tmp_path / 'zs'}",
+        "--eval.zero_shot_templates=simple",
+        "--checkpoint.enable=true",
+        "--checkpoint.interval=2",
+        "--lr_scheduler.warmup_steps=0",
+        "--lr_scheduler.decay_type=none",  # the same rates whether a run ends at step 2 or 4
+    ]
+
+    def run(folder: str, steps: int) -> dict:
+        assert main([*args, f"--training.steps={steps}", f"--job.dump_folder={tmp_path / folder}"]) == 0
+        lines = (tmp_path / folder / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    whole = run("whole", 4)
+    evals = [r for r in whole if r["kind"] == "eval"][-1]
+    assert evals["num_samples"] == 30 and evals["zero_shot/num_samples"] == 6
+    assert {"image_to_text_r@1", "text_to_image_r@1", "zero_shot/zero_shot_top1"} <= evals.keys()
+    run("resumed", 2)
+    resumed = run("resumed", 4)
+    losses = {r["step"]: r["loss"] for r in whole if r["kind"] == "train"}
+    assert [r["loss"] for r in resumed if r["kind"] == "train" and r["step"] > 2] == [losses[3], losses[4]]
+    capsys.readouterr()
+
+
+def test_a_clip_folder_under_the_sigmoid_loss_and_siglip_under_softmax(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A CLIP folder trained with the sigmoid loss learns a bias of its own from the loss's start (-10), exactly,
+    and its export to a CLIPModel, which cannot hold it, is refused; a SigLIP folder under a softmax objective
+    keeps its bias unused and frozen, with a warning."""
+    from titan_contrastive.export import main as export_main
+
+    _step(tmp_path, "clip", "gradcache", "--loss.name=siglip", objective=Sigmoid())
+    run = clip_run(tmp_path / "export", "clip", "--loss.name=siglip", "--training.local_batch_size=4")
+    assert run.model.logit_bias.item() == -10.0 and run.model.logit_bias.requires_grad
+    assert run.model_args.num_params() == sum(p.numel() for p in run.model.parameters())
+    run.metrics.close()
+    run = clip_run(
+        tmp_path / "export",
+        "clip",
+        "--loss.name=siglip",
+        "--training.local_batch_size=4",
+        "--training.steps=1",
+        "--checkpoint.enable=true",
+    )
+    run.train()
+    run.metrics.close()
+    step = tmp_path / "export" / "run-clip" / "checkpoint" / "step-1"
+    assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "hf")]) == 2
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
+    caplog.set_level("WARNING", logger="titan_contrastive")
+    run = clip_run(tmp_path / "softmax", "siglip", "--training.local_batch_size=4")
+    assert "is a SigLIP model and loss.name='clip' a softmax objective" in caplog.text
+    assert run.model.logit_bias.item() == -3.0 and not run.model.logit_bias.requires_grad
+    batch = run.train_set.__getitems__([0, 1])
+    assert len(run.model(batch["image"], batch["text"])) == 3  # no bias for the softmax objective
+    run.metrics.close()
+
+
+def test_a_clip_family_export_fine_tunes_as_the_same_model(tmp_path: Path) -> None:
+    """clip/debug trained on the pictures with CLIP's BPE, exported --to hf (model, tokenizer, image processor
+    with the run's statistics) and read by hf_clip: two implementations (ours, transformers') of the same
+    weights give the same pixels, the same embeddings and the same loss of a step, in float64."""
+    from titan_contrastive.export import main as export_main
+
+    table = pictures(tmp_path / "data")
+    data = [
+        "--data.dataset=csv",
+        f"--data.path={table}",
+        "--data.context_length=12",
+        "--training.local_batch_size=7",
+        "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=3",
+    ]
+    clip = base_trainer(
+        str(tmp_path / "clip"),
+        "--model.name=clip",
+        "--model.flavor=debug",
+        "--data.tokenizer=clip_bpe",
+        "--data.image_size=16",
+        "--training.steps=1",
+        "--checkpoint.enable=true",
+        *data,
+    )
+    clip.train()
+    clip.metrics.close()
+    step = tmp_path / "clip" / "checkpoint" / "step-1"
+    assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+    ours = base_trainer(
+        str(tmp_path / "ours"),
+        "--model.name=clip",
+        f"--model.init_from={step}",
+        "--data.tokenizer=clip_bpe",
+        "--data.image_size=16",
+        *data,
+    )
+    theirs = base_trainer(
+        str(tmp_path / "theirs"),
+        "--model.name=hf_clip",
+        "--model.flavor=folder",
+        f"--model.path={tmp_path / 'hf'}",
+        "--data.image_size=0",
+        *data,
+    )
+    for trainer in (ours, theirs):
+        trainer.model.eval()
+    a, b = (_tensors(t.train_set.__getitems__(list(range(7)))) for t in (ours, theirs))
+    assert torch.equal(a["image"], b["image"])
+    real = a["text"] != 0  # our BPE pads with 0, CLIP's tokenizer with its EOS
+    assert torch.equal(a["text"][real], b["text"][real])
+    with torch.no_grad():
+        pairs = zip(ours.model(a["image"].double(), a["text"]), theirs.model(b["image"].double(), b["text"]))
+        for mine, its in pairs:
+            assert torch.allclose(mine, its, rtol=0, atol=1e-10)
+    losses = [t.train_step([batch])["loss"] for t, batch in ((ours, a), (theirs, b))]
+    assert abs(losses[0] - losses[1]) <= 1e-10 * losses[0]
+    for trainer in (ours, theirs):
+        trainer.metrics.close()
