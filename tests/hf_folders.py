@@ -320,6 +320,7 @@ def image_text_folder(root: Path, kind: str = "clip", dropout: float = 0.1) -> P
     """A 2-layer, 16-wide CLIP or SigLIP with its tokenizer and image processor: 16 px images in 8 px
     patches; 12 tokens, the CLIP tokenizer's BOS text EOS padded with EOS, SigLIP's text EOS padded with EOS
     (as theirs are: no attention mask, CLIP pools at the first EOS, SigLIP at the last position)."""
+    import torch
     import transformers
 
     folder = root / f"tiny-{kind}"
@@ -348,7 +349,7 @@ def image_text_folder(root: Path, kind: str = "clip", dropout: float = 0.1) -> P
     )
     model = getattr(transformers, f"{name}Model")(config)
     if kind == "siglip":
-        with __import__("torch").no_grad():
+        with torch.no_grad():
             model.logit_scale.fill_(2.3)
             model.logit_bias.fill_(-3.0)
     _saved(folder, model, tokenizer)
