@@ -24,6 +24,15 @@ ARGS = [
 ]
 
 
+def _flushed() -> None:
+    """Stop W&B's service process, which writes the offline run files and outlives a run in this one test
+    process: after `run.finish()` a session's file may still be open (once, on CI, the resumed session's file
+    held its header only when read); a training process's exit does the same through W&B's atexit hook."""
+    import wandb
+
+    wandb.teardown()
+
+
 def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_CONSOLE", "off")
@@ -37,6 +46,7 @@ def test_every_train_record_reaches_the_offline_wandb_run(tmp_path: Path, monkey
     (W&B stores each value as its JSON text)."""
     _offline(monkeypatch)
     assert main([f"--job.dump_folder={tmp_path}", *ARGS]) == 0
+    _flushed()
     [run_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     data = run_file.read_bytes()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -59,11 +69,13 @@ def test_a_resumed_run_continues_the_wandb_run_and_a_fresh_one_starts_another(
     common = [f"--job.dump_folder={tmp_path}", *args, "--checkpoint.enable=true"]
     id_file = tmp_path / "wandb" / "run_id"
     assert main([*common, "--training.steps=2"]) == 0
+    _flushed()  # the first session's file final before the second session starts
     first = id_file.read_text().strip()
     assert [p.name.endswith(f"-{first}") for p in (tmp_path / "wandb").glob("offline-run-*")] == [True]
     assert main([*common, "--training.steps=4"]) == 0  # resumes at step 2
+    _flushed()
     assert id_file.read_text().strip() == first
-    sessions = sorted((tmp_path / "wandb").glob("offline-run-*"), key=lambda p: p.stat().st_mtime)
+    sessions = sorted((tmp_path / "wandb").glob("offline-run-*"))  # offline-run-<start time>-<id>: in start order
     assert len(sessions) == 2 and all(f"-{first}" in p.name for p in sessions)
     [run_file] = sessions[1].glob("run-*.wandb")
     data = run_file.read_bytes()
