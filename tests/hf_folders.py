@@ -12,6 +12,7 @@ decoders of ARCHITECTURES: byte-level BPE learnt from them).
 
 from __future__ import annotations
 
+import random
 import re
 from pathlib import Path
 
@@ -312,14 +313,38 @@ def architecture_folder(root: Path, arch: str, dropout: float = 0.1) -> Path:
     return folder if folder.exists() else ARCHITECTURES[arch](folder, dropout)
 
 
-IMAGE_TEXT = ("clip", "siglip")
+IMAGE_TEXT = ("clip", "siglip", "siglip2")
 """The transformers image-text models `image_text_folder` builds (the hf_clip family)."""
+CLASSES = {"clip": "CLIP", "siglip": "Siglip", "siglip2": "Siglip2"}
+
+
+def _gemma_like_tokenizer():
+    """A BPE tokenizer of the folders' words as Gemma's is built (spaces as "▁", merges across them), EOS
+    after the text, padding on the left: what transformers' `Siglip2Tokenizer` rebuilds from its vocabulary
+    and merges (adding its lowercasing)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "[UNK]", "<s>", "</s>"]
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Fuse()])
+    g = random.Random(0)
+    text = [" ".join(g.choices(WORDS, k=8)) for _ in range(200)]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=1000, special_tokens=specials))
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 3)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="</s>", eos_token="</s>", padding_side="left"
+    )
 
 
 def image_text_folder(root: Path, kind: str = "clip", dropout: float = 0.1) -> Path:
-    """A 2-layer, 16-wide CLIP or SigLIP with its tokenizer and image processor: 16 px images in 8 px
-    patches; 12 tokens, the CLIP tokenizer's BOS text EOS padded with EOS, SigLIP's text EOS padded with EOS
-    (as theirs are: no attention mask, CLIP pools at the first EOS, SigLIP at the last position)."""
+    """A 2-layer, 16-wide CLIP, SigLIP or SigLIP 2 with its tokenizer and image processor: 16 px images in
+    8 px patches; 12 tokens, the CLIP tokenizer's BOS text EOS padded with EOS, SigLIP's text EOS padded with
+    EOS (as theirs are: no attention mask, CLIP pools at the first EOS, SigLIP at the last position). SigLIP 2
+    has a BPE tokenizer padding on the left (`_gemma_like_tokenizer`), has a 2 x 2 grid of positions and a processor of
+    `max_num_patches = 6`: a square picture becomes 2 x 2 patches and 2 padding rows."""
     import torch
     import transformers
 
@@ -327,11 +352,14 @@ def image_text_folder(root: Path, kind: str = "clip", dropout: float = 0.1) -> P
     if folder.exists():
         return folder
     template = "<s> $A </s>" if kind == "clip" else "$A </s>"
-    tokenizer = _tokenizer(["<pad>", "[UNK]", "<s>", "</s>"], template, "</s>", "</s>", "right")
+    if kind == "siglip2":
+        tokenizer = _gemma_like_tokenizer()
+    else:
+        tokenizer = _tokenizer(["<pad>", "[UNK]", "<s>", "</s>"], template, "</s>", "</s>", "right")
     if kind == "clip":
         tokenizer.bos_token = "<s>"
     shape = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
-    name = "CLIP" if kind == "clip" else "Siglip"
+    name = CLASSES[kind]
     text = getattr(transformers, f"{name}TextConfig")(
         vocab_size=len(tokenizer),
         max_position_embeddings=12,
@@ -341,14 +369,13 @@ def image_text_folder(root: Path, kind: str = "clip", dropout: float = 0.1) -> P
         **shape,
         **({"bos_token_id": 2} if kind == "clip" else {}),
     )
-    vision = getattr(transformers, f"{name}VisionConfig")(
-        image_size=16, patch_size=8, attention_dropout=dropout, **shape
-    )
+    size = {"num_patches": 4} if kind == "siglip2" else {"image_size": 16}
+    vision = getattr(transformers, f"{name}VisionConfig")(patch_size=8, attention_dropout=dropout, **size, **shape)
     config = getattr(transformers, f"{name}Config")(
         text_config=text, vision_config=vision, **({"projection_dim": 8} if kind == "clip" else {})
     )
     model = getattr(transformers, f"{name}Model")(config)
-    if kind == "siglip":
+    if kind != "clip":
         with torch.no_grad():
             model.logit_scale.fill_(2.3)
             model.logit_bias.fill_(-3.0)
@@ -361,7 +388,9 @@ def image_text_folder(root: Path, kind: str = "clip", dropout: float = 0.1) -> P
             image_mean=[0.48, 0.46, 0.41],
             image_std=[0.27, 0.26, 0.28],
         )
-    else:
+    elif kind == "siglip":
         images = processor(size={"height": 16, "width": 16}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    else:
+        images = processor(patch_size=8, max_num_patches=6, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     images.save_pretrained(folder)
     return folder

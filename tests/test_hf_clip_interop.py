@@ -22,9 +22,9 @@ require("hf")
 
 @pytest.mark.parametrize("kind", IMAGE_TEXT)
 def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind: str) -> None:
-    """The eval split's pixels of an image at the model's size equal the folder's image processor's, the
-    ids its tokenizer's at `padding="max_length"`, and the model's embeddings transformers' own
-    `get_image_features` / `get_text_features`, normalized."""
+    """The eval split's pixels of an image at the model's size equal the folder's image processor's (SigLIP 2:
+    its patches, mask and grid), the ids its tokenizer's at `padding="max_length"` (SigLIP 2's on the left),
+    and the model's embeddings transformers' own `get_image_features` / `get_text_features`, normalized."""
     from PIL import Image
     from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
 
@@ -34,10 +34,13 @@ def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind
     data.train = False  # the centre crop: at the model's size, the image itself
     batch = data.__getitems__([0, 3])  # 16 x 16 and 24 x 24 pictures
     captions = data.captions([0, 3])
-    processor = AutoImageProcessor.from_pretrained(folder, use_fast=False)
+    processor = AutoImageProcessor.from_pretrained(folder, backend="pil")
     picture = Image.open(tmp_path / "data" / "img" / "0.png").convert("RGB")
-    theirs = processor(images=[picture], return_tensors="pt")["pixel_values"]
-    assert torch.allclose(batch["image"][:1], theirs, atol=1e-5)
+    theirs = processor(images=[picture], return_tensors="pt")
+    mine = trainer.model.image_inputs(batch["image"][:1])
+    assert mine.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert mine[key].dtype == value.dtype and torch.allclose(mine[key], value, atol=1e-5), key
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = tokenizer(captions, padding="max_length", max_length=12, truncation=True, return_tensors="pt")["input_ids"]
     assert torch.equal(batch["text"], ids)
@@ -46,8 +49,9 @@ def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind
     trainer.model.eval()
     with torch.no_grad():
         image, text, scale = trainer.model(batch["image"], batch["text"])[:3]
-        want_image = model.get_image_features(pixel_values=batch["image"]).pooler_output
+        want_image = model.get_image_features(**trainer.model.image_inputs(batch["image"])).pooler_output
         want_text = model.get_text_features(input_ids=batch["text"]).pooler_output
+    assert torch.allclose(image[:1], F.normalize(model.get_image_features(**theirs).pooler_output, dim=-1), atol=1e-6)
     assert torch.allclose(image, F.normalize(want_image, dim=-1), atol=1e-6)
     assert torch.allclose(text, F.normalize(want_text, dim=-1), atol=1e-6)
     assert torch.allclose(scale, model.logit_scale.exp())
@@ -55,17 +59,51 @@ def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind
     trainer.metrics.close()
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_export_loads_back_in_transformers(tmp_path: Path, lora: bool) -> None:
+def test_siglip2_reads_the_resolution_the_run_sets(tmp_path: Path) -> None:
+    """`data.image_size=24` on SigLIP 2 (8 px patches, a 2 x 2 grid of positions): a 24 x 24 picture is the
+    3 x 3 patches its processor makes at `max_num_patches=9`, and the embedding transformers' (its positions
+    resized to 3 x 3); 4 x 4 patches cost more FLOPs than the folder's 2 x 2 and padding."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModel
+
+    trainer = clip_run(
+        tmp_path, "siglip2", "--data.image_size=24", "--training.local_batch_size=4", "--training.dtype=float32"
+    )
+    args = trainer.model_args
+    assert (args.image_size, args.max_num_patches) == (24, 9)
+    data = trainer.train_set
+    data.train = False
+    images = data.__getitems__([3])["image"]  # the 24 x 24 picture
+    processor = AutoImageProcessor.from_pretrained(str(tmp_path / "tiny-siglip2"), backend="pil")
+    picture = Image.open(tmp_path / "data" / "img" / "3.png").convert("RGB")
+    theirs = processor(images=[picture], max_num_patches=9, return_tensors="pt")
+    mine = trainer.model.image_inputs(images)
+    assert all(torch.allclose(mine[k], theirs[k], atol=1e-5) for k in theirs) and theirs["spatial_shapes"].tolist() == [
+        [3, 3]
+    ]
+    model = AutoModel.from_pretrained(str(tmp_path / "tiny-siglip2")).eval()
+    with torch.no_grad():
+        image = trainer.model.eval()(images, data.__getitems__([3])["text"])[0]
+        want = F.normalize(model.get_image_features(**theirs).pooler_output, dim=-1)
+    assert torch.allclose(image, want, atol=1e-6)
+    folder = clip_run(tmp_path / "folder", "siglip2", "--training.local_batch_size=4").model_args
+    assert (folder.image_size, folder.max_num_patches) == (16, 6)
+    assert args.flops_per_sample() > folder.flops_per_sample()
+    trainer.metrics.close()
+
+
+@pytest.mark.parametrize(("kind", "lora"), [("clip", False), ("clip", True), ("siglip2", True)])
+def test_export_loads_back_in_transformers(tmp_path: Path, kind: str, lora: bool) -> None:
     """A trained step folder exported --to hf (LoRA merged) is the folder's model class, trained, with the
-    tokenizer and image processor; the exporter compares the reloaded embeddings (exit 2 if they differ)."""
+    tokenizer and image processor; the exporter compares the reloaded embeddings (exit 2 if they differ).
+    sentence-transformers embeds a CLIP export as the run does."""
     from transformers import AutoModel
 
     from titan_contrastive.export import main as export_main
 
     run = clip_run(
         tmp_path,
-        "clip",
+        kind,
         *(LORA if lora else ()),
         "--training.local_batch_size=5",
         "--training.steps=2",
@@ -76,16 +114,18 @@ def test_export_loads_back_in_transformers(tmp_path: Path, lora: bool) -> None:
     )
     run.train()
     run.metrics.close()
-    step = tmp_path / "run-clip" / "checkpoint" / "step-2"
+    step = tmp_path / f"run-{kind}" / "checkpoint" / "step-2"
     assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
     assert {"preprocessor_config.json", "tokenizer.json", "config.json"} <= {
         p.name for p in (tmp_path / "hf").iterdir()
     }
     exported = dict(AutoModel.from_pretrained(str(tmp_path / "hf")).named_parameters())
-    base = dict(AutoModel.from_pretrained(str(tmp_path / "tiny-clip")).named_parameters())
+    base = dict(AutoModel.from_pretrained(str(tmp_path / f"tiny-{kind}")).named_parameters())
     assert exported.keys() == base.keys()
     changed = [n for n in base if not torch.equal(exported[n], base[n])]
     assert "logit_scale" in changed and any(".q_proj." in n for n in changed)  # it trained (LoRA: merged)
+    if kind != "clip":
+        return
     # sentence-transformers (6: CLIP folders as they are) embeds pictures and captions as the run does
     from PIL import Image
     from sentence_transformers import SentenceTransformer
@@ -114,13 +154,15 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         clip_run(tmp_path, "clip", "--data.image_size=32")
     with pytest.raises(ConfigError, match=r"data.context_length=8: .* reads exactly 12 tokens \(SigLIP pools"):
         clip_run(tmp_path, "siglip", "--data.context_length=8")
+    with pytest.raises(ConfigError, match=r"data.image_size=20: .* reads images in 8 px patches; set .* \(e.g. 16"):
+        clip_run(tmp_path, "siglip2", "--data.image_size=20")
     with pytest.raises(ConfigError, match=r"data.context_length=20: .* reads at most 12 tokens"):
         clip_run(tmp_path, "clip", "--data.context_length=20")
     with pytest.raises(DataError, match="data.dataset='emoji': hf_clip reads RGB photos normalized with its folder's"):
         clip_run(tmp_path, "clip", "--data.dataset=emoji", "--data.path=")
     from tests.hf_folders import encoder_folder
 
-    with pytest.raises(ConfigError, match="holds a 'bert' model; hf_clip trains CLIP and SigLIP folders"):
+    with pytest.raises(ConfigError, match="holds a 'bert' model; hf_clip trains CLIP, SigLIP and SigLIP 2 folders"):
         clip_run(tmp_path, "clip", f"--model.path={encoder_folder(tmp_path)}")
     (tmp_path / "tiny-clip" / "preprocessor_config.json").unlink()
     with pytest.raises(ConfigError, match="has no preprocessor_config.json"):

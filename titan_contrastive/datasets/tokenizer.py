@@ -71,13 +71,16 @@ class PairTokenizer:
     in real text, e.g. a decoder's EOS, so that `ids != pad_id` is the attention mask."""
     query_prompt: str = ""
     doc_prompt: str = ""
+    pad_left: bool = False
+    """Padding before the ids (a tokenizer whose `padding_side` is left, where the model reads them so: hf_clip)."""
 
     @property
     def vocab_size(self) -> int:
         return self.hf.vocab_size
 
     def encode(self, texts: list[str], length: int, prompt: str = "") -> torch.Tensor:
-        """Token ids [len(texts), length] of `prompt + text`, right-padded with `pad_id` and truncated."""
+        """Token ids [len(texts), length] of `prompt + text`, padded with `pad_id` (on the right unless
+        `pad_left`) and truncated."""
         texts = [prompt + t for t in texts]
         pad = self.hf.pad_token_id if self.pad_id is None else self.pad_id
         backend = getattr(self.hf, "backend_tokenizer", None)
@@ -92,7 +95,8 @@ class PairTokenizer:
             rows = [e.ids for e in encode(texts, add_special_tokens=True)]
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
         ids = np.full((len(rows), length), pad, dtype=np.int64)
-        ids[np.arange(length) < lengths[:, None]] = np.fromiter(
+        first = length - lengths[:, None] if self.pad_left else 0
+        ids[(np.arange(length) >= first) & (np.arange(length) < first + lengths[:, None])] = np.fromiter(
             itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum())
         )
         return torch.from_numpy(ids)

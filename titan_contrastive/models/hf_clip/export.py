@@ -1,9 +1,10 @@
 """The hf_clip family's export (`python -m titan_contrastive.export STEP --to hf`) and its state-dict adapter.
 
-`hf`: the run's model as the transformers folder it came from (`CLIPModel` / `SiglipModel`,
+`hf`: the run's model as the transformers folder it came from (`CLIPModel` / `SiglipModel` / `Siglip2Model`,
 `AutoModel.from_pretrained(DIR)`), with LoRA the adapters merged into the weights, with the folder's
-tokenizer and `preprocessor_config.json`. The folder is loaded back and must give the run's image and
-text embeddings of probe images and captions (`models.export_check`).
+tokenizer and `preprocessor_config.json` (and `processor_config.json`, where it has one). The folder is
+loaded back and must give the run's image and text embeddings of probe images and captions
+(`models.export_check`).
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def write(src: str, out: Path, tower_name: str = "") -> None:
     theirs.load_state_dict(_renamed(plain.state_dict(), hf_names(kind)), strict=True)
     theirs.save_pretrained(str(out))
     build_tokenizer(args).pair.hf.save_pretrained(str(out))
-    shutil.copy(Path(args.model_dir) / "preprocessor_config.json", out / "preprocessor_config.json")
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        if (Path(args.model_dir) / name).is_file():
+            shutil.copy(Path(args.model_dir) / name, out / name)
     from transformers import AutoModel
 
     back = reloaded("transformers", lambda: AutoModel.from_pretrained(str(out)).eval())
@@ -91,7 +94,7 @@ def write(src: str, out: Path, tower_name: str = "") -> None:
     with torch.no_grad():
         want = model(images, ids)
         got = (
-            _features(back.get_image_features(pixel_values=images)),
+            _features(back.get_image_features(**model.image_inputs(images))),
             _features(back.get_text_features(input_ids=ids)),
         )
     for what, mine, their in zip(("image", "text"), want, got):

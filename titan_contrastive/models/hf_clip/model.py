@@ -1,8 +1,8 @@
-"""HFClip: a Hugging Face CLIP or SigLIP model from a local folder, trained as an image-text dual
-encoder with every step kind (GradCache, accumulation, global negatives) and either objective.
+"""HFClip: a Hugging Face CLIP, SigLIP or SigLIP 2 model from a local folder, trained as an image-text
+dual encoder with every step kind (GradCache, accumulation, global negatives) and either objective.
 
-`[model] path` is a transformers folder (`CLIPModel.save_pretrained` / `SiglipModel`, with its
-tokenizer and `preprocessor_config.json`). transformers' own modules do the compute: the model is
+`[model] path` is a transformers folder (`CLIPModel.save_pretrained` / `SiglipModel` / `Siglip2Model`,
+with its tokenizer and `preprocessor_config.json`). transformers' own modules do the compute: the model is
 split into two sides, `visual` (the vision transformer, then CLIP's `visual_projection`) and `text`
 (the text transformer, then CLIP's `text_projection`; SigLIP's heads live inside its transformers),
 so that each side is a tower `[model] freeze` can lock. Each side's pooled output is L2-normalized,
@@ -12,10 +12,16 @@ What the batches hold is what the folder's processor gives the model:
 - images at the folder's `vision_config.image_size`, normalized with its `image_mean` and
   `image_std` (the `FOLDER_IMAGES` layout; the crops are ours: random-resized in training, centre
   crop for evaluation);
-- token ids at one length, right-padded with the tokenizer's pad token and no attention mask, as
-  the processors give them: CLIP's text tower is causal and pools at the EOS, so the padding after
-  it changes nothing; SigLIP pools at the last position and was trained on ids padded to its
-  `max_position_embeddings` (`padding="max_length"` in its documentation), so its length is that.
+- SigLIP 2 (NaFlex) reads patches instead: square images of `g·p` pixels become the `g x g` patches,
+  zero-padded to `max_num_patches` with their `pixel_attention_mask` and `spatial_shapes`, which its
+  processor makes of a square picture with that `max_num_patches` (`naflex_inputs`, on the device).
+  `g` is the largest grid the folder's `max_num_patches` holds, or `[data] image_size / p` (then
+  `max_num_patches = g²`: the resolution, and the sequence length, are the run's choice);
+- token ids at one length, padded on the tokenizer's `padding_side` with its pad token and no
+  attention mask, as the processors give them: CLIP's text tower is causal and pools at the EOS, so
+  the padding after it changes nothing; SigLIP (and SigLIP 2) pool at the last position and were
+  trained on ids padded to `max_position_embeddings` (`padding="max_length"` in their documentation),
+  so the length is that.
 
 `logit_scale` (and SigLIP's `logit_bias`) start at the folder's values unless `[loss]` sets them; a
 CLIP folder trained with the sigmoid loss gets a bias of its own (the loss's initial value).
@@ -26,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,13 +48,24 @@ from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer, read_text_folder
+from titan_contrastive.models.hf_clip.naflex import GridEmbeddings, naflex_inputs
 
-__all__ = ["KINDS", "HFClip", "HFClipArgs", "build_tokenizer", "hf_clip_blocks", "hf_clip_flavors", "load_hf_model"]
+__all__ = [
+    "KINDS",
+    "HFClip",
+    "HFClipArgs",
+    "build_tokenizer",
+    "hf_clip_blocks",
+    "hf_clip_flavors",
+    "load_hf_model",
+]
 
 logger = logging.getLogger("titan_contrastive")
 
-KINDS = {"clip": ("visual_projection", "text_projection"), "siglip": (None, None)}
+KINDS = {"clip": ("visual_projection", "text_projection"), "siglip": (None, None), "siglip2": (None, None)}
 """The model types read, and each one's projections after the image and text transformers."""
+LAST_POSITION = ("siglip", "siglip2")
+"""The types whose text tower pools the last position (their ids are padded to exactly their positions)."""
 LORA_TARGETS = ("q_proj", "v_proj")
 """LoRA's default: the attention's query and value projections of both towers (peft names none for these types)."""
 
@@ -62,20 +80,15 @@ def folder_kind(path: str) -> tuple[str, Any]:
     model_dir = read_text_folder(path).model_dir
     config = load_config(model_dir)
     if config.model_type not in KINDS:
-        more = (
-            " (SigLIP 2's NaFlex inputs, patches at each image's own size, are not read yet)"
-            if config.model_type == "siglip2"
-            else ""
-        )
         raise ConfigError(
-            f"model.path={path!r} holds a {config.model_type!r} model{more}; hf_clip trains CLIP and SigLIP "
-            "folders (model_type clip or siglip); a text model trains with model.name=bi_encoder"
+            f"model.path={path!r} holds a {config.model_type!r} model; hf_clip trains CLIP, SigLIP and SigLIP 2 "
+            "folders (model_type clip, siglip or siglip2); a text model trains with model.name=bi_encoder"
         )
     return config.model_type, config
 
 
-def _statistics(model_dir: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(image_mean, image_std) of the folder's `preprocessor_config.json`."""
+def _processor(model_dir: str) -> dict[str, Any]:
+    """The folder's `preprocessor_config.json`."""
     from titan_contrastive.models.weights import read_json
 
     file = Path(model_dir) / "preprocessor_config.json"
@@ -84,11 +97,48 @@ def _statistics(model_dir: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
             f"{model_dir} has no preprocessor_config.json (the image mean and std the model was trained with); "
             "save the model's processor into the folder (processor.save_pretrained)"
         )
-    config = read_json(file)
+    return read_json(file)
+
+
+def _statistics(model_dir: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(image_mean, image_std) of the folder's `preprocessor_config.json`."""
+    config = _processor(model_dir)
     mean, std = config.get("image_mean"), config.get("image_std")
     if not (isinstance(mean, list) and isinstance(std, list) and len(mean) == len(std) == 3):
-        raise ConfigError(f"{file}: image_mean and image_std must be lists of 3 numbers, got {mean!r} and {std!r}")
+        raise ConfigError(
+            f"{model_dir}/preprocessor_config.json: image_mean and image_std must be lists of 3 numbers, got "
+            f"{mean!r} and {std!r}"
+        )
     return tuple(map(float, mean)), tuple(map(float, std))
+
+
+def _image_size(path: str, kind: str, config: Any, model_dir: str, asked: int) -> tuple[int, int, int]:
+    """(image size, patch size, max_num_patches) the run reads: CLIP and SigLIP the folder's size (max_num_patches
+    0: whole images); SigLIP 2 (NaFlex) squares of `[data] image_size` (a multiple of its patch), else the
+    largest square grid its processor's `max_num_patches` holds."""
+    patch = int(config.vision_config.patch_size)
+    if kind != "siglip2":
+        size = int(config.vision_config.image_size)
+        if asked not in (0, size):
+            raise ConfigError(
+                f"data.image_size={asked}: {path} reads {size}x{size} images (vision_config.image_size); "
+                f"set data.image_size={size} or 0"
+            )
+        return size, patch, 0
+    most = _processor(model_dir).get("max_num_patches")
+    if not isinstance(most, int) or most < 1:
+        raise ConfigError(
+            f"{model_dir}/preprocessor_config.json: max_num_patches={most!r}; SigLIP 2's processor sets a positive "
+            "number of patches per image (e.g. 256); save the model's processor into the folder"
+        )
+    if asked % patch:
+        raise ConfigError(
+            f"data.image_size={asked}: {path} reads images in {patch} px patches; set data.image_size to a "
+            f"multiple of {patch} (e.g. {math.isqrt(most) * patch}: its max_num_patches={most}) or 0"
+        )
+    if asked:
+        return asked, patch, (asked // patch) ** 2
+    return math.isqrt(most) * patch, patch, most
 
 
 def _folder_bias(model_dir: str) -> float | None:
@@ -113,7 +163,10 @@ class HFClipArgs(LoraFields):
     context_length: int = 0
     """Tokens per caption: `[data] context_length`, else the folder's (CLIP: its positions; SigLIP: exactly them)."""
     image_size: int = 0
-    """The folder's `vision_config.image_size`; `[data] image_size` must be it or 0."""
+    """The folder's `vision_config.image_size` (`[data] image_size` must be it or 0); SigLIP 2: see `_image_size`."""
+    patch_size: int = 0
+    max_num_patches: int = 0
+    """SigLIP 2 (NaFlex): the patches per image, padded; 0: the model reads whole images."""
     image_mean: tuple[float, ...] = ()
     image_std: tuple[float, ...] = ()
     init_logit_scale: float | None = None
@@ -133,17 +186,13 @@ class HFClipArgs(LoraFields):
         path = cfg.model.path or self.path
         kind, config = folder_kind(path)
         model_dir = read_text_folder(path).model_dir
-        size = int(config.vision_config.image_size)
-        if cfg.data.image_size not in (0, size):
-            raise ConfigError(
-                f"data.image_size={cfg.data.image_size}: {path} reads {size}x{size} images (vision_config.image_size); "
-                f"set data.image_size={size} or 0"
-            )
+        size, patch, patches = _image_size(path, kind, config, model_dir, cfg.data.image_size)
         positions = int(config.text_config.max_position_embeddings)
         length = cfg.data.context_length or positions
-        if (kind == "siglip" and length != positions) or length > positions:
-            need = "exactly" if kind == "siglip" else "at most"
-            why = " (SigLIP pools the last position of ids padded to it)" if kind == "siglip" else ""
+        last = kind in LAST_POSITION
+        if (last and length != positions) or length > positions:
+            need = "exactly" if last else "at most"
+            why = " (SigLIP pools the last position of ids padded to it)" if last else ""
             raise ConfigError(
                 f"data.context_length={cfg.data.context_length}: {path} reads {need} {positions} tokens{why}; set "
                 f"data.context_length={positions} or 0"
@@ -156,7 +205,7 @@ class HFClipArgs(LoraFields):
                 bias = _folder_bias(model_dir)
             if bias is None:
                 bias = t.init_logit_bias
-        if kind == "siglip" and bias is None:
+        if last and bias is None:
             logger.warning(
                 f"warning: model.path={path!r} is a SigLIP model and loss.name={cfg.loss.name or 'clip'!r} a softmax "
                 "objective: its logit_bias is kept but not used; --loss.name=siglip trains the loss it was "
@@ -168,6 +217,8 @@ class HFClipArgs(LoraFields):
             path=path,
             context_length=length,
             image_size=size,
+            patch_size=patch,
+            max_num_patches=patches,
             image_mean=mean,
             image_std=std,
             init_logit_scale=cfg.loss.init_logit_scale,
@@ -208,11 +259,10 @@ class HFClipArgs(LoraFields):
         return self._counts[0] + (self.init_logit_bias is not None and kind == "clip")
 
     def flops_per_sample(self) -> int:
-        """6 x layer parameters x tokens of one image (its patches, CLIP's class token) and one caption
-        (attention scores excluded)."""
-        config = load_config(self.model_dir)
-        vision = config.vision_config
-        patches = (vision.image_size // vision.patch_size) ** 2 + (config.model_type == "clip")
+        """6 x layer parameters x tokens of one image (its patches, SigLIP 2's padding, CLIP's class token) and
+        one caption (attention scores excluded)."""
+        kind = load_config(self.model_dir).model_type
+        patches = self.max_num_patches or (self.image_size // self.patch_size) ** 2 + (kind == "clip")
         return 6 * (self._counts[1] * patches + self._counts[2] * self.context_length)
 
 
@@ -264,6 +314,8 @@ class HFClip(nn.Module):
             add_lora(model, *args.lora_options)
         image_proj, text_proj = KINDS[model.config.model_type]
         vision, text = _towers(model)
+        if args.max_num_patches:  # SigLIP 2: its positions resized to the run's grid in their own dtype
+            vision.embeddings = GridEmbeddings(vision.embeddings, args.image_size // args.patch_size)
         self.visual = Side(vision, getattr(model, image_proj) if image_proj else None)
         self.text = Side(text, getattr(model, text_proj) if text_proj else None)
         self._start = {"logit_scale": float(model.logit_scale.detach().reshape(-1)[0])}
@@ -285,12 +337,18 @@ class HFClip(nn.Module):
             for name, value in self._start.items():
                 getattr(self, name).fill_(value)
 
+    def image_inputs(self, images: Tensor) -> dict[str, Tensor]:
+        """The vision transformer's keyword inputs of images [B, 3, S, S] (SigLIP 2: `naflex_inputs`)."""
+        if self.args.max_num_patches:
+            return naflex_inputs(images, self.args.patch_size, self.args.max_num_patches)
+        return {"pixel_values": images}
+
     def forward(
         self, images: Tensor, texts: Tensor, *, replay: Sequence[Tensor | None] | None = None
     ) -> tuple[Tensor, ...]:
         """(image embeddings, text embeddings, exp(logit_scale)[, logit_bias]); `replay`: in a cached-gradient
         re-forward, pass 1's outputs of these samples, which a locked tower returns instead of running."""
-        image = locked_forward(self.visual, 0, lambda: self.visual(pixel_values=images), replay)
+        image = locked_forward(self.visual, 0, lambda: self.visual(**self.image_inputs(images)), replay)
         text = locked_forward(self.text, 1, lambda: self.text(input_ids=texts), replay)
         out = (image, text, self.logit_scale.exp())
         return (*out, self.logit_bias) if self.args.init_logit_bias is not None else out
@@ -302,8 +360,10 @@ def hf_clip_blocks(model: HFClip) -> list[nn.Module]:
 
 
 def build_tokenizer(args: HFClipArgs) -> CaptionTokenizer:
-    """`ModelSpec.build_tokenizer`: the folder's tokenizer at the args' length, padding with its pad token."""
+    """`ModelSpec.build_tokenizer`: the folder's tokenizer at the args' length, padding with its pad token on its
+    `padding_side`."""
     hf = load_tokenizer(args.model_dir)
-    return CaptionTokenizer(
-        PairTokenizer(hf, doc_length=args.context_length, pad_id=int(hf.pad_token_id)), args.context_length
+    pair = PairTokenizer(
+        hf, doc_length=args.context_length, pad_id=int(hf.pad_token_id), pad_left=hf.padding_side == "left"
     )
+    return CaptionTokenizer(pair, args.context_length)
