@@ -244,6 +244,21 @@ def test_hf_clip_bench_runs_both_families_on_the_same_weights(tmp_path: Path) ->
     assert len(list(csv.DictReader(open(tmp_path / "hf_clip_bench.csv")))) == 4
 
 
+def test_naflex_data_bench_quick_serves_every_mode(tmp_path: Path) -> None:
+    """benchmarks/naflex_data_bench.py --quick: square crops at 224 and 256 and SigLIP 2's NaFlex patches, train
+    and eval; each picture shape its own grid within 256 patches."""
+    require("hf")
+    from benchmarks import naflex_data_bench
+
+    naflex_data_bench.main(["--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "naflex_data_bench.json").read_text())
+    rows = {(r["mode"], r["split"]) for r in saved["rows"]}
+    assert rows == {(m, s) for m in ("square224", "square256", "naflex256") for s in ("train", "eval")}
+    assert all(r["ms_per_image"] > 0 for r in saved["rows"])
+    assert saved["naflex_grids"] == [[14, 18], [18, 14], [8, 32], [16, 16]]  # 480x640, 640x480, 256x1024, 512x512
+    assert (tmp_path / "naflex_data_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_qwen_vl_chunks_quick_measures_every_chunk_and_the_budget_bounds_its_tokens(tmp_path: Path) -> None:
     """benchmarks/qwen_vl_chunks.py --quick: a tiny random Qwen2-VL through the trainer's own step, fixed GradCache
     chunks, token budgets and the plain step on one batch of mixed image sizes; per chunk its tokens and the bytes

@@ -76,7 +76,19 @@ def clip_run(tmp: Path, kind: str, *extra: str, dropout: float = 0.1):
 
 
 def _tensors(batch: dict) -> dict:
-    return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    """The batch's tensors (SigLIP 2's `image`: a dict of them)."""
+    return {k: v for k, v in batch.items() if isinstance(v, (torch.Tensor, dict))}
+
+
+def _double(images):
+    """float64 images, or SigLIP 2's patches in float64 beside their mask and grids."""
+    if isinstance(images, dict):
+        return {k: v.double() if v.is_floating_point() else v for k, v in images.items()}
+    return images.double()
+
+
+def _rows(images, rows: slice):
+    return {k: v[rows] for k, v in images.items()} if isinstance(images, dict) else images[rows]
 
 
 def _dense(trainer, problems: list[dict], objective) -> tuple[float, dict[str, torch.Tensor]]:
@@ -87,7 +99,7 @@ def _dense(trainer, problems: list[dict], objective) -> tuple[float, dict[str, t
     model.eval()
     losses = []
     for batch in problems:
-        out = model(batch["image"].double(), batch["text"])
+        out = model(_double(batch["image"]), batch["text"])
         losses.append(objective.dense(*out))
     loss = torch.stack(losses).mean()
     loss.backward()
@@ -171,11 +183,11 @@ def test_gradcache_replays_the_dropout_of_both_towers(tmp_path: Path, kind: str)
     )
     assert trainer.model.training
     batch = _tensors(trainer.train_set.__getitems__(list(range(7))))
-    chunks = [{k: v[s] for k, v in batch.items()} for s in (slice(0, 3), slice(3, 6), slice(6, 7))]
+    chunks = [{k: _rows(v, s) for k, v in batch.items()} for s in (slice(0, 3), slice(3, 6), slice(6, 7))]
     assert_step_equals_its_forwards(trainer, [batch], chunks, seed=5)
     torch.manual_seed(5)
-    on = trainer.model(batch["image"][:3], batch["text"][:3])
-    off = trainer.model.eval()(batch["image"][:3], batch["text"][:3])
+    on = trainer.model(_rows(batch["image"], slice(3)), batch["text"][:3])
+    off = trainer.model.eval()(_rows(batch["image"], slice(3)), batch["text"][:3])
     assert not torch.allclose(on[0], off[0]) and not torch.allclose(on[1], off[1])  # dropout is on in both towers
     trainer.metrics.close()
 
@@ -245,6 +257,24 @@ def test_four_ranks_ddp_with_lora(tmp_path: Path) -> None:
     _folders(tmp_path, "siglip", steps)
     layout = ("--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=4")
     run_distributed(_ranks, 4, str(tmp_path), "siglip", steps, *layout, *LORA)
+
+
+def test_siglip2_positions_resize_as_interpolate_does() -> None:
+    """SigLIP 2's position table resized to each image's grid in float64 equals `F.interpolate` (bilinear,
+    antialiased) of the table, up and down, square or not, in one batch; the padding rows take the first."""
+    import torch.nn.functional as F
+
+    from titan_contrastive.models.hf_clip.naflex import resized_positions
+
+    table = torch.randn(25, 3, dtype=torch.float64)
+    shapes = torch.tensor([[5, 5], [3, 7], [8, 2], [1, 1], [2, 13], [4, 4]])
+    got = resized_positions(table, shapes, 30)
+    square = table.reshape(5, 5, 3).permute(2, 0, 1)[None]
+    for row, (h, w) in enumerate(shapes.tolist()):
+        want = F.interpolate(square, size=(h, w), mode="bilinear", align_corners=False, antialias=True)
+        want = want[0].reshape(3, -1).T
+        assert torch.allclose(got[row, : h * w], want, rtol=0, atol=1e-14)
+        assert torch.allclose(got[row, h * w :], got[row, :1].expand(30 - h * w, -1), rtol=0, atol=1e-14)
 
 
 @pytest.mark.parametrize("kind", IMAGE_TEXT)

@@ -5,8 +5,10 @@ model in float64; the sigmoid loss on a CLIP folder and a softmax objective on S
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,11 +22,26 @@ from titan_contrastive.losses import Sigmoid
 require("hf")
 
 
+def assert_processed(mine: dict, theirs: dict, resampled: bool = False) -> None:
+    """Our image inputs are the processor's: the same keys and dtypes, values to 1e-5; `resampled` (pictures
+    resized by torch's kernel, not Pillow's): pixels to one level (1/127.5 at std 0.5), under a twentieth of a
+    level on average (these noise pictures are the worst case: 2 % of their pixels differ)."""
+    assert mine.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert mine[key].dtype == value.dtype, key
+        if key == "pixel_values" and resampled:
+            off = (mine[key] - value).abs()
+            assert off.max() <= 1 / 127.5 + 1e-5 and off.mean() <= 1 / 127.5 / 20
+        else:
+            assert torch.allclose(mine[key], value, atol=1e-5), key
+
+
 @pytest.mark.parametrize("kind", IMAGE_TEXT)
 def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind: str) -> None:
     """The eval split's pixels of an image at the model's size equal the folder's image processor's (SigLIP 2:
-    its patches, mask and grid), the ids its tokenizer's at `padding="max_length"` (SigLIP 2's on the left),
-    and the model's embeddings transformers' own `get_image_features` / `get_text_features`, normalized."""
+    its patches, mask and grid of every picture, each at its own aspect ratio), the ids its tokenizer's at
+    `padding="max_length"` (SigLIP 2's lowercased, on the left), and the model's embeddings transformers'
+    own `get_image_features` / `get_text_features`, normalized."""
     from PIL import Image
     from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
 
@@ -32,15 +49,16 @@ def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind
     folder = str(tmp_path / f"tiny-{kind}")
     data = trainer.train_set
     data.train = False  # the centre crop: at the model's size, the image itself
-    batch = data.__getitems__([0, 3])  # 16 x 16 and 24 x 24 pictures
-    captions = data.captions([0, 3])
+    batch = data.__getitems__([0, 1, 3])  # 16 x 16, 20 x 30 and 24 x 24 pictures
+    captions = data.captions([0, 1, 3])
     processor = AutoImageProcessor.from_pretrained(folder, backend="pil")
-    picture = Image.open(tmp_path / "data" / "img" / "0.png").convert("RGB")
-    theirs = processor(images=[picture], return_tensors="pt")
-    mine = trainer.model.image_inputs(batch["image"][:1])
-    assert mine.keys() == theirs.keys()
-    for key, value in theirs.items():
-        assert mine[key].dtype == value.dtype and torch.allclose(mine[key], value, atol=1e-5), key
+    pictures = [Image.open(tmp_path / "data" / "img" / f"{i}.png").convert("RGB") for i in (0, 1, 3)]
+    if kind == "siglip2":  # every picture as it is
+        mine, theirs = batch["image"], processor(images=pictures, return_tensors="pt")
+        assert theirs["spatial_shapes"].tolist() == [[2, 2], [2, 3], [2, 2]]
+    else:  # the picture at the model's size: the rest are resampled by our crop
+        mine, theirs = {"pixel_values": batch["image"][:1]}, processor(images=pictures[:1], return_tensors="pt")
+    assert_processed(mine, theirs, kind == "siglip2")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = tokenizer(captions, padding="max_length", max_length=12, truncation=True, return_tensors="pt")["input_ids"]
     assert torch.equal(batch["text"], ids)
@@ -51,7 +69,6 @@ def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind
         image, text, scale = trainer.model(batch["image"], batch["text"])[:3]
         want_image = model.get_image_features(**trainer.model.image_inputs(batch["image"])).pooler_output
         want_text = model.get_text_features(input_ids=batch["text"]).pooler_output
-    assert torch.allclose(image[:1], F.normalize(model.get_image_features(**theirs).pooler_output, dim=-1), atol=1e-6)
     assert torch.allclose(image, F.normalize(want_image, dim=-1), atol=1e-6)
     assert torch.allclose(text, F.normalize(want_text, dim=-1), atol=1e-6)
     assert torch.allclose(scale, model.logit_scale.exp())
@@ -60,9 +77,10 @@ def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind
 
 
 def test_siglip2_reads_the_resolution_the_run_sets(tmp_path: Path) -> None:
-    """`data.image_size=24` on SigLIP 2 (8 px patches, a 2 x 2 grid of positions): a 24 x 24 picture is the
-    3 x 3 patches its processor makes at `max_num_patches=9`, and the embedding transformers' (its positions
-    resized to 3 x 3); 4 x 4 patches cost more FLOPs than the folder's 2 x 2 and padding."""
+    """`data.image_size=24` on SigLIP 2 (8 px patches, a 2 x 2 grid of positions) reads up to 9 patches per
+    picture: what its processor makes at `max_num_patches=9`, and the embeddings transformers' (its positions
+    resized to each grid); training crops keep their own shapes (grids differ within a batch); a square
+    image tensor is cut into the patches of a square picture."""
     from PIL import Image
     from transformers import AutoImageProcessor, AutoModel
 
@@ -72,19 +90,21 @@ def test_siglip2_reads_the_resolution_the_run_sets(tmp_path: Path) -> None:
     args = trainer.model_args
     assert (args.image_size, args.max_num_patches) == (24, 9)
     data = trainer.train_set
+    grids = data.__getitems__(list(range(10)))["image"]["spatial_shapes"]
+    assert len({tuple(g) for g in grids.tolist()}) > 1
     data.train = False
-    images = data.__getitems__([3])["image"]  # the 24 x 24 picture
+    batch = data.__getitems__([1, 3])  # 20 x 30 and 24 x 24
     processor = AutoImageProcessor.from_pretrained(str(tmp_path / "tiny-siglip2"), backend="pil")
-    picture = Image.open(tmp_path / "data" / "img" / "3.png").convert("RGB")
-    theirs = processor(images=[picture], max_num_patches=9, return_tensors="pt")
-    mine = trainer.model.image_inputs(images)
-    assert all(torch.allclose(mine[k], theirs[k], atol=1e-5) for k in theirs) and theirs["spatial_shapes"].tolist() == [
-        [3, 3]
-    ]
+    pictures = [Image.open(tmp_path / "data" / "img" / f"{i}.png").convert("RGB") for i in (1, 3)]
+    theirs = processor(images=pictures, max_num_patches=9, return_tensors="pt")
+    assert theirs["spatial_shapes"].tolist() == [[2, 3], [3, 3]]
+    assert_processed(batch["image"], theirs, resampled=True)
+    square = trainer.model.image_inputs(data.normalize(np.asarray(pictures[1:])))
+    assert_processed(square, {k: v[1:] for k, v in theirs.items()})
     model = AutoModel.from_pretrained(str(tmp_path / "tiny-siglip2")).eval()
     with torch.no_grad():
-        image = trainer.model.eval()(images, data.__getitems__([3])["text"])[0]
-        want = F.normalize(model.get_image_features(**theirs).pooler_output, dim=-1)
+        image = trainer.model.eval()(batch["image"], batch["text"])[0]
+        want = F.normalize(model.get_image_features(**batch["image"]).pooler_output, dim=-1)
     assert torch.allclose(image, want, atol=1e-6)
     folder = clip_run(tmp_path / "folder", "siglip2", "--training.local_batch_size=4").model_args
     assert (folder.image_size, folder.max_num_patches) == (16, 6)
@@ -167,17 +187,29 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "tiny-clip" / "preprocessor_config.json").unlink()
     with pytest.raises(ConfigError, match="has no preprocessor_config.json"):
         clip_run(tmp_path, "clip")
+    config = tmp_path / "tiny-siglip2" / "preprocessor_config.json"
+    saved = json.loads(config.read_text())
+    for key, value, match in (
+        ("resample", 1, r"resample=1; the run serves SigLIP 2's images resized bilinear \(2\) or bicubic \(3\)"),
+        ("max_num_patches", None, r"max_num_patches=None; SigLIP 2's processor sets a positive number"),
+    ):
+        config.write_text(json.dumps({**saved, key: value}))
+        with pytest.raises(ConfigError, match=match):
+            clip_run(tmp_path, "siglip2")
 
 
-def test_the_command_line_trains_evaluates_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """`train.main` on a SigLIP folder with its sigmoid loss: retrieval recall on data.val_path
-    and zero-shot top-1 on an ImageFolder (both read at the folder's size and statistics), a checkpoint, and
-    two more steps resumed from it equal to four at once."""
+@pytest.mark.parametrize("kind", ["siglip", "siglip2"])
+def test_the_command_line_trains_evaluates_and_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture, kind: str
+) -> None:
+    """`train.main` on a SigLIP or SigLIP 2 folder with its sigmoid loss: retrieval recall on data.val_path
+    and zero-shot top-1 on an ImageFolder (both read at the folder's size and statistics; SigLIP 2's patches
+    of each whole picture), a checkpoint, and two more steps resumed from it equal to four at once."""
     import json
 
     from titan_contrastive.train import main
 
-    folder = image_text_folder(tmp_path, "siglip")
+    folder = image_text_folder(tmp_path, kind)
     table = pictures(tmp_path / "data")
     for c, name in enumerate(["cat", "dog"]):
         (tmp_path / "zs" / name).mkdir(parents=True)

@@ -370,7 +370,7 @@ def build_data(
             f"local_batch_size x dp degree = {per_batch}) or more data"
         )
     transforms = {}
-    if pixels_on_device and isinstance(train, FileImageTextDataset) and not train.processed:
+    if pixels_on_device and isinstance(train, FileImageTextDataset) and not (train.processed or train.naflex):
         train.serve_uint8()
         transforms["image"] = train.normalize.apply
     loader = build_dataloader(

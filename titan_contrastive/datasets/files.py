@@ -34,13 +34,16 @@ from titan_contrastive.batching import NEGATIVES
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.image_transforms import (
+    CROP_RATIO,
     OPENAI_MEAN,
     OPENAI_STD,
     Normalize,
     decode_crop_resize,
     decode_image,
+    random_resized_box,
     sample_rng,
 )
+from titan_contrastive.datasets.naflex import NaFlexImages
 from titan_contrastive.datasets.sources import BadSample, Record, Source
 
 logger = logging.getLogger("titan_contrastive")
@@ -89,6 +92,7 @@ class FileImageTextDataset:
         """`serve_uint8`: images leave the loader as uint8, for `normalize.apply` on the device."""
         self.num_negatives = getattr(source, "num_negatives", 0)
         self._process: Any = None  # `serve_processed`
+        self._naflex: NaFlexImages | None = None  # `serve_naflex`
         if self.num_negatives and split == "train":
             logger.info(
                 f"{name}: {self.num_negatives} negative caption(s) per sample in {source.location}: each image's "
@@ -128,6 +132,16 @@ class FileImageTextDataset:
     def processed(self) -> bool:
         """Whether batches come from a model's processor (`serve_processed`) rather than as tensors."""
         return self._process is not None
+
+    @property
+    def naflex(self) -> bool:
+        """Whether `image` is SigLIP 2's patches, mask and grids (`serve_naflex`) rather than a tensor."""
+        return self._naflex is not None
+
+    def serve_naflex(self, naflex: NaFlexImages) -> None:
+        """Serve `image` as SigLIP 2's NaFlex patches (`datasets.naflex`): each crop (eval: each whole image)
+        at its own aspect ratio, normalized with `normalize`."""
+        self._naflex = naflex
 
     def serve_uint8(self) -> None:
         """Serve `image` as uint8 [B, 3, S, S], not normalized: the step normalizes it on its device with
@@ -172,23 +186,41 @@ class FileImageTextDataset:
             "the data is damaged: check the files or rebuild the shards"
         )
 
-    def _pixels(self, index: int, size: int, data: Any) -> np.ndarray:
+    def _pixels(self, index: int, data: Any, *, size: int) -> np.ndarray:
         """Sample `index`'s crop (its own generator, fresh for each image tried) of the image `data`, uint8."""
         rng = sample_rng(self.seed, self.epoch, index) if self.train else None
         return decode_crop_resize(data, size, train=self.train, rng=rng)
+
+    def _patches(self, index: int, data: Any) -> tuple[torch.Tensor, tuple[int, int]]:
+        """Sample `index`'s NaFlex patches and grid (`serve_naflex`): of its train crop (its own generator,
+        fresh for each image tried; the image's own aspect ratio times 3/4 to 4/3), or of the whole image
+        in evaluation."""
+        image = decode_image(data)
+        box = (0, 0, *image.size)
+        if self.train:
+            shape = image.width / image.height
+            ratio = (shape * CROP_RATIO[0], shape * CROP_RATIO[1])
+            box = random_resized_box(*image.size, sample_rng(self.seed, self.epoch, index), ratio)
+        return self._naflex.sample(image, box, self.normalize)
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, Any]:
         if self._process is not None:
             return self._processed(indices)
         size = self.image_shape[-1]
-        pixels = np.empty((len(indices), size, size, 3), dtype=np.uint8)
-        captions, negatives, bad = [], [], []
-        for row, index in enumerate(indices):
-            pixels[row], record = self._read(int(index), bad, functools.partial(self._pixels, int(index), size))
+        images, captions, negatives, bad = [], [], [], []
+        for index in indices:
+            read = self._patches if self._naflex else functools.partial(self._pixels, size=size)
+            image, record = self._read(int(index), bad, functools.partial(read, int(index)))
+            images.append(image)
             captions.append(record.caption)
             negatives.extend(record.negatives)
+        if self._naflex:
+            image = self._naflex.batch(images)
+        else:
+            pixels = np.stack(images) if images else np.empty((0, size, size, 3), dtype=np.uint8)
+            image = self.normalize.channels_first(pixels) if self.uint8_pixels else self.normalize(pixels)
         batch = {
-            "image": self.normalize.channels_first(pixels) if self.uint8_pixels else self.normalize(pixels),
+            "image": image,
             "text": self.tokenizer.encode(captions),
             "index": torch.as_tensor(list(indices), dtype=torch.long),
             BAD_SAMPLES: bad,
@@ -211,6 +243,9 @@ class FileImageTextDataset:
         batch = self.__getitems__([index])
         # packed patches (`serve_processed`: `pixel_values`, `query_pixel_values`, ...): all of the sample's rows
         packed = ("pixel_values", "image_grid_thw")  # a text side's are empty
+        if self._naflex:  # NaFlex patches: the sample's row of each
+            batch["image"] = {k: v[0] for k, v in batch["image"].items()}
+            packed = ("image",)
         return {k: v if k == BAD_SAMPLES or k.endswith(packed) else v[0] for k, v in batch.items()}
 
     def captions(self, indices: Sequence[int]) -> list[str]:

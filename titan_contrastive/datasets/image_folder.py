@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.image_transforms import Normalize, decode_crop_resize
+from titan_contrastive.datasets.image_transforms import Normalize, decode_crop_resize, decode_image
+from titan_contrastive.datasets.naflex import NaFlexImages
 from titan_contrastive.datasets.sources import IMAGE_EXTENSIONS
 from titan_contrastive.datasets.tar_shards import read_regular
 
@@ -90,6 +91,7 @@ class ImageFolderZeroShot:
         self.recall_ks, self.recall_direction = (1, 5), "image_to_text"
         self.labels = torch.tensor(labels, dtype=torch.long)
         self._normalize = Normalize()
+        self._naflex: NaFlexImages | None = None
 
     def __len__(self) -> int:
         return len(self._files)
@@ -104,12 +106,23 @@ class ImageFolderZeroShot:
         """Normalize with a model folder's image statistics (hf_clip) instead of OpenAI's."""
         self._normalize = Normalize(mean, std)
 
-    def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+    def serve_naflex(self, naflex: NaFlexImages) -> None:
+        """Serve `image` as SigLIP 2's NaFlex patches of each whole image (`datasets.naflex`)."""
+        self._naflex = naflex
+
+    def _image(self, i: int, size: int) -> Any:
+        data = read_regular(self._files[i])
+        if self._naflex is None:
+            return decode_crop_resize(data, size, train=False)
+        image = decode_image(data)
+        return self._naflex.sample(image, (0, 0, *image.size), self._normalize)
+
+    def __getitems__(self, indices: Sequence[int]) -> dict[str, Any]:
         size = self.image_shape[-1]
-        pixels = np.empty((len(indices), size, size, 3), dtype=np.uint8)
-        for row, i in enumerate(indices):
+        images = []
+        for i in indices:
             try:
-                pixels[row] = decode_crop_resize(read_regular(self._files[i]), size, train=False)
+                images.append(self._image(i, size))
             except (OSError, ValueError, SyntaxError) as e:
                 raise DataError(
                     f"{self._files[i]}: not a readable image ({type(e).__name__}: {e}); remove it from the "
@@ -118,7 +131,11 @@ class ImageFolderZeroShot:
         idx = torch.as_tensor(list(indices), dtype=torch.long)
         labels = self.labels[idx]
         text = self.encode_text([self.templates[0].format(self.class_names[c]) for c in labels.tolist()])
-        return {"image": self._normalize(pixels), "text": text, "label": labels, "index": idx}
+        if self._naflex is not None:
+            image = self._naflex.batch(images)
+        else:
+            image = self._normalize(np.stack(images) if images else np.empty((0, size, size, 3), dtype=np.uint8))
+        return {"image": image, "text": text, "label": labels, "index": idx}
 
     def encode_text(self, texts: list[str]) -> torch.Tensor:
         return self.tokenizer.encode(texts)

@@ -62,24 +62,26 @@ def center_box(width: int, height: int) -> Box:
     return left, top, left + side, top + side
 
 
-def random_resized_box(width: int, height: int, rng: np.random.Generator) -> Box:
+def random_resized_box(
+    width: int, height: int, rng: np.random.Generator, ratio: tuple[float, float] = CROP_RATIO
+) -> Box:
     """torchvision's RandomResizedCrop box: area a fraction CROP_SCALE of the image, log-uniform
-    aspect ratio in CROP_RATIO; after CROP_TRIES misses, the whole image cut to the nearest
-    aspect ratio in CROP_RATIO, centred (torchvision's fallback)."""
+    aspect ratio (width / height) in `ratio`; after CROP_TRIES misses, the whole image cut to the
+    nearest aspect ratio in `ratio`, centred (torchvision's fallback)."""
     area = width * height
-    log_ratio = (math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1]))
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(CROP_TRIES):
         target = area * rng.uniform(*CROP_SCALE)
-        ratio = math.exp(rng.uniform(*log_ratio))
-        w, h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
         if 0 < w <= width and 0 < h <= height:
             left, top = int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1))
             return left, top, left + w, top + h
     w, h = width, height
-    if width / height < CROP_RATIO[0]:
-        h = round(width / CROP_RATIO[0])
-    elif width / height > CROP_RATIO[1]:
-        w = round(height * CROP_RATIO[1])
+    if width / height < ratio[0]:
+        h = round(width / ratio[0])
+    elif width / height > ratio[1]:
+        w = round(height * ratio[1])
     left, top = (width - w) // 2, (height - h) // 2
     return left, top, left + w, top + h
 
@@ -94,13 +96,14 @@ def draw_box(width: int, height: int, *, train: bool, rng: np.random.Generator |
     return random_resized_box(width, height, rng) if train and rng is not None else center_box(width, height)
 
 
-def resize_box(image: Image.Image, box: Box, size: int) -> np.ndarray:
-    """uint8 [size, size, 3]: the RGB image's `box` (left, top, right, bottom) cut out and resized,
-    antialiased bicubic (Pillow's filter: Keys' a = -0.5, widened when shrinking)."""
+def resize_box(image: Image.Image, box: Box, size: int | tuple[int, int], mode: str = "bicubic") -> np.ndarray:
+    """uint8 [height, width, 3] (`size`: both, or (height, width)): the RGB image's `box` (left, top, right,
+    bottom) cut out and resized, antialiased bicubic (Pillow's filter: Keys' a = -0.5, widened when
+    shrinking) or `mode="bilinear"` (Pillow's triangle filter, widened when shrinking)."""
     left, top, right, bottom = box
     pixels = torch.from_numpy(np.array(image))[top:bottom, left:right]  # [h, w, 3], a view
     pixels = pixels.permute(2, 0, 1).unsqueeze(0).contiguous(memory_format=torch.channels_last)
-    out = F.interpolate(pixels, size=(size, size), mode="bicubic", antialias=True, align_corners=False)
+    out = F.interpolate(pixels, size=(size, size) if isinstance(size, int) else size, mode=mode, antialias=True)
     return np.ascontiguousarray(out[0].permute(1, 2, 0).numpy())
 
 

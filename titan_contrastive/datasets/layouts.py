@@ -13,7 +13,8 @@ MASKED_IMAGES: [-1, 1] images zero-padded to the largest size with a pixel `mask
 uint8 images and texts through the family's own processor (`args.processor()`: qwen_vl's token
 ids and packed patches per side at native resolution), cut on image boundaries (`split_sides`).
 FOLDER_IMAGES: [B, 3, S, S] at the model folder's size, normalized with its processor's mean and std
-(`args.image_size`, `image_mean`, `image_std`: hf_clip), from the user's image-text files.
+(`args.image_size`, `image_mean`, `image_std`: hf_clip), from the user's image-text files; for SigLIP 2
+(`args.max_num_patches`), `image` is its processor's NaFlex patches, mask and grids (`datasets.naflex`).
 A processor whose `refusal` is set takes only data that serves both sides (`serves_sides`:
 `vl_pairs`), not image-text rows.
 """
@@ -27,6 +28,7 @@ from typing import Any
 from titan_contrastive.batching import split_inputs, split_sides, split_vlm_inputs
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.naflex import NaFlexImages
 
 __all__ = ["FOLDER_IMAGES", "IMAGES", "MASKED_IMAGES", "PACKED_PATCHES", "PROCESSED", "DataLayout"]
 
@@ -62,6 +64,8 @@ def _folder_images(dataset: Any, args: Any, image_sizes: Sequence[int], family: 
         )
     dataset.resize(args.image_size)
     dataset.normalize_as(args.image_mean, args.image_std)
+    if args.max_num_patches:  # SigLIP 2: its processor's patches of each picture at its own aspect ratio
+        dataset.serve_naflex(NaFlexImages(args.patch_size, args.max_num_patches, args.resample))
 
 
 def _masked(dataset: Any, args: Any, image_sizes: Sequence[int], family: str) -> None:

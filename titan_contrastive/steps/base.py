@@ -19,7 +19,7 @@ The caller then unscales, clips, steps the optimizer.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -39,6 +39,18 @@ from titan_contrastive.losses.guide import Guide
 __all__ = ["Batch", "GradientStep", "StepBuilder", "StepContext"]
 
 Batch = dict[str, Tensor]
+
+
+def _moved(x: Any, device: torch.device) -> Any:
+    if isinstance(x, Mapping):
+        return {key: value.to(device, non_blocking=True) for key, value in x.items()}
+    return x.to(device, non_blocking=True)
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, Mapping):
+        return {key: _cast(value, dtype) for key, value in x.items()}
+    return x.to(dtype) if x.is_floating_point() else x
 
 
 class GradientStep(Protocol):
@@ -167,19 +179,19 @@ class StepContext:
         return ids.to(self.device)
 
     def inputs(self, batch: Batch, negatives: bool = True) -> list[Tensor]:
-        """The model inputs of a batch on the device, floating ones in the parameter dtype
-        (copied asynchronously from pinned memory, then normalized (uint8 pixels,
-        `device_transforms`) and cast on the device). Hard negatives
+        """The model inputs of a batch on the device (a dict input: each of its tensors, e.g. SigLIP 2's
+        patches, mask and grids), floating ones in the parameter dtype (copied asynchronously from
+        pinned memory, then normalized (uint8 pixels, `device_transforms`) and cast on the device). Hard negatives
         (`batch["neg"]`) join the second input, 1 + k documents per sample (`with_negatives`),
         unless `negatives` is false."""
-        inputs = [batch[key].to(self.device, non_blocking=True) for key in self.input_keys]
+        inputs = [_moved(batch[key], self.device) for key in self.input_keys]
         for i, key in enumerate(self.input_keys):
-            if key in self.device_transforms and inputs[i].dtype == torch.uint8:
+            if key in self.device_transforms and isinstance(inputs[i], Tensor) and inputs[i].dtype == torch.uint8:
                 inputs[i] = self.device_transforms[key](inputs[i])
         if negatives and NEGATIVES in batch:
             negs = batch[NEGATIVES].to(self.device, non_blocking=True)
             inputs[1] = with_negatives(inputs[1], negs, self.doc_pad_id)
-        return [x.to(self.precision.param_dtype) if x.is_floating_point() else x for x in inputs]
+        return [_cast(x, self.precision.param_dtype) for x in inputs]
 
     def run(self, batch: Batch, **kwargs: Any) -> Any:
         """The data-parallel model on one batch under this run's autocast."""

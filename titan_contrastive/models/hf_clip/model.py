@@ -12,11 +12,11 @@ What the batches hold is what the folder's processor gives the model:
 - images at the folder's `vision_config.image_size`, normalized with its `image_mean` and
   `image_std` (the `FOLDER_IMAGES` layout; the crops are ours: random-resized in training, centre
   crop for evaluation);
-- SigLIP 2 (NaFlex) reads patches instead: square images of `g·p` pixels become the `g x g` patches,
-  zero-padded to `max_num_patches` with their `pixel_attention_mask` and `spatial_shapes`, which its
-  processor makes of a square picture with that `max_num_patches` (`naflex_inputs`, on the device).
-  `g` is the largest grid the folder's `max_num_patches` holds, or `[data] image_size / p` (then
-  `max_num_patches = g²`: the resolution, and the sequence length, are the run's choice);
+- SigLIP 2 (NaFlex) reads patches instead, as its processor makes them: each picture (its train crop)
+  at its own aspect ratio in at most `max_num_patches` patches, zero-padded, with their
+  `pixel_attention_mask` and `spatial_shapes` (`datasets.naflex`; `naflex.py` here). The folder's
+  processor sets `max_num_patches`, or `[data] image_size = S` sets `(S / p)²` (the resolution, and
+  the sequence length, are the run's choice);
 - token ids at one length, padded on the tokenizer's `padding_side` with its pad token and no
   attention mask, as the processors give them: CLIP's text tower is causal and pools at the EOS, so
   the padding after it changes nothing; SigLIP (and SigLIP 2) pool at the last position and were
@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,10 +45,11 @@ from torch import Tensor, nn
 from titan_contrastive.components.freeze import locked_forward
 from titan_contrastive.components.lora import LoraFields, add_lora
 from titan_contrastive.config import ConfigError
+from titan_contrastive.datasets.naflex import FILTERS
 from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer, read_text_folder
-from titan_contrastive.models.hf_clip.naflex import GridEmbeddings, naflex_inputs
+from titan_contrastive.models.hf_clip.naflex import NaFlexEmbeddings, naflex_inputs
 
 __all__ = [
     "KINDS",
@@ -112,10 +113,11 @@ def _statistics(model_dir: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
     return tuple(map(float, mean)), tuple(map(float, std))
 
 
-def _image_size(path: str, kind: str, config: Any, model_dir: str, asked: int) -> tuple[int, int, int]:
-    """(image size, patch size, max_num_patches) the run reads: CLIP and SigLIP the folder's size (max_num_patches
-    0: whole images); SigLIP 2 (NaFlex) squares of `[data] image_size` (a multiple of its patch), else the
-    largest square grid its processor's `max_num_patches` holds."""
+def _image_size(path: str, kind: str, config: Any, model_dir: str, asked: int) -> tuple[int, int, int, int]:
+    """(image size, patch size, max_num_patches, resample) the run reads: CLIP and SigLIP the folder's size
+    (max_num_patches 0: whole images); SigLIP 2 (NaFlex) its processor's `max_num_patches`, or `([data]
+    image_size / p)²` (a multiple of its patch), and the side of the largest square grid that holds (what
+    square probe images are)."""
     patch = int(config.vision_config.patch_size)
     if kind != "siglip2":
         size = int(config.vision_config.image_size)
@@ -124,8 +126,9 @@ def _image_size(path: str, kind: str, config: Any, model_dir: str, asked: int) -
                 f"data.image_size={asked}: {path} reads {size}x{size} images (vision_config.image_size); "
                 f"set data.image_size={size} or 0"
             )
-        return size, patch, 0
-    most = _processor(model_dir).get("max_num_patches")
+        return size, patch, 0, 2
+    processor = _processor(model_dir)
+    most = processor.get("max_num_patches")
     if not isinstance(most, int) or most < 1:
         raise ConfigError(
             f"{model_dir}/preprocessor_config.json: max_num_patches={most!r}; SigLIP 2's processor sets a positive "
@@ -136,9 +139,15 @@ def _image_size(path: str, kind: str, config: Any, model_dir: str, asked: int) -
             f"data.image_size={asked}: {path} reads images in {patch} px patches; set data.image_size to a "
             f"multiple of {patch} (e.g. {math.isqrt(most) * patch}: its max_num_patches={most}) or 0"
         )
+    resample = processor.get("resample", 2)
+    if resample not in FILTERS:
+        raise ConfigError(
+            f"{model_dir}/preprocessor_config.json: resample={resample!r}; the run serves SigLIP 2's images "
+            f"resized bilinear (2) or bicubic (3); set one of them there"
+        )
     if asked:
-        return asked, patch, (asked // patch) ** 2
-    return math.isqrt(most) * patch, patch, most
+        return asked, patch, (asked // patch) ** 2, resample
+    return math.isqrt(most) * patch, patch, most, resample
 
 
 def _folder_bias(model_dir: str) -> float | None:
@@ -167,6 +176,8 @@ class HFClipArgs(LoraFields):
     patch_size: int = 0
     max_num_patches: int = 0
     """SigLIP 2 (NaFlex): the patches per image, padded; 0: the model reads whole images."""
+    resample: int = 2
+    """SigLIP 2: its processor's Pillow filter (2: bilinear)."""
     image_mean: tuple[float, ...] = ()
     image_std: tuple[float, ...] = ()
     init_logit_scale: float | None = None
@@ -186,7 +197,7 @@ class HFClipArgs(LoraFields):
         path = cfg.model.path or self.path
         kind, config = folder_kind(path)
         model_dir = read_text_folder(path).model_dir
-        size, patch, patches = _image_size(path, kind, config, model_dir, cfg.data.image_size)
+        size, patch, patches, resample = _image_size(path, kind, config, model_dir, cfg.data.image_size)
         positions = int(config.text_config.max_position_embeddings)
         length = cfg.data.context_length or positions
         last = kind in LAST_POSITION
@@ -219,6 +230,7 @@ class HFClipArgs(LoraFields):
             image_size=size,
             patch_size=patch,
             max_num_patches=patches,
+            resample=resample,
             image_mean=mean,
             image_std=std,
             init_logit_scale=cfg.loss.init_logit_scale,
@@ -314,8 +326,8 @@ class HFClip(nn.Module):
             add_lora(model, *args.lora_options)
         image_proj, text_proj = KINDS[model.config.model_type]
         vision, text = _towers(model)
-        if args.max_num_patches:  # SigLIP 2: its positions resized to the run's grid in their own dtype
-            vision.embeddings = GridEmbeddings(vision.embeddings, args.image_size // args.patch_size)
+        if args.max_num_patches:  # SigLIP 2: its positions resized to each grid in their own dtype
+            vision.embeddings = NaFlexEmbeddings(vision.embeddings)
         self.visual = Side(vision, getattr(model, image_proj) if image_proj else None)
         self.text = Side(text, getattr(model, text_proj) if text_proj else None)
         self._start = {"logit_scale": float(model.logit_scale.detach().reshape(-1)[0])}
@@ -337,14 +349,17 @@ class HFClip(nn.Module):
             for name, value in self._start.items():
                 getattr(self, name).fill_(value)
 
-    def image_inputs(self, images: Tensor) -> dict[str, Tensor]:
-        """The vision transformer's keyword inputs of images [B, 3, S, S] (SigLIP 2: `naflex_inputs`)."""
+    def image_inputs(self, images: Tensor | Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The vision transformer's keyword inputs: SigLIP 2's patches, mask and grids as served (a dict), or
+        cut from square images [B, 3, S, S] (`naflex_inputs`); the images themselves for CLIP and SigLIP."""
+        if isinstance(images, Mapping):
+            return dict(images)
         if self.args.max_num_patches:
             return naflex_inputs(images, self.args.patch_size, self.args.max_num_patches)
         return {"pixel_values": images}
 
     def forward(
-        self, images: Tensor, texts: Tensor, *, replay: Sequence[Tensor | None] | None = None
+        self, images: Tensor | Mapping[str, Tensor], texts: Tensor, *, replay: Sequence[Tensor | None] | None = None
     ) -> tuple[Tensor, ...]:
         """(image embeddings, text embeddings, exp(logit_scale)[, logit_bias]); `replay`: in a cached-gradient
         re-forward, pass 1's outputs of these samples, which a locked tower returns instead of running."""
