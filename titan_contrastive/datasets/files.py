@@ -208,8 +208,8 @@ class FileImageTextDataset:
             return self._processed(indices)
         size = self.image_shape[-1]
         images, captions, negatives, bad = [], [], [], []
+        read = self._patches if self._naflex else functools.partial(self._pixels, size=size)
         for index in indices:
-            read = self._patches if self._naflex else functools.partial(self._pixels, size=size)
             image, record = self._read(int(index), bad, functools.partial(read, int(index)))
             images.append(image)
             captions.append(record.caption)

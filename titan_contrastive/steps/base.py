@@ -43,7 +43,7 @@ Batch = dict[str, Tensor]
 
 def _moved(x: Any, device: torch.device) -> Any:
     if isinstance(x, Mapping):
-        return {key: value.to(device, non_blocking=True) for key, value in x.items()}
+        return {key: _moved(value, device) for key, value in x.items()}
     return x.to(device, non_blocking=True)
 
 
