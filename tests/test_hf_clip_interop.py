@@ -164,6 +164,50 @@ def test_export_loads_back_in_transformers(tmp_path: Path, kind: str, lora: bool
     assert export_main([str(step), "--to", "open_clip", "--out", str(tmp_path / "oc")]) == 2
 
 
+def test_siglip2_train_crops_of_a_large_jpeg_are_decoded_at_reduced_scale(tmp_path: Path) -> None:
+    """A 640 x 480 JPEG's train crop (resized to 2 x 3 patches of 8 px) is decoded at reduced scale: the same
+    grid, and the patches of the fully decoded picture's same box (scaled back from the reduced one) to half a
+    level on average, not the same bytes."""
+    import io
+    import math
+
+    from PIL import Image
+
+    from titan_contrastive.datasets.image_transforms import (
+        CROP_RATIO,
+        decode_image,
+        random_resized_box,
+        reduced_box,
+        sample_rng,
+    )
+
+    g = np.random.default_rng(0)
+    (tmp_path / "big" / "img").mkdir(parents=True)
+    for i in range(4):
+        noise = Image.fromarray(g.integers(0, 256, (12, 16, 3), dtype=np.uint8))
+        noise.resize((640, 480), Image.Resampling.BICUBIC).save(tmp_path / "big" / "img" / f"{i}.jpg", quality=95)
+    table = tmp_path / "big" / "train.csv"
+    table.write_text("filepath\ttitle\n" + "".join(f"img/{i}.jpg\ta dog\n" for i in range(4)))
+    trainer = clip_run(tmp_path, "siglip2", f"--data.path={table}", "--training.local_batch_size=4")
+    data = trainer.train_set
+    got = data.__getitems__([1])["image"]
+    raw = (tmp_path / "big" / "img" / "1.jpg").read_bytes()
+    ratio = (640 / 480 * CROP_RATIO[0], 640 / 480 * CROP_RATIO[1])
+    box = random_resized_box(640, 480, sample_rng(data.seed, data.epoch, 1), ratio)
+    height, width = data._naflex.size_of(box)
+    reduced = Image.open(io.BytesIO(raw))  # the reduction the serving asks the decoder for
+    reduced.draft("RGB", (math.ceil(640 * width / (box[2] - box[0])), math.ceil(480 * height / (box[3] - box[1]))))
+    factor = round(640 / reduced.width)
+    assert factor in (2, 4, 8), factor
+    same = tuple(a * factor for a in reduced_box(box, factor))
+    patches, grid = data._naflex.sample(decode_image(raw), same, data.normalize, (height, width))
+    assert got["spatial_shapes"][0].tolist() == list(grid) == [2, 3]
+    off = (got["pixel_values"][0, : len(patches)] - patches).abs() * 127.5  # in levels (std 0.5)
+    assert 0 < off.mean() < 0.5 and off.max() < 20, (off.mean(), off.max())
+    assert torch.equal(got["pixel_attention_mask"][0], torch.ones(6, dtype=torch.int32))
+    trainer.metrics.close()
+
+
 def test_bad_input_is_one_line(tmp_path: Path) -> None:
     from titan_contrastive.config import ConfigError
     from titan_contrastive.datasets import DataError

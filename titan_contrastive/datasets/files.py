@@ -22,6 +22,7 @@ takes the substitute's negatives with its caption.
 from __future__ import annotations
 
 import functools
+import io
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,6 +41,7 @@ from titan_contrastive.datasets.image_transforms import (
     Normalize,
     decode_crop_resize,
     decode_image,
+    decode_reduced,
     random_resized_box,
     sample_rng,
 )
@@ -193,15 +195,18 @@ class FileImageTextDataset:
 
     def _patches(self, index: int, data: Any) -> tuple[torch.Tensor, tuple[int, int]]:
         """Sample `index`'s NaFlex patches and grid (`serve_naflex`): of its train crop (its own generator,
-        fresh for each image tried; the image's own aspect ratio times 3/4 to 4/3), or of the whole image
-        in evaluation."""
-        image = decode_image(data)
-        box = (0, 0, *image.size)
-        if self.train:
-            shape = image.width / image.height
-            ratio = (shape * CROP_RATIO[0], shape * CROP_RATIO[1])
-            box = random_resized_box(*image.size, sample_rng(self.seed, self.epoch, index), ratio)
-        return self._naflex.sample(image, box, self.normalize)
+        fresh for each image tried; the image's own aspect ratio times 3/4 to 4/3; a large JPEG decoded at
+        reduced scale), or of the whole image, decoded at full scale, in evaluation."""
+        if not self.train:
+            image = decode_image(data)
+            return self._naflex.sample(image, (0, 0, *image.size), self.normalize)
+        image = data if isinstance(data, Image.Image) else Image.open(io.BytesIO(data))
+        shape = image.width / image.height
+        ratio = (shape * CROP_RATIO[0], shape * CROP_RATIO[1])
+        box = random_resized_box(*image.size, sample_rng(self.seed, self.epoch, index), ratio)
+        height, width = self._naflex.size_of(box)
+        image, box = decode_reduced(image, box, width, height)
+        return self._naflex.sample(image, box, self.normalize, (height, width))
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, Any]:
         if self._process is not None:

@@ -127,12 +127,20 @@ def decode_crop_resize(
         return crop_resize(decode_image(data), size, train=train, rng=rng)
     image = Image.open(io.BytesIO(data))
     box = draw_box(*image.size, train=train, rng=rng)
+    return resize_box(*decode_reduced(image, box, size, size), size)
+
+
+def decode_reduced(image: Image.Image, box: Box, width: int, height: int) -> tuple[Image.Image, Box]:
+    """(the opened `image` decoded, `box` in it): a JPEG whose `box` holds at least twice `width` x `height`
+    pixels is decoded at 1/2, 1/4 or 1/8 scale (Pillow's `draft`, the largest reduction that leaves the
+    box at least that size) and the box scaled with it; anything else as it is. Raises what
+    `decode_image` raises."""
     w, h = box[2] - box[0], box[3] - box[1]
-    if image.format == "JPEG" and min(w, h) >= 2 * size:
-        width = image.width
-        image.draft("RGB", (math.ceil(width * size / w), math.ceil(image.height * size / h)))
-        box = reduced_box(box, round(width / image.width))  # the factor: 1, 2, 4 or 8
-    return resize_box(decode_image(image), box, size)
+    if image.format == "JPEG" and w >= 2 * width and h >= 2 * height:
+        full = image.width
+        image.draft("RGB", (math.ceil(full * width / w), math.ceil(image.height * height / h)))
+        box = reduced_box(box, round(full / image.width))  # the factor: 1, 2, 4 or 8
+    return decode_image(image), box
 
 
 def reduced_box(box: Box, factor: int) -> Box:

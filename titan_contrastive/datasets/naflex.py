@@ -1,7 +1,9 @@
 """SigLIP 2's NaFlex images, served as its processor makes them (the hf_clip family on a `siglip2` folder).
 
 Each picture keeps its own aspect ratio: the train crop (`image_transforms.random_resized_box`: 90 to
-100 % of the area, the picture's aspect ratio times 3/4 to 4/3) or, in evaluation, the whole picture, is
+100 % of the area, the picture's aspect ratio times 3/4 to 4/3; a JPEG decoded at reduced scale where the
+crop holds twice the size it is resized to, `image_transforms.decode_reduced`, as square crops are) or,
+in evaluation, the whole picture (decoded at full scale, as its processor does), is
 resized with the processor's filter to the largest size in whole patches whose count fits
 `max_num_patches` (transformers' `get_image_size_for_max_num_patches`), normalized, cut into patches
 in row-major order (each flattened row, column, channel) and zero-padded to `max_num_patches`, with
@@ -45,14 +47,19 @@ class NaFlexImages:
     max_num_patches: int
     resample: int = Image.Resampling.BILINEAR
 
-    def sample(self, image: Image.Image, box: Box, normalize: Normalize) -> tuple[Tensor, tuple[int, int]]:
-        """(patches [h·w, p·p·3] float32, (h, w)) of the RGB image's `box`."""
+    def size_of(self, box: Box) -> tuple[int, int]:
+        """(height, width) in pixels, whole patches, that the processor resizes a picture of `box`'s size to."""
         from transformers.models.siglip2.image_processing_pil_siglip2 import get_image_size_for_max_num_patches
 
         left, top, right, bottom = box
-        height, width = get_image_size_for_max_num_patches(
-            bottom - top, right - left, self.patch_size, self.max_num_patches
-        )
+        return get_image_size_for_max_num_patches(bottom - top, right - left, self.patch_size, self.max_num_patches)
+
+    def sample(
+        self, image: Image.Image, box: Box, normalize: Normalize, size: tuple[int, int] | None = None
+    ) -> tuple[Tensor, tuple[int, int]]:
+        """(patches [h·w, p·p·3] float32, (h, w)) of the RGB image's `box`, resized to `size` (default:
+        `size_of(box)`; the size of the box before a reduced-scale decode)."""
+        height, width = size or self.size_of(box)
         pixels = resize_box(image, box, (height, width), FILTERS[self.resample])
         patches = patchify(normalize(pixels[None]), self.patch_size)[0]
         return patches, (height // self.patch_size, width // self.patch_size)
