@@ -63,6 +63,9 @@ def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind
     ids = tokenizer(captions, padding="max_length", max_length=12, truncation=True, return_tensors="pt")["input_ids"]
     assert torch.equal(batch["text"], ids)
     assert tokenizer.batch_decode(ids, skip_special_tokens=True) == captions
+    if kind == "siglip2":  # transformers' Siglip2Tokenizer lowercases; so does the run's
+        shouted = [c.title() for c in captions]
+        assert shouted != captions and torch.equal(data.tokenizer.encode(shouted), ids)
     model = AutoModel.from_pretrained(folder).eval()
     trainer.model.eval()
     with torch.no_grad():
@@ -110,13 +113,26 @@ def test_siglip2_reads_the_resolution_the_run_sets(tmp_path: Path) -> None:
     assert (folder.image_size, folder.max_num_patches) == (16, 6)
     assert args.flops_per_sample() > folder.flops_per_sample()
     trainer.metrics.close()
+    # a processor_config.json's image processor is the one transformers reads, before preprocessor_config.json
+    tiny = tmp_path / "folder" / "tiny-siglip2"
+    settings = json.loads((tiny / "preprocessor_config.json").read_text())
+    combined = {"image_processor": {**settings, "max_num_patches": 9}, "processor_class": "Siglip2Processor"}
+    (tiny / "processor_config.json").write_text(json.dumps(combined))
+    assert AutoImageProcessor.from_pretrained(str(tiny)).max_num_patches == 9
+    reread = clip_run(tmp_path / "folder", "siglip2", "--training.local_batch_size=4")
+    assert reread.model_args.max_num_patches == 9
+    reread.metrics.close()
 
 
-@pytest.mark.parametrize(("kind", "lora"), [("clip", False), ("clip", True), ("siglip2", True)])
-def test_export_loads_back_in_transformers(tmp_path: Path, kind: str, lora: bool) -> None:
+@pytest.mark.parametrize(("kind", "lora"), [("clip", False), ("clip", True), ("siglip", False), ("siglip2", True)])
+def test_export_loads_back_in_transformers_and_sentence_transformers(tmp_path: Path, kind: str, lora: bool) -> None:
     """A trained step folder exported --to hf (LoRA merged) is the folder's model class, trained, with the
     tokenizer and image processor; the exporter compares the reloaded embeddings (exit 2 if they differ).
-    sentence-transformers embeds a CLIP export as the run does."""
+    sentence-transformers embeds its pictures and captions as the run does: CLIP's as they are, SigLIP's
+    with the processing the export sets (ids padded to the run's length with no mask; SigLIP 2's patch
+    budget, here the run's 9 patches of 8 px where transformers' processor defaults to 256 of 16)."""
+    from PIL import Image
+    from sentence_transformers import SentenceTransformer
     from transformers import AutoModel
 
     from titan_contrastive.export import main as export_main
@@ -125,6 +141,7 @@ def test_export_loads_back_in_transformers(tmp_path: Path, kind: str, lora: bool
         tmp_path,
         kind,
         *(LORA if lora else ()),
+        *(["--data.image_size=24"] if kind == "siglip2" else []),
         "--training.local_batch_size=5",
         "--training.steps=2",
         "--training.dtype=float32",
@@ -144,24 +161,26 @@ def test_export_loads_back_in_transformers(tmp_path: Path, kind: str, lora: bool
     assert exported.keys() == base.keys()
     changed = [n for n in base if not torch.equal(exported[n], base[n])]
     assert "logit_scale" in changed and any(".q_proj." in n for n in changed)  # it trained (LoRA: merged)
-    if kind != "clip":
-        return
-    # sentence-transformers (6: CLIP folders as they are) embeds pictures and captions as the run does
-    from PIL import Image
-    from sentence_transformers import SentenceTransformer
-
+    if kind == "siglip2":  # the run's budget, not the source folder's 6, in both of transformers' files
+        written = [
+            json.loads((tmp_path / "hf" / f"{n}_config.json").read_text()) for n in ("preprocessor", "processor")
+        ]
+        assert written[0]["max_num_patches"] == written[1]["image_processor"]["max_num_patches"] == 9
     model, data = run.model.eval(), run.train_set
     data.train = False
-    batch = data.__getitems__([0, 3])  # 16 x 16 and 24 x 24: the first needs no resampling
+    index = 3 if kind == "siglip2" else 0  # the picture served without resampling: 24 x 24 (3 x 3 patches), 16 x 16
+    batch = data.__getitems__([index, 1])
+    images = batch["image"] if kind == "siglip2" else batch["image"].float()  # SigLIP 2: its dict of patches
     with torch.no_grad():
-        image, text = model(batch["image"].float(), batch["text"])[:2]
+        image, text = model(images, batch["text"])[:2]
     st = SentenceTransformer(str(tmp_path / "hf"), device="cpu")
-    picture = Image.open(tmp_path / "data" / "img" / "0.png").convert("RGB")
+    picture = Image.open(tmp_path / "data" / "img" / f"{index}.png").convert("RGB")
     theirs = st.encode([picture], convert_to_tensor=True, normalize_embeddings=True)
     assert torch.allclose(theirs, image[:1], atol=1e-6)
-    theirs = st.encode(data.captions([0, 3]), convert_to_tensor=True, normalize_embeddings=True)
+    theirs = st.encode(data.captions([index, 1]), convert_to_tensor=True, normalize_embeddings=True)
     assert torch.allclose(theirs, text, atol=1e-6)
-    assert export_main([str(step), "--to", "open_clip", "--out", str(tmp_path / "oc")]) == 2
+    if kind == "clip":
+        assert export_main([str(step), "--to", "open_clip", "--out", str(tmp_path / "oc")]) == 2
 
 
 def test_siglip2_train_crops_of_a_large_jpeg_are_decoded_at_reduced_scale(tmp_path: Path) -> None:

@@ -2,14 +2,18 @@
 
 `hf`: the run's model as the transformers folder it came from (`CLIPModel` / `SiglipModel` / `Siglip2Model`,
 `AutoModel.from_pretrained(DIR)`), with LoRA the adapters merged into the weights, with the folder's
-tokenizer and `preprocessor_config.json` (and `processor_config.json`, where it has one). The folder is
-loaded back and must give the run's image and text embeddings of probe images and captions
-(`models.export_check`).
+tokenizer and `preprocessor_config.json` (SigLIP 2: the run's `max_num_patches`; and `processor_config.json`,
+where it has one). A SigLIP or SigLIP 2 folder is also a sentence-transformers model whose processing is the
+run's (`processing_kwargs`): ids padded to the run's length with no attention mask, SigLIP 2's patch budget;
+sentence-transformers' defaults (padding to the longest caption, a mask; `Siglip2Processor`'s 256 patches
+of 16 px) would change the embeddings. The folder is loaded back and must give the run's image and text
+embeddings of probe images and captions (`models.export_check`), through sentence-transformers too.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from pathlib import Path
 
@@ -20,7 +24,14 @@ from torch import Tensor, nn
 
 from titan_contrastive.datasets.image_transforms import Normalize
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
-from titan_contrastive.models.hf_clip.model import KINDS, HFClip, HFClipArgs, build_tokenizer, load_hf_model
+from titan_contrastive.models.hf_clip.model import (
+    KINDS,
+    LAST_POSITION,
+    HFClip,
+    HFClipArgs,
+    build_tokenizer,
+    load_hf_model,
+)
 from titan_contrastive.models.registry import StateDictAdapter
 from titan_contrastive.models.weights import read_ours
 
@@ -57,10 +68,39 @@ def _renamed(state: dict[str, Tensor], names: dict[str, str]) -> dict[str, Tenso
     return out
 
 
-def _probe(args: HFClipArgs) -> tuple[Tensor, Tensor]:
-    """(images, token ids): random pictures normalized as the run's data, `PROBE_TEXTS` as the run tokenizes them."""
+def _probe(args: HFClipArgs) -> tuple[np.ndarray, Tensor, Tensor]:
+    """(pictures, images, token ids): random uint8 pictures at the run's size, normalized as the run's data;
+    `PROBE_TEXTS` as the run tokenizes them."""
     pixels = np.random.default_rng(0).integers(0, 256, (3, args.image_size, args.image_size, 3), dtype=np.uint8)
-    return Normalize(args.image_mean, args.image_std)(pixels), build_tokenizer(args).encode(PROBE_TEXTS)
+    return pixels, Normalize(args.image_mean, args.image_std)(pixels), build_tokenizer(args).encode(PROBE_TEXTS)
+
+
+def _processing(args: HFClipArgs) -> dict[str, dict]:
+    """sentence-transformers' `processing_kwargs` that make its processor call the run's data."""
+    text = {"padding": "max_length", "max_length": args.context_length, "return_attention_mask": False}
+    image = {"max_num_patches": args.max_num_patches, "patch_size": args.patch_size} if args.max_num_patches else {}
+    return {"text": text, "image": image} if image else {"text": text}
+
+
+def _set_budget(out: Path, patches: int) -> None:
+    """SigLIP 2: the image processor's `max_num_patches` in `out` set to the run's (`data.image_size`)."""
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        file = out / name
+        if file.is_file():
+            config = json.loads(file.read_text())
+            for part in (config, config.get("image_processor")):
+                if isinstance(part, dict) and "max_num_patches" in part:
+                    part["max_num_patches"] = patches
+            file.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _write_sentence_transformers(out: Path, args: HFClipArgs) -> None:
+    """Add sentence-transformers' files to the transformers folder `out` (its own save, no model card)."""
+    from sentence_transformers import SentenceTransformer
+
+    model = reloaded("sentence-transformers", lambda: SentenceTransformer(str(out), device="cpu"))
+    model[0].processing_kwargs = _processing(args)
+    model.save(str(out), create_model_card=False)
 
 
 def _features(out: object) -> Tensor:
@@ -87,10 +127,14 @@ def write(src: str, out: Path, tower_name: str = "") -> None:
     for name in ("preprocessor_config.json", "processor_config.json"):
         if (Path(args.model_dir) / name).is_file():
             shutil.copy(Path(args.model_dir) / name, out / name)
+    if args.max_num_patches:
+        _set_budget(out, args.max_num_patches)
+    if kind in LAST_POSITION:
+        _write_sentence_transformers(out, args)
     from transformers import AutoModel
 
     back = reloaded("transformers", lambda: AutoModel.from_pretrained(str(out)).eval())
-    images, ids = _probe(args)
+    pixels, images, ids = _probe(args)
     with torch.no_grad():
         want = model(images, ids)
         got = (
@@ -99,6 +143,20 @@ def write(src: str, out: Path, tower_name: str = "") -> None:
         )
     for what, mine, their in zip(("image", "text"), want, got):
         compare("hf", what, mine, their, "transformers")
+    if kind in LAST_POSITION:
+        _check_sentence_transformers(out, pixels, want)
+
+
+def _check_sentence_transformers(out: Path, pixels: np.ndarray, want: tuple[Tensor, ...]) -> None:
+    """sentence-transformers embeds the probe pictures and captions as the run does."""
+    from PIL import Image
+    from sentence_transformers import SentenceTransformer
+
+    st = reloaded("sentence-transformers", lambda: SentenceTransformer(str(out), device="cpu"))
+    inputs = ([Image.fromarray(p) for p in pixels], list(PROBE_TEXTS))
+    for what, mine, batch in zip(("image", "text"), want, inputs):
+        their = st.encode(batch, convert_to_tensor=True, normalize_embeddings=True)
+        compare("hf", what, mine, their, "sentence-transformers")
 
 
 ADAPTER = StateDictAdapter(writes={"hf": write})

@@ -71,8 +71,9 @@ LORA_TARGETS = ("q_proj", "v_proj")
 """LoRA's default: the attention's query and value projections of both towers (peft names none for these types)."""
 
 
-def folder_kind(path: str) -> tuple[str, Any]:
-    """(model type, config) of the folder at `path`; one-line ConfigErrors for what it cannot train."""
+def folder_kind(path: str) -> tuple[str, str, Any]:
+    """(model type, model directory, config) of the folder at `path`; one-line ConfigErrors for what it cannot
+    train."""
     if not path:
         raise ConfigError(
             "model.path is empty: the hf_clip family trains a Hugging Face CLIP or SigLIP folder; fetch one (e.g. "
@@ -85,35 +86,38 @@ def folder_kind(path: str) -> tuple[str, Any]:
             f"model.path={path!r} holds a {config.model_type!r} model; hf_clip trains CLIP, SigLIP and SigLIP 2 "
             "folders (model_type clip, siglip or siglip2); a text model trains with model.name=bi_encoder"
         )
-    return config.model_type, config
+    return config.model_type, model_dir, config
 
 
-def _processor(model_dir: str) -> dict[str, Any]:
-    """The folder's `preprocessor_config.json`."""
+def _processor(model_dir: str) -> tuple[dict[str, Any], str]:
+    """(settings, file) of the folder's image processor, where transformers reads them: the `image_processor` of
+    `processor_config.json` where it has one, else `preprocessor_config.json`."""
     from titan_contrastive.models.weights import read_json
 
-    file = Path(model_dir) / "preprocessor_config.json"
+    root = Path(model_dir)
+    combined = root / "processor_config.json"
+    if combined.is_file() and isinstance(settings := read_json(combined).get("image_processor"), dict):
+        return settings, f"{combined} (image_processor)"
+    file = root / "preprocessor_config.json"
     if not file.is_file():
         raise ConfigError(
             f"{model_dir} has no preprocessor_config.json (the image mean and std the model was trained with); "
             "save the model's processor into the folder (processor.save_pretrained)"
         )
-    return read_json(file)
+    return read_json(file), str(file)
 
 
-def _statistics(model_dir: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(image_mean, image_std) of the folder's `preprocessor_config.json`."""
-    config = _processor(model_dir)
-    mean, std = config.get("image_mean"), config.get("image_std")
+def _statistics(processor: dict[str, Any], file: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(image_mean, image_std) of the folder's image processor."""
+    mean, std = processor.get("image_mean"), processor.get("image_std")
     if not (isinstance(mean, list) and isinstance(std, list) and len(mean) == len(std) == 3):
-        raise ConfigError(
-            f"{model_dir}/preprocessor_config.json: image_mean and image_std must be lists of 3 numbers, got "
-            f"{mean!r} and {std!r}"
-        )
+        raise ConfigError(f"{file}: image_mean and image_std must be lists of 3 numbers, got {mean!r} and {std!r}")
     return tuple(map(float, mean)), tuple(map(float, std))
 
 
-def _image_size(path: str, kind: str, config: Any, model_dir: str, asked: int) -> tuple[int, int, int, int]:
+def _image_size(
+    path: str, kind: str, config: Any, processor: dict[str, Any], file: str, asked: int
+) -> tuple[int, int, int, int]:
     """(image size, patch size, max_num_patches, resample) the run reads: CLIP and SigLIP the folder's size
     (max_num_patches 0: whole images); SigLIP 2 (NaFlex) its processor's `max_num_patches`, or `([data]
     image_size / p)²` (a multiple of its patch), and the side of the largest square grid that holds (what
@@ -127,11 +131,10 @@ def _image_size(path: str, kind: str, config: Any, model_dir: str, asked: int) -
                 f"set data.image_size={size} or 0"
             )
         return size, patch, 0, 2
-    processor = _processor(model_dir)
     most = processor.get("max_num_patches")
     if not isinstance(most, int) or most < 1:
         raise ConfigError(
-            f"{model_dir}/preprocessor_config.json: max_num_patches={most!r}; SigLIP 2's processor sets a positive "
+            f"{file}: max_num_patches={most!r}; SigLIP 2's processor sets a positive "
             "number of patches per image (e.g. 256); save the model's processor into the folder"
         )
     if asked % patch:
@@ -142,7 +145,7 @@ def _image_size(path: str, kind: str, config: Any, model_dir: str, asked: int) -
     resample = processor.get("resample", 2)
     if resample not in FILTERS:
         raise ConfigError(
-            f"{model_dir}/preprocessor_config.json: resample={resample!r}; the run serves SigLIP 2's images "
+            f"{file}: resample={resample!r}; the run serves SigLIP 2's images "
             f"resized bilinear (2) or bicubic (3); set one of them there"
         )
     if asked:
@@ -195,9 +198,9 @@ class HFClipArgs(LoraFields):
         """A copy with the folder read (`[model] path`) and checked against `[data] image_size` and
         `context_length`, the temperature and bias the run starts from, and `[lora]`."""
         path = cfg.model.path or self.path
-        kind, config = folder_kind(path)
-        model_dir = read_text_folder(path).model_dir
-        size, patch, patches, resample = _image_size(path, kind, config, model_dir, cfg.data.image_size)
+        kind, model_dir, config = folder_kind(path)
+        processor, file = _processor(model_dir)
+        size, patch, patches, resample = _image_size(path, kind, config, processor, file, cfg.data.image_size)
         positions = int(config.text_config.max_position_embeddings)
         length = cfg.data.context_length or positions
         last = kind in LAST_POSITION
@@ -222,7 +225,7 @@ class HFClipArgs(LoraFields):
                 "objective: its logit_bias is kept but not used; --loss.name=siglip trains the loss it was "
                 "pretrained with"
             )
-        mean, std = _statistics(model_dir)
+        mean, std = _statistics(processor, file)
         return dataclasses.replace(
             self,
             path=path,
@@ -252,8 +255,9 @@ class HFClipArgs(LoraFields):
         return self
 
     @functools.cached_property
-    def _counts(self) -> tuple[int, int, int]:
-        """(all parameters, the vision layers', the text layers') of the folder's model with its adapters, on meta."""
+    def _counts(self) -> tuple[str, int, int, int]:
+        """(model type, all parameters, the vision layers', the text layers') of the folder's model with its
+        adapters, on meta."""
         from transformers import AutoModel
 
         config = load_config(self.model_dir)
@@ -262,20 +266,20 @@ class HFClipArgs(LoraFields):
             if self.lora_rank:
                 add_lora(model, *self.lora_options)
         vision, text = (sum(p.numel() for p in tower.encoder.layers.parameters()) for tower in _towers(model))
-        return sum(p.numel() for p in model.parameters()), vision, text
+        return config.model_type, sum(p.numel() for p in model.parameters()), vision, text
 
     def num_params(self) -> int:
         """Exact: the folder's model (its logit_scale, SigLIP's logit_bias) and a bias of ours for a CLIP
         folder under the sigmoid loss."""
-        kind = load_config(self.model_dir).model_type
-        return self._counts[0] + (self.init_logit_bias is not None and kind == "clip")
+        kind, total = self._counts[:2]
+        return total + (self.init_logit_bias is not None and kind == "clip")
 
     def flops_per_sample(self) -> int:
         """6 x layer parameters x tokens of one image (its patches, SigLIP 2's padding, CLIP's class token) and
         one caption (attention scores excluded)."""
-        kind = load_config(self.model_dir).model_type
+        kind, _, vision, text = self._counts
         patches = self.max_num_patches or (self.image_size // self.patch_size) ** 2 + (kind == "clip")
-        return 6 * (self._counts[1] * patches + self._counts[2] * self.context_length)
+        return 6 * (vision * patches + text * self.context_length)
 
 
 hf_clip_flavors = {"folder": HFClipArgs()}
