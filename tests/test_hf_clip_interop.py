@@ -38,8 +38,9 @@ def assert_processed(mine: dict, theirs: dict, resampled: bool = False) -> None:
 
 @pytest.mark.parametrize("kind", IMAGE_TEXT)
 def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind: str) -> None:
-    """The eval split's pixels of an image at the model's size equal the folder's image processor's (SigLIP 2:
-    its patches, mask and grid of every picture, each at its own aspect ratio), the ids its tokenizer's at
+    """The eval split's pixels of an image at the model's size equal the folder's image processor's (SigLIP:
+    those of pictures of other shapes, squashed, to a level; SigLIP 2: its patches, mask and grid of every
+    picture, each at its own aspect ratio), the ids its tokenizer's at
     `padding="max_length"` (SigLIP 2's lowercased, on the left), and the model's embeddings transformers'
     own `get_image_features` / `get_text_features`, normalized."""
     from PIL import Image
@@ -56,9 +57,12 @@ def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind
     if kind == "siglip2":  # every picture as it is
         mine, theirs = batch["image"], processor(images=pictures, return_tensors="pt")
         assert theirs["spatial_shapes"].tolist() == [[2, 2], [2, 3], [2, 2]]
-    else:  # the picture at the model's size: the rest are resampled by our crop
+    elif kind == "siglip":  # each whole picture squashed to the square, as its processor does
+        mine, theirs = {"pixel_values": batch["image"]}, processor(images=pictures, return_tensors="pt")
+        assert_processed({"pixel_values": mine["pixel_values"][:1]}, {"pixel_values": theirs["pixel_values"][:1]})
+    else:  # the picture at the model's size (CLIP's processor resizes before its centre crop, ours after)
         mine, theirs = {"pixel_values": batch["image"][:1]}, processor(images=pictures[:1], return_tensors="pt")
-    assert_processed(mine, theirs, kind == "siglip2")
+    assert_processed(mine, theirs, resampled=kind != "clip")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = tokenizer(captions, padding="max_length", max_length=12, truncation=True, return_tensors="pt")["input_ids"]
     assert torch.equal(batch["text"], ids)
@@ -253,7 +257,7 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
     config = tmp_path / "tiny-siglip2" / "preprocessor_config.json"
     saved = json.loads(config.read_text())
     for key, value, match in (
-        ("resample", 1, r"resample=1; the run serves SigLIP 2's images resized bilinear \(2\) or bicubic \(3\)"),
+        ("resample", 1, r"resample=1; the run resizes images bilinear \(2\) or bicubic \(3\); set one of them"),
         ("max_num_patches", None, r"max_num_patches=None; SigLIP 2's processor sets a positive number"),
     ):
         config.write_text(json.dumps({**saved, key: value}))

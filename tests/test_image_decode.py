@@ -53,6 +53,21 @@ def test_resize_box_is_pillows_crop_and_bicubic_resize() -> None:
     assert not np.array_equal(resize_box(noise, (8, 5, 248, 250), 224), resize_box(noise, (9, 5, 249, 250), 224))
 
 
+def test_the_whole_image_squashed_with_the_processors_filter() -> None:
+    """Evaluation with `whole` (SigLIP's processor) is Pillow's resize of the whole image to the square with the
+    filter asked for (bilinear here), up to a level; without it, the central square."""
+    image = decode_image(_encoded(300, 200, "PNG"))
+    ours = decode_crop_resize(_encoded(300, 200, "PNG"), 64, train=False, whole=True, mode="bilinear").astype(int)
+    pillow = np.asarray(image.resize((64, 64), Image.Resampling.BILINEAR)).astype(int)
+    assert np.abs(ours - pillow).max() <= 2 and (ours != pillow).mean() < 0.05
+    bicubic = decode_crop_resize(_encoded(300, 200, "PNG"), 64, train=False, whole=True).astype(int)
+    assert (bicubic != ours).mean() > 0.05  # the filter is the one asked for
+    centre = np.asarray(image.crop((50, 0, 250, 200)).resize((64, 64), Image.Resampling.BICUBIC)).astype(int)
+    assert np.abs(ours - centre).max() > 50
+    plain = decode_crop_resize(_encoded(300, 200, "PNG"), 64, train=False).astype(int)
+    assert np.abs(plain - centre).max() <= 2
+
+
 def test_a_large_jpeg_is_decoded_smaller_and_keeps_its_crop() -> None:
     for width, height in ((1024, 800), (2000, 1500), (1001, 777)):
         data = _encoded(width, height, "JPEG")

@@ -95,6 +95,7 @@ class FileImageTextDataset:
         self.num_negatives = getattr(source, "num_negatives", 0)
         self._process: Any = None  # `serve_processed`
         self._naflex: NaFlexImages | None = None  # `serve_naflex`
+        self._whole, self._mode = False, "bicubic"  # `resize`
         if self.num_negatives and split == "train":
             logger.info(
                 f"{name}: {self.num_negatives} negative caption(s) per sample in {source.location}: each image's "
@@ -112,11 +113,13 @@ class FileImageTextDataset:
         if hasattr(self._source, "set_epoch"):
             self._source.set_epoch(epoch)
 
-    def resize(self, size: int) -> None:
-        """Serve size x size images (the trainer passes `data.image_size`)."""
+    def resize(self, size: int, *, whole: bool = False, mode: str = "bicubic") -> None:
+        """Serve size x size images (the trainer passes `data.image_size`), resized with `mode`; evaluation reads
+        the central square, or with `whole` the whole image squashed (a model folder's processor: hf_clip)."""
         if size < 1:
             raise DataError(f"data.image_size={size}: set the square training size in pixels for {self.name} data")
         self.image_shape = (3, size, size)
+        self._whole, self._mode = whole, mode
 
     def normalize_as(self, mean: Sequence[float], std: Sequence[float]) -> None:
         """Normalize with a model folder's image statistics (hf_clip) instead of OpenAI's."""
@@ -191,7 +194,7 @@ class FileImageTextDataset:
     def _pixels(self, index: int, data: Any, *, size: int) -> np.ndarray:
         """Sample `index`'s crop (its own generator, fresh for each image tried) of the image `data`, uint8."""
         rng = sample_rng(self.seed, self.epoch, index) if self.train else None
-        return decode_crop_resize(data, size, train=self.train, rng=rng)
+        return decode_crop_resize(data, size, train=self.train, rng=rng, whole=self._whole, mode=self._mode)
 
     def _patches(self, index: int, data: Any) -> tuple[torch.Tensor, tuple[int, int]]:
         """Sample `index`'s NaFlex patches and grid (`serve_naflex`): of its train crop (its own generator,

@@ -92,6 +92,7 @@ class ImageFolderZeroShot:
         self.labels = torch.tensor(labels, dtype=torch.long)
         self._normalize = Normalize()
         self._naflex: NaFlexImages | None = None
+        self._whole, self._mode = False, "bicubic"  # `resize`
 
     def __len__(self) -> int:
         return len(self._files)
@@ -99,8 +100,11 @@ class ImageFolderZeroShot:
     def set_epoch(self, epoch: int) -> None:
         """Deterministic: the eval transform has no randomness."""
 
-    def resize(self, size: int) -> None:
+    def resize(self, size: int, *, whole: bool = False, mode: str = "bicubic") -> None:
+        """Serve size x size images resized with `mode`: each one's central square, or with `whole` the whole
+        image squashed (a model folder's processor: hf_clip)."""
         self.image_shape = (3, size, size)
+        self._whole, self._mode = whole, mode
 
     def normalize_as(self, mean: Sequence[float], std: Sequence[float]) -> None:
         """Normalize with a model folder's image statistics (hf_clip) instead of OpenAI's."""
@@ -113,7 +117,7 @@ class ImageFolderZeroShot:
     def _image(self, i: int, size: int) -> Any:
         data = read_regular(self._files[i])
         if self._naflex is None:
-            return decode_crop_resize(data, size, train=False)
+            return decode_crop_resize(data, size, train=False, whole=self._whole, mode=self._mode)
         image = decode_image(data)
         return self._naflex.sample(image, (0, 0, *image.size), self._normalize)
 

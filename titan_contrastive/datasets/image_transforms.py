@@ -55,6 +55,10 @@ def to_8bit(image: Image.Image) -> Image.Image:
     return Image.fromarray((np.clip(wide, 0, 65535) >> 8).astype(np.uint8))
 
 
+FILTERS = {int(Image.Resampling.BILINEAR): "bilinear", int(Image.Resampling.BICUBIC): "bicubic"}
+"""The image processors' `resample` filters served (Pillow's codes), as `resize_box`'s modes."""
+
+
 def center_box(width: int, height: int) -> Box:
     """The central square of a width x height image."""
     side = min(width, height)
@@ -91,9 +95,12 @@ def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.default_rng((seed, epoch, index))
 
 
-def draw_box(width: int, height: int, *, train: bool, rng: np.random.Generator | None) -> Box:
-    """The train crop's box (needs `rng`) or the eval central square."""
-    return random_resized_box(width, height, rng) if train and rng is not None else center_box(width, height)
+def draw_box(width: int, height: int, *, train: bool, rng: np.random.Generator | None, whole: bool = False) -> Box:
+    """The train crop's box (needs `rng`); in evaluation the central square (CLIP's processor: the shorter side
+    resized, the centre cropped), or with `whole` the whole image (SigLIP's: squashed to the square)."""
+    if train and rng is not None:
+        return random_resized_box(width, height, rng)
+    return (0, 0, width, height) if whole else center_box(width, height)
 
 
 def resize_box(image: Image.Image, box: Box, size: int | tuple[int, int], mode: str = "bicubic") -> np.ndarray:
@@ -107,14 +114,29 @@ def resize_box(image: Image.Image, box: Box, size: int | tuple[int, int], mode: 
     return np.ascontiguousarray(out[0].permute(1, 2, 0).numpy())
 
 
-def crop_resize(image: Image.Image, size: int, *, train: bool, rng: np.random.Generator | None = None) -> np.ndarray:
-    """uint8 [size, size, 3]: the train crop (needs `rng`) or the eval central crop, bicubic."""
-    box = draw_box(*image.size, train=train, rng=rng)
-    return resize_box(image, box, size)
+def crop_resize(
+    image: Image.Image,
+    size: int,
+    *,
+    train: bool,
+    rng: np.random.Generator | None = None,
+    whole: bool = False,
+    mode: str = "bicubic",
+) -> np.ndarray:
+    """uint8 [size, size, 3]: `draw_box`'s box (the train crop, the eval centre or `whole` image) resized with
+    `resize_box`'s `mode`."""
+    box = draw_box(*image.size, train=train, rng=rng, whole=whole)
+    return resize_box(image, box, size, mode)
 
 
 def decode_crop_resize(
-    data: bytes | Image.Image, size: int, *, train: bool, rng: np.random.Generator | None = None
+    data: bytes | Image.Image,
+    size: int,
+    *,
+    train: bool,
+    rng: np.random.Generator | None = None,
+    whole: bool = False,
+    mode: str = "bicubic",
 ) -> np.ndarray:
     """`crop_resize(decode_image(data), ...)` with the JPEG decoder's own downscaling: where the crop
     box holds at least twice `size` pixels each way, the JPEG is decoded at 1/2, 1/4 or 1/8 scale
@@ -124,10 +146,10 @@ def decode_crop_resize(
     drawn once, on the image's own size (the same draws as `crop_resize`). Raises what
     `decode_image` raises."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        return crop_resize(decode_image(data), size, train=train, rng=rng)
+        return crop_resize(decode_image(data), size, train=train, rng=rng, whole=whole, mode=mode)
     image = Image.open(io.BytesIO(data))
-    box = draw_box(*image.size, train=train, rng=rng)
-    return resize_box(*decode_reduced(image, box, size, size), size)
+    box = draw_box(*image.size, train=train, rng=rng, whole=whole)
+    return resize_box(*decode_reduced(image, box, size, size), size, mode)
 
 
 def decode_reduced(image: Image.Image, box: Box, width: int, height: int) -> tuple[Image.Image, Box]:

@@ -12,8 +12,10 @@ IMAGES: [B, C, H, W] at one size (clip, bi_encoder's text pairs); PACKED_PATCHES
 MASKED_IMAGES: [-1, 1] images zero-padded to the largest size with a pixel `mask` (vae); PROCESSED:
 uint8 images and texts through the family's own processor (`args.processor()`: qwen_vl's token
 ids and packed patches per side at native resolution), cut on image boundaries (`split_sides`).
-FOLDER_IMAGES: [B, 3, S, S] at the model folder's size, normalized with its processor's mean and std
-(`args.image_size`, `image_mean`, `image_std`: hf_clip), from the user's image-text files; for SigLIP 2
+FOLDER_IMAGES: [B, 3, S, S] at the model folder's size, resized with its processor's filter, normalized with
+its mean and std, evaluated on the central square or the whole image squashed as its processor does
+(`args.image_size`, `resample`, `image_mean`, `image_std`, `whole_image`: hf_clip), from the user's image-text
+files; for SigLIP 2
 (`args.max_num_patches`), `image` is its processor's NaFlex patches, mask and grids (`datasets.naflex`).
 A processor whose `refusal` is set takes only data that serves both sides (`serves_sides`:
 `vl_pairs`), not image-text rows.
@@ -28,6 +30,7 @@ from typing import Any
 from titan_contrastive.batching import split_inputs, split_sides, split_vlm_inputs
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.image_transforms import FILTERS
 from titan_contrastive.datasets.naflex import NaFlexImages
 
 __all__ = ["FOLDER_IMAGES", "IMAGES", "MASKED_IMAGES", "PACKED_PATCHES", "PROCESSED", "DataLayout"]
@@ -62,7 +65,7 @@ def _folder_images(dataset: Any, args: Any, image_sizes: Sequence[int], family: 
             "normalized with its folder's mean and std; use your own image-text data (data.dataset = csv, "
             "webdataset, hf, synthetic)"
         )
-    dataset.resize(args.image_size)
+    dataset.resize(args.image_size, whole=args.whole_image, mode=FILTERS[args.resample])
     dataset.normalize_as(args.image_mean, args.image_std)
     if args.max_num_patches:  # SigLIP 2: its processor's patches of each picture at its own aspect ratio
         dataset.serve_naflex(NaFlexImages(args.patch_size, args.max_num_patches, args.resample))

@@ -21,9 +21,9 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from titan_contrastive.datasets.image_transforms import Box, Normalize, resize_box
+from titan_contrastive.datasets.image_transforms import FILTERS, Box, Normalize, resize_box
 
-__all__ = ["FILTERS", "NaFlexImages", "patchify"]
+__all__ = ["NaFlexImages", "patchify"]
 
 
 def patchify(images: Tensor, patch_size: int) -> Tensor:
@@ -32,10 +32,6 @@ def patchify(images: Tensor, patch_size: int) -> Tensor:
     h, w = height // patch_size, width // patch_size
     patches = images.reshape(b, c, h, patch_size, w, patch_size).permute(0, 2, 4, 3, 5, 1)
     return patches.reshape(b, h * w, patch_size * patch_size * c)
-
-
-FILTERS = {int(Image.Resampling.BILINEAR): "bilinear", int(Image.Resampling.BICUBIC): "bicubic"}
-"""The processor's `resample` filters served (Pillow's codes), as `image_transforms.resize_box`'s modes."""
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ so that each side is a tower `[model] freeze` can lock. Each side's pooled outpu
 as `get_image_features` / `get_text_features` and the logits of the models' own forward are.
 
 What the batches hold is what the folder's processor gives the model:
-- images at the folder's `vision_config.image_size`, normalized with its `image_mean` and
-  `image_std` (the `FOLDER_IMAGES` layout; the crops are ours: random-resized in training, centre
-  crop for evaluation);
+- images at the folder's `vision_config.image_size`, resized with its `resample` filter, normalized with
+  its `image_mean` and `image_std` (the `FOLDER_IMAGES` layout); evaluated as its processor frames them
+  (CLIP: the central square; SigLIP: the whole image squashed), trained on our random-resized crops;
 - SigLIP 2 (NaFlex) reads patches instead, as its processor makes them: each picture (its train crop)
   at its own aspect ratio in at most `max_num_patches` patches, zero-padded, with their
   `pixel_attention_mask` and `spatial_shapes` (`datasets.naflex`; `naflex.py` here). The folder's
@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from titan_contrastive.components.freeze import locked_forward
 from titan_contrastive.components.lora import LoraFields, add_lora
 from titan_contrastive.config import ConfigError
-from titan_contrastive.datasets.naflex import FILTERS
+from titan_contrastive.datasets.image_transforms import FILTERS
 from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer, read_text_folder
@@ -121,8 +121,14 @@ def _image_size(
     """(image size, patch size, max_num_patches, resample) the run reads: CLIP and SigLIP the folder's size
     (max_num_patches 0: whole images); SigLIP 2 (NaFlex) its processor's `max_num_patches`, or `([data]
     image_size / p)²` (a multiple of its patch), and the side of the largest square grid that holds (what
-    square probe images are)."""
+    square probe images are). `resample`: the processor's filter (its class default where unset: SigLIP 2's
+    bilinear, CLIP's and SigLIP's bicubic)."""
     patch = int(config.vision_config.patch_size)
+    resample = processor.get("resample", 2 if kind == "siglip2" else 3)
+    if resample not in FILTERS:
+        raise ConfigError(
+            f"{file}: resample={resample!r}; the run resizes images bilinear (2) or bicubic (3); set one of them there"
+        )
     if kind != "siglip2":
         size = int(config.vision_config.image_size)
         if asked not in (0, size):
@@ -130,7 +136,7 @@ def _image_size(
                 f"data.image_size={asked}: {path} reads {size}x{size} images (vision_config.image_size); "
                 f"set data.image_size={size} or 0"
             )
-        return size, patch, 0, 2
+        return size, patch, 0, resample
     most = processor.get("max_num_patches")
     if not isinstance(most, int) or most < 1:
         raise ConfigError(
@@ -141,12 +147,6 @@ def _image_size(
         raise ConfigError(
             f"data.image_size={asked}: {path} reads images in {patch} px patches; set data.image_size to a "
             f"multiple of {patch} (e.g. {math.isqrt(most) * patch}: its max_num_patches={most}) or 0"
-        )
-    resample = processor.get("resample", 2)
-    if resample not in FILTERS:
-        raise ConfigError(
-            f"{file}: resample={resample!r}; the run serves SigLIP 2's images "
-            f"resized bilinear (2) or bicubic (3); set one of them there"
         )
     if asked:
         return asked, patch, (asked // patch) ** 2, resample
@@ -179,8 +179,10 @@ class HFClipArgs(LoraFields):
     patch_size: int = 0
     max_num_patches: int = 0
     """SigLIP 2 (NaFlex): the patches per image, padded; 0: the model reads whole images."""
-    resample: int = 2
-    """SigLIP 2: its processor's Pillow filter (2: bilinear)."""
+    resample: int = 3
+    """The processor's Pillow filter (2: bilinear, 3: bicubic)."""
+    whole_image: bool = False
+    """Evaluation resizes each whole image to the square (SigLIP's processor), not its central square (CLIP's)."""
     image_mean: tuple[float, ...] = ()
     image_std: tuple[float, ...] = ()
     init_logit_scale: float | None = None
@@ -234,6 +236,7 @@ class HFClipArgs(LoraFields):
             patch_size=patch,
             max_num_patches=patches,
             resample=resample,
+            whole_image=kind == "siglip",
             image_mean=mean,
             image_std=std,
             init_logit_scale=cfg.loss.init_logit_scale,
