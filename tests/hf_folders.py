@@ -313,9 +313,10 @@ def architecture_folder(root: Path, arch: str, dropout: float = 0.1) -> Path:
     return folder if folder.exists() else ARCHITECTURES[arch](folder, dropout)
 
 
-IMAGE_TEXT = ("clip", "siglip", "siglip2")
+IMAGE_TEXT = ("clip", "metaclip_2", "siglip", "siglip2")
 """The transformers image-text models `image_text_folder` builds (the hf_clip family)."""
-CLASSES = {"clip": "CLIP", "siglip": "Siglip", "siglip2": "Siglip2"}
+CLASSES = {"clip": "CLIP", "metaclip_2": "MetaClip2", "siglip": "Siglip", "siglip2": "Siglip2"}
+CLIP_LIKE = ("clip", "metaclip_2")
 
 
 def _gemma_like_tokenizer():
@@ -340,9 +341,10 @@ def _gemma_like_tokenizer():
 
 
 def image_text_folder(root: Path, kind: str = "clip", dropout: float = 0.1) -> Path:
-    """A 2-layer, 16-wide CLIP, SigLIP or SigLIP 2 with its tokenizer and image processor: 16 px images in
-    8 px patches; 12 tokens, the CLIP tokenizer's BOS text EOS padded with EOS, SigLIP's text EOS padded with
-    EOS (as theirs are: no attention mask, CLIP pools at the first EOS, SigLIP at the last position). SigLIP 2
+    """A 2-layer, 16-wide CLIP, MetaCLIP 2, SigLIP or SigLIP 2 with its tokenizer and image processor: 16 px
+    images in 8 px patches; 12 tokens, the CLIP tokenizer's BOS text EOS padded with EOS (MetaCLIP 2's with
+    XLM-R's ids, padded with its pad token, EOS id 2), SigLIP's text EOS padded with EOS (as theirs are: no
+    attention mask, CLIP pools at the first EOS, SigLIP at the last position). SigLIP 2
     has a BPE tokenizer padding on the left (`_gemma_like_tokenizer`), has a 2 x 2 grid of positions and a processor of
     `max_num_patches = 6`: a square picture becomes 2 x 2 patches and 2 padding rows."""
     import torch
@@ -351,12 +353,14 @@ def image_text_folder(root: Path, kind: str = "clip", dropout: float = 0.1) -> P
     folder = root / f"tiny-{kind}"
     if folder.exists():
         return folder
-    template = "<s> $A </s>" if kind == "clip" else "$A </s>"
+    template = "<s> $A </s>" if kind in CLIP_LIKE else "$A </s>"
     if kind == "siglip2":
         tokenizer = _gemma_like_tokenizer()
+    elif kind == "metaclip_2":  # XLM-R's ids: <s> 0, <pad> 1, </s> 2
+        tokenizer = _tokenizer(["<s>", "<pad>", "</s>", "[UNK]"], template, "<pad>", "</s>", "right")
     else:
         tokenizer = _tokenizer(["<pad>", "[UNK]", "<s>", "</s>"], template, "</s>", "</s>", "right")
-    if kind == "clip":
+    if kind in CLIP_LIKE:
         tokenizer.bos_token = "<s>"
     shape = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
     name = CLASSES[kind]
@@ -367,21 +371,21 @@ def image_text_folder(root: Path, kind: str = "clip", dropout: float = 0.1) -> P
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         **shape,
-        **({"bos_token_id": 2} if kind == "clip" else {}),
+        **({"bos_token_id": tokenizer.convert_tokens_to_ids("<s>")} if kind in CLIP_LIKE else {}),
     )
     size = {"num_patches": 4} if kind == "siglip2" else {"image_size": 16}
     vision = getattr(transformers, f"{name}VisionConfig")(patch_size=8, attention_dropout=dropout, **size, **shape)
     config = getattr(transformers, f"{name}Config")(
-        text_config=text, vision_config=vision, **({"projection_dim": 8} if kind == "clip" else {})
+        text_config=text, vision_config=vision, **({"projection_dim": 8} if kind in CLIP_LIKE else {})
     )
     model = getattr(transformers, f"{name}Model")(config)
-    if kind != "clip":
+    if kind not in CLIP_LIKE:
         with torch.no_grad():
             model.logit_scale.fill_(2.3)
             model.logit_bias.fill_(-3.0)
     _saved(folder, model, tokenizer)
-    processor = getattr(transformers, f"{name}ImageProcessorPil")
-    if kind == "clip":
+    processor = getattr(transformers, f"{'CLIP' if kind in CLIP_LIKE else name}ImageProcessorPil")
+    if kind in CLIP_LIKE:
         images = processor(
             size={"shortest_edge": 16},
             crop_size={"height": 16, "width": 16},

@@ -62,7 +62,7 @@ def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind
         assert_processed({"pixel_values": mine["pixel_values"][:1]}, {"pixel_values": theirs["pixel_values"][:1]})
     else:  # the picture at the model's size (CLIP's processor resizes before its centre crop, ours after)
         mine, theirs = {"pixel_values": batch["image"][:1]}, processor(images=pictures[:1], return_tensors="pt")
-    assert_processed(mine, theirs, resampled=kind != "clip")
+    assert_processed(mine, theirs, resampled=kind in ("siglip", "siglip2"))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = tokenizer(captions, padding="max_length", max_length=12, truncation=True, return_tensors="pt")["input_ids"]
     assert torch.equal(batch["text"], ids)
@@ -128,7 +128,9 @@ def test_siglip2_reads_the_resolution_the_run_sets(tmp_path: Path) -> None:
     reread.metrics.close()
 
 
-@pytest.mark.parametrize(("kind", "lora"), [("clip", False), ("clip", True), ("siglip", False), ("siglip2", True)])
+@pytest.mark.parametrize(
+    ("kind", "lora"), [("clip", False), ("clip", True), ("metaclip_2", True), ("siglip", False), ("siglip2", True)]
+)
 def test_export_loads_back_in_transformers_and_sentence_transformers(tmp_path: Path, kind: str, lora: bool) -> None:
     """A trained step folder exported --to hf (LoRA merged) is the folder's model class, trained, with the
     tokenizer and image processor; the exporter compares the reloaded embeddings (exit 2 if they differ).
@@ -249,7 +251,7 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         clip_run(tmp_path, "clip", "--data.dataset=emoji", "--data.path=")
     from tests.hf_folders import encoder_folder
 
-    with pytest.raises(ConfigError, match="holds a 'bert' model; hf_clip trains CLIP, SigLIP and SigLIP 2 folders"):
+    with pytest.raises(ConfigError, match="holds a 'bert' model; hf_clip trains CLIP, MetaCLIP 2, SigLIP and SigLIP 2"):
         clip_run(tmp_path, "clip", f"--model.path={encoder_folder(tmp_path)}")
     (tmp_path / "tiny-clip" / "preprocessor_config.json").unlink()
     with pytest.raises(ConfigError, match="has no preprocessor_config.json"):

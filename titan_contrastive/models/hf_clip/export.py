@@ -1,6 +1,7 @@
 """The hf_clip family's export (`python -m titan_contrastive.export STEP --to hf`) and its state-dict adapter.
 
-`hf`: the run's model as the transformers folder it came from (`CLIPModel` / `SiglipModel` / `Siglip2Model`,
+`hf`: the run's model as the transformers folder it came from (`CLIPModel` / `MetaClip2Model` / `SiglipModel` /
+`Siglip2Model`,
 `AutoModel.from_pretrained(DIR)`), with LoRA the adapters merged into the weights, with the folder's
 tokenizer and `preprocessor_config.json` (SigLIP 2: the run's `max_num_patches`; and `processor_config.json`,
 where it has one). A SigLIP or SigLIP 2 folder is also a sentence-transformers model whose processing is the

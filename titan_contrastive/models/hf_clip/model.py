@@ -1,7 +1,8 @@
-"""HFClip: a Hugging Face CLIP, SigLIP or SigLIP 2 model from a local folder, trained as an image-text
+"""HFClip: a Hugging Face CLIP, MetaCLIP 2, SigLIP or SigLIP 2 model from a local folder, trained as an image-text
 dual encoder with every step kind (GradCache, accumulation, global negatives) and either objective.
 
-`[model] path` is a transformers folder (`CLIPModel.save_pretrained` / `SiglipModel` / `Siglip2Model`,
+`[model] path` is a transformers folder (`CLIPModel.save_pretrained` / `MetaClip2Model` / `SiglipModel` /
+`Siglip2Model`,
 with its tokenizer and `preprocessor_config.json`). transformers' own modules do the compute: the model is
 split into two sides, `visual` (the vision transformer, then CLIP's `visual_projection`) and `text`
 (the text transformer, then CLIP's `text_projection`; SigLIP's heads live inside its transformers),
@@ -63,8 +64,16 @@ __all__ = [
 
 logger = logging.getLogger("titan_contrastive")
 
-KINDS = {"clip": ("visual_projection", "text_projection"), "siglip": (None, None), "siglip2": (None, None)}
+KINDS = {
+    "clip": ("visual_projection", "text_projection"),
+    "metaclip_2": ("visual_projection", "text_projection"),
+    "siglip": (None, None),
+    "siglip2": (None, None),
+}
 """The model types read, and each one's projections after the image and text transformers."""
+CLIP_LIKE = ("clip", "metaclip_2")
+"""CLIP's shape (MetaCLIP 2: CLIP trained on worldwide data, a multilingual tokenizer): a class token before the
+patches, a causal text tower pooled at the first EOS, no logit bias."""
 LAST_POSITION = ("siglip", "siglip2")
 """The types whose text tower pools the last position (their ids are padded to exactly their positions)."""
 LORA_TARGETS = ("q_proj", "v_proj")
@@ -83,8 +92,9 @@ def folder_kind(path: str) -> tuple[str, str, Any]:
     config = load_config(model_dir)
     if config.model_type not in KINDS:
         raise ConfigError(
-            f"model.path={path!r} holds a {config.model_type!r} model; hf_clip trains CLIP, SigLIP and SigLIP 2 "
-            "folders (model_type clip, siglip or siglip2); a text model trains with model.name=bi_encoder"
+            f"model.path={path!r} holds a {config.model_type!r} model; hf_clip trains CLIP, MetaCLIP 2, SigLIP and "
+            "SigLIP 2 folders (model_type clip, metaclip_2, siglip or siglip2); a text model trains with "
+            "model.name=bi_encoder"
         )
     return config.model_type, model_dir, config
 
@@ -275,13 +285,13 @@ class HFClipArgs(LoraFields):
         """Exact: the folder's model (its logit_scale, SigLIP's logit_bias) and a bias of ours for a CLIP
         folder under the sigmoid loss."""
         kind, total = self._counts[:2]
-        return total + (self.init_logit_bias is not None and kind == "clip")
+        return total + (self.init_logit_bias is not None and kind in CLIP_LIKE)
 
     def flops_per_sample(self) -> int:
         """6 x layer parameters x tokens of one image (its patches, SigLIP 2's padding, CLIP's class token) and
         one caption (attention scores excluded)."""
         kind, _, vision, text = self._counts
-        patches = self.max_num_patches or (self.image_size // self.patch_size) ** 2 + (kind == "clip")
+        patches = self.max_num_patches or (self.image_size // self.patch_size) ** 2 + (kind in CLIP_LIKE)
         return 6 * (vision * patches + text * self.context_length)
 
 
@@ -289,12 +299,12 @@ hf_clip_flavors = {"folder": HFClipArgs()}
 
 
 def _towers(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """The (vision, text) transformers of a transformers CLIPModel / SiglipModel."""
+    """The (vision, text) transformers of the folder's model."""
     return model.vision_model, model.text_model
 
 
 def load_hf_model(model_dir: str) -> nn.Module:
-    """The folder's transformers model (CLIPModel, SiglipModel) in training mode, its load report kept out of
+    """The folder's transformers model (one of `KINDS`) in training mode, its load report kept out of
     the log."""
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
