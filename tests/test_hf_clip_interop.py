@@ -67,7 +67,7 @@ def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind
     ids = tokenizer(captions, padding="max_length", max_length=12, truncation=True, return_tensors="pt")["input_ids"]
     assert torch.equal(batch["text"], ids)
     assert tokenizer.batch_decode(ids, skip_special_tokens=True) == captions
-    if kind == "siglip2":  # transformers' Siglip2Tokenizer lowercases; so does the run's
+    if kind in ("siglip", "siglip2"):  # transformers' SiglipTokenizer and Siglip2Tokenizer lowercase; so does the run
         shouted = [c.title() for c in captions]
         assert shouted != captions and torch.equal(data.tokenizer.encode(shouted), ids)
     model = AutoModel.from_pretrained(folder).eval()
@@ -159,9 +159,8 @@ def test_export_loads_back_in_transformers_and_sentence_transformers(tmp_path: P
     run.metrics.close()
     step = tmp_path / f"run-{kind}" / "checkpoint" / "step-2"
     assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
-    assert {"preprocessor_config.json", "tokenizer.json", "config.json"} <= {
-        p.name for p in (tmp_path / "hf").iterdir()
-    }
+    vocabulary = "spiece.model" if kind == "siglip" else "tokenizer.json"  # SigLIP's: SentencePiece's model
+    assert {"preprocessor_config.json", vocabulary, "config.json"} <= {p.name for p in (tmp_path / "hf").iterdir()}
     exported = dict(AutoModel.from_pretrained(str(tmp_path / "hf")).named_parameters())
     base = dict(AutoModel.from_pretrained(str(tmp_path / f"tiny-{kind}")).named_parameters())
     assert exported.keys() == base.keys()
