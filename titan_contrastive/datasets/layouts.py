@@ -15,8 +15,8 @@ ids and packed patches per side at native resolution), cut on image boundaries (
 FOLDER_IMAGES: [B, 3, S, S] at the model folder's size, resized with its processor's filter, normalized with
 its mean and std, evaluated on the central square or the whole image squashed as its processor does
 (`args.image_size`, `resample`, `image_mean`, `image_std`, `whole_image`: hf_clip), from the user's image-text
-files; for SigLIP 2
-(`args.max_num_patches`), `image` is its processor's NaFlex patches, mask and grids (`datasets.naflex`).
+files; for SigLIP 2 (`args.max_num_patches`), `image` is its processor's NaFlex patches, mask and grids
+(`datasets.naflex`).
 A processor whose `refusal` is set takes only data that serves both sides (`serves_sides`:
 `vl_pairs`), not image-text rows.
 """

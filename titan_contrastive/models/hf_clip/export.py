@@ -1,9 +1,8 @@
 """The hf_clip family's export (`python -m titan_contrastive.export STEP --to hf`) and its state-dict adapter.
 
 `hf`: the run's model as the transformers folder it came from (`CLIPModel` / `MetaClip2Model` / `SiglipModel` /
-`Siglip2Model`,
-`AutoModel.from_pretrained(DIR)`), with LoRA the adapters merged into the weights, with the folder's
-tokenizer and `preprocessor_config.json` (SigLIP 2: the run's `max_num_patches`; and `processor_config.json`,
+`Siglip2Model`, `AutoModel.from_pretrained(DIR)`), with LoRA the adapters merged into the weights, with the
+folder's tokenizer and `preprocessor_config.json` (SigLIP 2: the run's `max_num_patches`; and `processor_config.json`,
 where it has one). A SigLIP or SigLIP 2 folder is also a sentence-transformers model whose processing is the
 run's (`processing_kwargs`): ids padded to the run's length with no attention mask, SigLIP 2's patch budget;
 sentence-transformers' defaults (padding to the longest caption, a mask; `Siglip2Processor`'s 256 patches

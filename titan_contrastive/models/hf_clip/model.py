@@ -2,9 +2,8 @@
 dual encoder with every step kind (GradCache, accumulation, global negatives) and either objective.
 
 `[model] path` is a transformers folder (`CLIPModel.save_pretrained` / `MetaClip2Model` / `SiglipModel` /
-`Siglip2Model`,
-with its tokenizer and `preprocessor_config.json`). transformers' own modules do the compute: the model is
-split into two sides, `visual` (the vision transformer, then CLIP's `visual_projection`) and `text`
+`Siglip2Model`, with its tokenizer and `preprocessor_config.json`). transformers' own modules do the compute:
+the model is split into two sides, `visual` (the vision transformer, then CLIP's `visual_projection`) and `text`
 (the text transformer, then CLIP's `text_projection`; SigLIP's heads live inside its transformers),
 so that each side is a tower `[model] freeze` can lock. Each side's pooled output is L2-normalized,
 as `get_image_features` / `get_text_features` and the logits of the models' own forward are.
