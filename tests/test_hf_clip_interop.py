@@ -41,8 +41,8 @@ def test_batches_and_embeddings_are_what_transformers_gives(tmp_path: Path, kind
     """The eval split's pixels of an image at the model's size equal the folder's image processor's (SigLIP:
     those of pictures of other shapes, squashed, to a level; SigLIP 2: its patches, mask and grid of every
     picture, each at its own aspect ratio), the ids its tokenizer's at
-    `padding="max_length"` (SigLIP 2's lowercased, on the left), and the model's embeddings transformers'
-    own `get_image_features` / `get_text_features`, normalized."""
+    `padding="max_length"` (SigLIP's and SigLIP 2's lowercased, SigLIP 2's on the left), and the model's
+    embeddings transformers' own `get_image_features` / `get_text_features`, normalized."""
     from PIL import Image
     from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
 
@@ -136,7 +136,8 @@ def test_export_loads_back_in_transformers_and_sentence_transformers(tmp_path: P
     tokenizer and image processor; the exporter compares the reloaded embeddings (exit 2 if they differ).
     sentence-transformers embeds its pictures and captions as the run does: CLIP's as they are, SigLIP's
     with the processing the export sets (ids padded to the run's length with no mask; SigLIP 2's patch
-    budget, here the run's 9 patches of 8 px where transformers' processor defaults to 256 of 16)."""
+    budget, here the run's 9 patches of 8 px where transformers' processor defaults to 256 of 16). hf_clip
+    trains on the export again, at the run's budget, to the same embeddings."""
     from PIL import Image
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel
@@ -184,6 +185,19 @@ def test_export_loads_back_in_transformers_and_sentence_transformers(tmp_path: P
     assert torch.allclose(theirs, image[:1], atol=1e-6)
     theirs = st.encode(data.captions([index, 1]), convert_to_tensor=True, normalize_embeddings=True)
     assert torch.allclose(theirs, text, atol=1e-6)
+    # the export (sentence-transformers' files and all) is a folder hf_clip trains on, at the run's budget
+    again = clip_run(
+        tmp_path / "again",
+        kind,
+        f"--model.path={tmp_path / 'hf'}",
+        "--training.dtype=float32",
+        "--training.local_batch_size=4",
+    )
+    assert again.model_args.max_num_patches == (9 if kind == "siglip2" else 0)
+    with torch.no_grad():
+        reread = again.model.eval()(images, batch["text"])[:2]
+    assert torch.allclose(reread[0], image, atol=1e-5) and torch.allclose(reread[1], text, atol=1e-5)
+    again.metrics.close()
     if kind == "clip":
         assert export_main([str(step), "--to", "open_clip", "--out", str(tmp_path / "oc")]) == 2
 
