@@ -33,7 +33,7 @@ from titan_contrastive.models.hf_clip.model import (
     load_hf_model,
 )
 from titan_contrastive.models.registry import StateDictAdapter
-from titan_contrastive.models.weights import read_ours
+from titan_contrastive.models.weights import read_json, read_ours
 
 __all__ = ["ADAPTER", "hf_names", "merged"]
 
@@ -82,16 +82,21 @@ def _processing(args: HFClipArgs) -> dict[str, dict]:
     return {"text": text, "image": image} if image else {"text": text}
 
 
-def _set_budget(out: Path, patches: int) -> None:
-    """SigLIP 2: the image processor's `max_num_patches` in `out` set to the run's (`data.image_size`)."""
+def _copy_processor(model_dir: str, out: Path, patches: int) -> None:
+    """The folder's `preprocessor_config.json` (and `processor_config.json`, where it has one) into `out`; SigLIP 2
+    (`patches`): with the image processor's `max_num_patches` set to the run's (`data.image_size`)."""
     for name in ("preprocessor_config.json", "processor_config.json"):
-        file = out / name
-        if file.is_file():
-            config = json.loads(file.read_text())
-            for part in (config, config.get("image_processor")):
-                if isinstance(part, dict) and "max_num_patches" in part:
-                    part["max_num_patches"] = patches
-            file.write_text(json.dumps(config, indent=2) + "\n")
+        source = Path(model_dir) / name
+        if not source.is_file():
+            continue
+        if not patches:
+            shutil.copy(source, out / name)
+            continue
+        config = read_json(source)
+        for part in (config, config.get("image_processor")):
+            if isinstance(part, dict) and "max_num_patches" in part:
+                part["max_num_patches"] = patches
+        (out / name).write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _write_sentence_transformers(out: Path, args: HFClipArgs) -> None:
@@ -124,11 +129,7 @@ def write(src: str, out: Path, tower_name: str = "") -> None:
     theirs.load_state_dict(_renamed(plain.state_dict(), hf_names(kind)), strict=True)
     theirs.save_pretrained(str(out))
     build_tokenizer(args).pair.hf.save_pretrained(str(out))
-    for name in ("preprocessor_config.json", "processor_config.json"):
-        if (Path(args.model_dir) / name).is_file():
-            shutil.copy(Path(args.model_dir) / name, out / name)
-    if args.max_num_patches:
-        _set_budget(out, args.max_num_patches)
+    _copy_processor(args.model_dir, out, args.max_num_patches)
     if kind in LAST_POSITION:
         _write_sentence_transformers(out, args)
     from transformers import AutoModel
