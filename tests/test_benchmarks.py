@@ -244,6 +244,34 @@ def test_hf_clip_bench_runs_both_families_on_the_same_weights(tmp_path: Path) ->
     assert len(list(csv.DictReader(open(tmp_path / "hf_clip_bench.csv")))) == 4
 
 
+def test_gpu_session_accepts_every_stage_it_defines(tmp_path: Path) -> None:
+    """benchmarks/gpu_session.sh: each stage its second `case` runs is one the setup accepts and the usage names
+    (stage 20 was once defined but refused), and the header describes it; an unknown stage exits 2."""
+    script = (REPO / "benchmarks" / "gpu_session.sh").read_text()
+    defined = {int(n) for n in re.findall(r"^ {2}(\d+)\) ", script, flags=re.M)}
+    accepted = re.search(r"^ {2}((?:\d+\|)+\d+)\)$", script, flags=re.M)
+    usage = re.search(r"gpu_session\.sh wheels\|([\d|]+)\"", script)
+    assert accepted and usage and len(defined) >= 20
+    assert set(map(int, accepted[1].split("|"))) == defined == set(map(int, usage[1].split("|")))
+    assert all(re.search(rf"^# +{n} ", script, flags=re.M) for n in defined), "each stage described in the header"
+    bad = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_session.sh"), "99"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_patch_dropout_bench_times_each_rate_beside_its_flops(tmp_path: Path) -> None:
+    """benchmarks/patch_dropout_bench.py with clip/debug on 28 px images: a row per rate, the prediction from the
+    kept tokens."""
+    from benchmarks import patch_dropout_bench
+
+    argv = ["--flavor", "debug", "--batch", "4", "--image-size", "28", "--rates", "0", "0.5", "--repeats", "1"]
+    patch_dropout_bench.main([*argv, "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "patch_dropout_bench_debug.json").read_text())["rows"]
+    assert [r["patch_dropout"] for r in rows] == [0.0, 0.5] and all(r["samples_per_s"] > 0 for r in rows)
+    assert rows[0]["speedup"] == rows[0]["predicted"] == 1 and rows[1]["predicted"] > 1
+    assert (tmp_path / "patch_dropout_bench_debug.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(list(csv.DictReader(open(tmp_path / "patch_dropout_bench_debug.csv")))) == 2
+
+
 def test_naflex_data_bench_quick_serves_every_mode(tmp_path: Path) -> None:
     """benchmarks/naflex_data_bench.py --quick: square crops at 224 and 256 and SigLIP 2's NaFlex patches, train
     and eval; each picture shape its own grid within 256 patches."""

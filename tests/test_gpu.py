@@ -112,10 +112,12 @@ STEP_SYNCS = {
         "components/optimizer.py:clip_grad_norm",
     },
 }
+STEP_SYNCS["global_patch_dropout"] = STEP_SYNCS["global"]  # the draw, its replay and the gather sync nothing
 STEP_KINDS = {
     "accumulate": [],
     "gradcache": ["--gradcache.enabled=true", "--gradcache.chunk_sizes=24"],
     "global": ["--loss.negatives=global"],
+    "global_patch_dropout": ["--loss.negatives=global", "--model.patch_dropout=0.5"],
 }
 
 

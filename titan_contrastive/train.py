@@ -82,7 +82,7 @@ class Trainer:
             importlib.import_module(cfg.job.custom_import)
         self.spec = spec = models.get_model_spec(cfg.model.name)
         flavor_args, init_state, self.resumed = model_source(cfg, spec, models.resolve_model_args)
-        flavor_args = flavor_args.update_from_config(cfg)  # before the family's tokenizer reads them
+        flavor_args = models.configured(flavor_args, cfg, spec.name)  # before the family's tokenizer reads them
         self.objective, self.eval_objective = resolve_objective(spec, cfg), eval_objective(spec, cfg)
         self.dims = dims = ParallelDims.for_run(cfg.parallelism, dist.world_size)
         self.dp_degree = dp = dims.dp_degree

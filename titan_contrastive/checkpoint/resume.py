@@ -6,8 +6,8 @@ data position and RNG streams; the train state (step, samples seen, skipped step
 From the config (a change since the save is applied, and logged as `key: old -> new`): learning
 rate and schedule (warmup, decay, min_lr_factor, training.steps: the lr is recomputed at the
 restored step); AdamW betas, eps, weight decay; max_norm; global batch size (accumulation steps);
-on_nonfinite and its limit; logging, eval, checkpoint interval and keep; timeouts; everything else
-not below.
+on_nonfinite and its limit; model.patch_dropout (`TRAINING_ARGS`); logging, eval, checkpoint interval
+and keep; timeouts; everything else not below.
 
 Must agree (a change is a one-line error before anything is loaded): the model (family and
 architecture args, LoRA's rank and target modules among them); which parameters train
@@ -55,6 +55,9 @@ MUST_AGREE = {
     "model.unlocked_layers": "the frozen parameters have no optimizer state",
     "training.local_batch_size": "the data position is counted in local batches",
 }
+TRAINING_ARGS = {"patch_dropout"}
+"""Model args that shape training, not the weights: a change on resume is applied and logged as its config
+key's change (`model.patch_dropout`: FLIP ends with unmasked tuning), not refused as another architecture."""
 
 
 class IncompatibleResume(ValueError):
@@ -78,6 +81,13 @@ def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     ]
 
 
+def _architecture(model: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A manifest's model record without its `TRAINING_ARGS`."""
+    if model is None or not isinstance(model.get("args"), dict):
+        return model
+    return {**model, "args": {k: v for k, v in model["args"].items() if k not in TRAINING_ARGS}}
+
+
 def config_changes(
     step: int, manifest: dict[str, Any], config: dict[str, Any] | None, model: dict[str, Any] | None
 ) -> list[str]:
@@ -89,7 +99,7 @@ def config_changes(
         "resume with the saved value, or start a new run from these weights "
         "(checkpoint.folder=<new folder>, model.init_from=<this step's folder>)"
     )
-    saved_model = manifest.get("model")
+    saved_model, model = _architecture(manifest.get("model")), _architecture(model)
     if model is not None and saved_model is not None and _plain(saved_model) != _plain(model):
         if saved_model.get("family") != model.get("family"):
             what = f"model family {saved_model.get('family')!r}, the config builds {model.get('family')!r}"

@@ -70,6 +70,10 @@ class Model:
     unlocked_layers: int = opt(0, lambda v: v >= 0, "an integer >= 0")
     """Of each tower named in `freeze`, the last N residual blocks (and the norm and projection
     after them) stay trainable (open_clip's --lock-image-unlocked-groups)."""
+    patch_dropout: float = opt(0.0, lambda v: 0 <= v < 1, "a number in [0, 1)")
+    """FLIP's patch dropout (clip, lit, hf_clip's CLIP, MetaCLIP 2 and SigLIP): in training each image keeps a
+    random 1 - p of its patches (the class token always), so its tower costs about 1 - p per sample; evaluation
+    sees every patch. Replayed exactly in every step kind; may change on resume (FLIP's unmasked tuning: 0)."""
 
 
 @dataclass

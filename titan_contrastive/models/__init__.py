@@ -12,7 +12,7 @@ your modules and point `job.custom_import` at it; its args implement `ModelArgs`
                              build_model=MyModel, blocks=lambda m: list(m.layers)))
 """
 
-from titan_contrastive.models.args import ModelArgs
+from titan_contrastive.models.args import ModelArgs, configured
 from titan_contrastive.models.registry import (
     ModelRegistryError,
     ModelSpec,
@@ -32,6 +32,7 @@ __all__ = [
     "ModelRegistryError",
     "ModelSpec",
     "StateDictAdapter",
+    "configured",
     "get_flavor_args",
     "get_model_spec",
     "list_models",

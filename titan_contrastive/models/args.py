@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["ModelArgs", "missing_methods"]
+from titan_contrastive.config import ConfigError
+
+__all__ = ["ModelArgs", "configured", "missing_methods"]
 
 
 @runtime_checkable
@@ -40,3 +42,15 @@ def missing_methods(args: Any) -> list[str]:
         for name in ("update_from_data", "update_from_config", "num_params", "flops_per_sample")
         if not callable(getattr(args, name, None))
     ]
+
+
+def configured(args: Any, cfg: Any, family: str) -> Any:
+    """`args.update_from_config(cfg)`; a ConfigError for `[model] patch_dropout` where the result does not carry
+    it (a family without image patches to drop)."""
+    args = args.update_from_config(cfg)
+    if getattr(args, "patch_dropout", 0.0) != cfg.model.patch_dropout:
+        raise ConfigError(
+            f"model.patch_dropout={cfg.model.patch_dropout}: the {family} family has no image patches to drop "
+            "(clip, lit and hf_clip have); set model.patch_dropout=0"
+        )
+    return args

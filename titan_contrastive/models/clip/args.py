@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_contrastive.losses import temperature_from_config
+from titan_contrastive.models.patch_dropout import kept_patches
 from titan_contrastive.models.transformer import mlp_hidden
 
 __all__ = ["CLIPArgs", "clip_flavors"]
@@ -92,6 +93,9 @@ class CLIPArgs:
     (OpenAI's checkpoints); set by a checkpoint's config."""
     dropout: float = 0.0
     """Residual dropout on attention and MLP outputs in both towers."""
+    patch_dropout: float = 0.0
+    """FLIP's patch dropout: the share of each image's patches the image tower drops in training
+    (`models.patch_dropout`); set from `[model] patch_dropout`."""
     init_logit_scale: float = math.log(1 / 0.07)
     """Initial value of the log temperature t' (CLIP: log(1/0.07)); set from the job's loss."""
     init_logit_bias: float | None = None
@@ -131,8 +135,9 @@ class CLIPArgs:
                 f"CLIPArgs.patch_size={self.patch_size} does not divide image_size={self.image_size}; "
                 "use an image size that is a multiple of the patch size"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"CLIPArgs.dropout={self.dropout} must be in [0, 1)")
+        for name in ("dropout", "patch_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"CLIPArgs.{name}={getattr(self, name)} must be in [0, 1)")
         if mlp_hidden(min(self.vision_width, self.text_width), self.mlp_ratio) < 1:
             raise ValueError(f"CLIPArgs.mlp_ratio={self.mlp_ratio} gives an empty MLP; use a value > 0")
 
@@ -172,8 +177,11 @@ class CLIPArgs:
 
     def update_from_config(self, cfg: Any) -> CLIPArgs:
         """A copy with the temperature and bias the job's loss starts from (`[loss] init_logit_scale`,
-        `init_logit_bias`, `learn_*`, or the loss's own initial values: `titan_contrastive.losses`)."""
-        return dataclasses.replace(self, **temperature_from_config(cfg)._asdict())
+        `init_logit_bias`, `learn_*`, or the loss's own initial values: `titan_contrastive.losses`) and
+        `[model] patch_dropout`."""
+        return dataclasses.replace(
+            self, patch_dropout=cfg.model.patch_dropout, **temperature_from_config(cfg)._asdict()
+        )
 
     def num_params(self) -> int:
         """Exact parameter count of `CLIP(self)` (tied to the module layout; tested)."""
@@ -192,8 +200,8 @@ class CLIPArgs:
     def flops_per_sample(self) -> int:
         """Training FLOPs (forward x 3 for forward + backward) of one image-text pair.
 
-        Counts matmuls: patch embedding, all transformer blocks (vision: patches + class
-        token; text: the full context, as the causal kernel's FLOPs are not subtracted) and
+        Counts matmuls: patch embedding, all transformer blocks (vision: the patches patch dropout keeps
+        + class token; text: the full context, as the causal kernel's FLOPs are not subtracted) and
         the two output projections (applied to one pooled token per tower). The contrastive
         loss is excluded because its cost grows with the batch (N x N logits); add
         `loss_flops(batch)` for a step.
@@ -201,7 +209,8 @@ class CLIPArgs:
         vw = self.vision_width
         vision = (
             2 * self.num_patches * self.in_channels * self.patch_size**2 * vw
-            + self.vision_layers * _block_flops(self.num_patches + 1, vw, mlp_hidden(vw, self.mlp_ratio))
+            + self.vision_layers
+            * _block_flops(kept_patches(self.num_patches, self.patch_dropout) + 1, vw, mlp_hidden(vw, self.mlp_ratio))
             + 2 * vw * self.embed_dim
         )
         return 3 * (vision + text_tower_flops(self))

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from titan_contrastive.components.freeze import locked_forward
 from titan_contrastive.models.clip.args import CLIPArgs
+from titan_contrastive.models.patch_dropout import PatchDropout
 from titan_contrastive.models.transformer import Transformer
 
 __all__ = ["CLIP", "EOS_ID", "ImageTower", "TextTower", "clip_blocks", "patchify"]
@@ -38,7 +39,8 @@ def patchify(images: Tensor, patch: int) -> Tensor:
 
 
 class ImageTower(nn.Module):
-    """ViT: patch embedding + class token + positional embedding -> blocks -> class token -> proj."""
+    """ViT: patch embedding + class token + positional embedding -> (patch dropout) -> blocks -> class token
+    -> proj."""
 
     def __init__(self, args: CLIPArgs) -> None:
         super().__init__()
@@ -48,6 +50,7 @@ class ImageTower(nn.Module):
         self.conv1 = nn.Conv2d(args.in_channels, width, kernel_size=patch, stride=patch, bias=False)
         self.class_embedding = nn.Parameter(torch.empty(width))
         self.positional_embedding = nn.Parameter(torch.empty(args.num_patches + 1, width))
+        self.patch_dropout = PatchDropout(args.patch_dropout, prefix=1)
         self.ln_pre = nn.LayerNorm(width)
         self.transformer = Transformer(
             width, args.vision_layers, args.vision_heads, args.mlp_ratio, args.dropout, causal=False, act=args.act
@@ -77,7 +80,7 @@ class ImageTower(nn.Module):
         x = F.linear(patchify(images, self.conv1.kernel_size[0]), self.conv1.weight.flatten(1))  # [B, patches, width]
         cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
         x = torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype)
-        x = self.transformer(self.ln_pre(x))
+        x = self.transformer(self.ln_pre(self.patch_dropout(x)))
         return F.normalize(self.ln_post(x[:, 0]) @ self.proj, dim=-1)
 
 

@@ -50,6 +50,7 @@ from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer, read_text_folder
 from titan_contrastive.models.hf_clip.naflex import NaFlexEmbeddings, naflex_inputs
+from titan_contrastive.models.patch_dropout import drop_patches_after, kept_patches
 
 __all__ = [
     "KINDS",
@@ -200,6 +201,8 @@ class HFClipArgs(LoraFields):
     """The sigmoid loss's starting bias (SigLIP: the folder's); None with an objective that has none."""
     learn_logit_scale: bool = True
     learn_logit_bias: bool = True
+    patch_dropout: float = 0.0
+    """`[model] patch_dropout` (not SigLIP 2's padded patches)."""
 
     @property
     def model_dir(self) -> str:
@@ -236,6 +239,11 @@ class HFClipArgs(LoraFields):
                 "objective: its logit_bias is kept but not used; --loss.name=siglip trains the loss it was "
                 "pretrained with"
             )
+        if patches and cfg.model.patch_dropout:
+            raise ConfigError(
+                f"model.patch_dropout={cfg.model.patch_dropout}: {path} is SigLIP 2 (NaFlex), whose images are "
+                "already at most max_num_patches patches (set data.image_size for fewer); set model.patch_dropout=0"
+            )
         mean, std = _statistics(processor, file)
         return dataclasses.replace(
             self,
@@ -252,6 +260,7 @@ class HFClipArgs(LoraFields):
             init_logit_bias=bias,
             learn_logit_scale=t.learn_logit_scale,
             learn_logit_bias=t.learn_logit_bias,
+            patch_dropout=cfg.model.patch_dropout,
             **LoraFields.from_config(cfg.lora, lambda: LORA_TARGETS),
         )
 
@@ -287,10 +296,11 @@ class HFClipArgs(LoraFields):
         return total + (self.init_logit_bias is not None and kind in CLIP_LIKE)
 
     def flops_per_sample(self) -> int:
-        """6 x layer parameters x tokens of one image (its patches, SigLIP 2's padding, CLIP's class token) and
-        one caption (attention scores excluded)."""
+        """6 x layer parameters x tokens of one image (its patches, SigLIP 2's padding, or those patch dropout
+        keeps; CLIP's class token) and one caption (attention scores excluded)."""
         kind, _, vision, text = self._counts
-        patches = self.max_num_patches or (self.image_size // self.patch_size) ** 2 + (kind in CLIP_LIKE)
+        grid = kept_patches((self.image_size // self.patch_size) ** 2, self.patch_dropout)
+        patches = self.max_num_patches or grid + (kind in CLIP_LIKE)
         return 6 * (vision * patches + text * self.context_length)
 
 
@@ -344,6 +354,8 @@ class HFClip(nn.Module):
         vision, text = _towers(model)
         if args.max_num_patches:  # SigLIP 2: its positions resized to each grid in their own dtype
             vision.embeddings = NaFlexEmbeddings(vision.embeddings)
+        if args.patch_dropout:  # after the positions are added; CLIP's class token kept
+            drop_patches_after(vision.embeddings, args.patch_dropout, prefix=int(model.config.model_type in CLIP_LIKE))
         self.visual = Side(vision, getattr(model, image_proj) if image_proj else None)
         self.text = Side(text, getattr(model, text_proj) if text_proj else None)
         self._start = {"logit_scale": float(model.logit_scale.detach().reshape(-1)[0])}

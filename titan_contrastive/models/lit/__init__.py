@@ -45,6 +45,8 @@ class LiTArgs:
     vision_heads: int = 4
     mlp_ratio: float = 4.0
     dropout: float = 0.0
+    patch_dropout: float = 0.0
+    """`[model] patch_dropout` (the ViT's)."""
     context_length: int = 16
     """MiniLM tokens per caption ([CLS] and [SEP] included)."""
     init_logit_scale: float = math.log(1 / 0.07)
@@ -72,11 +74,17 @@ class LiTArgs:
             text_heads=self.vision_heads,
             mlp_ratio=self.mlp_ratio,
             dropout=self.dropout,
+            patch_dropout=self.patch_dropout,
         )
 
     def update_from_config(self, cfg: Any) -> LiTArgs:
         t = temperature_from_config(cfg, default_logit_scale=math.log(1 / 0.07))
-        return dataclasses.replace(self, init_logit_scale=t.init_logit_scale, learn_logit_scale=t.learn_logit_scale)
+        return dataclasses.replace(
+            self,
+            init_logit_scale=t.init_logit_scale,
+            learn_logit_scale=t.learn_logit_scale,
+            patch_dropout=cfg.model.patch_dropout,
+        )
 
     def update_from_data(
         self, *, image_shape: tuple[int, int, int], vocab_size: int = 0, context_length: int = 16, eos_id: int = 0
