@@ -325,3 +325,64 @@ def test_open_clip_loads_our_export(tmp_path: Path) -> None:
     with torch.no_grad():
         assert (theirs.eval().encode_image(images, normalize=True) - ours.encode_image(images)).abs().max() <= 1e-5
         assert (theirs.encode_text(ids, normalize=True) - ours.encode_text(ids)).abs().max() <= 1e-5
+
+
+def test_init_from_at_another_image_size_resizes_the_position_table(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 32 px checkpoint (4 x 4 patches) starts runs at 48 and 24 px. Grown, the first embeddings equal
+    transformers' `interpolate_pos_encoding=True`; shrunk, the grid equals Pillow's antialiased bicubic resize
+    of each channel; the class row and every other weight are the checkpoint's. Through the trainer too."""
+    import logging
+
+    import numpy as np
+    from PIL import Image
+
+    from titan_contrastive.config import parse_args
+    from titan_contrastive.models.clip import CLIP
+    from titan_contrastive.models.clip.positions import KEY, fit_positions, resize_positions
+    from titan_contrastive.models.weights import load_state
+    from titan_contrastive.train import Trainer
+
+    src = tiny_hf(tmp_path / "hf")
+    args, state = read_checkpoint(src)
+    sized = args.update_from_data(image_shape=(3, 48, 48), vocab_size=49408, context_length=77, eos_id=49407)
+    model = CLIP(sized)
+    load_state(model, fit_positions(state, sized), "test")
+    images = torch.randn(3, 3, 48, 48, generator=torch.Generator().manual_seed(2))
+    theirs = transformers.CLIPModel.from_pretrained(str(src)).eval()
+    with torch.no_grad():
+        want = theirs.get_image_features(pixel_values=images, interpolate_pos_encoding=True)
+        got = model.eval().encode_image(images)
+    assert (got - F.normalize(getattr(want, "pooler_output", want), dim=-1)).abs().max() <= 1e-5
+
+    table = state[KEY]
+    small = resize_positions(table, 3)
+    assert small.shape == (10, 32) and torch.equal(small[0], table[0])
+    grids = table[1:].T.reshape(32, 4, 4).numpy()
+    pil = [np.asarray(Image.fromarray(g, mode="F").resize((3, 3), Image.Resampling.BICUBIC)) for g in grids]
+    assert np.abs(small[1:].T.reshape(32, 3, 3).numpy() - np.stack(pil)).max() <= 1e-5
+    assert resize_positions(table, 4) is table
+    with pytest.raises(WeightsError, match=r"has 6 rows, not a class row and a square grid"):
+        resize_positions(table[:6], 3)
+
+    csv_dir = tmp_path / "csv"
+    runpy.run_path(str(REPO / "scripts" / "export_emoji_files.py"), run_name="x")["main"](["--out", str(csv_dir)])
+    with caplog.at_level(logging.INFO, logger="titan_contrastive"):
+        trainer = Trainer(
+            parse_args(
+                [
+                    f"--model.init_from={src}",
+                    "--data.dataset=csv",
+                    f"--data.path={csv_dir / 'train.csv'}",
+                    "--data.image_size=24",
+                    "--data.context_length=77",
+                    f"--job.dump_folder={tmp_path / 'run'}",
+                    "--metrics.enable_tensorboard=false",
+                ]
+            )
+        )
+    assert f"{KEY} resized from 4x4 to 3x3 patches for 24 px images" in caplog.text
+    loaded = trainer.model.state_dict()
+    assert torch.equal(loaded[KEY], small) and all(torch.equal(loaded[k], v) for k, v in state.items() if k != KEY)
+    trainer.metrics.close()

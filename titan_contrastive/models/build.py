@@ -76,8 +76,9 @@ def build_run_model(
     guide = build_guide(spec, cfg, sized, param_dtype, device)
     with device:
         model = spec.build_model(sized).to(param_dtype)
-    if init_state is not None:  # the checkpoint's weights, before any sharding
-        load_state(model, init_state, f"model.init_from={cfg.model.init_from}")
+    if init_state is not None:  # the checkpoint's weights, fitted to the run's sizes, before any sharding
+        fit = spec.state_dict_adapter.fit
+        load_state(model, fit(init_state, sized) if fit else init_state, f"model.init_from={cfg.model.init_from}")
     apply_freeze(model, cfg.model.freeze, cfg.model.unlocked_layers, spec.towers)
     return sized, model, guide
 

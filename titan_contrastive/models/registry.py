@@ -67,6 +67,9 @@ class StateDictAdapter:
     claims: Callable[[Path], bool] = _claims_nothing
     """Whether a path that is not one of our step folders is a checkpoint in a format `read` takes;
     export picks the family of such a source by it (ours name theirs in the manifest)."""
+    fit: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
+    """(what `read` gave, the args the run sized) -> the weights to load (clip: the position table resized to
+    the data's image size). None: loaded as read."""
     writes: Mapping[str, Callable[[str, Path, str], None]] = dataclasses.field(default_factory=dict)
     """Export format -> `write(src, folder, tower)`: writes `src` (a step folder of the family or a
     path it claims) into `folder` and loads it back to check it (`models.export_check`)."""

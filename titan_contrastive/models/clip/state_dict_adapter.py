@@ -46,6 +46,7 @@ from titan_contrastive.models.clip.hf import (
     to_hf_state_dict,
 )
 from titan_contrastive.models.clip.model import CLIP
+from titan_contrastive.models.clip.positions import fit_positions
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
 from titan_contrastive.models.registry import StateDictAdapter
 from titan_contrastive.models.weights import WeightsError, load_state, load_weights, read_json, read_ours
@@ -265,4 +266,6 @@ def write_hf(src: str, out: Path, tower: str = "") -> None:
     )
 
 
-ADAPTER = StateDictAdapter(read=read_checkpoint, claims=_claims, writes={"hf": write_hf, "open_clip": write_open_clip})
+ADAPTER = StateDictAdapter(
+    read=read_checkpoint, claims=_claims, fit=fit_positions, writes={"hf": write_hf, "open_clip": write_open_clip}
+)
