@@ -82,7 +82,7 @@ class Trainer:
             importlib.import_module(cfg.job.custom_import)
         self.spec = spec = models.get_model_spec(cfg.model.name)
         flavor_args, init_state, self.resumed = model_source(cfg, spec, models.resolve_model_args)
-        flavor_args = models.configured(flavor_args, cfg, spec.name)  # before the family's tokenizer reads them
+        flavor_args = models.configured(flavor_args, cfg, spec)  # before the family's tokenizer reads them
         self.objective, self.eval_objective = resolve_objective(spec, cfg), eval_objective(spec, cfg)
         self.dims = dims = ParallelDims.for_run(cfg.parallelism, dist.world_size)
         self.dp_degree = dp = dims.dp_degree
@@ -116,7 +116,7 @@ class Trainer:
         self.model_args, self.model, guide = build_run_model(spec, cfg, flavor_args, data, init_state, dtype, device)
         model, self.mesh = self.model, dims.build_mesh(device.type)
         self.dp_model = parallelize_model(model, spec.blocks(model), dims, self.mesh, cfg, precision, device)
-        self.optimizer = build_optimizer(model, cfg.optimizer)
+        self.optimizer = build_optimizer(model, cfg.optimizer, spec.towers)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step_context = StepContext.for_run(
             cfg, spec, model, self.dp_model, precision, dist, dp, self.ga_steps, data.device_transforms, guide

@@ -11,8 +11,9 @@ and keep; timeouts; everything else not below.
 
 Must agree (a change is a one-line error before anything is loaded): the model (family and
 architecture args, LoRA's rank and target modules among them); which parameters train
-(model.freeze, unlocked_layers: they decide which have optimizer state); the data-parallel degree
-and training.local_batch_size (the data position is counted in their batches).
+(model.freeze, unlocked_layers: they decide which have optimizer state); optimizer.layer_decay (the
+optimizer's parameter groups); the data-parallel degree and training.local_batch_size (the data
+position is counted in their batches).
 
 Why a change is applied rather than refused: lowering the lr after a loss spike, extending
 `training.steps`, or raising the global batch is how runs are steered, and it must take effect
@@ -54,6 +55,7 @@ MUST_AGREE = {
     "model.freeze": "the frozen parameters have no optimizer state",
     "model.unlocked_layers": "the frozen parameters have no optimizer state",
     "training.local_batch_size": "the data position is counted in local batches",
+    "optimizer.layer_decay": "the optimizer's parameter groups are built from it",
 }
 TRAINING_ARGS = {"patch_dropout"}
 """Model args that shape training, not the weights: a change on resume is applied and logged as its config

@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import re
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from titan_contrastive.components.tower_layers import tower_depth, tower_layer
 from titan_contrastive.config import ConfigError
 
 logger = logging.getLogger("titan_contrastive")
-_BLOCK = re.compile(r"\.(?:blocks?|layers?)\.(\d+)\.")  # a residual block's index in its tower (the outermost)
-_AFTER = re.compile(r"(?:proj|projection|\.head)(?:\.|$)")  # a projection or pooling head (after the blocks)
 
 
 def _tower_module(model: nn.Module, prefix: str) -> nn.Module:
@@ -40,18 +38,10 @@ def _tower_module(model: nn.Module, prefix: str) -> nn.Module:
 
 
 def _unlocked(name: str, prefix: str, depth: int, unlocked_layers: int) -> bool:
-    """Whether a frozen tower's parameter stays trainable: in its last `unlocked_layers` blocks or after them."""
-    if unlocked_layers <= 0:
-        return False
-    match = _BLOCK.search(name[len(prefix) - 1 :])
-    if match:
-        return int(match.group(1)) >= depth - unlocked_layers
-    return "post" in name or "final" in name or _AFTER.search(name) is not None
-
-
-def _depth(names: list[str], prefix: str) -> int:
-    indices = [int(m.group(1)) for n in names if n.startswith(prefix) and (m := _BLOCK.search(n[len(prefix) - 1 :]))]
-    return max(indices, default=-1) + 1
+    """Whether a frozen tower's parameter stays trainable: in its last `unlocked_layers` blocks or after them
+    (never what comes before the blocks)."""
+    layer = tower_layer(name, prefix, depth)
+    return unlocked_layers > 0 and layer > max(depth - unlocked_layers, 0)
 
 
 def locked_forward(
@@ -84,7 +74,7 @@ def apply_freeze(model: nn.Module, freeze: Sequence[str], unlocked_layers: int, 
     for entry in freeze:
         if entry in towers:
             prefix = towers[entry]
-            depth = _depth(names, prefix)
+            depth = tower_depth(names, prefix)
             matched = [n for n in names if n.startswith(prefix) and not _unlocked(n, prefix, depth, unlocked_layers)]
         else:
             matched = fnmatch.filter(names, entry)

@@ -1,32 +1,62 @@
-"""AdamW with CLIP's parameter groups (weight decay on matrices only), and the gradient clipping before its step."""
+"""AdamW with CLIP's parameter groups (weight decay on matrices only; optionally each tower's layers at decaying
+learning rates), and the gradient clipping before its step."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titan_contrastive.components.tower_layers import tower_depth, tower_layer
 from titan_contrastive.config.job_config import Optimizer as OptimizerConfig
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def lr_scales(model: nn.Module, towers: Mapping[str, str], layer_decay: float) -> dict[str, float]:
+    """Each parameter's learning-rate multiplier under layer-wise decay (BEiT's, as timm applies it): in a tower
+    of L blocks, block i trains at `layer_decay ** (L - i)`, what comes before the blocks (embeddings) at
+    `layer_decay ** (L + 1)`, what comes after (final norm, projection, head) and what no tower holds (the
+    logit scale and bias) at 1 (`tower_layers`)."""
+    names = [name for name, _ in model.named_parameters()]
+    scales = dict.fromkeys(names, 1.0)
+    for prefix in towers.values():
+        depth = tower_depth(names, prefix)
+        for name in (n for n in names if n.startswith(prefix)):
+            scales[name] = layer_decay ** (depth + 1 - tower_layer(name, prefix, depth))
+    return scales
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float, lr: float, towers: Mapping[str, str] | None = None, layer_decay: float = 1.0
+) -> list[dict]:
     """Split parameters: >= 2-D weights decay; biases, norm gains, and scalars such as
     logit_scale do not (decaying the temperature would pull it toward 1, as open_clip notes).
-    Embedding tables are 2-D but are excluded by name, as in CLIP."""
-    decay, no_decay = [], []
+    Embedding tables are 2-D but are excluded by name, as in CLIP. With `layer_decay` < 1, also by
+    learning rate (`lr_scales`), the groups at the full `lr` first (the one the log reports)."""
+    scales = lr_scales(model, towers or {}, layer_decay) if layer_decay < 1 else {}
+    groups: dict[tuple[float, float], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         is_embedding = "embedding" in name or name.endswith("class_embedding")
-        (decay if p.ndim >= 2 and not is_embedding else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        decays = p.ndim >= 2 and not is_embedding
+        groups.setdefault((-scales.get(name, 1.0), 0 if decays else 1), []).append(p)
+    keys = sorted(groups) if scales else [(-1.0, 0), (-1.0, 1)]
+    return [
+        {"params": groups.get(key, []), "weight_decay": 0.0 if key[1] else weight_decay, "lr": -key[0] * lr}
+        for key in keys
+    ]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """Build the optimizer named in `[optimizer]` (AdamW is the only choice so far) for its trainable parameters."""
+def build_optimizer(
+    model: nn.Module, cfg: OptimizerConfig, towers: Mapping[str, str] | None = None
+) -> torch.optim.Optimizer:
+    """Build the optimizer named in `[optimizer]` (AdamW is the only choice so far) for its trainable parameters;
+    `towers`: the family's (`ModelSpec.towers`), for `layer_decay`."""
     fused = cfg.implementation == "fused"
     return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
+        param_groups(model, cfg.weight_decay, cfg.lr, towers, cfg.layer_decay),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,

@@ -173,6 +173,10 @@ class Optimizer:
     """AdamW epsilon."""
     weight_decay: float = non_negative(0.1)
     """Decoupled weight decay on matrices; biases, norms, embeddings and logit_scale get none."""
+    layer_decay: float = opt(1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")
+    """Layer-wise learning-rate decay (BEiT's; fine-tuning pretrained towers): in each tower of L blocks, block i
+    trains at lr x layer_decay^(L - i), the embeddings at layer_decay^(L + 1), what follows the blocks (and the
+    logit scale) at lr; 1 = off. Families with named towers (clip, hf_clip, lit, bi_encoder)."""
     implementation: Literal["fused", "foreach"] = "fused"
     """`fused`: one kernel updates every parameter (torch's fused AdamW, on CUDA and CPU); `foreach`: a few
     batched kernels per step. The update is the same up to rounding."""

@@ -44,13 +44,19 @@ def missing_methods(args: Any) -> list[str]:
     ]
 
 
-def configured(args: Any, cfg: Any, family: str) -> Any:
-    """`args.update_from_config(cfg)`; a ConfigError for `[model] patch_dropout` where the result does not carry
-    it (a family without image patches to drop)."""
+def configured(args: Any, cfg: Any, spec: Any) -> Any:
+    """`args.update_from_config(cfg)` for the family of `spec` (a `ModelSpec`); a ConfigError for the settings it
+    cannot take: `[model] patch_dropout` where its args do not carry it (no image patches to drop), `[optimizer]
+    layer_decay` where it names no towers whose layers could decay."""
     args = args.update_from_config(cfg)
     if getattr(args, "patch_dropout", 0.0) != cfg.model.patch_dropout:
         raise ConfigError(
-            f"model.patch_dropout={cfg.model.patch_dropout}: the {family} family has no image patches to drop "
+            f"model.patch_dropout={cfg.model.patch_dropout}: the {spec.name} family has no image patches to drop "
             "(clip, lit and hf_clip have); set model.patch_dropout=0"
+        )
+    if cfg.optimizer.layer_decay < 1 and not spec.towers:
+        raise ConfigError(
+            f"optimizer.layer_decay={cfg.optimizer.layer_decay}: the {spec.name} family names no towers whose layers "
+            "could decay (clip, hf_clip, lit and bi_encoder do); set optimizer.layer_decay=1"
         )
     return args
