@@ -121,6 +121,24 @@ def train_flags(
     ]
 
 
+def step_flags(dump: Path, batch: int, cuda: bool) -> list[str]:
+    """The flags of a `Trainer` whose `train_step` is timed on one synthetic batch: `batch` generated samples
+    (JPEGs decoded and cropped as files are) with 77-token captions, one local batch of them, no gradient
+    clipping, no warm-up, bf16 autocast on CUDA, no evaluation or TensorBoard, its dump folder."""
+    return [
+        "--data.dataset=synthetic",
+        f"--data.synthetic_samples={batch}",
+        "--data.context_length=77",
+        f"--training.local_batch_size={batch}",
+        "--training.max_norm=0",
+        "--lr_scheduler.warmup_steps=0",
+        *(["--training.mixed_precision_param=bfloat16"] if cuda else []),
+        "--eval.enable=false",
+        "--metrics.enable_tensorboard=false",
+        f"--job.dump_folder={dump}",
+    ]
+
+
 def run_records(name: str, dump: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the last eval record, the train records) of variant `name`'s finished run in `dump`; a run
     without an eval record stops the benchmark."""

@@ -75,17 +75,8 @@ def trainer_args(family: str, kind: str, folder: Path, size: int, args: argparse
     )
     return [
         *model,
-        "--data.dataset=synthetic",
-        f"--data.synthetic_samples={args.batch}",
-        "--data.context_length=77",
-        f"--training.local_batch_size={args.batch}",
-        "--training.max_norm=0",
-        "--lr_scheduler.warmup_steps=0",
-        *(["--training.mixed_precision_param=bfloat16"] if cuda else []),
+        *harness.step_flags(dump, args.batch, cuda),
         *(["--gradcache.enabled=true", f"--gradcache.chunk_sizes={args.chunk}"] if kind == "gradcache" else []),
-        "--eval.enable=false",
-        "--metrics.enable_tensorboard=false",
-        f"--job.dump_folder={dump}",
     ]
 
 

@@ -55,18 +55,9 @@ def trainer_args(rate: float, args: argparse.Namespace, dump: Path, cuda: bool) 
         "--model.name=clip",
         f"--model.flavor={args.flavor}",
         f"--model.patch_dropout={rate}",
-        "--data.dataset=synthetic",
-        f"--data.synthetic_samples={args.batch}",
         "--data.tokenizer=clip_bpe",
-        "--data.context_length=77",
         f"--data.image_size={args.image_size}",
-        f"--training.local_batch_size={args.batch}",
-        "--training.max_norm=0",
-        "--lr_scheduler.warmup_steps=0",
-        *(["--training.mixed_precision_param=bfloat16"] if cuda else []),
-        "--eval.enable=false",
-        "--metrics.enable_tensorboard=false",
-        f"--job.dump_folder={dump}",
+        *harness.step_flags(dump, args.batch, cuda),
     ]
 
 
