@@ -168,9 +168,7 @@ def test_hf_clip_replays_the_dropped_patches(tmp_path: Path, kind: str, prefix: 
     assert_step_equals_its_forwards(trainer, [batch], trainer.step_context.split(batch, 3), seed=5)
     assert tokens and set(tokens) == {prefix + 2}
     args = trainer.model_args
-    assert args.flops_per_sample() == 6 * (
-        trainer.model_args._counts[2] * (prefix + 2) + args._counts[3] * args.context_length
-    )
+    assert args.flops_per_sample() == 6 * (args._counts[2] * (prefix + 2) + args._counts[3] * args.context_length)
     assert (
         trainer.model.state_dict().keys()
         == clip_run(tmp_path / "plain", kind, "--training.local_batch_size=4").model.state_dict().keys()
@@ -200,6 +198,7 @@ def test_siglip2_s_patch_budget_is_its_own_dropout(tmp_path: Path) -> None:
 def test_a_resume_may_turn_it_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """FLIP ends with unmasked tuning: the run resumes with patch_dropout 0, which is logged and applied."""
     common = ["--training.local_batch_size=4", "--checkpoint.enable=true", "--checkpoint.interval=2"]
+    common += ["--eval.enable=false"]
     trainer = make_trainer(str(tmp_path), DROP, *common, "--training.steps=2")
     trainer.train()
     trainer.metrics.close()

@@ -35,7 +35,7 @@ def param_groups(
     Embedding tables are 2-D but are excluded by name, as in CLIP. With `layer_decay` < 1, also by
     learning rate (`lr_scales`), the groups at the full `lr` first (the one the log reports)."""
     scales = lr_scales(model, towers or {}, layer_decay) if layer_decay < 1 else {}
-    groups: dict[tuple[float, float], list[nn.Parameter]] = {}
+    groups: dict[tuple[float, int], list[nn.Parameter]] = {}  # (-scale, 0 decays / 1 does not)
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue

@@ -47,8 +47,8 @@ def fit_positions(state: dict[str, Tensor], args: CLIPArgs) -> dict[str, Tensor]
     table, grid = state.get(KEY), args.image_size // args.patch_size
     if table is None or table.shape[0] == 1 + grid * grid:
         return state
-    side = math.isqrt(table.shape[0] - 1)
+    resized, side = resize_positions(table, grid), math.isqrt(table.shape[0] - 1)
     logger.info(
         f"model.init_from: {KEY} resized from {side}x{side} to {grid}x{grid} patches for {args.image_size} px images"
     )
-    return {**state, KEY: resize_positions(table, grid)}
+    return {**state, KEY: resized}
