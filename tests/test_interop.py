@@ -386,3 +386,35 @@ def test_init_from_at_another_image_size_resizes_the_position_table(
     loaded = trainer.model.state_dict()
     assert torch.equal(loaded[KEY], small) and all(torch.equal(loaded[k], v) for k, v in state.items() if k != KEY)
     trainer.metrics.close()
+
+
+def test_init_from_with_a_shorter_context_cuts_the_text_positions(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """A 77-position checkpoint at data.context_length=24: captions of at most 24 tokens (EOS at 5, 23, 20) embed
+    as transformers embeds them padded to 77 (the causal tower never reads past the EOS); a longer context than
+    the checkpoint's is refused in one line."""
+    import logging
+
+    from titan_contrastive.models.clip import CLIP
+    from titan_contrastive.models.clip.positions import fit_positions
+    from titan_contrastive.models.weights import load_state
+
+    src = tiny_hf(tmp_path / "hf")
+    args, state = read_checkpoint(src)
+    sized = args.update_from_data(image_shape=(3, 32, 32), vocab_size=49408, context_length=24, eos_id=49407)
+    model = CLIP(sized)
+    with caplog.at_level(logging.INFO, logger="titan_contrastive"):
+        load_state(model, fit_positions(state, sized), "test")
+    assert "text.positional_embedding cut from 77 to 24 positions" in caplog.text
+    ids = torch.randint(3, 49405, (3, 77), generator=torch.Generator().manual_seed(3))
+    for row, end in enumerate((5, 23, 20)):
+        ids[row, end], ids[row, end + 1 :] = 49407, 0
+    images, _ = inputs()
+    want_img, want_txt = reference(src, images, ids)
+    with torch.no_grad():
+        assert (model.eval().encode_text(ids[:, :24]) - want_txt).abs().max() <= 1e-5
+        assert (model.encode_image(images) - want_img).abs().max() <= 1e-5
+    longer = args.update_from_data(image_shape=(3, 32, 32), vocab_size=49408, context_length=100, eos_id=49407)
+    with pytest.raises(WeightsError, match=r"data.context_length=100: the checkpoint's text tower learnt 77 positions"):
+        fit_positions(state, longer)
