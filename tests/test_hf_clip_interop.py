@@ -129,15 +129,27 @@ def test_siglip2_reads_the_resolution_the_run_sets(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kind", "lora"), [("clip", False), ("clip", True), ("metaclip_2", True), ("siglip", False), ("siglip2", True)]
+    ("kind", "lora", "size"),
+    [
+        ("clip", False, 0),
+        ("clip", True, 0),
+        ("metaclip_2", True, 0),
+        ("siglip", False, 0),
+        ("siglip2", True, 24),
+        ("clip", False, 24),
+        ("siglip", True, 24),
+    ],
 )
-def test_export_loads_back_in_transformers_and_sentence_transformers(tmp_path: Path, kind: str, lora: bool) -> None:
+def test_export_loads_back_in_transformers_and_sentence_transformers(
+    tmp_path: Path, kind: str, lora: bool, size: int
+) -> None:
     """A trained step folder exported --to hf (LoRA merged) is the folder's model class, trained, with the
     tokenizer and image processor; the exporter compares the reloaded embeddings (exit 2 if they differ).
     sentence-transformers embeds its pictures and captions as the run does: CLIP's as they are, SigLIP's
     with the processing the export sets (ids padded to the run's length with no mask; SigLIP 2's patch
-    budget, here the run's 9 patches of 8 px where transformers' processor defaults to 256 of 16). hf_clip
-    trains on the export again, at the run's budget, to the same embeddings."""
+    budget, here the run's 9 patches of 8 px where transformers' processor defaults to 256 of 16). A CLIP or
+    SigLIP run at 24 px (the folder's 16: its position table resized) exports a 24 px model and processor.
+    hf_clip trains on the export again, at the run's budget or size, to the same embeddings."""
     from PIL import Image
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel
@@ -148,7 +160,7 @@ def test_export_loads_back_in_transformers_and_sentence_transformers(tmp_path: P
         tmp_path,
         kind,
         *(LORA if lora else ()),
-        *(["--data.image_size=24"] if kind == "siglip2" else []),
+        *([f"--data.image_size={size}"] if size else []),
         "--training.local_batch_size=5",
         "--training.steps=2",
         "--training.dtype=float32",
@@ -172,9 +184,13 @@ def test_export_loads_back_in_transformers_and_sentence_transformers(tmp_path: P
             json.loads((tmp_path / "hf" / f"{n}_config.json").read_text()) for n in ("preprocessor", "processor")
         ]
         assert written[0]["max_num_patches"] == written[1]["image_processor"]["max_num_patches"] == 9
+    elif size:  # the run's size in the model's config and in the processor's, not the source folder's 16
+        written = json.loads((tmp_path / "hf" / "preprocessor_config.json").read_text())
+        assert json.loads((tmp_path / "hf" / "config.json").read_text())["vision_config"]["image_size"] == 24
+        assert {v for k in ("size", "crop_size") if k in written for v in written[k].values()} == {24}
     model, data = run.model.eval(), run.train_set
     data.train = False
-    index = 3 if kind == "siglip2" else 0  # the picture served without resampling: 24 x 24 (3 x 3 patches), 16 x 16
+    index = 3 if size else 0  # the picture served without resampling: 24 x 24 (SigLIP 2: 3 x 3 patches), 16 x 16
     batch = data.__getitems__([index, 1])
     images = batch["image"] if kind == "siglip2" else batch["image"].float()  # SigLIP 2: its dict of patches
     with torch.no_grad():
@@ -246,14 +262,36 @@ def test_siglip2_train_crops_of_a_large_jpeg_are_decoded_at_reduced_scale(tmp_pa
     trainer.metrics.close()
 
 
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_another_image_size_starts_from_the_positions_transformers_interpolates(tmp_path: Path, kind: str) -> None:
+    """`data.image_size=24` on a 16 px folder (2 x 2 patches of 8 px, then 3 x 3): before training, the run's
+    embeddings of 24 px images equal transformers' `get_image_features(..., interpolate_pos_encoding=True)` on the
+    folder's own model (to float32's rounding of the resized table); its parameter count is exact; GradCache
+    chunks of 3 over 7 equal the dense objective in float64 at that size."""
+    from transformers import AutoModel
+
+    trainer = clip_run(tmp_path, kind, "--data.image_size=24", "--training.local_batch_size=4")
+    assert trainer.model_args.image_size == 24
+    assert trainer.model_args.num_params() == sum(p.numel() for p in trainer.model.parameters())
+    images = torch.randn(3, 3, 24, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    theirs = AutoModel.from_pretrained(str(tmp_path / f"tiny-{kind}"), dtype=torch.float64).eval()
+    with torch.no_grad():
+        want = theirs.get_image_features(pixel_values=images, interpolate_pos_encoding=True)
+        got = trainer.model.eval().visual(pixel_values=images)
+    want = F.normalize(getattr(want, "pooler_output", want), dim=-1)
+    assert (got - want).abs().max() <= 1e-6  # resized as the folder's float32 table loads, before the float64 cast
+    trainer.metrics.close()
+    _step(tmp_path / "step", kind, "gradcache", "--data.image_size=24")
+
+
 def test_bad_input_is_one_line(tmp_path: Path) -> None:
     from titan_contrastive.config import ConfigError
     from titan_contrastive.datasets import DataError
 
     with pytest.raises(ConfigError, match="model.path is empty: the hf_clip family trains"):
         base_trainer(str(tmp_path / "a"), "--model.name=hf_clip", "--model.flavor=folder", "--data.dataset=synthetic")
-    with pytest.raises(ConfigError, match=r"data.image_size=32: .* reads 16x16 images .*set data.image_size=16 or 0"):
-        clip_run(tmp_path, "clip", "--data.image_size=32")
+    with pytest.raises(ConfigError, match=r"data.image_size=20: .* reads images in 8 px patches; set a multiple of 8"):
+        clip_run(tmp_path, "clip", "--data.image_size=20")
     with pytest.raises(ConfigError, match=r"data.context_length=8: .* reads exactly 12 tokens \(SigLIP pools"):
         clip_run(tmp_path, "siglip", "--data.context_length=8")
     with pytest.raises(ConfigError, match=r"data.image_size=20: .* reads images in 8 px patches; set .* \(e.g. 16"):

@@ -363,7 +363,7 @@ def test_init_from_at_another_image_size_resizes_the_position_table(
     pil = [np.asarray(Image.fromarray(g, mode="F").resize((3, 3), Image.Resampling.BICUBIC)) for g in grids]
     assert np.abs(small[1:].T.reshape(32, 3, 3).numpy() - np.stack(pil)).max() <= 1e-5
     assert resize_positions(table, 4) is table
-    with pytest.raises(WeightsError, match=r"has 6 rows, not a class row and a square grid"):
+    with pytest.raises(WeightsError, match=r"a position table of 6 rows is not 1 class row\(s\) and a square grid"):
         resize_positions(table[:6], 3)
 
     csv_dir = tmp_path / "csv"

@@ -98,8 +98,9 @@ class Data:
     """Per-sample augmentation in the train split (a pure function of seed, epoch and index): flips
     of the bundled images, random-resized crops of your own."""
     image_size: int = opt(0, lambda v: v >= 0, "0 (native size) or a size in pixels")
-    """0 = the dataset's native size (224 for your own data; hf_clip: its folder's size, the only one it
-    takes); N = images resized to N x N, e.g. 224 for clip/vit_b32 (patch 32) on the 28x28 Fashion-MNIST."""
+    """0 = the dataset's native size (224 for your own data; hf_clip: its folder's size; another multiple of
+    its patch resizes its position table); N = images resized to N x N, e.g. 224 for clip/vit_b32 (patch 32)
+    on the 28x28 Fashion-MNIST."""
     image_sizes: list[int] = opt([], lambda v: all(x >= 1 for x in v), "a list of sizes in pixels, each >= 1")
     """Mixed resolutions (model.name=vlm or vae): each image is served at one of these square sizes
     (train: drawn per sample and epoch; test: cycled), as Qwen-VL-style packed patches (vlm) or

@@ -33,19 +33,21 @@ KEY = "visual.positional_embedding"
 TEXT_KEY = "text.positional_embedding"
 
 
-def resize_positions(table: Tensor, grid: int) -> Tensor:
-    """[1 + g·g, w] -> [1 + grid·grid, w]: the class row, then the patch grid resized (see the module)."""
-    side = math.isqrt(table.shape[0] - 1)
-    if side * side != table.shape[0] - 1:
+def resize_positions(table: Tensor, grid: int, prefix: int = 1) -> Tensor:
+    """[prefix + g·g, w] -> [prefix + grid·grid, w]: the class row (`prefix` 1; SigLIP has none), then the patch
+    grid resized (see the module)."""
+    side = math.isqrt(table.shape[0] - prefix)
+    if side * side != table.shape[0] - prefix:
         raise WeightsError(
-            f"{KEY} has {table.shape[0]} rows, not a class row and a square grid of patches; it cannot be resized"
+            f"a position table of {table.shape[0]} rows is not {prefix} class row(s) and a square grid of patches; "
+            "it cannot be resized"
         )
     if side == grid:
         return table
     dtype = table.dtype if table.dtype in (torch.float32, torch.float64) else torch.float32
-    patches = table[1:].to(dtype).T.reshape(1, -1, side, side)
+    patches = table[prefix:].to(dtype).T.reshape(1, -1, side, side)
     resized = F.interpolate(patches, size=(grid, grid), mode="bicubic", align_corners=False, antialias=grid < side)
-    return torch.cat([table[:1], resized.reshape(-1, grid * grid).T.to(table.dtype)])
+    return torch.cat([table[:prefix], resized.reshape(-1, grid * grid).T.to(table.dtype)])
 
 
 def fit_positions(state: dict[str, Tensor], args: CLIPArgs) -> dict[str, Tensor]:

@@ -1,13 +1,14 @@
 """The hf_clip family's export (`python -m titan_contrastive.export STEP --to hf`) and its state-dict adapter.
 
 `hf`: the run's model as the transformers folder it came from (`CLIPModel` / `MetaClip2Model` / `SiglipModel` /
-`Siglip2Model`, `AutoModel.from_pretrained(DIR)`), with LoRA the adapters merged into the weights, with the
-folder's tokenizer and `preprocessor_config.json` (SigLIP 2: the run's `max_num_patches`; and `processor_config.json`,
-where it has one). A SigLIP or SigLIP 2 folder is also a sentence-transformers model whose processing is the
-run's (`processing_kwargs`): ids padded to the run's length with no attention mask, SigLIP 2's patch budget;
-sentence-transformers' defaults (padding to the longest caption, a mask; `Siglip2Processor`'s 256 patches
-of 16 px) would change the embeddings. The folder is loaded back and must give the run's image and text
-embeddings of probe images and captions (`models.export_check`), through sentence-transformers too.
+`Siglip2Model`, `AutoModel.from_pretrained(DIR)`), with LoRA the adapters merged into the weights, at the run's
+image size (its position table and config), with the folder's tokenizer and `preprocessor_config.json` (the run's
+image size; SigLIP 2: the run's `max_num_patches`; and `processor_config.json`, where it has one). A SigLIP or
+SigLIP 2 folder is also a sentence-transformers model whose processing is the run's (`processing_kwargs`): ids
+padded to the run's length with no attention mask, SigLIP 2's patch budget; sentence-transformers' defaults (padding
+to the longest caption, a mask; `Siglip2Processor`'s 256 patches of 16 px) would change the embeddings. The folder
+is loaded back and must give the run's image and text embeddings of probe images and captions
+(`models.export_check`), through sentence-transformers too.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from titan_contrastive.models.hf_clip.model import (
     HFClipArgs,
     build_tokenizer,
     load_hf_model,
+    resize_vision_positions,
 )
 from titan_contrastive.models.registry import StateDictAdapter
 from titan_contrastive.models.weights import read_json, read_ours
@@ -82,20 +84,29 @@ def _processing(args: HFClipArgs) -> dict[str, dict]:
     return {"text": text, "image": image} if image else {"text": text}
 
 
-def _copy_processor(model_dir: str, out: Path, patches: int) -> None:
-    """The folder's `preprocessor_config.json` (and `processor_config.json`, where it has one) into `out`; SigLIP 2
-    (`patches`): with the image processor's `max_num_patches` set to the run's (`data.image_size`)."""
+def _copy_processor(model_dir: str, out: Path, args: HFClipArgs, own_size: int) -> None:
+    """The folder's `preprocessor_config.json` (and `processor_config.json`, where it has one) into `out`, with the
+    image processor's `max_num_patches` (SigLIP 2) or `size` and `crop_size` (CLIP, SigLIP at another size than the
+    folder's `own_size`) set to the run's (`data.image_size`)."""
+    resized = not args.max_num_patches and args.image_size != own_size
     for name in ("preprocessor_config.json", "processor_config.json"):
         source = Path(model_dir) / name
         if not source.is_file():
             continue
-        if not patches:
+        if not (args.max_num_patches or resized):
             shutil.copy(source, out / name)
             continue
         config = read_json(source)
         for part in (config, config.get("image_processor")):
-            if isinstance(part, dict) and "max_num_patches" in part:
-                part["max_num_patches"] = patches
+            if not isinstance(part, dict):
+                continue
+            if args.max_num_patches and "max_num_patches" in part:
+                part["max_num_patches"] = args.max_num_patches
+            for key in ("size", "crop_size") if resized else ():
+                if isinstance(part.get(key), int):
+                    part[key] = args.image_size
+                elif isinstance(part.get(key), dict):  # shortest_edge, or height and width
+                    part[key] = dict.fromkeys(part[key], args.image_size)
         (out / name).write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -126,10 +137,13 @@ def write(src: str, out: Path, tower_name: str = "") -> None:
             f"--to hf: the run learnt a logit bias (the sigmoid loss), which a transformers {type(theirs).__name__} "
             "cannot hold; nothing was written"
         )
+    own_size = 0 if args.max_num_patches else theirs.config.vision_config.image_size
+    if own_size:  # the run's image size (its position table and config)
+        resize_vision_positions(theirs.vision_model, args.image_size)
     theirs.load_state_dict(_renamed(plain.state_dict(), hf_names(kind)), strict=True)
     theirs.save_pretrained(str(out))
     build_tokenizer(args).pair.hf.save_pretrained(str(out))
-    _copy_processor(args.model_dir, out, args.max_num_patches)
+    _copy_processor(args.model_dir, out, args, own_size)
     if kind in LAST_POSITION:
         _write_sentence_transformers(out, args)
     from transformers import AutoModel

@@ -9,7 +9,8 @@ so that each side is a tower `[model] freeze` can lock. Each side's pooled outpu
 as `get_image_features` / `get_text_features` and the logits of the models' own forward are.
 
 What the batches hold is what the folder's processor gives the model:
-- images at the folder's `vision_config.image_size`, resized with its `resample` filter, normalized with
+- images at the folder's `vision_config.image_size` (or `[data] image_size`: its position table resized,
+  `resize_vision_positions`), resized with its `resample` filter, normalized with
   its `image_mean` and `image_std` (the `FOLDER_IMAGES` layout); evaluated as its processor frames them
   (CLIP: the central square; SigLIP: the whole image squashed), trained on our random-resized crops;
 - SigLIP 2 (NaFlex) reads patches instead, as its processor makes them: each picture (its train crop)
@@ -49,6 +50,7 @@ from titan_contrastive.datasets.image_transforms import FILTERS
 from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer, read_text_folder
+from titan_contrastive.models.clip.positions import resize_positions
 from titan_contrastive.models.hf_clip.naflex import NaFlexEmbeddings, naflex_inputs
 from titan_contrastive.models.patch_dropout import drop_patches_after, kept_patches
 
@@ -128,8 +130,9 @@ def _statistics(processor: dict[str, Any], file: str) -> tuple[tuple[float, ...]
 def _image_size(
     path: str, kind: str, config: Any, processor: dict[str, Any], file: str, asked: int
 ) -> tuple[int, int, int, int]:
-    """(image size, patch size, max_num_patches, resample) the run reads: CLIP and SigLIP the folder's size
-    (max_num_patches 0: whole images); SigLIP 2 (NaFlex) its processor's `max_num_patches`, or `([data]
+    """(image size, patch size, max_num_patches, resample) the run reads: CLIP and SigLIP the folder's size or
+    `[data] image_size` (a multiple of its patch: the position table is resized, `resize_vision_positions`;
+    max_num_patches 0: whole images); SigLIP 2 (NaFlex) its processor's `max_num_patches`, or `([data]
     image_size / p)²` (a multiple of its patch), and the side of the largest square grid that holds (what
     square probe images are). `resample`: the processor's filter (its class default where unset: SigLIP 2's
     bilinear, CLIP's and SigLIP's bicubic)."""
@@ -141,12 +144,17 @@ def _image_size(
         )
     if kind != "siglip2":
         size = int(config.vision_config.image_size)
-        if asked not in (0, size):
+        if asked % patch:
             raise ConfigError(
-                f"data.image_size={asked}: {path} reads {size}x{size} images (vision_config.image_size); "
-                f"set data.image_size={size} or 0"
+                f"data.image_size={asked}: {path} reads images in {patch} px patches; set a multiple of {patch} "
+                f"(its own: {size}) or 0"
             )
-        return size, patch, 0, resample
+        if asked not in (0, size):
+            logger.info(
+                f"data.image_size={asked}: {path}'s position table ({size // patch}x{size // patch} patches) is "
+                f"resized to {asked // patch}x{asked // patch}"
+            )
+        return asked or size, patch, 0, resample
     most = processor.get("max_num_patches")
     if not isinstance(most, int) or most < 1:
         raise ConfigError(
@@ -185,7 +193,8 @@ class HFClipArgs(LoraFields):
     context_length: int = 0
     """Tokens per caption: `[data] context_length`, else the folder's (CLIP: its positions; SigLIP: exactly them)."""
     image_size: int = 0
-    """The folder's `vision_config.image_size` (`[data] image_size` must be it or 0); SigLIP 2: see `_image_size`."""
+    """The folder's `vision_config.image_size`, or `[data] image_size` (a multiple of its patch); SigLIP 2: see
+    `_image_size`."""
     patch_size: int = 0
     max_num_patches: int = 0
     """SigLIP 2 (NaFlex): the patches per image, padded; 0: the model reads whole images."""
@@ -282,6 +291,8 @@ class HFClipArgs(LoraFields):
         from transformers import AutoModel
 
         config = load_config(self.model_dir)
+        if not self.max_num_patches and self.image_size:  # the run's size (its position table)
+            config.vision_config.image_size = self.image_size
         with torch.device("meta"):
             model = AutoModel.from_config(config)
             if self.lora_rank:
@@ -354,6 +365,8 @@ class HFClip(nn.Module):
         vision, text = _towers(model)
         if args.max_num_patches:  # SigLIP 2: its positions resized to each grid in their own dtype
             vision.embeddings = NaFlexEmbeddings(vision.embeddings)
+        elif args.image_size:
+            resize_vision_positions(vision, args.image_size)
         if args.patch_dropout:  # after the positions are added; CLIP's class token kept
             drop_patches_after(vision.embeddings, args.patch_dropout, prefix=int(model.config.model_type in CLIP_LIKE))
         self.visual = Side(vision, getattr(model, image_proj) if image_proj else None)
@@ -395,6 +408,22 @@ class HFClip(nn.Module):
         text = locked_forward(self.text, 1, lambda: self.text(input_ids=texts), replay)
         out = (image, text, self.logit_scale.exp())
         return (*out, self.logit_bias) if self.args.init_logit_bias is not None else out
+
+
+def resize_vision_positions(vision: nn.Module, size: int) -> None:
+    """A transformers CLIP or SigLIP vision transformer made to read `size` px images: its position table resized
+    (`clip.positions.resize_positions`, as its own `interpolate_pos_encoding`) and its sizes and config set; as it
+    is at its own size."""
+    embeddings = vision.embeddings
+    grid = size // embeddings.patch_size
+    if embeddings.num_patches == grid * grid:
+        return
+    prefix = embeddings.num_positions - embeddings.num_patches  # CLIP's class token
+    table = resize_positions(embeddings.position_embedding.weight.detach(), grid, prefix)
+    embeddings.position_embedding = nn.Embedding.from_pretrained(table, freeze=False)
+    embeddings.image_size, embeddings.num_patches, embeddings.num_positions = size, grid * grid, len(table)
+    embeddings.register_buffer("position_ids", torch.arange(len(table)).expand((1, -1)), persistent=False)
+    vision.config.image_size = size
 
 
 def hf_clip_blocks(model: HFClip) -> list[nn.Module]:
