@@ -76,6 +76,27 @@ def encoder_folder(root: Path, dropout: float = 0.1) -> Path:
     return _bert(root / "tiny-bert", "BertModel", **drop)
 
 
+def _own_code(folder: Path, dropout: float) -> Path:
+    """A model type transformers does not include: its config and model code (tests/fixtures/own_code) ship in
+    the folder, named by config.json's `auto_map` as save_pretrained writes it for a registered class; the
+    BERT-like tokenizer."""
+    import shutil
+
+    import torch
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    folder.mkdir(parents=True)
+    for file in (Path(__file__).parent / "fixtures" / "own_code").glob("*.py"):
+        shutil.copyfile(file, folder / file.name)
+    config_class = get_class_from_dynamic_module("configuration_tiny.TinyConfig", str(folder))
+    model_class = get_class_from_dynamic_module("modeling_tiny.TinyModel", str(folder))
+    config_class.register_for_auto_class()
+    model_class.register_for_auto_class("AutoModel")
+    tokenizer = _bert_tokenizer()
+    torch.manual_seed(0)
+    return _saved(folder, model_class(config_class(vocab_size=len(tokenizer), dropout=dropout)), tokenizer)
+
+
 def cross_encoder_folder(root: Path) -> Path:
     """A BERT-like cross-encoder ([CLS] query [SEP] document [SEP] -> one logit), as sentence-transformers'
     CrossEncoder loads a transformers folder."""
@@ -307,10 +328,14 @@ ARCHITECTURES = {
 """Builders `(folder, dropout) -> folder` of tiny random models (`architecture_folder` writes them)."""
 
 
+OWN_CODE = {"own-code": _own_code}
+"""A builder of a folder that ships its own model code (it loads with `[model] trust_remote_code` only)."""
+
+
 def architecture_folder(root: Path, arch: str, dropout: float = 0.1) -> Path:
-    """`ARCHITECTURES[arch]`'s model at `root / tiny-<arch>`, written on first use."""
+    """`ARCHITECTURES[arch]`'s (or `OWN_CODE[arch]`'s) model at `root / tiny-<arch>`, written on first use."""
     folder = root / f"tiny-{arch}"
-    return folder if folder.exists() else ARCHITECTURES[arch](folder, dropout)
+    return folder if folder.exists() else (ARCHITECTURES | OWN_CODE)[arch](folder, dropout)
 
 
 IMAGE_TEXT = ("clip", "metaclip_2", "siglip", "siglip2")

@@ -244,11 +244,11 @@ def test_gradcache_with_dropout_on_equals_the_objective_of_its_forwards(tmp_path
     assert_gradcache_replays_dropout(tmp_path, arch)
 
 
-def assert_gradcache_replays_dropout(tmp: Path, arch: str) -> None:
+def assert_gradcache_replays_dropout(tmp: Path, arch: str, *extra: str) -> None:
     """A training-mode step of GradCache chunks of 4 over 6 against the dense objective over the same forwards,
     and the dropout on (a forward from the same seed differs from the eval-mode one)."""
     trainer = folder_run(
-        tmp, arch, "--training.local_batch_size=6", "--gradcache.enabled=true", "--gradcache.chunk_sizes=4"
+        tmp, arch, "--training.local_batch_size=6", "--gradcache.enabled=true", "--gradcache.chunk_sizes=4", *extra
     )
     assert trainer.model.training
     batch = trainer.train_set.__getitems__(list(range(6)))

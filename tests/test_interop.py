@@ -393,7 +393,7 @@ def test_init_from_with_a_shorter_context_cuts_the_text_positions(
 ) -> None:
     """A 77-position checkpoint at data.context_length=24: captions of at most 24 tokens (EOS at 5, 23, 20) embed
     as transformers embeds them padded to 77 (the causal tower never reads past the EOS); a longer context than
-    the checkpoint's is refused in one line."""
+    a checkpoint of too few positions to stretch (21) is refused in one line."""
     import logging
 
     from titan_contrastive.models.clip import CLIP
@@ -415,6 +415,7 @@ def test_init_from_with_a_shorter_context_cuts_the_text_positions(
     with torch.no_grad():
         assert (model.eval().encode_text(ids[:, :24]) - want_txt).abs().max() <= 1e-5
         assert (model.encode_image(images) - want_img).abs().max() <= 1e-5
+    short = {**state, "text.positional_embedding": state["text.positional_embedding"][:21]}
     longer = args.update_from_data(image_shape=(3, 32, 32), vocab_size=49408, context_length=100, eos_id=49407)
-    with pytest.raises(WeightsError, match=r"data.context_length=100: the checkpoint's text tower learnt 77 positions"):
-        fit_positions(state, longer)
+    with pytest.raises(WeightsError, match=r"context_length=100: the checkpoint's text tower learnt 21 positions, too"):
+        fit_positions(short, longer)

@@ -24,8 +24,9 @@ from typing import Any
 from titan_contrastive.atomic_write import write_text_atomically
 
 
-def load_text_model(src: str, query_length: int, doc_length: int) -> tuple[Any, Any]:
-    """(args, model in eval mode): a step folder's bi_encoder, or a fresh one on a model folder."""
+def load_text_model(src: str, query_length: int, doc_length: int, trust: bool = False) -> tuple[Any, Any]:
+    """(args, model in eval mode): a step folder's bi_encoder, or a fresh one on a model folder (`trust`: its
+    own code may run, `[model] trust_remote_code`)."""
     from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs
 
     if (Path(src).expanduser() / "manifest.json").is_file():
@@ -40,7 +41,9 @@ def load_text_model(src: str, query_length: int, doc_length: int) -> tuple[Any, 
         if doc_length:
             args = dataclasses.replace(args, doc_length=doc_length)
         return args, model.eval()
-    args = BiEncoderArgs(path=src, query_length=query_length or 64).resolve(doc_length=doc_length)
+    args = BiEncoderArgs(path=src, query_length=query_length or 64, trust_remote_code=trust).resolve(
+        doc_length=doc_length
+    )
     return args, BiEncoder(args).eval()
 
 
@@ -53,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--query-length", type=int, default=0, help="query tokens (default: the run's, else 64)")
     parser.add_argument("--doc-length", type=int, default=0, help="document tokens (default: the run's / folder's)")
     parser.add_argument("--out", type=Path, help="also write the metrics (JSON) to this file")
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="run the code a model folder ships (config.json auto_map)"
+    )
     opts = parser.parse_args(argv)
     import torch
     import torch.distributed as dist
@@ -70,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts.batch_size < 1:
             raise ValueError(f"--batch-size {opts.batch_size}: use an integer >= 1")
         beir = load_beir(opts.beir, opts.split)
-        args, model = load_text_model(opts.model, opts.query_length, opts.doc_length)
+        args, model = load_text_model(opts.model, opts.query_length, opts.doc_length, opts.trust_remote_code)
         model.to(device)
 
         def forward(batch: dict[str, torch.Tensor]) -> Any:

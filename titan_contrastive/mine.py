@@ -6,7 +6,8 @@ TSV, Parquet, a Hugging Face dataset on disk; `datasets.pairs`), with the same c
 both sides: one of our bi_encoder step folders (`.../checkpoint/step-N`, exported for the purpose
 through `export --to sentence-transformers`, which checks the export's embeddings against the
 run's), a sentence-transformers folder, or a transformers folder (mean pooling, as
-sentence-transformers builds it).
+sentence-transformers builds it). A folder's own model code (config.json `auto_map`) runs only with
+`--trust-remote-code`; a step folder's runs as its run's did (`[model] trust_remote_code`).
 
 The mining itself is sentence-transformers' `mine_hard_negatives`: every positive of the file is
 the corpus (with `--corpus`, a BEIR `corpus.jsonl`'s documents too); each query's candidates are
@@ -112,9 +113,10 @@ def check_paths(pairs: str, out: Path, overwrite: bool) -> Path:
 
 
 @contextlib.contextmanager
-def sentence_model(path: str, tower: str | None, device: str | None) -> Iterator[Any]:
+def sentence_model(path: str, tower: str | None, device: str | None, trust: bool = False) -> Iterator[Any]:
     """A SentenceTransformer of `path`: one of our bi_encoder step folders through a verified export
-    into a temporary folder (removed after), else a sentence-transformers or transformers folder."""
+    into a temporary folder (removed after; its own code runs as its run's did), else a sentence-transformers or
+    transformers folder (its own code runs with `trust`)."""
     from sentence_transformers import SentenceTransformer
 
     folder = Path(path).expanduser()
@@ -123,6 +125,7 @@ def sentence_model(path: str, tower: str | None, device: str | None) -> Iterator
         try:
             model = json.loads(manifest.read_text())["model"]
             family, shared = model["family"], model["args"].get("shared", True)
+            trust = bool(model["args"].get("trust_remote_code", False))
         except (OSError, ValueError, KeyError, TypeError):
             raise MineError(
                 f"--model={path}: its manifest.json names no model; give a step folder of this version"
@@ -138,14 +141,14 @@ def sentence_model(path: str, tower: str | None, device: str | None) -> Iterator
 
         with tempfile.TemporaryDirectory(prefix="titan_contrastive_mine-") as tmp:
             out = export(str(folder), Path(tmp) / "model", "sentence-transformers", tower=tower or "query")
-            yield SentenceTransformer(str(out), device=device)
+            yield SentenceTransformer(str(out), device=device, trust_remote_code=trust)
         return
     if not ((folder / "modules.json").is_file() or (folder / "config.json").is_file()):
         raise MineError(
             f"--model={path}: not a bi_encoder step folder (manifest.json), a sentence-transformers folder "
             "(modules.json) or a transformers folder (config.json)"
         )
-    yield SentenceTransformer(str(folder), device=device)
+    yield SentenceTransformer(str(folder), device=device, trust_remote_code=trust)
 
 
 def mine(
@@ -264,6 +267,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scores", action="store_true", help="also write the scores of the positive and negatives (teacher scores)"
     )
+    p.add_argument(
+        "--trust-remote-code", action="store_true", help="run the code a model folder ships (config.json auto_map)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
     return p
 
@@ -293,7 +299,7 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
         from sentence_transformers import CrossEncoder
 
         cross_encoder = CrossEncoder(str(Path(opts.cross_encoder).expanduser()), device=devices[0] if devices else None)
-    with sentence_model(opts.model, opts.tower, devices[0] if devices else None) as model:
+    with sentence_model(opts.model, opts.tower, devices[0] if devices else None, opts.trust_remote_code) as model:
         mined = mine(
             read.texts, model, opts, corpus, pool=devices if len(devices) > 1 else None, cross_encoder=cross_encoder
         )

@@ -53,7 +53,8 @@ class Model:
     path: str = ""
     """bi_encoder, qwen_vl: a local transformers or sentence-transformers folder (BERT, XLM-R, MPNet, ModernBERT,
     T5's encoder, a Qwen3, Llama or Gemma 3 decoder; Dense modules after the pooling), or a hub id already in
-    the local cache; never downloaded, and no code the folder ships is run. Empty = the bundled all-MiniLM-L6-v2.
+    the local cache; never downloaded, and code the folder ships runs only with `trust_remote_code`. Empty = the
+    bundled all-MiniLM-L6-v2.
     hf_clip: a transformers CLIP or SigLIP folder with its tokenizer and preprocessor_config.json (required)."""
     pooling: Literal["auto", "cls", "mean", "last_token"] = "auto"
     """bi_encoder: `auto` = the sentence-transformers folder's pooling, else mean (encoders) / last_token (decoders)."""
@@ -74,6 +75,10 @@ class Model:
     """FLIP's patch dropout (clip, lit, hf_clip's CLIP, MetaCLIP 2 and SigLIP): in training each image keeps a
     random 1 - p of its patches (the class token always), so its tower costs about 1 - p per sample; evaluation
     sees every patch. Replayed exactly in every step kind; may change on resume (FLIP's unmasked tuning: 0)."""
+    trust_remote_code: bool = False
+    """bi_encoder: run the Python code a folder ships for its model and tokenizer (config.json `auto_map`:
+    nomic-embed-text, gte-*-v1.5, jina-embeddings-v2), for `path` and a guide's or teacher's folder, as
+    transformers' `trust_remote_code=True`. Off, such a folder is refused in one line. Only for folders you trust."""
 
 
 @dataclass

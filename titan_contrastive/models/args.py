@@ -46,8 +46,14 @@ def missing_methods(args: Any) -> list[str]:
 
 def configured(args: Any, cfg: Any, spec: Any) -> Any:
     """`args.update_from_config(cfg)` for the family of `spec` (a `ModelSpec`); a ConfigError for the settings it
-    cannot take: `[model] patch_dropout` where its args do not carry it (no image patches to drop), `[optimizer]
-    layer_decay` where it names no towers whose layers could decay."""
+    cannot take: `[model] patch_dropout` or `trust_remote_code` where its args do not carry it (no image patches
+    to drop, no folder whose code it runs), `[optimizer] layer_decay` where it names no towers whose layers could
+    decay."""
+    if cfg.model.trust_remote_code and not hasattr(args, "trust_remote_code"):
+        raise ConfigError(
+            f"model.trust_remote_code=true: the {spec.name} family loads no folder's own code (bi_encoder does); set "
+            "model.trust_remote_code=false"
+        )
     args = args.update_from_config(cfg)
     if getattr(args, "patch_dropout", 0.0) != cfg.model.patch_dropout:
         raise ConfigError(

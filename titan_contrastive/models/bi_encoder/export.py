@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from titan_contrastive.components.lora import lora_config
-from titan_contrastive.models.bi_encoder.folder import load_tokenizer, text_model_class
+from titan_contrastive.models.bi_encoder.folder import text_model_class
 from titan_contrastive.models.bi_encoder.model import BiEncoder, BiEncoderArgs, build_tokenizer, embed, load_text_tower
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
 from titan_contrastive.models.registry import StateDictAdapter
@@ -35,11 +35,13 @@ __all__ = ["ADAPTER", "FORMATS", "write"]
 FORMATS = ("sentence-transformers", "hf", "peft")
 
 
-def adapted(args: BiEncoderArgs, tower: nn.Module) -> Any:
-    """A fresh base from the model folder with `tower`'s adapters, as a peft `PeftModel`."""
+def adapted(args: Any, tower: nn.Module) -> Any:
+    """A fresh base from the model folder with `tower`'s adapters, as a peft `PeftModel` (`args`: a bi_encoder's or
+    qwen_vl's, whose folder's own code never runs)."""
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
-    wrapped = get_peft_model(load_text_tower(args.model_dir), lora_config(*args.lora_options))
+    base = load_text_tower(args.model_dir, getattr(args, "trust_remote_code", False))
+    wrapped = get_peft_model(base, lora_config(*args.lora_options))
     adapters = {f"base_model.model.{k}": v for k, v in get_peft_model_state_dict(tower).items()}
     # what trained in full ([lora] modules_to_save), under the names peft saves them by
     adapters |= {
@@ -53,7 +55,7 @@ def adapted(args: BiEncoderArgs, tower: nn.Module) -> Any:
     return wrapped.eval()
 
 
-def plain_tower(args: BiEncoderArgs, tower: nn.Module) -> nn.Module:
+def plain_tower(args: Any, tower: nn.Module) -> nn.Module:
     """The tower as a plain transformers model: itself, or with LoRA its merged copy."""
     return adapted(args, tower).merge_and_unload() if args.lora_rank else tower
 
@@ -90,23 +92,28 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         from peft import PeftModel
 
         adapted(args, tower).save_pretrained(str(out))
-        theirs = reloaded("peft", lambda: PeftModel.from_pretrained(load_text_tower(args.model_dir), str(out)).eval())
+        base = load_text_tower(args.model_dir, args.trust_remote_code)
+        theirs = reloaded("peft", lambda: PeftModel.from_pretrained(base, str(out)).eval())
         with torch.no_grad():
             check(embed(theirs, ids, pad, args.pooling, 0, head=head), "peft")  # a head is frozen under LoRA
         return
     plain = plain_tower(args, tower)
     if to == "hf":
         plain.save_pretrained(str(out))
-        load_tokenizer(args.model_dir).save_pretrained(str(out))
+        args.tokenizer.save_pretrained(str(out))
         auto = text_model_class(plain.config, str(out))
-        theirs = reloaded("transformers", lambda: auto.from_pretrained(str(out)).eval())
+        trust = args.trust_remote_code  # the folder's code, copied beside the weights by save_pretrained
+        theirs = reloaded("transformers", lambda: auto.from_pretrained(str(out), trust_remote_code=trust).eval())
         with torch.no_grad():
             check(embed(theirs, ids, pad, args.pooling, 0), "transformers")
         return
     _write_sentence_transformers(plain, head, args, out, side)
     from sentence_transformers import SentenceTransformer
 
-    theirs = reloaded("sentence-transformers", lambda: SentenceTransformer(str(out), device="cpu"))
+    trust = args.trust_remote_code
+    theirs = reloaded(
+        "sentence-transformers", lambda: SentenceTransformer(str(out), device="cpu", trust_remote_code=trust)
+    )
     prompt = args.query_prompt if side == "query" else args.doc_prompt
     name = ("query" if side == "query" else "document") if prompt else None
     check(theirs.encode(texts, convert_to_tensor=True, prompt_name=name), "sentence-transformers")
@@ -136,8 +143,11 @@ def _write_sentence_transformers(
     prompts = {name: p for name, p in (("query", args.query_prompt), ("document", args.doc_prompt)) if p}
     with tempfile.TemporaryDirectory() as hf_dir:
         plain.save_pretrained(hf_dir)
-        load_tokenizer(args.model_dir).save_pretrained(hf_dir)
-        encoder = Transformer(hf_dir, max_seq_length=length)
+        args.tokenizer.save_pretrained(hf_dir)
+        trust = {"trust_remote_code": args.trust_remote_code}
+        encoder = Transformer(
+            hf_dir, max_seq_length=length, model_kwargs=trust, config_kwargs=trust, processor_kwargs=trust
+        )
         mode = {"last_token": "lasttoken"}.get(args.pooling, args.pooling)
         pooling = Pooling(plain.config.hidden_size, pooling_mode=mode)
         modules = [encoder, pooling, *dense, Normalize()]

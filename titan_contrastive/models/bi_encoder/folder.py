@@ -203,22 +203,58 @@ def read_text_folder(path: str) -> TextFolder:
     )
 
 
+def ready_shipped_code(model_dir: str) -> None:
+    """Bring the code `model_dir` ships (the `auto_map` of its config.json and tokenizer_config.json) into
+    transformers' module cache and import it, under a file lock: the ranks of a run start at once, and an
+    unlocked copy could be read half-written by another. A TextFolderError (one line, the fix) when the code
+    lives in a repository that is not in the local cache, or needs a package that is not installed."""
+    from filelock import FileLock
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+    from transformers.utils import HF_MODULES_CACHE
+
+    references = []
+    for name in ("config.json", "tokenizer_config.json"):
+        file = Path(model_dir) / name
+        for value in (_json(file).get("auto_map") or {}).values() if file.is_file() else ():
+            references += [r for r in (value if isinstance(value, list | tuple) else [value]) if r]
+    Path(HF_MODULES_CACHE).mkdir(parents=True, exist_ok=True)
+    with FileLock(str(Path(HF_MODULES_CACHE) / ".titan_contrastive.lock")):
+        for reference in references:
+            try:
+                get_class_from_dynamic_module(reference, model_dir, local_files_only=True)
+            except OSError:
+                repo = reference.split("--")[0] if "--" in reference else model_dir
+                raise TextFolderError(
+                    f"{model_dir}: the code {reference!r} it names lives in {repo}, which is not in the local "
+                    f"Hugging Face cache (nothing is downloaded at run time): fetch it first, e.g. `hf download "
+                    f"{repo}`"
+                ) from None
+            except ImportError as e:
+                raise TextFolderError(
+                    f"{model_dir}: the code it ships cannot be imported ({' '.join(str(e).split())[:200]}); install "
+                    "what it needs"
+                ) from None
+
+
 @functools.lru_cache(maxsize=8)
-def load_config(model_dir: str) -> Any:
-    """The folder's config (transformers' own classes only: a folder's shipped model code is never run,
-    and transformers never asks on the terminal whether to run it)."""
+def load_config(model_dir: str, trust: bool = False) -> Any:
+    """The folder's config: transformers' own classes, or with `trust` (`[model] trust_remote_code`) the
+    classes the folder ships (`ready_shipped_code`); without it, that code is never run and transformers
+    never asks on the terminal whether to run it."""
     from transformers import AutoConfig
 
+    if trust:
+        ready_shipped_code(model_dir)
     try:
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust)
     except (OSError, ValueError, KeyError) as e:
         file = Path(model_dir) / "config.json"
         shipped = _json(file) if file.is_file() else {}
-        if "auto_map" in shipped:
+        if "auto_map" in shipped and not trust:
             raise TextFolderError(
                 f"{model_dir}: its model type {shipped.get('model_type')!r} is code the folder ships (config.json "
-                "auto_map), which is never run here (no trust_remote_code); train a "
-                "checkpoint of an architecture transformers includes"
+                "auto_map), which runs only when asked (bi_encoder: model.trust_remote_code=true, for code you "
+                "trust); or train a checkpoint of an architecture transformers includes"
             ) from None
         raise TextFolderError(
             f"{model_dir}: transformers cannot read its config.json ({' '.join(str(e).split())[:200]})"
@@ -226,8 +262,9 @@ def load_config(model_dir: str) -> Any:
 
 
 @functools.lru_cache(maxsize=8)
-def load_tokenizer(model_dir: str) -> Any:
-    """The folder's own tokenizer (fast); without a pad token it pads with its EOS (`pad_id` masks it)."""
+def load_tokenizer(model_dir: str, trust: bool = False) -> Any:
+    """The folder's own tokenizer (fast; with `trust`, one whose code the folder ships); without a pad token it
+    pads with its EOS (`pad_id` masks it)."""
     from transformers import AutoTokenizer
 
     fix = "save the model's tokenizer into the folder (tokenizer.save_pretrained)"
@@ -237,8 +274,10 @@ def load_tokenizer(model_dir: str) -> Any:
         raise TextFolderError(
             f"{model_dir}: no tokenizer transformers can load (none of {', '.join(_TOKENIZER_FILES)}); {fix}"
         )
+    if trust:
+        ready_shipped_code(model_dir)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust)
     except (OSError, ValueError, TypeError) as e:
         raise TextFolderError(
             f"{model_dir}: no tokenizer transformers can load ({' '.join(str(e).split())[:160]}); {fix}"

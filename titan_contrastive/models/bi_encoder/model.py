@@ -77,6 +77,9 @@ class BiEncoderArgs(LoraFields):
     init_scale: float = 20.0
     """t at the start (sentence-transformers' MultipleNegativesRankingLoss scale); `[loss] init_logit_scale` = log t."""
     learn_logit_scale: bool = True
+    trust_remote_code: bool = False
+    """`[model] trust_remote_code`: run the code a folder ships (config.json `auto_map`) for its model, its
+    tokenizer, and a guide's or teacher's folder; otherwise such a folder is refused."""
     retokenize_from: str = ""
     """A guide's (`as_guide`) with another vocabulary: the folder of the model whose token ids it reads as
     text (`retokenize.py`); empty: it embeds them as they are."""
@@ -86,7 +89,7 @@ class BiEncoderArgs(LoraFields):
         against the folder (`resolve`), and `[loss] init_logit_scale` (default: log 20) and `learn_logit_scale`."""
         t = temperature_from_config(cfg, default_logit_scale=math.log(self.init_scale))
         m = cfg.model
-        resolved = self.resolve(
+        resolved = dataclasses.replace(self, trust_remote_code=m.trust_remote_code).resolve(
             m.path or self.path, m.pooling, m.query_prompt, m.doc_prompt, cfg.data.doc_context_length
         )
         if m.freeze and read_text_folder(resolved.path).dense:  # a locked tower would run its head without a graph
@@ -98,7 +101,7 @@ class BiEncoderArgs(LoraFields):
             resolved,
             init_scale=math.exp(t.init_logit_scale),
             learn_logit_scale=t.learn_logit_scale,
-            **LoraFields.from_config(cfg.lora, lambda: default_targets(load_config(resolved.model_dir).model_type)),
+            **LoraFields.from_config(cfg.lora, lambda: default_targets(resolved.config.model_type)),
         )
 
     def resolve(
@@ -114,7 +117,7 @@ class BiEncoderArgs(LoraFields):
         its max_seq_length for documents). A TextFolderError (one line, the fix) when they do not fit it."""
         path = self.path if path is None else path
         folder = read_text_folder(path)
-        causal = is_causal(load_config(folder.model_dir))
+        causal = is_causal(load_config(folder.model_dir, self.trust_remote_code))
         pooling = pooling if pooling != "auto" else self.pooling
         if pooling == "auto":
             pooling = folder.pooling or ("last_token" if causal else "mean")
@@ -126,7 +129,7 @@ class BiEncoderArgs(LoraFields):
                 "model.pooling='last_token' (or mean)"
             )
         if not doc_length:  # the given length, else these args' own, else the folder's
-            limit = min(DEFAULT_DOC_LENGTH, load_tokenizer(folder.model_dir).model_max_length)
+            limit = min(DEFAULT_DOC_LENGTH, load_tokenizer(folder.model_dir, self.trust_remote_code).model_max_length)
             default = min(folder.max_seq_length or limit, limit) if path else MINILM_DOC_LENGTH
             doc_length = self.doc_length if self.doc_length and path == self.path else default
         return dataclasses.replace(
@@ -145,11 +148,11 @@ class BiEncoderArgs(LoraFields):
         not); with another it reads them as text, up to its folder's sequence length (`retokenize_from`)."""
         own = dict(path=path, pooling="auto", shared=True, lora_rank=0, query_prompt="", doc_prompt="", doc_length=0)
         guide = dataclasses.replace(self, **own).resolve()  # its folder's pooling and sequence length
-        mine, theirs = load_tokenizer(self.model_dir), load_tokenizer(guide.model_dir)
+        mine, theirs = self.tokenizer, guide.tokenizer
         if mine.get_vocab() != theirs.get_vocab() or pad_id(mine) != pad_id(theirs):
             return dataclasses.replace(guide, retokenize_from=self.model_dir)
         longest = max(self.query_length, self.doc_length)
-        positions = getattr(load_config(guide.model_dir), "max_position_embeddings", longest)
+        positions = getattr(guide.config, "max_position_embeddings", longest)
         if positions < longest:
             raise TextFolderError(
                 f"{guide.model_dir} holds {positions} positions and the model's sequences reach {longest} tokens: "
@@ -167,13 +170,25 @@ class BiEncoderArgs(LoraFields):
     def model_dir(self) -> str:
         return read_text_folder(self.path).model_dir
 
+    @property
+    def config(self) -> Any:
+        """The folder's transformers config."""
+        return load_config(self.model_dir, self.trust_remote_code)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The folder's transformers tokenizer."""
+        return load_tokenizer(self.model_dir, self.trust_remote_code)
+
     @functools.cached_property
     def _counts(self) -> tuple[int, int]:
         """(all parameters, parameters in the repeated layers) of one tower with its adapters, counted on the
         meta device."""
-        config = load_config(self.model_dir)
+        config = self.config
         with torch.device("meta"):
-            tower = text_model_class(config, self.model_dir).from_config(config)
+            tower = text_model_class(config, self.model_dir).from_config(
+                config, trust_remote_code=self.trust_remote_code
+            )
             if self.lora_rank:
                 add_lora(tower, *self.lora_options)
         layers = sum(p.numel() for block in layer_blocks(tower) for p in block.parameters())
@@ -203,7 +218,7 @@ bi_encoder_flavors = {"shared": BiEncoderArgs(shared=True), "dual": BiEncoderArg
 def build_tokenizer(args: BiEncoderArgs) -> PairTokenizer:
     """`ModelSpec.build_tokenizer`: the folder's tokenizer, the args' prompts and document length."""
     args = args.resolve()
-    hf = load_tokenizer(args.model_dir)
+    hf = args.tokenizer
     return PairTokenizer(
         hf, doc_length=args.doc_length, pad_id=pad_id(hf), query_prompt=args.query_prompt, doc_prompt=args.doc_prompt
     )
@@ -270,18 +285,19 @@ def embed(
     return locked_forward(tower, index, run, replay)
 
 
-def load_text_tower(model_dir: str) -> nn.Module:
+def load_text_tower(model_dir: str, trust: bool = False) -> nn.Module:
     """The folder's base model (no LM head, no pooler: the pooling is ours, no key-value cache; an
     encoder-decoder's encoder, `folder.text_model_class`), its load
     report kept out of the log, in training mode as a freshly built module is (`from_pretrained` returns
-    it in eval mode: its dropout would stay off in training until the first evaluation switched it on)."""
+    it in eval mode: its dropout would stay off in training until the first evaluation switched it on); `trust`:
+    the folder's own model code may run (`load_config`)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    auto = text_model_class(load_config(model_dir), model_dir)
+    auto = text_model_class(load_config(model_dir, trust), model_dir)
     try:
-        tower = auto.from_pretrained(model_dir, local_files_only=True)
+        tower = auto.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust)
     except (OSError, ValueError) as e:
         raise TextFolderError(
             f"{model_dir}: transformers cannot load its weights ({' '.join(str(e).split())[:200]})"
@@ -299,7 +315,7 @@ class BiEncoder(nn.Module):
         super().__init__()
         self.args = args = args.resolve()
         model_dir = args.model_dir
-        self.query_tower = load_text_tower(model_dir)
+        self.query_tower = load_text_tower(model_dir, args.trust_remote_code)
         if args.lora_rank:  # adapters before the copy: a separate document tower gets its own
             add_lora(self.query_tower, *args.lora_options)
         self.doc_tower = self.query_tower if args.shared else copy.deepcopy(self.query_tower)
@@ -308,9 +324,11 @@ class BiEncoder(nn.Module):
         if self.query_head is not None and args.lora_rank:
             self.query_head.requires_grad_(False)
         self.doc_head = self.query_head if args.shared else copy.deepcopy(self.query_head)
-        self.pad_id = pad_id(load_tokenizer(model_dir))
+        self.pad_id = pad_id(args.tokenizer)
         self.retokenize = (
-            Retokenizer(args.retokenize_from, model_dir, args.doc_length) if args.retokenize_from else None
+            Retokenizer(load_tokenizer(args.retokenize_from, args.trust_remote_code), args.tokenizer, args.doc_length)
+            if args.retokenize_from
+            else None
         )
         self.logit_scale = nn.Parameter(
             torch.full((1,), math.log(args.init_scale)), requires_grad=args.learn_logit_scale

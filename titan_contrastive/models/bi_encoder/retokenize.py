@@ -6,22 +6,23 @@ a guide with the model's tokenizer skips it (`BiEncoderArgs.as_guide`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from titan_contrastive.datasets.tokenizer import PairTokenizer
-from titan_contrastive.models.bi_encoder.folder import load_tokenizer, pad_id
+from titan_contrastive.models.bi_encoder.folder import pad_id
 
 
 class Retokenizer:
-    """Right-padded token ids of the folder `source` -> right-padded ids of the folder `target`, at
+    """Right-padded token ids of the transformers tokenizer `source` -> right-padded ids of `target`'s, at
     most `length` tokens (its special tokens included; longer texts are cut, as the guide's own
     max_seq_length cuts them in sentence-transformers)."""
 
-    def __init__(self, source: str, target: str, length: int) -> None:
-        self.source = load_tokenizer(source)
-        self.source_pad = pad_id(self.source)
-        hf = load_tokenizer(target)
-        self.target = PairTokenizer(hf, doc_length=length, pad_id=pad_id(hf))
+    def __init__(self, source: Any, target: Any, length: int) -> None:
+        self.source = source
+        self.source_pad = pad_id(source)
+        self.target = PairTokenizer(target, doc_length=length, pad_id=pad_id(target))
 
     def __call__(self, ids: Tensor) -> Tensor:
         rows = [[t for t in row if t != self.source_pad] for row in ids.tolist()]

@@ -33,6 +33,7 @@ from titan_contrastive.models.hf_clip.model import (
     build_tokenizer,
     load_hf_model,
     resize_vision_positions,
+    stretch_text_positions,
 )
 from titan_contrastive.models.registry import StateDictAdapter
 from titan_contrastive.models.weights import read_json, read_ours
@@ -140,9 +141,12 @@ def write(src: str, out: Path, tower_name: str = "") -> None:
     own_size = 0 if args.max_num_patches else theirs.config.vision_config.image_size
     if own_size:  # the run's image size (its position table and config)
         resize_vision_positions(theirs.vision_model, args.image_size)
+    stretch_text_positions(theirs.text_model, args.context_length)
     theirs.load_state_dict(_renamed(plain.state_dict(), hf_names(kind)), strict=True)
     theirs.save_pretrained(str(out))
     build_tokenizer(args).pair.hf.save_pretrained(str(out))
+    tokenizer_config = out / "tokenizer_config.json"  # the run's caption length (shorter, or stretched)
+    tokenizer_config.write_text(json.dumps(read_json(tokenizer_config) | {"model_max_length": args.context_length}))
     _copy_processor(args.model_dir, out, args, own_size)
     if kind in LAST_POSITION:
         _write_sentence_transformers(out, args)

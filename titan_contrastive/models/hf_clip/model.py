@@ -30,6 +30,7 @@ CLIP folder trained with the sigmoid loss gets a bias of its own (the loss's ini
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -50,7 +51,7 @@ from titan_contrastive.datasets.image_transforms import FILTERS
 from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer, read_text_folder
-from titan_contrastive.models.clip.positions import resize_positions
+from titan_contrastive.models.clip.positions import KEEP, resize_positions, stretch_positions
 from titan_contrastive.models.hf_clip.naflex import NaFlexEmbeddings, naflex_inputs
 from titan_contrastive.models.patch_dropout import drop_patches_after, kept_patches
 
@@ -227,12 +228,15 @@ class HFClipArgs(LoraFields):
         positions = int(config.text_config.max_position_embeddings)
         length = cfg.data.context_length or positions
         last = kind in LAST_POSITION
-        if (last and length != positions) or length > positions:
-            need = "exactly" if last else "at most"
-            why = " (SigLIP pools the last position of ids padded to it)" if last else ""
+        if last and length != positions:
             raise ConfigError(
-                f"data.context_length={cfg.data.context_length}: {path} reads {need} {positions} tokens{why}; set "
-                f"data.context_length={positions} or 0"
+                f"data.context_length={cfg.data.context_length}: {path} reads exactly {positions} tokens (SigLIP "
+                f"pools the last position of ids padded to it); set data.context_length={positions} or 0"
+            )
+        if length > positions and positions < KEEP + 2:
+            raise ConfigError(
+                f"data.context_length={cfg.data.context_length}: {path} learnt {positions} text positions, too few "
+                f"to stretch (Long-CLIP keeps {KEEP} and stretches the rest); set data.context_length={positions} or 0"
             )
         t = temperature_from_config(cfg, default_logit_scale=0.0)  # checks a bias against the objective
         bias = None
@@ -290,9 +294,11 @@ class HFClipArgs(LoraFields):
         adapters, on meta."""
         from transformers import AutoModel
 
-        config = load_config(self.model_dir)
+        config = copy.deepcopy(load_config(self.model_dir))  # the cached one stays the folder's
         if not self.max_num_patches and self.image_size:  # the run's size (its position table)
             config.vision_config.image_size = self.image_size
+        if self.context_length > config.text_config.max_position_embeddings:  # Long-CLIP's stretched table
+            config.text_config.max_position_embeddings = self.context_length
         with torch.device("meta"):
             model = AutoModel.from_config(config)
             if self.lora_rank:
@@ -367,6 +373,7 @@ class HFClip(nn.Module):
             vision.embeddings = NaFlexEmbeddings(vision.embeddings)
         elif args.image_size:
             resize_vision_positions(vision, args.image_size)
+        stretch_text_positions(text, args.context_length)
         if args.patch_dropout:  # after the positions are added; CLIP's class token kept
             drop_patches_after(vision.embeddings, args.patch_dropout, prefix=int(model.config.model_type in CLIP_LIKE))
         self.visual = Side(vision, getattr(model, image_proj) if image_proj else None)
@@ -424,6 +431,19 @@ def resize_vision_positions(vision: nn.Module, size: int) -> None:
     embeddings.image_size, embeddings.num_patches, embeddings.num_positions = size, grid * grid, len(table)
     embeddings.register_buffer("position_ids", torch.arange(len(table)).expand((1, -1)), persistent=False)
     vision.config.image_size = size
+
+
+def stretch_text_positions(text: nn.Module, length: int) -> None:
+    """A transformers CLIP text transformer made to read `length` tokens, more than its positions: its table
+    stretched as Long-CLIP stretches it (`clip.positions.stretch_positions`) and its config set; as it is at its
+    own length or less (a shorter caption reads the table's first rows)."""
+    embeddings = text.embeddings
+    if length <= embeddings.position_embedding.num_embeddings:
+        return
+    table = stretch_positions(embeddings.position_embedding.weight.detach(), length)
+    embeddings.position_embedding = nn.Embedding.from_pretrained(table, freeze=False)
+    embeddings.register_buffer("position_ids", torch.arange(length).expand((1, -1)), persistent=False)
+    text.config.max_position_embeddings = length
 
 
 def hf_clip_blocks(model: HFClip) -> list[nn.Module]:
