@@ -129,14 +129,16 @@ def decoder_folder(root: Path, dropout: float = 0.1) -> Path:
     return folder
 
 
-def st_folder(model: Path, pooling: str, prompts: dict[str, str]) -> Path:
+def st_folder(model: Path, pooling: str, prompts: dict[str, str], include_prompt: bool = True) -> Path:
+    """`model` as a sentence-transformers folder: Transformer (24 tokens), Pooling (`include_prompt`: False leaves
+    the prompt out), Normalize, the prompts."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
-    out = model.parent / f"{model.name}-st"
+    out = model.parent / f"{model.name}-st{'' if include_prompt else '-no-prompt'}"
     encoder = Transformer(str(model), max_seq_length=24)
     width = encoder.auto_model.config.hidden_size
-    modules = [encoder, Pooling(width, pooling_mode=pooling), Normalize()]
+    modules = [encoder, Pooling(width, pooling_mode=pooling, include_prompt=include_prompt), Normalize()]
     SentenceTransformer(modules=modules, device="cpu", prompts=prompts).save(str(out))
     return out
 

@@ -32,7 +32,8 @@ def test_the_bundled_set() -> None:
 
 @needs("hf")
 def test_the_evaluator_equals_sentence_transformers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """The bundled MiniLM through our evaluator (CLI) and through InformationRetrievalEvaluator."""
+    """The bundled MiniLM through our evaluator (CLI) and through InformationRetrievalEvaluator, whole and at its
+    first 128 dims (`--dims`, the evaluator's `truncate_dim`)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
@@ -41,24 +42,30 @@ def test_the_evaluator_equals_sentence_transformers(tmp_path: Path, capsys: pyte
     from titan_contrastive.models.bi_encoder.folder import bundled_minilm
 
     folder = write_beir(tmp_path / "beir")
-    assert main(["", "--beir", str(folder), "--out", str(tmp_path / "out.json"), "--batch-size", "3"]) == 0
+    assert (
+        main(["", "--beir", str(folder), "--out", str(tmp_path / "out.json"), "--batch-size", "3", "--dims", "128"])
+        == 0
+    )
     ours = json.loads((tmp_path / "out.json").read_text())
     beir = read_beir(folder)
-    evaluator = InformationRetrievalEvaluator(
-        queries=dict(zip(beir.query_ids, beir.queries)),
-        corpus=dict(zip(beir.corpus_ids, beir.corpus)),
-        relevant_docs={q: set(docs) for q, docs in beir.qrels.items()},
-        mrr_at_k=[10],
-        ndcg_at_k=[10],
-        map_at_k=[100],
-        precision_recall_at_k=[1, 10, 100],
-        accuracy_at_k=[1],
-        write_csv=False,
-    )
-    theirs = evaluator(SentenceTransformer(str(bundled_minilm()), device="cpu"))
-    assert ours["recall@1"] < 1 and ours["mrr@10"] < 1  # the ranking matters (q2's tie included)
-    for name in METRICS:
-        assert ours[name] == pytest.approx(theirs[f"cosine_{name}"], abs=1e-6), name
+    model = SentenceTransformer(str(bundled_minilm()), device="cpu")
+    for cut, truncate in (("", None), ("dim128/", 128)):
+        evaluator = InformationRetrievalEvaluator(
+            queries=dict(zip(beir.query_ids, beir.queries)),
+            corpus=dict(zip(beir.corpus_ids, beir.corpus)),
+            relevant_docs={q: set(docs) for q, docs in beir.qrels.items()},
+            mrr_at_k=[10],
+            ndcg_at_k=[10],
+            map_at_k=[100],
+            precision_recall_at_k=[1, 10, 100],
+            accuracy_at_k=[1],
+            write_csv=False,
+            truncate_dim=truncate,
+        )
+        theirs = evaluator(model)
+        assert ours[f"{cut}recall@1"] < 1 and ours[f"{cut}mrr@10"] < 1  # the ranking matters (q2's tie included)
+        for name in METRICS:
+            assert ours[f"{cut}{name}"] == pytest.approx(theirs[f"cosine_{name}"], abs=1e-6), (cut, name)
 
 
 def _evaluate(folder: str, model_folder: str) -> dict[str, float]:

@@ -72,21 +72,27 @@ def folder_run(tmp: Path, kind: str, *extra: str, dropout: float = 0.1):
 
 
 @needs("hf")
+@pytest.mark.parametrize("include_prompt", [True, False])
 @pytest.mark.parametrize("kind,pooling", [("encoder", "mean"), ("encoder", "cls"), ("decoder", "lasttoken")])
-def test_sentence_transformers_folder_in_gives_its_embeddings(tmp_path: Path, kind: str, pooling: str) -> None:
-    """A sentence-transformers folder: its pooling and prompts are honoured, and our embeddings of
-    queries and documents equal `SentenceTransformer(folder).encode` with its prompt (float32)."""
+def test_sentence_transformers_folder_in_gives_its_embeddings(
+    tmp_path: Path, kind: str, pooling: str, include_prompt: bool
+) -> None:
+    """A sentence-transformers folder: its pooling and prompts are honoured (with `include_prompt` false, the
+    prompt's tokens left out of the pooling), and our embeddings of queries and documents equal
+    `SentenceTransformer(folder).encode` with its prompt (float32)."""
     from sentence_transformers import SentenceTransformer
 
     from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, build_tokenizer
 
-    folder = st_folder(FOLDERS[kind](tmp_path), pooling, {"query": "query ", "document": "passage "})
+    prompts = {"query": "query ", "document": "represent the passage "}
+    folder = st_folder(FOLDERS[kind](tmp_path), pooling, prompts, include_prompt)
     args = BiEncoderArgs(path=str(folder), query_length=24).resolve(doc_length=24)
     assert (args.pooling, args.query_prompt, args.doc_prompt) == (
         {"lasttoken": "last_token"}.get(pooling, pooling),
         "query ",
-        "passage ",
+        "represent the passage ",
     )
+    assert args.include_prompt == include_prompt
     tokenizer, model = build_tokenizer(args), BiEncoder(args).eval()
     texts = [q for q, _ in PAIRS[:5]]
     queries, docs = tokenizer.encode_queries(texts, 24), tokenizer.encode_docs(texts)
@@ -258,6 +264,39 @@ def assert_gradcache_replays_dropout(tmp: Path, arch: str, *extra: str) -> None:
     without = trainer.model(batch["query"][:4], batch["doc"][:4])[0]
     assert not torch.allclose(without, trainer.model.eval()(batch["query"][:4], batch["doc"][:4])[0])  # dropout is on
     trainer.metrics.close()
+
+
+@needs("hf")
+def test_a_folder_pooling_without_its_prompt_steps_exactly_and_exports_so(tmp_path: Path) -> None:
+    """A sentence-transformers folder whose Pooling leaves the prompt out (`include_prompt` false, INSTRUCTOR's
+    way): GradCache chunks and global negatives equal the dense objective in float64; a step exports to a
+    sentence-transformers folder that pools the same way and embeds as the run does (the exporter checks)."""
+    prompts = {"query": "represent the question ", "document": "represent the passage "}
+    folder = st_folder(encoder_folder(tmp_path), "mean", prompts, include_prompt=False)
+    for kind in ("gradcache", "global"):
+        _step(tmp_path, "encoder", kind, f"--model.path={folder}")
+    from titan_contrastive.export import main as export_main
+
+    run = folder_run(
+        tmp_path / "export",
+        "encoder",
+        f"--model.path={folder}",
+        "--training.local_batch_size=6",
+        "--training.steps=1",
+        "--checkpoint.enable=true",
+    )
+    run.train()
+    run.metrics.close()
+    step = tmp_path / "export" / "run-encoder" / "checkpoint" / "step-1"
+    out = tmp_path / "st"
+    for side in ("query", "doc"):
+        assert export_main([str(step), "--to", "sentence-transformers", "--tower", side, "--out", f"{out}-{side}"]) == 0
+    pooling = json.loads((tmp_path / "st-query" / "1_Pooling" / "config.json").read_text())
+    assert pooling["include_prompt"] is False
+    from titan_contrastive.config import ConfigError
+
+    with pytest.raises(ConfigError, match="pools without its prompt .* leave them empty"):
+        folder_run(tmp_path / "per-source", "encoder", f"--model.path={folder}", "--data.query_prompts=find ")
 
 
 @needs("hf")

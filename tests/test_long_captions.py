@@ -98,16 +98,16 @@ def test_init_from_with_a_longer_context_stretches_the_text_positions(
     assert export_main([step, "--to", "open_clip", "--out", str(tmp_path / "oc")]) == 0
 
 
-def _clip_folder_of_24_positions(tmp: Path) -> Path:
-    """The tiny hf_clip CLIP folder (12 text positions) given a random table of 24, saved beside it."""
-    src = image_text_folder(tmp, "clip")
-    model = transformers.CLIPModel.from_pretrained(str(src))
+def _folder_of_24_positions(tmp: Path, kind: str) -> Path:
+    """The tiny hf_clip CLIP or MetaCLIP 2 folder (12 text positions) given a random table of 24, saved beside it."""
+    src = image_text_folder(tmp, kind)
+    model = transformers.AutoModel.from_pretrained(str(src))
     embeddings = model.text_model.embeddings
     table = torch.randn(24, 16, generator=torch.Generator().manual_seed(5)) * 0.1
     embeddings.position_embedding = torch.nn.Embedding.from_pretrained(table, freeze=False)
     embeddings.register_buffer("position_ids", torch.arange(24).expand((1, -1)), persistent=False)
     model.config.text_config.max_position_embeddings = 24
-    folder = tmp / "clip-24"
+    folder = tmp / f"{kind}-24"
     model.save_pretrained(str(folder))
     for file in src.iterdir():
         if file.name not in ("config.json", "model.safetensors"):
@@ -115,20 +115,21 @@ def _clip_folder_of_24_positions(tmp: Path) -> Path:
     return folder
 
 
-def test_an_hf_clip_folder_reads_longer_captions(tmp_path: Path) -> None:
-    """A CLIP folder of 24 positions at data.context_length=40: its table stretched, the parameter count exact,
-    captions of at most 20 tokens embed as transformers embeds them at 24; a step exports as a CLIPModel of 40
-    positions (the exporter checks it against the run); a folder of fewer positions than 22 is refused."""
+@pytest.mark.parametrize("kind", ["clip", "metaclip_2"])
+def test_an_hf_clip_folder_reads_longer_captions(tmp_path: Path, kind: str) -> None:
+    """A CLIP (MetaCLIP 2) folder of 24 positions at data.context_length=40: its table stretched, the parameter
+    count exact, captions of at most 20 tokens embed as transformers embeds them at 24; a step exports as a model
+    of 40 positions (the exporter checks it against the run); a folder of fewer positions than 22 is refused."""
     from titan_contrastive.config import ConfigError
     from titan_contrastive.models.clip.positions import stretch_positions
 
-    folder = _clip_folder_of_24_positions(tmp_path)
+    folder = _folder_of_24_positions(tmp_path, kind)
     flags = ("--data.context_length=40", "--training.local_batch_size=4", "--training.global_batch_size=4")
     flags += ("--training.steps=1", "--checkpoint.enable=true")
-    trainer = clip_run(tmp_path, "clip", f"--model.path={folder}", *flags)
+    trainer = clip_run(tmp_path, kind, f"--model.path={folder}", *flags)
     assert trainer.model_args.context_length == 40
     assert trainer.model_args.num_params() == sum(p.numel() for p in trainer.model.parameters())
-    theirs = transformers.CLIPModel.from_pretrained(str(folder), dtype=torch.float64).eval()
+    theirs = transformers.AutoModel.from_pretrained(str(folder), dtype=torch.float64).eval()
     table = trainer.model.text.transformer.embeddings.position_embedding.weight
     want_table = stretch_positions(theirs.text_model.embeddings.position_embedding.weight.detach(), 40)
     assert table.shape == (40, 16) and (table - want_table).abs().max() <= 1e-6
@@ -145,10 +146,10 @@ def test_an_hf_clip_folder_reads_longer_captions(tmp_path: Path) -> None:
     assert (got - want).abs().max() <= 1e-6
     trainer.train()
     trainer.metrics.close()
-    steps = sorted((tmp_path / "run-clip" / "checkpoint").glob("step-*"))
+    steps = sorted((tmp_path / f"run-{kind}" / "checkpoint").glob("step-*"))
     assert export_main([str(steps[-1]), "--to", "hf", "--out", str(tmp_path / "out")]) == 0
-    exported = transformers.CLIPModel.from_pretrained(str(tmp_path / "out"))
+    exported = transformers.AutoModel.from_pretrained(str(tmp_path / "out"))
     assert exported.config.text_config.max_position_embeddings == 40
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out")).model_max_length == 40
     with pytest.raises(ConfigError, match=r"data.context_length=20: .* learnt 12 text positions, too few to stretch"):
-        clip_run(tmp_path / "small", "clip", "--data.context_length=20")
+        clip_run(tmp_path / "small", kind, "--data.context_length=20")

@@ -6,7 +6,7 @@ when the code lives in a repository that is not in the local cache. With it: eve
 checkpointing, LoRA and the dropout's replay equal the dense objective in float64; its layers are the
 FSDP2 units on 2 gloo processes, and 4 processes load the code at once under DDP; the exports carry the
 code, load back with `trust_remote_code=True` and embed as the run does; the standalone evaluation and the
-miner take it too."""
+miner take it too; a run on it resumes."""
 
 from __future__ import annotations
 
@@ -140,8 +140,15 @@ def test_what_it_cannot_load_is_a_one_line_error(tmp_path: Path, capsys: pytest.
     config = json.loads((folder / "config.json").read_text())
     config["auto_map"] = {k: f"nobody/tiny-impl--{v}" for k, v in config["auto_map"].items()}
     (elsewhere / "config.json").write_text(json.dumps(config))
+    needs_more = tmp_path / "needs-a-package"  # code importing what is not installed (nomic's einops, say)
+    needs_more.mkdir()
+    for file in folder.iterdir():
+        (needs_more / file.name).write_bytes(file.read_bytes())
+    code = (folder / "modeling_tiny.py").read_text()
+    (needs_more / "modeling_tiny.py").write_text("import not_an_installed_package\n" + code)
     cases = [
         ((f"--model.path={folder}",), "model.trust_remote_code=true"),
+        ((f"--model.path={needs_more}", TRUST), "the code it ships cannot be imported"),
         ((f"--model.path={elsewhere}", TRUST), "lives in nobody/tiny-impl, which is not in the local Hugging Face"),
     ]
     for args, message in cases:
@@ -154,3 +161,22 @@ def test_what_it_cannot_load_is_a_one_line_error(tmp_path: Path, capsys: pytest.
     assert main([f"--job.dump_folder={tmp_path / 'clip'}", "--training.steps=1", TRUST]) == 2  # the default: clip
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "the clip family loads no folder's own code" in err[0], err
+
+
+@needs("hf")
+def test_a_run_on_it_resumes(tmp_path: Path) -> None:
+    """A checkpoint of a run on the folder resumes with its weights (the flag is loading, not architecture: its
+    change is no architecture change, and without it the folder is refused as at any start)."""
+    from titan_contrastive.config import ConfigError
+
+    flags = (TRUST, "--training.local_batch_size=6", "--checkpoint.enable=true", "--checkpoint.interval=1")
+    first = folder_run(tmp_path, ARCH, *flags, "--training.steps=1")
+    first.train()
+    first.metrics.close()
+    saved = {k: v.clone() for k, v in first.model.state_dict().items()}
+    resumed = folder_run(tmp_path, ARCH, *flags, "--training.steps=2")
+    assert resumed.step == 1
+    assert all(torch.equal(v, saved[k]) for k, v in resumed.model.state_dict().items())
+    resumed.metrics.close()
+    with pytest.raises(ConfigError, match="model.trust_remote_code=true"):
+        folder_run(tmp_path, ARCH, *flags[1:], "--training.steps=2")

@@ -1,11 +1,13 @@
-"""`python -m titan_contrastive.evaluate MODEL [--beir DIR] [--out FILE]`: retrieval metrics of a text model.
+"""`python -m titan_contrastive.evaluate MODEL [--beir DIR] [--sts FILE] [--out FILE]`: a text model's metrics.
 
 MODEL is one of our bi_encoder step folders (`.../checkpoint/step-N`, LoRA runs included) or a
 model folder the bi_encoder family loads (`[model] path`: a transformers or sentence-transformers
 folder, or a hub id already in the local cache). DIR is a local BEIR folder (`corpus.jsonl`,
 `queries.jsonl`, `qrels/{split}.tsv`), by default the bundled WordNet set. Prints nDCG@10,
 MRR@10, MAP@100 and Recall@1/10/100 as JSON (`components/beir_eval.py`: the figures
-sentence-transformers' InformationRetrievalEvaluator gives); `--out` writes them to a file too.
+sentence-transformers' InformationRetrievalEvaluator gives); with `--sts FILE` (scored sentence pairs, `[eval]
+sts_path`'s format) also `sts/pearson_cosine` and `sts/spearman_cosine`, as its EmbeddingSimilarityEvaluator
+gives them (`components/sts_eval.py`); `--out` writes them to a file too.
 
 Under torchrun (`torchrun --nproc_per_node=N -m titan_contrastive.evaluate ...`) every process
 holds the model and embeds its shard of the queries and the corpus; the results are the same as
@@ -55,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=256, help="texts per forward (default: 256)")
     parser.add_argument("--query-length", type=int, default=0, help="query tokens (default: the run's, else 64)")
     parser.add_argument("--doc-length", type=int, default=0, help="document tokens (default: the run's / folder's)")
+    parser.add_argument("--sts", default="", help="also semantic similarity on this file of scored sentence pairs")
+    parser.add_argument("--sts-split", default="test", help="the split of a saved dataset --sts reads (default: test)")
+    parser.add_argument(
+        "--dims", type=int, nargs="+", default=[], help="also at the embeddings' first m dims (Matryoshka), per m"
+    )
     parser.add_argument("--out", type=Path, help="also write the metrics (JSON) to this file")
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="run the code a model folder ships (config.json auto_map)"
@@ -65,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from titan_contrastive import exit_codes, failures
     from titan_contrastive.components.beir_eval import evaluate_beir, load_beir, pair_embedders
+    from titan_contrastive.components.sts_eval import evaluate_sts, load_sts
     from titan_contrastive.models.bi_encoder import build_tokenizer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -76,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts.batch_size < 1:
             raise ValueError(f"--batch-size {opts.batch_size}: use an integer >= 1")
         beir = load_beir(opts.beir, opts.split)
+        sts = load_sts(opts.sts, opts.sts_split) if opts.sts else None
         args, model = load_text_model(opts.model, opts.query_length, opts.doc_length, opts.trust_remote_code)
         model.to(device)
 
@@ -83,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             return model(batch["query"].to(device), batch["doc"].to(device))
 
         embedders = pair_embedders(forward, build_tokenizer(args), args.query_length)
-        results = evaluate_beir(beir, *embedders, batch_size=opts.batch_size, rank=rank, world_size=world, prefix="")
+        sizes = {"batch_size": opts.batch_size, "rank": rank, "world_size": world, "dims": opts.dims}
+        results = evaluate_beir(beir, *embedders, **sizes, prefix="")
+        if sts is not None:
+            results |= evaluate_sts(sts, embedders[0], **sizes)
     except (ValueError, OSError) as e:
         code = failures.report(e)
         if code is None:

@@ -22,7 +22,6 @@ import torch
 from titan_contrastive import exit_codes, failures, models
 from titan_contrastive.checkpoint import TrainState, build_checkpointer
 from titan_contrastive.checkpoint.resume import model_source, report_unread_init_from
-from titan_contrastive.components.beir_eval import evaluate_beir, load_beir, pair_embedders
 from titan_contrastive.components.evaluate import (
     EvalContext,
     check_embedding_dims,
@@ -40,6 +39,7 @@ from titan_contrastive.components.preemption import StopSignals, stop_message
 from titan_contrastive.components.preflight import check_output_folders, checkpoint_bytes
 from titan_contrastive.components.profiling import StepProfiler
 from titan_contrastive.components.run_lock import RunLock
+from titan_contrastive.components.text_evals import TextEvals
 from titan_contrastive.config import JobConfig, parse_args
 from titan_contrastive.config.manager import check_contrastive_problem, log_config_warnings
 from titan_contrastive.datasets import build_dataset
@@ -105,11 +105,7 @@ class Trainer:
             pixels_on_device=device.type == "cuda" and cfg.data.pixels_on_device,
         )
         self.train_set, self.eval_set, self.loader = data.train_set, data.eval_set, data.loader
-        self.beir = (
-            load_beir(cfg.eval.beir_path, cfg.eval.beir_split) if cfg.eval.enable and cfg.eval.beir_path else None
-        )
-        if self.beir is not None:
-            pair_embedders(self.forward, self.train_set.tokenizer, 0)  # a family without text pairs: refused here
+        self.text_evals = TextEvals.from_config(cfg.eval, self.forward, self.train_set.tokenizer)  # BEIR, STS
 
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step
         dtype = precision.param_dtype
@@ -198,10 +194,10 @@ class Trainer:
         contexts = functools.partial(EvalContext, self.model, self.forward)
         objective, dims = self.eval_objective, tuple(cfg.eval.dims or cfg.loss.matryoshka_dims)
         results = evaluate_sets(self.spec.evaluate, lambda ds: contexts(ds, objective, *run, dims), self.data.eval_sets)
-        if self.beir is not None:
-            embedders = pair_embedders(self.forward, self.train_set.tokenizer, self.model_args.query_length)
+        if self.text_evals:
             with eval_mode(self.model):
-                results.update(evaluate_beir(self.beir, *embedders, batch_size=run[0], rank=run[2], world_size=run[3]))
+                length, sizes = self.model_args.query_length, {"batch_size": run[0], "rank": run[2], "dims": dims}
+                results.update(self.text_evals(length, **sizes, world_size=run[3]))
         return results
 
     def _evaluate_and_log(self, last: bool) -> dict[str, float]:
@@ -229,7 +225,9 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """The loop; a run resumed at its last step only evaluates (how a finished run is re-evaluated)."""
         cfg = self.cfg
-        evaluates = cfg.eval.enable and any(s is not None for s in (self.beir, *self.data.eval_sets.values()))
+        evaluates = cfg.eval.enable and (
+            bool(self.text_evals) or any(s is not None for s in self.data.eval_sets.values())
+        )
         if self.step >= cfg.training.steps:  # nothing left to train (the checkpoint is at the last step)
             return self._evaluate_and_log(last=True) if evaluates else {}
         data_iter, resumed_at, results = iter(self.loader), self.step, {}

@@ -6,8 +6,8 @@ data position and RNG streams; the train state (step, samples seen, skipped step
 From the config (a change since the save is applied, and logged as `key: old -> new`): learning
 rate and schedule (warmup, decay, min_lr_factor, training.steps: the lr is recomputed at the
 restored step); AdamW betas, eps, weight decay; max_norm; global batch size (accumulation steps);
-on_nonfinite and its limit; model.patch_dropout (`TRAINING_ARGS`); logging, eval, checkpoint interval
-and keep; timeouts; everything else not below.
+on_nonfinite and its limit; model.patch_dropout and trust_remote_code (`TRAINING_ARGS`); logging, eval,
+checkpoint interval and keep; timeouts; everything else not below.
 
 Must agree (a change is a one-line error before anything is loaded): the model (family and
 architecture args, LoRA's rank and target modules among them); which parameters train
@@ -57,9 +57,10 @@ MUST_AGREE = {
     "training.local_batch_size": "the data position is counted in local batches",
     "optimizer.layer_decay": "the optimizer's parameter groups are built from it",
 }
-TRAINING_ARGS = {"patch_dropout"}
-"""Model args that shape training, not the weights: a change on resume is applied and logged as its config
-key's change (`model.patch_dropout`: FLIP ends with unmasked tuning), not refused as another architecture."""
+TRAINING_ARGS = {"patch_dropout", "trust_remote_code"}
+"""Model args that shape training or loading, not the weights: a change on resume is applied and logged as its
+config key's change (`model.patch_dropout`: FLIP ends with unmasked tuning; `model.trust_remote_code`, which
+a folder that ships its code needs either way), not refused as another architecture."""
 
 
 class IncompatibleResume(ValueError):

@@ -10,7 +10,7 @@ sentence-transformers' InformationRetrievalEvaluator computes them. Used by the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,7 @@ from titan_contrastive.components.precision import at_least_fp32
 from titan_contrastive.components.retrieval_metrics import BeirSet, ir_metrics, read_beir, top_k
 from titan_contrastive.datasets.base import DataError
 
-__all__ = ["BUNDLED", "embed_texts", "evaluate_beir", "load_beir"]
+__all__ = ["BUNDLED", "cuts", "embed_texts", "evaluate_beir", "load_beir"]
 
 BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "wordnet_beir"
 K = 100  # the deepest cut the metrics read (MAP@100, Recall@100)
@@ -35,6 +35,15 @@ def load_beir(path: str, split: str = "test") -> BeirSet:
             f"eval.beir_path={path!r} is not a folder; give a BEIR folder (corpus.jsonl, queries.jsonl, qrels/)"
         )
     return read_beir(folder, split)
+
+
+def cuts(width: int, dims: Sequence[int]) -> list[tuple[int, str]]:
+    """(dims, key prefix) of each evaluation of embeddings `width` wide: the whole ("") and each smaller m of
+    `dims` (`[eval] dims`: a Matryoshka model's first m dims, "dim{m}/"), widest first; a ValueError for an m wider
+    than the embeddings."""
+    if any(m > width for m in dims):
+        raise ValueError(f"eval.dims={list(dims)}: the embeddings have {width} dimensions; use dims <= {width}")
+    return [(width, ""), *((m, f"dim{m}/") for m in sorted(set(dims) - {width}, reverse=True))]
 
 
 @torch.no_grad()
@@ -64,14 +73,19 @@ def evaluate_beir(
     rank: int = 0,
     world_size: int = 1,
     prefix: str = "beir/",
+    dims: Sequence[int] = (),
 ) -> dict[str, float]:
-    """The IR metrics of `beir` with these embedders (normalized embeddings: dot product = cosine)."""
+    """The IR metrics of `beir` with these embedders (by cosine), and with their first m dims for each m of
+    `dims` (`cuts`); each text embedded once."""
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
     queries = embed_texts(embed_queries, beir.queries, **common)
     corpus = embed_texts(embed_docs, beir.corpus, **common)
-    scores, indices = top_k(queries, corpus, K, normalize=True)
-    metrics = ir_metrics(scores, indices, beir.query_ids, beir.corpus_ids, beir.qrels)
-    return {f"{prefix}{name}": value for name, value in metrics.items()}
+    results = {}
+    for m, cut in cuts(queries.shape[-1], dims):
+        scores, indices = top_k(queries[:, :m], corpus[:, :m], K, normalize=True)
+        metrics = ir_metrics(scores, indices, beir.query_ids, beir.corpus_ids, beir.qrels)
+        results |= {f"{cut}{prefix}{name}": value for name, value in metrics.items()}
+    return results
 
 
 def pair_embedders(
@@ -81,7 +95,9 @@ def pair_embedders(
     (query embeddings, document embeddings, ...), tokenized by its `PairTokenizer` (prompts and lengths
     included). The other tower gets one row: the root forward runs (FSDP2 unshards there), cheaply."""
     if not (hasattr(tokenizer, "encode_queries") and hasattr(tokenizer, "encode_docs")):
-        raise DataError("eval.beir_path needs a text-to-text model family (bi_encoder) and its text-pair data")
+        raise DataError(
+            "eval.beir_path and eval.sts_path need a text-to-text model family (bi_encoder) and its text-pair data"
+        )
 
     def queries(texts: list[str]) -> torch.Tensor:
         ids = tokenizer.encode_queries(texts, query_length)  # type: ignore[attr-defined]

@@ -329,10 +329,17 @@ class Eval:
     WordNet set in assets/wordnet_beir; empty = none."""
     beir_split: str = "test"
     """Which qrels file of `beir_path` (qrels/{split}.tsv)."""
+    sts_path: str = ""
+    """Text pairs: also semantic similarity on scored sentence pairs (STS-B's `sentence1`, `sentence2`, `score`, or
+    three columns in that order; .jsonl/.csv/.tsv/.parquet or a saved dataset), embedded once across the ranks,
+    both sentences through the query side: Pearson and Spearman correlation of their cosine with the score, as
+    sentence-transformers' EmbeddingSimilarityEvaluator (keys `sts/pearson_cosine`, `sts/spearman_cosine`)."""
+    sts_split: str = "test"
+    """Which split of a saved DatasetDict `sts_path` reads."""
     dims: list[int] = opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")
-    """Also the retrieval recall of the embeddings cut to their first m dims and re-normalized, per
-    m (keys `dim{m}/...`): a Matryoshka model's smaller embeddings, or a plain model's truncated
-    ones; empty = `loss.matryoshka_dims`."""
+    """Also the retrieval recall (and the BEIR and STS metrics) of the embeddings cut to their first m dims and
+    re-normalized, per m (keys `dim{m}/...`): a Matryoshka model's smaller embeddings, or a plain model's
+    truncated ones; empty = `loss.matryoshka_dims`."""
 
 
 @dataclass

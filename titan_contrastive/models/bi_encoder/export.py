@@ -84,7 +84,7 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
             "sentence-transformers"
         )
     ids, want = _probe(model, args, side, texts)
-    pad = model.pad_id
+    pad, skip = model.pad_id, model.prompt_skip[0 if side == "query" else 1]
     check = partial(compare, to, side, want)
     if to == "peft":
         if not args.lora_rank:
@@ -95,7 +95,7 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         base = load_text_tower(args.model_dir, args.trust_remote_code)
         theirs = reloaded("peft", lambda: PeftModel.from_pretrained(base, str(out)).eval())
         with torch.no_grad():
-            check(embed(theirs, ids, pad, args.pooling, 0, head=head), "peft")  # a head is frozen under LoRA
+            check(embed(theirs, ids, pad, args.pooling, 0, head=head, skip=skip), "peft")  # a head is frozen under LoRA
         return
     plain = plain_tower(args, tower)
     if to == "hf":
@@ -105,7 +105,7 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         trust = args.trust_remote_code  # the folder's code, copied beside the weights by save_pretrained
         theirs = reloaded("transformers", lambda: auto.from_pretrained(str(out), trust_remote_code=trust).eval())
         with torch.no_grad():
-            check(embed(theirs, ids, pad, args.pooling, 0), "transformers")
+            check(embed(theirs, ids, pad, args.pooling, 0, skip=skip), "transformers")
         return
     _write_sentence_transformers(plain, head, args, out, side)
     from sentence_transformers import SentenceTransformer
@@ -149,7 +149,7 @@ def _write_sentence_transformers(
             hf_dir, max_seq_length=length, model_kwargs=trust, config_kwargs=trust, processor_kwargs=trust
         )
         mode = {"last_token": "lasttoken"}.get(args.pooling, args.pooling)
-        pooling = Pooling(plain.config.hidden_size, pooling_mode=mode)
+        pooling = Pooling(plain.config.hidden_size, pooling_mode=mode, include_prompt=args.include_prompt)
         modules = [encoder, pooling, *dense, Normalize()]
         SentenceTransformer(modules=modules, device="cpu", prompts=prompts).save(str(out))
 

@@ -66,6 +66,8 @@ class TextFolder:
     sentence_transformers: bool = False
     dense: tuple[DenseLayer, ...] = ()
     """The folder's Dense modules after its pooling, in order."""
+    include_prompt: bool = True
+    """sentence-transformers' Pooling `include_prompt`: False leaves a prompt's tokens out of the pooling."""
 
 
 def bundled_minilm() -> Path:
@@ -103,6 +105,7 @@ def _json(file: Path) -> dict[str, Any]:
 
 
 def _st_pooling(folder: Path, config: dict[str, Any]) -> str:
+    """The pooling mode of a sentence-transformers Pooling config (one of cls, mean, lasttoken)."""
     if "pooling_mode" in config:
         modes = [config["pooling_mode"]]
     else:
@@ -111,11 +114,6 @@ def _st_pooling(folder: Path, config: dict[str, Any]) -> str:
         raise TextFolderError(
             f"{folder}: sentence-transformers pooling {modes} is not one of cls, mean, lasttoken; set model.pooling "
             "to train with another"
-        )
-    if config.get("include_prompt", True) is False:
-        raise TextFolderError(
-            f"{folder}: Pooling include_prompt=false (prompt tokens left out of the pool) is not supported; "
-            "use a folder that pools over its prompt"
         )
     return _ST_POOLING[modes[0]]
 
@@ -181,9 +179,11 @@ def read_text_folder(path: str) -> TextFolder:
         )
     dense = tuple(_dense(root / modules[i].get("path", "")) for i in dense_at)
     model_dir = root / kinds["Transformer"].get("path", "")
-    pooling = ""
+    pooling, include_prompt = "", True
     if "Pooling" in kinds:
-        pooling = _st_pooling(root, _json(root / kinds["Pooling"]["path"] / "config.json"))
+        pooling_config = _json(root / kinds["Pooling"]["path"] / "config.json")
+        pooling = _st_pooling(root, pooling_config)
+        include_prompt = pooling_config.get("include_prompt", True) is not False
     st_config = (
         _json(root / "config_sentence_transformers.json")
         if (root / "config_sentence_transformers.json").is_file()
@@ -200,6 +200,7 @@ def read_text_folder(path: str) -> TextFolder:
         max_seq_length=int(max_len or 0),
         sentence_transformers=True,
         dense=dense,
+        include_prompt=include_prompt,
     )
 
 
@@ -211,7 +212,9 @@ def ready_shipped_code(model_dir: str) -> None:
     from filelock import FileLock
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
     from transformers.utils import HF_MODULES_CACHE
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.set_verbosity_error()  # a failed import is said once, in the error below
     references = []
     for name in ("config.json", "tokenizer_config.json"):
         file = Path(model_dir) / name
@@ -223,7 +226,12 @@ def ready_shipped_code(model_dir: str) -> None:
             try:
                 get_class_from_dynamic_module(reference, model_dir, local_files_only=True)
             except OSError:
-                repo = reference.split("--")[0] if "--" in reference else model_dir
+                if "--" not in reference:
+                    raise TextFolderError(
+                        f"{model_dir}: config.json names the code {reference!r}, whose file is not in the folder; "
+                        "copy the model's .py files into it"
+                    ) from None
+                repo = reference.split("--")[0]
                 raise TextFolderError(
                     f"{model_dir}: the code {reference!r} it names lives in {repo}, which is not in the local "
                     f"Hugging Face cache (nothing is downloaded at run time): fetch it first, e.g. `hf download "
@@ -287,6 +295,16 @@ def load_tokenizer(model_dir: str, trust: bool = False) -> Any:
             raise TextFolderError(f"{model_dir}: the tokenizer has neither a pad nor an EOS token; give it a pad token")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def prompt_tokens(tokenizer: Any, prompt: str) -> int:
+    """The positions a prompt takes at the start of `prompt + text` as sentence-transformers counts them: the
+    tokenizer's ids of the prompt alone (a leading special token such as [CLS] included), less a trailing
+    special token; 0 for no prompt."""
+    if not prompt:
+        return 0
+    ids = tokenizer(prompt)["input_ids"]
+    return len(ids) - (bool(ids) and ids[-1] in tokenizer.all_special_ids)
 
 
 def pad_id(tokenizer: Any) -> int:

@@ -46,6 +46,7 @@ from titan_contrastive.models.bi_encoder.folder import (
     load_config,
     load_tokenizer,
     pad_id,
+    prompt_tokens,
     read_text_folder,
     text_model_class,
 )
@@ -77,6 +78,9 @@ class BiEncoderArgs(LoraFields):
     init_scale: float = 20.0
     """t at the start (sentence-transformers' MultipleNegativesRankingLoss scale); `[loss] init_logit_scale` = log t."""
     learn_logit_scale: bool = True
+    include_prompt: bool = True
+    """The folder's (sentence-transformers' Pooling `include_prompt`): False pools without the prompt's tokens
+    (INSTRUCTOR), as sentence-transformers does (`folder.prompt_tokens`)."""
     trust_remote_code: bool = False
     """`[model] trust_remote_code`: run the code a folder ships (config.json `auto_map`) for its model, its
     tokenizer, and a guide's or teacher's folder; otherwise such a folder is refused."""
@@ -92,6 +96,12 @@ class BiEncoderArgs(LoraFields):
         resolved = dataclasses.replace(self, trust_remote_code=m.trust_remote_code).resolve(
             m.path or self.path, m.pooling, m.query_prompt, m.doc_prompt, cfg.data.doc_context_length
         )
+        if not resolved.include_prompt and (cfg.data.query_prompts or cfg.data.doc_prompts):
+            raise TextFolderError(
+                f"data.query_prompts / doc_prompts: {resolved.path} pools without its prompt (Pooling include_prompt "
+                "false), which is counted from one prompt per side; leave them empty and set model.query_prompt / "
+                "doc_prompt"
+            )
         if m.freeze and read_text_folder(resolved.path).dense:  # a locked tower would run its head without a graph
             raise TextFolderError(
                 f"model.freeze={m.freeze}: {resolved.path} ends in Dense modules, and locking its towers is not "
@@ -136,6 +146,7 @@ class BiEncoderArgs(LoraFields):
             self,
             path=path,
             pooling=pooling,
+            include_prompt=folder.include_prompt,
             query_prompt=_prompt(query_prompt, self.query_prompt, folder.query_prompt),
             doc_prompt=_prompt(doc_prompt, self.doc_prompt, folder.doc_prompt),
             doc_length=doc_length,
@@ -163,7 +174,16 @@ class BiEncoderArgs(LoraFields):
     def update_from_data(
         self, *, image_shape: Any = None, vocab_size: int = 0, context_length: int = 32, eos_id: int = 0
     ) -> BiEncoderArgs:
-        """The query length comes from data.context_length; vocabulary and widths from the checkpoint."""
+        """The query length comes from data.context_length; vocabulary and widths from the checkpoint. A ValueError
+        when a query or a document could be longer than the folder's positions (`max_position_embeddings`): past
+        them a learnt table has no row, and sentence-transformers cuts the texts there."""
+        positions = getattr(self.config, "max_position_embeddings", None)
+        longest = max(context_length, self.doc_length)
+        if isinstance(positions, int) and longest > positions:
+            raise ValueError(
+                f"data.context_length={context_length}, doc_context_length={self.doc_length}: {self.model_dir} holds "
+                f"{positions} positions (max_position_embeddings); set both to at most {positions}"
+            )
         return dataclasses.replace(self, query_length=context_length)
 
     @property
@@ -224,13 +244,18 @@ def build_tokenizer(args: BiEncoderArgs) -> PairTokenizer:
     )
 
 
-def pooled(hidden: Tensor, mask: Tensor, pooling: str) -> Tensor:
-    """One vector per row of `hidden` [B, L, d] over its real tokens (`mask` [B, L], right-padded)."""
+def pooled(hidden: Tensor, mask: Tensor, pooling: str, skip: int = 0) -> Tensor:
+    """One vector per row of `hidden` [B, L, d] over its real tokens (`mask` [B, L], right-padded), without the
+    first `skip` positions (a prompt left out of the pooling, as sentence-transformers leaves it: cls then reads
+    the first position after it; the last token is the last either way)."""
     if pooling == "cls":
-        return hidden[:, 0]
+        return hidden[:, skip]
     if pooling == "last_token":
         last = mask.sum(1).clamp_min(1) - 1
         return hidden[torch.arange(len(hidden), device=hidden.device), last]
+    if skip:
+        mask = mask.clone()
+        mask[:, :skip] = False
     weights = mask.unsqueeze(-1).to(hidden.dtype)
     return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1)
 
@@ -268,10 +293,12 @@ def embed(
     index: int,
     replay: Sequence[Tensor | None] | None = None,
     head: nn.Module | None = None,
+    skip: int = 0,
 ) -> Tensor:
     """The tower's pooled (then `head`'s, the folder's Dense layers), L2-normalized embedding of right-padded
     `ids` (a locked tower, `tower.frozen`, through `locked_forward`; `index`: its output's place in the
-    model's, `replay`: the model's argument of that name). The tower runs on `ids` without the trailing
+    model's, `replay`: the model's argument of that name; `skip`: prompt positions left out of the pooling). The
+    tower runs on `ids` without the trailing
     columns that are padding in every row: the padding is masked, so that changes the embeddings by float
     rounding only, and saves its compute."""
 
@@ -279,7 +306,7 @@ def embed(
         trimmed = right_trimmed(ids, pad)
         mask = trimmed != pad
         hidden = tower(input_ids=trimmed.masked_fill(~mask, 0), attention_mask=mask.long()).last_hidden_state
-        vectors = pooled(hidden, mask, pooling)
+        vectors = pooled(hidden, mask, pooling, skip)
         return F.normalize(vectors if head is None else head(vectors), dim=-1)
 
     return locked_forward(tower, index, run, replay)
@@ -325,6 +352,8 @@ class BiEncoder(nn.Module):
             self.query_head.requires_grad_(False)
         self.doc_head = self.query_head if args.shared else copy.deepcopy(self.query_head)
         self.pad_id = pad_id(args.tokenizer)
+        prompts = (args.query_prompt, args.doc_prompt)
+        self.prompt_skip = (0, 0) if args.include_prompt else tuple(prompt_tokens(args.tokenizer, p) for p in prompts)
         self.retokenize = (
             Retokenizer(load_tokenizer(args.retokenize_from, args.trust_remote_code), args.tokenizer, args.doc_length)
             if args.retokenize_from
@@ -350,7 +379,7 @@ class BiEncoder(nn.Module):
     ) -> Tensor:
         """`tower`'s embeddings of `ids`, through the query head (`index` 0) or the document head (1)."""
         head = self.query_head if index == 0 else self.doc_head
-        return embed(tower, ids, self.pad_id, self.args.pooling, index, replay, head)
+        return embed(tower, ids, self.pad_id, self.args.pooling, index, replay, head, self.prompt_skip[index])
 
     def forward(
         self, query: Tensor, doc: Tensor, *, replay: Sequence[Tensor | None] | None = None

@@ -1,0 +1,69 @@
+"""The shipped recipes for a user's own Hugging Face model run as written, on tiny stand-ins: only the model
+folder, the data and the run's length and sizes are overridden (`train_configs/qwen3_embedding_lora.toml` with the tiny
+Qwen3-like decoder and pairs with hard negatives, then exported to sentence-transformers;
+`train_configs/hf_siglip.toml` with the tiny SigLIP folder and image-caption files)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tests.hf_folders import decoder_folder, image_text_folder
+from tests.needs import require
+from tests.test_hf_clip import pictures
+from tests.test_hf_text import PAIRS
+
+require("hf")
+
+REPO = Path(__file__).resolve().parents[1]
+SHORT = ["--training.steps=2", "--lr_scheduler.warmup_steps=1", "--metrics.enable_tensorboard=false"]
+
+
+def _train(tmp: Path, recipe: str, *overrides: str):
+    from titan_contrastive.config import parse_args
+    from titan_contrastive.train import Trainer
+
+    config = ["--job.config_file", str(REPO / "train_configs" / recipe), f"--job.dump_folder={tmp / 'run'}"]
+    trainer = Trainer(parse_args([*config, *SHORT, *overrides]))
+    out = trainer.train()
+    trainer.metrics.close()
+    return trainer, out
+
+
+def test_the_decoder_embedder_recipe(tmp_path: Path) -> None:
+    from titan_contrastive.export import main as export_main
+
+    rows = [{"query": q, "positive": p, "negative": PAIRS[(i + 3) % len(PAIRS)][1]} for i, (q, p) in enumerate(PAIRS)]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    batch = ["--training.local_batch_size=3", "--training.global_batch_size=6", "--checkpoint.interval=2"]
+    batch += ["--data.context_length=48", "--data.doc_context_length=32"]  # the tiny decoder holds 64 positions
+    trainer, _ = _train(
+        tmp_path,
+        "qwen3_embedding_lora.toml",
+        f"--model.path={decoder_folder(tmp_path)}",
+        f"--data.path={pairs}",
+        *batch,
+    )
+    args = trainer.model_args
+    assert args.pooling == "last_token" and args.query_prompt.startswith("Instruct: ") and args.lora_rank == 16
+    assert trainer.ga_steps == 2 and trainer.step == 2
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(e["loss"]) for e in logged if "loss" in e)
+    step = tmp_path / "run" / "checkpoint" / "step-2"
+    assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 0
+
+
+def test_the_siglip_recipe(tmp_path: Path) -> None:
+    table = pictures(tmp_path / "data")
+    batch = ["--training.local_batch_size=4", "--training.global_batch_size=8", "--data.val_path="]
+    trainer, _ = _train(
+        tmp_path,
+        "hf_siglip.toml",
+        f"--model.path={image_text_folder(tmp_path, 'siglip')}",
+        "--data.dataset=csv",
+        f"--data.path={table}",
+        *batch,
+    )
+    assert trainer.step == 2 and trainer.ga_steps == 2 and trainer.cfg.loss.negatives == "global"
