@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from titan_contrastive.components.evaluate import gather_rows
+from titan_contrastive.components.evaluate import dim_cuts, gather_rows
 from titan_contrastive.components.precision import at_least_fp32
 from titan_contrastive.components.retrieval_metrics import BeirSet, ir_metrics, read_beir, top_k
 from titan_contrastive.datasets.base import DataError
 
-__all__ = ["BUNDLED", "cuts", "embed_texts", "evaluate_beir", "load_beir"]
+__all__ = ["BUNDLED", "embed_texts", "evaluate_beir", "load_beir"]
 
 BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "wordnet_beir"
 K = 100  # the deepest cut the metrics read (MAP@100, Recall@100)
@@ -35,15 +35,6 @@ def load_beir(path: str, split: str = "test") -> BeirSet:
             f"eval.beir_path={path!r} is not a folder; give a BEIR folder (corpus.jsonl, queries.jsonl, qrels/)"
         )
     return read_beir(folder, split)
-
-
-def cuts(width: int, dims: Sequence[int]) -> list[tuple[int, str]]:
-    """(dims, key prefix) of each evaluation of embeddings `width` wide: the whole ("") and each smaller m of
-    `dims` (`[eval] dims`: a Matryoshka model's first m dims, "dim{m}/"), widest first; a ValueError for an m wider
-    than the embeddings."""
-    if any(m > width for m in dims):
-        raise ValueError(f"eval.dims={list(dims)}: the embeddings have {width} dimensions; use dims <= {width}")
-    return [(width, ""), *((m, f"dim{m}/") for m in sorted(set(dims) - {width}, reverse=True))]
 
 
 @torch.no_grad()
@@ -76,12 +67,12 @@ def evaluate_beir(
     dims: Sequence[int] = (),
 ) -> dict[str, float]:
     """The IR metrics of `beir` with these embedders (by cosine), and with their first m dims for each m of
-    `dims` (`cuts`); each text embedded once."""
+    `dims` (`evaluate.dim_cuts`); each text embedded once."""
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
     queries = embed_texts(embed_queries, beir.queries, **common)
     corpus = embed_texts(embed_docs, beir.corpus, **common)
     results = {}
-    for m, cut in cuts(queries.shape[-1], dims):
+    for m, cut in dim_cuts(queries.shape[-1], dims):
         scores, indices = top_k(queries[:, :m], corpus[:, :m], K, normalize=True)
         metrics = ir_metrics(scores, indices, beir.query_ids, beir.corpus_ids, beir.qrels)
         results |= {f"{cut}{prefix}{name}": value for name, value in metrics.items()}

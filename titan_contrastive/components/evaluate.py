@@ -21,7 +21,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,6 +148,15 @@ def zero_shot_classifier(forward: Forward, dataset: ZeroShotDataset) -> torch.Te
     return nn.functional.normalize(per_class, dim=-1)
 
 
+def dim_cuts(width: int, dims: Sequence[int]) -> list[tuple[int, str]]:
+    """(dims, key prefix) of each evaluation of embeddings `width` wide: the whole ("") and each smaller m of
+    `dims` (`[eval] dims`: a Matryoshka model's first m dims, "dim{m}/"), widest first; a ValueError for an m wider
+    than the embeddings."""
+    if any(m > width for m in dims):
+        raise ValueError(f"eval.dims={list(dims)}: the embeddings have {width} dimensions; use dims <= {width}")
+    return [(width, ""), *((m, f"dim{m}/") for m in sorted(set(dims) - {width}, reverse=True))]
+
+
 @torch.no_grad()
 def check_embedding_dims(model: nn.Module, forward: Forward, dataset: Dataset, dims: dict[str, list[int]]) -> None:
     """A ConfigError before training when a setting (`dims`: {"eval.dims": [...], ...}) asks for more
@@ -207,17 +216,15 @@ def evaluate(
             backward = "_to_".join(reversed(dataset.recall_direction.split("_to_")))
             out.update(recall_at_k(img, txt, dataset.recall_ks, dataset.recall_direction))
             out.update(recall_at_k(txt, img, dataset.recall_ks, backward))
-            for m in sorted(set(dims) - {img.shape[-1]}, reverse=True):
-                if m > img.shape[-1]:
-                    raise ValueError(f"eval.dims has {m}, more than the {img.shape[-1]} dims of the embeddings")
-                cut = [nn.functional.normalize(x[:, :m], dim=-1) for x in (img, txt)]
+            for m, cut in dim_cuts(img.shape[-1], dims)[1:]:
+                small = [nn.functional.normalize(x[:, :m], dim=-1) for x in (img, txt)]
                 out.update(
                     {
-                        f"dim{m}/{k}": v
-                        for k, v in recall_at_k(*cut, dataset.recall_ks, dataset.recall_direction).items()
+                        f"{cut}{k}": v
+                        for k, v in recall_at_k(*small, dataset.recall_ks, dataset.recall_direction).items()
                     }
                 )
-                out.update({f"dim{m}/{k}": v for k, v in recall_at_k(*cut[::-1], dataset.recall_ks, backward).items()})
+                out.update({f"{cut}{k}": v for k, v in recall_at_k(*small[::-1], dataset.recall_ks, backward).items()})
         return out
 
 

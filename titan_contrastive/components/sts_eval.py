@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from titan_contrastive.components.beir_eval import cuts, embed_texts
+from titan_contrastive.components.beir_eval import embed_texts
+from titan_contrastive.components.evaluate import dim_cuts
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.pairs import FORMATS, read_table
 from titan_contrastive.extras import import_failure
@@ -75,7 +76,7 @@ def evaluate_sts(
 ) -> dict[str, float]:
     """Pearson and Spearman correlations of the pairs' cosines with their scores (`pearson_cosine`,
     `spearman_cosine`, the evaluator's names), and of their first m dims' cosines for each m of `dims`
-    (`beir_eval.cuts`); each text embedded once."""
+    (`evaluate.dim_cuts`); each text embedded once."""
     try:
         from scipy.stats import pearsonr, spearmanr
     except ImportError as e:
@@ -83,7 +84,7 @@ def evaluate_sts(
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
     first, second = (embed_texts(embed, texts, **common) for texts in (sts.sentences1, sts.sentences2))
     results = {}
-    for m, cut in cuts(first.shape[-1], dims):
+    for m, cut in dim_cuts(first.shape[-1], dims):
         cosines = F.cosine_similarity(first[:, :m].double(), second[:, :m].double()).cpu().numpy()
         results[f"{cut}{prefix}pearson_cosine"] = float(pearsonr(sts.scores, cosines)[0])
         results[f"{cut}{prefix}spearman_cosine"] = float(spearmanr(sts.scores, cosines)[0])

@@ -220,6 +220,8 @@ def ready_shipped_code(model_dir: str) -> None:
         file = Path(model_dir) / name
         for value in (_json(file).get("auto_map") or {}).values() if file.is_file() else ():
             references += [r for r in (value if isinstance(value, list | tuple) else [value]) if r]
+    if not references:
+        return
     Path(HF_MODULES_CACHE).mkdir(parents=True, exist_ok=True)
     with FileLock(str(Path(HF_MODULES_CACHE) / ".titan_contrastive.lock")):
         for reference in references:
