@@ -296,6 +296,29 @@ def test_workers_match_main_process_and_resume(start: str) -> None:
         assert torch.equal(want["text"], got["text"])
 
 
+def test_ending_the_workers_keeps_the_batches() -> None:
+    """`end_workers` (the trainer's, when its loop ends) leaves no worker process, and the next batches start new
+    ones where they left off: the same batches as a loader never stopped, across an epoch's end."""
+    import multiprocessing as mp
+
+    def make(workers: int) -> EpochLoader:
+        return build_dataloader(
+            tiny_dataset(), local_batch_size=8, dp_rank=0, dp_world_size=1, seed=4, num_workers=workers
+        )
+
+    reference, before = take(make(0), 12), set(mp.active_children())  # another test's may still be ending
+    loader = make(2)
+    first = take(loader, 5)
+    assert len(set(mp.active_children()) - before) == 2
+    loader.end_workers()
+    assert not set(mp.active_children()) - before
+    rest = take(loader, 7)
+    loader.end_workers()
+    for want, got in zip(reference, first + rest, strict=True):
+        assert torch.equal(want["index"], got["index"]) and torch.equal(want["image"], got["image"])
+    make(0).end_workers()  # without workers: nothing to end
+
+
 def test_datasets_constant() -> None:
     assert DATASETS == ("fashion_mnist", "emoji", "wordnet")
 

@@ -259,6 +259,7 @@ class Trainer:
                 if saved or side_work:  # eval and checkpoint time stay out of samples/s
                     self.metrics.reset()
                 self.profiler.step()  # a traced step: its data, its step, its logging, evaluation, checkpoint
+        self.loader.end_workers()  # no worker outlives the loop (a further train() starts new ones where they were)
         return results
 
 

@@ -215,6 +215,19 @@ class EpochLoader:
         self.bad_samples.load_state_dict(state_dict.get("bad_samples", {}))
         self._iterator = None
 
+    def end_workers(self) -> None:
+        """End the worker processes now, as the loader ends them after an epoch's last batch; the next batch
+        starts new ones where these left off (the loader's state, as a resume restores it). The trainer calls it
+        when its loop ends: the workers hold prefetched batches, and a process whose loader still holds them when
+        it is torn down (a Trainer built in a notebook or a test) can wait on them forever, since they ignore
+        SIGTERM (`leave_stop_signals_to_the_trainer`)."""
+        shutdown = getattr(self._iterator, "_shutdown_workers", None)  # none with num_workers = 0
+        if shutdown is None:
+            return
+        state = self.state_dict()
+        shutdown()
+        self.load_state_dict(state)
+
 
 MAX_PREFETCH = 8
 """Batches each worker keeps ready at most: a step of thousands of microbatches would otherwise hold a
