@@ -296,7 +296,9 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         clip_run(tmp_path, "siglip", "--data.context_length=8")
     with pytest.raises(ConfigError, match=r"data.image_size=20: .* reads images in 8 px patches; set .* \(e.g. 16"):
         clip_run(tmp_path, "siglip2", "--data.image_size=20")
-    with pytest.raises(ConfigError, match=r"data.context_length=20: .* learnt 12 text positions, too few to stretch"):
+    with pytest.raises(
+        ConfigError, match=r"data.context_length=20: .* 12 learnt text positions are too few to stretch"
+    ):
         clip_run(tmp_path, "clip", "--data.context_length=20")
     with pytest.raises(DataError, match="data.dataset='emoji': hf_clip reads RGB photos normalized with its folder's"):
         clip_run(tmp_path, "clip", "--data.dataset=emoji", "--data.path=")

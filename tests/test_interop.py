@@ -417,5 +417,7 @@ def test_init_from_with_a_shorter_context_cuts_the_text_positions(
         assert (model.encode_image(images) - want_img).abs().max() <= 1e-5
     short = {**state, "text.positional_embedding": state["text.positional_embedding"][:21]}
     longer = args.update_from_data(image_shape=(3, 32, 32), vocab_size=49408, context_length=100, eos_id=49407)
-    with pytest.raises(WeightsError, match=r"context_length=100: the checkpoint's text tower learnt 21 positions, too"):
+    with pytest.raises(
+        WeightsError, match=r"context_length=100: the checkpoint's 21 learnt text positions are too few"
+    ):
         fit_positions(short, longer)

@@ -151,5 +151,7 @@ def test_an_hf_clip_folder_reads_longer_captions(tmp_path: Path, kind: str) -> N
     exported = transformers.AutoModel.from_pretrained(str(tmp_path / "out"))
     assert exported.config.text_config.max_position_embeddings == 40
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out")).model_max_length == 40
-    with pytest.raises(ConfigError, match=r"data.context_length=20: .* learnt 12 text positions, too few to stretch"):
+    with pytest.raises(
+        ConfigError, match=r"data.context_length=20: .* 12 learnt text positions are too few to stretch"
+    ):
         clip_run(tmp_path / "small", kind, "--data.context_length=20")

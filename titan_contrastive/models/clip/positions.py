@@ -30,7 +30,7 @@ from torch import Tensor
 from titan_contrastive.models.clip.args import CLIPArgs
 from titan_contrastive.models.weights import WeightsError
 
-__all__ = ["KEEP", "fit_positions", "resize_positions", "stretch_positions"]
+__all__ = ["KEEP", "fit_positions", "resize_positions", "stretch_positions", "unstretchable"]
 
 logger = logging.getLogger("titan_contrastive")
 KEY = "visual.positional_embedding"
@@ -54,6 +54,13 @@ def resize_positions(table: Tensor, grid: int, prefix: int = 1) -> Tensor:
     patches = table[prefix:].to(dtype).T.reshape(1, -1, side, side)
     resized = F.interpolate(patches, size=(grid, grid), mode="bicubic", align_corners=False, antialias=grid < side)
     return torch.cat([table[:prefix], resized.reshape(-1, grid * grid).T.to(table.dtype)])
+
+
+def unstretchable(n: int) -> str | None:
+    """Why a text table of `n` learnt positions cannot be stretched; None where it can (n >= KEEP + 2)."""
+    if n >= KEEP + 2:
+        return None
+    return f"{n} learnt text positions are too few to stretch (Long-CLIP keeps {KEEP} and stretches the rest)"
 
 
 def stretch_positions(table: Tensor, length: int, keep: int = KEEP) -> Tensor:
@@ -91,10 +98,9 @@ def fit_positions(state: dict[str, Tensor], args: CLIPArgs) -> dict[str, Tensor]
             "checkpoint)"
         )
     elif n < length:
-        if n < KEEP + 2:
+        if why := unstretchable(n):
             raise WeightsError(
-                f"data.context_length={length}: the checkpoint's text tower learnt {n} positions, too few to stretch "
-                f"(Long-CLIP keeps {KEEP} and stretches the rest); set data.context_length to at most {n}"
+                f"data.context_length={length}: the checkpoint's {why}; set data.context_length to at most {n}"
             )
         state[TEXT_KEY] = stretch_positions(text, length)
         logger.info(

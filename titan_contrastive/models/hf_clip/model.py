@@ -51,7 +51,7 @@ from titan_contrastive.datasets.image_transforms import FILTERS
 from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer, read_text_folder
-from titan_contrastive.models.clip.positions import KEEP, resize_positions, stretch_positions
+from titan_contrastive.models.clip.positions import resize_positions, stretch_positions, unstretchable
 from titan_contrastive.models.hf_clip.naflex import NaFlexEmbeddings, naflex_inputs
 from titan_contrastive.models.patch_dropout import drop_patches_after, kept_patches
 
@@ -233,10 +233,10 @@ class HFClipArgs(LoraFields):
                 f"data.context_length={cfg.data.context_length}: {path} reads exactly {positions} tokens (SigLIP "
                 f"pools the last position of ids padded to it); set data.context_length={positions} or 0"
             )
-        if length > positions and positions < KEEP + 2:
+        if length > positions and (why := unstretchable(positions)):
             raise ConfigError(
-                f"data.context_length={cfg.data.context_length}: {path} learnt {positions} text positions, too few "
-                f"to stretch (Long-CLIP keeps {KEEP} and stretches the rest); set data.context_length={positions} or 0"
+                f"data.context_length={cfg.data.context_length}: {path}'s {why}; set data.context_length={positions} "
+                "or 0"
             )
         t = temperature_from_config(cfg, default_logit_scale=0.0)  # checks a bias against the objective
         bias = None
@@ -427,9 +427,8 @@ def resize_vision_positions(vision: nn.Module, size: int) -> None:
         return
     prefix = embeddings.num_positions - embeddings.num_patches  # CLIP's class token
     table = resize_positions(embeddings.position_embedding.weight.detach(), grid, prefix)
-    embeddings.position_embedding = nn.Embedding.from_pretrained(table, freeze=False)
+    _replace_positions(embeddings, table)
     embeddings.image_size, embeddings.num_patches, embeddings.num_positions = size, grid * grid, len(table)
-    embeddings.register_buffer("position_ids", torch.arange(len(table)).expand((1, -1)), persistent=False)
     vision.config.image_size = size
 
 
@@ -440,10 +439,14 @@ def stretch_text_positions(text: nn.Module, length: int) -> None:
     embeddings = text.embeddings
     if length <= embeddings.position_embedding.num_embeddings:
         return
-    table = stretch_positions(embeddings.position_embedding.weight.detach(), length)
-    embeddings.position_embedding = nn.Embedding.from_pretrained(table, freeze=False)
-    embeddings.register_buffer("position_ids", torch.arange(length).expand((1, -1)), persistent=False)
+    _replace_positions(embeddings, stretch_positions(embeddings.position_embedding.weight.detach(), length))
     text.config.max_position_embeddings = length
+
+
+def _replace_positions(embeddings: nn.Module, table: Tensor) -> None:
+    """A transformers embeddings module's position table replaced by `table` (trainable) and its ids to match."""
+    embeddings.position_embedding = nn.Embedding.from_pretrained(table, freeze=False)
+    embeddings.register_buffer("position_ids", torch.arange(len(table)).expand((1, -1)), persistent=False)
 
 
 def hf_clip_blocks(model: HFClip) -> list[nn.Module]:
