@@ -191,8 +191,12 @@ class Optimizer:
 class LRScheduler:
     warmup_steps: int = opt(20, lambda v: v >= 0, "an integer >= 0")
     """Linear warmup from lr/(warmup_steps+1) to lr over this many steps (at or beyond training.steps: a warning)."""
-    decay_type: Literal["cosine", "linear", "none"] = "cosine"
-    """Decay after warmup, down to lr * min_lr_factor at the last step."""
+    decay_type: Literal["cosine", "linear", "sqrt", "none"] = "cosine"
+    """Decay after warmup (or after the stable phase), down to lr * min_lr_factor at the last step."""
+    decay_ratio: float | None = opt(None, lambda v: v is None or 0 < v <= 1, "a number in (0, 1], or unset")
+    """Warmup-stable-decay (torchtitan's `decay_ratio`): the lr holds its peak after warmup and decays over the
+    last round(decay_ratio x training.steps) steps only. Unset: it decays from the end of warmup. A run resumed
+    with more training.steps and a decay_ratio branches a decay off a stable run."""
     min_lr_factor: float = opt(0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]")
     """Final learning rate as a fraction of the peak."""
 

@@ -258,12 +258,18 @@ def validate(cfg: JobConfig) -> None:
 
 
 def _check_combinations(cfg: JobConfig) -> None:
-    """Values that are valid alone but not together. A memory plan needs a budget; keep_best an
+    """Values that are valid alone but not together. A decay ratio needs a decay; a memory plan a budget; keep_best an
     evaluation at each checkpoint (`_check_keep_best`). The logit scale's range depends on whether it
     is learned: a learned one is clamped to [0, log 100] after every step, so an init outside would
     silently change at step 1; a fixed one is never clamped, but past exp(+-9.2) it overflows or
     carries no signal, and the run would fail at step 1 with a non-finite loss whose message points
     at the lr."""
+    sched = cfg.lr_scheduler
+    if sched.decay_ratio is not None and sched.decay_type == "none":
+        raise ConfigError(
+            f"lr_scheduler.decay_ratio={sched.decay_ratio!r} with lr_scheduler.decay_type='none': nothing decays; "
+            "set decay_type to 'cosine', 'linear' or 'sqrt', or remove decay_ratio"
+        )
     if cfg.memory.plan and not cfg.memory.budget_gib:
         raise ConfigError("memory.plan=true needs memory.budget_gib > 0 (the per-device budget to plan for)")
     _check_keep_best(cfg)
@@ -364,6 +370,13 @@ def log_config_warnings(cfg: JobConfig) -> list[str]:
     legitimate and common, and a resumed run may extend training.steps past the warmup."""
     out = []
     warmup, steps = cfg.lr_scheduler.warmup_steps, cfg.training.steps
+    ratio = cfg.lr_scheduler.decay_ratio
+    if ratio is not None and warmup < steps and warmup + max(round(ratio * steps), 1) > steps:
+        out.append(
+            f"lr_scheduler.decay_ratio={ratio} over training.steps={steps} asks for {max(round(ratio * steps), 1)} "
+            f"decay steps, which reach into the {warmup} warmup steps; the decay starts at the end of warmup, "
+            "with no stable phase"
+        )
     if warmup >= steps:
         out.append(
             f"lr_scheduler.warmup_steps={warmup} >= training.steps={steps}: the lr rises for the whole run, reaching "
