@@ -34,6 +34,7 @@ KINDS = {
     "global": (3, 2, ["--loss.negatives=global", "--loss.stream_chunk_size=5"]),
 }
 LORA = ("--lora.enable=true", "--lora.rank=4", "--lora.alpha=8")
+DORA = (*LORA, "--lora.use_dora=true", "--lora.use_rslora=true")
 
 
 def pictures(root: Path, negatives: int = 0) -> Path:
@@ -160,8 +161,10 @@ def test_siglip_with_its_sigmoid_loss_and_bias(tmp_path: Path, step: str) -> Non
 
 @pytest.mark.parametrize("kind", IMAGE_TEXT)
 def test_lora_and_a_locked_image_tower(tmp_path: Path, kind: str) -> None:
-    """LoRA on both towers' attention; and LiT's locked image tower (run without a graph, replayed)."""
+    """LoRA on both towers' attention (DoRA with rsLoRA over global negatives); and LiT's locked image tower (run
+    without a graph, replayed)."""
     _step(tmp_path, kind, "gradcache", *LORA)
+    _step(tmp_path / "dora", kind, "global", *DORA)
     _step(tmp_path / "lit", kind, "gradcache", "--model.freeze=image")
 
 

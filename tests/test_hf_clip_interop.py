@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tests.hf_folders import IMAGE_TEXT, image_text_folder
 from tests.needs import require
-from tests.test_hf_clip import LORA, _step, _tensors, clip_run, pictures
+from tests.test_hf_clip import DORA, LORA, _step, _tensors, clip_run, pictures
 from tests.test_trainer import make_trainer as base_trainer
 from titan_contrastive.losses import Sigmoid
 
@@ -134,6 +134,7 @@ def test_siglip2_reads_the_resolution_the_run_sets(tmp_path: Path) -> None:
         ("clip", False, 0),
         ("clip", True, 0),
         ("metaclip_2", True, 0),
+        ("clip", "dora", 0),
         ("siglip", False, 0),
         ("siglip2", True, 24),
         ("clip", False, 24),
@@ -141,7 +142,7 @@ def test_siglip2_reads_the_resolution_the_run_sets(tmp_path: Path) -> None:
     ],
 )
 def test_export_loads_back_in_transformers_and_sentence_transformers(
-    tmp_path: Path, kind: str, lora: bool, size: int
+    tmp_path: Path, kind: str, lora: bool | str, size: int
 ) -> None:
     """A trained step folder exported --to hf (LoRA merged) is the folder's model class, trained, with the
     tokenizer and image processor; the exporter compares the reloaded embeddings (exit 2 if they differ).
@@ -159,7 +160,7 @@ def test_export_loads_back_in_transformers_and_sentence_transformers(
     run = clip_run(
         tmp_path,
         kind,
-        *(LORA if lora else ()),
+        *(DORA if lora == "dora" else LORA if lora else ()),
         *([f"--data.image_size={size}"] if size else []),
         "--training.local_batch_size=5",
         "--training.steps=2",

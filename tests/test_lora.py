@@ -1,7 +1,8 @@
 """LoRA through peft on the bi_encoder's Hugging Face towers (tiny BERT-like and Qwen3-like folders,
 tests/hf_folders.py): only adapters train; every step kind equals the dense objective in float64 on
 1 and 2 gloo processes (FSDP2 with a frozen base, DDP), LoRA dropout replayed in GradCache; a
-checkpoint holds only the adapters and resumes bit-identically; a changed rank is a one-line error."""
+checkpoint holds only the adapters and resumes bit-identically; a changed rank is a one-line error. DoRA and
+rsLoRA (`VARIANTS`) the same."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from tests.test_hf_text import FOLDERS, KINDS, _step, _step_distributed, folder_
 require("hf")
 
 LORA = ("--lora.enable=true", "--lora.rank=4", "--lora.alpha=8")
+DORA = (*LORA, "--lora.use_dora=true", "--lora.use_rslora=true")
+VARIANTS = {"lora": LORA, "dora-rslora": DORA}
 REL = 1e-10
 
 
@@ -48,28 +51,59 @@ def test_only_the_adapters_train(tmp_path: Path, arch: str) -> None:
     trainer.metrics.close()
 
 
+def test_dora_and_rslora_are_peft_s_own(tmp_path: Path) -> None:
+    """`use_dora`: a magnitude per output row trains beside A and B, starting at the loaded weight's row norms;
+    `use_rslora`: the adapters scaled by alpha / sqrt(r) = 8 / 2 (alpha / r = 2 without)."""
+    from transformers import AutoModel
+
+    trainer = folder_run(tmp_path, "encoder", *DORA, "--training.local_batch_size=6")
+    args = trainer.model_args
+    assert args.lora_dora and args.lora_rslora
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    magnitudes = {n for n in trainable if ".lora_magnitude_vector." in n}
+    assert len(magnitudes) == 2 * 2 and trainable - magnitudes == {
+        n for n in trainable if ".lora_A." in n or ".lora_B." in n
+    } | {"logit_scale"}
+    base = AutoModel.from_pretrained(args.model_dir)
+    layer = trainer.model.query_tower.encoder.layer[1].attention.self.value
+    want = base.encoder.layer[1].attention.self.value.weight.detach().norm(dim=1)
+    assert torch.allclose(layer.lora_magnitude_vector["default"].weight, want.to(torch.float64), rtol=0, atol=1e-6)
+    assert layer.scaling["default"] == 4.0
+    trainer.metrics.close()
+    plain = folder_run(tmp_path / "plain", "encoder", *LORA, "--training.local_batch_size=6")
+    assert plain.model.query_tower.encoder.layer[1].attention.self.value.scaling["default"] == 2.0
+    assert not any(".lora_magnitude_vector." in n for n, _ in plain.model.named_parameters())
+    plain.metrics.close()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("arch", list(FOLDERS))
-def test_every_step_kind_with_lora_equals_the_dense_objective(tmp_path: Path, arch: str, kind: str) -> None:
-    _step(tmp_path, arch, kind, *LORA, warm=True)
+def test_every_step_kind_with_lora_equals_the_dense_objective(
+    tmp_path: Path, arch: str, kind: str, variant: str
+) -> None:
+    _step(tmp_path, arch, kind, *VARIANTS[variant], warm=True)
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
 @pytest.mark.parametrize("arch", list(FOLDERS))
-def test_lora_global_negatives_on_two_ranks(tmp_path: Path, arch: str, parallel: str) -> None:
-    """FSDP2 shards a frozen base beside trainable adapters in each layer unit; DDP reduces the adapters."""
+def test_lora_global_negatives_on_two_ranks(tmp_path: Path, arch: str, parallel: str, variant: str) -> None:
+    """FSDP2 shards a frozen base beside trainable adapters (and DoRA's magnitudes) in each layer unit; DDP
+    reduces the adapters."""
     FOLDERS[arch](tmp_path)
-    run_distributed(_step_distributed, 2, str(tmp_path), arch, parallel == "ddp", *LORA)
+    run_distributed(_step_distributed, 2, str(tmp_path), arch, parallel == "ddp", *VARIANTS[variant])
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("arch", list(FOLDERS))
-def test_gradcache_replays_lora_dropout(tmp_path: Path, arch: str) -> None:
+def test_gradcache_replays_lora_dropout(tmp_path: Path, arch: str, variant: str) -> None:
     """LoRA dropout 0.3 (and the model's own dropout) on: GradCache chunks of 4 over 6 equal the dense
     objective over the same forwards, the chunks encoded in order from the same seed."""
     trainer = folder_run(
         tmp_path,
         arch,
-        *LORA,
+        *VARIANTS[variant],
         "--lora.dropout=0.3",
         "--training.local_batch_size=6",
         "--gradcache.enabled=true",
@@ -82,11 +116,11 @@ def test_gradcache_replays_lora_dropout(tmp_path: Path, arch: str) -> None:
     trainer.metrics.close()
 
 
-def _run(tmp: Path, *extra: str):
+def _run(tmp: Path, *extra: str, variant: str = "lora"):
     return folder_run(
         tmp,
         "decoder",
-        *LORA,
+        *VARIANTS[variant],
         "--lora.dropout=0.1",
         "--training.local_batch_size=4",
         "--training.steps=4",
@@ -97,10 +131,11 @@ def _run(tmp: Path, *extra: str):
     )
 
 
-def test_resume_with_lora_is_bit_identical_and_saves_only_adapters(tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_resume_with_lora_is_bit_identical_and_saves_only_adapters(tmp_path: Path, variant: str) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
-    whole = _run(tmp_path)
+    whole = _run(tmp_path, variant=variant)
     whole.train()
     whole.metrics.close()
     want = {n: p.detach().clone() for n, p in whole.model.named_parameters()}
@@ -112,10 +147,11 @@ def test_resume_with_lora_is_bit_identical_and_saves_only_adapters(tmp_path: Pat
     model_keys = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
     trainable = {n for n, p in whole.model.named_parameters(remove_duplicate=False) if p.requires_grad}
     assert model_keys == trainable  # the adapters and the scale (under both names of the shared tower), no base weight
+    assert any(".lora_magnitude_vector." in k for k in model_keys) == (variant != "lora")
 
     shutil.rmtree(run / "checkpoint" / "step-4")
     (run / "metrics.jsonl").unlink()
-    resumed = _run(tmp_path)
+    resumed = _run(tmp_path, variant=variant)
     assert resumed.step == 2
     resumed.train()
     resumed.metrics.close()
@@ -131,7 +167,11 @@ def test_a_changed_lora_rank_on_resume_is_a_one_line_error(tmp_path: Path) -> No
     first = _run(tmp_path, "--training.steps=2")
     first.train()
     first.metrics.close()
-    for change, says in (("--lora.rank=8", "lora_rank: 4 -> 8"), ("--lora.enable=false", "lora_rank: 4 -> 0")):
+    for change, says in (
+        ("--lora.rank=8", "lora_rank: 4 -> 8"),
+        ("--lora.enable=false", "lora_rank: 4 -> 0"),
+        ("--lora.use_dora=true", "lora_dora: False -> True"),
+    ):
         with pytest.raises(CheckpointError, match=rf"^checkpoint step-2 holds a different architecture \({says}[;)]"):
             _run(tmp_path, "--training.steps=4", change)
 
@@ -145,10 +185,11 @@ def test_target_modules_that_match_nothing_are_refused(tmp_path: Path) -> None:
         folder_run(tmp_path, "encoder", *LORA, "--training.local_batch_size=6", "--lora.target_modules", "nowhere")
 
 
-def test_exports_merged_and_as_a_peft_adapter(tmp_path: Path) -> None:
-    """A LoRA run's step folder: --to sentence-transformers and --to hf hold the merged weights, --to peft
-    the adapters alone; each loads in its library (PeftModel over the run's base folder) and gives the
-    run's embeddings within the exporter's 1e-4 (float32: the merge's rounding, other kernel shapes),
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_exports_merged_and_as_a_peft_adapter(tmp_path: Path, variant: str) -> None:
+    """A LoRA (or DoRA with rsLoRA) run's step folder: --to sentence-transformers and --to hf hold the merged
+    weights, --to peft the adapters alone; each loads in its library (PeftModel over the run's base folder) and
+    gives the run's embeddings within the exporter's 1e-4 (float32: the merge's rounding, other kernel shapes),
     while the base alone is off by more than 1e-3."""
     from peft import PeftModel
     from sentence_transformers import SentenceTransformer
@@ -161,7 +202,7 @@ def test_exports_merged_and_as_a_peft_adapter(tmp_path: Path) -> None:
     run = folder_run(
         tmp_path,
         "encoder",
-        *LORA,
+        *VARIANTS[variant],
         "--training.local_batch_size=6",
         "--training.steps=2",
         "--checkpoint.enable=true",
@@ -197,6 +238,7 @@ def test_exports_merged_and_as_a_peft_adapter(tmp_path: Path) -> None:
     assert (mean_pooled(merged) - want).abs().max() <= 1e-4
     base = AutoModel.from_pretrained(args.model_dir).eval()
     adapter = PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    assert adapter.peft_config["default"].use_dora == (variant != "lora")
     assert (mean_pooled(adapter) - want).abs().max() <= 1e-4
     assert (
         mean_pooled(AutoModel.from_pretrained(args.model_dir).eval()) - want

@@ -36,6 +36,7 @@ KINDS = {
     "global": (3, 2, ["--loss.negatives=global", "--loss.stream_chunk_size=5"]),
 }
 LORA = ("--lora.enable=true", "--lora.rank=4", "--lora.alpha=8")
+DORA = (*LORA, "--lora.use_dora=true", "--lora.use_rslora=true")
 
 
 def vl_run(tmp: Path, arch: str, *extra: str, dropout: float = 0.1, sizes: tuple[str, ...] = ("28", "56", "84")):
@@ -155,9 +156,12 @@ def test_every_step_kind_equals_the_dense_objective(tmp_path: Path, arch: str, k
     _step(tmp_path, arch, kind)
 
 
-@pytest.mark.parametrize("kind", ["gradcache", pytest.param("gradcache-tokens", marks=pytest.mark.slow)])
-def test_with_lora_and_the_images_as_queries(tmp_path: Path, kind: str) -> None:
-    _step(tmp_path, "qwen2_vl", kind, *LORA, "--data.retrieval_mode=i2t")
+@pytest.mark.parametrize(
+    "kind, adapters",
+    [("gradcache", LORA), ("global", DORA), pytest.param("gradcache-tokens", LORA, marks=pytest.mark.slow)],
+)
+def test_with_lora_and_the_images_as_queries(tmp_path: Path, kind: str, adapters: tuple[str, ...]) -> None:
+    _step(tmp_path, "qwen2_vl", kind, *adapters, "--data.retrieval_mode=i2t")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -282,8 +286,8 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         processor.encode("{image}", [""], [np.zeros((28, 6000, 3), np.uint8)])
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_exports_reload_and_embed_as_the_run(tmp_path: Path, lora: bool) -> None:
+@pytest.mark.parametrize("lora", [False, True, "dora"])
+def test_exports_reload_and_embed_as_the_run(tmp_path: Path, lora: bool | str) -> None:
     """A trained step folder: --to hf (merged with LoRA) and --to peft load back in transformers / peft
     and give the run's query and document embeddings (the exporter compares them and exits 2 if not);
     the transformers folder carries the tokenizer and the image processor."""
@@ -294,7 +298,7 @@ def test_exports_reload_and_embed_as_the_run(tmp_path: Path, lora: bool) -> None
     run = vl_run(
         tmp_path,
         "qwen2_vl",
-        *(LORA if lora else ()),
+        *(DORA if lora == "dora" else LORA if lora else ()),
         "--training.local_batch_size=6",
         "--training.steps=2",
         "--training.dtype=float32",

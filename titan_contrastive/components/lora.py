@@ -10,7 +10,9 @@ Qwen: q_proj, v_proj); `['all-linear']` is peft's every linear layer but an outp
 `modules_to_save` (peft's name and matching: module names ending with one of them) train in full
 beside the adapters, e.g. the word embeddings; they must not nest, as peft's own save and load of
 nested ones fails. LoRA dropout is an `nn.Dropout` like any other: a
-GradCache re-forward replays its draws.
+GradCache re-forward replays its draws. `use_rslora` (alpha / sqrt(r)) and `use_dora` (a trained
+magnitude per output row beside A and B, `.lora_magnitude_vector.default`) are peft's own options,
+passed through; the magnitudes are set from the loaded weights when the adapters are injected.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class LoraFields:
     """The adapted modules: `[lora] target_modules`, or the family's default."""
     lora_modules_to_save: tuple[str, ...] = ()
     """`[lora] modules_to_save`: modules trained in full beside the adapters."""
+    lora_rslora: bool = False
+    """`[lora] use_rslora`: the adapters scaled by alpha / sqrt(rank)."""
+    lora_dora: bool = False
+    """`[lora] use_dora`: weight-decomposed adapters (a trained magnitude per output row)."""
 
     @staticmethod
     def from_config(lora: Any, default_targets: Callable[[], tuple[str, ...]]) -> dict[str, Any]:
@@ -50,12 +56,9 @@ class LoraFields:
             "lora_dropout": lora.dropout,
             "lora_targets": (tuple(lora.target_modules) or default_targets()) if on else (),
             "lora_modules_to_save": tuple(lora.modules_to_save) if on else (),
+            "lora_rslora": lora.use_rslora and on,
+            "lora_dora": lora.use_dora and on,
         }
-
-    @property
-    def lora_options(self) -> tuple[int, float, float, tuple[str, ...], tuple[str, ...]]:
-        """`add_lora`'s and `lora_config`'s arguments: rank, alpha, dropout, targets, modules_to_save."""
-        return self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets, self.lora_modules_to_save
 
 
 def default_targets(model_type: str) -> tuple[str, ...]:
@@ -70,17 +73,19 @@ def default_targets(model_type: str) -> tuple[str, ...]:
     return tuple(DEFAULTS[model_type])
 
 
-def lora_config(
-    rank: int, alpha: float, dropout: float, targets: Sequence[str], modules_to_save: Sequence[str] = ()
-) -> Any:
+def lora_config(fields: LoraFields) -> Any:
+    """peft's `LoraConfig` of the `[lora]` settings in `fields`."""
     from peft import LoraConfig
 
+    targets = tuple(fields.lora_targets)
     return LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        lora_dropout=dropout,
-        target_modules="all-linear" if tuple(targets) == ("all-linear",) else list(targets),  # peft's own key word
-        modules_to_save=list(modules_to_save) or None,
+        r=fields.lora_rank,
+        lora_alpha=fields.lora_alpha,
+        lora_dropout=fields.lora_dropout,
+        target_modules="all-linear" if targets == ("all-linear",) else list(targets),  # peft's own key word
+        modules_to_save=list(fields.lora_modules_to_save) or None,
+        use_rslora=fields.lora_rslora,
+        use_dora=fields.lora_dora,
     )
 
 
@@ -106,24 +111,21 @@ def _modules_to_save(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
     return list(found.values())
 
 
-def add_lora(
-    model: nn.Module,
-    rank: int,
-    alpha: float,
-    dropout: float,
-    targets: Sequence[str],
-    modules_to_save: Sequence[str] = (),
-) -> nn.Module:
-    """`model` with LoRA adapters of `rank` on the modules named `targets` (peft's matching: exact
-    names or name suffixes) and `modules_to_save` trained in full, everything else frozen;
-    ConfigError when no module matches."""
+def add_lora(model: nn.Module, fields: LoraFields) -> nn.Module:
+    """`model` with LoRA adapters of `fields.lora_rank` on the modules named `fields.lora_targets` (peft's
+    matching: exact names or name suffixes) and `fields.lora_modules_to_save` trained in full, everything else
+    frozen; ConfigError when no module matches."""
     from peft import inject_adapter_in_model
 
-    full = _modules_to_save(model, modules_to_save)
+    full = _modules_to_save(model, fields.lora_modules_to_save)
+    config = lora_config(fields)
+    config.modules_to_save = None  # trained in place below, not wrapped
     try:
-        model = inject_adapter_in_model(lora_config(rank, alpha, dropout, targets), model)
+        model = inject_adapter_in_model(config, model)
     except ValueError as e:  # no target module found
-        raise ConfigError(f"lora.target_modules={list(targets)}: {' '.join(str(e).split())[:200]}") from None
+        raise ConfigError(
+            f"lora.target_modules={list(fields.lora_targets)}: {' '.join(str(e).split())[:200]}"
+        ) from None
     for module in full:
         module.requires_grad_(True)
     return model

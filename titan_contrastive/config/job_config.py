@@ -93,6 +93,12 @@ class Lora:
     """The adapters' output is scaled by alpha / rank."""
     dropout: float = opt(0.05, lambda v: 0 <= v < 1, "a number in [0, 1)")
     """Dropout on the adapters' input (replayed exactly in a GradCache re-forward)."""
+    use_rslora: bool = False
+    """rsLoRA: the adapters' output scaled by alpha / sqrt(rank) instead of alpha / rank, so the update keeps
+    its size as the rank grows (peft's `use_rslora`)."""
+    use_dora: bool = False
+    """DoRA: each adapted weight trains as a magnitude per output row and a direction that the adapters
+    update (peft's `use_dora`); more compute per step than LoRA."""
     target_modules: list[str] = opt([], None)
     """Names (or name suffixes) of the linear layers to adapt; empty = peft's default for the
     architecture (BERT: query, value; Qwen and Llama: q_proj, v_proj); ['all-linear'] = every linear

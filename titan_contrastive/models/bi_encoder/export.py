@@ -41,7 +41,7 @@ def adapted(args: Any, tower: nn.Module) -> Any:
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
     base = load_text_tower(args.model_dir, getattr(args, "trust_remote_code", False))
-    wrapped = get_peft_model(base, lora_config(*args.lora_options))
+    wrapped = get_peft_model(base, lora_config(args))
     adapters = {f"base_model.model.{k}": v for k, v in get_peft_model_state_dict(tower).items()}
     # what trained in full ([lora] modules_to_save), under the names peft saves them by
     adapters |= {

@@ -210,7 +210,7 @@ class BiEncoderArgs(LoraFields):
                 config, trust_remote_code=self.trust_remote_code
             )
             if self.lora_rank:
-                add_lora(tower, *self.lora_options)
+                add_lora(tower, self)
         layers = sum(p.numel() for block in layer_blocks(tower) for p in block.parameters())
         pooler = getattr(tower, "pooler", None)
         unused = sum(p.numel() for p in pooler.parameters()) if isinstance(pooler, nn.Module) else 0
@@ -344,7 +344,7 @@ class BiEncoder(nn.Module):
         model_dir = args.model_dir
         self.query_tower = load_text_tower(model_dir, args.trust_remote_code)
         if args.lora_rank:  # adapters before the copy: a separate document tower gets its own
-            add_lora(self.query_tower, *args.lora_options)
+            add_lora(self.query_tower, args)
         self.doc_tower = self.query_tower if args.shared else copy.deepcopy(self.query_tower)
         # the folder's Dense layers after the pooling; part of the frozen base under LoRA
         self.query_head = dense_head(read_text_folder(args.path).dense, self.query_tower.config.hidden_size)

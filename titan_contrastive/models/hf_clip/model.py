@@ -302,7 +302,7 @@ class HFClipArgs(LoraFields):
         with torch.device("meta"):
             model = AutoModel.from_config(config)
             if self.lora_rank:
-                add_lora(model, *self.lora_options)
+                add_lora(model, self)
         vision, text = (sum(p.numel() for p in tower.encoder.layers.parameters()) for tower in _towers(model))
         return config.model_type, sum(p.numel() for p in model.parameters()), vision, text
 
@@ -366,7 +366,7 @@ class HFClip(nn.Module):
         self.args = args
         model = load_hf_model(args.model_dir)
         if args.lora_rank:  # before the split: peft sees the whole model's module names
-            add_lora(model, *args.lora_options)
+            add_lora(model, args)
         image_proj, text_proj = KINDS[model.config.model_type]
         vision, text = _towers(model)
         if args.max_num_patches:  # SigLIP 2: its positions resized to each grid in their own dtype

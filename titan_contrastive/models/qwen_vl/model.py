@@ -151,7 +151,7 @@ class QwenVLArgs(LoraFields):
         with torch.device("meta"):
             tower = AutoModel.from_config(load_config(self.path))
             if self.lora_rank:
-                add_lora(tower, *self.lora_options)
+                add_lora(tower, self)
         decoder = sum(p.numel() for b in layer_blocks(tower.language_model) for p in b.parameters())
         return sum(p.numel() for p in tower.parameters()) + 1, decoder
 
@@ -296,7 +296,7 @@ class QwenVLEmbedder(nn.Module):
         self.args = args
         self.tower = load_text_tower(args.path)
         if args.lora_rank:
-            add_lora(self.tower, *args.lora_options)
+            add_lora(self.tower, args)
         if MODES[args.mode] == ("text", "text"):  # t2t never runs the vision tower: frozen (DDP needs every grad)
             for p in getattr(self.tower, "visual", nn.Module()).parameters():
                 p.requires_grad_(False)
