@@ -300,6 +300,54 @@ def test_a_folder_pooling_without_its_prompt_steps_exactly_and_exports_so(tmp_pa
 
 
 @needs("hf")
+def test_model_include_prompt_overrides_the_folder(tmp_path: Path) -> None:
+    """`[model] include_prompt`: false on a plain folder with prompts embeds as the sentence-transformers folder
+    of the same weights whose Pooling leaves the prompt out, true on that folder as the one whose Pooling reads
+    it; a step with it exports a Pooling that says so (the exporter compares the embeddings); another family
+    refuses it in one line."""
+    from sentence_transformers import SentenceTransformer
+
+    from titan_contrastive.config import ConfigError
+    from titan_contrastive.export import main as export_main
+    from titan_contrastive.models.bi_encoder import build_tokenizer
+
+    model = encoder_folder(tmp_path)
+    prompts = {"query": "represent the question ", "document": "represent the passage "}
+    given = [f"--model.query_prompt={prompts['query']}", f"--model.doc_prompt={prompts['document']}"]
+    texts = [q for q, _ in PAIRS[:5]]
+    cases = [
+        ("plain", model, False, [*given, "--checkpoint.enable=true", "--training.steps=1"]),
+        ("no-prompt", st_folder(model, "mean", prompts, include_prompt=False), True, []),
+    ]
+    for name, folder, include, extra in cases:
+        run = folder_run(
+            tmp_path / name,
+            "encoder",
+            f"--model.path={folder}",
+            f"--model.include_prompt={str(include).lower()}",
+            "--training.local_batch_size=6",
+            "--data.context_length=24",
+            "--data.doc_context_length=24",
+            *extra,
+        )
+        assert run.model_args.include_prompt is include
+        reference = SentenceTransformer(str(st_folder(model, "mean", prompts, include_prompt=include)), device="cpu")
+        tokenizer, ours = build_tokenizer(run.model_args), run.model.eval()
+        with torch.no_grad():
+            zq, zd, _ = ours(tokenizer.encode_queries(texts, 24), tokenizer.encode_docs(texts))
+        for got, side in ((zq, "query"), (zd, "document")):
+            assert (got - reference.encode(texts, prompt_name=side, convert_to_tensor=True)).abs().max() <= 1e-5
+        if extra:
+            run.train()
+        run.metrics.close()
+    step = tmp_path / "plain" / "run-encoder" / "checkpoint" / "step-1"
+    assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 0
+    assert json.loads((tmp_path / "st" / "1_Pooling" / "config.json").read_text())["include_prompt"] is False
+    with pytest.raises(ConfigError, match=r"^model.include_prompt=false: the clip family pools no prompted texts"):
+        base_trainer(str(tmp_path / "clip"), "--model.include_prompt=false")
+
+
+@needs("hf")
 def test_layers_are_the_fsdp_and_checkpointing_units(tmp_path: Path) -> None:
     from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, bi_encoder_blocks
 

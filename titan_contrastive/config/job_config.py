@@ -64,6 +64,10 @@ class Model:
     doc_prompt: str = "auto"
     """bi_encoder: text prepended to every document; `auto` = the folder's `document` / `passage` prompt.
     qwen_vl: the document's template (t2i: e.g. "{image} Summarize above image in one word:")."""
+    include_prompt: bool | None = None
+    """bi_encoder: whether the pooling reads the prompts' tokens (sentence-transformers' Pooling `include_prompt`);
+    false = INSTRUCTOR's way, the prompt conditions the text but is left out of the embedding's pooling. Unset
+    (`none`) = the folder's, true for a plain folder. Exported to sentence-transformers with the pooling."""
     freeze: list[str] = opt([], None)
     """Locked towers / partial tuning: tower names (clip `image`, `text`; bi_encoder `query`, `doc`)
     or fnmatch patterns over parameter names. Frozen parameters get no gradients and no optimizer

@@ -46,13 +46,18 @@ def missing_methods(args: Any) -> list[str]:
 
 def configured(args: Any, cfg: Any, spec: Any) -> Any:
     """`args.update_from_config(cfg)` for the family of `spec` (a `ModelSpec`); a ConfigError for the settings it
-    cannot take: `[model] patch_dropout` or `trust_remote_code` where its args do not carry it (no image patches
-    to drop, no folder whose code it runs), `[optimizer] layer_decay` where it names no towers whose layers could
-    decay."""
+    cannot take: `[model] patch_dropout`, `trust_remote_code` or `include_prompt` where its args do not carry it
+    (no image patches to drop, no folder whose code it runs, no prompt left out of a pooling), `[optimizer]
+    layer_decay` where it names no towers whose layers could decay."""
     if cfg.model.trust_remote_code and not hasattr(args, "trust_remote_code"):
         raise ConfigError(
             f"model.trust_remote_code=true: the {spec.name} family loads no folder's own code (bi_encoder does); set "
             "model.trust_remote_code=false"
+        )
+    if cfg.model.include_prompt is not None and not hasattr(args, "include_prompt"):
+        raise ConfigError(
+            f"model.include_prompt={str(cfg.model.include_prompt).lower()}: the {spec.name} family pools no prompted "
+            "texts (bi_encoder does); remove it"
         )
     args = args.update_from_config(cfg)
     if getattr(args, "patch_dropout", 0.0) != cfg.model.patch_dropout:

@@ -78,9 +78,10 @@ class BiEncoderArgs(LoraFields):
     init_scale: float = 20.0
     """t at the start (sentence-transformers' MultipleNegativesRankingLoss scale); `[loss] init_logit_scale` = log t."""
     learn_logit_scale: bool = True
-    include_prompt: bool = True
-    """The folder's (sentence-transformers' Pooling `include_prompt`): False pools without the prompt's tokens
-    (INSTRUCTOR), as sentence-transformers does (`folder.prompt_tokens`)."""
+    include_prompt: bool | None = None
+    """`[model] include_prompt`, else (None until resolved) the folder's sentence-transformers Pooling
+    `include_prompt`: False pools without the prompt's tokens (INSTRUCTOR), as sentence-transformers does
+    (`folder.prompt_tokens`)."""
     trust_remote_code: bool = False
     """`[model] trust_remote_code`: run the code a folder ships (config.json `auto_map`) for its model, its
     tokenizer, and a guide's or teacher's folder; otherwise such a folder is refused."""
@@ -93,14 +94,15 @@ class BiEncoderArgs(LoraFields):
         against the folder (`resolve`), and `[loss] init_logit_scale` (default: log 20) and `learn_logit_scale`."""
         t = temperature_from_config(cfg, default_logit_scale=math.log(self.init_scale))
         m = cfg.model
-        resolved = dataclasses.replace(self, trust_remote_code=m.trust_remote_code).resolve(
+        given = dataclasses.replace(self, trust_remote_code=m.trust_remote_code, include_prompt=m.include_prompt)
+        resolved = given.resolve(
             m.path or self.path, m.pooling, m.query_prompt, m.doc_prompt, cfg.data.doc_context_length
         )
         if not resolved.include_prompt and (cfg.data.query_prompts or cfg.data.doc_prompts):
             raise TextFolderError(
                 f"data.query_prompts / doc_prompts: {resolved.path} pools without its prompt (Pooling include_prompt "
-                "false), which is counted from one prompt per side; leave them empty and set model.query_prompt / "
-                "doc_prompt"
+                "false, or model.include_prompt=false), which is counted from one prompt per side; leave them empty "
+                "and set model.query_prompt / doc_prompt"
             )
         if m.freeze and read_text_folder(resolved.path).dense:  # a locked tower would run its head without a graph
             raise TextFolderError(
@@ -146,7 +148,7 @@ class BiEncoderArgs(LoraFields):
             self,
             path=path,
             pooling=pooling,
-            include_prompt=folder.include_prompt,
+            include_prompt=folder.include_prompt if self.include_prompt is None else self.include_prompt,
             query_prompt=_prompt(query_prompt, self.query_prompt, folder.query_prompt),
             doc_prompt=_prompt(doc_prompt, self.doc_prompt, folder.doc_prompt),
             doc_length=doc_length,
@@ -157,7 +159,10 @@ class BiEncoderArgs(LoraFields):
         folder's pooling, no adapters. With this model's tokenizer it embeds this model's token ids
         (prompts included), and its positions must hold these lengths (a TextFolderError, one line, if
         not); with another it reads them as text, up to its folder's sequence length (`retokenize_from`)."""
-        own = dict(path=path, pooling="auto", shared=True, lora_rank=0, query_prompt="", doc_prompt="", doc_length=0)
+        own = dict(
+            path=path, pooling="auto", include_prompt=None, shared=True, lora_rank=0, query_prompt="", doc_prompt=""
+        )
+        own["doc_length"] = 0
         guide = dataclasses.replace(self, **own).resolve()  # its folder's pooling and sequence length
         mine, theirs = self.tokenizer, guide.tokenizer
         if mine.get_vocab() != theirs.get_vocab() or pad_id(mine) != pad_id(theirs):
