@@ -140,6 +140,60 @@ class WithoutGuide:
 
 
 @needs("hf")
+def test_a_guide_pooling_without_the_prompt_skips_the_model_s_prompts(tmp_path: Path, guide_dir: Path) -> None:
+    """sentence-transformers' GISTEmbedLoss hands the model's prompt length to the guide, whose Pooling with
+    `include_prompt` false leaves those tokens out: the guide's embeddings of the model's prompted ids equal
+    `SentenceTransformer(guide).encode(texts, prompt=...)` (float32, <= 1e-5), and differ from pooling over the
+    prompt; per-source prompts with such a guide are refused in one line."""
+    from sentence_transformers import SentenceTransformer
+
+    from tests.test_hard_negatives import WORDS
+    from titan_contrastive.models.bi_encoder import build_tokenizer
+
+    st = SentenceTransformer(str(guide_dir), device="cpu")
+    st[1].include_prompt = False
+    no_prompt = tmp_path / "guide-no-prompt"
+    st.save(str(no_prompt))
+    pairs_file(tmp_path)
+    prompts = {"query": "query: ", "doc": "passage: "}  # within the 16 tokens of the longest query
+    trainer = make_trainer(
+        tmp_path,
+        "--training.local_batch_size=6",
+        "--training.global_batch_size=6",
+        f"--loss.guide_model={no_prompt}",
+        "--loss.mask_margin=0",
+        f"--model.query_prompt={prompts['query']}",
+        f"--model.doc_prompt={prompts['doc']}",
+    )
+    samples = trainer.train_set.__getitems__(list(range(6)))
+    queries, positives = [w[0] for w in WORDS[:6]], [w[1] for w in WORDS[:6]]
+    tokenizer = build_tokenizer(trainer.model_args)
+    assert torch.equal(samples["query"], tokenizer.encode_queries(queries, 16))  # rows in file order
+    assert torch.equal(samples["doc"], tokenizer.encode_docs(positives))
+    guide = trainer.step_context.guide
+    assert guide.prompt_skip[0] > 1 and guide.prompt_skip[1] > 1
+    with torch.no_grad():
+        gq, gd = guide(samples["query"], samples["doc"])[:2]
+    reference = SentenceTransformer(str(no_prompt), device="cpu")
+    want_q = reference.encode(queries, prompt=prompts["query"], convert_to_tensor=True)
+    want_d = reference.encode(positives, prompt=prompts["doc"], convert_to_tensor=True)
+    assert (gq.float() - want_q).abs().max() <= 1e-5 and (gd.float() - want_d).abs().max() <= 1e-5
+    pooled_over = SentenceTransformer(str(guide_dir), device="cpu").encode(
+        queries, prompt=prompts["query"], convert_to_tensor=True
+    )
+    assert (gq.float() - pooled_over).abs().max() > 1e-2
+    trainer.metrics.close()
+    with pytest.raises(ConfigError, match=r"data.query_prompts / doc_prompts: the guide or teacher .* pools without"):
+        make_trainer(
+            tmp_path / "per-source",
+            f"--data.path={tmp_path / 'pairs.jsonl'}",
+            f"--loss.guide_model={no_prompt}",
+            "--loss.mask_margin=0",
+            "--data.query_prompts=find: ",
+        )
+
+
+@needs("hf")
 def test_a_guide_is_refused_where_it_cannot_work(tmp_path: Path, guide_dir: Path, monkeypatch) -> None:
     """Without a margin or relative mask; for a family without guides; with the model's tokenizer and
     fewer positions than its sequences; a folder that holds no model; a registered objective without

@@ -104,6 +104,13 @@ class BiEncoderArgs(LoraFields):
                 "false, or model.include_prompt=false), which is counted from one prompt per side; leave them empty "
                 "and set model.query_prompt / doc_prompt"
             )
+        frozen = cfg.loss.guide_model or cfg.loss.teacher_model
+        if frozen and (cfg.data.query_prompts or cfg.data.doc_prompts) and not _includes_prompt(frozen):
+            raise TextFolderError(
+                f"data.query_prompts / doc_prompts: the guide or teacher {frozen} pools without the prompt (Pooling "
+                "include_prompt false), which is counted from one prompt per side; leave them empty and set "
+                "model.query_prompt / doc_prompt"
+            )
         if m.freeze and read_text_folder(resolved.path).dense:  # a locked tower would run its head without a graph
             raise TextFolderError(
                 f"model.freeze={m.freeze}: {resolved.path} ends in Dense modules, and locking its towers is not "
@@ -158,7 +165,10 @@ class BiEncoderArgs(LoraFields):
         """The args of a frozen guide from folder `path` (`[loss] guide_model`, GISTEmbed): one tower, its
         folder's pooling, no adapters. With this model's tokenizer it embeds this model's token ids
         (prompts included), and its positions must hold these lengths (a TextFolderError, one line, if
-        not); with another it reads them as text, up to its folder's sequence length (`retokenize_from`)."""
+        not); with another it reads them as text, up to its folder's sequence length (`retokenize_from`).
+        A guide whose Pooling leaves the prompt out (`include_prompt` false) skips this model's prompts in the ids
+        it reads, as sentence-transformers' GISTEmbedLoss hands the model's `prompt_length` to the guide; read
+        as text, they are the guide's text and pooled."""
         own = dict(
             path=path, pooling="auto", include_prompt=None, shared=True, lora_rank=0, query_prompt="", doc_prompt=""
         )
@@ -174,6 +184,8 @@ class BiEncoderArgs(LoraFields):
                 f"{guide.model_dir} holds {positions} positions and the model's sequences reach {longest} tokens: "
                 "use a guide with as many positions, or shorten data.context_length / data.doc_context_length"
             )
+        if not guide.include_prompt:  # the prompts its ids carry, left out of its pooling (`BiEncoder.prompt_skip`)
+            return dataclasses.replace(guide, query_prompt=self.query_prompt, doc_prompt=self.doc_prompt)
         return guide
 
     def update_from_data(
@@ -229,6 +241,14 @@ class BiEncoderArgs(LoraFields):
     def flops_per_sample(self) -> int:
         """6 x layer parameters x tokens of one query and one document (attention scores excluded)."""
         return 6 * self._counts[1] * (self.query_length + self.doc_length)
+
+
+def _includes_prompt(path: str) -> bool:
+    """Whether the folder at `path` pools over the prompt (True where it cannot be read: building it says why)."""
+    try:
+        return read_text_folder(path).include_prompt
+    except TextFolderError:
+        return True
 
 
 def _prompt(configured: str, flavor: str, folder: str) -> str:
