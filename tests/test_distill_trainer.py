@@ -238,7 +238,7 @@ def test_a_teacher_model_is_refused_where_it_cannot_work(tmp_path: Path, guide_d
     teacher = f"--loss.teacher_model={guide_dir}"
     with pytest.raises(ConfigError, match=r"loss.teacher_model=.* loss.distill is empty: set loss.distill=kl"):
         make_trainer(tmp_path, teacher)
-    with pytest.raises(ConfigError, match=r"loss.distill=margin_mse: margin MSE reads the data's scores"):
+    with pytest.raises(ConfigError, match=r"loss.distill=margin_mse reads the data.s scores"):
         make_trainer(tmp_path, teacher, "--loss.distill=margin_mse")
     with pytest.raises(ConfigError, match=r"a run holds one frozen model; give both the same folder"):
         make_trainer(
@@ -298,7 +298,7 @@ def test_bad_teacher_data_is_a_clear_error(tmp_path: Path) -> None:
         read_rows(str(both), teacher="kl")
     scored = tmp_path / "scored.jsonl"
     scored.write_text(json.dumps(dict(query="q", positive="p", negative="n", label=1.0)) + "\n")
-    with pytest.raises(DataError, match="or distill from it"):
+    with pytest.raises(DataError, match="scored pairs train with loss.distill=cosent"):
         read_rows(str(scored))  # one number per row: a scored pair's label
     scored.write_text(json.dumps(dict(query="q", positive="p", negative="n", label=[1, 0])) + "\n")
     assert read_rows(str(scored)) == ([["q", "p", "n"]], None, None, {})  # a teacher's list, left unread

@@ -203,11 +203,13 @@ def test_id_column(tmp_path: Path, tokenizer) -> None:
     _one_line(err, "data.pairs_id_column='id'", "data.pairs_columns")
 
 
-def test_scored_pairs_are_refused(tmp_path: Path) -> None:
+def test_scored_pairs_are_refused_unless_cosent_reads_them(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "scored.jsonl", [{"sentence1": "a", "sentence2": "b", "label": 1.0}])
     with pytest.raises(DataError) as err:
         read_rows(str(path))
-    _one_line(err, "scored.jsonl", "'label'", "not scored pairs", "data.pairs_columns")
+    _one_line(err, "scored.jsonl", "'label'", "loss.distill=cosent", "data.pairs_columns")
+    rows = read_rows(str(path), teacher="cosent")
+    assert rows.texts == [["a", "b"]] and rows.scores == [[1.0]]
     (tmp_path / "scored.csv").write_text("sentence1,sentence2,score\na,b,0.5\n")
     with pytest.raises(DataError) as err:
         read_rows(str(tmp_path / "scored.csv"))

@@ -237,8 +237,9 @@ class Loss:
     """Mask columns with cos(q, d) > mask_relative x cos(q, positive) (NV-Retriever; e.g. 0.95)."""
     guide_model: str = ""
     """A frozen model folder whose cosines the margin and relative masks compare (GISTEmbed's guide; bi_encoder)."""
-    distill: Literal["", "kl", "margin_mse"] = ""
-    """Add distillation from the data's teacher scores (pairs' label/score column, 1 + k per row): kl, margin_mse."""
+    distill: Literal["", "kl", "margin_mse", "cosent"] = ""
+    """Add a term on the data's scores (pairs' label/score column, 1 + k per row): a teacher's, distilled by kl or
+    margin_mse; or gold labels (an STS set's), every (query, own document) pair ranked by cosent (CoSENT)."""
     distill_weight: float = non_negative(1.0)
     """The distillation term's weight (loss = contrastive_weight x objective + distill_weight x term)."""
     contrastive_weight: float = non_negative(1.0)

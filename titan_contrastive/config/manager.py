@@ -367,7 +367,8 @@ def log_config_warnings(cfg: JobConfig) -> list[str]:
 
     warmup_steps >= training.steps: the lr rises for the whole run and never reaches its peak or
     decays. A warning, not an error: a smoke run (`--training.steps=2` with a config's warmup) is
-    legitimate and common, and a resumed run may extend training.steps past the warmup."""
+    legitimate and common, and a resumed run may extend training.steps past the warmup. A decay
+    reaching into warmup; CoSENT alone with a learned scale."""
     out = []
     warmup, steps = cfg.lr_scheduler.warmup_steps, cfg.training.steps
     ratio = cfg.lr_scheduler.decay_ratio
@@ -376,6 +377,13 @@ def log_config_warnings(cfg: JobConfig) -> list[str]:
             f"lr_scheduler.decay_ratio={ratio} over training.steps={steps} asks for {max(round(ratio * steps), 1)} "
             f"decay steps, which reach into the {warmup} warmup steps; the decay starts at the end of warmup, "
             "with no stable phase"
+        )
+    loss = cfg.loss
+    if loss.distill == "cosent" and not loss.contrastive_weight and loss.learn_logit_scale:
+        out.append(
+            "loss.distill=cosent alone with a learned logit scale: the scale then trains to sharpen the ranking "
+            "(up to the clamp, 100), where sentence-transformers' CoSENTLoss fixes it at 20; set "
+            "loss.learn_logit_scale=false to train as it does (bi_encoder starts at 20)"
         )
     if warmup >= steps:
         out.append(

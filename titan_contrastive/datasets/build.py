@@ -77,7 +77,7 @@ def check_teacher(data: Data, distill: str) -> None:
             f"data.dataset={data.dataset!r} does not serve: use data.dataset='pairs', a loss.teacher_model, or "
             "leave loss.distill empty"
         )
-    if distill and not data.hard_negatives:
+    if distill and distill != "cosent" and not data.hard_negatives:  # CoSENT ranks the positives' scores too
         raise DataError(
             f"loss.distill={distill!r} scores each query's positive against its hard negatives, and "
             "data.hard_negatives=false serves none: set data.hard_negatives=true"

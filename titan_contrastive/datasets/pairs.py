@@ -178,8 +178,8 @@ def _check_columns(
             )
             return has_ids, scored[0]
         raise DataError(
-            f"{file}: a {scored[0]!r} column: this loader reads (anchor, positive, negatives...) rows, not scored "
-            "pairs; drop the column, name the text columns in data.pairs_columns, or distill from it (loss.distill)"
+            f"{file}: a {scored[0]!r} column: scored pairs train with loss.distill=cosent (CoSENT), which reads it; "
+            "set it, drop the column, or name the text columns in data.pairs_columns"
         )
     return has_ids, ""
 
@@ -361,7 +361,9 @@ class PairsDataset:
         texts, ids, scores = _join(parts, files, hard_negatives)
         self.skipped = sum((f.skipped for f in files), Counter())
         spans = [(len(f.texts), t) for f, t in zip(files, tokenizers)]
-        self._setup(texts, ids, "pairs", split, path, tokenizer, query_length, hard_negatives, scores, spans)
+        if scores is not None and teacher == "cosent" and not hard_negatives:  # the positives' scores alone
+            scores = [row[:1] for row in scores]
+        self._setup(texts, ids, "pairs", split, path, tokenizer, query_length, hard_negatives, scores, spans, teacher)
         if joins(factors):
             self._mix = SourceMix([len(f.texts) for f in files], factors)
             self.source_sizes = self._mix.sizes
@@ -401,8 +403,10 @@ class PairsDataset:
         hard_negatives: bool,
         scores: Sequence[Sequence[float]] | None = None,
         spans: Sequence[tuple[int, PairTokenizer]] = (),
+        teacher: str = "",
     ) -> None:
-        """`spans`: (rows, their tokenizer) per source in order; empty = every row through `tokenizer`."""
+        """`spans`: (rows, their tokenizer) per source in order; empty = every row through `tokenizer`;
+        `teacher`: the loss.distill kind that reads `scores`."""
         self.name, self.split, self.source, self.full = name, split, source, True
         self._mix: SourceMix | None = None
         self.source_sizes: list[int] | None = None
@@ -425,7 +429,7 @@ class PairsDataset:
         self._negs = None if negatives is None else negatives.view(len(rows), k, -1)
         ids_table = document_id_table(rows, ids) if ids is not None else None
         self._ids = None if ids_table is None else ids_table if k else ids_table[:, 0]
-        if scores is not None and not k:
+        if scores is not None and not k and teacher != "cosent":  # CoSENT ranks scored pairs without negatives
             raise DataError(
                 f"{source}: loss.distill compares each query's positive with its hard negatives, and the rows hold "
                 "none; give rows with hard negatives (and their scores), or leave loss.distill empty"

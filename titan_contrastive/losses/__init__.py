@@ -117,7 +117,7 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
     elif loss.contrastive_weight != 1.0:
         raise ConfigError(
             f"loss.contrastive_weight={loss.contrastive_weight} weighs the objective against a distillation term, and "
-            "loss.distill is empty: set loss.distill (kl or margin_mse) or leave the weight at 1"
+            "loss.distill is empty: set loss.distill (kl, margin_mse or cosent) or leave the weight at 1"
         )
     if not loss.matryoshka_dims:
         if loss.matryoshka_weights:

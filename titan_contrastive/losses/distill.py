@@ -8,9 +8,14 @@ model's logits S_ij = t <q_i, d_j> over the same documents the term is
 
     kl:          L_d = 1/N sum_i sum_j p_ij (log p_ij - log softmax(S_i)_j),   p_i = softmax(T_i / tau)
     margin_mse:  L_d = 1/(N k) sum_i sum_{j >= 1} ((S_i0 - S_ij) - (T_i0 - T_ij))^2    (the data's scores)
+    cosent:      L_d = log(1 + sum over pairs (a, b) of the problem with T_a < T_b of exp(S_a - S_b))
 
-(sentence-transformers' DistillKLDivLoss, without its tau^2 factor, and MarginMSELoss; over every
-column, the in-batch KL of embedding distillation). The run's loss is contrastive_weight x the
+(sentence-transformers' DistillKLDivLoss, without its tau^2 factor, MarginMSELoss and CoSENTLoss; over every
+column, the in-batch KL of embedding distillation). CoSENT ranks every (query, own document) pair of the
+whole problem, N(1 + k) of them (k >= 0: scored pairs, an STS set's gold labels, need no negatives), by
+the data's scores, in O(M log M): sorted by score, each pair's sum over the higher-scored ones is a running
+log-sum-exp. It couples the rows, so the streamed form gathers the N(1 + k) logits (one scalar each) over
+the ranks before its gradient. The run's loss is contrastive_weight x the
 contrastive objective + weight x L_d (`Distilled`). A query's term reads only its own row, and a
 rank holds every column, so each form is exact as it stands: the microbatch form on the gathered
 problem, the streamed form on a rank's own rows in blocks (their gradients, their columns' shares
@@ -37,7 +42,7 @@ from titan_contrastive.losses.base import (
 )
 from titan_contrastive.losses.guide import Guide
 
-KINDS = ("kl", "margin_mse")
+KINDS = ("kl", "margin_mse", "cosent")
 
 
 @dataclass(frozen=True)
@@ -59,9 +64,15 @@ class Distillation:
             )
         if self.model and self.kind != "kl":
             raise ValueError(
-                f"loss.distill={self.kind}: margin MSE reads the data's scores of each query's own documents, and "
+                f"loss.distill={self.kind} reads the data's scores of each query's own documents, and "
                 "loss.teacher_model scores every column; use loss.distill=kl with it, or leave loss.teacher_model empty"
             )
+
+    def whole(self, logits: Tensor, teacher: Tensor) -> Tensor:
+        """The term (unweighted) of a whole problem, from its logits and the teacher's scores [N, columns]."""
+        if self.kind == "cosent":
+            return cosent(logits.flatten(), teacher.flatten())
+        return self.rows(logits, teacher).mean()
 
     def rows(self, logits: Tensor, teacher: Tensor) -> Tensor:
         """The term of each row [c], from the student's logits and the teacher's scores [c, columns]."""
@@ -75,8 +86,22 @@ class Distillation:
         if self.model:
             what = f"KL to the teacher model's softmax over every column at tau {self.temperature:g}"
             return f"{self.weight:g} x distillation ({what})"
+        if self.kind == "cosent":
+            return f"{self.weight:g} x CoSENT over every (query, own document) pair, ranked by the data's scores"
         what = f"KL to the teacher's softmax at tau {self.temperature:g}" if self.kind == "kl" else "margin MSE"
         return f"{self.weight:g} x distillation ({what}) over each query's own documents"
+
+
+def cosent(logits: Tensor, scores: Tensor) -> Tensor:
+    """log(1 + sum over a, b with scores[a] < scores[b] of exp(logits[a] - logits[b])), for flat logits and
+    scores [M]: in descending score order, the sum over the pairs above a is a prefix log-sum-exp of -logits,
+    up to the first of a's ties."""
+    order = torch.argsort(scores, descending=True, stable=True)
+    s, t = logits[order], scores[order].to(logits.dtype)
+    prefix = torch.logcumsumexp(-s, 0)
+    first = torch.searchsorted(-t, -t)  # each pair's first position among its ties (-t ascends)
+    above = torch.where(first > 0, prefix[(first - 1).clamp(min=0)], torch.full_like(s, -torch.inf))
+    return torch.logsumexp(torch.cat([s.new_zeros(1), s + above]), 0)
 
 
 def own_logits(q: Tensor, docs: Tensor, scale: Tensor, first_row: int, num_queries: int) -> Tensor:
@@ -123,11 +148,11 @@ class Distilled(Wrapping):
                     f"columns for a problem of {num_queries} and {num_columns}"
                 )
             return teacher
-        k = (num_columns - num_queries) // max(num_queries, 1)
-        if k < 1 or tuple(teacher.shape) != (num_queries, 1 + k):
+        k, least = (num_columns - num_queries) // max(num_queries, 1), int(self.distillation.kind != "cosent")
+        if k < least or tuple(teacher.shape) != (num_queries, 1 + k):
             raise ValueError(
                 f"loss.distill: teacher scores {tuple(teacher.shape)} for {num_queries} queries and "
-                f"{num_columns} columns; it needs [{num_queries}, 1 + k] with k >= 1 hard negatives per query"
+                f"{num_columns} columns; it needs [{num_queries}, 1 + k] with k >= {least} hard negatives per query"
             )
         return teacher
 
@@ -138,7 +163,7 @@ class Distilled(Wrapping):
             logits, scores = scale * (q @ docs.T), teacher.queries @ teacher.columns.T
         else:
             logits, scores = own_logits(q, docs, scale, 0, len(q)), teacher
-        return self.distillation.weight * self.distillation.rows(logits, scores).mean()
+        return self.distillation.weight * self.distillation.whole(logits, scores)
 
     def dense(
         self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
@@ -183,10 +208,15 @@ class Distilled(Wrapping):
         `_every_column`), then the inner objective's streamed form, weighted."""
         n, acc = num_queries, torch.promote_types(q_own.dtype, torch.float32)
         teacher = self._teacher(n, len(docs))
-        part = _every_column if isinstance(teacher, Guide) else _own_documents
-        term, grad_rows, grad_cols = part(
-            self.distillation, q_own, docs, scale.detach().to(acc), teacher, first_row, n, chunk
-        )
+        if self.distillation.kind == "cosent":
+            term, grad_rows, grad_cols = _ranked(
+                self.distillation, q_own, docs, scale.detach().to(acc), teacher, first_row, ranks
+            )
+        else:
+            part = _every_column if isinstance(teacher, Guide) else _own_documents
+            term, grad_rows, grad_cols = part(
+                self.distillation, q_own, docs, scale.detach().to(acc), teacher, first_row, n, chunk
+            )
         loss = ranks.sum(term.detach().clone())
         scale_rows = row_scale_shares(q_own.to(acc), grad_rows, scale)
         bias_rows = torch.zeros(len(q_own), dtype=acc, device=q_own.device) if self.has_bias else None
@@ -247,3 +277,25 @@ def _every_column(
         grad_rows[start : start + len(rows)] = grad_logits @ cols
         grad_cols.addmm_(grad_logits.T, rows)
     return term, grad_rows, grad_cols
+
+
+def _ranked(
+    distillation: Distillation, q_own: Tensor, docs: Tensor, scale: Tensor, teacher: Tensor, first_row: int,
+    ranks: Ranks,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """CoSENT's share of a rank: the own rows' logits of their own documents, gathered over the ranks (each
+    rank's rows in rank order: the problem's); the term over all of them (1/world of it, so the ranks' shares
+    sum to it); its gradient's own rows carried to q and to their documents' columns."""
+    c, n, acc = len(q_own), len(teacher), scale.dtype
+    idx = own_columns(first_row, c, n, len(docs), docs.device)
+    with torch.enable_grad():
+        q_leaf = q_own.detach().to(acc).requires_grad_()
+        d_leaf = docs[idx].detach().to(acc).requires_grad_()
+        logits = scale * torch.einsum("cd,ckd->ck", q_leaf, d_leaf)
+        every = ranks.gather(logits.detach()).requires_grad_()
+        term = distillation.weight * distillation.whole(every, teacher)
+        (grad_every,) = torch.autograd.grad(term, every)
+        grad_rows, grad_own = torch.autograd.grad(logits, (q_leaf, d_leaf), grad_every[first_row : first_row + c])
+    grad_cols = torch.zeros(docs.shape, dtype=acc, device=docs.device)
+    grad_cols.index_put_((idx.flatten(),), grad_own.flatten(0, 1))
+    return term.detach() / ranks.world, grad_rows, grad_cols
