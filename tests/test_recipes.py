@@ -1,7 +1,8 @@
 """The shipped recipes for a user's own Hugging Face model run as written, on tiny stand-ins: only the model
 folder, the data and the run's length and sizes are overridden (`train_configs/qwen3_embedding_lora.toml` with the tiny
 Qwen3-like decoder and pairs with hard negatives, then exported to sentence-transformers;
-`train_configs/hf_siglip.toml` with the tiny SigLIP folder and image-caption files)."""
+`train_configs/hf_siglip.toml` with the tiny SigLIP folder and image-caption files; `train_configs/sts_cosent.toml`
+with the tiny BERT-like encoder and scored sentence pairs)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import math
 from pathlib import Path
 
-from tests.hf_folders import decoder_folder, image_text_folder
+from tests.hf_folders import decoder_folder, encoder_folder, image_text_folder
 from tests.needs import require
 from tests.test_hf_clip import pictures
 from tests.test_hf_text import PAIRS
@@ -67,3 +68,29 @@ def test_the_siglip_recipe(tmp_path: Path) -> None:
         *batch,
     )
     assert trainer.step == 2 and trainer.ga_steps == 2 and trainer.cfg.loss.negatives == "global"
+
+
+def test_the_sts_cosent_recipe(tmp_path: Path) -> None:
+    """CoSENT on scored pairs with GradCache; the STS evaluation at the last step names the best checkpoint."""
+    rows = [{"sentence1": q, "sentence2": p, "score": float(i % 6)} for i, (q, p) in enumerate(PAIRS)]
+    for name in ("train", "test"):
+        (tmp_path / f"sts_{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trainer, _ = _train(
+        tmp_path,
+        "sts_cosent.toml",
+        f"--model.path={encoder_folder(tmp_path)}",
+        f"--data.path={tmp_path / 'sts_train.jsonl'}",
+        f"--eval.sts_path={tmp_path / 'sts_test.jsonl'}",
+        "--training.local_batch_size=8",
+        "--training.global_batch_size=8",
+        "--gradcache.chunk_sizes=3",
+        "--data.context_length=24",
+        "--data.doc_context_length=24",
+        "--eval.freq=2",
+        "--checkpoint.interval=2",
+    )
+    assert trainer.step == 2 and trainer.cfg.loss.distill == "cosent" and not trainer.model.logit_scale.requires_grad
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("sts/spearman_cosine" in e for e in logged)
+    best = json.loads((tmp_path / "run" / "checkpoint" / "best.json").read_text())
+    assert best["metric"] == "sts/spearman_cosine" and best["step"] == 2
