@@ -2,11 +2,11 @@
 source `HfSource` and the text pairs of `pairs`) and the image-text source itself.
 
 One place decides what a path means, so both loaders read a dataset folder alike and fail the
-same way: a `save_to_disk` folder (a DatasetDict gives the split asked for), or a file read with
-`load_dataset(<format>, data_files=...)` (image-text: Parquet / JSON / Arrow / CSV; text pairs
-read their other formats themselves and take `.arrow` files here). The hub is never contacted (HF_DATASETS_OFFLINE
-and HF_HUB_OFFLINE are set before `datasets` is imported), and the package is imported only
-when used: it is the optional `[data]` extra.
+same way: a `save_to_disk` folder (a DatasetDict gives the split asked for), or a file (or a pattern or
+folder of shards, `shards.py`) read with `load_dataset(<format>, data_files=...)` (image-text: Parquet /
+JSON / Arrow / CSV; text pairs read their other formats themselves and take `.arrow` files here). The
+hub is never contacted (HF_DATASETS_OFFLINE and HF_HUB_OFFLINE are set before `datasets` is imported), and
+the package is imported only when used: it is the optional `[data]` extra.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.sources import (
     BadSample,
     Record,
@@ -53,12 +54,16 @@ def import_datasets(what: str) -> Any:
 
 
 def open_hf_dataset(path: str, split: str, *, kind: str = "hf", suffixes: Mapping[str, str] = HF_FORMATS) -> Any:
-    """The `datasets.Dataset` at `path`: a `save_to_disk` folder (a DatasetDict: its `split`) or a
-    file whose suffix is in `suffixes`. Every failure is one DataError naming the path."""
+    """The `datasets.Dataset` at `path`: a `save_to_disk` folder (a DatasetDict: its `split`), a file whose
+    suffix is in `suffixes`, or a pattern or folder of such files (`shards.shard_files`), read as one. Every
+    failure is one DataError naming the path."""
     datasets = import_datasets(f"data.dataset={kind!r} (data.path={path})")
-    target = Path(path).expanduser()
+    target, files = Path(path).expanduser(), shard_files(path, suffixes)
     try:
-        if target.is_dir():
+        if files is not None:  # a pattern or a folder of shards: one dataset
+            names = [str(f) for f in files]
+            ds = datasets.load_dataset(suffixes[files[0].suffix], data_files=names, split="train")
+        elif target.is_dir():
             ds = datasets.load_from_disk(str(target))
             if isinstance(ds, datasets.DatasetDict):
                 if split not in ds:
@@ -119,8 +124,8 @@ class HfSource:
         if isinstance(ds.features[image_column], datasets.Image):
             ds = ds.cast_column(image_column, datasets.Image(decode=False))  # decode here, where a bad image is counted
         self._ds, self._image, self._text = ds, image_column, text_column
-        target = Path(path).expanduser()
-        self._folder = target.parent if target.is_file() else target
+        target, files = Path(path).expanduser(), shard_files(path, HF_FORMATS)
+        self._folder = files[0].parent if files else target.parent if target.is_file() else target  # relative paths
         self._negative_columns = list(negative_columns)
         self.num_negatives = self._count_negatives(ds, path, self._negative_columns)
 

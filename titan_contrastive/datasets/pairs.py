@@ -3,7 +3,8 @@
 Files: `.jsonl` (one JSON object per line, or a JSON list), `.csv` (comma-separated, a header
 line), `.tsv` (tab-separated; a header line when `data.pairs_columns` names the columns, else
 none), `.parquet`, and Hugging Face datasets on disk: a `save_to_disk` folder (of a DatasetDict,
-the split "train" or "test") or an `.arrow` file (`hf_disk`, never the hub).
+the split "train" or "test") or an `.arrow` file (`hf_disk`, never the hub). A glob pattern or a folder
+of such files (a dataset repository's shards) is one source, its files read in sorted order (`shards`).
 
 Columns: those named by `data.pairs_columns` (query, positive, then negatives), else the row's
 columns in order, which is sentence-transformers' convention (anchor, positive, negatives...),
@@ -57,6 +58,7 @@ from titan_contrastive.batching import DOC_IDS, NEGATIVES, TEACHER_SCORES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.hf_disk import open_hf_dataset
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, joins, split_sources
+from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.tokenizer import PairTokenizer
 from titan_contrastive.extras import import_failure
 
@@ -255,6 +257,37 @@ def read_rows(
     return PairRows(rows, ids if has_ids else None, scores if teacher else None, skipped)
 
 
+def read_source(
+    path: str,
+    columns: Sequence[str] = (),
+    id_column: str = "id",
+    max_bad_fraction: float = 0.001,
+    split: str = "train",
+    teacher: str = "",
+) -> PairRows:
+    """`read_rows` of one source: its file or folder, or each of the files a pattern or a folder of shards
+    names (`shards.shard_files`), joined in order; a DataError when the shards disagree on the row's width or
+    on having ids."""
+    files = shard_files(path, FORMATS)
+    if files is None:
+        return read_rows(path, columns, id_column, max_bad_fraction, split, teacher)
+    parts = [read_rows(str(f), columns, id_column, max_bad_fraction, split, teacher) for f in files]
+    for f, part in zip(files[1:], parts[1:]):
+        if len(part.texts[0]) != len(parts[0].texts[0]) or (part.ids is None) != (parts[0].ids is None):
+            what = "ids" if len(part.texts[0]) == len(parts[0].texts[0]) else "columns"
+            raise DataError(
+                f"data.path={path}: {f.name} and {files[0].name} differ in their {what} ({len(part.texts[0])} and "
+                f"{len(parts[0].texts[0])} texts per row, ids {part.ids is not None} and {parts[0].ids is not None}); "
+                "the files of one source hold rows alike"
+            )
+    return PairRows(
+        [row for part in parts for row in part.texts],
+        None if parts[0].ids is None else [i for part in parts for i in part.ids],
+        None if parts[0].scores is None else [s for part in parts for s in part.scores],
+        sum((part.skipped for part in parts), Counter()),
+    )
+
+
 def _join(
     parts: Sequence[str], files: Sequence[PairRows], hard_negatives: bool
 ) -> tuple[list[list[str]], list[str] | None, list[list[float]] | None]:
@@ -357,7 +390,7 @@ class PairsDataset:
     ) -> None:
         parts, factors = split_sources(path, factors)
         tokenizers = source_tokenizers(tokenizer, parts, query_prompts, doc_prompts)
-        files = [read_rows(part, columns, id_column, max_bad_fraction, split, teacher) for part in parts]
+        files = [read_source(part, columns, id_column, max_bad_fraction, split, teacher) for part in parts]
         texts, ids, scores = _join(parts, files, hard_negatives)
         self.skipped = sum((f.skipped for f in files), Counter())
         spans = [(len(f.texts), t) for f, t in zip(files, tokenizers)]

@@ -1,0 +1,47 @@
+"""A `data.path` that names several files of one dataset: a glob pattern (`data/train-*.parquet`; `**` reaches
+into subfolders) or a folder of data files that is no `save_to_disk` folder, as a Hugging Face dataset
+repository's snapshot holds them (`train-00000-of-00004.parquet`, ...). Its files are read in sorted order as
+one source of rows; `::` still joins sources, each with its own weight and prompts."""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Collection
+from pathlib import Path
+
+from titan_contrastive.datasets.base import DataError
+
+__all__ = ["is_pattern", "shard_files"]
+
+SAVED = ("dataset_dict.json", "state.json")
+"""What a `save_to_disk` folder holds (a DatasetDict's, a Dataset's): such a folder is one dataset."""
+
+
+def is_pattern(path: str) -> bool:
+    return any(c in path for c in "*?[")
+
+
+def shard_files(path: str, suffixes: Collection[str]) -> list[Path] | None:
+    """The data files `path` names when it names several (see the module), sorted: a pattern's matches or a
+    folder's own files with one of `suffixes` (other files are not data). None for anything else: one file,
+    a `save_to_disk` folder, a path that does not exist (its reader says so). A DataError, one line, when the
+    pattern or folder holds no such file, or files of more than one format."""
+    target = Path(path).expanduser()
+    if is_pattern(path):
+        found = [Path(p) for p in glob.glob(str(target), recursive=True)]
+        where = f"data.path={path}: the pattern matches"
+    elif target.is_dir() and not any((target / name).is_file() for name in SAVED):
+        found = list(target.iterdir())
+        where = f"data.path={path}: the folder (not a save_to_disk folder) holds"
+    else:
+        return None
+    files = sorted(p for p in found if p.is_file() and p.suffix in suffixes)
+    if not files:
+        raise DataError(f"{where} no {'/'.join(suffixes)} file; point it at the dataset's data files")
+    kinds = sorted({p.suffix for p in files})
+    if len(kinds) > 1:
+        raise DataError(
+            f"{where} files of {len(kinds)} formats ({', '.join(kinds)}); name one format, e.g. "
+            f"{Path(path) / ('*' + kinds[0]) if not is_pattern(path) else path.rsplit('.', 1)[0] + kinds[0]}"
+        )
+    return files
