@@ -359,3 +359,32 @@ def test_each_joined_vl_pairs_file_has_its_own_templates(tmp_path: Path) -> None
         start("--data.query_prompts", "{image} {text}")
     with pytest.raises(ConfigError, match=r"data.doc_prompts\[1\]='Describe it:': the image side's template needs"):
         start("--data.doc_prompts", "", "Describe it:")
+
+
+def test_vl_pairs_shards_in_their_own_folders_are_one_source(tmp_path: Path) -> None:
+    """A glob pattern over two files in their own folders (image paths, hard-negative images included,
+    relative to each): one source whose rows are the first file's then the second's, each with its own
+    images, as the files serve them alone."""
+    from titan_contrastive.datasets.vl_pairs import VLPairsDataset
+
+    first, second = _vl_pairs(tmp_path / "a", negatives="image"), _vl_pairs(tmp_path / "b", negatives="image", count=5)
+    trainer = vl_run(
+        tmp_path,
+        "qwen2_vl",
+        "--data.dataset=vl_pairs",
+        f"--data.path={tmp_path}/*/pairs.jsonl",
+        "--data.retrieval_mode=t2i",
+        "--training.local_batch_size=4",
+        "--training.steps=1",
+        sizes=(),
+    )
+    data = trainer.train_set
+    assert data.source_sizes is None and len(data) == 14 and data.num_negatives == 2
+    for path, rows, at in ((first, [0, 8, 3], [0, 8, 3]), (second, [0, 4, 2], [9, 13, 11])):
+        alone = VLPairsDataset(split="train", path=str(path), mode="t2i")
+        alone.serve_processed(data._process)
+        got, want = data.__getitems__(at), alone.__getitems__(rows)
+        for key in ("query", "doc", "doc_pixel_values", "doc_image_grid_thw", "neg_pixel_values"):
+            assert torch.equal(got[key], want[key]), (path, key)
+    trainer.train()
+    trainer.metrics.close()

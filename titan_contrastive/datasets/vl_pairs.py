@@ -3,7 +3,8 @@
 
 Files: `.jsonl` (one JSON object per line), `.csv`, `.tsv` (both with a header line) or
 `.parquet` (`pairs.read_table`), with the columns `query_image`, `query_text`, `doc_image`,
-`doc_text`; image paths are relative to the file's folder. `[data] retrieval_mode` says which a
+`doc_text`; image paths are relative to the file's folder. A glob pattern or a folder of such files
+(`shards`) is one source, each file's image paths relative to its own folder. `[data] retrieval_mode` says which a
 row needs (`retrieval.MODES`: a text side its `*_text`, an image side its `*_image`, a multi side
 both); the others may be absent or empty. An optional `doc_negatives` column holds a row's hard
 negatives, documents of the documents' kind: texts (t2t, i2t) or image paths (t2i, i2i, m2i), a
@@ -46,6 +47,7 @@ from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, joins, split_sources
 from titan_contrastive.datasets.pairs import read_table
 from titan_contrastive.datasets.retrieval import MODES
+from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.sources import BadSample, read_file
 
 __all__ = ["COLUMNS", "VLPairsDataset", "family_refusal"]
@@ -97,7 +99,7 @@ class VLPairsDataset:
         """Per side, one template per file (`data.query_prompts` / `doc_prompts`; "": the model's), or none."""
         for side, given in self.templates.items():
             check_per_source(f"{side}_prompts", given, parts, empty="the model's")
-        self._files = [self._read_file(part, key, mode, split) for part in parts]
+        self._files = [self._read_source(part, key, mode, split) for part in parts]
         self.negative_kind = "text" if self.kinds["doc"] == "text" else "image"
         counts = {f.source: len(_as_list(f.rows[0].get(NEGATIVES_COLUMN))) for f in self._files}
         self.num_negatives = next(iter(counts.values())) if hard_negatives and split == "train" else 0
@@ -119,6 +121,25 @@ class VLPairsDataset:
         self.recall_direction = "query_to_doc"
         self.shard_losses: list[Any] = []
         self._process: Any = None
+
+    def _read_source(self, path: str, key: str, mode: str, split: str) -> _File:
+        """One source's rows: its file's, or the rows of each file a pattern or a folder of shards names
+        (`shards.shard_files`) in order, their image paths made relative to the first one's folder."""
+        files = shard_files(path, FORMATS)
+        if files is None:
+            return self._read_file(path, key, mode, split)
+        parts = [self._read_file(str(f), key, mode, split) for f in files]
+        images = [c for c in self.needed if c.endswith("_image")] + [NEGATIVES_COLUMN] * (self.kinds["doc"] != "text")
+
+        def rooted(part: _File, column: str, value: Any) -> Any:  # an absolute path stays as it is
+            if column not in images or not value:
+                return value
+            if column == NEGATIVES_COLUMN:
+                return [str(part.root / v) if isinstance(v, str) and v else v for v in _as_list(value)]
+            return str(part.root / value) if isinstance(value, str) else value
+
+        rows = [{c: rooted(part, c, v) for c, v in row.items()} for part in parts for row in part.rows]
+        return _File(parts[0].root, path, rows)
 
     def _read_file(self, path: str, key: str, mode: str, split: str) -> _File:
         """One file's rows (the needed columns and the negatives), or a DataError naming what is wrong."""
