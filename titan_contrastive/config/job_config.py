@@ -246,6 +246,14 @@ class Loss:
     """The contrastive objective's weight beside loss.distill; 0 = distillation alone."""
     distill_temperature: float = opt(1.0, lambda v: v > 0, "a number > 0")
     """distill=kl: the teacher's temperature tau, its targets being softmax(scores / tau)."""
+    gor_weight: float = non_negative(0.0)
+    """Global orthogonal regularization's second-moment term, relu(mean (x_i . x_j)^2 - 1/d) over each column's
+    pairs (EmbeddingGemma's spread-out regularizer), by this weight; 0 = off."""
+    gor_mean_weight: float = non_negative(0.0)
+    """GOR's mean term, (mean x_i . x_j)^2 over each column's pairs, by this weight; 0 = off."""
+    gor_aggregation: Literal["sum", "mean"] = "sum"
+    """How GOR combines its columns (queries, positives, each hard negative): sum (EmbeddingGemma) or mean
+    (sentence-transformers' GlobalOrthogonalRegularizationLoss default)."""
     teacher_model: str = ""
     """distill=kl: a frozen model folder whose cosines over every column are the teacher's scores (bi_encoder)."""
     matryoshka_dims: list[int] = opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")

@@ -7,7 +7,8 @@
 
 InfoNCE also takes joint directions (`directions.py`) and hardness weighting (`hardness.py`).
 Every objective takes the false-negative mask (`masking.py`), may add a distillation term from a
-teacher's scores (`distill.py`) and be wrapped in Matryoshka prefixes (`matryoshka.py`); `base.py`
+teacher's scores (`distill.py`), a spread-out regularizer (`spread.py`) and be wrapped in Matryoshka
+prefixes (`matryoshka.py`); `base.py`
 says what an objective is. A new objective is a module with such an object and one
 `register_objective` call (the pixel loss is the vae family's own step).
 """
@@ -33,6 +34,7 @@ from titan_contrastive.losses.infonce import InfoNCE
 from titan_contrastive.losses.masking import FalseNegatives
 from titan_contrastive.losses.matryoshka import Matryoshka
 from titan_contrastive.losses.sigmoid import Sigmoid
+from titan_contrastive.losses.spread import Spread
 
 __all__ = [
     "OBJECTIVES",
@@ -47,6 +49,7 @@ __all__ = [
     "Ranks",
     "RescaleAccumulatedLoss",
     "Sigmoid",
+    "Spread",
     "StreamResult",
     "Temperature",
     "build_objective",
@@ -118,6 +121,13 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
         raise ConfigError(
             f"loss.contrastive_weight={loss.contrastive_weight} weighs the objective against a distillation term, and "
             "loss.distill is empty: set loss.distill (kl, margin_mse or cosent) or leave the weight at 1"
+        )
+    if loss.gor_weight or loss.gor_mean_weight:
+        objective = Spread(objective, loss.gor_mean_weight, loss.gor_weight, loss.gor_aggregation)
+    elif loss.gor_aggregation != "sum":
+        raise ConfigError(
+            f"loss.gor_aggregation={loss.gor_aggregation!r} combines GOR's columns, and loss.gor_weight and "
+            "loss.gor_mean_weight are 0: set one of them, or leave the aggregation at sum"
         )
     if not loss.matryoshka_dims:
         if loss.matryoshka_weights:
