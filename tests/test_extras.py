@@ -63,7 +63,7 @@ def test_the_datasets_package(unimportable: Callable[[str], str]) -> None:
 
 def test_parquet_pairs(unimportable: Callable[[str], str], tmp_path: Path) -> None:
     """The package's top name (pyarrow), not the submodule the code imports (pyarrow.parquet)."""
-    from titan_contrastive.datasets.pairs import read_table
+    from titan_contrastive.datasets.tables import read_table
 
     said = unimportable("pyarrow")
     with pytest.raises(DataError) as e:

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from titan_contrastive.components.beir_eval import embed_texts
 from titan_contrastive.components.evaluate import dim_cuts
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.pairs import FORMATS, read_table
+from titan_contrastive.datasets.pairs import FORMATS
+from titan_contrastive.datasets.tables import read_table
 from titan_contrastive.extras import import_failure
 
 __all__ = ["COLUMNS", "StsSet", "evaluate_sts", "load_sts"]

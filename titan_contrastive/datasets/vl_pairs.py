@@ -2,7 +2,7 @@
 (`data.dataset = "vl_pairs"`): every retrieval mode, i2i, t2t and m2i included.
 
 Files: `.jsonl` (one JSON object per line), `.csv`, `.tsv` (both with a header line) or
-`.parquet` (`pairs.read_table`), with the columns `query_image`, `query_text`, `doc_image`,
+`.parquet` (`tables.read_table`), with the columns `query_image`, `query_text`, `doc_image`,
 `doc_text`; image paths are relative to the file's folder. A glob pattern or a folder of such files
 (`shards`) is one source, each file's image paths relative to its own folder. `[data] retrieval_mode` says which a
 row needs (`retrieval.MODES`: a text side its `*_text`, an image side its `*_image`, a multi side
@@ -45,10 +45,10 @@ from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.files import MAX_SUBSTITUTES
 from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, joins, split_sources
-from titan_contrastive.datasets.pairs import read_table
 from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.sources import BadSample, read_file
+from titan_contrastive.datasets.tables import read_table
 
 __all__ = ["COLUMNS", "VLPairsDataset", "family_refusal"]
 
