@@ -20,11 +20,12 @@ import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
 from tests.needs import needs
+from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
 from tests.test_hard_negatives import REL, WORDS, assert_grads_close, make_trainer
 from tests.test_objectives import CASES, N, _close, leaves, objective_of, problem, reference
 from tests.test_trainer import full
 from titan_contrastive.batching import TEACHER_SCORES
-from titan_contrastive.losses import Distillation, Distilled, Matryoshka, MicrobatchLoss, Ranks, build_objective
+from titan_contrastive.losses import Distillation, Distilled, Matryoshka, build_objective
 from titan_contrastive.losses.distill import cosent
 
 BASE = {c["name"]: c for c in CASES}
@@ -71,16 +72,6 @@ def objective_for(case: dict, dcase: dict):
     return objective
 
 
-def per_sample(p, n, ids, k: int, rows: slice = slice(None)):
-    """The documents and ids of `rows` as a step hands them to its loss: [c, 1 + k, d] and [c, 1 + k]."""
-    if not k:
-        return p[rows], ids[: len(p)][rows]
-    negs = n.view(len(p), k, -1)[rows]
-    return torch.cat([p[rows, None], negs], 1), torch.cat(
-        [ids[: len(p)][rows, None], ids[len(p) :].view(-1, k)[rows]], 1
-    )
-
-
 def test_the_term_ranks_something_and_moves_the_loss() -> None:
     """Else a form that dropped the term (or read the scores in another order) could pass."""
     case, _ = PAIRS[0]
@@ -112,82 +103,24 @@ def test_the_sorted_form_is_the_pairwise_sum_with_ties() -> None:
 @pytest.mark.parametrize("pair", PAIRS, ids=[d["name"] for _, d in PAIRS])
 def test_dense_streamed_and_microbatch_match_the_definition(pair) -> None:
     case, dcase = pair
-    k = case["k"]
-    q, p, n, scale, bias, ids = problem(case)
-    scores = scores_of(k)
-    rq, rp, rn, rs, rb = leaves(q, p, n, scale, bias)
-    want_loss = reference_total(case, dcase, rq, rp, rn, rs, rb, ids, scores)
-    wanted = torch.autograd.grad(want_loss, [t for t in (rq, rp, rn, rs) if t is not None])
-    want_q, want_cols, want_s = wanted[0], torch.cat(wanted[1 : 2 + bool(k)]), wanted[-1]
-    objective = objective_for(case, dcase).with_teacher(scores)
-    cols = p if n is None else torch.cat([p, n])
-    b = bias if objective.has_bias else None
-
-    dq, dcols, ds = leaves(q, cols, scale)
-    loss = objective.dense(dq, dcols, ds, b, ids)
-    loss.backward()
-    _close(loss.detach(), want_loss.detach(), "dense loss")
-    _close(dq.grad, want_q, "dense dq")
-    _close(dcols.grad, want_cols, "dense dD")
-    _close(ds.grad, want_s, "dense ds")
-
-    for chunk in (5, 7, N):
-        out = objective.streamed(q, cols, scale, b, first_row=0, num_queries=N, chunk=chunk, ranks=Ranks(None), ids=ids)
-        _close(out.loss, want_loss.detach(), f"streamed loss, chunk {chunk}")
-        _close(out.grad_rows, want_q, f"streamed dq, chunk {chunk}")
-        _close(out.grad_cols, want_cols, f"streamed dD, chunk {chunk}")
-        _close(out.scale_rows.sum(), want_s, f"streamed ds, chunk {chunk}")
-
-    docs, local_ids = per_sample(p, n, ids, k)
-    mq, ms, mb, mdocs = leaves(q, scale, bias, docs)
-    loss = MicrobatchLoss(objective_for(case, dcase))(
-        mq, mdocs, ms, mb if objective.has_bias else None, ids=local_ids, teacher=scores
-    )
-    loss.backward()
-    _close(loss.detach(), want_loss.detach(), "microbatch loss")
-    _close(mq.grad, want_q, "microbatch dq")
-    got_cols = mdocs.grad if not k else torch.cat([mdocs.grad[:, 0], mdocs.grad[:, 1:].flatten(0, 1)])
-    _close(got_cols, want_cols, "microbatch dD")
+    problem_ = problem(case)
+    scores = scores_of(case["k"])
+    rq, rp, rn, rs, rb = leaves(*problem_[:5])
+    want_loss = reference_total(case, dcase, rq, rp, rn, rs, rb, problem_[5], scores)
+    want = (want_loss.detach(), *wanted(want_loss, rq, rp, rn, rs))
+    assert_forms(objective_for(case, dcase), problem_, want, teacher=scores)
 
 
 def _distributed() -> None:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    ranks = Ranks(dist.group.WORLD)
     for case, dcase in PAIRS:
-        k = case["k"]
-        q, p, n, scale, bias, ids = problem(case, seed=1)
-        scores = scores_of(k, seed=1)
-        rq, rp, rn, rs, rb = leaves(q, p, n, scale, bias)
-        want_loss = reference_total(case, dcase, rq, rp, rn, rs, rb, ids, scores)
-        wanted = torch.autograd.grad(want_loss, [t for t in (rq, rp, rn) if t is not None])
-        want_q, want_cols = wanted[0], torch.cat(wanted[1:])
-        c = N // world
-        own = slice(rank * c, (rank + 1) * c)
-        objective = objective_for(case, dcase)
-        b = bias if objective.has_bias else None
-        cols = p if n is None else torch.cat([p, n])
-
-        out = objective.with_teacher(ranks.gather(scores[own])).streamed(
-            q[own], cols, scale, b, first_row=own.start, num_queries=N, chunk=3, ranks=ranks, ids=ids
-        )
-        _close(out.loss, want_loss.detach(), f"{dcase['name']} streamed loss")
-        _close(out.grad_rows, want_q[own], f"{dcase['name']} streamed dq")
-        shares = out.grad_cols.clone()
-        dist.all_reduce(shares)
-        _close(shares, want_cols, f"{dcase['name']} streamed dD")
-
-        docs, local_ids = per_sample(p, n, ids, k, own)
-        lq, ls, lb, ldocs = leaves(q[own], scale, bias, docs)
-        loss = MicrobatchLoss(objective, dist.group.WORLD)(
-            lq, ldocs, ls, lb if objective.has_bias else None, ids=local_ids, teacher=scores[own]
-        )
-        loss.backward()
-        _close(loss.detach(), want_loss.detach(), f"{dcase['name']} microbatch loss")
-        _close(lq.grad / world, want_q[own], f"{dcase['name']} microbatch dq")
-        want_own = want_cols[: len(p)][own] if not k else want_cols[: len(p)][own]
-        _close((ldocs.grad if not k else ldocs.grad[:, 0]) / world, want_own, f"{dcase['name']} microbatch dp")
+        problem_ = problem(case, seed=1)
+        scores = scores_of(case["k"], seed=1)
+        rq, rp, rn, rs, rb = leaves(*problem_[:5])
+        want_loss = reference_total(case, dcase, rq, rp, rn, rs, rb, problem_[5], scores)
+        want = (want_loss.detach(), *wanted(want_loss, rq, rp, rn, rs))
+        assert_distributed_forms(objective_for(case, dcase), problem_, want, dcase["name"], teacher=scores)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
 from tests.needs import needs
-from tests.test_cosent import per_sample
+from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
 from tests.test_objectives import CASES, D, N, _close, leaves, objective_of, reference
-from titan_contrastive.losses import Matryoshka, MicrobatchLoss, Ranks, Spread
+from titan_contrastive.losses import Matryoshka, Spread
 
 BASE = {c["name"]: c for c in CASES}
 SCASES = [  # the contrastive objective, hard negatives, mean weight, second-moment weight, aggregation
@@ -91,79 +91,21 @@ def test_both_terms_move_the_loss() -> None:
 @pytest.mark.parametrize("pair", PAIRS, ids=[d["name"] for _, d in PAIRS])
 def test_dense_streamed_and_microbatch_match_the_definition(pair) -> None:
     case, scase = pair
-    k = case["k"]
-    q, p, n, scale, bias, ids = clustered(case)
-    rq, rp, rn, rs, rb = leaves(q, p, n, scale, bias)
-    want_loss = reference_total(case, scase, rq, rp, rn, rs, rb, ids)
-    wanted = torch.autograd.grad(want_loss, [t for t in (rq, rp, rn, rs) if t is not None])
-    want_q, want_cols, want_s = wanted[0], torch.cat(wanted[1 : 2 + bool(k)]), wanted[-1]
-    objective = objective_for(case, scase)
-    cols = p if n is None else torch.cat([p, n])
-    b = bias if objective.has_bias else None
-
-    dq, dcols, ds = leaves(q, cols, scale)
-    loss = objective.dense(dq, dcols, ds, b, ids)
-    loss.backward()
-    _close(loss.detach(), want_loss.detach(), "dense loss")
-    _close(dq.grad, want_q, "dense dq")
-    _close(dcols.grad, want_cols, "dense dD")
-    _close(ds.grad, want_s, "dense ds")
-
-    for chunk in (5, 7, N):
-        out = objective.streamed(q, cols, scale, b, first_row=0, num_queries=N, chunk=chunk, ranks=Ranks(None), ids=ids)
-        _close(out.loss, want_loss.detach(), f"streamed loss, chunk {chunk}")
-        _close(out.grad_rows, want_q, f"streamed dq, chunk {chunk}")
-        _close(out.grad_cols, want_cols, f"streamed dD, chunk {chunk}")
-        _close(out.scale_rows.sum(), want_s, f"streamed ds, chunk {chunk}")
-
-    docs, local_ids = per_sample(p, n, ids, k)
-    mq, ms, mb, mdocs = leaves(q, scale, bias, docs)
-    loss = MicrobatchLoss(objective)(mq, mdocs, ms, mb if objective.has_bias else None, ids=local_ids)
-    loss.backward()
-    _close(loss.detach(), want_loss.detach(), "microbatch loss")
-    _close(mq.grad, want_q, "microbatch dq")
-    got_cols = mdocs.grad if not k else torch.cat([mdocs.grad[:, 0], mdocs.grad[:, 1:].flatten(0, 1)])
-    _close(got_cols, want_cols, "microbatch dD")
+    problem = clustered(case)
+    rq, rp, rn, rs, rb = leaves(*problem[:5])
+    want_loss = reference_total(case, scase, rq, rp, rn, rs, rb, problem[5])
+    assert_forms(objective_for(case, scase), problem, (want_loss.detach(), *wanted(want_loss, rq, rp, rn, rs)))
 
 
 def _distributed() -> None:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    ranks = Ranks(dist.group.WORLD)
     for case, scase in PAIRS:
-        k = case["k"]
-        q, p, n, scale, bias, ids = clustered(case, seed=1)
-        rq, rp, rn, rs, rb = leaves(q, p, n, scale, bias)
-        want_loss = reference_total(case, scase, rq, rp, rn, rs, rb, ids)
-        wanted = torch.autograd.grad(want_loss, [t for t in (rq, rp, rn) if t is not None])
-        want_q, want_cols = wanted[0], torch.cat(wanted[1:])
-        c = N // world
-        own = slice(rank * c, (rank + 1) * c)
-        objective = objective_for(case, scase)
-        b = bias if objective.has_bias else None
-        cols = p if n is None else torch.cat([p, n])
-
-        out = objective.streamed(
-            q[own], cols, scale, b, first_row=own.start, num_queries=N, chunk=3, ranks=ranks, ids=ids
-        )
-        _close(out.loss, want_loss.detach(), f"{scase['name']} streamed loss")
-        _close(out.grad_rows, want_q[own], f"{scase['name']} streamed dq")
-        shares = out.grad_cols.clone()
-        dist.all_reduce(shares)
-        _close(shares, want_cols, f"{scase['name']} streamed dD")
-
-        docs, local_ids = per_sample(p, n, ids, k, own)
-        lq, ls, lb, ldocs = leaves(q[own], scale, bias, docs)
-        loss = MicrobatchLoss(objective, dist.group.WORLD)(
-            lq, ldocs, ls, lb if objective.has_bias else None, ids=local_ids
-        )
-        loss.backward()
-        _close(loss.detach(), want_loss.detach(), f"{scase['name']} microbatch loss")
-        _close(lq.grad / world, want_q[own], f"{scase['name']} microbatch dq")
-        _close(
-            (ldocs.grad if not k else ldocs.grad[:, 0]) / world, want_cols[:N][own], f"{scase['name']} microbatch dp"
-        )
+        problem = clustered(case, seed=1)
+        rq, rp, rn, rs, rb = leaves(*problem[:5])
+        want_loss = reference_total(case, scase, rq, rp, rn, rs, rb, problem[5])
+        want = (want_loss.detach(), *wanted(want_loss, rq, rp, rn, rs))
+        assert_distributed_forms(objective_for(case, scase), problem, want, scase["name"])
 
 
 @pytest.mark.parametrize("world", [2, 4])

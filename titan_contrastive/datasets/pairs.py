@@ -165,7 +165,12 @@ def read_rows(
     teacher: str = "",
 ) -> PairRows:
     """The usable rows of a pairs file, their ids and (`teacher`: the loss.distill kind) the
-    teacher's scores (see the module docstring); `split`: which split of a saved DatasetDict."""
+    teacher's scores (see the module docstring); `split`: which split of a saved DatasetDict. A pattern or a
+    folder of shards (`shards.shard_files`): each file's, joined in order."""
+    files = shard_files(path, FORMATS)
+    if files is not None:
+        parts = [read_rows(str(f), columns, id_column, max_bad_fraction, split, teacher) for f in files]
+        return _shards_joined(path, files, parts)
     file = Path(path).expanduser()
     if not (file.is_dir() or (file.suffix in FORMATS and file.is_file())):
         raise DataError(
@@ -221,21 +226,9 @@ def read_rows(
     return PairRows(rows, ids if has_ids else None, scores if teacher else None, skipped)
 
 
-def read_source(
-    path: str,
-    columns: Sequence[str] = (),
-    id_column: str = "id",
-    max_bad_fraction: float = 0.001,
-    split: str = "train",
-    teacher: str = "",
-) -> PairRows:
-    """`read_rows` of one source: its file or folder, or each of the files a pattern or a folder of shards
-    names (`shards.shard_files`), joined in order; a DataError when the shards disagree on the row's width or
-    on having ids."""
-    files = shard_files(path, FORMATS)
-    if files is None:
-        return read_rows(path, columns, id_column, max_bad_fraction, split, teacher)
-    parts = [read_rows(str(f), columns, id_column, max_bad_fraction, split, teacher) for f in files]
+def _shards_joined(path: str, files: Sequence[Path], parts: Sequence[PairRows]) -> PairRows:
+    """The rows of a source's shards `files` (`parts`, read each), in order; a DataError when they disagree
+    on the row's width or on having ids."""
     for f, part in zip(files[1:], parts[1:]):
         if len(part.texts[0]) != len(parts[0].texts[0]) or (part.ids is None) != (parts[0].ids is None):
             what = "ids" if len(part.texts[0]) == len(parts[0].texts[0]) else "columns"
@@ -354,7 +347,7 @@ class PairsDataset:
     ) -> None:
         parts, factors = split_sources(path, factors)
         tokenizers = source_tokenizers(tokenizer, parts, query_prompts, doc_prompts)
-        files = [read_source(part, columns, id_column, max_bad_fraction, split, teacher) for part in parts]
+        files = [read_rows(part, columns, id_column, max_bad_fraction, split, teacher) for part in parts]
         texts, ids, scores = _join(parts, files, hard_negatives)
         self.skipped = sum((f.skipped for f in files), Counter())
         spans = [(len(f.texts), t) for f, t in zip(files, tokenizers)]
