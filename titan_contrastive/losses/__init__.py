@@ -6,11 +6,11 @@
 | `siglip` | SigLIP's sigmoid loss, hard negatives as extra columns | `sigmoid.py` |
 
 InfoNCE also takes joint directions (`directions.py`) and hardness weighting (`hardness.py`).
-Every objective takes the false-negative mask (`masking.py`), may add a distillation term from a
-teacher's scores (`distill.py`), a spread-out regularizer (`spread.py`) and be wrapped in Matryoshka
-prefixes (`matryoshka.py`); `base.py`
-says what an objective is. A new objective is a module with such an object and one
-`register_objective` call (the pixel loss is the vae family's own step).
+Every objective takes the false-negative mask (`masking.py`), may add a term on the data's scores
+(`distill.py`: a teacher's, or CoSENT's ranking) and a spread-out regularizer (`spread.py`), and be
+wrapped in Matryoshka prefixes (`matryoshka.py`); `base.py` says what an objective is. A new objective
+is a module with such an object and one `register_objective` call (the pixel loss is the vae family's
+own step).
 """
 
 from __future__ import annotations

@@ -170,9 +170,15 @@ class BiEncoderArgs(LoraFields):
         it reads, as sentence-transformers' GISTEmbedLoss hands the model's `prompt_length` to the guide; read
         as text, they are the guide's text and pooled."""
         own = dict(
-            path=path, pooling="auto", include_prompt=None, shared=True, lora_rank=0, query_prompt="", doc_prompt=""
+            path=path,
+            pooling="auto",
+            include_prompt=None,
+            shared=True,
+            lora_rank=0,
+            query_prompt="",
+            doc_prompt="",
+            doc_length=0,
         )
-        own["doc_length"] = 0
         guide = dataclasses.replace(self, **own).resolve()  # its folder's pooling and sequence length
         mine, theirs = self.tokenizer, guide.tokenizer
         if mine.get_vocab() != theirs.get_vocab() or pad_id(mine) != pad_id(theirs):
