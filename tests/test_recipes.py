@@ -2,7 +2,8 @@
 folder, the data and the run's length and sizes are overridden (`train_configs/qwen3_embedding_lora.toml` with the tiny
 Qwen3-like decoder and pairs with hard negatives, then exported to sentence-transformers;
 `train_configs/hf_siglip.toml` with the tiny SigLIP folder and image-caption files; `train_configs/sts_cosent.toml`
-with the tiny BERT-like encoder and scored sentence pairs)."""
+with the tiny BERT-like encoder and scored sentence pairs; `train_configs/qwen_vl_embedder_lora.toml` with the
+tiny Qwen2-VL folder and query-document rows, then exported)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,34 @@ def test_the_sts_cosent_recipe(tmp_path: Path) -> None:
     assert any("sts/spearman_cosine" in e for e in logged)
     best = json.loads((tmp_path / "run" / "checkpoint" / "best.json").read_text())
     assert best["metric"] == "sts/spearman_cosine" and best["step"] == 2
+
+
+def test_the_qwen_vl_embedder_recipe(tmp_path: Path) -> None:
+    """LoRA, GradCache token budgets and a fixed temperature on text-to-image rows; the step exports."""
+    from tests.hf_folders import vl_folder
+    from tests.test_qwen_vl_pairs import _vl_pairs
+    from titan_contrastive.export import main as export_main
+
+    rows = _vl_pairs(tmp_path / "data")
+    trainer, _ = _train(
+        tmp_path,
+        "qwen_vl_embedder_lora.toml",
+        f"--model.path={vl_folder(tmp_path)}",
+        f"--data.path={rows}",
+        "--training.local_batch_size=4",
+        "--training.global_batch_size=8",
+        "--gradcache.chunk_tokens=64",
+        "--data.context_length=12",
+        "--eval.enable=false",
+        "--checkpoint.interval=2",
+    )
+    args = trainer.model_args
+    assert (
+        trainer.step == 2
+        and trainer.ga_steps == 2
+        and args.lora_rank == 16
+        and not trainer.model.logit_scale.requires_grad
+    )
+    assert trainer.cfg.gradcache.chunk_tokens == 64 and trainer.cfg.data.retrieval_mode == "t2i"
+    step = tmp_path / "run" / "checkpoint" / "step-2"
+    assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
