@@ -143,33 +143,31 @@ def _image_size(
         raise ConfigError(
             f"{file}: resample={resample!r}; the run resizes images bilinear (2) or bicubic (3); set one of them there"
         )
-    if kind != "siglip2":
-        size = int(config.vision_config.image_size)
-        if asked % patch:
+    if kind == "siglip2":
+        most = processor.get("max_num_patches")
+        if not isinstance(most, int) or most < 1:
             raise ConfigError(
-                f"data.image_size={asked}: {path} reads images in {patch} px patches; set a multiple of {patch} "
-                f"(its own: {size}) or 0"
+                f"{file}: max_num_patches={most!r}; SigLIP 2's processor sets a positive "
+                "number of patches per image (e.g. 256); save the model's processor into the folder"
             )
-        if asked not in (0, size):
-            logger.info(
-                f"data.image_size={asked}: {path}'s position table ({size // patch}x{size // patch} patches) is "
-                f"resized to {asked // patch}x{asked // patch}"
-            )
-        return asked or size, patch, 0, resample
-    most = processor.get("max_num_patches")
-    if not isinstance(most, int) or most < 1:
-        raise ConfigError(
-            f"{file}: max_num_patches={most!r}; SigLIP 2's processor sets a positive "
-            "number of patches per image (e.g. 256); save the model's processor into the folder"
-        )
+        own = math.isqrt(most) * patch
+    else:
+        own = int(config.vision_config.image_size)
     if asked % patch:
         raise ConfigError(
-            f"data.image_size={asked}: {path} reads images in {patch} px patches; set data.image_size to a "
-            f"multiple of {patch} (e.g. {math.isqrt(most) * patch}: its max_num_patches={most}) or 0"
+            f"data.image_size={asked}: {path} reads images in {patch} px patches; set a multiple of {patch} (e.g. "
+            f"{own}, its own{f': max_num_patches={most}' if kind == 'siglip2' else ''}) or 0"
         )
+    if kind != "siglip2":
+        if asked not in (0, own):
+            logger.info(
+                f"data.image_size={asked}: {path}'s position table ({own // patch}x{own // patch} patches) is "
+                f"resized to {asked // patch}x{asked // patch}"
+            )
+        return asked or own, patch, 0, resample
     if asked:
         return asked, patch, (asked // patch) ** 2, resample
-    return math.isqrt(most) * patch, patch, most, resample
+    return own, patch, most, resample
 
 
 def _folder_bias(model_dir: str) -> float | None:
