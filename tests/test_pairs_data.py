@@ -270,6 +270,7 @@ def test_scored_pairs_are_refused_unless_cosent_reads_them(tmp_path: Path) -> No
 
 def test_a_dataset_folder_without_the_datasets_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` fails
+    (tmp_path / "dataset_dict.json").write_text('{"splits": ["train"]}')  # what save_to_disk writes first
     with pytest.raises(DataError) as err:
         read_rows(str(tmp_path))
     _one_line(err, "data.dataset='pairs'", "pip install -e '.[data]'")
