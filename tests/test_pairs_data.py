@@ -123,54 +123,6 @@ def test_every_format_serves_the_same_batches(tmp_path: Path, tokenizer) -> None
     assert DOC_IDS not in batch and all(torch.equal(batch[k], want[k]) for k in ("query", "doc", NEGATIVES))
 
 
-def test_shards_of_one_source_read_as_one_file(tmp_path: Path, tokenizer) -> None:
-    """A folder of JSONL shards and a glob of Parquet shards (a dataset repository's snapshot) serve what the
-    one file of all their rows serves, in sorted file order; a `::` join takes a pattern as one source; a
-    pattern or folder without data files, mixed formats and shards that disagree are one-line errors."""
-    import datasets
-
-    rows = st_rows(with_ids=True)
-    whole = write_jsonl(tmp_path / "all.jsonl", rows)
-    (tmp_path / "jsonl").mkdir()
-    for n, (start, stop) in enumerate([(0, 3), (3, 4), (4, 8)]):  # file names sort as the rows' order
-        write_jsonl(tmp_path / "jsonl" / f"train-{n:05d}-of-00003.jsonl", rows[start:stop])
-    (tmp_path / "jsonl" / "README.md").write_text("a dataset card: not data\n")
-    (tmp_path / "parquet").mkdir()
-    for n, (start, stop) in enumerate([(0, 5), (5, 8)]):
-        datasets.Dataset.from_list(rows[start:stop]).to_parquet(str(tmp_path / "parquet" / f"train-{n}.parquet"))
-    indices = [3, 0, 7, 2, 5]
-
-    def served(path: str) -> dict:
-        ds = PairsDataset(split="train", path=path, tokenizer=tokenizer, query_length=24)
-        assert len(ds) == len(ROWS) and ds.num_negatives == 2, path
-        return ds.__getitems__(indices)
-
-    want = served(str(whole))
-    for path in (tmp_path / "jsonl", f"{tmp_path}/parquet/train-*.parquet", f"{tmp_path}/**/train-*.jsonl"):
-        got = served(str(path))
-        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), path
-    joined = PairsDataset(
-        split="train", path=f"{tmp_path}/parquet/*.parquet::{whole}", tokenizer=tokenizer, query_length=24
-    )
-    assert joined.source_sizes == [len(ROWS), len(ROWS)]  # the pattern is one source of all its files
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "mixed").mkdir()
-    write_jsonl(tmp_path / "mixed" / "a.jsonl", rows[:2])
-    datasets.Dataset.from_list(rows[2:]).to_parquet(str(tmp_path / "mixed" / "b.parquet"))
-    write_jsonl(
-        tmp_path / "jsonl" / "train-00009-of-00003.jsonl", [{k: v for k, v in r.items() if k != "id"} for r in rows]
-    )
-    for path, needles in (
-        (f"{tmp_path}/nothing-*.jsonl", ("the pattern matches no .jsonl/.csv/.tsv/.parquet/.arrow file",)),
-        (str(tmp_path / "empty"), ("the folder (not a save_to_disk folder) holds no",)),
-        (str(tmp_path / "mixed"), ("files of 2 formats (.jsonl, .parquet)", "mixed/*.jsonl")),
-        (str(tmp_path / "jsonl"), ("train-00009-of-00003.jsonl and train-00000-of-00003.jsonl differ", "ids")),
-    ):
-        with pytest.raises(DataError) as err:
-            PairsDataset(split="train", path=path, tokenizer=tokenizer, query_length=24)
-        _one_line(err, *needles)
-
-
 def test_sentence_transformers_names_and_a_list_of_negatives(tmp_path: Path, tokenizer) -> None:
     texts = [list(r[1:]) for r in ROWS]
     named = write_jsonl(tmp_path / "st.jsonl", st_rows())

@@ -93,30 +93,6 @@ def test_source_serves_the_bundled_samples(emoji: dict, kind: str) -> None:
     assert torch.equal(got["index"], want["index"])
 
 
-def test_hf_shards_serve_the_bundled_samples(emoji: dict) -> None:
-    """A glob of Parquet shards whose image paths are relative to them, and a folder of JSON-lines shards
-    (as a dataset repository's snapshot holds them): one dataset, in sorted file order, equal to the bundled
-    loader's samples."""
-    require("data")
-    import datasets
-
-    root, rows = emoji["root"], emoji["rows"]
-    (root / "jsonl-shards").mkdir(exist_ok=True)
-    for n, start in enumerate(range(0, len(rows), 64)):
-        part = rows[start : start + 64]
-        table = datasets.Dataset.from_dict({"image": [p for p, _ in part], "text": [c for _, c in part]})
-        table.to_parquet(str(root / f"hf-{n:05d}.parquet"))
-        with open(root / "jsonl-shards" / f"train-{n:05d}.jsonl", "w") as f:
-            f.writelines(json.dumps({"image": str(root / p), "text": c}) + "\n" for p, c in part)
-    indices = [0, 5, 63, 64, 65, 127, 199, 3]
-    want = emoji["bundled"].__getitems__(indices)
-    for path in (str(root / "hf-*.parquet"), str(root / "jsonl-shards")):
-        ds = _dataset(emoji, "hf", augment=False, split="test", path=path)
-        got = ds.__getitems__(indices)
-        assert len(ds) == 200 and got[BAD_SAMPLES] == [], path
-        assert torch.equal(got["image"], want["image"]) and torch.equal(got["text"], want["text"]), path
-
-
 @pytest.mark.parametrize("kind", SOURCES)
 def test_train_crops_are_a_function_of_seed_epoch_index(emoji: dict, kind: str) -> None:
     ds = _dataset(emoji, kind, augment=True)
