@@ -61,6 +61,17 @@ def test_clip_is_registered() -> None:
     assert models.get_flavor_args("clip", "vit_b32") is clip_flavors["vit_b32"]
 
 
+def test_an_empty_flavor_is_the_family_s_first() -> None:
+    """`[model] flavor` unset: clip's debug, bi_encoder's shared, and the one flavor of the families with one (a
+    qwen_vl, hf_clip or lit config needs no flavor line)."""
+    from titan_contrastive.config import parse_args
+
+    want = {"clip": "debug", "bi_encoder": "shared", "hf_clip": "folder", "lit": "minilm_debug", "qwen_vl": "default"}
+    for name, flavor in want.items():
+        assert models.get_flavor_args(name, "") is models.get_model_spec(name).flavors[flavor], name
+    assert parse_args(["--model.name=qwen_vl"]).model.flavor == ""
+
+
 def test_unknown_name_and_flavor_list_valid_choices() -> None:
     with pytest.raises(models.ModelRegistryError) as err:
         models.get_model_spec("foo")

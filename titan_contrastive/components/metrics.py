@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from titan_contrastive.atomic_write import write_text_atomically
+from titan_contrastive.models.registry import flavor_name
 
 logger = logging.getLogger("titan_contrastive")
 
@@ -184,7 +185,8 @@ def log_run_start(
     global_batch_size = cfg.training.local_batch_size * ga_steps * dims.dp_degree
     logger.info(f"data: {data.describe()}")
     logger.info(
-        f"model: {cfg.model.name}/{cfg.model.flavor}  params {model_args.num_params():,}  training FLOPs/sample "
+        f"model: {cfg.model.name}/{flavor_name(cfg.model.name, cfg.model.flavor)}  "
+        f"params {model_args.num_params():,}  training FLOPs/sample "
         f"{f'{flops:.3e}' if flops else 'n/a'} (encoders; loss excluded)  device {device}"
     )
     logger.info(

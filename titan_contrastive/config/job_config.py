@@ -41,10 +41,10 @@ class Model:
     `bi_encoder` (a Hugging Face text model from `path`, `.[hf]`), `lit` (a ViT against the pretrained MiniLM
     text tower, `.[hf]`), `qwen_vl` (a Qwen2-VL / Qwen2.5-VL / Qwen3-VL embedder from `path`, `.[hf]`), `vlm`
     (a small packed-patch model for CPU tests), `vae` (pixel loss), or your own."""
-    flavor: str = "debug"
-    """Size preset of the family: clip `debug` (CPU) / `vit_b32` / `vit_b16` / `vit_l14`; bi_encoder `shared` /
-    `dual` (one tower or two); hf_clip `folder`; lit `minilm_debug`; qwen_vl `default`; vlm `debug`; vae `debug`
-    / `sd`."""
+    flavor: str = ""
+    """Size preset of the family (empty = its first): clip `debug` (CPU) / `vit_b32` / `vit_b16` / `vit_l14`;
+    bi_encoder `shared` / `dual` (one tower or two); hf_clip `folder`; lit `minilm_debug`; qwen_vl `default`;
+    vlm `debug`; vae `debug` / `sd`."""
     init_from: str = ""
     """Start from a checkpoint's weights (clip): a Hugging Face CLIP folder (config.json +
     model.safetensors) or a step-N folder of one of our runs; its architecture replaces the

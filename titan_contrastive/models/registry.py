@@ -178,11 +178,17 @@ def resolve_model_args(name: str, flavor: str, init_from: str = "") -> tuple[Any
         raise ModelRegistryError(f"model.init_from={init_from!r}: {e}") from None
 
 
+def flavor_name(name: str, flavor: str) -> str:
+    """`flavor`, or where it is empty the first flavor family `name` registers."""
+    return flavor or next(iter(get_model_spec(name).flavors))
+
+
 def get_flavor_args(name: str, flavor: str) -> Any:
-    """The args of flavor `flavor` of family `name`; unknown flavors raise `ModelRegistryError`."""
+    """The args of flavor `flavor` of family `name` (empty: its first); unknown flavors raise
+    `ModelRegistryError`."""
     spec = get_model_spec(name)
     try:
-        return spec.flavors[flavor]
+        return spec.flavors[flavor_name(name, flavor)]
     except KeyError:
         raise ModelRegistryError(
             f"model.flavor={flavor!r} is not a flavor of {name!r}; valid: {', '.join(spec.flavors)}"
