@@ -23,7 +23,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from titan_contrastive.losses.base import Objective, Ranks, StreamResult, Wrapping, gathered_problem
@@ -127,10 +126,7 @@ class Spread(Wrapping):
         )  # fmt: skip
         acc = part.grad_rows.dtype
         rows = q_own.detach().to(acc)
-        own = [t.detach() for t in statistics(rows)]
-        if ranks.world > 1:
-            for t in own:
-                dist.all_reduce(t, group=ranks.group)
+        own = [ranks.sum(t) for t in statistics(rows)]  # the whole problem's query statistics
         with torch.enable_grad():
             q_stats = [t.requires_grad_() for t in own]
             cols = docs.detach().to(acc).requires_grad_()
