@@ -76,10 +76,10 @@ def encoder_folder(root: Path, dropout: float = 0.1) -> Path:
     return _bert(root / "tiny-bert", "BertModel", **drop)
 
 
-def _own_code(folder: Path, dropout: float) -> Path:
+def _own_code(folder: Path, dropout: float, decoder: bool = False) -> Path:
     """A model type transformers does not include: its config and model code (tests/fixtures/own_code) ship in
     the folder, named by config.json's `auto_map` as save_pretrained writes it for a registered class; the
-    BERT-like tokenizer."""
+    BERT-like tokenizer. `decoder`: a causal one under the `qwen2` model type, whose code ignores `is_causal`."""
     import shutil
 
     import torch
@@ -88,8 +88,9 @@ def _own_code(folder: Path, dropout: float) -> Path:
     folder.mkdir(parents=True)
     for file in (Path(__file__).parent / "fixtures" / "own_code").glob("*.py"):
         shutil.copyfile(file, folder / file.name)
-    config_class = get_class_from_dynamic_module("configuration_tiny.TinyConfig", str(folder))
-    model_class = get_class_from_dynamic_module("modeling_tiny.TinyModel", str(folder))
+    names = ("TinyDecoderConfig", "TinyDecoder") if decoder else ("TinyConfig", "TinyModel")
+    config_class = get_class_from_dynamic_module(f"configuration_tiny.{names[0]}", str(folder))
+    model_class = get_class_from_dynamic_module(f"modeling_tiny.{names[1]}", str(folder))
     config_class.register_for_auto_class()
     model_class.register_for_auto_class("AutoModel")
     tokenizer = _bert_tokenizer()
@@ -330,8 +331,8 @@ ARCHITECTURES = {
 """Builders `(folder, dropout) -> folder` of tiny random models (`architecture_folder` writes them)."""
 
 
-OWN_CODE = {"own-code": _own_code}
-"""A builder of a folder that ships its own model code (it loads with `[model] trust_remote_code` only)."""
+OWN_CODE = {"own-code": _own_code, "own-code-decoder": lambda folder, dropout: _own_code(folder, dropout, True)}
+"""Builders of folders that ship their own model code (they load with `[model] trust_remote_code` only)."""
 
 
 def architecture_folder(root: Path, arch: str, dropout: float = 0.1) -> Path:

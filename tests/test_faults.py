@@ -126,6 +126,18 @@ def test_incompatible_resume_is_one_line_before_loading(
     assert max(train_records(tmp_path)) == 2  # nothing trained
 
 
+def test_a_model_field_added_since_the_checkpoint_is_not_an_architecture_change() -> None:
+    """A checkpoint written before a family gained an arg (bi_encoder's `bidirectional`) resumes; a change of an
+    arg it holds is still refused."""
+    from titan_contrastive.checkpoint.resume import IncompatibleResume, config_changes
+
+    saved = {"model": {"family": "bi_encoder", "args": {"path": "m", "pooling": "mean"}}}
+    now = {"family": "bi_encoder", "args": {"path": "m", "pooling": "mean", "bidirectional": False}}
+    assert config_changes(2, saved, None, now) == []
+    with pytest.raises(IncompatibleResume, match=r"different architecture \(pooling: 'mean' -> 'cls'\)"):
+        config_changes(2, saved, None, {**now, "args": {**now["args"], "pooling": "cls"}})
+
+
 def test_load_step_rewind_moves_newer_checkpoints_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """After a rewind the abandoned run's newer checkpoints used to win the next auto-resume."""
     folder = tmp_path / "checkpoint"

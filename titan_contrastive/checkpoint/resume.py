@@ -84,11 +84,14 @@ def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     ]
 
 
-def _architecture(model: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A manifest's model record without its `TRAINING_ARGS`."""
+def _architecture(model: dict[str, Any] | None, saved: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """A manifest's model record without its `TRAINING_ARGS`, and with `saved` (the checkpoint's record) without
+    the args that record lacks: fields added to the family since it was written, whose defaults keep the
+    behaviour it was trained with."""
     if model is None or not isinstance(model.get("args"), dict):
         return model
-    return {**model, "args": {k: v for k, v in model["args"].items() if k not in TRAINING_ARGS}}
+    known = saved.get("args") if saved is not None and isinstance(saved.get("args"), dict) else model["args"]
+    return {**model, "args": {k: v for k, v in model["args"].items() if k not in TRAINING_ARGS and k in known}}
 
 
 def config_changes(
@@ -102,7 +105,8 @@ def config_changes(
         "resume with the saved value, or start a new run from these weights "
         "(checkpoint.folder=<new folder>, model.init_from=<this step's folder>)"
     )
-    saved_model, model = _architecture(manifest.get("model")), _architecture(model)
+    saved_model = _architecture(manifest.get("model"))
+    model = _architecture(model, saved_model)
     if model is not None and saved_model is not None and _plain(saved_model) != _plain(model):
         if saved_model.get("family") != model.get("family"):
             what = f"model family {saved_model.get('family')!r}, the config builds {model.get('family')!r}"

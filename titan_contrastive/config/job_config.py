@@ -68,6 +68,11 @@ class Model:
     """bi_encoder: whether the pooling reads the prompts' tokens (sentence-transformers' Pooling `include_prompt`);
     false = INSTRUCTOR's way, the prompt conditions the text but is left out of the embedding's pooling. Unset
     (`none`) = the folder's, true for a plain folder. Exported to sentence-transformers with the pooling."""
+    bidirectional: bool | None = None
+    """bi_encoder: true lets a decoder's tokens attend to the whole text, not only to those before them (LLM2Vec,
+    GritLM, NV-Embed; transformers' `is_causal=False`), and its exports keep it (config.json `is_causal`); `auto`
+    pooling is then mean and cls is allowed. Unset (`none`) = the folder's: causal for a decoder, unless its config
+    says otherwise (EmbeddingGemma). false on a folder that attends both ways is an error."""
     freeze: list[str] = opt([], None)
     """Locked towers / partial tuning: tower names (clip `image`, `text`; bi_encoder `query`, `doc`)
     or fnmatch patterns over parameter names. Frozen parameters get no gradients and no optimizer

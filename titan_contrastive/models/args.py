@@ -46,8 +46,9 @@ def missing_methods(args: Any) -> list[str]:
 
 def configured(args: Any, cfg: Any, spec: Any) -> Any:
     """`args.update_from_config(cfg)` for the family of `spec` (a `ModelSpec`); a ConfigError for the settings it
-    cannot take: `[model] patch_dropout`, `trust_remote_code` or `include_prompt` where its args do not carry it
-    (no image patches to drop, no folder whose code it runs, no prompt left out of a pooling), `[optimizer]
+    cannot take: `[model] patch_dropout`, `trust_remote_code`, `include_prompt` or `bidirectional` where its args do
+    not carry it (no image patches to drop, no folder whose code it runs, no prompt left out of a pooling, no
+    decoder whose causal mask could go), `[optimizer]
     layer_decay` where it names no towers whose layers could decay."""
     if cfg.model.trust_remote_code and not hasattr(args, "trust_remote_code"):
         raise ConfigError(
@@ -58,6 +59,11 @@ def configured(args: Any, cfg: Any, spec: Any) -> Any:
         raise ConfigError(
             f"model.include_prompt={str(cfg.model.include_prompt).lower()}: the {spec.name} family pools no prompted "
             "texts (bi_encoder does); remove it"
+        )
+    if cfg.model.bidirectional is not None and not hasattr(args, "bidirectional"):
+        raise ConfigError(
+            f"model.bidirectional={str(cfg.model.bidirectional).lower()}: the {spec.name} family has no decoder "
+            "whose attention it could turn (bi_encoder has); remove it"
         )
     args = args.update_from_config(cfg)
     if getattr(args, "patch_dropout", 0.0) != cfg.model.patch_dropout:

@@ -40,7 +40,9 @@ def adapted(args: Any, tower: nn.Module) -> Any:
     qwen_vl's, whose folder's own code never runs)."""
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
-    base = load_text_tower(args.model_dir, getattr(args, "trust_remote_code", False))
+    base = load_text_tower(
+        args.model_dir, getattr(args, "trust_remote_code", False), bool(getattr(args, "bidirectional", False))
+    )
     wrapped = get_peft_model(base, lora_config(args))
     adapters = {f"base_model.model.{k}": v for k, v in get_peft_model_state_dict(tower).items()}
     # what trained in full ([lora] modules_to_save), under the names peft saves them by
@@ -92,7 +94,7 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         from peft import PeftModel
 
         adapted(args, tower).save_pretrained(str(out))
-        base = load_text_tower(args.model_dir, args.trust_remote_code)
+        base = load_text_tower(args.model_dir, args.trust_remote_code, args.bidirectional)
         theirs = reloaded("peft", lambda: PeftModel.from_pretrained(base, str(out)).eval())
         with torch.no_grad():
             check(embed(theirs, ids, pad, args.pooling, 0, head=head, skip=skip), "peft")  # a head is frozen under LoRA

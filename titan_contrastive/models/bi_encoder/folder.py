@@ -318,8 +318,9 @@ def pad_id(tokenizer: Any) -> int:
 
 def is_causal(config: Any) -> bool:
     """A decoder: its architecture is a causal LM and not a masked one (BERT is both), and its config does not
-    make its attention bidirectional (EmbeddingGemma's Gemma 3: `use_bidirectional_attention`)."""
-    if getattr(config, "use_bidirectional_attention", False):
+    make its attention bidirectional (EmbeddingGemma's Gemma 3: `use_bidirectional_attention`; transformers'
+    `is_causal` false, as a `[model] bidirectional` run exports it)."""
+    if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
         return False
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,

@@ -82,6 +82,10 @@ class BiEncoderArgs(LoraFields):
     """`[model] include_prompt`, else (None until resolved) the folder's sentence-transformers Pooling
     `include_prompt`: False pools without the prompt's tokens (INSTRUCTOR), as sentence-transformers does
     (`folder.prompt_tokens`)."""
+    bidirectional: bool | None = None
+    """`[model] bidirectional`, else (None until resolved) the folder's: whether each token attends to the whole
+    text. True on a decoder turns its causal mask off (`load_text_tower`); False on a folder that attends both
+    ways is refused."""
     trust_remote_code: bool = False
     """`[model] trust_remote_code`: run the code a folder ships (config.json `auto_map`) for its model, its
     tokenizer, and a guide's or teacher's folder; otherwise such a folder is refused."""
@@ -94,7 +98,9 @@ class BiEncoderArgs(LoraFields):
         against the folder (`resolve`), and `[loss] init_logit_scale` (default: log 20) and `learn_logit_scale`."""
         t = temperature_from_config(cfg, default_logit_scale=math.log(self.init_scale))
         m = cfg.model
-        given = dataclasses.replace(self, trust_remote_code=m.trust_remote_code, include_prompt=m.include_prompt)
+        given = dataclasses.replace(
+            self, trust_remote_code=m.trust_remote_code, include_prompt=m.include_prompt, bidirectional=m.bidirectional
+        )
         resolved = given.resolve(
             m.path or self.path, m.pooling, m.query_prompt, m.doc_prompt, cfg.data.doc_context_length
         )
@@ -137,6 +143,12 @@ class BiEncoderArgs(LoraFields):
         path = self.path if path is None else path
         folder = read_text_folder(path)
         causal = is_causal(load_config(folder.model_dir, self.trust_remote_code))
+        if self.bidirectional is False and not causal:
+            raise TextFolderError(
+                f"model.bidirectional=false: {folder.model_dir} attends both ways (an encoder, or a decoder whose "
+                "config says so) and has no causal mask to keep; remove the setting"
+            )
+        causal = causal and not self.bidirectional
         pooling = pooling if pooling != "auto" else self.pooling
         if pooling == "auto":
             pooling = folder.pooling or ("last_token" if causal else "mean")
@@ -145,7 +157,7 @@ class BiEncoderArgs(LoraFields):
         if pooling == "cls" and causal:
             raise TextFolderError(
                 f"model.pooling='cls' with {folder.model_dir}: a decoder's first token sees no other token; use "
-                "model.pooling='last_token' (or mean)"
+                "model.pooling='last_token' (or mean), or let it attend both ways (model.bidirectional=true)"
             )
         if not doc_length:  # the given length, else these args' own, else the folder's
             limit = min(DEFAULT_DOC_LENGTH, load_tokenizer(folder.model_dir, self.trust_remote_code).model_max_length)
@@ -156,6 +168,7 @@ class BiEncoderArgs(LoraFields):
             path=path,
             pooling=pooling,
             include_prompt=folder.include_prompt if self.include_prompt is None else self.include_prompt,
+            bidirectional=not causal,
             query_prompt=_prompt(query_prompt, self.query_prompt, folder.query_prompt),
             doc_prompt=_prompt(doc_prompt, self.doc_prompt, folder.doc_prompt),
             doc_length=doc_length,
@@ -173,6 +186,7 @@ class BiEncoderArgs(LoraFields):
             path=path,
             pooling="auto",
             include_prompt=None,
+            bidirectional=None,
             shared=True,
             lora_rank=0,
             query_prompt="",
@@ -343,12 +357,14 @@ def embed(
     return locked_forward(tower, index, run, replay)
 
 
-def load_text_tower(model_dir: str, trust: bool = False) -> nn.Module:
+def load_text_tower(model_dir: str, trust: bool = False, bidirectional: bool = False) -> nn.Module:
     """The folder's base model (no LM head, no pooler: the pooling is ours, no key-value cache; an
     encoder-decoder's encoder, `folder.text_model_class`), its load
     report kept out of the log, in training mode as a freshly built module is (`from_pretrained` returns
     it in eval mode: its dropout would stay off in training until the first evaluation switched it on); `trust`:
-    the folder's own model code may run (`load_config`)."""
+    the folder's own model code may run (`load_config`); `bidirectional`: a decoder's tokens attend to the whole
+    text (transformers' `is_causal` set false in its config, which its exports save), or a TextFolderError where
+    its code does not read that switch."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -365,7 +381,22 @@ def load_text_tower(model_dir: str, trust: bool = False) -> nn.Module:
     for config in (tower.config, getattr(tower.config, "text_config", None)):
         if getattr(config, "use_cache", False):  # a decoder would keep every layer's keys and values (for generation)
             config.use_cache = False  # and an activation-checkpointing recompute would attend to them twice
+    if bidirectional and is_causal(tower.config):
+        tower.config.is_causal = False  # read by transformers' mask builders and attention functions
+        if not _attends_ahead(tower):
+            raise TextFolderError(
+                f"model.bidirectional=true: {model_dir} still attends to earlier tokens only (its model code, "
+                f"{type(tower).__name__}, does not read transformers' is_causal); remove the setting"
+            )
     return tower.train()
+
+
+def _attends_ahead(tower: nn.Module) -> bool:
+    """Whether the first token's hidden state depends on a later token (a two-row probe, without gradients)."""
+    ids = torch.tensor([[0, 1, 2], [0, 1, 3]], device=tower.device)
+    with torch.no_grad():
+        hidden = tower(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+    return not torch.equal(hidden[0, 0], hidden[1, 0])
 
 
 class BiEncoder(nn.Module):
@@ -373,7 +404,7 @@ class BiEncoder(nn.Module):
         super().__init__()
         self.args = args = args.resolve()
         model_dir = args.model_dir
-        self.query_tower = load_text_tower(model_dir, args.trust_remote_code)
+        self.query_tower = load_text_tower(model_dir, args.trust_remote_code, args.bidirectional)
         if args.lora_rank:  # adapters before the copy: a separate document tower gets its own
             add_lora(self.query_tower, args)
         self.doc_tower = self.query_tower if args.shared else copy.deepcopy(self.query_tower)
