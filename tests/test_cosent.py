@@ -29,14 +29,29 @@ from titan_contrastive.losses import Distillation, Distilled, Matryoshka, build_
 from titan_contrastive.losses.distill import cosent
 
 BASE = {c["name"]: c for c in CASES}
-DCASES = [  # the contrastive objective, hard negatives, the term's weight, the objective's weight
-    ("clip-sym-k0-none-full", 0, 1.0, 0.0),
-    ("clip-sym-k0-none-full", 0, 0.7, 0.5),
-    ("clip-oneway-k2-margin-full", 2, 1.0, 0.3),
-    ("clip-sym-k2-none-mat", 2, 0.5, 0.0),
-    ("siglip-sym-k0-none-mat", 0, 1.0, 1.0),
+DCASES = [  # the contrastive objective, hard negatives, the term's weight, the objective's weight, the similarity
+    ("clip-sym-k0-none-full", 0, 1.0, 0.0, "cosine"),
+    ("clip-sym-k0-none-full", 0, 0.7, 0.5, "cosine"),
+    ("clip-oneway-k2-margin-full", 2, 1.0, 0.3, "cosine"),
+    ("clip-sym-k2-none-mat", 2, 0.5, 0.0, "cosine"),
+    ("siglip-sym-k0-none-mat", 0, 1.0, 1.0, "cosine"),
+    ("clip-sym-k0-none-full", 0, 1.0, 0.0, "angle"),
+    ("clip-oneway-k2-margin-mat", 2, 0.5, 0.3, "angle"),  # Matryoshka's 5 dims: an odd width
 ]
-PAIRS = [(dict(BASE[name], k=k), dict(w=w, cw=cw, name=f"{name}-w{w}-cw{cw}")) for name, k, w, cw in DCASES]
+PAIRS = [
+    (dict(BASE[name], k=k), dict(w=w, cw=cw, sim=sim, name=f"{name}-w{w}-cw{cw}-{sim}"))
+    for name, k, w, cw, sim in DCASES
+]
+
+
+def angle(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """AnglE's similarity of unit vectors x and y (a zero appended to an odd width), |cos + sin| with the sine
+    term pairing dimension i with i + D/2, as sentence-transformers' `pairwise_angle_sim` writes it after its L2
+    normalization (the identity on the unit vectors our towers end in)."""
+    if len(x) % 2:
+        x, y = F.pad(x, (0, 1)), F.pad(y, (0, 1))
+    h = len(x) // 2
+    return (x @ y + sum(x[i + h] * y[i] - x[i] * y[i + h] for i in range(h))).abs()
 
 
 def scores_of(k: int, seed: int = 0) -> torch.Tensor:
@@ -44,10 +59,14 @@ def scores_of(k: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 6, (N, 1 + k), generator=torch.Generator().manual_seed(60 + seed)).double()
 
 
-def reference_term(q, p, n, scale, scores) -> torch.Tensor:
-    """log(1 + sum of exp(S_a - S_b) over every two pairs with T_a < T_b), each pair's S = t <q_i, d>."""
+def reference_term(q, p, n, scale, scores, sim: str = "cosine") -> torch.Tensor:
+    """log(1 + sum of exp(S_a - S_b) over every two pairs with T_a < T_b), each pair's S = t <q_i, d> (or t x
+    AnglE's `angle`)."""
     k = 0 if n is None else len(n) // len(q)
-    logits = [scale * (q[i] @ d) for i in range(len(q)) for d in [p[i], *([] if n is None else n[i * k : (i + 1) * k])]]
+    of = angle if sim == "angle" else torch.dot
+    logits = [
+        scale * of(q[i], d) for i in range(len(q)) for d in [p[i], *([] if n is None else n[i * k : (i + 1) * k])]
+    ]
     flat = scores.flatten().tolist()
     terms = [torch.zeros((), dtype=q.dtype)]
     terms += [logits[a] - logits[b] for a in range(len(flat)) for b in range(len(flat)) if flat[a] < flat[b]]
@@ -60,12 +79,13 @@ def reference_total(case: dict, dcase: dict, q, p, n, scale, bias, ids, scores) 
         qm, pm, nm = (
             None if z is None else F.normalize(z[:, :m], dim=1) if case["matryoshka"] else z for z in (q, p, n)
         )
-        total = total + w * dcase["w"] * reference_term(qm, pm, nm, scale, scores)
+        total = total + w * dcase["w"] * reference_term(qm, pm, nm, scale, scores, dcase["sim"])
     return total
 
 
 def objective_for(case: dict, dcase: dict):
-    objective = Distilled(objective_of(dict(case, matryoshka=None)), Distillation("cosent", dcase["w"]), dcase["cw"])
+    term = Distillation("cosent", dcase["w"], similarity=dcase["sim"])
+    objective = Distilled(objective_of(dict(case, matryoshka=None)), term, dcase["cw"])
     if case["matryoshka"]:
         dims, weights = zip(*case["matryoshka"])
         objective = Matryoshka(objective, dims, weights)
@@ -130,20 +150,22 @@ def test_distributed_forms_match_the_definition(world: int) -> None:
 
 
 @needs("hf")
-def test_equals_sentence_transformers_cosent_loss() -> None:
+@pytest.mark.parametrize("loss,sim", [("CoSENTLoss", "cosine"), ("AnglELoss", "angle")])
+def test_equals_sentence_transformers_loss(loss: str, sim: str) -> None:
     """Our term at t = 20 (sentence-transformers' scale) on MiniLM's embeddings of scored pairs, normalized as
-    our towers end, equals `CoSENTLoss.compute_loss_from_embeddings`, loss and gradient of both sides'
-    embeddings."""
+    our towers end, equals `CoSENTLoss` / `AnglELoss.compute_loss_from_embeddings`, loss and gradient of both
+    sides' embeddings."""
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.losses import CoSENTLoss
+    from sentence_transformers.sentence_transformer import losses
 
     model = SentenceTransformer(str(_minilm()), device="cpu")
     a = F.normalize(model.encode([w[0] for w in WORDS], convert_to_tensor=True).double(), dim=1)  # unit in float64
     b = F.normalize(model.encode([w[1] for w in WORDS], convert_to_tensor=True).double(), dim=1)
     labels = torch.tensor([float(i % 4) for i in range(len(WORDS))], dtype=torch.float64)
     ours_a, ours_b, theirs_a, theirs_b = leaves(a, b, a, b)
-    theirs = CoSENTLoss(model).compute_loss_from_embeddings([theirs_a, theirs_b], labels)
-    objective = Distilled(objective_of(BASE["clip-sym-k0-none-full"]), Distillation("cosent"), 0.0)
+    theirs = getattr(losses, loss)(model).compute_loss_from_embeddings([theirs_a, theirs_b], labels)
+    term = Distillation("cosent", similarity=sim)
+    objective = Distilled(objective_of(BASE["clip-sym-k0-none-full"]), term, 0.0)
     unit = [F.normalize(z, dim=1) for z in (ours_a, ours_b)]  # as our towers end; CoSENTLoss's cosine divides
     ours = objective.with_teacher(labels[:, None]).dense(*unit, torch.tensor(20.0, dtype=torch.float64))
     theirs.backward()
@@ -196,10 +218,11 @@ KINDS = {  # local batch, accumulation steps, options
 
 
 @needs("hf")
+@pytest.mark.parametrize("sim", ["cosine", "angle"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_cosent_alone_in_every_step_kind_equals_the_dense_objective(tmp_path: Path, kind: str) -> None:
-    """CoSENT alone (contrastive_weight 0, the scale fixed at sentence-transformers' 20) on scored pairs: the
-    step's loss and every parameter gradient equal the dense objective over the whole batch."""
+def test_cosent_alone_in_every_step_kind_equals_the_dense_objective(tmp_path: Path, kind: str, sim: str) -> None:
+    """CoSENT or AnglE alone (contrastive_weight 0, the scale fixed at sentence-transformers' 20) on scored pairs:
+    the step's loss and every parameter gradient equal the dense objective over the whole batch."""
     local, ga, extra = KINDS[kind]
     sts_file(tmp_path)
     trainer = make_trainer(
@@ -211,9 +234,11 @@ def test_cosent_alone_in_every_step_kind_equals_the_dense_objective(tmp_path: Pa
         "--loss.contrastive_weight=0",
         "--loss.learn_logit_scale=false",
         "--loss.init_logit_scale=2.995732273553991",
+        f"--loss.cosent_similarity={sim}",
         *extra,
     )
-    assert "CoSENT over every (query, own document) pair" in trainer.gradient_step.describe()
+    name = "AnglE (CoSENT on the angle similarity)" if sim == "angle" else "CoSENT"
+    assert f"{name} over every (query, own document) pair" in trainer.gradient_step.describe()
     trainer.model.eval()
     data = trainer.train_set
     steps = [data.__getitems__(list(range(j * local, (j + 1) * local))) for j in range(ga)]
@@ -236,6 +261,17 @@ def test_cosent_alone_with_a_learned_scale_warns() -> None:
     assert line.startswith("loss.distill=cosent alone with a learned logit scale")
     assert log_config_warnings(parse_args([*alone, "--loss.learn_logit_scale=false"])) == []
     assert log_config_warnings(parse_args(["--training.steps=100", "--loss.distill=cosent"])) == []
+
+
+def test_the_angle_similarity_without_cosent_is_refused() -> None:
+    from titan_contrastive.config import ConfigError, parse_args
+
+    for extra, message in [
+        ([], r"^loss.cosent_similarity=angle scores CoSENT's pairs, and loss.distill is empty"),
+        (["--loss.distill=kl"], r"^loss.cosent_similarity=angle: only loss.distill=cosent scores its pairs by"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            build_objective(parse_args(["--loss.cosent_similarity=angle", *extra]).loss)
 
 
 @needs("hf")

@@ -245,6 +245,9 @@ class Loss:
     distill: Literal["", "kl", "margin_mse", "cosent"] = ""
     """Add a term on the data's scores (pairs' label/score column, 1 + k per row): a teacher's, distilled by kl or
     margin_mse; or gold labels (an STS set's), every (query, own document) pair ranked by cosent (CoSENT)."""
+    cosent_similarity: Literal["cosine", "angle"] = "cosine"
+    """distill=cosent: what its pairs' logits are t x: cosine (CoSENT), or angle (AnglE: |cos + sin| of each
+    embedding's halves read as complex numbers, sentence-transformers' AnglELoss)."""
     distill_weight: float = non_negative(1.0)
     """The distillation term's weight (loss = contrastive_weight x objective + distill_weight x term)."""
     contrastive_weight: float = non_negative(1.0)

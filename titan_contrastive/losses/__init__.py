@@ -107,11 +107,20 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
     if loss.distill:
         try:
             distillation = Distillation(
-                loss.distill, loss.distill_weight, loss.distill_temperature, bool(loss.teacher_model)
+                loss.distill,
+                loss.distill_weight,
+                loss.distill_temperature,
+                bool(loss.teacher_model),
+                loss.cosent_similarity,
             )
         except ValueError as err:
             raise ConfigError(str(err)) from None
         objective = Distilled(objective, distillation, loss.contrastive_weight)
+    elif loss.cosent_similarity != "cosine":
+        raise ConfigError(
+            f"loss.cosent_similarity={loss.cosent_similarity} scores CoSENT's pairs, and loss.distill is empty: set "
+            "loss.distill=cosent (AnglE) or leave it at cosine"
+        )
     elif loss.teacher_model:
         raise ConfigError(
             f"loss.teacher_model={loss.teacher_model!r} scores the problem for a distillation term, and loss.distill "

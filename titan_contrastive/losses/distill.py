@@ -10,7 +10,11 @@ model's logits S_ij = t <q_i, d_j> over the same documents the term is
     margin_mse:  L_d = 1/(N k) sum_i sum_{j >= 1} ((S_i0 - S_ij) - (T_i0 - T_ij))^2    (the data's scores)
     cosent:      L_d = log(1 + sum over pairs (a, b) of the problem with T_a < T_b of exp(S_a - S_b))
 
-(sentence-transformers' DistillKLDivLoss, without its tau^2 factor, MarginMSELoss and CoSENTLoss; over every
+where for cosent S = t <q, d>, or with `similarity = "angle"` (AnglE) S = t |<q, R d>|, R d = (d1 - d2, d1 + d2)
+for d's halves (d1, d2) (a zero appended to an odd width): |cos + sin| of each pair's halves read as complex
+numbers, sentence-transformers' `pairwise_angle_sim` of unit vectors.
+
+(sentence-transformers' DistillKLDivLoss, without its tau^2 factor, MarginMSELoss, CoSENTLoss and AnglELoss; over every
 column, the in-batch KL of embedding distillation). CoSENT ranks every (query, own document) pair of the
 whole problem, N(1 + k) of them (k >= 0: scored pairs, an STS set's gold labels, need no negatives), by
 the data's scores, in O(M log M): sorted by score, each pair's sum over the higher-scored ones is a running
@@ -29,6 +33,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from titan_contrastive.losses.base import (
@@ -43,21 +48,31 @@ from titan_contrastive.losses.base import (
 from titan_contrastive.losses.guide import Guide
 
 KINDS = ("kl", "margin_mse", "cosent")
+SIMILARITIES = ("cosine", "angle")
 
 
 @dataclass(frozen=True)
 class Distillation:
-    """Which term (`kind`), its weight, the teacher's temperature tau (kl), and whether the teacher
-    is a frozen model (`model`: its cosines over every column) rather than the data's scores."""
+    """Which term (`kind`), its weight, the teacher's temperature tau (kl), whether the teacher is a frozen
+    model (`model`: its cosines over every column) rather than the data's scores, and the similarity cosent's
+    logits are t x (`similarity`: cosine, or AnglE's angle)."""
 
     kind: str
     weight: float = 1.0
     temperature: float = 1.0
     model: bool = False
+    similarity: str = "cosine"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"loss.distill={self.kind!r} is not a distillation term; valid: {', '.join(KINDS)}")
+        if self.similarity not in SIMILARITIES:
+            raise ValueError(f"loss.cosent_similarity={self.similarity!r}: use one of {', '.join(SIMILARITIES)}")
+        if self.similarity != "cosine" and self.kind != "cosent":
+            raise ValueError(
+                f"loss.cosent_similarity={self.similarity}: only loss.distill=cosent scores its pairs by another "
+                f"similarity, and loss.distill={self.kind}; set loss.distill=cosent (AnglE) or leave it at cosine"
+            )
         if self.kind != "kl" and self.temperature != 1.0:
             raise ValueError(
                 f"loss.distill_temperature={self.temperature}: only loss.distill=kl has a temperature; leave it at 1"
@@ -87,7 +102,8 @@ class Distillation:
             what = f"KL to the teacher model's softmax over every column at tau {self.temperature:g}"
             return f"{self.weight:g} x distillation ({what})"
         if self.kind == "cosent":
-            return f"{self.weight:g} x CoSENT over every (query, own document) pair, ranked by the data's scores"
+            name = "AnglE (CoSENT on the angle similarity)" if self.similarity == "angle" else "CoSENT"
+            return f"{self.weight:g} x {name} over every (query, own document) pair, ranked by the data's scores"
         what = f"KL to the teacher's softmax at tau {self.temperature:g}" if self.kind == "kl" else "margin MSE"
         return f"{self.weight:g} x distillation ({what}) over each query's own documents"
 
@@ -104,10 +120,23 @@ def cosent(logits: Tensor, scores: Tensor) -> Tensor:
     return torch.logsumexp(torch.cat([s.new_zeros(1), s + above]), 0)
 
 
-def own_logits(q: Tensor, docs: Tensor, scale: Tensor, first_row: int, num_queries: int) -> Tensor:
-    """[c, 1 + k]: t <q_i, d> for the rows first_row.. of `q` and their own documents in `docs`."""
+def pair_similarity(q: Tensor, docs: Tensor, similarity: str = "cosine") -> Tensor:
+    """[c, k]: each row of `q` [c, d] with its documents `docs` [c, k, d] (unit vectors): <q, d>, or for "angle"
+    |<q, R d>| (the module docstring), equal to sentence-transformers' `pairwise_angle_sim`."""
+    if similarity == "angle":
+        if q.shape[-1] % 2:  # a zero appended to both, as sentence-transformers pads an odd width
+            q, docs = F.pad(q, (0, 1)), F.pad(docs, (0, 1))
+        first, second = docs.chunk(2, -1)
+        return torch.einsum("cd,ckd->ck", q, torch.cat([first - second, first + second], -1)).abs()
+    return torch.einsum("cd,ckd->ck", q, docs)
+
+
+def own_logits(
+    q: Tensor, docs: Tensor, scale: Tensor, first_row: int, num_queries: int, similarity: str = "cosine"
+) -> Tensor:
+    """[c, 1 + k]: t x the similarity of the rows first_row.. of `q` and their own documents in `docs`."""
     idx = own_columns(first_row, len(q), num_queries, len(docs), q.device)
-    return scale * torch.einsum("cd,ckd->ck", q, docs[idx])
+    return scale * pair_similarity(q, docs[idx], similarity)
 
 
 @dataclass(frozen=True)
@@ -162,7 +191,7 @@ class Distilled(Wrapping):
         if isinstance(teacher, Guide):
             logits, scores = scale * (q @ docs.T), teacher.queries @ teacher.columns.T
         else:
-            logits, scores = own_logits(q, docs, scale, 0, len(q)), teacher
+            logits, scores = own_logits(q, docs, scale, 0, len(q), self.distillation.similarity), teacher
         return self.distillation.weight * self.distillation.whole(logits, scores)
 
     def dense(
@@ -291,7 +320,7 @@ def _ranked(
     with torch.enable_grad():
         q_leaf = q_own.detach().to(acc).requires_grad_()
         d_leaf = docs[idx].detach().to(acc).requires_grad_()
-        logits = scale * torch.einsum("cd,ckd->ck", q_leaf, d_leaf)
+        logits = scale * pair_similarity(q_leaf, d_leaf, distillation.similarity)
         every = ranks.gather(logits.detach()).requires_grad_()
         term = distillation.weight * distillation.whole(every, teacher)
         (grad_every,) = torch.autograd.grad(term, every)

@@ -46,7 +46,14 @@ def eval_objective(spec: ModelSpec, cfg: JobConfig) -> Objective | None:
     a distillation term (held-out pairs carry no teacher scores): the contrastive objective, unweighted."""
     if not cfg.loss.mask_duplicates and not cfg.loss.distill:
         return resolve_objective(spec, cfg)
-    loss = dataclasses.replace(cfg.loss, mask_duplicates=False, distill="", contrastive_weight=1.0, teacher_model="")
+    loss = dataclasses.replace(
+        cfg.loss,
+        mask_duplicates=False,
+        distill="",
+        cosent_similarity="cosine",
+        contrastive_weight=1.0,
+        teacher_model="",
+    )
     return resolve_objective(spec, dataclasses.replace(cfg, loss=loss))
 
 
