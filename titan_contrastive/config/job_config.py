@@ -56,8 +56,10 @@ class Model:
     the local cache; never downloaded, and code the folder ships runs only with `trust_remote_code`. Empty = the
     bundled all-MiniLM-L6-v2.
     hf_clip: a transformers CLIP or SigLIP folder with its tokenizer and preprocessor_config.json (required)."""
-    pooling: Literal["auto", "cls", "mean", "last_token"] = "auto"
-    """bi_encoder: `auto` = the sentence-transformers folder's pooling, else mean (encoders) / last_token (decoders)."""
+    pooling: Literal["auto", "cls", "mean", "last_token", "max", "mean_sqrt_len", "weighted_mean"] = "auto"
+    """bi_encoder: `auto` = the sentence-transformers folder's pooling, else mean (encoders) / last_token (decoders);
+    max, mean_sqrt_len (the sum over sqrt(tokens)) and weighted_mean (token t weighted t, SGPT's) as
+    sentence-transformers' Pooling computes them. qwen_vl: last_token or mean."""
     query_prompt: str = "auto"
     """bi_encoder: text prepended to every query (E5 "query: ", an instruction); `auto` = the folder's query prompt.
     qwen_vl: the query's template, `{text}` for the caption, `{image}` for the image."""

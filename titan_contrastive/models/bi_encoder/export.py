@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from titan_contrastive.components.lora import lora_config
-from titan_contrastive.models.bi_encoder.folder import text_model_class
+from titan_contrastive.models.bi_encoder.folder import ST_POOLING_NAMES, text_model_class
 from titan_contrastive.models.bi_encoder.model import BiEncoder, BiEncoderArgs, build_tokenizer, embed, load_text_tower
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
 from titan_contrastive.models.registry import StateDictAdapter
@@ -150,7 +150,7 @@ def _write_sentence_transformers(
         encoder = Transformer(
             hf_dir, max_seq_length=length, model_kwargs=trust, config_kwargs=trust, processor_kwargs=trust
         )
-        mode = {"last_token": "lasttoken"}.get(args.pooling, args.pooling)
+        mode = ST_POOLING_NAMES.get(args.pooling, args.pooling)
         pooling = Pooling(plain.config.hidden_size, pooling_mode=mode, include_prompt=args.include_prompt)
         modules = [encoder, pooling, *dense, Normalize()]
         SentenceTransformer(modules=modules, device="cpu", prompts=prompts).save(str(out))

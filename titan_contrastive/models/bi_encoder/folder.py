@@ -21,9 +21,22 @@ from torch import nn
 from titan_contrastive.config import ConfigError
 from titan_contrastive.extras import import_failure
 
-POOLINGS = ("cls", "mean", "last_token")
+POOLINGS = ("cls", "mean", "last_token", "max", "mean_sqrt_len", "weighted_mean")
 # sentence-transformers' pooling names (its newer `pooling_mode` string and its older boolean flags) -> ours
-_ST_POOLING = {"cls": "cls", "cls_token": "cls", "mean": "mean", "mean_tokens": "mean", "lasttoken": "last_token"}
+_ST_POOLING = {
+    "cls": "cls",
+    "cls_token": "cls",
+    "mean": "mean",
+    "mean_tokens": "mean",
+    "lasttoken": "last_token",
+    "max": "max",
+    "max_tokens": "max",
+    "mean_sqrt_len_tokens": "mean_sqrt_len",
+    "weightedmean": "weighted_mean",
+    "weightedmean_tokens": "weighted_mean",
+}
+ST_POOLING_NAMES = {"last_token": "lasttoken", "mean_sqrt_len": "mean_sqrt_len_tokens", "weighted_mean": "weightedmean"}
+"""Ours -> sentence-transformers' `pooling_mode`, where the names differ."""
 _ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
 _DENSE_ACTIVATIONS = {"torch.nn.modules.activation.Tanh": "tanh", "torch.nn.modules.linear.Identity": "identity"}
 _TOKENIZER_FILES = (
@@ -58,7 +71,7 @@ class TextFolder:
     model_dir: str
     """The folder transformers loads (config.json, weights, tokenizer)."""
     pooling: str = ""
-    """The sentence-transformers folder's pooling (cls / mean / last_token); "" when it names none."""
+    """The sentence-transformers folder's pooling (one of `POOLINGS`); "" when it names none."""
     query_prompt: str = ""
     doc_prompt: str = ""
     max_seq_length: int = 0
@@ -105,15 +118,15 @@ def _json(file: Path) -> dict[str, Any]:
 
 
 def _st_pooling(folder: Path, config: dict[str, Any]) -> str:
-    """The pooling mode of a sentence-transformers Pooling config (one of cls, mean, lasttoken)."""
+    """The pooling mode of a sentence-transformers Pooling config, as ours (`POOLINGS`): one mode only."""
     if "pooling_mode" in config:
         modes = [config["pooling_mode"]]
     else:
         modes = [k.removeprefix("pooling_mode_") for k, v in config.items() if k.startswith("pooling_mode_") and v]
     if len(modes) != 1 or modes[0] not in _ST_POOLING:
         raise TextFolderError(
-            f"{folder}: sentence-transformers pooling {modes} is not one of cls, mean, lasttoken; set model.pooling "
-            "to train with another"
+            f"{folder}: sentence-transformers pooling {modes} is not one mode of cls, mean, max, "
+            "mean_sqrt_len_tokens, weightedmean, lasttoken; set model.pooling to train with one"
         )
     return _ST_POOLING[modes[0]]
 
