@@ -76,6 +76,24 @@ def encoder_folder(root: Path, dropout: float = 0.1) -> Path:
     return _bert(root / "tiny-bert", "BertModel", **drop)
 
 
+def _masked_lm(folder: Path, dropout: float) -> Path:
+    """The BERT-like model with its masked-LM head (what SPLADE reads; the tokenizer's vocabulary is its width)."""
+    return _bert(folder, "BertForMaskedLM", hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+
+
+def sparse_folder(model: Path, prompts: dict[str, str]) -> Path:
+    """`model` (a masked LM) as a sentence-transformers SparseEncoder folder: Transformer (fill-mask, 24 tokens),
+    SpladePooling (max, relu), the prompts."""
+    from sentence_transformers.sentence_transformer.modules import Transformer
+    from sentence_transformers.sparse_encoder import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+    out = model.parent / f"{model.name}-sparse"
+    encoder = Transformer(str(model), max_seq_length=24, transformer_task="fill-mask")
+    SparseEncoder(modules=[encoder, SpladePooling("max")], device="cpu", prompts=prompts).save(str(out))
+    return out
+
+
 def _own_code(folder: Path, dropout: float, decoder: bool = False) -> Path:
     """A model type transformers does not include: its config and model code (tests/fixtures/own_code) ship in
     the folder, named by config.json's `auto_map` as save_pretrained writes it for a registered class; the
@@ -331,14 +349,17 @@ ARCHITECTURES = {
 """Builders `(folder, dropout) -> folder` of tiny random models (`architecture_folder` writes them)."""
 
 
+MASKED_LM = {"bert-mlm": _masked_lm}
+"""A builder of a masked LM with its head (the splade pooling reads it)."""
 OWN_CODE = {"own-code": _own_code, "own-code-decoder": lambda folder, dropout: _own_code(folder, dropout, True)}
 """Builders of folders that ship their own model code (they load with `[model] trust_remote_code` only)."""
 
 
 def architecture_folder(root: Path, arch: str, dropout: float = 0.1) -> Path:
-    """`ARCHITECTURES[arch]`'s (or `OWN_CODE[arch]`'s) model at `root / tiny-<arch>`, written on first use."""
+    """`ARCHITECTURES[arch]`'s (or `OWN_CODE[arch]`'s, `MASKED_LM[arch]`'s) model at `root / tiny-<arch>`, written on
+    first use."""
     folder = root / f"tiny-{arch}"
-    return folder if folder.exists() else (ARCHITECTURES | OWN_CODE)[arch](folder, dropout)
+    return folder if folder.exists() else (ARCHITECTURES | OWN_CODE | MASKED_LM)[arch](folder, dropout)
 
 
 IMAGE_TEXT = ("clip", "metaclip_2", "siglip", "siglip2")

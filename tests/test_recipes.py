@@ -3,7 +3,8 @@ folder, the data and the run's length and sizes are overridden (`train_configs/q
 Qwen3-like decoder and pairs with hard negatives, then exported to sentence-transformers;
 `train_configs/hf_siglip.toml` with the tiny SigLIP folder and image-caption files; `train_configs/sts_cosent.toml`
 with the tiny BERT-like encoder and scored sentence pairs; `train_configs/qwen_vl_embedder_lora.toml` with the
-tiny Qwen2-VL folder and query-document rows, then exported)."""
+tiny Qwen2-VL folder and query-document rows, then exported; `train_configs/splade.toml` with the tiny BERT-like
+masked LM, then exported to a SparseEncoder folder)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from tests.hf_folders import decoder_folder, encoder_folder, image_text_folder
+from tests.hf_folders import architecture_folder, decoder_folder, encoder_folder, image_text_folder
 from tests.needs import require
 from tests.test_hf_clip import pictures
 from tests.test_hf_text import PAIRS
@@ -126,3 +127,23 @@ def test_the_qwen_vl_embedder_recipe(tmp_path: Path) -> None:
     assert trainer.cfg.gradcache.chunk_tokens == 64 and trainer.cfg.data.retrieval_mode == "t2i"
     step = tmp_path / "run" / "checkpoint" / "step-2"
     assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+
+
+def test_the_splade_recipe(tmp_path: Path) -> None:
+    from titan_contrastive.export import main as export_main
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in PAIRS))
+    batch = ["--training.local_batch_size=3", "--training.global_batch_size=6", "--checkpoint.interval=2"]
+    batch += ["--data.context_length=32", "--data.doc_context_length=16", "--eval.enable=false"]
+    trainer, _ = _train(
+        tmp_path,
+        "splade.toml",
+        f"--model.path={architecture_folder(tmp_path, 'bert-mlm')}",
+        f"--data.path={pairs}",
+        *batch,
+    )
+    assert trainer.model_args.pooling == "splade" and trainer.model.logit_scale.exp().item() == 1.0
+    assert "FLOPS (5e-05 x the queries', 3e-05 x the documents')" in trainer.gradient_step.describe()
+    step = tmp_path / "run" / "checkpoint" / "step-2"
+    assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 0

@@ -66,14 +66,15 @@ def evaluate_beir(
     prefix: str = "beir/",
     dims: Sequence[int] = (),
 ) -> dict[str, float]:
-    """The IR metrics of `beir` with these embedders (by cosine), and with their first m dims for each m of
-    `dims` (`evaluate.dim_cuts`); each text embedded once."""
+    """The IR metrics of `beir` with these embedders, by the dot product of their embeddings (the towers' unit
+    vectors: their cosine; SPLADE's: its score), and by the cosine of their first m dims for each m of `dims`
+    (`evaluate.dim_cuts`); each text embedded once."""
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
     queries = embed_texts(embed_queries, beir.queries, **common)
     corpus = embed_texts(embed_docs, beir.corpus, **common)
     results = {}
     for m, cut in dim_cuts(queries.shape[-1], dims):
-        scores, indices = top_k(queries[:, :m], corpus[:, :m], K, normalize=True)
+        scores, indices = top_k(queries[:, :m], corpus[:, :m], K, normalize=bool(cut))
         metrics = ir_metrics(scores, indices, beir.query_ids, beir.corpus_ids, beir.qrels)
         results |= {f"{cut}{prefix}{name}": value for name, value in metrics.items()}
     return results

@@ -56,10 +56,11 @@ class Model:
     the local cache; never downloaded, and code the folder ships runs only with `trust_remote_code`. Empty = the
     bundled all-MiniLM-L6-v2.
     hf_clip: a transformers CLIP or SigLIP folder with its tokenizer and preprocessor_config.json (required)."""
-    pooling: Literal["auto", "cls", "mean", "last_token", "max", "mean_sqrt_len", "weighted_mean"] = "auto"
+    pooling: Literal["auto", "cls", "mean", "last_token", "max", "mean_sqrt_len", "weighted_mean", "splade"] = "auto"
     """bi_encoder: `auto` = the sentence-transformers folder's pooling, else mean (encoders) / last_token (decoders);
     max, mean_sqrt_len (the sum over sqrt(tokens)) and weighted_mean (token t weighted t, SGPT's) as
-    sentence-transformers' Pooling computes them. qwen_vl: last_token or mean."""
+    sentence-transformers' Pooling computes them; splade: a masked LM's vocabulary-wide sparse embedding, the max
+    over the tokens of log(1 + relu(logits)), scored by dot product (t = 1). qwen_vl: last_token or mean."""
     query_prompt: str = "auto"
     """bi_encoder: text prepended to every query (E5 "query: ", an instruction); `auto` = the folder's query prompt.
     qwen_vl: the query's template, `{text}` for the caption, `{image}` for the image."""
@@ -264,6 +265,12 @@ class Loss:
     gor_aggregation: Literal["sum", "mean"] = "sum"
     """How GOR combines its columns (queries, positives, each hard negative): sum (EmbeddingGemma) or mean
     (sentence-transformers' GlobalOrthogonalRegularizationLoss default)."""
+    flops_query_weight: float = non_negative(0.0)
+    """The FLOPS regularizer on the queries, sum_j (mean_i q_ij)^2 by this weight (SPLADE's lambda_q,
+    sentence-transformers' SpladeLoss query_regularizer_weight; e.g. 5e-5); 0 = off."""
+    flops_doc_weight: float = non_negative(0.0)
+    """The FLOPS regularizer on the documents (positives and hard negatives), by this weight (SPLADE's lambda_d,
+    SpladeLoss document_regularizer_weight; e.g. 3e-5); 0 = off."""
     teacher_model: str = ""
     """distill=kl: a frozen model folder whose cosines over every column are the teacher's scores (bi_encoder)."""
     matryoshka_dims: list[int] = opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")

@@ -7,7 +7,8 @@
 
 InfoNCE also takes joint directions (`directions.py`) and hardness weighting (`hardness.py`).
 Every objective takes the false-negative mask (`masking.py`), may add a term on the data's scores
-(`distill.py`: a teacher's, or CoSENT's ranking) and a spread-out regularizer (`spread.py`), and be
+(`distill.py`: a teacher's, or CoSENT's ranking), a spread-out regularizer (`spread.py`) and SPLADE's
+sparsity term (`flops.py`), and be
 wrapped in Matryoshka prefixes (`matryoshka.py`); `base.py` says what an objective is. A new objective
 is a module with such an object and one `register_objective` call (the pixel loss is the vae family's
 own step).
@@ -29,6 +30,7 @@ from titan_contrastive.losses.base import (
     split_ids,
 )
 from titan_contrastive.losses.distill import Distillation, Distilled
+from titan_contrastive.losses.flops import Flops
 from titan_contrastive.losses.hardness import Hardness
 from titan_contrastive.losses.infonce import InfoNCE
 from titan_contrastive.losses.masking import FalseNegatives
@@ -41,6 +43,7 @@ __all__ = [
     "Distillation",
     "Distilled",
     "FalseNegatives",
+    "Flops",
     "Hardness",
     "InfoNCE",
     "Matryoshka",
@@ -131,6 +134,8 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
             f"loss.contrastive_weight={loss.contrastive_weight} weighs the objective against a distillation term, and "
             "loss.distill is empty: set loss.distill (kl, margin_mse or cosent) or leave the weight at 1"
         )
+    if loss.flops_query_weight or loss.flops_doc_weight:
+        objective = Flops(objective, loss.flops_query_weight, loss.flops_doc_weight)
     if loss.gor_weight or loss.gor_mean_weight:
         objective = Spread(objective, loss.gor_mean_weight, loss.gor_weight, loss.gor_aggregation)
     elif loss.gor_aggregation != "sum":

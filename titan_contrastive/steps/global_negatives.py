@@ -81,7 +81,8 @@ class StreamingClipStep:
     (`grad_cache.engine.Replay`), so a locked tower returns them instead of running again.
     `grad_average_factor` is what the data-parallel reduction divides by (P for DDP / FSDP2,
     1 for an unwrapped model). `fixed_scale` = 1/tau replaces a learnable temperature, and
-    `fixed_bias` the objective's learnable bias (encode's fourth output).
+    `fixed_bias` the objective's learnable bias (encode's fourth output). The first call checks that the
+    embeddings are unit vectors (a forgotten normalize), unless `unit_embeddings` is False (SPLADE's).
     """
 
     def __init__(
@@ -95,6 +96,7 @@ class StreamingClipStep:
         compute_dtype: torch.dtype | None = None,
         objective: Objective | None = None,
         fixed_bias: float | None = None,
+        unit_embeddings: bool = True,
     ) -> None:
         if not isinstance(stream_chunk_size, int) or stream_chunk_size < 1:
             raise DistributedClipError(f"STREAM_CHUNK_SIZE={stream_chunk_size!r}: must be an integer >= 1 (e.g. 1024)")
@@ -110,7 +112,7 @@ class StreamingClipStep:
         if fixed_bias is not None and not self.objective.has_bias:
             raise DistributedClipError(f"BIAS={fixed_bias!r}: {self.objective.describe()} has no bias")
         self.chunk = stream_chunk_size
-        self._normalization_checked = False
+        self._normalization_checked = not unit_embeddings  # SPLADE's are not unit vectors, by design
         self.kernel = kernel  # "auto", "pytorch" or a fused Triton path (losses/fused.py)
         self.compute_dtype = compute_dtype  # the caller's autocast dtype, if any (see fused.loss_dtype)
         self.ranks = Ranks(group)
@@ -293,6 +295,7 @@ class GlobalNegativesStep(ContrastiveLog):
                 kernel=cfg.loss.kernel,
                 compute_dtype=ctx.precision.compute_dtype,
                 objective=objective,
+                unit_embeddings=getattr(ctx.model, "unit_embeddings", True),
             )
         except DistributedClipError as e:
             raise ConfigError(str(e)) from None

@@ -41,7 +41,10 @@ def adapted(args: Any, tower: nn.Module) -> Any:
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
     base = load_text_tower(
-        args.model_dir, getattr(args, "trust_remote_code", False), bool(getattr(args, "bidirectional", False))
+        args.model_dir,
+        getattr(args, "trust_remote_code", False),
+        bool(getattr(args, "bidirectional", False)),
+        getattr(args, "pooling", "") == "splade",
     )
     wrapped = get_peft_model(base, lora_config(args))
     adapters = {f"base_model.model.{k}": v for k, v in get_peft_model_state_dict(tower).items()}
@@ -94,7 +97,7 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         from peft import PeftModel
 
         adapted(args, tower).save_pretrained(str(out))
-        base = load_text_tower(args.model_dir, args.trust_remote_code, args.bidirectional)
+        base = load_text_tower(args.model_dir, args.trust_remote_code, args.bidirectional, args.pooling == "splade")
         theirs = reloaded("peft", lambda: PeftModel.from_pretrained(base, str(out)).eval())
         with torch.no_grad():
             check(embed(theirs, ids, pad, args.pooling, 0, head=head, skip=skip), "peft")  # a head is frozen under LoRA
@@ -103,7 +106,7 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
     if to == "hf":
         plain.save_pretrained(str(out))
         args.tokenizer.save_pretrained(str(out))
-        auto = text_model_class(plain.config, str(out))
+        auto = text_model_class(plain.config, str(out), args.pooling == "splade")
         trust = args.trust_remote_code  # the folder's code, copied beside the weights by save_pretrained
         theirs = reloaded("transformers", lambda: auto.from_pretrained(str(out), trust_remote_code=trust).eval())
         with torch.no_grad():
@@ -111,14 +114,16 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         return
     _write_sentence_transformers(plain, head, args, out, side)
     from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sparse_encoder import SparseEncoder
 
     trust = args.trust_remote_code
-    theirs = reloaded(
-        "sentence-transformers", lambda: SentenceTransformer(str(out), device="cpu", trust_remote_code=trust)
-    )
+    splade = args.pooling == "splade"
+    library = SparseEncoder if splade else SentenceTransformer
+    theirs = reloaded("sentence-transformers", lambda: library(str(out), device="cpu", trust_remote_code=trust))
     prompt = args.query_prompt if side == "query" else args.doc_prompt
     name = ("query" if side == "query" else "document") if prompt else None
-    check(theirs.encode(texts, convert_to_tensor=True, prompt_name=name), "sentence-transformers")
+    sparse = {"convert_to_sparse_tensor": False} if splade else {}
+    check(theirs.encode(texts, convert_to_tensor=True, prompt_name=name, **sparse), "sentence-transformers")
 
 
 def _write_sentence_transformers(
@@ -128,6 +133,8 @@ def _write_sentence_transformers(
 
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
+    from sentence_transformers.sparse_encoder import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
 
     dense = [
         Dense(
@@ -147,6 +154,12 @@ def _write_sentence_transformers(
         plain.save_pretrained(hf_dir)
         args.tokenizer.save_pretrained(hf_dir)
         trust = {"trust_remote_code": args.trust_remote_code}
+        if args.pooling == "splade":  # a SparseEncoder: the masked LM, then max over log(1 + relu(logits))
+            mlm = Transformer(
+                hf_dir, max_seq_length=length, transformer_task="fill-mask", model_kwargs=trust, config_kwargs=trust
+            )
+            SparseEncoder(modules=[mlm, SpladePooling("max")], device="cpu", prompts=prompts).save(str(out))
+            return
         encoder = Transformer(
             hf_dir, max_seq_length=length, model_kwargs=trust, config_kwargs=trust, processor_kwargs=trust
         )

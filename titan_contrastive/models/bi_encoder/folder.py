@@ -21,7 +21,7 @@ from torch import nn
 from titan_contrastive.config import ConfigError
 from titan_contrastive.extras import import_failure
 
-POOLINGS = ("cls", "mean", "last_token", "max", "mean_sqrt_len", "weighted_mean")
+POOLINGS = ("cls", "mean", "last_token", "max", "mean_sqrt_len", "weighted_mean", "splade")
 # sentence-transformers' pooling names (its newer `pooling_mode` string and its older boolean flags) -> ours
 _ST_POOLING = {
     "cls": "cls",
@@ -37,7 +37,7 @@ _ST_POOLING = {
 }
 ST_POOLING_NAMES = {"last_token": "lasttoken", "mean_sqrt_len": "mean_sqrt_len_tokens", "weighted_mean": "weightedmean"}
 """Ours -> sentence-transformers' `pooling_mode`, where the names differ."""
-_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize", "MLMTransformer", "SpladePooling")
 _DENSE_ACTIVATIONS = {"torch.nn.modules.activation.Tanh": "tanh", "torch.nn.modules.linear.Identity": "identity"}
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -177,10 +177,13 @@ def read_text_folder(path: str) -> TextFolder:
     modules = _json(modules_file)
     kinds = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
     unknown = [m.get("type") for m in modules if m.get("type", "").rsplit(".", 1)[-1] not in _ST_MODULES]
+    if not unknown and {"MLMTransformer", "SpladePooling"} & kinds.keys():  # a sparse encoder's: SPLADE
+        return _sparse_folder(root, modules, kinds)
     if unknown or "Transformer" not in kinds:
         raise TextFolderError(
             f"{root}/modules.json: modules {unknown or ['no Transformer']} are not supported (Transformer, Pooling, "
-            "Dense, Normalize are); export the transformer alone and set model.pooling"
+            "Dense, Normalize are; MLMTransformer and SpladePooling, SPLADE's); export the transformer alone and "
+            "set model.pooling"
         )
     order = [m["type"].rsplit(".", 1)[-1] for m in modules]
     dense_at = [i for i, kind in enumerate(order) if kind == "Dense"]
@@ -197,23 +200,43 @@ def read_text_folder(path: str) -> TextFolder:
         pooling_config = _json(root / kinds["Pooling"]["path"] / "config.json")
         pooling = _st_pooling(root, pooling_config)
         include_prompt = pooling_config.get("include_prompt", True) is not False
-    st_config = (
-        _json(root / "config_sentence_transformers.json")
-        if (root / "config_sentence_transformers.json").is_file()
-        else {}
-    )
-    prompts = st_config.get("prompts") or {}
+    return _st_folder(root, model_dir, pooling=pooling, dense=dense, include_prompt=include_prompt)
+
+
+def _sparse_folder(root: Path, modules: list[dict[str, Any]], kinds: dict[str, dict[str, Any]]) -> TextFolder:
+    """A sentence-transformers SparseEncoder folder: a Transformer on the fill-mask task (or the older
+    MLMTransformer), then SpladePooling (max over the tokens of log(1 + relu(the MLM logits)), what SPLADE v2 and
+    later pool; the `splade` pooling)."""
+    order = [m["type"].rsplit(".", 1)[-1] for m in modules]
+    if len(order) != 2 or order[0] not in ("Transformer", "MLMTransformer") or order[1] != "SpladePooling":
+        raise TextFolderError(
+            f"{root}/modules.json: sparse modules in the order {order}; a Transformer (fill-mask) then SpladePooling "
+            "is supported"
+        )
+    pooling = _json(root / kinds["SpladePooling"].get("path", "") / "config.json")
+    strategy, activation = pooling.get("pooling_strategy", "max"), pooling.get("activation_function", "relu")
+    if (strategy, activation) != ("max", "relu"):
+        raise TextFolderError(
+            f"{root}: SpladePooling with pooling_strategy={strategy!r}, activation_function={activation!r}; the splade "
+            "pooling is max over log(1 + relu(logits)), SPLADE v2's"
+        )
+    return _st_folder(root, root / modules[0].get("path", ""), pooling="splade")
+
+
+def _st_folder(root: Path, model_dir: Path, **fields: Any) -> TextFolder:
+    """A sentence-transformers folder's `TextFolder`: its prompts (config_sentence_transformers.json) and
+    max_seq_length (the transformer module's sentence_bert_config.json), with `fields`."""
+    file = root / "config_sentence_transformers.json"
+    prompts = (_json(file) if file.is_file() else {}).get("prompts") or {}
     bert_config = model_dir / "sentence_bert_config.json"
     max_len = _json(bert_config).get("max_seq_length") if bert_config.is_file() else None
     return TextFolder(
         model_dir=str(model_dir),
-        pooling=pooling,
         query_prompt=prompts.get("query", ""),
         doc_prompt=next((prompts[k] for k in ("document", "passage", "doc", "corpus") if k in prompts), ""),
         max_seq_length=int(max_len or 0),
         sentence_transformers=True,
-        dense=dense,
-        include_prompt=include_prompt,
+        **fields,
     )
 
 
@@ -344,13 +367,29 @@ def is_causal(config: Any) -> bool:
     return kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
-def text_model_class(config: Any, model_dir: str) -> Any:
+def text_model_class(config: Any, model_dir: str, masked_lm: bool = False) -> Any:
     """The transformers auto class a folder's text tower loads with: `AutoModelForTextEncoding` where
     transformers names a text encoder for the architecture (an encoder-decoder's encoder alone: T5, mT5,
     UMT5, as sentence-T5 and GTR use them; the decoder would want inputs of its own), else `AutoModel`
-    (the base model, no head); TextFolderError for another encoder-decoder, whose encoder has no class."""
-    from transformers import AutoModel, AutoModelForTextEncoding
-    from transformers.models.auto.modeling_auto import MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES
+    (the base model, no head); TextFolderError for another encoder-decoder, whose encoder has no class.
+    `masked_lm` (the splade pooling): `AutoModelForMaskedLM`, the model with its vocabulary head, or a
+    TextFolderError where transformers knows none for the architecture."""
+    from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForTextEncoding
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES,
+    )
+
+    if masked_lm:
+        if config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES and "AutoModelForMaskedLM" not in (
+            getattr(config, "auto_map", None) or {}
+        ):
+            raise TextFolderError(
+                f"model.pooling='splade' with {model_dir}: it reads a masked-LM head's logits over the vocabulary, "
+                f"and transformers knows none for {config.model_type!r}; use a BERT-like folder (BERT, DistilBERT, "
+                "ModernBERT, a SPLADE checkpoint)"
+            )
+        return AutoModelForMaskedLM
 
     if config.model_type in MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES:
         return AutoModelForTextEncoding

@@ -2,12 +2,14 @@
 L2-normalized, as shared or separate query and document towers, with a learnable scale.
 
 `[model] path` is a transformers or sentence-transformers folder (`folder.read_text_folder`;
-empty: the bundled all-MiniLM-L6-v2). Pooling is cls, mean (over real tokens) or last_token (the
-last real token, a decoder embedder's), by default the sentence-transformers folder's own, else
-mean for an encoder and last_token for a decoder; a sentence-transformers folder's Dense modules
-follow the pooling (`query_head`, `doc_head`; trained in full, frozen under LoRA). Per-side prompts (E5's "query: ", an
-instruction) are prepended by the tokenizer (`datasets.tokenizer.PairTokenizer`). `logit_scale`
-starts at log(20), the scale of sentence-transformers' MultipleNegativesRankingLoss.
+empty: the bundled all-MiniLM-L6-v2). Pooling (`pooling.py`) is cls, mean (over real tokens),
+last_token (the last real token, a decoder embedder's) or another of sentence-transformers' modes,
+by default the sentence-transformers folder's own, else mean for an encoder and last_token for a
+decoder; or SPLADE's (`splade`: the masked LM's vocabulary-wide sparse embedding, not normalized,
+t = 1 by default). A sentence-transformers folder's Dense modules follow the pooling (`query_head`,
+`doc_head`; trained in full, frozen under LoRA). Per-side prompts (E5's "query: ", an instruction)
+are prepended by the tokenizer (`datasets.tokenizer.PairTokenizer`). `logit_scale` starts at
+log(20), the scale of sentence-transformers' MultipleNegativesRankingLoss.
 
 The batches hold right-padded ids at the full query / document length and no attention mask:
 padding is `folder.pad_id` (-1 where the tokenizer's pad token also stands in real text), so the
@@ -50,6 +52,7 @@ from titan_contrastive.models.bi_encoder.folder import (
     read_text_folder,
     text_model_class,
 )
+from titan_contrastive.models.bi_encoder.pooling import pooled, splade_pooled
 from titan_contrastive.models.bi_encoder.retokenize import Retokenizer
 
 DEFAULT_DOC_LENGTH = 512  # a folder's documents when neither it nor the config says
@@ -96,7 +99,6 @@ class BiEncoderArgs(LoraFields):
     def update_from_config(self, cfg: Any) -> BiEncoderArgs:
         """A copy with `[model]`'s path, pooling and prompts and `[data] doc_context_length` resolved
         against the folder (`resolve`), and `[loss] init_logit_scale` (default: log 20) and `learn_logit_scale`."""
-        t = temperature_from_config(cfg, default_logit_scale=math.log(self.init_scale))
         m = cfg.model
         given = dataclasses.replace(
             self, trust_remote_code=m.trust_remote_code, include_prompt=m.include_prompt, bidirectional=m.bidirectional
@@ -122,6 +124,10 @@ class BiEncoderArgs(LoraFields):
                 f"model.freeze={m.freeze}: {resolved.path} ends in Dense modules, and locking its towers is not "
                 "supported; train it whole or with LoRA (model.freeze=[])"
             )
+        if resolved.pooling == "splade":
+            _refuse_for_splade(cfg)
+        start = 1.0 if resolved.pooling == "splade" else self.init_scale  # SPLADE's logits: the plain dot product
+        t = temperature_from_config(cfg, default_logit_scale=math.log(start))
         return dataclasses.replace(
             resolved,
             init_scale=math.exp(t.init_logit_scale),
@@ -159,6 +165,13 @@ class BiEncoderArgs(LoraFields):
                 f"model.pooling='cls' with {folder.model_dir}: a decoder's first token sees no other token; use "
                 "model.pooling='last_token' (or mean), or let it attend both ways (model.bidirectional=true)"
             )
+        if pooling == "splade":
+            text_model_class(load_config(folder.model_dir, self.trust_remote_code), folder.model_dir, masked_lm=True)
+            if folder.dense or self.include_prompt is False:
+                raise TextFolderError(
+                    f"model.pooling='splade' with {folder.model_dir}: its vocabulary-wide embedding takes no Dense "
+                    "modules and pools every token (no include_prompt=false), as sentence-transformers' SpladePooling"
+                )
         if not doc_length:  # the given length, else these args' own, else the folder's
             limit = min(DEFAULT_DOC_LENGTH, load_tokenizer(folder.model_dir, self.trust_remote_code).model_max_length)
             default = min(folder.max_seq_length or limit, limit) if path else MINILM_DOC_LENGTH
@@ -243,7 +256,7 @@ class BiEncoderArgs(LoraFields):
         meta device."""
         config = self.config
         with torch.device("meta"):
-            tower = text_model_class(config, self.model_dir).from_config(
+            tower = text_model_class(config, self.model_dir, self.pooling == "splade").from_config(
                 config, trust_remote_code=self.trust_remote_code
             )
             if self.lora_rank:
@@ -259,8 +272,11 @@ class BiEncoderArgs(LoraFields):
         return (self._counts[0] + dense) * (1 if self.shared else 2) + 1
 
     def flops_per_sample(self) -> int:
-        """6 x layer parameters x tokens of one query and one document (attention scores excluded)."""
-        return 6 * self._counts[1] * (self.query_length + self.doc_length)
+        """6 x layer parameters x tokens of one query and one document (attention scores excluded), with SPLADE's
+        vocabulary head (hidden size x vocabulary) at every token."""
+        config = self.config
+        head = config.vocab_size * config.hidden_size if self.pooling == "splade" else 0
+        return 6 * (self._counts[1] + head) * (self.query_length + self.doc_length)
 
 
 def _includes_prompt(path: str) -> bool:
@@ -269,6 +285,24 @@ def _includes_prompt(path: str) -> bool:
         return read_text_folder(path).include_prompt
     except TextFolderError:
         return True
+
+
+def _refuse_for_splade(cfg: Any) -> None:
+    """The settings that read the embeddings as unit vectors whose leading dimensions matter, which SPLADE's
+    vocabulary-wide ones are not: a one-line ConfigError."""
+    loss = cfg.loss
+    for key, value in (
+        ("loss.matryoshka_dims", loss.matryoshka_dims),
+        ("eval.dims", cfg.eval.dims),
+        ("loss.gor_weight", loss.gor_weight),
+        ("loss.gor_mean_weight", loss.gor_mean_weight),
+    ):
+        if value:
+            raise TextFolderError(
+                f"{key}={value}: model.pooling='splade' embeds over the vocabulary, whose leading dimensions are no "
+                "smaller embedding and whose vectors are not unit length; remove it (loss.flops_query_weight and "
+                "flops_doc_weight keep SPLADE's embeddings sparse)"
+            )
 
 
 def _prompt(configured: str, flavor: str, folder: str) -> str:
@@ -287,31 +321,6 @@ def build_tokenizer(args: BiEncoderArgs) -> PairTokenizer:
     return PairTokenizer(
         hf, doc_length=args.doc_length, pad_id=pad_id(hf), query_prompt=args.query_prompt, doc_prompt=args.doc_prompt
     )
-
-
-def pooled(hidden: Tensor, mask: Tensor, pooling: str, skip: int = 0) -> Tensor:
-    """One vector per row of `hidden` [B, L, d] over its real tokens (`mask` [B, L], right-padded), without the
-    first `skip` positions (a prompt left out of the pooling, as sentence-transformers leaves it: cls then reads
-    the first position after it; the last token is the last either way). `pooling` as sentence-transformers'
-    Pooling: cls, last_token, mean, max, mean_sqrt_len (the sum over the square root of the count), or
-    weighted_mean (the t-th token, counted from 1 with the prompt, weighted t)."""
-    if pooling == "cls":
-        return hidden[:, skip]
-    if pooling == "last_token":
-        last = mask.sum(1).clamp_min(1) - 1
-        return hidden[torch.arange(len(hidden), device=hidden.device), last]
-    if skip:
-        mask = mask.clone()
-        mask[:, :skip] = False
-    if pooling == "max":
-        return hidden.masked_fill(~mask.unsqueeze(-1), -torch.inf).amax(1)
-    acc = torch.promote_types(hidden.dtype, torch.float32)  # sums of bf16 tokens, and positions past 256, in fp32
-    weights = mask.unsqueeze(-1).to(acc)
-    if pooling == "weighted_mean":
-        weights = weights * torch.arange(1, hidden.shape[1] + 1, dtype=acc, device=hidden.device)[:, None]
-    count = weights.sum(1).clamp_min(1)
-    total = (hidden.to(acc) * weights).sum(1)
-    return (total / count.sqrt() if pooling == "mean_sqrt_len" else total / count).to(hidden.dtype)
 
 
 def dense_head(layers: Sequence[DenseLayer], width: int) -> nn.Sequential | None:
@@ -349,36 +358,39 @@ def embed(
     head: nn.Module | None = None,
     skip: int = 0,
 ) -> Tensor:
-    """The tower's pooled (then `head`'s, the folder's Dense layers), L2-normalized embedding of right-padded
-    `ids` (a locked tower, `tower.frozen`, through `locked_forward`; `index`: its output's place in the
-    model's, `replay`: the model's argument of that name; `skip`: prompt positions left out of the pooling). The
-    tower runs on `ids` without the trailing
-    columns that are padding in every row: the padding is masked, so that changes the embeddings by float
-    rounding only, and saves its compute."""
+    """The tower's pooled (then `head`'s, the folder's Dense layers), L2-normalized embedding (SPLADE's: as
+    pooled) of right-padded `ids` (a locked tower, `tower.frozen`, through `locked_forward`; `index`: its
+    output's place in the model's, `replay`: the model's argument of that name; `skip`: prompt positions left
+    out of the pooling). The tower runs on `ids` without the trailing columns that are padding in every row:
+    the padding is masked, so that changes the embeddings by float rounding only, and saves its compute."""
 
     def run() -> Tensor:
         trimmed = right_trimmed(ids, pad)
         mask = trimmed != pad
-        hidden = tower(input_ids=trimmed.masked_fill(~mask, 0), attention_mask=mask.long()).last_hidden_state
-        vectors = pooled(hidden, mask, pooling, skip)
+        out = tower(input_ids=trimmed.masked_fill(~mask, 0), attention_mask=mask.long())
+        if pooling == "splade":  # vocabulary-wide, sparse, not unit length: its logits are dot products
+            return splade_pooled(out.logits, mask)
+        vectors = pooled(out.last_hidden_state, mask, pooling, skip)
         return F.normalize(vectors if head is None else head(vectors), dim=-1)
 
     return locked_forward(tower, index, run, replay)
 
 
-def load_text_tower(model_dir: str, trust: bool = False, bidirectional: bool = False) -> nn.Module:
+def load_text_tower(
+    model_dir: str, trust: bool = False, bidirectional: bool = False, masked_lm: bool = False
+) -> nn.Module:
     """The folder's base model (no LM head, no pooler: the pooling is ours, no key-value cache; an
     encoder-decoder's encoder, `folder.text_model_class`), its load
     report kept out of the log, in training mode as a freshly built module is (`from_pretrained` returns
     it in eval mode: its dropout would stay off in training until the first evaluation switched it on); `trust`:
     the folder's own model code may run (`load_config`); `bidirectional`: a decoder's tokens attend to the whole
     text (transformers' `is_causal` set false in its config, which its exports save), or a TextFolderError where
-    its code does not read that switch."""
+    its code does not read that switch; `masked_lm`: with its masked-LM head (SPLADE), `folder.text_model_class`."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    auto = text_model_class(load_config(model_dir, trust), model_dir)
+    auto = text_model_class(load_config(model_dir, trust), model_dir, masked_lm)
     try:
         tower = auto.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust)
     except (OSError, ValueError) as e:
@@ -413,7 +425,8 @@ class BiEncoder(nn.Module):
         super().__init__()
         self.args = args = args.resolve()
         model_dir = args.model_dir
-        self.query_tower = load_text_tower(model_dir, args.trust_remote_code, args.bidirectional)
+        splade = args.pooling == "splade"
+        self.query_tower = load_text_tower(model_dir, args.trust_remote_code, args.bidirectional, splade)
         if args.lora_rank:  # adapters before the copy: a separate document tower gets its own
             add_lora(self.query_tower, args)
         self.doc_tower = self.query_tower if args.shared else copy.deepcopy(self.query_tower)
@@ -438,6 +451,11 @@ class BiEncoder(nn.Module):
         """Pretrained: only the scale has an initial value of its own."""
         with torch.no_grad():
             self.logit_scale.fill_(math.log(self.args.init_scale))
+
+    @property
+    def unit_embeddings(self) -> bool:
+        """Whether the embeddings are unit vectors (the global-negatives step checks it once): not SPLADE's."""
+        return self.args.pooling != "splade"
 
     @property
     def padded_inputs(self) -> dict[str, int]:

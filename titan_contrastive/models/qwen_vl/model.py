@@ -34,7 +34,8 @@ from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import layer_blocks, load_config, read_text_folder
-from titan_contrastive.models.bi_encoder.model import load_text_tower, pooled
+from titan_contrastive.models.bi_encoder.model import load_text_tower
+from titan_contrastive.models.bi_encoder.pooling import pooled
 from titan_contrastive.models.qwen_vl.processor import IMAGE, PAD, VLProcessor
 
 __all__ = [

@@ -1,0 +1,268 @@
+"""SPLADE (`[model] pooling = "splade"` on a masked LM, `[loss] flops_query_weight` / `flops_doc_weight`): the
+embeddings equal sentence-transformers' SparseEncoder on the same folder; the FLOPS term in every form equals its
+definition written out (float64 <= 1e-10; 1, 2 and 4 gloo processes, beside clip both ways and siglip, hard
+negatives) and sentence-transformers' SpladeLoss; GradCache and global negatives through the trainer equal the
+dense objective, and GradCache replays the dropout; the exports load back as a SparseEncoder and a masked LM;
+BEIR ranks by the embeddings' dot product; what SPLADE cannot take is a one-line error."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+from tests.hf_folders import architecture_folder, decoder_folder, sparse_folder
+from tests.needs import needs
+from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
+from tests.test_hf_text import PAIRS, folder_run
+from tests.test_objectives import CASES, D, N, _close, leaves, objective_of, reference
+from tests.test_trainer import full
+from titan_contrastive.losses import Flops, InfoNCE, build_objective
+
+BASE = {c["name"]: c for c in CASES}
+FCASES = [  # the contrastive objective, hard negatives, the queries' weight, the documents' weight
+    ("clip-sym-k0-none-full", 0, 0.5, 0.0),
+    ("clip-oneway-k2-none-full", 2, 0.3, 0.7),
+    ("siglip-sym-k0-none-full", 0, 0.0, 1.0),
+]
+FPAIRS = [(dict(BASE[name], k=k), dict(q=wq, d=wd, name=f"{name}-q{wq}-d{wd}")) for name, k, wq, wd in FCASES]
+SPLADE = "--model.pooling=splade"
+PROMPTS = {"query": "query ", "document": "represent the passage "}
+
+
+def sparse_problem(case: dict, seed: int = 0):
+    """Non-negative embeddings, not unit length, most entries 0, as SPLADE's are; the scale t = 1."""
+    gen = torch.Generator().manual_seed(80 + seed)
+
+    def draw(n: int) -> torch.Tensor:
+        return torch.relu(torch.randn(n, D, generator=gen, dtype=torch.float64) - 0.5)
+
+    k = case["k"]
+    q, p, n = draw(N), draw(N), draw(N * k) if k else None
+    ids = torch.arange(N * (1 + k))
+    return q, p, n, torch.tensor(1.0, dtype=torch.float64), torch.tensor(-2.0, dtype=torch.float64), ids
+
+
+def reference_flops(fcase: dict, q, p, n) -> torch.Tensor:
+    """w_q sum_j (mean_i q_ij)^2 + w_d sum_j (mean over every document of d_j)^2, dimension by dimension."""
+    docs = p if n is None else torch.cat([p, n])
+    total = 0.0
+    for j in range(q.shape[1]):
+        total = total + fcase["q"] * (sum(q[i, j] for i in range(len(q))) / len(q)) ** 2
+        total = total + fcase["d"] * (sum(docs[c, j] for c in range(len(docs))) / len(docs)) ** 2
+    return total
+
+
+def test_the_term_moves_the_loss() -> None:
+    case, fcase = FPAIRS[1]
+    q, p, n, *_ = sparse_problem(case)
+    assert reference_flops(fcase, q, p, n) > 0.05
+
+
+@pytest.mark.parametrize("pair", FPAIRS, ids=[f["name"] for _, f in FPAIRS])
+def test_dense_streamed_and_microbatch_match_the_definition(pair) -> None:
+    case, fcase = pair
+    problem = sparse_problem(case)
+    rq, rp, rn, rs, rb = leaves(*problem[:5])
+    want_loss = reference(case, rq, rp, rn, rs, rb, problem[5]) + reference_flops(fcase, rq, rp, rn)
+    objective = Flops(objective_of(case), fcase["q"], fcase["d"])
+    assert_forms(objective, problem, (want_loss.detach(), *wanted(want_loss, rq, rp, rn, rs)))
+
+
+def _distributed() -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    for case, fcase in FPAIRS:
+        problem = sparse_problem(case, seed=1)
+        rq, rp, rn, rs, rb = leaves(*problem[:5])
+        want_loss = reference(case, rq, rp, rn, rs, rb, problem[5]) + reference_flops(fcase, rq, rp, rn)
+        want = (want_loss.detach(), *wanted(want_loss, rq, rp, rn, rs))
+        assert_distributed_forms(Flops(objective_of(case), fcase["q"], fcase["d"]), problem, want, fcase["name"])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_forms_match_the_definition(world: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_distributed(_distributed, world)
+
+
+@needs("hf")
+def test_embeddings_and_loss_equal_sentence_transformers(tmp_path: Path) -> None:
+    """A SparseEncoder folder (fill-mask Transformer, SpladePooling): our query and document embeddings equal
+    its `encode` with its prompts; one-way InfoNCE at t = 1 plus FLOPS on them equals SpladeLoss around
+    SparseMultipleNegativesRankingLoss (scale 1), loss and gradients."""
+    from sentence_transformers.sparse_encoder import SparseEncoder
+    from sentence_transformers.sparse_encoder.losses import FlopsLoss, SparseMultipleNegativesRankingLoss
+
+    from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, build_tokenizer
+
+    folder = sparse_folder(architecture_folder(tmp_path, "bert-mlm", 0.0), PROMPTS)
+    args = BiEncoderArgs(path=str(folder), query_length=24).resolve(doc_length=24)
+    assert (args.pooling, args.query_prompt, args.doc_prompt) == ("splade", *PROMPTS.values())
+    tokenizer, ours = build_tokenizer(args), BiEncoder(args).eval()
+    texts = [q for q, _ in PAIRS[:6]]
+    with torch.no_grad():
+        zq, zd, _ = ours(tokenizer.encode_queries(texts, 24), tokenizer.encode_docs(texts))
+    theirs = SparseEncoder(str(folder), device="cpu")
+    for got, name in ((zq, "query"), (zd, "document")):
+        want = theirs.encode(texts, prompt_name=name, convert_to_tensor=True, convert_to_sparse_tensor=False)
+        assert (got - want).abs().max() <= 1e-5 and (got == 0).any()  # relu's zeros
+    a, b = zq.double(), zd.double()
+    ours_a, ours_b, theirs_a, theirs_b = leaves(a, b, a, b)
+    flops = FlopsLoss(theirs)
+    base = SparseMultipleNegativesRankingLoss(theirs, scale=1.0).compute_loss_from_embeddings(
+        [theirs_a, theirs_b], None
+    )
+    want = (
+        base + 0.03 * flops.compute_loss_from_embeddings(theirs_b) + 0.05 * flops.compute_loss_from_embeddings(theirs_a)
+    )
+    got = Flops(InfoNCE(False), 0.05, 0.03).dense(ours_a, ours_b, torch.tensor(1.0, dtype=torch.float64))
+    want.backward()
+    got.backward()
+    _close(got.detach(), want.detach(), "loss")
+    _close(ours_a.grad, theirs_a.grad, "d queries")
+    _close(ours_b.grad, theirs_b.grad, "d documents")
+
+
+def _step(tmp: Path, kind: str) -> None:
+    """One step of SPLADE with FLOPS (dropout off: the model in eval mode) against the dense objective over the
+    whole batch in float64: GradCache chunks of 4 over 6, or global negatives GA 2 of 3."""
+    local, ga, extra = {
+        "gradcache": (6, 1, ["--gradcache.enabled=true", "--gradcache.chunk_sizes=4"]),
+        "global": (3, 2, ["--loss.negatives=global", "--loss.stream_chunk_size=2"]),
+    }[kind]
+    trainer = folder_run(
+        tmp, "bert-mlm", SPLADE, "--loss.flops_query_weight=0.05", "--loss.flops_doc_weight=0.03",
+        f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga}", *extra,
+    )  # fmt: skip
+    assert trainer.model.logit_scale.exp().item() == pytest.approx(1.0)
+    assert "FLOPS (0.05 x the queries', 0.03 x the documents')" in trainer.gradient_step.describe()
+    trainer.model.eval()
+    data = trainer.train_set
+    steps = [data.__getitems__(list(range(j * local, (j + 1) * local))) for j in range(ga)]
+    every = {key: torch.cat([s[key] for s in steps]) for key in steps[0]}
+    model = trainer.spec.build_model(trainer.model_args).double()
+    model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
+    model.eval()
+    q, d, scale = model(every["query"], every["doc"])
+    assert q.shape[1] == model.query_tower.config.vocab_size and (q >= 0).all()
+    want_loss = build_objective(trainer.cfg.loss).dense(q, d, scale)
+    want_loss.backward()
+    want = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    out = trainer.train_step(steps)
+    for name, grad in want.items():
+        got = full(dict(trainer.model.named_parameters())[name].grad)
+        assert (got - grad).abs().max() <= 1e-10 * max(grad.abs().max().item(), 1.0), name
+    assert abs(out["loss"] - want_loss.item()) <= 1e-10 * want_loss.item()
+    trainer.metrics.close()
+
+
+@needs("hf")
+@pytest.mark.parametrize("kind", ["gradcache", "global"])
+def test_every_step_kind_equals_the_dense_objective(tmp_path: Path, kind: str) -> None:
+    _step(tmp_path, kind)
+
+
+@needs("hf")
+def test_global_negatives_on_two_ranks_under_fsdp2(tmp_path: Path) -> None:
+    """The masked LM (its head's weight tied to the input embeddings) sharded per layer on 2 gloo processes:
+    the step equals the dense objective over the whole batch."""
+    from tests.test_hf_text import _step_distributed
+
+    architecture_folder(tmp_path, "bert-mlm")
+    run_distributed(_step_distributed, 2, str(tmp_path), "bert-mlm", False, SPLADE)
+
+
+@needs("hf")
+def test_the_counts_include_the_head(tmp_path: Path) -> None:
+    """The parameters (the head's weight tied to the input embeddings, counted once) and the head's FLOPs at
+    every token, for the MFU."""
+    from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs
+
+    folder = str(architecture_folder(tmp_path, "bert-mlm"))
+    args = BiEncoderArgs(path=folder, pooling="splade").resolve()
+    assert args.num_params() == sum(p.numel() for p in BiEncoder(args).parameters())
+    plain = BiEncoderArgs(path=folder, pooling="mean").resolve()
+    tokens, config = args.query_length + args.doc_length, args.config
+    assert args.flops_per_sample() - plain.flops_per_sample() == 6 * config.vocab_size * config.hidden_size * tokens
+
+
+@needs("hf")
+def test_gradcache_replays_the_dropout(tmp_path: Path) -> None:
+    """Training mode (BERT's dropout on): GradCache chunks of 4 over 6 equal the dense objective over the same
+    forwards."""
+    from tests.test_hard_negatives import assert_step_equals_its_forwards
+
+    trainer = folder_run(
+        tmp_path, "bert-mlm", SPLADE, "--loss.flops_query_weight=0.05", "--loss.flops_doc_weight=0.03",
+        "--training.local_batch_size=6", "--gradcache.enabled=true", "--gradcache.chunk_sizes=4",
+    )  # fmt: skip
+    assert trainer.model.training
+    batch = trainer.train_set.__getitems__(list(range(6)))
+    chunks = [{k: v[s] for k, v in batch.items()} for s in (slice(0, 4), slice(4, 6))]
+    assert_step_equals_its_forwards(trainer, [batch], chunks, seed=5, objective=build_objective(trainer.cfg.loss))
+    trainer.metrics.close()
+
+
+@needs("hf")
+def test_exports_load_back_as_a_sparse_encoder_and_a_masked_lm(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A step's sentence-transformers folder is a SparseEncoder and its transformers folder a masked LM, each
+    embedding as the run does (the exporter checks); a run from the first pools as SPLADE; the miner, whose
+    ranking is dense, refuses the step in one line."""
+    from titan_contrastive.export import main as export_main
+    from titan_contrastive.models.bi_encoder import BiEncoderArgs
+
+    run = folder_run(
+        tmp_path, "bert-mlm", SPLADE, "--loss.flops_doc_weight=0.03", "--training.local_batch_size=6",
+        "--training.steps=1", "--checkpoint.enable=true",
+    )  # fmt: skip
+    run.train()
+    run.metrics.close()
+    step = tmp_path / "run-bert-mlm" / "checkpoint" / "step-1"
+    for to in ("sentence-transformers", "hf"):
+        assert export_main([str(step), "--to", to, "--out", str(tmp_path / to)]) == 0, to
+    modules = json.loads((tmp_path / "sentence-transformers" / "modules.json").read_text())
+    assert modules[-1]["type"].endswith("SpladePooling")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["BertForMaskedLM"]
+    assert BiEncoderArgs(path=str(tmp_path / "sentence-transformers")).resolve().pooling == "splade"
+    from titan_contrastive.mine import main as mine_main
+
+    capsys.readouterr()
+    assert mine_main([str(tmp_path / "pairs.jsonl"), "--model", str(step), "--out", str(tmp_path / "m.jsonl")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "a SPLADE run (model.pooling='splade'), and sentence-transformers' miner ranks dense" in line
+
+
+def test_beir_ranks_by_the_dot_product() -> None:
+    """Two documents: the relevant one has the larger dot product with the query and the smaller cosine."""
+    from titan_contrastive.components.beir_eval import evaluate_beir
+    from titan_contrastive.components.retrieval_metrics import BeirSet
+
+    vectors = {"q": [1.0, 0.0], "long": [10.0, 10.0], "near": [1.0, 0.1]}
+    beir = BeirSet(["0"], ["q"], ["a", "b"], ["long", "near"], {"0": {"a": 1}})
+
+    def embed(texts: list[str]) -> torch.Tensor:
+        return torch.tensor([vectors[t] for t in texts])
+
+    results = evaluate_beir(beir, embed, embed, batch_size=2, dims=(1,))
+    assert results["beir/mrr@10"] == 1.0  # by the dot product
+    assert results["dim1/beir/mrr@10"] == 1.0  # a cut is by cosine: [1] against [10] and [1], a tie to the first
+
+
+@needs("hf")
+def test_what_splade_cannot_take_is_a_one_line_error(tmp_path: Path) -> None:
+    from titan_contrastive.config import ConfigError
+
+    model = architecture_folder(tmp_path, "bert-mlm")
+    for extra, message in [
+        ([f"--model.path={decoder_folder(tmp_path)}"], "transformers knows none for 'qwen3'"),
+        (["--loss.matryoshka_dims=8"], r"loss.matryoshka_dims=\[8\]: model.pooling='splade' embeds over the voc"),
+        (["--model.include_prompt=false"], "takes no Dense modules and pools every token"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            folder_run(tmp_path / "bad", "bert-mlm", SPLADE, f"--model.path={model}", *extra)

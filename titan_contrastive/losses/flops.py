@@ -1,0 +1,115 @@
+"""The FLOPS regularizer (Paria et al. 2020), SPLADE's sparsity term: an objective plus
+
+    L_f = w_q sum_j (1/N sum_i q_ij)^2 + w_d sum_j (1/M sum_c d_cj)^2
+
+over the N queries and the M = N(1 + k) documents of the problem (positives and hard negatives together, as
+sentence-transformers' SpladeLoss regularizes them), j running over the embedding's dimensions (SPLADE's
+vocabulary). The square of a dimension's mean activation is the expected cost of that term in an inverted
+index, so the term spreads the few active dimensions over the vocabulary and silences the rest. It needs
+only the sums s_q = sum_i q_i and s_d = sum_c d_c, additive over the ranks: the streamed form sums the own
+queries' over the ranks (every rank holds every column) and gives each row the same gradient,
+dL/dq_i = 2 w_q s_q / N^2 (and 2 w_d s_d / M^2 to each column).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from titan_contrastive.losses.base import Objective, Ranks, StreamResult, Wrapping, gathered_problem
+from titan_contrastive.losses.guide import Guide
+
+
+@dataclass(frozen=True)
+class Flops(Wrapping):
+    """An objective plus the FLOPS term (see the module) of its queries (`query_weight`) and its columns
+    (`doc_weight`)."""
+
+    inner: Objective
+    query_weight: float = 0.0
+    doc_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.query_weight or self.doc_weight):
+            raise ValueError("loss.flops_query_weight and flops_doc_weight are both 0: set one, or leave FLOPS out")
+
+    def with_guide(self, guide: Guide | None) -> Flops:
+        return dataclasses.replace(self, inner=self.inner.with_guide(guide))
+
+    def with_teacher(self, teacher: Tensor | Guide) -> Flops:
+        return dataclasses.replace(self, inner=self.inner.with_teacher(teacher))
+
+    def fused(self, num_queries: int, num_columns: int) -> bool:
+        return self.inner.fused(num_queries, num_columns)
+
+    def describe(self) -> str:
+        weights = f"{self.query_weight:g} x the queries', {self.doc_weight:g} x the documents'"
+        return f"{self.inner.describe()} + FLOPS ({weights})"
+
+    def term(self, query_sum: Tensor, doc_sum: Tensor, num_queries: int, num_columns: int) -> Tensor:
+        """The weighted term from the queries' and the columns' sums over the rows."""
+        queries = (query_sum / num_queries).square().sum()
+        return self.query_weight * queries + self.doc_weight * (doc_sum / num_columns).square().sum()
+
+    def whole(self, q: Tensor, docs: Tensor) -> Tensor:
+        """The weighted term of a whole problem: queries [N, V], columns D [M, V] (autograd)."""
+        return self.term(q.sum(0), docs.sum(0), len(q), len(docs))
+
+    def dense(
+        self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
+    ) -> Tensor:
+        return self.inner.dense(q, docs, scale, bias, ids) + self.whole(q, docs)
+
+    def microbatch(
+        self,
+        q: Tensor,
+        docs: tuple[Tensor, Tensor | None],
+        scale: Tensor,
+        bias: Tensor | None,
+        ids: tuple[Tensor, Tensor | None] | None,
+        ranks: Ranks,
+    ) -> Tensor:
+        """The term on the problem gathered with gradient (the inner objective's convention: the same loss on
+        every rank)."""
+        queries, cols, _ = gathered_problem(q, docs, None, ranks)
+        return self.inner.microbatch(q, docs, scale, bias, ids, ranks) + self.whole(queries, cols)
+
+    def streamed(
+        self,
+        q_own: Tensor,
+        docs: Tensor,
+        scale: Tensor,
+        bias: Tensor | None = None,
+        *,
+        first_row: int,
+        num_queries: int,
+        chunk: int,
+        ranks: Ranks,
+        kernel: str = "pytorch",
+        ids: Tensor | None = None,
+    ) -> StreamResult:
+        """The inner objective's streamed form, plus the term: the queries' sum over the ranks, the columns' taken
+        whole; the own rows' gradients and this rank's 1/world share of the columns'."""
+        part = self.inner.streamed(
+            q_own, docs, scale, bias,
+            first_row=first_row, num_queries=num_queries, chunk=chunk, ranks=ranks, kernel=kernel, ids=ids,
+        )  # fmt: skip
+        acc = part.grad_rows.dtype
+        query_sum = ranks.sum(q_own.detach().to(acc).sum(0))
+        doc_sum = docs.detach().to(acc).sum(0)
+        m = len(docs)
+        term = self.term(query_sum, doc_sum, num_queries, m)
+        grad_row = (2 * self.query_weight / num_queries**2) * query_sum
+        grad_col = (2 * self.doc_weight / m**2) * doc_sum / ranks.world
+        return StreamResult(
+            part.loss + term.to(part.loss.dtype),
+            part.grad_rows + grad_row,
+            part.grad_cols + grad_col,
+            part.scale_rows,
+            part.bias_rows,
+        )
+
+
+__all__ = ["Flops"]
