@@ -266,3 +266,6 @@ def test_what_splade_cannot_take_is_a_one_line_error(tmp_path: Path) -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             folder_run(tmp_path / "bad", "bert-mlm", SPLADE, f"--model.path={model}", *extra)
+    guide = f"--loss.guide_model={sparse_folder(model, {})}"
+    with pytest.raises(ConfigError, match="a SPLADE folder, whose sparse vectors have no cosine to compare"):
+        folder_run(tmp_path / "guide", "encoder", guide, "--loss.mask_margin=0.1", "--training.local_batch_size=6")

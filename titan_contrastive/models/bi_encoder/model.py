@@ -98,7 +98,8 @@ class BiEncoderArgs(LoraFields):
 
     def update_from_config(self, cfg: Any) -> BiEncoderArgs:
         """A copy with `[model]`'s path, pooling and prompts and `[data] doc_context_length` resolved
-        against the folder (`resolve`), and `[loss] init_logit_scale` (default: log 20) and `learn_logit_scale`."""
+        against the folder (`resolve`), and `[loss] init_logit_scale` (default: log 20; SPLADE's, 0) and
+        `learn_logit_scale`."""
         m = cfg.model
         given = dataclasses.replace(
             self, trust_remote_code=m.trust_remote_code, include_prompt=m.include_prompt, bidirectional=m.bidirectional
@@ -207,6 +208,11 @@ class BiEncoderArgs(LoraFields):
             doc_length=0,
         )
         guide = dataclasses.replace(self, **own).resolve()  # its folder's pooling and sequence length
+        if guide.pooling == "splade":
+            raise TextFolderError(
+                f"loss.guide_model / teacher_model={path}: a SPLADE folder, whose sparse vectors have no cosine to "
+                "compare or distill; use a dense embedder's folder"
+            )
         mine, theirs = self.tokenizer, guide.tokenizer
         if mine.get_vocab() != theirs.get_vocab() or pad_id(mine) != pad_id(theirs):
             return dataclasses.replace(guide, retokenize_from=self.model_dir)
