@@ -455,7 +455,7 @@ def test_a_decoder_embedder_trains(tmp_path: Path) -> None:
 def test_layer_blocks_are_found_after_sharding_renames_their_class(tmp_path: Path) -> None:
     """FSDP2's fully_shard swaps a layer's class for a subclass named FSDP<name>; the layers are still found."""
     from titan_contrastive.models.bi_encoder.folder import layer_blocks
-    from titan_contrastive.models.bi_encoder.model import load_text_tower
+    from titan_contrastive.models.bi_encoder.tower import load_text_tower
 
     tower = load_text_tower(str(encoder_folder(tmp_path)))
     layers = layer_blocks(tower)

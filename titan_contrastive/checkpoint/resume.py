@@ -57,7 +57,7 @@ MUST_AGREE = {
     "training.local_batch_size": "the data position is counted in local batches",
     "optimizer.layer_decay": "the optimizer's parameter groups are built from it",
 }
-TRAINING_ARGS = {"patch_dropout", "trust_remote_code"}
+TRAINING_ARGS = {"patch_dropout", "trust_remote_code", "attn_implementation"}
 """Model args that shape training or loading, not the weights: a change on resume is applied and logged as its
 config key's change (`model.patch_dropout`: FLIP ends with unmasked tuning; `model.trust_remote_code`, which
 a folder that ships its code needs either way), not refused as another architecture."""

@@ -76,6 +76,10 @@ class Model:
     GritLM, NV-Embed; transformers' `is_causal=False`), and its exports keep it (config.json `is_causal`); `auto`
     pooling is then mean and cls is allowed. Unset (`none`) = the folder's: causal for a decoder, unless its config
     says otherwise (EmbeddingGemma). false on a folder that attends both ways is an error."""
+    attn_implementation: Literal["", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = ""
+    """bi_encoder, qwen_vl: the attention kernel transformers runs the loaded model with (its `attn_implementation`):
+    sdpa (PyTorch's fused attention, transformers' default), eager, flash_attention_2 / flash_attention_3 (the
+    flash-attn package, GPU; padding is unpadded per sequence) or flex_attention; empty = transformers' choice."""
     freeze: list[str] = opt([], None)
     """Locked towers / partial tuning: tower names (clip `image`, `text`; bi_encoder `query`, `doc`)
     or fnmatch patterns over parameter names. Frozen parameters get no gradients and no optimizer

@@ -46,9 +46,9 @@ def missing_methods(args: Any) -> list[str]:
 
 def configured(args: Any, cfg: Any, spec: Any) -> Any:
     """`args.update_from_config(cfg)` for the family of `spec` (a `ModelSpec`); a ConfigError for the settings it
-    cannot take: `[model] patch_dropout`, `trust_remote_code`, `include_prompt` or `bidirectional` where its args do
-    not carry it (no image patches to drop, no folder whose code it runs, no prompt left out of a pooling, no
-    decoder whose causal mask could go), `[optimizer]
+    cannot take: `[model] patch_dropout`, `trust_remote_code`, `include_prompt`, `bidirectional` or
+    `attn_implementation` where its args do not carry it (no image patches to drop, no folder whose code it runs, no
+    prompt left out of a pooling, no decoder whose causal mask could go, no transformers model), `[optimizer]
     layer_decay` where it names no towers whose layers could decay."""
     if cfg.model.trust_remote_code and not hasattr(args, "trust_remote_code"):
         raise ConfigError(
@@ -59,6 +59,11 @@ def configured(args: Any, cfg: Any, spec: Any) -> Any:
         raise ConfigError(
             f"model.include_prompt={str(cfg.model.include_prompt).lower()}: the {spec.name} family pools no prompted "
             "texts (bi_encoder does); remove it"
+        )
+    if cfg.model.attn_implementation and not hasattr(args, "attn_implementation"):
+        raise ConfigError(
+            f"model.attn_implementation={cfg.model.attn_implementation}: the {spec.name} family runs no transformers "
+            "model (bi_encoder and qwen_vl do); remove it"
         )
     if cfg.model.bidirectional is not None and not hasattr(args, "bidirectional"):
         raise ConfigError(

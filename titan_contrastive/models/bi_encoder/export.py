@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from titan_contrastive.components.lora import lora_config
 from titan_contrastive.models.bi_encoder.folder import ST_POOLING_NAMES, text_model_class
-from titan_contrastive.models.bi_encoder.model import BiEncoder, BiEncoderArgs, build_tokenizer, embed, load_text_tower
+from titan_contrastive.models.bi_encoder.model import BiEncoder, BiEncoderArgs, build_tokenizer, embed
+from titan_contrastive.models.bi_encoder.tower import load_text_tower
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
 from titan_contrastive.models.registry import StateDictAdapter
 from titan_contrastive.models.weights import read_ours

@@ -54,6 +54,7 @@ from titan_contrastive.models.bi_encoder.folder import (
 )
 from titan_contrastive.models.bi_encoder.pooling import pooled, splade_pooled
 from titan_contrastive.models.bi_encoder.retokenize import Retokenizer
+from titan_contrastive.models.bi_encoder.tower import load_text_tower
 
 DEFAULT_DOC_LENGTH = 512  # a folder's documents when neither it nor the config says
 MINILM_DOC_LENGTH = 16  # the bundled MiniLM's: a WordNet lemma fits
@@ -89,6 +90,8 @@ class BiEncoderArgs(LoraFields):
     """`[model] bidirectional`, else (None until resolved) the folder's: whether each token attends to the whole
     text. True on a decoder turns its causal mask off (`load_text_tower`); False on a folder that attends both
     ways is refused."""
+    attn_implementation: str = ""
+    """`[model] attn_implementation`: transformers' attention kernel for the towers ("" = its default)."""
     trust_remote_code: bool = False
     """`[model] trust_remote_code`: run the code a folder ships (config.json `auto_map`) for its model, its
     tokenizer, and a guide's or teacher's folder; otherwise such a folder is refused."""
@@ -102,7 +105,11 @@ class BiEncoderArgs(LoraFields):
         `learn_logit_scale`."""
         m = cfg.model
         given = dataclasses.replace(
-            self, trust_remote_code=m.trust_remote_code, include_prompt=m.include_prompt, bidirectional=m.bidirectional
+            self,
+            trust_remote_code=m.trust_remote_code,
+            include_prompt=m.include_prompt,
+            bidirectional=m.bidirectional,
+            attn_implementation=m.attn_implementation,
         )
         resolved = given.resolve(
             m.path or self.path, m.pooling, m.query_prompt, m.doc_prompt, cfg.data.doc_context_length
@@ -382,57 +389,15 @@ def embed(
     return locked_forward(tower, index, run, replay)
 
 
-def load_text_tower(
-    model_dir: str, trust: bool = False, bidirectional: bool = False, masked_lm: bool = False
-) -> nn.Module:
-    """The folder's base model (no LM head, no pooler: the pooling is ours, no key-value cache; an
-    encoder-decoder's encoder, `folder.text_model_class`), its load
-    report kept out of the log, in training mode as a freshly built module is (`from_pretrained` returns
-    it in eval mode: its dropout would stay off in training until the first evaluation switched it on); `trust`:
-    the folder's own model code may run (`load_config`); `bidirectional`: a decoder's tokens attend to the whole
-    text (transformers' `is_causal` set false in its config, which its exports save), or a TextFolderError where
-    its code does not read that switch; `masked_lm`: with its masked-LM head (SPLADE), `folder.text_model_class`."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    auto = text_model_class(load_config(model_dir, trust), model_dir, masked_lm)
-    try:
-        tower = auto.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust)
-    except (OSError, ValueError) as e:
-        raise TextFolderError(
-            f"{model_dir}: transformers cannot load its weights ({' '.join(str(e).split())[:200]})"
-        ) from None
-    if isinstance(getattr(tower, "pooler", None), nn.Module):
-        tower.pooler = None
-    for config in (tower.config, getattr(tower.config, "text_config", None)):
-        if getattr(config, "use_cache", False):  # a decoder would keep every layer's keys and values (for generation)
-            config.use_cache = False  # and an activation-checkpointing recompute would attend to them twice
-    if bidirectional and is_causal(tower.config):
-        tower.config.is_causal = False  # read by transformers' mask builders and attention functions
-        if not _attends_ahead(tower):
-            raise TextFolderError(
-                f"model.bidirectional=true: {model_dir} still attends to earlier tokens only (its model code, "
-                f"{type(tower).__name__}, does not read transformers' is_causal); remove the setting"
-            )
-    return tower.train()
-
-
-def _attends_ahead(tower: nn.Module) -> bool:
-    """Whether the first token's hidden state depends on a later token (a two-row probe, without gradients)."""
-    ids = torch.tensor([[0, 1, 2], [0, 1, 3]], device=tower.device)
-    with torch.no_grad():
-        hidden = tower(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
-    return not torch.equal(hidden[0, 0], hidden[1, 0])
-
-
 class BiEncoder(nn.Module):
     def __init__(self, args: BiEncoderArgs) -> None:
         super().__init__()
         self.args = args = args.resolve()
         model_dir = args.model_dir
         splade = args.pooling == "splade"
-        self.query_tower = load_text_tower(model_dir, args.trust_remote_code, args.bidirectional, splade)
+        self.query_tower = load_text_tower(
+            model_dir, args.trust_remote_code, args.bidirectional, splade, args.attn_implementation
+        )
         if args.lora_rank:  # adapters before the copy: a separate document tower gets its own
             add_lora(self.query_tower, args)
         self.doc_tower = self.query_tower if args.shared else copy.deepcopy(self.query_tower)

@@ -25,7 +25,8 @@ from titan_contrastive.components.freeze import locked_forward
 from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer, pad_id
-from titan_contrastive.models.bi_encoder.model import BiEncoderArgs, embed, load_text_tower
+from titan_contrastive.models.bi_encoder.model import BiEncoderArgs, embed
+from titan_contrastive.models.bi_encoder.tower import load_text_tower
 from titan_contrastive.models.clip.args import CLIPArgs, text_tower_flops, text_tower_params
 from titan_contrastive.models.clip.model import ImageTower
 from titan_contrastive.models.registry import ModelSpec, register_model

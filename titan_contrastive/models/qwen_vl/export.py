@@ -20,7 +20,7 @@ import torch
 
 from titan_contrastive.models.bi_encoder.export import adapted, plain_tower
 from titan_contrastive.models.bi_encoder.folder import load_tokenizer
-from titan_contrastive.models.bi_encoder.model import load_text_tower
+from titan_contrastive.models.bi_encoder.tower import load_text_tower
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
 from titan_contrastive.models.qwen_vl.model import SIDES, QwenVLArgs, vl_embed
 from titan_contrastive.models.registry import StateDictAdapter

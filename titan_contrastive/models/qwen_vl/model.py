@@ -34,8 +34,8 @@ from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import layer_blocks, load_config, read_text_folder
-from titan_contrastive.models.bi_encoder.model import load_text_tower
 from titan_contrastive.models.bi_encoder.pooling import pooled
+from titan_contrastive.models.bi_encoder.tower import load_text_tower
 from titan_contrastive.models.qwen_vl.processor import IMAGE, PAD, VLProcessor
 
 __all__ = [
@@ -96,6 +96,8 @@ class QwenVLArgs(LoraFields):
     """Caption tokens at most (`[data] context_length`; set before the data is laid out), before the template."""
     init_scale: float = 50.0
     """t at the start: VLM2Vec's temperature 0.02."""
+    attn_implementation: str = ""
+    """`[model] attn_implementation`: transformers' attention kernel ("" = its default)."""
     learn_logit_scale: bool = True
 
     def update_from_config(self, cfg: Any) -> QwenVLArgs:
@@ -132,6 +134,7 @@ class QwenVLArgs(LoraFields):
             max_pixels=cfg.data.max_pixels,
             init_scale=math.exp(t.init_logit_scale),
             learn_logit_scale=t.learn_logit_scale,
+            attn_implementation=cfg.model.attn_implementation,
             **LoraFields.from_config(cfg.lora, lambda: LORA_TARGETS),
         )
 
@@ -295,7 +298,7 @@ class QwenVLEmbedder(nn.Module):
     def __init__(self, args: QwenVLArgs) -> None:
         super().__init__()
         self.args = args
-        self.tower = load_text_tower(args.path)
+        self.tower = load_text_tower(args.path, attention=args.attn_implementation)
         if args.lora_rank:
             add_lora(self.tower, args)
         if MODES[args.mode] == ("text", "text"):  # t2t never runs the vision tower: frozen (DDP needs every grad)
