@@ -7,6 +7,7 @@ BEIR ranks by the embeddings' dot product; what SPLADE cannot take is a one-line
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -129,19 +130,21 @@ def test_embeddings_and_loss_equal_sentence_transformers(tmp_path: Path) -> None
     _close(ours_b.grad, theirs_b.grad, "d documents")
 
 
-def _step(tmp: Path, kind: str) -> None:
-    """One step of SPLADE with FLOPS (dropout off: the model in eval mode) against the dense objective over the
-    whole batch in float64: GradCache chunks of 4 over 6, or global negatives GA 2 of 3."""
+def _step(tmp: Path, kind: str, *more: str, at: int = 0, weights: tuple[float, float] = (0.05, 0.03)) -> None:
+    """One step of SPLADE with FLOPS (dropout off: the model in eval mode), computed as optimizer step `at`,
+    against the dense objective over the whole batch in float64 with the FLOPS `weights`: GradCache chunks of 4
+    over 6, or global negatives GA 2 of 3."""
     local, ga, extra = {
         "gradcache": (6, 1, ["--gradcache.enabled=true", "--gradcache.chunk_sizes=4"]),
         "global": (3, 2, ["--loss.negatives=global", "--loss.stream_chunk_size=2"]),
     }[kind]
     trainer = folder_run(
         tmp, "bert-mlm", SPLADE, "--loss.flops_query_weight=0.05", "--loss.flops_doc_weight=0.03",
-        f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga}", *extra,
+        f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga}", *extra, *more,
     )  # fmt: skip
     assert trainer.model.logit_scale.exp().item() == pytest.approx(1.0)
-    assert "FLOPS (0.05 x the queries', 0.03 x the documents')" in trainer.gradient_step.describe()
+    assert "FLOPS (0.05 x the queries', 0.03 x the documents'" in trainer.gradient_step.describe()
+    trainer.train_state.step = at
     trainer.model.eval()
     data = trainer.train_set
     steps = [data.__getitems__(list(range(j * local, (j + 1) * local))) for j in range(ga)]
@@ -151,7 +154,10 @@ def _step(tmp: Path, kind: str) -> None:
     model.eval()
     q, d, scale = model(every["query"], every["doc"])
     assert q.shape[1] == model.query_tower.config.vocab_size and (q >= 0).all()
-    want_loss = build_objective(trainer.cfg.loss).dense(q, d, scale)
+    written = dataclasses.replace(
+        trainer.cfg.loss, flops_query_weight=weights[0], flops_doc_weight=weights[1], flops_warmup_steps=0
+    )
+    want_loss = build_objective(written).dense(q, d, scale)
     want_loss.backward()
     want = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     out = trainer.train_step(steps)
@@ -166,6 +172,26 @@ def _step(tmp: Path, kind: str) -> None:
 @pytest.mark.parametrize("kind", ["gradcache", "global"])
 def test_every_step_kind_equals_the_dense_objective(tmp_path: Path, kind: str) -> None:
     _step(tmp_path, kind)
+
+
+@needs("hf")
+@pytest.mark.parametrize("kind", ["gradcache", "global"])
+def test_the_warmup_weighs_the_term_by_the_step(tmp_path: Path, kind: str) -> None:
+    """`flops_warmup_steps = 4`: the step computed as optimizer step 2 carries (2/4)^2 of the weights, equal to
+    the dense objective with a quarter of them written out; at step 0, none."""
+    warmup = "--loss.flops_warmup_steps=4"
+    _step(tmp_path, kind, warmup, at=2, weights=(0.05 / 4, 0.03 / 4))
+    _step(tmp_path / "first", kind, warmup, at=0, weights=(0.0, 0.0))
+
+
+def test_a_wrapped_term_is_weighed_through_its_wrappers() -> None:
+    from titan_contrastive.losses import Matryoshka, Spread
+    from titan_contrastive.losses.base import at_step
+
+    wrapped = Matryoshka(Spread(Flops(InfoNCE(), 1.0, 2.0, warmup_steps=4)), (8, 4), (1.0, 1.0))
+    assert at_step(wrapped, 1).inner.inner.factor == 1 / 16
+    assert at_step(wrapped, 4).inner.inner.factor == at_step(wrapped, 9).inner.inner.factor == 1.0
+    assert at_step(wrapped, None) is wrapped and at_step(InfoNCE(), 3) == InfoNCE()
 
 
 @needs("hf")

@@ -160,6 +160,7 @@ class Trainer:
         """zero_grad -> the gradient step over k microbatches -> unscale/clip -> finite check -> step -> schedule."""
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.lr_scheduler.get_last_lr()[0]
+        self.step_context.step = self.train_state.step
         loss = self.gradient_step(microbatches)
         grad_norm = clip_grad_norm(self.model, self.cfg.training.max_norm, self.optimizer, self.precision.scaler)
         step = self.train_state.step + 1

@@ -275,6 +275,9 @@ class Loss:
     flops_doc_weight: float = non_negative(0.0)
     """The FLOPS regularizer on the documents (positives and hard negatives), by this weight (SPLADE's lambda_d,
     SpladeLoss document_regularizer_weight; e.g. 3e-5); 0 = off."""
+    flops_warmup_steps: int = opt(0, lambda v: v >= 0, "an integer >= 0")
+    """Both FLOPS weights rise as (step / N)^2 from 0 to full over the first N optimizer steps (SPLADE's
+    quadratic warmup; sentence-transformers' SparseEncoderTrainer does it over a third of the run); 0 = none."""
     teacher_model: str = ""
     """distill=kl: a frozen model folder whose cosines over every column are the teacher's scores (bi_encoder)."""
     matryoshka_dims: list[int] = opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")

@@ -135,7 +135,12 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
             "loss.distill is empty: set loss.distill (kl, margin_mse or cosent) or leave the weight at 1"
         )
     if loss.flops_query_weight or loss.flops_doc_weight:
-        objective = Flops(objective, loss.flops_query_weight, loss.flops_doc_weight)
+        objective = Flops(objective, loss.flops_query_weight, loss.flops_doc_weight, loss.flops_warmup_steps)
+    elif loss.flops_warmup_steps:
+        raise ConfigError(
+            f"loss.flops_warmup_steps={loss.flops_warmup_steps} schedules the FLOPS weights, and "
+            "loss.flops_query_weight and flops_doc_weight are 0: set them, or leave the warmup at 0"
+        )
     if loss.gor_weight or loss.gor_mean_weight:
         objective = Spread(objective, loss.gor_mean_weight, loss.gor_weight, loss.gor_aggregation)
     elif loss.gor_aggregation != "sum":

@@ -18,6 +18,7 @@ The steps call these and nothing loss-specific; `losses/__init__.py` names the o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -150,9 +151,13 @@ class Objective(Protocol):
 
 class Wrapping:
     """What an objective that wraps another (`inner`: Matryoshka, Distilled) takes from it as it is:
-    its name, bias, ids, kernel kind and initial temperature and bias."""
+    its name, bias, ids, kernel kind and initial temperature and bias; and its state at a step (`at_step`)."""
 
     inner: Objective
+
+    def at_step(self, step: int) -> Objective:
+        """Itself with its inner objective as it stands at optimizer step `step`."""
+        return dataclasses.replace(self, inner=at_step(self.inner, step))  # type: ignore[type-var]
 
     @property
     def name(self) -> str:
@@ -196,6 +201,14 @@ def gathered_problem(
     if ids is not None:
         col_ids = columns(ranks.gather(ids[0]), None if ids[1] is None else ranks.gather(ids[1]))
     return (ranks.gather_with_grad(q) if with_rows else q), cols, col_ids
+
+
+def at_step(objective: Objective, step: int | None) -> Objective:
+    """`objective` as it stands at optimizer step `step` (0-based; None: as built): a term with a schedule of its
+    own (FLOPS' warmup, `flops.py`) weighted for the step, through the wrappers around it; an objective without
+    an `at_step` method, as it is."""
+    method = getattr(objective, "at_step", None)
+    return objective if step is None or method is None else method(step)
 
 
 def bind_teacher(objective: Objective, teacher: Tensor | Guide, ranks: Ranks) -> Objective:
@@ -271,10 +284,13 @@ class MicrobatchLoss:
     negatives; `ids=`: their document ids, [B] or [B, 1 + k]; `guide=`: a guide's embeddings of the
     whole problem; `teacher=`: a distilled objective's teacher, the data's scores of the local
     documents [B, 1 + k] or a teacher model's embeddings of the whole problem), it returns the loss
-    of the problem over the current microbatches of all ranks of `group`."""
+    of the problem over the current microbatches of all ranks of `group`; `step` gives the optimizer step
+    being computed, for a term with a schedule (`at_step`)."""
 
-    def __init__(self, objective: Objective, group: dist.ProcessGroup | None = None) -> None:
-        self.objective, self.ranks = objective, Ranks(group)
+    def __init__(
+        self, objective: Objective, group: dist.ProcessGroup | None = None, step: Callable[[], int] | None = None
+    ) -> None:
+        self.objective, self.ranks, self.step = objective, Ranks(group), step
 
     def __call__(
         self,
@@ -293,7 +309,8 @@ class MicrobatchLoss:
                 "[B, d] (or [B, 1 + k, d] with hard negatives)"
             )
         split = None if ids is None else split_ids(ids)
-        objective = self.objective if guide is None else self.objective.with_guide(guide)
+        step = None if self.step is None else self.step()
+        objective = at_step(self.objective if guide is None else self.objective.with_guide(guide), step)
         if teacher is not None:
             objective = bind_teacher(objective, teacher, self.ranks)
         return objective.microbatch(q, split_documents(docs), scale, bias, split, self.ranks)

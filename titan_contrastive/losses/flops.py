@@ -8,7 +8,8 @@ vocabulary). The square of a dimension's mean activation is the expected cost of
 index, so the term spreads the few active dimensions over the vocabulary and silences the rest. It needs
 only the sums s_q = sum_i q_i and s_d = sum_c d_c, additive over the ranks: the streamed form sums the own
 queries' over the ranks (every rank holds every column) and gives each row the same gradient,
-dL/dq_i = 2 w_q s_q / N^2 (and 2 w_d s_d / M^2 to each column).
+dL/dq_i = 2 w_q s_q / N^2 (and 2 w_d s_d / M^2 to each column). With `warmup_steps` W both weights are
+scaled by (s / W)^2 at optimizer step s < W (SPLADE's quadratic warmup; `at_step`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from titan_contrastive.losses.base import Objective, Ranks, StreamResult, Wrapping, gathered_problem
+from titan_contrastive.losses.base import Objective, Ranks, StreamResult, Wrapping, at_step, gathered_problem
 from titan_contrastive.losses.guide import Guide
 
 
@@ -30,6 +31,11 @@ class Flops(Wrapping):
     inner: Objective
     query_weight: float = 0.0
     doc_weight: float = 0.0
+    warmup_steps: int = 0
+    """Both weights rise as (step / warmup_steps)^2 from 0 at step 0 to full at this step (SPLADE's quadratic
+    warmup, sentence-transformers' SpladeRegularizerWeightSchedulerCallback); 0 = full from the start."""
+    factor: float = 1.0
+    """The weights' share at the step this copy is for (`at_step`)."""
 
     def __post_init__(self) -> None:
         if not (self.query_weight or self.doc_weight):
@@ -41,17 +47,24 @@ class Flops(Wrapping):
     def with_teacher(self, teacher: Tensor | Guide) -> Flops:
         return dataclasses.replace(self, inner=self.inner.with_teacher(teacher))
 
+    def at_step(self, step: int) -> Flops:
+        """Itself at optimizer step `step` (0-based): its weights' share (`warmup_steps`), its inner objective's."""
+        share = 1.0 if step >= self.warmup_steps else (step / self.warmup_steps) ** 2
+        return dataclasses.replace(self, inner=at_step(self.inner, step), factor=share)
+
     def fused(self, num_queries: int, num_columns: int) -> bool:
         return self.inner.fused(num_queries, num_columns)
 
     def describe(self) -> str:
         weights = f"{self.query_weight:g} x the queries', {self.doc_weight:g} x the documents'"
-        return f"{self.inner.describe()} + FLOPS ({weights})"
+        warmup = f", rising quadratically over {self.warmup_steps} steps" if self.warmup_steps else ""
+        return f"{self.inner.describe()} + FLOPS ({weights}{warmup})"
 
     def term(self, query_sum: Tensor, doc_sum: Tensor, num_queries: int, num_columns: int) -> Tensor:
         """The weighted term from the queries' and the columns' sums over the rows."""
         queries = (query_sum / num_queries).square().sum()
-        return self.query_weight * queries + self.doc_weight * (doc_sum / num_columns).square().sum()
+        docs = (doc_sum / num_columns).square().sum()
+        return self.factor * (self.query_weight * queries + self.doc_weight * docs)
 
     def whole(self, q: Tensor, docs: Tensor) -> Tensor:
         """The weighted term of a whole problem: queries [N, V], columns D [M, V] (autograd)."""
@@ -101,8 +114,8 @@ class Flops(Wrapping):
         doc_sum = docs.detach().to(acc).sum(0)
         m = len(docs)
         term = self.term(query_sum, doc_sum, num_queries, m)
-        grad_row = (2 * self.query_weight / num_queries**2) * query_sum
-        grad_col = (2 * self.doc_weight / m**2) * doc_sum / ranks.world
+        grad_row = (2 * self.factor * self.query_weight / num_queries**2) * query_sum
+        grad_col = (2 * self.factor * self.doc_weight / m**2) * doc_sum / ranks.world
         return StreamResult(
             part.loss + term.to(part.loss.dtype),
             part.grad_rows + grad_row,

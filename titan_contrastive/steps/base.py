@@ -102,6 +102,9 @@ class StepContext:
     """Whether the frozen model's embeddings decide the masks (`[loss] guide_model`)."""
     guide_teaches: bool = False
     """Whether they are the distillation's teacher (`[loss] teacher_model`)."""
+    step: int = field(default=0, init=False)
+    """The optimizer step being computed (0-based), set by the trainer before each gradient step: what a term
+    with a schedule of its own reads (`losses.base.at_step`)."""
     last_scalars: tuple[Tensor, ...] = field(default=(), init=False)
     """What the last contrastive forward returned after the embeddings (exp(logit_scale)[, logit_bias]), for the log."""
     takes_replay: bool = field(default=False, init=False)

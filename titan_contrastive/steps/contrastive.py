@@ -14,8 +14,9 @@ CHUNK_KNOB = "gradcache.chunk_sizes"
 
 
 def train_loss(ctx: StepContext, objective: Objective) -> RescaleAccumulatedLoss:
-    """The objective over the microbatches of all DP ranks, divided by the accumulation steps."""
-    return RescaleAccumulatedLoss(MicrobatchLoss(objective, ctx.dp_group), ctx.ga_steps)
+    """The objective over the microbatches of all DP ranks, divided by the accumulation steps, at the step the
+    context says (`StepContext.step`)."""
+    return RescaleAccumulatedLoss(MicrobatchLoss(objective, ctx.dp_group, lambda: ctx.step), ctx.ga_steps)
 
 
 def gradcache_chunk(ctx: StepContext, cfg: JobConfig, knobs: dict[str, int]) -> int | None:

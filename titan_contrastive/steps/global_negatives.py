@@ -46,7 +46,7 @@ from titan_contrastive.components.memory_planner import doubling
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.grad_cache import engine
 from titan_contrastive.losses import InfoNCE, Objective, Ranks, split_documents, split_ids
-from titan_contrastive.losses.base import bind_teacher, columns
+from titan_contrastive.losses.base import at_step, bind_teacher, columns
 from titan_contrastive.losses.fused import choose_path, preferred_kernel, require_kernel
 from titan_contrastive.losses.guide import Guide
 from titan_contrastive.losses.streaming import accumulation_dtype
@@ -132,12 +132,14 @@ class StreamingClipStep:
         ids: Tensor | None = None,
         guide: Guide | None = None,
         teacher: Tensor | None = None,
+        step: int | None = None,
     ) -> Tensor:
         """Accumulate the exact gradient of the global loss into .grad; return the loss (detached).
         `ids`: the local documents' ids, [b] or [b, 1 + k] like z_y (for an objective that reads them);
         `guide`: a guide's embeddings of the global problem, whose cosines the masks compare;
         `teacher`: a distilled objective's teacher: the data's scores of the local documents [b, 1 + k], or a
-        teacher model's embeddings of the global problem."""
+        teacher model's embeddings of the global problem; `step`: the optimizer step, for a term with a schedule
+        (`losses.base.at_step`)."""
         # A. no-graph forward per microbatch, RNG captured for the replay (the cached-gradient engine); all-gather
         #    (the last microbatch keeps its graph: D backpropagates it first instead of re-running it)
         outputs, rand = engine.forward_no_grad(
@@ -187,7 +189,7 @@ class StreamingClipStep:
         if ids is not None:
             pos_ids, neg_ids = split_ids(ids)
             col_ids = columns(self.ranks.gather(pos_ids), None if neg_ids is None else self.ranks.gather(neg_ids))
-        objective = self.objective if guide is None else self.objective.with_guide(guide)
+        objective = at_step(self.objective if guide is None else self.objective.with_guide(guide), step)
         if teacher is not None:
             objective = bind_teacher(objective, teacher, self.ranks)
         result = self._streamed(objective, zx_local, docs, s, b, n, c, col_ids)
@@ -308,7 +310,7 @@ class GlobalNegativesStep(ContrastiveLog):
         guide, teacher = ctx.frozen_inputs(chunks, None)
         loss = self.streaming(
             ctx.encode, chunks, grad_sync=ctx.grad_sync, backward=ctx.backward, replay=True, ids=ids, guide=guide,
-            teacher=teacher,
+            teacher=teacher, step=ctx.step,
         )  # fmt: skip
         return loss.item()
 
