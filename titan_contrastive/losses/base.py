@@ -211,6 +211,77 @@ def at_step(objective: Objective, step: int | None) -> Objective:
     return objective if step is None or method is None else method(step)
 
 
+class EmbeddingTerm(Wrapping):
+    """An objective (`inner`) plus a term that reads the embeddings alone, not the logits (GOR, `spread.py`;
+    FLOPS, `flops.py`). A subclass gives `whole(q, docs)`, the weighted term of a whole problem (autograd), and
+    `own_share(rows, docs, num_queries, ranks)`: (the whole term, its gradient of this rank's rows, its gradient of
+    every column) from the rows in the accumulation dtype, the columns as they are; the forms follow."""
+
+    def with_guide(self, guide: Guide | None) -> Objective:
+        return dataclasses.replace(self, inner=self.inner.with_guide(guide))  # type: ignore[type-var]
+
+    def with_teacher(self, teacher: Tensor | Guide) -> Objective:
+        return dataclasses.replace(self, inner=self.inner.with_teacher(teacher))  # type: ignore[type-var, attr-defined]
+
+    def fused(self, num_queries: int, num_columns: int) -> bool:
+        return self.inner.fused(num_queries, num_columns)
+
+    def whole(self, q: Tensor, docs: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def own_share(self, rows: Tensor, docs: Tensor, num_queries: int, ranks: Ranks) -> tuple[Tensor, Tensor, Tensor]:
+        raise NotImplementedError
+
+    def dense(
+        self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
+    ) -> Tensor:
+        return self.inner.dense(q, docs, scale, bias, ids) + self.whole(q, docs)
+
+    def microbatch(
+        self,
+        q: Tensor,
+        docs: tuple[Tensor, Tensor | None],
+        scale: Tensor,
+        bias: Tensor | None,
+        ids: tuple[Tensor, Tensor | None] | None,
+        ranks: Ranks,
+    ) -> Tensor:
+        """The term on the problem gathered with gradient (the inner objective's convention: the same loss on
+        every rank)."""
+        queries, cols, _ = gathered_problem(q, docs, None, ranks)
+        return self.inner.microbatch(q, docs, scale, bias, ids, ranks) + self.whole(queries, cols)
+
+    def streamed(
+        self,
+        q_own: Tensor,
+        docs: Tensor,
+        scale: Tensor,
+        bias: Tensor | None = None,
+        *,
+        first_row: int,
+        num_queries: int,
+        chunk: int,
+        ranks: Ranks,
+        kernel: str = "pytorch",
+        ids: Tensor | None = None,
+    ) -> StreamResult:
+        """The inner objective's streamed form, plus the term (`own_share`): the own rows' gradients and this
+        rank's 1/world share of the columns' (every rank holds every column)."""
+        part = self.inner.streamed(
+            q_own, docs, scale, bias,
+            first_row=first_row, num_queries=num_queries, chunk=chunk, ranks=ranks, kernel=kernel, ids=ids,
+        )  # fmt: skip
+        rows = q_own.detach().to(part.grad_rows.dtype)
+        term, grad_rows, grad_cols = self.own_share(rows, docs, num_queries, ranks)
+        return StreamResult(
+            part.loss + term.detach().to(part.loss.dtype),
+            part.grad_rows + grad_rows,
+            part.grad_cols + grad_cols / ranks.world,
+            part.scale_rows,
+            part.bias_rows,
+        )
+
+
 def bind_teacher(objective: Objective, teacher: Tensor | Guide, ranks: Ranks) -> Objective:
     """`objective` with a distillation's teacher of the whole problem: the data's scores of the
     local documents, gathered over `ranks`, or a teacher model's embeddings, gathered already."""

@@ -19,12 +19,11 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from titan_contrastive.losses.base import Objective, Ranks, StreamResult, Wrapping, at_step, gathered_problem
-from titan_contrastive.losses.guide import Guide
+from titan_contrastive.losses.base import EmbeddingTerm, Objective, Ranks, at_step
 
 
 @dataclass(frozen=True)
-class Flops(Wrapping):
+class Flops(EmbeddingTerm):
     """An objective plus the FLOPS term (see the module) of its queries (`query_weight`) and its columns
     (`doc_weight`)."""
 
@@ -41,19 +40,10 @@ class Flops(Wrapping):
         if not (self.query_weight or self.doc_weight):
             raise ValueError("loss.flops_query_weight and flops_doc_weight are both 0: set one, or leave FLOPS out")
 
-    def with_guide(self, guide: Guide | None) -> Flops:
-        return dataclasses.replace(self, inner=self.inner.with_guide(guide))
-
-    def with_teacher(self, teacher: Tensor | Guide) -> Flops:
-        return dataclasses.replace(self, inner=self.inner.with_teacher(teacher))
-
     def at_step(self, step: int) -> Flops:
         """Itself at optimizer step `step` (0-based): its weights' share (`warmup_steps`), its inner objective's."""
         share = 1.0 if step >= self.warmup_steps else (step / self.warmup_steps) ** 2
         return dataclasses.replace(self, inner=at_step(self.inner, step), factor=share)
-
-    def fused(self, num_queries: int, num_columns: int) -> bool:
-        return self.inner.fused(num_queries, num_columns)
 
     def describe(self) -> str:
         weights = f"{self.query_weight:g} x the queries', {self.doc_weight:g} x the documents'"
@@ -70,59 +60,13 @@ class Flops(Wrapping):
         """The weighted term of a whole problem: queries [N, V], columns D [M, V] (autograd)."""
         return self.term(q.sum(0), docs.sum(0), len(q), len(docs))
 
-    def dense(
-        self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
-    ) -> Tensor:
-        return self.inner.dense(q, docs, scale, bias, ids) + self.whole(q, docs)
-
-    def microbatch(
-        self,
-        q: Tensor,
-        docs: tuple[Tensor, Tensor | None],
-        scale: Tensor,
-        bias: Tensor | None,
-        ids: tuple[Tensor, Tensor | None] | None,
-        ranks: Ranks,
-    ) -> Tensor:
-        """The term on the problem gathered with gradient (the inner objective's convention: the same loss on
-        every rank)."""
-        queries, cols, _ = gathered_problem(q, docs, None, ranks)
-        return self.inner.microbatch(q, docs, scale, bias, ids, ranks) + self.whole(queries, cols)
-
-    def streamed(
-        self,
-        q_own: Tensor,
-        docs: Tensor,
-        scale: Tensor,
-        bias: Tensor | None = None,
-        *,
-        first_row: int,
-        num_queries: int,
-        chunk: int,
-        ranks: Ranks,
-        kernel: str = "pytorch",
-        ids: Tensor | None = None,
-    ) -> StreamResult:
-        """The inner objective's streamed form, plus the term: the queries' sum over the ranks, the columns' taken
-        whole; the own rows' gradients and this rank's 1/world share of the columns'."""
-        part = self.inner.streamed(
-            q_own, docs, scale, bias,
-            first_row=first_row, num_queries=num_queries, chunk=chunk, ranks=ranks, kernel=kernel, ids=ids,
-        )  # fmt: skip
-        acc = part.grad_rows.dtype
-        query_sum = ranks.sum(q_own.detach().to(acc).sum(0))
-        doc_sum = docs.detach().to(acc).sum(0)
-        m = len(docs)
+    def own_share(self, rows: Tensor, docs: Tensor, num_queries: int, ranks: Ranks) -> tuple[Tensor, Tensor, Tensor]:
+        """The queries' sum over the ranks, the columns' taken whole; every row's gradient the same."""
+        query_sum, doc_sum, m = ranks.sum(rows.sum(0)), docs.detach().to(rows.dtype).sum(0), len(docs)
         term = self.term(query_sum, doc_sum, num_queries, m)
         grad_row = (2 * self.factor * self.query_weight / num_queries**2) * query_sum
-        grad_col = (2 * self.factor * self.doc_weight / m**2) * doc_sum / ranks.world
-        return StreamResult(
-            part.loss + term.to(part.loss.dtype),
-            part.grad_rows + grad_row,
-            part.grad_cols + grad_col,
-            part.scale_rows,
-            part.bias_rows,
-        )
+        grad_col = (2 * self.factor * self.doc_weight / m**2) * doc_sum
+        return term, grad_row.expand_as(rows), grad_col.expand_as(docs)
 
 
 __all__ = ["Flops"]

@@ -19,14 +19,12 @@ form: dL/dx_i = dL/ds + (dL/dG + dL/dG^T) x_i + 2 dL/da x_i + 4 dL/db |x_i|^2 x_
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from titan_contrastive.losses.base import Objective, Ranks, StreamResult, Wrapping, gathered_problem
-from titan_contrastive.losses.guide import Guide
+from titan_contrastive.losses.base import EmbeddingTerm, Objective, Ranks
 
 AGGREGATIONS = ("sum", "mean")
 
@@ -45,7 +43,7 @@ def column_groups(docs: Tensor, num_queries: int) -> list[Tensor]:
 
 
 @dataclass(frozen=True)
-class Spread(Wrapping):
+class Spread(EmbeddingTerm):
     """An objective plus the GOR term (see the module) over its problem's columns."""
 
     inner: Objective
@@ -58,15 +56,6 @@ class Spread(Wrapping):
             raise ValueError(f"loss.gor_aggregation={self.aggregation!r}: use one of {', '.join(AGGREGATIONS)}")
         if not (self.mean_weight or self.second_weight):
             raise ValueError("loss.gor_weight and loss.gor_mean_weight are both 0: set one, or leave GOR out")
-
-    def with_guide(self, guide: Guide | None) -> Spread:
-        return dataclasses.replace(self, inner=self.inner.with_guide(guide))
-
-    def with_teacher(self, teacher: Tensor | Guide) -> Spread:
-        return dataclasses.replace(self, inner=self.inner.with_teacher(teacher))
-
-    def fused(self, num_queries: int, num_columns: int) -> bool:
-        return self.inner.fused(num_queries, num_columns)
 
     def describe(self) -> str:
         weights = ((self.mean_weight, "mean"), (self.second_weight, "second moment"))
@@ -85,60 +74,16 @@ class Spread(Wrapping):
         """The weighted term of a whole problem: queries [N, d], columns D [N(1 + k), d] (autograd)."""
         return self.term([statistics(x) for x in (q, *column_groups(docs, len(q)))], len(q), q.shape[-1])
 
-    def dense(
-        self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
-    ) -> Tensor:
-        return self.inner.dense(q, docs, scale, bias, ids) + self.whole(q, docs)
-
-    def microbatch(
-        self,
-        q: Tensor,
-        docs: tuple[Tensor, Tensor | None],
-        scale: Tensor,
-        bias: Tensor | None,
-        ids: tuple[Tensor, Tensor | None] | None,
-        ranks: Ranks,
-    ) -> Tensor:
-        """The term on the problem gathered with gradient (the inner objective's convention: the same loss on
-        every rank)."""
-        queries, cols, _ = gathered_problem(q, docs, None, ranks)
-        return self.inner.microbatch(q, docs, scale, bias, ids, ranks) + self.whole(queries, cols)
-
-    def streamed(
-        self,
-        q_own: Tensor,
-        docs: Tensor,
-        scale: Tensor,
-        bias: Tensor | None = None,
-        *,
-        first_row: int,
-        num_queries: int,
-        chunk: int,
-        ranks: Ranks,
-        kernel: str = "pytorch",
-        ids: Tensor | None = None,
-    ) -> StreamResult:
-        """The inner objective's streamed form, plus the term: the queries' statistics summed over the ranks,
-        the columns' taken whole; the own rows' gradients and this rank's 1/world share of the columns'."""
-        part = self.inner.streamed(
-            q_own, docs, scale, bias,
-            first_row=first_row, num_queries=num_queries, chunk=chunk, ranks=ranks, kernel=kernel, ids=ids,
-        )  # fmt: skip
-        acc = part.grad_rows.dtype
-        rows = q_own.detach().to(acc)
+    def own_share(self, rows: Tensor, docs: Tensor, num_queries: int, ranks: Ranks) -> tuple[Tensor, Tensor, Tensor]:
+        """The queries' statistics summed over the ranks, the columns' taken whole; the rows' gradients in closed
+        form from the statistics' (the module)."""
         own = [ranks.sum(t) for t in statistics(rows)]  # the whole problem's query statistics
         with torch.enable_grad():
             q_stats = [t.requires_grad_() for t in own]
-            cols = docs.detach().to(acc).requires_grad_()
+            cols = docs.detach().to(rows.dtype).requires_grad_()
             stats = [tuple(q_stats), *(statistics(x) for x in column_groups(cols, num_queries))]
             term = self.term(stats, num_queries, docs.shape[-1])
             gs, gg, ga, gb, grad_cols = torch.autograd.grad(term, [*q_stats, cols])
         norms = rows.square().sum(1, keepdim=True)
         grad_rows = gs + rows @ (gg + gg.T) + (2 * ga + 4 * gb * norms) * rows
-        return StreamResult(
-            part.loss + term.detach().to(part.loss.dtype),
-            part.grad_rows + grad_rows,
-            part.grad_cols + grad_cols / ranks.world,
-            part.scale_rows,
-            part.bias_rows,
-        )
+        return term, grad_rows, grad_cols
