@@ -50,26 +50,18 @@ def configured(args: Any, cfg: Any, spec: Any) -> Any:
     `attn_implementation` where its args do not carry it (no image patches to drop, no folder whose code it runs, no
     prompt left out of a pooling, no decoder whose causal mask could go, no transformers model), `[optimizer]
     layer_decay` where it names no towers whose layers could decay."""
-    if cfg.model.trust_remote_code and not hasattr(args, "trust_remote_code"):
-        raise ConfigError(
-            f"model.trust_remote_code=true: the {spec.name} family loads no folder's own code (bi_encoder does); set "
-            "model.trust_remote_code=false"
-        )
-    if cfg.model.include_prompt is not None and not hasattr(args, "include_prompt"):
-        raise ConfigError(
-            f"model.include_prompt={str(cfg.model.include_prompt).lower()}: the {spec.name} family pools no prompted "
-            "texts (bi_encoder does); remove it"
-        )
-    if cfg.model.attn_implementation and not hasattr(args, "attn_implementation"):
-        raise ConfigError(
-            f"model.attn_implementation={cfg.model.attn_implementation}: the {spec.name} family runs no transformers "
-            "model (bi_encoder and qwen_vl do); remove it"
-        )
-    if cfg.model.bidirectional is not None and not hasattr(args, "bidirectional"):
-        raise ConfigError(
-            f"model.bidirectional={str(cfg.model.bidirectional).lower()}: the {spec.name} family has no decoder "
-            "whose attention it could turn (bi_encoder has); remove it"
-        )
+    m = cfg.model
+    for key, given, why in (  # the setting, whether it is given, why this family cannot take it
+        ("trust_remote_code", m.trust_remote_code, "loads no folder's own code (bi_encoder does)"),
+        ("include_prompt", m.include_prompt is not None, "pools no prompted texts (bi_encoder does)"),
+        ("attn_implementation", m.attn_implementation, "runs no transformers model (bi_encoder and qwen_vl do)"),
+        ("bidirectional", m.bidirectional is not None, "has no decoder whose attention it could turn (bi_encoder has)"),
+    ):
+        if given and not hasattr(args, key):
+            value = getattr(m, key)
+            shown = str(value).lower() if isinstance(value, bool) else value
+            fix = "set model.trust_remote_code=false" if key == "trust_remote_code" else "remove it"
+            raise ConfigError(f"model.{key}={shown}: the {spec.name} family {why}; {fix}")
     args = args.update_from_config(cfg)
     if getattr(args, "patch_dropout", 0.0) != cfg.model.patch_dropout:
         raise ConfigError(
