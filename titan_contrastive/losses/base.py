@@ -215,7 +215,8 @@ class EmbeddingTerm(Wrapping):
     """An objective (`inner`) plus a term that reads the embeddings alone, not the logits (GOR, `spread.py`;
     FLOPS, `flops.py`). A subclass gives `whole(q, docs)`, the weighted term of a whole problem (autograd), and
     `own_share(rows, docs, num_queries, ranks)`: (the whole term, its gradient of this rank's rows, its gradient of
-    every column) from the rows in the accumulation dtype, the columns as they are; the forms follow."""
+    every column, each gradient of the rows' or columns' shape or broadcasting to it) from the rows in the
+    accumulation dtype, the columns as they are; the forms follow."""
 
     def with_guide(self, guide: Guide | None) -> Objective:
         return dataclasses.replace(self, inner=self.inner.with_guide(guide))  # type: ignore[type-var]

@@ -61,12 +61,13 @@ class Flops(EmbeddingTerm):
         return self.term(q.sum(0), docs.sum(0), len(q), len(docs))
 
     def own_share(self, rows: Tensor, docs: Tensor, num_queries: int, ranks: Ranks) -> tuple[Tensor, Tensor, Tensor]:
-        """The queries' sum over the ranks, the columns' taken whole; every row's gradient the same."""
+        """The queries' sum over the ranks, the columns' taken whole; every row's gradient the same, so each is
+        returned as one [V] vector that broadcasts over the rows (no [M, V] copy of it on the hot path)."""
         query_sum, doc_sum, m = ranks.sum(rows.sum(0)), docs.detach().to(rows.dtype).sum(0), len(docs)
         term = self.term(query_sum, doc_sum, num_queries, m)
         grad_row = (2 * self.factor * self.query_weight / num_queries**2) * query_sum
         grad_col = (2 * self.factor * self.doc_weight / m**2) * doc_sum
-        return term, grad_row.expand_as(rows), grad_col.expand_as(docs)
+        return term, grad_row, grad_col
 
 
 __all__ = ["Flops"]
