@@ -81,16 +81,17 @@ def _masked_lm(folder: Path, dropout: float) -> Path:
     return _bert(folder, "BertForMaskedLM", hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
 
 
-def sparse_folder(model: Path, prompts: dict[str, str]) -> Path:
+def sparse_folder(model: Path, prompts: dict[str, str], strategy: str = "max", activation: str = "relu") -> Path:
     """`model` (a masked LM) as a sentence-transformers SparseEncoder folder: Transformer (fill-mask, 24 tokens),
-    SpladePooling (max, relu), the prompts."""
+    SpladePooling (`strategy`, `activation`), the prompts."""
     from sentence_transformers.sentence_transformer.modules import Transformer
     from sentence_transformers.sparse_encoder import SparseEncoder
     from sentence_transformers.sparse_encoder.modules import SpladePooling
 
-    out = model.parent / f"{model.name}-sparse"
+    out = model.parent / f"{model.name}-sparse-{strategy}-{activation}"
     encoder = Transformer(str(model), max_seq_length=24, transformer_task="fill-mask")
-    SparseEncoder(modules=[encoder, SpladePooling("max")], device="cpu", prompts=prompts).save(str(out))
+    pooling = SpladePooling(strategy, activation)
+    SparseEncoder(modules=[encoder, pooling], device="cpu", prompts=prompts).save(str(out))
     return out
 
 

@@ -26,12 +26,16 @@ from tests.test_trainer import full
 from titan_contrastive.losses import Flops, InfoNCE, build_objective
 
 BASE = {c["name"]: c for c in CASES}
-FCASES = [  # the contrastive objective, hard negatives, the queries' weight, the documents' weight
-    ("clip-sym-k0-none-full", 0, 0.5, 0.0),
-    ("clip-oneway-k2-none-full", 2, 0.3, 0.7),
-    ("siglip-sym-k0-none-full", 0, 0.0, 1.0),
+FCASES = [  # the contrastive objective, hard negatives, the queries' and the documents' weights and thresholds
+    ("clip-sym-k0-none-full", 0, 0.5, 0.0, 0, 0),
+    ("clip-oneway-k2-none-full", 2, 0.3, 0.7, 0, 0),
+    ("siglip-sym-k0-none-full", 0, 0.0, 1.0, 0, 0),
+    ("clip-oneway-k2-none-full", 2, 0.3, 0.7, 2, 3),
 ]
-FPAIRS = [(dict(BASE[name], k=k), dict(q=wq, d=wd, name=f"{name}-q{wq}-d{wd}")) for name, k, wq, wd in FCASES]
+FPAIRS = [
+    (dict(BASE[name], k=k), dict(q=wq, d=wd, tq=tq, td=td, name=f"{name}-q{wq}-d{wd}-t{tq}-{td}"))
+    for name, k, wq, wd, tq, td in FCASES
+]
 SPLADE = "--model.pooling=splade"
 PROMPTS = {"query": "query ", "document": "represent the passage "}
 
@@ -50,13 +54,23 @@ def sparse_problem(case: dict, seed: int = 0):
 
 
 def reference_flops(fcase: dict, q, p, n) -> torch.Tensor:
-    """w_q sum_j (mean_i q_ij)^2 + w_d sum_j (mean over every document of d_j)^2, dimension by dimension."""
+    """w_q sum_j (mean_i q_ij)^2 + w_d sum_j (mean over every document of d_j)^2, dimension by dimension; with a
+    side's threshold T its sums count only the rows with more than T non-zero entries (the means still over all)."""
     docs = p if n is None else torch.cat([p, n])
+
+    def counted(x: torch.Tensor, threshold: int) -> list[int]:
+        return [i for i in range(len(x)) if not threshold or sum(int(v != 0) for v in x[i]) > threshold]
+
+    rows, cols = counted(q, fcase["tq"]), counted(docs, fcase["td"])
     total = 0.0
     for j in range(q.shape[1]):
-        total = total + fcase["q"] * (sum(q[i, j] for i in range(len(q))) / len(q)) ** 2
-        total = total + fcase["d"] * (sum(docs[c, j] for c in range(len(docs))) / len(docs)) ** 2
+        total = total + fcase["q"] * (sum(q[i, j] for i in rows) / len(q)) ** 2
+        total = total + fcase["d"] * (sum(docs[c, j] for c in cols) / len(docs)) ** 2
     return total
+
+
+def flops_of(case: dict, fcase: dict) -> Flops:
+    return Flops(objective_of(case), fcase["q"], fcase["d"], query_threshold=fcase["tq"], doc_threshold=fcase["td"])
 
 
 def test_the_term_moves_the_loss() -> None:
@@ -65,14 +79,24 @@ def test_the_term_moves_the_loss() -> None:
     assert reference_flops(fcase, q, p, n) > 0.05
 
 
+def test_the_thresholds_count_some_rows_and_not_others() -> None:
+    """The thresholded case's problem has rows on both sides of each threshold, and the term differs."""
+    case, fcase = FPAIRS[3]
+    for seed in (0, 1):
+        q, p, n, *_ = sparse_problem(case, seed)
+        for x, threshold in ((q, fcase["tq"]), (torch.cat([p, n]), fcase["td"])):
+            counts = (x != 0).sum(1)
+            assert (counts > threshold).any() and (counts <= threshold).any()
+        assert abs(reference_flops(fcase, q, p, n) - reference_flops(dict(fcase, tq=0, td=0), q, p, n)) > 1e-3
+
+
 @pytest.mark.parametrize("pair", FPAIRS, ids=[f["name"] for _, f in FPAIRS])
 def test_dense_streamed_and_microbatch_match_the_definition(pair) -> None:
     case, fcase = pair
     problem = sparse_problem(case)
     rq, rp, rn, rs, rb = leaves(*problem[:5])
     want_loss = reference(case, rq, rp, rn, rs, rb, problem[5]) + reference_flops(fcase, rq, rp, rn)
-    objective = Flops(objective_of(case), fcase["q"], fcase["d"])
-    assert_forms(objective, problem, (want_loss.detach(), *wanted(want_loss, rq, rp, rn, rs)))
+    assert_forms(flops_of(case, fcase), problem, (want_loss.detach(), *wanted(want_loss, rq, rp, rn, rs)))
 
 
 def _distributed() -> None:
@@ -83,7 +107,7 @@ def _distributed() -> None:
         rq, rp, rn, rs, rb = leaves(*problem[:5])
         want_loss = reference(case, rq, rp, rn, rs, rb, problem[5]) + reference_flops(fcase, rq, rp, rn)
         want = (want_loss.detach(), *wanted(want_loss, rq, rp, rn, rs))
-        assert_distributed_forms(Flops(objective_of(case), fcase["q"], fcase["d"]), problem, want, fcase["name"])
+        assert_distributed_forms(flops_of(case, fcase), problem, want, fcase["name"])
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -93,18 +117,22 @@ def test_distributed_forms_match_the_definition(world: int) -> None:
 
 
 @needs("hf")
-def test_embeddings_and_loss_equal_sentence_transformers(tmp_path: Path) -> None:
-    """A SparseEncoder folder (fill-mask Transformer, SpladePooling): our query and document embeddings equal
-    its `encode` with its prompts; one-way InfoNCE at t = 1 plus FLOPS on them equals SpladeLoss around
-    SparseMultipleNegativesRankingLoss (scale 1), loss and gradients."""
+@pytest.mark.parametrize("variant", [("max", "relu", False), ("sum", "log1p_relu", True)], ids=["v2", "v1-log1p-l0"])
+def test_embeddings_and_loss_equal_sentence_transformers(tmp_path: Path, variant: tuple[str, str, bool]) -> None:
+    """A SparseEncoder folder (fill-mask Transformer, SpladePooling max/relu, or sum/log1p_relu): our query and
+    document embeddings equal its `encode` with its prompts; one-way InfoNCE at t = 1 plus FLOPS on them (with
+    thresholds at each side's median count of non-zero dimensions, which rows fall both sides of) equals SpladeLoss
+    around SparseMultipleNegativesRankingLoss (scale 1), loss and gradients."""
     from sentence_transformers.sparse_encoder import SparseEncoder
     from sentence_transformers.sparse_encoder.losses import FlopsLoss, SparseMultipleNegativesRankingLoss
 
     from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, build_tokenizer
 
-    folder = sparse_folder(architecture_folder(tmp_path, "bert-mlm", 0.0), PROMPTS)
+    strategy, activation, thresholds = variant
+    folder = sparse_folder(architecture_folder(tmp_path, "bert-mlm", 0.0), PROMPTS, strategy, activation)
     args = BiEncoderArgs(path=str(folder), query_length=24).resolve(doc_length=24)
     assert (args.pooling, args.query_prompt, args.doc_prompt) == ("splade", *PROMPTS.values())
+    assert (args.splade_pooling, args.splade_activation) == (strategy, activation)
     tokenizer, ours = build_tokenizer(args), BiEncoder(args).eval()
     texts = [q for q, _ in PAIRS[:6]]
     with torch.no_grad():
@@ -112,17 +140,23 @@ def test_embeddings_and_loss_equal_sentence_transformers(tmp_path: Path) -> None
     theirs = SparseEncoder(str(folder), device="cpu")
     for got, name in ((zq, "query"), (zd, "document")):
         want = theirs.encode(texts, prompt_name=name, convert_to_tensor=True, convert_to_sparse_tensor=False)
-        assert (got - want).abs().max() <= 1e-5 and (got == 0).any()  # relu's zeros
+        assert (got - want).abs().max() <= 1e-5 * max(want.abs().max().item(), 1.0) and (got == 0).any()  # relu's 0s
+    limits = [int((z != 0).sum(1).median()) if thresholds else 0 for z in (zq, zd)]
+    if thresholds:
+        assert all(((z != 0).sum(1) > t).any() and ((z != 0).sum(1) <= t).any() for z, t in zip((zq, zd), limits))
     a, b = zq.double(), zd.double()
     ours_a, ours_b, theirs_a, theirs_b = leaves(a, b, a, b)
-    flops = FlopsLoss(theirs)
     base = SparseMultipleNegativesRankingLoss(theirs, scale=1.0).compute_loss_from_embeddings(
         [theirs_a, theirs_b], None
     )
+    query_flops, doc_flops = (FlopsLoss(theirs, threshold=t or None) for t in limits)
     want = (
-        base + 0.03 * flops.compute_loss_from_embeddings(theirs_b) + 0.05 * flops.compute_loss_from_embeddings(theirs_a)
+        base
+        + 0.03 * doc_flops.compute_loss_from_embeddings(theirs_b)
+        + 0.05 * query_flops.compute_loss_from_embeddings(theirs_a)
     )
-    got = Flops(InfoNCE(False), 0.05, 0.03).dense(ours_a, ours_b, torch.tensor(1.0, dtype=torch.float64))
+    flops = Flops(InfoNCE(False), 0.05, 0.03, query_threshold=limits[0], doc_threshold=limits[1])
+    got = flops.dense(ours_a, ours_b, torch.tensor(1.0, dtype=torch.float64))
     want.backward()
     got.backward()
     _close(got.detach(), want.detach(), "loss")
@@ -130,10 +164,10 @@ def test_embeddings_and_loss_equal_sentence_transformers(tmp_path: Path) -> None
     _close(ours_b.grad, theirs_b.grad, "d documents")
 
 
-def _step(tmp: Path, kind: str, *more: str, at: int = 0, weights: tuple[float, float] = (0.05, 0.03)) -> None:
+def _step(tmp: Path, kind: str, *more: str, at: int = 0, weights: tuple[float, float] = (0.05, 0.03)):
     """One step of SPLADE with FLOPS (dropout off: the model in eval mode), computed as optimizer step `at`,
     against the dense objective over the whole batch in float64 with the FLOPS `weights`: GradCache chunks of 4
-    over 6, or global negatives GA 2 of 3."""
+    over 6, or global negatives GA 2 of 3. Returns the trainer."""
     local, ga, extra = {
         "gradcache": (6, 1, ["--gradcache.enabled=true", "--gradcache.chunk_sizes=4"]),
         "global": (3, 2, ["--loss.negatives=global", "--loss.stream_chunk_size=2"]),
@@ -154,6 +188,9 @@ def _step(tmp: Path, kind: str, *more: str, at: int = 0, weights: tuple[float, f
     model.eval()
     q, d, scale = model(every["query"], every["doc"])
     assert q.shape[1] == model.query_tower.config.vocab_size and (q >= 0).all()
+    for x, threshold in ((q, written_threshold(trainer, "query")), (d, written_threshold(trainer, "doc"))):
+        counts = (x.flatten(0, -2) != 0).sum(1)
+        assert not threshold or ((counts > threshold).any() and (counts <= threshold).any())  # rows both sides
     written = dataclasses.replace(
         trainer.cfg.loss, flops_query_weight=weights[0], flops_doc_weight=weights[1], flops_warmup_steps=0
     )
@@ -166,6 +203,7 @@ def _step(tmp: Path, kind: str, *more: str, at: int = 0, weights: tuple[float, f
         assert (got - grad).abs().max() <= 1e-10 * max(grad.abs().max().item(), 1.0), name
     assert abs(out["loss"] - want_loss.item()) <= 1e-10 * want_loss.item()
     trainer.metrics.close()
+    return trainer
 
 
 @needs("hf")
@@ -182,6 +220,33 @@ def test_the_warmup_weighs_the_term_by_the_step(tmp_path: Path, kind: str) -> No
     warmup = "--loss.flops_warmup_steps=4"
     _step(tmp_path, kind, warmup, at=2, weights=(0.05 / 4, 0.03 / 4))
     _step(tmp_path / "first", kind, warmup, at=0, weights=(0.0, 0.0))
+
+
+def written_threshold(trainer, side: str) -> int:
+    return getattr(trainer.cfg.loss, f"flops_{side}_threshold")
+
+
+def median_thresholds(tmp: Path, *more: str) -> list[str]:
+    """FLOPS thresholds at each side's median count of non-zero dimensions over the first 6 pairs, as the model
+    of `folder_run(tmp, "bert-mlm", SPLADE, *more)` embeds them in eval mode: rows fall both sides of them."""
+    probe = folder_run(tmp, "bert-mlm", SPLADE, *more, "--training.local_batch_size=6")
+    probe.model.eval()
+    batch = probe.train_set.__getitems__(list(range(6)))
+    with torch.no_grad():
+        q, d, _ = probe.model(batch["query"], batch["doc"])
+    probe.metrics.close()
+    return [f"--loss.flops_{side}_threshold={int((x != 0).sum(1).median())}" for side, x in (("query", q), ("doc", d))]
+
+
+@needs("hf")
+@pytest.mark.parametrize("kind", ["gradcache", "global"])
+def test_splade_v1_with_thresholds_equals_the_dense_objective(tmp_path: Path, kind: str) -> None:
+    """Sum pooling, the log1p_relu activation and FLOPS thresholds (each counting some rows and not others)."""
+    variant = ("--model.splade_pooling=sum", "--model.splade_activation=log1p_relu")
+    trainer = _step(tmp_path, kind, *variant, *median_thresholds(tmp_path, *variant))
+    args = trainer.model_args
+    assert (args.splade_pooling, args.splade_activation) == ("sum", "log1p_relu")
+    assert "counting queries over" in trainer.gradient_step.describe()
 
 
 def test_a_wrapped_term_is_weighed_through_its_wrappers() -> None:
@@ -238,14 +303,16 @@ def test_gradcache_replays_the_dropout(tmp_path: Path) -> None:
 @needs("hf")
 def test_exports_load_back_as_a_sparse_encoder_and_a_masked_lm(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A step's sentence-transformers folder is a SparseEncoder and its transformers folder a masked LM, each
-    embedding as the run does (the exporter checks); a run from the first pools as SPLADE; the miner, whose
+    embedding as the run does (the exporter checks; SPLADE v1's sum over log1p_relu here); a run from the first pools
+    as SPLADE the same way; the miner, whose
     ranking is dense, refuses the step in one line."""
     from titan_contrastive.export import main as export_main
     from titan_contrastive.models.bi_encoder import BiEncoderArgs
 
     run = folder_run(
         tmp_path, "bert-mlm", SPLADE, "--loss.flops_doc_weight=0.03", "--training.local_batch_size=6",
-        "--training.steps=1", "--checkpoint.enable=true",
+        "--training.steps=1", "--checkpoint.enable=true", "--model.splade_pooling=sum",
+        "--model.splade_activation=log1p_relu",
     )  # fmt: skip
     run.train()
     run.metrics.close()
@@ -254,8 +321,11 @@ def test_exports_load_back_as_a_sparse_encoder_and_a_masked_lm(tmp_path: Path, c
         assert export_main([str(step), "--to", to, "--out", str(tmp_path / to)]) == 0, to
     modules = json.loads((tmp_path / "sentence-transformers" / "modules.json").read_text())
     assert modules[-1]["type"].endswith("SpladePooling")
+    pooling = json.loads((tmp_path / "sentence-transformers" / modules[-1]["path"] / "config.json").read_text())
+    assert (pooling["pooling_strategy"], pooling["activation_function"]) == ("sum", "log1p_relu")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["BertForMaskedLM"]
-    assert BiEncoderArgs(path=str(tmp_path / "sentence-transformers")).resolve().pooling == "splade"
+    args = BiEncoderArgs(path=str(tmp_path / "sentence-transformers")).resolve()
+    assert (args.pooling, args.splade_pooling, args.splade_activation) == ("splade", "sum", "log1p_relu")
     from titan_contrastive.mine import main as mine_main
 
     capsys.readouterr()
@@ -289,9 +359,17 @@ def test_what_splade_cannot_take_is_a_one_line_error(tmp_path: Path) -> None:
         ([f"--model.path={decoder_folder(tmp_path)}"], "transformers knows none for 'qwen3'"),
         (["--loss.matryoshka_dims=8"], r"loss.matryoshka_dims=\[8\]: model.pooling='splade' embeds over the voc"),
         (["--model.include_prompt=false"], "takes no Dense modules and pools every token"),
+        (["--model.pooling=mean", "--model.splade_pooling=sum"], "model.splade_pooling=sum: model.pooling is 'mean'"),
+        (["--loss.flops_doc_threshold=3"], "loss.flops_doc_threshold=3 picks the rows of a FLOPS term, and loss.flo"),
     ]:
         with pytest.raises(ConfigError, match=message):
             folder_run(tmp_path / "bad", "bert-mlm", SPLADE, f"--model.path={model}", *extra)
-    guide = f"--loss.guide_model={sparse_folder(model, {})}"
+    odd = sparse_folder(model, {})
+    modules = json.loads((odd / "modules.json").read_text())
+    (odd / modules[-1]["path"] / "config.json").write_text(json.dumps({"pooling_strategy": "mean"}))
+    with pytest.raises(ConfigError, match="SpladePooling with pooling_strategy='mean', activation_function='relu'; m"):
+        folder_run(tmp_path / "odd", "bert-mlm", f"--model.path={odd}")
+    (odd / modules[-1]["path"] / "config.json").write_text(json.dumps({"pooling_strategy": "max"}))
+    guide = f"--loss.guide_model={odd}"
     with pytest.raises(ConfigError, match="a SPLADE folder, whose sparse vectors have no cosine to compare"):
         folder_run(tmp_path / "guide", "encoder", guide, "--loss.mask_margin=0.1", "--training.local_batch_size=6")

@@ -60,13 +60,20 @@ class Model:
     """bi_encoder: `auto` = the sentence-transformers folder's pooling, else mean (encoders) / last_token (decoders);
     max, mean_sqrt_len (the sum over sqrt(tokens)) and weighted_mean (token t weighted t, SGPT's) as
     sentence-transformers' Pooling computes them; splade: a masked LM's vocabulary-wide sparse embedding, the max
-    over the tokens of log(1 + relu(logits)), scored by dot product (t = 1). qwen_vl: last_token or mean."""
+    over the tokens of log(1 + relu(logits)) (`splade_pooling`, `splade_activation`), scored by dot product
+    (t = 1). qwen_vl: last_token or mean."""
     query_prompt: str = "auto"
     """bi_encoder: text prepended to every query (E5 "query: ", an instruction); `auto` = the folder's query prompt.
     qwen_vl: the query's template, `{text}` for the caption, `{image}` for the image."""
     doc_prompt: str = "auto"
     """bi_encoder: text prepended to every document; `auto` = the folder's `document` / `passage` prompt.
     qwen_vl: the document's template (t2i: e.g. "{image} Summarize above image in one word:")."""
+    splade_pooling: Literal["auto", "max", "sum"] = "auto"
+    """bi_encoder with pooling=splade: the tokens' weights pooled by max (SPLADE v2 and later) or sum (SPLADE v1);
+    `auto` = the SparseEncoder folder's, else max."""
+    splade_activation: Literal["auto", "relu", "log1p_relu"] = "auto"
+    """bi_encoder with pooling=splade: a token's weight, log(1 + relu(logit)) (relu) or one more log(1 + .)
+    (log1p_relu, OpenSearch's inference-free document models); `auto` = the SparseEncoder folder's, else relu."""
     include_prompt: bool | None = None
     """bi_encoder: whether the pooling reads the prompts' tokens (sentence-transformers' Pooling `include_prompt`);
     false = INSTRUCTOR's way, the prompt conditions the text but is left out of the embedding's pooling. Unset
@@ -275,6 +282,12 @@ class Loss:
     flops_doc_weight: float = non_negative(0.0)
     """The FLOPS regularizer on the documents (positives and hard negatives), by this weight (SPLADE's lambda_d,
     SpladeLoss document_regularizer_weight; e.g. 3e-5); 0 = off."""
+    flops_query_threshold: int = opt(0, lambda v: v >= 0, "an integer >= 0")
+    """Only queries with more than this many non-zero dimensions count towards their FLOPS term (the mean still
+    over every query): sentence-transformers' FlopsLoss threshold, FLOPS with l0 masking (OpenSearch's
+    inference-free models); 0 = every query."""
+    flops_doc_threshold: int = opt(0, lambda v: v >= 0, "an integer >= 0")
+    """The same for the documents' FLOPS term (SpladeLoss document_regularizer_threshold); 0 = every document."""
     flops_warmup_steps: int = opt(0, lambda v: v >= 0, "an integer >= 0")
     """Both FLOPS weights rise as (step / N)^2 from 0 to full over the first N optimizer steps (SPLADE's
     quadratic warmup; sentence-transformers' SparseEncoderTrainer does it over a third of the run); 0 = none."""

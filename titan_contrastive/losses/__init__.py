@@ -134,8 +134,18 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
             f"loss.contrastive_weight={loss.contrastive_weight} weighs the objective against a distillation term, and "
             "loss.distill is empty: set loss.distill (kl, margin_mse or cosent) or leave the weight at 1"
         )
+    for side in ("query", "doc"):
+        threshold, weight = getattr(loss, f"flops_{side}_threshold"), getattr(loss, f"flops_{side}_weight")
+        if threshold and not weight:
+            raise ConfigError(
+                f"loss.flops_{side}_threshold={threshold} picks the rows of a FLOPS term, and loss.flops_{side}_weight "
+                f"is 0: set the weight, or leave the threshold at 0"
+            )
     if loss.flops_query_weight or loss.flops_doc_weight:
-        objective = Flops(objective, loss.flops_query_weight, loss.flops_doc_weight, loss.flops_warmup_steps)
+        objective = Flops(
+            objective, loss.flops_query_weight, loss.flops_doc_weight, loss.flops_warmup_steps,
+            query_threshold=loss.flops_query_threshold, doc_threshold=loss.flops_doc_threshold,
+        )  # fmt: skip
     elif loss.flops_warmup_steps:
         raise ConfigError(
             f"loss.flops_warmup_steps={loss.flops_warmup_steps} schedules the FLOPS weights, and "

@@ -46,9 +46,10 @@ def missing_methods(args: Any) -> list[str]:
 
 def configured(args: Any, cfg: Any, spec: Any) -> Any:
     """`args.update_from_config(cfg)` for the family of `spec` (a `ModelSpec`); a ConfigError for the settings it
-    cannot take: `[model] patch_dropout`, `trust_remote_code`, `include_prompt`, `bidirectional` or
-    `attn_implementation` where its args do not carry it (no image patches to drop, no folder whose code it runs, no
-    prompt left out of a pooling, no decoder whose causal mask could go, no transformers model), `[optimizer]
+    cannot take: `[model] patch_dropout`, `trust_remote_code`, `include_prompt`, `bidirectional`,
+    `attn_implementation` or the SPLADE pooling's keys where its args do not carry them (no image patches to drop, no
+    folder whose code it runs, no prompt left out of a pooling, no decoder whose causal mask could go, no transformers
+    model, no SPLADE), `[optimizer]
     layer_decay` where it names no towers whose layers could decay."""
     m = cfg.model
     for key, given, why in (  # the setting, whether it is given, why this family cannot take it
@@ -56,6 +57,8 @@ def configured(args: Any, cfg: Any, spec: Any) -> Any:
         ("include_prompt", m.include_prompt is not None, "pools no prompted texts (bi_encoder does)"),
         ("attn_implementation", m.attn_implementation, "runs no transformers model (bi_encoder and qwen_vl do)"),
         ("bidirectional", m.bidirectional is not None, "has no decoder whose attention it could turn (bi_encoder has)"),
+        ("splade_pooling", m.splade_pooling != "auto", "has no SPLADE pooling (bi_encoder has)"),
+        ("splade_activation", m.splade_activation != "auto", "has no SPLADE pooling (bi_encoder has)"),
     ):
         if given and not hasattr(args, key):
             value = getattr(m, key)

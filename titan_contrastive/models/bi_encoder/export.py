@@ -91,6 +91,7 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         )
     ids, want = _probe(model, args, side, texts)
     pad, skip = model.pad_id, model.prompt_skip[0 if side == "query" else 1]
+    splade = (args.splade_pooling, args.splade_activation)
     check = partial(compare, to, side, want)
     if to == "peft":
         if not args.lora_rank:
@@ -101,7 +102,9 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         base = load_text_tower(args.model_dir, args.trust_remote_code, args.bidirectional, args.pooling == "splade")
         theirs = reloaded("peft", lambda: PeftModel.from_pretrained(base, str(out)).eval())
         with torch.no_grad():
-            check(embed(theirs, ids, pad, args.pooling, 0, head=head, skip=skip), "peft")  # a head is frozen under LoRA
+            check(
+                embed(theirs, ids, pad, args.pooling, 0, head=head, skip=skip, splade=splade), "peft"
+            )  # a head is frozen under LoRA
         return
     plain = plain_tower(args, tower)
     if to == "hf":
@@ -111,7 +114,7 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         trust = args.trust_remote_code  # the folder's code, copied beside the weights by save_pretrained
         theirs = reloaded("transformers", lambda: auto.from_pretrained(str(out), trust_remote_code=trust).eval())
         with torch.no_grad():
-            check(embed(theirs, ids, pad, args.pooling, 0, skip=skip), "transformers")
+            check(embed(theirs, ids, pad, args.pooling, 0, skip=skip, splade=splade), "transformers")
         return
     _write_sentence_transformers(plain, head, args, out, side)
     from sentence_transformers import SentenceTransformer
@@ -155,11 +158,12 @@ def _write_sentence_transformers(
         plain.save_pretrained(hf_dir)
         args.tokenizer.save_pretrained(hf_dir)
         trust = {"trust_remote_code": args.trust_remote_code}
-        if args.pooling == "splade":  # a SparseEncoder: the masked LM, then max over log(1 + relu(logits))
+        if args.pooling == "splade":  # a SparseEncoder: the masked LM, then SpladePooling
             mlm = Transformer(
                 hf_dir, max_seq_length=length, transformer_task="fill-mask", model_kwargs=trust, config_kwargs=trust
             )
-            SparseEncoder(modules=[mlm, SpladePooling("max")], device="cpu", prompts=prompts).save(str(out))
+            pooling = SpladePooling(args.splade_pooling or "max", args.splade_activation or "relu")
+            SparseEncoder(modules=[mlm, pooling], device="cpu", prompts=prompts).save(str(out))
             return
         encoder = Transformer(
             hf_dir, max_seq_length=length, model_kwargs=trust, config_kwargs=trust, processor_kwargs=trust

@@ -20,6 +20,7 @@ from torch import nn
 
 from titan_contrastive.config import ConfigError
 from titan_contrastive.extras import import_failure
+from titan_contrastive.models.bi_encoder.pooling import SPLADE_ACTIVATIONS, SPLADE_POOLINGS
 
 POOLINGS = ("cls", "mean", "last_token", "max", "mean_sqrt_len", "weighted_mean", "splade")
 # sentence-transformers' pooling names (its newer `pooling_mode` string and its older boolean flags) -> ours
@@ -81,6 +82,10 @@ class TextFolder:
     """The folder's Dense modules after its pooling, in order."""
     include_prompt: bool = True
     """sentence-transformers' Pooling `include_prompt`: False leaves a prompt's tokens out of the pooling."""
+    splade_pooling: str = ""
+    """A SparseEncoder folder's SpladePooling `pooling_strategy` (max, sum); "" for other folders."""
+    splade_activation: str = ""
+    """Its `activation_function` (relu, log1p_relu); "" for other folders."""
 
 
 def bundled_minilm() -> Path:
@@ -205,8 +210,8 @@ def read_text_folder(path: str) -> TextFolder:
 
 def _sparse_folder(root: Path, modules: list[dict[str, Any]], kinds: dict[str, dict[str, Any]]) -> TextFolder:
     """A sentence-transformers SparseEncoder folder: a Transformer on the fill-mask task (or the older
-    MLMTransformer), then SpladePooling (max over the tokens of log(1 + relu(the MLM logits)), what SPLADE v2 and
-    later pool; the `splade` pooling)."""
+    MLMTransformer), then SpladePooling (max or sum over the tokens of log(1 + relu(the MLM logits)), or of one
+    more log(1 + .); the `splade` pooling)."""
     order = [m["type"].rsplit(".", 1)[-1] for m in modules]
     if len(order) != 2 or order[0] not in ("Transformer", "MLMTransformer") or order[1] != "SpladePooling":
         raise TextFolderError(
@@ -215,12 +220,14 @@ def _sparse_folder(root: Path, modules: list[dict[str, Any]], kinds: dict[str, d
         )
     pooling = _json(root / kinds["SpladePooling"].get("path", "") / "config.json")
     strategy, activation = pooling.get("pooling_strategy", "max"), pooling.get("activation_function", "relu")
-    if (strategy, activation) != ("max", "relu"):
+    if strategy not in SPLADE_POOLINGS or activation not in SPLADE_ACTIVATIONS:
         raise TextFolderError(
-            f"{root}: SpladePooling with pooling_strategy={strategy!r}, activation_function={activation!r}; the splade "
-            "pooling is max over log(1 + relu(logits)), SPLADE v2's"
+            f"{root}: SpladePooling with pooling_strategy={strategy!r}, activation_function={activation!r}; "
+            f"{' or '.join(SPLADE_POOLINGS)} over {' or '.join(SPLADE_ACTIVATIONS)} are supported"
         )
-    return _st_folder(root, root / modules[0].get("path", ""), pooling="splade")
+    return _st_folder(
+        root, root / modules[0].get("path", ""), pooling="splade", splade_pooling=strategy, splade_activation=activation
+    )
 
 
 def _st_folder(root: Path, model_dir: Path, **fields: Any) -> TextFolder:

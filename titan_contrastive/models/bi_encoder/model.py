@@ -90,6 +90,10 @@ class BiEncoderArgs(LoraFields):
     """`[model] bidirectional`, else (None until resolved) the folder's: whether each token attends to the whole
     text. True on a decoder turns its causal mask off (`load_text_tower`); False on a folder that attends both
     ways is refused."""
+    splade_pooling: str = ""
+    """`[model] splade_pooling`, else the SparseEncoder folder's, else max (sum: SPLADE v1); "" unless SPLADE."""
+    splade_activation: str = ""
+    """`[model] splade_activation`, else the folder's, else relu (log1p_relu: one more log); "" unless SPLADE."""
     attn_implementation: str = ""
     """`[model] attn_implementation`: transformers' attention kernel for the towers ("" = its default)."""
     trust_remote_code: bool = False
@@ -110,6 +114,8 @@ class BiEncoderArgs(LoraFields):
             include_prompt=m.include_prompt,
             bidirectional=m.bidirectional,
             attn_implementation=m.attn_implementation,
+            splade_pooling="" if m.splade_pooling == "auto" else m.splade_pooling,
+            splade_activation="" if m.splade_activation == "auto" else m.splade_activation,
         )
         resolved = given.resolve(
             m.path or self.path, m.pooling, m.query_prompt, m.doc_prompt, cfg.data.doc_context_length
@@ -134,6 +140,12 @@ class BiEncoderArgs(LoraFields):
             )
         if resolved.pooling == "splade":
             _refuse_for_splade(cfg)
+        elif given.splade_pooling or given.splade_activation:
+            key = "splade_pooling" if given.splade_pooling else "splade_activation"
+            raise TextFolderError(
+                f"model.{key}={getattr(given, key)}: model.pooling is {resolved.pooling!r}; it applies to "
+                "model.pooling='splade' only, so set that or remove it"
+            )
         start = 1.0 if resolved.pooling == "splade" else self.init_scale  # SPLADE's logits: the plain dot product
         t = temperature_from_config(cfg, default_logit_scale=math.log(start))
         return dataclasses.replace(
@@ -188,6 +200,10 @@ class BiEncoderArgs(LoraFields):
             self,
             path=path,
             pooling=pooling,
+            splade_pooling=(self.splade_pooling or folder.splade_pooling or "max") if pooling == "splade" else "",
+            splade_activation=(self.splade_activation or folder.splade_activation or "relu")
+            if pooling == "splade"
+            else "",
             include_prompt=folder.include_prompt if self.include_prompt is None else self.include_prompt,
             bidirectional=not causal,
             query_prompt=_prompt(query_prompt, self.query_prompt, folder.query_prompt),
@@ -370,19 +386,21 @@ def embed(
     replay: Sequence[Tensor | None] | None = None,
     head: nn.Module | None = None,
     skip: int = 0,
+    splade: tuple[str, str] = ("max", "relu"),
 ) -> Tensor:
     """The tower's pooled (then `head`'s, the folder's Dense layers), L2-normalized embedding (SPLADE's: as
     pooled) of right-padded `ids` (a locked tower, `tower.frozen`, through `locked_forward`; `index`: its
     output's place in the model's, `replay`: the model's argument of that name; `skip`: prompt positions left
-    out of the pooling). The tower runs on `ids` without the trailing columns that are padding in every row:
-    the padding is masked, so that changes the embeddings by float rounding only, and saves its compute."""
+    out of the pooling; `splade`: SPLADE's pooling strategy and activation). The tower runs on `ids` without the
+    trailing columns that are padding in every row: the padding is masked, so that changes the embeddings by
+    float rounding only, and saves its compute."""
 
     def run() -> Tensor:
         trimmed = right_trimmed(ids, pad)
         mask = trimmed != pad
         out = tower(input_ids=trimmed.masked_fill(~mask, 0), attention_mask=mask.long())
         if pooling == "splade":  # vocabulary-wide, sparse, not unit length: its logits are dot products
-            return splade_pooled(out.logits, mask)
+            return splade_pooled(out.logits, mask, *splade)
         vectors = pooled(out.last_hidden_state, mask, pooling, skip)
         return F.normalize(vectors if head is None else head(vectors), dim=-1)
 
@@ -439,7 +457,9 @@ class BiEncoder(nn.Module):
     ) -> Tensor:
         """`tower`'s embeddings of `ids`, through the query head (`index` 0) or the document head (1)."""
         head = self.query_head if index == 0 else self.doc_head
-        return embed(tower, ids, self.pad_id, self.args.pooling, index, replay, head, self.prompt_skip[index])
+        args = self.args
+        splade = (args.splade_pooling, args.splade_activation)
+        return embed(tower, ids, self.pad_id, args.pooling, index, replay, head, self.prompt_skip[index], splade)
 
     def forward(
         self, query: Tensor, doc: Tensor, *, replay: Sequence[Tensor | None] | None = None

@@ -32,7 +32,19 @@ def pooled(hidden: Tensor, mask: Tensor, pooling: str, skip: int = 0) -> Tensor:
     return (total / count.sqrt() if pooling == "mean_sqrt_len" else total / count).to(hidden.dtype)
 
 
-def splade_pooled(logits: Tensor, mask: Tensor) -> Tensor:
-    """SPLADE's embedding [B, V] of MLM `logits` [B, L, V] over the real tokens (`mask` [B, L]): the max over the
-    tokens of log(1 + relu(logits)), sentence-transformers' SpladePooling (max, relu); padding counts 0."""
-    return torch.log1p(torch.relu(logits.masked_fill(~mask.unsqueeze(-1), 0))).amax(1)
+SPLADE_POOLINGS = ("max", "sum")
+"""How SPLADE pools its tokens' activations: max (SPLADE v2 and later), sum (SPLADE v1)."""
+SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
+"""log(1 + relu(x)) (SPLADE), or log(1 + log(1 + relu(x))) (OpenSearch's inference-free document models)."""
+
+
+def splade_pooled(logits: Tensor, mask: Tensor, strategy: str = "max", activation: str = "relu") -> Tensor:
+    """SPLADE's embedding [B, V] of MLM `logits` [B, L, V] over the real tokens (`mask` [B, L]): the max (or the sum,
+    `strategy` "sum"; of bf16 in fp32) over the tokens of log(1 + relu(logits)), with `activation` log1p_relu one
+    more log(1 + .), sentence-transformers' SpladePooling; padding counts 0."""
+    weights = torch.log1p(torch.relu(logits.masked_fill(~mask.unsqueeze(-1), 0)))
+    if activation == "log1p_relu":
+        weights = torch.log1p(weights)
+    if strategy != "sum":
+        return weights.amax(1)
+    return weights.sum(1, dtype=torch.promote_types(weights.dtype, torch.float32)).to(weights.dtype)  # bf16 in fp32
