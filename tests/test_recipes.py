@@ -4,7 +4,8 @@ Qwen3-like decoder and pairs with hard negatives, then exported to sentence-tran
 `train_configs/hf_siglip.toml` with the tiny SigLIP folder and image-caption files; `train_configs/sts_cosent.toml`
 with the tiny BERT-like encoder and scored sentence pairs; `train_configs/qwen_vl_embedder_lora.toml` with the
 tiny Qwen2-VL folder and query-document rows, then exported; `train_configs/splade.toml` with the tiny BERT-like
-masked LM, then exported to a SparseEncoder folder)."""
+masked LM, then exported to a SparseEncoder folder; `train_configs/splade_inference_free.toml` with the same,
+then exported to a SparseEncoder Router)."""
 
 from __future__ import annotations
 
@@ -149,3 +150,26 @@ def test_the_splade_recipe(tmp_path: Path) -> None:
     )
     step = tmp_path / "run" / "checkpoint" / "step-2"
     assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 0
+
+
+def test_the_inference_free_splade_recipe(tmp_path: Path) -> None:
+    from titan_contrastive.export import main as export_main
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in PAIRS))
+    batch = ["--training.local_batch_size=3", "--training.global_batch_size=6", "--checkpoint.interval=2"]
+    batch += ["--data.context_length=32", "--data.doc_context_length=16", "--eval.enable=false"]
+    trainer, _ = _train(
+        tmp_path,
+        "splade_inference_free.toml",
+        f"--model.path={architecture_folder(tmp_path, 'bert-mlm')}",
+        f"--data.path={pairs}",
+        *batch,
+    )
+    assert trainer.model_args.inference_free and trainer.lr_scheduler.base_lrs[-1] == 1e-3
+    assert "FLOPS (0 x the queries', 0.0003 x the documents', rising quadratically over 666 steps)" in (
+        trainer.gradient_step.describe()
+    )
+    step = tmp_path / "run" / "checkpoint" / "step-2"
+    assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 0
+    assert (tmp_path / "st" / "router_config.json").is_file()

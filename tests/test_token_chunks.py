@@ -232,7 +232,7 @@ def test_no_padding_information_changes_nothing() -> None:
 
 def test_bi_encoder_tower_call_trims_exactly() -> None:
     """The bi_encoder's embed cuts its ids to the longest row: embeddings equal the untrimmed ones."""
-    from titan_contrastive.models.bi_encoder.model import embed
+    from titan_contrastive.models.bi_encoder.embedding import embed
 
     tower = TextTower(0).bert
     batch = texts(6, short=True, types=False)

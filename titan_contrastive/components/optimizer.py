@@ -10,7 +10,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_contrastive.components.tower_layers import tower_depth, tower_layer
+from titan_contrastive.config import ConfigError
 from titan_contrastive.config.job_config import Optimizer as OptimizerConfig
+
+STATIC_QUERY = "static_query.weight"
+"""The name's end of inference-free SPLADE's query weights (`models/bi_encoder/static_query.py`)."""
 
 
 def lr_scales(model: nn.Module, towers: Mapping[str, str], layer_decay: float) -> dict[str, float]:
@@ -28,13 +32,20 @@ def lr_scales(model: nn.Module, towers: Mapping[str, str], layer_decay: float) -
 
 
 def param_groups(
-    model: nn.Module, weight_decay: float, lr: float, towers: Mapping[str, str] | None = None, layer_decay: float = 1.0
+    model: nn.Module,
+    weight_decay: float,
+    lr: float,
+    towers: Mapping[str, str] | None = None,
+    layer_decay: float = 1.0,
+    own_lrs: Mapping[str, float] | None = None,
 ) -> list[dict]:
     """Split parameters: >= 2-D weights decay; biases, norm gains, and scalars such as
     logit_scale do not (decaying the temperature would pull it toward 1, as open_clip notes).
     Embedding tables are 2-D but are excluded by name, as in CLIP. With `layer_decay` < 1, also by
-    learning rate (`lr_scales`), the groups at the full `lr` first (the one the log reports)."""
+    learning rate (`lr_scales`), and so are the parameters `own_lrs` names (name: its learning rate); the groups
+    at the full `lr` first (the one the log reports)."""
     scales = lr_scales(model, towers or {}, layer_decay) if layer_decay < 1 else {}
+    scales |= {name: own / lr for name, own in (own_lrs or {}).items()}
     groups: dict[tuple[float, int], list[nn.Parameter]] = {}  # (-scale, 0 decays / 1 does not)
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -42,7 +53,7 @@ def param_groups(
         is_embedding = "embedding" in name or name.endswith("class_embedding")
         decays = p.ndim >= 2 and not is_embedding
         groups.setdefault((-scales.get(name, 1.0), 0 if decays else 1), []).append(p)
-    keys = sorted(groups) if scales else [(-1.0, 0), (-1.0, 1)]
+    keys = sorted(groups, key=lambda key: (key[0] != -1.0, key)) if scales else [(-1.0, 0), (-1.0, 1)]
     return [
         {"params": groups.get(key, []), "weight_decay": 0.0 if key[1] else weight_decay, "lr": -key[0] * lr}
         for key in keys
@@ -53,10 +64,19 @@ def build_optimizer(
     model: nn.Module, cfg: OptimizerConfig, towers: Mapping[str, str] | None = None
 ) -> torch.optim.Optimizer:
     """Build the optimizer named in `[optimizer]` (AdamW is the only choice so far) for its trainable parameters;
-    `towers`: the family's (`ModelSpec.towers`), for `layer_decay`."""
+    `towers`: the family's (`ModelSpec.towers`), for `layer_decay`; inference-free SPLADE's query weights (a
+    parameter named `*static_query.weight`) at `static_query_lr`."""
     fused = cfg.implementation == "fused"
+    own_lrs = {}
+    if cfg.static_query_lr:
+        own_lrs = {name: cfg.static_query_lr for name, _ in model.named_parameters() if name.endswith(STATIC_QUERY)}
+        if not own_lrs:
+            raise ConfigError(
+                f"optimizer.static_query_lr={cfg.static_query_lr}: the model has no inference-free query weights "
+                "(bi_encoder with model.pooling='splade' and model.inference_free=true has); remove it"
+            )
     return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay, cfg.lr, towers, cfg.layer_decay),
+        param_groups(model, cfg.weight_decay, cfg.lr, towers, cfg.layer_decay, own_lrs),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,

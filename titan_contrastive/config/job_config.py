@@ -68,6 +68,12 @@ class Model:
     doc_prompt: str = "auto"
     """bi_encoder: text prepended to every document; `auto` = the folder's `document` / `passage` prompt.
     qwen_vl: the document's template (t2i: e.g. "{image} Summarize above image in one word:")."""
+    inference_free: bool | None = None
+    """bi_encoder with pooling=splade: queries embedded without a forward pass, a learned weight on each vocabulary
+    entry among their tokens (sentence-transformers' SparseStaticEmbedding; OpenSearch's inference-free models),
+    documents by the masked LM. The weights start at the folder's, else 1 (`optimizer.static_query_lr` sets their
+    learning rate). Unset (`none`) = the folder's: a SparseEncoder Router whose query route is a
+    SparseStaticEmbedding."""
     splade_pooling: Literal["auto", "max", "sum"] = "auto"
     """bi_encoder with pooling=splade: the tokens' weights pooled by max (SPLADE v2 and later) or sum (SPLADE v1);
     `auto` = the SparseEncoder folder's, else max."""
@@ -211,6 +217,10 @@ class Optimizer:
     """Layer-wise learning-rate decay (BEiT's; fine-tuning pretrained towers): in each tower of L blocks, block i
     trains at lr x layer_decay^(L - i), the embeddings at layer_decay^(L + 1), what follows the blocks (and the
     logit scale) at lr; 1 = off. Families with named towers (clip, hf_clip, lit, bi_encoder)."""
+    static_query_lr: float = non_negative(0.0)
+    """The learning rate of inference-free SPLADE's query weights (`model.inference_free`; sentence-transformers'
+    `learning_rate_mapping` for SparseStaticEmbedding.weight, e.g. 1e-3 beside an lr of 2e-5), following the
+    same schedule; 0 = `lr`."""
     implementation: Literal["fused", "foreach"] = "fused"
     """`fused`: one kernel updates every parameter (torch's fused AdamW, on CUDA and CPU); `foreach`: a few
     batched kernels per step. The update is the same up to rounding."""

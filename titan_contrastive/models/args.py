@@ -57,6 +57,7 @@ def configured(args: Any, cfg: Any, spec: Any) -> Any:
         ("include_prompt", m.include_prompt is not None, "pools no prompted texts (bi_encoder does)"),
         ("attn_implementation", m.attn_implementation, "runs no transformers model (bi_encoder and qwen_vl do)"),
         ("bidirectional", m.bidirectional is not None, "has no decoder whose attention it could turn (bi_encoder has)"),
+        ("inference_free", m.inference_free is not None, "has no SPLADE queries (bi_encoder has)"),
         ("splade_pooling", m.splade_pooling != "auto", "has no SPLADE pooling (bi_encoder has)"),
         ("splade_activation", m.splade_activation != "auto", "has no SPLADE pooling (bi_encoder has)"),
     ):

@@ -1,7 +1,8 @@
 """The bi_encoder's exports (`python -m titan_contrastive.export STEP --to ...`), one tower at a time.
 
 - `sentence-transformers`: the tower with its tokenizer, Pooling (our mode), the folder's Dense
-  layers as trained, Normalize and the run's prompts, what `SentenceTransformer(DIR)` loads;
+  layers as trained, Normalize and the run's prompts, what `SentenceTransformer(DIR)` loads (SPLADE: a
+  SparseEncoder; inference-free SPLADE: a Router of the query weights and the masked LM, both sides at once);
 - `hf`: the tower as a transformers folder with its tokenizer (`AutoModel.from_pretrained(DIR)`; an
   encoder-decoder's encoder: `AutoModelForTextEncoding`); refused for a folder with Dense layers;
 - `peft`: the LoRA adapters alone as a PEFT folder (`PeftModel.from_pretrained(base, DIR)`, the
@@ -16,6 +17,7 @@ from `[model] path`).
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,8 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from titan_contrastive.components.lora import lora_config
+from titan_contrastive.models.bi_encoder.embedding import embed
 from titan_contrastive.models.bi_encoder.folder import ST_POOLING_NAMES, text_model_class
-from titan_contrastive.models.bi_encoder.model import BiEncoder, BiEncoderArgs, build_tokenizer, embed
+from titan_contrastive.models.bi_encoder.model import BiEncoder, BiEncoderArgs, build_tokenizer
 from titan_contrastive.models.bi_encoder.tower import load_text_tower
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
 from titan_contrastive.models.registry import StateDictAdapter
@@ -71,7 +74,7 @@ def _probe(model: BiEncoder, args: BiEncoderArgs, side: str, texts: list[str]) -
     tokenizer = build_tokenizer(args)
     ids = tokenizer.encode_queries(texts, args.query_length) if side == "query" else tokenizer.encode_docs(texts)
     with torch.no_grad():
-        return ids, model._embed(getattr(model, f"{side}_tower"), ids, 0 if side == "query" else 1)
+        return ids, model.embed_side(side, ids)
 
 
 def write(to: str, src: str, out: Path, side: str = "query") -> None:
@@ -88,6 +91,13 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         refuse(
             f"--to hf: {args.path} ends in Dense modules, which a transformers folder cannot hold; use --to "
             "sentence-transformers"
+        )
+    static = model.static_query
+    if static is not None and to != "sentence-transformers" and side == "query":
+        refuse(
+            f"--to {to} --tower query: this inference-free run embeds its queries by a weight per token, which a "
+            f"{to} folder cannot hold; export the documents' masked LM (--tower doc), or both as a SparseEncoder "
+            "(--to sentence-transformers)"
         )
     ids, want = _probe(model, args, side, texts)
     pad, skip = model.pad_id, model.prompt_skip[0 if side == "query" else 1]
@@ -116,7 +126,7 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         with torch.no_grad():
             check(embed(theirs, ids, pad, args.pooling, 0, skip=skip, splade=splade), "transformers")
         return
-    _write_sentence_transformers(plain, head, args, out, side)
+    _write_sentence_transformers(plain, head, args, out, side, None if static is None else static.weight)
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sparse_encoder import SparseEncoder
 
@@ -124,6 +134,11 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
     splade = args.pooling == "splade"
     library = SparseEncoder if splade else SentenceTransformer
     theirs = reloaded("sentence-transformers", lambda: library(str(out), device="cpu", trust_remote_code=trust))
+    if static is not None:  # a Router: each side by its route, with its prompt
+        for route, encode in (("query", theirs.encode_query), ("doc", theirs.encode_document)):
+            got = encode(texts, convert_to_tensor=True, convert_to_sparse_tensor=False)
+            compare(to, route, _probe(model, args, route, texts)[1], got, "sentence-transformers")
+        return
     prompt = args.query_prompt if side == "query" else args.doc_prompt
     name = ("query" if side == "query" else "document") if prompt else None
     sparse = {"convert_to_sparse_tensor": False} if splade else {}
@@ -131,8 +146,10 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
 
 
 def _write_sentence_transformers(
-    plain: nn.Module, head: nn.Sequential | None, args: BiEncoderArgs, out: Path, side: str
+    plain: nn.Module, head: nn.Sequential | None, args: BiEncoderArgs, out: Path, side: str, static: Tensor | None
 ) -> None:
+    """A SentenceTransformer folder of `plain` (the tower) and `head`; SPLADE's a SparseEncoder, which with the
+    `static` query weights of inference-free SPLADE routes queries to a SparseStaticEmbedding of them."""
     import tempfile
 
     from sentence_transformers import SentenceTransformer
@@ -152,7 +169,7 @@ def _write_sentence_transformers(
         for linear, activation in head or []
     ]
 
-    length = args.query_length if side == "query" else args.doc_length
+    length = args.query_length if side == "query" and static is None else args.doc_length
     prompts = {name: p for name, p in (("query", args.query_prompt), ("document", args.doc_prompt)) if p}
     with tempfile.TemporaryDirectory() as hf_dir:
         plain.save_pretrained(hf_dir)
@@ -163,7 +180,17 @@ def _write_sentence_transformers(
                 hf_dir, max_seq_length=length, transformer_task="fill-mask", model_kwargs=trust, config_kwargs=trust
             )
             pooling = SpladePooling(args.splade_pooling or "max", args.splade_activation or "relu")
-            SparseEncoder(modules=[mlm, pooling], device="cpu", prompts=prompts).save(str(out))
+            modules = [mlm, pooling]
+            if static is not None:
+                from sentence_transformers.base.modules import Router
+                from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding
+
+                weight, tokenizer = static.detach().float().clone(), copy.deepcopy(mlm.tokenizer)
+                # it tokenizes without special tokens: cut where the run's queries, which hold them, were cut
+                tokenizer.model_max_length = args.query_length - tokenizer.num_special_tokens_to_add()
+                query = SparseStaticEmbedding(tokenizer=tokenizer, weight=weight, frozen=False)
+                modules = [Router.for_query_document(query_modules=[query], document_modules=modules)]
+            SparseEncoder(modules=modules, device="cpu", prompts=prompts).save(str(out))
             return
         encoder = Transformer(
             hf_dir, max_seq_length=length, model_kwargs=trust, config_kwargs=trust, processor_kwargs=trust

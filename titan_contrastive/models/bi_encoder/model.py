@@ -27,21 +27,18 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from titan_contrastive.batching import NEGATIVES, right_trimmed
-from titan_contrastive.components.freeze import locked_forward
+from titan_contrastive.batching import NEGATIVES
 from titan_contrastive.components.lora import LoraFields, add_lora, default_targets
 from titan_contrastive.datasets.tokenizer import PairTokenizer
 from titan_contrastive.losses import temperature_from_config
+from titan_contrastive.models.bi_encoder.embedding import dense_head, embed
 from titan_contrastive.models.bi_encoder.folder import (
     POOLINGS,
-    DenseLayer,
     TextFolderError,
     is_causal,
     layer_blocks,
@@ -52,8 +49,8 @@ from titan_contrastive.models.bi_encoder.folder import (
     read_text_folder,
     text_model_class,
 )
-from titan_contrastive.models.bi_encoder.pooling import pooled, splade_pooled
 from titan_contrastive.models.bi_encoder.retokenize import Retokenizer
+from titan_contrastive.models.bi_encoder.static_query import StaticQuery, static_weight
 from titan_contrastive.models.bi_encoder.tower import load_text_tower
 
 DEFAULT_DOC_LENGTH = 512  # a folder's documents when neither it nor the config says
@@ -90,6 +87,9 @@ class BiEncoderArgs(LoraFields):
     """`[model] bidirectional`, else (None until resolved) the folder's: whether each token attends to the whole
     text. True on a decoder turns its causal mask off (`load_text_tower`); False on a folder that attends both
     ways is refused."""
+    inference_free: bool | None = None
+    """`[model] inference_free`, else (None until resolved) whether the folder's query route is a
+    SparseStaticEmbedding: SPLADE's queries as a learned weight per token they hold (`static_query.py`)."""
     splade_pooling: str = ""
     """`[model] splade_pooling`, else the SparseEncoder folder's, else max (sum: SPLADE v1); "" unless SPLADE."""
     splade_activation: str = ""
@@ -114,6 +114,7 @@ class BiEncoderArgs(LoraFields):
             include_prompt=m.include_prompt,
             bidirectional=m.bidirectional,
             attn_implementation=m.attn_implementation,
+            inference_free=m.inference_free,
             splade_pooling="" if m.splade_pooling == "auto" else m.splade_pooling,
             splade_activation="" if m.splade_activation == "auto" else m.splade_activation,
         )
@@ -139,7 +140,7 @@ class BiEncoderArgs(LoraFields):
                 "supported; train it whole or with LoRA (model.freeze=[])"
             )
         if resolved.pooling == "splade":
-            _refuse_for_splade(cfg)
+            _refuse_for_splade(cfg, resolved)
         elif given.splade_pooling or given.splade_activation:
             key = "splade_pooling" if given.splade_pooling else "splade_activation"
             raise TextFolderError(
@@ -178,6 +179,12 @@ class BiEncoderArgs(LoraFields):
         pooling = pooling if pooling != "auto" else self.pooling
         if pooling == "auto":
             pooling = folder.pooling or ("last_token" if causal else "mean")
+        static = bool(folder.static_query) if self.inference_free is None else self.inference_free
+        if static and pooling != "splade":
+            raise TextFolderError(
+                f"model.inference_free=true with model.pooling={pooling!r}: its queries are weights over the "
+                "vocabulary that meet SPLADE's documents; set model.pooling='splade' (on a masked LM)"
+            )
         if pooling not in POOLINGS:
             raise TextFolderError(f"model.pooling={pooling!r}: use one of {', '.join(POOLINGS)} (or auto)")
         if pooling == "cls" and causal:
@@ -200,6 +207,7 @@ class BiEncoderArgs(LoraFields):
             self,
             path=path,
             pooling=pooling,
+            inference_free=static,
             splade_pooling=(self.splade_pooling or folder.splade_pooling or "max") if pooling == "splade" else "",
             splade_activation=(self.splade_activation or folder.splade_activation or "relu")
             if pooling == "splade"
@@ -222,6 +230,7 @@ class BiEncoderArgs(LoraFields):
         own = dict(
             path=path,
             pooling="auto",
+            inference_free=None,
             include_prompt=None,
             bidirectional=None,
             shared=True,
@@ -298,14 +307,16 @@ class BiEncoderArgs(LoraFields):
     def num_params(self) -> int:
         """Exact: the tower(s) without a pooler head, with the folder's Dense layers, + logit_scale."""
         dense = sum(d.out_features * (d.in_features + d.bias) for d in read_text_folder(self.path).dense)
-        return (self._counts[0] + dense) * (1 if self.shared else 2) + 1
+        static = self.config.vocab_size if self.inference_free else 0
+        return (self._counts[0] + dense) * (1 if self.shared else 2) + static + 1
 
     def flops_per_sample(self) -> int:
         """6 x layer parameters x tokens of one query and one document (attention scores excluded), with SPLADE's
-        vocabulary head (hidden size x vocabulary) at every token."""
+        vocabulary head (hidden size x vocabulary) at every token; inference-free SPLADE's query costs none."""
         config = self.config
         head = config.vocab_size * config.hidden_size if self.pooling == "splade" else 0
-        return 6 * (self._counts[1] + head) * (self.query_length + self.doc_length)
+        tokens = (0 if self.inference_free else self.query_length) + self.doc_length  # a static query: a lookup
+        return 6 * (self._counts[1] + head) * tokens
 
 
 def _includes_prompt(path: str) -> bool:
@@ -316,9 +327,16 @@ def _includes_prompt(path: str) -> bool:
         return True
 
 
-def _refuse_for_splade(cfg: Any) -> None:
+def _refuse_for_splade(cfg: Any, args: BiEncoderArgs) -> None:
     """The settings that read the embeddings as unit vectors whose leading dimensions matter, which SPLADE's
-    vocabulary-wide ones are not: a one-line ConfigError."""
+    vocabulary-wide ones are not, and those that name the towers of inference-free SPLADE, which has one, the
+    documents': a one-line ConfigError."""
+    if args.inference_free and (cfg.model.freeze or not args.shared):
+        key, value = ("model.freeze", cfg.model.freeze) if cfg.model.freeze else ("model.flavor", cfg.model.flavor)
+        raise TextFolderError(
+            f"{key}={value}: inference-free SPLADE embeds its queries by a weight per token and has one tower, the "
+            "documents'; remove it (model.flavor=shared)"
+        )
     loss = cfg.loss
     for key, value in (
         ("loss.matryoshka_dims", loss.matryoshka_dims),
@@ -352,61 +370,6 @@ def build_tokenizer(args: BiEncoderArgs) -> PairTokenizer:
     )
 
 
-def dense_head(layers: Sequence[DenseLayer], width: int) -> nn.Sequential | None:
-    """The folder's Dense modules (`folder.DenseLayer`) after a pooling `width` wide, each a
-    `Sequential(Linear, activation)` with its weights (safetensors), in one Sequential; None without any."""
-    from safetensors.torch import load_file
-
-    modules: list[nn.Module] = []
-    for layer in layers:
-        if layer.in_features != width:
-            raise TextFolderError(
-                f"{layer.folder}: in_features={layer.in_features}, and the embedding that reaches it is {width} "
-                "wide; repair its config.json or remove the module from modules.json"
-            )
-        width = layer.out_features
-        linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias)
-        weights = load_file(str(Path(layer.folder) / "model.safetensors"))
-        try:
-            linear.load_state_dict(
-                {k.removeprefix("linear."): v for k, v in weights.items() if k.startswith("linear.")}
-            )
-        except RuntimeError as e:
-            raise TextFolderError(f"{layer.folder}: its weights do not fit its config.json ({str(e)[:160]})") from None
-        modules.append(nn.Sequential(linear, nn.Tanh() if layer.activation == "tanh" else nn.Identity()))
-    return nn.Sequential(*modules) if modules else None
-
-
-def embed(
-    tower: nn.Module,
-    ids: Tensor,
-    pad: int,
-    pooling: str,
-    index: int,
-    replay: Sequence[Tensor | None] | None = None,
-    head: nn.Module | None = None,
-    skip: int = 0,
-    splade: tuple[str, str] = ("max", "relu"),
-) -> Tensor:
-    """The tower's pooled (then `head`'s, the folder's Dense layers), L2-normalized embedding (SPLADE's: as
-    pooled) of right-padded `ids` (a locked tower, `tower.frozen`, through `locked_forward`; `index`: its
-    output's place in the model's, `replay`: the model's argument of that name; `skip`: prompt positions left
-    out of the pooling; `splade`: SPLADE's pooling strategy and activation). The tower runs on `ids` without the
-    trailing columns that are padding in every row: the padding is masked, so that changes the embeddings by
-    float rounding only, and saves its compute."""
-
-    def run() -> Tensor:
-        trimmed = right_trimmed(ids, pad)
-        mask = trimmed != pad
-        out = tower(input_ids=trimmed.masked_fill(~mask, 0), attention_mask=mask.long())
-        if pooling == "splade":  # vocabulary-wide, sparse, not unit length: its logits are dot products
-            return splade_pooled(out.logits, mask, *splade)
-        vectors = pooled(out.last_hidden_state, mask, pooling, skip)
-        return F.normalize(vectors if head is None else head(vectors), dim=-1)
-
-    return locked_forward(tower, index, run, replay)
-
-
 class BiEncoder(nn.Module):
     def __init__(self, args: BiEncoderArgs) -> None:
         super().__init__()
@@ -425,6 +388,15 @@ class BiEncoder(nn.Module):
             self.query_head.requires_grad_(False)
         self.doc_head = self.query_head if args.shared else copy.deepcopy(self.query_head)
         self.pad_id = pad_id(args.tokenizer)
+        static = read_text_folder(args.path).static_query
+        self.static_query = (
+            StaticQuery(
+                static_weight(static, self.query_tower.config.vocab_size, args.tokenizer),
+                {*args.tokenizer("")["input_ids"], self.pad_id},  # what the tokenizer adds (CLS, SEP), padding
+            )
+            if args.inference_free
+            else None
+        )
         prompts = (args.query_prompt, args.doc_prompt)
         self.prompt_skip = (0, 0) if args.include_prompt else tuple(prompt_tokens(args.tokenizer, p) for p in prompts)
         self.retokenize = (
@@ -461,6 +433,12 @@ class BiEncoder(nn.Module):
         splade = (args.splade_pooling, args.splade_activation)
         return embed(tower, ids, self.pad_id, args.pooling, index, replay, head, self.prompt_skip[index], splade)
 
+    def embed_side(self, side: str, ids: Tensor) -> Tensor:
+        """`side`'s ("query" or "doc") embeddings of `ids`, outside a step (the exporter's probe)."""
+        if side == "query" and self.static_query is not None:
+            return self.static_query(ids)
+        return self._embed(getattr(self, f"{side}_tower"), ids, 0 if side == "query" else 1)
+
     def forward(
         self, query: Tensor, doc: Tensor, *, replay: Sequence[Tensor | None] | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -469,8 +447,9 @@ class BiEncoder(nn.Module):
         tower returns instead of running."""
         if self.retokenize is not None:  # a guide with another vocabulary reads the ids as text
             query, doc = self.retokenize(query), self.retokenize(doc)
+        static = self.static_query
         return (
-            self._embed(self.query_tower, query, 0, replay),
+            self._embed(self.query_tower, query, 0, replay) if static is None else static(query),
             self._embed(self.doc_tower, doc, 1, replay),
             self.logit_scale.exp(),
         )
