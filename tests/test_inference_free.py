@@ -178,3 +178,16 @@ def test_global_negatives_on_two_ranks_under_fsdp2(tmp_path: Path) -> None:
 
     architecture_folder(tmp_path, "bert-mlm")
     run_distributed(_step_distributed, 2, str(tmp_path), "bert-mlm", False, SPLADE, "--model.inference_free=true")
+
+
+def test_the_query_weights_rate_must_agree_on_resume() -> None:
+    """The optimizer's parameter groups are built from `static_query_lr`: a change since the checkpoint is
+    refused, as `layer_decay`'s is."""
+    from titan_contrastive.checkpoint.resume import IncompatibleResume, config_changes
+
+    saved = {"config": {"optimizer": {"static_query_lr": 0.0, "lr": 1e-3}}}
+    with pytest.raises(IncompatibleResume, match=r"optimizer.static_query_lr: 0.0 -> 0.001 since checkpoint step-2"):
+        config_changes(2, saved, {"optimizer": {"static_query_lr": 1e-3, "lr": 1e-3}}, None)
+    assert config_changes(2, saved, {"optimizer": {"static_query_lr": 0.0, "lr": 2e-3}}, None) == [
+        "optimizer.lr: 0.001 -> 0.002"
+    ]

@@ -164,6 +164,54 @@ def test_embeddings_and_loss_equal_sentence_transformers(tmp_path: Path, variant
     _close(ours_b.grad, theirs_b.grad, "d documents")
 
 
+@needs("hf")
+@pytest.mark.parametrize("kind", ["margin_mse", "kl"])
+def test_distillation_on_sparse_vectors_equals_sentence_transformers(tmp_path: Path, kind: str) -> None:
+    """SPLADE++'s training from a cross-encoder's scores: our distillation term (margin_mse at t = 1; kl at t = 1/T,
+    tau = T, weighted T^2) plus FLOPS on the sparse embeddings of queries, positives and two hard negatives equals
+    SpladeLoss around SparseMarginMSELoss / SparseDistillKLDivLoss (their dot product; T = 2, their default)."""
+    from sentence_transformers.sparse_encoder import SparseEncoder
+    from sentence_transformers.sparse_encoder.losses import FlopsLoss, SparseDistillKLDivLoss, SparseMarginMSELoss
+
+    from titan_contrastive.losses import Distillation, Distilled
+    from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, build_tokenizer
+
+    folder = sparse_folder(architecture_folder(tmp_path, "bert-mlm", 0.0), {})
+    args = BiEncoderArgs(path=str(folder), query_length=24).resolve(doc_length=24)
+    tokenizer, ours = build_tokenizer(args), BiEncoder(args).eval()
+    texts = [[pair[i] for pair in PAIRS[j : j + 4]] for i, j in ((0, 0), (1, 0), (1, 4), (1, 8))]
+    with torch.no_grad():
+        zq, zp, _ = ours(tokenizer.encode_queries(texts[0], 24), tokenizer.encode_docs(texts[1]))
+        zn = [ours(tokenizer.encode_queries(texts[0][:1], 24), tokenizer.encode_docs(t))[1] for t in texts[2:]]
+    teacher = torch.tensor([[6.0, 1.5, 2.5], [4.0, -1.0, 5.0], [3.0, 2.0, -2.0], [7.5, 0.5, 1.0]], dtype=torch.float64)
+    mine, theirs = (
+        leaves(zq.double(), zp.double(), *(z.double() for z in zn)),
+        leaves(zq.double(), zp.double(), *(z.double() for z in zn)),
+    )
+    model = SparseEncoder(str(folder), device="cpu")
+    temperature = 2.0
+    if kind == "margin_mse":
+        term, distillation, scale = SparseMarginMSELoss(model), Distillation("margin_mse"), 1.0
+    else:
+        term = SparseDistillKLDivLoss(model, temperature=temperature)
+        distillation, scale = Distillation("kl", temperature**2, temperature), 1 / temperature
+    flops = FlopsLoss(model)
+    want = (
+        term.compute_loss_from_embeddings(list(theirs), teacher)
+        + 0.03 * flops.compute_loss_from_embeddings(torch.cat(theirs[1:]))
+        + 0.05 * flops.compute_loss_from_embeddings(theirs[0])
+    )
+    objective = Flops(Distilled(InfoNCE(False), distillation, 0.0), 0.05, 0.03).with_teacher(teacher)
+    q, p, n1, n2 = mine
+    docs = torch.cat([p, torch.stack([n1, n2], 1).flatten(0, 1)])  # negatives query-major, as the columns hold them
+    got = objective.dense(q, docs, torch.tensor(scale, dtype=torch.float64))
+    want.backward()
+    got.backward()
+    _close(got.detach(), want.detach(), "loss")
+    for a, b, name in zip(mine, theirs, ("query", "positive", "negative 1", "negative 2"), strict=True):
+        _close(a.grad, b.grad, f"d {name}")
+
+
 def _step(tmp: Path, kind: str, *more: str, at: int = 0, weights: tuple[float, float] = (0.05, 0.03)):
     """One step of SPLADE with FLOPS (dropout off: the model in eval mode), computed as optimizer step `at`,
     against the dense objective over the whole batch in float64 with the FLOPS `weights`: GradCache chunks of 4

@@ -11,8 +11,8 @@ checkpoint interval and keep; timeouts; everything else not below.
 
 Must agree (a change is a one-line error before anything is loaded): the model (family and
 architecture args, LoRA's rank and target modules among them); which parameters train
-(model.freeze, unlocked_layers: they decide which have optimizer state); optimizer.layer_decay (the
-optimizer's parameter groups); the data-parallel degree and training.local_batch_size (the data
+(model.freeze, unlocked_layers: they decide which have optimizer state); optimizer.layer_decay and
+static_query_lr (the optimizer's parameter groups); the data-parallel degree and training.local_batch_size (the data
 position is counted in their batches).
 
 Why a change is applied rather than refused: lowering the lr after a loss spike, extending
@@ -56,6 +56,7 @@ MUST_AGREE = {
     "model.unlocked_layers": "the frozen parameters have no optimizer state",
     "training.local_batch_size": "the data position is counted in local batches",
     "optimizer.layer_decay": "the optimizer's parameter groups are built from it",
+    "optimizer.static_query_lr": "the optimizer's parameter groups are built from it",
 }
 TRAINING_ARGS = {"patch_dropout", "trust_remote_code", "attn_implementation"}
 """Model args that shape training or loading, not the weights: a change on resume is applied and logged as its

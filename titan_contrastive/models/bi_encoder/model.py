@@ -183,7 +183,8 @@ class BiEncoderArgs(LoraFields):
         if static and pooling != "splade":
             raise TextFolderError(
                 f"model.inference_free=true with model.pooling={pooling!r}: its queries are weights over the "
-                "vocabulary that meet SPLADE's documents; set model.pooling='splade' (on a masked LM)"
+                "vocabulary that meet SPLADE's documents; set model.pooling='splade' (on a masked LM), or "
+                "model.inference_free=false"
             )
         if pooling not in POOLINGS:
             raise TextFolderError(f"model.pooling={pooling!r}: use one of {', '.join(POOLINGS)} (or auto)")
