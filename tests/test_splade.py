@@ -383,7 +383,8 @@ def test_exports_load_back_as_a_sparse_encoder_and_a_masked_lm(tmp_path: Path, c
 
 
 def test_beir_ranks_by_the_dot_product() -> None:
-    """Two documents: the relevant one has the larger dot product with the query and the smaller cosine."""
+    """Two documents: the relevant one has the larger dot product with the query and the smaller cosine; sparse
+    embeddings also report their mean count of non-zero dimensions per side."""
     from titan_contrastive.components.beir_eval import evaluate_beir
     from titan_contrastive.components.retrieval_metrics import BeirSet
 
@@ -396,6 +397,27 @@ def test_beir_ranks_by_the_dot_product() -> None:
     results = evaluate_beir(beir, embed, embed, batch_size=2, dims=(1,))
     assert results["beir/mrr@10"] == 1.0  # by the dot product
     assert results["dim1/beir/mrr@10"] == 1.0  # a cut is by cosine: [1] against [10] and [1], a tie to the first
+    assert "beir/query_active_dims" not in results
+    sparse = evaluate_beir(beir, embed, embed, batch_size=2, sparse=True)
+    assert (sparse["beir/query_active_dims"], sparse["beir/corpus_active_dims"]) == (1.0, 2.0)
+
+
+@needs("hf")
+def test_training_reports_the_active_dimensions(tmp_path: Path) -> None:
+    """A SPLADE run's BEIR evaluation logs each side's mean count of non-zero dimensions beside its metrics."""
+    from tests.test_retrieval_metrics import write_beir
+
+    trainer = folder_run(
+        tmp_path, "bert-mlm", SPLADE, "--training.local_batch_size=6", "--training.steps=1", "--eval.enable=true",
+        f"--eval.beir_path={write_beir(tmp_path / 'beir')}",
+    )  # fmt: skip
+    trainer.train()
+    trainer.metrics.close()
+    rows = [json.loads(line) for line in (tmp_path / "run-bert-mlm" / "metrics.jsonl").read_text().splitlines()]
+    (evaluated,) = [row for row in rows if row.get("kind") == "eval"]
+    vocab = trainer.model_args.config.vocab_size
+    assert 0 < evaluated["beir/query_active_dims"] <= vocab and 0 < evaluated["beir/corpus_active_dims"] <= vocab
+    assert 0 <= evaluated["beir/ndcg@10"] <= 1
 
 
 @needs("hf")

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
         embedders = pair_embedders(forward, build_tokenizer(args), args.query_length)
         sizes = {"batch_size": opts.batch_size, "rank": rank, "world_size": world, "dims": opts.dims}
-        results = evaluate_beir(beir, *embedders, **sizes, prefix="")
+        results = evaluate_beir(beir, *embedders, **sizes, prefix="", sparse=getattr(model, "sparse_embeddings", False))
         if sts is not None:
             results |= evaluate_sts(sts, embedders[0], **sizes)
     except (ValueError, OSError) as e:

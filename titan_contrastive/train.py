@@ -198,7 +198,7 @@ class Trainer:
         if self.text_evals:
             with eval_mode(self.model):
                 length, sizes = self.model_args.query_length, {"batch_size": run[0], "rank": run[2], "dims": dims}
-                results.update(self.text_evals(length, **sizes, world_size=run[3]))
+                results.update(self.text_evals(length, **sizes, world_size=run[3], model=self.model))
         return results
 
     def _evaluate_and_log(self, last: bool) -> dict[str, float]:

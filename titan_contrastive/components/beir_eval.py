@@ -65,10 +65,13 @@ def evaluate_beir(
     world_size: int = 1,
     prefix: str = "beir/",
     dims: Sequence[int] = (),
+    sparse: bool = False,
 ) -> dict[str, float]:
     """The IR metrics of `beir` with these embedders, by the dot product of their embeddings (the towers' unit
     vectors: their cosine; SPLADE's: its score), and by the cosine of their first m dims for each m of `dims`
-    (`evaluate.dim_cuts`); each text embedded once."""
+    (`evaluate.dim_cuts`); each text embedded once. `sparse` (SPLADE's embeddings): also the mean number of
+    non-zero dimensions of a query's and of a document's (`query_active_dims`, `corpus_active_dims`, as
+    sentence-transformers' SparseInformationRetrievalEvaluator reports them), what an inverted index pays."""
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
     queries = embed_texts(embed_queries, beir.queries, **common)
     corpus = embed_texts(embed_docs, beir.corpus, **common)
@@ -77,6 +80,9 @@ def evaluate_beir(
         scores, indices = top_k(queries[:, :m], corpus[:, :m], K, normalize=bool(cut))
         metrics = ir_metrics(scores, indices, beir.query_ids, beir.corpus_ids, beir.qrels)
         results |= {f"{cut}{prefix}{name}": value for name, value in metrics.items()}
+    if sparse:
+        for name, rows in (("query", queries), ("corpus", corpus)):
+            results[f"{prefix}{name}_active_dims"] = torch.count_nonzero(rows, dim=1).double().mean().item()
     return results
 
 

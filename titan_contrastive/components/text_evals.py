@@ -48,11 +48,20 @@ class TextEvals:
         return self.beir is not None or self.sts is not None
 
     def __call__(
-        self, query_length: int, *, batch_size: int, rank: int = 0, world_size: int = 1, dims: Sequence[int] = ()
+        self,
+        query_length: int,
+        *,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        dims: Sequence[int] = (),
+        model: object = None,
     ) -> dict[str, float]:
         """Every set's metrics (`beir/...`, `sts/...`; with `dims`, also `dim{m}/beir/...`, `dim{m}/sts/...`), each
-        text embedded once across the ranks."""
+        text embedded once across the ranks; for a `model` whose embeddings are sparse (`sparse_embeddings`,
+        SPLADE's), BEIR's active dimensions too."""
         queries, docs = pair_embedders(self.forward, self.tokenizer, query_length)
         common = {"batch_size": batch_size, "rank": rank, "world_size": world_size, "dims": dims}
-        results = evaluate_beir(self.beir, queries, docs, **common) if self.beir is not None else {}
+        sparse = bool(getattr(model, "sparse_embeddings", False))
+        results = evaluate_beir(self.beir, queries, docs, **common, sparse=sparse) if self.beir is not None else {}
         return results | (evaluate_sts(self.sts, queries, **common) if self.sts is not None else {})

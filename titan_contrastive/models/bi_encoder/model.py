@@ -420,6 +420,11 @@ class BiEncoder(nn.Module):
         return self.args.pooling != "splade"
 
     @property
+    def sparse_embeddings(self) -> bool:
+        """Whether the embeddings are sparse (SPLADE's): evaluation reports their active dimensions."""
+        return self.args.pooling == "splade"
+
+    @property
     def padded_inputs(self) -> dict[str, int]:
         """Inputs (batch keys) that are right-padded token ids, and their pad id: what GradCache
         reads the sample lengths from (`[gradcache] chunk_tokens`, `batching.tokens`)."""
