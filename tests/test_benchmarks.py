@@ -151,6 +151,23 @@ def test_patch_dropout_bench_times_each_rate_beside_its_flops(tmp_path: Path) ->
     assert len(list(csv.DictReader(open(tmp_path / "patch_dropout_bench_debug.csv")))) == 2
 
 
+def test_splade_head_bench_counts_what_each_path_keeps(tmp_path: Path) -> None:
+    """benchmarks/splade_head_bench.py on a small head: a row per path and pooling, the fused path keeping a small
+    fraction of the logits path's bytes, equal to it within float32 rounding."""
+    from benchmarks import splade_head_bench
+
+    argv = ["--batch", "2", "--length", "16", "--hidden", "8", "--vocab", "300", "--repeats", "1"]
+    splade_head_bench.main([*argv, "--out", str(tmp_path)])
+    rows = {
+        (r["path"], r["strategy"]): r for r in json.loads((tmp_path / "splade_head_bench.json").read_text())["rows"]
+    }
+    assert set(rows) == {(p, s) for p in ("logits", "fused") for s in ("max", "sum")}
+    for strategy in ("max", "sum"):
+        assert rows["fused", strategy]["saved_mib"] * 4 < rows["logits", strategy]["saved_mib"]
+        assert rows["fused", strategy]["max_diff"] <= 1e-4 and rows["logits", strategy]["max_diff"] == 0
+    assert (tmp_path / "splade_head_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_naflex_data_bench_quick_serves_every_mode(tmp_path: Path) -> None:
     """benchmarks/naflex_data_bench.py --quick: square crops at 224 and 256 and SigLIP 2's NaFlex patches, train
     and eval; each picture shape its own grid within 256 patches."""

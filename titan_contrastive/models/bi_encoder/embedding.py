@@ -14,6 +14,7 @@ from titan_contrastive.batching import right_trimmed
 from titan_contrastive.components.freeze import locked_forward
 from titan_contrastive.models.bi_encoder.folder import DenseLayer, TextFolderError
 from titan_contrastive.models.bi_encoder.pooling import pooled, splade_pooled
+from titan_contrastive.models.bi_encoder.splade_head import fused_head, splade_head_pooled
 
 
 def dense_head(layers: Sequence[DenseLayer], width: int) -> nn.Sequential | None:
@@ -64,7 +65,10 @@ def embed(
         mask = trimmed != pad
         out = tower(input_ids=trimmed.masked_fill(~mask, 0), attention_mask=mask.long())
         if pooling == "splade":  # vocabulary-wide, sparse, not unit length: its logits are dot products
-            return splade_pooled(out.logits, mask, *splade)
+            vocabulary = fused_head(tower)  # ours returns the head's inputs; a plain masked LM (an export), its logits
+            if vocabulary is None:
+                return splade_pooled(out.logits, mask, *splade)
+            return splade_head_pooled(out.logits, vocabulary, mask, *splade)
         vectors = pooled(out.last_hidden_state, mask, pooling, skip)
         return F.normalize(vectors if head is None else head(vectors), dim=-1)
 

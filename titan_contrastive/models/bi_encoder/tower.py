@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from titan_contrastive.models.bi_encoder.folder import TextFolderError, is_causal, load_config, text_model_class
+from titan_contrastive.models.bi_encoder.splade_head import fuse_vocabulary_head
 
 
 def load_text_tower(
@@ -19,7 +20,8 @@ def load_text_tower(
     it in eval mode: its dropout would stay off in training until the first evaluation switched it on); `trust`:
     the folder's own model code may run (`load_config`); `bidirectional`: a decoder's tokens attend to the whole
     text (transformers' `is_causal` set false in its config, which its exports save), or a TextFolderError where
-    its code does not read that switch; `masked_lm`: with its masked-LM head (SPLADE), `folder.text_model_class`;
+    its code does not read that switch; `masked_lm`: with its masked-LM head (SPLADE), `folder.text_model_class`,
+    whose output layer returns its inputs for `splade_head` to finish (`fuse_vocabulary_head`);
     `attention`: transformers' `attn_implementation` ("" = its default), a TextFolderError where it cannot run."""
     from transformers.utils import logging as hf_logging
 
@@ -41,6 +43,8 @@ def load_text_tower(
         raise TextFolderError(f"{model_dir}: transformers cannot load its weights ({why})") from None
     if isinstance(getattr(tower, "pooler", None), nn.Module):
         tower.pooler = None
+    if masked_lm:  # its logits left to SPLADE's fused head and pooling (`splade_head.py`)
+        fuse_vocabulary_head(tower)
     for config in (tower.config, getattr(tower.config, "text_config", None)):
         if getattr(config, "use_cache", False):  # a decoder would keep every layer's keys and values (for generation)
             config.use_cache = False  # and an activation-checkpointing recompute would attend to them twice
