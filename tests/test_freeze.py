@@ -162,3 +162,17 @@ def test_lit_family_locked_text_tower(tmp_path: Path) -> None:
     assert sum(calls) == 16 + 2 * 16  # the forward above, then once per trained sample
     for name, p in model.named_parameters():
         assert torch.equal(p, start[name]) == name.startswith("text."), name
+
+
+def test_the_probe_counts_a_tensor_two_operators_save_once() -> None:
+    """relu saves its output and log1p saves the same tensor as its input: one tensor's bytes, not two; a slice of
+    it, saved by another operator, is its own bytes."""
+    x = torch.randn(64, 32, dtype=torch.float64, requires_grad=True)
+    with SavedActivations([x]) as probe:
+        y = torch.log1p(torch.relu(x))
+    assert probe.peak == 64 * 32 * 8
+    with SavedActivations([x]) as probe:
+        r = torch.relu(x)
+        y = torch.log1p(r).sum() + (r[:16] * x[:16]).sum()  # mul saves the slice r[:16] (and x's, a parameter's)
+    assert probe.peak == 64 * 32 * 8 + 16 * 32 * 8
+    del y

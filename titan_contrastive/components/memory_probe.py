@@ -28,23 +28,35 @@ class _Saved:
 
 class SavedActivations:
     """Inside `with SavedActivations(params) as probe:` graphs record their saved tensors;
-    `probe.peak` is the most bytes alive at once (including after the block, until backward)."""
+    `probe.peak` is the most bytes alive at once (including after the block, until backward). A tensor that
+    several operators save (relu's output, which log1p then saves as its input) counts once."""
 
     def __init__(self, params: Iterable[torch.Tensor] = ()) -> None:
         self.params = {p.data_ptr() for p in params}
         self.live = self.peak = 0
+        self._holders: dict[tuple[int, int], list[int]] = {}  # (data pointer, bytes) -> [references alive, bytes]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved.tensor)
 
     def _pack(self, tensor: torch.Tensor) -> _Saved:
         saved = _Saved(tensor)
-        size = 0 if tensor.data_ptr() in self.params else tensor.numel() * tensor.element_size()
-        self.live += size
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(saved, self._free, size)  # runs when the graph releases it
+        if tensor.data_ptr() in self.params:
+            return saved
+        size = tensor.numel() * tensor.element_size()
+        key = (tensor.data_ptr(), size)
+        holder = self._holders.setdefault(key, [0, size])
+        if holder[0] == 0:
+            self.live += holder[1]
+            self.peak = max(self.peak, self.live)
+        holder[0] += 1
+        weakref.finalize(saved, self._free, key)  # runs when the graph releases it
         return saved
 
-    def _free(self, size: int) -> None:
-        self.live -= size
+    def _free(self, key: tuple[int, int]) -> None:
+        holder = self._holders[key]
+        holder[0] -= 1
+        if holder[0] == 0:
+            self.live -= holder[1]
+            del self._holders[key]
 
     def __enter__(self) -> SavedActivations:
         self._hooks.__enter__()
