@@ -11,7 +11,7 @@ for max, which token gave each entry [B, V].
 The backward is exact. For max, an entry's gradient reaches only its arg-max token, at f'(z*), which the entry's
 value gives (relu: f' = exp(-e), log1p_relu: exp(-e - expm1(e)), 0 where e = 0); for sum every real token's
 logit gets f'(z), the block's logits recomputed. Then dx = dz W, dW = dz^T x and db = sum dz, block by block.
-Ties between tokens in a max (a measure-zero event for real logits) send the gradient to the first token where
+Ties between tokens in a max (a measure-zero event for real logits) send the gradient to one of them, where
 autograd's amax would split it.
 """
 
