@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.hf_folders import architecture_folder, router_folder
+from tests.hf_folders import architecture_folder
 from tests.needs import needs
+from tests.sparse_folders import router_folder
 from tests.test_hf_text import PAIRS, folder_run
-from tests.test_objectives import _close, leaves
-from tests.test_splade import SPLADE, _step
-from titan_contrastive.losses import Flops, InfoNCE
+from tests.test_splade import SPLADE, _step, assert_equals_splade_loss
 
 PROMPTS = {"query": "query ", "document": "represent the passage "}
 
@@ -32,7 +31,6 @@ def test_embeddings_and_loss_equal_sentence_transformers(tmp_path: Path) -> None
     tokens not); documents: SPLADE's max over log1p_relu. One-way InfoNCE at t = 1 plus the documents' FLOPS
     equals SpladeLoss without a query regularizer (inference-free), loss and gradients."""
     from sentence_transformers.sparse_encoder import SparseEncoder
-    from sentence_transformers.sparse_encoder.losses import FlopsLoss, SparseMultipleNegativesRankingLoss
 
     from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, build_tokenizer
 
@@ -49,18 +47,7 @@ def test_embeddings_and_loss_equal_sentence_transformers(tmp_path: Path) -> None
     want_d = theirs.encode_document(texts, convert_to_tensor=True, convert_to_sparse_tensor=False)
     assert torch.equal(zq, want_q) and (zq > 0).sum(1).min() >= 2  # the weights themselves, on a few entries
     assert (zd - want_d).abs().max() <= 1e-5 * want_d.abs().max()
-    a, b = zq.double(), zd.double()
-    ours_a, ours_b, theirs_a, theirs_b = leaves(a, b, a, b)
-    base = SparseMultipleNegativesRankingLoss(theirs, scale=1.0).compute_loss_from_embeddings(
-        [theirs_a, theirs_b], None
-    )
-    want = base + 0.03 * FlopsLoss(theirs).compute_loss_from_embeddings(theirs_b)
-    got = Flops(InfoNCE(False), 0.0, 0.03).dense(ours_a, ours_b, torch.tensor(1.0, dtype=torch.float64))
-    want.backward()
-    got.backward()
-    _close(got.detach(), want.detach(), "loss")
-    _close(ours_a.grad, theirs_a.grad, "d queries")
-    _close(ours_b.grad, theirs_b.grad, "d documents")
+    assert_equals_splade_loss(theirs, zq, zd, (0.0, 0.03))
 
 
 @needs("hf")

@@ -130,46 +130,34 @@ def test_the_qwen_vl_embedder_recipe(tmp_path: Path) -> None:
     assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
 
 
-def test_the_splade_recipe(tmp_path: Path) -> None:
+def _splade_recipe(tmp_path: Path, recipe: str):
+    """`recipe` trained as written for two steps on the tiny masked LM and the pairs, then exported to
+    sentence-transformers (the exporter checks the folder); the trainer."""
     from titan_contrastive.export import main as export_main
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in PAIRS))
     batch = ["--training.local_batch_size=3", "--training.global_batch_size=6", "--checkpoint.interval=2"]
     batch += ["--data.context_length=32", "--data.doc_context_length=16", "--eval.enable=false"]
-    trainer, _ = _train(
-        tmp_path,
-        "splade.toml",
-        f"--model.path={architecture_folder(tmp_path, 'bert-mlm')}",
-        f"--data.path={pairs}",
-        *batch,
-    )
+    model = f"--model.path={architecture_folder(tmp_path, 'bert-mlm')}"
+    trainer, _ = _train(tmp_path, recipe, model, f"--data.path={pairs}", *batch)
+    step = tmp_path / "run" / "checkpoint" / "step-2"
+    assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 0
+    return trainer
+
+
+def test_the_splade_recipe(tmp_path: Path) -> None:
+    trainer = _splade_recipe(tmp_path, "splade.toml")
     assert trainer.model_args.pooling == "splade" and trainer.model.logit_scale.exp().item() == 1.0
     assert "FLOPS (5e-05 x the queries', 3e-05 x the documents', rising quadratically over 666 steps)" in (
         trainer.gradient_step.describe()
     )
-    step = tmp_path / "run" / "checkpoint" / "step-2"
-    assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 0
 
 
 def test_the_inference_free_splade_recipe(tmp_path: Path) -> None:
-    from titan_contrastive.export import main as export_main
-
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in PAIRS))
-    batch = ["--training.local_batch_size=3", "--training.global_batch_size=6", "--checkpoint.interval=2"]
-    batch += ["--data.context_length=32", "--data.doc_context_length=16", "--eval.enable=false"]
-    trainer, _ = _train(
-        tmp_path,
-        "splade_inference_free.toml",
-        f"--model.path={architecture_folder(tmp_path, 'bert-mlm')}",
-        f"--data.path={pairs}",
-        *batch,
-    )
+    trainer = _splade_recipe(tmp_path, "splade_inference_free.toml")
     assert trainer.model_args.inference_free and trainer.lr_scheduler.base_lrs[-1] == 1e-3
     assert "FLOPS (0 x the queries', 0.0003 x the documents', rising quadratically over 666 steps)" in (
         trainer.gradient_step.describe()
     )
-    step = tmp_path / "run" / "checkpoint" / "step-2"
-    assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 0
     assert (tmp_path / "st" / "router_config.json").is_file()

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.hf_folders import architecture_folder, decoder_folder, sparse_folder
+from tests.hf_folders import architecture_folder, decoder_folder
 from tests.needs import needs
 from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
+from tests.sparse_folders import sparse_folder
 from tests.test_hf_text import PAIRS, folder_run
 from tests.test_objectives import CASES, D, N, _close, leaves, objective_of, reference
 from tests.test_trainer import full
@@ -116,6 +117,26 @@ def test_distributed_forms_match_the_definition(world: int) -> None:
     run_distributed(_distributed, world)
 
 
+def assert_equals_splade_loss(model, zq, zd, weights: tuple[float, float], thresholds: tuple[int, int] = (0, 0)):
+    """One-way InfoNCE at t = 1 plus FLOPS with the queries' and documents' `weights` and `thresholds` on the
+    embeddings `zq`, `zd` (in float64) equals SpladeLoss around SparseMultipleNegativesRankingLoss (scale 1) of the
+    SparseEncoder `model` (a weight of 0: no regularizer, as inference-free SPLADE's queries): loss and gradients."""
+    from sentence_transformers.sparse_encoder.losses import FlopsLoss, SparseMultipleNegativesRankingLoss
+
+    ours_a, ours_b, theirs_a, theirs_b = leaves(zq.double(), zd.double(), zq.double(), zd.double())
+    want = SparseMultipleNegativesRankingLoss(model, scale=1.0).compute_loss_from_embeddings([theirs_a, theirs_b], None)
+    for weight, threshold, side in zip(weights, thresholds, (theirs_a, theirs_b), strict=True):
+        if weight:
+            want = want + weight * FlopsLoss(model, threshold=threshold or None).compute_loss_from_embeddings(side)
+    flops = Flops(InfoNCE(False), *weights, query_threshold=thresholds[0], doc_threshold=thresholds[1])
+    got = flops.dense(ours_a, ours_b, torch.tensor(1.0, dtype=torch.float64))
+    want.backward()
+    got.backward()
+    _close(got.detach(), want.detach(), "loss")
+    _close(ours_a.grad, theirs_a.grad, "d queries")
+    _close(ours_b.grad, theirs_b.grad, "d documents")
+
+
 @needs("hf")
 @pytest.mark.parametrize("variant", [("max", "relu", False), ("sum", "log1p_relu", True)], ids=["v2", "v1-log1p-l0"])
 def test_embeddings_and_loss_equal_sentence_transformers(tmp_path: Path, variant: tuple[str, str, bool]) -> None:
@@ -124,7 +145,6 @@ def test_embeddings_and_loss_equal_sentence_transformers(tmp_path: Path, variant
     thresholds at each side's least count of non-zero dimensions, which rows fall both sides of) equals SpladeLoss
     around SparseMultipleNegativesRankingLoss (scale 1), loss and gradients."""
     from sentence_transformers.sparse_encoder import SparseEncoder
-    from sentence_transformers.sparse_encoder.losses import FlopsLoss, SparseMultipleNegativesRankingLoss
 
     from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, build_tokenizer
 
@@ -144,24 +164,7 @@ def test_embeddings_and_loss_equal_sentence_transformers(tmp_path: Path, variant
     limits = [int((z != 0).sum(1).min()) if thresholds else 0 for z in (zq, zd)]
     if thresholds:
         assert all(((z != 0).sum(1) > t).any() and ((z != 0).sum(1) <= t).any() for z, t in zip((zq, zd), limits))
-    a, b = zq.double(), zd.double()
-    ours_a, ours_b, theirs_a, theirs_b = leaves(a, b, a, b)
-    base = SparseMultipleNegativesRankingLoss(theirs, scale=1.0).compute_loss_from_embeddings(
-        [theirs_a, theirs_b], None
-    )
-    query_flops, doc_flops = (FlopsLoss(theirs, threshold=t or None) for t in limits)
-    want = (
-        base
-        + 0.03 * doc_flops.compute_loss_from_embeddings(theirs_b)
-        + 0.05 * query_flops.compute_loss_from_embeddings(theirs_a)
-    )
-    flops = Flops(InfoNCE(False), 0.05, 0.03, query_threshold=limits[0], doc_threshold=limits[1])
-    got = flops.dense(ours_a, ours_b, torch.tensor(1.0, dtype=torch.float64))
-    want.backward()
-    got.backward()
-    _close(got.detach(), want.detach(), "loss")
-    _close(ours_a.grad, theirs_a.grad, "d queries")
-    _close(ours_b.grad, theirs_b.grad, "d documents")
+    assert_equals_splade_loss(theirs, zq, zd, (0.05, 0.03), tuple(limits))
 
 
 @needs("hf")
