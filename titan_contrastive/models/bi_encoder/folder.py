@@ -195,8 +195,7 @@ def read_text_folder(path: str) -> TextFolder:
         raise TextFolderError(
             f"{root}/modules.json: modules {unknown or ['no Transformer']} are not supported (Transformer, Pooling, "
             "Dense, Normalize are; MLMTransformer and SpladePooling, SPLADE's, and a Router of inference-free SPLADE); "
-            "export the transformer alone and "
-            "set model.pooling"
+            "export the transformer alone and set model.pooling"
         )
     order = [m["type"].rsplit(".", 1)[-1] for m in modules]
     dense_at = [i for i, kind in enumerate(order) if kind == "Dense"]
@@ -234,7 +233,9 @@ def _router_folder(root: Path) -> TextFolder:
     Transformer on the fill-mask task, or an MLMTransformer, then SpladePooling on the document route)."""
     config = _json(root / "router_config.json") if (root / "router_config.json").is_file() else {}
     types, routes = config.get("types") or {}, config.get("structure") or {}
-    kinds = {route: [types.get(m, "").rsplit(".", 1)[-1] for m in modules] for route, modules in routes.items()}
+    kinds = {
+        route: [str(types.get(str(m), "")).rsplit(".", 1)[-1] for m in modules] for route, modules in routes.items()
+    }
     if (
         sorted(kinds) != ["document", "query"]
         or kinds["query"] != ["SparseStaticEmbedding"]
