@@ -384,15 +384,15 @@ class BiEncoder(nn.Module):
             add_lora(self.query_tower, args)
         self.doc_tower = self.query_tower if args.shared else copy.deepcopy(self.query_tower)
         # the folder's Dense layers after the pooling; part of the frozen base under LoRA
-        self.query_head = dense_head(read_text_folder(args.path).dense, self.query_tower.config.hidden_size)
+        folder = read_text_folder(args.path)
+        self.query_head = dense_head(folder.dense, self.query_tower.config.hidden_size)
         if self.query_head is not None and args.lora_rank:
             self.query_head.requires_grad_(False)
         self.doc_head = self.query_head if args.shared else copy.deepcopy(self.query_head)
         self.pad_id = pad_id(args.tokenizer)
-        static = read_text_folder(args.path).static_query
         self.static_query = (
             StaticQuery(
-                static_weight(static, self.query_tower.config.vocab_size, args.tokenizer),
+                static_weight(folder.static_query, self.query_tower.config.vocab_size, args.tokenizer),
                 {*args.tokenizer("")["input_ids"], self.pad_id},  # what the tokenizer adds (CLS, SEP), padding
             )
             if args.inference_free
