@@ -63,6 +63,8 @@
 #      vit_b32 at 1,024 (patch_dropout_bench: speed-up against the FLOPs ratio, peak memory)
 #  22  SPLADE's head: autograd through the logits against the fused head and pooling, BERT-base's head, 32 texts of
 #      256 tokens, bf16 (splade_head_bench: bytes kept for the backward, time, CUDA peak)
+#  23  late interaction (ColBERT's MaxSim under InfoNCE): autograd through every token product against the tiled,
+#      recomputed scores, 512 queries of 32 tokens and 1,024 documents of 180, bf16 (late_interaction_bench)
 # A session has 15 device-minutes (2026-11-25), about one stage. 2026-11-24 (H100): stage 3 complete; 1 and 2 cut
 # short by their time limits (results/gpu_session_stage*.log); 4, 5, 6 not run. 2026-11-26 (H200): stage 9 and
 # the first form of 10 (results/gpu_session_stage9.log, stage10.log). 2026-11-26 (H100): 12, 13, the rest of 11
@@ -83,12 +85,12 @@ case "${1:-}" in
       tyro docstring-parser typeguard shtab torchdata open-clip-torch ftfy wcwidth regex inf-cl==1.2.1 memeff==0.3.1 \
       webdataset wids braceexpand peft==0.21.2
     ls .whl; exit 0 ;;
-  1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22)
+  1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23)
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.txt" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh wheels|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23" >&2; exit 2 ;;
 esac
 res=/tmp/stage_results && mkdir -p "$res"
 pack() { tar -C "$res" -cf "$out/stage$1.tar" . ; }  # after every step: a time limit loses only the step in flight
@@ -173,4 +175,5 @@ case "$1" in
   21) step 240 python3 -m benchmarks.patch_dropout_bench --flavor vit_b16 --batch 512 --repeats 5 --out "$out"
       step 200 python3 -m benchmarks.patch_dropout_bench --flavor vit_b32 --batch 1024 --repeats 5 --out "$out" ;;
   22) step 120 python3 -m benchmarks.splade_head_bench --batch 32 --dtype bfloat16 --out "$out" ;;
+  23) step 120 python3 -m benchmarks.late_interaction_bench --queries 512 --dtype bfloat16 --out "$out" ;;
 esac

@@ -60,6 +60,7 @@ from titan_contrastive.batching import NEGATIVES, with_negatives
 from titan_contrastive.datasets.wordnet import BUNDLE_DIR
 from titan_contrastive.grad_cache import GradCache
 from titan_contrastive.losses import InfoNCE, MicrobatchLoss
+from titan_contrastive.models.bi_encoder import embedding as bi_encoder_embedding
 from titan_contrastive.models.bi_encoder import model as bi_encoder_model
 from titan_contrastive.models.bi_encoder.folder import bundled_minilm
 
@@ -87,12 +88,12 @@ def lengths(ids: torch.Tensor, pad: int = 0) -> torch.Tensor:
 @contextlib.contextmanager
 def untrimmed_model() -> Iterator[None]:
     """The bi_encoder as it ran before token-aware chunks: towers at the full width."""
-    original = bi_encoder_model.right_trimmed
-    bi_encoder_model.right_trimmed = lambda ids, pad_id: ids
+    original = bi_encoder_embedding.right_trimmed
+    bi_encoder_embedding.right_trimmed = lambda ids, pad_id: ids
     try:
         yield
     finally:
-        bi_encoder_model.right_trimmed = original
+        bi_encoder_embedding.right_trimmed = original
 
 
 class Setup:

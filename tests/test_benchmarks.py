@@ -407,3 +407,17 @@ def test_tma_probe_checks_and_times_each_kernel_variant(tmp_path: Path) -> None:
     assert [r["variant"] for r in result["rows"] if r["status"] == "ok"] == names
     assert "WS: True" in result["configs"]["forward:tma_ws"] and "WS: False" in result["configs"]["forward:tma"]
     assert "BLOCK_M" in result["configs"]["W:tma"]
+
+
+def test_late_interaction_bench_counts_what_each_path_keeps(tmp_path: Path) -> None:
+    """benchmarks/late_interaction_bench.py on a small problem: a row per path, the tiled path keeping only the
+    embeddings (a small fraction of the autograd path's bytes), equal to it within float32 rounding."""
+    from benchmarks import late_interaction_bench
+
+    argv = ["--queries", "6", "--query-tokens", "4", "--doc-tokens", "8", "--dim", "4", "--repeats", "1"]
+    late_interaction_bench.main([*argv, "--out", str(tmp_path)])
+    rows = {r["path"]: r for r in json.loads((tmp_path / "late_interaction_bench.json").read_text())["rows"]}
+    assert set(rows) == {"autograd", "tiled"} and rows["tiled"]["columns"] == 12
+    assert rows["tiled"]["saved_mib"] * 4 < rows["autograd"]["saved_mib"]
+    assert rows["tiled"]["max_diff"] <= 1e-5 and rows["autograd"]["max_diff"] == 0
+    assert (tmp_path / "late_interaction_bench.png").read_bytes()[:4] == b"\x89PNG"

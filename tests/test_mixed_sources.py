@@ -51,7 +51,7 @@ def emoji(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from titan_contrastive.models.bi_encoder.model import BiEncoderArgs, build_tokenizer
+    from titan_contrastive.models.bi_encoder import BiEncoderArgs, build_tokenizer
 
     return build_tokenizer(BiEncoderArgs())
 

@@ -52,7 +52,7 @@ ROWS = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from titan_contrastive.models.bi_encoder.model import BiEncoderArgs, build_tokenizer
+    from titan_contrastive.models.bi_encoder import BiEncoderArgs, build_tokenizer
 
     return build_tokenizer(BiEncoderArgs())
 

@@ -5,7 +5,8 @@ Qwen3-like decoder and pairs with hard negatives, then exported to sentence-tran
 with the tiny BERT-like encoder and scored sentence pairs; `train_configs/qwen_vl_embedder_lora.toml` with the
 tiny Qwen2-VL folder and query-document rows, then exported; `train_configs/splade.toml` with the tiny BERT-like
 masked LM, then exported to a SparseEncoder folder; `train_configs/splade_inference_free.toml` with the same,
-then exported to a SparseEncoder Router)."""
+then exported to a SparseEncoder Router; `train_configs/colbert.toml` with a tiny PyLate folder, then exported to a
+PyLate folder)."""
 
 from __future__ import annotations
 
@@ -152,6 +153,25 @@ def test_the_splade_recipe(tmp_path: Path) -> None:
     assert "FLOPS (5e-05 x the queries', 3e-05 x the documents', rising quadratically over 666 steps)" in (
         trainer.gradient_step.describe()
     )
+
+
+def test_the_colbert_recipe(tmp_path: Path) -> None:
+    """`train_configs/colbert.toml` as written for two steps on the tiny PyLate folder and the pairs, then exported
+    to a PyLate folder (the exporter checks both sides)."""
+    from tests.colbert_folders import colbert_encoder, pylate_folder
+    from titan_contrastive.export import main as export_main
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in PAIRS))
+    batch = ["--training.local_batch_size=3", "--training.global_batch_size=6", "--checkpoint.interval=2"]
+    batch += ["--data.context_length=12", "--data.doc_context_length=10", "--eval.enable=false"]
+    model = f"--model.path={pylate_folder(colbert_encoder(tmp_path))}"
+    trainer, _ = _train(tmp_path, "colbert.toml", model, f"--data.path={pairs}", *batch)
+    assert (trainer.model_args.pooling, trainer.model_args.colbert_dim) == ("colbert", 8)
+    assert "late interaction, MaxSim of 8-wide tokens, one-way" in trainer.gradient_step.describe()
+    assert trainer.model.logit_scale.exp().item() == 1.0
+    step = tmp_path / "run" / "checkpoint" / "step-2"
+    assert export_main([str(step), "--to", "pylate", "--out", str(tmp_path / "pylate")]) == 0
 
 
 def test_the_inference_free_splade_recipe(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from titan_contrastive.datasets.pairs import PairsDataset
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from titan_contrastive.models.bi_encoder.model import BiEncoderArgs, build_tokenizer
+    from titan_contrastive.models.bi_encoder import BiEncoderArgs, build_tokenizer
 
     return build_tokenizer(BiEncoderArgs())
 

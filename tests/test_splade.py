@@ -383,7 +383,7 @@ def test_exports_load_back_as_a_sparse_encoder_and_a_masked_lm(tmp_path: Path, c
     capsys.readouterr()
     assert mine_main([str(tmp_path / "pairs.jsonl"), "--model", str(step), "--out", str(tmp_path / "m.jsonl")]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert "a SPLADE run (model.pooling='splade'), and sentence-transformers' miner ranks dense" in line
+    assert "a splade run (model.pooling='splade'), and sentence-transformers' miner ranks dense" in line
 
 
 def test_beir_ranks_by_the_dot_product() -> None:
@@ -445,5 +445,5 @@ def test_what_splade_cannot_take_is_a_one_line_error(tmp_path: Path) -> None:
         folder_run(tmp_path / "odd", "bert-mlm", f"--model.path={odd}")
     (odd / modules[-1]["path"] / "config.json").write_text(json.dumps({"pooling_strategy": "max"}))
     guide = f"--loss.guide_model={odd}"
-    with pytest.raises(ConfigError, match="a SPLADE folder, whose sparse vectors have no cosine to compare"):
+    with pytest.raises(ConfigError, match="a splade folder, whose vectors have no cosine to compare"):
         folder_run(tmp_path / "guide", "encoder", guide, "--loss.mask_margin=0.1", "--training.local_batch_size=6")

@@ -455,7 +455,7 @@ def test_pairs_equal_the_bundled_wordnet_and_resume(tmp_path: Path) -> None:
 
     from titan_contrastive.datasets.pairs import PairsDataset
     from titan_contrastive.datasets.wordnet import BUNDLE_DIR
-    from titan_contrastive.models.bi_encoder.model import BiEncoderArgs, build_tokenizer
+    from titan_contrastive.models.bi_encoder import BiEncoderArgs, build_tokenizer
 
     tokenizer = build_tokenizer(BiEncoderArgs())
     bundled = build_dataset("wordnet", "test", context_length=24, tokenizer=tokenizer)

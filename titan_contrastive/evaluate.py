@@ -30,6 +30,8 @@ def load_text_model(src: str, query_length: int, doc_length: int, trust: bool = 
     """(args, model in eval mode): a step folder's bi_encoder, or a fresh one on a model folder (`trust`: its
     own code may run, `[model] trust_remote_code`)."""
     from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs
+    from titan_contrastive.models.bi_encoder.colbert import colbert_sides
+    from titan_contrastive.models.bi_encoder.folder import read_text_folder
 
     if (Path(src).expanduser() / "manifest.json").is_file():
         import dataclasses
@@ -42,10 +44,12 @@ def load_text_model(src: str, query_length: int, doc_length: int, trust: bool = 
         args = dataclasses.replace(args, query_length=query_length or args.query_length)
         if doc_length:
             args = dataclasses.replace(args, doc_length=doc_length)
+        if model.colbert_sides:  # ColBERT's documents come out at the new length
+            model.colbert_sides = colbert_sides(args, read_text_folder(args.path))
         return args, model.eval()
-    args = BiEncoderArgs(path=src, query_length=query_length or 64, trust_remote_code=trust).resolve(
-        doc_length=doc_length
-    )
+    late = read_text_folder(src).colbert  # a PyLate folder's query length, else 64
+    query_length = query_length or (late.query_length if late else 64)
+    args = BiEncoderArgs(path=src, query_length=query_length, trust_remote_code=trust).resolve(doc_length=doc_length)
     return args, BiEncoder(args).eval()
 
 
@@ -87,13 +91,20 @@ def main(argv: list[str] | None = None) -> int:
         sts = load_sts(opts.sts, opts.sts_split) if opts.sts else None
         args, model = load_text_model(opts.model, opts.query_length, opts.doc_length, opts.trust_remote_code)
         model.to(device)
+        if getattr(model, "token_dim", 0) and (opts.sts or opts.dims):
+            flag = "--sts" if opts.sts else "--dims"
+            raise ValueError(
+                f"{flag}: {opts.model} embeds a text as its tokens (ColBERT), scored by late interaction, and {flag} "
+                "reads one vector per text; leave it out"
+            )
 
         def forward(batch: dict[str, torch.Tensor]) -> Any:
             return model(batch["query"].to(device), batch["doc"].to(device))
 
         embedders = pair_embedders(forward, build_tokenizer(args), args.query_length)
         sizes = {"batch_size": opts.batch_size, "rank": rank, "world_size": world, "dims": opts.dims}
-        results = evaluate_beir(beir, *embedders, **sizes, prefix="", sparse=getattr(model, "sparse_embeddings", False))
+        kinds = {"sparse": getattr(model, "sparse_embeddings", False), "token_dim": getattr(model, "token_dim", 0)}
+        results = evaluate_beir(beir, *embedders, **sizes, prefix="", **kinds)
         if sts is not None:
             results |= evaluate_sts(sts, embedders[0], **sizes)
     except (ValueError, OSError) as e:

@@ -1,4 +1,4 @@
-"""`python -m titan_contrastive.export SRC --to hf|open_clip|sentence-transformers|peft --out DIR`:
+"""`python -m titan_contrastive.export SRC --to hf|open_clip|sentence-transformers|peft|pylate --out DIR`:
 checkpoints for the ecosystem.
 
 SRC's family decides what it can be written as: the family one of our step-N folders names in
@@ -12,7 +12,7 @@ adapter (`ModelSpec.state_dict_adapter`) claims the path; `--to` must be one of 
   shared): `--to sentence-transformers`, the tower with its tokenizer, pooling, normalization and
   prompts; `--to hf`, the tower as a transformers folder; with LoRA both hold the merged weights;
   `--to peft`, the LoRA adapters alone, what `peft.PeftModel.from_pretrained(base, DIR)` loads over
-  the run's `[model] path`.
+  the run's `[model] path`; `--to pylate`, a ColBERT run as a PyLate folder (both sides).
 - qwen_vl (`models.qwen_vl.export`): `--to hf`, the tower (LoRA merged) with its tokenizer and
   image processor, what `transformers.AutoModel` loads; `--to peft`, the adapters.
 
@@ -53,7 +53,7 @@ from typing import NoReturn
 
 from titan_contrastive.extras import import_failure
 
-FORMATS = ("hf", "open_clip", "sentence-transformers", "peft")
+FORMATS = ("hf", "open_clip", "sentence-transformers", "peft", "pylate")
 """The built-in families' formats; a registered family may add its own (`StateDictAdapter.writes`)."""
 MARKER = ".titan_contrastive_export.json"
 """Written last into every export: {"format", "source", "files"}; what `--overwrite` may replace."""
@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         help="one of the source family's formats (a family of your own may add more). hf: a transformers folder "
         "(clip: CLIPModel; bi_encoder: the tower, LoRA merged), open_clip: open_clip's folder layout (clip); "
         "sentence-transformers: a SentenceTransformer folder (bi_encoder); qwen_vl: hf, peft; "
-        "peft: the LoRA adapters as a PEFT folder (bi_encoder trained with [lora])",
+        "peft: the LoRA adapters as a PEFT folder (bi_encoder trained with [lora]); pylate: a ColBERT bi_encoder as a "
+        "PyLate folder",
     )
     parser.add_argument(
         "--out",

@@ -132,10 +132,11 @@ def sentence_model(path: str, tower: str | None, device: str | None, trust: bool
             ) from None
         if family != "bi_encoder":
             raise MineError(f"--model={path}: a {family} checkpoint; mining embeds texts with a bi_encoder one")
-        if model["args"].get("pooling") == "splade":
+        pooling = model["args"].get("pooling")
+        if pooling in ("splade", "colbert"):
             raise MineError(
-                f"--model={path}: a SPLADE run (model.pooling='splade'), and sentence-transformers' miner ranks dense "
-                "embeddings by cosine; mine with a dense model and train SPLADE on its negatives"
+                f"--model={path}: a {pooling} run (model.pooling={pooling!r}), and sentence-transformers' miner ranks "
+                f"dense embeddings by cosine; mine with a dense model and train {pooling} on its negatives"
             )
         if not shared and tower is None:
             raise MineError(

@@ -44,7 +44,7 @@ from titan_contrastive.config import JobConfig, parse_args
 from titan_contrastive.config.manager import check_contrastive_problem, log_config_warnings
 from titan_contrastive.datasets import build_dataset
 from titan_contrastive.datasets.build import build_data
-from titan_contrastive.models.build import build_run_model, clamp_logit_scale, eval_objective, resolve_objective
+from titan_contrastive.models.build import build_run_model, clamp_logit_scale, run_objectives
 from titan_contrastive.parallelisms import (
     ParallelDims,
     destroy_distributed,
@@ -83,7 +83,7 @@ class Trainer:
         self.spec = spec = models.get_model_spec(cfg.model.name)
         flavor_args, init_state, self.resumed = model_source(cfg, spec, models.resolve_model_args)
         flavor_args = models.configured(flavor_args, cfg, spec)  # before the family's tokenizer reads them
-        self.objective, self.eval_objective = resolve_objective(spec, cfg), eval_objective(spec, cfg)
+        self.objective, self.eval_objective = run_objectives(spec, cfg, flavor_args)
         self.dims = dims = ParallelDims.for_run(cfg.parallelism, dist.world_size)
         self.dp_degree = dp = dims.dp_degree
         self.ga_steps = gradient_accumulation_steps(cfg.training.global_batch_size, cfg.training.local_batch_size, dp)

@@ -10,6 +10,7 @@ sentence-transformers' InformationRetrievalEvaluator computes them. Used by the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from titan_contrastive.components.evaluate import dim_cuts, gather_rows
 from titan_contrastive.components.precision import at_least_fp32
 from titan_contrastive.components.retrieval_metrics import BeirSet, ir_metrics, read_beir, top_k
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.losses.late_interaction import scores as late_scores
 
 __all__ = ["BUNDLED", "embed_texts", "evaluate_beir", "load_beir"]
 
@@ -66,18 +68,21 @@ def evaluate_beir(
     prefix: str = "beir/",
     dims: Sequence[int] = (),
     sparse: bool = False,
+    token_dim: int = 0,
 ) -> dict[str, float]:
     """The IR metrics of `beir` with these embedders, by the dot product of their embeddings (the towers' unit
     vectors: their cosine; SPLADE's: its score), and by the cosine of their first m dims for each m of `dims`
     (`evaluate.dim_cuts`); each text embedded once. `sparse` (SPLADE's embeddings): also the mean number of
     non-zero dimensions of a query's and of a document's (`query_active_dims`, `corpus_active_dims`, as
-    sentence-transformers' SparseInformationRetrievalEvaluator reports them), what an inverted index pays."""
+    sentence-transformers' SparseInformationRetrievalEvaluator reports them), what an inverted index pays.
+    `token_dim` (ColBERT's token sets): scored by late interaction (`losses/late_interaction.py`) instead."""
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
     queries = embed_texts(embed_queries, beir.queries, **common)
     corpus = embed_texts(embed_docs, beir.corpus, **common)
     results = {}
     for m, cut in dim_cuts(queries.shape[-1], dims):
-        scores, indices = top_k(queries[:, :m], corpus[:, :m], K, normalize=bool(cut))
+        similarity = functools.partial(late_scores, dim=token_dim) if token_dim else None
+        scores, indices = top_k(queries[:, :m], corpus[:, :m], K, normalize=bool(cut), similarity=similarity)
         metrics = ir_metrics(scores, indices, beir.query_ids, beir.corpus_ids, beir.qrels)
         results |= {f"{cut}{prefix}{name}": value for name, value in metrics.items()}
     if sparse:

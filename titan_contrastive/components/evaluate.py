@@ -170,12 +170,18 @@ def check_embedding_dims(model: nn.Module, forward: Forward, dataset: Dataset, d
             raise ConfigError(f"{key}={list(values)}: the embeddings have {width} dimensions; use dims <= {width}")
 
 
-def recall_at_k(
-    image_emb: torch.Tensor, text_emb: torch.Tensor, ks: tuple[int, ...] = (1, 5), direction: str = "image_to_text"
-) -> dict[str, float]:
-    """First-tower -> second-tower recall@k where item i belongs to item i (caption i to image i,
-    lemma i to definition i)."""
-    sims = image_emb @ text_emb.T
+Similarity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(first tower's embeddings [n, .], second's [m, .]) -> their scores [n, m]; the dot product unless an objective
+scores otherwise (late interaction's `similarity`)."""
+
+
+def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a @ b.T
+
+
+def recall_at_k(sims: torch.Tensor, ks: tuple[int, ...] = (1, 5), direction: str = "image_to_text") -> dict[str, float]:
+    """Recall@k of the rows against the columns of `sims` [n, n], where row i belongs to column i (caption i to
+    image i, lemma i to definition i)."""
     correct = sims.diagonal().unsqueeze(1)
     rank = (sims > correct).sum(1)  # number of candidates scored above the right one
     return {f"{direction}_r@{k}": (rank < k).float().mean().item() for k in ks}
@@ -193,13 +199,15 @@ def evaluate(
     rank: int = 0,
     world_size: int = 1,
     dims: tuple[int, ...] = (),
+    similarity: Similarity = dot,
 ) -> dict[str, float]:
     """Eval loss plus zero-shot accuracy or retrieval recall; `loss_fn` must be unscaled.
 
     `forward(batch) -> (first tower's emb, second tower's emb, exp(logit_scale)[, logit_bias])` runs
     `model` with the trainer's dtype and autocast; `model` is only switched to eval mode and back.
     `dims`: retrieval recall also with the embeddings cut to their first m dims and re-normalized
-    (a Matryoshka model's smaller embeddings), under the keys `dim{m}/...`.
+    (a Matryoshka model's smaller embeddings), under the keys `dim{m}/...`. `similarity`: how a query and a
+    document are scored, both ways (the documents' recall reads the same scores, by column).
     """
     with eval_mode(model):
         img, txt, labels, scalars = embed_dataset(
@@ -210,21 +218,19 @@ def evaluate(
         ]
         out = {"loss": torch.stack(losses).mean().item(), "num_samples": float(len(img))}
         if dataset.class_names:
-            pred = (img @ zero_shot_classifier(forward, dataset).T).argmax(1)
+            pred = similarity(img, zero_shot_classifier(forward, dataset)).argmax(1)
             out["zero_shot_top1"] = (pred == labels).float().mean().item()
         else:  # both ways: image->text and text->image (query->doc and doc->query)
             backward = "_to_".join(reversed(dataset.recall_direction.split("_to_")))
-            out.update(recall_at_k(img, txt, dataset.recall_ks, dataset.recall_direction))
-            out.update(recall_at_k(txt, img, dataset.recall_ks, backward))
+            sims = similarity(img, txt)
+            out.update(recall_at_k(sims, dataset.recall_ks, dataset.recall_direction))
+            out.update(recall_at_k(sims.T, dataset.recall_ks, backward))
             for m, cut in dim_cuts(img.shape[-1], dims)[1:]:
-                small = [nn.functional.normalize(x[:, :m], dim=-1) for x in (img, txt)]
+                sims = dot(*(nn.functional.normalize(x[:, :m], dim=-1) for x in (img, txt)))
                 out.update(
-                    {
-                        f"{cut}{k}": v
-                        for k, v in recall_at_k(*small, dataset.recall_ks, dataset.recall_direction).items()
-                    }
+                    {f"{cut}{k}": v for k, v in recall_at_k(sims, dataset.recall_ks, dataset.recall_direction).items()}
                 )
-                out.update({f"{cut}{k}": v for k, v in recall_at_k(*small[::-1], dataset.recall_ks, backward).items()})
+                out.update({f"{cut}{k}": v for k, v in recall_at_k(sims.T, dataset.recall_ks, backward).items()})
         return out
 
 
@@ -240,6 +246,7 @@ def evaluate_contrastive(ctx: EvalContext) -> dict[str, float]:
         rank=ctx.rank,
         world_size=ctx.world_size,
         dims=ctx.dims,
+        similarity=getattr(ctx.objective, "similarity", dot),
     )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,10 +158,16 @@ def _select(scores: torch.Tensor, indices: torch.Tensor, k: int, n: int) -> tupl
 
 
 def top_k(
-    query_emb: torch.Tensor, corpus_emb: torch.Tensor, k: int, chunk: int = 50_000, normalize: bool = False
+    query_emb: torch.Tensor,
+    corpus_emb: torch.Tensor,
+    k: int,
+    chunk: int = 50_000,
+    normalize: bool = False,
+    similarity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores and corpus indices [Q, min(k, N)] of each query's best documents by dot product
-    (cosine with `normalize=True` or normalized embeddings), best first, ties to the lower index.
+    (cosine with `normalize=True` or normalized embeddings; `similarity`'s scores where given: late interaction's),
+    best first, ties to the lower index.
 
     The corpus is scored `chunk` rows at a time and merged into a running top-k, so memory is
     Q x (k + chunk) whatever the corpus size. Equal embeddings tie exactly only when the matrix
@@ -176,7 +182,7 @@ def top_k(
     best_s = q.new_empty((q.shape[0], 0))
     best_i = torch.empty((q.shape[0], 0), dtype=torch.long, device=q.device)
     for start in range(0, n, chunk):
-        s = q @ c[start : start + chunk].T
+        s = q @ c[start : start + chunk].T if similarity is None else similarity(q, c[start : start + chunk])
         i = torch.arange(start, start + s.shape[1], device=q.device).expand_as(s)
         cand_s, cand_i = torch.cat([best_s, s], dim=1), torch.cat([best_i, i], dim=1)
         best_s, best_i = _select(cand_s, cand_i, min(k, cand_s.shape[1]), n)

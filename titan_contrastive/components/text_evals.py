@@ -59,9 +59,13 @@ class TextEvals:
     ) -> dict[str, float]:
         """Every set's metrics (`beir/...`, `sts/...`; with `dims`, also `dim{m}/beir/...`, `dim{m}/sts/...`), each
         text embedded once across the ranks; for a `model` whose embeddings are sparse (`sparse_embeddings`,
-        SPLADE's), BEIR's active dimensions too."""
+        SPLADE's), BEIR's active dimensions too; for one whose embeddings are token sets (`token_dim`, ColBERT's),
+        BEIR by late interaction (STS, which compares two vectors, is refused for it before the run)."""
         queries, docs = pair_embedders(self.forward, self.tokenizer, query_length)
         common = {"batch_size": batch_size, "rank": rank, "world_size": world_size, "dims": dims}
-        sparse = bool(getattr(model, "sparse_embeddings", False))
-        results = evaluate_beir(self.beir, queries, docs, **common, sparse=sparse) if self.beir is not None else {}
+        embeddings = {
+            "sparse": bool(getattr(model, "sparse_embeddings", False)),
+            "token_dim": getattr(model, "token_dim", 0),
+        }
+        results = evaluate_beir(self.beir, queries, docs, **common, **embeddings) if self.beir is not None else {}
         return results | (evaluate_sts(self.sts, queries, **common) if self.sts is not None else {})

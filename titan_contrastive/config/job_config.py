@@ -58,12 +58,15 @@ class Model:
     the local cache; never downloaded, and code the folder ships runs only with `trust_remote_code`. Empty = the
     bundled all-MiniLM-L6-v2.
     hf_clip: a transformers CLIP or SigLIP folder with its tokenizer and preprocessor_config.json (required)."""
-    pooling: Literal["auto", "cls", "mean", "last_token", "max", "mean_sqrt_len", "weighted_mean", "splade"] = "auto"
+    pooling: Literal[
+        "auto", "cls", "mean", "last_token", "max", "mean_sqrt_len", "weighted_mean", "splade", "colbert"
+    ] = "auto"
     """bi_encoder: `auto` = the sentence-transformers folder's pooling, else mean (encoders) / last_token (decoders);
     max, mean_sqrt_len (the sum over sqrt(tokens)) and weighted_mean (token t weighted t, SGPT's) as
     sentence-transformers' Pooling computes them; splade: a masked LM's vocabulary-wide sparse embedding, the max
     over the tokens of log(1 + relu(logits)) (`splade_pooling`, `splade_activation`), scored by dot product
-    (t = 1). qwen_vl: last_token or mean."""
+    (t = 1); colbert: every token projected and normalized, scored by late interaction (MaxSim, t = 1; a PyLate
+    folder's `auto`). qwen_vl: last_token or mean."""
     query_prompt: str = "auto"
     """bi_encoder: text prepended to every query (E5 "query: ", an instruction); `auto` = the folder's query prompt.
     qwen_vl: the query's template, `{text}` for the caption, `{image}` for the image."""
@@ -82,6 +85,12 @@ class Model:
     splade_activation: Literal["auto", "relu", "log1p_relu"] = "auto"
     """bi_encoder with pooling=splade: a token's weight, log(1 + relu(logit)) (relu) or one more log(1 + .)
     (log1p_relu, OpenSearch's inference-free document models); `auto` = the SparseEncoder folder's, else relu."""
+    colbert_dim: int = 0
+    """bi_encoder with pooling=colbert: the width of a token's vector; 0 = the PyLate folder's, else 128 (a new
+    projection)."""
+    query_expansion: bool | None = None
+    """bi_encoder with pooling=colbert: pad queries to data.context_length with the mask token and score every
+    position (PyLate's `do_query_expansion`); unset (`none`) = the PyLate folder's, else true."""
     include_prompt: bool | None = None
     """bi_encoder: whether the pooling reads the prompts' tokens (sentence-transformers' Pooling `include_prompt`);
     false = INSTRUCTOR's way, the prompt conditions the text but is left out of the embedding's pooling. Unset

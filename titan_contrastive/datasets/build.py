@@ -148,6 +148,12 @@ def open_source(kind: str, path: str, data: Data, *, split: str = "train", negat
     return WeightedSources(sources, factors) if joins(factors) else sources[0]
 
 
+def _query_length(data: Any, pair_tokenizer: Any) -> int:
+    """Text pairs' query tokens: `[data] context_length`, else the model folder's (a PyLate folder's
+    `query_length`, `PairTokenizer.query_length`), else the default."""
+    return data.context_length or getattr(pair_tokenizer, "query_length", 0) or DEFAULT_CONTEXT["byte"]
+
+
 def text_tokenizer(name: str, dataset: str, context_length: int) -> Any:
     """The caption tokenizer of image-text data (`auto`: byte for the bundled sets, else clip_bpe)."""
     if name == "auto":
@@ -278,7 +284,7 @@ def build_data(
                 "data.dataset='pairs' is text-to-text and needs a model family with a text tokenizer: "
                 "use model.name='bi_encoder'"
             )
-        context_length = data.context_length or DEFAULT_CONTEXT["byte"]
+        context_length = _query_length(data, pair_tokenizer)
         common = dict(
             tokenizer=pair_tokenizer,
             query_length=context_length,
@@ -327,7 +333,7 @@ def build_data(
                 f"data.tokenizer='clip_bpe' with data.dataset={data.dataset!r}: the bundled sets use the byte "
                 "tokenizer; set data.tokenizer='auto' or use your own data (csv, webdataset, hf)"
             )
-        context_length = getattr(pair_tokenizer, "context_length", 0) or data.context_length or DEFAULT_CONTEXT["byte"]
+        context_length = getattr(pair_tokenizer, "context_length", 0) or _query_length(data, pair_tokenizer)
         common = dict(
             path=data.path,
             seed=seed,

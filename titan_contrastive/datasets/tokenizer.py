@@ -73,6 +73,8 @@ class PairTokenizer:
     doc_prompt: str = ""
     pad_left: bool = False
     """Padding before the ids (a tokenizer whose `padding_side` is left, where the model reads them so: hf_clip)."""
+    query_length: int = 0
+    """The model folder's query length (PyLate's `query_length`), the queries' when `[data] context_length` is 0."""
 
     @property
     def vocab_size(self) -> int:

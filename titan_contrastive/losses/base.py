@@ -334,6 +334,13 @@ class RescaleAccumulatedLoss:
             self.skip_rescale = previous
 
 
+def widths_fit(objective: Objective, q: Tensor, docs: Tensor) -> bool:
+    """Whether query and document embeddings are as wide as `objective` reads them: equally, or whole tokens on
+    each side, any number of them, for late interaction (an objective with a `token_dim`)."""
+    token = getattr(objective, "token_dim", 0)
+    return q.shape[-1] % token == docs.shape[-1] % token == 0 if token else q.shape[-1] == docs.shape[-1]
+
+
 def split_documents(docs: Tensor) -> tuple[Tensor, Tensor | None]:
     """Per-sample documents [B, d] (positives) or [B, 1 + k, d] (the positive, then k hard
     negatives; `batching.with_negatives`) as (positives [B, d], negatives [B k, d] or None)."""
@@ -375,7 +382,7 @@ class MicrobatchLoss:
         guide: Guide | None = None,
         teacher: Tensor | Guide | None = None,
     ) -> Tensor:
-        if q.dim() != 2 or docs.dim() not in (2, 3) or len(q) != len(docs) or q.shape[-1] != docs.shape[-1]:
+        if q.dim() != 2 or docs.dim() not in (2, 3) or len(q) != len(docs) or not widths_fit(self.objective, q, docs):
             raise ValueError(
                 f"query embeddings {tuple(q.shape)} and document embeddings {tuple(docs.shape)} must be [B, d] and "
                 "[B, d] (or [B, 1 + k, d] with hard negatives)"

@@ -47,10 +47,10 @@ def missing_methods(args: Any) -> list[str]:
 def configured(args: Any, cfg: Any, spec: Any) -> Any:
     """`args.update_from_config(cfg)` for the family of `spec` (a `ModelSpec`); a ConfigError for the settings it
     cannot take: `[model] patch_dropout`, `trust_remote_code`, `include_prompt`, `bidirectional`,
-    `attn_implementation` or the SPLADE pooling's keys where its args do not carry them (no image patches to drop, no
-    folder whose code it runs, no prompt left out of a pooling, no decoder whose causal mask could go, no transformers
-    model, no SPLADE), `[optimizer]
-    layer_decay` where it names no towers whose layers could decay."""
+    `attn_implementation`, the SPLADE pooling's or ColBERT's keys where its args do not carry them (no image patches
+    to drop, no folder whose code it runs, no prompt left out of a pooling, no decoder whose causal mask could go, no
+    transformers model, no SPLADE, no ColBERT), `[optimizer] layer_decay` where it names no towers whose layers
+    could decay."""
     m = cfg.model
     for key, given, why in (  # the setting, whether it is given, why this family cannot take it
         ("trust_remote_code", m.trust_remote_code, "loads no folder's own code (bi_encoder does)"),
@@ -60,6 +60,8 @@ def configured(args: Any, cfg: Any, spec: Any) -> Any:
         ("inference_free", m.inference_free is not None, "has no SPLADE queries (bi_encoder has)"),
         ("splade_pooling", m.splade_pooling != "auto", "has no SPLADE pooling (bi_encoder has)"),
         ("splade_activation", m.splade_activation != "auto", "has no SPLADE pooling (bi_encoder has)"),
+        ("colbert_dim", m.colbert_dim != 0, "has no ColBERT projection (bi_encoder has)"),
+        ("query_expansion", m.query_expansion is not None, "has no ColBERT queries (bi_encoder has)"),
     ):
         if given and not hasattr(args, key):
             value = getattr(m, key)

@@ -16,14 +16,17 @@ from titan_contrastive.components.freeze import apply_freeze
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.config.job_config import MAX_LOGIT_SCALE
 from titan_contrastive.losses import Objective, build_objective
+from titan_contrastive.losses.late_interaction import late_interaction
 from titan_contrastive.models.registry import ModelSpec
 from titan_contrastive.models.weights import load_state
 
 
-def resolve_objective(spec: ModelSpec, cfg: JobConfig) -> Objective | None:
+def resolve_objective(spec: ModelSpec, cfg: JobConfig, args: Any = None) -> Objective | None:
     """The objective `[loss]` describes (`losses.build_objective`), or None for a family whose own
-    step computes its own loss (`spec.own_loss`); ConfigError for an unknown objective, another
-    loss for such a family, or an objective that reads a bias the family's model does not learn."""
+    step computes its own loss (`spec.own_loss`); scored by late interaction where the model's `args` embed a
+    text as tokens (`token_dim`, `losses/late_interaction.py`). ConfigError for an unknown objective, another
+    loss for such a family, an objective that reads a bias the family's model does not learn, or one that
+    reads a single vector per text where the model gives tokens."""
     if spec.own_loss:
         if cfg.loss.name not in ("", spec.own_loss):
             raise ConfigError(
@@ -37,15 +40,21 @@ def resolve_objective(spec: ModelSpec, cfg: JobConfig) -> Objective | None:
             f"loss.name={cfg.loss.name!r}: {objective.describe()} reads a learned logit bias, which the {spec.name} "
             "family's model does not have; use an objective without a bias (e.g. leave loss.name empty)"
         )
+    token_dim = getattr(args, "token_dim", 0)
+    if token_dim:
+        try:
+            return late_interaction(objective, token_dim)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     return objective
 
 
-def eval_objective(spec: ModelSpec, cfg: JobConfig) -> Objective | None:
+def eval_objective(spec: ModelSpec, cfg: JobConfig, args: Any = None) -> Objective | None:
     """The objective of the evaluation loss: the run's, without the duplicate mask (evaluation
     embeds documents without their token ids; a held-out set seldom repeats a document) and without
     a distillation term (held-out pairs carry no teacher scores): the contrastive objective, unweighted."""
     if not cfg.loss.mask_duplicates and not cfg.loss.distill:
-        return resolve_objective(spec, cfg)
+        return resolve_objective(spec, cfg, args)
     loss = dataclasses.replace(
         cfg.loss,
         mask_duplicates=False,
@@ -54,7 +63,12 @@ def eval_objective(spec: ModelSpec, cfg: JobConfig) -> Objective | None:
         contrastive_weight=1.0,
         teacher_model="",
     )
-    return resolve_objective(spec, dataclasses.replace(cfg, loss=loss))
+    return resolve_objective(spec, dataclasses.replace(cfg, loss=loss), args)
+
+
+def run_objectives(spec: ModelSpec, cfg: JobConfig, args: Any) -> tuple[Objective | None, Objective | None]:
+    """(the training objective, the evaluation loss's) of a run whose model has `args`."""
+    return resolve_objective(spec, cfg, args), eval_objective(spec, cfg, args)
 
 
 def build_run_model(

@@ -46,7 +46,7 @@ from titan_contrastive.components.memory_planner import doubling
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.grad_cache import engine
 from titan_contrastive.losses import InfoNCE, Objective, Ranks, split_documents, split_ids
-from titan_contrastive.losses.base import at_step, bind_teacher, columns
+from titan_contrastive.losses.base import at_step, bind_teacher, columns, widths_fit
 from titan_contrastive.losses.fused import choose_path, preferred_kernel, require_kernel
 from titan_contrastive.losses.guide import Guide
 from titan_contrastive.losses.streaming import accumulation_dtype
@@ -152,7 +152,8 @@ class StreamingClipStep:
         del zx_parts, zy_parts
         if not replay:  # the joined copies are all that is needed of A's outputs
             outputs = None
-        if zx_local.dim() != 2 or zy_local.shape[:1] + zy_local.shape[-1:] != zx_local.shape or zy_local.dim() > 3:
+        shape_fits = zx_local.dim() == 2 and zy_local.dim() in (2, 3) and len(zy_local) == len(zx_local)
+        if not shape_fits or not widths_fit(self.objective, zx_local, zy_local):
             raise DistributedClipError(
                 f"z_x {tuple(zx_local.shape)} and z_y {tuple(zy_local.shape)}: z_y must be [batch, dim] like z_x, or "
                 "[batch, 1 + k, dim] with k hard negatives per sample"

@@ -5,14 +5,9 @@ imported only when a model or tokenizer is built (`pip install -e '.[hf]'`), so 
 does not need them.
 """
 
+from titan_contrastive.models.bi_encoder.args import BiEncoderArgs, bi_encoder_flavors
 from titan_contrastive.models.bi_encoder.export import ADAPTER
-from titan_contrastive.models.bi_encoder.model import (
-    BiEncoder,
-    BiEncoderArgs,
-    bi_encoder_blocks,
-    bi_encoder_flavors,
-    build_tokenizer,
-)
+from titan_contrastive.models.bi_encoder.model import BiEncoder, bi_encoder_blocks, build_tokenizer
 from titan_contrastive.models.registry import ModelSpec, register_model
 
 __all__ = ["BiEncoder", "BiEncoderArgs", "bi_encoder_blocks", "bi_encoder_flavors", "build_tokenizer"]

@@ -6,7 +6,11 @@
 - `hf`: the tower as a transformers folder with its tokenizer (`AutoModel.from_pretrained(DIR)`; an
   encoder-decoder's encoder: `AutoModelForTextEncoding`); refused for a folder with Dense layers;
 - `peft`: the LoRA adapters alone as a PEFT folder (`PeftModel.from_pretrained(base, DIR)`, the
-  base being the run's `[model] path`).
+  base being the run's `[model] path`);
+- `pylate`: a ColBERT run (`[model] pooling = "colbert"`) as a PyLate folder, both sides at once
+  (`colbert.write_pylate`); the only whole-model format for it. PyLate pins an older
+  sentence-transformers than the one installed, so the folder is read back by our PyLate reader
+  (`colbert.read_pylate`, held to PyLate's computation by the tests).
 
 With LoRA the first two hold the merged weights (W + B A alpha / r, peft's `merge_and_unload`).
 Each folder is loaded back by its library and must give the run's embeddings of fixed texts
@@ -26,9 +30,12 @@ import torch
 from torch import Tensor, nn
 
 from titan_contrastive.components.lora import lora_config
+from titan_contrastive.config import ConfigError
+from titan_contrastive.models.bi_encoder.args import BiEncoderArgs
+from titan_contrastive.models.bi_encoder.colbert import colbert_embed, write_pylate
 from titan_contrastive.models.bi_encoder.embedding import embed
-from titan_contrastive.models.bi_encoder.folder import ST_POOLING_NAMES, text_model_class
-from titan_contrastive.models.bi_encoder.model import BiEncoder, BiEncoderArgs, build_tokenizer
+from titan_contrastive.models.bi_encoder.folder import ST_POOLING_NAMES, read_text_folder, text_model_class
+from titan_contrastive.models.bi_encoder.model import BiEncoder, build_tokenizer
 from titan_contrastive.models.bi_encoder.tower import load_text_tower
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
 from titan_contrastive.models.registry import StateDictAdapter
@@ -36,7 +43,7 @@ from titan_contrastive.models.weights import read_ours
 
 __all__ = ["ADAPTER", "FORMATS", "write"]
 
-FORMATS = ("sentence-transformers", "hf", "peft")
+FORMATS = ("sentence-transformers", "hf", "peft", "pylate")
 
 
 def adapted(args: Any, tower: nn.Module) -> Any:
@@ -87,6 +94,15 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
     tower = getattr(model, f"{side}_tower")
     texts = PROBE_TEXTS
     head = getattr(model, f"{side}_head")
+    colbert = bool(model.colbert_sides)
+    if colbert != (to == "pylate") and to != "peft":
+        refuse(
+            f"--to {to}: this run {'is' if colbert else 'is not'} a ColBERT model (model.pooling='colbert'); "
+            f"{'use --to pylate (or --to peft for LoRA adapters)' if colbert else '--to pylate is for ColBERT runs'}"
+        )
+    if to == "pylate":
+        _write_pylate(model, args, out)
+        return
     if to == "hf" and head is not None:
         refuse(
             f"--to hf: {args.path} ends in Dense modules, which a transformers folder cannot hold; use --to "
@@ -111,10 +127,12 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         adapted(args, tower).save_pretrained(str(out))
         base = load_text_tower(args.model_dir, args.trust_remote_code, args.bidirectional, args.pooling == "splade")
         theirs = reloaded("peft", lambda: PeftModel.from_pretrained(base, str(out)).eval())
-        with torch.no_grad():
-            check(
-                embed(theirs, ids, pad, args.pooling, 0, head=head, skip=skip, splade=splade), "peft"
-            )  # a head is frozen under LoRA
+        with torch.no_grad():  # a head from the folder is frozen under LoRA; ColBERT's new one is not, kept as trained
+            if colbert:
+                got = colbert_embed(theirs, ids, pad, head, model.colbert_sides[0 if side == "query" else 1])
+            else:
+                got = embed(theirs, ids, pad, args.pooling, 0, head=head, skip=skip, splade=splade)
+            check(got, "peft")
         return
     plain = plain_tower(args, tower)
     if to == "hf":
@@ -143,6 +161,23 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
     name = ("query" if side == "query" else "document") if prompt else None
     sparse = {"convert_to_sparse_tensor": False} if splade else {}
     check(theirs.encode(texts, convert_to_tensor=True, prompt_name=name, **sparse), "sentence-transformers")
+
+
+def _write_pylate(model: BiEncoder, args: BiEncoderArgs, out: Path) -> None:
+    """A ColBERT run as a PyLate folder, read back by our PyLate reader: both sides' probe embeddings compared."""
+    if not args.shared:
+        refuse("--to pylate: this run trained two towers (model.flavor=dual); a PyLate folder holds one model")
+    try:
+        late = read_text_folder(args.path).colbert
+        write_pylate(plain_tower(args, model.query_tower), model.query_head, args, late, out)
+    except ConfigError as e:
+        refuse(str(e))
+    written = BiEncoderArgs(path=str(out), query_length=args.query_length)
+    theirs = reloaded("our PyLate reader", lambda: BiEncoder(written.resolve()).eval())
+    for side in ("query", "doc"):
+        ids, want = _probe(model, args, side, PROBE_TEXTS)
+        with torch.no_grad():
+            compare("pylate", side, want.float(), theirs.embed_side(side, ids), "our PyLate reader")
 
 
 def _write_sentence_transformers(

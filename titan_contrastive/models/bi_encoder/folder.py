@@ -11,6 +11,7 @@ already in the local Hugging Face cache: nothing is ever downloaded. Every probl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -21,9 +22,10 @@ from torch import nn
 
 from titan_contrastive.config import ConfigError
 from titan_contrastive.extras import import_failure
+from titan_contrastive.models.bi_encoder.colbert import PyLateFolder, read_pylate
 from titan_contrastive.models.bi_encoder.pooling import SPLADE_ACTIVATIONS, SPLADE_POOLINGS
 
-POOLINGS = ("cls", "mean", "last_token", "max", "mean_sqrt_len", "weighted_mean", "splade")
+POOLINGS = ("cls", "mean", "last_token", "max", "mean_sqrt_len", "weighted_mean", "splade", "colbert")
 # sentence-transformers' pooling names (its newer `pooling_mode` string and its older boolean flags) -> ours
 _ST_POOLING = {
     "cls": "cls",
@@ -91,6 +93,8 @@ class TextFolder:
     """An inference-free SparseEncoder's query route, a SparseStaticEmbedding: the file of its weights, one per
     vocabulary entry (its `model.safetensors`, or the JSON of token: weight its config names, an `idf.json`);
     "" for other folders."""
+    colbert: PyLateFolder | None = None
+    """A PyLate ColBERT folder's settings and projection (`colbert.py`); None for other folders."""
 
 
 def bundled_minilm() -> Path:
@@ -198,6 +202,13 @@ def read_text_folder(path: str) -> TextFolder:
             "export the transformer alone and set model.pooling"
         )
     order = [m["type"].rsplit(".", 1)[-1] for m in modules]
+    if order == ["Transformer", "Dense"] and modules[1]["type"].startswith("pylate."):  # ColBERT's token projection
+        late = read_pylate(root, root / modules[1].get("path", ""))
+        folder = _st_folder(root, root / modules[0].get("path", ""), pooling="colbert", colbert=late)
+        prompts = dict(
+            query_prompt=late.query_prefix + folder.query_prompt, doc_prompt=late.doc_prefix + folder.doc_prompt
+        )
+        return dataclasses.replace(folder, max_seq_length=late.doc_length, **prompts)
     dense_at = [i for i, kind in enumerate(order) if kind == "Dense"]
     stack = ["Transformer", "Pooling", *["Dense"] * len(dense_at)]
     if dense_at and order not in (stack, [*stack, "Normalize"]):

@@ -24,9 +24,9 @@ from torch import Tensor, nn
 from titan_contrastive.components.freeze import locked_forward
 from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
 from titan_contrastive.losses import temperature_from_config
+from titan_contrastive.models.bi_encoder.args import BiEncoderArgs
 from titan_contrastive.models.bi_encoder.embedding import embed
 from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer, pad_id
-from titan_contrastive.models.bi_encoder.model import BiEncoderArgs
 from titan_contrastive.models.bi_encoder.tower import load_text_tower
 from titan_contrastive.models.clip.args import CLIPArgs, text_tower_flops, text_tower_params
 from titan_contrastive.models.clip.model import ImageTower

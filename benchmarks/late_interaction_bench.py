@@ -1,0 +1,122 @@
+"""Late interaction's loss over one problem: autograd through every token product against the tiled scores that
+recompute each tile for the backward (`losses/late_interaction.py`), side by side.
+
+    python -m benchmarks.late_interaction_bench                               # CPU: 64 queries, 1 hard negative each
+    python -m benchmarks.late_interaction_bench --queries 512 --dtype bfloat16   # one GPU
+
+`--queries` queries of 32 tokens against their positives and `--negatives` hard negatives each (documents of
+180 tokens, a quarter of each left out as padding or skipped), 128-wide unit tokens, PyLate's sizes; one-way
+InfoNCE over MaxSim (PyLate's Contrastive). Rows, per path: the bytes autograd keeps for the backward
+(`SavedActivations`, counted, so the same on any device), the median seconds of one loss and backward
+(`harness.round_robin`, interleaved, after a warm-up), the peak memory of that call above what was allocated before
+it (CUDA allocator only), and the loss's and gradients' largest difference from the autograd path.
+Writes late_interaction_bench.{json,csv,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from benchmarks import harness
+
+NAME = "late_interaction_bench"
+FIELDS = ["path", "queries", "columns", "dtype", "saved_mib", "median_s", "peak_mib", "max_diff"]
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--queries", type=int, default=64)
+    p.add_argument("--negatives", type=int, default=1)
+    p.add_argument("--query-tokens", type=int, default=32)
+    p.add_argument("--doc-tokens", type=int, default=180)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=str(harness.RESULTS))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    import torch
+    import torch.nn.functional as F
+
+    from titan_contrastive.components.memory_probe import SavedActivations
+    from titan_contrastive.losses import Ranks
+    from titan_contrastive.losses.late_interaction import LateInteraction
+
+    device = harness.default_device()
+    dtype = getattr(torch, args.dtype)
+    meta = harness.metadata(device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    n, m = args.queries, args.queries * (1 + args.negatives)
+
+    def tokens(rows: int, length: int) -> torch.Tensor:
+        t = F.normalize(torch.randn(rows, length, args.dim, generator=gen), dim=-1)
+        t[:, length * 3 // 4 :] = 0  # padding and skipped tokens: zero vectors
+        return t.flatten(1).to(device, dtype).requires_grad_(True)
+
+    q, docs = tokens(n, args.query_tokens), tokens(m, args.doc_tokens)
+    scale = torch.tensor(1.0, device=device)
+    objective = LateInteraction(args.dim)
+    paths = {
+        "autograd": lambda: objective.dense(q, docs, scale),
+        "tiled": lambda: objective.microbatch(q, (docs[:n], docs[n:]), scale, None, None, Ranks(None)),
+    }
+
+    def step(path: str) -> list[Any]:
+        q.grad, docs.grad = None, None
+        loss = paths[path]()
+        loss.backward()
+        return [loss.detach(), q.grad, docs.grad]
+
+    rows, results, saved = [], {}, {}
+    for path in paths:
+        with SavedActivations([q, docs]) as probe:
+            loss = paths[path]()
+        saved[path] = probe.peak
+        del loss
+        results[path] = step(path)
+    measured = harness.round_robin(
+        {path: (lambda path=path: step(path)) for path in paths}, args.repeats, device=device, rss=False
+    )
+    for path, result in measured.items():
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(results[path], results["autograd"]))
+        peak = None if result.cuda_peak_extra_bytes is None else result.cuda_peak_extra_bytes / 2**20
+        rows.append(
+            {
+                "path": path,
+                "queries": n,
+                "columns": m,
+                "dtype": args.dtype,
+                "saved_mib": saved[path] / 2**20,
+                "median_s": result.median_s,
+                "peak_mib": peak,
+                "max_diff": diff,
+                "times_s": result.times_s,
+            }
+        )
+
+    def figure() -> Any:
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
+        labels = [r["path"] for r in rows]
+        axes[0].bar(labels, [r["saved_mib"] for r in rows])
+        axes[0].set_ylabel("saved for backward (MiB)")
+        axes[1].bar(labels, [r["median_s"] for r in rows])
+        axes[1].set_ylabel("loss + backward (s, median)")
+        fig.suptitle(
+            f"MaxSim InfoNCE: {n} x {args.query_tokens} query tokens, {m} x {args.doc_tokens} document tokens, "
+            f"d {args.dim}, {args.dtype}, {harness.device_name(device)}",
+            fontsize=9,
+        )
+        fig.tight_layout()
+        return fig
+
+    harness.write_results(args.out, NAME, meta, {"config": vars(args)}, rows=rows, fields=FIELDS, figure=figure)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Late interaction (`losses/late_interaction.py`): every form against InfoNCE over MaxSim written here one
+query-document pair at a time, in float64, with hard negatives, padded tokens on both sides, query and document
+token counts that differ, one-way and symmetric, on 1, 2 and 4 gloo processes, chunks that divide nothing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.dist_utils import run_distributed
+from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
+from tests.test_objectives import N, leaves
+from titan_contrastive.losses import InfoNCE, MicrobatchLoss, Ranks
+from titan_contrastive.losses.late_interaction import LateInteraction, late_interaction
+
+K, LQ, LD, DIM = 2, 4, 5, 3  # hard negatives per query, query and document tokens, token width
+
+
+def _token_rows(n: int, length: int, gen: torch.Generator, near: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, length * DIM]: unit tokens, row r's last r % 3 tokens zero (padding, or skipped)."""
+    t = torch.randn(n, length, DIM, generator=gen, dtype=torch.float64)
+    if near is not None:
+        t[:, : near.shape[1]] += 2 * near
+    t = F.normalize(t, dim=-1)
+    for r in range(n):
+        if r % 3:
+            t[r, length - r % 3 :] = 0
+    return t.flatten(1)
+
+
+def problem(k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = _token_rows(N, LQ, gen)
+    qt = q.view(N, LQ, DIM)
+    p = _token_rows(N, LD, gen, near=qt)
+    n = _token_rows(N * k, LD, gen, near=qt.repeat_interleave(k, 0)) if k else None
+    return q, p, n, torch.tensor(3.0, dtype=torch.float64), None, torch.arange(N * (1 + k))
+
+
+def maxsim(qi: torch.Tensor, dj: torch.Tensor, dim: int) -> torch.Tensor:
+    """sum over the query's tokens of the largest product with a document token that is not zero."""
+    doc = dj.view(-1, dim)
+    doc = doc[(doc != 0).any(1)]
+    return (qi.view(-1, dim) @ doc.T).amax(1).sum()
+
+
+def reference(q, p, n, scale, symmetric: bool, dim: int = DIM):
+    """InfoNCE over t MaxSim, query i's positive being column i (`p` then `n`, the hard negatives)."""
+    cols, nq = (p if n is None else torch.cat([p, n])), len(q)
+    s = torch.stack([torch.stack([scale * maxsim(q[i], cols[j], dim) for j in range(len(cols))]) for i in range(nq)])
+    forward = sum(torch.logsumexp(s[i], 0) - s[i, i] for i in range(nq)) / nq
+    if not symmetric:
+        return forward
+    backward = sum(torch.logsumexp(s[:, j], 0) - s[j, j] for j in range(nq)) / nq
+    return (forward + backward) / 2
+
+
+CASES = [(k, sym) for k in (0, K) for sym in (False, True)]
+
+
+def _want(k: int, symmetric: bool, seed: int):
+    problem_ = problem(k, seed)
+    rq, rp, rn, rs = leaves(*problem_[:4])
+    loss = reference(rq, rp, rn, rs, symmetric)
+    return problem_, (loss.detach(), *wanted(loss, rq, rp, rn, rs))
+
+
+@pytest.mark.parametrize(("k", "symmetric"), CASES, ids=[f"k{k}-{'sym' if s else 'oneway'}" for k, s in CASES])
+def test_every_form_matches_the_definition(k: int, symmetric: bool) -> None:
+    problem_, want = _want(k, symmetric, 0)
+    assert_forms(LateInteraction(DIM, symmetric), problem_, want)
+
+
+def test_tiles_smaller_than_a_block_match_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles of one or two columns (the module's tile budget shrunk) give the same loss and gradients."""
+    from titan_contrastive.losses import late_interaction as module
+
+    monkeypatch.setattr(module, "TILE_ELEMENTS", 2 * 5 * LQ * LD)
+    problem_, want = _want(K, True, 2)
+    assert_forms(LateInteraction(DIM, True), problem_, want)
+
+
+def _distributed() -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    for k, symmetric in CASES:
+        problem_, want = _want(k, symmetric, 1)
+        assert_distributed_forms(LateInteraction(DIM, symmetric), problem_, want, f"k{k}-{symmetric}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_forms_match_the_definition(world: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_distributed(_distributed, world)
+
+
+def test_scale_gradient_is_the_row_shares() -> None:
+    """MaxSim is positively homogeneous: the temperature's gradient from <q, dL/dq> / t equals autograd's."""
+    q, p, n, scale, _, _ = problem(K, 3)
+    objective = LateInteraction(DIM)
+    out = objective.streamed(q, torch.cat([p, n]), scale, first_row=0, num_queries=N, chunk=5, ranks=Ranks(None))
+    s = scale.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(reference(q, p, n, s, False), s)
+    assert abs(out.scale_rows.sum() - grad) < 1e-10
+
+
+def test_only_plain_infonce_scores_by_late_interaction() -> None:
+    from titan_contrastive.losses import FalseNegatives, Sigmoid
+
+    assert late_interaction(InfoNCE(False), 8) == LateInteraction(8, False)
+    with pytest.raises(ValueError, match=r"^model.pooling=colbert scores by late interaction, which InfoNCE"):
+        late_interaction(Sigmoid(), 8)
+    with pytest.raises(ValueError, match=r"remove loss.joint_directions, loss.hardness_strength and the loss.mask_"):
+        late_interaction(InfoNCE(False, FalseNegatives(margin=0.1)), 8)
+
+
+def test_widths_must_be_whole_tokens() -> None:
+    q = torch.zeros(2, 4 * DIM)
+    with pytest.raises(ValueError, match=r"must be \[B, d\]"):
+        MicrobatchLoss(LateInteraction(DIM))(q, torch.zeros(2, 4 * DIM + 1), torch.tensor(1.0))

@@ -1,0 +1,227 @@
+"""Late interaction (ColBERT's MaxSim): InfoNCE over a score that reads every token of both sides.
+
+A multi-vector embedding is one row [L * d]: L token vectors of width d (`token_dim`) laid end to end,
+a token that does not count (padding, a skipped punctuation mark) being the zero vector. The score of
+query i and document j is
+
+    S_ij = t sum_a max_b <q_ia, d_jb>        (b over the document's tokens that are not zero)
+
+(t = exp(t'), the model's temperature multiplier), and the loss is InfoNCE over S as in `infonce.py`:
+one-way, -1/N sum_i log softmax_j(S_i)[i] (PyLate's Contrastive), or symmetric. A zero query token adds
+nothing (its products are all 0). MaxSim is positively homogeneous in q, so dL/dt = <q, dL/dq> / t per
+row, as for the dot product (`base.row_scale_shares`).
+
+The scores are formed in tiles of rows x columns whose [rows, L_q, columns, L_d] token products stay
+under `TILE_ELEMENTS`, never all at once; a tile's backward recomputes it (`_tile_grads`), so the
+streamed form keeps O(chunk x M) logits, as every other objective's, and the microbatch form keeps only
+its inputs (`MaxSimScores`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from titan_contrastive.losses.base import Ranks, StreamResult, gathered_problem, row_scale_shares
+from titan_contrastive.losses.guide import Guide
+from titan_contrastive.losses.streaming import accumulation_dtype
+
+TILE_ELEMENTS = 1 << 24  # token products per tile: 64 MiB in float32
+
+
+def tokens(x: Tensor, dim: int) -> Tensor:
+    """Rows [n, L * dim] as [n, L, dim]."""
+    return x.view(len(x), -1, dim)
+
+
+def token_products(q: Tensor, docs: Tensor, dim: int) -> Tensor:
+    """MaxSim of every row of `q` with every row of `docs` [n, m], with autograd: all token products at once."""
+    qt, dt = tokens(q, dim), tokens(docs, dim)
+    products = torch.einsum("iad,jbd->iajb", qt, dt)
+    real = (dt != 0).any(-1)  # [m, L_d]: the document tokens that count
+    products = products.masked_fill(~real[None, None], -math.inf)
+    return products.amax(-1).to(accumulation_dtype(q)).sum(1)
+
+
+def _column_tile(rows: int, q_len: int, d_len: int, columns: int) -> int:
+    return max(1, min(columns, TILE_ELEMENTS // max(1, rows * q_len * d_len)))
+
+
+def scores(q: Tensor, docs: Tensor, dim: int) -> Tensor:
+    """MaxSim [n, m] in the accumulation dtype, without autograd, in tiles of columns."""
+    out = torch.empty(len(q), len(docs), dtype=accumulation_dtype(q), device=q.device)
+    step = _column_tile(len(q), q.shape[1] // dim, docs.shape[1] // dim, len(docs))
+    with torch.no_grad():
+        for j in range(0, len(docs), step):
+            out[:, j : j + step] = token_products(q, docs[j : j + step], dim)
+    return out
+
+
+def _tile_grads(q: Tensor, docs: Tensor, dim: int, grad: Tensor) -> tuple[Tensor, Tensor]:
+    """(dL/dq [n, Lq d], dL/ddocs [m, Ld d]) from dL/dS `grad` [n, m], recomputing a tile of columns at a time
+    (the same operations as `token_products`, so the same arg-max and the same gradient as its autograd)."""
+    gq = torch.zeros(q.shape, dtype=grad.dtype, device=q.device)
+    gd = torch.empty(docs.shape, dtype=grad.dtype, device=q.device)
+    step = _column_tile(len(q), q.shape[1] // dim, docs.shape[1] // dim, len(docs))
+    for j in range(0, len(docs), step):
+        with torch.enable_grad():
+            qt, dt = q.detach().requires_grad_(), docs[j : j + step].detach().requires_grad_()
+            tile_q, tile_d = torch.autograd.grad(token_products(qt, dt, dim), (qt, dt), grad[:, j : j + step])
+        gq += tile_q
+        gd[j : j + step] = tile_d
+    return gq, gd
+
+
+class MaxSimScores(torch.autograd.Function):
+    """`scores` with a backward that recomputes each tile (`_tile_grads`): keeps only q and docs."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, docs: Tensor, dim: int) -> Tensor:  # noqa: ANN001
+        ctx.save_for_backward(q, docs)
+        ctx.dim = dim
+        return scores(q, docs, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
+        q, docs = ctx.saved_tensors
+        gq, gd = _tile_grads(q, docs, ctx.dim, grad)
+        return gq.to(q.dtype), gd.to(docs.dtype), None
+
+
+def pair_scores(q: Tensor, docs: Tensor, dim: int) -> Tensor:
+    """MaxSim of row i of `q` with row i of `docs` [n], without autograd."""
+    out = torch.empty(len(q), dtype=accumulation_dtype(q), device=q.device)
+    step = max(1, TILE_ELEMENTS // max(1, (q.shape[1] // dim) * (docs.shape[1] // dim)))
+    with torch.no_grad():
+        for i in range(0, len(q), step):
+            qt, dt = tokens(q[i : i + step], dim), tokens(docs[i : i + step], dim)
+            products = torch.einsum("iad,ibd->iab", qt, dt).masked_fill(~(dt != 0).any(-1)[:, None], -math.inf)
+            out[i : i + step] = products.amax(-1).to(out.dtype).sum(1)
+    return out
+
+
+@dataclass(frozen=True)
+class LateInteraction:
+    """InfoNCE over MaxSim scores of multi-vector embeddings `token_dim` wide per token; see the module docstring."""
+
+    token_dim: int
+    symmetric: bool = False
+    name: str = "clip"
+    has_bias = False
+    needs_ids = False
+    kernel_kind = "softmax"
+    init_logit_scale = 0.0  # t = 1: PyLate's temperature
+    init_logit_bias = None
+
+    def with_guide(self, guide: Guide | None) -> LateInteraction:
+        if guide is not None:
+            raise ValueError("late interaction scores whole token sets; a guide's masks are not supported")
+        return self
+
+    def fused(self, num_queries: int, num_columns: int) -> bool:
+        return False
+
+    def similarity(self, q: Tensor, docs: Tensor) -> Tensor:
+        """MaxSim of every query with every document [n, m] (evaluation's scores; no autograd)."""
+        return scores(q, docs, self.token_dim)
+
+    def describe(self) -> str:
+        way = "symmetric" if self.symmetric else "one-way"
+        return f"{self.name} loss (InfoNCE over late interaction, MaxSim of {self.token_dim}-wide tokens, {way})"
+
+    def _loss(self, logits: Tensor) -> Tensor:
+        n = len(logits)
+        labels = torch.arange(n, device=logits.device)
+        loss = F.cross_entropy(logits, labels)
+        return 0.5 * (loss + F.cross_entropy(logits[:, :n].T, labels)) if self.symmetric else loss
+
+    def dense(
+        self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
+    ) -> Tensor:
+        """The definition on whole tensors (autograd; materialises every token product)."""
+        return self._loss(scale * token_products(q, docs, self.token_dim))
+
+    def microbatch(
+        self,
+        q: Tensor,
+        docs: tuple[Tensor, Tensor | None],
+        scale: Tensor,
+        bias: Tensor | None,
+        ids: tuple[Tensor, Tensor | None] | None,
+        ranks: Ranks,
+    ) -> Tensor:
+        """The loss over all ranks' embeddings gathered with gradient (as `InfoNCE.microbatch`), the scores in
+        tiles that the backward recomputes."""
+        queries, cols, _ = gathered_problem(q, docs, None, ranks)
+        logits = scale.to(accumulation_dtype(q)) * MaxSimScores.apply(queries, cols, self.token_dim)
+        return self._loss(logits)
+
+    def streamed(
+        self,
+        q_own: Tensor,
+        docs: Tensor,
+        scale: Tensor,
+        bias: Tensor | None = None,
+        *,
+        first_row: int,
+        num_queries: int,
+        chunk: int,
+        ranks: Ranks,
+        kernel: str = "pytorch",
+        ids: Tensor | None = None,
+    ) -> StreamResult:
+        """The own rows against all columns, `chunk` rows at a time: the row (and, symmetric, the positives'
+        column) log-sum-exps in one pass, merged over ranks; then each block again for dL/dS and its tiles'
+        gradients."""
+        n, c, dim, s = num_queries, len(q_own), self.token_dim, float(scale)
+        acc = accumulation_dtype(q_own)
+        row_lse = torch.empty(c, dtype=acc, device=q_own.device)
+        col_part = torch.full((n,), -math.inf, dtype=acc, device=q_own.device)
+        blocks = range(0, c, chunk)
+        for start in blocks:
+            logits = scores(q_own[start : start + chunk], docs, dim).mul_(s)
+            row_lse[start : start + chunk] = logits.logsumexp(1)
+            if self.symmetric:
+                col_part = torch.logaddexp(col_part, logits[:, :n].logsumexp(0))
+        col_lse = ranks.merge_lse(col_part) if self.symmetric else None
+        positive = pair_scores(q_own, docs[first_row : first_row + c], dim) * s
+        terms = (row_lse - positive).sum()
+        if col_lse is not None:
+            terms = terms + (col_lse[first_row : first_row + c] - positive).sum()
+        loss = ranks.sum(terms.clone()) / (2 * n if self.symmetric else n)
+        grad_rows = torch.empty(q_own.shape, dtype=acc, device=q_own.device)
+        grad_cols = torch.zeros(docs.shape, dtype=acc, device=q_own.device)
+        coef = s / (2 * n) if self.symmetric else s / n
+        for start in blocks:
+            rows = q_own[start : start + chunk]
+            w = scores(rows, docs, dim).mul_(s)
+            p = (w - row_lse[start : start + len(rows), None]).exp()
+            if col_lse is not None:
+                p[:, :n] += (w[:, :n] - col_lse[None, :]).exp()
+            p.diagonal(first_row + start).sub_(2 if self.symmetric else 1)
+            gq, gd = _tile_grads(rows, docs, dim, p.mul_(coef))
+            grad_rows[start : start + len(rows)] = gq
+            grad_cols += gd
+        return StreamResult(loss, grad_rows, grad_cols, row_scale_shares(q_own, grad_rows, scale), None)
+
+
+def late_interaction(objective: object, token_dim: int) -> LateInteraction:
+    """The late-interaction twin of a run's objective for multi-vector embeddings `token_dim` wide per token
+    (`[model] pooling = "colbert"`): plain InfoNCE only, one-way or symmetric; ValueError naming what else it holds."""
+    from titan_contrastive.losses.infonce import InfoNCE
+
+    if not isinstance(objective, InfoNCE) or objective.name != "clip":
+        raise ValueError(
+            f"model.pooling=colbert scores by late interaction, which InfoNCE takes (loss.name=clip), not "
+            f"{objective.describe()}: set loss.name=clip and remove the terms around it"  # type: ignore[attr-defined]
+        )
+    if objective.directions or objective.hardness.enabled or objective.false_negatives.enabled:
+        raise ValueError(
+            f"model.pooling=colbert scores by late interaction, and {objective.describe()} reads dot products: "
+            "remove loss.joint_directions, loss.hardness_strength and the loss.mask_* settings"
+        )
+    return LateInteraction(token_dim, objective.symmetric)
