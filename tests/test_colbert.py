@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tests.colbert_folders import colbert_encoder, pylate_folder
 from tests.dist_utils import run_distributed
 from tests.needs import needs
-from tests.test_hard_negatives import REL, assert_grads_close, assert_step_equals_its_forwards, make_trainer, pairs_file
+from tests.test_hard_negatives import assert_step_equals_its_forwards, make_trainer, pairs_file, step_against
 from tests.test_late_interaction import reference
 from tests.test_trainer import full, grads
 
@@ -89,11 +89,6 @@ def test_embeddings_follow_pylate(tmp_path: Path, settings: dict) -> None:
     assert zero[:3] == [[4, 8], [4, 7, 9], [4, 5, 6, 7, 8, 9]]  # "," "." "!" (as [UNK]); padding
 
 
-def _samples(trainer, local: int, ga: int, world: int) -> list[dict]:
-    data = trainer.train_set
-    return [data.__getitems__(list(range(j * local * world, (j + 1) * local * world))) for j in range(ga)]
-
-
 def _dense(trainer, every: dict) -> tuple[float, dict[str, torch.Tensor]]:
     """InfoNCE over MaxSim from the definition over all samples, on a copy of the model in the trainer's mode."""
     from titan_contrastive.batching import with_negatives
@@ -118,25 +113,8 @@ COLBERT = ["--model.pooling=colbert", f"--model.colbert_dim={DIM}", "--data.doc_
 
 
 def _step(tmp: Path, kind: str) -> None:
-    local, ga, extra = KINDS[kind]
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    trainer = make_trainer(
-        tmp,
-        f"--training.local_batch_size={local}",
-        f"--training.global_batch_size={local * ga * world}",
-        *COLBERT,
-        *extra,
-    )
+    trainer = step_against(tmp, KINDS[kind], *COLBERT, reference=_dense)
     assert "late interaction" in trainer.gradient_step.describe()
-    trainer.model.eval()
-    steps = _samples(trainer, local, ga, world)
-    mine = [{k: v[rank * local : (rank + 1) * local] for k, v in s.items()} for s in steps]
-    want_loss, want = _dense(trainer, {k: torch.cat([s[k] for s in steps]) for k in steps[0]})
-    out = trainer.train_step(mine)
-    assert_grads_close(grads(trainer.model), want)
-    assert abs(out["loss"] - want_loss) <= REL * want_loss
-    trainer.metrics.close()
 
 
 @needs("hf")

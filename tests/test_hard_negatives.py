@@ -168,14 +168,19 @@ KINDS = {
 }
 
 
-def _step(tmp: Path, kind: str) -> None:
-    """One step of `kind` with dropout off (the model in eval mode: the chunks' dropout draws are
-    tested elsewhere) against the dense reference; P ranks x GA microbatches of `local`."""
-    local, ga, extra = KINDS[kind]
+def step_against(tmp: Path, kind: tuple[int, int, list[str]], *options: str, reference=dense_reference):
+    """One step of `kind` (local batch, accumulation steps, options) with `options`, dropout off (the model in eval
+    mode: the chunks' dropout draws are tested elsewhere), against `reference(trainer, samples)` over every sample
+    (default: the objective's dense form); P ranks x GA microbatches of `local`. The trainer."""
+    local, ga, extra = kind
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     trainer = make_trainer(
-        tmp, f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga * world}", *extra
+        tmp,
+        f"--training.local_batch_size={local}",
+        f"--training.global_batch_size={local * ga * world}",
+        *extra,
+        *options,
     )
     trainer.model.eval()
     data = trainer.train_set
@@ -183,24 +188,25 @@ def _step(tmp: Path, kind: str) -> None:
     assert steps[0]["neg"].shape[1] == K
     mine = [{k: v[rank * local : (rank + 1) * local] for k, v in s.items()} for s in steps]
     every = {k: torch.cat([s[k] for s in steps]) for k in steps[0]}
-    want_loss, want = dense_reference(trainer, every)
+    want_loss, want = reference(trainer, every)
     out = trainer.train_step(mine)
     assert_grads_close(grads(trainer.model), want)
     assert abs(out["loss"] - want_loss) <= REL * want_loss
     trainer.metrics.close()
+    return trainer
 
 
 @needs("hf")
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_hard_negatives_in_every_step_kind_equal_the_dense_objective(tmp_path: Path, kind: str) -> None:
     pairs_file(tmp_path)
-    _step(tmp_path, kind)
+    step_against(tmp_path, KINDS[kind])
 
 
 def _step_distributed(tmp: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    _step(Path(tmp), "global")
+    step_against(Path(tmp), KINDS["global"])
 
 
 @needs("hf")
