@@ -238,6 +238,7 @@ def write_pylate(tower: nn.Module, head: nn.Linear, args: Any, late: PyLateFolde
         ],
         "sentence_bert_config.json": {"max_seq_length": args.doc_length - 1, "do_lower_case": False},
         "config_sentence_transformers.json": {
+            "model_type": "ColBERT",
             "prompts": {},
             "default_prompt_name": None,
             "similarity_fn_name": "MaxSim",

@@ -10,7 +10,8 @@
 - `pylate`: a ColBERT run (`[model] pooling = "colbert"`) as a PyLate folder, both sides at once
   (`colbert.write_pylate`); the only whole-model format for it. PyLate pins an older
   sentence-transformers than the one installed, so the folder is read back by our PyLate reader
-  (`colbert.read_pylate`, held to PyLate's computation by the tests).
+  (`colbert.read_pylate`, held to PyLate's computation by the tests; `benchmarks/pylate_interop.py` reads the
+  folders with PyLate itself, in its own venv).
 
 With LoRA the first two hold the merged weights (W + B A alpha / r, peft's `merge_and_unload`).
 Each folder is loaded back by its library and must give the run's embeddings of fixed texts
