@@ -92,18 +92,6 @@ class MaxSimScores(torch.autograd.Function):
         return gq.to(q.dtype), gd.to(docs.dtype), None
 
 
-def pair_scores(q: Tensor, docs: Tensor, dim: int) -> Tensor:
-    """MaxSim of row i of `q` with row i of `docs` [n], without autograd."""
-    out = torch.empty(len(q), dtype=accumulation_dtype(q), device=q.device)
-    step = max(1, TILE_ELEMENTS // max(1, (q.shape[1] // dim) * (docs.shape[1] // dim)))
-    with torch.no_grad():
-        for i in range(0, len(q), step):
-            qt, dt = tokens(q[i : i + step], dim), tokens(docs[i : i + step], dim)
-            products = torch.einsum("iad,ibd->iab", qt, dt).masked_fill(~(dt != 0).any(-1)[:, None], -math.inf)
-            out[i : i + step] = products.amax(-1).to(out.dtype).sum(1)
-    return out
-
-
 @dataclass(frozen=True)
 class LateInteraction:
     """InfoNCE over MaxSim scores of multi-vector embeddings `token_dim` wide per token; see the module docstring."""
@@ -180,15 +168,16 @@ class LateInteraction:
         n, c, dim, s = num_queries, len(q_own), self.token_dim, float(scale)
         acc = accumulation_dtype(q_own)
         row_lse = torch.empty(c, dtype=acc, device=q_own.device)
+        positive = torch.empty(c, dtype=acc, device=q_own.device)
         col_part = torch.full((n,), -math.inf, dtype=acc, device=q_own.device)
         blocks = range(0, c, chunk)
         for start in blocks:
             logits = scores(q_own[start : start + chunk], docs, dim).mul_(s)
             row_lse[start : start + chunk] = logits.logsumexp(1)
+            positive[start : start + chunk] = logits.diagonal(first_row + start)  # each row's own column
             if self.symmetric:
                 col_part = torch.logaddexp(col_part, logits[:, :n].logsumexp(0))
         col_lse = ranks.merge_lse(col_part) if self.symmetric else None
-        positive = pair_scores(q_own, docs[first_row : first_row + c], dim) * s
         terms = (row_lse - positive).sum()
         if col_lse is not None:
             terms = terms + (col_lse[first_row : first_row + c] - positive).sum()
