@@ -1,6 +1,7 @@
 """Late interaction (`losses/late_interaction.py`): every form against InfoNCE over MaxSim written here one
 query-document pair at a time, in float64, with hard negatives, padded tokens on both sides, query and document
-token counts that differ, one-way and symmetric, on 1, 2 and 4 gloo processes, chunks that divide nothing."""
+token counts that differ, one-way and symmetric, each query's score over its token count or not (ColPali's
+normalize_scores), on 1, 2 and 4 gloo processes, chunks that divide nothing."""
 
 from __future__ import annotations
 
@@ -48,10 +49,14 @@ def maxsim(qi: torch.Tensor, dj: torch.Tensor, dim: int) -> torch.Tensor:
     return (qi.view(-1, dim) @ doc.T).amax(1).sum()
 
 
-def reference(q, p, n, scale, symmetric: bool, dim: int = DIM):
-    """InfoNCE over t MaxSim, query i's positive being column i (`p` then `n`, the hard negatives)."""
+def reference(q, p, n, scale, symmetric: bool, dim: int = DIM, normalize: bool = False):
+    """InfoNCE over t MaxSim, query i's positive being column i (`p` then `n`, the hard negatives); `normalize`: each
+    query's MaxSim over its count of tokens that are not zero."""
     cols, nq = (p if n is None else torch.cat([p, n])), len(q)
-    s = torch.stack([torch.stack([scale * maxsim(q[i], cols[j], dim) for j in range(len(cols))]) for i in range(nq)])
+    count = [int((q[i].view(-1, dim) != 0).any(1).sum()) if normalize else 1 for i in range(nq)]
+    s = torch.stack(
+        [torch.stack([scale * maxsim(q[i], cols[j], dim) / count[i] for j in range(len(cols))]) for i in range(nq)]
+    )
     forward = sum(torch.logsumexp(s[i], 0) - s[i, i] for i in range(nq)) / nq
     if not symmetric:
         return forward
@@ -59,20 +64,24 @@ def reference(q, p, n, scale, symmetric: bool, dim: int = DIM):
     return (forward + backward) / 2
 
 
-CASES = [(k, sym) for k in (0, K) for sym in (False, True)]
+CASES = [(k, sym, False) for k in (0, K) for sym in (False, True)] + [(K, False, True), (0, True, True)]
 
 
-def _want(k: int, symmetric: bool, seed: int):
+def _want(k: int, symmetric: bool, seed: int, normalize: bool = False):
     problem_ = problem(k, seed)
     rq, rp, rn, rs = leaves(*problem_[:4])
-    loss = reference(rq, rp, rn, rs, symmetric)
+    loss = reference(rq, rp, rn, rs, symmetric, normalize=normalize)
     return problem_, (loss.detach(), *wanted(loss, rq, rp, rn, rs))
 
 
-@pytest.mark.parametrize(("k", "symmetric"), CASES, ids=[f"k{k}-{'sym' if s else 'oneway'}" for k, s in CASES])
-def test_every_form_matches_the_definition(k: int, symmetric: bool) -> None:
-    problem_, want = _want(k, symmetric, 0)
-    assert_forms(LateInteraction(DIM, symmetric), problem_, want)
+@pytest.mark.parametrize(
+    ("k", "symmetric", "normalize"),
+    CASES,
+    ids=[f"k{k}-{'sym' if s else 'oneway'}{'-normalized' if m else ''}" for k, s, m in CASES],
+)
+def test_every_form_matches_the_definition(k: int, symmetric: bool, normalize: bool) -> None:
+    problem_, want = _want(k, symmetric, 0, normalize)
+    assert_forms(LateInteraction(DIM, symmetric, normalize), problem_, want)
 
 
 def test_tiles_smaller_than_a_block_match_too(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,9 +96,11 @@ def test_tiles_smaller_than_a_block_match_too(monkeypatch: pytest.MonkeyPatch) -
 def _distributed() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    for k, symmetric in CASES:
-        problem_, want = _want(k, symmetric, 1)
-        assert_distributed_forms(LateInteraction(DIM, symmetric), problem_, want, f"k{k}-{symmetric}")
+    for k, symmetric, normalize in CASES:
+        problem_, want = _want(k, symmetric, 1, normalize)
+        assert_distributed_forms(
+            LateInteraction(DIM, symmetric, normalize), problem_, want, f"k{k}-{symmetric}-{normalize}"
+        )
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -98,13 +109,14 @@ def test_distributed_forms_match_the_definition(world: int) -> None:
     run_distributed(_distributed, world)
 
 
-def test_scale_gradient_is_the_row_shares() -> None:
+@pytest.mark.parametrize("normalize", [False, True])
+def test_scale_gradient_is_the_row_shares(normalize: bool) -> None:
     """MaxSim is positively homogeneous: the temperature's gradient from <q, dL/dq> / t equals autograd's."""
     q, p, n, scale, _, _ = problem(K, 3)
-    objective = LateInteraction(DIM)
+    objective = LateInteraction(DIM, normalize=normalize)
     out = objective.streamed(q, torch.cat([p, n]), scale, first_row=0, num_queries=N, chunk=5, ranks=Ranks(None))
     s = scale.clone().requires_grad_()
-    (grad,) = torch.autograd.grad(reference(q, p, n, s, False), s)
+    (grad,) = torch.autograd.grad(reference(q, p, n, s, False, normalize=normalize), s)
     assert abs(out.scale_rows.sum() - grad) < 1e-10
 
 
@@ -112,6 +124,7 @@ def test_only_plain_infonce_scores_by_late_interaction() -> None:
     from titan_contrastive.losses import FalseNegatives, Sigmoid
 
     assert late_interaction(InfoNCE(False), 8) == LateInteraction(8, False)
+    assert late_interaction(InfoNCE(True), 8, normalize=True) == LateInteraction(8, True, True)
     with pytest.raises(ValueError, match=r"^model.pooling=colbert scores by late interaction, which InfoNCE"):
         late_interaction(Sigmoid(), 8)
     with pytest.raises(ValueError, match=r"remove loss.joint_directions, loss.hardness_strength and the loss.mask_"):

@@ -20,6 +20,7 @@ from tests.hf_folders import vl_folder
 from tests.needs import require
 from tests.test_hard_negatives import assert_grads_close, assert_step_equals_its_forwards
 from tests.test_hf_text import grads
+from tests.test_late_interaction import reference as late_reference
 from tests.test_trainer import full
 from tests.test_trainer import make_trainer as base_trainer
 from titan_contrastive.losses import InfoNCE
@@ -77,7 +78,8 @@ def _embeddings(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
     def embed(side: str, ids: torch.Tensor) -> torch.Tensor:
         grid = batch[f"{side}_image_grid_thw"]
-        return model.embed(ids, *((batch[f"{side}_pixel_values"].double(), grid) if len(grid) else ()))
+        images = (batch[f"{side}_pixel_values"].double(), grid) if len(grid) else (None, None)
+        return model.embed(ids, *images, "query" if side == "query" else "doc")
 
     docs = embed("doc", batch["doc"])
     if NEGATIVES in batch:
@@ -87,21 +89,28 @@ def _embeddings(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _dense(trainer, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
     """The objective from its definition on a float64 copy: the mean over `batches` (each one
-    contrastive problem) of symmetric InfoNCE over the whole batch's embeddings."""
+    contrastive problem) of InfoNCE over the whole batch's embeddings (symmetric), or over their MaxSim
+    written one pair at a time for a ColBERT model (`loss.symmetric`)."""
     model = trainer.spec.build_model(trainer.model_args).double()
     model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
     model.eval()
     losses = []
     for batch in batches:
-        losses.append(InfoNCE().dense(*_embeddings(model, batch), model.logit_scale.exp()))
+        q, d = _embeddings(model, batch)
+        if model.token_dim:
+            losses.append(
+                late_reference(q, d, None, model.logit_scale.exp(), trainer.cfg.loss.symmetric, model.token_dim)
+            )
+        else:
+            losses.append(InfoNCE().dense(q, d, model.logit_scale.exp()))
     loss = torch.stack(losses).mean()
     loss.backward()
     return loss.item(), grads(model)
 
 
-def _step(tmp: Path, arch: str, kind: str, *extra: str, sizes: tuple[str, ...] = ("28", "56", "84")) -> None:
+def _step(tmp: Path, arch: str, kind: str, *extra: str, sizes: tuple[str, ...] = ("28", "56", "84")):
     """One step of `kind` (dropout off) against the dense objective over the whole global batch; one
-    warm-up step first so that LoRA's B (zero at the start) gives A a gradient. `sizes`: vl_run's."""
+    warm-up step first so that LoRA's B (zero at the start) gives A a gradient. `sizes`: vl_run's. The trainer."""
     local, ga, args = KINDS[kind]
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -139,6 +148,7 @@ def _step(tmp: Path, arch: str, kind: str, *extra: str, sizes: tuple[str, ...] =
     assert_grads_close(grads(trainer.model), want)
     assert abs(out["loss"] - want_loss) <= REL * want_loss
     trainer.metrics.close()
+    return trainer
 
 
 # Qwen3-VL's accumulation and global negatives (20 s) and Qwen2.5-VL's all but its token budget run with the

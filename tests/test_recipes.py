@@ -6,7 +6,8 @@ with the tiny BERT-like encoder and scored sentence pairs; `train_configs/qwen_v
 tiny Qwen2-VL folder and query-document rows, then exported; `train_configs/splade.toml` with the tiny BERT-like
 masked LM, then exported to a SparseEncoder folder; `train_configs/splade_inference_free.toml` with the same,
 then exported to a SparseEncoder Router; `train_configs/colbert.toml` with a tiny PyLate folder, then exported to a
-PyLate folder)."""
+PyLate folder; `train_configs/colqwen.toml` with the tiny Qwen2-VL folder and query-page rows, then exported to a
+colpali-engine folder)."""
 
 from __future__ import annotations
 
@@ -129,6 +130,34 @@ def test_the_qwen_vl_embedder_recipe(tmp_path: Path) -> None:
     assert trainer.cfg.gradcache.chunk_tokens == 64 and trainer.cfg.data.retrieval_mode == "t2i"
     step = tmp_path / "run" / "checkpoint" / "step-2"
     assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+
+
+def test_the_colqwen_recipe(tmp_path: Path) -> None:
+    """ColPali's objective (one-way, scores over each query's length, t = 50 fixed) over MaxSim of 128-wide tokens,
+    LoRA and GradCache chunks on text-to-image rows; the step exports to colpali-engine's folder."""
+    from tests.hf_folders import vl_folder
+    from tests.test_qwen_vl_pairs import _vl_pairs
+    from titan_contrastive.export import main as export_main
+
+    rows = _vl_pairs(tmp_path / "data")
+    trainer, _ = _train(
+        tmp_path,
+        "colqwen.toml",
+        f"--model.path={vl_folder(tmp_path)}",
+        f"--data.path={rows}",
+        "--training.local_batch_size=4",
+        "--training.global_batch_size=8",
+        "--gradcache.chunk_sizes=3",
+        "--data.context_length=12",
+        "--eval.enable=false",
+        "--checkpoint.interval=2",
+    )
+    args, objective = trainer.model_args, trainer.objective
+    assert trainer.step == 2 and trainer.ga_steps == 2 and args.lora_rank == 32 and args.token_dim == 128
+    assert objective.normalize and not objective.symmetric and not trainer.model.logit_scale.requires_grad
+    assert args.query_template.endswith("<|endoftext|>" * 10)
+    step = tmp_path / "run" / "checkpoint" / "step-2"
+    assert export_main([str(step), "--to", "colpali", "--out", str(tmp_path / "colqwen")]) == 0
 
 
 def _splade_recipe(tmp_path: Path, recipe: str):

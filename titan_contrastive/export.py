@@ -1,4 +1,4 @@
-"""`python -m titan_contrastive.export SRC --to hf|open_clip|sentence-transformers|peft|pylate --out DIR`:
+"""`python -m titan_contrastive.export SRC --to hf|open_clip|sentence-transformers|peft|pylate|colpali --out DIR`:
 checkpoints for the ecosystem.
 
 SRC's family decides what it can be written as: the family one of our step-N folders names in
@@ -14,7 +14,8 @@ adapter (`ModelSpec.state_dict_adapter`) claims the path; `--to` must be one of 
   `--to peft`, the LoRA adapters alone, what `peft.PeftModel.from_pretrained(base, DIR)` loads over
   the run's `[model] path`; `--to pylate`, a ColBERT run as a PyLate folder (both sides).
 - qwen_vl (`models.qwen_vl.export`): `--to hf`, the tower (LoRA merged) with its tokenizer and
-  image processor, what `transformers.AutoModel` loads; `--to peft`, the adapters.
+  image processor, what `transformers.AutoModel` loads; `--to peft`, the adapters; `--to colpali`,
+  a ColBERT run (ColQwen) as colpali-engine's folder, its only format.
 
 What DIR may be, checked before anything is read: a folder that does not exist yet, an empty one,
 or (with `--overwrite`) a previous export of this tool, recognised by the `MARKER` file it writes
@@ -53,7 +54,7 @@ from typing import NoReturn
 
 from titan_contrastive.extras import import_failure
 
-FORMATS = ("hf", "open_clip", "sentence-transformers", "peft", "pylate")
+FORMATS = ("hf", "open_clip", "sentence-transformers", "peft", "pylate", "colpali")
 """The built-in families' formats; a registered family may add its own (`StateDictAdapter.writes`)."""
 MARKER = ".titan_contrastive_export.json"
 """Written last into every export: {"format", "source", "files"}; what `--overwrite` may replace."""
@@ -239,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="{" + ",".join(FORMATS) + "}",
         help="one of the source family's formats (a family of your own may add more). hf: a transformers folder "
         "(clip: CLIPModel; bi_encoder: the tower, LoRA merged), open_clip: open_clip's folder layout (clip); "
-        "sentence-transformers: a SentenceTransformer folder (bi_encoder); qwen_vl: hf, peft; "
+        "sentence-transformers: a SentenceTransformer folder (bi_encoder); qwen_vl: hf, peft, colpali; "
         "peft: the LoRA adapters as a PEFT folder (bi_encoder trained with [lora]); pylate: a ColBERT bi_encoder as a "
-        "PyLate folder",
+        "PyLate folder; colpali: a ColBERT qwen_vl run as colpali-engine's ColQwen folder",
     )
     parser.add_argument(
         "--out",

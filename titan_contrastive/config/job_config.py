@@ -66,7 +66,8 @@ class Model:
     sentence-transformers' Pooling computes them; splade: a masked LM's vocabulary-wide sparse embedding, the max
     over the tokens of log(1 + relu(logits)) (`splade_pooling`, `splade_activation`), scored by dot product
     (t = 1); colbert: every token projected and normalized, scored by late interaction (MaxSim, t = 1; a PyLate
-    folder's `auto`). qwen_vl: last_token or mean."""
+    folder's `auto`). qwen_vl: last_token, mean or colbert (ColPali's ColQwen: every text and visual token
+    projected and normalized, scored by MaxSim; a ColQwen folder's projection read)."""
     query_prompt: str = "auto"
     """bi_encoder: text prepended to every query (E5 "query: ", an instruction); `auto` = the folder's query prompt.
     qwen_vl: the query's template, `{text}` for the caption, `{image}` for the image."""
@@ -86,8 +87,8 @@ class Model:
     """bi_encoder with pooling=splade: a token's weight, log(1 + relu(logit)) (relu) or one more log(1 + .)
     (log1p_relu, OpenSearch's inference-free document models); `auto` = the SparseEncoder folder's, else relu."""
     colbert_dim: int = 0
-    """bi_encoder with pooling=colbert: the width of a token's vector; 0 = the PyLate folder's, else 128 (a new
-    projection)."""
+    """pooling=colbert: the width of a token's vector; 0 = the PyLate (bi_encoder) or ColQwen (qwen_vl) folder's,
+    else 128 (a new projection; ColQwen3's 320 on a Qwen3-VL folder)."""
     query_expansion: bool | None = None
     """bi_encoder with pooling=colbert: pad queries to data.context_length with the mask token and score every
     position (PyLate's `do_query_expansion`); unset (`none`) = the PyLate folder's, else true."""

@@ -20,6 +20,9 @@ class Loss:
     symmetric: bool = True
     """clip: add the document -> query direction over the positives (CLIP's loss); false: queries
     -> documents only (sentence-transformers' MultipleNegativesRankingLoss)."""
+    maxsim_normalize: bool = False
+    """Late interaction (`[model] pooling = "colbert"`): divide each query's MaxSim by its token count (ColPali's
+    normalize_scores; with `init_logit_scale` = ln 50, fixed, ColPali's ColbertLoss at its temperature 0.02)."""
     joint_directions: list[str] = opt([], None)
     """clip, one-way: more candidates in each query's one softmax (sentence-transformers' joint directions):
     query_to_query, doc_to_query, doc_to_doc; GTE: all three, Qwen3-Embedding: the first and last."""

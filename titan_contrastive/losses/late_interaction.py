@@ -6,10 +6,11 @@ query i and document j is
 
     S_ij = t sum_a max_b <q_ia, d_jb>        (b over the document's tokens that are not zero)
 
-(t = exp(t'), the model's temperature multiplier), and the loss is InfoNCE over S as in `infonce.py`:
+(t = exp(t'), the model's temperature multiplier), divided by query i's token count (those not zero) where
+`normalize` (ColPali's `normalize_scores`), and the loss is InfoNCE over S as in `infonce.py`:
 one-way, -1/N sum_i log softmax_j(S_i)[i] (PyLate's Contrastive), or symmetric. A zero query token adds
 nothing (its products are all 0). MaxSim is positively homogeneous in q, so dL/dt = <q, dL/dq> / t per
-row, as for the dot product (`base.row_scale_shares`).
+row, as for the dot product (`base.row_scale_shares`); the token count does not depend on q's values.
 
 The scores are formed in tiles of rows x columns whose [rows, L_q, columns, L_d] token products stay
 under `TILE_ELEMENTS`, never all at once; a tile's backward recomputes it (`_tile_grads`), so the
@@ -38,30 +39,32 @@ def tokens(x: Tensor, dim: int) -> Tensor:
     return x.view(len(x), -1, dim)
 
 
-def token_products(q: Tensor, docs: Tensor, dim: int) -> Tensor:
-    """MaxSim of every row of `q` with every row of `docs` [n, m], with autograd: all token products at once."""
+def token_products(q: Tensor, docs: Tensor, dim: int, normalize: bool = False) -> Tensor:
+    """MaxSim of every row of `q` with every row of `docs` [n, m], with autograd: all token products at once;
+    `normalize`: each row's divided by its token count."""
     qt, dt = tokens(q, dim), tokens(docs, dim)
     products = torch.einsum("iad,jbd->iajb", qt, dt)
     real = (dt != 0).any(-1)  # [m, L_d]: the document tokens that count
     products = products.masked_fill(~real[None, None], -math.inf)
-    return products.amax(-1).to(accumulation_dtype(q)).sum(1)
+    out = products.amax(-1).to(accumulation_dtype(q)).sum(1)
+    return out / (qt != 0).any(-1).sum(1, keepdim=True).clamp_min(1) if normalize else out
 
 
 def _column_tile(rows: int, q_len: int, d_len: int, columns: int) -> int:
     return max(1, min(columns, TILE_ELEMENTS // max(1, rows * q_len * d_len)))
 
 
-def scores(q: Tensor, docs: Tensor, dim: int) -> Tensor:
-    """MaxSim [n, m] in the accumulation dtype, without autograd, in tiles of columns."""
+def scores(q: Tensor, docs: Tensor, dim: int, normalize: bool = False) -> Tensor:
+    """MaxSim [n, m] in the accumulation dtype, without autograd, in tiles of columns (`token_products`)."""
     out = torch.empty(len(q), len(docs), dtype=accumulation_dtype(q), device=q.device)
     step = _column_tile(len(q), q.shape[1] // dim, docs.shape[1] // dim, len(docs))
     with torch.no_grad():
         for j in range(0, len(docs), step):
-            out[:, j : j + step] = token_products(q, docs[j : j + step], dim)
+            out[:, j : j + step] = token_products(q, docs[j : j + step], dim, normalize)
     return out
 
 
-def _tile_grads(q: Tensor, docs: Tensor, dim: int, grad: Tensor) -> tuple[Tensor, Tensor]:
+def _tile_grads(q: Tensor, docs: Tensor, dim: int, grad: Tensor, normalize: bool = False) -> tuple[Tensor, Tensor]:
     """(dL/dq [n, Lq d], dL/ddocs [m, Ld d]) from dL/dS `grad` [n, m], recomputing a tile of columns at a time
     (the same operations as `token_products`, so the same arg-max and the same gradient as its autograd)."""
     gq = torch.zeros(q.shape, dtype=grad.dtype, device=q.device)
@@ -70,7 +73,8 @@ def _tile_grads(q: Tensor, docs: Tensor, dim: int, grad: Tensor) -> tuple[Tensor
     for j in range(0, len(docs), step):
         with torch.enable_grad():
             qt, dt = q.detach().requires_grad_(), docs[j : j + step].detach().requires_grad_()
-            tile_q, tile_d = torch.autograd.grad(token_products(qt, dt, dim), (qt, dt), grad[:, j : j + step])
+            products = token_products(qt, dt, dim, normalize)
+            tile_q, tile_d = torch.autograd.grad(products, (qt, dt), grad[:, j : j + step])
         gq += tile_q
         gd[j : j + step] = tile_d
     return gq, gd
@@ -80,16 +84,16 @@ class MaxSimScores(torch.autograd.Function):
     """`scores` with a backward that recomputes each tile (`_tile_grads`): keeps only q and docs."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, docs: Tensor, dim: int) -> Tensor:  # noqa: ANN001
+    def forward(ctx, q: Tensor, docs: Tensor, dim: int, normalize: bool) -> Tensor:  # noqa: ANN001
         ctx.save_for_backward(q, docs)
-        ctx.dim = dim
-        return scores(q, docs, dim)
+        ctx.dim, ctx.normalize = dim, normalize
+        return scores(q, docs, dim, normalize)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
         q, docs = ctx.saved_tensors
-        gq, gd = _tile_grads(q, docs, ctx.dim, grad)
-        return gq.to(q.dtype), gd.to(docs.dtype), None
+        gq, gd = _tile_grads(q, docs, ctx.dim, grad, ctx.normalize)
+        return gq.to(q.dtype), gd.to(docs.dtype), None, None
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,7 @@ class LateInteraction:
 
     token_dim: int
     symmetric: bool = False
+    normalize: bool = False
     name: str = "clip"
     has_bias = False
     needs_ids = False
@@ -115,11 +120,12 @@ class LateInteraction:
 
     def similarity(self, q: Tensor, docs: Tensor) -> Tensor:
         """MaxSim of every query with every document [n, m] (evaluation's scores; no autograd)."""
-        return scores(q, docs, self.token_dim)
+        return scores(q, docs, self.token_dim, self.normalize)
 
     def describe(self) -> str:
         way = "symmetric" if self.symmetric else "one-way"
-        return f"{self.name} loss (InfoNCE over late interaction, MaxSim of {self.token_dim}-wide tokens, {way})"
+        per = ", over each query's tokens" if self.normalize else ""
+        return f"{self.name} loss (InfoNCE over late interaction, MaxSim of {self.token_dim}-wide tokens{per}, {way})"
 
     def _loss(self, logits: Tensor) -> Tensor:
         n = len(logits)
@@ -131,7 +137,7 @@ class LateInteraction:
         self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
     ) -> Tensor:
         """The definition on whole tensors (autograd; materialises every token product)."""
-        return self._loss(scale * token_products(q, docs, self.token_dim))
+        return self._loss(scale * token_products(q, docs, self.token_dim, self.normalize))
 
     def microbatch(
         self,
@@ -145,7 +151,7 @@ class LateInteraction:
         """The loss over all ranks' embeddings gathered with gradient (as `InfoNCE.microbatch`), the scores in
         tiles that the backward recomputes."""
         queries, cols, _ = gathered_problem(q, docs, None, ranks)
-        logits = scale.to(accumulation_dtype(q)) * MaxSimScores.apply(queries, cols, self.token_dim)
+        logits = scale.to(accumulation_dtype(q)) * MaxSimScores.apply(queries, cols, self.token_dim, self.normalize)
         return self._loss(logits)
 
     def streamed(
@@ -165,14 +171,14 @@ class LateInteraction:
         """The own rows against all columns, `chunk` rows at a time: the row (and, symmetric, the positives'
         column) log-sum-exps in one pass, merged over ranks; then each block again for dL/dS and its tiles'
         gradients."""
-        n, c, dim, s = num_queries, len(q_own), self.token_dim, float(scale)
+        n, c, dim, s, norm = num_queries, len(q_own), self.token_dim, float(scale), self.normalize
         acc = accumulation_dtype(q_own)
         row_lse = torch.empty(c, dtype=acc, device=q_own.device)
         positive = torch.empty(c, dtype=acc, device=q_own.device)
         col_part = torch.full((n,), -math.inf, dtype=acc, device=q_own.device)
         blocks = range(0, c, chunk)
         for start in blocks:
-            logits = scores(q_own[start : start + chunk], docs, dim).mul_(s)
+            logits = scores(q_own[start : start + chunk], docs, dim, norm).mul_(s)
             row_lse[start : start + chunk] = logits.logsumexp(1)
             positive[start : start + chunk] = logits.diagonal(first_row + start)  # each row's own column
             if self.symmetric:
@@ -187,20 +193,21 @@ class LateInteraction:
         coef = s / (2 * n) if self.symmetric else s / n
         for start in blocks:
             rows = q_own[start : start + chunk]
-            w = scores(rows, docs, dim).mul_(s)
+            w = scores(rows, docs, dim, norm).mul_(s)
             p = (w - row_lse[start : start + len(rows), None]).exp()
             if col_lse is not None:
                 p[:, :n] += (w[:, :n] - col_lse[None, :]).exp()
             p.diagonal(first_row + start).sub_(2 if self.symmetric else 1)
-            gq, gd = _tile_grads(rows, docs, dim, p.mul_(coef))
+            gq, gd = _tile_grads(rows, docs, dim, p.mul_(coef), norm)
             grad_rows[start : start + len(rows)] = gq
             grad_cols += gd
         return StreamResult(loss, grad_rows, grad_cols, row_scale_shares(q_own, grad_rows, scale), None)
 
 
-def late_interaction(objective: object, token_dim: int) -> LateInteraction:
+def late_interaction(objective: object, token_dim: int, normalize: bool = False) -> LateInteraction:
     """The late-interaction twin of a run's objective for multi-vector embeddings `token_dim` wide per token
-    (`[model] pooling = "colbert"`): plain InfoNCE only, one-way or symmetric; ValueError naming what else it holds."""
+    (`[model] pooling = "colbert"`; `normalize`: `[loss] maxsim_normalize`): plain InfoNCE only, one-way or
+    symmetric; ValueError naming what else it holds."""
     from titan_contrastive.losses.infonce import InfoNCE
 
     if not isinstance(objective, InfoNCE) or objective.name != "clip":
@@ -213,4 +220,4 @@ def late_interaction(objective: object, token_dim: int) -> LateInteraction:
             f"model.pooling=colbert scores by late interaction, and {objective.describe()} reads dot products: "
             "remove loss.joint_directions, loss.hardness_strength and the loss.mask_* settings"
         )
-    return LateInteraction(token_dim, objective.symmetric)
+    return LateInteraction(token_dim, objective.symmetric, normalize)

@@ -27,6 +27,11 @@ def resolve_objective(spec: ModelSpec, cfg: JobConfig, args: Any = None) -> Obje
     text as tokens (`token_dim`, `losses/late_interaction.py`). ConfigError for an unknown objective, another
     loss for such a family, an objective that reads a bias the family's model does not learn, or one that
     reads a single vector per text where the model gives tokens."""
+    if cfg.loss.maxsim_normalize and not getattr(args, "token_dim", 0):
+        raise ConfigError(
+            "loss.maxsim_normalize=true: it normalizes late interaction's scores, and this model gives one vector per "
+            "text; set model.pooling=colbert or remove it"
+        )
     if spec.own_loss:
         if cfg.loss.name not in ("", spec.own_loss):
             raise ConfigError(
@@ -43,7 +48,7 @@ def resolve_objective(spec: ModelSpec, cfg: JobConfig, args: Any = None) -> Obje
     token_dim = getattr(args, "token_dim", 0)
     if token_dim:
         try:
-            return late_interaction(objective, token_dim)
+            return late_interaction(objective, token_dim, cfg.loss.maxsim_normalize)
         except ValueError as err:
             raise ConfigError(str(err)) from None
     return objective

@@ -4,10 +4,13 @@ state-dict adapter.
 - `hf`: the tower as a transformers folder with its tokenizer and image processor
   (`AutoModel.from_pretrained(DIR)`), with LoRA the merged weights (peft's `merge_and_unload`);
 - `peft`: the LoRA adapters alone (`PeftModel.from_pretrained(base, DIR)` over the run's
-  `[model] path`).
+  `[model] path`);
+- `colpali`: a ColBERT run (`[model] pooling = "colbert"`) as colpali-engine's ColQwen folder
+  (`ColQwen2.from_pretrained(DIR)`, `colpali.py`), with LoRA the merged weights; the only format for
+  it (transformers' `ColQwen2ForRetrieval` gives image tokens text positions, not the run's M-RoPE).
 
-Each folder is loaded back and must give the run's query and document embeddings of a few probe
-captions and images of different sizes (`models.export_check`).
+Each folder is loaded back and must give the run's query and document embeddings (a ColBERT run's
+tokens) of a few probe captions and images of different sizes (`models.export_check`).
 """
 
 from __future__ import annotations
@@ -19,16 +22,17 @@ import numpy as np
 import torch
 
 from titan_contrastive.models.bi_encoder.export import adapted, plain_tower
-from titan_contrastive.models.bi_encoder.folder import load_tokenizer
+from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer
 from titan_contrastive.models.bi_encoder.tower import load_text_tower
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
+from titan_contrastive.models.qwen_vl.colpali import CLASSES, reload_colpali, write_colpali
 from titan_contrastive.models.qwen_vl.model import SIDES, QwenVLArgs, vl_embed
 from titan_contrastive.models.registry import StateDictAdapter
 from titan_contrastive.models.weights import read_ours
 
 __all__ = ["ADAPTER", "FORMATS", "write"]
 
-FORMATS = ("hf", "peft")
+FORMATS = ("hf", "peft", "colpali")
 
 
 def _probe(args: QwenVLArgs) -> dict[str, torch.Tensor]:
@@ -38,15 +42,37 @@ def _probe(args: QwenVLArgs) -> dict[str, torch.Tensor]:
     return args.processor().sides(images, PROBE_TEXTS, images[::-1], PROBE_TEXTS[::-1])
 
 
-def _embeddings(tower: torch.nn.Module, args: QwenVLArgs, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The query and document embeddings of the probe batch, each side with its images if it has any."""
+def _embeddings(
+    tower: torch.nn.Module, args: QwenVLArgs, batch: dict[str, torch.Tensor], head: torch.nn.Module | None = None
+) -> list[torch.Tensor]:
+    """The query and document embeddings of the probe batch, each side with its images if it has any; a ColBERT
+    run's tokens through `head`."""
     out = []
     with torch.no_grad():
         for side in SIDES:
             grid = batch[f"{side}_image_grid_thw"]
-            images = (batch[f"{side}_pixel_values"].to(tower.dtype), grid) if len(grid) else ()
-            out.append(vl_embed(tower, batch[side], args.pooling, *images))
+            images = (batch[f"{side}_pixel_values"].to(tower.dtype), grid) if len(grid) else (None, None)
+            late = (head, args.side_tokens[side]) if head is not None else None
+            out.append(vl_embed(tower, batch[side], args.pooling, *images, late))
     return out
+
+
+def _check_colpali(to: str, args: QwenVLArgs) -> None:
+    """A ColBERT run goes `--to colpali` at colpali-engine's width, and only it does: else a one-line refusal."""
+    if bool(args.token_dim) != (to == "colpali"):
+        refuse(
+            f"--to {to}: this run is a ColBERT run (model.pooling='colbert'); use --to colpali"
+            if args.token_dim
+            else "--to colpali: this run is not a ColBERT run (model.pooling='colbert'); use --to hf or --to peft"
+        )
+    model_type = load_config(args.path).model_type
+    name, width = CLASSES.get(model_type, ("", 0))
+    if to == "colpali" and args.colbert_dim != width:
+        fix = f"train with model.colbert_dim={width}" if width else "no ColQwen class holds it"
+        refuse(
+            f"--to colpali: colpali-engine's {name or model_type} has {width or 'no'}-wide tokens, this run's are "
+            f"{args.colbert_dim}; {fix}"
+        )
 
 
 def write(to: str, src: str, out: Path, tower_name: str = "") -> None:
@@ -54,10 +80,20 @@ def write(to: str, src: str, out: Path, tower_name: str = "") -> None:
     family, args, model = read_ours(Path(src).expanduser())
     if family != "qwen_vl":
         refuse(f"{src}: a {family} checkpoint; --to {to} exports the qwen_vl family here")
+    _check_colpali(to, args)
     model.eval()
     batch = _probe(args)
-    want = _embeddings(model.tower, args, batch)
-    if to == "peft":
+    want = _embeddings(model.tower, args, batch, model.head)
+    head = None
+    if to == "colpali":
+        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+        write_colpali(plain_tower(args, model.tower), model.head, out)
+        load_tokenizer(args.path).save_pretrained(str(out))
+        Qwen2VLImageProcessorPil.from_pretrained(args.path, local_files_only=True).save_pretrained(str(out))
+        theirs, head = reloaded("transformers", lambda: reload_colpali(out))
+        library = "transformers"
+    elif to == "peft":
         if not args.lora_rank:
             refuse("--to peft exports LoRA adapters; this run trained without [lora] (use --to hf)")
         from peft import PeftModel
@@ -74,7 +110,7 @@ def write(to: str, src: str, out: Path, tower_name: str = "") -> None:
         Qwen2VLImageProcessorPil.from_pretrained(args.path, local_files_only=True).save_pretrained(str(out))
         theirs = reloaded("transformers", lambda: AutoModel.from_pretrained(str(out)).eval())
         library = "transformers"
-    for side, mine, got in zip(SIDES, want, _embeddings(theirs, args, batch)):
+    for side, mine, got in zip(SIDES, want, _embeddings(theirs, args, batch, head)):
         compare(to, side, mine, got, library)
 
 

@@ -1,7 +1,11 @@
 """The qwen_vl family: a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model from a local folder as an embedder
 (VLM2Vec's and GME's recipe): one tower embeds queries and documents, each the normalized hidden
 state of its last real token (or the mean over its tokens), a text, an image or both with its
-side's template.
+side's template; or, with `[model] pooling = "colbert"` (ColPali's ColQwen), every token projected
+to `colbert_dim` (a Linear with bias, ColPali's `custom_text_proj`, a ColQwen folder's own:
+`colpali.py`) and normalized, scored by late interaction (`losses/late_interaction.py`): a side's
+embedding is its tokens end to end at the most tokens its template can give
+(`QwenVLArgs.side_tokens`), padding and the columns past a text's end the zero vector.
 
 `[data] retrieval_mode` gives each side's kind (`datasets.retrieval.MODES`: t2i, i2t, i2i, t2t,
 m2i; text, image, or multi = image + text). A batch (served through `QwenVLArgs.processor`:
@@ -33,9 +37,11 @@ from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.losses import temperature_from_config
+from titan_contrastive.models.bi_encoder.colbert import refuse_for_colbert
 from titan_contrastive.models.bi_encoder.folder import layer_blocks, load_config, read_text_folder
 from titan_contrastive.models.bi_encoder.pooling import pooled
 from titan_contrastive.models.bi_encoder.tower import load_text_tower
+from titan_contrastive.models.qwen_vl import colpali
 from titan_contrastive.models.qwen_vl.processor import IMAGE, PAD, VLProcessor
 
 __all__ = [
@@ -56,6 +62,11 @@ LORA_TARGETS = ("q_proj", "v_proj")
 SIDES = ("query", "doc")
 TEMPLATES = {"text": "{text}", "image": IMAGE, "multi": IMAGE + " {text}"}
 """A side's default template by its kind (`MODES[mode]`: (query kind, document kind))."""
+JOIN_SLACK = 8
+"""ColBERT's tokens per side beyond `VLProcessor.most_tokens`: a BPE tokenizer may split a text that was cut to
+its first tokens into a few more once it is joined to the template."""
+MOST_VISUAL_TOKENS = 4096
+"""ColBERT pads every image to its most visual tokens: more than this is refused (set `[data] max_pixels`)."""
 IMAGE_TEXT_MODES = ("t2i", "i2t")
 """The modes of image-text data (an image and a caption per row): the image is one side, the caption the other."""
 
@@ -99,9 +110,11 @@ class QwenVLArgs(LoraFields):
     attn_implementation: str = ""
     """`[model] attn_implementation`: transformers' attention kernel ("" = its default)."""
     learn_logit_scale: bool = True
+    colbert_dim: int = 0
+    """With pooling = "colbert": a token's width (a ColQwen folder's, else `[model] colbert_dim`, else ColPali's for
+    the architecture, `colpali.CLASSES`); 0 otherwise."""
 
     def update_from_config(self, cfg: Any) -> QwenVLArgs:
-        t = temperature_from_config(cfg, default_logit_scale=math.log(self.init_scale))
         mode = cfg.data.retrieval_mode
         if mode not in MODES:
             raise ConfigError(f"data.retrieval_mode={mode!r}: the qwen_vl family trains {', '.join(MODES)}")
@@ -117,11 +130,29 @@ class QwenVLArgs(LoraFields):
             templates[side] = TEMPLATES[kind] if prompt == "auto" else prompt
             check_template(side, kind, templates[side], mode)
         pooling = "last_token" if cfg.model.pooling == "auto" else cfg.model.pooling
-        if pooling not in ("last_token", "mean"):
-            raise ConfigError(f"model.pooling={pooling!r}: the qwen_vl family pools last_token or mean")
+        if pooling not in ("last_token", "mean", "colbert"):
+            raise ConfigError(f"model.pooling={pooling!r}: the qwen_vl family pools last_token, mean or colbert")
+        start = 1.0 if pooling == "colbert" else self.init_scale  # MaxSim: t = 1, as PyLate
+        t = temperature_from_config(cfg, default_logit_scale=math.log(start))
+        if cfg.model.colbert_dim and pooling != "colbert":
+            raise ConfigError(
+                f"model.colbert_dim={cfg.model.colbert_dim}: it applies to model.pooling='colbert' only, so set that "
+                "or remove it"
+            )
         path = read_text_folder(cfg.model.path or self.path).model_dir if (cfg.model.path or self.path) else ""
         if not path:
             raise ConfigError("model.path is empty: the qwen_vl family needs a local Qwen-VL folder")
+        late = pooling == "colbert"
+        if late:
+            refuse_for_colbert(cfg)
+            if "image" in MODES[mode] or "multi" in MODES[mode]:
+                most = VLProcessor(path, cfg.data.min_pixels, cfg.data.max_pixels, 0).most_visual_tokens
+                if most > MOST_VISUAL_TOKENS:
+                    raise ConfigError(
+                        f"data.max_pixels={cfg.data.max_pixels}: model.pooling='colbert' pads every image to its most "
+                        f"visual tokens, {most} at this size; set data.max_pixels to what the images need (ColQwen2: "
+                        "602112, 768 tokens of 28 px)"
+                    )
         return dataclasses.replace(
             self,
             path=path,
@@ -135,6 +166,7 @@ class QwenVLArgs(LoraFields):
             init_scale=math.exp(t.init_logit_scale),
             learn_logit_scale=t.learn_logit_scale,
             attn_implementation=cfg.model.attn_implementation,
+            colbert_dim=colpali.colbert_dim(path, load_config(path).model_type, cfg.model.colbert_dim) if late else 0,
             **LoraFields.from_config(cfg.lora, lambda: LORA_TARGETS),
         )
 
@@ -147,6 +179,18 @@ class QwenVLArgs(LoraFields):
     def model_dir(self) -> str:
         return self.path
 
+    @property
+    def token_dim(self) -> int:
+        """The width of a token in ColBERT's token sets (scored by late interaction); 0 for one vector per text."""
+        return self.colbert_dim
+
+    @functools.cached_property
+    def side_tokens(self) -> dict[str, int]:
+        """ColBERT's tokens per side ("query", "doc"; hard negatives are documents): the most its template gives
+        (`VLProcessor.most_tokens`) and `JOIN_SLACK`; every text of the side is laid out at this length."""
+        proc = VLProcessor(self.path, self.min_pixels, self.max_pixels, self.text_length)
+        return {side: proc.most_tokens(getattr(self, f"{side}_template")) + JOIN_SLACK for side in SIDES}
+
     @functools.cached_property
     def _counts(self) -> tuple[int, int]:
         """(parameters, parameters in the language model's layers), on the meta device."""
@@ -157,7 +201,8 @@ class QwenVLArgs(LoraFields):
             if self.lora_rank:
                 add_lora(tower, self)
         decoder = sum(p.numel() for b in layer_blocks(tower.language_model) for p in b.parameters())
-        return sum(p.numel() for p in tower.parameters()) + 1, decoder
+        head = self.colbert_dim * (tower.config.get_text_config().hidden_size + 1)
+        return sum(p.numel() for p in tower.parameters()) + head + 1, decoder
 
     def num_params(self) -> int:
         return self._counts[0]
@@ -190,6 +235,7 @@ class SideProcessor:
         self.kinds = dict(zip(SIDES, MODES[args.mode]))
         self.templates = {"query": args.query_template, "doc": args.doc_template}
         self.negatives = args.mode == "i2t"
+        self.lengths = args.side_tokens if args.token_dim else {}
         image = self.proc.images
         self.patch_width = 3 * int(image.temporal_patch_size) * int(image.patch_size) ** 2
         self.refusal = (
@@ -200,8 +246,24 @@ class SideProcessor:
 
     def check_template(self, side: str, template: str, key: str) -> None:
         """A template for `side` in this mode (`data.query_prompts` / `doc_prompts` of vl_pairs data), or
-        one ConfigError naming `key`."""
+        one ConfigError naming `key`; under ColBERT pooling, one that fits the side's length (`side_tokens`)."""
         check_template(side, self.kinds[side], template, self.mode, key)
+        if self.lengths and self.proc.most_tokens(template) + JOIN_SLACK > self.lengths[side]:
+            raise ConfigError(
+                f"{key}={template!r}: it gives up to {self.proc.most_tokens(template)} tokens, and model.pooling="
+                f"'colbert' lays every {side} out at the model's template's {self.lengths[side] - JOIN_SLACK} (+"
+                f"{JOIN_SLACK}); set model.{side}_prompt to the longest of the templates"
+            )
+
+    def _fits(self, side: str, ids: Tensor) -> None:
+        """Under ColBERT pooling, ids no longer than the side's length (an image past its most visual tokens, by an
+        extreme aspect ratio): else one DataError."""
+        if self.lengths and ids.shape[1] > self.lengths[side]:
+            raise DataError(
+                f"a {side} of {ids.shape[1]} tokens: model.pooling='colbert' lays every {side} out at "
+                f"{self.lengths[side]} (its template, data.context_length and the most visual tokens of "
+                "data.max_pixels); crop images of extreme aspect ratio"
+            )
 
     def sides(
         self,
@@ -230,6 +292,7 @@ class SideProcessor:
             count = len(texts) if texts is not None else len(images) if images is not None else 0
             texts = [""] * count if kind == "image" or texts is None else texts
             out = self.proc.encode(chosen[side], texts, images)
+            self._fits(side, out["ids"])
             batch[side] = out["ids"]
             if images is not None:
                 self.proc.check(out["ids"], out["image_grid_thw"])  # the tokenizer kept every <|image_pad|>
@@ -253,6 +316,7 @@ class SideProcessor:
                 self.proc.check(ids, out["image_grid_thw"])
                 batch[f"{NEGATIVES}_pixel_values"] = out["pixel_values"]
                 batch[f"{NEGATIVES}_image_grid_thw"] = out["image_grid_thw"]
+            self._fits("doc", ids)
             batch[NEGATIVES] = ids.reshape(len(batch["doc"]), per_row, -1)
         return batch
 
@@ -276,10 +340,12 @@ def vl_embed(
     pooling: str,
     pixel_values: Tensor | None = None,
     image_grid_thw: Tensor | None = None,
+    late: tuple[nn.Module, int] | None = None,
 ) -> Tensor:
     """The normalized embedding of each row of `ids` (-1 padded), with its image's patches when it has
     one; the columns that are padding in every row are cut first (as GradCache cuts a chunk: the same
-    shapes, so the same dropout draws, in both)."""
+    shapes, so the same dropout draws, in both). `late`: (projection, tokens) of ColBERT pooling: each
+    token projected and normalized, padding zero, laid out at `tokens` [B, tokens * dim]."""
     ids = right_trimmed(ids, PAD)
     mask = ids != PAD
     images = {} if pixel_values is None else {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
@@ -289,7 +355,13 @@ def vl_embed(
         mm_token_type_ids=(ids == tower.config.image_token_id).long(),
         **images,
     ).last_hidden_state
-    return F.normalize(pooled(hidden, mask, pooling), dim=-1)
+    if late is None:
+        return F.normalize(pooled(hidden, mask, pooling), dim=-1)
+    head, tokens = late
+    if ids.shape[1] > tokens:
+        raise DataError(f"ids of {ids.shape[1]} tokens, more than the side's {tokens} (`SideProcessor` checks it)")
+    vectors = F.normalize(head(hidden), dim=-1) * mask[..., None]
+    return F.pad(vectors, (0, 0, 0, tokens - ids.shape[1])).flatten(1)
 
 
 class QwenVLEmbedder(nn.Module):
@@ -304,6 +376,10 @@ class QwenVLEmbedder(nn.Module):
         if MODES[args.mode] == ("text", "text"):  # t2t never runs the vision tower: frozen (DDP needs every grad)
             for p in getattr(self.tower, "visual", nn.Module()).parameters():
                 p.requires_grad_(False)
+        width = self.tower.config.get_text_config().hidden_size
+        # ColPali's projection, trained under LoRA too (colpali-engine adapts it with the language model)
+        self.head = colpali.projection(width, args.colbert_dim, args.path) if args.token_dim else None
+        self.lengths = args.side_tokens if args.token_dim else {}
         self.logit_scale = nn.Parameter(
             torch.full((1,), math.log(args.init_scale)), requires_grad=args.learn_logit_scale
         )
@@ -317,8 +393,26 @@ class QwenVLEmbedder(nn.Module):
         """Right-padded token ids (batch key: pad id), for GradCache's trimming and token budgets."""
         return {"query": PAD, "doc": PAD, NEGATIVES: PAD}
 
-    def embed(self, ids: Tensor, pixel_values: Tensor | None = None, image_grid_thw: Tensor | None = None) -> Tensor:
-        return vl_embed(self.tower, ids, self.args.pooling, pixel_values, image_grid_thw)
+    @property
+    def token_dim(self) -> int:
+        """The width of a token in ColBERT's token sets; 0 for one vector per text."""
+        return self.args.token_dim
+
+    @property
+    def unit_embeddings(self) -> bool:
+        """Whether the embeddings are unit vectors (the global-negatives step checks it once): not ColBERT's."""
+        return not self.args.token_dim
+
+    def embed(
+        self,
+        ids: Tensor,
+        pixel_values: Tensor | None = None,
+        image_grid_thw: Tensor | None = None,
+        side: str = "doc",
+    ) -> Tensor:
+        """The embeddings of one side's ("query" or "doc") `ids`, with their images where given."""
+        late = (self.head, self.lengths[side]) if self.head is not None else None
+        return vl_embed(self.tower, ids, self.args.pooling, pixel_values, image_grid_thw, late)
 
     def forward(
         self,
@@ -338,11 +432,9 @@ class QwenVLEmbedder(nn.Module):
             doc_pixel_values, doc_image_grid_thw = interleave_images(
                 doc_pixel_values, doc_image_grid_thw, neg_pixel_values, neg_image_grid_thw
             )
-        return (
-            self.embed(query, *((query_pixel_values, query_image_grid_thw) if len(query_image_grid_thw) else ())),
-            self.embed(doc, *((doc_pixel_values, doc_image_grid_thw) if len(doc_image_grid_thw) else ())),
-            self.logit_scale.exp(),
-        )
+        query_images = (query_pixel_values, query_image_grid_thw) if len(query_image_grid_thw) else (None, None)
+        doc_images = (doc_pixel_values, doc_image_grid_thw) if len(doc_image_grid_thw) else (None, None)
+        return self.embed(query, *query_images, "query"), self.embed(doc, *doc_images, "doc"), self.logit_scale.exp()
 
 
 def interleave_images(pixels: Tensor, grid: Tensor, neg_pixels: Tensor, neg_grid: Tensor) -> tuple[Tensor, Tensor]:

@@ -57,6 +57,21 @@ class VLProcessor:
         self.merge = int(self.images.merge_size)
         self.max_text_tokens = max_text_tokens
 
+    @property
+    def most_visual_tokens(self) -> int:
+        """The merged visual tokens of an image at the processor's largest size (its `longest_edge` pixels over a
+        merged patch's area); an extreme aspect ratio can round past it."""
+        unit = int(self.images.patch_size) * self.merge
+        return int(self.images.size["longest_edge"]) // unit**2
+
+    def most_tokens(self, template: str) -> int:
+        """The tokens `template` gives at most: its own (with an empty text and no visual tokens), the text's
+        `max_text_tokens` where it has `{text}`, `most_visual_tokens` where it has `{image}`."""
+        own = template.replace(IMAGE, _START + _END).replace("{text}", "")
+        text = self.max_text_tokens if "{text}" in template else 0
+        image = self.most_visual_tokens if IMAGE in template else 0
+        return len(self.tokenizer(own, add_special_tokens=False)["input_ids"]) + text + image
+
     def visual_tokens(self, grid: Tensor) -> list[int]:
         """Merged visual tokens per image (`<|image_pad|>` per image in the ids)."""
         return (grid.long().prod(-1) // self.merge**2).tolist()

@@ -1,0 +1,39 @@
+"""colpali-engine's side of `benchmarks/colpali_interop.py`, run by the colpali venv's Python
+(`benchmarks/colpali_venv.sh`): it imports only torch, safetensors and colpali-engine, never titan_contrastive, and
+exchanges files with the other side.
+
+    python -m benchmarks._colpali_side FOLDER INPUTS.safetensors OUT.safetensors LOSS.json
+
+`ColQwen2.from_pretrained(FOLDER)` embeds each side of INPUTS (`{side}_input_ids`, `_attention_mask`,
+`_mm_token_type_ids`; the documents' `pixel_values` [B, patches, C] padded per image as ColQwen2Processor pads them,
+and `image_grid_thw`); OUT gets the token embeddings, LOSS colpali-engine's ColbertLoss (its defaults: temperature
+0.02, scores over each query's length) on them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(argv: list[str]) -> None:
+    import torch
+    from colpali_engine.loss import ColbertLoss
+    from colpali_engine.models import ColQwen2
+    from safetensors.torch import load_file, save_file
+
+    folder, inputs, out, loss_file = argv
+    model = ColQwen2.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    given = load_file(inputs)
+    embeddings = {}
+    with torch.no_grad():
+        for side in ("query", "doc"):
+            kwargs = {key.removeprefix(f"{side}_"): v for key, v in given.items() if key.startswith(f"{side}_")}
+            embeddings[side] = model(**kwargs).float().contiguous()
+        loss = ColbertLoss()(embeddings["query"], embeddings["doc"])
+    save_file(embeddings, out)
+    open(loss_file, "w").write(json.dumps({"loss": float(loss), "dim": int(model.dim)}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
