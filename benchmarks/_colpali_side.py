@@ -3,11 +3,13 @@
 exchanges files with the other side.
 
     python -m benchmarks._colpali_side FOLDER INPUTS.safetensors OUT.safetensors LOSS.json
+    python -m benchmarks._colpali_side process FOLDER SAMPLES.safetensors TEXTS.json OUT.safetensors
 
 `ColQwen2.from_pretrained(FOLDER)` embeds each side of INPUTS (`{side}_input_ids`, `_attention_mask`,
-`_mm_token_type_ids`; the documents' `pixel_values` [B, patches, C] padded per image as ColQwen2Processor pads them,
-and `image_grid_thw`); OUT gets the token embeddings, LOSS colpali-engine's ColbertLoss (its defaults: temperature
-0.02, scores over each query's length) on them.
+`_mm_token_type_ids`; an image side's `pixel_values` [B, patches, C] padded per image as ColQwen2Processor pads
+them, and `image_grid_thw`); OUT gets the token embeddings, LOSS colpali-engine's ColbertLoss (its defaults:
+temperature 0.02, scores over each query's length) on them. `process`: `ColQwen2Processor.from_pretrained(FOLDER)`
+on the texts as queries and the uint8 HWC images of SAMPLES (`image0`, `image1`, ...) as pages.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ def main(argv: list[str]) -> None:
     from colpali_engine.models import ColQwen2
     from safetensors.torch import load_file, save_file
 
+    if argv[0] == "process":
+        process(*argv[1:])
+        return
     folder, inputs, out, loss_file = argv
     model = ColQwen2.from_pretrained(folder, torch_dtype=torch.float32).eval()
     given = load_file(inputs)
@@ -33,6 +38,19 @@ def main(argv: list[str]) -> None:
         loss = ColbertLoss()(embeddings["query"], embeddings["doc"])
     save_file(embeddings, out)
     open(loss_file, "w").write(json.dumps({"loss": float(loss), "dim": int(model.dim)}))
+
+
+def process(folder: str, samples: str, texts: str, out: str) -> None:
+    from colpali_engine.models import ColQwen2Processor
+    from PIL import Image
+    from safetensors.torch import load_file, save_file
+
+    processor = ColQwen2Processor.from_pretrained(folder)
+    images = load_file(samples)
+    pages = [Image.fromarray(images[f"image{i}"].numpy()) for i in range(len(images))]
+    result = {f"query_{k}": v for k, v in processor.process_queries(json.loads(open(texts).read())).items()}
+    result.update({f"doc_{k}": v for k, v in processor.process_images(pages).items()})
+    save_file({k: v.contiguous() for k, v in result.items()}, out)
 
 
 if __name__ == "__main__":

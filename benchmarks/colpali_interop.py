@@ -19,6 +19,10 @@ b) colpali-engine's ColbertLoss (temperature 0.02, scores over each query's leng
    candidates (a query token scores at least 0 against a shorter document); ours, as PyLate's, leaves them out.
 c) transformers' ColQwen2ForRetrieval with the same weights: its tokens against the run's (its language model runs
    on embeddings without the ids, so image tokens get text positions: the documents differ).
+d) `train_configs/colqwen.toml`'s templates against colpali-engine's processor (`ColQwen2Processor.from_pretrained`
+   on the export: its query augmentation and page prompt, its image processor, here with the small model's
+   word-level tokenizer): our batch of captions and images at 28 to 84 px against its `process_queries` and
+   `process_images`; ids and grids equal or not, pixel values' max |difference|.
 """
 
 from __future__ import annotations
@@ -137,6 +141,49 @@ def _transformers_colqwen2(tower, head, inputs: dict) -> dict:
     return out
 
 
+def _processing(opts, args, exported: Path, work: Path) -> dict:
+    """(d): our SideProcessor with the ColQwen recipe's templates against colpali-engine's processor."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from titan_contrastive.config import parse_args
+    from titan_contrastive.models.qwen_vl.model import SideProcessor
+
+    recipe = parse_args(["--job.config_file", str(harness.REPO / "train_configs" / "colqwen.toml")]).model
+    ours = SideProcessor(
+        dataclasses.replace(args, mode="t2i", query_template=recipe.query_prompt, doc_template=recipe.doc_prompt)
+    )
+    g = np.random.default_rng(0)
+    images = [g.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((28, 56), (84, 84), (56, 40))]
+    texts = ["a photo of a cat", "dog", "a small bus with wheels"]
+    save_file({f"image{i}": torch.from_numpy(x) for i, x in enumerate(images)}, str(work / "samples.safetensors"))
+    (work / "texts.json").write_text(json.dumps(texts))
+    subprocess.run(
+        [opts.colpali_python, "-m", "benchmarks._colpali_side", "process", str(exported),
+         str(work / "samples.safetensors"), str(work / "texts.json"), str(work / "processed.safetensors")],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    theirs = load_file(str(work / "processed.safetensors"))
+    batch = ours.sides(None, texts, images, None)
+    out: dict = {}
+    for side in ("query", "doc"):
+        mask = theirs[f"{side}_attention_mask"].bool()
+        out[f"{side}_ids_equal"] = all(
+            batch[side][i][batch[side][i] != -1].tolist() == theirs[f"{side}_input_ids"][i][mask[i]].tolist()
+            for i in range(len(texts))
+        )
+    grid = batch["doc_image_grid_thw"]
+    out["grid_equal"] = grid.tolist() == theirs["doc_image_grid_thw"].tolist()
+    ours_pixels = torch.split(batch["doc_pixel_values"], grid.prod(-1).tolist())
+    out["pixel_values"] = max(
+        (p - theirs["doc_pixel_values"][i, : len(p)]).abs().max().item() for i, p in enumerate(ours_pixels)
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     opts = parse(argv)
     import torch
@@ -155,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer, step = _one_step(work, folder)
         exported = work / "colqwen"
         assert export_main([str(step), "--to", "colpali", "--out", str(exported)]) == 0
-        _, _, model = read_ours(step)
+        _, run_args, model = read_ours(step)
         model.eval()
         dim = model.token_dim
         result: dict = {"side_tokens": model.lengths, "dim": dim}
@@ -182,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                 "b_colbert_loss": {"colpali": colpali, "ours": ours, "difference": abs(colpali - ours)},
                 "c_transformers_colqwen2": {side: _gap(hf[side], r, dim) for side, r in (("query", q), ("doc", d))},
             }
+        result["d_processing"] = _processing(opts, run_args, exported, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(result, indent=2))

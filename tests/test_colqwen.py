@@ -76,6 +76,7 @@ def test_every_step_kind_equals_maxsim_infonce(tmp_path: Path, kind: str) -> Non
     "arch, kind, extra",
     [
         ("qwen2_vl", "global", (*LORA, "--data.retrieval_mode=i2t", "--loss.symmetric=false")),
+        ("qwen2_vl", "gradcache", ("--loss.maxsim_normalize=true", "--loss.init_logit_scale=3.912")),
         ("qwen3_vl", "gradcache", ()),
         ("qwen2_5_vl", "global", LORA),
     ],

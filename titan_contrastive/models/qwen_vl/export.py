@@ -1,8 +1,9 @@
 """The qwen_vl family's exports (`python -m titan_contrastive.export STEP --to ...`) and its
 state-dict adapter.
 
-- `hf`: the tower as a transformers folder with its tokenizer and image processor
-  (`AutoModel.from_pretrained(DIR)`), with LoRA the merged weights (peft's `merge_and_unload`);
+- `hf`: the tower as a transformers folder with its tokenizer and image processor (at the run's
+  `min_pixels` / `max_pixels`; `AutoModel.from_pretrained(DIR)`), with LoRA the merged weights
+  (peft's `merge_and_unload`);
 - `peft`: the LoRA adapters alone (`PeftModel.from_pretrained(base, DIR)` over the run's
   `[model] path`);
 - `colpali`: a ColBERT run (`[model] pooling = "colbert"`) as colpali-engine's ColQwen folder
@@ -22,11 +23,12 @@ import numpy as np
 import torch
 
 from titan_contrastive.models.bi_encoder.export import adapted, plain_tower
-from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer
+from titan_contrastive.models.bi_encoder.folder import load_config
 from titan_contrastive.models.bi_encoder.tower import load_text_tower
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
 from titan_contrastive.models.qwen_vl.colpali import CLASSES, reload_colpali, write_colpali
 from titan_contrastive.models.qwen_vl.model import SIDES, QwenVLArgs, vl_embed
+from titan_contrastive.models.qwen_vl.processor import VLProcessor
 from titan_contrastive.models.registry import StateDictAdapter
 from titan_contrastive.models.weights import read_ours
 
@@ -75,6 +77,13 @@ def _check_colpali(to: str, args: QwenVLArgs) -> None:
         )
 
 
+def _save_processing(args: QwenVLArgs, out: Path) -> None:
+    """The folder's tokenizer and its image processor at the run's `min_pixels` / `max_pixels`."""
+    processor = VLProcessor(args.path, args.min_pixels, args.max_pixels, args.text_length)
+    processor.tokenizer.save_pretrained(str(out))
+    processor.images.save_pretrained(str(out))
+
+
 def write(to: str, src: str, out: Path, tower_name: str = "") -> None:
     """Write the qwen_vl step folder `src` as `to` into `out`, then load it back and compare embeddings."""
     family, args, model = read_ours(Path(src).expanduser())
@@ -86,11 +95,8 @@ def write(to: str, src: str, out: Path, tower_name: str = "") -> None:
     want = _embeddings(model.tower, args, batch, model.head)
     head = None
     if to == "colpali":
-        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
-
         write_colpali(plain_tower(args, model.tower), model.head, out)
-        load_tokenizer(args.path).save_pretrained(str(out))
-        Qwen2VLImageProcessorPil.from_pretrained(args.path, local_files_only=True).save_pretrained(str(out))
+        _save_processing(args, out)
         theirs, head = reloaded("transformers", lambda: reload_colpali(out))
         library = "transformers"
     elif to == "peft":
@@ -103,11 +109,9 @@ def write(to: str, src: str, out: Path, tower_name: str = "") -> None:
         library = "peft"
     else:
         from transformers import AutoModel
-        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
         plain_tower(args, model.tower).save_pretrained(str(out))
-        load_tokenizer(args.path).save_pretrained(str(out))
-        Qwen2VLImageProcessorPil.from_pretrained(args.path, local_files_only=True).save_pretrained(str(out))
+        _save_processing(args, out)
         theirs = reloaded("transformers", lambda: AutoModel.from_pretrained(str(out)).eval())
         library = "transformers"
     for side, mine, got in zip(SIDES, want, _embeddings(theirs, args, batch, head)):

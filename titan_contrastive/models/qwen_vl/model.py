@@ -151,7 +151,7 @@ class QwenVLArgs(LoraFields):
                     raise ConfigError(
                         f"data.max_pixels={cfg.data.max_pixels}: model.pooling='colbert' pads every image to its most "
                         f"visual tokens, {most} at this size; set data.max_pixels to what the images need (ColQwen2: "
-                        "602112, 768 tokens of 28 px)"
+                        "802816, 1,024 tokens of 28 px)"
                     )
         return dataclasses.replace(
             self,
@@ -193,7 +193,7 @@ class QwenVLArgs(LoraFields):
 
     @functools.cached_property
     def _counts(self) -> tuple[int, int]:
-        """(parameters, parameters in the language model's layers), on the meta device."""
+        """(parameters, parameters in the language model's layers and ColBERT's projection), on the meta device."""
         from transformers import AutoModel
 
         with torch.device("meta"):
@@ -202,13 +202,14 @@ class QwenVLArgs(LoraFields):
                 add_lora(tower, self)
         decoder = sum(p.numel() for b in layer_blocks(tower.language_model) for p in b.parameters())
         head = self.colbert_dim * (tower.config.get_text_config().hidden_size + 1)
-        return sum(p.numel() for p in tower.parameters()) + head + 1, decoder
+        return sum(p.numel() for p in tower.parameters()) + head + 1, decoder + head
 
     def num_params(self) -> int:
         return self._counts[0]
 
     def flops_per_sample(self) -> int:
-        """6 x decoder-layer parameters x the caption's tokens (visual tokens vary with the images: not counted)."""
+        """6 x decoder-layer (and projection) parameters x the caption's tokens (visual tokens vary with the images:
+        not counted)."""
         return 6 * self._counts[1] * self.text_length
 
     def processor(self) -> SideProcessor:
