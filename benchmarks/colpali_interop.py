@@ -47,7 +47,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _one_step(work: Path, folder: Path):
+def _trained(work: Path, folder: Path):
     """A ColQwen run of ours on `folder`, 30 optimizer steps and a checkpoint: (the trainer, its step folder)."""
     from titan_contrastive.config import parse_args
     from titan_contrastive.train import Trainer
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="colpali_interop_"))
     try:
         folder = build_folder(work / "small", "small")
-        trainer, step = _one_step(work, folder)
+        trainer, step = _trained(work, folder)
         exported = work / "colqwen"
         assert export_main([str(step), "--to", "colpali", "--out", str(exported)]) == 0
         _, run_args, model = read_ours(step)
