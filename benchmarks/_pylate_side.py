@@ -4,6 +4,7 @@ it imports only torch, safetensors and PyLate, never titan_contrastive, and exch
     python -m benchmarks._pylate_side new BASE OUT DIM QUERY_LENGTH DOC_LENGTH   # ColBERT on BASE, saved to OUT
     python -m benchmarks._pylate_side encode FOLDER TEXTS.json OUT.safetensors    # each side's token embeddings
     python -m benchmarks._pylate_side loss FOLDER TRIPLES.json OUT.json          # Contrastive on (q, pos, neg)
+    python -m benchmarks._pylate_side distill FOLDER PROBLEM.json OUT.json       # Distillation, min-max or not
 """
 
 from __future__ import annotations
@@ -51,6 +52,21 @@ def main(argv: list[str]) -> None:
         with torch.no_grad():
             loss = losses.Contrastive(model=model)(features)
         open(argv[3], "w").write(json.dumps({"loss": float(loss)}))
+        return
+    if command == "distill":
+        problem = json.loads(open(argv[2]).read())
+        features = [
+            model.tokenize(problem["queries"], is_query=True),
+            model.tokenize([d for docs in problem["documents"] for d in docs], is_query=False, pad=True),
+        ]
+        labels = torch.tensor(problem["scores"])
+        out = {}
+        for normalize in (True, False):
+            with torch.no_grad():
+                out[str(normalize)] = float(
+                    losses.Distillation(model=model, normalize_scores=normalize)(features, labels)
+                )
+        open(argv[3], "w").write(json.dumps(out))
         return
     raise SystemExit(f"unknown command {command!r}")
 

@@ -16,6 +16,9 @@ a) PyLate -> ours: `pylate.models.ColBERT` on MiniLM (a new 32-wide Dense, the [
    tokens; max |difference|.
 b) PyLate's `losses.Contrastive` on (query, positive, negative) triples against our objective on our embeddings of
    the same texts (one-way InfoNCE over MaxSim, t = 1).
+d) PyLate's `losses.Distillation` (its default min-max scaling of the scores, and without it) on queries with four
+   documents each and a teacher's scores of them, against ours (`loss.distill = "kl"`, `distill_minmax` on and off,
+   `contrastive_weight = 0`, t = 1) on our embeddings of the same texts.
 c) ours -> PyLate: a one-step run of ours on the folder of (a), exported with `--to pylate`, read by PyLate; the
    token embeddings of (a) again against the run's.
 """
@@ -38,6 +41,15 @@ TEXTS = [
     "Two dogs, playing in the snow at night! " * 6,
     "ice",
 ]
+DISTILL = {  # each query's four documents and a cross-encoder's scores of them, roughly
+    "queries": ["a small domesticated feline", "frozen water", "the season after summer"],
+    "documents": [
+        ["cat", "a kitten asleep on the sofa", "dog", "lion"],
+        ["ice", "snow on the mountain", "steam", "a glass of water"],
+        ["autumn, the fall.", "leaves turning red in October", "winter", "spring"],
+    ],
+    "scores": [[9.5, 6.0, 1.5, 3.0], [8.0, 5.5, 2.0, 4.5], [9.0, 7.0, 3.5, 1.0]],
+}
 TRIPLES = [
     ("a small domesticated feline", "cat", "dog"),
     ("frozen water", "ice", "steam"),
@@ -130,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         pylate_loss = json.loads((work / "loss.json").read_text())["loss"]
         result["b_contrastive_loss"] = {"pylate": pylate_loss, "ours": ours, "difference": abs(pylate_loss - ours)}
 
+        result["d_distillation_loss"] = _distillation(opts.pylate_python, work, theirs, model, tokenizer, args)
+
         step = _one_step(work, theirs)
         exported = work / "exported"
         assert export_main([str(step), "--to", "pylate", "--out", str(exported)]) == 0
@@ -145,6 +159,31 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(result, indent=2))
     harness.write_results(opts.out, NAME, meta, {"config": vars(opts), "result": result})
+
+
+def _distillation(python: str, work: Path, folder: Path, model, tokenizer, args) -> dict:
+    """PyLate's Distillation loss on `DISTILL` (min-max scaled and not) against ours on our embeddings."""
+    import torch
+
+    from titan_contrastive.losses import Distillation, Distilled, InfoNCE
+    from titan_contrastive.losses.late_interaction import late_interaction
+
+    (work / "distill.json").write_text(json.dumps(DISTILL))
+    _pylate(python, "distill", str(folder), str(work / "distill.json"), str(work / "distill_loss.json"))
+    theirs = json.loads((work / "distill_loss.json").read_text())
+    docs = DISTILL["documents"]
+    with torch.no_grad():
+        q = model.embed_side("query", tokenizer.encode_queries(DISTILL["queries"], args.query_length))
+        rows = [model.embed_side("doc", tokenizer.encode_docs(texts)) for texts in docs]
+        cols = torch.cat([torch.stack([r[0] for r in rows]), torch.cat([r[1:] for r in rows])])
+        out = {}
+        for minmax in (True, False):
+            distilled = Distilled(InfoNCE(False), Distillation("kl", minmax=minmax), contrastive_weight=0.0)
+            objective = late_interaction(distilled, 32).with_teacher(torch.tensor(DISTILL["scores"]))
+            ours = objective.dense(q, cols, torch.tensor(1.0)).item()
+            pylate = theirs[str(minmax)]
+            out["minmax" if minmax else "raw"] = {"pylate": pylate, "ours": ours, "difference": abs(pylate - ours)}
+    return out
 
 
 def _one_step(work: Path, folder: Path) -> Path:

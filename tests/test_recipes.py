@@ -6,8 +6,9 @@ with the tiny BERT-like encoder and scored sentence pairs; `train_configs/qwen_v
 tiny Qwen2-VL folder and query-document rows, then exported; `train_configs/splade.toml` with the tiny BERT-like
 masked LM, then exported to a SparseEncoder folder; `train_configs/splade_inference_free.toml` with the same,
 then exported to a SparseEncoder Router; `train_configs/colbert.toml` with a tiny PyLate folder, then exported to a
-PyLate folder; `train_configs/colqwen.toml` with the tiny Qwen2-VL folder and query-page rows, then exported to a
-colpali-engine folder)."""
+PyLate folder; `train_configs/colbert_distill.toml` with the tiny encoder and scored rows;
+`train_configs/colqwen.toml` with the tiny Qwen2-VL folder and query-page rows, then exported to a colpali-engine
+folder)."""
 
 from __future__ import annotations
 
@@ -201,6 +202,30 @@ def test_the_colbert_recipe(tmp_path: Path) -> None:
     assert trainer.model.logit_scale.exp().item() == 1.0
     step = tmp_path / "run" / "checkpoint" / "step-2"
     assert export_main([str(step), "--to", "pylate", "--out", str(tmp_path / "pylate")]) == 0
+
+
+def test_the_colbert_distillation_recipe(tmp_path: Path) -> None:
+    """`train_configs/colbert_distill.toml` as written for two steps on the tiny encoder (a new projection) and rows
+    of a query, its documents in a `negatives` list and a teacher's `scores`."""
+    from tests.colbert_folders import colbert_encoder
+
+    rows = [
+        {"query": q, "positive": p, "negatives": [PAIRS[(i + j) % len(PAIRS)][1] for j in (2, 5)], "scores": [5, 1, 2]}
+        for i, (q, p) in enumerate(PAIRS)
+    ]
+    scored = tmp_path / "scored.jsonl"
+    scored.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    batch = ["--training.local_batch_size=3", "--training.global_batch_size=3", "--data.context_length=12"]
+    batch.append("--data.doc_context_length=10")
+    model = f"--model.path={colbert_encoder(tmp_path)}"
+    trainer, _ = _train(tmp_path, "colbert_distill.toml", model, f"--data.path={scored}", *batch, "--eval.enable=false")
+    assert (trainer.model_args.pooling, trainer.model_args.colbert_dim) == ("colbert", 128)
+    assert trainer.gradient_step.describe().startswith(
+        "1 x distillation (KL to the teacher's softmax at tau 1, the logits min-max scaled per query) over each "
+        "query's own documents, scored by late interaction (MaxSim of 128-wide tokens), without the contrastive"
+    )
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(e["loss"]) for e in logged if "loss" in e) and trainer.step == 2
 
 
 def test_the_inference_free_splade_recipe(tmp_path: Path) -> None:

@@ -51,6 +51,9 @@ class Loss:
     """The contrastive objective's weight beside loss.distill; 0 = distillation alone."""
     distill_temperature: float = opt(1.0, lambda v: v > 0, "a number > 0")
     """distill=kl: the teacher's temperature tau, its targets being softmax(scores / tau)."""
+    distill_minmax: bool = False
+    """distill=kl: each query's logits over its own documents scaled to [0, 1] before the softmax,
+    (S - min) / (max - min + 1e-8) (PyLate's Distillation normalize_scores)."""
     gor_weight: float = non_negative(0.0)
     """Global orthogonal regularization's second-moment term, relu(mean (x_i . x_j)^2 - 1/d) over each column's
     pairs (EmbeddingGemma's spread-out regularizer), by this weight; 0 = off."""

@@ -115,6 +115,7 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
                 loss.distill_temperature,
                 bool(loss.teacher_model),
                 loss.cosent_similarity,
+                loss.distill_minmax,
             )
         except ValueError as err:
             raise ConfigError(str(err)) from None
@@ -123,6 +124,11 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
         raise ConfigError(
             f"loss.cosent_similarity={loss.cosent_similarity} scores CoSENT's pairs, and loss.distill is empty: set "
             "loss.distill=cosent (AnglE) or leave it at cosine"
+        )
+    elif loss.distill_minmax:
+        raise ConfigError(
+            "loss.distill_minmax=true scales the student's logits for a distillation term, and loss.distill is "
+            "empty: set loss.distill=kl or leave it false"
         )
     elif loss.teacher_model:
         raise ConfigError(

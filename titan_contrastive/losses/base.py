@@ -150,8 +150,8 @@ class Objective(Protocol):
 
 
 class Wrapping:
-    """What an objective that wraps another (`inner`: Matryoshka, Distilled) takes from it as it is:
-    its name, bias, ids, kernel kind and initial temperature and bias; and its state at a step (`at_step`)."""
+    """What an objective that wraps another (`inner`: Matryoshka, Distilled) takes from it as it is: its name,
+    bias, ids, kernel kind, initial temperature and bias and token width; and its state at a step (`at_step`)."""
 
     inner: Objective
 
@@ -182,6 +182,11 @@ class Wrapping:
     @property
     def init_logit_bias(self) -> float | None:
         return self.inner.init_logit_bias
+
+    @property
+    def token_dim(self) -> int:
+        """The inner objective's token width where it scores by late interaction, else 0."""
+        return getattr(self.inner, "token_dim", 0)
 
 
 def gathered_problem(

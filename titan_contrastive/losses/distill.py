@@ -4,9 +4,11 @@ A teacher scores what it can see. The data's scores (`datasets/pairs.py`: a `lab
 column, or `labels` / `scores`; e.g. a cross-encoder's logits) are T_i0 of query i's positive and
 T_i1..T_ik of its k hard negatives; a frozen teacher model (`[loss] teacher_model`, built like a
 guide, `losses/guide.py`) scores every column of the problem, T_ij = <g(q_i), g(d_j)>. With the
-model's logits S_ij = t <q_i, d_j> over the same documents the term is
+model's logits S_ij = t <q_i, d_j> over the same documents (t MaxSim(q_i, d_j) for a late-interaction model: the
+inner objective's `pair_scores`, `late_interaction.py`) the term is
 
     kl:          L_d = 1/N sum_i sum_j p_ij (log p_ij - log softmax(S_i)_j),   p_i = softmax(T_i / tau)
+                 (`minmax`: S_i first scaled to (S_i - min S_i) / (max S_i - min S_i + 1e-8), PyLate's normalize_scores)
     margin_mse:  L_d = 1/(N k) sum_i sum_{j >= 1} ((S_i0 - S_ij) - (T_i0 - T_ij))^2    (the data's scores)
     cosent:      L_d = log(1 + sum over pairs (a, b) of the problem with T_a < T_b of exp(S_a - S_b))
 
@@ -14,7 +16,8 @@ where for cosent S = t <q, d>, or with `similarity = "angle"` (AnglE) S = t |<q,
 for d's halves (d1, d2) (a zero appended to an odd width): |cos + sin| of each pair's halves read as complex
 numbers, sentence-transformers' `pairwise_angle_sim` of unit vectors.
 
-(sentence-transformers' DistillKLDivLoss, without its tau^2 factor, MarginMSELoss, CoSENTLoss and AnglELoss; over every
+(sentence-transformers' DistillKLDivLoss, without its tau^2 factor, MarginMSELoss, CoSENTLoss and AnglELoss; PyLate's
+Distillation with `minmax`, tau = 1 and t = 1 under MaxSim; over every
 column, the in-batch KL of embedding distillation). CoSENT ranks every (query, own document) pair of the
 whole problem, N(1 + k) of them (k >= 0: scored pairs, an STS set's gold labels, need no negatives), by
 the data's scores, in O(M log M): sorted by score, each pair's sum over the higher-scored ones is a running
@@ -30,6 +33,7 @@ and their shares of dL/dt). The teacher's scores of the whole problem are bound 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +52,7 @@ from titan_contrastive.losses.base import (
 from titan_contrastive.losses.guide import Guide
 
 KINDS = ("kl", "margin_mse", "cosent")
+MINMAX_EPS = 1e-8  # (S - min) / (max - min + eps): PyLate's epsilon
 SIMILARITIES = ("cosine", "angle")
 
 
@@ -62,6 +67,7 @@ class Distillation:
     temperature: float = 1.0
     model: bool = False
     similarity: str = "cosine"
+    minmax: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -76,6 +82,12 @@ class Distillation:
         if self.kind != "kl" and self.temperature != 1.0:
             raise ValueError(
                 f"loss.distill_temperature={self.temperature}: only loss.distill=kl has a temperature; leave it at 1"
+            )
+        if self.minmax and (self.kind != "kl" or self.model):
+            raise ValueError(
+                f"loss.distill_minmax=true scales each query's logits over its own documents for the KL, and "
+                f"{'loss.teacher_model scores every column' if self.model else f'loss.distill={self.kind}'}: "
+                "use loss.distill=kl on the data's scores, or set loss.distill_minmax=false"
             )
         if self.model and self.kind != "kl":
             raise ValueError(
@@ -93,6 +105,9 @@ class Distillation:
         """The term of each row [c], from the student's logits and the teacher's scores [c, columns]."""
         teacher = teacher.to(logits.dtype)
         if self.kind == "kl":
+            if self.minmax:  # PyLate's normalize_scores: each row's logits to [0, 1]
+                low, high = logits.amin(1, keepdim=True), logits.amax(1, keepdim=True)
+                logits = (logits - low) / (high - low + MINMAX_EPS)
             p = torch.softmax(teacher / self.temperature, 1)
             return (torch.xlogy(p, p) - p * torch.log_softmax(logits, 1)).sum(1)
         return ((logits[:, :1] - logits[:, 1:]) - (teacher[:, :1] - teacher[:, 1:])).square().mean(1)
@@ -105,6 +120,8 @@ class Distillation:
             name = "AnglE (CoSENT on the angle similarity)" if self.similarity == "angle" else "CoSENT"
             return f"{self.weight:g} x {name} over every (query, own document) pair, ranked by the data's scores"
         what = f"KL to the teacher's softmax at tau {self.temperature:g}" if self.kind == "kl" else "margin MSE"
+        if self.minmax:
+            what += ", the logits min-max scaled per query"
         return f"{self.weight:g} x distillation ({what}) over each query's own documents"
 
 
@@ -131,12 +148,14 @@ def pair_similarity(q: Tensor, docs: Tensor, similarity: str = "cosine") -> Tens
     return torch.einsum("cd,ckd->ck", q, docs)
 
 
-def own_logits(
-    q: Tensor, docs: Tensor, scale: Tensor, first_row: int, num_queries: int, similarity: str = "cosine"
-) -> Tensor:
-    """[c, 1 + k]: t x the similarity of the rows first_row.. of `q` and their own documents in `docs`."""
+Pairs = Callable[[Tensor, Tensor], Tensor]
+"""Scores each row of q [c, d] with its own documents [c, k, d]: [c, k], with autograd."""
+
+
+def own_logits(q: Tensor, docs: Tensor, scale: Tensor, first_row: int, num_queries: int, pairs: Pairs) -> Tensor:
+    """[c, 1 + k]: t x `pairs` of the rows first_row.. of `q` and their own documents in `docs`."""
     idx = own_columns(first_row, len(q), num_queries, len(docs), q.device)
-    return scale * pair_similarity(q, docs[idx], similarity)
+    return scale * pairs(q, docs[idx])
 
 
 @dataclass(frozen=True)
@@ -161,8 +180,15 @@ class Distilled(Wrapping):
 
     def describe(self) -> str:
         if not self.contrastive_weight:
-            return f"{self.distillation.describe()}, without the contrastive objective"
+            late = f", scored by late interaction (MaxSim of {self.token_dim}-wide tokens)" if self.token_dim else ""
+            return f"{self.distillation.describe()}{late}, without the contrastive objective"
         return f"{self.contrastive_weight:g} x {self.inner.describe()} + {self.distillation.describe()}"
+
+    def _pairs(self, q: Tensor, docs: Tensor) -> Tensor:
+        """[c, k]: each row of q with its own documents [c, k, d], scored as the inner objective scores them where
+        it reads tokens (`pair_scores`: late interaction's MaxSim), else by the distillation's similarity."""
+        pairs = getattr(self.inner, "pair_scores", None)
+        return pairs(q, docs) if pairs is not None else pair_similarity(q, docs, self.distillation.similarity)
 
     def _teacher(self, num_queries: int, num_columns: int) -> Tensor | Guide:
         """The bound teacher, checked against the problem's shape and the teacher's kind."""
@@ -191,7 +217,7 @@ class Distilled(Wrapping):
         if isinstance(teacher, Guide):
             logits, scores = scale * (q @ docs.T), teacher.queries @ teacher.columns.T
         else:
-            logits, scores = own_logits(q, docs, scale, 0, len(q), self.distillation.similarity), teacher
+            logits, scores = own_logits(q, docs, scale, 0, len(q), self._pairs), teacher
         return self.distillation.weight * self.distillation.whole(logits, scores)
 
     def dense(
@@ -239,12 +265,15 @@ class Distilled(Wrapping):
         teacher = self._teacher(n, len(docs))
         if self.distillation.kind == "cosent":
             term, grad_rows, grad_cols = _ranked(
-                self.distillation, q_own, docs, scale.detach().to(acc), teacher, first_row, ranks
+                self.distillation, self._pairs, q_own, docs, scale.detach().to(acc), teacher, first_row, ranks
+            )
+        elif isinstance(teacher, Guide):
+            term, grad_rows, grad_cols = _every_column(
+                self.distillation, q_own, docs, scale.detach().to(acc), teacher, first_row, n, chunk
             )
         else:
-            part = _every_column if isinstance(teacher, Guide) else _own_documents
-            term, grad_rows, grad_cols = part(
-                self.distillation, q_own, docs, scale.detach().to(acc), teacher, first_row, n, chunk
+            term, grad_rows, grad_cols = _own_documents(
+                self.distillation, self._pairs, q_own, docs, scale.detach().to(acc), teacher, first_row, n
             )
         loss = ranks.sum(term.detach().clone())
         scale_rows = row_scale_shares(q_own.to(acc), grad_rows, scale)
@@ -266,16 +295,17 @@ class Distilled(Wrapping):
 
 
 def _own_documents(
-    distillation: Distillation, q_own: Tensor, docs: Tensor, scale: Tensor, teacher: Tensor, first_row: int, n: int, _
-) -> tuple[Tensor, Tensor, Tensor]:
+    distillation: Distillation, pairs: Pairs, q_own: Tensor, docs: Tensor, scale: Tensor, teacher: Tensor,
+    first_row: int, n: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """weight/N x the own rows' terms over their own documents (the data's scores), by autograd on
-    [c, 1 + k] logits; dL/dq of the rows, and dL/dD with their documents' gradients in their columns."""
+    [c, 1 + k] logits (`pairs`); dL/dq of the rows, and dL/dD with their documents' gradients in their columns."""
     c, acc = len(q_own), scale.dtype
     idx = own_columns(first_row, c, n, len(docs), docs.device)
     with torch.enable_grad():
         q_leaf = q_own.detach().to(acc).requires_grad_()
         d_leaf = docs[idx].detach().to(acc).requires_grad_()
-        logits = scale * torch.einsum("cd,ckd->ck", q_leaf, d_leaf)
+        logits = scale * pairs(q_leaf, d_leaf)
         term = distillation.rows(logits, teacher[first_row : first_row + c]).sum() * (distillation.weight / n)
         grad_rows, grad_own = torch.autograd.grad(term, (q_leaf, d_leaf))
     grad_cols = torch.zeros(docs.shape, dtype=acc, device=docs.device)
@@ -309,8 +339,8 @@ def _every_column(
 
 
 def _ranked(
-    distillation: Distillation, q_own: Tensor, docs: Tensor, scale: Tensor, teacher: Tensor, first_row: int,
-    ranks: Ranks,
+    distillation: Distillation, pairs: Pairs, q_own: Tensor, docs: Tensor, scale: Tensor, teacher: Tensor,
+    first_row: int, ranks: Ranks,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """CoSENT's share of a rank: the own rows' logits of their own documents, gathered over the ranks (each
     rank's rows in rank order: the problem's); the term over all of them (1/world of it, so the ranks' shares
@@ -320,7 +350,7 @@ def _ranked(
     with torch.enable_grad():
         q_leaf = q_own.detach().to(acc).requires_grad_()
         d_leaf = docs[idx].detach().to(acc).requires_grad_()
-        logits = scale * pair_similarity(q_leaf, d_leaf, distillation.similarity)
+        logits = scale * pairs(q_leaf, d_leaf)
         every = ranks.gather(logits.detach()).requires_grad_()
         term = distillation.weight * distillation.whole(every, teacher)
         (grad_every,) = torch.autograd.grad(term, every)

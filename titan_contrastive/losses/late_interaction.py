@@ -20,6 +20,7 @@ its inputs (`MaxSimScores`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from titan_contrastive.losses.base import Ranks, StreamResult, gathered_problem, row_scale_shares
+from titan_contrastive.losses.distill import Distilled
 from titan_contrastive.losses.guide import Guide
 from titan_contrastive.losses.streaming import accumulation_dtype
 
@@ -47,6 +49,17 @@ def token_products(q: Tensor, docs: Tensor, dim: int, normalize: bool = False) -
     real = (dt != 0).any(-1)  # [m, L_d]: the document tokens that count
     products = products.masked_fill(~real[None, None], -math.inf)
     out = products.amax(-1).to(accumulation_dtype(q)).sum(1)
+    return out / (qt != 0).any(-1).sum(1, keepdim=True).clamp_min(1) if normalize else out
+
+
+def pair_products(q: Tensor, docs: Tensor, dim: int, normalize: bool = False) -> Tensor:
+    """MaxSim of each row of `q` [c, L_q * dim] with its own documents `docs` [c, k, L_d * dim]: [c, k], with
+    autograd (the same operations as `token_products`, one row's documents at a time)."""
+    qt, dt = tokens(q, dim), docs.view(len(docs), docs.shape[1], -1, dim)
+    products = torch.einsum("cad,ckbd->ckab", qt, dt)
+    real = (dt != 0).any(-1)  # [c, k, L_d]
+    products = products.masked_fill(~real[:, :, None], -math.inf)
+    out = products.amax(-1).to(accumulation_dtype(q)).sum(2)
     return out / (qt != 0).any(-1).sum(1, keepdim=True).clamp_min(1) if normalize else out
 
 
@@ -121,6 +134,11 @@ class LateInteraction:
     def similarity(self, q: Tensor, docs: Tensor) -> Tensor:
         """MaxSim of every query with every document [n, m] (evaluation's scores; no autograd)."""
         return scores(q, docs, self.token_dim, self.normalize)
+
+    def pair_scores(self, q: Tensor, docs: Tensor) -> Tensor:
+        """MaxSim of each query [c, L_q d] with its own documents [c, k, L_d d] (a distillation term's
+        logits over them, `losses/distill.py`; autograd)."""
+        return pair_products(q, docs, self.token_dim, self.normalize)
 
     def describe(self) -> str:
         way = "symmetric" if self.symmetric else "one-way"
@@ -204,12 +222,26 @@ class LateInteraction:
         return StreamResult(loss, grad_rows, grad_cols, row_scale_shares(q_own, grad_rows, scale), None)
 
 
-def late_interaction(objective: object, token_dim: int, normalize: bool = False) -> LateInteraction:
+def late_interaction(objective: object, token_dim: int, normalize: bool = False) -> LateInteraction | Distilled:
     """The late-interaction twin of a run's objective for multi-vector embeddings `token_dim` wide per token
-    (`[model] pooling = "colbert"`; `normalize`: `[loss] maxsim_normalize`): plain InfoNCE only, one-way or
-    symmetric; ValueError naming what else it holds."""
+    (`[model] pooling = "colbert"`; `normalize`: `[loss] maxsim_normalize`): plain InfoNCE, one-way or symmetric,
+    with or without a distillation term on the data's scores (its logits MaxSim over each query's own documents,
+    PyLate's Distillation); ValueError naming what else it holds."""
     from titan_contrastive.losses.infonce import InfoNCE
 
+    if isinstance(objective, Distilled):
+        distillation = objective.distillation
+        if distillation.model:
+            raise ValueError(
+                "loss.teacher_model scores every column by one vector per text, and model.pooling=colbert gives "
+                "tokens: distill from the data's scores (a scores column) and leave loss.teacher_model empty"
+            )
+        if distillation.similarity != "cosine":
+            raise ValueError(
+                f"loss.cosent_similarity={distillation.similarity} reads one vector per text, and "
+                "model.pooling=colbert scores pairs by MaxSim: leave it at cosine"
+            )
+        return dataclasses.replace(objective, inner=late_interaction(objective.inner, token_dim, normalize))
     if not isinstance(objective, InfoNCE) or objective.name != "clip":
         raise ValueError(
             f"model.pooling=colbert scores by late interaction, which InfoNCE takes (loss.name=clip), not "

@@ -64,6 +64,7 @@ def eval_objective(spec: ModelSpec, cfg: JobConfig, args: Any = None) -> Objecti
         cfg.loss,
         mask_duplicates=False,
         distill="",
+        distill_minmax=False,
         cosent_similarity="cosine",
         contrastive_weight=1.0,
         teacher_model="",

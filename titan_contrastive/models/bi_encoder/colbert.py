@@ -176,7 +176,6 @@ def refuse_for_colbert(cfg: Any) -> None:
         ("loss.gor_mean_weight", loss.gor_mean_weight),
         ("loss.flops_query_weight", loss.flops_query_weight),
         ("loss.flops_doc_weight", loss.flops_doc_weight),
-        ("loss.distill", loss.distill),
         ("loss.guide_model", loss.guide_model),
         ("loss.teacher_model", loss.teacher_model),
         ("eval.sts_path", cfg.eval.sts_path),
