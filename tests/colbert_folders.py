@@ -1,7 +1,8 @@
 """Tiny ColBERT folders built at test time: a BERT-like encoder whose tokenizer holds a mask token, two punctuation
 marks and PyLate's prefix tokens (added, the embedding table resized, as PyLate does), and that encoder as a PyLate
 folder (modules.json: Transformer, pylate.models.Dense.Dense; config_sentence_transformers.json with PyLate's keys),
-written from PyLate's save format (PyLate itself pins an older sentence-transformers than the one installed)."""
+written from PyLate's save format (PyLate itself pins an older sentence-transformers than the one installed); and
+that encoder as a sentence-transformers MultiVectorEncoder, built and saved by sentence-transformers."""
 
 from __future__ import annotations
 
@@ -69,4 +70,39 @@ def pylate_folder(model: Path, dim: int = 8, **settings) -> Path:
         **settings,
     }
     (out / "config_sentence_transformers.json").write_text(json.dumps(config))
+    return out
+
+
+def multi_vector_folder(model: Path, dim: int = 8, *, expansion: dict | None = None, **settings) -> Path:
+    """`model` as a sentence-transformers MultiVectorEncoder built and saved by sentence-transformers: a Dense
+    projection to `dim` (random weights, no bias), the scoring mask, Normalize; query length 12, document length 10,
+    `expansion` its query_expansion (None: none), `settings` its prompts, skiplist_words, keep_only_token_ids,
+    skiplist_tasks, dense_activation, or modules (the module list's order, by name)."""
+    import hashlib
+
+    import torch
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.base.modules.dense import Dense
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    name = "-".join(f"{k}{v}" for k, v in sorted({**settings, "expansion": expansion}.items()) if v is not None)
+    out = model.parent / f"{model.name}-mve-{dim}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+    transformer = Transformer(str(model), query_length=12, document_length=10, query_expansion=expansion)
+    torch.manual_seed(1)
+    hidden = transformer.get_embedding_dimension()
+    activation = settings.pop("dense_activation", torch.nn.Identity())
+    dense = Dense(
+        hidden, dim, bias=False, activation_function=activation,
+        module_input_name="token_embeddings", module_output_name="token_embeddings",
+    )  # fmt: skip
+    mask = MultiVectorMask(
+        settings.pop("skiplist_words", [".", ","]),
+        skiplist_tasks=settings.pop("skiplist_tasks", None),
+        keep_only_token_ids=settings.pop("keep_only_token_ids", None),
+    )
+    normalize = Normalize(module_input_name="token_embeddings", module_output_name="token_embeddings")
+    named = {"transformer": transformer, "dense": dense, "mask": mask, "normalize": normalize}
+    modules = [named[k] for k in settings.pop("modules", ["transformer", "dense", "mask", "normalize"])]
+    MultiVectorEncoder(modules=modules, device="cpu", **settings).save(str(out))
     return out

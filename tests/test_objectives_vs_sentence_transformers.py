@@ -76,13 +76,13 @@ def _ours(model, objective, k: int = 2, scale: float = SCALE) -> tuple[float, di
     return loss.item(), _grads(model)
 
 
-def _assert_same(got: tuple, want: tuple) -> None:
-    assert abs(got[0] - want[0]) <= REL * want[0]
+def _assert_same(got: tuple, want: tuple, rel: float = REL) -> None:
+    assert abs(got[0] - want[0]) <= rel * want[0]
     assert got[1].keys() == want[1].keys() and got[1]
     total = torch.stack([w.norm() for w in want[1].values()]).norm()
     for name, w in want[1].items():
         err = (got[1][name] - w).norm() / torch.maximum(w.norm(), 1e-6 * total)
-        assert err <= REL, f"{name}: {err:.2e}"
+        assert err <= rel, f"{name}: {err:.2e}"
 
 
 @needs("hf")

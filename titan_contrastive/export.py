@@ -10,7 +10,8 @@ adapter (`ModelSpec.state_dict_adapter`) claims the path; `--to` must be one of 
   `--to open_clip`, the layout `open_clip.create_model("local-dir:DIR")` reads.
 - bi_encoder (`models.bi_encoder.export`; `--tower query|doc` picks the tower, the same one when
   shared): `--to sentence-transformers`, the tower with its tokenizer, pooling, normalization and
-  prompts; `--to hf`, the tower as a transformers folder; with LoRA both hold the merged weights;
+  prompts (a ColBERT run: a MultiVectorEncoder, both sides); `--to hf`, the tower as a transformers
+  folder; with LoRA both hold the merged weights;
   `--to peft`, the LoRA adapters alone, what `peft.PeftModel.from_pretrained(base, DIR)` loads over
   the run's `[model] path`; `--to pylate`, a ColBERT run as a PyLate folder (both sides).
 - qwen_vl (`models.qwen_vl.export`): `--to hf`, the tower (LoRA merged) with its tokenizer and
@@ -240,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="{" + ",".join(FORMATS) + "}",
         help="one of the source family's formats (a family of your own may add more). hf: a transformers folder "
         "(clip: CLIPModel; bi_encoder: the tower, LoRA merged), open_clip: open_clip's folder layout (clip); "
-        "sentence-transformers: a SentenceTransformer folder (bi_encoder); qwen_vl: hf, peft, colpali; "
+        "sentence-transformers: a SentenceTransformer folder (bi_encoder; ColBERT: a MultiVectorEncoder); "
+        "qwen_vl: hf, peft, colpali; "
         "peft: the LoRA adapters as a PEFT folder (bi_encoder trained with [lora]); pylate: a ColBERT bi_encoder as a "
         "PyLate folder; colpali: a ColBERT qwen_vl run as colpali-engine's ColQwen folder",
     )

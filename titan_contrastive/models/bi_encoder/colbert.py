@@ -29,8 +29,9 @@ SKIPLIST = tuple(string.punctuation)  # PyLate's skiplist_words: left out of doc
 
 
 @dataclass(frozen=True)
-class PyLateFolder:
-    """What a PyLate ColBERT folder says (config_sentence_transformers.json, its Dense module)."""
+class ColbertFolder:
+    """What a ColBERT folder says: PyLate's (config_sentence_transformers.json, its Dense module), or
+    sentence-transformers' MultiVectorEncoder (`multi_vector.py`)."""
 
     dense: str
     """The Dense module's folder (config.json; model.safetensors with `linear.weight`)."""
@@ -43,9 +44,14 @@ class PyLateFolder:
     skiplist: tuple[str, ...] = SKIPLIST
     query_expansion: bool = True
     attend_to_expansion: bool = False
+    expansion_token: str | None = None
+    """The token that pads a query; None: the mask token (else the end-of-sequence token)."""
+    skip_unknown: bool = True
+    """A skiplist word outside the vocabulary skips the unknown token (PyLate); False: the word is dropped
+    (sentence-transformers' MultiVectorMask)."""
 
 
-def read_pylate(root: Path, dense: Path) -> PyLateFolder:
+def read_pylate(root: Path, dense: Path) -> ColbertFolder:
     """The settings of the PyLate folder `root` whose Dense module is `dense`; ConfigError for what PyLate can hold
     and this cannot (a residual or an activation on the projection, no safetensors)."""
     config = json.loads((dense / "config.json").read_text())
@@ -72,10 +78,10 @@ def read_pylate(root: Path, dense: Path) -> PyLateFolder:
         "attend_to_expansion": st.get("attend_to_expansion_tokens"),
     }
     settings = {key: value for key, value in given.items() if value is not None}
-    return PyLateFolder(str(dense), int(config["out_features"]), bool(config.get("bias", True)), **settings)
+    return ColbertFolder(str(dense), int(config["out_features"]), bool(config.get("bias", True)), **settings)
 
 
-def projection(width: int, dim: int, folder: PyLateFolder | None) -> nn.Linear:
+def projection(width: int, dim: int, folder: ColbertFolder | None) -> nn.Linear:
     """PyLate's Dense as a Linear from `width` to `dim`: the folder's weights, else new ones (torch's default init,
     no bias, as PyLate adds it)."""
     if folder is None:
@@ -115,9 +121,13 @@ def expansion_id(tokenizer: Any) -> int:
     )
 
 
-def skip_ids(tokenizer: Any, words: tuple[str, ...]) -> tuple[int, ...]:
-    """The ids of the skiplist words, as PyLate converts them (a word outside the vocabulary: the unknown token's)."""
-    ids = tokenizer.convert_tokens_to_ids(list(words))
+def skip_ids(tokenizer: Any, words: tuple[str, ...], unknown: bool = True) -> tuple[int, ...]:
+    """The ids of the skiplist words, as PyLate converts them (a word outside the vocabulary: the unknown token's);
+    `unknown=False`: such a word dropped, as sentence-transformers' MultiVectorMask does."""
+    ids = [tokenizer.convert_tokens_to_ids(word) for word in words]
+    if not unknown:
+        unk = tokenizer.unk_token_id
+        ids = [i for i, word in zip(ids, words) if unk is None or i != unk or word == tokenizer.unk_token]
     return tuple(sorted({int(i) for i in ids if i is not None}))
 
 
@@ -190,12 +200,13 @@ def refuse_for_colbert(cfg: Any) -> None:
 def colbert_sides(args: Any, folder: Any) -> tuple[Side, Side]:
     """How the query and document sides of a ColBERT model (`BiEncoderArgs`, its `folder.TextFolder`) are embedded."""
     late, tokenizer = folder.colbert, args.tokenizer
-    query = Side(
-        args.query_length,
-        expansion_id(tokenizer) if args.query_expansion else None,
-        bool(late and late.attend_to_expansion),
+    token = late.expansion_token if late else None
+    expansion = (
+        (tokenizer.convert_tokens_to_ids(token) if token else expansion_id(tokenizer)) if args.query_expansion else None
     )
-    return query, Side(args.doc_length, skip=skip_ids(tokenizer, late.skiplist if late else SKIPLIST))
+    query = Side(args.query_length, expansion, bool(late and late.attend_to_expansion))
+    skip = skip_ids(tokenizer, late.skiplist, late.skip_unknown) if late else skip_ids(tokenizer, SKIPLIST)
+    return query, Side(args.doc_length, skip=skip)
 
 
 def prefix_of(prompt: str, tokenizer: Any, side: str) -> str:
@@ -209,7 +220,7 @@ def prefix_of(prompt: str, tokenizer: Any, side: str) -> str:
     return prompt
 
 
-def write_pylate(tower: nn.Module, head: nn.Linear, args: Any, late: PyLateFolder | None, out: Path) -> None:
+def write_pylate(tower: nn.Module, head: nn.Linear, args: Any, late: ColbertFolder | None, out: Path) -> None:
     """A PyLate ColBERT folder in `out` (as PyLate saves one): the transformer and its tokenizer at the root, the
     projection as `1_Dense` (pylate.models.Dense.Dense), the ColBERT settings in config_sentence_transformers.json
     (`args`: the run's `BiEncoderArgs`; the skiplist and `attend_to_expansion_tokens` of the PyLate folder it

