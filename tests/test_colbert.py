@@ -171,7 +171,10 @@ def test_settings_colbert_cannot_take_are_one_line(tmp_path: Path) -> None:
     cases = {
         ("--model.colbert_dim=8",): r"^model.colbert_dim=8: model.pooling is 'mean'; it applies to model.pooling='c",
         ("--model.query_expansion=false",): r"^model.query_expansion=false: model.pooling is 'mean'",
-        ("--model.pooling=colbert", "--loss.matryoshka_dims=4"): r"^loss.matryoshka_dims=\[4\]: model.pooling=.colbert",
+        (
+            "--model.pooling=colbert",
+            "--loss.matryoshka_dims=256",
+        ): r"^loss.matryoshka_dims=\[256\]: the tokens have 128",
         ("--model.pooling=colbert", "--loss.name=siglip"): r"^loss.name='siglip': siglip loss \(sigmoid\) reads a l",
         ("--model.pooling=colbert", "--loss.mask_margin=0.1"): r"remove loss.joint_directions, loss.hardness_streng",
         (f"--model.path={folder}", "--model.colbert_dim=4"): r"^model.colbert_dim=4: the PyLate folder projects tok",
@@ -200,9 +203,10 @@ def test_beir_top_k_scores_by_late_interaction() -> None:
 
 
 @needs("hf")
-def test_training_evaluates_by_late_interaction(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dims", [[], ["--loss.matryoshka_dims=8,4"]], ids=["whole", "token-prefixes"])
+def test_training_evaluates_by_late_interaction(tmp_path: Path, dims: list[str]) -> None:
     """A PyLate folder trained one step, evaluated on held-out pairs (recall both ways, the loss) and on a BEIR
-    folder, every text scored by MaxSim."""
+    folder, every text scored by MaxSim; with Matryoshka prefixes also at each token's first 4 dims."""
     from tests.test_hf_text import PAIRS
     from tests.test_retrieval_metrics import write_beir
     from tests.test_trainer import make_trainer as base
@@ -222,6 +226,7 @@ def test_training_evaluates_by_late_interaction(tmp_path: Path) -> None:
         "--training.steps=1",
         "--eval.enable=true",
         f"--eval.beir_path={write_beir(tmp_path / 'beir')}",
+        *dims,
     )
     assert trainer.model_args.query_length == 12  # the PyLate folder's, data.context_length being 0
     trainer.train()
@@ -229,6 +234,10 @@ def test_training_evaluates_by_late_interaction(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     (evaluated,) = [row for row in rows if row.get("kind") == "eval"]
     assert 0 <= evaluated["beir/ndcg@10"] <= 1 and 0 <= evaluated["query_to_doc_r@1"] <= 1 and evaluated["loss"] > 0
+    cuts = [key for key in evaluated if key.startswith("dim")]
+    assert sorted(cuts) == (
+        sorted(f"dim4/{k}" for k in evaluated if k.startswith(("beir/", "query_to", "doc_to"))) if dims else []
+    )
 
 
 @needs("hf")
@@ -279,8 +288,8 @@ def test_a_step_exports_to_pylate_and_back(tmp_path: Path, capsys: pytest.Captur
 
 @needs("hf")
 def test_standalone_evaluation_ranks_by_late_interaction(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """`python -m titan_contrastive.evaluate` on a PyLate folder: its query length, BEIR by MaxSim; STS and
-    Matryoshka cuts, which read one vector per text, refused in one line."""
+    """`python -m titan_contrastive.evaluate` on a PyLate folder: its query length, BEIR by MaxSim, also at each
+    token's first 4 dims; a cut wider than the tokens refused in one line."""
     from tests.test_retrieval_metrics import write_beir
     from titan_contrastive.evaluate import load_text_model, main
 
@@ -291,6 +300,9 @@ def test_standalone_evaluation_ranks_by_late_interaction(tmp_path: Path, capsys:
     assert main([str(folder), "--beir", str(beir), "--out", str(tmp_path / "m.json")]) == 0
     assert 0 <= json.loads((tmp_path / "m.json").read_text())["ndcg@10"] <= 1
     capsys.readouterr()
-    assert main([str(folder), "--beir", str(beir), "--dims", "4"]) == 2
+    assert main([str(folder), "--beir", str(beir), "--dims", "4", "--out", str(tmp_path / "d.json")]) == 0
+    assert 0 <= json.loads((tmp_path / "d.json").read_text())["dim4/ndcg@10"] <= 1
+    capsys.readouterr()
+    assert main([str(folder), "--beir", str(beir), "--dims", "16"]) == 2
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert "--dims: " in line and "embeds a text as its tokens (ColBERT)" in line
+    assert "--dims [16]: " in line and "tokens have 8 dimensions; use dims <= 8" in line

@@ -79,6 +79,7 @@ def test_every_step_kind_equals_maxsim_infonce(tmp_path: Path, kind: str) -> Non
         ("qwen2_vl", "gradcache", ("--loss.maxsim_normalize=true", "--loss.init_logit_scale=3.912")),
         ("qwen3_vl", "gradcache", ()),
         ("qwen2_5_vl", "global", LORA),
+        ("qwen2_vl", "gradcache", ("--loss.matryoshka_dims=8,4", "--loss.matryoshka_weights=1,0.5")),
     ],
 )
 def test_lora_images_as_queries_and_other_archs(tmp_path: Path, arch: str, kind: str, extra: tuple[str, ...]) -> None:
@@ -112,7 +113,7 @@ def test_gradcache_replays_dropout(tmp_path: Path) -> None:
     "options, message",
     [
         (("--data.max_pixels=20000000",), "data.max_pixels=20000000: model.pooling='colbert' pads every image"),
-        (("--loss.matryoshka_dims", "4"), "loss.matryoshka_dims=[4]: model.pooling='colbert' embeds a text"),
+        (("--loss.matryoshka_dims", "256"), "loss.matryoshka_dims=[256]: the tokens have 128 dimensions"),
         (("--model.pooling=mean", "--model.colbert_dim=8"), "model.colbert_dim=8: it applies to model.pooling"),
         (("--model.query_expansion=true",), "model.query_expansion=true: the qwen_vl family has no ColBERT queries"),
     ],

@@ -90,7 +90,8 @@ def _embeddings(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def _dense(trainer, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
     """The objective from its definition on a float64 copy: the mean over `batches` (each one
     contrastive problem) of InfoNCE over the whole batch's embeddings (symmetric), or over their MaxSim
-    written one pair at a time for a ColBERT model (`loss.symmetric`, `loss.maxsim_normalize`)."""
+    written one pair at a time for a ColBERT model (`loss.symmetric`, `loss.maxsim_normalize`, each token's
+    `loss.matryoshka_dims` prefixes)."""
     model = trainer.spec.build_model(trainer.model_args).double()
     model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
     model.eval()
@@ -98,9 +99,20 @@ def _dense(trainer, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]
     for batch in batches:
         q, d = _embeddings(model, batch)
         if model.token_dim:
+            from tests.test_late_matryoshka import cut
+
             terms = trainer.cfg.loss
             scale, dim = model.logit_scale.exp(), model.token_dim
-            losses.append(late_reference(q, d, None, scale, terms.symmetric, dim, terms.maxsim_normalize))
+            weights = terms.matryoshka_weights or [1.0] * len(terms.matryoshka_dims)
+            prefixes = list(zip(terms.matryoshka_dims, weights)) or [(dim, 1.0)]
+            late = [
+                w
+                * late_reference(
+                    cut(q, m, dim), cut(d, m, dim), None, scale, terms.symmetric, m, terms.maxsim_normalize
+                )
+                for m, w in prefixes
+            ]
+            losses.append(sum(late))
         else:
             losses.append(InfoNCE().dense(q, d, model.logit_scale.exp()))
     loss = torch.stack(losses).mean()

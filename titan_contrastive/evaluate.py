@@ -91,11 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         sts = load_sts(opts.sts, opts.sts_split) if opts.sts else None
         args, model = load_text_model(opts.model, opts.query_length, opts.doc_length, opts.trust_remote_code)
         model.to(device)
-        if getattr(model, "token_dim", 0) and (opts.sts or opts.dims):
-            flag = "--sts" if opts.sts else "--dims"
+        token_dim = getattr(model, "token_dim", 0)
+        if token_dim and opts.sts:
             raise ValueError(
-                f"{flag}: {opts.model} embeds a text as its tokens (ColBERT), scored by late interaction, and {flag} "
+                f"--sts: {opts.model} embeds a text as its tokens (ColBERT), scored by late interaction, and --sts "
                 "reads one vector per text; leave it out"
+            )
+        if token_dim and opts.dims and max(opts.dims) > token_dim:
+            raise ValueError(
+                f"--dims {opts.dims}: {opts.model}'s tokens have {token_dim} dimensions; use dims <= {token_dim}"
             )
 
         def forward(batch: dict[str, torch.Tensor]) -> Any:

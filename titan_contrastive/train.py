@@ -128,7 +128,7 @@ class Trainer:
         report_unread_init_from(cfg.model.init_from, self.checkpointer.load(), self.resumed)
         if self.objective is not None:  # Matryoshka prefixes and eval cuts that the embeddings are too short for
             dims = {"loss.matryoshka_dims": cfg.loss.matryoshka_dims, "eval.dims": cfg.eval.dims}
-            check_embedding_dims(self.model, self.forward, self.eval_set or self.train_set, dims)
+            check_embedding_dims(self.model, self.forward, self.eval_set or self.train_set, dims, self.objective)
         self.metrics = MetricsProcessor.for_run(cfg, self.model_args, dist, resumed=self.step > 0)  # after the checks
         self.memory_plan = self._plan_memory() if cfg.memory.budget_gib else None  # before any real step
 

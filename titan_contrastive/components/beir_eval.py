@@ -21,6 +21,7 @@ from titan_contrastive.components.evaluate import dim_cuts, gather_rows
 from titan_contrastive.components.precision import at_least_fp32
 from titan_contrastive.components.retrieval_metrics import BeirSet, ir_metrics, read_beir, top_k
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.losses import matryoshka
 from titan_contrastive.losses.late_interaction import scores as late_scores
 
 __all__ = ["BUNDLED", "embed_texts", "evaluate_beir", "load_beir"]
@@ -72,7 +73,8 @@ def evaluate_beir(
 ) -> dict[str, float]:
     """The IR metrics of `beir` with these embedders, by the dot product of their embeddings (the towers' unit
     vectors: their cosine; SPLADE's: its score), and by the cosine of their first m dims for each m of `dims`
-    (`evaluate.dim_cuts`); each text embedded once. `sparse` (SPLADE's embeddings): also the mean number of
+    (`evaluate.dim_cuts`; of each token's first m, for token sets); each text embedded once. `sparse` (SPLADE's
+    embeddings): also the mean number of
     non-zero dimensions of a query's and of a document's (`query_active_dims`, `corpus_active_dims`, as
     sentence-transformers' SparseInformationRetrievalEvaluator reports them), what an inverted index pays.
     `token_dim` (ColBERT's token sets): scored by late interaction (`losses/late_interaction.py`) instead."""
@@ -80,9 +82,12 @@ def evaluate_beir(
     queries = embed_texts(embed_queries, beir.queries, **common)
     corpus = embed_texts(embed_docs, beir.corpus, **common)
     results = {}
-    for m, cut in dim_cuts(queries.shape[-1], dims):
-        similarity = functools.partial(late_scores, dim=token_dim) if token_dim else None
-        scores, indices = top_k(queries[:, :m], corpus[:, :m], K, normalize=bool(cut), similarity=similarity)
+    for m, cut in dim_cuts(token_dim or queries.shape[-1], dims):
+        if token_dim:  # each token cut to its first m components, renormalized
+            q, c = (matryoshka.prefix(x, m, token_dim) if cut else x for x in (queries, corpus))
+            scores, indices = top_k(q, c, K, similarity=functools.partial(late_scores, dim=m))
+        else:
+            scores, indices = top_k(queries[:, :m], corpus[:, :m], K, normalize=bool(cut))
         metrics = ir_metrics(scores, indices, beir.query_ids, beir.corpus_ids, beir.qrels)
         results |= {f"{cut}{prefix}{name}": value for name, value in metrics.items()}
     if sparse:

@@ -37,7 +37,7 @@ from titan_contrastive.components.precision import at_least_fp32
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.protocol import Dataset, ZeroShotDataset
-from titan_contrastive.losses import MicrobatchLoss, Objective
+from titan_contrastive.losses import MicrobatchLoss, Objective, matryoshka
 
 logger = logging.getLogger("titan_contrastive")
 
@@ -158,16 +158,23 @@ def dim_cuts(width: int, dims: Sequence[int]) -> list[tuple[int, str]]:
 
 
 @torch.no_grad()
-def check_embedding_dims(model: nn.Module, forward: Forward, dataset: Dataset, dims: dict[str, list[int]]) -> None:
+def check_embedding_dims(
+    model: nn.Module, forward: Forward, dataset: Dataset, dims: dict[str, list[int]], objective: Objective | None = None
+) -> None:
     """A ConfigError before training when a setting (`dims`: {"eval.dims": [...], ...}) asks for more
-    dims than the embeddings have, found by the forward of one sample in eval mode."""
+    dims than the embeddings have, found by the forward of one sample in eval mode (than each token has, where the
+    run's `objective` scores token sets: its `token_dim`)."""
     if not any(dims.values()):
         return
-    with eval_mode(model):
-        width = forward(dataset.__getitems__([0]))[0].shape[-1]
+    token_dim = getattr(objective, "token_dim", 0)
+    if token_dim:
+        what, width = "tokens", token_dim
+    else:
+        with eval_mode(model):
+            what, width = "embeddings", forward(dataset.__getitems__([0]))[0].shape[-1]
     for key, values in dims.items():
         if values and max(values) > width:
-            raise ConfigError(f"{key}={list(values)}: the embeddings have {width} dimensions; use dims <= {width}")
+            raise ConfigError(f"{key}={list(values)}: the {what} have {width} dimensions; use dims <= {width}")
 
 
 Similarity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -200,6 +207,8 @@ def evaluate(
     world_size: int = 1,
     dims: tuple[int, ...] = (),
     similarity: Similarity = dot,
+    token_dim: int = 0,
+    similarity_at: Callable[[int], Similarity] | None = None,
 ) -> dict[str, float]:
     """Eval loss plus zero-shot accuracy or retrieval recall; `loss_fn` must be unscaled.
 
@@ -207,7 +216,8 @@ def evaluate(
     `model` with the trainer's dtype and autocast; `model` is only switched to eval mode and back.
     `dims`: retrieval recall also with the embeddings cut to their first m dims and re-normalized
     (a Matryoshka model's smaller embeddings), under the keys `dim{m}/...`. `similarity`: how a query and a
-    document are scored, both ways (the documents' recall reads the same scores, by column).
+    document are scored, both ways (the documents' recall reads the same scores, by column); for token sets
+    (`token_dim`) a cut is each token's, scored by `similarity_at(m)`.
     """
     with eval_mode(model):
         img, txt, labels, scalars = embed_dataset(
@@ -225,8 +235,9 @@ def evaluate(
             sims = similarity(img, txt)
             out.update(recall_at_k(sims, dataset.recall_ks, dataset.recall_direction))
             out.update(recall_at_k(sims.T, dataset.recall_ks, backward))
-            for m, cut in dim_cuts(img.shape[-1], dims)[1:]:
-                sims = dot(*(nn.functional.normalize(x[:, :m], dim=-1) for x in (img, txt)))
+            for m, cut in dim_cuts(token_dim or img.shape[-1], dims)[1:]:
+                score = similarity_at(m) if token_dim and similarity_at else dot
+                sims = score(*(matryoshka.prefix(x, m, token_dim) for x in (img, txt)))
                 out.update(
                     {f"{cut}{k}": v for k, v in recall_at_k(sims, dataset.recall_ks, dataset.recall_direction).items()}
                 )
@@ -236,6 +247,7 @@ def evaluate(
 
 def evaluate_contrastive(ctx: EvalContext) -> dict[str, float]:
     """`evaluate` with the family's loss, unscaled (never divided by the accumulation steps)."""
+    token_dim = getattr(ctx.objective, "token_dim", 0)
     return evaluate(
         ctx.model,
         ctx.forward,
@@ -247,6 +259,8 @@ def evaluate_contrastive(ctx: EvalContext) -> dict[str, float]:
         world_size=ctx.world_size,
         dims=ctx.dims,
         similarity=getattr(ctx.objective, "similarity", dot),
+        token_dim=token_dim,
+        similarity_at=(lambda m: matryoshka.at_width(ctx.objective, m).similarity) if token_dim else None,  # type: ignore[attr-defined]
     )
 
 

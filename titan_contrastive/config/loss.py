@@ -80,7 +80,8 @@ class Loss:
     teacher_model: str = ""
     """distill=kl: a frozen model folder whose cosines over every column are the teacher's scores (bi_encoder)."""
     matryoshka_dims: list[int] = opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")
-    """Train the loss on each of these leading-dimension prefixes, renormalized (e.g. [384, 256, 128, 64])."""
+    """Train the loss on each of these leading-dimension prefixes, renormalized (e.g. [384, 256, 128, 64]); each
+    token's, for a ColBERT model."""
     matryoshka_weights: list[float] = opt([], lambda v: all(x > 0 for x in v), "numbers > 0")
     """One weight per matryoshka_dims entry; empty = all 1."""
     negatives: Literal["microbatch", "global"] = "microbatch"

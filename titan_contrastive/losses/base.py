@@ -188,6 +188,12 @@ class Wrapping:
         """The inner objective's token width where it scores by late interaction, else 0."""
         return getattr(self.inner, "token_dim", 0)
 
+    @property
+    def similarity(self) -> Callable[[Tensor, Tensor], Tensor]:
+        """The inner objective's scores of every query with every document where it scores otherwise than by the dot
+        product (late interaction); an AttributeError where it does not, as for any objective without them."""
+        return self.inner.similarity  # type: ignore[attr-defined]
+
 
 def gathered_problem(
     q: Tensor,

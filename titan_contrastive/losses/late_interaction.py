@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from titan_contrastive.losses.base import Ranks, StreamResult, gathered_problem, row_scale_shares
+from titan_contrastive.losses.base import Objective, Ranks, StreamResult, gathered_problem, row_scale_shares
 from titan_contrastive.losses.distill import Distilled
 from titan_contrastive.losses.guide import Guide
+from titan_contrastive.losses.matryoshka import Matryoshka
 from titan_contrastive.losses.streaming import accumulation_dtype
 
 TILE_ELEMENTS = 1 << 24  # token products per tile: 64 MiB in float32
@@ -222,13 +223,17 @@ class LateInteraction:
         return StreamResult(loss, grad_rows, grad_cols, row_scale_shares(q_own, grad_rows, scale), None)
 
 
-def late_interaction(objective: object, token_dim: int, normalize: bool = False) -> LateInteraction | Distilled:
+def late_interaction(objective: object, token_dim: int, normalize: bool = False) -> Objective:
     """The late-interaction twin of a run's objective for multi-vector embeddings `token_dim` wide per token
     (`[model] pooling = "colbert"`; `normalize`: `[loss] maxsim_normalize`): plain InfoNCE, one-way or symmetric,
     with or without a distillation term on the data's scores (its logits MaxSim over each query's own documents,
-    PyLate's Distillation); ValueError naming what else it holds."""
+    PyLate's Distillation), at Matryoshka prefixes of each token or not; ValueError naming what else it holds."""
     from titan_contrastive.losses.infonce import InfoNCE
 
+    if isinstance(objective, Matryoshka):  # each token's prefixes
+        late = dataclasses.replace(objective, inner=late_interaction(objective.inner, token_dim, normalize))
+        late.check_dim(token_dim)
+        return late
     if isinstance(objective, Distilled):
         distillation = objective.distillation
         if distillation.model:

@@ -5,7 +5,9 @@ and `weights` w_m, as sentence-transformers' MatryoshkaLoss (which truncates the
 lets the cosine similarity renormalize them). Each prefix is its own problem, false-negative
 margins included (a guide's masks, `losses/guide.py`, are the same at every prefix). Under
 GradCache and the streamed step the cached gradient is the sum over the prefixes, so each sample
-is still re-forwarded once.
+is still re-forwarded once. Under late interaction (an inner objective with a `token_dim`) the prefix is each
+token's: every token cut to its first m components and normalized again, a zero token staying zero, and
+scored by MaxSim of m-wide tokens (Jina-ColBERT-v2; sentence-transformers' MultiVectorMatryoshkaLoss).
 """
 
 from __future__ import annotations
@@ -21,9 +23,23 @@ from titan_contrastive.losses.base import Objective, Ranks, StreamResult, Wrappi
 from titan_contrastive.losses.guide import Guide
 
 
-def prefix(z: Tensor, dim: int) -> Tensor:
-    """The first `dim` components of each embedding, L2-normalized again."""
+def prefix(z: Tensor, dim: int, token_dim: int = 0) -> Tensor:
+    """The first `dim` components of each embedding, L2-normalized again; of each `token_dim`-wide token of it where
+    given, a zero token (left out) staying zero with a zero gradient (F.normalize's would be 1 / eps times the
+    scores' gradient, harmless in float64 and an overflow in bfloat16)."""
+    if token_dim:
+        tokens = z.unflatten(-1, (-1, token_dim))[..., :dim]
+        norm = tokens.norm(dim=-1, keepdim=True)
+        kept = norm > 0
+        return torch.where(kept, tokens / torch.where(kept, norm, 1), 0).flatten(-2)
     return F.normalize(z[..., :dim], dim=-1)
+
+
+def at_width(objective: Objective, dim: int) -> Objective:
+    """A late-interaction objective (or one wrapping it) scoring `dim`-wide tokens."""
+    if isinstance(objective, Wrapping):
+        return dataclasses.replace(objective, inner=at_width(objective.inner, dim))  # type: ignore[type-var]
+    return dataclasses.replace(objective, token_dim=dim)  # type: ignore[type-var]
 
 
 @dataclass(frozen=True)
@@ -45,20 +61,32 @@ class Matryoshka(Wrapping):
 
     def describe(self) -> str:
         dims = ", ".join(f"{m} x {w:g}" for m, w in zip(self.dims, self.weights))
-        return f"{self.inner.describe()}, Matryoshka over dims {dims}"
+        over = "each token's dims" if self.token_dim else "dims"
+        return f"{self.inner.describe()}, Matryoshka over {over} {dims}"
 
     def check_dim(self, dim: int) -> None:
-        """ValueError when a prefix is longer than the embeddings."""
+        """ValueError when a prefix is longer than the embeddings (the tokens, under late interaction: `dim` is
+        then ignored)."""
+        what, dim = ("tokens", self.token_dim) if self.token_dim else ("embeddings", dim)
         if max(self.dims) > dim:
             raise ValueError(
-                f"loss.matryoshka_dims={list(self.dims)}: the embeddings have {dim} dimensions; use dims <= {dim}"
+                f"loss.matryoshka_dims={list(self.dims)}: the {what} have {dim} dimensions; use dims <= {dim}"
             )
+
+    def _at(self, m: int) -> Objective:
+        """The inner objective at prefix m."""
+        return at_width(self.inner, m) if self.token_dim else self.inner
+
+    def _cut(self, z: Tensor, m: int) -> Tensor:
+        return prefix(z, m, self.token_dim)
 
     def dense(
         self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
     ) -> Tensor:
         self.check_dim(q.shape[-1])
-        return sum(w * self.inner.dense(prefix(q, m), prefix(docs, m), scale, bias, ids) for m, w in self._pairs())
+        return sum(
+            w * self._at(m).dense(self._cut(q, m), self._cut(docs, m), scale, bias, ids) for m, w in self._pairs()
+        )
 
     def microbatch(
         self,
@@ -73,9 +101,9 @@ class Matryoshka(Wrapping):
         positives, negatives = docs
         return sum(
             w
-            * self.inner.microbatch(
-                prefix(q, m),
-                (prefix(positives, m), None if negatives is None else prefix(negatives, m)),
+            * self._at(m).microbatch(
+                self._cut(q, m),
+                (self._cut(positives, m), None if negatives is None else self._cut(negatives, m)),
                 scale,
                 bias,
                 ids,
@@ -95,8 +123,8 @@ class Matryoshka(Wrapping):
         loss = grad_rows = grad_cols = scale_rows = bias_rows = None
         for m, w in self._pairs():
             with torch.enable_grad():
-                qm, dm = prefix(q_leaf, m), prefix(d_leaf, m)
-            part = self.inner.streamed(qm.detach(), dm.detach(), scale, bias, **kwargs)
+                qm, dm = self._cut(q_leaf, m), self._cut(d_leaf, m)
+            part = self._at(m).streamed(qm.detach(), dm.detach(), scale, bias, **kwargs)
             gq, gd = torch.autograd.grad(
                 (qm, dm), (q_leaf, d_leaf), (part.grad_rows.to(qm.dtype) * w, part.grad_cols.to(dm.dtype) * w)
             )

@@ -180,8 +180,6 @@ def refuse_for_colbert(cfg: Any) -> None:
         )
     loss = cfg.loss
     for key, value in (
-        ("loss.matryoshka_dims", loss.matryoshka_dims),
-        ("eval.dims", cfg.eval.dims),
         ("loss.gor_weight", loss.gor_weight),
         ("loss.gor_mean_weight", loss.gor_mean_weight),
         ("loss.flops_query_weight", loss.flops_query_weight),
