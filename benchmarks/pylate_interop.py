@@ -1,5 +1,5 @@
 """PyLate <-> titan_contrastive for ColBERT: PyLate's own folders read here, our `--to pylate` exports read by PyLate,
-the same token embeddings and the same Contrastive loss.
+the same token embeddings and the same Contrastive and Distillation losses.
 
     bash benchmarks/pylate_venv.sh                                   # once: /tmp/pylate_venv
     .venv/bin/python -m benchmarks.pylate_interop [--pylate-python /tmp/pylate_venv/bin/python]
@@ -16,11 +16,11 @@ a) PyLate -> ours: `pylate.models.ColBERT` on MiniLM (a new 32-wide Dense, the [
    tokens; max |difference|.
 b) PyLate's `losses.Contrastive` on (query, positive, negative) triples against our objective on our embeddings of
    the same texts (one-way InfoNCE over MaxSim, t = 1).
+c) ours -> PyLate: a one-step run of ours on the folder of (a), exported with `--to pylate`, read by PyLate; the
+   token embeddings of (a) again against the run's.
 d) PyLate's `losses.Distillation` (its default min-max scaling of the scores, and without it) on queries with four
    documents each and a teacher's scores of them, against ours (`loss.distill = "kl"`, `distill_minmax` on and off,
    `contrastive_weight = 0`, t = 1) on our embeddings of the same texts.
-c) ours -> PyLate: a one-step run of ours on the folder of (a), exported with `--to pylate`, read by PyLate; the
-   token embeddings of (a) again against the run's.
 """
 
 from __future__ import annotations

@@ -74,9 +74,9 @@ def evaluate_beir(
     """The IR metrics of `beir` with these embedders, by the dot product of their embeddings (the towers' unit
     vectors: their cosine; SPLADE's: its score), and by the cosine of their first m dims for each m of `dims`
     (`evaluate.dim_cuts`; of each token's first m, for token sets); each text embedded once. `sparse` (SPLADE's
-    embeddings): also the mean number of
-    non-zero dimensions of a query's and of a document's (`query_active_dims`, `corpus_active_dims`, as
-    sentence-transformers' SparseInformationRetrievalEvaluator reports them), what an inverted index pays.
+    embeddings): also the mean number of non-zero dimensions of a query's and of a document's
+    (`query_active_dims`, `corpus_active_dims`, as sentence-transformers' SparseInformationRetrievalEvaluator reports
+    them), what an inverted index pays.
     `token_dim` (ColBERT's token sets): scored by late interaction (`losses/late_interaction.py`) instead."""
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
     queries = embed_texts(embed_queries, beir.queries, **common)
