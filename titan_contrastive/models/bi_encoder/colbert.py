@@ -51,21 +51,28 @@ class ColbertFolder:
     (sentence-transformers' MultiVectorMask)."""
 
 
-def read_pylate(root: Path, dense: Path) -> ColbertFolder:
-    """The settings of the PyLate folder `root` whose Dense module is `dense`; ConfigError for what PyLate can hold
-    and this cannot (a residual or an activation on the projection, no safetensors)."""
-    config = json.loads((dense / "config.json").read_text())
-    activation = config.get("activation_function", "torch.nn.modules.linear.Identity")
+def read_dense(dense: Path, library: str) -> dict[str, Any]:
+    """The config.json of a ColBERT folder's token projection `dense` (saved by `library`); ConfigError for what the
+    folder can hold and this cannot (a residual or an activation on the projection, no safetensors)."""
+    config = json.loads((dense / "config.json").read_text()) if (dense / "config.json").is_file() else {}
+    activation = config.get("activation_function") or "torch.nn.modules.linear.Identity"
     if config.get("use_residual") or activation != "torch.nn.modules.linear.Identity":
         raise ConfigError(
-            f"{dense}: a PyLate Dense with {'use_residual' if config.get('use_residual') else activation} is not "
-            "supported (a Linear without activation is); export the transformer alone and set model.pooling=colbert"
+            f"{dense}: a Dense with {'use_residual' if config.get('use_residual') else activation} projects the "
+            "tokens; a Linear without activation is supported (or export the transformer alone for a new one)"
         )
     if not (dense / "model.safetensors").is_file():
         raise ConfigError(
-            f"{dense}: no model.safetensors (a pytorch_model.bin is never unpickled here); load the model with PyLate "
-            "and save it again, which writes safetensors"
+            f"{dense}: no model.safetensors (a pytorch_model.bin is never unpickled here); load the model with "
+            f"{library} and save it again, which writes safetensors"
         )
+    return config
+
+
+def read_pylate(root: Path, dense: Path) -> ColbertFolder:
+    """The settings of the PyLate folder `root` whose Dense module is `dense`; ConfigError for what PyLate can hold
+    and this cannot (`read_dense`)."""
+    config = read_dense(dense, "PyLate")
     file = root / "config_sentence_transformers.json"
     st = json.loads(file.read_text()) if file.is_file() else {}
     given = {

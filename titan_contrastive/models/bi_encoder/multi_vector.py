@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 from titan_contrastive.config import ConfigError
-from titan_contrastive.models.bi_encoder.colbert import SKIPLIST, ColbertFolder, expansion_id
+from titan_contrastive.models.bi_encoder.colbert import SKIPLIST, ColbertFolder, expansion_id, read_dense
 
 ORDER = ["Transformer", "Dense", "MultiVectorMask", "Normalize"]
 
@@ -40,18 +40,7 @@ def read_multi_vector(root: Path, modules: list[dict[str, Any]]) -> ColbertFolde
             "then the scoring mask and the normalization, as sentence-transformers builds one)"
         )
     transformer, dense, mask = (root / m.get("path", "") for m in modules[:3])
-    config = _json(dense / "config.json")
-    activation = config.get("activation_function") or "torch.nn.modules.linear.Identity"
-    if config.get("use_residual") or activation != "torch.nn.modules.linear.Identity":
-        raise ConfigError(
-            f"{dense}: a Dense with {'use_residual' if config.get('use_residual') else activation} projects the "
-            "tokens; a Linear without activation is supported"
-        )
-    if not (dense / "model.safetensors").is_file():
-        raise ConfigError(
-            f"{dense}: no model.safetensors (a pytorch_model.bin is never unpickled here); load the model with "
-            "sentence-transformers and save it again, which writes safetensors"
-        )
+    config = read_dense(dense, "sentence-transformers")
     masking = _json(mask / "config.json")
     tasks = masking.get("skiplist_tasks") or ["document"]
     if masking.get("keep_only_token_ids") or sorted(tasks) != ["document"]:
