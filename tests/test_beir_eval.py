@@ -19,7 +19,7 @@ from tests.test_hf_text import folder_run
 from tests.test_retrieval_metrics import write_beir
 from titan_contrastive.components.beir_eval import BUNDLED, evaluate_beir, load_beir, pair_embedders
 
-METRICS = {"ndcg@10", "mrr@10", "map@100", "recall@1", "recall@10", "recall@100"}
+METRICS = {"ndcg@5", "ndcg@10", "mrr@10", "map@100", "recall@1", "recall@5", "recall@10", "recall@100"}
 
 
 def test_the_bundled_set() -> None:
@@ -37,7 +37,7 @@ def test_the_evaluator_equals_sentence_transformers(tmp_path: Path, capsys: pyte
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
-    from titan_contrastive.components.retrieval_metrics import read_beir
+    from titan_contrastive.components.beir_folder import read_beir
     from titan_contrastive.evaluate import main
     from titan_contrastive.models.bi_encoder.folder import bundled_minilm
 
@@ -55,9 +55,9 @@ def test_the_evaluator_equals_sentence_transformers(tmp_path: Path, capsys: pyte
             corpus=dict(zip(beir.corpus_ids, beir.corpus)),
             relevant_docs={q: set(docs) for q, docs in beir.qrels.items()},
             mrr_at_k=[10],
-            ndcg_at_k=[10],
+            ndcg_at_k=[5, 10],
             map_at_k=[100],
-            precision_recall_at_k=[1, 10, 100],
+            precision_recall_at_k=[1, 5, 10, 100],
             accuracy_at_k=[1],
             write_csv=False,
             truncate_dim=truncate,
@@ -69,7 +69,7 @@ def test_the_evaluator_equals_sentence_transformers(tmp_path: Path, capsys: pyte
 
 
 def _evaluate(folder: str, model_folder: str) -> dict[str, float]:
-    from titan_contrastive.components.retrieval_metrics import read_beir
+    from titan_contrastive.components.beir_folder import read_beir
     from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, build_tokenizer
 
     args = BiEncoderArgs(path=model_folder, query_length=16).resolve(doc_length=16)

@@ -124,7 +124,7 @@ def test_what_colbert_cannot_take_is_one_line(tmp_path: Path, options: tuple[str
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("lora", [pytest.param(False, marks=pytest.mark.slow), True])  # the default suite: LoRA merged
 def test_a_run_evaluates_exports_to_colpali_and_trains_on_from_it(tmp_path: Path, lora: bool, capsys) -> None:
     """Held-out recall and loss by MaxSim; `--to colpali` writes the (merged) model with `custom_text_proj`, which
     the exporter reloads and compares; a new run on that folder starts from its projection and trains it, LoRA or not.

@@ -251,6 +251,7 @@ def _trainer_distributed(tmp: str) -> None:
     _trainer_step(Path(tmp), "global-kl-normalized")
 
 
+@pytest.mark.slow  # the objective's forms on 1, 2 and 4 processes stay in the default suite
 @needs("hf")
 def test_global_negatives_on_two_ranks(tmp_path: Path) -> None:
     from tests.test_distill_trainer import scored_pairs_file

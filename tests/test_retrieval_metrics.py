@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.needs import require
-from titan_contrastive.components.retrieval_metrics import ir_metrics, read_beir, top_k
+from titan_contrastive.components.beir_folder import read_beir
+from titan_contrastive.components.retrieval_metrics import ir_metrics, top_k
 from titan_contrastive.datasets.base import DataError
 
 CORPUS = [  # d3 and d4 are the same document: their scores tie exactly (same chunk, so the same products)
@@ -120,6 +121,37 @@ def test_graded_ndcg() -> None:
     assert got["ndcg@3"] == pytest.approx((1 + 2 / math.log2(3)) / (2 + 1 / math.log2(3)))
     binary = ir_metrics(scores, indices, ["q"], ["a", "b", "c"], {"q": {"b": 2, "a": 1}}, ndcg_at=(3,))
     assert binary["ndcg@3"] == pytest.approx(1.0)
+
+
+def test_graded_metrics_equal_pytrec_eval() -> None:
+    """Graded nDCG@5/10 and recall@k of random rankings (no ties: trec_eval breaks them by id descending, the
+    evaluator ascending) against pytrec_eval, what MTEB and ViDoRe compute them with; grades 0-3, score-0 rows
+    judged non-relevant, a query without a relevant document left out of both."""
+    import pytrec_eval
+
+    g = torch.Generator().manual_seed(3)
+    corpus_ids = [f"d{i:02d}" for i in range(40)]
+    query_ids = [f"q{i}" for i in range(12)]
+    judged = {
+        q: {
+            corpus_ids[j]: int(torch.randint(0, 4, (), generator=g))
+            for j in torch.randperm(40, generator=g)[:6].tolist()
+        }
+        for q in query_ids
+    }
+    judged["q11"] = {corpus_ids[0]: 0}
+    qrels = {q: {d: s for d, s in docs.items() if s > 0} for q, docs in judged.items()}
+    scores = torch.rand(12, 40, generator=g, dtype=torch.float64)
+    top_s, top_i = top_k(scores, torch.eye(40, dtype=torch.float64), 40)
+    ours = ir_metrics(top_s, top_i, query_ids, corpus_ids, qrels, ndcg_at=(5, 10), recall_at=(1, 5, 10), graded=True)
+    run = {q: {d: float(scores[i, j]) for j, d in enumerate(corpus_ids)} for i, q in enumerate(query_ids)}
+    kept = {q: docs for q, docs in judged.items() if qrels[q]}
+    evaluator = pytrec_eval.RelevanceEvaluator(kept, {"ndcg_cut.5,10", "recall.1,5,10"})
+    per_query = evaluator.evaluate({q: run[q] for q in kept}).values()
+    for ours_name, theirs_name in (("ndcg@5", "ndcg_cut_5"), ("ndcg@10", "ndcg_cut_10"), ("recall@5", "recall_5")):
+        theirs = sum(m[theirs_name] for m in per_query) / len(kept)
+        assert ours[ours_name] == pytest.approx(theirs, abs=1e-12), ours_name
+    assert 0 < ours["ndcg@5"] < 1 and len(kept) == 11
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 13, 1000])

@@ -1,13 +1,16 @@
-"""`python -m titan_contrastive.evaluate MODEL [--beir DIR] [--sts FILE] [--out FILE]`: a text model's metrics.
+"""`python -m titan_contrastive.evaluate MODEL [--beir DIR] [--sts FILE] [--out FILE]`: a retrieval model's metrics.
 
-MODEL is one of our bi_encoder step folders (`.../checkpoint/step-N`, LoRA runs included) or a
+MODEL is one of our bi_encoder or qwen_vl step folders (`.../checkpoint/step-N`, LoRA runs included), a
 model folder the bi_encoder family loads (`[model] path`: a transformers or sentence-transformers
-folder, or a hub id already in the local cache). DIR is a local BEIR folder (`corpus.jsonl`,
-`queries.jsonl`, `qrels/{split}.tsv`), by default the bundled WordNet set. Prints nDCG@10,
-MRR@10, MAP@100 and Recall@1/10/100 as JSON (`components/beir_eval.py`: the figures
-sentence-transformers' InformationRetrievalEvaluator gives); with `--sts FILE` (scored sentence pairs, `[eval]
-sts_path`'s format) also `sts/pearson_cosine` and `sts/spearman_cosine`, as its EmbeddingSimilarityEvaluator
-gives them (`components/sts_eval.py`); `--out` writes them to a file too.
+folder, or a hub id already in the local cache), or a Qwen-VL folder (a ColQwen one too: its projection makes it
+late interaction; `--query-prompt`, `--doc-prompt`, `--max-pixels` as `[model]` / `[data]` set them in a run).
+DIR is a local BEIR folder (`corpus.jsonl`, `queries.jsonl`, `qrels/{split}.tsv`; a corpus of page images; ViDoRe's
+sets saved to disk: `components/beir_folder.py`), by default the bundled WordNet set. Prints nDCG@5/10,
+MRR@10, MAP@100 and Recall@1/5/10/100 as JSON (`components/beir_eval.py`: the figures
+sentence-transformers' InformationRetrievalEvaluator gives; `--graded`: nDCG as pytrec_eval, MTEB and ViDoRe
+give it); with `--sts FILE` (scored sentence pairs, `[eval] sts_path`'s format) also `sts/pearson_cosine` and
+`sts/spearman_cosine`, as its EmbeddingSimilarityEvaluator gives them (`components/sts_eval.py`); `--out` writes
+them to a file too.
 
 Under torchrun (`torchrun --nproc_per_node=N -m titan_contrastive.evaluate ...`) every process
 holds the model and embeds its shard of the queries and the corpus; the results are the same as
@@ -25,10 +28,43 @@ from typing import Any
 
 from titan_contrastive.atomic_write import write_text_atomically
 
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+"""The model types of Qwen-VL folders, read by the qwen_vl family."""
+VL_OPTIONS = ("query_prompt", "doc_prompt", "max_pixels", "min_pixels", "retrieval_mode")
+"""The command's options that describe how a Qwen-VL folder embeds (a step folder's run says it)."""
+
+
+def is_vl_folder(src: str) -> bool:
+    """Whether `src` is a Qwen-VL model folder (its config.json's model type)."""
+    config = Path(src).expanduser() / "config.json"
+    try:
+        return json.loads(config.read_text()).get("model_type") in VL_TYPES
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def load_vl_model(src: str, opts: argparse.Namespace) -> tuple[Any, Any]:
+    """(args, model in eval mode) of a Qwen-VL folder, set up as a qwen_vl run with the command's options sets it
+    up (`QwenVLArgs.update_from_config`: the same checks, the same one-line errors): late interaction where the
+    folder has ColPali's projection."""
+    from titan_contrastive.config import parse_args
+    from titan_contrastive.models.qwen_vl.colpali import read_projection
+    from titan_contrastive.models.qwen_vl.model import QwenVLArgs, QwenVLEmbedder
+
+    pooling = "colbert" if read_projection(src) else "last_token"
+    given = {"model.query_prompt": opts.query_prompt, "model.doc_prompt": opts.doc_prompt}
+    given |= {"data.max_pixels": opts.max_pixels, "data.min_pixels": opts.min_pixels}
+    given |= {"data.retrieval_mode": opts.retrieval_mode, "data.context_length": opts.query_length}
+    cli = [f"--{key}={value}" for key, value in given.items() if value]
+    cfg = parse_args(["--model.name=qwen_vl", f"--model.path={src}", f"--model.pooling={pooling}", *cli])
+    args = QwenVLArgs().update_from_config(cfg)
+    return args, QwenVLEmbedder(args).eval()
+
 
 def load_text_model(src: str, query_length: int, doc_length: int, trust: bool = False) -> tuple[Any, Any]:
-    """(args, model in eval mode): a step folder's bi_encoder, or a fresh one on a model folder (`trust`: its
-    own code may run, `[model] trust_remote_code`)."""
+    """(args, model in eval mode): a step folder's bi_encoder (or qwen_vl), or a fresh one on a model folder (`trust`:
+    its own code may run, `[model] trust_remote_code`)."""
     from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs
     from titan_contrastive.models.bi_encoder.colbert import colbert_sides
     from titan_contrastive.models.bi_encoder.folder import read_text_folder
@@ -39,8 +75,10 @@ def load_text_model(src: str, query_length: int, doc_length: int, trust: bool = 
         from titan_contrastive.models.weights import WeightsError, read_ours
 
         family, args, model = read_ours(Path(src))
+        if family == "qwen_vl":
+            return args, model.eval()
         if family != "bi_encoder":
-            raise WeightsError(f"{src}: a {family} checkpoint; retrieval evaluation reads bi_encoder ones")
+            raise WeightsError(f"{src}: a {family} checkpoint; retrieval evaluation reads bi_encoder and qwen_vl ones")
         args = dataclasses.replace(args, query_length=query_length or args.query_length)
         if doc_length:
             args = dataclasses.replace(args, doc_length=doc_length)
@@ -70,12 +108,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="run the code a model folder ships (config.json auto_map)"
     )
+    parser.add_argument("--graded", action="store_true", help="nDCG with the qrels' grades as gains (pytrec_eval's)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=DTYPES, help="the model's weights and inputs (default: float32)"
+    )
+    qwen = parser.add_argument_group("a Qwen-VL folder (a step folder's run sets these)")
+    qwen.add_argument("--query-prompt", default="", help="the queries' template ([model] query_prompt)")
+    qwen.add_argument(
+        "--doc-prompt", default="", help="the documents' template, {image} for a page ([model] doc_prompt)"
+    )
+    qwen.add_argument("--max-pixels", type=int, default=0, help="[data] max_pixels (default: the folder's)")
+    qwen.add_argument("--min-pixels", type=int, default=0, help="[data] min_pixels (default: the folder's)")
+    qwen.add_argument("--retrieval-mode", default="", help="t2i (default: pages) or t2t ([data] retrieval_mode)")
     opts = parser.parse_args(argv)
     import torch
     import torch.distributed as dist
 
     from titan_contrastive import exit_codes, failures
-    from titan_contrastive.components.beir_eval import evaluate_beir, load_beir, pair_embedders
+    from titan_contrastive.components.beir_eval import evaluate_beir, load_beir, pair_embedders, side_embedders
     from titan_contrastive.components.sts_eval import evaluate_sts, load_sts
     from titan_contrastive.models.bi_encoder import build_tokenizer
 
@@ -89,8 +139,18 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--batch-size {opts.batch_size}: use an integer >= 1")
         beir = load_beir(opts.beir, opts.split)
         sts = load_sts(opts.sts, opts.sts_split) if opts.sts else None
-        args, model = load_text_model(opts.model, opts.query_length, opts.doc_length, opts.trust_remote_code)
-        model.to(device)
+        vl = is_vl_folder(opts.model)
+        set_vl = [f"--{o.replace('_', '-')}" for o in VL_OPTIONS if getattr(opts, o)]
+        if set_vl and not vl:
+            raise ValueError(f"{' '.join(set_vl)}: for a Qwen-VL model folder; {opts.model} is not one, leave it out")
+        if vl and opts.doc_length:
+            raise ValueError(f"--doc-length: {opts.model} is a Qwen-VL folder, its template sets it; leave it out")
+        if vl:
+            args, model = load_vl_model(opts.model, opts)
+        else:
+            args, model = load_text_model(opts.model, opts.query_length, opts.doc_length, opts.trust_remote_code)
+        dtype = getattr(torch, opts.dtype)
+        model.to(device, dtype)
         token_dim = getattr(model, "token_dim", 0)
         if token_dim and opts.sts:
             raise ValueError(
@@ -103,12 +163,19 @@ def main(argv: list[str] | None = None) -> int:
             )
 
         def forward(batch: dict[str, torch.Tensor]) -> Any:
-            return model(batch["query"].to(device), batch["doc"].to(device))
+            return model(
+                **{k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()}
+            )
 
-        embedders = pair_embedders(forward, build_tokenizer(args), args.query_length)
+        process = args.processor() if hasattr(args, "processor") else None  # qwen_vl's fills both sides
+        if process is not None:
+            embedders = side_embedders(forward, process)
+        else:
+            embedders = pair_embedders(forward, build_tokenizer(args), args.query_length)
         sizes = {"batch_size": opts.batch_size, "rank": rank, "world_size": world, "dims": opts.dims}
         kinds = {"sparse": getattr(model, "sparse_embeddings", False), "token_dim": getattr(model, "token_dim", 0)}
-        results = evaluate_beir(beir, *embedders, **sizes, prefix="", **kinds)
+        pages = process is not None and process.kinds["doc"] == "image"
+        results = evaluate_beir(beir, *embedders, **sizes, prefix="", **kinds, graded=opts.graded, pages=pages)
         if sts is not None:
             results |= evaluate_sts(sts, embedders[0], **sizes)
     except (ValueError, OSError) as e:

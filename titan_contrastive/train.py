@@ -105,7 +105,7 @@ class Trainer:
             pixels_on_device=device.type == "cuda" and cfg.data.pixels_on_device,
         )
         self.train_set, self.eval_set, self.loader = data.train_set, data.eval_set, data.loader
-        self.text_evals = TextEvals.from_config(cfg.eval, self.forward, self.train_set.tokenizer)  # BEIR, STS
+        self.text_evals = TextEvals.from_config(cfg.eval, self.forward, self.train_set.tokenizer, flavor_args)
 
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step
         dtype = precision.param_dtype
@@ -196,9 +196,9 @@ class Trainer:
         objective, dims = self.eval_objective, tuple(cfg.eval.dims or cfg.loss.matryoshka_dims)
         results = evaluate_sets(self.spec.evaluate, lambda ds: contexts(ds, objective, *run, dims), self.data.eval_sets)
         if self.text_evals:
-            with eval_mode(self.model):
-                length, sizes = self.model_args.query_length, {"batch_size": run[0], "rank": run[2], "dims": dims}
-                results.update(self.text_evals(length, **sizes, world_size=run[3], model=self.model))
+            with eval_mode(self.model):  # a text-pair model's query length (qwen_vl's templates hold theirs)
+                length, sizes = getattr(self.model_args, "query_length", 0), {"batch_size": run[0], "dims": dims}
+                results.update(self.text_evals(length, **sizes, rank=run[2], world_size=run[3], model=self.model))
         return results
 
     def _evaluate_and_log(self, last: bool) -> dict[str, float]:

@@ -1,10 +1,10 @@
 """Retrieval evaluation as embedding users measure it: a BEIR folder, sharded over the ranks.
 
-Queries and corpus are each embedded once across all ranks (contiguous shards, every rank the
-same number of batches, because an FSDP2 forward is a collective), all-gathered, then every query
-is scored against the corpus in chunks (`retrieval_metrics.top_k`: never queries x corpus at
-once) and `retrieval_metrics.ir_metrics` gives nDCG@10, MRR@10, MAP@100 and Recall@1/10/100 as
-sentence-transformers' InformationRetrievalEvaluator computes them. Used by the trainer
+Queries and corpus (texts, or page images: `beir_folder`) are each embedded once across all ranks (contiguous
+shards, every rank the same number of batches, because an FSDP2 forward is a collective), all-gathered, then every
+query is scored against the corpus in chunks (`retrieval_metrics.top_k`: never queries x corpus at once) and
+`retrieval_metrics.ir_metrics` gives nDCG@5/10, MRR@10, MAP@100 and Recall@1/5/10/100 as sentence-transformers'
+InformationRetrievalEvaluator computes them (nDCG graded, as pytrec_eval, on request). Used by the trainer
 (`[eval] beir_path`) and by `python -m titan_contrastive.evaluate`.
 """
 
@@ -13,21 +13,25 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from titan_contrastive.components.beir_folder import BeirSet, read_beir
 from titan_contrastive.components.evaluate import dim_cuts, gather_rows
 from titan_contrastive.components.precision import at_least_fp32
-from titan_contrastive.components.retrieval_metrics import BeirSet, ir_metrics, read_beir, top_k
+from titan_contrastive.components.retrieval_metrics import ir_metrics, top_k
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.losses import matryoshka
 from titan_contrastive.losses.late_interaction import scores as late_scores
 
-__all__ = ["BUNDLED", "embed_texts", "evaluate_beir", "load_beir"]
+__all__ = ["BUNDLED", "check_corpus", "embed_texts", "evaluate_beir", "load_beir", "pair_embedders", "side_embedders"]
 
 BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "wordnet_beir"
 K = 100  # the deepest cut the metrics read (MAP@100, Recall@100)
+CUTS = {"ndcg_at": (5, 10), "recall_at": (1, 5, 10, 100)}
+"""nDCG@5 is visual document retrieval's headline (ViDoRe), nDCG@10 text retrieval's (BEIR, MTEB)."""
 
 
 def load_beir(path: str, split: str = "test") -> BeirSet:
@@ -42,9 +46,9 @@ def load_beir(path: str, split: str = "test") -> BeirSet:
 
 @torch.no_grad()
 def embed_texts(
-    embed: Callable[[list[str]], torch.Tensor], texts: list[str], *, batch_size: int, rank: int, world_size: int
+    embed: Callable[[list[Any]], torch.Tensor], texts: Sequence[Any], *, batch_size: int, rank: int, world_size: int
 ) -> torch.Tensor:
-    """`embed(batch of texts)` over this rank's contiguous shard, all rows gathered on every rank."""
+    """`embed(batch of texts)` (or of images) over this rank's contiguous shard, all rows gathered on every rank."""
     shards = np.array_split(np.arange(len(texts)), world_size)
     mine, rows = shards[rank], []
     for start in range(0, max(len(s) for s in shards), batch_size):
@@ -55,6 +59,21 @@ def embed_texts(
     width = out.shape[-1]
     local = torch.cat(rows) if rows else out.new_zeros((0, width))
     return gather_rows(local, [len(s) for s in shards])
+
+
+def check_corpus(beir: BeirSet, pages: bool, key: str = "eval.beir_path") -> Sequence[Any]:
+    """What a model that embeds pages (`pages`: images) or texts reads of `beir`'s corpus, or a DataError."""
+    if pages and beir.images is None:
+        raise DataError(
+            f"{key}: a corpus of texts, and this run's documents are images; give a corpus of pages (an `image` per "
+            "document) or train on text documents (data.retrieval_mode=t2t)"
+        )
+    if not pages and beir.images is not None and not any(beir.corpus):
+        raise DataError(
+            f"{key}: a corpus of page images without texts, and this model embeds texts; evaluate it with a model "
+            "that reads images (model.name=qwen_vl, data.retrieval_mode=t2i)"
+        )
+    return beir.images if pages else beir.corpus  # type: ignore[return-value]
 
 
 @torch.profiler.record_function("evaluate_beir")  # a named span in [profiling] traces
@@ -70,6 +89,8 @@ def evaluate_beir(
     dims: Sequence[int] = (),
     sparse: bool = False,
     token_dim: int = 0,
+    graded: bool = False,
+    pages: bool = False,
 ) -> dict[str, float]:
     """The IR metrics of `beir` with these embedders, by the dot product of their embeddings (the towers' unit
     vectors: their cosine; SPLADE's: its score), and by the cosine of their first m dims for each m of `dims`
@@ -77,10 +98,12 @@ def evaluate_beir(
     embeddings): also the mean number of non-zero dimensions of a query's and of a document's
     (`query_active_dims`, `corpus_active_dims`, as sentence-transformers' SparseInformationRetrievalEvaluator reports
     them), what an inverted index pays.
-    `token_dim` (ColBERT's token sets): scored by late interaction (`losses/late_interaction.py`) instead."""
+    `token_dim` (ColBERT's token sets): scored by late interaction (`losses/late_interaction.py`) instead.
+    `pages`: `embed_docs` reads the corpus's images (`check_corpus`), else its texts. `graded`: nDCG with the
+    qrels' grades as gains (pytrec_eval's, as MTEB and ViDoRe report it), else binary (sentence-transformers')."""
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
     queries = embed_texts(embed_queries, beir.queries, **common)
-    corpus = embed_texts(embed_docs, beir.corpus, **common)
+    corpus = embed_texts(embed_docs, check_corpus(beir, pages), **common)
     results = {}
     for m, cut in dim_cuts(token_dim or queries.shape[-1], dims):
         if token_dim:  # each token cut to its first m components, renormalized
@@ -88,7 +111,7 @@ def evaluate_beir(
             scores, indices = top_k(q, c, K, similarity=functools.partial(late_scores, dim=m))
         else:
             scores, indices = top_k(queries[:, :m], corpus[:, :m], K, normalize=bool(cut))
-        metrics = ir_metrics(scores, indices, beir.query_ids, beir.corpus_ids, beir.qrels)
+        metrics = ir_metrics(scores, indices, beir.query_ids, beir.corpus_ids, beir.qrels, **CUTS, graded=graded)
         results |= {f"{cut}{prefix}{name}": value for name, value in metrics.items()}
     if sparse:
         for name, rows in (("query", queries), ("corpus", corpus)):
@@ -116,3 +139,26 @@ def pair_embedders(
         return forward({"query": tokenizer.encode_queries(texts[:1], query_length), "doc": ids})[1]  # type: ignore[attr-defined]
 
     return queries, docs
+
+
+def side_embedders(
+    forward: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]], process: Any
+) -> tuple[Callable[[list[str]], torch.Tensor], Callable[[list[Any]], torch.Tensor]]:
+    """(embed queries, embed documents) of a model whose batches a side processor fills (qwen_vl's
+    `SideProcessor`: `sides(query images, query texts, document images, document texts)`, `kinds` of each
+    side): queries are texts; documents texts or images (uint8 HWC), as the run's document side reads them.
+    The other side gets one placeholder row (a blank image or one word), as `pair_embedders` does."""
+    kinds = process.kinds
+    if kinds["query"] != "text":
+        raise DataError(
+            f"eval.beir_path and eval.sts_path read text queries; data.retrieval_mode={process.mode} embeds "
+            f"{kinds['query']} queries (t2i and t2t read text queries)"
+        )
+    blank = [np.full((64, 64, 3), 255, dtype=np.uint8)]
+
+    def batch(texts: list[str] | None, docs: list[Any] | None) -> dict[str, torch.Tensor]:
+        texts, image_docs = texts or ["query"], kinds["doc"] == "image"
+        docs = docs or (blank if image_docs else ["document"])
+        return process.sides(None, texts, docs if image_docs else None, None if image_docs else docs)
+
+    return (lambda texts: forward(batch(texts, None))[0]), (lambda docs: forward(batch(None, docs))[1])

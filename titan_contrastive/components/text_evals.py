@@ -1,8 +1,9 @@
 """The text evaluations a run asks for beside its own held-out split: retrieval on a BEIR folder (`[eval]
 beir_path`, `beir_eval`) and semantic similarity on scored sentence pairs (`[eval] sts_path`, `sts_eval`). Both
-read a text-pair model through its query and document embedders (`beir_eval.pair_embedders`): BEIR's queries
-and corpus through their own sides, both sentences of a pair through the query side (its prompt: E5's "query:
-" for symmetric tasks, an instruction)."""
+read the model through its query and document embedders (`beir_eval.pair_embedders` for a text-pair model,
+`side_embedders` for one whose processor fills both sides: qwen_vl's, whose documents may be page images): BEIR's
+queries and corpus through their own sides, both sentences of a pair through the query side (its prompt: E5's
+"query: " for symmetric tasks, an instruction)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,14 @@ from typing import Any
 
 import torch
 
-from titan_contrastive.components.beir_eval import evaluate_beir, load_beir, pair_embedders
-from titan_contrastive.components.retrieval_metrics import BeirSet
+from titan_contrastive.components.beir_eval import (
+    check_corpus,
+    evaluate_beir,
+    load_beir,
+    pair_embedders,
+    side_embedders,
+)
+from titan_contrastive.components.beir_folder import BeirSet
 from titan_contrastive.components.sts_eval import StsSet, evaluate_sts, load_sts
 
 __all__ = ["TextEvals"]
@@ -26,23 +33,43 @@ class TextEvals:
     forward: Callable[[dict[str, torch.Tensor]], Any] | None = None
     """The model's forward on a batch of `query` and `doc` ids (`pair_embedders`)."""
     tokenizer: object = None
-    """Its `PairTokenizer` (prompts and lengths)."""
+    """Its `PairTokenizer` (prompts and lengths), or the processor that fills both sides (`side_embedders`)."""
+    graded: bool = False
+    """BEIR's nDCG with the qrels' grades as gains (`[eval] beir_graded`)."""
 
     @classmethod
-    def from_config(cls, ev: Any, forward: Callable[[dict[str, torch.Tensor]], Any], tokenizer: object) -> TextEvals:
-        """The sets `[eval]` names (none when evaluation is off), read now: a bad file, or sets for a model family
-        without text pairs, stop the run at start (a DataError, one line)."""
-        if not ev.enable:
+    def from_config(
+        cls, ev: Any, forward: Callable[[dict[str, torch.Tensor]], Any], tokenizer: object, args: object = None
+    ) -> TextEvals:
+        """The sets `[eval]` names (none when evaluation is off), read now: a bad file, sets for a model family
+        without text queries, or a corpus the model cannot read (pages for a text model, texts for a page
+        embedder), stop the run at start (a DataError, one line). `args`: the model's, whose `processor()` (qwen_vl)
+        fills both sides, in place of `tokenizer`."""
+        if not ev.enable or not (ev.beir_path or ev.sts_path):
             return cls()
+        if callable(getattr(args, "processor", None)):
+            tokenizer = args.processor()  # type: ignore[attr-defined]
         evals = cls(
             load_beir(ev.beir_path, ev.beir_split) if ev.beir_path else None,
             load_sts(ev.sts_path, ev.sts_split) if ev.sts_path else None,
             forward,
             tokenizer,
+            ev.beir_graded,
         )
-        if evals:
-            pair_embedders(forward, tokenizer, 0)
+        evals._embedders(0)
+        if evals.beir is not None:
+            check_corpus(evals.beir, evals.pages)
         return evals
+
+    @property
+    def pages(self) -> bool:
+        """Whether the model's documents are images (its processor's document side)."""
+        return getattr(self.tokenizer, "kinds", {}).get("doc") == "image"
+
+    def _embedders(self, query_length: int) -> tuple[Callable[[list[str]], torch.Tensor], Callable[..., torch.Tensor]]:
+        if hasattr(self.tokenizer, "sides"):
+            return side_embedders(self.forward, self.tokenizer)  # type: ignore[arg-type]
+        return pair_embedders(self.forward, self.tokenizer, query_length)  # type: ignore[arg-type]
 
     def __bool__(self) -> bool:
         return self.beir is not None or self.sts is not None
@@ -61,11 +88,14 @@ class TextEvals:
         text embedded once across the ranks; for a `model` whose embeddings are sparse (`sparse_embeddings`,
         SPLADE's), BEIR's active dimensions too; for one whose embeddings are token sets (`token_dim`, ColBERT's),
         BEIR by late interaction (STS, which compares two vectors, is refused for it before the run)."""
-        queries, docs = pair_embedders(self.forward, self.tokenizer, query_length)
+        queries, docs = self._embedders(query_length)
         common = {"batch_size": batch_size, "rank": rank, "world_size": world_size, "dims": dims}
         embeddings = {
             "sparse": bool(getattr(model, "sparse_embeddings", False)),
             "token_dim": getattr(model, "token_dim", 0),
         }
-        results = evaluate_beir(self.beir, queries, docs, **common, **embeddings) if self.beir is not None else {}
+        scoring = {"graded": self.graded, "pages": self.pages}
+        results = (
+            {} if self.beir is None else evaluate_beir(self.beir, queries, docs, **common, **embeddings, **scoring)
+        )
         return results | (evaluate_sts(self.sts, queries, **common) if self.sts is not None else {})

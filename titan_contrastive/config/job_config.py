@@ -319,11 +319,14 @@ class Eval:
     """Prompt templates: `openai` (CLIP's 80 ImageNet prompts, as open_clip), `simple` (open_clip's
     short list), or a text file with one template per line, each with `{}` for the class name."""
     beir_path: str = ""
-    """Text pairs: also retrieval on a BEIR folder (corpus.jsonl, queries.jsonl, qrels/), embedded once
-    across the ranks: nDCG@10, MRR@10, MAP@100, Recall@1/10/100 (keys `beir/...`); `bundled` = the
-    WordNet set in assets/wordnet_beir; empty = none."""
+    """Text pairs and qwen_vl (t2i, t2t): also retrieval on a BEIR folder (corpus.jsonl, queries.jsonl, qrels/; a
+    corpus of page images; ViDoRe's sets saved to disk), embedded once across the ranks: nDCG@5/10, MRR@10,
+    MAP@100, Recall@1/5/10/100 (keys `beir/...`); `bundled` = the WordNet set in assets/wordnet_beir; empty = none."""
     beir_split: str = "test"
     """Which qrels file of `beir_path` (qrels/{split}.tsv)."""
+    beir_graded: bool = False
+    """nDCG with the qrels' grades as gains (pytrec_eval's, as MTEB and ViDoRe report it); off = binary relevance,
+    as sentence-transformers' InformationRetrievalEvaluator."""
     sts_path: str = ""
     """Text pairs: also semantic similarity on scored sentence pairs (STS-B's `sentence1`, `sentence2`, `score`, or
     three columns in that order; .jsonl/.csv/.tsv/.parquet or a saved dataset), embedded once across the ranks,

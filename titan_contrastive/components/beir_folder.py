@@ -1,0 +1,257 @@
+"""A retrieval test set read from a local folder, text or page images (`read_beir`).
+
+- **BEIR's files**: `corpus.jsonl` (`_id`, `title`, `text`), `queries.jsonl` (`_id`, `text`) and
+  `qrels/{split}.tsv` (`query-id`, `corpus-id`, `score`). A document may name an image instead of or beside its
+  text, `"image": "pages/p1.png"` (relative to the folder): a corpus of page images, every document with one.
+- **Hugging Face datasets saved to disk**: `corpus/`, `queries/` and `qrels/` `save_to_disk` folders (qrels a
+  DatasetDict by split), with MTEB's columns (`_id`, `title`, `text`) or ViDoRe's BEIR sets' (`corpus-id` and an
+  `image` column of pages; `query-id`, `query`).
+- **ViDoRe v1's question-answer layout**: one `save_to_disk` folder (a DatasetDict's `split`) with the columns
+  `query`, `image` and `image_filename`, read as vidore-benchmark's `ViDoReEvaluatorQA` reads it: each distinct
+  query (rows without one hold distractor pages) is relevant to the page of its (last) row, and a page is one
+  document however many rows repeat it (by `image_filename`).
+
+Images stay where they are until a batch needs them (`CorpusImages`: decoded per read, as uint8 HWC arrays), so a
+corpus of thousands of pages costs its ids and texts in memory. Ids read as strings (ViDoRe's integer ids too);
+the corpus is ordered by id, the evaluator's tie order (`retrieval_metrics.top_k`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.image_transforms import decode_image
+from titan_contrastive.datasets.tar_shards import read_regular
+
+__all__ = ["BeirSet", "CorpusImages", "read_beir", "read_corpus"]
+
+QRELS_HEADER = ["query-id", "corpus-id", "score"]
+QA_COLUMNS = ("query", "image", "image_filename")
+"""ViDoRe v1's question-answer layout."""
+
+
+class CorpusImages(Sequence):
+    """The corpus's images, read and decoded when indexed: uint8 HWC arrays. Each is a file (`refs` are paths), or
+    a row of a saved dataset's `image` column (`table`, its images left encoded; `refs` are row numbers)."""
+
+    def __init__(self, ids: Sequence[str], refs: Sequence[Any], table: Any = None, where: str = "") -> None:
+        self.ids, self.refs, self.table, self.where = list(ids), list(refs), table, where
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __getitem__(self, i: int) -> np.ndarray:  # type: ignore[override]
+        ref = self.refs[i]
+        try:
+            if self.table is None:
+                data: Any = read_regular(ref)
+            else:
+                cell = self.table[int(ref)]["image"]
+                data = cell if isinstance(cell, Image.Image) else cell.get("bytes") or read_regular(cell["path"])
+            return np.asarray(decode_image(data))
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            raise DataError(
+                f"{self.where or ref}: document {self.ids[i]!r}: its image does not read ({type(e).__name__}: {e}); "
+                "fix or drop it"
+            ) from None
+
+
+@dataclass(frozen=True)
+class BeirSet:
+    """One split of a retrieval set. `qrels[query_id][doc_id]` is a grade > 0 (score-0 rows are dropped)."""
+
+    query_ids: list[str]
+    queries: list[str]
+    corpus_ids: list[str]  # ascending, the evaluator's tie order
+    corpus: list[str]  # title + " " + text, stripped (BEIR's and sentence-transformers' convention); "" = none
+    qrels: dict[str, dict[str, int]]
+    images: CorpusImages | None = None
+    """The documents' images in `corpus_ids` order, where the documents are pages (None: a text corpus)."""
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """(where, row) of a BEIR jsonl file."""
+    if not path.is_file():
+        raise DataError(f"{path}: not found; a BEIR folder holds corpus.jsonl, queries.jsonl and qrels/<split>.tsv")
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{n}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not JSON ({e.msg}); write one JSON object per line") from None
+
+
+def _load_from_disk(path: Path, split: str | None = None) -> Any:
+    """A `save_to_disk` folder's Dataset, or a DatasetDict's `split` (None: its only split)."""
+    from titan_contrastive.datasets.hf_disk import import_datasets
+
+    datasets = import_datasets(f"eval.beir_path (a Hugging Face dataset folder: {path})")
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - datasets raises many types for an unreadable folder
+        raise DataError(f"{path}: not a readable save_to_disk folder ({type(e).__name__}: {e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        name = split if split in ds else next(iter(ds)) if split is None and len(ds) == 1 else None
+        if name is None:
+            raise DataError(f"{path}: a DatasetDict without split {split!r} (splits: {', '.join(ds)}); save it")
+        ds = ds[name]
+    if "image" in ds.column_names and isinstance(ds.features["image"], datasets.Image):
+        ds = ds.cast_column("image", datasets.Image(decode=False))  # read when a batch needs it, not now
+    return ds
+
+
+def _hf_rows(path: Path, split: str | None = None) -> tuple[Iterator[tuple[str, Any]], Any]:
+    """((where, row) of a `save_to_disk` folder's rows without their images, the image column or None)."""
+    ds = _load_from_disk(path, split)
+    if "image" not in ds.column_names:
+        return ((f"{path}[{n}]", row) for n, row in enumerate(ds)), None
+    empty = ds.data.column("image").is_null().to_pylist()
+    plain = ds.remove_columns(["image"])
+    rows = ((f"{path}[{n}]", dict(row, image=None if empty[n] else n)) for n, row in enumerate(plain))
+    return rows, ds.select_columns(["image"])
+
+
+def _documents(rows: Iterable[tuple[str, Any]], what: str, root: Path | None) -> dict[str, tuple[str, Any]]:
+    """id -> (text, image reference or None) of BEIR rows: `_id` (ViDoRe: `corpus-id` / `query-id`); `title`
+    (optional) before `text` (a ViDoRe query: `query`); an `image` (a path relative to `root`, or a row number)."""
+    keys = ("_id", "corpus-id" if what == "document" else "query-id")
+    texts: dict[str, tuple[str, Any]] = {}
+    for where, row in rows:
+        key = next((row[k] for k in keys if isinstance(row, dict) and isinstance(row.get(k), (str, int))), None)
+        if key is None:
+            raise DataError(f"{where}: no string `_id` in {str(row)[:80]!r}; give every {what} an `_id`")
+        title, image = row.get("title") or "", row.get("image")
+        text = row.get("text", row.get("query", "" if image is not None else None))
+        if not isinstance(text, str) or not isinstance(title, str):
+            raise DataError(f"{where}: `text`/`title` of {key!r} is not a string; write them as strings")
+        if isinstance(image, str) and root is not None:
+            image = str(root / image) if image.strip() else None
+        key = str(key)
+        if key in texts:
+            raise DataError(f"{where}: `_id` {key!r} appears twice; give every {what} its own `_id`")
+        texts[key] = ((title + " " + (text or "")).strip(), image)
+    return texts
+
+
+def read_corpus(path: str | Path) -> dict[str, str]:
+    """`_id` -> text of a BEIR `corpus.jsonl` (title before text), as `read_beir` reads it; a page without text is
+    refused (a DataError)."""
+    path = Path(path)
+    documents = _documents(_jsonl_rows(path), "document", path.parent)
+    pages = [k for k, (text, image) in documents.items() if image is not None and not text]
+    if pages:
+        raise DataError(f"{path}: document {pages[0]!r} is an image without text; give a corpus of texts")
+    return {k: text for k, (text, _) in documents.items()}
+
+
+def _tsv_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    if not path.is_file():
+        raise DataError(f"{path}: not found; write qrels/{path.stem}.tsv (`query-id corpus-id score`, tab-separated)")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if not lines or lines[0].split("\t") != QRELS_HEADER:
+        head = lines[0] if lines else ""
+        raise DataError(f"{path}:1: header {head!r}; start the file with the line query-id<TAB>corpus-id<TAB>score")
+    for n, line in enumerate(lines[1:], 2):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        if len(fields) != 3:
+            raise DataError(
+                f"{path}:{n}: {line!r} has {len(fields)} fields; write query-id, corpus-id, score with tabs"
+            )
+        yield f"{path}:{n}", dict(zip(QRELS_HEADER, fields))
+
+
+def _grade(score: str, where: str) -> int:
+    """A qrels row's score as an integer grade (a saved dataset's 1.0 too), or a DataError."""
+    try:
+        value = float(score)
+        if value != int(value):
+            raise ValueError(score)
+    except (ValueError, OverflowError):
+        raise DataError(f"{where}: score {score!r} is not an integer; write graded relevance as 0, 1, 2...") from None
+    return int(value)
+
+
+def _images(corpus: dict[str, tuple[str, Any]], ids: list[str], table: Any, where: str) -> CorpusImages | None:
+    """The corpus's images in `ids` order: all documents have one, or none (else a DataError)."""
+    without = [k for k in ids if corpus[k][1] is None]
+    if len(without) == len(ids):
+        return None
+    if without:
+        raise DataError(
+            f"{where}: document {without[0]!r} has no image and {len(ids) - len(without)} others do; a corpus of "
+            "pages gives every document its image"
+        )
+    return CorpusImages(ids, [corpus[k][1] for k in ids], table, where)
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    return (folder / "dataset_info.json").is_file() or (folder / "dataset_dict.json").is_file()
+
+
+def read_beir(folder: str | Path, split: str = "test") -> BeirSet:
+    """Read a local retrieval set (the module docstring's layouts); a DataError names what is wrong."""
+    folder = Path(folder)
+    table = None
+    if (folder / "corpus.jsonl").exists() or not ((folder / "corpus").is_dir() or _is_saved_dataset(folder)):
+        corpus = _documents(_jsonl_rows(folder / "corpus.jsonl"), "document", folder)
+        queries = _documents(_jsonl_rows(folder / "queries.jsonl"), "query", None)
+        judgements: Iterable[tuple[str, Any]] = _tsv_rows(folder / "qrels" / f"{split}.tsv")
+    elif not (folder / "corpus").is_dir():
+        return _read_qa(folder, split)
+    else:
+        rows, table = _hf_rows(folder / "corpus")
+        corpus = _documents(rows, "document", None)
+        queries = _documents(_hf_rows(folder / "queries")[0], "query", None)
+        judgements = _hf_rows(folder / "qrels", split)[0]
+    qrels: dict[str, dict[str, int]] = {}
+    for where, row in judgements:
+        qid, did, score = (str(row.get(k, "")) for k in QRELS_HEADER)
+        grade = _grade(score, where)
+        if qid not in queries:
+            raise DataError(f"{where}: query-id {qid!r} is not in the queries; add the query or drop the row")
+        if did not in corpus:
+            raise DataError(f"{where}: corpus-id {did!r} is not in the corpus; add the document or drop the row")
+        if grade > 0:
+            qrels.setdefault(qid, {})[did] = grade
+    ids = sorted(corpus)
+    images = _images(corpus, ids, table, str(folder / ("corpus" if table is not None else "corpus.jsonl")))
+    texts = [text for text, _ in queries.values()]
+    return BeirSet(list(queries), texts, ids, [corpus[c][0] for c in ids], qrels, images)
+
+
+def _read_qa(folder: Path, split: str) -> BeirSet:
+    """ViDoRe v1's question-answer layout (the module docstring)."""
+    ds = _load_from_disk(folder, split)
+    missing = [c for c in QA_COLUMNS if c not in ds.column_names]
+    if missing:
+        raise DataError(
+            f"{folder}: a saved dataset without {', '.join(missing)}; a question-answer set has the columns "
+            f"{', '.join(QA_COLUMNS)} (else save corpus/, queries/ and qrels/)"
+        )
+    queries, names = ds["query"], ds["image_filename"]
+    pages: dict[str, int] = {}
+    for n, name in enumerate(names):
+        if not isinstance(name, str) or not name:
+            raise DataError(f"{folder}[{n}]: image_filename {name!r}; give every row its page's file name")
+        pages.setdefault(name, n)
+    page_of = {q: name for q, name in zip(queries, names) if isinstance(q, str) and q.strip()}
+    if not page_of:
+        raise DataError(f"{folder}: no row has a query; a question-answer set needs queries beside its pages")
+    ids = sorted(pages)
+    texts = list(page_of)
+    query_ids = [str(i) for i in range(len(texts))]
+    qrels = {qid: {page_of[text]: 1} for qid, text in zip(query_ids, texts)}
+    images = CorpusImages(ids, [pages[p] for p in ids], ds.select_columns(["image"]), str(folder))
+    return BeirSet(query_ids, texts, ids, [""] * len(ids), qrels, images)
