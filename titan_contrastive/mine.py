@@ -1,4 +1,5 @@
-"""`python -m titan_contrastive.mine PAIRS --model MODEL --out FILE`: hard negatives for your text pairs.
+"""`python -m titan_contrastive.mine PAIRS --model MODEL --out FILE`: hard negatives for your text pairs (for
+query-page rows with a Qwen-VL model: `mine_pages.py`).
 
 PAIRS is a pairs file in any format `data.path` reads for `data.dataset = "pairs"` (JSONL, CSV,
 TSV, Parquet, a Hugging Face dataset on disk; `datasets.pairs`), with the same column rules
@@ -38,26 +39,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import json
-import random
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from titan_contrastive.atomic_write import write_atomically
 from titan_contrastive.extras import import_failure
+from titan_contrastive.mining import MineError, mine, write_rows
 
 OUT_FORMATS = (".jsonl", ".parquet", ".csv")
-SEARCH_BYTES = 1 << 28
-"""Bytes of float32 scores per block of queries against the whole corpus (sentence-transformers'
-`faiss_batch_size`, which also sizes its exact search without FAISS)."""
-
-
-class MineError(ValueError):
-    """A bad argument: one line naming the flag, the value and the fix."""
 
 
 def check_options(opts: argparse.Namespace) -> None:
@@ -157,74 +149,6 @@ def sentence_model(path: str, tower: str | None, device: str | None, trust: bool
     yield SentenceTransformer(str(folder), device=device, trust_remote_code=trust)
 
 
-def mine(
-    texts: Sequence[Sequence[str]],
-    model: Any,
-    opts: argparse.Namespace,
-    corpus: Sequence[str] | None = None,
-    pool: list[str] | None = None,
-    cross_encoder: Any = None,
-) -> list[list[Any] | None]:
-    """Per input row, its query, positive and `opts.negatives` mined negatives (then, with
-    `opts.scores`, the list of the model's cosines of the positive and each negative); None where
-    fewer passed the filters. `corpus`: documents to mine from besides the positives; `pool`:
-    devices to encode on, one process each; `cross_encoder`: a CrossEncoder whose scores the
-    filters and the scores read."""
-    from datasets import Dataset
-    from sentence_transformers.util import mine_hard_negatives
-
-    size = len({row[1] for row in texts} | set(corpus or ()))
-    random.seed(opts.seed)  # sentence-transformers samples with `random` (--sampling random)
-    mined = mine_hard_negatives(
-        Dataset.from_dict({"anchor": [r[0] for r in texts], "positive": [r[1] for r in texts]}),
-        model,
-        range_min=opts.range_min,
-        range_max=opts.range_max,
-        max_score=opts.max_score,
-        min_score=opts.min_score,
-        absolute_margin=opts.absolute_margin,
-        relative_margin=opts.relative_margin,
-        num_negatives=opts.negatives,
-        sampling_strategy=opts.sampling,
-        query_prompt=opts.query_prompt,
-        corpus_prompt=opts.doc_prompt,
-        output_format="n-tuple",
-        output_scores=opts.scores,
-        cross_encoder=cross_encoder,
-        batch_size=opts.batch_size,
-        corpus=list(corpus) if corpus else None,
-        use_multi_process=pool or False,
-        faiss_batch_size=max(1, SEARCH_BYTES // (4 * size)),
-    )
-    names = [f"negative_{i}" for i in range(1, opts.negatives + 1)]
-    names += ["scores"] if opts.scores else []
-    found = {(r["anchor"], r["positive"]): [r[n] for n in names] for r in mined}
-    return [[row[0], row[1], *found[(row[0], row[1])]] if (row[0], row[1]) in found else None for row in texts]
-
-
-def write_rows(out: Path, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """`rows` under `columns` into `out` (by its suffix), through a temporary file renamed when complete."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    records = [dict(zip(columns, row)) for row in rows]
-
-    def write(tmp: Path) -> None:
-        if out.suffix == ".parquet":
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            pq.write_table(pa.Table.from_pylist(records), tmp)
-        elif out.suffix == ".csv":
-            with open(tmp, "w", newline="", encoding="utf-8") as f:
-                writer = csv.DictWriter(f, fieldnames=list(columns))
-                writer.writeheader()
-                writer.writerows(records)
-        else:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-
-    write_atomically(out, write)
-
-
 def number_or_none(text: str) -> float | None:
     """A float, or None for "none" (no such filter)."""
     return None if text.strip().lower() == "none" else float(text)
@@ -286,6 +210,10 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
 
     check_options(opts)
     out = check_paths(opts.pairs, opts.out, opts.overwrite)
+    from titan_contrastive.mine_pages import is_page_model, run_pages
+
+    if is_page_model(opts.model):  # a qwen_vl run or a Qwen-VL folder: negative pages for query-page rows
+        return run_pages(opts, out)
     columns = [c.strip() for c in opts.columns.split(",") if c.strip()]
     if columns and len(columns) != 2:
         raise MineError(f"--columns={opts.columns}: name two columns, the query's and the positive's")

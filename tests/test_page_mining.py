@@ -1,0 +1,128 @@
+"""Hard negative pages mined for query-page rows by a Qwen-VL model (`mine_pages.py`, through
+`python -m titan_contrastive.mine`): sentence-transformers' miner over `PageEncoder` picks, for each row, the pages
+the definition picks (every distinct page of the file, without the query's own, ranked by the model's score of each
+query and page embedded alone: the dot product, or MaxSim for a ColQwen folder; float64); the file it writes trains
+as `vl_pairs` rows with hard negatives; what a page model cannot take is one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.hf_folders import vl_folder
+from tests.needs import require
+from tests.test_page_retrieval import _colqwen_folder, alone
+from tests.test_qwen_vl import vl_run
+
+require("hf")
+require("data")
+
+ROWS = [
+    ("small cat", "p0.png"),
+    ("the piano with black keys", "p1.png"),
+    ("small cat", "p2.png"),  # a second page of one query: both are its positives
+    ("a car on the water", "p3.png"),
+    ("winter snow", "p4.png"),
+    ("a dog with a pilot", "p5.png"),
+    ("a guitar", "p1.png"),  # a page two queries share: one document of the corpus
+]
+SHAPES = ((28, 56), (56, 56), (84, 28), (28, 28), (56, 84), (56, 28))
+
+
+def rows_file(root: Path) -> Path:
+    """The rows as a vl_pairs JSONL beside `pages/`, six pages of different shapes."""
+    rng = np.random.default_rng(5)
+    (root / "pages").mkdir(parents=True)
+    for i, shape in enumerate(SHAPES):
+        Image.fromarray(rng.integers(0, 256, (*shape, 3), dtype=np.uint8)).save(root / "pages" / f"p{i}.png")
+    lines = [json.dumps({"query_text": q, "doc_image": f"pages/{p}"}) for q, p in ROWS]
+    (root / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    return root / "rows.jsonl"
+
+
+def options(rows: Path, model: Path, out: Path, *extra: str):
+    from titan_contrastive.mine import parser
+
+    return parser().parse_args([str(rows), "--model", str(model), "--out", str(out), *extra])
+
+
+@pytest.mark.parametrize("colqwen", [False, True], ids=["qwen2_vl", "colqwen"])
+def test_mined_pages_are_the_definitions_choice(tmp_path: Path, colqwen: bool) -> None:
+    from titan_contrastive.components.beir_folder import BeirSet, CorpusImages
+    from titan_contrastive.mine_pages import PageEncoder, page_encoder, read_pairs
+    from titan_contrastive.mining import mine
+
+    folder = _colqwen_folder(tmp_path) if colqwen else vl_folder(tmp_path, "qwen2_vl", dropout=0.0)
+    rows = rows_file(tmp_path / "data")
+    opts = options(rows, folder, tmp_path / "out.jsonl", "--negatives", "2", "--relative-margin", "none")
+    built = page_encoder(opts, rows.parent)
+    assert built.token_dim == (8 if colqwen else 0)
+    model = built.model.double()
+    encoder = PageEncoder(model, built.process, rows.parent, torch.device("cpu"), torch.float64)
+    pairs = read_pairs(rows)
+    mined = mine([list(p) for p in pairs], encoder, opts)
+
+    pages, queries = sorted({p for _, p in pairs}), sorted({q for q, _ in pairs})
+    images = CorpusImages(pages, [str(rows.parent / p) for p in pages])
+    scores = alone(model, built.process, BeirSet(queries, queries, pages, [""] * len(pages), {}, images))
+    for (query, page), got in zip(pairs, mined):
+        own = {p for q, p in pairs if q == query}
+        row = scores[queries.index(query)]
+        ranked = sorted((p for p in pages if p not in own), key=lambda p: -row[pages.index(p)].item())
+        assert got == [query, page, *ranked[:2]], (query, page)
+
+
+def test_the_mined_file_trains_as_vl_pairs_with_hard_negatives(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The command writes the rows with their negatives, paths relative to the output's folder; a t2i run reads
+    them back, each row's two negative pages packed beside its positive."""
+    from titan_contrastive.mine import main
+
+    folder = vl_folder(tmp_path, "qwen2_vl", dropout=0.0)
+    rows = rows_file(tmp_path / "data")
+    out = tmp_path / "mined" / "rows.jsonl"
+    assert (
+        main([str(rows), "--model", str(folder), "--out", str(out), "--negatives", "2", "--relative-margin", "none"])
+        == 0
+    )
+    assert f"wrote {out}: 7 row(s) with 2 mined negative(s) each" in capsys.readouterr().out
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["query_text"], r["doc_image"]) for r in written] == [(q, f"../data/pages/{p}") for q, p in ROWS]
+    assert all(len(r["doc_negatives"]) == 2 and r["doc_image"] not in r["doc_negatives"] for r in written)
+    assert all((out.parent / n).is_file() for r in written for n in r["doc_negatives"])
+    trainer = vl_run(
+        tmp_path,
+        "qwen2_vl",
+        "--data.dataset=vl_pairs",
+        f"--data.path={out}",
+        "--data.hard_negatives=true",
+        "--training.local_batch_size=3",
+        sizes=(),
+    )
+    batch = trainer.train_set.__getitems__([0, 1, 2])
+    assert batch["neg"].shape[:2] == (3, 2) and len(batch["neg_image_grid_thw"]) == 6
+    trainer.metrics.close()
+
+
+def test_what_page_mining_cannot_take_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from titan_contrastive.mine import main
+
+    folder = vl_folder(tmp_path, "qwen2_vl", dropout=0.0)
+    rows = rows_file(tmp_path / "data")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"query_text": "small cat", "doc_text": "a page as text"}) + "\n")
+    cases = [
+        ([str(rows), "--scores"], "--scores: for text pairs;"),
+        ([str(rows), "--query-prompt", "query: "], "--query-prompt: for text pairs;"),
+        ([str(rows), "--negatives", "2", "--out", str(tmp_path / "o.csv")], "a CSV cell holds one negative page"),
+        ([str(bad)], "row 0 has no query_text and doc_image"),
+    ]
+    for argv, message in cases:
+        out = [] if "--out" in argv else ["--out", str(tmp_path / "o.jsonl")]
+        assert main([*argv, "--model", str(folder), *out]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err and "\n" not in err, err
