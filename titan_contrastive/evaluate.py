@@ -45,9 +45,9 @@ def is_vl_folder(src: str) -> bool:
 
 
 def load_vl_model(src: str, opts: argparse.Namespace) -> tuple[Any, Any]:
-    """(args, model in eval mode) of a Qwen-VL folder, set up as a qwen_vl run with the command's options sets it
-    up (`QwenVLArgs.update_from_config`: the same checks, the same one-line errors): late interaction where the
-    folder has ColPali's projection."""
+    """(args, model in eval mode) of a Qwen-VL folder, set up as a qwen_vl run with these options would set it up
+    (`QwenVLArgs.update_from_config`: the same checks, the same one-line errors); late interaction where the folder
+    has ColPali's projection."""
     from titan_contrastive.config import parse_args
     from titan_contrastive.models.qwen_vl.colpali import read_projection
     from titan_contrastive.models.qwen_vl.model import QwenVLArgs, QwenVLEmbedder
@@ -125,7 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from titan_contrastive import exit_codes, failures
-    from titan_contrastive.components.beir_eval import evaluate_beir, load_beir, pair_embedders, side_embedders
+    from titan_contrastive.components.beir_eval import (
+        device_forward,
+        evaluate_beir,
+        load_beir,
+        pair_embedders,
+        side_embedders,
+    )
     from titan_contrastive.components.sts_eval import evaluate_sts, load_sts
     from titan_contrastive.models.bi_encoder import build_tokenizer
 
@@ -162,11 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--dims {opts.dims}: {opts.model}'s tokens have {token_dim} dimensions; use dims <= {token_dim}"
             )
 
-        def forward(batch: dict[str, torch.Tensor]) -> Any:
-            return model(
-                **{k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()}
-            )
-
+        forward = device_forward(model, device, dtype)
         process = args.processor() if hasattr(args, "processor") else None  # qwen_vl's fills both sides
         if process is not None:
             embedders = side_embedders(forward, process)

@@ -51,16 +51,11 @@ class PageEncoder:
     `similarity` and `similarity_pairwise` (the dot product of the unit vectors, or MaxSim of ColQwen's tokens)."""
 
     def __init__(self, model: Any, process: Any, root: Path, device: torch.device, dtype: torch.dtype) -> None:
-        from titan_contrastive.components.beir_eval import side_embedders
+        from titan_contrastive.components.beir_eval import device_forward, side_embedders
 
         self.model, self.process, self.root, self.device, self.dtype = model, process, root, device, dtype
         self.token_dim = int(getattr(model, "token_dim", 0))
-
-        def forward(batch: dict[str, torch.Tensor]) -> Any:
-            moved = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()}
-            return model(**moved)
-
-        self._queries, self._pages = side_embedders(forward, process)
+        self._queries, self._pages = side_embedders(device_forward(model, device, dtype), process)
 
     def _encode(self, embed: Any, items: Sequence[Any], batch_size: int) -> np.ndarray:
         from titan_contrastive.components.beir_eval import embed_texts

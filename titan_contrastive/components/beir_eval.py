@@ -26,7 +26,16 @@ from titan_contrastive.datasets.base import DataError
 from titan_contrastive.losses import matryoshka
 from titan_contrastive.losses.late_interaction import scores as late_scores
 
-__all__ = ["BUNDLED", "check_corpus", "embed_texts", "evaluate_beir", "load_beir", "pair_embedders", "side_embedders"]
+__all__ = [
+    "BUNDLED",
+    "check_corpus",
+    "device_forward",
+    "embed_texts",
+    "evaluate_beir",
+    "load_beir",
+    "pair_embedders",
+    "side_embedders",
+]
 
 BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "wordnet_beir"
 K = 100  # the deepest cut the metrics read (MAP@100, Recall@100)
@@ -139,6 +148,16 @@ def pair_embedders(
         return forward({"query": tokenizer.encode_queries(texts[:1], query_length), "doc": ids})[1]  # type: ignore[attr-defined]
 
     return queries, docs
+
+
+def device_forward(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> Callable[..., Any]:
+    """`model(**batch)` with the batch on `device`, its floating tensors in `dtype`: the forward of a model a command
+    loaded itself (the trainer's own runs in its precision)."""
+
+    def forward(batch: dict[str, torch.Tensor]) -> Any:
+        return model(**{k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()})
+
+    return forward
 
 
 def side_embedders(
