@@ -289,8 +289,6 @@ def _colqwen_folder(root: Path) -> Path:
 def test_the_command_ranks_a_qwen_vl_folders_pages_as_the_definition(tmp_path: Path, colqwen: bool) -> None:
     """`python -m titan_contrastive.evaluate FOLDER --beir PAGES` on a Qwen-VL folder (last-token pooling) and on a
     ColQwen folder (its projection read: MaxSim), in float64, graded: the definition over items embedded alone."""
-    import argparse
-
     from titan_contrastive.evaluate import load_vl_model, main
 
     folder = _colqwen_folder(tmp_path) if colqwen else vl_folder(tmp_path, "qwen2_vl", dropout=0.0)
@@ -299,8 +297,7 @@ def test_the_command_ranks_a_qwen_vl_folders_pages_as_the_definition(tmp_path: P
     argv = [str(folder), "--beir", str(beir_folder), "--batch-size", "3", "--dtype", "float64", "--graded"]
     assert main([*argv, "--max-pixels", "7056", "--out", str(out)]) == 0
     got = json.loads(out.read_text())
-    options = {o: "" for o in ("query_prompt", "doc_prompt", "min_pixels", "retrieval_mode")}
-    args, model = load_vl_model(str(folder), argparse.Namespace(**options, max_pixels=7056, query_length=0))
+    args, model = load_vl_model(str(folder), max_pixels=7056)
     assert model.token_dim == (8 if colqwen else 0)
     want = definition(alone(model.double(), args.processor(), read_beir(beir_folder)), read_beir(beir_folder), True)
     for name, value in want.items():

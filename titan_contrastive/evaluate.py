@@ -44,19 +44,21 @@ def is_vl_folder(src: str) -> bool:
         return False
 
 
-def load_vl_model(src: str, opts: argparse.Namespace) -> tuple[Any, Any]:
+def load_vl_model(src: str, **options: Any) -> tuple[Any, Any]:
     """(args, model in eval mode) of a Qwen-VL folder, set up as a qwen_vl run with these options would set it up
     (`QwenVLArgs.update_from_config`: the same checks, the same one-line errors); late interaction where the folder
-    has ColPali's projection."""
+    has ColPali's projection. `options`: any of `VL_OPTIONS` and `query_length` (unset or empty: the defaults)."""
     from titan_contrastive.config import parse_args
     from titan_contrastive.models.qwen_vl.colpali import read_projection
     from titan_contrastive.models.qwen_vl.model import QwenVLArgs, QwenVLEmbedder
 
     pooling = "colbert" if read_projection(src) else "last_token"
-    given = {"model.query_prompt": opts.query_prompt, "model.doc_prompt": opts.doc_prompt}
-    given |= {"data.max_pixels": opts.max_pixels, "data.min_pixels": opts.min_pixels}
-    given |= {"data.retrieval_mode": opts.retrieval_mode, "data.context_length": opts.query_length}
-    cli = [f"--{key}={value}" for key, value in given.items() if value]
+    keys = {
+        "query_prompt": "model.query_prompt",
+        "doc_prompt": "model.doc_prompt",
+        "query_length": "data.context_length",
+    }
+    cli = [f"--{keys.get(name, f'data.{name}')}={value}" for name, value in options.items() if value]
     cfg = parse_args(["--model.name=qwen_vl", f"--model.path={src}", f"--model.pooling={pooling}", *cli])
     args = QwenVLArgs().update_from_config(cfg)
     return args, QwenVLEmbedder(args).eval()
@@ -152,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         if vl and opts.doc_length:
             raise ValueError(f"--doc-length: {opts.model} is a Qwen-VL folder, its template sets it; leave it out")
         if vl:
-            args, model = load_vl_model(opts.model, opts)
+            args, model = load_vl_model(
+                opts.model, query_length=opts.query_length, **{o: getattr(opts, o) for o in VL_OPTIONS}
+            )
         else:
             args, model = load_text_model(opts.model, opts.query_length, opts.doc_length, opts.trust_remote_code)
         dtype = getattr(torch, opts.dtype)

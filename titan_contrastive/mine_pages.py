@@ -148,10 +148,7 @@ def page_encoder(opts: argparse.Namespace, root: Path) -> PageEncoder:
     if (Path(opts.model).expanduser() / "manifest.json").is_file():
         args, model = load_text_model(opts.model, 0, 0)
     else:
-        options = {o: "" for o in ("query_prompt", "doc_prompt", "retrieval_mode")}
-        args, model = load_vl_model(
-            opts.model, argparse.Namespace(**options, max_pixels=0, min_pixels=0, query_length=0)
-        )
+        args, model = load_vl_model(opts.model)
     process = args.processor()
     if process.kinds != {"query": "text", "doc": "image"}:
         raise MineError(f"--model={opts.model}: a {args.mode} run; page mining reads t2i ones (text queries, pages)")

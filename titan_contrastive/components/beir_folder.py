@@ -139,7 +139,7 @@ def _documents(rows: Iterable[tuple[str, Any]], what: str, root: Path | None) ->
         key = str(key)
         if key in texts:
             raise DataError(f"{where}: `_id` {key!r} appears twice; give every {what} its own `_id`")
-        texts[key] = ((title + " " + (text or "")).strip(), image)
+        texts[key] = ((title + " " + text).strip(), image)
     return texts
 
 
