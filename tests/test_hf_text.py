@@ -45,18 +45,27 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def write_pairs(tmp: Path) -> Path:
+    """The pairs above as `tmp/pairs.jsonl`."""
+    pairs = tmp / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in PAIRS))
+    return pairs
+
+
 def folder_run(tmp: Path, kind: str, *extra: str, dropout: float = 0.1):
     """A trainer on `kind`'s tiny folder (FOLDERS, or hf_folders.ARCHITECTURES) and the pairs above (written
     once per tmp)."""
     if kind in FOLDERS:
         model = tmp / ("tiny-bert" if kind == "encoder" else "tiny-qwen3")
         if not model.exists():
+            assert not dist.is_initialized(), "write the folder before the ranks start (they would race to write it)"
             FOLDERS[kind](tmp, dropout)
     else:
         model = architecture_folder(tmp, kind, dropout)
     pairs = tmp / "pairs.jsonl"
     if not pairs.exists():
-        pairs.write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in PAIRS))
+        assert not dist.is_initialized(), "write the pairs before the ranks start (they would race to write them)"
+        write_pairs(tmp)
     return base_trainer(
         str(tmp / f"run-{kind}"),
         "--model.name=bi_encoder",
@@ -238,6 +247,7 @@ def _step_distributed(tmp: str, arch: str, ddp: bool, *extra: str) -> None:
 def test_global_negatives_on_two_ranks(tmp_path: Path, arch: str, parallel: str) -> None:
     """FSDP2 (each transformer layer a unit, found from `_no_split_modules`) or DDP on 2 gloo processes."""
     FOLDERS[arch](tmp_path)
+    write_pairs(tmp_path)
     run_distributed(_step_distributed, 2, str(tmp_path), arch, parallel == "ddp")
 
 

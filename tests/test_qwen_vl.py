@@ -44,6 +44,7 @@ def vl_run(tmp: Path, arch: str, *extra: str, dropout: float = 0.1, sizes: tuple
     """A trainer of the qwen_vl family on `arch`'s tiny folder and the bundled emoji at mixed `sizes`
     (another dataset in `extra`: `sizes=()`)."""
     if not (tmp / f"tiny-{arch}").exists():
+        assert not dist.is_initialized(), "write the folder before the ranks start (they would race to write it)"
         vl_folder(tmp, arch, dropout)
     return base_trainer(
         str(tmp / f"run-{arch}"),
