@@ -14,8 +14,10 @@ import multiprocessing
 import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from titan_contrastive.parallelisms import destroy_distributed
@@ -53,6 +55,19 @@ def _entry(
     )
     fn(*args)
     destroy_distributed(barrier=True)  # as the trainer ends: `fn`'s frame, and its wrappers, are gone
+
+
+def write_once(path: Path, write: Callable[[], object]) -> Path:
+    """`path`, `write()` first if it is missing: on rank 0 alone, the other ranks waiting for it, where a process
+    group is up (every rank writing would race, one reading what another has half written)."""
+    if not dist.is_initialized():
+        if not path.exists():
+            write()
+        return path
+    if dist.get_rank() == 0 and not path.exists():
+        write()
+    dist.barrier()
+    return path
 
 
 def run_distributed(fn: Callable[..., None], world_size: int, *args: Any) -> None:

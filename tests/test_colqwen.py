@@ -15,7 +15,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
-from tests.hf_folders import vl_folder
 from tests.needs import require
 from tests.test_hard_negatives import assert_step_equals_its_forwards
 from tests.test_qwen_vl import LORA, _step, vl_run
@@ -94,7 +93,6 @@ def _two_ranks(tmp: str) -> None:
 
 
 def test_global_negatives_on_two_ranks(tmp_path: Path) -> None:
-    vl_folder(tmp_path, "qwen2_vl")
     run_distributed(_two_ranks, 2, str(tmp_path))
 
 

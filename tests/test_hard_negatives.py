@@ -210,6 +210,7 @@ def _step_distributed(tmp: str) -> None:
 
 
 @needs("hf")
+@pytest.mark.slow  # 17 s; the objectives' forms with hard negatives run on 2 and 4 processes in test_objectives.py
 def test_hard_negatives_under_global_negatives_on_two_ranks(tmp_path: Path) -> None:
     """FSDP2 on 2 gloo processes: every rank's hard negatives are columns of every query."""
     pairs_file(tmp_path)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, write_once
 from tests.hf_folders import IMAGE_TEXT, WORDS, image_text_folder
 from tests.needs import require
 from tests.test_hard_negatives import assert_grads_close, assert_step_equals_its_forwards
@@ -58,10 +58,8 @@ def pictures(root: Path, negatives: int = 0) -> Path:
 
 def clip_run(tmp: Path, kind: str, *extra: str, dropout: float = 0.1):
     """A trainer of the hf_clip family on `kind`'s tiny folder and the pictures' CSV."""
-    folder = image_text_folder(tmp, kind, dropout)
-    table = tmp / "data" / "train.csv"
-    if not table.exists():
-        pictures(tmp / "data")
+    folder = write_once(tmp / f"tiny-{kind}", lambda: image_text_folder(tmp, kind, dropout))
+    table = write_once(tmp / "data" / "train.csv", lambda: pictures(tmp / "data"))
     return base_trainer(
         str(tmp / f"run-{kind}"),
         "--model.name=hf_clip",

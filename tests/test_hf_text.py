@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, write_once
 from tests.hf_folders import albert_folder, architecture_folder, decoder_folder, encoder_folder, st_folder
 from tests.needs import needs
 from tests.test_hard_negatives import assert_grads_close, assert_step_equals_its_forwards
@@ -56,16 +56,12 @@ def folder_run(tmp: Path, kind: str, *extra: str, dropout: float = 0.1):
     """A trainer on `kind`'s tiny folder (FOLDERS, or hf_folders.ARCHITECTURES) and the pairs above (written
     once per tmp)."""
     if kind in FOLDERS:
-        model = tmp / ("tiny-bert" if kind == "encoder" else "tiny-qwen3")
-        if not model.exists():
-            assert not dist.is_initialized(), "write the folder before the ranks start (they would race to write it)"
-            FOLDERS[kind](tmp, dropout)
+        model = write_once(
+            tmp / ("tiny-bert" if kind == "encoder" else "tiny-qwen3"), lambda: FOLDERS[kind](tmp, dropout)
+        )
     else:
-        model = architecture_folder(tmp, kind, dropout)
-    pairs = tmp / "pairs.jsonl"
-    if not pairs.exists():
-        assert not dist.is_initialized(), "write the pairs before the ranks start (they would race to write them)"
-        write_pairs(tmp)
+        model = write_once(tmp / f"tiny-{kind}", lambda: architecture_folder(tmp, kind, dropout))
+    pairs = write_once(tmp / "pairs.jsonl", lambda: write_pairs(tmp))
     return base_trainer(
         str(tmp / f"run-{kind}"),
         "--model.name=bi_encoder",
@@ -247,7 +243,6 @@ def _step_distributed(tmp: str, arch: str, ddp: bool, *extra: str) -> None:
 def test_global_negatives_on_two_ranks(tmp_path: Path, arch: str, parallel: str) -> None:
     """FSDP2 (each transformer layer a unit, found from `_no_split_modules`) or DDP on 2 gloo processes."""
     FOLDERS[arch](tmp_path)
-    write_pairs(tmp_path)
     run_distributed(_step_distributed, 2, str(tmp_path), arch, parallel == "ddp")
 
 

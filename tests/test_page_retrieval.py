@@ -7,6 +7,7 @@ the text queries of such a run equals scipy's correlations of each sentence embe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -157,8 +158,9 @@ def definition(scores: torch.Tensor, beir, graded: bool) -> dict[str, float]:
     return {name: sum(v) / len(v) for name, v in out.items()}
 
 
-def alone(model, process, beir) -> torch.Tensor:
-    """The score of every query against every page, each embedded on its own (no batch, no placeholder rows)."""
+def alone(model, process, beir, pool: tuple[float, int] = (1, 0)) -> torch.Tensor:
+    """The score of every query against every page, each embedded on its own (no batch, no placeholder rows); with a
+    pool factor > 1, each page's tokens pooled (`test_token_pooling.ward_pooled`: factor, protected tokens)."""
     proc = process.proc
     with torch.no_grad():
         queries = [
@@ -171,8 +173,21 @@ def alone(model, process, beir) -> torch.Tensor:
     q, d = torch.cat(queries), torch.cat(docs)
     if not model.token_dim:
         return q @ d.T
-    q, d = q.view(len(q), -1, model.token_dim), d.view(len(d), -1, model.token_dim)
+    q, d = q.view(len(q), -1, model.token_dim), list(d.view(len(d), -1, model.token_dim))
+    if pool[0] != 1:
+        from tests.test_token_pooling import ward_pooled
+
+        d = [ward_pooled(dj, *pool) for dj in d]
     return torch.stack([torch.stack([(qi @ dj.T).max(1).values.sum() for dj in d]) for qi in q])
+
+
+COLQWEN_POOLED = (
+    "--model.pooling=colbert",
+    "--model.colbert_dim=8",
+    "--data.max_pixels=7056",
+    "--eval.beir_pool_factor=3",
+    "--eval.beir_pool_protected=0",
+)
 
 
 @pytest.mark.parametrize(
@@ -181,8 +196,9 @@ def alone(model, process, beir) -> torch.Tensor:
         ("--model.pooling=last_token",),
         ("--model.pooling=mean", "--eval.beir_graded=true"),
         ("--model.pooling=colbert", "--model.colbert_dim=8", "--data.max_pixels=7056"),
+        COLQWEN_POOLED,
     ],
-    ids=["last", "mean-graded", "colqwen"],
+    ids=["last", "mean-graded", "colqwen", "colqwen-pooled"],
 )
 def test_a_run_ranks_pages_as_the_definition(tmp_path: Path, options: tuple[str, ...]) -> None:
     """A t2i run with `[eval] beir_path` on a folder of pages: its `beir/...` keys equal the definition over every
@@ -194,9 +210,13 @@ def test_a_run_ranks_pages_as_the_definition(tmp_path: Path, options: tuple[str,
     results = trainer.evaluate()
     beir, graded = trainer.text_evals.beir, "--eval.beir_graded=true" in options
     model = trainer.model.eval()
-    want = definition(alone(model, trainer.text_evals.tokenizer, beir), beir, graded)
+    pool = (3, 0) if options == COLQWEN_POOLED else (1, 0)
+    want = definition(alone(model, trainer.text_evals.tokenizer, beir, pool), beir, graded)
     for name, value in want.items():
         assert results[f"beir/{name}"] == pytest.approx(value, abs=1e-12), name
+    if pool[0] != 1:  # a third of the tokens kept (and the ranking above is the pooled pages')
+        whole = dataclasses.replace(trainer.text_evals, pool=(1.0, 0))(0, batch_size=3, model=model)
+        assert results["beir/corpus_tokens"] < whole["beir/corpus_tokens"] / 2
     assert 0 < want["ndcg@5"] < 1  # the ranking matters
     trainer.metrics.close()
 

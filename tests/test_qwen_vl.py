@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, write_once
 from tests.hf_folders import vl_folder
 from tests.needs import require
 from tests.test_hard_negatives import assert_grads_close, assert_step_equals_its_forwards
@@ -43,9 +43,7 @@ DORA = (*LORA, "--lora.use_dora=true", "--lora.use_rslora=true")
 def vl_run(tmp: Path, arch: str, *extra: str, dropout: float = 0.1, sizes: tuple[str, ...] = ("28", "56", "84")):
     """A trainer of the qwen_vl family on `arch`'s tiny folder and the bundled emoji at mixed `sizes`
     (another dataset in `extra`: `sizes=()`)."""
-    if not (tmp / f"tiny-{arch}").exists():
-        assert not dist.is_initialized(), "write the folder before the ranks start (they would race to write it)"
-        vl_folder(tmp, arch, dropout)
+    write_once(tmp / f"tiny-{arch}", lambda: vl_folder(tmp, arch, dropout))
     return base_trainer(
         str(tmp / f"run-{arch}"),
         "--model.name=qwen_vl",

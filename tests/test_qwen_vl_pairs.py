@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, write_once
 from tests.hf_folders import vl_folder
 from tests.needs import require
 from tests.test_hard_negatives import assert_grads_close
@@ -62,9 +62,7 @@ def _vl_pairs(root: Path, bad: bool = False, negatives: str = "", count: int = 9
 
 
 def _vl_pairs_run(tmp: Path, mode: str, *extra: str, bad: bool = False, negatives: str = ""):
-    table = tmp / "data" / "pairs.jsonl"
-    if not table.exists():
-        _vl_pairs(tmp / "data", bad, negatives)
+    table = write_once(tmp / "data" / "pairs.jsonl", lambda: _vl_pairs(tmp / "data", bad, negatives))
     return vl_run(
         tmp,
         "qwen2_vl",

@@ -8,7 +8,8 @@ DIR is a local BEIR folder (`corpus.jsonl`, `queries.jsonl`, `qrels/{split}.tsv`
 sets saved to disk: `components/beir_folder.py`), by default the bundled WordNet set. Prints nDCG@5/10,
 MRR@10, MAP@100 and Recall@1/5/10/100 as JSON (`components/beir_eval.py`: the figures
 sentence-transformers' InformationRetrievalEvaluator gives; `--graded`: nDCG as pytrec_eval, MTEB and ViDoRe
-give it); with `--sts FILE` (scored sentence pairs, `[eval] sts_path`'s format) also `sts/pearson_cosine` and
+give it; `--pool-factor`: a late-interaction model's documents token-pooled, `components/token_pooling.py`);
+with `--sts FILE` (scored sentence pairs, `[eval] sts_path`'s format) also `sts/pearson_cosine` and
 `sts/spearman_cosine`, as its EmbeddingSimilarityEvaluator gives them (`components/sts_eval.py`); `--out` writes
 them to a file too.
 
@@ -112,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--graded", action="store_true", help="nDCG with the qrels' grades as gains (pytrec_eval's)")
     parser.add_argument(
+        "--pool-factor", type=float, default=1.0, help="late interaction: pool each document's tokens to ~1/F of them"
+    )
+    parser.add_argument("--pool-protected", type=int, default=1, help="leading tokens kept out of it (default: 1)")
+    parser.add_argument(
         "--dtype", default="float32", choices=DTYPES, help="the model's weights and inputs (default: float32)"
     )
     qwen = parser.add_argument_group("a Qwen-VL folder (a step folder's run sets these)")
@@ -145,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if opts.batch_size < 1:
             raise ValueError(f"--batch-size {opts.batch_size}: use an integer >= 1")
+        if not 1 <= opts.pool_factor < float("inf") or opts.pool_protected < 0:
+            raise ValueError(
+                f"--pool-factor {opts.pool_factor} --pool-protected {opts.pool_protected}: use a factor >= 1 "
+                "(1 = no pooling) and an integer >= 0"
+            )
         beir = load_beir(opts.beir, opts.split)
         sts = load_sts(opts.sts, opts.sts_split) if opts.sts else None
         vl = is_vl_folder(opts.model)
@@ -167,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"--sts: {opts.model} embeds a text as its tokens (ColBERT), scored by late interaction, and --sts "
                 "reads one vector per text; leave it out"
             )
+        if opts.pool_factor != 1 and not token_dim:
+            raise ValueError(
+                f"--pool-factor {opts.pool_factor}: pools a late-interaction model's document tokens, and "
+                f"{opts.model} embeds a text as one vector; leave it out"
+            )
         if token_dim and opts.dims and max(opts.dims) > token_dim:
             raise ValueError(
                 f"--dims {opts.dims}: {opts.model}'s tokens have {token_dim} dimensions; use dims <= {token_dim}"
@@ -179,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             embedders = pair_embedders(forward, build_tokenizer(args), args.query_length)
         sizes = {"batch_size": opts.batch_size, "rank": rank, "world_size": world, "dims": opts.dims}
-        kinds = {"sparse": getattr(model, "sparse_embeddings", False), "token_dim": getattr(model, "token_dim", 0)}
+        kinds = {"sparse": getattr(model, "sparse_embeddings", False), "token_dim": token_dim}
+        scoring = {"graded": opts.graded, "pool_factor": opts.pool_factor, "pool_protected": opts.pool_protected}
         pages = process is not None and process.kinds["doc"] == "image"
-        results = evaluate_beir(beir, *embedders, **sizes, prefix="", **kinds, graded=opts.graded, pages=pages)
+        results = evaluate_beir(beir, *embedders, **sizes, prefix="", **kinds, **scoring, pages=pages)
         if sts is not None:
             results |= evaluate_sts(sts, embedders[0], **sizes)
     except (ValueError, OSError) as e:

@@ -22,6 +22,7 @@ from titan_contrastive.components.beir_folder import BeirSet, read_beir
 from titan_contrastive.components.evaluate import dim_cuts, gather_rows
 from titan_contrastive.components.precision import at_least_fp32
 from titan_contrastive.components.retrieval_metrics import ir_metrics, top_k
+from titan_contrastive.components.token_pooling import document_pooler, token_counts
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.losses import matryoshka
 from titan_contrastive.losses.late_interaction import scores as late_scores
@@ -100,6 +101,8 @@ def evaluate_beir(
     token_dim: int = 0,
     graded: bool = False,
     pages: bool = False,
+    pool_factor: float = 1.0,
+    pool_protected: int = 1,
 ) -> dict[str, float]:
     """The IR metrics of `beir` with these embedders, by the dot product of their embeddings (the towers' unit
     vectors: their cosine; SPLADE's: its score), and by the cosine of their first m dims for each m of `dims`
@@ -107,10 +110,16 @@ def evaluate_beir(
     embeddings): also the mean number of non-zero dimensions of a query's and of a document's
     (`query_active_dims`, `corpus_active_dims`, as sentence-transformers' SparseInformationRetrievalEvaluator reports
     them), what an inverted index pays.
-    `token_dim` (ColBERT's token sets): scored by late interaction (`losses/late_interaction.py`) instead.
+    `token_dim` (ColBERT's token sets): scored by late interaction (`losses/late_interaction.py`) instead, and the
+    mean number of tokens a document keeps reported (`corpus_tokens`, the index's vectors per document); `pool_factor`
+    > 1: each document's tokens pooled first (`token_pooling`, its first `pool_protected` kept as they are).
     `pages`: `embed_docs` reads the corpus's images (`check_corpus`), else its texts. `graded`: nDCG with the
     qrels' grades as gains (pytrec_eval's, as MTEB and ViDoRe report it), else binary (sentence-transformers')."""
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
+    if pool_factor != 1:
+        if not token_dim:
+            raise ValueError(f"pool_factor={pool_factor}: token pooling is for token sets (late interaction)")
+        embed_docs = _pooled(embed_docs, document_pooler(token_dim, pool_factor, pool_protected, "beir_pool_factor"))
     queries = embed_texts(embed_queries, beir.queries, **common)
     corpus = embed_texts(embed_docs, check_corpus(beir, pages), **common)
     results = {}
@@ -122,10 +131,17 @@ def evaluate_beir(
             scores, indices = top_k(queries[:, :m], corpus[:, :m], K, normalize=bool(cut))
         metrics = ir_metrics(scores, indices, beir.query_ids, beir.corpus_ids, beir.qrels, **CUTS, graded=graded)
         results |= {f"{cut}{prefix}{name}": value for name, value in metrics.items()}
+    if token_dim:
+        results[f"{prefix}corpus_tokens"] = token_counts(corpus, token_dim).double().mean().item()
     if sparse:
         for name, rows in (("query", queries), ("corpus", corpus)):
             results[f"{prefix}{name}_active_dims"] = torch.count_nonzero(rows, dim=1).double().mean().item()
     return results
+
+
+def _pooled(embed: Callable[[list[Any]], torch.Tensor], pool: Callable[[torch.Tensor], torch.Tensor]):
+    """`embed` with its rows pooled (`token_pooling.document_pooler`)."""
+    return lambda docs: pool(at_least_fp32(embed(docs)))
 
 
 def pair_embedders(

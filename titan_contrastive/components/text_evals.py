@@ -22,6 +22,7 @@ from titan_contrastive.components.beir_eval import (
 )
 from titan_contrastive.components.beir_folder import BeirSet
 from titan_contrastive.components.sts_eval import StsSet, evaluate_sts, load_sts
+from titan_contrastive.config import ConfigError
 
 __all__ = ["TextEvals"]
 
@@ -36,6 +37,8 @@ class TextEvals:
     """Its `PairTokenizer` (prompts and lengths), or the processor that fills both sides (`side_embedders`)."""
     graded: bool = False
     """BEIR's nDCG with the qrels' grades as gains (`[eval] beir_graded`)."""
+    pool: tuple[float, int] = (1.0, 1)
+    """A late-interaction model's document tokens pooled: factor, protected tokens (`[eval] beir_pool_factor`)."""
 
     @classmethod
     def from_config(
@@ -55,7 +58,13 @@ class TextEvals:
             forward,
             tokenizer,
             ev.beir_graded,
+            (ev.beir_pool_factor, ev.beir_pool_protected),
         )
+        if ev.beir_pool_factor != 1 and not getattr(args, "token_dim", 0):
+            raise ConfigError(
+                f"eval.beir_pool_factor={ev.beir_pool_factor!r} pools the tokens of a late-interaction model's "
+                "documents, and this model embeds a text as one vector; set model.pooling='colbert' or leave it at 1"
+            )
         evals._embedders(0)
         if evals.beir is not None:
             check_corpus(evals.beir, evals.pages)
@@ -94,7 +103,12 @@ class TextEvals:
             "sparse": bool(getattr(model, "sparse_embeddings", False)),
             "token_dim": getattr(model, "token_dim", 0),
         }
-        scoring = {"graded": self.graded, "pages": self.pages}
+        scoring = {
+            "graded": self.graded,
+            "pages": self.pages,
+            "pool_factor": self.pool[0],
+            "pool_protected": self.pool[1],
+        }
         results = (
             {} if self.beir is None else evaluate_beir(self.beir, queries, docs, **common, **embeddings, **scoring)
         )

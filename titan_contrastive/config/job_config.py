@@ -327,6 +327,12 @@ class Eval:
     beir_graded: bool = False
     """nDCG with the qrels' grades as gains (pytrec_eval's, as MTEB and ViDoRe report it); off = binary relevance,
     as sentence-transformers' InformationRetrievalEvaluator."""
+    beir_pool_factor: float = opt(1.0, lambda v: 1 <= v < float("inf"), "a number >= 1 (1 = no pooling)")
+    """Late interaction (ColBERT, ColQwen): each BEIR document's tokens pooled to about 1 / this many (Ward clusters'
+    means, sentence-transformers' HierarchicalTokenPooling), the index PyLate and colpali-engine build with a pool
+    factor; `beir/corpus_tokens` reports the tokens a document keeps. 1 = every token."""
+    beir_pool_protected: int = opt(1, lambda v: v >= 0, "an integer >= 0")
+    """The first tokens of each document kept out of the pooling (1: ColBERT's [CLS]; 0 as colpali-engine pools)."""
     sts_path: str = ""
     """Text pairs: also semantic similarity on scored sentence pairs (STS-B's `sentence1`, `sentence2`, `score`, or
     three columns in that order; .jsonl/.csv/.tsv/.parquet or a saved dataset), embedded once across the ranks,

@@ -274,6 +274,11 @@ def _check_combinations(cfg: JobConfig) -> None:
         raise ConfigError("memory.plan=true needs memory.budget_gib > 0 (the per-device budget to plan for)")
     _check_keep_best(cfg)
     _check_profiling(cfg)
+    if cfg.eval.beir_pool_factor != 1 and not (cfg.eval.enable and cfg.eval.beir_path):
+        raise ConfigError(
+            f"eval.beir_pool_factor={cfg.eval.beir_pool_factor!r} pools the documents of eval.beir_path, and this run "
+            "evaluates no BEIR folder; set eval.beir_path (and eval.enable=true) or leave the factor at 1"
+        )
     scale = cfg.loss.init_logit_scale
     if scale is None:
         return
