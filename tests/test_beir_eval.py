@@ -23,7 +23,7 @@ METRICS = {"ndcg@5", "ndcg@10", "mrr@10", "map@100", "recall@1", "recall@5", "re
 
 
 def test_the_bundled_set() -> None:
-    beir = load_beir("bundled")
+    (beir,) = load_beir("bundled").values()
     assert len(beir.queries) == 2000 and len(beir.corpus) == 5000
     assert all(len(docs) == 1 for docs in beir.qrels.values()) and len(beir.qrels) == 2000
     assert len({c.lower() for c in beir.corpus}) == 5000  # no lemma twice: one right answer per definition

@@ -208,7 +208,7 @@ def test_a_run_ranks_pages_as_the_definition(tmp_path: Path, options: tuple[str,
         tmp_path, "qwen2_vl", "--eval.enable=true", f"--eval.beir_path={folder}", "--eval.batch_size=3", *options
     )
     results = trainer.evaluate()
-    beir, graded = trainer.text_evals.beir, "--eval.beir_graded=true" in options
+    (beir,), graded = trainer.text_evals.beir.values(), "--eval.beir_graded=true" in options
     model = trainer.model.eval()
     pool = (3, 0) if options == COLQWEN_POOLED else (1, 0)
     want = definition(alone(model, trainer.text_evals.tokenizer, beir, pool), beir, graded)

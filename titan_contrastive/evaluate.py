@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m titan_contrastive.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a bi_encoder step folder, or a transformers / sentence-transformers folder")
     parser.add_argument("--beir", default="bundled", help="a BEIR folder (default: the bundled WordNet set)")
-    parser.add_argument("--split", default="test", help="the qrels split: qrels/{split}.tsv (default: test)")
+    parser.add_argument(
+        "--split", default="test", help="the qrels split (qrels/{split}.tsv); several: a,b or * (default: test)"
+    )
     parser.add_argument("--batch-size", type=int, default=256, help="texts per forward (default: 256)")
     parser.add_argument("--query-length", type=int, default=0, help="query tokens (default: the run's, else 64)")
     parser.add_argument("--doc-length", type=int, default=0, help="document tokens (default: the run's / folder's)")
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     from titan_contrastive import exit_codes, failures
     from titan_contrastive.components.beir_eval import (
         device_forward,
-        evaluate_beir,
+        evaluate_sets,
         load_beir,
         pair_embedders,
         side_embedders,
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--pool-factor {opts.pool_factor} --pool-protected {opts.pool_protected}: use a factor >= 1 "
                 "(1 = no pooling) and an integer >= 0"
             )
-        beir = load_beir(opts.beir, opts.split)
+        sets = load_beir(opts.beir, opts.split)
         sts = load_sts(opts.sts, opts.sts_split) if opts.sts else None
         vl = is_vl_folder(opts.model)
         set_vl = [f"--{o.replace('_', '-')}" for o in VL_OPTIONS if getattr(opts, o)]
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         kinds = {"sparse": getattr(model, "sparse_embeddings", False), "token_dim": token_dim}
         scoring = {"graded": opts.graded, "pool_factor": opts.pool_factor, "pool_protected": opts.pool_protected}
         pages = process is not None and process.kinds["doc"] == "image"
-        results = evaluate_beir(beir, *embedders, **sizes, prefix="", **kinds, **scoring, pages=pages)
+        results = evaluate_sets(sets, *embedders, **sizes, prefix="", **kinds, **scoring, pages=pages)
         if sts is not None:
             results |= evaluate_sts(sts, embedders[0], **sizes)
     except (ValueError, OSError) as e:

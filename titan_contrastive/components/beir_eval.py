@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from titan_contrastive.components.beir_folder import BeirSet, read_beir
+from titan_contrastive.components.beir_folder import BeirSet, beir_splits, read_beir
 from titan_contrastive.components.evaluate import dim_cuts, gather_rows
 from titan_contrastive.components.precision import at_least_fp32
 from titan_contrastive.components.retrieval_metrics import ir_metrics, top_k
@@ -33,6 +33,7 @@ __all__ = [
     "device_forward",
     "embed_texts",
     "evaluate_beir",
+    "evaluate_sets",
     "load_beir",
     "pair_embedders",
     "side_embedders",
@@ -44,14 +45,32 @@ CUTS = {"ndcg_at": (5, 10), "recall_at": (1, 5, 10, 100)}
 """nDCG@5 is visual document retrieval's headline (ViDoRe), nDCG@10 text retrieval's (BEIR, MTEB)."""
 
 
-def load_beir(path: str, split: str = "test") -> BeirSet:
-    """`path`'s BEIR split ("bundled": the WordNet set in assets/wordnet_beir); a DataError names the fix."""
+def load_beir(path: str, split: str = "test") -> dict[str, BeirSet]:
+    """`path`'s BEIR sets by split name ("bundled": the WordNet set in assets/wordnet_beir): `split` one name, several
+    separated by commas, or `*` for every one (`beir_folder.beir_splits`); a DataError names the fix."""
     folder = BUNDLED if path == "bundled" else Path(path).expanduser()
     if not folder.is_dir():
         raise DataError(
             f"eval.beir_path={path!r} is not a folder; give a BEIR folder (corpus.jsonl, queries.jsonl, qrels/)"
         )
-    return read_beir(folder, split)
+    return {name: read_beir(folder, name) for name in beir_splits(folder, split)}
+
+
+def evaluate_sets(
+    sets: dict[str, BeirSet], *embedders: Callable[..., torch.Tensor], **options: Any
+) -> dict[str, float]:
+    """`evaluate_beir` over each of `sets`: one set's keys are `beir/...`; several sets' are `beir/{name}/...` for
+    each, and `beir/...` their mean (NanoBEIR's aggregate), at each cut too. `options`: evaluate_beir's."""
+    prefix = options.pop("prefix", "beir/")
+    if len(sets) == 1:
+        return evaluate_beir(next(iter(sets.values())), *embedders, prefix=prefix, **options)
+    each = {name: evaluate_beir(beir, *embedders, prefix=f"{prefix}{name}/", **options) for name, beir in sets.items()}
+    results = {key: value for metrics in each.values() for key, value in metrics.items()}
+    first = next(iter(each))
+    for key in each[first]:
+        values = [each[name][key.replace(f"{prefix}{first}/", f"{prefix}{name}/", 1)] for name in each]
+        results[key.replace(f"{prefix}{first}/", prefix, 1)] = sum(values) / len(values)
+    return results
 
 
 @torch.no_grad()

@@ -5,7 +5,12 @@
   text, `"image": "pages/p1.png"` (relative to the folder): a corpus of page images, every document with one.
 - **Hugging Face datasets saved to disk**: `corpus/`, `queries/` and `qrels/` `save_to_disk` folders (qrels a
   DatasetDict by split), with MTEB's columns (`_id`, `title`, `text`) or ViDoRe's BEIR sets' (`corpus-id` and an
-  `image` column of pages; `query-id`, `query`).
+  `image` column of pages; `query-id`, `query`). Corpus and queries may be DatasetDicts by split too, one set per
+  split: NanoBEIR's collections (`sentence-transformers/NanoBEIR-en`: splits `NanoSciFact`, ...; qrels without a
+  score column, every listed pair relevant).
+- **A dataset repository downloaded to the folder** with configs `corpus`, `queries` and `qrels` (NanoBEIR's, as
+  `hf download ... --repo-type dataset` leaves it): read by datasets' `load_dataset(folder, config, split=...)`,
+  as sentence-transformers' NanoBEIREvaluator reads the hub's copy.
 - **ViDoRe v1's question-answer layout**: one `save_to_disk` folder (a DatasetDict's `split`) with the columns
   `query`, `image` and `image_filename`, read as vidore-benchmark's `ViDoReEvaluatorQA` reads it: each distinct
   query (rows without one hold distractor pages) is relevant to the page of its (last) row, and a page is one
@@ -31,7 +36,7 @@ from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.tar_shards import read_regular
 
-__all__ = ["BeirSet", "CorpusImages", "read_beir", "read_corpus"]
+__all__ = ["BeirSet", "CorpusImages", "beir_splits", "read_beir", "read_corpus"]
 
 QRELS_HEADER = ["query-id", "corpus-id", "score"]
 QA_COLUMNS = ("query", "image", "image_filename")
@@ -91,33 +96,68 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
                 raise DataError(f"{path}:{n}: not JSON ({e.msg}); write one JSON object per line") from None
 
 
-def _load_from_disk(path: Path, split: str | None = None) -> Any:
-    """A `save_to_disk` folder's Dataset, or a DatasetDict's `split` (None: its only split)."""
+def _datasets(path: Path) -> Any:
     from titan_contrastive.datasets.hf_disk import import_datasets
 
-    datasets = import_datasets(f"eval.beir_path (a Hugging Face dataset folder: {path})")
+    return import_datasets(f"eval.beir_path (a Hugging Face dataset folder: {path})")
+
+
+def _load_from_disk(path: Path, split: str | None = None, only: bool = False) -> Any:
+    """A `save_to_disk` folder's Dataset, or a DatasetDict's `split` (None, or `only` and no such split: its only
+    split)."""
+    datasets = _datasets(path)
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as e:  # noqa: BLE001 - datasets raises many types for an unreadable folder
         raise DataError(f"{path}: not a readable save_to_disk folder ({type(e).__name__}: {e})") from None
     if isinstance(ds, datasets.DatasetDict):
-        name = split if split in ds else next(iter(ds)) if split is None and len(ds) == 1 else None
+        name = split if split in ds else next(iter(ds)) if (split is None or only) and len(ds) == 1 else None
         if name is None:
             raise DataError(f"{path}: a DatasetDict without split {split!r} (splits: {', '.join(ds)}); save it")
         ds = ds[name]
+    return _lazy_images(ds, datasets)
+
+
+def _lazy_images(ds: Any, datasets: Any) -> Any:
     if "image" in ds.column_names and isinstance(ds.features["image"], datasets.Image):
         ds = ds.cast_column("image", datasets.Image(decode=False))  # read when a batch needs it, not now
     return ds
 
 
-def _hf_rows(path: Path, split: str | None = None) -> tuple[Iterator[tuple[str, Any]], Any]:
-    """((where, row) of a `save_to_disk` folder's rows without their images, the image column or None)."""
-    ds = _load_from_disk(path, split)
+def _repo_splits(folder: Path, config: str) -> list[str]:
+    """The splits of `config` in a dataset repository downloaded to `folder`."""
+    try:
+        return list(_datasets(folder).get_dataset_split_names(str(folder), config))
+    except Exception as e:  # noqa: BLE001 - datasets raises many types for a folder it cannot read
+        raise DataError(
+            f"{folder}: no {config!r} config datasets can read ({type(e).__name__}: {e}); give corpus/, queries/ and "
+            "qrels/ as save_to_disk folders, or a dataset repository with configs corpus, queries and qrels"
+        ) from None
+
+
+def _load_part(folder: Path, part: str, split: str, only: bool) -> Any:
+    """`folder`'s corpus, queries or qrels: a `save_to_disk` folder, or the config `part` of a dataset repository
+    downloaded to `folder` (NanoBEIR's, read by datasets' load_dataset as sentence-transformers reads it)."""
+    if _is_saved_dataset(folder / part):
+        return _load_from_disk(folder / part, split, only)
+    names = _repo_splits(folder, part)
+    name = split if split in names else names[0] if only and len(names) == 1 else None
+    if name is None:
+        raise DataError(
+            f"{folder}: config {part!r} has no split {split!r} (splits: {', '.join(names)}); set eval.beir_split to "
+            "one or more of them (or *)"
+        )
+    datasets = _datasets(folder)
+    return _lazy_images(datasets.load_dataset(str(folder), part, split=name), datasets)
+
+
+def _hf_rows(ds: Any, where: Path) -> tuple[Iterator[tuple[str, Any]], Any]:
+    """((where, row) of a dataset's rows without their images, the image column or None)."""
     if "image" not in ds.column_names:
-        return ((f"{path}[{n}]", row) for n, row in enumerate(ds)), None
+        return ((f"{where}[{n}]", row) for n, row in enumerate(ds)), None
     empty = ds.data.column("image").is_null().to_pylist()
     plain = ds.remove_columns(["image"])
-    rows = ((f"{path}[{n}]", dict(row, image=None if empty[n] else n)) for n, row in enumerate(plain))
+    rows = ((f"{where}[{n}]", dict(row, image=None if empty[n] else n)) for n, row in enumerate(plain))
     return rows, ds.select_columns(["image"])
 
 
@@ -211,13 +251,14 @@ def read_beir(folder: str | Path, split: str = "test") -> BeirSet:
     elif not (folder / "corpus").is_dir():
         return _read_qa(folder, split)
     else:
-        rows, table = _hf_rows(folder / "corpus")
+        parts = {part: _load_part(folder, part, split, part != "qrels") for part in ("corpus", "queries", "qrels")}
+        rows, table = _hf_rows(parts["corpus"], folder / "corpus")
         corpus = _documents(rows, "document", None)
-        queries = _documents(_hf_rows(folder / "queries")[0], "query", None)
-        judgements = _hf_rows(folder / "qrels", split)[0]
+        queries = _documents(_hf_rows(parts["queries"], folder / "queries")[0], "query", None)
+        judgements = _hf_rows(parts["qrels"], folder / "qrels")[0]
     qrels: dict[str, dict[str, int]] = {}
     for where, row in judgements:
-        qid, did, score = (str(row.get(k, "")) for k in QRELS_HEADER)
+        qid, did, score = (str(row.get(k, 1 if k == "score" else "")) for k in QRELS_HEADER)  # NanoBEIR's: no score
         grade = _grade(score, where)
         if qid not in queries:
             raise DataError(f"{where}: query-id {qid!r} is not in the queries; add the query or drop the row")
@@ -229,6 +270,27 @@ def read_beir(folder: str | Path, split: str = "test") -> BeirSet:
     images = _images(corpus, ids, table, str(folder / ("corpus" if table is not None else "corpus.jsonl")))
     texts = [text for text, _ in queries.values()]
     return BeirSet(list(queries), texts, ids, [corpus[c][0] for c in ids], qrels, images)
+
+
+def beir_splits(folder: str | Path, split: str) -> list[str]:
+    """The qrels splits `split` names: one name, several separated by commas, or `*` for every one the folder has
+    (BEIR's qrels/*.tsv, a saved DatasetDict's splits); a DataError if there are none."""
+    names = [name.strip() for name in split.split(",") if name.strip()]
+    if names != ["*"]:
+        if not names or "*" in names:
+            raise DataError(f"eval.beir_split={split!r}: give a split name, several separated by commas, or *")
+        return names
+    folder = Path(folder)
+    if (folder / "corpus.jsonl").exists():
+        found = sorted(p.stem for p in (folder / "qrels").glob("*.tsv"))
+    elif (folder / "corpus").is_dir() and not _is_saved_dataset(folder / "qrels"):
+        found = _repo_splits(folder, "qrels")
+    else:
+        saved = folder / ("qrels" if (folder / "corpus").is_dir() else "") / "dataset_dict.json"
+        found = json.loads(saved.read_text()).get("splits", []) if saved.is_file() else []
+    if not found:
+        raise DataError(f"eval.beir_split='*': {folder} has no qrels splits (qrels/*.tsv, or a saved DatasetDict)")
+    return found
 
 
 def _read_qa(folder: Path, split: str) -> BeirSet:

@@ -8,14 +8,14 @@ queries and corpus through their own sides, both sentences of a pair through the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from titan_contrastive.components.beir_eval import (
     check_corpus,
-    evaluate_beir,
+    evaluate_sets,
     load_beir,
     pair_embedders,
     side_embedders,
@@ -29,7 +29,8 @@ __all__ = ["TextEvals"]
 
 @dataclass(frozen=True)
 class TextEvals:
-    beir: BeirSet | None = None
+    beir: dict[str, BeirSet] = field(default_factory=dict)
+    """The BEIR sets by split name (`[eval] beir_split`: one, or several, each evaluated and averaged)."""
     sts: StsSet | None = None
     forward: Callable[[dict[str, torch.Tensor]], Any] | None = None
     """The model's forward on a batch of `query` and `doc` ids (`pair_embedders`)."""
@@ -53,7 +54,7 @@ class TextEvals:
         if callable(getattr(args, "processor", None)):
             tokenizer = args.processor()  # type: ignore[attr-defined]
         evals = cls(
-            load_beir(ev.beir_path, ev.beir_split) if ev.beir_path else None,
+            load_beir(ev.beir_path, ev.beir_split) if ev.beir_path else {},
             load_sts(ev.sts_path, ev.sts_split) if ev.sts_path else None,
             forward,
             tokenizer,
@@ -66,8 +67,8 @@ class TextEvals:
                 "documents, and this model embeds a text as one vector; set model.pooling='colbert' or leave it at 1"
             )
         evals._embedders(0)
-        if evals.beir is not None:
-            check_corpus(evals.beir, evals.pages)
+        for beir in evals.beir.values():
+            check_corpus(beir, evals.pages)
         return evals
 
     @property
@@ -81,7 +82,7 @@ class TextEvals:
         return pair_embedders(self.forward, self.tokenizer, query_length)  # type: ignore[arg-type]
 
     def __bool__(self) -> bool:
-        return self.beir is not None or self.sts is not None
+        return bool(self.beir) or self.sts is not None
 
     def __call__(
         self,
@@ -109,7 +110,5 @@ class TextEvals:
             "pool_factor": self.pool[0],
             "pool_protected": self.pool[1],
         }
-        results = (
-            {} if self.beir is None else evaluate_beir(self.beir, queries, docs, **common, **embeddings, **scoring)
-        )
+        results = evaluate_sets(self.beir, queries, docs, **common, **embeddings, **scoring) if self.beir else {}
         return results | (evaluate_sts(self.sts, queries, **common) if self.sts is not None else {})

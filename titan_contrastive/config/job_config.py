@@ -323,7 +323,8 @@ class Eval:
     corpus of page images; ViDoRe's sets saved to disk), embedded once across the ranks: nDCG@5/10, MRR@10,
     MAP@100, Recall@1/5/10/100 (keys `beir/...`); `bundled` = the WordNet set in assets/wordnet_beir; empty = none."""
     beir_split: str = "test"
-    """Which qrels file of `beir_path` (qrels/{split}.tsv)."""
+    """Which qrels split of `beir_path` (qrels/{split}.tsv; a saved DatasetDict's split). Several, separated by commas,
+    or `*` for every one (NanoBEIR's 13 sets): each set's keys `beir/{split}/...`, and `beir/...` their mean."""
     beir_graded: bool = False
     """nDCG with the qrels' grades as gains (pytrec_eval's, as MTEB and ViDoRe report it); off = binary relevance,
     as sentence-transformers' InformationRetrievalEvaluator."""
