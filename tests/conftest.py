@@ -3,7 +3,8 @@
 Without CUDA, Triton kernels run in Triton's interpreter. The switch must be set before anything
 imports triton (torch.compile's inductor does, in other tests), because triton reads it once.
 After collection the imported objects are frozen out of the garbage collector's sight.
-`guide_dir`: a frozen model folder the guide and teacher-model tests share.
+`guide_dir`: a frozen model folder the guide and teacher-model tests share. `hf_cache`: datasets' cache in the
+test's folder, for tests whose code calls load_dataset (it writes one).
 """
 
 import gc
@@ -42,3 +43,11 @@ def guide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("guide") / "perturbed-minilm"
     model.save(str(path))
     return path
+
+
+@pytest.fixture
+def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    require("hf")
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")

@@ -409,6 +409,25 @@ def test_tma_probe_checks_and_times_each_kernel_variant(tmp_path: Path) -> None:
     assert "BLOCK_M" in result["configs"]["W:tma"]
 
 
+def test_token_pooling_bench_writes_a_row_per_size_and_factor(tmp_path: Path) -> None:
+    """benchmarks/token_pooling_bench.py on small documents: a row per (tokens, factor), each keeping the protected
+    token and floor(rest / factor) clusters of the rest."""
+    pytest.importorskip("sentence_transformers")
+    from benchmarks import token_pooling_bench
+
+    argv = ["--tokens", "9", "17", "--factors", "2", "4", "--dim", "4", "--docs", "3", "--repeats", "1"]
+    token_pooling_bench.main([*argv, "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "token_pooling_bench.json").read_text())["rows"]
+    assert [(r["tokens"], r["factor"], r["kept_tokens"]) for r in rows] == [
+        (9, 2, 5),
+        (9, 4, 3),
+        (17, 2, 9),
+        (17, 4, 5),
+    ]
+    assert all(r["ms_per_doc"] > 0 for r in rows)
+    assert (tmp_path / "token_pooling_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_late_interaction_bench_counts_what_each_path_keeps(tmp_path: Path) -> None:
     """benchmarks/late_interaction_bench.py on a small problem: a row per path, the tiled path keeping only the
     embeddings (a small fraction of the autograd path's bytes), equal to it within float32 rounding."""

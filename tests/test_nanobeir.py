@@ -55,14 +55,6 @@ def repo_collection(folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture
-def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """datasets' cache in the test's folder (load_dataset writes one)."""
-    import datasets
-
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
-
-
 def _evaluate(argv: list[str], out: Path) -> dict:
     from titan_contrastive.evaluate import main
 

@@ -53,29 +53,55 @@ def jsonl_set(root: Path, images: dict[str, np.ndarray]) -> Path:
     return root
 
 
-def vidore_set(root: Path, images: dict[str, np.ndarray]) -> Path:
-    """ViDoRe's BEIR layout saved to disk: integer ids, an `image` column, queries under `query`."""
+def _vidore_parts(images: dict[str, np.ndarray]) -> dict:
+    """ViDoRe's BEIR sets' three tables: integer ids, an `image` column, queries under `query`."""
     import datasets
 
     number = {key: int(key[1:]) for key in (*images, *QUERIES)}
     corpus = {"corpus-id": [number[k] for k in images], "image": [Image.fromarray(a) for a in images.values()]}
     features = datasets.Features({"corpus-id": datasets.Value("int64"), "image": datasets.Image()})
-    datasets.Dataset.from_dict(corpus, features=features).save_to_disk(str(root / "corpus"))
     queries = {"query-id": [number[k] for k in QUERIES], "query": list(QUERIES.values())}
-    datasets.Dataset.from_dict(queries).save_to_disk(str(root / "queries"))
     rows = [(number[q], number[d], s) for q, docs in QRELS.items() for d, s in docs.items()]
     qrels = {"query-id": [r[0] for r in rows], "corpus-id": [r[1] for r in rows], "score": [r[2] for r in rows]}
-    datasets.DatasetDict({"test": datasets.Dataset.from_dict(qrels)}).save_to_disk(str(root / "qrels"))
+    return {
+        "corpus": datasets.Dataset.from_dict(corpus, features=features),
+        "queries": datasets.Dataset.from_dict(queries),
+        "qrels": datasets.Dataset.from_dict(qrels),
+    }
+
+
+def vidore_set(root: Path, images: dict[str, np.ndarray]) -> Path:
+    """ViDoRe's BEIR layout saved to disk (qrels a DatasetDict by split)."""
+    import datasets
+
+    parts = _vidore_parts(images)
+    parts["corpus"].save_to_disk(str(root / "corpus"))
+    parts["queries"].save_to_disk(str(root / "queries"))
+    datasets.DatasetDict({"test": parts["qrels"]}).save_to_disk(str(root / "qrels"))
     return root
 
 
+def vidore_repo(root: Path, images: dict[str, np.ndarray]) -> Path:
+    """The same set as its dataset repository on the hub: parquet per config (the pages as datasets' Image feature),
+    declared in README.md, as `hf download vidore/... --repo-type dataset` leaves it."""
+    lines = ["---", "configs:"]
+    for part, table in _vidore_parts(images).items():
+        table.to_parquet(str(root / part / "test.parquet"))
+        lines += [f"- config_name: {part}", "  data_files:", "  - split: test", f"    path: {part}/test.parquet"]
+    (root / "README.md").write_text("\n".join([*lines, "---", ""]))
+    return root
+
+
+@pytest.mark.usefixtures("hf_cache")
 def test_page_corpora_read_alike(tmp_path: Path) -> None:
-    """BEIR's files and ViDoRe's saved sets give the same set (ids as strings, ordered by id), and the pages decode
-    to the pixels written."""
+    """BEIR's files, ViDoRe's sets saved to disk and its repository's parquet files give the same set (ids as strings,
+    ordered by id), and the pages decode to the pixels written."""
     images = pages()
     a, b = read_beir(jsonl_set(tmp_path / "a", images)), read_beir(vidore_set(tmp_path / "b", images))
+    c = read_beir(vidore_repo(tmp_path / "c", images))
     ids = sorted(images)
-    for got, name in ((a, str), (b, lambda key: key[1:])):  # ViDoRe's ids are the numbers
+    assert (c.corpus_ids, c.query_ids, c.queries, c.qrels) == (b.corpus_ids, b.query_ids, b.queries, b.qrels)
+    for got, name in ((a, str), (b, lambda key: key[1:]), (c, lambda key: key[1:])):  # ViDoRe's ids are numbers
         assert got.corpus_ids == sorted(name(k) for k in ids) and got.corpus == [""] * len(ids)
         assert got.query_ids == [name(k) for k in QUERIES] and got.queries == list(QUERIES.values())
         assert len(got.images) == len(ids)

@@ -138,7 +138,9 @@ def evaluate_beir(
     if pool_factor != 1:
         if not token_dim:
             raise ValueError(f"pool_factor={pool_factor}: token pooling is for token sets (late interaction)")
-        embed_docs = _pooled(embed_docs, document_pooler(token_dim, pool_factor, pool_protected, "beir_pool_factor"))
+        embed_docs = _pooled(
+            embed_docs, document_pooler(token_dim, pool_factor, pool_protected, "eval.beir_pool_factor")
+        )
     queries = embed_texts(embed_queries, beir.queries, **common)
     corpus = embed_texts(embed_docs, check_corpus(beir, pages), **common)
     results = {}

@@ -8,9 +8,10 @@
   `image` column of pages; `query-id`, `query`). Corpus and queries may be DatasetDicts by split too, one set per
   split: NanoBEIR's collections (`sentence-transformers/NanoBEIR-en`: splits `NanoSciFact`, ...; qrels without a
   score column, every listed pair relevant).
-- **A dataset repository downloaded to the folder** with configs `corpus`, `queries` and `qrels` (NanoBEIR's, as
-  `hf download ... --repo-type dataset` leaves it): read by datasets' `load_dataset(folder, config, split=...)`,
-  as sentence-transformers' NanoBEIREvaluator reads the hub's copy.
+- **A dataset repository downloaded to the folder** with configs `corpus`, `queries` and `qrels` (NanoBEIR's and
+  ViDoRe's BEIR sets, as `hf download ... --repo-type dataset` leaves them): read by datasets'
+  `load_dataset(folder, config, split=...)`, as sentence-transformers' NanoBEIREvaluator reads the hub's copy; the
+  same columns as saved to disk.
 - **ViDoRe v1's question-answer layout**: one `save_to_disk` folder (a DatasetDict's `split`) with the columns
   `query`, `image` and `image_filename`, read as vidore-benchmark's `ViDoReEvaluatorQA` reads it: each distinct
   query (rows without one hold distractor pages) is relevant to the page of its (last) row, and a page is one

@@ -2,7 +2,7 @@
 (their means), so the index holds fewer vectors (ColBERT's and ColQwen's documents; queries are never pooled).
 
 The clustering is sentence-transformers' `HierarchicalTokenPooling` (Ward linkage on the tokens' cosine distances,
-the first `protected` tokens kept as they are, each cluster's mean normalized to unit length), applied to the token
+the first `protected` tokens kept out of the clustering, every vector normalized to unit length), applied to the token
 sets the models here emit: rows [n, L * dim] whose zero tokens (padding, skipped punctuation) do not count
 (`losses/late_interaction.py`). A document's pooled tokens depend on it alone (the rounding of a sum aside), never on
 the batch it came in.
