@@ -127,3 +127,15 @@ def test_a_bad_split_list_is_one_line(tmp_path: Path, split: str, message: str) 
 
     with pytest.raises(DataError, match=re.escape(message)):
         load_beir(str(repo_collection(tmp_path / "nano")), split)
+
+
+@pytest.mark.usefixtures("hf_cache")
+def test_star_is_every_qrels_split_of_each_layout(tmp_path: Path) -> None:
+    from titan_contrastive.components.beir_folder import beir_splits
+
+    files = write_beir(tmp_path / "files")
+    (files / "qrels" / "dev.tsv").write_text((files / "qrels" / "test.tsv").read_text())
+    assert beir_splits(files, "*") == ["dev", "test"]
+    assert beir_splits(files, " test , dev ") == ["test", "dev"]
+    for folder in (saved_collection(tmp_path / "saved"), repo_collection(tmp_path / "repo")):
+        assert beir_splits(folder, "*") == list(SETS)
