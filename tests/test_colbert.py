@@ -132,6 +132,7 @@ def _step_distributed(tmp: str) -> None:
 
 
 @needs("hf")
+@pytest.mark.slow  # 15 s; the objective's forms run on 2 and 4 processes in test_late_interaction.py
 def test_global_negatives_on_two_ranks(tmp_path: Path) -> None:
     pairs_file(tmp_path)
     run_distributed(_step_distributed, 2, str(tmp_path))
