@@ -103,17 +103,16 @@ def test_two_processes_give_what_one_gives(tmp_path: Path) -> None:
     assert set(one) == {f"beir/{m}" for m in METRICS}
 
 
+def beir_run(tmp: Path, beir: Path, *extra: str):
+    """A one-step trainer on the tiny BERT folder that evaluates on the BEIR folder `beir`."""
+    settings = ("--training.local_batch_size=6", "--training.steps=1", "--eval.enable=true")
+    return folder_run(tmp, "encoder", *settings, f"--eval.beir_path={beir}", *extra)
+
+
 @needs("hf")
 def test_training_evaluates_on_a_beir_folder(tmp_path: Path) -> None:
     """`[eval] beir_path`: the metrics land in metrics.jsonl with the run's other evaluation."""
-    trainer = folder_run(
-        tmp_path,
-        "encoder",
-        "--training.local_batch_size=6",
-        "--training.steps=1",
-        "--eval.enable=true",
-        f"--eval.beir_path={write_beir(tmp_path / 'beir')}",
-    )
+    trainer = beir_run(tmp_path, write_beir(tmp_path / "beir"))
     trainer.train()
     trainer.metrics.close()
     rows = [json.loads(line) for line in (tmp_path / "run-encoder" / "metrics.jsonl").read_text().splitlines()]

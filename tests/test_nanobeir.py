@@ -93,19 +93,10 @@ def test_each_set_alone_and_their_mean_as_sentence_transformers(tmp_path: Path) 
 
 @pytest.mark.usefixtures("hf_cache")
 def test_a_run_logs_each_set_and_the_mean(tmp_path: Path) -> None:
-    """`[eval] beir_split = "*"` in training: `beir/{set}/...` and `beir/...`; keep_best can read the mean."""
-    from tests.test_hf_text import folder_run
+    """`[eval] beir_split = "*"` in training: `beir/{set}/...` for each set, and `beir/...` their mean."""
+    from tests.test_beir_eval import beir_run
 
-    trainer = folder_run(
-        tmp_path,
-        "encoder",
-        "--training.local_batch_size=6",
-        "--training.steps=1",
-        "--eval.enable=true",
-        f"--eval.beir_path={repo_collection(tmp_path / 'nano')}",
-        "--eval.beir_split=*",
-        "--eval.batch_size=4",
-    )
+    trainer = beir_run(tmp_path, repo_collection(tmp_path / "nano"), "--eval.beir_split=*", "--eval.batch_size=4")
     results = trainer.evaluate()
     trainer.metrics.close()
     for m in METRICS:

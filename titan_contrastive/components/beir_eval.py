@@ -131,7 +131,7 @@ def evaluate_beir(
     them), what an inverted index pays.
     `token_dim` (ColBERT's token sets): scored by late interaction (`losses/late_interaction.py`) instead, and the
     mean number of tokens a document keeps reported (`corpus_tokens`, the index's vectors per document); `pool_factor`
-    > 1: each document's tokens pooled first (`token_pooling`, its first `pool_protected` kept as they are).
+    > 1: each document's tokens pooled first (`token_pooling`, its first `pool_protected` left out of the clustering).
     `pages`: `embed_docs` reads the corpus's images (`check_corpus`), else its texts. `graded`: nDCG with the
     qrels' grades as gains (pytrec_eval's, as MTEB and ViDoRe report it), else binary (sentence-transformers')."""
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
