@@ -8,7 +8,9 @@ exchanges files with the other side.
 `ColQwen2.from_pretrained(FOLDER)` embeds each side of INPUTS (`{side}_input_ids`, `_attention_mask`,
 `_mm_token_type_ids`; an image side's `pixel_values` [B, patches, C] padded per image as ColQwen2Processor pads
 them, and `image_grid_thw`); OUT gets the token embeddings, LOSS colpali-engine's ColbertLoss (its defaults:
-temperature 0.02, scores over each query's length) on them. `process`: `ColQwen2Processor.from_pretrained(FOLDER)`
+temperature 0.02, scores over each query's length) on them, its ColbertPairwiseCELoss (temperature 1, the same
+scores) and its ColbertPairwiseNegativeCELoss (temperature 0.02, in-batch weight 0.5) with each query's hard negative
+the next query's document (the documents rolled by one). `process`: `ColQwen2Processor.from_pretrained(FOLDER)`
 on the texts as queries and the uint8 HWC images of SAMPLES (`image0`, `image1`, ...) as pages.
 """
 
@@ -20,7 +22,7 @@ import sys
 
 def main(argv: list[str]) -> None:
     import torch
-    from colpali_engine.loss import ColbertLoss
+    from colpali_engine.loss import ColbertLoss, ColbertPairwiseCELoss, ColbertPairwiseNegativeCELoss
     from colpali_engine.models import ColQwen2
     from safetensors.torch import load_file, save_file
 
@@ -35,9 +37,13 @@ def main(argv: list[str]) -> None:
         for side in ("query", "doc"):
             kwargs = {key.removeprefix(f"{side}_"): v for key, v in given.items() if key.startswith(f"{side}_")}
             embeddings[side] = model(**kwargs).float().contiguous()
-        loss = ColbertLoss()(embeddings["query"], embeddings["doc"])
+        query, doc = embeddings["query"], embeddings["doc"]
+        loss = ColbertLoss()(query, doc)
+        pairwise = ColbertPairwiseCELoss()(query, doc)
+        negatives = ColbertPairwiseNegativeCELoss()(query, doc, doc.roll(1, 0)[:, None])
     save_file(embeddings, out)
-    open(loss_file, "w").write(json.dumps({"loss": float(loss), "dim": int(model.dim)}))
+    losses = {"loss": float(loss), "pairwise": float(pairwise), "pairwise_negatives": float(negatives)}
+    open(loss_file, "w").write(json.dumps({**losses, "dim": int(model.dim)}))
 
 
 def process(folder: str, samples: str, texts: str, out: str) -> None:

@@ -17,6 +17,9 @@ b) colpali-engine's ColbertLoss (temperature 0.02, scores over each query's leng
    objective with `loss.maxsim_normalize` at t = 50 on the run's (one-way): on a batch whose captions have one
    length, and on the mixed batch of (a). colpali-engine's MaxSim reads a padded document's zero tokens as
    candidates (a query token scores at least 0 against a shorter document); ours, as PyLate's, leaves them out.
+   The same for its ColbertPairwiseCELoss (temperature 1) against our pairwise loss at t = 1, and its
+   ColbertPairwiseNegativeCELoss (temperature 0.02, in-batch weight 0.5) against ours at t = 50 with each query's hard
+   negative the next query's document.
 c) transformers' ColQwen2ForRetrieval with the same weights: its tokens against the run's (its language model runs
    on embeddings without the ids, so image tokens get text positions: the documents differ).
 d) `train_configs/colqwen.toml`'s templates against colpali-engine's processor (`ColQwen2Processor.from_pretrained`
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from benchmarks._qwen_vl_trainer import build_folder
     from titan_contrastive.export import main as export_main
-    from titan_contrastive.losses.late_interaction import LateInteraction
+    from titan_contrastive.losses.late_interaction import LateInteraction, LatePairwise
     from titan_contrastive.models.weights import read_ours
 
     torch.manual_seed(0)
@@ -219,14 +222,31 @@ def main(argv: list[str] | None = None) -> None:
                 check=True, capture_output=True, text=True,
             )  # fmt: skip
             theirs = load_file(str(work / "theirs.safetensors"))
-            colpali = json.loads((work / "loss.json").read_text())["loss"]
-            ours = LateInteraction(dim, normalize=True).dense(q, d, torch.tensor(50.0)).item()
+            colpali = json.loads((work / "loss.json").read_text())
+            ours = {
+                "loss": LateInteraction(dim, normalize=True).dense(q, d, torch.tensor(50.0)).item(),
+                "pairwise": LatePairwise(token_dim=dim, normalize=True).dense(q, d, torch.tensor(1.0)).item(),
+                "pairwise_negatives": LatePairwise(token_dim=dim, normalize=True)
+                .dense(q, torch.cat([d, d.roll(1, 0)]), torch.tensor(50.0))
+                .item(),
+            }
             hf = _transformers_colqwen2(model.tower, model.head, inputs)
             result[name] = {
                 "samples": rows,
                 "tokens": {"query": int(batch["query"].shape[1]), "doc": int(batch["doc"].shape[1])},
                 "a_ours_to_colpali": {side: _gap(theirs[side], r, dim) for side, r in (("query", q), ("doc", d))},
-                "b_colbert_loss": {"colpali": colpali, "ours": ours, "difference": abs(colpali - ours)},
+                **{
+                    f"b_{key}": {
+                        "colpali": colpali[name],
+                        "ours": ours[name],
+                        "difference": abs(colpali[name] - ours[name]),
+                    }
+                    for key, name in (
+                        ("colbert_loss", "loss"),
+                        ("pairwise_loss", "pairwise"),
+                        ("pairwise_negatives_loss", "pairwise_negatives"),
+                    )
+                },
                 "c_transformers_colqwen2": {side: _gap(hf[side], r, dim) for side, r in (("query", q), ("doc", d))},
             }
         result["d_processing"] = _processing(opts, run_args, exported, work)

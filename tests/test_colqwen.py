@@ -77,6 +77,7 @@ def test_every_step_kind_equals_maxsim_infonce(tmp_path: Path, kind: str) -> Non
     [
         ("qwen2_vl", "global", (*LORA, "--data.retrieval_mode=i2t", "--loss.symmetric=false")),
         ("qwen2_vl", "gradcache", ("--loss.maxsim_normalize=true", "--loss.init_logit_scale=3.912")),
+        ("qwen2_vl", "gradcache", ("--loss.name=pairwise", "--loss.maxsim_normalize=true")),  # ColQwen2's recipe
         ("qwen3_vl", "gradcache", ()),
         ("qwen2_5_vl", "global", LORA),
         ("qwen2_vl", "gradcache", ("--loss.matryoshka_dims=8,4", "--loss.matryoshka_weights=1,0.5")),

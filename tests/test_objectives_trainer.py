@@ -2,8 +2,8 @@
 (the forms themselves are held to the definitions in tests/test_objectives.py): global negatives
 (GA 4 x 2, stream chunks of 3; and on 2 gloo ranks) and GradCache (chunks of 3) give the loss and
 every parameter gradient of the dense objective, for one-way + margin + Matryoshka, siglip +
-relative mask and GTE's joint directions + margin + hardness weighting; an objective registered
-from a user module trains in both negatives modes."""
+relative mask, the pairwise loss + Matryoshka and GTE's joint directions + margin + hardness
+weighting; an objective registered from a user module trains in both negatives modes."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ TRAINER_OPTIONS = {
         "--loss.matryoshka_weights=1,0.5",
     ],
     "siglip-relative": ["--loss.name=siglip", "--loss.mask_relative=0.5"],
+    "pairwise-matryoshka": ["--loss.name=pairwise", "--loss.matryoshka_dims=16,8"],
     "gte-margin-hardness": [
         "--loss.symmetric=false",
         "--loss.joint_directions=query_to_query,doc_to_query,doc_to_doc",

@@ -86,11 +86,21 @@ def _embeddings(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return embed("query", batch["query"]), docs
 
 
+def _late_loss(terms, q, d, scale, m: int):
+    """InfoNCE over MaxSim of tokens m wide, written one pair at a time; for `loss.name = "pairwise"`
+    colpali-engine's ColbertPairwiseCELoss written as it writes it."""
+    if terms.name == "pairwise":
+        from tests.test_pairwise import colpali_pairwise
+
+        return colpali_pairwise(q, d, None, scale, terms.pairwise_in_batch_weight, m, terms.maxsim_normalize)
+    return late_reference(q, d, None, scale, terms.symmetric, m, terms.maxsim_normalize)
+
+
 def _dense(trainer, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
     """The objective from its definition on a float64 copy: the mean over `batches` (each one
     contrastive problem) of InfoNCE over the whole batch's embeddings (symmetric), or over their MaxSim
     written one pair at a time for a ColBERT model (`loss.symmetric`, `loss.maxsim_normalize`, each token's
-    `loss.matryoshka_dims` prefixes)."""
+    `loss.matryoshka_dims` prefixes; `loss.name = "pairwise"`: colpali-engine's pairwise loss instead)."""
     model = trainer.spec.build_model(trainer.model_args).double()
     model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
     model.eval()
@@ -104,13 +114,7 @@ def _dense(trainer, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]
             scale, dim = model.logit_scale.exp(), model.token_dim
             weights = terms.matryoshka_weights or [1.0] * len(terms.matryoshka_dims)
             prefixes = list(zip(terms.matryoshka_dims, weights)) or [(dim, 1.0)]
-            late = [
-                w
-                * late_reference(
-                    cut(q, m, dim), cut(d, m, dim), None, scale, terms.symmetric, m, terms.maxsim_normalize
-                )
-                for m, w in prefixes
-            ]
+            late = [w * _late_loss(terms, cut(q, m, dim), cut(d, m, dim), scale, m) for m, w in prefixes]
             losses.append(sum(late))
         else:
             losses.append(InfoNCE().dense(q, d, model.logit_scale.exp()))

@@ -15,7 +15,9 @@ class Loss:
     name: str = ""
     """Training objective (`titan_contrastive.losses`); empty = the family's own. `clip`: InfoNCE with a learned
     logit scale, symmetric unless `symmetric = false` (clip, bi_encoder, vlm). `siglip`: SigLIP's sigmoid loss
-    (clip family; adds a `logit_bias`). `pixel`: the masked reconstruction loss of [pixel_loss] (vae). Objectives
+    (clip family; adds a `logit_bias`). `pairwise`: softplus of each query's hardest in-batch negative's score minus
+    its positive's (ColPali's and colpali-engine's PairwiseCELoss; one-way). `pixel`: the masked reconstruction loss
+    of [pixel_loss] (vae). Objectives
     registered with `losses.register_objective` (e.g. from `job.custom_import`) are named the same way."""
     symmetric: bool = True
     """clip: add the document -> query direction over the positives (CLIP's loss); false: queries
@@ -30,6 +32,9 @@ class Loss:
     """clip, one-way: + strength x cos(q, d) (no gradient) on hardness_mode's negatives (LLaVE); 0 = off."""
     hardness_mode: Literal["in_batch_negatives", "hard_negatives", "all_negatives"] = "in_batch_negatives"
     """Which negatives hardness_strength weighs: other queries' documents, own hard negatives, or both."""
+    pairwise_in_batch_weight: float = opt(0.5, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+    """pairwise, with hard negatives: the in-batch term's weight w beside each hard negative's softplus term's
+    1 - w (colpali-engine's in_batch_term_weight); without hard negatives the in-batch term is the loss."""
     mask_duplicates: bool = False
     """Mask columns that are the same document as a query's positive out of its negatives: the same
     token ids (a text family's documents), e.g. a positive repeated in the batch or mined as a negative."""

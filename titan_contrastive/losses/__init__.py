@@ -4,6 +4,7 @@
 | --- | --- | --- |
 | `clip` | InfoNCE, symmetric or one-way (+ joint directions), hard negatives as extra columns | `infonce.py` |
 | `siglip` | SigLIP's sigmoid loss, hard negatives as extra columns | `sigmoid.py` |
+| `pairwise` | softplus of the hardest in-batch negative minus the positive (and each hard negative) | `pairwise.py` |
 
 InfoNCE also takes joint directions (`directions.py`) and hardness weighting (`hardness.py`).
 Every objective takes the false-negative mask (`masking.py`), may add a term on the data's scores
@@ -35,6 +36,7 @@ from titan_contrastive.losses.hardness import Hardness
 from titan_contrastive.losses.infonce import InfoNCE
 from titan_contrastive.losses.masking import FalseNegatives
 from titan_contrastive.losses.matryoshka import Matryoshka
+from titan_contrastive.losses.pairwise import Pairwise
 from titan_contrastive.losses.sigmoid import Sigmoid
 from titan_contrastive.losses.spread import Spread
 
@@ -49,6 +51,7 @@ __all__ = [
     "Matryoshka",
     "MicrobatchLoss",
     "Objective",
+    "Pairwise",
     "Ranks",
     "RescaleAccumulatedLoss",
     "Sigmoid",
@@ -65,11 +68,24 @@ __all__ = [
 # `[loss] name` -> (the [loss] section, its false-negative mask) -> the objective
 ObjectiveBuilder = Callable[[Any, FalseNegatives], Objective]
 
+
+def _pairwise(loss: Any, masking: FalseNegatives) -> Pairwise:
+    """The pairwise loss of `[loss]`; ValueError for a mask (it takes each query's hardest negative as it is)."""
+    if masking.enabled:
+        raise ValueError(
+            f"loss.name=pairwise takes each query's hardest negative, and the loss.mask_* settings "
+            f"({masking.describe()}) remove candidates from InfoNCE's and SigLIP's sums: remove them, or use "
+            "loss.name=clip"
+        )
+    return Pairwise(loss.pairwise_in_batch_weight)
+
+
 OBJECTIVES: dict[str, ObjectiveBuilder] = {
     "clip": lambda loss, masking: InfoNCE(
         loss.symmetric, masking, tuple(loss.joint_directions), Hardness(loss.hardness_mode, loss.hardness_strength)
     ),
     "siglip": lambda loss, masking: Sigmoid(false_negatives=masking),
+    "pairwise": _pairwise,
 }
 DEFAULT = "clip"
 
@@ -106,6 +122,11 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
         raise ConfigError(
             f"loss.hardness_strength={loss.hardness_strength}: loss.name={name!r} does not take it; "
             "it is InfoNCE's (loss.name=clip with loss.symmetric=false)"
+        )
+    if loss.pairwise_in_batch_weight != 0.5 and name != "pairwise":
+        raise ConfigError(
+            f"loss.pairwise_in_batch_weight={loss.pairwise_in_batch_weight} weighs the pairwise loss's terms, and "
+            f"loss.name={name!r}: set loss.name=pairwise or leave the weight at 0.5"
         )
     if loss.distill:
         try:

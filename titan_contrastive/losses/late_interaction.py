@@ -32,6 +32,7 @@ from titan_contrastive.losses.base import Objective, Ranks, StreamResult, gather
 from titan_contrastive.losses.distill import Distilled
 from titan_contrastive.losses.guide import Guide
 from titan_contrastive.losses.matryoshka import Matryoshka
+from titan_contrastive.losses.pairwise import Pairwise
 from titan_contrastive.losses.streaming import accumulation_dtype
 
 TILE_ELEMENTS = 1 << 24  # token products per tile: 64 MiB in float32
@@ -223,11 +224,42 @@ class LateInteraction:
         return StreamResult(loss, grad_rows, grad_cols, row_scale_shares(q_own, grad_rows, scale), None)
 
 
+@dataclass(frozen=True)
+class LatePairwise(Pairwise):
+    """The pairwise loss (`pairwise.py`) over MaxSim scores of tokens `token_dim` wide: colpali-engine's
+    ColbertPairwiseCELoss (ColPali's and ColQwen2's training loss) and ColbertPairwiseNegativeCELoss."""
+
+    token_dim: int = 0
+    normalize: bool = False
+
+    def _scored_by(self) -> str:
+        per = ", over each query's tokens" if self.normalize else ""
+        return f"MaxSim of {self.token_dim}-wide tokens{per}"
+
+    def similarity(self, q: Tensor, docs: Tensor) -> Tensor:
+        """MaxSim of every query with every document [n, m] (evaluation's scores; no autograd)."""
+        return scores(q, docs, self.token_dim, self.normalize)
+
+    def pair_scores(self, q: Tensor, docs: Tensor) -> Tensor:
+        """MaxSim of each query with its own documents [c, k] (a distillation term's logits; autograd)."""
+        return pair_products(q, docs, self.token_dim, self.normalize)
+
+    def _every_score(self, q: Tensor, docs: Tensor) -> Tensor:
+        return token_products(q, docs, self.token_dim, self.normalize)
+
+    def _scores_without_grad(self, q: Tensor, docs: Tensor) -> Tensor:
+        return scores(q, docs, self.token_dim, self.normalize)
+
+    def _own_scores(self, q: Tensor, docs: Tensor) -> Tensor:
+        return pair_products(q, docs, self.token_dim, self.normalize)
+
+
 def late_interaction(objective: object, token_dim: int, normalize: bool = False) -> Objective:
     """The late-interaction twin of a run's objective for multi-vector embeddings `token_dim` wide per token
-    (`[model] pooling = "colbert"`; `normalize`: `[loss] maxsim_normalize`): plain InfoNCE, one-way or symmetric,
-    with or without a distillation term on the data's scores (its logits MaxSim over each query's own documents,
-    PyLate's Distillation), at Matryoshka prefixes of each token or not; ValueError naming what else it holds."""
+    (`[model] pooling = "colbert"`; `normalize`: `[loss] maxsim_normalize`): plain InfoNCE, one-way or symmetric, or
+    the pairwise loss, with or without a distillation term on the data's scores (its logits MaxSim over each query's
+    own documents, PyLate's Distillation), at Matryoshka prefixes of each token or not; ValueError naming what else it
+    holds."""
     from titan_contrastive.losses.infonce import InfoNCE
 
     if isinstance(objective, Matryoshka):  # each token's prefixes
@@ -247,10 +279,13 @@ def late_interaction(objective: object, token_dim: int, normalize: bool = False)
                 "model.pooling=colbert scores pairs by MaxSim: leave it at cosine"
             )
         return dataclasses.replace(objective, inner=late_interaction(objective.inner, token_dim, normalize))
+    if isinstance(objective, Pairwise):
+        return LatePairwise(objective.in_batch_weight, token_dim=token_dim, normalize=normalize)
     if not isinstance(objective, InfoNCE) or objective.name != "clip":
         raise ValueError(
-            f"model.pooling=colbert scores by late interaction, which InfoNCE takes (loss.name=clip), not "
-            f"{objective.describe()}: set loss.name=clip and remove the terms around it"  # type: ignore[attr-defined]
+            f"model.pooling=colbert scores by late interaction, which InfoNCE (loss.name=clip) and the pairwise loss "
+            f"(loss.name=pairwise) take, not {objective.describe()}: set loss.name=clip or pairwise and remove the "  # type: ignore[attr-defined]
+            "terms around it"
         )
     if objective.directions or objective.hardness.enabled or objective.false_negatives.enabled:
         raise ValueError(

@@ -1,0 +1,219 @@
+"""The pairwise loss (`losses/pairwise.py`, `[loss] name = "pairwise"`): every form against colpali-engine's
+pairwise losses written here as it writes them (its top-2 pick of the hardest in-batch negative; BiPairwiseCELoss,
+BiPairwiseNegativeCELoss, ColbertPairwiseCELoss, ColbertPairwiseNegativeCELoss), in float64, over dot products and
+over MaxSim of token sets with padding (each query's score over its token count or not), with and without hard
+negatives, at several in-batch weights, wrapped in Matryoshka; on 1, 2 and 4 gloo processes, chunks that divide
+nothing; a problem of one query; through the trainer's step kinds as ColBERT (dropout replayed by GradCache); the
+settings it cannot take refused in one line."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.dist_utils import run_distributed
+from tests.needs import needs
+from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
+from tests.test_late_interaction import maxsim
+from tests.test_late_interaction import problem as token_problem
+from tests.test_objectives import N, leaves
+from tests.test_trainer import full, grads
+from titan_contrastive.config import ConfigError, parse_args
+from titan_contrastive.losses import Matryoshka, Pairwise, build_objective
+from titan_contrastive.losses.late_interaction import LatePairwise, late_interaction
+from titan_contrastive.losses.matryoshka import prefix
+
+D, TOKEN = 8, 3  # dot products' width; the token width of tests/test_late_interaction.py's problems
+
+
+def dot_problem(k: int, seed: int = 0):
+    """Unit queries, positives near them, k hard negatives per query nearer still for some, one positive nearly
+    another's (a hardest negative close to the positive)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(N, D, generator=gen, dtype=torch.float64), dim=1)
+    p = F.normalize(q + 0.9 * torch.randn(N, D, generator=gen, dtype=torch.float64), dim=1)
+    p[3] = F.normalize(p[7] + 1e-3 * torch.randn(D, generator=gen, dtype=torch.float64), dim=0)
+    n = None
+    if k:
+        noise = torch.randn(N * k, D, generator=gen, dtype=torch.float64)
+        n = F.normalize(q.repeat_interleave(k, 0) + 0.8 * noise, dim=1)
+    return q, p, n, torch.tensor(3.0, dtype=torch.float64), None, torch.arange(N * (1 + k))
+
+
+def colpali_scores(q, docs, dim: int, normalize: bool):
+    """colpali-engine's scores of every query with every document: dot products, or MaxSim (without the padding's
+    zero tokens) over each query's length counted by its tokens' first component, as its `_apply_normalization`."""
+    if not dim:
+        return q @ docs.T
+    out = torch.stack([torch.stack([maxsim(q[i], docs[j], dim) for j in range(len(docs))]) for i in range(len(q))])
+    lengths = (q.view(len(q), -1, dim)[:, :, 0] != 0).sum(1)
+    return out / lengths[:, None] if normalize else out
+
+
+def colpali_pairwise(q, p, n, scale, weight: float, dim: int = 0, normalize: bool = False):
+    """Bi/ColbertPairwiseCELoss without hard negatives, Bi/ColbertPairwiseNegativeCELoss with them (`weight`: its
+    in_batch_term_weight), at temperature 1 / scale."""
+    scores = scale * colpali_scores(q, p, dim, normalize)
+    pos = scores.diagonal()
+    top2 = scores.topk(2, dim=1).values
+    neg = torch.where(top2[:, 0] == pos, top2[:, 1], top2[:, 0])
+    in_batch = F.softplus(neg - pos).mean()
+    if n is None:
+        return in_batch
+    k = len(n) // len(q)
+    negs = torch.stack(
+        [scale * colpali_scores(q[i : i + 1], n[i * k : (i + 1) * k], dim, normalize)[0] for i in range(len(q))]
+    )
+    return (1 - weight) * F.softplus(negs - pos[:, None]).mean() + weight * in_batch
+
+
+def _matryoshka_reference(dims, weights, token: int):
+    def reference(q, p, n, scale, weight, dim=0, normalize=False):
+        cut = [lambda z, m=m: None if z is None else prefix(z, m, token) for m in dims]
+        terms = [
+            colpali_pairwise(c(q), c(p), c(n), scale, weight, m if token else 0, normalize) for c, m in zip(cut, dims)
+        ]
+        return sum(w * term for w, term in zip(weights, terms))
+
+    return reference
+
+
+# (name, objective, k, in-batch weight, token width, normalize, reference)
+CASES = [
+    ("dot", Pairwise(), 0, 0.5, 0, False, colpali_pairwise),
+    ("dot-negatives", Pairwise(), 2, 0.5, 0, False, colpali_pairwise),
+    ("dot-negatives-w0.3", Pairwise(0.3), 2, 0.3, 0, False, colpali_pairwise),
+    ("dot-negatives-only", Pairwise(0.0), 2, 0.0, 0, False, colpali_pairwise),
+    ("dot-negatives-matryoshka", Matryoshka(Pairwise(), (8, 4), (1.0, 0.5)), 2, 0.5, 0, False,
+     _matryoshka_reference((8, 4), (1.0, 0.5), 0)),
+    ("maxsim", LatePairwise(token_dim=TOKEN), 0, 0.5, TOKEN, False, colpali_pairwise),
+    ("maxsim-normalized", LatePairwise(token_dim=TOKEN, normalize=True), 0, 0.5, TOKEN, True, colpali_pairwise),
+    ("maxsim-negatives-normalized", LatePairwise(token_dim=TOKEN, normalize=True), 2, 0.5, TOKEN, True,
+     colpali_pairwise),
+    ("maxsim-negatives-w0.8-matryoshka", Matryoshka(LatePairwise(0.8, token_dim=TOKEN), (3, 2), (1.0, 1.0)), 2, 0.8,
+     TOKEN, False, _matryoshka_reference((3, 2), (1.0, 1.0), TOKEN)),
+]  # fmt: skip
+
+
+def _want(case, seed: int):
+    _, _, k, weight, dim, normalize, reference = case
+    problem = token_problem(k, seed) if dim else dot_problem(k, seed)
+    rq, rp, rn, rs = leaves(*problem[:4])
+    loss = reference(rq, rp, rn, rs, weight, dim, normalize)
+    return problem, (loss.detach(), *wanted(loss, rq, rp, rn, rs))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_every_form_matches_colpali_engines_loss(case) -> None:
+    problem, want = _want(case, 0)
+    assert want[0] > 0.05 and want[1].abs().max() > 1e-3  # a loss with gradient to hold the forms to
+    assert_forms(case[1], problem, want)
+
+
+def _distributed() -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    for case in CASES:
+        problem, want = _want(case, 1)
+        assert_distributed_forms(case[1], problem, want, case[0])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_forms_match_colpali_engines_loss(world: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_distributed(_distributed, world)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_one_query_has_no_in_batch_negative(k: int) -> None:
+    """With one query the in-batch term is 0 (colpali-engine's top-2 pick fails there): the loss is the hard
+    negatives' term, weighted 1 - w, or 0 without them; every form agrees."""
+    q, p, n, scale, _, _ = dot_problem(2, 4)
+    q, p, n = q[:1], p[:1], (n[:k] if k else None)
+    cols = p if n is None else torch.cat([p, n])
+    objective = Pairwise(0.25)
+    want = 0.75 * F.softplus(scale * (n @ q[0] - p[0] @ q[0])).mean() if k else torch.tensor(0.0, dtype=q.dtype)
+    assert abs(objective.dense(q, cols, scale) - want) < 1e-12
+    from titan_contrastive.losses import Ranks
+
+    out = objective.streamed(q, cols, scale, first_row=0, num_queries=1, chunk=1, ranks=Ranks(None))
+    assert abs(out.loss - want) < 1e-12
+    assert (out.grad_rows.abs().max() > 0) == bool(k)
+
+
+def test_the_settings_it_cannot_take_are_one_line() -> None:
+    assert build_objective(parse_args(["--loss.name=pairwise"]).loss) == Pairwise(0.5)
+    cfg = parse_args(["--loss.name=pairwise", "--loss.pairwise_in_batch_weight=0.2"])
+    assert build_objective(cfg.loss) == Pairwise(0.2)
+    assert late_interaction(Pairwise(0.2), 16, True) == LatePairwise(0.2, token_dim=16, normalize=True)
+    with pytest.raises(
+        ConfigError, match=r"^loss.pairwise_in_batch_weight=1.5 is out of range: expected a number in \[0, 1\]"
+    ):
+        parse_args(["--loss.name=pairwise", "--loss.pairwise_in_batch_weight=1.5"])
+    with pytest.raises(ConfigError, match=r"^loss.pairwise_in_batch_weight=0.2 weighs the pairwise loss's terms, and"):
+        build_objective(parse_args(["--loss.pairwise_in_batch_weight=0.2"]).loss)
+    with pytest.raises(
+        ConfigError, match=r"^loss.name=pairwise takes each query's hardest negative, and the loss.mask"
+    ):
+        build_objective(parse_args(["--loss.name=pairwise", "--loss.mask_margin=0.1"]).loss)
+    with pytest.raises(ConfigError, match=r"^loss.hardness_strength=2.0: loss.name='pairwise' does not take it"):
+        build_objective(parse_args(["--loss.name=pairwise", "--loss.hardness_strength=2"]).loss)
+
+
+# ---- through the trainer, as ColBERT (MiniLM, a new 8-wide projection, two hard negatives per row)
+
+COLBERT = ["--model.pooling=colbert", "--model.colbert_dim=8", "--data.doc_context_length=12", "--loss.name=pairwise"]
+KINDS = {  # local batch, accumulation steps, options
+    "accumulate": (6, 1, ["--loss.maxsim_normalize=true"]),
+    "gradcache": (
+        6,
+        1,
+        ["--gradcache.enabled=true", "--gradcache.chunk_sizes=4", "--loss.pairwise_in_batch_weight=0.3"],
+    ),
+    "global": (3, 2, ["--loss.negatives=global", "--loss.stream_chunk_size=5", "--loss.maxsim_normalize=true"]),
+}
+
+
+def _dense(trainer, every: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """colpali-engine's loss over all samples, on a float64 copy of the model in the trainer's mode."""
+    from titan_contrastive.batching import with_negatives
+    from titan_contrastive.losses import split_documents
+
+    model = trainer.spec.build_model(trainer.model_args).double()
+    model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
+    model.train(trainer.model.training)
+    q, d, scale = model(every["query"], with_negatives(every["doc"], every["neg"], model.pad_id))
+    p, n = split_documents(d.reshape(len(q), 3, -1))
+    loss_cfg = trainer.cfg.loss
+    loss = colpali_pairwise(q, p, n, scale, loss_cfg.pairwise_in_batch_weight, 8, loss_cfg.maxsim_normalize)
+    loss.backward()
+    return loss.item(), grads(model)
+
+
+@needs("hf")
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_step_kind_equals_colpali_engines_loss(tmp_path: Path, kind: str) -> None:
+    from tests.test_hard_negatives import pairs_file, step_against
+
+    pairs_file(tmp_path)
+    trainer = step_against(tmp_path, KINDS[kind], *COLBERT, reference=_dense)
+    assert "pairwise loss" in trainer.gradient_step.describe() and "MaxSim" in trainer.gradient_step.describe()
+
+
+@needs("hf")
+def test_gradcache_with_dropout_on(tmp_path: Path) -> None:
+    """GradCache's re-forward replays each chunk's dropout: the step equals the objective over the same forwards."""
+    from tests.test_hard_negatives import assert_step_equals_its_forwards, make_trainer, pairs_file
+
+    pairs_file(tmp_path)
+    trainer = make_trainer(tmp_path, "--training.local_batch_size=6", *COLBERT, *KINDS["gradcache"][2])
+    assert trainer.model.training and isinstance(trainer.objective, LatePairwise)
+    batch = trainer.train_set.__getitems__(list(range(6)))
+    chunks = [{k: v[i : i + 4] for k, v in batch.items()} for i in (0, 4)]
+    assert_step_equals_its_forwards(trainer, [batch], chunks, seed=5, objective=trainer.objective)
+    trainer.metrics.close()
