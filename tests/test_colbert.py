@@ -89,8 +89,9 @@ def test_embeddings_follow_pylate(tmp_path: Path, settings: dict) -> None:
     assert zero[:3] == [[4, 8], [4, 7, 9], [4, 5, 6, 7, 8, 9]]  # "," "." "!" (as [UNK]); padding
 
 
-def _dense(trainer, every: dict) -> tuple[float, dict[str, torch.Tensor]]:
-    """InfoNCE over MaxSim from the definition over all samples, on a copy of the model in the trainer's mode."""
+def dense_with(trainer, every: dict, loss_of) -> tuple[float, dict[str, torch.Tensor]]:
+    """`loss_of(q, p, n, scale)` over all samples (two hard negatives each) on a float64 copy of the model in the
+    trainer's mode: the loss and every parameter gradient."""
     from titan_contrastive.batching import with_negatives
     from titan_contrastive.losses import split_documents
 
@@ -98,10 +99,14 @@ def _dense(trainer, every: dict) -> tuple[float, dict[str, torch.Tensor]]:
     model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
     model.train(trainer.model.training)
     q, d, scale = model(every["query"], with_negatives(every["doc"], every["neg"], model.pad_id))
-    p, n = split_documents(d.reshape(len(q), 3, -1))
-    loss = reference(q, p, n, scale, trainer.cfg.loss.symmetric, DIM)
+    loss = loss_of(q, *split_documents(d.reshape(len(q), 3, -1)), scale)
     loss.backward()
     return loss.item(), grads(model)
+
+
+def _dense(trainer, every: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """InfoNCE over MaxSim from the definition over all samples, on a copy of the model in the trainer's mode."""
+    return dense_with(trainer, every, lambda q, p, n, s: reference(q, p, n, s, trainer.cfg.loss.symmetric, DIM))
 
 
 KINDS = {  # local batch, accumulation steps, options

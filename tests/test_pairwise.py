@@ -22,7 +22,6 @@ from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
 from tests.test_late_interaction import maxsim
 from tests.test_late_interaction import problem as token_problem
 from tests.test_objectives import N, leaves
-from tests.test_trainer import full, grads
 from titan_contrastive.config import ConfigError, parse_args
 from titan_contrastive.losses import Matryoshka, Pairwise, build_objective
 from titan_contrastive.losses.late_interaction import LatePairwise, late_interaction
@@ -181,18 +180,14 @@ KINDS = {  # local batch, accumulation steps, options
 
 def _dense(trainer, every: dict) -> tuple[float, dict[str, torch.Tensor]]:
     """colpali-engine's loss over all samples, on a float64 copy of the model in the trainer's mode."""
-    from titan_contrastive.batching import with_negatives
-    from titan_contrastive.losses import split_documents
+    from tests.test_colbert import dense_with
 
-    model = trainer.spec.build_model(trainer.model_args).double()
-    model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
-    model.train(trainer.model.training)
-    q, d, scale = model(every["query"], with_negatives(every["doc"], every["neg"], model.pad_id))
-    p, n = split_documents(d.reshape(len(q), 3, -1))
-    loss_cfg = trainer.cfg.loss
-    loss = colpali_pairwise(q, p, n, scale, loss_cfg.pairwise_in_batch_weight, 8, loss_cfg.maxsim_normalize)
-    loss.backward()
-    return loss.item(), grads(model)
+    terms = trainer.cfg.loss
+    return dense_with(
+        trainer,
+        every,
+        lambda q, p, n, s: colpali_pairwise(q, p, n, s, terms.pairwise_in_batch_weight, 8, terms.maxsim_normalize),
+    )
 
 
 @needs("hf")
