@@ -1,15 +1,17 @@
 """Late interaction's loss over one problem: autograd through every token product against the tiled scores that
-recompute each tile for the backward (`losses/late_interaction.py`), side by side.
+recompute each tile for the backward (`losses/late_interaction.py`), for InfoNCE and the pairwise loss, side by side.
 
     python -m benchmarks.late_interaction_bench                               # CPU: 64 queries, 1 hard negative each
     python -m benchmarks.late_interaction_bench --queries 512 --dtype bfloat16   # one GPU
 
 `--queries` queries of 32 tokens against their positives and `--negatives` hard negatives each (documents of
 180 tokens, a quarter of each left out as padding or skipped), 128-wide unit tokens, PyLate's sizes; one-way
-InfoNCE over MaxSim (PyLate's Contrastive). Rows, per path: the bytes autograd keeps for the backward
+InfoNCE over MaxSim (PyLate's Contrastive) and the pairwise loss over MaxSim (colpali-engine's
+ColbertPairwiseNegativeCELoss: the hardest in-batch negative, then each query's hard negatives). Rows, per objective
+and path (`autograd`: its dense form; `tiled`: its microbatch form): the bytes autograd keeps for the backward
 (`SavedActivations`, counted, so the same on any device), the median seconds of one loss and backward
 (`harness.round_robin`, interleaved, after a warm-up), the peak memory of that call above what was allocated before
-it (CUDA allocator only), and the loss's and gradients' largest difference from the autograd path.
+it (CUDA allocator only), and the loss's and gradients' largest difference from the objective's autograd path.
 Writes late_interaction_bench.{json,csv,png}.
 """
 
@@ -21,7 +23,7 @@ from typing import Any
 from benchmarks import harness
 
 NAME = "late_interaction_bench"
-FIELDS = ["path", "queries", "columns", "dtype", "saved_mib", "median_s", "peak_mib", "max_diff"]
+FIELDS = ["objective", "path", "queries", "columns", "dtype", "saved_mib", "median_s", "peak_mib", "max_diff"]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from titan_contrastive.components.memory_probe import SavedActivations
     from titan_contrastive.losses import Ranks
-    from titan_contrastive.losses.late_interaction import LateInteraction
+    from titan_contrastive.losses.late_interaction import LateInteraction, LatePairwise
 
     device = harness.default_device()
     dtype = getattr(torch, args.dtype)
@@ -59,11 +61,13 @@ def main(argv: list[str] | None = None) -> None:
 
     q, docs = tokens(n, args.query_tokens), tokens(m, args.doc_tokens)
     scale = torch.tensor(1.0, device=device)
-    objective = LateInteraction(args.dim)
-    paths = {
-        "autograd": lambda: objective.dense(q, docs, scale),
-        "tiled": lambda: objective.microbatch(q, (docs[:n], docs[n:]), scale, None, None, Ranks(None)),
-    }
+    objectives = {"infonce": LateInteraction(args.dim), "pairwise": LatePairwise(token_dim=args.dim)}
+    paths = {}
+    for name, objective in objectives.items():
+        paths[f"{name} autograd"] = lambda o=objective: o.dense(q, docs, scale)
+        paths[f"{name} tiled"] = lambda o=objective: o.microbatch(
+            q, (docs[:n], docs[n:]), scale, None, None, Ranks(None)
+        )
 
     def step(path: str) -> list[Any]:
         q.grad, docs.grad = None, None
@@ -82,11 +86,14 @@ def main(argv: list[str] | None = None) -> None:
         {path: (lambda path=path: step(path)) for path in paths}, args.repeats, device=device, rss=False
     )
     for path, result in measured.items():
-        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(results[path], results["autograd"]))
+        name = path.split()[0]
+        reference = results[f"{name} autograd"]
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(results[path], reference))
         peak = None if result.cuda_peak_extra_bytes is None else result.cuda_peak_extra_bytes / 2**20
         rows.append(
             {
-                "path": path,
+                "objective": name,
+                "path": path.split()[1],
                 "queries": n,
                 "columns": m,
                 "dtype": args.dtype,
@@ -101,15 +108,15 @@ def main(argv: list[str] | None = None) -> None:
     def figure() -> Any:
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
-        labels = [r["path"] for r in rows]
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+        labels = [f"{r['objective']}\n{r['path']}" for r in rows]
         axes[0].bar(labels, [r["saved_mib"] for r in rows])
         axes[0].set_ylabel("saved for backward (MiB)")
         axes[1].bar(labels, [r["median_s"] for r in rows])
         axes[1].set_ylabel("loss + backward (s, median)")
         fig.suptitle(
-            f"MaxSim InfoNCE: {n} x {args.query_tokens} query tokens, {m} x {args.doc_tokens} document tokens, "
-            f"d {args.dim}, {args.dtype}, {harness.device_name(device)}",
+            f"MaxSim InfoNCE and pairwise: {n} x {args.query_tokens} query tokens, {m} x {args.doc_tokens} document "
+            f"tokens, d {args.dim}, {args.dtype}, {harness.device_name(device)}",
             fontsize=9,
         )
         fig.tight_layout()
