@@ -77,6 +77,53 @@ def test_mined_pages_are_the_definitions_choice(tmp_path: Path, colqwen: bool) -
         assert got == [query, page, *ranked[:2]], (query, page)
 
 
+def test_a_corpus_folder_adds_its_pages(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`--corpus DIR`: every image below DIR joins the candidates, a positive found there under another spelling
+    (the rows name one page `./pages/p4.png`) once; the picks are the definition's over that union (float64), and
+    the command writes them relative to its output, every corpus page a file."""
+    from titan_contrastive.components.beir_folder import BeirSet, CorpusImages
+    from titan_contrastive.mine import main
+    from titan_contrastive.mine_pages import PageEncoder, corpus_pages, page_encoder, read_pairs
+    from titan_contrastive.mining import mine
+
+    folder = vl_folder(tmp_path, "qwen2_vl", dropout=0.0)
+    rows = rows_file(tmp_path / "data")
+    rows.write_text(rows.read_text().replace('"pages/p4.png"', '"./pages/p4.png"'))
+    rng = np.random.default_rng(9)
+    (rows.parent / "scans" / "sub").mkdir(parents=True)
+    for name, shape in (("scans/e0.png", (28, 84)), ("scans/sub/e1.jpg", (84, 56))):
+        Image.fromarray(rng.integers(0, 256, (*shape, 3), dtype=np.uint8)).save(rows.parent / name)
+    (rows.parent / "scans" / "notes.txt").write_text("not a page")
+    corpus = corpus_pages(str(rows.parent), rows.parent)
+    assert corpus == [*(f"pages/p{i}.png" for i in range(6)), "scans/e0.png", "scans/sub/e1.jpg"]
+
+    opts = options(rows, folder, tmp_path / "out.jsonl", "--negatives", "6", "--relative-margin", "none")
+    built = page_encoder(opts, rows.parent)
+    model = built.model.double()
+    encoder = PageEncoder(model, built.process, rows.parent, torch.device("cpu"), torch.float64)
+    pairs = read_pairs(rows)
+    assert pairs[4] == ("winter snow", "pages/p4.png")
+    mined = mine([list(p) for p in pairs], encoder, opts, corpus)
+    queries = sorted({q for q, _ in pairs})
+    images = CorpusImages(corpus, [str(rows.parent / p) for p in corpus])
+    scores = alone(model, built.process, BeirSet(queries, queries, corpus, [""] * len(corpus), {}, images))
+    for (query, page), got in zip(pairs, mined):
+        own = {p for q, p in pairs if q == query}
+        row = scores[queries.index(query)]
+        ranked = sorted((p for p in corpus if p not in own), key=lambda p: -row[corpus.index(p)].item())
+        assert got == [query, page, *ranked[:6]], (query, page)  # 6 of 6 or 7 candidates: a scanned page among them
+
+    out = tmp_path / "mined" / "rows.jsonl"
+    argv = [str(rows), "--model", str(folder), "--out", str(out), "--negatives", "6", "--relative-margin", "none"]
+    assert main([*argv, "--corpus", str(rows.parent)]) == 0
+    assert "7 row(s) with 6 mined negative(s) each" in capsys.readouterr().out
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    for r in written:
+        negatives = r["doc_negatives"]
+        assert len(set(negatives)) == 6 and r["doc_image"] not in negatives
+        assert any("scans" in n for n in negatives) and all((out.parent / n).is_file() for n in negatives)
+
+
 def test_the_mined_file_trains_as_vl_pairs_with_hard_negatives(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """The command writes the rows with their negatives, paths relative to the output's folder; a t2i run reads
     them back, each row's two negative pages packed beside its positive."""
@@ -120,7 +167,10 @@ def test_what_page_mining_cannot_take_is_one_line(tmp_path: Path, capsys: pytest
         ([str(rows), "--query-prompt", "query: "], "--query-prompt: for text pairs;"),
         ([str(rows), "--negatives", "2", "--out", str(tmp_path / "o.csv")], "a CSV cell holds one negative page"),
         ([str(bad)], "row 0 has no query_text and doc_image"),
+        ([str(rows), "--corpus", str(rows)], f"--corpus={rows}: not a folder; a page model mines from a folder"),
+        ([str(rows), "--corpus", str(tmp_path / "empty")], "no images (jpg, jpeg, png, webp) below it"),
     ]
+    (tmp_path / "empty").mkdir()
     for argv, message in cases:
         out = [] if "--out" in argv else ["--out", str(tmp_path / "o.jsonl")]
         assert main([*argv, "--model", str(folder), *out]) == 2

@@ -176,7 +176,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-score", type=float, default=None, help="drop candidates scoring below this cosine")
     p.add_argument("--sampling", choices=("top", "random"), default="top", help="the best candidates, or random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of --sampling random (default: 0)")
-    p.add_argument("--corpus", default="", help="also mine from this BEIR corpus.jsonl (default: the positives only)")
+    p.add_argument(
+        "--corpus",
+        default="",
+        help="also mine from this BEIR corpus.jsonl, or for a page model every image below this folder (default: the "
+        "positives only)",
+    )
     p.add_argument("--columns", default="", help="query,positive column names (data.pairs_columns); default: in order")
     p.add_argument("--id-column", default="id", help="the positive's id column (data.pairs_id_column), written as `id`")
     p.add_argument("--query-prompt", default=None, help="text before each query (default: the model's 'query' prompt)")

@@ -2,8 +2,9 @@
 MODEL is a qwen_vl step folder or a Qwen-VL folder (a ColQwen one too: late interaction, scored by MaxSim).
 
 ROWS is a `vl_pairs` file of the t2i kind (`.jsonl`, `.csv`, `.tsv`, `.parquet`: `query_text` and `doc_image`,
-image paths relative to the file's folder; `datasets.vl_pairs`). Every distinct page of the file is the corpus;
-each query's candidates are the pages ranked by the model (queries and pages embedded as the run embeds them:
+image paths relative to the file's folder; `datasets.vl_pairs`). Every distinct page of the file is the corpus, and
+with `--corpus DIR` every image below DIR too (the pages of your documents that no query names); each query's
+candidates are the pages ranked by the model (queries and pages embedded as the run embeds them:
 `beir_eval.side_embedders`), without the query's own pages (every row with that query text), filtered and taken
 as for text pairs (`--relative-margin`, `--range-min`, `--sampling`, ...): the mining is sentence-transformers'
 `mine_hard_negatives`, to which `PageEncoder` presents the model as the encoder it calls.
@@ -28,7 +29,7 @@ import torch
 from titan_contrastive.mining import MineError, mine, write_rows
 
 COLUMNS = ("query_text", "doc_image")
-TEXT_ONLY = ("corpus", "cross_encoder", "scores", "tower", "query_prompt", "doc_prompt")
+TEXT_ONLY = ("cross_encoder", "scores", "tower", "query_prompt", "doc_prompt")
 """mine's options for text pairs that a page model does not take (its templates are its run's)."""
 
 
@@ -103,8 +104,24 @@ def read_pairs(path: Path) -> list[tuple[str, str]]:
                 f"ROWS={path}: row {n} has no {' and '.join(COLUMNS)}; a page model mines t2i rows (a query's text "
                 "and its page's image path, relative to the file's folder)"
             )
-        pairs.append((row["query_text"].strip(), row["doc_image"].strip()))
+        pairs.append((row["query_text"].strip(), os.path.normpath(row["doc_image"].strip())))
     return pairs
+
+
+def corpus_pages(corpus: str, root: Path) -> list[str]:
+    """Every image below the folder `corpus` (recursively, sorted), as a path relative to `root` (the rows' folder,
+    as the rows name their pages), or a MineError."""
+    from titan_contrastive.datasets.sources import IMAGE_EXTENSIONS
+
+    folder = Path(corpus).expanduser()
+    if not folder.is_dir():
+        raise MineError(f"--corpus={corpus}: not a folder; a page model mines from a folder of page images")
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS)
+    if not files:
+        raise MineError(
+            f"--corpus={corpus}: no images ({', '.join(IMAGE_EXTENSIONS)}) below it; give the pages' folder"
+        )
+    return [os.path.relpath(os.path.abspath(p), os.path.abspath(root)) for p in files]
 
 
 def run_pages(opts: argparse.Namespace, out: Path) -> tuple[Path, int, int]:
@@ -118,8 +135,9 @@ def run_pages(opts: argparse.Namespace, out: Path) -> tuple[Path, int, int]:
         )
     src = Path(opts.pairs).expanduser()
     pairs = read_pairs(src)
+    corpus = corpus_pages(opts.corpus, src.parent) if opts.corpus else None
     encoder = page_encoder(opts, src.parent)
-    mined = mine([list(p) for p in pairs], encoder, opts)
+    mined = mine([list(p) for p in pairs], encoder, opts, corpus)
     kept = [row for row in mined if row is not None]
     if not kept:
         raise MineError(
