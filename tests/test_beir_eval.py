@@ -68,6 +68,34 @@ def test_the_evaluator_equals_sentence_transformers(tmp_path: Path, capsys: pyte
             assert ours[f"{cut}{name}"] == pytest.approx(theirs[f"cosine_{name}"], abs=1e-6), (cut, name)
 
 
+def test_splits_of_one_corpus_embed_it_once(tmp_path: Path) -> None:
+    """A BEIR folder's dev and test share corpus.jsonl and queries.jsonl: each split embeds only its own judged
+    queries (as BEIR's loader keeps them), the corpus is embedded once for both, and each split's figures equal
+    that split evaluated alone."""
+    from titan_contrastive.components.beir_eval import evaluate_sets
+
+    folder = write_beir(tmp_path / "beir")
+    (folder / "qrels" / "dev.tsv").write_text("query-id\tcorpus-id\tscore\nq5\td6\t1\nq1\td1\t1\nq2\td4\t0\n")
+    seen: dict[str, list[str]] = {"query": [], "doc": []}
+
+    def embedder(side: str):
+        def embed(texts: list[str]) -> torch.Tensor:
+            seen[side] += texts
+            rows = [torch.randn(8, generator=torch.Generator().manual_seed(sum(map(ord, t)))) for t in texts]
+            return torch.nn.functional.normalize(torch.stack(rows), dim=1)
+
+        return embed
+
+    sets = load_beir(str(folder), "dev,test")
+    assert sets["dev"].query_ids == ["q1", "q5"] and sets["test"].query_ids == ["q1", "q2", "q3", "q4"]
+    both = evaluate_sets(sets, embedder("query"), embedder("doc"), batch_size=3)
+    assert len(seen["doc"]) == len(sets["test"].corpus) and len(seen["query"]) == 6
+    for name, beir in sets.items():
+        alone = evaluate_beir(beir, embedder("query"), embedder("doc"), batch_size=3)
+        assert alone == {key.replace(f"beir/{name}/", "beir/"): v for key, v in both.items() if f"/{name}/" in key}
+    assert both["beir/ndcg@10"] == (both["beir/dev/ndcg@10"] + both["beir/test/ndcg@10"]) / 2
+
+
 def _evaluate(folder: str, model_folder: str) -> dict[str, float]:
     from titan_contrastive.components.beir_folder import read_beir
     from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, build_tokenizer

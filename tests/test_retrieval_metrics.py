@@ -52,7 +52,7 @@ def test_read_beir(tmp_path: Path) -> None:
         beir.corpus[0] == "The Eiffel Tower stands in Paris."
         and beir.corpus[4] == "Paris Paris is the capital of France."
     )
-    assert beir.query_ids == ["q1", "q2", "q3", "q4", "q5"]
+    assert beir.query_ids == ["q1", "q2", "q3", "q4"]  # q5: judged, but no document is relevant to it
     assert beir.qrels == {"q1": {"d5": 2, "d1": 1}, "q2": {"d4": 1}, "q3": {"d7": 1}, "q4": {"d2": 2}}
 
 

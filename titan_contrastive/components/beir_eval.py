@@ -11,6 +11,7 @@ InformationRetrievalEvaluator computes them (nDCG graded, as pytrec_eval, on req
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,17 +61,38 @@ def evaluate_sets(
     sets: dict[str, BeirSet], *embedders: Callable[..., torch.Tensor], **options: Any
 ) -> dict[str, float]:
     """`evaluate_beir` over each of `sets`: one set's keys are `beir/...`; several sets' are `beir/{name}/...` for
-    each, and `beir/...` their mean (NanoBEIR's aggregate), at each cut too. `options`: evaluate_beir's."""
+    each, and `beir/...` their mean (NanoBEIR's aggregate), at each cut too. Splits of one corpus (a BEIR folder's
+    dev and test) embed it once. `options`: evaluate_beir's."""
     prefix = options.pop("prefix", "beir/")
     if len(sets) == 1:
         return evaluate_beir(next(iter(sets.values())), *embedders, prefix=prefix, **options)
-    each = {name: evaluate_beir(beir, *embedders, prefix=f"{prefix}{name}/", **options) for name, beir in sets.items()}
+    keys = {name: _corpus_key(beir) for name, beir in sets.items()}
+    left = Counter(key for key in keys.values() if key is not None)  # sets still to score on each corpus
+    embedded: dict[tuple, torch.Tensor] = {}
+    each = {}
+    for name, beir in sets.items():
+        key = keys[name]
+        cache = embedded if key is not None and (key in embedded or left[key] > 1) else None
+        each[name] = evaluate_beir(beir, *embedders, prefix=f"{prefix}{name}/", corpus_cache=cache, **options)
+        if key is not None:
+            left[key] -= 1
+            if not left[key]:
+                embedded.pop(key, None)
     results = {key: value for metrics in each.values() for key, value in metrics.items()}
     first = next(iter(each))
     for key in each[first]:
         values = [each[name][key.replace(f"{prefix}{first}/", f"{prefix}{name}/", 1)] for name in each]
         results[key.replace(f"{prefix}{first}/", prefix, 1)] = sum(values) / len(values)
     return results
+
+
+def _corpus_key(beir: BeirSet) -> tuple | None:
+    """What makes two sets' corpora one: their ids, texts and image files (None where the images are a dataset's
+    rows, which two sets may number alike)."""
+    if beir.images is not None and beir.images.table is not None:
+        return None
+    files = () if beir.images is None else tuple(beir.images.refs)
+    return tuple(beir.corpus_ids), tuple(beir.corpus), files
 
 
 @torch.no_grad()
@@ -122,6 +144,7 @@ def evaluate_beir(
     pages: bool = False,
     pool_factor: float = 1.0,
     pool_protected: int = 1,
+    corpus_cache: dict[tuple, torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """The IR metrics of `beir` with these embedders, by the dot product of their embeddings (the towers' unit
     vectors: their cosine; SPLADE's: its score), and by the cosine of their first m dims for each m of `dims`
@@ -133,7 +156,9 @@ def evaluate_beir(
     mean number of tokens a document keeps reported (`corpus_tokens`, the index's vectors per document); `pool_factor`
     > 1: each document's tokens pooled first (`token_pooling`, its first `pool_protected` left out of the clustering).
     `pages`: `embed_docs` reads the corpus's images (`check_corpus`), else its texts. `graded`: nDCG with the
-    qrels' grades as gains (pytrec_eval's, as MTEB and ViDoRe report it), else binary (sentence-transformers')."""
+    qrels' grades as gains (pytrec_eval's, as MTEB and ViDoRe report it), else binary (sentence-transformers').
+    `corpus_cache`: corpus embeddings by corpus (`evaluate_sets`' for splits of one corpus): read from it, or
+    embedded and kept in it."""
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
     if pool_factor != 1:
         if not token_dim:
@@ -142,7 +167,12 @@ def evaluate_beir(
             embed_docs, document_pooler(token_dim, pool_factor, pool_protected, "eval.beir_pool_factor")
         )
     queries = embed_texts(embed_queries, beir.queries, **common)
-    corpus = embed_texts(embed_docs, check_corpus(beir, pages), **common)
+    key = None if corpus_cache is None else _corpus_key(beir)
+    corpus = None if key is None else corpus_cache.get(key)  # type: ignore[union-attr]
+    if corpus is None:
+        corpus = embed_texts(embed_docs, check_corpus(beir, pages), **common)
+        if key is not None:
+            corpus_cache[key] = corpus  # type: ignore[index]
     results = {}
     for m, cut in dim_cuts(token_dim or queries.shape[-1], dims):
         if token_dim:  # each token cut to its first m components, renormalized

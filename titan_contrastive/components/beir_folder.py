@@ -269,8 +269,10 @@ def read_beir(folder: str | Path, split: str = "test") -> BeirSet:
             qrels.setdefault(qid, {})[did] = grade
     ids = sorted(corpus)
     images = _images(corpus, ids, table, str(folder / ("corpus" if table is not None else "corpus.jsonl")))
-    texts = [text for text, _ in queries.values()]
-    return BeirSet(list(queries), texts, ids, [corpus[c][0] for c in ids], qrels, images)
+    judged = [qid for qid in queries if qid in qrels]  # the split's own queries, as BEIR's loader keeps them
+    if not judged:
+        raise DataError(f"{folder}: split {split!r} has no query with a relevant document (a qrels score > 0)")
+    return BeirSet(judged, [queries[q][0] for q in judged], ids, [corpus[c][0] for c in ids], qrels, images)
 
 
 def beir_splits(folder: str | Path, split: str) -> list[str]:
