@@ -4,7 +4,7 @@ BiPairwiseNegativeCELoss, ColbertPairwiseCELoss, ColbertPairwiseNegativeCELoss),
 over MaxSim of token sets with padding (each query's score over its token count or not), with and without hard
 negatives, at several in-batch weights, wrapped in Matryoshka; on 1, 2 and 4 gloo processes, chunks that divide
 nothing; a problem of one query; through the trainer's step kinds as ColBERT (dropout replayed by GradCache); the
-settings it cannot take refused in one line."""
+settings it cannot take refused in one line; a distillation term and GOR beside it."""
 
 from __future__ import annotations
 
@@ -112,6 +112,31 @@ def test_every_form_matches_colpali_engines_loss(case) -> None:
     problem, want = _want(case, 0)
     assert want[0] > 0.05 and want[1].abs().max() > 1e-3  # a loss with gradient to hold the forms to
     assert_forms(case[1], problem, want)
+
+
+def test_a_distillation_term_and_gor_add_to_it() -> None:
+    """The terms beside an objective wrap the pairwise loss as any: a KL term on the data's teacher scores beside it
+    (weighted 0.5 and 0.7) and GOR over its columns, every form against colpali-engine's loss plus the term's
+    definition (tests/test_distill.py's, tests/test_spread.py's)."""
+    from tests.test_distill import reference_term, teacher_of
+    from tests.test_spread import reference_gor
+    from titan_contrastive.losses import Distillation, Distilled, Spread
+
+    problem = dot_problem(2, 5)
+    teacher = teacher_of(2, 5)
+    gor = {"mean": 0.3, "second": 1.0, "agg": "sum"}
+    for objective, term, bound in (
+        (
+            Distilled(Pairwise(0.4), Distillation("kl", 0.7, 2.0), 0.5),
+            lambda q, p, n, s: 0.7 * reference_term("kl", 2.0, q, p, n, s, teacher),
+            teacher,
+        ),
+        (Spread(Pairwise(0.4), 0.3, 1.0, "sum"), lambda q, p, n, s: reference_gor(gor, q, p, n), None),
+    ):
+        weight = 0.5 if bound is not None else 1.0
+        rq, rp, rn, rs = leaves(*problem[:4])
+        loss = weight * colpali_pairwise(rq, rp, rn, rs, 0.4) + term(rq, rp, rn, rs)
+        assert_forms(objective, problem, (loss.detach(), *wanted(loss, rq, rp, rn, rs)), teacher=bound)
 
 
 def _distributed() -> None:
