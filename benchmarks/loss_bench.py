@@ -3,10 +3,13 @@
     python -m benchmarks.loss_bench                                   # GPU: N = 8K .. 1M, d = 512
     python -m benchmarks.loss_bench --n 2048 8192 --dtypes float32 --losses clip --repeats 7   # CPU quick run
     python -m benchmarks.loss_bench --losses siglip ...                # only SigLIP's sigmoid loss
+    python -m benchmarks.loss_bench --losses clip pairwise ...         # InfoNCE beside the pairwise loss
 
 Losses (`--losses`, default both): `clip` (symmetric InfoNCE) and `siglip` (the sigmoid loss,
 t = 10, b = -10: SigLIP's init). For siglip, `dense` is open_clip's formula (N x N logits,
--logsigmoid(labels * logits).sum() / N) and `streaming` the one-pass streamed loss.
+-logsigmoid(labels * logits).sum() / N) and `streaming` the one-pass streamed loss. `pairwise` (colpali-engine's
+pairwise loss, `losses/pairwise.py`, at the softmax's t; only when asked): `dense` its definition over the N x N
+scores, `streaming` its streamed form (each block's hardest negative picked without a graph).
 
 For each N and dtype (float32, bfloat16) every available implementation gets the same unit-norm
 embeddings [N, d] (leaf tensors, so "backward" is the gradient w.r.t. the embeddings and the
@@ -54,14 +57,15 @@ from benchmarks import harness
 from titan_contrastive.components.memory_probe import LargestTensor, PeakMemory
 from titan_contrastive.config.job_config import Loss as LossConfig
 from titan_contrastive.distributed_clip import StreamingClipStep
-from titan_contrastive.losses import InfoNCE, Sigmoid
+from titan_contrastive.losses import InfoNCE, Pairwise, Sigmoid
 from titan_contrastive.losses import fused as fused_loss
 from titan_contrastive.losses import streaming as streaming_loss
 
 SCALE = 1 / 0.07
 SIGLIP_SCALE, SIGLIP_BIAS = 10.0, -10.0
-# multiply-adds x 2 per pair and dim: fused softmax (8 N^2 d), sigmoid's 3 products (6 N^2 d)
-FLOOR = {"clip": 8, "siglip": 6}
+# multiply-adds x 2 per pair and dim: fused softmax (8 N^2 d), sigmoid's 3 products (6 N^2 d), pairwise's one
+# product without a backward over it (2 N^2 d)
+FLOOR = {"clip": 8, "siglip": 6, "pairwise": 2}
 
 
 def dense(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
@@ -132,7 +136,17 @@ def streaming_triton_siglip(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> N
     step(lambda _: (zx, zy), [None])
 
 
+def dense_pairwise(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
+    Pairwise().dense(zx, zy, torch.tensor(SCALE, device=zx.device)).backward()
+
+
+def streaming_pairwise(zx: torch.Tensor, zy: torch.Tensor, chunk: int) -> None:
+    step = StreamingClipStep(stream_chunk_size=chunk, fixed_scale=SCALE, kernel="pytorch", objective=Pairwise())
+    step(lambda _: (zx, zy, None), [None])
+
+
 LossFn = Callable[[torch.Tensor, torch.Tensor, int], None]
+PAIRWISE: dict[str, LossFn] = {"dense": dense_pairwise, "streaming": streaming_pairwise}
 SIGLIP: dict[str, LossFn] = {"dense": dense_siglip, "streaming": streaming_siglip}
 if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
     SIGLIP["streaming_triton"] = streaming_triton_siglip
@@ -328,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         choices=list(IMPLEMENTATIONS),
         help="softmax implementations; siglip has dense and streaming",
     )
-    parser.add_argument("--losses", nargs="+", default=["clip", "siglip"], choices=["clip", "siglip"])
+    parser.add_argument("--losses", nargs="+", default=["clip", "siglip"], choices=["clip", "siglip", "pairwise"])
     parser.add_argument("--check-n", type=int, default=3000, help="N of the gradient agreement check run first")
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
@@ -338,12 +352,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.n is None:
         args.n = [2**13, 2**14, 2**15, 2**16, 2**17, 2**18, 2**19, 2**20] if cuda else [2**11, 2**13]
     name = torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads)"
-    impls = {"clip": {i: IMPLEMENTATIONS[i] for i in args.impls}, "siglip": SIGLIP}
+    impls = {"clip": {i: IMPLEMENTATIONS[i] for i in args.impls}, "siglip": SIGLIP, "pairwise": PAIRWISE}
     impls = {loss: impls[loss] for loss in args.losses}
     checks: dict[str, dict] = {}
     for loss, fns in impls.items():
         for dtype in args.dtypes:
-            reference = (IMPLEMENTATIONS if loss == "clip" else SIGLIP)["dense"]  # the check's, timed or not (--impls)
+            reference = {"clip": IMPLEMENTATIONS, "siglip": SIGLIP, "pairwise": PAIRWISE}[loss]["dense"]  # timed or not
             checks[f"{loss} {dtype}"] = agreement(fns, reference, args.check_n, args.d, getattr(torch, dtype), device)
             for impl, err in checks[f"{loss} {dtype}"].items():
                 where = f"check N={args.check_n} {loss:>6} {dtype:>8} {impl:>16}"

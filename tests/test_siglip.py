@@ -300,7 +300,7 @@ def test_bad_siglip_config_is_one_line() -> None:
     ):
         distributed_train_step(model, GradRecorder(model.parameters()), x, y, {**base, "BIAS": -2})
     with pytest.raises(
-        DistributedClipError, match=r"^config\['LOSS'\]='sigmoid' is not an objective; valid: clip, siglip$"
+        DistributedClipError, match=r"^config\['LOSS'\]='sigmoid' is not an objective; valid: clip, pairwise, siglip$"
     ):
         distributed_train_step(model, GradRecorder(model.parameters()), x, y, {**base, "LOSS": "sigmoid", "BIAS": -2.0})
 
