@@ -96,6 +96,8 @@ def test_a_corpus_folder_adds_its_pages(tmp_path: Path, capsys: pytest.CaptureFi
     (rows.parent / "scans" / "notes.txt").write_text("not a page")
     corpus = corpus_pages(str(rows.parent), rows.parent)
     assert corpus == [*(f"pages/p{i}.png" for i in range(6)), "scans/e0.png", "scans/sub/e1.jpg"]
+    absolute = str(rows.parent / "pages" / "p1.png")  # a row naming its page by an absolute path: that spelling
+    assert corpus_pages(str(rows.parent), rows.parent, [absolute])[1:3] == [absolute, "pages/p2.png"]
 
     opts = options(rows, folder, tmp_path / "out.jsonl", "--negatives", "6", "--relative-margin", "none")
     built = page_encoder(opts, rows.parent)

@@ -108,9 +108,10 @@ def read_pairs(path: Path) -> list[tuple[str, str]]:
     return pairs
 
 
-def corpus_pages(corpus: str, root: Path) -> list[str]:
+def corpus_pages(corpus: str, root: Path, named: Sequence[str] = ()) -> list[str]:
     """Every image below the folder `corpus` (recursively, sorted), as a path relative to `root` (the rows' folder,
-    as the rows name their pages), or a MineError."""
+    as the rows name their pages), or as the rows name it where it is one of their pages `named` (relative to
+    `root`, or absolute); or a MineError."""
     from titan_contrastive.datasets.sources import IMAGE_EXTENSIONS
 
     folder = Path(corpus).expanduser()
@@ -121,7 +122,9 @@ def corpus_pages(corpus: str, root: Path) -> list[str]:
         raise MineError(
             f"--corpus={corpus}: no images ({', '.join(IMAGE_EXTENSIONS)}) below it; give the pages' folder"
         )
-    return [os.path.relpath(os.path.abspath(p), os.path.abspath(root)) for p in files]
+    base = os.path.abspath(root)
+    spelled = {os.path.normpath(os.path.join(base, page)): page for page in named}  # an absolute page joins as itself
+    return [spelled.get(os.path.abspath(p), os.path.relpath(os.path.abspath(p), base)) for p in files]
 
 
 def run_pages(opts: argparse.Namespace, out: Path) -> tuple[Path, int, int]:
@@ -135,7 +138,7 @@ def run_pages(opts: argparse.Namespace, out: Path) -> tuple[Path, int, int]:
         )
     src = Path(opts.pairs).expanduser()
     pairs = read_pairs(src)
-    corpus = corpus_pages(opts.corpus, src.parent) if opts.corpus else None
+    corpus = corpus_pages(opts.corpus, src.parent, [page for _, page in pairs]) if opts.corpus else None
     encoder = page_encoder(opts, src.parent)
     mined = mine([list(p) for p in pairs], encoder, opts, corpus)
     kept = [row for row in mined if row is not None]
