@@ -51,40 +51,48 @@ def options(rows: Path, model: Path, out: Path, *extra: str):
     return parser().parse_args([str(rows), "--model", str(model), "--out", str(out), *extra])
 
 
-@pytest.mark.parametrize("colqwen", [False, True], ids=["qwen2_vl", "colqwen"])
-def test_mined_pages_are_the_definitions_choice(tmp_path: Path, colqwen: bool) -> None:
+def assert_the_definitions_choice(rows: Path, folder: Path, k: int, corpus: list[str] | None = None) -> None:
+    """Mine k negatives for `rows` with the model of `folder` in float64 (and `corpus`'s pages): each row's are the
+    pages (the rows' and the corpus's) that the score of each query and page embedded alone ranks first, without the
+    query's own pages."""
     from titan_contrastive.components.beir_folder import BeirSet, CorpusImages
     from titan_contrastive.mine_pages import PageEncoder, page_encoder, read_pairs
     from titan_contrastive.mining import mine
 
-    folder = _colqwen_folder(tmp_path) if colqwen else vl_folder(tmp_path, "qwen2_vl", dropout=0.0)
-    rows = rows_file(tmp_path / "data")
-    opts = options(rows, folder, tmp_path / "out.jsonl", "--negatives", "2", "--relative-margin", "none")
+    opts = options(rows, folder, rows.parent / "out.jsonl", "--negatives", str(k), "--relative-margin", "none")
     built = page_encoder(opts, rows.parent)
-    assert built.token_dim == (8 if colqwen else 0)
     model = built.model.double()
     encoder = PageEncoder(model, built.process, rows.parent, torch.device("cpu"), torch.float64)
     pairs = read_pairs(rows)
-    mined = mine([list(p) for p in pairs], encoder, opts)
+    mined = mine([list(p) for p in pairs], encoder, opts, corpus)
 
-    pages, queries = sorted({p for _, p in pairs}), sorted({q for q, _ in pairs})
+    pages, queries = sorted({p for _, p in pairs} | set(corpus or ())), sorted({q for q, _ in pairs})
     images = CorpusImages(pages, [str(rows.parent / p) for p in pages])
     scores = alone(model, built.process, BeirSet(queries, queries, pages, [""] * len(pages), {}, images))
     for (query, page), got in zip(pairs, mined):
         own = {p for q, p in pairs if q == query}
         row = scores[queries.index(query)]
         ranked = sorted((p for p in pages if p not in own), key=lambda p: -row[pages.index(p)].item())
-        assert got == [query, page, *ranked[:2]], (query, page)
+        assert got == [query, page, *ranked[:k]], (query, page)
+
+
+@pytest.mark.parametrize("colqwen", [False, True], ids=["qwen2_vl", "colqwen"])
+def test_mined_pages_are_the_definitions_choice(tmp_path: Path, colqwen: bool) -> None:
+    from titan_contrastive.mine_pages import page_encoder
+
+    folder = _colqwen_folder(tmp_path) if colqwen else vl_folder(tmp_path, "qwen2_vl", dropout=0.0)
+    rows = rows_file(tmp_path / "data")
+    built = page_encoder(options(rows, folder, tmp_path / "out.jsonl"), rows.parent)
+    assert built.token_dim == (8 if colqwen else 0)
+    assert_the_definitions_choice(rows, folder, 2)
 
 
 def test_a_corpus_folder_adds_its_pages(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`--corpus DIR`: every image below DIR joins the candidates, a positive found there under another spelling
     (the rows name one page `./pages/p4.png`) once; the picks are the definition's over that union (float64), and
     the command writes them relative to its output, every corpus page a file."""
-    from titan_contrastive.components.beir_folder import BeirSet, CorpusImages
     from titan_contrastive.mine import main
-    from titan_contrastive.mine_pages import PageEncoder, corpus_pages, page_encoder, read_pairs
-    from titan_contrastive.mining import mine
+    from titan_contrastive.mine_pages import corpus_pages, read_pairs
 
     folder = vl_folder(tmp_path, "qwen2_vl", dropout=0.0)
     rows = rows_file(tmp_path / "data")
@@ -99,21 +107,8 @@ def test_a_corpus_folder_adds_its_pages(tmp_path: Path, capsys: pytest.CaptureFi
     absolute = str(rows.parent / "pages" / "p1.png")  # a row naming its page by an absolute path: that spelling
     assert corpus_pages(str(rows.parent), rows.parent, [absolute])[1:3] == [absolute, "pages/p2.png"]
 
-    opts = options(rows, folder, tmp_path / "out.jsonl", "--negatives", "6", "--relative-margin", "none")
-    built = page_encoder(opts, rows.parent)
-    model = built.model.double()
-    encoder = PageEncoder(model, built.process, rows.parent, torch.device("cpu"), torch.float64)
-    pairs = read_pairs(rows)
-    assert pairs[4] == ("winter snow", "pages/p4.png")
-    mined = mine([list(p) for p in pairs], encoder, opts, corpus)
-    queries = sorted({q for q, _ in pairs})
-    images = CorpusImages(corpus, [str(rows.parent / p) for p in corpus])
-    scores = alone(model, built.process, BeirSet(queries, queries, corpus, [""] * len(corpus), {}, images))
-    for (query, page), got in zip(pairs, mined):
-        own = {p for q, p in pairs if q == query}
-        row = scores[queries.index(query)]
-        ranked = sorted((p for p in corpus if p not in own), key=lambda p: -row[corpus.index(p)].item())
-        assert got == [query, page, *ranked[:6]], (query, page)  # 6 of 6 or 7 candidates: a scanned page among them
+    assert read_pairs(rows)[4] == ("winter snow", "pages/p4.png")
+    assert_the_definitions_choice(rows, folder, 6, corpus)  # 6 of 6 or 7 candidates: a scanned page among them
 
     out = tmp_path / "mined" / "rows.jsonl"
     argv = [str(rows), "--model", str(folder), "--out", str(out), "--negatives", "6", "--relative-margin", "none"]
