@@ -123,6 +123,23 @@ def test_hf_clip_bench_runs_both_families_on_the_same_weights(tmp_path: Path) ->
     assert len(list(csv.DictReader(open(tmp_path / "hf_clip_bench.csv")))) == 4
 
 
+def test_static_bench_times_both_trainers_on_the_same_table(tmp_path: Path) -> None:
+    """benchmarks/static_bench.py with a narrow table: a row per variant, and the first step's loss and table gradient
+    equal sentence-transformers' to float32 rounding."""
+    require("hf")
+    from benchmarks import static_bench
+
+    static_bench.main(
+        ["--batches", "48", "--dim", "16", "--dims", "8", "16", "--stream-chunk", "20", "--repeats", "1", "--out",
+         str(tmp_path)]
+    )  # fmt: skip
+    saved = json.loads((tmp_path / "static_bench.json").read_text())
+    assert {r["variant"] for r in saved["rows"]} == set(static_bench.VARIANTS)
+    (first,) = saved["agreement"]
+    assert first["loss_rel_diff"] < 1e-5 and first["grad_rel_diff"] < 1e-5
+    assert (tmp_path / "static_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_gpu_session_accepts_every_stage_it_defines(tmp_path: Path) -> None:
     """benchmarks/gpu_session.sh: each stage its second `case` runs is one the setup accepts and the usage names
     (stage 20 was once defined but refused), and the header describes it; an unknown stage exits 2."""

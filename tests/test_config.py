@@ -159,7 +159,7 @@ def test_bad_input_exits_nonzero_with_one_line_before_compute(tmp_path: Path) ->
         (
             "--model.name=resnet",
             "model.name='resnet' is not a registered model family; valid: bi_encoder, clip, hf_clip, lit, qwen_vl, "
-            "vae, vlm",
+            "static, vae, vlm",
         ),
         (
             "--model.flavor=huge",

@@ -105,10 +105,11 @@ def test_two_node_launch_over_c10d_rendezvous(tmp_path: Path) -> None:
         ("train_configs/vae_debug.toml", "psnr_db", 20.0),  # README: 21.76 dB
         ("train_configs/emoji_vlm.toml", "image_to_text_r@5", 0.12),  # README: 0.175 (chance 0.025)
         ("train_configs/siglip_debug.toml", "zero_shot_top1", 0.75),  # README: 0.81
+        ("train_configs/static_wordnet.toml", "beir/ndcg@10", 0.38),  # README: 0.436
     ],
 )
 def test_family_configs_reach_their_readme_results(tmp_path: Path, config: str, key: str, target: float) -> None:
-    """The vae, vlm and siglip configs as the README runs them (CONFIG_FILE=... ./run_train.sh), with margin."""
+    """The vae, vlm, siglip and static configs as the README runs them (CONFIG_FILE=... ./run_train.sh), with margin."""
     env = {
         **os.environ,
         "NGPU": "1",

@@ -42,11 +42,12 @@ class Model:
     """Registered model family: `clip`, `hf_clip` (a Hugging Face CLIP or SigLIP from `path`, needs `.[hf]`),
     `bi_encoder` (a Hugging Face text model from `path`, `.[hf]`), `lit` (a ViT against the pretrained MiniLM
     text tower, `.[hf]`), `qwen_vl` (a Qwen2-VL / Qwen2.5-VL / Qwen3-VL embedder from `path`, `.[hf]`), `vlm`
-    (a small packed-patch model for CPU tests), `vae` (pixel loss), or your own."""
+    (a small packed-patch model for CPU tests), `vae` (pixel loss), `static` (sentence-transformers' StaticEmbedding:
+    a table of token vectors, averaged, `.[hf]`), or your own."""
     flavor: str = ""
     """Size preset of the family (empty = its first): clip `debug` (CPU) / `vit_b32` / `vit_b16` / `vit_l14`;
     bi_encoder `shared` / `dual` (one tower or two); hf_clip `folder`; lit `minilm_debug`; qwen_vl `default`;
-    vlm `debug`; vae `debug` / `sd`."""
+    vlm `debug`; vae `debug` / `sd`; static `shared` / `dual`."""
     init_from: str = ""
     """Start from a checkpoint's weights (clip): a Hugging Face CLIP folder (config.json +
     model.safetensors) or a step-N folder of one of our runs; its architecture replaces the
@@ -57,7 +58,12 @@ class Model:
     T5's encoder, a Qwen3, Llama or Gemma 3 decoder; Dense modules after the pooling), or a hub id already in
     the local cache; never downloaded, and code the folder ships runs only with `trust_remote_code`. Empty = the
     bundled all-MiniLM-L6-v2.
-    hf_clip: a transformers CLIP or SigLIP folder with its tokenizer and preprocessor_config.json (required)."""
+    hf_clip: a transformers CLIP or SigLIP folder with its tokenizer and preprocessor_config.json (required).
+    static: a sentence-transformers StaticEmbedding folder, a model2vec folder, or any folder with a tokenizer
+    (with `static_dim`); empty = the bundled MiniLM's tokenizer (with `static_dim`)."""
+    static_dim: int = opt(0, lambda v: v >= 0, "an integer >= 0")
+    """static: start a table of this width at random, N(0, 1) as sentence-transformers' StaticEmbedding does, over
+    the vocabulary of `path`'s tokenizer (1024: static-retrieval-mrl-en-v1's); 0 = the folder's own table."""
     pooling: Literal[
         "auto", "cls", "mean", "last_token", "max", "mean_sqrt_len", "weighted_mean", "splade", "colbert"
     ] = "auto"

