@@ -7,16 +7,17 @@ own (a StaticEmbedding under MatryoshkaLoss(MultipleNegativesRankingLoss)), at e
 The recipe is sentence-transformers' static-retrieval-mrl-en-v1: a table over a tokenizer's vocabulary (here the
 bundled MiniLM's, 30,522 rows, `--dim` wide, drawn N(0, 1) with seed 0 by sentence-transformers and saved as its
 folder, which both sides load), InfoNCE one way at a fixed scale of 20 inside Matryoshka (`--dims`), AdamW (lr 0.2,
-weight decay 0.01). The batch is WordNet definition -> lemma pairs (no hard negatives), tokenized once by our
-PairTokenizer (no special tokens, queries cut at 32 tokens, lemmas at 16) and handed to sentence-transformers as
-its StaticEmbedding's features (the flat ids and offsets its own tokenization gives for these texts): the
-tokenization, which sentence-transformers' trainer runs in its collator and ours at load, is in neither timing.
+weight decay 0.01, fused on both sides: each trainer's default). The batch is WordNet definition -> lemma pairs (no
+hard negatives), tokenized once by our PairTokenizer (no special tokens, queries cut at 32 tokens, lemmas at 16)
+and handed to sentence-transformers as its StaticEmbedding's features (the flat ids and offsets its own
+tokenization gives for these texts): the tokenization, which sentence-transformers' trainer runs in its collator
+and ours at load, is in neither timing.
 
 Variants, each a whole optimizer step: `ours/plain` (`Trainer.train_step`, one microbatch), `ours/global` (global
 negatives: the streamed objective, chunks of `--stream-chunk`; one process, so the same problem), `st/mnrl` (the
-module's forward, the loss, backward, `torch.optim.AdamW.step`). Interleaved (`harness.round_robin`), one untimed
-round, medians of `--repeats`; peak RSS per timed call. Before timing, the first batch's loss and table gradient of
-`ours/plain` and `st/mnrl` are compared (float32). Writes static_bench.{json,csv,png}.
+module's forward, the loss, backward, a fused `torch.optim.AdamW` step). Interleaved (`harness.round_robin`), one
+untimed round, medians of `--repeats`; peak RSS per timed call. Before timing, the first batch's loss and table
+gradient of `ours/plain` and `st/mnrl` are compared (float32). Writes static_bench.{json,csv,png}.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class SentenceTransformersStep:
 
         self.model = SentenceTransformer(str(folder), device="cpu").train()
         self.loss = MatryoshkaLoss(self.model, MultipleNegativesRankingLoss(self.model, scale=SCALE), dims)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=DECAY)
+        # fused: its trainer's default (transformers' adamw_torch_fused), as ours is (optimizer.implementation)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=DECAY, fused=True)
 
     def backward(self, features: list[dict[str, Any]]) -> float:
         self.optimizer.zero_grad(set_to_none=True)
