@@ -316,3 +316,31 @@ def test_what_it_cannot_take_is_a_one_line_error(tmp_path: Path) -> None:
         spec = get_model_spec(name)
         with pytest.raises(ConfigError, match=message):
             configured(spec.flavors[next(iter(spec.flavors))], cfg, spec)
+
+
+@needs("hf")
+def test_a_step_folder_mines_with_the_runs_own_embeddings(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`python -m titan_contrastive.mine --model STEP` with a static step folder (through its verified export): the
+    negatives score, under the run's own embeddings, as the reference selects."""
+    from tests.test_mine import check_mined, expected, mine, tiny_rows, write_csv
+    from titan_contrastive.models.static import build_tokenizer
+
+    run = static_run(tmp_path, "--training.local_batch_size=6", "--training.steps=1", "--checkpoint.enable=true")
+    run.train()
+    run.metrics.close()
+    rows, step = tiny_rows(), tmp_path / "run" / "checkpoint" / "step-1"
+    ids = [f"t{i}" for i in range(len(rows))]
+    src, out = write_csv(tmp_path / "pairs.csv", rows, ids), tmp_path / "mined.jsonl"
+    assert mine(capsys, src, f"--model={step}", f"--out={out}", "--range-max=100", "--relative-margin=0.01") == (0, [])
+    tokenizer, model, cache = build_tokenizer(run.model_args), run.model, {}
+
+    def embed(texts: list[str], side: str) -> torch.Tensor:
+        ids = tokenizer.encode_queries(texts, 12) if side == "query" else tokenizer.encode_docs(texts)
+        with torch.no_grad():
+            vectors = model.embed_side(side, ids)
+        cache.update(zip(texts, vectors))
+        return vectors
+
+    want = expected(rows, embed, k=1, skip=0, margin=0.01)
+    judged = check_mined(out, rows, ids, want, lambda q, d: float(cache[q] @ cache[d]))
+    assert judged >= 30 and any(want)

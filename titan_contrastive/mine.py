@@ -4,7 +4,7 @@ query-page rows with a Qwen-VL model: `mine_pages.py`).
 PAIRS is a pairs file in any format `data.path` reads for `data.dataset = "pairs"` (JSONL, CSV,
 TSV, Parquet, a Hugging Face dataset on disk; `datasets.pairs`), with the same column rules
 (`--columns` and `--id-column` are `data.pairs_columns` and `data.pairs_id_column`). MODEL embeds
-both sides: one of our bi_encoder step folders (`.../checkpoint/step-N`, exported for the purpose
+both sides: one of our bi_encoder or static step folders (`.../checkpoint/step-N`, exported for the purpose
 through `export --to sentence-transformers`, which checks the export's embeddings against the
 run's), a sentence-transformers folder, or a transformers folder (mean pooling, as
 sentence-transformers builds it). A folder's own model code (config.json `auto_map`) runs only with
@@ -106,7 +106,7 @@ def check_paths(pairs: str, out: Path, overwrite: bool) -> Path:
 
 @contextlib.contextmanager
 def sentence_model(path: str, tower: str | None, device: str | None, trust: bool = False) -> Iterator[Any]:
-    """A SentenceTransformer of `path`: one of our bi_encoder step folders through a verified export
+    """A SentenceTransformer of `path`: one of our bi_encoder or static step folders through a verified export
     into a temporary folder (removed after; its own code runs as its run's did), else a sentence-transformers or
     transformers folder (its own code runs with `trust`)."""
     from sentence_transformers import SentenceTransformer
@@ -122,8 +122,10 @@ def sentence_model(path: str, tower: str | None, device: str | None, trust: bool
             raise MineError(
                 f"--model={path}: its manifest.json names no model; give a step folder of this version"
             ) from None
-        if family != "bi_encoder":
-            raise MineError(f"--model={path}: a {family} checkpoint; mining embeds texts with a bi_encoder one")
+        if family not in ("bi_encoder", "static"):
+            raise MineError(
+                f"--model={path}: a {family} checkpoint; mining embeds texts with a bi_encoder or static one"
+            )
         pooling = model["args"].get("pooling")
         if pooling in ("splade", "colbert"):
             raise MineError(
@@ -158,7 +160,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m titan_contrastive.mine", description=__doc__.split("\n\n")[0])
     p.add_argument("pairs", metavar="PAIRS", help="a pairs file (query, positive[, negatives...]) as data.path reads")
     p.add_argument(
-        "--model", required=True, help="a bi_encoder step folder, or a sentence-transformers / transformers folder"
+        "--model",
+        required=True,
+        help="a bi_encoder or static step folder, or a sentence-transformers / transformers folder",
     )
     p.add_argument("--out", type=Path, required=True, help="the file to write: .jsonl, .parquet or .csv")
     p.add_argument("--negatives", type=int, default=1, help="negatives per row (default: 1)")

@@ -24,10 +24,8 @@ draws). `BiEncoder.padded_inputs` tells GradCache which inputs are padded token 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor, nn
 
 from titan_contrastive.batching import NEGATIVES
@@ -47,6 +45,7 @@ from titan_contrastive.models.bi_encoder.folder import (
 from titan_contrastive.models.bi_encoder.retokenize import Retokenizer
 from titan_contrastive.models.bi_encoder.static_query import StaticQuery, static_weight
 from titan_contrastive.models.bi_encoder.tower import load_text_tower
+from titan_contrastive.models.pretrained_scale import PretrainedScale
 
 
 def build_tokenizer(args: BiEncoderArgs) -> PairTokenizer:
@@ -64,7 +63,7 @@ def build_tokenizer(args: BiEncoderArgs) -> PairTokenizer:
     )
 
 
-class BiEncoder(nn.Module):
+class BiEncoder(PretrainedScale, nn.Module):
     def __init__(self, args: BiEncoderArgs) -> None:
         super().__init__()
         self.args = args = args.resolve()
@@ -103,14 +102,7 @@ class BiEncoder(nn.Module):
             if args.retokenize_from
             else None
         )
-        self.logit_scale = nn.Parameter(
-            torch.full((1,), math.log(args.init_scale)), requires_grad=args.learn_logit_scale
-        )
-
-    def init_weights(self) -> None:
-        """Pretrained: only the scale has an initial value of its own."""
-        with torch.no_grad():
-            self.logit_scale.fill_(math.log(self.args.init_scale))
+        self.add_logit_scale()
 
     @property
     def unit_embeddings(self) -> bool:

@@ -41,6 +41,7 @@ from titan_contrastive.models.bi_encoder.colbert import refuse_for_colbert
 from titan_contrastive.models.bi_encoder.folder import layer_blocks, load_config, read_text_folder
 from titan_contrastive.models.bi_encoder.pooling import pooled
 from titan_contrastive.models.bi_encoder.tower import load_text_tower
+from titan_contrastive.models.pretrained_scale import PretrainedScale
 from titan_contrastive.models.qwen_vl import colpali
 from titan_contrastive.models.qwen_vl.processor import IMAGE, PAD, VLProcessor
 
@@ -365,7 +366,7 @@ def vl_embed(
     return F.pad(vectors, (0, 0, 0, tokens - ids.shape[1])).flatten(1)
 
 
-class QwenVLEmbedder(nn.Module):
+class QwenVLEmbedder(PretrainedScale, nn.Module):
     """One Qwen-VL tower for queries and documents, learnable `logit_scale`."""
 
     def __init__(self, args: QwenVLArgs) -> None:
@@ -381,13 +382,7 @@ class QwenVLEmbedder(nn.Module):
         # ColPali's projection, trained under LoRA too (colpali-engine adapts it with the language model)
         self.head = colpali.projection(width, args.colbert_dim, args.path) if args.token_dim else None
         self.lengths = args.side_tokens if args.token_dim else {}
-        self.logit_scale = nn.Parameter(
-            torch.full((1,), math.log(args.init_scale)), requires_grad=args.learn_logit_scale
-        )
-
-    def init_weights(self) -> None:
-        with torch.no_grad():
-            self.logit_scale.fill_(math.log(self.args.init_scale))
+        self.add_logit_scale()
 
     @property
     def padded_inputs(self) -> dict[str, int]:

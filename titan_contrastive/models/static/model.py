@@ -11,7 +11,6 @@ StaticEmbedding's does.
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,7 @@ from torch import Tensor, nn
 
 from titan_contrastive.batching import NEGATIVES, right_trimmed
 from titan_contrastive.datasets.tokenizer import PairTokenizer
+from titan_contrastive.models.pretrained_scale import PretrainedScale
 from titan_contrastive.models.static.args import StaticArgs
 from titan_contrastive.models.static.folder import read_static_folder, read_table, read_tokenizer
 
@@ -54,7 +54,7 @@ def mean_rows(table: nn.EmbeddingBag, ids: Tensor) -> Tensor:
     return table(ids.clamp_min(0), per_sample_weights=weights)
 
 
-class StaticEmbedder(nn.Module):
+class StaticEmbedder(PretrainedScale, nn.Module):
     def __init__(self, args: StaticArgs) -> None:
         super().__init__()
         self.args = args
@@ -63,14 +63,7 @@ class StaticEmbedder(nn.Module):
             with torch.no_grad():
                 self.query_embedding.weight.copy_(read_table(read_static_folder(args.path)))
         self.doc_embedding = self.query_embedding if args.shared else copy.deepcopy(self.query_embedding)
-        self.logit_scale = nn.Parameter(
-            torch.full((1,), math.log(args.init_scale)), requires_grad=args.learn_logit_scale
-        )
-
-    def init_weights(self) -> None:
-        """Only the scale has an initial value of its own (the table is the folder's or drawn when built)."""
-        with torch.no_grad():
-            self.logit_scale.fill_(math.log(self.args.init_scale))
+        self.add_logit_scale()
 
     @property
     def unit_embeddings(self) -> bool:
