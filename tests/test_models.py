@@ -76,7 +76,8 @@ def test_unknown_name_and_flavor_list_valid_choices() -> None:
     with pytest.raises(models.ModelRegistryError) as err:
         models.get_model_spec("foo")
     assert str(err.value) == (
-        "model.name='foo' is not a registered model family; valid: bi_encoder, clip, hf_clip, lit, qwen_vl, static, vae, vlm "
+        "model.name='foo' is not a registered model family; valid: bi_encoder, clip, hf_clip, lit, qwen_vl, static, "
+        "vae, vlm "
         "(register your own with titan_contrastive.models.register_model)"
     )
     expected = r"^model.flavor='x' is not a flavor of 'clip'; valid: debug, vit_b32, vit_b16, vit_l14$"
