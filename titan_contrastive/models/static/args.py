@@ -10,7 +10,7 @@ from typing import Any
 
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import TextFolderError
-from titan_contrastive.models.static.folder import read_static_folder, read_table, read_tokenizer, vocab_size
+from titan_contrastive.models.static.folder import read_static_folder, read_tokenizer, table_shape, vocab_size
 
 DEFAULT_DOC_LENGTH = 256
 """A document's tokens when `[data] doc_context_length` is 0 (a StaticEmbedding reads any length; the batches hold
@@ -54,7 +54,7 @@ class StaticArgs:
                 "sentence-transformers StaticEmbedding or model2vec folder); set model.static_dim (e.g. 1024) to start "
                 "one at random over its vocabulary, or point model.path at such a folder"
             )
-        shape = (vocab_size(read_tokenizer(folder)), m.static_dim) if m.static_dim else tuple(read_table(folder).shape)
+        shape = (vocab_size(read_tokenizer(folder)), m.static_dim) if m.static_dim else table_shape(folder)
         t = temperature_from_config(cfg, default_logit_scale=math.log(self.init_scale))
         return dataclasses.replace(
             self,

@@ -103,6 +103,17 @@ def read_table(folder: StaticFolder) -> torch.Tensor:
     return StaticEmbedding.load(folder.table_dir, local_files_only=True).embedding.weight.detach().clone()
 
 
+def table_shape(folder: StaticFolder) -> tuple[int, int]:
+    """(rows, width) of the table `read_table` gives, from the safetensors header alone: a model2vec model's token
+    mapping, where it has one, sets the rows (a row per token id, as the loader folds it)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(folder.table_dir) / "model.safetensors"), framework="pt") as f:
+        table = f.get_slice(next(key for key in TABLE_KEYS if key in f.keys())).get_shape()
+        rows = f.get_slice("mapping").get_shape()[0] if "mapping" in f.keys() else table[0]
+    return rows, table[1]
+
+
 def vocab_size(tokenizer: Any) -> int:
     """The rows of a table over `tokenizer`'s vocabulary, added tokens included (sentence-transformers')."""
     return tokenizer.get_vocab_size()
