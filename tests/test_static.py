@@ -233,7 +233,7 @@ def test_global_negatives_across_ranks(tmp_path: Path, world: int, parallel: str
 def test_a_step_exports_to_sentence_transformers_and_reads_back(tmp_path: Path, flavor: str) -> None:
     """`--to sentence-transformers` writes a StaticEmbedding and a Normalize with the run's prompts, cut at the side's
     length (the exporter checks the probe texts, one longer than that); the folder reads back as a static folder
-    that embeds as the run; `--to hf` is refused in one line."""
+    that embeds as the run; `--to hf` is refused in one line; `--to model2vec` as `_model2vec_export` says."""
     from titan_contrastive.export import main as export_main
     from titan_contrastive.models.static import StaticEmbedder, build_tokenizer
 
@@ -262,6 +262,32 @@ def test_a_step_exports_to_sentence_transformers_and_reads_back(tmp_path: Path, 
     assert ((other - want).abs().max() > 1e-3) == (flavor == "dual")  # the doc table itself, trained apart
     assert export_main([str(step), "--to", "hf", "--out", str(tmp_path / "hf")]) == 2
     assert not (tmp_path / "hf").exists()
+    _model2vec_export(tmp_path, step, side, trained)
+
+
+def _model2vec_export(tmp: Path, step: Path, side: str, trained: torch.nn.Module) -> None:
+    """`--to model2vec`: a side with a prompt is refused; one without reads back in model2vec, and as a static folder,
+    embedding as the run's table (with model2vec's one difference: an unknown token is left out of its mean)."""
+    from model2vec import StaticModel
+
+    from titan_contrastive.export import main as export_main
+    from titan_contrastive.models.static import StaticEmbedder, build_tokenizer
+
+    out = tmp / "m2v"
+    if side == "query":  # the run's queries carry a prompt
+        assert export_main([str(step), "--to", "model2vec", "--out", str(out)]) == 2
+        assert not out.exists()
+        return
+    assert export_main([str(step), "--to", "model2vec", "--tower", side, "--out", str(out)]) == 0
+    texts = [d for _, d, _ in ROWS] + ["a cat", "", "a cat zebra"]  # zebra: not in the vocabulary
+    args = _args(out)
+    with torch.no_grad():
+        ids = build_tokenizer(args).encode_docs(texts)
+        want = trained.embed_side(side, ids).float()
+        again = StaticEmbedder(args).embed_side("doc", ids)
+    got = torch.as_tensor(StaticModel.from_pretrained(out).encode(texts))
+    assert (again - want).abs().max() <= 1e-6 and (got[:-1] - want[:-1]).abs().max() <= 1e-6
+    assert (got[-1] - want[-1]).abs().max() > 1e-3 and (got[-1] - got[-3]).abs().max() <= 1e-6
 
 
 @needs("hf")

@@ -1,5 +1,5 @@
-"""`python -m titan_contrastive.export SRC --to hf|open_clip|sentence-transformers|peft|pylate|colpali --out DIR`:
-checkpoints for the ecosystem.
+"""`python -m titan_contrastive.export SRC --to FORMAT --out DIR`: checkpoints for the ecosystem, FORMAT one of hf,
+open_clip, sentence-transformers, peft, pylate, colpali, model2vec.
 
 SRC's family decides what it can be written as: the family one of our step-N folders names in
 its manifest (FSDP shards are consolidated by DCP on load), else the family whose state-dict
@@ -17,6 +17,8 @@ adapter (`ModelSpec.state_dict_adapter`) claims the path; `--to` must be one of 
 - qwen_vl (`models.qwen_vl.export`): `--to hf`, the tower (LoRA merged) with its tokenizer and
   image processor, what `transformers.AutoModel` loads; `--to peft`, the adapters; `--to colpali`,
   a ColBERT run (ColQwen) as colpali-engine's folder, its only format.
+- static (`models.static.export`; `--tower`): `--to sentence-transformers`, a StaticEmbedding and a Normalize
+  with the run's prompts; `--to model2vec`, model2vec's own folder (no prompts).
 
 What DIR may be, checked before anything is read: a folder that does not exist yet, an empty one,
 or (with `--overwrite`) a previous export of this tool, recognised by the `MARKER` file it writes
@@ -55,7 +57,7 @@ from typing import NoReturn
 
 from titan_contrastive.extras import import_failure
 
-FORMATS = ("hf", "open_clip", "sentence-transformers", "peft", "pylate", "colpali")
+FORMATS = ("hf", "open_clip", "sentence-transformers", "peft", "pylate", "colpali", "model2vec")
 """The built-in families' formats; a registered family may add its own (`StateDictAdapter.writes`)."""
 MARKER = ".titan_contrastive_export.json"
 """Written last into every export: {"format", "source", "files"}; what `--overwrite` may replace."""
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         help="one of the source family's formats (a family of your own may add more). hf: a transformers folder "
         "(clip: CLIPModel; bi_encoder: the tower, LoRA merged), open_clip: open_clip's folder layout (clip); "
         "sentence-transformers: a SentenceTransformer folder (bi_encoder; ColBERT: a MultiVectorEncoder); "
-        "qwen_vl: hf, peft, colpali; "
+        "qwen_vl: hf, peft, colpali; static: sentence-transformers, model2vec (model2vec's folder); "
         "peft: the LoRA adapters as a PEFT folder (bi_encoder trained with [lora]); pylate: a ColBERT bi_encoder as a "
         "PyLate folder; colpali: a ColBERT qwen_vl run as colpali-engine's ColQwen folder",
     )
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         help="replace --out when it is a previous export of this tool (never another folder)",
     )
     parser.add_argument(
-        "--tower", choices=("query", "doc"), default="query", help="bi_encoder: which tower (default: query)"
+        "--tower", choices=("query", "doc"), default="query", help="bi_encoder, static: which tower (default: query)"
     )
     parser.add_argument(
         "--custom-import",

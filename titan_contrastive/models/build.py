@@ -17,7 +17,7 @@ from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.config.job_config import MAX_LOGIT_SCALE
 from titan_contrastive.losses import Objective, build_objective
 from titan_contrastive.losses.late_interaction import late_interaction
-from titan_contrastive.models.registry import ModelSpec
+from titan_contrastive.models.registry import ModelSpec, family_of
 from titan_contrastive.models.weights import load_state
 
 
@@ -116,8 +116,8 @@ def build_guide(
     """The run's frozen model: `[loss] guide_model`, whose cosines decide the false-negative masks
     (GISTEmbed, `losses/guide.py`), and/or `[loss] teacher_model`, whose cosines are a distillation's
     targets (`losses/distill.py`; one model when both name the same folder), built like the run's
-    model from its own folder (`args.as_guide`: the families that take one) in `param_dtype` on
-    `device`, in eval mode; None when neither is set."""
+    model from its own folder (`args.as_guide`: the families that take one; a static model's is a bi_encoder)
+    in `param_dtype` on `device`, in eval mode; None when neither is set."""
     loss = cfg.loss
     if loss.guide_model and loss.teacher_model and loss.guide_model != loss.teacher_model:
         raise ConfigError(
@@ -131,8 +131,8 @@ def build_guide(
     as_guide = getattr(args, "as_guide", None)
     if as_guide is None:
         raise ConfigError(
-            f"{key}={path!r}: the {spec.name} family takes no frozen guide or teacher model (bi_encoder does); "
-            "leave it empty"
+            f"{key}={path!r}: the {spec.name} family takes no frozen guide or teacher model (bi_encoder and static "
+            "do); leave it empty"
         )
     try:
         guide_args = as_guide(path)
@@ -140,7 +140,7 @@ def build_guide(
         message = str(e).replace("model.path", key)
         raise ConfigError(message if message.startswith(key) else f"{key}={path!r}: {message}") from None
     with device:
-        guide = spec.build_model(guide_args).to(param_dtype)
+        guide = family_of(guide_args).build_model(guide_args).to(param_dtype)
     return guide.requires_grad_(False).eval()
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "ModelRegistryError",
     "ModelSpec",
     "StateDictAdapter",
+    "family_of",
     "get_flavor_args",
     "get_model_spec",
     "list_models",
@@ -160,6 +161,15 @@ def get_model_spec(name: str) -> ModelSpec:
             f"{', '.join(list_models())} "
             "(register your own with titan_contrastive.models.register_model)"
         ) from None
+
+
+def family_of(args: Any) -> ModelSpec:
+    """The registered family whose flavors are `args`' type: what builds a frozen guide of another family than the
+    run's (a static model's bi_encoder teacher, `build.build_guide`)."""
+    for spec in _REGISTRY.values():
+        if any(type(flavor) is type(args) for flavor in spec.flavors.values()):
+            return spec
+    raise ModelRegistryError(f"no registered model family takes {type(args).__name__}; register its family first")
 
 
 def resolve_model_args(name: str, flavor: str, init_from: str = "") -> tuple[Any, dict[str, Any] | None]:

@@ -79,8 +79,8 @@ class BiEncoderArgs(LoraFields):
     """`[model] trust_remote_code`: run the code a folder ships (config.json `auto_map`) for its model, its
     tokenizer, and a guide's or teacher's folder; otherwise such a folder is refused."""
     retokenize_from: str = ""
-    """A guide's (`as_guide`) with another vocabulary: the folder of the model whose token ids it reads as
-    text (`retokenize.py`); empty: it embeds them as they are."""
+    """A guide's (`as_guide`, `text_guide`) with another vocabulary: the folder (or bare `tokenizer.json`) of the
+    tokenizer whose ids it reads as text (`retokenize.py`); empty: it embeds them as they are."""
 
     def update_from_config(self, cfg: Any) -> BiEncoderArgs:
         """A copy with `[model]`'s path, pooling and prompts and `[data] doc_context_length` resolved
@@ -224,24 +224,7 @@ class BiEncoderArgs(LoraFields):
         A guide whose Pooling leaves the prompt out (`include_prompt` false) skips this model's prompts in the ids
         it reads, as sentence-transformers' GISTEmbedLoss hands the model's `prompt_length` to the guide; read
         as text, they are the guide's text and pooled."""
-        own = dict(
-            path=path,
-            pooling="auto",
-            inference_free=None,
-            include_prompt=None,
-            bidirectional=None,
-            shared=True,
-            lora_rank=0,
-            query_prompt="",
-            doc_prompt="",
-            doc_length=0,
-        )
-        guide = dataclasses.replace(self, **own).resolve()  # its folder's pooling and sequence length
-        if guide.pooling in ("splade", "colbert"):
-            raise TextFolderError(
-                f"loss.guide_model / teacher_model={path}: a {guide.pooling} folder, whose vectors have no cosine to "
-                "compare or distill; use a dense embedder's folder"
-            )
+        guide = self._frozen(path)
         mine, theirs = self.tokenizer, guide.tokenizer
         if mine.get_vocab() != theirs.get_vocab() or pad_id(mine) != pad_id(theirs):
             return dataclasses.replace(guide, retokenize_from=self.model_dir)
@@ -254,6 +237,29 @@ class BiEncoderArgs(LoraFields):
             )
         if not guide.include_prompt:  # the prompts its ids carry, left out of its pooling (`BiEncoder.prompt_skip`)
             return dataclasses.replace(guide, query_prompt=self.query_prompt, doc_prompt=self.doc_prompt)
+        return guide
+
+    def _frozen(self, path: str) -> BiEncoderArgs:
+        """These args (their kernel, trust in shipped code) on folder `path` as it stands: its pooling and sequence
+        length, one tower, no prompts, no adapters; a dense embedder's (its cosines are compared or distilled)."""
+        own = dict(
+            path=path,
+            pooling="auto",
+            inference_free=None,
+            include_prompt=None,
+            bidirectional=None,
+            shared=True,
+            lora_rank=0,
+            query_prompt="",
+            doc_prompt="",
+            doc_length=0,
+        )
+        guide = dataclasses.replace(self, **own).resolve()
+        if guide.pooling in ("splade", "colbert"):
+            raise TextFolderError(
+                f"loss.guide_model / teacher_model={path}: a {guide.pooling} folder, whose vectors have no cosine to "
+                "compare or distill; use a dense embedder's folder"
+            )
         return guide
 
     def update_from_data(
@@ -367,3 +373,10 @@ def _prompt(configured: str, flavor: str, folder: str) -> str:
 
 
 bi_encoder_flavors = {"shared": BiEncoderArgs(shared=True), "dual": BiEncoderArgs(shared=False)}
+
+
+def text_guide(path: str, tokens_from: str) -> BiEncoderArgs:
+    """A frozen guide or teacher from the embedder's folder `path` for a model of another family whose batches hold
+    the token ids of the tokenizer at `tokens_from` (a folder, or a bare `tokenizer.json`): it reads them as text
+    (`retokenize.py`), up to its folder's sequence length."""
+    return dataclasses.replace(BiEncoderArgs(path=path)._frozen(path), retokenize_from=tokens_from)

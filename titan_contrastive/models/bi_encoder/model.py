@@ -37,12 +37,11 @@ from titan_contrastive.models.bi_encoder.colbert import colbert_embed, colbert_s
 from titan_contrastive.models.bi_encoder.embedding import dense_head, embed
 from titan_contrastive.models.bi_encoder.folder import (
     layer_blocks,
-    load_tokenizer,
     pad_id,
     prompt_tokens,
     read_text_folder,
 )
-from titan_contrastive.models.bi_encoder.retokenize import Retokenizer
+from titan_contrastive.models.bi_encoder.retokenize import Retokenizer, source_tokenizer
 from titan_contrastive.models.bi_encoder.static_query import StaticQuery, static_weight
 from titan_contrastive.models.bi_encoder.tower import load_text_tower
 from titan_contrastive.models.pretrained_scale import PretrainedScale
@@ -98,7 +97,9 @@ class BiEncoder(PretrainedScale, nn.Module):
         prompts = (args.query_prompt, args.doc_prompt)
         self.prompt_skip = (0, 0) if args.include_prompt else tuple(prompt_tokens(args.tokenizer, p) for p in prompts)
         self.retokenize = (
-            Retokenizer(load_tokenizer(args.retokenize_from, args.trust_remote_code), args.tokenizer, args.doc_length)
+            Retokenizer(
+                *source_tokenizer(args.retokenize_from, args.trust_remote_code), args.tokenizer, args.doc_length
+            )
             if args.retokenize_from
             else None
         )

@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from titan_contrastive.losses import temperature_from_config
+from titan_contrastive.models.bi_encoder.args import BiEncoderArgs, text_guide
 from titan_contrastive.models.bi_encoder.folder import TextFolderError
 from titan_contrastive.models.static.folder import read_static_folder, read_tokenizer, table_shape, vocab_size
 
@@ -74,6 +76,14 @@ class StaticArgs:
     ) -> StaticArgs:
         """The query length comes from data.context_length; the vocabulary and width from the folder."""
         return dataclasses.replace(self, query_length=context_length)
+
+    def as_guide(self, path: str) -> BiEncoderArgs:
+        """The frozen guide or teacher (`[loss] guide_model` / `teacher_model`) from the embedder's folder `path`: a
+        bi_encoder that reads this model's token ids as text (`bi_encoder.args.text_guide`)."""
+        folder = read_static_folder(self.path)
+        return text_guide(
+            path, str(Path(folder.table_dir) / "tokenizer.json") if folder.table_dir else folder.tokenizer_dir
+        )
 
     def num_params(self) -> int:
         """Exact: the table (two with `shared` false) and logit_scale."""

@@ -1,0 +1,132 @@
+"""A static model taught or guided by a sentence-transformers embedder (`[loss] teacher_model`, `guide_model`): the
+frozen all-MiniLM-L6-v2 (perturbed: another vocabulary than the static table's) reads the static ids as text. Each
+step kind's loss and the table's and scale's gradients equal the objective written from the definition, with the
+teacher's embeddings taken from `SentenceTransformer(folder)` of the rows' texts, in float64 within 1e-10: in-batch
+KL toward the teacher's cosines over every column, and the false-negative mask on the guide's cosines; on 1 and 2
+gloo processes, chunk sizes that divide nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.dist_utils import run_distributed
+from tests.needs import needs
+from tests.test_hard_negatives import assert_grads_close
+from tests.test_static import ROWS, _rows, defined_embeddings, static_folder, static_run
+from tests.test_trainer import full
+
+KINDS = {  # local batch, accumulation steps, options ("<frozen>": the MiniLM folder)
+    "gradcache-kl": (
+        6,
+        1,
+        [
+            "--gradcache.enabled=true",
+            "--gradcache.chunk_sizes=5",
+            "--loss.distill=kl",
+            "--loss.teacher_model=<frozen>",
+            "--loss.distill_temperature=0.05",
+            "--loss.contrastive_weight=0.7",
+        ],
+    ),
+    "plain-guide": (6, 1, ["--loss.guide_model=<frozen>", "--loss.mask_margin=-0.2"]),
+    "global-guide-kl": (
+        3,
+        2,
+        [
+            "--loss.negatives=global",
+            "--loss.stream_chunk_size=5",
+            "--loss.guide_model=<frozen>",
+            "--loss.teacher_model=<frozen>",
+            "--loss.mask_margin=-0.2",
+            "--loss.distill=kl",
+            "--loss.distill_temperature=0.1",
+        ],
+    ),
+}
+
+
+def teacher_embeddings(folder: Path, texts: list[str]) -> torch.Tensor:
+    """The frozen model's unit embeddings of `texts`, by sentence-transformers itself in float64."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(folder), device="cpu").double().eval()
+    with torch.no_grad():
+        return F.normalize(model(model.tokenize(texts))["sentence_embedding"], dim=-1)
+
+
+def defined_objective(model, batch: dict, rows: list[tuple[str, str, str]], frozen: Path, cfg) -> torch.Tensor:
+    """One-way InfoNCE over the whole batch (query i against every positive and hard negative), its columns with
+    guide cosine above the positive's + margin masked out (`guide_model`), times contrastive_weight, plus
+    distill_weight x mean_i KL(softmax(T_i / tau) || softmax(S_i)), T the teacher's cosines, S the logits."""
+    q = defined_embeddings(model.query_embedding.weight, batch["query"])
+    d = defined_embeddings(model.doc_embedding.weight, torch.cat([batch["doc"], batch["neg"].flatten(0, 1)]))
+    logits = model.logit_scale.exp() * q @ d.T
+    gq = teacher_embeddings(frozen, [r[0] for r in rows])
+    g = gq @ teacher_embeddings(frozen, [r[1] for r in rows] + [r[2] for r in rows]).T
+    target = torch.arange(len(q))
+    loss = cfg.contrastive_weight
+    if cfg.guide_model:
+        masked = g > g[target, target][:, None] + cfg.mask_margin
+        masked[target, target] = False
+        assert masked.any() and not masked[:, : len(q)].all()
+        loss = loss * F.cross_entropy(logits.masked_fill(masked, float("-inf")), target)
+    else:
+        loss = loss * F.cross_entropy(logits, target)
+    if cfg.distill:
+        p = F.softmax(g / cfg.distill_temperature, dim=1)
+        loss = loss + cfg.distill_weight * (p * (p.log() - F.log_softmax(logits, dim=1))).sum(1).mean()
+    return loss
+
+
+def _step(tmp: Path, frozen: Path, kind: str) -> None:
+    local, ga, args = KINDS[kind]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    trainer = static_run(
+        tmp, f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga * world}",
+        "--loss.symmetric=false", *[a.replace("<frozen>", str(frozen)) for a in args],
+    )  # fmt: skip
+    step = trainer.gradient_step.describe()
+    assert ("frozen teacher's cosines" in step) == ("teacher_model" in str(args))
+    assert ("frozen guide's cosines" in step) == ("guide_model" in str(args))
+    data, n = trainer.train_set, local * ga * world
+    steps = [data.__getitems__(list(range(j * local * world, (j + 1) * local * world))) for j in range(ga)]
+    mine = [{k: v[rank * local : (rank + 1) * local] for k, v in s.items()} for s in steps]
+    every = {k: torch.cat([s[k] for s in steps]) for k in steps[0]}
+    tokenizer = trainer.step_context.guide.retokenize.source
+    for ids, (query, *_) in zip(every["query"], ROWS[:n]):  # the batch holds these rows, in this order
+        assert ids[ids >= 0].tolist() == tokenizer(query, add_special_tokens=False)["input_ids"]
+    model = trainer.spec.build_model(trainer.model_args).double()
+    model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
+    want_loss = defined_objective(model, every, ROWS[:n], frozen, trainer.cfg.loss)
+    want_loss.backward()
+    out = trainer.train_step(mine)
+    grads = {n: full(p.grad) for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert_grads_close(grads, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, 1e-10)
+    assert abs(out["loss"] - want_loss.item()) <= 1e-10 * want_loss.item()
+    trainer.metrics.close()
+
+
+@needs("hf")
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_teacher_or_guide_trains_a_static_model_as_defined(tmp_path: Path, guide_dir: Path, kind: str) -> None:
+    _step(tmp_path, guide_dir, kind)
+
+
+def _distributed(tmp: str, frozen: str) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    _step(Path(tmp), Path(frozen), "global-guide-kl")
+
+
+@needs("hf")
+@pytest.mark.slow  # ~20 s: two processes each load the teacher
+def test_a_teacher_and_guide_under_global_negatives_on_two_ranks(tmp_path: Path, guide_dir: Path) -> None:
+    static_folder(tmp_path)
+    _rows(tmp_path)
+    run_distributed(_distributed, 2, str(tmp_path), str(guide_dir))
