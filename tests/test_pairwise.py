@@ -199,6 +199,7 @@ KINDS = {  # local batch, accumulation steps, options
         1,
         ["--gradcache.enabled=true", "--gradcache.chunk_sizes=4", "--loss.pairwise_in_batch_weight=0.3"],
     ),
+    "gradcache-tokens": (6, 1, ["--gradcache.enabled=true", "--gradcache.chunk_tokens=50"]),
     "global": (3, 2, ["--loss.negatives=global", "--loss.stream_chunk_size=5", "--loss.maxsim_normalize=true"]),
 }
 

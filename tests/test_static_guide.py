@@ -51,10 +51,11 @@ KINDS = {  # local batch, accumulation steps, options ("<frozen>": the MiniLM fo
 
 
 def teacher_embeddings(folder: Path, texts: list[str]) -> torch.Tensor:
-    """The frozen model's unit embeddings of `texts`, by sentence-transformers itself in float64."""
+    """The frozen model's unit embeddings of `texts`, by sentence-transformers itself in float64 (a transformers
+    folder: its mean pooling, run with the code the folder ships, if any)."""
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(str(folder), device="cpu").double().eval()
+    model = SentenceTransformer(str(folder), device="cpu", trust_remote_code=True).double().eval()
     with torch.no_grad():
         return F.normalize(model(model.tokenize(texts))["sentence_embedding"], dim=-1)
 
@@ -83,13 +84,13 @@ def defined_objective(model, batch: dict, rows: list[tuple[str, str, str]], froz
     return loss
 
 
-def _step(tmp: Path, frozen: Path, kind: str) -> None:
+def _step(tmp: Path, frozen: Path, kind: str, *extra: str) -> None:
     local, ga, args = KINDS[kind]
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     trainer = static_run(
         tmp, f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga * world}",
-        "--loss.symmetric=false", *[a.replace("<frozen>", str(frozen)) for a in args],
+        "--loss.symmetric=false", *[a.replace("<frozen>", str(frozen)) for a in args], *extra,
     )  # fmt: skip
     step = trainer.gradient_step.describe()
     assert ("frozen teacher's cosines" in step) == ("teacher_model" in str(args))
@@ -116,6 +117,19 @@ def _step(tmp: Path, frozen: Path, kind: str) -> None:
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_teacher_or_guide_trains_a_static_model_as_defined(tmp_path: Path, guide_dir: Path, kind: str) -> None:
     _step(tmp_path, guide_dir, kind)
+
+
+@needs("hf")
+def test_a_teacher_whose_folder_ships_its_code_runs_it_when_trusted(tmp_path: Path) -> None:
+    """A teacher of a model type transformers does not include (config.json `auto_map`): refused in one line without
+    `[model] trust_remote_code`, and with it the step equals the definition under that code's embeddings."""
+    from tests.hf_folders import architecture_folder
+    from titan_contrastive.config import ConfigError
+
+    teacher = architecture_folder(tmp_path, "own-code", dropout=0.1)
+    with pytest.raises(ConfigError, match=r"^loss.teacher_model=.*model.trust_remote_code=true"):
+        _step(tmp_path, teacher, "gradcache-kl")
+    _step(tmp_path, teacher, "gradcache-kl", "--model.trust_remote_code=true")
 
 
 def _distributed(tmp: str, frozen: str) -> None:

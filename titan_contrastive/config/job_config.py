@@ -123,7 +123,7 @@ class Model:
     random 1 - p of its patches (the class token always), so its tower costs about 1 - p per sample; evaluation
     sees every patch. Replayed exactly in every step kind; may change on resume (FLIP's unmasked tuning: 0)."""
     trust_remote_code: bool = False
-    """bi_encoder: run the Python code a folder ships for its model and tokenizer (config.json `auto_map`:
+    """bi_encoder, static: run the Python code a folder ships for its model and tokenizer (config.json `auto_map`:
     nomic-embed-text, gte-*-v1.5, jina-embeddings-v2), for `path` and a guide's or teacher's folder, as
     transformers' `trust_remote_code=True`. Off, such a folder is refused in one line. Only for folders you trust."""
 

@@ -375,8 +375,9 @@ def _prompt(configured: str, flavor: str, folder: str) -> str:
 bi_encoder_flavors = {"shared": BiEncoderArgs(shared=True), "dual": BiEncoderArgs(shared=False)}
 
 
-def text_guide(path: str, tokens_from: str) -> BiEncoderArgs:
+def text_guide(path: str, tokens_from: str, trust_remote_code: bool = False) -> BiEncoderArgs:
     """A frozen guide or teacher from the embedder's folder `path` for a model of another family whose batches hold
     the token ids of the tokenizer at `tokens_from` (a folder, or a bare `tokenizer.json`): it reads them as text
-    (`retokenize.py`), up to its folder's sequence length."""
-    return dataclasses.replace(BiEncoderArgs(path=path)._frozen(path), retokenize_from=tokens_from)
+    (`retokenize.py`), up to its folder's sequence length; `trust_remote_code` runs the code either folder ships."""
+    own = BiEncoderArgs(path=path, trust_remote_code=trust_remote_code)
+    return dataclasses.replace(own._frozen(path), retokenize_from=tokens_from)

@@ -42,10 +42,13 @@ class StaticArgs:
     init_scale: float = 20.0
     """t at the start (MultipleNegativesRankingLoss's scale); `[loss] init_logit_scale` = log t."""
     learn_logit_scale: bool = True
+    trust_remote_code: bool = False
+    """`[model] trust_remote_code`: run the code a folder ships (config.json `auto_map`) for the tokenizer's folder
+    and a guide's or teacher's; otherwise such a folder is refused."""
 
     def update_from_config(self, cfg: Any) -> StaticArgs:
-        """A copy with `[model]`'s path, prompts and `static_dim` resolved against the folder, `[data]
-        doc_context_length`, and `[loss] init_logit_scale` (default: log 20) and `learn_logit_scale`; a
+        """A copy with `[model]`'s path, prompts, `static_dim` and `trust_remote_code` resolved against the folder,
+        `[data] doc_context_length`, and `[loss] init_logit_scale` (default: log 20) and `learn_logit_scale`; a
         TextFolderError (one line, the fix) for a folder without a table and no `static_dim`."""
         m = cfg.model
         path = m.path or self.path
@@ -56,7 +59,8 @@ class StaticArgs:
                 "sentence-transformers StaticEmbedding or model2vec folder); set model.static_dim (e.g. 1024) to start "
                 "one at random over its vocabulary, or point model.path at such a folder"
             )
-        shape = (vocab_size(read_tokenizer(folder)), m.static_dim) if m.static_dim else table_shape(folder)
+        trust = m.trust_remote_code
+        shape = (vocab_size(read_tokenizer(folder, trust)), m.static_dim) if m.static_dim else table_shape(folder)
         t = temperature_from_config(cfg, default_logit_scale=math.log(self.init_scale))
         return dataclasses.replace(
             self,
@@ -69,6 +73,7 @@ class StaticArgs:
             doc_length=cfg.data.doc_context_length or DEFAULT_DOC_LENGTH,
             init_scale=math.exp(t.init_logit_scale),
             learn_logit_scale=t.learn_logit_scale,
+            trust_remote_code=trust,
         )
 
     def update_from_data(
@@ -81,9 +86,8 @@ class StaticArgs:
         """The frozen guide or teacher (`[loss] guide_model` / `teacher_model`) from the embedder's folder `path`: a
         bi_encoder that reads this model's token ids as text (`bi_encoder.args.text_guide`)."""
         folder = read_static_folder(self.path)
-        return text_guide(
-            path, str(Path(folder.table_dir) / "tokenizer.json") if folder.table_dir else folder.tokenizer_dir
-        )
+        tokens_from = str(Path(folder.table_dir) / "tokenizer.json") if folder.table_dir else folder.tokenizer_dir
+        return text_guide(path, tokens_from, self.trust_remote_code)
 
     def num_params(self) -> int:
         """Exact: the table (two with `shared` false) and logit_scale."""

@@ -64,7 +64,7 @@ def write(src: str, out: Path, side: str = "query") -> None:
 
     args, model, length, prompt = _side(src, side)
     want = _run_embeddings(args, model, side)
-    backend = read_tokenizer(read_static_folder(args.path))
+    backend = read_tokenizer(read_static_folder(args.path), args.trust_remote_code)
     backend.no_padding()
     backend.enable_truncation(max_length=length)  # where the run cut this side's texts
     prompts = {name: p for name, p in (("query", args.query_prompt), ("document", args.doc_prompt)) if p}
@@ -87,7 +87,7 @@ def write_model2vec(src: str, out: Path, side: str = "query") -> None:
             f"--to model2vec: {src} prepends the {side} prompt {prompt!r}, which a model2vec model cannot hold; "
             "export --to sentence-transformers (it keeps the prompts)"
         )
-    backend = read_tokenizer(read_static_folder(args.path))
+    backend = read_tokenizer(read_static_folder(args.path), args.trust_remote_code)
     backend.no_padding()
     backend.no_truncation()  # model2vec cuts at its max_length
     mine = StaticModel(_table(model, side).numpy(), backend, normalize=True, max_length=length)

@@ -79,14 +79,14 @@ def _holds_table(folder: Path) -> bool:
         raise TextFolderError(f"{weights}: not a readable safetensors file ({str(e)[:120]}); repair it") from None
 
 
-def read_tokenizer(folder: StaticFolder) -> Any:
+def read_tokenizer(folder: StaticFolder, trust: bool = False) -> Any:
     """The `tokenizers.Tokenizer` the texts are read with: the table's `tokenizer.json`, as StaticEmbedding reads
-    it, else the folder's fast tokenizer (transformers')."""
+    it, else the folder's fast tokenizer (transformers'; with `trust`, one whose code the folder ships)."""
     if folder.table_dir:
         from tokenizers import Tokenizer
 
         return Tokenizer.from_file(str(Path(folder.table_dir) / "tokenizer.json"))
-    backend = getattr(load_tokenizer(folder.tokenizer_dir), "backend_tokenizer", None)
+    backend = getattr(load_tokenizer(folder.tokenizer_dir, trust), "backend_tokenizer", None)
     if backend is None:
         raise TextFolderError(
             f"{folder.tokenizer_dir}: its tokenizer is not a fast (Rust) one, which a StaticEmbedding needs; save it "

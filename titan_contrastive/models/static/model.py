@@ -36,7 +36,7 @@ def hf_tokenizer(backend: object) -> object:
 def build_tokenizer(args: StaticArgs) -> PairTokenizer:
     """`ModelSpec.build_tokenizer`: the folder's tokenizer without special tokens, the prompts and lengths."""
     return PairTokenizer(
-        hf_tokenizer(read_tokenizer(read_static_folder(args.path))),
+        hf_tokenizer(read_tokenizer(read_static_folder(args.path), args.trust_remote_code)),
         doc_length=args.doc_length,
         pad_id=PAD,
         query_prompt=args.query_prompt,
