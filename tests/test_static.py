@@ -121,11 +121,22 @@ def _step(tmp: Path, kind: str, *extra: str, symmetric: bool = False) -> None:
     data = trainer.train_set
     steps = [data.__getitems__(list(range(j * local * world, (j + 1) * local * world))) for j in range(ga)]
     mine = [{k: v[rank * local : (rank + 1) * local] for k, v in s.items()} for s in steps]
-    model = trainer.spec.build_model(trainer.model_args).double()
-    model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
+    model = float64_copy(trainer)
     every = {k: torch.cat([s[k] for s in steps]) for k in steps[0]}
     assert (every["query"] == -1).any() and every["neg"].shape[1] == 1  # padded, one hard negative per row
-    want_loss = defined_loss(model, every, symmetric)
+    assert_step_is(trainer, mine, model, defined_loss(model, every, symmetric))
+
+
+def float64_copy(trainer) -> torch.nn.Module:
+    """The trainer's model rebuilt in float64 with its (gathered) weights."""
+    model = trainer.spec.build_model(trainer.model_args).double()
+    model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
+    return model
+
+
+def assert_step_is(trainer, mine: list[dict], model: torch.nn.Module, want_loss: torch.Tensor) -> None:
+    """The trainer's step on this rank's microbatches `mine` has loss `want_loss` (computed on `model`, the float64
+    copy) and its gradients, within 1e-10."""
     want_loss.backward()
     out = trainer.train_step(mine)
     grads = {n: full(p.grad) for n, p in trainer.model.named_parameters() if p.requires_grad}

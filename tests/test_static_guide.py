@@ -16,9 +16,7 @@ import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
 from tests.needs import needs
-from tests.test_hard_negatives import assert_grads_close
-from tests.test_static import ROWS, _rows, defined_embeddings, static_folder, static_run
-from tests.test_trainer import full
+from tests.test_static import ROWS, _rows, assert_step_is, defined_embeddings, float64_copy, static_folder, static_run
 
 KINDS = {  # local batch, accumulation steps, options ("<frozen>": the MiniLM folder)
     "gradcache-kl": (
@@ -102,15 +100,8 @@ def _step(tmp: Path, frozen: Path, kind: str, *extra: str) -> None:
     tokenizer = trainer.step_context.guide.retokenize.source
     for ids, (query, *_) in zip(every["query"], ROWS[:n]):  # the batch holds these rows, in this order
         assert ids[ids >= 0].tolist() == tokenizer(query, add_special_tokens=False)["input_ids"]
-    model = trainer.spec.build_model(trainer.model_args).double()
-    model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
-    want_loss = defined_objective(model, every, ROWS[:n], frozen, trainer.cfg.loss)
-    want_loss.backward()
-    out = trainer.train_step(mine)
-    grads = {n: full(p.grad) for n, p in trainer.model.named_parameters() if p.requires_grad}
-    assert_grads_close(grads, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, 1e-10)
-    assert abs(out["loss"] - want_loss.item()) <= 1e-10 * want_loss.item()
-    trainer.metrics.close()
+    model = float64_copy(trainer)
+    assert_step_is(trainer, mine, model, defined_objective(model, every, ROWS[:n], frozen, trainer.cfg.loss))
 
 
 @needs("hf")
