@@ -169,3 +169,21 @@ def test_wordnet_distill_changes_only_the_loss(tmp_path: Path) -> None:
         "kl_model_ft",
     ]
     assert list(wordnet_distill.VARIANTS).index("teacher") < list(wordnet_distill.VARIANTS).index("kl_ft")
+
+
+def test_static_distill_variants_differ_only_in_the_teacher(tmp_path: Path) -> None:
+    """benchmarks.static_distill: one config cut alike; `ahead` reads the embeddings file the benchmark writes,
+    `model` runs the bundled MiniLM, `none` has no teacher."""
+    from benchmarks import static_distill as sd
+    from titan_contrastive.config.manager import parse_args
+
+    cfgs = {
+        name: parse_args(
+            [f"--job.config_file={REPO / sd.CONFIG}", *sd.command(name, tmp_path / name, tmp_path / "sd")[1:]]
+        )
+        for name in sd.VARIANTS
+    }
+    for name, cfg in cfgs.items():
+        assert (cfg.training.steps, cfg.training.local_batch_size, cfg.model.name) == (sd.STEPS, sd.BATCH, "static")
+        assert cfg.loss.teacher_embeddings == (str(sd.embeddings(tmp_path / "sd")) if name == "ahead" else "")
+        assert bool(cfg.loss.teacher_model) == (name == "model") and bool(cfg.loss.distill) == (name != "none")

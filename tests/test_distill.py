@@ -234,7 +234,7 @@ MODEL_PAIRS = [
 
 def model_distilled_of(case: dict, dcase: dict):
     inner = objective_of(dict(case, matryoshka=None))
-    objective = Distilled(inner, Distillation("kl", dcase["w"], dcase["tau"], model=True), dcase["cw"])
+    objective = Distilled(inner, Distillation("kl", dcase["w"], dcase["tau"], model="loss.teacher_model"), dcase["cw"])
     if case["matryoshka"]:
         dims, weights = zip(*case["matryoshka"])
         objective = Matryoshka(objective, dims, weights)

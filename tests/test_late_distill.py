@@ -147,7 +147,7 @@ def test_late_interaction_keeps_the_term_and_refuses_what_reads_one_vector() -> 
     converted = late_interaction(Distilled(InfoNCE(True), kl, 0.0), 8, normalize=True)
     assert converted == Distilled(LateInteraction(8, True, True), kl, 0.0)
     with pytest.raises(ValueError, match=r"^loss.teacher_model scores every column by one vector per text"):
-        late_interaction(Distilled(InfoNCE(False), Distillation("kl", model=True)), 8)
+        late_interaction(Distilled(InfoNCE(False), Distillation("kl", model="loss.teacher_model")), 8)
     with pytest.raises(ValueError, match=r"^loss.cosent_similarity=angle reads one vector per text"):
         late_interaction(Distilled(InfoNCE(False), Distillation("cosent", similarity="angle")), 8)
 

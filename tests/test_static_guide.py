@@ -3,10 +3,14 @@ frozen all-MiniLM-L6-v2 (perturbed: another vocabulary than the static table's) 
 step kind's loss and the table's and scale's gradients equal the objective written from the definition, with the
 teacher's embeddings taken from `SentenceTransformer(folder)` of the rows' texts, in float64 within 1e-10: in-batch
 KL toward the teacher's cosines over every column, and the false-negative mask on the guide's cosines; on 1 and 2
-gloo processes, chunk sizes that divide nothing."""
+gloo processes, chunk sizes that divide nothing. The same with the model's embeddings written ahead by
+`python -m titan_contrastive.embed` (`teacher_embeddings`, `guide_embeddings`): no frozen model is built, the
+definition reads the file's vectors, and those are sentence-transformers' to float32 rounding; on 1, 2 and 4
+processes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,9 +18,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, write_once
 from tests.needs import needs
-from tests.test_static import ROWS, _rows, assert_step_is, defined_embeddings, float64_copy, static_folder, static_run
+from tests.test_static import (
+    ROWS,
+    _rows,
+    assert_step_is,
+    bert_tokenizer,
+    defined_embeddings,
+    float64_copy,
+    static_folder,
+    static_run,
+)
 
 KINDS = {  # local batch, accumulation steps, options ("<frozen>": the MiniLM folder)
     "gradcache-kl": (
@@ -58,6 +71,24 @@ def teacher_embeddings(folder: Path, texts: list[str]) -> torch.Tensor:
         return F.normalize(model(model.tokenize(texts))["sentence_embedding"], dim=-1)
 
 
+def file_embeddings(file: Path) -> Callable[[list[str], str], torch.Tensor]:
+    """(texts, side) -> the unit embeddings `file` (written by `titan_contrastive.embed`) holds, in float64."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(file).to_pylist()
+    by_key = {(r["side"], r["text"]): r["embedding"] for r in table}
+    return lambda texts, side: F.normalize(torch.tensor([by_key[side, t] for t in texts], dtype=torch.float64), dim=-1)
+
+
+def embedded(tmp: Path, frozen: Path) -> Path:
+    """The frozen model's embeddings of the rows' texts, written once per tmp by the `embed` command."""
+    from titan_contrastive.embed import main
+
+    rows = write_once(tmp / "rows.jsonl", lambda: _rows(tmp))
+    file = tmp / "frozen.parquet"
+    return write_once(file, lambda: file if main([str(rows), "--model", str(frozen), "--out", str(file)]) == 0 else 0)
+
+
 def defined_objective(model, batch: dict, rows: list[tuple[str, str, str]], frozen: Path, cfg) -> torch.Tensor:
     """One-way InfoNCE over the whole batch (query i against every positive and hard negative), its columns with
     guide cosine above the positive's + margin masked out (`guide_model`), times contrastive_weight, plus
@@ -65,11 +96,12 @@ def defined_objective(model, batch: dict, rows: list[tuple[str, str, str]], froz
     q = defined_embeddings(model.query_embedding.weight, batch["query"])
     d = defined_embeddings(model.doc_embedding.weight, torch.cat([batch["doc"], batch["neg"].flatten(0, 1)]))
     logits = model.logit_scale.exp() * q @ d.T
-    gq = teacher_embeddings(frozen, [r[0] for r in rows])
-    g = gq @ teacher_embeddings(frozen, [r[1] for r in rows] + [r[2] for r in rows]).T
+    embed = file_embeddings(frozen) if frozen.suffix else lambda texts, side: teacher_embeddings(frozen, texts)
+    gq = embed([r[0] for r in rows], "query")
+    g = gq @ embed([r[1] for r in rows] + [r[2] for r in rows], "document").T
     target = torch.arange(len(q))
     loss = cfg.contrastive_weight
-    if cfg.guide_model:
+    if cfg.guide_model or cfg.guide_embeddings:
         masked = g > g[target, target][:, None] + cfg.mask_margin
         masked[target, target] = False
         assert masked.any() and not masked[:, : len(q)].all()
@@ -82,8 +114,12 @@ def defined_objective(model, batch: dict, rows: list[tuple[str, str, str]], froz
     return loss
 
 
-def _step(tmp: Path, frozen: Path, kind: str, *extra: str) -> None:
+def _step(tmp: Path, frozen: Path, kind: str, *extra: str, ahead: bool = False) -> None:
+    """`ahead`: the frozen model's embeddings written ahead (`embedded`) instead of the model running."""
     local, ga, args = KINDS[kind]
+    if ahead:
+        frozen = embedded(tmp, frozen)
+        args = [a.replace("_model=", "_embeddings=") for a in args]
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     trainer = static_run(
@@ -91,13 +127,14 @@ def _step(tmp: Path, frozen: Path, kind: str, *extra: str) -> None:
         "--loss.symmetric=false", *[a.replace("<frozen>", str(frozen)) for a in args], *extra,
     )  # fmt: skip
     step = trainer.gradient_step.describe()
-    assert ("frozen teacher's cosines" in step) == ("teacher_model" in str(args))
-    assert ("frozen guide's cosines" in step) == ("guide_model" in str(args))
+    assert ("frozen teacher's cosines" in step) == ("teacher_" in str(args))
+    assert ("frozen guide's cosines" in step) == ("guide_" in str(args))
+    assert ("embedded ahead" in step) == ahead == (trainer.step_context.guide is None)
     data, n = trainer.train_set, local * ga * world
     steps = [data.__getitems__(list(range(j * local * world, (j + 1) * local * world))) for j in range(ga)]
     mine = [{k: v[rank * local : (rank + 1) * local] for k, v in s.items()} for s in steps]
     every = {k: torch.cat([s[k] for s in steps]) for k in steps[0]}
-    tokenizer = trainer.step_context.guide.retokenize.source
+    tokenizer = bert_tokenizer()
     for ids, (query, *_) in zip(every["query"], ROWS[:n]):  # the batch holds these rows, in this order
         assert ids[ids >= 0].tolist() == tokenizer(query, add_special_tokens=False)["input_ids"]
     model = float64_copy(trainer)
@@ -108,6 +145,15 @@ def _step(tmp: Path, frozen: Path, kind: str, *extra: str) -> None:
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_teacher_or_guide_trains_a_static_model_as_defined(tmp_path: Path, guide_dir: Path, kind: str) -> None:
     _step(tmp_path, guide_dir, kind)
+
+
+@needs("hf", "data")
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_embeddings_written_ahead_teach_or_guide_as_defined(tmp_path: Path, guide_dir: Path, kind: str) -> None:
+    _step(tmp_path, guide_dir, kind, ahead=True)
+    ahead = file_embeddings(tmp_path / "frozen.parquet")
+    for side, texts in (("query", [r[0] for r in ROWS]), ("document", [t for r in ROWS for t in r[1:]])):
+        assert torch.allclose(ahead(texts, side), teacher_embeddings(guide_dir, texts), rtol=0, atol=1e-6)
 
 
 @needs("hf")
@@ -123,10 +169,10 @@ def test_a_teacher_whose_folder_ships_its_code_runs_it_when_trusted(tmp_path: Pa
     _step(tmp_path, teacher, "gradcache-kl", "--model.trust_remote_code=true")
 
 
-def _distributed(tmp: str, frozen: str) -> None:
+def _distributed(tmp: str, frozen: str, ahead: bool = False) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    _step(Path(tmp), Path(frozen), "global-guide-kl")
+    _step(Path(tmp), Path(frozen), "global-guide-kl", ahead=ahead)
 
 
 @needs("hf")
@@ -135,3 +181,14 @@ def test_a_teacher_and_guide_under_global_negatives_on_two_ranks(tmp_path: Path,
     static_folder(tmp_path)
     _rows(tmp_path)
     run_distributed(_distributed, 2, str(tmp_path), str(guide_dir))
+
+
+@needs("hf", "data")
+@pytest.mark.slow  # ~15 s: the file is written once, no process loads a model
+@pytest.mark.parametrize("world", [2, 4])
+def test_embeddings_written_ahead_under_global_negatives_across_ranks(
+    tmp_path: Path, guide_dir: Path, world: int
+) -> None:
+    static_folder(tmp_path)
+    embedded(tmp_path, guide_dir)
+    run_distributed(_distributed, world, str(tmp_path), str(guide_dir), True)

@@ -7,7 +7,8 @@
   of those image fields (`IMAGE_FIELDS`);
 - `negatives`: hard negatives laid out beside their positives as one document input
   (`with_negatives`, the batch key `NEGATIVES`), the documents' ids (`document_ids`, or the
-  data's own under the batch key `DOC_IDS`) and a teacher's scores of them (`TEACHER_SCORES`);
+  data's own under the batch key `DOC_IDS`), a teacher's scores of them (`TEACHER_SCORES`) and a frozen
+  model's embeddings computed ahead (`FROZEN_QUERIES`, `FROZEN_DOCS`);
 - `tokens`: right-padded token ids, each chunk cut to its longest sequence (`trim_padding`,
   `right_trimmed`) and chunks packed by a token budget (`token_chunks`), whose plan every rank
   of a process group runs alike (`max_over_ranks`).
@@ -19,12 +20,14 @@ project together with this folder. Imports inside the package are relative for t
 """
 
 from .inputs import BatchError, batch_size, split_inputs, take_chunks
-from .negatives import DOC_IDS, NEGATIVES, TEACHER_SCORES, document_ids, with_negatives
+from .negatives import DOC_IDS, FROZEN_DOCS, FROZEN_QUERIES, NEGATIVES, TEACHER_SCORES, document_ids, with_negatives
 from .tokens import PaddedField, max_over_ranks, padded_fields, right_trimmed, token_chunks, trim_padding
 from .vlm import IMAGE_FIELDS, split_sides, split_vlm_inputs, take_vlm_chunks
 
 __all__ = [
     "DOC_IDS",
+    "FROZEN_DOCS",
+    "FROZEN_QUERIES",
     "IMAGE_FIELDS",
     "NEGATIVES",
     "TEACHER_SCORES",

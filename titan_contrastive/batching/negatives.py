@@ -11,7 +11,8 @@ that sample's hard negatives.
 The duplicate mask compares document ids. `document_ids` derives them from the token ids; data
 that knows its documents' identities serves them instead as `doc_id` (`DOC_IDS`), int64 [B], or
 [B, 1 + k] in the layout above when it serves hard negatives (`datasets/pairs.py`'s id column).
-A teacher's scores of the same documents ride along as `TEACHER_SCORES` for distillation.
+A teacher's scores of the same documents ride along as `TEACHER_SCORES` for distillation, and a
+frozen model's embeddings computed ahead (`datasets/frozen.py`) as `FROZEN_QUERIES` and `FROZEN_DOCS`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from .inputs import BatchError
 
-__all__ = ["DOC_IDS", "NEGATIVES", "TEACHER_SCORES", "document_ids", "with_negatives"]
+__all__ = ["DOC_IDS", "FROZEN_DOCS", "FROZEN_QUERIES", "NEGATIVES", "TEACHER_SCORES", "document_ids", "with_negatives"]
 
 NEGATIVES = "neg"
 """The batch key of the hard negatives [B, k, ...]."""
@@ -31,6 +32,10 @@ DOC_IDS = "doc_id"
 TEACHER_SCORES = "teacher_scores"
 """The batch key of a teacher's scores of each sample's documents, float32 [B, 1 + k] in the layout
 above (`losses/distill.py`)."""
+FROZEN_QUERIES = "frozen_query"
+"""The batch key of a frozen model's embeddings of the queries, float32 [B, d'] (`datasets/frozen.py`)."""
+FROZEN_DOCS = "frozen_doc"
+"""The same model's embeddings of the documents, [B, d'] or [B, 1 + k, d'] in the layout above."""
 
 
 def with_negatives(doc: Tensor, neg: Tensor, pad_id: int | None) -> Tensor:

@@ -44,6 +44,9 @@ class Loss:
     """Mask columns with cos(q, d) > mask_relative x cos(q, positive) (NV-Retriever; e.g. 0.95)."""
     guide_model: str = ""
     """A frozen model folder whose cosines the margin and relative masks compare (GISTEmbed's guide; bi_encoder)."""
+    guide_embeddings: str = ""
+    """A .parquet/.jsonl file of a guide's embeddings of the data's texts (text, embedding[, side]; written by
+    `python -m titan_contrastive.embed`), used as guide_model's are, with no guide running (pairs, wordnet)."""
     distill: Literal["", "kl", "margin_mse", "cosent"] = ""
     """Add a term on the data's scores (pairs' label/score column, 1 + k per row): a teacher's, distilled by kl or
     margin_mse; or gold labels (an STS set's), every (query, own document) pair ranked by cosent (CoSENT)."""
@@ -84,6 +87,9 @@ class Loss:
     quadratic warmup; sentence-transformers' SparseEncoderTrainer does it over a third of the run); 0 = none."""
     teacher_model: str = ""
     """distill=kl: a frozen model folder whose cosines over every column are the teacher's scores (bi_encoder)."""
+    teacher_embeddings: str = ""
+    """distill=kl: a .parquet/.jsonl file of a teacher's embeddings of the data's texts (as guide_embeddings), whose
+    cosines over every column are the teacher's scores, with no teacher running (pairs, wordnet)."""
     matryoshka_dims: list[int] = opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")
     """Train the loss on each of these leading-dimension prefixes, renormalized (e.g. [384, 256, 128, 64]); each
     token's, for a ColBERT model."""

@@ -56,19 +56,26 @@ def build_dataset(
     image_size: int = 0,
     tokenizer: Any = None,
     hard_negatives: bool = True,
+    frozen: Any = None,
 ) -> Dataset:
     """One split of a dataset, in memory. `seed` drives the per-sample randomness of the train
     split (caption template, flips when `augment`); the test split is deterministic.
     `image_size` > 0 serves images resized to that square size. `tokenizer`: the model family's
     own tokenizer, for the text-pair datasets that use one (wordnet); `hard_negatives`: whether
-    they serve their mined negatives (data.hard_negatives)."""
+    they serve their mined negatives (data.hard_negatives); `frozen`: a frozen model's embeddings of
+    their texts (`datasets.frozen.EmbeddingTable`), served beside them."""
     if name not in _BUILDERS:
         raise DataError(f"data.dataset={name!r}: unknown dataset; choose one of {', '.join(DATASETS)}")
     if split not in SPLITS:
         raise DataError(f"split={split!r}: unknown split; choose one of {', '.join(SPLITS)}")
     if name in TOKENIZED_BY_MODEL:
         return _BUILDERS[name](
-            split, path=path, context_length=context_length, tokenizer=tokenizer, hard_negatives=hard_negatives
+            split,
+            path=path,
+            context_length=context_length,
+            tokenizer=tokenizer,
+            hard_negatives=hard_negatives,
+            frozen=frozen,
         )
     if tokenizer is not None and not isinstance(tokenizer, CaptionTokenizer):
         raise DataError(

@@ -23,6 +23,7 @@ from titan_contrastive.config.job_config import JobConfig
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
 from titan_contrastive.datasets.files import FileImageTextDataset
+from titan_contrastive.datasets.frozen import EmbeddingTable
 from titan_contrastive.datasets.hf_disk import HfSource
 from titan_contrastive.datasets.image_folder import ImageFolderZeroShot, load_templates
 from titan_contrastive.datasets.loader import EpochLoader, build_dataloader
@@ -40,6 +41,35 @@ DEFAULT_CONTEXT = {"byte": 32, "clip_bpe": 77}
 NEGATIVE_KEYS = {"csv": "csv_negative_keys", "webdataset": "wds_negative_key", "hf": "hf_negative_columns"}
 """data.dataset -> the `[data]` key naming its negative captions."""
 logger = logging.getLogger("titan_contrastive")
+
+
+def frozen_table(cfg: JobConfig) -> EmbeddingTable | None:
+    """The file of a frozen model's embeddings (`[loss] guide_embeddings` / `teacher_embeddings`), read for
+    the train split of text pairs (`datasets/frozen.py`); None when neither is set. A run holds one frozen
+    model or one such file."""
+    loss = cfg.loss
+    files = {key: path for key in ("guide_embeddings", "teacher_embeddings") if (path := getattr(loss, key))}
+    if not files:
+        return None
+    (key, path), *rest = files.items()
+    if rest and rest[0][1] != path:
+        raise DataError(
+            f"loss.teacher_embeddings={loss.teacher_embeddings!r} and loss.guide_embeddings={loss.guide_embeddings!r}:"
+            " a run holds one frozen model's embeddings; give both the same file, or leave one empty"
+        )
+    for model_key in ("guide_model", "teacher_model"):
+        if folder := getattr(loss, model_key):
+            raise DataError(
+                f"loss.{model_key}={folder!r} and loss.{key}={path!r}: a run holds one frozen model, run or "
+                f"embedded ahead; use the file for both roles (loss.{model_key.replace('model', 'embeddings')}), "
+                f"or leave loss.{key} empty"
+            )
+    if cfg.data.dataset not in ("pairs", "wordnet"):
+        raise DataError(
+            f"loss.{key}={path!r} holds embeddings of text pairs' texts, and data.dataset={cfg.data.dataset!r}: use "
+            f"data.dataset='pairs' (or 'wordnet'), or leave loss.{key} empty"
+        )
+    return EmbeddingTable.read(path, f"loss.{key}")
 
 
 def check_negative_keys(data: Data) -> None:
@@ -74,7 +104,8 @@ def check_teacher(data: Data, distill: str) -> None:
     if distill and data.dataset != "pairs":
         raise DataError(
             f"loss.distill={distill!r} reads a teacher's scores from text pairs (a label/score column), which "
-            f"data.dataset={data.dataset!r} does not serve: use data.dataset='pairs', a loss.teacher_model, or "
+            f"data.dataset={data.dataset!r} does not serve: use data.dataset='pairs', a loss.teacher_model (or "
+            "teacher_embeddings), or "
             "leave loss.distill empty"
         )
     if distill and distill != "cosent" and not data.hard_negatives:  # CoSENT ranks the positives' scores too
@@ -255,8 +286,10 @@ def build_data(
         raise ConfigError(str(e)) from None
     eval_sets: list[Dataset | None] = []
     check_negative_keys(data)
-    scores = "" if cfg.loss.teacher_model else cfg.loss.distill  # the data's teacher scores, unless a model gives them
+    teacher = cfg.loss.teacher_model or cfg.loss.teacher_embeddings
+    scores = "" if teacher else cfg.loss.distill  # the data's teacher scores, unless a model's embeddings give them
     check_teacher(data, scores)
+    frozen = frozen_table(cfg)
     check_joined_sources(data)
     if data.dataset in FILE_SOURCES:
         if pair_tokenizer is not None and not isinstance(pair_tokenizer, CaptionTokenizer):
@@ -305,6 +338,7 @@ def build_data(
             teacher=scores,
             query_prompts=data.query_prompts,
             doc_prompts=data.doc_prompts,
+            frozen=frozen,
             **common,
         )
         eval_sets.append(PairsDataset(split="test", path=data.val_path, **common) if data.val_path else None)
@@ -342,7 +376,7 @@ def build_data(
             tokenizer=pair_tokenizer,
             hard_negatives=data.hard_negatives,
         )
-        train = build_bundled(data.dataset, "train", augment=data.augment, **common)
+        train = build_bundled(data.dataset, "train", augment=data.augment, frozen=frozen, **common)
         eval_sets.append(build_bundled(data.dataset, "test", augment=False, **common))
     if eval_cfg.zero_shot_path:
         if not isinstance(train, FileImageTextDataset):

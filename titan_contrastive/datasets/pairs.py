@@ -29,6 +29,8 @@ Teacher scores (loss.distill, train split): per row a list of 1 + k numbers, the
 then each negative's (a JSON list in a CSV/TSV cell); for margin_mse also k margins T_0 - T_j (one
 number for a triplet), read as the scores [0, -m_1, ..., -m_k]. Served as `teacher_scores`
 (`batching.TEACHER_SCORES`) float32 [B, 1 + k]; a row whose scores are not such numbers is a bad row.
+A frozen model's embeddings of the texts, from a file of their own (loss.teacher_embeddings or
+guide_embeddings), are served beside them (`datasets/frozen.py`).
 
 Why everything is tokenized at load, as for WordNet: a batch is then one gather, and the texts
 are small next to images. A bad row (an empty query, positive or negative, another number of
@@ -54,8 +56,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from titan_contrastive.batching import DOC_IDS, NEGATIVES, TEACHER_SCORES
+from titan_contrastive.batching import DOC_IDS, FROZEN_DOCS, FROZEN_QUERIES, NEGATIVES, TEACHER_SCORES
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.frozen import EmbeddingTable
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, joins, split_sources
 from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.tables import read_table
@@ -344,6 +347,7 @@ class PairsDataset:
         teacher: str = "",
         query_prompts: Sequence[str] = (),
         doc_prompts: Sequence[str] = (),
+        frozen: EmbeddingTable | None = None,
     ) -> None:
         parts, factors = split_sources(path, factors)
         tokenizers = source_tokenizers(tokenizer, parts, query_prompts, doc_prompts)
@@ -353,7 +357,9 @@ class PairsDataset:
         spans = [(len(f.texts), t) for f, t in zip(files, tokenizers)]
         if scores is not None and teacher == "cosent" and not hard_negatives:  # the positives' scores alone
             scores = [row[:1] for row in scores]
-        self._setup(texts, ids, "pairs", split, path, tokenizer, query_length, hard_negatives, scores, spans, teacher)
+        self._setup(
+            texts, ids, "pairs", split, path, tokenizer, query_length, hard_negatives, scores, spans, teacher, frozen
+        )
         if joins(factors):
             self._mix = SourceMix([len(f.texts) for f in files], factors)
             self.source_sizes = self._mix.sizes
@@ -370,6 +376,7 @@ class PairsDataset:
         query_length: int,
         ids: Sequence[str] | None = None,
         hard_negatives: bool = True,
+        frozen: EmbeddingTable | None = None,
     ) -> PairsDataset:
         """A dataset of rows (query, positive, negatives...), all of one width; `ids`: the positives' ids."""
         if not rows or len({len(r) for r in rows}) != 1 or len(rows[0]) < 2:
@@ -378,7 +385,7 @@ class PairsDataset:
             raise DataError(f"{source}: {len(ids)} ids for {len(rows)} rows; give one id per row")
         self = cls.__new__(cls)
         self.skipped = Counter()
-        self._setup(rows, ids, name, split, source, tokenizer, query_length, hard_negatives)
+        self._setup(rows, ids, name, split, source, tokenizer, query_length, hard_negatives, frozen=frozen)
         return self
 
     def _setup(
@@ -394,9 +401,11 @@ class PairsDataset:
         scores: Sequence[Sequence[float]] | None = None,
         spans: Sequence[tuple[int, PairTokenizer]] = (),
         teacher: str = "",
+        frozen: EmbeddingTable | None = None,
     ) -> None:
         """`spans`: (rows, their tokenizer) per source in order; empty = every row through `tokenizer`;
-        `teacher`: the loss.distill kind that reads `scores`."""
+        `teacher`: the loss.distill kind that reads `scores`; `frozen`: a frozen model's embeddings of the rows'
+        texts (`datasets/frozen.py`)."""
         self.name, self.split, self.source, self.full = name, split, source, True
         self._mix: SourceMix | None = None
         self.source_sizes: list[int] | None = None
@@ -433,6 +442,9 @@ class PairsDataset:
                 else f"{name}: data.hard_negatives=false: the {in_file} hard negative(s) per row in {source} are not "
                 "served; each query's problem has the batch's positives only"
             )
+        self._frozen = None if frozen is None else (frozen.vectors, frozen.rows(rows, 2 + k))
+        if frozen is not None:
+            logger.info(f"{name}: a frozen model's {frozen.dim}-wide embeddings of every text from {frozen.source}")
         if self._teacher is not None:
             logger.info(f"{name}: the teacher's scores of each row's 1 + {k} documents from {source} (loss.distill)")
         if split == "train" and ids is not None:
@@ -460,4 +472,8 @@ class PairsDataset:
             batch[DOC_IDS] = self._ids[idx]
         if self._teacher is not None:
             batch[TEACHER_SCORES] = self._teacher[idx]
+        if self._frozen is not None:
+            vectors, at = self._frozen
+            batch[FROZEN_QUERIES] = vectors[at[idx, 0]]
+            batch[FROZEN_DOCS] = vectors[at[idx, 1:]] if self.num_negatives else vectors[at[idx, 1]]
         return batch

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.frozen import EmbeddingTable
 from titan_contrastive.datasets.pairs import PairsDataset
 
 BUNDLE_DIR = Path(__file__).resolve().parents[1] / "assets" / "wordnet"
@@ -61,6 +62,7 @@ def build_wordnet(
     context_length: int = 32,
     tokenizer: Any = None,
     hard_negatives: bool = True,
+    frozen: EmbeddingTable | None = None,
     **_: Any,
 ) -> PairsDataset:
     if tokenizer is None:
@@ -77,4 +79,5 @@ def build_wordnet(
         tokenizer=tokenizer,
         query_length=context_length,
         hard_negatives=hard_negatives,
+        frozen=frozen,
     )

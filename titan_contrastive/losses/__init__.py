@@ -102,9 +102,11 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
     if name not in OBJECTIVES:
         raise ConfigError(f"loss.name={name!r} is not an objective; valid: {', '.join(sorted(OBJECTIVES))}")
     masking = FalseNegatives(loss.mask_duplicates, loss.mask_margin, loss.mask_relative)
-    if loss.guide_model and loss.mask_margin is None and loss.mask_relative is None:
+    guide_key, guide = _frozen(loss, "guide")
+    teacher_key, teacher = _frozen(loss, "teacher")
+    if guide and loss.mask_margin is None and loss.mask_relative is None:
         raise ConfigError(
-            f"loss.guide_model={loss.guide_model!r} decides the margin and relative masks, and neither is set: set "
+            f"{guide_key}={guide!r} decides the margin and relative masks, and neither is set: set "
             "loss.mask_margin (GISTEmbed's margin m is mask_margin = -m) or loss.mask_relative"
         )
     try:
@@ -134,7 +136,7 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
                 loss.distill,
                 loss.distill_weight,
                 loss.distill_temperature,
-                bool(loss.teacher_model),
+                teacher_key if teacher else "",
                 loss.cosent_similarity,
                 loss.distill_minmax,
             )
@@ -151,10 +153,10 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
             "loss.distill_minmax=true scales the student's logits for a distillation term, and loss.distill is "
             "empty: set loss.distill=kl or leave it false"
         )
-    elif loss.teacher_model:
+    elif teacher:
         raise ConfigError(
-            f"loss.teacher_model={loss.teacher_model!r} scores the problem for a distillation term, and loss.distill "
-            "is empty: set loss.distill=kl or leave loss.teacher_model empty"
+            f"{teacher_key}={teacher!r} scores the problem for a distillation term, and loss.distill "
+            f"is empty: set loss.distill=kl or leave {teacher_key} empty"
         )
     elif loss.contrastive_weight != 1.0:
         raise ConfigError(
@@ -198,6 +200,15 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
             f"({len(loss.matryoshka_dims)}), or leave it empty for all 1"
         )
     return Matryoshka(objective, tuple(loss.matryoshka_dims), tuple(float(w) for w in weights))
+
+
+def _frozen(loss: Any, role: str) -> tuple[str, str]:
+    """(the config key, its value) naming the run's frozen `role` ("guide" or "teacher"): a model folder
+    (`loss.<role>_model`) or a file of its embeddings (`loss.<role>_embeddings`); ("", "") when neither is set."""
+    for key in (f"{role}_model", f"{role}_embeddings"):
+        if value := getattr(loss, key):
+            return f"loss.{key}", value
+    return "", ""
 
 
 class Temperature(NamedTuple):

@@ -59,13 +59,14 @@ SIMILARITIES = ("cosine", "angle")
 @dataclass(frozen=True)
 class Distillation:
     """Which term (`kind`), its weight, the teacher's temperature tau (kl), whether the teacher is a frozen
-    model (`model`: its cosines over every column) rather than the data's scores, and the similarity cosent's
-    logits are t x (`similarity`: cosine, or AnglE's angle)."""
+    model's embeddings (`model`: the config key naming them, loss.teacher_model or loss.teacher_embeddings; their
+    cosines over every column) rather than the data's scores, and the similarity cosent's logits are t x
+    (`similarity`: cosine, or AnglE's angle)."""
 
     kind: str
     weight: float = 1.0
     temperature: float = 1.0
-    model: bool = False
+    model: str = ""
     similarity: str = "cosine"
     minmax: bool = False
 
@@ -86,13 +87,13 @@ class Distillation:
         if self.minmax and (self.kind != "kl" or self.model):
             raise ValueError(
                 f"loss.distill_minmax=true scales each query's logits over its own documents for the KL, and "
-                f"{'loss.teacher_model scores every column' if self.model else f'loss.distill={self.kind}'}: "
+                f"{f'{self.model} scores every column' if self.model else f'loss.distill={self.kind}'}: "
                 "use loss.distill=kl on the data's scores, or set loss.distill_minmax=false"
             )
         if self.model and self.kind != "kl":
             raise ValueError(
                 f"loss.distill={self.kind} reads the data's scores of each query's own documents, and "
-                "loss.teacher_model scores every column; use loss.distill=kl with it, or leave loss.teacher_model empty"
+                f"{self.model} scores every column; use loss.distill=kl with it, or leave {self.model} empty"
             )
 
     def whole(self, logits: Tensor, teacher: Tensor) -> Tensor:
@@ -193,7 +194,7 @@ class Distilled(Wrapping):
     def _teacher(self, num_queries: int, num_columns: int) -> Tensor | Guide:
         """The bound teacher, checked against the problem's shape and the teacher's kind."""
         teacher, model = self.teacher, self.distillation.model
-        if teacher is None or isinstance(teacher, Guide) != model:
+        if teacher is None or isinstance(teacher, Guide) != bool(model):
             want = "the teacher model's embeddings" if model else "the data's teacher scores"
             raise ValueError(f"loss.distill: no teacher for this problem; the step must bind {want}")
         if model:

@@ -270,8 +270,8 @@ def late_interaction(objective: object, token_dim: int, normalize: bool = False)
         distillation = objective.distillation
         if distillation.model:
             raise ValueError(
-                "loss.teacher_model scores every column by one vector per text, and model.pooling=colbert gives "
-                "tokens: distill from the data's scores (a scores column) and leave loss.teacher_model empty"
+                f"{distillation.model} scores every column by one vector per text, and model.pooling=colbert gives "
+                f"tokens: distill from the data's scores (a scores column) and leave {distillation.model} empty"
             )
         if distillation.similarity != "cosine":
             raise ValueError(

@@ -68,6 +68,7 @@ def eval_objective(spec: ModelSpec, cfg: JobConfig, args: Any = None) -> Objecti
         cosent_similarity="cosine",
         contrastive_weight=1.0,
         teacher_model="",
+        teacher_embeddings="",
     )
     return resolve_objective(spec, dataclasses.replace(cfg, loss=loss), args)
 

@@ -66,10 +66,12 @@ def build_gradient_step(
     innermost = objective
     while isinstance(innermost, Wrapping):  # Matryoshka, Distilled: the wrapped objective's masks read the guide
         innermost = innermost.inner
-    if ctx.guide is not None and ctx.guide_masks and not hasattr(innermost, "with_guide"):  # a registered one
+    guide = cfg.loss.guide_model or cfg.loss.guide_embeddings
+    if guide and not hasattr(innermost, "with_guide"):  # a registered one
+        key = "loss.guide_model" if cfg.loss.guide_model else "loss.guide_embeddings"
         raise ConfigError(
-            f"loss.guide_model={cfg.loss.guide_model!r}: the objective loss.name={cfg.loss.name!r} has no with_guide "
-            "(losses/base.py), so its masks cannot read a guide; add it or leave loss.guide_model empty"
+            f"{key}={guide!r}: the objective loss.name={cfg.loss.name!r} has no with_guide "
+            f"(losses/base.py), so its masks cannot read a guide; add it or leave {key} empty"
         )
     return build(ctx, cfg, objective, knobs)
 

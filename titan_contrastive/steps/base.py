@@ -26,9 +26,19 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from titan_contrastive.batching import DOC_IDS, NEGATIVES, TEACHER_SCORES, BatchError, document_ids, with_negatives
+from titan_contrastive.batching import (
+    DOC_IDS,
+    FROZEN_DOCS,
+    FROZEN_QUERIES,
+    NEGATIVES,
+    TEACHER_SCORES,
+    BatchError,
+    document_ids,
+    with_negatives,
+)
 from titan_contrastive.components.precision import Precision, at_least_fp32
 from titan_contrastive.config import JobConfig
 from titan_contrastive.datasets.layouts import DataLayout
@@ -99,9 +109,12 @@ class StepContext:
     """The frozen model (`guide_of`): `[loss] guide_model`'s, whose embeddings decide the false-negative
     masks (GISTEmbed, `losses/guide.py`), and/or `[loss] teacher_model`'s, a distillation's targets; or None."""
     guide_masks: bool = True
-    """Whether the frozen model's embeddings decide the masks (`[loss] guide_model`)."""
+    """Whether the frozen model's embeddings decide the masks (`[loss] guide_model` / `guide_embeddings`)."""
     guide_teaches: bool = False
-    """Whether they are the distillation's teacher (`[loss] teacher_model`)."""
+    """Whether they are the distillation's teacher (`[loss] teacher_model` / `teacher_embeddings`)."""
+    frozen_in_data: bool = False
+    """Whether the batches carry the frozen model's embeddings, computed ahead (`[loss] guide_embeddings` /
+    `teacher_embeddings`: `batching.FROZEN_QUERIES`, `FROZEN_DOCS`), instead of a guide model running."""
     step: int = field(default=0, init=False)
     """The optimizer step being computed (0-based), set by the trainer before each gradient step: what a term
     with a schedule of its own reads (`losses.base.at_step`)."""
@@ -147,8 +160,9 @@ class StepContext:
             family=cfg.model.name,
             device_transforms=dict(device_transforms or {}),
             guide=guide,
-            guide_masks=bool(cfg.loss.guide_model),
-            guide_teaches=bool(cfg.loss.teacher_model),
+            guide_masks=bool(cfg.loss.guide_model or cfg.loss.guide_embeddings),
+            guide_teaches=bool(cfg.loss.teacher_model or cfg.loss.teacher_embeddings),
+            frozen_in_data=bool(cfg.loss.guide_embeddings or cfg.loss.teacher_embeddings),
         )
 
     @property
@@ -216,7 +230,10 @@ class StepContext:
     def guide_of(self, batches: Sequence[Batch], chunk_size: int | None) -> Guide | None:
         """The guide's embeddings of the problem these batches make with the other DP ranks' (`Guide`,
         gathered), forwarded without a graph in chunks of `chunk_size` samples; None without a guide.
-        The guide is in eval mode: it draws no random numbers, so a replayed step is unchanged."""
+        The guide is in eval mode: it draws no random numbers, so a replayed step is unchanged. With
+        `frozen_in_data`, the batches' own embeddings of the model instead (`carried_guide`)."""
+        if self.frozen_in_data:
+            return self.carried_guide(batches)
         if self.guide is None:
             return None
         queries, docs = [], []
@@ -227,13 +244,29 @@ class StepContext:
                 docs.append(zd.reshape(len(zq), -1, zd.shape[-1]) if NEGATIVES in chunk else zd)
         return Guide.gathered(torch.cat(queries), torch.cat(docs), Ranks(self.dp_group))
 
+    def carried_guide(self, batches: Sequence[Batch]) -> Guide:
+        """The frozen model's embeddings the batches carry (`frozen_in_data`), normalized in the accumulation
+        dtype on the device and gathered over the DP ranks like `guide_of`'s."""
+        if any(FROZEN_QUERIES not in b or FROZEN_DOCS not in b for b in batches):
+            raise BatchError(
+                f"a batch without {FROZEN_QUERIES!r} and {FROZEN_DOCS!r}: loss.guide_embeddings / teacher_embeddings "
+                "need data that serves a frozen model's embeddings (data.dataset pairs or wordnet)"
+            )
+        acc = torch.promote_types(self.precision.param_dtype, torch.float32)
+        q, d = (
+            F.normalize(torch.cat([b[key] for b in batches]).to(self.device, non_blocking=True).to(acc), dim=-1)
+            for key in (FROZEN_QUERIES, FROZEN_DOCS)
+        )
+        return Guide.gathered(q, d, Ranks(self.dp_group))
+
     @property
     def guide_note(self) -> str:
         """The start log's account of the frozen model (after the objective's)."""
-        if self.guide is None:
+        if self.guide is None and not self.frozen_in_data:
             return ""
-        masks = "; the margin and relative masks compare the frozen guide's cosines (loss.guide_model)"
-        teaches = "; the distillation's targets are the frozen teacher's cosines (loss.teacher_model)"
+        ahead = " (embedded ahead, from the data)" if self.frozen_in_data else ""
+        masks = f"; the margin and relative masks compare the frozen guide's cosines{ahead}"
+        teaches = f"; the distillation's targets are the frozen teacher's cosines{ahead}"
         return (masks if self.guide_masks else "") + (teaches if self.guide_teaches else "")
 
     def frozen_inputs(self, batches: Sequence[Batch], chunk_size: int | None) -> tuple[Guide | None, Any]:

@@ -193,6 +193,8 @@ def refuse_for_colbert(cfg: Any) -> None:
         ("loss.flops_doc_weight", loss.flops_doc_weight),
         ("loss.guide_model", loss.guide_model),
         ("loss.teacher_model", loss.teacher_model),
+        ("loss.guide_embeddings", loss.guide_embeddings),
+        ("loss.teacher_embeddings", loss.teacher_embeddings),
         ("eval.sts_path", cfg.eval.sts_path),
     ):
         if value:

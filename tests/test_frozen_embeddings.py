@@ -1,0 +1,188 @@
+"""A frozen model's embeddings written ahead (`[loss] teacher_embeddings`, `guide_embeddings`; `datasets/frozen.py`):
+the file's two formats read alike, with or without sides; the data serves each row's own vectors (WordNet's rows
+too, from a file no model wrote, vectors of any length); the step normalizes them (a file's vectors need not be
+unit); what cannot work is a one-line error before any model is built; the `embed` command refuses bad arguments
+in one line. That the step equals the definition with them is `tests/test_static_guide.py`'s."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.needs import needs
+from tests.test_static import ROWS, static_run
+from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.frozen import EmbeddingTable
+
+
+def _write(path: Path, records: list[dict]) -> Path:
+    """`records` as a .jsonl file, or a .parquet one (embeddings as lists of float64)."""
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(records), path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _records(rows: list[tuple[str, ...]], width: int = 5, sided: bool = True, seed: int = 0) -> list[dict]:
+    """Random vectors of norms 0.5 to 3 for every text of `rows`, per side (or one per text)."""
+    g = torch.Generator().manual_seed(seed)
+    keys = {("query" if sided else None, r[0]) for r in rows} | {
+        ("document" if sided else None, t) for r in rows for t in r[1:]
+    }
+    out = []
+    for side, text in sorted(keys, key=lambda k: (k[0] or "", k[1])):
+        v = torch.randn(width, generator=g, dtype=torch.float64)
+        v = v / v.norm() * (0.5 + 2.5 * torch.rand((), generator=g, dtype=torch.float64))
+        out.append({"text": text, "embedding": v.tolist()} | ({"side": side} if sided else {}))
+    return out
+
+
+@needs("data")
+@pytest.mark.parametrize("sided", [True, False])
+def test_both_formats_read_alike_and_find_each_rows_texts(tmp_path: Path, sided: bool) -> None:
+    records = _records(ROWS, sided=sided)
+    padded = [r | {"text": f" {r['text']}\t"} for r in records]  # surrounding whitespace is stripped, as data's is
+    jsonl = EmbeddingTable.read(str(_write(tmp_path / "e.jsonl", padded)), "loss.teacher_embeddings")
+    parquet = EmbeddingTable.read(str(_write(tmp_path / "e.parquet", records)), "loss.teacher_embeddings")
+    assert torch.equal(jsonl.vectors, parquet.vectors) and jsonl.index == parquet.index and jsonl.sided == sided
+    at = parquet.rows(ROWS, 3)
+    for (q, p, n), row in zip(ROWS, at.tolist()):
+        for side, text, i in (("query", q, row[0]), ("document", p, row[1]), ("document", n, row[2])):
+            want = next(r for r in records if r["text"] == text and r.get("side", side) == side)["embedding"]
+            assert parquet.vectors[i].tolist() == torch.tensor(want, dtype=torch.float32).tolist()
+
+
+@needs("data")
+def test_a_bad_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    good = _records(ROWS[:2])
+    cases = [
+        ("missing.parquet", None, r"not an existing \.parquet/\.jsonl file; write one with"),
+        ("e.csv", good, r"not an existing \.parquet/\.jsonl file"),
+        ("cols.jsonl", [{"text": "a", "vector": [1.0]}], "needs text and embedding"),
+        ("ragged.jsonl", [*good[:1], {**good[1], "embedding": [1.0, 2.0]}], "embeddings of 2, 5 numbers"),
+        ("zero.jsonl", [*good[:1], {**good[1], "embedding": [0.0] * 5}], "row 1's embedding is zero or not finite"),
+        ("nan.parquet", [*good[:1], {**good[1], "embedding": [float("nan")] * 5}], "row 1's embedding is zero"),
+        ("side.jsonl", [*good[:1], {**good[1], "side": "passage"}], "row 1's side is 'passage'; use query or document"),
+        ("twice.jsonl", [*good, {**good[0], "embedding": [1.0] * 5}], "two different embeddings; keep one"),
+        ("empty.jsonl", [], "no rows"),
+    ]
+    for name, records, message in cases:
+        path = tmp_path / name if records is None else _write(tmp_path / name, records)
+        with pytest.raises(DataError, match=rf"^loss.guide_embeddings={path}: ") as e:
+            EmbeddingTable.read(str(path), "loss.guide_embeddings")
+        assert "\n" not in str(e.value)
+        assert e.match(message)
+    table = EmbeddingTable.read(str(_write(tmp_path / "e.jsonl", good)), "loss.guide_embeddings")
+    with pytest.raises(DataError, match=r"no embedding of 2 text\(s\) of the training data, e.g. document 'x'"):
+        table.rows([(*ROWS[0][:2], "x"), (ROWS[1][0], "y", ROWS[1][2])], 3)
+
+
+@needs("hf", "data")
+def test_the_data_serves_each_rows_vectors_and_the_step_normalizes_them(tmp_path: Path) -> None:
+    file = _write(tmp_path / "e.parquet", _records(ROWS, width=7))
+    trainer = static_run(
+        tmp_path, "--loss.symmetric=false", "--loss.distill=kl", f"--loss.teacher_embeddings={file}",
+        "--training.local_batch_size=4",
+    )  # fmt: skip
+    assert trainer.step_context.guide is None and trainer.step_context.frozen_in_data
+    table = EmbeddingTable.read(str(file), "loss.teacher_embeddings")
+    batch = trainer.train_set.__getitems__([3, 0, 5])
+    for i, row in enumerate([3, 0, 5]):
+        q, p, n = ROWS[row]
+        assert torch.equal(batch["frozen_query"][i], table.vectors[table.index["query", q]])
+        assert torch.equal(batch["frozen_doc"][i, 0], table.vectors[table.index["document", p]])
+        assert torch.equal(batch["frozen_doc"][i, 1], table.vectors[table.index["document", n]])
+    guide = trainer.step_context.carried_guide([batch])
+    assert guide.queries.dtype == torch.float64
+    assert torch.allclose(guide.queries.norm(dim=-1), torch.ones(3, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert torch.allclose(guide.columns[:3], torch.nn.functional.normalize(batch["frozen_doc"][:, 0].double(), dim=-1))
+    assert torch.isfinite(torch.tensor(trainer.train_step([batch])["loss"]))
+    trainer.metrics.close()
+
+
+@needs("hf", "data")
+def test_wordnet_rows_are_served_from_a_file_no_model_wrote(tmp_path: Path) -> None:
+    """One vector per text (no sides) for every text of the bundled WordNet train split, 3 numbers wide."""
+    from titan_contrastive.datasets.wordnet import BUNDLE_DIR, load_rows
+
+    rows = load_rows(BUNDLE_DIR, "train")
+    texts = sorted({t for r in rows for t in r})
+    vectors = torch.randn(len(texts), 3, generator=torch.Generator().manual_seed(0))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    file = tmp_path / "wordnet.parquet"
+    pq.write_table(pa.table({"text": texts, "embedding": vectors.tolist()}), file)
+    trainer = static_run(
+        tmp_path, "--data.dataset=wordnet", "--data.path=", "--loss.guide_embeddings=" + str(file),
+        "--loss.mask_margin=0.1",
+    )  # fmt: skip
+    picks = [0, 1234, len(rows) - 1]
+    batch = trainer.train_set.__getitems__(picks)
+    where = {t: i for i, t in enumerate(texts)}
+    for i, row in enumerate(picks):
+        assert torch.equal(batch["frozen_query"][i], vectors[where[rows[row][0]]])
+        assert torch.equal(batch["frozen_doc"][i], vectors[[where[t] for t in rows[row][1:]]])
+
+
+@needs("hf", "data")
+def test_what_cannot_work_is_one_line_before_any_model(tmp_path: Path, guide_dir: Path) -> None:
+    from titan_contrastive.config import ConfigError
+
+    file = _write(tmp_path / "e.parquet", _records(ROWS))
+    other = _write(tmp_path / "f.jsonl", _records(ROWS))
+    kl = ["--loss.distill=kl", "--loss.symmetric=false"]
+    cases = [
+        (
+            [*kl, f"--loss.teacher_embeddings={file}", f"--loss.teacher_model={guide_dir}"],
+            r"^loss.teacher_model=.* and loss.teacher_embeddings=.*: a run holds one frozen model",
+        ),
+        (
+            [*kl, f"--loss.teacher_embeddings={file}", f"--loss.guide_embeddings={other}", "--loss.mask_margin=0"],
+            r"^loss.teacher_embeddings=.* and loss.guide_embeddings=.*: .*give both the same file",
+        ),
+        ([f"--loss.teacher_embeddings={file}"], r"^loss.teacher_embeddings=.* is empty: set loss.distill=kl"),
+        ([f"--loss.guide_embeddings={file}"], r"^loss.guide_embeddings=.* neither is set: set loss.mask_margin"),
+        (
+            [*kl, f"--loss.teacher_embeddings={file}", "--data.dataset=synthetic"],
+            r"^loss.teacher_embeddings=.* and data.dataset='synthetic': use data.dataset='pairs'",
+        ),
+        (
+            ["--loss.distill=margin_mse", f"--loss.teacher_embeddings={file}"],
+            r"^loss.distill=margin_mse reads the data's scores .* and loss.teacher_embeddings scores every column",
+        ),
+    ]
+    for extra, message in cases:
+        with pytest.raises((ConfigError, DataError), match=message) as e:
+            static_run(tmp_path, *extra)
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "run" / "checkpoint").exists()
+
+
+@needs("hf", "data")
+def test_the_embed_command_refuses_bad_arguments_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from tests.test_static import _rows
+    from titan_contrastive.embed import main
+
+    rows = _rows(tmp_path)
+    (tmp_path / "taken.parquet").write_text("x")
+    for argv, message in [
+        ([str(rows), "--model", "m", "--out", str(tmp_path / "e.csv")], r"--out=.*e\.csv: write \.parquet/\.jsonl"),
+        ([str(rows), "--model", "m", "--out", str(tmp_path / "taken.parquet")], "exists; choose a new file"),
+        ([str(rows), "--model", "m", "--out", str(rows.with_suffix(".jsonl"))], "exists; choose a new file"),
+        ([str(tmp_path / "no.jsonl"), "--model", "m", "--out", str(tmp_path / "e.jsonl")], "PAIRS=.*no.jsonl: not"),
+        ([str(rows), "--model", str(tmp_path), "--out", str(tmp_path / "e.jsonl")], "--model=.*: not a bi_encoder"),
+        ([str(rows), "--model", "m", "--out", str(tmp_path / "e.jsonl"), "--batch-size=0"], "--batch-size=0"),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and re.search(message, err), err
+    assert not (tmp_path / "e.jsonl").exists() and (tmp_path / "taken.parquet").read_text() == "x"

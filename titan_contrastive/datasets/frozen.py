@@ -1,0 +1,165 @@
+"""A frozen model's embeddings computed once and carried in the data (`[loss] teacher_embeddings`,
+`guide_embeddings`): the teacher or guide of a run whose texts are embedded ahead of training, by
+`python -m titan_contrastive.embed` or by anything else (an embedding API, another framework), so no
+frozen model runs during the steps.
+
+The file is `.parquet` or `.jsonl`, one text per row: `text`, `embedding` (a list of numbers, the
+same length on every row) and optionally `side` (`query` or `document`). With sides, a row's query is
+looked up as ("query", text) and its positive and negatives as ("document", text), so a teacher that
+embeds queries with an instruction keeps both of its embeddings of a text; without, one embedding per
+text serves either side. Texts are matched after stripping surrounding whitespace, as the pairs reader
+strips them (`datasets/pairs.py`), and without the run's own prompts (`data.query_prompts`).
+
+The table is read once (float32, [T, d]); each row of the training data keeps the indices of its
+1 + 1 + k texts, and a batch serves `frozen_query` [B, d] and `frozen_doc` [B, d] or [B, 1 + k, d]
+(`batching.FROZEN_QUERIES`, `FROZEN_DOCS`), which the step normalizes and gathers over the ranks as a
+guide model's embeddings (`StepContext.guide_of`, `losses/guide.py`). A text of the data without an
+embedding, a row of another width, a non-finite or zero vector, a side other than the two, or one
+text with two different embeddings is a DataError naming the file, before any model is built.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from titan_contrastive.datasets.base import DataError
+
+FORMATS = (".parquet", ".jsonl")
+SIDES = ("query", "document")
+
+
+@dataclass(frozen=True)
+class EmbeddingTable:
+    """The file's embeddings `vectors` [T, d] and where each text's is: `index` maps (side, text), or
+    ("", text) for a file without sides, to its row."""
+
+    vectors: torch.Tensor
+    index: dict[tuple[str, str], int]
+    sided: bool
+    source: str
+
+    @classmethod
+    def read(cls, path: str, key: str) -> EmbeddingTable:
+        """The table of `path` (named by the config `key` in errors)."""
+        file = Path(path).expanduser()
+        if file.suffix not in FORMATS or not file.is_file():
+            raise DataError(
+                f"{key}={path}: not an existing {'/'.join(FORMATS)} file; write one with "
+                "python -m titan_contrastive.embed PAIRS --model TEACHER --out FILE.parquet"
+            )
+        try:
+            texts, sides, vectors = _read_parquet(file) if file.suffix == ".parquet" else _read_jsonl(file)
+        except DataError as e:  # the file's own problem, named with the key
+            raise DataError(f"{key}={path}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - pyarrow's and json's errors for a damaged file
+            raise DataError(f"{key}={path}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
+        return cls._checked(f"{key}={path}", texts, sides, vectors)
+
+    @classmethod
+    def _checked(cls, source: str, texts: list[Any], sides: list[Any] | None, vectors: torch.Tensor) -> EmbeddingTable:
+        if not len(texts):
+            raise DataError(f"{source}: no rows; give one row per text (text, embedding[, side])")
+        bad = ~torch.isfinite(vectors).all(1) | (vectors.abs().sum(1) == 0)
+        if bad.any():
+            raise DataError(
+                f"{source}: row {int(bad.nonzero()[0])}'s embedding is zero or not finite; a cosine needs a finite, "
+                "non-zero vector"
+            )
+        index: dict[tuple[str, str], int] = {}
+        for row, text in enumerate(texts):
+            side = "" if sides is None else sides[row]
+            if side not in ("", *SIDES) or (sides is not None and not side):
+                raise DataError(f"{source}: row {row}'s side is {side!r}; use query or document (or no side column)")
+            if not isinstance(text, str) or not text.strip():
+                raise DataError(f"{source}: row {row}'s text is {text!r}; give the text the embedding is of")
+            first = index.setdefault((side, text.strip()), row)
+            if first != row and not torch.equal(vectors[first], vectors[row]):
+                raise DataError(
+                    f"{source}: rows {first} and {row} give {side + ' ' if side else ''}text {text.strip()[:60]!r} "
+                    "two different embeddings; keep one"
+                )
+        return cls(vectors, index, sides is not None, source)
+
+    @property
+    def dim(self) -> int:
+        return self.vectors.shape[1]
+
+    def rows(self, rows: Sequence[Sequence[str]], width: int) -> torch.Tensor:
+        """int64 [N, width]: the rows of the table holding each data row's first `width` texts (the query,
+        then its documents)."""
+        missing: list[tuple[str, str]] = []
+
+        def find(side: str, text: str) -> int:
+            at = self.index.get((side if self.sided else "", text))
+            if at is None:
+                missing.append((side, text))
+                return 0
+            return at
+
+        table = [[find("query" if i == 0 else "document", text) for i, text in enumerate(row[:width])] for row in rows]
+        if missing:
+            side, text = missing[0]
+            raise DataError(
+                f"{self.source}: no embedding of {len(missing)} text(s) of the training data, e.g. {side} "
+                f"{text[:60]!r}; embed the same rows (python -m titan_contrastive.embed with data.path's file)"
+            )
+        return torch.tensor(table, dtype=torch.int64).view(len(rows), width)
+
+
+def _read_parquet(file: Path) -> tuple[list[Any], list[Any] | None, torch.Tensor]:
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(file)
+    _check_names(table.column_names)
+    column = table.column("embedding").combine_chunks()
+    if not hasattr(column, "flatten") or pc.any(pc.is_null(column)).as_py():
+        raise DataError(f"its embedding column holds {column.type}; give a list of numbers per row")
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    values = column.flatten().to_numpy(zero_copy_only=False)
+    sides = table.column("side").to_pylist() if "side" in table.column_names else None
+    return table.column("text").to_pylist(), sides, _stacked(lengths, values)
+
+
+def _read_jsonl(file: Path) -> tuple[list[Any], list[Any] | None, torch.Tensor]:
+    records = [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not records:
+        return [], None, torch.zeros(0, 1)
+    if not all(isinstance(r, dict) for r in records):
+        raise DataError("every line must be a JSON object (text, embedding[, side])")
+    names = list(records[0]) if records else []
+    _check_names(names)
+    sided = "side" in names
+    vectors = [r.get("embedding") for r in records]
+    if not all(isinstance(v, list) and all(isinstance(x, (int, float)) for x in v) for v in vectors):
+        raise DataError("an embedding that is not a list of numbers; give one per line")
+    lengths = [len(v) for v in vectors]
+    values = [x for v in vectors for x in v]
+    texts = [r.get("text") for r in records]
+    return texts, [r.get("side") for r in records] if sided else None, _stacked(lengths, values)
+
+
+def _check_names(names: Sequence[str]) -> None:
+    if "text" not in names or "embedding" not in names:
+        raise DataError(
+            f"columns {', '.join(names) or 'none'}; the embeddings file needs text and embedding (and optionally side)"
+        )
+
+
+def _stacked(lengths: Sequence[int], values: Any) -> torch.Tensor:
+    """[T, d] float32 of the flat `values` of rows of `lengths`, which must all be one d >= 1."""
+    widths = sorted({int(n) for n in lengths})
+    if not widths:
+        return torch.zeros(0, 1)
+    if len(widths) != 1 or widths[0] < 1:
+        raise DataError(
+            f"embeddings of {', '.join(map(str, widths[:4]))} numbers; every row's must have the same length"
+        )
+    return torch.from_numpy(np.array(values, dtype=np.float32)).view(len(lengths), widths[0])

@@ -1,0 +1,173 @@
+"""`python -m titan_contrastive.embed PAIRS --model MODEL --out FILE`: a frozen model's embeddings of your text
+pairs' texts, computed once, for `[loss] teacher_embeddings` or `guide_embeddings` (`datasets/frozen.py`): a
+distillation or a guide's masks without the teacher or guide running in every step.
+
+PAIRS is what `data.path` reads for `data.dataset = "pairs"` (`datasets.pairs`; `--columns` is
+`data.pairs_columns`; files joined with `::` are read one after another), or `wordnet` for the bundled WordNet
+pairs (`data.dataset = "wordnet"`). MODEL is one of `mine`'s: a bi_encoder or static step folder (through a
+verified sentence-transformers export), a sentence-transformers folder, or a transformers folder (mean pooling);
+its own code runs only with `--trust-remote-code`. Each distinct query text is embedded with the query prompt
+(`--query-prompt`; default the model's `query` prompt, if it has one) and each distinct document text (the
+positives and negatives) with the document prompt (`--doc-prompt`; default its `document`, `passage` or `corpus`
+prompt), as sentence-transformers' `encode_query` / `encode_document` do.
+
+FILE (`.parquet` or `.jsonl`) holds one row per (side, text): `side` (query or document), `text`, `embedding`
+(float32, as the model returns it). It is written under a temporary name beside it and renamed when complete,
+never over an existing file unless `--overwrite`, never the input. Bad arguments are one `error: ...` line and
+exit code 2, before any model is loaded. Needs the `hf` and `data` extras.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from titan_contrastive.atomic_write import write_atomically
+from titan_contrastive.extras import import_failure
+from titan_contrastive.mining import MineError
+
+OUT_FORMATS = (".parquet", ".jsonl")
+DOCUMENT_PROMPTS = ("document", "passage", "corpus")
+"""The prompt names sentence-transformers' `encode_document` reads, in its order."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m titan_contrastive.embed", description=__doc__.split("\n\n")[0])
+    p.add_argument("pairs", metavar="PAIRS", help="a pairs file as data.path reads, or 'wordnet' (the bundled pairs)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a bi_encoder or static step folder, or a sentence-transformers / transformers one",
+    )
+    p.add_argument("--out", type=Path, required=True, help="the file to write: .parquet or .jsonl")
+    p.add_argument("--columns", default="", help="query,positive[,negatives] column names (data.pairs_columns)")
+    p.add_argument("--query-prompt", default=None, help="text before each query (default: the model's 'query' prompt)")
+    p.add_argument(
+        "--doc-prompt", default=None, help="text before each document (default: the model's 'document' prompt)"
+    )
+    p.add_argument(
+        "--tower", choices=("query", "doc"), default=None, help="a checkpoint with two towers: embed with this one"
+    )
+    p.add_argument("--batch-size", type=int, default=64, help="texts per forward (default: 64)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: sentence-transformers' choice)")
+    p.add_argument(
+        "--trust-remote-code", action="store_true", help="run the code a model folder ships (config.json auto_map)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
+    return p
+
+
+def check(opts: argparse.Namespace) -> Path:
+    """The output file, or a MineError for an argument that cannot work (before anything is read)."""
+    from titan_contrastive.datasets.pairs import FORMATS
+
+    if opts.batch_size < 1:
+        raise MineError(f"--batch-size={opts.batch_size}: texts per forward, 1 or more")
+    out = Path(opts.out).expanduser()
+    if out.suffix not in OUT_FORMATS:
+        raise MineError(f"--out={out}: write {'/'.join(OUT_FORMATS)} (what loss.teacher_embeddings reads)")
+    if out.is_dir() or out.is_symlink():
+        raise MineError(f"--out={out} is a folder or a link; give a file name")
+    if out.exists() and not opts.overwrite:
+        raise MineError(f"--out={out} exists; choose a new file or pass --overwrite")
+    if opts.pairs != "wordnet":
+        for part in opts.pairs.split("::"):
+            src = Path(part).expanduser()
+            if not (src.is_dir() or "*" in part or (src.is_file() and src.suffix in FORMATS)):
+                raise MineError(f"PAIRS={part}: not an existing {'/'.join(FORMATS)} file or save_to_disk folder")
+            if src.resolve() == out.resolve():
+                raise MineError(f"--out={out} is the input; write the embeddings to a new file")
+    return out
+
+
+def read_texts(pairs: str, columns: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The distinct query texts and the distinct document texts (positives, then negatives) of PAIRS, in order."""
+    if pairs == "wordnet":
+        from titan_contrastive.datasets.wordnet import BUNDLE_DIR, load_rows
+
+        rows = load_rows(BUNDLE_DIR, "train")
+    else:
+        from titan_contrastive.datasets.pairs import read_rows
+
+        rows = [row for part in pairs.split("::") for row in read_rows(part, columns).texts]
+    queries = list(dict.fromkeys(row[0] for row in rows))
+    docs = list(dict.fromkeys(text for row in rows for text in row[1:]))
+    return queries, docs
+
+
+def prompts(model: Any, query: str | None, doc: str | None) -> tuple[str, str]:
+    """The query and document prompts: the given ones, else the model's (sentence-transformers' names)."""
+    own = dict(getattr(model, "prompts", None) or {})
+    if query is None:
+        query = own.get("query", "")
+    if doc is None:
+        doc = next((own[name] for name in DOCUMENT_PROMPTS if name in own), "")
+    return query, doc
+
+
+def write(out: Path, sides: Sequence[tuple[str, list[str], np.ndarray]]) -> None:
+    """(side, texts, their embeddings [n, d]) rows into `out` (by its suffix), through a temporary file."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def parquet(tmp: Path) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        vectors = np.concatenate([v for _, _, v in sides]).astype(np.float32)
+        table = pa.table(
+            {
+                "side": [side for side, texts, _ in sides for _ in texts],
+                "text": [t for _, texts, _ in sides for t in texts],
+                "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), vectors.shape[1]),
+            }
+        )
+        pq.write_table(table, tmp)
+
+    def jsonl(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for side, texts, vectors in sides:
+                for text, vector in zip(texts, vectors.astype(np.float32).tolist()):
+                    f.write(json.dumps({"side": side, "text": text, "embedding": vector}, ensure_ascii=False) + "\n")
+
+    write_atomically(out, parquet if out.suffix == ".parquet" else jsonl)
+
+
+def run(opts: argparse.Namespace) -> tuple[Path, int, int, int]:
+    """Embed and write; (the file, query texts, document texts, the embeddings' width)."""
+    from titan_contrastive.mine import sentence_model
+
+    out = check(opts)
+    columns = [c.strip() for c in opts.columns.split(",") if c.strip()]
+    queries, docs = read_texts(opts.pairs, columns)
+    with sentence_model(opts.model, opts.tower, opts.device, opts.trust_remote_code) as model:
+        query_prompt, doc_prompt = prompts(model, opts.query_prompt, opts.doc_prompt)
+        sides = [
+            (side, texts, model.encode(texts, prompt=prompt, batch_size=opts.batch_size, convert_to_numpy=True))
+            for side, texts, prompt in (("query", queries, query_prompt), ("document", docs, doc_prompt))
+        ]
+    write(out, sides)
+    return out, len(queries), len(docs), sides[0][2].shape[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parser().parse_args(argv)
+    try:
+        out, queries, docs, width = run(opts)
+    except ImportError as e:
+        print(f"error: {import_failure(e, 'embedding', 'hf,data')}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:  # MineError, DataError, sentence-transformers' own checks
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: {width}-wide embeddings of {queries} query text(s) and {docs} document text(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
