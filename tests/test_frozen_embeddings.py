@@ -186,3 +186,113 @@ def test_the_embed_command_refuses_bad_arguments_in_one_line(tmp_path: Path, cap
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and re.search(message, err), err
     assert not (tmp_path / "e.jsonl").exists() and (tmp_path / "taken.parquet").read_text() == "x"
+
+
+MSE_KINDS = {  # local batch, accumulation steps, options: the static model (8 wide) regressed onto 8-wide vectors
+    "gradcache": (6, 1, ["--gradcache.enabled=true", "--gradcache.chunk_sizes=5", "--loss.contrastive_weight=0.5"]),
+    "global": (3, 2, ["--loss.negatives=global", "--loss.stream_chunk_size=5", "--loss.distill_weight=3"]),
+    "plain-alone": (6, 1, ["--loss.contrastive_weight=0", "--loss.learn_logit_scale=false"]),
+}
+
+
+def _mse_step(tmp: Path, kind: str) -> None:
+    """One step of `kind` with loss.distill=mse against cw x InfoNCE over the whole batch + w x the mean squared
+    difference of every text's embedding to the file's (normalized) vector, written from the definition."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from tests.dist_utils import write_once
+    from tests.test_static import assert_step_is, defined_embeddings, defined_loss, float64_copy
+
+    local, ga, args = MSE_KINDS[kind]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    file = write_once(tmp / "mse.parquet", lambda: _write(tmp / "mse.parquet", _records(ROWS, width=8, seed=3)))
+    trainer = static_run(
+        tmp, f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga * world}",
+        "--loss.symmetric=false", "--loss.distill=mse", f"--loss.teacher_embeddings={file}", *args,
+    )  # fmt: skip
+    assert "MSE of the embeddings to the teacher's" in trainer.gradient_step.describe()
+    data, n = trainer.train_set, local * ga * world
+    steps = [data.__getitems__(list(range(j * local * world, (j + 1) * local * world))) for j in range(ga)]
+    mine = [{k: v[rank * local : (rank + 1) * local] for k, v in s.items()} for s in steps]
+    every = {k: torch.cat([s[k] for s in steps]) for k in steps[0]}
+    model = float64_copy(trainer)
+    cfg = trainer.cfg.loss
+    want = cfg.contrastive_weight * defined_loss(model, every, False) if cfg.contrastive_weight else 0.0
+    table = EmbeddingTable.read(str(file), "loss.teacher_embeddings")
+    x = torch.cat(
+        [
+            defined_embeddings(model.query_embedding.weight, every["query"]),
+            defined_embeddings(model.doc_embedding.weight, every["doc"]),
+            defined_embeddings(model.doc_embedding.weight, every["neg"].flatten(0, 1)),
+        ]
+    )
+    texts = [("query", r[0]) for r in ROWS[:n]] + [("document", r[1]) for r in ROWS[:n]]
+    texts += [("document", r[2]) for r in ROWS[:n]]
+    g = F.normalize(torch.stack([table.vectors[table.index[key]] for key in texts]).double(), dim=-1)
+    want = want + cfg.distill_weight * sum(((xi - gi) ** 2).sum() for xi, gi in zip(x, g)) / (len(texts) * 8)
+    assert_step_is(trainer, mine, model, want)
+
+
+@needs("hf", "data")
+@pytest.mark.parametrize("kind", list(MSE_KINDS))
+def test_a_static_model_regressed_onto_embeddings_written_ahead_is_as_defined(tmp_path: Path, kind: str) -> None:
+    _mse_step(tmp_path, kind)
+
+
+def _mse_distributed(tmp: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    _mse_step(Path(tmp), "global")
+
+
+@needs("hf", "data")
+@pytest.mark.slow  # two processes build a trainer each
+def test_mse_under_global_negatives_on_two_ranks(tmp_path: Path) -> None:
+    from tests.dist_utils import run_distributed
+    from tests.test_static import _rows, static_folder
+
+    static_folder(tmp_path)
+    _rows(tmp_path)
+    run_distributed(_mse_distributed, 2, str(tmp_path))
+
+
+@needs("hf", "data")
+def test_mse_alone_is_sentence_transformers_mse_loss(tmp_path: Path) -> None:
+    """(source, translation) rows, each translation given its source's label in the file (multilingual
+    distillation's data): one step with loss.distill=mse and contrastive_weight=0 has the loss and table gradient of
+    sentence-transformers' MSELoss on the same StaticEmbedding folder, normalized, with those labels (float64)."""
+    import torch.nn.functional as F
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.losses import MSELoss
+    from sentence_transformers.sentence_transformer.modules import Normalize
+
+    from tests.test_static import static_folder
+
+    rows = [r[:2] for r in ROWS if [x[1] for x in ROWS].count(r[1]) == 1][:8]  # unique positives
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in rows))
+    labels = F.normalize(torch.randn(len(rows), 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64))
+    records = [{"side": "query", "text": q, "embedding": v} for (q, _), v in zip(rows, labels.tolist())]
+    records += [{"side": "document", "text": p, "embedding": v} for (_, p), v in zip(rows, labels.tolist())]
+    file = _write(tmp_path / "labels.parquet", records)
+    folder = static_folder(tmp_path)
+    trainer = static_run(
+        tmp_path, "--loss.distill=mse", "--loss.contrastive_weight=0", f"--loss.teacher_embeddings={file}",
+        f"--training.local_batch_size={len(rows)}", "--loss.symmetric=false",
+    )  # fmt: skip
+    out = trainer.train_step([trainer.train_set.__getitems__(list(range(len(rows))))])
+    ours = trainer.model.query_embedding.weight.grad
+    trainer.metrics.close()
+
+    model = SentenceTransformer(str(folder), device="cpu")
+    model.append(Normalize())
+    model = model.double()
+    features = [model.tokenize([r[i] for r in rows]) for i in (0, 1)]
+    loss = MSELoss(model)(features, F.normalize(labels.float().double()))  # the file's float32 values, as read
+    loss.backward()
+    theirs = model[0].embedding.weight.grad
+    assert abs(out["loss"] - loss.item()) <= 1e-10 * loss.item()
+    assert (ours - theirs).abs().max() <= 1e-10 * theirs.abs().max()

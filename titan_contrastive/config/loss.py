@@ -47,9 +47,10 @@ class Loss:
     guide_embeddings: str = ""
     """A .parquet/.jsonl file of a guide's embeddings of the data's texts (text, embedding[, side]; written by
     `python -m titan_contrastive.embed`), used as guide_model's are, with no guide running (pairs, wordnet)."""
-    distill: Literal["", "kl", "margin_mse", "cosent"] = ""
+    distill: Literal["", "kl", "margin_mse", "cosent", "mse"] = ""
     """Add a term on the data's scores (pairs' label/score column, 1 + k per row): a teacher's, distilled by kl or
-    margin_mse; or gold labels (an STS set's), every (query, own document) pair ranked by cosent (CoSENT)."""
+    margin_mse; or gold labels (an STS set's), every (query, own document) pair ranked by cosent (CoSENT); or mse,
+    the model's embeddings regressed onto a teacher's (teacher_embeddings or teacher_model, of the model's width)."""
     cosent_similarity: Literal["cosine", "angle"] = "cosine"
     """distill=cosent: what its pairs' logits are t x: cosine (CoSENT), or angle (AnglE: |cos + sin| of each
     embedding's halves read as complex numbers, sentence-transformers' AnglELoss)."""

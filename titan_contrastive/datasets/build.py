@@ -287,7 +287,8 @@ def build_data(
     eval_sets: list[Dataset | None] = []
     check_negative_keys(data)
     teacher = cfg.loss.teacher_model or cfg.loss.teacher_embeddings
-    scores = "" if teacher else cfg.loss.distill  # the data's teacher scores, unless a model's embeddings give them
+    # the data's teacher scores, unless a model's embeddings give them (mse reads only embeddings)
+    scores = "" if teacher or cfg.loss.distill == "mse" else cfg.loss.distill
     check_teacher(data, scores)
     frozen = frozen_table(cfg)
     check_joined_sources(data)

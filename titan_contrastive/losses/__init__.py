@@ -8,8 +8,8 @@
 
 InfoNCE also takes joint directions (`directions.py`) and hardness weighting (`hardness.py`).
 Every objective takes the false-negative mask (`masking.py`), may add a term on the data's scores
-(`distill.py`: a teacher's, or CoSENT's ranking), a spread-out regularizer (`spread.py`) and SPLADE's
-sparsity term (`flops.py`), and be
+(`distill.py`: a teacher's, or CoSENT's ranking), a teacher's embeddings (`embedding_distill.py`), a spread-out
+regularizer (`spread.py`) and SPLADE's sparsity term (`flops.py`), and be
 wrapped in Matryoshka prefixes (`matryoshka.py`); `base.py` says what an objective is. A new objective
 is a module with such an object and one `register_objective` call (the pixel loss is the vae family's
 own step).
@@ -31,6 +31,7 @@ from titan_contrastive.losses.base import (
     split_ids,
 )
 from titan_contrastive.losses.distill import Distillation, Distilled
+from titan_contrastive.losses.embedding_distill import EmbeddingDistilled
 from titan_contrastive.losses.flops import Flops
 from titan_contrastive.losses.hardness import Hardness
 from titan_contrastive.losses.infonce import InfoNCE
@@ -44,6 +45,7 @@ __all__ = [
     "OBJECTIVES",
     "Distillation",
     "Distilled",
+    "EmbeddingDistilled",
     "FalseNegatives",
     "Flops",
     "Hardness",
@@ -142,7 +144,13 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
             )
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        objective = Distilled(objective, distillation, loss.contrastive_weight)
+        if distillation.kind == "mse" and loss.matryoshka_dims:
+            raise ConfigError(
+                f"loss.distill=mse compares the model's whole embeddings with the teacher's, and "
+                f"loss.matryoshka_dims={loss.matryoshka_dims} trains prefixes of them: leave one of them out"
+            )
+        wrap = EmbeddingDistilled if distillation.kind == "mse" else Distilled
+        objective = wrap(objective, distillation, loss.contrastive_weight)
     elif loss.cosent_similarity != "cosine":
         raise ConfigError(
             f"loss.cosent_similarity={loss.cosent_similarity} scores CoSENT's pairs, and loss.distill is empty: set "

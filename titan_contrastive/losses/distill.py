@@ -51,7 +51,7 @@ from titan_contrastive.losses.base import (
 )
 from titan_contrastive.losses.guide import Guide
 
-KINDS = ("kl", "margin_mse", "cosent")
+KINDS = ("kl", "margin_mse", "cosent", "mse")  # mse: a term of the embeddings, `embedding_distill.py`
 MINMAX_EPS = 1e-8  # (S - min) / (max - min + eps): PyLate's epsilon
 SIMILARITIES = ("cosine", "angle")
 
@@ -90,10 +90,15 @@ class Distillation:
                 f"{f'{self.model} scores every column' if self.model else f'loss.distill={self.kind}'}: "
                 "use loss.distill=kl on the data's scores, or set loss.distill_minmax=false"
             )
-        if self.model and self.kind != "kl":
+        if self.kind == "mse" and not self.model:
+            raise ValueError(
+                "loss.distill=mse regresses the model's embeddings onto a teacher's: set loss.teacher_embeddings "
+                "(written by python -m titan_contrastive.embed) or loss.teacher_model"
+            )
+        if self.model and self.kind not in ("kl", "mse"):
             raise ValueError(
                 f"loss.distill={self.kind} reads the data's scores of each query's own documents, and "
-                f"{self.model} scores every column; use loss.distill=kl with it, or leave {self.model} empty"
+                f"{self.model} scores every column; use loss.distill=kl (or mse) with it, or leave {self.model} empty"
             )
 
     def whole(self, logits: Tensor, teacher: Tensor) -> Tensor:
