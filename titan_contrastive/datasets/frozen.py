@@ -97,7 +97,7 @@ class EmbeddingTable:
         missing: list[tuple[str, str]] = []
 
         def find(side: str, text: str) -> int:
-            at = self.index.get((side if self.sided else "", text))
+            at = self.index.get((side if self.sided else "", text.strip()))
             if at is None:
                 missing.append((side, text))
                 return 0
