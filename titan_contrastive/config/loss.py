@@ -87,10 +87,11 @@ class Loss:
     """Both FLOPS weights rise as (step / N)^2 from 0 to full over the first N optimizer steps (SPLADE's
     quadratic warmup; sentence-transformers' SparseEncoderTrainer does it over a third of the run); 0 = none."""
     teacher_model: str = ""
-    """distill=kl: a frozen model folder whose cosines over every column are the teacher's scores (bi_encoder)."""
+    """distill=kl: a frozen model folder whose cosines over every column are the teacher's scores (bi_encoder); mse:
+    whose embeddings the model's are regressed onto."""
     teacher_embeddings: str = ""
-    """distill=kl: a .parquet/.jsonl file of a teacher's embeddings of the data's texts (as guide_embeddings), whose
-    cosines over every column are the teacher's scores, with no teacher running (pairs, wordnet)."""
+    """distill=kl or mse: a .parquet/.jsonl file of a teacher's embeddings of the data's texts (as guide_embeddings),
+    read as teacher_model's are, with no teacher running (pairs, wordnet)."""
     matryoshka_dims: list[int] = opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")
     """Train the loss on each of these leading-dimension prefixes, renormalized (e.g. [384, 256, 128, 64]); each
     token's, for a ColBERT model."""

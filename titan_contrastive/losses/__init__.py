@@ -164,7 +164,7 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
     elif teacher:
         raise ConfigError(
             f"{teacher_key}={teacher!r} scores the problem for a distillation term, and loss.distill "
-            f"is empty: set loss.distill=kl or leave {teacher_key} empty"
+            f"is empty: set loss.distill=kl (or mse) or leave {teacher_key} empty"
         )
     elif loss.contrastive_weight != 1.0:
         raise ConfigError(
