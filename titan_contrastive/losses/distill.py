@@ -165,24 +165,98 @@ def own_logits(q: Tensor, docs: Tensor, scale: Tensor, first_row: int, num_queri
 
 
 @dataclass(frozen=True)
-class Distilled(Wrapping):
-    """A contrastive objective (weighted by `contrastive_weight`; 0 leaves it out) plus a
-    distillation term; see the module docstring. `teacher`: the data's scores [N, 1 + k], or the
-    teacher model's embeddings, of the problem the next call computes (`with_teacher`)."""
+class TeacherTerm(Wrapping):
+    """A contrastive objective (weighted by `contrastive_weight`; 0 leaves it out) plus a teacher's term
+    (`distillation`: its kind, weight and teacher); `teacher`: the teacher of the problem the next call computes
+    (`with_teacher`). A subclass gives `_term(q, docs, scale)`, the weighted term of a whole problem (autograd), and
+    `_share(q_own, docs, scale, first_row, num_queries, chunk, ranks)`: (the whole term, summed over the ranks; its
+    gradients of this rank's rows and of every column; its rows' shares of dL/dt), in the accumulation dtype; the
+    three forms follow (`Distilled`, `embedding_distill.py`'s `EmbeddingDistilled`)."""
 
     inner: Objective
     distillation: Distillation
     contrastive_weight: float = 1.0
     teacher: Tensor | Guide | None = field(default=None, compare=False, repr=False)
 
-    def with_guide(self, guide: Guide | None) -> Distilled:
+    def with_guide(self, guide: Guide | None) -> Objective:
         return dataclasses.replace(self, inner=self.inner.with_guide(guide))
 
-    def with_teacher(self, teacher: Tensor | Guide) -> Distilled:
+    def with_teacher(self, teacher: Tensor | Guide) -> Objective:
         return dataclasses.replace(self, teacher=teacher)
 
     def fused(self, num_queries: int, num_columns: int) -> bool:
         return self.inner.fused(num_queries, num_columns)
+
+    def _term(self, q: Tensor, docs: Tensor, scale: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _share(
+        self, q_own: Tensor, docs: Tensor, scale: Tensor, first_row: int, num_queries: int, chunk: int, ranks: Ranks
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        raise NotImplementedError
+
+    def dense(
+        self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
+    ) -> Tensor:
+        term = self._term(q, docs, scale)
+        if not self.contrastive_weight:
+            return term
+        return self.contrastive_weight * self.inner.dense(q, docs, scale, bias, ids) + term
+
+    def microbatch(
+        self,
+        q: Tensor,
+        docs: tuple[Tensor, Tensor | None],
+        scale: Tensor,
+        bias: Tensor | None,
+        ids: tuple[Tensor, Tensor | None] | None,
+        ranks: Ranks,
+    ) -> Tensor:
+        """The term on the problem gathered with gradient (the inner objective's convention: the
+        same loss on every rank)."""
+        queries, cols, _ = gathered_problem(q, docs, None, ranks)
+        term = self._term(queries, cols, scale)
+        if not self.contrastive_weight:
+            return term
+        return self.contrastive_weight * self.inner.microbatch(q, docs, scale, bias, ids, ranks) + term
+
+    def streamed(
+        self,
+        q_own: Tensor,
+        docs: Tensor,
+        scale: Tensor,
+        bias: Tensor | None = None,
+        *,
+        first_row: int,
+        num_queries: int,
+        chunk: int,
+        ranks: Ranks,
+        kernel: str = "pytorch",
+        ids: Tensor | None = None,
+    ) -> StreamResult:
+        """The own rows' terms and gradients (`_share`), then the inner objective's streamed form, weighted."""
+        loss, grad_rows, grad_cols, scale_rows = self._share(q_own, docs, scale, first_row, num_queries, chunk, ranks)
+        if not self.contrastive_weight:
+            bias_rows = torch.zeros(len(q_own), dtype=scale_rows.dtype, device=q_own.device) if self.has_bias else None
+            return StreamResult(loss, grad_rows, grad_cols, scale_rows, bias_rows)
+        w = self.contrastive_weight
+        part = self.inner.streamed(
+            q_own, docs, scale, bias,
+            first_row=first_row, num_queries=num_queries, chunk=chunk, ranks=ranks, kernel=kernel, ids=ids,
+        )  # fmt: skip
+        return StreamResult(
+            w * part.loss + loss.to(part.loss.dtype),
+            w * part.grad_rows + grad_rows.to(part.grad_rows.dtype),
+            w * part.grad_cols + grad_cols.to(part.grad_cols.dtype),
+            w * part.scale_rows + scale_rows.to(part.scale_rows.dtype),
+            None if part.bias_rows is None else w * part.bias_rows,
+        )
+
+
+@dataclass(frozen=True)
+class Distilled(TeacherTerm):
+    """A contrastive objective plus a distillation term of the scores (`TeacherTerm`); see the module docstring.
+    `teacher`: the data's scores [N, 1 + k], or the teacher model's embeddings."""
 
     def describe(self) -> str:
         if not self.contrastive_weight:
@@ -226,47 +300,11 @@ class Distilled(Wrapping):
             logits, scores = own_logits(q, docs, scale, 0, len(q), self._pairs), teacher
         return self.distillation.weight * self.distillation.whole(logits, scores)
 
-    def dense(
-        self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
-    ) -> Tensor:
-        term = self._term(q, docs, scale)
-        if not self.contrastive_weight:
-            return term
-        return self.contrastive_weight * self.inner.dense(q, docs, scale, bias, ids) + term
-
-    def microbatch(
-        self,
-        q: Tensor,
-        docs: tuple[Tensor, Tensor | None],
-        scale: Tensor,
-        bias: Tensor | None,
-        ids: tuple[Tensor, Tensor | None] | None,
-        ranks: Ranks,
-    ) -> Tensor:
-        """The term on the problem gathered with gradient (the inner objective's convention: the
-        same loss on every rank)."""
-        queries, cols, _ = gathered_problem(q, docs, None, ranks)
-        term = self._term(queries, cols, scale)
-        if not self.contrastive_weight:
-            return term
-        return self.contrastive_weight * self.inner.microbatch(q, docs, scale, bias, ids, ranks) + term
-
-    def streamed(
-        self,
-        q_own: Tensor,
-        docs: Tensor,
-        scale: Tensor,
-        bias: Tensor | None = None,
-        *,
-        first_row: int,
-        num_queries: int,
-        chunk: int,
-        ranks: Ranks,
-        kernel: str = "pytorch",
-        ids: Tensor | None = None,
-    ) -> StreamResult:
-        """The own rows' terms, their gradients and their columns' shares (`_own_documents` or
-        `_every_column`), then the inner objective's streamed form, weighted."""
+    def _share(
+        self, q_own: Tensor, docs: Tensor, scale: Tensor, first_row: int, num_queries: int, chunk: int, ranks: Ranks
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The own rows' terms, their gradients and their columns' shares (`_own_documents`, `_every_column` or
+        `_ranked`)."""
         n, acc = num_queries, torch.promote_types(q_own.dtype, torch.float32)
         teacher = self._teacher(n, len(docs))
         if self.distillation.kind == "cosent":
@@ -281,23 +319,7 @@ class Distilled(Wrapping):
             term, grad_rows, grad_cols = _own_documents(
                 self.distillation, self._pairs, q_own, docs, scale.detach().to(acc), teacher, first_row, n
             )
-        loss = ranks.sum(term.detach().clone())
-        scale_rows = row_scale_shares(q_own.to(acc), grad_rows, scale)
-        bias_rows = torch.zeros(len(q_own), dtype=acc, device=q_own.device) if self.has_bias else None
-        if not self.contrastive_weight:
-            return StreamResult(loss, grad_rows, grad_cols, scale_rows, bias_rows)
-        w = self.contrastive_weight
-        part = self.inner.streamed(
-            q_own, docs, scale, bias,
-            first_row=first_row, num_queries=n, chunk=chunk, ranks=ranks, kernel=kernel, ids=ids,
-        )  # fmt: skip
-        return StreamResult(
-            w * part.loss + loss.to(part.loss.dtype),
-            w * part.grad_rows + grad_rows.to(part.grad_rows.dtype),
-            w * part.grad_cols + grad_cols.to(part.grad_cols.dtype),
-            w * part.scale_rows + scale_rows.to(part.scale_rows.dtype),
-            None if part.bias_rows is None else w * part.bias_rows,
-        )
+        return ranks.sum(term.detach().clone()), grad_rows, grad_cols, row_scale_shares(q_own.to(acc), grad_rows, scale)
 
 
 def _own_documents(

@@ -18,36 +18,20 @@ dL/dx = 2 w (x - g) / ((N + M) d). The term does not read the temperature or the
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from titan_contrastive.losses.base import Objective, Ranks, StreamResult, Wrapping, gathered_problem, own_columns
-from titan_contrastive.losses.distill import Distillation
+from titan_contrastive.losses.base import Ranks, own_columns
+from titan_contrastive.losses.distill import TeacherTerm
 from titan_contrastive.losses.guide import Guide
 
 
 @dataclass(frozen=True)
-class EmbeddingDistilled(Wrapping):
-    """A contrastive objective (weighted by `contrastive_weight`; 0 leaves it out) plus the embedding MSE to a
-    teacher's (`distillation`: kind "mse", its weight and the key naming the teacher); see the module docstring.
-    `teacher`: the teacher's embeddings of the problem the next call computes (`with_teacher`)."""
-
-    inner: Objective
-    distillation: Distillation
-    contrastive_weight: float = 1.0
-    teacher: Guide | None = field(default=None, compare=False, repr=False)
-
-    def with_guide(self, guide: Guide | None) -> EmbeddingDistilled:
-        return dataclasses.replace(self, inner=self.inner.with_guide(guide))
-
-    def with_teacher(self, teacher: Tensor | Guide) -> EmbeddingDistilled:
-        return dataclasses.replace(self, teacher=teacher)  # type: ignore[arg-type]
-
-    def fused(self, num_queries: int, num_columns: int) -> bool:
-        return self.inner.fused(num_queries, num_columns)
+class EmbeddingDistilled(TeacherTerm):
+    """A contrastive objective plus the embedding MSE to a teacher's (`TeacherTerm`, `distillation` of kind "mse");
+    see the module docstring. `teacher`: the teacher's embeddings of the problem, a `Guide`."""
 
     def describe(self) -> str:
         term = f"{self.distillation.weight:g} x the MSE of the embeddings to the teacher's ({self.distillation.model})"
@@ -75,52 +59,16 @@ class EmbeddingDistilled(Wrapping):
             )
         return teacher
 
-    def _term(self, q: Tensor, docs: Tensor) -> Tensor:
+    def _term(self, q: Tensor, docs: Tensor, scale: Tensor) -> Tensor:
         """weight x L_d of a whole problem (autograd)."""
         g = self._teacher(len(q), len(docs), q.shape[-1])
         diff = torch.cat([q - g.queries.to(q.dtype), docs - g.columns.to(docs.dtype)])
         return self.distillation.weight * diff.square().mean()
 
-    def dense(
-        self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
-    ) -> Tensor:
-        term = self._term(q, docs)
-        if not self.contrastive_weight:
-            return term
-        return self.contrastive_weight * self.inner.dense(q, docs, scale, bias, ids) + term
-
-    def microbatch(
-        self,
-        q: Tensor,
-        docs: tuple[Tensor, Tensor | None],
-        scale: Tensor,
-        bias: Tensor | None,
-        ids: tuple[Tensor, Tensor | None] | None,
-        ranks: Ranks,
-    ) -> Tensor:
-        """The term on the problem gathered with gradient (the same loss on every rank)."""
-        queries, cols, _ = gathered_problem(q, docs, None, ranks)
-        term = self._term(queries, cols)
-        if not self.contrastive_weight:
-            return term
-        return self.contrastive_weight * self.inner.microbatch(q, docs, scale, bias, ids, ranks) + term
-
-    def streamed(
-        self,
-        q_own: Tensor,
-        docs: Tensor,
-        scale: Tensor,
-        bias: Tensor | None = None,
-        *,
-        first_row: int,
-        num_queries: int,
-        chunk: int,
-        ranks: Ranks,
-        kernel: str = "pytorch",
-        ids: Tensor | None = None,
-    ) -> StreamResult:
-        """The own rows' and their own documents' terms and gradients (closed form), then the inner objective's
-        streamed form, weighted."""
+    def _share(
+        self, q_own: Tensor, docs: Tensor, scale: Tensor, first_row: int, num_queries: int, chunk: int, ranks: Ranks
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The own rows' and their own documents' terms and gradients, in closed form."""
         n, c, acc = num_queries, len(q_own), torch.promote_types(q_own.dtype, torch.float32)
         g = self._teacher(n, len(docs), docs.shape[-1])
         idx = own_columns(first_row, c, n, len(docs), docs.device)
@@ -128,22 +76,6 @@ class EmbeddingDistilled(Wrapping):
         rows = q_own.detach().to(acc) - g.queries[first_row : first_row + c].to(acc)
         own_docs = docs[idx].detach().to(acc) - g.columns[idx].to(acc)
         loss = ranks.sum((rows.square().sum() + own_docs.square().sum()) * factor)
-        grad_rows = rows.mul_(2 * factor)
         grad_cols = torch.zeros(docs.shape, dtype=acc, device=docs.device)
         grad_cols.index_put_((idx.flatten(),), own_docs.mul_(2 * factor).flatten(0, 1))
-        scale_rows = torch.zeros(c, dtype=acc, device=q_own.device)
-        bias_rows = torch.zeros(c, dtype=acc, device=q_own.device) if self.has_bias else None
-        if not self.contrastive_weight:
-            return StreamResult(loss, grad_rows, grad_cols, scale_rows, bias_rows)
-        w = self.contrastive_weight
-        part = self.inner.streamed(
-            q_own, docs, scale, bias,
-            first_row=first_row, num_queries=n, chunk=chunk, ranks=ranks, kernel=kernel, ids=ids,
-        )  # fmt: skip
-        return StreamResult(
-            w * part.loss + loss.to(part.loss.dtype),
-            w * part.grad_rows + grad_rows.to(part.grad_rows.dtype),
-            w * part.grad_cols + grad_cols.to(part.grad_cols.dtype),
-            w * part.scale_rows,
-            None if part.bias_rows is None else w * part.bias_rows,
-        )
+        return loss, rows.mul_(2 * factor), grad_cols, torch.zeros(c, dtype=acc, device=q_own.device)
