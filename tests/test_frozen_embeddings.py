@@ -260,39 +260,55 @@ def test_mse_under_global_negatives_on_two_ranks(tmp_path: Path) -> None:
     run_distributed(_mse_distributed, 2, str(tmp_path))
 
 
-@needs("hf", "data")
-def test_mse_alone_is_sentence_transformers_mse_loss(tmp_path: Path) -> None:
-    """(source, translation) rows, each translation given its source's label in the file (multilingual
-    distillation's data): one step with loss.distill=mse and contrastive_weight=0 has the loss and table gradient of
+def parallel_rows(tmp: Path) -> list[tuple[str, str]]:
+    """(source, translation) rows, each translation of one source (multilingual distillation's data), written to
+    tmp/rows.jsonl."""
+    rows = [r[:2] for r in ROWS if [x[1] for x in ROWS].count(r[1]) == 1][:8]
+    (tmp / "rows.jsonl").write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in rows))
+    return rows
+
+
+def assert_mse_alone_is_sentence_transformers(tmp: Path, rows: list[tuple[str, str]], file: Path) -> None:
+    """One step of the static model at tmp/static with loss.distill=mse and contrastive_weight=0, on the rows and
+    each source's label in `file` (its translation given the same), has the loss and table gradient of
     sentence-transformers' MSELoss on the same StaticEmbedding folder, normalized, with those labels (float64)."""
     import torch.nn.functional as F
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import MSELoss
     from sentence_transformers.sentence_transformer.modules import Normalize
 
-    from tests.test_static import static_folder
-
-    rows = [r[:2] for r in ROWS if [x[1] for x in ROWS].count(r[1]) == 1][:8]  # unique positives
-    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"query": q, "positive": p}) + "\n" for q, p in rows))
-    labels = F.normalize(torch.randn(len(rows), 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64))
-    records = [{"side": "query", "text": q, "embedding": v} for (q, _), v in zip(rows, labels.tolist())]
-    records += [{"side": "document", "text": p, "embedding": v} for (_, p), v in zip(rows, labels.tolist())]
-    file = _write(tmp_path / "labels.parquet", records)
-    folder = static_folder(tmp_path)
+    table = EmbeddingTable.read(str(file), "labels")
+    labels = torch.stack([table.vectors[table.index["query", q]] for q, _ in rows])
+    assert all(torch.equal(table.vectors[table.index["document", t]], v) for (_, t), v in zip(rows, labels))
     trainer = static_run(
-        tmp_path, "--loss.distill=mse", "--loss.contrastive_weight=0", f"--loss.teacher_embeddings={file}",
+        tmp, "--loss.distill=mse", "--loss.contrastive_weight=0", f"--loss.teacher_embeddings={file}",
         f"--training.local_batch_size={len(rows)}", "--loss.symmetric=false",
     )  # fmt: skip
     out = trainer.train_step([trainer.train_set.__getitems__(list(range(len(rows))))])
     ours = trainer.model.query_embedding.weight.grad
     trainer.metrics.close()
 
-    model = SentenceTransformer(str(folder), device="cpu")
+    model = SentenceTransformer(str(tmp / "static"), device="cpu")
     model.append(Normalize())
     model = model.double()
     features = [model.tokenize([r[i] for r in rows]) for i in (0, 1)]
-    loss = MSELoss(model)(features, F.normalize(labels.float().double()))  # the file's float32 values, as read
+    loss = MSELoss(model)(features, F.normalize(labels.double()))  # the file's float32 values, as read
     loss.backward()
     theirs = model[0].embedding.weight.grad
     assert abs(out["loss"] - loss.item()) <= 1e-10 * loss.item()
     assert (ours - theirs).abs().max() <= 1e-10 * theirs.abs().max()
+
+
+@needs("hf", "data")
+def test_mse_alone_is_sentence_transformers_mse_loss(tmp_path: Path) -> None:
+    """Labels written by hand: random unit vectors, each translation its source's."""
+    import torch.nn.functional as F
+
+    from tests.test_static import static_folder
+
+    rows = parallel_rows(tmp_path)
+    labels = F.normalize(torch.randn(len(rows), 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64))
+    records = [{"side": "query", "text": q, "embedding": v} for (q, _), v in zip(rows, labels.tolist())]
+    records += [{"side": "document", "text": p, "embedding": v} for (_, p), v in zip(rows, labels.tolist())]
+    static_folder(tmp_path)
+    assert_mse_alone_is_sentence_transformers(tmp_path, rows, _write(tmp_path / "labels.parquet", records))

@@ -10,6 +10,7 @@ processes."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -167,6 +168,35 @@ def test_a_teacher_whose_folder_ships_its_code_runs_it_when_trusted(tmp_path: Pa
     with pytest.raises(ConfigError, match=r"^loss.teacher_model=.*model.trust_remote_code=true"):
         _step(tmp_path, teacher, "gradcache-kl")
     _step(tmp_path, teacher, "gradcache-kl", "--model.trust_remote_code=true")
+
+
+@needs("hf", "data")
+def test_the_embed_command_labels_parallel_sentences_with_their_sources(
+    tmp_path: Path, guide_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`--parallel`: each source embedded by the teacher (sentence-transformers' own embeddings to float32 rounding)
+    and each translation given its source's; a 384-wide static student trained on them alone is sentence-transformers'
+    MSELoss with those labels. A row with a hard negative, or a translation of two sources, is one line, nothing
+    written."""
+    from tests.test_frozen_embeddings import assert_mse_alone_is_sentence_transformers, parallel_rows
+    from titan_contrastive.embed import main
+
+    rows, file = parallel_rows(tmp_path), tmp_path / "labels.parquet"
+    assert main([str(tmp_path / "rows.jsonl"), "--model", str(guide_dir), "--out", str(file), "--parallel"]) == 0
+    sources = [q for q, _ in rows]
+    want = teacher_embeddings(guide_dir, sources)
+    assert torch.allclose(file_embeddings(file)(sources, "query"), want, rtol=0, atol=1e-6)
+    static_folder(tmp_path, dim=want.shape[1])
+    assert_mse_alone_is_sentence_transformers(tmp_path, rows, file)
+
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text((tmp_path / "rows.jsonl").read_text() + json.dumps({"query": "a cat", "positive": rows[0][1]}))
+    capsys.readouterr()
+    for given, message in [(_rows(tmp_path), "has 1 hard negative"), (twice, "translates both")]:
+        assert main([str(given), "--model", str(guide_dir), "--out", str(tmp_path / "no.parquet"), "--parallel"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --parallel: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "no.parquet").exists()
 
 
 def _distributed(tmp: str, frozen: str, ahead: bool = False) -> None:

@@ -11,6 +11,12 @@ its own code runs only with `--trust-remote-code`. Each distinct query text is e
 positives and negatives) with the document prompt (`--doc-prompt`; default its `document`, `passage` or `corpus`
 prompt), as sentence-transformers' `encode_query` / `encode_document` do.
 
+`--parallel` reads PAIRS as parallel sentences, (source, translation) rows: it embeds the sources alone and gives each
+translation its source's embedding, the labels of multilingual knowledge distillation (Reimers and Gurevych 2020,
+sentence-transformers' `make_multilingual.py`): with `distill = "mse"` a student learns to embed the source and its
+translation where the teacher embeds the source. A row with hard negatives, or a translation of two different
+sources, is refused.
+
 FILE (`.parquet` or `.jsonl`) holds one row per (side, text): `side` (query or document), `text`, `embedding`
 (float32, as the model returns it). It is written under a temporary name beside it and renamed when complete,
 never over an existing file unless `--overwrite`, never the input. Bad arguments are one `error: ...` line and
@@ -54,6 +60,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tower", choices=("query", "doc"), default=None, help="a checkpoint with two towers: embed with this one"
     )
+    p.add_argument(
+        "--parallel",
+        action="store_true",
+        help="(source, translation) rows: embed the sources and give each translation its source's embedding",
+    )
     p.add_argument("--batch-size", type=int, default=64, help="texts per forward (default: 64)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: sentence-transformers' choice)")
     p.add_argument(
@@ -69,6 +80,10 @@ def check(opts: argparse.Namespace) -> Path:
 
     if opts.batch_size < 1:
         raise MineError(f"--batch-size={opts.batch_size}: texts per forward, 1 or more")
+    if opts.parallel and opts.doc_prompt is not None:
+        raise MineError(
+            f"--doc-prompt={opts.doc_prompt!r}: --parallel embeds only the sources (with the query prompt); drop it"
+        )
     out = Path(opts.out).expanduser()
     if out.suffix not in OUT_FORMATS:
         raise MineError(f"--out={out}: write {'/'.join(OUT_FORMATS)} (what loss.teacher_embeddings reads)")
@@ -86,19 +101,41 @@ def check(opts: argparse.Namespace) -> Path:
     return out
 
 
-def read_texts(pairs: str, columns: Sequence[str]) -> tuple[list[str], list[str]]:
-    """The distinct query texts and the distinct document texts (positives, then negatives) of PAIRS, in order."""
+def read_rows(pairs: str, columns: Sequence[str]) -> list[tuple[str, ...]]:
+    """The rows of PAIRS: (query, positive, negatives...) texts."""
     if pairs == "wordnet":
         from titan_contrastive.datasets.wordnet import BUNDLE_DIR, load_rows
 
-        rows = load_rows(BUNDLE_DIR, "train")
-    else:
-        from titan_contrastive.datasets.pairs import read_rows
+        return [tuple(row) for row in load_rows(BUNDLE_DIR, "train")]
+    from titan_contrastive.datasets.pairs import read_rows as read_pairs
 
-        rows = [row for part in pairs.split("::") for row in read_rows(part, columns).texts]
+    return [tuple(row) for part in pairs.split("::") for row in read_pairs(part, columns).texts]
+
+
+def read_texts(rows: Sequence[Sequence[str]]) -> tuple[list[str], list[str]]:
+    """The distinct query texts and the distinct document texts (positives, then negatives) of the rows, in order."""
     queries = list(dict.fromkeys(row[0] for row in rows))
     docs = list(dict.fromkeys(text for row in rows for text in row[1:]))
     return queries, docs
+
+
+def sources(rows: Sequence[Sequence[str]]) -> dict[str, str]:
+    """Each translation's source in parallel rows (source, translation); a MineError for a row with more texts or
+    a translation of two different sources."""
+    source: dict[str, str] = {}
+    for row in rows:
+        if len(row) != 2:
+            raise MineError(
+                f"--parallel: the row of {row[0]!r} has {len(row) - 2} hard negative(s); parallel sentences are "
+                "(source, translation) rows: give --columns source,translation"
+            )
+        first = source.setdefault(row[1], row[0])
+        if first != row[0]:
+            raise MineError(
+                f"--parallel: {row[1]!r} translates both {first!r} and {row[0]!r}, and one text has one label; "
+                "drop one of the rows"
+            )
+    return source
 
 
 def prompts(model: Any, query: str | None, doc: str | None) -> tuple[str, str]:
@@ -144,13 +181,21 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int, int]:
 
     out = check(opts)
     columns = [c.strip() for c in opts.columns.split(",") if c.strip()]
-    queries, docs = read_texts(opts.pairs, columns)
+    rows = read_rows(opts.pairs, columns)
+    queries, docs = read_texts(rows)
+    source = sources(rows) if opts.parallel else {}
     with sentence_model(opts.model, opts.tower, opts.device, opts.trust_remote_code) as model:
         query_prompt, doc_prompt = prompts(model, opts.query_prompt, opts.doc_prompt)
-        sides = [
-            (side, texts, model.encode(texts, prompt=prompt, batch_size=opts.batch_size, convert_to_numpy=True))
-            for side, texts, prompt in (("query", queries, query_prompt), ("document", docs, doc_prompt))
-        ]
+
+        def encode(texts: list[str], prompt: str) -> np.ndarray:
+            return model.encode(texts, prompt=prompt, batch_size=opts.batch_size, convert_to_numpy=True)
+
+        embedded = encode(queries, query_prompt)
+        if opts.parallel:
+            where = {text: i for i, text in enumerate(queries)}
+            sides = [("query", queries, embedded), ("document", docs, embedded[[where[source[d]] for d in docs]])]
+        else:
+            sides = [("query", queries, embedded), ("document", docs, encode(docs, doc_prompt))]
     write(out, sides)
     return out, len(queries), len(docs), sides[0][2].shape[1]
 
