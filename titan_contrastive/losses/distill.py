@@ -114,8 +114,7 @@ class Distillation:
             if self.minmax:  # PyLate's normalize_scores: each row's logits to [0, 1]
                 low, high = logits.amin(1, keepdim=True), logits.amax(1, keepdim=True)
                 logits = (logits - low) / (high - low + MINMAX_EPS)
-            p = torch.softmax(teacher / self.temperature, 1)
-            return (torch.xlogy(p, p) - p * torch.log_softmax(logits, 1)).sum(1)
+            return kl_rows(logits, torch.softmax(teacher / self.temperature, 1))
         return ((logits[:, :1] - logits[:, 1:]) - (teacher[:, :1] - teacher[:, 1:])).square().mean(1)
 
     def describe(self) -> str:
@@ -129,6 +128,11 @@ class Distillation:
         if self.minmax:
             what += ", the logits min-max scaled per query"
         return f"{self.weight:g} x distillation ({what}) over each query's own documents"
+
+
+def kl_rows(logits: Tensor, p: Tensor) -> Tensor:
+    """[c]: KL(p_i || softmax(logits_i)) of each row, for the teacher's distributions p [c, columns]."""
+    return (torch.xlogy(p, p) - p * torch.log_softmax(logits, 1)).sum(1)
 
 
 def cosent(logits: Tensor, scores: Tensor) -> Tensor:
@@ -295,10 +299,11 @@ class Distilled(TeacherTerm):
         """weight x L_d of a whole problem (autograd)."""
         teacher = self._teacher(len(q), len(docs))
         if isinstance(teacher, Guide):
-            logits, scores = scale * (q @ docs.T), teacher.queries @ teacher.columns.T
-        else:
-            logits, scores = own_logits(q, docs, scale, 0, len(q), self._pairs), teacher
-        return self.distillation.weight * self.distillation.whole(logits, scores)
+            logits = scale * (q @ docs.T)
+            p = teacher.targets(self.distillation.temperature, logits.dtype)
+            return self.distillation.weight * kl_rows(logits, p).mean()
+        logits = own_logits(q, docs, scale, 0, len(q), self._pairs)
+        return self.distillation.weight * self.distillation.whole(logits, teacher)
 
     def _share(
         self, q_own: Tensor, docs: Tensor, scale: Tensor, first_row: int, num_queries: int, chunk: int, ranks: Ranks

@@ -13,8 +13,9 @@ embeddings of a teacher model (`[loss] teacher_model`) are a distillation's targ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from titan_contrastive.losses.base import Ranks, columns, split_documents
@@ -27,6 +28,7 @@ class Guide:
 
     queries: Tensor
     columns: Tensor
+    _targets: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @classmethod
     def gathered(cls, queries: Tensor, docs: Tensor, ranks: Ranks) -> Guide:
@@ -39,3 +41,11 @@ class Guide:
     def side(self, name: str) -> Tensor:
         """The queries ("q") or the columns ("p", "d": the positives are the first N columns)."""
         return self.queries if name == "q" else self.columns
+
+    def targets(self, temperature: float, dtype: torch.dtype) -> Tensor:
+        """[N, M]: softmax(G_q G_c^T / temperature) over each row in `dtype`, a teacher's distribution over every
+        column of the whole problem; computed once per (temperature, dtype), as Matryoshka's prefixes each read it."""
+        key = (temperature, dtype)
+        if key not in self._targets:
+            self._targets[key] = torch.softmax((self.queries @ self.columns.T).to(dtype) / temperature, 1)
+        return self._targets[key]
