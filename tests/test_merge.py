@@ -1,0 +1,160 @@
+"""`python -m titan_contrastive.merge`: step folders merged by a weighted average (a model soup) or by slerp. The
+merged folder reads back (verified, as `export` reads it) with every weight the definition written here gives from
+the sources' weights, in float64 then the sources' float32 (1e-6 relative); clip's `init_from` reads it and it
+exports; what cannot work is one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_export import BYTE
+from titan_contrastive.checkpoint import CheckpointManager, ModelState
+from titan_contrastive.config.job_config import Checkpoint
+from titan_contrastive.merge import main, merged, slerp
+from titan_contrastive.models.clip.args import CLIPArgs
+from titan_contrastive.models.clip.model import CLIP
+from titan_contrastive.models.weights import read_ours
+
+
+def clip_step(dump: Path, seed: int, args: CLIPArgs = BYTE, **config: object) -> Path:
+    """step-1 of a run holding a CLIP of `args` started from `seed`, written as training writes it."""
+    torch.manual_seed(seed)
+    model = CLIP(args)
+    CheckpointManager(
+        Checkpoint(enable=True, folder="checkpoint", interval=1, keep_latest_k=0),
+        dump_folder=str(dump),
+        states={"model": ModelState(model)},
+        per_rank_states={},
+        rank=0,
+        dp_rank=0,
+        dp_degree=1,
+        model_info={"family": "clip", "args": dataclasses.asdict(args)},
+        run_config=config or None,
+    ).save(1)
+    return dump / "checkpoint" / "step-1"
+
+
+def weights_of(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v.detach().double() for k, v in read_ours(folder)[2].state_dict().items()}
+
+
+def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        scale = want[name].abs().max().clamp_min(1e-30)
+        assert (got[name] - want[name]).abs().max() <= 1e-6 * scale, name
+
+
+def run(capsys: pytest.CaptureFixture, *argv: object) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def test_a_weighted_soup_is_the_weighted_mean_of_every_weight(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    steps = [clip_step(tmp_path / f"run{i}", seed=i) for i in range(3)]
+    out = tmp_path / "soup" / "step-0"
+    assert run(capsys, *steps, "--out", out, "--weights", "1,2,0.5") == (0, "")
+    sources = [weights_of(s) for s in steps]
+    want = {k: (1 * sources[0][k] + 2 * sources[1][k] + 0.5 * sources[2][k]) / 3.5 for k in sources[0]}
+    assert_close(weights_of(out), want)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["merged"]["method"] == "mean" and manifest["merged"]["weights"] == [1.0, 2.0, 0.5]
+    assert manifest["model"] == json.loads((steps[0] / "manifest.json").read_text())["model"]
+    assert [p.name for p in out.parent.iterdir()] == ["step-0"]  # no temporary folder left
+
+    equal = tmp_path / "equal"
+    assert run(capsys, *steps[:2], "--out", equal) == (0, "")
+    assert_close(weights_of(equal), {k: (sources[0][k] + sources[1][k]) / 2 for k in sources[0]})
+
+    from titan_contrastive import export
+    from titan_contrastive.models.registry import resolve_model_args
+
+    assert_close(
+        {k: v.double() for k, v in resolve_model_args("clip", "debug", str(out))[1].items()}, want
+    )  # init_from
+    assert export.main([str(out), "--to", "open_clip", "--out", str(tmp_path / "exported")]) == 0
+
+
+def defined_slerp(a: torch.Tensor, b: torch.Tensor, t: float) -> torch.Tensor:
+    """Slerp written from its definition, one number at a time for the angle (Python floats)."""
+    x, y = a.flatten().tolist(), b.flatten().tolist()
+    na, nb = math.sqrt(sum(v * v for v in x)), math.sqrt(sum(v * v for v in y))
+    if na * nb == 0:  # a zero tensor (a bias at its init): no angle, the linear mix
+        return (1 - t) * a + t * b
+    w = math.acos(max(-1.0, min(1.0, sum(u * v for u, v in zip(x, y)) / (na * nb))))
+    if math.sin(w) < 1e-6:
+        return (1 - t) * a + t * b
+    return (math.sin((1 - t) * w) * a + math.sin(t * w) * b) / math.sin(w)
+
+
+@pytest.mark.parametrize("t", [0.0, 0.3, 1.0])
+def test_slerp_interpolates_each_tensor_on_its_great_circle(
+    tmp_path: Path, capsys: pytest.CaptureFixture, t: float
+) -> None:
+    steps = [clip_step(tmp_path / f"run{i}", seed=i) for i in range(2)]
+    out = tmp_path / "slerp"
+    assert run(capsys, *steps, "--out", out, "--method", "slerp", "--t", t) == (0, "")
+    a, b = weights_of(steps[0]), weights_of(steps[1])
+    got = weights_of(out)
+    assert_close(got, {k: defined_slerp(a[k], b[k], t) for k in a})
+    if 0 < t < 1:  # not the linear mix: slerp keeps the norm of equal-norm tensors the mix shrinks
+        name = "visual.conv1.weight"
+        assert not torch.allclose(got[name], (1 - t) * a[name] + t * b[name], rtol=0, atol=1e-4)
+
+
+def test_slerp_of_parallel_or_zero_tensors_is_the_linear_mix() -> None:
+    a = torch.randn(5, 3, dtype=torch.float64)
+    for b in (2 * a, torch.zeros_like(a)):
+        assert torch.allclose(slerp(a, b, 0.25), 0.75 * a + 0.25 * b, rtol=0, atol=1e-12)
+
+
+def test_integer_tensors_are_kept_and_must_agree() -> None:
+    ids = torch.arange(4)
+    states = [{"ids": ids, "w": torch.ones(2)}, {"ids": ids.clone(), "w": 3 * torch.ones(2)}]
+    out = merged(states, [1.0, 1.0], "mean", 0.5)
+    assert torch.equal(out["ids"], ids) and torch.equal(out["w"], 2 * torch.ones(2))
+    states[1]["ids"] = ids.flip(0)
+    with pytest.raises(ValueError, match="^ids: a torch.int64 tensor that differs"):
+        merged(states, [1.0, 1.0], "mean", 0.5)
+
+
+def test_what_cannot_merge_is_one_line_and_nothing_written(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    a, b, c = (clip_step(tmp_path / f"run{i}", seed=i) for i in range(3))
+    wide = clip_step(tmp_path / "wide", seed=0, args=dataclasses.replace(BYTE, embed_dim=24))
+    lora = clip_step(tmp_path / "lora", seed=0, lora={"enable": True})
+    other = tmp_path / "static" / "step-1"
+    other.mkdir(parents=True)
+    (other / "manifest.json").write_text(json.dumps({"model": {"family": "static", "args": {}}}))
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    out = tmp_path / "out"
+    for argv, message in [
+        ([a, "--out", out], "one checkpoint; give two or more"),
+        ([a, a, "--out", out], "names a folder twice"),
+        ([a, tmp_path, "--out", out], "not one of our step folders"),
+        ([a, b, c, "--out", out, "--method", "slerp"], "slerp interpolates two checkpoints, and 3"),
+        ([a, b, "--out", out, "--method", "slerp", "--t", "1.5"], "--t=1.5: the fraction"),
+        ([a, b, "--out", out, "--method", "slerp", "--weights", "1,2"], "--weights=1,2: slerp takes --t"),
+        ([a, b, "--out", out, "--t", "0.2"], "--t=0.2 is slerp's"),
+        ([a, b, "--out", out, "--weights", "1"], "--weights=1: one weight >= 0 per STEP"),
+        ([a, b, "--out", out, "--weights", "1,-1"], "--weights=1,-1: one weight >= 0"),
+        ([a, b, "--out", out, "--weights", "0,0"], "not all 0"),
+        ([a, b, "--out", out, "--weights", "x,1"], "numbers, comma-separated"),
+        ([a, b, "--out", taken], "exists; choose a new folder"),
+        ([a, other, "--out", out], "a static model, and .* holds a clip one"),
+        ([a, lora, "--out", out], "a LoRA run's adapters"),
+        ([a, wide, "--out", out], "its weights differ from .* in "),
+    ]:
+        code, err = run(capsys, *argv)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+        assert re.search(message, err), (message, err)
+    assert not out.exists() and list(taken.iterdir()) == []
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -1,0 +1,200 @@
+"""`python -m titan_contrastive.merge STEP STEP... --out DIR`: one model from several checkpoints of one architecture.
+
+`--method mean` (the default) is a weighted average of their weights, a model soup (Wortsman et al. 2022), as
+EmbeddingGemma and Gemini Embedding merge runs trained on different mixtures or seeds; `--method slerp` is the
+spherical interpolation of two, as Qwen3-Embedding merges its checkpoints (mergekit's `slerp`). Each tensor, in
+float64, with weights w_i (`--weights`, default equal) or the fraction t toward the second (`--t`, default 0.5):
+
+    mean:   theta = sum_i w_i theta_i / sum_i w_i
+    slerp:  theta = sin((1 - t) W) / sin W  a  +  sin(t W) / sin W  b,    W = arccos(<a, b> / (|a| |b|))
+            of the tensors a, b flattened; (1 - t) a + t b where sin W < 1e-6 (parallel, or a zero tensor)
+
+written back in the sources' dtype. Tensors that are not floating point (position ids and the like) must be equal
+in every source and are kept.
+
+STEP: our step folders (`.../checkpoint/step-N`) of any family, each verified against its manifest and read as
+`export` reads them (`models.weights.read_ours`). Their manifests must name the same family and their weights the
+same names and shapes; the runs may differ in everything else (data, objective, learning rate, seed). A LoRA run's
+folder holds its adapters, whose average is not the average of the models, and is refused: export each run with
+its adapter merged (`--to hf`) and merge those folders with mergekit.
+
+DIR becomes a step folder holding the model alone (no optimizer or data state: it starts no resume), with a
+manifest whose model and config are the first source's and whose `merged` entry names the sources, the method and
+the weights; `export`, `evaluate`, `mine` and `embed` read it as a run's, and clip's `[model] init_from` starts
+from it. It is written into a temporary folder beside DIR and renamed when complete, never over an existing path.
+Bad arguments are one `error: ...` line and exit code 2, before any weights are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+METHODS = ("mean", "slerp")
+PARALLEL = 1e-6
+"""sin W below which slerp interpolates linearly (mergekit's fallback for nearly parallel tensors)."""
+
+
+class MergeError(ValueError):
+    """A merge that cannot work, in one line."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m titan_contrastive.merge", description=__doc__.split("\n\n")[0])
+    p.add_argument("sources", nargs="+", metavar="STEP", help="our step folders (.../checkpoint/step-N)")
+    p.add_argument("--out", type=Path, required=True, help="the step folder to write (must not exist)")
+    p.add_argument("--method", choices=METHODS, default="mean", help="mean: a weighted average; slerp: two sources")
+    p.add_argument("--weights", default="", help="mean: one weight per STEP, comma-separated (default: equal)")
+    p.add_argument("--t", type=float, default=0.5, help="slerp: the fraction of the way to the second STEP")
+    return p
+
+
+def check(opts: argparse.Namespace) -> tuple[list[Path], list[float], Path]:
+    """(the sources, their weights, the output folder), or a MergeError naming the argument (manifests only)."""
+    sources = [Path(s).expanduser() for s in opts.sources]
+    for src in sources:
+        if not (src / "manifest.json").is_file():
+            raise MergeError(f"STEP={src}: not one of our step folders (no manifest.json); give .../checkpoint/step-N")
+    if len(set(s.resolve() for s in sources)) < len(sources):
+        raise MergeError(f"STEP: {' '.join(map(str, sources))} names a folder twice; give each checkpoint once")
+    if len(sources) < 2:
+        raise MergeError(f"STEP={sources[0]}: one checkpoint; give two or more to merge")
+    weights = [1.0] * len(sources)
+    if opts.method == "slerp":
+        if len(sources) != 2:
+            raise MergeError(f"--method slerp interpolates two checkpoints, and {len(sources)} are given; use mean")
+        if opts.weights:
+            raise MergeError(f"--weights={opts.weights}: slerp takes --t, the fraction toward the second; drop it")
+        if not 0.0 <= opts.t <= 1.0:
+            raise MergeError(f"--t={opts.t}: the fraction toward the second checkpoint, from 0 to 1")
+    else:
+        if opts.t != 0.5:
+            raise MergeError(f"--t={opts.t} is slerp's; --method mean takes --weights")
+        if opts.weights:
+            try:
+                weights = [float(w) for w in opts.weights.split(",")]
+            except ValueError:
+                raise MergeError(f"--weights={opts.weights}: numbers, comma-separated") from None
+            if len(weights) != len(sources) or min(weights) < 0 or not math.isfinite(sum(weights)) or sum(weights) <= 0:
+                raise MergeError(f"--weights={opts.weights}: one weight >= 0 per STEP ({len(sources)}), not all 0")
+    out = Path(opts.out).expanduser()
+    if out.exists() or out.is_symlink():
+        raise MergeError(f"--out={out} exists; choose a new folder")
+    manifests = [json.loads((s / "manifest.json").read_text()) for s in sources]
+    for src, manifest in zip(sources, manifests):
+        model = manifest.get("model") or {}
+        if model.get("family") != (manifests[0].get("model") or {}).get("family") or not model:
+            raise MergeError(
+                f"STEP={src}: a {model.get('family', 'unnamed')} model, and {sources[0]} holds a "
+                f"{(manifests[0].get('model') or {}).get('family', 'unnamed')} one; merge checkpoints of one family"
+            )
+        if manifest.get("config", {}).get("lora", {}).get("enable"):
+            raise MergeError(
+                f"STEP={src}: a LoRA run's adapters, whose average is not the models' average; export each run "
+                "with --to hf (the adapter merged) and merge those folders with mergekit"
+            )
+    return sources, weights, out
+
+
+def merged(states: Sequence[dict[str, Any]], weights: Sequence[float], method: str, t: float) -> dict[str, Any]:
+    """The merged state of `states` (same names and shapes), by `method` (see the module docstring)."""
+    import torch
+
+    out = {}
+    for name, first in states[0].items():
+        tensors = [state[name] for state in states]
+        if not first.is_floating_point():
+            if any(not torch.equal(x, first) for x in tensors[1:]):
+                raise MergeError(f"{name}: a {first.dtype} tensor that differs between the checkpoints; they hold one")
+            out[name] = first.clone()
+            continue
+        wide = [x.detach().to(torch.float64) for x in tensors]
+        if method == "slerp":
+            value = slerp(wide[0], wide[1], t)
+        else:
+            value = sum(w * x for w, x in zip(weights, wide)) / sum(weights)
+        out[name] = value.to(first.dtype)
+    return out
+
+
+def slerp(a: Any, b: Any, t: float) -> Any:
+    """The spherical interpolation of two tensors, flattened (the module docstring's formula)."""
+    import torch
+
+    norms = a.norm() * b.norm()
+    cos = torch.clamp((a.flatten() @ b.flatten()) / norms, -1.0, 1.0) if norms > 0 else torch.ones((), dtype=a.dtype)
+    angle = torch.arccos(cos)
+    if torch.sin(angle) < PARALLEL:
+        return (1 - t) * a + t * b
+    return (torch.sin((1 - t) * angle) * a + torch.sin(t * angle) * b) / torch.sin(angle)
+
+
+def read_states(sources: Sequence[Path]) -> list[dict[str, Any]]:
+    """Each source's weights, read as `export` reads them; a MergeError where their names or shapes differ."""
+    from titan_contrastive.models.weights import read_ours
+
+    states = []
+    for src in sources:
+        _, _, model = read_ours(src)
+        state = model.state_dict()
+        if states:
+            first = states[0]
+            odd = sorted(set(first) ^ set(state)) or [k for k in first if first[k].shape != state[k].shape]
+            if odd:
+                raise MergeError(
+                    f"STEP={src}: its weights differ from {sources[0]}'s in {', '.join(odd[:3])}; merge "
+                    "checkpoints of one architecture"
+                )
+        states.append(state)
+    return states
+
+
+def write(out: Path, state: dict[str, Any], manifest: dict[str, Any], record: dict[str, Any]) -> None:
+    """`state` as the model of a step folder at `out`, with the first source's model and config in its manifest
+    and `record` as its `merged` entry; through a temporary folder beside it."""
+    import torch.distributed.checkpoint as dcp
+
+    from titan_contrastive.checkpoint.writer import install, write_manifest
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.merging-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
+        entry = {"step": 0, "dp_degree": 1, "world_size": 1, "merged": record}
+        write_manifest(tmp, entry | {key: manifest[key] for key in ("model", "config") if key in manifest})
+        install(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(opts: argparse.Namespace) -> Path:
+    sources, weights, out = check(opts)
+    states = read_states(sources)
+    state = merged(states, weights, opts.method, opts.t)
+    how = {"t": opts.t} if opts.method == "slerp" else {"weights": weights}
+    record = {"method": opts.method, "sources": [str(s.resolve()) for s in sources], **how}
+    write(out, state, json.loads((sources[0] / "manifest.json").read_text()), record)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parser().parse_args(argv)
+    try:
+        out = run(opts)
+    except (OSError, ValueError) as e:  # MergeError, WeightsError, a manifest that is not JSON
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: {opts.method} of {len(opts.sources)} checkpoints")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
