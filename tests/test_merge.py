@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.needs import needs
 from tests.test_export import BYTE
 from titan_contrastive.checkpoint import CheckpointManager, ModelState
 from titan_contrastive.config.job_config import Checkpoint
@@ -158,3 +159,46 @@ def test_what_cannot_merge_is_one_line_and_nothing_written(tmp_path: Path, capsy
         assert re.search(message, err), (message, err)
     assert not out.exists() and list(taken.iterdir()) == []
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@needs("hf")
+def test_a_soup_of_two_text_runs_embeds_with_the_mean_weights_and_evaluates(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Two bi_encoder runs on the tiny BERT folder (other learning rates) merged: the folder `evaluate` loads embeds
+    as the first run's model with every weight set to the mean of the two, and the command evaluates it."""
+    from tests.test_hf_text import folder_run
+    from tests.test_retrieval_metrics import write_beir
+    from titan_contrastive import evaluate
+
+    steps = []
+    for name, lr in (("a", "1e-3"), ("b", "3e-3")):
+        trainer = folder_run(
+            tmp_path / name, "encoder", "--training.local_batch_size=6", "--training.steps=1",
+            "--checkpoint.enable=true", f"--optimizer.lr={lr}",
+        )  # fmt: skip
+        trainer.train()
+        trainer.metrics.close()
+        steps.append(tmp_path / name / "run-encoder" / "checkpoint" / "step-1")
+    out = tmp_path / "soup"
+    assert run(capsys, *steps, "--out", out) == (0, "")
+
+    _, _, model = read_ours(steps[0])
+    other = read_ours(steps[1])[2].state_dict()
+    model.load_state_dict(
+        {k: ((v.double() + other[k].double()) / 2).to(v.dtype) for k, v in model.state_dict().items()}
+    )
+    args, soup = evaluate.load_text_model(str(out), 0, 0)
+    from titan_contrastive.models.bi_encoder import build_tokenizer
+
+    texts = ["the capital of France", "a tower in Paris", "zebra"]
+    ids = build_tokenizer(args).encode_queries(texts, args.query_length)
+    with torch.no_grad():
+        got, want = soup.embed_side("query", ids), model.eval().embed_side("query", ids)
+    assert (got - want).abs().max() <= 1e-6 and not torch.allclose(
+        got, read_ours(steps[1])[2].eval().embed_side("query", ids), atol=1e-4
+    )
+    assert (
+        evaluate.main([str(out), "--beir", str(write_beir(tmp_path / "beir")), "--out", str(tmp_path / "m.json")]) == 0
+    )
+    assert 0 <= json.loads((tmp_path / "m.json").read_text())["ndcg@10"] <= 1
