@@ -62,9 +62,10 @@ RGB = dataclasses.replace(BYTE, in_channels=3)
 TEXTS = ["a photo of a cat", "zebra", "Two dogs, playing in the snow at night!"]
 
 
-def step_folder(dump: Path, args: CLIPArgs = BYTE) -> tuple[Path, CLIP]:
-    """step-1 of a run folder holding `args`' model, written as training writes it, and the model."""
-    torch.manual_seed(0)
+def step_folder(dump: Path, args: CLIPArgs = BYTE, seed: int = 0, run_config: dict | None = None) -> tuple[Path, CLIP]:
+    """step-1 of a run folder holding `args`' model started from `seed` (and `run_config` in its manifest), written
+    as training writes it, and the model."""
+    torch.manual_seed(seed)
     model = CLIP(args)
     with torch.no_grad():  # non-trivial norms and scale, so a mapping mistake cannot hide behind ones and zeros
         for name, p in model.named_parameters():
@@ -80,6 +81,7 @@ def step_folder(dump: Path, args: CLIPArgs = BYTE) -> tuple[Path, CLIP]:
         dp_rank=0,
         dp_degree=1,
         model_info={"family": "clip", "args": dataclasses.asdict(args)},
+        run_config=run_config,
     ).save(1)
     (dump / "metrics.jsonl").write_text('{"step": 1}\n')
     return dump / "checkpoint" / "step-1", model.eval()

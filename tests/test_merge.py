@@ -15,31 +15,15 @@ import pytest
 import torch
 
 from tests.needs import needs
-from tests.test_export import BYTE
-from titan_contrastive.checkpoint import CheckpointManager, ModelState
-from titan_contrastive.config.job_config import Checkpoint
+from tests.test_export import BYTE, step_folder
 from titan_contrastive.merge import main, merged, slerp
 from titan_contrastive.models.clip.args import CLIPArgs
-from titan_contrastive.models.clip.model import CLIP
 from titan_contrastive.models.weights import read_ours
 
 
 def clip_step(dump: Path, seed: int, args: CLIPArgs = BYTE, **config: object) -> Path:
     """step-1 of a run holding a CLIP of `args` started from `seed`, written as training writes it."""
-    torch.manual_seed(seed)
-    model = CLIP(args)
-    CheckpointManager(
-        Checkpoint(enable=True, folder="checkpoint", interval=1, keep_latest_k=0),
-        dump_folder=str(dump),
-        states={"model": ModelState(model)},
-        per_rank_states={},
-        rank=0,
-        dp_rank=0,
-        dp_degree=1,
-        model_info={"family": "clip", "args": dataclasses.asdict(args)},
-        run_config=config or None,
-    ).save(1)
-    return dump / "checkpoint" / "step-1"
+    return step_folder(dump, args, seed, config or None)[0]
 
 
 def weights_of(folder: Path) -> dict[str, torch.Tensor]:
