@@ -134,6 +134,7 @@ def test_what_cannot_merge_is_one_line_and_nothing_written(tmp_path: Path, capsy
         ([a, b, "--out", out, "--weights", "0,0"], "not all 0"),
         ([a, b, "--out", out, "--weights", "x,1"], "numbers, comma-separated"),
         ([a, b, "--out", taken], "exists; choose a new folder"),
+        ([a, b, "--out", a / "soup"], "is inside a checkpoint it reads"),
         ([a, other, "--out", out], "a static model, and .* holds a clip one"),
         ([a, lora, "--out", out], "a LoRA run's adapters"),
         ([a, wide, "--out", out], "its weights differ from .* in "),

@@ -87,6 +87,8 @@ def check(opts: argparse.Namespace) -> tuple[list[Path], list[float], Path]:
     out = Path(opts.out).expanduser()
     if out.exists() or out.is_symlink():
         raise MergeError(f"--out={out} exists; choose a new folder")
+    if any(out.resolve().is_relative_to(s.resolve()) for s in sources):
+        raise MergeError(f"--out={out} is inside a checkpoint it reads; choose a folder outside them")
     manifests = [json.loads((s / "manifest.json").read_text()) for s in sources]
     for src, manifest in zip(sources, manifests):
         model = manifest.get("model") or {}
@@ -160,8 +162,9 @@ def write(out: Path, state: dict[str, Any], manifest: dict[str, Any], record: di
     """`state` as the model of a step folder at `out`, with the first source's model and config in its manifest
     and `record` as its `merged` entry; through a temporary folder beside it."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    from titan_contrastive.checkpoint.writer import install, write_manifest
+    from titan_contrastive.checkpoint.writer import install, out_of_space, write_manifest
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.merging-{os.getpid()}")
@@ -171,6 +174,9 @@ def write(out: Path, state: dict[str, Any], manifest: dict[str, Any], record: di
         entry = {"step": 0, "dp_degree": 1, "world_size": 1, "merged": record}
         write_manifest(tmp, entry | {key: manifest[key] for key in ("model", "config") if key in manifest})
         install(tmp, out)
+    except CheckpointException as e:  # DCP's (a BaseException): named in one line, the partial folder removed
+        full = out_of_space(e, out.parent)
+        raise MergeError(f"--out={out}: {'no space left on device' if full else 'writing failed'} ({e})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
