@@ -10,6 +10,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -136,7 +137,7 @@ def test_what_cannot_merge_is_one_line_and_nothing_written(tmp_path: Path, capsy
         ([a, b, "--out", taken], "exists; choose a new folder"),
         ([a, b, "--out", a / "soup"], "is inside a checkpoint it reads"),
         ([a, other, "--out", out], "a static model, and .* holds a clip one"),
-        ([a, lora, "--out", out], "a LoRA run's adapters"),
+        ([a, lora, "--out", out], "a full fine-tune, and .* is a LoRA run|a LoRA run, and .* is a full fine-tune"),
         ([a, wide, "--out", out], "its weights differ from .* in "),
     ]:
         code, err = run(capsys, *argv)
@@ -187,3 +188,93 @@ def test_a_soup_of_two_text_runs_embeds_with_the_mean_weights_and_evaluates(
         evaluate.main([str(out), "--beir", str(write_beir(tmp_path / "beir")), "--out", str(tmp_path / "m.json")]) == 0
     )
     assert 0 <= json.loads((tmp_path / "m.json").read_text())["ndcg@10"] <= 1
+
+
+def _effective(folder: Path) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+    """(args, model, every adapted weight W0 + s B A of the folder's LoRA model), s = alpha / r (rsLoRA: / sqrt r),
+    in float64."""
+    _, args, model = read_ours(folder)
+    state = {k: v.double() for k, v in model.state_dict().items()}
+    s = args.lora_alpha / (math.sqrt(args.lora_rank) if args.lora_rslora else args.lora_rank)
+    a = "lora_A.default.weight"
+    stems = [name[: -len(a)] for name in state if name.endswith(a)]
+    weights = {
+        st: state[st + "base_layer.weight"] + s * state[st + "lora_B.default.weight"] @ state[st + a] for st in stems
+    }
+    return args, model, weights
+
+
+@needs("hf")
+def test_lora_runs_merge_into_one_adapter_of_the_models_average(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Two LoRA runs of one tiny BERT (rank 2 at alpha 16; rank 4 at alpha 8 with rsLoRA) merged 1:3: one adapter
+    of rank 6 at alpha 6, each adapted weight W0 + s' B' A' the weighted mean of the runs' W0 + s_i B_i A_i, every
+    other trained tensor the weighted mean; through peft's own forward, the folder `evaluate` loads embeds as the base
+    model with those weights; slerp and a run of another base are refused."""
+    import shutil
+
+    from tests.hf_folders import encoder_folder
+    from tests.test_hf_text import folder_run
+    from titan_contrastive import evaluate
+    from titan_contrastive.models.bi_encoder import build_tokenizer
+
+    encoder_folder(tmp_path / "a")
+    shutil.copytree(tmp_path / "a" / "tiny-bert", tmp_path / "b" / "tiny-bert")  # one base, two folders
+    steps = []
+    for name, flags in (
+        ("a", ["--lora.rank=2", "--lora.alpha=16"]),
+        ("b", ["--lora.rank=4", "--lora.use_rslora=true"]),
+    ):
+        trainer = folder_run(
+            tmp_path / name, "encoder", "--lora.enable=true", "--lora.alpha=8", *flags, "--optimizer.lr=1e-2",
+            "--training.local_batch_size=6", "--training.steps=1", "--checkpoint.enable=true",
+        )  # fmt: skip
+        trainer.train()
+        trainer.metrics.close()
+        steps.append(tmp_path / name / "run-encoder" / "checkpoint" / "step-1")
+    out = tmp_path / "soup"
+    assert run(capsys, *steps, "--out", out, "--weights", "1,3") == (0, "")
+
+    (args_a, model_a, wa), (_, model_b, wb), (args, soup, got) = (_effective(f) for f in (*steps, out))
+    assert (args.lora_rank, args.lora_alpha, args.lora_rslora) == (6, 6.0, False)
+    assert got.keys() == wa.keys() and wa
+    for stem in wa:
+        want = (wa[stem] + 3 * wb[stem]) / 4
+        assert (got[stem] - want).abs().max() <= 1e-6 * want.abs().max(), stem
+    trained = {n for n, p in model_a.named_parameters() if p.requires_grad and "lora_" not in n}
+    sa, sb, sm = (m.state_dict() for m in (model_a, model_b, soup))
+    for name in trained:
+        assert torch.allclose(sm[name].double(), (sa[name].double() + 3 * sb[name].double()) / 4, rtol=1e-6), name
+
+    reference = model_a.eval()  # the base with the averaged weights, its adapters zeroed
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            stem = name[: -len("base_layer.weight")]
+            if stem in wa:
+                p.copy_((wa[stem] + 3 * wb[stem]) / 4)
+            elif "lora_B" in name:
+                p.zero_()
+            elif name in trained:
+                p.copy_(sm[name])
+    loaded_args, loaded = evaluate.load_text_model(str(out), 0, 0)
+    ids = build_tokenizer(loaded_args).encode_queries(["the capital of France", "zebra"], loaded_args.query_length)
+    with torch.no_grad():
+        assert (loaded.embed_side("query", ids) - reference.embed_side("query", ids)).abs().max() <= 1e-5
+
+    from titan_contrastive import export
+
+    assert export.main([str(out), "--to", "peft", "--out", str(tmp_path / "adapter")]) == 0  # reloaded and checked
+
+    other = tmp_path / "c"
+    trainer = folder_run(
+        other, "encoder", "--lora.enable=true", "--training.local_batch_size=6", "--training.steps=1",
+        "--checkpoint.enable=true",
+    )  # fmt: skip
+    trainer.train()
+    trainer.metrics.close()
+    for argv, message in [
+        ([*steps, "--out", tmp_path / "x", "--method", "slerp"], "the slerp of two models is no adapter"),
+        ([steps[0], other / "run-encoder" / "checkpoint" / "step-1", "--out", tmp_path / "x"], "frozen base weights"),
+    ]:
+        code, err = run(capsys, *argv)
+        assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists()

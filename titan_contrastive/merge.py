@@ -14,9 +14,10 @@ in every source and are kept.
 
 STEP: our step folders (`.../checkpoint/step-N`) of any family, each verified against its manifest and read as
 `export` reads them (`models.weights.read_ours`). Their manifests must name the same family and their weights the
-same names and shapes; the runs may differ in everything else (data, objective, learning rate, seed). A LoRA run's
-folder holds its adapters, whose average is not the average of the models, and is refused: export each run with
-its adapter merged (`--to hf`) and merge those folders with mergekit.
+same names and shapes; the runs may differ in everything else (data, objective, learning rate, seed). LoRA runs of
+one model folder merge by mean, exactly: the average of the models W0 + s_i B_i A_i is one adapter of their summed
+rank (`lora_merged`); their slerp is no adapter, and DoRA's magnitudes make no adapter of the average either, so
+both are refused (export each run with its adapter merged, `--to hf`, and merge those folders with mergekit).
 
 DIR becomes a step folder holding the model alone (no optimizer or data state: it starts no resume), with a
 manifest whose model and config are the first source's and whose `merged` entry names the sources, the method and
@@ -38,6 +39,9 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("mean", "slerp")
+LORA_A = ("lora_A.default.weight", "lora_embedding_A.default")
+LORA_B = ("lora_B.default.weight", "lora_embedding_B.default")
+"""peft's names of a LoRA adapter's two factors (`components/lora.py`): B A is the update of the adapted weight."""
 PARALLEL = 1e-6
 """sin W below which slerp interpolates linearly (mergekit's fallback for nearly parallel tensors)."""
 
@@ -97,12 +101,28 @@ def check(opts: argparse.Namespace) -> tuple[list[Path], list[float], Path]:
                 f"STEP={src}: a {model.get('family', 'unnamed')} model, and {sources[0]} holds a "
                 f"{(manifests[0].get('model') or {}).get('family', 'unnamed')} one; merge checkpoints of one family"
             )
-        if manifest.get("config", {}).get("lora", {}).get("enable"):
+        if is_lora(manifest) != is_lora(manifests[0]):
             raise MergeError(
-                f"STEP={src}: a LoRA run's adapters, whose average is not the models' average; export each run "
-                "with --to hf (the adapter merged) and merge those folders with mergekit"
+                f"STEP={src}: {'a LoRA run' if is_lora(manifest) else 'a full fine-tune'}, and {sources[0]} is "
+                f"{'a LoRA run' if is_lora(manifests[0]) else 'a full fine-tune'}; merge runs of one kind (export "
+                "the LoRA run with --to hf and merge the folders with mergekit)"
+            )
+        if is_lora(manifest) and opts.method == "slerp":
+            raise MergeError(
+                f"STEP={src}: a LoRA run, and the slerp of two models is no adapter; use --method mean, or export "
+                "both with --to hf and slerp those folders with mergekit"
+            )
+        if is_lora(manifest) and model.get("args", {}).get("lora_dora"):
+            raise MergeError(
+                f"STEP={src}: DoRA adapters (lora.use_dora), whose magnitudes make the models' average no adapter; "
+                "export each run with --to hf and merge those folders with mergekit"
             )
     return sources, weights, out
+
+
+def is_lora(manifest: dict[str, Any]) -> bool:
+    """Whether a step folder's run trained LoRA adapters (its checkpoint holds what trained)."""
+    return bool(manifest.get("config", {}).get("lora", {}).get("enable"))
 
 
 def merged(states: Sequence[dict[str, Any]], weights: Sequence[float], method: str, t: float) -> dict[str, Any]:
@@ -138,24 +158,68 @@ def slerp(a: Any, b: Any, t: float) -> Any:
     return (torch.sin((1 - t) * angle) * a + torch.sin(t * angle) * b) / torch.sin(angle)
 
 
-def read_states(sources: Sequence[Path]) -> list[dict[str, Any]]:
-    """Each source's weights, read as `export` reads them; a MergeError where their names or shapes differ."""
+def read_models(sources: Sequence[Path]) -> list[tuple[Any, Any]]:
+    """Each source's (model args, model), read as `export` reads them; a MergeError where their weights' names or
+    shapes differ (a LoRA run's adapters may differ in rank)."""
     from titan_contrastive.models.weights import read_ours
 
-    states = []
+    read, first = [], {}
     for src in sources:
-        _, _, model = read_ours(src)
+        _, args, model = read_ours(src)
         state = model.state_dict()
-        if states:
-            first = states[0]
-            odd = sorted(set(first) ^ set(state)) or [k for k in first if first[k].shape != state[k].shape]
+        if read:
+            shape = [k for k in first if not _adapter(k) and first[k].shape != state[k].shape]
+            odd = sorted(set(first) ^ set(state)) or shape
             if odd:
                 raise MergeError(
                     f"STEP={src}: its weights differ from {sources[0]}'s in {', '.join(odd[:3])}; merge "
                     "checkpoints of one architecture"
                 )
-        states.append(state)
-    return states
+        else:
+            first = state
+        read.append((args, model))
+    return read
+
+
+def _adapter(name: str) -> bool:
+    """Whether the tensor `name` is a LoRA adapter's factor, whose rank may differ between runs."""
+    return name.endswith(LORA_A + LORA_B)
+
+
+def lora_merged(models: Sequence[tuple[Any, Any]], weights: Sequence[float]) -> tuple[dict[str, Any], int]:
+    """(the trained tensors of one LoRA model that is the weighted average of the models, its rank R = sum_i r_i).
+
+    Model i is W0 + s_i B_i A_i on each adapted weight (s_i = alpha_i / r_i, or alpha_i / sqrt(r_i) with rsLoRA), so
+    the average W0 + sum_i (w_i / W) s_i B_i A_i is itself one adapter at scaling 1 (alpha = R): A' the A_i stacked,
+    B' the B_i side by side, each times w_i s_i / W. Every other trained tensor (`modules_to_save`, the logit scale)
+    is the weighted mean; the frozen base must be the same in every source."""
+    import torch
+
+    from titan_contrastive.checkpoint.stateful import without_frozen
+
+    total = sum(weights)
+    states = [model.state_dict() for _, model in models]
+    trained = [without_frozen(model, state) for (_, model), state in zip(models, states)]
+    for name in sorted(set(states[0]) - set(trained[0])):
+        if any(not torch.equal(state[name], states[0][name]) for state in states[1:]):
+            raise MergeError(f"{name}: the runs' frozen base weights differ; merge LoRA runs of one model folder")
+    out = {}
+    for name, first in trained[0].items():
+        tensors = [t[name].detach().to(torch.float64) for t in trained]
+        if name.endswith(LORA_A):
+            value = torch.cat(tensors, 0)
+        elif name.endswith(LORA_B):
+            factors = [w * args.lora_alpha / _root(args) / total for w, (args, _) in zip(weights, models)]
+            value = torch.cat([f * x for f, x in zip(factors, tensors)], 1)
+        else:
+            value = sum(w * x for w, x in zip(weights, tensors)) / total
+        out[name] = value.to(first.dtype)
+    return out, sum(args.lora_rank for args, _ in models)
+
+
+def _root(args: Any) -> float:
+    """The divisor of a LoRA run's scaling: its rank, or its square root with rsLoRA."""
+    return math.sqrt(args.lora_rank) if args.lora_rslora else float(args.lora_rank)
 
 
 def write(out: Path, state: dict[str, Any], manifest: dict[str, Any], record: dict[str, Any]) -> None:
@@ -183,11 +247,16 @@ def write(out: Path, state: dict[str, Any], manifest: dict[str, Any], record: di
 
 def run(opts: argparse.Namespace) -> Path:
     sources, weights, out = check(opts)
-    states = read_states(sources)
-    state = merged(states, weights, opts.method, opts.t)
+    manifest = json.loads((sources[0] / "manifest.json").read_text())
+    models = read_models(sources)
+    if is_lora(manifest):
+        state, rank = lora_merged(models, weights)
+        manifest["model"]["args"] |= {"lora_rank": rank, "lora_alpha": float(rank), "lora_rslora": False}
+        manifest["config"]["lora"] |= {"rank": rank, "alpha": float(rank), "use_rslora": False}
+    else:
+        state = merged([model.state_dict() for _, model in models], weights, opts.method, opts.t)
     how = {"t": opts.t} if opts.method == "slerp" else {"weights": weights}
-    record = {"method": opts.method, "sources": [str(s.resolve()) for s in sources], **how}
-    write(out, state, json.loads((sources[0] / "manifest.json").read_text()), record)
+    write(out, state, manifest, {"method": opts.method, "sources": [str(s.resolve()) for s in sources], **how})
     return out
 
 
