@@ -21,8 +21,9 @@ both are refused (export each run with its adapter merged, `--to hf`, and merge 
 
 DIR becomes a step folder holding the model alone (no optimizer or data state: it starts no resume), with a
 manifest whose model and config are the first source's (a LoRA merge's with the merged rank and alpha) and whose
-`merged` entry names the sources, the method and the weights; `export`, `evaluate`, `mine` and `embed` read it as a run's, and clip's `[model] init_from` starts
-from it. It is written into a temporary folder beside DIR and renamed when complete, never over an existing path.
+`merged` entry names the sources, the method and the weights; `export`, `evaluate`, `mine` and `embed` read it as a
+run's, and clip's `[model] init_from` starts from it. It is written into a temporary folder beside DIR and renamed
+when complete, never over an existing path.
 Bad arguments are one `error: ...` line and exit code 2, before any weights are read.
 """
 
