@@ -264,16 +264,19 @@ def test_lora_runs_merge_into_one_adapter_of_the_models_average(tmp_path: Path, 
 
     assert export.main([str(out), "--to", "peft", "--out", str(tmp_path / "adapter")]) == 0  # reloaded and checked
 
-    other = tmp_path / "c"
-    trainer = folder_run(
-        other, "encoder", "--lora.enable=true", "--training.local_batch_size=6", "--training.steps=1",
-        "--checkpoint.enable=true",
-    )  # fmt: skip
-    trainer.train()
-    trainer.metrics.close()
+    shutil.copytree(tmp_path / "a" / "tiny-bert", tmp_path / "d" / "tiny-bert")
+    for name, flags in (("c", []), ("d", ["--lora.modules_to_save", "word_embeddings"])):  # another base; more trained
+        trainer = folder_run(
+            tmp_path / name, "encoder", "--lora.enable=true", "--training.local_batch_size=6", "--training.steps=1",
+            "--checkpoint.enable=true", *flags,
+        )  # fmt: skip
+        trainer.train()
+        trainer.metrics.close()
+    other, more = (tmp_path / name / "run-encoder" / "checkpoint" / "step-1" for name in "cd")
     for argv, message in [
         ([*steps, "--out", tmp_path / "x", "--method", "slerp"], "the slerp of two models is no adapter"),
-        ([steps[0], other / "run-encoder" / "checkpoint" / "step-1", "--out", tmp_path / "x"], "frozen base weights"),
+        ([steps[0], other, "--out", tmp_path / "x"], "frozen base weights"),
+        ([steps[0], more, "--out", tmp_path / "x"], "trained in some runs and frozen in others"),
     ]:
         code, err = run(capsys, *argv)
         assert code == 2 and message in err and err.count("\n") == 1, err

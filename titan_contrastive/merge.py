@@ -201,6 +201,11 @@ def lora_merged(models: Sequence[tuple[Any, Any]], weights: Sequence[float]) -> 
     total = sum(weights)
     states = [model.state_dict() for _, model in models]
     trained = [without_frozen(model, state) for (_, model), state in zip(models, states)]
+    if odd := sorted(set().union(*trained) - set(trained[0]).intersection(*trained[1:])):
+        raise MergeError(
+            f"{odd[0]}: trained in some runs and frozen in others; merge LoRA runs of the same lora.target_modules "
+            "and lora.modules_to_save"
+        )
     for name in sorted(set(states[0]) - set(trained[0])):
         if any(not torch.equal(state[name], states[0][name]) for state in states[1:]):
             raise MergeError(f"{name}: the runs' frozen base weights differ; merge LoRA runs of one model folder")
