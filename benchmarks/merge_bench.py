@@ -38,16 +38,16 @@ CONFIG = "train_configs/wordnet_minilm.toml"
 FIELDS = ["variant", "ndcg@10", "mrr@10", "recall@1", "recall@10", "made_s", "eval_s"]
 
 
-def train(prefix: Path, seed: int, lr: float) -> tuple[Path, float]:
+def train(prefix: Path, seed: int, lr: float, steps: int = STEPS, batch: int = BATCH) -> tuple[Path, float]:
     """One fine-tune; (its last step folder, the launch's wall seconds)."""
     dump = Path(f"{prefix}_seed{seed}")
-    flags = harness.train_flags(dump, steps=STEPS, batch=BATCH, lr=lr, warmup=STEPS // 10, log_freq=STEPS // 5)
+    flags = harness.train_flags(dump, steps=steps, batch=batch, lr=lr, warmup=steps // 10, log_freq=steps // 5)
     flags += [f"--training.seed={seed}", "--eval.enable=false", "--checkpoint.enable=true"]
-    flags += [f"--checkpoint.interval={STEPS}"]
+    flags += [f"--checkpoint.interval={steps}"]
     result = harness.run_child(flags, cwd=harness.REPO, env=harness.train_env(config_file=CONFIG))
     if result.returncode != 0:
         raise SystemExit(f"seed {seed} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-    return dump / "checkpoint" / f"step-{STEPS}", result.wall_s
+    return dump / "checkpoint" / f"step-{steps}", result.wall_s
 
 
 def merge(out: Path, sources: list[Path], *extra: str) -> float:

@@ -130,8 +130,11 @@ def test_what_cannot_merge_is_one_line_and_nothing_written(tmp_path: Path, capsy
         ([a, b, "--out", out, "--method", "slerp", "--t", "1.5"], "--t=1.5: the fraction"),
         ([a, b, "--out", out, "--method", "slerp", "--weights", "1,2"], "--weights=1,2: slerp takes --t"),
         ([a, b, "--out", out, "--t", "0.2"], "--t=0.2 is slerp's"),
-        ([a, b, "--out", out, "--weights", "1"], "--weights=1: one weight >= 0 per STEP"),
-        ([a, b, "--out", out, "--weights", "1,-1"], "--weights=1,-1: one weight >= 0"),
+        ([a, b, "--out", out, "--weights", "1"], r"--weights=1: 2 weights >= 0 \(one per STEP\)"),
+        ([a, b, "--out", out, "--weights", "1,-1"], "--weights=1,-1: 2 weights >= 0"),
+        ([a, "--with-start", "--out", out, "--weights", "1,2,3"], r"2 weights >= 0 \(the start's first, then"),
+        ([a, b, "--with-start", "--out", out, "--method", "slerp"], "slerp interpolates two checkpoints, and 3"),
+        ([a, "--with-start", "--out", out], "--with-start: .*start at random .*; merge step folders without"),
         ([a, b, "--out", out, "--weights", "0,0"], "not all 0"),
         ([a, b, "--out", out, "--weights", "x,1"], "numbers, comma-separated"),
         ([a, b, "--out", taken], "exists; choose a new folder"),
@@ -281,3 +284,81 @@ def test_lora_runs_merge_into_one_adapter_of_the_models_average(tmp_path: Path, 
         code, err = run(capsys, *argv)
         assert code == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "x").exists()
+
+
+def test_with_start_a_clip_run_merges_with_the_checkpoint_it_started_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """WiSE-FT on clip: a run from `init_from` (another run's step folder) merged with its start gives every weight
+    as the weighted mean, or the slerp, of what the trainer held before its first step and after its last; a run
+    from random weights, and runs of two starts, are refused in one line."""
+    from tests.test_trainer import make_trainer
+
+    def trained(dump: Path, *flags: str) -> tuple[Path, dict[str, torch.Tensor]]:
+        trainer = make_trainer(str(dump), "--training.steps=1", "--checkpoint.enable=true", *flags)
+        start = {k: v.detach().double().clone() for k, v in trainer.model.state_dict().items()}
+        trainer.train()
+        trainer.metrics.close()
+        return dump / "checkpoint" / "step-1", start
+
+    pre, _ = trained(tmp_path / "pretrain")
+    step, start = trained(tmp_path / "run", f"--model.init_from={pre}", "--optimizer.lr=1e-2")
+    fine = weights_of(step)
+    assert fine.keys() == start.keys() and any(not torch.allclose(fine[k], start[k], atol=1e-4) for k in fine)
+    out = tmp_path / "wise"
+    assert run(capsys, step, "--with-start", "--weights", "1,3", "--out", out) == (0, "")
+    assert_close(weights_of(out), {k: (start[k] + 3 * fine[k]) / 4 for k in fine})
+    record = json.loads((out / "manifest.json").read_text())["merged"]
+    assert record["start"] == str(pre) and record["weights"] == [1.0, 3.0]
+    slerped = tmp_path / "slerp"
+    assert run(capsys, step, "--with-start", "--method", "slerp", "--t", "0.75", "--out", slerped) == (0, "")
+    assert_close(weights_of(slerped), {k: defined_slerp(start[k], fine[k], 0.75) for k in fine})
+
+    for argv, message in [
+        ([pre], f"--with-start: .* of {pre}'s model start at random"),
+        ([step, pre], f"STEP={pre} started from 'random weights' and {step} from '{pre}'"),
+    ]:
+        code, err = run(capsys, *argv, "--with-start", "--out", tmp_path / "x")
+        assert code == 2 and err.count("\n") == 1 and re.search(message, err), err
+    assert not (tmp_path / "x").exists()
+
+
+@needs("hf")
+def test_with_start_text_runs_merge_with_the_folder_they_started_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """WiSE-FT on a bi_encoder (the tiny BERT folder): a full fine-tune merged with its start is the mean of the
+    trainer's weights before and after; a LoRA run's is one adapter of the run's rank (the start's zero adapter left
+    out) whose adapted weights are (W0 + 3 (W0 + s B A)) / 4, W0 the trainer's before its first step."""
+    from tests.test_hf_text import folder_run
+
+    def trained(name: str, *flags: str) -> tuple[Path, dict[str, torch.Tensor], str]:
+        trainer = folder_run(
+            tmp_path / name, "encoder", "--training.local_batch_size=6", "--training.steps=1",
+            "--checkpoint.enable=true", "--optimizer.lr=1e-2", *flags,
+        )  # fmt: skip
+        start = {k: v.detach().double().clone() for k, v in trainer.model.state_dict().items()}
+        trainer.train()
+        trainer.metrics.close()
+        return tmp_path / name / "run-encoder" / "checkpoint" / "step-1", start, trainer.cfg.model.path
+
+    step, start, folder = trained("full")
+    fine, out = weights_of(step), tmp_path / "wise"
+    assert run(capsys, step, "--with-start", "--out", out) == (0, "")
+    assert_close(weights_of(out), {k: (start[k] + fine[k]) / 2 for k in fine})
+    assert json.loads((out / "manifest.json").read_text())["merged"]["start"] == folder
+
+    lora, lora_start, _ = trained("lora", "--lora.enable=true", "--lora.rank=2", "--lora.alpha=16")
+    out = tmp_path / "wise-lora"
+    assert run(capsys, lora, "--with-start", "--weights", "1,3", "--out", out) == (0, "")
+    (_, run_model, adapted), (args, merged_model, got) = _effective(lora), _effective(out)
+    assert (args.lora_rank, args.lora_alpha) == (2, 2.0) and adapted
+    for stem, w in adapted.items():
+        want = (lora_start[stem + "base_layer.weight"] + 3 * w) / 4
+        assert (got[stem] - want).abs().max() <= 1e-6 * want.abs().max(), stem
+    trained_names = [n for n, p in run_model.named_parameters() if p.requires_grad and "lora_" not in n]
+    ran, soup = run_model.state_dict(), merged_model.state_dict()
+    assert trained_names
+    for name in trained_names:
+        want = (lora_start[name] + 3 * ran[name].double()) / 4
+        assert torch.allclose(soup[name].double(), want, rtol=1e-6), name

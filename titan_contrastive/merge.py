@@ -19,6 +19,14 @@ one model folder merge by mean, exactly: the average of the models W0 + s_i B_i 
 rank (`lora_merged`); their slerp is no adapter, and DoRA's magnitudes make no adapter of the average either, so
 both are refused (export each run with its adapter merged, `--to hf`, and merge those folders with mergekit).
 
+`--with-start` adds the run's start as the first source: the model its config built before the first step (the
+folder at `model.path`, or `model.init_from`'s weights), so that `--weights 1,3` or slerp at `--t 0.75` is WiSE-FT
+(Wortsman et al. 2022, robust fine-tuning: the fine-tune interpolated with the model it started from, weight 3/4
+on the fine-tune). The start is built twice, under two seeds: a tensor that differs between the builds (a new head,
+a model trained from scratch) is drawn at random, so the run's start is not known and the merge is refused naming
+it; a LoRA run's fresh adapters (B = 0, A drawn) add nothing to it and are left out. Every STEP must name the same
+start in its config.
+
 DIR becomes a step folder holding the model alone (no optimizer or data state: it starts no resume), with a
 manifest whose model and config are the first source's (a LoRA merge's with the merged rank and alpha) and whose
 `merged` entry names the sources, the method and the weights; `export`, `evaluate`, `mine` and `embed` read it as a
@@ -58,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=METHODS, default="mean", help="mean: a weighted average; slerp: two sources")
     p.add_argument("--weights", default="", help="mean: one weight per STEP, comma-separated (default: equal)")
     p.add_argument("--t", type=float, default=0.5, help="slerp: the fraction of the way to the second STEP")
+    p.add_argument(
+        "--with-start", action="store_true", help="WiSE-FT: the runs' start (their model.path or init_from) first"
+    )
     return p
 
 
@@ -69,12 +80,13 @@ def check(opts: argparse.Namespace) -> tuple[list[Path], list[float], Path]:
             raise MergeError(f"STEP={src}: not one of our step folders (no manifest.json); give .../checkpoint/step-N")
     if len(set(s.resolve() for s in sources)) < len(sources):
         raise MergeError(f"STEP: {' '.join(map(str, sources))} names a folder twice; give each checkpoint once")
-    if len(sources) < 2:
-        raise MergeError(f"STEP={sources[0]}: one checkpoint; give two or more to merge")
-    weights = [1.0] * len(sources)
+    count = len(sources) + opts.with_start  # the start is the first source
+    if count < 2:
+        raise MergeError(f"STEP={sources[0]}: one checkpoint; give two or more to merge, or add --with-start")
+    weights = [1.0] * count
     if opts.method == "slerp":
-        if len(sources) != 2:
-            raise MergeError(f"--method slerp interpolates two checkpoints, and {len(sources)} are given; use mean")
+        if count != 2:
+            raise MergeError(f"--method slerp interpolates two checkpoints, and {count} are given; use mean")
         if opts.weights:
             raise MergeError(f"--weights={opts.weights}: slerp takes --t, the fraction toward the second; drop it")
         if not 0.0 <= opts.t <= 1.0:
@@ -87,8 +99,9 @@ def check(opts: argparse.Namespace) -> tuple[list[Path], list[float], Path]:
                 weights = [float(w) for w in opts.weights.split(",")]
             except ValueError:
                 raise MergeError(f"--weights={opts.weights}: numbers, comma-separated") from None
-            if len(weights) != len(sources) or min(weights) < 0 or not math.isfinite(sum(weights)) or sum(weights) <= 0:
-                raise MergeError(f"--weights={opts.weights}: one weight >= 0 per STEP ({len(sources)}), not all 0")
+            if len(weights) != count or min(weights) < 0 or not math.isfinite(sum(weights)) or sum(weights) <= 0:
+                each = "the start's first, then one per STEP" if opts.with_start else "one per STEP"
+                raise MergeError(f"--weights={opts.weights}: {count} weights >= 0 ({each}), not all 0")
     out = Path(opts.out).expanduser()
     if out.exists() or out.is_symlink():
         raise MergeError(f"--out={out} exists; choose a new folder")
@@ -118,12 +131,58 @@ def check(opts: argparse.Namespace) -> tuple[list[Path], list[float], Path]:
                 f"STEP={src}: DoRA adapters (lora.use_dora), whose magnitudes make the models' average no adapter; "
                 "export each run with --to hf and merge those folders with mergekit"
             )
+        if opts.with_start and start_of(manifest) != start_of(manifests[0]):
+            raise MergeError(
+                f"--with-start: STEP={src} started from {start_of(manifest) or 'random weights'!r} and {sources[0]} "
+                f"from {start_of(manifests[0]) or 'random weights'!r}; merge runs of one start with it"
+            )
     return sources, weights, out
 
 
 def is_lora(manifest: dict[str, Any]) -> bool:
     """Whether a step folder's run trained LoRA adapters (its checkpoint holds what trained)."""
     return bool(manifest.get("config", {}).get("lora", {}).get("enable"))
+
+
+def start_of(manifest: dict[str, Any]) -> str:
+    """What a run's weights started from, as its config names it: `model.init_from`, else `model.path` ('': none)."""
+    model = manifest.get("config", {}).get("model", {})
+    return model.get("init_from") or model.get("path") or ""
+
+
+def read_start(src: Path, manifest: dict[str, Any], args: Any) -> Any:
+    """The model the run at `src` started from: built from its args as training built it (the folder at
+    `model.path`), `model.init_from`'s weights loaded; a MergeError where a tensor differs between two builds
+    under other seeds (drawn at random, so not the run's start), a LoRA adapter's A factors aside."""
+    import torch
+
+    from titan_contrastive.models.registry import get_model_spec, resolve_model_args
+    from titan_contrastive.models.weights import load_state
+
+    spec = get_model_spec(manifest["model"]["family"])
+    init_from = manifest.get("config", {}).get("model", {}).get("init_from") or ""
+    init = resolve_model_args(manifest["model"]["family"], "", init_from)[1] if init_from else None
+    builds = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = spec.build_model(args)
+        if init is not None:
+            fit = spec.state_dict_adapter.fit
+            load_state(model, fit(init, args) if fit else init, f"model.init_from={init_from}")
+        builds.append(model)
+    first, second = (model.state_dict() for model in builds)
+    drawn = [
+        name
+        for name, x in first.items()
+        if x.is_floating_point() and not name.endswith(LORA_A) and not torch.equal(x, second[name])
+    ]
+    if drawn:
+        raise MergeError(
+            f"--with-start: {', '.join(drawn[:3])}{f' and {len(drawn) - 3} more' if len(drawn) > 3 else ''} of "
+            f"{src}'s model start at random (not from {start_of(manifest) or 'a model.path or init_from'}), so the "
+            "run's start is not known; merge step folders without --with-start"
+        )
+    return builds[0]
 
 
 def merged(states: Sequence[dict[str, Any]], weights: Sequence[float], method: str, t: float) -> dict[str, Any]:
@@ -192,8 +251,9 @@ def lora_merged(models: Sequence[tuple[Any, Any]], weights: Sequence[float]) -> 
 
     Model i is W0 + s_i B_i A_i on each adapted weight (s_i = alpha_i / r_i, or alpha_i / sqrt(r_i) with rsLoRA), so
     the average W0 + sum_i (w_i / W) s_i B_i A_i is itself one adapter at scaling 1 (alpha = R): A' the A_i stacked,
-    B' the B_i side by side, each times w_i s_i / W. Every other trained tensor (`modules_to_save`, the logit scale)
-    is the weighted mean; the frozen base must be the same in every source."""
+    B' the B_i side by side, each times w_i s_i / W. An adapter whose B_i are all zero (a run's start) adds nothing
+    and is left out of them, its weight still counted in W. Every other trained tensor (`modules_to_save`, the logit
+    scale) is the weighted mean; the frozen base must be the same in every source."""
     import torch
 
     from titan_contrastive.checkpoint.stateful import without_frozen
@@ -209,18 +269,20 @@ def lora_merged(models: Sequence[tuple[Any, Any]], weights: Sequence[float]) -> 
     for name in sorted(set(states[0]) - set(trained[0])):
         if any(not torch.equal(state[name], states[0][name]) for state in states[1:]):
             raise MergeError(f"{name}: the runs' frozen base weights differ; merge LoRA runs of one model folder")
+    live = [i for i, t in enumerate(trained) if any(x.any() for n, x in t.items() if n.endswith(LORA_B))]
+    live = live or list(range(len(models)))
     out = {}
     for name, first in trained[0].items():
         tensors = [t[name].detach().to(torch.float64) for t in trained]
         if name.endswith(LORA_A):
-            value = torch.cat(tensors, 0)
+            value = torch.cat([tensors[i] for i in live], 0)
         elif name.endswith(LORA_B):
             factors = [w * args.lora_alpha / _root(args) / total for w, (args, _) in zip(weights, models)]
-            value = torch.cat([f * x for f, x in zip(factors, tensors)], 1)
+            value = torch.cat([factors[i] * tensors[i] for i in live], 1)
         else:
             value = sum(w * x for w, x in zip(weights, tensors)) / total
         out[name] = value.to(first.dtype)
-    return out, sum(args.lora_rank for args, _ in models)
+    return out, sum(models[i][0].lora_rank for i in live)
 
 
 def _root(args: Any) -> float:
@@ -255,6 +317,8 @@ def run(opts: argparse.Namespace) -> Path:
     sources, weights, out = check(opts)
     manifest = json.loads((sources[0] / "manifest.json").read_text())
     models = read_models(sources)
+    if opts.with_start:
+        models.insert(0, (models[0][0], read_start(sources[0], manifest, models[0][0])))
     if is_lora(manifest):
         state, rank = lora_merged(models, weights)
         manifest["model"]["args"] |= {"lora_rank": rank, "lora_alpha": float(rank), "lora_rslora": False}
@@ -262,6 +326,8 @@ def run(opts: argparse.Namespace) -> Path:
     else:
         state = merged([model.state_dict() for _, model in models], weights, opts.method, opts.t)
     how = {"t": opts.t} if opts.method == "slerp" else {"weights": weights}
+    if opts.with_start:  # the first of the weights, the slerp's t = 0 end
+        how["start"] = start_of(manifest)
     write(out, state, manifest, {"method": opts.method, "sources": [str(s.resolve()) for s in sources], **how})
     return out
 
@@ -273,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # MergeError, WeightsError, a manifest that is not JSON
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    print(f"wrote {out}: {opts.method} of {len(opts.sources)} checkpoints")
+    start = " and their start" if opts.with_start else ""
+    print(f"wrote {out}: {opts.method} of {len(opts.sources)} checkpoint{'s' * (len(opts.sources) > 1)}{start}")
     return 0
 
 
