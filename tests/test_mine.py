@@ -147,6 +147,9 @@ def bi_encoder_step(root: Path, shared: bool) -> Path:
         doc_length=24
     )
     model = BiEncoder(args)
+    with torch.no_grad():  # two towers that embed apart (both start from the one folder)
+        for param in [] if shared else model.doc_tower.parameters():
+            param.add_(0.05 * torch.randn_like(param))
     CheckpointManager(
         Checkpoint(enable=True, folder="checkpoint", interval=1, keep_latest_k=0),
         dump_folder=str(root / "run"),
@@ -357,16 +360,58 @@ def test_several_devices_write_the_same_file(tmp_path: Path, capsys: pytest.Capt
     assert (tmp_path / "one.jsonl").read_text() == (tmp_path / "two.jsonl").read_text()
 
 
-def test_two_towers_need_a_tower(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_two_towers_embed_each_side_with_its_own(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A run of two towers (the doc tower moved off the query tower's weights): `mine` without `--tower` ranks the
+    corpus by the doc tower's embeddings against the query tower's, as the reference from the run's own BiEncoder
+    selects; `embed` writes each side by its tower (queries by the query tower, documents by the doc tower);
+    `--tower doc` mines with one."""
+    import pyarrow.parquet as pq
+
+    from titan_contrastive.embed import main as embed_main
+    from titan_contrastive.models.bi_encoder import build_tokenizer
+    from titan_contrastive.models.weights import read_ours
+
     step = bi_encoder_step(tmp_path, shared=False)
-    src = write_csv(tmp_path / "pairs.csv", tiny_rows(), [str(i) for i in range(40)])
+    rows = tiny_rows()
+    ids = [f"t{i}" for i in range(len(rows))]
+    src = write_csv(tmp_path / "pairs.csv", rows, ids)
     out = tmp_path / "mined.jsonl"
-    code, err = mine(capsys, src, f"--model={step}", f"--out={out}")
-    assert code == 2 and len(err) == 1 and "--tower" in err[0] and not out.exists()
+    assert mine(capsys, src, f"--model={step}", f"--out={out}", "--range-max=100", "--relative-margin=0.01") == (0, [])
+    _, args, model = read_ours(step)
+    model.eval()
+    tokenizer = build_tokenizer(args)
+    queries: dict[str, torch.Tensor] = {}
+    docs: dict[str, torch.Tensor] = {}
+
+    def embed(texts: list[str], side: str) -> torch.Tensor:
+        with torch.no_grad():
+            if side == "query":
+                vectors = model._embed(model.query_tower, tokenizer.encode_queries(texts, args.query_length), 0)
+            else:
+                vectors = model._embed(model.doc_tower, tokenizer.encode_docs(texts), 1)
+        (queries if side == "query" else docs).update(zip(texts, vectors))
+        return vectors
+
+    want = expected(rows, embed, k=1, skip=0, margin=0.01)
+    judged = check_mined(out, rows, ids, want, lambda q, d: float(queries[q].double() @ docs[d].double()))
+    assert judged >= 30 and any(want)
+    with torch.no_grad():  # the towers embed apart: one tower for both sides would be another ranking
+        same = model._embed(model.query_tower, tokenizer.encode_docs(list(docs)), 1)
+    assert (same - torch.stack(list(docs.values()))).abs().max() > 1e-2
+
+    written = tmp_path / "embedded.parquet"
+    assert embed_main([str(src), "--model", str(step), "--out", str(written)]) == 0
+    table = pq.read_table(written).to_pylist()
+    for side in ("query", "document"):  # the positives and the negatives as documents
+        texts = [row["text"] for row in table if row["side"] == side]
+        got = torch.tensor([row["embedding"] for row in table if row["side"] == side])
+        assert texts and (got - embed(texts, "query" if side == "query" else "doc")).abs().max() <= 1e-5, side
+
     assert mine(
-        capsys, src, f"--model={step}", f"--out={out}", "--tower=doc", "--range-max=60", "--relative-margin=0.01"
-    ) == (0, [])
-    assert len(read_written(out)[0]) == 3
+        capsys, src, f"--model={step}", f"--out={tmp_path / 'one.jsonl'}", "--tower=doc", "--range-max=60",
+        "--relative-margin=0.01",
+    ) == (0, [])  # fmt: skip
+    assert len(read_written(tmp_path / "one.jsonl")[0]) == 3
 
 
 @pytest.mark.parametrize(

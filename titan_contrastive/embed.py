@@ -5,7 +5,8 @@ distillation or a guide's masks without the teacher or guide running in every st
 PAIRS is what `data.path` reads for `data.dataset = "pairs"` (`datasets.pairs`; `--columns` is
 `data.pairs_columns`; files joined with `::` are read one after another), or `wordnet` for the bundled WordNet
 pairs (`data.dataset = "wordnet"`). MODEL is one of `mine`'s: a bi_encoder or static step folder (through a
-verified sentence-transformers export), a sentence-transformers folder, or a transformers folder (mean pooling);
+verified sentence-transformers export; a run of two towers embeds each side with its own unless `--tower` names one),
+a sentence-transformers folder (a Router's routes: `query`, `document`), or a transformers folder (mean pooling);
 its own code runs only with `--trust-remote-code`. Each distinct query text is embedded with the query prompt
 (`--query-prompt`; default the model's `query` prompt, if it has one) and each distinct document text (the
 positives and negatives) with the document prompt (`--doc-prompt`; default its `document`, `passage` or `corpus`
@@ -58,7 +59,10 @@ def parser() -> argparse.ArgumentParser:
         "--doc-prompt", default=None, help="text before each document (default: the model's 'document' prompt)"
     )
     p.add_argument(
-        "--tower", choices=("query", "doc"), default=None, help="a checkpoint with two towers: embed with this one"
+        "--tower",
+        choices=("query", "doc"),
+        default=None,
+        help="a checkpoint with two towers: embed both sides with this one (default: each side with its own)",
     )
     p.add_argument(
         "--parallel",
@@ -187,15 +191,15 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int, int]:
     with sentence_model(opts.model, opts.tower, opts.device, opts.trust_remote_code) as model:
         query_prompt, doc_prompt = prompts(model, opts.query_prompt, opts.doc_prompt)
 
-        def encode(texts: list[str], prompt: str) -> np.ndarray:
-            return model.encode(texts, prompt=prompt, batch_size=opts.batch_size, convert_to_numpy=True)
+        def encode(texts: list[str], prompt: str, task: str) -> np.ndarray:  # a Router's route: the task
+            return model.encode(texts, prompt=prompt, task=task, batch_size=opts.batch_size, convert_to_numpy=True)
 
-        embedded = encode(queries, query_prompt)
+        embedded = encode(queries, query_prompt, "query")
         if opts.parallel:
             where = {text: i for i, text in enumerate(queries)}
             sides = [("query", queries, embedded), ("document", docs, embedded[[where[source[d]] for d in docs]])]
         else:
-            sides = [("query", queries, embedded), ("document", docs, encode(docs, doc_prompt))]
+            sides = [("query", queries, embedded), ("document", docs, encode(docs, doc_prompt, "document"))]
     write(out, sides)
     return out, len(queries), len(docs), sides[0][2].shape[1]
 

@@ -9,8 +9,9 @@ adapter (`ModelSpec.state_dict_adapter`) claims the path; `--to` must be one of 
   checkpoint): `--to hf`, what `transformers.CLIPModel` and `CLIPTokenizerFast` load from DIR;
   `--to open_clip`, the layout `open_clip.create_model("local-dir:DIR")` reads.
 - bi_encoder (`models.bi_encoder.export`; `--tower query|doc` picks the tower, the same one when
-  shared): `--to sentence-transformers`, the tower with its tokenizer, pooling, normalization and
-  prompts (a ColBERT run: a MultiVectorEncoder, both sides); `--to hf`, the tower as a transformers
+  shared; default the query tower): `--to sentence-transformers`, the tower with its tokenizer, pooling,
+  normalization and prompts (a ColBERT run: a MultiVectorEncoder, both sides; a run of two towers without
+  `--tower`: a Router of both, `encode_query` and `encode_document`); `--to hf`, the tower as a transformers
   folder; with LoRA both hold the merged weights;
   `--to peft`, the LoRA adapters alone, what `peft.PeftModel.from_pretrained(base, DIR)` loads over
   the run's `[model] path`; `--to pylate`, a ColBERT run as a PyLate folder (both sides).
@@ -18,7 +19,8 @@ adapter (`ModelSpec.state_dict_adapter`) claims the path; `--to` must be one of 
   image processor, what `transformers.AutoModel` loads; `--to peft`, the adapters; `--to colpali`,
   a ColBERT run (ColQwen) as colpali-engine's folder, its only format.
 - static (`models.static.export`; `--tower`): `--to sentence-transformers`, a StaticEmbedding and a Normalize
-  with the run's prompts; `--to model2vec`, model2vec's own folder (no prompts).
+  with the run's prompts (two tables without `--tower`: a Router of both); `--to model2vec`, model2vec's own folder
+  (no prompts).
 
 What DIR may be, checked before anything is read: a folder that does not exist yet, an empty one,
 or (with `--overwrite`) a previous export of this tool, recognised by the `MARKER` file it writes
@@ -165,7 +167,7 @@ def _install(tmp: Path, target: Path) -> None:
             )
 
 
-def export(src: str, out: Path, to: str, *, tower: str = "query", overwrite: bool = False) -> Path:
+def export(src: str, out: Path, to: str, *, tower: str | None = None, overwrite: bool = False) -> Path:
     """Write `src` as a `to` folder at `out` (module doc: refusals, temporary folder, faithfulness check)."""
     target = check_out(out, src, overwrite)
     created = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
@@ -261,7 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         help="replace --out when it is a previous export of this tool (never another folder)",
     )
     parser.add_argument(
-        "--tower", choices=("query", "doc"), default="query", help="bi_encoder, static: which tower (default: query)"
+        "--tower",
+        choices=("query", "doc"),
+        default=None,
+        help="bi_encoder, static: which tower (default: both of a two-tower run to sentence-transformers, a Router; "
+        "else the query tower)",
     )
     parser.add_argument(
         "--custom-import",

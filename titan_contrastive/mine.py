@@ -6,7 +6,9 @@ TSV, Parquet, a Hugging Face dataset on disk; `datasets.pairs`), with the same c
 (`--columns` and `--id-column` are `data.pairs_columns` and `data.pairs_id_column`). MODEL embeds
 both sides: one of our bi_encoder or static step folders (`.../checkpoint/step-N`, exported for the purpose
 through `export --to sentence-transformers`, which checks the export's embeddings against the
-run's), a sentence-transformers folder, or a transformers folder (mean pooling, as
+run's; a run of two towers embeds the queries with its query tower and the corpus with its doc tower, as its
+Router does, unless `--tower` names one for both), a sentence-transformers folder, or a transformers folder
+(mean pooling, as
 sentence-transformers builds it). A folder's own model code (config.json `auto_map`) runs only with
 `--trust-remote-code`; a step folder's runs as its run's did (`[model] trust_remote_code`).
 
@@ -116,7 +118,7 @@ def sentence_model(path: str, tower: str | None, device: str | None, trust: bool
     if manifest.is_file():
         try:
             model = json.loads(manifest.read_text())["model"]
-            family, shared = model["family"], model["args"].get("shared", True)
+            family = model["family"]
             trust = bool(model["args"].get("trust_remote_code", False))
         except (OSError, ValueError, KeyError, TypeError):
             raise MineError(
@@ -132,15 +134,10 @@ def sentence_model(path: str, tower: str | None, device: str | None, trust: bool
                 f"--model={path}: a {pooling} run (model.pooling={pooling!r}), and sentence-transformers' miner ranks "
                 f"dense embeddings by cosine; mine with a dense model and train {pooling} on its negatives"
             )
-        if not shared and tower is None:
-            raise MineError(
-                f"--model={path} has separate query and doc towers, and mining embeds both sides with one: "
-                "pass --tower query or --tower doc"
-            )
         from titan_contrastive.export import export
 
         with tempfile.TemporaryDirectory(prefix="titan_contrastive_mine-") as tmp:
-            out = export(str(folder), Path(tmp) / "model", "sentence-transformers", tower=tower or "query")
+            out = export(str(folder), Path(tmp) / "model", "sentence-transformers", tower=tower)
             yield SentenceTransformer(str(out), device=device, trust_remote_code=trust)
         return
     if not ((folder / "modules.json").is_file() or (folder / "config.json").is_file()):
@@ -191,7 +188,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--query-prompt", default=None, help="text before each query (default: the model's 'query' prompt)")
     p.add_argument("--doc-prompt", default=None, help="text before each document (default: the model's 'document' one)")
     p.add_argument(
-        "--tower", choices=("query", "doc"), default=None, help="a checkpoint with two towers: embed with this one"
+        "--tower",
+        choices=("query", "doc"),
+        default=None,
+        help="a checkpoint with two towers: embed both sides with this one (default: each side with its own)",
     )
     p.add_argument("--batch-size", type=int, default=64, help="texts per forward (default: 64)")
     p.add_argument(

@@ -1,9 +1,11 @@
-"""The bi_encoder's exports (`python -m titan_contrastive.export STEP --to ...`), one tower at a time.
+"""The bi_encoder's exports (`python -m titan_contrastive.export STEP --to ...`), one tower at a time (`--tower`).
 
 - `sentence-transformers`: the tower with its tokenizer, Pooling (our mode), the folder's Dense
   layers as trained, Normalize and the run's prompts, what `SentenceTransformer(DIR)` loads (SPLADE: a
   SparseEncoder; inference-free SPLADE: a Router of the query weights and the masked LM, both sides at once;
-  ColBERT: a MultiVectorEncoder, `multi_vector.write_multi_vector`, both sides at once);
+  ColBERT: a MultiVectorEncoder, `multi_vector.write_multi_vector`, both sides at once). A run of two towers
+  (`model.flavor = "dual"`) without `--tower` is a Router of both, each side by its own tower: `encode_query`
+  and `encode_document` embed as the run's two sides;
 - `hf`: the tower as a transformers folder with its tokenizer (`AutoModel.from_pretrained(DIR)`; an
   encoder-decoder's encoder: `AutoModelForTextEncoding`); refused for a folder with Dense layers;
 - `peft`: the LoRA adapters alone as a PEFT folder (`PeftModel.from_pretrained(base, DIR)`, the
@@ -88,13 +90,16 @@ def _probe(model: BiEncoder, args: BiEncoderArgs, side: str, texts: list[str]) -
         return ids, model.embed_side(side, ids)
 
 
-def write(to: str, src: str, out: Path, side: str = "query") -> None:
-    """Write `side`'s tower of the bi_encoder step folder `src` as `to` into `out`, then load it back
-    with its library and compare its embeddings of `PROBE_TEXTS` with the run's."""
+def write(to: str, src: str, out: Path, side: str | None = None) -> None:
+    """Write `side`'s tower of the bi_encoder step folder `src` as `to` into `out` (None: both of a two-tower run
+    as a sentence-transformers Router, else the query tower), then load it back with its library and compare its
+    embeddings of `PROBE_TEXTS` with the run's."""
     family, args, model = read_ours(Path(src).expanduser())
     if family != "bi_encoder":
         refuse(f"{src}: a {family} checkpoint; --to {to} exports the bi_encoder family here")
     model.eval()
+    both = side is None and not args.shared and to == "sentence-transformers"
+    side = side or "query"
     tower = getattr(model, f"{side}_tower")
     texts = PROBE_TEXTS
     head = getattr(model, f"{side}_head")
@@ -142,8 +147,9 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
                 got = embed(theirs, ids, pad, args.pooling, 0, head=head, skip=skip, splade=splade)
             check(got, "peft")
         return
-    plain = plain_tower(args, tower)
+    towers = {side: (plain_tower(args, tower), head)}
     if to == "hf":
+        plain = towers[side][0]
         plain.save_pretrained(str(out))
         args.tokenizer.save_pretrained(str(out))
         auto = text_model_class(plain.config, str(out), args.pooling == "splade")
@@ -152,7 +158,9 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
         with torch.no_grad():
             check(embed(theirs, ids, pad, args.pooling, 0, skip=skip, splade=splade), "transformers")
         return
-    _write_sentence_transformers(plain, head, args, out, side, None if static is None else static.weight)
+    if both:  # the doc side's tower and head beside the query side's
+        towers["doc"] = (plain_tower(args, model.doc_tower), model.doc_head)
+    _write_sentence_transformers(towers, args, out, None if static is None else static.weight)
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sparse_encoder import SparseEncoder
 
@@ -160,14 +168,14 @@ def write(to: str, src: str, out: Path, side: str = "query") -> None:
     splade = args.pooling == "splade"
     library = SparseEncoder if splade else SentenceTransformer
     theirs = reloaded("sentence-transformers", lambda: library(str(out), device="cpu", trust_remote_code=trust))
-    if static is not None:  # a Router: each side by its route, with its prompt
+    sparse = {"convert_to_sparse_tensor": False} if splade else {}
+    if static is not None or both:  # a Router: each side by its route, with its prompt
         for route, encode in (("query", theirs.encode_query), ("doc", theirs.encode_document)):
-            got = encode(texts, convert_to_tensor=True, convert_to_sparse_tensor=False)
+            got = encode(texts, convert_to_tensor=True, **sparse)
             compare(to, route, _probe(model, args, route, texts)[1], got, "sentence-transformers")
         return
     prompt = args.query_prompt if side == "query" else args.doc_prompt
     name = ("query" if side == "query" else "document") if prompt else None
-    sparse = {"convert_to_sparse_tensor": False} if splade else {}
     check(theirs.encode(texts, convert_to_tensor=True, prompt_name=name, **sparse), "sentence-transformers")
 
 
@@ -217,17 +225,57 @@ def _packed(texts: list[Tensor], length: int) -> Tensor:
 
 
 def _write_sentence_transformers(
-    plain: nn.Module, head: nn.Sequential | None, args: BiEncoderArgs, out: Path, side: str, static: Tensor | None
+    towers: dict[str, tuple[nn.Module, nn.Sequential | None]], args: BiEncoderArgs, out: Path, static: Tensor | None
 ) -> None:
-    """A SentenceTransformer folder of `plain` (the tower) and `head`; SPLADE's a SparseEncoder, which with the
-    `static` query weights of inference-free SPLADE routes queries to a SparseStaticEmbedding of them."""
+    """A SentenceTransformer folder of each side's (tower, head) in `towers` (one side; or query and doc, a Router of
+    the two); SPLADE's a SparseEncoder, which with the `static` query weights of inference-free SPLADE routes queries
+    to a SparseStaticEmbedding of them."""
     import tempfile
 
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
+    from sentence_transformers.base.modules import Router
     from sentence_transformers.sparse_encoder import SparseEncoder
+
+    splade = args.pooling == "splade"
+    prompts = {name: p for name, p in (("query", args.query_prompt), ("document", args.doc_prompt)) if p}
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = {
+            side: _tower_modules(plain, head, args, side if static is None else "doc", Path(tmp) / side)
+            for side, (plain, head) in towers.items()
+        }
+        if static is not None:
+            from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding
+
+            documents = next(iter(sides.values()))  # the masked LM, whichever --tower named it
+            mlm = documents[0]
+            weight, tokenizer = static.detach().float().clone(), copy.deepcopy(mlm.tokenizer)
+            # it tokenizes without special tokens: cut where the run's queries, which hold them, were cut
+            tokenizer.model_max_length = args.query_length - tokenizer.num_special_tokens_to_add()
+            query = SparseStaticEmbedding(tokenizer=tokenizer, weight=weight, frozen=False)
+            modules = [Router.for_query_document(query_modules=[query], document_modules=documents)]
+        elif len(sides) == 2:
+            modules = [Router.for_query_document(query_modules=sides["query"], document_modules=sides["doc"])]
+        else:
+            modules = next(iter(sides.values()))
+        library = SparseEncoder if splade else SentenceTransformer
+        library(modules=modules, device="cpu", prompts=prompts).save(str(out))
+
+
+def _tower_modules(plain: nn.Module, head: nn.Sequential | None, args: BiEncoderArgs, side: str, hf_dir: Path) -> list:
+    """One tower's sentence-transformers modules, read from `plain` saved into `hf_dir`: the Transformer at `side`'s
+    length, then our pooling, the folder's Dense layers and Normalize (SPLADE: the masked LM and SpladePooling)."""
+    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
     from sentence_transformers.sparse_encoder.modules import SpladePooling
 
+    plain.save_pretrained(str(hf_dir))
+    args.tokenizer.save_pretrained(str(hf_dir))
+    trust = {"trust_remote_code": args.trust_remote_code}
+    length = args.query_length if side == "query" else args.doc_length
+    if args.pooling == "splade":  # a SparseEncoder: the masked LM, then SpladePooling
+        mlm = Transformer(
+            str(hf_dir), max_seq_length=length, transformer_task="fill-mask", model_kwargs=trust, config_kwargs=trust
+        )
+        return [mlm, SpladePooling(args.splade_pooling or "max", args.splade_activation or "relu")]
     dense = [
         Dense(
             linear.in_features,
@@ -239,37 +287,12 @@ def _write_sentence_transformers(
         )
         for linear, activation in head or []
     ]
-
-    length = args.query_length if side == "query" and static is None else args.doc_length
-    prompts = {name: p for name, p in (("query", args.query_prompt), ("document", args.doc_prompt)) if p}
-    with tempfile.TemporaryDirectory() as hf_dir:
-        plain.save_pretrained(hf_dir)
-        args.tokenizer.save_pretrained(hf_dir)
-        trust = {"trust_remote_code": args.trust_remote_code}
-        if args.pooling == "splade":  # a SparseEncoder: the masked LM, then SpladePooling
-            mlm = Transformer(
-                hf_dir, max_seq_length=length, transformer_task="fill-mask", model_kwargs=trust, config_kwargs=trust
-            )
-            pooling = SpladePooling(args.splade_pooling or "max", args.splade_activation or "relu")
-            modules = [mlm, pooling]
-            if static is not None:
-                from sentence_transformers.base.modules import Router
-                from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding
-
-                weight, tokenizer = static.detach().float().clone(), copy.deepcopy(mlm.tokenizer)
-                # it tokenizes without special tokens: cut where the run's queries, which hold them, were cut
-                tokenizer.model_max_length = args.query_length - tokenizer.num_special_tokens_to_add()
-                query = SparseStaticEmbedding(tokenizer=tokenizer, weight=weight, frozen=False)
-                modules = [Router.for_query_document(query_modules=[query], document_modules=modules)]
-            SparseEncoder(modules=modules, device="cpu", prompts=prompts).save(str(out))
-            return
-        encoder = Transformer(
-            hf_dir, max_seq_length=length, model_kwargs=trust, config_kwargs=trust, processor_kwargs=trust
-        )
-        mode = ST_POOLING_NAMES.get(args.pooling, args.pooling)
-        pooling = Pooling(plain.config.hidden_size, pooling_mode=mode, include_prompt=args.include_prompt)
-        modules = [encoder, pooling, *dense, Normalize()]
-        SentenceTransformer(modules=modules, device="cpu", prompts=prompts).save(str(out))
+    encoder = Transformer(
+        str(hf_dir), max_seq_length=length, model_kwargs=trust, config_kwargs=trust, processor_kwargs=trust
+    )
+    mode = ST_POOLING_NAMES.get(args.pooling, args.pooling)
+    pooling = Pooling(plain.config.hidden_size, pooling_mode=mode, include_prompt=args.include_prompt)
+    return [encoder, pooling, *dense, Normalize()]
 
 
 ADAPTER = StateDictAdapter(writes={to: partial(write, to) for to in FORMATS})
