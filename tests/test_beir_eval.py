@@ -139,13 +139,15 @@ def beir_run(tmp: Path, beir: Path, *extra: str):
 
 @needs("hf")
 def test_training_evaluates_on_a_beir_folder(tmp_path: Path) -> None:
-    """`[eval] beir_path`: the metrics land in metrics.jsonl with the run's other evaluation."""
-    trainer = beir_run(tmp_path, write_beir(tmp_path / "beir"))
+    """`[eval] beir_path`: the metrics land in metrics.jsonl with the run's other evaluation (with
+    `beir_precisions`, the quantized corpus's beside them)."""
+    trainer = beir_run(tmp_path, write_beir(tmp_path / "beir"), "--eval.beir_precisions", "ubinary")
     trainer.train()
     trainer.metrics.close()
     rows = [json.loads(line) for line in (tmp_path / "run-encoder" / "metrics.jsonl").read_text().splitlines()]
     (evaluated,) = [row for row in rows if row.get("kind") == "eval"]
     assert {f"beir/{m}" for m in METRICS} <= set(evaluated) and 0 <= evaluated["beir/ndcg@10"] <= 1
+    assert {f"ubinary/beir/{m}" for m in METRICS} <= set(evaluated)
 
 
 @needs("hf")

@@ -8,7 +8,8 @@ DIR is a local BEIR folder (`corpus.jsonl`, `queries.jsonl`, `qrels/{split}.tsv`
 sets saved to disk: `components/beir_folder.py`), by default the bundled WordNet set. Prints nDCG@5/10,
 MRR@10, MAP@100 and Recall@1/5/10/100 as JSON (`components/beir_eval.py`: the figures
 sentence-transformers' InformationRetrievalEvaluator gives; `--graded`: nDCG as pytrec_eval, MTEB and ViDoRe
-give it; `--pool-factor`: a late-interaction model's documents token-pooled, `components/token_pooling.py`);
+give it; `--pool-factor`: a late-interaction model's documents token-pooled, `components/token_pooling.py`;
+`--precision uint8 ubinary`: also with the corpus quantized, `components/quantized_search.py`);
 with `--sts FILE` (scored sentence pairs, `[eval] sts_path`'s format) also `sts/pearson_cosine` and
 `sts/spearman_cosine`, as its EmbeddingSimilarityEvaluator gives them (`components/sts_eval.py`); `--out` writes
 them to a file too.
@@ -119,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--pool-protected", type=int, default=1, help="leading tokens kept out of it (default: 1)")
     parser.add_argument(
+        "--precision",
+        nargs="+",
+        default=[],
+        choices=("uint8", "ubinary"),
+        help="also with the corpus quantized to each (sentence-transformers' quantization; needs faiss-cpu)",
+    )
+    parser.add_argument(
         "--dtype", default="float32", choices=DTYPES, help="the model's weights and inputs (default: float32)"
     )
     qwen = parser.add_argument_group("a Qwen-VL folder (a step folder's run sets these)")
@@ -184,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"--pool-factor {opts.pool_factor}: pools a late-interaction model's document tokens, and "
                 f"{opts.model} embeds a text as one vector; leave it out"
             )
+        if opts.precision and (token_dim or getattr(model, "sparse_embeddings", False)):
+            raise ValueError(
+                f"--precision {' '.join(opts.precision)}: quantized search is for one dense vector per text, and "
+                f"{opts.model} embeds a text as {'its tokens' if token_dim else 'a sparse vector'}; leave it out"
+            )
         if token_dim and opts.dims and max(opts.dims) > token_dim:
             raise ValueError(
                 f"--dims {opts.dims}: {opts.model}'s tokens have {token_dim} dimensions; use dims <= {token_dim}"
@@ -198,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = {"batch_size": opts.batch_size, "rank": rank, "world_size": world, "dims": opts.dims}
         kinds = {"sparse": getattr(model, "sparse_embeddings", False), "token_dim": token_dim}
         scoring = {"graded": opts.graded, "pool_factor": opts.pool_factor, "pool_protected": opts.pool_protected}
+        scoring["precisions"] = opts.precision
         pages = process is not None and process.kinds["doc"] == "image"
         results = evaluate_sets(sets, *embedders, **sizes, prefix="", **kinds, **scoring, pages=pages)
         if sts is not None:

@@ -22,6 +22,7 @@ import torch
 from titan_contrastive.components.beir_folder import BeirSet, beir_splits, read_beir
 from titan_contrastive.components.evaluate import dim_cuts, gather_rows
 from titan_contrastive.components.precision import at_least_fp32
+from titan_contrastive.components.quantized_search import quantized_top_k
 from titan_contrastive.components.retrieval_metrics import ir_metrics, top_k
 from titan_contrastive.components.token_pooling import document_pooler, token_counts
 from titan_contrastive.datasets.base import DataError
@@ -145,6 +146,7 @@ def evaluate_beir(
     pool_factor: float = 1.0,
     pool_protected: int = 1,
     corpus_cache: dict[tuple, torch.Tensor] | None = None,
+    precisions: Sequence[str] = (),
 ) -> dict[str, float]:
     """The IR metrics of `beir` with these embedders, by the dot product of their embeddings (the towers' unit
     vectors: their cosine; SPLADE's: its score), and by the cosine of their first m dims for each m of `dims`
@@ -158,7 +160,10 @@ def evaluate_beir(
     `pages`: `embed_docs` reads the corpus's images (`check_corpus`), else its texts. `graded`: nDCG with the
     qrels' grades as gains (pytrec_eval's, as MTEB and ViDoRe report it), else binary (sentence-transformers').
     `corpus_cache`: corpus embeddings by corpus (`evaluate_sets`' for splits of one corpus): read from it, or
-    embedded and kept in it."""
+    embedded and kept in it. `precisions` (`quantized_search.PRECISIONS`): also the metrics with the corpus held in
+    each (keys `{precision}/...`, at each dims cut too), searched as sentence-transformers' quantization does."""
+    if precisions and (token_dim or sparse):
+        raise ValueError(f"precisions={list(precisions)}: quantized search is for one dense vector per text")
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
     if pool_factor != 1:
         if not token_dim:
@@ -182,6 +187,10 @@ def evaluate_beir(
             scores, indices = top_k(queries[:, :m], corpus[:, :m], K, normalize=bool(cut))
         metrics = ir_metrics(scores, indices, beir.query_ids, beir.corpus_ids, beir.qrels, **CUTS, graded=graded)
         results |= {f"{cut}{prefix}{name}": value for name, value in metrics.items()}
+        for precision in precisions:
+            scores, indices = quantized_top_k(queries[:, :m], corpus[:, :m], K, precision, normalize=bool(cut))
+            metrics = ir_metrics(scores, indices, beir.query_ids, beir.corpus_ids, beir.qrels, **CUTS, graded=graded)
+            results |= {f"{precision}/{cut}{prefix}{name}": value for name, value in metrics.items()}
     if token_dim:
         results[f"{prefix}corpus_tokens"] = token_counts(corpus, token_dim).double().mean().item()
     if sparse:

@@ -40,6 +40,8 @@ class TextEvals:
     """BEIR's nDCG with the qrels' grades as gains (`[eval] beir_graded`)."""
     pool: tuple[float, int] = (1.0, 1)
     """A late-interaction model's document tokens pooled: factor, protected tokens (`[eval] beir_pool_factor`)."""
+    precisions: tuple[str, ...] = ()
+    """The corpus precisions BEIR is also searched in (`[eval] beir_precisions`)."""
 
     @classmethod
     def from_config(
@@ -60,11 +62,19 @@ class TextEvals:
             tokenizer,
             ev.beir_graded,
             (ev.beir_pool_factor, ev.beir_pool_protected),
+            tuple(ev.beir_precisions),
         )
         if ev.beir_pool_factor != 1 and not getattr(args, "token_dim", 0):
             raise ConfigError(
                 f"eval.beir_pool_factor={ev.beir_pool_factor!r} pools the tokens of a late-interaction model's "
                 "documents, and this model embeds a text as one vector; set model.pooling='colbert' or leave it at 1"
+            )
+        one_vector = not getattr(args, "token_dim", 0) and getattr(args, "pooling", "") != "splade"
+        if ev.beir_precisions and not one_vector:
+            raise ConfigError(
+                f"eval.beir_precisions={ev.beir_precisions}: quantized search is for one dense vector per text, and "
+                f"this model embeds a text as {'its tokens' if getattr(args, 'token_dim', 0) else 'a sparse vector'}; "
+                "leave it empty"
             )
         evals._embedders(0)
         for beir in evals.beir.values():
@@ -109,6 +119,7 @@ class TextEvals:
             "pages": self.pages,
             "pool_factor": self.pool[0],
             "pool_protected": self.pool[1],
+            "precisions": self.precisions,
         }
         results = evaluate_sets(self.beir, queries, docs, **common, **embeddings, **scoring) if self.beir else {}
         return results | (evaluate_sts(self.sts, queries, **common) if self.sts is not None else {})
