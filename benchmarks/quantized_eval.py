@@ -3,8 +3,8 @@
     pip install -e '.[hf]'
     python -m benchmarks.quantized_eval        # one evaluation (about 1 min on 2 cores)
 
-`python -m titan_contrastive.evaluate MiniLM --precision uint8 ubinary --dims 128 64`: the corpus (5,000 lemmas)
-searched in float32, uint8 and ubinary (sentence-transformers' quantization: the queries rescore the 2 x 100 best),
+`python -m titan_contrastive.evaluate MiniLM --precision int8 ubinary --dims 128 64`: the corpus (5,000 lemmas)
+searched in float32, int8 and ubinary (sentence-transformers' quantization: the queries rescore the 2 x 100 best),
 whole and cut to its first 128 and 64 dims (MiniLM is not a Matryoshka model: the cuts show what truncation costs
 it). Writes quantized_eval.{json,csv,png} under --out: per (dims, precision) nDCG@10, MRR@10, recall@1/@100, the
 bytes a document takes in the index and the nDCG@10 kept of float32's at those dims.
@@ -21,7 +21,7 @@ from typing import Any
 from benchmarks import harness
 
 DIMS = (384, 128, 64)
-PRECISIONS = {"float32": 32, "uint8": 8, "ubinary": 1}
+PRECISIONS = {"float32": 32, "int8": 8, "ubinary": 1}
 """precision -> bits per dimension in the index."""
 FIELDS = ["dims", "precision", "ndcg@10", "mrr@10", "recall@1", "recall@100", "bytes_per_doc", "kept_of_float32"]
 

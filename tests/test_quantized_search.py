@@ -1,7 +1,7 @@
 """BEIR over a quantized corpus (`[eval] beir_precisions`, `evaluate --precision`): the metrics equal the ones of
 the ranking written here from sentence-transformers' quantization guide, on a corpus small enough that its rescoring
 sees every document (2 x 100 candidates), so the ranking is each query's float vector against every document's
-dequantized values (uint8: 256 buckets per dimension over the corpus's range) or bits (ubinary: 1 where positive);
+dequantized values (int8: 256 buckets per dimension over the corpus's range) or bits (ubinary: 1 where positive);
 at a Matryoshka cut, of the renormalized first m dims. A float search is not it (the quantization moves the ranks),
 nor is one calibrated on the queries."""
 
@@ -46,7 +46,7 @@ def problem() -> tuple[BeirSet, dict[str, torch.Tensor]]:
 
 def defined(queries: np.ndarray, corpus: np.ndarray, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The ranking from the guide's definitions: the corpus held in `precision`, every document rescored."""
-    if precision == "uint8":
+    if precision == "int8":
         low, high = corpus.min(0), corpus.max(0)
         step = (high - low) / 255
         held = np.clip(np.floor((corpus - low) / step), 0, 255) * step + low
@@ -57,7 +57,7 @@ def defined(queries: np.ndarray, corpus: np.ndarray, precision: str) -> tuple[to
     return scores.gather(1, order), order
 
 
-@pytest.mark.parametrize("precision", ["uint8", "ubinary"])
+@pytest.mark.parametrize("precision", ["int8", "ubinary"])
 def test_a_quantized_corpus_ranks_as_the_definition(precision: str) -> None:
     beir, vectors = problem()
 

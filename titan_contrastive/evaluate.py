@@ -9,7 +9,7 @@ sets saved to disk: `components/beir_folder.py`), by default the bundled WordNet
 MRR@10, MAP@100 and Recall@1/5/10/100 as JSON (`components/beir_eval.py`: the figures
 sentence-transformers' InformationRetrievalEvaluator gives; `--graded`: nDCG as pytrec_eval, MTEB and ViDoRe
 give it; `--pool-factor`: a late-interaction model's documents token-pooled, `components/token_pooling.py`;
-`--precision uint8 ubinary`: also with the corpus quantized, `components/quantized_search.py`);
+`--precision int8 ubinary`: also with the corpus quantized, `components/quantized_search.py`);
 with `--sts FILE` (scored sentence pairs, `[eval] sts_path`'s format) also `sts/pearson_cosine` and
 `sts/spearman_cosine`, as its EmbeddingSimilarityEvaluator gives them (`components/sts_eval.py`); `--out` writes
 them to a file too.
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         "--precision",
         nargs="+",
         default=[],
-        choices=("uint8", "ubinary"),
-        help="also with the corpus quantized to each (sentence-transformers' quantization; needs faiss-cpu)",
+        choices=("int8", "ubinary"),
+        help="also with the corpus quantized to each (sentence-transformers' quantization; needs usearch)",
     )
     parser.add_argument(
         "--dtype", default="float32", choices=DTYPES, help="the model's weights and inputs (default: float32)"

@@ -340,11 +340,11 @@ class Eval:
     factor; `beir/corpus_tokens` reports the tokens a document keeps. 1 = every token."""
     beir_pool_protected: int = opt(1, lambda v: v >= 0, "an integer >= 0")
     """The first tokens of each document kept out of the pooling (1: ColBERT's [CLS]; 0 as colpali-engine pools)."""
-    beir_precisions: list[str] = opt([], lambda v: set(v) <= {"uint8", "ubinary"}, "a list of 'uint8', 'ubinary'")
+    beir_precisions: list[str] = opt([], lambda v: set(v) <= {"int8", "ubinary"}, "a list of 'int8', 'ubinary'")
     """One dense vector per text: also BEIR's metrics with the corpus quantized to each precision (keys
     `{precision}/beir/...`, at each `dims` cut too), searched as sentence-transformers' embedding quantization does
-    (`quantize_embeddings`, `semantic_search_faiss`: the float queries rescore the 2 x k best; needs faiss-cpu,
-    in .[hf]): `uint8` (4x smaller than float32), `ubinary` (the signs, 32x smaller)."""
+    (`quantize_embeddings`, `semantic_search_usearch`: the float queries rescore the 2 x k best; needs usearch, in
+    .[hf]): `int8` (4x smaller than float32), `ubinary` (the signs, 32x smaller)."""
     sts_path: str = ""
     """Text pairs: also semantic similarity on scored sentence pairs (STS-B's `sentence1`, `sentence2`, `score`, or
     three columns in that order; .jsonl/.csv/.tsv/.parquet or a saved dataset), embedded once across the ranks,
