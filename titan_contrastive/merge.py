@@ -153,7 +153,10 @@ def start_of(manifest: dict[str, Any]) -> str:
 def read_start(src: Path, manifest: dict[str, Any], args: Any) -> Any:
     """The model the run at `src` started from: built from its args as training built it (the folder at
     `model.path`), `model.init_from`'s weights loaded; a MergeError where a tensor differs between two builds
-    under other seeds (drawn at random, so not the run's start), a LoRA adapter's A factors aside."""
+    under other seeds (drawn at random, so not the run's start), a LoRA adapter's A factors aside. The first build
+    is kept as each tensor's digest only, so one model is held at a time."""
+    import hashlib
+
     import torch
 
     from titan_contrastive.models.registry import get_model_spec, resolve_model_args
@@ -162,27 +165,30 @@ def read_start(src: Path, manifest: dict[str, Any], args: Any) -> Any:
     spec = get_model_spec(manifest["model"]["family"])
     init_from = manifest.get("config", {}).get("model", {}).get("init_from") or ""
     init = resolve_model_args(manifest["model"]["family"], "", init_from)[1] if init_from else None
-    builds = []
-    for seed in (0, 1):
+
+    def build(seed: int) -> tuple[Any, dict[str, bytes]]:
         torch.manual_seed(seed)
         model = spec.build_model(args)
         if init is not None:
             fit = spec.state_dict_adapter.fit
             load_state(model, fit(init, args) if fit else init, f"model.init_from={init_from}")
-        builds.append(model)
-    first, second = (model.state_dict() for model in builds)
-    drawn = [
-        name
-        for name, x in first.items()
-        if x.is_floating_point() and not name.endswith(LORA_A) and not torch.equal(x, second[name])
-    ]
+        digests = {
+            name: hashlib.blake2b(x.detach().reshape(-1).contiguous().view(torch.uint8).numpy()).digest()
+            for name, x in model.state_dict().items()
+            if x.is_floating_point() and not name.endswith(LORA_A)
+        }
+        return model, digests
+
+    first = build(0)[1]
+    model, second = build(1)
+    drawn = [name for name, digest in first.items() if digest != second[name]]
     if drawn:
         raise MergeError(
             f"--with-start: {', '.join(drawn[:3])}{f' and {len(drawn) - 3} more' if len(drawn) > 3 else ''} of "
             f"{src}'s model start at random (not from {start_of(manifest) or 'a model.path or init_from'}), so the "
             "run's start is not known; merge step folders without --with-start"
         )
-    return builds[0]
+    return model
 
 
 def merged(states: Sequence[dict[str, Any]], weights: Sequence[float], method: str, t: float) -> dict[str, Any]:
