@@ -8,7 +8,8 @@ masked LM, then exported to a SparseEncoder folder; `train_configs/splade_infere
 then exported to a SparseEncoder Router; `train_configs/colbert.toml` with a tiny PyLate folder, then exported to a
 PyLate folder; `train_configs/colbert_distill.toml` with the tiny encoder and scored rows;
 `train_configs/colqwen.toml` with the tiny Qwen2-VL folder and query-page rows, then exported to a colpali-engine
-folder)."""
+folder; `train_configs/static_distill.toml` with the tiny StaticEmbedding folder, its teacher's embeddings written first
+by the embed command)."""
 
 from __future__ import annotations
 
@@ -235,3 +236,34 @@ def test_the_inference_free_splade_recipe(tmp_path: Path) -> None:
         trainer.gradient_step.describe()
     )
     assert (tmp_path / "st" / "router_config.json").is_file()
+
+
+def test_the_static_distillation_recipe(tmp_path: Path) -> None:
+    """`train_configs/static_distill.toml` as its comment runs it: the teacher's embeddings written by the embed
+    command (the tiny encoder for MiniLM, pairs for WordNet), then two steps of the static model with the KL toward
+    them, on the tiny StaticEmbedding folder (8 wide: Matryoshka at 4 and 8); the loss is finite and the run saved."""
+    from tests.test_static import _rows, static_folder
+    from titan_contrastive.embed import main as embed_main
+
+    rows, teacher = _rows(tmp_path), tmp_path / "teacher.parquet"
+    assert embed_main([str(rows), "--model", str(encoder_folder(tmp_path)), "--out", str(teacher)]) == 0
+    trainer, _ = _train(
+        tmp_path,
+        "static_distill.toml",
+        f"--model.path={static_folder(tmp_path)}",
+        "--model.static_dim=0",
+        "--data.dataset=pairs",
+        f"--data.path={rows}",
+        f"--loss.teacher_embeddings={teacher}",
+        "--loss.matryoshka_dims", "4", "8",
+        "--eval.dims", "4",
+        "--training.local_batch_size=6",
+        "--data.context_length=12",
+        "--data.doc_context_length=6",
+        "--eval.enable=false",
+        "--checkpoint.interval=2",
+    )  # fmt: skip
+    assert trainer.step == 2 and trainer.cfg.loss.distill == "kl" and trainer.cfg.loss.teacher_embeddings
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(e["loss"]) for e in logged if "loss" in e)
+    assert (tmp_path / "run" / "checkpoint" / "step-2" / "manifest.json").is_file()

@@ -50,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         required=True,
-        help="a bi_encoder or static step folder, or a sentence-transformers / transformers one",
+        help="a bi_encoder or static step folder, or a sentence-transformers / transformers one ('': the bundled "
+        "all-MiniLM-L6-v2)",
     )
     p.add_argument("--out", type=Path, required=True, help="the file to write: .parquet or .jsonl")
     p.add_argument("--columns", default="", help="query,positive[,negatives] column names (data.pairs_columns)")

@@ -108,11 +108,15 @@ def check_paths(pairs: str, out: Path, overwrite: bool) -> Path:
 
 @contextlib.contextmanager
 def sentence_model(path: str, tower: str | None, device: str | None, trust: bool = False) -> Iterator[Any]:
-    """A SentenceTransformer of `path`: one of our bi_encoder or static step folders through a verified export
-    into a temporary folder (removed after; its own code runs as its run's did), else a sentence-transformers or
-    transformers folder (its own code runs with `trust`)."""
+    """A SentenceTransformer of `path` ('': the bundled MiniLM): one of our bi_encoder or static step folders through
+    a verified export into a temporary folder (removed after; its own code runs as its run's did), else a
+    sentence-transformers or transformers folder (its own code runs with `trust`)."""
     from sentence_transformers import SentenceTransformer
 
+    if not path:  # as evaluate reads it: the bundled all-MiniLM-L6-v2
+        from titan_contrastive.models.bi_encoder.folder import bundled_minilm
+
+        path = str(bundled_minilm())
     folder = Path(path).expanduser()
     manifest = folder / "manifest.json"
     if manifest.is_file():
@@ -159,7 +163,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         required=True,
-        help="a bi_encoder or static step folder, or a sentence-transformers / transformers folder",
+        help="a bi_encoder or static step folder, or a sentence-transformers / transformers folder ('': the bundled "
+        "all-MiniLM-L6-v2)",
     )
     p.add_argument("--out", type=Path, required=True, help="the file to write: .jsonl, .parquet or .csv")
     p.add_argument("--negatives", type=int, default=1, help="negatives per row (default: 1)")
