@@ -23,6 +23,7 @@ import gzip
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -135,17 +136,20 @@ def tiny_rows(n: int = 40) -> list[list[str]]:
     return [[" ".join(rng.sample(WORDS, 4)), p, rng.choice(WORDS)] for p in positives]
 
 
-def bi_encoder_step(root: Path, shared: bool) -> Path:
-    """step-1 of a run folder of a tiny random BERT bi_encoder, written as training writes it."""
+def bi_encoder_step(
+    root: Path, shared: bool, folder: Path | None = None, doc_length: int = 24, **fields: object
+) -> Path:
+    """step-1 of a run folder of a bi_encoder on `folder` (default: a tiny random BERT; `fields`: BiEncoderArgs'),
+    written as training writes it; with two towers the doc tower is moved off the query tower's weights."""
     from tests.hf_folders import encoder_folder
     from titan_contrastive.checkpoint import CheckpointManager, ModelState
     from titan_contrastive.config.job_config import Checkpoint
     from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs
 
     torch.manual_seed(0)
-    args = BiEncoderArgs(path=str(encoder_folder(root, dropout=0.1)), shared=shared, query_length=24).resolve(
-        doc_length=24
-    )
+    folder = folder or encoder_folder(root, dropout=0.1)
+    fields = {"query_length": 24, **fields}
+    args = BiEncoderArgs(path=str(folder), shared=shared, **fields).resolve(doc_length=doc_length)
     model = BiEncoder(args)
     with torch.no_grad():  # two towers that embed apart (both start from the one folder)
         for param in [] if shared else model.doc_tower.parameters():
@@ -161,6 +165,29 @@ def bi_encoder_step(root: Path, shared: bool) -> Path:
         model_info={"family": "bi_encoder", "args": dataclasses.asdict(args)},
     ).save(1)
     return root / "run" / "checkpoint" / "step-1"
+
+
+def run_embedder(step: Path) -> tuple[Callable[[list[str], str], torch.Tensor], dict[str, dict], Any, Any]:
+    """(embed(texts, side) by the run's own BiEncoder, not through the export the tools use; the vectors it gave,
+    by side and text; the model; its tokenizer) of the step folder `step`."""
+    from titan_contrastive.models.bi_encoder import build_tokenizer
+    from titan_contrastive.models.weights import read_ours
+
+    _, args, model = read_ours(step)
+    model.eval()
+    tokenizer = build_tokenizer(args)
+    seen: dict[str, dict] = {"query": {}, "doc": {}}
+
+    def embed(texts: list[str], side: str) -> torch.Tensor:
+        with torch.no_grad():
+            if side == "query":
+                vectors = model._embed(model.query_tower, tokenizer.encode_queries(texts, args.query_length), 0)
+            else:
+                vectors = model._embed(model.doc_tower, tokenizer.encode_docs(texts), 1)
+        seen[side].update(zip(texts, vectors))
+        return vectors
+
+    return embed, seen, model, tokenizer
 
 
 def test_mined_negatives_are_the_definitions_choice_on_minilm(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -207,31 +234,19 @@ def test_a_step_folder_mines_with_the_runs_own_embeddings(
     """One of our bi_encoder step folders (tiny random BERT, dropout on in training, off here): the
     negatives score, under the run's own BiEncoder embeddings, as the reference selects; each
     format reads back with one negative per row and the ids."""
-    from titan_contrastive.models.bi_encoder import build_tokenizer
-    from titan_contrastive.models.weights import read_ours
-
     step = bi_encoder_step(tmp_path, shared=True)
     rows = tiny_rows()
     ids = [f"t{i}" for i in range(len(rows))]
     src = write_csv(tmp_path / "pairs.csv", rows, ids)
     out = tmp_path / f"mined{suffix}"
     assert mine(capsys, src, f"--model={step}", f"--out={out}", "--range-max=100", "--relative-margin=0.01") == (0, [])
-    _, args, model = read_ours(step)
-    model.eval()
-    tokenizer = build_tokenizer(args)
-    cache: dict[str, torch.Tensor] = {}
+    embed, seen, _, tokenizer = run_embedder(step)
 
-    def embed(texts: list[str], side: str) -> torch.Tensor:
-        with torch.no_grad():
-            if side == "query":
-                vectors = model._embed(model.query_tower, tokenizer.encode_queries(texts, args.query_length), 0)
-            else:
-                vectors = model._embed(model.doc_tower, tokenizer.encode_docs(texts), 1)
-        cache.update(zip(texts, vectors))
-        return vectors
+    def score(q: str, d: str) -> float:
+        return float(seen["query"][q].double() @ seen["doc"][d].double())
 
     want = expected(rows, embed, k=1, skip=0, margin=0.01)
-    judged = check_mined(out, rows, ids, want, lambda q, d: float(cache[q].double() @ cache[d].double()))
+    judged = check_mined(out, rows, ids, want, score)
     assert judged >= 30 and any(want)
     from titan_contrastive.datasets.pairs import PairsDataset
 
@@ -249,7 +264,7 @@ def test_a_step_folder_mines_with_the_runs_own_embeddings(
     back = read_rows(str(scored), teacher="kl")
     assert back.texts == read_written(out)
     for (query, *docs), got in zip(back.texts, back.scores):
-        assert got == pytest.approx([float(cache[query].double() @ cache[d].double()) for d in docs], abs=1e-5)
+        assert got == pytest.approx([score(query, d) for d in docs], abs=1e-5)
     data = PairsDataset(split="train", path=str(scored), tokenizer=tokenizer, query_length=24, teacher="kl")
     assert data.__getitems__([0])[TEACHER_SCORES].tolist() == [pytest.approx(back.scores[0], abs=1e-6)]
 
@@ -260,8 +275,6 @@ def test_a_corpus_adds_candidates(tmp_path: Path, capsys: pytest.CaptureFixture)
     import json
 
     from tests.hf_folders import WORDS
-    from titan_contrastive.models.bi_encoder import build_tokenizer
-    from titan_contrastive.models.weights import read_ours
 
     step = bi_encoder_step(tmp_path, shared=True)
     rows = tiny_rows(20)
@@ -275,22 +288,10 @@ def test_a_corpus_adds_candidates(tmp_path: Path, capsys: pytest.CaptureFixture)
     out = tmp_path / "mined.jsonl"
     flags = ("--negatives=2", "--range-max=100", "--relative-margin=0.01", f"--corpus={corpus}")
     assert mine(capsys, src, f"--model={step}", f"--out={out}", *flags) == (0, [])
-    _, args, model = read_ours(step)
-    tokenizer = build_tokenizer(args)
-    cache: dict[str, torch.Tensor] = {}
-
-    def embed(texts: list[str], side: str) -> torch.Tensor:
-        with torch.no_grad():
-            ids_ = (
-                tokenizer.encode_queries(texts, args.query_length) if side == "query" else tokenizer.encode_docs(texts)
-            )
-            vectors = model.eval()._embed(model.query_tower, ids_, 0 if side == "query" else 1)
-        cache.update(zip(texts, vectors))
-        return vectors
-
+    embed, seen, _, _ = run_embedder(step)
     extra = [f"{d.get('title', '')} {d['text']}".strip() for d in docs]
     want = expected(rows, embed, k=2, skip=0, margin=0.01, extra=extra)
-    assert check_mined(out, rows, ids, want, lambda q, d: float(cache[q].double() @ cache[d].double())) >= 15
+    assert check_mined(out, rows, ids, want, lambda q, d: float(seen["query"][q] @ seen["doc"][d])) >= 15
     mined = {n for r in read_written(out) for n in r[2:]}
     assert mined & set(extra[:-1]) and rows[0][1] not in {
         n for r in read_written(out) if r[0] == rows[0][0] for n in r[2:]
@@ -368,8 +369,6 @@ def test_two_towers_embed_each_side_with_its_own(tmp_path: Path, capsys: pytest.
     import pyarrow.parquet as pq
 
     from titan_contrastive.embed import main as embed_main
-    from titan_contrastive.models.bi_encoder import build_tokenizer
-    from titan_contrastive.models.weights import read_ours
 
     step = bi_encoder_step(tmp_path, shared=False)
     rows = tiny_rows()
@@ -377,20 +376,8 @@ def test_two_towers_embed_each_side_with_its_own(tmp_path: Path, capsys: pytest.
     src = write_csv(tmp_path / "pairs.csv", rows, ids)
     out = tmp_path / "mined.jsonl"
     assert mine(capsys, src, f"--model={step}", f"--out={out}", "--range-max=100", "--relative-margin=0.01") == (0, [])
-    _, args, model = read_ours(step)
-    model.eval()
-    tokenizer = build_tokenizer(args)
-    queries: dict[str, torch.Tensor] = {}
-    docs: dict[str, torch.Tensor] = {}
-
-    def embed(texts: list[str], side: str) -> torch.Tensor:
-        with torch.no_grad():
-            if side == "query":
-                vectors = model._embed(model.query_tower, tokenizer.encode_queries(texts, args.query_length), 0)
-            else:
-                vectors = model._embed(model.doc_tower, tokenizer.encode_docs(texts), 1)
-        (queries if side == "query" else docs).update(zip(texts, vectors))
-        return vectors
+    embed, seen, model, tokenizer = run_embedder(step)
+    queries, docs = seen["query"], seen["doc"]
 
     want = expected(rows, embed, k=1, skip=0, margin=0.01)
     judged = check_mined(out, rows, ids, want, lambda q, d: float(queries[q].double() @ docs[d].double()))

@@ -6,7 +6,6 @@ towers are moved apart first, so a Router sending both sides one way fails. `--t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -14,36 +13,11 @@ import pytest
 import torch
 
 from tests.needs import needs
+from tests.test_mine import bi_encoder_step
 
 pytestmark = needs("hf")
 
 TEXTS = ["the capital of France", "a tower in Paris", "zebra stripes at noon"]
-
-
-def dual_step(root: Path, folder: Path, **fields: object) -> Path:
-    """step-1 of a run of two towers started from `folder` (`fields`: BiEncoderArgs'), the doc tower moved off the
-    query tower's weights, written as training writes it."""
-    from titan_contrastive.checkpoint import CheckpointManager, ModelState
-    from titan_contrastive.config.job_config import Checkpoint
-    from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs
-
-    torch.manual_seed(0)
-    args = BiEncoderArgs(path=str(folder), shared=False, query_length=16, **fields).resolve(doc_length=12)
-    model = BiEncoder(args)
-    with torch.no_grad():
-        for param in model.doc_tower.parameters():
-            param.add_(0.05 * torch.randn_like(param))
-    CheckpointManager(
-        Checkpoint(enable=True, folder="checkpoint", interval=1, keep_latest_k=0),
-        dump_folder=str(root / "run"),
-        states={"model": ModelState(model)},
-        per_rank_states={},
-        rank=0,
-        dp_rank=0,
-        dp_degree=1,
-        model_info={"family": "bi_encoder", "args": dataclasses.asdict(args)},
-    ).save(1)
-    return root / "run" / "checkpoint" / "step-1"
 
 
 def modules(out: Path) -> list[str]:
@@ -61,11 +35,12 @@ def test_a_bi_encoder_of_two_towers_exports_as_a_router(tmp_path: Path, kind: st
     from titan_contrastive.models.weights import read_ours
 
     if kind == "dense":  # a sentence-transformers folder with Dense layers: each tower keeps its own head
-        step = dual_step(
-            tmp_path, architecture_folder(tmp_path, "bert-dense"), query_prompt="query: ", doc_prompt="doc: "
-        )
+        folder = architecture_folder(tmp_path, "bert-dense")
+        step = bi_encoder_step(tmp_path, False, folder, 12, query_length=16, query_prompt="query: ", doc_prompt="doc: ")
     else:
-        step = dual_step(tmp_path, architecture_folder(tmp_path, "bert-mlm"), pooling="splade")
+        step = bi_encoder_step(
+            tmp_path, False, architecture_folder(tmp_path, "bert-mlm"), 12, query_length=16, pooling="splade"
+        )
     out = tmp_path / "router"
     assert export_main([str(step), "--to", "sentence-transformers", "--out", str(out)]) == 0
     assert modules(out)[0] == "Router"
