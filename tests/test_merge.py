@@ -362,3 +362,23 @@ def test_with_start_text_runs_merge_with_the_folder_they_started_from(
     for name in trained_names:
         want = (lora_start[name] + 3 * ran[name].double()) / 4
         assert torch.allclose(soup[name].double(), want, rtol=1e-6), name
+
+
+@needs("hf")
+def test_with_start_an_hf_clip_run_merges_with_its_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """WiSE-FT as its paper does it, on an image-text model: a SigLIP fine-tune (the tiny folder, its scale and bias
+    trained) merged 1:1 with the folder it started from is the mean of the trainer's weights before and after."""
+    from tests.test_hf_clip import clip_run
+
+    trainer = clip_run(
+        tmp_path, "siglip", "--training.local_batch_size=4", "--training.steps=1", "--checkpoint.enable=true",
+        "--optimizer.lr=1e-2",
+    )  # fmt: skip
+    start = {k: v.detach().double().clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    trainer.metrics.close()
+    step = tmp_path / "run-siglip" / "checkpoint" / "step-1"
+    fine, out = weights_of(step), tmp_path / "wise"
+    assert any(not torch.allclose(fine[k], start[k], atol=1e-4) for k in fine)
+    assert run(capsys, step, "--with-start", "--out", out) == (0, "")
+    assert_close(weights_of(out), {k: (start[k] + fine[k]) / 2 for k in fine})
