@@ -332,8 +332,8 @@ def run(opts: argparse.Namespace) -> Path:
     else:
         state = merged([model.state_dict() for _, model in models], weights, opts.method, opts.t)
     how = {"t": opts.t} if opts.method == "slerp" else {"weights": weights}
-    if opts.with_start:  # the first of the weights, the slerp's t = 0 end
-        how["start"] = start_of(manifest)
+    if opts.with_start:  # the first of the weights, the slerp's t = 0 end; an empty model.path: the folder it means
+        how["start"] = start_of(manifest) or str(getattr(models[0][0], "model_dir", ""))
     write(out, state, manifest, {"method": opts.method, "sources": [str(s.resolve()) for s in sources], **how})
     return out
 
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # MergeError, WeightsError, a manifest that is not JSON
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    start = " and their start" if opts.with_start else ""
+    start = f" and {'their' if len(opts.sources) > 1 else 'its'} start" if opts.with_start else ""
     print(f"wrote {out}: {opts.method} of {len(opts.sources)} checkpoint{'s' * (len(opts.sources) > 1)}{start}")
     return 0
 
