@@ -202,6 +202,17 @@ def reference_model_term(tau: float, q, cols, scale, tq, tcols) -> torch.Tensor:
     return total / len(q)
 
 
+def reference_along_term(tau: float, q, positives, scale, tq, tpositives) -> torch.Tensor:
+    """The KL of each positive's softmax over the queries to the teacher's, from its definition, one at a time."""
+    total = 0.0
+    for j in range(len(positives)):
+        logits = torch.stack([scale * (positives[j] @ x) for x in q])
+        target = torch.softmax(torch.stack([tpositives[j] @ t for t in tq]) / tau, 0)
+        log_student = logits - torch.logsumexp(logits, 0)
+        total = total + sum(target[i] * (torch.log(target[i]) - log_student[i]) for i in range(len(q)))
+    return total / len(positives)
+
+
 def model_total(case: dict, dcase: dict, q, p, n, scale, bias, ids, teacher) -> torch.Tensor:
     total = dcase["cw"] * reference(case, q, p, n, scale, bias, ids) if dcase["cw"] else 0.0
     tq, tcols = teacher
@@ -210,7 +221,10 @@ def model_total(case: dict, dcase: dict, q, p, n, scale, bias, ids, teacher) -> 
             None if z is None else F.normalize(z[:, :m], dim=1) if case["matryoshka"] else z for z in (q, p, n)
         )
         cols = pm if nm is None else torch.cat([pm, nm])
-        total = total + w * dcase["w"] * reference_model_term(dcase["tau"], qm, cols, scale, tq, tcols)
+        term = reference_model_term(dcase["tau"], qm, cols, scale, tq, tcols)
+        if dcase["sym"]:
+            term = (term + reference_along_term(dcase["tau"], qm, pm, scale, tq, tcols[: len(q)])) / 2
+        total = total + w * dcase["w"] * term
     return total
 
 
@@ -219,22 +233,29 @@ def model_teacher(q, p, n, seed: int = 0) -> Guide:
     return Guide(gq, gp if gn is None else torch.cat([gp, gn]))
 
 
-MODEL_DCASES = [  # the contrastive objective, weight of the term, of the objective, tau, hard negatives
-    ("clip-sym-k0-none-full", 1.0, 1.0, 0.05, 0),
-    ("clip-oneway-k2-none-full", 0.7, 0.0, 0.5, 2),
-    ("clip-oneway-k2-all-mat", 0.5, 0.5, 0.1, 2),
-    ("siglip-sym-k2-margin-full", 1.0, 1.0, 0.05, 2),
-    ("clip-gte-k0-all-full", 0.7, 1.0, 0.2, 0),
+MODEL_DCASES = [  # the contrastive objective, weight of the term, of the objective, tau, hard negatives, both ways
+    ("clip-sym-k0-none-full", 1.0, 1.0, 0.05, 0, False),
+    ("clip-sym-k0-none-full", 0.8, 1.0, 0.05, 0, True),
+    ("clip-oneway-k2-none-full", 0.7, 0.0, 0.5, 2, False),
+    ("clip-oneway-k2-all-mat", 0.5, 0.5, 0.1, 2, False),
+    ("clip-oneway-k2-all-mat", 0.5, 0.0, 0.1, 2, True),
+    ("siglip-sym-k2-margin-full", 1.0, 1.0, 0.05, 2, False),
+    ("siglip-sym-k2-margin-full", 1.0, 1.0, 0.2, 2, True),
+    ("clip-gte-k0-all-full", 0.7, 1.0, 0.2, 0, False),
 ]
 MODEL_PAIRS = [
-    (dict(BASE[name], k=k), dict(kind="kl", w=w, cw=cw, tau=tau, name=f"{name}-model-w{w}-cw{cw}-tau{tau}-k{k}"))
-    for name, w, cw, tau, k in MODEL_DCASES
+    (
+        dict(BASE[name], k=k),
+        dict(kind="kl", w=w, cw=cw, tau=tau, sym=sym, name=f"{name}-model-w{w}-cw{cw}-tau{tau}-k{k}{'-sym' * sym}"),
+    )
+    for name, w, cw, tau, k, sym in MODEL_DCASES
 ]
 
 
 def model_distilled_of(case: dict, dcase: dict):
     inner = objective_of(dict(case, matryoshka=None))
-    objective = Distilled(inner, Distillation("kl", dcase["w"], dcase["tau"], model="loss.teacher_model"), dcase["cw"])
+    distillation = Distillation("kl", dcase["w"], dcase["tau"], model="loss.teacher_model", symmetric=dcase["sym"])
+    objective = Distilled(inner, distillation, dcase["cw"])
     if case["matryoshka"]:
         dims, weights = zip(*case["matryoshka"])
         objective = Matryoshka(objective, dims, weights)

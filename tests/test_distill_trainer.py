@@ -244,8 +244,10 @@ def test_a_teacher_model_is_refused_where_it_cannot_work(tmp_path: Path, guide_d
         make_trainer(
             tmp_path, *batch, teacher, "--loss.distill=kl", f"--loss.guide_model={tmp_path}", "--loss.mask_margin=0"
         )
-    with pytest.raises(ConfigError, match=r"loss.teacher_model=.* the clip family takes no frozen guide or teacher"):
-        clip_trainer(str(tmp_path / "clip"), teacher, "--loss.distill=kl")
+    with pytest.raises(ConfigError, match=r"loss.teacher_model=.* model_type='bert'; only CLIP models .* load here"):
+        clip_trainer(str(tmp_path / "clip"), teacher, "--loss.distill=kl")  # a clip run's teacher is a CLIP
+    with pytest.raises(ConfigError, match=r"loss.teacher_model=.* the vlm family takes no frozen guide or teacher"):
+        clip_trainer(str(tmp_path / "vlm"), "--model.name=vlm", "--data.dataset=emoji", teacher, "--loss.distill=kl")
 
 
 def _step_distributed(tmp: str) -> None:

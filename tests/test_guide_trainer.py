@@ -212,9 +212,15 @@ def test_a_guide_is_refused_where_it_cannot_work(tmp_path: Path, guide_dir: Path
     with pytest.raises(ConfigError, match=r"loss.guide_model=.* neither is set: set loss.mask_margin"):
         make(f"--loss.guide_model={guide_dir}")
     with pytest.raises(
-        ConfigError, match=r"the clip family takes no frozen guide or teacher model \(bi_encoder and static do\)"
+        ConfigError, match=r"the vlm family takes no frozen guide or teacher model \(bi_encoder, static and clip do\)"
     ):
-        clip_trainer(str(tmp_path / "clip"), f"--loss.guide_model={guide_dir}", "--loss.mask_margin=0")
+        clip_trainer(
+            str(tmp_path / "vlm"),
+            "--model.name=vlm",
+            "--data.dataset=emoji",
+            f"--loss.guide_model={guide_dir}",
+            "--loss.mask_margin=0",
+        )
     short = tmp_path / "short-bert"  # MiniLM's tokenizer, 8 positions: the model's ids reach 16 tokens
     tokenizer = load_tokenizer(str(bundled_minilm()))
     config = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)

@@ -73,7 +73,7 @@ def assert_step_equals_its_forwards(
     torch.manual_seed(seed)
     parts = [trainer.step_context.encode(piece) for piece in pieces]
     q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    loss = (objective or InfoNCE()).dense(q, columns(*split_documents(d)), parts[0][2])
+    loss = (objective or InfoNCE()).dense(q, columns(*split_documents(d)), *parts[0][2:4])  # scale, bias if any
     loss.backward()
     assert abs(out["loss"] - loss.item()) <= REL * loss.item()
     assert_grads_close(got, trainable_grads())

@@ -60,6 +60,9 @@ class Loss:
     """The contrastive objective's weight beside loss.distill; 0 = distillation alone."""
     distill_temperature: float = opt(1.0, lambda v: v > 0, "a number > 0")
     """distill=kl: the teacher's temperature tau, its targets being softmax(scores / tau)."""
+    distill_symmetric: bool = False
+    """distill=kl with a teacher model (or its embeddings): also each positive document's softmax over the queries
+    toward the teacher's, the two directions averaged, as open_clip's DistillClipLoss distills a CLIP."""
     distill_minmax: bool = False
     """distill=kl: each query's logits over its own documents scaled to [0, 1] before the softmax,
     (S - min) / (max - min + 1e-8) (PyLate's Distillation normalize_scores)."""

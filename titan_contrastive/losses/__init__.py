@@ -141,6 +141,7 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
                 teacher_key if teacher else "",
                 loss.cosent_similarity,
                 loss.distill_minmax,
+                loss.distill_symmetric,
             )
         except ValueError as err:
             raise ConfigError(str(err)) from None
@@ -160,6 +161,11 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
         raise ConfigError(
             "loss.distill_minmax=true scales the student's logits for a distillation term, and loss.distill is "
             "empty: set loss.distill=kl or leave it false"
+        )
+    elif loss.distill_symmetric:
+        raise ConfigError(
+            "loss.distill_symmetric=true distills the columns' direction too, and loss.distill is empty: set "
+            "loss.distill=kl with loss.teacher_model, or leave it false"
         )
     elif teacher:
         raise ConfigError(

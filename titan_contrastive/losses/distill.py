@@ -69,6 +69,7 @@ class Distillation:
     model: str = ""
     similarity: str = "cosine"
     minmax: bool = False
+    symmetric: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -95,6 +96,12 @@ class Distillation:
                 "loss.distill=mse regresses the model's embeddings onto a teacher's: set loss.teacher_embeddings "
                 "(written by python -m titan_contrastive.embed) or loss.teacher_model"
             )
+        if self.symmetric and (self.kind != "kl" or not self.model):
+            raise ValueError(
+                "loss.distill_symmetric=true distills each positive document's softmax over the queries, which needs a "
+                f"teacher's scores of every pair: use loss.distill=kl with loss.teacher_model (or teacher_embeddings), "
+                f"or set it false{'' if self.kind == 'kl' else f' (loss.distill={self.kind})'}"
+            )
         if self.model and self.kind not in ("kl", "mse"):
             raise ValueError(
                 f"loss.distill={self.kind} reads the data's scores of each query's own documents, and "
@@ -120,6 +127,8 @@ class Distillation:
     def describe(self) -> str:
         if self.model:
             what = f"KL to the teacher model's softmax over every column at tau {self.temperature:g}"
+            if self.symmetric:
+                what += ", and of each positive over the queries, the two averaged"
             return f"{self.weight:g} x distillation ({what})"
         if self.kind == "cosent":
             name = "AnglE (CoSENT on the angle similarity)" if self.similarity == "angle" else "CoSENT"
@@ -299,9 +308,12 @@ class Distilled(TeacherTerm):
         """weight x L_d of a whole problem (autograd)."""
         teacher = self._teacher(len(q), len(docs))
         if isinstance(teacher, Guide):
-            logits = scale * (q @ docs.T)
-            p = teacher.targets(self.distillation.temperature, logits.dtype)
-            return self.distillation.weight * kl_rows(logits, p).mean()
+            logits, tau = scale * (q @ docs.T), self.distillation.temperature
+            term = kl_rows(logits, teacher.targets(tau, logits.dtype)).mean()
+            if self.distillation.symmetric:  # each positive's softmax over the queries too
+                along = kl_rows(logits[:, : len(q)].T, teacher.targets(tau, logits.dtype, transposed=True)).mean()
+                term = (term + along) / 2
+            return self.distillation.weight * term
         logits = own_logits(q, docs, scale, 0, len(q), self._pairs)
         return self.distillation.weight * self.distillation.whole(logits, teacher)
 
@@ -318,7 +330,7 @@ class Distilled(TeacherTerm):
             )
         elif isinstance(teacher, Guide):
             term, grad_rows, grad_cols = _every_column(
-                self.distillation, q_own, docs, scale.detach().to(acc), teacher, first_row, n, chunk
+                self.distillation, q_own, docs, scale.detach().to(acc), teacher, first_row, n, chunk, ranks
             )
         else:
             term, grad_rows, grad_cols = _own_documents(
@@ -348,24 +360,45 @@ def _own_documents(
 
 def _every_column(
     distillation: Distillation, q_own: Tensor, docs: Tensor, scale: Tensor, teacher: Guide, first_row: int, n: int,
-    chunk: int,
+    chunk: int, ranks: Ranks,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """weight/N x the own rows' KL over every column (the teacher model's cosines), in blocks of
     `chunk` rows (a rank holds every column, so each block holds its rows' whole softmax):
-    dL/dS = weight/N (softmax(S) - p), carried to the rows and the columns in closed form."""
-    acc, c = scale.dtype, len(q_own)
+    dL/dS = weight/N (softmax(S) - p), carried to the rows and the columns in closed form. `symmetric`: half
+    of that, and half of each positive column's KL over the queries, whose log-sum-exps over every rank's rows
+    (the model's, LSE_j, and the teacher's) are merged first; the own rows' share of it is
+    dL/dS_ij = weight/2N (exp(S_ij - LSE_j) - p'_ij) for j < N, and the rank's share of the LSEs' sum 1/world of it."""
+    acc, c, tau = scale.dtype, len(q_own), distillation.temperature
     cols = docs.to(acc)
     term = torch.zeros((), dtype=acc, device=q_own.device)
     grad_rows = torch.empty(c, docs.shape[1], dtype=acc, device=q_own.device)
     grad_cols = torch.zeros(cols.shape, dtype=acc, device=docs.device)
-    factor = distillation.weight / n
-    for start in range(0, c, chunk):
+    factor = distillation.weight / n / (2 if distillation.symmetric else 1)
+
+    def block(start: int) -> tuple[Tensor, Tensor]:  # (the model's logits, the teacher's scores / tau) of the rows
         rows = q_own[start : start + chunk].to(acc)
-        log_student = torch.log_softmax(scale * (rows @ cols.T), 1)
-        targets = teacher.queries[first_row + start : first_row + start + len(rows)] @ teacher.columns.T
-        p = torch.softmax(targets.to(acc) / distillation.temperature, 1)
+        mine = teacher.queries[first_row + start : first_row + start + len(rows)]
+        return scale * (rows @ cols.T), (mine @ teacher.columns.T).to(acc) / tau
+
+    if distillation.symmetric:  # the positives' log-sum-exps over the queries, the model's and the teacher's
+        part = torch.full((2, n), -torch.inf, dtype=acc, device=q_own.device)
+        for start in range(0, c, chunk):
+            logits, targets = block(start)
+            part = torch.logaddexp(part, torch.stack([logits[:, :n], targets[:, :n]]).logsumexp(1))
+        lse, teacher_lse = ranks.merge_lse(part.flatten()).view(2, n)
+        term += lse.sum() * factor / ranks.world
+    for start in range(0, c, chunk):
+        logits, targets = block(start)
+        rows = q_own[start : start + chunk].to(acc)
+        p = torch.softmax(targets, 1)
+        log_student = torch.log_softmax(logits, 1)
         term += (torch.xlogy(p, p) - p * log_student).sum() * factor
-        grad_logits = (log_student.exp_() - p).mul_(factor * scale)
+        grad_logits = log_student.exp_() - p
+        if distillation.symmetric:
+            along = (targets[:, :n] - teacher_lse).exp_()  # p'_ij: the teacher's softmax of column j over queries
+            term += (torch.xlogy(along, along) - along * logits[:, :n]).sum() * factor
+            grad_logits[:, :n] += (logits[:, :n] - lse).exp_() - along
+        grad_logits.mul_(factor * scale)
         grad_rows[start : start + len(rows)] = grad_logits @ cols
         grad_cols.addmm_(grad_logits.T, rows)
     return term, grad_rows, grad_cols

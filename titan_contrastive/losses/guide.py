@@ -42,10 +42,13 @@ class Guide:
         """The queries ("q") or the columns ("p", "d": the positives are the first N columns)."""
         return self.queries if name == "q" else self.columns
 
-    def targets(self, temperature: float, dtype: torch.dtype) -> Tensor:
+    def targets(self, temperature: float, dtype: torch.dtype, transposed: bool = False) -> Tensor:
         """[N, M]: softmax(G_q G_c^T / temperature) over each row in `dtype`, a teacher's distribution over every
-        column of the whole problem; computed once per (temperature, dtype), as Matryoshka's prefixes each read it."""
-        key = (temperature, dtype)
+        column of the whole problem; `transposed`: [N, N], each positive column's over the queries,
+        softmax(G_c[:N] G_q^T / temperature). Computed once per (temperature, dtype, direction), as Matryoshka's
+        prefixes each read it."""
+        key = (temperature, dtype, transposed)
         if key not in self._targets:
-            self._targets[key] = torch.softmax((self.queries @ self.columns.T).to(dtype) / temperature, 1)
+            scores = self.columns[: len(self.queries)] @ self.queries.T if transposed else self.queries @ self.columns.T
+            self._targets[key] = torch.softmax(scores.to(dtype) / temperature, 1)
         return self._targets[key]

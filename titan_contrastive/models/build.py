@@ -65,6 +65,7 @@ def eval_objective(spec: ModelSpec, cfg: JobConfig, args: Any = None) -> Objecti
         mask_duplicates=False,
         distill="",
         distill_minmax=False,
+        distill_symmetric=False,
         cosent_similarity="cosine",
         contrastive_weight=1.0,
         teacher_model="",
@@ -116,9 +117,10 @@ def build_guide(
 ) -> nn.Module | None:
     """The run's frozen model: `[loss] guide_model`, whose cosines decide the false-negative masks
     (GISTEmbed, `losses/guide.py`), and/or `[loss] teacher_model`, whose cosines are a distillation's
-    targets (`losses/distill.py`; one model when both name the same folder), built like the run's
-    model from its own folder (`args.as_guide`: the families that take one; a static model's is a bi_encoder)
-    in `param_dtype` on `device`, in eval mode; None when neither is set."""
+    targets (`losses/distill.py`; one model when both name the same folder), in `param_dtype` on `device`, in eval
+    mode; None when neither is set. Built like the run's model from its own folder (`args.as_guide`: bi_encoder,
+    static, whose guide is a bi_encoder), or from a checkpoint the family reads, its weights loaded after the build
+    (`args.read_guide`: clip, from anything `init_from` reads)."""
     loss = cfg.loss
     if loss.guide_model and loss.teacher_model and loss.guide_model != loss.teacher_model:
         raise ConfigError(
@@ -129,19 +131,23 @@ def build_guide(
     path = loss.guide_model or loss.teacher_model
     if not path:
         return None
-    as_guide = getattr(args, "as_guide", None)
-    if as_guide is None:
+    as_guide, read_guide = getattr(args, "as_guide", None), getattr(args, "read_guide", None)
+    if as_guide is None and read_guide is None:
         raise ConfigError(
-            f"{key}={path!r}: the {spec.name} family takes no frozen guide or teacher model (bi_encoder and static "
-            "do); leave it empty"
+            f"{key}={path!r}: the {spec.name} family takes no frozen guide or teacher model (bi_encoder, static and "
+            "clip do); leave it empty"
         )
     try:
-        guide_args = as_guide(path)
+        guide_args, state = (as_guide(path), None) if as_guide is not None else read_guide(path)
     except ConfigError as e:  # the folder's own message, about the guide's setting
         message = str(e).replace("model.path", key)
         raise ConfigError(message if message.startswith(key) else f"{key}={path!r}: {message}") from None
+    except ValueError as e:  # a checkpoint the family cannot read, or one that cannot read the run's inputs
+        raise ConfigError(f"{key}={path!r}: {e}") from None
     with device:
         guide = family_of(guide_args).build_model(guide_args).to(param_dtype)
+    if state is not None:
+        load_state(guide, state, f"{key}={path}")
     return guide.requires_grad_(False).eval()
 
 

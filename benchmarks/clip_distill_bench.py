@@ -1,0 +1,107 @@
+"""A CLIP taught by a CLIP on CPU: `[loss] teacher_model` on the clip family, as open_clip's `--distill-model`.
+
+    python -m benchmarks.clip_distill_bench          # one teacher, six students (about 10 min on 2 cores)
+
+The default config (`train_configs/debug.toml`: the debug CLIP on the bundled Fashion-MNIST pairs) trains a teacher
+for its full `TEACHER_STEPS`; students of the same flavor then train `STUDENT_STEPS` steps from scratch under each
+seed in `SEEDS`: alone, taught one way (each image's softmax over the captions, `distill = "kl"`), and both ways
+(`distill_symmetric`, open_clip's DistillClipLoss), the targets at the teacher's own temperature 1/exp(logit_scale),
+the term's weight 1 beside the contrastive loss (open_clip's). Every run ends with the config's zero-shot evaluation
+on the 10,000 test images. Writes clip_distill_bench.{json,csv,png} under --out: per run its variant, seed, zero-shot
+top-1 (with its standard error over the test images), the eval loss, the median logged samples/s and the launch's
+wall seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import statistics
+from pathlib import Path
+from typing import Any
+
+from benchmarks import harness
+
+CONFIG = "train_configs/debug.toml"
+TEACHER_STEPS, STUDENT_STEPS, SEEDS = 600, 150, (1, 2)
+VARIANTS = {
+    "alone": [],
+    "taught one way": ["--loss.distill=kl"],
+    "taught both ways": ["--loss.distill=kl", "--loss.distill_symmetric=true"],
+}
+FIELDS = ["variant", "seed", "steps", "zero_shot_top1", "se_top1", "eval_loss", "samples_per_s", "wall_s"]
+TEST_IMAGES = 10_000
+
+
+def launch(dump: Path, steps: int, seed: int, *flags: str) -> dict[str, Any]:
+    """One `run_train.sh` of the default config; its row (without the variant)."""
+    cmd = ["./run_train.sh", f"--job.dump_folder={dump}", "--metrics.enable_tensorboard=false"]
+    cmd += [f"--training.steps={steps}", f"--training.seed={seed}", *flags]
+    result = harness.run_child(cmd, cwd=harness.REPO, env=harness.train_env(config_file=CONFIG))
+    if result.returncode != 0:
+        raise SystemExit(f"{dump} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    last, train = harness.run_records(dump.name, dump)
+    top1 = last["zero_shot_top1"]
+    return {
+        "seed": seed,
+        "steps": steps,
+        "zero_shot_top1": top1,
+        "se_top1": math.sqrt(top1 * (1 - top1) / TEST_IMAGES),
+        "eval_loss": last["loss"],
+        "samples_per_s": statistics.median(r["samples_per_s"] for r in train[1:] or train),
+        "wall_s": result.wall_s,
+    }
+
+
+def plot(rows: list[dict[str, Any]]):  # noqa: ANN201 - a matplotlib figure
+    plt = harness.pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5))
+    names = [r["variant"] + ("" if r["variant"] == "teacher" else f", seed {r['seed']}") for r in rows]
+    bars = ax.bar(names, [r["zero_shot_top1"] for r in rows], yerr=[r["se_top1"] for r in rows])
+    ax.bar_label(bars, fmt="%.3f", fontsize=8)
+    ax.tick_params(axis="x", labelrotation=45, labelsize=8)
+    ax.set_ylabel("zero-shot top-1, 10,000 Fashion-MNIST test images")
+    fig.suptitle(
+        f"debug CLIP: a teacher of {TEACHER_STEPS} steps; students of {STUDENT_STEPS} steps alone or taught by it"
+    )
+    fig.tight_layout()
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=harness.RESULTS, help="where clip_distill_bench.{json,csv,png} go")
+    args = p.parse_args(argv)
+    from titan_contrastive.models.clip import load_clip
+
+    prefix = harness.REPO / "outputs" / "clip_distill_bench"
+    shutil.rmtree(prefix, ignore_errors=True)  # a run left from before would resume
+    teacher_dump = prefix / "teacher"
+    saves = ["--checkpoint.enable=true", f"--checkpoint.interval={TEACHER_STEPS}"]
+    rows = [{"variant": "teacher", **launch(teacher_dump, TEACHER_STEPS, 0, *saves)}]
+    teacher = teacher_dump / "checkpoint" / f"step-{TEACHER_STEPS}"
+    tau = math.exp(-float(load_clip(teacher).logit_scale))
+    print(f"teacher: zero-shot top-1 {rows[0]['zero_shot_top1']:.4f}, temperature {tau:.4g}", flush=True)
+    taught = [f"--loss.teacher_model={teacher}", f"--loss.distill_temperature={tau!r}"]
+    for seed in SEEDS:
+        for i, (name, flags) in enumerate(VARIANTS.items()):
+            extra = [*flags, *taught] if flags else []
+            row = {"variant": name, **launch(prefix / f"student{i}_seed{seed}", STUDENT_STEPS, seed, *extra)}
+            rows.append(row)
+            print(name, seed, {k: round(row[k], 4) for k in ("zero_shot_top1", "eval_loss", "wall_s")}, flush=True)
+    payload = {"teacher_steps": TEACHER_STEPS, "student_steps": STUDENT_STEPS, "seeds": SEEDS, "temperature": tau}
+    harness.write_results(
+        args.out,
+        "clip_distill_bench",
+        harness.metadata(),
+        payload,
+        rows=rows,
+        fields=FIELDS,
+        figure=lambda: plot(rows),
+    )
+    print(f"wrote {args.out}/clip_distill_bench.json, .csv and .png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""A Hugging Face CLIP, SigLIP or SigLIP 2 taught by a frozen one of its kind (`[loss] teacher_model` on hf_clip):
+tiny random folders, the teacher wider, sharing the student's tokenizer and processor. GradCache chunks that
+divide nothing and streamed global negatives (attention dropout on, the KL both ways) equal the dense objective with
+the teacher's cosines of the whole batch, the teacher run by transformers' own `get_*_features` (float64); a
+teacher that cannot read the run's token ids or pixels is one line naming what differs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.hf_folders import encoder_folder, image_text_folder
+from tests.needs import require
+from tests.test_hard_negatives import assert_step_equals_its_forwards
+from tests.test_hf_clip import _double, _tensors, clip_run
+from titan_contrastive.config import ConfigError
+from titan_contrastive.losses import build_objective
+from titan_contrastive.losses.guide import Guide
+
+require("hf")
+
+STEPS = {
+    "gradcache": (7, 1, ["--gradcache.enabled=true", "--gradcache.chunk_sizes=3"]),
+    "global": (3, 2, ["--loss.negatives=global", "--loss.stream_chunk_size=5"]),
+}
+
+BATCH = ("--training.local_batch_size=6", "--training.global_batch_size=6")
+
+
+def teacher_folder(tmp: Path, kind: str, seed: int = 7, **text: int) -> Path:
+    """The student's folder with a wider model (24, not 16) of the same kind in it, its tokenizer and processor kept;
+    `text`: other text-config values."""
+    from transformers import AutoConfig, AutoModel
+
+    folder = tmp / f"teacher-{kind}-{seed}"
+    shutil.copytree(image_text_folder(tmp, kind), folder)
+    config = AutoConfig.from_pretrained(folder)
+    for tower in (config.text_config, config.vision_config):
+        tower.hidden_size, tower.intermediate_size = 24, 40
+    if hasattr(config.text_config, "projection_size"):  # SigLIP's text head: to the image tower's width
+        config.text_config.projection_size = 24
+    for key, value in text.items():
+        setattr(config.text_config, key, value)
+    torch.manual_seed(seed)
+    model = AutoModel.from_config(config)
+    if hasattr(model, "logit_bias"):
+        with torch.no_grad():
+            model.logit_scale.fill_(2.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+def teacher_guide(trainer, folder: Path, batches: list[dict]) -> Guide:
+    """The teacher's unit embeddings of the batches, by transformers' own model in float64, eval mode. SigLIP 2's
+    images: by the run's frozen model instead, within 1e-6 of transformers', which resizes its position table to
+    each grid in float32."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(folder).double().eval()
+    images, texts, held = [], [], []
+    for batch in batches:
+        image, text = trainer.step_context.inputs(batch)
+        pixels = _double(image) if isinstance(image, dict) else {"pixel_values": image.double()}
+        with torch.no_grad():
+            images.append(model.get_image_features(**pixels).pooler_output)
+            texts.append(model.get_text_features(input_ids=text).pooler_output)
+            held.append(trainer.step_context.guide(image, text)[0])
+    images, texts = F.normalize(torch.cat(images), dim=-1), F.normalize(torch.cat(texts), dim=-1)
+    if isinstance(image, dict):
+        assert (torch.cat(held) - images).abs().max() <= 1e-6
+        images = torch.cat(held)
+    return Guide(images, texts)
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip", "siglip2"])
+@pytest.mark.parametrize("step", STEPS)
+def test_an_hf_clip_teacher_in_each_step_kind_equals_the_dense_objective(tmp_path: Path, kind: str, step: str) -> None:
+    local, ga, flags = STEPS[step]
+    teacher = teacher_folder(tmp_path, kind)
+    trainer = clip_run(
+        tmp_path,
+        kind,
+        f"--training.local_batch_size={local}",
+        f"--training.global_batch_size={local * ga}",
+        "--loss.distill=kl",
+        f"--loss.teacher_model={teacher}",
+        "--loss.distill_temperature=0.2",
+        "--loss.distill_symmetric=true",
+        *flags,
+        *(["--loss.name=siglip"] if kind != "clip" else []),
+    )
+    data = trainer.train_set
+    microbatches = [_tensors(data.__getitems__(list(range(j * local, (j + 1) * local)))) for j in range(ga)]
+    pieces = trainer.step_context.split(microbatches[0], 3) if step == "gradcache" else microbatches
+    guide = teacher_guide(trainer, teacher, microbatches)
+    held = trainer.step_context.guide
+    assert not held.training and held.visual.transformer.config.hidden_size == 24
+    assert_step_equals_its_forwards(
+        trainer, microbatches, pieces, seed=4, objective=build_objective(trainer.cfg.loss).with_teacher(guide)
+    )
+    trainer.metrics.close()
+
+
+def test_a_teacher_that_cannot_read_the_run_s_inputs_is_one_line(tmp_path: Path) -> None:
+    stats = teacher_folder(tmp_path, "clip", seed=1)
+    config = json.loads((stats / "preprocessor_config.json").read_text())
+    (stats / "preprocessor_config.json").write_text(json.dumps(dict(config, image_mean=[0.5] * 3)))
+    wrong = {
+        "it reads patches \\(model_type siglip2\\) and the run serves whole images": image_text_folder(
+            tmp_path, "siglip2"
+        ),
+        "its tokenizer differs from the run's \\(vocabulary, pad token\\)": image_text_folder(tmp_path, "metaclip_2"),
+        "its processor normalizes images by mean \\[0.5, 0.5, 0.5\\]": stats,
+    }
+    for why, folder in wrong.items():
+        with pytest.raises(ConfigError, match=rf"^loss.teacher_model='{folder}': {why}") as err:
+            clip_run(tmp_path, "clip", *BATCH, "--loss.distill=kl", f"--loss.teacher_model={folder}")
+        assert "\n" not in str(err.value)
+    longer = teacher_folder(tmp_path, "siglip", max_position_embeddings=16)
+    with pytest.raises(ConfigError, match=r"it pools the last of exactly 16 tokens and the run's captions are 12"):
+        clip_run(tmp_path, "siglip", *BATCH, "--loss.distill=kl", f"--loss.teacher_model={longer}")
+    with pytest.raises(ConfigError, match=r"loss.guide_model=.* holds a 'bert' model; hf_clip trains"):
+        clip_run(tmp_path, "clip", *BATCH, "--loss.mask_margin=0", f"--loss.guide_model={encoder_folder(tmp_path)}")

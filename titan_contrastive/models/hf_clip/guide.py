@@ -1,0 +1,86 @@
+"""A frozen guide or teacher of an hf_clip run (`[loss] guide_model` / `teacher_model`): another Hugging Face CLIP,
+MetaCLIP 2, SigLIP or SigLIP 2 folder that reads the run's own token ids and pixels, so it embeds each batch as it
+is served. It must share the run's tokenizer, its image statistics and its way of cutting images (whole images, or
+SigLIP 2's patches at the same size and budget); its position table is resized to the run's image size as
+`[data] image_size` resizes the model's. What it cannot read is refused in one line, naming what differs."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from titan_contrastive.config import ConfigError
+from titan_contrastive.models.bi_encoder.folder import load_tokenizer
+from titan_contrastive.models.clip.positions import unstretchable
+from titan_contrastive.models.hf_clip.model import (
+    LAST_POSITION,
+    HFClipArgs,
+    _image_size,
+    _processor,
+    _statistics,
+    folder_kind,
+)
+
+__all__ = ["guide_args"]
+
+
+def guide_args(run: HFClipArgs, path: str) -> HFClipArgs:
+    """The args of the frozen model at `path` for a run of `run`'s args: no adapters, no patch dropout, its own
+    scale (and bias); a ConfigError for a folder that cannot read the run's inputs."""
+    kind, model_dir, config = folder_kind(path)
+    processor, file = _processor(model_dir)
+    naflex = kind == "siglip2"
+    if naflex != bool(run.max_num_patches):
+        mine, theirs = ("SigLIP 2's patches", "whole images") if run.max_num_patches else ("whole images", "patches")
+        raise ConfigError(
+            f"it reads {theirs} (model_type {kind}) and the run serves {mine}; give a teacher of the run's kind "
+            "(SigLIP 2 for SigLIP 2, CLIP or SigLIP otherwise)"
+        )
+    size, patch = run.image_size, int(config.vision_config.patch_size)
+    if naflex and patch != run.patch_size:
+        raise ConfigError(f"its patches are {patch} px and the run's {run.patch_size}; give one with the run's patches")
+    if not naflex:
+        size, patch = _image_size(path, kind, config, processor, file, run.image_size)[:2]
+    if (stats := _statistics(processor, file)) != (run.image_mean, run.image_std):
+        raise ConfigError(
+            f"its processor normalizes images by mean {list(stats[0])} and std {list(stats[1])}, the run's by "
+            f"{list(run.image_mean)} and {list(run.image_std)}; a teacher reads the run's pixels: give one with the "
+            "same image statistics"
+        )
+    _same_tokenizer(run, model_dir)
+    positions = int(config.text_config.max_position_embeddings)
+    if kind in LAST_POSITION and positions != run.context_length:
+        raise ConfigError(
+            f"it pools the last of exactly {positions} tokens and the run's captions are {run.context_length}; give "
+            "one with as many positions, or set data.context_length to its"
+        )
+    if run.context_length > positions and (why := unstretchable(positions)):
+        raise ConfigError(f"the run's captions are {run.context_length} tokens and its {why}")
+    return dataclasses.replace(
+        run,
+        path=path,
+        image_size=size,
+        patch_size=patch,
+        whole_image=kind == "siglip",
+        init_logit_scale=None,
+        init_logit_bias=None,
+        patch_dropout=0.0,
+        **{field.name: field.default for field in dataclasses.fields(run) if field.name.startswith("lora_")},
+    )
+
+
+def _same_tokenizer(run: HFClipArgs, model_dir: str) -> None:
+    mine, theirs = load_tokenizer(run.model_dir), load_tokenizer(model_dir)
+    read: dict[str, Any] = {}
+    for name, get in (
+        ("vocabulary", lambda t: t.get_vocab()),
+        ("pad token", lambda t: t.pad_token_id),
+        ("padding side", lambda t: t.padding_side),
+    ):
+        if get(mine) != get(theirs):
+            read[name] = get(theirs)
+    if read:
+        raise ConfigError(
+            f"its tokenizer differs from the run's ({', '.join(read)}); a teacher reads the run's token ids: give one "
+            "with the run's tokenizer"
+        )
