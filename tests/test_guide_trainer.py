@@ -212,7 +212,8 @@ def test_a_guide_is_refused_where_it_cannot_work(tmp_path: Path, guide_dir: Path
     with pytest.raises(ConfigError, match=r"loss.guide_model=.* neither is set: set loss.mask_margin"):
         make(f"--loss.guide_model={guide_dir}")
     with pytest.raises(
-        ConfigError, match=r"the vlm family takes no frozen guide or teacher model \(bi_encoder, static and clip do\)"
+        ConfigError,
+        match=r"the vlm family takes no frozen guide or teacher model \(bi_encoder, static, clip and hf_clip do\)",
     ):
         clip_trainer(
             str(tmp_path / "vlm"),

@@ -7,7 +7,6 @@ SigLIP 2's patches at the same size and budget); its position table is resized t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from titan_contrastive.config import ConfigError
 from titan_contrastive.models.bi_encoder.folder import load_tokenizer
@@ -52,7 +51,7 @@ def guide_args(run: HFClipArgs, path: str) -> HFClipArgs:
     if kind in LAST_POSITION and positions != run.context_length:
         raise ConfigError(
             f"it pools the last of exactly {positions} tokens and the run's captions are {run.context_length}; give "
-            "one with as many positions, or set data.context_length to its"
+            "one with as many positions"
         )
     if run.context_length > positions and (why := unstretchable(positions)):
         raise ConfigError(f"the run's captions are {run.context_length} tokens and its {why}")
@@ -71,16 +70,13 @@ def guide_args(run: HFClipArgs, path: str) -> HFClipArgs:
 
 def _same_tokenizer(run: HFClipArgs, model_dir: str) -> None:
     mine, theirs = load_tokenizer(run.model_dir), load_tokenizer(model_dir)
-    read: dict[str, Any] = {}
-    for name, get in (
-        ("vocabulary", lambda t: t.get_vocab()),
-        ("pad token", lambda t: t.pad_token_id),
-        ("padding side", lambda t: t.padding_side),
-    ):
-        if get(mine) != get(theirs):
-            read[name] = get(theirs)
-    if read:
+    reads = {
+        "vocabulary": lambda t: t.get_vocab(),
+        "pad token": lambda t: t.pad_token_id,
+        "padding side": lambda t: t.padding_side,
+    }
+    if differ := [name for name, get in reads.items() if get(mine) != get(theirs)]:
         raise ConfigError(
-            f"its tokenizer differs from the run's ({', '.join(read)}); a teacher reads the run's token ids: give one "
-            "with the run's tokenizer"
+            f"its tokenizer differs from the run's ({', '.join(differ)}); a teacher reads the run's token ids: give "
+            "one with the run's tokenizer"
         )
