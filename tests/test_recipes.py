@@ -8,7 +8,8 @@ masked LM, then exported to a SparseEncoder folder; `train_configs/splade_infere
 then exported to a SparseEncoder Router; `train_configs/colbert.toml` with a tiny PyLate folder, then exported to a
 PyLate folder; `train_configs/colbert_distill.toml` with the tiny encoder and scored rows;
 `train_configs/colqwen.toml` with the tiny Qwen2-VL folder and query-page rows, then exported to a colpali-engine
-folder; `train_configs/static_distill.toml` with the tiny StaticEmbedding folder, its teacher's embeddings written first
+folder; `train_configs/clip_distill.toml` with a tiny Hugging Face CLIP teacher and image-caption files;
+`train_configs/static_distill.toml` with the tiny StaticEmbedding folder, its teacher's embeddings written first
 by the embed command)."""
 
 from __future__ import annotations
@@ -75,6 +76,37 @@ def test_the_siglip_recipe(tmp_path: Path) -> None:
         *batch,
     )
     assert trainer.step == 2 and trainer.ga_steps == 2 and trainer.cfg.loss.negatives == "global"
+
+
+def test_the_clip_distillation_recipe(tmp_path: Path) -> None:
+    """The student at the debug flavor's sizes on 32 px pictures; the teacher a tiny Hugging Face CLIP folder with
+    the CLIP BPE vocabulary, 3 channels, 16 px images (resized to the run's 32) and 77 positions."""
+    import dataclasses
+
+    from tests.test_export import BPE, step_folder
+    from titan_contrastive.models.clip.state_dict_adapter import write_hf
+
+    args = dataclasses.replace(BPE, in_channels=3, image_size=16, patch_size=8, context_length=77)
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    write_hf(str(step_folder(tmp_path / "teacher_run", args, seed=2)[0]), teacher)
+    table = pictures(tmp_path / "data")
+    batch = ["--training.local_batch_size=4", "--training.global_batch_size=8", "--data.val_path="]
+    trainer, _ = _train(
+        tmp_path,
+        "clip_distill.toml",
+        "--model.flavor=debug",
+        f"--loss.teacher_model={teacher}",
+        "--data.dataset=csv",
+        f"--data.path={table}",
+        "--data.image_size=32",
+        "--data.num_workers=0",
+        *batch,
+    )
+    assert trainer.step == 2 and trainer.ga_steps == 2 and trainer.cfg.loss.negatives == "global"
+    assert "and of each positive over the queries" in trainer.gradient_step.describe()
+    held = trainer.step_context.guide
+    assert held.visual.positional_embedding.shape == (1 + 4 * 4, 32) and held.text.context_length == 77
 
 
 def test_the_sts_cosent_recipe(tmp_path: Path) -> None:
