@@ -202,17 +202,6 @@ def reference_model_term(tau: float, q, cols, scale, tq, tcols) -> torch.Tensor:
     return total / len(q)
 
 
-def reference_along_term(tau: float, q, positives, scale, tq, tpositives) -> torch.Tensor:
-    """The KL of each positive's softmax over the queries to the teacher's, from its definition, one at a time."""
-    total = 0.0
-    for j in range(len(positives)):
-        logits = torch.stack([scale * (positives[j] @ x) for x in q])
-        target = torch.softmax(torch.stack([tpositives[j] @ t for t in tq]) / tau, 0)
-        log_student = logits - torch.logsumexp(logits, 0)
-        total = total + sum(target[i] * (torch.log(target[i]) - log_student[i]) for i in range(len(q)))
-    return total / len(positives)
-
-
 def model_total(case: dict, dcase: dict, q, p, n, scale, bias, ids, teacher) -> torch.Tensor:
     total = dcase["cw"] * reference(case, q, p, n, scale, bias, ids) if dcase["cw"] else 0.0
     tq, tcols = teacher
@@ -223,7 +212,8 @@ def model_total(case: dict, dcase: dict, q, p, n, scale, bias, ids, teacher) -> 
         cols = pm if nm is None else torch.cat([pm, nm])
         term = reference_model_term(dcase["tau"], qm, cols, scale, tq, tcols)
         if dcase["sym"]:
-            term = (term + reference_along_term(dcase["tau"], qm, pm, scale, tq, tcols[: len(q)])) / 2
+            along = reference_model_term(dcase["tau"], pm, qm, scale, tcols[: len(q)], tq)  # positives over queries
+            term = (term + along) / 2
         total = total + w * dcase["w"] * term
     return total
 
