@@ -8,6 +8,7 @@ gradients; the teacher is the model `init_from` would start from; what it cannot
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 
@@ -92,13 +93,16 @@ def test_a_clip_teacher_in_every_step_kind_equals_the_dense_objective(
     trainer.metrics.close()
 
 
-def test_the_sum_is_open_clips_distill_clip_loss_but_for_the_teachers_entropy(tmp_path: Path, teacher: Path) -> None:
+def test_the_sum_is_open_clips_distill_clip_loss_but_for_the_teachers_entropy(
+    tmp_path: Path, teacher: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """open_clip's DistillClipLoss softmaxes the teacher's logits at its own scale, both ways, and adds the mean
     cross-entropy of the student's log-softmax to the contrastive loss; ours is that KL (`distill_symmetric`, tau the
     teacher's 1 / scale): the same gradients, the loss lower by the teacher's mean entropy over both directions."""
     DistillClipLoss = open_clip_loss_module().DistillClipLoss
 
     tutor = load_clip(teacher).double()
+    caplog.set_level(logging.INFO, logger="titan_contrastive")
     scale = tutor.logit_scale.exp().item()
     trainer = make_trainer(
         str(tmp_path / "run"),
@@ -108,6 +112,7 @@ def test_the_sum_is_open_clips_distill_clip_loss_but_for_the_teachers_entropy(tm
         f"--loss.distill_temperature={1 / scale!r}",
         SYMMETRIC,
     )
+    assert f"the teacher's own temperature is {1 / scale:.4g} (1 / exp(logit_scale))" in caplog.text
     batch = trainer.train_set.__getitems__(list(range(8)))
     student = trainer.spec.build_model(trainer.model_args).double()
     student.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
@@ -159,7 +164,7 @@ def test_a_teacher_that_cannot_read_the_run_s_inputs_is_one_line(tmp_path: Path)
         make_trainer(str(tmp_path / "run"), "--loss.mask_margin=0", f"--loss.guide_model={tmp_path}")
 
 
-def _on_ranks(tmp: str, teacher: str, local: int, ga: int) -> None:
+def _on_ranks(tmp: str, teacher: str, local: int, ga: int, layout: list[str]) -> None:
     """Each rank's step from one seed, against the dense objective over every rank's microbatches encoded in order
     from that seed, taught by the teacher's embeddings of all of them."""
     clip_flavors["debug"] = dataclasses.replace(clip_flavors["debug"], dropout=0.1)  # this rank's process only
@@ -174,6 +179,7 @@ def _on_ranks(tmp: str, teacher: str, local: int, ga: int) -> None:
         f"--loss.teacher_model={teacher}",
         "--loss.distill_temperature=0.1",
         SYMMETRIC,
+        *layout,
     )
     steps = [trainer.train_set.__getitems__(list(range(j * local * world, (j + 1) * local * world))) for j in range(ga)]
     mine = [{k: v[rank * local : (rank + 1) * local] for k, v in s.items()} for s in steps]
@@ -197,8 +203,11 @@ def _on_ranks(tmp: str, teacher: str, local: int, ga: int) -> None:
     trainer.metrics.close()
 
 
-@pytest.mark.parametrize("world, local, ga", [(2, 3, 2), (4, 2, 3)])
+DDP = ["--parallelism.data_parallel_replicate_degree=-1", "--parallelism.data_parallel_shard_degree=1"]
+
+
+@pytest.mark.parametrize("world, local, ga, layout", [(2, 3, 2, []), (4, 2, 3, DDP)], ids=["fsdp2", "ddp4"])
 def test_global_negatives_on_ranks_gather_the_teacher_s_embeddings(
-    tmp_path: Path, teacher: Path, world: int, local: int, ga: int
+    tmp_path: Path, teacher: Path, world: int, local: int, ga: int, layout: list[str]
 ) -> None:
-    run_distributed(_on_ranks, world, str(tmp_path / "run"), str(teacher), local, ga)
+    run_distributed(_on_ranks, world, str(tmp_path / "run"), str(teacher), local, ga, layout)

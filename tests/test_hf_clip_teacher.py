@@ -7,6 +7,8 @@ teacher that cannot read the run's token ids or pixels is one line naming what d
 from __future__ import annotations
 
 import json
+import logging
+import math
 import shutil
 from pathlib import Path
 
@@ -79,8 +81,11 @@ def teacher_guide(trainer, folder: Path, batches: list[dict]) -> Guide:
 
 @pytest.mark.parametrize("kind", ["clip", "siglip", "siglip2"])
 @pytest.mark.parametrize("step", STEPS)
-def test_an_hf_clip_teacher_in_each_step_kind_equals_the_dense_objective(tmp_path: Path, kind: str, step: str) -> None:
+def test_an_hf_clip_teacher_in_each_step_kind_equals_the_dense_objective(
+    tmp_path: Path, kind: str, step: str, caplog: pytest.LogCaptureFixture
+) -> None:
     local, ga, flags = STEPS[step]
+    caplog.set_level(logging.INFO, logger="titan_contrastive")
     teacher = teacher_folder(tmp_path, kind)
     trainer = clip_run(
         tmp_path,
@@ -94,6 +99,8 @@ def test_an_hf_clip_teacher_in_each_step_kind_equals_the_dense_objective(tmp_pat
         *flags,
         *(["--loss.name=siglip"] if kind != "clip" else []),
     )
+    if kind != "clip":  # the SigLIP teachers' logit_scale, 2.0 (`teacher_folder`)
+        assert f"{teacher}: the teacher's own temperature is {math.exp(-2.0):.4g}" in caplog.text
     data = trainer.train_set
     microbatches = [_tensors(data.__getitems__(list(range(j * local, (j + 1) * local)))) for j in range(ga)]
     pieces = trainer.step_context.split(microbatches[0], 3) if step == "gradcache" else microbatches

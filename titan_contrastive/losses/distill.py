@@ -33,6 +33,8 @@ and their shares of dL/dt). The teacher's scores of the whole problem are bound 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -137,6 +139,15 @@ class Distillation:
         if self.minmax:
             what += ", the logits min-max scaled per query"
         return f"{self.weight:g} x distillation ({what}) over each query's own documents"
+
+
+def log_teacher_temperature(path: str, logit_scale: float) -> None:
+    """The start log's note of a CLIP teacher's own temperature, 1 / exp(logit_scale): the one open_clip's
+    distillation softmaxes its logits at (`[loss] distill_temperature`)."""
+    logging.getLogger("titan_contrastive").info(
+        f"{path}: the teacher's own temperature is {math.exp(-logit_scale):.4g} (1 / exp(logit_scale)), the one "
+        "open_clip's distillation softmaxes its logits at (loss.distill_temperature)"
+    )
 
 
 def kl_rows(logits: Tensor, p: Tensor) -> Tensor:

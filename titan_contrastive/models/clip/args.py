@@ -8,7 +8,6 @@ built module and `flops_per_sample` is cross-checked against `FlopCounterMode`.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -229,6 +228,7 @@ class CLIPArgs:
         `[model] init_from` reads (a Hugging Face CLIP folder, an open_clip checkpoint, a step folder of a clip
         run): its own towers at this model's input sizes, so it reads the run's pixels and token ids, its position
         tables fitted as `init_from` fits them. A ValueError (one line) where it cannot read them."""
+        from titan_contrastive.losses.distill import log_teacher_temperature
         from titan_contrastive.models.clip.positions import fit_positions
         from titan_contrastive.models.clip.state_dict_adapter import read_checkpoint
 
@@ -255,10 +255,7 @@ class CLIPArgs:
             patch_dropout=0.0,
         )
         if (scale := state.get("logit_scale")) is not None:
-            logging.getLogger("titan_contrastive").info(
-                f"{path}: the teacher's own temperature is {math.exp(-float(scale)):.4g} (1 / exp(logit_scale)), the "
-                "one open_clip's distillation softmaxes its logits at (loss.distill_temperature)"
-            )
+            log_teacher_temperature(path, float(scale))
         return sized, fit_positions(state, sized)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from titan_contrastive.config import ConfigError
+from titan_contrastive.losses.distill import log_teacher_temperature
 from titan_contrastive.models.bi_encoder.folder import load_tokenizer
 from titan_contrastive.models.clip.positions import unstretchable
 from titan_contrastive.models.hf_clip.model import (
@@ -18,6 +19,7 @@ from titan_contrastive.models.hf_clip.model import (
     _processor,
     _statistics,
     folder_kind,
+    folder_scalar,
 )
 
 __all__ = ["guide_args"]
@@ -47,6 +49,8 @@ def guide_args(run: HFClipArgs, path: str) -> HFClipArgs:
             "same image statistics"
         )
     _same_tokenizer(run, model_dir)
+    if (scale := folder_scalar(model_dir, "logit_scale")) is not None:
+        log_teacher_temperature(path, scale)
     positions = int(config.text_config.max_position_embeddings)
     if kind in LAST_POSITION and positions != run.context_length:
         raise ConfigError(

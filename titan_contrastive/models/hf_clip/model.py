@@ -170,19 +170,20 @@ def _image_size(
     return own, patch, most, resample
 
 
-def _folder_bias(model_dir: str) -> float | None:
-    """The folder's `logit_bias` (SigLIP's), read from its safetensors without building the model; None without one."""
+def folder_scalar(model_dir: str, name: str) -> float | None:
+    """The folder's `name` (`logit_scale`; `logit_bias`: SigLIP's), read from its safetensors without building the
+    model; None without one."""
     from safetensors import safe_open
 
     from titan_contrastive.models.weights import read_json
 
     root = Path(model_dir)
     index = root / "model.safetensors.index.json"
-    file = root / (read_json(index)["weight_map"].get("logit_bias", "") if index.is_file() else "model.safetensors")
+    file = root / (read_json(index)["weight_map"].get(name, "") if index.is_file() else "model.safetensors")
     if not file.is_file():
         raise ConfigError(f"{model_dir}: no model.safetensors (a pytorch_model.bin is never unpickled here)")
     with safe_open(str(file), "pt") as f:
-        return float(f.get_tensor("logit_bias").reshape(-1)[0]) if "logit_bias" in f.keys() else None  # noqa: SIM118
+        return float(f.get_tensor(name).reshape(-1)[0]) if name in f.keys() else None  # noqa: SIM118
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,7 @@ class HFClipArgs(LoraFields):
         if t.init_logit_bias is not None:  # an objective with a bias: the configured one, the folder's, its own
             bias = cfg.loss.init_logit_bias
             if bias is None:
-                bias = _folder_bias(model_dir)
+                bias = folder_scalar(model_dir, "logit_bias")
             if bias is None:
                 bias = t.init_logit_bias
         if last and bias is None:
