@@ -119,8 +119,8 @@ def build_guide(
     (GISTEmbed, `losses/guide.py`), and/or `[loss] teacher_model`, whose cosines are a distillation's
     targets (`losses/distill.py`; one model when both name the same folder), in `param_dtype` on `device`, in eval
     mode; None when neither is set. Built like the run's model from its own folder (`args.as_guide`: bi_encoder,
-    static, whose guide is a bi_encoder, hf_clip), or from a checkpoint the family reads, its weights loaded after the
-    build (`args.read_guide`: clip, from anything `init_from` reads)."""
+    static, whose guide is a bi_encoder, hf_clip, qwen_vl), or from a checkpoint the family reads, its weights loaded
+    after the build (`args.read_guide`: clip, from anything `init_from` reads)."""
     loss = cfg.loss
     if loss.guide_model and loss.teacher_model and loss.guide_model != loss.teacher_model:
         raise ConfigError(
@@ -134,8 +134,8 @@ def build_guide(
     as_guide, read_guide = getattr(args, "as_guide", None), getattr(args, "read_guide", None)
     if as_guide is None and read_guide is None:
         raise ConfigError(
-            f"{key}={path!r}: the {spec.name} family takes no frozen guide or teacher model (bi_encoder, static, clip "
-            "and hf_clip do); leave it empty"
+            f"{key}={path!r}: the {spec.name} family takes no frozen guide or teacher model (bi_encoder, static, clip, "
+            "hf_clip and qwen_vl do); leave it empty"
         )
     try:
         guide_args, state = (as_guide(path), None) if as_guide is not None else read_guide(path)
