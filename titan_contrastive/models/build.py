@@ -17,7 +17,7 @@ from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.config.job_config import MAX_LOGIT_SCALE
 from titan_contrastive.losses import Objective, build_objective
 from titan_contrastive.losses.late_interaction import late_interaction
-from titan_contrastive.models.registry import ModelSpec, family_of
+from titan_contrastive.models.registry import ModelSpec, family_of, get_model_spec, list_models
 from titan_contrastive.models.weights import load_state
 
 
@@ -118,9 +118,8 @@ def build_guide(
     """The run's frozen model: `[loss] guide_model`, whose cosines decide the false-negative masks
     (GISTEmbed, `losses/guide.py`), and/or `[loss] teacher_model`, whose cosines are a distillation's
     targets (`losses/distill.py`; one model when both name the same folder), in `param_dtype` on `device`, in eval
-    mode; None when neither is set. Built like the run's model from its own folder (`args.as_guide`: bi_encoder,
-    static, whose guide is a bi_encoder, hf_clip, qwen_vl), or from a checkpoint the family reads, its weights loaded
-    after the build (`args.read_guide`: clip, from anything `init_from` reads)."""
+    mode; None when neither is set. Read by the family (`spec.read_guide`: the args of a model that reads the run's
+    inputs, and the weights to load after the build where the build does not read its folder)."""
     loss = cfg.loss
     if loss.guide_model and loss.teacher_model and loss.guide_model != loss.teacher_model:
         raise ConfigError(
@@ -131,14 +130,14 @@ def build_guide(
     path = loss.guide_model or loss.teacher_model
     if not path:
         return None
-    as_guide, read_guide = getattr(args, "as_guide", None), getattr(args, "read_guide", None)
-    if as_guide is None and read_guide is None:
+    if spec.read_guide is None:
+        takers = ", ".join(name for name in list_models() if get_model_spec(name).read_guide is not None)
         raise ConfigError(
-            f"{key}={path!r}: the {spec.name} family takes no frozen guide or teacher model (bi_encoder, static, clip, "
-            "hf_clip and qwen_vl do); leave it empty"
+            f"{key}={path!r}: the {spec.name} family takes no frozen guide or teacher model ({takers} do); leave it "
+            "empty"
         )
     try:
-        guide_args, state = (as_guide(path), None) if as_guide is not None else read_guide(path)
+        guide_args, state = spec.read_guide(args, path)
     except ConfigError as e:  # the folder's own message, about the guide's setting
         message = str(e).replace("model.path", key)
         raise ConfigError(message if message.startswith(key) else f"{key}={path!r}: {message}") from None

@@ -37,6 +37,7 @@ __all__ = [
     "ModelSpec",
     "StateDictAdapter",
     "family_of",
+    "folder_guide",
     "get_flavor_args",
     "get_model_spec",
     "list_models",
@@ -116,6 +117,11 @@ class ModelSpec:
     """Tower name -> parameter-name prefix, for `[model] freeze` (clip: image -> "visual.")."""
     state_dict_adapter: StateDictAdapter = StateDictAdapter()
     """Import (`[model] init_from`) and export formats of the family's weights."""
+    read_guide: Callable[[Any, str], tuple[Any, dict[str, Any] | None]] | None = None
+    """(the run's args, a folder or checkpoint `path`) -> (the args of a frozen guide or teacher from it that reads the
+    run's inputs, the weights to load into its build or None where the build reads its folder): what `[loss]
+    guide_model` / `teacher_model` build (`models.build.build_guide`); a ConfigError or ValueError (one line) for one
+    that cannot read them. None: the family takes none."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -161,6 +167,11 @@ def get_model_spec(name: str) -> ModelSpec:
             f"{', '.join(list_models())} "
             "(register your own with titan_contrastive.models.register_model)"
         ) from None
+
+
+def folder_guide(args: Any, path: str) -> tuple[Any, None]:
+    """`ModelSpec.read_guide` of a family whose args give a guide built from its folder, `args.as_guide(path)`."""
+    return args.as_guide(path), None
 
 
 def family_of(args: Any) -> ModelSpec:

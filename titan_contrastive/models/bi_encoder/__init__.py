@@ -8,7 +8,7 @@ does not need them.
 from titan_contrastive.models.bi_encoder.args import BiEncoderArgs, bi_encoder_flavors
 from titan_contrastive.models.bi_encoder.export import ADAPTER
 from titan_contrastive.models.bi_encoder.model import BiEncoder, bi_encoder_blocks, build_tokenizer
-from titan_contrastive.models.registry import ModelSpec, register_model
+from titan_contrastive.models.registry import ModelSpec, folder_guide, register_model
 
 __all__ = ["BiEncoder", "BiEncoderArgs", "bi_encoder_blocks", "bi_encoder_flavors", "build_tokenizer"]
 
@@ -22,5 +22,6 @@ register_model(
         build_tokenizer=build_tokenizer,
         towers={"query": "query_tower.", "doc": "doc_tower."},
         state_dict_adapter=ADAPTER,
+        read_guide=folder_guide,
     )
 )

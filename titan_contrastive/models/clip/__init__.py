@@ -2,7 +2,7 @@
 
 from titan_contrastive.models.clip.args import CLIPArgs, clip_flavors
 from titan_contrastive.models.clip.model import CLIP, clip_blocks
-from titan_contrastive.models.clip.state_dict_adapter import ADAPTER, load_clip, read_checkpoint
+from titan_contrastive.models.clip.state_dict_adapter import ADAPTER, load_clip, read_checkpoint, read_guide
 from titan_contrastive.models.registry import ModelSpec, register_model
 
 __all__ = ["CLIP", "CLIPArgs", "clip_blocks", "clip_flavors", "load_clip", "read_checkpoint"]
@@ -15,6 +15,7 @@ register_model(
         blocks=clip_blocks,
         learns_bias=True,
         state_dict_adapter=ADAPTER,
+        read_guide=read_guide,
         towers={"image": "visual.", "text": "text."},
     )
 )

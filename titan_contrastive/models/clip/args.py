@@ -223,41 +223,6 @@ class CLIPArgs:
         """
         return 3 * 2 * batch * batch * self.embed_dim
 
-    def read_guide(self, path: str) -> tuple[CLIPArgs, dict[str, Any]]:
-        """(args, weights) of a frozen guide or teacher (`[loss] guide_model` / `teacher_model`) from any checkpoint
-        `[model] init_from` reads (a Hugging Face CLIP folder, an open_clip checkpoint, a step folder of a clip
-        run): its own towers at this model's input sizes, so it reads the run's pixels and token ids, its position
-        tables fitted as `init_from` fits them. A ValueError (one line) where it cannot read them."""
-        from titan_contrastive.losses.distill import log_teacher_temperature
-        from titan_contrastive.models.clip.positions import fit_positions
-        from titan_contrastive.models.clip.state_dict_adapter import read_checkpoint
-
-        theirs, state = read_checkpoint(path)
-        for name, unit in (("vocab_size", "a vocabulary of"), ("in_channels", "images of")):
-            if getattr(theirs, name) != getattr(self, name):
-                raise ValueError(
-                    f"its {'text' if name == 'vocab_size' else 'image'} tower takes {unit} {getattr(theirs, name)} "
-                    f"and the run's data gives {getattr(self, name)}; a teacher reads the run's "
-                    f"{'token ids' if name == 'vocab_size' else 'pixels'}, so give one trained on the same "
-                    f"{'tokenizer (data.tokenizer)' if name == 'vocab_size' else 'kind of images'}"
-                )
-        if self.image_size % theirs.patch_size:
-            raise ValueError(
-                f"its patch size {theirs.patch_size} does not divide the run's {self.image_size} px images; give a "
-                "teacher whose patch size divides data.image_size"
-            )
-        sized = dataclasses.replace(
-            theirs,
-            image_size=self.image_size,
-            context_length=self.context_length,
-            eos_id=self.eos_id,
-            dropout=0.0,
-            patch_dropout=0.0,
-        )
-        if (scale := state.get("logit_scale")) is not None:
-            log_teacher_temperature(path, float(scale))
-        return sized, fit_positions(state, sized)
-
 
 # OpenAI / open_clip ViT-B/32: 151,277,313 parameters with vocab 49408 and context 77.
 _VIT_B32 = CLIPArgs(

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from titan_contrastive.losses.distill import log_teacher_temperature
 from titan_contrastive.models.clip import openclip
 from titan_contrastive.models.clip.args import CLIPArgs
 from titan_contrastive.models.clip.hf import (
@@ -51,7 +52,7 @@ from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, 
 from titan_contrastive.models.registry import StateDictAdapter
 from titan_contrastive.models.weights import WeightsError, load_state, load_weights, read_json, read_ours
 
-__all__ = ["ADAPTER", "detect_format", "load_clip", "probe_ids", "probe_images", "read_checkpoint"]
+__all__ = ["ADAPTER", "detect_format", "load_clip", "probe_ids", "probe_images", "read_checkpoint", "read_guide"]
 
 
 def detect_format(path: str | Path) -> str:
@@ -125,6 +126,38 @@ def read_checkpoint(path: str | Path) -> tuple[CLIPArgs, dict[str, Tensor]]:
     folder = Path(path).expanduser()
     readers = {"hf": _read_hf, "open_clip": _read_open_clip, "ours": _read_ours}
     return readers[detect_format(folder)](folder)
+
+
+def read_guide(run: CLIPArgs, path: str) -> tuple[CLIPArgs, dict[str, Tensor]]:
+    """`ModelSpec.read_guide`: (args, weights) of a frozen guide or teacher (`[loss] guide_model` / `teacher_model`)
+    from any checkpoint `[model] init_from` reads (a Hugging Face CLIP folder, an open_clip checkpoint, a step folder
+    of a clip run): its own towers at the run's input sizes, so it reads the run's pixels and token ids, its position
+    tables fitted as `init_from` fits them. A ValueError (one line) where it cannot read them."""
+    theirs, state = read_checkpoint(path)
+    for name, unit in (("vocab_size", "a vocabulary of"), ("in_channels", "images of")):
+        if getattr(theirs, name) != getattr(run, name):
+            raise ValueError(
+                f"its {'text' if name == 'vocab_size' else 'image'} tower takes {unit} {getattr(theirs, name)} "
+                f"and the run's data gives {getattr(run, name)}; a teacher reads the run's "
+                f"{'token ids' if name == 'vocab_size' else 'pixels'}, so give one trained on the same "
+                f"{'tokenizer (data.tokenizer)' if name == 'vocab_size' else 'kind of images'}"
+            )
+    if run.image_size % theirs.patch_size:
+        raise ValueError(
+            f"its patch size {theirs.patch_size} does not divide the run's {run.image_size} px images; give a "
+            "teacher whose patch size divides data.image_size"
+        )
+    sized = dataclasses.replace(
+        theirs,
+        image_size=run.image_size,
+        context_length=run.context_length,
+        eos_id=run.eos_id,
+        dropout=0.0,
+        patch_dropout=0.0,
+    )
+    if (scale := state.get("logit_scale")) is not None:
+        log_teacher_temperature(path, float(scale))
+    return sized, fit_positions(state, sized)
 
 
 def _built(args: CLIPArgs, state: dict[str, Tensor], source: str) -> CLIP:

@@ -3,6 +3,7 @@ package registers it. transformers is imported only when a model or tokenizer is
 
 from titan_contrastive.datasets.layouts import FOLDER_IMAGES
 from titan_contrastive.models.hf_clip.export import ADAPTER
+from titan_contrastive.models.hf_clip.guide import read_guide
 from titan_contrastive.models.hf_clip.model import HFClip, HFClipArgs, build_tokenizer, hf_clip_blocks, hf_clip_flavors
 from titan_contrastive.models.registry import ModelSpec, register_model
 
@@ -19,5 +20,6 @@ register_model(
         layout=FOLDER_IMAGES,
         towers={"image": "visual.", "text": "text."},
         state_dict_adapter=ADAPTER,
+        read_guide=read_guide,
     )
 )

@@ -22,12 +22,13 @@ from titan_contrastive.models.hf_clip.model import (
     folder_scalar,
 )
 
-__all__ = ["guide_args"]
+__all__ = ["read_guide"]
 
 
-def guide_args(run: HFClipArgs, path: str) -> HFClipArgs:
-    """The args of the frozen model at `path` for a run of `run`'s args: no adapters, no patch dropout, its own
-    scale (and bias); a ConfigError for a folder that cannot read the run's inputs."""
+def read_guide(run: HFClipArgs, path: str) -> tuple[HFClipArgs, None]:
+    """`ModelSpec.read_guide`: the args of the frozen model at `path` for a run of `run`'s args (no adapters, no patch
+    dropout, its own scale and bias; its build reads the folder); a ConfigError for one that cannot read the run's
+    inputs."""
     kind, model_dir, config = folder_kind(path)
     processor, file = _processor(model_dir)
     naflex = kind == "siglip2"
@@ -59,7 +60,7 @@ def guide_args(run: HFClipArgs, path: str) -> HFClipArgs:
         )
     if run.context_length > positions and (why := unstretchable(positions)):
         raise ConfigError(f"the run's captions are {run.context_length} tokens and its {why}")
-    return dataclasses.replace(
+    guide = dataclasses.replace(
         run,
         path=path,
         image_size=size,
@@ -70,6 +71,7 @@ def guide_args(run: HFClipArgs, path: str) -> HFClipArgs:
         patch_dropout=0.0,
         **{field.name: field.default for field in dataclasses.fields(run) if field.name.startswith("lora_")},
     )
+    return guide, None
 
 
 def _same_tokenizer(run: HFClipArgs, model_dir: str) -> None:

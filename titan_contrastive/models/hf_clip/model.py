@@ -276,13 +276,6 @@ class HFClipArgs(LoraFields):
             **LoraFields.from_config(cfg.lora, lambda: LORA_TARGETS),
         )
 
-    def as_guide(self, path: str) -> HFClipArgs:
-        """The frozen guide or teacher (`[loss] guide_model` / `teacher_model`) from folder `path`, reading the run's
-        token ids and pixels (`hf_clip.guide`)."""
-        from titan_contrastive.models.hf_clip.guide import guide_args
-
-        return guide_args(self, path)
-
     def update_from_data(
         self, *, image_shape: Any = None, vocab_size: int = 0, context_length: int = 0, eos_id: int = 0
     ) -> HFClipArgs:

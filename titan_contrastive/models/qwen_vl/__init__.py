@@ -3,6 +3,7 @@ package registers it. transformers is imported only when a model or processor is
 
 from titan_contrastive.datasets.layouts import PROCESSED
 from titan_contrastive.models.qwen_vl.export import ADAPTER
+from titan_contrastive.models.qwen_vl.guide import read_guide
 from titan_contrastive.models.qwen_vl.model import QwenVLArgs, QwenVLEmbedder, qwen_vl_blocks, qwen_vl_flavors
 from titan_contrastive.models.registry import ModelSpec, register_model
 
@@ -26,5 +27,6 @@ register_model(
         ),
         layout=PROCESSED,
         state_dict_adapter=ADAPTER,
+        read_guide=read_guide,
     )
 )

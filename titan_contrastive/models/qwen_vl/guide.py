@@ -15,7 +15,7 @@ from titan_contrastive.models.qwen_vl import colpali
 from titan_contrastive.models.qwen_vl.model import QwenVLArgs
 from titan_contrastive.models.qwen_vl.processor import VLProcessor
 
-__all__ = ["guide_args"]
+__all__ = ["read_guide"]
 
 IMAGE_SETTINGS = ("patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std")
 """The image processor's settings a frozen model must share with the run to read its visual tokens."""
@@ -27,9 +27,9 @@ def _readings(processor: VLProcessor) -> dict[str, object]:
     return {"vocabulary": processor.tokenizer.get_vocab(), "image token": processor.image_token_id, **images}
 
 
-def guide_args(run: QwenVLArgs, path: str) -> QwenVLArgs:
-    """The args of the frozen model at `path` for a run of `run`'s args; a ConfigError for a folder or a run that
-    cannot have it."""
+def read_guide(run: QwenVLArgs, path: str) -> tuple[QwenVLArgs, None]:
+    """`ModelSpec.read_guide`: the args of the frozen model at `path` for a run of `run`'s args (its build reads the
+    folder); a ConfigError for a folder that cannot read the run's batches."""
     model_dir = read_text_folder(path).model_dir
     if colpali.read_projection(model_dir):
         raise ConfigError(
@@ -47,4 +47,4 @@ def guide_args(run: QwenVLArgs, path: str) -> QwenVLArgs:
             "give one of the run's family (the same tokenizer and image processor)"
         )
     lora = {field.name: field.default for field in dataclasses.fields(run) if field.name.startswith("lora_")}
-    return dataclasses.replace(run, path=model_dir, colbert_dim=0, learn_logit_scale=False, **lora)
+    return dataclasses.replace(run, path=model_dir, colbert_dim=0, learn_logit_scale=False, **lora), None

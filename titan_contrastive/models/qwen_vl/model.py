@@ -171,13 +171,6 @@ class QwenVLArgs(LoraFields):
             **LoraFields.from_config(cfg.lora, lambda: LORA_TARGETS),
         )
 
-    def as_guide(self, path: str) -> QwenVLArgs:
-        """The frozen guide or teacher (`[loss] guide_model` / `teacher_model`) from folder `path`, reading the run's
-        batches (`qwen_vl.guide`)."""
-        from titan_contrastive.models.qwen_vl.guide import guide_args
-
-        return guide_args(self, path)
-
     def update_from_data(
         self, *, image_shape: Any = None, vocab_size: int = 0, context_length: int = 32, eos_id: int = 0
     ) -> QwenVLArgs:

@@ -5,7 +5,7 @@ Importing this package registers the family; sentence-transformers and transform
 model or tokenizer is built (`pip install -e '.[hf]'`).
 """
 
-from titan_contrastive.models.registry import ModelSpec, register_model
+from titan_contrastive.models.registry import ModelSpec, folder_guide, register_model
 from titan_contrastive.models.static.args import StaticArgs, static_flavors
 from titan_contrastive.models.static.export import ADAPTER
 from titan_contrastive.models.static.model import StaticEmbedder, build_tokenizer, static_blocks
@@ -22,5 +22,6 @@ register_model(
         build_tokenizer=build_tokenizer,
         towers={"query": "query_embedding.", "doc": "doc_embedding."},
         state_dict_adapter=ADAPTER,
+        read_guide=folder_guide,
     )
 )
