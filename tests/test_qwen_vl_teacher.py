@@ -70,7 +70,8 @@ def test_a_qwen_vl_teacher_in_each_step_kind_equals_the_dense_objective(tmp_path
 
 def test_what_cannot_be_taught_is_one_line(tmp_path: Path) -> None:
     other = teacher_folder(tmp_path, "qwen3_vl")  # 16 px patches, the student's are 14
-    with pytest.raises(ConfigError, match=r"^loss.teacher_model='.*': its patch size differ from the run's") as err:
+    differs = r"^loss.teacher_model='.*': its tokenizer or image processor differs from the run's \(patch size"
+    with pytest.raises(ConfigError, match=differs) as err:
         vl_run(tmp_path, "qwen2_vl", f"--loss.teacher_model={other}", *TAUGHT)
     assert "\n" not in str(err.value)
     teacher = teacher_folder(tmp_path)

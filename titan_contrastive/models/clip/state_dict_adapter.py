@@ -155,9 +155,10 @@ def read_guide(run: CLIPArgs, path: str) -> tuple[CLIPArgs, dict[str, Tensor]]:
         dropout=0.0,
         patch_dropout=0.0,
     )
+    fitted = fit_positions(state, sized)
     if (scale := state.get("logit_scale")) is not None:
         log_teacher_temperature(path, float(scale))
-    return sized, fit_positions(state, sized)
+    return sized, fitted
 
 
 def _built(args: CLIPArgs, state: dict[str, Tensor], source: str) -> CLIP:

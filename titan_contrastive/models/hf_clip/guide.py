@@ -50,8 +50,6 @@ def read_guide(run: HFClipArgs, path: str) -> tuple[HFClipArgs, None]:
             "same image statistics"
         )
     _same_tokenizer(run, model_dir)
-    if (scale := folder_scalar(model_dir, "logit_scale")) is not None:
-        log_teacher_temperature(path, scale)
     positions = int(config.text_config.max_position_embeddings)
     if kind in LAST_POSITION and positions != run.context_length:
         raise ConfigError(
@@ -71,6 +69,8 @@ def read_guide(run: HFClipArgs, path: str) -> tuple[HFClipArgs, None]:
         patch_dropout=0.0,
         **{field.name: field.default for field in dataclasses.fields(run) if field.name.startswith("lora_")},
     )
+    if (scale := folder_scalar(model_dir, "logit_scale")) is not None:
+        log_teacher_temperature(path, scale)
     return guide, None
 
 

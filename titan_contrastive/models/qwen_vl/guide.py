@@ -43,8 +43,8 @@ def read_guide(run: QwenVLArgs, path: str) -> tuple[QwenVLArgs, None]:
         differ.append("config image_token_id")
     if differ:
         raise ConfigError(
-            f"its {', '.join(differ)} differ from the run's; a teacher reads the run's token ids and visual tokens: "
-            "give one of the run's family (the same tokenizer and image processor)"
+            f"its tokenizer or image processor differs from the run's ({', '.join(differ)}); a teacher reads the run's "
+            "token ids and visual tokens: give one of the run's family (the same tokenizer and image processor)"
         )
     lora = {field.name: field.default for field in dataclasses.fields(run) if field.name.startswith("lora_")}
     return dataclasses.replace(run, path=model_dir, colbert_dim=0, learn_logit_scale=False, **lora), None
