@@ -3,7 +3,8 @@ the teacher read from any checkpoint `init_from` reads, at the run's input sizes
 parameter gradients equal the dense objective over the whole batch with the teacher's cosines of it, the teacher
 built independently by `load_clip` (float64, residual and patch dropout on, chunks that divide nothing, 1, 2 and 4
 gloo processes); the sum equals open_clip's `DistillClipLoss` but for the teacher's entropy, with the same
-gradients; the teacher is the model `init_from` would start from; what it cannot read is one line."""
+gradients; the teacher is the model `init_from` would start from; a guide's cosines decide the masks (GISTEmbed); what
+it cannot read is one line."""
 
 from __future__ import annotations
 
@@ -90,6 +91,30 @@ def test_a_clip_teacher_in_every_step_kind_equals_the_dense_objective(
     pieces = trainer.step_context.split(microbatches[0], 3) if kind.startswith("gradcache") else microbatches
     taught = build_objective(trainer.cfg.loss).with_teacher(teacher_guide(trainer, teacher, microbatches))
     assert_step_equals_its_forwards(trainer, microbatches, pieces, seed=4, objective=taught)
+    trainer.metrics.close()
+
+
+def test_a_clip_guide_decides_the_masks(tmp_path: Path, teacher: Path, dropout_on: None) -> None:
+    """GISTEmbed on image-text: the margin mask on the guide's cosines (`guide_model`), GradCache 3 over 7, against
+    the dense objective with the guide's mask, which is not the model's own."""
+    trainer = make_trainer(
+        str(tmp_path / "run"),
+        "--training.local_batch_size=7",
+        "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=3",
+        f"--loss.guide_model={teacher}",
+        "--loss.mask_margin=-0.1",
+    )
+    batch = trainer.train_set.__getitems__(list(range(7)))
+    guide = teacher_guide(trainer, teacher, [batch])
+    objective = build_objective(trainer.cfg.loss)
+    with torch.no_grad():
+        q, d = trainer.step_context.encode(batch)[:2]
+    by_guide = objective.false_negatives.guided(guide).dense(q.double(), d.double(), None)
+    by_model = objective.false_negatives.dense(q.double(), d.double(), None)
+    assert by_guide is not None and by_guide.any() and not by_guide.all() and (by_guide != by_model).any()
+    pieces = trainer.step_context.split(batch, 3)
+    assert_step_equals_its_forwards(trainer, [batch], pieces, seed=4, objective=objective.with_guide(guide))
     trainer.metrics.close()
 
 
