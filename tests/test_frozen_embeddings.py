@@ -153,7 +153,7 @@ def test_what_cannot_work_is_one_line_before_any_model(tmp_path: Path, guide_dir
         ([f"--loss.guide_embeddings={file}"], r"^loss.guide_embeddings=.* neither is set: set loss.mask_margin"),
         (
             [*kl, f"--loss.teacher_embeddings={file}", "--data.dataset=synthetic"],
-            r"^loss.teacher_embeddings=.* and data.dataset='synthetic': use data.dataset='pairs'",
+            r"^loss.teacher_embeddings=.*: no image and caption rows .*: write the file with .*embed_images",
         ),
         (
             ["--loss.distill=margin_mse", f"--loss.teacher_embeddings={file}"],

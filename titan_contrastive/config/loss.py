@@ -46,7 +46,8 @@ class Loss:
     """A frozen model folder whose cosines the margin and relative masks compare (GISTEmbed's guide; bi_encoder)."""
     guide_embeddings: str = ""
     """A .parquet/.jsonl file of a guide's embeddings of the data's texts (text, embedding[, side]; written by
-    `python -m titan_contrastive.embed`), used as guide_model's are, with no guide running (pairs, wordnet)."""
+    `python -m titan_contrastive.embed`, or for image-text data `embed_images`), used as guide_model's are, with no
+    guide running (pairs, wordnet, and image-text data)."""
     distill: Literal["", "kl", "margin_mse", "cosent", "mse"] = ""
     """Add a term on the data's scores (pairs' label/score column, 1 + k per row): a teacher's, distilled by kl or
     margin_mse; or gold labels (an STS set's), every (query, own document) pair ranked by cosent (CoSENT); or mse,
@@ -94,7 +95,8 @@ class Loss:
     whose embeddings the model's are regressed onto."""
     teacher_embeddings: str = ""
     """distill=kl or mse: a .parquet/.jsonl file of a teacher's embeddings of the data's texts (as guide_embeddings),
-    read as teacher_model's are, with no teacher running (pairs, wordnet)."""
+    read as teacher_model's are, with no teacher running (pairs, wordnet; images and captions for image-text data,
+    written by `python -m titan_contrastive.embed_images`)."""
     matryoshka_dims: list[int] = opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")
     """Train the loss on each of these leading-dimension prefixes, renormalized (e.g. [384, 256, 128, 64]); each
     token's, for a ColBERT model."""

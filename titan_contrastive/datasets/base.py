@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from titan_contrastive.batching import FROZEN_DOCS, FROZEN_QUERIES
+from titan_contrastive.datasets.image_keys import image_key
 from titan_contrastive.datasets.packing import pack_images, pad_to_batch, resize_each
 from titan_contrastive.datasets.tokenizer import ByteTokenizer
 
@@ -113,6 +115,34 @@ class ImageTextDataset:
         self._tokens = torch.stack(
             [self.tokenizer.encode([t.format(s) for s in self.subjects]) for t in self.templates]
         )
+        self._frozen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # `carry_frozen`
+
+    def carry_frozen(self, table: Any) -> None:
+        """Serve a frozen model's embeddings beside each sample (`datasets.frozen`, an image-text
+        `EmbeddingTable`): `frozen_query` [B, d] of its image as stored (whatever flip it is served
+        with) and `frozen_doc` [B, d] of the caption it is served with. Every image and caption is
+        looked up here, so a file that misses one is a DataError before any compute."""
+        table.check_image_text()
+        images = table.lookup("image", [image_key(x) for x in self._images], [str(i) for i in range(len(self))])
+        captions = table.lookup("caption", self.caption_texts()).view(len(self.templates), len(self.subjects))
+        self._frozen = (table.vectors, images, captions)
+
+    def caption_texts(self) -> list[str]:
+        """Every caption the split may serve: each template of each subject."""
+        return [t.format(s) for t in self.templates for s in self.subjects]
+
+    def fixed_view(self, indices: Sequence[int]) -> tuple[dict[str, Any], list[str], list[str]]:
+        """The samples as evaluation serves them (no flip, the first template), their images' keys, and the
+        captions they may serve (each template of their subjects): what a frozen model embeds ahead of training
+        (`embed_images`)."""
+        flip, split, self.hflip, self.split = self.hflip, self.split, False, "test"
+        try:
+            batch = self.__getitems__(indices)
+        finally:
+            self.hflip, self.split = flip, split
+        subjects = [self.subjects[s] for s in self._text_ids[torch.as_tensor(list(indices))].tolist()]
+        texts = [t.format(subject) for subject in subjects for t in self.templates]
+        return batch, [image_key(self._images[i]) for i in indices], texts
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -211,6 +241,10 @@ class ImageTextDataset:
         template = torch.from_numpy(self._template_ids(idx_np))
         pixels = images.float().mul_(self._scale).add_(self._shift)
         text = {"text": self._tokens[template, self._text_ids[idx]], "label": self.labels[idx], "index": idx}
+        if self._frozen is not None:
+            vectors, images_at, captions_at = self._frozen
+            text[FROZEN_QUERIES] = vectors[images_at[idx]]
+            text[FROZEN_DOCS] = vectors[captions_at[template, self._text_ids[idx]]]
         if self._layout == "processed":
             chosen = images.float()
             if self._sizes:
@@ -220,7 +254,7 @@ class ImageTextDataset:
                 self.templates[t].format(self.subjects[s])
                 for t, s in zip(template.tolist(), self._text_ids[idx].tolist())
             ]
-            return {**self._process(arrays, captions), "label": self.labels[idx], "index": idx}
+            return {**self._process(arrays, captions), **{k: v for k, v in text.items() if k != "text"}}
         if self._layout == "packed":
             pixel_values, grid = pack_images(
                 pixels, np.asarray(self._sizes)[self._image_size_ids(idx_np)], self._patch_size

@@ -64,12 +64,15 @@ def frozen_table(cfg: JobConfig) -> EmbeddingTable | None:
                 f"embedded ahead; use the file for both roles (loss.{model_key.replace('model', 'embeddings')}), "
                 f"or leave loss.{key} empty"
             )
-    if cfg.data.dataset not in ("pairs", "wordnet"):
+    if cfg.data.dataset == "vl_pairs":
         raise DataError(
-            f"loss.{key}={path!r} holds embeddings of text pairs' texts, and data.dataset={cfg.data.dataset!r}: use "
-            f"data.dataset='pairs' (or 'wordnet'), or leave loss.{key} empty"
+            f"loss.{key}={path!r}: vl_pairs rows cannot carry a frozen model's embeddings yet (text pairs and "
+            f"image-text data can); name the frozen model with loss.{key.replace('embeddings', 'model')} instead"
         )
-    return EmbeddingTable.read(path, f"loss.{key}")
+    table = EmbeddingTable.read(path, f"loss.{key}")
+    if cfg.data.dataset not in ("pairs", "wordnet"):
+        table.check_image_text()
+    return table
 
 
 def check_negative_keys(data: Data) -> None:
@@ -377,7 +380,10 @@ def build_data(
             tokenizer=pair_tokenizer,
             hard_negatives=data.hard_negatives,
         )
-        train = build_bundled(data.dataset, "train", augment=data.augment, frozen=frozen, **common)
+        text_pairs = data.dataset == "wordnet"
+        train = build_bundled(
+            data.dataset, "train", augment=data.augment, frozen=frozen if text_pairs else None, **common
+        )
         eval_sets.append(build_bundled(data.dataset, "test", augment=False, **common))
     if eval_cfg.zero_shot_path:
         if not isinstance(train, FileImageTextDataset):
@@ -400,6 +406,11 @@ def build_data(
     for ds in (train, *eval_sets):
         if ds is not None:
             prepare(ds)
+    if frozen is not None and data.dataset not in ("pairs", "wordnet"):  # image-text: looked up as served
+        train.carry_frozen(frozen)
+        logger.info(
+            f"{train.name}: a frozen model's {frozen.dim}-wide embeddings of each image and caption, {frozen.source}"
+        )
     if isinstance(train, VLPairsDataset) and not train.processed:  # the family's layout asked for no processor
         raise DataError(family_refusal(cfg.model.name))
     if global_batch_size > len(train):

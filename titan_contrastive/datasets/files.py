@@ -31,9 +31,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from titan_contrastive.batching import NEGATIVES
+from titan_contrastive.batching import FROZEN_DOCS, FROZEN_QUERIES, NEGATIVES
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.image_keys import image_key
 from titan_contrastive.datasets.image_transforms import (
     CROP_RATIO,
     OPENAI_MEAN,
@@ -96,6 +97,7 @@ class FileImageTextDataset:
         self._process: Any = None  # `serve_processed`
         self._naflex: NaFlexImages | None = None  # `serve_naflex`
         self._whole, self._mode = False, "bicubic"  # `resize`
+        self._frozen: Any = None  # `carry_frozen`
         if self.num_negatives and split == "train":
             logger.info(
                 f"{name}: {self.num_negatives} negative caption(s) per sample in {source.location}: each image's "
@@ -212,16 +214,22 @@ class FileImageTextDataset:
         return self._naflex.sample(image, box, self.normalize, (height, width))
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, Any]:
+        batch, records = self._served(indices)
+        if self._frozen is not None:
+            batch |= self._frozen_of(records)
+        return batch
+
+    def _served(self, indices: Sequence[int]) -> tuple[dict[str, Any], list[Record]]:
+        """The batch of these samples and the records it was made of (a bad sample's substitute in its slot)."""
         if self._process is not None:
             return self._processed(indices)
         size = self.image_shape[-1]
-        images, captions, negatives, bad = [], [], [], []
+        images, records, bad = [], [], []
         read = self._patches if self._naflex else functools.partial(self._pixels, size=size)
         for index in indices:
             image, record = self._read(int(index), bad, functools.partial(read, int(index)))
             images.append(image)
-            captions.append(record.caption)
-            negatives.extend(record.negatives)
+            records.append(record)
         if self._naflex:
             image = self._naflex.batch(images)
         else:
@@ -229,23 +237,67 @@ class FileImageTextDataset:
             image = self.normalize.channels_first(pixels) if self.uint8_pixels else self.normalize(pixels)
         batch = {
             "image": image,
-            "text": self.tokenizer.encode(captions),
+            "text": self.tokenizer.encode([r.caption for r in records]),
             "index": torch.as_tensor(list(indices), dtype=torch.long),
             BAD_SAMPLES: bad,
         }
         if self.num_negatives:
+            negatives = [text for r in records for text in r.negatives]
             batch[NEGATIVES] = self.tokenizer.encode(negatives).view(len(indices), self.num_negatives, -1)
-        return batch
+        return batch, records
 
-    def _processed(self, indices: Sequence[int]) -> dict[str, Any]:
-        images, captions, negatives, bad = [], [], [], []
+    def _processed(self, indices: Sequence[int]) -> tuple[dict[str, Any], list[Record]]:
+        images, records, bad = [], [], []
         for index in indices:
             image, record = self._read(int(index), bad)
             images.append(np.asarray(image.convert("RGB")))
-            captions.append(record.caption)
-            negatives.extend(record.negatives)
-        batch = self._process(images, captions, negatives if self.num_negatives else ())
-        return {**batch, "index": torch.as_tensor(list(indices), dtype=torch.long), BAD_SAMPLES: bad}
+            records.append(record)
+        captions = [r.caption for r in records]
+        negatives = [text for r in records for text in r.negatives] if self.num_negatives else ()
+        batch = self._process(images, captions, negatives)
+        return {**batch, "index": torch.as_tensor(list(indices), dtype=torch.long), BAD_SAMPLES: bad}, records
+
+    def carry_frozen(self, table: Any, probe: int = 16) -> None:
+        """Serve a frozen model's embeddings beside each sample (`datasets.frozen`, an image-text `EmbeddingTable`):
+        `frozen_query` [B, d] of its image as stored (whatever crop it is served), `frozen_doc` [B, d] of its
+        caption, or [B, 1 + k, d] with its negative captions. The first `probe` samples are looked up here, before
+        any compute; a sample the file misses later is a DataError when its batch is made."""
+        table.check_image_text()
+        if self._process is not None:
+            raise DataError(
+                f"{self.name} data served through a model's processor (the qwen_vl family) cannot carry a frozen "
+                "model's embeddings yet; name the teacher with loss.teacher_model instead of loss.teacher_embeddings"
+            )
+        self._frozen = table
+        bad: list[BadSample] = []
+        self._frozen_of([self._read(i, bad)[1] for i in range(min(probe, len(self)))])
+
+    def _frozen_of(self, records: Sequence[Record]) -> dict[str, torch.Tensor]:
+        """`frozen_query` and `frozen_doc` of the records (`carry_frozen`)."""
+        table, where = self._frozen, [f"{r.where} {r.key}" for r in records]
+        images = table.lookup("image", [image_key(r.image) for r in records], where)
+        captions = table.lookup("caption", [r.caption for r in records], where)
+        docs = table.vectors[captions]
+        if self.num_negatives:
+            negatives = table.lookup(
+                "caption",
+                [t for r in records for t in r.negatives],
+                [w for w in where for _ in range(self.num_negatives)],
+            )
+            docs = torch.cat([docs[:, None], table.vectors[negatives].view(len(records), self.num_negatives, -1)], 1)
+        return {FROZEN_QUERIES: table.vectors[images], FROZEN_DOCS: docs}
+
+    def fixed_view(self, indices: Sequence[int]) -> tuple[dict[str, Any], list[str], list[str]]:
+        """The samples as evaluation serves them (the central crop, or the whole image), their images' keys, and the
+        caption texts they serve (with their negatives): what a frozen model embeds ahead of training
+        (`embed_images`)."""
+        train, self.train = self.train, False
+        try:
+            batch, records = self._served(indices)
+        finally:
+            self.train = train
+        texts = [text for r in records for text in (r.caption, *r.negatives)]
+        return batch, [image_key(r.image) for r in records], texts
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         batch = self.__getitems__([index])

@@ -14,8 +14,12 @@ The table is read once (float32, [T, d]); each row of the training data keeps th
 1 + 1 + k texts, and a batch serves `frozen_query` [B, d] and `frozen_doc` [B, d] or [B, 1 + k, d]
 (`batching.FROZEN_QUERIES`, `FROZEN_DOCS`), which the step normalizes and gathers over the ranks as a
 guide model's embeddings (`StepContext.guide_of`, `losses/guide.py`). A text of the data without an
-embedding, a row of another width, a non-finite or zero vector, a side other than the two, or one
+embedding, a row of another width, a non-finite or zero vector, an unknown side, or one
 text with two different embeddings is a DataError naming the file, before any model is built.
+
+Image-text data (`python -m titan_contrastive.embed_images`) reads a file whose sides are `image`, the row's
+`text` being the image's key (`datasets.image_keys`), and `caption`; the datasets look each sample up as it is
+served (`FileImageTextDataset.carry_frozen`, `ImageTextDataset.carry_frozen`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from titan_contrastive.datasets.base import DataError
 
 FORMATS = (".parquet", ".jsonl")
 SIDES = ("query", "document")
+IMAGE_TEXT_SIDES = ("image", "caption")
+"""An image-text file's sides: an image row's `text` is its key (`image_key`), a caption row's the caption."""
+EMBED_IMAGES = "python -m titan_contrastive.embed_images --out FILE.parquet --job.config_file RUN.toml"
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,11 @@ class EmbeddingTable:
         index: dict[tuple[str, str], int] = {}
         for row, text in enumerate(texts):
             side = "" if sides is None else sides[row]
-            if side not in ("", *SIDES) or (sides is not None and not side):
-                raise DataError(f"{source}: row {row}'s side is {side!r}; use query or document (or no side column)")
+            if side not in ("", *SIDES, *IMAGE_TEXT_SIDES) or (sides is not None and not side):
+                raise DataError(
+                    f"{source}: row {row}'s side is {side!r}; use query or document (or no side column), or image "
+                    "and caption for image-text data"
+                )
             if not isinstance(text, str) or not text.strip():
                 raise DataError(f"{source}: row {row}'s text is {text!r}; give the text the embedding is of")
             first = index.setdefault((side, text.strip()), row)
@@ -90,6 +100,29 @@ class EmbeddingTable:
     @property
     def dim(self) -> int:
         return self.vectors.shape[1]
+
+    def check_image_text(self) -> None:
+        """A DataError unless the file has image and caption rows (what image-text data looks up)."""
+        sides = {side for side, _ in self.index}
+        if not set(IMAGE_TEXT_SIDES) <= sides:
+            has = ", ".join(sorted(side or "none" for side in sides))
+            raise DataError(
+                f"{self.source}: no image and caption rows (its sides: {has}); "
+                f"image-text data looks up each image and caption: write the file with {EMBED_IMAGES}"
+            )
+
+    def lookup(self, side: str, keys: Sequence[str], where: Sequence[str] = ()) -> torch.Tensor:
+        """int64 [len(keys)]: the rows of the `side` embeddings of `keys` (image keys or caption texts); a DataError
+        naming the first missing one (`where`: each key's sample, for the message)."""
+        rows = [self.index.get((side, key.strip()), -1) for key in keys]
+        if -1 in rows:
+            at = rows.index(-1)
+            sample = f" (sample {where[at]})" if where else ""
+            raise DataError(
+                f"{self.source}: no {side} embedding of {rows.count(-1)} of the data's {side}s, e.g. "
+                f"{keys[at][:60]!r}{sample}; embed the run's own data: {EMBED_IMAGES}"
+            )
+        return torch.tensor(rows, dtype=torch.int64)
 
     def rows(self, rows: Sequence[Sequence[str]], width: int) -> torch.Tensor:
         """int64 [N, width]: the rows of the table holding each data row's first `width` texts (the query,

@@ -250,7 +250,7 @@ class StepContext:
         if any(FROZEN_QUERIES not in b or FROZEN_DOCS not in b for b in batches):
             raise BatchError(
                 f"a batch without {FROZEN_QUERIES!r} and {FROZEN_DOCS!r}: loss.guide_embeddings / teacher_embeddings "
-                "need data that serves a frozen model's embeddings (data.dataset pairs or wordnet)"
+                "need data that serves a frozen model's embeddings (text pairs or image-text data)"
             )
         acc = torch.promote_types(self.precision.param_dtype, torch.float32)
         q, d = (

@@ -1,0 +1,163 @@
+"""`python -m titan_contrastive.embed_images --out FILE --job.config_file RUN.toml [--section.key=value ...]`: the
+embeddings of a run's images and captions by the run's teacher (`[loss] teacher_model`, or `guide_model`), computed
+once, for `[loss] teacher_embeddings` or `guide_embeddings` (`datasets/frozen.py`): an image-text distillation without
+the teacher running in every step, as MobileCLIP's reinforced datasets store a teacher's outputs.
+
+The run's config is read as the trainer reads it (its overrides too), and its training data is built as the trainer
+builds it, for the run's model family, image size, tokenizer and normalization; the teacher is built as the trainer
+builds it. Each training sample is embedded once at the view evaluation serves (the central crop, or the whole image
+where the family's processor squashes it; no flip), not at the random crops training serves: the teacher's target
+for an image is its embedding of that one view. Each caption the data can serve (with its negative captions, and for
+the bundled sets each template of each class) is embedded once. A bad sample is skipped, as training skips it.
+
+FILE (`.parquet` or `.jsonl`) holds one row per image and per caption: `side` (`image` or `caption`), `text` (the
+image's key, the SHA-1 of its bytes as stored: `datasets.image_keys`; or the caption) and `embedding` (float32,
+as the teacher returns it). It is written under a temporary name beside it and renamed when complete, never over
+an existing file unless `--overwrite`. Then train with `--loss.teacher_embeddings=FILE --loss.teacher_model=''`. Bad
+arguments are one `error: ...` line and exit code 2, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from titan_contrastive.config import ConfigError, JobConfig, parse_args
+from titan_contrastive.datasets.base import DataError
+from titan_contrastive.embed import OUT_FORMATS, write
+from titan_contrastive.mining import MineError
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m titan_contrastive.embed_images", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
+    p.add_argument("--out", type=Path, required=True, help="the file to write: .parquet or .jsonl")
+    p.add_argument("--batch-size", type=int, default=256, help="samples per forward (default: 256)")
+    p.add_argument("--device", default="", help="cpu, cuda, cuda:1 ... (default: cuda if there is one, else cpu)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
+    return p
+
+
+def check(opts: argparse.Namespace, cfg: JobConfig) -> tuple[Path, JobConfig]:
+    """The output file and the config to build from (without frozen embeddings of its own), or a MineError."""
+    if opts.batch_size < 1:
+        raise MineError(f"--batch-size={opts.batch_size}: samples per forward, 1 or more")
+    out = Path(opts.out).expanduser()
+    if out.suffix not in OUT_FORMATS:
+        raise MineError(f"--out={out}: write {'/'.join(OUT_FORMATS)} (what loss.teacher_embeddings reads)")
+    if out.is_dir() or out.is_symlink():
+        raise MineError(f"--out={out} is a folder or a link; give a file name")
+    if out.exists() and not opts.overwrite:
+        raise MineError(f"--out={out} exists; choose a new file or pass --overwrite")
+    loss = cfg.loss
+    if not (loss.teacher_model or loss.guide_model):
+        raise MineError(
+            "loss.teacher_model is empty: embed_images embeds with the run's teacher; set --loss.teacher_model=FOLDER"
+        )
+    if cfg.data.dataset in ("pairs", "wordnet", "vl_pairs"):
+        raise MineError(
+            f"data.dataset={cfg.data.dataset!r}: embed_images embeds image-text data; for text pairs use "
+            "python -m titan_contrastive.embed PAIRS --model TEACHER --out FILE"
+        )
+    loss = dataclasses.replace(loss, teacher_embeddings="", guide_embeddings="")
+    training = dataclasses.replace(cfg.training, local_batch_size=1, global_batch_size=-1)  # no batch is drawn
+    return out, dataclasses.replace(cfg, loss=loss, training=training)
+
+
+def build(cfg: JobConfig, device: torch.device) -> tuple[Any, Any, torch.nn.Module]:
+    """(the family's spec, the training set, the teacher in eval mode), built as the trainer builds them."""
+    from titan_contrastive import models
+    from titan_contrastive.datasets import build_dataset
+    from titan_contrastive.datasets.build import build_data
+    from titan_contrastive.models.build import build_guide
+
+    if cfg.job.custom_import:
+        importlib.import_module(cfg.job.custom_import)
+    spec = models.get_model_spec(cfg.model.name)
+    args, _ = models.resolve_model_args(cfg.model.name, cfg.model.flavor, cfg.model.init_from)
+    args = models.configured(args, cfg, spec)
+    data = build_data(
+        cfg,
+        family_tokenizer=lambda: spec.build_tokenizer(args) if spec.build_tokenizer else None,
+        prepare=lambda ds: spec.layout.prepare(ds, args, cfg.data.image_sizes, cfg.model.name),
+        build_bundled=build_dataset,
+        dp_rank=0,
+        dp_degree=1,
+        pin_memory=False,
+    )
+    train = data.train_set
+    sized = args.update_from_data(
+        image_shape=train.image_shape,
+        vocab_size=train.tokenizer.vocab_size,
+        context_length=data.context_length,
+        eos_id=getattr(train.tokenizer, "EOS", 0),
+    )
+    return spec, train, build_guide(spec, cfg, sized, torch.float32, device)
+
+
+def on(value: Any, device: torch.device) -> Any:
+    """A batch entry (a tensor, or a dict of them: NaFlex patches) on `device`."""
+    if isinstance(value, dict):
+        return {k: v.to(device) for k, v in value.items()}
+    return value.to(device)
+
+
+@torch.no_grad()
+def embed(spec: Any, train: Any, teacher: torch.nn.Module, batch_size: int, device: torch.device) -> list[tuple]:
+    """(side, keys or captions, embeddings [n, d]) of every image and caption of `train` (`fixed_view`)."""
+    image_key, text_key = spec.input_keys
+    images: dict[str, np.ndarray] = {}
+    captions: dict[str, None] = {}
+    for start in range(0, len(train), batch_size):
+        batch, keys, texts = train.fixed_view(range(start, min(start + batch_size, len(train))))
+        captions.update(dict.fromkeys(texts))
+        fresh = [i for i, key in enumerate(keys) if key not in images]
+        if fresh:
+            out = teacher(on(batch[image_key], device), on(batch[text_key], device))[0].float().cpu().numpy()
+            images.update((keys[i], out[i]) for i in fresh)
+    texts = list(captions)
+    vectors = []
+    for start in range(0, len(texts), batch_size):  # each with a served image (the image tower's output is unused)
+        chunk = texts[start : start + batch_size]
+        pictures, _, _ = train.fixed_view([i % len(train) for i in range(len(chunk))])
+        tokens = train.encode_text(chunk)
+        vectors.append(teacher(on(pictures[image_key], device), on(tokens, device))[1].float().cpu().numpy())
+    return [
+        ("image", list(images), np.stack(list(images.values()))),
+        ("caption", texts, np.concatenate(vectors)),
+    ]
+
+
+def run(opts: argparse.Namespace, overrides: list[str]) -> tuple[Path, int, int, int]:
+    """Embed and write; (the file, images, captions, the embeddings' width)."""
+    out, cfg = check(opts, parse_args(overrides))
+    device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    spec, train, teacher = build(cfg, device)
+    if not hasattr(train, "fixed_view"):
+        raise MineError(f"data.dataset={cfg.data.dataset!r}: not image-text data embed_images can read")
+    sides = embed(spec, train, teacher, opts.batch_size, device)
+    write(out, sides)
+    return out, len(sides[0][1]), len(sides[1][1]), sides[0][2].shape[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts, overrides = parser().parse_known_args(argv)
+    try:
+        out, images, captions, width = run(opts, overrides)
+    except (OSError, ValueError, ConfigError, DataError) as e:  # MineError, DataError, the config's own checks
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: {width}-wide embeddings of {images} image(s) and {captions} caption(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
