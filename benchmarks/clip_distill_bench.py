@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"teacher: zero-shot top-1 {rows[0]['zero_shot_top1']:.4f}, temperature {tau:.4g}", flush=True)
     embeddings = prefix / "teacher.parquet"
     cmd = [sys.executable, "-m", "titan_contrastive.embed_images", f"--out={embeddings}", f"--job.config_file={CONFIG}"]
-    result = harness.run_child([*cmd, f"--loss.teacher_model={teacher}"], cwd=harness.REPO)
+    result = harness.run_child([*cmd, f"--loss.teacher_model={teacher}", "--loss.distill=kl"], cwd=harness.REPO)
     if result.returncode != 0:
         raise SystemExit(f"embed_images failed:\n{result.stderr[-2000:]}")
     rows.append({"variant": "embed ahead (once)", "wall_s": result.wall_s})
