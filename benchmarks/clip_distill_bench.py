@@ -13,7 +13,7 @@ runs vary more). The targets are at the teacher's own temperature 1/exp(logit_sc
 contrastive loss (open_clip's). Every run ends with the config's zero-shot evaluation on the 10,000 test images.
 Writes clip_distill_bench.{json,csv,png} under --out: per run its variant, seed, steps, zero-shot top-1 (with its
 standard error over the test images), the eval loss, the median logged samples/s and the launch's wall seconds; and
-the wall seconds of writing the teacher's embeddings ahead, once.
+the wall seconds of writing the teacher's embeddings ahead, once. The runs go seed by seed, the variants interleaved.
 """
 
 from __future__ import annotations
@@ -105,12 +105,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"embed_images failed:\n{result.stderr[-2000:]}")
     rows.append({"variant": "embed ahead (once)", "wall_s": result.wall_s})
     sources = {"model": f"--loss.teacher_model={teacher}", "file": f"--loss.teacher_embeddings={embeddings}"}
-    for i, (name, (steps, flags, teaches, seeds)) in enumerate(VARIANTS.items()):
-        for seed in seeds:
-            extra = [*flags, sources[teaches], f"--loss.distill_temperature={tau!r}"] if teaches else flags
-            row = {"variant": name, **launch(prefix / f"student{i}_seed{seed}", steps, seed, *extra)}
-            rows.append(row)
-            print(name, seed, {k: round(row[k], 4) for k in ("zero_shot_top1", "eval_loss", "wall_s")}, flush=True)
+    runs = [(seed, i, name) for i, (name, spec) in enumerate(VARIANTS.items()) for seed in spec[3]]
+    for seed, i, name in sorted(runs):  # the variants interleaved, so a slow stretch of the machine falls on all alike
+        steps, flags, teaches, _ = VARIANTS[name]
+        extra = [*flags, sources[teaches], f"--loss.distill_temperature={tau!r}"] if teaches else flags
+        row = {"variant": name, **launch(prefix / f"student{i}_seed{seed}", steps, seed, *extra)}
+        rows.append(row)
+        print(name, seed, {k: round(row[k], 4) for k in ("zero_shot_top1", "eval_loss", "wall_s")}, flush=True)
+    rows[2:] = sorted(rows[2:], key=lambda r: (list(VARIANTS).index(r["variant"]), r["seed"]))
     payload = {"teacher_steps": TEACHER_STEPS, "student_steps": STUDENT_STEPS, "temperature": tau}
     harness.write_results(
         args.out,

@@ -133,3 +133,35 @@ def test_a_teacher_that_cannot_read_the_run_s_inputs_is_one_line(tmp_path: Path)
         clip_run(tmp_path, "siglip", *BATCH, "--loss.distill=kl", f"--loss.teacher_model={longer}")
     with pytest.raises(ConfigError, match=r"loss.guide_model=.* holds a 'bert' model; hf_clip trains"):
         clip_run(tmp_path, "clip", *BATCH, "--loss.mask_margin=0", f"--loss.guide_model={encoder_folder(tmp_path)}")
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip2"])
+def test_an_hf_clip_teacher_written_ahead_teaches_as_the_running_one(tmp_path: Path, kind: str) -> None:
+    """`embed_images` on the run's own config (whole images; SigLIP 2's patches), then a GradCache step taught from
+    the file and one taught by the running teacher, the data served at the evaluation view: the loss and every
+    gradient agree to float32's precision."""
+    from tests.test_trainer import assert_close, grads
+    from titan_contrastive import embed_images
+
+    teacher = teacher_folder(tmp_path, kind)
+    flags = [*STEPS["gradcache"][2], "--training.local_batch_size=7", "--data.augment=false", "--loss.distill=kl"]
+    flags += ["--loss.distill_temperature=0.2", "--loss.distill_symmetric=true"]
+    flags += ["--loss.name=siglip"] if kind != "clip" else []
+    clip_run(tmp_path, kind, *flags, f"--loss.teacher_model={teacher}").metrics.close()  # writes the folder and data
+    out = tmp_path / "teacher.jsonl"
+    run = ["--model.name=hf_clip", "--model.flavor=folder", f"--model.path={tmp_path / f'tiny-{kind}'}"]
+    run += ["--data.dataset=csv", f"--data.path={tmp_path / 'data' / 'train.csv'}", "--data.image_size=0"]
+    run += ["--data.context_length=0", "--loss.distill=kl", f"--loss.teacher_model={teacher}"]
+    assert embed_images.main(["--out", str(out), *run]) == 0
+    outs = []
+    for source in (f"--loss.teacher_model={teacher}", f"--loss.teacher_embeddings={out}"):
+        trainer = clip_run(tmp_path, kind, *flags, source)
+        batch = _tensors(trainer.train_set.__getitems__(list(range(7))))
+        torch.manual_seed(4)
+        outs.append((trainer.train_step([batch])["loss"], grads(trainer.model)))
+        trainer.metrics.close()
+    (model_loss, model_grads), (file_loss, file_grads) = outs
+    assert abs(file_loss - model_loss) <= 1e-5 * abs(model_loss)
+    keys = [name for name in model_grads if name.endswith("k_proj.bias")]  # no effect on a softmax: zero up to rounding
+    assert keys and all(file_grads[k].abs().max() < 1e-12 and model_grads[k].abs().max() < 1e-12 for k in keys)
+    assert_close(*({k: v for k, v in g.items() if k not in keys} for g in (file_grads, model_grads)), rel=1e-5)

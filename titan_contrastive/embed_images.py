@@ -5,10 +5,11 @@ the teacher running in every step, as MobileCLIP's reinforced datasets store a t
 
 The run's config is read as the trainer reads it (its overrides too), and its training data is built as the trainer
 builds it, for the run's model family, image size, tokenizer and normalization; the teacher is built as the trainer
-builds it. Each training sample is embedded once at the view evaluation serves (the central crop, or the whole image
-where the family's processor squashes it; no flip), not at the random crops training serves: the teacher's target
-for an image is its embedding of that one view. Each caption the data can serve (with its negative captions, and for
-the bundled sets each template of each class) is embedded once. A bad sample is skipped, as training skips it.
+builds it and runs in the run's precision; the images are decoded by `data.num_workers` processes. Each training
+sample is embedded once at the view evaluation serves (the central crop, or the whole image where the family's
+processor squashes it; no flip), not at the random crops training serves: the teacher's target for an image is its
+embedding of that one view. Each caption the data can serve (with its negative captions, and for the bundled sets
+each template of each class) is embedded once. A bad sample is skipped, as training skips it.
 
 FILE (`.parquet` or `.jsonl`) holds one row per image and per caption: `side` (`image` or `caption`), `text` (the
 image's key, the SHA-1 of its bytes as stored: `datasets.image_keys`; or the caption) and `embedding` (float32,
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from titan_contrastive.components.precision import build_precision
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.embed import OUT_FORMATS, write
@@ -72,8 +74,9 @@ def check(opts: argparse.Namespace, cfg: JobConfig) -> tuple[Path, JobConfig]:
     return out, dataclasses.replace(cfg, loss=loss, training=training)
 
 
-def build(cfg: JobConfig, device: torch.device) -> tuple[Any, Any, torch.nn.Module]:
-    """(the family's spec, the training set, the teacher in eval mode), built as the trainer builds them."""
+def build(cfg: JobConfig, device: torch.device, precision: Any) -> tuple[Any, Any, torch.nn.Module]:
+    """(the family's spec, the training set, the teacher in eval mode), built as the trainer builds them, the teacher
+    in `precision`'s parameter dtype."""
     from titan_contrastive import models
     from titan_contrastive.datasets import build_dataset
     from titan_contrastive.datasets.build import build_data
@@ -100,28 +103,50 @@ def build(cfg: JobConfig, device: torch.device) -> tuple[Any, Any, torch.nn.Modu
         context_length=data.context_length,
         eos_id=getattr(train.tokenizer, "EOS", 0),
     )
-    return spec, train, build_guide(spec, cfg, sized, torch.float32, device)
+    return spec, train, build_guide(spec, cfg, sized, precision.param_dtype, device)
 
 
-def on(value: Any, device: torch.device) -> Any:
-    """A batch entry (a tensor, or a dict of them: NaFlex patches) on `device`."""
+def on(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """A batch entry (a tensor, or a dict of them: NaFlex patches) on `device`, floating ones in `dtype`."""
     if isinstance(value, dict):
-        return {k: v.to(device) for k, v in value.items()}
-    return value.to(device)
+        return {k: on(v, device, dtype) for k, v in value.items()}
+    return value.to(device, dtype) if value.is_floating_point() else value.to(device)
+
+
+class FixedViews(torch.utils.data.Dataset):
+    """The training set in chunks of `size` samples at their fixed view (`fixed_view`), for a loader's workers."""
+
+    def __init__(self, train: Any, size: int) -> None:
+        self.train, self.size = train, size
+
+    def __len__(self) -> int:
+        return -(-len(self.train) // self.size)
+
+    def __getitem__(self, chunk: int) -> tuple[dict[str, Any], list[str], list[str]]:
+        return self.train.fixed_view(range(chunk * self.size, min((chunk + 1) * self.size, len(self.train))))
 
 
 @torch.no_grad()
-def embed(spec: Any, train: Any, teacher: torch.nn.Module, batch_size: int, device: torch.device) -> list[tuple]:
-    """(side, keys or captions, embeddings [n, d]) of every image and caption of `train` (`fixed_view`)."""
+def embed(
+    spec: Any, train: Any, teacher: torch.nn.Module, batch_size: int, device: torch.device, workers: int = 0
+) -> list[tuple]:
+    """(side, keys or captions, embeddings [n, d]) of every image and caption of `train` (`fixed_view`), the images
+    decoded by `workers` processes."""
     image_key, text_key = spec.input_keys
+    dtype = next(teacher.parameters()).dtype
     images: dict[str, np.ndarray] = {}
     captions: dict[str, None] = {}
-    for start in range(0, len(train), batch_size):
-        batch, keys, texts = train.fixed_view(range(start, min(start + batch_size, len(train))))
+    views = torch.utils.data.DataLoader(FixedViews(train, batch_size), batch_size=None, num_workers=workers)
+    for batch, keys, texts in views:
         captions.update(dict.fromkeys(texts))
         fresh = [i for i, key in enumerate(keys) if key not in images]
         if fresh:
-            out = teacher(on(batch[image_key], device), on(batch[text_key], device))[0].float().cpu().numpy()
+            out = (
+                teacher(on(batch[image_key], device, dtype), on(batch[text_key], device, dtype))[0]
+                .float()
+                .cpu()
+                .numpy()
+            )
             images.update((keys[i], out[i]) for i in fresh)
     texts = list(captions)
     vectors = []
@@ -129,7 +154,9 @@ def embed(spec: Any, train: Any, teacher: torch.nn.Module, batch_size: int, devi
         chunk = texts[start : start + batch_size]
         pictures, _, _ = train.fixed_view([i % len(train) for i in range(len(chunk))])
         tokens = train.encode_text(chunk)
-        vectors.append(teacher(on(pictures[image_key], device), on(tokens, device))[1].float().cpu().numpy())
+        vectors.append(
+            teacher(on(pictures[image_key], device, dtype), on(tokens, device, dtype))[1].float().cpu().numpy()
+        )
     return [
         ("image", list(images), np.stack(list(images.values()))),
         ("caption", texts, np.concatenate(vectors)),
@@ -140,10 +167,12 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> tuple[Path, int, int,
     """Embed and write; (the file, images, captions, the embeddings' width)."""
     out, cfg = check(opts, parse_args(overrides))
     device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    spec, train, teacher = build(cfg, device)
+    precision = build_precision(cfg.training, fsdp=False, device=device)
+    spec, train, teacher = build(cfg, device, precision)
     if not hasattr(train, "fixed_view"):
         raise MineError(f"data.dataset={cfg.data.dataset!r}: not image-text data embed_images can read")
-    sides = embed(spec, train, teacher, opts.batch_size, device)
+    with precision.autocast():  # the run's mixed precision, as its running teacher computes
+        sides = embed(spec, train, teacher, opts.batch_size, device, cfg.data.num_workers)
     write(out, sides)
     return out, len(sides[0][1]), len(sides[1][1]), sides[0][2].shape[1]
 
