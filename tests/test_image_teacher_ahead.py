@@ -129,6 +129,31 @@ def test_a_teacher_written_ahead_in_every_step_kind_equals_the_dense_objective(
     trainer.metrics.close()
 
 
+def test_a_guide_written_ahead_decides_the_masks(tmp_path: Path, bundled: tuple[Path, Path], dropout_on: None) -> None:
+    """GISTEmbed on image-text from the file (`guide_embeddings`): GradCache 3 over 7 against the dense objective with
+    the margin mask of the file's cosines, which is not the model's own."""
+    path = bundled[1]
+    trainer = make_trainer(
+        str(tmp_path / "run"),
+        "--training.local_batch_size=7",
+        "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=3",
+        f"--loss.guide_embeddings={path}",
+        "--loss.mask_margin=-0.1",
+    )
+    batch = trainer.train_set.__getitems__(list(range(7)))
+    guide = file_guide(trainer, path, [batch])
+    objective = build_objective(trainer.cfg.loss)
+    with torch.no_grad():
+        q, d = trainer.step_context.encode(batch)[:2]
+    by_guide = objective.false_negatives.guided(guide).dense(q.double(), d.double(), None)
+    by_model = objective.false_negatives.dense(q.double(), d.double(), None)
+    assert by_guide is not None and by_guide.any() and not by_guide.all() and (by_guide != by_model).any()
+    pieces = trainer.step_context.split(batch, 3)
+    assert_step_equals_its_forwards(trainer, [batch], pieces, seed=4, objective=objective.with_guide(guide))
+    trainer.metrics.close()
+
+
 def _on_ranks(tmp: str, path: str, local: int, ga: int, layout: list[str]) -> None:
     """Each rank's step from one seed, against the dense objective over every rank's microbatches encoded in order
     from that seed, taught by the file's vectors of all of them."""

@@ -92,21 +92,24 @@ def test_the_clip_distillation_recipe(tmp_path: Path) -> None:
     write_hf(str(step_folder(tmp_path / "teacher_run", args, seed=2)[0]), teacher)
     table = pictures(tmp_path / "data")
     batch = ["--training.local_batch_size=4", "--training.global_batch_size=8", "--data.val_path="]
-    trainer, _ = _train(
-        tmp_path,
-        "clip_distill.toml",
-        "--model.flavor=debug",
-        f"--loss.teacher_model={teacher}",
-        "--data.dataset=csv",
-        f"--data.path={table}",
-        "--data.image_size=32",
-        "--data.num_workers=0",
-        *batch,
-    )
+    run = ["--model.flavor=debug", "--data.dataset=csv", f"--data.path={table}", "--data.image_size=32", *batch]
+    trainer, _ = _train(tmp_path, "clip_distill.toml", *run, f"--loss.teacher_model={teacher}", "--data.num_workers=0")
     assert trainer.step == 2 and trainer.ga_steps == 2 and trainer.cfg.loss.negatives == "global"
     assert "and of each positive over the queries" in trainer.gradient_step.describe()
     held = trainer.step_context.guide
     assert held.visual.positional_embedding.shape == (1 + 4 * 4, 32) and held.text.context_length == 77
+    # the recipe's second route: the teacher's embeddings written once, no teacher running
+    from titan_contrastive import embed_images
+
+    out, config = tmp_path / "teacher.parquet", str(REPO / "train_configs" / "clip_distill.toml")
+    assert (
+        embed_images.main(["--out", str(out), f"--job.config_file={config}", *run, f"--loss.teacher_model={teacher}"])
+        == 0
+    )
+    ahead = ["--loss.teacher_model=", f"--loss.teacher_embeddings={out}", "--data.num_workers=0"]
+    trainer, _ = _train(tmp_path / "ahead", "clip_distill.toml", *run, *ahead)
+    assert trainer.step == 2 and trainer.step_context.guide is None
+    assert "the frozen teacher's cosines (embedded ahead, from the data)" in trainer.gradient_step.describe()
 
 
 def test_the_sts_cosent_recipe(tmp_path: Path) -> None:
