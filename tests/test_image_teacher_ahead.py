@@ -12,6 +12,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import hashlib
+import logging
+import math
 import os
 from pathlib import Path
 
@@ -103,6 +105,23 @@ def file_guide(trainer, path: Path, batches: list[dict]) -> Guide:
 @pytest.fixture
 def dropout_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(clip_flavors, "debug", dataclasses.replace(clip_flavors["debug"], dropout=0.1))
+
+
+def test_the_file_keeps_the_teacher_s_temperature_which_the_start_log_prints(
+    tmp_path: Path, bundled: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    teacher, path = bundled
+    scale = load_clip(teacher).logit_scale.item()
+    assert float(pq.read_schema(path).metadata[b"teacher_logit_scale"]) == scale
+    caplog.set_level(logging.INFO, logger="titan_contrastive")
+    make_trainer(str(tmp_path / "run"), f"--loss.teacher_embeddings={path}", *TAUGHT).metrics.close()
+    assert f"the teacher's own temperature is {math.exp(-scale):.4g}" in caplog.text
+    bad = tmp_path / "bad.parquet"
+    table = pq.read_table(path)
+    pq.write_table(table.replace_schema_metadata({"teacher_logit_scale": "inf"}), bad)
+    with pytest.raises(DataError) as err:
+        make_trainer(str(tmp_path / "bad"), f"--loss.teacher_embeddings={bad}", *TAUGHT)
+    one_line(err, f"loss.teacher_embeddings={bad}", "teacher_logit_scale metadata is b'inf'")
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -153,8 +153,11 @@ def prompts(model: Any, query: str | None, doc: str | None) -> tuple[str, str]:
     return query, doc
 
 
-def write(out: Path, sides: Sequence[tuple[str, list[str], np.ndarray]]) -> None:
-    """(side, texts, their embeddings [n, d]) rows into `out` (by its suffix), through a temporary file."""
+def write(
+    out: Path, sides: Sequence[tuple[str, list[str], np.ndarray]], metadata: dict[str, str] | None = None
+) -> None:
+    """(side, texts, their embeddings [n, d]) rows into `out` (by its suffix), through a temporary file; `metadata`:
+    key-value pairs a .parquet file keeps in its schema (a .jsonl file has none)."""
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def parquet(tmp: Path) -> None:
@@ -169,7 +172,7 @@ def write(out: Path, sides: Sequence[tuple[str, list[str], np.ndarray]]) -> None
                 "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), vectors.shape[1]),
             }
         )
-        pq.write_table(table, tmp)
+        pq.write_table(table.replace_schema_metadata(metadata) if metadata else table, tmp)
 
     def jsonl(tmp: Path) -> None:
         with open(tmp, "w", encoding="utf-8") as f:

@@ -13,7 +13,8 @@ each template of each class) is embedded once. A bad sample is skipped, as train
 
 FILE (`.parquet` or `.jsonl`) holds one row per image and per caption: `side` (`image` or `caption`), `text` (the
 image's key, the SHA-1 of its bytes as stored: `datasets.image_keys`; or the caption) and `embedding` (float32,
-as the teacher returns it). It is written under a temporary name beside it and renamed when complete, never over
+as the teacher returns it); a .parquet file keeps the teacher's logit scale in its metadata, whose temperature the
+start log prints. It is written under a temporary name beside it and renamed when complete, never over
 an existing file unless `--overwrite`. Then train with `--loss.teacher_embeddings=FILE --loss.teacher_model=''`. Bad
 arguments are one `error: ...` line and exit code 2, before any model is loaded.
 """
@@ -33,6 +34,7 @@ import torch
 from titan_contrastive.components.precision import build_precision
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.frozen import TEACHER_LOGIT_SCALE
 from titan_contrastive.embed import OUT_FORMATS, write
 from titan_contrastive.mining import MineError
 
@@ -173,7 +175,8 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> tuple[Path, int, int,
         raise MineError(f"data.dataset={cfg.data.dataset!r}: not image-text data embed_images can read")
     with precision.autocast():  # the run's mixed precision, as its running teacher computes
         sides = embed(spec, train, teacher, opts.batch_size, device, cfg.data.num_workers)
-    write(out, sides)
+    scale = getattr(teacher, "logit_scale", None)
+    write(out, sides, {TEACHER_LOGIT_SCALE: repr(float(scale))} if scale is not None else None)
     return out, len(sides[0][1]), len(sides[1][1]), sides[0][2].shape[1]
 
 

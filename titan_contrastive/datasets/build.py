@@ -34,6 +34,7 @@ from titan_contrastive.datasets.sources import CsvSource, Source, WebDatasetSour
 from titan_contrastive.datasets.synthetic import SyntheticSource
 from titan_contrastive.datasets.tokenizer import ByteTokenizer, CaptionTokenizer
 from titan_contrastive.datasets.vl_pairs import VLPairsDataset, family_refusal
+from titan_contrastive.losses.distill import log_teacher_temperature
 
 FILE_SOURCES = ("csv", "webdataset", "hf", "synthetic")
 DEFAULT_IMAGE_SIZE = 224
@@ -411,6 +412,8 @@ def build_data(
         logger.info(
             f"{train.name}: a frozen model's {frozen.dim}-wide embeddings of each image and caption, {frozen.source}"
         )
+        if frozen.logit_scale is not None:  # the file keeps its teacher's
+            log_teacher_temperature(frozen.source, frozen.logit_scale)
     if isinstance(train, VLPairsDataset) and not train.processed:  # the family's layout asked for no processor
         raise DataError(family_refusal(cfg.model.name))
     if global_batch_size > len(train):

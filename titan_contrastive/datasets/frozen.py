@@ -24,7 +24,9 @@ served (`FileImageTextDataset.carry_frozen`, `ImageTextDataset.carry_frozen`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,8 @@ FORMATS = (".parquet", ".jsonl")
 SIDES = ("query", "document")
 IMAGE_TEXT_SIDES = ("image", "caption")
 """An image-text file's sides: an image row's `text` is its key (`image_key`), a caption row's the caption."""
+TEACHER_LOGIT_SCALE = "teacher_logit_scale"
+"""The .parquet schema metadata key of the teacher's own logit scale (its temperature is 1 / exp of it)."""
 EMBED_IMAGES = "python -m titan_contrastive.embed_images --out FILE.parquet --job.config_file RUN.toml"
 
 
@@ -51,6 +55,8 @@ class EmbeddingTable:
     index: dict[tuple[str, str], int]
     sided: bool
     source: str
+    logit_scale: float | None = None
+    """The teacher's own logit scale, where the file keeps it (`embed_images`' .parquet, `TEACHER_LOGIT_SCALE`)."""
 
     @classmethod
     def read(cls, path: str, key: str) -> EmbeddingTable:
@@ -67,7 +73,12 @@ class EmbeddingTable:
             raise DataError(f"{key}={path}: {e}") from None
         except Exception as e:  # noqa: BLE001 - pyarrow's and json's errors for a damaged file
             raise DataError(f"{key}={path}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
-        return cls._checked(f"{key}={path}", texts, sides, vectors)
+        table = cls._checked(f"{key}={path}", texts, sides, vectors)
+        return (
+            dataclasses.replace(table, logit_scale=_logit_scale(file, table.source))
+            if file.suffix == ".parquet"
+            else table
+        )
 
     @classmethod
     def _checked(cls, source: str, texts: list[Any], sides: list[Any] | None, vectors: torch.Tensor) -> EmbeddingTable:
@@ -144,6 +155,22 @@ class EmbeddingTable:
                 f"{text[:60]!r}; embed the same rows (python -m titan_contrastive.embed with data.path's file)"
             )
         return torch.tensor(table, dtype=torch.int64).view(len(rows), width)
+
+
+def _logit_scale(file: Path, source: str) -> float | None:
+    """The teacher's logit scale a .parquet file keeps in its schema's metadata, or None."""
+    import pyarrow.parquet as pq
+
+    value = (pq.read_schema(file).metadata or {}).get(TEACHER_LOGIT_SCALE.encode())
+    if value is None:
+        return None
+    try:
+        scale = float(value)
+    except ValueError:
+        scale = math.nan
+    if not math.isfinite(scale):
+        raise DataError(f"{source}: its {TEACHER_LOGIT_SCALE} metadata is {value!r}; give a finite number, or drop it")
+    return scale
 
 
 def _read_parquet(file: Path) -> tuple[list[Any], list[Any] | None, torch.Tensor]:
