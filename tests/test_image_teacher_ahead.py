@@ -286,6 +286,33 @@ def test_on_your_own_data_the_file_teaches_as_the_teacher_model_does(tmp_path: P
     assert_close(file_grads, model_grads, rel=1e-5)
 
 
+def test_a_file_written_from_one_copy_of_the_data_serves_another(tmp_path: Path, csv_data: list[str]) -> None:
+    """Embedded from the CSV, read with its webdataset shards (`make_shards`, the bad image left out, 4 per shard):
+    each image's vector is found by its bytes, and the step equals the running teacher's on the shards."""
+    from titan_contrastive.datasets import make_shards
+
+    teacher = step_folder(tmp_path / "teacher", RGB_TEACHER, seed=3)[0]
+    path = embed(tmp_path, teacher, "--data.context_length=32", *csv_data)
+    shards = tmp_path / "shards"
+    args = [str(tmp_path / "train.csv"), "--out", str(shards), "--samples-per-shard=4", "--skip-bad"]
+    assert make_shards.main(args) == 0
+    wds = [f for f in csv_data if not f.startswith(("--data.dataset", "--data.path", "--data.csv"))]
+    wds += ["--data.dataset=webdataset", f"--data.path={shards / 'shards.json'}"]
+    steps = ["--gradcache.enabled=true", "--gradcache.chunk_sizes=3", *TAUGHT]
+    outs, init = [], None
+    for name, source in (("file", f"--loss.teacher_embeddings={path}"), ("model", f"--loss.teacher_model={teacher}")):
+        trainer = make_trainer(str(tmp_path / name), *wds, *steps, source)
+        init = init or {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        trainer.model.load_state_dict(init)
+        batch = trainer.train_set.__getitems__(list(range(7)))
+        torch.manual_seed(5)
+        outs.append((trainer.train_step([batch])["loss"], grads(trainer.model)))
+        trainer.metrics.close()
+    (file_loss, file_grads), (model_loss, model_grads) = outs
+    assert abs(file_loss - model_loss) <= 1e-5 * abs(model_loss)
+    assert_close(file_grads, model_grads, rel=1e-5)
+
+
 # --- what cannot work ------------------------------------------------------------------------------------------------
 
 
