@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -91,6 +92,28 @@ def test_a_clip_teacher_in_every_step_kind_equals_the_dense_objective(
     pieces = trainer.step_context.split(microbatches[0], 3) if kind.startswith("gradcache") else microbatches
     taught = build_objective(trainer.cfg.loss).with_teacher(teacher_guide(trainer, teacher, microbatches))
     assert_step_equals_its_forwards(trainer, microbatches, pieces, seed=4, objective=taught)
+    trainer.metrics.close()
+
+
+def test_temperature_zero_is_the_teacher_s_own(tmp_path: Path, teacher: Path, dropout_on: None) -> None:
+    """`distill_temperature = 0`: the teacher's 1 / exp(logit_scale), read here by `load_clip`; GradCache 3 over 7
+    against the dense objective at that temperature."""
+    tau = math.exp(-load_clip(teacher).logit_scale.item())
+    assert abs(tau - 1) > 0.1  # `step_folder` perturbs the scale: the test would not tell the default from it
+    trainer = make_trainer(
+        str(tmp_path / "run"),
+        "--training.local_batch_size=7",
+        "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=3",
+        "--loss.distill=kl",
+        f"--loss.teacher_model={teacher}",
+        "--loss.distill_temperature=0",
+    )
+    assert f"at tau {tau:g}" in trainer.gradient_step.describe()
+    batch = trainer.train_set.__getitems__(list(range(7)))
+    loss = dataclasses.replace(trainer.cfg.loss, distill_temperature=tau)
+    taught = build_objective(loss).with_teacher(teacher_guide(trainer, teacher, [batch]))
+    assert_step_equals_its_forwards(trainer, [batch], trainer.step_context.split(batch, 3), seed=4, objective=taught)
     trainer.metrics.close()
 
 

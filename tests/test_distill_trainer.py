@@ -248,6 +248,13 @@ def test_a_teacher_model_is_refused_where_it_cannot_work(tmp_path: Path, guide_d
         clip_trainer(str(tmp_path / "clip"), teacher, "--loss.distill=kl")  # a clip run's teacher is a CLIP
     with pytest.raises(ConfigError, match=r"loss.teacher_model=.* the vlm family takes no frozen guide or teacher"):
         clip_trainer(str(tmp_path / "vlm"), "--model.name=vlm", "--data.dataset=emoji", teacher, "--loss.distill=kl")
+    own = "--loss.distill_temperature=0"  # a text embedder keeps no temperature of its own; the data's scores neither
+    with pytest.raises(
+        ConfigError, match=rf"^loss.distill_temperature=0 .* loss.teacher_model='{guide_dir}' keeps none"
+    ):
+        make_trainer(tmp_path, *batch, teacher, "--loss.distill=kl", own)
+    with pytest.raises(ConfigError, match=r"^loss.distill_temperature=0 .* reads the data's scores, which have none"):
+        make_trainer(tmp_path, *batch, "--loss.distill=kl", own)
 
 
 def _step_distributed(tmp: str) -> None:

@@ -138,17 +138,21 @@ def test_a_teacher_that_cannot_read_the_run_s_inputs_is_one_line(tmp_path: Path)
 @pytest.mark.parametrize("kind", ["clip", "siglip2"])
 def test_an_hf_clip_teacher_written_ahead_teaches_as_the_running_one(tmp_path: Path, kind: str) -> None:
     """`embed_images` on the run's own config (whole images; SigLIP 2's patches), then a GradCache step taught from
-    the file and one taught by the running teacher, the data served at the evaluation view: the loss and every
-    gradient agree to float32's precision."""
+    the file and one taught by the running teacher, the data served at the evaluation view, each at the teacher's own
+    temperature (`distill_temperature = 0`: from the folder, or kept in the file): the loss and every gradient agree
+    to float32's precision."""
+    from transformers import AutoModel
+
     from tests.test_trainer import assert_close, grads
     from titan_contrastive import embed_images
 
     teacher = teacher_folder(tmp_path, kind)
+    own = AutoModel.from_pretrained(teacher).logit_scale.item()
     flags = [*STEPS["gradcache"][2], "--training.local_batch_size=7", "--data.augment=false", "--loss.distill=kl"]
-    flags += ["--loss.distill_temperature=0.2", "--loss.distill_symmetric=true"]
+    flags += ["--loss.distill_temperature=0", "--loss.distill_symmetric=true"]  # the teacher's own, either way
     flags += ["--loss.name=siglip"] if kind != "clip" else []
     clip_run(tmp_path, kind, *flags, f"--loss.teacher_model={teacher}").metrics.close()  # writes the folder and data
-    out = tmp_path / "teacher.jsonl"
+    out = tmp_path / "teacher.parquet"
     run = ["--model.name=hf_clip", "--model.flavor=folder", f"--model.path={tmp_path / f'tiny-{kind}'}"]
     run += ["--data.dataset=csv", f"--data.path={tmp_path / 'data' / 'train.csv'}", "--data.image_size=0"]
     run += ["--data.context_length=0", "--loss.distill=kl", f"--loss.teacher_model={teacher}"]
@@ -156,6 +160,7 @@ def test_an_hf_clip_teacher_written_ahead_teaches_as_the_running_one(tmp_path: P
     outs = []
     for source in (f"--loss.teacher_model={teacher}", f"--loss.teacher_embeddings={out}"):
         trainer = clip_run(tmp_path, kind, *flags, source)
+        assert trainer.cfg.loss.distill_temperature == pytest.approx(math.exp(-own), rel=1e-6)
         batch = _tensors(trainer.train_set.__getitems__(list(range(7))))
         torch.manual_seed(4)
         outs.append((trainer.train_step([batch])["loss"], grads(trainer.model)))

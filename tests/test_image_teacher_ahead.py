@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import hashlib
+import json
 import logging
 import math
 import os
@@ -31,6 +32,7 @@ from tests.test_hard_negatives import assert_step_equals_its_forwards
 from tests.test_trainer import REL, assert_close, full, grads, make_trainer
 from titan_contrastive import embed_images
 from titan_contrastive.batching import FROZEN_DOCS, FROZEN_QUERIES, NEGATIVES
+from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets import build_dataset
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.fashion_mnist import BUNDLE_DIR, load_split
@@ -116,6 +118,17 @@ def test_the_file_keeps_the_teacher_s_temperature_which_the_start_log_prints(
     caplog.set_level(logging.INFO, logger="titan_contrastive")
     make_trainer(str(tmp_path / "run"), f"--loss.teacher_embeddings={path}", *TAUGHT).metrics.close()
     assert f"the teacher's own temperature is {math.exp(-scale):.4g}" in caplog.text
+    own = "--loss.distill_temperature=0"  # the file's
+    trainer = make_trainer(str(tmp_path / "own"), f"--loss.teacher_embeddings={path}", *TAUGHT, own)
+    assert trainer.cfg.loss.distill_temperature == math.exp(-scale)
+    trainer.metrics.close()
+    plain = tmp_path / "plain.jsonl"  # a .jsonl file keeps no metadata
+    plain.write_text("".join(json.dumps(row) + "\n" for row in pq.read_table(path).to_pylist()))
+    with pytest.raises(ConfigError) as err:
+        make_trainer(str(tmp_path / "plain"), f"--loss.teacher_embeddings={plain}", *TAUGHT, own)
+    one_line(
+        err, f"loss.distill_temperature=0 takes the teacher's own temperature, and loss.teacher_embeddings={plain}"
+    )
     bad = tmp_path / "bad.parquet"
     table = pq.read_table(path)
     pq.write_table(table.replace_schema_metadata({"teacher_logit_scale": "inf"}), bad)

@@ -59,8 +59,9 @@ class Loss:
     """The distillation term's weight (loss = contrastive_weight x objective + distill_weight x term)."""
     contrastive_weight: float = non_negative(1.0)
     """The contrastive objective's weight beside loss.distill; 0 = distillation alone."""
-    distill_temperature: float = opt(1.0, lambda v: v > 0, "a number > 0")
-    """distill=kl: the teacher's temperature tau, its targets being softmax(scores / tau)."""
+    distill_temperature: float = opt(1.0, lambda v: v >= 0, "a number > 0, or 0 for the teacher's own")
+    """distill=kl: the teacher's temperature tau, its targets being softmax(scores / tau); 0: a CLIP or SigLIP teacher's
+    own, 1 / exp(logit_scale), of its teacher_model (clip, hf_clip) or kept in its teacher_embeddings (embed_images)."""
     distill_symmetric: bool = False
     """distill=kl with a teacher model (or its embeddings): also each positive document's softmax over the queries
     toward the teacher's, the two directions averaged, as open_clip's DistillClipLoss distills a CLIP."""

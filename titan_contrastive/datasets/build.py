@@ -207,6 +207,8 @@ class DataBundle:
     context_length: int
     device_transforms: dict[str, Callable[[Tensor], Tensor]] = field(default_factory=dict)
     """Batch key -> what the step applies to it on the device (`pixels_on_device`: uint8 -> normalized)."""
+    frozen: EmbeddingTable | None = None
+    """The frozen model's embeddings the training set serves (`[loss] teacher_embeddings` / `guide_embeddings`)."""
 
     @property
     def eval_sets(self) -> dict[str, Dataset | None]:
@@ -446,4 +448,4 @@ def build_data(
             f"data.same_source_batches: each step's {step} samples come from one source; steps per epoch by source: "
             + ", ".join(str(size // step) for size in sizes)
         )
-    return DataBundle(train, eval_sets[0], eval_sets[1], loader, context_length, transforms)
+    return DataBundle(train, eval_sets[0], eval_sets[1], loader, context_length, transforms, frozen)

@@ -93,6 +93,11 @@ class Distillation:
                 f"{f'{self.model} scores every column' if self.model else f'loss.distill={self.kind}'}: "
                 "use loss.distill=kl on the data's scores, or set loss.distill_minmax=false"
             )
+        if self.temperature == 0 and not self.model:
+            raise ValueError(
+                f"loss.distill_temperature=0 takes a teacher model's own temperature, and loss.distill={self.kind} "
+                "reads the data's scores, which have none: set a number > 0"
+            )
         if self.kind == "mse" and not self.model:
             raise ValueError(
                 "loss.distill=mse regresses the model's embeddings onto a teacher's: set loss.teacher_embeddings "

@@ -7,6 +7,7 @@ clamp of a learned logit scale after each step."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -148,6 +149,28 @@ def build_guide(
     if state is not None:
         load_state(guide, state, f"{key}={path}")
     return guide.requires_grad_(False).eval()
+
+
+def own_temperature(spec: ModelSpec, cfg: JobConfig, guide: nn.Module | None, frozen: Any) -> JobConfig:
+    """`cfg` with `[loss] distill_temperature = 0` set to the teacher's own temperature, 1 / exp(logit_scale): the
+    teacher model's where the family's guides keep theirs (`spec.guide_temperature`), else the one its file of
+    embeddings keeps (`frozen`: a `datasets.frozen.EmbeddingTable`; `embed_images`' .parquet); a ConfigError for a
+    teacher without one. `cfg` itself for any other temperature."""
+    loss = cfg.loss
+    if loss.distill_temperature != 0:
+        return cfg
+    if guide is not None and spec.guide_temperature:
+        scale = float(guide.logit_scale.detach().float().reshape(-1)[0])
+    elif guide is None and frozen is not None and frozen.logit_scale is not None:
+        scale = frozen.logit_scale
+    else:
+        source = f"loss.teacher_model={loss.teacher_model!r}" if guide is not None else frozen.source
+        raise ConfigError(
+            f"loss.distill_temperature=0 takes the teacher's own temperature, and {source} "
+            "keeps none (a CLIP or SigLIP teacher of the clip or hf_clip family does, and a .parquet file embed_images "
+            "wrote with one): set a number > 0"
+        )
+    return dataclasses.replace(cfg, loss=dataclasses.replace(loss, distill_temperature=math.exp(-scale)))
 
 
 def clamp_logit_scale(model: nn.Module) -> None:

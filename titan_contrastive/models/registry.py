@@ -122,6 +122,9 @@ class ModelSpec:
     run's inputs, the weights to load into its build or None where the build reads its folder): what `[loss]
     guide_model` / `teacher_model` build (`models.build.build_guide`); a ConfigError or ValueError (one line) for one
     that cannot read them. None: the family takes none."""
+    guide_temperature: bool = False
+    """Whether the family's guides keep their own trained `logit_scale` (a CLIP's or SigLIP's; not one the run's config
+    starts), whose temperature `[loss] distill_temperature = 0` takes (`models.build.own_temperature`)."""
 
     def __post_init__(self) -> None:
         if not self.name:

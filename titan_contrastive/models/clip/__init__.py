@@ -16,6 +16,7 @@ register_model(
         learns_bias=True,
         state_dict_adapter=ADAPTER,
         read_guide=read_guide,
+        guide_temperature=True,
         towers={"image": "visual.", "text": "text."},
     )
 )

@@ -21,5 +21,6 @@ register_model(
         towers={"image": "visual.", "text": "text."},
         state_dict_adapter=ADAPTER,
         read_guide=read_guide,
+        guide_temperature=True,
     )
 )
