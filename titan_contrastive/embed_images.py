@@ -175,8 +175,8 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> tuple[Path, int, int,
         raise MineError(f"data.dataset={cfg.data.dataset!r}: not image-text data embed_images can read")
     with precision.autocast():  # the run's mixed precision, as its running teacher computes
         sides = embed(spec, train, teacher, opts.batch_size, device, cfg.data.num_workers)
-    scale = getattr(teacher, "logit_scale", None)
-    write(out, sides, {TEACHER_LOGIT_SCALE: repr(float(scale))} if scale is not None else None)
+    own = spec.guide_temperature  # a CLIP's or SigLIP's trained scale, which distill_temperature = 0 reads
+    write(out, sides, {TEACHER_LOGIT_SCALE: repr(teacher.logit_scale.item())} if own else None)
     return out, len(sides[0][1]), len(sides[1][1]), sides[0][2].shape[1]
 
 
