@@ -44,10 +44,8 @@ TAUGHT = ["--loss.distill=kl", "--loss.distill_temperature=0.1"]
 
 
 def embed(tmp: Path, teacher: Path, *flags: str) -> Path:
-    out = tmp / "teacher.parquet"
-    code = embed_images.main(
-        ["--out", str(out), "--batch-size=700", f"--loss.teacher_model={teacher}", *TAUGHT, *flags]
-    )
+    out = tmp / "teacher.parquet"  # the default config has no distillation term: the command reads it anyway
+    code = embed_images.main(["--out", str(out), "--batch-size=700", f"--loss.teacher_model={teacher}", *flags])
     assert code == 0
     return out
 
@@ -349,12 +347,12 @@ def test_a_file_that_misses_the_data_is_one_line_before_any_compute(
         with pytest.raises(DataError) as err:
             make_trainer(str(tmp_path / name), f"--loss.teacher_embeddings={file}", *TAUGHT)
         one_line(err, f"loss.teacher_embeddings={file}", *needles)
-    own = tmp_path / "own.parquet"  # the bundled set's embeddings, for the CSV: its first image is missing
-    with pytest.raises(DataError) as err:
+    with pytest.raises(DataError) as err:  # the bundled set's embeddings, for the CSV: its first image is missing
         make_trainer(str(tmp_path / "own"), *csv_data, f"--loss.teacher_embeddings={bundled[1]}", *TAUGHT)
     one_line(err, "no image embedding", "img/0.png", "embed_images")
+    never = tmp_path / "never.parquet"  # refused before the file is read
     with pytest.raises(DataError) as err:
-        make_trainer(str(tmp_path / "vl"), "--data.dataset=vl_pairs", f"--loss.teacher_embeddings={own}", *TAUGHT)
+        make_trainer(str(tmp_path / "vl"), "--data.dataset=vl_pairs", f"--loss.teacher_embeddings={never}", *TAUGHT)
     one_line(err, "vl_pairs", "loss.teacher_model")
 
 

@@ -71,7 +71,8 @@ def check(opts: argparse.Namespace, cfg: JobConfig) -> tuple[Path, JobConfig]:
             f"data.dataset={cfg.data.dataset!r}: embed_images embeds image-text data; for text pairs use "
             "python -m titan_contrastive.embed PAIRS --model TEACHER --out FILE"
         )
-    loss = dataclasses.replace(loss, teacher_embeddings="", guide_embeddings="")
+    distill = loss.distill or ("kl" if loss.teacher_model else "")  # a teacher's config checks out without a term
+    loss = dataclasses.replace(loss, teacher_embeddings="", guide_embeddings="", distill=distill)
     training = dataclasses.replace(cfg.training, local_batch_size=1, global_batch_size=-1)  # no batch is drawn
     return out, dataclasses.replace(cfg, loss=loss, training=training)
 
