@@ -5,7 +5,9 @@ vector of its image as stored (whatever flip or crop it is served) and of the ca
 kind's loss and parameter gradients equal the dense objective taught by those vectors, looked up here from the file by
 the SHA-1 of each image's bytes (float64, dropout on, chunks that divide nothing, 1, 2 and 4 gloo processes); on a CSV
 served at the evaluation view, a step taught from the file equals one taught by the teacher model to float32's
-precision, negatives and a substituted bad image included; what cannot work is one line."""
+precision, negatives and a substituted bad image included, and so does one on the CSV's webdataset shards; the file
+keeps the teacher's temperature (`distill_temperature = 0` reads it); the file as a guide decides the masks; what
+cannot work is one line."""
 
 from __future__ import annotations
 
@@ -268,9 +270,28 @@ def csv_data(tmp_path: Path) -> list[str]:
     ]
 
 
+def assert_file_teaches_as_the_model(tmp: Path, run: list[str], path: Path, teacher: Path) -> dict:
+    """A GradCache step (chunks of 3 of 7) taught from the file and one taught by the running teacher, from the same
+    weights and seed: the loss and every gradient agree to float32's precision. The file-taught step's batch."""
+    steps = ["--gradcache.enabled=true", "--gradcache.chunk_sizes=3", *TAUGHT]
+    outs, batches, init = [], [], None
+    for name, source in (("file", f"--loss.teacher_embeddings={path}"), ("model", f"--loss.teacher_model={teacher}")):
+        trainer = make_trainer(str(tmp / name), *run, *steps, source)
+        init = init or {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        trainer.model.load_state_dict(init)  # the teacher model's build drew from the seed before the model's
+        batches.append(trainer.train_set.__getitems__(list(range(7))))
+        torch.manual_seed(5)
+        outs.append((trainer.train_step([batches[-1]])["loss"], grads(trainer.model)))
+        trainer.metrics.close()
+    (file_loss, file_grads), (model_loss, model_grads) = outs
+    assert abs(file_loss - model_loss) <= 1e-5 * abs(model_loss)
+    assert_close(file_grads, model_grads, rel=1e-5)
+    return batches[0]
+
+
 def test_on_your_own_data_the_file_teaches_as_the_teacher_model_does(tmp_path: Path, csv_data: list[str]) -> None:
-    """GradCache in chunks of 3 of 7 samples with two negatives each, served at the evaluation view (augment off):
-    taught from the file or by the teacher model, the loss and every gradient agree to float32's precision."""
+    """Two negative captions per image, served at the evaluation view (augment off), one image that does not decode:
+    the file holds each good sample's image and captions, and teaches as the running teacher does."""
     teacher = step_folder(tmp_path / "teacher", RGB_TEACHER, seed=3)[0]
     path = embed(tmp_path, teacher, "--data.context_length=32", *csv_data)
     table = read_file(path)
@@ -278,23 +299,10 @@ def test_on_your_own_data_the_file_teaches_as_the_teacher_model_does(tmp_path: P
     good = [i for i in range(N) if i != BROKEN]  # the bad sample is skipped, as training skips it
     captions = {("caption", t) for i in good for t in (CAPTIONS[i], *NEGS[i])}
     assert {k for k in table} == {("image", png[i]) for i in good} | captions
-    steps = ["--gradcache.enabled=true", "--gradcache.chunk_sizes=3", *TAUGHT]
-    outs, init = [], None
-    for name, source in (("file", f"--loss.teacher_embeddings={path}"), ("model", f"--loss.teacher_model={teacher}")):
-        trainer = make_trainer(str(tmp_path / name), *csv_data, *steps, source)
-        init = init or {k: v.clone() for k, v in trainer.model.state_dict().items()}
-        trainer.model.load_state_dict(init)  # the teacher model's build drew from the seed before the model's
-        batch = trainer.train_set.__getitems__(list(range(7)))
-        if name == "file":
-            assert batch[FROZEN_DOCS].shape == (7, 3, TEACHER.embed_dim) and batch[NEGATIVES].shape[:2] == (7, 2)
-            want = [png[BROKEN + 1 if i == BROKEN else i] for i in range(7)]  # the bad image's substitute's vector
-            assert torch.equal(batch[FROZEN_QUERIES], torch.tensor(np.stack([table["image", k] for k in want])).float())
-        torch.manual_seed(5)
-        outs.append((trainer.train_step([batch])["loss"], grads(trainer.model)))
-        trainer.metrics.close()
-    (file_loss, file_grads), (model_loss, model_grads) = outs
-    assert abs(file_loss - model_loss) <= 1e-5 * abs(model_loss)
-    assert_close(file_grads, model_grads, rel=1e-5)
+    batch = assert_file_teaches_as_the_model(tmp_path, csv_data, path, teacher)
+    assert batch[FROZEN_DOCS].shape == (7, 3, TEACHER.embed_dim) and batch[NEGATIVES].shape[:2] == (7, 2)
+    want = [png[BROKEN + 1 if i == BROKEN else i] for i in range(7)]  # the bad image's substitute's vector
+    assert torch.equal(batch[FROZEN_QUERIES], torch.tensor(np.stack([table["image", k] for k in want])).float())
 
 
 def test_a_file_written_from_one_copy_of_the_data_serves_another(tmp_path: Path, csv_data: list[str]) -> None:
@@ -309,19 +317,8 @@ def test_a_file_written_from_one_copy_of_the_data_serves_another(tmp_path: Path,
     assert make_shards.main(args) == 0
     wds = [f for f in csv_data if not f.startswith(("--data.dataset", "--data.path", "--data.csv"))]
     wds += ["--data.dataset=webdataset", f"--data.path={shards / 'shards.json'}"]
-    steps = ["--gradcache.enabled=true", "--gradcache.chunk_sizes=3", *TAUGHT]
-    outs, init = [], None
-    for name, source in (("file", f"--loss.teacher_embeddings={path}"), ("model", f"--loss.teacher_model={teacher}")):
-        trainer = make_trainer(str(tmp_path / name), *wds, *steps, source)
-        init = init or {k: v.clone() for k, v in trainer.model.state_dict().items()}
-        trainer.model.load_state_dict(init)
-        batch = trainer.train_set.__getitems__(list(range(7)))
-        torch.manual_seed(5)
-        outs.append((trainer.train_step([batch])["loss"], grads(trainer.model)))
-        trainer.metrics.close()
-    (file_loss, file_grads), (model_loss, model_grads) = outs
-    assert abs(file_loss - model_loss) <= 1e-5 * abs(model_loss)
-    assert_close(file_grads, model_grads, rel=1e-5)
+    batch = assert_file_teaches_as_the_model(tmp_path, wds, path, teacher)
+    assert batch[FROZEN_DOCS].shape == (7, TEACHER.embed_dim)  # no negatives in the shards
 
 
 # --- what cannot work ------------------------------------------------------------------------------------------------
