@@ -36,6 +36,7 @@ from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.frozen import TEACHER_LOGIT_SCALE
 from titan_contrastive.embed import OUT_FORMATS, write
+from titan_contrastive.extras import import_failure
 from titan_contrastive.mining import MineError
 
 
@@ -185,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     opts, overrides = parser().parse_known_args(argv)
     try:
         out, images, captions, width = run(opts, overrides)
+    except ImportError as e:
+        print(f"error: {import_failure(e, 'embedding images', 'data')}", file=sys.stderr)
+        return 2
     except (OSError, ValueError, ConfigError, DataError) as e:  # MineError, DataError, the config's own checks
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
