@@ -160,7 +160,7 @@ def test_an_hf_clip_teacher_written_ahead_teaches_as_the_running_one(tmp_path: P
     outs = []
     for source in (f"--loss.teacher_model={teacher}", f"--loss.teacher_embeddings={out}"):
         trainer = clip_run(tmp_path, kind, *flags, source)
-        assert trainer.cfg.loss.distill_temperature == pytest.approx(math.exp(-own), rel=1e-6)
+        assert trainer.objective.distillation.temperature == pytest.approx(math.exp(-own), rel=1e-6)
         batch = _tensors(trainer.train_set.__getitems__(list(range(7))))
         torch.manual_seed(4)
         outs.append((trainer.train_step([batch])["loss"], grads(trainer.model)))

@@ -120,7 +120,7 @@ def test_the_file_keeps_the_teacher_s_temperature_which_the_start_log_prints(
     assert f"the teacher's own temperature is {math.exp(-scale):.4g}" in caplog.text
     own = "--loss.distill_temperature=0"  # the file's
     trainer = make_trainer(str(tmp_path / "own"), f"--loss.teacher_embeddings={path}", *TAUGHT, own)
-    assert trainer.cfg.loss.distill_temperature == math.exp(-scale)
+    assert trainer.objective.distillation.temperature == math.exp(-scale)
     trainer.metrics.close()
     plain = tmp_path / "plain.jsonl"  # a .jsonl file keeps no metadata
     plain.write_text("".join(json.dumps(row) + "\n" for row in pq.read_table(path).to_pylist()))

@@ -99,7 +99,7 @@ def test_the_clip_distillation_recipe(tmp_path: Path) -> None:
     held = trainer.step_context.guide
     assert held.visual.positional_embedding.shape == (1 + 4 * 4, 32) and held.text.context_length == 77
     tau = math.exp(-held.logit_scale.item())  # the recipe's distill_temperature = 0: the teacher's own
-    assert abs(trainer.cfg.loss.distill_temperature - tau) < 1e-6 * tau and abs(tau - 1) > 0.1
+    assert abs(trainer.objective.distillation.temperature - tau) < 1e-6 * tau and abs(tau - 1) > 0.1
     # the recipe's second route: the teacher's embeddings written once, no teacher running
     from titan_contrastive import embed_images
 
@@ -111,7 +111,7 @@ def test_the_clip_distillation_recipe(tmp_path: Path) -> None:
     ahead = ["--loss.teacher_model=", f"--loss.teacher_embeddings={out}", "--data.num_workers=0"]
     trainer, _ = _train(tmp_path / "ahead", "clip_distill.toml", *run, *ahead)
     assert trainer.step == 2 and trainer.step_context.guide is None
-    assert abs(trainer.cfg.loss.distill_temperature - tau) < 1e-6 * tau  # kept in the file
+    assert abs(trainer.objective.distillation.temperature - tau) < 1e-6 * tau  # kept in the file
     assert "the frozen teacher's cosines (embedded ahead, from the data)" in trainer.gradient_step.describe()
 
 

@@ -44,7 +44,7 @@ from titan_contrastive.config import JobConfig, parse_args
 from titan_contrastive.config.manager import check_contrastive_problem, log_config_warnings
 from titan_contrastive.datasets import build_dataset
 from titan_contrastive.datasets.build import build_data
-from titan_contrastive.models.build import build_run_model, clamp_logit_scale, own_temperature, run_objectives
+from titan_contrastive.models.build import build_run_model, clamp_logit_scale, run_objectives
 from titan_contrastive.parallelisms import (
     ParallelDims,
     destroy_distributed,
@@ -110,8 +110,7 @@ class Trainer:
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step
         dtype = precision.param_dtype
         self.model_args, self.model, guide = build_run_model(spec, cfg, flavor_args, data, init_state, dtype, device)
-        self.cfg = cfg = own_temperature(spec, cfg, guide, data.frozen)  # distill_temperature = 0: the teacher's own
-        self.objective, self.eval_objective = run_objectives(spec, cfg, flavor_args)
+        self.objective, self.eval_objective = run_objectives(spec, cfg, flavor_args, guide, data.frozen)  # its own tau
         model, self.mesh = self.model, dims.build_mesh(device.type)
         self.dp_model = parallelize_model(model, spec.blocks(model), dims, self.mesh, cfg, precision, device)
         self.optimizer = build_optimizer(model, cfg.optimizer, spec.towers)
@@ -185,8 +184,7 @@ class Trainer:
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped_steps": self.train_state.skipped_steps}
 
     def next_microbatches(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-        start = time.perf_counter()
-        batches = [next(data_iter) for _ in range(self.ga_steps)]
+        start, batches = time.perf_counter(), [next(data_iter) for _ in range(self.ga_steps)]  # in this order
         self.metrics.data_time += time.perf_counter() - start
         return batches
 

@@ -75,8 +75,13 @@ def eval_objective(spec: ModelSpec, cfg: JobConfig, args: Any = None) -> Objecti
     return resolve_objective(spec, dataclasses.replace(cfg, loss=loss), args)
 
 
-def run_objectives(spec: ModelSpec, cfg: JobConfig, args: Any) -> tuple[Objective | None, Objective | None]:
-    """(the training objective, the evaluation loss's) of a run whose model has `args`."""
+def run_objectives(
+    spec: ModelSpec, cfg: JobConfig, args: Any, guide: nn.Module | None = None, frozen: Any = None
+) -> tuple[Objective | None, Objective | None]:
+    """(the training objective, the evaluation loss's) of a run whose model has `args`; once its teacher is built
+    (`guide`) or read (`frozen`), with `[loss] distill_temperature = 0` set to the teacher's own (`own_temperature`)."""
+    if guide is not None or frozen is not None:
+        cfg = own_temperature(spec, cfg, guide, frozen)
     return resolve_objective(spec, cfg, args), eval_objective(spec, cfg, args)
 
 
