@@ -58,12 +58,15 @@ def read_file(path: Path) -> dict[tuple[str, str], np.ndarray]:
     return {(r["side"], r["text"]): np.asarray(r["embedding"], dtype=np.float64) for r in rows}
 
 
-@pytest.fixture(scope="module")
-def bundled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def embed_bundled(tmp: Path) -> tuple[Path, Path]:
     """(the teacher's folder, its embeddings of the bundled Fashion-MNIST training split)."""
-    tmp = tmp_path_factory.mktemp("ahead")
     teacher = step_folder(tmp / "teacher", TEACHER, seed=3)[0]
     return teacher, embed(tmp, teacher, "--data.context_length=32")
+
+
+@pytest.fixture(scope="module")
+def bundled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return embed_bundled(tmp_path_factory.mktemp("ahead"))
 
 
 def sha1(image: np.ndarray) -> str:
@@ -245,6 +248,10 @@ RGB_TEACHER = dataclasses.replace(TEACHER, in_channels=3)
 
 @pytest.fixture
 def csv_data(tmp_path: Path) -> list[str]:
+    return write_csv_data(tmp_path)
+
+
+def write_csv_data(tmp_path: Path) -> list[str]:
     """The flags of a run on N 28x28 PNGs (image BROKEN is not one) with two negative captions each."""
     rng = np.random.default_rng(0)
     (tmp_path / "img").mkdir()

@@ -18,6 +18,9 @@ sentence-transformers' `make_multilingual.py`): with `distill = "mse"` a student
 translation where the teacher embeds the source. A row with hard negatives, or a translation of two different
 sources, is refused.
 
+`--device cuda:0,cuda:1,...` embeds on several devices at once, a process on each (sentence-transformers'
+multi-process pool: the texts in chunks, the rows in their order).
+
 FILE (`.parquet` or `.jsonl`) holds one row per (side, text): `side` (query or document), `text`, `embedding`
 (float32, as the model returns it). It is written under a temporary name beside it and renamed when complete,
 never over an existing file unless `--overwrite`, never the input. Bad arguments are one `error: ...` line and
@@ -71,7 +74,12 @@ def parser() -> argparse.ArgumentParser:
         help="(source, translation) rows: embed the sources and give each translation its source's embedding",
     )
     p.add_argument("--batch-size", type=int, default=64, help="texts per forward (default: 64)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: sentence-transformers' choice)")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda, cuda:1 ..., or several (cuda:0,cuda:1): one encoding process each (default: "
+        "sentence-transformers' choice of one)",
+    )
     p.add_argument(
         "--trust-remote-code", action="store_true", help="run the code a model folder ships (config.json auto_map)"
     )
@@ -185,25 +193,33 @@ def write(
 
 def run(opts: argparse.Namespace) -> tuple[Path, int, int, int]:
     """Embed and write; (the file, query texts, document texts, the embeddings' width)."""
-    from titan_contrastive.mine import sentence_model
+    from titan_contrastive.mine import device_list, sentence_model
 
     out = check(opts)
     columns = [c.strip() for c in opts.columns.split(",") if c.strip()]
     rows = read_rows(opts.pairs, columns)
     queries, docs = read_texts(rows)
     source = sources(rows) if opts.parallel else {}
-    with sentence_model(opts.model, opts.tower, opts.device, opts.trust_remote_code) as model:
+    devices = device_list(opts.device)
+    with sentence_model(opts.model, opts.tower, devices[0] if devices else None, opts.trust_remote_code) as model:
         query_prompt, doc_prompt = prompts(model, opts.query_prompt, opts.doc_prompt)
+        pool = model.start_multi_process_pool(devices) if len(devices) > 1 else None  # a process per device
 
         def encode(texts: list[str], prompt: str, task: str) -> np.ndarray:  # a Router's route: the task
-            return model.encode(texts, prompt=prompt, task=task, batch_size=opts.batch_size, convert_to_numpy=True)
+            return model.encode(
+                texts, prompt=prompt, task=task, batch_size=opts.batch_size, convert_to_numpy=True, pool=pool
+            )
 
-        embedded = encode(queries, query_prompt, "query")
-        if opts.parallel:
-            where = {text: i for i, text in enumerate(queries)}
-            sides = [("query", queries, embedded), ("document", docs, embedded[[where[source[d]] for d in docs]])]
-        else:
-            sides = [("query", queries, embedded), ("document", docs, encode(docs, doc_prompt, "document"))]
+        try:
+            embedded = encode(queries, query_prompt, "query")
+            if opts.parallel:
+                where = {text: i for i, text in enumerate(queries)}
+                sides = [("query", queries, embedded), ("document", docs, embedded[[where[source[d]] for d in docs]])]
+            else:
+                sides = [("query", queries, embedded), ("document", docs, encode(docs, doc_prompt, "document"))]
+        finally:
+            if pool is not None:
+                model.stop_multi_process_pool(pool)
     write(out, sides)
     return out, len(queries), len(docs), sides[0][2].shape[1]
 

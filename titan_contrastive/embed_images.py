@@ -11,6 +11,10 @@ processor squashes it; no flip), not at the random crops training serves: the te
 embedding of that one view. Each caption the data can serve (with its negative captions, and for the bundled sets
 each template of each class) is embedded once. A bad sample is skipped, as training skips it.
 
+Under `torchrun --nproc_per_node=N -m titan_contrastive.embed_images ...` each rank embeds a contiguous shard of the
+samples on its LOCAL_RANK's GPU (or on CPU, the cores split), then a shard of the captions; the shards are gathered in
+order and rank 0 writes the rows one process writes.
+
 FILE (`.parquet` or `.jsonl`) holds one row per image and per caption: `side` (`image` or `caption`), `text` (the
 image's key, the SHA-1 of its bytes as stored: `datasets.image_keys`; or the caption) and `embedding` (float32,
 as the teacher returns it); a .parquet file keeps the teacher's logit scale in its metadata, whose temperature the
@@ -24,20 +28,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from titan_contrastive.components.precision import build_precision
+from titan_contrastive.components.beir_eval import embed_texts
+from titan_contrastive.components.evaluate import gather_rows
+from titan_contrastive.components.precision import at_least_fp32, build_precision
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.frozen import TEACHER_LOGIT_SCALE
 from titan_contrastive.embed import OUT_FORMATS, write
 from titan_contrastive.extras import import_failure
 from titan_contrastive.mining import MineError
+from titan_contrastive.parallelisms import DistInfo, destroy_distributed, init_distributed
 
 
 def parser() -> argparse.ArgumentParser:
@@ -118,67 +128,106 @@ def on(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
 
 
 class FixedViews(torch.utils.data.Dataset):
-    """The training set in chunks of `size` samples at their fixed view (`fixed_view`), for a loader's workers."""
+    """The training samples `indices` in chunks of `size` at their fixed view (`fixed_view`), for a loader's workers."""
 
-    def __init__(self, train: Any, size: int) -> None:
-        self.train, self.size = train, size
+    def __init__(self, train: Any, indices: Sequence[int], size: int) -> None:
+        self.train, self.indices, self.size = train, indices, size
 
     def __len__(self) -> int:
-        return -(-len(self.train) // self.size)
+        return -(-len(self.indices) // self.size)
 
     def __getitem__(self, chunk: int) -> tuple[dict[str, Any], list[str], list[str]]:
-        return self.train.fixed_view(range(chunk * self.size, min((chunk + 1) * self.size, len(self.train))))
+        return self.train.fixed_view(self.indices[chunk * self.size : (chunk + 1) * self.size])
+
+
+def gather_lists(items: list[Any], world_size: int) -> list[Any]:
+    """Every rank's `items`, joined in rank order, on every rank."""
+    if world_size == 1:
+        return items
+    parts: list[Any] = [None] * world_size
+    dist.all_gather_object(parts, items)
+    return [item for part in parts for item in part]
 
 
 @torch.no_grad()
 def embed(
-    spec: Any, train: Any, teacher: torch.nn.Module, batch_size: int, device: torch.device, workers: int = 0
+    spec: Any,
+    train: Any,
+    teacher: torch.nn.Module,
+    batch_size: int,
+    device: torch.device,
+    workers: int = 0,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> list[tuple]:
-    """(side, keys or captions, embeddings [n, d]) of every image and caption of `train` (`fixed_view`), the images
-    decoded by `workers` processes."""
+    """(side, keys or captions, embeddings [n, d]) of every image and caption of `train` (`fixed_view`), on every rank:
+    rank r embeds the r-th contiguous shard of the samples (their images decoded by `workers` processes), then of the
+    captions, and the shards are gathered in order, so the rows are those of one process."""
     image_key, text_key = spec.input_keys
     dtype = next(teacher.parameters()).dtype
-    images: dict[str, np.ndarray] = {}
-    captions: dict[str, None] = {}
-    views = torch.utils.data.DataLoader(FixedViews(train, batch_size), batch_size=None, num_workers=workers)
-    for batch, keys, texts in views:
-        captions.update(dict.fromkeys(texts))
-        fresh = [i for i, key in enumerate(keys) if key not in images]
-        if fresh:
-            out = (
-                teacher(on(batch[image_key], device, dtype), on(batch[text_key], device, dtype))[0]
-                .float()
-                .cpu()
-                .numpy()
-            )
-            images.update((keys[i], out[i]) for i in fresh)
-    texts = list(captions)
-    vectors = []
-    for start in range(0, len(texts), batch_size):  # each with a served image (the image tower's output is unused)
-        chunk = texts[start : start + batch_size]
-        pictures, _, _ = train.fixed_view([i % len(train) for i in range(len(chunk))])
-        tokens = train.encode_text(chunk)
-        vectors.append(
-            teacher(on(pictures[image_key], device, dtype), on(tokens, device, dtype))[1].float().cpu().numpy()
-        )
+    shards = np.array_split(np.arange(len(train)), world_size)
+    mine = shards[rank].tolist()
+    views = FixedViews(train, mine or [0], batch_size)  # an empty shard embeds one sample, for the gather's shapes
+    keys, texts, rows = [], [], []
+    for batch, chunk_keys, chunk_texts in torch.utils.data.DataLoader(views, batch_size=None, num_workers=workers):
+        rows.append(at_least_fp32(teacher(on(batch[image_key], device, dtype), on(batch[text_key], device, dtype))[0]))
+        keys += chunk_keys
+        texts += chunk_texts
+    local = torch.cat(rows)[: len(mine)]
+    vectors = gather_rows(local, [len(s) for s in shards]).cpu().numpy()
+    first: dict[str, int] = {}  # each image's first sample
+    for i, key in enumerate(gather_lists(keys if mine else [], world_size)):
+        first.setdefault(key, i)
+    images = list(first)
+    captions = list(dict.fromkeys(gather_lists(texts if mine else [], world_size)))
+    picture = on(train.fixed_view([0])[0][image_key], device, dtype)  # one image beside each chunk of captions
+
+    def encode(chunk: list[str]) -> torch.Tensor:
+        return teacher(picture, on(train.encode_text(chunk), device, dtype))[1]
+
+    captioned = embed_texts(encode, captions, batch_size=batch_size, rank=rank, world_size=world_size)
     return [
-        ("image", list(images), np.stack(list(images.values()))),
-        ("caption", texts, np.concatenate(vectors)),
+        ("image", images, vectors[[first[key] for key in images]]),
+        ("caption", captions, captioned.cpu().numpy()),
     ]
+
+
+def join(device: str) -> DistInfo:
+    """This process's rank and device: under torchrun, the job's process group (gloo on CPU, NCCL on CUDA) and the
+    LOCAL_RANK's GPU; alone, `device` (default: cuda if there is one, else cpu)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return DistInfo(0, 1, 0, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    if device not in ("", "cpu", "cuda"):
+        raise MineError(
+            f"--device={device}: under torchrun each rank embeds on its LOCAL_RANK's GPU; give cpu or cuda, or leave "
+            "it out"
+        )
+    return init_distributed(device or "auto")
 
 
 def run(opts: argparse.Namespace, overrides: list[str]) -> tuple[Path, int, int, int]:
     """Embed and write; (the file, images, captions, the embeddings' width)."""
     out, cfg = check(opts, parse_args(overrides))
-    device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    precision = build_precision(cfg.training, fsdp=False, device=device)
-    spec, train, teacher = build(cfg, device, precision)
+    info = join(opts.device)
+    precision = build_precision(cfg.training, fsdp=False, device=info.device)
+    spec, train, teacher = build(cfg, info.device, precision)
     if not hasattr(train, "fixed_view"):
         raise MineError(f"data.dataset={cfg.data.dataset!r}: not image-text data embed_images can read")
     with precision.autocast():  # the run's mixed precision, as its running teacher computes
-        sides = embed(spec, train, teacher, opts.batch_size, device, cfg.data.num_workers)
+        sides = embed(
+            spec,
+            train,
+            teacher,
+            opts.batch_size,
+            info.device,
+            cfg.data.num_workers,
+            rank=info.rank,
+            world_size=info.world_size,
+        )
     own = spec.guide_temperature  # a CLIP's or SigLIP's trained scale, which distill_temperature = 0 reads
-    write(out, sides, {TEACHER_LOGIT_SCALE: repr(teacher.logit_scale.item())} if own else None)
+    if info.rank == 0:
+        write(out, sides, {TEACHER_LOGIT_SCALE: repr(teacher.logit_scale.item())} if own else None)
     return out, len(sides[0][1]), len(sides[1][1]), sides[0][2].shape[1]
 
 
@@ -192,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, ConfigError, DataError) as e:  # MineError, DataError, the config's own checks
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    print(f"wrote {out}: {width}-wide embeddings of {images} image(s) and {captions} caption(s)")
+    destroy_distributed(barrier=True)  # every rank waits for rank 0's file
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"wrote {out}: {width}-wide embeddings of {images} image(s) and {captions} caption(s)")
     return 0
 
 

@@ -152,6 +152,11 @@ def sentence_model(path: str, tower: str | None, device: str | None, trust: bool
     yield SentenceTransformer(str(folder), device=device, trust_remote_code=trust)
 
 
+def device_list(text: str | None) -> list[str]:
+    """`--device`'s devices: none (sentence-transformers' choice), one, or several (a process each, comma-separated)."""
+    return [d.strip() for d in (text or "").split(",") if d.strip()]
+
+
 def number_or_none(text: str) -> float | None:
     """A float, or None for "none" (no such filter)."""
     return None if text.strip().lower() == "none" else float(text)
@@ -241,7 +246,7 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
         corpus = list(read_corpus(Path(opts.corpus).expanduser()).values())
     if len(read.texts[0]) > 2:
         print(f"{opts.pairs}: its {len(read.texts[0]) - 2} negative column(s) are replaced by the mined ones")
-    devices = [d.strip() for d in (opts.device or "").split(",") if d.strip()]
+    devices = device_list(opts.device)
     cross_encoder = None
     if opts.cross_encoder:
         from sentence_transformers import CrossEncoder
