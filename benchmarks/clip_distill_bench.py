@@ -1,13 +1,16 @@
 """A CLIP taught by a CLIP on CPU: `[loss] teacher_model` on the clip family, as open_clip's `--distill-model`.
 
-    python -m benchmarks.clip_distill_bench          # one teacher, 26 students (about 22 min on 2 cores)
+    python -m benchmarks.clip_distill_bench          # one teacher, 32 students (about 27 min on 2 cores)
+    python -m benchmarks.clip_distill_bench --variants alone "taught both ways, ahead" \
+        "taught both ways, ahead, 2 views" --name clip_distill_views   # those variants alone, to another file
 
 The default config (`train_configs/debug.toml`: the debug CLIP on the bundled Fashion-MNIST pairs) trains a teacher
 for its full `TEACHER_STEPS`; students of the same flavor then train `STUDENT_STEPS` steps from scratch under each
 seed in `SEEDS`: alone (and alone for 200 steps, about the taught runs' wall time), taught one way (each image's
 softmax over the captions, `distill = "kl"`), and both ways (`distill_symmetric`, open_clip's DistillClipLoss), by the
 teacher running in the steps or by its embeddings written ahead once (`embed_images`, `teacher_embeddings`: each
-image's unflipped view); and a smaller student (`_tiny_clip`: one block of width 32 per tower, a sixth of the
+image's unflipped view; or with `--views 2` both flips, each sample served one with its own embedding); and a smaller
+student (`_tiny_clip`: one block of width 32 per tower, a sixth of the
 parameters) alone (and for 400 steps) and taught both ways (by both teachers), under each seed in `TINY_SEEDS` (its
 runs vary more). The targets are at the teacher's own temperature 1/exp(logit_scale), the term's weight 1 beside the
 contrastive loss (open_clip's). Every run ends with the config's zero-shot evaluation on the 10,000 test images.
@@ -38,10 +41,12 @@ VARIANTS = {  # name: (steps, flags, teacher: "" none, "model" running in the st
     "taught one way": (STUDENT_STEPS, ["--loss.distill=kl"], "model", SEEDS),
     "taught both ways": (STUDENT_STEPS, BOTH_WAYS, "model", SEEDS),
     "taught both ways, ahead": (STUDENT_STEPS, BOTH_WAYS, "file", SEEDS),
+    "taught both ways, ahead, 2 views": (STUDENT_STEPS, BOTH_WAYS, "views", SEEDS),
     "tiny alone": (STUDENT_STEPS, TINY, "", TINY_SEEDS),
     "tiny alone, 400 steps": (400, TINY, "", TINY_SEEDS),  # about the taught tiny runs' wall time
     "tiny taught both ways": (STUDENT_STEPS, [*TINY, *BOTH_WAYS], "model", TINY_SEEDS),
     "tiny taught both ways, ahead": (STUDENT_STEPS, [*TINY, *BOTH_WAYS], "file", TINY_SEEDS),
+    "tiny taught both ways, ahead, 2 views": (STUDENT_STEPS, [*TINY, *BOTH_WAYS], "views", TINY_SEEDS),
 }
 FIELDS = ["variant", "seed", "steps", "zero_shot_top1", "se_top1", "eval_loss", "samples_per_s", "wall_s"]
 TEST_IMAGES = 10_000
@@ -86,7 +91,9 @@ def plot(rows: list[dict[str, Any]]):  # noqa: ANN201 - a matplotlib figure
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=harness.RESULTS, help="where clip_distill_bench.{json,csv,png} go")
+    p.add_argument("--out", type=Path, default=harness.RESULTS, help="where NAME.{json,csv,png} go")
+    p.add_argument("--name", default="clip_distill_bench", help="the result files' name (default: clip_distill_bench)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), help="the students to run")
     args = p.parse_args(argv)
     from titan_contrastive.models.clip import load_clip
 
@@ -98,32 +105,39 @@ def main(argv: list[str] | None = None) -> None:
     teacher = teacher_dump / "checkpoint" / f"step-{TEACHER_STEPS}"
     tau = math.exp(-load_clip(teacher).logit_scale.item())
     print(f"teacher: zero-shot top-1 {rows[0]['zero_shot_top1']:.4f}, temperature {tau:.4g}", flush=True)
-    embeddings = prefix / "teacher.parquet"
-    cmd = [sys.executable, "-m", "titan_contrastive.embed_images", f"--out={embeddings}", f"--job.config_file={CONFIG}"]
-    result = harness.run_child([*cmd, f"--loss.teacher_model={teacher}", "--loss.distill=kl"], cwd=harness.REPO)
-    if result.returncode != 0:
-        raise SystemExit(f"embed_images failed:\n{result.stderr[-2000:]}")
-    rows.append({"variant": "embed ahead (once)", "wall_s": result.wall_s})
-    sources = {"model": f"--loss.teacher_model={teacher}", "file": f"--loss.teacher_embeddings={embeddings}"}
-    runs = [(seed, i, name) for i, (name, spec) in enumerate(VARIANTS.items()) for seed in spec[3]]
+    sources = {"model": f"--loss.teacher_model={teacher}"}
+    for kind, views in (("file", 0), ("views", 2)):  # each file the chosen variants read, written once
+        if any(VARIANTS[name][2] == kind for name in args.variants):
+            embeddings = prefix / f"teacher_{kind}.parquet"
+            cmd = [sys.executable, "-m", "titan_contrastive.embed_images", f"--out={embeddings}", f"--views={views}"]
+            cmd += [f"--job.config_file={CONFIG}", f"--loss.teacher_model={teacher}", "--loss.distill=kl"]
+            result = harness.run_child(cmd, cwd=harness.REPO)
+            if result.returncode != 0:
+                raise SystemExit(f"embed_images failed:\n{result.stderr[-2000:]}")
+            rows.append({"variant": f"embed ahead (once, {views} views)", "wall_s": result.wall_s})
+            sources[kind] = f"--loss.teacher_embeddings={embeddings}"
+    runs = [
+        (seed, i, name) for i, (name, spec) in enumerate(VARIANTS.items()) for seed in spec[3] if name in args.variants
+    ]
     for seed, i, name in sorted(runs):  # the variants interleaved, so a slow stretch of the machine falls on all alike
         steps, flags, teaches, _ = VARIANTS[name]
         extra = [*flags, sources[teaches], f"--loss.distill_temperature={tau!r}"] if teaches else flags
         row = {"variant": name, **launch(prefix / f"student{i}_seed{seed}", steps, seed, *extra)}
         rows.append(row)
         print(name, seed, {k: round(row[k], 4) for k in ("zero_shot_top1", "eval_loss", "wall_s")}, flush=True)
-    rows[2:] = sorted(rows[2:], key=lambda r: (list(VARIANTS).index(r["variant"]), r["seed"]))
+    written = sum(1 for r in rows if r["variant"].startswith(("teacher", "embed ahead")))
+    rows[written:] = sorted(rows[written:], key=lambda r: (list(VARIANTS).index(r["variant"]), r["seed"]))
     payload = {"teacher_steps": TEACHER_STEPS, "student_steps": STUDENT_STEPS, "temperature": tau}
     harness.write_results(
         args.out,
-        "clip_distill_bench",
+        args.name,
         harness.metadata(),
         payload,
         rows=rows,
         fields=FIELDS,
         figure=lambda: plot(rows),
     )
-    print(f"wrote {args.out}/clip_distill_bench.json, .csv and .png")
+    print(f"wrote {args.out}/{args.name}.json, .csv and .png")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Embedding ahead on several processes, on CPU: `embed_images` alone and under torchrun, `embed` on one device and on
 sentence-transformers' pool of two.
 
-    python -m benchmarks.embed_ranks_bench          # about 6 minutes on 2 cores
+    python -m benchmarks.embed_ranks_bench          # about 8 minutes on 2 cores
 
 The image teacher is the default config's debug CLIP (`train_configs/debug.toml`) after one step; it embeds the
 bundled Fashion-MNIST training split (20,000 images, 50 captions): in one process (torch's threads on every core),
-and under `torchrun --standalone --nproc_per_node=2` (the cores split between the ranks). The text model is the
+under `torchrun --standalone --nproc_per_node=2` (the cores split between the ranks), and in one process with
+`--views 2` (each image's two flips as well: three passes over the images). The text model is the
 bundled all-MiniLM-L6-v2, on the first `TEXT_ROWS` WordNet pairs: with `--device cpu`, and with `--device cpu,cpu`
 (sentence-transformers' pool of two processes). Each command runs `ROUNDS` times, the variants in rotation; a row is one
 launch's wall seconds, the interpreters' start included. Each variant's file is checked against the one-process file
@@ -33,7 +34,7 @@ ROUNDS, TEXT_ROWS = 3, 4000
 FIELDS = ["variant", "round", "wall_s", "peak_rss_mib"]
 
 
-def commands(prefix: Path, teacher: Path, pairs: Path) -> dict[str, tuple[list[str], str]]:
+def commands(teacher: Path, pairs: Path) -> dict[str, tuple[list[str], str]]:
     """variant: (its command without --out, the variant whose file it must equal)."""
     images = ["-m", "titan_contrastive.embed_images", f"--job.config_file={CONFIG}", f"--loss.teacher_model={teacher}"]
     texts = ["-m", "titan_contrastive.embed", str(pairs), "--model="]
@@ -41,6 +42,7 @@ def commands(prefix: Path, teacher: Path, pairs: Path) -> dict[str, tuple[list[s
     return {
         "images, 1 process": ([sys.executable, *images], "images, 1 process"),
         "images, torchrun 2 processes": ([*torchrun, *images], "images, 1 process"),
+        "images, 1 process, --views 2": ([sys.executable, *images, "--views=2"], "images, 1 process, --views 2"),
         "texts, --device cpu": ([sys.executable, *texts, "--device=cpu"], "texts, --device cpu"),
         "texts, --device cpu,cpu": ([sys.executable, *texts, "--device=cpu,cpu"], "texts, --device cpu"),
     }
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     pairs = prefix / "pairs.jsonl"
     rows_of = load_rows(BUNDLE_DIR, "train")[:TEXT_ROWS]
     pairs.write_text("".join(json.dumps({"query": q, "positive": d}) + "\n" for q, d, *_ in rows_of))
-    variants = commands(prefix, dump / "checkpoint" / "step-1", pairs)
+    variants = commands(dump / "checkpoint" / "step-1", pairs)
     rows: list[dict[str, Any]] = []
     for r in range(ROUNDS):
         for name in harness.rotation(list(variants), r):

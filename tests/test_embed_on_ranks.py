@@ -87,18 +87,21 @@ def test_ranks_write_the_teacher_s_rows_of_one_process(tmp_path: Path, bundled: 
     torch.testing.assert_close(got_captions, want_captions, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("views", [0, 2])
 def test_on_your_own_data_ranks_and_their_workers_write_the_file_of_one_process(
-    tmp_path: Path, csv_data: list[str]
+    tmp_path: Path, csv_data: list[str], views: int
 ) -> None:
     """Two ranks of two decoding workers each, chunks of 2 of each rank's 5 or 4 samples, one image that does not
-    decode (its slot takes the next good sample, as in one process): the file of one process."""
+    decode (its slot takes the next good sample, as in one process), with and without train views: the file of one
+    process."""
     teacher = step_folder(tmp_path / "teacher", RGB_TEACHER, seed=3)[0]
-    one = embed(tmp_path, teacher, "--data.context_length=32", *csv_data)
+    data = [*csv_data, f"--data.augment={bool(views)}", f"--views={views}"]
+    one = embed(tmp_path, teacher, "--data.context_length=32", *data)
     out = tmp_path / "ranks.parquet"
-    flags = ["--batch-size=2", "--data.context_length=32", "--data.num_workers=2", *csv_data]
+    flags = ["--batch-size=2", "--data.context_length=32", "--data.num_workers=2", *data]
     run_distributed(_embed, 2, str(out), str(teacher), flags)
     assert_same_rows(out, one)
-    assert len(read_file(out)) == (N - 1) + 3 * (N - 1)  # each good image; its caption and two negatives
+    assert len(read_file(out)) == (1 + views) * (N - 1) + 3 * (N - 1)  # each good image's views; its 3 captions
 
 
 def test_a_device_under_torchrun_is_one_line(

@@ -20,6 +20,7 @@ from tests.hf_folders import encoder_folder, image_text_folder
 from tests.needs import require
 from tests.test_hard_negatives import assert_step_equals_its_forwards
 from tests.test_hf_clip import _double, _tensors, clip_run
+from titan_contrastive.batching import FROZEN_QUERIES
 from titan_contrastive.config import ConfigError
 from titan_contrastive.losses import build_objective
 from titan_contrastive.losses.guide import Guide
@@ -135,12 +136,12 @@ def test_a_teacher_that_cannot_read_the_run_s_inputs_is_one_line(tmp_path: Path)
         clip_run(tmp_path, "clip", *BATCH, "--loss.mask_margin=0", f"--loss.guide_model={encoder_folder(tmp_path)}")
 
 
-@pytest.mark.parametrize("kind", ["clip", "siglip2"])
-def test_an_hf_clip_teacher_written_ahead_teaches_as_the_running_one(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize(("kind", "views"), [("clip", 0), ("siglip2", 0), ("siglip2", 2)])
+def test_an_hf_clip_teacher_written_ahead_teaches_as_the_running_one(tmp_path: Path, kind: str, views: int) -> None:
     """`embed_images` on the run's own config (whole images; SigLIP 2's patches), then a GradCache step taught from
-    the file and one taught by the running teacher, the data served at the evaluation view, each at the teacher's own
-    temperature (`distill_temperature = 0`: from the folder, or kept in the file): the loss and every gradient agree
-    to float32's precision."""
+    the file and one taught by the running teacher on the file's batch (the evaluation view; or with `views`, train
+    crops of the file's views), each at the teacher's own temperature (`distill_temperature = 0`: from the folder, or
+    kept in the file): the loss and every gradient agree to float32's precision."""
     from transformers import AutoModel
 
     from tests.test_trainer import assert_close, grads
@@ -148,7 +149,8 @@ def test_an_hf_clip_teacher_written_ahead_teaches_as_the_running_one(tmp_path: P
 
     teacher = teacher_folder(tmp_path, kind)
     own = AutoModel.from_pretrained(teacher).logit_scale.item()
-    flags = [*STEPS["gradcache"][2], "--training.local_batch_size=7", "--data.augment=false", "--loss.distill=kl"]
+    flags = [*STEPS["gradcache"][2], "--training.local_batch_size=7", f"--data.augment={bool(views)}"]
+    flags += ["--loss.distill=kl"]
     flags += ["--loss.distill_temperature=0", "--loss.distill_symmetric=true"]  # the teacher's own, either way
     flags += ["--loss.name=siglip"] if kind != "clip" else []
     clip_run(tmp_path, kind, *flags, f"--loss.teacher_model={teacher}").metrics.close()  # writes the folder and data
@@ -156,14 +158,33 @@ def test_an_hf_clip_teacher_written_ahead_teaches_as_the_running_one(tmp_path: P
     run = ["--model.name=hf_clip", "--model.flavor=folder", f"--model.path={tmp_path / f'tiny-{kind}'}"]
     run += ["--data.dataset=csv", f"--data.path={tmp_path / 'data' / 'train.csv'}", "--data.image_size=0"]
     run += ["--data.context_length=0", "--loss.distill=kl", f"--loss.teacher_model={teacher}"]
+    run += [f"--data.augment={bool(views)}", f"--views={views}"]
     assert embed_images.main(["--out", str(out), *run]) == 0
+    trainers = [
+        clip_run(tmp_path, kind, *flags, source)
+        for source in (f"--loss.teacher_model={teacher}", f"--loss.teacher_embeddings={out}")
+    ]
+    assert trainers[1].train_set.views == views
+    trainers[1].train_set.set_epoch(1)  # a view's crop is the image's, whichever epoch serves it
+    batch = _tensors(trainers[1].train_set.__getitems__(list(range(7))))
+    if views:  # the file's vector of each image: the teacher's of the crop served, not of the evaluation view
+        held = trainers[0].step_context.guide
+        dtype = next(held.parameters()).dtype
+
+        def embedded(images) -> torch.Tensor:
+            images = {k: v.to(dtype) if v.is_floating_point() else v for k, v in images.items()}
+            with torch.no_grad():
+                return held(images, batch["text"])[0].double()
+
+        served = embedded(batch["image"])
+        torch.testing.assert_close(batch[FROZEN_QUERIES].double(), served, rtol=1e-5, atol=1e-6)
+        fixed = embedded(_tensors(trainers[1].train_set.fixed_view(range(7))[0])["image"])
+        assert ((served - fixed).abs().amax(1) > 1e-3).sum() >= 5
     outs = []
-    for source in (f"--loss.teacher_model={teacher}", f"--loss.teacher_embeddings={out}"):
-        trainer = clip_run(tmp_path, kind, *flags, source)
+    for trainer, fed in zip(trainers, ({k: v for k, v in batch.items() if not k.startswith("frozen")}, batch)):
         assert trainer.objective.distillation.temperature == pytest.approx(math.exp(-own), rel=1e-6)
-        batch = _tensors(trainer.train_set.__getitems__(list(range(7))))
         torch.manual_seed(4)
-        outs.append((trainer.train_step([batch])["loss"], grads(trainer.model)))
+        outs.append((trainer.train_step([fed])["loss"], grads(trainer.model)))
         trainer.metrics.close()
     (model_loss, model_grads), (file_loss, file_grads) = outs
     assert abs(file_loss - model_loss) <= 1e-5 * abs(model_loss)

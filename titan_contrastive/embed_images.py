@@ -5,23 +5,26 @@ the teacher running in every step, as MobileCLIP's reinforced datasets store a t
 
 The run's config is read as the trainer reads it (its overrides too), and its training data is built as the trainer
 builds it, for the run's model family, image size, tokenizer and normalization; the teacher is built as the trainer
-builds it and runs in the run's precision; the images are decoded by `data.num_workers` processes. Each training
-sample is embedded once at the view evaluation serves (the central crop, or the whole image where the family's
-processor squashes it; no flip), not at the random crops training serves: the teacher's target for an image is its
-embedding of that one view. Each caption the data can serve (with its negative captions, and for the bundled sets
-each template of each class) is embedded once. A bad sample is skipped, as training skips it.
+builds it and runs in the run's precision; the images are decoded by `data.num_workers` processes. Each training sample
+is embedded once at the view evaluation serves (the central crop, or the whole image where the family's processor
+squashes it; no flip), not at the random crops training serves: the teacher's target for an image is its embedding of
+that one view. With `--views K` it also embeds K train views of each image (view v: the crop, or for the bundled sets
+the flip when v is odd, that `datasets.image_keys.view_rng` draws from the image's key and v), and a run reading the
+file serves each training sample one of its image's K views with that view's embedding, as MobileCLIP's reinforced
+datasets store a few augmentations per image: the student sees exactly what the teacher embedded. Each caption the data
+can serve (with its negative captions, and for the bundled sets each template of each class) is embedded once. A bad
+sample is skipped, as training skips it.
 
 Under `torchrun --nproc_per_node=N -m titan_contrastive.embed_images ...` each rank embeds a contiguous shard of the
 samples on its LOCAL_RANK's GPU (or on CPU, the cores split), then a shard of the captions; the shards are gathered in
 order and rank 0 writes the rows one process writes.
 
-FILE (`.parquet` or `.jsonl`) holds one row per image and per caption: `side` (`image` or `caption`), `text` (the
-image's key, the SHA-1 of its bytes as stored: `datasets.image_keys`; or the caption) and `embedding` (float32,
-as the teacher returns it); a .parquet file keeps the teacher's logit scale in its metadata, whose temperature the
-start log prints. It is written under a temporary name beside it and renamed when complete, never over
-an existing file unless `--overwrite`. Then train with `--loss.teacher_embeddings=FILE --loss.teacher_model=''`. Bad
-arguments are one `error: ...` line and exit code 2, before any model is loaded.
-"""
+FILE (`.parquet` or `.jsonl`) holds one row per image (and per view) and per caption: `side` (`image` or `caption`),
+`text` (the image's key, the SHA-1 of its bytes as stored: `datasets.image_keys`, with `#v` for view v; or the caption)
+and `embedding` (float32, as the teacher returns it); a .parquet file keeps the teacher's logit scale in its metadata,
+whose temperature the start log prints. It is written under a temporary name beside it and renamed when complete, never
+over an existing file unless `--overwrite`. Then train with `--loss.teacher_embeddings=FILE --loss.teacher_model=''`.
+Bad arguments are one `error: ...` line and exit code 2, before any model is loaded."""
 
 from __future__ import annotations
 
@@ -57,6 +60,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="the file to write: .parquet or .jsonl")
     p.add_argument("--batch-size", type=int, default=256, help="samples per forward (default: 256)")
     p.add_argument("--device", default="", help="cpu, cuda, cuda:1 ... (default: cuda if there is one, else cpu)")
+    p.add_argument(
+        "--views",
+        type=int,
+        default=0,
+        help="also embed K train views of each image, which training then serves (default: 0, the evaluation view "
+        "alone)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
     return p
 
@@ -65,6 +75,8 @@ def check(opts: argparse.Namespace, cfg: JobConfig) -> tuple[Path, JobConfig]:
     """The output file and the config to build from (without frozen embeddings of its own), or a MineError."""
     if opts.batch_size < 1:
         raise MineError(f"--batch-size={opts.batch_size}: samples per forward, 1 or more")
+    if opts.views < 0:
+        raise MineError(f"--views={opts.views}: train views per image, 0 (the evaluation view alone) or more")
     out = Path(opts.out).expanduser()
     if out.suffix not in OUT_FORMATS:
         raise MineError(f"--out={out}: write {'/'.join(OUT_FORMATS)} (what loss.teacher_embeddings reads)")
@@ -88,13 +100,11 @@ def check(opts: argparse.Namespace, cfg: JobConfig) -> tuple[Path, JobConfig]:
     return out, dataclasses.replace(cfg, loss=loss, training=training)
 
 
-def build(cfg: JobConfig, device: torch.device, precision: Any) -> tuple[Any, Any, torch.nn.Module]:
-    """(the family's spec, the training set, the teacher in eval mode), built as the trainer builds them, the teacher
-    in `precision`'s parameter dtype."""
+def build(cfg: JobConfig) -> tuple[Any, Any, Any]:
+    """(the family's spec, the training set, the model args sized by the data), built as the trainer builds them."""
     from titan_contrastive import models
     from titan_contrastive.datasets import build_dataset
     from titan_contrastive.datasets.build import build_data
-    from titan_contrastive.models.build import build_guide
 
     if cfg.job.custom_import:
         importlib.import_module(cfg.job.custom_import)
@@ -117,7 +127,7 @@ def build(cfg: JobConfig, device: torch.device, precision: Any) -> tuple[Any, An
         context_length=data.context_length,
         eos_id=getattr(train.tokenizer, "EOS", 0),
     )
-    return spec, train, build_guide(spec, cfg, sized, precision.param_dtype, device)
+    return spec, train, sized
 
 
 def on(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -128,16 +138,21 @@ def on(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
 
 
 class FixedViews(torch.utils.data.Dataset):
-    """The training samples `indices` in chunks of `size` at their fixed view (`fixed_view`), for a loader's workers."""
+    """The training samples `indices` in chunks of `size`, at their fixed view (`fixed_view`: (batch, image keys,
+    caption texts)) or at their images' stored view `view` (`view`: (batch, view keys, no texts)), for a loader's
+    workers."""
 
-    def __init__(self, train: Any, indices: Sequence[int], size: int) -> None:
-        self.train, self.indices, self.size = train, indices, size
+    def __init__(self, train: Any, indices: Sequence[int], size: int, view: int | None = None) -> None:
+        self.train, self.indices, self.size, self.view = train, indices, size, view
 
     def __len__(self) -> int:
         return -(-len(self.indices) // self.size)
 
     def __getitem__(self, chunk: int) -> tuple[dict[str, Any], list[str], list[str]]:
-        return self.train.fixed_view(self.indices[chunk * self.size : (chunk + 1) * self.size])
+        indices = self.indices[chunk * self.size : (chunk + 1) * self.size]
+        if self.view is None:
+            return self.train.fixed_view(indices)
+        return (*self.train.view(indices, self.view), [])
 
 
 def gather_lists(items: list[Any], world_size: int) -> list[Any]:
@@ -160,37 +175,51 @@ def embed(
     *,
     rank: int = 0,
     world_size: int = 1,
+    views: int = 0,
 ) -> list[tuple]:
-    """(side, keys or captions, embeddings [n, d]) of every image and caption of `train` (`fixed_view`), on every rank:
-    rank r embeds the r-th contiguous shard of the samples (their images decoded by `workers` processes), then of the
-    captions, and the shards are gathered in order, so the rows are those of one process."""
+    """(side, keys or captions, embeddings [n, d]) of every image of `train` at its fixed view (`fixed_view`) and at
+    each of `views` stored views (`view`), and of every caption, on every rank: rank r embeds the r-th contiguous
+    shard of the samples (their images decoded by `workers` processes), then of the captions, and the shards are
+    gathered in order, so the rows are those of one process."""
     image_key, text_key = spec.input_keys
     dtype = next(teacher.parameters()).dtype
     shards = np.array_split(np.arange(len(train)), world_size)
     mine = shards[rank].tolist()
-    views = FixedViews(train, mine or [0], batch_size)  # an empty shard embeds one sample, for the gather's shapes
-    keys, texts, rows = [], [], []
-    for batch, chunk_keys, chunk_texts in torch.utils.data.DataLoader(views, batch_size=None, num_workers=workers):
-        rows.append(at_least_fp32(teacher(on(batch[image_key], device, dtype), on(batch[text_key], device, dtype))[0]))
-        keys += chunk_keys
-        texts += chunk_texts
-    local = torch.cat(rows)[: len(mine)]
-    vectors = gather_rows(local, [len(s) for s in shards]).cpu().numpy()
-    first: dict[str, int] = {}  # each image's first sample
-    for i, key in enumerate(gather_lists(keys if mine else [], world_size)):
-        first.setdefault(key, i)
-    images = list(first)
-    captions = list(dict.fromkeys(gather_lists(texts if mine else [], world_size)))
+
+    def images_at(view: int | None) -> tuple[list[str], np.ndarray, list[str]]:
+        """Every sample's image key, its image's embedding at `view` and the captions it serves, gathered."""
+        chunks = FixedViews(train, mine or [0], batch_size, view)  # an empty shard embeds one sample, for the shapes
+        keys, texts, rows = [], [], []
+        for batch, chunk_keys, chunk_texts in torch.utils.data.DataLoader(chunks, batch_size=None, num_workers=workers):
+            images, tokens = on(batch[image_key], device, dtype), on(batch[text_key], device, dtype)
+            rows.append(at_least_fp32(teacher(images, tokens)[0]))
+            keys += chunk_keys
+            texts += chunk_texts
+        vectors = gather_rows(torch.cat(rows)[: len(mine)], [len(s) for s in shards]).cpu().numpy()
+        return gather_lists(keys if mine else [], world_size), vectors, gather_lists(texts if mine else [], world_size)
+
+    keys, vectors, texts = images_at(None)
+    image_keys, image_vectors = first_rows(keys, vectors)
+    for view in range(views):
+        keys, vectors, _ = images_at(view)
+        more_keys, more_vectors = first_rows(keys, vectors)
+        image_keys, image_vectors = image_keys + more_keys, np.concatenate([image_vectors, more_vectors])
+    captions = list(dict.fromkeys(texts))
     picture = on(train.fixed_view([0])[0][image_key], device, dtype)  # one image beside each chunk of captions
 
     def encode(chunk: list[str]) -> torch.Tensor:
         return teacher(picture, on(train.encode_text(chunk), device, dtype))[1]
 
     captioned = embed_texts(encode, captions, batch_size=batch_size, rank=rank, world_size=world_size)
-    return [
-        ("image", images, vectors[[first[key] for key in images]]),
-        ("caption", captions, captioned.cpu().numpy()),
-    ]
+    return [("image", image_keys, image_vectors), ("caption", captions, captioned.cpu().numpy())]
+
+
+def first_rows(keys: list[str], vectors: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """Each distinct key (the first sample of each image) and its row of `vectors`."""
+    first: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    return list(first), vectors[list(first.values())]
 
 
 def join(device: str) -> DistInfo:
@@ -208,12 +237,17 @@ def join(device: str) -> DistInfo:
 
 def run(opts: argparse.Namespace, overrides: list[str]) -> tuple[Path, int, int, int]:
     """Embed and write; (the file, images, captions, the embeddings' width)."""
+    from titan_contrastive.models.build import build_guide
+
     out, cfg = check(opts, parse_args(overrides))
     info = join(opts.device)
     precision = build_precision(cfg.training, fsdp=False, device=info.device)
-    spec, train, teacher = build(cfg, info.device, precision)
+    spec, train, sized = build(cfg)
     if not hasattr(train, "fixed_view"):
         raise MineError(f"data.dataset={cfg.data.dataset!r}: not image-text data embed_images can read")
+    if opts.views:
+        train.view([0], 0)  # a DataError where the train split serves no views
+    teacher = build_guide(spec, cfg, sized, precision.param_dtype, info.device)  # in eval mode
     with precision.autocast():  # the run's mixed precision, as its running teacher computes
         sides = embed(
             spec,
@@ -224,11 +258,12 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> tuple[Path, int, int,
             cfg.data.num_workers,
             rank=info.rank,
             world_size=info.world_size,
+            views=opts.views,
         )
     own = spec.guide_temperature  # a CLIP's or SigLIP's trained scale, which distill_temperature = 0 reads
     if info.rank == 0:
         write(out, sides, {TEACHER_LOGIT_SCALE: repr(teacher.logit_scale.item())} if own else None)
-    return out, len(sides[0][1]), len(sides[1][1]), sides[0][2].shape[1]
+    return out, len(sides[0][1]) // (1 + opts.views), len(sides[1][1]), sides[0][2].shape[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     destroy_distributed(barrier=True)  # every rank waits for rank 0's file
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"wrote {out}: {width}-wide embeddings of {images} image(s) and {captions} caption(s)")
+        views = f" (and {opts.views} train views of each)" if opts.views else ""
+        print(f"wrote {out}: {width}-wide embeddings of {images} image(s){views} and {captions} caption(s)")
     return 0
 
 

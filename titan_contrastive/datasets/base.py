@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_contrastive.batching import FROZEN_DOCS, FROZEN_QUERIES
-from titan_contrastive.datasets.image_keys import image_key
+from titan_contrastive.datasets.image_keys import image_key, view_key
 from titan_contrastive.datasets.packing import pack_images, pad_to_batch, resize_each
 from titan_contrastive.datasets.tokenizer import ByteTokenizer
 
@@ -29,6 +29,7 @@ _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64 increment
 STREAM_TEMPLATE = 0
 STREAM_FLIP = 1
 STREAM_SIZE = 2
+STREAM_VIEW = 3
 
 
 class DataError(ValueError):
@@ -48,6 +49,13 @@ def sample_hash(seed: int, epoch: int, stream: int, indices: np.ndarray) -> np.n
     for part in (epoch, stream):
         key = _mix64(key ^ np.uint64((part + _GOLDEN) & _MASK64))
     return _mix64(key ^ (indices.astype(np.uint64) + np.uint64(_GOLDEN)))
+
+
+def view_ids(seed: int, epoch: int, indices: Sequence[int], views: int) -> np.ndarray:
+    """int64 [len(indices)]: which of its image's `views` stored views each sample is served in `epoch`
+    (`datasets.image_keys.view_key`), a pure function of (seed, epoch, index)."""
+    bits = sample_hash(seed, epoch, STREAM_VIEW, np.asarray(indices, dtype=np.int64))
+    return (bits % np.uint64(views)).astype(np.int64)
 
 
 class ImageTextDataset:
@@ -116,16 +124,23 @@ class ImageTextDataset:
             [self.tokenizer.encode([t.format(s) for s in self.subjects]) for t in self.templates]
         )
         self._frozen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # `carry_frozen`
+        self.views = 0
+        """Stored views per image a train sample is served one of (`carry_frozen` of a file of several); 0: none."""
 
     def carry_frozen(self, table: Any) -> None:
         """Serve a frozen model's embeddings beside each sample (`datasets.frozen`, an image-text
         `EmbeddingTable`): `frozen_query` [B, d] of its image as stored (whatever flip it is served
-        with) and `frozen_doc` [B, d] of the caption it is served with. Every image and caption is
+        with) and `frozen_doc` [B, d] of the caption it is served with. With a file of several views
+        per image (`table.views`), a train sample is served one of its image's views (`view_ids`),
+        flipped when the view's number is odd, and that view's embedding. Every image and caption is
         looked up here, so a file that misses one is a DataError before any compute."""
         table.check_image_text()
-        images = table.lookup("image", [image_key(x) for x in self._images], [str(i) for i in range(len(self))])
+        keys, where = [image_key(x) for x in self._images], [str(i) for i in range(len(self))]
+        served = table.views if self.split == "train" and self.hflip else 0
+        each = [[view_key(key, v) for key in keys] for v in range(served)] or [keys]  # [views or 1][N]
+        images = torch.stack([table.lookup("image", view_keys, where) for view_keys in each])
         captions = table.lookup("caption", self.caption_texts()).view(len(self.templates), len(self.subjects))
-        self._frozen = (table.vectors, images, captions)
+        self._frozen, self.views = (table.vectors, images, captions), served
 
     def caption_texts(self) -> list[str]:
         """Every caption the split may serve: each template of each subject."""
@@ -143,6 +158,18 @@ class ImageTextDataset:
         subjects = [self.subjects[s] for s in self._text_ids[torch.as_tensor(list(indices))].tolist()]
         texts = [t.format(subject) for subject in subjects for t in self.templates]
         return batch, [image_key(self._images[i]) for i in indices], texts
+
+    def view(self, indices: Sequence[int], view: int) -> tuple[dict[str, Any], list[str]]:
+        """The samples at their images' stored view `view` (flipped when `view` is odd; the first template), and the
+        views' keys (`view_key`): what a frozen model embeds ahead of training for a file of several views
+        (`embed_images --views`)."""
+        if not (self.hflip and self.split == "train"):
+            raise DataError(
+                f"{self.name}: its views are flips, and this split is served unflipped; write one view (no --views), "
+                "or turn data.augment on"
+            )
+        batch = self.__getitems__(indices, views=np.full(len(indices), view, dtype=np.int64))
+        return batch, [view_key(image_key(self._images[i]), view) for i in indices]
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -226,24 +253,28 @@ class ImageTextDataset:
             np.int64
         )
 
-    def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+    def __getitems__(self, indices: Sequence[int], views: np.ndarray | None = None) -> dict[str, torch.Tensor]:
         """The batch dict: image float32 [B,C,H,W] (normalized), text int64 [B,L], label int64 [B], index int64 [B];
         with `pack_patches`, pixel_values float32 [total_patches, C·p·p] and image_grid_thw int64 [B, 3]
-        instead of image; with `serve_masked`, image in [-1, 1] zero-padded and mask float32 [B, 1, H, W]."""
+        instead of image; with `serve_masked`, image in [-1, 1] zero-padded and mask float32 [B, 1, H, W].
+        `views`: each sample's stored view (flipped when odd), else `carry_frozen`'s draw or the sample's own flip."""
         idx_np = np.asarray(indices, dtype=np.int64)
         idx = torch.from_numpy(idx_np)
         images = self._images[idx]
+        if views is None and self.views and self.hflip:
+            views = view_ids(self.seed, self.epoch, idx_np, self.views)
         if self.hflip:
-            flip = torch.from_numpy(
-                (sample_hash(self.seed, self.epoch, STREAM_FLIP, idx_np) >> np.uint64(63)).astype(np.bool_)
-            )
+            bits = sample_hash(self.seed, self.epoch, STREAM_FLIP, idx_np) >> np.uint64(63)
+            flip = torch.from_numpy((bits if views is None else views % 2).astype(np.bool_))
             images = torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
         template = torch.from_numpy(self._template_ids(idx_np))
         pixels = images.float().mul_(self._scale).add_(self._shift)
         text = {"text": self._tokens[template, self._text_ids[idx]], "label": self.labels[idx], "index": idx}
         if self._frozen is not None:
             vectors, images_at, captions_at = self._frozen
-            text[FROZEN_QUERIES] = vectors[images_at[idx]]
+            text[FROZEN_QUERIES] = vectors[
+                images_at[torch.from_numpy(views) if views is not None and self.views else 0, idx]
+            ]
             text[FROZEN_DOCS] = vectors[captions_at[template, self._text_ids[idx]]]
         if self._layout == "processed":
             chosen = images.float()

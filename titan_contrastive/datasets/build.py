@@ -414,6 +414,16 @@ def build_data(
         logger.info(
             f"{train.name}: a frozen model's {frozen.dim}-wide embeddings of each image and caption, {frozen.source}"
         )
+        if train.views:
+            logger.info(
+                f"{train.name}: each training sample is served one of its image's {train.views} stored views (the "
+                "file's crops or flips), with the frozen model's embedding of that view"
+            )
+        elif frozen.views:
+            logger.info(
+                f"{train.name}: {frozen.source} holds {frozen.views} views of each image, and data.augment=false "
+                "serves the evaluation view: the views are not used"
+            )
         if frozen.logit_scale is not None:  # the file keeps its teacher's
             log_teacher_temperature(frozen.source, frozen.logit_scale)
     if isinstance(train, VLPairsDataset) and not train.processed:  # the family's layout asked for no processor

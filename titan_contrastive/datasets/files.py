@@ -33,8 +33,8 @@ from PIL import Image
 
 from titan_contrastive.batching import FROZEN_DOCS, FROZEN_QUERIES, NEGATIVES
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
-from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.image_keys import image_key
+from titan_contrastive.datasets.base import DataError, view_ids
+from titan_contrastive.datasets.image_keys import image_key, view_key, view_rng
 from titan_contrastive.datasets.image_transforms import (
     CROP_RATIO,
     OPENAI_MEAN,
@@ -98,6 +98,8 @@ class FileImageTextDataset:
         self._naflex: NaFlexImages | None = None  # `serve_naflex`
         self._whole, self._mode = False, "bicubic"  # `resize`
         self._frozen: Any = None  # `carry_frozen`
+        self.views = 0
+        """Stored views per image a train sample is served one of (`carry_frozen` of a file of several); 0: none."""
         if self.num_negatives and split == "train":
             logger.info(
                 f"{name}: {self.num_negatives} negative caption(s) per sample in {source.location}: each image's "
@@ -193,41 +195,54 @@ class FileImageTextDataset:
             "the data is damaged: check the files or rebuild the shards"
         )
 
-    def _pixels(self, index: int, data: Any, *, size: int) -> np.ndarray:
-        """Sample `index`'s crop (its own generator, fresh for each image tried) of the image `data`, uint8."""
-        rng = sample_rng(self.seed, self.epoch, index) if self.train else None
+    def _rng(self, index: int, data: Any, view: int | None) -> np.random.Generator | None:
+        """The generator of a train crop of the image `data` in sample `index`'s slot: its own (fresh for each image
+        tried), or with `view` the stored view's of the image (`view_rng`); None in evaluation."""
+        if not self.train:
+            return None
+        return sample_rng(self.seed, self.epoch, index) if view is None else view_rng(image_key(data), view)
+
+    def _pixels(self, index: int, data: Any, *, size: int, view: int | None = None) -> np.ndarray:
+        """Sample `index`'s crop (`_rng`'s) of the image `data`, uint8."""
+        rng = self._rng(index, data, view)
         return decode_crop_resize(data, size, train=self.train, rng=rng, whole=self._whole, mode=self._mode)
 
-    def _patches(self, index: int, data: Any) -> tuple[torch.Tensor, tuple[int, int]]:
-        """Sample `index`'s NaFlex patches and grid (`serve_naflex`): of its train crop (its own generator,
-        fresh for each image tried; the image's own aspect ratio times 3/4 to 4/3; a large JPEG decoded at
-        reduced scale), or of the whole image, decoded at full scale, in evaluation."""
+    def _patches(self, index: int, data: Any, view: int | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
+        """Sample `index`'s NaFlex patches and grid (`serve_naflex`): of its train crop (`_rng`'s; the image's own
+        aspect ratio times 3/4 to 4/3; a large JPEG decoded at reduced scale), or of the whole image, decoded at full
+        scale, in evaluation."""
         if not self.train:
             image = decode_image(data)
             return self._naflex.sample(image, (0, 0, *image.size), self.normalize)
+        rng = self._rng(index, data, view)
         image = data if isinstance(data, Image.Image) else Image.open(io.BytesIO(data))
         shape = image.width / image.height
         ratio = (shape * CROP_RATIO[0], shape * CROP_RATIO[1])
-        box = random_resized_box(*image.size, sample_rng(self.seed, self.epoch, index), ratio)
+        box = random_resized_box(*image.size, rng, ratio)
         height, width = self._naflex.size_of(box)
         image, box = decode_reduced(image, box, width, height)
         return self._naflex.sample(image, box, self.normalize, (height, width))
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, Any]:
-        batch, records = self._served(indices)
+        views = view_ids(self.seed, self.epoch, indices, self.views) if self.views and self.train else None
+        batch, records = self._served(indices, views)
         if self._frozen is not None:
-            batch |= self._frozen_of(records)
+            batch |= self._frozen_of(records, views)
         return batch
 
-    def _served(self, indices: Sequence[int]) -> tuple[dict[str, Any], list[Record]]:
-        """The batch of these samples and the records it was made of (a bad sample's substitute in its slot)."""
+    def _served(
+        self, indices: Sequence[int], views: Sequence[int] | None = None
+    ) -> tuple[dict[str, Any], list[Record]]:
+        """The batch of these samples (with `views`: each train crop the stored view's, `_rng`) and the records it was
+        made of (a bad sample's substitute in its slot)."""
         if self._process is not None:
             return self._processed(indices)
         size = self.image_shape[-1]
         images, records, bad = [], [], []
         read = self._patches if self._naflex else functools.partial(self._pixels, size=size)
-        for index in indices:
-            image, record = self._read(int(index), bad, functools.partial(read, int(index)))
+        for slot, index in enumerate(indices):
+            view = None if views is None else int(views[slot])
+            image, record = self._read(int(index), bad, functools.partial(read, int(index), view=view))
             images.append(image)
             records.append(record)
         if self._naflex:
@@ -268,14 +283,19 @@ class FileImageTextDataset:
                 f"{self.name} data served through a model's processor (the qwen_vl family) cannot carry a frozen "
                 "model's embeddings yet; name the teacher with loss.teacher_model instead of loss.teacher_embeddings"
             )
-        self._frozen = table
+        self._frozen, self.views = table, table.views if self.train else 0
         bad: list[BadSample] = []
-        self._frozen_of([self._read(i, bad)[1] for i in range(min(probe, len(self)))])
+        probed = range(min(probe, len(self)))
+        views = view_ids(self.seed, self.epoch, probed, self.views) if self.views and self.train else None
+        self._frozen_of([self._read(i, bad)[1] for i in probed], views)
 
-    def _frozen_of(self, records: Sequence[Record]) -> dict[str, torch.Tensor]:
-        """`frozen_query` and `frozen_doc` of the records (`carry_frozen`)."""
+    def _frozen_of(self, records: Sequence[Record], views: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+        """`frozen_query` and `frozen_doc` of the records (`carry_frozen`), with `views` of each image's view."""
         table, where = self._frozen, [f"{r.where} {r.key}" for r in records]
-        images = table.lookup("image", [image_key(r.image) for r in records], where)
+        keys = [image_key(r.image) for r in records]
+        if views is not None:
+            keys = [view_key(key, int(v)) for key, v in zip(keys, views)]
+        images = table.lookup("image", keys, where)
         captions = table.lookup("caption", [r.caption for r in records], where)
         docs = table.vectors[captions]
         if self.num_negatives:
@@ -298,6 +318,18 @@ class FileImageTextDataset:
             self.train = train
         texts = [text for r in records for text in (r.caption, *r.negatives)]
         return batch, [image_key(r.image) for r in records], texts
+
+    def view(self, indices: Sequence[int], view: int) -> tuple[dict[str, Any], list[str]]:
+        """The samples at their images' stored view `view` (the train crop `view_rng` draws), and the views' keys
+        (`view_key`): what a frozen model embeds ahead of training for a file of several views (`embed_images
+        --views`)."""
+        if self._process is not None or not self.train:
+            raise DataError(
+                f"{self.name}: several views per image are train crops (data.augment=true) served as tensors; write "
+                "one view (no --views), or turn data.augment on"
+            )
+        batch, records = self._served(indices, [view] * len(indices))
+        return batch, [view_key(image_key(r.image), view) for r in records]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         batch = self.__getitems__([index])

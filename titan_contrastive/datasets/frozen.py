@@ -19,7 +19,8 @@ text with two different embeddings is a DataError naming the file, before any mo
 
 Image-text data (`python -m titan_contrastive.embed_images`) reads a file whose sides are `image`, the row's
 `text` being the image's key (`datasets.image_keys`), and `caption`; the datasets look each sample up as it is
-served (`FileImageTextDataset.carry_frozen`, `ImageTextDataset.carry_frozen`).
+served (`FileImageTextDataset.carry_frozen`, `ImageTextDataset.carry_frozen`). Image keys `key#v` are the image's
+stored train view v (`embed_images --views`, `EmbeddingTable.views`), which a training sample is then served.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class EmbeddingTable:
     source: str
     logit_scale: float | None = None
     """The teacher's own logit scale, where the file keeps it (`embed_images`' .parquet, `TEACHER_LOGIT_SCALE`)."""
+    views: int = 0
+    """The stored views of each image (`embed_images --views`: image rows `view_key(key, v)`, v < views); 0: one,
+    the evaluation view."""
 
     @classmethod
     def read(cls, path: str, key: str) -> EmbeddingTable:
@@ -91,6 +95,7 @@ class EmbeddingTable:
                 "non-zero vector"
             )
         index: dict[tuple[str, str], int] = {}
+        views = 0
         for row, text in enumerate(texts):
             side = "" if sides is None else sides[row]
             if side not in ("", *SIDES, *IMAGE_TEXT_SIDES) or (sides is not None and not side):
@@ -100,13 +105,15 @@ class EmbeddingTable:
                 )
             if not isinstance(text, str) or not text.strip():
                 raise DataError(f"{source}: row {row}'s text is {text!r}; give the text the embedding is of")
+            if side == "image" and "#" in text:
+                views = max(views, _view_of(source, row, text) + 1)
             first = index.setdefault((side, text.strip()), row)
             if first != row and not torch.equal(vectors[first], vectors[row]):
                 raise DataError(
                     f"{source}: rows {first} and {row} give {side + ' ' if side else ''}text {text.strip()[:60]!r} "
                     "two different embeddings; keep one"
                 )
-        return cls(vectors, index, sides is not None, source)
+        return cls(vectors, index, sides is not None, source, views=views)
 
     @property
     def dim(self) -> int:
@@ -155,6 +162,17 @@ class EmbeddingTable:
                 f"{text[:60]!r}; embed the same rows (python -m titan_contrastive.embed with data.path's file)"
             )
         return torch.tensor(table, dtype=torch.int64).view(len(rows), width)
+
+
+def _view_of(source: str, row: int, text: str) -> int:
+    """The view number of an image row keyed `view_key(key, v)`, or a DataError."""
+    view = text.strip().rsplit("#", 1)[1]
+    if not view.isdigit():
+        raise DataError(
+            f"{source}: row {row}'s image key is {text[:60]!r}; a view's key is the image's key, '#' and the view's "
+            f"number (written by {EMBED_IMAGES} --views K)"
+        )
+    return int(view)
 
 
 def _logit_scale(file: Path, source: str) -> float | None:
