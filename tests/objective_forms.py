@@ -1,7 +1,8 @@
 """Every form of an objective held to a reference's loss and gradients (float64, tests/test_objectives.py's
 tolerance): dense, streamed with chunks that divide nothing, and the step's microbatch loss, on one process or
 on each rank of a gloo group. For the terms beside an objective (tests/test_cosent.py, tests/test_spread.py);
-`teacher`: the data's scores [N, 1 + k] a distilled objective reads."""
+`teacher`: the data's scores [N, 1 + k] a distilled objective reads; `guide`: a guide's embeddings of the whole
+problem (`losses.guide.Guide`), whose cosines decide the masks."""
 
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ def wanted(loss, q, p, n, scale):
     return grads[0], torch.cat(grads[1:-1]), grads[-1]
 
 
-def assert_forms(objective, problem, want, teacher=None) -> None:
+def assert_forms(objective, problem, want, teacher=None, guide=None) -> None:
     """`problem`: (q, p, n, scale, bias, ids); `want`: (loss, dq, dD, ds) of the reference."""
     q, p, n, scale, bias, ids = problem
     want_loss, want_q, want_cols, want_s = want
     k = 0 if n is None else len(n) // len(q)
     bound = objective if teacher is None else objective.with_teacher(teacher)
+    bound = bound if guide is None else bound.with_guide(guide)
     cols, b = (p if n is None else torch.cat([p, n])), (bias if objective.has_bias else None)
 
     dq, dcols, ds = leaves(q, cols, scale)
@@ -51,7 +53,9 @@ def assert_forms(objective, problem, want, teacher=None) -> None:
 
     docs, local_ids = per_sample(p, n, ids, k)
     mq, ms, mb, mdocs = leaves(q, scale, bias, docs)
-    loss = MicrobatchLoss(objective)(mq, mdocs, ms, mb if b is not None else None, ids=local_ids, teacher=teacher)
+    loss = MicrobatchLoss(objective)(
+        mq, mdocs, ms, mb if b is not None else None, ids=local_ids, teacher=teacher, guide=guide
+    )
     loss.backward()
     _close(loss.detach(), want_loss, "microbatch loss")
     _close(mq.grad, want_q, "microbatch dq")
@@ -62,7 +66,7 @@ def assert_forms(objective, problem, want, teacher=None) -> None:
     )
 
 
-def assert_distributed_forms(objective, problem, want, name: str, teacher=None) -> None:
+def assert_distributed_forms(objective, problem, want, name: str, teacher=None, guide=None) -> None:
     """`assert_forms`' streamed and microbatch forms on this rank of the default group, each rank holding
     N / world of the queries (and of their teacher's scores, gathered as the steps bind them)."""
     q, p, n, scale, bias, ids = problem
@@ -73,6 +77,7 @@ def assert_distributed_forms(objective, problem, want, name: str, teacher=None) 
     cols, b = (p if n is None else torch.cat([p, n])), (bias if objective.has_bias else None)
 
     bound = objective if teacher is None else objective.with_teacher(ranks.gather(teacher[own]))
+    bound = bound if guide is None else bound.with_guide(guide)
     out = bound.streamed(q[own], cols, scale, b, first_row=own.start, num_queries=N, chunk=3, ranks=ranks, ids=ids)
     _close(out.loss, want_loss, f"{name} streamed loss")
     _close(out.grad_rows, want_q[own], f"{name} streamed dq")
@@ -84,7 +89,7 @@ def assert_distributed_forms(objective, problem, want, name: str, teacher=None) 
     lq, ls, lb, ldocs = leaves(q[own], scale, bias, docs)
     local_teacher = None if teacher is None else teacher[own]
     loss = MicrobatchLoss(objective, dist.group.WORLD)(
-        lq, ldocs, ls, lb if b is not None else None, ids=local_ids, teacher=local_teacher
+        lq, ldocs, ls, lb if b is not None else None, ids=local_ids, teacher=local_teacher, guide=guide
     )
     loss.backward()
     _close(loss.detach(), want_loss, f"{name} microbatch loss")

@@ -19,6 +19,7 @@ from tests.dist_utils import run_distributed
 from tests.needs import needs
 from tests.test_hard_negatives import assert_step_equals_its_forwards, make_trainer, pairs_file, step_against
 from tests.test_late_interaction import reference
+from tests.test_late_masks import reference as masked_reference
 from tests.test_trainer import full, grads
 
 DIM = 8
@@ -130,6 +131,68 @@ def test_every_step_kind_equals_the_definition(tmp_path: Path, kind: str) -> Non
     _step(tmp_path, kind)
 
 
+MASKED = ["--loss.mask_relative=0.9", "--loss.mask_duplicates=true", "--loss.hardness_strength=2"]
+
+
+def _dense_masked(trainer, every: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """The masked and weighted InfoNCE over MaxSim of tests/test_late_masks.py over all samples, the documents' ids
+    equal where their token ids are; asserts the mask removes something."""
+    from titan_contrastive.batching import with_negatives
+    from titan_contrastive.losses import FalseNegatives, Hardness
+
+    rows = with_negatives(every["doc"], every["neg"], trainer.model.pad_id).view(len(every["doc"]), 3, -1)
+    ids = torch.unique(torch.cat([rows[:, 0], rows[:, 1:].flatten(0, 1)]), dim=0, return_inverse=True)[1]
+    masking, hardness = FalseNegatives(duplicates=True, relative=0.9), Hardness(strength=2.0)
+
+    def loss_of(q, p, n, s, masking=masking):
+        return masked_reference(q, p, n, s, ids, False, masking, hardness, False, dim=DIM)
+
+    unmasked = dense_with(trainer, every, lambda *z: loss_of(*z, masking=FalseNegatives()))[0]
+    loss, want = dense_with(trainer, every, loss_of)
+    assert abs(loss - unmasked) > 1e-3, "the mask removes nothing here"
+    return loss, want
+
+
+@needs("hf")
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_masks_and_hardness_in_every_step_kind(tmp_path: Path, kind: str) -> None:
+    """colpali-engine's positive-aware negative filtering as NV-Retriever's rule, and LLaVE's hardness weighting."""
+    pairs_file(tmp_path)
+    trainer = step_against(tmp_path, KINDS[kind], *COLBERT, *MASKED, "--loss.symmetric=false", reference=_dense_masked)
+    assert "false negatives masked (duplicate ids or MaxSim > 0.9 x positive)" in trainer.gradient_step.describe()
+
+
+def _dense_guided(trainer, every: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """tests/test_late_masks.py's reference over all samples, the frozen guide's cosines deciding the masks; asserts
+    they decide otherwise than the model's MaxSim."""
+    from titan_contrastive.batching import with_negatives
+    from titan_contrastive.losses import FalseNegatives, Hardness
+
+    docs = with_negatives(every["doc"], every["neg"], trainer.model.pad_id)
+    with torch.no_grad():
+        gq, gd = trainer.step_context.guide(every["query"], docs)[:2]
+    gd = gd.double().view(len(gq), 3, -1)
+    guide = (gq.double(), gd[:, 0], gd[:, 1:].flatten(0, 1))
+    ids, masking = torch.arange(len(docs)), FalseNegatives(relative=0.9)
+
+    def loss_of(q, p, n, s, guide=guide):
+        return masked_reference(q, p, n, s, ids, True, masking, Hardness(), False, guide, dim=DIM)
+
+    by_model = dense_with(trainer, every, lambda *z: loss_of(*z, guide=None))[0]
+    loss, want = dense_with(trainer, every, loss_of)
+    assert abs(loss - by_model) > 1e-3, "the guide masks what the model would"
+    return loss, want
+
+
+@needs("hf")
+def test_a_guide_decides_the_masks(tmp_path: Path, guide_dir: Path) -> None:
+    """GISTEmbed with a ColBERT student: a frozen single-vector guide's cosines decide which columns leave."""
+    pairs_file(tmp_path)
+    options = [f"--loss.guide_model={guide_dir}", "--loss.mask_relative=0.9"]
+    trainer = step_against(tmp_path, KINDS["gradcache"], *COLBERT, *options, reference=_dense_guided)
+    assert "the frozen guide's cosines" in trainer.gradient_step.describe()
+
+
 def _step_distributed(tmp: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -182,7 +245,7 @@ def test_settings_colbert_cannot_take_are_one_line(tmp_path: Path) -> None:
             "--loss.matryoshka_dims=256",
         ): r"^loss.matryoshka_dims=\[256\]: the tokens have 128",
         ("--model.pooling=colbert", "--loss.name=siglip"): r"^loss.name='siglip': siglip loss \(sigmoid\) reads a l",
-        ("--model.pooling=colbert", "--loss.mask_margin=0.1"): r"remove loss.joint_directions, loss.hardness_streng",
+        ("--model.pooling=colbert", "--loss.symmetric=false", "--loss.joint_directions=doc_to_doc"): r"^model.po",
         (f"--model.path={folder}", "--model.colbert_dim=4"): r"^model.colbert_dim=4: the PyLate folder projects tok",
         (f"--model.path={folder}", "--model.pooling=mean"): r"^model.pooling='mean' with .*: a PyLate folder embeds",
         ("--model.pooling=colbert", "--model.freeze=query"): r"^model.freeze=\['query'\]: a locked tower runs without",

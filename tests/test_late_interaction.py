@@ -120,15 +120,15 @@ def test_scale_gradient_is_the_row_shares(normalize: bool) -> None:
     assert abs(out.scale_rows.sum() - grad) < 1e-10
 
 
-def test_only_plain_infonce_scores_by_late_interaction() -> None:
+def test_only_infonce_scores_by_late_interaction() -> None:
     from titan_contrastive.losses import FalseNegatives, Sigmoid
 
     assert late_interaction(InfoNCE(False), 8) == LateInteraction(8, False)
     assert late_interaction(InfoNCE(True), 8, normalize=True) == LateInteraction(8, True, True)
     with pytest.raises(ValueError, match=r"^model.pooling=colbert scores by late interaction, which InfoNCE"):
         late_interaction(Sigmoid(), 8)
-    with pytest.raises(ValueError, match=r"remove loss.joint_directions, loss.hardness_strength and the loss.mask_"):
-        late_interaction(InfoNCE(False, FalseNegatives(margin=0.1)), 8)
+    masked = late_interaction(InfoNCE(False, FalseNegatives(margin=0.1)), 8)
+    assert masked == LateInteraction(8, False, false_negatives=FalseNegatives(margin=0.1))  # tests/test_late_masks.py
 
 
 def test_widths_must_be_whole_tokens() -> None:

@@ -93,6 +93,13 @@ def _late_loss(terms, q, d, scale, m: int):
         from tests.test_pairwise import colpali_pairwise
 
         return colpali_pairwise(q, d, None, scale, terms.pairwise_in_batch_weight, m, terms.maxsim_normalize)
+    if terms.mask_relative is not None or terms.hardness_strength:  # the masks and weights by MaxSim
+        from tests.test_late_masks import reference as masked_reference
+        from titan_contrastive.losses import FalseNegatives, Hardness
+
+        rules = FalseNegatives(relative=terms.mask_relative), Hardness(terms.hardness_mode, terms.hardness_strength)
+        ids = torch.arange(len(d))
+        return masked_reference(q, d, None, scale, ids, terms.symmetric, *rules, terms.maxsim_normalize, dim=m)
     return late_reference(q, d, None, scale, terms.symmetric, m, terms.maxsim_normalize)
 
 

@@ -39,9 +39,11 @@ class Loss:
     """Mask columns that are the same document as a query's positive out of its negatives: the same
     token ids (a text family's documents), e.g. a positive repeated in the batch or mined as a negative."""
     mask_margin: float | None = None
-    """Mask columns with cos(q, d) > cos(q, positive) + mask_margin out of q's negatives (e.g. 0.1)."""
+    """Mask columns with cos(q, d) > cos(q, positive) + mask_margin out of q's negatives (e.g. 0.1); MaxSim in the
+    place of cos under model.pooling=colbert."""
     mask_relative: float | None = opt(None, lambda v: v is None or 0 < v <= 1, "a number in (0, 1], or empty")
-    """Mask columns with cos(q, d) > mask_relative x cos(q, positive) (NV-Retriever; e.g. 0.95)."""
+    """Mask columns with cos(q, d) > mask_relative x cos(q, positive) (NV-Retriever; e.g. 0.95); MaxSim in the place
+    of cos under model.pooling=colbert (colpali-engine's positive-aware negative filtering)."""
     guide_model: str = ""
     """A frozen model folder whose cosines the margin and relative masks compare (GISTEmbed's guide; bi_encoder)."""
     guide_embeddings: str = ""

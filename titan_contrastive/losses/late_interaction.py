@@ -12,6 +12,13 @@ one-way, -1/N sum_i log softmax_j(S_i)[i] (PyLate's Contrastive), or symmetric. 
 nothing (its products are all 0). MaxSim is positively homogeneous in q, so dL/dt = <q, dL/dq> / t per
 row, as for the dot product (`base.row_scale_shares`); the token count does not depend on q's values.
 
+The false-negative masks (`masking.py`: duplicate ids, margin, relative; colpali-engine's positive-aware
+negative filtering removes rather than halves) and hardness weighting (`hardness.py`) apply as for the dot
+product, with MaxSim (over the token count where `normalize`) in the place of the cosine: a column whose
+MaxSim exceeds the positive's by the margin, or `relative` times it, leaves the query's problem; a guide
+(`guide.py`) decides by its own cosines instead. Each query's positive MaxSim is computed first, without
+gradient, so the streamed form masks block by block as the dot product's does.
+
 The scores are formed in tiles of rows x columns whose [rows, L_q, columns, L_d] token products stay
 under `TILE_ELEMENTS`, never all at once; a tile's backward recomputes it (`_tile_grads`), so the
 streamed form keeps O(chunk x M) logits, as every other objective's, and the microbatch form keeps only
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +38,11 @@ from torch import Tensor
 from titan_contrastive.losses.base import Objective, Ranks, StreamResult, gathered_problem, row_scale_shares
 from titan_contrastive.losses.distill import Distilled
 from titan_contrastive.losses.guide import Guide
+from titan_contrastive.losses.hardness import Hardness
+from titan_contrastive.losses.masking import FalseNegatives
 from titan_contrastive.losses.matryoshka import Matryoshka
 from titan_contrastive.losses.pairwise import Pairwise
-from titan_contrastive.losses.streaming import accumulation_dtype
+from titan_contrastive.losses.streaming import BlockMask, BlockWeight, accumulation_dtype
 
 TILE_ELEMENTS = 1 << 24  # token products per tile: 64 MiB in float32
 
@@ -118,17 +127,21 @@ class LateInteraction:
     token_dim: int
     symmetric: bool = False
     normalize: bool = False
+    false_negatives: FalseNegatives = field(default_factory=FalseNegatives)
+    hardness: Hardness = field(default_factory=Hardness)
+    """Hardness weighting of the query -> document negatives, by MaxSim (`hardness.py`)."""
     name: str = "clip"
     has_bias = False
-    needs_ids = False
     kernel_kind = "softmax"
     init_logit_scale = 0.0  # t = 1: PyLate's temperature
     init_logit_bias = None
 
+    @property
+    def needs_ids(self) -> bool:
+        return self.false_negatives.duplicates
+
     def with_guide(self, guide: Guide | None) -> LateInteraction:
-        if guide is not None:
-            raise ValueError("late interaction scores whole token sets; a guide's masks are not supported")
-        return self
+        return dataclasses.replace(self, false_negatives=self.false_negatives.guided(guide))
 
     def fused(self, num_queries: int, num_columns: int) -> bool:
         return False
@@ -143,9 +156,45 @@ class LateInteraction:
         return pair_products(q, docs, self.token_dim, self.normalize)
 
     def describe(self) -> str:
-        way = "symmetric" if self.symmetric else "one-way"
+        options = ["symmetric" if self.symmetric else "one-way"]
+        if self.hardness.enabled:
+            options.append(self.hardness.describe().replace("cos", "MaxSim"))
+        if self.false_negatives.enabled:
+            options.append(f"false negatives masked ({self.false_negatives.describe().replace('cos', 'MaxSim')})")
         per = ", over each query's tokens" if self.normalize else ""
-        return f"{self.name} loss (InfoNCE over late interaction, MaxSim of {self.token_dim}-wide tokens{per}, {way})"
+        return (
+            f"{self.name} loss (InfoNCE over late interaction, MaxSim of {self.token_dim}-wide tokens{per}, "
+            f"{', '.join(options)})"
+        )
+
+    def _mask(self, q_own: Tensor, docs: Tensor, scale: float, first_row: int, ids: Tensor | None) -> BlockMask | None:
+        """The false-negative mask of the rows `q_own` (global rows first_row, ...) on blocks of logits
+        scale * MaxSim against all columns `docs`, from their positives' MaxSim (no gradient); None without one."""
+        if not self.false_negatives.enabled:
+            return None
+        with torch.no_grad():
+            own = docs[first_row : first_row + len(q_own)]
+            positive = pair_products(q_own, own[:, None], self.token_dim, self.normalize)[:, 0]
+        summed = q_own.shape[1]  # products a MaxSim sums: its rounding, for the masks' tie rule
+        return self.false_negatives.for_keys(positive.to(torch.float64) * scale, scale, first_row, summed, ids, ids)
+
+    def _weighed(self, logits: Tensor, mask: BlockMask | None, weight: BlockWeight | None, start: int) -> Tensor:
+        """A block of logits (own rows start, ...), masked entries -inf and the hardness weight applied, in place."""
+        if mask is not None and (masked := mask(logits, start)) is not None:
+            logits.masked_fill_(masked, -math.inf)
+        if weight is not None:
+            weight(logits, start)
+        return logits
+
+    def _logits(self, q: Tensor, docs: Tensor, scale: Tensor, products: Tensor, ids: Tensor | None) -> Tensor:
+        """The whole problem's logits from its MaxSim `products` (with autograd): scaled, weighted and masked."""
+        logits = scale.to(products.dtype) * products
+        if self.hardness.enabled:
+            logits = self.hardness.dense(logits, products, 0, len(q))
+        mask = self._mask(q, docs, 1.0, 0, ids)
+        if mask is not None and (masked := mask(products.detach(), 0)) is not None:
+            logits = logits.masked_fill(masked, -math.inf)
+        return logits
 
     def _loss(self, logits: Tensor) -> Tensor:
         n = len(logits)
@@ -157,7 +206,7 @@ class LateInteraction:
         self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
     ) -> Tensor:
         """The definition on whole tensors (autograd; materialises every token product)."""
-        return self._loss(scale * token_products(q, docs, self.token_dim, self.normalize))
+        return self._loss(self._logits(q, docs, scale, token_products(q, docs, self.token_dim, self.normalize), ids))
 
     def microbatch(
         self,
@@ -170,9 +219,9 @@ class LateInteraction:
     ) -> Tensor:
         """The loss over all ranks' embeddings gathered with gradient (as `InfoNCE.microbatch`), the scores in
         tiles that the backward recomputes."""
-        queries, cols, _ = gathered_problem(q, docs, None, ranks)
-        logits = scale.to(accumulation_dtype(q)) * MaxSimScores.apply(queries, cols, self.token_dim, self.normalize)
-        return self._loss(logits)
+        queries, cols, col_ids = gathered_problem(q, docs, ids, ranks)
+        products = MaxSimScores.apply(queries, cols, self.token_dim, self.normalize)
+        return self._loss(self._logits(queries, cols, scale, products, col_ids))
 
     def streamed(
         self,
@@ -190,15 +239,21 @@ class LateInteraction:
     ) -> StreamResult:
         """The own rows against all columns, `chunk` rows at a time: the row (and, symmetric, the positives'
         column) log-sum-exps in one pass, merged over ranks; then each block again for dL/dS and its tiles'
-        gradients."""
+        gradients. Masks and weights apply to each block in both passes."""
         n, c, dim, s, norm = num_queries, len(q_own), self.token_dim, float(scale), self.normalize
+        mask = self._mask(q_own, docs, s, first_row, ids)
+        weight = self.hardness.for_rows(first_row, n, s) if self.hardness.enabled else None
+
+        def block(start: int) -> Tensor:
+            return self._weighed(scores(q_own[start : start + chunk], docs, dim, norm).mul_(s), mask, weight, start)
+
         acc = accumulation_dtype(q_own)
         row_lse = torch.empty(c, dtype=acc, device=q_own.device)
         positive = torch.empty(c, dtype=acc, device=q_own.device)
         col_part = torch.full((n,), -math.inf, dtype=acc, device=q_own.device)
         blocks = range(0, c, chunk)
         for start in blocks:
-            logits = scores(q_own[start : start + chunk], docs, dim, norm).mul_(s)
+            logits = block(start)
             row_lse[start : start + chunk] = logits.logsumexp(1)
             positive[start : start + chunk] = logits.diagonal(first_row + start)  # each row's own column
             if self.symmetric:
@@ -213,7 +268,7 @@ class LateInteraction:
         coef = s / (2 * n) if self.symmetric else s / n
         for start in blocks:
             rows = q_own[start : start + chunk]
-            w = scores(rows, docs, dim, norm).mul_(s)
+            w = block(start)
             p = (w - row_lse[start : start + len(rows), None]).exp()
             if col_lse is not None:
                 p[:, :n] += (w[:, :n] - col_lse[None, :]).exp()
@@ -287,9 +342,10 @@ def late_interaction(objective: object, token_dim: int, normalize: bool = False)
             f"(loss.name=pairwise) take, not {objective.describe()}: set loss.name=clip or pairwise and remove the "  # type: ignore[attr-defined]
             "terms around it"
         )
-    if objective.directions or objective.hardness.enabled or objective.false_negatives.enabled:
+    if objective.directions:
         raise ValueError(
-            f"model.pooling=colbert scores by late interaction, and {objective.describe()} reads dot products: "
-            "remove loss.joint_directions, loss.hardness_strength and the loss.mask_* settings"
+            f"model.pooling=colbert scores by late interaction, and loss.joint_directions={list(objective.directions)} "
+            "scores queries against queries and documents against documents by dot products: remove "
+            "loss.joint_directions"
         )
-    return LateInteraction(token_dim, objective.symmetric, normalize)
+    return LateInteraction(token_dim, objective.symmetric, normalize, objective.false_negatives, objective.hardness)

@@ -179,7 +179,8 @@ def colbert_settings(folder: Any, dim: int, expansion: bool | None) -> tuple[int
 
 def refuse_for_colbert(cfg: Any) -> None:
     """The settings that read one vector per text, which ColBERT's token sets are not, and locked towers (a locked
-    tower runs without a graph, its projection too): a one-line ConfigError."""
+    tower runs without a graph, its projection too): a one-line ConfigError. A guide stays: its masks read its own
+    vectors (`losses/late_interaction.py`)."""
     if cfg.model.freeze:
         raise ConfigError(
             f"model.freeze={cfg.model.freeze}: a locked tower runs without a graph, and ColBERT's projection follows "
@@ -191,9 +192,7 @@ def refuse_for_colbert(cfg: Any) -> None:
         ("loss.gor_mean_weight", loss.gor_mean_weight),
         ("loss.flops_query_weight", loss.flops_query_weight),
         ("loss.flops_doc_weight", loss.flops_doc_weight),
-        ("loss.guide_model", loss.guide_model),
         ("loss.teacher_model", loss.teacher_model),
-        ("loss.guide_embeddings", loss.guide_embeddings),
         ("loss.teacher_embeddings", loss.teacher_embeddings),
         ("eval.sts_path", cfg.eval.sts_path),
     ):
