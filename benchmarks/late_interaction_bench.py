@@ -6,8 +6,10 @@ recompute each tile for the backward (`losses/late_interaction.py`), for InfoNCE
 
 `--queries` queries of 32 tokens against their positives and `--negatives` hard negatives each (documents of
 180 tokens, a quarter of each left out as padding or skipped), 128-wide unit tokens, PyLate's sizes; one-way
-InfoNCE over MaxSim (PyLate's Contrastive) and the pairwise loss over MaxSim (colpali-engine's
-ColbertPairwiseNegativeCELoss: the hardest in-batch negative, then each query's hard negatives). Rows, per objective
+InfoNCE over MaxSim (PyLate's Contrastive), the same masked and weighted (`masked`: a column above 0.95 x its
+query's positive MaxSim removed, colpali-engine's positive-aware negative filtering, and hardness 2 on the in-batch
+negatives), and the pairwise loss over MaxSim (colpali-engine's ColbertPairwiseNegativeCELoss: the hardest in-batch
+negative, then each query's hard negatives). Rows, per objective
 and path (`autograd`: its dense form; `tiled`: its microbatch form): the bytes autograd keeps for the backward
 (`SavedActivations`, counted, so the same on any device), the median seconds of one loss and backward
 (`harness.round_robin`, interleaved, after a warm-up), the peak memory of that call above what was allocated before
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch.nn.functional as F
 
     from titan_contrastive.components.memory_probe import SavedActivations
-    from titan_contrastive.losses import Ranks
+    from titan_contrastive.losses import FalseNegatives, Hardness, Ranks
     from titan_contrastive.losses.late_interaction import LateInteraction, LatePairwise
 
     device = harness.default_device()
@@ -61,7 +63,12 @@ def main(argv: list[str] | None = None) -> None:
 
     q, docs = tokens(n, args.query_tokens), tokens(m, args.doc_tokens)
     scale = torch.tensor(1.0, device=device)
-    objectives = {"infonce": LateInteraction(args.dim), "pairwise": LatePairwise(token_dim=args.dim)}
+    masked = LateInteraction(args.dim, false_negatives=FalseNegatives(relative=0.95), hardness=Hardness(strength=2.0))
+    objectives = {
+        "infonce": LateInteraction(args.dim),
+        "masked": masked,
+        "pairwise": LatePairwise(token_dim=args.dim),
+    }
     paths = {}
     for name, objective in objectives.items():
         paths[f"{name} autograd"] = lambda o=objective: o.dense(q, docs, scale)
@@ -115,8 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         axes[1].bar(labels, [r["median_s"] for r in rows])
         axes[1].set_ylabel("loss + backward (s, median)")
         fig.suptitle(
-            f"MaxSim InfoNCE and pairwise: {n} x {args.query_tokens} query tokens, {m} x {args.doc_tokens} document "
-            f"tokens, d {args.dim}, {args.dtype}, {harness.device_name(device)}",
+            f"MaxSim InfoNCE (masked) and pairwise: {n} x {args.query_tokens} query tokens, {m} x {args.doc_tokens} "
+            f"document tokens, d {args.dim}, {args.dtype}, {harness.device_name(device)}",
             fontsize=9,
         )
         fig.tight_layout()

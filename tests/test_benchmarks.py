@@ -446,19 +446,21 @@ def test_token_pooling_bench_writes_a_row_per_size_and_factor(tmp_path: Path) ->
 
 
 def test_late_interaction_bench_counts_what_each_path_keeps(tmp_path: Path) -> None:
-    """benchmarks/late_interaction_bench.py on a small problem: a row per objective and path, InfoNCE's tiled path
-    keeping only the embeddings (a small fraction of the autograd path's bytes), the pairwise loss's its picked
-    columns' products (less than its autograd path's), each equal to its autograd path within float32 rounding."""
+    """benchmarks/late_interaction_bench.py on a small problem: a row per objective and path, InfoNCE's (masked or
+    not) tiled path keeping only the embeddings (a small fraction of the autograd path's bytes), the pairwise loss's
+    its picked columns' products (less than its autograd path's), each equal to its autograd path within float32
+    rounding."""
     from benchmarks import late_interaction_bench
 
     argv = ["--queries", "6", "--query-tokens", "4", "--doc-tokens", "8", "--dim", "4", "--repeats", "1"]
     late_interaction_bench.main([*argv, "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "late_interaction_bench.json").read_text())["rows"]
     rows = {(r["objective"], r["path"]): r for r in rows}
-    assert set(rows) == {(o, p) for o in ("infonce", "pairwise") for p in ("autograd", "tiled")}
+    assert set(rows) == {(o, p) for o in ("infonce", "masked", "pairwise") for p in ("autograd", "tiled")}
     assert rows["infonce", "tiled"]["columns"] == 12
-    assert rows["infonce", "tiled"]["saved_mib"] * 4 < rows["infonce", "autograd"]["saved_mib"]
+    for objective in ("infonce", "masked"):
+        assert rows[objective, "tiled"]["saved_mib"] * 4 < rows[objective, "autograd"]["saved_mib"]
     assert rows["pairwise", "tiled"]["saved_mib"] < rows["pairwise", "autograd"]["saved_mib"]
-    for objective in ("infonce", "pairwise"):
+    for objective in ("infonce", "masked", "pairwise"):
         assert rows[objective, "tiled"]["max_diff"] <= 1e-5 and rows[objective, "autograd"]["max_diff"] == 0
     assert (tmp_path / "late_interaction_bench.png").read_bytes()[:4] == b"\x89PNG"
