@@ -1,12 +1,15 @@
 """A frozen guide or teacher of an hf_clip run (`[loss] guide_model` / `teacher_model`): another Hugging Face CLIP,
-MetaCLIP 2, SigLIP or SigLIP 2 folder that reads the run's own token ids and pixels, so it embeds each batch as it
-is served. It must share the run's tokenizer, its image statistics and its way of cutting images (whole images, or
-SigLIP 2's patches at the same size and budget); its position table is resized to the run's image size as
-`[data] image_size` resizes the model's. What it cannot read is refused in one line, naming what differs."""
+MetaCLIP 2, SigLIP or SigLIP 2 folder that embeds each batch as it is served. It must cut images the run's way (whole
+images, or SigLIP 2's patches of the run's size); its position table is resized to the run's image size as
+`[data] image_size` resizes the model's. One of another tokenizer (a SigLIP teaching a CLIP, MetaCLIP 2's multilingual
+vocabulary) reads the run's captions as text through its own tokenizer, at its own length; one of other image
+statistics reads the run's pixels normalized again to its own (`teacher_inputs.py`). What it cannot read is refused in
+one line, naming what differs."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from titan_contrastive.config import ConfigError
 from titan_contrastive.losses.distill import log_teacher_temperature
@@ -23,6 +26,8 @@ from titan_contrastive.models.hf_clip.model import (
 )
 
 __all__ = ["read_guide"]
+
+logger = logging.getLogger("titan_contrastive")
 
 
 def read_guide(run: HFClipArgs, path: str) -> tuple[HFClipArgs, None]:
@@ -43,30 +48,35 @@ def read_guide(run: HFClipArgs, path: str) -> tuple[HFClipArgs, None]:
         raise ConfigError(f"its patches are {patch} px and the run's {run.patch_size}; give one with the run's patches")
     if not naflex:
         size, patch = _image_size(path, kind, config, processor, file, run.image_size)[:2]
-    if (stats := _statistics(processor, file)) != (run.image_mean, run.image_std):
+    stats = _statistics(processor, file)
+    renormalized = stats != (run.image_mean, run.image_std)
+    if renormalized and naflex:
         raise ConfigError(
             f"its processor normalizes images by mean {list(stats[0])} and std {list(stats[1])}, the run's by "
-            f"{list(run.image_mean)} and {list(run.image_std)}; a teacher reads the run's pixels: give one with the "
-            "same image statistics"
+            f"{list(run.image_mean)} and {list(run.image_std)}; a SigLIP 2 teacher reads the run's patches as they "
+            "are: give one with the same image statistics"
         )
-    _same_tokenizer(run, model_dir)
+    if renormalized:
+        logger.info(
+            f"the teacher reads the run's pixels normalized again to its own statistics (mean {list(stats[0])}, std "
+            f"{list(stats[1])}; the run's mean {list(run.image_mean)}, std {list(run.image_std)})"
+        )
     positions = int(config.text_config.max_position_embeddings)
-    if kind in LAST_POSITION and positions != run.context_length:
-        raise ConfigError(
-            f"it pools the last of exactly {positions} tokens and the run's captions are {run.context_length}; give "
-            "one with as many positions"
-        )
-    if run.context_length > positions and (why := unstretchable(positions)):
-        raise ConfigError(f"the run's captions are {run.context_length} tokens and its {why}")
+    length, retokenized = _length(run, model_dir, kind, positions)
     guide = dataclasses.replace(
         run,
         path=path,
+        context_length=length,
         image_size=size,
         patch_size=patch,
         whole_image=kind == "siglip",
+        image_mean=stats[0],
+        image_std=stats[1],
         init_logit_scale=None,
         init_logit_bias=None,
         patch_dropout=0.0,
+        retokenize_from=run.model_dir if retokenized else "",
+        pixels_from=(run.image_mean, run.image_std) if renormalized else (),
         **{field.name: field.default for field in dataclasses.fields(run) if field.name.startswith("lora_")},
     )
     if (scale := folder_scalar(model_dir, "logit_scale")) is not None:
@@ -74,15 +84,24 @@ def read_guide(run: HFClipArgs, path: str) -> tuple[HFClipArgs, None]:
     return guide, None
 
 
-def _same_tokenizer(run: HFClipArgs, model_dir: str) -> None:
+def _length(run: HFClipArgs, model_dir: str, kind: str, positions: int) -> tuple[int, bool]:
+    """(the teacher's caption length, whether it reads the run's captions as text): the run's ids as they are where it
+    shares the run's tokenizer and can read them at the run's length (a CLIP's positions stretched as Long-CLIP
+    stretches them); else its own tokenizer's ids at its own length (SigLIP: exactly its positions)."""
     mine, theirs = load_tokenizer(run.model_dir), load_tokenizer(model_dir)
     reads = {
         "vocabulary": lambda t: t.get_vocab(),
         "pad token": lambda t: t.pad_token_id,
         "padding side": lambda t: t.padding_side,
     }
-    if differ := [name for name, get in reads.items() if get(mine) != get(theirs)]:
-        raise ConfigError(
-            f"its tokenizer differs from the run's ({', '.join(differ)}); a teacher reads the run's token ids: give "
-            "one with the run's tokenizer"
-        )
+    differ = [name for name, get in reads.items() if get(mine) != get(theirs)]
+    if differ:
+        why = f"its tokenizer differs from the run's ({', '.join(differ)})"
+    elif kind in LAST_POSITION and positions != run.context_length:
+        why = f"it pools the last of exactly {positions} tokens and the run's captions are {run.context_length}"
+    elif run.context_length > positions and (unstretched := unstretchable(positions)):
+        why = f"the run's captions are {run.context_length} tokens and its {unstretched}"
+    else:
+        return run.context_length, False
+    logger.info(f"the teacher reads the run's captions as text: {why}; its own tokenizer cuts them to {positions}")
+    return positions, True

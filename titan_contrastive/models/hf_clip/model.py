@@ -53,6 +53,7 @@ from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer, read_text_folder
 from titan_contrastive.models.clip.positions import resize_positions, stretch_positions, unstretchable
 from titan_contrastive.models.hf_clip.naflex import NaFlexEmbeddings, naflex_inputs
+from titan_contrastive.models.hf_clip.teacher_inputs import TeacherInputs
 from titan_contrastive.models.patch_dropout import drop_patches_after, kept_patches
 
 __all__ = [
@@ -212,6 +213,10 @@ class HFClipArgs(LoraFields):
     learn_logit_bias: bool = True
     patch_dropout: float = 0.0
     """`[model] patch_dropout` (not SigLIP 2's padded patches)."""
+    retokenize_from: str = ""
+    """A teacher of another tokenizer: the run's model folder, whose token ids it reads as text (`teacher_inputs`)."""
+    pixels_from: tuple[tuple[float, ...], ...] = ()
+    """A teacher of other image statistics: the run's (image_mean, image_std), its pixels normalized again."""
 
     @property
     def model_dir(self) -> str:
@@ -388,6 +393,7 @@ class HFClip(nn.Module):
         if "logit_bias" in self._start:  # SigLIP's own is kept (and exported) under an objective without a bias
             learn = args.learn_logit_bias and args.init_logit_bias is not None
             self.logit_bias = nn.Parameter(torch.empty(1), requires_grad=learn)
+        self.reads = teacher_inputs(args)
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -410,6 +416,8 @@ class HFClip(nn.Module):
     ) -> tuple[Tensor, ...]:
         """(image embeddings, text embeddings, exp(logit_scale)[, logit_bias]); `replay`: in a cached-gradient
         re-forward, pass 1's outputs of these samples, which a locked tower returns instead of running."""
+        if self.reads is not None:  # a teacher reading the run's batches as its own processor makes them
+            images, texts = self.reads(images, texts)
         image = locked_forward(self.visual, 0, lambda: self.visual(**self.image_inputs(images)), replay)
         text = locked_forward(self.text, 1, lambda: self.text(input_ids=texts), replay)
         out = (image, text, self.logit_scale.exp())
@@ -451,6 +459,19 @@ def _replace_positions(embeddings: nn.Module, table: Tensor) -> None:
 def hf_clip_blocks(model: HFClip) -> list[nn.Module]:
     """Both towers' transformer layers: FSDP2, activation checkpointing and compile units."""
     return [*model.visual.transformer.encoder.layers, *model.text.transformer.encoder.layers]
+
+
+def teacher_inputs(args: HFClipArgs) -> TeacherInputs | None:
+    """What a teacher of another tokenizer or other image statistics reads the run's batches through; None for a
+    model that reads them as they are."""
+    if not (args.retokenize_from or args.pixels_from):
+        return None
+    source = None
+    if args.retokenize_from:
+        run = load_tokenizer(args.retokenize_from)
+        source = (run, int(run.pad_token_id))
+    target = build_tokenizer(args) if args.retokenize_from else None
+    return TeacherInputs(source, target, args.pixels_from, (args.image_mean, args.image_std))
 
 
 def build_tokenizer(args: HFClipArgs) -> CaptionTokenizer:
