@@ -464,3 +464,15 @@ def test_late_interaction_bench_counts_what_each_path_keeps(tmp_path: Path) -> N
     for objective in ("infonce", "masked", "pairwise"):
         assert rows[objective, "tiled"]["max_diff"] <= 1e-5 and rows[objective, "autograd"]["max_diff"] == 0
     assert (tmp_path / "late_interaction_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_teacher_inputs_bench_times_each_work(tmp_path: Path) -> None:
+    """benchmarks/teacher_inputs_bench.py on a small batch: a row per work, each a positive time and rate."""
+    require("hf")
+    from benchmarks import teacher_inputs_bench
+
+    teacher_inputs_bench.main(["--batch", "8", "--size", "16", "--repeats", "1", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "teacher_inputs_bench.json").read_text())["rows"]
+    assert [r["work"] for r in rows] == ["encode", "retokenize", "renormalize"]
+    assert all(r["ms_per_batch"] > 0 and r["samples_per_s_per_core"] > 0 and r["batch"] == 8 for r in rows)
+    assert (tmp_path / "teacher_inputs_bench.png").read_bytes()[:4] == b"\x89PNG"
