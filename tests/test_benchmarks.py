@@ -476,3 +476,17 @@ def test_teacher_inputs_bench_times_each_work(tmp_path: Path) -> None:
     assert [r["work"] for r in rows] == ["encode", "retokenize", "renormalize"]
     assert all(r["ms_per_batch"] > 0 and r["samples_per_s_per_core"] > 0 and r["batch"] == 8 for r in rows)
     assert (tmp_path / "teacher_inputs_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_table_memory_bench_measures_both_designs(tmp_path: Path) -> None:
+    """benchmarks/table_memory_bench.py on a small file: a row per design, each index sized, each worker's pass
+    timed; the arrays are smaller than the dict's objects."""
+    require("data")
+    from benchmarks import table_memory_bench
+
+    table_memory_bench.main(["--images", "300", "--workers", "1", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "table_memory_bench.json").read_text())["rows"]
+    assert [r["design"] for r in rows] == ["numpy arrays (TextIndex)", "Python dict (former)"]
+    assert all(r["keys"] == 600 and r["us_per_key"] > 0 and r["worker_private_mib"] >= 0 for r in rows)
+    assert rows[0]["index_mib"] < rows[1]["index_mib"]
+    assert (tmp_path / "table_memory_bench.png").read_bytes()[:4] == b"\x89PNG"

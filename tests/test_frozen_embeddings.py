@@ -52,7 +52,10 @@ def test_both_formats_read_alike_and_find_each_rows_texts(tmp_path: Path, sided:
     padded = [r | {"text": f" {r['text']}\t"} for r in records]  # surrounding whitespace is stripped, as data's is
     jsonl = EmbeddingTable.read(str(_write(tmp_path / "e.jsonl", padded)), "loss.teacher_embeddings")
     parquet = EmbeddingTable.read(str(_write(tmp_path / "e.parquet", records)), "loss.teacher_embeddings")
-    assert torch.equal(jsonl.vectors, parquet.vectors) and jsonl.index == parquet.index and jsonl.sided == sided
+    assert torch.equal(jsonl.vectors, parquet.vectors) and jsonl.sided == sided
+    keys = [(r.get("side", ""), r["text"]) for r in records]
+    assert [jsonl.row(*k) for k in keys] == [parquet.row(*k) for k in keys] == list(range(len(records)))
+    assert parquet.row("query" if sided else "", "not in the file") == -1
     at = parquet.rows(ROWS, 3)
     for (q, p, n), row in zip(ROWS, at.tolist()):
         for side, text, i in (("query", q, row[0]), ("document", p, row[1]), ("document", n, row[2])):
@@ -97,9 +100,9 @@ def test_the_data_serves_each_rows_vectors_and_the_step_normalizes_them(tmp_path
     batch = trainer.train_set.__getitems__([3, 0, 5])
     for i, row in enumerate([3, 0, 5]):
         q, p, n = ROWS[row]
-        assert torch.equal(batch["frozen_query"][i], table.vectors[table.index["query", q]])
-        assert torch.equal(batch["frozen_doc"][i, 0], table.vectors[table.index["document", p]])
-        assert torch.equal(batch["frozen_doc"][i, 1], table.vectors[table.index["document", n]])
+        assert torch.equal(batch["frozen_query"][i], table.vectors[table.row("query", q)])
+        assert torch.equal(batch["frozen_doc"][i, 0], table.vectors[table.row("document", p)])
+        assert torch.equal(batch["frozen_doc"][i, 1], table.vectors[table.row("document", n)])
     guide = trainer.step_context.carried_guide([batch])
     assert guide.queries.dtype == torch.float64
     assert torch.allclose(guide.queries.norm(dim=-1), torch.ones(3, dtype=torch.float64), atol=1e-12, rtol=0)
@@ -230,7 +233,7 @@ def _mse_step(tmp: Path, kind: str) -> None:
     )
     texts = [("query", r[0]) for r in ROWS[:n]] + [("document", r[1]) for r in ROWS[:n]]
     texts += [("document", r[2]) for r in ROWS[:n]]
-    g = F.normalize(torch.stack([table.vectors[table.index[key]] for key in texts]).double(), dim=-1)
+    g = F.normalize(torch.stack([table.vectors[table.row(*key)] for key in texts]).double(), dim=-1)
     want = want + cfg.distill_weight * sum(((xi - gi) ** 2).sum() for xi, gi in zip(x, g)) / (len(texts) * 8)
     assert_step_is(trainer, mine, model, want)
 
@@ -278,8 +281,8 @@ def assert_mse_alone_is_sentence_transformers(tmp: Path, rows: list[tuple[str, s
     from sentence_transformers.sentence_transformer.modules import Normalize
 
     table = EmbeddingTable.read(str(file), "labels")
-    labels = torch.stack([table.vectors[table.index["query", q]] for q, _ in rows])
-    assert all(torch.equal(table.vectors[table.index["document", t]], v) for (_, t), v in zip(rows, labels))
+    labels = torch.stack([table.vectors[table.row("query", q)] for q, _ in rows])
+    assert all(torch.equal(table.vectors[table.row("document", t)], v) for (_, t), v in zip(rows, labels))
     trainer = static_run(
         tmp, "--loss.distill=mse", "--loss.contrastive_weight=0", f"--loss.teacher_embeddings={file}",
         f"--training.local_batch_size={len(rows)}", "--loss.symmetric=false",

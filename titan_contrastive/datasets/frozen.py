@@ -10,7 +10,8 @@ embeds queries with an instruction keeps both of its embeddings of a text; witho
 text serves either side. Texts are matched after stripping surrounding whitespace, as the pairs reader
 strips them (`datasets/pairs.py`), and without the run's own prompts (`data.query_prompts`).
 
-The table is read once (float32, [T, d]); each row of the training data keeps the indices of its
+The table is read once (float32, [T, d]; where each text's row is: `text_index.TextIndex`, arrays that forked data
+workers share untouched); each row of the training data keeps the indices of its
 1 + 1 + k texts, and a batch serves `frozen_query` [B, d] and `frozen_doc` [B, d] or [B, 1 + k, d]
 (`batching.FROZEN_QUERIES`, `FROZEN_DOCS`), which the step normalizes and gathers over the ranks as a
 guide model's embeddings (`StepContext.guide_of`, `losses/guide.py`). A text of the data without an
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.text_index import TextIndex
 
 FORMATS = (".parquet", ".jsonl")
 SIDES = ("query", "document")
@@ -49,11 +51,11 @@ EMBED_IMAGES = "python -m titan_contrastive.embed_images --out FILE.parquet --jo
 
 @dataclass(frozen=True)
 class EmbeddingTable:
-    """The file's embeddings `vectors` [T, d] and where each text's is: `index` maps (side, text), or
-    ("", text) for a file without sides, to its row."""
+    """The file's embeddings `vectors` [T, d] and where each text's is: `index` finds (side, text), or
+    ("", text) for a file without sides, in its rows (`text_index.TextIndex`)."""
 
     vectors: torch.Tensor
-    index: dict[tuple[str, str], int]
+    index: TextIndex
     sided: bool
     source: str
     logit_scale: float | None = None
@@ -94,8 +96,8 @@ class EmbeddingTable:
                 f"{source}: row {int(bad.nonzero()[0])}'s embedding is zero or not finite; a cosine needs a finite, "
                 "non-zero vector"
             )
-        index: dict[tuple[str, str], int] = {}
         views = 0
+        keys: list[tuple[str, str]] = []
         for row, text in enumerate(texts):
             side = "" if sides is None else sides[row]
             if side not in ("", *SIDES, *IMAGE_TEXT_SIDES) or (sides is not None and not side):
@@ -107,12 +109,16 @@ class EmbeddingTable:
                 raise DataError(f"{source}: row {row}'s text is {text!r}; give the text the embedding is of")
             if side == "image" and "#" in text:
                 views = max(views, _view_of(source, row, text) + 1)
-            first = index.setdefault((side, text.strip()), row)
-            if first != row and not torch.equal(vectors[first], vectors[row]):
-                raise DataError(
-                    f"{source}: rows {first} and {row} give {side + ' ' if side else ''}text {text.strip()[:60]!r} "
-                    "two different embeddings; keep one"
-                )
+            keys.append((side, text.strip()))
+        index, later, first = TextIndex.of(keys)
+        differ = (vectors[torch.from_numpy(later)] != vectors[torch.from_numpy(first)]).any(1).nonzero()
+        if len(differ):
+            at = int(differ[0])
+            side, text = keys[later[at]]
+            raise DataError(
+                f"{source}: rows {first[at]} and {later[at]} give {side + ' ' if side else ''}text {text[:60]!r} "
+                "two different embeddings; keep one"
+            )
         return cls(vectors, index, sides is not None, source, views=views)
 
     @property
@@ -121,9 +127,8 @@ class EmbeddingTable:
 
     def check_image_text(self) -> None:
         """A DataError unless the file has image and caption rows (what image-text data looks up)."""
-        sides = {side for side, _ in self.index}
-        if not set(IMAGE_TEXT_SIDES) <= sides:
-            has = ", ".join(sorted(side or "none" for side in sides))
+        if not set(IMAGE_TEXT_SIDES) <= self.index.sides:
+            has = ", ".join(sorted(side or "none" for side in self.index.sides))
             raise DataError(
                 f"{self.source}: no image and caption rows (its sides: {has}); "
                 f"image-text data looks up each image and caption: write the file with {EMBED_IMAGES}"
@@ -132,36 +137,34 @@ class EmbeddingTable:
     def lookup(self, side: str, keys: Sequence[str], where: Sequence[str] = ()) -> torch.Tensor:
         """int64 [len(keys)]: the rows of the `side` embeddings of `keys` (image keys or caption texts); a DataError
         naming the first missing one (`where`: each key's sample, for the message)."""
-        rows = [self.index.get((side, key.strip()), -1) for key in keys]
-        if -1 in rows:
-            at = rows.index(-1)
+        rows = self.index.find([(side, key.strip()) for key in keys])
+        missing = np.flatnonzero(rows < 0)
+        if len(missing):
+            at = int(missing[0])
             sample = f" (sample {where[at]})" if where else ""
             raise DataError(
-                f"{self.source}: no {side} embedding of {rows.count(-1)} of the data's {side}s, e.g. "
+                f"{self.source}: no {side} embedding of {len(missing)} of the data's {side}s, e.g. "
                 f"{keys[at][:60]!r}{sample}; embed the run's own data: {EMBED_IMAGES}"
             )
-        return torch.tensor(rows, dtype=torch.int64)
+        return torch.from_numpy(rows)
+
+    def row(self, side: str, text: str) -> int:
+        """The row of one `side` text (`""` in a file without sides), -1 where the file has none."""
+        return int(self.index.find([(side, text.strip())])[0])
 
     def rows(self, rows: Sequence[Sequence[str]], width: int) -> torch.Tensor:
         """int64 [N, width]: the rows of the table holding each data row's first `width` texts (the query,
         then its documents)."""
-        missing: list[tuple[str, str]] = []
-
-        def find(side: str, text: str) -> int:
-            at = self.index.get((side if self.sided else "", text.strip()))
-            if at is None:
-                missing.append((side, text))
-                return 0
-            return at
-
-        table = [[find("query" if i == 0 else "document", text) for i, text in enumerate(row[:width])] for row in rows]
-        if missing:
-            side, text = missing[0]
+        named = [("query" if i == 0 else "document", text) for row in rows for i, text in enumerate(row[:width])]
+        found = self.index.find([(side if self.sided else "", text.strip()) for side, text in named])
+        missing = np.flatnonzero(found < 0)
+        if len(missing):
+            side, text = named[missing[0]]
             raise DataError(
                 f"{self.source}: no embedding of {len(missing)} text(s) of the training data, e.g. {side} "
                 f"{text[:60]!r}; embed the same rows (python -m titan_contrastive.embed with data.path's file)"
             )
-        return torch.tensor(table, dtype=torch.int64).view(len(rows), width)
+        return torch.from_numpy(found).view(len(rows), width)
 
 
 def _view_of(source: str, row: int, text: str) -> int:

@@ -1,0 +1,64 @@
+"""Where each (side, text) of a table of embeddings is (`frozen.EmbeddingTable`), in a few numpy arrays.
+
+A Python dict of T keys costs about 100 bytes a key, and a data worker forked from the process that built it copies
+those pages one by one as it looks keys up: CPython counts a reference on every key it compares, so the key
+objects are written to. At a web-scale teacher file (10M images and 10M captions) that is a gigabyte or two per
+worker, in every worker of every rank. Here a key is its 128-bit BLAKE2b digest (of the side, a NUL and the text),
+held as two uint64 arrays sorted together with the row each names. Looking a batch of keys up hashes them and
+binary-searches those arrays, which forked workers read without writing. Two keys share a digest with
+probability 2^-128 per pair (the image keys are SHA-1 digests already).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["TextIndex"]
+
+
+def _digests(keys: Sequence[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+    """(high, low) uint64 halves of each key's BLAKE2b-128 digest."""
+    raw = b"".join(hashlib.blake2b(f"{side}\0{text}".encode(), digest_size=16).digest() for side, text in keys)
+    halves = np.frombuffer(raw, dtype=">u8").reshape(-1, 2).astype(np.uint64)
+    return halves[:, 0].copy(), halves[:, 1].copy()
+
+
+class TextIndex:
+    """The first row of each distinct key of a table; `of` builds it, `find` looks keys up."""
+
+    def __init__(self, high: np.ndarray, low: np.ndarray, rows: np.ndarray, sides: frozenset[str]) -> None:
+        self.high, self.low, self.rows, self.sides = high, low, rows, sides
+
+    @classmethod
+    def of(cls, keys: Sequence[tuple[str, str]]) -> tuple[TextIndex, np.ndarray, np.ndarray]:
+        """(the index of `keys`, one per row of the table, naming each key's first row; the rows that repeat an
+        earlier key, and the first row of each) in row order."""
+        high, low = _digests(keys)
+        order = np.lexsort((low, high))  # stable: equal keys keep their row order
+        high, low = high[order], low[order]
+        repeat = np.zeros(len(order), dtype=bool)
+        repeat[1:] = (high[1:] == high[:-1]) & (low[1:] == low[:-1])
+        first = order[np.maximum.accumulate(np.where(repeat, 0, np.arange(len(order))))]  # each run's first row
+        later, of_first = order[repeat], first[repeat]
+        by_row = np.argsort(later, kind="stable")
+        index = cls(high[~repeat], low[~repeat], order[~repeat].astype(np.int64), frozenset(s for s, _ in keys))
+        return index, later[by_row], of_first[by_row]
+
+    def find(self, keys: Sequence[tuple[str, str]]) -> np.ndarray:
+        """int64 [len(keys)]: each key's row, -1 where the table has none."""
+        if not keys:
+            return np.empty(0, dtype=np.int64)
+        high, low = _digests(keys)
+        at = np.minimum(np.searchsorted(self.high, high), len(self.high) - 1)
+        found = (self.high[at] == high) & (self.low[at] == low)
+        rows = np.where(found, self.rows[at], -1)
+        for i in np.flatnonzero(~found & (self.high[at] == high)):  # the high halves collide: the run, in order
+            j = at[i] + 1
+            while j < len(self.high) and self.high[j] == high[i] and self.low[j] < low[i]:
+                j += 1
+            if j < len(self.high) and self.high[j] == high[i] and self.low[j] == low[i]:
+                rows[i] = self.rows[j]
+        return rows
