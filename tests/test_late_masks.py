@@ -192,3 +192,5 @@ def test_the_run_objective_carries_masks_and_weights() -> None:
     assert "hardness 2 x MaxSim on hard negatives" in late.describe()
     with pytest.raises(ValueError, match=r"loss.joint_directions=\['query_to_query'\] scores queries against"):
         late_interaction(InfoNCE(False, directions=("query_to_query",)), 8)
+    with pytest.raises(ValueError, match=r"^loss.hardness_strength=2.0 weighs the query -> document softmax"):
+        LateInteraction(8, True, hardness=hardness)

@@ -1,13 +1,11 @@
 """Where each (side, text) of a table of embeddings is (`frozen.EmbeddingTable`), in a few numpy arrays.
 
-A Python dict of T keys costs about 100 bytes a key, and a data worker forked from the process that built it copies
-those pages one by one as it looks keys up: CPython counts a reference on every key it compares, so the key
-objects are written to. At a web-scale teacher file (10M images and 10M captions) that is a gigabyte or two per
-worker, in every worker of every rank. Here a key is its 128-bit BLAKE2b digest (of the side, a NUL and the text),
-held as two uint64 arrays sorted together with the row each names. Looking a batch of keys up hashes them and
-binary-searches those arrays, which forked workers read without writing. Two keys share a digest with
-probability 2^-128 per pair (the image keys are SHA-1 digests already).
-"""
+A Python dict of the keys would be copied, page by page, into every data worker forked from the process that built
+it, as the worker looks keys up: CPython counts a reference on every key it compares, so the key objects are written
+to, in every worker of every rank (docs/performance.md, "A teacher file's keys in forked data workers"). Here a key
+is its 128-bit BLAKE2b digest (of the side, a NUL and the text), held as two uint64 arrays sorted together with the
+row each names; looking a batch of keys up hashes them and binary-searches those arrays, which forked workers only
+read. Two keys share a digest with probability 2^-128 per pair (the image keys are SHA-1 digests already)."""
 
 from __future__ import annotations
 

@@ -44,6 +44,15 @@ class Hardness:
     def enabled(self) -> bool:
         return self.strength > 0
 
+    def check(self, symmetric: bool) -> None:
+        """ValueError for a weighting of a symmetric softmax loss, whose logits the document -> query direction
+        shares."""
+        if self.enabled and symmetric:
+            raise ValueError(
+                f"loss.hardness_strength={self.strength} weighs the query -> document softmax, and the symmetric loss "
+                "shares its logits with the document -> query one: set loss.symmetric=false"
+            )
+
     def describe(self) -> str:
         return f"hardness {self.strength:g} x cos on {self.mode.replace('_', ' ')}"
 

@@ -51,11 +51,7 @@ class InfoNCE:
 
     def __post_init__(self) -> None:
         check_directions(tuple(self.directions), self.symmetric)
-        if self.hardness.enabled and self.symmetric:
-            raise ValueError(
-                f"loss.hardness_strength={self.hardness.strength} weighs the query -> document softmax, and the "
-                "symmetric loss shares its logits with the document -> query one: set loss.symmetric=false"
-            )
+        self.hardness.check(self.symmetric)
 
     @property
     def needs_ids(self) -> bool:

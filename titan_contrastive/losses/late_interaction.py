@@ -136,6 +136,9 @@ class LateInteraction:
     init_logit_scale = 0.0  # t = 1: PyLate's temperature
     init_logit_bias = None
 
+    def __post_init__(self) -> None:
+        self.hardness.check(self.symmetric)
+
     @property
     def needs_ids(self) -> bool:
         return self.false_negatives.duplicates

@@ -44,15 +44,6 @@ class TeacherInputs:
             scale, shift = run_std / std, (run_mean - mean) / std
             self.affine = (scale.view(1, -1, 1, 1), shift.view(1, -1, 1, 1))
 
-    def describe(self) -> str:
-        """What the teacher reads differently, for the start log."""
-        parts = []
-        if self.affine is not None:
-            parts.append("the run's pixels normalized again to its own image statistics")
-        if self.target is not None:
-            parts.append(f"the run's captions as text, tokenized by its own tokenizer to {self.target.context_length}")
-        return "; ".join(parts)
-
     def __call__(self, images: Tensor | Mapping[str, Tensor], texts: Tensor) -> tuple[Any, Tensor]:
         if self.affine is not None and isinstance(images, Tensor):
             acc = torch.promote_types(images.dtype, torch.float32)
