@@ -16,8 +16,9 @@ can serve (with its negative captions, and for the bundled sets each template of
 sample is skipped, as training skips it.
 
 Under `torchrun --nproc_per_node=N -m titan_contrastive.embed_images ...` each rank embeds a contiguous shard of the
-samples on its LOCAL_RANK's GPU (or on CPU, the cores split), then a shard of the captions; the shards are gathered in
-order and rank 0 writes the rows one process writes.
+samples on its LOCAL_RANK's GPU (or on CPU, the cores split), then the captions its samples serve; rank 0 gathers the
+shards in order, in pieces of `PIECE_ROWS` rows per rank through the device, onto its host alone, and writes the rows
+one process writes.
 
 FILE (`.parquet` or `.jsonl`) holds one row per image (and per view) and per caption: `side` (`image` or `caption`),
 `text` (the image's key, the SHA-1 of its bytes as stored: `datasets.image_keys`, with `#v` for view v; or the caption)
@@ -41,8 +42,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from titan_contrastive.components.beir_eval import embed_texts
-from titan_contrastive.components.evaluate import gather_rows
 from titan_contrastive.components.precision import at_least_fp32, build_precision
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets.base import DataError
@@ -155,13 +154,36 @@ class FixedViews(torch.utils.data.Dataset):
         return (*self.train.view(indices, self.view), [])
 
 
-def gather_lists(items: list[Any], world_size: int) -> list[Any]:
-    """Every rank's `items`, joined in rank order, on every rank."""
+PIECE_ROWS = 1 << 16
+"""Rows each rank sends rank 0 per gather: a device holds at most (world size x this) rows of the gathered table."""
+
+
+def gather_to_first(local: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+    """Row shards of different lengths (`counts[r]` rows on rank r) joined in rank order on rank 0 alone, on the host,
+    sent in pieces of at most `PIECE_ROWS` rows per rank; None on the other ranks."""
+    if len(counts) == 1:
+        return local.cpu()
+    piece = PIECE_ROWS
+    first = dist.get_rank() == 0
+    pieces: list[list[torch.Tensor]] = [[] for _ in counts]
+    for start in range(0, max(counts), piece):
+        rows = local[start : start + piece]
+        padded = local.new_zeros((min(piece, max(counts) - start), *local.shape[1:]))
+        padded[: len(rows)] = rows
+        parts = [torch.empty_like(padded) for _ in counts] if first else None
+        dist.gather(padded, parts, dst=0)
+        for r, part in enumerate(parts or ()):
+            pieces[r].append(part[: max(0, min(counts[r] - start, len(padded)))].cpu())
+    return torch.cat([row for rank in pieces for row in rank]) if first else None
+
+
+def gather_lists(items: list[Any], world_size: int) -> list[Any] | None:
+    """Every rank's `items`, joined in rank order, on rank 0; None on the other ranks."""
     if world_size == 1:
         return items
-    parts: list[Any] = [None] * world_size
-    dist.all_gather_object(parts, items)
-    return [item for part in parts for item in part]
+    parts: list[Any] = [None] * world_size if dist.get_rank() == 0 else None
+    dist.gather_object(items, parts, dst=0)
+    return None if parts is None else [item for part in parts for item in part]
 
 
 @torch.no_grad()
@@ -176,18 +198,28 @@ def embed(
     rank: int = 0,
     world_size: int = 1,
     views: int = 0,
-) -> list[tuple]:
+) -> list[tuple] | None:
     """(side, keys or captions, embeddings [n, d]) of every image of `train` at its fixed view (`fixed_view`) and at
-    each of `views` stored views (`view`), and of every caption, on every rank: rank r embeds the r-th contiguous
-    shard of the samples (their images decoded by `workers` processes), then of the captions, and the shards are
-    gathered in order, so the rows are those of one process."""
+    each of `views` stored views (`view`), and of every caption, on rank 0 (None on the others): rank r embeds the
+    r-th contiguous shard of the samples (their images decoded by `workers` processes) and the captions they serve,
+    and rank 0 gathers the shards in order and keeps each key's first row, so the rows are those of one process."""
     image_key, text_key = spec.input_keys
     dtype = next(teacher.parameters()).dtype
     shards = np.array_split(np.arange(len(train)), world_size)
     mine = shards[rank].tolist()
 
-    def images_at(view: int | None) -> tuple[list[str], np.ndarray, list[str]]:
-        """Every sample's image key, its image's embedding at `view` and the captions it serves, gathered."""
+    def gathered(keys: list[str], vectors: torch.Tensor) -> tuple[list[str], np.ndarray] | None:
+        """Every rank's (keys, vectors) on rank 0, each key's first row kept."""
+        counts = [len(keys)]
+        if world_size > 1:
+            counts = [0] * world_size
+            dist.all_gather_object(counts, len(keys))
+        keys, vectors = gather_lists(keys, world_size), gather_to_first(vectors, counts)
+        return None if keys is None else first_rows(keys, vectors.numpy())
+
+    def images_at(view: int | None) -> tuple[tuple[list[str], np.ndarray] | None, torch.Tensor, list[str]]:
+        """Every sample's image key and its image's embedding at `view`, on rank 0; no row of such embeddings (their
+        width and dtype); the captions this rank's samples serve."""
         chunks = FixedViews(train, mine or [0], batch_size, view)  # an empty shard embeds one sample, for the shapes
         keys, texts, rows = [], [], []
         for batch, chunk_keys, chunk_texts in torch.utils.data.DataLoader(chunks, batch_size=None, num_workers=workers):
@@ -195,23 +227,21 @@ def embed(
             rows.append(at_least_fp32(teacher(images, tokens)[0]))
             keys += chunk_keys
             texts += chunk_texts
-        vectors = gather_rows(torch.cat(rows)[: len(mine)], [len(s) for s in shards]).cpu().numpy()
-        return gather_lists(keys if mine else [], world_size), vectors, gather_lists(texts if mine else [], world_size)
+        vectors = torch.cat(rows)
+        return gathered(keys[: len(mine)], vectors[: len(mine)]), vectors[:0], texts if mine else []
 
-    keys, vectors, texts = images_at(None)
-    image_keys, image_vectors = first_rows(keys, vectors)
+    images, none, texts = images_at(None)
     for view in range(views):
-        keys, vectors, _ = images_at(view)
-        more_keys, more_vectors = first_rows(keys, vectors)
-        image_keys, image_vectors = image_keys + more_keys, np.concatenate([image_vectors, more_vectors])
-    captions = list(dict.fromkeys(texts))
+        more = images_at(view)[0]
+        images = None if images is None else (images[0] + more[0], np.concatenate([images[1], more[1]]))
     picture = on(train.fixed_view([0])[0][image_key], device, dtype)  # one image beside each chunk of captions
-
-    def encode(chunk: list[str]) -> torch.Tensor:
-        return teacher(picture, on(train.encode_text(chunk), device, dtype))[1]
-
-    captioned = embed_texts(encode, captions, batch_size=batch_size, rank=rank, world_size=world_size)
-    return [("image", image_keys, image_vectors), ("caption", captions, captioned.cpu().numpy())]
+    captions = list(dict.fromkeys(texts))  # this rank's, in order: rank 0 keeps each one's first row of all
+    rows = [
+        at_least_fp32(teacher(picture, on(train.encode_text(captions[i : i + batch_size]), device, dtype))[1])
+        for i in range(0, len(captions), batch_size)
+    ]
+    captioned = gathered(captions, torch.cat(rows) if rows else none)
+    return None if images is None else [("image", *images), ("caption", *captioned)]
 
 
 def first_rows(keys: list[str], vectors: np.ndarray) -> tuple[list[str], np.ndarray]:
@@ -261,8 +291,9 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> tuple[Path, int, int,
             views=opts.views,
         )
     own = spec.guide_temperature  # a CLIP's or SigLIP's trained scale, which distill_temperature = 0 reads
-    if info.rank == 0:
-        write(out, sides, {TEACHER_LOGIT_SCALE: repr(teacher.logit_scale.item())} if own else None)
+    if sides is None:  # another rank's: rank 0 writes
+        return out, 0, 0, 0
+    write(out, sides, {TEACHER_LOGIT_SCALE: repr(teacher.logit_scale.item())} if own else None)
     return out, len(sides[0][1]) // (1 + opts.views), len(sides[1][1]), sides[0][2].shape[1]
 
 
