@@ -132,7 +132,11 @@ def read_guide(run: CLIPArgs, path: str) -> tuple[CLIPArgs, dict[str, Tensor]]:
     """`ModelSpec.read_guide`: (args, weights) of a frozen guide or teacher (`[loss] guide_model` / `teacher_model`)
     from any checkpoint `[model] init_from` reads (a Hugging Face CLIP folder, an open_clip checkpoint, a step folder
     of a clip run): its own towers at the run's input sizes, so it reads the run's pixels and token ids, its position
-    tables fitted as `init_from` fits them. A ValueError (one line) where it cannot read them."""
+    tables fitted as `init_from` fits them. A Hugging Face folder of another kind (SigLIP, MetaCLIP 2) or another
+    vocabulary is the hf_clip family's model instead, reading the run's captions as text and its pixels normalized
+    again (`hf_clip.guide.read_foreign`). A ValueError (one line) where it cannot read them."""
+    if (foreign := _foreign(run, path)) is not None:
+        return foreign, None
     theirs, state = read_checkpoint(path)
     for name, unit in (("vocab_size", "a vocabulary of"), ("in_channels", "images of")):
         if getattr(theirs, name) != getattr(run, name):
@@ -159,6 +163,32 @@ def read_guide(run: CLIPArgs, path: str) -> tuple[CLIPArgs, dict[str, Tensor]]:
     if (scale := state.get("logit_scale")) is not None:
         log_teacher_temperature(path, float(scale))
     return sized, fitted
+
+
+def _foreign(run: CLIPArgs, path: str) -> Any:
+    """The hf_clip args of a Hugging Face teacher folder this family's towers cannot be: one of another model type,
+    or a CLIP of another vocabulary than the run's; None for any other checkpoint."""
+    from titan_contrastive.datasets.image_transforms import OPENAI_MEAN, OPENAI_STD
+    from titan_contrastive.datasets.tokenizer import ByteTokenizer
+    from titan_contrastive.models.weights import read_json
+
+    folder = Path(path).expanduser()
+    if detect_format(folder) != "hf":
+        return None
+    config = read_json(folder / "config.json")
+    vocab = (config.get("text_config") or {}).get("vocab_size", run.vocab_size)
+    if config.get("model_type") == "clip" and vocab == run.vocab_size:
+        return None
+    from titan_contrastive.models.hf_clip.guide import read_foreign
+
+    tokens = {ByteTokenizer.vocab_size: "byte", 49408: "clip_bpe"}.get(run.vocab_size)
+    if tokens is None or run.in_channels != 3:
+        has = f"ids of a {run.vocab_size}-token vocabulary" if tokens is None else f"{run.in_channels}-channel images"
+        raise ValueError(
+            f"a teacher of another kind reads the run's captions as text and its pixels as RGB, and the run serves "
+            f"{has}; train on RGB images with data.tokenizer=byte or clip_bpe"
+        )
+    return read_foreign(str(folder), image_size=run.image_size, tokens=tokens, stats=(OPENAI_MEAN, OPENAI_STD))
 
 
 def _built(args: CLIPArgs, state: dict[str, Tensor], source: str) -> CLIP:

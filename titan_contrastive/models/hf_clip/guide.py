@@ -25,7 +25,7 @@ from titan_contrastive.models.hf_clip.model import (
     folder_scalar,
 )
 
-__all__ = ["read_guide"]
+__all__ = ["read_foreign", "read_guide"]
 
 logger = logging.getLogger("titan_contrastive")
 
@@ -105,3 +105,39 @@ def _length(run: HFClipArgs, model_dir: str, kind: str, positions: int) -> tuple
         return run.context_length, False
     logger.info(f"the teacher reads the run's captions as text: {why}; its own tokenizer cuts them to {positions}")
     return positions, True
+
+
+def read_foreign(path: str, *, image_size: int, tokens: str, stats: tuple[tuple[float, ...], ...]) -> HFClipArgs:
+    """The args of a frozen CLIP, MetaCLIP 2 or SigLIP folder teaching a run of another family (the clip family's
+    `read_guide`) at the run's `image_size`: it reads the run's captions as text (`tokens`: the run's tokenizer, one
+    of `teacher_inputs.OURS`) at its own length, and the run's pixels, normalized by `stats` (mean, std), normalized
+    again to its own. A ConfigError for one that cannot read them (SigLIP 2's patches; a patch that does not divide
+    the images)."""
+    kind, model_dir, config = folder_kind(path)
+    if kind == "siglip2":
+        raise ConfigError(
+            "it reads patches (model_type siglip2) and the run serves whole images; give a CLIP, MetaCLIP 2 or SigLIP "
+            "folder, or train the hf_clip family on a SigLIP 2 folder"
+        )
+    processor, file = _processor(model_dir)
+    size, patch = _image_size(path, kind, config, processor, file, image_size)[:2]
+    own = _statistics(processor, file)
+    positions = int(config.text_config.max_position_embeddings)
+    logger.info(
+        f"the teacher reads the run's captions as text ({tokens} ids); its own tokenizer cuts them to {positions}"
+    )
+    if own != tuple(stats):
+        logger.info(f"the teacher reads the run's pixels normalized again to its own statistics (mean {list(own[0])})")
+    if (scale := folder_scalar(model_dir, "logit_scale")) is not None:
+        log_teacher_temperature(path, scale)
+    return HFClipArgs(
+        path=path,
+        context_length=positions,
+        image_size=size,
+        patch_size=patch,
+        whole_image=kind == "siglip",
+        image_mean=own[0],
+        image_std=own[1],
+        retokenize_from=tokens,
+        pixels_from=tuple(stats) if own != tuple(stats) else (),
+    )

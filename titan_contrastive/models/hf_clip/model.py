@@ -53,7 +53,7 @@ from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer, read_text_folder
 from titan_contrastive.models.clip.positions import resize_positions, stretch_positions, unstretchable
 from titan_contrastive.models.hf_clip.naflex import NaFlexEmbeddings, naflex_inputs
-from titan_contrastive.models.hf_clip.teacher_inputs import TeacherInputs
+from titan_contrastive.models.hf_clip.teacher_inputs import TeacherInputs, run_decoder
 from titan_contrastive.models.patch_dropout import drop_patches_after, kept_patches
 
 __all__ = [
@@ -214,7 +214,8 @@ class HFClipArgs(LoraFields):
     patch_dropout: float = 0.0
     """`[model] patch_dropout` (not SigLIP 2's padded patches)."""
     retokenize_from: str = ""
-    """A teacher of another tokenizer: the run's model folder, whose token ids it reads as text (`teacher_inputs`)."""
+    """A teacher of another tokenizer: the run's model folder, or the clip family's tokenizer (`byte`, `clip_bpe`),
+    whose token ids it reads as text (`teacher_inputs`)."""
     pixels_from: tuple[tuple[float, ...], ...] = ()
     """A teacher of other image statistics: the run's (image_mean, image_std), its pixels normalized again."""
 
@@ -466,12 +467,10 @@ def teacher_inputs(args: HFClipArgs) -> TeacherInputs | None:
     model that reads them as they are."""
     if not (args.retokenize_from or args.pixels_from):
         return None
-    source = None
-    if args.retokenize_from:
-        run = load_tokenizer(args.retokenize_from)
-        source = (run, int(run.pad_token_id))
-    target = build_tokenizer(args) if args.retokenize_from else None
-    return TeacherInputs(source, target, args.pixels_from, (args.image_mean, args.image_std))
+    decode, target = (
+        (run_decoder(args.retokenize_from), build_tokenizer(args)) if args.retokenize_from else (None, None)
+    )
+    return TeacherInputs(decode, target, args.pixels_from, (args.image_mean, args.image_std))
 
 
 def build_tokenizer(args: HFClipArgs) -> CaptionTokenizer:

@@ -15,7 +15,7 @@ one multiply-add on the device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,19 +24,39 @@ from torch import Tensor
 __all__ = ["TeacherInputs"]
 
 
+OURS = ("byte", "clip_bpe")
+"""The clip family's tokenizers (`data.tokenizer`), whose ids a teacher of the hf_clip family reads as text."""
+
+
+def run_decoder(source: str) -> Callable[[Tensor], list[str]]:
+    """The texts of a run's caption ids: `source` one of `OURS`, or the run's transformers folder (its padding and
+    special tokens dropped)."""
+    if source in OURS:
+        from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
+        from titan_contrastive.datasets.tokenizer import ByteTokenizer
+
+        ours = ByteTokenizer() if source == "byte" else ClipBpeTokenizer()
+        return lambda ids: ours.decode(ids.cpu())
+    from titan_contrastive.models.bi_encoder.folder import load_tokenizer
+
+    tokenizer = load_tokenizer(source)
+    pad = int(tokenizer.pad_token_id)
+    return lambda ids: tokenizer.batch_decode([[t for t in row if t != pad] for row in ids.tolist()], True)
+
+
 class TeacherInputs:
-    """The run's (images, token ids) -> the teacher's. `source`: the run's transformers tokenizer and its pad id,
-    `target`: the teacher's `CaptionTokenizer` (None: the ids as they are); `pixels_from`: the run's (mean, std) and
-    `pixels_to` the teacher's (empty: the pixels as they are)."""
+    """The run's (images, token ids) -> the teacher's. `decode`: the run's ids -> texts (`run_decoder`), `target`: the
+    teacher's `CaptionTokenizer` (None: the ids as they are); `pixels_from`: the run's (mean, std) and `pixels_to`
+    the teacher's (empty: the pixels as they are)."""
 
     def __init__(
         self,
-        source: tuple[Any, int] | None = None,
+        decode: Callable[[Tensor], list[str]] | None = None,
         target: Any = None,
         pixels_from: Sequence[Sequence[float]] = (),
         pixels_to: Sequence[Sequence[float]] = (),
     ) -> None:
-        self.source, self.target = source, target
+        self.decode, self.target = decode, target
         self.affine: tuple[Tensor, Tensor] | None = None
         if pixels_from:
             run_mean, run_std = (torch.tensor(v, dtype=torch.float64) for v in pixels_from)
@@ -50,8 +70,5 @@ class TeacherInputs:
             scale, shift = (t.to(images.device, acc) for t in self.affine)
             images = torch.addcmul(shift, images.to(acc), scale).to(images.dtype)
         if self.target is not None:
-            tokenizer, pad = self.source
-            rows = [[t for t in row if t != pad] for row in texts.tolist()]
-            captions = tokenizer.batch_decode(rows, skip_special_tokens=True)
-            texts = self.target.encode(captions).to(texts.device)
+            texts = self.target.encode(self.decode(texts)).to(texts.device)
         return images, texts
