@@ -193,6 +193,38 @@ def test_a_guide_decides_the_masks(tmp_path: Path, guide_dir: Path) -> None:
     assert "the frozen guide's cosines" in trainer.gradient_step.describe()
 
 
+@needs("hf", "data")
+def test_a_guide_written_ahead_decides_the_masks(tmp_path: Path) -> None:
+    """The same with a guide's embeddings read from a file (`loss.guide_embeddings`): random vectors per text."""
+    from tests.test_frozen_embeddings import _records, _write
+    from tests.test_hard_negatives import WORDS
+    from titan_contrastive.losses import FalseNegatives, Hardness
+
+    pairs_file(tmp_path)
+    records = _records([tuple(row) for row in WORDS], width=6)
+    vectors = {(r["side"], r["text"]): F.normalize(torch.tensor(r["embedding"]), dim=0) for r in records}
+    file = _write(tmp_path / "guide.parquet", records)
+
+    def reference(trainer, every: dict) -> tuple[float, dict[str, torch.Tensor]]:
+        rows = [WORDS[r] for r in trainer.train_set.rows(every["index"].tolist())]  # the file's rows, in its order
+        gq = torch.stack([vectors["query", r[0]] for r in rows]).double()
+        gp = torch.stack([vectors["document", r[1]] for r in rows]).double()
+        gn = torch.stack([vectors["document", t] for r in rows for t in r[2:4]]).double()
+        ids, masking = torch.arange(3 * len(rows)), FalseNegatives(relative=0.5)
+
+        def loss_of(q, p, n, s, guide=(gq, gp, gn)):
+            return masked_reference(q, p, n, s, ids, True, masking, Hardness(), False, guide, dim=DIM)
+
+        by_model = dense_with(trainer, every, lambda *z: loss_of(*z, guide=None))[0]
+        loss, want = dense_with(trainer, every, loss_of)
+        assert abs(loss - by_model) > 1e-3, "the file's guide masks what the model would"
+        return loss, want
+
+    options = [f"--loss.guide_embeddings={file}", "--loss.mask_relative=0.5"]
+    trainer = step_against(tmp_path, KINDS["gradcache"], *COLBERT, *options, reference=reference)
+    assert "the frozen guide's cosines (embedded ahead, from the data)" in trainer.gradient_step.describe()
+
+
 def _step_distributed(tmp: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
