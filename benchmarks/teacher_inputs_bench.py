@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
     from titan_contrastive.models.bi_encoder.folder import bundled_minilm, load_tokenizer
-    from titan_contrastive.models.hf_clip.teacher_inputs import TeacherInputs
+    from titan_contrastive.models.hf_clip.teacher_inputs import TeacherInputs, run_decoder
 
     torch.set_num_threads(1)
     meta = harness.metadata("cpu")
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
 
     run = tokenizer(77)
     ids = run.encode(captions)
-    reads = TeacherInputs((hf, int(hf.pad_token_id)), tokenizer(64))
+    reads = TeacherInputs(run_decoder(str(bundled_minilm())), tokenizer(64))
     stats = ((0.481, 0.458, 0.408), (0.269, 0.261, 0.276)), ((0.5,) * 3, (0.5,) * 3)
     pixels = torch.randn(args.batch, 3, args.size, args.size)
     renormalize = TeacherInputs(pixels_from=stats[0], pixels_to=stats[1])
