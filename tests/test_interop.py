@@ -340,7 +340,7 @@ def test_init_from_at_another_image_size_resizes_the_position_table(
 
     from titan_contrastive.config import parse_args
     from titan_contrastive.models.clip import CLIP
-    from titan_contrastive.models.clip.positions import KEY, fit_positions, resize_positions
+    from titan_contrastive.models.positions import KEY, fit_positions, resize_positions
     from titan_contrastive.models.weights import load_state
     from titan_contrastive.train import Trainer
 
@@ -397,7 +397,7 @@ def test_init_from_with_a_shorter_context_cuts_the_text_positions(
     import logging
 
     from titan_contrastive.models.clip import CLIP
-    from titan_contrastive.models.clip.positions import fit_positions
+    from titan_contrastive.models.positions import fit_positions
     from titan_contrastive.models.weights import load_state
 
     src = tiny_hf(tmp_path / "hf")

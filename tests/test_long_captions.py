@@ -1,5 +1,5 @@
 """Captions longer than a CLIP checkpoint's positions, by Long-CLIP's knowledge-preserved stretching
-(`models/clip/positions.py`: `stretch_positions`): the table against Long-CLIP's construction written out; the
+(`models/positions.py`: `stretch_positions`): the table against Long-CLIP's construction written out; the
 clip family from a transformers CLIP folder (`init_from`) and hf_clip's CLIP folders, where captions of at most 20
 tokens keep the checkpoint's embeddings, and a step of such a run exports with the new length."""
 
@@ -50,7 +50,7 @@ def test_init_from_with_a_longer_context_stretches_the_text_positions(
     import logging
 
     from titan_contrastive.models.clip import CLIP
-    from titan_contrastive.models.clip.positions import TEXT_KEY, fit_positions, stretch_positions
+    from titan_contrastive.models.positions import TEXT_KEY, fit_positions, stretch_positions
     from titan_contrastive.models.weights import load_state
 
     src = tiny_hf(tmp_path / "hf")
@@ -121,7 +121,7 @@ def test_an_hf_clip_folder_reads_longer_captions(tmp_path: Path, kind: str) -> N
     count exact, captions of at most 20 tokens embed as transformers embeds them at 24; a step exports as a model
     of 40 positions (the exporter checks it against the run); a folder of fewer positions than 22 is refused."""
     from titan_contrastive.config import ConfigError
-    from titan_contrastive.models.clip.positions import stretch_positions
+    from titan_contrastive.models.positions import stretch_positions
 
     folder = _folder_of_24_positions(tmp_path, kind)
     flags = ("--data.context_length=40", "--training.local_batch_size=4", "--training.global_batch_size=4")

@@ -47,8 +47,8 @@ from titan_contrastive.models.clip.hf import (
     to_hf_state_dict,
 )
 from titan_contrastive.models.clip.model import CLIP
-from titan_contrastive.models.clip.positions import fit_positions
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
+from titan_contrastive.models.positions import fit_positions
 from titan_contrastive.models.registry import StateDictAdapter
 from titan_contrastive.models.weights import WeightsError, load_state, load_weights, read_json, read_ours
 

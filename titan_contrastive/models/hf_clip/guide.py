@@ -14,7 +14,6 @@ import logging
 from titan_contrastive.config import ConfigError
 from titan_contrastive.losses.distill import log_teacher_temperature
 from titan_contrastive.models.bi_encoder.folder import load_tokenizer
-from titan_contrastive.models.clip.positions import unstretchable
 from titan_contrastive.models.hf_clip.model import (
     LAST_POSITION,
     HFClipArgs,
@@ -24,6 +23,7 @@ from titan_contrastive.models.hf_clip.model import (
     folder_kind,
     folder_scalar,
 )
+from titan_contrastive.models.positions import unstretchable
 
 __all__ = ["read_foreign", "read_guide"]
 

@@ -51,10 +51,10 @@ from titan_contrastive.datasets.image_transforms import FILTERS
 from titan_contrastive.datasets.tokenizer import CaptionTokenizer, PairTokenizer
 from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.folder import load_config, load_tokenizer, read_text_folder
-from titan_contrastive.models.clip.positions import resize_positions, stretch_positions, unstretchable
 from titan_contrastive.models.hf_clip.naflex import NaFlexEmbeddings, naflex_inputs
 from titan_contrastive.models.hf_clip.teacher_inputs import TeacherInputs, run_decoder
 from titan_contrastive.models.patch_dropout import drop_patches_after, kept_patches
+from titan_contrastive.models.positions import resize_positions, stretch_positions, unstretchable
 
 __all__ = [
     "KINDS",
@@ -427,7 +427,7 @@ class HFClip(nn.Module):
 
 def resize_vision_positions(vision: nn.Module, size: int) -> None:
     """A transformers CLIP or SigLIP vision transformer made to read `size` px images: its position table resized
-    (`clip.positions.resize_positions`, as its own `interpolate_pos_encoding`) and its sizes and config set; as it
+    (`models.positions.resize_positions`, as its own `interpolate_pos_encoding`) and its sizes and config set; as it
     is at its own size."""
     embeddings = vision.embeddings
     grid = size // embeddings.patch_size
@@ -442,7 +442,7 @@ def resize_vision_positions(vision: nn.Module, size: int) -> None:
 
 def stretch_text_positions(text: nn.Module, length: int) -> None:
     """A transformers CLIP text transformer made to read `length` tokens, more than its positions: its table
-    stretched as Long-CLIP stretches it (`clip.positions.stretch_positions`) and its config set; as it is at its
+    stretched as Long-CLIP stretches it (`models.positions.stretch_positions`) and its config set; as it is at its
     own length or less (a shorter caption reads the table's first rows)."""
     embeddings = text.embeddings
     if length <= embeddings.position_embedding.num_embeddings:

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from titan_contrastive.models.clip.args import CLIPArgs
 from titan_contrastive.models.weights import WeightsError
+
+if TYPE_CHECKING:
+    from titan_contrastive.models.clip.args import CLIPArgs
 
 __all__ = ["KEEP", "fit_positions", "resize_positions", "stretch_positions", "unstretchable"]
 
