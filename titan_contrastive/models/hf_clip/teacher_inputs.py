@@ -1,5 +1,6 @@
 """A frozen teacher (or guide) of an hf_clip run that was trained with another tokenizer or other image statistics
-reads the run's batches as its own processor would have made them (`guide.read_guide` decides what it needs):
+reads the run's batches as its own processor would have made them (`guide.read_guide`, and `guide.read_foreign` for
+a teacher of the clip family, decide what it needs):
 
 - pixels: the run's normalized pixels x = (p - m_run) / s_run, normalized again to the teacher's statistics,
   (x s_run + m_run - m_teacher) / s_teacher per channel, in float32 at least: the same crop and resize, the
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["TeacherInputs"]
+__all__ = ["OURS", "TeacherInputs", "run_decoder"]
 
 
 OURS = ("byte", "clip_bpe")
