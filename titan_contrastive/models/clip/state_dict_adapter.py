@@ -166,8 +166,9 @@ def read_guide(run: CLIPArgs, path: str) -> tuple[CLIPArgs, dict[str, Tensor]]:
 
 
 def _foreign(run: CLIPArgs, path: str) -> Any:
-    """The hf_clip args of a Hugging Face teacher folder this family's towers cannot be: one of another model type,
-    or a CLIP of another vocabulary than the run's; None for any other checkpoint."""
+    """The hf_clip args of a Hugging Face teacher folder this family's towers cannot be: a MetaCLIP 2, SigLIP or
+    SigLIP 2 folder, or a CLIP of another vocabulary than the run's; None for any other checkpoint (`read_checkpoint`
+    reads it, or says why not)."""
     from titan_contrastive.datasets.image_transforms import OPENAI_MEAN, OPENAI_STD
     from titan_contrastive.datasets.tokenizer import ByteTokenizer
     from titan_contrastive.models.weights import read_json
@@ -175,11 +176,14 @@ def _foreign(run: CLIPArgs, path: str) -> Any:
     folder = Path(path).expanduser()
     if detect_format(folder) != "hf":
         return None
+    from titan_contrastive.models.hf_clip.guide import read_foreign
+    from titan_contrastive.models.hf_clip.model import KINDS
+
     config = read_json(folder / "config.json")
     vocab = (config.get("text_config") or {}).get("vocab_size", run.vocab_size)
-    if config.get("model_type") == "clip" and vocab == run.vocab_size:
+    kind = config.get("model_type")
+    if kind not in KINDS or (kind == "clip" and vocab == run.vocab_size):  # not one, or init_from reads it
         return None
-    from titan_contrastive.models.hf_clip.guide import read_foreign
 
     tokens = {ByteTokenizer.vocab_size: "byte", 49408: "clip_bpe"}.get(run.vocab_size)
     if tokens is None or run.in_channels != 3:
