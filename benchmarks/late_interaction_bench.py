@@ -1,5 +1,6 @@
 """Late interaction's loss over one problem: autograd through every token product against the tiled scores that
-recompute each tile for the backward (`losses/late_interaction.py`), for InfoNCE and the pairwise loss, side by side.
+recompute each tile for the backward (`losses/maxsim.py`), for InfoNCE, the sigmoid loss and the pairwise loss, side
+by side; and the streamed forms of InfoNCE (two passes over the columns) and of the sigmoid loss (one).
 
     python -m benchmarks.late_interaction_bench                               # CPU: 64 queries, 1 hard negative each
     python -m benchmarks.late_interaction_bench --queries 512 --dtype bfloat16   # one GPU
@@ -8,10 +9,11 @@ recompute each tile for the backward (`losses/late_interaction.py`), for InfoNCE
 180 tokens, a quarter of each left out as padding or skipped), 128-wide unit tokens, PyLate's sizes; one-way
 InfoNCE over MaxSim (PyLate's Contrastive), the same masked and weighted (`masked`: a column above 0.95 x its
 query's positive MaxSim removed, colpali-engine's positive-aware negative filtering, and hardness 2 on the in-batch
-negatives), and the pairwise loss over MaxSim (colpali-engine's ColbertPairwiseNegativeCELoss: the hardest in-batch
-negative, then each query's hard negatives). Rows, per objective
-and path (`autograd`: its dense form; `tiled`: its microbatch form): the bytes autograd keeps for the backward
-(`SavedActivations`, counted, so the same on any device), the median seconds of one loss and backward
+negatives), the sigmoid loss over MaxSim (t = 10, b = -10, MaxSim over the query's tokens) and the pairwise loss over
+MaxSim (colpali-engine's ColbertPairwiseNegativeCELoss: the hardest in-batch negative, then each query's hard
+negatives). Rows, per objective and path (`autograd`: its dense form; `tiled`: its microbatch form; `streamed`: the
+global-negatives step's form, `--chunk` rows at a time, its gradients by hand): the bytes autograd keeps for the
+backward (`SavedActivations`, counted, so the same on any device), the median seconds of one loss and backward
 (`harness.round_robin`, interleaved, after a warm-up), the peak memory of that call above what was allocated before
 it (CUDA allocator only), and the loss's and gradients' largest difference from the objective's autograd path.
 Writes late_interaction_bench.{json,csv,png}.
@@ -36,6 +38,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--doc-tokens", type=int, default=180)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--chunk", type=int, default=16, help="rows per block of the streamed forms")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=str(harness.RESULTS))
     return p.parse_args(argv)
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     from titan_contrastive.components.memory_probe import SavedActivations
     from titan_contrastive.losses import FalseNegatives, Hardness, Ranks
     from titan_contrastive.losses.late_interaction import LateInteraction, LatePairwise
+    from titan_contrastive.losses.late_sigmoid import LateSigmoid
 
     device = harness.default_device()
     dtype = getattr(torch, args.dtype)
@@ -63,20 +67,30 @@ def main(argv: list[str] | None = None) -> None:
 
     q, docs = tokens(n, args.query_tokens), tokens(m, args.doc_tokens)
     scale = torch.tensor(1.0, device=device)
+    sigmoid_scale, bias = torch.tensor(10.0, device=device), torch.tensor(-10.0, device=device)
     masked = LateInteraction(args.dim, false_negatives=FalseNegatives(relative=0.95), hardness=Hardness(strength=2.0))
     objectives = {
         "infonce": LateInteraction(args.dim),
         "masked": masked,
+        "sigmoid": LateSigmoid(token_dim=args.dim, normalize=True),
         "pairwise": LatePairwise(token_dim=args.dim),
     }
-    paths = {}
+    paths, streamed = {}, {}
     for name, objective in objectives.items():
-        paths[f"{name} autograd"] = lambda o=objective: o.dense(q, docs, scale)
-        paths[f"{name} tiled"] = lambda o=objective: o.microbatch(
-            q, (docs[:n], docs[n:]), scale, None, None, Ranks(None)
+        s, b = (sigmoid_scale, bias) if objective.has_bias else (scale, None)
+        paths[f"{name} autograd"] = lambda o=objective, s=s, b=b: o.dense(q, docs, s, b)
+        paths[f"{name} tiled"] = lambda o=objective, s=s, b=b: o.microbatch(
+            q, (docs[:n], docs[n:]), s, b, None, Ranks(None)
         )
+        if name in ("infonce", "sigmoid"):
+            paths[f"{name} streamed"] = streamed[f"{name} streamed"] = lambda o=objective, s=s, b=b: o.streamed(
+                q.detach(), docs.detach(), s, b, first_row=0, num_queries=n, chunk=args.chunk, ranks=Ranks(None)
+            )
 
     def step(path: str) -> list[Any]:
+        if path in streamed:  # the gradients by hand, no autograd
+            out = streamed[path]()
+            return [out.loss, out.grad_rows, out.grad_cols]
         q.grad, docs.grad = None, None
         loss = paths[path]()
         loss.backward()
@@ -85,9 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     rows, results, saved = [], {}, {}
     for path in paths:
         with SavedActivations([q, docs]) as probe:
-            loss = paths[path]()
+            out = paths[path]()
         saved[path] = probe.peak
-        del loss
+        del out
         results[path] = step(path)
     measured = harness.round_robin(
         {path: (lambda path=path: step(path)) for path in paths}, args.repeats, device=device, rss=False
@@ -115,15 +129,17 @@ def main(argv: list[str] | None = None) -> None:
     def figure() -> Any:
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+        fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
         labels = [f"{r['objective']}\n{r['path']}" for r in rows]
         axes[0].bar(labels, [r["saved_mib"] for r in rows])
+        for ax in axes:
+            ax.tick_params(axis="x", labelsize=7)
         axes[0].set_ylabel("saved for backward (MiB)")
         axes[1].bar(labels, [r["median_s"] for r in rows])
         axes[1].set_ylabel("loss + backward (s, median)")
         fig.suptitle(
-            f"MaxSim InfoNCE (masked) and pairwise: {n} x {args.query_tokens} query tokens, {m} x {args.doc_tokens} "
-            f"document tokens, d {args.dim}, {args.dtype}, {harness.device_name(device)}",
+            f"MaxSim InfoNCE (masked), sigmoid and pairwise: {n} x {args.query_tokens} query tokens, "
+            f"{m} x {args.doc_tokens} document tokens, d {args.dim}, {args.dtype}, {harness.device_name(device)}",
             fontsize=9,
         )
         fig.tight_layout()

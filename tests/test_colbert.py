@@ -91,16 +91,16 @@ def test_embeddings_follow_pylate(tmp_path: Path, settings: dict) -> None:
 
 
 def dense_with(trainer, every: dict, loss_of) -> tuple[float, dict[str, torch.Tensor]]:
-    """`loss_of(q, p, n, scale)` over all samples (two hard negatives each) on a float64 copy of the model in the
-    trainer's mode: the loss and every parameter gradient."""
+    """`loss_of(q, p, n, scale)` (`loss_of(q, p, n, scale, bias)` for a model with a bias) over all samples (two hard
+    negatives each) on a float64 copy of the model in the trainer's mode: the loss and every parameter gradient."""
     from titan_contrastive.batching import with_negatives
     from titan_contrastive.losses import split_documents
 
     model = trainer.spec.build_model(trainer.model_args).double()
     model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
     model.train(trainer.model.training)
-    q, d, scale = model(every["query"], with_negatives(every["doc"], every["neg"], model.pad_id))
-    loss = loss_of(q, *split_documents(d.reshape(len(q), 3, -1)), scale)
+    q, d, *temperature = model(every["query"], with_negatives(every["doc"], every["neg"], model.pad_id))
+    loss = loss_of(q, *split_documents(d.reshape(len(q), 3, -1)), *temperature)
     loss.backward()
     return loss.item(), grads(model)
 
@@ -276,7 +276,6 @@ def test_settings_colbert_cannot_take_are_one_line(tmp_path: Path) -> None:
             "--model.pooling=colbert",
             "--loss.matryoshka_dims=256",
         ): r"^loss.matryoshka_dims=\[256\]: the tokens have 128",
-        ("--model.pooling=colbert", "--loss.name=siglip"): r"^loss.name='siglip': siglip loss \(sigmoid\) reads a l",
         ("--model.pooling=colbert", "--loss.symmetric=false", "--loss.joint_directions=doc_to_doc"): r"^model.po",
         (f"--model.path={folder}", "--model.colbert_dim=4"): r"^model.colbert_dim=4: the PyLate folder projects tok",
         (f"--model.path={folder}", "--model.pooling=mean"): r"^model.pooling='mean' with .*: a PyLate folder embeds",

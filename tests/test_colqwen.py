@@ -79,6 +79,7 @@ def test_every_step_kind_equals_maxsim_infonce(tmp_path: Path, kind: str) -> Non
         ("qwen2_vl", "global", (*LORA, "--data.retrieval_mode=i2t", "--loss.symmetric=false")),
         ("qwen2_vl", "gradcache", ("--loss.maxsim_normalize=true", "--loss.init_logit_scale=3.912")),
         ("qwen2_vl", "gradcache", ("--loss.name=pairwise", "--loss.maxsim_normalize=true")),  # ColQwen2's recipe
+        ("qwen2_vl", "global", ("--loss.name=siglip", "--loss.maxsim_normalize=true", "--loss.mask_relative=0.9")),
         ("qwen2_vl", "global", ("--loss.maxsim_normalize=true", "--loss.mask_relative=0.9", *ONE_WAY_HARD)),
         ("qwen3_vl", "gradcache", ()),
         ("qwen2_5_vl", "global", LORA),

@@ -86,7 +86,7 @@ def test_every_form_matches_the_definition(k: int, symmetric: bool, normalize: b
 
 def test_tiles_smaller_than_a_block_match_too(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tiles of one or two columns (the module's tile budget shrunk) give the same loss and gradients."""
-    from titan_contrastive.losses import late_interaction as module
+    from titan_contrastive.losses import maxsim as module
 
     monkeypatch.setattr(module, "TILE_ELEMENTS", 2 * 5 * LQ * LD)
     problem_, want = _want(K, True, 2)
@@ -120,15 +120,22 @@ def test_scale_gradient_is_the_row_shares(normalize: bool) -> None:
     assert abs(out.scale_rows.sum() - grad) < 1e-10
 
 
-def test_only_infonce_scores_by_late_interaction() -> None:
+def test_each_objective_has_its_late_interaction_twin() -> None:
+    """InfoNCE and the sigmoid loss keep their options over MaxSim; an objective of another kind (one registered by
+    a user, reading one vector per text) is one line."""
     from titan_contrastive.losses import FalseNegatives, Sigmoid
+    from titan_contrastive.losses.late_sigmoid import LateSigmoid
 
     assert late_interaction(InfoNCE(False), 8) == LateInteraction(8, False)
     assert late_interaction(InfoNCE(True), 8, normalize=True) == LateInteraction(8, True, True)
-    with pytest.raises(ValueError, match=r"^model.pooling=colbert scores by late interaction, which InfoNCE"):
-        late_interaction(Sigmoid(), 8)
     masked = late_interaction(InfoNCE(False, FalseNegatives(margin=0.1)), 8)
     assert masked == LateInteraction(8, False, false_negatives=FalseNegatives(margin=0.1))  # tests/test_late_masks.py
+    sigmoid = late_interaction(Sigmoid(FalseNegatives(relative=0.9)), 8, normalize=True)
+    assert sigmoid == LateSigmoid(
+        FalseNegatives(relative=0.9), token_dim=8, normalize=True
+    )  # tests/test_late_sigmoid.py
+    with pytest.raises(ValueError, match=r"^model.pooling=colbert scores by late interaction, which InfoNCE"):
+        late_interaction(InfoNCE(False, name="custom"), 8)
 
 
 def test_widths_must_be_whole_tokens() -> None:

@@ -86,9 +86,15 @@ def _embeddings(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return embed("query", batch["query"]), docs
 
 
-def _late_loss(terms, q, d, scale, m: int):
+def _late_loss(terms, q, d, scale, m: int, bias=None):
     """InfoNCE over MaxSim of tokens m wide, written one pair at a time; for `loss.name = "pairwise"`
-    colpali-engine's ColbertPairwiseCELoss written as it writes it."""
+    colpali-engine's ColbertPairwiseCELoss written as it writes it; for `siglip` the sigmoid loss over MaxSim."""
+    if terms.name == "siglip":
+        from tests.test_late_sigmoid import reference as sigmoid_reference
+        from titan_contrastive.losses import FalseNegatives
+
+        rule = FalseNegatives(relative=terms.mask_relative)
+        return sigmoid_reference(q, d, None, scale, bias, torch.arange(len(d)), rule, terms.maxsim_normalize, dim=m)
     if terms.name == "pairwise":
         from tests.test_pairwise import colpali_pairwise
 
@@ -121,7 +127,9 @@ def _dense(trainer, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]
             scale, dim = model.logit_scale.exp(), model.token_dim
             weights = terms.matryoshka_weights or [1.0] * len(terms.matryoshka_dims)
             prefixes = list(zip(terms.matryoshka_dims, weights)) or [(dim, 1.0)]
-            late = [w * _late_loss(terms, cut(q, m, dim), cut(d, m, dim), scale, m) for m, w in prefixes]
+            late = [
+                w * _late_loss(terms, cut(q, m, dim), cut(d, m, dim), scale, m, model.logit_bias) for m, w in prefixes
+            ]
             losses.append(sum(late))
         else:
             losses.append(InfoNCE().dense(q, d, model.logit_scale.exp()))

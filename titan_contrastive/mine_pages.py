@@ -78,7 +78,7 @@ class PageEncoder:
         q, p = torch.as_tensor(queries), torch.as_tensor(pages)
         if not self.token_dim:
             return q @ p.T
-        from titan_contrastive.losses.late_interaction import scores
+        from titan_contrastive.losses.maxsim import scores
 
         return scores(q, p, dim=self.token_dim)
 

@@ -27,7 +27,7 @@ from titan_contrastive.components.retrieval_metrics import ir_metrics, top_k
 from titan_contrastive.components.token_pooling import document_pooler, token_counts
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.losses import matryoshka
-from titan_contrastive.losses.late_interaction import scores as late_scores
+from titan_contrastive.losses.maxsim import scores as late_scores
 
 __all__ = [
     "BUNDLED",

@@ -114,8 +114,8 @@ class Loss:
     """negatives=global: `pytorch` streamed blocks (the reference); `triton` fused kernels (TF32 dots for
     float32), `triton_exact` IEEE dots; `auto`: on CUDA the fused kernels after a self-check, else pytorch."""
     init_logit_scale: float | None = None
-    """t' at the start, t = exp(t'); empty = the loss's own: log(1/0.07) clip, log(10) siglip, log(20)
-    bi_encoder. A learned t' is clamped to [0, log 100] after every step, so it must start there; a
+    """t' at the start, t = exp(t'); empty = the loss's own: log(1/0.07) clip, log(10) siglip (every family),
+    log(20) bi_encoder. A learned t' is clamped to [0, log 100] after every step, so it must start there; a
     fixed one (learn_logit_scale = false) is never clamped, any value in [-log 1e4, log 1e4]."""
     init_logit_bias: float | None = None
     """siglip: the bias b at the start; empty = -10 (SigLIP's init)."""

@@ -10,8 +10,9 @@ InfoNCE also takes joint directions (`directions.py`) and hardness weighting (`h
 Every objective takes the false-negative mask (`masking.py`), may add a term on the data's scores
 (`distill.py`: a teacher's, or CoSENT's ranking), a teacher's embeddings (`embedding_distill.py`), a spread-out
 regularizer (`spread.py`) and SPLADE's sparsity term (`flops.py`), and be
-wrapped in Matryoshka prefixes (`matryoshka.py`); `base.py` says what an objective is. A new objective
-is a module with such an object and one `register_objective` call (the pixel loss is the vae family's
+wrapped in Matryoshka prefixes (`matryoshka.py`); `base.py` says what an objective is. A ColBERT model's run takes each
+objective's twin over MaxSim (`maxsim.py`): `late_interaction.py` (InfoNCE, the pairwise loss), `late_sigmoid.py`.
+A new objective is a module with such an object and one `register_objective` call (the pixel loss is the vae family's
 own step).
 """
 

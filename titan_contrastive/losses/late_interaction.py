@@ -19,8 +19,7 @@ MaxSim exceeds the positive's by the margin, or `relative` times it, leaves the 
 (`guide.py`) decides by its own cosines instead. Each query's positive MaxSim is computed first, without
 gradient, so the streamed form masks block by block as the dot product's does.
 
-The scores are formed in tiles of rows x columns whose [rows, L_q, columns, L_d] token products stay
-under `TILE_ELEMENTS`, never all at once; a tile's backward recomputes it (`_tile_grads`), so the
+The scores are formed in tiles that the backward recomputes (`maxsim.py`), never all at once, so the
 streamed form keeps O(chunk x M) logits, as every other objective's, and the microbatch form keeps only
 its inputs (`MaxSimScores`).
 """
@@ -39,85 +38,13 @@ from titan_contrastive.losses.base import Objective, Ranks, StreamResult, gather
 from titan_contrastive.losses.distill import Distilled
 from titan_contrastive.losses.guide import Guide
 from titan_contrastive.losses.hardness import Hardness
+from titan_contrastive.losses.late_sigmoid import LateSigmoid
 from titan_contrastive.losses.masking import FalseNegatives
 from titan_contrastive.losses.matryoshka import Matryoshka
+from titan_contrastive.losses.maxsim import MaxSimScores, maxsim_mask, pair_products, scores, tile_grads, token_products
 from titan_contrastive.losses.pairwise import Pairwise
+from titan_contrastive.losses.sigmoid import Sigmoid
 from titan_contrastive.losses.streaming import BlockMask, BlockWeight, accumulation_dtype
-
-TILE_ELEMENTS = 1 << 24  # token products per tile: 64 MiB in float32
-
-
-def tokens(x: Tensor, dim: int) -> Tensor:
-    """Rows [n, L * dim] as [n, L, dim]."""
-    return x.view(len(x), -1, dim)
-
-
-def token_products(q: Tensor, docs: Tensor, dim: int, normalize: bool = False) -> Tensor:
-    """MaxSim of every row of `q` with every row of `docs` [n, m], with autograd: all token products at once;
-    `normalize`: each row's divided by its token count."""
-    qt, dt = tokens(q, dim), tokens(docs, dim)
-    products = torch.einsum("iad,jbd->iajb", qt, dt)
-    real = (dt != 0).any(-1)  # [m, L_d]: the document tokens that count
-    products = products.masked_fill(~real[None, None], -math.inf)
-    out = products.amax(-1).to(accumulation_dtype(q)).sum(1)
-    return out / (qt != 0).any(-1).sum(1, keepdim=True).clamp_min(1) if normalize else out
-
-
-def pair_products(q: Tensor, docs: Tensor, dim: int, normalize: bool = False) -> Tensor:
-    """MaxSim of each row of `q` [c, L_q * dim] with its own documents `docs` [c, k, L_d * dim]: [c, k], with
-    autograd (the same operations as `token_products`, one row's documents at a time)."""
-    qt, dt = tokens(q, dim), docs.view(len(docs), docs.shape[1], -1, dim)
-    products = torch.einsum("cad,ckbd->ckab", qt, dt)
-    real = (dt != 0).any(-1)  # [c, k, L_d]
-    products = products.masked_fill(~real[:, :, None], -math.inf)
-    out = products.amax(-1).to(accumulation_dtype(q)).sum(2)
-    return out / (qt != 0).any(-1).sum(1, keepdim=True).clamp_min(1) if normalize else out
-
-
-def _column_tile(rows: int, q_len: int, d_len: int, columns: int) -> int:
-    return max(1, min(columns, TILE_ELEMENTS // max(1, rows * q_len * d_len)))
-
-
-def scores(q: Tensor, docs: Tensor, dim: int, normalize: bool = False) -> Tensor:
-    """MaxSim [n, m] in the accumulation dtype, without autograd, in tiles of columns (`token_products`)."""
-    out = torch.empty(len(q), len(docs), dtype=accumulation_dtype(q), device=q.device)
-    step = _column_tile(len(q), q.shape[1] // dim, docs.shape[1] // dim, len(docs))
-    with torch.no_grad():
-        for j in range(0, len(docs), step):
-            out[:, j : j + step] = token_products(q, docs[j : j + step], dim, normalize)
-    return out
-
-
-def _tile_grads(q: Tensor, docs: Tensor, dim: int, grad: Tensor, normalize: bool = False) -> tuple[Tensor, Tensor]:
-    """(dL/dq [n, Lq d], dL/ddocs [m, Ld d]) from dL/dS `grad` [n, m], recomputing a tile of columns at a time
-    (the same operations as `token_products`, so the same arg-max and the same gradient as its autograd)."""
-    gq = torch.zeros(q.shape, dtype=grad.dtype, device=q.device)
-    gd = torch.empty(docs.shape, dtype=grad.dtype, device=q.device)
-    step = _column_tile(len(q), q.shape[1] // dim, docs.shape[1] // dim, len(docs))
-    for j in range(0, len(docs), step):
-        with torch.enable_grad():
-            qt, dt = q.detach().requires_grad_(), docs[j : j + step].detach().requires_grad_()
-            products = token_products(qt, dt, dim, normalize)
-            tile_q, tile_d = torch.autograd.grad(products, (qt, dt), grad[:, j : j + step])
-        gq += tile_q
-        gd[j : j + step] = tile_d
-    return gq, gd
-
-
-class MaxSimScores(torch.autograd.Function):
-    """`scores` with a backward that recomputes each tile (`_tile_grads`): keeps only q and docs."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, docs: Tensor, dim: int, normalize: bool) -> Tensor:  # noqa: ANN001
-        ctx.save_for_backward(q, docs)
-        ctx.dim, ctx.normalize = dim, normalize
-        return scores(q, docs, dim, normalize)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
-        q, docs = ctx.saved_tensors
-        gq, gd = _tile_grads(q, docs, ctx.dim, grad, ctx.normalize)
-        return gq.to(q.dtype), gd.to(docs.dtype), None, None
 
 
 @dataclass(frozen=True)
@@ -171,15 +98,7 @@ class LateInteraction:
         )
 
     def _mask(self, q_own: Tensor, docs: Tensor, scale: float, first_row: int, ids: Tensor | None) -> BlockMask | None:
-        """The false-negative mask of the rows `q_own` (global rows first_row, ...) on blocks of logits
-        scale * MaxSim against all columns `docs`, from their positives' MaxSim (no gradient); None without one."""
-        if not self.false_negatives.enabled:
-            return None
-        with torch.no_grad():
-            own = docs[first_row : first_row + len(q_own)]
-            positive = pair_products(q_own, own[:, None], self.token_dim, self.normalize)[:, 0]
-        summed = q_own.shape[1]  # products a MaxSim sums: its rounding, for the masks' tie rule
-        return self.false_negatives.for_keys(positive.to(torch.float64) * scale, scale, first_row, summed, ids, ids)
+        return maxsim_mask(self.false_negatives, q_own, docs, self.token_dim, self.normalize, scale, first_row, ids)
 
     def _weighed(self, logits: Tensor, mask: BlockMask | None, weight: BlockWeight | None, start: int) -> Tensor:
         """A block of logits (own rows start, ...), masked entries -inf and the hardness weight applied, in place."""
@@ -276,7 +195,7 @@ class LateInteraction:
             if col_lse is not None:
                 p[:, :n] += (w[:, :n] - col_lse[None, :]).exp()
             p.diagonal(first_row + start).sub_(2 if self.symmetric else 1)
-            gq, gd = _tile_grads(rows, docs, dim, p.mul_(coef), norm)
+            gq, gd = tile_grads(rows, docs, dim, p.mul_(coef), norm)
             grad_rows[start : start + len(rows)] = gq
             grad_cols += gd
         return StreamResult(loss, grad_rows, grad_cols, row_scale_shares(q_own, grad_rows, scale), None)
@@ -314,10 +233,10 @@ class LatePairwise(Pairwise):
 
 def late_interaction(objective: object, token_dim: int, normalize: bool = False) -> Objective:
     """The late-interaction twin of a run's objective for multi-vector embeddings `token_dim` wide per token
-    (`[model] pooling = "colbert"`; `normalize`: `[loss] maxsim_normalize`): plain InfoNCE, one-way or symmetric, or
-    the pairwise loss, with or without a distillation term on the data's scores (its logits MaxSim over each query's
-    own documents, PyLate's Distillation), at Matryoshka prefixes of each token or not; ValueError naming what else it
-    holds."""
+    (`[model] pooling = "colbert"`; `normalize`: `[loss] maxsim_normalize`): plain InfoNCE, one-way or symmetric,
+    the sigmoid loss or the pairwise loss, with or without a distillation term on the data's scores (its logits
+    MaxSim over each query's own documents, PyLate's Distillation), at Matryoshka prefixes of each token or not;
+    ValueError naming what else it holds."""
     from titan_contrastive.losses.infonce import InfoNCE
 
     if isinstance(objective, Matryoshka):  # each token's prefixes
@@ -339,11 +258,13 @@ def late_interaction(objective: object, token_dim: int, normalize: bool = False)
         return dataclasses.replace(objective, inner=late_interaction(objective.inner, token_dim, normalize))
     if isinstance(objective, Pairwise):
         return LatePairwise(objective.in_batch_weight, token_dim=token_dim, normalize=normalize)
+    if isinstance(objective, Sigmoid):
+        return LateSigmoid(objective.false_negatives, token_dim=token_dim, normalize=normalize)
     if not isinstance(objective, InfoNCE) or objective.name != "clip":
         raise ValueError(
-            f"model.pooling=colbert scores by late interaction, which InfoNCE (loss.name=clip) and the pairwise loss "
-            f"(loss.name=pairwise) take, not {objective.describe()}: set loss.name=clip or pairwise and remove the "  # type: ignore[attr-defined]
-            "terms around it"
+            f"model.pooling=colbert scores by late interaction, which InfoNCE (loss.name=clip), the sigmoid loss "
+            f"(siglip) and the pairwise loss (pairwise) take, not {objective.describe()}: set loss.name=clip, siglip "  # type: ignore[attr-defined]
+            "or pairwise and remove the terms around it"
         )
     if objective.directions:
         raise ValueError(

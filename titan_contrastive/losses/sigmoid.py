@@ -55,17 +55,28 @@ class Sigmoid:
         ids: Tensor | None = None,
         first_row: int = 0,
         normalizer: int | None = None,
+        tiled: bool = False,
     ) -> Tensor:
         """The loss terms of the rows `q` (global rows first_row, ...) against all columns, summed
-        and divided by `normalizer` (default len(q)); autograd, materialises len(q) x M logits."""
-        logits = scale * q @ docs.T + bias
+        and divided by `normalizer` (default len(q)); autograd, materialises len(q) x M logits
+        (`tiled`: the microbatch form's scores, `_scores`)."""
+        products = self._scores(q, docs, tiled)
+        logits = scale * products + bias
         rows = torch.arange(first_row, first_row + len(q), device=q.device)
         signs = torch.where(rows[:, None] == torch.arange(len(docs), device=q.device), 1.0, -1.0).to(logits.dtype)
         terms = -F.logsigmoid(signs * logits)
-        masked = self.false_negatives.dense(q, docs, ids, first_row)
+        masked = self._masked(q, docs, ids, first_row, products)
         if masked is not None:
             terms = terms.masked_fill(masked, 0.0)
         return terms.sum() / (normalizer or len(q))
+
+    def _scores(self, q: Tensor, docs: Tensor, tiled: bool) -> Tensor:
+        """The score of every row with every column, with autograd: the dot product."""
+        return q @ docs.T
+
+    def _masked(self, q: Tensor, docs: Tensor, ids: Tensor | None, first_row: int, products: Tensor) -> Tensor | None:
+        """bool [len(q), M], True where a false negative is masked; None for none."""
+        return self.false_negatives.dense(q, docs, ids, first_row)
 
     def dense(
         self, q: Tensor, docs: Tensor, scale: Tensor, bias: Tensor | None = None, ids: Tensor | None = None
@@ -91,7 +102,7 @@ class Sigmoid:
         if bias is None:
             raise ValueError("the sigmoid loss needs a bias (the model's logit_bias)")
         rows, cols, col_ids = gathered_problem(q, docs, ids, ranks, with_rows=False)
-        local = self.rows(rows, cols, scale, bias, col_ids, first_row=ranks.rank * len(q))
+        local = self.rows(rows, cols, scale, bias, col_ids, first_row=ranks.rank * len(q), tiled=True)
         if ranks.world == 1:
             return local
         mean = ranks.sum(local.detach().clone()) / ranks.world

@@ -286,6 +286,22 @@ def streamed_softmax_grads(
     return gx, gy
 
 
+def sigmoid_block(block: Tensor, bias: Tensor | float, diag_start: int, masked: Tensor | None) -> tuple[Tensor, Tensor]:
+    """SigLIP's terms of one block of logits without their bias, s <x_r, y_j> (or s MaxSim) for rows r whose
+    positives are the columns diag_start + r, turned in place into W = -z sigmoid(-z l) (l = block + b, z = +1 at
+    the positives, -1 elsewhere; 0 where `masked`): (-sum log sigmoid(z l) over the unmasked pairs, W)."""
+    signed = block.add_(bias).neg_()  # z l, built in place: -l, then +l on the diagonal
+    r = torch.arange(len(signed), device=signed.device)
+    diag = (r, diag_start + r)
+    signed[diag] = -signed[diag]
+    if masked is not None:  # log sigmoid(+inf) = 0 and sigmoid(-inf) = 0: a masked pair adds nothing
+        signed.masked_fill_(masked, math.inf)
+    loss = -F.logsigmoid(signed).sum()
+    w = signed.neg_().sigmoid_()  # sigmoid(-z l)
+    w[diag] *= -1  # -z sigmoid(-z l) = N dL/dl
+    return loss, w
+
+
 def streamed_sigmoid(
     zx_own: Tensor,
     zy: Tensor,
@@ -317,16 +333,8 @@ def streamed_sigmoid(
         rows = slice(start, start + chunk)
         block = torch.empty(len(zx_own[rows]), len(zy), dtype=acc, device=zx_own.device)
         _logits_into(block, zx_own[rows], zy, s)
-        masked = mask(block, start) if mask is not None else None
-        signed = block.add_(bias).neg_()  # z l, built in place: -l, then +l on the diagonal
-        r = torch.arange(len(signed), device=signed.device)
-        diag = (r, first_row + start + r)
-        signed[diag] = -signed[diag]
-        if masked is not None:  # log sigmoid(+inf) = 0 and sigmoid(-inf) = 0: a masked pair adds nothing
-            signed.masked_fill_(masked, math.inf)
-        loss -= F.logsigmoid(signed).sum()
-        w = signed.neg_().sigmoid_()  # sigmoid(-z l)
-        w[diag] *= -1  # -z sigmoid(-z l) = N dL/dl
+        part, w = sigmoid_block(block, bias, first_row + start, mask(block, start) if mask is not None else None)
+        loss += part
         gx[rows] = w.to(zy.dtype) @ zy
         gy += w.T.to(zx_own.dtype) @ zx_own[rows]
         bias_rows[rows] = w.sum(1)

@@ -22,6 +22,7 @@ register_model(
         build_tokenizer=build_tokenizer,
         towers={"query": "query_tower.", "doc": "doc_tower."},
         state_dict_adapter=ADAPTER,
+        learns_bias=True,
         read_guide=folder_guide,
     )
 )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +13,6 @@ import torch
 from torch import nn
 
 from titan_contrastive.components.lora import LoraFields, add_lora, default_targets
-from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.colbert import colbert_settings, refuse_for_colbert
 from titan_contrastive.models.bi_encoder.folder import (
     POOLINGS,
@@ -27,6 +25,7 @@ from titan_contrastive.models.bi_encoder.folder import (
     read_text_folder,
     text_model_class,
 )
+from titan_contrastive.models.pretrained_scale import scale_fields
 
 DEFAULT_DOC_LENGTH = 512  # a folder's documents when neither it nor the config says
 MINILM_DOC_LENGTH = 16  # the bundled MiniLM's: a WordNet lemma fits
@@ -54,6 +53,9 @@ class BiEncoderArgs(LoraFields):
     init_scale: float = 20.0
     """t at the start (sentence-transformers' MultipleNegativesRankingLoss scale); `[loss] init_logit_scale` = log t."""
     learn_logit_scale: bool = True
+    init_logit_bias: float | None = None
+    """b at the start, for an objective with a bias (the sigmoid loss); None: no bias."""
+    learn_logit_bias: bool = True
     include_prompt: bool | None = None
     """`[model] include_prompt`, else (None until resolved) the folder's sentence-transformers Pooling
     `include_prompt`: False pools without the prompt's tokens (INSTRUCTOR), as sentence-transformers does
@@ -136,11 +138,9 @@ class BiEncoderArgs(LoraFields):
                 "it applies to model.pooling='colbert' only, so set that or remove it"
             )
         start = 1.0 if resolved.pooling in ("splade", "colbert") else self.init_scale  # plain dot products, MaxSim
-        t = temperature_from_config(cfg, default_logit_scale=math.log(start))
         return dataclasses.replace(
             resolved,
-            init_scale=math.exp(t.init_logit_scale),
-            learn_logit_scale=t.learn_logit_scale,
+            **scale_fields(cfg, start),
             **LoraFields.from_config(cfg.lora, lambda: default_targets(resolved.config.model_type)),
         )
 
@@ -314,13 +314,13 @@ class BiEncoderArgs(LoraFields):
 
     def num_params(self) -> int:
         """Exact: the tower(s) without a pooler head, with the folder's Dense layers (ColBERT's projection), +
-        logit_scale."""
+        logit_scale (and logit_bias)."""
         folder = read_text_folder(self.path)
         dense = sum(d.out_features * (d.in_features + d.bias) for d in folder.dense)
         if self.pooling == "colbert":
             dense += self.colbert_dim * (self.config.hidden_size + bool(folder.colbert and folder.colbert.bias))
         static = self.config.vocab_size if self.inference_free else 0
-        return (self._counts[0] + dense) * (1 if self.shared else 2) + static + 1
+        return (self._counts[0] + dense) * (1 if self.shared else 2) + static + 1 + (self.init_logit_bias is not None)
 
     def flops_per_sample(self) -> int:
         """6 x layer parameters x tokens of one query and one document (attention scores excluded), with SPLADE's

@@ -159,7 +159,7 @@ class BiEncoder(PretrainedScale, nn.Module):
         return (
             self._embed(self.query_tower, query, 0, replay) if static is None else static(query),
             self._embed(self.doc_tower, doc, 1, replay),
-            self.logit_scale.exp(),
+            *self.temperature(),
         )
 
 

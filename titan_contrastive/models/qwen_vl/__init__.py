@@ -27,6 +27,7 @@ register_model(
         ),
         layout=PROCESSED,
         state_dict_adapter=ADAPTER,
+        learns_bias=True,
         read_guide=read_guide,
     )
 )

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,12 +35,11 @@ from titan_contrastive.components.lora import LoraFields, add_lora
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.retrieval import MODES
-from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.colbert import refuse_for_colbert
 from titan_contrastive.models.bi_encoder.folder import layer_blocks, load_config, read_text_folder
 from titan_contrastive.models.bi_encoder.pooling import pooled
 from titan_contrastive.models.bi_encoder.tower import load_text_tower
-from titan_contrastive.models.pretrained_scale import PretrainedScale
+from titan_contrastive.models.pretrained_scale import PretrainedScale, scale_fields
 from titan_contrastive.models.qwen_vl import colpali
 from titan_contrastive.models.qwen_vl.processor import IMAGE, PAD, VLProcessor
 
@@ -111,6 +109,9 @@ class QwenVLArgs(LoraFields):
     attn_implementation: str = ""
     """`[model] attn_implementation`: transformers' attention kernel ("" = its default)."""
     learn_logit_scale: bool = True
+    init_logit_bias: float | None = None
+    """b at the start, for an objective with a bias (the sigmoid loss); None: no bias."""
+    learn_logit_bias: bool = True
     colbert_dim: int = 0
     """With pooling = "colbert": a token's width (a ColQwen folder's, else `[model] colbert_dim`, else ColPali's for
     the architecture, `colpali.CLASSES`); 0 otherwise."""
@@ -134,7 +135,6 @@ class QwenVLArgs(LoraFields):
         if pooling not in ("last_token", "mean", "colbert"):
             raise ConfigError(f"model.pooling={pooling!r}: the qwen_vl family pools last_token, mean or colbert")
         start = 1.0 if pooling == "colbert" else self.init_scale  # MaxSim: t = 1, as PyLate
-        t = temperature_from_config(cfg, default_logit_scale=math.log(start))
         if cfg.model.colbert_dim and pooling != "colbert":
             raise ConfigError(
                 f"model.colbert_dim={cfg.model.colbert_dim}: it applies to model.pooling='colbert' only, so set that "
@@ -164,8 +164,7 @@ class QwenVLArgs(LoraFields):
             min_pixels=cfg.data.min_pixels,
             text_length=cfg.data.context_length or self.text_length,
             max_pixels=cfg.data.max_pixels,
-            init_scale=math.exp(t.init_logit_scale),
-            learn_logit_scale=t.learn_logit_scale,
+            **scale_fields(cfg, start),
             attn_implementation=cfg.model.attn_implementation,
             colbert_dim=colpali.colbert_dim(path, load_config(path).model_type, cfg.model.colbert_dim) if late else 0,
             **LoraFields.from_config(cfg.lora, lambda: LORA_TARGETS),
@@ -203,7 +202,9 @@ class QwenVLArgs(LoraFields):
                 add_lora(tower, self)
         decoder = sum(p.numel() for b in layer_blocks(tower.language_model) for p in b.parameters())
         head = self.colbert_dim * (tower.config.get_text_config().hidden_size + 1)
-        return sum(p.numel() for p in tower.parameters()) + head + 1, decoder + head
+        return sum(p.numel() for p in tower.parameters()) + head + 1 + (
+            self.init_logit_bias is not None
+        ), decoder + head
 
     def num_params(self) -> int:
         return self._counts[0]
@@ -430,7 +431,7 @@ class QwenVLEmbedder(PretrainedScale, nn.Module):
             )
         query_images = (query_pixel_values, query_image_grid_thw) if len(query_image_grid_thw) else (None, None)
         doc_images = (doc_pixel_values, doc_image_grid_thw) if len(doc_image_grid_thw) else (None, None)
-        return self.embed(query, *query_images, "query"), self.embed(doc, *doc_images, "doc"), self.logit_scale.exp()
+        return self.embed(query, *query_images, "query"), self.embed(doc, *doc_images, "doc"), *self.temperature()
 
 
 def interleave_images(pixels: Tensor, grid: Tensor, neg_pixels: Tensor, neg_grid: Tensor) -> tuple[Tensor, Tensor]:

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from titan_contrastive.losses import temperature_from_config
 from titan_contrastive.models.bi_encoder.args import BiEncoderArgs, text_guide
 from titan_contrastive.models.bi_encoder.folder import TextFolderError
+from titan_contrastive.models.pretrained_scale import scale_fields
 from titan_contrastive.models.static.folder import read_static_folder, read_tokenizer, table_shape, vocab_size
 
 DEFAULT_DOC_LENGTH = 256
@@ -42,6 +41,9 @@ class StaticArgs:
     init_scale: float = 20.0
     """t at the start (MultipleNegativesRankingLoss's scale); `[loss] init_logit_scale` = log t."""
     learn_logit_scale: bool = True
+    init_logit_bias: float | None = None
+    """b at the start, for an objective with a bias (the sigmoid loss); None: no bias."""
+    learn_logit_bias: bool = True
     trust_remote_code: bool = False
     """`[model] trust_remote_code`: run the code a folder ships (config.json `auto_map`) for the tokenizer's folder
     and a guide's or teacher's; otherwise such a folder is refused."""
@@ -61,7 +63,6 @@ class StaticArgs:
             )
         trust = m.trust_remote_code
         shape = (vocab_size(read_tokenizer(folder, trust)), m.static_dim) if m.static_dim else table_shape(folder)
-        t = temperature_from_config(cfg, default_logit_scale=math.log(self.init_scale))
         return dataclasses.replace(
             self,
             path=path,
@@ -71,8 +72,7 @@ class StaticArgs:
             query_prompt=folder.query_prompt if m.query_prompt == "auto" else m.query_prompt,
             doc_prompt=folder.doc_prompt if m.doc_prompt == "auto" else m.doc_prompt,
             doc_length=cfg.data.doc_context_length or DEFAULT_DOC_LENGTH,
-            init_scale=math.exp(t.init_logit_scale),
-            learn_logit_scale=t.learn_logit_scale,
+            **scale_fields(cfg, self.init_scale),
             trust_remote_code=trust,
         )
 
@@ -90,8 +90,8 @@ class StaticArgs:
         return text_guide(path, tokens_from, self.trust_remote_code)
 
     def num_params(self) -> int:
-        """Exact: the table (two with `shared` false) and logit_scale."""
-        return self.vocab * self.dim * (1 if self.shared else 2) + 1
+        """Exact: the table (two with `shared` false), logit_scale (and logit_bias)."""
+        return self.vocab * self.dim * (1 if self.shared else 2) + 1 + (self.init_logit_bias is not None)
 
     def flops_per_sample(self) -> int:
         """0: a lookup and a mean, no matrix products to count (no MFU is logged)."""

@@ -81,7 +81,7 @@ class StaticEmbedder(PretrainedScale, nn.Module):
 
     def forward(self, query: Tensor, doc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(query embeddings, document embeddings, exp(logit_scale))."""
-        return self.embed_side("query", query), self.embed_side("doc", doc), self.logit_scale.exp()
+        return self.embed_side("query", query), self.embed_side("doc", doc), *self.temperature()
 
 
 def static_blocks(model: StaticEmbedder) -> list[nn.Module]:

@@ -1,0 +1,96 @@
+"""SigLIP's sigmoid loss over late interaction: `sigmoid.py`'s definition with MaxSim (`maxsim.py`) in the place of
+the dot product,
+
+    L = -1/N sum_i sum_{j not in M_i} log sigmoid(z_ij (t S_ij + b)),   S_ij = MaxSim(q_i, d_j)
+
+(over query i's token count where `normalize`), z_ij = +1 for the positive and -1 for every other column, hard
+negatives included; M_i the false negatives masked by MaxSim as in `late_interaction.py`. colpali-engine's
+ColbertSigmoidLoss is this loss with b = 0 fixed and divided by N more (its mean over the N^2 pairs).
+
+A sum over pairs: the streamed form is one pass over blocks of rows, each block's scores formed in tiles and its
+gradient taken by recomputing them (`maxsim.tile_grads`); MaxSim is positively homogeneous in q, so dL/dt =
+<q, dL/dq> / t per row, as for the dot product.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from titan_contrastive.losses.base import Ranks, StreamResult, row_scale_shares
+from titan_contrastive.losses.maxsim import MaxSimScores, maxsim_mask, pair_products, scores, tile_grads, token_products
+from titan_contrastive.losses.sigmoid import Sigmoid
+from titan_contrastive.losses.streaming import accumulation_dtype, sigmoid_block
+
+
+@dataclass(frozen=True)
+class LateSigmoid(Sigmoid):
+    """The sigmoid loss over MaxSim of tokens `token_dim` wide; see the module docstring."""
+
+    token_dim: int = 0
+    normalize: bool = False
+
+    def describe(self) -> str:
+        masked = f", false negatives masked ({self.false_negatives.describe()})" if self.false_negatives.enabled else ""
+        per = ", over each query's tokens" if self.normalize else ""
+        return f"{self.name} loss (sigmoid over late interaction, MaxSim of {self.token_dim}-wide tokens{per}{masked})"
+
+    def similarity(self, q: Tensor, docs: Tensor) -> Tensor:
+        """MaxSim of every query with every document [n, m] (evaluation's scores; no autograd)."""
+        return scores(q, docs, self.token_dim, self.normalize)
+
+    def pair_scores(self, q: Tensor, docs: Tensor) -> Tensor:
+        """MaxSim of each query with its own documents [c, k] (a distillation term's logits; autograd)."""
+        return pair_products(q, docs, self.token_dim, self.normalize)
+
+    def fused(self, num_queries: int, num_columns: int) -> bool:
+        return False
+
+    def _scores(self, q: Tensor, docs: Tensor, tiled: bool) -> Tensor:
+        if tiled:  # kept: only q and docs; the backward recomputes each tile
+            return MaxSimScores.apply(q, docs, self.token_dim, self.normalize)
+        return token_products(q, docs, self.token_dim, self.normalize)
+
+    def _masked(self, q: Tensor, docs: Tensor, ids: Tensor | None, first_row: int, products: Tensor) -> Tensor | None:
+        mask = maxsim_mask(self.false_negatives, q, docs, self.token_dim, self.normalize, 1.0, first_row, ids)
+        return None if mask is None else mask(products.detach(), 0)
+
+    def streamed(
+        self,
+        q_own: Tensor,
+        docs: Tensor,
+        scale: Tensor,
+        bias: Tensor | None,
+        *,
+        first_row: int,
+        num_queries: int,
+        chunk: int,
+        ranks: Ranks,
+        kernel: str = "pytorch",
+        ids: Tensor | None = None,
+    ) -> StreamResult:
+        """One pass over the own rows, `chunk` at a time, against all columns: their loss terms (summed over ranks),
+        both embedding gradients and the rows' shares of dL/db."""
+        if bias is None:
+            raise ValueError("the sigmoid loss needs a bias (the model's logit_bias)")
+        n, dim, norm = num_queries, self.token_dim, self.normalize
+        s, b = torch.stack([scale.detach().reshape(()), bias.detach().reshape(()).to(scale.dtype)]).tolist()  # one read
+        mask = maxsim_mask(self.false_negatives, q_own, docs, dim, norm, s, first_row, ids)
+        acc = accumulation_dtype(q_own)
+        loss = torch.zeros((), dtype=acc, device=q_own.device)
+        grad_rows = torch.empty(q_own.shape, dtype=acc, device=q_own.device)
+        grad_cols = torch.zeros(docs.shape, dtype=acc, device=q_own.device)
+        bias_rows = torch.empty(len(q_own), dtype=acc, device=q_own.device)
+        for start in range(0, len(q_own), chunk):
+            rows = q_own[start : start + chunk]
+            block = scores(rows, docs, dim, norm).mul_(s)
+            part, w = sigmoid_block(block, b, first_row + start, mask(block, start) if mask is not None else None)
+            loss += part
+            bias_rows[start : start + len(rows)] = w.sum(1)
+            gq, gd = tile_grads(rows, docs, dim, w.mul_(s / n), norm)
+            grad_rows[start : start + len(rows)] = gq
+            grad_cols += gd
+        loss = ranks.sum(loss / n)
+        return StreamResult(loss, grad_rows, grad_cols, row_scale_shares(q_own, grad_rows, scale), bias_rows.div_(n))
