@@ -1,6 +1,7 @@
 """The pairwise loss (`losses/pairwise.py`, `[loss] name = "pairwise"`): every form against colpali-engine's
 pairwise losses written here as it writes them (its top-2 pick of the hardest in-batch negative; BiPairwiseCELoss,
-BiPairwiseNegativeCELoss, ColbertPairwiseCELoss, ColbertPairwiseNegativeCELoss), in float64, over dot products and
+BiPairwiseNegativeCELoss, ColbertPairwiseCELoss, ColbertPairwiseNegativeCELoss; with `in_batch = "infonce"`
+BiNegativeCELoss and ColbertNegativeCELoss), in float64, over dot products and
 over MaxSim of token sets with padding (each query's score over its token count or not), with and without hard
 negatives, at several in-batch weights, wrapped in Matryoshka; on 1, 2 and 4 gloo processes, chunks that divide
 nothing; a problem of one query; through the trainer's step kinds as ColBERT (dropout replayed by GradCache); the
@@ -71,6 +72,22 @@ def colpali_pairwise(q, p, n, scale, weight: float, dim: int = 0, normalize: boo
     return (1 - weight) * F.softplus(negs - pos[:, None]).mean() + weight * in_batch
 
 
+def colpali_negative_ce(q, p, n, scale, weight: float, dim: int = 0, normalize: bool = False):
+    """Bi/ColbertNegativeCELoss (`weight`: its in_batch_term_weight) at temperature 1 / scale: each hard negative's
+    softplus beside its BiEncoderLoss / ColbertLoss, cross-entropy over the positives; without hard negatives that
+    cross-entropy alone."""
+    scores = scale * colpali_scores(q, p, dim, normalize)
+    in_batch = F.cross_entropy(scores, torch.arange(len(q)))
+    if n is None:
+        return in_batch
+    k = len(n) // len(q)
+    negs = torch.stack(
+        [scale * colpali_scores(q[i : i + 1], n[i * k : (i + 1) * k], dim, normalize)[0] for i in range(len(q))]
+    )
+    loss = F.softplus(negs - scores.diagonal()[:, None]).mean()
+    return loss * (1 - weight) + in_batch * weight
+
+
 def _matryoshka_reference(dims, weights, token: int):
     def reference(q, p, n, scale, weight, dim=0, normalize=False):
         cut = [lambda z, m=m: None if z is None else prefix(z, m, token) for m in dims]
@@ -96,6 +113,13 @@ CASES = [
      colpali_pairwise),
     ("maxsim-negatives-w0.8-matryoshka", Matryoshka(LatePairwise(0.8, token_dim=TOKEN), (3, 2), (1.0, 1.0)), 2, 0.8,
      TOKEN, False, _matryoshka_reference((3, 2), (1.0, 1.0), TOKEN)),
+    ("dot-negative-ce", Pairwise(0.5, "infonce"), 2, 0.5, 0, False, colpali_negative_ce),
+    ("dot-negative-ce-w0.3", Pairwise(0.3, "infonce"), 2, 0.3, 0, False, colpali_negative_ce),
+    ("dot-infonce-alone", Pairwise(0.5, "infonce"), 0, 0.5, 0, False, colpali_negative_ce),
+    ("maxsim-negative-ce-normalized", LatePairwise(0.5, "infonce", token_dim=TOKEN, normalize=True), 2, 0.5, TOKEN,
+     True, colpali_negative_ce),
+    ("maxsim-negative-ce-w0.7", LatePairwise(0.7, "infonce", token_dim=TOKEN), 2, 0.7, TOKEN, False,
+     colpali_negative_ce),
 ]  # fmt: skip
 
 
@@ -175,6 +199,15 @@ def test_the_settings_it_cannot_take_are_one_line() -> None:
     cfg = parse_args(["--loss.name=pairwise", "--loss.pairwise_in_batch_weight=0.2"])
     assert build_objective(cfg.loss) == Pairwise(0.2)
     assert late_interaction(Pairwise(0.2), 16, True) == LatePairwise(0.2, token_dim=16, normalize=True)
+    cfg = parse_args(["--loss.name=pairwise", "--loss.pairwise_in_batch=infonce"])
+    assert build_objective(cfg.loss) == Pairwise(0.5, "infonce")
+    assert late_interaction(Pairwise(0.2, "infonce"), 16) == LatePairwise(0.2, "infonce", token_dim=16)
+    with pytest.raises(ConfigError, match=r"^loss.pairwise_in_batch=infonce picks the pairwise loss's in-batch term"):
+        build_objective(parse_args(["--loss.pairwise_in_batch=infonce"]).loss)
+    with pytest.raises(
+        ConfigError, match=r"loss.pairwise_in_batch='softmax' is not a valid choice; choose one of: hard"
+    ):
+        parse_args(["--loss.name=pairwise", "--loss.pairwise_in_batch=softmax"])
     with pytest.raises(
         ConfigError, match=r"^loss.pairwise_in_batch_weight=1.5 is out of range: expected a number in \[0, 1\]"
     ):
@@ -192,6 +225,7 @@ def test_the_settings_it_cannot_take_are_one_line() -> None:
 # ---- through the trainer, as ColBERT (MiniLM, a new 8-wide projection, two hard negatives per row)
 
 COLBERT = ["--model.pooling=colbert", "--model.colbert_dim=8", "--data.doc_context_length=12", "--loss.name=pairwise"]
+NEGATIVE_CE = ["--loss.pairwise_in_batch=infonce"]
 KINDS = {  # local batch, accumulation steps, options
     "accumulate": (6, 1, ["--loss.maxsim_normalize=true"]),
     "gradcache": (
@@ -201,7 +235,10 @@ KINDS = {  # local batch, accumulation steps, options
     ),
     "gradcache-tokens": (6, 1, ["--gradcache.enabled=true", "--gradcache.chunk_tokens=50"]),
     "global": (3, 2, ["--loss.negatives=global", "--loss.stream_chunk_size=5", "--loss.maxsim_normalize=true"]),
-}
+    "gradcache-negative-ce": (6, 1, ["--gradcache.enabled=true", "--gradcache.chunk_sizes=4", *NEGATIVE_CE]),
+    "global-negative-ce": (3, 2, ["--loss.negatives=global", "--loss.stream_chunk_size=5", *NEGATIVE_CE,
+                                  "--loss.maxsim_normalize=true"]),
+}  # fmt: skip
 
 
 def _dense(trainer, every: dict) -> tuple[float, dict[str, torch.Tensor]]:
@@ -209,10 +246,9 @@ def _dense(trainer, every: dict) -> tuple[float, dict[str, torch.Tensor]]:
     from tests.test_colbert import dense_with
 
     terms = trainer.cfg.loss
+    loss = colpali_negative_ce if terms.pairwise_in_batch == "infonce" else colpali_pairwise
     return dense_with(
-        trainer,
-        every,
-        lambda q, p, n, s: colpali_pairwise(q, p, n, s, terms.pairwise_in_batch_weight, 8, terms.maxsim_normalize),
+        trainer, every, lambda q, p, n, s: loss(q, p, n, s, terms.pairwise_in_batch_weight, 8, terms.maxsim_normalize)
     )
 
 

@@ -35,6 +35,9 @@ class Loss:
     pairwise_in_batch_weight: float = opt(0.5, lambda v: 0 <= v <= 1, "a number in [0, 1]")
     """pairwise, with hard negatives: the in-batch term's weight w beside each hard negative's softplus term's
     1 - w (colpali-engine's in_batch_term_weight); without hard negatives the in-batch term is the loss."""
+    pairwise_in_batch: Literal["hardest", "infonce"] = "hardest"
+    """pairwise: the in-batch term; `hardest`: softplus against each query's hardest other positive (colpali-engine's
+    PairwiseCELoss); `infonce`: one-way InfoNCE over the positives (its NegativeCELoss, beside the hard negatives)."""
     mask_duplicates: bool = False
     """Mask columns that are the same document as a query's positive out of its negatives: the same
     token ids (a text family's documents), e.g. a positive repeated in the batch or mined as a negative."""

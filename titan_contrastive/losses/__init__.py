@@ -80,7 +80,7 @@ def _pairwise(loss: Any, masking: FalseNegatives) -> Pairwise:
             f"({masking.describe()}) remove candidates from InfoNCE's and SigLIP's sums: remove them, or use "
             "loss.name=clip"
         )
-    return Pairwise(loss.pairwise_in_batch_weight)
+    return Pairwise(loss.pairwise_in_batch_weight, loss.pairwise_in_batch)
 
 
 OBJECTIVES: dict[str, ObjectiveBuilder] = {
@@ -132,6 +132,11 @@ def build_objective(loss: Any, name: str | None = None) -> Objective:
         raise ConfigError(
             f"loss.pairwise_in_batch_weight={loss.pairwise_in_batch_weight} weighs the pairwise loss's terms, and "
             f"loss.name={name!r}: set loss.name=pairwise or leave the weight at 0.5"
+        )
+    if loss.pairwise_in_batch != "hardest" and name != "pairwise":
+        raise ConfigError(
+            f"loss.pairwise_in_batch={loss.pairwise_in_batch} picks the pairwise loss's in-batch term, and "
+            f"loss.name={name!r}: set loss.name=pairwise or leave it at hardest"
         )
     if loss.distill:
         try:

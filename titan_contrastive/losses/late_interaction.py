@@ -204,7 +204,8 @@ class LateInteraction:
 @dataclass(frozen=True)
 class LatePairwise(Pairwise):
     """The pairwise loss (`pairwise.py`) over MaxSim scores of tokens `token_dim` wide: colpali-engine's
-    ColbertPairwiseCELoss (ColPali's and ColQwen2's training loss) and ColbertPairwiseNegativeCELoss."""
+    ColbertPairwiseCELoss (ColPali's and ColQwen2's training loss), ColbertPairwiseNegativeCELoss and
+    ColbertNegativeCELoss."""
 
     token_dim: int = 0
     normalize: bool = False
@@ -229,6 +230,9 @@ class LatePairwise(Pairwise):
 
     def _own_scores(self, q: Tensor, docs: Tensor) -> Tensor:
         return pair_products(q, docs, self.token_dim, self.normalize)
+
+    def _row_scores(self, q: Tensor, docs: Tensor) -> Tensor:
+        return MaxSimScores.apply(q, docs, self.token_dim, self.normalize)
 
 
 def late_interaction(objective: object, token_dim: int, normalize: bool = False) -> Objective:
@@ -257,7 +261,7 @@ def late_interaction(objective: object, token_dim: int, normalize: bool = False)
             )
         return dataclasses.replace(objective, inner=late_interaction(objective.inner, token_dim, normalize))
     if isinstance(objective, Pairwise):
-        return LatePairwise(objective.in_batch_weight, token_dim=token_dim, normalize=normalize)
+        return LatePairwise(objective.in_batch_weight, objective.in_batch, token_dim=token_dim, normalize=normalize)
     if isinstance(objective, Sigmoid):
         return LateSigmoid(objective.false_negatives, token_dim=token_dim, normalize=normalize)
     if not isinstance(objective, InfoNCE) or objective.name != "clip":

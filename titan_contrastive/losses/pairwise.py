@@ -1,4 +1,5 @@
-"""The pairwise loss of ColPali and colpali-engine: each query's positive against its hardest in-batch negative.
+"""The pairwise loss of ColPali and colpali-engine: each query's positive against its hardest in-batch negative, and
+each of its hard negatives.
 
 With S_ij = t sim(q_i, d_j) (t = exp(t'), the temperature's multiplier; sim the dot product, or MaxSim for token sets,
 `late_interaction.LatePairwise`) over N queries and the columns D (positives, then k hard negatives per query, in the
@@ -11,7 +12,12 @@ layout of `base.py`):
 B is colpali-engine's BiPairwiseCELoss and ColbertPairwiseCELoss (the loss ColPali and ColQwen2 were trained with), L
 with hard negatives its BiPairwiseNegativeCELoss and ColbertPairwiseNegativeCELoss (w its `in_batch_term_weight`);
 their temperature is 1 / t. As there, the in-batch term reads the other queries' positives, not their hard negatives.
-A problem of one query has no in-batch negative: its B is 0.
+A problem of one query has no in-batch negative: its B is 0. With `in_batch = "infonce"` the in-batch term is
+one-way InfoNCE over the positives instead,
+
+    I = 1/N sum_i (log sum_{j < N} exp S_ij - S_ii),    L = (1 - w) E + w I   (I alone without hard negatives)
+
+colpali-engine's BiNegativeCELoss and ColbertNegativeCELoss; its rows are independent, so it streams by rows too.
 
 Every form but `dense` finds each row's hardest column without gradient, then scores the row's own columns again with
 autograd (its positive, that column, its hard negatives): max's gradient is its arg-max's, so the loss and gradients
@@ -39,6 +45,9 @@ class Pairwise:
 
     in_batch_weight: float = 0.5
     """w: the in-batch term's weight beside the hard negatives' (colpali-engine's in_batch_term_weight)."""
+    in_batch: str = "hardest"
+    """The in-batch term: "hardest" (softplus against the hardest other positive) or "infonce" (one-way InfoNCE over
+    the positives: colpali-engine's NegativeCELoss)."""
     name: str = "pairwise"
     has_bias = False
     needs_ids = False
@@ -49,6 +58,8 @@ class Pairwise:
     def __post_init__(self) -> None:
         if not 0 <= self.in_batch_weight <= 1:
             raise ValueError(f"loss.pairwise_in_batch_weight={self.in_batch_weight}: expected a number in [0, 1]")
+        if self.in_batch not in ("hardest", "infonce"):
+            raise ValueError(f"loss.pairwise_in_batch={self.in_batch!r}: expected 'hardest' or 'infonce'")
 
     def with_guide(self, guide: Guide | None) -> Pairwise:
         if guide is not None:
@@ -62,11 +73,13 @@ class Pairwise:
 
     def describe(self) -> str:
         w = self.in_batch_weight
-        return (
-            f"{self.name} loss (softplus of the hardest in-batch negative's score minus the positive's, "
-            f"colpali-engine's PairwiseCELoss, {self._scored_by()}; beside hard negatives weighted {w:g}, "
-            f"theirs {1 - w:g})"
+        term = (
+            "softplus of the hardest in-batch negative's score minus the positive's, colpali-engine's PairwiseCELoss"
+            if self.in_batch == "hardest"
+            else "one-way InfoNCE over the positives beside each hard negative's softplus, "
+            "colpali-engine's NegativeCELoss"
         )
+        return f"{self.name} loss ({term}, {self._scored_by()}; beside hard negatives weighted {w:g}, theirs {1 - w:g})"
 
     def _scored_by(self) -> str:
         return "dot products"
@@ -88,6 +101,12 @@ class Pairwise:
         acc = accumulation_dtype(q)
         return torch.einsum("cd,cjd->cj", q.to(acc), docs.to(acc))
 
+    def _row_scores(self, q: Tensor, docs: Tensor) -> Tensor:
+        """sim of every row of q with every row of docs [c, m] in the accumulation dtype, with autograd, keeping as
+        little as the similarity allows (the InfoNCE term's rows)."""
+        acc = accumulation_dtype(q)
+        return q.to(acc) @ docs.to(acc).T
+
     # ---- the forms
 
     def _in_batch_on(self, num_queries: int, num_columns: int) -> bool:
@@ -101,7 +120,9 @@ class Pairwise:
         k = (len(docs) - n) // n
         logits = scale * self._every_score(q, docs)
         positive = logits[:, :n].diagonal()
-        if self._in_batch_on(n, len(docs)):
+        if self.in_batch == "infonce" and self._in_batch_on(n, len(docs)):
+            in_batch = (logits[:, :n].logsumexp(1) - positive).mean()
+        elif self._in_batch_on(n, len(docs)):
             eye = torch.eye(n, dtype=torch.bool, device=q.device)
             hardest = logits[:, :n].masked_fill(eye, -math.inf).amax(1)
             in_batch = F.softplus(hardest - positive).mean()
@@ -119,7 +140,7 @@ class Pairwise:
         term is on), then the row's hard negatives; chosen without gradient."""
         n, c = num_queries, len(rows)
         own = own_columns(first_row, c, n, len(docs), rows.device)
-        if not self._in_batch_on(n, len(docs)):
+        if self.in_batch == "infonce" or not self._in_batch_on(n, len(docs)):
             return own
         others = self._scores_without_grad(rows, docs[:n])
         r = torch.arange(c, device=rows.device)
@@ -134,7 +155,7 @@ class Pairwise:
         logits = scale.to(accumulation_dtype(rows)) * self._own_scores(rows, picked)
         positive = logits[:, 0]
         total = 0 * positive.sum()
-        if self._in_batch_on(n, num_columns):
+        if self.in_batch == "hardest" and self._in_batch_on(n, num_columns):
             weight = self.in_batch_weight if k else 1.0
             total = total + weight / n * F.softplus(logits[:, 1] - positive).sum()
         if k:
@@ -156,7 +177,18 @@ class Pairwise:
         queries, cols, _ = gathered_problem(q, docs, None, ranks)
         n = len(queries)
         picked = cols[self._columns(queries.detach(), cols.detach(), 0, n)]
-        return self._terms(queries, picked, scale, n, len(cols))
+        return self._terms(queries, picked, scale, n, len(cols)) + self._infonce(queries, cols[:n], scale, 0, len(cols))
+
+    def _infonce(self, rows: Tensor, positives: Tensor, scale: Tensor, first_row: int, num_columns: int) -> Tensor:
+        """The InfoNCE in-batch term's share of the rows first_row, ... (`in_batch = "infonce"`; else 0), weighted,
+        with autograd through the rows and every positive."""
+        n = len(positives)
+        if self.in_batch != "infonce" or not self._in_batch_on(n, num_columns):
+            return rows.new_zeros((), dtype=accumulation_dtype(rows))
+        logits = scale.to(accumulation_dtype(rows)) * self._row_scores(rows, positives)
+        own = logits.diagonal(first_row)
+        weight = self.in_batch_weight if num_columns > n else 1.0
+        return weight / n * (logits.logsumexp(1) - own).sum()
 
     def streamed(
         self,
@@ -183,10 +215,14 @@ class Pairwise:
             cols = self._columns(rows, docs, first_row + start, num_queries)
             with torch.enable_grad():
                 leaf_rows, picked = rows.requires_grad_(), docs.detach()[cols].to(acc).requires_grad_()
+                positives = docs.detach()[:num_queries].to(acc).requires_grad_()
                 terms = self._terms(leaf_rows, picked, s, num_queries, len(docs))
-                grad_r, grad_p = torch.autograd.grad(terms, (leaf_rows, picked))
+                terms = terms + self._infonce(leaf_rows, positives, s, first_row + start, len(docs))
+                grad_r, grad_p, grad_pos = torch.autograd.grad(terms, (leaf_rows, picked, positives), allow_unused=True)
             total += terms.detach()
             grad_rows[start : start + len(rows)] = grad_r
             grad_cols.index_add_(0, cols.flatten(), grad_p.flatten(0, 1))
+            if grad_pos is not None:
+                grad_cols[:num_queries] += grad_pos
         loss = ranks.sum(total)
         return StreamResult(loss, grad_rows, grad_cols, row_scale_shares(q_own, grad_rows, scale), None)
