@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
 from tests.objective_forms import assert_distributed_forms, assert_forms, per_sample, wanted
-from tests.test_late_interaction import DIM, maxsim
+from tests.test_late_interaction import DIM, LD, LQ, maxsim
 from tests.test_late_masks import K, _guide, masked_problem
 from tests.test_objectives import MASKINGS, N, _close, leaves
 from titan_contrastive.losses import FalseNegatives, MicrobatchLoss, Ranks, Sigmoid
@@ -114,6 +114,18 @@ def test_every_form_matches_the_definition(k: int, normalize: bool, mask: str, g
     bound = objective if guide is None else objective.with_guide(guide)
     bound.dense(dq, dcols, ds, dbias, problem_[5]).backward()
     _close(dbias.grad, db, "dense db")
+
+
+def test_tiles_of_a_column_or_two_match_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles of one or two columns (the tile budget shrunk): a block's positives fall in different tiles, and the
+    masks read each tile where it sits in the block's row."""
+    from titan_contrastive.losses import maxsim
+
+    monkeypatch.setattr(maxsim, "TILE_ELEMENTS", 2 * 5 * LQ * LD)
+    problem_, want, db, guide = _want(K, True, MASKINGS["all"], 2)
+    objective = _objective(True, "all")
+    assert_forms(objective, problem_, want)
+    _assert_bias(objective, problem_, db, guide, Ranks(None), slice(0, N))
 
 
 def test_each_rule_and_the_bias_change_the_loss() -> None:

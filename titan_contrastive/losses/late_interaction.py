@@ -41,14 +41,22 @@ from titan_contrastive.losses.hardness import Hardness
 from titan_contrastive.losses.late_sigmoid import LateSigmoid
 from titan_contrastive.losses.masking import FalseNegatives
 from titan_contrastive.losses.matryoshka import Matryoshka
-from titan_contrastive.losses.maxsim import MaxSimScores, maxsim_mask, pair_products, scores, tile_grads, token_products
+from titan_contrastive.losses.maxsim import (
+    MaxSimScored,
+    MaxSimScores,
+    maxsim_mask,
+    pair_products,
+    scores,
+    tile_grads,
+    token_products,
+)
 from titan_contrastive.losses.pairwise import Pairwise
 from titan_contrastive.losses.sigmoid import Sigmoid
 from titan_contrastive.losses.streaming import BlockMask, BlockWeight, accumulation_dtype
 
 
 @dataclass(frozen=True)
-class LateInteraction:
+class LateInteraction(MaxSimScored):
     """InfoNCE over MaxSim scores of multi-vector embeddings `token_dim` wide per token; see the module docstring."""
 
     token_dim: int
@@ -75,15 +83,6 @@ class LateInteraction:
 
     def fused(self, num_queries: int, num_columns: int) -> bool:
         return False
-
-    def similarity(self, q: Tensor, docs: Tensor) -> Tensor:
-        """MaxSim of every query with every document [n, m] (evaluation's scores; no autograd)."""
-        return scores(q, docs, self.token_dim, self.normalize)
-
-    def pair_scores(self, q: Tensor, docs: Tensor) -> Tensor:
-        """MaxSim of each query [c, L_q d] with its own documents [c, k, L_d d] (a distillation term's
-        logits over them, `losses/distill.py`; autograd)."""
-        return pair_products(q, docs, self.token_dim, self.normalize)
 
     def describe(self) -> str:
         options = ["symmetric" if self.symmetric else "one-way"]
@@ -202,7 +201,7 @@ class LateInteraction:
 
 
 @dataclass(frozen=True)
-class LatePairwise(Pairwise):
+class LatePairwise(Pairwise, MaxSimScored):
     """The pairwise loss (`pairwise.py`) over MaxSim scores of tokens `token_dim` wide: colpali-engine's
     ColbertPairwiseCELoss (ColPali's and ColQwen2's training loss), ColbertPairwiseNegativeCELoss and
     ColbertNegativeCELoss."""
@@ -213,14 +212,6 @@ class LatePairwise(Pairwise):
     def _scored_by(self) -> str:
         per = ", over each query's tokens" if self.normalize else ""
         return f"MaxSim of {self.token_dim}-wide tokens{per}"
-
-    def similarity(self, q: Tensor, docs: Tensor) -> Tensor:
-        """MaxSim of every query with every document [n, m] (evaluation's scores; no autograd)."""
-        return scores(q, docs, self.token_dim, self.normalize)
-
-    def pair_scores(self, q: Tensor, docs: Tensor) -> Tensor:
-        """MaxSim of each query with its own documents [c, k] (a distillation term's logits; autograd)."""
-        return pair_products(q, docs, self.token_dim, self.normalize)
 
     def _every_score(self, q: Tensor, docs: Tensor) -> Tensor:
         return token_products(q, docs, self.token_dim, self.normalize)

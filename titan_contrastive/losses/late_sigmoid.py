@@ -7,9 +7,9 @@ the dot product,
 negatives included; M_i the false negatives masked by MaxSim as in `late_interaction.py`. colpali-engine's
 ColbertSigmoidLoss is this loss with b = 0 fixed and divided by N more (its mean over the N^2 pairs).
 
-A sum over pairs: the streamed form is one pass over blocks of rows, each block's scores formed in tiles and its
-gradient taken by recomputing them (`maxsim.tile_grads`); MaxSim is positively homogeneous in q, so dL/dt =
-<q, dL/dq> / t per row, as for the dot product.
+A sum over pairs, each pair's gradient its own score's: the streamed form forms each tile of a block of rows once,
+with autograd, and takes its backward at once (`maxsim.swept_grads`), where InfoNCE scores every block twice. MaxSim
+is positively homogeneous in q, so dL/dt = <q, dL/dq> / t per row, as for the dot product.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import torch
 from torch import Tensor
 
 from titan_contrastive.losses.base import Ranks, StreamResult, row_scale_shares
-from titan_contrastive.losses.maxsim import MaxSimScores, maxsim_mask, pair_products, scores, tile_grads, token_products
+from titan_contrastive.losses.maxsim import MaxSimScored, MaxSimScores, maxsim_mask, swept_grads, token_products
 from titan_contrastive.losses.sigmoid import Sigmoid
 from titan_contrastive.losses.streaming import accumulation_dtype, sigmoid_block
 
 
 @dataclass(frozen=True)
-class LateSigmoid(Sigmoid):
+class LateSigmoid(Sigmoid, MaxSimScored):
     """The sigmoid loss over MaxSim of tokens `token_dim` wide; see the module docstring."""
 
     token_dim: int = 0
@@ -36,14 +36,6 @@ class LateSigmoid(Sigmoid):
         masked = f", false negatives masked ({self.false_negatives.describe()})" if self.false_negatives.enabled else ""
         per = ", over each query's tokens" if self.normalize else ""
         return f"{self.name} loss (sigmoid over late interaction, MaxSim of {self.token_dim}-wide tokens{per}{masked})"
-
-    def similarity(self, q: Tensor, docs: Tensor) -> Tensor:
-        """MaxSim of every query with every document [n, m] (evaluation's scores; no autograd)."""
-        return scores(q, docs, self.token_dim, self.normalize)
-
-    def pair_scores(self, q: Tensor, docs: Tensor) -> Tensor:
-        """MaxSim of each query with its own documents [c, k] (a distillation term's logits; autograd)."""
-        return pair_products(q, docs, self.token_dim, self.normalize)
 
     def fused(self, num_queries: int, num_columns: int) -> bool:
         return False
@@ -82,14 +74,26 @@ class LateSigmoid(Sigmoid):
         loss = torch.zeros((), dtype=acc, device=q_own.device)
         grad_rows = torch.empty(q_own.shape, dtype=acc, device=q_own.device)
         grad_cols = torch.zeros(docs.shape, dtype=acc, device=q_own.device)
-        bias_rows = torch.empty(len(q_own), dtype=acc, device=q_own.device)
+        bias_rows = torch.zeros(len(q_own), dtype=acc, device=q_own.device)
         for start in range(0, len(q_own), chunk):
             rows = q_own[start : start + chunk]
-            block = scores(rows, docs, dim, norm).mul_(s)
-            part, w = sigmoid_block(block, b, first_row + start, mask(block, start) if mask is not None else None)
-            loss += part
-            bias_rows[start : start + len(rows)] = w.sum(1)
-            gq, gd = tile_grads(rows, docs, dim, w.mul_(s / n), norm)
+            full = torch.zeros(len(rows), len(docs), dtype=acc, device=q_own.device) if mask is not None else None
+
+            def grad_of(tile: Tensor, j: int, start: int = start, full: Tensor | None = full) -> Tensor:
+                """dL/dS of the rows at the columns j, ...: the terms added up, W scaled (a mask reads the tile
+                where it would sit in the block's row)."""
+                tile.mul_(s)
+                masked = None
+                if full is not None:
+                    full[:, j : j + tile.shape[1]] = tile
+                    whole = mask(full, start)
+                    masked = None if whole is None else whole[:, j : j + tile.shape[1]]
+                part, w = sigmoid_block(tile, b, first_row + start - j, masked)
+                loss.add_(part)
+                bias_rows[start : start + len(tile)] += w.sum(1)
+                return w.mul_(s / n)
+
+            gq, gd = swept_grads(rows, docs, dim, grad_of, norm)
             grad_rows[start : start + len(rows)] = gq
             grad_cols += gd
         loss = ranks.sum(loss / n)

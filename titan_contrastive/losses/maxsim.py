@@ -11,6 +11,7 @@ recomputes it (`tile_grads`), so an objective over MaxSim keeps O(rows x columns
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -78,6 +79,25 @@ def tile_grads(q: Tensor, docs: Tensor, dim: int, grad: Tensor, normalize: bool 
     return gq, gd
 
 
+def swept_grads(
+    q: Tensor, docs: Tensor, dim: int, grad_of: Callable[[Tensor, int], Tensor], normalize: bool = False
+) -> tuple[Tensor, Tensor]:
+    """(dL/dq, dL/ddocs) of a loss whose dL/dS at a tile of columns j, ... depends on that tile's MaxSim alone:
+    each tile formed once with autograd, `grad_of(its scores [n, w] without graph, j)` giving dL/dS there, and its
+    backward taken at once; no tile is formed twice (`tile_grads` forms each again)."""
+    gq = torch.zeros(q.shape, dtype=accumulation_dtype(q), device=q.device)
+    gd = torch.empty(docs.shape, dtype=gq.dtype, device=q.device)
+    step = _column_tile(len(q), q.shape[1] // dim, docs.shape[1] // dim, len(docs))
+    for j in range(0, len(docs), step):
+        with torch.enable_grad():
+            qt, dt = q.detach().requires_grad_(), docs[j : j + step].detach().requires_grad_()
+            products = token_products(qt, dt, dim, normalize)
+            tile_q, tile_d = torch.autograd.grad(products, (qt, dt), grad_of(products.detach().clone(), j))
+        gq += tile_q
+        gd[j : j + step] = tile_d
+    return gq, gd
+
+
 class MaxSimScores(torch.autograd.Function):
     """`scores` with a backward that recomputes each tile (`tile_grads`): keeps only q and docs."""
 
@@ -113,3 +133,20 @@ def maxsim_mask(
         positive = pair_products(q_own, own[:, None], dim, normalize)[:, 0]
     summed = q_own.shape[1]  # products a MaxSim sums: its rounding, for the masks' tie rule
     return false_negatives.for_keys(positive.to(torch.float64) * scale, scale, first_row, summed, ids, ids)
+
+
+class MaxSimScored:
+    """What an objective over MaxSim gives evaluation and a distillation term; for a dataclass with `token_dim` (a
+    token's width) and `normalize` (each query's MaxSim over its token count)."""
+
+    token_dim: int
+    normalize: bool
+
+    def similarity(self, q: Tensor, docs: Tensor) -> Tensor:
+        """MaxSim of every query with every document [n, m] (evaluation's scores; no autograd)."""
+        return scores(q, docs, self.token_dim, self.normalize)
+
+    def pair_scores(self, q: Tensor, docs: Tensor) -> Tensor:
+        """MaxSim of each query [c, L_q d] with its own documents [c, k, L_d d] (a distillation term's logits over
+        them, `losses/distill.py`; autograd)."""
+        return pair_products(q, docs, self.token_dim, self.normalize)

@@ -288,10 +288,12 @@ def streamed_softmax_grads(
 
 def sigmoid_block(block: Tensor, bias: Tensor | float, diag_start: int, masked: Tensor | None) -> tuple[Tensor, Tensor]:
     """SigLIP's terms of one block of logits without their bias, s <x_r, y_j> (or s MaxSim) for rows r whose
-    positives are the columns diag_start + r, turned in place into W = -z sigmoid(-z l) (l = block + b, z = +1 at
-    the positives, -1 elsewhere; 0 where `masked`): (-sum log sigmoid(z l) over the unmasked pairs, W)."""
+    positives are the columns diag_start + r (those in the block: a tile of columns may hold some or none), turned in
+    place into W = -z sigmoid(-z l) (l = block + b, z = +1 at the positives, -1 elsewhere; 0 where `masked`):
+    (-sum log sigmoid(z l) over the unmasked pairs, W)."""
     signed = block.add_(bias).neg_()  # z l, built in place: -l, then +l on the diagonal
     r = torch.arange(len(signed), device=signed.device)
+    r = r[(diag_start + r >= 0) & (diag_start + r < signed.shape[1])]
     diag = (r, diag_start + r)
     signed[diag] = -signed[diag]
     if masked is not None:  # log sigmoid(+inf) = 0 and sigmoid(-inf) = 0: a masked pair adds nothing
