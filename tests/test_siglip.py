@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_utils import run_distributed
+from tests.needs import require
 from tests.test_distributed_clip import GradRecorder, _join
 from tests.test_trainer import batch, full, make_trainer
 from titan_contrastive.components.memory_probe import LargestTensor
@@ -145,6 +146,50 @@ def test_trainer_single_process(tmp_path: Path, negatives: str, local: int, ga: 
 )
 def test_trainer_data_parallel(tmp_path: Path, world: int, negatives: str, extra: list[str]) -> None:
     run_distributed(_trainer_matches_dense, world, str(tmp_path), negatives, 3, 2, extra)
+
+
+OTHER_FAMILIES = {  # SigLiT (a locked pretrained text tower, SigLIP's paper) and the packed-patch toy VLM
+    "lit": ["--model.name=lit", "--model.flavor=minilm_debug", "--data.dataset=emoji", "--model.freeze=text"],
+    "vlm": ["--model.name=vlm", "--data.dataset=emoji", "--data.image_sizes=16,24"],
+}
+
+
+@pytest.mark.parametrize("negatives", ["microbatch", "global"])
+@pytest.mark.parametrize("family", list(OTHER_FAMILIES))
+def test_lit_and_vlm_learn_the_bias(tmp_path: Path, family: str, negatives: str) -> None:
+    """Two accumulation steps of 4 under GradCache chunks of 3 against the definition over each step's batch
+    (microbatch) or the whole 8 (global), every parameter's gradient, the bias's included."""
+    if family == "lit":
+        require("hf")
+    trainer = make_trainer(
+        str(tmp_path), "--loss.name=siglip", f"--loss.negatives={negatives}", "--training.local_batch_size=4",
+        "--training.global_batch_size=8", "--loss.stream_chunk_size=3", "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=3", "--eval.enable=false", *OTHER_FAMILIES[family],
+    )  # fmt: skip
+    assert trainer.model_args.num_params() == sum(p.numel() for p in trainer.model.parameters())
+    reference = trainer.spec.build_model(trainer.model_args).double().eval()
+    reference.load_state_dict(trainer.model.state_dict())
+    trainer.model.eval()  # MiniLM's dropout (its replay is tested elsewhere)
+    steps = [batch(trainer, 0, 4), batch(trainer, 4, 4)]
+    out = trainer.train_step(steps)
+    trainer.metrics.close()
+    problems = [batch(trainer, 0, 8)] if negatives == "global" else steps
+    want = 0.0
+    for p in problems:
+        inputs = [p[k].double() if p[k].is_floating_point() else p[k] for k in trainer.spec.input_keys]
+        x, y, t, b = reference(*inputs)
+        loss = naive_sigmoid_loss(x, y, t, b) / len(problems)
+        loss.backward()
+        want += loss.item()
+    assert abs(out["loss"] - want) <= REL * want
+    got, ref = grads(trainer.model), grads(reference)
+    assert ref["logit_bias"].abs().item() > 1e-6
+    for name, w in ref.items():
+        if got[name] is None:  # the locked tower (the reference's is not locked)
+            assert family == "lit" and name.startswith("text."), name
+            continue
+        err = ((got[name] - w).norm() / w.norm()).item()
+        assert err <= REL, f"{name}: relative error {err:.2e}"
 
 
 def test_optional_numbers_parse_from_cli_and_toml(tmp_path: Path) -> None:

@@ -53,6 +53,9 @@ class LiTArgs:
     """MiniLM tokens per caption ([CLS] and [SEP] included)."""
     init_logit_scale: float = math.log(1 / 0.07)
     learn_logit_scale: bool = True
+    init_logit_bias: float | None = None
+    """b at the start, for an objective with a bias (the sigmoid loss: SigLIP's SigLiT); None: no bias."""
+    learn_logit_bias: bool = True
 
     @functools.cached_property
     def _text(self) -> BiEncoderArgs:
@@ -85,6 +88,8 @@ class LiTArgs:
             self,
             init_logit_scale=t.init_logit_scale,
             learn_logit_scale=t.learn_logit_scale,
+            init_logit_bias=t.init_logit_bias,
+            learn_logit_bias=t.learn_logit_bias,
             patch_dropout=cfg.model.patch_dropout,
         )
 
@@ -100,9 +105,10 @@ class LiTArgs:
         return dataclasses.replace(self, in_channels=channels, image_size=height, context_length=context_length)
 
     def num_params(self) -> int:
-        """Exact: the ViT (the clip count without its text tower and scale), MiniLM, logit_scale."""
+        """Exact: the ViT (the clip count without its text tower and scale), MiniLM, logit_scale (and logit_bias)."""
         image = self.image_args()
-        return (image.num_params() - text_tower_params(image) - 1) + (self._text.num_params() - 1) + 1
+        bias = self.init_logit_bias is not None
+        return (image.num_params() - text_tower_params(image) - 1) + (self._text.num_params() - 1) + 1 + bias
 
     def flops_per_sample(self) -> int:
         image = self.image_args()
@@ -124,20 +130,26 @@ class LiT(nn.Module):
         self.text = load_text_tower(args._text.model_dir)
         self.pad_id = pad_id(load_tokenizer(args._text.model_dir))
         self.logit_scale = nn.Parameter(torch.empty(1), requires_grad=args.learn_logit_scale)
+        if args.init_logit_bias is not None:  # the sigmoid loss's bias
+            self.logit_bias = nn.Parameter(torch.empty(1), requires_grad=args.learn_logit_bias)
         self.init_weights()
 
     def init_weights(self) -> None:
-        """The image tower and the scale; MiniLM keeps its pretrained weights."""
+        """The image tower, the scale and the bias; MiniLM keeps its pretrained weights."""
         self.visual.init_weights()
         nn.init.constant_(self.logit_scale, self.args.init_logit_scale)
+        if self.args.init_logit_bias is not None:
+            nn.init.constant_(self.logit_bias, self.args.init_logit_bias)
 
     def forward(
         self, images: Tensor, texts: Tensor, *, replay: Sequence[Tensor | None] | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """`replay`: in a cached-gradient re-forward, pass 1's outputs of these samples
-        (`grad_cache.engine.Replay`), which the locked tower returns instead of running."""
+    ) -> tuple[Tensor, ...]:
+        """(image embeddings, text embeddings, exp(logit_scale)[, logit_bias]); `replay`: in a cached-gradient
+        re-forward, pass 1's outputs of these samples (`grad_cache.engine.Replay`), which the locked tower returns
+        instead of running."""
         image = locked_forward(self.visual, 0, lambda: self.visual(images), replay)
-        return image, embed(self.text, texts, self.pad_id, "mean", 1, replay), self.logit_scale.exp()
+        out = (image, embed(self.text, texts, self.pad_id, "mean", 1, replay), self.logit_scale.exp())
+        return (*out, self.logit_bias) if self.args.init_logit_bias is not None else out
 
 
 def build_tokenizer(args: LiTArgs) -> CaptionTokenizer:
@@ -153,5 +165,6 @@ register_model(
         blocks=lambda m: [*m.visual.transformer.blocks, *m.text.encoder.layer],
         build_tokenizer=build_tokenizer,
         towers={"image": "visual.", "text": "text."},
+        learns_bias=True,
     )
 )

@@ -17,5 +17,6 @@ register_model(
         blocks=vlm_blocks,
         input_keys=("pixel_values", "image_grid_thw", "text"),
         layout=PACKED_PATCHES,
+        learns_bias=True,
     )
 )

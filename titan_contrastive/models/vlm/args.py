@@ -40,6 +40,9 @@ class VLMArgs:
     dropout: float = 0.0
     init_logit_scale: float = math.log(1 / 0.07)
     learn_logit_scale: bool = True
+    init_logit_bias: float | None = None
+    """b at the start, for an objective with a bias (the sigmoid loss); None: no bias."""
+    learn_logit_bias: bool = True
     eos_id: int = 2
     """End-of-text id where the text tower (clip's) pools; from the tokenizer."""
     act: str = "gelu"
@@ -57,9 +60,16 @@ class VLMArgs:
             raise ValueError(f"VLMArgs.dropout={self.dropout} must be in [0, 1)")
 
     def update_from_config(self, cfg: Any) -> VLMArgs:
-        """A copy with the job's `[loss] init_logit_scale` / `learn_logit_scale` (the softmax loss: no bias)."""
+        """A copy with the job's `[loss] init_logit_scale` / `learn_logit_scale` (and, for the sigmoid loss,
+        `init_logit_bias` / `learn_logit_bias`)."""
         t = temperature_from_config(cfg)
-        return dataclasses.replace(self, init_logit_scale=t.init_logit_scale, learn_logit_scale=t.learn_logit_scale)
+        return dataclasses.replace(
+            self,
+            init_logit_scale=t.init_logit_scale,
+            learn_logit_scale=t.learn_logit_scale,
+            init_logit_bias=t.init_logit_bias,
+            learn_logit_bias=t.learn_logit_bias,
+        )
 
     @property
     def patch_dim(self) -> int:
@@ -96,7 +106,7 @@ class VLMArgs:
             + 2 * vw
             + vw * self.embed_dim
         )
-        return vision + text_tower_params(self) + 1
+        return vision + text_tower_params(self) + 1 + (self.init_logit_bias is not None)
 
     def flops_per_sample(self) -> int:
         """Training FLOPs (3 x forward matmuls) of one pair with the image at the largest resolution

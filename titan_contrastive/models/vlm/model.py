@@ -107,6 +107,8 @@ class VLMEmbedder(nn.Module):
         self.text = TextTower(args)  # type: ignore[arg-type]  # VLMArgs has the text fields TextTower reads
         # shape [1]: FSDP2 shards on dim 0
         self.logit_scale = nn.Parameter(torch.empty(1), requires_grad=args.learn_logit_scale)
+        if args.init_logit_bias is not None:  # the sigmoid loss's bias
+            self.logit_bias = nn.Parameter(torch.empty(1), requires_grad=args.learn_logit_bias)
         self.init_weights()
 
     def init_weights(self, seed: int | None = None) -> None:
@@ -118,10 +120,13 @@ class VLMEmbedder(nn.Module):
         self.visual.init_weights(generator)
         self.text.init_weights(generator)
         nn.init.constant_(self.logit_scale, self.args.init_logit_scale)
+        if self.args.init_logit_bias is not None:
+            nn.init.constant_(self.logit_bias, self.args.init_logit_bias)
 
-    def forward(self, pixel_values: Tensor, image_grid_thw: Tensor, text: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(image embeddings [B, d], text embeddings [B, d], exp(logit_scale))."""
-        return self.visual(pixel_values, image_grid_thw), self.text(text), self.logit_scale.exp()
+    def forward(self, pixel_values: Tensor, image_grid_thw: Tensor, text: Tensor) -> tuple[Tensor, ...]:
+        """(image embeddings [B, d], text embeddings [B, d], exp(logit_scale)[, logit_bias])."""
+        out = (self.visual(pixel_values, image_grid_thw), self.text(text), self.logit_scale.exp())
+        return (*out, self.logit_bias) if self.args.init_logit_bias is not None else out
 
 
 def vlm_blocks(model: nn.Module) -> list[nn.Module]:
