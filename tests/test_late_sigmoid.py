@@ -128,6 +128,23 @@ def test_tiles_of_a_column_or_two_match_too(monkeypatch: pytest.MonkeyPatch) -> 
     _assert_bias(objective, problem_, db, guide, Ranks(None), slice(0, N))
 
 
+def test_matryoshka_of_each_token_wraps_it() -> None:
+    """Each token cut to its first m components and normalized again, the sigmoid loss over their MaxSim at each m
+    (one t and one b), sum_m w_m L_m, in every form."""
+    from tests.test_late_matryoshka import cut
+    from titan_contrastive.losses import Matryoshka
+
+    problem_ = _problem(K, 4)
+    dims, weights = (3, 2), (1.0, 0.5)
+    rq, rp, rn, rs, rb = leaves(*problem_[:5])
+    loss = sum(
+        w * reference(cut(rq, m), cut(rp, m), cut(rn, m), rs, rb, problem_[5], MASKINGS["none"], True, dim=m)
+        for m, w in zip(dims, weights)
+    )
+    objective = late_interaction(Matryoshka(Sigmoid(), dims, weights), DIM, normalize=True)
+    assert_forms(objective, problem_, (loss.detach(), *wanted(loss, rq, rp, rn, rs)))
+
+
 def test_each_rule_and_the_bias_change_the_loss() -> None:
     """Else a form that ignored a rule, the guide, the normalization or the bias would still pass."""
     q, p, n, scale, bias, ids = _problem(K, 0)
