@@ -446,23 +446,28 @@ def test_token_pooling_bench_writes_a_row_per_size_and_factor(tmp_path: Path) ->
 
 
 def test_late_interaction_bench_counts_what_each_path_keeps(tmp_path: Path) -> None:
-    """benchmarks/late_interaction_bench.py on a small problem: a row per objective and path, InfoNCE's (masked or
-    not) tiled path keeping only the embeddings (a small fraction of the autograd path's bytes), the pairwise loss's
-    its picked columns' products (less than its autograd path's), each equal to its autograd path within float32
-    rounding."""
+    """benchmarks/late_interaction_bench.py on a small problem: a row per objective and path, the tiled paths of
+    InfoNCE (masked or not) and the sigmoid loss keeping for the backward only what is the size of the embeddings (a
+    small fraction of the autograd path's bytes), the pairwise loss's its picked columns' products (less than its
+    autograd path's), the streamed paths nothing; each equal to its autograd path within float32 rounding."""
     from benchmarks import late_interaction_bench
 
     argv = ["--queries", "6", "--query-tokens", "4", "--doc-tokens", "8", "--dim", "4", "--repeats", "1"]
     late_interaction_bench.main([*argv, "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "late_interaction_bench.json").read_text())["rows"]
     rows = {(r["objective"], r["path"]): r for r in rows}
-    assert set(rows) == {(o, p) for o in ("infonce", "masked", "pairwise") for p in ("autograd", "tiled")}
+    objectives = ("infonce", "masked", "sigmoid", "pairwise")
+    streamed = {("infonce", "streamed"), ("sigmoid", "streamed")}
+    assert set(rows) == {(o, p) for o in objectives for p in ("autograd", "tiled")} | streamed
     assert rows["infonce", "tiled"]["columns"] == 12
-    for objective in ("infonce", "masked"):
-        assert rows[objective, "tiled"]["saved_mib"] * 4 < rows[objective, "autograd"]["saved_mib"]
-    assert rows["pairwise", "tiled"]["saved_mib"] < rows["pairwise", "autograd"]["saved_mib"]
-    for objective in ("infonce", "masked", "pairwise"):
-        assert rows[objective, "tiled"]["max_diff"] <= 1e-5 and rows[objective, "autograd"]["max_diff"] == 0
+    for objective in ("infonce", "masked", "sigmoid"):
+        assert rows[objective, "tiled"]["kept_mib"] * 4 < rows[objective, "autograd"]["kept_mib"]
+    assert rows["pairwise", "tiled"]["kept_mib"] < rows["pairwise", "autograd"]["kept_mib"]
+    assert all(rows[key]["kept_mib"] == 0 for key in streamed)
+    for objective in objectives:
+        assert rows[objective, "autograd"]["max_diff"] == 0
+        assert rows[objective, "autograd"]["kept_mib"] == rows[objective, "autograd"]["saved_mib"]
+    assert all(r["max_diff"] <= 1e-5 for r in rows.values())
     assert (tmp_path / "late_interaction_bench.png").read_bytes()[:4] == b"\x89PNG"
 
 

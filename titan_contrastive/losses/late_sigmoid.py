@@ -8,8 +8,9 @@ negatives included; M_i the false negatives masked by MaxSim as in `late_interac
 ColbertSigmoidLoss is this loss with b = 0 fixed and divided by N more (its mean over the N^2 pairs).
 
 A sum over pairs, each pair's gradient its own score's: the streamed form forms each tile of a block of rows once,
-with autograd, and takes its backward at once (`maxsim.swept_grads`), where InfoNCE scores every block twice. MaxSim
-is positively homogeneous in q, so dL/dt = <q, dL/dq> / t per row, as for the dot product.
+with autograd, and takes its backward at once (`maxsim.swept_grads`), where InfoNCE scores every block twice; the
+microbatch form runs that sweep in its forward and keeps the gradients (`_Swept`). MaxSim is positively homogeneous
+in q, so dL/dt = <q, dL/dq> / t per row, as for the dot product.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from titan_contrastive.losses.base import Ranks, StreamResult, row_scale_shares
-from titan_contrastive.losses.maxsim import MaxSimScored, MaxSimScores, maxsim_mask, swept_grads, token_products
+from titan_contrastive.losses.maxsim import MaxSimScored, maxsim_mask, swept_grads, token_products
 from titan_contrastive.losses.sigmoid import Sigmoid
 from titan_contrastive.losses.streaming import accumulation_dtype, sigmoid_block
 
@@ -40,9 +41,24 @@ class LateSigmoid(Sigmoid, MaxSimScored):
     def fused(self, num_queries: int, num_columns: int) -> bool:
         return False
 
-    def _scores(self, q: Tensor, docs: Tensor, tiled: bool) -> Tensor:
-        if tiled:  # kept: only q and docs; the backward recomputes each tile
-            return MaxSimScores.apply(q, docs, self.token_dim, self.normalize)
+    def rows(
+        self,
+        q: Tensor,
+        docs: Tensor,
+        scale: Tensor,
+        bias: Tensor,
+        ids: Tensor | None = None,
+        first_row: int = 0,
+        normalizer: int | None = None,
+        tiled: bool = False,
+    ) -> Tensor:
+        """`Sigmoid.rows`; `tiled` (the microbatch form): the streamed form's one sweep over tiles run in the forward,
+        its gradients kept for the backward (`_Swept`), so no token product is kept and none formed twice."""
+        if not tiled:
+            return super().rows(q, docs, scale, bias, ids, first_row, normalizer)
+        return _Swept.apply(q, docs, scale, bias, self, ids, first_row, normalizer or len(q))
+
+    def _scores(self, q: Tensor, docs: Tensor) -> Tensor:
         return token_products(q, docs, self.token_dim, self.normalize)
 
     def _masked(self, q: Tensor, docs: Tensor, ids: Tensor | None, first_row: int, products: Tensor) -> Tensor | None:
@@ -98,3 +114,30 @@ class LateSigmoid(Sigmoid, MaxSimScored):
             grad_cols += gd
         loss = ranks.sum(loss / n)
         return StreamResult(loss, grad_rows, grad_cols, row_scale_shares(q_own, grad_rows, scale), bias_rows.div_(n))
+
+
+class _Swept(torch.autograd.Function):
+    """The rows' share of the loss with its gradients taken in the forward by `LateSigmoid.streamed` (one block of
+    all the rows, one process), kept, and scaled by the incoming gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx, q, docs, scale, bias, objective, ids, first_row, normalizer):  # noqa: ANN001, ANN205
+        out = objective.streamed(
+            q.detach(), docs.detach(), scale.detach(), bias.detach(), first_row=first_row, num_queries=normalizer,
+            chunk=len(q), ranks=Ranks(None), ids=ids,
+        )  # fmt: skip
+        ctx.save_for_backward(out.grad_rows, out.grad_cols, out.scale_rows.sum(), out.bias_rows.sum())
+        ctx.shapes = (q.dtype, docs.dtype, scale.shape, bias.shape)
+        return out.loss.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        grad_rows, grad_cols, d_scale, d_bias = ctx.saved_tensors
+        q_dtype, docs_dtype, scale_shape, bias_shape = ctx.shapes
+        return (
+            (grad * grad_rows).to(q_dtype),
+            (grad * grad_cols).to(docs_dtype),
+            (grad * d_scale).reshape(scale_shape),
+            (grad * d_bias).reshape(bias_shape),
+            None, None, None, None,
+        )  # fmt: skip

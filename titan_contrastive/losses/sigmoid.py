@@ -59,8 +59,8 @@ class Sigmoid:
     ) -> Tensor:
         """The loss terms of the rows `q` (global rows first_row, ...) against all columns, summed
         and divided by `normalizer` (default len(q)); autograd, materialises len(q) x M logits
-        (`tiled`: the microbatch form's scores, `_scores`)."""
-        products = self._scores(q, docs, tiled)
+        (`tiled`: the microbatch form's, which an objective over another score may compute otherwise)."""
+        products = self._scores(q, docs)
         logits = scale * products + bias
         rows = torch.arange(first_row, first_row + len(q), device=q.device)
         signs = torch.where(rows[:, None] == torch.arange(len(docs), device=q.device), 1.0, -1.0).to(logits.dtype)
@@ -70,7 +70,7 @@ class Sigmoid:
             terms = terms.masked_fill(masked, 0.0)
         return terms.sum() / (normalizer or len(q))
 
-    def _scores(self, q: Tensor, docs: Tensor, tiled: bool) -> Tensor:
+    def _scores(self, q: Tensor, docs: Tensor) -> Tensor:
         """The score of every row with every column, with autograd: the dot product."""
         return q @ docs.T
 
