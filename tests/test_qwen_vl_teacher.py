@@ -83,3 +83,14 @@ def test_what_cannot_be_taught_is_one_line(tmp_path: Path) -> None:
     colbert = r"loss.teacher_model=.*: model.pooling='colbert' embeds a text as its tokens"
     with pytest.raises(ConfigError, match=colbert):
         vl_run(tmp_path, "qwen2_vl", "--model.pooling=colbert", f"--loss.teacher_model={teacher}", *TAUGHT)
+
+
+def test_a_frozen_model_for_a_sigmoid_run_holds_no_bias(tmp_path: Path) -> None:
+    """The run learns b (the sigmoid loss); its teacher or guide, built from the run's args, embeds and holds none."""
+    from titan_contrastive.models.qwen_vl.guide import read_guide
+
+    trainer = vl_run(tmp_path, "qwen2_vl", "--loss.name=siglip")
+    assert trainer.model.logit_bias.item() == -10.0 and trainer.model_args.init_logit_bias == -10.0
+    frozen, _ = read_guide(trainer.model_args, str(teacher_folder(tmp_path)))
+    assert frozen.init_logit_bias is None and not frozen.learn_logit_scale
+    trainer.metrics.close()

@@ -127,17 +127,10 @@ class _Swept(torch.autograd.Function):
             chunk=len(q), ranks=Ranks(None), ids=ids,
         )  # fmt: skip
         ctx.save_for_backward(out.grad_rows, out.grad_cols, out.scale_rows.sum(), out.bias_rows.sum())
-        ctx.shapes = (q.dtype, docs.dtype, scale.shape, bias.shape)
-        return out.loss.to(q.dtype)
+        ctx.like = [(x.dtype, x.shape) for x in (q, docs, scale, bias)]  # not the tensors: they need not stay alive
+        return out.loss  # in the accumulation dtype, as `Sigmoid.rows`' over scores accumulated there
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        grad_rows, grad_cols, d_scale, d_bias = ctx.saved_tensors
-        q_dtype, docs_dtype, scale_shape, bias_shape = ctx.shapes
-        return (
-            (grad * grad_rows).to(q_dtype),
-            (grad * grad_cols).to(docs_dtype),
-            (grad * d_scale).reshape(scale_shape),
-            (grad * d_bias).reshape(bias_shape),
-            None, None, None, None,
-        )  # fmt: skip
+        grads = (g * grad for g in ctx.saved_tensors)
+        return (*(g.to(dtype).reshape(shape) for g, (dtype, shape) in zip(grads, ctx.like)), None, None, None, None)

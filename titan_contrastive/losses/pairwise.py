@@ -215,14 +215,16 @@ class Pairwise:
             cols = self._columns(rows, docs, first_row + start, num_queries)
             with torch.enable_grad():
                 leaf_rows, picked = rows.requires_grad_(), docs.detach()[cols].to(acc).requires_grad_()
-                positives = docs.detach()[:num_queries].to(acc).requires_grad_()
+                leaves = [leaf_rows, picked]
                 terms = self._terms(leaf_rows, picked, s, num_queries, len(docs))
-                terms = terms + self._infonce(leaf_rows, positives, s, first_row + start, len(docs))
-                grad_r, grad_p, grad_pos = torch.autograd.grad(terms, (leaf_rows, picked, positives), allow_unused=True)
+                if self.in_batch == "infonce":  # every positive's gradient too
+                    leaves.append(docs.detach()[:num_queries].to(acc).requires_grad_())
+                    terms = terms + self._infonce(leaf_rows, leaves[2], s, first_row + start, len(docs))
+                grad_r, grad_p, *grad_pos = torch.autograd.grad(terms, leaves, allow_unused=True)
             total += terms.detach()
             grad_rows[start : start + len(rows)] = grad_r
             grad_cols.index_add_(0, cols.flatten(), grad_p.flatten(0, 1))
-            if grad_pos is not None:
-                grad_cols[:num_queries] += grad_pos
+            if grad_pos and grad_pos[0] is not None:
+                grad_cols[:num_queries] += grad_pos[0]
         loss = ranks.sum(total)
         return StreamResult(loss, grad_rows, grad_cols, row_scale_shares(q_own, grad_rows, scale), None)

@@ -47,4 +47,5 @@ def read_guide(run: QwenVLArgs, path: str) -> tuple[QwenVLArgs, None]:
             "token ids and visual tokens: give one of the run's family (the same tokenizer and image processor)"
         )
     lora = {field.name: field.default for field in dataclasses.fields(run) if field.name.startswith("lora_")}
-    return dataclasses.replace(run, path=model_dir, colbert_dim=0, learn_logit_scale=False, **lora), None
+    frozen = {"learn_logit_scale": False, "init_logit_bias": None}  # it embeds: no temperature trains, no bias
+    return dataclasses.replace(run, path=model_dir, colbert_dim=0, **frozen, **lora), None
