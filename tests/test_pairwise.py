@@ -24,7 +24,7 @@ from tests.test_late_interaction import maxsim
 from tests.test_late_interaction import problem as token_problem
 from tests.test_objectives import N, leaves
 from titan_contrastive.config import ConfigError, parse_args
-from titan_contrastive.losses import Matryoshka, Pairwise, build_objective
+from titan_contrastive.losses import FalseNegatives, Matryoshka, Pairwise, build_objective
 from titan_contrastive.losses.late_interaction import LatePairwise, late_interaction
 from titan_contrastive.losses.matryoshka import prefix
 
@@ -194,6 +194,108 @@ def test_one_query_has_no_in_batch_negative(k: int) -> None:
     assert (out.grad_rows.abs().max() > 0) == bool(k)
 
 
+def masked_reference(q, p, n, scale, ids, masking, weight: float, in_batch: str, dim: int = 0, normalize=False):
+    """The pairwise loss (or, `in_batch = "infonce"`, the NegativeCE form) written one (query, column) at a time with
+    the false-negative rules: column j != i leaves row i's terms when its id is the positive's (duplicates), or its
+    score (dot product, or MaxSim over the query's tokens where `normalize`) exceeds the positive's by the margin or
+    `relative` times it. The hardest in-batch negative is the hardest left (none: no term); a masked hard negative's
+    term is 0 (the normalizer N k stays); InfoNCE's softmax leaves it out."""
+    cols, nq = (p if n is None else torch.cat([p, n])), len(q)
+    k = (len(cols) - nq) // nq
+    raw = colpali_scores(q, cols, dim, normalize)
+    judged = raw.detach()
+
+    def masked(i: int, j: int) -> bool:
+        pos, s = float(judged[i, i]), float(judged[i, j])
+        return j != i and bool(
+            (masking.duplicates and int(ids[j]) == int(ids[i]))
+            or (masking.margin is not None and s > pos + masking.margin)
+            or (masking.relative is not None and s > masking.relative * pos)
+        )
+
+    logits = scale * raw
+    in_batch_terms = []
+    for i in range(nq):
+        others = [j for j in range(nq) if j != i and not masked(i, j)]
+        if in_batch == "infonce":
+            kept = [i, *others]
+            in_batch_terms.append(-torch.log_softmax(logits[i, kept], 0)[0])
+        elif others:
+            hardest = torch.stack([logits[i, j] for j in others]).max()
+            in_batch_terms.append(F.softplus(hardest - logits[i, i]))
+    in_term = sum(in_batch_terms) / nq if nq > 1 else 0.0
+    if not k:
+        return in_term
+    own = [(i, nq + i * k + c) for i in range(nq) for c in range(k)]
+    e_term = sum(F.softplus(logits[i, j] - logits[i, i]) for i, j in own if not masked(i, j)) / (nq * k)
+    return (1 - weight) * e_term + weight * in_term
+
+
+def _masked_problem(dim: int, k: int, seed: int):
+    """A problem whose masks remove something: positive 3 a near copy of positive 7 (one id), and with hard negatives
+    query 2's second a near copy of its positive (its id)."""
+    if dim:
+        from tests.test_late_masks import masked_problem
+
+        return masked_problem(k, seed)
+    q, p, n, scale, bias, ids = dot_problem(k, seed)
+    ids[3] = ids[7]
+    if k:
+        n[2 * k + 1] = F.normalize(p[2] + 1e-3 * torch.randn(D, dtype=torch.float64), dim=0)
+        ids[N + 2 * k + 1] = ids[2]
+    return q, p, n, scale, bias, ids
+
+
+# (name, token width, normalize, k, in-batch term, weight, masking)
+MASK_CASES = [
+    ("dot-k2-hardest-all", 0, False, 2, "hardest", 0.5, "all"),
+    ("dot-k0-hardest-relative", 0, False, 0, "hardest", 0.5, "relative"),
+    ("dot-k2-infonce-all", 0, False, 2, "infonce", 0.3, "all"),
+    ("maxsim-k2-hardest-all", TOKEN, True, 2, "hardest", 0.5, "all"),
+    ("maxsim-k2-infonce-margin", TOKEN, False, 2, "infonce", 0.5, "margin"),
+    ("maxsim-k0-infonce-duplicates", TOKEN, True, 0, "infonce", 0.5, "duplicates"),
+]
+
+
+def _mask_case(case, seed: int):
+    from tests.test_objectives import MASKINGS
+
+    _, dim, normalize, k, in_batch, weight, mask = case
+    masking = MASKINGS[mask]
+    objective = (
+        LatePairwise(weight, in_batch, masking, token_dim=dim, normalize=normalize)
+        if dim
+        else Pairwise(weight, in_batch, masking)
+    )
+    problem = _masked_problem(dim, k, seed)
+    rq, rp, rn, rs = leaves(*problem[:4])
+    loss = masked_reference(rq, rp, rn, rs, problem[5], masking, weight, in_batch, dim, normalize)
+    unmasked = masked_reference(*problem[:4], problem[5], MASKINGS["none"], weight, in_batch, dim, normalize)
+    assert abs(float(loss.detach()) - float(unmasked)) > 1e-6, "the mask removes nothing here"
+    return objective, problem, (loss.detach(), *wanted(loss, rq, rp, rn, rs))
+
+
+@pytest.mark.parametrize("case", MASK_CASES, ids=[c[0] for c in MASK_CASES])
+def test_false_negative_masks_remove_columns_in_every_form(case) -> None:
+    objective, problem, want = _mask_case(case, 0)
+    assert objective.needs_ids == (case[6] in ("duplicates", "all"))
+    assert_forms(objective, problem, want)
+
+
+def _distributed_masks() -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    for case in MASK_CASES:
+        objective, problem, want = _mask_case(case, 1)
+        assert_distributed_forms(objective, problem, want, case[0])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_masks(world: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_distributed(_distributed_masks, world)
+
+
 def test_the_settings_it_cannot_take_are_one_line() -> None:
     assert build_objective(parse_args(["--loss.name=pairwise"]).loss) == Pairwise(0.5)
     cfg = parse_args(["--loss.name=pairwise", "--loss.pairwise_in_batch_weight=0.2"])
@@ -214,10 +316,9 @@ def test_the_settings_it_cannot_take_are_one_line() -> None:
         parse_args(["--loss.name=pairwise", "--loss.pairwise_in_batch_weight=1.5"])
     with pytest.raises(ConfigError, match=r"^loss.pairwise_in_batch_weight=0.2 weighs the pairwise loss's terms, and"):
         build_objective(parse_args(["--loss.pairwise_in_batch_weight=0.2"]).loss)
-    with pytest.raises(
-        ConfigError, match=r"^loss.name=pairwise takes each query's hardest negative, and the loss.mask"
-    ):
-        build_objective(parse_args(["--loss.name=pairwise", "--loss.mask_margin=0.1"]).loss)
+    masked = build_objective(parse_args(["--loss.name=pairwise", "--loss.mask_margin=0.1"]).loss)
+    assert masked == Pairwise(0.5, "hardest", FalseNegatives(margin=0.1))
+    assert "false negatives masked (cos > positive + 0.1)" in masked.describe()
     with pytest.raises(ConfigError, match=r"^loss.hardness_strength=2.0: loss.name='pairwise' does not take it"):
         build_objective(parse_args(["--loss.name=pairwise", "--loss.hardness_strength=2"]).loss)
 
@@ -260,6 +361,37 @@ def test_every_step_kind_equals_colpali_engines_loss(tmp_path: Path, kind: str) 
     pairs_file(tmp_path)
     trainer = step_against(tmp_path, KINDS[kind], *COLBERT, reference=_dense)
     assert "pairwise loss" in trainer.gradient_step.describe() and "MaxSim" in trainer.gradient_step.describe()
+
+
+@needs("hf")
+@pytest.mark.parametrize("kind", ["gradcache", "global-negative-ce"])
+def test_masks_in_the_trainers_steps(tmp_path: Path, kind: str) -> None:
+    """colpali-engine's positive-aware filtering as removal (relative 0.9) and duplicate documents (their token ids),
+    ColQwen2's pairwise recipe and the NegativeCE form, against `masked_reference` over every sample."""
+    from tests.test_colbert import dense_with
+    from tests.test_hard_negatives import pairs_file, step_against
+    from titan_contrastive.batching import with_negatives
+
+    masking = FalseNegatives(duplicates=True, relative=0.9)
+
+    def reference(trainer, every: dict) -> tuple[float, dict[str, torch.Tensor]]:
+        rows = with_negatives(every["doc"], every["neg"], trainer.model.pad_id).view(len(every["doc"]), 3, -1)
+        ids = torch.unique(torch.cat([rows[:, 0], rows[:, 1:].flatten(0, 1)]), dim=0, return_inverse=True)[1]
+        terms = trainer.cfg.loss
+
+        def loss_of(q, p, n, s, rules=masking):
+            w, norm = terms.pairwise_in_batch_weight, terms.maxsim_normalize
+            return masked_reference(q, p, n, s, ids, rules, w, terms.pairwise_in_batch, 8, norm)
+
+        unmasked = dense_with(trainer, every, lambda *z: loss_of(*z, rules=FalseNegatives()))[0]
+        loss, want = dense_with(trainer, every, loss_of)
+        assert abs(loss - unmasked) > 1e-6, "the mask removes nothing here"
+        return loss, want
+
+    pairs_file(tmp_path)
+    options = [*COLBERT, "--loss.mask_relative=0.9", "--loss.mask_duplicates=true"]
+    trainer = step_against(tmp_path, KINDS[kind], *options, reference=reference)
+    assert "false negatives masked (duplicate ids or MaxSim > 0.9 x positive)" in trainer.gradient_step.describe()
 
 
 @needs("hf")

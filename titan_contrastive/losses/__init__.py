@@ -73,14 +73,8 @@ ObjectiveBuilder = Callable[[Any, FalseNegatives], Objective]
 
 
 def _pairwise(loss: Any, masking: FalseNegatives) -> Pairwise:
-    """The pairwise loss of `[loss]`; ValueError for a mask (it takes each query's hardest negative as it is)."""
-    if masking.enabled:
-        raise ValueError(
-            f"loss.name=pairwise takes each query's hardest negative, and the loss.mask_* settings "
-            f"({masking.describe()}) remove candidates from InfoNCE's and SigLIP's sums: remove them, or use "
-            "loss.name=clip"
-        )
-    return Pairwise(loss.pairwise_in_batch_weight, loss.pairwise_in_batch)
+    """The pairwise loss of `[loss]`, its false-negative mask removing candidates from its terms."""
+    return Pairwise(loss.pairwise_in_batch_weight, loss.pairwise_in_batch, masking)
 
 
 OBJECTIVES: dict[str, ObjectiveBuilder] = {

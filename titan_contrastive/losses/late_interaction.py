@@ -225,6 +225,14 @@ class LatePairwise(Pairwise, MaxSimScored):
     def _row_scores(self, q: Tensor, docs: Tensor) -> Tensor:
         return MaxSimScores.apply(q, docs, self.token_dim, self.normalize)
 
+    def _judged_by(self) -> str:
+        return "MaxSim"
+
+    def _mask_of(self, rows: Tensor, docs: Tensor, first_row: int, ids: Tensor | None) -> BlockMask:
+        mask = maxsim_mask(self.false_negatives, rows, docs, self.token_dim, self.normalize, 1.0, first_row, ids)
+        assert mask is not None  # called only with a rule on
+        return mask
+
 
 def late_interaction(objective: object, token_dim: int, normalize: bool = False) -> Objective:
     """The late-interaction twin of a run's objective for multi-vector embeddings `token_dim` wide per token
@@ -252,7 +260,13 @@ def late_interaction(objective: object, token_dim: int, normalize: bool = False)
             )
         return dataclasses.replace(objective, inner=late_interaction(objective.inner, token_dim, normalize))
     if isinstance(objective, Pairwise):
-        return LatePairwise(objective.in_batch_weight, objective.in_batch, token_dim=token_dim, normalize=normalize)
+        return LatePairwise(
+            objective.in_batch_weight,
+            objective.in_batch,
+            objective.false_negatives,
+            token_dim=token_dim,
+            normalize=normalize,
+        )
     if isinstance(objective, Sigmoid):
         return LateSigmoid(objective.false_negatives, token_dim=token_dim, normalize=normalize)
     if not isinstance(objective, InfoNCE) or objective.name != "clip":
