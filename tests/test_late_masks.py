@@ -59,6 +59,22 @@ def guide_of(q, p, n, seed: int = 0):
     return embed(q, LQ), embed(p, LD), embed(n, LD)
 
 
+def masked_by(masking: FalseNegatives, judged, ids):
+    """masked(i, j): whether column j leaves query i's problem, by the rules on the scores `judged[i][j]` (query i's
+    positive is column i, never masked): its id is the positive's (duplicates), or its score exceeds the positive's by
+    the margin or `relative` times it."""
+
+    def masked(i: int, j: int) -> bool:
+        pos, s = float(judged[i][i]), float(judged[i][j])
+        return j != i and bool(
+            (masking.duplicates and int(ids[j]) == int(ids[i]))
+            or (masking.margin is not None and s > pos + masking.margin)
+            or (masking.relative is not None and s > masking.relative * pos)
+        )
+
+    return masked
+
+
 def reference(q, p, n, scale, ids, symmetric, masking, hardness, normalize, guide=None, dim: int = DIM):
     """InfoNCE over t MaxSim (over each query's token count where `normalize`), column j leaving query i's problem
     when its id is the positive's (duplicates), or its MaxSim (the guide's cosine, with a guide) exceeds the
@@ -73,15 +89,7 @@ def reference(q, p, n, scale, ids, symmetric, masking, hardness, normalize, guid
         gq, gp, gn = guide
         judged = (gq @ (gp if gn is None else torch.cat([gp, gn])).T).tolist()
 
-    def masked(i: int, j: int) -> bool:
-        if j == i:
-            return False
-        pos, s = judged[i][i], judged[i][j]
-        return bool(
-            (masking.duplicates and int(ids[j]) == int(ids[i]))
-            or (masking.margin is not None and s > pos + masking.margin)
-            or (masking.relative is not None and s > masking.relative * pos)
-        )
+    masked = masked_by(masking, judged, ids)
 
     forward = 0.0
     for i in range(nq):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tests.dist_utils import run_distributed
 from tests.objective_forms import assert_distributed_forms, assert_forms, per_sample, wanted
 from tests.test_late_interaction import DIM, LD, LQ, maxsim
-from tests.test_late_masks import K, _guide, masked_problem
+from tests.test_late_masks import K, _guide, masked_by, masked_problem
 from tests.test_objectives import MASKINGS, N, _close, leaves
 from titan_contrastive.losses import FalseNegatives, MicrobatchLoss, Ranks, Sigmoid
 from titan_contrastive.losses.late_interaction import late_interaction
@@ -38,13 +38,7 @@ def reference(q, p, n, scale, bias, ids, masking: FalseNegatives, normalize: boo
         gq, gp, gn = guide
         judged = (gq @ (gp if gn is None else torch.cat([gp, gn])).T).tolist()
 
-    def masked(i: int, j: int) -> bool:
-        pos, s = judged[i][i], judged[i][j]
-        return j != i and bool(
-            (masking.duplicates and int(ids[j]) == int(ids[i]))
-            or (masking.margin is not None and s > pos + masking.margin)
-            or (masking.relative is not None and s > masking.relative * pos)
-        )
+    masked = masked_by(masking, judged, ids)
 
     total = 0.0
     for i in range(nq):

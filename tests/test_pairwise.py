@@ -200,18 +200,14 @@ def masked_reference(q, p, n, scale, ids, masking, weight: float, in_batch: str,
     score (dot product, or MaxSim over the query's tokens where `normalize`) exceeds the positive's by the margin or
     `relative` times it. The hardest in-batch negative is the hardest left (none: no term); a masked hard negative's
     term is 0 (the normalizer N k stays); InfoNCE's softmax leaves it out."""
+    from tests.test_late_masks import masked_by
+
     cols, nq = (p if n is None else torch.cat([p, n])), len(q)
     k = (len(cols) - nq) // nq
     raw = colpali_scores(q, cols, dim, normalize)
-    judged = raw.detach()
+    judged = raw.detach().tolist()
 
-    def masked(i: int, j: int) -> bool:
-        pos, s = float(judged[i, i]), float(judged[i, j])
-        return j != i and bool(
-            (masking.duplicates and int(ids[j]) == int(ids[i]))
-            or (masking.margin is not None and s > pos + masking.margin)
-            or (masking.relative is not None and s > masking.relative * pos)
-        )
+    masked = masked_by(masking, judged, ids)
 
     logits = scale * raw
     in_batch_terms = []

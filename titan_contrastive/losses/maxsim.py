@@ -64,27 +64,18 @@ def scores(q: Tensor, docs: Tensor, dim: int, normalize: bool = False) -> Tensor
 
 
 def tile_grads(q: Tensor, docs: Tensor, dim: int, grad: Tensor, normalize: bool = False) -> tuple[Tensor, Tensor]:
-    """(dL/dq [n, Lq d], dL/ddocs [m, Ld d]) from dL/dS `grad` [n, m], recomputing a tile of columns at a time
-    (the same operations as `token_products`, so the same arg-max and the same gradient as its autograd)."""
-    gq = torch.zeros(q.shape, dtype=grad.dtype, device=q.device)
-    gd = torch.empty(docs.shape, dtype=grad.dtype, device=q.device)
-    step = _column_tile(len(q), q.shape[1] // dim, docs.shape[1] // dim, len(docs))
-    for j in range(0, len(docs), step):
-        with torch.enable_grad():
-            qt, dt = q.detach().requires_grad_(), docs[j : j + step].detach().requires_grad_()
-            products = token_products(qt, dt, dim, normalize)
-            tile_q, tile_d = torch.autograd.grad(products, (qt, dt), grad[:, j : j + step])
-        gq += tile_q
-        gd[j : j + step] = tile_d
-    return gq, gd
+    """(dL/dq [n, Lq d], dL/ddocs [m, Ld d]) from dL/dS `grad` [n, m] of scores formed before (`scores`): each tile
+    formed again with autograd (the same operations as `token_products`, so the same arg-max and the same gradient as
+    its autograd) and its backward taken (`swept_grads`)."""
+    return swept_grads(q, docs, dim, lambda tile, j: grad[:, j : j + tile.shape[1]], normalize)
 
 
 def swept_grads(
     q: Tensor, docs: Tensor, dim: int, grad_of: Callable[[Tensor, int], Tensor], normalize: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """(dL/dq, dL/ddocs) of a loss whose dL/dS at a tile of columns j, ... depends on that tile's MaxSim alone:
-    each tile formed once with autograd, `grad_of(its scores [n, w] without graph, j)` giving dL/dS there, and its
-    backward taken at once; no tile is formed twice (`tile_grads` forms each again)."""
+    """(dL/dq, dL/ddocs) where dL/dS at a tile of columns j, ... is `grad_of(the tile's MaxSim [n, w] without graph,
+    j)`: each tile formed with autograd and its backward taken at once. A loss whose dL/dS there reads that tile alone
+    (the sigmoid loss) forms no tile twice."""
     gq = torch.zeros(q.shape, dtype=accumulation_dtype(q), device=q.device)
     gd = torch.empty(docs.shape, dtype=gq.dtype, device=q.device)
     step = _column_tile(len(q), q.shape[1] // dim, docs.shape[1] // dim, len(docs))
