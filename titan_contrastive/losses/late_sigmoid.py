@@ -83,10 +83,9 @@ class LateSigmoid(Sigmoid, MaxSimScored):
         both embedding gradients and the rows' shares of dL/db."""
         if bias is None:
             raise ValueError("the sigmoid loss needs a bias (the model's logit_bias)")
-        n, dim, norm = num_queries, self.token_dim, self.normalize
-        s, b = torch.stack([scale.detach().reshape(()), bias.detach().reshape(()).to(scale.dtype)]).tolist()  # one read
-        mask = maxsim_mask(self.false_negatives, q_own, docs, dim, norm, s, first_row, ids)
-        acc = accumulation_dtype(q_own)
+        n, dim, norm, acc = num_queries, self.token_dim, self.normalize, accumulation_dtype(q_own)
+        s, b = (x.detach().reshape(()).to(acc) for x in (scale, bias))  # kept on the device: no host sync
+        mask = maxsim_mask(self.false_negatives, q_own, docs, dim, norm, 1.0, first_row, ids)  # on MaxSim itself
         loss = torch.zeros((), dtype=acc, device=q_own.device)
         grad_rows = torch.empty(q_own.shape, dtype=acc, device=q_own.device)
         grad_cols = torch.zeros(docs.shape, dtype=acc, device=q_own.device)
@@ -98,13 +97,12 @@ class LateSigmoid(Sigmoid, MaxSimScored):
             def grad_of(tile: Tensor, j: int, start: int = start, full: Tensor | None = full) -> Tensor:
                 """dL/dS of the rows at the columns j, ...: the terms added up, W scaled (a mask reads the tile
                 where it would sit in the block's row)."""
-                tile.mul_(s)
                 masked = None
                 if full is not None:
                     full[:, j : j + tile.shape[1]] = tile
                     whole = mask(full, start)
                     masked = None if whole is None else whole[:, j : j + tile.shape[1]]
-                part, w = sigmoid_block(tile, b, first_row + start - j, masked)
+                part, w = sigmoid_block(tile.mul_(s), b, first_row + start - j, masked)
                 loss.add_(part)
                 bias_rows[start : start + len(tile)] += w.sum(1)
                 return w.mul_(s / n)

@@ -292,8 +292,8 @@ def sigmoid_block(block: Tensor, bias: Tensor | float, diag_start: int, masked: 
     place into W = -z sigmoid(-z l) (l = block + b, z = +1 at the positives, -1 elsewhere; 0 where `masked`):
     (-sum log sigmoid(z l) over the unmasked pairs, W)."""
     signed = block.add_(bias).neg_()  # z l, built in place: -l, then +l on the diagonal
-    r = torch.arange(len(signed), device=signed.device)
-    r = r[(diag_start + r >= 0) & (diag_start + r < signed.shape[1])]
+    first, last = max(0, -diag_start), min(len(signed), signed.shape[1] - diag_start)  # rows whose positive is here
+    r = torch.arange(first, max(first, last), device=signed.device)  # from ints: no device-to-host sync
     diag = (r, diag_start + r)
     signed[diag] = -signed[diag]
     if masked is not None:  # log sigmoid(+inf) = 0 and sigmoid(-inf) = 0: a masked pair adds nothing
