@@ -319,7 +319,11 @@ def check_python(body: str, where: str) -> list[str]:
 
 def check_links(prose: str, doc: Path, where: str) -> list[str]:
     own = headings(prose)
-    errors = []
+    errors = [  # a target broken by a line wrap or a space is no link at all, and would escape the checks below
+        f"{where}: link target {target!r} holds a space or a line break"
+        for target in re.findall(r"\]\(((?:\.{0,2}/)?[\w./-]*\.md(?:#[^)]*)?|#[^)]*)\)", prose)
+        if re.search(r"\s", target)
+    ]
     for target in re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", prose.replace("\n", " ")):
         if re.match(r"[a-z]+:", target):  # https:, mailto:
             continue
