@@ -72,10 +72,12 @@ def test_the_bias_starts_as_siglips_and_is_counted(tmp_path: Path) -> None:
     model = BiEncoder(args)
     assert (model.logit_bias.item(), model.logit_scale.exp().item()) == (-10.0, pytest.approx(10.0))
     assert args.num_params() == sum(p.numel() for p in model.parameters())
-    fixed, _ = _configured("--loss.name=siglip", "--loss.init_logit_bias=-4", "--loss.init_logit_scale=1")
-    fixed_model = BiEncoder(fixed.__class__(**{**fixed.__dict__, "learn_logit_bias": False}))
+    fixed, _ = _configured(
+        "--loss.name=siglip", "--loss.init_logit_bias=-4", "--loss.learn_logit_bias=false", "--loss.init_logit_scale=1"
+    )
+    fixed_model = BiEncoder(fixed)
     assert (fixed_model.logit_bias.item(), fixed_model.logit_bias.requires_grad) == (-4.0, False)
-    assert fixed.init_scale == pytest.approx(torch.e)
+    assert fixed.init_scale == pytest.approx(torch.e) and fixed_model.logit_scale.requires_grad
     plain, _ = _configured()
     assert plain.init_logit_bias is None and BiEncoder(plain).logit_bias is None
     assert plain.num_params() == args.num_params() - 1
