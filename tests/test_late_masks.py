@@ -59,6 +59,19 @@ def guide_of(q, p, n, seed: int = 0):
     return embed(q, LQ), embed(p, LD), embed(n, LD)
 
 
+def maxsim_table(q, cols, normalize: bool, dim: int, guide=None):
+    """(ms[i][j]: MaxSim of query i and column j, over the query's token count where `normalize`, with autograd;
+    judged[i][j]: what the masks read, that MaxSim without gradient, or the guide's (queries, positives, negatives)
+    cosine)."""
+    nq = len(q)
+    count = [int((q[i].view(-1, dim) != 0).any(1).sum()) if normalize else 1 for i in range(nq)]
+    ms = [[maxsim(q[i], cols[j], dim) / count[i] for j in range(len(cols))] for i in range(nq)]
+    if guide is None:
+        return ms, [[float(ms[i][j].detach()) for j in range(len(cols))] for i in range(nq)]
+    gq, gp, gn = guide
+    return ms, (gq @ (gp if gn is None else torch.cat([gp, gn])).T).tolist()
+
+
 def masked_by(masking: FalseNegatives, judged, ids):
     """masked(i, j): whether column j leaves query i's problem, by the rules on the scores `judged[i][j]` (query i's
     positive is column i, never masked): its id is the positive's (duplicates), or its score exceeds the positive's by
@@ -81,14 +94,7 @@ def reference(q, p, n, scale, ids, symmetric, masking, hardness, normalize, guid
     positive's by the margin or `relative` times it; the weighted negatives' logits + alpha sg(MaxSim)."""
     cols, nq = (p if n is None else torch.cat([p, n])), len(q)
     k = (len(cols) - nq) // nq
-    count = [int((q[i].view(-1, dim) != 0).any(1).sum()) if normalize else 1 for i in range(nq)]
-    ms = [[maxsim(q[i], cols[j], dim) / count[i] for j in range(len(cols))] for i in range(nq)]
-    if guide is None:
-        judged = [[float(ms[i][j].detach()) for j in range(len(cols))] for i in range(nq)]
-    else:
-        gq, gp, gn = guide
-        judged = (gq @ (gp if gn is None else torch.cat([gp, gn])).T).tolist()
-
+    ms, judged = maxsim_table(q, cols, normalize, dim, guide)
     masked = masked_by(masking, judged, ids)
 
     forward = 0.0

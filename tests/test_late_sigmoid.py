@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
 from tests.objective_forms import assert_distributed_forms, assert_forms, per_sample, wanted
-from tests.test_late_interaction import DIM, LD, LQ, maxsim
-from tests.test_late_masks import K, _guide, masked_by, masked_problem
+from tests.test_late_interaction import DIM, LD, LQ
+from tests.test_late_masks import K, _guide, masked_by, masked_problem, maxsim_table
 from tests.test_objectives import MASKINGS, N, _close, leaves
 from titan_contrastive.losses import FalseNegatives, MicrobatchLoss, Ranks, Sigmoid
 from titan_contrastive.losses.late_interaction import late_interaction
@@ -30,14 +30,7 @@ def reference(q, p, n, scale, bias, ids, masking: FalseNegatives, normalize: boo
     sum when its id is the positive's (duplicates) or its MaxSim (the guide's cosine, with a guide) exceeds the
     positive's by the margin or `relative` times it."""
     cols, nq = (p if n is None else torch.cat([p, n])), len(q)
-    count = [int((q[i].view(-1, dim) != 0).any(1).sum()) if normalize else 1 for i in range(nq)]
-    ms = [[maxsim(q[i], cols[j], dim) / count[i] for j in range(len(cols))] for i in range(nq)]
-    if guide is None:
-        judged = [[float(ms[i][j].detach()) for j in range(len(cols))] for i in range(nq)]
-    else:
-        gq, gp, gn = guide
-        judged = (gq @ (gp if gn is None else torch.cat([gp, gn])).T).tolist()
-
+    ms, judged = maxsim_table(q, cols, normalize, dim, guide)
     masked = masked_by(masking, judged, ids)
 
     total = 0.0

@@ -23,7 +23,7 @@ from tests.test_hf_text import grads
 from tests.test_late_interaction import reference as late_reference
 from tests.test_trainer import full
 from tests.test_trainer import make_trainer as base_trainer
-from titan_contrastive.losses import InfoNCE
+from titan_contrastive.losses import FalseNegatives, Hardness, InfoNCE
 
 require("hf")
 
@@ -91,7 +91,6 @@ def _late_loss(terms, q, d, scale, m: int, bias=None):
     colpali-engine's ColbertPairwiseCELoss written as it writes it; for `siglip` the sigmoid loss over MaxSim."""
     if terms.name == "siglip":
         from tests.test_late_sigmoid import reference as sigmoid_reference
-        from titan_contrastive.losses import FalseNegatives
 
         rule = FalseNegatives(relative=terms.mask_relative)
         return sigmoid_reference(q, d, None, scale, bias, torch.arange(len(d)), rule, terms.maxsim_normalize, dim=m)
@@ -101,7 +100,6 @@ def _late_loss(terms, q, d, scale, m: int, bias=None):
         return colpali_pairwise(q, d, None, scale, terms.pairwise_in_batch_weight, m, terms.maxsim_normalize)
     if terms.mask_relative is not None or terms.hardness_strength:  # the masks and weights by MaxSim
         from tests.test_late_masks import reference as masked_reference
-        from titan_contrastive.losses import FalseNegatives, Hardness
 
         rules = FalseNegatives(relative=terms.mask_relative), Hardness(terms.hardness_mode, terms.hardness_strength)
         ids = torch.arange(len(d))
@@ -124,12 +122,10 @@ def _dense(trainer, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]
             from tests.test_late_matryoshka import cut
 
             terms = trainer.cfg.loss
-            scale, dim = model.logit_scale.exp(), model.token_dim
+            scale, dim, bias = model.logit_scale.exp(), model.token_dim, model.logit_bias
             weights = terms.matryoshka_weights or [1.0] * len(terms.matryoshka_dims)
             prefixes = list(zip(terms.matryoshka_dims, weights)) or [(dim, 1.0)]
-            late = [
-                w * _late_loss(terms, cut(q, m, dim), cut(d, m, dim), scale, m, model.logit_bias) for m, w in prefixes
-            ]
+            late = [w * _late_loss(terms, cut(q, m, dim), cut(d, m, dim), scale, m, bias) for m, w in prefixes]
             losses.append(sum(late))
         else:
             losses.append(InfoNCE().dense(q, d, model.logit_scale.exp()))
