@@ -353,7 +353,6 @@ def test_exports_reload_and_embed_as_the_run(tmp_path: Path, lora: bool | str) -
     base = dict(AutoModel.from_pretrained(str(tmp_path / "tiny-qwen2_vl")).named_parameters())
     assert any(not torch.equal(merged[n], base[n]) for n in base)  # it trained
     assert export_main([str(step), "--to", "peft", "--out", str(tmp_path / "peft")]) == (0 if lora else 2)
-    assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 2
 
 
 def test_resume_with_lora_is_bit_identical(tmp_path: Path) -> None:

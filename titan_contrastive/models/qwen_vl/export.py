@@ -1,6 +1,8 @@
 """The qwen_vl family's exports (`python -m titan_contrastive.export STEP --to ...`) and its
 state-dict adapter.
 
+- `sentence-transformers`: the tower (LoRA merged) as a `SentenceTransformer` folder whose chat template writes
+  the run's query and document templates (`st_folder.py`; loading it needs torchvision);
 - `hf`: the tower as a transformers folder with its tokenizer and image processor (at the run's
   `min_pixels` / `max_pixels`; `AutoModel.from_pretrained(DIR)`), with LoRA the merged weights
   (peft's `merge_and_unload`);
@@ -28,20 +30,25 @@ from titan_contrastive.models.bi_encoder.tower import load_text_tower
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
 from titan_contrastive.models.qwen_vl.colpali import CLASSES, reload_colpali, write_colpali
 from titan_contrastive.models.qwen_vl.model import SIDES, QwenVLArgs, vl_embed
-from titan_contrastive.models.qwen_vl.processor import VLProcessor
+from titan_contrastive.models.qwen_vl.processor import PAD, VLProcessor
+from titan_contrastive.models.qwen_vl.st_folder import (
+    check_loadable,
+    reloaded_embeddings,
+    write_sentence_transformers,
+)
 from titan_contrastive.models.registry import StateDictAdapter
 from titan_contrastive.models.weights import read_ours
 
 __all__ = ["ADAPTER", "FORMATS", "write"]
 
-FORMATS = ("hf", "peft", "colpali")
+FORMATS = ("sentence-transformers", "hf", "peft", "colpali")
 
 
-def _probe(args: QwenVLArgs) -> dict[str, torch.Tensor]:
-    """Probe samples of every field a side may read: images of different sizes and texts (one empty)."""
+def _probe() -> dict[str, tuple[list[np.ndarray], list[str]]]:
+    """Probe samples of every field a side may read, per side: images of different sizes and texts (one empty)."""
     g = np.random.default_rng(0)
     images = [g.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((32, 48), (64, 64), (40, 96))]
-    return args.processor().sides(images, PROBE_TEXTS, images[::-1], PROBE_TEXTS[::-1])
+    return {"query": (images, PROBE_TEXTS), "doc": (images[::-1], PROBE_TEXTS[::-1])}
 
 
 def _embeddings(
@@ -90,8 +97,11 @@ def write(to: str, src: str, out: Path, tower_name: str = "") -> None:
     if family != "qwen_vl":
         refuse(f"{src}: a {family} checkpoint; --to {to} exports the qwen_vl family here")
     _check_colpali(to, args)
+    if to == "sentence-transformers":
+        check_loadable()
     model.eval()
-    batch = _probe(args)
+    probe = _probe()
+    batch = args.processor().sides(*probe["query"], *probe["doc"])
     want = _embeddings(model.tower, args, batch, model.head)
     head = None
     if to == "colpali":
@@ -107,6 +117,15 @@ def write(to: str, src: str, out: Path, tower_name: str = "") -> None:
         adapted(args, model.tower).save_pretrained(str(out))
         theirs = reloaded("peft", lambda: PeftModel.from_pretrained(load_text_tower(args.path), str(out)).eval())
         library = "peft"
+    elif to == "sentence-transformers":
+        write_sentence_transformers(plain_tower(args, model.tower), args, out)
+        from sentence_transformers import SentenceTransformer
+
+        theirs = reloaded("sentence-transformers", lambda: SentenceTransformer(str(out), device="cpu"))
+        rows = {side: (batch[side] != PAD).any(1).nonzero().flatten().tolist() for side in SIDES}  # not the empty
+        for side, mine, got in zip(SIDES, want, reloaded_embeddings(theirs, args, probe, rows)):
+            compare(to, side, mine[rows[side]], got, "sentence-transformers")
+        return
     else:
         from transformers import AutoModel
 

@@ -22,11 +22,13 @@ from torch import Tensor
 
 from titan_contrastive.config import ConfigError
 
-__all__ = ["IMAGE", "PAD", "VLProcessor"]
+__all__ = ["IMAGE", "PAD", "VISION", "VLProcessor"]
 
 IMAGE = "{image}"
 PAD = -1
 _START, _PAD, _END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+VISION = _START + _PAD + _END
+"""An image in a chat-rendered text, before the processor repeats `<|image_pad|>` per visual token."""
 
 
 class VLProcessor:
@@ -87,6 +89,11 @@ class VLProcessor:
             ) from None
         return out["pixel_values"].float(), out["image_grid_thw"].long()
 
+    def cut(self, text: str) -> str:
+        """`text` cut to its first `max_text_tokens` tokens (itself when it has no more)."""
+        words = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer.decode(words[: self.max_text_tokens]) if len(words) > self.max_text_tokens else text
+
     def encode(
         self, template: str | Sequence[str], texts: Sequence[str], images: Sequence[np.ndarray] | None
     ) -> dict[str, Tensor]:
@@ -106,11 +113,8 @@ class VLProcessor:
             counts = self.visual_tokens(out["image_grid_thw"])
         rows = []
         for text, count, template in zip(texts, counts, templates, strict=True):
-            words = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(words) > self.max_text_tokens:  # the caption cut to its first max_text_tokens tokens
-                text = self.tokenizer.decode(words[: self.max_text_tokens])
             # the whole string at once, as the transformers processor tokenizes it (BPE merges across the template)
-            filled = template.replace(IMAGE, _START + _PAD * count + _END).replace("{text}", text)
+            filled = template.replace(IMAGE, _START + _PAD * count + _END).replace("{text}", self.cut(text))
             rows.append(self.tokenizer(filled, add_special_tokens=False)["input_ids"])
         width = max(len(r) for r in rows)
         out["ids"] = torch.tensor([r + [PAD] * (width - len(r)) for r in rows], dtype=torch.long).reshape(

@@ -1,0 +1,146 @@
+"""A qwen_vl run as a sentence-transformers folder (`--to sentence-transformers`): what `SentenceTransformer(DIR)`
+loads, `encode_query` and `encode_document` embedding as the run's two sides.
+
+The folder holds the tower (LoRA merged) with its tokenizer and image processor (the run's `min_pixels` /
+`max_pixels`), a chat template that writes the run's templates (`chat_template`), then the run's Pooling
+(last token or mean) and Normalize. sentence-transformers makes every input a chat message (a text, a PIL image,
+or `{"image": ..., "text": ...}`) and renders it with that template, which is told the task: "query" takes the
+query template, "document" the document's. Without a task, the document's when it reads just the input's kinds
+(an image, a text), else the query's when it does, else the one that reads an image if the input has one. One
+image per input, as in training.
+
+transformers builds a Qwen-VL processor with its video processor, which imports torchvision: writing the folder,
+and loading it, need torchvision beside torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from torch import nn
+
+from titan_contrastive.datasets.retrieval import MODES
+from titan_contrastive.models.export_check import refuse
+from titan_contrastive.models.qwen_vl.model import SIDES, QwenVLArgs
+from titan_contrastive.models.qwen_vl.processor import VISION, VLProcessor
+
+__all__ = ["chat_template", "check_loadable", "reloaded_embeddings", "write_sentence_transformers"]
+
+_TEMPLATE = """\
+{%- set ns = namespace(text="", images=0) -%}
+{%- for message in messages -%}
+{%- if message.role != "user" -%}
+{{- raise_exception("the query and document templates are its prompts; give no " + message.role + " message") -}}
+{%- elif message.content is string -%}
+{%- set ns.text = ns.text + message.content -%}
+{%- else -%}
+{%- for item in message.content -%}
+{%- if item.type == "image" -%}
+{%- set ns.images = ns.images + 1 -%}
+{%- elif item.type == "text" -%}
+{%- set ns.text = ns.text + item.text -%}
+{%- else -%}
+{{- raise_exception("this model reads a text, an image or both, not " + item.type) -}}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+{%- endfor -%}
+{%- set query = QUERY -%}
+{%- set document = DOCUMENT -%}
+{%- if task is defined and task == "query" -%}
+{%- set template = query -%}
+{%- elif task is defined and task == "document" -%}
+{%- set template = document -%}
+{%- else -%}
+{%- set kinds = [ns.images > 0, ns.text != ""] -%}
+{%- if kinds == ["{image}" in document, "{text}" in document] -%}
+{%- set template = document -%}
+{%- elif kinds == ["{image}" in query, "{text}" in query] or kinds[0] != ("{image}" in document) -%}
+{%- set template = query -%}
+{%- else -%}
+{%- set template = document -%}
+{%- endif -%}
+{%- endif -%}
+{%- if ns.images > 1 -%}
+{{- raise_exception("one image per input, as in training") -}}
+{%- elif (ns.images > 0) != ("{image}" in template) -%}
+{{- raise_exception("the template " + template + " takes " + ("an image" if ns.images == 0 else "no image")) -}}
+{%- endif -%}
+{{- template.replace("{image}", VISION).replace("{text}", ns.text) -}}
+"""
+
+
+def chat_template(query: str, document: str) -> str:
+    """The Jinja chat template rendering a message as the run's `query` or `document` template: its image as
+    `<|vision_start|><|image_pad|><|vision_end|>` (the processor repeats the pad per visual token), its text in
+    place of `{text}`."""
+    literal = {"QUERY": query, "DOCUMENT": document, "VISION": VISION}
+    out = _TEMPLATE
+    for name, value in literal.items():  # a JSON string is a Jinja string literal (non-ASCII kept as it is)
+        out = out.replace(name, json.dumps(value, ensure_ascii=False))
+    return out
+
+
+def _side_inputs(
+    processor: VLProcessor, kind: str, images: Sequence[np.ndarray] | None, texts: Sequence[str]
+) -> list[object]:
+    """A side's samples as sentence-transformers takes them: texts, PIL images, or {"image", "text"} dicts (`kind`
+    text, image or multi), each text cut as the run cuts it."""
+    from PIL import Image
+
+    cut = [processor.cut(t) for t in texts]
+    if kind == "text":
+        return cut
+    pictures = [Image.fromarray(x) for x in images or ()]
+    return pictures if kind == "image" else [{"image": p, "text": t} for p, t in zip(pictures, cut, strict=True)]
+
+
+def check_loadable() -> None:
+    """Refuse the export in one line where torchvision does not import: the folder would not load."""
+    try:
+        import torchvision  # noqa: F401 - transformers' Qwen-VL processor needs it to load
+    except Exception as e:  # noqa: BLE001 - not installed, or a build that does not import beside this torch
+        refuse(
+            f"--to sentence-transformers: sentence-transformers loads a Qwen-VL folder through transformers' "
+            f"Qwen-VL processor, whose video processor needs torchvision ({type(e).__name__}); install the "
+            "torchvision that pairs with this torch, or use --to hf"
+        )
+
+
+def write_sentence_transformers(plain: nn.Module, args: QwenVLArgs, out: Path) -> None:
+    """`plain` (the tower, LoRA merged) with the run's processing, chat template, Pooling and Normalize, saved as a
+    sentence-transformers folder into `out` (where `check_loadable` passes)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    plain.save_pretrained(str(out))
+    processor = VLProcessor(args.path, args.min_pixels, args.max_pixels, args.text_length)
+    processor.tokenizer.chat_template = chat_template(args.query_template, args.doc_template)
+    processor.tokenizer.save_pretrained(str(out))
+    processor.images.save_pretrained(str(out))
+    encoder = Transformer(str(out))
+    mode = {"last_token": "lasttoken"}.get(args.pooling, args.pooling)
+    pooling = Pooling(plain.config.get_text_config().hidden_size, pooling_mode=mode)
+    SentenceTransformer(modules=[encoder, pooling, Normalize()], device="cpu").save(str(out))
+    # the processor is loaded with the PIL image processor the run's pixels came from (transformers' default where
+    # torchvision imports is its torchvision one, which resizes with another filter); the Transformer module reads
+    # `processor_kwargs` from its config file but does not write them
+    config = out / "sentence_bert_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "processor_kwargs": {"use_fast": False}}, indent=2))
+
+
+def reloaded_embeddings(model: object, args: QwenVLArgs, probe: dict[str, tuple], rows: dict[str, list[int]]) -> list:
+    """The query and document embeddings `model` (a loaded SentenceTransformer) gives `rows` of the probe's raw
+    samples (`probe[side]`: images, texts)."""
+    processor = VLProcessor(args.path, args.min_pixels, args.max_pixels, args.text_length)
+    kinds = dict(zip(SIDES, MODES[args.mode]))
+    encode = {"query": model.encode_query, "doc": model.encode_document}
+    out = []
+    for side in SIDES:
+        images, texts = probe[side]
+        samples = _side_inputs(processor, kinds[side], images, texts)
+        out.append(encode[side]([samples[i] for i in rows[side]], convert_to_tensor=True, batch_size=2))
+    return out
