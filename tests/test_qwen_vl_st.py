@@ -131,28 +131,35 @@ def test_without_torchvision_the_export_is_refused_in_one_line(tmp_path: Path, c
 
 
 @pytest.mark.parametrize(
-    "mode, lora, pooling", [("t2i", False, "last_token"), ("t2i", True, "last_token"), ("m2i", False, "mean")]
+    "mode, lora, pooling",
+    [("t2i", False, "last_token"), ("t2i", True, "last_token"), ("m2i", False, "mean"), ("t2i", True, "colbert")],
 )
 def test_the_folder_loads_in_sentence_transformers_and_embeds_as_the_run(
     tmp_path: Path, mode: str, lora: bool, pooling: str
 ) -> None:
     """Where torchvision imports: the export passes its own check (sentence-transformers' query and document
-    embeddings of images of three sizes and three texts, one cut, equal the run's), and the folder holds the
-    run's pooling; `encode` without a task takes the side whose template reads the sample's kinds (t2i: an image
-    is a document; m2i: an image with a text is a query)."""
+    embeddings of images of three sizes and three texts, one cut, equal the run's; a ColQwen run's tokens, as a
+    MultiVectorEncoder), and the folder holds the run's pooling or projection; `encode` without a task takes the side
+    whose template reads the sample's kinds (t2i: an image is a document; m2i: an image with a text is a query)."""
     pytest.importorskip("torchvision", reason="transformers' Qwen-VL processor needs torchvision to load")
     from PIL import Image
-    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import MultiVectorEncoder, SentenceTransformer
 
     from titan_contrastive.export import main as export_main
 
     step = _trained(tmp_path, mode, f"--model.pooling={pooling}", *(LORA if lora else ()))
     out = tmp_path / "st"
     assert export_main([str(step), "--to", "sentence-transformers", "--out", str(out)]) == 0
-    saved = json.loads((out / "1_Pooling" / "config.json").read_text())["pooling_mode"]
-    assert saved == {"last_token": "lasttoken"}.get(pooling, pooling)
-    model = SentenceTransformer(str(out), device="cpu")
+    modules = [m["type"].rsplit(".", 1)[-1] for m in json.loads((out / "modules.json").read_text())]
+    if pooling == "colbert":
+        assert modules == ["Transformer", "Dense", "MultiVectorMask", "Normalize"]
+        model = MultiVectorEncoder(str(out), device="cpu")
+    else:
+        assert modules == ["Transformer", "Pooling", "Normalize"]
+        saved = json.loads((out / "1_Pooling" / "config.json").read_text())["pooling_mode"]
+        assert saved == {"last_token": "lasttoken"}.get(pooling, pooling)
+        model = SentenceTransformer(str(out), device="cpu")
     image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (56, 84, 3), dtype=np.uint8))
     sample = image if mode == "t2i" else {"image": image, "text": "a cat"}
     side = model.encode_document if mode == "t2i" else model.encode_query
-    assert torch.allclose(model.encode([sample], convert_to_tensor=True), side([sample], convert_to_tensor=True))
+    assert torch.allclose(torch.as_tensor(model.encode([sample])[0]), torch.as_tensor(side([sample])[0]))

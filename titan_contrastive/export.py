@@ -17,9 +17,9 @@ adapter (`ModelSpec.state_dict_adapter`) claims the path; `--to` must be one of 
   the run's `[model] path`; `--to pylate`, a ColBERT run as a PyLate folder (both sides).
 - qwen_vl (`models.qwen_vl.export`): `--to sentence-transformers`, the tower (LoRA merged) with its
   processing, a chat template of the run's templates, pooling and Normalize (`encode_query` / `encode_document`
-  on texts and images; needs torchvision); `--to hf`, the tower with its tokenizer and image processor, what
-  `transformers.AutoModel` loads; `--to peft`, the adapters; `--to colpali`, a ColBERT run (ColQwen) as
-  colpali-engine's folder, its only format.
+  on texts and images; a ColQwen run's as a MultiVectorEncoder; needs torchvision); `--to hf`, the tower with
+  its tokenizer and image processor, what `transformers.AutoModel` loads; `--to peft`, the adapters;
+  `--to colpali`, a ColBERT run (ColQwen) as colpali-engine's folder.
 - static (`models.static.export`; `--tower`): `--to sentence-transformers`, a StaticEmbedding and a Normalize
   with the run's prompts (two tables without `--tower`: a Router of both); `--to model2vec`, model2vec's own folder
   (no prompts).

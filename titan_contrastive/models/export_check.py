@@ -16,7 +16,7 @@ import torch
 
 from titan_contrastive.models.weights import WeightsError
 
-__all__ = ["PROBE_TEXTS", "TOLERANCE", "compare", "refuse", "reloaded"]
+__all__ = ["PROBE_TEXTS", "TOLERANCE", "compare", "packed_tokens", "refuse", "reloaded"]
 
 TOLERANCE = 1e-4
 """Largest difference allowed between the source's and the reloaded export's L2-normalized
@@ -55,3 +55,11 @@ def reloaded(library: str, load: Callable[[], Any]) -> Any:
         refuse(
             f"the written folder does not load back with {library} ({type(e).__name__}: {first}); nothing was written"
         )
+
+
+def packed_tokens(texts: list[Any], length: int = 0) -> torch.Tensor:
+    """[n, max(length, longest), d]: each sample's token vectors first, then zeros, so two libraries' token sets (ours
+    keep a left-out token's place as a zero, sentence-transformers' leave it out) compare as one tensor."""
+    rows = [torch.as_tensor(t, dtype=torch.float32) for t in texts]
+    length = max([length, *(len(t) for t in rows)])
+    return torch.stack([torch.nn.functional.pad(t, (0, 0, 0, length - len(t))) for t in rows])

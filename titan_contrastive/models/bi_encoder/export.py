@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titan_contrastive.components.lora import lora_config
@@ -43,7 +42,7 @@ from titan_contrastive.models.bi_encoder.folder import ST_POOLING_NAMES, read_te
 from titan_contrastive.models.bi_encoder.model import BiEncoder, build_tokenizer
 from titan_contrastive.models.bi_encoder.multi_vector import write_multi_vector
 from titan_contrastive.models.bi_encoder.tower import load_text_tower
-from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
+from titan_contrastive.models.export_check import PROBE_TEXTS, compare, packed_tokens, refuse, reloaded
 from titan_contrastive.models.registry import StateDictAdapter
 from titan_contrastive.models.weights import read_ours
 
@@ -210,18 +209,14 @@ def _write_colbert(model: BiEncoder, args: BiEncoderArgs, out: Path, to: str) ->
             encode = library.encode_query if side == "query" else library.encode_document
             rows = [row.view(-1, model.token_dim) for row in want.float()]
             length = len(rows[0])
-            ours = _packed([row[(row != 0).any(1)] for row in rows], length)
+            ours = packed_tokens([row[(row != 0).any(1)] for row in rows], length)
             compare(
-                to, side, ours, _packed(encode(PROBE_TEXTS, convert_to_numpy=False), length), "sentence-transformers"
+                to,
+                side,
+                ours,
+                packed_tokens(encode(PROBE_TEXTS, convert_to_numpy=False), length),
+                "sentence-transformers",
             )
-
-
-def _packed(texts: list[Tensor], length: int) -> Tensor:
-    """[n, length, d]: each text's token vectors first, then zeros (ours keep a left-out token's place as a zero;
-    sentence-transformers' leave it out); a text of more than `length` tokens keeps them all (the comparison then
-    refuses the shapes)."""
-    length = max([length, *(len(t) for t in texts)])
-    return torch.stack([F.pad(torch.as_tensor(t, dtype=torch.float32), (0, 0, 0, length - len(t))) for t in texts])
 
 
 def _write_sentence_transformers(

@@ -1,16 +1,17 @@
 """The qwen_vl family's exports (`python -m titan_contrastive.export STEP --to ...`) and its
 state-dict adapter.
 
-- `sentence-transformers`: the tower (LoRA merged) as a `SentenceTransformer` folder whose chat template writes
-  the run's query and document templates (`st_folder.py`; loading it needs torchvision);
+- `sentence-transformers`: the tower (LoRA merged) as a `SentenceTransformer` folder (a ColBERT run's: a
+  `MultiVectorEncoder`) whose chat template writes the run's query and document templates (`st_folder.py`;
+  loading it needs torchvision);
 - `hf`: the tower as a transformers folder with its tokenizer and image processor (at the run's
   `min_pixels` / `max_pixels`; `AutoModel.from_pretrained(DIR)`), with LoRA the merged weights
   (peft's `merge_and_unload`);
 - `peft`: the LoRA adapters alone (`PeftModel.from_pretrained(base, DIR)` over the run's
   `[model] path`);
 - `colpali`: a ColBERT run (`[model] pooling = "colbert"`) as colpali-engine's ColQwen folder
-  (`ColQwen2.from_pretrained(DIR)`, `colpali.py`), with LoRA the merged weights; the only format for
-  it (transformers' `ColQwen2ForRetrieval` gives image tokens text positions, not the run's M-RoPE).
+  (`ColQwen2.from_pretrained(DIR)`, `colpali.py`), with LoRA the merged weights (transformers'
+  `ColQwen2ForRetrieval` is not written: it gives image tokens text positions, not the run's M-RoPE).
 
 Each folder is loaded back and must give the run's query and document embeddings (a ColBERT run's
 tokens) of a few probe captions and images of different sizes (`models.export_check`).
@@ -33,7 +34,7 @@ from titan_contrastive.models.qwen_vl.model import SIDES, QwenVLArgs, vl_embed
 from titan_contrastive.models.qwen_vl.processor import PAD, VLProcessor
 from titan_contrastive.models.qwen_vl.st_folder import (
     check_loadable,
-    reloaded_embeddings,
+    check_reloaded,
     write_sentence_transformers,
 )
 from titan_contrastive.models.registry import StateDictAdapter
@@ -67,12 +68,15 @@ def _embeddings(
 
 
 def _check_colpali(to: str, args: QwenVLArgs) -> None:
-    """A ColBERT run goes `--to colpali` at colpali-engine's width, and only it does: else a one-line refusal."""
-    if bool(args.token_dim) != (to == "colpali"):
+    """A ColBERT run goes `--to colpali` at colpali-engine's width, or `--to sentence-transformers`; `--to colpali`
+    takes only it: else a one-line refusal."""
+    if to != "sentence-transformers" and bool(args.token_dim) != (to == "colpali"):
         refuse(
-            f"--to {to}: this run is a ColBERT run (model.pooling='colbert'); use --to colpali"
+            f"--to {to}: this run is a ColBERT run (model.pooling='colbert'); use --to colpali or "
+            "--to sentence-transformers"
             if args.token_dim
-            else "--to colpali: this run is not a ColBERT run (model.pooling='colbert'); use --to hf or --to peft"
+            else "--to colpali: this run is not a ColBERT run (model.pooling='colbert'); use --to "
+            "sentence-transformers, --to hf or --to peft"
         )
     model_type = load_config(args.path).model_type
     name, width = CLASSES.get(model_type, ("", 0))
@@ -118,13 +122,9 @@ def write(to: str, src: str, out: Path, tower_name: str = "") -> None:
         theirs = reloaded("peft", lambda: PeftModel.from_pretrained(load_text_tower(args.path), str(out)).eval())
         library = "peft"
     elif to == "sentence-transformers":
-        write_sentence_transformers(plain_tower(args, model.tower), args, out)
-        from sentence_transformers import SentenceTransformer
-
-        theirs = reloaded("sentence-transformers", lambda: SentenceTransformer(str(out), device="cpu"))
+        write_sentence_transformers(plain_tower(args, model.tower), model.head, args, out)
         rows = {side: (batch[side] != PAD).any(1).nonzero().flatten().tolist() for side in SIDES}  # not the empty
-        for side, mine, got in zip(SIDES, want, reloaded_embeddings(theirs, args, probe, rows)):
-            compare(to, side, mine[rows[side]], got, "sentence-transformers")
+        check_reloaded(out, args, probe, rows, [mine[rows[side]] for side, mine in zip(SIDES, want)])
         return
     else:
         from transformers import AutoModel
