@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from tests.needs import require
 from tests.test_qwen_vl import LORA, vl_run
@@ -47,8 +48,8 @@ def test_the_chat_template_gives_the_run_ids(tmp_path: Path, query: str, doc: st
     """Each side's message rendered with task "query" / "document" (and without a task, where the kinds tell the
     sides apart), its `<|image_pad|>` repeated per visual token: the ids `VLProcessor.encode` gives the sample."""
     from tests.hf_folders import vl_folder
+    from titan_contrastive.models.qwen_vl.chat_template import chat_template
     from titan_contrastive.models.qwen_vl.processor import VLProcessor
-    from titan_contrastive.models.qwen_vl.st_folder import chat_template
 
     processor = VLProcessor(str(vl_folder(tmp_path)), 0, 0, 6)
     tokenizer = processor.tokenizer
@@ -80,7 +81,7 @@ def test_the_chat_template_refuses_what_training_never_saw(tmp_path: Path) -> No
 
     from tests.hf_folders import vl_folder
     from titan_contrastive.models.bi_encoder.folder import load_tokenizer
-    from titan_contrastive.models.qwen_vl.st_folder import chat_template
+    from titan_contrastive.models.qwen_vl.chat_template import chat_template
 
     tokenizer = load_tokenizer(str(vl_folder(tmp_path)))
     tokenizer.chat_template = chat_template("{text}", "{image} represent this")
@@ -99,6 +100,92 @@ def test_the_chat_template_refuses_what_training_never_saw(tmp_path: Path) -> No
     with pytest.raises(TemplateError, match="^the query and document templates are its prompts; give no system"):
         render(system, task="query")
     assert render(_message("image", "")) == "<|vision_start|><|image_pad|><|vision_end|> represent this"
+
+
+QWEN_CHAT = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""Qwen2-VL-Instruct's chat template (without its video and vision-id branches)."""
+
+
+def vl_st_folder(root: Path, prompts: dict[str, str], pooling: str = "mean", chat: str = QWEN_CHAT) -> Path:
+    """The tiny Qwen2-VL folder as a sentence-transformers folder, as sentence-transformers writes one (read back by
+    it below, where torchvision imports): the model at the root with `chat` as its chat template and the generation
+    prompt asked for, `pooling`, Normalize and `prompts` (Qwen3-VL-Embedding's and GME's shape)."""
+    import shutil
+
+    from tests.hf_folders import vl_folder
+
+    out = root / f"st-{pooling}"
+    shutil.copytree(vl_folder(root), out)
+    (out / "chat_template.jinja").write_text(chat)
+    modules = [("Transformer", "", "sentence_transformers.base.modules.transformer.Transformer")]
+    modules += [("Pooling", "1_Pooling", "sentence_transformers.sentence_transformer.modules.pooling.Pooling")]
+    modules += [("Normalize", "2_Normalize", "sentence_transformers.base.modules.normalize.Normalize")]
+    entries = [{"idx": i, "name": str(i), "path": path, "type": kind} for i, (_, path, kind) in enumerate(modules)]
+    (out / "modules.json").write_text(json.dumps(entries))
+    (out / "config_sentence_transformers.json").write_text(json.dumps({"prompts": prompts}))
+    hidden = {"method": "forward", "method_output_name": "last_hidden_state"}
+    bert = {
+        "transformer_task": "feature-extraction",
+        "modality_config": {"text": hidden, "image": hidden, "message": {**hidden, "format": "structured"}},
+        "module_output_name": "token_embeddings",
+        "processing_kwargs": {"chat_template": {"add_generation_prompt": True}},
+        "processor_kwargs": {"use_fast": False},
+    }
+    (out / "sentence_bert_config.json").write_text(json.dumps(bert))
+    for _, path, _ in modules[1:]:
+        (out / path).mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({"embedding_dimension": 32, "pooling_mode": pooling}))
+    return out
+
+
+def test_a_sentence_transformers_folder_gives_its_templates_and_pooling(tmp_path: Path) -> None:
+    """`[model] path` a sentence-transformers folder of a Qwen-VL embedder: each side's template is its chat template
+    rendered as sentence-transformers renders that side (the prompt a system message, the generation prompt), the
+    pooling its Pooling's; a side's own `[model]` prompt and pooling still win; a chat template that drops the
+    image, and Dense modules after the pooling, are one-line errors."""
+    from safetensors.torch import save_file
+
+    from titan_contrastive.config import ConfigError
+
+    prompts = {"query": "Find the picture of this.", "document": "Represent the picture."}
+    folder = vl_st_folder(tmp_path, prompts)
+
+    def args(*extra: str, path: Path = folder):
+        return vl_run(tmp_path, "qwen2_vl", f"--model.path={path}", "--training.local_batch_size=6", *extra).model_args
+
+    turn = "<|im_start|>system\n{}<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    got = args()
+    assert (got.query_template, got.doc_template, got.pooling) == (
+        turn.format(prompts["query"], "{text}"), turn.format(prompts["document"], "{image}"), "mean"
+    )  # fmt: skip
+    mine = args("--model.doc_prompt={image} a photo", "--model.pooling=last_token")
+    assert (mine.query_template, mine.doc_template, mine.pooling) == (
+        got.query_template,
+        "{image} a photo",
+        "last_token",
+    )
+    bare = vl_st_folder(tmp_path / "bare", {}, "lasttoken")
+    assert args(path=bare).doc_template == turn.format("You are a helpful assistant.", "{image}")
+    blind = vl_st_folder(tmp_path / "blind", prompts, chat=QWEN_CHAT.replace("<|vision_start|><|image_pad|>", ""))
+    with pytest.raises(
+        ConfigError, match=r"its chat template renders a doc sample \(image\) as .*; set model.doc_prompt to"
+    ):
+        args(path=blind)
+    modules = json.loads((folder / "modules.json").read_text())
+    dense = {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.base.modules.dense.Dense"}
+    (folder / "3_Dense").mkdir()
+    (folder / "3_Dense" / "config.json").write_text(json.dumps({"in_features": 32, "out_features": 8}))
+    save_file({"linear.weight": torch.zeros(8, 32)}, str(folder / "3_Dense" / "model.safetensors"))
+    (folder / "modules.json").write_text(json.dumps([*modules[:2], dense, modules[2]]))
+    with pytest.raises(ConfigError, match="with Dense modules after its pooling, which the qwen_vl family does not"):
+        args()
 
 
 def _trained(tmp: Path, mode: str, *extra: str) -> Path:
@@ -142,10 +229,11 @@ def test_the_folder_loads_in_sentence_transformers_and_embeds_as_the_run(
     MultiVectorEncoder), and the folder holds the run's pooling or projection; `encode` without a task takes the side
     whose template reads the sample's kinds (t2i: an image is a document; m2i: an image with a text is a query)."""
     pytest.importorskip("torchvision", reason="transformers' Qwen-VL processor needs torchvision to load")
-    from PIL import Image
     from sentence_transformers import MultiVectorEncoder, SentenceTransformer
 
+    from titan_contrastive.config import ConfigError
     from titan_contrastive.export import main as export_main
+    from titan_contrastive.models.weights import read_ours
 
     step = _trained(tmp_path, mode, f"--model.pooling={pooling}", *(LORA if lora else ()))
     out = tmp_path / "st"
@@ -163,3 +251,41 @@ def test_the_folder_loads_in_sentence_transformers_and_embeds_as_the_run(
     sample = image if mode == "t2i" else {"image": image, "text": "a cat"}
     side = model.encode_document if mode == "t2i" else model.encode_query
     assert torch.allclose(torch.as_tensor(model.encode([sample])[0]), torch.as_tensor(side([sample])[0]))
+    # a run on the folder reads the run's templates, pooling and projection back
+    _, run, trained = read_ours(step)
+    if mode == "t2i":
+        again = vl_run(tmp_path / "again", "qwen2_vl", f"--model.path={out}", "--training.local_batch_size=6")
+    else:
+        again = _vl_pairs_run(tmp_path / "again", mode, f"--model.path={out}")
+        with pytest.raises(ConfigError, match=r"its chat template refuses a query sample \(text\) of data.retrieval"):
+            vl_run(tmp_path / "again", "qwen2_vl", f"--model.path={out}", "--training.local_batch_size=6")
+    got = again.model_args
+    assert (got.query_template, got.doc_template, got.pooling) == (run.query_template, run.doc_template, pooling)
+    if pooling == "colbert":
+        assert torch.equal(again.model.head.weight.float(), trained.head.weight.float())
+
+
+def test_sentence_transformers_embeds_a_folder_as_a_run_on_it(tmp_path: Path) -> None:
+    """Where torchvision imports: sentence-transformers loads `vl_st_folder` (so it is the folder it writes), and its
+    `encode_query` / `encode_document` of captions and images of two sizes equal what a run on the folder computes
+    from the templates it read, before any step."""
+    pytest.importorskip("torchvision", reason="transformers' Qwen-VL processor needs torchvision to load")
+    from sentence_transformers import SentenceTransformer
+
+    from titan_contrastive.models.qwen_vl.model import vl_embed
+
+    folder = vl_st_folder(tmp_path, {"query": "Find the picture of this.", "document": "Represent the picture."})
+    run = vl_run(tmp_path, "qwen2_vl", f"--model.path={folder}", "--training.local_batch_size=6")
+    model, args = run.model.eval(), run.model_args
+    g = np.random.default_rng(0)
+    images = [g.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((28, 56), (84, 84))]
+    texts = ["a small cat", "frozen water in winter"]
+    batch = args.processor()(images, texts)
+    with torch.no_grad():
+        tower = model.tower.float()
+        query = vl_embed(tower, batch["query"], args.pooling)
+        doc = vl_embed(tower, batch["doc"], args.pooling, batch["doc_pixel_values"], batch["doc_image_grid_thw"])
+    theirs = SentenceTransformer(str(folder), device="cpu")
+    pictures = [Image.fromarray(x) for x in images]
+    assert torch.allclose(query, theirs.encode_query(texts, convert_to_tensor=True), atol=1e-5)
+    assert torch.allclose(doc, theirs.encode_document(pictures, convert_to_tensor=True), atol=1e-5)

@@ -73,13 +73,16 @@ class Model:
     over the tokens of log(1 + relu(logits)) (`splade_pooling`, `splade_activation`), scored by dot product
     (t = 1); colbert: every token projected and normalized, scored by late interaction (MaxSim, t = 1; a PyLate
     folder's `auto`). qwen_vl: last_token, mean or colbert (ColPali's ColQwen: every text and visual token
-    projected and normalized, scored by MaxSim; a ColQwen folder's projection read)."""
+    projected and normalized, scored by MaxSim; a ColQwen folder's projection read); `auto` = the
+    sentence-transformers folder's, else last_token."""
     query_prompt: str = "auto"
     """bi_encoder: text prepended to every query (E5 "query: ", an instruction); `auto` = the folder's query prompt.
-    qwen_vl: the query's template, `{text}` for the caption, `{image}` for the image."""
+    qwen_vl: the query's template, `{text}` for the caption, `{image}` for the image; `auto` = a sentence-transformers
+    folder's chat template as it renders a query (its query prompt the system message), else `{text}` / `{image}`."""
     doc_prompt: str = "auto"
     """bi_encoder: text prepended to every document; `auto` = the folder's `document` / `passage` prompt.
-    qwen_vl: the document's template (t2i: e.g. "{image} Summarize above image in one word:")."""
+    qwen_vl: the document's template (t2i: e.g. "{image} Summarize above image in one word:"); `auto` as for the
+    query's."""
     inference_free: bool | None = None
     """bi_encoder with pooling=splade: queries embedded without a forward pass, a learned weight on each vocabulary
     entry among their tokens (sentence-transformers' SparseStaticEmbedding; OpenSearch's inference-free models),

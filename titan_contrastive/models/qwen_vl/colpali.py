@@ -4,13 +4,15 @@ and the image processor. colpali-engine runs the base model on the ids (so image
 here), projects every token's last hidden state, normalizes it and zeroes the padding: what `[model] pooling =
 "colbert"` computes on the qwen_vl family. Its classes fix the width: 128 (ColQwen2, ColQwen2.5), 320 (ColQwen3).
 
-A run reads the projection of a merged ColQwen folder given as `[model] path`, and exports `--to colpali`
+A run reads the projection of a merged ColQwen folder given as `[model] path` (or of a sentence-transformers
+MultiVectorEncoder's Dense, a run's `--to sentence-transformers` export), and exports `--to colpali`
 (`export.py`); transformers' own `ColQwen2ForRetrieval` is not written: it runs the language model on embeddings
 without the ids, so its image tokens get text positions.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -28,7 +30,8 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def read_projection(folder: str) -> dict[str, torch.Tensor]:
-    """The folder's `custom_text_proj` weight and bias ({} for a plain Qwen-VL folder), read without the rest."""
+    """The folder's `custom_text_proj` weight and bias, or a sentence-transformers MultiVectorEncoder's Dense (its
+    bias 0 where it has none); {} for a plain Qwen-VL folder. Read without the rest."""
     from safetensors import safe_open
 
     found: dict[str, torch.Tensor] = {}
@@ -37,6 +40,18 @@ def read_projection(folder: str) -> dict[str, torch.Tensor]:
             for key in weights.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if key.startswith(f"{PROJECTION}."):
                     found[key.removeprefix(f"{PROJECTION}.")] = weights.get_tensor(key)
+    modules = Path(folder) / "modules.json"
+    dense = (
+        [m for m in json.loads(modules.read_text()) if m.get("type", "").endswith(".Dense")]
+        if modules.is_file()
+        else []
+    )
+    if not found and dense:
+        from safetensors.torch import load_file
+
+        state = load_file(str(Path(folder) / dense[0].get("path", "") / "model.safetensors"))
+        weight = state["linear.weight"]
+        found = {"weight": weight, "bias": state.get("linear.bias", torch.zeros(len(weight), dtype=weight.dtype))}
     return found
 
 

@@ -41,6 +41,7 @@ from titan_contrastive.models.bi_encoder.pooling import pooled
 from titan_contrastive.models.bi_encoder.tower import load_text_tower
 from titan_contrastive.models.pretrained_scale import PretrainedScale, scale_fields
 from titan_contrastive.models.qwen_vl import colpali
+from titan_contrastive.models.qwen_vl.chat_template import folder_templates
 from titan_contrastive.models.qwen_vl.processor import IMAGE, PAD, VLProcessor
 
 __all__ = [
@@ -126,23 +127,34 @@ class QwenVLArgs(LoraFields):
                 "and an image document's ids are its template and visual-token placeholders (two different "
                 "images of one size look alike); use loss.mask_margin or mask_relative, or set it false"
             )
+        given = cfg.model.path or self.path
+        if not given:
+            raise ConfigError("model.path is empty: the qwen_vl family needs a local Qwen-VL folder")
+        folder = read_text_folder(given)
+        if folder.dense:
+            raise ConfigError(
+                f"model.path={given!r}: a sentence-transformers folder with Dense modules after its pooling, which the "
+                "qwen_vl family does not have; give the transformer's folder and set model.pooling"
+            )
+        path = folder.model_dir
+        ours = {side: getattr(cfg.model, f"{side}_prompt") for side in SIDES}
+        derived = folder_templates(folder, MODES[mode]) if "auto" in ours.values() else {}
         templates = {}
         for side, kind in zip(SIDES, MODES[mode]):
-            prompt = getattr(cfg.model, f"{side}_prompt")
-            templates[side] = TEMPLATES[kind] if prompt == "auto" else prompt
+            templates[side] = derived.get(side, TEMPLATES[kind]) if ours[side] == "auto" else ours[side]
             check_template(side, kind, templates[side], mode)
-        pooling = "last_token" if cfg.model.pooling == "auto" else cfg.model.pooling
+        pooling = (folder.pooling or "last_token") if cfg.model.pooling == "auto" else cfg.model.pooling
         if pooling not in ("last_token", "mean", "colbert"):
-            raise ConfigError(f"model.pooling={pooling!r}: the qwen_vl family pools last_token, mean or colbert")
+            told = "" if cfg.model.pooling != "auto" else f" (model.path's, {given!r})"
+            raise ConfigError(
+                f"model.pooling={pooling!r}{told}: the qwen_vl family pools last_token, mean or colbert; set one"
+            )
         start = 1.0 if pooling == "colbert" else self.init_scale  # MaxSim: t = 1, as PyLate
         if cfg.model.colbert_dim and pooling != "colbert":
             raise ConfigError(
                 f"model.colbert_dim={cfg.model.colbert_dim}: it applies to model.pooling='colbert' only, so set that "
                 "or remove it"
             )
-        path = read_text_folder(cfg.model.path or self.path).model_dir if (cfg.model.path or self.path) else ""
-        if not path:
-            raise ConfigError("model.path is empty: the qwen_vl family needs a local Qwen-VL folder")
         late = pooling == "colbert"
         if late:
             refuse_for_colbert(cfg)

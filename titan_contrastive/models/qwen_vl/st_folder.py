@@ -3,7 +3,7 @@
 sides.
 
 The folder holds the tower (LoRA merged) with its tokenizer and image processor (the run's `min_pixels` /
-`max_pixels`), a chat template that writes the run's templates (`chat_template`), then the run's Pooling (last
+`max_pixels`), a chat template that writes the run's templates (`chat_template.py`), then the run's Pooling (last
 token or mean) and Normalize, or ColQwen's projection on every token and Normalize. sentence-transformers makes
 every input a chat message (a text, a PIL image, or `{"image": ..., "text": ...}`) and renders it with that
 template, which is told the task: "query" takes the query template, "document" the document's. Without a task, the
@@ -25,64 +25,11 @@ from torch import Tensor, nn
 
 from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.models.export_check import compare, packed_tokens, refuse, reloaded
+from titan_contrastive.models.qwen_vl.chat_template import chat_template
 from titan_contrastive.models.qwen_vl.model import SIDES, QwenVLArgs
-from titan_contrastive.models.qwen_vl.processor import VISION, VLProcessor
+from titan_contrastive.models.qwen_vl.processor import VLProcessor
 
-__all__ = ["chat_template", "check_loadable", "check_reloaded", "write_sentence_transformers"]
-
-_TEMPLATE = """\
-{%- set ns = namespace(text="", images=0) -%}
-{%- for message in messages -%}
-{%- if message.role != "user" -%}
-{{- raise_exception("the query and document templates are its prompts; give no " + message.role + " message") -}}
-{%- elif message.content is string -%}
-{%- set ns.text = ns.text + message.content -%}
-{%- else -%}
-{%- for item in message.content -%}
-{%- if item.type == "image" -%}
-{%- set ns.images = ns.images + 1 -%}
-{%- elif item.type == "text" -%}
-{%- set ns.text = ns.text + item.text -%}
-{%- else -%}
-{{- raise_exception("this model reads a text, an image or both, not " + item.type) -}}
-{%- endif -%}
-{%- endfor -%}
-{%- endif -%}
-{%- endfor -%}
-{%- set query = QUERY -%}
-{%- set document = DOCUMENT -%}
-{%- if task is defined and task == "query" -%}
-{%- set template = query -%}
-{%- elif task is defined and task == "document" -%}
-{%- set template = document -%}
-{%- else -%}
-{%- set kinds = [ns.images > 0, ns.text != ""] -%}
-{%- if kinds == ["{image}" in document, "{text}" in document] -%}
-{%- set template = document -%}
-{%- elif kinds == ["{image}" in query, "{text}" in query] or kinds[0] != ("{image}" in document) -%}
-{%- set template = query -%}
-{%- else -%}
-{%- set template = document -%}
-{%- endif -%}
-{%- endif -%}
-{%- if ns.images > 1 -%}
-{{- raise_exception("one image per input, as in training") -}}
-{%- elif (ns.images > 0) != ("{image}" in template) -%}
-{{- raise_exception("the template " + template + " takes " + ("an image" if ns.images == 0 else "no image")) -}}
-{%- endif -%}
-{{- template.replace("{image}", VISION).replace("{text}", ns.text) -}}
-"""
-
-
-def chat_template(query: str, document: str) -> str:
-    """The Jinja chat template rendering a message as the run's `query` or `document` template: its image as
-    `<|vision_start|><|image_pad|><|vision_end|>` (the processor repeats the pad per visual token), its text in
-    place of `{text}`."""
-    literal = {"QUERY": query, "DOCUMENT": document, "VISION": VISION}
-    out = _TEMPLATE
-    for name, value in literal.items():  # a JSON string is a Jinja string literal (non-ASCII kept as it is)
-        out = out.replace(name, json.dumps(value, ensure_ascii=False))
-    return out
+__all__ = ["check_loadable", "check_reloaded", "write_sentence_transformers"]
 
 
 def _side_inputs(
