@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         help="one of the source family's formats (a family of your own may add more). hf: a transformers folder "
         "(clip: CLIPModel; bi_encoder: the tower, LoRA merged), open_clip: open_clip's folder layout (clip); "
         "sentence-transformers: a SentenceTransformer folder (bi_encoder; ColBERT: a MultiVectorEncoder); "
-        "qwen_vl: hf, peft, colpali; static: sentence-transformers, model2vec (model2vec's folder); "
+        "qwen_vl: sentence-transformers (ColQwen: a MultiVectorEncoder), hf, peft, colpali; static: "
+        "sentence-transformers, model2vec (model2vec's folder); "
         "peft: the LoRA adapters as a PEFT folder (bi_encoder trained with [lora]); pylate: a ColBERT bi_encoder as a "
         "PyLate folder; colpali: a ColBERT qwen_vl run as colpali-engine's ColQwen folder",
     )

@@ -108,6 +108,16 @@ class Loss:
     token's, for a ColBERT model."""
     matryoshka_weights: list[float] = opt([], lambda v: all(x > 0 for x in v), "numbers > 0")
     """One weight per matryoshka_dims entry; empty = all 1."""
+    adaptive_layers: list[int] = opt([], lambda v: all(x >= 0 for x in v), "integers >= 0")
+    """bi_encoder: also train the embeddings of these earlier layers (each pooled as the last's, after block k of
+    the tower; 0: the token embeddings), so the model can be cut to them (sentence-transformers' AdaptiveLayerLoss;
+    with matryoshka_dims its Matryoshka2dLoss). E.g. [2, 4, 6] of a 12-layer model."""
+    adaptive_layer_weights: list[float] = opt([], lambda v: all(x > 0 for x in v), "numbers > 0")
+    """One weight per adaptive_layers entry; empty = each 1 / len(adaptive_layers) (the last layer's is 1)."""
+    adaptive_kl_weight: float = opt(1.0, lambda v: v >= 0, "a number >= 0")
+    """adaptive_layers: the weight of the KL divergence of each earlier layer's embedding softmax from the last's."""
+    adaptive_kl_temperature: float = opt(0.3, lambda v: v >= 0, "a number >= 0")
+    """adaptive_layers: the softmax temperature of that KL term; 0 = no KL term."""
     negatives: Literal["microbatch", "global"] = "microbatch"
     """Which samples form one contrastive problem. `microbatch`: the current microbatches of all DP
     ranks; `global`: the whole global batch, exactly, at O(N d) memory (the streamed step)."""

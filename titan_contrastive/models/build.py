@@ -18,6 +18,7 @@ from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.config.job_config import MAX_LOGIT_SCALE
 from titan_contrastive.losses import Objective, build_objective
 from titan_contrastive.losses.late_interaction import late_interaction
+from titan_contrastive.losses.layers import AdaptiveLayers
 from titan_contrastive.models.registry import ModelSpec, family_of, get_model_spec, list_models
 from titan_contrastive.models.weights import load_state
 
@@ -52,17 +53,53 @@ def resolve_objective(spec: ModelSpec, cfg: JobConfig, args: Any = None) -> Obje
             return late_interaction(objective, token_dim, cfg.loss.maxsim_normalize)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-    return objective
+    return _adaptive(objective, cfg.loss, spec, args)
+
+
+def _adaptive(objective: Objective, loss: Any, spec: ModelSpec, args: Any) -> Objective:
+    """`objective` at the model's earlier exits too (`[loss] adaptive_layers`, `losses/layers.py`), else itself;
+    ConfigError for the settings without the layers, or the layers on a model without exits."""
+    layers = loss.adaptive_layers
+    if not layers:
+        for key, default in (
+            ("adaptive_layer_weights", []),
+            ("adaptive_kl_weight", 1.0),
+            ("adaptive_kl_temperature", 0.3),
+        ):
+            if getattr(loss, key) != default:
+                raise ConfigError(
+                    f"loss.{key}={getattr(loss, key)} weighs the earlier layers' terms, and loss.adaptive_layers is "
+                    "empty: give the layers, or leave it out"
+                )
+        return objective
+    if not getattr(args, "exits", ()):
+        raise ConfigError(
+            f"loss.adaptive_layers={layers}: it trains the earlier layers of a bi_encoder's towers, and the "
+            f"{spec.name} family's model embeds with its last alone; use model.name=bi_encoder or leave it empty"
+        )
+    weights = loss.adaptive_layer_weights or [1 / len(layers)] * len(layers)
+    if len(weights) != len(layers):
+        raise ConfigError(
+            f"loss.adaptive_layer_weights={loss.adaptive_layer_weights}: one weight per loss.adaptive_layers entry "
+            f"({len(layers)}), or leave it empty for 1 / {len(layers)} each"
+        )
+    return AdaptiveLayers(
+        objective, args.width, tuple(float(w) for w in weights), loss.adaptive_kl_weight, loss.adaptive_kl_temperature
+    )
 
 
 def eval_objective(spec: ModelSpec, cfg: JobConfig, args: Any = None) -> Objective | None:
     """The objective of the evaluation loss: the run's, without the duplicate mask (evaluation
     embeds documents without their token ids; a held-out set seldom repeats a document) and without
     a distillation term (held-out pairs carry no teacher scores): the contrastive objective, unweighted."""
-    if not cfg.loss.mask_duplicates and not cfg.loss.distill:
+    if not cfg.loss.mask_duplicates and not cfg.loss.distill and not cfg.loss.adaptive_layers:
         return resolve_objective(spec, cfg, args)
     loss = dataclasses.replace(
         cfg.loss,
+        adaptive_layers=[],  # evaluation embeds with the last layer alone
+        adaptive_layer_weights=[],
+        adaptive_kl_weight=1.0,
+        adaptive_kl_temperature=0.3,
         mask_duplicates=False,
         distill="",
         distill_minmax=False,

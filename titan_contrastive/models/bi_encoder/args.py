@@ -80,6 +80,9 @@ class BiEncoderArgs(LoraFields):
     trust_remote_code: bool = False
     """`[model] trust_remote_code`: run the code a folder ships (config.json `auto_map`) for its model, its
     tokenizer, and a guide's or teacher's folder; otherwise such a folder is refused."""
+    exits: tuple[int, ...] = ()
+    """`[loss] adaptive_layers`: the earlier layers whose pooled hidden states the model also embeds with in
+    training, after the last layer's (`embedding.embed`, `losses/layers.py`); () for none."""
     retokenize_from: str = ""
     """A guide's (`as_guide`, `text_guide`) with another vocabulary: the folder (or bare `tokenizer.json`) of the
     tokenizer whose ids it reads as text (`retokenize.py`); empty: it embeds them as they are."""
@@ -140,6 +143,7 @@ class BiEncoderArgs(LoraFields):
         start = 1.0 if resolved.pooling in ("splade", "colbert") else self.init_scale  # plain dot products, MaxSim
         return dataclasses.replace(
             resolved,
+            exits=_exits(cfg.loss.adaptive_layers, resolved),
             **scale_fields(cfg, start),
             **LoraFields.from_config(cfg.lora, lambda: default_targets(resolved.config.model_type)),
         )
@@ -253,6 +257,7 @@ class BiEncoderArgs(LoraFields):
             query_prompt="",
             doc_prompt="",
             doc_length=0,
+            exits=(),
         )
         guide = dataclasses.replace(self, **own).resolve()
         if guide.pooling in ("splade", "colbert"):
@@ -285,6 +290,12 @@ class BiEncoderArgs(LoraFields):
     @property
     def model_dir(self) -> str:
         return read_text_folder(self.path).model_dir
+
+    @property
+    def width(self) -> int:
+        """A text's embedding width: the last Dense module's, else the tower's hidden size (not SPLADE's, ColBERT's)."""
+        dense = read_text_folder(self.path).dense
+        return dense[-1].out_features if dense else int(self.config.hidden_size)
 
     @property
     def config(self) -> Any:
@@ -331,6 +342,24 @@ class BiEncoderArgs(LoraFields):
         head *= config.hidden_size
         tokens = (0 if self.inference_free else self.query_length) + self.doc_length  # a static query: a lookup
         return 6 * (self._counts[1] + head) * tokens
+
+
+def _exits(layers: list[int], args: BiEncoderArgs) -> tuple[int, ...]:
+    """`[loss] adaptive_layers` checked against the model: distinct, before its last layer, one vector per text."""
+    if not layers:
+        return ()
+    if args.pooling in ("splade", "colbert") or args.inference_free:
+        raise TextFolderError(
+            f"loss.adaptive_layers={layers}: the layers' embeddings are pooled vectors, and this model's are "
+            f"{'SPLADE' if args.pooling == 'splade' else 'ColBERT'}'s; use a dense pooling or leave them out"
+        )
+    last = int(args.config.num_hidden_layers)
+    if len(set(layers)) != len(layers) or max(layers) >= last:
+        raise TextFolderError(
+            f"loss.adaptive_layers={layers}: {args.model_dir} has {last} layers; give distinct layers from 0 (the "
+            f"token embeddings) to {last - 1} (the last is always trained)"
+        )
+    return tuple(layers)
 
 
 def _includes_prompt(path: str) -> bool:

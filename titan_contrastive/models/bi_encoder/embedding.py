@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -52,24 +53,29 @@ def embed(
     head: nn.Module | None = None,
     skip: int = 0,
     splade: tuple[str, str] = ("max", "relu"),
+    exits: tuple[int, ...] = (),
 ) -> Tensor:
     """The tower's pooled (then `head`'s, the folder's Dense layers), L2-normalized embedding (SPLADE's: as
     pooled) of right-padded `ids` (a locked tower, `tower.frozen`, through `locked_forward`; `index`: its
     output's place in the model's, `replay`: the model's argument of that name; `skip`: prompt positions left
-    out of the pooling; `splade`: SPLADE's pooling strategy and activation). The tower runs on `ids` without the
-    trailing columns that are padding in every row: the padding is masked, so that changes the embeddings by
-    float rounding only, and saves its compute."""
+    out of the pooling; `splade`: SPLADE's pooling strategy and activation; `exits`: earlier layers whose hidden
+    states are embedded the same way, side by side after the last's, [n, (1 + len(exits)) d]). The tower runs on
+    `ids` without the trailing columns that are padding in every row: the padding is masked, so that changes the
+    embeddings by float rounding only, and saves its compute."""
 
     def run() -> Tensor:
         trimmed = right_trimmed(ids, pad)
         mask = trimmed != pad
-        out = tower(input_ids=trimmed.masked_fill(~mask, 0), attention_mask=mask.long())
+        out = tower(
+            input_ids=trimmed.masked_fill(~mask, 0), attention_mask=mask.long(), output_hidden_states=bool(exits)
+        )
         if pooling == "splade":  # vocabulary-wide, sparse, not unit length: its logits are dot products
             vocabulary = fused_head(tower)  # ours returns the head's inputs; a plain masked LM (an export), its logits
             if vocabulary is None:
                 return splade_pooled(out.logits, mask, *splade)
             return splade_head_pooled(out.logits, vocabulary, mask, *splade)
-        vectors = pooled(out.last_hidden_state, mask, pooling, skip)
-        return F.normalize(vectors if head is None else head(vectors), dim=-1)
+        layers = [out.last_hidden_state, *(out.hidden_states[k] for k in exits)]
+        vectors = [pooled(hidden, mask, pooling, skip) for hidden in layers]
+        return torch.cat([F.normalize(v if head is None else head(v), dim=-1) for v in vectors], -1)
 
     return locked_forward(tower, index, run, replay)

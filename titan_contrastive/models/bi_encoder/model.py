@@ -109,7 +109,7 @@ class BiEncoder(PretrainedScale, nn.Module):
     def unit_embeddings(self) -> bool:
         """Whether the embeddings are unit vectors (the global-negatives step checks it once): not SPLADE's, nor
         ColBERT's token sets."""
-        return self.args.pooling not in ("splade", "colbert")
+        return self.args.pooling not in ("splade", "colbert") and not self.args.exits  # exits: several side by side
 
     @property
     def sparse_embeddings(self) -> bool:
@@ -139,7 +139,8 @@ class BiEncoder(PretrainedScale, nn.Module):
             side = self.colbert_sides[index]
             return locked_forward(tower, index, lambda: colbert_embed(tower, ids, self.pad_id, head, side), replay)
         splade = (args.splade_pooling, args.splade_activation)
-        return embed(tower, ids, self.pad_id, args.pooling, index, replay, head, self.prompt_skip[index], splade)
+        exits = args.exits if self.training else ()  # evaluation, export and mining: the last layer's alone
+        return embed(tower, ids, self.pad_id, args.pooling, index, replay, head, self.prompt_skip[index], splade, exits)
 
     def embed_side(self, side: str, ids: Tensor) -> Tensor:
         """`side`'s ("query" or "doc") embeddings of `ids`, outside a step (the exporter's probe)."""
