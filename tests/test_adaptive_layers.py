@@ -200,7 +200,7 @@ def _mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
 
 
-def _step(tmp: Path, kind: str) -> None:
+def _step(tmp: Path, kind: str, *extra: str) -> None:
     """One step of `kind` against `_reference` over the whole batch (dropout off), within 1e-10."""
     from tests.test_hard_negatives import assert_grads_close
     from tests.test_hf_text import folder_run, grads
@@ -210,7 +210,7 @@ def _step(tmp: Path, kind: str) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     trainer = folder_run(
         tmp, "encoder", f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga * world}",
-        *args, *SETTINGS, dropout=0.0,
+        *args, *SETTINGS, *extra, dropout=0.0,
     )  # fmt: skip
     assert trainer.model.training and "earlier" in trainer.objective.describe()
     data = trainer.train_set
@@ -229,19 +229,21 @@ def test_every_step_kind_equals_the_loss_of_the_hidden_states(tmp_path: Path, ki
     _step(tmp_path, kind)
 
 
-def _two_ranks(tmp: str, kind: str) -> None:
+def _two_ranks(tmp: str, kind: str, ddp: bool) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    _step(Path(tmp), kind)
+    layout = ("--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2")
+    _step(Path(tmp), kind, *(layout if ddp else ()))
 
 
 @needs("hf")
-@pytest.mark.parametrize("kind", ["global", "gradcache"])
-def test_two_ranks(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize("kind, ddp", [("global", False), ("global", True), ("gradcache", False)])
+def test_two_ranks(tmp_path: Path, kind: str, ddp: bool) -> None:
+    """FSDP2, and DDP (whose wrapper holds the model: its exits and unit-norm check are the wrapped model's)."""
     from tests.hf_folders import encoder_folder
 
     encoder_folder(tmp_path, 0.0)
-    run_distributed(_two_ranks, 2, str(tmp_path), kind)
+    run_distributed(_two_ranks, 2, str(tmp_path), kind, ddp)
 
 
 @needs("hf")
@@ -317,3 +319,37 @@ def test_it_is_adaptive_layer_loss_over_every_layer() -> None:
     loss = objective.dense(q, cols, torch.tensor(SCALE, dtype=torch.float64))
     loss.backward()
     _assert_same((loss.item(), _grads(model)), want)
+
+
+@needs("hf")
+def test_evaluation_reports_recall_at_each_exit(tmp_path: Path) -> None:
+    """With `eval.enable`, the held-out recall of each earlier exit under `layer{k}/`, from that layer's pooled hidden
+    states (here written out), beside the last layer's, whose keys and loss are as without exits."""
+    from tests.test_hf_text import folder_run, write_pairs
+    from titan_contrastive.components.evaluate import recall_at_k
+
+    pairs = write_pairs(tmp_path)
+    trainer = folder_run(
+        tmp_path, "encoder", "--training.local_batch_size=6", *SETTINGS, "--eval.enable=true",
+        f"--data.val_path={pairs}", "--eval.batch_size=5", dropout=0.0,
+    )  # fmt: skip
+    results = trainer.evaluate()
+    val = trainer.data.eval_sets[""]
+    batch = val.__getitems__(list(range(len(val))))
+    model, pad = trainer.model.eval(), trainer.model.pad_id
+    with torch.no_grad():
+        for prefix, layer in (("layer1/", 1), ("", -1)):
+            embedded = []
+            for ids in (batch["query"], batch["doc"]):
+                mask = ids != pad
+                out = model.query_tower(
+                    input_ids=ids.masked_fill(~mask, 0), attention_mask=mask.long(), output_hidden_states=True
+                )
+                embedded.append(F.normalize(_mean(out.hidden_states[layer], mask), dim=-1))
+            sims = embedded[0] @ embedded[1].T
+            want = recall_at_k(sims, val.recall_ks, "query_to_doc") | recall_at_k(sims.T, val.recall_ks, "doc_to_query")
+            for key, value in want.items():
+                assert abs(results[prefix + key] - value) < 1e-12, prefix + key
+    assert {"loss", "query_to_doc_r@1"} <= results.keys() and 0 <= results["layer1/query_to_doc_r@1"] <= 1
+    assert not trainer.model.exits_in_eval  # back to training's embeddings
+    trainer.metrics.close()

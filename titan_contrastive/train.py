@@ -192,7 +192,7 @@ class Trainer:
         """The family's evaluation (`ModelSpec.evaluate`) on the held-out split and on `eval.zero_shot_path`."""
         cfg, dist = self.cfg, self.dist
         run = (cfg.eval.batch_size, self.device, dist.rank, dist.world_size, Path(cfg.job.dump_folder), self.step)
-        contexts = functools.partial(EvalContext, self.model, self.forward)
+        contexts = functools.partial(EvalContext, self.model, self.forward, layers=tuple(cfg.loss.adaptive_layers))
         objective, dims = self.eval_objective, tuple(cfg.eval.dims or cfg.loss.matryoshka_dims)
         results = evaluate_sets(self.spec.evaluate, lambda ds: contexts(ds, objective, *run, dims), self.data.eval_sets)
         if self.text_evals:

@@ -75,6 +75,8 @@ class EvalContext:
     step: int
     dims: tuple[int, ...] = ()
     """Also the retrieval recall of the embeddings cut to their first m dims (`eval.dims`)."""
+    layers: tuple[int, ...] = ()
+    """Also the retrieval recall at each of the model's earlier exits (`loss.adaptive_layers`)."""
 
 
 def _shards(dataset: Dataset, world_size: int) -> list[np.ndarray]:
@@ -101,14 +103,19 @@ def _rank_batches(
 
 
 @contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    """The model in eval mode for the block, then back to what it was."""
-    was_training = model.training
+def eval_mode(model: nn.Module, exits: bool = False) -> Iterator[None]:
+    """The model in eval mode for the block, then back to what it was; `exits`: embedding at its earlier exits too,
+    side by side after the last layer's (a model with `exits_in_eval`, the bi_encoder with `loss.adaptive_layers`)."""
+    was_training, inner = model.training, getattr(model, "module", model)  # DDP's wrapped model
     model.eval()
+    if exits:
+        inner.exits_in_eval = True
     try:
         yield
     finally:
         model.train(was_training)
+        if exits:
+            inner.exits_in_eval = False
 
 
 @torch.no_grad()
@@ -209,6 +216,7 @@ def evaluate(
     similarity: Similarity = dot,
     token_dim: int = 0,
     similarity_at: Callable[[int], Similarity] | None = None,
+    layers: tuple[int, ...] = (),
 ) -> dict[str, float]:
     """Eval loss plus zero-shot accuracy or retrieval recall; `loss_fn` must be unscaled.
 
@@ -217,12 +225,18 @@ def evaluate(
     `dims`: retrieval recall also with the embeddings cut to their first m dims and re-normalized
     (a Matryoshka model's smaller embeddings), under the keys `dim{m}/...`. `similarity`: how a query and a
     document are scored, both ways (the documents' recall reads the same scores, by column); for token sets
-    (`token_dim`) a cut is each token's, scored by `similarity_at(m)`.
+    (`token_dim`) a cut is each token's, scored by `similarity_at(m)`. `layers`: the model's earlier exits
+    (`loss.adaptive_layers`), whose recall is reported under `layer{k}/...`; everything else reads the last layer's.
     """
-    with eval_mode(model):
+    with eval_mode(model, exits=bool(layers)):
         img, txt, labels, scalars = embed_dataset(
             forward, dataset, batch_size=batch_size, device=device, rank=rank, world_size=world_size
         )
+        exits = {}
+        if layers:
+            width = img.shape[-1] // (1 + len(layers))
+            (img, *earlier_img), (txt, *earlier_txt) = img.split(width, -1), txt.split(width, -1)
+            exits = dict(zip(layers, zip(earlier_img, earlier_txt)))
         losses = [
             loss_fn(img[i : i + batch_size], txt[i : i + batch_size], *scalars) for i in range(0, len(img), batch_size)
         ]
@@ -242,6 +256,10 @@ def evaluate(
                     {f"{cut}{k}": v for k, v in recall_at_k(sims, dataset.recall_ks, dataset.recall_direction).items()}
                 )
                 out.update({f"{cut}{k}": v for k, v in recall_at_k(sims.T, dataset.recall_ks, backward).items()})
+            for layer, (a, b) in exits.items():
+                sims = similarity(a, b)
+                for ranked, way in ((sims, dataset.recall_direction), (sims.T, backward)):
+                    out.update({f"layer{layer}/{k}": v for k, v in recall_at_k(ranked, dataset.recall_ks, way).items()})
         return out
 
 
@@ -261,6 +279,7 @@ def evaluate_contrastive(ctx: EvalContext) -> dict[str, float]:
         similarity=getattr(ctx.objective, "similarity", dot),
         token_dim=token_dim,
         similarity_at=(lambda m: matryoshka.at_width(ctx.objective, m).similarity) if token_dim else None,  # type: ignore[attr-defined]
+        layers=ctx.layers,
     )
 
 

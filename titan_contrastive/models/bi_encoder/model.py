@@ -104,6 +104,8 @@ class BiEncoder(PretrainedScale, nn.Module):
             else None
         )
         self.add_logit_scale()
+        self.exits_in_eval = False
+        """Evaluation's recall at each exit (`components.evaluate.eval_mode`): the exits' embeddings out of training."""
 
     @property
     def unit_embeddings(self) -> bool:
@@ -139,7 +141,7 @@ class BiEncoder(PretrainedScale, nn.Module):
             side = self.colbert_sides[index]
             return locked_forward(tower, index, lambda: colbert_embed(tower, ids, self.pad_id, head, side), replay)
         splade = (args.splade_pooling, args.splade_activation)
-        exits = args.exits if self.training else ()  # evaluation, export and mining: the last layer's alone
+        exits = args.exits if self.training or self.exits_in_eval else ()  # else the last layer's alone
         return embed(tower, ids, self.pad_id, args.pooling, index, replay, head, self.prompt_skip[index], splade, exits)
 
     def embed_side(self, side: str, ids: Tensor) -> Tensor:
