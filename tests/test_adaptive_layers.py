@@ -8,6 +8,7 @@ GradCache with dropout on; the refusals are one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -25,13 +26,19 @@ from titan_contrastive.losses import MicrobatchLoss, Ranks
 from titan_contrastive.losses.layers import AdaptiveLayers
 
 BASE = {c["name"]: c for c in CASES}
-LAYERS = [  # the inner objective's case, the earlier exits' weights, the KL's weight and temperature
-    ("clip-oneway-k2-all-full", (0.5, 0.25), 1.0, 0.3),
-    ("clip-sym-k0-none-mat", (1.0,), 2.0, 0.7),
-    ("siglip-sym-k2-margin-full", (0.3, 0.6), 0.5, 0.3),
-    ("clip-oneway-k0-relative-full", (0.5,), 1.0, 0.0),
+LAYERS = [  # the inner objective's case, the earlier exits' weights, the KL's weight and temperature, exits per step
+    ("clip-oneway-k2-all-full", (0.5, 0.25), 1.0, 0.3, 0),
+    ("clip-sym-k0-none-mat", (1.0,), 2.0, 0.7, 0),
+    ("siglip-sym-k2-margin-full", (0.3, 0.6), 0.5, 0.3, 0),
+    ("clip-oneway-k0-relative-full", (0.5,), 1.0, 0.0, 0),
+    ("clip-oneway-k2-all-full", (0.5, 0.25, 0.4), 1.0, 0.3, 2),
+    ("siglip-sym-k2-margin-full", (0.3, 0.6), 0.5, 0.3, 1),
 ]
-LAYERS = [(BASE[name], dict(w=w, a=a, t=t, name=f"{name}-{len(w)}exits-a{a}-t{t}")) for name, w, a, t in LAYERS]
+LAYERS = [
+    (BASE[name], dict(w=w, a=a, t=t, n=n, name=f"{name}-{len(w)}exits-a{a}-t{t}-drawn{n}"))
+    for name, w, a, t, n in LAYERS
+]
+STEP = 5  # the optimizer step the drawn cases are at
 
 
 def wide(case: dict, count: int, seed: int = 0):
@@ -42,16 +49,20 @@ def wide(case: dict, count: int, seed: int = 0):
     return (q, p, n, *blocks[0][3:])
 
 
-def definition(case: dict, lcase: dict, q, p, n, scale, bias, ids) -> torch.Tensor:
+def definition(case: dict, lcase: dict, q, p, n, scale, bias, ids, drawn=None) -> torch.Tensor:
     """L(last) + sum_k w_k L(exit k) + a T sum_k 1/R sum over the R texts of sum_j p_j (log p_j - log q_j), p the
-    last exit's softmax at T (held), q exit k's."""
+    last exit's softmax at T (held), q exit k's; `drawn` (0-based earlier exits): the sums over them alone, each w_k
+    times K / len(drawn)."""
     d = q.shape[1] // (1 + len(lcase["w"]))
+    exits = range(len(lcase["w"])) if drawn is None else drawn
+    share = len(lcase["w"]) / len(exits)
 
     def block(x, i):
         return None if x is None else x[:, i * d : (i + 1) * d]
 
     total = reference(case, block(q, 0), block(p, 0), block(n, 0), scale, bias, ids)
-    for i, w in enumerate(lcase["w"], 1):
+    for e in exits:
+        w, i = lcase["w"][e] * share, e + 1
         total = total + w * reference(case, block(q, i), block(p, i), block(n, i), scale, bias, ids)
     t = lcase["t"]
     if not (lcase["a"] and t):
@@ -62,7 +73,7 @@ def definition(case: dict, lcase: dict, q, p, n, scale, bias, ids) -> torch.Tens
     for row in texts:
         last = row[:d].detach() / t
         target = [math.exp(v) for v in (last - last.logsumexp(0)).tolist()]
-        for i in range(1, 1 + len(lcase["w"])):
+        for i in (e + 1 for e in exits):
             log_q = row[i * d : (i + 1) * d] / t
             log_q = log_q - log_q.logsumexp(0)
             kl = kl + sum(pj * (math.log(pj) - log_q[j]) for j, pj in enumerate(target))
@@ -70,18 +81,23 @@ def definition(case: dict, lcase: dict, q, p, n, scale, bias, ids) -> torch.Tens
 
 
 def layers_of(case: dict, lcase: dict, width: int) -> AdaptiveLayers:
-    return AdaptiveLayers(objective_of(case), width, lcase["w"], lcase["a"], lcase["t"])
+    """The objective of the case, at step `STEP` where it draws exits."""
+    objective = AdaptiveLayers(objective_of(case), width, lcase["w"], lcase["a"], lcase["t"], lcase["n"], seed=3)
+    return objective.at_step(STEP) if lcase["n"] else objective
 
 
 @pytest.mark.parametrize("pair", LAYERS, ids=[c["name"] for _, c in LAYERS])
 def test_every_form_matches_the_definition(pair) -> None:
     case, lcase = pair
     q, p, n, scale, bias, ids = wide(case, 1 + len(lcase["w"]))
+    objective = layers_of(case, lcase, q.shape[1] // (1 + len(lcase["w"])))
+    assert (objective.drawn is None) == (not lcase["n"]) and len(objective.drawn or lcase["w"]) == (
+        lcase["n"] or len(lcase["w"])
+    )
     rq, rp, rn, rs, rb = leaves(q, p, n, scale, bias)
-    want_loss = definition(case, lcase, rq, rp, rn, rs, rb, ids)
+    want_loss = definition(case, lcase, rq, rp, rn, rs, rb, ids, objective.drawn)
     wanted = [x for x in (rq, rp, rn, rs) if x is not None]
     want_q, want_p, *want_n, want_s = torch.autograd.grad(want_loss, wanted)
-    objective = layers_of(case, lcase, q.shape[1] // (1 + len(lcase["w"])))
     cols, want_cols = (p, want_p) if n is None else (torch.cat([p, n]), torch.cat([want_p, *want_n]))
     b = bias if objective.has_bias else None
 
@@ -110,6 +126,19 @@ def test_every_form_matches_the_definition(pair) -> None:
     assert "KL" in objective.describe() or not lcase["t"]
 
 
+def test_the_draws_are_the_seeds_and_the_steps() -> None:
+    """The exits drawn at a step depend on the seed and the step alone (every rank, every pass draws the same), vary
+    from step to step, and each exit is drawn about equally often."""
+    case, lcase = LAYERS[4]
+    made = AdaptiveLayers(objective_of(case), 8, lcase["w"], per_step=1, seed=3)
+    draws = [made.at_step(step).drawn for step in range(300)]
+    assert draws == [made.at_step(step).drawn for step in range(300)]
+    assert draws != [dataclasses.replace(made, seed=4).at_step(step).drawn for step in range(300)]
+    counts = [draws.count((k,)) for k in range(3)]
+    assert sum(counts) == 300 and min(counts) > 70, counts
+    assert made.at_step(0).inner == made.inner and dataclasses.replace(made, per_step=0).at_step(7).drawn is None
+
+
 def test_the_kl_term_counts() -> None:
     """The cases' KL terms are not zero: the definition without them differs."""
     case, lcase = LAYERS[0]
@@ -125,12 +154,12 @@ def _distributed(names: list[str]) -> None:
     ranks = Ranks(dist.group.WORLD)
     for case, lcase in (pair for pair in LAYERS if pair[1]["name"] in names):
         q, p, n, scale, bias, ids = wide(case, 1 + len(lcase["w"]), seed=1)
+        objective = layers_of(case, lcase, q.shape[1] // (1 + len(lcase["w"])))
         rq, rp, rn, rs, rb = leaves(q, p, n, scale, bias)
-        want_loss = definition(case, lcase, rq, rp, rn, rs, rb, ids)
+        want_loss = definition(case, lcase, rq, rp, rn, rs, rb, ids, objective.drawn)
         want_q, want_p, *want_n = torch.autograd.grad(want_loss, [x for x in (rq, rp, rn) if x is not None])
         c, k = N // world, case["k"]
         own, own_neg = slice(rank * c, (rank + 1) * c), slice(rank * c * k, (rank + 1) * c * k)
-        objective = layers_of(case, lcase, q.shape[1] // (1 + len(lcase["w"])))
         b = bias if objective.has_bias else None
         cols = p if n is None else torch.cat([p, n])
         out = objective.streamed(
@@ -157,7 +186,7 @@ def _distributed(names: list[str]) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_distributed_forms_match_the_definition(world: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    run_distributed(_distributed, world, [c["name"] for _, c in LAYERS[:3]])
+    run_distributed(_distributed, world, [LAYERS[i][1]["name"] for i in (0, 2, 4)])
 
 
 # ------------------------------------------------------------------ a bi_encoder trained with it
@@ -171,27 +200,35 @@ SETTINGS = ("--loss.adaptive_layers", "1", "--loss.adaptive_kl_weight=2.0", "--l
 
 
 def _reference(trainer, samples: dict) -> tuple[float, dict[str, torch.Tensor]]:
-    """The loss written from the tower's hidden states: mean pooling of the last layer and of layer 1, each
-    normalized; InfoNCE of each (layer 1's x 1); 2 x 0.5 x the mean over the texts of KL(softmax(last / 0.5) ||
-    softmax(layer 1 / 0.5)), the last held. Its loss and its gradients."""
+    """The loss written from the tower's hidden states: mean pooling of the last layer and of each trained earlier
+    one (all of the run's `loss.adaptive_layers`, or those its objective draws at this step), each normalized;
+    InfoNCE of each (an earlier one's x 1 / K, times K / drawn); 2 x 0.5 x the mean over the texts of each one's
+    KL(softmax(last / 0.5) || softmax(layer / 0.5)), the last held. Its loss and its gradients."""
     from tests.test_hf_text import grads
     from titan_contrastive.losses import InfoNCE
 
     model = trainer.spec.build_model(trainer.model_args).double()
     model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
-    tower, pad = model.query_tower, model.pad_id
+    tower, pad, layers = model.query_tower, model.pad_id, trainer.model_args.exits
+    drawn = trainer.objective.at_step(trainer.step).drawn
+    trained = [layers[e] for e in (range(len(layers)) if drawn is None else drawn)]
 
     def exits(ids: torch.Tensor) -> list[torch.Tensor]:
         mask = ids != pad
         out = tower(input_ids=ids.masked_fill(~mask, 0), attention_mask=mask.long(), output_hidden_states=True)
-        return [F.normalize(_mean(h, mask), dim=-1) for h in (out.last_hidden_state, out.hidden_states[1])]
+        hidden = [out.last_hidden_state, *(out.hidden_states[k] for k in trained)]
+        return [F.normalize(_mean(h, mask), dim=-1) for h in hidden]
 
-    (q_last, q_one), (d_last, d_one) = exits(samples["query"]), exits(samples["doc"])
+    (q_last, *q_exits), (d_last, *d_exits) = exits(samples["query"]), exits(samples["doc"])
     scale = model.temperature()[0]
-    loss = InfoNCE().dense(q_last, d_last, scale) + InfoNCE().dense(q_one, d_one, scale)
-    last, one = torch.cat([q_last, d_last]).detach(), torch.cat([q_one, d_one])
-    kl = F.kl_div(torch.log_softmax(one / 0.5, -1), torch.softmax(last / 0.5, -1), reduction="batchmean")
-    loss = loss + 2.0 * 0.5 * kl
+    loss = InfoNCE().dense(q_last, d_last, scale)
+    last = torch.cat([q_last, d_last]).detach()
+    for q, d in zip(q_exits, d_exits):
+        loss = loss + InfoNCE().dense(q, d, scale) / len(trained)
+        kl = F.kl_div(
+            torch.log_softmax(torch.cat([q, d]) / 0.5, -1), torch.softmax(last / 0.5, -1), reduction="batchmean"
+        )
+        loss = loss + 2.0 * 0.5 * kl
     loss.backward()
     return loss.item(), grads(model)
 
@@ -227,6 +264,14 @@ def _step(tmp: Path, kind: str, *extra: str) -> None:
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_every_step_kind_equals_the_loss_of_the_hidden_states(tmp_path: Path, kind: str) -> None:
     _step(tmp_path, kind)
+
+
+@needs("hf")
+@pytest.mark.parametrize("kind", ["gradcache", "global"])
+def test_a_layer_drawn_per_step_is_the_one_every_pass_trains(tmp_path: Path, kind: str) -> None:
+    """Layers 0 and 1, one drawn per step: GradCache's two passes and the streamed step over two microbatches train
+    the layer drawn for the step, as the loss written with that layer alone."""
+    _step(tmp_path, kind, "--loss.adaptive_layers", "0", "1", "--loss.adaptive_layers_per_step=1")
 
 
 def _two_ranks(tmp: str, kind: str, ddp: bool) -> None:
@@ -353,3 +398,61 @@ def test_evaluation_reports_recall_at_each_exit(tmp_path: Path) -> None:
     assert {"loss", "query_to_doc_r@1"} <= results.keys() and 0 <= results["layer1/query_to_doc_r@1"] <= 1
     assert not trainer.model.exits_in_eval  # back to training's embeddings
     trainer.metrics.close()
+
+
+@needs("hf")
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_run_exports_cut_to_an_earlier_layer(tmp_path: Path, lora: bool, capsys) -> None:
+    """`export --layers 1`: the towers (LoRA merged) cut to their first layer, a sentence-transformers folder of one
+    layer whose embeddings are the run's layer-1 pooled hidden states (written out here), and a transformers one;
+    a layer the run did not train, --to peft, and a decoder whose final norm moved (it normalizes its last layer's
+    output, an exit's was not) are refused in one line, nothing written; under LoRA that norm stays at 1, which
+    leaves the directions alone, and the cut decoder exports."""
+    from sentence_transformers import SentenceTransformer
+
+    from tests.test_hf_text import folder_run
+    from tests.test_qwen_vl import LORA
+    from titan_contrastive.export import main as export_main
+    from titan_contrastive.models.bi_encoder.export import plain_tower
+    from titan_contrastive.models.export_check import PROBE_TEXTS
+    from titan_contrastive.models.weights import read_ours
+
+    common = ("--training.local_batch_size=6", "--training.steps=1", "--checkpoint.enable=true", "--optimizer.lr=1e-2")
+    common = (*common, "--lr_scheduler.warmup_steps=0", *SETTINGS)  # the decoder's final norm moves off 1
+    for arch in ("encoder", "decoder"):
+        run = folder_run(tmp_path, arch, *common, *(LORA if lora else ()), dropout=0.0)
+        run.train()
+        run.metrics.close()
+    step = tmp_path / "run-encoder" / "checkpoint" / "step-1"
+    out = tmp_path / "cut"
+    assert export_main([str(step), "--to", "sentence-transformers", "--layers", "1", "--out", str(out)]) == 0
+    assert export_main([str(step), "--to", "hf", "--layers", "1", "--out", str(tmp_path / "cut-hf")]) == 0
+    theirs = SentenceTransformer(str(out), device="cpu")
+    assert theirs[0].auto_model.config.num_hidden_layers == 1 and len(theirs[0].auto_model.encoder.layer) == 1
+    _, args, model = read_ours(step)
+    tokenizer = theirs.tokenizer
+    with torch.no_grad():
+        for text in PROBE_TEXTS[:2]:
+            ids = torch.tensor([tokenizer(text)["input_ids"]])
+            tower = plain_tower(args, model.query_tower)  # LoRA merged
+            hidden = tower(input_ids=ids, output_hidden_states=True).hidden_states[1]
+            want = F.normalize(hidden.mean(1), dim=-1)[0]
+            assert torch.allclose(theirs.encode(text, convert_to_tensor=True).double(), want.double(), atol=1e-5)
+    capsys.readouterr()
+    refusals = [
+        ("run-encoder", "2", "sentence-transformers", "this run trained the earlier layers [1]"),
+        ("run-encoder", "1", "peft", "a cut model goes --to sentence-transformers or --to hf"),
+    ]
+    decoder = tmp_path / "run-decoder" / "checkpoint" / "step-1"
+    if lora:  # its final norm froze at 1, which leaves the directions alone: the cut decoder is the exit
+        assert (
+            export_main([str(decoder), "--to", "sentence-transformers", "--layers", "1", "--out", str(tmp_path / "d")])
+            == 0
+        )
+    else:
+        refusals.append(("run-decoder", "1", "sentence-transformers", "away from the run's layer-1 exit (a decoder"))
+    for run_dir, layers, to, message in refusals:
+        src = tmp_path / run_dir / "checkpoint" / "step-1"
+        assert export_main([str(src), "--to", to, "--layers", layers, "--out", str(tmp_path / "no")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert message in err and not (tmp_path / "no").exists(), err

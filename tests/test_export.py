@@ -138,11 +138,15 @@ def test_byte_tokenizer_one_channel_model_exports_to_open_clip_faithfully(
 
 def test_byte_tokenizer_model_to_hf_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """transformers reads eos_token_id 2 as its legacy argmax rule: such an export changed the text
-    embeddings with exit 0 before; now one line names why, and nothing is written."""
+    embeddings with exit 0 before; now one line names why, and nothing is written. `--layers` (a bi_encoder's cut)
+    is refused the same way."""
     step, _ = step_folder(tmp_path / "run")
     code, err = run_export(capsys, step, "hf", tmp_path / "hf")
     assert code == 2 and len(err) == 1 and "token id 2" in err[0] and "--to open_clip" in err[0], err
     assert not (tmp_path / "hf").exists() and leftovers(tmp_path) == []
+    code, err = run_export(capsys, step, "open_clip", tmp_path / "cut", "--layers", "2")  # a bi_encoder's option
+    assert code == 2 and len(err) == 1 and "--layers 2: cuts a bi_encoder run trained with" in err[0], err
+    assert not (tmp_path / "cut").exists() and leftovers(tmp_path) == []
 
 
 def test_one_channel_clip_bpe_model_to_hf_and_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -14,7 +14,8 @@ adapter (`ModelSpec.state_dict_adapter`) claims the path; `--to` must be one of 
   `--tower`: a Router of both, `encode_query` and `encode_document`); `--to hf`, the tower as a transformers
   folder; with LoRA both hold the merged weights;
   `--to peft`, the LoRA adapters alone, what `peft.PeftModel.from_pretrained(base, DIR)` loads over
-  the run's `[model] path`; `--to pylate`, a ColBERT run as a PyLate folder (both sides).
+  the run's `[model] path`; `--to pylate`, a ColBERT run as a PyLate folder (both sides). `--layers K`: a run
+  trained with `loss.adaptive_layers` cut to its first K layers (`models.bi_encoder.cut`).
 - qwen_vl (`models.qwen_vl.export`): `--to sentence-transformers`, the tower (LoRA merged) with its
   processing, a chat template of the run's templates, pooling and Normalize (`encode_query` / `encode_document`
   on texts and images; a ColQwen run's as a MultiVectorEncoder; needs torchvision); `--to hf`, the tower with
@@ -48,6 +49,7 @@ Needs transformers (`pip install -e '.[hf]'`; sentence-transformers for its form
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -169,9 +171,14 @@ def _install(tmp: Path, target: Path) -> None:
             )
 
 
-def export(src: str, out: Path, to: str, *, tower: str | None = None, overwrite: bool = False) -> Path:
-    """Write `src` as a `to` folder at `out` (module doc: refusals, temporary folder, faithfulness check)."""
+def export(src: str, out: Path, to: str, *, tower: str | None = None, overwrite: bool = False, layers: int = 0) -> Path:
+    """Write `src` as a `to` folder at `out` (module doc: refusals, temporary folder, faithfulness check); `layers`:
+    cut to that many layers (a writer that takes `layers`: the bi_encoder's)."""
     target = check_out(out, src, overwrite)
+    write = writer(src, to)
+    if layers and "layers" not in inspect.signature(write).parameters:
+        _refuse(f"--layers {layers}: cuts a bi_encoder run trained with loss.adaptive_layers; {src} is not one")
+    options = {"layers": layers} if layers else {}
     created = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
@@ -179,7 +186,7 @@ def export(src: str, out: Path, to: str, *, tower: str | None = None, overwrite:
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make the export private
     try:
-        writer(src, to)(src, tmp, tower)
+        write(src, tmp, tower, **options)
         files = _files(tmp)
         (tmp / MARKER).write_text(
             json.dumps({"format": to, "source": str(Path(src).expanduser().resolve()), "files": files}, indent=1)
@@ -273,6 +280,14 @@ def main(argv: list[str] | None = None) -> int:
         "else the query tower)",
     )
     parser.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        metavar="K",
+        help="bi_encoder trained with loss.adaptive_layers: the towers cut to their first K layers (one of those "
+        "layers), checked against the run's layer-K embeddings (sentence-transformers, hf)",
+    )
+    parser.add_argument(
         "--custom-import",
         default="",
         metavar="MODULE",
@@ -284,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             import importlib
 
             importlib.import_module(args.custom_import)
-        export(args.src, args.out, args.to, tower=args.tower, overwrite=args.overwrite)
+        export(args.src, args.out, args.to, tower=args.tower, overwrite=args.overwrite, layers=args.layers)
     except ImportError as e:
         print(f"error: {import_failure(e, f'--to {args.to}', 'hf')}", file=sys.stderr)
         return 2

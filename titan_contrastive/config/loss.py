@@ -114,6 +114,9 @@ class Loss:
     with matryoshka_dims its Matryoshka2dLoss). E.g. [2, 4, 6] of a 12-layer model."""
     adaptive_layer_weights: list[float] = opt([], lambda v: all(x > 0 for x in v), "numbers > 0")
     """One weight per adaptive_layers entry; empty = each 1 / len(adaptive_layers) (the last layer's is 1)."""
+    adaptive_layers_per_step: int = opt(0, lambda v: v >= 0, "an integer >= 0")
+    """adaptive_layers: draw this many of them at each step (sentence-transformers' n_layers_per_step, its default
+    1), each weighted len(adaptive_layers) / this; 0 = every one at every step."""
     adaptive_kl_weight: float = opt(1.0, lambda v: v >= 0, "a number >= 0")
     """adaptive_layers: the weight of the KL divergence of each earlier layer's embedding softmax from the last's."""
     adaptive_kl_temperature: float = opt(0.3, lambda v: v >= 0, "a number >= 0")

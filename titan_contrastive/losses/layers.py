@@ -7,10 +7,12 @@ folder's Dense layers and normalized as the last layer's are) gives each text it
     loss = L(x_L) + sum_k w_k L(x_k) + a T sum_k 1/R sum over the R texts of KL(softmax(x_L / T) || softmax(x_k / T))
 
 over the problem's R = N + M texts (queries, positives, hard negatives), the last layer's softmax held without
-gradient (it teaches). This is sentence-transformers' AdaptiveLayerLoss with every listed layer at every step
-(its `n_layers_per_step` draws one at random per step, here the layers are chosen: Starbucks' fixed sizes), weights
-w_k (default 1/K, its "uniform"), a = `adaptive_kl_weight` and T = `adaptive_kl_temperature` (0: no KL term);
-Matryoshka inside it is its Matryoshka2dLoss.
+gradient (it teaches). This is sentence-transformers' AdaptiveLayerLoss, weights w_k (default 1/K, its "uniform"),
+a = `adaptive_kl_weight` and T = `adaptive_kl_temperature` (0: no KL term); Matryoshka inside it is its
+Matryoshka2dLoss. By default every listed layer trains at every step (Starbucks' fixed sizes; its
+`n_layers_per_step=-1`); with `per_step` = n, n of the K are drawn at each optimizer step (`at_step`, from the
+seed and the step: the same on every rank and in every pass), each sum and KL term over the drawn alone, each
+weighted K / n times its w_k (its `n_layers_per_step=n`).
 
 Each exit is its own problem of the inner objective; a text's KL reads its own embeddings alone. So every form is
 exact as the inner one is: the dense and microbatch forms by autograd, the streamed form the inner's per exit and
@@ -21,12 +23,21 @@ softmax(x_L / T)) / R. Evaluation embeds with the last layer alone, and its loss
 from __future__ import annotations
 
 import dataclasses
+import random
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from titan_contrastive.losses.base import Objective, Ranks, StreamResult, Wrapping, gathered_problem, own_columns
+from titan_contrastive.losses.base import (
+    Objective,
+    Ranks,
+    StreamResult,
+    Wrapping,
+    at_step,
+    gathered_problem,
+    own_columns,
+)
 from titan_contrastive.losses.guide import Guide
 
 
@@ -39,10 +50,30 @@ class AdaptiveLayers(Wrapping):
     """w_k, one per earlier exit."""
     kl_weight: float = 1.0
     kl_temperature: float = 0.3
+    per_step: int = 0
+    """Earlier exits drawn at each optimizer step (`at_step`), each weighted K / per_step times its weight; 0: all."""
+    seed: int = 0
+    """The draws' seed (`[training] seed`): the same draw on every rank and in every pass of a step."""
+    drawn: tuple[int, ...] | None = None
+    """The earlier exits (0-based) this copy trains (`at_step`); None: all."""
 
     def __post_init__(self) -> None:
         if not self.weights or self.width <= 0:
             raise ValueError(f"adaptive layers: {len(self.weights)} exits of width {self.width}; need at least one")
+        if not 0 <= self.per_step <= len(self.weights):
+            raise ValueError(
+                f"loss.adaptive_layers_per_step={self.per_step}: draws from {len(self.weights)} layers; give 0 (all) "
+                f"to {len(self.weights)}"
+            )
+
+    def at_step(self, step: int) -> AdaptiveLayers:
+        """Itself at optimizer step `step`: its inner objective's, and with `per_step` the exits drawn for the step
+        (uniformly without replacement, from `seed` and `step` alone)."""
+        inner = at_step(self.inner, step)
+        if not self.per_step or self.per_step == len(self.weights):
+            return dataclasses.replace(self, inner=inner)
+        draw = random.Random(f"{self.seed}:{step}").sample(range(len(self.weights)), self.per_step)
+        return dataclasses.replace(self, inner=inner, drawn=tuple(sorted(draw)))
 
     def with_guide(self, guide: Guide | None) -> AdaptiveLayers:
         return dataclasses.replace(self, inner=self.inner.with_guide(guide))
@@ -57,7 +88,8 @@ class AdaptiveLayers(Wrapping):
     def describe(self) -> str:
         exits = ", ".join(f"{w:g}" for w in self.weights)
         kl = f", KL to the last at T {self.kl_temperature:g} x {self.kl_weight:g}" if self._kl else ""
-        return f"{self.inner.describe()}, at the last layer and {len(self.weights)} earlier (x {exits}){kl}"
+        drawn = f", {self.per_step} of them drawn per step" if self.per_step else ""
+        return f"{self.inner.describe()}, at the last layer and {len(self.weights)} earlier (x {exits}){drawn}{kl}"
 
     @property
     def _kl(self) -> bool:
@@ -73,8 +105,14 @@ class AdaptiveLayers(Wrapping):
             )
         return list(z.split(self.width, -1))
 
+    def _active(self) -> list[int]:
+        """The earlier exits (0-based) this copy trains."""
+        return list(range(len(self.weights))) if self.drawn is None else list(self.drawn)
+
     def _pairs(self) -> list[tuple[int, float]]:
-        return [(0, 1.0), *((k + 1, w) for k, w in enumerate(self.weights))]
+        """(block, weight) of the last layer and of each trained earlier exit (drawn: K / per_step times its own)."""
+        share = len(self.weights) / len(self._active())
+        return [(0, 1.0), *((k + 1, self.weights[k] * share) for k in self._active())]
 
     def _kl_term(self, rows: Tensor) -> Tensor:
         """a T sum_k 1/R sum over `rows` [R, (1 + K) d] of KL(softmax(x_L / T) || softmax(x_k / T)) (autograd)."""
@@ -82,7 +120,8 @@ class AdaptiveLayers(Wrapping):
         t = self.kl_temperature
         target = torch.softmax(last.detach() / t, -1)
         total = sum(
-            torch.nn.functional.kl_div(torch.log_softmax(x / t, -1), target, reduction="batchmean") for x in earlier
+            torch.nn.functional.kl_div(torch.log_softmax(earlier[k] / t, -1), target, reduction="batchmean")
+            for k in self._active()
         )
         return self.kl_weight * t * total
 
@@ -127,20 +166,20 @@ class AdaptiveLayers(Wrapping):
     ) -> StreamResult:
         """The inner objective's streamed form per exit, weighted, side by side; then each own text's KL."""
         qs, ds = self._blocks(q_own), self._blocks(docs)
-        parts = [
-            self.inner.streamed(
+        parts = {
+            i: (w, self.inner.streamed(
                 qs[i], ds[i], scale, bias,
                 first_row=first_row, num_queries=num_queries, chunk=chunk, ranks=ranks, kernel=kernel, ids=ids,
-            )
-            for i, _ in self._pairs()
-        ]  # fmt: skip
-        weights = [w for _, w in self._pairs()]
-        loss = sum(w * p.loss for w, p in zip(weights, parts))
-        grad_rows = torch.cat([w * p.grad_rows for w, p in zip(weights, parts)], -1)
-        grad_cols = torch.cat([w * p.grad_cols for w, p in zip(weights, parts)], -1)
-        scale_rows = sum(w * p.scale_rows for w, p in zip(weights, parts))
-        has_bias = parts[0].bias_rows is not None
-        bias_rows = sum(w * p.bias_rows for w, p in zip(weights, parts)) if has_bias else None
+            ))
+            for i, w in self._pairs()
+        }  # fmt: skip
+        last = parts[0][1]
+        loss = sum(w * p.loss for w, p in parts.values())
+        blocks = range(1 + len(self.weights))
+        grad_rows = torch.cat([_weighted(parts, i, "grad_rows") for i in blocks], -1)
+        grad_cols = torch.cat([_weighted(parts, i, "grad_cols") for i in blocks], -1)
+        scale_rows = sum(w * p.scale_rows for w, p in parts.values())
+        bias_rows = None if last.bias_rows is None else sum(w * p.bias_rows for w, p in parts.values())
         if self._kl:
             idx = own_columns(first_row, len(q_own), num_queries, len(docs), docs.device).flatten()
             count = num_queries + len(docs)
@@ -158,9 +197,17 @@ class AdaptiveLayers(Wrapping):
         last, *earlier = self._blocks(texts.detach().to(acc))
         t, factor = self.kl_temperature, self.kl_weight / count
         target = torch.softmax(last / t, -1)
-        loss, grads = texts.new_zeros((), dtype=acc), [torch.zeros_like(last)]
-        for x in earlier:
-            log_q = torch.log_softmax(x / t, -1)
+        loss, grads = texts.new_zeros((), dtype=acc), [torch.zeros_like(last) for _ in range(1 + len(earlier))]
+        for k in self._active():
+            log_q = torch.log_softmax(earlier[k] / t, -1)
             loss = loss + (target * (target.clamp_min(1e-45).log() - log_q)).sum() * factor * t
-            grads.append((log_q.exp() - target) * factor)
+            grads[k + 1] = (log_q.exp() - target) * factor
         return loss, torch.cat(grads, -1)
+
+
+def _weighted(parts: dict[int, tuple[float, StreamResult]], block: int, field: str) -> Tensor:
+    """`field` of `block`'s streamed result times its weight; zeros for an exit not trained at this step."""
+    if block in parts:
+        weight, part = parts[block]
+        return weight * getattr(part, field)
+    return torch.zeros_like(getattr(parts[0][1], field))

@@ -22,6 +22,14 @@ from titan_contrastive.losses.layers import AdaptiveLayers
 from titan_contrastive.models.registry import ModelSpec, family_of, get_model_spec, list_models
 from titan_contrastive.models.weights import load_state
 
+ADAPTIVE_DEFAULTS = {
+    "adaptive_layer_weights": [],
+    "adaptive_layers_per_step": 0,
+    "adaptive_kl_weight": 1.0,
+    "adaptive_kl_temperature": 0.3,
+}
+"""`[loss]`'s settings of adaptive layers, as they are without the layers."""
+
 
 def resolve_objective(spec: ModelSpec, cfg: JobConfig, args: Any = None) -> Objective | None:
     """The objective `[loss]` describes (`losses.build_objective`), or None for a family whose own
@@ -53,19 +61,16 @@ def resolve_objective(spec: ModelSpec, cfg: JobConfig, args: Any = None) -> Obje
             return late_interaction(objective, token_dim, cfg.loss.maxsim_normalize)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-    return _adaptive(objective, cfg.loss, spec, args)
+    return _adaptive(objective, cfg, spec, args)
 
 
-def _adaptive(objective: Objective, loss: Any, spec: ModelSpec, args: Any) -> Objective:
+def _adaptive(objective: Objective, cfg: JobConfig, spec: ModelSpec, args: Any) -> Objective:
     """`objective` at the model's earlier exits too (`[loss] adaptive_layers`, `losses/layers.py`), else itself;
     ConfigError for the settings without the layers, or the layers on a model without exits."""
+    loss = cfg.loss
     layers = loss.adaptive_layers
     if not layers:
-        for key, default in (
-            ("adaptive_layer_weights", []),
-            ("adaptive_kl_weight", 1.0),
-            ("adaptive_kl_temperature", 0.3),
-        ):
+        for key, default in ADAPTIVE_DEFAULTS.items():
             if getattr(loss, key) != default:
                 raise ConfigError(
                     f"loss.{key}={getattr(loss, key)} weighs the earlier layers' terms, and loss.adaptive_layers is "
@@ -83,9 +88,13 @@ def _adaptive(objective: Objective, loss: Any, spec: ModelSpec, args: Any) -> Ob
             f"loss.adaptive_layer_weights={loss.adaptive_layer_weights}: one weight per loss.adaptive_layers entry "
             f"({len(layers)}), or leave it empty for 1 / {len(layers)} each"
         )
-    return AdaptiveLayers(
-        objective, args.width, tuple(float(w) for w in weights), loss.adaptive_kl_weight, loss.adaptive_kl_temperature
-    )
+    try:
+        return AdaptiveLayers(
+            objective, args.width, tuple(float(w) for w in weights), loss.adaptive_kl_weight,
+            loss.adaptive_kl_temperature, loss.adaptive_layers_per_step, cfg.training.seed,
+        )  # fmt: skip
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def eval_objective(spec: ModelSpec, cfg: JobConfig, args: Any = None) -> Objective | None:
@@ -96,10 +105,8 @@ def eval_objective(spec: ModelSpec, cfg: JobConfig, args: Any = None) -> Objecti
         return resolve_objective(spec, cfg, args)
     loss = dataclasses.replace(
         cfg.loss,
-        adaptive_layers=[],  # evaluation embeds with the last layer alone
-        adaptive_layer_weights=[],
-        adaptive_kl_weight=1.0,
-        adaptive_kl_temperature=0.3,
+        adaptive_layers=[],  # evaluation's loss is the last layer's
+        **ADAPTIVE_DEFAULTS,
         mask_duplicates=False,
         distill="",
         distill_minmax=False,

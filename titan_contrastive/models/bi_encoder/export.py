@@ -37,6 +37,7 @@ from titan_contrastive.components.lora import lora_config
 from titan_contrastive.config import ConfigError
 from titan_contrastive.models.bi_encoder.args import BiEncoderArgs
 from titan_contrastive.models.bi_encoder.colbert import colbert_embed, write_pylate
+from titan_contrastive.models.bi_encoder.cut import cut_to
 from titan_contrastive.models.bi_encoder.embedding import embed
 from titan_contrastive.models.bi_encoder.folder import ST_POOLING_NAMES, read_text_folder, text_model_class
 from titan_contrastive.models.bi_encoder.model import BiEncoder, build_tokenizer
@@ -89,14 +90,19 @@ def _probe(model: BiEncoder, args: BiEncoderArgs, side: str, texts: list[str]) -
         return ids, model.embed_side(side, ids)
 
 
-def write(to: str, src: str, out: Path, side: str | None = None) -> None:
+def write(to: str, src: str, out: Path, side: str | None = None, layers: int = 0) -> None:
     """Write `side`'s tower of the bi_encoder step folder `src` as `to` into `out` (None: both of a two-tower run
     as a sentence-transformers Router, else the query tower), then load it back with its library and compare its
-    embeddings of `PROBE_TEXTS` with the run's."""
+    embeddings of `PROBE_TEXTS` with the run's; `layers`: the towers cut to their first `layers` layers, a run's
+    earlier exit (`cut.py`)."""
     family, args, model = read_ours(Path(src).expanduser())
     if family != "bi_encoder":
         refuse(f"{src}: a {family} checkpoint; --to {to} exports the bi_encoder family here")
     model.eval()
+    if layers:
+        if to not in ("sentence-transformers", "hf"):
+            refuse(f"--layers {layers} --to {to}: a cut model goes --to sentence-transformers or --to hf, merged")
+        model, args = cut_to(model, args, layers, plain_tower, _probe)
     both = side is None and not args.shared and to == "sentence-transformers"
     side = side or "query"
     tower = getattr(model, f"{side}_tower")
