@@ -173,6 +173,9 @@ def test_a_sentence_transformers_folder_gives_its_templates_and_pooling(tmp_path
     )
     bare = vl_st_folder(tmp_path / "bare", {}, "lasttoken")
     assert args(path=bare).doc_template == turn.format("You are a helpful assistant.", "{image}")
+    (bare / "chat_template.jinja").rename(bare / "unread.jinja")  # a processor's template as older folders save it
+    (bare / "chat_template.json").write_text(json.dumps({"chat_template": QWEN_CHAT.replace("helpful", "kind")}))
+    assert args(path=bare).doc_template == turn.format("You are a kind assistant.", "{image}")
     blind = vl_st_folder(tmp_path / "blind", prompts, chat=QWEN_CHAT.replace("<|vision_start|><|image_pad|>", ""))
     with pytest.raises(
         ConfigError, match=r"its chat template renders a doc sample \(image\) as .*; set model.doc_prompt to"
@@ -265,8 +268,10 @@ def test_the_folder_loads_in_sentence_transformers_and_embeds_as_the_run(
         assert torch.equal(again.model.head.weight.float(), trained.head.weight.float())
 
 
-def test_sentence_transformers_embeds_a_folder_as_a_run_on_it(tmp_path: Path) -> None:
-    """Where torchvision imports: sentence-transformers loads `vl_st_folder` (so it is the folder it writes), and its
+@pytest.mark.parametrize("saved", ["jinja", "json"])
+def test_sentence_transformers_embeds_a_folder_as_a_run_on_it(tmp_path: Path, saved: str) -> None:
+    """Where torchvision imports: sentence-transformers loads `vl_st_folder` (so it is the folder it writes; its chat
+    template in chat_template.jinja or in the processor's chat_template.json), and its
     `encode_query` / `encode_document` of captions and images of two sizes equal what a run on the folder computes
     from the templates it read, before any step."""
     pytest.importorskip("torchvision", reason="transformers' Qwen-VL processor needs torchvision to load")
@@ -275,6 +280,9 @@ def test_sentence_transformers_embeds_a_folder_as_a_run_on_it(tmp_path: Path) ->
     from titan_contrastive.models.qwen_vl.model import vl_embed
 
     folder = vl_st_folder(tmp_path, {"query": "Find the picture of this.", "document": "Represent the picture."})
+    if saved == "json":  # the processor's chat_template.json, as older Qwen-VL folders hold it
+        (folder / "chat_template.jinja").unlink()
+        (folder / "chat_template.json").write_text(json.dumps({"chat_template": QWEN_CHAT}))
     run = vl_run(tmp_path, "qwen2_vl", f"--model.path={folder}", "--training.local_batch_size=6")
     model, args = run.model.eval(), run.model_args
     g = np.random.default_rng(0)

@@ -78,6 +78,16 @@ def chat_template(query: str, document: str) -> str:
     return out
 
 
+def processor_template(folder: Path) -> str:
+    """The chat template the folder's processor renders with (sentence-transformers' for a Qwen-VL model):
+    chat_template.jinja, else chat_template.json's (which the tokenizer alone does not read); "" for neither."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    if (folder / "chat_template.json").is_file():
+        return str(folder_json(folder / "chat_template.json").get("chat_template") or "")
+    return ""
+
+
 def folder_templates(folder: TextFolder, kinds: tuple[str, str]) -> dict[str, str]:
     """The query's and the document's template (`kinds`: each side's text, image or multi) as sentence-transformers
     renders the sentence-transformers `folder`'s inputs: its chat template over the message of a sample (the image
@@ -87,6 +97,7 @@ def folder_templates(folder: TextFolder, kinds: tuple[str, str]) -> dict[str, st
     if not folder.sentence_transformers:
         return {}
     tokenizer = load_tokenizer(folder.model_dir)
+    tokenizer.chat_template = processor_template(Path(folder.model_dir)) or tokenizer.chat_template
     if not tokenizer.chat_template:
         return {}
     from sentence_transformers.base.modality import InputFormatter
