@@ -18,7 +18,7 @@ from titan_contrastive.config import ConfigError
 from titan_contrastive.models.bi_encoder.folder import TextFolder, folder_json, load_config, load_tokenizer
 from titan_contrastive.models.qwen_vl.processor import IMAGE, VISION
 
-__all__ = ["chat_template", "folder_templates"]
+__all__ = ["chat_template", "folder_templates", "processor_template"]
 
 _SLOT = "TITANTEXTSLOT"
 """The text of a side's sample while a folder's chat template renders it (`folder_templates`), then `{text}`."""
