@@ -320,7 +320,7 @@ def test_what_it_cannot_take_is_one_line(tmp_path: Path) -> None:
     refusals = {
         ("--loss.adaptive_layers", "2"): "has 2 layers; give distinct layers from 0 \\(the token embeddings\\) to 1",
         (*SETTINGS[:2], "--loss.adaptive_layer_weights", "0.5", "0.5"): "one weight per loss.adaptive_layers entry",
-        ("--loss.adaptive_kl_weight=2",): "weighs the earlier layers' terms, and loss.adaptive_layers is empty",
+        ("--loss.adaptive_kl_weight=2",): "applies to the earlier layers' terms, and loss.adaptive_layers is empty",
         (*SETTINGS[:2], "--model.pooling=colbert"): "this model's are ColBERT's; use a dense pooling",
     }
     for extra, message in refusals.items():
@@ -456,3 +456,46 @@ def test_a_run_exports_cut_to_an_earlier_layer(tmp_path: Path, lora: bool, capsy
         assert export_main([str(src), "--to", to, "--layers", layers, "--out", str(tmp_path / "no")]) == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert message in err and not (tmp_path / "no").exists(), err
+
+
+@needs("hf")
+def test_a_decoders_exits_through_its_final_norm_cut_exactly(tmp_path: Path, capsys) -> None:
+    """`loss.adaptive_final_norm`: a decoder's layer-1 exit is its hidden states through the final norm, last-token
+    pooled (written out here); GradCache with dropout on equals the objective over its forwards; trained with its
+    norm moved (lr 1e-2), the model cut to layer 1 now exports; an encoder, with no final norm, is refused."""
+    from tests.test_hard_negatives import assert_step_equals_its_forwards
+    from tests.test_hf_text import folder_run
+    from titan_contrastive.config import ConfigError
+    from titan_contrastive.export import main as export_main
+
+    settings = (*SETTINGS, "--loss.adaptive_final_norm=true", "--training.local_batch_size=6")
+    trainer = folder_run(
+        tmp_path, "decoder", *settings, "--gradcache.enabled=true", "--gradcache.chunk_sizes=4", dropout=0.0
+    )
+    batch = trainer.train_set.__getitems__(list(range(6)))
+    model, pad = trainer.model, trainer.model.pad_id
+    with torch.no_grad():
+        ids = batch["query"]
+        mask = ids != pad
+        out = model.query_tower(
+            input_ids=ids.masked_fill(~mask, 0), attention_mask=mask.long(), output_hidden_states=True
+        )
+        last = mask.long().cumsum(1).argmax(1)  # the last real token (right padding)
+        want = F.normalize(model.query_tower.norm(out.hidden_states[1])[torch.arange(len(ids)), last], dim=-1)
+        got = model(batch["query"], batch["doc"])[0]
+    assert got.shape[-1] == 2 * want.shape[-1] and torch.allclose(got[:, want.shape[-1] :], want, atol=1e-12)
+    chunks = [{k: v[s] for k, v in batch.items()} for s in (slice(0, 4), slice(4, 6))]
+    assert_step_equals_its_forwards(trainer, [batch], chunks, seed=5, objective=trainer.objective)
+    trainer.metrics.close()
+
+    run = folder_run(
+        tmp_path / "cut", "decoder", *settings, "--training.steps=1", "--checkpoint.enable=true",
+        "--optimizer.lr=1e-2", "--lr_scheduler.warmup_steps=0", dropout=0.0,
+    )  # fmt: skip
+    run.train()
+    run.metrics.close()
+    step = tmp_path / "cut" / "run-decoder" / "checkpoint" / "step-1"
+    out_dir = tmp_path / "cut-st"
+    assert export_main([str(step), "--to", "sentence-transformers", "--layers", "1", "--out", str(out_dir)]) == 0
+    with pytest.raises(ConfigError, match="adaptive_final_norm=true: .* has no final norm after its layers"):
+        folder_run(tmp_path, "encoder", *settings, dropout=0.0)

@@ -117,6 +117,10 @@ class Loss:
     adaptive_layers_per_step: int = opt(0, lambda v: v >= 0, "an integer >= 0")
     """adaptive_layers: draw this many of them at each step (sentence-transformers' n_layers_per_step, its default
     1), each weighted len(adaptive_layers) / this; 0 = every one at every step."""
+    adaptive_final_norm: bool = False
+    """adaptive_layers on a decoder: each earlier layer's hidden states through the model's final norm, as its last
+    layer's are (LayerSkip's early exit), so the model cut to that layer (`export --layers`) embeds exactly as
+    trained; false = sentence-transformers' AdaptiveLayerLoss (the raw hidden states)."""
     adaptive_kl_weight: float = opt(1.0, lambda v: v >= 0, "a number >= 0")
     """adaptive_layers: the weight of the KL divergence of each earlier layer's embedding softmax from the last's."""
     adaptive_kl_temperature: float = opt(0.3, lambda v: v >= 0, "a number >= 0")

@@ -1,7 +1,8 @@
 """Adaptive layers: the objective on the last layer's embeddings and on earlier layers' (`[loss] adaptive_layers`).
 
-In training, a model with earlier exits (the bi_encoder: each listed layer's hidden states pooled, through the
-folder's Dense layers and normalized as the last layer's are) gives each text its embeddings side by side,
+In training, a model with earlier exits (the bi_encoder: each listed layer's hidden states, through a decoder's
+final norm with `adaptive_final_norm`, pooled, through the folder's Dense layers and normalized as the last layer's
+are) gives each text its embeddings side by side,
 [x_L | x_k1 | x_k2 ...], each d wide. With the inner objective L (Matryoshka's prefixes too) and K exits,
 
     loss = L(x_L) + sum_k w_k L(x_k) + a T sum_k 1/R sum over the R texts of KL(softmax(x_L / T) || softmax(x_k / T))

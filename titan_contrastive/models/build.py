@@ -25,6 +25,7 @@ from titan_contrastive.models.weights import load_state
 ADAPTIVE_DEFAULTS = {
     "adaptive_layer_weights": [],
     "adaptive_layers_per_step": 0,
+    "adaptive_final_norm": False,
     "adaptive_kl_weight": 1.0,
     "adaptive_kl_temperature": 0.3,
 }
@@ -73,8 +74,8 @@ def _adaptive(objective: Objective, cfg: JobConfig, spec: ModelSpec, args: Any) 
         for key, default in ADAPTIVE_DEFAULTS.items():
             if getattr(loss, key) != default:
                 raise ConfigError(
-                    f"loss.{key}={getattr(loss, key)} weighs the earlier layers' terms, and loss.adaptive_layers is "
-                    "empty: give the layers, or leave it out"
+                    f"loss.{key}={getattr(loss, key)} applies to the earlier layers' terms, and loss.adaptive_layers "
+                    "is empty: give the layers, or leave it out"
                 )
         return objective
     if not getattr(args, "exits", ()):

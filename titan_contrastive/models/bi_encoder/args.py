@@ -83,6 +83,8 @@ class BiEncoderArgs(LoraFields):
     exits: tuple[int, ...] = ()
     """`[loss] adaptive_layers`: the earlier layers whose pooled hidden states the model also embeds with in
     training, after the last layer's (`embedding.embed`, `losses/layers.py`); () for none."""
+    exit_norm: bool = False
+    """`[loss] adaptive_final_norm`: the exits' hidden states through the tower's final norm (a decoder's)."""
     retokenize_from: str = ""
     """A guide's (`as_guide`, `text_guide`) with another vocabulary: the folder (or bare `tokenizer.json`) of the
     tokenizer whose ids it reads as text (`retokenize.py`); empty: it embeds them as they are."""
@@ -144,6 +146,7 @@ class BiEncoderArgs(LoraFields):
         return dataclasses.replace(
             resolved,
             exits=_exits(cfg.loss.adaptive_layers, resolved),
+            exit_norm=cfg.loss.adaptive_final_norm,
             **scale_fields(cfg, start),
             **LoraFields.from_config(cfg.lora, lambda: default_targets(resolved.config.model_type)),
         )
@@ -258,6 +261,7 @@ class BiEncoderArgs(LoraFields):
             doc_prompt="",
             doc_length=0,
             exits=(),
+            exit_norm=False,
         )
         guide = dataclasses.replace(self, **own).resolve()
         if guide.pooling in ("splade", "colbert"):

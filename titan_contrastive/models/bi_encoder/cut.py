@@ -2,8 +2,9 @@
 (`python -m titan_contrastive.export STEP --layers K`): each tower keeps its first K transformer layers (LoRA merged
 first), its config says K layers, and the run's pooling and Dense layers follow them. The cut model must embed as the
 run's exit K did (`cut_to`'s check): so it is for towers whose layer K's output is what the next layer reads and the
-pooling read in training (BERT-like encoders). A decoder normalizes its last layer's output (`norm`), which an exit
-never had: refused by the check, unless the norm's weights leave the directions alone (still 1, as under LoRA).
+pooling read in training (BERT-like encoders; a decoder trained with `loss.adaptive_final_norm`, whose exits went
+through its final norm). Otherwise a decoder normalizes its last layer's output (`norm`), which an exit never had:
+refused by the check, unless the norm's weights leave the directions alone (still 1, as under LoRA).
 """
 
 from __future__ import annotations

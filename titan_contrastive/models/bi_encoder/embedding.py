@@ -54,12 +54,14 @@ def embed(
     skip: int = 0,
     splade: tuple[str, str] = ("max", "relu"),
     exits: tuple[int, ...] = (),
+    exit_norm: nn.Module | None = None,
 ) -> Tensor:
     """The tower's pooled (then `head`'s, the folder's Dense layers), L2-normalized embedding (SPLADE's: as
     pooled) of right-padded `ids` (a locked tower, `tower.frozen`, through `locked_forward`; `index`: its
     output's place in the model's, `replay`: the model's argument of that name; `skip`: prompt positions left
     out of the pooling; `splade`: SPLADE's pooling strategy and activation; `exits`: earlier layers whose hidden
-    states are embedded the same way, side by side after the last's, [n, (1 + len(exits)) d]). The tower runs on
+    states are embedded the same way, side by side after the last's, [n, (1 + len(exits)) d], each through
+    `exit_norm` first where given, a decoder's final norm). The tower runs on
     `ids` without the trailing columns that are padding in every row: the padding is masked, so that changes the
     embeddings by float rounding only, and saves its compute."""
 
@@ -74,7 +76,8 @@ def embed(
             if vocabulary is None:
                 return splade_pooled(out.logits, mask, *splade)
             return splade_head_pooled(out.logits, vocabulary, mask, *splade)
-        layers = [out.last_hidden_state, *(out.hidden_states[k] for k in exits)]
+        norm = exit_norm or nn.Identity()
+        layers = [out.last_hidden_state, *(norm(out.hidden_states[k]) for k in exits)]
         vectors = [pooled(hidden, mask, pooling, skip) for hidden in layers]
         return torch.cat([F.normalize(v if head is None else head(v), dim=-1) for v in vectors], -1)
 

@@ -36,6 +36,7 @@ from titan_contrastive.models.bi_encoder.args import BiEncoderArgs
 from titan_contrastive.models.bi_encoder.colbert import colbert_embed, colbert_sides, projection
 from titan_contrastive.models.bi_encoder.embedding import dense_head, embed
 from titan_contrastive.models.bi_encoder.folder import (
+    TextFolderError,
     layer_blocks,
     pad_id,
     prompt_tokens,
@@ -103,6 +104,11 @@ class BiEncoder(PretrainedScale, nn.Module):
             if args.retokenize_from
             else None
         )
+        if args.exit_norm and not isinstance(getattr(self.query_tower, "norm", None), nn.Module):
+            raise TextFolderError(
+                f"loss.adaptive_final_norm=true: {model_dir} has no final norm after its layers (an encoder's layers "
+                "each end in their own); leave it false"
+            )
         self.add_logit_scale()
         self.exits_in_eval = False
         """Evaluation's recall at each exit (`components.evaluate.eval_mode`): the exits' embeddings out of training."""
@@ -142,7 +148,10 @@ class BiEncoder(PretrainedScale, nn.Module):
             return locked_forward(tower, index, lambda: colbert_embed(tower, ids, self.pad_id, head, side), replay)
         splade = (args.splade_pooling, args.splade_activation)
         exits = args.exits if self.training or self.exits_in_eval else ()  # else the last layer's alone
-        return embed(tower, ids, self.pad_id, args.pooling, index, replay, head, self.prompt_skip[index], splade, exits)
+        norm = tower.norm if exits and args.exit_norm else None
+        return embed(
+            tower, ids, self.pad_id, args.pooling, index, replay, head, self.prompt_skip[index], splade, exits, norm
+        )
 
     def embed_side(self, side: str, ids: Tensor) -> Tensor:
         """`side`'s ("query" or "doc") embeddings of `ids`, outside a step (the exporter's probe)."""
