@@ -71,6 +71,33 @@ def test_wordnet_mined_trains_each_variant_on_its_file(tmp_path: Path) -> None:
         assert cfg.data.hard_negatives == (name not in ("inbatch", "mined_rows"))
 
 
+def test_wordnet_pools_changes_only_the_negative_each_query_sees(tmp_path: Path) -> None:
+    """benchmarks.wordnet_pools: each variant's command is a valid config on the mined file (fixed_random on its
+    own), the same samples and seed, differing only in which negative it serves."""
+    from benchmarks import wordnet_pools as wp
+    from titan_contrastive.config.manager import parse_args
+
+    files = wp.files(tmp_path / "data")
+    served = {}
+    for name in wp.VARIANTS:
+        cfg = parse_args([f"--job.config_file={REPO / wp.CONFIG}", *wp.command(name, tmp_path / name)[1:]])
+        assert (
+            cfg.data.val_path == str(files["test"]) and cfg.training.steps * cfg.training.local_batch_size == wp.SAMPLES
+        )
+        served[name] = (
+            Path(cfg.data.path).name,
+            cfg.data.hard_negatives,
+            cfg.data.pairs_columns,
+            cfg.data.negatives_per_row,
+        )
+    assert served == {
+        "inbatch": ("mined.jsonl", False, [], 0),
+        "top1": ("mined.jsonl", True, ["anchor", "positive", "negative_1"], 0),
+        "fixed_random": ("fixed_random.jsonl", True, [], 0),
+        "drawn": ("mined.jsonl", True, [], 1),
+    }
+
+
 def test_wordnet_directions_changes_only_the_objective(tmp_path: Path) -> None:
     """benchmarks.wordnet_directions: each variant's command is a valid config whose objective is its
     own (symmetric, one-way, Qwen3's and GTE's joint directions, hardness) on the same in-batch data."""

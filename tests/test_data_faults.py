@@ -229,7 +229,7 @@ def test_16bit_grayscale_decodes_like_its_8bit_version(tmp_path: Path) -> None:
 
 def test_byte_order_mark_is_not_part_of_the_first_column(tmp_path: Path) -> None:
     from titan_contrastive.datasets.image_folder import load_templates
-    from titan_contrastive.datasets.pairs import read_rows
+    from titan_contrastive.datasets.pair_rows import read_rows
 
     Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
     (tmp_path / "bom.csv").write_text("\ufefffilepath\ttitle\na.png\ta cat\n", encoding="utf-8")

@@ -29,7 +29,7 @@ from tests.test_hard_negatives import (
 from tests.test_trainer import full, grads
 from titan_contrastive.batching import TEACHER_SCORES, with_negatives
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.pairs import read_rows
+from titan_contrastive.datasets.pair_rows import read_rows
 from titan_contrastive.losses import build_objective, split_documents
 from titan_contrastive.losses.base import columns
 from titan_contrastive.losses.guide import Guide
@@ -310,7 +310,7 @@ def test_bad_teacher_data_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="scored pairs train with loss.distill=cosent"):
         read_rows(str(scored))  # one number per row: a scored pair's label
     scored.write_text(json.dumps(dict(query="q", positive="p", negative="n", label=[1, 0])) + "\n")
-    assert read_rows(str(scored)) == ([["q", "p", "n"]], None, None, {})  # a teacher's list, left unread
+    assert read_rows(str(scored)) == ([["q", "p", "n"]], None, None, {}, None)  # a teacher's list, left unread
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps(dict(query="q", positive="p", negative="n", label="[1, 0]")) + "\n")
     assert read_rows(str(text), teacher="kl").scores == [[1.0, 0.0]]

@@ -56,7 +56,8 @@ def test_both_formats_read_alike_and_find_each_rows_texts(tmp_path: Path, sided:
     keys = [(r.get("side", ""), r["text"]) for r in records]
     assert [jsonl.row(*k) for k in keys] == [parquet.row(*k) for k in keys] == list(range(len(records)))
     assert parquet.row("query" if sided else "", "not in the file") == -1
-    at = parquet.rows(ROWS, 3)
+    queries, documents = parquet.find([q for q, _, _ in ROWS], [d for _, p, n in ROWS for d in (p, n)])
+    at = torch.cat([queries[:, None], documents.view(len(ROWS), 2)], 1)
     for (q, p, n), row in zip(ROWS, at.tolist()):
         for side, text, i in (("query", q, row[0]), ("document", p, row[1]), ("document", n, row[2])):
             want = next(r for r in records if r["text"] == text and r.get("side", side) == side)["embedding"]
@@ -85,7 +86,7 @@ def test_a_bad_file_is_one_line_naming_it(tmp_path: Path) -> None:
         assert e.match(message)
     table = EmbeddingTable.read(str(_write(tmp_path / "e.jsonl", good)), "loss.guide_embeddings")
     with pytest.raises(DataError, match=r"no embedding of 2 text\(s\) of the training data, e.g. document 'x'"):
-        table.rows([(*ROWS[0][:2], "x"), (ROWS[1][0], "y", ROWS[1][2])], 3)
+        table.find([ROWS[0][0], ROWS[1][0]], [ROWS[0][1], "x", "y", ROWS[1][2]])
 
 
 @needs("hf", "data")

@@ -90,7 +90,7 @@ def check_mined(
     score: Callable[[str, str], float],
 ) -> int:
     """The written rows against the expected scores; how many rows were judged."""
-    from titan_contrastive.datasets.pairs import read_rows
+    from titan_contrastive.datasets.pair_rows import read_rows
 
     got = read_rows(str(out), id_column="id")
     written = dict(zip(got.ids, got.texts))
@@ -117,13 +117,13 @@ def wordnet_rows(n: int) -> list[list[str]]:
 
 
 def read_written(out: Path) -> list[list[str]]:
-    from titan_contrastive.datasets.pairs import read_rows
+    from titan_contrastive.datasets.pair_rows import read_rows
 
     return read_rows(str(out), id_column="id").texts
 
 
 def read_ids(out: Path) -> list[str]:
-    from titan_contrastive.datasets.pairs import read_rows
+    from titan_contrastive.datasets.pair_rows import read_rows
 
     return read_rows(str(out)).ids or []
 
@@ -259,7 +259,7 @@ def test_a_step_folder_mines_with_the_runs_own_embeddings(
     flags = ("--range-max=100", "--relative-margin=0.01", "--scores")
     assert mine(capsys, src, f"--model={step}", f"--out={scored}", *flags) == (0, [])
     from titan_contrastive.batching import TEACHER_SCORES
-    from titan_contrastive.datasets.pairs import read_rows
+    from titan_contrastive.datasets.pair_rows import read_rows
 
     back = read_rows(str(scored), teacher="kl")
     assert back.texts == read_written(out)
@@ -305,7 +305,7 @@ def test_a_cross_encoder_chooses_and_scores_the_negatives(tmp_path: Path, capsys
     from sentence_transformers import CrossEncoder
 
     from tests.hf_folders import cross_encoder_folder
-    from titan_contrastive.datasets.pairs import read_rows
+    from titan_contrastive.datasets.pair_rows import read_rows
 
     step = bi_encoder_step(tmp_path, shared=True)
     ce_path = cross_encoder_folder(tmp_path)

@@ -32,7 +32,8 @@ from tests.test_wordnet_bi_encoder import write_wordnet
 from titan_contrastive.batching import DOC_IDS, NEGATIVES, BatchError, document_ids, with_negatives
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.loader import build_dataloader
-from titan_contrastive.datasets.pairs import PairsDataset, read_rows
+from titan_contrastive.datasets.pair_rows import read_rows
+from titan_contrastive.datasets.pairs import PairsDataset
 
 pytestmark = needs("hf")
 REL = 1e-10
@@ -129,7 +130,7 @@ def test_sentence_transformers_names_and_a_list_of_negatives(tmp_path: Path, tok
     listed = write_jsonl(
         tmp_path / "list.jsonl", [{"query": q, "pos": p, "negatives": [a, b]} for _, q, p, a, b in ROWS]
     )
-    assert read_rows(str(named)) == (texts, None, None, {})
+    assert read_rows(str(named)) == (texts, None, None, {}, None)
     assert read_rows(str(listed)).texts == texts
     bad = [
         {"query": "q1", "pos": "p1", "negatives": ["a"]},  # one negative: ragged

@@ -89,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
 
 def check(opts: argparse.Namespace) -> Path:
     """The output file, or a MineError for an argument that cannot work (before anything is read)."""
-    from titan_contrastive.datasets.pairs import FORMATS
+    from titan_contrastive.datasets.pair_rows import FORMATS
 
     if opts.batch_size < 1:
         raise MineError(f"--batch-size={opts.batch_size}: texts per forward, 1 or more")
@@ -115,14 +115,15 @@ def check(opts: argparse.Namespace) -> Path:
 
 
 def read_rows(pairs: str, columns: Sequence[str]) -> list[tuple[str, ...]]:
-    """The rows of PAIRS: (query, positive, negatives...) texts."""
+    """The rows of PAIRS: (query, positive(s), negatives...) texts, lists of positives and rows of any width read
+    (what a run with data.negatives_per_row reads too)."""
     if pairs == "wordnet":
         from titan_contrastive.datasets.wordnet import BUNDLE_DIR, load_rows
 
         return [tuple(row) for row in load_rows(BUNDLE_DIR, "train")]
-    from titan_contrastive.datasets.pairs import read_rows as read_pairs
+    from titan_contrastive.datasets.pair_rows import read_rows as read_pairs
 
-    return [tuple(row) for part in pairs.split("::") for row in read_pairs(part, columns).texts]
+    return [tuple(row) for part in pairs.split("::") for row in read_pairs(part, columns, pooled=True).texts]
 
 
 def read_texts(rows: Sequence[Sequence[str]]) -> tuple[list[str], list[str]]:

@@ -87,7 +87,7 @@ def check_options(opts: argparse.Namespace) -> None:
 def check_paths(pairs: str, out: Path, overwrite: bool) -> Path:
     """The resolved output file, or a MineError for an input that is not there or an output that may
     not be written."""
-    from titan_contrastive.datasets.pairs import FORMATS
+    from titan_contrastive.datasets.pair_rows import FORMATS
 
     src = Path(pairs).expanduser()
     if "::" in pairs:
@@ -225,7 +225,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
     """Mine and write; (the file, rows written, rows left out)."""
-    from titan_contrastive.datasets.pairs import read_rows
+    from titan_contrastive.datasets.pair_rows import read_rows
 
     check_options(opts)
     out = check_paths(opts.pairs, opts.out, opts.overwrite)

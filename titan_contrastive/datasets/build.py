@@ -97,6 +97,13 @@ def check_negative_keys(data: Data) -> None:
             f"data.wds_negative_key={data.wds_negative_key!r}: name a member extension (e.g. 'neg.txt') or a list "
             "field of the sample's JSON ('json:negatives')"
         )
+    if data.negatives_per_row and (data.dataset != "pairs" or not data.hard_negatives):
+        fix = "set data.hard_negatives=true" if data.dataset == "pairs" else "leave it 0"
+        what = "data.hard_negatives=false serves none" if data.dataset == "pairs" else f"data.dataset={data.dataset!r}"
+        raise DataError(
+            f"data.negatives_per_row={data.negatives_per_row} draws each row's hard negatives from a pairs file, and "
+            f"{what}: {fix}"
+        )
     key = NEGATIVE_KEYS.get(data.dataset, "")
     if key and getattr(data, key) and not data.hard_negatives:
         logger.info(f"data.hard_negatives=false: data.{key} is not read; each problem has in-batch negatives only")
@@ -111,6 +118,11 @@ def check_teacher(data: Data, distill: str) -> None:
             f"data.dataset={data.dataset!r} does not serve: use data.dataset='pairs', a loss.teacher_model (or "
             "teacher_embeddings), or "
             "leave loss.distill empty"
+        )
+    if distill == "cosent" and data.negatives_per_row:
+        raise DataError(
+            f"loss.distill='cosent' ranks scored pairs, and data.negatives_per_row={data.negatives_per_row} draws "
+            "hard negatives for a contrastive objective: leave data.negatives_per_row at 0"
         )
     if distill and distill != "cosent" and not data.hard_negatives:  # CoSENT ranks the positives' scores too
         raise DataError(
@@ -332,6 +344,8 @@ def build_data(
             id_column=data.pairs_id_column,
             max_bad_fraction=data.max_bad_fraction,
             hard_negatives=data.hard_negatives,
+            negatives_per_row=data.negatives_per_row,
+            seed=seed,
         )
         if not data.path:
             raise DataError(

@@ -152,10 +152,10 @@ class EmbeddingTable:
         """The row of one `side` text (`""` in a file without sides), -1 where the file has none."""
         return int(self.index.find([(side, text.strip())])[0])
 
-    def rows(self, rows: Sequence[Sequence[str]], width: int) -> torch.Tensor:
-        """int64 [N, width]: the rows of the table holding each data row's first `width` texts (the query,
-        then its documents)."""
-        named = [("query" if i == 0 else "document", text) for row in rows for i, text in enumerate(row[:width])]
+    def find(self, queries: Sequence[str], documents: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 [len(queries)], [len(documents)]: the rows of the table holding each text of the data's queries
+        and documents; a DataError naming the first missing one."""
+        named = [("query", text) for text in queries] + [("document", text) for text in documents]
         found = self.index.find([(side if self.sided else "", text.strip()) for side, text in named])
         missing = np.flatnonzero(found < 0)
         if len(missing):
@@ -164,7 +164,8 @@ class EmbeddingTable:
                 f"{self.source}: no embedding of {len(missing)} text(s) of the training data, e.g. {side} "
                 f"{text[:60]!r}; embed the same rows (python -m titan_contrastive.embed with data.path's file)"
             )
-        return torch.from_numpy(found).view(len(rows), width)
+        found = torch.from_numpy(found)
+        return found[: len(queries)], found[len(queries) :]
 
 
 def _view_of(source: str, row: int, text: str) -> int:

@@ -1,23 +1,18 @@
-"""The user's text pairs for the bi_encoder family: `(query, positive[, negative, ...])` rows.
-
-Files: `.jsonl` (one JSON object per line, or a JSON list), `.csv` (comma-separated, a header
-line), `.tsv` (tab-separated; a header line when `data.pairs_columns` names the columns, else
-none), `.parquet`, and Hugging Face datasets on disk: a `save_to_disk` folder (of a DatasetDict,
-the split "train" or "test") or an `.arrow` file (`hf_disk`, never the hub). A glob pattern or a folder
-of such files (a dataset repository's shards) is one source, its files read in sorted order (`shards`).
-
-Columns: those named by `data.pairs_columns` (query, positive, then negatives), else the row's
-columns in order, which is sentence-transformers' convention (anchor, positive, negatives...),
-with two exceptions for named columns: the id column (`data.pairs_id_column`, `id`) is no text
-but the positive's id, and a `label`, `labels`, `score` or `scores` column (sentence-transformers'
-label columns) is a teacher's scores of the row's documents, read in a run with loss.distill and
-else left (one number per row, a scored pair's label, is refused: another loss's data). A
-negative column may hold a list of texts (tevatron's `negatives: [...]`), flattened in order.
+"""The user's text pairs for the bi_encoder family, served as batches: `(query, positive[, negative, ...])`
+rows read by `pair_rows` (files, columns, scores, bad rows), tokenized at load.
 
 Several files join with `::` (`mixing.SourceMix`, weighted by `data.upsampling_factors`): they must
-agree on the number of negatives per row (unless data.hard_negatives is false) and on having ids.
-Each may have its own prompts (`data.query_prompts`, `data.doc_prompts`: a task's instruction),
-which replace the tokenizer's (the model's) for that file's queries, or documents and negatives.
+agree on the number of negatives per row (unless data.hard_negatives is false, or they are drawn:
+data.negatives_per_row) and on having ids. Each may have its own prompts (`data.query_prompts`,
+`data.doc_prompts`: a task's instruction), which replace the tokenizer's (the model's) for that file's
+queries, or documents and negatives.
+
+Served documents: each row's positive and hard negatives, served as `doc` [B, doc_length] and `neg`
+[B, k, doc_length] unless data.hard_negatives is false: every step kind adds them to the contrastive
+problem as extra columns (`batching.with_negatives`, `losses`), and the start log says how many are
+served. With `data.negatives_per_row = k` a row holds a list of positives and any number of negatives,
+and each epoch serves one positive and k negatives of them, by the seed, the row and the epoch
+(`pools.Pools`, tevatron's and FlagEmbedding's training groups).
 
 Ids: with an id column, every positive's document id is a hash of its id string, and a hard
 negative's is the id of a positive with exactly its text, else a hash of its text (another
@@ -25,34 +20,21 @@ namespace); they are served as `doc_id` (`batching.DOC_IDS`) [B] or [B, 1 + k], 
 mask (loss.mask_duplicates) then compares documents as the data names them, not by token ids.
 blake2b rather than Python's `hash`: the same ids in every process, run and worker.
 
-Teacher scores (loss.distill, train split): per row a list of 1 + k numbers, the positive's score
-then each negative's (a JSON list in a CSV/TSV cell); for margin_mse also k margins T_0 - T_j (one
-number for a triplet), read as the scores [0, -m_1, ..., -m_k]. Served as `teacher_scores`
-(`batching.TEACHER_SCORES`) float32 [B, 1 + k]; a row whose scores are not such numbers is a bad row.
-A frozen model's embeddings of the texts, from a file of their own (loss.teacher_embeddings or
-guide_embeddings), are served beside them (`datasets/frozen.py`).
+Teacher scores (loss.distill) are served as `teacher_scores` (`batching.TEACHER_SCORES`) float32
+[B, 1 + k], the served documents' own. A frozen model's embeddings of the texts, from a file of their own
+(loss.teacher_embeddings or guide_embeddings), are served beside them (`datasets/frozen.py`).
 
 Why everything is tokenized at load, as for WordNet: a batch is then one gather, and the texts
-are small next to images. A bad row (an empty query, positive or negative, another number of
-negatives than the first row, a missing id) is skipped at load, counted and logged; past
-`data.max_bad_fraction` of the file the load stops, naming the file and row. Extra columns are
-hard negatives, served as `neg` [B, k, doc_length] unless data.hard_negatives is false: every
-step kind adds them to the contrastive problem as extra columns (`batching.with_negatives`,
-`losses`), and the start log says how many are served.
+are small next to images.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import hashlib
-import json
 import logging
-import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, NamedTuple
 
 import torch
 
@@ -60,218 +42,11 @@ from titan_contrastive.batching import DOC_IDS, FROZEN_DOCS, FROZEN_QUERIES, NEG
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.frozen import EmbeddingTable
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, joins, split_sources
-from titan_contrastive.datasets.shards import shard_files
-from titan_contrastive.datasets.tables import read_table
+from titan_contrastive.datasets.pair_rows import PairRows, join_sources, read_rows
+from titan_contrastive.datasets.pools import Pools
 from titan_contrastive.datasets.tokenizer import PairTokenizer
 
 logger = logging.getLogger("titan_contrastive")
-FORMATS = (".jsonl", ".csv", ".tsv", ".parquet", ".arrow")
-SCORE_COLUMNS = ("label", "labels", "score", "scores")  # sentence-transformers' label columns
-
-
-class PairRows(NamedTuple):
-    texts: list[list[str]]
-    """Per row: query, positive, negatives..., every row as wide as the first."""
-    ids: list[str] | None
-    """Per row, its positive's id (the id column's value as text); None without an id column."""
-    scores: list[list[float]] | None
-    """Per row, the teacher's scores of its 1 + k documents; None when not read."""
-    skipped: Counter[str]
-    """Bad rows by reason."""
-
-
-def _fields(row: Any, columns: Sequence[str], id_column: str, score_column: str) -> tuple[list[Any], Any, Any]:
-    """(the row's text values in column order, its id value or None, its scores' value or None)."""
-    if not isinstance(row, dict):
-        return list(row), None, None
-    ident = row.get(id_column) if id_column else None
-    other = (id_column, score_column)
-    texts = [row.get(c) for c in columns] if columns else [v for k, v in row.items() if k not in other]
-    return texts, ident, row.get(score_column) if score_column else None
-
-
-def _parsed(value: Any) -> Any:
-    """A score column's value, a JSON text (a CSV/TSV cell) read as JSON; None for text that is not JSON."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except ValueError:
-        return None
-
-
-def _scores(value: Any, width: int, margins: bool) -> list[float] | None:
-    """A row's teacher scores of its `width` documents (see the module docstring), or None when
-    they are not that many finite numbers."""
-    value = _parsed(value)
-    values = list(value) if isinstance(value, (list, tuple)) else [value]
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-        return None
-    if margins and len(values) == width - 1:
-        return [0.0] + [-float(v) for v in values]
-    return [float(v) for v in values] if len(values) == width else None
-
-
-def _check_columns(
-    file: Path, names: list[str] | None, raw: list[Any], columns: Sequence[str], id_column: str, teacher: str
-) -> tuple[bool, str]:
-    """(whether the rows have an id column, the teacher's scores column or ""); a DataError for a
-    column that is not there or not allowed."""
-    if id_column and id_column in columns:
-        raise DataError(
-            f"data.pairs_id_column={id_column!r} is also in data.pairs_columns={list(columns)}: the id is not a "
-            "text; take it out of one of them"
-        )
-    keys = set(names) if names is not None else {k for row in raw if isinstance(row, dict) for k in row}
-    missing = [c for c in columns if names is not None and c not in keys]
-    if missing:
-        raise DataError(f"{file}: no column {missing[0]!r} (columns: {', '.join(names or [])}); fix data.pairs_columns")
-    if id_column and id_column not in keys and id_column != "id":
-        raise DataError(
-            f"data.pairs_id_column={id_column!r}: {file} has no such column (columns: {', '.join(map(str, keys))}); "
-            "name the positive's id column, or set it to '' for none"
-        )
-    has_ids, scored = bool(id_column) and id_column in keys, [c for c in SCORE_COLUMNS if c in keys]
-    if teacher:
-        if len(scored) != 1 or names is None and not all(isinstance(row, dict) for row in raw):
-            raise DataError(
-                f"loss.distill={teacher}: {file} needs the teacher's scores in one named column, label, labels, score "
-                f"or scores (found: {', '.join(scored) or 'none'}); add it, or leave loss.distill empty"
-            )
-        return has_ids, scored[0]
-    if scored and not columns:
-        first = next((row.get(scored[0]) for row in raw if isinstance(row, dict)), None)
-        if len(scored) == 1 and _score_list(first):
-            logger.info(
-                f"{file}: the teacher's scores in its {scored[0]!r} column are not read (loss.distill reads them)"
-            )
-            return has_ids, scored[0]
-        raise DataError(
-            f"{file}: a {scored[0]!r} column: scored pairs train with loss.distill=cosent (CoSENT), which reads it; "
-            "set it, drop the column, or name the text columns in data.pairs_columns"
-        )
-    return has_ids, ""
-
-
-def _score_list(value: Any) -> bool:
-    """Whether a score column's value is a list of scores (a teacher's, of a row's documents), not one label."""
-    value = _parsed(value)
-    return isinstance(value, (list, tuple)) and len(value) >= 2
-
-
-def read_rows(
-    path: str,
-    columns: Sequence[str] = (),
-    id_column: str = "id",
-    max_bad_fraction: float = 0.001,
-    split: str = "train",
-    teacher: str = "",
-) -> PairRows:
-    """The usable rows of a pairs file, their ids and (`teacher`: the loss.distill kind) the
-    teacher's scores (see the module docstring); `split`: which split of a saved DatasetDict. A pattern or a
-    folder of shards (`shards.shard_files`): each file's, joined in order."""
-    files = shard_files(path, FORMATS)
-    if files is not None:
-        parts = [read_rows(str(f), columns, id_column, max_bad_fraction, split, teacher) for f in files]
-        return _shards_joined(path, files, parts)
-    file = Path(path).expanduser()
-    if not (file.is_dir() or (file.suffix in FORMATS and file.is_file())):
-        raise DataError(
-            f"data.path={path}: not an existing {'/'.join(FORMATS)} file or save_to_disk folder; give "
-            "query/positive[/negative] rows in one of those"
-        )
-    try:
-        names, raw = read_table(file, columns, split)
-    except DataError:
-        raise
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise DataError(f"{file}: not readable ({type(e).__name__}: {e})") from None
-    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file, a JSON line of no row
-        raise DataError(f"{file}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
-    has_ids, score_column = _check_columns(file, names, raw, columns, id_column, teacher)
-    rows, ids, scores, skipped, width = [], [], [], Counter(), 0
-    for n, row in enumerate(raw):
-        values, ident, scored = _fields(row, columns, id_column if has_ids else "", score_column)
-        values = values[:2] + [t for v in values[2:] for t in (v if isinstance(v, (list, tuple)) else [v])]
-        texts = [t.strip() if isinstance(t, str) else "" for t in values]
-        ident = "" if ident is None else str(ident).strip()
-        width = width or len(texts)
-        row_scores = _scores(scored, width - 1, teacher == "margin_mse") if teacher else None
-        reason = (
-            "short_row"
-            if len(texts) < 2
-            else "ragged_negatives"  # another number of hard negatives than the first row
-            if len(texts) != width
-            else "missing_text"
-            if not all(texts)
-            else "missing_id"
-            if has_ids and not ident
-            else "bad_scores"  # not 1 + k finite numbers (or k margins)
-            if teacher and row_scores is None
-            else ""
-        )
-        if reason:
-            skipped[reason] += 1
-            logger.warning(f"{file} row {n + 1}: {reason}; skipped")
-            if sum(skipped.values()) > max(1, int(max_bad_fraction * len(raw))):
-                raise DataError(
-                    f"{file}: {sum(skipped.values())} bad rows of {len(raw)} exceed "
-                    f"data.max_bad_fraction={max_bad_fraction} "
-                    f"({dict(skipped)}; last: row {n + 1}); fix the file or raise data.max_bad_fraction"
-                )
-            continue
-        rows.append(texts)
-        ids.append(ident)
-        scores.append(row_scores)
-    if not rows:
-        bad = f" ({dict(skipped)} skipped)" if skipped else ""
-        raise DataError(f"{file}: no usable rows{bad}; every row needs a query and a positive")
-    return PairRows(rows, ids if has_ids else None, scores if teacher else None, skipped)
-
-
-def _shards_joined(path: str, files: Sequence[Path], parts: Sequence[PairRows]) -> PairRows:
-    """The rows of a source's shards `files` (`parts`, read each), in order; a DataError when they disagree
-    on the row's width or on having ids."""
-    for f, part in zip(files[1:], parts[1:]):
-        if len(part.texts[0]) != len(parts[0].texts[0]) or (part.ids is None) != (parts[0].ids is None):
-            what = "ids" if len(part.texts[0]) == len(parts[0].texts[0]) else "columns"
-            raise DataError(
-                f"data.path={path}: {f.name} and {files[0].name} differ in their {what} ({len(part.texts[0])} and "
-                f"{len(parts[0].texts[0])} texts per row, ids {part.ids is not None} and {parts[0].ids is not None}); "
-                "the files of one source hold rows alike"
-            )
-    return PairRows(
-        [row for part in parts for row in part.texts],
-        None if parts[0].ids is None else [i for part in parts for i in part.ids],
-        None if parts[0].scores is None else [s for part in parts for s in part.scores],
-        sum((part.skipped for part in parts), Counter()),
-    )
-
-
-def _join(
-    parts: Sequence[str], files: Sequence[PairRows], hard_negatives: bool
-) -> tuple[list[list[str]], list[str] | None, list[list[float]] | None]:
-    """The rows and ids of `::`-joined files, in order (query and positive only where they disagree on
-    the number of hard negatives and `hard_negatives` is false); a DataError when they disagree on it
-    and the negatives are served, or on having an id column."""
-    widths = {part: len(f.texts[0]) - 2 for part, f in zip(parts, files)}
-    width = None if len(set(widths.values())) == 1 else 2
-    if width and hard_negatives:
-        shown = ", ".join(f"{part}: {k}" for part, k in widths.items())
-        raise DataError(
-            f"data.path={'::'.join(parts)}: the sources hold different numbers of hard negatives per row ({shown}); "
-            "give every source the same number, or set data.hard_negatives=false (queries and positives only)"
-        )
-    with_ids = [part for part, f in zip(parts, files) if f.ids is not None]
-    if with_ids and len(with_ids) != len(parts):
-        without = next(part for part, f in zip(parts, files) if f.ids is None)
-        raise DataError(
-            f"data.pairs_id_column: {with_ids[0]} has that column and {without} has not; give every source ids "
-            "(they are compared across sources) or set data.pairs_id_column=''"
-        )
-    texts = [row[:width] for f in files for row in f.texts]
-    scores = [s for f in files for s in f.scores] if files[0].scores is not None else None
-    return texts, [i for f in files for i in f.ids] if with_ids else None, scores
 
 
 def source_tokenizers(
@@ -314,18 +89,43 @@ def _hash63(namespace: str, text: str) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-def document_id_table(rows: Sequence[Sequence[str]], ids: Sequence[str]) -> torch.Tensor:
-    """int64 [N, 1 + k]: row i's positive's id, then its negatives' (a positive's id for a negative
-    with exactly its text, the first such row's; else a hash of the text)."""
+def document_ids(documents: Sequence[Sequence[str]], ids: Sequence[str]) -> torch.Tensor:
+    """int64, flat over the rows' `documents` (each row's positive, then its negatives): the positive's id, and
+    a negative's (a positive's id for a negative with exactly its text, the first such row's; else a hash of
+    the text)."""
     positive = [_hash63("id", i) for i in ids]
     by_text: dict[str, int] = {}
-    for row, pid in zip(rows, positive):
-        by_text.setdefault(row[1], pid)
-    table = [
-        [pid] + [by_text[t] if t in by_text else _hash63("text", t) for t in row[2:]]
-        for row, pid in zip(rows, positive)
+    for docs, pid in zip(documents, positive):
+        by_text.setdefault(docs[0], pid)
+    flat = [
+        i
+        for docs, pid in zip(documents, positive)
+        for i in [pid] + [by_text[t] if t in by_text else _hash63("text", t) for t in docs[1:]]
     ]
-    return torch.tensor(table, dtype=torch.int64).view(len(rows), -1)
+    return torch.tensor(flat, dtype=torch.int64)
+
+
+def _drawable(rows: PairRows, source: str, max_bad_fraction: float) -> PairRows:
+    """A pooled file's rows that hold a negative to draw from; the others skipped and counted (`no_negatives`), a
+    DataError past `max_bad_fraction` of the file or when none is left."""
+    keep = [i for i, (texts, p) in enumerate(zip(rows.texts, rows.positives or [])) if len(texts) > 1 + p]
+    bare = len(rows.texts) - len(keep)
+    if not bare:
+        return rows
+    skipped = rows.skipped + Counter(no_negatives=bare)
+    total = len(rows.texts) + sum(rows.skipped.values())
+    if not keep or sum(skipped.values()) > max(1, int(max_bad_fraction * total)):
+        raise DataError(
+            f"{source}: {bare} of its {len(rows.texts)} rows hold no hard negative to draw from "
+            f"(data.negatives_per_row; bad rows {dict(skipped)} exceed data.max_bad_fraction={max_bad_fraction}); "
+            "give each row a negative, or raise data.max_bad_fraction"
+        )
+    logger.warning(f"{source}: {bare} row(s) hold no hard negative to draw from (data.negatives_per_row); skipped")
+
+    def kept(values: list | None) -> list | None:
+        return None if values is None else [values[i] for i in keep]
+
+    return PairRows(kept(rows.texts), kept(rows.ids), kept(rows.scores), skipped, kept(rows.positives))
 
 
 class PairsDataset:
@@ -343,23 +143,31 @@ class PairsDataset:
         id_column: str = "id",
         max_bad_fraction: float = 0.001,
         hard_negatives: bool = True,
+        negatives_per_row: int = 0,
+        seed: int = 0,
         factors: Sequence[float] = (),
         teacher: str = "",
         query_prompts: Sequence[str] = (),
         doc_prompts: Sequence[str] = (),
         frozen: EmbeddingTable | None = None,
     ) -> None:
+        """`negatives_per_row`: k > 0 draws each row's positive and k negatives per epoch from its lists, by
+        `seed` (module docstring); 0 serves the rows as they are."""
         parts, factors = split_sources(path, factors)
         tokenizers = source_tokenizers(tokenizer, parts, query_prompts, doc_prompts)
-        files = [read_rows(part, columns, id_column, max_bad_fraction, split, teacher) for part in parts]
-        texts, ids, scores = _join(parts, files, hard_negatives)
-        self.skipped = sum((f.skipped for f in files), Counter())
+        pooled = negatives_per_row > 0
+        files = [read_rows(part, columns, id_column, max_bad_fraction, split, teacher, pooled) for part in parts]
+        if pooled and split == "train":
+            files = [_drawable(f, part, max_bad_fraction) for f, part in zip(files, parts)]
+        rows = join_sources(parts, files, hard_negatives)
+        if rows.scores is not None and teacher == "cosent" and not hard_negatives:  # the positives' scores alone
+            rows = rows._replace(scores=[row[:1] for row in rows.scores])
         spans = [(len(f.texts), t) for f, t in zip(files, tokenizers)]
-        if scores is not None and teacher == "cosent" and not hard_negatives:  # the positives' scores alone
-            scores = [row[:1] for row in scores]
-        self._setup(
-            texts, ids, "pairs", split, path, tokenizer, query_length, hard_negatives, scores, spans, teacher, frozen
-        )
+        self._setup(rows, "pairs", split, path, tokenizer, query_length, hard_negatives, spans, teacher, frozen)
+        if pooled and split == "train":
+            self._draw(rows, negatives_per_row, seed)
+        elif pooled:  # evaluation: each row's first positive
+            self._draw(rows, 0, None)
         if joins(factors):
             self._mix = SourceMix([len(f.texts) for f in files], factors)
             self.source_sizes = self._mix.sizes
@@ -384,29 +192,28 @@ class PairsDataset:
         if ids is not None and len(ids) != len(rows):
             raise DataError(f"{source}: {len(ids)} ids for {len(rows)} rows; give one id per row")
         self = cls.__new__(cls)
-        self.skipped = Counter()
-        self._setup(rows, ids, name, split, source, tokenizer, query_length, hard_negatives, frozen=frozen)
+        texts = PairRows([list(r) for r in rows], None if ids is None else list(ids), None, Counter())
+        self._setup(texts, name, split, source, tokenizer, query_length, hard_negatives, frozen=frozen)
         return self
 
     def _setup(
         self,
-        rows: Sequence[Sequence[str]],
-        ids: Sequence[str] | None,
+        rows: PairRows,
         name: str,
         split: str,
         source: str,
         tokenizer: PairTokenizer,
         query_length: int,
         hard_negatives: bool,
-        scores: Sequence[Sequence[float]] | None = None,
         spans: Sequence[tuple[int, PairTokenizer]] = (),
         teacher: str = "",
         frozen: EmbeddingTable | None = None,
     ) -> None:
         """`spans`: (rows, their tokenizer) per source in order; empty = every row through `tokenizer`;
-        `teacher`: the loss.distill kind that reads `scores`; `frozen`: a frozen model's embeddings of the rows'
-        texts (`datasets/frozen.py`)."""
+        `teacher`: the loss.distill kind that reads the rows' scores; `frozen`: a frozen model's embeddings of
+        the rows' texts (`datasets/frozen.py`)."""
         self.name, self.split, self.source, self.full = name, split, source, True
+        self.skipped = rows.skipped
         self._mix: SourceMix | None = None
         self.source_sizes: list[int] | None = None
         """Samples per epoch of each `::`-joined file (`mixing.SourceMix`); None: one file, each row once."""
@@ -416,25 +223,23 @@ class PairsDataset:
         self.recall_ks = (1, 10)
         self.recall_direction = "query_to_doc"
         self.tokenizer = tokenizer
-        in_file = len(rows[0]) - 2
-        self.num_negatives = in_file if hard_negatives else 0  # served per row as `neg` [B, k, L]; 0: none
-        spans = spans or [(len(rows), tokenizer)]
-        self._queries = _by_source(spans, rows, lambda t, part: t.encode_queries([r[0] for r in part], query_length))
-        self._docs = _by_source(spans, rows, lambda t, part: t.encode_docs([r[1] for r in part]))
-        k = self.num_negatives
-        negatives = (
-            _by_source(spans, rows, lambda t, part: t.encode_docs([d for r in part for d in r[2:]])) if k else None
-        )
-        self._negs = None if negatives is None else negatives.view(len(rows), k, -1)
-        ids_table = document_id_table(rows, ids) if ids is not None else None
-        self._ids = None if ids_table is None else ids_table if k else ids_table[:, 0]
-        if scores is not None and not k and teacher != "cosent":  # CoSENT ranks scored pairs without negatives
+        texts, pooled = rows.texts, rows.positives is not None
+        in_file = len(texts[0]) - 2
+        k = self.num_negatives = in_file if hard_negatives and not pooled else 0  # `neg` [B, k, L]; 0: none
+        served = [row[1:] if pooled else row[1 : 2 + k] for row in texts]  # the documents kept, flat row by row
+        spans = spans or [(len(texts), tokenizer)]
+        self._queries = _by_source(spans, texts, lambda t, part: t.encode_queries([r[0] for r in part], query_length))
+        self._documents = _by_source(spans, served, lambda t, part: t.encode_docs([d for docs in part for d in docs]))
+        self._pools = Pools([1] * len(texts), [k] * len(texts), k, None)  # rows served whole; `_draw` for pools
+        self._ids = None if rows.ids is None else document_ids(served, rows.ids)
+        if rows.scores is not None and not k and not pooled and teacher != "cosent":  # CoSENT: scored pairs
             raise DataError(
                 f"{source}: loss.distill compares each query's positive with its hard negatives, and the rows hold "
                 "none; give rows with hard negatives (and their scores), or leave loss.distill empty"
             )
-        self._teacher = None if scores is None else torch.tensor(scores, dtype=torch.float32).view(len(rows), 1 + k)
-        if split == "train" and in_file:
+        scores = None if rows.scores is None else [s for row, d in zip(rows.scores, served) for s in row[: len(d)]]
+        self._teacher = None if scores is None else torch.tensor(scores, dtype=torch.float32)
+        if split == "train" and in_file and not pooled:
             logger.info(
                 f"{name}: {k} hard negative(s) per row served from {source}: each query's problem has the batch's "
                 f"positives and {k} hard negatives per query as columns"
@@ -442,19 +247,40 @@ class PairsDataset:
                 else f"{name}: data.hard_negatives=false: the {in_file} hard negative(s) per row in {source} are not "
                 "served; each query's problem has the batch's positives only"
             )
-        self._frozen = None if frozen is None else (frozen.vectors, frozen.rows(rows, 2 + k))
+        self._frozen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if frozen is not None:
-            logger.info(f"{name}: a frozen model's {frozen.dim}-wide embeddings of every text from {frozen.source}")
+            self._carry(frozen, [[row[0]] + docs for row, docs in zip(texts, served)])
         if self._teacher is not None:
-            logger.info(f"{name}: the teacher's scores of each row's 1 + {k} documents from {source} (loss.distill)")
-        if split == "train" and ids is not None:
+            logger.info(f"{name}: the teacher's scores of each served document from {source} (loss.distill)")
+        if split == "train" and rows.ids is not None:
             logger.info(f"{name}: document ids from the id column of {source} (loss.mask_duplicates compares them)")
+
+    def _draw(self, rows: PairRows, k: int, seed: int | None) -> None:
+        """Serve one positive and `k` negatives of each row per epoch, drawn by `seed` (`pools.Pools`); `k` = 0
+        (evaluation): the first positive alone."""
+        positives = rows.positives or []
+        negatives = [len(t) - 1 - p for t, p in zip(rows.texts, positives)]
+        self._pools, self.num_negatives = Pools(positives, negatives, k, seed), k
+        if k:
+            fewer = sum(n < k for n in negatives)
+            logger.info(
+                f"{self.name}: {k} of each row's hard negatives (it holds {min(negatives)} to {max(negatives)}) and "
+                f"one of its positives ({min(positives)} to {max(positives)}) served per epoch from {self.source}"
+                + (f"; {fewer} row(s) hold fewer than {k} and serve some twice" if fewer else "")
+            )
+
+    def _carry(self, frozen: EmbeddingTable, texts: Sequence[Sequence[str]]) -> None:
+        """Serve `frozen`'s embeddings of each row's query and served documents (`texts`: per row, the query then
+        the documents in the flat order)."""
+        queries, documents = frozen.find([t[0] for t in texts], [d for t in texts for d in t[1:]])
+        self._frozen = (frozen.vectors, queries, documents)
+        logger.info(f"{self.name}: a frozen model's {frozen.dim}-wide embeddings of every text from {frozen.source}")
 
     def __len__(self) -> int:
         return len(self._queries) if self._mix is None else len(self._mix)
 
     def set_epoch(self, epoch: int) -> None:
-        """No per-sample randomness (the pairs are fixed); joined files' windows move per epoch."""
+        """Joined files' windows and the documents drawn from pools (data.negatives_per_row) move per epoch."""
         self.epoch = epoch
 
     def rows(self, indices: Sequence[int]) -> list[int]:
@@ -463,17 +289,24 @@ class PairsDataset:
             return list(indices)
         return [self._mix.record(i, self.epoch) for i in indices]
 
+    def documents(self, indices: Sequence[int]) -> torch.Tensor:
+        """int64 [B, 1 + k]: the flat places (`pools.Pools`) of the documents served for these indices of the
+        epoch, the positive first."""
+        return self._pools.draw(torch.as_tensor(self.rows(indices), dtype=torch.long), self.epoch)
+
     def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         idx = torch.as_tensor(self.rows(indices), dtype=torch.long)
-        batch = {"query": self._queries[idx], "doc": self._docs[idx], "index": torch.as_tensor(list(indices))}
-        if self._negs is not None:
-            batch[NEGATIVES] = self._negs[idx]
+        at = self._pools.draw(idx, self.epoch)
+        k = self.num_negatives
+        batch = {"query": self._queries[idx], "doc": self._documents[at[:, 0]], "index": torch.as_tensor(list(indices))}
+        if k:
+            batch[NEGATIVES] = self._documents[at[:, 1:]]
         if self._ids is not None:
-            batch[DOC_IDS] = self._ids[idx]
+            batch[DOC_IDS] = self._ids[at] if k else self._ids[at[:, 0]]
         if self._teacher is not None:
-            batch[TEACHER_SCORES] = self._teacher[idx]
+            batch[TEACHER_SCORES] = self._teacher[at]
         if self._frozen is not None:
-            vectors, at = self._frozen
-            batch[FROZEN_QUERIES] = vectors[at[idx, 0]]
-            batch[FROZEN_DOCS] = vectors[at[idx, 1:]] if self.num_negatives else vectors[at[idx, 1]]
+            vectors, queries, documents = self._frozen
+            batch[FROZEN_QUERIES] = vectors[queries[idx]]
+            batch[FROZEN_DOCS] = vectors[documents[at]] if k else vectors[documents[at[:, 0]]]
         return batch

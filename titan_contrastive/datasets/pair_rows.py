@@ -1,0 +1,303 @@
+"""Reading the user's text pairs: `(query, positive[, negative, ...])` rows of a file, as texts.
+
+Files: `.jsonl` (one JSON object per line, or a JSON list), `.csv` (comma-separated, a header
+line), `.tsv` (tab-separated; a header line when `data.pairs_columns` names the columns, else
+none), `.parquet`, and Hugging Face datasets on disk: a `save_to_disk` folder (of a DatasetDict,
+the split "train" or "test") or an `.arrow` file (`hf_disk`, never the hub). A glob pattern or a folder
+of such files (a dataset repository's shards) is one source, its files read in sorted order (`shards`).
+
+Columns: those named by `data.pairs_columns` (query, positive, then negatives), else the row's
+columns in order, which is sentence-transformers' convention (anchor, positive, negatives...),
+with two exceptions for named columns: the id column (`data.pairs_id_column`, `id`) is no text
+but the positive's id, and a `label`, `labels`, `score` or `scores` column (sentence-transformers'
+label columns) is a teacher's scores of the row's documents, read in a run with loss.distill and
+else left (one number per row, a scored pair's label, is refused: another loss's data). A
+negative column may hold a list of texts (tevatron's `negatives: [...]`), flattened in order; a passage
+may be tevatron's `{"docid", "title", "text"}`, read as its title, a space and its text.
+
+Pools (`pooled`, a run with data.negatives_per_row): the positive column may hold a list of texts too
+(FlagEmbedding's `{"query", "pos": [...], "neg": [...]}`), rows hold any number of negatives, and a
+row's texts are its query, its positives, then its negatives (`PairRows.positives` says how many
+positives). Without pools every row is as wide as the first,
+with one positive.
+
+Teacher scores (loss.distill, train split): per row one number per document, the positive's (the
+positives', pooled) then each negative's (a JSON list in a CSV/TSV cell); for margin_mse also the
+negatives' margins T_0 - T_j behind a single positive (one number for a triplet), read as the scores
+[0, -m_1, ..., -m_k]. A row whose scores are not such numbers is a bad row.
+
+A bad row (an empty query, positive or negative, another number of negatives than the first row, a
+missing id) is skipped at load, counted and logged; past `data.max_bad_fraction` of the file the load
+stops, naming the file and row.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.shards import shard_files
+from titan_contrastive.datasets.tables import read_table
+
+logger = logging.getLogger("titan_contrastive")
+
+FORMATS = (".jsonl", ".csv", ".tsv", ".parquet", ".arrow")
+SCORE_COLUMNS = ("label", "labels", "score", "scores")  # sentence-transformers' label columns
+
+
+class PairRows(NamedTuple):
+    texts: list[list[str]]
+    """Per row: query, positive(s), negatives...; without pools every row as wide as the first."""
+    ids: list[str] | None
+    """Per row, its positive's id (the id column's value as text); None without an id column."""
+    scores: list[list[float]] | None
+    """Per row, the teacher's scores of its documents (positives, then negatives); None when not read."""
+    skipped: Counter[str]
+    """Bad rows by reason."""
+    positives: list[int] | None = None
+    """Pooled: per row, how many of its texts after the query are positives; None: one each."""
+
+
+def _fields(row: Any, columns: Sequence[str], id_column: str, score_column: str) -> tuple[list[Any], Any, Any]:
+    """(the row's text values in column order, its id value or None, its scores' value or None)."""
+    if not isinstance(row, dict):
+        return list(row), None, None
+    ident = row.get(id_column) if id_column else None
+    other = (id_column, score_column)
+    texts = [row.get(c) for c in columns] if columns else [v for k, v in row.items() if k not in other]
+    return texts, ident, row.get(score_column) if score_column else None
+
+
+def _parsed(value: Any) -> Any:
+    """A score column's value, a JSON text (a CSV/TSV cell) read as JSON; None for text that is not JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None
+
+
+def _scores(value: Any, width: int, margins: bool) -> list[float] | None:
+    """A row's teacher scores of its `width` documents (see the module docstring), or None when
+    they are not that many finite numbers."""
+    value = _parsed(value)
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        return None
+    if margins and len(values) == width - 1:
+        return [0.0] + [-float(v) for v in values]
+    return [float(v) for v in values] if len(values) == width else None
+
+
+def _check_columns(
+    file: Path, names: list[str] | None, raw: list[Any], columns: Sequence[str], id_column: str, teacher: str
+) -> tuple[bool, str]:
+    """(whether the rows have an id column, the teacher's scores column or ""); a DataError for a
+    column that is not there or not allowed."""
+    if id_column and id_column in columns:
+        raise DataError(
+            f"data.pairs_id_column={id_column!r} is also in data.pairs_columns={list(columns)}: the id is not a "
+            "text; take it out of one of them"
+        )
+    keys = set(names) if names is not None else {k for row in raw if isinstance(row, dict) for k in row}
+    missing = [c for c in columns if names is not None and c not in keys]
+    if missing:
+        raise DataError(f"{file}: no column {missing[0]!r} (columns: {', '.join(names or [])}); fix data.pairs_columns")
+    if id_column and id_column not in keys and id_column != "id":
+        raise DataError(
+            f"data.pairs_id_column={id_column!r}: {file} has no such column (columns: {', '.join(map(str, keys))}); "
+            "name the positive's id column, or set it to '' for none"
+        )
+    has_ids, scored = bool(id_column) and id_column in keys, [c for c in SCORE_COLUMNS if c in keys]
+    if teacher:
+        if len(scored) != 1 or names is None and not all(isinstance(row, dict) for row in raw):
+            raise DataError(
+                f"loss.distill={teacher}: {file} needs the teacher's scores in one named column, label, labels, score "
+                f"or scores (found: {', '.join(scored) or 'none'}); add it, or leave loss.distill empty"
+            )
+        return has_ids, scored[0]
+    if scored and not columns:
+        first = next((row.get(scored[0]) for row in raw if isinstance(row, dict)), None)
+        if len(scored) == 1 and _score_list(first):
+            logger.info(
+                f"{file}: the teacher's scores in its {scored[0]!r} column are not read (loss.distill reads them)"
+            )
+            return has_ids, scored[0]
+        raise DataError(
+            f"{file}: a {scored[0]!r} column: scored pairs train with loss.distill=cosent (CoSENT), which reads it; "
+            "set it, drop the column, or name the text columns in data.pairs_columns"
+        )
+    return has_ids, ""
+
+
+def _score_list(value: Any) -> bool:
+    """Whether a score column's value is a list of scores (a teacher's, of a row's documents), not one label."""
+    value = _parsed(value)
+    return isinstance(value, (list, tuple)) and len(value) >= 2
+
+
+def read_rows(
+    path: str,
+    columns: Sequence[str] = (),
+    id_column: str = "id",
+    max_bad_fraction: float = 0.001,
+    split: str = "train",
+    teacher: str = "",
+    pooled: bool = False,
+) -> PairRows:
+    """The usable rows of a pairs file, their ids and (`teacher`: the loss.distill kind) the
+    teacher's scores (see the module docstring); `split`: which split of a saved DatasetDict; `pooled`:
+    lists of positives and any number of negatives per row. A pattern or a folder of shards
+    (`shards.shard_files`): each file's, joined in order."""
+    files = shard_files(path, FORMATS)
+    if files is not None:
+        parts = [read_rows(str(f), columns, id_column, max_bad_fraction, split, teacher, pooled) for f in files]
+        return _shards_joined(path, files, parts)
+    file = Path(path).expanduser()
+    if not (file.is_dir() or (file.suffix in FORMATS and file.is_file())):
+        raise DataError(
+            f"data.path={path}: not an existing {'/'.join(FORMATS)} file or save_to_disk folder; give "
+            "query/positive[/negative] rows in one of those"
+        )
+    try:
+        names, raw = read_table(file, columns, split)
+    except DataError:
+        raise
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise DataError(f"{file}: not readable ({type(e).__name__}: {e})") from None
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file, a JSON line of no row
+        raise DataError(f"{file}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
+    has_ids, score_column = _check_columns(file, names, raw, columns, id_column, teacher)
+    rows, ids, scores, counts, skipped, width = [], [], [], [], Counter(), 0
+    for n, row in enumerate(raw):
+        values, ident, scored = _fields(row, columns, id_column if has_ids else "", score_column)
+        positives = _positives(values, file, n, pooled, id_column if has_ids else "")
+        values = values[:1] + positives + [t for v in values[2:] for t in (v if isinstance(v, (list, tuple)) else [v])]
+        texts = [_text(t) for t in values]
+        ident = "" if ident is None else str(ident).strip()
+        width = width or len(texts)
+        docs = len(texts) - 1 if pooled else width - 1
+        row_scores = _scores(scored, docs, teacher == "margin_mse" and len(positives) == 1) if teacher else None
+        reason = (
+            "short_row"
+            if len(texts) < 2 or not positives
+            else "ragged_negatives"  # another number of hard negatives than the first row
+            if len(texts) != width and not pooled
+            else "missing_text"
+            if not all(texts)
+            else "missing_id"
+            if has_ids and not ident
+            else "bad_scores"  # not one finite number per document (or the negatives' margins)
+            if teacher and row_scores is None
+            else ""
+        )
+        if reason:
+            skipped[reason] += 1
+            logger.warning(f"{file} row {n + 1}: {reason}; skipped")
+            if sum(skipped.values()) > max(1, int(max_bad_fraction * len(raw))):
+                raise DataError(
+                    f"{file}: {sum(skipped.values())} bad rows of {len(raw)} exceed "
+                    f"data.max_bad_fraction={max_bad_fraction} "
+                    f"({dict(skipped)}; last: row {n + 1}); fix the file or raise data.max_bad_fraction"
+                )
+            continue
+        rows.append(texts)
+        ids.append(ident)
+        scores.append(row_scores)
+        counts.append(len(positives))
+    if not rows:
+        bad = f" ({dict(skipped)} skipped)" if skipped else ""
+        raise DataError(f"{file}: no usable rows{bad}; every row needs a query and a positive")
+    return PairRows(rows, ids if has_ids else None, scores if teacher else None, skipped, counts if pooled else None)
+
+
+def _text(value: Any) -> str:
+    """A cell's text: a string, or a tevatron passage `{"title", "text"}` read as its title, a space and its text;
+    "" for anything else (a bad row)."""
+    if isinstance(value, dict) and isinstance(value.get("text"), str):
+        title = value.get("title")
+        value = (
+            f"{title.strip()} {value['text'].strip()}" if isinstance(title, str) and title.strip() else value["text"]
+        )
+    return value.strip() if isinstance(value, str) else ""
+
+
+def _positives(values: list[Any], file: Path, row: int, pooled: bool, id_column: str) -> list[Any]:
+    """The row's positive(s) (`values[1]`, a text or, pooled, a list of them); a DataError for a list where one
+    positive is read, or several positives in rows with ids."""
+    if len(values) < 2:
+        return []
+    value = values[1]
+    if not isinstance(value, (list, tuple)):
+        return [value]
+    if not pooled and len(value) != 1:
+        raise DataError(
+            f"{file} row {row + 1}: the positive is a list of {len(value)} texts, and a row here has one positive; "
+            "set data.negatives_per_row = k to draw one of them (and k negatives) per epoch, or give one text"
+        )
+    if id_column and len(value) > 1:
+        raise DataError(
+            f"{file} row {row + 1}: {len(value)} positives and an id column ({id_column!r}), which names one "
+            "positive; set data.pairs_id_column='' (duplicates are then compared by their token ids)"
+        )
+    return list(value)
+
+
+def _shards_joined(path: str, files: Sequence[Path], parts: Sequence[PairRows]) -> PairRows:
+    """The rows of a source's shards `files` (`parts`, read each), in order; a DataError when they disagree
+    on the row's width or on having ids."""
+    pooled = parts[0].positives is not None  # rows of any width
+    for f, part in zip(files[1:], parts[1:]):
+        wide = len(part.texts[0]) == len(parts[0].texts[0]) or pooled
+        if not wide or (part.ids is None) != (parts[0].ids is None):
+            what = "ids" if wide else "columns"
+            raise DataError(
+                f"data.path={path}: {f.name} and {files[0].name} differ in their {what} ({len(part.texts[0])} and "
+                f"{len(parts[0].texts[0])} texts per row, ids {part.ids is not None} and {parts[0].ids is not None}); "
+                "the files of one source hold rows alike"
+            )
+    return PairRows(
+        [row for part in parts for row in part.texts],
+        None if parts[0].ids is None else [i for part in parts for i in part.ids],
+        None if parts[0].scores is None else [s for part in parts for s in part.scores],
+        sum((part.skipped for part in parts), Counter()),
+        [c for part in parts for c in part.positives] if pooled else None,
+    )
+
+
+def join_sources(parts: Sequence[str], files: Sequence[PairRows], hard_negatives: bool) -> PairRows:
+    """The rows of `::`-joined files (`parts`, read each), in order (query and positive only where they disagree
+    on the number of hard negatives and `hard_negatives` is false; pooled rows may); a DataError when they
+    disagree on it and the negatives are served, or on having an id column."""
+    pooled = files[0].positives is not None
+    widths = {part: len(f.texts[0]) - 2 for part, f in zip(parts, files)}
+    width = None if len(set(widths.values())) == 1 or pooled else 2
+    if width and hard_negatives:
+        shown = ", ".join(f"{part}: {k}" for part, k in widths.items())
+        raise DataError(
+            f"data.path={'::'.join(parts)}: the sources hold different numbers of hard negatives per row ({shown}); "
+            "give every source the same number, set data.negatives_per_row = k (k of each row's drawn per "
+            "epoch), or set data.hard_negatives=false (queries and positives only)"
+        )
+    with_ids = [part for part, f in zip(parts, files) if f.ids is not None]
+    if with_ids and len(with_ids) != len(parts):
+        without = next(part for part, f in zip(parts, files) if f.ids is None)
+        raise DataError(
+            f"data.pairs_id_column: {with_ids[0]} has that column and {without} has not; give every source ids "
+            "(they are compared across sources) or set data.pairs_id_column=''"
+        )
+    return PairRows(
+        [row[:width] for f in files for row in f.texts],
+        [i for f in files for i in f.ids] if with_ids else None,
+        [s for f in files for s in f.scores] if files[0].scores is not None else None,
+        sum((f.skipped for f in files), Counter()),
+        [c for f in files for c in f.positives] if pooled else None,
+    )
