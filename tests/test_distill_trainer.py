@@ -310,7 +310,7 @@ def test_bad_teacher_data_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="scored pairs train with loss.distill=cosent"):
         read_rows(str(scored))  # one number per row: a scored pair's label
     scored.write_text(json.dumps(dict(query="q", positive="p", negative="n", label=[1, 0])) + "\n")
-    assert read_rows(str(scored)) == ([["q", "p", "n"]], None, None, {}, None)  # a teacher's list, left unread
+    assert read_rows(str(scored)) == ([["q", "p", "n"]], None, None, {}, None, None)  # a teacher's list, left unread
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps(dict(query="q", positive="p", negative="n", label="[1, 0]")) + "\n")
     assert read_rows(str(text), teacher="kl").scores == [[1.0, 0.0]]

@@ -6,6 +6,7 @@
   same seed and another for another;
 - FlagEmbedding's rows (`{"query", "pos": [...], "neg": [...]}`, any number of each) served as those
   places say: the tokens, the ids, the teacher's scores and a frozen model's embeddings of the drawn texts;
+  their `pos_scores` / `neg_scores` and `prompt` read; tevatron's passages as the texts they hold;
 - the loader: every rank count serves the same global batches, with workers too, and a resumed loader
   continues across an epoch exactly; a run trains on such a file and evaluates;
 - the errors: a list of positives without the setting, an id column with several positives, rows with no
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -248,6 +250,12 @@ def test_errors_and_bad_rows(tmp_path: Path, tokenizer, caplog: pytest.LogCaptur
     with pytest.raises(DataError) as err:
         PairsDataset(split="train", path=str(path), tokenizer=tokenizer, query_length=12)
     _one_line(err, "row 2", "positive is a list of 3 texts", "data.negatives_per_row")
+    single = [r | {"pos": r["pos"][:1]} for r in bge_rows()]  # one positive, negatives of any number
+    with pytest.raises(DataError) as err:
+        PairsDataset(
+            split="train", path=str(write_jsonl(tmp_path / "one.jsonl", single)), tokenizer=tokenizer, query_length=12
+        )
+    _one_line(err, "'ragged_negatives': 2", "data.negatives_per_row = k")
     with pytest.raises(DataError) as err:
         _pooled(write_jsonl(tmp_path / "ids.jsonl", bge_rows(ids=True)), tokenizer)
     _one_line(err, "row 2", "3 positives and an id column ('id')", "data.pairs_id_column=''")
@@ -321,3 +329,41 @@ def test_tevatron_rows_of_passages_serve_as_their_texts(tmp_path: Path, tokenize
         ds.set_epoch(epoch)
         flag.set_epoch(epoch)
         assert _equal(ds.__getitems__(list(range(6))), flag.__getitems__(list(range(6))))
+
+
+@needs("hf")
+def test_flagembedding_rows_with_their_scores_and_prompts(tmp_path: Path, tokenizer, caplog) -> None:
+    """FlagEmbedding's rows, whatever their key order: query, pos and neg the texts, pos_scores + neg_scores the
+    teacher's scores of them (following the draw), a row's `prompt` before its query in place of the model's;
+    other columns left, named in the log."""
+    rows = bge_rows()
+    flag = [
+        {
+            "type": "normal",
+            **({"prompt": f"Instruct {r}: "} if r % 2 else {}),
+            "neg": row["neg"],
+            "query": row["query"],
+            "pos": row["pos"],
+            "pos_scores": row["scores"][: len(row["pos"])],
+            "neg_scores": row["scores"][len(row["pos"]) :],
+        }
+        for r, row in enumerate(rows)
+    ]
+    prompted = dataclasses.replace(tokenizer, query_prompt="query: ")
+    with caplog.at_level("INFO", logger="titan_contrastive"):
+        ds = _pooled(write_jsonl(tmp_path / "flag.jsonl", flag), prompted, teacher="kl")
+    assert "FlagEmbedding's rows: query, pos, neg as the texts; pos_scores + neg_scores as the teacher's scores;" in (
+        caplog.text
+    )
+    assert "(left: type)" in caplog.text
+    reference = _pooled(write_jsonl(tmp_path / "bge.jsonl", rows), prompted, teacher="kl")
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        reference.set_epoch(epoch)
+        got, want = ds.__getitems__(list(range(6))), reference.__getitems__(list(range(6)))
+        assert _equal({k: v for k, v in got.items() if k != "query"}, {k: v for k, v in want.items() if k != "query"})
+        assert torch.equal(got[TEACHER_SCORES], want[TEACHER_SCORES])
+    queries = ds.__getitems__(list(range(6)))["query"]
+    for r, row in enumerate(rows):
+        text = f"Instruct {r}: {row['query']}" if r % 2 else f"query: {row['query']}"
+        assert torch.equal(queries[r], tokenizer.encode_queries([text], 12)[0]), r

@@ -130,7 +130,7 @@ def test_sentence_transformers_names_and_a_list_of_negatives(tmp_path: Path, tok
     listed = write_jsonl(
         tmp_path / "list.jsonl", [{"query": q, "pos": p, "negatives": [a, b]} for _, q, p, a, b in ROWS]
     )
-    assert read_rows(str(named)) == (texts, None, None, {}, None)
+    assert read_rows(str(named)) == (texts, None, None, {}, None, None)
     assert read_rows(str(listed)).texts == texts
     bad = [
         {"query": "q1", "pos": "p1", "negatives": ["a"]},  # one negative: ragged

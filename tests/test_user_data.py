@@ -304,7 +304,7 @@ def test_pairs_files(tmp_path: Path) -> None:
             f.write(json.dumps({"anchor": q, "positive": p, "negative": n}) + "\n")
         f.write(json.dumps({"anchor": "", "positive": "x", "negative": "y"}) + "\n")
     (tmp_path / "p.tsv").write_text("".join("\t".join(r) + "\n" for r in rows))
-    got, _, _, skipped, _ = read_rows(str(tmp_path / "p.jsonl"), (), max_bad_fraction=0.5)
+    got, _, _, skipped, _, _ = read_rows(str(tmp_path / "p.jsonl"), (), max_bad_fraction=0.5)
     assert got == rows and skipped == {"missing_text": 1}
     with open(tmp_path / "ragged.jsonl", "w") as f:  # a row with another number of hard negatives
         for row in [*rows, ["a", "b", "c", "d"]]:

@@ -15,6 +15,10 @@ else left (one number per row, a scored pair's label, is refused: another loss's
 negative column may hold a list of texts (tevatron's `negatives: [...]`), flattened in order; a passage
 may be tevatron's `{"docid", "title", "text"}`, read as its title, a space and its text.
 
+FlagEmbedding's rows: without `data.pairs_columns`, a file with `query`, `pos` and `neg` columns has those as its
+texts, `pos_scores` + `neg_scores` as the teacher's scores, and a row's `prompt` as the instruction before its query
+(`PairRows.prompts`); the rest is left, named in the log.
+
 Pools (`pooled`, a run with data.negatives_per_row): the positive column may hold a list of texts too
 (FlagEmbedding's `{"query", "pos": [...], "neg": [...]}`), rows hold any number of negatives, and a
 row's texts are its query, its positives, then its negatives (`PairRows.positives` says how many
@@ -50,6 +54,10 @@ logger = logging.getLogger("titan_contrastive")
 
 FORMATS = (".jsonl", ".csv", ".tsv", ".parquet", ".arrow")
 SCORE_COLUMNS = ("label", "labels", "score", "scores")  # sentence-transformers' label columns
+FLAG_TEXTS = ("query", "pos", "neg")  # FlagEmbedding's (BGE's) fine-tuning rows
+FLAG_SCORES = ("pos_scores", "neg_scores")  # its teacher's scores of them
+FLAG_PROMPT = "prompt"  # its per-row query instruction
+_FLAG_SCORED = "pos_scores + neg_scores"  # the score column of such rows, read as one list
 
 
 class PairRows(NamedTuple):
@@ -63,6 +71,8 @@ class PairRows(NamedTuple):
     """Bad rows by reason."""
     positives: list[int] | None = None
     """Pooled: per row, how many of its texts after the query are positives; None: one each."""
+    prompts: list[str] | None = None
+    """Per row, the instruction before its query (FlagEmbedding's `prompt`, "" for none); None: no such column."""
 
 
 def _fields(row: Any, columns: Sequence[str], id_column: str, score_column: str) -> tuple[list[Any], Any, Any]:
@@ -72,6 +82,9 @@ def _fields(row: Any, columns: Sequence[str], id_column: str, score_column: str)
     ident = row.get(id_column) if id_column else None
     other = (id_column, score_column)
     texts = [row.get(c) for c in columns] if columns else [v for k, v in row.items() if k not in other]
+    if score_column == _FLAG_SCORED:
+        pos, neg = (row.get(c) for c in FLAG_SCORES)
+        return texts, ident, [*pos, *neg] if isinstance(pos, list) and isinstance(neg, list) else None
     return texts, ident, row.get(score_column) if score_column else None
 
 
@@ -97,6 +110,24 @@ def _scores(value: Any, width: int, margins: bool) -> list[float] | None:
     return [float(v) for v in values] if len(values) == width else None
 
 
+def _keys(names: list[str] | None, raw: list[Any]) -> set[str]:
+    """The columns of a file's rows."""
+    return set(names) if names is not None else {k for row in raw if isinstance(row, dict) for k in row}
+
+
+def _flag_columns(file: Path, keys: set[str], teacher: str) -> bool:
+    """Whether rows of these columns are FlagEmbedding's (query, pos, neg; its scores and prompt beside them),
+    said once in the log with what is read of them."""
+    if not set(FLAG_TEXTS) <= keys:
+        return False
+    read = [", ".join(FLAG_TEXTS) + " as the texts"]
+    read += [f"{_FLAG_SCORED} as the teacher's scores"] if teacher and set(FLAG_SCORES) <= keys else []
+    read += [f"{FLAG_PROMPT} as each row's instruction before its query"] if FLAG_PROMPT in keys else []
+    left = sorted(keys - set(FLAG_TEXTS) - ({FLAG_PROMPT} | (set(FLAG_SCORES) if teacher else set())))
+    logger.info(f"{file}: FlagEmbedding's rows: {'; '.join(read)}" + (f" (left: {', '.join(left)})" if left else ""))
+    return True
+
+
 def _check_columns(
     file: Path, names: list[str] | None, raw: list[Any], columns: Sequence[str], id_column: str, teacher: str
 ) -> tuple[bool, str]:
@@ -107,7 +138,7 @@ def _check_columns(
             f"data.pairs_id_column={id_column!r} is also in data.pairs_columns={list(columns)}: the id is not a "
             "text; take it out of one of them"
         )
-    keys = set(names) if names is not None else {k for row in raw if isinstance(row, dict) for k in row}
+    keys = _keys(names, raw)
     missing = [c for c in columns if names is not None and c not in keys]
     if missing:
         raise DataError(f"{file}: no column {missing[0]!r} (columns: {', '.join(names or [])}); fix data.pairs_columns")
@@ -117,11 +148,14 @@ def _check_columns(
             "name the positive's id column, or set it to '' for none"
         )
     has_ids, scored = bool(id_column) and id_column in keys, [c for c in SCORE_COLUMNS if c in keys]
+    if teacher and tuple(columns) == FLAG_TEXTS and set(FLAG_SCORES) <= keys and not scored:
+        return has_ids, _FLAG_SCORED
     if teacher:
         if len(scored) != 1 or names is None and not all(isinstance(row, dict) for row in raw):
             raise DataError(
                 f"loss.distill={teacher}: {file} needs the teacher's scores in one named column, label, labels, score "
-                f"or scores (found: {', '.join(scored) or 'none'}); add it, or leave loss.distill empty"
+                f"or scores, or FlagEmbedding's {' and '.join(FLAG_SCORES)} (found: {', '.join(scored) or 'none'}); "
+                "add it, or leave loss.distill empty"
             )
         return has_ids, scored[0]
     if scored and not columns:
@@ -175,8 +209,11 @@ def read_rows(
         raise DataError(f"{file}: not readable ({type(e).__name__}: {e})") from None
     except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file, a JSON line of no row
         raise DataError(f"{file}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
+    flag = not columns and _flag_columns(file, _keys(names, raw), teacher)
+    columns = FLAG_TEXTS if flag else columns
+    prompted = flag and FLAG_PROMPT in _keys(names, raw)
     has_ids, score_column = _check_columns(file, names, raw, columns, id_column, teacher)
-    rows, ids, scores, counts, skipped, width = [], [], [], [], Counter(), 0
+    rows, ids, scores, counts, prompts, skipped, width = [], [], [], [], [], Counter(), 0
     for n, row in enumerate(raw):
         values, ident, scored = _fields(row, columns, id_column if has_ids else "", score_column)
         positives = _positives(values, file, n, pooled, id_column if has_ids else "")
@@ -207,16 +244,30 @@ def read_rows(
                     f"{file}: {sum(skipped.values())} bad rows of {len(raw)} exceed "
                     f"data.max_bad_fraction={max_bad_fraction} "
                     f"({dict(skipped)}; last: row {n + 1}); fix the file or raise data.max_bad_fraction"
+                    + (
+                        "; or draw k of each row's negatives: data.negatives_per_row = k"
+                        if "ragged_negatives" in skipped
+                        else ""
+                    )
                 )
             continue
         rows.append(texts)
         ids.append(ident)
         scores.append(row_scores)
         counts.append(len(positives))
+        prompt = row.get(FLAG_PROMPT) if prompted and isinstance(row, dict) else ""
+        prompts.append(prompt if isinstance(prompt, str) else "")
     if not rows:
         bad = f" ({dict(skipped)} skipped)" if skipped else ""
         raise DataError(f"{file}: no usable rows{bad}; every row needs a query and a positive")
-    return PairRows(rows, ids if has_ids else None, scores if teacher else None, skipped, counts if pooled else None)
+    return PairRows(
+        rows,
+        ids if has_ids else None,
+        scores if teacher else None,
+        skipped,
+        counts if pooled else None,
+        prompts if prompted else None,
+    )
 
 
 def _text(value: Any) -> str:
@@ -270,7 +321,15 @@ def _shards_joined(path: str, files: Sequence[Path], parts: Sequence[PairRows]) 
         None if parts[0].scores is None else [s for part in parts for s in part.scores],
         sum((part.skipped for part in parts), Counter()),
         [c for part in parts for c in part.positives] if pooled else None,
+        _prompts(parts),
     )
+
+
+def _prompts(parts: Sequence[PairRows]) -> list[str] | None:
+    """The rows' instructions of files read apart, joined ("" for the rows of a file without them)."""
+    if all(part.prompts is None for part in parts):
+        return None
+    return [p for part in parts for p in (part.prompts or [""] * len(part.texts))]
 
 
 def join_sources(parts: Sequence[str], files: Sequence[PairRows], hard_negatives: bool) -> PairRows:
@@ -300,4 +359,5 @@ def join_sources(parts: Sequence[str], files: Sequence[PairRows], hard_negatives
         [s for f in files for s in f.scores] if files[0].scores is not None else None,
         sum((f.skipped for f in files), Counter()),
         [c for f in files for c in f.positives] if pooled else None,
+        _prompts(files),
     )

@@ -83,6 +83,27 @@ def _by_source(
     return torch.cat(out)
 
 
+def _queries(
+    spans: Sequence[tuple[int, PairTokenizer]],
+    rows: Sequence[Sequence[str]],
+    prompts: Sequence[str] | None,
+    length: int,
+) -> torch.Tensor:
+    """The rows' queries tokenized by their sources' tokenizers; a row's own instruction (`prompts`, FlagEmbedding's
+    `prompt`) before its query in place of the source's query prompt."""
+    out, start = [], 0
+    for n, tokenizer in spans:
+        queries = [r[0] for r in rows[start : start + n]]
+        ids = tokenizer.encode_queries(queries, length)
+        own = [i for i in range(n) if prompts and prompts[start + i]]
+        if own:
+            texts = [prompts[start + i] + queries[i] for i in own]
+            ids[own] = dataclasses.replace(tokenizer, query_prompt="").encode_queries(texts, length)
+        out.append(ids)
+        start += n
+    return torch.cat(out)
+
+
 def _hash63(namespace: str, text: str) -> int:
     """A stable 63-bit hash of a string in a namespace (the same in every process and run)."""
     digest = hashlib.blake2b(f"{namespace}\0{text}".encode(), digest_size=8).digest()
@@ -125,7 +146,9 @@ def _drawable(rows: PairRows, source: str, max_bad_fraction: float) -> PairRows:
     def kept(values: list | None) -> list | None:
         return None if values is None else [values[i] for i in keep]
 
-    return PairRows(kept(rows.texts), kept(rows.ids), kept(rows.scores), skipped, kept(rows.positives))
+    return PairRows(
+        kept(rows.texts), kept(rows.ids), kept(rows.scores), skipped, kept(rows.positives), kept(rows.prompts)
+    )
 
 
 class PairsDataset:
@@ -228,7 +251,7 @@ class PairsDataset:
         k = self.num_negatives = in_file if hard_negatives and not pooled else 0  # `neg` [B, k, L]; 0: none
         served = [row[1:] if pooled else row[1 : 2 + k] for row in texts]  # the documents kept, flat row by row
         spans = spans or [(len(texts), tokenizer)]
-        self._queries = _by_source(spans, texts, lambda t, part: t.encode_queries([r[0] for r in part], query_length))
+        self._queries = _queries(spans, texts, rows.prompts, query_length)
         self._documents = _by_source(spans, served, lambda t, part: t.encode_docs([d for docs in part for d in docs]))
         self._pools = Pools([1] * len(texts), [k] * len(texts), k, None)  # rows served whole; `_draw` for pools
         self._ids = None if rows.ids is None else document_ids(served, rows.ids)
