@@ -386,3 +386,47 @@ def test_vl_pairs_shards_in_their_own_folders_are_one_source(tmp_path: Path) -> 
             assert torch.equal(got[key], want[key]), (path, key)
     trainer.train()
     trainer.metrics.close()
+
+
+def test_vl_pairs_negatives_drawn_per_epoch_are_served_as_rows_holding_them(tmp_path: Path) -> None:
+    """data.negatives_per_row with vl_pairs rows of 1 to 5 negative images: each epoch serves, for every row, the
+    ids and pixels a plain file whose rows hold exactly the drawn negatives serves; over the epochs every negative
+    comes; a row without one is a bad sample; a step trains on them."""
+    import json
+
+    from titan_contrastive.batching import NEGATIVES
+    from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
+    from titan_contrastive.datasets.vl_pairs import VLPairsDataset
+
+    table = _vl_pairs(tmp_path / "data", negatives="image")
+    rows = [json.loads(line) for line in table.read_text().splitlines()]
+    for i, row in enumerate(rows):  # 1 to 5 negatives: the row's own two, then others' documents
+        row["doc_negatives"] = (row["doc_negatives"] + [f"img/d{(i + j) % 9}.png" for j in (1, 2, 3)])[: 1 + i % 5]
+    rows[7]["doc_negatives"] = []
+    table.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trainer = _vl_pairs_run(tmp_path, "t2i", "--data.negatives_per_row=2", "--training.steps=1")
+    data = trainer.train_set
+    assert data.num_negatives == 2
+    seen = {i: set() for i in range(9)}
+    for epoch in range(3):
+        data.set_epoch(epoch)
+        batch = data.__getitems__(list(range(7)))
+        held = []
+        for i, row in enumerate(rows[:7]):
+            places = data.drawn(0, i)
+            assert len(places) == 2 and all(0 <= p < len(row["doc_negatives"]) for p in places)
+            seen[i].update(places)
+            held.append(row | {"doc_negatives": [row["doc_negatives"][p] for p in places]})
+        plain_file = tmp_path / "data" / f"drawn{epoch}.jsonl"
+        plain_file.write_text("".join(json.dumps(r) + "\n" for r in held))
+        plain = VLPairsDataset(split="train", path=str(plain_file), mode="t2i")
+        plain.serve_processed(data._process)
+        want = plain.__getitems__(list(range(7)))
+        assert plain.num_negatives == 2 and torch.equal(batch[NEGATIVES], want[NEGATIVES])
+        for key in ("neg_pixel_values", "neg_image_grid_thw", "doc_pixel_values"):
+            assert torch.equal(batch[key], want[key]), (epoch, key)
+    assert all(seen[i] == set(range(min(2 * 3, 1 + i % 5))) for i in range(7))
+    bare = data.__getitems__([7])
+    assert [(b.reason, b.key) for b in bare[BAD_SAMPLES]] == [("no_negatives", "7")]
+    trainer.train()
+    trainer.metrics.close()

@@ -77,9 +77,9 @@ class Data:
     """Serve the data's hard negatives (a pairs file's extra columns, WordNet's mined negative, the
     negative captions of csv/webdataset/hf); false = in-batch negatives only."""
     negatives_per_row: int = opt(0, lambda v: v >= 0, "an integer >= 0")
-    """pairs: k >= 1 serves k of each row's hard negatives and one of its positives per epoch, drawn by the seed,
-    the row and the epoch (tevatron's and FlagEmbedding's train_group_size - 1): rows may then hold any number of
-    negatives and a list of positives (`{"query", "pos": [...], "neg": [...]}`); 0 = every row served whole."""
+    """pairs, vl_pairs: k >= 1 serves k of each row's hard negatives (and one of its positives) per epoch, drawn by
+    the seed, the row and the epoch (tevatron's and FlagEmbedding's train_group_size - 1): rows may then hold any
+    number of negatives and a list of positives (`{"query", "pos": [...], "neg": [...]}`); 0 = rows served whole."""
     tokenizer: Literal["auto", "byte", "clip_bpe"] = "auto"
     """Caption tokenizer of image-text data: `byte` (UTF-8 bytes, the bundled sets' default) or
     `clip_bpe` (CLIP's 49,408-token BPE, context 77 as in CLIP; auto = clip_bpe for your own data)."""

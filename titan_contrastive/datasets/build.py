@@ -97,12 +97,13 @@ def check_negative_keys(data: Data) -> None:
             f"data.wds_negative_key={data.wds_negative_key!r}: name a member extension (e.g. 'neg.txt') or a list "
             "field of the sample's JSON ('json:negatives')"
         )
-    if data.negatives_per_row and (data.dataset != "pairs" or not data.hard_negatives):
-        fix = "set data.hard_negatives=true" if data.dataset == "pairs" else "leave it 0"
-        what = "data.hard_negatives=false serves none" if data.dataset == "pairs" else f"data.dataset={data.dataset!r}"
+    rows = data.dataset in ("pairs", "vl_pairs")
+    if data.negatives_per_row and not (rows and data.hard_negatives):
+        fix = "set data.hard_negatives=true" if rows else "leave it 0"
+        what = "data.hard_negatives=false serves none" if rows else f"data.dataset={data.dataset!r}"
         raise DataError(
-            f"data.negatives_per_row={data.negatives_per_row} draws each row's hard negatives from a pairs file, and "
-            f"{what}: {fix}"
+            f"data.negatives_per_row={data.negatives_per_row} draws each row's hard negatives from pairs or vl_pairs "
+            f"rows, and {what}: {fix}"
         )
     key = NEGATIVE_KEYS.get(data.dataset, "")
     if key and getattr(data, key) and not data.hard_negatives:
@@ -375,6 +376,8 @@ def build_data(
             path=data.path,
             mode=data.retrieval_mode,
             hard_negatives=data.hard_negatives,
+            negatives_per_row=data.negatives_per_row,
+            seed=seed,
             factors=data.upsampling_factors,
             query_templates=data.query_prompts,
             doc_templates=data.doc_prompts,

@@ -9,8 +9,9 @@ row needs (`retrieval.MODES`: a text side its `*_text`, an image side its `*_ima
 both); the others may be absent or empty. An optional `doc_negatives` column holds a row's hard
 negatives, documents of the documents' kind: texts (t2t, i2t) or image paths (t2i, i2i, m2i), a
 list (JSONL, Parquet) or one value; every row has as many as the first (the train split only, and
-only with `data.hard_negatives`). They go through the processor like the documents
-(`SideProcessor.sides`' `negatives`).
+only with `data.hard_negatives`). With `data.negatives_per_row = k` rows hold any number and each epoch
+serves k of them (`pools.Pools`: by the seed, the row and the epoch; a row without one is a bad sample).
+They go through the processor like the documents (`SideProcessor.sides`' `negatives`).
 
 A row whose needed image is missing, unreadable or does not decode, or whose needed text is empty
 (a negative's included), or that holds another number of negatives, is a bad sample: its slot takes
@@ -18,7 +19,7 @@ the next good row (in file order, the same in every run) and the skip is listed 
 for the loader to count (`bad_samples`), as `files.FileImageTextDataset` does. Images are decoded
 at their own resolution and go, with the texts, through the family's processor (`serve_processed`:
 qwen_vl's `SideProcessor.sides`), which resizes them within `[min_pixels, max_pixels]`; nothing is
-random, so `set_epoch` changes nothing.
+random but the negatives drawn per epoch.
 Several files join with `::` (`mixing.SourceMix`, weighted by `data.upsampling_factors`; image paths
 relative to each file's folder; a bad row's substitute comes from its own file). Each file may have
 its own side templates (`data.query_prompts`, `data.doc_prompts`: a task's instruction, as VLM2Vec
@@ -45,6 +46,7 @@ from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.files import MAX_SUBSTITUTES
 from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, joins, split_sources
+from titan_contrastive.datasets.pools import Pools
 from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.sources import BadSample, read_file
@@ -85,10 +87,14 @@ class VLPairsDataset:
         path: str,
         mode: str,
         hard_negatives: bool = True,
+        negatives_per_row: int = 0,
+        seed: int = 0,
         factors: Sequence[float] = (),
         query_templates: Sequence[str] = (),
         doc_templates: Sequence[str] = (),
     ) -> None:
+        """`negatives_per_row`: k > 0 serves k of each row's `doc_negatives` per epoch, drawn by `seed`
+        (`pools.Pools`); 0 serves them all, as many per row as the first row's."""
         if mode not in MODES:
             raise DataError(f"data.retrieval_mode={mode!r}: vl_pairs trains {', '.join(MODES)}")
         self.kinds = dict(zip(SIDES, MODES[mode]))
@@ -103,7 +109,26 @@ class VLPairsDataset:
         self.negative_kind = "text" if self.kinds["doc"] == "text" else "image"
         counts = {f.source: len(_as_list(f.rows[0].get(NEGATIVES_COLUMN))) for f in self._files}
         self.num_negatives = next(iter(counts.values())) if hard_negatives and split == "train" else 0
-        if self.num_negatives and len(set(counts.values())) > 1:
+        self._pools: list[Pools] | None = None
+        """With negatives_per_row (train split): per file, each row's draw of its negatives."""
+        if negatives_per_row and hard_negatives and split == "train":
+            self.num_negatives, self._pools = (
+                negatives_per_row,
+                [
+                    Pools(
+                        [1] * len(f.rows),
+                        [max(1, len(_as_list(r.get(NEGATIVES_COLUMN)))) for r in f.rows],
+                        negatives_per_row,
+                        seed + i,
+                    )
+                    for i, f in enumerate(self._files)
+                ],
+            )
+            logger.info(
+                f"vl_pairs: {negatives_per_row} of each row's {NEGATIVES_COLUMN} served per epoch from {path}, drawn "
+                "by the seed (a row without one is a bad sample)"
+            )
+        elif self.num_negatives and len(set(counts.values())) > 1:
             shown = ", ".join(f"{where}: {k}" for where, k in counts.items())
             raise DataError(
                 f"{key}={path}: the sources' first rows hold different numbers of {NEGATIVES_COLUMN} ({shown}); give "
@@ -178,8 +203,7 @@ class VLPairsDataset:
         return f"VLPairsDataset({self.split}: {len(self)} rows from {self.source})"
 
     def set_epoch(self, epoch: int) -> None:
-        """No per-sample randomness (images at their own size, texts as written); joined files' windows
-        move per epoch."""
+        """Images at their own size, texts as written; joined files' windows and drawn negatives move per epoch."""
         self.epoch = epoch
 
     @property
@@ -226,11 +250,25 @@ class VLPairsDataset:
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
             raise BadSample("undecodable_image", where, key, f"{column}: {type(e).__name__}: {e}") from None
 
-    def _fields(self, file: _File, j: int) -> dict[str, Any]:
-        """Row `j` of `file`: its needed fields (and its hard negatives, a list), or BadSample."""
+    def drawn(self, source: int, j: int) -> list[int]:
+        """The places in row `j`'s `doc_negatives` (of `::`-joined file `source`) that this epoch serves."""
+        if self._pools is None:
+            return list(range(self.num_negatives))
+        pools = self._pools[source]
+        return (pools.draw(torch.tensor([j]), self.epoch)[0, 1:] - pools.start[j] - 1).tolist()
+
+    def _fields(self, source: int, j: int) -> dict[str, Any]:
+        """Row `j` of file `source`: its needed fields (and its hard negatives, a list), or BadSample."""
+        file = self._files[source]
         row, key = file.rows[j], str(j)
         out = {c: self._value(file, c, "text" if c.endswith("_text") else "image", row[c], key) for c in self.needed}
-        if self.num_negatives:
+        if self._pools is not None:
+            negatives = _as_list(row[NEGATIVES_COLUMN])
+            if not negatives:
+                raise BadSample("no_negatives", file.source, key, f"{NEGATIVES_COLUMN} is empty")
+            picked = [negatives[p] for p in self.drawn(source, j)]
+            out[NEGATIVES_COLUMN] = [self._value(file, NEGATIVES_COLUMN, self.negative_kind, v, key) for v in picked]
+        elif self.num_negatives:
             negatives = _as_list(row[NEGATIVES_COLUMN])
             if len(negatives) != self.num_negatives:
                 detail = f"{NEGATIVES_COLUMN} holds {len(negatives)}, the first row {self.num_negatives}"
@@ -245,7 +283,7 @@ class VLPairsDataset:
         file, j = self._files[source], row
         for _ in range(MAX_SUBSTITUTES):
             try:
-                return source, self._fields(file, j)
+                return source, self._fields(source, j)
             except BadSample as e:
                 bad.append(e)
             j = (j + 1) % len(file.rows)
