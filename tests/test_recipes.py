@@ -1,6 +1,7 @@
 """The shipped recipes for a user's own Hugging Face model run as written, on tiny stand-ins: only the model
 folder, the data and the run's length and sizes are overridden (`train_configs/qwen3_embedding_lora.toml` with the tiny
 Qwen3-like decoder and pairs with hard negatives, then exported to sentence-transformers;
+`train_configs/bge_finetune.toml` with the tiny BERT-like encoder and FlagEmbedding's rows;
 `train_configs/hf_siglip.toml` with the tiny SigLIP folder and image-caption files; `train_configs/sts_cosent.toml`
 with the tiny BERT-like encoder and scored sentence pairs; `train_configs/qwen_vl_embedder_lora.toml` with the
 tiny Qwen2-VL folder and query-document rows, then exported; `train_configs/splade.toml` with the tiny BERT-like
@@ -62,6 +63,31 @@ def test_the_decoder_embedder_recipe(tmp_path: Path) -> None:
     assert all(math.isfinite(e["loss"]) for e in logged if "loss" in e)
     step = tmp_path / "run" / "checkpoint" / "step-2"
     assert export_main([str(step), "--to", "sentence-transformers", "--out", str(tmp_path / "st")]) == 0
+
+
+def test_the_bge_recipe(tmp_path: Path) -> None:
+    """FlagEmbedding's rows (lists of positives and negatives, a prompt on some rows) on the tiny encoder: 7 of each
+    row's negatives a step, the instruction before the queries, one-way InfoNCE at temperature 0.02."""
+    from titan_contrastive.batching import NEGATIVES
+
+    texts = [p for _, p in PAIRS]
+    rows = [
+        {"query": q, "pos": [p], "neg": [t for t in texts if t != p][i % 3 :]} | ({"prompt": "Find: "} if i % 2 else {})
+        for i, (q, p) in enumerate(PAIRS)
+    ]
+    pairs = tmp_path / "bge.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    batch = ["--training.local_batch_size=3", "--training.global_batch_size=6", "--checkpoint.enable=false"]
+    batch += ["--data.doc_context_length=32"]  # the tiny encoder holds 64 positions
+    trainer, _ = _train(
+        tmp_path, "bge_finetune.toml", f"--model.path={encoder_folder(tmp_path)}", f"--data.path={pairs}", *batch
+    )
+    args, data = trainer.model_args, trainer.train_set
+    assert args.query_prompt.startswith("Represent this sentence") and data.num_negatives == 7
+    assert data.__getitems__([0, 1])[NEGATIVES].shape[:2] == (2, 7)
+    assert trainer.objective.describe() == "clip loss (InfoNCE, one-way)" and trainer.step == 2
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(e["loss"]) for e in logged if "loss" in e)
 
 
 def test_the_siglip_recipe(tmp_path: Path) -> None:

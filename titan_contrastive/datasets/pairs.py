@@ -318,9 +318,7 @@ class PairsDataset:
         return self._pools.draw(torch.as_tensor(self.rows(indices), dtype=torch.long), self.epoch)
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
-        idx = torch.as_tensor(self.rows(indices), dtype=torch.long)
-        at = self._pools.draw(idx, self.epoch)
-        k = self.num_negatives
+        idx, at, k = torch.as_tensor(self.rows(indices), dtype=torch.long), self.documents(indices), self.num_negatives
         batch = {"query": self._queries[idx], "doc": self._documents[at[:, 0]], "index": torch.as_tensor(list(indices))}
         if k:
             batch[NEGATIVES] = self._documents[at[:, 1:]]
