@@ -58,10 +58,12 @@ def expected(
     skip: int,
     margin: float,
     extra: Sequence[str] = (),
+    min_score: float | None = None,
+    fewer: bool = False,
 ) -> list[list[float] | None]:
     """Per row, the scores of the k negatives the definition selects (module doc) from the positives
-    and `extra` documents; []: fewer than k left; None: a candidate within MARGIN_TIE of the margin
-    (not judged)."""
+    and `extra` documents, none below `min_score`; []: fewer than k left (with `fewer`: none); None: a candidate
+    within MARGIN_TIE of the margin or of `min_score` (not judged)."""
     corpus = list(dict.fromkeys([*(r[1] for r in rows), *extra]))
     queries = list(dict.fromkeys(r[0] for r in rows))
     q = torch.nn.functional.normalize(embed(queries, "query").double(), dim=-1)
@@ -74,11 +76,12 @@ def expected(
         positive = min(scores[qi, j].item() for j in own)
         threshold = positive - abs(positive) * margin
         candidates = [scores[qi, j].item() for j in range(len(corpus)) if j not in own]
-        if any(abs(s - threshold) < MARGIN_TIE for s in candidates):
+        floor = -2.0 if min_score is None else min_score
+        if any(abs(s - threshold) < MARGIN_TIE or abs(s - floor) < MARGIN_TIE for s in candidates):
             out.append(None)
             continue
-        kept = sorted((s for s in candidates if s <= threshold), reverse=True)[skip : skip + k]
-        out.append(kept if len(kept) == k else [])
+        kept = sorted((s for s in candidates if floor <= s <= threshold), reverse=True)[skip : skip + k]
+        out.append(kept if len(kept) == k or fewer and kept else [])
     return out
 
 
@@ -88,11 +91,13 @@ def check_mined(
     ids: Sequence[str],
     want: Sequence[list[float] | None],
     score: Callable[[str, str], float],
+    pooled: bool = False,
 ) -> int:
-    """The written rows against the expected scores; how many rows were judged."""
+    """The written rows against the expected scores (`pooled`: rows of any number of negatives); how many rows
+    were judged."""
     from titan_contrastive.datasets.pair_rows import read_rows
 
-    got = read_rows(str(out), id_column="id")
+    got = read_rows(str(out), id_column="id", pooled=pooled)
     written = dict(zip(got.ids, got.texts))
     assert got.ids == [i for i, w in zip(ids, want) if w != [] and (w is not None or i in written)]
     judged = 0
@@ -225,6 +230,48 @@ def test_mined_negatives_are_the_definitions_choice_on_minilm(tmp_path: Path, ca
     assert want[3] == want[-1] == []  # left out
     written = {r[0]: r for r in read_written(out)}
     assert rows[9][1] not in written[rows[5][0]][2:]  # a second positive is never its query's negative
+
+
+def test_keep_fewer_keeps_the_rows_with_some_negatives(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--keep-fewer, 4 negatives, none below a cosine of 0.25: every judged row holds the reference's 1 to 4, a
+    row with none is left out, rows with fewer are there; the file is what a run with data.negatives_per_row reads
+    (and a run without it is pointed there); a .csv output is refused before the model loads."""
+    from sentence_transformers import SentenceTransformer
+
+    from titan_contrastive.datasets.base import DataError
+    from titan_contrastive.datasets.pair_rows import read_rows
+    from titan_contrastive.models.bi_encoder.folder import bundled_minilm
+
+    model = bundled_minilm()
+    st = SentenceTransformer(str(model), device="cpu")
+    cache: dict[str, torch.Tensor] = {}
+
+    def embed(texts: list[str], side: str) -> torch.Tensor:
+        vectors = st.encode(texts, convert_to_tensor=True, batch_size=7, normalize_embeddings=True)
+        cache.update(zip(texts, vectors))
+        return vectors
+
+    def score(q: str, d: str) -> float:
+        return float(cache[q].double() @ cache[d].double())
+
+    rows = wordnet_rows(160)
+    ids = [f"s{i}" for i in range(len(rows))]
+    src = write_csv(tmp_path / "pairs.csv", rows, ids)
+    out = tmp_path / "mined.jsonl"
+    args = ("--negatives=4", "--range-max=1000", "--relative-margin=0.05", "--min-score=0.25", "--keep-fewer")
+    assert mine(capsys, src, f"--model={model}", f"--out={out}", *args) == (0, [])
+    want = expected(rows, embed, k=4, skip=0, margin=0.05, min_score=0.25, fewer=True)
+    assert check_mined(out, rows, ids, want, score, pooled=True) >= 150
+    counts = [len(w) for w in want if w]
+    assert min(counts) == 1 and max(counts) == 4 and sum(c < 4 for c in counts) >= 10 and [] in want
+    with pytest.raises(DataError, match="data.negatives_per_row = k"):
+        read_rows(str(out), id_column="id")
+    csv_out = tmp_path / "mined.csv"
+    assert mine(capsys, src, "--model=no-such-model", f"--out={csv_out}", *args) == (
+        2,
+        [f"error: --out={csv_out}: --keep-fewer writes each row's negatives as a list; write .jsonl or .parquet"],
+    )
+    assert not csv_out.exists()
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".csv"])

@@ -173,6 +173,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, required=True, help="the file to write: .jsonl, .parquet or .csv")
     p.add_argument("--negatives", type=int, default=1, help="negatives per row (default: 1)")
+    p.add_argument(
+        "--keep-fewer",
+        action="store_true",
+        help="keep rows where 1 to --negatives candidates pass, their negatives as a list (train with "
+        "data.negatives_per_row); default: rows with fewer are left out",
+    )
     p.add_argument("--range-min", type=int, default=0, help="skip this many top candidates (default: 0)")
     p.add_argument("--range-max", type=int, default=None, help="consider candidates up to this rank (default: derived)")
     p.add_argument(
@@ -229,6 +235,8 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
 
     check_options(opts)
     out = check_paths(opts.pairs, opts.out, opts.overwrite)
+    if opts.keep_fewer and out.suffix == ".csv":
+        raise MineError(f"--out={out}: --keep-fewer writes each row's negatives as a list; write .jsonl or .parquet")
     from titan_contrastive.mine_pages import is_page_model, run_pages
 
     if is_page_model(opts.model):  # a qwen_vl run or a Qwen-VL folder: negative pages for query-page rows
@@ -259,10 +267,11 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
     kept = [(row, i) for row, i in zip(mined, read.ids or [None] * len(mined)) if row is not None]
     if not kept:
         raise MineError(
-            f"--negatives={opts.negatives}: no row has that many candidates passing the filters; loosen "
-            "--relative-margin / --max-score / --range-min, or raise --range-max"
+            f"--negatives={opts.negatives}: no row has {'a candidate' if opts.keep_fewer else 'that many candidates'} "
+            "passing the filters; loosen --relative-margin / --max-score / --range-min, or raise --range-max"
         )
-    names = ["anchor", "positive", *(f"negative_{i}" for i in range(1, opts.negatives + 1))]
+    negatives = ["negatives"] if opts.keep_fewer else [f"negative_{i}" for i in range(1, opts.negatives + 1)]
+    names = ["anchor", "positive", *negatives]
     names += ["scores"] if opts.scores else []
     with_ids = read.ids is not None
     rows = [[*row, i] if with_ids else row for row, i in kept]
@@ -280,9 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # MineError, DataError, WeightsError, sentence-transformers' own checks
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    note = f"; {left} row(s) left out: fewer than {opts.negatives} candidate(s) passed the filters" if left else ""
+    need = "no candidate" if opts.keep_fewer else f"fewer than {opts.negatives} candidate(s)"
+    note = f"; {left} row(s) left out: {need} passed the filters" if left else ""
     scores = " and their scores" if opts.scores else ""
-    print(f"wrote {out}: {written} row(s) with {opts.negatives} mined negative(s) each{scores}{note}")
+    each = f"{opts.negatives} mined negative(s) each"
+    each = (
+        f"1 to {opts.negatives} mined negatives each (data.negatives_per_row draws from them)"
+        if opts.keep_fewer
+        else each
+    )
+    print(f"wrote {out}: {written} row(s) with {each}{scores}{note}")
     return 0
 
 

@@ -155,7 +155,7 @@ def run_pages(opts: argparse.Namespace, out: Path) -> tuple[Path, int, int]:
 
     rows = []
     for query, page, *found in kept:
-        negatives = [moved(p) for p in found]
+        negatives = [moved(p) for p in (found[0] if opts.keep_fewer else found)]
         rows.append([query, moved(page), negatives[0] if out.suffix == ".csv" else negatives])
     write_rows(out, [*COLUMNS, "doc_negatives"], rows)
     return out, len(kept), len(mined) - len(kept)

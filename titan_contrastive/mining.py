@@ -33,7 +33,9 @@ def mine(
 ) -> list[list[Any] | None]:
     """Per input row, its query, positive and `opts.negatives` mined negatives (then, with
     `opts.scores`, the list of the model's cosines of the positive and each negative); None where
-    fewer passed the filters. `corpus`: documents to mine from besides the positives; `pool`:
+    fewer passed the filters. With `opts.keep_fewer`: the query, the positive and the list of the 1 to
+    `opts.negatives` negatives that passed (sentence-transformers' "labeled-list"), None where none did.
+    `corpus`: documents to mine from besides the positives; `pool`:
     devices to encode on, one process each; `cross_encoder`: a CrossEncoder whose scores the
     filters and the scores read."""
     from datasets import Dataset
@@ -54,7 +56,7 @@ def mine(
         sampling_strategy=opts.sampling,
         query_prompt=opts.query_prompt,
         corpus_prompt=opts.doc_prompt,
-        output_format="n-tuple",
+        output_format="labeled-list" if opts.keep_fewer else "n-tuple",
         output_scores=opts.scores,
         cross_encoder=cross_encoder,
         batch_size=opts.batch_size,
@@ -62,6 +64,11 @@ def mine(
         use_multi_process=pool or False,
         faiss_batch_size=max(1, SEARCH_BYTES // (4 * size)),
     )
+    if opts.keep_fewer:  # "positive" holds the positive then the negatives kept; "scores" (asked for) theirs
+        found = {
+            (r["anchor"], r["positive"][0]): [r["positive"][1:], *([r["scores"]] if opts.scores else [])] for r in mined
+        }
+        return [[row[0], row[1], *found[(row[0], row[1])]] if (row[0], row[1]) in found else None for row in texts]
     names = [f"negative_{i}" for i in range(1, opts.negatives + 1)]
     names += ["scores"] if opts.scores else []
     found = {(r["anchor"], r["positive"]): [r[n] for n in names] for r in mined}
