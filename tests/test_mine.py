@@ -10,7 +10,8 @@
   texts); rows with a candidate within 1e-5 of the margin are not judged (float rounding decides them).
 - What it writes: the input's rows in order with their ids (an id column of any name written as
   `id`), as JSONL, Parquet or CSV, each read back by the pairs loader with k hard negatives per
-  row; a BEIR corpus's documents join the candidates (`--corpus`).
+  row; a BEIR corpus's documents join the candidates (`--corpus`); with `--keep-fewer` a row keeps the 1 to k
+  the definition leaves it, as a list a run with data.negatives_per_row reads.
 - Bad arguments: one `error:` line naming the flag, exit 2, before the model is loaded (the model
   given does not exist) and nothing written; a mining that keeps no row leaves no file behind.
 """

@@ -2,7 +2,8 @@
 `python -m titan_contrastive.mine`): sentence-transformers' miner over `PageEncoder` picks, for each row, the pages
 the definition picks (every distinct page of the file, without the query's own, ranked by the model's score of each
 query and page embedded alone: the dot product, or MaxSim for a ColQwen folder; float64); the file it writes trains
-as `vl_pairs` rows with hard negatives; what a page model cannot take is one line."""
+as `vl_pairs` rows with hard negatives (with `--keep-fewer`, rows of fewer, drawn from per epoch); what a page model
+cannot take is one line."""
 
 from __future__ import annotations
 
@@ -144,6 +145,36 @@ def test_the_mined_file_trains_as_vl_pairs_with_hard_negatives(tmp_path: Path, c
         "--data.dataset=vl_pairs",
         f"--data.path={out}",
         "--data.hard_negatives=true",
+        "--training.local_batch_size=3",
+        sizes=(),
+    )
+    batch = trainer.train_set.__getitems__([0, 1, 2])
+    assert batch["neg"].shape[:2] == (3, 2) and len(batch["neg_image_grid_thw"]) == 6
+    trainer.metrics.close()
+
+
+def test_keep_fewer_keeps_a_query_with_fewer_pages_to_draw_from(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--keep-fewer with 5 negatives of 6 pages: the query with two pages of its own keeps the 4 others (left out
+    without the flag), every other row 5; a run draws 2 of each row's per epoch (data.negatives_per_row)."""
+    from titan_contrastive.mine import main
+
+    folder = vl_folder(tmp_path, "qwen2_vl", dropout=0.0)
+    rows = rows_file(tmp_path / "data")
+    out = tmp_path / "mined" / "rows.jsonl"
+    argv = [str(rows), "--model", str(folder), "--out", str(out), "--negatives", "5", "--relative-margin", "none"]
+    assert main([*argv, "--keep-fewer"]) == 0
+    assert f"wrote {out}: 7 row(s) with 1 to 5 mined negatives each" in capsys.readouterr().out
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [len(r["doc_negatives"]) for r in written] == [4, 5, 4, 5, 5, 5, 5]
+    assert main([*argv, "--overwrite"]) == 0
+    assert "5 row(s) with 5 mined negative(s) each; 2 row(s) left out" in capsys.readouterr().out
+    assert main([*argv, "--overwrite", "--keep-fewer"]) == 0
+    trainer = vl_run(
+        tmp_path,
+        "qwen2_vl",
+        "--data.dataset=vl_pairs",
+        f"--data.path={out}",
+        "--data.negatives_per_row=2",
         "--training.local_batch_size=3",
         sizes=(),
     )
