@@ -116,6 +116,28 @@ def check_mined(
     return judged
 
 
+def minilm_scorer() -> tuple[Path, Callable[[list[str], str], torch.Tensor], Callable[[str, str], float]]:
+    """(the bundled MiniLM folder, its sentence-transformers embedding of texts (either side), the cosine of two
+    texts embedded before)."""
+    from sentence_transformers import SentenceTransformer
+
+    from titan_contrastive.models.bi_encoder.folder import bundled_minilm
+
+    model = bundled_minilm()
+    st = SentenceTransformer(str(model), device="cpu")
+    cache: dict[str, torch.Tensor] = {}
+
+    def embed(texts: list[str], side: str) -> torch.Tensor:
+        vectors = st.encode(texts, convert_to_tensor=True, batch_size=7, normalize_embeddings=True)
+        cache.update(zip(texts, vectors))
+        return vectors
+
+    def score(q: str, d: str) -> float:
+        return float(cache[q].double() @ cache[d].double())
+
+    return model, embed, score
+
+
 def wordnet_rows(n: int) -> list[list[str]]:
     path = Path(__file__).resolve().parents[1] / "titan_contrastive/assets/wordnet/pairs_train.tsv.gz"
     with gzip.open(path, "rt", encoding="utf-8") as f:
@@ -201,22 +223,7 @@ def test_mined_negatives_are_the_definitions_choice_on_minilm(tmp_path: Path, ca
     judged row's negatives score as the reference selects. One query gets a second positive (never
     its negative), another the lemma it scores lowest as a second one: the margin is the weaker
     positive's, so nothing passes and both its rows are left out."""
-    from sentence_transformers import SentenceTransformer
-
-    from titan_contrastive.models.bi_encoder.folder import bundled_minilm
-
-    model = bundled_minilm()
-    st = SentenceTransformer(str(model), device="cpu")
-    cache: dict[str, torch.Tensor] = {}
-
-    def embed(texts: list[str], side: str) -> torch.Tensor:
-        vectors = st.encode(texts, convert_to_tensor=True, batch_size=7, normalize_embeddings=True)
-        cache.update(zip(texts, vectors))
-        return vectors
-
-    def score(q: str, d: str) -> float:
-        return float(cache[q].double() @ cache[d].double())
-
+    model, embed, score = minilm_scorer()
     rows = wordnet_rows(160)
     embed([r[0] for r in rows] + [r[1] for r in rows], "")
     worst = min((r[1] for r in rows), key=lambda lemma: score(rows[3][0], lemma))
@@ -237,24 +244,10 @@ def test_keep_fewer_keeps_the_rows_with_some_negatives(tmp_path: Path, capsys: p
     """--keep-fewer, 4 negatives, none below a cosine of 0.25: every judged row holds the reference's 1 to 4, a
     row with none is left out, rows with fewer are there; the file is what a run with data.negatives_per_row reads
     (and a run without it is pointed there); a .csv output is refused before the model loads."""
-    from sentence_transformers import SentenceTransformer
-
     from titan_contrastive.datasets.base import DataError
     from titan_contrastive.datasets.pair_rows import read_rows
-    from titan_contrastive.models.bi_encoder.folder import bundled_minilm
 
-    model = bundled_minilm()
-    st = SentenceTransformer(str(model), device="cpu")
-    cache: dict[str, torch.Tensor] = {}
-
-    def embed(texts: list[str], side: str) -> torch.Tensor:
-        vectors = st.encode(texts, convert_to_tensor=True, batch_size=7, normalize_embeddings=True)
-        cache.update(zip(texts, vectors))
-        return vectors
-
-    def score(q: str, d: str) -> float:
-        return float(cache[q].double() @ cache[d].double())
-
+    model, embed, score = minilm_scorer()
     rows = wordnet_rows(160)
     ids = [f"s{i}" for i in range(len(rows))]
     src = write_csv(tmp_path / "pairs.csv", rows, ids)

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests.needs import needs
+from tests.test_pairs_data import _one_line
 from titan_contrastive.batching import DOC_IDS, FROZEN_DOCS, FROZEN_QUERIES, NEGATIVES, TEACHER_SCORES
 from titan_contrastive.datasets import DataError
 from titan_contrastive.datasets.frozen import EmbeddingTable
@@ -235,13 +236,6 @@ def test_a_run_trains_on_pools_and_evaluates(tmp_path: Path) -> None:
     train = [row for row in logged if row["kind"] == "train"]
     assert train[-1]["step"] == 4 and all(math.isfinite(row["loss"]) for row in train)
     assert [row["num_samples"] for row in logged if row["kind"] == "eval"] == [6]
-
-
-def _one_line(err: pytest.ExceptionInfo, *needles: str) -> None:
-    message = str(err.value)
-    assert len(message.splitlines()) == 1, message
-    for needle in needles:
-        assert needle in message, message
 
 
 @needs("hf")
