@@ -11,7 +11,7 @@ on the same kept rows, for the same samples (16,384: several epochs of them), ba
 32), lr and seed; only the negative each query sees changes:
 
 - inbatch: none (`data.hard_negatives=false`);
-- top1: the first mined negative, every epoch (what `--negatives 1` mines);
+- top1: the first mined negative of each row, every epoch (what `--negatives 1` mines);
 - fixed_random: one of the 8 picked once per row at random, every epoch (as hard as a draw, never another);
 - drawn: one of the 8 per epoch (`data.negatives_per_row=1`): each epoch another, in tevatron's order.
 
@@ -35,7 +35,7 @@ SAMPLES, BATCH, CHUNK, LR, WARMUP, CONTEXT = 16_384, 256, 32, 1.1e-4, 6, 32
 ROWS, POOL, SEED = 8_192, 8, 0
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "inbatch": ("mined", ["--data.hard_negatives=false"]),
-    "top1": ("mined", ["--data.pairs_columns=anchor,positive,negative_1"]),
+    "top1": ("top1", []),
     "fixed_random": ("fixed_random", []),
     "drawn": ("mined", ["--data.negatives_per_row=1"]),
 }
@@ -46,12 +46,14 @@ CONFIG = "train_configs/wordnet_minilm.toml"
 
 def files(folder: Path) -> dict[str, Path]:
     names = ("subset", "test")
-    return {n: folder / f"{n}.tsv" for n in names} | {n: folder / f"{n}.jsonl" for n in ("mined", "fixed_random")}
+    jsonl = ("mined", "top1", "fixed_random")
+    return {n: folder / f"{n}.tsv" for n in names} | {n: folder / f"{n}.jsonl" for n in jsonl}
 
 
 def prepare(folder: Path) -> dict[str, Any]:
     """subset.tsv (ROWS random training pairs, no header), test.tsv, the mined file (kept when `mining.json` records
-    the same command) and fixed_random.jsonl (one of each row's mined negatives, by SEED); what the mining took."""
+    the same command), top1.jsonl (each row's first mined negative) and fixed_random.jsonl (one of each row's mined
+    negatives, by SEED); what the mining took."""
     from titan_contrastive.models.bi_encoder.folder import bundled_minilm
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -72,11 +74,10 @@ def prepare(folder: Path) -> dict[str, Any]:
         report = {"command": shown, "wall_s": result.wall_s, "rows": kept, "of": ROWS}
         record.write_text(json.dumps(report, indent=1))
     pick = random.Random(SEED)
-    with paths["mined"].open(encoding="utf-8") as f, paths["fixed_random"].open("w", encoding="utf-8") as out:
-        for line in f:
-            row = json.loads(line)
-            negative = row[f"negative_{pick.randrange(POOL) + 1}"]
-            out.write(json.dumps({"anchor": row["anchor"], "positive": row["positive"], "negative": negative}) + "\n")
+    mined = [json.loads(line) for line in paths["mined"].read_text(encoding="utf-8").splitlines()]
+    for name, place in (("top1", lambda: 1), ("fixed_random", lambda: pick.randrange(POOL) + 1)):
+        rows = [{"anchor": r["anchor"], "positive": r["positive"], "negative": r[f"negative_{place()}"]} for r in mined]
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return report
 
 
