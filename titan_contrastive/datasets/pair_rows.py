@@ -22,8 +22,7 @@ texts, `pos_scores` + `neg_scores` as the teacher's scores, and a row's `prompt`
 Pools (`pooled`, a run with data.negatives_per_row): the positive column may hold a list of texts too
 (FlagEmbedding's `{"query", "pos": [...], "neg": [...]}`), rows hold any number of negatives, and a
 row's texts are its query, its positives, then its negatives (`PairRows.positives` says how many
-positives). Without pools every row is as wide as the first,
-with one positive.
+positives). Without pools every row is as wide as the first, with one positive.
 
 Teacher scores (loss.distill, train split): per row one number per document, the positive's (the
 positives', pooled) then each negative's (a JSON list in a CSV/TSV cell); for margin_mse also the
@@ -121,24 +120,35 @@ def _flag_columns(file: Path, keys: set[str], teacher: str) -> bool:
     if not set(FLAG_TEXTS) <= keys:
         return False
     read = [", ".join(FLAG_TEXTS) + " as the texts"]
-    read += [f"{_FLAG_SCORED} as the teacher's scores"] if teacher and set(FLAG_SCORES) <= keys else []
+    read += [f"{_FLAG_SCORED} as the teacher's scores"] if teacher and _flag_scored(keys) else []
     read += [f"{FLAG_PROMPT} as each row's instruction before its query"] if FLAG_PROMPT in keys else []
     left = sorted(keys - set(FLAG_TEXTS) - ({FLAG_PROMPT} | (set(FLAG_SCORES) if teacher else set())))
     logger.info(f"{file}: FlagEmbedding's rows: {'; '.join(read)}" + (f" (left: {', '.join(left)})" if left else ""))
     return True
 
 
+def _flag_scored(keys: set[str]) -> bool:
+    """Whether FlagEmbedding's rows of these columns give the teacher's scores as its two lists (no other
+    score column)."""
+    return set(FLAG_SCORES) <= keys and not keys & set(SCORE_COLUMNS)
+
+
 def _check_columns(
-    file: Path, names: list[str] | None, raw: list[Any], columns: Sequence[str], id_column: str, teacher: str
+    file: Path,
+    names: list[str] | None,
+    raw: list[Any],
+    keys: set[str],
+    columns: Sequence[str],
+    id_column: str,
+    teacher: str,
 ) -> tuple[bool, str]:
     """(whether the rows have an id column, the teacher's scores column or ""); a DataError for a
-    column that is not there or not allowed."""
+    column that is not there or not allowed (`keys`: the file's columns)."""
     if id_column and id_column in columns:
         raise DataError(
             f"data.pairs_id_column={id_column!r} is also in data.pairs_columns={list(columns)}: the id is not a "
             "text; take it out of one of them"
         )
-    keys = _keys(names, raw)
     missing = [c for c in columns if names is not None and c not in keys]
     if missing:
         raise DataError(f"{file}: no column {missing[0]!r} (columns: {', '.join(names or [])}); fix data.pairs_columns")
@@ -148,7 +158,7 @@ def _check_columns(
             "name the positive's id column, or set it to '' for none"
         )
     has_ids, scored = bool(id_column) and id_column in keys, [c for c in SCORE_COLUMNS if c in keys]
-    if teacher and tuple(columns) == FLAG_TEXTS and set(FLAG_SCORES) <= keys and not scored:
+    if teacher and tuple(columns) == FLAG_TEXTS and _flag_scored(keys):
         return has_ids, _FLAG_SCORED
     if teacher:
         if len(scored) != 1 or names is None and not all(isinstance(row, dict) for row in raw):
@@ -209,10 +219,10 @@ def read_rows(
         raise DataError(f"{file}: not readable ({type(e).__name__}: {e})") from None
     except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file, a JSON line of no row
         raise DataError(f"{file}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
-    flag = not columns and _flag_columns(file, _keys(names, raw), teacher)
-    columns = FLAG_TEXTS if flag else columns
-    prompted = flag and FLAG_PROMPT in _keys(names, raw)
-    has_ids, score_column = _check_columns(file, names, raw, columns, id_column, teacher)
+    keys = _keys(names, raw)
+    flag = not columns and _flag_columns(file, keys, teacher)
+    columns, prompted = (FLAG_TEXTS, FLAG_PROMPT in keys) if flag else (columns, False)
+    has_ids, score_column = _check_columns(file, names, raw, keys, columns, id_column, teacher)
     rows, ids, scores, counts, prompts, skipped, width = [], [], [], [], [], Counter(), 0
     for n, row in enumerate(raw):
         values, ident, scored = _fields(row, columns, id_column if has_ids else "", score_column)
