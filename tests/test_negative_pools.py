@@ -269,6 +269,20 @@ def test_errors_and_bad_rows(tmp_path: Path, tokenizer, caplog: pytest.LogCaptur
     assert "3 row(s) hold fewer than 4 and serve some twice" in caplog.text
 
 
+@needs("hf")
+def test_own_prompts_are_refused_where_the_pooling_leaves_the_prompt_out(tmp_path: Path) -> None:
+    from tests.test_trainer import make_trainer
+    from titan_contrastive.config import ConfigError
+
+    path = write_jsonl(tmp_path / "flag.jsonl", [r | {"prompt": "Find: "} for r in bge_rows()[:2]] + bge_rows()[2:])
+    common = ("--model.name=bi_encoder", "--data.dataset=pairs", f"--data.path={path}", "--data.negatives_per_row=2")
+    common += ("--training.local_batch_size=3",)
+    with pytest.raises(ConfigError) as err:
+        make_trainer(str(tmp_path / "run"), *common, "--model.include_prompt=false")
+    _one_line(err, "2 rows give their query a prompt of their own", "model.include_prompt=true")
+    assert make_trainer(str(tmp_path / "run2"), *common).train_set.own_prompts == 2
+
+
 @pytest.mark.parametrize(
     ("overrides", "needles"),
     [

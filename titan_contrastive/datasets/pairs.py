@@ -246,6 +246,8 @@ class PairsDataset:
         self.recall_ks = (1, 10)
         self.recall_direction = "query_to_doc"
         self.tokenizer = tokenizer
+        self.own_prompts = sum(map(bool, rows.prompts or ()))
+        """Rows whose query has its own prompt (FlagEmbedding's `prompt`), in place of the model's."""
         texts, pooled = rows.texts, rows.positives is not None
         in_file = len(texts[0]) - 2
         k = self.num_negatives = in_file if hard_negatives and not pooled else 0  # `neg` [B, k, L]; 0: none

@@ -153,6 +153,12 @@ def build_run_model(
         )
     except ValueError as e:  # the flavor does not fit this dataset
         raise ConfigError(f"model.flavor={cfg.model.flavor!r} with data.dataset={cfg.data.dataset!r}: {e}") from None
+    if getattr(sized, "include_prompt", True) is False and getattr(train_set, "own_prompts", 0):
+        raise ConfigError(
+            f"data.path={cfg.data.path}: {train_set.own_prompts} rows give their query a prompt of their own (a "
+            "`prompt` column), and the model pools without its prompt (include_prompt false), which is counted from "
+            "one prompt per side; drop the column (set model.query_prompt) or set model.include_prompt=true"
+        )
     guide = build_guide(spec, cfg, sized, param_dtype, device)
     with device:
         model = spec.build_model(sized).to(param_dtype)
