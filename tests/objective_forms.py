@@ -2,7 +2,8 @@
 tolerance): dense, streamed with chunks that divide nothing, and the step's microbatch loss, on one process or
 on each rank of a gloo group. For the terms beside an objective (tests/test_cosent.py, tests/test_spread.py);
 `teacher`: the data's scores [N, 1 + k] a distilled objective reads; `guide`: a guide's embeddings of the whole
-problem (`losses.guide.Guide`), whose cosines decide the masks."""
+problem (`losses.guide.Guide`), whose cosines decide the masks; `own_only`: the queries scored against their own
+documents only."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 
 from tests.test_objectives import N, _close, leaves
 from titan_contrastive.losses import MicrobatchLoss, Ranks
+from titan_contrastive.losses.base import own_documents_only
 
 
 def per_sample(p, n, ids, k: int, rows: slice = slice(None)):
@@ -27,13 +29,14 @@ def wanted(loss, q, p, n, scale):
     return grads[0], torch.cat(grads[1:-1]), grads[-1]
 
 
-def assert_forms(objective, problem, want, teacher=None, guide=None) -> None:
-    """`problem`: (q, p, n, scale, bias, ids); `want`: (loss, dq, dD, ds) of the reference."""
+def assert_forms(objective, problem, want, teacher=None, guide=None, own_only=None) -> None:
+    """`problem`: (q, p, n, scale, bias, ids); `want`: (loss, dq, dD, ds) of the reference; `own_only`: bool [N],
+    the queries scored against their own documents only."""
     q, p, n, scale, bias, ids = problem
     want_loss, want_q, want_cols, want_s = want
     k = 0 if n is None else len(n) // len(q)
     bound = objective if teacher is None else objective.with_teacher(teacher)
-    bound = bound if guide is None else bound.with_guide(guide)
+    bound = own_documents_only(bound if guide is None else bound.with_guide(guide), own_only)
     cols, b = (p if n is None else torch.cat([p, n])), (bias if objective.has_bias else None)
 
     dq, dcols, ds = leaves(q, cols, scale)
@@ -54,7 +57,7 @@ def assert_forms(objective, problem, want, teacher=None, guide=None) -> None:
     docs, local_ids = per_sample(p, n, ids, k)
     mq, ms, mb, mdocs = leaves(q, scale, bias, docs)
     loss = MicrobatchLoss(objective)(
-        mq, mdocs, ms, mb if b is not None else None, ids=local_ids, teacher=teacher, guide=guide
+        mq, mdocs, ms, mb if b is not None else None, ids=local_ids, teacher=teacher, guide=guide, own_only=own_only
     )
     loss.backward()
     _close(loss.detach(), want_loss, "microbatch loss")
@@ -66,7 +69,7 @@ def assert_forms(objective, problem, want, teacher=None, guide=None) -> None:
     )
 
 
-def assert_distributed_forms(objective, problem, want, name: str, teacher=None, guide=None) -> None:
+def assert_distributed_forms(objective, problem, want, name: str, teacher=None, guide=None, own_only=None) -> None:
     """`assert_forms`' streamed and microbatch forms on this rank of the default group, each rank holding
     N / world of the queries (and of their teacher's scores, gathered as the steps bind them)."""
     q, p, n, scale, bias, ids = problem
@@ -78,6 +81,7 @@ def assert_distributed_forms(objective, problem, want, name: str, teacher=None, 
 
     bound = objective if teacher is None else objective.with_teacher(ranks.gather(teacher[own]))
     bound = bound if guide is None else bound.with_guide(guide)
+    bound = own_documents_only(bound, own_only)  # the whole problem's flags; the microbatch loss gathers its own
     out = bound.streamed(q[own], cols, scale, b, first_row=own.start, num_queries=N, chunk=3, ranks=ranks, ids=ids)
     _close(out.loss, want_loss, f"{name} streamed loss")
     _close(out.grad_rows, want_q[own], f"{name} streamed dq")
@@ -89,8 +93,9 @@ def assert_distributed_forms(objective, problem, want, name: str, teacher=None, 
     lq, ls, lb, ldocs = leaves(q[own], scale, bias, docs)
     local_teacher = None if teacher is None else teacher[own]
     loss = MicrobatchLoss(objective, dist.group.WORLD)(
-        lq, ldocs, ls, lb if b is not None else None, ids=local_ids, teacher=local_teacher, guide=guide
-    )
+        lq, ldocs, ls, lb if b is not None else None, ids=local_ids, teacher=local_teacher, guide=guide,
+        own_only=None if own_only is None else own_only[own],
+    )  # fmt: skip
     loss.backward()
     _close(loss.detach(), want_loss, f"{name} microbatch loss")
     _close(lq.grad / world, want_q[own], f"{name} microbatch dq")

@@ -19,10 +19,17 @@ from tests.dist_utils import run_distributed
 from tests.needs import needs
 from tests.test_distributed_clip import GradRecorder
 from tests.test_trainer import assert_close, full, grads
-from titan_contrastive.batching import document_ids, padded_fields, token_chunks, trim_padding, with_negatives
+from titan_contrastive.batching import (
+    OWN_GROUP,
+    document_ids,
+    padded_fields,
+    token_chunks,
+    trim_padding,
+    with_negatives,
+)
 from titan_contrastive.distributed_clip import DistributedClipError, distributed_train_step
 from titan_contrastive.losses import InfoNCE, build_objective, split_documents, split_ids
-from titan_contrastive.losses.base import columns
+from titan_contrastive.losses.base import columns, own_documents_only
 
 REL = 1e-10
 K = 2
@@ -106,22 +113,24 @@ def make_trainer(tmp: Path, *extra: str):
 
 def dense_reference(trainer, samples: dict, teacher=None) -> tuple[float, dict[str, torch.Tensor]]:
     """The objective's dense form over all samples at once (the hard negatives as columns N + i k ...),
-    on a copy of the model in the trainer's mode; `teacher`: the samples' teacher scores (loss.distill)."""
+    on a copy of the model in the trainer's mode; `teacher`: the samples' teacher scores (loss.distill); the queries
+    the data flags (`OWN_GROUP`) against their own documents only."""
     model = trainer.spec.build_model(trainer.model_args).double()
     model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
     model.train(trainer.model.training)
     docs = with_negatives(samples["doc"], samples["neg"], model.pad_id)
-    q, d, scale = model(samples["query"], docs)
+    q, d, scale, *bias = model(samples["query"], docs)  # siglip's bias fourth
     positives, negatives = split_documents(d.reshape(len(q), 1 + K, -1))
     assert negatives is not None and len(negatives) == K * len(q)
-    objective, ids = build_objective(trainer.cfg.loss), None
+    objective, ids = own_documents_only(build_objective(trainer.cfg.loss), samples.get(OWN_GROUP)), None
     if teacher is not None:
         objective = objective.with_teacher(teacher)
     if objective.needs_ids:
         ids = columns(*split_ids(document_ids(samples["doc"], samples["neg"], model.pad_id)))
         cols = columns(positives, negatives)
-        assert objective.false_negatives.dense(q, cols, ids).sum() == 2  # "cat" and "ice" mined again
-    loss = objective.dense(q, columns(positives, negatives), scale, ids=ids)
+        if OWN_GROUP not in samples:
+            assert objective.false_negatives.dense(q, cols, ids).sum() == 2  # "cat" and "ice" mined again
+    loss = objective.dense(q, columns(positives, negatives), scale, *bias, ids=ids)
     loss.backward()
     return loss.item(), grads(model)
 

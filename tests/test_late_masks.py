@@ -2,7 +2,8 @@
 against InfoNCE over MaxSim written here one (query, column) at a time, MaxSim in the place of the cosine, in float64:
 duplicate ids, margin, relative and all three, with and without hard negatives, one-way and symmetric, each query's
 MaxSim over its token count or not, sentence-transformers' three hardness modes, a guide's cosines deciding instead
-(GISTEmbed), on 1, 2 and 4 gloo processes, chunks that divide nothing."""
+(GISTEmbed), queries without in-batch negatives (their own documents only), on 1, 2 and 4 gloo processes, chunks
+that divide nothing."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tests.dist_utils import run_distributed
 from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
 from tests.test_late_interaction import DIM, LD, LQ, maxsim, problem
 from tests.test_objectives import HARDNESS, MASKINGS, N, _logit, leaves
+from tests.test_own_documents import OWN
 from titan_contrastive.losses import FalseNegatives, Hardness, InfoNCE
 from titan_contrastive.losses.guide import Guide
 from titan_contrastive.losses.late_interaction import LateInteraction, late_interaction
@@ -75,12 +77,16 @@ def maxsim_table(q, cols, normalize: bool, dim: int, guide=None):
 def masked_by(masking: FalseNegatives, judged, ids):
     """masked(i, j): whether column j leaves query i's problem, by the rules on the scores `judged[i][j]` (query i's
     positive is column i, never masked): its id is the positive's (duplicates), or its score exceeds the positive's by
-    the margin or `relative` times it."""
+    the margin or `relative` times it; or, for a query the masking flags (`own_only`), another query's document."""
+    nq = len(judged)
+    k = (len(judged[0]) - nq) // nq
 
     def masked(i: int, j: int) -> bool:
         pos, s = float(judged[i][i]), float(judged[i][j])
+        other = masking.own_only is not None and bool(masking.own_only[i]) and not nq + i * k <= j < nq + (i + 1) * k
         return j != i and bool(
-            (masking.duplicates and int(ids[j]) == int(ids[i]))
+            other
+            or (masking.duplicates and int(ids[j]) == int(ids[i]))
             or (masking.margin is not None and s > pos + masking.margin)
             or (masking.relative is not None and s > masking.relative * pos)
         )
@@ -175,6 +181,19 @@ def test_a_guide_decides_the_masks(symmetric: bool) -> None:
     assert_forms(LateInteraction(DIM, symmetric, True, masking), problem_, want, guide=guide)
 
 
+OWN_CASES = [(K, sym, mask) for sym in (False, True) for mask in ("none", "all")]
+
+
+@pytest.mark.parametrize(("k", "symmetric", "mask"), OWN_CASES, ids=[f"k{k}-{s}-{mask}" for k, s, mask in OWN_CASES])
+def test_queries_without_in_batch_negatives(k: int, symmetric: bool, mask: str) -> None:
+    """The flagged queries (`data.in_batch_negatives` false) against their own documents only; the flags matter."""
+    masking = MASKINGS[mask].grouped(OWN)
+    problem_, want = _want(k, symmetric, True, masking, Hardness(), 0)
+    _, unflagged = _want(k, symmetric, True, MASKINGS[mask], Hardness(), 0)
+    assert abs(float(want[0]) - float(unflagged[0])) > 0.1
+    assert_forms(LateInteraction(DIM, symmetric, True, MASKINGS[mask]), problem_, want, own_only=OWN)
+
+
 def _distributed() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -189,6 +208,9 @@ def _distributed() -> None:
     guide_vectors, guide = _guide(masked_problem(K, 1), 1)
     problem_, want = _want(K, True, True, masking, Hardness(), 1, guide_vectors)
     assert_distributed_forms(LateInteraction(DIM, True, True, masking), problem_, want, "guided", guide=guide)
+    problem_, want = _want(K, True, True, MASKINGS["all"].grouped(OWN), Hardness(), 1)
+    objective = LateInteraction(DIM, True, True, MASKINGS["all"])
+    assert_distributed_forms(objective, problem_, want, "own documents", own_only=OWN)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -30,6 +30,10 @@ def _masked(i: int, j: int, q, cols, ids, masking: FalseNegatives) -> bool:
     """Whether column j is removed from query i's problem (never the positive j = i)."""
     if j == i:
         return False
+    nq = len(q)
+    k = (len(cols) - nq) // nq
+    if masking.own_only is not None and bool(masking.own_only[i]) and not nq + i * k <= j < nq + (i + 1) * k:
+        return True  # a query without in-batch negatives: another query's document
     cos_pos, cos = float((q[i] @ cols[i]).detach()), float((q[i] @ cols[j]).detach())
     return bool(
         (masking.duplicates and int(ids[j]) == int(ids[i]))

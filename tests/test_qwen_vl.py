@@ -23,7 +23,9 @@ from tests.test_hf_text import grads
 from tests.test_late_interaction import reference as late_reference
 from tests.test_trainer import full
 from tests.test_trainer import make_trainer as base_trainer
+from titan_contrastive.batching import OWN_GROUP
 from titan_contrastive.losses import FalseNegatives, Hardness, InfoNCE
+from titan_contrastive.losses.base import own_documents_only
 
 require("hf")
 
@@ -109,7 +111,8 @@ def _late_loss(terms, q, d, scale, m: int, bias=None):
 
 def _dense(trainer, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
     """The objective from its definition on a float64 copy: the mean over `batches` (each one
-    contrastive problem) of InfoNCE over the whole batch's embeddings (symmetric), or over their MaxSim
+    contrastive problem) of InfoNCE over the whole batch's embeddings (symmetric; the queries the data flags,
+    `OWN_GROUP`, against their own documents only), or over their MaxSim
     written one pair at a time for a ColBERT model (`loss.symmetric`, `loss.maxsim_normalize`, each token's
     `loss.matryoshka_dims` prefixes; `loss.name = "pairwise"`: colpali-engine's pairwise loss instead)."""
     model = trainer.spec.build_model(trainer.model_args).double()
@@ -128,7 +131,7 @@ def _dense(trainer, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]
             late = [w * _late_loss(terms, cut(q, m, dim), cut(d, m, dim), scale, m, bias) for m, w in prefixes]
             losses.append(sum(late))
         else:
-            losses.append(InfoNCE().dense(q, d, model.logit_scale.exp()))
+            losses.append(own_documents_only(InfoNCE(), batch.get(OWN_GROUP)).dense(q, d, model.logit_scale.exp()))
     loss = torch.stack(losses).mean()
     loss.backward()
     return loss.item(), grads(model)

@@ -242,6 +242,39 @@ def test_modes_refuse_what_they_cannot_read_in_one_line(tmp_path: Path) -> None:
         )
 
 
+def test_a_vl_pairs_file_without_in_batch_negatives_trains_exactly(tmp_path: Path) -> None:
+    """Two joined t2t files with two text negatives per row, the second without in-batch negatives: its
+    queries are flagged and scored against their own documents only; GradCache equals the definition."""
+    from titan_contrastive.batching import OWN_GROUP
+
+    first, second = _vl_pairs(tmp_path / "a", negatives="text", count=3), _vl_pairs(tmp_path / "b", negatives="text")
+    trainer = vl_run(
+        tmp_path,
+        "qwen2_vl",
+        "--data.dataset=vl_pairs",
+        f"--data.path={first}::{second}",
+        "--data.in_batch_negatives=true,false",
+        "--data.retrieval_mode=t2t",
+        "--training.local_batch_size=7",
+        "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=4",
+        sizes=(),
+    )
+    trainer.model.eval()
+    batch = trainer.train_set.__getitems__(list(range(7)))
+    batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    assert batch[OWN_GROUP].tolist() == [False] * 3 + [True] * 4
+    trainer.train_step([batch])
+    want_loss, want = _dense(trainer, [batch])
+    unflagged, _ = _dense(trainer, [{k: v for k, v in batch.items() if k != OWN_GROUP}])
+    assert abs(want_loss - unflagged) > 1e-3 * want_loss
+    trainer.model.zero_grad()
+    out = trainer.train_step([batch])
+    assert_grads_close(grads(trainer.model), want)
+    assert abs(out["loss"] - want_loss) <= REL * want_loss
+    trainer.metrics.close()
+
+
 def test_joined_vl_pairs_files_with_same_source_batches(tmp_path: Path) -> None:
     """Two files in their own folders (image paths relative to each) joined with `::`, the second at
     half weight: its rows come at the joined indices with its own images, a bad row's substitute is

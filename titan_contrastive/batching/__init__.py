@@ -20,7 +20,16 @@ project together with this folder. Imports inside the package are relative for t
 """
 
 from .inputs import BatchError, batch_size, split_inputs, take_chunks
-from .negatives import DOC_IDS, FROZEN_DOCS, FROZEN_QUERIES, NEGATIVES, TEACHER_SCORES, document_ids, with_negatives
+from .negatives import (
+    DOC_IDS,
+    FROZEN_DOCS,
+    FROZEN_QUERIES,
+    NEGATIVES,
+    OWN_GROUP,
+    TEACHER_SCORES,
+    document_ids,
+    with_negatives,
+)
 from .tokens import PaddedField, max_over_ranks, padded_fields, right_trimmed, token_chunks, trim_padding
 from .vlm import IMAGE_FIELDS, split_sides, split_vlm_inputs, take_vlm_chunks
 
@@ -30,6 +39,7 @@ __all__ = [
     "FROZEN_QUERIES",
     "IMAGE_FIELDS",
     "NEGATIVES",
+    "OWN_GROUP",
     "TEACHER_SCORES",
     "BatchError",
     "PaddedField",

@@ -12,7 +12,8 @@ The duplicate mask compares document ids. `document_ids` derives them from the t
 that knows its documents' identities serves them instead as `doc_id` (`DOC_IDS`), int64 [B], or
 [B, 1 + k] in the layout above when it serves hard negatives (`datasets/pairs.py`'s id column).
 A teacher's scores of the same documents ride along as `TEACHER_SCORES` for distillation, and a
-frozen model's embeddings computed ahead (`datasets/frozen.py`) as `FROZEN_QUERIES` and `FROZEN_DOCS`.
+frozen model's embeddings computed ahead (`datasets/frozen.py`) as `FROZEN_QUERIES` and `FROZEN_DOCS`,
+and the queries to score against their own documents only (`data.in_batch_negatives`) as `OWN_GROUP`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ from torch import Tensor
 
 from .inputs import BatchError
 
-__all__ = ["DOC_IDS", "FROZEN_DOCS", "FROZEN_QUERIES", "NEGATIVES", "TEACHER_SCORES", "document_ids", "with_negatives"]
+__all__ = [
+    "DOC_IDS",
+    "FROZEN_DOCS",
+    "FROZEN_QUERIES",
+    "NEGATIVES",
+    "OWN_GROUP",
+    "TEACHER_SCORES",
+    "document_ids",
+    "with_negatives",
+]
 
 NEGATIVES = "neg"
 """The batch key of the hard negatives [B, k, ...]."""
@@ -36,6 +46,9 @@ FROZEN_QUERIES = "frozen_query"
 """The batch key of a frozen model's embeddings of the queries, float32 [B, d'] (`datasets/frozen.py`)."""
 FROZEN_DOCS = "frozen_doc"
 """The same model's embeddings of the documents, [B, d'] or [B, 1 + k, d'] in the layout above."""
+OWN_GROUP = "own_group"
+"""The batch key of bool [B]: True where the query is scored against its own positive and hard negatives only
+(its source's `data.in_batch_negatives` is false; `losses/masking.py`)."""
 
 
 def with_negatives(doc: Tensor, neg: Tensor, pad_id: int | None) -> Tensor:

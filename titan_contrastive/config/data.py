@@ -80,6 +80,11 @@ class Data:
     """pairs, vl_pairs: k >= 1 serves k of each row's hard negatives (and one of its positives) per epoch, drawn by
     the seed, the row and the epoch (tevatron's and FlagEmbedding's train_group_size - 1): rows may then hold any
     number of negatives and a list of positives (`{"query", "pos": [...], "neg": [...]}`); 0 = rows served whole."""
+    in_batch_negatives: list[bool] = opt([], None)
+    """pairs, vl_pairs: one per `::`-joined source of `path`; false scores that source's queries against their own
+    positive and hard negatives only, not the batch's other documents (FlagEmbedding's `no_in_batch_neg` files:
+    classification and clustering data, whose other rows are often of the same class). Empty = true for every
+    source."""
     tokenizer: Literal["auto", "byte", "clip_bpe"] = "auto"
     """Caption tokenizer of image-text data: `byte` (UTF-8 bytes, the bundled sets' default) or
     `clip_bpe` (CLIP's 49,408-token BPE, context 77 as in CLIP; auto = clip_bpe for your own data)."""

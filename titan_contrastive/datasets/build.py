@@ -105,6 +105,13 @@ def check_negative_keys(data: Data) -> None:
             f"data.negatives_per_row={data.negatives_per_row} draws each row's hard negatives from pairs or vl_pairs "
             f"rows, and {what}: {fix}"
         )
+    if not all(data.in_batch_negatives) and not (rows and data.hard_negatives):
+        fix = "set data.hard_negatives=true" if rows else "leave it empty"
+        what = "data.hard_negatives=false serves none" if rows else f"data.dataset={data.dataset!r}"
+        raise DataError(
+            f"data.in_batch_negatives={data.in_batch_negatives}: a query without in-batch negatives is scored against "
+            f"its own hard negatives, from pairs or vl_pairs rows, and {what}: {fix}"
+        )
     key = NEGATIVE_KEYS.get(data.dataset, "")
     if key and getattr(data, key) and not data.hard_negatives:
         logger.info(f"data.hard_negatives=false: data.{key} is not read; each problem has in-batch negatives only")
@@ -360,6 +367,7 @@ def build_data(
             teacher=scores,
             query_prompts=data.query_prompts,
             doc_prompts=data.doc_prompts,
+            in_batch_negatives=data.in_batch_negatives,
             frozen=frozen,
             **common,
         )
@@ -381,6 +389,7 @@ def build_data(
             factors=data.upsampling_factors,
             query_templates=data.query_prompts,
             doc_templates=data.doc_prompts,
+            in_batch_negatives=data.in_batch_negatives,
         )
         eval_sets.append(
             VLPairsDataset(split="test", path=data.val_path, mode=data.retrieval_mode) if data.val_path else None

@@ -45,6 +45,18 @@ def check_per_source(key: str, values: Sequence[str], parts: Sequence[str], empt
         )
 
 
+def in_batch_per_source(values: Sequence[bool], parts: Sequence[str]) -> list[bool]:
+    """`data.in_batch_negatives` for each part of `data.path` (empty: true for each); a DataError unless it is empty
+    or holds one value per part."""
+    if values and len(values) != len(parts):
+        raise DataError(
+            f"data.in_batch_negatives={list(values)!r}: {len(values)} value(s) for the {len(parts)} source(s) in "
+            "data.path; give one per '::'-joined source (false: its queries against their own documents only), or "
+            "leave it empty"
+        )
+    return list(values) or [True] * len(parts)
+
+
 def joins(factors: Sequence[float]) -> bool:
     """Whether sources with these factors (one per source, `split_sources`) need a `SourceMix`: more
     than one, or one read other than exactly once per epoch."""

@@ -38,10 +38,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from titan_contrastive.batching import DOC_IDS, FROZEN_DOCS, FROZEN_QUERIES, NEGATIVES, TEACHER_SCORES
+from titan_contrastive.batching import DOC_IDS, FROZEN_DOCS, FROZEN_QUERIES, NEGATIVES, OWN_GROUP, TEACHER_SCORES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.frozen import EmbeddingTable
-from titan_contrastive.datasets.mixing import SourceMix, check_per_source, joins, split_sources
+from titan_contrastive.datasets.mixing import SourceMix, check_per_source, in_batch_per_source, joins, split_sources
 from titan_contrastive.datasets.pair_rows import PairRows, join_sources, read_rows
 from titan_contrastive.datasets.pools import Pools
 from titan_contrastive.datasets.tokenizer import PairTokenizer
@@ -172,10 +172,12 @@ class PairsDataset:
         teacher: str = "",
         query_prompts: Sequence[str] = (),
         doc_prompts: Sequence[str] = (),
+        in_batch_negatives: Sequence[bool] = (),
         frozen: EmbeddingTable | None = None,
     ) -> None:
         """`negatives_per_row`: k > 0 draws each row's positive and k negatives per epoch from its lists, by
-        `seed` (module docstring); 0 serves the rows as they are."""
+        `seed` (module docstring); 0 serves the rows as they are. `in_batch_negatives`: one per source, false
+        flags its queries to be scored against their own documents only (`batching.OWN_GROUP`)."""
         parts, factors = split_sources(path, factors)
         tokenizers = source_tokenizers(tokenizer, parts, query_prompts, doc_prompts)
         pooled = negatives_per_row > 0
@@ -194,6 +196,22 @@ class PairsDataset:
         if joins(factors):
             self._mix = SourceMix([len(f.texts) for f in files], factors)
             self.source_sizes = self._mix.sizes
+        flags = in_batch_per_source(in_batch_negatives, parts)
+        if not all(flags):
+            self._own_only(parts, flags, [len(f.texts) for f in files])
+
+    def _own_only(self, parts: Sequence[str], flags: Sequence[bool], lengths: Sequence[int]) -> None:
+        """Serve `OWN_GROUP` for the rows of the sources whose `flags` (data.in_batch_negatives) are false."""
+        if not self.num_negatives:
+            raise DataError(
+                f"data.in_batch_negatives={list(flags)}: a query without in-batch negatives is scored against its own "
+                f"hard negatives, and {self.source} serves none (its rows hold no negative column, or "
+                "data.negatives_per_row is 0 with lists): give those rows hard negatives"
+            )
+        self._own = torch.cat([torch.full((n,), not flag) for n, flag in zip(lengths, flags)])
+        for part, flag in zip(parts, flags):
+            if not flag:
+                logger.info(f"{self.name}: {part}: each query against its own positive and hard negatives only")
 
     @classmethod
     def from_rows(
@@ -273,6 +291,8 @@ class PairsDataset:
                 "served; each query's problem has the batch's positives only"
             )
         self._frozen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._own: torch.Tensor | None = None
+        """bool [rows]: the rows whose query sees its own documents only (`_own_only`); None: every query all."""
         if frozen is not None:
             self._carry(frozen, [[row[0]] + docs for row, docs in zip(texts, served)])
         if self._teacher is not None:
@@ -328,6 +348,8 @@ class PairsDataset:
             batch[DOC_IDS] = self._ids[at] if k else self._ids[at[:, 0]]
         if self._teacher is not None:
             batch[TEACHER_SCORES] = self._teacher[at]
+        if self._own is not None:
+            batch[OWN_GROUP] = self._own[idx]
         if self._frozen is not None:
             vectors, queries, documents = self._frozen
             batch[FROZEN_QUERIES] = vectors[queries[idx]]

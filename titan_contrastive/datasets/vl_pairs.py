@@ -41,11 +41,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from titan_contrastive.batching import OWN_GROUP
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.files import MAX_SUBSTITUTES
 from titan_contrastive.datasets.image_transforms import decode_image
-from titan_contrastive.datasets.mixing import SourceMix, check_per_source, joins, split_sources
+from titan_contrastive.datasets.mixing import SourceMix, check_per_source, in_batch_per_source, joins, split_sources
 from titan_contrastive.datasets.pools import Pools
 from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.datasets.shards import shard_files
@@ -92,9 +93,11 @@ class VLPairsDataset:
         factors: Sequence[float] = (),
         query_templates: Sequence[str] = (),
         doc_templates: Sequence[str] = (),
+        in_batch_negatives: Sequence[bool] = (),
     ) -> None:
         """`negatives_per_row`: k > 0 serves k of each row's `doc_negatives` per epoch, drawn by `seed`
-        (`pools.Pools`); 0 serves them all, as many per row as the first row's."""
+        (`pools.Pools`); 0 serves them all, as many per row as the first row's. `in_batch_negatives`: one per
+        file, false flags its queries to be scored against their own documents only (`batching.OWN_GROUP`)."""
         if mode not in MODES:
             raise DataError(f"data.retrieval_mode={mode!r}: vl_pairs trains {', '.join(MODES)}")
         self.kinds = dict(zip(SIDES, MODES[mode]))
@@ -133,6 +136,15 @@ class VLPairsDataset:
             raise DataError(
                 f"{key}={path}: the sources' first rows hold different numbers of {NEGATIVES_COLUMN} ({shown}); give "
                 "every source the same number, or set data.hard_negatives=false"
+            )
+        flags = in_batch_per_source(in_batch_negatives, parts)
+        self._own = None if all(flags) else [not flag for flag in flags]
+        """Per file, whether its queries see their own documents only (data.in_batch_negatives); None: none do."""
+        if self._own is not None and not self.num_negatives:
+            raise DataError(
+                f"data.in_batch_negatives={list(flags)}: a query without in-batch negatives is scored against its own "
+                f"hard negatives, and {path} serves none (its first row holds no {NEGATIVES_COLUMN}): give those "
+                "rows hard negatives"
             )
         self._mix = SourceMix([len(f.rows) for f in self._files], factors) if joins(factors) else None
         self.source_sizes = self._mix.sizes if self._mix else None
@@ -301,6 +313,8 @@ class VLPairsDataset:
         negatives = [n for r in rows for n in r.get(NEGATIVES_COLUMN, ())]  # k per row, row after row
         templates = {side: [given[s] for s in sources] for side, given in self.templates.items() if given}
         batch = self._process.sides(*(fields[c] for c in COLUMNS), negatives=negatives, templates=templates)
+        if self._own is not None:
+            batch[OWN_GROUP] = torch.tensor([self._own[s] for s in sources])
         return {**batch, "index": torch.as_tensor(list(indices), dtype=torch.long), BAD_SAMPLES: bad}
 
 

@@ -300,6 +300,23 @@ def bind_teacher(objective: Objective, teacher: Tensor | Guide, ranks: Ranks) ->
     return objective.with_teacher(ranks.gather(teacher) if isinstance(teacher, Tensor) else teacher)
 
 
+def own_documents_only(objective: Objective, own_only: Tensor | None) -> Objective:
+    """`objective` whose masks leave each flagged query of one problem (bool [N] over all ranks' queries,
+    `data.in_batch_negatives`) its own documents only (`masking.FalseNegatives.grouped`), through the objectives
+    that wrap it; `own_only` None: `objective` as it is. ValueError for an objective without false-negative masks."""
+    if own_only is None:
+        return objective
+    if isinstance(objective, Wrapping):
+        return dataclasses.replace(objective, inner=own_documents_only(objective.inner, own_only))  # type: ignore[type-var]
+    masks = getattr(objective, "false_negatives", None)
+    if not callable(getattr(masks, "grouped", None)) or not dataclasses.is_dataclass(objective):
+        raise ValueError(
+            f"{objective.describe()} has no false-negative masks (a false_negatives field, losses/masking.py), so it "
+            "cannot score a query against its own documents only"
+        )
+    return dataclasses.replace(objective, false_negatives=masks.grouped(own_only))  # type: ignore[type-var]
+
+
 def row_dots(a: Tensor, b: Tensor, dtype: torch.dtype, block: int = ROW_BLOCK) -> Tensor:
     """<a_i, b_i> per row, each product and the sum in `dtype`, `block` rows at a time (the
     temporary in `dtype` stays [block, d] however many rows there are)."""
@@ -373,7 +390,8 @@ class MicrobatchLoss:
     contrastive outputs `(q, docs, exp(t')[, bias])` (docs [B, d], or [B, 1 + k, d] with hard
     negatives; `ids=`: their document ids, [B] or [B, 1 + k]; `guide=`: a guide's embeddings of the
     whole problem; `teacher=`: a distilled objective's teacher, the data's scores of the local
-    documents [B, 1 + k] or a teacher model's embeddings of the whole problem), it returns the loss
+    documents [B, 1 + k] or a teacher model's embeddings of the whole problem; `own_only=`: bool [B], the local
+    queries scored against their own documents only, `own_documents_only`), it returns the loss
     of the problem over the current microbatches of all ranks of `group`; `step` gives the optimizer step
     being computed, for a term with a schedule (`at_step`)."""
 
@@ -392,6 +410,7 @@ class MicrobatchLoss:
         ids: Tensor | None = None,
         guide: Guide | None = None,
         teacher: Tensor | Guide | None = None,
+        own_only: Tensor | None = None,
     ) -> Tensor:
         if q.dim() != 2 or docs.dim() not in (2, 3) or len(q) != len(docs) or not widths_fit(self.objective, q, docs):
             raise ValueError(
@@ -401,6 +420,8 @@ class MicrobatchLoss:
         split = None if ids is None else split_ids(ids)
         step = None if self.step is None else self.step()
         objective = at_step(self.objective if guide is None else self.objective.with_guide(guide), step)
+        if own_only is not None:
+            objective = own_documents_only(objective, self.ranks.gather(own_only.to(torch.uint8)).bool())
         if teacher is not None:
             objective = bind_teacher(objective, teacher, self.ranks)
         return objective.microbatch(q, split_documents(docs), scale, bias, split, self.ranks)

@@ -13,6 +13,12 @@ query i is left out of positive j's denominator when column j is masked for quer
 needs only c_ii, known before any block is formed, so the streamed forms apply the mask block
 by block (`FalseNegatives.for_rows`) and stay exact. With a guide (`losses/guide.py`, GISTEmbed) the
 margin and relative rules read the guide's cosines instead of the model's, the same in every form.
+
+A query of a source without in-batch negatives (`data.in_batch_negatives`, FlagEmbedding's
+`no_in_batch_neg`: classification and clustering data, whose other rows' documents are often of its own
+class) is scored against its own documents only: every column but its positive and its hard negatives is
+masked for it (`FalseNegatives.own_only`, the problem's flags, bound per problem by
+`base.own_documents_only`).
 """
 
 from __future__ import annotations
@@ -37,14 +43,21 @@ class FalseNegatives:
     relative: float | None = None
     guide: Guide | None = dataclasses.field(default=None, compare=False, repr=False)
     """The guide's embeddings of this problem (`guided`); None: the rules read the model's cosines."""
+    own_only: Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
+    """bool [N], one per query of this problem (`grouped`): True where the query is scored against its own
+    documents only (its positive and hard negatives); None: every query against every column."""
 
     def guided(self, guide: Guide | None) -> FalseNegatives:
         """The same rules on the guide's cosines of one problem (None: the model's)."""
         return dataclasses.replace(self, guide=guide)
 
+    def grouped(self, own_only: Tensor | None) -> FalseNegatives:
+        """The same rules, and the flagged queries of one problem (bool [N]) against their own documents only."""
+        return dataclasses.replace(self, own_only=own_only)
+
     @property
     def enabled(self) -> bool:
-        return self.duplicates or self.margin is not None or self.relative is not None
+        return self.duplicates or self.margin is not None or self.relative is not None or self.own_only is not None
 
     def describe(self) -> str:
         parts = ["duplicate ids"] if self.duplicates else []
@@ -52,6 +65,8 @@ class FalseNegatives:
             parts.append(f"cos > positive + {self.margin:g}")
         if self.relative is not None:
             parts.append(f"cos > {self.relative:g} x positive")
+        if self.own_only is not None:
+            parts.append("another query's document, for queries without in-batch negatives")
         return " or ".join(parts)
 
     def dense(self, q: Tensor, docs: Tensor, ids: Tensor | None, first_row: int = 0) -> Tensor | None:
@@ -107,6 +122,7 @@ class FalseNegatives:
             thresholds.append(positive * self.relative)
         threshold = torch.minimum(*thresholds) if len(thresholds) == 2 else (thresholds[0] if thresholds else None)
         pos_ids = ids[first_row : first_row + len(positive)] if self.duplicates else None
+        own_only = self.own_only
 
         def mask(block: Tensor, start: int) -> Tensor | None:
             rows = slice(start, start + len(block))
@@ -120,9 +136,23 @@ class FalseNegatives:
             if pos_ids is not None:
                 same = key_ids[None, :] == pos_ids[rows, None]
                 masked = same if masked is None else masked | same
+            r = torch.arange(len(block), device=block.device)
+            if own_only is not None:
+                row = first_row + start + r
+                others = own_only[row, None] & (
+                    owners(len(own_only), block.shape[1], block.device)[None, :] != row[:, None]
+                )
+                masked = others if masked is None else masked | others
             if masked is not None:
-                r = torch.arange(len(block), device=block.device)
                 masked[r, first_row + start + r] = False  # the positive stays
             return masked
 
         return mask
+
+
+def owners(num_queries: int, num_keys: int, device: torch.device) -> Tensor:
+    """int64 [num_keys]: the query whose document each key is, in the layout of `base.columns` (positive i is
+    query i's, hard negative N + i k + t too); keys that are the queries themselves are their own."""
+    k = max((num_keys - num_queries) // num_queries, 1)
+    j = torch.arange(num_keys, device=device)
+    return torch.where(j < num_queries, j, (j - num_queries) // k)

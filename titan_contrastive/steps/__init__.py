@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.losses import Objective
-from titan_contrastive.losses.base import Wrapping
+from titan_contrastive.losses.base import Wrapping, own_documents_only
+from titan_contrastive.losses.pairwise import Pairwise
 from titan_contrastive.steps.accumulate import AccumulateStep
 from titan_contrastive.steps.base import Batch, GradientStep, StepBuilder, StepContext
 from titan_contrastive.steps.contrastive import gradcache_chunk
@@ -73,7 +76,40 @@ def build_gradient_step(
             f"{key}={guide!r}: the objective loss.name={cfg.loss.name!r} has no with_guide "
             f"(losses/base.py), so its masks cannot read a guide; add it or leave {key} empty"
         )
+    if not all(cfg.data.in_batch_negatives):
+        check_own_documents(cfg, objective, innermost)
     return build(ctx, cfg, objective, knobs)
+
+
+def check_own_documents(cfg: JobConfig, objective: Objective | None, innermost: Any) -> None:
+    """A ConfigError unless the objective can score the queries of `data.in_batch_negatives` = false sources
+    against their own documents only (`losses.base.own_documents_only`), as the docs define it."""
+    refusal = _why_not_own_documents(cfg, objective, innermost)
+    if refusal:
+        raise ConfigError(
+            f"data.in_batch_negatives={cfg.data.in_batch_negatives} scores some queries against their own documents "
+            f"only, and {refusal}"
+        )
+
+
+def _why_not_own_documents(cfg: JobConfig, objective: Objective | None, innermost: Any) -> str:
+    """Why the run's objective cannot leave a query its own documents only, and the fix; "" where it can."""
+    if objective is None:
+        return "the family computes its own loss"
+    if isinstance(innermost, Pairwise):
+        return f"loss.name={cfg.loss.name!r} ranks each query against the other queries' positives: use clip or siglip"
+    if cfg.loss.joint_directions:
+        return (
+            f"loss.joint_directions={cfg.loss.joint_directions} adds the other queries and documents: leave them empty"
+        )
+    if cfg.loss.teacher_model or cfg.loss.teacher_embeddings:
+        teacher = "loss.teacher_model" if cfg.loss.teacher_model else "loss.teacher_embeddings"
+        return f"{teacher} distills over every column of the batch: use teacher scores in the data (loss.distill alone)"
+    try:
+        own_documents_only(objective, torch.zeros(1, dtype=torch.bool))
+    except ValueError as err:
+        return str(err)
+    return ""
 
 
 def _why_not_gradcache(spec: Any, ctx: StepContext, cfg: JobConfig) -> str:

@@ -34,6 +34,7 @@ from titan_contrastive.batching import (
     FROZEN_DOCS,
     FROZEN_QUERIES,
     NEGATIVES,
+    OWN_GROUP,
     TEACHER_SCORES,
     BatchError,
     document_ids,
@@ -280,11 +281,20 @@ class StepContext:
     def loss_inputs(self, batch: Batch, ids: bool, chunk_size: int | None = None) -> dict[str, Any]:
         """What a microbatch's loss reads besides the embeddings: its documents' ids when the objective
         reads them (`ids`), the guide's embeddings and the teacher's scores where the run has them
-        (`frozen_inputs`)."""
+        (`frozen_inputs`), and which queries see their own documents only where the data says (`own_only`)."""
         inputs: dict[str, Any] = {"ids": self.document_ids(batch)} if ids else {}
         guide, teacher = self.frozen_inputs([batch], chunk_size)
         inputs |= {key: value for key, value in (("guide", guide), ("teacher", teacher)) if value is not None}
+        if OWN_GROUP in batch:
+            inputs["own_only"] = self.own_only([batch])
         return inputs
+
+    def own_only(self, batches: Sequence[Batch]) -> Tensor | None:
+        """bool [B] on the device: the batches' queries scored against their own documents only (their source's
+        `data.in_batch_negatives` is false); None when the data flags none."""
+        if not batches or OWN_GROUP not in batches[0]:
+            return None
+        return torch.cat([b[OWN_GROUP] for b in batches]).to(self.device, torch.bool)
 
     def teacher_scores(self, batches: Sequence[Batch]) -> Tensor | None:
         """The data's teacher scores of these batches' documents [B, 1 + k] on the device, in the

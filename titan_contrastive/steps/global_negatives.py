@@ -46,7 +46,7 @@ from titan_contrastive.components.memory_planner import doubling
 from titan_contrastive.config import ConfigError, JobConfig
 from titan_contrastive.grad_cache import engine
 from titan_contrastive.losses import InfoNCE, Objective, Ranks, split_documents, split_ids
-from titan_contrastive.losses.base import at_step, bind_teacher, columns, widths_fit
+from titan_contrastive.losses.base import at_step, bind_teacher, columns, own_documents_only, widths_fit
 from titan_contrastive.losses.fused import choose_path, preferred_kernel, require_kernel
 from titan_contrastive.losses.guide import Guide
 from titan_contrastive.losses.streaming import accumulation_dtype
@@ -133,13 +133,15 @@ class StreamingClipStep:
         guide: Guide | None = None,
         teacher: Tensor | None = None,
         step: int | None = None,
+        own_only: Tensor | None = None,
     ) -> Tensor:
         """Accumulate the exact gradient of the global loss into .grad; return the loss (detached).
         `ids`: the local documents' ids, [b] or [b, 1 + k] like z_y (for an objective that reads them);
         `guide`: a guide's embeddings of the global problem, whose cosines the masks compare;
         `teacher`: a distilled objective's teacher: the data's scores of the local documents [b, 1 + k], or a
         teacher model's embeddings of the global problem; `step`: the optimizer step, for a term with a schedule
-        (`losses.base.at_step`)."""
+        (`losses.base.at_step`); `own_only`: bool [b], the local queries scored against their own documents only
+        (`losses.base.own_documents_only`)."""
         # A. no-graph forward per microbatch, RNG captured for the replay (the cached-gradient engine); all-gather
         #    (the last microbatch keeps its graph: D backpropagates it first instead of re-running it)
         outputs, rand = engine.forward_no_grad(
@@ -191,6 +193,8 @@ class StreamingClipStep:
             pos_ids, neg_ids = split_ids(ids)
             col_ids = columns(self.ranks.gather(pos_ids), None if neg_ids is None else self.ranks.gather(neg_ids))
         objective = at_step(self.objective if guide is None else self.objective.with_guide(guide), step)
+        if own_only is not None:
+            objective = own_documents_only(objective, self.ranks.gather(own_only.to(torch.uint8)).bool())
         if teacher is not None:
             objective = bind_teacher(objective, teacher, self.ranks)
         result = self._streamed(objective, zx_local, docs, s, b, n, c, col_ids)
@@ -311,7 +315,7 @@ class GlobalNegativesStep(ContrastiveLog):
         guide, teacher = ctx.frozen_inputs(chunks, None)
         loss = self.streaming(
             ctx.encode, chunks, grad_sync=ctx.grad_sync, backward=ctx.backward, replay=True, ids=ids, guide=guide,
-            teacher=teacher, step=ctx.step,
+            teacher=teacher, step=ctx.step, own_only=ctx.own_only(chunks),
         )  # fmt: skip
         return loss.item()
 
