@@ -124,7 +124,7 @@ def command(name: str, dump: Path) -> list[str]:
         *harness.pairs_data_flags(joined, wordnet_pools.files(data)["test"], CONTEXT),
         f"--data.negatives_per_row={K}",
         "--data.same_source_batches=true",
-        f"--data.query_prompts=,{INSTRUCTION}",
+        *("--data.query_prompts", "", INSTRUCTION),  # separate items: "" is the retrieval source's (none)
         "--checkpoint.enable=true",
         *VARIANTS[name],
     ]
