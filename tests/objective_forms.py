@@ -81,7 +81,8 @@ def assert_distributed_forms(objective, problem, want, name: str, teacher=None, 
 
     bound = objective if teacher is None else objective.with_teacher(ranks.gather(teacher[own]))
     bound = bound if guide is None else bound.with_guide(guide)
-    bound = own_documents_only(bound, own_only)  # the whole problem's flags; the microbatch loss gathers its own
+    if own_only is not None:  # every rank's flags gathered, as the steps gather them
+        bound = own_documents_only(bound, ranks.gather(own_only[own].to(torch.uint8)).bool())
     out = bound.streamed(q[own], cols, scale, b, first_row=own.start, num_queries=N, chunk=3, ranks=ranks, ids=ids)
     _close(out.loss, want_loss, f"{name} streamed loss")
     _close(out.grad_rows, want_q[own], f"{name} streamed dq")

@@ -1,10 +1,10 @@
 """Queries without in-batch negatives (`data.in_batch_negatives` = false, FlagEmbedding's `no_in_batch_neg`): each
 flagged query is scored against its own positive and hard negatives only, every other column masked
 (`masking.FalseNegatives.own_only`, bound by `losses.base.own_documents_only` through the wrappers). Each form of
-clip (one-way and symmetric, with hardness weighting), siglip and Matryoshka, alone and with the other masks,
-against the reference of tests/test_objectives.py written from the definition, in float64 (<= 1e-10): dense and
-streamed with chunks that divide nothing, and the step's microbatch loss; streamed and microbatch on 2 and 4 gloo
-processes, each rank flagging its own queries."""
+clip (one-way and symmetric, with hardness weighting), siglip, Matryoshka and distillation, alone and with the
+other masks, against the references of tests/test_objectives.py and tests/test_distill.py written from the
+definitions, in float64 (<= 1e-10): dense and streamed with chunks that divide nothing, and the step's microbatch
+loss; streamed and microbatch on 2 and 4 gloo processes, each rank flagging its own queries."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
+from tests.test_distill import PAIRS, distilled_of, reference_total, teacher_of
 from tests.test_objectives import (
     CASES,
     HARDNESS,
@@ -22,12 +24,11 @@ from tests.test_objectives import (
     N,
     _close,
     _masked,
-    leaves,
     objective_of,
     problem,
     reference_grads,
 )
-from titan_contrastive.losses import MicrobatchLoss, Ranks
+from titan_contrastive.losses import Ranks
 from titan_contrastive.losses.base import own_documents_only
 from titan_contrastive.losses.pairwise import Pairwise
 
@@ -75,78 +76,51 @@ def test_the_flags_change_the_loss() -> None:
     assert abs(with_flags - without) > 0.1
 
 
+def _want(case: dict, q, p, n, scale, bias, ids) -> tuple:
+    """(loss, dq, dD, ds) of the reference with the flags, and its db."""
+    loss, want = reference_grads(flagged(case), q, p, n, scale, bias, ids)
+    return (loss, want["q"], torch.cat([want["p"], want["n"]]), want["s"]), want["b"]
+
+
 @pytest.mark.parametrize("case", OWN_CASES, ids=[c["name"] for c in OWN_CASES])
 def test_own_documents_only_in_every_form_match_the_definition(case: dict) -> None:
     q, p, n, scale, bias, ids = problem(case)
-    want_loss, want = reference_grads(flagged(case), q, p, n, scale, bias, ids)
-    objective = own_documents_only(objective_of(case), OWN)
-    cols, want_cols = _columns(p, n), _columns(want["p"], want["n"])
-    b = bias if objective.has_bias else None
+    want, want_b = _want(case, q, p, n, scale, bias, ids)
+    assert_forms(objective_of(case), (q, p, n, scale, bias, ids), want, own_only=OWN)
+    if case["objective"] == "siglip":  # the bias's gradient too
+        bound = own_documents_only(objective_of(case), OWN)
+        out = bound.streamed(
+            q, torch.cat([p, n]), scale, bias, first_row=0, num_queries=N, chunk=5, ranks=Ranks(None), ids=ids
+        )
+        _close(out.bias_rows.sum(), want_b, "streamed db")
 
-    dq, dcols, ds = leaves(q, cols, scale)
-    loss = objective.dense(dq, dcols, ds, b, ids)
-    loss.backward()
-    _close(loss.detach(), want_loss, "dense loss")
-    _close(dq.grad, want["q"], "dense dq")
-    _close(dcols.grad, want_cols, "dense dD")
-    _close(ds.grad, want["s"], "dense ds")
 
-    for chunk in (5, 7, N):
-        out = objective.streamed(q, cols, scale, b, first_row=0, num_queries=N, chunk=chunk, ranks=Ranks(None), ids=ids)
-        _close(out.loss, want_loss, f"streamed loss, chunk {chunk}")
-        _close(out.grad_rows, want["q"], f"streamed dq, chunk {chunk}")
-        _close(out.grad_cols, want_cols, f"streamed dD, chunk {chunk}")
-        _close(out.scale_rows.sum(), want["s"], f"streamed ds, chunk {chunk}")
-        if b is not None:
-            _close(out.bias_rows.sum(), want["b"], f"streamed db, chunk {chunk}")
-
-    k = case["k"]
-    docs = torch.cat([p[:, None], n.view(N, k, -1)], 1)
-    local_ids = torch.cat([ids[:N, None], ids[N:].view(N, k)], 1)
-    mq, ms, mb, mdocs = leaves(q, scale, bias, docs)
-    loss = MicrobatchLoss(objective_of(case))(mq, mdocs, ms, mb if b is not None else None, ids=local_ids, own_only=OWN)
-    loss.backward()
-    _close(loss.detach(), want_loss, "microbatch loss")
-    _close(mq.grad, want["q"], "microbatch dq")
-    _close(torch.cat([mdocs.grad[:, 0], mdocs.grad[:, 1:].flatten(0, 1)]), want_cols, "microbatch dD")
+@pytest.mark.parametrize("pair", [PAIRS[0], PAIRS[5]], ids=[PAIRS[0][1]["name"], PAIRS[5][1]["name"]])
+def test_own_documents_only_under_distillation_match_the_definition(pair) -> None:
+    """Through the distillation wrapper (and Matryoshka around it): the contrastive term masked, the teacher's
+    term over each query's own documents as before."""
+    case, dcase = pair
+    q, p, n, scale, bias, ids = problem(case)
+    teacher = teacher_of(case["k"])
+    rq, rp, rn, rs, rb = (t.clone().requires_grad_() for t in (q, p, n, scale, bias))
+    loss = reference_total(flagged(case), dcase, rq, rp, rn, rs, rb, ids, teacher)
+    assert_forms(
+        distilled_of(case, dcase),
+        (q, p, n, scale, bias, ids),
+        (loss.detach(), *wanted(loss, rq, rp, rn, rs)),
+        teacher=teacher,
+        own_only=OWN,
+    )
 
 
 def _distributed(case_names: list[str]) -> None:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     cases = {c["name"]: c for c in OWN_CASES}
-    ranks = Ranks(dist.group.WORLD)
     for name in case_names:
-        case = cases[name]
-        q, p, n, scale, bias, ids = problem(case, seed=1)
-        want_loss, want = reference_grads(flagged(case), q, p, n, scale, bias, ids)
-        c, k = N // world, case["k"]
-        own, own_neg = slice(rank * c, (rank + 1) * c), slice(rank * c * k, (rank + 1) * c * k)
-        objective = own_documents_only(objective_of(case), ranks.gather(OWN[own].to(torch.uint8)).bool())
-        cols, b = _columns(p, n), bias if objective.has_bias else None
-
-        out = objective.streamed(
-            q[own], cols, scale, b, first_row=own.start, num_queries=N, chunk=3, ranks=ranks, ids=ids
-        )
-        _close(out.loss, want_loss, f"{name} streamed loss")
-        _close(out.grad_rows, want["q"][own], f"{name} streamed dq")
-        shares = out.grad_cols.clone()
-        dist.all_reduce(shares)
-        _close(shares, _columns(want["p"], want["n"]), f"{name} streamed dD")
-
-        # the step's loss function: each rank's flags and embeddings, gathered
-        lq, ls, lb = leaves(q[own], scale, bias)
-        ldocs = torch.cat([p[own, None], n[own_neg].view(c, k, -1)], 1).clone().requires_grad_()
-        local_ids = torch.cat([ids[:N][own, None], ids[N:][own_neg].view(c, k)], 1)
-        loss = MicrobatchLoss(objective_of(case), dist.group.WORLD)(
-            lq, ldocs, ls, lb if b is not None else None, ids=local_ids, own_only=OWN[own]
-        )
-        loss.backward()
-        _close(loss.detach(), want_loss, f"{name} microbatch loss")
-        _close(lq.grad / world, want["q"][own], f"{name} microbatch dq")
-        _close(ldocs.grad[:, 0], want["p"][own] * world, f"{name} microbatch dp x P")
-        _close(ldocs.grad[:, 1:].flatten(0, 1), want["n"][own_neg] * world, f"{name} microbatch dn x P")
+        q, p, n, scale, bias, ids = problem(cases[name], seed=1)
+        want, _ = _want(cases[name], q, p, n, scale, bias, ids)
+        assert_distributed_forms(objective_of(cases[name]), (q, p, n, scale, bias, ids), want, name, own_only=OWN)
 
 
 DIST_CASES = [c["name"] for c in OWN_CASES if c["masking"] == MASKINGS["all"] and not c["matryoshka"]]

@@ -20,6 +20,7 @@ from tests.test_trainer import make_trainer as base_trainer
 from titan_contrastive.batching import OWN_GROUP
 from titan_contrastive.config import ConfigError, parse_args
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.mixing import in_batch_per_source
 from titan_contrastive.losses import InfoNCE, build_objective
 from titan_contrastive.losses.base import own_documents_only
 from titan_contrastive.steps import check_own_documents
@@ -141,3 +142,13 @@ def test_a_teacher_of_every_column_is_refused() -> None:
         check_own_documents(cfg, objective, objective.inner)
     with pytest.raises(ConfigError, match="the family computes its own loss"):
         check_own_documents(parse_args([FLAGS]), None, None)
+
+
+def test_a_file_named_as_flagembedding_s_no_in_batch_neg_files_is_pointed_out(caplog) -> None:
+    parts = ["retrieval.jsonl", "data/amazon_no_in_batch_neg.jsonl"]
+    with caplog.at_level("WARNING", logger="titan_contrastive"):
+        assert in_batch_per_source([], parts) == [True, True]
+        assert in_batch_per_source([True, False], parts) == [True, False]
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("data/amazon_no_in_batch_neg.jsonl is named as FlagEmbedding names the files")
+    assert "data.in_batch_negatives=[] leaves them to its queries: give this source false" in warning

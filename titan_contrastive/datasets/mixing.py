@@ -11,11 +11,15 @@ the source is seen equally often. With `data.same_source_batches` the loader's s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from titan_contrastive.datasets.base import DataError
+
+logger = logging.getLogger("titan_contrastive")
 
 __all__ = ["SourceMix", "check_per_source", "joins", "split_sources"]
 
@@ -54,6 +58,14 @@ def in_batch_per_source(values: Sequence[bool], parts: Sequence[str]) -> list[bo
             "data.path; give one per '::'-joined source (false: its queries against their own documents only), or "
             "leave it empty"
         )
+    for i, part in enumerate(parts):
+        named = Path(part.rstrip("/")).name.split(".")[0].endswith("no_in_batch_neg")
+        if named and (not values or values[i]):
+            logger.warning(
+                f"{part} is named as FlagEmbedding names the files it trains without in-batch negatives, and "
+                f"data.in_batch_negatives={list(values)} leaves them to its queries: give this source false to train "
+                "it as FlagEmbedding does"
+            )
     return list(values) or [True] * len(parts)
 
 
