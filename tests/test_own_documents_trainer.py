@@ -15,7 +15,13 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from tests.needs import needs
-from tests.test_hard_negatives import WORDS, assert_step_equals_its_forwards, dense_reference, step_against
+from tests.test_hard_negatives import (
+    WORDS,
+    assert_step_equals_its_forwards,
+    dense_reference,
+    make_trainer,
+    step_against,
+)
 from tests.test_trainer import make_trainer as base_trainer
 from titan_contrastive.batching import OWN_GROUP
 from titan_contrastive.config import ConfigError, parse_args
@@ -86,9 +92,7 @@ def test_queries_without_in_batch_negatives_on_two_ranks(tmp_path: Path) -> None
 
 @needs("hf")
 def test_queries_without_in_batch_negatives_with_dropout_on(tmp_path: Path) -> None:
-    """GradCache chunks of 4 with MiniLM's dropout on: each chunk's replayed dropout, the flagged problem exact."""
-    from tests.test_hard_negatives import make_trainer
-
+    """GradCache chunks of 5 with MiniLM's dropout on: each chunk's replayed dropout, the flagged problem exact."""
     trainer = make_trainer(
         tmp_path,
         two_files(tmp_path),
@@ -108,8 +112,6 @@ def test_queries_without_in_batch_negatives_with_dropout_on(tmp_path: Path) -> N
 
 @needs("hf")
 def test_in_batch_negatives_settings_are_one_line_errors(tmp_path: Path) -> None:
-    from tests.test_hard_negatives import make_trainer
-
     path, sizes = two_files(tmp_path), ["--training.local_batch_size=6", "--training.global_batch_size=6"]
     for options, message in [
         (["--data.in_batch_negatives=false"], r"1 value\(s\) for the 2 source\(s\) in data.path"),
@@ -135,7 +137,7 @@ def test_in_batch_negatives_settings_are_one_line_errors(tmp_path: Path) -> None
         base_trainer(str(tmp_path / "csv"), "--data.dataset=synthetic", "--data.in_batch_negatives=false")
 
 
-def test_a_teacher_of_every_column_is_refused() -> None:
+def test_a_teacher_of_every_column_and_a_family_s_own_loss_are_refused() -> None:
     cfg = parse_args([FLAGS, "--loss.teacher_embeddings=teacher.safetensors", "--loss.distill=kl"])
     objective = build_objective(cfg.loss)
     with pytest.raises(ConfigError, match="loss.teacher_embeddings distills over every column of the batch"):

@@ -120,12 +120,16 @@ def check_negative_keys(data: Data) -> None:
 def check_teacher(data: Data, distill: str) -> None:
     """loss.distill without a teacher model reads a pairs file's teacher scores of each row's
     positive and hard negatives (`distill`: empty when no scores are read)."""
-    if distill and data.dataset != "pairs":
+    if distill and data.dataset not in ("pairs", "vl_pairs"):
         raise DataError(
-            f"loss.distill={distill!r} reads a teacher's scores from text pairs (a label/score column), which "
-            f"data.dataset={data.dataset!r} does not serve: use data.dataset='pairs', a loss.teacher_model (or "
-            "teacher_embeddings), or "
-            "leave loss.distill empty"
+            f"loss.distill={distill!r} reads a teacher's scores from text pairs (a label/score column) or vl_pairs "
+            f"rows (doc_scores), which data.dataset={data.dataset!r} does not serve: use data.dataset='pairs', a "
+            "loss.teacher_model (or teacher_embeddings), or leave loss.distill empty"
+        )
+    if distill == "cosent" and data.dataset != "pairs":
+        raise DataError(
+            f"loss.distill='cosent' ranks scored text pairs, and data.dataset={data.dataset!r}: use "
+            "data.dataset='pairs', or leave loss.distill empty"
         )
     if distill == "cosent" and data.negatives_per_row:
         raise DataError(
@@ -390,6 +394,7 @@ def build_data(
             query_templates=data.query_prompts,
             doc_templates=data.doc_prompts,
             in_batch_negatives=data.in_batch_negatives,
+            teacher=scores,
         )
         eval_sets.append(
             VLPairsDataset(split="test", path=data.val_path, mode=data.retrieval_mode) if data.val_path else None

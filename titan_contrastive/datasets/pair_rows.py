@@ -97,7 +97,7 @@ def _parsed(value: Any) -> Any:
         return None
 
 
-def _scores(value: Any, width: int, margins: bool) -> list[float] | None:
+def document_scores(value: Any, width: int, margins: bool = False) -> list[float] | None:
     """A row's teacher scores of its `width` documents (see the module docstring), or None when
     they are not that many finite numbers."""
     value = _parsed(value)
@@ -232,7 +232,7 @@ def read_rows(
         ident = "" if ident is None else str(ident).strip()
         width = width or len(texts)
         docs = len(texts) - 1 if pooled else width - 1
-        row_scores = _scores(scored, docs, teacher == "margin_mse" and len(positives) == 1) if teacher else None
+        row_scores = document_scores(scored, docs, teacher == "margin_mse" and len(positives) == 1) if teacher else None
         reason = (
             "short_row"
             if len(texts) < 2 or not positives

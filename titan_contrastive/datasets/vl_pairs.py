@@ -11,7 +11,10 @@ negatives, documents of the documents' kind: texts (t2t, i2t) or image paths (t2
 list (JSONL, Parquet) or one value; every row has as many as the first (the train split only, and
 only with `data.hard_negatives`). With `data.negatives_per_row = k` rows hold any number and each epoch
 serves k of them (`pools.Pools`: by the seed, the row and the epoch; a row without one is a bad sample).
-They go through the processor like the documents (`SideProcessor.sides`' `negatives`).
+They go through the processor like the documents (`SideProcessor.sides`' `negatives`). With `loss.distill`
+(kl or margin_mse) a `doc_scores` column holds a teacher's scores of the row's documents, the document's and then
+each of `doc_negatives`' in order (FlagEmbedding's `pos_scores` + `neg_scores`); the scores of the documents an
+epoch serves are served as `teacher_scores` (`batching.TEACHER_SCORES`) [B, 1 + k].
 
 A row whose needed image is missing, unreadable or does not decode, or whose needed text is empty
 (a negative's included), or that holds another number of negatives, is a bad sample: its slot takes
@@ -41,12 +44,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from titan_contrastive.batching import OWN_GROUP
+from titan_contrastive.batching import OWN_GROUP, TEACHER_SCORES
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.files import MAX_SUBSTITUTES
 from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, in_batch_per_source, joins, split_sources
+from titan_contrastive.datasets.pair_rows import document_scores
 from titan_contrastive.datasets.pools import Pools
 from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.datasets.shards import shard_files
@@ -63,6 +67,7 @@ FIELDS = {"text": ("text",), "image": ("image",), "multi": ("image", "text")}
 """A side's kind -> the fields a row needs for it."""
 COLUMNS = tuple(f"{side}_{field}" for side in SIDES for field in ("image", "text"))
 NEGATIVES_COLUMN = "doc_negatives"
+SCORES_COLUMN = "doc_scores"
 
 
 def family_refusal(family: str) -> str:
@@ -94,10 +99,12 @@ class VLPairsDataset:
         query_templates: Sequence[str] = (),
         doc_templates: Sequence[str] = (),
         in_batch_negatives: Sequence[bool] = (),
+        teacher: str = "",
     ) -> None:
         """`negatives_per_row`: k > 0 serves k of each row's `doc_negatives` per epoch, drawn by `seed`
         (`pools.Pools`); 0 serves them all, as many per row as the first row's. `in_batch_negatives`: one per
-        file, false flags its queries to be scored against their own documents only (`batching.OWN_GROUP`)."""
+        file, false flags its queries to be scored against their own documents only (`batching.OWN_GROUP`).
+        `teacher`: the loss.distill kind that reads the rows' `doc_scores` (the train split; "": none)."""
         if mode not in MODES:
             raise DataError(f"data.retrieval_mode={mode!r}: vl_pairs trains {', '.join(MODES)}")
         self.kinds = dict(zip(SIDES, MODES[mode]))
@@ -108,7 +115,11 @@ class VLPairsDataset:
         """Per side, one template per file (`data.query_prompts` / `doc_prompts`; "": the model's), or none."""
         for side, given in self.templates.items():
             check_per_source(f"{side}_prompts", given, parts, empty="the model's")
+        self.scored = bool(teacher) and split == "train"
+        """Whether rows give a teacher's scores of their documents (`SCORES_COLUMN`), served as TEACHER_SCORES."""
         self._files = [self._read_source(part, key, mode, split) for part in parts]
+        if self.scored:
+            logger.info(f"vl_pairs: the teacher's scores of each served document from {path} (loss.distill={teacher})")
         self.negative_kind = "text" if self.kinds["doc"] == "text" else "image"
         counts = {f.source: len(_as_list(f.rows[0].get(NEGATIVES_COLUMN))) for f in self._files}
         self.num_negatives = next(iter(counts.values())) if hard_negatives and split == "train" else 0
@@ -136,6 +147,11 @@ class VLPairsDataset:
             raise DataError(
                 f"{key}={path}: the sources' first rows hold different numbers of {NEGATIVES_COLUMN} ({shown}); give "
                 "every source the same number, or set data.hard_negatives=false"
+            )
+        if self.scored and not self.num_negatives:
+            raise DataError(
+                f"{key}={path}: loss.distill compares each query's document with its hard negatives, and the first "
+                f"row holds no {NEGATIVES_COLUMN}: give the rows hard negatives, or leave loss.distill empty"
             )
         flags = in_batch_per_source(in_batch_negatives, parts)
         self._own = None if all(flags) else [not flag for flag in flags]
@@ -187,7 +203,7 @@ class VLPairsDataset:
                 f"the columns {', '.join(COLUMNS)}"
             )
         try:
-            _, rows = read_table(file, (*COLUMNS, NEGATIVES_COLUMN), split)
+            _, rows = read_table(file, (*COLUMNS, NEGATIVES_COLUMN, SCORES_COLUMN), split)
         except DataError:
             raise
         except (OSError, UnicodeDecodeError, csv.Error) as e:
@@ -204,9 +220,14 @@ class VLPairsDataset:
                 f"{file}: no column {', '.join(missing)}; data.retrieval_mode={mode} needs "
                 f"{', '.join(self.needed)} (image paths relative to the file's folder)"
             )
-        return _File(
-            file.parent, str(file), [{c: row.get(c) for c in (*self.needed, NEGATIVES_COLUMN)} for row in rows]
-        )
+        if self.scored and all(SCORES_COLUMN not in row for row in rows):
+            raise DataError(
+                f"{file}: loss.distill reads a teacher's scores of each row's documents from a {SCORES_COLUMN} column "
+                f"(the document's, then each of {NEGATIVES_COLUMN}'), and it has none; add it, or leave loss.distill "
+                "empty"
+            )
+        kept = (*self.needed, NEGATIVES_COLUMN, *((SCORES_COLUMN,) if self.scored else ()))
+        return _File(file.parent, str(file), [{c: row.get(c) for c in kept} for row in rows])
 
     def __len__(self) -> int:
         return len(self._files[0].rows) if self._mix is None else len(self._mix)
@@ -274,18 +295,26 @@ class VLPairsDataset:
         file = self._files[source]
         row, key = file.rows[j], str(j)
         out = {c: self._value(file, c, "text" if c.endswith("_text") else "image", row[c], key) for c in self.needed}
+        negatives, places = _as_list(row[NEGATIVES_COLUMN]), list(range(self.num_negatives))
         if self._pools is not None:
-            negatives = _as_list(row[NEGATIVES_COLUMN])
             if not negatives:
                 raise BadSample("no_negatives", file.source, key, f"{NEGATIVES_COLUMN} is empty")
-            picked = [negatives[p] for p in self.drawn(source, j)]
+            places = self.drawn(source, j)
+        elif self.num_negatives and len(negatives) != self.num_negatives:
+            detail = f"{NEGATIVES_COLUMN} holds {len(negatives)}, the first row {self.num_negatives}"
+            raise BadSample("ragged_negatives", file.source, key, detail)
+        if self.num_negatives:
+            picked = [negatives[p] for p in places]
             out[NEGATIVES_COLUMN] = [self._value(file, NEGATIVES_COLUMN, self.negative_kind, v, key) for v in picked]
-        elif self.num_negatives:
-            negatives = _as_list(row[NEGATIVES_COLUMN])
-            if len(negatives) != self.num_negatives:
-                detail = f"{NEGATIVES_COLUMN} holds {len(negatives)}, the first row {self.num_negatives}"
-                raise BadSample("ragged_negatives", file.source, key, detail)
-            out[NEGATIVES_COLUMN] = [self._value(file, NEGATIVES_COLUMN, self.negative_kind, v, key) for v in negatives]
+        if self.scored:
+            value = row.get(SCORES_COLUMN)
+            scores = document_scores(value.tolist() if hasattr(value, "tolist") else value, 1 + len(negatives))
+            if scores is None:
+                detail = (
+                    f"{SCORES_COLUMN} is not {1 + len(negatives)} finite numbers (the document's, then each negative's)"
+                )
+                raise BadSample("bad_scores", file.source, key, detail)
+            out[SCORES_COLUMN] = [scores[0]] + [scores[1 + p] for p in places]
         return out
 
     def _read(self, index: int, bad: list[BadSample]) -> tuple[int, dict[str, Any]]:
@@ -315,6 +344,8 @@ class VLPairsDataset:
         batch = self._process.sides(*(fields[c] for c in COLUMNS), negatives=negatives, templates=templates)
         if self._own is not None:
             batch[OWN_GROUP] = torch.tensor([self._own[s] for s in sources])
+        if self.scored:
+            batch[TEACHER_SCORES] = torch.tensor([r[SCORES_COLUMN] for r in rows], dtype=torch.float32)
         return {**batch, "index": torch.as_tensor(list(indices), dtype=torch.long), BAD_SAMPLES: bad}
 
 

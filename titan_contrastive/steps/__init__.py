@@ -42,6 +42,7 @@ __all__ = [
     "StepContext",
     "StreamingClipStep",
     "build_gradient_step",
+    "check_own_documents",
 ]
 
 # ([loss] negatives, microbatches forwarded in GradCache chunks) -> the step kind's builder
