@@ -118,7 +118,7 @@ def check_negative_keys(data: Data) -> None:
 
 
 def check_teacher(data: Data, distill: str) -> None:
-    """loss.distill without a teacher model reads a pairs file's teacher scores of each row's
+    """loss.distill without a teacher model reads a pairs file's (or vl_pairs rows') teacher scores of each row's
     positive and hard negatives (`distill`: empty when no scores are read)."""
     if distill and data.dataset not in ("pairs", "vl_pairs"):
         raise DataError(
