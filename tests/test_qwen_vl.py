@@ -110,10 +110,9 @@ def _late_loss(terms, q, d, scale, m: int, bias=None):
 
 
 def _dense(trainer, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
-    """The objective from its definition on a float64 copy: the mean over `batches` (each one
-    contrastive problem) of InfoNCE over the whole batch's embeddings (symmetric; the queries the data flags,
-    `OWN_GROUP`, against their own documents only), or over their MaxSim
-    written one pair at a time for a ColBERT model (`loss.symmetric`, `loss.maxsim_normalize`, each token's
+    """The objective from its definition on a float64 copy: the mean over `batches` (each one contrastive problem)
+    of InfoNCE over the whole batch's embeddings (symmetric; `OWN_GROUP`'s queries against their own documents), or
+    over their MaxSim one pair at a time for a ColBERT model (`loss.symmetric`, `loss.maxsim_normalize`, each token's
     `loss.matryoshka_dims` prefixes; `loss.name = "pairwise"`: colpali-engine's pairwise loss instead)."""
     model = trainer.spec.build_model(trainer.model_args).double()
     model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
