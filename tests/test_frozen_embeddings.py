@@ -20,12 +20,20 @@ from titan_contrastive.datasets.frozen import EmbeddingTable
 
 
 def _write(path: Path, records: list[dict]) -> Path:
-    """`records` as a .jsonl file, or a .parquet one (embeddings as lists of float64)."""
-    if path.suffix == ".parquet":
+    """`records` as a .jsonl file, a .parquet one (embeddings as lists of float64), or an uncompressed .arrow one
+    (lists of float32, in record batches of 4 rows)."""
+    if path.suffix in (".parquet", ".arrow"):
         import pyarrow as pa
+        import pyarrow.feather as feather
         import pyarrow.parquet as pq
 
-        pq.write_table(pa.Table.from_pylist(records), path)
+        table = pa.Table.from_pylist(records)
+        if path.suffix == ".parquet":
+            pq.write_table(table, path)
+        else:
+            at = table.schema.get_field_index("embedding")
+            table = table.set_column(at, "embedding", table.column(at).cast(pa.list_(pa.float32())))
+            feather.write_feather(table, path, compression="uncompressed", chunksize=4)
     else:
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -46,13 +54,16 @@ def _records(rows: list[tuple[str, ...]], width: int = 5, sided: bool = True, se
 
 
 @needs("data")
+@pytest.mark.parametrize("suffix", [".parquet", ".arrow"])
 @pytest.mark.parametrize("sided", [True, False])
-def test_both_formats_read_alike_and_find_each_rows_texts(tmp_path: Path, sided: bool) -> None:
+def test_the_formats_read_alike_and_find_each_rows_texts(tmp_path: Path, sided: bool, suffix: str) -> None:
     records = _records(ROWS, sided=sided)
     padded = [r | {"text": f" {r['text']}\t"} for r in records]  # surrounding whitespace is stripped, as data's is
     jsonl = EmbeddingTable.read(str(_write(tmp_path / "e.jsonl", padded)), "loss.teacher_embeddings")
-    parquet = EmbeddingTable.read(str(_write(tmp_path / "e.parquet", records)), "loss.teacher_embeddings")
-    assert torch.equal(jsonl.vectors, parquet.vectors) and jsonl.sided == sided
+    parquet = EmbeddingTable.read(str(_write(tmp_path / f"e{suffix}", records)), "loss.teacher_embeddings")
+    every = torch.arange(len(records))
+    assert torch.equal(jsonl.vectors[every], parquet.vectors[every]) and jsonl.sided == sided
+    assert len(parquet.vectors.chunks) == (1 if suffix == ".parquet" else -(-len(records) // 4))
     keys = [(r.get("side", ""), r["text"]) for r in records]
     assert [jsonl.row(*k) for k in keys] == [parquet.row(*k) for k in keys] == list(range(len(records)))
     assert parquet.row("query" if sided else "", "not in the file") == -1
@@ -68,8 +79,8 @@ def test_both_formats_read_alike_and_find_each_rows_texts(tmp_path: Path, sided:
 def test_a_bad_file_is_one_line_naming_it(tmp_path: Path) -> None:
     good = _records(ROWS[:2])
     cases = [
-        ("missing.parquet", None, r"not an existing \.parquet/\.jsonl file; write one with"),
-        ("e.csv", good, r"not an existing \.parquet/\.jsonl file"),
+        ("missing.parquet", None, r"not an existing \.parquet/\.jsonl/\.arrow file; write one with"),
+        ("e.csv", good, r"not an existing \.parquet/\.jsonl/\.arrow file"),
         ("cols.jsonl", [{"text": "a", "vector": [1.0]}], "needs text and embedding"),
         ("ragged.jsonl", [*good[:1], {**good[1], "embedding": [1.0, 2.0]}], "embeddings of 2, 5 numbers"),
         ("zero.jsonl", [*good[:1], {**good[1], "embedding": [0.0] * 5}], "row 1's embedding is zero or not finite"),
@@ -199,7 +210,7 @@ MSE_KINDS = {  # local batch, accumulation steps, options: the static model (8 w
 }
 
 
-def _mse_step(tmp: Path, kind: str) -> None:
+def _mse_step(tmp: Path, kind: str, suffix: str = ".parquet") -> None:
     """One step of `kind` with loss.distill=mse against cw x InfoNCE over the whole batch + w x the mean squared
     difference of every text's embedding to the file's (normalized) vector, written from the definition."""
     import torch.distributed as dist
@@ -211,7 +222,8 @@ def _mse_step(tmp: Path, kind: str) -> None:
     local, ga, args = MSE_KINDS[kind]
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    file = write_once(tmp / "mse.parquet", lambda: _write(tmp / "mse.parquet", _records(ROWS, width=8, seed=3)))
+    file = tmp / f"mse{suffix}"
+    write_once(file, lambda: _write(file, _records(ROWS, width=8, seed=3)))
     trainer = static_run(
         tmp, f"--training.local_batch_size={local}", f"--training.global_batch_size={local * ga * world}",
         "--loss.symmetric=false", "--loss.distill=mse", f"--loss.teacher_embeddings={file}", *args,
@@ -225,6 +237,7 @@ def _mse_step(tmp: Path, kind: str) -> None:
     cfg = trainer.cfg.loss
     want = cfg.contrastive_weight * defined_loss(model, every, False) if cfg.contrastive_weight else 0.0
     table = EmbeddingTable.read(str(file), "loss.teacher_embeddings")
+    assert table.vectors.mapped == (suffix == ".arrow")
     x = torch.cat(
         [
             defined_embeddings(model.query_embedding.weight, every["query"]),
@@ -245,23 +258,24 @@ def test_a_static_model_regressed_onto_embeddings_written_ahead_is_as_defined(tm
     _mse_step(tmp_path, kind)
 
 
-def _mse_distributed(tmp: str) -> None:
+def _mse_distributed(tmp: str, suffix: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    _mse_step(Path(tmp), "global")
+    _mse_step(Path(tmp), "global", suffix)
 
 
 @needs("hf", "data")
 @pytest.mark.slow  # two processes build a trainer each
-def test_mse_under_global_negatives_on_two_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("suffix", [".parquet", ".arrow"])  # .arrow: both ranks map one file's vectors
+def test_mse_under_global_negatives_on_two_ranks(tmp_path: Path, suffix: str) -> None:
     from tests.dist_utils import run_distributed
     from tests.test_static import _rows, static_folder
 
     static_folder(tmp_path)
     _rows(tmp_path)
-    run_distributed(_mse_distributed, 2, str(tmp_path))
+    run_distributed(_mse_distributed, 2, str(tmp_path), suffix)
 
 
 def parallel_rows(tmp: Path) -> list[tuple[str, str]]:

@@ -55,13 +55,13 @@ def test_every_key_finds_its_first_row_and_no_other() -> None:
 
 def test_digests_whose_high_halves_collide_are_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every high half cut to 3 bits: runs of hundreds of keys per high value, told apart by the low half."""
-    digests = text_index._digests
+    digests = text_index.digests
 
     def colliding(keys):
         high, low = digests(keys)
         return high & np.uint64(7), low
 
-    monkeypatch.setattr(text_index, "_digests", colliding)
+    monkeypatch.setattr(text_index, "digests", colliding)
     keys = _keys(2000, seed=2)
     index = TextIndex.of(keys)[0]
     assert len(np.unique(index.high)) <= 8

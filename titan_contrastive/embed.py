@@ -21,8 +21,9 @@ sources, is refused.
 `--device cuda:0,cuda:1,...` embeds on several devices at once, a process on each (sentence-transformers'
 multi-process pool: the texts in chunks, the rows in their order).
 
-FILE (`.parquet` or `.jsonl`) holds one row per (side, text): `side` (query or document), `text`, `embedding`
-(float32, as the model returns it). It is written under a temporary name beside it and renamed when complete,
+FILE (`.parquet`, `.jsonl`, or `.arrow`: an uncompressed Arrow IPC file, which every process of a training machine
+maps instead of reading, one copy of the vectors per machine) holds one row per (side, text): `side` (query or
+document), `text`, `embedding` (float32, as the model returns it). It is written under a temporary name beside it and renamed when complete,
 never over an existing file unless `--overwrite`, never the input. Bad arguments are one `error: ...` line and
 exit code 2, before any model is loaded. Needs the `hf` and `data` extras.
 """
@@ -42,7 +43,7 @@ from titan_contrastive.atomic_write import write_atomically
 from titan_contrastive.extras import import_failure
 from titan_contrastive.mining import MineError
 
-OUT_FORMATS = (".parquet", ".jsonl")
+OUT_FORMATS = (".parquet", ".jsonl", ".arrow")
 DOCUMENT_PROMPTS = ("document", "passage", "corpus")
 """The prompt names sentence-transformers' `encode_document` reads, in its order."""
 
@@ -56,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
         help="a bi_encoder or static step folder, or a sentence-transformers / transformers one ('': the bundled "
         "all-MiniLM-L6-v2)",
     )
-    p.add_argument("--out", type=Path, required=True, help="the file to write: .parquet or .jsonl")
+    p.add_argument("--out", type=Path, required=True, help="the file to write: .parquet, .jsonl or .arrow")
     p.add_argument("--columns", default="", help="query,positive[,negatives] column names (data.pairs_columns)")
     p.add_argument("--query-prompt", default=None, help="text before each query (default: the model's 'query' prompt)")
     p.add_argument(
@@ -166,12 +167,12 @@ def write(
     out: Path, sides: Sequence[tuple[str, list[str], np.ndarray]], metadata: dict[str, str] | None = None
 ) -> None:
     """(side, texts, their embeddings [n, d]) rows into `out` (by its suffix), through a temporary file; `metadata`:
-    key-value pairs a .parquet file keeps in its schema (a .jsonl file has none)."""
+    key-value pairs a .parquet or .arrow file keeps in its schema (a .jsonl file has none). An .arrow file is one
+    uncompressed record batch: its float32 vectors one contiguous block that readers map."""
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    def parquet(tmp: Path) -> None:
+    def columnar(tmp: Path) -> None:
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         vectors = np.concatenate([v for _, _, v in sides]).astype(np.float32)
         table = pa.table(
@@ -181,7 +182,14 @@ def write(
                 "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), vectors.shape[1]),
             }
         )
-        pq.write_table(table.replace_schema_metadata(metadata) if metadata else table, tmp)
+        table = table.replace_schema_metadata(metadata) if metadata else table
+        if out.suffix == ".arrow":
+            with pa.ipc.new_file(str(tmp), table.schema) as writer:
+                writer.write_table(table)
+        else:
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, tmp)
 
     def jsonl(tmp: Path) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -189,7 +197,7 @@ def write(
                 for text, vector in zip(texts, vectors.astype(np.float32).tolist()):
                     f.write(json.dumps({"side": side, "text": text, "embedding": vector}, ensure_ascii=False) + "\n")
 
-    write_atomically(out, parquet if out.suffix == ".parquet" else jsonl)
+    write_atomically(out, jsonl if out.suffix == ".jsonl" else columnar)
 
 
 def run(opts: argparse.Namespace) -> tuple[Path, int, int, int]:

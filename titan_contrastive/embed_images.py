@@ -20,11 +20,12 @@ samples on its LOCAL_RANK's GPU (or on CPU, the cores split), then the captions 
 shards in order, in pieces of `PIECE_ROWS` rows per rank through the device, onto its host alone, and writes the rows
 one process writes.
 
-FILE (`.parquet` or `.jsonl`) holds one row per image (and per view) and per caption: `side` (`image` or `caption`),
+FILE (`.parquet`, `.jsonl`, or `.arrow`: mapped by every process of a training machine, one copy of the vectors per
+machine, as `embed` writes it) holds one row per image (and per view) and per caption: `side` (`image` or `caption`),
 `text` (the image's key, the SHA-1 of its bytes as stored: `datasets.image_keys`, with `#v` for view v; or the caption)
-and `embedding` (float32, as the teacher returns it); a .parquet file keeps the teacher's logit scale in its metadata,
-whose temperature the start log prints. It is written under a temporary name beside it and renamed when complete, never
-over an existing file unless `--overwrite`. Then train with `--loss.teacher_embeddings=FILE --loss.teacher_model=''`.
+and `embedding` (float32, as the teacher returns it); a .parquet or .arrow file keeps the teacher's logit scale in its
+metadata, whose temperature the start log prints. It is written under a temporary name beside it and renamed when
+complete, never over an existing file unless `--overwrite`. Then train with `--loss.teacher_embeddings=FILE --loss.teacher_model=''`.
 Bad arguments are one `error: ...` line and exit code 2, before any model is loaded."""
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m titan_contrastive.embed_images", description=__doc__.split("\n\n")[0], allow_abbrev=False
     )
-    p.add_argument("--out", type=Path, required=True, help="the file to write: .parquet or .jsonl")
+    p.add_argument("--out", type=Path, required=True, help="the file to write: .parquet, .jsonl or .arrow")
     p.add_argument("--batch-size", type=int, default=256, help="samples per forward (default: 256)")
     p.add_argument("--device", default="", help="cpu, cuda, cuda:1 ... (default: cuda if there is one, else cpu)")
     p.add_argument(

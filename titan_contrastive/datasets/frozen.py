@@ -3,15 +3,17 @@
 `python -m titan_contrastive.embed` or by anything else (an embedding API, another framework), so no
 frozen model runs during the steps.
 
-The file is `.parquet` or `.jsonl`, one text per row: `text`, `embedding` (a list of numbers, the
-same length on every row) and optionally `side` (`query` or `document`). With sides, a row's query is
+The file is `.parquet`, `.jsonl` or `.arrow` (an Arrow IPC file, Feather v2), one text per row: `text`, `embedding`
+(a list of numbers, the same length on every row) and optionally `side` (`query` or `document`). With sides, a row's query is
 looked up as ("query", text) and its positive and negatives as ("document", text), so a teacher that
 embeds queries with an instruction keeps both of its embeddings of a text; without, one embedding per
 text serves either side. Texts are matched after stripping surrounding whitespace, as the pairs reader
 strips them (`datasets/pairs.py`), and without the run's own prompts (`data.query_prompts`).
 
-The table is read once (float32, [T, d]; where each text's row is: `text_index.TextIndex`, arrays that forked data
-workers share untouched); each row of the training data keeps the indices of its
+The table is read once (`Vectors`, float32 [T, d]; where each text's row is: `text_index.TextIndex`, arrays that
+forked data workers share untouched). An uncompressed .arrow file of float32 lists is not read into memory but mapped:
+every rank and data worker of a machine reads the same pages of it, one copy of the vectors per machine at any scale
+(the others: one per rank). Each row of the training data keeps the indices of its
 1 + 1 + k texts, and a batch serves `frozen_query` [B, d] and `frozen_doc` [B, d] or [B, 1 + k, d]
 (`batching.FROZEN_QUERIES`, `FROZEN_DOCS`), which the step normalizes and gathers over the ranks as a
 guide model's embeddings (`StepContext.guide_of`, `losses/guide.py`). A text of the data without an
@@ -28,8 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,15 +42,57 @@ import numpy as np
 import torch
 
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.text_index import TextIndex
+from titan_contrastive.datasets.text_index import TextIndex, digests
 
-FORMATS = (".parquet", ".jsonl")
+logger = logging.getLogger("titan_contrastive")
+
+FORMATS = (".parquet", ".jsonl", ".arrow")
 SIDES = ("query", "document")
 IMAGE_TEXT_SIDES = ("image", "caption")
 """An image-text file's sides: an image row's `text` is its key (`image_key`), a caption row's the caption."""
 TEACHER_LOGIT_SCALE = "teacher_logit_scale"
-"""The .parquet schema metadata key of the teacher's own logit scale (its temperature is 1 / exp of it)."""
+"""The .parquet / .arrow schema metadata key of the teacher's own logit scale (its temperature is 1 / exp of it)."""
 EMBED_IMAGES = "python -m titan_contrastive.embed_images --out FILE.parquet --job.config_file RUN.toml"
+Part = tuple[list[Any], "list[Any] | None"]
+"""A part of a file's rows: their texts and their sides (None: the file has no side column)."""
+
+
+class Vectors:
+    """A table's embeddings [T, d] (float32) in row chunks: one held in memory (.jsonl), a .parquet file's row
+    groups, or an .arrow file's record batches mapped from the file, whose pages the operating system keeps once
+    per machine for every rank and data worker that reads them."""
+
+    def __init__(self, chunks: Sequence[torch.Tensor], within: tuple[int, int] = (0, 0)) -> None:
+        self.chunks = [c for c in chunks if len(c)]
+        self.starts = np.cumsum([0, *(len(c) for c in self.chunks)])
+        self.mapped = bool(self.chunks) and all(within[0] <= c.data_ptr() < within[1] for c in self.chunks)
+        """Every chunk lies in the memory map `within` (start and end addresses): read from the file's pages."""
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def dim(self) -> int:
+        return self.chunks[0].shape[1]
+
+    def __getitem__(self, rows: torch.Tensor | int) -> torch.Tensor:
+        """float32 [*rows.shape, d]: a copy of the rows at `rows` (int64 of any shape, or an int)."""
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        flat = rows.reshape(-1)
+        if len(self.chunks) == 1:
+            return self.chunks[0].index_select(0, flat).view(*rows.shape, self.dim)
+        which = np.searchsorted(self.starts, flat.numpy(), side="right") - 1
+        out = torch.empty(len(flat), self.dim)
+        for c in np.unique(which):
+            at = torch.from_numpy(np.flatnonzero(which == c))
+            out[at] = self.chunks[c].index_select(0, flat[at] - int(self.starts[c]))
+        return out.view(*rows.shape, self.dim)
+
+    def blocks(self, size: int = 1 << 16) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, rows) at most `size` rows at a time."""
+        for start, chunk in zip(self.starts.tolist(), self.chunks):
+            for s in range(0, len(chunk), size):
+                yield start + s, chunk[s : s + size]
 
 
 @dataclass(frozen=True)
@@ -54,7 +100,7 @@ class EmbeddingTable:
     """The file's embeddings `vectors` [T, d] and where each text's is: `index` finds (side, text), or
     ("", text) for a file without sides, in its rows (`text_index.TextIndex`)."""
 
-    vectors: torch.Tensor
+    vectors: Vectors
     index: TextIndex
     sided: bool
     source: str
@@ -73,57 +119,73 @@ class EmbeddingTable:
                 f"{key}={path}: not an existing {'/'.join(FORMATS)} file; write one with "
                 "python -m titan_contrastive.embed PAIRS --model TEACHER --out FILE.parquet"
             )
+        source = f"{key}={path}"
         try:
-            texts, sides, vectors = _read_parquet(file) if file.suffix == ".parquet" else _read_jsonl(file)
+            if file.suffix == ".jsonl":
+                parts, vectors, metadata = _read_jsonl(file)
+            else:
+                parts, vectors, metadata = _read_arrow_table(file)
         except DataError as e:  # the file's own problem, named with the key
-            raise DataError(f"{key}={path}: {e}") from None
+            raise DataError(f"{source}: {e}") from None
         except Exception as e:  # noqa: BLE001 - pyarrow's and json's errors for a damaged file
-            raise DataError(f"{key}={path}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
-        table = cls._checked(f"{key}={path}", texts, sides, vectors)
-        return (
-            dataclasses.replace(table, logit_scale=_logit_scale(file, table.source))
-            if file.suffix == ".parquet"
-            else table
-        )
+            raise DataError(f"{source}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
+        table = cls._checked(source, parts, vectors)
+        if file.suffix == ".arrow" and not vectors.mapped:
+            logger.warning(
+                f"warning: {source}: its vectors are held in this process's memory, not mapped from the file (they "
+                "are compressed, not float32, or hold nulls); write it uncompressed with float32 lists "
+                "(python -m titan_contrastive.embed --out FILE.arrow) so that every process of the machine reads one "
+                "copy"
+            )
+        return dataclasses.replace(table, logit_scale=_logit_scale(metadata, source))
 
     @classmethod
-    def _checked(cls, source: str, texts: list[Any], sides: list[Any] | None, vectors: torch.Tensor) -> EmbeddingTable:
-        if not len(texts):
+    def _checked(cls, source: str, parts: Callable[[], Iterator[Part]], vectors: Vectors) -> EmbeddingTable:
+        """The table of the file's `parts` (its texts and sides, read a part at a time) and `vectors`, checked."""
+        if not len(vectors):
             raise DataError(f"{source}: no rows; give one row per text (text, embedding[, side])")
-        bad = ~torch.isfinite(vectors).all(1) | (vectors.abs().sum(1) == 0)
-        if bad.any():
-            raise DataError(
-                f"{source}: row {int(bad.nonzero()[0])}'s embedding is zero or not finite; a cosine needs a finite, "
-                "non-zero vector"
-            )
-        views = 0
-        keys: list[tuple[str, str]] = []
-        for row, text in enumerate(texts):
-            side = "" if sides is None else sides[row]
-            if side not in ("", *SIDES, *IMAGE_TEXT_SIDES) or (sides is not None and not side):
+        for start, block in vectors.blocks():  # without a [T, d] temporary
+            bad = ~torch.isfinite(block).all(1) | (block.abs().sum(1) == 0)
+            if bad.any():
                 raise DataError(
-                    f"{source}: row {row}'s side is {side!r}; use query or document (or no side column), or image "
-                    "and caption for image-text data"
+                    f"{source}: row {start + int(bad.nonzero()[0])}'s embedding is zero or not finite; a cosine "
+                    "needs a finite, non-zero vector"
                 )
-            if not isinstance(text, str) or not text.strip():
-                raise DataError(f"{source}: row {row}'s text is {text!r}; give the text the embedding is of")
-            if side == "image" and "#" in text:
-                views = max(views, _view_of(source, row, text) + 1)
-            keys.append((side, text.strip()))
-        index, later, first = TextIndex.of(keys)
+        views, row, sided, seen, high, low = 0, 0, False, set(), [], []
+        for texts, sides in parts():
+            keys: list[tuple[str, str]] = []
+            for at, text in enumerate(texts):
+                side = "" if sides is None else sides[at]
+                if side not in ("", *SIDES, *IMAGE_TEXT_SIDES) or (sides is not None and not side):
+                    raise DataError(
+                        f"{source}: row {row}'s side is {side!r}; use query or document (or no side column), or "
+                        "image and caption for image-text data"
+                    )
+                if not isinstance(text, str) or not text.strip():
+                    raise DataError(f"{source}: row {row}'s text is {text!r}; give the text the embedding is of")
+                if side == "image" and "#" in text:
+                    views = max(views, _view_of(source, row, text) + 1)
+                keys.append((side, text.strip()))
+                row += 1
+            sided = sides is not None
+            seen.update(side for side, _ in keys)
+            part_high, part_low = digests(keys)
+            high.append(part_high)
+            low.append(part_low)
+        index, later, first = TextIndex.from_digests(np.concatenate(high), np.concatenate(low), frozenset(seen))
         differ = (vectors[torch.from_numpy(later)] != vectors[torch.from_numpy(first)]).any(1).nonzero()
         if len(differ):
             at = int(differ[0])
-            side, text = keys[later[at]]
+            side, text = _key_at(parts, int(later[at]))
             raise DataError(
                 f"{source}: rows {first[at]} and {later[at]} give {side + ' ' if side else ''}text {text[:60]!r} "
                 "two different embeddings; keep one"
             )
-        return cls(vectors, index, sides is not None, source, views=views)
+        return cls(vectors, index, sided, source, views=views)
 
     @property
     def dim(self) -> int:
-        return self.vectors.shape[1]
+        return self.vectors.dim
 
     def check_image_text(self) -> None:
         """A DataError unless the file has image and caption rows (what image-text data looks up)."""
@@ -179,11 +241,18 @@ def _view_of(source: str, row: int, text: str) -> int:
     return int(view)
 
 
-def _logit_scale(file: Path, source: str) -> float | None:
-    """The teacher's logit scale a .parquet file keeps in its schema's metadata, or None."""
-    import pyarrow.parquet as pq
+def _key_at(parts: Callable[[], Iterator[Part]], row: int) -> tuple[str, str]:
+    """(side, text) of the file's `row` (for a message)."""
+    for texts, sides in parts():
+        if row < len(texts):
+            return ("" if sides is None else sides[row]), texts[row].strip()
+        row -= len(texts)
+    raise IndexError(row)
 
-    value = (pq.read_schema(file).metadata or {}).get(TEACHER_LOGIT_SCALE.encode())
+
+def _logit_scale(metadata: dict[bytes, bytes] | None, source: str) -> float | None:
+    """The teacher's logit scale a .parquet or .arrow file keeps in its schema's metadata, or None."""
+    value = (metadata or {}).get(TEACHER_LOGIT_SCALE.encode())
     if value is None:
         return None
     try:
@@ -195,25 +264,63 @@ def _logit_scale(file: Path, source: str) -> float | None:
     return scale
 
 
-def _read_parquet(file: Path) -> tuple[list[Any], list[Any] | None, torch.Tensor]:
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
+def _read_arrow_table(file: Path) -> tuple[Callable[[], Iterator[Part]], Vectors, dict[bytes, bytes] | None]:
+    """(parts, vectors, schema metadata) of a .parquet file (read into memory) or an .arrow file (Arrow IPC, mapped:
+    its uncompressed float32 vectors stay in the file's pages)."""
+    import pyarrow as pa
 
-    table = pq.read_table(file)
+    if file.suffix == ".arrow":
+        mapped = pa.memory_map(str(file))
+        table = pa.ipc.open_file(mapped).read_all()
+        mapped.seek(0)
+        span = mapped.read_buffer()  # the whole map, not copied
+        within = (span.address, span.address + span.size)
+    else:
+        import pyarrow.parquet as pq
+
+        table, within = pq.read_table(file), (0, 0)
     _check_names(table.column_names)
-    column = table.column("embedding").combine_chunks()
-    if not hasattr(column, "flatten") or pc.any(pc.is_null(column)).as_py():
-        raise DataError(f"its embedding column holds {column.type}; give a list of numbers per row")
-    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
-    values = column.flatten().to_numpy(zero_copy_only=False)
-    sides = table.column("side").to_pylist() if "side" in table.column_names else None
-    return table.column("text").to_pylist(), sides, _stacked(lengths, values)
+    chunks = table.column("embedding").chunks
+    if not all(_is_list(c.type) and not c.null_count for c in chunks):
+        raise DataError(f"its embedding column holds {table.column('embedding').type}; give a list of numbers per row")
+    vectors = Vectors(_chunk_vectors(chunks), within)
+    sided = "side" in table.column_names
+
+    def parts() -> Iterator[Part]:
+        for batch in table.to_batches():
+            yield batch.column("text").to_pylist(), batch.column("side").to_pylist() if sided else None
+
+    return parts, vectors, table.schema.metadata
 
 
-def _read_jsonl(file: Path) -> tuple[list[Any], list[Any] | None, torch.Tensor]:
+def _is_list(kind: Any) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+
+
+def _chunk_vectors(chunks: Sequence[Any]) -> list[torch.Tensor]:
+    """float32 [n, d] per chunk of a list column, without a copy where the numbers are float32 already; a DataError
+    unless every row holds the same d >= 1 numbers."""
+    import pyarrow.compute as pc
+
+    lengths = [pc.list_value_length(c).to_numpy(zero_copy_only=False) for c in chunks]
+    if not sum(map(len, lengths)):
+        return []
+    _width(np.concatenate(lengths))
+    out = []
+    for chunk, n in zip(chunks, lengths):
+        numbers = chunk.flatten()
+        if numbers.null_count:
+            raise DataError("an embedding holding a null; give numbers only")
+        out.append(_stacked(n, numbers.to_numpy(zero_copy_only=False)))
+    return out
+
+
+def _read_jsonl(file: Path) -> tuple[Callable[[], Iterator[Part]], Vectors, None]:
     records = [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not records:
-        return [], None, torch.zeros(0, 1)
+        return lambda: iter([]), Vectors([]), None
     if not all(isinstance(r, dict) for r in records):
         raise DataError("every line must be a JSON object (text, embedding[, side])")
     names = list(records[0]) if records else []
@@ -223,9 +330,10 @@ def _read_jsonl(file: Path) -> tuple[list[Any], list[Any] | None, torch.Tensor]:
     if not all(isinstance(v, list) and all(isinstance(x, (int, float)) for x in v) for v in vectors):
         raise DataError("an embedding that is not a list of numbers; give one per line")
     lengths = [len(v) for v in vectors]
+    _width(lengths)
     values = [x for v in vectors for x in v]
-    texts = [r.get("text") for r in records]
-    return texts, [r.get("side") for r in records] if sided else None, _stacked(lengths, values)
+    part = ([r.get("text") for r in records], [r.get("side") for r in records] if sided else None)
+    return lambda: iter([part]), Vectors([_stacked(lengths, values)]), None
 
 
 def _check_names(names: Sequence[str]) -> None:
@@ -235,13 +343,20 @@ def _check_names(names: Sequence[str]) -> None:
         )
 
 
-def _stacked(lengths: Sequence[int], values: Any) -> torch.Tensor:
-    """[T, d] float32 of the flat `values` of rows of `lengths`, which must all be one d >= 1."""
+def _width(lengths: Sequence[int]) -> int:
+    """The one d >= 1 of rows of `lengths`, or a DataError."""
     widths = sorted({int(n) for n in lengths})
-    if not widths:
-        return torch.zeros(0, 1)
     if len(widths) != 1 or widths[0] < 1:
         raise DataError(
             f"embeddings of {', '.join(map(str, widths[:4]))} numbers; every row's must have the same length"
         )
-    return torch.from_numpy(np.array(values, dtype=np.float32)).view(len(lengths), widths[0])
+    return widths[0]
+
+
+def _stacked(lengths: Sequence[int], values: Any) -> torch.Tensor:
+    """[n, d] float32 of the flat `values` of rows of `lengths` (one d, `_width`); a view of float32 numbers."""
+    numbers = np.asarray(values, dtype=np.float32)
+    with warnings.catch_warnings():  # the file's mapped pages are read-only; the rows served are copies
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        flat = torch.from_numpy(numbers)
+    return flat.view(len(lengths), -1) if len(lengths) else flat.view(0, 1)

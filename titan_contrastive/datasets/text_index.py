@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["TextIndex"]
+__all__ = ["TextIndex", "digests"]
 
 
-def _digests(keys: Sequence[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+def digests(keys: Sequence[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray]:
     """(high, low) uint64 halves of each key's BLAKE2b-128 digest."""
     raw = b"".join(hashlib.blake2b(f"{side}\0{text}".encode(), digest_size=16).digest() for side, text in keys)
     halves = np.frombuffer(raw, dtype=">u8").reshape(-1, 2).astype(np.uint64)
@@ -34,7 +34,14 @@ class TextIndex:
     def of(cls, keys: Sequence[tuple[str, str]]) -> tuple[TextIndex, np.ndarray, np.ndarray]:
         """(the index of `keys`, one per row of the table, naming each key's first row; the rows that repeat an
         earlier key, and the first row of each) in row order."""
-        high, low = _digests(keys)
+        high, low = digests(keys)
+        return cls.from_digests(high, low, frozenset(s for s, _ in keys))
+
+    @classmethod
+    def from_digests(
+        cls, high: np.ndarray, low: np.ndarray, sides: frozenset[str]
+    ) -> tuple[TextIndex, np.ndarray, np.ndarray]:
+        """`of`, from the keys' `digests` (row order; a table read in parts hashes each part)."""
         order = np.lexsort((low, high))  # stable: equal keys keep their row order
         high, low = high[order], low[order]
         repeat = np.zeros(len(order), dtype=bool)
@@ -42,14 +49,14 @@ class TextIndex:
         first = order[np.maximum.accumulate(np.where(repeat, 0, np.arange(len(order))))]  # each run's first row
         later, of_first = order[repeat], first[repeat]
         by_row = np.argsort(later, kind="stable")
-        index = cls(high[~repeat], low[~repeat], order[~repeat].astype(np.int64), frozenset(s for s, _ in keys))
+        index = cls(high[~repeat], low[~repeat], order[~repeat].astype(np.int64), sides)
         return index, later[by_row], of_first[by_row]
 
     def find(self, keys: Sequence[tuple[str, str]]) -> np.ndarray:
         """int64 [len(keys)]: each key's row, -1 where the table has none."""
         if not keys:
             return np.empty(0, dtype=np.int64)
-        high, low = _digests(keys)
+        high, low = digests(keys)
         at = np.minimum(np.searchsorted(self.high, high), len(self.high) - 1)
         found = (self.high[at] == high) & (self.low[at] == low)
         rows = np.where(found, self.rows[at], -1)

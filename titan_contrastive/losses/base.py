@@ -64,8 +64,13 @@ class Ranks:
         self.rank = dist.get_rank(self.group) if self.world > 1 else 0
 
     def gather(self, x: Tensor) -> Tensor:
-        """Every rank's `x`, concatenated in rank order along dim 0 (no gradient)."""
-        return all_gather_tensor(x, self.group) if self.world > 1 else x
+        """Every rank's `x`, concatenated in rank order along dim 0 (no gradient); bool flags sent as bytes (gloo
+        gathers no bool tensors)."""
+        if self.world == 1:
+            return x
+        if x.dtype == torch.bool:
+            return all_gather_tensor(x.to(torch.uint8), self.group).bool()
+        return all_gather_tensor(x, self.group)
 
     def gather_with_grad(self, x: Tensor) -> Tensor:
         """`gather`, with the gradient of every rank's copy summed back into `x`."""
@@ -421,7 +426,7 @@ class MicrobatchLoss:
         step = None if self.step is None else self.step()
         objective = at_step(self.objective if guide is None else self.objective.with_guide(guide), step)
         if own_only is not None:
-            objective = own_documents_only(objective, self.ranks.gather(own_only.to(torch.uint8)).bool())
+            objective = own_documents_only(objective, self.ranks.gather(own_only))
         if teacher is not None:
             objective = bind_teacher(objective, teacher, self.ranks)
         return objective.microbatch(q, split_documents(docs), scale, bias, split, self.ranks)

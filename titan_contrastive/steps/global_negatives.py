@@ -194,7 +194,7 @@ class StreamingClipStep:
             col_ids = columns(self.ranks.gather(pos_ids), None if neg_ids is None else self.ranks.gather(neg_ids))
         objective = at_step(self.objective if guide is None else self.objective.with_guide(guide), step)
         if own_only is not None:
-            objective = own_documents_only(objective, self.ranks.gather(own_only.to(torch.uint8)).bool())
+            objective = own_documents_only(objective, self.ranks.gather(own_only))
         if teacher is not None:
             objective = bind_teacher(objective, teacher, self.ranks)
         result = self._streamed(objective, zx_local, docs, s, b, n, c, col_ids)
