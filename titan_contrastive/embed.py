@@ -21,10 +21,10 @@ sources, is refused.
 `--device cuda:0,cuda:1,...` embeds on several devices at once, a process on each (sentence-transformers'
 multi-process pool: the texts in chunks, the rows in their order).
 
-FILE (`.parquet`, `.jsonl`, or `.arrow`: an uncompressed Arrow IPC file, which every process of a training machine
-maps instead of reading, one copy of the vectors per machine) holds one row per (side, text): `side` (query or
-document), `text`, `embedding` (float32, as the model returns it). It is written under a temporary name beside it and renamed when complete,
-never over an existing file unless `--overwrite`, never the input. Bad arguments are one `error: ...` line and
+FILE (`.parquet`, `.jsonl`, or `.arrow`: an uncompressed Arrow IPC file, which every process of a training machine maps
+instead of reading, one copy of the vectors per machine) holds one row per (side, text): `side` (query or document),
+`text`, `embedding` (float32, as the model returns it). It is written under a temporary name beside it and renamed when
+complete, never over an existing file unless `--overwrite`, never the input. Bad arguments are one `error: ...` line and
 exit code 2, before any model is loaded. Needs the `hf` and `data` extras.
 """
 

@@ -3,12 +3,12 @@
 `python -m titan_contrastive.embed` or by anything else (an embedding API, another framework), so no
 frozen model runs during the steps.
 
-The file is `.parquet`, `.jsonl` or `.arrow` (an Arrow IPC file, Feather v2), one text per row: `text`, `embedding`
-(a list of numbers, the same length on every row) and optionally `side` (`query` or `document`). With sides, a row's query is
-looked up as ("query", text) and its positive and negatives as ("document", text), so a teacher that
-embeds queries with an instruction keeps both of its embeddings of a text; without, one embedding per
-text serves either side. Texts are matched after stripping surrounding whitespace, as the pairs reader
-strips them (`datasets/pairs.py`), and without the run's own prompts (`data.query_prompts`).
+The file is `.parquet`, `.jsonl` or `.arrow` (an Arrow IPC file, Feather v2), one text per row: `text`, `embedding` (a
+list of numbers, the same length on every row) and optionally `side` (`query` or `document`). With sides, a row's query
+is looked up as ("query", text) and its positive and negatives as ("document", text), so a teacher that embeds queries
+with an instruction keeps both of its embeddings of a text; without, one embedding per text serves either side. Texts
+are matched after stripping surrounding whitespace, as the pairs reader strips them (`datasets/pairs.py`), and without
+the run's own prompts (`data.query_prompts`).
 
 The table is read once (`Vectors`, float32 [T, d]; where each text's row is: `text_index.TextIndex`, arrays that
 forked data workers share untouched). An uncompressed .arrow file of float32 lists is not read into memory but mapped:
