@@ -130,7 +130,7 @@ class EmbeddingTable:
         except Exception as e:  # noqa: BLE001 - pyarrow's and json's errors for a damaged file
             raise DataError(f"{source}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
         table = cls._checked(source, parts, vectors)
-        if file.suffix != ".jsonl":  # the pages pyarrow decoded a .parquet file through, back to the system
+        if file.suffix != ".jsonl":  # pages pyarrow decoded or decompressed the file through, back to the system
             import pyarrow as pa
 
             pa.default_memory_pool().release_unused()
