@@ -15,6 +15,11 @@ datasets store a few augmentations per image: the student sees exactly what the 
 can serve (with its negative captions, and for the bundled sets each template of each class) is embedded once. A bad
 sample is skipped, as training skips it.
 
+On vl_pairs rows (the qwen_vl family) the run's Qwen-VL teacher embeds each query and each document an epoch can serve,
+every hard negative of every row included, once, each through the run's processor with its side's template (a source's
+own, else the model's), as the running teacher reads them; the file's rows are `query` and `document`, keyed by the
+filled template with the image's SHA-1 where its visual tokens go (`datasets.vl_items`).
+
 Under `torchrun --nproc_per_node=N -m titan_contrastive.embed_images ...` each rank embeds a contiguous shard of the
 samples on its LOCAL_RANK's GPU (or on CPU, the cores split), then the captions its samples serve; rank 0 gathers the
 shards in order, in pieces of `PIECE_ROWS` rows per rank through the device, onto its host alone, and writes the rows
@@ -46,7 +51,8 @@ import torch.distributed as dist
 from titan_contrastive.components.precision import at_least_fp32, build_precision
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.frozen import TEACHER_LOGIT_SCALE
+from titan_contrastive.datasets.frozen import PROCESSED, TEACHER_LOGIT_SCALE
+from titan_contrastive.datasets.vl_items import FILE_SIDES, ItemChunks
 from titan_contrastive.embed import OUT_FORMATS, write
 from titan_contrastive.extras import import_failure
 from titan_contrastive.mining import MineError
@@ -89,10 +95,10 @@ def check(opts: argparse.Namespace, cfg: JobConfig) -> tuple[Path, JobConfig]:
         raise MineError(
             "loss.teacher_model is empty: embed_images embeds with the run's teacher; set --loss.teacher_model=FOLDER"
         )
-    if cfg.data.dataset in ("pairs", "wordnet", "vl_pairs"):
+    if cfg.data.dataset in ("pairs", "wordnet"):
         raise MineError(
-            f"data.dataset={cfg.data.dataset!r}: embed_images embeds image-text data; for text pairs use "
-            "python -m titan_contrastive.embed PAIRS --model TEACHER --out FILE"
+            f"data.dataset={cfg.data.dataset!r}: embed_images embeds image-text data and vl_pairs rows; for text pairs "
+            "use python -m titan_contrastive.embed PAIRS --model TEACHER --out FILE"
         )
     distill = loss.distill or ("kl" if loss.teacher_model else "")  # a teacher's config checks out without a term
     loss = dataclasses.replace(loss, teacher_embeddings="", guide_embeddings="", distill=distill)
@@ -197,7 +203,7 @@ def embed(
     workers: int = 0,
     *,
     rank: int = 0,
-    world_size: int = 1,
+    world: int = 1,
     views: int = 0,
 ) -> list[tuple] | None:
     """(side, keys or captions, embeddings [n, d]) of every image of `train` at its fixed view (`fixed_view`) and at
@@ -206,17 +212,11 @@ def embed(
     and rank 0 gathers the shards in order and keeps each key's first row, so the rows are those of one process."""
     image_key, text_key = spec.input_keys
     dtype = next(teacher.parameters()).dtype
-    shards = np.array_split(np.arange(len(train)), world_size)
+    shards = np.array_split(np.arange(len(train)), world)
     mine = shards[rank].tolist()
 
     def gathered(keys: list[str], vectors: torch.Tensor) -> tuple[list[str], np.ndarray] | None:
-        """Every rank's (keys, vectors) on rank 0, each key's first row kept."""
-        counts = [len(keys)]
-        if world_size > 1:
-            counts = [0] * world_size
-            dist.all_gather_object(counts, len(keys))
-        keys, vectors = gather_lists(keys, world_size), gather_to_first(vectors, counts)
-        return None if keys is None else first_rows(keys, vectors.numpy())
+        return gather_rows(keys, vectors, world)
 
     def images_at(view: int | None) -> tuple[tuple[list[str], np.ndarray] | None, torch.Tensor, list[str]]:
         """Every sample's image key and its image's embedding at `view`, on rank 0; no row of such embeddings (their
@@ -245,6 +245,44 @@ def embed(
     return None if images is None else [("image", *images), ("caption", *captioned)]
 
 
+def gather_rows(keys: list[str], vectors: torch.Tensor, world_size: int) -> tuple[list[str], np.ndarray] | None:
+    """Every rank's (keys, vectors) on rank 0, in rank order, each key's first row kept; None on the other ranks."""
+    counts = [len(keys)]
+    if world_size > 1:
+        counts = [0] * world_size
+        dist.all_gather_object(counts, len(keys))
+    keys, vectors = gather_lists(keys, world_size), gather_to_first(vectors, counts)
+    return None if keys is None else first_rows(keys, vectors.numpy())
+
+
+@torch.no_grad()
+def embed_items(
+    train: Any, teacher: Any, batch_size: int, device: torch.device, workers: int = 0, *, rank: int = 0, world: int = 1
+) -> list[tuple] | None:
+    """(side, keys, embeddings [n, d]) of every query and document of vl_pairs rows (`VLPairsDataset.frozen_items`,
+    keyed as `datasets.vl_items` says) by the run's qwen_vl teacher (`QwenVLEmbedder.embed`), on rank 0 (None on the
+    others): rank r embeds the r-th contiguous shard of each side's items (their images decoded by `workers`
+    processes), and rank 0 gathers the shards in order and keeps each key's first row."""
+    dtype = next(teacher.parameters()).dtype
+    out, found = [], train.frozen_items()
+    for own, side in FILE_SIDES.items():
+        mine = [found[side][i] for i in np.array_split(np.arange(len(found[side])), world)[rank]]
+        keys, rows = [], []
+        chunks = ItemChunks(train, side, mine, batch_size)
+        for inputs, chunk_keys in torch.utils.data.DataLoader(chunks, batch_size=None, num_workers=workers):
+            if chunk_keys:
+                rows.append(at_least_fp32(teacher.embed(**on(inputs, device, dtype), side=own)))
+                keys += chunk_keys
+        widths = [rows[0].shape[1] if rows else 0]
+        if world > 1:  # a rank whose items are all bad, or none, sends no rows of the others' width
+            widths = [0] * world
+            dist.all_gather_object(widths, rows[0].shape[1] if rows else 0)
+        kind = torch.promote_types(dtype, torch.float32)
+        local = torch.cat(rows) if rows else torch.zeros(0, max(widths), dtype=kind, device=device)
+        out.append((side, gather_rows(keys, local, world)))
+    return None if rank else [(side, *rows) for side, rows in out]
+
+
 def first_rows(keys: list[str], vectors: np.ndarray) -> tuple[list[str], np.ndarray]:
     """Each distinct key (the first sample of each image) and its row of `vectors`."""
     first: dict[str, int] = {}
@@ -266,42 +304,47 @@ def join(device: str) -> DistInfo:
     return init_distributed(device or "auto")
 
 
-def run(opts: argparse.Namespace, overrides: list[str]) -> tuple[Path, int, int, int]:
-    """Embed and write; (the file, images, captions, the embeddings' width)."""
+def run(opts: argparse.Namespace, overrides: list[str]) -> tuple[Path, str]:
+    """Embed and write; (the file, what it holds)."""
     from titan_contrastive.models.build import build_guide
 
     out, cfg = check(opts, parse_args(overrides))
     info = join(opts.device)
     precision = build_precision(cfg.training, fsdp=False, device=info.device)
     spec, train, sized = build(cfg)
-    if not hasattr(train, "fixed_view"):
+    rows = hasattr(train, "frozen_items")  # vl_pairs: each side's items
+    if not (rows or hasattr(train, "fixed_view")):
         raise MineError(f"data.dataset={cfg.data.dataset!r}: not image-text data embed_images can read")
+    if not rows and train.processed:
+        raise MineError(PROCESSED)
+    if rows and opts.views:
+        raise MineError(f"--views={opts.views}: vl_pairs images are served as they are, one view; leave --views out")
     if opts.views:
         train.view([0], 0)  # a DataError where the train split serves no views
     teacher = build_guide(spec, cfg, sized, precision.param_dtype, info.device)  # in eval mode
+    where = dict(rank=info.rank, world=info.world_size)
     with precision.autocast():  # the run's mixed precision, as its running teacher computes
-        sides = embed(
-            spec,
-            train,
-            teacher,
-            opts.batch_size,
-            info.device,
-            cfg.data.num_workers,
-            rank=info.rank,
-            world_size=info.world_size,
-            views=opts.views,
-        )
+        if rows:
+            sides = embed_items(train, teacher, opts.batch_size, info.device, cfg.data.num_workers, **where)
+        else:
+            sides = embed(
+                spec, train, teacher, opts.batch_size, info.device, cfg.data.num_workers, **where, views=opts.views
+            )
     own = spec.guide_temperature  # a CLIP's or SigLIP's trained scale, which distill_temperature = 0 reads
     if sides is None:  # another rank's: rank 0 writes
-        return out, 0, 0, 0
+        return out, ""
     write(out, sides, {TEACHER_LOGIT_SCALE: repr(teacher.logit_scale.item())} if own else None)
-    return out, len(sides[0][1]) // (1 + opts.views), len(sides[1][1]), sides[0][2].shape[1]
+    width = f"{sides[0][2].shape[1]}-wide embeddings of"
+    if rows:
+        return out, f"{width} {len(sides[0][1])} queries and {len(sides[1][1])} documents"
+    views = f" (and {opts.views} train views of each)" if opts.views else ""
+    return out, f"{width} {len(sides[0][1]) // (1 + opts.views)} image(s){views} and {len(sides[1][1])} caption(s)"
 
 
 def main(argv: list[str] | None = None) -> int:
     opts, overrides = parser().parse_known_args(argv)
     try:
-        out, images, captions, width = run(opts, overrides)
+        out, held = run(opts, overrides)
     except ImportError as e:
         print(f"error: {import_failure(e, 'embedding images', 'data')}", file=sys.stderr)
         return 2
@@ -310,8 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     destroy_distributed(barrier=True)  # every rank waits for rank 0's file
     if int(os.environ.get("RANK", "0")) == 0:
-        views = f" (and {opts.views} train views of each)" if opts.views else ""
-        print(f"wrote {out}: {width}-wide embeddings of {images} image(s){views} and {captions} caption(s)")
+        print(f"wrote {out}: {held}")
     return 0
 
 

@@ -225,6 +225,11 @@ class ImageTextDataset:
         self._shift = torch.full_like(self._shift, -1.0)
         self.image_shape = (self.image_shape[0], self._sizes[-1], self._sizes[-1])
 
+    @property
+    def processed(self) -> bool:
+        """Whether batches come from a model's processor (`serve_processed`) rather than as tensors."""
+        return self._layout == "processed"
+
     def serve_processed(self, process: Any, sizes: Sequence[int] = ()) -> None:
         """Serve `process(images, captions)` of each batch (the qwen_vl family's processor): uint8 HWC
         images, each at one of `sizes` (chosen like `pack_patches`; empty = the native size), and

@@ -23,7 +23,7 @@ from titan_contrastive.config.job_config import JobConfig
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
 from titan_contrastive.datasets.files import FileImageTextDataset
-from titan_contrastive.datasets.frozen import EmbeddingTable
+from titan_contrastive.datasets.frozen import PROCESSED, EmbeddingTable
 from titan_contrastive.datasets.hf_disk import HfSource
 from titan_contrastive.datasets.image_folder import ImageFolderZeroShot, load_templates
 from titan_contrastive.datasets.loader import EpochLoader, build_dataloader
@@ -46,7 +46,7 @@ logger = logging.getLogger("titan_contrastive")
 
 def frozen_table(cfg: JobConfig) -> EmbeddingTable | None:
     """The file of a frozen model's embeddings (`[loss] guide_embeddings` / `teacher_embeddings`), read for
-    the train split of text pairs (`datasets/frozen.py`); None when neither is set. A run holds one frozen
+    the train split (`datasets/frozen.py`); None when neither is set. A run holds one frozen
     model or one such file."""
     loss = cfg.loss
     files = {key: path for key in ("guide_embeddings", "teacher_embeddings") if (path := getattr(loss, key))}
@@ -65,15 +65,7 @@ def frozen_table(cfg: JobConfig) -> EmbeddingTable | None:
                 f"embedded ahead; use the file for both roles (loss.{model_key.replace('model', 'embeddings')}), "
                 f"or leave loss.{key} empty"
             )
-    if cfg.data.dataset == "vl_pairs":
-        raise DataError(
-            f"loss.{key}={path!r}: vl_pairs rows cannot carry a frozen model's embeddings yet (text pairs and "
-            f"image-text data can); name the frozen model with loss.{key.replace('embeddings', 'model')} instead"
-        )
-    table = EmbeddingTable.read(path, f"loss.{key}")
-    if cfg.data.dataset not in ("pairs", "wordnet"):
-        table.check_image_text()
-    return table
+    return EmbeddingTable.read(path, f"loss.{key}")  # its sides are checked by the data that reads it
 
 
 def check_negative_keys(data: Data) -> None:
@@ -440,11 +432,12 @@ def build_data(
     for ds in (train, *eval_sets):
         if ds is not None:
             prepare(ds)
-    if frozen is not None and data.dataset not in ("pairs", "wordnet"):  # image-text: looked up as served
+    if frozen is not None and data.dataset not in ("pairs", "wordnet"):  # image-text, vl_pairs: looked up as served
+        if train.processed and data.dataset != "vl_pairs":
+            raise DataError(f"{frozen.source}: {PROCESSED}, or name the model (loss.teacher_model) instead")
         train.carry_frozen(frozen)
-        logger.info(
-            f"{train.name}: a frozen model's {frozen.dim}-wide embeddings of each image and caption, {frozen.source}"
-        )
+        items = "query and document" if data.dataset == "vl_pairs" else "image and caption"
+        logger.info(f"{train.name}: a frozen model's {frozen.dim}-wide embeddings of each {items}, {frozen.source}")
         if train.views:
             logger.info(
                 f"{train.name}: each training sample is served one of its image's {train.views} stored views (the "

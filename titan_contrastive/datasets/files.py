@@ -278,11 +278,6 @@ class FileImageTextDataset:
         caption, or [B, 1 + k, d] with its negative captions. The first `probe` samples are looked up here, before
         any compute; a sample the file misses later is a DataError when its batch is made."""
         table.check_image_text()
-        if self._process is not None:
-            raise DataError(
-                f"{self.name} data served through a model's processor (the qwen_vl family) cannot carry a frozen "
-                "model's embeddings yet; name the teacher with loss.teacher_model instead of loss.teacher_embeddings"
-            )
         self._frozen, self.views = table, table.views if self.train else 0
         bad: list[BadSample] = []
         probed = range(min(probe, len(self)))

@@ -20,6 +20,8 @@ guide model's embeddings (`StepContext.guide_of`, `losses/guide.py`). A text of 
 embedding, a row of another width, a non-finite or zero vector, an unknown side, or one
 text with two different embeddings is a DataError naming the file, before any model is built.
 
+vl_pairs rows (`embed_images` too) read a file whose `query` and `document` rows are keyed by their items' filled
+templates (`vl_items`), looked up as each sample is served (`VLPairsDataset.carry_frozen`).
 Image-text data (`python -m titan_contrastive.embed_images`) reads a file whose sides are `image`, the row's
 `text` being the image's key (`datasets.image_keys`), and `caption`; the datasets look each sample up as it is
 served (`FileImageTextDataset.carry_frozen`, `ImageTextDataset.carry_frozen`). Image keys `key#v` are the image's
@@ -53,6 +55,11 @@ IMAGE_TEXT_SIDES = ("image", "caption")
 TEACHER_LOGIT_SCALE = "teacher_logit_scale"
 """The .parquet / .arrow schema metadata key of the teacher's own logit scale (its temperature is 1 / exp of it)."""
 EMBED_IMAGES = "python -m titan_contrastive.embed_images --out FILE.parquet --job.config_file RUN.toml"
+PROCESSED = (
+    "image-text data served through a model's processor (the qwen_vl family) carries no frozen model's embeddings; "
+    "give the pairs as vl_pairs rows (data.dataset='vl_pairs', e.g. query_text and doc_image for t2i), which do"
+)
+"""Why image-text data in the qwen_vl family is refused a file (`embed_images` and the run): vl_pairs rows key it."""
 Part = tuple[list[Any], "list[Any] | None"]
 """A part of a file's rows: their texts and their sides (None: the file has no side column)."""
 
@@ -193,24 +200,29 @@ class EmbeddingTable:
 
     def check_image_text(self) -> None:
         """A DataError unless the file has image and caption rows (what image-text data looks up)."""
-        if not set(IMAGE_TEXT_SIDES) <= self.index.sides:
+        self.check_sides(IMAGE_TEXT_SIDES, "image-text data looks up each image and caption")
+
+    def check_sides(self, sides: Sequence[str], why: str) -> None:
+        """A DataError (saying `why` the data needs them) unless the file has rows of each of `sides`."""
+        if not set(sides) <= self.index.sides:
             has = ", ".join(sorted(side or "none" for side in self.index.sides))
             raise DataError(
-                f"{self.source}: no image and caption rows (its sides: {has}); "
-                f"image-text data looks up each image and caption: write the file with {EMBED_IMAGES}"
+                f"{self.source}: no {' and '.join(sides)} rows (its sides: {has}); {why}: write the file with "
+                f"{EMBED_IMAGES}"
             )
 
     def lookup(self, side: str, keys: Sequence[str], where: Sequence[str] = ()) -> torch.Tensor:
-        """int64 [len(keys)]: the rows of the `side` embeddings of `keys` (image keys or caption texts); a DataError
-        naming the first missing one (`where`: each key's sample, for the message)."""
+        """int64 [len(keys)]: the rows of the `side` embeddings of `keys` (image keys or caption texts, or vl_pairs
+        items' keys, `vl_items`); a DataError naming the first missing one (`where`: each key's sample, for the
+        message)."""
         rows = self.index.find([(side, key.strip()) for key in keys])
         missing = np.flatnonzero(rows < 0)
         if len(missing):
             at = int(missing[0])
             sample = f" (sample {where[at]})" if where else ""
             raise DataError(
-                f"{self.source}: no {side} embedding of {len(missing)} of the data's {side}s, e.g. "
-                f"{keys[at][:60]!r}{sample}; embed the run's own data: {EMBED_IMAGES}"
+                f"{self.source}: no {side} embedding of {len(missing)} {side} key(s) of the data, e.g. "
+                f"{keys[at][:100]!r}{sample}; embed the run's own data: {EMBED_IMAGES}"
             )
         return torch.from_numpy(rows)
 

@@ -28,6 +28,9 @@ relative to each file's folder; a bad row's substitute comes from its own file).
 its own side templates (`data.query_prompts`, `data.doc_prompts`: a task's instruction, as VLM2Vec
 gives each dataset one), used in place of the model's (`model.query_prompt`, `doc_prompt`) for its
 rows, its hard negatives included; "" keeps the model's.
+With `[loss] teacher_embeddings` (or `guide_embeddings`), a file of a frozen model's embeddings of the rows' queries and
+documents written ahead (`embed_images`, keyed as `vl_items` says), each batch carries the vectors of its queries and
+documents (`frozen_query` [B, d], `frozen_doc` [B, d] or [B, 1 + k, d] with its hard negatives).
 Evaluation (`data.val_path`, the same columns) ranks each query's document among the split's
 documents: recall@1/5/10 query -> document and back.
 """
@@ -44,10 +47,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from titan_contrastive.batching import OWN_GROUP, TEACHER_SCORES
+from titan_contrastive.batching import FROZEN_DOCS, FROZEN_QUERIES, OWN_GROUP, TEACHER_SCORES
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.files import MAX_SUBSTITUTES
+from titan_contrastive.datasets.image_keys import image_key
 from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, in_batch_per_source, joins, split_sources
 from titan_contrastive.datasets.pair_rows import document_scores
@@ -56,6 +60,7 @@ from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.sources import BadSample, read_file
 from titan_contrastive.datasets.tables import read_table
+from titan_contrastive.datasets.vl_items import FILE_SIDES, Item, item_key
 
 __all__ = ["COLUMNS", "VLPairsDataset", "family_refusal"]
 
@@ -68,6 +73,8 @@ FIELDS = {"text": ("text",), "image": ("image",), "multi": ("image", "text")}
 COLUMNS = tuple(f"{side}_{field}" for side in SIDES for field in ("image", "text"))
 NEGATIVES_COLUMN = "doc_negatives"
 SCORES_COLUMN = "doc_scores"
+KEYS = "frozen_keys"
+"""A sample's (query key, document key, hard negatives' keys, where) with a frozen model's embeddings (`vl_items`)."""
 
 
 def family_refusal(family: str) -> str:
@@ -174,6 +181,8 @@ class VLPairsDataset:
         self.recall_direction = "query_to_doc"
         self.shard_losses: list[Any] = []
         self._process: Any = None
+        self._frozen: Any = None
+        self.views = 0
 
     def _read_source(self, path: str, key: str, mode: str, split: str) -> _File:
         """One source's rows: its file's, or the rows of each file a pattern or a folder of shards names
@@ -268,18 +277,19 @@ class VLPairsDataset:
     def serve_masked(self, *args: Any) -> None:
         raise DataError(family_refusal("vae"))
 
-    def _value(self, file: _File, column: str, kind: str, value: Any, key: str) -> Any:
-        """One field: a text stripped, or an image path read and decoded to a uint8 HWC array; BadSample."""
+    def _value(self, file: _File, column: str, kind: str, value: Any, key: str) -> tuple[Any, str]:
+        """One field and its key: a text stripped (twice), or an image path read and decoded to a uint8 HWC array and
+        the SHA-1 of the file's bytes (`image_keys.image_key`); BadSample."""
         where = file.source
         if kind == "text":
             if not isinstance(value, str) or not value.strip():
                 raise BadSample("missing_text", where, key, f"{column} is empty")
-            return value.strip()
+            return value.strip(), value.strip()
         if not isinstance(value, str) or not value.strip():
             raise BadSample("missing_image", where, key, f"{column} is empty")
         data = read_file(str(file.root / value.strip()), where, key)
         try:
-            return np.asarray(decode_image(data))
+            return np.asarray(decode_image(data)), image_key(data)
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
             raise BadSample("undecodable_image", where, key, f"{column}: {type(e).__name__}: {e}") from None
 
@@ -294,7 +304,8 @@ class VLPairsDataset:
         """Row `j` of file `source`: its needed fields (and its hard negatives, a list), or BadSample."""
         file = self._files[source]
         row, key = file.rows[j], str(j)
-        out = {c: self._value(file, c, "text" if c.endswith("_text") else "image", row[c], key) for c in self.needed}
+        fields = {c: self._value(file, c, "text" if c.endswith("_text") else "image", row[c], key) for c in self.needed}
+        out: dict[str, Any] = {c: value for c, (value, _) in fields.items()}
         negatives, places = _as_list(row[NEGATIVES_COLUMN]), list(range(self.num_negatives))
         if self._pools is not None:
             if not negatives:
@@ -303,9 +314,11 @@ class VLPairsDataset:
         elif self.num_negatives and len(negatives) != self.num_negatives:
             detail = f"{NEGATIVES_COLUMN} holds {len(negatives)}, the first row {self.num_negatives}"
             raise BadSample("ragged_negatives", file.source, key, detail)
+        picked = [self._value(file, NEGATIVES_COLUMN, self.negative_kind, negatives[p], key) for p in places]
         if self.num_negatives:
-            picked = [negatives[p] for p in places]
-            out[NEGATIVES_COLUMN] = [self._value(file, NEGATIVES_COLUMN, self.negative_kind, v, key) for v in picked]
+            out[NEGATIVES_COLUMN] = [value for value, _ in picked]
+        if self._frozen is not None:
+            out[KEYS] = self._keys(source, fields, [k for _, k in picked], f"{file.source} row {j}")
         if self.scored:
             value = row.get(SCORES_COLUMN)
             scores = document_scores(value.tolist() if hasattr(value, "tolist") else value, 1 + len(negatives))
@@ -316,6 +329,20 @@ class VLPairsDataset:
                 raise BadSample("bad_scores", file.source, key, detail)
             out[SCORES_COLUMN] = [scores[0]] + [scores[1 + p] for p in places]
         return out
+
+    def _keys(self, source: int, fields: dict[str, tuple[Any, str]], negatives: list[str], where: str) -> tuple:
+        """(query key, document key, the hard negatives' keys, `where`) of a row of file `source` (`vl_items`) from its
+        `fields`' keys and its `negatives`' (texts, or their images' SHA-1)."""
+        none = ("", "")
+        own = [
+            item_key(
+                self._template(side, source), fields.get(f"{side}_text", none)[1], fields.get(f"{side}_image", none)[1]
+            )
+            for side in SIDES
+        ]
+        doc = self._template("doc", source)
+        text = self.negative_kind == "text"
+        return (*own, [item_key(doc, k) if text else item_key(doc, "", k) for k in negatives], where)
 
     def _read(self, index: int, bad: list[BadSample]) -> tuple[int, dict[str, Any]]:
         """Sample `index`'s file and fields, or those of the next good row of its file (each bad one appended
@@ -346,7 +373,77 @@ class VLPairsDataset:
             batch[OWN_GROUP] = torch.tensor([self._own[s] for s in sources])
         if self.scored:
             batch[TEACHER_SCORES] = torch.tensor([r[SCORES_COLUMN] for r in rows], dtype=torch.float32)
+        if self._frozen is not None:
+            batch |= self._frozen_of([r[KEYS] for r in rows])
         return {**batch, "index": torch.as_tensor(list(indices), dtype=torch.long), BAD_SAMPLES: bad}
+
+    def _template(self, side: str, source: int) -> str:
+        """The template of `side` ("query" or "doc") for the rows of file `source`: its own, else the model's."""
+        given = self.templates[side]
+        return (given[source] if given else "") or self._process.templates[side]
+
+    def carry_frozen(self, table: Any, probe: int = 16) -> None:
+        """Serve a frozen model's embeddings beside each sample (a `datasets.frozen.EmbeddingTable` of this data's
+        items, `embed_images`): `frozen_query` [B, d] of its query, `frozen_doc` [B, d] of its document, or
+        [B, 1 + k, d] with the hard negatives it is served, each looked up by its key (`vl_items.item_key`). The first
+        `probe` samples are looked up here, before any compute; a sample the file misses later is a DataError when
+        its batch is made."""
+        table.check_sides(tuple(FILE_SIDES.values()), "vl_pairs rows look up each query and document")
+        self._frozen = table
+        bad: list[BadSample] = []
+        self._frozen_of([self._read(i, bad)[1][KEYS] for i in range(min(probe, len(self)))])
+
+    def _frozen_of(self, keys: Sequence[tuple[Any, ...]]) -> dict[str, torch.Tensor]:
+        """`frozen_query` and `frozen_doc` of samples of `keys` (`KEYS`)."""
+        table, where = self._frozen, [k[3] for k in keys]
+        queries = table.lookup("query", [k[0] for k in keys], where)
+        docs = table.vectors[table.lookup("document", [k[1] for k in keys], where)]
+        if self.num_negatives:
+            k = self.num_negatives
+            negatives = table.lookup(
+                "document", [n for key in keys for n in key[2]], [w for w in where for _ in range(k)]
+            )
+            docs = torch.cat([docs[:, None], table.vectors[negatives].view(len(keys), k, -1)], 1)
+        return {FROZEN_QUERIES: table.vectors[queries], FROZEN_DOCS: docs}
+
+    def frozen_items(self) -> dict[str, list[Item]]:
+        """Each query and each document an epoch can serve (every hard negative of every row, whichever an epoch
+        draws), by the file's side (`query`, `document`), each once, in row order: what a frozen model embeds ahead
+        (`embed_images`)."""
+        found: dict[str, dict[Item, None]] = {side: {} for side in FILE_SIDES.values()}
+        for s, file in enumerate(self._files):
+            for row in file.rows:
+                for side, name in FILE_SIDES.items():
+                    kind = self.kinds[side]
+                    text = _written(row.get(f"{side}_text")) if kind != "image" else ""
+                    image = _written(row.get(f"{side}_image")) if kind != "text" else ""
+                    found[name].setdefault(Item(s, self._template(side, s), text, image), None)
+                for value in _as_list(row.get(NEGATIVES_COLUMN)) if self.num_negatives else ():
+                    written = ((_written(value), ""), ("", _written(value)))[self.negative_kind == "image"]
+                    found["document"].setdefault(Item(s, self._template("doc", s), *written), None)
+        return {side: list(items) for side, items in found.items()}
+
+    def item_inputs(self, side: str, items: Sequence[Item]) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """The processor's inputs of `items` of the file's `side` (`frozen_items`): `ids`, and with images
+        `pixel_values` and `image_grid_thw`, and their keys (`vl_items.item_key`); an item whose text is empty or
+        whose image is missing or does not decode is left out (training never serves it). ({}, []) when none is
+        left."""
+        kind = self.kinds["query" if side == "query" else "doc"]
+        templates, texts, images, keys = [], [], [], []
+        for item in items:
+            file = self._files[item.source]
+            try:
+                text = self._value(file, f"{side}_text", "text", item.text, "") if kind != "image" else ("", "")
+                image = self._value(file, f"{side}_image", "image", item.image, "") if kind != "text" else (None, "")
+            except BadSample:
+                continue
+            templates.append(item.template)
+            texts.append(text[0])
+            images.append(image[0])
+            keys.append(item_key(item.template, text[1], image[1]))
+        if not keys:
+            return {}, []
+        return self._process.items(templates, texts, None if kind == "text" else images), keys
 
 
 class _File(NamedTuple):
@@ -354,6 +451,11 @@ class _File(NamedTuple):
     """Image paths are relative to it (the file's folder)."""
     source: str
     rows: list[dict[str, Any]]
+
+
+def _written(value: Any) -> str:
+    """A text or image path as written ("" for a value that is none)."""
+    return value if isinstance(value, str) else ""
 
 
 def _as_list(value: Any) -> list[Any]:

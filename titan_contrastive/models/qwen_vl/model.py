@@ -335,6 +335,17 @@ class SideProcessor:
             batch[NEGATIVES] = ids.reshape(len(batch["doc"]), per_row, -1)
         return batch
 
+    def items(
+        self, templates: Sequence[str], texts: Sequence[str], images: Sequence[np.ndarray] | None
+    ) -> dict[str, Tensor]:
+        """Items of one side on their own, each with its template and its text (and its image, or `images` None):
+        `ids`, and with images `pixel_values` and `image_grid_thw`, what `QwenVLEmbedder.embed` reads (a frozen
+        model's embeddings written ahead, `datasets.vl_items`)."""
+        out = self.proc.encode(list(templates), texts, images)
+        if images is not None:
+            self.proc.check(out["ids"], out["image_grid_thw"])
+        return out
+
     def __call__(
         self, images: Sequence[np.ndarray], texts: Sequence[str], negatives: Sequence[str] = ()
     ) -> dict[str, Tensor]:

@@ -16,6 +16,7 @@ VL_SPECIALS = ["<|endoftext|>", "[UNK]", "<|vision_start|>", "<|vision_end|>", "
 SIZES = {
     "tiny": dict(hidden=32, layers=2, heads=4, kv=2, inter=64, depth=2, width=32, vheads=4, vocab=0),
     "small": dict(hidden=128, layers=4, heads=4, kv=2, inter=256, depth=4, width=128, vheads=4, vocab=0),
+    "base": dict(hidden=384, layers=6, heads=6, kv=2, inter=1024, depth=6, width=384, vheads=6, vocab=0),
     "2b": dict(hidden=1536, layers=28, heads=12, kv=2, inter=8960, depth=32, width=1280, vheads=16, vocab=151936),
 }
 

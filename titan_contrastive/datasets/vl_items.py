@@ -1,0 +1,51 @@
+"""The queries and documents of vl_pairs rows as a frozen model's embeddings written ahead key them
+(`python -m titan_contrastive.embed_images` on vl_pairs data, then `[loss] teacher_embeddings`, `datasets/frozen.py`).
+
+A side's item is its template filled with the row's text and image, as the processor fills it (`qwen_vl.processor`);
+its key (`item_key`) is that string with the image's key (the SHA-1 of its file's bytes, `image_keys.image_key`) where
+the visual tokens go and the text uncut. The file's `query` rows hold the queries, its `document` rows the documents
+and every hard negative of every row (whichever an epoch draws). So a file serves any copy of the rows, in any order,
+split or joined with others, and a template changed since the file was written is a missing key, not a stale vector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["FILE_SIDES", "Item", "ItemChunks", "item_key"]
+
+FILE_SIDES = {"query": "query", "doc": "document"}
+"""A vl_pairs side -> the side of its items in the file."""
+
+
+def item_key(template: str, text: str, image: str = "") -> str:
+    """The key of the item `template` fills with `text` and the image keyed `image` ("": none)."""
+    return template.replace("{image}", f"<image {image}>").replace("{text}", text)
+
+
+class Item(NamedTuple):
+    """One side's item of a row, as written: its template and, as its side's kind reads them, its text and its image's
+    path ("" for what the side does not read)."""
+
+    source: int
+    """The `::`-joined file of the row (its folder roots the image's path)."""
+    template: str
+    text: str
+    image: str
+
+
+class ItemChunks(torch.utils.data.Dataset):
+    """One side's `items` in chunks of `size`: each chunk's processor inputs and keys (`VLPairsDataset.item_inputs`),
+    for a loader's workers."""
+
+    def __init__(self, data: Any, side: str, items: Sequence[Item], size: int) -> None:
+        self.data, self.side, self.items, self.size = data, side, items, size
+
+    def __len__(self) -> int:
+        return -(-len(self.items) // self.size)
+
+    def __getitem__(self, chunk: int) -> tuple[dict[str, torch.Tensor], list[str]]:
+        return self.data.item_inputs(self.side, self.items[chunk * self.size : (chunk + 1) * self.size])
