@@ -16,11 +16,12 @@ of the epoch, made before it is timed):
 - `running`: `loss.teacher_model`: the teacher embeds every query and document of the batch in every step;
 - `ahead`: `loss.teacher_embeddings`: the file `python -m titan_contrastive.embed_images` wrote once, its vectors
   carried by the batches.
-Per variant: the median step, and the median time to make a batch (`__getitems__`, which the data workers do beside
-the steps: decoding, the processor, and for `ahead` the lookups). Also: `embed_images`' wall time for the whole file
-(one process, the same threads), the items it embedded against those the running teacher embeds in an epoch, and the
-first step's loss of `running` and `ahead` from the same weights (equal to float32's precision: the file holds what
-the running teacher computes).
+Per variant: the median step, its median ratio to `alone`'s step of the same round (each round every variant steps
+on the epoch's next batch, the same one), and the median time to make a batch (`__getitems__`, which the data workers
+do beside the steps: decoding, the processor, and for `ahead` the lookups). Also: `embed_images`' wall time for the
+whole file (one process, the same threads), the items it embedded against those the running teacher embeds in an
+epoch, and the first step's loss of `running` and `ahead` from the same weights (equal to float32's precision: the file
+holds what the running teacher computes).
 Writes vl_teacher_ahead_bench.{json,csv,png} under --out.
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -36,15 +38,15 @@ from typing import Any
 from benchmarks import harness
 
 NAME = "vl_teacher_ahead_bench"
-FIELDS = ["variant", "step_s", "batch_s", "samples_per_s", "teacher_items_per_epoch"]
+FIELDS = ["variant", "step_s", "to_alone", "batch_s", "samples_per_s", "teacher_items_per_epoch"]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, default=128)
+    p.add_argument("--rows", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--negatives", type=int, default=2)
-    p.add_argument("--steps", type=int, default=6, help="timed rounds (each variant one step a round)")
+    p.add_argument("--steps", type=int, default=15, help="timed rounds (each variant one step a round)")
     p.add_argument("--teacher-size", default="base")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default=str(harness.RESULTS))
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
 
     harness.write_results(args.out, NAME, meta, payload, rows=rows, fields=FIELDS, figure=figure)
     for row in rows:
-        print(f"{row['variant']:8s} step {row['step_s']:.3f} s  batch {row['batch_s']:.3f} s")
+        print(f"{row['variant']:8s} step {row['step_s']:.3f} s ({row['to_alone']:.3f}x)  batch {row['batch_s']:.3f} s")
     once, items, diff = payload["embed_images_s"], payload["file_items"], payload["first_loss_rel_diff"]
     print(f"embed_images {once:.1f} s for {items} items; first-step loss rel diff {diff:.2e}")
 
@@ -177,6 +179,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], 
         {
             "variant": name,
             "step_s": result.median_s,
+            "to_alone": statistics.median(t / a for t, a in zip(result.times_s, measured["alone"].times_s)),
             "batch_s": sorted(batch_s[name][1:])[len(batch_s[name][1:]) // 2],
             "samples_per_s": args.batch / result.median_s,
             "teacher_items_per_epoch": per_epoch[name],
