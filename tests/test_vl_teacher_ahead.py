@@ -1,14 +1,14 @@
-"""A Qwen-VL teacher's embeddings of vl_pairs rows written ahead (`python -m titan_contrastive.embed_images` on
-vl_pairs data, then `[loss] teacher_embeddings`): m2i rows (an image and a text query, an image document, two image
-hard negatives per row) of two `::`-joined files, the second with a query template of its own, one row with a missing
+"""A Qwen-VL teacher's embeddings of vl_pairs rows written ahead (`python -m titan_contrastive.embed_images` on vl_pairs
+data, then `[loss] teacher_embeddings`): m2i rows (an image and a text query, an image document, two image hard
+negatives per row) of two `::`-joined files, the second with a query template of its own, one row with a missing
 document image and one with an empty query text. The file holds each query and each document once (every hard
-negative of every row, the second file's documents, the first's under other paths, found by their bytes), keyed by its
-template filled with the image's SHA-1 and the text, as computed here from the files; the batches carry the teacher's
-own embeddings of what they serve, in every epoch's draw of the negatives; a step taught from the file equals one
-taught by the running teacher to float32's precision; a plain step, GradCache with chunks that divide nothing and
-streamed global negatives (dropout on, float64) equal the dense objective taught by the file's vectors looked up here,
-on 1, 2 and 4 gloo processes, and 2 ranks with 2 decoding workers each write the rows one process writes; what cannot
-work is one line."""
+negative of every row, the second file's documents, the first's under other paths, found by their bytes), keyed by
+its template filled with the image's SHA-1 and the text, as computed here from the files; the batches carry the
+teacher's own embeddings of what they serve, in every epoch's draw of the negatives; a step taught from the file
+equals one taught by the running teacher to float32's precision, and so does one in t2t, i2t (text negatives) and
+t2i; a plain step, GradCache with chunks that divide nothing and streamed global negatives (dropout on, float64)
+equal the dense objective taught by the file's vectors looked up here, on 1, 2 and 4 gloo processes, and 2 ranks with
+2 decoding workers each write the rows one process writes; what cannot work is one line."""
 
 from __future__ import annotations
 
@@ -81,6 +81,31 @@ def embed(out: Path, ahead_flags: list[str], teacher: Path, *more: str) -> Path:
     return out
 
 
+def taught_runs(tmp: Path, flags: list[str], file: Path, teacher: Path, *steps: str) -> list:
+    """Two trainers from the same weights, taught from `file` and by the running `teacher`."""
+    runs, init = [], None
+    for name, source in (("file", f"--loss.teacher_embeddings={file}"), ("model", f"--loss.teacher_model={teacher}")):
+        trainer = make_trainer(str(tmp / name), *flags, *steps, source)
+        init = init or {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        trainer.model.load_state_dict(init)  # the teacher model's build drew from the seed before the model's
+        runs.append(trainer)
+    return runs
+
+
+def assert_same_step(runs: list, local: int) -> None:
+    """Each run's step on its first `local` samples from one seed: the loss and every trainable parameter's gradient
+    agree to float32's precision."""
+    outs = []
+    for trainer in runs:
+        torch.manual_seed(5)
+        loss = trainer.train_step([trainer.train_set.__getitems__(list(range(local)))])["loss"]
+        outs.append((loss, {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}))
+        trainer.metrics.close()
+    (file_loss, file_grads), (model_loss, model_grads) = outs
+    assert abs(file_loss - model_loss) <= 1e-5 * abs(model_loss)
+    assert_close(file_grads, model_grads, rel=1e-5)
+
+
 @pytest.fixture(scope="module")
 def ahead(tmp_path_factory: pytest.TempPathFactory) -> Ahead:
     root = tmp_path_factory.mktemp("vl-ahead")
@@ -123,15 +148,7 @@ def test_the_batches_carry_the_teacher_s_embeddings_and_teach_as_it_does(tmp_pat
     carries the running teacher's embeddings of the same batch, to float32's precision, and a GradCache step (3 of 7)
     taught from the file equals one taught by the teacher: the loss and every gradient."""
     steps = ["--training.local_batch_size=7", "--gradcache.enabled=true", "--gradcache.chunk_sizes=3", *TAUGHT]
-    runs, init = [], None
-    for name, source in (
-        ("file", f"--loss.teacher_embeddings={ahead.file}"),
-        ("model", f"--loss.teacher_model={ahead.teacher}"),
-    ):
-        trainer = make_trainer(str(tmp_path / name), *ahead.flags, "--data.negatives_per_row=1", *steps, source)
-        init = init or {k: v.clone() for k, v in trainer.model.state_dict().items()}
-        trainer.model.load_state_dict(init)  # the teacher model's build drew from the seed before the model's
-        runs.append(trainer)
+    runs = taught_runs(tmp_path, [*ahead.flags, "--data.negatives_per_row=1"], ahead.file, ahead.teacher, *steps)
     file_run, model_run = runs
     held = model_run.step_context.guide
     for epoch in (1, 0):
@@ -146,16 +163,7 @@ def test_the_batches_carry_the_teacher_s_embeddings_and_teach_as_it_does(tmp_pat
         torch.testing.assert_close(batch[FROZEN_QUERIES].double(), q, rtol=1e-6, atol=1e-7)
         docs = torch.stack([d[:14], d[14:]], 1)  # the positives, then each sample's negative
         torch.testing.assert_close(batch[FROZEN_DOCS].double(), docs, rtol=1e-6, atol=1e-7)
-    outs = []
-    for trainer in runs:
-        torch.manual_seed(5)
-        outs.append(
-            (trainer.train_step([trainer.train_set.__getitems__(list(range(7)))])["loss"], grads(trainer.model))
-        )
-        trainer.metrics.close()
-    (file_loss, file_grads), (model_loss, model_grads) = outs
-    assert abs(file_loss - model_loss) <= 1e-5 * abs(model_loss)
-    assert_close(file_grads, model_grads, rel=1e-5)
+    assert_same_step(runs, 7)
 
 
 def file_guide(ahead: Ahead, batches: list[dict]) -> Guide:
@@ -301,3 +309,25 @@ def test_what_cannot_work_is_one_line(tmp_path: Path, ahead: Ahead, capsys: pyte
     err = capsys.readouterr().err
     assert err.startswith("error: --views=2: vl_pairs images are served as they are") and err.count("\n") == 1
     assert not (tmp_path / "v.parquet").exists()
+
+
+@pytest.mark.parametrize("mode, negatives", [("t2t", "text"), ("i2t", "text"), ("t2i", "image")])
+def test_in_each_mode_the_file_teaches_as_the_running_teacher(
+    tmp_path: Path, ahead: Ahead, mode: str, negatives: str
+) -> None:
+    """Text queries and documents (t2t), text documents and negatives of image queries (i2t), image documents of text
+    queries (t2i), bad rows included: the batches carry the running teacher's embeddings of what they serve, and a
+    GradCache step (3 of 7) taught from the file `embed_images` writes equals one taught by the teacher."""
+    data = _vl_pairs(tmp_path / "data", bad=True, negatives=negatives)
+    flags = [arg.replace("m2i", mode) for arg in run_flags(ahead.root, str(data))]
+    file = embed(tmp_path / "teacher.parquet", flags, ahead.teacher)
+    steps = ["--training.local_batch_size=7", "--gradcache.enabled=true", "--gradcache.chunk_sizes=3", *TAUGHT]
+    runs = taught_runs(tmp_path, flags, file, ahead.teacher, *steps)
+    batch = runs[0].train_set.__getitems__(list(range(7)))
+    served = {k: v for k, v in runs[1].train_set.__getitems__(list(range(7))).items() if isinstance(v, torch.Tensor)}
+    with torch.no_grad():
+        q, d = _embeddings(runs[1].step_context.guide, served)
+    torch.testing.assert_close(batch[FROZEN_QUERIES].double(), q, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(batch[FROZEN_DOCS][:, 0].double(), d[:7], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(batch[FROZEN_DOCS][:, 1:].double(), d[7:].view(7, 2, -1), rtol=1e-6, atol=1e-7)
+    assert_same_step(runs, 7)
