@@ -29,7 +29,7 @@ from tests.needs import require
 from tests.test_embed_on_ranks import assert_same_rows
 from tests.test_hard_negatives import assert_step_equals_its_forwards
 from tests.test_image_teacher_ahead import one_line, read_file
-from tests.test_qwen_vl import _embeddings
+from tests.test_qwen_vl import _embeddings, _pictures_csv
 from tests.test_qwen_vl_pairs import _vl_pairs
 from tests.test_qwen_vl_teacher import TAUGHT, teacher_folder
 from tests.test_trainer import REL, assert_close, full, grads, make_trainer
@@ -294,20 +294,19 @@ def test_what_cannot_work_is_one_line(tmp_path: Path, ahead: Ahead, capsys: pyte
     with pytest.raises(DataError) as err:
         make_trainer(str(tmp_path / "images"), *ahead.one, f"--loss.teacher_embeddings={images}", *TAUGHT)
     one_line(err, "no query and document rows (its sides: caption, image)", "embed_images")
-    with pytest.raises(DataError) as err:  # image-text data through the processor: vl_pairs rows carry them
-        make_trainer(str(tmp_path / "csv"), *ahead.one[:3], "--data.dataset=emoji", "--data.image_sizes=28", *taught)
-    one_line(
-        err, f"loss.teacher_embeddings={ahead.file}: image-text data served through a model's processor", "vl_pairs"
-    )
+    with pytest.raises(DataError) as err:  # the bundled sets through the processor: a size drawn per epoch
+        make_trainer(str(tmp_path / "emoji"), *ahead.one[:3], "--data.dataset=emoji", "--data.image_sizes=28", *taught)
+    one_line(err, f"loss.teacher_embeddings={ahead.file}: the bundled sets served through a model's processor", "csv")
     argv = ["--out", str(tmp_path / "e.parquet"), f"--loss.teacher_model={ahead.teacher}", *ahead.one[:3]]
     capsys.readouterr()
     assert embed_images.main([*argv, "--data.dataset=emoji", "--data.image_sizes=28"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: image-text data served through a model's processor") and err.count("\n") == 1
+    assert err.startswith("error: the bundled sets served through a model's processor") and err.count("\n") == 1
     argv = ["--out", str(tmp_path / "v.parquet"), "--views=2", f"--loss.teacher_model={ahead.teacher}", *ahead.one]
     assert embed_images.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --views=2: vl_pairs images are served as they are") and err.count("\n") == 1
+    assert err.startswith("error: --views=2: images served through a model's processor are read as they are")
+    assert err.count("\n") == 1
     assert not (tmp_path / "v.parquet").exists()
 
 
@@ -331,3 +330,55 @@ def test_in_each_mode_the_file_teaches_as_the_running_teacher(
     torch.testing.assert_close(batch[FROZEN_DOCS][:, 0].double(), d[:7], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(batch[FROZEN_DOCS][:, 1:].double(), d[7:].view(7, 2, -1), rtol=1e-6, atol=1e-7)
     assert_same_step(runs, 7)
+
+
+# --- image-text data through the processor: a CSV of images, captions and negative captions -------------------------
+
+
+def csv_flags(ahead: Ahead, root: Path, mode: str) -> list[str]:
+    """The run's model on `_pictures_csv`'s nine images under `root` (image 3 does not decode), with their negative
+    captions in i2t."""
+    table = _pictures_csv(root / "pictures")
+    (root / "pictures" / "img" / "3.png").write_bytes(b"not a png")
+    negatives = ["--data.csv_negative_keys=neg_a,neg_b"] if mode == "i2t" else []
+    return [f.replace("vl_pairs", "csv").replace("m2i", mode) for f in run_flags(ahead.root, str(table), *negatives)]
+
+
+@pytest.mark.parametrize("mode", ["i2t", "t2i"])
+def test_image_text_data_through_the_processor_is_taught_from_the_file(tmp_path: Path, ahead: Ahead, mode: str) -> None:
+    """A CSV served through the qwen_vl processor (images at their own sizes, the captions on the other side, i2t's
+    negative captions as documents, a bad image skipped): the file holds each good sample's query and document keyed as
+    computed here, the batches carry the running teacher's embeddings of what they serve, and a GradCache step taught
+    from the file equals one taught by the teacher; 2 ranks with 2 decoding workers each write one process's rows."""
+    flags = csv_flags(ahead, tmp_path, mode)
+    file = embed(tmp_path / "teacher.parquet", flags, ahead.teacher)
+    img = tmp_path / "pictures" / "img"
+    good = [i for i in range(9) if i != 3]
+    images = {filled("{image}", "", img / f"{i}.png") for i in good}
+    captions = {f"a photo of a cat {i}" for i in good}
+    if mode == "i2t":
+        captions |= {t for i in good for t in (f"a dog {i}", f"frozen water {i}")}
+    queries, documents = (images, captions) if mode == "i2t" else (captions, images)
+    assert set(read_file(file)) == {("query", k) for k in queries} | {("document", k) for k in documents}
+    steps = ["--training.local_batch_size=7", "--gradcache.enabled=true", "--gradcache.chunk_sizes=3", *TAUGHT]
+    runs = taught_runs(tmp_path, flags, file, ahead.teacher, *steps)
+    batch = runs[0].train_set.__getitems__(list(range(7)))
+    served = {k: v for k, v in runs[1].train_set.__getitems__(list(range(7))).items() if isinstance(v, torch.Tensor)}
+    with torch.no_grad():
+        q, d = _embeddings(runs[1].step_context.guide, served)
+    k = 2 if mode == "i2t" else 0
+    assert batch[FROZEN_DOCS].shape == ((7, 1 + k, 128) if k else (7, 128))
+    torch.testing.assert_close(batch[FROZEN_QUERIES].double(), q, rtol=1e-6, atol=1e-7)
+    docs = torch.cat([d[:7, None], d[7:].view(7, k, -1)], 1) if k else d
+    torch.testing.assert_close(batch[FROZEN_DOCS].double(), docs, rtol=1e-6, atol=1e-7)
+    assert_same_step(runs, 7)
+    if mode == "i2t":
+        out = tmp_path / "ranks.parquet"
+        run_distributed(_embed_flags, 2, str(out), flags, ahead.teacher)
+        assert_same_rows(out, file)
+
+
+def _embed_flags(out: str, flags: list[str], teacher: Path) -> None:
+    embed_images.PIECE_ROWS = 3  # rank 0 gathers in pieces that divide nothing
+    embed(Path(out), flags, teacher, "--data.num_workers=2", "--batch-size=2")
+    assert Path(out).is_file()

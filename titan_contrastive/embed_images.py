@@ -18,7 +18,9 @@ sample is skipped, as training skips it.
 On vl_pairs rows (the qwen_vl family) the run's Qwen-VL teacher embeds each query and each document an epoch can serve,
 every hard negative of every row included, once, each through the run's processor with its side's template (a source's
 own, else the model's), as the running teacher reads them; the file's rows are `query` and `document`, keyed by the
-filled template with the image's SHA-1 where its visual tokens go (`datasets.vl_items`).
+filled template with the image's SHA-1 where its visual tokens go (`datasets.vl_items`). Image-text data served
+through that processor (csv, webdataset, hf) is embedded sample by sample the same way: its image as the mode's
+image side's item, its caption (and i2t's negative captions) as the other side's.
 
 Under `torchrun --nproc_per_node=N -m titan_contrastive.embed_images ...` each rank embeds a contiguous shard of the
 samples on its LOCAL_RANK's GPU (or on CPU, the cores split), then the captions its samples serve; rank 0 gathers the
@@ -48,10 +50,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from titan_contrastive.batching import NEGATIVES
 from titan_contrastive.components.precision import at_least_fp32, build_precision
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.frozen import PROCESSED, TEACHER_LOGIT_SCALE
+from titan_contrastive.datasets.frozen import BUNDLED_PROCESSED, TEACHER_LOGIT_SCALE
 from titan_contrastive.datasets.vl_items import FILE_SIDES, ItemChunks
 from titan_contrastive.embed import OUT_FORMATS, write
 from titan_contrastive.extras import import_failure
@@ -255,6 +258,18 @@ def gather_rows(keys: list[str], vectors: torch.Tensor, world_size: int) -> tupl
     return None if keys is None else first_rows(keys, vectors.numpy())
 
 
+def side_rows(keys: list[str], rows: list[torch.Tensor], dtype: torch.dtype, device: torch.device, world: int) -> Any:
+    """This rank's `keys` and their embeddings `rows` (chunks) of one side, on rank 0 with every rank's, in rank order,
+    each key's first row kept (`gather_rows`); None on the other ranks."""
+    widths = [rows[0].shape[1] if rows else 0]
+    if world > 1:  # a rank whose items are all bad, or none, sends no rows of the others' width
+        widths = [0] * world
+        dist.all_gather_object(widths, rows[0].shape[1] if rows else 0)
+    kind = torch.promote_types(dtype, torch.float32)
+    local = torch.cat(rows) if rows else torch.zeros(0, max(widths), dtype=kind, device=device)
+    return gather_rows(keys, local, world)
+
+
 @torch.no_grad()
 def embed_items(
     train: Any, teacher: Any, batch_size: int, device: torch.device, workers: int = 0, *, rank: int = 0, world: int = 1
@@ -273,13 +288,41 @@ def embed_items(
             if chunk_keys:
                 rows.append(at_least_fp32(teacher.embed(**on(inputs, device, dtype), side=own)))
                 keys += chunk_keys
-        widths = [rows[0].shape[1] if rows else 0]
-        if world > 1:  # a rank whose items are all bad, or none, sends no rows of the others' width
-            widths = [0] * world
-            dist.all_gather_object(widths, rows[0].shape[1] if rows else 0)
-        kind = torch.promote_types(dtype, torch.float32)
-        local = torch.cat(rows) if rows else torch.zeros(0, max(widths), dtype=kind, device=device)
-        out.append((side, gather_rows(keys, local, world)))
+        out.append((side, side_rows(keys, rows, dtype, device, world)))
+    return None if rank else [(side, *rows) for side, rows in out]
+
+
+@torch.no_grad()
+def embed_samples(
+    train: Any, teacher: Any, batch_size: int, device: torch.device, workers: int = 0, *, rank: int = 0, world: int = 1
+) -> list[tuple] | None:
+    """(side, keys, embeddings [n, d]) of every sample's query and document (and negative captions) of image-text
+    data served through the qwen_vl processor (`fixed_view`'s batches, keyed by `item_keys`) by the run's teacher, on
+    rank 0 (None on the others): rank r embeds the r-th contiguous shard of the samples, and rank 0 gathers the
+    shards in order and keeps each key's first row."""
+    dtype = next(teacher.parameters()).dtype
+    mine = np.array_split(np.arange(len(train)), world)[rank].tolist()
+    k = train.num_negatives
+    keys: dict[str, list[str]] = {"query": [], "document": []}
+    rows: dict[str, list[torch.Tensor]] = {"query": [], "document": []}
+    chunks = FixedViews(train, mine, batch_size)
+    for batch, images, texts in torch.utils.data.DataLoader(chunks, batch_size=None, num_workers=workers):
+        for i, image in enumerate(images):
+            query, doc, negatives = train.item_keys(
+                image, texts[i * (1 + k)], texts[i * (1 + k) + 1 : (i + 1) * (1 + k)]
+            )
+            keys["query"].append(query)
+            keys["document"] += [doc, *negatives]
+        batch = {name: on(value, device, dtype) for name, value in batch.items() if isinstance(value, torch.Tensor)}
+        for own, side in FILE_SIDES.items():
+            grid = batch[f"{own}_image_grid_thw"]
+            pixels = (batch[f"{own}_pixel_values"], grid) if len(grid) else (None, None)
+            embedded = at_least_fp32(teacher.embed(batch[own], *pixels, side=own))
+            if side == "document" and k:  # each sample's document, then its negative captions' (text documents)
+                negatives = at_least_fp32(teacher.embed(batch[NEGATIVES].flatten(0, 1), side=own))
+                embedded = torch.cat([embedded[:, None], negatives.view(len(embedded), k, -1)], 1).flatten(0, 1)
+            rows[side].append(embedded)
+    out = [(side, side_rows(keys[side], rows[side], dtype, device, world)) for side in FILE_SIDES.values()]
     return None if rank else [(side, *rows) for side, rows in out]
 
 
@@ -315,17 +358,22 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> tuple[Path, str]:
     rows = hasattr(train, "frozen_items")  # vl_pairs: each side's items
     if not (rows or hasattr(train, "fixed_view")):
         raise MineError(f"data.dataset={cfg.data.dataset!r}: not image-text data embed_images can read")
-    if not rows and train.processed:
-        raise MineError(PROCESSED)
-    if rows and opts.views:
-        raise MineError(f"--views={opts.views}: vl_pairs images are served as they are, one view; leave --views out")
+    processed = train.processed
+    if processed and not (rows or hasattr(train, "item_keys")):
+        raise MineError(BUNDLED_PROCESSED)
+    if processed and opts.views:
+        raise MineError(
+            f"--views={opts.views}: images served through a model's processor are read as they are, one view; leave "
+            "--views out"
+        )
     if opts.views:
         train.view([0], 0)  # a DataError where the train split serves no views
     teacher = build_guide(spec, cfg, sized, precision.param_dtype, info.device)  # in eval mode
     where = dict(rank=info.rank, world=info.world_size)
     with precision.autocast():  # the run's mixed precision, as its running teacher computes
-        if rows:
-            sides = embed_items(train, teacher, opts.batch_size, info.device, cfg.data.num_workers, **where)
+        if processed:
+            items = embed_items if rows else embed_samples
+            sides = items(train, teacher, opts.batch_size, info.device, cfg.data.num_workers, **where)
         else:
             sides = embed(
                 spec, train, teacher, opts.batch_size, info.device, cfg.data.num_workers, **where, views=opts.views
@@ -335,7 +383,7 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> tuple[Path, str]:
         return out, ""
     write(out, sides, {TEACHER_LOGIT_SCALE: repr(teacher.logit_scale.item())} if own else None)
     width = f"{sides[0][2].shape[1]}-wide embeddings of"
-    if rows:
+    if processed:
         return out, f"{width} {len(sides[0][1])} queries and {len(sides[1][1])} documents"
     views = f" (and {opts.views} train views of each)" if opts.views else ""
     return out, f"{width} {len(sides[0][1]) // (1 + opts.views)} image(s){views} and {len(sides[1][1])} caption(s)"

@@ -23,7 +23,7 @@ from titan_contrastive.config.job_config import JobConfig
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
 from titan_contrastive.datasets.files import FileImageTextDataset
-from titan_contrastive.datasets.frozen import PROCESSED, EmbeddingTable
+from titan_contrastive.datasets.frozen import BUNDLED_PROCESSED, EmbeddingTable
 from titan_contrastive.datasets.hf_disk import HfSource
 from titan_contrastive.datasets.image_folder import ImageFolderZeroShot, load_templates
 from titan_contrastive.datasets.loader import EpochLoader, build_dataloader
@@ -433,10 +433,10 @@ def build_data(
         if ds is not None:
             prepare(ds)
     if frozen is not None and data.dataset not in ("pairs", "wordnet"):  # image-text, vl_pairs: looked up as served
-        if train.processed and data.dataset != "vl_pairs":
-            raise DataError(f"{frozen.source}: {PROCESSED}, or name the model (loss.teacher_model) instead")
+        if train.processed and not isinstance(train, (FileImageTextDataset, VLPairsDataset)):
+            raise DataError(f"{frozen.source}: {BUNDLED_PROCESSED}, or name the model (loss.teacher_model) instead")
         train.carry_frozen(frozen)
-        items = "query and document" if data.dataset == "vl_pairs" else "image and caption"
+        items = "query and document" if train.processed else "image and caption"
         logger.info(f"{train.name}: a frozen model's {frozen.dim}-wide embeddings of each {items}, {frozen.source}")
         if train.views:
             logger.info(

@@ -48,6 +48,7 @@ from titan_contrastive.datasets.image_transforms import (
 )
 from titan_contrastive.datasets.naflex import NaFlexImages
 from titan_contrastive.datasets.sources import BadSample, Record, Source
+from titan_contrastive.datasets.vl_items import image_text_keys
 
 logger = logging.getLogger("titan_contrastive")
 MAX_SUBSTITUTES = 64
@@ -136,6 +137,11 @@ class FileImageTextDataset:
         )
 
     serve_masked = pack_patches
+
+    def item_keys(self, image: str, caption: str, negatives: Sequence[str] = ()) -> tuple[str, str, list[str]]:
+        """Served through a processor: the (query, document, negative captions') keys of a sample whose image is keyed
+        `image` in a file of a frozen model's embeddings (`vl_items.image_text_keys`)."""
+        return image_text_keys(self._process.kinds, self._process.templates, image, caption, negatives)
 
     @property
     def processed(self) -> bool:
@@ -275,9 +281,16 @@ class FileImageTextDataset:
     def carry_frozen(self, table: Any, probe: int = 16) -> None:
         """Serve a frozen model's embeddings beside each sample (`datasets.frozen`, an image-text `EmbeddingTable`):
         `frozen_query` [B, d] of its image as stored (whatever crop it is served), `frozen_doc` [B, d] of its
-        caption, or [B, 1 + k, d] with its negative captions. The first `probe` samples are looked up here, before
-        any compute; a sample the file misses later is a DataError when its batch is made."""
-        table.check_image_text()
+        caption, or [B, 1 + k, d] with its negative captions. Served through a processor (`serve_processed`), of
+        its query and its document instead, from a file of `query` and `document` rows (`item_keys`). The first
+        `probe` samples are looked up here, before any compute; a sample the file misses later is a DataError when
+        its batch is made."""
+        if self._process is not None:
+            table.check_sides(
+                ("query", "document"), "image-text data through a processor looks up each query and document"
+            )
+        else:
+            table.check_image_text()
         self._frozen, self.views = table, table.views if self.train else 0
         bad: list[BadSample] = []
         probed = range(min(probe, len(self)))
@@ -287,6 +300,12 @@ class FileImageTextDataset:
     def _frozen_of(self, records: Sequence[Record], views: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
         """`frozen_query` and `frozen_doc` of the records (`carry_frozen`), with `views` of each image's view."""
         table, where = self._frozen, [f"{r.where} {r.key}" for r in records]
+        if self._process is not None:
+            keys = [self.item_keys(image_key(r.image), r.caption, r.negatives) for r in records]
+            queries = table.vectors[table.lookup("query", [q for q, _, _ in keys], where)]
+            each = [w for w in where for _ in range(1 + self.num_negatives)]
+            docs = table.vectors[table.lookup("document", [d for _, d, negs in keys for d in (d, *negs)], each)]
+            return {FROZEN_QUERIES: queries, FROZEN_DOCS: docs.view(len(records), -1, docs.shape[-1]).squeeze(1)}
         keys = [image_key(r.image) for r in records]
         if views is not None:
             keys = [view_key(key, int(v)) for key, v in zip(keys, views)]

@@ -55,11 +55,12 @@ IMAGE_TEXT_SIDES = ("image", "caption")
 TEACHER_LOGIT_SCALE = "teacher_logit_scale"
 """The .parquet / .arrow schema metadata key of the teacher's own logit scale (its temperature is 1 / exp of it)."""
 EMBED_IMAGES = "python -m titan_contrastive.embed_images --out FILE.parquet --job.config_file RUN.toml"
-PROCESSED = (
-    "image-text data served through a model's processor (the qwen_vl family) carries no frozen model's embeddings; "
-    "give the pairs as vl_pairs rows (data.dataset='vl_pairs', e.g. query_text and doc_image for t2i), which do"
+BUNDLED_PROCESSED = (
+    "the bundled sets served through a model's processor (the qwen_vl family) resize each image to a size drawn per "
+    "epoch, so no one embedding of it can be written ahead; use your own image-text data (csv, webdataset, hf) or "
+    "vl_pairs rows"
 )
-"""Why image-text data in the qwen_vl family is refused a file (`embed_images` and the run): vl_pairs rows key it."""
+"""Why the bundled sets in the qwen_vl family are refused a file (`embed_images` and the run)."""
 Part = tuple[list[Any], "list[Any] | None"]
 """A part of a file's rows: their texts and their sides (None: the file has no side column)."""
 

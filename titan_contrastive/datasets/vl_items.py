@@ -6,16 +6,18 @@ its key (`item_key`) is that string with the image's key (the SHA-1 of its file'
 the visual tokens go and the text uncut. The file's `query` rows hold the queries, its `document` rows the documents
 and every hard negative of every row (whichever an epoch draws). So a file serves any copy of the rows, in any order,
 split or joined with others, and a template changed since the file was written is a missing key, not a stale vector.
+Image-text data served through the processor (csv, webdataset, hf in the qwen_vl family) keys its samples the same
+way (`image_text_keys`): the image on the mode's image side, the caption on the other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["FILE_SIDES", "Item", "ItemChunks", "item_key"]
+__all__ = ["FILE_SIDES", "Item", "ItemChunks", "image_text_keys", "item_key", "side_key"]
 
 FILE_SIDES = {"query": "query", "doc": "document"}
 """A vl_pairs side -> the side of its items in the file."""
@@ -24,6 +26,22 @@ FILE_SIDES = {"query": "query", "doc": "document"}
 def item_key(template: str, text: str, image: str = "") -> str:
     """The key of the item `template` fills with `text` and the image keyed `image` ("": none)."""
     return template.replace("{image}", f"<image {image}>").replace("{text}", text)
+
+
+def side_key(kind: str, template: str, text: str, image: str) -> str:
+    """The key of a side's item of `kind` (text, image or multi, `retrieval.MODES`): what it reads of `text` and the
+    image keyed `image`."""
+    return item_key(template, text if kind != "image" else "", image if kind != "text" else "")
+
+
+def image_text_keys(
+    kinds: Mapping[str, str], templates: Mapping[str, str], image: str, caption: str, negatives: Sequence[str] = ()
+) -> tuple[str, str, list[str]]:
+    """(query key, document key, the negative captions' keys) of an image-text sample served through the processor
+    (`kinds` and `templates` of "query" and "doc": the image on the mode's image side, the caption on the other; the
+    negative captions are text documents)."""
+    query, doc = (side_key(kinds[side], templates[side], caption, image) for side in ("query", "doc"))
+    return query, doc, [side_key("text", templates["doc"], text, "") for text in negatives]
 
 
 class Item(NamedTuple):

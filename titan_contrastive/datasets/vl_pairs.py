@@ -60,7 +60,7 @@ from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.sources import BadSample, read_file
 from titan_contrastive.datasets.tables import read_table
-from titan_contrastive.datasets.vl_items import FILE_SIDES, Item, item_key
+from titan_contrastive.datasets.vl_items import FILE_SIDES, Item, item_key, side_key
 
 __all__ = ["COLUMNS", "VLPairsDataset", "family_refusal"]
 
@@ -341,8 +341,7 @@ class VLPairsDataset:
             for side in SIDES
         ]
         doc = self._template("doc", source)
-        text = self.negative_kind == "text"
-        return (*own, [item_key(doc, k) if text else item_key(doc, "", k) for k in negatives], where)
+        return (*own, [side_key(self.kinds["doc"], doc, k, k) for k in negatives], where)
 
     def _read(self, index: int, bad: list[BadSample]) -> tuple[int, dict[str, Any]]:
         """Sample `index`'s file and fields, or those of the next good row of its file (each bad one appended
