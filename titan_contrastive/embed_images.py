@@ -218,9 +218,6 @@ def embed(
     shards = np.array_split(np.arange(len(train)), world)
     mine = shards[rank].tolist()
 
-    def gathered(keys: list[str], vectors: torch.Tensor) -> tuple[list[str], np.ndarray] | None:
-        return gather_rows(keys, vectors, world)
-
     def images_at(view: int | None) -> tuple[tuple[list[str], np.ndarray] | None, torch.Tensor, list[str]]:
         """Every sample's image key and its image's embedding at `view`, on rank 0; no row of such embeddings (their
         width and dtype); the captions this rank's samples serve."""
@@ -232,7 +229,7 @@ def embed(
             keys += chunk_keys
             texts += chunk_texts
         vectors = torch.cat(rows)
-        return gathered(keys[: len(mine)], vectors[: len(mine)]), vectors[:0], texts if mine else []
+        return gather_rows(keys[: len(mine)], vectors[: len(mine)], world), vectors[:0], texts if mine else []
 
     images, none, texts = images_at(None)
     for view in range(views):
@@ -244,7 +241,7 @@ def embed(
         at_least_fp32(teacher(picture, on(train.encode_text(captions[i : i + batch_size]), device, dtype))[1])
         for i in range(0, len(captions), batch_size)
     ]
-    captioned = gathered(captions, torch.cat(rows) if rows else none)
+    captioned = gather_rows(captions, torch.cat(rows) if rows else none, world)
     return None if images is None else [("image", *images), ("caption", *captioned)]
 
 
@@ -258,7 +255,9 @@ def gather_rows(keys: list[str], vectors: torch.Tensor, world_size: int) -> tupl
     return None if keys is None else first_rows(keys, vectors.numpy())
 
 
-def side_rows(keys: list[str], rows: list[torch.Tensor], dtype: torch.dtype, device: torch.device, world: int) -> Any:
+def side_rows(
+    keys: list[str], rows: list[torch.Tensor], dtype: torch.dtype, device: torch.device, world: int
+) -> tuple[list[str], np.ndarray] | None:
     """This rank's `keys` and their embeddings `rows` (chunks) of one side, on rank 0 with every rank's, in rank order,
     each key's first row kept (`gather_rows`); None on the other ranks."""
     widths = [rows[0].shape[1] if rows else 0]

@@ -20,8 +20,9 @@ guide model's embeddings (`StepContext.guide_of`, `losses/guide.py`). A text of 
 embedding, a row of another width, a non-finite or zero vector, an unknown side, or one
 text with two different embeddings is a DataError naming the file, before any model is built.
 
-vl_pairs rows (`embed_images` too) read a file whose `query` and `document` rows are keyed by their items' filled
-templates (`vl_items`), looked up as each sample is served (`VLPairsDataset.carry_frozen`).
+vl_pairs rows, and image-text data served through the qwen_vl processor, read a file (`embed_images` too) whose
+`query` and `document` rows are keyed by their items' filled templates (`vl_items`), looked up as each sample is
+served (`VLPairsDataset.carry_frozen`, `FileImageTextDataset.carry_frozen`).
 Image-text data (`python -m titan_contrastive.embed_images`) reads a file whose sides are `image`, the row's
 `text` being the image's key (`datasets.image_keys`), and `caption`; the datasets look each sample up as it is
 served (`FileImageTextDataset.carry_frozen`, `ImageTextDataset.carry_frozen`). Image keys `key#v` are the image's

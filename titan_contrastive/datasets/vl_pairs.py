@@ -278,8 +278,8 @@ class VLPairsDataset:
         raise DataError(family_refusal("vae"))
 
     def _value(self, file: _File, column: str, kind: str, value: Any, key: str) -> tuple[Any, str]:
-        """One field and its key: a text stripped (twice), or an image path read and decoded to a uint8 HWC array and
-        the SHA-1 of the file's bytes (`image_keys.image_key`); BadSample."""
+        """One field and its key: a text stripped (its own key), or an image path read and decoded to a uint8 HWC array
+        and the SHA-1 of the file's bytes (`image_keys.image_key`); BadSample."""
         where = file.source
         if kind == "text":
             if not isinstance(value, str) or not value.strip():
