@@ -418,8 +418,8 @@ class VLPairsDataset:
                     image = _written(row.get(f"{side}_image")) if kind != "text" else ""
                     found[name].setdefault(Item(s, self._template(side, s), text, image), None)
                 for value in _as_list(row.get(NEGATIVES_COLUMN)) if self.num_negatives else ():
-                    written = ((_written(value), ""), ("", _written(value)))[self.negative_kind == "image"]
-                    found["document"].setdefault(Item(s, self._template("doc", s), *written), None)
+                    text, image = (_written(value), "") if self.negative_kind == "text" else ("", _written(value))
+                    found["document"].setdefault(Item(s, self._template("doc", s), text, image), None)
         return {side: list(items) for side, items in found.items()}
 
     def item_inputs(self, side: str, items: Sequence[Item]) -> tuple[dict[str, torch.Tensor], list[str]]:
