@@ -106,6 +106,23 @@ def assert_same_step(runs: list, local: int) -> None:
     assert_close(file_grads, model_grads, rel=1e-5)
 
 
+def assert_carried_and_taught(tmp: Path, flags: list[str], file: Path, teacher: Path, negatives: int) -> None:
+    """Runs of `flags` taught from `file` and by the running `teacher` (GradCache 3 of 7): the first 7 samples' batch
+    carries the teacher's embeddings of what it serves (its `negatives` per sample too), and the steps agree
+    (`assert_same_step`)."""
+    steps = ["--training.local_batch_size=7", "--gradcache.enabled=true", "--gradcache.chunk_sizes=3", *TAUGHT]
+    runs = taught_runs(tmp, flags, file, teacher, *steps)
+    batch = runs[0].train_set.__getitems__(list(range(7)))
+    served = {k: v for k, v in runs[1].train_set.__getitems__(list(range(7))).items() if isinstance(v, torch.Tensor)}
+    with torch.no_grad():
+        q, d = _embeddings(runs[1].step_context.guide, served)
+    docs = torch.cat([d[:7, None], d[7:].view(7, negatives, -1)], 1) if negatives else d
+    assert batch[FROZEN_DOCS].shape == docs.shape
+    torch.testing.assert_close(batch[FROZEN_QUERIES].double(), q, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(batch[FROZEN_DOCS].double(), docs, rtol=1e-6, atol=1e-7)
+    assert_same_step(runs, 7)
+
+
 @pytest.fixture(scope="module")
 def ahead(tmp_path_factory: pytest.TempPathFactory) -> Ahead:
     root = tmp_path_factory.mktemp("vl-ahead")
@@ -268,15 +285,15 @@ def test_global_negatives_on_ranks_gather_the_carried_embeddings(
     run_distributed(_on_ranks, world, str(tmp_path / "run"), ahead, local, ga, layout)
 
 
-def _embed(out: str, ahead: Ahead) -> None:
-    embed_images.PIECE_ROWS = 4  # rank 0 gathers in pieces that divide nothing
-    embed(Path(out), ahead.flags, ahead.teacher, "--data.num_workers=2")
+def _embed_flags(out: str, flags: list[str], teacher: Path) -> None:
+    embed_images.PIECE_ROWS = 3  # rank 0 gathers in pieces that divide nothing
+    embed(Path(out), flags, teacher, "--data.num_workers=2", "--batch-size=2")
     assert Path(out).is_file()  # rank 0 wrote it before any rank returned
 
 
 def test_ranks_and_their_workers_write_the_rows_of_one_process(tmp_path: Path, ahead: Ahead) -> None:
     out = tmp_path / "ranks.parquet"
-    run_distributed(_embed, 2, str(out), ahead)
+    run_distributed(_embed_flags, 2, str(out), ahead.flags, ahead.teacher)
     assert_same_rows(out, ahead.file)
 
 
@@ -320,16 +337,7 @@ def test_in_each_mode_the_file_teaches_as_the_running_teacher(
     data = _vl_pairs(tmp_path / "data", bad=True, negatives=negatives)
     flags = [arg.replace("m2i", mode) for arg in run_flags(ahead.root, str(data))]
     file = embed(tmp_path / "teacher.parquet", flags, ahead.teacher)
-    steps = ["--training.local_batch_size=7", "--gradcache.enabled=true", "--gradcache.chunk_sizes=3", *TAUGHT]
-    runs = taught_runs(tmp_path, flags, file, ahead.teacher, *steps)
-    batch = runs[0].train_set.__getitems__(list(range(7)))
-    served = {k: v for k, v in runs[1].train_set.__getitems__(list(range(7))).items() if isinstance(v, torch.Tensor)}
-    with torch.no_grad():
-        q, d = _embeddings(runs[1].step_context.guide, served)
-    torch.testing.assert_close(batch[FROZEN_QUERIES].double(), q, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(batch[FROZEN_DOCS][:, 0].double(), d[:7], rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(batch[FROZEN_DOCS][:, 1:].double(), d[7:].view(7, 2, -1), rtol=1e-6, atol=1e-7)
-    assert_same_step(runs, 7)
+    assert_carried_and_taught(tmp_path, flags, file, ahead.teacher, 2)
 
 
 # --- image-text data through the processor: a CSV of images, captions and negative captions -------------------------
@@ -360,25 +368,8 @@ def test_image_text_data_through_the_processor_is_taught_from_the_file(tmp_path:
         captions |= {t for i in good for t in (f"a dog {i}", f"frozen water {i}")}
     queries, documents = (images, captions) if mode == "i2t" else (captions, images)
     assert set(read_file(file)) == {("query", k) for k in queries} | {("document", k) for k in documents}
-    steps = ["--training.local_batch_size=7", "--gradcache.enabled=true", "--gradcache.chunk_sizes=3", *TAUGHT]
-    runs = taught_runs(tmp_path, flags, file, ahead.teacher, *steps)
-    batch = runs[0].train_set.__getitems__(list(range(7)))
-    served = {k: v for k, v in runs[1].train_set.__getitems__(list(range(7))).items() if isinstance(v, torch.Tensor)}
-    with torch.no_grad():
-        q, d = _embeddings(runs[1].step_context.guide, served)
-    k = 2 if mode == "i2t" else 0
-    assert batch[FROZEN_DOCS].shape == ((7, 1 + k, 128) if k else (7, 128))
-    torch.testing.assert_close(batch[FROZEN_QUERIES].double(), q, rtol=1e-6, atol=1e-7)
-    docs = torch.cat([d[:7, None], d[7:].view(7, k, -1)], 1) if k else d
-    torch.testing.assert_close(batch[FROZEN_DOCS].double(), docs, rtol=1e-6, atol=1e-7)
-    assert_same_step(runs, 7)
+    assert_carried_and_taught(tmp_path, flags, file, ahead.teacher, 2 if mode == "i2t" else 0)
     if mode == "i2t":
         out = tmp_path / "ranks.parquet"
         run_distributed(_embed_flags, 2, str(out), flags, ahead.teacher)
         assert_same_rows(out, file)
-
-
-def _embed_flags(out: str, flags: list[str], teacher: Path) -> None:
-    embed_images.PIECE_ROWS = 3  # rank 0 gathers in pieces that divide nothing
-    embed(Path(out), flags, teacher, "--data.num_workers=2", "--batch-size=2")
-    assert Path(out).is_file()
