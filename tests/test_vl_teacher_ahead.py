@@ -36,7 +36,7 @@ from tests.test_trainer import REL, assert_close, full, grads, make_trainer
 from titan_contrastive import embed_images
 from titan_contrastive.batching import FROZEN_DOCS, FROZEN_QUERIES
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.losses import build_objective
+from titan_contrastive.losses import build_objective, split_documents
 from titan_contrastive.losses.base import columns
 from titan_contrastive.losses.guide import Guide
 
@@ -228,6 +228,32 @@ def test_each_step_kind_taught_from_the_file_equals_the_dense_objective(
     pieces = trainer.step_context.split(microbatches[0], 3) if kind == "gradcache" else microbatches
     taught = build_objective(trainer.cfg.loss).with_teacher(file_guide(ahead, microbatches))
     assert_step_equals_its_forwards(trainer, microbatches, pieces, seed=4, objective=taught)
+    trainer.metrics.close()
+
+
+def test_a_guide_written_ahead_decides_the_masks(tmp_path: Path, ahead: Ahead) -> None:
+    """GISTEmbed on vl_pairs from the file (`guide_embeddings`): GradCache 3 over 7 against the dense objective with
+    the margin mask of the file's cosines, looked up here, which is not the model's own mask."""
+    trainer = make_trainer(
+        str(tmp_path / "run"),
+        *ahead.one,
+        "--training.local_batch_size=7",
+        "--gradcache.enabled=true",
+        "--gradcache.chunk_sizes=3",
+        f"--loss.guide_embeddings={ahead.file}",
+        "--loss.mask_margin=-0.1",
+    )
+    batch = {k: v for k, v in trainer.train_set.__getitems__(list(range(7))).items() if isinstance(v, torch.Tensor)}
+    guide = file_guide(ahead, [batch])
+    objective = build_objective(trainer.cfg.loss)
+    with torch.no_grad():
+        q, d = trainer.step_context.encode(batch)[:2]
+    d = columns(*split_documents(d))
+    by_guide = objective.false_negatives.guided(guide).dense(q.double(), d.double(), None)
+    by_model = objective.false_negatives.dense(q.double(), d.double(), None)
+    assert by_guide is not None and by_guide.any() and not by_guide.all() and (by_guide != by_model).any()
+    pieces = trainer.step_context.split(batch, 3)
+    assert_step_equals_its_forwards(trainer, [batch], pieces, seed=4, objective=objective.with_guide(guide))
     trainer.metrics.close()
 
 
