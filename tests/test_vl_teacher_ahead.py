@@ -8,8 +8,9 @@ teacher's own embeddings of what they serve, in every epoch's draw of the negati
 equals one taught by the running teacher to float32's precision, and so does one in t2t, i2t (text negatives) and
 t2i; a plain step, GradCache with chunks that divide nothing and streamed global negatives (dropout on, float64)
 equal the dense objective taught by the file's vectors looked up here, on 1, 2 and 4 gloo processes; the file as a
-guide decides the margin masks; 2 ranks with 2 decoding workers each write the rows one process writes; what cannot
-work is one line."""
+guide decides the margin masks; 2 ranks with 2 decoding workers each write the rows one process writes; image-text
+data through the processor (a CSV in i2t and t2i, a bad image) is written and taught the same way; what cannot work
+is one line."""
 
 from __future__ import annotations
 
