@@ -277,9 +277,10 @@ class VLPairsDataset:
     def serve_masked(self, *args: Any) -> None:
         raise DataError(family_refusal("vae"))
 
-    def _value(self, file: _File, column: str, kind: str, value: Any, key: str) -> tuple[Any, str]:
+    def _value(self, file: _File, column: str, kind: str, value: Any, key: str, keyed: bool) -> tuple[Any, str]:
         """One field and its key: a text stripped (its own key), or an image path read and decoded to a uint8 HWC array
-        and the SHA-1 of the file's bytes (`image_keys.image_key`); BadSample."""
+        and, where `keyed` (a frozen model's embeddings are looked up or written), the SHA-1 of the file's bytes
+        (`image_keys.image_key`; else ""); BadSample."""
         where = file.source
         if kind == "text":
             if not isinstance(value, str) or not value.strip():
@@ -289,7 +290,7 @@ class VLPairsDataset:
             raise BadSample("missing_image", where, key, f"{column} is empty")
         data = read_file(str(file.root / value.strip()), where, key)
         try:
-            return np.asarray(decode_image(data)), image_key(data)
+            return np.asarray(decode_image(data)), image_key(data) if keyed else ""
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
             raise BadSample("undecodable_image", where, key, f"{column}: {type(e).__name__}: {e}") from None
 
@@ -304,7 +305,10 @@ class VLPairsDataset:
         """Row `j` of file `source`: its needed fields (and its hard negatives, a list), or BadSample."""
         file = self._files[source]
         row, key = file.rows[j], str(j)
-        fields = {c: self._value(file, c, "text" if c.endswith("_text") else "image", row[c], key) for c in self.needed}
+        keyed = self._frozen is not None
+        fields = {
+            c: self._value(file, c, "text" if c.endswith("_text") else "image", row[c], key, keyed) for c in self.needed
+        }
         out: dict[str, Any] = {c: value for c, (value, _) in fields.items()}
         negatives, places = _as_list(row[NEGATIVES_COLUMN]), list(range(self.num_negatives))
         if self._pools is not None:
@@ -314,7 +318,7 @@ class VLPairsDataset:
         elif self.num_negatives and len(negatives) != self.num_negatives:
             detail = f"{NEGATIVES_COLUMN} holds {len(negatives)}, the first row {self.num_negatives}"
             raise BadSample("ragged_negatives", file.source, key, detail)
-        picked = [self._value(file, NEGATIVES_COLUMN, self.negative_kind, negatives[p], key) for p in places]
+        picked = [self._value(file, NEGATIVES_COLUMN, self.negative_kind, negatives[p], key, keyed) for p in places]
         if self.num_negatives:
             out[NEGATIVES_COLUMN] = [value for value, _ in picked]
         if self._frozen is not None:
@@ -432,8 +436,10 @@ class VLPairsDataset:
         for item in items:
             file = self._files[item.source]
             try:
-                text = self._value(file, f"{side}_text", "text", item.text, "") if kind != "image" else ("", "")
-                image = self._value(file, f"{side}_image", "image", item.image, "") if kind != "text" else (None, "")
+                text = self._value(file, f"{side}_text", "text", item.text, "", True) if kind != "image" else ("", "")
+                image = (
+                    self._value(file, f"{side}_image", "image", item.image, "", True) if kind != "text" else (None, "")
+                )
             except BadSample:
                 continue
             templates.append(item.template)
