@@ -48,7 +48,7 @@ from titan_contrastive.datasets.image_transforms import (
 )
 from titan_contrastive.datasets.naflex import NaFlexImages
 from titan_contrastive.datasets.sources import BadSample, Record, Source
-from titan_contrastive.datasets.vl_items import image_text_keys
+from titan_contrastive.datasets.vl_items import carried, image_text_keys
 
 logger = logging.getLogger("titan_contrastive")
 MAX_SUBSTITUTES = 64
@@ -302,10 +302,7 @@ class FileImageTextDataset:
         table, where = self._frozen, [f"{r.where} {r.key}" for r in records]
         if self._process is not None:
             keys = [self.item_keys(image_key(r.image), r.caption, r.negatives) for r in records]
-            queries = table.vectors[table.lookup("query", [q for q, _, _ in keys], where)]
-            each = [w for w in where for _ in range(1 + self.num_negatives)]
-            docs = table.vectors[table.lookup("document", [d for _, d, negs in keys for d in (d, *negs)], each)]
-            return {FROZEN_QUERIES: queries, FROZEN_DOCS: docs.view(len(records), -1, docs.shape[-1]).squeeze(1)}
+            return carried(table, [q for q, _, _ in keys], [[d, *negs] for _, d, negs in keys], where)
         keys = [image_key(r.image) for r in records]
         if views is not None:
             keys = [view_key(key, int(v)) for key, v in zip(keys, views)]

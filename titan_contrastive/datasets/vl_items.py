@@ -17,7 +17,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["FILE_SIDES", "Item", "ItemChunks", "image_text_keys", "item_key", "side_key"]
+from titan_contrastive.batching import FROZEN_DOCS, FROZEN_QUERIES
+
+__all__ = ["FILE_SIDES", "Item", "ItemChunks", "carried", "image_text_keys", "item_key", "side_key"]
 
 FILE_SIDES = {"query": "query", "doc": "document"}
 """A vl_pairs side -> the side of its items in the file."""
@@ -42,6 +44,21 @@ def image_text_keys(
     negative captions are text documents)."""
     query, doc = (side_key(kinds[side], templates[side], caption, image) for side in ("query", "doc"))
     return query, doc, [side_key("text", templates["doc"], text, "") for text in negatives]
+
+
+def carried(
+    table: Any, queries: Sequence[str], documents: Sequence[Sequence[str]], where: Sequence[str]
+) -> dict[str, torch.Tensor]:
+    """`frozen_query` [B, d] and `frozen_doc` [B, d], or [B, 1 + k, d] with hard negatives, of B samples from `table`
+    (`frozen.EmbeddingTable`): each sample's query key, and its document's key followed by its k negatives' keys
+    (`documents`, B lists of 1 + k); `where` names each sample in a missing key's message."""
+    k = len(documents[0]) - 1 if documents else 0
+    found = table.lookup("document", [d for docs in documents for d in docs], [w for w in where for _ in range(1 + k)])
+    docs = table.vectors[found].view(len(documents), 1 + k, -1)
+    return {
+        FROZEN_QUERIES: table.vectors[table.lookup("query", queries, where)],
+        FROZEN_DOCS: docs if k else docs[:, 0],
+    }
 
 
 class Item(NamedTuple):

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from titan_contrastive.batching import FROZEN_DOCS, FROZEN_QUERIES, OWN_GROUP, TEACHER_SCORES
+from titan_contrastive.batching import OWN_GROUP, TEACHER_SCORES
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.files import MAX_SUBSTITUTES
@@ -60,7 +60,7 @@ from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.sources import BadSample, read_file
 from titan_contrastive.datasets.tables import read_table
-from titan_contrastive.datasets.vl_items import FILE_SIDES, Item, item_key, side_key
+from titan_contrastive.datasets.vl_items import FILE_SIDES, Item, carried, item_key, side_key
 
 __all__ = ["COLUMNS", "VLPairsDataset", "family_refusal"]
 
@@ -398,16 +398,7 @@ class VLPairsDataset:
 
     def _frozen_of(self, keys: Sequence[tuple[Any, ...]]) -> dict[str, torch.Tensor]:
         """`frozen_query` and `frozen_doc` of samples of `keys` (`KEYS`)."""
-        table, where = self._frozen, [k[3] for k in keys]
-        queries = table.lookup("query", [k[0] for k in keys], where)
-        docs = table.vectors[table.lookup("document", [k[1] for k in keys], where)]
-        if self.num_negatives:
-            k = self.num_negatives
-            negatives = table.lookup(
-                "document", [n for key in keys for n in key[2]], [w for w in where for _ in range(k)]
-            )
-            docs = torch.cat([docs[:, None], table.vectors[negatives].view(len(keys), k, -1)], 1)
-        return {FROZEN_QUERIES: table.vectors[queries], FROZEN_DOCS: docs}
+        return carried(self._frozen, [k[0] for k in keys], [[k[1], *k[2]] for k in keys], [k[3] for k in keys])
 
     def frozen_items(self) -> dict[str, list[Item]]:
         """Each query and each document an epoch can serve (every hard negative of every row, whichever an epoch
