@@ -83,6 +83,11 @@ def embed(out: Path, ahead_flags: list[str], teacher: Path, *more: str) -> Path:
     return out
 
 
+def served(trainer, indices) -> dict:  # noqa: ANN001
+    """The tensors of the batch `trainer`'s training set serves for `indices`."""
+    return {k: v for k, v in trainer.train_set.__getitems__(list(indices)).items() if isinstance(v, torch.Tensor)}
+
+
 def taught_runs(tmp: Path, flags: list[str], file: Path, teacher: Path, *steps: str) -> list:
     """Two trainers from the same weights, taught from `file` and by the running `teacher`."""
     runs, init = [], None
@@ -115,9 +120,9 @@ def assert_carried_and_taught(tmp: Path, flags: list[str], file: Path, teacher: 
     steps = ["--training.local_batch_size=7", "--gradcache.enabled=true", "--gradcache.chunk_sizes=3", *TAUGHT]
     runs = taught_runs(tmp, flags, file, teacher, *steps)
     batch = runs[0].train_set.__getitems__(list(range(7)))
-    served = {k: v for k, v in runs[1].train_set.__getitems__(list(range(7))).items() if isinstance(v, torch.Tensor)}
+    tensors = served(runs[1], range(7))
     with torch.no_grad():
-        q, d = _embeddings(runs[1].step_context.guide, served)
+        q, d = _embeddings(runs[1].step_context.guide, tensors)
     docs = torch.cat([d[:7, None], d[7:].view(7, negatives, -1)], 1) if negatives else d
     assert batch[FROZEN_DOCS].shape == docs.shape
     torch.testing.assert_close(batch[FROZEN_QUERIES].double(), q, rtol=1e-6, atol=1e-7)
@@ -175,9 +180,9 @@ def test_the_batches_carry_the_teacher_s_embeddings_and_teach_as_it_does(tmp_pat
             trainer.train_set.set_epoch(epoch)
         at = list(range(14))  # both files' rows: the bad ones' substitutes, the second's own template
         batch = file_run.train_set.__getitems__(at)
-        served = {k: v for k, v in model_run.train_set.__getitems__(at).items() if isinstance(v, torch.Tensor)}
+        tensors = served(model_run, at)
         with torch.no_grad():
-            q, d = _embeddings(held, served)
+            q, d = _embeddings(held, tensors)
         assert batch[FROZEN_DOCS].shape == (14, 2, 128)
         torch.testing.assert_close(batch[FROZEN_QUERIES].double(), q, rtol=1e-6, atol=1e-7)
         docs = torch.stack([d[:14], d[14:]], 1)  # the positives, then each sample's negative
@@ -223,10 +228,7 @@ def test_each_step_kind_taught_from_the_file_equals_the_dense_objective(
     )
     assert "the frozen teacher's cosines (embedded ahead, from the data)" in trainer.gradient_step.describe()
 
-    def get(indices: range) -> dict:
-        return {k: v for k, v in trainer.train_set.__getitems__(list(indices)).items() if isinstance(v, torch.Tensor)}
-
-    microbatches = [get(range(j * local, (j + 1) * local)) for j in range(ga)]
+    microbatches = [served(trainer, range(j * local, (j + 1) * local)) for j in range(ga)]
     pieces = trainer.step_context.split(microbatches[0], 3) if kind == "gradcache" else microbatches
     taught = build_objective(trainer.cfg.loss).with_teacher(file_guide(ahead, microbatches))
     assert_step_equals_its_forwards(trainer, microbatches, pieces, seed=4, objective=taught)
@@ -245,7 +247,7 @@ def test_a_guide_written_ahead_decides_the_masks(tmp_path: Path, ahead: Ahead) -
         f"--loss.guide_embeddings={ahead.file}",
         "--loss.mask_margin=-0.1",
     )
-    batch = {k: v for k, v in trainer.train_set.__getitems__(list(range(7))).items() if isinstance(v, torch.Tensor)}
+    batch = served(trainer, range(7))
     guide = file_guide(ahead, [batch])
     objective = build_objective(trainer.cfg.loss)
     with torch.no_grad():
@@ -275,10 +277,7 @@ def _on_ranks(tmp: str, ahead: Ahead, local: int, ga: int, layout: list[str]) ->
         *layout,
     )
 
-    def get(indices: range) -> dict:
-        return {k: v for k, v in trainer.train_set.__getitems__(list(indices)).items() if isinstance(v, torch.Tensor)}
-
-    steps = [get(range(j * local * world, (j + 1) * local * world)) for j in range(ga)]
+    steps = [served(trainer, range(j * local * world, (j + 1) * local * world)) for j in range(ga)]
     mine = [trainer.step_context.split(s, local)[rank] for s in steps]
     reference = trainer.spec.build_model(trainer.model_args).double().train()
     reference.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
