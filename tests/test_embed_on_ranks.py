@@ -1,8 +1,8 @@
-"""Embedding ahead on several processes: `torchrun ... -m titan_contrastive.embed_images` gives each rank a contiguous
-shard of the samples (decoded by its own workers) and the captions they serve, and rank 0 gathers them in pieces
-(here of sizes that divide nothing) and writes the rows one process writes, in its order: checked against the
-teacher's own forward (`load_clip`) at every shard's first and last sample and on every caption, on 2 and 4 gloo
-processes with chunks that divide nothing, a bad image's substitute included; `python -m titan_contrastive.embed
+"""Embedding ahead on several processes: `torchrun ... -m titan_contrastive.embed_images` has rank r embed chunks r,
+r + W, ... of the samples (decoded by its own workers) and the captions they serve, and rank 0 spools every rank's rows
+as they come (`row_spool`) and writes the rows one process writes, in its order, leaving nothing else behind: checked
+against the teacher's own forward (`load_clip`) at every chunk's first and last sample and on every caption, on 2 and 4
+gloo processes with chunks that divide nothing, a bad image's substitute included; `python -m titan_contrastive.embed
 --device a,b` runs sentence-transformers' multi-process pool and writes what the run's own model gives."""
 
 from __future__ import annotations
@@ -45,12 +45,11 @@ def csv_data(tmp_path: Path) -> list[str]:
     return write_csv_data(tmp_path)
 
 
-def _embed(out: str, teacher: str, flags: list[str], piece: int = 0) -> None:
-    if piece:  # rank 0 gathers in pieces of this many rows per rank
-        embed_images.PIECE_ROWS = piece
+def _embed(out: str, teacher: str, flags: list[str]) -> None:
     code = embed_images.main(["--out", out, f"--loss.teacher_model={teacher}", *flags])
     assert code == 0
     assert Path(out).is_file()  # rank 0 wrote it before any rank returned
+    assert not list(Path(out).parent.glob(".*"))  # nor its spool or a temporary file left
 
 
 def assert_same_rows(got: Path, want: Path) -> None:
@@ -73,12 +72,12 @@ def test_ranks_write_the_teacher_s_rows_of_one_process(tmp_path: Path, bundled: 
     teacher, one = bundled
     out = tmp_path / "ranks.parquet"
     flags = ["--batch-size=700", "--data.context_length=32"]
-    run_distributed(_embed, world, str(out), str(teacher), flags, 777 if world == 4 else 0)  # pieces divide nothing
+    run_distributed(_embed, world, str(out), str(teacher), flags)
     assert_same_rows(out, one)
     table = read_file(out)
     data = build_dataset("fashion_mnist", "train", augment=False)  # unflipped
     images = load_split(BUNDLE_DIR, "train")[0]
-    edges = [int(i) for shard in np.array_split(np.arange(len(data)), world) for i in (shard[0], shard[-1])]
+    edges = [i for start in range(0, len(data), 700) for i in (start, min(start + 700, len(data)) - 1)]
     captions = data.caption_texts()
     model = load_clip(teacher).double()
     with torch.no_grad():
@@ -102,33 +101,9 @@ def test_on_your_own_data_ranks_and_their_workers_write_the_file_of_one_process(
     one = embed(tmp_path, teacher, "--data.context_length=32", *data)
     out = tmp_path / "ranks.parquet"
     flags = ["--batch-size=2", "--data.context_length=32", "--data.num_workers=2", *data]
-    run_distributed(_embed, 2, str(out), str(teacher), flags, 3)
+    run_distributed(_embed, 2, str(out), str(teacher), flags)
     assert_same_rows(out, one)
     assert len(read_file(out)) == (1 + views) * (N - 1) + 3 * (N - 1)  # each good image's views; its 3 captions
-
-
-def _gather(counts: list[int]) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    embed_images.PIECE_ROWS = 3
-    start = sum(counts[:rank])
-    local = torch.arange(start, start + counts[rank], dtype=torch.float64)[:, None].repeat(1, 2)
-    got = embed_images.gather_to_first(local, counts)
-    if rank:
-        assert got is None
-    else:
-        torch.testing.assert_close(got, torch.arange(sum(counts), dtype=torch.float64)[:, None].repeat(1, 2))
-    assert embed_images.gather_lists([f"{rank}-{i}" for i in range(counts[rank])], len(counts)) == (
-        None if rank else [f"{r}-{i}" for r, n in enumerate(counts) for i in range(n)]
-    )
-    dist.destroy_process_group()
-
-
-def test_rank_0_gathers_ragged_shards_in_pieces() -> None:
-    """Shards of 7, 0 and 4 rows in pieces of 3 rows per rank: rank 0 gets them in order, the others nothing."""
-    run_distributed(_gather, 3, [7, 0, 4])
 
 
 def test_a_device_under_torchrun_is_one_line(

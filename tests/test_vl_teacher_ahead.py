@@ -313,7 +313,6 @@ def test_global_negatives_on_ranks_gather_the_carried_embeddings(
 
 
 def _embed_flags(out: str, flags: list[str], teacher: Path) -> None:
-    embed_images.PIECE_ROWS = 3  # rank 0 gathers in pieces that divide nothing
     embed(Path(out), flags, teacher, "--data.num_workers=2", "--batch-size=2")
     assert Path(out).is_file()  # rank 0 wrote it before any rank returned
 

@@ -31,6 +31,7 @@ exit code 2, before any model is loaded. Needs the `hf` and `data` extras.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Sequence
@@ -44,6 +45,8 @@ from titan_contrastive.extras import import_failure
 from titan_contrastive.mining import MineError
 
 OUT_FORMATS = (".parquet", ".jsonl", ".arrow")
+ROW_GROUP = 1 << 16
+"""Rows a .parquet file's row group holds, and a .jsonl file's rows converted at a time."""
 DOCUMENT_PROMPTS = ("document", "passage", "corpus")
 """The prompt names sentence-transformers' `encode_document` reads, in its order."""
 
@@ -166,19 +169,34 @@ def prompts(model: Any, query: str | None, doc: str | None) -> tuple[str, str]:
 def write(
     out: Path, sides: Sequence[tuple[str, list[str], np.ndarray]], metadata: dict[str, str] | None = None
 ) -> None:
-    """(side, texts, their embeddings [n, d]) rows into `out` (by its suffix), through a temporary file; `metadata`:
-    key-value pairs a .parquet or .arrow file keeps in its schema (a .jsonl file has none). An .arrow file is one
-    uncompressed record batch: its float32 vectors one contiguous block that readers map."""
+    """(side, texts, their embeddings [n, d]) rows into `out` (`write_rows`)."""
+    vectors = np.concatenate([v for _, _, v in sides])
+    texts = [t for _, texts, _ in sides for t in texts]
+    write_rows(out, [(side, len(texts)) for side, texts, _ in sides], texts, vectors, metadata)
+
+
+def write_rows(
+    out: Path,
+    sides: Sequence[tuple[str, int]],
+    texts: Sequence[str],
+    vectors: np.ndarray,
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Rows into `out` (by its suffix), through a temporary file: `sides` (each side and its number of rows, in order),
+    the rows' `texts` and their `vectors` [N, d] (an array mapped from disk is read as the file is written, never held
+    whole); `metadata`: key-value pairs a .parquet or .arrow file keeps in its schema (a .jsonl file has none). An
+    .arrow file is one uncompressed record batch: its float32 vectors one contiguous block that readers map."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    vectors = np.asarray(vectors, dtype=np.float32)  # no copy of float32
 
     def columnar(tmp: Path) -> None:
         import pyarrow as pa
 
-        vectors = np.concatenate([v for _, _, v in sides]).astype(np.float32)
+        named = [pa.repeat(side, n) for side, n in sides]
         table = pa.table(
             {
-                "side": [side for side, texts, _ in sides for _ in texts],
-                "text": [t for _, texts, _ in sides for t in texts],
+                "side": pa.concat_arrays(named) if named else pa.array([], pa.string()),
+                "text": pa.array(texts, pa.string()),
                 "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), vectors.shape[1]),
             }
         )
@@ -189,13 +207,15 @@ def write(
         else:
             import pyarrow.parquet as pq
 
-            pq.write_table(table, tmp)
+            pq.write_table(table, tmp, row_group_size=ROW_GROUP)
 
     def jsonl(tmp: Path) -> None:
+        named = itertools.chain.from_iterable(itertools.repeat(side, n) for side, n in sides)
         with open(tmp, "w", encoding="utf-8") as f:
-            for side, texts, vectors in sides:
-                for text, vector in zip(texts, vectors.astype(np.float32).tolist()):
-                    f.write(json.dumps({"side": side, "text": text, "embedding": vector}, ensure_ascii=False) + "\n")
+            for start in range(0, len(texts), ROW_GROUP):
+                for text, vector in zip(texts[start : start + ROW_GROUP], vectors[start : start + ROW_GROUP].tolist()):
+                    row = {"side": next(named), "text": text, "embedding": vector}
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     write_atomically(out, jsonl if out.suffix == ".jsonl" else columnar)
 

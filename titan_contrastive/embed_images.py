@@ -22,10 +22,10 @@ filled template with the image's SHA-1 where its visual tokens go (`datasets.vl_
 through that processor (csv, webdataset, hf) is embedded sample by sample the same way: its image as the mode's
 image side's item, its caption (and i2t's negative captions) as the other side's.
 
-Under `torchrun --nproc_per_node=N -m titan_contrastive.embed_images ...` each rank embeds a contiguous shard of the
-samples on its LOCAL_RANK's GPU (or on CPU, the cores split), then the captions its samples serve; rank 0 gathers the
-shards in order, in pieces of `PIECE_ROWS` rows per rank through the device, onto its host alone, and writes the rows
-one process writes.
+Under `torchrun --nproc_per_node=N -m titan_contrastive.embed_images ...` rank r embeds chunks r, r + N, r + 2N, ...
+of `--batch-size` samples (or items) on its LOCAL_RANK's GPU (or on CPU, the cores split), with the captions each chunk
+serves; after each chunk rank 0 gathers every rank's rows through the device and appends them to files on its disk
+beside FILE (`row_spool`), so no process holds the vectors, and it writes the rows one process writes, in its order.
 
 FILE (`.parquet`, `.jsonl`, or `.arrow`: mapped by every process of a training machine, one copy of the vectors per
 machine, as `embed` writes it) holds one row per image (and per view) and per caption: `side` (`image` or `caption`),
@@ -42,13 +42,11 @@ import dataclasses
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 from titan_contrastive.batching import NEGATIVES
 from titan_contrastive.components.precision import at_least_fp32, build_precision
@@ -56,10 +54,11 @@ from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.frozen import BUNDLED_PROCESSED, TEACHER_LOGIT_SCALE
 from titan_contrastive.datasets.vl_items import FILE_SIDES, ItemChunks
-from titan_contrastive.embed import OUT_FORMATS, write
+from titan_contrastive.embed import OUT_FORMATS, write_rows
 from titan_contrastive.extras import import_failure
 from titan_contrastive.mining import MineError
 from titan_contrastive.parallelisms import DistInfo, destroy_distributed, init_distributed
+from titan_contrastive.row_spool import RowSpool, shard
 
 
 def parser() -> argparse.ArgumentParser:
@@ -147,53 +146,32 @@ def on(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
 
 
 class FixedViews(torch.utils.data.Dataset):
-    """The training samples `indices` in chunks of `size`, at their fixed view (`fixed_view`: (batch, image keys,
-    caption texts)) or at their images' stored view `view` (`view`: (batch, view keys, no texts)), for a loader's
-    workers."""
+    """The training samples `indices` in chunks of `size`, each chunk at its fixed view and at its images' first `views`
+    stored views: [(batch, image keys, caption texts) (`fixed_view`), then (batch, view keys, no texts) (`view`) for
+    each view], for a loader's workers."""
 
-    def __init__(self, train: Any, indices: Sequence[int], size: int, view: int | None = None) -> None:
-        self.train, self.indices, self.size, self.view = train, indices, size, view
+    def __init__(self, train: Any, indices: Sequence[int], size: int, views: int = 0) -> None:
+        self.train, self.indices, self.size, self.views = train, indices, size, views
 
     def __len__(self) -> int:
         return -(-len(self.indices) // self.size)
 
-    def __getitem__(self, chunk: int) -> tuple[dict[str, Any], list[str], list[str]]:
+    def __getitem__(self, chunk: int) -> list[tuple[dict[str, Any], list[str], list[str]]]:
         indices = self.indices[chunk * self.size : (chunk + 1) * self.size]
-        if self.view is None:
-            return self.train.fixed_view(indices)
-        return (*self.train.view(indices, self.view), [])
+        return [self.train.fixed_view(indices)] + [(*self.train.view(indices, v), []) for v in range(self.views)]
 
 
-PIECE_ROWS = 1 << 16
-"""Rows each rank sends rank 0 per gather: a device holds at most (world size x this) rows of the gathered table."""
+def rounds_of(chunks: torch.utils.data.Dataset, rounds: int, workers: int) -> Iterator[Any]:
+    """`chunks` decoded by `workers` processes, then None until `rounds` items have been given."""
+    loader = iter(torch.utils.data.DataLoader(chunks, batch_size=None, num_workers=workers))
+    for _ in range(rounds):
+        yield next(loader, None)
 
 
-def gather_to_first(local: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
-    """Row shards of different lengths (`counts[r]` rows on rank r) joined in rank order on rank 0 alone, on the host,
-    sent in pieces of at most `PIECE_ROWS` rows per rank; None on the other ranks."""
-    if len(counts) == 1:
-        return local.cpu()
-    piece = PIECE_ROWS
-    first = dist.get_rank() == 0
-    pieces: list[list[torch.Tensor]] = [[] for _ in counts]
-    for start in range(0, max(counts), piece):
-        rows = local[start : start + piece]
-        padded = local.new_zeros((min(piece, max(counts) - start), *local.shape[1:]))
-        padded[: len(rows)] = rows
-        parts = [torch.empty_like(padded) for _ in counts] if first else None
-        dist.gather(padded, parts, dst=0)
-        for r, part in enumerate(parts or ()):
-            pieces[r].append(part[: max(0, min(counts[r] - start, len(padded)))].cpu())
-    return torch.cat([row for rank in pieces for row in rank]) if first else None
-
-
-def gather_lists(items: list[Any], world_size: int) -> list[Any] | None:
-    """Every rank's `items`, joined in rank order, on rank 0; None on the other ranks."""
-    if world_size == 1:
-        return items
-    parts: list[Any] = [None] * world_size if dist.get_rank() == 0 else None
-    dist.gather_object(items, parts, dst=0)
-    return None if parts is None else [item for part in parts for item in part]
+def blocks_of(processed: bool, views: int) -> list[str]:
+    """The side of each block of the file's rows, in order: the queries and the documents of data served through the
+    qwen_vl processor; else the images at their fixed view, at each stored view, and the captions."""
+    return list(FILE_SIDES.values()) if processed else ["image"] * (1 + views) + ["caption"]
 
 
 @torch.no_grad()
@@ -203,109 +181,86 @@ def embed(
     teacher: torch.nn.Module,
     batch_size: int,
     device: torch.device,
+    spool: RowSpool,
     workers: int = 0,
     *,
     rank: int = 0,
     world: int = 1,
     views: int = 0,
-) -> list[tuple] | None:
-    """(side, keys or captions, embeddings [n, d]) of every image of `train` at its fixed view (`fixed_view`) and at
-    each of `views` stored views (`view`), and of every caption, on rank 0 (None on the others): rank r embeds the
-    r-th contiguous shard of the samples (their images decoded by `workers` processes) and the captions they serve,
-    and rank 0 gathers the shards in order and keeps each key's first row, so the rows are those of one process."""
+) -> None:
+    """Every image of `train` at its fixed view (`fixed_view`) and at each of `views` stored views (`view`), and every
+    caption, into `spool`'s blocks (`blocks_of`): rank r embeds chunks r, r + W, ... of the samples (`row_spool.shard`,
+    their images decoded by `workers` processes) and the captions each chunk serves that it has not embedded yet."""
     image_key, text_key = spec.input_keys
     dtype = next(teacher.parameters()).dtype
-    shards = np.array_split(np.arange(len(train)), world)
-    mine = shards[rank].tolist()
-
-    def images_at(view: int | None) -> tuple[tuple[list[str], np.ndarray] | None, torch.Tensor, list[str]]:
-        """Every sample's image key and its image's embedding at `view`, on rank 0; no row of such embeddings (their
-        width and dtype); the captions this rank's samples serve."""
-        chunks = FixedViews(train, mine or [0], batch_size, view)  # an empty shard embeds one sample, for the shapes
-        keys, texts, rows = [], [], []
-        for batch, chunk_keys, chunk_texts in torch.utils.data.DataLoader(chunks, batch_size=None, num_workers=workers):
-            images, tokens = on(batch[image_key], device, dtype), on(batch[text_key], device, dtype)
-            rows.append(at_least_fp32(teacher(images, tokens)[0]))
-            keys += chunk_keys
-            texts += chunk_texts
-        vectors = torch.cat(rows)
-        return gather_rows(keys[: len(mine)], vectors[: len(mine)], world), vectors[:0], texts if mine else []
-
-    images, none, texts = images_at(None)
-    for view in range(views):
-        more = images_at(view)[0]
-        images = None if images is None else (images[0] + more[0], np.concatenate([images[1], more[1]]))
+    mine, rounds = shard(len(train), batch_size, rank, world)
     picture = on(train.fixed_view([0])[0][image_key], device, dtype)  # one image beside each chunk of captions
-    captions = list(dict.fromkeys(texts))  # this rank's, in order: rank 0 keeps each one's first row of all
-    rows = [
-        at_least_fp32(teacher(picture, on(train.encode_text(captions[i : i + batch_size]), device, dtype))[1])
-        for i in range(0, len(captions), batch_size)
-    ]
-    captioned = gather_rows(captions, torch.cat(rows) if rows else none, world)
-    return None if images is None else [("image", *images), ("caption", *captioned)]
-
-
-def gather_rows(keys: list[str], vectors: torch.Tensor, world_size: int) -> tuple[list[str], np.ndarray] | None:
-    """Every rank's (keys, vectors) on rank 0, in rank order, each key's first row kept; None on the other ranks."""
-    counts = [len(keys)]
-    if world_size > 1:
-        counts = [0] * world_size
-        dist.all_gather_object(counts, len(keys))
-    keys, vectors = gather_lists(keys, world_size), gather_to_first(vectors, counts)
-    return None if keys is None else first_rows(keys, vectors.numpy())
-
-
-def side_rows(
-    keys: list[str], rows: list[torch.Tensor], dtype: torch.dtype, device: torch.device, world: int
-) -> tuple[list[str], np.ndarray] | None:
-    """This rank's `keys` and their embeddings `rows` (chunks) of one side, on rank 0 with every rank's, in rank order,
-    each key's first row kept (`gather_rows`); None on the other ranks."""
-    widths = [rows[0].shape[1] if rows else 0]
-    if world > 1:  # a rank whose items are all bad, or none, sends no rows of the others' width
-        widths = [0] * world
-        dist.all_gather_object(widths, rows[0].shape[1] if rows else 0)
-    kind = torch.promote_types(dtype, torch.float32)
-    local = torch.cat(rows) if rows else torch.zeros(0, max(widths), dtype=kind, device=device)
-    return gather_rows(keys, local, world)
+    done: set[str] = set()
+    for chunk in rounds_of(FixedViews(train, mine, batch_size, views), rounds, workers):
+        for block, (batch, keys, _) in enumerate(chunk or [(None, [], [])] * (1 + views)):
+            images = (
+                None if batch is None else (on(batch[image_key], device, dtype), on(batch[text_key], device, dtype))
+            )
+            spool.send(block, keys, None if images is None else at_least_fp32(teacher(*images)[0]))
+        captions = [text for text in dict.fromkeys(chunk[0][2] if chunk else []) if text not in done]
+        done.update(captions)
+        rows = [
+            at_least_fp32(teacher(picture, on(train.encode_text(captions[i : i + batch_size]), device, dtype))[1])
+            for i in range(0, len(captions), batch_size)
+        ]
+        spool.send(1 + views, captions, torch.cat(rows) if rows else None)
 
 
 @torch.no_grad()
 def embed_items(
-    train: Any, teacher: Any, batch_size: int, device: torch.device, workers: int = 0, *, rank: int = 0, world: int = 1
-) -> list[tuple] | None:
-    """(side, keys, embeddings [n, d]) of every query and document of vl_pairs rows (`VLPairsDataset.frozen_items`,
-    keyed as `datasets.vl_items` says) by the run's qwen_vl teacher (`QwenVLEmbedder.embed`), on rank 0 (None on the
-    others): rank r embeds the r-th contiguous shard of each side's items (their images decoded by `workers`
-    processes), and rank 0 gathers the shards in order and keeps each key's first row."""
+    train: Any,
+    teacher: Any,
+    batch_size: int,
+    device: torch.device,
+    spool: RowSpool,
+    workers: int = 0,
+    *,
+    rank: int = 0,
+    world: int = 1,
+) -> None:
+    """Every query and document of vl_pairs rows (`VLPairsDataset.frozen_items`, keyed as `datasets.vl_items` says) by
+    the run's qwen_vl teacher (`QwenVLEmbedder.embed`) into `spool`'s blocks: rank r embeds chunks r, r + W, ... of each
+    side's items (`row_spool.shard`, their images decoded by `workers` processes)."""
     dtype = next(teacher.parameters()).dtype
-    out, found = [], train.frozen_items()
-    for own, side in FILE_SIDES.items():
-        mine = [found[side][i] for i in np.array_split(np.arange(len(found[side])), world)[rank]]
-        keys, rows = [], []
-        chunks = ItemChunks(train, side, mine, batch_size)
-        for inputs, chunk_keys in torch.utils.data.DataLoader(chunks, batch_size=None, num_workers=workers):
-            if chunk_keys:
-                rows.append(at_least_fp32(teacher.embed(**on(inputs, device, dtype), side=own)))
-                keys += chunk_keys
-        out.append((side, side_rows(keys, rows, dtype, device, world)))
-    return None if rank else [(side, *rows) for side, rows in out]
+    found = train.frozen_items()
+    for block, (own, side) in enumerate(FILE_SIDES.items()):
+        mine, rounds = shard(len(found[side]), batch_size, rank, world)
+        chunks = ItemChunks(train, side, [found[side][i] for i in mine], batch_size)
+        for inputs, keys in (chunk or (None, []) for chunk in rounds_of(chunks, rounds, workers)):
+            rows = at_least_fp32(teacher.embed(**on(inputs, device, dtype), side=own)) if keys else None
+            spool.send(block, keys, rows)
 
 
 @torch.no_grad()
 def embed_samples(
-    train: Any, teacher: Any, batch_size: int, device: torch.device, workers: int = 0, *, rank: int = 0, world: int = 1
-) -> list[tuple] | None:
-    """(side, keys, embeddings [n, d]) of every sample's query and document (and negative captions) of image-text
-    data served through the qwen_vl processor (`fixed_view`'s batches, keyed by `item_keys`) by the run's teacher, on
-    rank 0 (None on the others): rank r embeds the r-th contiguous shard of the samples, and rank 0 gathers the
-    shards in order and keeps each key's first row."""
+    train: Any,
+    teacher: Any,
+    batch_size: int,
+    device: torch.device,
+    spool: RowSpool,
+    workers: int = 0,
+    *,
+    rank: int = 0,
+    world: int = 1,
+) -> None:
+    """Every sample's query and document (and negative captions) of image-text data served through the qwen_vl
+    processor (`fixed_view`'s batches, keyed by `item_keys`) by the run's teacher into `spool`'s blocks: rank r embeds
+    chunks r, r + W, ... of the samples (`row_spool.shard`)."""
     dtype = next(teacher.parameters()).dtype
-    mine = np.array_split(np.arange(len(train)), world)[rank].tolist()
+    mine, rounds = shard(len(train), batch_size, rank, world)
     k = train.num_negatives
-    keys: dict[str, list[str]] = {"query": [], "document": []}
-    rows: dict[str, list[torch.Tensor]] = {"query": [], "document": []}
-    chunks = FixedViews(train, mine, batch_size)
-    for batch, images, texts in torch.utils.data.DataLoader(chunks, batch_size=None, num_workers=workers):
+    for chunk in rounds_of(FixedViews(train, mine, batch_size), rounds, workers):
+        if chunk is None:
+            for block in range(len(FILE_SIDES)):
+                spool.send(block, [], None)
+            continue
+        [(batch, images, texts)] = chunk
+        keys: dict[str, list[str]] = {"query": [], "document": []}
         for i, image in enumerate(images):
             query, doc, negatives = train.item_keys(
                 image, texts[i * (1 + k)], texts[i * (1 + k) + 1 : (i + 1) * (1 + k)]
@@ -313,24 +268,14 @@ def embed_samples(
             keys["query"].append(query)
             keys["document"] += [doc, *negatives]
         batch = {name: on(value, device, dtype) for name, value in batch.items() if isinstance(value, torch.Tensor)}
-        for own, side in FILE_SIDES.items():
+        for block, (own, side) in enumerate(FILE_SIDES.items()):
             grid = batch[f"{own}_image_grid_thw"]
             pixels = (batch[f"{own}_pixel_values"], grid) if len(grid) else (None, None)
             embedded = at_least_fp32(teacher.embed(batch[own], *pixels, side=own))
             if side == "document" and k:  # each sample's document, then its negative captions' (text documents)
                 negatives = at_least_fp32(teacher.embed(batch[NEGATIVES].flatten(0, 1), side=own))
                 embedded = torch.cat([embedded[:, None], negatives.view(len(embedded), k, -1)], 1).flatten(0, 1)
-            rows[side].append(embedded)
-    out = [(side, side_rows(keys[side], rows[side], dtype, device, world)) for side in FILE_SIDES.values()]
-    return None if rank else [(side, *rows) for side, rows in out]
-
-
-def first_rows(keys: list[str], vectors: np.ndarray) -> tuple[list[str], np.ndarray]:
-    """Each distinct key (the first sample of each image) and its row of `vectors`."""
-    first: dict[str, int] = {}
-    for i, key in enumerate(keys):
-        first.setdefault(key, i)
-    return list(first), vectors[list(first.values())]
+            spool.send(block, keys[side], embedded)
 
 
 def join(device: str) -> DistInfo:
@@ -369,23 +314,37 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> tuple[Path, str]:
         train.view([0], 0)  # a DataError where the train split serves no views
     teacher = build_guide(spec, cfg, sized, precision.param_dtype, info.device)  # in eval mode
     where = dict(rank=info.rank, world=info.world_size)
-    with precision.autocast():  # the run's mixed precision, as its running teacher computes
-        if processed:
-            items = embed_items if rows else embed_samples
-            sides = items(train, teacher, opts.batch_size, info.device, cfg.data.num_workers, **where)
-        else:
-            sides = embed(
-                spec, train, teacher, opts.batch_size, info.device, cfg.data.num_workers, **where, views=opts.views
-            )
-    own = spec.guide_temperature  # a CLIP's or SigLIP's trained scale, which distill_temperature = 0 reads
-    if sides is None:  # another rank's: rank 0 writes
-        return out, ""
-    write(out, sides, {TEACHER_LOGIT_SCALE: repr(teacher.logit_scale.item())} if own else None)
-    width = f"{sides[0][2].shape[1]}-wide embeddings of"
+    if info.rank == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    with RowSpool(
+        blocks_of(processed, opts.views), None if info.rank else out.parent, info.world_size, info.device
+    ) as spool:
+        with precision.autocast():  # the run's mixed precision, as its running teacher computes
+            if processed:
+                items = embed_items if rows else embed_samples
+                items(train, teacher, opts.batch_size, info.device, spool, cfg.data.num_workers, **where)
+            else:
+                embed(
+                    spec,
+                    train,
+                    teacher,
+                    opts.batch_size,
+                    info.device,
+                    spool,
+                    cfg.data.num_workers,
+                    **where,
+                    views=opts.views,
+                )
+        if info.rank:  # another rank's: rank 0 writes
+            return out, ""
+        sides, keys, vectors = spool.rows()
+        own = spec.guide_temperature  # a CLIP's or SigLIP's trained scale, which distill_temperature = 0 reads
+        write_rows(out, sides, keys, vectors, {TEACHER_LOGIT_SCALE: repr(teacher.logit_scale.item())} if own else None)
+    width = f"{vectors.shape[1]}-wide embeddings of"
     if processed:
-        return out, f"{width} {len(sides[0][1])} queries and {len(sides[1][1])} documents"
+        return out, f"{width} {sides[0][1]} queries and {sides[1][1]} documents"
     views = f" (and {opts.views} train views of each)" if opts.views else ""
-    return out, f"{width} {len(sides[0][1]) // (1 + opts.views)} image(s){views} and {len(sides[1][1])} caption(s)"
+    return out, f"{width} {sides[0][1]} image(s){views} and {sides[-1][1]} caption(s)"
 
 
 def main(argv: list[str] | None = None) -> int:

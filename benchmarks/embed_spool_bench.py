@@ -1,0 +1,238 @@
+"""Memory of the ranks while `embed_images` hands a teacher's rows to rank 0 and writes the file: the rows spooled to
+rank 0's disk as they come (`row_spool`) against the gather of whole shards before it (CPU, gloo).
+
+    python -m benchmarks.embed_spool_bench                                          # the table of docs/performance.md
+    python -m benchmarks.embed_spool_bench --rows 8192 16384 --repeats 1 --out /tmp/s        # smoke (seconds)
+
+The embedding itself is left out (the same in both). `--world` gloo processes, fresh ones for each measurement, make
+chunks of `--chunk` rows of `--dim` float32 vectors (random, seeded by the chunk) keyed by 40 hex digits (a SHA-1's
+length), `--rows` in all, and hand them on as `embed_images` does:
+- `spool` (this tree): rank r makes chunks r, r + W, ... (`row_spool.shard`) and sends each as it is made
+  (`RowSpool.send`); rank 0 appends them to a file beside the output, then `write_rows` writes the mapped vectors;
+- `gather` (`--baseline`, default 4d35b99, the last commit before the spool, its package extracted by
+  `harness.package_at`): rank r makes its contiguous shard of the chunks and keeps them; `side_rows` gathers the
+  shards onto rank 0 in pieces of 65,536 rows per rank, which keeps each key's first row and `write`s them.
+Both write an .arrow file of the same rows (checked: the same keys, each with the same vector). Per variant and size,
+medians of `--repeats` interleaved runs: each rank's peak anonymous memory above its start (RssAnon of
+/proc/self/status, sampled every millisecond by a thread: the heap; a file mapped and read counts in RSS but is the
+kernel's to drop, so VmHWM is recorded beside it), and rank 0's wall time from the first chunk to the file renamed.
+Writes embed_spool_bench.{json,csv,png} under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import harness
+
+NAME = "embed_spool_bench"
+FIELDS = ["variant", "rows", "table_mib", "rank0_anon_mib", "rank1_anon_mib", "rank0_hwm_mib", "seconds", "to_table"]
+VARIANTS = ("spool", "gather")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1 << 17, 1 << 19, 1 << 20])
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--baseline", default="4d35b99")
+    p.add_argument("--out", default=str(harness.RESULTS))
+    return p.parse_args(argv)
+
+
+def status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+class AnonPeak:
+    """The largest RssAnon of this process while it runs, sampled every millisecond by a thread."""
+
+    def __init__(self) -> None:
+        self.peak, self.done = status_kib("RssAnon"), threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+
+    def sample(self) -> None:
+        while not self.done.wait(0.001):
+            self.peak = max(self.peak, status_kib("RssAnon"))
+
+    def stop(self) -> int:
+        self.done.set()
+        self.thread.join()
+        return max(self.peak, status_kib("RssAnon"))
+
+
+def make(chunk: int, args: argparse.Namespace) -> tuple[list[str], Any]:
+    """Chunk `chunk`'s keys and vectors."""
+    import torch
+
+    start, stop = chunk * args.chunk, min((chunk + 1) * args.chunk, args.rows)
+    vectors = torch.randn(stop - start, args.dim, generator=torch.Generator().manual_seed(chunk))
+    return [f"{i:040x}" for i in range(start, stop)], vectors
+
+
+def _rank(rank: int, variant: str, args: argparse.Namespace, package: str, out: str) -> None:
+    if variant == "gather":
+        sys.path.insert(0, package)  # the baseline's titan_contrastive before this tree's
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import titan_contrastive
+
+    assert (variant == "gather") == titan_contrastive.__file__.startswith(package), titan_contrastive.__file__
+    torch.set_num_threads(1)
+    world, cpu, target = args.world, torch.device("cpu"), Path(out)
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{out}.store")
+    chunks = -(-args.rows // args.chunk)
+    dist.barrier()
+    start, probe = time.perf_counter(), AnonPeak()
+    base = probe.peak
+    if variant == "spool":
+        from titan_contrastive.embed import write_rows
+        from titan_contrastive.row_spool import RowSpool, shard
+
+        rounds = shard(args.rows, args.chunk, rank, world)[1]
+        with RowSpool(["image"], None if rank else target.parent, world, cpu) as spool:
+            for t in range(rounds):
+                c = t * world + rank
+                spool.send(0, *(make(c, args) if c < chunks else ([], None)))
+            if rank == 0:
+                write_rows(target, *spool.rows())
+    else:
+        from titan_contrastive.embed import write
+        from titan_contrastive.embed_images import side_rows
+
+        keys, rows = [], []
+        for c in np.array_split(np.arange(chunks), world)[rank].tolist():
+            named, vectors = make(c, args)
+            keys += named
+            rows.append(vectors)
+        got = side_rows(keys, rows, torch.float32, cpu, world)
+        if rank == 0:
+            write(target, [("image", *got)])
+    seconds = time.perf_counter() - start
+    anon = probe.stop() - base
+    Path(f"{out}.{rank}.json").write_text(
+        json.dumps({"anon_mib": anon / 1024, "hwm_mib": status_kib("VmHWM") / 1024, "seconds": seconds})
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_once(variant: str, args: argparse.Namespace, package: Path, folder: Path) -> dict[str, Any]:
+    """One measurement in fresh processes: each rank's peak anonymous memory and rank 0's time; the file's rows."""
+    import torch.multiprocessing as mp
+
+    out = folder / f"{variant}.arrow"
+    mp.start_processes(
+        _rank,
+        args=(variant, args, str(package), str(out)),
+        nprocs=args.world,
+        start_method="spawn",
+    )
+    ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(args.world)]
+    return {"ranks": ranks, "file": out}
+
+
+def same_rows(a: Path, b: Path) -> bool:
+    """The two .arrow files hold the same keys, each with the same vector (in any order)."""
+    import numpy as np
+    import pyarrow as pa
+
+    def rows(path: Path) -> tuple[list[str], np.ndarray]:
+        table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+        keys = table.column("text").to_pylist()
+        vectors = table.column("embedding").combine_chunks().flatten().to_numpy().reshape(len(keys), -1)
+        order = np.argsort(keys)
+        return [keys[i] for i in order], vectors[order]
+
+    (ka, va), (kb, vb) = rows(a), rows(b)
+    return ka == kb and np.array_equal(va, vb)
+
+
+def measure(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
+    (folder / "baseline").mkdir()
+    package = harness.package_at(args.baseline, folder / "baseline")
+    rows = []
+    for n in args.rows:
+        sized = argparse.Namespace(**{**vars(args), "rows": n})
+        runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+        for repeat in range(args.repeats):
+            for variant in harness.rotation(VARIANTS, repeat):
+                runs[variant].append(run_once(variant, sized, package, folder))
+            if repeat == 0 and not same_rows(runs["spool"][0]["file"], runs["gather"][0]["file"]):
+                raise SystemExit(f"{n} rows: the two files differ")
+            for made in runs.values():
+                made[-1]["file"].unlink()
+        table = n * args.dim * 4 / 2**20
+        for variant, made in runs.items():
+
+            def median(rank: int, field: str, made: list = made) -> float:
+                return statistics.median(m["ranks"][rank][field] for m in made)
+
+            rows.append(
+                {
+                    "variant": variant,
+                    "rows": n,
+                    "table_mib": round(table, 1),
+                    "rank0_anon_mib": round(median(0, "anon_mib"), 1),
+                    "rank1_anon_mib": round(median(1, "anon_mib"), 1),
+                    "rank0_hwm_mib": round(median(0, "hwm_mib"), 1),
+                    "seconds": round(median(0, "seconds"), 3),
+                    "to_table": round(median(0, "anon_mib") / table, 3),
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.world < 2:
+        raise SystemExit(f"--world={args.world}: the gather is between ranks; give 2 or more")
+    meta = harness.metadata("cpu", baseline=args.baseline, dim=args.dim, chunk=args.chunk, world=args.world)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="spool-", dir=out) as folder:  # on the results' disk, as a run's would be
+        rows = measure(args, Path(folder))
+
+    def figure() -> Any:
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for variant in VARIANTS:
+            mine = [r for r in rows if r["variant"] == variant]
+            ax.plot(
+                [r["table_mib"] for r in mine], [r["rank0_anon_mib"] for r in mine], "o-", label=f"{variant} rank 0"
+            )
+            ax.plot(
+                [r["table_mib"] for r in mine], [r["rank1_anon_mib"] for r in mine], "x--", label=f"{variant} rank 1"
+            )
+        ax.set_xlabel("the table's vectors (MiB)")
+        ax.set_ylabel("peak anonymous memory above start (MiB)")
+        ax.set_title(f"embed_images' hand-off to rank 0, {args.world} gloo ranks, {meta['cpu']}", fontsize=8)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        return fig
+
+    harness.write_results(out, NAME, meta, {"args": vars(args)}, rows=rows, fields=FIELDS, figure=figure)
+    for r in rows:
+        print(
+            f"{r['variant']:7s} {r['rows']:>8d} rows ({r['table_mib']:.0f} MiB): rank 0 +{r['rank0_anon_mib']:.0f} MiB "
+            f"({r['to_table']:.2f} tables), rank 1 +{r['rank1_anon_mib']:.0f} MiB, {r['seconds']:.2f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
