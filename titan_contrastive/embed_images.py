@@ -198,10 +198,8 @@ def embed(
     done: set[str] = set()
     for chunk in rounds_of(FixedViews(train, mine, batch_size, views), rounds, workers):
         for block, (batch, keys, _) in enumerate(chunk or [(None, [], [])] * (1 + views)):
-            images = (
-                None if batch is None else (on(batch[image_key], device, dtype), on(batch[text_key], device, dtype))
-            )
-            spool.send(block, keys, None if images is None else at_least_fp32(teacher(*images)[0]))
+            inputs = None if batch is None else [on(batch[key], device, dtype) for key in (image_key, text_key)]
+            spool.send(block, keys, None if inputs is None else at_least_fp32(teacher(*inputs)[0]))
         captions = [text for text in dict.fromkeys(chunk[0][2] if chunk else []) if text not in done]
         done.update(captions)
         rows = [
