@@ -4,14 +4,15 @@ rank 0's disk as they come (`row_spool`) against the gather of whole shards befo
     python -m benchmarks.embed_spool_bench                                          # the table of docs/performance.md
     python -m benchmarks.embed_spool_bench --rows 8192 16384 --repeats 1 --out /tmp/s        # smoke (seconds)
 
-The embedding itself is left out (the same in both). `--world` gloo processes, fresh ones for each measurement, make
-chunks of `--chunk` rows of `--dim` float32 vectors (random, seeded by the chunk) keyed by 40 hex digits (a SHA-1's
-length), `--rows` in all, and hand them on as `embed_images` does:
+The embedding itself is left out (the same in both). `--world` gloo processes (this file run as a script, fresh ones
+for each measurement) make chunks of `--chunk` rows of `--dim` float32 vectors (random, seeded by the chunk) keyed by
+40 hex digits (a SHA-1's length), `--rows` in all, and hand them on as `embed_images` does:
 - `spool` (this tree): rank r makes chunks r, r + W, ... (`row_spool.shard`) and sends each as it is made
   (`RowSpool.send`); rank 0 appends them to a file beside the output, then `write_rows` writes the mapped vectors;
 - `gather` (`--baseline`, default 4d35b99, the last commit before the spool, its package extracted by
-  `harness.package_at`): rank r makes its contiguous shard of the chunks and keeps them; `side_rows` gathers the
-  shards onto rank 0 in pieces of 65,536 rows per rank, which keeps each key's first row and `write`s them.
+  `harness.package_at` and put first on the ranks' PYTHONPATH): rank r makes its contiguous shard of the chunks and
+  keeps them; `side_rows` gathers the shards onto rank 0 in pieces of 65,536 rows per rank, which keeps each key's
+  first row and `write`s them.
 Both write an .arrow file of the same rows (checked: the same keys, each with the same vector). Per variant and size,
 medians of `--repeats` interleaved runs: each rank's peak anonymous memory above its start (RssAnon of
 /proc/self/status, sampled every millisecond by a thread: the heap; a file mapped and read counts in RSS but is the
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -47,6 +50,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--baseline", default="4d35b99")
     p.add_argument("--out", default=str(harness.RESULTS))
+    p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # a measurement's rank (run_once)
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--target", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -82,24 +88,25 @@ def make(chunk: int, args: argparse.Namespace) -> tuple[list[str], Any]:
     return [f"{i:040x}" for i in range(start, stop)], vectors
 
 
-def _rank(rank: int, variant: str, args: argparse.Namespace, package: str, out: str) -> None:
-    if variant == "gather":
-        sys.path.insert(0, package)  # the baseline's titan_contrastive before this tree's
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank of one measurement (`--rank`): this file run as a script with the variant's titan_contrastive first on
+    PYTHONPATH; writes TARGET.RANK.json."""
     import numpy as np
     import torch
     import torch.distributed as dist
 
     import titan_contrastive
 
-    assert (variant == "gather") == titan_contrastive.__file__.startswith(package), titan_contrastive.__file__
+    rank, world, cpu, target = args.rank, args.world, torch.device("cpu"), Path(args.target)
+    where = Path(titan_contrastive.__file__).resolve()
+    assert (args.variant == "gather") != where.is_relative_to(harness.REPO), where  # the baseline's, or this tree's
     torch.set_num_threads(1)
-    world, cpu, target = args.world, torch.device("cpu"), Path(out)
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{out}.store")
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{target}.store")
     chunks = -(-args.rows // args.chunk)
     dist.barrier()
     start, probe = time.perf_counter(), AnonPeak()
     base = probe.peak
-    if variant == "spool":
+    if args.variant == "spool":
         from titan_contrastive.embed import write_rows
         from titan_contrastive.row_spool import RowSpool, shard
 
@@ -124,7 +131,7 @@ def _rank(rank: int, variant: str, args: argparse.Namespace, package: str, out: 
             write(target, [("image", *got)])
     seconds = time.perf_counter() - start
     anon = probe.stop() - base
-    Path(f"{out}.{rank}.json").write_text(
+    Path(f"{target}.{rank}.json").write_text(
         json.dumps({"anon_mib": anon / 1024, "hwm_mib": status_kib("VmHWM") / 1024, "seconds": seconds})
     )
     dist.barrier()
@@ -133,17 +140,19 @@ def _rank(rank: int, variant: str, args: argparse.Namespace, package: str, out: 
 
 def run_once(variant: str, args: argparse.Namespace, package: Path, folder: Path) -> dict[str, Any]:
     """One measurement in fresh processes: each rank's peak anonymous memory and rank 0's time; the file's rows."""
-    import torch.multiprocessing as mp
-
-    out = folder / f"{variant}.arrow"
-    mp.start_processes(
-        _rank,
-        args=(variant, args, str(package), str(out)),
-        nprocs=args.world,
-        start_method="spawn",
-    )
-    ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(args.world)]
-    return {"ranks": ranks, "file": out}
+    target = folder / f"{variant}.arrow"
+    trees = [str(package), str(harness.REPO)] if variant == "gather" else [str(harness.REPO)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(trees), "CUDA_VISIBLE_DEVICES": ""}
+    flags = [f"--{name}={getattr(args, name)}" for name in ("rows", "dim", "chunk", "world")]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, __file__, f"--rank={r}", f"--variant={variant}", f"--target={target}", *flags], env=env
+        )
+        for r in range(args.world)
+    ]
+    if any(rank.wait() for rank in ranks):
+        raise SystemExit(f"{variant}, {args.rows} rows: a rank failed (its error is above)")
+    return {"ranks": [json.loads(Path(f"{target}.{r}.json").read_text()) for r in range(args.world)], "file": target}
 
 
 def same_rows(a: Path, b: Path) -> bool:
@@ -199,6 +208,9 @@ def measure(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    if args.rank is not None:
+        rank_main(argparse.Namespace(**{**vars(args), "rows": args.rows[0]}))  # one size
+        return
     if args.world < 2:
         raise SystemExit(f"--world={args.world}: the gather is between ranks; give 2 or more")
     meta = harness.metadata("cpu", baseline=args.baseline, dim=args.dim, chunk=args.chunk, world=args.world)

@@ -199,6 +199,32 @@ def test_the_embed_command_labels_parallel_sentences_with_their_sources(
     assert not (tmp_path / "no.parquet").exists()
 
 
+@needs("hf", "data")
+@pytest.mark.parametrize("parallel", [False, True])
+def test_the_embed_command_spools_its_vectors_in_pieces(
+    tmp_path: Path, guide_dir: Path, monkeypatch: pytest.MonkeyPatch, parallel: bool
+) -> None:
+    """`ENCODE_ROWS` texts at a time (3: dividing nothing), each piece to the spool's file as it is encoded: the rows of
+    one piece, in its order, and nothing else left beside the file; with `--parallel` each translation holds its
+    source's row."""
+    from tests.test_embed_on_ranks import assert_same_rows
+    from tests.test_frozen_embeddings import parallel_rows
+    from titan_contrastive import embed
+
+    pairs = parallel_rows(tmp_path) if parallel else []
+    src = tmp_path / "rows.jsonl" if parallel else _rows(tmp_path)
+    whole, pieces = tmp_path / "whole" / "e.parquet", tmp_path / "pieces" / "e.parquet"
+    flags = ["--parallel"] if parallel else []
+    assert embed.main([str(src), "--model", str(guide_dir), "--out", str(whole), *flags]) == 0
+    monkeypatch.setattr(embed, "ENCODE_ROWS", 3)
+    assert embed.main([str(src), "--model", str(guide_dir), "--out", str(pieces), *flags]) == 0
+    assert_same_rows(pieces, whole)
+    assert [p.name for p in pieces.parent.iterdir()] == ["e.parquet"]
+    vectors = file_embeddings(pieces)
+    for source, translation in pairs:
+        assert torch.equal(vectors([translation], "document"), vectors([source], "query"))
+
+
 def _distributed(tmp: str, frozen: str, ahead: bool = False) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

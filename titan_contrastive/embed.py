@@ -23,8 +23,10 @@ multi-process pool: the texts in chunks, the rows in their order).
 
 FILE (`.parquet`, `.jsonl`, or `.arrow`: an uncompressed Arrow IPC file, which every process of a training machine maps
 instead of reading, one copy of the vectors per machine) holds one row per (side, text): `side` (query or document),
-`text`, `embedding` (float32, as the model returns it). It is written under a temporary name beside it and renamed when
-complete, never over an existing file unless `--overwrite`, never the input. Bad arguments are one `error: ...` line and
+`text`, `embedding` (float32, as the model returns it). The vectors go to a hidden folder beside it as they are
+computed, `ENCODE_ROWS` texts at a time (`row_spool`), and FILE is written from there mapped, so no process holds them
+all; it is written under a temporary name and renamed when complete, never over an existing file unless
+`--overwrite`, never the input. Bad arguments are one `error: ...` line and
 exit code 2, before any model is loaded. Needs the `hf` and `data` extras.
 """
 
@@ -47,6 +49,8 @@ from titan_contrastive.mining import MineError
 OUT_FORMATS = (".parquet", ".jsonl", ".arrow")
 ROW_GROUP = 1 << 16
 """Rows a .parquet file's row group holds, and a .jsonl file's rows converted at a time."""
+ENCODE_ROWS = 1 << 16
+"""Texts per call of the model's `encode`: the vectors held before they go to the spool's file (`row_spool`)."""
 DOCUMENT_PROMPTS = ("document", "passage", "corpus")
 """The prompt names sentence-transformers' `encode_document` reads, in its order."""
 
@@ -222,7 +226,10 @@ def write_rows(
 
 def run(opts: argparse.Namespace) -> tuple[Path, int, int, int]:
     """Embed and write; (the file, query texts, document texts, the embeddings' width)."""
+    import torch
+
     from titan_contrastive.mine import device_list, sentence_model
+    from titan_contrastive.row_spool import RowSpool
 
     out = check(opts)
     columns = [c.strip() for c in opts.columns.split(",") if c.strip()]
@@ -230,27 +237,37 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int, int]:
     queries, docs = read_texts(rows)
     source = sources(rows) if opts.parallel else {}
     devices = device_list(opts.device)
-    with sentence_model(opts.model, opts.tower, devices[0] if devices else None, opts.trust_remote_code) as model:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        sentence_model(opts.model, opts.tower, devices[0] if devices else None, opts.trust_remote_code) as model,
+        RowSpool(["query", "document"], out.parent, 1, torch.device("cpu")) as spool,
+    ):
         query_prompt, doc_prompt = prompts(model, opts.query_prompt, opts.doc_prompt)
         pool = model.start_multi_process_pool(devices) if len(devices) > 1 else None  # a process per device
 
-        def encode(texts: list[str], prompt: str, task: str) -> np.ndarray:  # a Router's route: the task
-            return model.encode(
-                texts, prompt=prompt, task=task, batch_size=opts.batch_size, convert_to_numpy=True, pool=pool
-            )
+        def encode(block: int, texts: list[str], prompt: str, task: str) -> None:  # a Router's route: the task
+            for start in range(0, len(texts), ENCODE_ROWS):
+                part = texts[start : start + ENCODE_ROWS]
+                vectors = model.encode(
+                    part, prompt=prompt, task=task, batch_size=opts.batch_size, convert_to_numpy=True, pool=pool
+                )
+                spool.send(block, part, torch.from_numpy(vectors))
 
         try:
-            embedded = encode(queries, query_prompt, "query")
-            if opts.parallel:
-                where = {text: i for i, text in enumerate(queries)}
-                sides = [("query", queries, embedded), ("document", docs, embedded[[where[source[d]] for d in docs]])]
+            encode(0, queries, query_prompt, "query")
+            if opts.parallel:  # each translation its source's row
+                where, embedded = {text: i for i, text in enumerate(queries)}, spool.block(0)
+                for start in range(0, len(docs), ENCODE_ROWS):
+                    part = docs[start : start + ENCODE_ROWS]
+                    spool.send(1, part, torch.from_numpy(embedded[[where[source[d]] for d in part]]))
             else:
-                sides = [("query", queries, embedded), ("document", docs, encode(docs, doc_prompt, "document"))]
+                encode(1, docs, doc_prompt, "document")
         finally:
             if pool is not None:
                 model.stop_multi_process_pool(pool)
-    write(out, sides)
-    return out, len(queries), len(docs), sides[0][2].shape[1]
+        sides, texts, vectors = spool.rows()
+        write_rows(out, sides, texts, vectors)
+    return out, len(queries), len(docs), vectors.shape[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,6 +88,15 @@ class RowSpool:
                 kept += [keys[i] for i in take]
                 self.files[block].write(vectors[take].cpu().numpy().astype(np.float32, copy=False).tobytes())
 
+    def block(self, block: int) -> np.ndarray:
+        """The vectors of `block` kept so far [n, d] float32, mapped from its file (rank 0, before `rows()`)."""
+        self.files[block].flush()
+        return self._mapped(self.paths[block], len(self.keys[block]))
+
+    def _mapped(self, path: Path, n: int) -> np.ndarray:
+        shape = (n, self.width)
+        return np.memmap(path, np.float32, "r", shape=shape) if n else np.zeros(shape, np.float32)
+
     def rows(self) -> tuple[list[tuple[str, int]], list[str], np.ndarray]:
         """(each block's side and its number of rows, the rows' keys, their vectors [N, d] float32 mapped from disk),
         in block order; on rank 0 only, after the last round."""
@@ -98,9 +107,7 @@ class RowSpool:
                 with open(path, "rb") as part:
                     shutil.copyfileobj(part, joined, 1 << 24)
                 path.unlink()
-        n = sum(len(keys) for keys in self.keys)
-        shape = (n, self.width)
-        vectors = np.memmap(self.paths[0], np.float32, "r", shape=shape) if n else np.zeros(shape, np.float32)
+        vectors = self._mapped(self.paths[0], sum(len(keys) for keys in self.keys))
         return (
             [(side, len(keys)) for side, keys in zip(self.sides, self.keys)],
             [k for keys in self.keys for k in keys],
