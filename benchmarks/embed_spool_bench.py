@@ -99,7 +99,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
     rank, world, cpu, target = args.rank, args.world, torch.device("cpu"), Path(args.target)
     where = Path(titan_contrastive.__file__).resolve()
-    assert (args.variant == "gather") != where.is_relative_to(harness.REPO), where  # the baseline's, or this tree's
+    assert (args.variant == "gather") == (where.parents[1] != harness.REPO), where  # the baseline's, or this tree's
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{target}.store")
     chunks = -(-args.rows // args.chunk)
