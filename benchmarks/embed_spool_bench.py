@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +54,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # a measurement's rank (run_once)
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--target", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -101,7 +103,7 @@ def rank_main(args: argparse.Namespace) -> None:
     where = Path(titan_contrastive.__file__).resolve()
     assert (args.variant == "gather") == (where.parents[1] != harness.REPO), where  # the baseline's, or this tree's
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{target}.store")
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{args.port}")
     chunks = -(-args.rows // args.chunk)
     dist.barrier()
     start, probe = time.perf_counter(), AnonPeak()
@@ -136,6 +138,8 @@ def rank_main(args: argparse.Namespace) -> None:
     )
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # past gloo's threads' teardown at exit, which now and then aborted a rank that had finished
 
 
 def run_once(variant: str, args: argparse.Namespace, package: Path, folder: Path) -> dict[str, Any]:
@@ -144,6 +148,9 @@ def run_once(variant: str, args: argparse.Namespace, package: Path, folder: Path
     trees = [str(package), str(harness.REPO)] if variant == "gather" else [str(harness.REPO)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(trees), "CUDA_VISIBLE_DEVICES": ""}
     flags = [f"--{name}={getattr(args, name)}" for name in ("rows", "dim", "chunk", "world")]
+    with socket.socket() as free:  # rank 0's store listens here
+        free.bind(("127.0.0.1", 0))
+        flags.append(f"--port={free.getsockname()[1]}")
     ranks = [
         subprocess.Popen(
             [sys.executable, __file__, f"--rank={r}", f"--variant={variant}", f"--target={target}", *flags], env=env
