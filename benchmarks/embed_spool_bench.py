@@ -58,27 +58,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 class AnonPeak:
     """The largest RssAnon of this process while it runs, sampled every millisecond by a thread."""
 
     def __init__(self) -> None:
-        self.peak, self.done = status_kib("RssAnon"), threading.Event()
+        self.peak, self.done = harness.status_kib("RssAnon"), threading.Event()
         self.thread = threading.Thread(target=self.sample, daemon=True)
         self.thread.start()
 
     def sample(self) -> None:
         while not self.done.wait(0.001):
-            self.peak = max(self.peak, status_kib("RssAnon"))
+            self.peak = max(self.peak, harness.status_kib("RssAnon"))
 
     def stop(self) -> int:
         self.done.set()
         self.thread.join()
-        return max(self.peak, status_kib("RssAnon"))
+        return max(self.peak, harness.status_kib("RssAnon"))
 
 
 def make(chunk: int, args: argparse.Namespace) -> tuple[list[str], Any]:
@@ -134,7 +129,7 @@ def rank_main(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - start
     anon = probe.stop() - base
     Path(f"{target}.{rank}.json").write_text(
-        json.dumps({"anon_mib": anon / 1024, "hwm_mib": status_kib("VmHWM") / 1024, "seconds": seconds})
+        json.dumps({"anon_mib": anon / 1024, "hwm_mib": harness.status_kib("VmHWM") / 1024, "seconds": seconds})
     )
     dist.barrier()
     dist.destroy_process_group()

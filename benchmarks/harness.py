@@ -160,7 +160,8 @@ def reason(exc: BaseException) -> str:
 # ---------------------------------------------------------------- memory probes
 
 
-def _status_kib(field: str) -> int | None:
+def status_kib(field: str) -> int | None:
+    """A KiB field of /proc/self/status (VmRSS, VmHWM, RssAnon ...); None where /proc is not there."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -173,13 +174,13 @@ def _status_kib(field: str) -> int | None:
 
 def rss_mib() -> float | None:
     """This process's resident memory now, MiB (None where /proc is not there)."""
-    kib = _status_kib("VmRSS")
+    kib = status_kib("VmRSS")
     return None if kib is None else kib / 1024
 
 
 def peak_rss_mib() -> float:
     """This process's peak resident memory since it started or since the last `reset_peak_rss`, MiB."""
-    kib = _status_kib("VmHWM")
+    kib = status_kib("VmHWM")
     if kib is not None:
         return kib / 1024
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
