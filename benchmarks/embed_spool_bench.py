@@ -1,19 +1,23 @@
 """Memory of the ranks while `embed_images` hands a teacher's rows to rank 0 and writes the file: the rows spooled to
-rank 0's disk as they come (`row_spool`) against the gather of whole shards before it (CPU, gloo).
+rank 0's disk as they come (`row_spool`), its keys as digests, against the same spool with its keys as Python strs and
+the gather of whole shards before it (CPU, gloo).
 
     python -m benchmarks.embed_spool_bench                                          # the table of docs/performance.md
     python -m benchmarks.embed_spool_bench --rows 8192 16384 --repeats 1 --out /tmp/s        # smoke (seconds)
 
-The embedding itself is left out (the same in both). `--world` gloo processes (this file run as a script, fresh ones
+The embedding itself is left out (the same in all). `--world` gloo processes (this file run as a script, fresh ones
 for each measurement) make chunks of `--chunk` rows of `--dim` float32 vectors (random, seeded by the chunk) keyed by
 40 hex digits (a SHA-1's length), `--rows` in all, and hand them on as `embed_images` does:
 - `spool` (this tree): rank r makes chunks r, r + W, ... (`row_spool.shard`) and sends each as it is made
-  (`RowSpool.send`); rank 0 appends them to a file beside the output, then `write_rows` writes the mapped vectors;
+  (`RowSpool.send`); rank 0 appends them to files beside the output, holding each key's digest, then `write_rows`
+  writes the mapped keys and vectors;
+- `spool_strs` (`--spool-strs`, default 1ba5c20, the spool before its keys left the heap): the same, rank 0 holding
+  every key as a str in a set and a list, which the writer makes an Arrow column;
 - `gather` (`--baseline`, default 4d35b99, the last commit before the spool, its package extracted by
-  `harness.package_at` and put first on the ranks' PYTHONPATH): rank r makes its contiguous shard of the chunks and
-  keeps them; `side_rows` gathers the shards onto rank 0 in pieces of 65,536 rows per rank, which keeps each key's
-  first row and `write`s them.
-Both write an .arrow file of the same rows (checked: the same keys, each with the same vector). Per variant and size,
+  `harness.package_at` and put first on the ranks' PYTHONPATH, as `spool_strs`'s is): rank r makes its contiguous
+  shard of the chunks and keeps them; `side_rows` gathers the shards onto rank 0 in pieces of 65,536 rows per rank,
+  which keeps each key's first row and `write`s them.
+All write an .arrow file of the same rows (checked: the same keys, each with the same vector). Per variant and size,
 medians of `--repeats` interleaved runs: each rank's peak anonymous memory above its start (RssAnon of
 /proc/self/status, sampled every millisecond by a thread: the heap; a file mapped and read counts in RSS but is the
 kernel's to drop, so VmHWM is recorded beside it), and rank 0's wall time from the first chunk to the file renamed.
@@ -39,7 +43,7 @@ from benchmarks import harness
 
 NAME = "embed_spool_bench"
 FIELDS = ["variant", "rows", "table_mib", "rank0_anon_mib", "rank1_anon_mib", "rank0_hwm_mib", "seconds", "to_table"]
-VARIANTS = ("spool", "gather")
+VARIANTS = ("spool", "spool_strs", "gather")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -49,7 +53,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--baseline", default="4d35b99")
+    p.add_argument("--baseline", default="4d35b99", help="the gather's commit")
+    p.add_argument("--spool-strs", default="1ba5c20", help="the commit of the spool of keys as strs")
     p.add_argument("--out", default=str(harness.RESULTS))
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # a measurement's rank (run_once)
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -96,14 +101,14 @@ def rank_main(args: argparse.Namespace) -> None:
 
     rank, world, cpu, target = args.rank, args.world, torch.device("cpu"), Path(args.target)
     where = Path(titan_contrastive.__file__).resolve()
-    assert (args.variant == "gather") == (where.parents[1] != harness.REPO), where  # the baseline's, or this tree's
+    assert (args.variant == "spool") == (where.parents[1] == harness.REPO), where  # this tree's, or a baseline's
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{args.port}")
     chunks = -(-args.rows // args.chunk)
     dist.barrier()
     start, probe = time.perf_counter(), AnonPeak()
     base = probe.peak
-    if args.variant == "spool":
+    if args.variant != "gather":
         from titan_contrastive.embed import write_rows
         from titan_contrastive.row_spool import RowSpool, shard
 
@@ -137,10 +142,10 @@ def rank_main(args: argparse.Namespace) -> None:
     os._exit(0)  # past gloo's threads' teardown at exit, which now and then aborted a rank that had finished
 
 
-def run_once(variant: str, args: argparse.Namespace, package: Path, folder: Path) -> dict[str, Any]:
+def run_once(variant: str, args: argparse.Namespace, packages: dict[str, Path], folder: Path) -> dict[str, Any]:
     """One measurement in fresh processes: each rank's peak anonymous memory and rank 0's time; the file's rows."""
     target = folder / f"{variant}.arrow"
-    trees = [str(package), str(harness.REPO)] if variant == "gather" else [str(harness.REPO)]
+    trees = [str(packages[variant]), str(harness.REPO)] if variant in packages else [str(harness.REPO)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(trees), "CUDA_VISIBLE_DEVICES": ""}
     flags = [f"--{name}={getattr(args, name)}" for name in ("rows", "dim", "chunk", "world")]
     with socket.socket() as free:  # rank 0's store listens here
@@ -174,17 +179,20 @@ def same_rows(a: Path, b: Path) -> bool:
 
 
 def measure(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
-    (folder / "baseline").mkdir()
-    package = harness.package_at(args.baseline, folder / "baseline")
+    packages = {}
+    for variant, commit in (("spool_strs", args.spool_strs), ("gather", args.baseline)):
+        (folder / variant).mkdir()
+        packages[variant] = harness.package_at(commit, folder / variant)
     rows = []
     for n in args.rows:
         sized = argparse.Namespace(**{**vars(args), "rows": n})
         runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
         for repeat in range(args.repeats):
             for variant in harness.rotation(VARIANTS, repeat):
-                runs[variant].append(run_once(variant, sized, package, folder))
-            if repeat == 0 and not same_rows(runs["spool"][0]["file"], runs["gather"][0]["file"]):
-                raise SystemExit(f"{n} rows: the two files differ")
+                runs[variant].append(run_once(variant, sized, packages, folder))
+            for other in VARIANTS[1:]:
+                if repeat == 0 and not same_rows(runs["spool"][0]["file"], runs[other][0]["file"]):
+                    raise SystemExit(f"{n} rows: the files of spool and {other} differ")
             for made in runs.values():
                 made[-1]["file"].unlink()
         table = n * args.dim * 4 / 2**20
@@ -215,7 +223,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.world < 2:
         raise SystemExit(f"--world={args.world}: the gather is between ranks; give 2 or more")
-    meta = harness.metadata("cpu", baseline=args.baseline, dim=args.dim, chunk=args.chunk, world=args.world)
+    meta = harness.metadata(
+        "cpu", baseline=args.baseline, spool_strs=args.spool_strs, dim=args.dim, chunk=args.chunk, world=args.world
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="spool-", dir=out) as folder:  # on the results' disk, as a run's would be
@@ -243,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     harness.write_results(out, NAME, meta, {"args": vars(args)}, rows=rows, fields=FIELDS, figure=figure)
     for r in rows:
         print(
-            f"{r['variant']:7s} {r['rows']:>8d} rows ({r['table_mib']:.0f} MiB): rank 0 +{r['rank0_anon_mib']:.0f} MiB "
+            f"{r['variant']:10s} {r['rows']:>8d} rows ({r['table_mib']:.0f} MiB): "
+            f"rank 0 +{r['rank0_anon_mib']:.0f} MiB "
             f"({r['to_table']:.2f} tables), rank 1 +{r['rank1_anon_mib']:.0f} MiB, {r['seconds']:.2f} s"
         )
 

@@ -178,3 +178,21 @@ def test_forked_data_workers_serve_what_the_run_reads(tmp_path: Path) -> None:
             assert torch.equal(batch["frozen_doc"][i, 0], parquet.vectors[parquet.row("document", p)])
             assert torch.equal(batch["frozen_doc"][i, 1], parquet.vectors[parquet.row("document", n)])
     trainer.metrics.close()
+
+
+def test_one_record_batch_is_indexed_in_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file of one record batch (what `embed` writes) made strs `PART_ROWS` rows at a time (forced to 3): every
+    text found at its row, and a repeated text with another vector named by both rows, across parts."""
+    from titan_contrastive.datasets import frozen
+
+    monkeypatch.setattr(frozen, "PART_ROWS", 3)
+    texts, vectors = _rows(16, 4)
+    file = _feather(tmp_path / "one.arrow", texts, vectors, chunksize=16)
+    parts = frozen._read_arrow_table(file)[0]
+    assert [names for names, _ in parts()] == [texts[i : i + 3] for i in range(0, 16, 3)]
+    table = EmbeddingTable.read(str(file), "key")
+    assert len(table.vectors.chunks) == 1
+    assert table.index.find([("", text) for text in texts]).tolist() == list(range(16))
+    twice = [*texts[:10], texts[2], *texts[11:]]
+    with pytest.raises(DataError, match="rows 2 and 10 give text 'text 2'"):
+        EmbeddingTable.read(str(_feather(tmp_path / "twice.arrow", twice, vectors, chunksize=16)), "key")

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.needs import needs
+from titan_contrastive import row_spool
 from titan_contrastive.row_spool import RowSpool, shard
 
 SIDES = ["image", "image", "caption"]
@@ -61,16 +63,18 @@ def spool_rows(folder: Path, rank: int, world: int) -> tuple[list[tuple[str, int
         for ranks in sent(world):
             for b in range(len(SIDES)):
                 spool.send(b, *ranks[rank][b])
-                if not rank:  # the block's file holds every row kept so far
-                    spool.files[b].flush()
-                    held[b] = len(spool.keys[b])
-                    assert spool.paths[b].stat().st_size == held[b] * WIDTH * 4
+                if not rank:  # the block's files hold every row kept so far: its vectors, its keys and their ends
+                    for file in spool.files[b]:
+                        file.flush()
+                    held[b] = spool.counts[b]
+                    vectors, keys, ends = (path.stat().st_size for path in spool.paths[b])
+                    assert (vectors, keys, ends) == (held[b] * WIDTH * 4, spool.sizes[b], held[b] * 8)
         if rank:
-            assert spool.keys == [[], [], []]
+            assert spool.counts == [0, 0, 0] and spool.files == []
             return None
         sides, keys, vectors = spool.rows()
-        got = sides, keys, np.array(vectors)
-        assert isinstance(vectors, np.memmap)
+        got = sides, keys.to_pylist(), np.array(vectors)
+        assert isinstance(vectors, np.memmap) and str(keys.type) == "string"
     return got
 
 
@@ -112,7 +116,7 @@ def test_no_rows_are_an_empty_array(tmp_path: Path) -> None:
     with RowSpool(SIDES, tmp_path, 1, torch.device("cpu")) as spool:
         spool.send(0, [], None)
         sides, keys, vectors = spool.rows()
-    assert sides == [(side, 0) for side in SIDES] and keys == [] and vectors.shape == (0, 0)
+    assert sides == [(side, 0) for side in SIDES] and keys.to_pylist() == [] and vectors.shape == (0, 0)
 
 
 @pytest.mark.parametrize("n, size, world", [(0, 3, 2), (1, 3, 4), (10, 3, 2), (11, 4, 3), (12, 4, 3), (7, 7, 1)])
@@ -125,3 +129,35 @@ def test_the_ranks_chunks_are_those_of_one_process(n: int, size: int, world: int
     assert count == -(-n // (size * world))
     order = [i for t in range(count) for items, _ in mine for i in items[t * size : (t + 1) * size]]
     assert order == list(range(n))
+
+
+@needs("data")
+@pytest.mark.parametrize("large", [False, True])
+@pytest.mark.parametrize("suffix", [".arrow", ".parquet", ".jsonl"])
+def test_the_spooled_keys_write_a_file_that_reads_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str, large: bool
+) -> None:
+    """Keys of any UTF-8 (accents, CJK, an emoji), repeated across blocks, as `embed` writes them: the file reads
+    back (`EmbeddingTable`) with each (side, key) at its first vector; past `STRING_BYTES` (forced) the keys are a
+    large_string array and read the same."""
+    from titan_contrastive.datasets.frozen import EmbeddingTable
+    from titan_contrastive.embed import write_rows
+
+    if large:
+        monkeypatch.setattr(row_spool, "STRING_BYTES", 1)
+    texts = ["café", "鍵 の 文", "🙂 smile", "plain", "café"]
+    with RowSpool(["query", "document"], tmp_path, 1, torch.device("cpu")) as spool:
+        for block in (0, 1):
+            for start in (0, 2):
+                part = texts[start : start + 3]
+                spool.send(block, part, torch.tensor([[block + 1.0, start + i, 1.0] for i in range(len(part))]))
+        sides, keys, vectors = spool.rows()
+        assert str(keys.type) == ("large_string" if large else "string")
+        write_rows(tmp_path / f"e{suffix}", sides, keys, vectors)
+    table = EmbeddingTable.read(str(tmp_path / f"e{suffix}"), "loss.teacher_embeddings")
+    distinct = list(dict.fromkeys(texts))
+    first = {text: (0, texts.index(text)) if text in texts[:3] else (2, texts[2:].index(text)) for text in distinct}
+    for block, side in enumerate(("query", "document")):
+        rows = table.vectors[table.index.find([(side, text) for text in distinct])]
+        assert rows.tolist() == [[block + 1.0, sum(first[text]), 1.0] for text in distinct]
+    assert sides == [("query", 4), ("document", 4)] and not list(tmp_path.glob(".rows-*"))

@@ -66,3 +66,20 @@ def test_digests_whose_high_halves_collide_are_told_apart(monkeypatch: pytest.Mo
     index = TextIndex.of(keys)[0]
     assert len(np.unique(index.high)) <= 8
     _check(keys)
+
+
+def test_first_seen_tells_each_key_s_first_coming_as_a_set_does() -> None:
+    """Batches of ragged sizes (empty ones too), keys repeated within a batch and across batches: `FirstSeen.new`
+    against a Python set, over enough batches that its runs merge many times."""
+    rng = random.Random(3)
+    seen, first = set(), text_index.FirstSeen()
+    for _ in range(300):
+        batch = [f"k{rng.randrange(2000)}é" for _ in range(rng.choice([0, 1, 7, 40]))]
+        want = []
+        for key in batch:
+            want.append(key not in seen)
+            seen.add(key)
+        assert first.new(batch).tolist() == want
+        sizes = [len(run) for run in first.runs]
+        assert all(a >= 2 * b for a, b in zip(sizes, sizes[1:])) and sum(sizes) == len(seen)
+    assert len(first.runs) <= 5 and len(seen) > 1500

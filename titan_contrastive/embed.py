@@ -182,14 +182,15 @@ def write(
 def write_rows(
     out: Path,
     sides: Sequence[tuple[str, int]],
-    texts: Sequence[str],
+    texts: Any,
     vectors: np.ndarray,
     metadata: dict[str, str] | None = None,
 ) -> None:
     """Rows into `out` (by its suffix), through a temporary file: `sides` (each side and its number of rows, in order),
-    the rows' `texts` and their `vectors` [N, d] (an array mapped from disk is read as the file is written, never held
-    whole); `metadata`: key-value pairs a .parquet or .arrow file keeps in its schema (a .jsonl file has none). An
-    .arrow file is one uncompressed record batch: its float32 vectors one contiguous block that readers map."""
+    the rows' `texts` (strs, or a pyarrow string array such as `RowSpool.rows` maps) and their `vectors` [N, d] (an
+    array mapped from disk is read as the file is written, never held whole); `metadata`: key-value pairs a .parquet or
+    .arrow file keeps in its schema (a .jsonl file has none). An .arrow file is one uncompressed record batch: its
+    float32 vectors one contiguous block that readers map."""
     out.parent.mkdir(parents=True, exist_ok=True)
     vectors = np.asarray(vectors, dtype=np.float32)  # no copy of float32
 
@@ -200,7 +201,7 @@ def write_rows(
         table = pa.table(
             {
                 "side": pa.concat_arrays(named) if named else pa.array([], pa.string()),
-                "text": pa.array(texts, pa.string()),
+                "text": texts if isinstance(texts, pa.Array) else pa.array(texts, pa.string()),
                 "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), vectors.shape[1]),
             }
         )
@@ -217,7 +218,9 @@ def write_rows(
         named = itertools.chain.from_iterable(itertools.repeat(side, n) for side, n in sides)
         with open(tmp, "w", encoding="utf-8") as f:
             for start in range(0, len(texts), ROW_GROUP):
-                for text, vector in zip(texts[start : start + ROW_GROUP], vectors[start : start + ROW_GROUP].tolist()):
+                part = texts[start : start + ROW_GROUP]
+                part = part.to_pylist() if hasattr(part, "to_pylist") else part  # an Arrow array's slice
+                for text, vector in zip(part, vectors[start : start + ROW_GROUP].tolist()):
                     row = {"side": next(named), "text": text, "embedding": vector}
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
 

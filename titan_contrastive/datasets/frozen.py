@@ -62,6 +62,8 @@ BUNDLED_PROCESSED = (
     "vl_pairs rows"
 )
 """Why the bundled sets in the qwen_vl family are refused a file (`embed_images` and the run)."""
+PART_ROWS = 1 << 16
+"""Rows of an Arrow file's record batch made Python strs at a time, while the index is built (`Part`)."""
 Part = tuple[list[Any], "list[Any] | None"]
 """A part of a file's rows: their texts and their sides (None: the file has no side column)."""
 
@@ -304,9 +306,11 @@ def _read_arrow_table(file: Path) -> tuple[Callable[[], Iterator[Part]], Vectors
     vectors = Vectors(_chunk_vectors(chunks), within)
     sided = "side" in table.column_names
 
-    def parts() -> Iterator[Part]:
+    def parts() -> Iterator[Part]:  # `PART_ROWS` at a time: a batch may hold the whole file
         for batch in table.to_batches():
-            yield batch.column("text").to_pylist(), batch.column("side").to_pylist() if sided else None
+            for start in range(0, batch.num_rows, PART_ROWS):
+                part = batch.slice(start, PART_ROWS)
+                yield part.column("text").to_pylist(), part.column("side").to_pylist() if sided else None
 
     return parts, vectors, table.schema.metadata
 

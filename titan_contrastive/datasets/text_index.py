@@ -5,23 +5,55 @@ it, as the worker looks keys up: CPython counts a reference on every key it comp
 to, in every worker of every rank (docs/performance.md, "A teacher file's keys in forked data workers"). Here a key
 is its 128-bit BLAKE2b digest (of the side, a NUL and the text), held as two uint64 arrays sorted together with the
 row each names; looking a batch of keys up hashes them and binary-searches those arrays, which forked workers only
-read. Two keys share a digest with probability 2^-128 per pair (the image keys are SHA-1 digests already)."""
+read. Two keys share a digest with probability 2^-128 per pair (the image keys are SHA-1 digests already).
+
+`FirstSeen` is the same digests grown a batch at a time: which keys of a stream come for the first time, in 16 bytes
+a key (how `row_spool` keeps each key's first row)."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["TextIndex", "digests"]
+__all__ = ["FirstSeen", "TextIndex", "digests", "packed"]
+
+
+def packed(texts: Iterable[str]) -> np.ndarray:
+    """Each text's BLAKE2b-128 digest as 16 bytes (dtype S16, which numpy sorts, searches and compares byte by
+    byte)."""
+    return np.frombuffer(b"".join(hashlib.blake2b(t.encode(), digest_size=16).digest() for t in texts), dtype="S16")
 
 
 def digests(keys: Sequence[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray]:
-    """(high, low) uint64 halves of each key's BLAKE2b-128 digest."""
-    raw = b"".join(hashlib.blake2b(f"{side}\0{text}".encode(), digest_size=16).digest() for side, text in keys)
-    halves = np.frombuffer(raw, dtype=">u8").reshape(-1, 2).astype(np.uint64)
+    """(high, low) uint64 halves of each key's BLAKE2b-128 digest (of its side, a NUL and its text)."""
+    halves = packed(f"{side}\0{text}" for side, text in keys).view(">u8").reshape(-1, 2).astype(np.uint64)
     return halves[:, 0].copy(), halves[:, 1].copy()
+
+
+class FirstSeen:
+    """The keys seen so far as sorted runs of their `packed` digests, each run at least twice as long as the next
+    (the last two merged until it is so): a few runs, each key merged a few times, 16 bytes a key (32 while the
+    longest runs merge)."""
+
+    def __init__(self) -> None:
+        self.runs: list[np.ndarray] = []
+
+    def new(self, texts: Sequence[str]) -> np.ndarray:
+        """bool [len(texts)]: which of `texts` come for the first time (not seen before, nor earlier in `texts`);
+        they are seen from now on."""
+        keys = packed(texts)
+        fresh = np.zeros(len(keys), dtype=bool)
+        fresh[np.unique(keys, return_index=True)[1]] = True  # each key's first place in the batch
+        for run in self.runs:
+            fresh &= run[np.minimum(np.searchsorted(run, keys), len(run) - 1)] != keys
+        if fresh.any():
+            self.runs.append(np.sort(keys[fresh]))
+            while len(self.runs) > 1 and len(self.runs[-2]) < 2 * len(self.runs[-1]):
+                last = self.runs.pop()
+                self.runs[-1] = np.sort(np.concatenate([self.runs[-1], last]), kind="stable")
+        return fresh
 
 
 class TextIndex:
