@@ -68,18 +68,36 @@ def test_digests_whose_high_halves_collide_are_told_apart(monkeypatch: pytest.Mo
     _check(keys)
 
 
-def test_first_seen_tells_each_key_s_first_coming_as_a_set_does() -> None:
-    """Batches of ragged sizes (empty ones too), keys repeated within a batch and across batches: `FirstSeen.new`
-    against a Python set, over enough batches that its runs merge many times."""
+def _first_seen_as_a_set_does(batches: int, keys: int) -> None:
     rng = random.Random(3)
     seen, first = set(), text_index.FirstSeen()
-    for _ in range(300):
-        batch = [f"k{rng.randrange(2000)}é" for _ in range(rng.choice([0, 1, 7, 40]))]
+    for _ in range(batches):
+        batch = [f"k{rng.randrange(keys)}é" for _ in range(rng.choice([0, 1, 7, 40]))]
         want = []
         for key in batch:
             want.append(key not in seen)
             seen.add(key)
         assert first.new(batch).tolist() == want
-        sizes = [len(run) for run in first.runs]
+        sizes = [len(high) for high, _ in first.runs]
         assert all(a >= 2 * b for a, b in zip(sizes, sizes[1:])) and sum(sizes) == len(seen)
-    assert len(first.runs) <= 5 and len(seen) > 1500
+        assert all(np.all(high[1:] >= high[:-1]) for high, _ in first.runs)
+    assert len(first.runs) <= 5 and len(seen) > 0.75 * keys
+
+
+def test_first_seen_tells_each_key_s_first_coming_as_a_set_does() -> None:
+    """Batches of ragged sizes (empty ones too), keys repeated within a batch and across batches: `FirstSeen.new`
+    against a Python set, over enough batches that its runs merge many times."""
+    _first_seen_as_a_set_does(300, 2000)
+
+
+def test_first_seen_tells_keys_apart_whose_high_halves_collide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every high half cut to 2 bits: runs of hundreds of keys per high value in each run, told apart by the low
+    half."""
+    hashed = text_index.hashed
+
+    def colliding(texts):
+        high, low = hashed(texts)
+        return high & np.uint64(3), low
+
+    monkeypatch.setattr(text_index, "hashed", colliding)
+    _first_seen_as_a_set_does(300, 2000)

@@ -7,8 +7,8 @@ is its 128-bit BLAKE2b digest (of the side, a NUL and the text), held as two uin
 row each names; looking a batch of keys up hashes them and binary-searches those arrays, which forked workers only
 read. Two keys share a digest with probability 2^-128 per pair (the image keys are SHA-1 digests already).
 
-`FirstSeen` is the same digests grown a batch at a time: which keys of a stream come for the first time, in 16 bytes
-a key (how `row_spool` keeps each key's first row)."""
+`FirstSeen` holds the same digests grown a batch at a time: which keys of a stream come for the first time, in 16
+bytes a key (how `row_spool` keeps each key's first row)."""
 
 from __future__ import annotations
 
@@ -17,43 +17,63 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["FirstSeen", "TextIndex", "digests", "packed"]
+__all__ = ["FirstSeen", "TextIndex", "digests", "hashed"]
 
 
-def packed(texts: Iterable[str]) -> np.ndarray:
-    """Each text's BLAKE2b-128 digest as 16 bytes (dtype S16, which numpy sorts, searches and compares byte by
-    byte)."""
-    return np.frombuffer(b"".join(hashlib.blake2b(t.encode(), digest_size=16).digest() for t in texts), dtype="S16")
+def hashed(texts: Iterable[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(high, low) uint64 halves of each text's BLAKE2b-128 digest."""
+    raw = b"".join(hashlib.blake2b(text.encode(), digest_size=16).digest() for text in texts)
+    halves = np.frombuffer(raw, dtype=">u8").reshape(-1, 2).astype(np.uint64)
+    return halves[:, 0].copy(), halves[:, 1].copy()
 
 
 def digests(keys: Sequence[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray]:
     """(high, low) uint64 halves of each key's BLAKE2b-128 digest (of its side, a NUL and its text)."""
-    halves = packed(f"{side}\0{text}" for side, text in keys).view(">u8").reshape(-1, 2).astype(np.uint64)
-    return halves[:, 0].copy(), halves[:, 1].copy()
+    return hashed(f"{side}\0{text}" for side, text in keys)
 
 
 class FirstSeen:
-    """The keys seen so far as sorted runs of their `packed` digests, each run at least twice as long as the next
-    (the last two merged until it is so): a few runs, each key merged a few times, 16 bytes a key (32 while the
-    longest runs merge)."""
+    """The keys seen so far as runs of their `hashed` digests sorted by the high half, each run at least twice as
+    long as the next (the last two merged until it is so): a few runs, each key merged a few times, 16 bytes a key
+    (32 while the longest runs merge)."""
 
     def __init__(self) -> None:
-        self.runs: list[np.ndarray] = []
+        self.runs: list[tuple[np.ndarray, np.ndarray]] = []
 
     def new(self, texts: Sequence[str]) -> np.ndarray:
         """bool [len(texts)]: which of `texts` come for the first time (not seen before, nor earlier in `texts`);
         they are seen from now on."""
-        keys = packed(texts)
-        fresh = np.zeros(len(keys), dtype=bool)
-        fresh[np.unique(keys, return_index=True)[1]] = True  # each key's first place in the batch
+        high, low = hashed(texts)
+        order = np.lexsort((low, high))  # stable: a key's first place in the batch first among its copies
+        high, low = high[order], low[order]  # sorted: each search starts where the last one ended
+        fresh = np.ones(len(order), dtype=bool)
+        fresh[1:] = (high[1:] != high[:-1]) | (low[1:] != low[:-1])
         for run in self.runs:
-            fresh &= run[np.minimum(np.searchsorted(run, keys), len(run) - 1)] != keys
+            fresh &= ~_held(run, high, low)
         if fresh.any():
-            self.runs.append(np.sort(keys[fresh]))
-            while len(self.runs) > 1 and len(self.runs[-2]) < 2 * len(self.runs[-1]):
-                last = self.runs.pop()
-                self.runs[-1] = np.sort(np.concatenate([self.runs[-1], last]), kind="stable")
-        return fresh
+            self.runs.append((high[fresh], low[fresh]))
+            while len(self.runs) > 1 and len(self.runs[-2][0]) < 2 * len(self.runs[-1][0]):
+                (high_b, low_b), (high_a, low_a) = self.runs.pop(), self.runs.pop()
+                joined = np.concatenate([high_a, high_b])
+                by = np.argsort(joined, kind="stable")  # two sorted runs: one merge pass
+                self.runs.append((joined[by], np.concatenate([low_a, low_b])[by]))
+        out = np.zeros(len(order), dtype=bool)
+        out[order] = fresh
+        return out
+
+
+def _held(run: tuple[np.ndarray, np.ndarray], high: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """bool [len(high)]: which digests `run` (its high halves sorted) holds."""
+    run_high, run_low = run
+    at = np.minimum(np.searchsorted(run_high, high), len(run_high) - 1)
+    shared = run_high[at] == high
+    held = shared & (run_low[at] == low)
+    for i in np.flatnonzero(shared & ~held):  # the high half is shared: the rest of its run
+        j = at[i] + 1
+        while j < len(run_high) and run_high[j] == high[i] and not held[i]:
+            held[i] = run_low[j] == low[i]
+            j += 1
+    return held
 
 
 class TextIndex:
