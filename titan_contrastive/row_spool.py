@@ -127,6 +127,7 @@ class RowSpool:
         import pyarrow as pa
 
         self._close()
+        self.seen = []  # the digests, no longer needed
         n, size = sum(self.counts), sum(self.sizes)
         offsets = np.zeros(n + 1, dtype=np.int32 if size < STRING_BYTES else np.int64)  # the blocks' ends, joined
         at, base = 1, 0

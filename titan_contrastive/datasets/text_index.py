@@ -55,8 +55,12 @@ class FirstSeen:
             while len(self.runs) > 1 and len(self.runs[-2][0]) < 2 * len(self.runs[-1][0]):
                 (high_b, low_b), (high_a, low_a) = self.runs.pop(), self.runs.pop()
                 joined = np.concatenate([high_a, high_b])
+                del high_a, high_b  # each array let go as soon as it is copied: 32 bytes a key at most
                 by = np.argsort(joined, kind="stable")  # two sorted runs: one merge pass
-                self.runs.append((joined[by], np.concatenate([low_a, low_b])[by]))
+                joined = joined[by]
+                lows = np.concatenate([low_a, low_b])
+                del low_a, low_b
+                self.runs.append((joined, lows[by]))
         out = np.zeros(len(order), dtype=bool)
         out[order] = fresh
         return out
