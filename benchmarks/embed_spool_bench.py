@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
                 [r["table_mib"] for r in mine], [r["rank1_anon_mib"] for r in mine], "x--", label=f"{variant} rank 1"
             )
         ax.set_xlabel("the table's vectors (MiB)")
+        ax.set_yscale("log")  # the gather's gigabytes beside the spools' megabytes
         ax.set_ylabel("peak anonymous memory above start (MiB)")
         ax.set_title(f"embed_images' hand-off to rank 0, {args.world} gloo ranks, {meta['cpu']}", fontsize=8)
         ax.legend(fontsize=7)
