@@ -68,16 +68,24 @@ class FirstSeen:
 
 def _held(run: tuple[np.ndarray, np.ndarray], high: np.ndarray, low: np.ndarray) -> np.ndarray:
     """bool [len(high)]: which digests `run` (its high halves sorted) holds."""
-    run_high, run_low = run
-    at = np.minimum(np.searchsorted(run_high, high), len(run_high) - 1)
-    shared = run_high[at] == high
-    held = shared & (run_low[at] == low)
-    for i in np.flatnonzero(shared & ~held):  # the high half is shared: the rest of its run
+    return _position(*run, high, low) >= 0
+
+
+def _position(sorted_high: np.ndarray, sorted_low: np.ndarray, high: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """int64 [len(high)]: where each digest (`high`, `low`) is in (`sorted_high`, `sorted_low`), sorted by the high
+    halves; -1 where it is not."""
+    if not len(sorted_high):
+        return np.full(len(high), -1, dtype=np.int64)
+    at = np.minimum(np.searchsorted(sorted_high, high), len(sorted_high) - 1)
+    shared = sorted_high[at] == high
+    found = shared & (sorted_low[at] == low)
+    where = np.where(found, at, -1)
+    for i in np.flatnonzero(shared & ~found):  # the high half is shared: the rest of its run
         j = at[i] + 1
-        while j < len(run_high) and run_high[j] == high[i] and not held[i]:
-            held[i] = run_low[j] == low[i]
+        while j < len(sorted_high) and sorted_high[j] == high[i] and where[i] < 0:
+            where[i] = j if sorted_low[j] == low[i] else -1
             j += 1
-    return held
+    return where
 
 
 class TextIndex:
@@ -112,14 +120,5 @@ class TextIndex:
         """int64 [len(keys)]: each key's row, -1 where the table has none."""
         if not keys:
             return np.empty(0, dtype=np.int64)
-        high, low = digests(keys)
-        at = np.minimum(np.searchsorted(self.high, high), len(self.high) - 1)
-        found = (self.high[at] == high) & (self.low[at] == low)
-        rows = np.where(found, self.rows[at], -1)
-        for i in np.flatnonzero(~found & (self.high[at] == high)):  # the high halves collide: the run, in order
-            j = at[i] + 1
-            while j < len(self.high) and self.high[j] == high[i] and self.low[j] < low[i]:
-                j += 1
-            if j < len(self.high) and self.high[j] == high[i] and self.low[j] == low[i]:
-                rows[i] = self.rows[j]
-        return rows
+        at = _position(self.high, self.low, *digests(keys))
+        return np.where(at >= 0, self.rows[at], -1)
