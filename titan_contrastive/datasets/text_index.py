@@ -43,13 +43,10 @@ class FirstSeen:
     def new(self, texts: Sequence[str]) -> np.ndarray:
         """bool [len(texts)]: which of `texts` come for the first time (not seen before, nor earlier in `texts`);
         they are seen from now on."""
-        high, low = hashed(texts)
-        order = np.lexsort((low, high))  # stable: a key's first place in the batch first among its copies
-        high, low = high[order], low[order]  # sorted: each search starts where the last one ended
-        fresh = np.ones(len(order), dtype=bool)
-        fresh[1:] = (high[1:] != high[:-1]) | (low[1:] != low[:-1])
+        order, high, low, repeat = _sorted(*hashed(texts))  # sorted: each search starts where the last one ended
+        fresh = ~repeat
         for run in self.runs:
-            fresh &= ~_held(run, high, low)
+            fresh &= _position(*run, high, low) < 0
         if fresh.any():
             self.runs.append((high[fresh], low[fresh]))
             while len(self.runs) > 1 and len(self.runs[-2][0]) < 2 * len(self.runs[-1][0]):
@@ -66,9 +63,14 @@ class FirstSeen:
         return out
 
 
-def _held(run: tuple[np.ndarray, np.ndarray], high: np.ndarray, low: np.ndarray) -> np.ndarray:
-    """bool [len(high)]: which digests `run` (its high halves sorted) holds."""
-    return _position(*run, high, low) >= 0
+def _sorted(high: np.ndarray, low: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(the stable order of the digests (`high`, `low`), them in that order, which of them repeat the one before):
+    each key's first place comes first among its copies."""
+    order = np.lexsort((low, high))
+    high, low = high[order], low[order]
+    repeat = np.zeros(len(order), dtype=bool)
+    repeat[1:] = (high[1:] == high[:-1]) & (low[1:] == low[:-1])
+    return order, high, low, repeat
 
 
 def _position(sorted_high: np.ndarray, sorted_low: np.ndarray, high: np.ndarray, low: np.ndarray) -> np.ndarray:
@@ -106,10 +108,7 @@ class TextIndex:
         cls, high: np.ndarray, low: np.ndarray, sides: frozenset[str]
     ) -> tuple[TextIndex, np.ndarray, np.ndarray]:
         """`of`, from the keys' `digests` (row order; a table read in parts hashes each part)."""
-        order = np.lexsort((low, high))  # stable: equal keys keep their row order
-        high, low = high[order], low[order]
-        repeat = np.zeros(len(order), dtype=bool)
-        repeat[1:] = (high[1:] == high[:-1]) & (low[1:] == low[:-1])
+        order, high, low, repeat = _sorted(high, low)  # equal keys in their row order
         first = order[np.maximum.accumulate(np.where(repeat, 0, np.arange(len(order))))]  # each run's first row
         later, of_first = order[repeat], first[repeat]
         by_row = np.argsort(later, kind="stable")
