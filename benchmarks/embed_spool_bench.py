@@ -34,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -63,24 +62,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class AnonPeak:
-    """The largest RssAnon of this process while it runs, sampled every millisecond by a thread."""
-
-    def __init__(self) -> None:
-        self.peak, self.done = harness.status_kib("RssAnon"), threading.Event()
-        self.thread = threading.Thread(target=self.sample, daemon=True)
-        self.thread.start()
-
-    def sample(self) -> None:
-        while not self.done.wait(0.001):
-            self.peak = max(self.peak, harness.status_kib("RssAnon"))
-
-    def stop(self) -> int:
-        self.done.set()
-        self.thread.join()
-        return max(self.peak, harness.status_kib("RssAnon"))
-
-
 def make(chunk: int, args: argparse.Namespace) -> tuple[list[str], Any]:
     """Chunk `chunk`'s keys and vectors."""
     import torch
@@ -106,7 +87,7 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{args.port}")
     chunks = -(-args.rows // args.chunk)
     dist.barrier()
-    start, probe = time.perf_counter(), AnonPeak()
+    start, probe = time.perf_counter(), harness.AnonPeak()
     base = probe.peak
     if args.variant != "gather":
         from titan_contrastive.embed import write_rows

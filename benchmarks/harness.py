@@ -46,6 +46,7 @@ import gc
 import resource
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -195,6 +196,24 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+class AnonPeak:
+    """The largest RssAnon of this process while it runs, sampled every millisecond by a thread."""
+
+    def __init__(self) -> None:
+        self.peak, self.done = status_kib("RssAnon"), threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+
+    def sample(self) -> None:
+        while not self.done.wait(0.001):
+            self.peak = max(self.peak, status_kib("RssAnon"))
+
+    def stop(self) -> int:
+        self.done.set()
+        self.thread.join()
+        return max(self.peak, status_kib("RssAnon"))
 
 
 class PeakRSS:

@@ -205,8 +205,8 @@ def test_the_embed_command_spools_its_vectors_in_pieces(
     tmp_path: Path, guide_dir: Path, monkeypatch: pytest.MonkeyPatch, parallel: bool
 ) -> None:
     """`ENCODE_ROWS` texts at a time (3: dividing nothing), each piece to the spool's file as it is encoded: the rows of
-    one piece, in its order, and nothing else left beside the file; with `--parallel` each translation holds its
-    source's row."""
+    one piece, in its order, and nothing but its index left beside the file; with `--parallel` each translation holds
+    its source's row."""
     from tests.test_embed_on_ranks import assert_same_rows
     from tests.test_frozen_embeddings import parallel_rows
     from titan_contrastive import embed
@@ -219,7 +219,7 @@ def test_the_embed_command_spools_its_vectors_in_pieces(
     monkeypatch.setattr(embed, "ENCODE_ROWS", 3)
     assert embed.main([str(src), "--model", str(guide_dir), "--out", str(pieces), *flags]) == 0
     assert_same_rows(pieces, whole)
-    assert [p.name for p in pieces.parent.iterdir()] == ["e.parquet"]
+    assert sorted(p.name for p in pieces.parent.iterdir()) == ["e.parquet", "e.parquet.index"]  # and its index
     vectors = file_embeddings(pieces)
     for source, translation in pairs:
         assert torch.equal(vectors([translation], "document"), vectors([source], "query"))

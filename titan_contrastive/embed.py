@@ -44,6 +44,7 @@ import numpy as np
 
 from titan_contrastive.atomic_write import write_atomically
 from titan_contrastive.extras import import_failure
+from titan_contrastive.index_embeddings import write_index
 from titan_contrastive.mining import MineError
 
 OUT_FORMATS = (".parquet", ".jsonl", ".arrow")
@@ -190,7 +191,8 @@ def write_rows(
     the rows' `texts` (strs, or a pyarrow string array such as `RowSpool.rows` maps) and their `vectors` [N, d] (an
     array mapped from disk is read as the file is written, never held whole); `metadata`: key-value pairs a .parquet or
     .arrow file keeps in its schema (a .jsonl file has none). An .arrow file is one uncompressed record batch: its
-    float32 vectors one contiguous block that readers map."""
+    float32 vectors one contiguous block that readers map. A .parquet or .arrow file is read back and checked as a run
+    reads it, and its index written beside it (`index_embeddings`), before it is renamed."""
     out.parent.mkdir(parents=True, exist_ok=True)
     vectors = np.asarray(vectors, dtype=np.float32)  # no copy of float32
 
@@ -213,6 +215,8 @@ def write_rows(
             import pyarrow.parquet as pq
 
             pq.write_table(table, tmp, row_group_size=ROW_GROUP)
+        del table
+        write_index(out, tmp, "--out")  # the file read back and checked as a run reads it
 
     def jsonl(tmp: Path) -> None:
         named = itertools.chain.from_iterable(itertools.repeat(side, n) for side, n in sides)

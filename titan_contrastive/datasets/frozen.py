@@ -36,7 +36,7 @@ import json
 import logging
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from titan_contrastive.datasets import frozen_index
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.text_index import TextIndex, digests
 
@@ -62,6 +63,8 @@ BUNDLED_PROCESSED = (
     "vl_pairs rows"
 )
 """Why the bundled sets in the qwen_vl family are refused a file (`embed_images` and the run)."""
+INDEX_HINT_ROWS = 1 << 20
+"""A file of this many rows or more, read without its index (`frozen_index`), is named with the command writing it."""
 PART_ROWS = 1 << 16
 """Rows of an Arrow file's record batch made Python strs at a time, while the index is built (`Part`)."""
 Part = tuple[list[Any], "list[Any] | None"]
@@ -122,8 +125,10 @@ class EmbeddingTable:
     the evaluation view."""
 
     @classmethod
-    def read(cls, path: str, key: str) -> EmbeddingTable:
-        """The table of `path` (named by the config `key` in errors)."""
+    def read(cls, path: str, key: str, indexed: bool = True) -> EmbeddingTable:
+        """The table of `path` (named by the config `key` in errors), with its index where a .parquet or .arrow file
+        has one (`frozen_index`: neither its keys hashed nor its vectors checked again); `indexed=False`: the file
+        read and checked whole, its index left aside."""
         file = Path(path).expanduser()
         if file.suffix not in FORMATS or not file.is_file():
             raise DataError(
@@ -136,11 +141,26 @@ class EmbeddingTable:
                 parts, vectors, metadata = _read_jsonl(file)
             else:
                 parts, vectors, metadata = _read_arrow_table(file)
+            saved = frozen_index.load(file) if indexed and file.suffix != ".jsonl" else None
         except DataError as e:  # the file's own problem, named with the key
             raise DataError(f"{source}: {e}") from None
         except Exception as e:  # noqa: BLE001 - pyarrow's and json's errors for a damaged file
             raise DataError(f"{source}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
-        table = cls._checked(source, parts, vectors)
+        if saved is None:
+            table = cls._checked(source, parts, vectors)
+            if indexed and len(vectors) >= INDEX_HINT_ROWS and file.suffix != ".jsonl":
+                logger.warning(
+                    f"warning: {source}: every process hashed its {len(vectors)} keys, as it has no index; write its "
+                    f"index once: {frozen_index.INDEX_COMMAND} {path}"
+                )
+        elif (saved.rows, saved.dim) != (len(vectors), vectors.dim):
+            raise DataError(
+                f"{source}: its index {frozen_index.index_path(file)} names {saved.rows} rows of {saved.dim} numbers "
+                f"where the file has {len(vectors)} of {vectors.dim}; delete the index, or write it again: "
+                f"{frozen_index.INDEX_COMMAND} {path}"
+            )
+        else:
+            table = cls(vectors, saved.index, saved.sided, source, views=saved.views)
         if file.suffix != ".jsonl":  # pages pyarrow decoded or decompressed the file through, back to the system
             import pyarrow as pa
 
@@ -166,7 +186,7 @@ class EmbeddingTable:
                     f"{source}: row {start + int(bad.nonzero()[0])}'s embedding is zero or not finite; a cosine "
                     "needs a finite, non-zero vector"
                 )
-        views, row, sided, seen, high, low = 0, 0, False, set(), [], []
+        views, row, sided, seen, highs, lows = 0, 0, False, set(), [], []
         for texts, sides in parts():
             keys: list[tuple[str, str]] = []
             for at, text in enumerate(texts):
@@ -184,10 +204,11 @@ class EmbeddingTable:
                 row += 1
             sided = sides is not None
             seen.update(side for side, _ in keys)
-            part_high, part_low = digests(keys)
-            high.append(part_high)
-            low.append(part_low)
-        index, later, first = TextIndex.from_digests(np.concatenate(high), np.concatenate(low), frozenset(seen))
+            high, low = digests(keys)
+            highs.append(high)
+            lows.append(low)
+        high = low = None  # the last part's, held by the lists
+        index, later, first = TextIndex.from_digests(_joined(highs), _joined(lows), frozenset(seen))
         differ = (vectors[torch.from_numpy(later)] != vectors[torch.from_numpy(first)]).any(1).nonzero()
         if len(differ):
             at = int(differ[0])
@@ -248,6 +269,13 @@ class EmbeddingTable:
             )
         found = torch.from_numpy(found)
         return found[: len(queries)], found[len(queries) :]
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """The arrays of `parts` joined, and the list emptied: held once, not twice, while the digests sort."""
+    joined = np.concatenate(parts)
+    parts.clear()
+    return joined
 
 
 def _view_of(source: str, row: int, text: str) -> int:
@@ -323,19 +351,25 @@ def _is_list(kind: Any) -> bool:
 
 def _chunk_vectors(chunks: Sequence[Any]) -> list[torch.Tensor]:
     """float32 [n, d] per chunk of a list column, without a copy where the numbers are float32 already; a DataError
-    unless every row holds the same d >= 1 numbers."""
+    unless every row holds the same d >= 1 numbers (a fixed-size list's type says it: no row is read)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
-    lengths = [pc.list_value_length(c).to_numpy(zero_copy_only=False) for c in chunks]
-    if not sum(map(len, lengths)):
+    widths: set[int] = set()
+    for chunk in (c for c in chunks if len(c)):
+        if pa.types.is_fixed_size_list(chunk.type):
+            widths.add(chunk.type.list_size)
+        else:
+            widths.update(np.unique(pc.list_value_length(chunk).to_numpy(zero_copy_only=False)).tolist())
+    if not widths:
         return []
-    _width(np.concatenate(lengths))
+    _width(widths)
     out = []
-    for chunk, n in zip(chunks, lengths):
+    for chunk in chunks:
         numbers = chunk.flatten()
         if numbers.null_count:
             raise DataError("an embedding holding a null; give numbers only")
-        out.append(_stacked(n, numbers.to_numpy(zero_copy_only=False)))
+        out.append(_stacked(len(chunk), numbers.to_numpy(zero_copy_only=False)))
     return out
 
 
@@ -355,7 +389,7 @@ def _read_jsonl(file: Path) -> tuple[Callable[[], Iterator[Part]], Vectors, None
     _width(lengths)
     values = [x for v in vectors for x in v]
     part = ([r.get("text") for r in records], [r.get("side") for r in records] if sided else None)
-    return lambda: iter([part]), Vectors([_stacked(lengths, values)]), None
+    return lambda: iter([part]), Vectors([_stacked(len(lengths), values)]), None
 
 
 def _check_names(names: Sequence[str]) -> None:
@@ -365,7 +399,7 @@ def _check_names(names: Sequence[str]) -> None:
         )
 
 
-def _width(lengths: Sequence[int]) -> int:
+def _width(lengths: Iterable[int]) -> int:
     """The one d >= 1 of rows of `lengths`, or a DataError."""
     widths = sorted({int(n) for n in lengths})
     if len(widths) != 1 or widths[0] < 1:
@@ -375,10 +409,10 @@ def _width(lengths: Sequence[int]) -> int:
     return widths[0]
 
 
-def _stacked(lengths: Sequence[int], values: Any) -> torch.Tensor:
-    """[n, d] float32 of the flat `values` of rows of `lengths` (one d, `_width`); a view of float32 numbers."""
+def _stacked(n: int, values: Any) -> torch.Tensor:
+    """[n, d] float32 of the flat `values` of `n` rows of one width (`_width`); a view of float32 numbers."""
     numbers = np.asarray(values, dtype=np.float32)
     with warnings.catch_warnings():  # the file's mapped pages are read-only; the rows served are copies
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         flat = torch.from_numpy(numbers)
-    return flat.view(len(lengths), -1) if len(lengths) else flat.view(0, 1)
+    return flat.view(n, -1) if n else flat.view(0, 1)

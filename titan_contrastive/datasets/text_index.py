@@ -109,6 +109,9 @@ class TextIndex:
     ) -> tuple[TextIndex, np.ndarray, np.ndarray]:
         """`of`, from the keys' `digests` (row order; a table read in parts hashes each part)."""
         order, high, low, repeat = _sorted(high, low)  # equal keys in their row order
+        if not repeat.any():  # each key once (a file `embed` writes): the sorted digests are the index
+            none = np.empty(0, dtype=np.int64)
+            return cls(high, low, order.astype(np.int64, copy=False), sides), none, none
         first = order[np.maximum.accumulate(np.where(repeat, 0, np.arange(len(order))))]  # each run's first row
         later, of_first = order[repeat], first[repeat]
         by_row = np.argsort(later, kind="stable")
