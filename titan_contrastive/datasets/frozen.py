@@ -179,8 +179,9 @@ class EmbeddingTable:
         """The table of the file's `parts` (its texts and sides, read a part at a time) and `vectors`, checked."""
         if not len(vectors):
             raise DataError(f"{source}: no rows; give one row per text (text, embedding[, side])")
-        for start, block in vectors.blocks():  # without a [T, d] temporary
-            bad = ~torch.isfinite(block).all(1) | (block.abs().sum(1) == 0)
+        for start, block in vectors.blocks():  # one pass, no temporary but a norm a row
+            norm = torch.linalg.vector_norm(block, ord=1, dim=1)  # inf or nan where a number is (or it overflows)
+            bad = ~torch.isfinite(norm) | (norm == 0)
             if bad.any():
                 raise DataError(
                     f"{source}: row {start + int(bad.nonzero()[0])}'s embedding is zero or not finite; a cosine "
