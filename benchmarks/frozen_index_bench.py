@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
             seconds.plot([r["rows"] for r in mine], [r["seconds"] for r in mine], style, label=variant)
         for ax, label in ((memory, "peak anonymous memory above start (MiB)"), (seconds, "seconds")):
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(plt.NullFormatter())  # the sizes' own ticks only
             ax.set_yscale("log")  # the indexed read's megabytes and milliseconds beside the whole reads'
             ax.set_xlabel("rows of the file")
             ax.set_ylabel(label)

@@ -26,8 +26,10 @@ instead of reading, one copy of the vectors per machine) holds one row per (side
 `text`, `embedding` (float32, as the model returns it). The vectors go to a hidden folder beside it as they are
 computed, `ENCODE_ROWS` texts at a time (`row_spool`), and FILE is written from there mapped, so no process holds them
 all; it is written under a temporary name and renamed when complete, never over an existing file unless
-`--overwrite`, never the input. Bad arguments are one `error: ...` line and
-exit code 2, before any model is loaded. Needs the `hf` and `data` extras.
+`--overwrite`, never the input. A .parquet or .arrow FILE is read back and checked as a run reads it before the
+rename, and its index written beside it (FILE.index, `index_embeddings`), which a run maps instead of hashing its
+keys. Bad arguments are one `error: ...` line and exit code 2, before any model is loaded. Needs the `hf` and `data`
+extras.
 """
 
 from __future__ import annotations

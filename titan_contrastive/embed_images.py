@@ -32,7 +32,8 @@ machine, as `embed` writes it) holds one row per image (and per view) and per ca
 `text` (the image's key, the SHA-1 of its bytes as stored: `datasets.image_keys`, with `#v` for view v; or the caption)
 and `embedding` (float32, as the teacher returns it); a .parquet or .arrow file keeps the teacher's logit scale in its
 metadata, whose temperature the start log prints. It is written under a temporary name beside it and renamed when
-complete, never over an existing file unless `--overwrite`. Then train with `--loss.teacher_embeddings=FILE
+complete, never over an existing file unless `--overwrite`; a .parquet or .arrow file with its index beside it
+(FILE.index, as `embed` writes it). Then train with `--loss.teacher_embeddings=FILE
 --loss.teacher_model=''`. Bad arguments are one `error: ...` line and exit code 2, before any model is loaded."""
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ are matched after stripping surrounding whitespace, as the pairs reader strips t
 the run's own prompts (`data.query_prompts`).
 
 The table is read once (`Vectors`, float32 [T, d]; where each text's row is: `text_index.TextIndex`, arrays that
-forked data workers share untouched). An uncompressed .arrow file of float32 lists is not read into memory but mapped:
-every rank and data worker of a machine reads the same pages of it, one copy of the vectors per machine at any scale
-(the others: one per rank). Each row of the training data keeps the indices of its
+forked data workers share untouched, mapped from the index written beside a .parquet or .arrow file where it has one,
+`frozen_index`, else built from the file). An uncompressed .arrow file of float32 lists is not read into memory but
+mapped: every rank and data worker of a machine reads the same pages of it, one copy of the vectors per machine at any
+scale (the others: one per rank). Each row of the training data keeps the indices of its
 1 + 1 + k texts, and a batch serves `frozen_query` [B, d] and `frozen_doc` [B, d] or [B, 1 + k, d]
 (`batching.FROZEN_QUERIES`, `FROZEN_DOCS`), which the step normalizes and gathers over the ranks as a
 guide model's embeddings (`StepContext.guide_of`, `losses/guide.py`). A text of the data without an
