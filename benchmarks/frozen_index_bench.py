@@ -11,7 +11,8 @@ written to raw files (the vectors; the keys' UTF-8 bytes and int32 offsets), whi
 variant's titan_contrastive first on PYTHONPATH):
 - `write` (this tree) and `write_before` (`--baseline`, default 8a390a2, the last commit before the index, its package
   extracted by `harness.package_at`): `write_rows` of the mapped keys and vectors into an .arrow file; this tree's
-  reads the file back, checks it and writes its index. Both files hold the same rows (checked);
+  checks the rows first (as a run checks a file it reads whole) and writes the file's index. Both files hold the same
+  rows (checked);
 - `indexed`, `whole` (this tree, `indexed=False`) and `before` (the baseline's reader, which knows no index): an
   `EmbeddingTable.read` of this tree's file, then a lookup of `--lookups` of its keys (checked: each at its row).
 Per variant and size, medians of `--repeats` interleaved runs: the read's or write's peak anonymous memory above its

@@ -34,11 +34,11 @@ def _written(out: Path, views: int = 0) -> tuple[list[tuple[str, str]], np.ndarr
     from titan_contrastive.embed import write
 
     if views:
-        blocks = [("image", [f"{k:040x}" for k in range(6)])]
+        blocks = [("image", []), ("image", [f"{k:040x}" for k in range(6)])]  # a block of none: the spool's can be
         blocks += [("image", [f"{k:040x}#{v}" for k in range(6)]) for v in range(views)]
         blocks += [("caption", TEXTS)]
     else:
-        blocks = [("query", TEXTS), ("document", TEXTS[::-1] + ["another"])]
+        blocks = [("query", TEXTS), ("document", []), ("document", TEXTS[::-1] + ["another"])]
     rng = np.random.default_rng(len(blocks))
     sides = [(side, texts, rng.standard_normal((len(texts), 5)).astype(np.float32)) for side, texts in blocks]
     write(out, sides)

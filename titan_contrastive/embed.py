@@ -26,9 +26,9 @@ instead of reading, one copy of the vectors per machine) holds one row per (side
 `text`, `embedding` (float32, as the model returns it). The vectors go to a hidden folder beside it as they are
 computed, `ENCODE_ROWS` texts at a time (`row_spool`), and FILE is written from there mapped, so no process holds them
 all; it is written under a temporary name and renamed when complete, never over an existing file unless
-`--overwrite`, never the input. A .parquet or .arrow FILE is read back and checked as a run reads it before the
-rename, and its index written beside it (FILE.index, `index_embeddings`), which a run maps instead of hashing its
-keys. Bad arguments are one `error: ...` line and exit code 2, before any model is loaded. Needs the `hf` and `data`
+`--overwrite`, never the input. The rows of a .parquet or .arrow FILE are checked as a run checks a file it reads
+whole, and its index written beside it (FILE.index, `datasets/frozen_index.py`), which a run maps instead of hashing
+its keys. Bad arguments are one `error: ...` line and exit code 2, before any model is loaded. Needs the `hf` and `data`
 extras.
 """
 
@@ -45,8 +45,9 @@ from typing import Any
 import numpy as np
 
 from titan_contrastive.atomic_write import write_atomically
+from titan_contrastive.datasets.frozen import EmbeddingTable
+from titan_contrastive.datasets.frozen_index import save
 from titan_contrastive.extras import import_failure
-from titan_contrastive.index_embeddings import write_index
 from titan_contrastive.mining import MineError
 
 OUT_FORMATS = (".parquet", ".jsonl", ".arrow")
@@ -193,10 +194,13 @@ def write_rows(
     the rows' `texts` (strs, or a pyarrow string array such as `RowSpool.rows` maps) and their `vectors` [N, d] (an
     array mapped from disk is read as the file is written, never held whole); `metadata`: key-value pairs a .parquet or
     .arrow file keeps in its schema (a .jsonl file has none). An .arrow file is one uncompressed record batch: its
-    float32 vectors one contiguous block that readers map. A .parquet or .arrow file is read back and checked as a run
-    reads it, and its index written beside it (`index_embeddings`), before it is renamed."""
+    float32 vectors one contiguous block that readers map. The rows of a .parquet or .arrow file are checked first, as
+    a run checks the file it reads whole (a bad one writes nothing), and the file's index is written beside it
+    (`frozen_index`) before it is renamed."""
     out.parent.mkdir(parents=True, exist_ok=True)
     vectors = np.asarray(vectors, dtype=np.float32)  # no copy of float32
+    columnar_out = out.suffix != ".jsonl"
+    checked = EmbeddingTable.of_rows(f"--out={out}", sides, texts, vectors) if columnar_out else None
 
     def columnar(tmp: Path) -> None:
         import pyarrow as pa
@@ -217,8 +221,7 @@ def write_rows(
             import pyarrow.parquet as pq
 
             pq.write_table(table, tmp, row_group_size=ROW_GROUP)
-        del table
-        write_index(out, tmp, "--out")  # the file read back and checked as a run reads it
+        save(out, checked.saved(), tmp)  # its index, naming the file as written (a rename keeps its size and time)
 
     def jsonl(tmp: Path) -> None:
         named = itertools.chain.from_iterable(itertools.repeat(side, n) for side, n in sides)
@@ -230,7 +233,7 @@ def write_rows(
                     row = {"side": next(named), "text": text, "embedding": vector}
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
-    write_atomically(out, jsonl if out.suffix == ".jsonl" else columnar)
+    write_atomically(out, columnar if columnar_out else jsonl)
 
 
 def run(opts: argparse.Namespace) -> tuple[Path, int, int, int]:

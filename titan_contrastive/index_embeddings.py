@@ -2,11 +2,11 @@
 FILE.index (`datasets/frozen_index.py`), so that every rank of a run reading FILE as `[loss] teacher_embeddings` or
 `guide_embeddings` maps where each text's row is, instead of hashing every key of the file and checking every vector.
 
-`python -m titan_contrastive.embed` and `embed_images` write the index with the file; this is for a .parquet or
-.arrow file written by anything else (an embedding API, another framework), or one changed since its index was
-written (the run says so). FILE is read and checked as a run reads it (`frozen.EmbeddingTable`), then its index is
-written under a temporary name and renamed when complete. A bad file is one `error: ...` line and exit code 2, with
-no index written. Needs the `data` extra.
+`python -m titan_contrastive.embed` and `embed_images` write the index with the file (`embed.write_rows`); this is
+for a .parquet or .arrow file written by anything else (an embedding API, another framework), or one changed since
+its index was written (the run says so). FILE is read and checked as a run reads it whole (`frozen.EmbeddingTable`),
+then its index is written under a temporary name and renamed when complete. A bad file is one `error: ...` line and
+exit code 2, with no index written. Needs the `data` extra.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.frozen import EmbeddingTable
 from titan_contrastive.datasets.frozen_index import Saved, index_path, save
 from titan_contrastive.extras import import_failure
 
@@ -23,17 +24,11 @@ FORMATS = (".parquet", ".arrow")
 """What an index is written for: a .jsonl file is read whole into each process anyway."""
 
 
-def write_index(out: Path, data: Path | None = None, key: str = "FILE") -> Saved:
-    """Read and check `data` (default `out`) as a run reads `out`, and write its index as `out`'s (`frozen_index`):
-    `data` is the file being written that will be renamed to `out`. A DataError (named by `key`) writes nothing."""
-    from titan_contrastive.datasets.frozen import EmbeddingTable
-
-    try:
-        table = EmbeddingTable.read(str(data or out), key, indexed=False)
-    except DataError as e:  # named as `out`, not the temporary name
-        raise DataError(str(e).replace(f"{key}={data}", f"{key}={out}")) from None
-    saved = Saved(table.index, len(table.vectors), table.dim, table.sided, table.views)
-    save(out, saved, data or out)
+def write_index(file: Path) -> Saved:
+    """Read and check `file` as a run reads it whole, and write its index beside it (`frozen_index`); a DataError
+    writes nothing."""
+    saved = EmbeddingTable.read(str(file), "FILE", indexed=False).saved()
+    save(file, saved, file)
     return saved
 
 

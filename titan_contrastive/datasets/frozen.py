@@ -176,6 +176,26 @@ class EmbeddingTable:
         return dataclasses.replace(table, logit_scale=_logit_scale(metadata, source))
 
     @classmethod
+    def of_rows(cls, source: str, sides: Sequence[tuple[str, int]], texts: Any, vectors: np.ndarray) -> EmbeddingTable:
+        """The table of rows about to be written (`embed.write_rows`), checked as the file of them is when it is read
+        whole (named `source` in errors): `sides` (each side and its number of rows, in order), the rows' `texts`
+        (strs, or a pyarrow string array) and their float32 `vectors` [N, d] (read a block at a time where mapped)."""
+        ends = np.cumsum([n for _, n in sides])
+
+        def parts() -> Iterator[Part]:
+            for start in range(0, len(texts), PART_ROWS):
+                part = texts[start : start + PART_ROWS]
+                rows = np.arange(start, start + len(part))
+                named = [sides[b][0] for b in np.searchsorted(ends, rows, side="right").tolist()]
+                yield part.to_pylist() if hasattr(part, "to_pylist") else list(part), named
+
+        return cls._checked(source, parts, Vectors([_stacked(len(vectors), vectors.reshape(-1))]))
+
+    def saved(self) -> frozen_index.Saved:
+        """What the file's checks found, as its index file keeps it (`frozen_index.save`)."""
+        return frozen_index.Saved(self.index, len(self.vectors), self.dim, self.sided, self.views)
+
+    @classmethod
     def _checked(cls, source: str, parts: Callable[[], Iterator[Part]], vectors: Vectors) -> EmbeddingTable:
         """The table of the file's `parts` (its texts and sides, read a part at a time) and `vectors`, checked."""
         if not len(vectors):
@@ -209,7 +229,6 @@ class EmbeddingTable:
             high, low = digests(keys)
             highs.append(high)
             lows.append(low)
-        high = low = None  # the last part's, held by the lists
         index, later, first = TextIndex.from_digests(_joined(highs), _joined(lows), frozenset(seen))
         differ = (vectors[torch.from_numpy(later)] != vectors[torch.from_numpy(first)]).any(1).nonzero()
         if len(differ):
