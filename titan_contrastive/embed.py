@@ -194,13 +194,11 @@ def write_rows(
     the rows' `texts` (strs, or a pyarrow string array such as `RowSpool.rows` maps) and their `vectors` [N, d] (an
     array mapped from disk is read as the file is written, never held whole); `metadata`: key-value pairs a .parquet or
     .arrow file keeps in its schema (a .jsonl file has none). An .arrow file is one uncompressed record batch: its
-    float32 vectors one contiguous block that readers map. The rows of a .parquet or .arrow file are checked first, as
-    a run checks the file it reads whole (a bad one writes nothing), and the file's index is written beside it
-    (`frozen_index`) before it is renamed."""
+    float32 vectors one contiguous block that readers map. The rows of a .parquet or .arrow file are checked as a run
+    checks a file it reads whole (a bad one leaves nothing: the file is not renamed), and its index is written beside
+    it (`frozen_index`) before it is renamed."""
     out.parent.mkdir(parents=True, exist_ok=True)
     vectors = np.asarray(vectors, dtype=np.float32)  # no copy of float32
-    columnar_out = out.suffix != ".jsonl"
-    checked = EmbeddingTable.of_rows(f"--out={out}", sides, texts, vectors) if columnar_out else None
 
     def columnar(tmp: Path) -> None:
         import pyarrow as pa
@@ -221,6 +219,8 @@ def write_rows(
             import pyarrow.parquet as pq
 
             pq.write_table(table, tmp, row_group_size=ROW_GROUP)
+        del table
+        checked = EmbeddingTable.of_rows(f"--out={out}", sides, texts, vectors)  # after the write (benchmarks/NOTES.md)
         save(out, checked.saved(), tmp)  # its index, naming the file as written (a rename keeps its size and time)
 
     def jsonl(tmp: Path) -> None:
@@ -233,7 +233,7 @@ def write_rows(
                     row = {"side": next(named), "text": text, "embedding": vector}
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
-    write_atomically(out, columnar if columnar_out else jsonl)
+    write_atomically(out, jsonl if out.suffix == ".jsonl" else columnar)
 
 
 def run(opts: argparse.Namespace) -> tuple[Path, int, int, int]:
