@@ -177,8 +177,8 @@ class EmbeddingTable:
 
     @classmethod
     def of_rows(cls, source: str, sides: Sequence[tuple[str, int]], texts: Any, vectors: np.ndarray) -> EmbeddingTable:
-        """The table of rows about to be written (`embed.write_rows`), checked as the file of them is when it is read
-        whole (named `source` in errors): `sides` (each side and its number of rows, in order), the rows' `texts`
+        """The table of the rows `embed.write_rows` writes, checked as the file of them is when it is read whole
+        (named `source` in errors): `sides` (each side and its number of rows, in order), the rows' `texts`
         (strs, or a pyarrow string array) and their float32 `vectors` [N, d] (read a block at a time where mapped)."""
         ends = np.cumsum([n for _, n in sides])
 

@@ -106,9 +106,9 @@ def load(file: Path) -> Saved | None:
             )
             return None
         high, low, rows = (batch.column(name).to_numpy(zero_copy_only=True) for name, _ in COLUMNS)  # no nulls
-    except (OSError, ValueError, pa.ArrowException) as e:
-        if isinstance(e, DataError):
-            raise
+    except DataError:
+        raise
+    except (OSError, ValueError, pa.ArrowException) as e:  # not an Arrow file, not JSON metadata, a null
         raise DataError(f"its index {path} is not readable ({type(e).__name__}: {e}); {fix}") from None
     return Saved(
         TextIndex(high, low, rows, frozenset(facts["sides"])),
