@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.needs import require
 
 
+@pytest.mark.slow  # ~10 s: six gloo ranks in fresh processes, two baselines extracted (CI runs the slow marker too)
 def test_embed_spool_bench_measures_the_three_hand_offs(tmp_path: Path) -> None:
     require("data")
     from benchmarks import embed_spool_bench

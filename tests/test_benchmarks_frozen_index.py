@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.needs import require
 
 
+@pytest.mark.slow  # ~12 s: five fresh processes and a baseline extracted (CI runs the slow marker too)
 def test_frozen_index_bench_measures_the_writes_and_the_reads(tmp_path: Path) -> None:
     require("data")
     from benchmarks import frozen_index_bench

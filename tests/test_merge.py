@@ -286,6 +286,7 @@ def test_lora_runs_merge_into_one_adapter_of_the_models_average(tmp_path: Path, 
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # ~19 s: two clip runs; the text and hf_clip runs check --with-start in the default suite
 def test_with_start_a_clip_run_merges_with_the_checkpoint_it_started_from(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
