@@ -319,6 +319,29 @@ def test_ending_the_workers_keeps_the_batches() -> None:
     make(0).end_workers()  # without workers: nothing to end
 
 
+class _FreezeSeen(ImageTextDataset):
+    """tiny_dataset's samples, each batch with how many objects the process making it holds frozen (`gc.freeze`)."""
+
+    def __getitems__(self, indices):
+        import gc
+
+        return {**super().__getitems__(indices), "frozen": torch.tensor([gc.get_freeze_count()])}
+
+
+def test_workers_are_forked_with_the_parents_objects_frozen() -> None:
+    """Every epoch's workers start with this process's objects frozen (their garbage collections leave the pages
+    they share with it alone, `loader.EpochLoader._started`); this process unfreezes them once they have started."""
+    import gc
+
+    dataset = tiny_dataset()
+    dataset.__class__ = _FreezeSeen
+    loader = build_dataloader(dataset, local_batch_size=8, dp_rank=0, dp_world_size=1, seed=4, num_workers=2)
+    batches = take(loader, 2 * loader.steps_per_epoch + 1)  # three epochs' workers
+    loader.end_workers()
+    assert all(int(b["frozen"][0]) > 1000 for b in batches), [int(b["frozen"][0]) for b in batches]
+    assert gc.get_freeze_count() == 0
+
+
 def test_datasets_constant() -> None:
     assert DATASETS == ("fashion_mnist", "emoji", "wordnet")
 

@@ -19,12 +19,13 @@ epoch), the steps of all sources shuffled together, so a source is drawn in prop
 
 from __future__ import annotations
 
+import gc
 import math
 import signal
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import Sampler
@@ -34,6 +35,8 @@ from titan_contrastive.components.preemption import STOP_SIGNALS
 from titan_contrastive.datasets.bad_samples import BadSampleLog
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.protocol import Dataset
+
+T = TypeVar("T")
 
 
 class BlockedDistributedSampler(Sampler[int]):
@@ -186,13 +189,13 @@ class EpochLoader:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._iterator is None:
-            self._iterator = iter(self.dataloader)
+            self._iterator = started(self.dataloader)
         try:
             try:
                 batch = next(self._iterator)
             except StopIteration:
                 self._set_epoch(self.epoch + 1)
-                self._iterator = iter(self.dataloader)
+                self._iterator = started(self.dataloader)
                 batch = next(self._iterator)  # build_dataloader guarantees at least one batch per epoch
         except DataError as e:  # from a worker, the message holds the worker's traceback: keep its last line
             raise DataError(str(e).strip().splitlines()[-1].split("DataError: ", 1)[-1]) from None
@@ -227,6 +230,17 @@ class EpochLoader:
         state = self.state_dict()
         shutdown()
         self.load_state_dict(state)
+
+
+def started(loader: Iterable[T]) -> Iterator[T]:
+    """`iter(loader)`, its worker processes forked while this process's objects are frozen (`gc.freeze`, as Python's
+    documentation advises before a fork): a worker's garbage collections leave them alone, and the memory pages they
+    sit on stay shared with this process instead of becoming each worker's copy. Unfrozen again once forked."""
+    gc.freeze()
+    try:
+        return iter(loader)
+    finally:
+        gc.unfreeze()
 
 
 MAX_PREFETCH = 8

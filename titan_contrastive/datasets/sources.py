@@ -50,6 +50,7 @@ import numpy as np
 
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.mixing import SourceMix
+from titan_contrastive.datasets.packed_rows import PackedRows
 from titan_contrastive.datasets.tar_shards import NotRegularFile, TarShard, looks_like_tar, read_regular
 
 logger = logging.getLogger("titan_contrastive")
@@ -212,22 +213,20 @@ class CsvSource:
         if not rows:
             raise DataError(f"{file}: no rows; give a CSV with at least one image and caption")
         folder = file.parent
-        self._paths = [str(folder / p) if p and not os.path.isabs(p) else p for p, _, _ in rows]
-        self._captions = [c for _, c, _ in rows]
-        self._negatives = [n for _, _, n in rows]
+        rooted = (str(folder / p) if p and not os.path.isabs(p) else p for p, _, _ in rows)
+        self._rows = PackedRows([path, caption, *negatives] for path, (_, caption, negatives) in zip(rooted, rows))
+        """Per row: [image path, caption, negative captions...] (shared by forked workers, not copied)."""
         self.num_negatives = len(negative_keys)
 
     def __len__(self) -> int:
-        return len(self._paths)
+        return len(self._rows)
 
     def read(self, index: int) -> Record:
         where, key = self.location, f"row {index + 2}"  # line number in the file (header is line 1)
-        path = self._paths[index]
+        path, text, *others = self._rows[index]
         data = read_file(path, where, key)
-        caption = caption_text(self._captions[index], where, key)
-        negatives = (
-            negative_captions(self._negatives[index], self.num_negatives, where, key) if self.num_negatives else ()
-        )
+        caption = caption_text(text, where, key)
+        negatives = negative_captions(others, self.num_negatives, where, key) if self.num_negatives else ()
         return Record(data, caption, path, key, negatives)
 
 

@@ -54,6 +54,7 @@ from titan_contrastive.datasets.files import MAX_SUBSTITUTES
 from titan_contrastive.datasets.image_keys import image_key
 from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, in_batch_per_source, joins, split_sources
+from titan_contrastive.datasets.packed_rows import PackedRows, Unpackable, packable
 from titan_contrastive.datasets.pair_rows import document_scores
 from titan_contrastive.datasets.pools import Pools
 from titan_contrastive.datasets.retrieval import MODES
@@ -124,11 +125,13 @@ class VLPairsDataset:
             check_per_source(f"{side}_prompts", given, parts, empty="the model's")
         self.scored = bool(teacher) and split == "train"
         """Whether rows give a teacher's scores of their documents (`SCORES_COLUMN`), served as TEACHER_SCORES."""
+        self._columns = (*self.needed, NEGATIVES_COLUMN, *((SCORES_COLUMN,) if self.scored else ()))
+        """What a file's row holds (`_File.rows`), in this order."""
         self._files = [self._read_source(part, key, mode, split) for part in parts]
         if self.scored:
             logger.info(f"vl_pairs: the teacher's scores of each served document from {path} (loss.distill={teacher})")
         self.negative_kind = "text" if self.kinds["doc"] == "text" else "image"
-        counts = {f.source: len(_as_list(f.rows[0].get(NEGATIVES_COLUMN))) for f in self._files}
+        counts = {f.source: int(f.negatives[0]) for f in self._files}
         self.num_negatives = next(iter(counts.values())) if hard_negatives and split == "train" else 0
         self._pools: list[Pools] | None = None
         """With negatives_per_row (train split): per file, each row's draw of its negatives."""
@@ -138,7 +141,7 @@ class VLPairsDataset:
                 [
                     Pools(
                         [1] * len(f.rows),
-                        [max(1, len(_as_list(r.get(NEGATIVES_COLUMN)))) for r in f.rows],
+                        np.maximum(f.negatives, 1),
                         negatives_per_row,
                         seed + i,
                     )
@@ -186,24 +189,26 @@ class VLPairsDataset:
 
     def _read_source(self, path: str, key: str, mode: str, split: str) -> _File:
         """One source's rows: its file's, or the rows of each file a pattern or a folder of shards names
-        (`shards.shard_files`) in order, their image paths made relative to the first one's folder."""
+        (`shards.shard_files`) in order, their image paths made relative to the first one's folder; packed
+        (`packed_rows.PackedRows`) and each row's count of hard negatives beside them."""
         files = shard_files(path, FORMATS)
         if files is None:
-            return self._read_file(path, key, mode, split)
-        parts = [self._read_file(str(f), key, mode, split) for f in files]
+            single = Path(path).expanduser()
+            return _packed(single.parent, path, self._columns, self._read_file(path, key, mode, split))
+        parts = [(Path(f).parent, self._read_file(str(f), key, mode, split)) for f in files]
         images = [c for c in self.needed if c.endswith("_image")] + [NEGATIVES_COLUMN] * (self.kinds["doc"] != "text")
 
-        def rooted(part: _File, column: str, value: Any) -> Any:  # an absolute path stays as it is
+        def rooted(root: Path, column: str, value: Any) -> Any:  # an absolute path stays as it is
             if column not in images or not value:
                 return value
             if column == NEGATIVES_COLUMN:
-                return [str(part.root / v) if isinstance(v, str) and v else v for v in _as_list(value)]
-            return str(part.root / value) if isinstance(value, str) else value
+                return [str(root / v) if isinstance(v, str) and v else v for v in _as_list(value)]
+            return str(root / value) if isinstance(value, str) else value
 
-        rows = [{c: rooted(part, c, v) for c, v in row.items()} for part in parts for row in part.rows]
-        return _File(parts[0].root, path, rows)
+        rows = [{c: rooted(root, c, v) for c, v in row.items()} for root, rows in parts for row in rows]
+        return _packed(parts[0][0], path, self._columns, rows)
 
-    def _read_file(self, path: str, key: str, mode: str, split: str) -> _File:
+    def _read_file(self, path: str, key: str, mode: str, split: str) -> list[dict[str, Any]]:
         """One file's rows (the needed columns and the negatives), or a DataError naming what is wrong."""
         file = Path(path).expanduser()
         if file.suffix not in FORMATS or not file.is_file():
@@ -235,8 +240,7 @@ class VLPairsDataset:
                 f"(the document's, then each of {NEGATIVES_COLUMN}'), and it has none; add it, or leave loss.distill "
                 "empty"
             )
-        kept = (*self.needed, NEGATIVES_COLUMN, *((SCORES_COLUMN,) if self.scored else ()))
-        return _File(file.parent, str(file), [{c: row.get(c) for c in kept} for row in rows])
+        return [{c: row.get(c) for c in self._columns} for row in rows]
 
     def __len__(self) -> int:
         return len(self._files[0].rows) if self._mix is None else len(self._mix)
@@ -304,7 +308,7 @@ class VLPairsDataset:
     def _fields(self, source: int, j: int) -> dict[str, Any]:
         """Row `j` of file `source`: its needed fields (and its hard negatives, a list), or BadSample."""
         file = self._files[source]
-        row, key = file.rows[j], str(j)
+        row, key = dict(zip(self._columns, file.rows[j])), str(j)
         keyed = self._frozen is not None
         fields = {
             c: self._value(file, c, "text" if c.endswith("_text") else "image", row[c], key, keyed) for c in self.needed
@@ -406,7 +410,8 @@ class VLPairsDataset:
         (`embed_images`)."""
         found: dict[str, dict[Item, None]] = {side: {} for side in FILE_SIDES.values()}
         for s, file in enumerate(self._files):
-            for row in file.rows:
+            for values in file.rows:
+                row = dict(zip(self._columns, values))
                 for side, name in FILE_SIDES.items():
                     kind = self.kinds[side]
                     text = _written(row.get(f"{side}_text")) if kind != "image" else ""
@@ -446,7 +451,25 @@ class _File(NamedTuple):
     root: Path
     """Image paths are relative to it (the file's folder)."""
     source: str
-    rows: list[dict[str, Any]]
+    rows: PackedRows
+    """Per row, its values of the dataset's columns (`VLPairsDataset._columns`), in that order."""
+    negatives: np.ndarray
+    """int64 [rows]: how many hard negatives each row holds."""
+
+
+def _packed(root: Path, source: str, columns: Sequence[str], rows: list[dict[str, Any]]) -> _File:
+    """The rows packed (`PackedRows`: forked workers share them), or a DataError naming a value JSON cannot hold."""
+    try:
+        packed = PackedRows([row[c] for c in columns] for row in rows)
+    except Unpackable as e:
+        row = rows[e.row]
+        column = next(c for c in columns if not packable(row[c]))
+        raise DataError(
+            f"{source}: row {e.row + 1}: {column} holds a {type(row[column]).__name__}; vl_pairs reads texts and image "
+            "paths (strings), lists of them and numbers: write the images as files and their paths in the column"
+        ) from None
+    negatives = np.fromiter((len(_as_list(row[NEGATIVES_COLUMN])) for row in rows), dtype=np.int64, count=len(rows))
+    return _File(root, source, packed, negatives)
 
 
 def _written(value: Any) -> str:
