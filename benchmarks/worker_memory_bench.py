@@ -12,12 +12,19 @@ the variant's titan_contrastive first on PYTHONPATH) that builds the run's data 
 from `train_configs/own_data_clip.toml` or `qwen_vl_embedder_lora.toml` over a tiny random Qwen2-VL folder, with
 `--workers` data workers) and draws one epoch of local batches of `--batch` from its loader. Per variant, medians of
 `--repeats` interleaved runs of:
-- `load_s`, `rows_mib`: the seconds and the anonymous memory (RssAnon of /proc/self/status) of building the data;
-- `worker_mib`: each worker's private dirty memory (Private_Dirty of /proc/PID/smaps_rollup, sampled every 20 ms by a
-  thread, its largest), the mean over the workers: the pages of the parent it came to write, its own heap beside them;
+- `load_s`, `build_mib`: the seconds and the anonymous memory (RssAnon of /proc/self/status) of building the data
+  (the rows, and the tokenizer or the processor);
+- `copied_mib`: the parent's memory each worker ended the epoch holding a copy of, the mean over the workers: pages of
+  the parent's heap and anonymous mappings present in both processes at different physical frames (/proc/PID/pagemap,
+  sampled every 0.2 s by a thread; frame numbers need CAP_SYS_ADMIN, else None). Pages the parent itself wrote during
+  the epoch count too (a few MiB, the same in every variant);
+- `worker_mib`: each worker's largest private dirty memory (Private_Dirty of /proc/PID/smaps_rollup), the mean over
+  the workers: the copies and the worker's own heap (decoded images, batches before they move to shared memory),
+  which varies from run to run by a hundred MiB or more;
 - `epoch_s`: the epoch's seconds.
-`this` is this tree; `before` the baseline's package (default cd47137, the last commit before the packed rows),
-extracted by `harness.package_at`. Writes worker_memory_bench.{json,csv,png} under --out.
+`this` is this tree; `unfrozen` this tree with `gc.freeze` made a no-op (the packed rows alone); `before` the
+baseline's package (default cd47137, the last commit before the packed rows), extracted by `harness.package_at`.
+Writes worker_memory_bench.{json,csv,png} under --out.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from typing import Any
 from benchmarks import harness
 
 NAME = "worker_memory_bench"
-FIELDS = ["kind", "variant", "rows", "load_s", "build_mib", "worker_mib", "epoch_s", "batches"]
+FIELDS = ["kind", "variant", "rows", "load_s", "build_mib", "copied_mib", "worker_mib", "epoch_s", "batches"]
 KINDS = ("csv", "vl_pairs")
 VARIANTS = ("this", "unfrozen", "before")
 WORDS = "a photo of the red house by the river near an old stone bridge in early morning light with fog".split()
@@ -113,6 +120,48 @@ def private_dirty_kib(pid: int) -> int:
     return 0
 
 
+PAGE = os.sysconf("SC_PAGE_SIZE")
+PFN = (1 << 55) - 1
+PRESENT = 1 << 63
+
+
+def anonymous_ranges(pid: int) -> list[tuple[int, int]]:
+    """The writable private memory of process `pid` that no file backs (its heap and anonymous mappings)."""
+    ranges = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split()
+        if fields[1].startswith("rw") and fields[1][3] == "p" and (len(fields) < 6 or fields[5] == "[heap]"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def frames(pid: int, ranges: list[tuple[int, int]]) -> Any:
+    """Each page's physical frame number in `ranges` of process `pid` (/proc/PID/pagemap), -1 where none is."""
+    import numpy as np
+
+    parts = []
+    with open(f"/proc/{pid}/pagemap", "rb") as f:
+        for start, end in ranges:
+            raw = np.frombuffer(os.pread(f.fileno(), 8 * ((end - start) // PAGE), 8 * (start // PAGE)), np.uint64)
+            parts.append(np.where(raw & np.uint64(PRESENT), raw & np.uint64(PFN), np.uint64(PFN + 1)).astype(np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def copied_pages(parent: int, worker: int) -> int | None:
+    """How many pages of the parent's anonymous memory `worker` holds a page of its own for (both present, another
+    frame: a copy); None where frame numbers read as 0 (they need CAP_SYS_ADMIN) or the worker has gone."""
+    try:
+        ranges = anonymous_ranges(parent)
+        mine, theirs = frames(parent, ranges), frames(worker, ranges)
+    except OSError:
+        return None
+    both = (mine <= PFN) & (theirs <= PFN)
+    if both.any() and not mine[both].any():
+        return None
+    return int((both & (mine != theirs)).sum())
+
+
 def children(pid: int) -> list[int]:
     """The processes whose parent is `pid`."""
     found = []
@@ -128,24 +177,30 @@ def children(pid: int) -> list[int]:
 
 
 class WorkerPeaks:
-    """Each child process's largest Private_Dirty, sampled every 20 ms by a thread."""
+    """Each child process's largest Private_Dirty and count of the parent's pages it copied, sampled every 0.2 s by a
+    thread."""
 
     def __init__(self) -> None:
-        self.peaks: dict[int, int] = {}
+        self.private: dict[int, int] = {}
+        self.copied: dict[int, int | None] = {}
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.sample, daemon=True)
         self.thread.start()
 
     def sample(self) -> None:
         me = os.getpid()
-        while not self.done.wait(0.02):
+        while not self.done.wait(0.2):
             for pid in children(me):
-                self.peaks[pid] = max(self.peaks.get(pid, 0), private_dirty_kib(pid))
+                self.private[pid] = max(self.private.get(pid, 0), private_dirty_kib(pid))
+                copied = copied_pages(me, pid)
+                if copied is not None:
+                    self.copied[pid] = max(self.copied.get(pid) or 0, copied)
 
-    def stop(self) -> list[int]:
+    def stop(self) -> tuple[list[int], list[int]]:
+        """(each worker's largest Private_Dirty in KiB, each one's copied pages)."""
         self.done.set()
         self.thread.join()
-        return [kib for kib in self.peaks.values() if kib]
+        return [kib for kib in self.private.values() if kib], [n for n in self.copied.values() if n is not None]
 
 
 def measure_main(args: argparse.Namespace) -> None:
@@ -191,9 +246,10 @@ def measure_main(args: argparse.Namespace) -> None:
     for _ in range(batches):
         next(loader)
     epoch = time.perf_counter() - start
-    workers = peaks.stop()
-    assert len(workers) >= args.workers, workers  # every worker sampled
-    measured = {"load_s": load, "build_mib": built / 1024, "worker_mib": statistics.mean(workers) / 1024}
+    private, copied = peaks.stop()
+    assert len(private) >= args.workers, private  # every worker sampled
+    measured = {"load_s": load, "build_mib": built / 1024, "worker_mib": statistics.mean(private) / 1024}
+    measured["copied_mib"] = statistics.mean(copied) * PAGE / 2**20 if copied else None
     (folder / "measured.json").write_text(json.dumps({**measured, "epoch_s": epoch, "batches": batches}))
 
 
@@ -225,8 +281,9 @@ def measure(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
                     runs[variant].append(run_once(variant, kind, n, args, package, data))
             for variant, made in runs.items():
                 row = {"kind": kind, "variant": variant, "rows": n, "batches": made[0]["batches"]}
-                for field in ("load_s", "build_mib", "worker_mib", "epoch_s"):
-                    row[field] = statistics.median(m[field] for m in made)
+                for field in ("load_s", "build_mib", "copied_mib", "worker_mib", "epoch_s"):
+                    values = [m[field] for m in made if m[field] is not None]
+                    row[field] = round(statistics.median(values), 3) if values else None
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
@@ -249,8 +306,8 @@ def main(argv: list[str] | None = None) -> None:
             for variant, style in zip(VARIANTS, ("o-", "s:", "x--")):
                 mine = [r for r in rows if r["kind"] == kind and r["variant"] == variant]
                 sizes = [r["rows"] for r in mine]
-                ax.plot(sizes, [r["worker_mib"] for r in mine], style, label=f"{variant}: each worker's own")
-                ax.plot(sizes, [r["build_mib"] for r in mine], style, alpha=0.4, label=f"{variant}: the parent's rows")
+                ax.plot(sizes, [r["copied_mib"] for r in mine], style, label=f"{variant}: copied by each worker")
+                ax.plot(sizes, [r["build_mib"] for r in mine], style, alpha=0.4, label=f"{variant}: the data built")
             ax.set_xscale("log")
             ax.xaxis.set_minor_formatter(plt.NullFormatter())
             ax.set_xlabel("rows of the file")
