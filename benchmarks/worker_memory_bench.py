@@ -289,6 +289,31 @@ def measure(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def draw(rows: list[dict[str, Any]], meta: dict[str, Any]) -> Any:
+    """The figure of `rows` (per kind, each variant's copies per worker and its data built, against the rows)."""
+    import matplotlib.pyplot as plt
+
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.5), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        for variant, style in zip(VARIANTS, ("o-", "s:", "x--")):
+            mine = [r for r in rows if r["kind"] == kind and r["variant"] == variant]
+            sizes = [r["rows"] for r in mine]
+            ax.plot(sizes, [r["copied_mib"] for r in mine], style, label=f"{variant}: copied by each worker")
+            ax.plot(sizes, [r["build_mib"] for r in mine], style, alpha=0.4, label=f"{variant}: the data built")
+        sizes = sorted({r["rows"] for r in rows if r["kind"] == kind})
+        ax.set_xscale("log")
+        ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
+        ax.set_xlabel("rows of the file")
+        ax.set_ylabel("MiB")
+        ax.set_title(f"{kind}: {meta['workers']} workers, one epoch", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"what forked data workers copy of their rank, packed and before; {meta['cpu']}", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.variant:
@@ -297,28 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     meta = harness.metadata("cpu", baseline=args.baseline, workers=args.workers, batch=args.batch)
     with tempfile.TemporaryDirectory(prefix="worker_memory_") as folder:
         rows = measure(args, Path(folder))
-
-    def figure() -> Any:
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, len(args.kinds), figsize=(5 * len(args.kinds), 3.5), squeeze=False)
-        for ax, kind in zip(axes[0], args.kinds):
-            for variant, style in zip(VARIANTS, ("o-", "s:", "x--")):
-                mine = [r for r in rows if r["kind"] == kind and r["variant"] == variant]
-                sizes = [r["rows"] for r in mine]
-                ax.plot(sizes, [r["copied_mib"] for r in mine], style, label=f"{variant}: copied by each worker")
-                ax.plot(sizes, [r["build_mib"] for r in mine], style, alpha=0.4, label=f"{variant}: the data built")
-            ax.set_xscale("log")
-            ax.xaxis.set_minor_formatter(plt.NullFormatter())
-            ax.set_xlabel("rows of the file")
-            ax.set_ylabel("MiB")
-            ax.set_title(f"{kind}: {args.workers} workers, one epoch", fontsize=9)
-            ax.legend(fontsize=7)
-        fig.suptitle(f"what forked data workers copy of the rows, packed and before; {meta['cpu']}", fontsize=8)
-        fig.tight_layout()
-        return fig
-
-    harness.write_results(args.out, NAME, meta, {"args": vars(args)}, rows=rows, fields=FIELDS, figure=figure)
+    payload = {"args": vars(args)}
+    harness.write_results(args.out, NAME, meta, payload, rows=rows, fields=FIELDS, figure=lambda: draw(rows, meta))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 from tests.needs import require
 
 
-@pytest.mark.slow  # ~40 s: six fresh processes with two data workers each (CI runs the slow marker too)
+@pytest.mark.slow  # ~30 s: six fresh processes with two data workers each (CI runs the slow marker too)
 def test_worker_memory_bench_measures_every_kind_and_variant(tmp_path: Path) -> None:
     require("hf")  # the vl_pairs rows go through a tiny random Qwen2-VL folder's processor
     from benchmarks import worker_memory_bench

@@ -194,7 +194,7 @@ class VLPairsDataset:
         files = shard_files(path, FORMATS)
         if files is None:
             single = Path(path).expanduser()
-            return _packed(single.parent, path, self._columns, self._read_file(path, key, mode, split))
+            return _packed(single.parent, str(single), self._columns, self._read_file(path, key, mode, split))
         parts = [(Path(f).parent, self._read_file(str(f), key, mode, split)) for f in files]
         images = [c for c in self.needed if c.endswith("_image")] + [NEGATIVES_COLUMN] * (self.kinds["doc"] != "text")
 
