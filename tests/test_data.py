@@ -330,7 +330,7 @@ class _FreezeSeen(ImageTextDataset):
 
 def test_workers_are_forked_with_the_parents_objects_frozen() -> None:
     """Every epoch's workers start with this process's objects frozen (their garbage collections leave the pages
-    they share with it alone, `loader.EpochLoader._started`); this process unfreezes them once they have started."""
+    they share with it alone, `loader.started`); this process unfreezes them once they have started."""
     import gc
 
     dataset = tiny_dataset()

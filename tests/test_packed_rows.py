@@ -1,7 +1,7 @@
-"""Rows packed into two arrays (`datasets/packed_rows.py`): every value comes back as it went in, a value JSON cannot
-hold names its row, and the sources that keep table rows (CSV image-text files, vl_pairs rows) hold no Python
-object per row, which is what lets forked DataLoader workers read them without copying them
-(`benchmarks/worker_memory_bench.py` measures the workers' memory)."""
+"""Rows packed into one bytes object and an array of ends (`datasets/packed_rows.py`): every value comes back as
+it went in, a value JSON cannot hold names its row, and the sources that keep table rows (CSV image-text files,
+vl_pairs rows) hold no Python object per row, which is what lets forked DataLoader workers read them without copying
+them (`benchmarks/worker_memory_bench.py` measures the workers' memory)."""
 
 from __future__ import annotations
 
