@@ -52,7 +52,7 @@ WORDS = "a photo of the red house by the river near an old stone bridge in early
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[1 << 18, 1 << 20])
+    p.add_argument("--rows", type=int, nargs="+", default=[1 << 17, 1 << 19])
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch", type=int, default=512)
@@ -182,7 +182,7 @@ class WorkerPeaks:
 
     def __init__(self) -> None:
         self.private: dict[int, int] = {}
-        self.copied: dict[int, int | None] = {}
+        self.copied: dict[int, int] = {}
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.sample, daemon=True)
         self.thread.start()
@@ -194,13 +194,13 @@ class WorkerPeaks:
                 self.private[pid] = max(self.private.get(pid, 0), private_dirty_kib(pid))
                 copied = copied_pages(me, pid)
                 if copied is not None:
-                    self.copied[pid] = max(self.copied.get(pid) or 0, copied)
+                    self.copied[pid] = max(self.copied.get(pid, 0), copied)
 
     def stop(self) -> tuple[list[int], list[int]]:
         """(each worker's largest Private_Dirty in KiB, each one's copied pages)."""
         self.done.set()
         self.thread.join()
-        return [kib for kib in self.private.values() if kib], [n for n in self.copied.values() if n is not None]
+        return [kib for kib in self.private.values() if kib], list(self.copied.values())
 
 
 def measure_main(args: argparse.Namespace) -> None:
@@ -225,8 +225,7 @@ def measure_main(args: argparse.Namespace) -> None:
     spec = models.get_model_spec(cfg.model.name)
     model_args, _ = models.resolve_model_args(cfg.model.name, cfg.model.flavor, cfg.model.init_from)
     model_args = models.configured(model_args, cfg, spec)
-    probe, start = harness.AnonPeak(), time.perf_counter()
-    base = probe.peak
+    base, start = harness.status_kib("RssAnon"), time.perf_counter()
     data = build_data(
         cfg,
         family_tokenizer=lambda: spec.build_tokenizer(model_args) if spec.build_tokenizer else None,
@@ -238,7 +237,6 @@ def measure_main(args: argparse.Namespace) -> None:
     )
     load = time.perf_counter() - start
     built = harness.status_kib("RssAnon") - base
-    probe.stop()
     assert len(data.train_set) == args.rows[0], (len(data.train_set), args.rows)
     batches = data.loader.steps_per_epoch
     peaks, start = WorkerPeaks(), time.perf_counter()
