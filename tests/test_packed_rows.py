@@ -8,11 +8,14 @@ from __future__ import annotations
 import gc
 import json
 import math
+import tracemalloc
 import types
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from tests.needs import needs
 from titan_contrastive.datasets.base import DataError
@@ -43,8 +46,10 @@ def test_rows_come_back_as_they_went_in() -> None:
     for bad in (len(ROWS), -len(ROWS) - 1):
         with pytest.raises(IndexError, match=f"row {bad} of {len(ROWS)}"):
             rows[bad]
-    with pytest.raises(TypeError, match="one row at a time"):
-        rows[0:2]  # type: ignore[index]
+    assert rows[np.int64(2)] == ROWS[2] and rows[torch.tensor(-1)] == ROWS[-1]  # a sampler's integers
+    for bad in (slice(0, 2), 1.0, torch.tensor(1.0)):
+        with pytest.raises(TypeError, match="one row at a time"):
+            rows[bad]  # type: ignore[index]
     empty = PackedRows(iter(()))
     assert len(empty) == 0 and list(empty) == [] and empty.nbytes == 0
     assert rows.nbytes == sum(
@@ -57,7 +62,7 @@ def test_a_value_json_cannot_hold_names_its_row() -> None:
         assert not packable(bad)
         with pytest.raises(Unpackable, match="^row 2: ") as e:
             PackedRows(["fine", ["also"], bad])
-        assert e.value.row == 2
+        assert e.value.row == 2 and e.value.value is bad
     assert all(packable(v) for v in ROWS)
     assert PackedRows([{1: "an int key", None: 0}])[0] == {"1": "an int key", "null": 0} and packable({1: None})
 
@@ -108,6 +113,26 @@ def test_sources_of_table_rows_hold_no_object_per_row(tmp_path: Path) -> None:
     assert _objects(pairs[0]) == _objects(pairs[1])
     assert len(pairs[1]) == 1000 and pairs[1].num_negatives == 1
     assert pairs[1]._fields(0, 999) == {"query_text": "q 999", "doc_text": "d 999", "doc_negatives": ["n 999"]}
+
+
+def test_sources_pack_each_row_as_they_read_it(tmp_path: Path) -> None:
+    """Loading 10,000 rows allocates little more than the packed rows themselves at its peak: neither the file's text
+    nor its rows as objects are ever held whole (Python's allocations, traced)."""
+    csv, jsonl = str(_csv(tmp_path / "csv", 10_000)), str(_jsonl(tmp_path / "vl", 10_000))
+    made = (
+        lambda: CsvSource(csv, negative_keys=["neg"]),
+        lambda: VLPairsDataset(split="train", path=jsonl, mode="t2t"),
+    )
+    for make in made:
+        tracemalloc.start()
+        try:
+            source = make()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        rows = source._rows if isinstance(source, CsvSource) else source._files[0].rows
+        assert len(rows) == 10_000 and rows[-1][1] in ("a caption 9999", "d 9999")
+        assert peak < 2 * rows.nbytes + 2**19, (type(source).__name__, peak, rows.nbytes)
 
 
 @needs("data")

@@ -358,18 +358,19 @@ def test_each_joined_vl_pairs_file_has_its_own_templates(tmp_path: Path) -> None
         start("--data.doc_prompts", "", "Describe it:")
 
 
-def test_vl_pairs_shards_in_their_own_folders_are_one_source(tmp_path: Path) -> None:
-    """A glob pattern over two files in their own folders (image paths, hard-negative images included,
-    relative to each): one source whose rows are the first file's then the second's, each with its own
-    images, as the files serve them alone."""
+def test_vl_pairs_shards_in_their_own_folders_are_one_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A glob pattern (relative to the working folder) over two files in their own folders (image paths, hard-negative
+    images included, relative to each): one source whose rows are the first file's then the second's, each with its
+    own images, as the files serve them alone."""
     from titan_contrastive.datasets.vl_pairs import VLPairsDataset
 
     first, second = _vl_pairs(tmp_path / "a", negatives="image"), _vl_pairs(tmp_path / "b", negatives="image", count=5)
+    monkeypatch.chdir(tmp_path)
     trainer = vl_run(
         tmp_path,
         "qwen2_vl",
         "--data.dataset=vl_pairs",
-        f"--data.path={tmp_path}/*/pairs.jsonl",
+        "--data.path=*/pairs.jsonl",
         "--data.retrieval_mode=t2i",
         "--training.local_batch_size=4",
         "--training.steps=1",

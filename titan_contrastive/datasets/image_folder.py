@@ -20,6 +20,7 @@ import torch
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.image_transforms import Normalize, decode_crop_resize, decode_image
 from titan_contrastive.datasets.naflex import NaFlexImages
+from titan_contrastive.datasets.packed_rows import PackedRows
 from titan_contrastive.datasets.sources import IMAGE_EXTENSIONS
 from titan_contrastive.datasets.tar_shards import read_regular
 
@@ -57,17 +58,19 @@ class ImageFolderZeroShot:
                 f"eval.zero_shot_path={root}: no such folder; give a folder with one sub-folder of images per class"
             )
         classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
-        self._files: list[Path] = []
+        paths: list[str] = []
         labels: list[int] = []
         for label, name in enumerate(classes):
             files = sorted(p for p in (folder / name).rglob("*") if p.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS)
-            self._files += files
+            paths += map(str, files)
             labels += [label] * len(files)
-        if len(classes) < 2 or not self._files:
+        if len(classes) < 2 or not paths:
             raise DataError(
-                f"eval.zero_shot_path={root}: {len(classes)} class folder(s) with {len(self._files)} images; "
+                f"eval.zero_shot_path={root}: {len(classes)} class folder(s) with {len(paths)} images; "
                 "zero-shot classification needs at least 2 class sub-folders of images"
             )
+        self._files = PackedRows(paths)
+        """Each image's path (shared by forked data workers, not copied: `packed_rows`)."""
         self.class_names = [name.replace("_", " ") for name in classes]
         if names_file:
             try:

@@ -15,6 +15,8 @@ as a list) and dicts (a key comes back as a string, as JSON writes it). Anything
 from __future__ import annotations
 
 import json
+import operator
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -26,34 +28,38 @@ _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 class Unpackable(TypeError):
-    """A row holds a value JSON cannot: `row` is its place among the rows."""
+    """A row holds a value JSON cannot: `row` is its place among the rows, `value` the row."""
 
-    def __init__(self, row: int, reason: str) -> None:
+    def __init__(self, row: int, reason: str, value: Any = None) -> None:
         super().__init__(f"row {row}: {reason}")
-        self.row = row
+        self.row, self.value = row, value
 
 
 class PackedRows(Sequence[Any]):
-    """The rows, indexable and iterable as a list of them is; `nbytes` is what they take."""
+    """The rows, indexable and iterable as a list of them is; `nbytes` is what they take. `rows` may be a generator:
+    each row is packed as it comes and then let go, so a file's rows are never all held as objects at once."""
 
     def __init__(self, rows: Iterable[Any]) -> None:
-        pieces = []
+        data, ends = bytearray(), array("q")
         for n, row in enumerate(rows):
             try:
-                pieces.append(_encode(row).encode("utf-8", "surrogatepass"))
+                data += _encode(row).encode("utf-8", "surrogatepass")
             except (TypeError, ValueError) as e:
-                raise Unpackable(n, str(e)) from None
-        self._ends = np.cumsum(np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces)))
-        self._data = b"".join(pieces)
+                raise Unpackable(n, str(e), row) from None
+            ends.append(len(data))
+        self._ends = np.frombuffer(ends, dtype=np.int64) if ends else np.zeros(0, np.int64)
+        self._data = data
 
     def __len__(self) -> int:
         return len(self._ends)
 
     def __getitem__(self, index: int) -> Any:  # type: ignore[override]
-        if not isinstance(index, (int, np.integer)):
-            raise TypeError(f"PackedRows take one row at a time (an int), not {type(index).__name__}")
+        try:
+            at = operator.index(index)  # an int, a NumPy or a torch integer
+        except TypeError:
+            raise TypeError(f"PackedRows take one row at a time (an int), not {type(index).__name__}") from None
         n = len(self._ends)
-        j = int(index) + n if index < 0 else int(index)
+        j = at + n if at < 0 else at
         if not 0 <= j < n:
             raise IndexError(f"row {index} of {n}")
         start = int(self._ends[j - 1]) if j else 0

@@ -207,15 +207,15 @@ class CsvSource:
                         f"{file}: no column {unknown[0]!r} (columns: {', '.join(columns)}); fix "
                         f"data.csv_negative_keys={list(negative_keys)}"
                     )
-                rows = [(row[img_key], row[caption_key], tuple(row[c] for c in negative_keys)) for row in reader]
+                self._rows = PackedRows(
+                    [_rooted(file.parent, row[img_key]), row[caption_key], *(row[c] for c in negative_keys)]
+                    for row in reader
+                )
+                """Per row: [image path, caption, negative captions...], packed as read (shared by forked workers)."""
         except (UnicodeDecodeError, csv.Error) as e:
             raise DataError(f"{file}: not a readable UTF-8 CSV ({e}); fix the file or data.csv_separator") from None
-        if not rows:
+        if not self._rows:
             raise DataError(f"{file}: no rows; give a CSV with at least one image and caption")
-        folder = file.parent
-        rooted = (str(folder / p) if p and not os.path.isabs(p) else p for p, _, _ in rows)
-        self._rows = PackedRows([path, caption, *negatives] for path, (_, caption, negatives) in zip(rooted, rows))
-        """Per row: [image path, caption, negative captions...] (shared by forked workers, not copied)."""
         self.num_negatives = len(negative_keys)
 
     def __len__(self) -> int:
@@ -228,6 +228,11 @@ class CsvSource:
         caption = caption_text(text, where, key)
         negatives = negative_captions(others, self.num_negatives, where, key) if self.num_negatives else ()
         return Record(data, caption, path, key, negatives)
+
+
+def _rooted(folder: Path, path: str | None) -> str | None:
+    """A CSV's image path, relative to the CSV's `folder` unless it is absolute."""
+    return str(folder / path) if path and not os.path.isabs(path) else path
 
 
 def expand_shards(pattern: str) -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,39 +15,70 @@ from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.hf_disk import open_hf_dataset
 from titan_contrastive.extras import import_failure
 
-__all__ = ["read_table"]
+__all__ = ["read_table", "table_rows"]
+
+BATCH = 4096
+"""Rows an Arrow table (Parquet, a saved dataset) is read by at a time."""
 
 
 def read_table(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, list[Any]]:
     """(the column names, or None when rows come unnamed or name their own; the rows: dicts by
     column name, or lists of values). `split`: a saved DatasetDict's split to read."""
+    names, rows = table_rows(file, columns, split)
+    return names, list(rows)
+
+
+def table_rows(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, Iterator[Any]]:
+    """`read_table`'s column names and its rows one at a time, read from the file as they are iterated: a reader that
+    keeps what it needs of each row never holds the whole file. A damaged file's error comes from the iteration."""
     if file.is_dir() or file.suffix == ".arrow":
         ds = open_hf_dataset(str(file), split, kind="pairs", suffixes={".arrow": "arrow"})
-        return list(ds.column_names), ds.to_list()
+        return list(ds.column_names), _batched(ds.with_format("arrow").iter(batch_size=BATCH))
     if file.suffix == ".jsonl":
-        rows = []
-        # -sig: a byte-order mark is no JSON
-        for n, line in enumerate(file.read_text(encoding="utf-8-sig").splitlines(), 1):
+        return None, _json_lines(file)
+    if file.suffix in (".csv", ".tsv"):
+        rows = _csv_rows(file, named=file.suffix == ".csv" or bool(columns))
+        return next(rows), rows
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise DataError(f"{import_failure(e, f'{file}: Parquet', 'data')} (or give .jsonl/.csv/.tsv)") from None
+    table = pq.ParquetFile(file)
+    return list(table.schema_arrow.names), _batched(table.iter_batches(batch_size=BATCH))
+
+
+def _json_lines(file: Path) -> Iterator[Any]:
+    """A JSONL file's rows: each line's object (a dict) or list. Lines end at a line break only (a JSON string may hold
+    U+2028 or U+0085 as it is)."""
+    # -sig: a byte-order mark is no JSON
+    with open(file, encoding="utf-8-sig") as f:
+        for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except ValueError as e:
                 raise DataError(f"{file}:{n}: not a JSON line ({e}); write one JSON object or list per line") from None
-            rows.append(obj if isinstance(obj, dict) else list(obj))
-        return None, rows
-    if file.suffix in (".csv", ".tsv"):
-        tsv = file.suffix == ".tsv"
-        dialect = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if tsv else {}
-        # -sig: a byte-order mark is not part of the first column
-        with open(file, newline="", encoding="utf-8-sig") as f:
-            if tsv and not columns:  # a TSV without data.pairs_columns has no header
-                return None, list(csv.reader(f, **dialect))
-            reader = csv.DictReader(f, **dialect)  # a longer line's extra fields: a list under None
-            return list(reader.fieldnames or []), list(reader)
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise DataError(f"{import_failure(e, f'{file}: Parquet', 'data')} (or give .jsonl/.csv/.tsv)") from None
-    table = pq.read_table(file)
-    return list(table.column_names), table.to_pylist()
+            yield obj if isinstance(obj, dict) else list(obj)
+
+
+def _csv_rows(file: Path, named: bool) -> Iterator[Any]:
+    """The header's column names (None when not `named`: a TSV without data.pairs_columns has no header), then the
+    rows: dicts by column name (a longer line's extra fields: a list under None), or lists of values."""
+    tsv = file.suffix == ".tsv"
+    dialect = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if tsv else {}
+    # -sig: a byte-order mark is not part of the first column
+    with open(file, newline="", encoding="utf-8-sig") as f:
+        if not named:
+            yield None
+            yield from csv.reader(f, **dialect)
+            return
+        reader = csv.DictReader(f, **dialect)
+        yield list(reader.fieldnames or [])
+        yield from reader
+
+
+def _batched(batches: Iterator[Any]) -> Iterator[dict[str, Any]]:
+    """The rows of Arrow record batches or tables, as dicts by column name."""
+    for batch in batches:
+        yield from batch.to_pylist()

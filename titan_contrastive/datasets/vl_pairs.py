@@ -2,7 +2,7 @@
 (`data.dataset = "vl_pairs"`): every retrieval mode, i2i, t2t and m2i included.
 
 Files: `.jsonl` (one JSON object per line), `.csv`, `.tsv` (both with a header line) or
-`.parquet` (`tables.read_table`), with the columns `query_image`, `query_text`, `doc_image`,
+`.parquet` (`tables.table_rows`), with the columns `query_image`, `query_text`, `doc_image`,
 `doc_text`; image paths are relative to the file's folder. A glob pattern or a folder of such files
 (`shards`) is one source, each file's image paths relative to its own folder. `[data] retrieval_mode` says which a
 row needs (`retrieval.MODES`: a text side its `*_text`, an image side its `*_image`, a multi side
@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import csv
 import logging
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -60,7 +61,7 @@ from titan_contrastive.datasets.pools import Pools
 from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.sources import BadSample, read_file
-from titan_contrastive.datasets.tables import read_table
+from titan_contrastive.datasets.tables import table_rows
 from titan_contrastive.datasets.vl_items import FILE_SIDES, Item, carried, item_key, side_key
 
 __all__ = ["COLUMNS", "VLPairsDataset", "family_refusal"]
@@ -189,58 +190,73 @@ class VLPairsDataset:
 
     def _read_source(self, path: str, key: str, mode: str, split: str) -> _File:
         """One source's rows: its file's, or the rows of each file a pattern or a folder of shards names
-        (`shards.shard_files`) in order, their image paths made relative to the first one's folder; packed
-        (`packed_rows.PackedRows`) and each row's count of hard negatives beside them."""
-        files = shard_files(path, FORMATS)
-        if files is None:
-            single = Path(path).expanduser()
-            return _packed(single.parent, str(single), self._columns, self._read_file(path, key, mode, split))
-        parts = [(Path(f).parent, self._read_file(str(f), key, mode, split)) for f in files]
-        images = [c for c in self.needed if c.endswith("_image")] + [NEGATIVES_COLUMN] * (self.kinds["doc"] != "text")
+        (`shards.shard_files`) in order, each file's image paths made absolute from its own folder; packed
+        (`packed_rows.PackedRows`) as they are read, each row's count of hard negatives beside them."""
+        shards = shard_files(path, FORMATS)
+        files = [Path(path).expanduser()] if shards is None else shards
+        for file in files:
+            if file.suffix not in FORMATS or not file.is_file():
+                raise DataError(
+                    f"{key}={path}: not an existing {'/'.join(FORMATS)} file; data.dataset='vl_pairs' reads rows with "
+                    f"the columns {', '.join(COLUMNS)}"
+                )
+        negatives, at, place = array("q"), [files[0], 0], self._columns.index(NEGATIVES_COLUMN)
 
-        def rooted(root: Path, column: str, value: Any) -> Any:  # an absolute path stays as it is
-            if column not in images or not value:
-                return value
-            if column == NEGATIVES_COLUMN:
-                return [str(root / v) if isinstance(v, str) and v else v for v in _as_list(value)]
-            return str(root / value) if isinstance(value, str) else value
+        def rows() -> Iterator[list[Any]]:  # every file's, each row's count of hard negatives kept as it goes
+            for file in files:
+                for values in self._file_rows(file, shards is not None, mode, split, at):
+                    negatives.append(len(_as_list(values[place])))
+                    yield values
 
-        rows = [{c: rooted(root, c, v) for c, v in row.items()} for root, rows in parts for row in rows]
-        return _packed(parts[0][0], path, self._columns, rows)
-
-    def _read_file(self, path: str, key: str, mode: str, split: str) -> list[dict[str, Any]]:
-        """One file's rows (the needed columns and the negatives), or a DataError naming what is wrong."""
-        file = Path(path).expanduser()
-        if file.suffix not in FORMATS or not file.is_file():
-            raise DataError(
-                f"{key}={path}: not an existing {'/'.join(FORMATS)} file; data.dataset='vl_pairs' reads rows with "
-                f"the columns {', '.join(COLUMNS)}"
-            )
         try:
-            _, rows = read_table(file, (*COLUMNS, NEGATIVES_COLUMN, SCORES_COLUMN), split)
+            packed = PackedRows(rows())
+        except Unpackable as e:
+            column, value = next((c, v) for c, v in zip(self._columns, e.value) if not packable(v))
+            raise DataError(
+                f"{at[0]}: row {at[1]}: {column} holds a {type(value).__name__}; "
+                "vl_pairs reads texts and image paths (strings), lists of them and numbers: write the images as files "
+                "and their paths in the column"
+            ) from None
         except DataError:
             raise
         except (OSError, UnicodeDecodeError, csv.Error) as e:
-            raise DataError(f"{file}: not readable ({type(e).__name__}: {e})") from None
+            raise DataError(f"{at[0]}: not readable ({type(e).__name__}: {e})") from None
         except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file
-            raise DataError(f"{file}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
-        if not rows:
+            raise DataError(f"{at[0]}: not a readable {at[0].suffix[1:]} file ({type(e).__name__}: {e})") from None
+        return _File(files[0].parent, path, packed, np.frombuffer(negatives, dtype=np.int64))
+
+    def _file_rows(self, file: Path, rooted: bool, mode: str, split: str, at: list[Any]) -> Iterator[list[Any]]:
+        """One file's rows, each its values of the dataset's columns (`_columns`) as it is read, `at` the file and the
+        row (from 1); `rooted`: image paths made absolute from the file's folder. A DataError naming what is wrong."""
+        at[:] = [file, 0]
+        images = {c for c in self.needed if c.endswith("_image")} | (
+            {NEGATIVES_COLUMN} if self.kinds["doc"] != "text" else set()
+        )
+        root = file.parent.absolute()
+        seen: set[str] = set()
+        _, rows = table_rows(file, (*COLUMNS, NEGATIVES_COLUMN, SCORES_COLUMN), split)
+        for n, row in enumerate(rows, 1):
+            at[1] = n
+            if not isinstance(row, dict):
+                raise DataError(
+                    f"{file}: row {n}: rows must be JSON objects (or a header line) naming {', '.join(self.needed)}"
+                )
+            seen.update(row)
+            yield [_rooted(root, c, row.get(c)) if rooted and c in images else row.get(c) for c in self._columns]
+        if not at[1]:
             raise DataError(f"{file}: no rows; give one row per query-document pair with {', '.join(self.needed)}")
-        if not all(isinstance(row, dict) for row in rows):
-            raise DataError(f"{file}: rows must be JSON objects (or a header line) naming {', '.join(self.needed)}")
-        missing = [c for c in self.needed if all(c not in row for row in rows)]
+        missing = [c for c in self.needed if c not in seen]
         if missing:
             raise DataError(
                 f"{file}: no column {', '.join(missing)}; data.retrieval_mode={mode} needs "
                 f"{', '.join(self.needed)} (image paths relative to the file's folder)"
             )
-        if self.scored and all(SCORES_COLUMN not in row for row in rows):
+        if self.scored and SCORES_COLUMN not in seen:
             raise DataError(
                 f"{file}: loss.distill reads a teacher's scores of each row's documents from a {SCORES_COLUMN} column "
                 f"(the document's, then each of {NEGATIVES_COLUMN}'), and it has none; add it, or leave loss.distill "
                 "empty"
             )
-        return [{c: row.get(c) for c in self._columns} for row in rows]
 
     def __len__(self) -> int:
         return len(self._files[0].rows) if self._mix is None else len(self._mix)
@@ -457,19 +473,13 @@ class _File(NamedTuple):
     """int64 [rows]: how many hard negatives each row holds."""
 
 
-def _packed(root: Path, source: str, columns: Sequence[str], rows: list[dict[str, Any]]) -> _File:
-    """The rows packed (`PackedRows`: forked workers share them), or a DataError naming a value JSON cannot hold."""
-    try:
-        packed = PackedRows([row[c] for c in columns] for row in rows)
-    except Unpackable as e:
-        row = rows[e.row]
-        column = next(c for c in columns if not packable(row[c]))
-        raise DataError(
-            f"{source}: row {e.row + 1}: {column} holds a {type(row[column]).__name__}; vl_pairs reads texts and image "
-            "paths (strings), lists of them and numbers: write the images as files and their paths in the column"
-        ) from None
-    negatives = np.fromiter((len(_as_list(row[NEGATIVES_COLUMN])) for row in rows), dtype=np.int64, count=len(rows))
-    return _File(root, source, packed, negatives)
+def _rooted(root: Path, column: str, value: Any) -> Any:
+    """An image column's value with its paths made absolute from `root` (an absolute path stays as it is)."""
+    if not value:
+        return value
+    if column == NEGATIVES_COLUMN:
+        return [str(root / v) if isinstance(v, str) and v else v for v in _as_list(value)]
+    return str(root / value) if isinstance(value, str) else value
 
 
 def _written(value: Any) -> str:
