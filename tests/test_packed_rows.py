@@ -19,6 +19,7 @@ import torch
 
 from tests.needs import needs
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.image_folder import ImageFolderZeroShot
 from titan_contrastive.datasets.packed_rows import PackedRows, Unpackable, packable
 from titan_contrastive.datasets.sources import CsvSource
 from titan_contrastive.datasets.vl_pairs import VLPairsDataset
@@ -97,7 +98,8 @@ def _jsonl(folder: Path, rows: int) -> Path:
 
 
 def test_sources_of_table_rows_hold_no_object_per_row(tmp_path: Path) -> None:
-    """10 rows or 1,000: the same objects (a list of rows would hold a thousand more); each row still reads back."""
+    """10 rows or 1,000 (images of a zero-shot folder too): the same objects (a list of rows would hold a thousand
+    more); each row still reads back."""
     csv = [CsvSource(str(_csv(tmp_path / f"csv{n}", n)), negative_keys=["neg"]) for n in (10, 1000)]
     assert _objects(csv[0]) == _objects(csv[1])
     (tmp_path / "csv10" / "img").mkdir()
@@ -113,6 +115,17 @@ def test_sources_of_table_rows_hold_no_object_per_row(tmp_path: Path) -> None:
     assert _objects(pairs[0]) == _objects(pairs[1])
     assert len(pairs[1]) == 1000 and pairs[1].num_negatives == 1
     assert pairs[1]._fields(0, 999) == {"query_text": "q 999", "doc_text": "d 999", "doc_negatives": ["n 999"]}
+    folders = []
+    for n in (10, 1000):  # a zero-shot folder of two classes: its image paths
+        for i in range(n):
+            image = tmp_path / f"zs{n}" / f"class_{i % 2}" / f"{i}.png"
+            image.parent.mkdir(parents=True, exist_ok=True)
+            image.touch()
+        folders.append(
+            ImageFolderZeroShot(str(tmp_path / f"zs{n}"), names_file="", templates=["{}"], tokenizer=None, image_size=8)
+        )
+    assert _objects(folders[0]) == _objects(folders[1]) and len(folders[1]) == 1000
+    assert folders[1]._files[999] == str(tmp_path / "zs1000" / "class_1" / "999.png")
 
 
 def test_sources_pack_each_row_as_they_read_it(tmp_path: Path) -> None:

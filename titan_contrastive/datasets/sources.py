@@ -207,8 +207,9 @@ class CsvSource:
                         f"{file}: no column {unknown[0]!r} (columns: {', '.join(columns)}); fix "
                         f"data.csv_negative_keys={list(negative_keys)}"
                     )
+                folder = str(file.parent)
                 self._rows = PackedRows(
-                    [_rooted(file.parent, row[img_key]), row[caption_key], *(row[c] for c in negative_keys)]
+                    [_rooted(folder, row[img_key]), row[caption_key], *(row[c] for c in negative_keys)]
                     for row in reader
                 )
                 """Per row: [image path, caption, negative captions...], packed as read (shared by forked workers)."""
@@ -230,9 +231,9 @@ class CsvSource:
         return Record(data, caption, path, key, negatives)
 
 
-def _rooted(folder: Path, path: str | None) -> str | None:
+def _rooted(folder: str, path: str | None) -> str | None:
     """A CSV's image path, relative to the CSV's `folder` unless it is absolute."""
-    return str(folder / path) if path and not os.path.isabs(path) else path
+    return os.path.join(folder, path) if path and not os.path.isabs(path) else path
 
 
 def expand_shards(pattern: str) -> list[str]:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import os
 from array import array
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -232,7 +233,7 @@ class VLPairsDataset:
         images = {c for c in self.needed if c.endswith("_image")} | (
             {NEGATIVES_COLUMN} if self.kinds["doc"] != "text" else set()
         )
-        root = file.parent.absolute()
+        root = str(file.parent.absolute())
         seen: set[str] = set()
         _, rows = table_rows(file, (*COLUMNS, NEGATIVES_COLUMN, SCORES_COLUMN), split)
         for n, row in enumerate(rows, 1):
@@ -473,13 +474,13 @@ class _File(NamedTuple):
     """int64 [rows]: how many hard negatives each row holds."""
 
 
-def _rooted(root: Path, column: str, value: Any) -> Any:
-    """An image column's value with its paths made absolute from `root` (an absolute path stays as it is)."""
+def _rooted(root: str, column: str, value: Any) -> Any:
+    """An image column's value with its paths made absolute from the folder `root` (an absolute path stays as it is)."""
     if not value:
         return value
     if column == NEGATIVES_COLUMN:
-        return [str(root / v) if isinstance(v, str) and v else v for v in _as_list(value)]
-    return str(root / value) if isinstance(value, str) else value
+        return [os.path.join(root, v) if isinstance(v, str) and v else v for v in _as_list(value)]
+    return os.path.join(root, value) if isinstance(value, str) else value
 
 
 def _written(value: Any) -> str:
