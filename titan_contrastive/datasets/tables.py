@@ -79,6 +79,10 @@ def _csv_rows(file: Path, named: bool) -> Iterator[Any]:
 
 
 def _batched(batches: Iterator[Any]) -> Iterator[dict[str, Any]]:
-    """The rows of Arrow record batches or tables, as dicts by column name."""
+    """The rows of Arrow record batches or tables, as dicts by column name; once read, Arrow's allocator hands back
+    the memory the batches took (it keeps freed memory for reuse)."""
+    import pyarrow
+
     for batch in batches:
         yield from batch.to_pylist()
+    pyarrow.default_memory_pool().release_unused()
