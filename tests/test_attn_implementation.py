@@ -1,9 +1,8 @@
 """`[model] attn_implementation`: the attention kernel transformers runs a bi_encoder's or qwen_vl's model with.
 Eager and SDPA embed the same padded rows alike on an encoder (float64 <= 1e-10) and a decoder (its norm's
-float32 rounding), and a GradCache
-step on eager attention equals the dense objective; a kernel that cannot run here (flash-attn not installed) and
-the setting on a family without a transformers model are one-line errors; qwen_vl runs on eager attention
-exactly; a change on resume is applied."""
+float32 rounding), and a GradCache step on eager attention equals the dense objective within float32's rounding
+(`EAGER_REL`); a kernel that cannot run here (flash-attn not installed) and the setting on a family without a
+transformers model are one-line errors; qwen_vl runs on eager attention; a change on resume is applied."""
 
 from __future__ import annotations
 
@@ -39,14 +38,22 @@ def test_eager_and_sdpa_embed_alike(tmp_path: Path, kind: str) -> None:
     assert (out["eager"] - out["sdpa"]).abs().max() <= (1e-10 if kind == "encoder" else 1e-6)
 
 
-@needs("hf")
-def test_a_gradcache_step_on_eager_attention_is_exact(tmp_path: Path) -> None:
-    _step(tmp_path, "decoder", "gradcache", "--model.attn_implementation=eager")
+EAGER_REL = 1e-5
+"""Qwen3's and Qwen2-VL's eager attention (transformers' `eager_attention_forward`) takes its softmax in float32
+whatever the model's dtype: the chunks' and the whole batch's float64 scores, equal to their last bits or not
+depending on the machine's kernels for each shape, are rounded to float32 there, so a float64 step on it is exact to
+float32's rounding (the standard's 1e-5). With that softmax in float64 the same step is within 1e-16."""
 
 
 @needs("hf")
-def test_qwen_vl_runs_on_eager_attention_exactly(tmp_path: Path) -> None:
-    """Its language model and its vision tower on eager attention; a GradCache step equals the dense objective."""
+def test_a_gradcache_step_on_eager_attention_equals_the_objective(tmp_path: Path) -> None:
+    _step(tmp_path, "decoder", "gradcache", "--model.attn_implementation=eager", rel=EAGER_REL)
+
+
+@needs("hf")
+def test_qwen_vl_steps_on_eager_attention(tmp_path: Path) -> None:
+    """Its language model and its vision tower on eager attention; a GradCache step equals the dense objective
+    (within float32's rounding: `EAGER_REL`)."""
     from tests.test_qwen_vl import _step as vl_step
     from tests.test_qwen_vl import vl_run
 
@@ -54,7 +61,7 @@ def test_qwen_vl_runs_on_eager_attention_exactly(tmp_path: Path) -> None:
     assert trainer.model.tower.config._attn_implementation == "eager"
     assert trainer.model.tower.config.vision_config._attn_implementation == "eager"
     trainer.metrics.close()
-    vl_step(tmp_path, "qwen2_vl", "gradcache", "--model.attn_implementation=eager")
+    vl_step(tmp_path, "qwen2_vl", "gradcache", "--model.attn_implementation=eager", rel=EAGER_REL)
 
 
 @needs("hf")
