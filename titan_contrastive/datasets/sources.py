@@ -209,8 +209,7 @@ class CsvSource:
                     )
                 folder = str(file.parent)
                 self._rows = PackedRows(
-                    [_rooted(folder, row[img_key]), row[caption_key], *(row[c] for c in negative_keys)]
-                    for row in reader
+                    [rooted(folder, row[img_key]), row[caption_key], *(row[c] for c in negative_keys)] for row in reader
                 )
                 """Per row: [image path, caption, negative captions...], packed as read (shared by forked workers)."""
         except (UnicodeDecodeError, csv.Error) as e:
@@ -231,9 +230,10 @@ class CsvSource:
         return Record(data, caption, path, key, negatives)
 
 
-def _rooted(folder: str, path: str | None) -> str | None:
-    """A CSV's image path, relative to the CSV's `folder` unless it is absolute."""
-    return os.path.join(folder, path) if path and not os.path.isabs(path) else path
+def rooted(folder: str, path: Any) -> Any:
+    """An image path relative to a table file's `folder`, joined to it (an absolute path, "" or a non-path stays as
+    it is)."""
+    return os.path.join(folder, path) if isinstance(path, str) and path and not os.path.isabs(path) else path
 
 
 def expand_shards(pattern: str) -> list[str]:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import csv
 import logging
-import os
 from array import array
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -61,7 +60,7 @@ from titan_contrastive.datasets.pair_rows import document_scores
 from titan_contrastive.datasets.pools import Pools
 from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.datasets.shards import shard_files
-from titan_contrastive.datasets.sources import BadSample, read_file
+from titan_contrastive.datasets.sources import BadSample, read_file, rooted
 from titan_contrastive.datasets.tables import table_rows
 from titan_contrastive.datasets.vl_items import FILE_SIDES, Item, carried, item_key, side_key
 
@@ -479,8 +478,8 @@ def _rooted(root: str, column: str, value: Any) -> Any:
     if not value:
         return value
     if column == NEGATIVES_COLUMN:
-        return [os.path.join(root, v) if isinstance(v, str) and v else v for v in _as_list(value)]
-    return os.path.join(root, value) if isinstance(value, str) else value
+        return [rooted(root, v) for v in _as_list(value)]
+    return rooted(root, value)
 
 
 def _written(value: Any) -> str:
