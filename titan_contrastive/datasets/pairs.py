@@ -24,8 +24,9 @@ Teacher scores (loss.distill) are served as `teacher_scores` (`batching.TEACHER_
 [B, 1 + k], the served documents' own. A frozen model's embeddings of the texts, from a file of their own
 (loss.teacher_embeddings or guide_embeddings), are served beside them (`datasets/frozen.py`).
 
-Why everything is tokenized at load, as for WordNet: a batch is then one gather, and the texts
-are small next to images.
+Every text is tokenized at load, as for WordNet, each distinct one once (its prompt before it) and kept unpadded
+(`token_table.TokenTable`): a batch is then a gather padded as the tokenizer pads, and a corpus passage that is the
+hard negative of many queries is held once.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import dataclasses
 import hashlib
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -44,6 +45,7 @@ from titan_contrastive.datasets.frozen import EmbeddingTable
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, in_batch_per_source, joins, split_sources
 from titan_contrastive.datasets.pair_rows import PairRows, join_sources, read_rows
 from titan_contrastive.datasets.pools import Pools
+from titan_contrastive.datasets.token_table import TokenTable
 from titan_contrastive.datasets.tokenizer import PairTokenizer
 
 logger = logging.getLogger("titan_contrastive")
@@ -70,38 +72,25 @@ def source_tokenizers(
     return tokenizers
 
 
-def _by_source(
-    spans: Sequence[tuple[int, PairTokenizer]],
-    rows: Sequence[Sequence[str]],
-    encode: Callable[[PairTokenizer, Sequence[Sequence[str]]], torch.Tensor],
-) -> torch.Tensor:
-    """`encode(tokenizer, rows)` of each source's rows (`spans`: how many, which tokenizer), concatenated."""
-    out, start = [], 0
+def _query_texts(
+    spans: Sequence[tuple[int, PairTokenizer]], rows: Sequence[Sequence[str]], prompts: Sequence[str] | None
+) -> Iterator[str]:
+    """Each row's query as its source's tokenizer reads it (`spans`: how many rows, which tokenizer): after the
+    row's own instruction (`prompts`, FlagEmbedding's `prompt`) where it has one, else the source's query prompt."""
+    start = 0
     for n, tokenizer in spans:
-        out.append(encode(tokenizer, rows[start : start + n]))
+        for i in range(start, start + n):
+            yield ((prompts[i] if prompts else "") or tokenizer.query_prompt) + rows[i][0]
         start += n
-    return torch.cat(out)
 
 
-def _queries(
-    spans: Sequence[tuple[int, PairTokenizer]],
-    rows: Sequence[Sequence[str]],
-    prompts: Sequence[str] | None,
-    length: int,
-) -> torch.Tensor:
-    """The rows' queries tokenized by their sources' tokenizers; a row's own instruction (`prompts`, FlagEmbedding's
-    `prompt`) before its query in place of the source's query prompt."""
-    out, start = [], 0
+def _document_texts(spans: Sequence[tuple[int, PairTokenizer]], served: Sequence[Sequence[str]]) -> Iterator[str]:
+    """The served documents, flat row by row, each after its source's document prompt."""
+    start = 0
     for n, tokenizer in spans:
-        queries = [r[0] for r in rows[start : start + n]]
-        ids = tokenizer.encode_queries(queries, length)
-        own = [i for i in range(n) if prompts and prompts[start + i]]
-        if own:
-            texts = [prompts[start + i] + queries[i] for i in own]
-            ids[own] = dataclasses.replace(tokenizer, query_prompt="").encode_queries(texts, length)
-        out.append(ids)
+        for i in range(start, start + n):
+            yield from (tokenizer.doc_prompt + d for d in served[i])
         start += n
-    return torch.cat(out)
 
 
 def _hash63(namespace: str, text: str) -> int:
@@ -152,7 +141,7 @@ def _drawable(rows: PairRows, source: str, max_bad_fraction: float) -> PairRows:
 
 
 class PairsDataset:
-    """Pre-tokenized rows: batches {query, doc, index[, neg][, doc_id]} (see the module docstring).
+    """Rows tokenized at load: batches {query, doc, index[, neg][, doc_id]} (see the module docstring).
     Built from a file (the constructor) or from rows in memory (`from_rows`, e.g. WordNet)."""
 
     def __init__(
@@ -271,8 +260,8 @@ class PairsDataset:
         k = self.num_negatives = in_file if hard_negatives and not pooled else 0  # `neg` [B, k, L]; 0: none
         served = [row[1:] if pooled else row[1 : 2 + k] for row in texts]  # the documents kept, flat row by row
         spans = spans or [(len(texts), tokenizer)]
-        self._queries = _queries(spans, texts, rows.prompts, query_length)
-        self._documents = _by_source(spans, served, lambda t, part: t.encode_docs([d for docs in part for d in docs]))
+        self._queries = TokenTable(tokenizer, _query_texts(spans, texts, rows.prompts), query_length)
+        self._documents = TokenTable(tokenizer, _document_texts(spans, served), tokenizer.doc_length)
         self._pools = Pools([1] * len(texts), [k] * len(texts), k, None)  # rows served whole; `_draw` for pools
         self._ids = None if rows.ids is None else document_ids(served, rows.ids)
         if rows.scores is not None and not k and not pooled and teacher != "cosent":  # CoSENT: scored pairs

@@ -58,6 +58,21 @@ class ByteTokenizer:
         return texts
 
 
+def padded(
+    flat: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, length: int, pad: int, left: bool = False
+) -> torch.Tensor:
+    """int64 [*starts.shape, length]: the rows `flat[start : start + n]` (`starts`, `lengths` of any one shape,
+    each n <= length), padded with `pad` after them, or before them when `left`."""
+    at, lengths, starts = torch.arange(length), lengths.unsqueeze(-1), starts.unsqueeze(-1)
+    if not len(flat):
+        return torch.full((*lengths.shape[:-1], length), pad, dtype=torch.int64)
+    if left:  # the row's first id at `length - n`
+        real, place = at >= length - lengths, starts + at - (length - lengths)
+    else:
+        real, place = at < lengths, starts + at
+    return torch.where(real, flat[place.clamp_(0, len(flat) - 1)].to(torch.int64), pad)
+
+
 @dataclass(frozen=True)
 class PairTokenizer:
     """Queries are cut to `[data] context_length`, documents to the family's `doc_length`; each side's
@@ -82,30 +97,35 @@ class PairTokenizer:
     def vocab_size(self) -> int:
         return self.hf.vocab_size
 
-    def encode(self, texts: list[str], length: int, prompt: str = "") -> torch.Tensor:
-        """Token ids [len(texts), length] of `prompt + text`, padded with `pad_id` (on the right unless
-        `pad_left`) and truncated."""
-        texts = [prompt + t for t in texts]
-        pad = self.hf.pad_token_id if self.pad_id is None else self.pad_id
+    @property
+    def pad_value(self) -> int:
+        """What a row is padded with: `pad_id`, else the tokenizer's pad token."""
+        return self.hf.pad_token_id if self.pad_id is None else self.pad_id
+
+    def token_rows(self, texts: list[str], length: int) -> list[list[int]]:
+        """Each text's token ids, truncated to `length`, unpadded."""
         backend = getattr(self.hf, "backend_tokenizer", None)
-        if backend is None:  # a slow (Python) tokenizer: its own call, then our padding
-            rows = self.hf(texts, truncation=True, max_length=length, add_special_tokens=self.special_tokens)[
+        if backend is None:  # a slow (Python) tokenizer: its own call
+            return self.hf(texts, truncation=True, max_length=length, add_special_tokens=self.special_tokens)[
                 "input_ids"
             ]
-        else:  # the Rust tokenizer's ids as the tokenizer's own call sets it up, without its per-text dicts
-            backend.no_padding()
-            backend.enable_truncation(max_length=length, strategy="longest_first", direction=self.hf.truncation_side)
-            if hasattr(backend, "encode_special_tokens"):  # tokenizers >= 0.19: special-token text split as text
-                backend.encode_special_tokens = bool(getattr(self.hf, "split_special_tokens", False))
-            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-            rows = [e.ids for e in encode(texts, add_special_tokens=self.special_tokens)]
-        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-        ids = np.full((len(rows), length), pad, dtype=np.int64)
-        first = length - lengths[:, None] if self.pad_left else 0
-        ids[(np.arange(length) >= first) & (np.arange(length) < first + lengths[:, None])] = np.fromiter(
-            itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum())
+        # the Rust tokenizer's ids as the tokenizer's own call sets it up, without its per-text dicts
+        backend.no_padding()
+        backend.enable_truncation(max_length=length, strategy="longest_first", direction=self.hf.truncation_side)
+        if hasattr(backend, "encode_special_tokens"):  # tokenizers >= 0.19: special-token text split as text
+            backend.encode_special_tokens = bool(getattr(self.hf, "split_special_tokens", False))
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=self.special_tokens)]
+
+    def encode(self, texts: list[str], length: int, prompt: str = "") -> torch.Tensor:
+        """Token ids [len(texts), length] of `prompt + text`, padded with `pad_value` (on the right unless
+        `pad_left`) and truncated."""
+        rows = self.token_rows([prompt + t for t in texts], length)
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+        return padded(
+            torch.from_numpy(flat), lengths.cumsum(0) - lengths, lengths, length, self.pad_value, self.pad_left
         )
-        return torch.from_numpy(ids)
 
     def encode_queries(self, texts: list[str], length: int) -> torch.Tensor:
         return self.encode(texts, length, self.query_prompt)
