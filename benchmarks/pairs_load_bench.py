@@ -46,7 +46,7 @@ NEGATIVES = 15
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[1 << 14, 1 << 16])
+    p.add_argument("--rows", type=int, nargs="+", default=[1 << 13, 1 << 15])
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
