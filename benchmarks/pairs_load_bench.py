@@ -15,7 +15,8 @@ as bge_finetune.toml has them. Each measurement is a fresh process (this file ru
 titan_contrastive first on PYTHONPATH) that builds the run's data as the trainer does (`build_data`, no data
 workers), then draws batches of `--batch` rows. Per variant, medians of `--repeats` interleaved runs of:
 - `peak_mib`: the process's largest resident memory while it built the data, above its resident memory before
-  (VmHWM, reset first: `harness.reset_peak_rss`); `kept_mib`: its anonymous memory after the build above that before;
+  (VmHWM, reset first: `harness.reset_peak_rss`); `kept_mib`: its anonymous memory after the build above that before
+  (what the allocators kept of the rows read, too); `tokens_mib`: what the set's token ids take (`nbytes`);
 - `load_s`: the build's seconds; `batch_ms`: the median of 20 batches' `__getitems__`.
 `file_mib` is the file's size. `this` is this tree; `before` the baseline's package (default 4c6e351, the last commit
 before the token table), extracted by `harness.package_at`. Writes pairs_load_bench.{json,csv,png} under --out.
@@ -38,7 +39,7 @@ from typing import Any
 from benchmarks import harness
 
 NAME = "pairs_load_bench"
-FIELDS = ["kind", "variant", "rows", "file_mib", "peak_mib", "kept_mib", "load_s", "batch_ms"]
+FIELDS = ["kind", "variant", "rows", "file_mib", "peak_mib", "kept_mib", "tokens_mib", "load_s", "batch_ms"]
 KINDS = ("flag", "triplets")
 VARIANTS = ("this", "before")
 NEGATIVES = 15
@@ -119,6 +120,7 @@ def measure_main(args: argparse.Namespace) -> None:
     measured["kept_mib"] = (harness.status_kib("RssAnon") - base) / 1024
     train = data.train_set
     assert len(train) == args.rows[0], (len(train), args.rows)
+    measured["tokens_mib"] = (train._queries.nbytes + train._documents.nbytes) / 2**20
     times = []
     for b in range(20):
         at = [(b * args.batch + i) % len(train) for i in range(args.batch)]
@@ -156,7 +158,7 @@ def measure(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
                     runs[variant].append(run_once(variant, kind, n, args.batch, package, data))
             for variant, made in runs.items():
                 row = {"kind": kind, "variant": variant, "rows": n, "file_mib": round(size, 1)}
-                fields = ("peak_mib", "kept_mib", "load_s", "batch_ms")
+                fields = ("peak_mib", "kept_mib", "tokens_mib", "load_s", "batch_ms")
                 row |= {f: round(statistics.median(m[f] for m in made), 3) for f in fields}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
