@@ -392,8 +392,9 @@ def test_every_docs_page_is_linked_from_the_readme_and_says_what_it_covers() -> 
         )
 
 
-HELP = """
-import contextlib, io, json, runpy, sys
+# `python -m MODULE --help` for each module named after it, in one interpreter (runpy runs a module as `-m` does): per
+# module a JSON line of its name, its exit code and what it printed.
+HELP = """import contextlib, io, json, runpy, sys
 for module in sys.argv[1:]:
     sys.argv, out, code = [module, "--help"], io.StringIO(), 0
     try:
@@ -403,8 +404,6 @@ for module in sys.argv[1:]:
         code = e.code
     print(json.dumps([module, code, out.getvalue()]))
 """
-"""`python -m MODULE --help` for each module named after it, in one interpreter (runpy runs a module as `-m` does):
-per module a JSON line of its name, its exit code and what it printed."""
 
 
 def test_the_modules_the_docs_run_answer_help_or_import() -> None:
