@@ -36,6 +36,7 @@ import hashlib
 import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from itertools import chain, repeat
 
 import torch
 
@@ -72,25 +73,23 @@ def source_tokenizers(
     return tokenizers
 
 
+def _row_tokenizers(spans: Sequence[tuple[int, PairTokenizer]]) -> Iterator[PairTokenizer]:
+    """Each row's source's tokenizer, in order (`spans`: how many rows, which tokenizer)."""
+    return chain.from_iterable(repeat(tokenizer, n) for n, tokenizer in spans)
+
+
 def _query_texts(
     spans: Sequence[tuple[int, PairTokenizer]], rows: Sequence[Sequence[str]], prompts: Sequence[str] | None
 ) -> Iterator[str]:
-    """Each row's query as its source's tokenizer reads it (`spans`: how many rows, which tokenizer): after the
-    row's own instruction (`prompts`, FlagEmbedding's `prompt`) where it has one, else the source's query prompt."""
-    start = 0
-    for n, tokenizer in spans:
-        for i in range(start, start + n):
-            yield ((prompts[i] if prompts else "") or tokenizer.query_prompt) + rows[i][0]
-        start += n
+    """Each row's query as its source's tokenizer reads it: after the row's own instruction (`prompts`,
+    FlagEmbedding's `prompt`) where it has one, else the source's query prompt."""
+    own = prompts or repeat("")
+    return ((p or t.query_prompt) + row[0] for row, p, t in zip(rows, own, _row_tokenizers(spans)))
 
 
 def _document_texts(spans: Sequence[tuple[int, PairTokenizer]], served: Sequence[Sequence[str]]) -> Iterator[str]:
     """The served documents, flat row by row, each after its source's document prompt."""
-    start = 0
-    for n, tokenizer in spans:
-        for i in range(start, start + n):
-            yield from (tokenizer.doc_prompt + d for d in served[i])
-        start += n
+    return (t.doc_prompt + d for docs, t in zip(served, _row_tokenizers(spans)) for d in docs)
 
 
 def _hash63(namespace: str, text: str) -> int:
