@@ -49,6 +49,7 @@ from titan_contrastive.parallelisms import (
     ParallelDims,
     destroy_distributed,
     gradient_accumulation_steps,
+    host_group,
     init_distributed,
     parallelize_model,
     set_collective_timeout,
@@ -103,6 +104,7 @@ class Trainer:
             pin_memory=device.type == "cuda",
             global_batch_size=self.global_batch_size,
             pixels_on_device=device.type == "cuda" and cfg.data.pixels_on_device,
+            group=host_group(),  # the ranks share the tokenization of text pairs
         )
         self.train_set, self.eval_set, self.loader = data.train_set, data.eval_set, data.loader
         self.text_evals = TextEvals.from_config(cfg.eval, self.forward, self.train_set.tokenizer, flavor_args)

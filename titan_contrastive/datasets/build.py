@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor
 
 from titan_contrastive.config import ConfigError
@@ -291,6 +292,7 @@ def build_data(
     pin_memory: bool,
     global_batch_size: int = 0,
     pixels_on_device: bool = False,
+    group: dist.ProcessGroup | None = None,
 ) -> DataBundle:
     """The run's data (see the module docstring). `family_tokenizer()`: a pretrained family's own
     tokenizer (bi_encoder) for text pairs, or None; an ImportError (its optional dependency is
@@ -300,7 +302,9 @@ def build_data(
     decoded from files serves uint8 images and the step normalizes them on the device
     (`DataBundle.device_transforms`): a quarter of the bytes through the workers' shared memory,
     the pinning and the host-to-device copy, which the global-negatives step makes twice per
-    microbatch. `cfg` gives `[data]`, `[eval]`, the seed and the local batch."""
+    microbatch. `group`: every rank of the run, each building this same data, which share the tokenization of text
+    pairs (`token_table.TokenTable`; `parallelisms.host_group`); None: this process alone. `cfg` gives `[data]`,
+    `[eval]`, the seed and the local batch."""
     data, eval_cfg, seed, local_batch_size = cfg.data, cfg.eval, cfg.training.seed, cfg.training.local_batch_size
     try:
         pair_tokenizer = family_tokenizer()
@@ -365,9 +369,12 @@ def build_data(
             doc_prompts=data.doc_prompts,
             in_batch_negatives=data.in_batch_negatives,
             frozen=frozen,
+            group=group,
             **common,
         )
-        eval_sets.append(PairsDataset(split="test", path=data.val_path, **common) if data.val_path else None)
+        eval_sets.append(
+            PairsDataset(split="test", path=data.val_path, group=group, **common) if data.val_path else None
+        )
     elif data.dataset == "vl_pairs":  # images and texts per side, through the family's processor (qwen_vl)
         if not data.path:
             raise DataError(

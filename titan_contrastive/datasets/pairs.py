@@ -26,7 +26,8 @@ Teacher scores (loss.distill) are served as `teacher_scores` (`batching.TEACHER_
 
 Every text is tokenized at load, as for WordNet, each distinct one once (its prompt before it) and kept unpadded
 (`token_table.TokenTable`): a batch is then a gather padded as the tokenizer pads, and a corpus passage that is the
-hard negative of many queries is held once.
+hard negative of many queries is held once. The ranks of a run share that work: each tokenizes a share of the
+texts and sends the others its ids.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from collections.abc import Iterator, Sequence
 from itertools import chain, repeat
 
 import torch
+import torch.distributed as dist
 
 from titan_contrastive.batching import DOC_IDS, FROZEN_DOCS, FROZEN_QUERIES, NEGATIVES, OWN_GROUP, TEACHER_SCORES
 from titan_contrastive.datasets.base import DataError
@@ -162,10 +164,12 @@ class PairsDataset:
         doc_prompts: Sequence[str] = (),
         in_batch_negatives: Sequence[bool] = (),
         frozen: EmbeddingTable | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         """`negatives_per_row`: k > 0 draws each row's positive and k negatives per epoch from its lists, by
         `seed` (module docstring); 0 serves the rows as they are. `in_batch_negatives`: one per source, false
-        flags its queries to be scored against their own documents only (`batching.OWN_GROUP`)."""
+        flags its queries to be scored against their own documents only (`batching.OWN_GROUP`). `group`: the
+        ranks that each build this same set, sharing its tokenization (`token_table.TokenTable`); None: alone."""
         parts, factors = split_sources(path, factors)
         tokenizers = source_tokenizers(tokenizer, parts, query_prompts, doc_prompts)
         pooled = negatives_per_row > 0
@@ -176,7 +180,7 @@ class PairsDataset:
         if rows.scores is not None and teacher == "cosent" and not hard_negatives:  # the positives' scores alone
             rows = rows._replace(scores=[row[:1] for row in rows.scores])
         spans = [(len(f.texts), t) for f, t in zip(files, tokenizers)]
-        self._setup(rows, "pairs", split, path, tokenizer, query_length, hard_negatives, spans, teacher, frozen)
+        self._setup(rows, "pairs", split, path, tokenizer, query_length, hard_negatives, spans, teacher, frozen, group)
         if pooled and split == "train":
             self._draw(rows, negatives_per_row, seed)
         elif pooled:  # evaluation: each row's first positive
@@ -237,10 +241,11 @@ class PairsDataset:
         spans: Sequence[tuple[int, PairTokenizer]] = (),
         teacher: str = "",
         frozen: EmbeddingTable | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         """`spans`: (rows, their tokenizer) per source in order; empty = every row through `tokenizer`;
         `teacher`: the loss.distill kind that reads the rows' scores; `frozen`: a frozen model's embeddings of
-        the rows' texts (`datasets/frozen.py`)."""
+        the rows' texts (`datasets/frozen.py`); `group`: the ranks sharing the tokenization."""
         self.name, self.split, self.source, self.full = name, split, source, True
         self.skipped = rows.skipped
         self._mix: SourceMix | None = None
@@ -259,8 +264,8 @@ class PairsDataset:
         k = self.num_negatives = in_file if hard_negatives and not pooled else 0  # `neg` [B, k, L]; 0: none
         served = [row[1:] if pooled else row[1 : 2 + k] for row in texts]  # the documents kept, flat row by row
         spans = spans or [(len(texts), tokenizer)]
-        self._queries = TokenTable(tokenizer, _query_texts(spans, texts, rows.prompts), query_length)
-        self._documents = TokenTable(tokenizer, _document_texts(spans, served), tokenizer.doc_length)
+        self._queries = TokenTable(tokenizer, _query_texts(spans, texts, rows.prompts), query_length, group)
+        self._documents = TokenTable(tokenizer, _document_texts(spans, served), tokenizer.doc_length, group)
         self._pools = Pools([1] * len(texts), [k] * len(texts), k, None)  # rows served whole; `_draw` for pools
         self._ids = None if rows.ids is None else document_ids(served, rows.ids)
         if rows.scores is not None and not k and not pooled and teacher != "cosent":  # CoSENT: scored pairs

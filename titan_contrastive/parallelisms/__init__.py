@@ -9,6 +9,7 @@ from titan_contrastive.parallelisms.process_group import (
     DistInfo,
     collective_failure,
     destroy_distributed,
+    host_group,
     init_distributed,
     set_collective_timeout,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "collective_failure",
     "destroy_distributed",
     "gradient_accumulation_steps",
+    "host_group",
     "init_distributed",
     "parallelize_model",
     "reduce_scatter_sum",

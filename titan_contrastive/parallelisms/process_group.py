@@ -79,6 +79,14 @@ def init_distributed(
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
+def host_group() -> dist.ProcessGroup | None:
+    """Every rank, for collectives over tensors in host memory: the default group where its backend is gloo, else a
+    gloo group of the same ranks (made here: every rank calls this at the same point); None in a single process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
 def set_collective_timeout(seconds: int, key: str = "comm.train_timeout_seconds") -> None:
     """Give every process group (default and sub-groups) this timeout; no-op when not distributed."""
     if not dist.is_initialized():
