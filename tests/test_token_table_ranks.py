@@ -1,12 +1,13 @@
 """The ranks of a run sharing a token table's tokenization (`datasets/token_table.py`, `group`): on 2 and 4 gloo
 processes each rank tokenizes only the chunks it owns (every `world`-th), and every rank's table is the tokenizer's
 own padded call on every text, as a table built alone is; with fewer chunks than ranks, with no text at all, and in
-a text-pairs set built as the trainer builds it (`build_data` with the ranks' `host_group`). A rank that read other
-texts ends every rank with a DataError."""
+text pairs and a WordNet folder built as the trainer builds them (`build_data` with the ranks' `host_group`). A rank
+that read other texts ends every rank with a DataError."""
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import random
 from collections.abc import Iterator
@@ -114,7 +115,7 @@ def test_a_rank_that_read_other_texts_ends_every_rank(change: str) -> None:
     run_distributed(_other_texts, 2, change)
 
 
-def _pairs_as_trained(file: str) -> None:
+def _pairs_as_trained(path: str, dataset: str) -> None:
     from titan_contrastive import models
     from titan_contrastive.config.manager import parse_args
     from titan_contrastive.datasets import build_dataset, token_table
@@ -123,10 +124,10 @@ def _pairs_as_trained(file: str) -> None:
 
     dist.init_process_group("gloo")
     token_table.CHUNK = 4
-    cfg = parse_args(
-        ["--model.name=bi_encoder", "--model.flavor=shared", "--data.dataset=pairs", f"--data.path={file}"]
-        + [f"--data.val_path={file}", "--data.negatives_per_row=2", "--training.local_batch_size=4"]
-    )
+    given = ["--model.name=bi_encoder", "--model.flavor=shared", f"--data.dataset={dataset}", f"--data.path={path}"]
+    if dataset == "pairs":  # held out: the same rows
+        given += [f"--data.val_path={path}", "--data.negatives_per_row=2"]
+    cfg = parse_args([*given, "--training.local_batch_size=4"])
     spec = models.get_model_spec("bi_encoder")
     args = models.configured(models.resolve_model_args("bi_encoder", "shared", "")[0], cfg, spec)
 
@@ -159,12 +160,20 @@ def _pairs_as_trained(file: str) -> None:
 
 
 @needs("hf")
-def test_a_pairs_set_built_on_two_ranks_serves_what_one_builds_alone(tmp_path: Path) -> None:
-    """FlagEmbedding rows whose passages repeat across rows, trained and held out: every batch of two epochs (the
-    drawn negatives move) the same from the shared tables as from tables each rank builds alone."""
+@pytest.mark.parametrize("dataset", ["pairs", "wordnet"])
+def test_a_pairs_set_built_on_two_ranks_serves_what_one_builds_alone(tmp_path: Path, dataset: str) -> None:
+    """FlagEmbedding rows whose passages repeat across rows, trained and held out, and a WordNet folder (definition,
+    lemma, negative lemma): every batch of two epochs (the drawn negatives move) the same from the shared tables as
+    from tables each rank builds alone."""
     draw = random.Random(2)
-    corpus = [f"{d} ({n})" for n, (_, d) in enumerate(PAIRS)]
-    rows = [{"query": q, "pos": [draw.choice(corpus)], "neg": draw.sample(corpus, 3)} for q, _ in PAIRS]
-    file = tmp_path / "rows.jsonl"
-    file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run_distributed(_pairs_as_trained, 2, str(file))
+    if dataset == "pairs":
+        corpus = [f"{d} ({n})" for n, (_, d) in enumerate(PAIRS)]
+        rows = [{"query": q, "pos": [draw.choice(corpus)], "neg": draw.sample(corpus, 3)} for q, _ in PAIRS]
+        path = tmp_path / "rows.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        path = tmp_path
+        for split, part in (("train", PAIRS[:-4]), ("test", PAIRS[-4:])):
+            lines = "".join(f"{q}\t{d}\t{draw.choice(PAIRS)[1]}\n" for q, d in part)
+            (tmp_path / f"pairs_{split}.tsv.gz").write_bytes(gzip.compress(lines.encode()))
+    run_distributed(_pairs_as_trained, 2, str(path), dataset)

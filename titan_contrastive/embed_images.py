@@ -99,7 +99,9 @@ def check(opts: argparse.Namespace, cfg: JobConfig) -> tuple[Path, JobConfig]:
         raise MineError(
             "loss.teacher_model is empty: embed_images embeds with the run's teacher; set --loss.teacher_model=FOLDER"
         )
-    if cfg.data.dataset in ("pairs", "wordnet"):
+    from titan_contrastive.datasets.build import TEXT_PAIRS
+
+    if cfg.data.dataset in TEXT_PAIRS:
         raise MineError(
             f"data.dataset={cfg.data.dataset!r}: embed_images embeds image-text data and vl_pairs rows; for text pairs "
             "use python -m titan_contrastive.embed PAIRS --model TEACHER --out FILE"

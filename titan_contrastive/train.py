@@ -43,7 +43,7 @@ from titan_contrastive.components.text_evals import TextEvals
 from titan_contrastive.config import JobConfig, parse_args
 from titan_contrastive.config.manager import check_contrastive_problem, log_config_warnings
 from titan_contrastive.datasets import build_dataset
-from titan_contrastive.datasets.build import build_data
+from titan_contrastive.datasets.build import TEXT_PAIRS, build_data
 from titan_contrastive.models.build import build_run_model, clamp_logit_scale, run_objectives
 from titan_contrastive.parallelisms import (
     ParallelDims,
@@ -104,7 +104,7 @@ class Trainer:
             pin_memory=device.type == "cuda",
             global_batch_size=self.global_batch_size,
             pixels_on_device=device.type == "cuda" and cfg.data.pixels_on_device,
-            group=host_group(),  # the ranks share the tokenization of text pairs
+            group=host_group() if cfg.data.dataset in TEXT_PAIRS else None,  # sharing text pairs' tokenization
         )
         self.train_set, self.eval_set, self.loader = data.train_set, data.eval_set, data.loader
         self.text_evals = TextEvals.from_config(cfg.eval, self.forward, self.train_set.tokenizer, flavor_args)

@@ -57,13 +57,15 @@ def build_dataset(
     tokenizer: Any = None,
     hard_negatives: bool = True,
     frozen: Any = None,
+    group: Any = None,
 ) -> Dataset:
     """One split of a dataset, in memory. `seed` drives the per-sample randomness of the train
     split (caption template, flips when `augment`); the test split is deterministic.
     `image_size` > 0 serves images resized to that square size. `tokenizer`: the model family's
     own tokenizer, for the text-pair datasets that use one (wordnet); `hard_negatives`: whether
     they serve their mined negatives (data.hard_negatives); `frozen`: a frozen model's embeddings of
-    their texts (`datasets.frozen.EmbeddingTable`), served beside them."""
+    their texts (`datasets.frozen.EmbeddingTable`), served beside them; `group`: the ranks that each build this
+    same split, sharing the tokenization of text pairs (`token_table.TokenTable`), None: alone."""
     if name not in _BUILDERS:
         raise DataError(f"data.dataset={name!r}: unknown dataset; choose one of {', '.join(DATASETS)}")
     if split not in SPLITS:
@@ -76,6 +78,7 @@ def build_dataset(
             tokenizer=tokenizer,
             hard_negatives=hard_negatives,
             frozen=frozen,
+            group=group,
         )
     if tokenizer is not None and not isinstance(tokenizer, CaptionTokenizer):
         raise DataError(

@@ -38,6 +38,7 @@ from titan_contrastive.datasets.vl_pairs import VLPairsDataset, family_refusal
 from titan_contrastive.losses.distill import log_teacher_temperature
 
 FILE_SOURCES = ("csv", "webdataset", "hf", "synthetic")
+TEXT_PAIRS = ("pairs", "wordnet")  # text pairs, tokenized at load by the family's tokenizer
 DEFAULT_IMAGE_SIZE = 224
 DEFAULT_CONTEXT = {"byte": 32, "clip_bpe": 77}
 NEGATIVE_KEYS = {"csv": "csv_negative_keys", "webdataset": "wds_negative_key", "hf": "hf_negative_columns"}
@@ -414,6 +415,8 @@ def build_data(
             hard_negatives=data.hard_negatives,
         )
         text_pairs = data.dataset == "wordnet"
+        if text_pairs:  # built on every rank: the ranks share its tokenization
+            common["group"] = group
         train = build_bundled(
             data.dataset, "train", augment=data.augment, frozen=frozen if text_pairs else None, **common
         )
@@ -439,7 +442,7 @@ def build_data(
     for ds in (train, *eval_sets):
         if ds is not None:
             prepare(ds)
-    if frozen is not None and data.dataset not in ("pairs", "wordnet"):  # image-text, vl_pairs: looked up as served
+    if frozen is not None and data.dataset not in TEXT_PAIRS:  # image-text, vl_pairs: looked up as served
         if train.processed and not isinstance(train, (FileImageTextDataset, VLPairsDataset)):
             raise DataError(f"{frozen.source}: {BUNDLED_PROCESSED}, or name the model (loss.teacher_model) instead")
         train.carry_frozen(frozen)

@@ -218,15 +218,17 @@ class PairsDataset:
         ids: Sequence[str] | None = None,
         hard_negatives: bool = True,
         frozen: EmbeddingTable | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> PairsDataset:
-        """A dataset of rows (query, positive, negatives...), all of one width; `ids`: the positives' ids."""
+        """A dataset of rows (query, positive, negatives...), all of one width; `ids`: the positives' ids; `group`:
+        the ranks sharing the tokenization (`__init__`)."""
         if not rows or len({len(r) for r in rows}) != 1 or len(rows[0]) < 2:
             raise DataError(f"{source}: rows must all hold a query, a positive and the same number of negatives")
         if ids is not None and len(ids) != len(rows):
             raise DataError(f"{source}: {len(ids)} ids for {len(rows)} rows; give one id per row")
         self = cls.__new__(cls)
         texts = PairRows([list(r) for r in rows], None if ids is None else list(ids), None, Counter())
-        self._setup(texts, name, split, source, tokenizer, query_length, hard_negatives, frozen=frozen)
+        self._setup(texts, name, split, source, tokenizer, query_length, hard_negatives, frozen=frozen, group=group)
         return self
 
     def _setup(

@@ -63,6 +63,7 @@ def build_wordnet(
     tokenizer: Any = None,
     hard_negatives: bool = True,
     frozen: EmbeddingTable | None = None,
+    group: Any = None,
     **_: Any,
 ) -> PairsDataset:
     if tokenizer is None:
@@ -80,4 +81,5 @@ def build_wordnet(
         query_length=context_length,
         hard_negatives=hard_negatives,
         frozen=frozen,
+        group=group,
     )
