@@ -108,11 +108,11 @@ def _same_texts(group: dist.ProcessGroup, count: int, distinct: int, digest: byt
     dist.all_gather(every, mine, group=group)
     other = next((r for r, t in enumerate(every) if not torch.equal(t, every[0])), None)
     if other is not None:
-        (texts, distinct, _), (theirs, their_distinct, _) = every[0].tolist(), every[other].tolist()
+        (texts, unique, _), (their_texts, their_unique, _) = every[0].tolist(), every[other].tolist()
         raise DataError(
-            f"ranks 0 and {other} of the run read different texts for one token table ({texts} texts, {distinct} "
-            f"distinct, against {theirs} and {their_distinct}): every rank reads the same rows; keep the data files "
-            "unchanged while a run reads them"
+            f"ranks 0 and {other} of the run read different texts for one token table ({texts} texts, {unique} "
+            f"distinct, against {their_texts} and {their_unique}): every rank reads the same rows; keep the data "
+            "files unchanged while a run reads them"
         )
 
 
