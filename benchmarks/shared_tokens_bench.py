@@ -83,10 +83,10 @@ def measure_main(args: argparse.Namespace) -> None:
             dp_rank=info.rank,
             dp_degree=info.world_size,
             pin_memory=False,
-            group=group,
+            host_group=group,
         ).train_set
 
-    group = host_group() if args.variant == "shared" else None
+    group = host_group if args.variant == "shared" else None
     dist.barrier()
     PairTokenizer.token_rows = counted
     start = time.perf_counter()

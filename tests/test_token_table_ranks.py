@@ -10,7 +10,7 @@ import dataclasses
 import gzip
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -131,7 +131,7 @@ def _pairs_as_trained(path: str, dataset: str) -> None:
     spec = models.get_model_spec("bi_encoder")
     args = models.configured(models.resolve_model_args("bi_encoder", "shared", "")[0], cfg, spec)
 
-    def built(group: dist.ProcessGroup | None) -> tuple:
+    def built(group: Callable[[], dist.ProcessGroup | None] | None) -> tuple:
         data = build_data(
             cfg,
             family_tokenizer=lambda: spec.build_tokenizer(args),
@@ -140,12 +140,12 @@ def _pairs_as_trained(path: str, dataset: str) -> None:
             dp_rank=dist.get_rank(),
             dp_degree=dist.get_world_size(),
             pin_memory=False,
-            group=group,
+            host_group=group,
         )
         return data.train_set, data.eval_set
 
     with _counted() as tokenized:
-        shared = built(host_group())
+        shared = built(host_group)
     with _counted() as alone_tokenized:
         alone = built(None)
     count = torch.tensor(sum(tokenized))

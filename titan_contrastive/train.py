@@ -43,7 +43,7 @@ from titan_contrastive.components.text_evals import TextEvals
 from titan_contrastive.config import JobConfig, parse_args
 from titan_contrastive.config.manager import check_contrastive_problem, log_config_warnings
 from titan_contrastive.datasets import build_dataset
-from titan_contrastive.datasets.build import TEXT_PAIRS, build_data
+from titan_contrastive.datasets.build import build_data
 from titan_contrastive.models.build import build_run_model, clamp_logit_scale, run_objectives
 from titan_contrastive.parallelisms import (
     ParallelDims,
@@ -70,9 +70,8 @@ class Trainer:
         )
         self.device = device = dist.device
         self.profiler = StepProfiler.for_run(cfg, dist.rank, device)  # a memory snapshot on CPU: refused here
-        check_output_folders(
-            cfg.job.dump_folder, cfg.checkpoint.folder if cfg.checkpoint.enable else None, dist.rank == 0
-        )
+        checkpoints = cfg.checkpoint.folder if cfg.checkpoint.enable else None
+        check_output_folders(cfg.job.dump_folder, checkpoints, dist.rank == 0)
         if run_lock is not None:
             run_lock.acquire(cfg.job.dump_folder, rank=dist.rank, distributed=dist.is_distributed)
         torch.manual_seed(cfg.training.seed)
@@ -92,8 +91,7 @@ class Trainer:
         check_contrastive_problem(cfg, dp, self.global_batch_size, contrastive=spec.build_step is None)
         self.precision = precision = build_precision(cfg.training, fsdp=dims.fsdp_enabled, device=device)
 
-        # 3. data (every rank is a DP rank: the DP rank is the global rank), laid out for the family, which may
-        # bring its own tokenizer (spec.build_tokenizer)
+        # 3. data (every rank a DP rank: the DP rank is the global rank), laid out for the family (its own tokenizer)
         self.data = data = build_data(
             cfg,
             family_tokenizer=lambda: spec.build_tokenizer(flavor_args) if spec.build_tokenizer else None,
@@ -104,7 +102,7 @@ class Trainer:
             pin_memory=device.type == "cuda",
             global_batch_size=self.global_batch_size,
             pixels_on_device=device.type == "cuda" and cfg.data.pixels_on_device,
-            group=host_group() if cfg.data.dataset in TEXT_PAIRS else None,  # sharing text pairs' tokenization
+            host_group=host_group,  # the ranks share the tokenization of text pairs
         )
         self.train_set, self.eval_set, self.loader = data.train_set, data.eval_set, data.loader
         self.text_evals = TextEvals.from_config(cfg.eval, self.forward, self.train_set.tokenizer, flavor_args)

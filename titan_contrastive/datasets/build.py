@@ -293,7 +293,7 @@ def build_data(
     pin_memory: bool,
     global_batch_size: int = 0,
     pixels_on_device: bool = False,
-    group: dist.ProcessGroup | None = None,
+    host_group: Callable[[], dist.ProcessGroup | None] | None = None,
 ) -> DataBundle:
     """The run's data (see the module docstring). `family_tokenizer()`: a pretrained family's own
     tokenizer (bi_encoder) for text pairs, or None; an ImportError (its optional dependency is
@@ -303,9 +303,10 @@ def build_data(
     decoded from files serves uint8 images and the step normalizes them on the device
     (`DataBundle.device_transforms`): a quarter of the bytes through the workers' shared memory,
     the pinning and the host-to-device copy, which the global-negatives step makes twice per
-    microbatch. `group`: every rank of the run, each building this same data, which share the tokenization of text
-    pairs (`token_table.TokenTable`; `parallelisms.host_group`); None: this process alone. `cfg` gives `[data]`,
-    `[eval]`, the seed and the local batch."""
+    microbatch. `host_group()`: a gloo group of every rank of the run (`parallelisms.host_group`), each building this
+    same data, made where text pairs are built (`TEXT_PAIRS`) so that the ranks share their tokenization
+    (`token_table.TokenTable`); None: this process tokenizes alone. `cfg` gives `[data]`, `[eval]`, the seed and
+    the local batch."""
     data, eval_cfg, seed, local_batch_size = cfg.data, cfg.eval, cfg.training.seed, cfg.training.local_batch_size
     try:
         pair_tokenizer = family_tokenizer()
@@ -361,6 +362,7 @@ def build_data(
                 "data.path is empty: data.dataset='pairs' reads your .jsonl/.csv/.tsv/.parquet file or Hugging Face "
                 "dataset folder; set data.path"
             )
+        group = host_group() if host_group else None  # every rank is here: the ranks share the tokenization
         train = PairsDataset(
             split="train",
             path=data.path,
@@ -414,9 +416,9 @@ def build_data(
             tokenizer=pair_tokenizer,
             hard_negatives=data.hard_negatives,
         )
-        text_pairs = data.dataset == "wordnet"
-        if text_pairs:  # built on every rank: the ranks share its tokenization
-            common["group"] = group
+        text_pairs = data.dataset in TEXT_PAIRS
+        if text_pairs and host_group:  # every rank is here: the ranks share the tokenization
+            common["group"] = host_group()
         train = build_bundled(
             data.dataset, "train", augment=data.augment, frozen=frozen if text_pairs else None, **common
         )
