@@ -139,7 +139,7 @@ def test_a_run_evaluates_exports_to_colpali_and_trains_on_from_it(tmp_path: Path
     run = vl_run(
         tmp_path, "qwen2_vl", "--model.pooling=colbert", "--training.local_batch_size=6", "--training.steps=1",
         "--checkpoint.enable=true", "--eval.enable=true", "--optimizer.lr=1e-2", "--lr_scheduler.warmup_steps=0",
-        *(LORA if lora else ()), dropout=0.0,
+        "--data.max_pixels=7056", *(LORA if lora else ()), dropout=0.0,
     )  # fmt: skip
     assert run.model_args.colbert_dim == 128  # ColQwen2's
     before = run.model.head.weight.detach().clone()

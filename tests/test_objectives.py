@@ -329,15 +329,21 @@ def test_dense_and_streamed_match_the_definition(case: dict) -> None:
             _close(out.bias_rows.sum(), want["b"], f"streamed db, chunk {chunk}")
 
 
-def _distributed(case_names: list[str]) -> None:
+@functools.cache
+def _distributed_wants() -> dict[str, tuple]:
+    """The reference's (loss, grads) of each distributed case, formed once here, not again on every rank."""
+    cases = {c["name"]: c for c in CASES}
+    return {name: reference_grads(cases[name], *problem(cases[name], seed=1)) for name in DIST_CASES}
+
+
+def _distributed(wants: dict[str, tuple]) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     cases = {c["name"]: c for c in CASES}
-    for name in case_names:
+    for name, (want_loss, want) in wants.items():
         case = cases[name]
         q, p, n, scale, bias, ids = problem(case, seed=1)
-        want_loss, want = reference_grads(case, q, p, n, scale, bias, ids)
         objective = objective_of(case)
         ranks = Ranks(dist.group.WORLD)
         c = N // world
@@ -391,7 +397,7 @@ DIST_CASES = [c["name"] for c in CASES if _distributed_case(c)]
 @pytest.mark.parametrize("world", [2, 4])
 def test_distributed_forms_match_the_definition(world: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    run_distributed(_distributed, world, DIST_CASES)
+    run_distributed(_distributed, world, _distributed_wants())
 
 
 def test_matryoshka_larger_than_the_embeddings_is_a_clear_error() -> None:

@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from titan_contrastive.datasets.synthetic import POOL, SyntheticSource
+from titan_contrastive.datasets.synthetic import POOL, SyntheticSource, _pool
 from titan_contrastive.train import main
 
 
 def test_records_are_jpegs_of_the_pool_with_their_own_captions() -> None:
-    source, again = SyntheticSource(1000, 72, seed=3), SyntheticSource(1000, 72, seed=3)
+    source = SyntheticSource(1000, 72, seed=3)
+    _pool.cache_clear()  # built again, not the process's cached pool
+    again = SyntheticSource(1000, 72, seed=3)
     assert len(source) == 1000 and source.num_negatives == 0 and source.losses == []
     first = source.read(5)
-    assert first == again.read(5)  # a function of the seed: every rank and worker builds the same pool
+    assert first == again.read(5) and again._jpegs is not source._jpegs  # every rank and worker builds the same pool
     image = Image.open(io.BytesIO(first.image))
     assert image.format == "JPEG" and image.size == (72, 72)
     assert first.caption.startswith("a photo of ") and first.caption.endswith("sample 5")

@@ -14,6 +14,7 @@ of them), only what it learns: this source measures a training run's speed, not 
 
 from __future__ import annotations
 
+import functools
 import io
 
 import numpy as np
@@ -34,17 +35,7 @@ class SyntheticSource:
         self.location = f"synthetic ({samples} samples over {POOL} generated {side} px JPEGs)"
         self.losses: list[ShardLoss] = []
         self.num_negatives = 0
-        images, names = load_emoji(BUNDLE_FILE)
-        rng = np.random.default_rng(seed)
-        picks = rng.choice(len(images), size=min(POOL, len(images)), replace=False)
-        self._jpegs: list[bytes] = []
-        self._names = [names[i] for i in picks]
-        for i in picks:
-            big = np.asarray(Image.fromarray(images[i]).resize((side, side), Image.Resampling.BICUBIC), np.float32)
-            noisy = np.clip(big + rng.normal(0.0, NOISE, big.shape), 0, 255).astype(np.uint8)
-            out = io.BytesIO()
-            Image.fromarray(noisy).save(out, format="JPEG", quality=90)
-            self._jpegs.append(out.getvalue())
+        self._jpegs, self._names = _pool(side, seed)
 
     def __len__(self) -> int:
         return self.samples
@@ -52,3 +43,19 @@ class SyntheticSource:
     def read(self, index: int) -> Record:
         k = index % len(self._jpegs)
         return Record(self._jpegs[k], f"a photo of {self._names[k]}, sample {index}", "synthetic", str(index))
+
+
+@functools.lru_cache(maxsize=4)  # once per process: the trainers a benchmark or a test session builds share it
+def _pool(side: int, seed: int) -> tuple[tuple[bytes, ...], tuple[str, ...]]:
+    """(JPEGs, their emoji's names): `POOL` emoji drawn by `seed`, enlarged to `side` px, with noise."""
+    images, names = load_emoji(BUNDLE_FILE)
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(len(images), size=min(POOL, len(images)), replace=False)
+    jpegs = []
+    for i in picks:
+        big = np.asarray(Image.fromarray(images[i]).resize((side, side), Image.Resampling.BICUBIC), np.float32)
+        noisy = np.clip(big + rng.normal(0.0, NOISE, big.shape), 0, 255).astype(np.uint8)
+        out = io.BytesIO()
+        Image.fromarray(noisy).save(out, format="JPEG", quality=90)
+        jpegs.append(out.getvalue())
+    return tuple(jpegs), tuple(names[i] for i in picks)
