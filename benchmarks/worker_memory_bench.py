@@ -4,6 +4,7 @@ against rows held as Python objects (`--baseline`) (CPU).
 
     python -m benchmarks.worker_memory_bench                                              # docs/performance.md's table
     python -m benchmarks.worker_memory_bench --rows 2000 --repeats 1 --out /tmp/w         # smoke (a minute)
+    python -m benchmarks.worker_memory_bench --rows 131072 --variants this before --baseline REV   # a change against REV
 
 Per kind and size, the file holds `--rows` rows: the CSV an image path (`img/N.png`, `--images` small PNGs cycled)
 and a caption of about 60 characters; the vl_pairs JSONL (retrieval mode t2t) a query of about 60 characters, a
@@ -59,6 +60,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--images", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--baseline", default="cd47137", help="the commit before the packed rows")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="those to measure")
     p.add_argument("--out", default=str(harness.RESULTS))
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # a measurement (run_once)
     p.add_argument("--folder", help=argparse.SUPPRESS)
@@ -273,9 +275,9 @@ def measure(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
             data = folder / f"{kind}-{n}"
             data.mkdir()
             make(data, kind, n, args.images)
-            runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+            runs: dict[str, list[dict]] = {v: [] for v in args.variants}
             for r in range(args.repeats):
-                for variant in harness.rotation(VARIANTS, r):
+                for variant in harness.rotation(args.variants, r):
                     runs[variant].append(run_once(variant, kind, n, args, package, data))
             for variant, made in runs.items():
                 row = {"kind": kind, "variant": variant, "rows": n, "batches": made[0]["batches"]}
@@ -296,6 +298,8 @@ def draw(rows: list[dict[str, Any]], meta: dict[str, Any]) -> Any:
     for ax, kind in zip(axes[0], kinds):
         for variant, style in zip(VARIANTS, ("o-", "s:", "x--")):
             mine = [r for r in rows if r["kind"] == kind and r["variant"] == variant]
+            if not mine:
+                continue
             sizes = [r["rows"] for r in mine]
             ax.plot(sizes, [r["copied_mib"] for r in mine], style, label=f"{variant}: copied by each worker")
             ax.plot(sizes, [r["build_mib"] for r in mine], style, alpha=0.4, label=f"{variant}: the data built")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import gzip
 import io
 import multiprocessing
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -340,6 +344,81 @@ def test_workers_are_forked_with_the_parents_objects_frozen() -> None:
     loader.end_workers()
     assert all(int(b["frozen"][0]) > 1000 for b in batches), [int(b["frozen"][0]) for b in batches]
     assert gc.get_freeze_count() == 0
+
+
+class _MallInfo(ctypes.Structure):
+    """glibc's `struct mallinfo2`."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks".split()]
+    _fields_ += [(name, ctypes.c_size_t) for name in ("uordblks", "fordblks", "keepcost")]
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = (
+        ctypes.c_void_p,
+        [ctypes.c_size_t],
+        [ctypes.c_void_p],
+    )
+    libc.mallinfo2.restype = _MallInfo
+    return libc
+
+
+def _mapped(size: int) -> int:
+    """The bytes of a block of `size` that C's malloc gives its own mapping (glibc's count of them, held)."""
+    libc = _libc()
+    before = libc.mallinfo2().hblkhd
+    block = libc.malloc(size)
+    mapped = libc.mallinfo2().hblkhd - before
+    libc.free(block)
+    return mapped
+
+
+def _kept(count: int, size: int) -> int:
+    """The resident bytes this process holds more after `count` blocks of `size` bytes (C's malloc: no Python
+    object between them), each written, are freed."""
+
+    def resident() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    libc, blocks = _libc(), [0] * count
+    before = resident()
+    for i in range(count):
+        blocks[i] = libc.malloc(size)
+        ctypes.memset(blocks[i], 1, size)
+    for block in blocks:
+        libc.free(block)
+    return resident() - before
+
+
+class _HeapSeen(ImageTextDataset):
+    """tiny_dataset's samples, each batch with what its worker's C library mapped of an 8 MiB block, and the resident
+    memory it kept of 24 MiB allocated and freed in blocks of 96 KiB (below the threshold: from the heap)."""
+
+    def __getitems__(self, indices):
+        return {**super().__getitems__(indices), "heap": torch.tensor([_mapped(8 << 20), _kept(256, 96 << 10)])}
+
+
+def _workers_keep() -> None:
+    libc = _libc()
+    libc.free(libc.malloc(16 << 20))  # as in a trainer: glibc's thresholds raised to 16 MiB, its heap's trim to 32
+    dataset = tiny_dataset()
+    dataset.__class__ = _HeapSeen
+    loader = build_dataloader(dataset, local_batch_size=8, dp_rank=0, dp_world_size=1, seed=4, num_workers=1)
+    seen = [b["heap"].tolist() for b in take(loader, 3)]
+    loader.end_workers()
+    assert all(mapped >= 8 << 20 and kept < 4 << 20 for mapped, kept in seen), seen
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="glibc 2.33 or later")
+def test_workers_return_the_blocks_they_free() -> None:
+    """A data worker's freed blocks go back to the system (`loader.return_freed_blocks`): those of 128 KiB and more
+    have their own mappings, and the heap's free top is trimmed past 128 KiB, whatever thresholds glibc had raised
+    them to in the process the worker was forked from. That process is a fresh interpreter, whose heap holds no
+    free block an 8 MiB one could come from (this one's may)."""
+    probe = "from tests.test_data import _workers_keep; _workers_keep()"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_datasets_constant() -> None:

@@ -19,6 +19,7 @@ epoch), the steps of all sources shuffled together, so a source is drawn in prop
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import math
 import signal
@@ -248,14 +249,38 @@ MAX_PREFETCH = 8
 second step's worth of host memory beside the one the trainer collects."""
 
 
-def leave_stop_signals_to_the_trainer(worker_id: int) -> None:
-    """A data worker's `worker_init_fn`: ignore SIGTERM/SIGUSR1. Slurm (scancel, preemption, --signal)
-    and `timeout` signal every process of the job, the workers too; a worker ended by one made the
-    trainer fail with "DataLoader worker ... killed by signal" instead of finishing its step and saving
-    (components/preemption.py). The loader still ends its workers, and a worker whose trainer died exits
-    by itself (PyTorch's parent watchdog)."""
+def start_worker(worker_id: int) -> None:
+    """A data worker's `worker_init_fn`: `leave_stop_signals_to_the_trainer`, then `return_freed_blocks`."""
+    leave_stop_signals_to_the_trainer()
+    return_freed_blocks()
+
+
+def leave_stop_signals_to_the_trainer() -> None:
+    """Ignore SIGTERM/SIGUSR1 in a data worker. Slurm (scancel, preemption, --signal) and `timeout` signal
+    every process of the job, the workers too; a worker ended by one made the trainer fail with "DataLoader
+    worker ... killed by signal" instead of finishing its step and saving (components/preemption.py). The
+    loader still ends its workers, and a worker whose trainer died exits by itself (PyTorch's parent watchdog)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+WORKER_THRESHOLD = 128 * 1024
+"""A data worker's allocation threshold and trim threshold, in bytes: glibc's starting values, kept fixed."""
+
+
+def return_freed_blocks() -> None:
+    """In a data worker, fix glibc's allocation and trim thresholds at `WORKER_THRESHOLD`: a decoded image or a
+    batch on its way to shared memory gets its own mapping, returned to the system when freed, and the heap gives
+    back a free top past that size. By default glibc raises the first threshold to each larger block freed (up to
+    32 MiB) and the second to twice it: later blocks of that size come from the heap, which gives freed memory back
+    only from its top and only past twice the threshold. Where the C library is not glibc (macOS, musl), nothing."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(M_MMAP_THRESHOLD, WORKER_THRESHOLD)
+    mallopt(M_TRIM_THRESHOLD, WORKER_THRESHOLD)
 
 
 def build_dataloader(
@@ -334,7 +359,7 @@ def build_dataloader(
             persistent_workers=False,
             pin_memory=pin_memory,
             prefetch_factor=max(2, min(-(-step_batches // num_workers), MAX_PREFETCH)) if num_workers else None,
-            worker_init_fn=leave_stop_signals_to_the_trainer,
+            worker_init_fn=start_worker,
             # its own generator: creating iterators must not draw from the global RNG, or a resumed
             # run (which creates one iterator fewer) would see different dropout/init randomness
             generator=torch.Generator(),
