@@ -4,7 +4,7 @@ against rows held as Python objects (`--baseline`) (CPU).
 
     python -m benchmarks.worker_memory_bench                                              # docs/performance.md's table
     python -m benchmarks.worker_memory_bench --rows 2000 --repeats 1 --out /tmp/w         # smoke (a minute)
-    python -m benchmarks.worker_memory_bench --rows 131072 --variants this before --baseline REV   # a change against REV
+    python -m benchmarks.worker_memory_bench --rows 131072 --variants this before --baseline REV  # a change vs REV
 
 Per kind and size, the file holds `--rows` rows: the CSV an image path (`img/N.png`, `--images` small PNGs cycled)
 and a caption of about 60 characters; the vl_pairs JSONL (retrieval mode t2t) a query of about 60 characters, a
@@ -303,6 +303,8 @@ def draw(rows: list[dict[str, Any]], meta: dict[str, Any]) -> Any:
             sizes = [r["rows"] for r in mine]
             ax.plot(sizes, [r["copied_mib"] for r in mine], style, label=f"{variant}: copied by each worker")
             ax.plot(sizes, [r["build_mib"] for r in mine], style, alpha=0.4, label=f"{variant}: the data built")
+            private = [r["worker_mib"] for r in mine]
+            ax.plot(sizes, private, style, linewidth=3, alpha=0.6, label=f"{variant}: each worker's private memory")
         sizes = sorted({r["rows"] for r in rows if r["kind"] == kind})
         ax.set_xscale("log")
         ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
@@ -311,7 +313,7 @@ def draw(rows: list[dict[str, Any]], meta: dict[str, Any]) -> Any:
         ax.set_ylabel("MiB")
         ax.set_title(f"{kind}: {meta['workers']} workers, one epoch", fontsize=9)
         ax.legend(fontsize=7)
-    fig.suptitle(f"what forked data workers copy of their rank, packed and before; {meta['cpu']}", fontsize=8)
+    fig.suptitle(f"what forked data workers copy of their rank, and hold in all; {meta['cpu']}", fontsize=8)
     fig.tight_layout()
     return fig
 

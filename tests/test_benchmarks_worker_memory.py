@@ -11,7 +11,7 @@ import pytest
 from tests.needs import require
 
 
-@pytest.mark.slow  # ~30 s: six fresh processes with two data workers each (CI runs the slow marker too)
+@pytest.mark.slow  # ~40 s: eight fresh processes with two data workers each (CI runs the slow marker too)
 def test_worker_memory_bench_measures_every_kind_and_variant(tmp_path: Path) -> None:
     require("hf")  # the vl_pairs rows go through a tiny random Qwen2-VL folder's processor
     from benchmarks import worker_memory_bench
@@ -25,3 +25,7 @@ def test_worker_memory_bench_measures_every_kind_and_variant(tmp_path: Path) -> 
     assert all(r["worker_mib"] > 0 and r["build_mib"] > 0 for r in result["rows"])
     assert result["meta"]["baseline"] == "cd47137" and result["meta"]["workers"] == 2
     assert (tmp_path / "worker_memory_bench.png").read_bytes()[:4] == b"\x89PNG"
+    two = ["--kinds", "csv", "--variants", "before", "this", "--out", str(tmp_path / "two")]
+    worker_memory_bench.main(["--rows", "2048", "--batch", "256", "--repeats", "1", *two])
+    result = json.loads((tmp_path / "two" / "worker_memory_bench.json").read_text())
+    assert [(r["kind"], r["variant"]) for r in result["rows"]] == [("csv", "before"), ("csv", "this")]
