@@ -399,23 +399,36 @@ class _HeapSeen(ImageTextDataset):
         return {**super().__getitems__(indices), "heap": torch.tensor([_mapped(8 << 20), _kept(256, 96 << 10)])}
 
 
+class _HeapChunks(torch.utils.data.Dataset):
+    """embed_images' chunks of `_HeapSeen`'s two numbers."""
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, chunk: int) -> list[int]:
+        return [_mapped(8 << 20), _kept(256, 96 << 10)]
+
+
 def _workers_keep() -> None:
+    from titan_contrastive.embed_images import rounds_of
+
     libc = _libc()
     libc.free(libc.malloc(16 << 20))  # as in a trainer: glibc's thresholds raised to 16 MiB, its heap's trim to 32
     dataset = tiny_dataset()
     dataset.__class__ = _HeapSeen
     loader = build_dataloader(dataset, local_batch_size=8, dp_rank=0, dp_world_size=1, seed=4, num_workers=1)
-    seen = [b["heap"].tolist() for b in take(loader, 3)]
+    seen = {"trainer": [b["heap"].tolist() for b in take(loader, 3)]}
     loader.end_workers()
-    assert all(mapped >= 8 << 20 and kept < 4 << 20 for mapped, kept in seen), seen
+    seen["embed_images"] = list(rounds_of(_HeapChunks(), 3, workers=1))
+    assert all(mapped >= 8 << 20 and kept < 4 << 20 for got in seen.values() for mapped, kept in got), seen
 
 
 @pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="glibc 2.33 or later")
 def test_workers_return_the_blocks_they_free() -> None:
-    """A data worker's freed blocks go back to the system (`loader.return_freed_blocks`): those of 128 KiB and more
-    have their own mappings, and the heap's free top is trimmed past 128 KiB, whatever thresholds glibc had raised
-    them to in the process the worker was forked from. That process is a fresh interpreter, whose heap holds no
-    free block an 8 MiB one could come from (this one's may)."""
+    """A data worker's freed blocks go back to the system (`loader.return_freed_blocks`; the trainer's workers and
+    embed_images'): those of 128 KiB and more have their own mappings, and the heap's free top is trimmed past
+    128 KiB, whatever thresholds glibc had raised them to in the process the worker was forked from. That process is
+    a fresh interpreter, whose heap holds no free block an 8 MiB one could come from (this one's may)."""
     probe = "from tests.test_data import _workers_keep; _workers_keep()"
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert run.returncode == 0, run.stderr[-2000:]

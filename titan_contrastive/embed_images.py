@@ -54,7 +54,7 @@ from titan_contrastive.components.precision import at_least_fp32, build_precisio
 from titan_contrastive.config import ConfigError, JobConfig, parse_args
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.frozen import BUNDLED_PROCESSED, TEACHER_LOGIT_SCALE
-from titan_contrastive.datasets.loader import started
+from titan_contrastive.datasets.loader import return_freed_blocks, started
 from titan_contrastive.datasets.vl_items import FILE_SIDES, ItemChunks
 from titan_contrastive.embed import OUT_FORMATS, write_rows
 from titan_contrastive.extras import import_failure
@@ -167,7 +167,9 @@ class FixedViews(torch.utils.data.Dataset):
 
 def rounds_of(chunks: torch.utils.data.Dataset, rounds: int, workers: int) -> Iterator[Any]:
     """`chunks` decoded by `workers` processes, then None until `rounds` items have been given."""
-    loader = started(torch.utils.data.DataLoader(chunks, batch_size=None, num_workers=workers))
+    loader = started(
+        torch.utils.data.DataLoader(chunks, batch_size=None, num_workers=workers, worker_init_fn=return_freed_blocks)
+    )
     for _ in range(rounds):
         yield next(loader, None)
 

@@ -269,12 +269,13 @@ WORKER_THRESHOLD = 128 * 1024
 """A data worker's allocation threshold and trim threshold, in bytes: glibc's starting values, kept fixed."""
 
 
-def return_freed_blocks() -> None:
-    """In a data worker, fix glibc's allocation and trim thresholds at `WORKER_THRESHOLD`: a decoded image or a
-    batch on its way to shared memory gets its own mapping, returned to the system when freed, and the heap gives
-    back a free top past that size. By default glibc raises the first threshold to each larger block freed (up to
-    32 MiB) and the second to twice it: later blocks of that size come from the heap, which gives freed memory back
-    only from its top and only past twice the threshold. Where the C library is not glibc (macOS, musl), nothing."""
+def return_freed_blocks(worker_id: int = 0) -> None:
+    """In a data worker (a `worker_init_fn` itself, as embed_images' workers take it), fix glibc's allocation and trim
+    thresholds at `WORKER_THRESHOLD`: a decoded image or a batch on its way to shared memory gets its own mapping,
+    returned to the system when freed, and the heap gives back a free top past that size. By default glibc raises
+    the first threshold to each larger block freed (up to 32 MiB) and the second to twice it: later blocks of that
+    size come from the heap, which gives freed memory back only from its top and only past twice the threshold.
+    Where the C library is not glibc (macOS, musl), nothing."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
