@@ -355,11 +355,8 @@ class _MallInfo(ctypes.Structure):
 
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None)
-    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = (
-        ctypes.c_void_p,
-        [ctypes.c_size_t],
-        [ctypes.c_void_p],
-    )
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
     libc.mallinfo2.restype = _MallInfo
     return libc
 
