@@ -388,22 +388,27 @@ def _kept(count: int, size: int) -> int:
     return resident() - before
 
 
+def _blocks_seen() -> list[int]:
+    """What this process's C library mapped of an 8 MiB block, and the resident memory it kept of 24 MiB allocated
+    and freed in blocks of 96 KiB (below the threshold: from the heap)."""
+    return [_mapped(8 << 20), _kept(256, 96 << 10)]
+
+
 class _HeapSeen(ImageTextDataset):
-    """tiny_dataset's samples, each batch with what its worker's C library mapped of an 8 MiB block, and the resident
-    memory it kept of 24 MiB allocated and freed in blocks of 96 KiB (below the threshold: from the heap)."""
+    """tiny_dataset's samples, each batch with its worker's `_blocks_seen`."""
 
     def __getitems__(self, indices):
-        return {**super().__getitems__(indices), "heap": torch.tensor([_mapped(8 << 20), _kept(256, 96 << 10)])}
+        return {**super().__getitems__(indices), "heap": torch.tensor(_blocks_seen())}
 
 
 class _HeapChunks(torch.utils.data.Dataset):
-    """embed_images' chunks of `_HeapSeen`'s two numbers."""
+    """embed_images' chunks, each its worker's `_blocks_seen`."""
 
     def __len__(self) -> int:
         return 3
 
     def __getitem__(self, chunk: int) -> list[int]:
-        return [_mapped(8 << 20), _kept(256, 96 << 10)]
+        return _blocks_seen()
 
 
 def _workers_keep() -> None:
