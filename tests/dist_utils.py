@@ -17,10 +17,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from titan_contrastive.parallelisms import destroy_distributed
+
+# a test's world sizes where it runs on two and four processes: the four-process run in the slow suite, which CI
+# runs too (the default suite's time; the two-process run stays in it)
+TWO_AND_FOUR = [2, pytest.param(4, marks=pytest.mark.slow)]
 
 # imported once in the fork server; a module that is not installed is skipped by multiprocessing
 PRELOAD = ["torch", "torch.distributed", "titan_contrastive.train", "transformers", "peft", "tests.dist_utils"]

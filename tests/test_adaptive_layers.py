@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import TWO_AND_FOUR, run_distributed
 from tests.needs import needs
 from tests.test_objectives import CASES, N, _close, leaves, objective_of, problem, reference
 from titan_contrastive.losses import MicrobatchLoss, Ranks
@@ -180,7 +180,7 @@ def _distributed(names: list[str]) -> None:
         _close(lq.grad / world, want_q[own], f"{lcase['name']} microbatch dq")
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", TWO_AND_FOUR)
 def test_the_distributed_forms_match_the_definition(world: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_distributed(_distributed, world, [LAYERS[i][1]["name"] for i in (0, 2, 4)])

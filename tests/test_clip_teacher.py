@@ -254,7 +254,11 @@ def _on_ranks(tmp: str, teacher: str, local: int, ga: int, layout: list[str]) ->
 DDP = ["--parallelism.data_parallel_replicate_degree=-1", "--parallelism.data_parallel_shard_degree=1"]
 
 
-@pytest.mark.parametrize("world, local, ga, layout", [(2, 3, 2, []), (4, 2, 3, DDP)], ids=["fsdp2", "ddp4"])
+@pytest.mark.parametrize(
+    "world, local, ga, layout",
+    [(2, 3, 2, []), pytest.param(4, 2, 3, DDP, marks=pytest.mark.slow)],
+    ids=["fsdp2", "ddp4"],
+)
 def test_global_negatives_on_ranks_gather_the_teacher_s_embeddings(
     tmp_path: Path, teacher: Path, world: int, local: int, ga: int, layout: list[str]
 ) -> None:

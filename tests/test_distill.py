@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import TWO_AND_FOUR, run_distributed
 from tests.test_guide import guide_of
 from tests.test_objectives import CASES, N, _close, leaves, objective_of, problem, reference
 from titan_contrastive.config import ConfigError, JobConfig
@@ -182,7 +182,7 @@ def _distributed(names: list[str]) -> None:
 DIST_CASES = [d["name"] for _, d in PAIRS[1::2]]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", TWO_AND_FOUR)
 def test_distributed_forms_match_the_definition(world: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_distributed(_distributed, world, DIST_CASES)
@@ -333,7 +333,7 @@ def _model_distributed(names: list[str]) -> None:
         _close(lq.grad / world, want_q[own], f"{dcase['name']} microbatch dq")
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", TWO_AND_FOUR)
 def test_a_teacher_models_distributed_forms_match_the_definition(world: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_distributed(_model_distributed, world, [d["name"] for _, d in MODEL_PAIRS[::2]])

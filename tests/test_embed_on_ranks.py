@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import TWO_AND_FOUR, run_distributed
 from tests.test_export import step_folder
 from tests.test_image_teacher_ahead import (
     RGB_TEACHER,
@@ -67,7 +67,7 @@ def assert_same_rows(got: Path, want: Path) -> None:
     assert a.schema.metadata == b.schema.metadata
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", TWO_AND_FOUR)
 def test_ranks_write_the_teacher_s_rows_of_one_process(tmp_path: Path, bundled: tuple[Path, Path], world: int) -> None:
     teacher, one = bundled
     out = tmp_path / "ranks.parquet"

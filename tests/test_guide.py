@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import TWO_AND_FOUR, run_distributed
 from tests.test_objectives import (
     CASES,
     DIRECTION_SETS,
@@ -145,7 +145,7 @@ def _distributed(case_names: list[str]) -> None:
 DIST_CASES = [c["name"] for c in GUIDE_CASES if c["masking"] == MASKINGS["all"] and c["k"]]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", TWO_AND_FOUR)
 def test_guided_distributed_forms_match_the_definition(world: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_distributed(_distributed, world, DIST_CASES)

@@ -230,7 +230,11 @@ def _on_ranks(tmp: str, path: str, local: int, ga: int, layout: list[str]) -> No
 DDP = ["--parallelism.data_parallel_replicate_degree=-1", "--parallelism.data_parallel_shard_degree=1"]
 
 
-@pytest.mark.parametrize("world, local, ga, layout", [(2, 3, 2, []), (4, 2, 3, DDP)], ids=["fsdp2", "ddp4"])
+@pytest.mark.parametrize(
+    "world, local, ga, layout",
+    [(2, 3, 2, []), pytest.param(4, 2, 3, DDP, marks=pytest.mark.slow)],
+    ids=["fsdp2", "ddp4"],
+)
 def test_global_negatives_on_ranks_gather_the_carried_embeddings(
     tmp_path: Path, bundled: tuple[Path, Path], world: int, local: int, ga: int, layout: list[str]
 ) -> None:

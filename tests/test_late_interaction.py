@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import TWO_AND_FOUR, run_distributed
 from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
 from tests.test_objectives import N, leaves
 from titan_contrastive.losses import InfoNCE, MicrobatchLoss, Ranks
@@ -103,7 +103,7 @@ def _distributed() -> None:
         )
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", TWO_AND_FOUR)
 def test_distributed_forms_match_the_definition(world: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_distributed(_distributed, world)

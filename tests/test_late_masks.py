@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import TWO_AND_FOUR, run_distributed
 from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
 from tests.test_late_interaction import DIM, LD, LQ, maxsim, problem
 from tests.test_objectives import HARDNESS, MASKINGS, N, _logit, leaves
@@ -213,7 +213,7 @@ def _distributed() -> None:
     assert_distributed_forms(objective, problem_, want, "own documents", own_only=OWN)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", TWO_AND_FOUR)
 def test_distributed_forms_match_the_definition(world: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_distributed(_distributed, world)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import TWO_AND_FOUR, run_distributed
 from tests.needs import needs
 from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
 from tests.test_late_distill import reference_term, teacher_of
@@ -104,7 +104,7 @@ def _distributed() -> None:
         assert_distributed_forms(objective_of(case), problem_, want, name, teacher)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", TWO_AND_FOUR)
 def test_distributed_forms_match_the_definition(world: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_distributed(_distributed, world)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import TWO_AND_FOUR, run_distributed
 from tests.objective_forms import assert_distributed_forms, assert_forms, per_sample, wanted
 from tests.test_late_interaction import DIM, LD, LQ
 from tests.test_late_masks import K, _guide, masked_by, masked_problem, maxsim_table
@@ -175,7 +175,7 @@ def _distributed() -> None:
         _assert_bias(objective, problem_, db, guide, ranks, own)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", TWO_AND_FOUR)
 def test_distributed_forms_match_the_definition(world: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_distributed(_distributed, world)

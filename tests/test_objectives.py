@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import TWO_AND_FOUR, run_distributed
 from titan_contrastive.losses import FalseNegatives, Hardness, InfoNCE, Matryoshka, Ranks, Sigmoid
 
 TOL = 1e-10
@@ -394,7 +394,7 @@ def _distributed_case(case: dict) -> bool:
 DIST_CASES = [c["name"] for c in CASES if _distributed_case(c)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", TWO_AND_FOUR)
 def test_distributed_forms_match_the_definition(world: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_distributed(_distributed, world, _distributed_wants())

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import TWO_AND_FOUR, run_distributed
 from tests.needs import needs
 from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
 from tests.test_late_interaction import maxsim
@@ -171,7 +171,7 @@ def _distributed() -> None:
         assert_distributed_forms(case[1], problem, want, case[0])
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", TWO_AND_FOUR)
 def test_distributed_forms_match_colpali_engines_loss(world: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_distributed(_distributed, world)
@@ -286,7 +286,7 @@ def _distributed_masks() -> None:
         assert_distributed_forms(objective, problem, want, case[0])
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", TWO_AND_FOUR)
 def test_distributed_masks(world: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_distributed(_distributed_masks, world)

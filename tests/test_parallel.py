@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import TWO_AND_FOUR, run_distributed
 from titan_contrastive.components.nonfinite import NonFiniteError, NonFiniteGuard
 from titan_contrastive.config import ConfigError, parse_args
 from titan_contrastive.parallelisms import destroy_distributed
@@ -91,7 +91,7 @@ def layout(name: str, replicate: int, shard: int, ga: int, world: int, defer: bo
     )
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", TWO_AND_FOUR)
 def test_layouts_match_a_single_process(tmp_path: Path, world: int) -> None:
     if world == 2:
         layouts = [

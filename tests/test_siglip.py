@@ -139,7 +139,7 @@ def test_trainer_single_process(tmp_path: Path, negatives: str, local: int, ga: 
     [
         (2, "microbatch", DDP),
         (2, "global", FIXED),
-        (4, "microbatch", GRADCACHE),
+        pytest.param(4, "microbatch", GRADCACHE, marks=pytest.mark.slow),  # the default suite's time
         (4, "global", [*DDP, *GRADCACHE]),
     ],
     ids=["2-ddp-micro", "2-fsdp-global-fixed", "4-fsdp-micro-gradcache", "4-ddp-global-gradcache"],

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import TWO_AND_FOUR, run_distributed
 from tests.hf_folders import architecture_folder, decoder_folder
 from tests.needs import needs
 from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
@@ -111,7 +111,7 @@ def _distributed() -> None:
         assert_distributed_forms(flops_of(case, fcase), problem, want, fcase["name"])
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", TWO_AND_FOUR)
 def test_distributed_forms_match_the_definition(world: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_distributed(_distributed, world)

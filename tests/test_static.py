@@ -231,7 +231,7 @@ def _distributed(tmp: str, ddp: bool) -> None:
 
 
 @needs("hf")
-@pytest.mark.parametrize("world,parallel", [(2, "fsdp2"), (2, "ddp"), (4, "fsdp2")])
+@pytest.mark.parametrize("world,parallel", [(2, "fsdp2"), (2, "ddp"), pytest.param(4, "fsdp2", marks=pytest.mark.slow)])
 def test_global_negatives_across_ranks(tmp_path: Path, world: int, parallel: str) -> None:
     """Each table sharded by rows (FSDP2) or replicated (DDP) on 2 and 4 gloo processes."""
     static_folder(tmp_path)

@@ -232,7 +232,7 @@ def _dp_microbatch_negatives(tmp: str, local: int, ga: int) -> None:
     assert_close(grads(trainer.model), grads(reference))
 
 
-@pytest.mark.parametrize("world, local, ga", [(2, 3, 2), (4, 2, 3)])
+@pytest.mark.parametrize("world, local, ga", [(2, 3, 2), pytest.param(4, 2, 3, marks=pytest.mark.slow)])
 def test_data_parallel_microbatch_negatives_match_dense(tmp_path: Path, world: int, local: int, ga: int) -> None:
     run_distributed(_dp_microbatch_negatives, world, str(tmp_path), local, ga)
 

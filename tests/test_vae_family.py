@@ -105,8 +105,8 @@ def _dp_vae(tmp: str, mode: str, layout: list[str]) -> None:
     [
         (2, "per_chunk_backward", DDP),
         (2, "chunked", []),
-        (4, "per_chunk_backward", DDP),
-        (4, "v0", []),
+        pytest.param(4, "per_chunk_backward", DDP, marks=pytest.mark.slow),  # the default suite's time
+        pytest.param(4, "v0", [], marks=pytest.mark.slow),
     ],
     ids=["2-ddp-per_chunk", "2-fsdp2-chunked", "4-ddp-per_chunk", "4-fsdp2-v0"],
 )

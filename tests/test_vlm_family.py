@@ -193,7 +193,11 @@ def _dp_vlm_gradcache(tmp: str, layout: list[str]) -> None:
     assert_close(grads(trainer.model), grads(reference))
 
 
-@pytest.mark.parametrize("world, layout", [(2, []), (2, DDP), (4, [])], ids=["2-fsdp2", "2-ddp", "4-fsdp2"])
+@pytest.mark.parametrize(
+    "world, layout",
+    [(2, []), (2, DDP), pytest.param(4, [], marks=pytest.mark.slow)],
+    ids=["2-fsdp2", "2-ddp", "4-fsdp2"],
+)
 def test_data_parallel_vlm_gradcache_matches_dense(tmp_path: Path, world: int, layout: list[str]) -> None:
     run_distributed(_dp_vlm_gradcache, world, str(tmp_path), layout)
 
