@@ -53,6 +53,32 @@ def test_lists_split_at_commas_on_the_command_line_only(tmp_path: Path) -> None:
     assert cfg.data.query_prompts == ["q, 1: ", ""] and cfg.data.doc_prompts == []
 
 
+def test_a_toml_array_on_the_command_line_is_read_as_the_config_file_reads_it() -> None:
+    """`--a.b='["x", "y"]'` is a list of two texts, not three comma-split pieces with brackets and quotes in them; a
+    prompt in brackets (`[Q] `) stays a text; an unquoted bracketed list is a one-line error with both fixes."""
+    cfg = parse_args(
+        [
+            '--data.pairs_columns=["query", "positive_passages", "negative_passages"]',
+            "--loss.matryoshka_dims=[64, 32]",
+            "--loss.matryoshka_weights",
+            "[1, 0.5]",
+            "--data.query_prompts=[Q] ",
+            "--data.doc_prompts=[D],[E]",
+            "--model.freeze=[]",
+        ]
+    )
+    assert cfg.data.pairs_columns == ["query", "positive_passages", "negative_passages"]
+    assert cfg.loss.matryoshka_dims == [64, 32] and cfg.loss.matryoshka_weights == [1.0, 0.5]
+    assert cfg.data.query_prompts == ["[Q] "] and cfg.data.doc_prompts == ["[D]", "[E]"] and cfg.model.freeze == []
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--data.pairs_columns=[query, pos]"])
+    message = str(info.value)
+    assert "\n" not in message and "data.pairs_columns='[query, pos]'" in message, message
+    assert """--data.pairs_columns='["a", "b"]'""" in message and "--data.pairs_columns=query,pos" in message, message
+    with pytest.raises(ConfigError, match=r"data.pairs_columns=3 is invalid: expected a string"):
+        parse_args(['--data.pairs_columns=["q", 3]'])
+
+
 def test_shipped_configs_parse() -> None:
     for path in sorted((REPO / "train_configs").glob("*.toml")):
         parse_args(["--job.config_file", str(path)])

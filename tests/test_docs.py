@@ -177,7 +177,8 @@ def shell_lines(body: str) -> list[str]:
 
 # ---------------------------------------------------------------- the checks
 
-FLAG = re.compile(r"(?<![\w.-])--([A-Za-z_][\w-]*)\.([A-Za-z_][\w-]*)(?:=(\S*))?")
+# a value in quotes (`--a.b='[1, 2]'`) is read whole, as the shell reads it
+FLAG = re.compile(r"(?<![\w.-])--([A-Za-z_][\w-]*)\.([A-Za-z_][\w-]*)(?:=('[^']*'|\S*))?")
 PATH = re.compile(
     r"(?<![\w./{<$-])((?:titan_contrastive|train_configs|benchmarks|scripts|tests|docs|results|"
     + "|".join(PACKAGE_DIRS)
@@ -203,7 +204,8 @@ def check_text_mentions(text: str, where: str) -> list[str]:
     """Flags, config keys and file paths named in a piece of text (a code span or a command)."""
     errors = []
     for section, key, value in FLAG.findall(text):
-        errors += check_flag(section, key, value.rstrip("'\";),") if value else None, where)
+        quoted = len(value) > 1 and value[0] == value[-1] == "'"
+        errors += check_flag(section, key, value[1:-1] if quoted else value.rstrip("'\";),") or None, where)
     for path in PATH.findall(text):
         errors += check_path(path, where)
     return errors

@@ -2,7 +2,7 @@
 
 Order of operations in `parse_args`:
 1. split argv into `--section.key` options and their values (`--a.b=v`, `--a.b v`, and for
-   list fields `--a.b v1 v2` or `--a.b=v1,v2`); check every key and value against the
+   list fields `--a.b v1 v2`, `--a.b=v1,v2` or a TOML array `--a.b='[v1, v2]'`); check every key and value against the
    dataclass types;
 2. read the TOML named by `--job.config_file`, check it the same way, apply it to the defaults;
 3. apply the checked command-line values over that; with `--help`, hand the normalised argv to
@@ -116,7 +116,10 @@ def coerce(key: str, value: Any, tp: Any, origin: str) -> Any:
         items = value if isinstance(value, list) else [value]
         # `--a.b=` empties a list; one CLI value (or TOML string) splits at commas, a TOML list never does
         toml_list = isinstance(value, list) and origin != CLI
-        if not toml_list and len(items) == 1 and isinstance(items[0], str) and ("," in items[0] or not items[0]):
+        array = _cli_array(key, items[0]) if origin == CLI and len(items) == 1 and isinstance(items[0], str) else None
+        if array is not None:  # `--a.b='["x", "y"]'`: a TOML array, as the config file writes it
+            items = array
+        elif not toml_list and len(items) == 1 and isinstance(items[0], str) and ("," in items[0] or not items[0]):
             items = [v for v in items[0].split(",") if v]
         return [coerce(key, v, item_tp, origin) for v in items]
     if isinstance(value, list):  # the command line gives every value as a list of strings; a TOML list is not a scalar
@@ -157,6 +160,26 @@ def coerce(key: str, value: Any, tp: Any, origin: str) -> Any:
             raise bad("a string")
         return value
     raise bad(f"a value of type {tp}")  # pragma: no cover - only for new field types
+
+
+def _cli_array(key: str, text: str) -> list[Any] | None:
+    """A command-line value written as a TOML array (`["query", "pos"]`, `[768, 256]`): its items; None for a value
+    that is no list in brackets (`[Q] `, a prompt); a ConfigError for one that is, but not in TOML (`[query, pos]`:
+    its commas would split it into bracketed pieces)."""
+    inner = text.strip()
+    if not (inner.startswith("[") and inner.endswith("]")) or "[" in inner[1:-1] or "]" in inner[1:-1]:
+        return None
+    try:
+        items = tomllib.loads(f"v = {inner}")["v"]
+    except tomllib.TOMLDecodeError:
+        if not any(c in inner for c in ",'\""):
+            return None
+        bare = ",".join(v.strip().strip("'\"") for v in inner[1:-1].split(","))
+        raise ConfigError(
+            f"{CLI}: {key}={text!r} is invalid: a list in brackets is read as a TOML array; quote its texts "
+            f'(--{key}=\'["a", "b"]\') or give the items comma-separated (--{key}={bare})'
+        ) from None
+    return items
 
 
 def split_cli(argv: list[str]) -> dict[str, list[str]]:
