@@ -19,7 +19,8 @@ workers), then draws batches of `--batch` rows. Per variant, medians of `--repea
   (what the allocators kept of the rows read, too); `tokens_mib`: what the set's token ids take (`nbytes`);
 - `load_s`: the build's seconds; `batch_ms`: the median of 20 batches' `__getitems__`.
 `file_mib` is the file's size. `this` is this tree; `before` the baseline's package (default 4c6e351, the last commit
-before the token table), extracted by `harness.package_at`. Writes pairs_load_bench.{json,csv,png} under --out.
+before the token table), extracted by `harness.package_at`. Writes pairs_load_bench.{json,csv,png} (`--name`: another
+stem) under --out.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--baseline", default="4c6e351", help="the commit before the token table")
     p.add_argument("--out", default=str(harness.RESULTS))
+    p.add_argument("--name", default=NAME, help="the results' file stem (another baseline's comparison beside)")
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # a measurement (run_once)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -188,7 +190,7 @@ def draw(rows: list[dict[str, Any]], meta: dict[str, Any]) -> Any:
             ax.set_ylabel(label)
             ax.set_title(kind, fontsize=9)
             ax.legend(fontsize=7)
-    fig.suptitle(f"a text-pairs set's memory and build, token table and before; {meta['cpu']}", fontsize=8)
+    fig.suptitle(f"a text-pairs set's memory and build, this tree and {meta['baseline']}; {meta['cpu']}", fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="pairs_load_") as folder:
         rows = measure(args, Path(folder))
     harness.write_results(
-        args.out, NAME, meta, {"args": vars(args)}, rows=rows, fields=FIELDS, figure=lambda: draw(rows, meta)
+        args.out, args.name, meta, {"args": vars(args)}, rows=rows, fields=FIELDS, figure=lambda: draw(rows, meta)
     )
 
 

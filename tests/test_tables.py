@@ -1,6 +1,6 @@
 """Table files read a row at a time (`datasets/tables.py`): a JSON string's own line separators stay in it, an Arrow
-file read in batches gives pyarrow's rows, and a damaged file read by vl_pairs as it packs is still one line naming
-the file."""
+file read in batches gives pyarrow's rows, a damaged file read by vl_pairs as it packs or by text pairs is still one
+line naming the file, and text pairs hold each distinct text once, never the whole file."""
 
 from __future__ import annotations
 
@@ -85,3 +85,53 @@ def test_a_damaged_file_is_one_line_naming_it(tmp_path: Path, kind: str) -> None
         says = r"rows.parquet: not a readable parquet file \(\w+"
     with pytest.raises(DataError, match=says):
         VLPairsDataset(split="train", path=str(file), mode="t2t")
+    with pytest.raises(DataError, match=says):  # text pairs, read a row at a time too
+        read_rows(str(file), ("query_text", "doc_text"))
+
+
+def _passage(text: str, i: int) -> dict[str, str]:
+    return {"docid": str(i), "title": "", "text": text}
+
+
+def test_text_pairs_hold_each_distinct_text_once_and_never_the_whole_file(tmp_path: Path) -> None:
+    """tevatron's rows of a corpus's passages, each passage the negative of many queries, in two shards: the rows are
+    read one at a time and a passage read again is the text already held, so reading them takes a small part of the
+    file's bytes (holding the file's rows, or a copy of each passage per row, takes more than the file)."""
+    import tracemalloc
+
+    corpus = [f"passage {i} " + "lorem ipsum " * 399 + "lorem" for i in range(4)]  # ~4.8 KB each
+    rows = [
+        {
+            "query": f"query {i}",
+            "positive_passages": [_passage(corpus[i % 4], i % 4)],
+            "negative_passages": [_passage(corpus[(i + j) % 4], (i + j) % 4) for j in range(1, 6)],
+        }
+        for i in range(240)
+    ]
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for k, part in enumerate((rows[:120], rows[120:])):
+        (folder / f"part-{k}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    size = sum(f.stat().st_size for f in folder.iterdir())
+    columns = ("query", "positive_passages", "negative_passages")
+    tracemalloc.start()
+    try:
+        read = read_rows(str(folder), columns, pooled=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [r[0] for r in read.texts] == [f"query {i}" for i in range(240)]
+    assert all(row[1:] == [corpus[(i + j) % 4] for j in range(6)] for i, row in enumerate(read.texts))
+    assert read.texts[0][1] is read.texts[4][1] is read.texts[200][1]  # the same text object, across the shards too
+    assert size > 6_000_000 and peak < size / 8, (peak, size)
+
+
+def test_a_named_column_no_json_row_has_is_one_line(tmp_path: Path) -> None:
+    """As a CSV's header is checked: not a bad row for every line of the file."""
+    file = tmp_path / "rows.jsonl"
+    file.write_text("".join(json.dumps({"query": f"q {i}", "pos": f"d {i}", "more": "x"}) + "\n" for i in range(5)))
+    with pytest.raises(
+        DataError, match=r"rows.jsonl: no column 'positive' \(columns: more, pos, query\); fix data.pairs_columns"
+    ):
+        read_rows(str(file), ("query", "positive"))
+    assert read_rows(str(file), ("query", "pos")).texts == [[f"q {i}", f"d {i}"] for i in range(5)]

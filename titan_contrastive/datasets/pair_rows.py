@@ -37,17 +37,18 @@ stops, naming the file and row.
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import logging
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.shards import shard_files
-from titan_contrastive.datasets.tables import read_table
+from titan_contrastive.datasets.tables import Rows, table_rows
 
 logger = logging.getLogger("titan_contrastive")
 
@@ -109,11 +110,6 @@ def document_scores(value: Any, width: int, margins: bool = False) -> list[float
     return [float(v) for v in values] if len(values) == width else None
 
 
-def _keys(names: list[str] | None, raw: list[Any]) -> set[str]:
-    """The columns of a file's rows."""
-    return set(names) if names is not None else {k for row in raw if isinstance(row, dict) for k in row}
-
-
 def _flag_columns(file: Path, keys: set[str], teacher: str) -> bool:
     """Whether rows of these columns are FlagEmbedding's (query, pos, neg; its scores and prompt beside them),
     said once in the log with what is read of them."""
@@ -136,22 +132,26 @@ def _flag_scored(keys: set[str]) -> bool:
 def _check_columns(
     file: Path,
     names: list[str] | None,
-    raw: list[Any],
+    dicts: bool,
+    first: Any,
     keys: set[str],
     columns: Sequence[str],
     id_column: str,
     teacher: str,
 ) -> tuple[bool, str]:
     """(whether the rows have an id column, the teacher's scores column or ""); a DataError for a
-    column that is not there or not allowed (`keys`: the file's columns)."""
+    column that is not there or not allowed (`keys`: the file's columns; `dicts`: whether every row is a dict,
+    `first` the first of them)."""
     if id_column and id_column in columns:
         raise DataError(
             f"data.pairs_id_column={id_column!r} is also in data.pairs_columns={list(columns)}: the id is not a "
             "text; take it out of one of them"
         )
-    missing = [c for c in columns if names is not None and c not in keys]
+    named = names is not None or dicts and bool(keys)  # JSON lines of objects name their columns too
+    missing = [c for c in columns if named and c not in keys]
     if missing:
-        raise DataError(f"{file}: no column {missing[0]!r} (columns: {', '.join(names or [])}); fix data.pairs_columns")
+        shown = ", ".join(names if names is not None else sorted(keys))
+        raise DataError(f"{file}: no column {missing[0]!r} (columns: {shown}); fix data.pairs_columns")
     if id_column and id_column not in keys and id_column != "id":
         raise DataError(
             f"data.pairs_id_column={id_column!r}: {file} has no such column (columns: {', '.join(map(str, keys))}); "
@@ -161,7 +161,7 @@ def _check_columns(
     if teacher and tuple(columns) == FLAG_TEXTS and _flag_scored(keys):
         return has_ids, _FLAG_SCORED
     if teacher:
-        if len(scored) != 1 or names is None and not all(isinstance(row, dict) for row in raw):
+        if len(scored) != 1 or names is None and not dicts:
             raise DataError(
                 f"loss.distill={teacher}: {file} needs the teacher's scores in one named column, label, labels, score "
                 f"or scores, or FlagEmbedding's {' and '.join(FLAG_SCORES)} (found: {', '.join(scored) or 'none'}); "
@@ -169,8 +169,7 @@ def _check_columns(
             )
         return has_ids, scored[0]
     if scored and not columns:
-        first = next((row.get(scored[0]) for row in raw if isinstance(row, dict)), None)
-        if len(scored) == 1 and _score_list(first):
+        if len(scored) == 1 and _score_list(None if first is None else first.get(scored[0])):
             logger.info(
                 f"{file}: the teacher's scores in its {scored[0]!r} column are not read (loss.distill reads them)"
             )
@@ -200,10 +199,12 @@ def read_rows(
     """The usable rows of a pairs file, their ids and (`teacher`: the loss.distill kind) the
     teacher's scores (see the module docstring); `split`: which split of a saved DatasetDict; `pooled`:
     lists of positives and any number of negatives per row. A pattern or a folder of shards
-    (`shards.shard_files`): each file's, joined in order."""
+    (`shards.shard_files`): each file's, joined in order. The rows are read one at a time and each distinct text is
+    held once, however many rows repeat it (a corpus's passages as many queries' negatives)."""
     files = shard_files(path, FORMATS)
+    seen: dict[str, str] = {}
     if files is not None:
-        parts = [read_rows(str(f), columns, id_column, max_bad_fraction, split, teacher, pooled) for f in files]
+        parts = [_read_file(f, columns, id_column, max_bad_fraction, split, teacher, pooled, seen) for f in files]
         return _shards_joined(path, files, parts)
     file = Path(path).expanduser()
     if not (file.is_dir() or (file.suffix in FORMATS and file.is_file())):
@@ -211,24 +212,77 @@ def read_rows(
             f"data.path={path}: not an existing {'/'.join(FORMATS)} file or save_to_disk folder; give "
             "query/positive[/negative] rows in one of those"
         )
+    return _read_file(file, columns, id_column, max_bad_fraction, split, teacher, pooled, seen)
+
+
+def _opened(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, Rows]:
+    """`tables.table_rows`, its errors on opening the file a DataError naming it."""
     try:
-        names, raw = read_table(file, columns, split)
-    except DataError:
-        raise
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise DataError(f"{file}: not readable ({type(e).__name__}: {e})") from None
+        return table_rows(file, columns, split)
+    except Exception as e:  # noqa: BLE001 - mapped as `_guarded` maps them
+        raise _unreadable(file, e) from None
+
+
+def _guarded(file: Path, rows: Iterator[Any]) -> Iterator[Any]:
+    """`rows`, an error of reading them (a damaged file) a DataError naming the file."""
+    try:
+        yield from rows
     except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file, a JSON line of no row
-        raise DataError(f"{file}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})") from None
-    keys = _keys(names, raw)
+        raise _unreadable(file, e) from None
+
+
+def _unreadable(file: Path, e: Exception) -> DataError:
+    if isinstance(e, DataError):
+        return e
+    if isinstance(e, (OSError, UnicodeDecodeError, csv.Error)):
+        return DataError(f"{file}: not readable ({type(e).__name__}: {e})")
+    return DataError(f"{file}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})")
+
+
+def _columns(
+    file: Path, columns: Sequence[str], split: str
+) -> tuple[list[str] | None, set[str], bool, int, Any, Iterator[Any]]:
+    """(the column names or None, the rows' columns, whether every row is a dict, how many rows, the first dict row
+    or None, the rows from the first). JSON lines, CSV and TSV are read once for it first, a row at a time, keeping
+    none; Parquet and Arrow files say how many rows they hold."""
+    names, rows = _opened(file, columns, split)
+    keys, dicts, count, first = set(names or ()), True, rows.length, None
+    if count is not None and names is not None:
+        first = next(_guarded(file, rows), None)
+        return names, keys, dicts, count, first, itertools.chain([first] if count else [], _guarded(file, rows))
+    count = 0
+    for row in _guarded(file, rows):
+        count += 1
+        if not isinstance(row, dict):
+            dicts = False
+            continue
+        first = row if first is None else first
+        if names is None:
+            keys.update(row)
+    return names, keys, dicts, count, first, _guarded(file, _opened(file, columns, split)[1])
+
+
+def _read_file(
+    file: Path,
+    columns: Sequence[str],
+    id_column: str,
+    max_bad_fraction: float,
+    split: str,
+    teacher: str,
+    pooled: bool,
+    seen: dict[str, str],
+) -> PairRows:
+    """`read_rows` of one file; `seen`: the texts read so far, each held once (a text read again is that object)."""
+    names, keys, dicts, total, first, table = _columns(file, columns, split)
     flag = not columns and _flag_columns(file, keys, teacher)
     columns, prompted = (FLAG_TEXTS, FLAG_PROMPT in keys) if flag else (columns, False)
-    has_ids, score_column = _check_columns(file, names, raw, keys, columns, id_column, teacher)
+    has_ids, score_column = _check_columns(file, names, dicts, first, keys, columns, id_column, teacher)
     rows, ids, scores, counts, prompts, skipped, width = [], [], [], [], [], Counter(), 0
-    for n, row in enumerate(raw):
+    for n, row in enumerate(table):
         values, ident, scored = _fields(row, columns, id_column if has_ids else "", score_column)
         positives = _positives(values, file, n, pooled, id_column if has_ids else "")
         values = values[:1] + positives + [t for v in values[2:] for t in (v if isinstance(v, (list, tuple)) else [v])]
-        texts = [_text(t) for t in values]
+        texts = [seen.setdefault(t, t) for t in map(_text, values)]
         ident = "" if ident is None else str(ident).strip()
         width = width or len(texts)
         docs = len(texts) - 1 if pooled else width - 1
@@ -249,9 +303,9 @@ def read_rows(
         if reason:
             skipped[reason] += 1
             logger.warning(f"{file} row {n + 1}: {reason}; skipped")
-            if sum(skipped.values()) > max(1, int(max_bad_fraction * len(raw))):
+            if sum(skipped.values()) > max(1, int(max_bad_fraction * total)):
                 raise DataError(
-                    f"{file}: {sum(skipped.values())} bad rows of {len(raw)} exceed "
+                    f"{file}: {sum(skipped.values())} bad rows of {total} exceed "
                     f"data.max_bad_fraction={max_bad_fraction} "
                     f"({dict(skipped)}; last: row {n + 1}); fix the file or raise data.max_bad_fraction"
                     + (
@@ -266,7 +320,7 @@ def read_rows(
         scores.append(row_scores)
         counts.append(len(positives))
         prompt = row.get(FLAG_PROMPT) if prompted and isinstance(row, dict) else ""
-        prompts.append(prompt if isinstance(prompt, str) else "")
+        prompts.append(seen.setdefault(prompt, prompt) if isinstance(prompt, str) else "")
     if not rows:
         bad = f" ({dict(skipped)} skipped)" if skipped else ""
         raise DataError(f"{file}: no usable rows{bad}; every row needs a query and a positive")

@@ -15,10 +15,21 @@ from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.hf_disk import open_hf_dataset
 from titan_contrastive.extras import import_failure
 
-__all__ = ["read_table", "table_rows"]
+__all__ = ["Rows", "read_table", "table_rows"]
 
 BATCH = 4096
 """Rows an Arrow table (Parquet, a saved dataset) is read by at a time."""
+
+
+class Rows(Iterator[Any]):
+    """A table's rows one at a time, and how many there are where the file says so without being read (`length`:
+    Parquet's footer, an Arrow dataset; None for JSON lines, CSV and TSV)."""
+
+    def __init__(self, rows: Iterator[Any], length: int | None = None) -> None:
+        self._rows, self.length = rows, length
+
+    def __next__(self) -> Any:
+        return next(self._rows)
 
 
 def read_table(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, list[Any]]:
@@ -28,23 +39,23 @@ def read_table(file: Path, columns: Sequence[str], split: str) -> tuple[list[str
     return names, list(rows)
 
 
-def table_rows(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, Iterator[Any]]:
+def table_rows(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, Rows]:
     """`read_table`'s column names and its rows one at a time, read from the file as they are iterated: a reader that
     keeps what it needs of each row never holds the whole file. A damaged file's error comes from the iteration."""
     if file.is_dir() or file.suffix == ".arrow":
         ds = open_hf_dataset(str(file), split, kind="pairs", suffixes={".arrow": "arrow"})
-        return list(ds.column_names), _batched(ds.with_format("arrow").iter(batch_size=BATCH))
+        return list(ds.column_names), Rows(_batched(ds.with_format("arrow").iter(batch_size=BATCH)), len(ds))
     if file.suffix == ".jsonl":
-        return None, _json_lines(file)
+        return None, Rows(_json_lines(file))
     if file.suffix in (".csv", ".tsv"):
         rows = _csv_rows(file, named=file.suffix == ".csv" or bool(columns))
-        return next(rows), rows
+        return next(rows), Rows(rows)
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise DataError(f"{import_failure(e, f'{file}: Parquet', 'data')} (or give .jsonl/.csv/.tsv)") from None
     table = pq.ParquetFile(file)
-    return list(table.schema_arrow.names), _batched(table.iter_batches(batch_size=BATCH))
+    return list(table.schema_arrow.names), Rows(_batched(table.iter_batches(batch_size=BATCH)), table.metadata.num_rows)
 
 
 def _json_lines(file: Path) -> Iterator[Any]:
