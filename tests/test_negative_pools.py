@@ -310,9 +310,10 @@ def test_settings_that_contradict_it_are_refused_before_any_compute(
 
 
 @needs("hf")
-def test_tevatron_rows_of_passages_serve_as_their_texts(tmp_path: Path, tokenizer) -> None:
+def test_tevatron_rows_of_passages_serve_as_their_texts(tmp_path: Path, tokenizer, caplog) -> None:
     """tevatron's `{"query_id", "query", "positive_passages", "negative_passages"}` rows, passages `{"docid", "title",
-    "text"}`, serve what FlagEmbedding's rows of the texts `title text` do."""
+    "text"}`, serve what FlagEmbedding's rows of the texts `title text` do, with their columns named or not (not:
+    its query_id would be the query, and the query the positive, by sentence-transformers' order)."""
 
     def passage(text: str, n: int) -> dict:
         title, _, body = text.partition(" ")
@@ -329,14 +330,19 @@ def test_tevatron_rows_of_passages_serve_as_their_texts(tmp_path: Path, tokenize
         for r, row in enumerate(rows)
     ]
     columns = ("query", "positive_passages", "negative_passages")
-    ds = _pooled(write_jsonl(tmp_path / "tevatron.jsonl", tevatron), tokenizer, columns=columns)
+    path = write_jsonl(tmp_path / "tevatron.jsonl", tevatron)
+    ds = _pooled(path, tokenizer, columns=columns)
+    with caplog.at_level("INFO", logger="titan_contrastive"):
+        unnamed = _pooled(path, tokenizer)
+    assert "tevatron's rows: query, positive_passages, negative_passages as the texts (left: query_id)" in caplog.text
     flag = _pooled(
         write_jsonl(tmp_path / "bge.jsonl", [{k: r[k] for k in ("query", "pos", "neg")} for r in rows]), tokenizer
     )
     for epoch in range(3):
-        ds.set_epoch(epoch)
-        flag.set_epoch(epoch)
+        for each in (ds, unnamed, flag):
+            each.set_epoch(epoch)
         assert _equal(ds.__getitems__(list(range(6))), flag.__getitems__(list(range(6))))
+        assert _equal(unnamed.__getitems__(list(range(6))), flag.__getitems__(list(range(6))))
 
 
 @needs("hf")

@@ -17,7 +17,8 @@ may be tevatron's `{"docid", "title", "text"}`, read as its title, a space and i
 
 FlagEmbedding's rows: without `data.pairs_columns`, a file with `query`, `pos` and `neg` columns has those as its
 texts, `pos_scores` + `neg_scores` as the teacher's scores, and a row's `prompt` as the instruction before its query
-(`PairRows.prompts`); the rest is left, named in the log.
+(`PairRows.prompts`); the rest is left, named in the log. tevatron's rows: without `data.pairs_columns`, a file with
+`query`, `positive_passages` and `negative_passages` columns has those as its texts (its `query_id` left).
 
 Pools (`pooled`, a run with data.negatives_per_row): the positive column may hold a list of texts too
 (FlagEmbedding's `{"query", "pos": [...], "neg": [...]}`), rows hold any number of negatives, and a
@@ -57,6 +58,7 @@ SCORE_COLUMNS = ("label", "labels", "score", "scores")  # sentence-transformers'
 FLAG_TEXTS = ("query", "pos", "neg")  # FlagEmbedding's (BGE's) fine-tuning rows
 FLAG_SCORES = ("pos_scores", "neg_scores")  # its teacher's scores of them
 FLAG_PROMPT = "prompt"  # its per-row query instruction
+TEVATRON_TEXTS = ("query", "positive_passages", "negative_passages")  # tevatron's training rows
 _FLAG_SCORED = "pos_scores + neg_scores"  # the score column of such rows, read as one list
 
 
@@ -120,6 +122,19 @@ def _flag_columns(file: Path, keys: set[str], teacher: str) -> bool:
     read += [f"{FLAG_PROMPT} as each row's instruction before its query"] if FLAG_PROMPT in keys else []
     left = sorted(keys - set(FLAG_TEXTS) - ({FLAG_PROMPT} | (set(FLAG_SCORES) if teacher else set())))
     logger.info(f"{file}: FlagEmbedding's rows: {'; '.join(read)}" + (f" (left: {', '.join(left)})" if left else ""))
+    return True
+
+
+def _tevatron_columns(file: Path, keys: set[str]) -> bool:
+    """Whether rows of these columns are tevatron's (query, positive_passages, negative_passages; its query_id beside
+    them), said once in the log."""
+    if not set(TEVATRON_TEXTS) <= keys:
+        return False
+    left = sorted(keys - set(TEVATRON_TEXTS))
+    logger.info(
+        f"{file}: tevatron's rows: {', '.join(TEVATRON_TEXTS)} as the texts"
+        + (f" (left: {', '.join(left)})" if left else "")
+    )
     return True
 
 
@@ -275,6 +290,7 @@ def _read_file(
     """`read_rows` of one file; `seen`: the texts read so far, each held once (a text read again is that object)."""
     names, keys, dicts, total, first, table = _columns(file, columns, split)
     flag = not columns and _flag_columns(file, keys, teacher)
+    columns = TEVATRON_TEXTS if not columns and not flag and _tevatron_columns(file, keys) else columns
     columns, prompted = (FLAG_TEXTS, FLAG_PROMPT in keys) if flag else (columns, False)
     has_ids, score_column = _check_columns(file, names, dicts, first, keys, columns, id_column, teacher)
     rows, ids, scores, counts, prompts, skipped, width = [], [], [], [], [], Counter(), 0
