@@ -123,6 +123,7 @@ def test_hf_clip_bench_runs_both_families_on_the_same_weights(tmp_path: Path) ->
     assert len(list(csv.DictReader(open(tmp_path / "hf_clip_bench.csv")))) == 4
 
 
+@pytest.mark.slow  # 10-12 s of the default suite's time
 def test_static_bench_times_both_trainers_on_the_same_table(tmp_path: Path) -> None:
     """benchmarks/static_bench.py with a narrow table: a row per variant, and the first step's loss and table gradient
     equal sentence-transformers' to float32 rounding."""

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.needs import require
 
 
+@pytest.mark.slow  # 10-12 s of the default suite's time
 def test_table_vectors_bench_measures_each_file(tmp_path: Path) -> None:
     require("data", "hf")
     from benchmarks import table_vectors_bench
