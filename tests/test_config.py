@@ -98,6 +98,14 @@ def test_shipped_configs_parse() -> None:
         (["--training.global_batch_size=0"], ["training.global_batch_size=0", "-1"]),
         (["--optimizer.beta2=1.5"], ["optimizer.beta2=1.5", "[0, 1)"]),
         (["--training.steps"], ["--training.steps needs a value"]),
+        (
+            ["--data.path", "shards/part-0.jsonl", "shards/part-1.jsonl"],  # `--data.path shards/*.jsonl`, expanded
+            [
+                "data.path=['shards/part-0.jsonl', 'shards/part-1.jsonl']",
+                "quote a pattern",
+                "--data.path='dir/*.jsonl'",
+            ],
+        ),
         (["stray"], ["unexpected argument 'stray'"]),
         (["--job.config_file=/nonexistent.toml"], ["/nonexistent.toml", "does not exist"]),
         (

@@ -124,7 +124,13 @@ def coerce(key: str, value: Any, tp: Any, origin: str) -> Any:
         return [coerce(key, v, item_tp, origin) for v in items]
     if isinstance(value, list):  # the command line gives every value as a list of strings; a TOML list is not a scalar
         if len(value) != 1 or origin != CLI:
-            raise bad(f"one value of type {getattr(tp, '__name__', tp)}" + (", not a list" if origin != CLI else ""))
+            several = origin == CLI and tp is str  # `--data.path a/*.jsonl`: the shell gave each file its own word
+            hint = "; quote a pattern the shell would expand: --{key}='dir/*.jsonl'" if several else ""
+            raise bad(
+                f"one value of type {getattr(tp, '__name__', tp)}"
+                + (", not a list" if origin != CLI else "")
+                + hint.format(key=key)
+            )
         value = value[0]
     if tp is bool:
         if isinstance(value, bool):
