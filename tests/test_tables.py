@@ -124,6 +124,9 @@ def test_text_pairs_hold_each_distinct_text_once_and_never_the_whole_file(tmp_pa
     assert all(row[1:] == [corpus[(i + j) % 4] for j in range(6)] for i, row in enumerate(read.texts))
     assert read.texts[0][1] is read.texts[4][1] is read.texts[200][1]  # the same text object, across the shards too
     assert size > 6_000_000 and peak < size / 8, (peak, size)
+    seen: dict[str, str] = {}  # `::`-joined sources share what they read, as PairsDataset reads them
+    first, second = (read_rows(str(f), columns, pooled=True, seen=seen) for f in sorted(folder.iterdir()))
+    assert first.texts[0][1] is second.texts[80][1] and len(seen) == 240 + 4
 
 
 def test_a_named_column_no_json_row_has_is_one_line(tmp_path: Path) -> None:

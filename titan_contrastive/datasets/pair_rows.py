@@ -210,14 +210,16 @@ def read_rows(
     split: str = "train",
     teacher: str = "",
     pooled: bool = False,
+    seen: dict[str, str] | None = None,
 ) -> PairRows:
     """The usable rows of a pairs file, their ids and (`teacher`: the loss.distill kind) the
     teacher's scores (see the module docstring); `split`: which split of a saved DatasetDict; `pooled`:
     lists of positives and any number of negatives per row. A pattern or a folder of shards
     (`shards.shard_files`): each file's, joined in order. The rows are read one at a time and each distinct text is
-    held once, however many rows repeat it (a corpus's passages as many queries' negatives)."""
+    held once, however many rows repeat it (a corpus's passages as many queries' negatives); `seen`: the texts other
+    files read (`::`-joined sources), shared with them."""
     files = shard_files(path, FORMATS)
-    seen: dict[str, str] = {}
+    seen = {} if seen is None else seen
     if files is not None:
         parts = [_read_file(f, columns, id_column, max_bad_fraction, split, teacher, pooled, seen) for f in files]
         return _shards_joined(path, files, parts)
@@ -336,7 +338,7 @@ def _read_file(
         scores.append(row_scores)
         counts.append(len(positives))
         prompt = row.get(FLAG_PROMPT) if prompted and isinstance(row, dict) else ""
-        prompts.append(seen.setdefault(prompt, prompt) if isinstance(prompt, str) else "")
+        prompts.append(seen.setdefault(prompt, prompt) if prompt and isinstance(prompt, str) else "")
     if not rows:
         bad = f" ({dict(skipped)} skipped)" if skipped else ""
         raise DataError(f"{file}: no usable rows{bad}; every row needs a query and a positive")

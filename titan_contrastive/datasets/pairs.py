@@ -173,7 +173,8 @@ class PairsDataset:
         parts, factors = split_sources(path, factors)
         tokenizers = source_tokenizers(tokenizer, parts, query_prompts, doc_prompts)
         pooled = negatives_per_row > 0
-        files = [read_rows(part, columns, id_column, max_bad_fraction, split, teacher, pooled) for part in parts]
+        seen: dict[str, str] = {}  # each distinct text held once, across the sources too
+        files = [read_rows(part, columns, id_column, max_bad_fraction, split, teacher, pooled, seen) for part in parts]
         if pooled and split == "train":
             files = [_drawable(f, part, max_bad_fraction) for f, part in zip(files, parts)]
         rows = join_sources(parts, files, hard_negatives)
