@@ -338,3 +338,55 @@ def test_eval_dims_report_the_recall_of_cut_embeddings(tmp_path: Path) -> None:
     for key in ("eval.dims", "loss.matryoshka_dims"):  # found at start, before any step
         with pytest.raises(ConfigError, match=rf"{key}=\[{d + 1}, 4\]: the embeddings have {d} dimensions"):
             make_trainer(str(tmp_path / key), "--data.dataset=emoji", f"--{key}={d + 1},4")
+
+
+def _epochs_run(tmp: Path, *extra: str) -> Trainer:
+    return Trainer(
+        parse_args(
+            [
+                "--data.dataset=emoji",
+                "--data.context_length=32",
+                "--training.local_batch_size=128",
+                "--training.global_batch_size=256",
+                "--lr_scheduler.warmup_steps=1",
+                "--checkpoint.enable=false",
+                "--eval.enable=false",
+                "--metrics.enable_tensorboard=false",
+                f"--job.dump_folder={tmp}",
+                *extra,
+            ]
+        )
+    )
+
+
+def test_epochs_give_the_run_its_steps(tmp_path: Path) -> None:
+    """`training.epochs`: the optimizer steps of that many passes over the train set (an epoch's loader steps, its
+    tail short of a local batch dropped, times the epochs, over the accumulation steps), in place of
+    `training.steps`: the loop, the learning-rate schedule and the profiler's windows all end there."""
+    trainer = _epochs_run(tmp_path / "a", "--training.epochs=2", "--training.steps=1000")
+    per_epoch = len(trainer.train_set) // 128
+    steps = 2 * per_epoch // 2
+    assert per_epoch == 13 and trainer.cfg.training.steps == steps == trainer.profiler.last_step
+    trainer.train()
+    assert trainer.step == steps and trainer.train_state.samples_seen == steps * 256
+    assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)  # cosine to 0 at the derived end
+    assert _epochs_run(tmp_path / "b", "--training.epochs=3").cfg.training.steps == 3 * per_epoch // 2  # 19, not 18
+    assert _epochs_run(tmp_path / "c", "--training.steps=7").cfg.training.steps == 7  # epochs 0: the steps given
+
+
+def test_epochs_are_checked_as_the_steps_they_give() -> None:
+    from titan_contrastive.config.manager import run_steps
+
+    late = ["--training.epochs=1", "--profiling.enable=true", "--profiling.start_step=300"]
+    cfg = parse_args(late)  # the steps are not known yet: no refusal against the default training.steps
+    with pytest.raises(ConfigError) as info:
+        run_steps(cfg, 13, 2)
+    assert "profiling.start_step=300 is after the run's last step (training.steps=6)" in str(info.value)
+    with pytest.raises(ConfigError, match=r"training.steps=200"):
+        parse_args(late[1:])  # without epochs, the steps given are checked at once
+    with pytest.raises(ConfigError) as info:
+        run_steps(parse_args(["--training.epochs=1"]), 3, 4)
+    message = str(info.value)
+    assert "\n" not in message and "training.epochs=1: 1 x 3 loader steps an epoch make no optimizer step" in message
+    with pytest.raises(ConfigError, match=r"training.epochs=-1 is out of range"):
+        parse_args(["--training.epochs=-1"])

@@ -41,7 +41,7 @@ from titan_contrastive.components.profiling import StepProfiler
 from titan_contrastive.components.run_lock import RunLock
 from titan_contrastive.components.text_evals import TextEvals
 from titan_contrastive.config import JobConfig, parse_args
-from titan_contrastive.config.manager import check_contrastive_problem, log_config_warnings
+from titan_contrastive.config.manager import check_contrastive_problem, log_config_warnings, run_steps
 from titan_contrastive.datasets import build_dataset
 from titan_contrastive.datasets.build import build_data
 from titan_contrastive.models.build import build_run_model, clamp_logit_scale, run_objectives
@@ -70,8 +70,7 @@ class Trainer:
         )
         self.device = device = dist.device
         self.profiler = StepProfiler.for_run(cfg, dist.rank, device)  # a memory snapshot on CPU: refused here
-        checkpoints = cfg.checkpoint.folder if cfg.checkpoint.enable else None
-        check_output_folders(cfg.job.dump_folder, checkpoints, dist.rank == 0)
+        check_output_folders(cfg.job.dump_folder, cfg.checkpoint, dist.rank == 0)
         if run_lock is not None:
             run_lock.acquire(cfg.job.dump_folder, rank=dist.rank, distributed=dist.is_distributed)
         torch.manual_seed(cfg.training.seed)
@@ -105,6 +104,7 @@ class Trainer:
             host_group=host_group,  # the ranks share the tokenization of text pairs
         )
         self.train_set, self.eval_set, self.loader = data.train_set, data.eval_set, data.loader
+        self.profiler.last_step = run_steps(cfg, data.loader.steps_per_epoch, self.ga_steps)  # training.epochs: steps
         self.text_evals = TextEvals.from_config(cfg.eval, self.forward, self.train_set.tokenizer, flavor_args)
 
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from titan_contrastive.config import ConfigError
+from titan_contrastive.config.job_config import Checkpoint
 
 logger = logging.getLogger("titan_contrastive")
 
@@ -91,11 +92,11 @@ def checkpoint_bytes(model: nn.Module, optimizer_states_per_param: int = 2) -> i
     return sum(map(nbytes, state)) + optimizer_states_per_param * sum(map(nbytes, trainable)) + 2048 * tensors
 
 
-def check_output_folders(dump_folder: str, checkpoint_folder: str | None, log: bool) -> None:
-    """The dump folder and (when checkpointing) `{dump_folder}/{checkpoint_folder}`, checked writable."""
+def check_output_folders(dump_folder: str, checkpoint: Checkpoint, log: bool) -> None:
+    """The dump folder and (when `checkpoint.enable`) `{dump_folder}/{checkpoint.folder}`, checked writable."""
     folders = {"job.dump_folder": Path(dump_folder)}
-    if checkpoint_folder is not None:
-        folders["checkpoint.folder"] = Path(dump_folder) / checkpoint_folder
+    if checkpoint.enable:
+        folders["checkpoint.folder"] = Path(dump_folder) / checkpoint.folder
     free = {key: check_writable(path, key) for key, path in folders.items()}
     if log:
         logger.info(

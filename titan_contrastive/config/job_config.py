@@ -167,7 +167,11 @@ class Training:
     """Samples per optimizer step over all processes. Gradient accumulation steps =
     global_batch_size // (local_batch_size * dp_degree); -1 means one microbatch per step."""
     steps: int = positive(200)
-    """Number of optimizer steps."""
+    """Number of optimizer steps (in place of which `epochs`, when set, gives them)."""
+    epochs: int = opt(0, lambda v: v >= 0, "an integer >= 0 (0: training.steps gives the run's length)")
+    """Passes over the train set; > 0 sets the run's steps to the optimizer steps of that many epochs (an epoch's
+    loader steps x epochs // the accumulation steps; an epoch drops the samples short of a whole batch), in place of
+    `steps`. 0: `steps`."""
     max_norm: float = non_negative(1.0)
     """Clip the total gradient norm to this after the last microbatch; 0 disables clipping."""
     seed: int = opt(0, lambda v: v >= 0, "an integer >= 0")

@@ -302,7 +302,7 @@ def _check_combinations(cfg: JobConfig) -> None:
     if cfg.memory.plan and not cfg.memory.budget_gib:
         raise ConfigError("memory.plan=true needs memory.budget_gib > 0 (the per-device budget to plan for)")
     _check_keep_best(cfg)
-    _check_profiling(cfg)
+    _check_profiling(cfg, None if cfg.training.epochs else cfg.training.steps)  # epochs: `run_steps` checks
     if cfg.eval.beir_pool_factor != 1 and not (cfg.eval.enable and cfg.eval.beir_path):
         raise ConfigError(
             f"eval.beir_pool_factor={cfg.eval.beir_pool_factor!r} pools the documents of eval.beir_path, and this run "
@@ -352,12 +352,12 @@ def _check_keep_best(cfg: JobConfig) -> None:
             raise ConfigError(f"checkpoint.keep_best={best!r} is {kind} metric and {key} is empty; set it")
 
 
-def _check_profiling(cfg: JobConfig) -> None:
-    """Windows of `[profiling]` that would trace nothing, or overlap."""
-    prof, steps = cfg.profiling, cfg.training.steps
+def _check_profiling(cfg: JobConfig, steps: int | None) -> None:
+    """Windows of `[profiling]` that would trace nothing (past the run's `steps`; None: not known yet), or overlap."""
+    prof = cfg.profiling
     if not (prof.enable or prof.memory_snapshot):
         return
-    if prof.start_step > steps:
+    if steps is not None and prof.start_step > steps:
         raise ConfigError(
             f"profiling.start_step={prof.start_step} is after the run's last step (training.steps={steps}): nothing "
             f"would be profiled; set profiling.start_step <= {steps}"
@@ -367,6 +367,27 @@ def _check_profiling(cfg: JobConfig) -> None:
             f"profiling.freq={prof.freq} <= profiling.steps={prof.steps}: each window would run into the next; set "
             f"profiling.freq > {prof.steps} (or 0 for one window)"
         )
+
+
+def run_steps(cfg: JobConfig, epoch_steps: int, ga_steps: int) -> int:
+    """The run's optimizer steps: `training.epochs` passes of `epoch_steps` loader steps (each `ga_steps` of them one
+    optimizer step), written to `cfg.training.steps` and checked as the config's steps are; `training.steps` where
+    epochs is 0."""
+    epochs = cfg.training.epochs
+    if not epochs:
+        return cfg.training.steps
+    steps = epochs * epoch_steps // ga_steps
+    if steps < 1:
+        raise ConfigError(
+            f"training.epochs={epochs}: {epochs} x {epoch_steps} loader steps an epoch make no optimizer step of "
+            f"{ga_steps} accumulation steps; raise training.epochs or lower training.global_batch_size"
+        )
+    _check_profiling(cfg, steps)
+    cfg.training.steps = steps
+    logging.getLogger("titan_contrastive").info(
+        f"training.epochs={epochs}: {steps} steps ({epoch_steps} loader steps an epoch, {ga_steps} a step)"
+    )
+    return steps
 
 
 def check_contrastive_problem(
