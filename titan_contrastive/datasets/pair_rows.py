@@ -266,7 +266,7 @@ def _columns(
     keys, dicts, count, first = set(names or ()), True, rows.length, None
     if count is not None and names is not None:
         first = next(_guarded(file, rows), None)
-        return names, keys, dicts, count, first, itertools.chain([first] if count else [], _guarded(file, rows))
+        return names, keys, dicts, count, first, itertools.chain([] if first is None else [first], _guarded(file, rows))
     count = 0
     for row in _guarded(file, rows):
         count += 1
