@@ -51,25 +51,7 @@ PACKAGE_DIRS = (
     "models",
     "datasets",
 )
-FILE_EXTS = (
-    "py",
-    "toml",
-    "sh",
-    "md",
-    "json",
-    "jsonl",
-    "png",
-    "csv",
-    "log",
-    "safetensors",
-    "bin",
-    "pt",
-    "pth",
-    "txt",
-    "tsv",
-    "tar",
-    "parquet",
-)
+FILE_EXTS = tuple("py toml sh md json jsonl png csv log safetensors bin pt pth txt tsv tar parquet".split())
 
 
 # ---------------------------------------------------------------- the config schema
@@ -177,8 +159,7 @@ def shell_lines(body: str) -> list[str]:
 
 # ---------------------------------------------------------------- the checks
 
-# a value in quotes (`--a.b='[1, 2]'`) is read whole, as the shell reads it
-FLAG = re.compile(r"(?<![\w.-])--([A-Za-z_][\w-]*)\.([A-Za-z_][\w-]*)(?:=('[^']*'|\S*))?")
+FLAG = re.compile(r"(?<![\w.-])--([A-Za-z_][\w-]*)\.([A-Za-z_][\w-]*)(?:=(?:'([^']*)'|(\S*)))?")
 PATH = re.compile(
     r"(?<![\w./{<$-])((?:titan_contrastive|train_configs|benchmarks|scripts|tests|docs|results|"
     + "|".join(PACKAGE_DIRS)
@@ -201,11 +182,10 @@ def check_path(token: str, where: str) -> list[str]:
 
 
 def check_text_mentions(text: str, where: str) -> list[str]:
-    """Flags, config keys and file paths named in a piece of text (a code span or a command)."""
+    """Flags (a quoted value read whole, as a shell reads it), config keys and file paths in a code span or command."""
     errors = []
-    for section, key, value in FLAG.findall(text):
-        quoted = len(value) > 1 and value[0] == value[-1] == "'"
-        errors += check_flag(section, key, value[1:-1] if quoted else value.rstrip("'\";),") or None, where)
+    for section, key, quoted, value in FLAG.findall(text):
+        errors += check_flag(section, key, quoted or value.rstrip("'\";),") or None, where)
     for path in PATH.findall(text):
         errors += check_path(path, where)
     return errors
@@ -433,7 +413,7 @@ This page covers mistakes.
 
 ```bash
 ./run_train.sh --training.stepz=1
-./run_train.sh --loss.negatives=globl
+./run_train.sh --loss.negatives=globl --loss.matryoshka_dims='[64, "x"]'
 CONFIG_FILE=train_configs/nope.toml ./run_train.sh
 python -m titan_contrastive.nope
 python benchmarks/nope.py
@@ -463,6 +443,7 @@ def test_the_checker_catches_wrong_keys_paths_and_links() -> None:
     for needle in [
         "training.stepz is not a config key",
         "loss.negatives=globl",
+        "loss.matryoshka_dims='x' is invalid",  # a quoted value, read whole
         "train_configs/nope.toml does not exist",
         "titan_contrastive.nope: no such module",
         "benchmarks/nope.py does not exist",
