@@ -296,6 +296,7 @@ def test_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture, args: li
 # ------------------------------------------------------------------ a stalled rank
 
 
+@pytest.mark.slow  # slow: ~16 s of torchrun launches, the default suite's time (CI runs the slow marker too)
 def test_stalled_rank_ends_the_job_with_the_timeout_named(tmp_path: Path) -> None:
     """Two gloo processes through run_train.sh; rank 1 is stopped (SIGSTOP) after step 1. Rank 0
     used to wait forever; it now fails after comm.train_timeout_seconds and the job exits 4."""

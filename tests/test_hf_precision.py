@@ -161,12 +161,8 @@ SLOW = pytest.mark.slow
 
 @needs("hf")
 @pytest.mark.parametrize(
-    "arch,lora",  # the decoder with LoRA by default, the other three with the slow marker (~30 s)
-    [
-        pytest.param(a, lo, marks=[] if (a, lo) == ("decoder", True) else [SLOW])
-        for a in FOLDERS
-        for lo in (False, True)
-    ],
+    "arch,lora",  # slow: ~15 s each (test_parallel compiles the blocks in the default suite)
+    [pytest.param(a, lo, marks=[SLOW]) for a in FOLDERS for lo in (False, True)],
 )
 def test_compiled_layers_give_the_eager_step(tmp_path: Path, arch: str, lora: bool) -> None:
     """`[compile] enable` with the aot_eager backend (Dynamo's capture and AOT autograd, no codegen; 2-6 s a

@@ -72,6 +72,7 @@ def test_config_error_exits_2_with_one_line(tmp_path: Path) -> None:
     assert "32 or 64" in out.stdout + out.stderr and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # slow: ~9 s of torchrun launches, the default suite's time (CI runs the slow marker too)
 def test_non_finite_loss_exits_3(tmp_path: Path) -> None:
     """A huge learning rate: step 1's AdamW update (about lr per parameter) makes step 2's loss nan."""
     out = launch(tmp_path, 1, *TINY, "--training.steps=4", "--optimizer.lr=1e30")
@@ -87,6 +88,7 @@ def test_bad_ngpu_exits_2_before_torchrun(tmp_path: Path, ngpu: str) -> None:
     assert out.stdout == "" and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # slow: ~8 s of torchrun launches, the default suite's time (CI runs the slow marker too)
 def test_unexplained_crash_keeps_its_traceback(tmp_path: Path) -> None:
     (tmp_path / "buggy_plugin.py").write_text("1 / 0\n")
     out = launch(tmp_path, 1, *TINY, "--job.custom_import=buggy_plugin")
@@ -96,6 +98,7 @@ def test_unexplained_crash_keeps_its_traceback(tmp_path: Path) -> None:
     assert "run_train.sh: rank 0 exited with code 1 (unexpected error, a bug); see its traceback above" in out.stderr
 
 
+@pytest.mark.slow  # slow: ~14 s of torchrun launches, the default suite's time (CI runs the slow marker too)
 def test_hidden_rank_fails_first_while_a_hung_rank_is_killed(tmp_path: Path) -> None:
     """Rank 0 hangs ignoring SIGTERM; rank 1 (not shown: LOG_RANK=0) hits the config error.
 

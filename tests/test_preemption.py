@@ -133,6 +133,7 @@ def test_sigterm_to_the_launcher_saves_and_the_rerun_is_bit_identical(
     assert_identical(checkpoint(stopped_run, reached + 2), checkpoint(whole, reached + 2))
 
 
+@pytest.mark.slow  # slow: ~9 s of torchrun launches, the default suite's time (CI runs the slow marker too)
 def test_sigusr1_to_the_launcher_stops_the_run_after_a_step(tmp_path: Path) -> None:
     """Slurm's `--signal=USR1@<seconds>` signals the launcher: it forwards SIGUSR1 to the ranks, which save,
     and exits 5 (by default SIGUSR1 would end it and leave the ranks running unsupervised). Through
@@ -148,6 +149,7 @@ def test_sigusr1_to_the_launcher_stops_the_run_after_a_step(tmp_path: Path) -> N
     assert saved_steps(tmp_path) == [f"step-{reached}"]
 
 
+@pytest.mark.slow  # slow: ~11 s of torchrun launches, the default suite's time (CI runs the slow marker too)
 def test_sigterm_to_the_whole_process_group_with_data_workers(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Slurm's scancel and preemption, and `timeout`, signal every process of the job, the data workers
     too: a worker ended by SIGTERM made the rank fail ("DataLoader worker ... killed by signal:
@@ -185,6 +187,7 @@ def test_sigusr1_to_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path
     assert {"dataloader/dp_rank_0", "dataloader/dp_rank_1"} <= checkpoint(tmp_path, reached).keys()
 
 
+@pytest.mark.slow  # slow: ~6 s of torchrun launches, the default suite's time (CI runs the slow marker too)
 def test_sigusr1_to_the_trainer_itself(tmp_path: Path) -> None:
     """`python -m titan_contrastive.train`, no launcher: SIGUSR1 used to kill it (exit 138)."""
     job = start(

@@ -118,7 +118,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], P
     return get
 
 
-@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.slow), 2])  # 1: slow, the default suite's time
+@pytest.mark.slow  # slow: ~20 s of torchrun launches (test_user_data resumes bit-identically in the default suite)
+@pytest.mark.parametrize("nproc", [1, 2])
 def test_stop_and_resume_is_bit_identical(tmp_path: Path, uninterrupted: Callable[[int], Path], nproc: int) -> None:
     """2k steps at once vs k steps, then a fresh launch that resumes from step k and runs k more."""
     whole, resumed = uninterrupted(nproc), tmp_path / "resumed"
@@ -137,10 +138,8 @@ def test_stop_and_resume_is_bit_identical(tmp_path: Path, uninterrupted: Callabl
     assert_identical(final_got, final_want)
 
 
-@pytest.mark.parametrize(
-    "mode, copied",  # async: slow (~16 s; test_checkpoint_async's two-process FSDP2 save covers the mode by default)
-    [pytest.param("async", "copied", marks=pytest.mark.slow), ("async_with_pinned_mem", "copy started")],
-)
+@pytest.mark.slow  # slow: ~12 s a mode (test_checkpoint_async's two-process FSDP2 save covers them by default)
+@pytest.mark.parametrize("mode, copied", [("async", "copied"), ("async_with_pinned_mem", "copy started")])
 def test_background_checkpoints_equal_synchronous_ones(
     tmp_path: Path, uninterrupted: Callable[[int], Path], mode: str, copied: str
 ) -> None:
@@ -181,6 +180,7 @@ def test_kill_during_save_then_rerun_resumes_from_last_complete(tmp_path: Path) 
     assert_identical(checkpoint(crashed, STEPS), checkpoint(whole, STEPS))
 
 
+@pytest.mark.slow  # slow: ~8 s of torchrun launches, the default suite's time (CI runs the slow marker too)
 def test_resume_with_another_dp_degree_is_a_clear_error(tmp_path: Path, uninterrupted: Callable[[int], Path]) -> None:
     """A 2-process run's checkpoint, resumed on 1 process."""
     (tmp_path / "checkpoint").mkdir()

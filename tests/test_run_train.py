@@ -60,6 +60,7 @@ def test_default_config_reaches_the_zero_shot_target(tmp_path: Path) -> None:
     assert evals[-1]["zero_shot_top1"] >= 0.75
 
 
+@pytest.mark.slow  # slow: ~10 s of torchrun launches, the default suite's time (CI runs the slow marker too)
 def test_two_node_launch_over_c10d_rendezvous(tmp_path: Path) -> None:
     """run_train.sh's multi-node path: two 'nodes' (one process each) on this machine."""
     from tests.dist_utils import free_port

@@ -110,7 +110,7 @@ def run(tmp: Path, world: int) -> dict:
     return json.loads((tmp / f"results_w{world}.json").read_text())
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: ~12 s, slow
 def test_step_kinds_reproduce_the_recorded_run(tmp_path: Path, world: int) -> None:
     fixture = json.loads(FIXTURE.read_text())
     want, got = fixture[f"world{world}"], run(tmp_path, world)

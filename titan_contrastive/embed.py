@@ -3,9 +3,10 @@ pairs' texts, computed once, for `[loss] teacher_embeddings` or `guide_embedding
 distillation or a guide's masks without the teacher or guide running in every step.
 
 PAIRS is what `data.path` reads for `data.dataset = "pairs"` (`datasets.pairs`; `--columns` is
-`data.pairs_columns`; files joined with `::` are read one after another), or `wordnet` for the bundled WordNet
-pairs (`data.dataset = "wordnet"`). MODEL is one of `mine`'s: a bi_encoder or static step folder (through a
-verified sentence-transformers export; a run of two towers embeds each side with its own unless `--tower` names one),
+`data.pairs_columns`, `--corpus` `data.corpus`; files joined with `::` are read one after another), or `wordnet` for
+the bundled WordNet pairs (`data.dataset = "wordnet"`). MODEL is one of `mine`'s: a bi_encoder or static step folder
+(through a verified sentence-transformers export; a run of two towers embeds each side with its own unless `--tower`
+names one),
 a sentence-transformers folder (a Router's routes: `query`, `document`), or a transformers folder (mean pooling);
 its own code runs only with `--trust-remote-code`. Each distinct query text is embedded with the query prompt
 (`--query-prompt`; default the model's `query` prompt, if it has one) and each distinct document text (the
@@ -70,6 +71,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, required=True, help="the file to write: .parquet, .jsonl or .arrow")
     p.add_argument("--columns", default="", help="query,positive[,negatives] column names (data.pairs_columns)")
+    p.add_argument("--corpus", default="", help="the documents the rows name by id (data.corpus)")
     p.add_argument("--query-prompt", default=None, help="text before each query (default: the model's 'query' prompt)")
     p.add_argument(
         "--doc-prompt", default=None, help="text before each document (default: the model's 'document' prompt)"
@@ -126,16 +128,20 @@ def check(opts: argparse.Namespace) -> Path:
     return out
 
 
-def read_rows(pairs: str, columns: Sequence[str]) -> list[tuple[str, ...]]:
+def read_rows(pairs: str, columns: Sequence[str], corpus: str = "") -> list[tuple[str, ...]]:
     """The rows of PAIRS: (query, positive(s), negatives...) texts, lists of positives and rows of any width read
-    (what a run with data.negatives_per_row reads too)."""
+    (what a run with data.negatives_per_row reads too); `corpus`: the documents they name by id."""
     if pairs == "wordnet":
         from titan_contrastive.datasets.wordnet import BUNDLE_DIR, load_rows
 
         return [tuple(row) for row in load_rows(BUNDLE_DIR, "train")]
+    from titan_contrastive.datasets.corpus import resolve_documents
     from titan_contrastive.datasets.pair_rows import read_rows as read_pairs
 
-    return [tuple(row) for part in pairs.split("::") for row in read_pairs(part, columns, pooled=True).texts]
+    parts, seen = pairs.split("::"), {}
+    files = [read_pairs(part, columns, pooled=True, seen=seen, by_id=bool(corpus)) for part in parts]
+    files = resolve_documents(files, parts, corpus, seen, 0.001) if corpus else files
+    return [tuple(row) for f in files for row in f.texts]
 
 
 def read_texts(rows: Sequence[Sequence[str]]) -> tuple[list[str], list[str]]:
@@ -245,7 +251,7 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int, int]:
 
     out = check(opts)
     columns = [c.strip() for c in opts.columns.split(",") if c.strip()]
-    rows = read_rows(opts.pairs, columns)
+    rows = read_rows(opts.pairs, columns, opts.corpus)
     queries, docs = read_texts(rows)
     source = sources(rows) if opts.parallel else {}
     devices = device_list(opts.device)

@@ -73,6 +73,10 @@ class Data:
     pairs_id_column: str = "id"
     """pairs: the column holding the id of each row's positive document, used by loss.mask_duplicates
     instead of the token ids (a negative whose text is a positive's gets that id); empty = none."""
+    corpus: str = ""
+    """pairs: a file of documents by id (tevatron's corpus: `docid`, `text`[, `title`] rows; BEIR's `_id`; MS MARCO's
+    collection.tsv), which the rows' documents then name by id (tevatron's `positive_document_ids`,
+    `negative_document_ids`); only the documents the rows name are kept. Empty = the rows hold the texts."""
     hard_negatives: bool = True
     """Serve the data's hard negatives (a pairs file's extra columns, WordNet's mined negative, the
     negative captions of csv/webdataset/hf); false = in-batch negatives only."""

@@ -91,6 +91,8 @@ def check_negative_keys(data: Data) -> None:
             f"data.wds_negative_key={data.wds_negative_key!r}: name a member extension (e.g. 'neg.txt') or a list "
             "field of the sample's JSON ('json:negatives')"
         )
+    if data.corpus and data.dataset != "pairs":
+        raise DataError(f"data.corpus={data.corpus!r} holds the documents of text pairs: set data.dataset='pairs'")
     rows = data.dataset in ("pairs", "vl_pairs")
     if data.negatives_per_row and not (rows and data.hard_negatives):
         fix = "set data.hard_negatives=true" if rows else "leave it 0"
@@ -355,6 +357,7 @@ def build_data(
             max_bad_fraction=data.max_bad_fraction,
             hard_negatives=data.hard_negatives,
             negatives_per_row=data.negatives_per_row,
+            corpus=data.corpus,
             seed=seed,
         )
         if not data.path:

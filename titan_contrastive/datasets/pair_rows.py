@@ -20,6 +20,11 @@ texts, `pos_scores` + `neg_scores` as the teacher's scores, and a row's `prompt`
 (`PairRows.prompts`); the rest is left, named in the log. tevatron's rows: without `data.pairs_columns`, a file with
 `query`, `positive_passages` and `negative_passages` columns has those as its texts (its `query_id` left).
 
+Documents by id (`by_id`, a run with data.corpus): every document value of a row (positive, negatives) is an id
+(a text or an integer) into the corpus, resolved by `corpus.resolve_documents`; the query stays a text.
+tevatron's rows of ids, `query_text` (or `query`), `positive_document_ids`, `negative_document_ids`, are read so
+without `data.pairs_columns`, and without data.corpus they are a one-line error.
+
 Pools (`pooled`, a run with data.negatives_per_row): the positive column may hold a list of texts too
 (FlagEmbedding's `{"query", "pos": [...], "neg": [...]}`), rows hold any number of negatives, and a
 row's texts are its query, its positives, then its negatives (`PairRows.positives` says how many
@@ -37,7 +42,6 @@ stops, naming the file and row.
 
 from __future__ import annotations
 
-import csv
 import itertools
 import json
 import logging
@@ -49,7 +53,7 @@ from typing import Any, NamedTuple
 
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.shards import shard_files
-from titan_contrastive.datasets.tables import Rows, table_rows
+from titan_contrastive.datasets.tables import guarded_rows, opened_rows
 
 logger = logging.getLogger("titan_contrastive")
 
@@ -59,6 +63,7 @@ FLAG_TEXTS = ("query", "pos", "neg")  # FlagEmbedding's (BGE's) fine-tuning rows
 FLAG_SCORES = ("pos_scores", "neg_scores")  # its teacher's scores of them
 FLAG_PROMPT = "prompt"  # its per-row query instruction
 TEVATRON_TEXTS = ("query", "positive_passages", "negative_passages")  # tevatron's training rows
+TEVATRON_IDS = ("positive_document_ids", "negative_document_ids")  # its rows that name a corpus's documents
 _FLAG_SCORED = "pos_scores + neg_scores"  # the score column of such rows, read as one list
 
 
@@ -75,6 +80,17 @@ class PairRows(NamedTuple):
     """Pooled: per row, how many of its texts after the query are positives; None: one each."""
     prompts: list[str] | None = None
     """Per row, the instruction before its query (FlagEmbedding's `prompt`, "" for none); None: no such column."""
+
+
+def kept_rows(rows: PairRows, keep: Sequence[int], skipped: Counter[str]) -> PairRows:
+    """The rows of `rows` at `keep`, every per-row list with them, the bad rows counted as `skipped`."""
+
+    def kept(values: list | None) -> list | None:
+        return None if values is None else [values[i] for i in keep]
+
+    return PairRows(
+        kept(rows.texts), kept(rows.ids), kept(rows.scores), skipped, kept(rows.positives), kept(rows.prompts)
+    )
 
 
 def _fields(row: Any, columns: Sequence[str], id_column: str, score_column: str) -> tuple[list[Any], Any, Any]:
@@ -136,6 +152,26 @@ def _tevatron_columns(file: Path, keys: set[str]) -> bool:
         + (f" (left: {', '.join(left)})" if left else "")
     )
     return True
+
+
+def _tevatron_ids(file: Path, keys: set[str], by_id: bool) -> tuple[str, ...]:
+    """The columns of tevatron's rows of document ids (its query's, `TEVATRON_IDS`), said once in the log; () for
+    other rows. A DataError for such rows without a corpus (`by_id`) or without a query."""
+    if not set(TEVATRON_IDS) <= keys:
+        return ()
+    query = next((c for c in ("query_text", "query") if c in keys), "")
+    if not by_id or not query:
+        fix = "set data.corpus (embed: --corpus) to the file of their documents (docid, text[, title] rows)"
+        raise DataError(
+            f"{file}: tevatron's rows name their documents by id ({', '.join(TEVATRON_IDS)}) "
+            + (f"and no corpus is given: {fix}" if query else "and hold no query_text or query column: add one")
+        )
+    left = sorted(keys - {query, *TEVATRON_IDS})
+    logger.info(
+        f"{file}: tevatron's rows of document ids: {query}, {', '.join(TEVATRON_IDS)} (ids into data.corpus)"
+        + (f" (left: {', '.join(left)})" if left else "")
+    )
+    return (query, *TEVATRON_IDS)
 
 
 def _flag_scored(keys: set[str]) -> bool:
@@ -211,17 +247,20 @@ def read_rows(
     teacher: str = "",
     pooled: bool = False,
     seen: dict[str, str] | None = None,
+    by_id: bool = False,
 ) -> PairRows:
     """The usable rows of a pairs file, their ids and (`teacher`: the loss.distill kind) the
     teacher's scores (see the module docstring); `split`: which split of a saved DatasetDict; `pooled`:
     lists of positives and any number of negatives per row. A pattern or a folder of shards
     (`shards.shard_files`): each file's, joined in order. The rows are read one at a time and each distinct text is
     held once, however many rows repeat it (a corpus's passages as many queries' negatives); `seen`: the texts other
-    files read (`::`-joined sources), shared with them."""
+    files read (`::`-joined sources), shared with them. `by_id`: the documents are ids (module docstring)."""
     files = shard_files(path, FORMATS)
     seen = {} if seen is None else seen
     if files is not None:
-        parts = [_read_file(f, columns, id_column, max_bad_fraction, split, teacher, pooled, seen) for f in files]
+        parts = [
+            _read_file(f, columns, id_column, max_bad_fraction, split, teacher, pooled, seen, by_id) for f in files
+        ]
         return _shards_joined(path, files, parts)
     file = Path(path).expanduser()
     if not (file.is_dir() or (file.suffix in FORMATS and file.is_file())):
@@ -229,31 +268,7 @@ def read_rows(
             f"data.path={path}: not an existing {'/'.join(FORMATS)} file or save_to_disk folder; give "
             "query/positive[/negative] rows in one of those"
         )
-    return _read_file(file, columns, id_column, max_bad_fraction, split, teacher, pooled, seen)
-
-
-def _opened(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, Rows]:
-    """`tables.table_rows`, its errors on opening the file a DataError naming it."""
-    try:
-        return table_rows(file, columns, split)
-    except Exception as e:  # noqa: BLE001 - mapped as `_guarded` maps them
-        raise _unreadable(file, e) from None
-
-
-def _guarded(file: Path, rows: Iterator[Any]) -> Iterator[Any]:
-    """`rows`, an error of reading them (a damaged file) a DataError naming the file."""
-    try:
-        yield from rows
-    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file, a JSON line of no row
-        raise _unreadable(file, e) from None
-
-
-def _unreadable(file: Path, e: Exception) -> DataError:
-    if isinstance(e, DataError):
-        return e
-    if isinstance(e, (OSError, UnicodeDecodeError, csv.Error)):
-        return DataError(f"{file}: not readable ({type(e).__name__}: {e})")
-    return DataError(f"{file}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})")
+    return _read_file(file, columns, id_column, max_bad_fraction, split, teacher, pooled, seen, by_id)
 
 
 def _columns(
@@ -262,13 +277,20 @@ def _columns(
     """(the column names or None, the rows' columns, whether every row is a dict, how many rows, the first dict row
     or None, the rows from the first). JSON lines, CSV and TSV are read once for it first, a row at a time, keeping
     none; Parquet and Arrow files say how many rows they hold."""
-    names, rows = _opened(file, columns, split)
+    names, rows = opened_rows(file, columns, split)
     keys, dicts, count, first = set(names or ()), True, rows.length, None
     if count is not None and names is not None:
-        first = next(_guarded(file, rows), None)
-        return names, keys, dicts, count, first, itertools.chain([] if first is None else [first], _guarded(file, rows))
+        first = next(guarded_rows(file, rows), None)
+        return (
+            names,
+            keys,
+            dicts,
+            count,
+            first,
+            itertools.chain([] if first is None else [first], guarded_rows(file, rows)),
+        )
     count = 0
-    for row in _guarded(file, rows):
+    for row in guarded_rows(file, rows):
         count += 1
         if not isinstance(row, dict):
             dicts = False
@@ -276,7 +298,7 @@ def _columns(
         first = row if first is None else first
         if names is None:
             keys.update(row)
-    return names, keys, dicts, count, first, _guarded(file, _opened(file, columns, split)[1])
+    return names, keys, dicts, count, first, guarded_rows(file, opened_rows(file, columns, split)[1])
 
 
 def _read_file(
@@ -288,10 +310,12 @@ def _read_file(
     teacher: str,
     pooled: bool,
     seen: dict[str, str],
+    by_id: bool,
 ) -> PairRows:
     """`read_rows` of one file; `seen`: the texts read so far, each held once (a text read again is that object)."""
     names, keys, dicts, total, first, table = _columns(file, columns, split)
     flag = not columns and _flag_columns(file, keys, teacher)
+    columns = columns or (() if flag else _tevatron_ids(file, keys, by_id))
     columns = TEVATRON_TEXTS if not columns and not flag and _tevatron_columns(file, keys) else columns
     columns, prompted = (FLAG_TEXTS, FLAG_PROMPT in keys) if flag else (columns, False)
     has_ids, score_column = _check_columns(file, names, dicts, first, keys, columns, id_column, teacher)
@@ -300,7 +324,8 @@ def _read_file(
         values, ident, scored = _fields(row, columns, id_column if has_ids else "", score_column)
         positives = _positives(values, file, n, pooled, id_column if has_ids else "")
         values = values[:1] + positives + [t for v in values[2:] for t in (v if isinstance(v, (list, tuple)) else [v])]
-        texts = [seen.setdefault(t, t) for t in map(_text, values)]
+        documents = [doc_id(v) if by_id else cell_text(v) for v in values[1:]]
+        texts = [seen.setdefault(t, t) for t in [cell_text(values[0]), *documents]] if values else []
         ident = "" if ident is None else str(ident).strip()
         width = width or len(texts)
         docs = len(texts) - 1 if pooled else width - 1
@@ -352,7 +377,7 @@ def _read_file(
     )
 
 
-def _text(value: Any) -> str:
+def cell_text(value: Any) -> str:
     """A cell's text: a string, or a tevatron passage `{"title", "text"}` read as its title, a space and its text;
     "" for anything else (a bad row)."""
     if isinstance(value, dict) and isinstance(value.get("text"), str):
@@ -360,6 +385,13 @@ def _text(value: Any) -> str:
         value = (
             f"{title.strip()} {value['text'].strip()}" if isinstance(title, str) and title.strip() else value["text"]
         )
+    return value.strip() if isinstance(value, str) else ""
+
+
+def doc_id(value: Any) -> str:
+    """A document's id: a text or an integer, as text; "" for anything else (a bad row)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
     return value.strip() if isinstance(value, str) else ""
 
 

@@ -44,9 +44,10 @@ import torch.distributed as dist
 
 from titan_contrastive.batching import DOC_IDS, FROZEN_DOCS, FROZEN_QUERIES, NEGATIVES, OWN_GROUP, TEACHER_SCORES
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.corpus import resolve_documents
 from titan_contrastive.datasets.frozen import EmbeddingTable
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, in_batch_per_source, joins, split_sources
-from titan_contrastive.datasets.pair_rows import PairRows, join_sources, read_rows
+from titan_contrastive.datasets.pair_rows import PairRows, join_sources, kept_rows, read_rows
 from titan_contrastive.datasets.pools import Pools
 from titan_contrastive.datasets.token_table import TokenTable
 from titan_contrastive.datasets.tokenizer import PairTokenizer
@@ -132,13 +133,7 @@ def _drawable(rows: PairRows, source: str, max_bad_fraction: float) -> PairRows:
             "give each row a negative, or raise data.max_bad_fraction"
         )
     logger.warning(f"{source}: {bare} row(s) hold no hard negative to draw from (data.negatives_per_row); skipped")
-
-    def kept(values: list | None) -> list | None:
-        return None if values is None else [values[i] for i in keep]
-
-    return PairRows(
-        kept(rows.texts), kept(rows.ids), kept(rows.scores), skipped, kept(rows.positives), kept(rows.prompts)
-    )
+    return kept_rows(rows, keep, skipped)
 
 
 class PairsDataset:
@@ -157,6 +152,7 @@ class PairsDataset:
         max_bad_fraction: float = 0.001,
         hard_negatives: bool = True,
         negatives_per_row: int = 0,
+        corpus: str = "",
         seed: int = 0,
         factors: Sequence[float] = (),
         teacher: str = "",
@@ -167,14 +163,20 @@ class PairsDataset:
         group: dist.ProcessGroup | None = None,
     ) -> None:
         """`negatives_per_row`: k > 0 draws each row's positive and k negatives per epoch from its lists, by
-        `seed` (module docstring); 0 serves the rows as they are. `in_batch_negatives`: one per source, false
-        flags its queries to be scored against their own documents only (`batching.OWN_GROUP`). `group`: the
+        `seed` (module docstring); 0 serves the rows as they are. `corpus`: the file of the documents that the rows
+        name by id (`corpus.resolve_documents`); "": the rows hold the texts. `in_batch_negatives`: one per source,
+        false flags its queries to be scored against their own documents only (`batching.OWN_GROUP`). `group`: the
         ranks that each build this same set, sharing its tokenization (`token_table.TokenTable`); None: alone."""
         parts, factors = split_sources(path, factors)
         tokenizers = source_tokenizers(tokenizer, parts, query_prompts, doc_prompts)
         pooled = negatives_per_row > 0
         seen: dict[str, str] = {}  # each distinct text held once, across the sources too
-        files = [read_rows(part, columns, id_column, max_bad_fraction, split, teacher, pooled, seen) for part in parts]
+        files = [
+            read_rows(part, columns, id_column, max_bad_fraction, split, teacher, pooled, seen, bool(corpus))
+            for part in parts
+        ]
+        if corpus:
+            files = resolve_documents(files, parts, corpus, seen, max_bad_fraction)
         if pooled and split == "train":
             files = [_drawable(f, part, max_bad_fraction) for f, part in zip(files, parts)]
         rows = join_sources(parts, files, hard_negatives)

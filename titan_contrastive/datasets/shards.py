@@ -21,18 +21,18 @@ def is_pattern(path: str) -> bool:
     return any(c in path for c in "*?[")
 
 
-def shard_files(path: str, suffixes: Collection[str]) -> list[Path] | None:
+def shard_files(path: str, suffixes: Collection[str], field: str = "data.path") -> list[Path] | None:
     """The data files `path` names when it names several (see the module), sorted: a pattern's matches or a
     folder's own files with one of `suffixes` (other files are not data). None for anything else: one file,
-    a `save_to_disk` folder, a path that does not exist (its reader says so). A DataError, one line, when the
-    pattern or folder holds no such file, or files of more than one format."""
+    a `save_to_disk` folder, a path that does not exist (its reader says so). A DataError, one line naming the
+    `field`, when the pattern or folder holds no such file, or files of more than one format."""
     target = Path(path).expanduser()
     if is_pattern(path):
         found = [Path(p) for p in glob.glob(str(target), recursive=True)]
-        where = f"data.path={path}: the pattern matches"
+        where = f"{field}={path}: the pattern matches"
     elif target.is_dir() and not any((target / name).is_file() for name in SAVED):
         found = list(target.iterdir())
-        where = f"data.path={path}: the folder (not a save_to_disk folder) holds"
+        where = f"{field}={path}: the folder (not a save_to_disk folder) holds"
     else:
         return None
     files = sorted(p for p in found if p.is_file() and p.suffix in suffixes)

@@ -15,7 +15,7 @@ from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.hf_disk import open_hf_dataset
 from titan_contrastive.extras import import_failure
 
-__all__ = ["Rows", "read_table", "table_rows"]
+__all__ = ["Rows", "guarded_rows", "opened_rows", "read_table", "table_rows"]
 
 BATCH = 4096
 """Rows an Arrow table (Parquet, a saved dataset) is read by at a time."""
@@ -97,3 +97,27 @@ def _batched(batches: Iterator[Any]) -> Iterator[dict[str, Any]]:
     for batch in batches:
         yield from batch.to_pylist()
     pyarrow.default_memory_pool().release_unused()
+
+
+def opened_rows(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, Rows]:
+    """`table_rows`, an error of opening the file a DataError naming it."""
+    try:
+        return table_rows(file, columns, split)
+    except Exception as e:  # noqa: BLE001 - mapped as `guarded_rows` maps them
+        raise _unreadable(file, e) from None
+
+
+def guarded_rows(file: Path, rows: Iterator[Any]) -> Iterator[Any]:
+    """`rows`, an error of reading them (a damaged file) a DataError naming the file."""
+    try:
+        yield from rows
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file, a JSON line of no row
+        raise _unreadable(file, e) from None
+
+
+def _unreadable(file: Path, e: Exception) -> DataError:
+    if isinstance(e, DataError):
+        return e
+    if isinstance(e, (OSError, UnicodeDecodeError, csv.Error)):
+        return DataError(f"{file}: not readable ({type(e).__name__}: {e})")
+    return DataError(f"{file}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})")

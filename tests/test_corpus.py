@@ -1,0 +1,220 @@
+"""Documents by id (`data.corpus`, `datasets/corpus.py`): rows that name their documents by id serve what rows of
+those documents' texts serve.
+
+- tevatron's rows of ids (`query_text`, `positive_document_ids`, `negative_document_ids`) against its corpus
+  (`docid`, `title`, `text`), ids as texts and integers: the batches of FlagEmbedding's rows of the same texts,
+  epoch after epoch of draws; only the documents the rows name are kept, each text held once;
+- named columns of ids against the other corpus forms (MS MARCO's collection.tsv, an unnamed id-title-text TSV,
+  BEIR's `_id` rows, CSV, a folder of Parquet shards): the batches of the text triplets;
+- the errors, one line each: rows of ids without a corpus, a corpus that is not there, rows without an id or a
+  text, an id given two texts, a corpus that holds none of them, too many rows naming documents it does not hold
+  (fewer: skipped and counted), a corpus for data that is not text pairs;
+- a run trains on rows of ids through the trainer and evaluates on held-out rows of ids.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.needs import needs, require
+from tests.test_negative_pools import _equal, bge_rows, write_jsonl
+from tests.test_pairs_data import _one_line
+from titan_contrastive.datasets import DataError
+from titan_contrastive.datasets.corpus import corpus_texts
+from titan_contrastive.datasets.pairs import PairsDataset
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from titan_contrastive.models.bi_encoder import BiEncoderArgs, build_tokenizer
+
+    return build_tokenizer(BiEncoderArgs())
+
+
+def _docids(rows: list[dict]) -> dict[str, str | int]:
+    """An id per distinct document text of FlagEmbedding's `rows`: integers and texts in turn."""
+    texts = dict.fromkeys(t for r in rows for t in r["pos"] + r["neg"])
+    return {t: n if n % 2 else f"d{n}" for n, t in enumerate(texts)}
+
+
+def _tevatron(rows: list[dict], ids: dict[str, str | int]) -> list[dict]:
+    return [
+        {
+            "query_id": f"q{r}",
+            "query_text": row["query"],
+            "positive_document_ids": [ids[t] for t in row["pos"]],
+            "negative_document_ids": [ids[t] for t in row["neg"]],
+        }
+        for r, row in enumerate(rows)
+    ]
+
+
+def _tevatron_corpus(ids: dict[str, str | int], extra: int = 5) -> list[dict]:
+    """tevatron's corpus rows of `ids`' documents (some split into a title and a text), shuffled, with `extra`
+    documents no row names."""
+    docs = []
+    for n, (text, ident) in enumerate(reversed(ids.items())):
+        title, _, body = text.partition(" ")
+        docs.append({"docid": ident, "title": title, "text": body} if n % 3 else {"docid": ident, "text": text})
+    return docs + [{"docid": f"x{i}", "text": f"a passage no row names {i}"} for i in range(extra)]
+
+
+def _dataset(path: Path, tokenizer, **kw) -> PairsDataset:
+    return PairsDataset(split="train", path=str(path), tokenizer=tokenizer, query_length=12, seed=5, **kw)
+
+
+@needs("hf")
+def test_tevatron_rows_of_ids_serve_the_texts_of_their_corpus(tmp_path: Path, tokenizer, caplog) -> None:
+    rows = bge_rows()
+    ids = _docids(rows)
+    train = write_jsonl(tmp_path / "train.jsonl", _tevatron(rows, ids))
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", _tevatron_corpus(ids))
+    with caplog.at_level("INFO", logger="titan_contrastive"):
+        by_id = _dataset(train, tokenizer, negatives_per_row=3, corpus=str(corpus))
+    assert "tevatron's rows of document ids: query_text, positive_document_ids" in caplog.text
+    assert f"data.corpus={corpus}: {len(ids)} of the {len(ids)} documents the rows name" in caplog.text
+    flag = _dataset(
+        write_jsonl(tmp_path / "bge.jsonl", [{k: r[k] for k in ("query", "pos", "neg")} for r in rows]),
+        tokenizer,
+        negatives_per_row=3,
+    )
+    for epoch in range(3):
+        by_id.set_epoch(epoch)
+        flag.set_epoch(epoch)
+        assert _equal(by_id.__getitems__(list(range(6))), flag.__getitems__(list(range(6)))), epoch
+    seen = {text: text for text in ids}
+    wanted = {str(ids[t]) for t in list(ids)[:4]}
+    texts = corpus_texts(str(corpus), wanted, seen)
+    assert set(texts) == wanted  # the corpus's other documents are not kept
+    assert all(texts[str(ids[t])] is seen[t] for t in list(ids)[:4])  # each text one object, the rows' own
+
+
+def _triplets(rows: list[dict]) -> list[tuple[str, str, str]]:
+    return [(r["query"], r["pos"][0], r["neg"][0]) for r in rows]
+
+
+@needs("hf")
+@pytest.mark.parametrize("form", ["collection.tsv", "titled.tsv", "beir.jsonl", "titled.csv", "parquet shards"])
+def test_named_columns_of_ids_against_each_corpus_form(tmp_path: Path, tokenizer, form: str) -> None:
+    triplets = _triplets(bge_rows())
+    texts = dict.fromkeys(t for row in triplets for t in row[1:])
+    ids = {t: 100 + n for n, t in enumerate(texts)}
+    rows = [{"q": q, "pos": ids[p], "neg": str(ids[n])} for q, p, n in triplets]  # an id as an integer or a text
+    train = write_jsonl(tmp_path / "ids.jsonl", rows)
+    if form == "collection.tsv":
+        corpus = tmp_path / form
+        corpus.write_text("".join(f"{i}\t{t}\n" for t, i in ids.items()))
+    elif form == "titled.tsv":  # tevatron's corpus.tsv: id, title, text
+        corpus = tmp_path / form
+        corpus.write_text("".join(f"{i}\t{t.replace(' ', chr(9), 1)}\n" for t, i in ids.items()))
+    elif form == "beir.jsonl":
+        corpus = write_jsonl(tmp_path / form, [{"_id": str(i), "title": "", "text": t} for t, i in ids.items()])
+    elif form == "titled.csv":
+        corpus = tmp_path / form
+        with open(corpus, "w", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(["id", "title", "text"])
+            out.writerows([i, t.split(" ", 1)[0], t.split(" ", 1)[1]] for t, i in ids.items())
+    else:
+        require("data")
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        corpus = tmp_path / "shards"
+        corpus.mkdir()
+        docs = [{"docid": str(i), "contents": t} for t, i in ids.items()]
+        for s in range(2):
+            pq.write_table(pa.Table.from_pylist(docs[s::2]), corpus / f"part-{s}.parquet")
+    by_id = _dataset(train, tokenizer, columns=["q", "pos", "neg"], corpus=str(corpus))
+    plain = _dataset(write_jsonl(tmp_path / "texts.jsonl", [dict(zip("abc", t)) for t in triplets]), tokenizer)
+    assert len(by_id) == len(plain) == len(triplets)
+    assert _equal(by_id.__getitems__(list(range(6))), plain.__getitems__(list(range(6))))
+
+
+@needs("hf")
+def test_errors_in_one_line_and_rows_of_unknown_documents(tmp_path: Path, tokenizer, caplog) -> None:
+    rows = bge_rows()
+    ids = _docids(rows)
+    train = write_jsonl(tmp_path / "train.jsonl", _tevatron(rows, ids))
+    corpus = _tevatron_corpus(ids)
+
+    def fails(path: Path, docs: list[dict] | str, *needles: str) -> None:
+        """`path`'s rows against a corpus of `docs` (rows, or a TSV's text) fail in one line naming `needles`."""
+        where = write_jsonl(tmp_path / "c.jsonl", docs) if isinstance(docs, list) else tmp_path / "c.tsv"
+        if isinstance(docs, str):
+            where.write_text(docs)
+        with pytest.raises(DataError) as err:
+            _dataset(path, tokenizer, negatives_per_row=3, corpus=str(where))
+        _one_line(err, *needles)
+
+    with pytest.raises(DataError) as err:
+        _dataset(train, tokenizer, negatives_per_row=3)
+    _one_line(err, "name their documents by id", "set data.corpus")
+    with pytest.raises(DataError) as err:
+        _dataset(train, tokenizer, negatives_per_row=3, corpus=str(tmp_path / "missing.jsonl"))
+    _one_line(err, f"data.corpus={tmp_path / 'missing.jsonl'}: not an existing")
+    bare = [{k: v for k, v in r.items() if k != "query_text"} for r in _tevatron(rows, ids)]
+    bare = write_jsonl(tmp_path / "bare.jsonl", bare)
+    fails(bare, corpus, "hold no query_text or query column")
+    fails(train, [{"docid": 1, "body": "x"}], "row 1: a corpus row holds an id", "its columns are docid, body")
+    fails(train, "1\ta\tb\tc\n", "row 1: an unnamed corpus row is id, text or id, title, text", "has 4 fields")
+    twice = corpus + [{"docid": corpus[0]["docid"], "text": "another text"}]
+    fails(train, twice, f"document {str(corpus[0]['docid'])!r} is given two texts", f"row {len(twice)}")
+    fails(train, [{"docid": "elsewhere", "text": "t"}], f"holds none of the {len(ids)} documents the rows name")
+    lost = {ids[rows[1]["neg"][0]], ids[rows[4]["pos"][0]]}  # two rows' documents
+    partial = [d for d in corpus if d["docid"] not in lost]
+    fails(train, partial, "2 of its 6 rows name a document that data.corpus=", "data.max_bad_fraction")
+    write_jsonl(tmp_path / "c.jsonl", partial)
+    with caplog.at_level("WARNING", logger="titan_contrastive"):
+        ds = _dataset(train, tokenizer, negatives_per_row=3, corpus=str(tmp_path / "c.jsonl"), max_bad_fraction=0.5)
+    assert len(ds) == 4 and ds.skipped == {"unknown_document": 2}
+    assert "2 row(s) name a document not in data.corpus" in caplog.text
+
+
+@needs("hf")
+def test_a_run_trains_on_rows_of_ids_and_evaluates(tmp_path: Path) -> None:
+    from tests.test_trainer import make_trainer
+
+    rows = bge_rows()
+    ids = _docids(rows)
+    train = write_jsonl(tmp_path / "train.jsonl", _tevatron(rows, ids))
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", _tevatron_corpus(ids))
+    common = ("--model.name=bi_encoder", "--model.flavor=shared", f"--data.corpus={corpus}")
+    with pytest.raises(DataError) as err:
+        make_trainer(str(tmp_path / "wordnet"), *common, "--data.dataset=wordnet")
+    _one_line(err, f"data.corpus={str(corpus)!r} holds the documents of text pairs", "data.dataset='pairs'")
+    trainer = make_trainer(
+        str(tmp_path / "run"),
+        *common,
+        "--data.dataset=pairs",
+        f"--data.path={train}",
+        f"--data.val_path={train}",
+        "--data.negatives_per_row=2",
+        "--data.context_length=16",
+        "--training.local_batch_size=3",
+        "--training.steps=2",
+        "--eval.batch_size=4",
+    )
+    trainer.train()
+    trainer.metrics.close()
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [row for row in logged if row["kind"] == "train"]
+    assert train_rows[-1]["step"] == 2 and all(math.isfinite(row["loss"]) for row in train_rows)
+    assert [row["num_samples"] for row in logged if row["kind"] == "eval"] == [6]
+
+
+def test_the_embed_command_reads_rows_of_ids_as_their_texts(tmp_path: Path) -> None:
+    """`python -m titan_contrastive.embed --corpus` (teacher embeddings written ahead) reads what a run reads."""
+    from titan_contrastive.embed import read_rows
+
+    rows = bge_rows()
+    ids = _docids(rows)
+    train = write_jsonl(tmp_path / "train.jsonl", _tevatron(rows, ids))
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", _tevatron_corpus(ids))
+    flag = write_jsonl(tmp_path / "bge.jsonl", [{k: r[k] for k in ("query", "pos", "neg")} for r in rows])
+    assert read_rows(str(train), [], str(corpus)) == read_rows(str(flag), []) != []
