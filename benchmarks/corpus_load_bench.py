@@ -16,7 +16,8 @@ Each measurement is a fresh process (this file run as a script) that builds the 
 process's largest resident memory while it built the data, above its resident memory before (VmHWM, reset first:
 `harness.reset_peak_rss`); `kept_mib`, its anonymous memory after the build above that before; `tokens_mib`, what the
 set's token ids take (equal in both variants: the same texts are tokenized); `load_s`, the build's seconds.
-`rows_mib` and `corpus_mib` are the files' sizes. Writes corpus_load_bench.{json,csv,png} under --out.
+`rows_mib` is the variant's rows file's size, `corpus_mib` the corpus's. Writes corpus_load_bench.{json,csv,png}
+under --out.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def make(folder: Path, n: int, factors: list[int]) -> dict[str, float]:
             texts.write(json.dumps({"query": query, "pos": [pool[pos]], "neg": [pool[j] for j in neg]}) + "\n")
             row = {"query_id": f"q{r}", "query_text": query, "positive_document_ids": [f"d{pos}"]}
             ids.write(json.dumps(row | {"negative_document_ids": [f"d{j}" for j in neg]}) + "\n")
-    sizes = {"rows_mib": (folder / "texts.jsonl").stat().st_size / 2**20}
+    sizes = {f"rows_mib_{v}": (folder / f"{v}.jsonl").stat().st_size / 2**20 for v in VARIANTS}
     for factor in factors:
         docs = [(f"d{i}", t) for i, t in enumerate(pool)] + [(f"x{i}", passage()) for i in range((factor - 1) * n)]
         draw.shuffle(docs)
@@ -139,7 +140,12 @@ def measure(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
             runs[variant, factor].append(run_once(variant, max(factor, 1), args.rows, folder))
     rows = []
     for (variant, factor), made in runs.items():
-        row = {"variant": variant, "rows": args.rows, "factor": factor, "rows_mib": round(sizes["rows_mib"], 1)}
+        row = {
+            "variant": variant,
+            "rows": args.rows,
+            "factor": factor,
+            "rows_mib": round(sizes[f"rows_mib_{variant}"], 1),
+        }
         row["corpus_mib"] = round(sizes[f"corpus_mib_{factor}"], 1) if factor else 0.0
         row |= {f: round(statistics.median(m[f] for m in made), 3) for f in FIELDS[5:]}
         rows.append(row)
