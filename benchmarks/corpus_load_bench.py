@@ -169,6 +169,7 @@ def draw(rows: list[dict[str, Any]], meta: dict[str, Any]) -> Any:
             ax.plot(factors, [r[field] for r in ids], "o-", label=f"ids + corpus: {field}")
             ax.axhline(texts[field], linestyle="--", color="gray", alpha=0.7, label=f"texts: {field}")
         ax.set_xscale("log")
+        ax.set_ylim(bottom=0)
         ax.set_xticks(factors, [f"{f}x" for f in factors])
         ax.xaxis.set_minor_formatter(plt.NullFormatter())
         ax.set_xlabel(f"corpus size / the {rows[0]['rows']:,} passages the rows name")
