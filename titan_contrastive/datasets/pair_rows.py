@@ -6,24 +6,14 @@ none), `.parquet`, and Hugging Face datasets on disk: a `save_to_disk` folder (o
 the split "train" or "test") or an `.arrow` file (`hf_disk`, never the hub). A glob pattern or a folder
 of such files (a dataset repository's shards) is one source, its files read in sorted order (`shards`).
 
-Columns: those named by `data.pairs_columns` (query, positive, then negatives), else the row's
-columns in order, which is sentence-transformers' convention (anchor, positive, negatives...),
-with two exceptions for named columns: the id column (`data.pairs_id_column`, `id`) is no text
-but the positive's id, and a `label`, `labels`, `score` or `scores` column (sentence-transformers'
-label columns) is a teacher's scores of the row's documents, read in a run with loss.distill and
-else left (one number per row, a scored pair's label, is refused: another loss's data). A
-negative column may hold a list of texts (tevatron's `negatives: [...]`), flattened in order; a passage
-may be tevatron's `{"docid", "title", "text"}`, read as its title, a space and its text.
-
-FlagEmbedding's rows: without `data.pairs_columns`, a file with `query`, `pos` and `neg` columns has those as its
-texts, `pos_scores` + `neg_scores` as the teacher's scores, and a row's `prompt` as the instruction before its query
-(`PairRows.prompts`); the rest is left, named in the log. tevatron's rows: without `data.pairs_columns`, a file with
-`query`, `positive_passages` and `negative_passages` columns has those as its texts (its `query_id` left).
-
-Documents by id (`by_id`, a run with data.corpus): every document value of a row (positive, negatives) is an id
-(a text or an integer) into the corpus, resolved by `corpus.resolve_documents`; the query stays a text.
-tevatron's rows of ids, `query_text` (or `query`), `positive_document_ids`, `negative_document_ids`, are read so
-without `data.pairs_columns`, and without data.corpus they are a one-line error.
+Columns: those named by `data.pairs_columns` (query, positive, then negatives), else the row's columns in order,
+which is sentence-transformers' convention (anchor, positive, negatives...), or those of FlagEmbedding's and
+tevatron's rows (`pair_columns`), with two exceptions for named columns: the id column (`data.pairs_id_column`, `id`)
+is no text but the positive's id, and a `label`, `labels`, `score` or `scores` column (sentence-transformers' label
+columns) is a teacher's scores of the row's documents, read in a run with loss.distill and else left (one number
+per row, a scored pair's label, is refused: another loss's data). A negative column may hold a list of texts
+(tevatron's `negatives: [...]`), flattened in order; a passage may be tevatron's `{"docid", "title", "text"}`, read
+as its title, a space and its text. With data.corpus the documents are ids into it (`pair_columns`, `corpus`).
 
 Pools (`pooled`, a run with data.negatives_per_row): the positive column may hold a list of texts too
 (FlagEmbedding's `{"query", "pos": [...], "neg": [...]}`), rows hold any number of negatives, and a
@@ -43,7 +33,6 @@ stops, naming the file and row.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 from collections import Counter
@@ -52,19 +41,24 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.pair_columns import (
+    FLAG_PROMPT,
+    FLAG_SCORED,
+    FLAG_SCORES,
+    FLAG_TEXTS,
+    TEVATRON_TEXTS,
+    check_columns,
+    flag_columns,
+    parsed,
+    tevatron_columns,
+    tevatron_ids,
+)
 from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.tables import guarded_rows, opened_rows
 
 logger = logging.getLogger("titan_contrastive")
 
 FORMATS = (".jsonl", ".csv", ".tsv", ".parquet", ".arrow")
-SCORE_COLUMNS = ("label", "labels", "score", "scores")  # sentence-transformers' label columns
-FLAG_TEXTS = ("query", "pos", "neg")  # FlagEmbedding's (BGE's) fine-tuning rows
-FLAG_SCORES = ("pos_scores", "neg_scores")  # its teacher's scores of them
-FLAG_PROMPT = "prompt"  # its per-row query instruction
-TEVATRON_TEXTS = ("query", "positive_passages", "negative_passages")  # tevatron's training rows
-TEVATRON_IDS = ("positive_document_ids", "negative_document_ids")  # its rows that name a corpus's documents
-_FLAG_SCORED = "pos_scores + neg_scores"  # the score column of such rows, read as one list
 
 
 class PairRows(NamedTuple):
@@ -100,142 +94,22 @@ def _fields(row: Any, columns: Sequence[str], id_column: str, score_column: str)
     ident = row.get(id_column) if id_column else None
     other = (id_column, score_column)
     texts = [row.get(c) for c in columns] if columns else [v for k, v in row.items() if k not in other]
-    if score_column == _FLAG_SCORED:
+    if score_column == FLAG_SCORED:
         pos, neg = (row.get(c) for c in FLAG_SCORES)
         return texts, ident, [*pos, *neg] if isinstance(pos, list) and isinstance(neg, list) else None
     return texts, ident, row.get(score_column) if score_column else None
 
 
-def _parsed(value: Any) -> Any:
-    """A score column's value, a JSON text (a CSV/TSV cell) read as JSON; None for text that is not JSON."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except ValueError:
-        return None
-
-
 def document_scores(value: Any, width: int, margins: bool = False) -> list[float] | None:
     """A row's teacher scores of its `width` documents (see the module docstring), or None when
     they are not that many finite numbers."""
-    value = _parsed(value)
+    value = parsed(value)
     values = list(value) if isinstance(value, (list, tuple)) else [value]
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
         return None
     if margins and len(values) == width - 1:
         return [0.0] + [-float(v) for v in values]
     return [float(v) for v in values] if len(values) == width else None
-
-
-def _flag_columns(file: Path, keys: set[str], teacher: str) -> bool:
-    """Whether rows of these columns are FlagEmbedding's (query, pos, neg; its scores and prompt beside them),
-    said once in the log with what is read of them."""
-    if not set(FLAG_TEXTS) <= keys:
-        return False
-    read = [", ".join(FLAG_TEXTS) + " as the texts"]
-    read += [f"{_FLAG_SCORED} as the teacher's scores"] if teacher and _flag_scored(keys) else []
-    read += [f"{FLAG_PROMPT} as each row's instruction before its query"] if FLAG_PROMPT in keys else []
-    left = sorted(keys - set(FLAG_TEXTS) - ({FLAG_PROMPT} | (set(FLAG_SCORES) if teacher else set())))
-    logger.info(f"{file}: FlagEmbedding's rows: {'; '.join(read)}" + (f" (left: {', '.join(left)})" if left else ""))
-    return True
-
-
-def _tevatron_columns(file: Path, keys: set[str]) -> bool:
-    """Whether rows of these columns are tevatron's (query, positive_passages, negative_passages; its query_id beside
-    them), said once in the log."""
-    if not set(TEVATRON_TEXTS) <= keys:
-        return False
-    left = sorted(keys - set(TEVATRON_TEXTS))
-    logger.info(
-        f"{file}: tevatron's rows: {', '.join(TEVATRON_TEXTS)} as the texts"
-        + (f" (left: {', '.join(left)})" if left else "")
-    )
-    return True
-
-
-def _tevatron_ids(file: Path, keys: set[str], by_id: bool) -> tuple[str, ...]:
-    """The columns of tevatron's rows of document ids (its query's, `TEVATRON_IDS`), said once in the log; () for
-    other rows. A DataError for such rows without a corpus (`by_id`) or without a query."""
-    if not set(TEVATRON_IDS) <= keys:
-        return ()
-    query = next((c for c in ("query_text", "query") if c in keys), "")
-    if not by_id or not query:
-        fix = "set data.corpus (embed: --corpus) to the file of their documents (docid, text[, title] rows)"
-        raise DataError(
-            f"{file}: tevatron's rows name their documents by id ({', '.join(TEVATRON_IDS)}) "
-            + (f"and no corpus is given: {fix}" if query else "and hold no query_text or query column: add one")
-        )
-    left = sorted(keys - {query, *TEVATRON_IDS})
-    logger.info(
-        f"{file}: tevatron's rows of document ids: {query}, {', '.join(TEVATRON_IDS)} (ids into data.corpus)"
-        + (f" (left: {', '.join(left)})" if left else "")
-    )
-    return (query, *TEVATRON_IDS)
-
-
-def _flag_scored(keys: set[str]) -> bool:
-    """Whether FlagEmbedding's rows of these columns give the teacher's scores as its two lists (no other
-    score column)."""
-    return set(FLAG_SCORES) <= keys and not keys & set(SCORE_COLUMNS)
-
-
-def _check_columns(
-    file: Path,
-    names: list[str] | None,
-    dicts: bool,
-    first: Any,
-    keys: set[str],
-    columns: Sequence[str],
-    id_column: str,
-    teacher: str,
-) -> tuple[bool, str]:
-    """(whether the rows have an id column, the teacher's scores column or ""); a DataError for a
-    column that is not there or not allowed (`keys`: the file's columns; `dicts`: whether every row is a dict,
-    `first` the first of them)."""
-    if id_column and id_column in columns:
-        raise DataError(
-            f"data.pairs_id_column={id_column!r} is also in data.pairs_columns={list(columns)}: the id is not a "
-            "text; take it out of one of them"
-        )
-    named = names is not None or dicts and bool(keys)  # JSON lines of objects name their columns too
-    missing = [c for c in columns if named and c not in keys]
-    if missing:
-        shown = ", ".join(names if names is not None else sorted(keys))
-        raise DataError(f"{file}: no column {missing[0]!r} (columns: {shown}); fix data.pairs_columns")
-    if id_column and id_column not in keys and id_column != "id":
-        raise DataError(
-            f"data.pairs_id_column={id_column!r}: {file} has no such column (columns: {', '.join(map(str, keys))}); "
-            "name the positive's id column, or set it to '' for none"
-        )
-    has_ids, scored = bool(id_column) and id_column in keys, [c for c in SCORE_COLUMNS if c in keys]
-    if teacher and tuple(columns) == FLAG_TEXTS and _flag_scored(keys):
-        return has_ids, _FLAG_SCORED
-    if teacher:
-        if len(scored) != 1 or names is None and not dicts:
-            raise DataError(
-                f"loss.distill={teacher}: {file} needs the teacher's scores in one named column, label, labels, score "
-                f"or scores, or FlagEmbedding's {' and '.join(FLAG_SCORES)} (found: {', '.join(scored) or 'none'}); "
-                "add it, or leave loss.distill empty"
-            )
-        return has_ids, scored[0]
-    if scored and not columns:
-        if len(scored) == 1 and _score_list(None if first is None else first.get(scored[0])):
-            logger.info(
-                f"{file}: the teacher's scores in its {scored[0]!r} column are not read (loss.distill reads them)"
-            )
-            return has_ids, scored[0]
-        raise DataError(
-            f"{file}: a {scored[0]!r} column: scored pairs train with loss.distill=cosent (CoSENT), which reads it; "
-            "set it, drop the column, or name the text columns in data.pairs_columns"
-        )
-    return has_ids, ""
-
-
-def _score_list(value: Any) -> bool:
-    """Whether a score column's value is a list of scores (a teacher's, of a row's documents), not one label."""
-    value = _parsed(value)
-    return isinstance(value, (list, tuple)) and len(value) >= 2
 
 
 def read_rows(
@@ -314,11 +188,11 @@ def _read_file(
 ) -> PairRows:
     """`read_rows` of one file; `seen`: the texts read so far, each held once (a text read again is that object)."""
     names, keys, dicts, total, first, table = _columns(file, columns, split)
-    flag = not columns and _flag_columns(file, keys, teacher)
-    columns = columns or (() if flag else _tevatron_ids(file, keys, by_id))
-    columns = TEVATRON_TEXTS if not columns and not flag and _tevatron_columns(file, keys) else columns
+    flag = not columns and flag_columns(file, keys, teacher)
+    columns = columns or (() if flag else tevatron_ids(file, keys, by_id))
+    columns = TEVATRON_TEXTS if not columns and not flag and tevatron_columns(file, keys) else columns
     columns, prompted = (FLAG_TEXTS, FLAG_PROMPT in keys) if flag else (columns, False)
-    has_ids, score_column = _check_columns(file, names, dicts, first, keys, columns, id_column, teacher)
+    has_ids, score_column = check_columns(file, names, dicts, first, keys, columns, id_column, teacher)
     rows, ids, scores, counts, prompts, skipped, width = [], [], [], [], [], Counter(), 0
     for n, row in enumerate(table):
         values, ident, scored = _fields(row, columns, id_column if has_ids else "", score_column)
