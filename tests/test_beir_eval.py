@@ -37,7 +37,7 @@ def test_the_evaluator_equals_sentence_transformers(tmp_path: Path, capsys: pyte
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
-    from titan_contrastive.components.beir_folder import read_beir
+    from titan_contrastive.datasets.beir_folder import read_beir
     from titan_contrastive.evaluate import main
     from titan_contrastive.models.bi_encoder.folder import bundled_minilm
 
@@ -97,7 +97,7 @@ def test_splits_of_one_corpus_embed_it_once(tmp_path: Path) -> None:
 
 
 def _evaluate(folder: str, model_folder: str) -> dict[str, float]:
-    from titan_contrastive.components.beir_folder import read_beir
+    from titan_contrastive.datasets.beir_folder import read_beir
     from titan_contrastive.models.bi_encoder import BiEncoder, BiEncoderArgs, build_tokenizer
 
     args = BiEncoderArgs(path=model_folder, query_length=16).resolve(doc_length=16)

@@ -9,7 +9,10 @@ those documents' texts serve.
 - the errors, one line each: rows of ids without a corpus, a corpus that is not there, rows without an id or a
   text, an id given two texts, a corpus that holds none of them, too many rows naming documents it does not hold
   (fewer: skipped and counted), a corpus for data that is not text pairs;
-- a run trains on rows of ids through the trainer and evaluates on held-out rows of ids.
+- a run trains on rows of ids through the trainer and evaluates on held-out rows of ids;
+- a retrieval set's folder (BEIR's corpus.jsonl, queries.jsonl, qrels/) as data.path: its split's judged pairs
+  serve as the rows of those texts with the documents' ids (a score-0 judgement left out), each query's relevant
+  documents as its positives under data.negatives_per_row (refused in one line: the qrels name no negatives).
 """
 
 from __future__ import annotations
@@ -218,3 +221,49 @@ def test_the_embed_command_reads_rows_of_ids_as_their_texts(tmp_path: Path) -> N
     corpus = write_jsonl(tmp_path / "corpus.jsonl", _tevatron_corpus(ids))
     flag = write_jsonl(tmp_path / "bge.jsonl", [{k: r[k] for k in ("query", "pos", "neg")} for r in rows])
     assert read_rows(str(train), [], str(corpus)) == read_rows(str(flag), []) != []
+
+
+def _beir_folder(folder: Path, rows: list[dict], ids: dict[str, str | int]) -> Path:
+    """BEIR's files of FlagEmbedding's `rows`: every document in the corpus (some with a title), each query's
+    positives judged relevant in `train` (and one negative judged 0), the first two queries' first positives in
+    `test`."""
+    folder.mkdir()
+    docs = []
+    for text, ident in ids.items():
+        title, _, body = text.partition(" ")
+        docs.append(
+            {"_id": str(ident), "title": title, "text": body} if len(docs) % 2 else {"_id": str(ident), "text": text}
+        )
+    write_jsonl(folder / "corpus.jsonl", docs)
+    write_jsonl(folder / "queries.jsonl", [{"_id": f"q{r}", "text": row["query"]} for r, row in enumerate(rows)])
+    (folder / "qrels").mkdir()
+    train = [(f"q{r}", ids[t], 1) for r, row in enumerate(rows) for t in row["pos"]] + [
+        ("q0", ids[rows[0]["neg"][0]], 0)
+    ]
+    test = [(f"q{r}", ids[rows[r]["pos"][0]], 1) for r in range(2)]
+    for split, judged in (("train", train), ("test", test)):
+        lines = "".join(f"{q}\t{d}\t{score}\n" for q, d, score in judged)
+        (folder / "qrels" / f"{split}.tsv").write_text("query-id\tcorpus-id\tscore\n" + lines)
+    return folder
+
+
+@needs("hf")
+def test_a_retrieval_sets_folder_serves_its_judged_pairs(tmp_path: Path, tokenizer, caplog) -> None:
+    rows = bge_rows()
+    ids = _docids(rows)
+    folder = _beir_folder(tmp_path / "beir", rows, ids)
+    with caplog.at_level("INFO", logger="titan_contrastive"):
+        beir = _dataset(folder, tokenizer)
+    pairs = [{"query": r["query"], "positive": t, "id": str(ids[t])} for r in rows for t in r["pos"]]
+    assert f"the retrieval set's 'train' split, {len(pairs)} rows of its judged pairs" in caplog.text
+    plain = _dataset(write_jsonl(tmp_path / "pairs.jsonl", pairs), tokenizer)
+    assert len(beir) == len(plain) == len(pairs)
+    assert _equal(beir.__getitems__(list(range(len(pairs)))), plain.__getitems__(list(range(len(pairs)))))
+    held_out = PairsDataset(split="test", path=str(folder), tokenizer=tokenizer, query_length=12)
+    assert len(held_out) == 2
+    with pytest.raises(DataError) as err:
+        _dataset(folder, tokenizer, negatives_per_row=3)
+    _one_line(err, "6 of its 6 rows hold no hard negative to draw from")
+    with pytest.raises(DataError) as err:
+        _dataset(folder, tokenizer, columns=["query", "positive"])
+    _one_line(err, "is a retrieval set (corpus, queries, qrels)", "leave it empty")

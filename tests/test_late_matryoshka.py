@@ -120,9 +120,9 @@ def test_a_prefix_wider_than_the_tokens_is_refused() -> None:
 def test_the_evaluations_cuts_score_each_tokens_prefix() -> None:
     """Held-out recall and BEIR at a cut: ranked by MaxSim of each token's first m components, renormalized."""
     from titan_contrastive.components.beir_eval import evaluate_beir
-    from titan_contrastive.components.beir_folder import BeirSet
     from titan_contrastive.components.evaluate import recall_at_k
     from titan_contrastive.components.retrieval_metrics import ir_metrics
+    from titan_contrastive.datasets.beir_folder import BeirSet
 
     q, p, *_ = problem(0, seed=5)
     sims = torch.tensor([[float(maxsim(qi, d, 2)) for d in cut(p, 2)] for qi in cut(q, 2)], dtype=torch.float64)

@@ -122,7 +122,7 @@ def test_a_bad_split_list_is_one_line(tmp_path: Path, split: str, message: str) 
 
 @pytest.mark.usefixtures("hf_cache")
 def test_star_is_every_qrels_split_of_each_layout(tmp_path: Path) -> None:
-    from titan_contrastive.components.beir_folder import beir_splits
+    from titan_contrastive.datasets.beir_folder import beir_splits
 
     files = write_beir(tmp_path / "files")
     (files / "qrels" / "dev.tsv").write_text((files / "qrels" / "test.tsv").read_text())

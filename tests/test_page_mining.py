@@ -56,7 +56,7 @@ def assert_the_definitions_choice(rows: Path, folder: Path, k: int, corpus: list
     """Mine k negatives for `rows` with the model of `folder` in float64 (and `corpus`'s pages): each row's are the
     pages (the rows' and the corpus's) that the score of each query and page embedded alone ranks first, without the
     query's own pages."""
-    from titan_contrastive.components.beir_folder import BeirSet, CorpusImages
+    from titan_contrastive.datasets.beir_folder import BeirSet, CorpusImages
     from titan_contrastive.mine_pages import PageEncoder, page_encoder, read_pairs
     from titan_contrastive.mining import mine
 

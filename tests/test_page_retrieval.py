@@ -1,5 +1,5 @@
 """Visual document retrieval (ViDoRe-style) evaluation of the qwen_vl family: a BEIR folder whose corpus is page
-images (`components/beir_folder.py`: BEIR's files with an `image` per document, ViDoRe's BEIR sets saved to disk,
+images (`datasets/beir_folder.py`: BEIR's files with an `image` per document, ViDoRe's BEIR sets saved to disk,
 ViDoRe v1's question-answer layout) ranked by a run's text queries (`[eval] beir_path`, `beir_eval.side_embedders`).
 The metrics equal the definition over every query and page embedded on its own (dot product, or MaxSim for
 ColQwen), written here; 2 gloo processes give what 1 gives; a corpus the model cannot read is one line. STS through
@@ -22,8 +22,8 @@ from tests.dist_utils import run_distributed
 from tests.hf_folders import vl_folder
 from tests.needs import require
 from tests.test_qwen_vl import vl_run
-from titan_contrastive.components.beir_folder import read_beir
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.beir_folder import read_beir
 
 require("hf")
 
@@ -393,7 +393,7 @@ def test_a_run_measures_sts_through_its_text_queries(tmp_path: Path) -> None:
 
 
 def test_the_miners_corpus_refuses_pages(tmp_path: Path) -> None:
-    from titan_contrastive.components.beir_folder import read_corpus
+    from titan_contrastive.datasets.beir_folder import read_corpus
 
     folder = jsonl_set(tmp_path / "set", pages())
     with pytest.raises(DataError, match="document 'p0' is an image without text; give a corpus of texts"):

@@ -16,8 +16,8 @@ import torch
 
 from tests.needs import needs
 from titan_contrastive.components.beir_eval import CUTS, K, evaluate_beir
-from titan_contrastive.components.beir_folder import BeirSet
 from titan_contrastive.components.retrieval_metrics import ir_metrics
+from titan_contrastive.datasets.beir_folder import BeirSet
 
 pytestmark = needs("hf")
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tests.needs import require
-from titan_contrastive.components.beir_folder import read_beir
 from titan_contrastive.components.retrieval_metrics import ir_metrics, top_k
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.beir_folder import read_beir
 
 CORPUS = [  # d3 and d4 are the same document: their scores tie exactly (same chunk, so the same products)
     {"_id": "d5", "title": "Paris", "text": "Paris is the capital of France."},

@@ -390,7 +390,7 @@ def test_beir_ranks_by_the_dot_product() -> None:
     """Two documents: the relevant one has the larger dot product with the query and the smaller cosine; sparse
     embeddings also report their mean count of non-zero dimensions per side."""
     from titan_contrastive.components.beir_eval import evaluate_beir
-    from titan_contrastive.components.beir_folder import BeirSet
+    from titan_contrastive.datasets.beir_folder import BeirSet
 
     vectors = {"q": [1.0, 0.0], "long": [10.0, 10.0], "near": [1.0, 0.1]}
     beir = BeirSet(["0"], ["q"], ["a", "b"], ["long", "near"], {"0": {"a": 1}})

@@ -86,7 +86,7 @@ def _maxsim(q: torch.Tensor, docs: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _beir(n_queries: int = 5):
-    from titan_contrastive.components.beir_folder import BeirSet
+    from titan_contrastive.datasets.beir_folder import BeirSet
 
     ids = [str(i) for i in range(7)]
     qrels = {str(i): {str(i): 1, str((i + 3) % 7): 2} for i in range(n_queries)}
@@ -153,7 +153,7 @@ def test_the_command_pools_a_colbert_folders_documents(tmp_path: Path, capsys: p
     from tests.test_page_retrieval import definition
     from tests.test_retrieval_metrics import write_beir
     from titan_contrastive.components.beir_eval import pair_embedders
-    from titan_contrastive.components.beir_folder import read_beir
+    from titan_contrastive.datasets.beir_folder import read_beir
     from titan_contrastive.evaluate import load_text_model, main
     from titan_contrastive.models.bi_encoder import build_tokenizer
 

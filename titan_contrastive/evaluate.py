@@ -5,7 +5,7 @@ model folder the bi_encoder family loads (`[model] path`: a transformers or sent
 folder, or a hub id already in the local cache), or a Qwen-VL folder (a ColQwen one too: its projection makes it
 late interaction; `--query-prompt`, `--doc-prompt`, `--max-pixels` as `[model]` / `[data]` set them in a run).
 DIR is a local BEIR folder (`corpus.jsonl`, `queries.jsonl`, `qrels/{split}.tsv`; a corpus of page images; ViDoRe's
-sets saved to disk: `components/beir_folder.py`), by default the bundled WordNet set. Prints nDCG@5/10,
+sets saved to disk: `datasets/beir_folder.py`), by default the bundled WordNet set. Prints nDCG@5/10,
 MRR@10, MAP@100 and Recall@1/5/10/100 as JSON (`components/beir_eval.py`: the figures
 sentence-transformers' InformationRetrievalEvaluator gives; `--graded`: nDCG as pytrec_eval, MTEB and ViDoRe
 give it; `--pool-factor`: a late-interaction model's documents token-pooled, `components/token_pooling.py`;

@@ -247,7 +247,7 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
     read = read_rows(opts.pairs, columns, opts.id_column)
     corpus = None
     if opts.corpus:
-        from titan_contrastive.components.beir_folder import read_corpus
+        from titan_contrastive.datasets.beir_folder import read_corpus
 
         if not Path(opts.corpus).expanduser().is_file():
             raise MineError(f"--corpus={opts.corpus}: not a file; give a BEIR corpus.jsonl (_id, title, text)")

@@ -69,7 +69,7 @@ class PageEncoder:
         return self._encode(self._queries, list(texts), batch_size)
 
     def encode_document(self, paths: Sequence[str], batch_size: int = 32, **_: Any) -> np.ndarray:
-        from titan_contrastive.components.beir_folder import CorpusImages
+        from titan_contrastive.datasets.beir_folder import CorpusImages
 
         files = [str(self.root / p) for p in paths]  # an absolute path stays as it is
         return self._encode(self._pages, CorpusImages(list(paths), files), batch_size)

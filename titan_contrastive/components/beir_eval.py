@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from titan_contrastive.components.beir_folder import BeirSet, beir_splits, read_beir
 from titan_contrastive.components.evaluate import dim_cuts, gather_rows
 from titan_contrastive.components.precision import at_least_fp32
 from titan_contrastive.components.quantized_search import quantized_top_k
 from titan_contrastive.components.retrieval_metrics import ir_metrics, top_k
 from titan_contrastive.components.token_pooling import document_pooler, token_counts
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.beir_folder import BeirSet, beir_splits, read_beir
 from titan_contrastive.losses import matryoshka
 from titan_contrastive.losses.maxsim import scores as late_scores
 

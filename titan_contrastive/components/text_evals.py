@@ -20,9 +20,9 @@ from titan_contrastive.components.beir_eval import (
     pair_embedders,
     side_embedders,
 )
-from titan_contrastive.components.beir_folder import BeirSet
 from titan_contrastive.components.sts_eval import StsSet, evaluate_sts, load_sts
 from titan_contrastive.config import ConfigError
+from titan_contrastive.datasets.beir_folder import BeirSet
 
 __all__ = ["TextEvals"]
 

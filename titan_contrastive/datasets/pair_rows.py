@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.beir_folder import is_beir_folder, judged_pairs
 from titan_contrastive.datasets.pair_columns import (
     FLAG_PROMPT,
     FLAG_SCORED,
@@ -129,8 +130,10 @@ def read_rows(
     (`shards.shard_files`): each file's, joined in order. The rows are read one at a time and each distinct text is
     held once, however many rows repeat it (a corpus's passages as many queries' negatives); `seen`: the texts other
     files read (`::`-joined sources), shared with them. `by_id`: the documents are ids (module docstring)."""
-    files = shard_files(path, FORMATS)
     seen = {} if seen is None else seen
+    if is_beir_folder(path):
+        return _judged_rows(path, columns, split, teacher, pooled, id_column, max_bad_fraction, seen)
+    files = shard_files(path, FORMATS)
     if files is not None:
         parts = [
             _read_file(f, columns, id_column, max_bad_fraction, split, teacher, pooled, seen, by_id) for f in files
@@ -143,6 +146,42 @@ def read_rows(
             "query/positive[/negative] rows in one of those"
         )
     return _read_file(file, columns, id_column, max_bad_fraction, split, teacher, pooled, seen, by_id)
+
+
+def _judged_rows(
+    path: str,
+    columns: Sequence[str],
+    split: str,
+    teacher: str,
+    pooled: bool,
+    id_column: str,
+    max_bad_fraction: float,
+    seen: dict[str, str],
+) -> PairRows:
+    """A retrieval set's split as rows: each query and a relevant document (pooled: all of them), the document's
+    corpus id its id; no negatives (the qrels name none)."""
+    if columns or teacher:
+        what = f"data.pairs_columns={list(columns)}" if columns else f"loss.distill={teacher!r}"
+        raise DataError(
+            f"{what}: data.path={path} is a retrieval set (corpus, queries, qrels), whose rows are its judged pairs, "
+            "with no columns to name nor a teacher's scores: leave it empty"
+        )
+    rows, ids, counts, skipped = [], [], [], Counter()
+    for query, documents, doc_ids in zip(*judged_pairs(path, split)):
+        for texts, group in [(documents, doc_ids)] if pooled else [([t], [i]) for t, i in zip(documents, doc_ids)]:
+            if not query or not all(texts):
+                skipped["missing_text"] += 1
+                continue
+            rows.append([seen.setdefault(t, t) for t in [query, *texts]])
+            ids.append(group[0])
+            counts.append(len(texts))
+    if not rows or sum(skipped.values()) > max(1, int(max_bad_fraction * (len(rows) + sum(skipped.values())))):
+        raise DataError(
+            f"data.path={path}: {sum(skipped.values())} of the split {split!r}'s judged pairs have an empty query or "
+            f"document, past data.max_bad_fraction={max_bad_fraction}; fix them or raise data.max_bad_fraction"
+        )
+    logger.info(f"data.path={path}: the retrieval set's {split!r} split, {len(rows)} rows of its judged pairs")
+    return PairRows(rows, ids if id_column and not pooled else None, None, skipped, counts if pooled else None)
 
 
 def _columns(

@@ -1,4 +1,5 @@
-"""A retrieval test set read from a local folder, text or page images (`read_beir`).
+"""A retrieval set read from a local folder, text or page images (`read_beir`): a test set to evaluate on, or a
+split's judged pairs to train on (`judged_pairs`, text pairs' rows).
 
 - **BEIR's files**: `corpus.jsonl` (`_id`, `title`, `text`), `queries.jsonl` (`_id`, `text`) and
   `qrels/{split}.tsv` (`query-id`, `corpus-id`, `score`). A document may name an image instead of or beside its
@@ -37,7 +38,7 @@ from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.tar_shards import read_regular
 
-__all__ = ["BeirSet", "CorpusImages", "beir_splits", "read_beir", "read_corpus"]
+__all__ = ["BeirSet", "CorpusImages", "beir_splits", "is_beir_folder", "judged_pairs", "read_beir", "read_corpus"]
 
 QRELS_HEADER = ["query-id", "corpus-id", "score"]
 QA_COLUMNS = ("query", "image", "image_filename")
@@ -273,6 +274,28 @@ def read_beir(folder: str | Path, split: str = "test") -> BeirSet:
     if not judged:
         raise DataError(f"{folder}: split {split!r} has no query with a relevant document (a qrels score > 0)")
     return BeirSet(judged, [queries[q][0] for q in judged], ids, [corpus[c][0] for c in ids], qrels, images)
+
+
+def is_beir_folder(path: str | Path) -> bool:
+    """Whether `path` is a folder of a retrieval set's corpus and queries (BEIR's files, or saved datasets)."""
+    folder = Path(path).expanduser()
+    return folder.is_dir() and any(
+        (folder / f"corpus{suffix}").exists() and (folder / f"queries{suffix}").exists() for suffix in (".jsonl", "")
+    )
+
+
+def judged_pairs(folder: str | Path, split: str) -> tuple[list[str], list[list[str]], list[list[str]]]:
+    """(the split's queries, per query the texts of its relevant documents and their ids) of `read_beir(folder,
+    split)`, in the queries' order and each query's qrels' order; a DataError for a corpus of page images."""
+    beir = read_beir(folder, split)
+    if beir.images is not None:
+        raise DataError(
+            f"data.path={folder}: a corpus of page images, and text pairs read texts: train model.name='qwen_vl' on "
+            "vl_pairs rows (query_text, doc_image)"
+        )
+    text = dict(zip(beir.corpus_ids, beir.corpus))
+    ids = [list(beir.qrels[q]) for q in beir.query_ids]
+    return beir.queries, [[text[d] for d in row] for row in ids], ids
 
 
 def beir_splits(folder: str | Path, split: str) -> list[str]:
