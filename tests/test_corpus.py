@@ -267,3 +267,6 @@ def test_a_retrieval_sets_folder_serves_its_judged_pairs(tmp_path: Path, tokeniz
     with pytest.raises(DataError) as err:
         _dataset(folder, tokenizer, columns=["query", "positive"])
     _one_line(err, "is a retrieval set (corpus, queries, qrels)", "leave it empty")
+    with pytest.raises(DataError) as err:
+        _dataset(folder, tokenizer, corpus=str(folder / "corpus.jsonl"))
+    _one_line(err, "holds its own corpus", "leave data.corpus empty")

@@ -131,6 +131,11 @@ def read_rows(
     held once, however many rows repeat it (a corpus's passages as many queries' negatives); `seen`: the texts other
     files read (`::`-joined sources), shared with them. `by_id`: the documents are ids (module docstring)."""
     seen = {} if seen is None else seen
+    if is_beir_folder(path) and by_id:
+        raise DataError(
+            f"data.path={path} is a retrieval set, which holds its own corpus (its judged pairs are the rows): leave "
+            "data.corpus empty"
+        )
     if is_beir_folder(path):
         return _judged_rows(path, columns, split, teacher, pooled, id_column, max_bad_fraction, seen)
     files = shard_files(path, FORMATS)
