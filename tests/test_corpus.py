@@ -92,7 +92,7 @@ def test_tevatron_rows_of_ids_serve_the_texts_of_their_corpus(tmp_path: Path, to
         assert _equal(by_id.__getitems__(list(range(6))), flag.__getitems__(list(range(6)))), epoch
     seen = {text: text for text in ids}
     wanted = {str(ids[t]) for t in list(ids)[:4]}
-    texts = corpus_texts(str(corpus), wanted, seen)
+    texts = corpus_texts(str(corpus), wanted, seen, "data.corpus")
     assert set(texts) == wanted  # the corpus's other documents are not kept
     assert all(texts[str(ids[t])] is seen[t] for t in list(ids)[:4])  # each text one object, the rows' own
 

@@ -393,8 +393,9 @@ def test_a_run_measures_sts_through_its_text_queries(tmp_path: Path) -> None:
 
 
 def test_the_miners_corpus_refuses_pages(tmp_path: Path) -> None:
-    from titan_contrastive.datasets.beir_folder import read_corpus
+    """A text model's `mine --corpus` (`corpus.corpus_texts`) reads ids and texts: a corpus of pages is one line."""
+    from titan_contrastive.datasets.corpus import corpus_texts
 
     folder = jsonl_set(tmp_path / "set", pages())
-    with pytest.raises(DataError, match="document 'p0' is an image without text; give a corpus of texts"):
-        read_corpus(folder / "corpus.jsonl")
+    with pytest.raises(DataError, match=r"row 1: a corpus row holds an id .* its columns are _id, image: fix --corpus"):
+        corpus_texts(str(folder / "corpus.jsonl"), None, {}, "--corpus")

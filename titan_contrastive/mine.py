@@ -13,7 +13,8 @@ sentence-transformers builds it). A folder's own model code (config.json `auto_m
 `--trust-remote-code`; a step folder's runs as its run's did (`[model] trust_remote_code`).
 
 The mining itself is sentence-transformers' `mine_hard_negatives`: every positive of the file is
-the corpus (with `--corpus`, a BEIR `corpus.jsonl`'s documents too); each query's candidates are
+the corpus (with `--corpus`, every document of a corpus file as `data.corpus` reads it too: a BEIR `corpus.jsonl`,
+MS MARCO's `collection.tsv`, tevatron's corpus; `datasets.corpus`); each query's candidates are
 the corpus ranked by cosine, without the query's own positives (every row with that query text),
 those within `--relative-margin` of the positive's score (NV-Retriever's TopK-PercPos: at 0.05 a
 negative scores at most 95 % of the positive; a query with several positives takes the weakest's),
@@ -26,7 +27,10 @@ retrieved are scored again by CE, and the filters and `--scores` read CE's score
 FILE (`.jsonl`, `.parquet` or `.csv`) holds the rows in the input's order with sentence-transformers'
 columns, `anchor`, `positive`, `negative_1` ... `negative_k`, and `id` when the input has an id
 column (what `data.pairs_id_column` reads by default); the input's own negative columns are
-replaced. With `--scores`, a `scores` column holds the model's cosines (or CE's scores) of each
+replaced. With `--ids` the input's documents are ids into `--corpus` (tevatron's
+`positive_document_ids` rows, MS MARCO's triples of ids; a positive the corpus lacks is a bad row) and FILE's
+positives and negatives are ids too (a negative's text held under several ids: the first): train on it with
+`data.corpus` set to that corpus. With `--scores`, a `scores` column holds the model's cosines (or CE's scores) of each
 row's positive and negatives (sentence-transformers' `output_scores`): a teacher's scores for
 `loss.distill`. A row
 for which fewer than k candidates pass the filters is left out (the count is printed). Train on it
@@ -152,6 +156,24 @@ def sentence_model(path: str, tower: str | None, device: str | None, trust: bool
     yield SentenceTransformer(str(folder), device=device, trust_remote_code=trust)
 
 
+def as_ids(
+    mined: list[list[Any] | None], positives: list[str], documents: dict[str, str], k: int, fewer: bool
+) -> list[list[Any] | None]:
+    """The mined rows (`mining.mine`'s) with their documents as ids into the corpus `documents` ({id: text}): each
+    row's own positive id, and for a negative the first id holding its text."""
+    first: dict[str, str] = {}
+    for ident, text in documents.items():
+        first.setdefault(text, ident)
+    out: list[list[Any] | None] = []
+    for row, positive in zip(mined, positives):
+        if row is None:
+            out.append(None)
+            continue
+        negatives = [[first[t] for t in row[2]]] if fewer else [first[t] for t in row[2 : 2 + k]]
+        out.append([row[0], positive, *negatives, *row[3 if fewer else 2 + k :]])
+    return out
+
+
 def device_list(text: str | None) -> list[str]:
     """`--device`'s devices: none (sentence-transformers' choice), one, or several (a process each, comma-separated)."""
     return [d.strip() for d in (text or "").split(",") if d.strip()]
@@ -196,8 +218,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--corpus",
         default="",
-        help="also mine from this BEIR corpus.jsonl, or for a page model every image below this folder (default: the "
-        "positives only)",
+        help="also mine from this corpus file (id and text rows, as data.corpus reads), or for a page model every "
+        "image below this folder (default: the positives only)",
+    )
+    p.add_argument(
+        "--ids",
+        action="store_true",
+        help="the rows' documents are ids into --corpus (as with data.corpus); the mined ones are written as ids",
     )
     p.add_argument("--columns", default="", help="query,positive column names (data.pairs_columns); default: in order")
     p.add_argument("--id-column", default="id", help="the positive's id column (data.pairs_id_column), written as `id`")
@@ -231,6 +258,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
     """Mine and write; (the file, rows written, rows left out)."""
+    from titan_contrastive.datasets.corpus import corpus_texts, resolved
     from titan_contrastive.datasets.pair_rows import read_rows
 
     check_options(opts)
@@ -240,20 +268,22 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
     from titan_contrastive.mine_pages import is_page_model, run_pages
 
     if is_page_model(opts.model):  # a qwen_vl run or a Qwen-VL folder: negative pages for query-page rows
+        if opts.ids:
+            raise MineError(f"--ids: --model={opts.model} mines pages, which are files, not ids; leave --ids out")
         return run_pages(opts, out)
     columns = [c.strip() for c in opts.columns.split(",") if c.strip()]
     if columns and len(columns) != 2:
         raise MineError(f"--columns={opts.columns}: name two columns, the query's and the positive's")
-    read = read_rows(opts.pairs, columns, opts.id_column)
-    corpus = None
-    if opts.corpus:
-        from titan_contrastive.datasets.beir_folder import read_corpus
-
-        if not Path(opts.corpus).expanduser().is_file():
-            raise MineError(f"--corpus={opts.corpus}: not a file; give a BEIR corpus.jsonl (_id, title, text)")
-        corpus = list(read_corpus(Path(opts.corpus).expanduser()).values())
+    if opts.ids and not opts.corpus:
+        raise MineError("--ids: the rows' documents are ids into a corpus; give its file with --corpus")
+    read = read_rows(opts.pairs, columns, opts.id_column, by_id=opts.ids)
     if len(read.texts[0]) > 2:
         print(f"{opts.pairs}: its {len(read.texts[0]) - 2} negative column(s) are replaced by the mined ones")
+    documents = corpus_texts(opts.corpus, None, {}, "--corpus") if opts.corpus else {}
+    positives = [row[1] for row in read.texts if row[1] in documents] if opts.ids else []  # the rows resolved keeps
+    if opts.ids:  # bad rows past data.max_bad_fraction's default stop it, as they stop a run
+        pairs = read._replace(texts=[row[:2] for row in read.texts])
+        read = resolved(pairs, opts.pairs, f"--corpus={opts.corpus}", documents, 0.001)
     devices = device_list(opts.device)
     cross_encoder = None
     if opts.cross_encoder:
@@ -262,8 +292,15 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
         cross_encoder = CrossEncoder(str(Path(opts.cross_encoder).expanduser()), device=devices[0] if devices else None)
     with sentence_model(opts.model, opts.tower, devices[0] if devices else None, opts.trust_remote_code) as model:
         mined = mine(
-            read.texts, model, opts, corpus, pool=devices if len(devices) > 1 else None, cross_encoder=cross_encoder
+            read.texts,
+            model,
+            opts,
+            list(dict.fromkeys(documents.values())),  # a text under several ids is one candidate
+            pool=devices if len(devices) > 1 else None,
+            cross_encoder=cross_encoder,
         )
+    if opts.ids:
+        mined = as_ids(mined, positives, documents, opts.negatives, opts.keep_fewer)
     kept = [(row, i) for row, i in zip(mined, read.ids or [None] * len(mined)) if row is not None]
     if not kept:
         raise MineError(
@@ -298,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         if opts.keep_fewer
         else each
     )
-    print(f"wrote {out}: {written} row(s) with {each}{scores}{note}")
+    ids = f"; its documents are ids: train with data.corpus={opts.corpus}" if opts.ids else ""
+    print(f"wrote {out}: {written} row(s) with {each}{scores}{note}{ids}")
     return 0
 
 

@@ -33,6 +33,12 @@ BAD_SAMPLES = "bad_samples"
 """Batch key of the list of skipped records (`sources.BadSample`); never reaches the model."""
 
 
+def too_many_bad(skipped: Counter[str], total: int, max_bad_fraction: float) -> bool:
+    """Whether the `skipped` records (counted by reason) of `total` exceed `max_bad_fraction` of them, at least one
+    always allowed: the one rule every reader applies to `data.max_bad_fraction`."""
+    return sum(skipped.values()) > max(1, int(max_bad_fraction * total))
+
+
 class BadSampleLog:
     def __init__(self, max_bad_fraction: float, epoch_samples: int, shard_losses: Sequence[Any] = ()) -> None:
         self.max_bad_fraction = max_bad_fraction
@@ -45,9 +51,6 @@ class BadSampleLog:
     def total(self) -> int:
         return sum(self.counts.values())
 
-    def limit(self) -> int:
-        return max(1, int(self.max_bad_fraction * max(self.seen, self.epoch_samples)))
-
     def update(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Take the skips out of `batch` (returned without them), count, log, and enforce the limit."""
         bad = batch.pop(BAD_SAMPLES, None) or []
@@ -55,7 +58,7 @@ class BadSampleLog:
         for skip in bad:
             self.counts[skip.reason] += 1
             logger.warning(f"skipped bad sample: {skip} ({self.total} skipped of {self.seen} loaded on this rank)")
-        if bad and self.total > self.limit():
+        if bad and too_many_bad(self.counts, max(self.seen, self.epoch_samples), self.max_bad_fraction):
             last = bad[-1]
             raise DataError(
                 f"{last.where}: {self.total} bad samples of {self.seen} loaded exceed data.max_bad_fraction="

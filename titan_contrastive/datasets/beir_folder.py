@@ -38,7 +38,7 @@ from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.tar_shards import read_regular
 
-__all__ = ["BeirSet", "CorpusImages", "beir_splits", "is_beir_folder", "judged_pairs", "read_beir", "read_corpus"]
+__all__ = ["BeirSet", "CorpusImages", "beir_splits", "is_beir_folder", "judged_pairs", "read_beir"]
 
 QRELS_HEADER = ["query-id", "corpus-id", "score"]
 QA_COLUMNS = ("query", "image", "image_filename")
@@ -183,17 +183,6 @@ def _documents(rows: Iterable[tuple[str, Any]], what: str, root: Path | None) ->
             raise DataError(f"{where}: `_id` {key!r} appears twice; give every {what} its own `_id`")
         texts[key] = ((title + " " + text).strip(), image)
     return texts
-
-
-def read_corpus(path: str | Path) -> dict[str, str]:
-    """`_id` -> text of a BEIR `corpus.jsonl` (title before text), as `read_beir` reads it; a page without text is
-    refused (a DataError)."""
-    path = Path(path)
-    documents = _documents(_jsonl_rows(path), "document", path.parent)
-    pages = [k for k, (text, image) in documents.items() if image is not None and not text]
-    if pages:
-        raise DataError(f"{path}: document {pages[0]!r} is an image without text; give a corpus of texts")
-    return {k: text for k, (text, _) in documents.items()}
 
 
 def _tsv_rows(path: Path) -> Iterator[tuple[str, Any]]:

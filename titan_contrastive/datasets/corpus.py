@@ -21,12 +21,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from titan_contrastive.datasets.bad_samples import too_many_bad
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.pair_rows import FORMATS, PairRows, cell_text, doc_id, kept_rows
 from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.tables import guarded_rows, opened_rows
 
-__all__ = ["corpus_texts", "resolve_documents"]
+__all__ = ["corpus_texts", "resolve_documents", "resolved"]
 
 logger = logging.getLogger("titan_contrastive")
 
@@ -40,18 +41,19 @@ def resolve_documents(
     """`files` (the rows of the sources `parts`, read `by_id`) with each document id replaced by its text in the
     corpus at `corpus`; rows naming a document it does not hold skipped (see the module docstring)."""
     wanted = {doc for rows in files for row in rows.texts for doc in row[1:]}
-    texts = corpus_texts(corpus, wanted, seen)
+    texts = corpus_texts(corpus, wanted, seen, "data.corpus")
     if not texts:
         raise DataError(
             f"data.corpus={corpus}: holds none of the {len(wanted)} documents the rows name (e.g. "
             f"{min(wanted)!r}); its ids are read from a {'/'.join(ID_COLUMNS)} column, or an unnamed row's first field"
         )
     logger.info(f"data.corpus={corpus}: {len(texts)} of the {len(wanted)} documents the rows name")
-    return [_resolved(rows, part, corpus, texts, max_bad_fraction) for rows, part in zip(files, parts)]
+    return [resolved(rows, part, f"data.corpus={corpus}", texts, max_bad_fraction) for rows, part in zip(files, parts)]
 
 
-def _resolved(rows: PairRows, source: str, corpus: str, texts: dict[str, str], max_bad_fraction: float) -> PairRows:
-    """One source's rows with their documents' texts; a DataError past `max_bad_fraction` of its rows unresolved."""
+def resolved(rows: PairRows, source: str, corpus: str, texts: dict[str, str], max_bad_fraction: float) -> PairRows:
+    """One source's rows with their documents' texts (`texts`: {id: text} of the corpus `corpus`, the words naming it
+    in an error); a DataError past `max_bad_fraction` of its rows unresolved."""
     keep = [i for i, row in enumerate(rows.texts) if all(d in texts for d in row[1:])]
     resolved = rows._replace(texts=[[row[0], *(texts.get(d, "") for d in row[1:])] for row in rows.texts])
     unknown = len(rows.texts) - len(keep)
@@ -59,25 +61,26 @@ def _resolved(rows: PairRows, source: str, corpus: str, texts: dict[str, str], m
         return resolved
     example = next(d for row in rows.texts for d in row[1:] if d not in texts)
     skipped = rows.skipped + Counter(unknown_document=unknown)
-    if sum(skipped.values()) > max(1, int(max_bad_fraction * (len(rows.texts) + sum(rows.skipped.values())))):
+    if too_many_bad(skipped, len(rows.texts) + sum(rows.skipped.values()), max_bad_fraction):
         raise DataError(
-            f"{source}: {unknown} of its {len(rows.texts)} rows name a document that data.corpus={corpus} does not "
+            f"{source}: {unknown} of its {len(rows.texts)} rows name a document that {corpus} does not "
             f"hold (e.g. {example!r}; bad rows {dict(skipped)} exceed data.max_bad_fraction={max_bad_fraction}); "
             "give the corpus of these rows, or raise data.max_bad_fraction"
         )
-    logger.warning(f"{source}: {unknown} row(s) name a document not in data.corpus (e.g. {example!r}); skipped")
+    logger.warning(f"{source}: {unknown} row(s) name a document not in {corpus} (e.g. {example!r}); skipped")
     return kept_rows(resolved, keep, skipped)
 
 
-def corpus_texts(path: str, wanted: set[str], seen: dict[str, str]) -> dict[str, str]:
-    """{id: text} of the `wanted` documents of the corpus at `path`, each text interned in `seen`; a DataError for a
-    corpus that cannot be read or whose rows hold no id and text, or one id given two texts."""
-    files = shard_files(path, FORMATS, field="data.corpus")
+def corpus_texts(path: str, wanted: set[str] | None, seen: dict[str, str], field: str) -> dict[str, str]:
+    """{id: text} of the `wanted` documents (None: every one) of the corpus at `path`, each text interned in `seen`;
+    a DataError naming `field` (the option that gave `path`) for a corpus that cannot be read or whose rows hold no
+    id and text, or one id given two texts."""
+    files = shard_files(path, FORMATS, field=field)
     if files is None:
         file = Path(path).expanduser()
         if not (file.is_dir() or (file.suffix in FORMATS and file.is_file())):
             raise DataError(
-                f"data.corpus={path}: not an existing {'/'.join(FORMATS)} file or save_to_disk folder; give the "
+                f"{field}={path}: not an existing {'/'.join(FORMATS)} file or save_to_disk folder; give the "
                 "documents' rows (an id and a text each) in one of those"
             )
         files = [file]
@@ -85,19 +88,19 @@ def corpus_texts(path: str, wanted: set[str], seen: dict[str, str]) -> dict[str,
     for file in files:
         _, rows = opened_rows(file, (), "train")
         for n, row in enumerate(guarded_rows(file, rows)):
-            ident, cells = _document(file, n, row)
-            text = cell_text(cells) if ident in wanted else ""
+            ident, cells = _document(file, n, row, field)
+            text = cell_text(cells) if wanted is None or ident in wanted else ""
             if not text:
                 continue
             if texts.setdefault(ident, seen.setdefault(text, text)) != text:
                 raise DataError(
-                    f"data.corpus={path}: document {ident!r} is given two texts ({file} row {n + 1} differs from an "
+                    f"{field}={path}: document {ident!r} is given two texts ({file} row {n + 1} differs from an "
                     "earlier row); give each document one id"
                 )
     return texts
 
 
-def _document(file: Path, n: int, row: Any) -> tuple[str, dict[str, Any]]:
+def _document(file: Path, n: int, row: Any, field: str) -> tuple[str, dict[str, Any]]:
     """(a corpus row's id, its title and text cells, joined by `pair_rows.cell_text`)."""
     if isinstance(row, dict):
         ident = next((c for c in ID_COLUMNS if c in row), None)
@@ -105,12 +108,12 @@ def _document(file: Path, n: int, row: Any) -> tuple[str, dict[str, Any]]:
         if ident is None or body is None:
             raise DataError(
                 f"{file} row {n + 1}: a corpus row holds an id ({'/'.join(ID_COLUMNS)}) and a text "
-                f"({'/'.join(TEXT_COLUMNS)}); its columns are {', '.join(map(str, row))}: fix data.corpus"
+                f"({'/'.join(TEXT_COLUMNS)}); its columns are {', '.join(map(str, row))}: fix {field}"
             )
         return doc_id(row[ident]), {"title": row.get("title"), "text": row[body]}
     if len(row) not in (2, 3):
         raise DataError(
             f"{file} row {n + 1}: an unnamed corpus row is id, text or id, title, text, and this one has "
-            f"{len(row)} fields: fix data.corpus"
+            f"{len(row)} fields: fix {field}"
         )
     return doc_id(row[0]), {"title": row[1] if len(row) == 3 else None, "text": row[-1]}

@@ -79,7 +79,10 @@ def tevatron_ids(file: Path, keys: set[str], by_id: bool) -> tuple[str, ...]:
         return ()
     query = next((c for c in ("query_text", "query") if c in keys), "")
     if not by_id or not query:
-        fix = "set data.corpus (embed: --corpus) to the file of their documents (docid, text[, title] rows)"
+        fix = (
+            "set data.corpus (embed: --corpus; mine: --corpus with --ids) to the file of their documents (docid, "
+            "text[, title] rows)"
+        )
         raise DataError(
             f"{file}: tevatron's rows name their documents by id ({', '.join(TEVATRON_IDS)}) "
             + (f"and no corpus is given: {fix}" if query else "and hold no query_text or query column: add one")

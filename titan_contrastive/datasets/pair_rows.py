@@ -40,6 +40,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from titan_contrastive.datasets.bad_samples import too_many_bad
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.beir_folder import is_beir_folder, judged_pairs
 from titan_contrastive.datasets.pair_columns import (
@@ -131,12 +132,12 @@ def read_rows(
     held once, however many rows repeat it (a corpus's passages as many queries' negatives); `seen`: the texts other
     files read (`::`-joined sources), shared with them. `by_id`: the documents are ids (module docstring)."""
     seen = {} if seen is None else seen
-    if is_beir_folder(path) and by_id:
-        raise DataError(
-            f"data.path={path} is a retrieval set, which holds its own corpus (its judged pairs are the rows): leave "
-            "data.corpus empty"
-        )
     if is_beir_folder(path):
+        if by_id:
+            raise DataError(
+                f"data.path={path} is a retrieval set, which holds its own corpus (its judged pairs are the rows): "
+                "leave data.corpus empty"
+            )
         return _judged_rows(path, columns, split, teacher, pooled, id_column, max_bad_fraction, seen)
     files = shard_files(path, FORMATS)
     if files is not None:
@@ -180,7 +181,7 @@ def _judged_rows(
             rows.append([seen.setdefault(t, t) for t in [query, *texts]])
             ids.append(group[0])
             counts.append(len(texts))
-    if not rows or sum(skipped.values()) > max(1, int(max_bad_fraction * (len(rows) + sum(skipped.values())))):
+    if not rows or too_many_bad(skipped, len(rows) + sum(skipped.values()), max_bad_fraction):
         raise DataError(
             f"data.path={path}: {sum(skipped.values())} of the split {split!r}'s judged pairs have an empty query or "
             f"document, past data.max_bad_fraction={max_bad_fraction}; fix them or raise data.max_bad_fraction"
@@ -264,7 +265,7 @@ def _read_file(
         if reason:
             skipped[reason] += 1
             logger.warning(f"{file} row {n + 1}: {reason}; skipped")
-            if sum(skipped.values()) > max(1, int(max_bad_fraction * total)):
+            if too_many_bad(skipped, total, max_bad_fraction):
                 raise DataError(
                     f"{file}: {sum(skipped.values())} bad rows of {total} exceed "
                     f"data.max_bad_fraction={max_bad_fraction} "

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from titan_contrastive.batching import DOC_IDS, FROZEN_DOCS, FROZEN_QUERIES, NEGATIVES, OWN_GROUP, TEACHER_SCORES
+from titan_contrastive.datasets.bad_samples import too_many_bad
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.corpus import resolve_documents
 from titan_contrastive.datasets.frozen import EmbeddingTable
@@ -126,7 +127,7 @@ def _drawable(rows: PairRows, source: str, max_bad_fraction: float) -> PairRows:
         return rows
     skipped = rows.skipped + Counter(no_negatives=bare)
     total = len(rows.texts) + sum(rows.skipped.values())
-    if not keep or sum(skipped.values()) > max(1, int(max_bad_fraction * total)):
+    if not keep or too_many_bad(skipped, total, max_bad_fraction):
         raise DataError(
             f"{source}: {bare} of its {len(rows.texts)} rows hold no hard negative to draw from "
             f"(data.negatives_per_row; bad rows {dict(skipped)} exceed data.max_bad_fraction={max_bad_fraction}); "
