@@ -10,12 +10,15 @@ negatives drawn per row and epoch, queries cut at 64 tokens and documents at 256
 - `texts`: FlagEmbedding's rows `{"query", "pos", "neg"}` of the passages' texts;
 - `ids`: tevatron's rows `{"query_id", "query_text", "positive_document_ids", "negative_document_ids"}` of the
   passages' ids, and a corpus file of `{"docid", "text"}` rows: the pool and `factor - 1` times as many passages no row
-  names, shuffled together (a corpus of which the rows use 1/factor).
+  names, shuffled together (a corpus of which the rows use 1/factor), as JSON lines;
+- `parquet`: the same rows against the same corpus as a Parquet file, read by its id column first (this tree);
+- `parquet_before`: that, read by the package of `--baseline` (default f5d75db, the last commit that made every
+  Parquet row Python objects before choosing by id), extracted by `harness.package_at`.
 Each measurement is a fresh process (this file run as a script) that builds the run's data as the trainer does
 (`build_data`, no data workers). Per variant and factor, medians of `--repeats` interleaved runs of: `peak_mib`, the
 process's largest resident memory while it built the data, above its resident memory before (VmHWM, reset first:
 `harness.reset_peak_rss`); `kept_mib`, its anonymous memory after the build above that before; `tokens_mib`, what the
-set's token ids take (equal in both variants: the same texts are tokenized); `load_s`, the build's seconds.
+set's token ids take (equal in every variant: the same texts are tokenized); `load_s`, the build's seconds.
 `rows_mib` is the variant's rows file's size, `corpus_mib` the corpus's. Writes corpus_load_bench.{json,csv,png}
 under --out.
 """
@@ -38,7 +41,7 @@ from benchmarks import harness
 
 NAME = "corpus_load_bench"
 FIELDS = ["variant", "rows", "factor", "rows_mib", "corpus_mib", "peak_mib", "kept_mib", "tokens_mib", "load_s"]
-VARIANTS = ("texts", "ids")
+VARIANTS = ("texts", "ids", "parquet", "parquet_before")
 NEGATIVES = 15
 
 
@@ -48,6 +51,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--factors", type=int, nargs="+", default=[1, 8, 64], help="corpus size / the passages named")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=str(harness.RESULTS))
+    p.add_argument("--baseline", default="f5d75db", help="the commit before the Parquet corpus's Arrow filter")
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # a measurement (run_once)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -55,6 +59,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def make(folder: Path, n: int, factors: list[int]) -> dict[str, float]:
     """The rows of both variants and a corpus per factor (the module docstring) in `folder`; their sizes in MiB."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from titan_contrastive.datasets.wordnet import BUNDLE_DIR, load_pairs
 
     definitions, _ = load_pairs(BUNDLE_DIR, "train")
@@ -70,30 +77,39 @@ def make(folder: Path, n: int, factors: list[int]) -> dict[str, float]:
             texts.write(json.dumps({"query": query, "pos": [pool[pos]], "neg": [pool[j] for j in neg]}) + "\n")
             row = {"query_id": f"q{r}", "query_text": query, "positive_document_ids": [f"d{pos}"]}
             ids.write(json.dumps(row | {"negative_document_ids": [f"d{j}" for j in neg]}) + "\n")
-    sizes = {f"rows_mib_{v}": (folder / f"{v}.jsonl").stat().st_size / 2**20 for v in VARIANTS}
+    sizes = {f"rows_mib_{v}": (folder / f"{v}.jsonl").stat().st_size / 2**20 for v in VARIANTS[:2]}
     for factor in factors:
         docs = [(f"d{i}", t) for i, t in enumerate(pool)] + [(f"x{i}", passage()) for i in range((factor - 1) * n)]
         draw.shuffle(docs)
         corpus = folder / f"corpus-{factor}.jsonl"
         corpus.write_text("".join(json.dumps({"docid": i, "text": t}) + "\n" for i, t in docs))
         sizes[f"corpus_mib_{factor}"] = corpus.stat().st_size / 2**20
+        pq.write_table(
+            pa.table({"docid": [i for i, _ in docs], "text": [t for _, t in docs]}), corpus.with_suffix(".parquet")
+        )
+        sizes[f"corpus_mib_{factor}_parquet"] = corpus.with_suffix(".parquet").stat().st_size / 2**20
     return sizes
 
 
 def flags(variant: str, folder: Path, factor: int) -> list[str]:
     """The run's settings (the module docstring)."""
     given = ["--model.name=bi_encoder", "--model.flavor=shared", "--data.dataset=pairs", "--data.negatives_per_row=7"]
-    given += ["--data.context_length=64", "--data.doc_context_length=256", f"--data.path={folder / variant}.jsonl"]
-    return given + ([f"--data.corpus={folder / f'corpus-{factor}.jsonl'}"] if variant == "ids" else [])
+    rows = folder / ("texts.jsonl" if variant == "texts" else "ids.jsonl")
+    given += ["--data.context_length=64", "--data.doc_context_length=256", f"--data.path={rows}"]
+    suffix = ".jsonl" if variant == "ids" else ".parquet"
+    return given + ([f"--data.corpus={folder / f'corpus-{factor}{suffix}'}"] if variant != "texts" else [])
 
 
 def measure_main(args: argparse.Namespace) -> None:
     """One measurement (`--variant`, one factor): writes FOLDER/measured.json."""
+    import titan_contrastive
     from titan_contrastive import models
     from titan_contrastive.config.manager import parse_args
     from titan_contrastive.datasets import build_dataset
     from titan_contrastive.datasets.build import build_data
 
+    where = Path(titan_contrastive.__file__).resolve()
+    assert (args.variant == "parquet_before") == (where.parents[1] != harness.REPO), where  # this tree's or not
     folder = Path(args.folder)
     cfg = parse_args(flags(args.variant, folder, args.factors[0]))
     spec = models.get_model_spec(cfg.model.name)
@@ -120,9 +136,10 @@ def measure_main(args: argparse.Namespace) -> None:
     (folder / "measured.json").write_text(json.dumps(measured))
 
 
-def run_once(variant: str, factor: int, n: int, folder: Path) -> dict:
-    """One measurement in a fresh process."""
-    env = {**os.environ, "PYTHONPATH": str(harness.REPO), "CUDA_VISIBLE_DEVICES": ""}
+def run_once(variant: str, factor: int, n: int, package: Path, folder: Path) -> dict:
+    """One measurement in a fresh process (`parquet_before`: with the baseline's `package` first on the path)."""
+    trees = [str(package), str(harness.REPO)] if variant == "parquet_before" else [str(harness.REPO)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(trees), "CUDA_VISIBLE_DEVICES": ""}
     command = [sys.executable, __file__, f"--variant={variant}", f"--folder={folder}", f"--rows={n}"]
     if subprocess.run(command + [f"--factors={factor}"], env=env).returncode:
         raise SystemExit(f"{variant}, factor {factor}: the measurement failed (its error is above)")
@@ -132,21 +149,24 @@ def run_once(variant: str, factor: int, n: int, folder: Path) -> dict:
 
 
 def measure(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
+    (folder / "baseline").mkdir()
+    package = harness.package_at(args.baseline, folder / "baseline")
     sizes = make(folder, args.rows, args.factors)
-    cases = [("texts", 0)] + [("ids", f) for f in args.factors]
+    cases = [("texts", 0)] + [(v, f) for f in args.factors for v in VARIANTS[1:]]
     runs: dict[tuple[str, int], list[dict]] = {case: [] for case in cases}
     for r in range(args.repeats):
         for variant, factor in harness.rotation(cases, r):
-            runs[variant, factor].append(run_once(variant, max(factor, 1), args.rows, folder))
+            runs[variant, factor].append(run_once(variant, max(factor, 1), args.rows, package, folder))
     rows = []
     for (variant, factor), made in runs.items():
         row = {
             "variant": variant,
             "rows": args.rows,
             "factor": factor,
-            "rows_mib": round(sizes[f"rows_mib_{variant}"], 1),
+            "rows_mib": round(sizes[f"rows_mib_{'texts' if variant == 'texts' else 'ids'}"], 1),
         }
-        row["corpus_mib"] = round(sizes[f"corpus_mib_{factor}"], 1) if factor else 0.0
+        parquet = "_parquet" if variant.startswith("parquet") else ""
+        row["corpus_mib"] = round(sizes[f"corpus_mib_{factor}{parquet}"], 1) if factor else 0.0
         row |= {f: round(statistics.median(m[f] for m in made), 3) for f in FIELDS[5:]}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -157,16 +177,16 @@ def draw(rows: list[dict[str, Any]], meta: dict[str, Any]) -> Any:
     """The figure of `rows`: each variant's memory and build time against the corpus's size (texts: flat lines)."""
     import matplotlib.pyplot as plt
 
-    ids = [r for r in rows if r["variant"] == "ids"]
     texts = next(r for r in rows if r["variant"] == "texts")
-    factors = [r["factor"] for r in ids]
+    factors = sorted({r["factor"] for r in rows if r["factor"]})
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     for ax, fields, label in (
         (axes[0], ("peak_mib", "kept_mib"), "MiB above the process before"),
         (axes[1], ("load_s",), "build seconds"),
     ):
         for field in fields:
-            ax.plot(factors, [r[field] for r in ids], "o-", label=f"ids + corpus: {field}")
+            for variant in VARIANTS[1:]:
+                ax.plot(factors, [r[field] for r in rows if r["variant"] == variant], "o-", label=f"{variant}: {field}")
             ax.axhline(texts[field], linestyle="--", color="gray", alpha=0.7, label=f"texts: {field}")
         ax.set_xscale("log")
         ax.set_ylim(bottom=0)
@@ -175,7 +195,8 @@ def draw(rows: list[dict[str, Any]], meta: dict[str, Any]) -> Any:
         ax.set_xlabel(f"corpus size / the {rows[0]['rows']:,} passages the rows name")
         ax.set_ylabel(label)
         ax.legend(fontsize=7)
-    fig.suptitle(f"rows of document ids and their corpus against rows of the texts; {meta['cpu']}", fontsize=8)
+    title = f"rows of document ids and their corpus (JSONL, Parquet; Parquet at {meta['baseline']}) against texts"
+    fig.suptitle(f"{title}; {meta['cpu']}", fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -185,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.variant:
         measure_main(args)
         return
-    meta = harness.metadata("cpu")
+    meta = harness.metadata("cpu", baseline=args.baseline)
     with tempfile.TemporaryDirectory(prefix="corpus_load_") as folder:
         rows = measure(args, Path(folder))
     harness.write_results(

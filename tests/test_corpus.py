@@ -139,6 +139,52 @@ def test_named_columns_of_ids_against_each_corpus_form(tmp_path: Path, tokenizer
     assert _equal(by_id.__getitems__(list(range(6))), plain.__getitems__(list(range(6))))
 
 
+@needs("data")
+@pytest.mark.parametrize("form", ["parquet of integer ids", "parquet of padded dictionary ids", "saved dataset"])
+def test_an_arrow_corpus_gives_the_wanted_documents_from_every_batch(tmp_path: Path, form: str) -> None:
+    """A Parquet file or saved dataset is filtered by its id column before its rows are read (`corpus._wanted_rows`):
+    the wanted documents of 9,000 rows in row groups of 1,000 (saved dataset: `tables.BATCH` rows a batch), ids
+    as integers or as padded dictionary-encoded texts, are those the definition gives (title, a space, text); a
+    wanted id given another text at the last row is the two-texts error naming that row; a table without a text
+    column is the error of its first row; ids of another type (a float column) name no document, as a JSON corpus of
+    them does."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = 9000
+    ids: list = list(range(n)) if "integer" in form else [f" d{i} " for i in range(n)]
+    titles, bodies = [f"title {i}" if i % 3 else "" for i in range(n)], [f"the text of {i}" for i in range(n)]
+
+    def table(ids: list, titles: list[str], bodies: list[str]) -> pa.Table:
+        column = pa.array(ids).dictionary_encode() if "dictionary" in form else pa.array(ids)
+        return pa.table({"docid": column, "title": titles, "text": bodies})
+
+    path = tmp_path / ("corpus" if form == "saved dataset" else "corpus.parquet")
+    if form == "saved dataset":
+        datasets.Dataset(table(ids, titles, bodies)).save_to_disk(str(path))
+    else:
+        pq.write_table(table(ids, titles, bodies), path, row_group_size=1000)
+    picked = [3, 999, 1000, 4095, 4096, 5500, 8999]
+    wanted = {str(ids[i]).strip() for i in picked} | {"not there"}
+    want = {str(ids[i]).strip(): f"{titles[i]} {bodies[i]}".strip() for i in picked}
+    assert corpus_texts(str(path), wanted, {}, "data.corpus") == want
+    again = table([*ids, ids[999]], [*titles, ""], [*bodies, "another"])
+    pq.write_table(again, tmp_path / "twice.parquet", row_group_size=1000)
+    with pytest.raises(DataError) as err:
+        corpus_texts(str(tmp_path / "twice.parquet"), wanted, {}, "data.corpus")
+    _one_line(err, f"document {str(ids[999]).strip()!r} is given two texts", f"row {n + 1} differs")
+    pq.write_table(pa.table({"docid": ["d3"], "body": ["x"]}), tmp_path / "bodies.parquet")
+    with pytest.raises(DataError) as err:
+        corpus_texts(str(tmp_path / "bodies.parquet"), wanted, {}, "data.corpus")
+    _one_line(err, "row 1: a corpus row holds an id", "its columns are docid, body")
+    floats = pa.table({"id": pa.array([float(i) for i in range(10)]), "text": [f"t{i}" for i in range(10)]})
+    pq.write_table(floats, tmp_path / "floats.parquet")
+    write_jsonl(tmp_path / "floats.jsonl", floats.to_pylist())
+    assert corpus_texts(str(tmp_path / "floats.parquet"), {"1", "1.0"}, {}, "data.corpus") == {}
+    assert corpus_texts(str(tmp_path / "floats.jsonl"), {"1", "1.0"}, {}, "data.corpus") == {}
+
+
 @needs("hf")
 def test_errors_in_one_line_and_rows_of_unknown_documents(tmp_path: Path, tokenizer, caplog) -> None:
     rows = bge_rows()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from titan_contrastive.datasets.bad_samples import too_many_bad
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.pair_rows import FORMATS, PairRows, cell_text, doc_id, kept_rows
 from titan_contrastive.datasets.shards import shard_files
-from titan_contrastive.datasets.tables import guarded_rows, opened_rows
+from titan_contrastive.datasets.tables import arrow_batches, guarded_rows, opened_rows
 
 __all__ = ["corpus_texts", "resolve_documents", "resolved"]
 
@@ -86,8 +86,7 @@ def corpus_texts(path: str, wanted: set[str] | None, seen: dict[str, str], field
         files = [file]
     texts: dict[str, str] = {}
     for file in files:
-        _, rows = opened_rows(file, (), "train")
-        for n, row in enumerate(guarded_rows(file, rows)):
+        for n, row in guarded_rows(file, _numbered_rows(file, wanted)):
             ident, cells = _document(file, n, row, field)
             text = cell_text(cells) if wanted is None or ident in wanted else ""
             if not text:
@@ -98,6 +97,37 @@ def corpus_texts(path: str, wanted: set[str] | None, seen: dict[str, str], field
                     "earlier row); give each document one id"
                 )
     return texts
+
+
+def _numbered_rows(file: Path, wanted: set[str] | None) -> Iterator[tuple[int, Any]]:
+    """(row number from 0, row) of the corpus file `file`: every row, or of a Parquet file or saved dataset with an id
+    and a text column, the rows whose id may be `wanted`, chosen by Arrow (`pyarrow.compute`) before any row is made
+    Python objects (a corpus of millions read for the thousands the rows name); the others `corpus_texts` skips."""
+    if wanted is not None and (file.is_dir() or file.suffix in (".parquet", ".arrow")):
+        names, batches, _ = arrow_batches(file, "train")
+        ident = next((c for c in ID_COLUMNS if c in names), None)
+        if ident is not None and set(TEXT_COLUMNS) & set(names):
+            yield from _wanted_rows(batches, ident, wanted)
+            return
+    _, rows = opened_rows(file, (), "train")
+    yield from enumerate(rows)
+
+
+def _wanted_rows(batches: Iterator[Any], ident: str, wanted: set[str]) -> Iterator[tuple[int, Any]]:
+    """The numbered rows of Arrow `batches` whose `ident` column is in `wanted`: ids as `pair_rows.doc_id` reads them,
+    texts or integers (of another type, no id: none of the batch's rows)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    keys, start = pa.array(sorted(wanted), type=pa.string()), 0
+    for batch in batches:
+        ids = batch.column(ident)
+        ids = pc.cast(ids, ids.type.value_type) if pa.types.is_dictionary(ids.type) else ids
+        if pa.types.is_integer(ids.type) or pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type):
+            mask = pc.is_in(pc.utf8_trim_whitespace(pc.cast(ids, pa.string())), value_set=keys)
+            yield from zip((start + i for i in pc.indices_nonzero(mask).to_pylist()), batch.filter(mask).to_pylist())
+        start += batch.num_rows
+    pa.default_memory_pool().release_unused()
 
 
 def _document(file: Path, n: int, row: Any, field: str) -> tuple[str, dict[str, Any]]:

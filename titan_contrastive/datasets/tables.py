@@ -15,7 +15,7 @@ from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.hf_disk import open_hf_dataset
 from titan_contrastive.extras import import_failure
 
-__all__ = ["Rows", "guarded_rows", "opened_rows", "read_table", "table_rows"]
+__all__ = ["Rows", "arrow_batches", "guarded_rows", "opened_rows", "read_table", "table_rows"]
 
 BATCH = 4096
 """Rows an Arrow table (Parquet, a saved dataset) is read by at a time."""
@@ -42,20 +42,28 @@ def read_table(file: Path, columns: Sequence[str], split: str) -> tuple[list[str
 def table_rows(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, Rows]:
     """`read_table`'s column names and its rows one at a time, read from the file as they are iterated: a reader that
     keeps what it needs of each row never holds the whole file. A damaged file's error comes from the iteration."""
-    if file.is_dir() or file.suffix == ".arrow":
-        ds = open_hf_dataset(str(file), split, kind="pairs", suffixes={".arrow": "arrow"})
-        return list(ds.column_names), Rows(_batched(ds.with_format("arrow").iter(batch_size=BATCH)), len(ds))
-    if file.suffix == ".jsonl":
+    if file.suffix == ".jsonl" and not file.is_dir():
         return None, Rows(_json_lines(file))
-    if file.suffix in (".csv", ".tsv"):
+    if file.suffix in (".csv", ".tsv") and not file.is_dir():
         rows = _csv_rows(file, named=file.suffix == ".csv" or bool(columns))
         return next(rows), Rows(rows)
+    names, batches, length = arrow_batches(file, split)
+    return names, Rows(_batched(batches), length)
+
+
+def arrow_batches(file: Path, split: str) -> tuple[list[str], Iterator[Any], int]:
+    """(the column names, the Arrow record batches or tables of `BATCH` rows, how many rows) of a Parquet file or a
+    saved dataset (`table_rows`'s other formats), read as they are iterated: for a reader that selects rows by a
+    column before any row is made Python objects."""
+    if file.is_dir() or file.suffix == ".arrow":
+        ds = open_hf_dataset(str(file), split, kind="pairs", suffixes={".arrow": "arrow"})
+        return list(ds.column_names), ds.with_format("arrow").iter(batch_size=BATCH), len(ds)
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise DataError(f"{import_failure(e, f'{file}: Parquet', 'data')} (or give .jsonl/.csv/.tsv)") from None
     table = pq.ParquetFile(file)
-    return list(table.schema_arrow.names), Rows(_batched(table.iter_batches(batch_size=BATCH)), table.metadata.num_rows)
+    return list(table.schema_arrow.names), table.iter_batches(batch_size=BATCH), table.metadata.num_rows
 
 
 def _json_lines(file: Path) -> Iterator[Any]:
