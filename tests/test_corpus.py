@@ -143,17 +143,17 @@ def test_named_columns_of_ids_against_each_corpus_form(tmp_path: Path, tokenizer
 @pytest.mark.parametrize("form", ["parquet of integer ids", "parquet of padded dictionary ids", "saved dataset"])
 def test_an_arrow_corpus_gives_the_wanted_documents_from_every_batch(tmp_path: Path, form: str) -> None:
     """A Parquet file or saved dataset is filtered by its id column before its rows are read (`corpus._wanted_rows`):
-    the wanted documents of 9,000 rows in row groups of 1,000 (saved dataset: `tables.BATCH` rows a batch), ids
-    as integers or as padded dictionary-encoded texts, are those the definition gives (title, a space, text); a
-    wanted id given another text at the last row is the two-texts error naming that row; a table without a text
-    column is the error of its first row; ids of another type (a float column) name no document, as a JSON corpus of
-    them does."""
+    the wanted documents of 9,000 rows in row groups of 1,000 (saved dataset: `tables.BATCH` rows a batch), ids as
+    integers or as padded dictionary-encoded texts (not ASCII), are those the definition gives (title, a space,
+    text); a wanted id given another text at the last row is the two-texts error naming that row; a table without a
+    text column is the error of its first row; ids of another type (a float column) name no document, as a JSON
+    corpus of them does."""
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     n = 9000
-    ids: list = list(range(n)) if "integer" in form else [f" d{i} " for i in range(n)]
+    ids: list = list(range(n)) if "integer" in form else [f" dé{i} " for i in range(n)]
     titles, bodies = [f"title {i}" if i % 3 else "" for i in range(n)], [f"the text of {i}" for i in range(n)]
 
     def table(ids: list, titles: list[str], bodies: list[str]) -> pa.Table:

@@ -15,6 +15,8 @@ data.max_bad_fraction.
 
 from __future__ import annotations
 
+import array
+import itertools
 import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -119,15 +121,27 @@ def _wanted_rows(batches: Iterator[Any], ident: str, wanted: set[str]) -> Iterat
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    keys, start = pa.array(sorted(wanted), type=pa.string()), 0
+    keys, start = _large_strings(sorted(wanted)), 0
     for batch in batches:
         ids = batch.column(ident)
         ids = pc.cast(ids, ids.type.value_type) if pa.types.is_dictionary(ids.type) else ids
         if pa.types.is_integer(ids.type) or pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type):
-            mask = pc.is_in(pc.utf8_trim_whitespace(pc.cast(ids, pa.string())), value_set=keys)
+            mask = pc.is_in(pc.utf8_trim_whitespace(pc.cast(ids, pa.large_string())), value_set=keys)
             yield from zip((start + i for i in pc.indices_nonzero(mask).to_pylist()), batch.filter(mask).to_pylist())
         start += batch.num_rows
     pa.default_memory_pool().release_unused()
+
+
+def _large_strings(values: list[str]) -> Any:
+    """`values` as an Arrow array of large strings, made from its buffers: `pyarrow.array` of a Python list imports
+    pandas (where installed) on its first call, a module this reader has no use for."""
+    import pyarrow as pa
+
+    encoded = [v.encode() for v in values]
+    offsets = array.array("q", itertools.accumulate(map(len, encoded), initial=0))
+    return pa.Array.from_buffers(
+        pa.large_string(), len(encoded), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))]
+    )
 
 
 def _document(file: Path, n: int, row: Any, field: str) -> tuple[str, dict[str, Any]]:
