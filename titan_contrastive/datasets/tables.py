@@ -20,6 +20,10 @@ __all__ = ["Rows", "arrow_batches", "guarded_rows", "opened_rows", "read_table",
 BATCH = 4096
 """Rows an Arrow table (Parquet, a saved dataset) is read by at a time."""
 
+STREAM_BYTES = 1 << 20
+"""Bytes a Parquet column chunk is read by (pyarrow's `buffer_size`, without `pre_buffer`): a row group of a million
+passages is decoded a batch at a time, not read whole first."""
+
 
 class Rows(Iterator[Any]):
     """A table's rows one at a time, and how many there are where the file says so without being read (`length`:
@@ -62,7 +66,7 @@ def arrow_batches(file: Path, split: str) -> tuple[list[str], Iterator[Any], int
         import pyarrow.parquet as pq
     except ImportError as e:
         raise DataError(f"{import_failure(e, f'{file}: Parquet', 'data')} (or give .jsonl/.csv/.tsv)") from None
-    table = pq.ParquetFile(file)
+    table = pq.ParquetFile(file, buffer_size=STREAM_BYTES, pre_buffer=False)
     return list(table.schema_arrow.names), table.iter_batches(batch_size=BATCH), table.metadata.num_rows
 
 
