@@ -11,8 +11,9 @@ those documents' texts serve.
   (fewer: skipped and counted), a corpus for data that is not text pairs;
 - a run trains on rows of ids through the trainer and evaluates on held-out rows of ids;
 - a retrieval set's folder (BEIR's corpus.jsonl, queries.jsonl, qrels/) as data.path: its split's judged pairs
-  serve as the rows of those texts with the documents' ids (a score-0 judgement left out), each query's relevant
-  documents as its positives under data.negatives_per_row (refused in one line: the qrels name no negatives).
+  serve as the rows of those texts with the documents' ids (a score-0 judgement left out; of the corpus only the
+  judged documents read into memory), each query's relevant documents as its positives under
+  data.negatives_per_row (refused in one line: the qrels name no negatives).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tests.needs import needs, require
 from tests.test_negative_pools import _equal, bge_rows, write_jsonl
 from tests.test_pairs_data import _one_line
 from titan_contrastive.datasets import DataError
+from titan_contrastive.datasets.beir_folder import read_beir
 from titan_contrastive.datasets.corpus import corpus_texts
 from titan_contrastive.datasets.pairs import PairsDataset
 
@@ -307,6 +309,16 @@ def test_a_retrieval_sets_folder_serves_its_judged_pairs(tmp_path: Path, tokeniz
     assert _equal(beir.__getitems__(list(range(len(pairs)))), plain.__getitems__(list(range(len(pairs)))))
     held_out = PairsDataset(split="test", path=str(folder), tokenizer=tokenizer, query_length=12)
     assert len(held_out) == 2
+    whole, judged = read_beir(folder, "train"), read_beir(folder, "train", judged_only=True)  # what the rows read
+    named = {str(ids[t]) for r in rows for t in r["pos"]} | {str(ids[rows[0]["neg"][0]])}  # the score 0 one too
+    assert set(judged.corpus_ids) == named < set(whole.corpus_ids) == {str(i) for i in ids.values()}
+    assert (judged.queries, judged.qrels) == (whole.queries, whole.qrels)
+    assert dict(zip(judged.corpus_ids, judged.corpus)).items() <= dict(zip(whole.corpus_ids, whole.corpus)).items()
+    with open(folder / "corpus.jsonl", "a") as f:  # a document no qrels names is not read into a text by the rows
+        f.write(json.dumps({"_id": "unjudged", "text": 5}) + "\n")
+    assert len(_dataset(folder, tokenizer)) == len(pairs)
+    with pytest.raises(DataError, match="`text`/`title` of 'unjudged' is not a string"):
+        read_beir(folder, "train")  # which evaluation reads whole
     with pytest.raises(DataError) as err:
         _dataset(folder, tokenizer, negatives_per_row=3)
     _one_line(err, "6 of its 6 rows hold no hard negative to draw from")

@@ -163,15 +163,20 @@ def _hf_rows(ds: Any, where: Path) -> tuple[Iterator[tuple[str, Any]], Any]:
     return rows, ds.select_columns(["image"])
 
 
-def _documents(rows: Iterable[tuple[str, Any]], what: str, root: Path | None) -> dict[str, tuple[str, Any]]:
+def _documents(
+    rows: Iterable[tuple[str, Any]], what: str, root: Path | None, keep: set[str] | None = None
+) -> dict[str, tuple[str, Any]]:
     """id -> (text, image reference or None) of BEIR rows: `_id` (ViDoRe: `corpus-id` / `query-id`); `title`
-    (optional) before `text` (a ViDoRe query: `query`); an `image` (a path relative to `root`, or a row number)."""
+    (optional) before `text` (a ViDoRe query: `query`); an `image` (a path relative to `root`, or a row number).
+    `keep`: the ids to keep (None: every one)."""
     keys = ("_id", "corpus-id" if what == "document" else "query-id")
     texts: dict[str, tuple[str, Any]] = {}
     for where, row in rows:
         key = next((row[k] for k in keys if isinstance(row, dict) and isinstance(row.get(k), (str, int))), None)
         if key is None:
             raise DataError(f"{where}: no string `_id` in {str(row)[:80]!r}; give every {what} an `_id`")
+        if keep is not None and str(key) not in keep:
+            continue
         title, image = row.get("title") or "", row.get("image")
         text = row.get("text", row.get("query", "" if image is not None else None))
         if not isinstance(text, str) or not isinstance(title, str):
@@ -231,25 +236,28 @@ def _is_saved_dataset(folder: Path) -> bool:
     return (folder / "dataset_info.json").is_file() or (folder / "dataset_dict.json").is_file()
 
 
-def read_beir(folder: str | Path, split: str = "test") -> BeirSet:
-    """Read a local retrieval set (the module docstring's layouts); a DataError names what is wrong."""
+def read_beir(folder: str | Path, split: str = "test", judged_only: bool = False) -> BeirSet:
+    """Read a local retrieval set (the module docstring's layouts); a DataError names what is wrong. `judged_only`:
+    of the corpus, the documents the split's qrels name (a training set's rows), the others skipped as read."""
     folder = Path(folder)
-    table = None
+    table, root = None, None
     if (folder / "corpus.jsonl").exists() or not ((folder / "corpus").is_dir() or _is_saved_dataset(folder)):
-        corpus = _documents(_jsonl_rows(folder / "corpus.jsonl"), "document", folder)
+        documents, root = _jsonl_rows(folder / "corpus.jsonl"), folder
         queries = _documents(_jsonl_rows(folder / "queries.jsonl"), "query", None)
         judgements: Iterable[tuple[str, Any]] = _tsv_rows(folder / "qrels" / f"{split}.tsv")
     elif not (folder / "corpus").is_dir():
         return _read_qa(folder, split)
     else:
         parts = {part: _load_part(folder, part, split, part != "qrels") for part in ("corpus", "queries", "qrels")}
-        rows, table = _hf_rows(parts["corpus"], folder / "corpus")
-        corpus = _documents(rows, "document", None)
+        documents, table = _hf_rows(parts["corpus"], folder / "corpus")
         queries = _documents(_hf_rows(parts["queries"], folder / "queries")[0], "query", None)
         judgements = _hf_rows(parts["qrels"], folder / "qrels")[0]
+    named = [  # (where, query-id, corpus-id, score); NanoBEIR's rows have no score
+        (where, *(str(row.get(k, 1 if k == "score" else "")) for k in QRELS_HEADER)) for where, row in judgements
+    ]
+    corpus = _documents(documents, "document", root, {did for _, _, did, _ in named} if judged_only else None)
     qrels: dict[str, dict[str, int]] = {}
-    for where, row in judgements:
-        qid, did, score = (str(row.get(k, 1 if k == "score" else "")) for k in QRELS_HEADER)  # NanoBEIR's: no score
+    for where, qid, did, score in named:
         grade = _grade(score, where)
         if qid not in queries:
             raise DataError(f"{where}: query-id {qid!r} is not in the queries; add the query or drop the row")
@@ -276,7 +284,7 @@ def is_beir_folder(path: str | Path) -> bool:
 def judged_pairs(folder: str | Path, split: str) -> tuple[list[str], list[list[str]], list[list[str]]]:
     """(the split's queries, per query the texts of its relevant documents and their ids) of `read_beir(folder,
     split)`, in the queries' order and each query's qrels' order; a DataError for a corpus of page images."""
-    beir = read_beir(folder, split)
+    beir = read_beir(folder, split, judged_only=True)
     if beir.images is not None:
         raise DataError(
             f"data.path={folder}: a corpus of page images, and text pairs read texts: train model.name='qwen_vl' on "
