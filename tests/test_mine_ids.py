@@ -3,7 +3,8 @@
 - What it mines is the definition's choice (`tests/test_mine.py`'s reference) for the rows' texts, the corpus's
   every document a candidate (an MS MARCO collection.tsv of unnamed `id, text` rows): the mined file's positives
   are the rows' own ids, its negatives the ids of the texts the reference selects (a text held under two ids: the
-  first), a row whose positive the corpus lacks skipped, and a run with data.corpus reads it back to those texts.
+  first), a row whose positive the corpus lacks skipped, and a run with data.corpus reads it back to those texts;
+  with `--keep-fewer --scores` the 1 to k negatives as a list of ids, a score each and the positive's.
 - Bad input is one `error:` line naming the flag, exit 2, before the model is loaded and nothing written: `--ids`
   without `--corpus`, tevatron's rows of ids without `--ids`, rows whose positives the corpus lacks, a corpus row
   that is not `id, text`, a page model with `--ids`.
@@ -55,8 +56,9 @@ def corpus_and_rows(n: int) -> tuple[list[list[str]], dict[str, str], list[tuple
     return rows, documents, by_id
 
 
+@pytest.mark.parametrize("fewer", [False, True], ids=["k each", "keep-fewer"])
 def test_id_rows_mine_the_definitions_negatives_and_are_written_as_ids(
-    tmp_path: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, capsys: pytest.CaptureFixture, fewer: bool
 ) -> None:
     from tests.test_mine import bi_encoder_step, check_mined, expected, mine, run_embedder
     from titan_contrastive.datasets.corpus import resolve_documents
@@ -71,21 +73,40 @@ def test_id_rows_mine_the_definitions_negatives_and_are_written_as_ids(
     src = write_id_rows(tmp_path / "rows.jsonl", [*by_id[:7], unknown, *by_id[7:]], [*ids[:7], "bad", *ids[7:]])
     out = tmp_path / "mined.jsonl"
     flags = ("--ids", f"--corpus={corpus}", "--negatives=2", "--range-max=100", "--relative-margin=0.01")
-    assert mine(capsys, src, f"--model={step}", f"--out={out}", *flags) == (0, [])
+    assert mine(capsys, src, f"--model={step}", f"--out={out}", *flags, *["--keep-fewer", "--scores"] * fewer) == (
+        0,
+        [],
+    )
+    if fewer:  # a score for the positive and each negative, after them
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        assert all(len(line["scores"]) == 1 + len(line["negatives"]) for line in lines)
+        assert any(len(line["negatives"]) == 2 for line in lines)
 
-    written = read_rows(str(out), id_column="id", by_id=True)
+    written = read_rows(str(out), id_column="id", by_id=True, pooled=fewer)
     assert written.ids and all(row[1] == f"p{ids.index(i)}" for row, i in zip(written.texts, written.ids))
     negatives = {d for row in written.texts for d in row[2:]}
     assert negatives & {f"d{j}" for j in range(30)} and negatives <= set(documents) - {f"e{j}" for j in range(30)}
     as_texts = tmp_path / "as_texts.jsonl"
-    columns = ["anchor", "positive", "negative_1", "negative_2", "id"]
-    write_rows(as_texts, columns, [[r[0], *(documents[d] for d in r[1:]), i] for r, i in zip(written.texts, ids)])
+    texts = [[r[0], *(documents[d] for d in r[1:])] for r in written.texts]
+    if fewer:
+        write_rows(
+            as_texts,
+            ["anchor", "positive", "negatives", "id"],
+            [[*t[:2], t[2:], i] for t, i in zip(texts, written.ids)],
+        )
+    else:
+        write_rows(
+            as_texts,
+            ["anchor", "positive", "negative_1", "negative_2", "id"],
+            [[*t, i] for t, i in zip(texts, written.ids)],
+        )
     embed, seen, _, _ = run_embedder(step)
-    want = expected(rows, embed, k=2, skip=0, margin=0.01, extra=list(documents.values()))
-    assert check_mined(as_texts, rows, ids, want, lambda q, d: float(seen["query"][q] @ seen["doc"][d])) >= 15
+    want = expected(rows, embed, k=2, skip=0, margin=0.01, extra=list(documents.values()), fewer=fewer)
+    score = lambda q, d: float(seen["query"][q] @ seen["doc"][d])  # noqa: E731
+    assert check_mined(as_texts, rows, ids, want, score, pooled=fewer) >= 15
 
     (run_rows,) = resolve_documents([written], [str(out)], str(corpus), {}, 0.001)  # what data.corpus reads
-    assert run_rows.texts == read_rows(str(as_texts), id_column="id").texts
+    assert run_rows.texts == texts
 
 
 @pytest.mark.parametrize(

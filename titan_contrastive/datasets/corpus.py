@@ -58,10 +58,10 @@ def resolved(rows: PairRows, source: str, corpus: str, texts: dict[str, str], ma
     """One source's rows with their documents' texts (`texts`: {id: text} of the corpus `corpus`, the words naming it
     in an error); a DataError past `max_bad_fraction` of its rows unresolved."""
     keep = [i for i, row in enumerate(rows.texts) if all(d in texts for d in row[1:])]
-    resolved = rows._replace(texts=[[row[0], *(texts.get(d, "") for d in row[1:])] for row in rows.texts])
+    out = rows._replace(texts=[[row[0], *(texts.get(d, "") for d in row[1:])] for row in rows.texts])
     unknown = len(rows.texts) - len(keep)
     if not unknown:
-        return resolved
+        return out
     example = next(d for row in rows.texts for d in row[1:] if d not in texts)
     skipped = rows.skipped + Counter(unknown_document=unknown)
     if too_many_bad(skipped, len(rows.texts) + sum(rows.skipped.values()), max_bad_fraction):
@@ -71,7 +71,7 @@ def resolved(rows: PairRows, source: str, corpus: str, texts: dict[str, str], ma
             "give the corpus of these rows, or raise data.max_bad_fraction"
         )
     logger.warning(f"{source}: {unknown} row(s) name a document not in {corpus} (e.g. {example!r}); skipped")
-    return kept_rows(resolved, keep, skipped)
+    return kept_rows(out, keep, skipped)
 
 
 def corpus_texts(path: str, wanted: set[str] | None, seen: dict[str, str], field: str) -> dict[str, str]:
