@@ -7,6 +7,7 @@ All in float64 on the real `clip/debug` model and real bundled data, through `Tr
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -374,8 +375,28 @@ def test_epochs_give_the_run_its_steps(tmp_path: Path) -> None:
     assert _epochs_run(tmp_path / "c", "--training.steps=7").cfg.training.steps == 7  # epochs 0: the steps given
 
 
+def test_every_epoch_evaluates_and_saves_at_each_epochs_end(tmp_path: Path) -> None:
+    """`eval.every_epoch` and `checkpoint.every_epoch`: an evaluation and a checkpoint after each epoch's last
+    optimizer step (6 loader steps an epoch of 256, one a step: steps 6 and 12 of 2 epochs), in place of eval.freq
+    and checkpoint.interval; an epoch that ends inside an optimizer step is one line naming the field."""
+    every = ["--eval.every_epoch=true", "--checkpoint.every_epoch=true", "--eval.freq=5", "--checkpoint.interval=5"]
+    trainer = _epochs_run(
+        tmp_path / "a", "--training.epochs=2", "--training.local_batch_size=256", "--eval.enable=true",
+        "--checkpoint.enable=true", "--checkpoint.keep_latest_k=0", *every,
+    )  # fmt: skip
+    assert (trainer.cfg.training.steps, trainer.cfg.eval.freq, trainer.cfg.checkpoint.interval) == (12, 6, 6)
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [6, 12]
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoint").glob("step-*")) == ["step-12", "step-6"]
+    with pytest.raises(ConfigError) as info:
+        _epochs_run(tmp_path / "b", "--checkpoint.every_epoch=true", "--checkpoint.enable=true")  # 13 steps of 2
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("checkpoint.every_epoch=true: an epoch is 13 loader steps")
+
+
 def test_epochs_are_checked_as_the_steps_they_give() -> None:
-    from titan_contrastive.config.manager import run_steps
+    from titan_contrastive.config.epochs import run_steps
 
     late = ["--training.epochs=1", "--profiling.enable=true", "--profiling.start_step=300"]
     cfg = parse_args(late)  # the steps are not known yet: no refusal against the default training.steps
@@ -390,3 +411,7 @@ def test_epochs_are_checked_as_the_steps_they_give() -> None:
     assert "\n" not in message and "training.epochs=1: 1 x 3 loader steps an epoch make no optimizer step" in message
     with pytest.raises(ConfigError, match=r"training.epochs=-1 is out of range"):
         parse_args(["--training.epochs=-1"])
+    best = ["--checkpoint.enable=true", "--checkpoint.keep_best=loss", "--checkpoint.interval=12"]
+    assert run_steps(cfg := parse_args([*best, "--eval.every_epoch=true"]), 12, 2) and cfg.eval.freq == 6
+    with pytest.raises(ConfigError, match=r"eval.freq=5 does not divide checkpoint.interval=12"):  # checked then
+        run_steps(parse_args([*best, "--eval.every_epoch=true"]), 10, 2)

@@ -40,8 +40,8 @@ from titan_contrastive.components.preflight import check_output_folders, checkpo
 from titan_contrastive.components.profiling import StepProfiler
 from titan_contrastive.components.run_lock import RunLock
 from titan_contrastive.components.text_evals import TextEvals
-from titan_contrastive.config import JobConfig, parse_args
-from titan_contrastive.config.manager import check_contrastive_problem, log_config_warnings, run_steps
+from titan_contrastive.config import JobConfig, parse_args, run_steps
+from titan_contrastive.config.manager import check_contrastive_problem, log_config_warnings
 from titan_contrastive.datasets import build_dataset
 from titan_contrastive.datasets.build import build_data
 from titan_contrastive.models.build import build_run_model, clamp_logit_scale, run_objectives

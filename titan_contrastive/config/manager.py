@@ -288,7 +288,7 @@ def validate(cfg: JobConfig) -> None:
 
 def _check_combinations(cfg: JobConfig) -> None:
     """Values that are valid alone but not together. A decay ratio needs a decay; a memory plan a budget; keep_best an
-    evaluation at each checkpoint (`_check_keep_best`). The logit scale's range depends on whether it
+    evaluation at each checkpoint (`check_keep_best`). The logit scale's range depends on whether it
     is learned: a learned one is clamped to [0, log 100] after every step, so an init outside would
     silently change at step 1; a fixed one is never clamped, but past exp(+-9.2) it overflows or
     carries no signal, and the run would fail at step 1 with a non-finite loss whose message points
@@ -301,8 +301,8 @@ def _check_combinations(cfg: JobConfig) -> None:
         )
     if cfg.memory.plan and not cfg.memory.budget_gib:
         raise ConfigError("memory.plan=true needs memory.budget_gib > 0 (the per-device budget to plan for)")
-    _check_keep_best(cfg)
-    _check_profiling(cfg, None if cfg.training.epochs else cfg.training.steps)  # epochs: `run_steps` checks
+    check_keep_best(cfg)
+    check_profiling(cfg, None if cfg.training.epochs else cfg.training.steps)  # epochs: `epochs.run_steps` checks
     if cfg.eval.beir_pool_factor != 1 and not (cfg.eval.enable and cfg.eval.beir_path):
         raise ConfigError(
             f"eval.beir_pool_factor={cfg.eval.beir_pool_factor!r} pools the documents of eval.beir_path, and this run "
@@ -325,10 +325,11 @@ def _check_combinations(cfg: JobConfig) -> None:
         )
 
 
-def _check_keep_best(cfg: JobConfig) -> None:
+def check_keep_best(cfg: JobConfig, epochs_known: bool = False) -> None:
     """`checkpoint.keep_best` compares checkpoints by the evaluation at their steps: it needs
     checkpoints, an evaluation at each of them and something to evaluate (the metric's name itself
-    is checked against the first evaluation's, `checkpoint/best.py`)."""
+    is checked against the first evaluation's, `checkpoint/best.py`). Intervals given in epochs are checked once
+    `epochs.run_steps` knows them (`epochs_known`)."""
     best, ckpt, ev, data = cfg.checkpoint.keep_best, cfg.checkpoint, cfg.eval, cfg.data
     if not best:
         return
@@ -337,7 +338,8 @@ def _check_keep_best(cfg: JobConfig) -> None:
             f"checkpoint.keep_best={best!r} keeps the best checkpoint by its evaluation: set checkpoint.enable=true "
             "and eval.enable=true"
         )
-    if not ev.freq or ckpt.interval % ev.freq:
+    in_epochs = (ev.every_epoch or ckpt.every_epoch) and not epochs_known  # checked again when they are known
+    if not in_epochs and (not ev.freq or ckpt.interval % ev.freq):
         raise ConfigError(
             f"checkpoint.keep_best={best!r} needs an evaluation at every checkpoint, and eval.freq={ev.freq} does not "
             f"divide checkpoint.interval={ckpt.interval}: set eval.freq={ckpt.interval} (or a divisor of it)"
@@ -352,7 +354,7 @@ def _check_keep_best(cfg: JobConfig) -> None:
             raise ConfigError(f"checkpoint.keep_best={best!r} is {kind} metric and {key} is empty; set it")
 
 
-def _check_profiling(cfg: JobConfig, steps: int | None) -> None:
+def check_profiling(cfg: JobConfig, steps: int | None) -> None:
     """Windows of `[profiling]` that would trace nothing (past the run's `steps`; None: not known yet), or overlap."""
     prof = cfg.profiling
     if not (prof.enable or prof.memory_snapshot):
@@ -367,27 +369,6 @@ def _check_profiling(cfg: JobConfig, steps: int | None) -> None:
             f"profiling.freq={prof.freq} <= profiling.steps={prof.steps}: each window would run into the next; set "
             f"profiling.freq > {prof.steps} (or 0 for one window)"
         )
-
-
-def run_steps(cfg: JobConfig, epoch_steps: int, ga_steps: int) -> int:
-    """The run's optimizer steps: `training.epochs` passes of `epoch_steps` loader steps (each `ga_steps` of them one
-    optimizer step), written to `cfg.training.steps` and checked as the config's steps are; `training.steps` where
-    epochs is 0."""
-    epochs = cfg.training.epochs
-    if not epochs:
-        return cfg.training.steps
-    steps = epochs * epoch_steps // ga_steps
-    if steps < 1:
-        raise ConfigError(
-            f"training.epochs={epochs}: {epochs} x {epoch_steps} loader steps an epoch make no optimizer step of "
-            f"{ga_steps} accumulation steps; raise training.epochs or lower training.global_batch_size"
-        )
-    _check_profiling(cfg, steps)
-    cfg.training.steps = steps
-    logging.getLogger("titan_contrastive").info(
-        f"training.epochs={epochs}: {steps} steps ({epoch_steps} loader steps an epoch, {ga_steps} a step)"
-    )
-    return steps
 
 
 def check_contrastive_problem(
