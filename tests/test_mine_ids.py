@@ -72,11 +72,9 @@ def test_id_rows_mine_the_definitions_negatives_and_are_written_as_ids(
     unknown = ("a query whose positive is not there", "x0", ["d0"])  # a bad row, skipped: 1 of 21 is allowed
     src = write_id_rows(tmp_path / "rows.jsonl", [*by_id[:7], unknown, *by_id[7:]], [*ids[:7], "bad", *ids[7:]])
     out = tmp_path / "mined.jsonl"
-    flags = ("--ids", f"--corpus={corpus}", "--negatives=2", "--range-max=100", "--relative-margin=0.01")
-    assert mine(capsys, src, f"--model={step}", f"--out={out}", *flags, *["--keep-fewer", "--scores"] * fewer) == (
-        0,
-        [],
-    )
+    flags = ["--ids", f"--corpus={corpus}", "--negatives=2", "--range-max=100", "--relative-margin=0.01"]
+    flags += ["--keep-fewer", "--scores"] if fewer else []
+    assert mine(capsys, src, f"--model={step}", f"--out={out}", *flags) == (0, [])
     if fewer:  # a score for the positive and each negative, after them
         lines = [json.loads(line) for line in out.read_text().splitlines()]
         assert all(len(line["scores"]) == 1 + len(line["negatives"]) for line in lines)
