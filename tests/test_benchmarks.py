@@ -81,6 +81,7 @@ def test_decoder_lora_bench_search_doubles_to_oom_and_halves_a_start_that_does_n
     assert rows == [(4, "error")] and end == {"stop": "error at batch 4: ValueError: not a memory problem"}
 
 
+@pytest.mark.slow  # a benchmark's run end to end, ~4 s: the default suite's time (CI runs the slow marker too)
 def test_decoder_lora_bench_runs_a_tiny_decoder_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """benchmarks/decoder_lora_bench.py end to end on CPU (what gpu_session.sh 7 runs at 0.6B on an H100): a
     tiny random Qwen3-like folder with LoRA through the trainer's own step, plain and GradCache at 4 and 8."""
@@ -107,6 +108,7 @@ def test_decoder_lora_bench_runs_a_tiny_decoder_on_cpu(tmp_path: Path, capsys: p
     assert len(list(csv.DictReader(open(tmp_path / "decoder_lora_bench.csv")))) == 4
 
 
+@pytest.mark.slow  # a benchmark's run end to end, ~3 s: the default suite's time (CI runs the slow marker too)
 def test_hf_clip_bench_runs_both_families_on_the_same_weights(tmp_path: Path) -> None:
     """benchmarks/hf_clip_bench.py (gpu_session.sh 20 at vit_b32 on a GPU) with clip/debug on CPU: both families,
     both step kinds, the same first loss."""
@@ -201,6 +203,7 @@ def test_naflex_data_bench_quick_serves_every_mode(tmp_path: Path) -> None:
     assert (tmp_path / "naflex_data_bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # a benchmark's run end to end, ~2 s: the default suite's time (CI runs the slow marker too)
 def test_qwen_vl_chunks_quick_measures_every_chunk_and_the_budget_bounds_its_tokens(tmp_path: Path) -> None:
     """benchmarks/qwen_vl_chunks.py --quick: a tiny random Qwen2-VL through the trainer's own step, fixed GradCache
     chunks, token budgets and the plain step on one batch of mixed image sizes; per chunk its tokens and the bytes
@@ -232,6 +235,7 @@ def test_qwen_vl_chunks_quick_measures_every_chunk_and_the_budget_bounds_its_tok
     assert len(list(csv.DictReader(open(tmp_path / "qwen_vl_chunks.csv")))) == 5
 
 
+@pytest.mark.slow  # a benchmark's run end to end, ~4 s: the default suite's time (CI runs the slow marker too)
 def test_qwen_vl_chunks_gpu_mode_runs_on_cpu_with_a_tiny_model(tmp_path: Path) -> None:
     """benchmarks/qwen_vl_chunks.py --gpu (what gpu_session.sh 8 runs at 2B on an H100) on CPU: a tiny random
     Qwen2-VL with LoRA, plain and GradCache with a token budget, the batch doubled from 4 to --max-batch 8."""

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.needs import require
 
 
+@pytest.mark.slow  # a benchmark's run end to end, ~3 s: the default suite's time (CI runs the slow marker too)
 def test_vl_teacher_ahead_bench_times_each_variant(tmp_path: Path) -> None:
     require("hf", "data")
     from benchmarks import vl_teacher_ahead_bench

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.dist_utils import TWO_AND_FOUR, run_distributed
+from tests.marks import slow_ones
 from tests.needs import needs
 from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
 from tests.test_hard_negatives import REL, WORDS, assert_grads_close, make_trainer
@@ -218,8 +219,12 @@ KINDS = {  # local batch, accumulation steps, options
 
 
 @needs("hf")
-@pytest.mark.parametrize("sim", ["cosine", "angle"])
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize(  # each similarity and step kind once by default, the other pairs slow
+    ("kind", "sim"),
+    slow_ones(
+        [(k, s) for s in ("cosine", "angle") for k in KINDS], [("gradcache", "angle"), ("global-matryoshka", "cosine")]
+    ),
+)
 def test_cosent_alone_in_every_step_kind_equals_the_dense_objective(tmp_path: Path, kind: str, sim: str) -> None:
     """CoSENT or AnglE alone (contrastive_weight 0, the scale fixed at sentence-transformers' 20) on scored pairs:
     the step's loss and every parameter gradient equal the dense objective over the whole batch."""

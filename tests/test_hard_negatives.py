@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_utils import run_distributed
+from tests.marks import slow_ones
 from tests.needs import needs
 from tests.test_distributed_clip import GradRecorder
 from tests.test_trainer import assert_close, full, grads
@@ -206,7 +207,9 @@ def step_against(tmp: Path, kind: tuple[int, int, list[str]], *options: str, ref
 
 
 @needs("hf")
-@pytest.mark.parametrize("kind", list(KINDS))
+# the default suite's time: token chunks alone (gradcache-tokens-duplicates has them) and one-way duplicates
+# (global-oneway-margin and global-gte-duplicates-hardness have each) with the slow marker
+@pytest.mark.parametrize("kind", slow_ones(KINDS, ["gradcache-tokens", "global-duplicates-oneway"]))
 def test_hard_negatives_in_every_step_kind_equal_the_dense_objective(tmp_path: Path, kind: str) -> None:
     pairs_file(tmp_path)
     step_against(tmp_path, KINDS[kind])

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed, write_once
 from tests.hf_folders import IMAGE_TEXT, WORDS, image_text_folder
+from tests.marks import slow_ones
 from tests.needs import require
 from tests.test_hard_negatives import assert_grads_close, assert_step_equals_its_forwards
 from tests.test_hf_text import grads
@@ -157,7 +158,7 @@ def test_siglip_with_its_sigmoid_loss_and_bias(tmp_path: Path, step: str) -> Non
     trainer.metrics.close()
 
 
-@pytest.mark.parametrize("kind", IMAGE_TEXT)
+@pytest.mark.parametrize("kind", slow_ones(IMAGE_TEXT, ["siglip", "metaclip_2"]))  # as test_two_ranks_fsdp2
 def test_lora_and_a_locked_image_tower(tmp_path: Path, kind: str) -> None:
     """LoRA on both towers' attention (DoRA with rsLoRA over global negatives); and LiT's locked image tower (run
     without a graph, replayed)."""
@@ -244,7 +245,8 @@ def _folders(tmp: Path, kind: str, steps: tuple[str, ...]) -> None:
         pictures(tmp / step / "data")
 
 
-@pytest.mark.parametrize("kind", IMAGE_TEXT)
+# CLIP's and SigLIP 2's towers and losses by default, SigLIP's and MetaCLIP 2's (their families' other members) slow
+@pytest.mark.parametrize("kind", slow_ones(IMAGE_TEXT, ["siglip", "metaclip_2"]))
 def test_two_ranks_fsdp2(tmp_path: Path, kind: str) -> None:
     """FSDP2 over both towers' layers on 2 gloo ranks: GradCache and global negatives."""
     steps = ("gradcache", "global")

@@ -15,6 +15,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.hf_folders import decoder_folder, encoder_folder
+from tests.marks import slow_ones
 from tests.needs import require
 from tests.test_hard_negatives import assert_step_equals_its_forwards
 from tests.test_hf_text import FOLDERS, KINDS, _step, _step_distributed, folder_run
@@ -85,9 +86,19 @@ def test_every_step_kind_with_lora_equals_the_dense_objective(
     _step(tmp_path, arch, kind, *VARIANTS[variant], warm=True)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
-@pytest.mark.parametrize("arch", list(FOLDERS))
+@pytest.mark.parametrize(  # each architecture, wrapper and variant by default; the other five with the slow marker
+    ("arch", "parallel", "variant"),
+    slow_ones(
+        [(a, p, v) for a in FOLDERS for p in ("fsdp2", "ddp") for v in VARIANTS],
+        [
+            ("encoder", "fsdp2", "dora-rslora"),
+            ("encoder", "ddp", "lora"),
+            ("encoder", "ddp", "dora-rslora"),
+            ("decoder", "fsdp2", "lora"),
+            ("decoder", "ddp", "dora-rslora"),
+        ],
+    ),
+)
 def test_lora_global_negatives_on_two_ranks(tmp_path: Path, arch: str, parallel: str, variant: str) -> None:
     """FSDP2 shards a frozen base beside trainable adapters (and DoRA's magnitudes) in each layer unit; DDP
     reduces the adapters."""

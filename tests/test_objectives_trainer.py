@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.marks import slow_ones
 
 TOL = 1e-10
 
@@ -92,7 +93,8 @@ def _trainer_step_distributed(tmp: str, option: str) -> None:
     _trainer_step(tmp, option, "global", 3, 2)
 
 
-@pytest.mark.parametrize("option", list(TRAINER_OPTIONS))
+# two of the options on two ranks by default, the other two (each on one process above) with the slow marker
+@pytest.mark.parametrize("option", slow_ones(TRAINER_OPTIONS, ["oneway-margin-matryoshka", "siglip-relative"]))
 def test_global_negatives_train_the_objective_exactly_on_two_ranks(tmp_path, option: str) -> None:
     run_distributed(_trainer_step_distributed, 2, str(tmp_path), option)
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.marks import slow_ones
 from tests.needs import needs
 from tests.test_hard_negatives import (
     WORDS,
@@ -71,7 +72,7 @@ def flagged_reference(trainer, samples: dict):
 
 
 @needs("hf")
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", slow_ones(KINDS, ["gradcache-oneway"]))  # one-way: global-oneway by default
 def test_queries_without_in_batch_negatives_in_every_step_kind_exactly(tmp_path: Path, kind: str) -> None:
     trainer = step_against(tmp_path, KINDS[kind], two_files(tmp_path), FLAGS, reference=flagged_reference)
     assert trainer.train_set.__getitems__(list(range(12)))[OWN_GROUP].tolist() == [False] * 3 + [True] * 9

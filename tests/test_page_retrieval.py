@@ -217,12 +217,14 @@ COLQWEN_POOLED = (
 )
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # one vector and pooled multi-vector by default, mean pooling and unpooled ColQwen slow
     "options",
     [
         ("--model.pooling=last_token",),
-        ("--model.pooling=mean", "--eval.beir_graded=true"),
-        ("--model.pooling=colbert", "--model.colbert_dim=8", "--data.max_pixels=7056"),
+        pytest.param(("--model.pooling=mean", "--eval.beir_graded=true"), marks=pytest.mark.slow),
+        pytest.param(
+            ("--model.pooling=colbert", "--model.colbert_dim=8", "--data.max_pixels=7056"), marks=pytest.mark.slow
+        ),
         COLQWEN_POOLED,
     ],
     ids=["last", "mean-graded", "colqwen", "colqwen-pooled"],

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.marks import slow_ones
 from tests.needs import needs
 from tests.test_hard_negatives import assert_grads_close
 from tests.test_trainer import full, grads
@@ -301,7 +302,7 @@ def make_trainer(tmp: Path, path: Path, *extra: str):
     )
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", slow_ones(KINDS, ["gradcache-chunks-of-3"]))  # the token budget has GradCache
 def test_duplicate_mask_with_data_ids_equals_the_definition(tmp_path: Path, kind: str) -> None:
     local, ga, extra = KINDS[kind]
     path = write_jsonl(tmp_path / "ids.jsonl", st_rows(with_ids=True))

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.dist_utils import TWO_AND_FOUR, run_distributed
+from tests.marks import slow_ones
 from tests.needs import needs
 from tests.objective_forms import assert_distributed_forms, assert_forms, wanted
 from tests.test_late_interaction import maxsim
@@ -350,7 +351,8 @@ def _dense(trainer, every: dict) -> tuple[float, dict[str, torch.Tensor]]:
 
 
 @needs("hf")
-@pytest.mark.parametrize("kind", list(KINDS))
+# token chunks and global negatives with colpali's pairwise term slow; global-negative-ce has the streamed form
+@pytest.mark.parametrize("kind", slow_ones(KINDS, ["gradcache-tokens", "global"]))
 def test_every_step_kind_equals_colpali_engines_loss(tmp_path: Path, kind: str) -> None:
     from tests.test_hard_negatives import pairs_file, step_against
 

@@ -176,7 +176,8 @@ def one_step_grads(tmp: Path, *extra: str, microbatches: int = 1) -> dict[str, t
     [
         ["--activation_checkpoint.mode=full"],
         ["--activation_checkpoint.mode=selective"],
-        ["--compile.enable=true", "--compile.backend=aot_eager"],
+        # compiled alone: slow (compiled with AC below, and test_compiled_blocks_keep_the_global_negatives_gradient)
+        pytest.param(["--compile.enable=true", "--compile.backend=aot_eager"], marks=pytest.mark.slow),
         ["--activation_checkpoint.mode=selective", "--compile.enable=true", "--compile.backend=aot_eager"],
     ],
 )

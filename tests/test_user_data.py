@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.marks import slow_ones
 from tests.needs import installed, require
 from titan_contrastive.config.data import Data
 from titan_contrastive.datasets import DataError, build_dataset
@@ -108,8 +109,10 @@ def _take(loader, n: int) -> list[dict]:
     return [next(loader) for _ in range(n)]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("kind", SOURCES)
+@pytest.mark.parametrize(  # data workers with one source by default, with the others under the slow marker
+    ("kind", "workers"),
+    slow_ones([(k, w) for w in (0, 2) for k in SOURCES], [("csv", 2), ("hf", 2)]),
+)
 def test_loader_resumes_exactly(emoji: dict, kind: str, workers: int) -> None:
     """k batches, save, a fresh loader restores and continues: the batches equal the uninterrupted
     run's (200 samples, 2 ranks x 16: 6 steps per epoch, so the 8 steps cross an epoch boundary)."""
