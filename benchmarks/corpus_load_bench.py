@@ -11,9 +11,11 @@ negatives drawn per row and epoch, queries cut at 64 tokens and documents at 256
 - `ids`: tevatron's rows `{"query_id", "query_text", "positive_document_ids", "negative_document_ids"}` of the
   passages' ids, and a corpus file of `{"docid", "text"}` rows: the pool and `factor - 1` times as many passages no row
   names, shuffled together (a corpus of which the rows use 1/factor), as JSON lines;
+- `ids_before`: that, read by the package of `--ids-baseline` (default 748b4d7, the last commit that read a JSON lines
+  corpus a line at a time, every row a Python object, before choosing by id), extracted by `harness.package_at`;
 - `parquet`: the same rows against the same corpus as a Parquet file, read by its id column first (this tree);
 - `parquet_before`: that, read by the package of `--baseline` (default f5d75db, the last commit that made every
-  Parquet row Python objects before choosing by id), extracted by `harness.package_at`.
+  Parquet row Python objects before choosing by id).
 Each measurement is a fresh process (this file run as a script) that builds the run's data as the trainer does
 (`build_data`, no data workers). Per variant and factor, medians of `--repeats` interleaved runs of: `peak_mib`, the
 process's largest resident memory while it built the data, above its resident memory before (VmHWM, reset first:
@@ -41,7 +43,7 @@ from benchmarks import harness
 
 NAME = "corpus_load_bench"
 FIELDS = ["variant", "rows", "factor", "rows_mib", "corpus_mib", "peak_mib", "kept_mib", "tokens_mib", "load_s"]
-VARIANTS = ("texts", "ids", "parquet", "parquet_before")
+VARIANTS = ("texts", "ids", "ids_before", "parquet", "parquet_before")
 NEGATIVES = 15
 
 
@@ -52,6 +54,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=str(harness.RESULTS))
     p.add_argument("--baseline", default="f5d75db", help="the commit before the Parquet corpus's Arrow filter")
+    p.add_argument("--ids-baseline", default="748b4d7", help="the commit before the JSON lines corpus's Arrow filter")
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # a measurement (run_once)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -96,7 +99,7 @@ def flags(variant: str, folder: Path, factor: int) -> list[str]:
     given = ["--model.name=bi_encoder", "--model.flavor=shared", "--data.dataset=pairs", "--data.negatives_per_row=7"]
     rows = folder / ("texts.jsonl" if variant == "texts" else "ids.jsonl")
     given += ["--data.context_length=64", "--data.doc_context_length=256", f"--data.path={rows}"]
-    suffix = ".jsonl" if variant == "ids" else ".parquet"
+    suffix = ".parquet" if variant.startswith("parquet") else ".jsonl"
     return given + ([f"--data.corpus={folder / f'corpus-{factor}{suffix}'}"] if variant != "texts" else [])
 
 
@@ -109,7 +112,7 @@ def measure_main(args: argparse.Namespace) -> None:
     from titan_contrastive.datasets.build import build_data
 
     where = Path(titan_contrastive.__file__).resolve()
-    assert (args.variant == "parquet_before") == (where.parents[1] != harness.REPO), where  # this tree's or not
+    assert args.variant.endswith("_before") == (where.parents[1] != harness.REPO), where  # this tree's or not
     folder = Path(args.folder)
     cfg = parse_args(flags(args.variant, folder, args.factors[0]))
     spec = models.get_model_spec(cfg.model.name)
@@ -136,9 +139,9 @@ def measure_main(args: argparse.Namespace) -> None:
     (folder / "measured.json").write_text(json.dumps(measured))
 
 
-def run_once(variant: str, factor: int, n: int, package: Path, folder: Path) -> dict:
-    """One measurement in a fresh process (`parquet_before`: with the baseline's `package` first on the path)."""
-    trees = [str(package), str(harness.REPO)] if variant == "parquet_before" else [str(harness.REPO)]
+def run_once(variant: str, factor: int, n: int, package: Path | None, folder: Path) -> dict:
+    """One measurement in a fresh process (a `_before` variant: with its baseline's `package` first on the path)."""
+    trees = [str(package), str(harness.REPO)] if package else [str(harness.REPO)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(trees), "CUDA_VISIBLE_DEVICES": ""}
     command = [sys.executable, __file__, f"--variant={variant}", f"--folder={folder}", f"--rows={n}"]
     if subprocess.run(command + [f"--factors={factor}"], env=env).returncode:
@@ -149,14 +152,16 @@ def run_once(variant: str, factor: int, n: int, package: Path, folder: Path) -> 
 
 
 def measure(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
-    (folder / "baseline").mkdir()
-    package = harness.package_at(args.baseline, folder / "baseline")
+    packages: dict[str, Path | None] = dict.fromkeys(VARIANTS)
+    for variant, commit in (("parquet_before", args.baseline), ("ids_before", args.ids_baseline)):
+        (folder / variant).mkdir()
+        packages[variant] = harness.package_at(commit, folder / variant)
     sizes = make(folder, args.rows, args.factors)
     cases = [("texts", 0)] + [(v, f) for f in args.factors for v in VARIANTS[1:]]
     runs: dict[tuple[str, int], list[dict]] = {case: [] for case in cases}
     for r in range(args.repeats):
         for variant, factor in harness.rotation(cases, r):
-            runs[variant, factor].append(run_once(variant, max(factor, 1), args.rows, package, folder))
+            runs[variant, factor].append(run_once(variant, max(factor, 1), args.rows, packages[variant], folder))
     rows = []
     for (variant, factor), made in runs.items():
         row = {
@@ -195,7 +200,10 @@ def draw(rows: list[dict[str, Any]], meta: dict[str, Any]) -> Any:
         ax.set_xlabel(f"corpus size / the {rows[0]['rows']:,} passages the rows name")
         ax.set_ylabel(label)
         ax.legend(fontsize=7)
-    title = f"rows of document ids and their corpus (JSONL, Parquet; Parquet at {meta['baseline']}) against texts"
+    title = (
+        f"rows of document ids and their corpus (JSONL, Parquet; before: JSONL at {meta['ids_baseline']}, Parquet at "
+        f"{meta['baseline']}) against texts"
+    )
     fig.suptitle(f"{title}; {meta['cpu']}", fontsize=8)
     fig.tight_layout()
     return fig
@@ -206,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.variant:
         measure_main(args)
         return
-    meta = harness.metadata("cpu", baseline=args.baseline)
+    meta = harness.metadata("cpu", baseline=args.baseline, ids_baseline=args.ids_baseline)
     with tempfile.TemporaryDirectory(prefix="corpus_load_") as folder:
         rows = measure(args, Path(folder))
     harness.write_results(

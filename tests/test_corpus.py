@@ -187,6 +187,82 @@ def test_an_arrow_corpus_gives_the_wanted_documents_from_every_batch(tmp_path: P
     assert corpus_texts(str(tmp_path / "floats.jsonl"), {"1", "1.0"}, {}, "data.corpus") == {}
 
 
+def _defined(lines: list[str], wanted: set[str]) -> dict[str, str]:
+    """The wanted documents of JSON lines by the module docstring's definition, each line read alone: the id of the
+    first of docid, _id, id a row has (a text trimmed, or an integer), the text of the first of text, contents, after
+    the title and a space where the title is a text."""
+    out = {}
+    for line in lines:
+        if line.strip():
+            row = json.loads(line.removeprefix("\ufeff"))
+            ident = next(row[c] for c in ("docid", "_id", "id") if c in row)
+            ident = str(ident).strip() if type(ident) in (int, str) else ""
+            body, title = next(row[c] for c in ("text", "contents") if c in row), row.get("title")
+            text = f"{title.strip()} {body.strip()}" if isinstance(title, str) and title.strip() else (body or "")
+            if ident in wanted and text.strip():
+                out[ident] = text.strip()
+    return out
+
+
+@needs("data")
+def test_a_json_lines_corpus_is_chosen_by_its_id_column_in_arrow(tmp_path: Path, monkeypatch) -> None:
+    """JSON lines that Arrow reads as one table are filtered by their id column there (`corpus._json_batches`),
+    never read a line at a time: of 3,000 rows in blocks of 4 KiB (ids padded non-ASCII texts or integers; titles
+    absent, null or given; blank lines; a nested column; a byte-order mark), the wanted documents are the
+    definition's. Lines that are
+    not one table to Arrow are read a line at a time and give the definition's documents or the line reader's error:
+    an integer id blocks after text ids, a wanted row's text under `contents` beside `text` rows, an id given as null
+    (the next row's under `id`); a later row without an id, and a line that is no JSON, fail as they did. A file
+    under `corpus.ARROW_JSON_BYTES` is read a line at a time."""
+    from titan_contrastive.datasets import corpus
+
+    monkeypatch.setattr(corpus, "STREAM_BYTES", 4096)
+    monkeypatch.setattr(corpus, "ARROW_JSON_BYTES", 0)  # every file by Arrow (a smaller one: the end)
+    read_alone: list[Path] = []
+    opened = corpus.opened_rows
+    monkeypatch.setattr(corpus, "opened_rows", lambda file, *a: (read_alone.append(file), opened(file, *a))[1])
+
+    def row(i: int, integer: bool) -> dict:
+        out: dict = {"_id": i if integer else f"  dé{i} ", "text": f" the text of {i} ", "meta": {"n": [i, i]}}
+        if i % 3:
+            out["title"] = None if i % 3 == 1 else f"title {i}"
+        return out
+
+    def lines(integer: bool, changed: dict[int, object] | None = None, bom: bool = False) -> list[str]:
+        rows = [json.dumps(changed.get(i, row(i, integer)) if changed else row(i, integer)) for i in range(3000)]
+        rows[10:10] = ["", "   "]
+        return [("\ufeff" if bom else "") + rows[0], *rows[1:]]
+
+    def read(name: str, text: list[str]) -> dict[str, str]:
+        (tmp_path / name).write_text("\n".join(text) + "\n", encoding="utf-8")
+        return corpus_texts(str(tmp_path / name), wanted, {}, "data.corpus")
+
+    picked = [0, 1, 2, 9, 10, 11, 500, 1234, 2500, 2999]
+    for integer, bom in ((False, False), (True, False), (False, True)):
+        wanted = {str(i) if integer else f"dé{i}" for i in picked} | {"not there"}
+        text = lines(integer, bom=bom)
+        assert read("whole.jsonl", text) == _defined(text, wanted) and len(_defined(text, wanted)) == len(picked)
+        assert read_alone == []
+    wanted = {f"dé{i}" for i in picked} | {"2500", "11"}
+    cases = {
+        "integer.jsonl": lines(False, {2500: {"_id": 2500, "text": "an integer's text"}}),
+        "contents.jsonl": lines(False, {11: {"_id": "dé11", "contents": "contents, not text"}}),
+        "null.jsonl": lines(False, {20: {"_id": None, "text": "no id"}, 21: {"id": "11", "text": "under id"}}),
+    }
+    for name, text in cases.items():
+        got = read(name, text)
+        assert got == _defined(text, wanted) and got and read_alone[-1] == tmp_path / name, name
+    with pytest.raises(DataError) as err:
+        read("no_id.jsonl", lines(False, {2000: {"key": "x", "text": "t"}}))
+    _one_line(err, "row 2001: a corpus row holds an id", "its columns are key, text")
+    with pytest.raises(DataError) as err:
+        read("broken.jsonl", [*lines(False)[:2000], "{not json"])
+    _one_line(err, "broken.jsonl:2001: not a JSON line")
+    monkeypatch.setattr(corpus, "ARROW_JSON_BYTES", (tmp_path / "whole.jsonl").stat().st_size + 1)
+    text = lines(False)
+    assert read("whole.jsonl", text) == _defined(text, wanted) and read_alone[-1] == tmp_path / "whole.jsonl"
+
+
 @needs("hf")
 def test_errors_in_one_line_and_rows_of_unknown_documents(tmp_path: Path, tokenizer, caplog) -> None:
     rows = bge_rows()

@@ -9,7 +9,8 @@ files is one corpus).
 
 The corpus is read a row at a time and only the documents that the rows name are kept, each text held once with
 the rows' own: a corpus of millions of passages costs the memory of those the training rows use. A Parquet or Arrow
-corpus is matched by its id column in Arrow a batch at a time, and only the rows named become Python objects. A row
+corpus, and one of JSON lines from `ARROW_JSON_BYTES`, is matched by its id column in Arrow a batch at a time, and
+only the rows named become Python objects. A row
 that names a document the corpus does not hold (or holds empty) is a bad row, `unknown_document`, skipped and
 counted against data.max_bad_fraction.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import array
 import itertools
+import json
 import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -28,7 +30,7 @@ from titan_contrastive.datasets.bad_samples import too_many_bad
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.pair_rows import FORMATS, PairRows, cell_text, doc_id, kept_rows
 from titan_contrastive.datasets.shards import shard_files
-from titan_contrastive.datasets.tables import arrow_batches, guarded_rows, opened_rows
+from titan_contrastive.datasets.tables import STREAM_BYTES, arrow_batches, guarded_rows, opened_rows
 
 __all__ = ["corpus_texts", "resolve_documents", "resolved"]
 
@@ -36,6 +38,9 @@ logger = logging.getLogger("titan_contrastive")
 
 ID_COLUMNS = ("docid", "_id", "id")
 TEXT_COLUMNS = ("text", "contents")
+ARROW_JSON_BYTES = 32 << 20
+"""The size from which a JSON lines corpus is read by Arrow (`_numbered_rows`): below it, a line at a time is as fast
+and spares the process pyarrow's libraries (~55 MiB)."""
 
 
 def resolve_documents(
@@ -103,32 +108,86 @@ def corpus_texts(path: str, wanted: set[str] | None, seen: dict[str, str], field
 
 
 def _numbered_rows(file: Path, wanted: set[str] | None) -> Iterator[tuple[int, Any]]:
-    """(row number from 0, row) of the corpus file `file`: every row, or of a Parquet file or saved dataset with an id
-    and a text column, the rows whose id may be `wanted`, chosen by Arrow (`pyarrow.compute`) before any row is made
-    Python objects (a corpus of millions read for the thousands the rows name); the others `corpus_texts` skips."""
+    """(row number from 0, row) of the corpus file `file`: every row, or of a Parquet file, saved dataset or JSON lines
+    (of `ARROW_JSON_BYTES` or more) with an id and a text column, the rows whose id may be `wanted`, chosen by Arrow
+    (`pyarrow.compute`) before any row is made Python objects (a corpus of millions read for the thousands the rows
+    name); the others `corpus_texts` skips. JSON lines that Arrow does not read as one table (an id of two types, a
+    row without the first row's id column, an unnamed row, no pyarrow) are read again a line at a time, as every
+    corpus was: the rows given twice are the same documents."""
     if wanted is not None and (file.is_dir() or file.suffix in (".parquet", ".arrow")):
         names, batches, _ = arrow_batches(file, "train")
         ident = next((c for c in ID_COLUMNS if c in names), None)
         if ident is not None and set(TEXT_COLUMNS) & set(names):
             yield from _wanted_rows(batches, ident, wanted)
             return
+    if wanted is not None and file.suffix == ".jsonl" and file.stat().st_size >= ARROW_JSON_BYTES:
+        try:
+            yield from _wanted_rows(*_json_batches(file), wanted, whole=True)
+            return
+        except _NotOneTable:
+            pass
     _, rows = opened_rows(file, (), "train")
     yield from enumerate(rows)
 
 
-def _wanted_rows(batches: Iterator[Any], ident: str, wanted: set[str]) -> Iterator[tuple[int, Any]]:
+class _NotOneTable(Exception):
+    """JSON lines that Arrow does not read as a table of the first row's columns (`_numbered_rows`)."""
+
+
+def _json_batches(file: Path) -> tuple[Iterator[Any], str]:
+    """(Arrow record batches of the JSON lines `file`, read `tables.STREAM_BYTES` at a time on this thread, the id
+    column its first row names); `_NotOneTable` where its first row names no id and text or pyarrow is not installed."""
+    try:
+        import pyarrow as pa
+        import pyarrow.json as pj
+    except ImportError:
+        raise _NotOneTable from None
+    with open(file, encoding="utf-8-sig") as f:
+        line = next((line for line in f if line.strip()), "null")
+    try:
+        first = json.loads(line)
+    except ValueError:  # the line-at-a-time read names it
+        raise _NotOneTable from None
+    ident = next((c for c in ID_COLUMNS if c in first), None) if isinstance(first, dict) else None
+    if ident is None or not set(TEXT_COLUMNS) & set(first):
+        raise _NotOneTable
+    try:
+        reader = pj.open_json(file, read_options=pj.ReadOptions(use_threads=False, block_size=STREAM_BYTES))
+    except pa.ArrowException:
+        raise _NotOneTable from None
+
+    def batches() -> Iterator[Any]:
+        try:
+            yield from reader
+        except pa.ArrowException:  # a later block's id of another type, a field it did not have
+            raise _NotOneTable from None
+
+    return batches(), ident
+
+
+def _wanted_rows(
+    batches: Iterator[Any], ident: str, wanted: set[str], whole: bool = False
+) -> Iterator[tuple[int, Any]]:
     """The numbered rows of Arrow `batches` whose `ident` column is in `wanted`: ids as `pair_rows.doc_id` reads them,
-    texts or integers (of another type, no id: none of the batch's rows)."""
+    texts or integers (of another type, no id: none of the batch's rows). `whole`: every row has that id and it is
+    the first of `ID_COLUMNS` the batch has, and each wanted row its texts, as a row read alone would be read, else
+    `_NotOneTable`."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     keys, start = _large_strings(sorted(wanted)), 0
     for batch in batches:
         ids = batch.column(ident)
+        names = batch.schema.names
+        if whole and (ids.null_count or next(c for c in ID_COLUMNS if c in names) != ident):
+            raise _NotOneTable
         ids = pc.cast(ids, ids.type.value_type) if pa.types.is_dictionary(ids.type) else ids
         if pa.types.is_integer(ids.type) or pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type):
             mask = pc.is_in(pc.utf8_trim_whitespace(pc.cast(ids, pa.large_string())), value_set=keys)
-            yield from zip((start + i for i in pc.indices_nonzero(mask).to_pylist()), batch.filter(mask).to_pylist())
+            kept = batch.filter(mask)
+            if whole and any(kept.column(c).null_count for c in TEXT_COLUMNS if c in names):
+                raise _NotOneTable  # a missing text and one given as null are two rows to a line's reader
+            yield from zip((start + i for i in pc.indices_nonzero(mask).to_pylist()), kept.to_pylist())
         start += batch.num_rows
     pa.default_memory_pool().release_unused()
 
