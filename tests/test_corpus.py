@@ -213,7 +213,8 @@ def test_a_json_lines_corpus_is_chosen_by_its_id_column_in_arrow(tmp_path: Path,
     not one table to Arrow are read a line at a time and give the definition's documents or the line reader's error:
     an integer id blocks after text ids, a wanted row's text under `contents` beside `text` rows, an id given as null
     (the next row's under `id`); a later row without an id, and a line that is no JSON, fail as they did. A file
-    under `corpus.ARROW_JSON_BYTES` is read a line at a time."""
+    under `corpus.ARROW_JSON_BYTES`, or with a pyarrow without `pyarrow.json.open_json`, is read a line
+    at a time."""
     from titan_contrastive.datasets import corpus
 
     monkeypatch.setattr(corpus, "STREAM_BYTES", 4096)
@@ -261,6 +262,11 @@ def test_a_json_lines_corpus_is_chosen_by_its_id_column_in_arrow(tmp_path: Path,
     monkeypatch.setattr(corpus, "ARROW_JSON_BYTES", (tmp_path / "whole.jsonl").stat().st_size + 1)
     text = lines(False)
     assert read("whole.jsonl", text) == _defined(text, wanted) and read_alone[-1] == tmp_path / "whole.jsonl"
+    import pyarrow.json
+
+    monkeypatch.setattr(corpus, "ARROW_JSON_BYTES", 0)
+    monkeypatch.delattr(pyarrow.json, "open_json")  # a pyarrow without its streaming JSON reader
+    assert read("old.jsonl", text) == _defined(text, wanted) and read_alone[-1] == tmp_path / "old.jsonl"
 
 
 @needs("hf")

@@ -135,8 +135,9 @@ class _NotOneTable(Exception):
 
 
 def _json_batches(file: Path) -> tuple[Iterator[Any], str]:
-    """(Arrow record batches of the JSON lines `file`, read `tables.STREAM_BYTES` at a time on this thread, the id
-    column its first row names); `_NotOneTable` where its first row names no id and text or pyarrow is not installed."""
+    """(Arrow record batches of the JSON lines `file`, read `tables.STREAM_BYTES` at a time on one thread, the id column
+    its first row names); `_NotOneTable` where its first row names no id and text, or where pyarrow or its streaming
+    JSON reader is not installed."""
     try:
         import pyarrow as pa
         import pyarrow.json as pj
@@ -149,7 +150,7 @@ def _json_batches(file: Path) -> tuple[Iterator[Any], str]:
     except ValueError:  # the line-at-a-time read names it
         raise _NotOneTable from None
     ident = next((c for c in ID_COLUMNS if c in first), None) if isinstance(first, dict) else None
-    if ident is None or not set(TEXT_COLUMNS) & set(first):
+    if ident is None or not set(TEXT_COLUMNS) & set(first) or not hasattr(pj, "open_json"):  # an older pyarrow
         raise _NotOneTable
     try:
         reader = pj.open_json(file, read_options=pj.ReadOptions(use_threads=False, block_size=STREAM_BYTES))
