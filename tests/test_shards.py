@@ -70,7 +70,10 @@ def test_shards_of_one_source_read_as_one_file(tmp_path: Path, tokenizer) -> Non
         tmp_path / "jsonl" / "train-00009-of-00003.jsonl", [{k: v for k, v in r.items() if k != "id"} for r in rows]
     )
     for path, needles in (
-        (f"{tmp_path}/nothing-*.jsonl", ("the pattern matches no .jsonl/.csv/.tsv/.parquet/.arrow file",)),
+        (
+            f"{tmp_path}/nothing-*.jsonl",
+            ("the pattern matches no .jsonl/.csv/.tsv/.parquet/.arrow (or .jsonl.gz/.csv.gz/.tsv.gz) file",),
+        ),
         (str(tmp_path / "empty"), ("the folder (not a save_to_disk folder) holds no",)),
         (str(tmp_path / "mixed"), ("files of 2 formats (.jsonl, .parquet)", "mixed/*.jsonl")),
         (str(tmp_path / "jsonl"), ("train-00009-of-00003.jsonl and train-00000-of-00003.jsonl differ", "ids")),

@@ -104,6 +104,7 @@ def parser() -> argparse.ArgumentParser:
 def check(opts: argparse.Namespace) -> Path:
     """The output file, or a MineError for an argument that cannot work (before anything is read)."""
     from titan_contrastive.datasets.pair_rows import FORMATS
+    from titan_contrastive.datasets.shards import data_suffix, formats_named
 
     if opts.batch_size < 1:
         raise MineError(f"--batch-size={opts.batch_size}: texts per forward, 1 or more")
@@ -121,8 +122,8 @@ def check(opts: argparse.Namespace) -> Path:
     if opts.pairs != "wordnet":
         for part in opts.pairs.split("::"):
             src = Path(part).expanduser()
-            if not (src.is_dir() or "*" in part or (src.is_file() and src.suffix in FORMATS)):
-                raise MineError(f"PAIRS={part}: not an existing {'/'.join(FORMATS)} file or save_to_disk folder")
+            if not (src.is_dir() or "*" in part or (src.is_file() and data_suffix(src) in FORMATS)):
+                raise MineError(f"PAIRS={part}: not an existing {formats_named(FORMATS)} file or save_to_disk folder")
             if src.resolve() == out.resolve():
                 raise MineError(f"--out={out} is the input; write the embeddings to a new file")
     return out

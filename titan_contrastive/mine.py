@@ -92,12 +92,13 @@ def check_paths(pairs: str, out: Path, overwrite: bool) -> Path:
     """The resolved output file, or a MineError for an input that is not there or an output that may
     not be written."""
     from titan_contrastive.datasets.pair_rows import FORMATS
+    from titan_contrastive.datasets.shards import data_suffix, formats_named
 
     src = Path(pairs).expanduser()
     if "::" in pairs:
         raise MineError(f"PAIRS={pairs}: mine one file at a time (each file's positives are its own corpus)")
-    if not (src.is_dir() or (src.is_file() and src.suffix in FORMATS)):
-        raise MineError(f"PAIRS={pairs}: not an existing {'/'.join(FORMATS)} file or save_to_disk folder")
+    if not (src.is_dir() or (src.is_file() and data_suffix(src) in FORMATS)):
+        raise MineError(f"PAIRS={pairs}: not an existing {formats_named(FORMATS)} file or save_to_disk folder")
     out = Path(out).expanduser()
     if out.suffix not in OUT_FORMATS:
         raise MineError(f"--out={out}: write {'/'.join(OUT_FORMATS)} (the formats data.path reads back)")

@@ -21,6 +21,7 @@ from titan_contrastive.components.beir_eval import embed_texts
 from titan_contrastive.components.evaluate import dim_cuts
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.pair_rows import FORMATS
+from titan_contrastive.datasets.shards import data_suffix, formats_named
 from titan_contrastive.datasets.tables import read_table
 from titan_contrastive.extras import import_failure
 
@@ -40,8 +41,8 @@ def load_sts(path: str, split: str = "test") -> StsSet:
     """The scored pairs of `path` (`.jsonl`, `.csv`, `.tsv`, `.parquet`, or a saved Hugging Face dataset: its
     `split`); a DataError (one line: the file, the row, the fix) for anything else."""
     file = Path(path).expanduser()
-    fix = f"give a {', '.join(FORMATS)} file or a saved dataset of {', '.join(COLUMNS)} rows"
-    if not file.exists() or not (file.is_dir() or file.suffix in FORMATS):
+    fix = f"give a {formats_named(FORMATS)} file or a saved dataset of {', '.join(COLUMNS)} rows"
+    if not file.exists() or not (file.is_dir() or data_suffix(file) in FORMATS):
         raise DataError(f"eval.sts_path={path!r} is not such a file: {fix}")
     _, rows = read_table(file, COLUMNS, split)  # CSV and TSV with a header line
     pairs: tuple[list[str], list[str], list[float]] = ([], [], [])

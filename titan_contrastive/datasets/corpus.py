@@ -29,8 +29,8 @@ from typing import Any
 from titan_contrastive.datasets.bad_samples import too_many_bad
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.pair_rows import FORMATS, PairRows, cell_text, doc_id, kept_rows
-from titan_contrastive.datasets.shards import shard_files
-from titan_contrastive.datasets.tables import STREAM_BYTES, arrow_batches, guarded_rows, opened_rows
+from titan_contrastive.datasets.shards import data_suffix, formats_named, shard_files
+from titan_contrastive.datasets.tables import STREAM_BYTES, arrow_batches, guarded_rows, open_text, opened_rows
 
 __all__ = ["corpus_texts", "resolve_documents", "resolved"]
 
@@ -86,9 +86,9 @@ def corpus_texts(path: str, wanted: set[str] | None, seen: dict[str, str], field
     files = shard_files(path, FORMATS, field=field)
     if files is None:
         file = Path(path).expanduser()
-        if not (file.is_dir() or (file.suffix in FORMATS and file.is_file())):
+        if not (file.is_dir() or (data_suffix(file) in FORMATS and file.is_file())):
             raise DataError(
-                f"{field}={path}: not an existing {'/'.join(FORMATS)} file or save_to_disk folder; give the "
+                f"{field}={path}: not an existing {formats_named(FORMATS)} file or save_to_disk folder; give the "
                 "documents' rows (an id and a text each) in one of those"
             )
         files = [file]
@@ -120,7 +120,7 @@ def _numbered_rows(file: Path, wanted: set[str] | None) -> Iterator[tuple[int, A
         if ident is not None and set(TEXT_COLUMNS) & set(names):
             yield from _wanted_rows(batches, ident, wanted)
             return
-    if wanted is not None and file.suffix == ".jsonl" and file.stat().st_size >= ARROW_JSON_BYTES:
+    if wanted is not None and data_suffix(file) == ".jsonl" and file.stat().st_size >= ARROW_JSON_BYTES:
         try:
             yield from _wanted_rows(*_json_batches(file), wanted, whole=True)
             return
@@ -143,7 +143,7 @@ def _json_batches(file: Path) -> tuple[Iterator[Any], str]:
         import pyarrow.json as pj
     except ImportError:
         raise _NotOneTable from None
-    with open(file, encoding="utf-8-sig") as f:
+    with open_text(file) as f:
         line = next((line for line in f if line.strip()), "null")
     try:
         first = json.loads(line)

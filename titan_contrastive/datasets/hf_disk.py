@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.shards import shard_files
+from titan_contrastive.datasets.shards import data_suffix, shard_files
 from titan_contrastive.datasets.sources import (
     BadSample,
     Record,
@@ -62,7 +62,7 @@ def open_hf_dataset(path: str, split: str, *, kind: str = "hf", suffixes: Mappin
     try:
         if files is not None:  # a pattern or a folder of shards: one dataset
             names = [str(f) for f in files]
-            ds = datasets.load_dataset(suffixes[files[0].suffix], data_files=names, split="train")
+            ds = datasets.load_dataset(suffixes[data_suffix(files[0])], data_files=names, split="train")
         elif target.is_dir():
             ds = datasets.load_from_disk(str(target))
             if isinstance(ds, datasets.DatasetDict):
@@ -72,8 +72,8 @@ def open_hf_dataset(path: str, split: str, *, kind: str = "hf", suffixes: Mappin
                         "save the split you want or point data.path at it"
                     )
                 ds = ds[split]
-        elif target.is_file() and target.suffix in suffixes:
-            ds = datasets.load_dataset(suffixes[target.suffix], data_files=str(target), split="train")
+        elif target.is_file() and data_suffix(target) in suffixes:
+            ds = datasets.load_dataset(suffixes[data_suffix(target)], data_files=str(target), split="train")
         else:
             raise DataError(
                 f"data.path={path}: not a save_to_disk folder or a {'/'.join(suffixes)} file; "

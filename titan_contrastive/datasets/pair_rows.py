@@ -55,7 +55,7 @@ from titan_contrastive.datasets.pair_columns import (
     tevatron_columns,
     tevatron_ids,
 )
-from titan_contrastive.datasets.shards import shard_files
+from titan_contrastive.datasets.shards import data_suffix, formats_named, shard_files
 from titan_contrastive.datasets.tables import guarded_rows, opened_rows
 
 logger = logging.getLogger("titan_contrastive")
@@ -146,9 +146,9 @@ def read_rows(
         ]
         return _shards_joined(path, files, parts)
     file = Path(path).expanduser()
-    if not (file.is_dir() or (file.suffix in FORMATS and file.is_file())):
+    if not (file.is_dir() or (data_suffix(file) in FORMATS and file.is_file())):
         raise DataError(
-            f"data.path={path}: not an existing {'/'.join(FORMATS)} file or save_to_disk folder; give "
+            f"data.path={path}: not an existing {formats_named(FORMATS)} file or save_to_disk folder; give "
             "query/positive[/negative] rows in one of those"
         )
     return _read_file(file, columns, id_column, max_bad_fraction, split, teacher, pooled, seen, by_id)

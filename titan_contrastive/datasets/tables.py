@@ -1,21 +1,23 @@
 """Rows of a table file, as the text-pair readers take them: JSON lines, CSV, TSV (with a header line, or
-without one where the columns are named elsewhere), Parquet (pyarrow, the `[data]` extra), and a Hugging
-Face `save_to_disk` folder or `.arrow` file (`hf_disk`). Shared by text pairs (`pairs`), query-document rows
-with images (`vl_pairs`) and STS evaluation pairs (`components/sts_eval`)."""
+without one where the columns are named elsewhere), the three gzipped too (`shards.data_suffix`), Parquet (pyarrow,
+the `[data]` extra), and a Hugging Face `save_to_disk` folder or `.arrow` file (`hf_disk`). Shared by text pairs
+(`pairs`), query-document rows with images (`vl_pairs`) and STS evaluation pairs (`components/sts_eval`)."""
 
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.hf_disk import open_hf_dataset
+from titan_contrastive.datasets.shards import data_suffix
 from titan_contrastive.extras import import_failure
 
-__all__ = ["Rows", "arrow_batches", "guarded_rows", "opened_rows", "read_table", "table_rows"]
+__all__ = ["Rows", "arrow_batches", "guarded_rows", "open_text", "opened_rows", "read_table", "table_rows"]
 
 BATCH = 4096
 """Rows an Arrow table (Parquet, a saved dataset) is read by at a time."""
@@ -46,10 +48,11 @@ def read_table(file: Path, columns: Sequence[str], split: str) -> tuple[list[str
 def table_rows(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, Rows]:
     """`read_table`'s column names and its rows one at a time, read from the file as they are iterated: a reader that
     keeps what it needs of each row never holds the whole file. A damaged file's error comes from the iteration."""
-    if file.suffix == ".jsonl" and not file.is_dir():
+    kind = data_suffix(file)
+    if kind == ".jsonl" and not file.is_dir():
         return None, Rows(_json_lines(file))
-    if file.suffix in (".csv", ".tsv") and not file.is_dir():
-        rows = _csv_rows(file, named=file.suffix == ".csv" or bool(columns))
+    if kind in (".csv", ".tsv") and not file.is_dir():
+        rows = _csv_rows(file, named=kind == ".csv" or bool(columns))
         return next(rows), Rows(rows)
     names, batches, length = arrow_batches(file, split)
     return names, Rows(_batched(batches), length)
@@ -73,8 +76,7 @@ def arrow_batches(file: Path, split: str) -> tuple[list[str], Iterator[Any], int
 def _json_lines(file: Path) -> Iterator[Any]:
     """A JSONL file's rows: each line's object (a dict) or list. Lines end at a line break only (a JSON string may hold
     U+2028 or U+0085 as it is)."""
-    # -sig: a byte-order mark is no JSON
-    with open(file, encoding="utf-8-sig") as f:
+    with open_text(file) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -85,13 +87,20 @@ def _json_lines(file: Path) -> Iterator[Any]:
             yield obj if isinstance(obj, dict) else list(obj)
 
 
+def open_text(file: Path, newline: str | None = None) -> IO[str]:
+    """A JSON lines, CSV or TSV file opened to read as text, decompressed as it is read where it is gzipped (`.gz`); a
+    byte-order mark is dropped (no JSON, and not part of a CSV's first column)."""
+    if file.suffix == ".gz":
+        return gzip.open(file, "rt", encoding="utf-8-sig", newline=newline)
+    return open(file, encoding="utf-8-sig", newline=newline)
+
+
 def _csv_rows(file: Path, named: bool) -> Iterator[Any]:
     """The header's column names (None when not `named`: a TSV without data.pairs_columns has no header), then the
     rows: dicts by column name (a longer line's extra fields: a list under None), or lists of values."""
-    tsv = file.suffix == ".tsv"
+    tsv = data_suffix(file) == ".tsv"
     dialect = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if tsv else {}
-    # -sig: a byte-order mark is not part of the first column
-    with open(file, newline="", encoding="utf-8-sig") as f:
+    with open_text(file, newline="") as f:
         if not named:
             yield None
             yield from csv.reader(f, **dialect)
@@ -132,4 +141,4 @@ def _unreadable(file: Path, e: Exception) -> DataError:
         return e
     if isinstance(e, (OSError, UnicodeDecodeError, csv.Error)):
         return DataError(f"{file}: not readable ({type(e).__name__}: {e})")
-    return DataError(f"{file}: not a readable {file.suffix[1:]} file ({type(e).__name__}: {e})")
+    return DataError(f"{file}: not a readable {data_suffix(file)[1:]} file ({type(e).__name__}: {e})")

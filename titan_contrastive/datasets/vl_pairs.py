@@ -59,7 +59,7 @@ from titan_contrastive.datasets.packed_rows import PackedRows, Unpackable, packa
 from titan_contrastive.datasets.pair_rows import document_scores
 from titan_contrastive.datasets.pools import Pools
 from titan_contrastive.datasets.retrieval import MODES
-from titan_contrastive.datasets.shards import shard_files
+from titan_contrastive.datasets.shards import data_suffix, formats_named, shard_files
 from titan_contrastive.datasets.sources import BadSample, read_file, rooted
 from titan_contrastive.datasets.tables import table_rows
 from titan_contrastive.datasets.vl_items import FILE_SIDES, Item, carried, item_key, side_key
@@ -195,10 +195,10 @@ class VLPairsDataset:
         shards = shard_files(path, FORMATS)
         files = [Path(path).expanduser()] if shards is None else shards
         for file in files:
-            if file.suffix not in FORMATS or not file.is_file():
+            if data_suffix(file) not in FORMATS or not file.is_file():
                 raise DataError(
-                    f"{key}={path}: not an existing {'/'.join(FORMATS)} file; data.dataset='vl_pairs' reads rows with "
-                    f"the columns {', '.join(COLUMNS)}"
+                    f"{key}={path}: not an existing {formats_named(FORMATS)} file; data.dataset='vl_pairs' reads rows "
+                    f"with the columns {', '.join(COLUMNS)}"
                 )
         negatives, at, place = array("q"), [files[0], 0], self._columns.index(NEGATIVES_COLUMN)
 
@@ -222,7 +222,9 @@ class VLPairsDataset:
         except (OSError, UnicodeDecodeError, csv.Error) as e:
             raise DataError(f"{at[0]}: not readable ({type(e).__name__}: {e})") from None
         except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file
-            raise DataError(f"{at[0]}: not a readable {at[0].suffix[1:]} file ({type(e).__name__}: {e})") from None
+            raise DataError(
+                f"{at[0]}: not a readable {data_suffix(at[0])[1:]} file ({type(e).__name__}: {e})"
+            ) from None
         return _File(files[0].parent, path, packed, np.frombuffer(negatives, dtype=np.int64))
 
     def _file_rows(self, file: Path, rooted: bool, mode: str, split: str, at: list[Any]) -> Iterator[list[Any]]:
