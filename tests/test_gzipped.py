@@ -1,11 +1,12 @@
-"""Gzipped data files (`shards.data_suffix`, `tables.open_text`): JSON lines, CSV and TSV as sentence-transformers'
-training files and tevatron's corpora are published (`train.jsonl.gz`, `collection.tsv.gz`) are read as the same files
-uncompressed are, decompressed as they are read:
+"""Gzipped data files (`datasets/formats.py`): JSON lines, CSV and TSV as sentence-transformers' training files and
+tevatron's corpora are published (`train.jsonl.gz`, `collection.tsv.gz`) are read as the same files uncompressed are,
+decompressed as they are read:
 
 - text pairs (FlagEmbedding's rows drawn per epoch, a CSV of triplets with a byte-order mark), their corpus by id (MS
   MARCO's unnamed collection.tsv, JSON lines read by Arrow and a line at a time), a folder of gzipped shards, a vl_pairs
-  file and an STS file serve what the uncompressed files serve;
-- a run trains on them and evaluates STS on them; Hugging Face data (`data.dataset='hf'`) in such a file;
+  file, an image-text CSV (open_clip's) and an STS file serve what the uncompressed files serve;
+- a run trains on them and evaluates STS on them; another evaluates on a gzipped CSV beside tar shards; Hugging Face
+  data (`data.dataset='hf'`) in such a file;
 - the errors, one line each: a `.gz` that is no gzip, one cut short, a folder of both forms of one format, a format
   that is not read.
 """
@@ -135,7 +136,7 @@ def test_a_gzipped_json_lines_corpus_by_arrow_and_by_lines(tmp_path: Path, monke
 @needs("hf")
 def test_gzipped_shards_vl_pairs_and_sts(tmp_path: Path, tokenizer) -> None:
     """A folder of gzipped shards, and a pattern of them, are one source, as the folder of the plain shards is;
-    gzipped vl_pairs rows and STS pairs are the plain files' rows."""
+    gzipped vl_pairs rows, an image-text CSV and STS pairs are the plain files' rows."""
     from titan_contrastive.components.sts_eval import load_sts
     from titan_contrastive.datasets.vl_pairs import VLPairsDataset
 
@@ -157,9 +158,29 @@ def test_gzipped_shards_vl_pairs_and_sts(tmp_path: Path, tokenizer) -> None:
     assert len(vl_gz) == len(vl_plain) == 5
     assert [vl_gz._fields(0, i) for i in range(5)] == [vl_plain._fields(0, i) for i in range(5)]
     assert vl_gz._fields(0, 4) == {"query_text": "query 4", "doc_text": "document 4"}
+    from titan_contrastive.datasets.sources import CsvSource
+
+    images = tmp_path / "images.csv"  # open_clip's CSV of image paths and captions, tab-separated
+    images.write_text("filepath\ttitle\tneg\n" + "".join(f"img/{i}.png\ta caption {i}\tnot {i}\n" for i in range(4)))
+    packed, plain = (CsvSource(str(p), negative_keys=["neg"]) for p in (gzipped(images), images))
+    assert [packed._rows[i] for i in range(4)] == [plain._rows[i] for i in range(4)] and len(packed) == 4
+    assert packed._rows[3] == [str(tmp_path / "img" / "3.png"), "a caption 3", "not 3"]
     sts = tmp_path / "sts.tsv"
     sts.write_text("sentence1\tsentence2\tscore\na cat\ta kitten\t4.5\na cat\tthe stock market\t0.2\n")
     assert load_sts(str(gzipped(sts))) == load_sts(str(sts)) and load_sts(str(sts)).scores == [4.5, 0.2]
+
+
+def test_a_gzipped_csv_evaluates_a_run_on_tar_shards(tmp_path: Path, caplog) -> None:
+    """`data.val_path` a gzipped CSV beside tar shards of training data: read as csv, as the plain CSV is."""
+    from tests.test_user_data import write_emoji_files
+    from titan_contrastive.train import main
+
+    caplog.set_level("INFO", logger="titan_contrastive")
+    paths = write_emoji_files(tmp_path)["paths"]
+    args = ["--data.dataset=webdataset", f"--data.path={paths['webdataset']}", "--data.image_size=32"]
+    args += [f"--data.val_path={gzipped(Path(paths['csv']))}", "--training.local_batch_size=20", "--training.steps=1"]
+    assert main([*args, "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path / 'run'}"]) == 0
+    assert "eval step 1 on 200 csv test samples" in caplog.text
 
 
 @needs("data")

@@ -103,8 +103,8 @@ def parser() -> argparse.ArgumentParser:
 
 def check(opts: argparse.Namespace) -> Path:
     """The output file, or a MineError for an argument that cannot work (before anything is read)."""
+    from titan_contrastive.datasets.formats import data_suffix, formats_named
     from titan_contrastive.datasets.pair_rows import FORMATS
-    from titan_contrastive.datasets.shards import data_suffix, formats_named
 
     if opts.batch_size < 1:
         raise MineError(f"--batch-size={opts.batch_size}: texts per forward, 1 or more")

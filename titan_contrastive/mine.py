@@ -91,8 +91,8 @@ def check_options(opts: argparse.Namespace) -> None:
 def check_paths(pairs: str, out: Path, overwrite: bool) -> Path:
     """The resolved output file, or a MineError for an input that is not there or an output that may
     not be written."""
+    from titan_contrastive.datasets.formats import data_suffix, formats_named
     from titan_contrastive.datasets.pair_rows import FORMATS
-    from titan_contrastive.datasets.shards import data_suffix, formats_named
 
     src = Path(pairs).expanduser()
     if "::" in pairs:

@@ -338,7 +338,7 @@ def build_data(
             )
         train = build_file_dataset(data.dataset, "train", data.path, data, augment=data.augment, **common)
         if data.val_path:  # a CSV/TSV is read as csv whatever the train data is (held-out sets are often small files)
-            kind = "csv" if data.val_path.endswith((".csv", ".tsv")) else data.dataset
+            kind = "csv" if data.val_path.removesuffix(".gz").endswith((".csv", ".tsv")) else data.dataset
             eval_sets.append(build_file_dataset(kind, "test", data.val_path, data, augment=False, **common))
         else:
             eval_sets.append(None)

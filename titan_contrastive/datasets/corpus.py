@@ -28,9 +28,10 @@ from typing import Any
 
 from titan_contrastive.datasets.bad_samples import too_many_bad
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.formats import data_suffix, formats_named, open_text
 from titan_contrastive.datasets.pair_rows import FORMATS, PairRows, cell_text, doc_id, kept_rows
-from titan_contrastive.datasets.shards import data_suffix, formats_named, shard_files
-from titan_contrastive.datasets.tables import STREAM_BYTES, arrow_batches, guarded_rows, open_text, opened_rows
+from titan_contrastive.datasets.shards import shard_files
+from titan_contrastive.datasets.tables import STREAM_BYTES, arrow_batches, guarded_rows, opened_rows
 
 __all__ = ["corpus_texts", "resolve_documents", "resolved"]
 

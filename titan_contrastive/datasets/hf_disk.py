@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.shards import data_suffix, shard_files
+from titan_contrastive.datasets.formats import data_suffix
+from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.sources import (
     BadSample,
     Record,

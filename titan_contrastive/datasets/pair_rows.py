@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 from titan_contrastive.datasets.bad_samples import too_many_bad
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.beir_folder import is_beir_folder, judged_pairs
+from titan_contrastive.datasets.formats import data_suffix, formats_named
 from titan_contrastive.datasets.pair_columns import (
     FLAG_PROMPT,
     FLAG_SCORED,
@@ -55,7 +56,7 @@ from titan_contrastive.datasets.pair_columns import (
     tevatron_columns,
     tevatron_ids,
 )
-from titan_contrastive.datasets.shards import data_suffix, formats_named, shard_files
+from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.tables import guarded_rows, opened_rows
 
 logger = logging.getLogger("titan_contrastive")

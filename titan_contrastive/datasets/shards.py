@@ -1,11 +1,7 @@
 """A `data.path` that names several files of one dataset: a glob pattern (`data/train-*.parquet`; `**` reaches
 into subfolders) or a folder of data files that is no `save_to_disk` folder, as a Hugging Face dataset
 repository's snapshot holds them (`train-00000-of-00004.parquet`, ...). Its files are read in sorted order as
-one source of rows; `::` still joins sources, each with its own weight and prompts.
-
-A data file's format is its suffix (`data_suffix`), and a JSON lines, CSV or TSV file may be gzipped (`train.jsonl.gz`,
-`collection.tsv.gz`, as sentence-transformers' and tevatron's data files are published): the format is then the suffix
-before `.gz`, and its readers decompress it as they read (`tables.open_text`)."""
+one source of rows; `::` still joins sources, each with its own weight and prompts."""
 
 from __future__ import annotations
 
@@ -14,32 +10,12 @@ from collections.abc import Collection
 from pathlib import Path
 
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.formats import data_suffix, file_kind, formats_named
 
-__all__ = ["data_suffix", "formats_named", "is_pattern", "shard_files"]
+__all__ = ["is_pattern", "shard_files"]
 
 SAVED = ("dataset_dict.json", "state.json")
 """What a `save_to_disk` folder holds (a DatasetDict's, a Dataset's): such a folder is one dataset."""
-
-
-TEXT_FORMATS = (".jsonl", ".csv", ".tsv")
-"""The formats that may come gzipped (`.gz` after the suffix)."""
-
-
-def data_suffix(file: Path) -> str:
-    """`file`'s format: its suffix, or a gzipped text file's suffix before `.gz` (`train.jsonl.gz`: `.jsonl`)."""
-    if file.suffix == ".gz" and len(file.suffixes) > 1 and file.suffixes[-2] in TEXT_FORMATS:
-        return file.suffixes[-2]
-    return file.suffix
-
-
-def formats_named(suffixes: Collection[str]) -> str:
-    """`suffixes` for a message: `.jsonl/.csv/.parquet`, the text formats' gzipped form named after them."""
-    gzipped = [s for s in suffixes if s in TEXT_FORMATS]
-    return "/".join(suffixes) + (f" (or {'/'.join(s + '.gz' for s in gzipped)})" if gzipped else "")
-
-
-def _kind(file: Path) -> str:
-    return data_suffix(file) + (".gz" if data_suffix(file) != file.suffix else "")
 
 
 def is_pattern(path: str) -> bool:
@@ -63,7 +39,7 @@ def shard_files(path: str, suffixes: Collection[str], field: str = "data.path") 
     files = sorted(p for p in found if p.is_file() and data_suffix(p) in suffixes)
     if not files:
         raise DataError(f"{where} no {formats_named(suffixes)} file; point it at the dataset's data files")
-    kinds = sorted({_kind(p) for p in files})
+    kinds = sorted({file_kind(p) for p in files})
     if len(kinds) > 1:
         raise DataError(
             f"{where} files of {len(kinds)} formats ({', '.join(kinds)}); name one format, e.g. "

@@ -49,6 +49,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.formats import open_text
 from titan_contrastive.datasets.mixing import SourceMix
 from titan_contrastive.datasets.packed_rows import PackedRows
 from titan_contrastive.datasets.tar_shards import NotRegularFile, TarShard, looks_like_tar, read_regular
@@ -174,7 +175,7 @@ def first_negative_count(values_of: Callable[[int], Sequence[Any]], size: int, s
 
 
 class CsvSource:
-    """Rows of a CSV/TSV: an image path (relative paths resolve against the file's folder), a caption
+    """Rows of a CSV/TSV (gzipped too): an image path (relative paths resolve against the file's folder), a caption
     and, with `negative_keys`, one negative caption per named column."""
 
     def __init__(
@@ -191,8 +192,8 @@ class CsvSource:
             what = "not a regular file" if file.exists() else "no such CSV file"
             raise DataError(f"data.path={path}: {what}; give a CSV/TSV with columns {img_key!r} and {caption_key!r}")
         self.location, self.losses = str(file), []
-        try:  # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is not part of the first column's name
-            with open(file, newline="", encoding="utf-8-sig") as f:
+        try:  # a byte-order mark (Excel's "CSV UTF-8") is not part of the first column's name; gzipped: read so
+            with open_text(file, newline="") as f:
                 reader = csv.DictReader(f, delimiter=separator)
                 columns = reader.fieldnames or []
                 missing = [c for c in (img_key, caption_key) if c not in columns]
@@ -212,7 +213,7 @@ class CsvSource:
                     [rooted(folder, row[img_key]), row[caption_key], *(row[c] for c in negative_keys)] for row in reader
                 )
                 """Per row: [image path, caption, negative captions...], packed as read (shared by forked workers)."""
-        except (UnicodeDecodeError, csv.Error) as e:
+        except (UnicodeDecodeError, csv.Error, OSError, EOFError) as e:  # OSError, EOFError: a damaged gzip
             raise DataError(f"{file}: not a readable UTF-8 CSV ({e}); fix the file or data.csv_separator") from None
         if not self._rows:
             raise DataError(f"{file}: no rows; give a CSV with at least one image and caption")

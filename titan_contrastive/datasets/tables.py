@@ -1,23 +1,22 @@
 """Rows of a table file, as the text-pair readers take them: JSON lines, CSV, TSV (with a header line, or
-without one where the columns are named elsewhere), the three gzipped too (`shards.data_suffix`), Parquet (pyarrow,
+without one where the columns are named elsewhere), the three gzipped too (`formats`), Parquet (pyarrow,
 the `[data]` extra), and a Hugging Face `save_to_disk` folder or `.arrow` file (`hf_disk`). Shared by text pairs
 (`pairs`), query-document rows with images (`vl_pairs`) and STS evaluation pairs (`components/sts_eval`)."""
 
 from __future__ import annotations
 
 import csv
-import gzip
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.formats import data_suffix, open_text
 from titan_contrastive.datasets.hf_disk import open_hf_dataset
-from titan_contrastive.datasets.shards import data_suffix
 from titan_contrastive.extras import import_failure
 
-__all__ = ["Rows", "arrow_batches", "guarded_rows", "open_text", "opened_rows", "read_table", "table_rows"]
+__all__ = ["Rows", "arrow_batches", "guarded_rows", "opened_rows", "read_table", "table_rows"]
 
 BATCH = 4096
 """Rows an Arrow table (Parquet, a saved dataset) is read by at a time."""
@@ -85,14 +84,6 @@ def _json_lines(file: Path) -> Iterator[Any]:
             except ValueError as e:
                 raise DataError(f"{file}:{n}: not a JSON line ({e}); write one JSON object or list per line") from None
             yield obj if isinstance(obj, dict) else list(obj)
-
-
-def open_text(file: Path, newline: str | None = None) -> IO[str]:
-    """A JSON lines, CSV or TSV file opened to read as text, decompressed as it is read where it is gzipped (`.gz`); a
-    byte-order mark is dropped (no JSON, and not part of a CSV's first column)."""
-    if file.suffix == ".gz":
-        return gzip.open(file, "rt", encoding="utf-8-sig", newline=newline)
-    return open(file, encoding="utf-8-sig", newline=newline)
 
 
 def _csv_rows(file: Path, named: bool) -> Iterator[Any]:

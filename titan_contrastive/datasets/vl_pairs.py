@@ -52,6 +52,7 @@ from titan_contrastive.batching import OWN_GROUP, TEACHER_SCORES
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.files import MAX_SUBSTITUTES
+from titan_contrastive.datasets.formats import data_suffix, formats_named
 from titan_contrastive.datasets.image_keys import image_key
 from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, in_batch_per_source, joins, split_sources
@@ -59,7 +60,7 @@ from titan_contrastive.datasets.packed_rows import PackedRows, Unpackable, packa
 from titan_contrastive.datasets.pair_rows import document_scores
 from titan_contrastive.datasets.pools import Pools
 from titan_contrastive.datasets.retrieval import MODES
-from titan_contrastive.datasets.shards import data_suffix, formats_named, shard_files
+from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.sources import BadSample, read_file, rooted
 from titan_contrastive.datasets.tables import table_rows
 from titan_contrastive.datasets.vl_items import FILE_SIDES, Item, carried, item_key, side_key
