@@ -10,9 +10,8 @@ files is one corpus).
 The corpus is read a row at a time and only the documents that the rows name are kept, each text held once with
 the rows' own: a corpus of millions of passages costs the memory of those the training rows use. A Parquet or Arrow
 corpus, and one of JSON lines from `ARROW_JSON_BYTES`, is matched by its id column in Arrow a batch at a time, and
-only the rows named become Python objects. A row
-that names a document the corpus does not hold (or holds empty) is a bad row, `unknown_document`, skipped and
-counted against data.max_bad_fraction.
+only the rows named become Python objects. A row that names a document the corpus does not hold (or holds empty) is a
+bad row, `unknown_document`, skipped and counted against data.max_bad_fraction.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.formats import data_suffix
+from titan_contrastive.datasets.formats import data_suffix, formats_named
 from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.sources import (
     BadSample,
@@ -77,7 +77,7 @@ def open_hf_dataset(path: str, split: str, *, kind: str = "hf", suffixes: Mappin
             ds = datasets.load_dataset(suffixes[data_suffix(target)], data_files=str(target), split="train")
         else:
             raise DataError(
-                f"data.path={path}: not a save_to_disk folder or a {'/'.join(suffixes)} file; "
+                f"data.path={path}: not a save_to_disk folder or a {formats_named(suffixes)} file; "
                 "give one of those (nothing is fetched from the hub)"
             )
     except DataError:
