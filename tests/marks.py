@@ -1,5 +1,5 @@
 """Parameters of which some run only with the slow marker: where a test's matrix is longer than the default suite's
-time allows (docs/testing.md#the-slow-marker), the cases whose features other default cases already cover run with
+time allows (docs/testing.md#processes-and-markers), the cases whose features other default cases already cover run with
 `-m slow`, which CI runs too."""
 
 from __future__ import annotations

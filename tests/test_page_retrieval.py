@@ -217,11 +217,11 @@ COLQWEN_POOLED = (
 )
 
 
-@pytest.mark.parametrize(  # one vector and pooled multi-vector by default, mean pooling and unpooled ColQwen slow
+@pytest.mark.parametrize(  # graded mean pooling and pooled ColQwen by default; last-token and unpooled ColQwen slow
     "options",
     [
-        ("--model.pooling=last_token",),
-        pytest.param(("--model.pooling=mean", "--eval.beir_graded=true"), marks=pytest.mark.slow),
+        pytest.param(("--model.pooling=last_token",), marks=pytest.mark.slow),
+        ("--model.pooling=mean", "--eval.beir_graded=true"),
         pytest.param(
             ("--model.pooling=colbert", "--model.colbert_dim=8", "--data.max_pixels=7056"), marks=pytest.mark.slow
         ),
