@@ -24,6 +24,7 @@ from titan_contrastive.config.job_config import JobConfig
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
 from titan_contrastive.datasets.files import FileImageTextDataset
+from titan_contrastive.datasets.formats import data_suffix
 from titan_contrastive.datasets.frozen import BUNDLED_PROCESSED, EmbeddingTable
 from titan_contrastive.datasets.hf_disk import HfSource
 from titan_contrastive.datasets.image_folder import ImageFolderZeroShot, load_templates
@@ -338,7 +339,7 @@ def build_data(
             )
         train = build_file_dataset(data.dataset, "train", data.path, data, augment=data.augment, **common)
         if data.val_path:  # a CSV/TSV is read as csv whatever the train data is (held-out sets are often small files)
-            kind = "csv" if data.val_path.removesuffix(".gz").endswith((".csv", ".tsv")) else data.dataset
+            kind = "csv" if data_suffix(data.val_path) in (".csv", ".tsv") else data.dataset
             eval_sets.append(build_file_dataset(kind, "test", data.val_path, data, augment=False, **common))
         else:
             eval_sets.append(None)
@@ -429,9 +430,8 @@ def build_data(
     if eval_cfg.zero_shot_path:
         if not isinstance(train, FileImageTextDataset):
             raise DataError(
-                f"eval.zero_shot_path={eval_cfg.zero_shot_path}: zero-shot folders are read as RGB photos like "
-                f"your own image-text data (csv, webdataset, hf), not with data.dataset={data.dataset!r}; leave it "
-                "empty"
+                f"eval.zero_shot_path={eval_cfg.zero_shot_path}: zero-shot folders are read as RGB photos like your "
+                f"own image-text data (csv, webdataset, hf), not with data.dataset={data.dataset!r}; leave it empty"
             )
         eval_sets.append(
             ImageFolderZeroShot(

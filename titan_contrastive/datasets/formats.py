@@ -15,8 +15,9 @@ TEXT_FORMATS = (".jsonl", ".csv", ".tsv")
 """The formats that may come gzipped (`.gz` after the suffix)."""
 
 
-def data_suffix(file: Path) -> str:
+def data_suffix(file: str | Path) -> str:
     """`file`'s format: its suffix, or a gzipped text file's suffix before `.gz` (`train.jsonl.gz`: `.jsonl`)."""
+    file = Path(file)
     if file.suffix == ".gz" and len(file.suffixes) > 1 and file.suffixes[-2] in TEXT_FORMATS:
         return file.suffixes[-2]
     return file.suffix
