@@ -19,7 +19,7 @@ EXTRAS = {
         "model2vec",
         "usearch",
     ),
-    "data": ("datasets",),
+    "data": ("datasets", "zstandard"),
     "wandb": ("wandb",),
 }
 """Each extra's packages by import name, as `pyproject.toml` lists them (tests/test_extras.py holds

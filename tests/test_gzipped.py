@@ -217,5 +217,6 @@ def test_errors_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "notes.txt.gz").write_bytes(gzip.compress(b"query\tpositive\n"))
     fails(
         tmp_path / "notes.txt.gz",
-        "not an existing .jsonl/.csv/.tsv/.parquet/.arrow (or .jsonl.gz/.csv.gz/.tsv.gz) file or save_to_disk folder",
+        "not an existing .jsonl/.json/.csv/.tsv/.parquet/.arrow (the text ones also compressed: .jsonl.gz, .bz2, .xz, "
+        ".zst) file or save_to_disk folder",
     )

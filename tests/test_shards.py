@@ -72,7 +72,10 @@ def test_shards_of_one_source_read_as_one_file(tmp_path: Path, tokenizer) -> Non
     for path, needles in (
         (
             f"{tmp_path}/nothing-*.jsonl",
-            ("the pattern matches no .jsonl/.csv/.tsv/.parquet/.arrow (or .jsonl.gz/.csv.gz/.tsv.gz) file",),
+            (
+                "the pattern matches no .jsonl/.json/.csv/.tsv/.parquet/.arrow (the text ones also compressed: "
+                ".jsonl.gz, .bz2, .xz, .zst) file",
+            ),
         ),
         (str(tmp_path / "empty"), ("the folder (not a save_to_disk folder) holds no",)),
         (str(tmp_path / "mixed"), ("files of 2 formats (.jsonl, .parquet)", "mixed/*.jsonl")),

@@ -38,7 +38,7 @@ class StsSet:
 
 
 def load_sts(path: str, split: str = "test") -> StsSet:
-    """The scored pairs of `path` (`.jsonl`, `.csv`, `.tsv`, `.parquet`, or a saved Hugging Face dataset: its
+    """The scored pairs of `path` (`.jsonl`, `.json`, `.csv`, `.tsv`, `.parquet`, or a saved Hugging Face dataset: its
     `split`); a DataError (one line: the file, the row, the fix) for anything else."""
     file = Path(path).expanduser()
     fix = f"give a {formats_named(FORMATS)} file or a saved dataset of {', '.join(COLUMNS)} rows"

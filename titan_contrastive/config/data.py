@@ -25,9 +25,9 @@ class Data:
     path: str = ""
     """Training data. Bundled sets: a folder (empty = the Debian package if installed, else the bundle).
     csv: the file. webdataset: tars as a brace pattern (`shards/{00000..00099}.tar`) or make_shards'
-    `shards.json`. hf: a save_to_disk folder or a Parquet/JSON/Arrow/CSV file. pairs: a .jsonl/.csv/.tsv (each also
-    gzipped: .jsonl.gz)/.parquet/.arrow file or a save_to_disk folder. Several of one kind (csv, webdataset, hf, pairs,
-    vl_pairs): `::`."""
+    `shards.json`. hf: a save_to_disk folder or a Parquet/JSON/Arrow/CSV file. pairs: a .jsonl/.json/.csv/.tsv (each
+    also compressed: .jsonl.gz, .bz2, .xz, .zst)/.parquet/.arrow file or a save_to_disk folder. Several of one kind
+    (csv, webdataset, hf, pairs, vl_pairs): `::`."""
     val_path: str = ""
     """Held-out data for evaluation (retrieval recall@1/5/10 both ways, or pair recall@1/10), of
     the same kind as `dataset`, except that a .csv/.tsv file is always read as csv; empty = no

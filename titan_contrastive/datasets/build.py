@@ -363,8 +363,8 @@ def build_data(
         )
         if not data.path:
             raise DataError(
-                "data.path is empty: data.dataset='pairs' reads your .jsonl/.csv/.tsv/.parquet file or Hugging Face "
-                "dataset folder; set data.path"
+                "data.path is empty: data.dataset='pairs' reads your .jsonl/.json/.csv/.tsv/.parquet file or Hugging "
+                "Face dataset folder; set data.path"
             )
         group = host_group() if host_group else None  # every rank is here: the ranks share the tokenization
         train = PairsDataset(
@@ -385,7 +385,7 @@ def build_data(
     elif data.dataset == "vl_pairs":  # images and texts per side, through the family's processor (qwen_vl)
         if not data.path:
             raise DataError(
-                "data.path is empty: data.dataset='vl_pairs' reads your .jsonl/.csv/.tsv/.parquet rows "
+                "data.path is empty: data.dataset='vl_pairs' reads your .jsonl/.json/.csv/.tsv/.parquet rows "
                 "(query_image, query_text, doc_image, doc_text); set data.path"
             )
         context_length = data.context_length or DEFAULT_CONTEXT["byte"]

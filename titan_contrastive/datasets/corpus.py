@@ -20,6 +20,7 @@ import array
 import itertools
 import json
 import logging
+import lzma
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -120,7 +121,7 @@ def _numbered_rows(file: Path, wanted: set[str] | None) -> Iterator[tuple[int, A
         if ident is not None and set(TEXT_COLUMNS) & set(names):
             yield from _wanted_rows(batches, ident, wanted)
             return
-    if wanted is not None and data_suffix(file) == ".jsonl" and file.stat().st_size >= ARROW_JSON_BYTES:
+    if wanted is not None and data_suffix(file) in (".jsonl", ".json") and file.stat().st_size >= ARROW_JSON_BYTES:
         try:
             yield from _wanted_rows(*_json_batches(file), wanted, whole=True)
             return
@@ -145,6 +146,8 @@ def _json_batches(file: Path) -> tuple[Iterator[Any], str]:
         raise _NotOneTable from None
     with open_text(file) as f:
         line = next((line for line in f if line.strip()), "null")
+    if line.lstrip().startswith("["):  # lists, or one JSON array: `tables` reads them
+        raise _NotOneTable
     try:
         first = json.loads(line)
     except ValueError:  # the line-at-a-time read names it
@@ -153,7 +156,8 @@ def _json_batches(file: Path) -> tuple[Iterator[Any], str]:
     if ident is None or not set(TEXT_COLUMNS) & set(first) or not hasattr(pj, "open_json"):  # an older pyarrow
         raise _NotOneTable
     try:
-        reader = pj.open_json(file, read_options=pj.ReadOptions(use_threads=False, block_size=STREAM_BYTES))
+        source = lzma.open(file) if file.suffix == ".xz" else file  # pyarrow decompresses the others by their suffix
+        reader = pj.open_json(source, read_options=pj.ReadOptions(use_threads=False, block_size=STREAM_BYTES))
     except pa.ArrowException:
         raise _NotOneTable from None
 

@@ -1,5 +1,6 @@
-"""Rows of a table file, as the text-pair readers take them: JSON lines, CSV, TSV (with a header line, or
-without one where the columns are named elsewhere), the three gzipped too (`formats`), Parquet (pyarrow,
+"""Rows of a table file, as the text-pair readers take them: JSON lines, JSON (one array of rows, or JSON lines), CSV,
+TSV (with a header line, or without one where the columns are named elsewhere), the four compressed too (`formats`),
+Parquet (pyarrow,
 the `[data]` extra), and a Hugging Face `save_to_disk` folder or `.arrow` file (`hf_disk`). Shared by text pairs
 (`pairs`), query-document rows with images (`vl_pairs`) and STS evaluation pairs (`components/sts_eval`)."""
 
@@ -28,7 +29,7 @@ passages is decoded a batch at a time, not read whole first."""
 
 class Rows(Iterator[Any]):
     """A table's rows one at a time, and how many there are where the file says so without being read (`length`:
-    Parquet's footer, an Arrow dataset; None for JSON lines, CSV and TSV)."""
+    Parquet's footer, an Arrow dataset; None for JSON, CSV and TSV)."""
 
     def __init__(self, rows: Iterator[Any], length: int | None = None) -> None:
         self._rows, self.length = rows, length
@@ -48,8 +49,8 @@ def table_rows(file: Path, columns: Sequence[str], split: str) -> tuple[list[str
     """`read_table`'s column names and its rows one at a time, read from the file as they are iterated: a reader that
     keeps what it needs of each row never holds the whole file. A damaged file's error comes from the iteration."""
     kind = data_suffix(file)
-    if kind == ".jsonl" and not file.is_dir():
-        return None, Rows(_json_lines(file))
+    if kind in (".jsonl", ".json") and not file.is_dir():
+        return None, Rows(_json_rows(file))
     if kind in (".csv", ".tsv") and not file.is_dir():
         rows = _csv_rows(file, named=kind == ".csv" or bool(columns))
         return next(rows), Rows(rows)
@@ -72,9 +73,47 @@ def arrow_batches(file: Path, split: str) -> tuple[list[str], Iterator[Any], int
     return list(table.schema_arrow.names), table.iter_batches(batch_size=BATCH), table.metadata.num_rows
 
 
+def _json_rows(file: Path) -> Iterator[Any]:
+    """A JSON lines file's rows, or a `.json` file's: one JSON array of rows (objects or lists), read whole as Hugging
+    Face datasets' JSON builder reads one, or else JSON lines."""
+    rows = _json_array(file) if data_suffix(file) == ".json" else None
+    if rows is None:
+        yield from _json_lines(file)
+        return
+    for n, obj in enumerate(rows, 1):
+        if not isinstance(obj, (dict, list)):
+            raise DataError(f"{file}: row {n} of its JSON array is a {type(obj).__name__}; write each row as an object")
+        yield obj
+
+
+def _json_array(file: Path) -> list[Any] | None:
+    """The rows of the `.json` file `file` where it holds one JSON array: its first character other than white space
+    is `[`, and its first line is not a whole JSON value followed by more (JSON lines of lists, `["a query", "its
+    document"]` a line, are JSON lines). None where it holds JSON lines."""
+    with open_text(file) as f:
+        first = next((line for line in f if line.strip()), "")
+        if not first.lstrip().startswith("["):
+            return None
+        try:
+            rows = json.loads(first)
+        except ValueError:
+            text = first + f.read()  # an array over several lines
+        else:
+            return rows if next((line for line in f if line.strip()), None) is None else None
+    try:
+        rows = json.loads(text)
+    except ValueError as e:
+        raise DataError(
+            f"{file}: neither one JSON array of rows nor JSON lines ({e}); write a JSON array of objects, or one "
+            "object per line"
+        ) from None
+    return rows
+
+
 def _json_lines(file: Path) -> Iterator[Any]:
-    """A JSONL file's rows: each line's object (a dict) or list. Lines end at a line break only (a JSON string may hold
-    U+2028 or U+0085 as it is)."""
+    """A JSON lines file's rows: each line's object (a dict) or list. Lines end at a line break only (a JSON string may
+    hold U+2028 or U+0085 as it is)."""
+    array = " or one JSON array of them" if data_suffix(file) == ".json" else ""
     with open_text(file) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -82,7 +121,9 @@ def _json_lines(file: Path) -> Iterator[Any]:
             try:
                 obj = json.loads(line)
             except ValueError as e:
-                raise DataError(f"{file}:{n}: not a JSON line ({e}); write one JSON object or list per line") from None
+                raise DataError(
+                    f"{file}:{n}: not a JSON line ({e}); write one JSON object or list per line{array}"
+                ) from None
             yield obj if isinstance(obj, dict) else list(obj)
 
 

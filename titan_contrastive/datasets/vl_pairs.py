@@ -1,8 +1,8 @@
 """The user's query-document rows with images and texts on either side, for the qwen_vl family
 (`data.dataset = "vl_pairs"`): every retrieval mode, i2i, t2t and m2i included.
 
-Files: `.jsonl` (one JSON object per line), `.csv`, `.tsv` (both with a header line) or
-`.parquet` (`tables.table_rows`), with the columns `query_image`, `query_text`, `doc_image`,
+Files: `.jsonl` (one JSON object per line), `.json` (an array of them, or JSON lines), `.csv`, `.tsv` (both with a
+header line) or `.parquet` (`tables.table_rows`), with the columns `query_image`, `query_text`, `doc_image`,
 `doc_text`; image paths are relative to the file's folder. A glob pattern or a folder of such files
 (`shards`) is one source, each file's image paths relative to its own folder. `[data] retrieval_mode` says which a
 row needs (`retrieval.MODES`: a text side its `*_text`, an image side its `*_image`, a multi side
@@ -69,7 +69,7 @@ __all__ = ["COLUMNS", "VLPairsDataset", "family_refusal"]
 
 logger = logging.getLogger("titan_contrastive")
 
-FORMATS = (".jsonl", ".csv", ".tsv", ".parquet")
+FORMATS = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
 SIDES = ("query", "doc")
 FIELDS = {"text": ("text",), "image": ("image",), "multi": ("image", "text")}
 """A side's kind -> the fields a row needs for it."""
