@@ -236,3 +236,26 @@ def test_errors_in_one_line(tmp_path: Path, monkeypatch) -> None:
         "not an existing .jsonl/.json/.csv/.tsv/.parquet/.arrow (the text ones also compressed: .jsonl.gz, .bz2, .xz, "
         ".zst) file or save_to_disk folder",
     )
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".xz"])
+def test_a_beir_folder_of_compressed_corpus_and_queries(tmp_path: Path, suffix: str) -> None:
+    """BeIR's Hugging Face repositories hold `corpus.jsonl.gz` and `queries.jsonl.gz`: the folder is a BEIR folder,
+    read as the plain one (evaluation, its splits, its judged pairs); a damaged one is a one-line error."""
+    import gzip
+
+    from tests.test_retrieval_metrics import write_beir
+    from titan_contrastive.datasets.beir_folder import beir_splits, is_beir_folder, judged_pairs, read_beir
+
+    plain, packed = write_beir(tmp_path / "plain"), write_beir(tmp_path / "packed")
+    for name in ("corpus.jsonl", "queries.jsonl"):
+        data = (packed / name).read_bytes()
+        (packed / (name + suffix)).write_bytes(gzip.compress(data) if suffix == ".gz" else lzma.compress(data))
+        (packed / name).unlink()
+    assert is_beir_folder(packed) and beir_splits(packed, "*") == ["test"]
+    assert read_beir(packed) == read_beir(plain) and len(read_beir(plain).corpus_ids) == 7
+    assert judged_pairs(packed, "test") == judged_pairs(plain, "test")
+    (packed / f"corpus.jsonl{suffix}").write_bytes(b"not compressed\n")
+    with pytest.raises(DataError) as err:
+        read_beir(packed)
+    _one_line(err, f"corpus.jsonl{suffix}: not readable (")

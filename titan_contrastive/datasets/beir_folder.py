@@ -1,7 +1,8 @@
 """A retrieval set read from a local folder, text or page images (`read_beir`): a test set to evaluate on, or a
 split's judged pairs to train on (`judged_pairs`, text pairs' rows).
 
-- **BEIR's files**: `corpus.jsonl` (`_id`, `title`, `text`), `queries.jsonl` (`_id`, `text`) and
+- **BEIR's files**: `corpus.jsonl` (`_id`, `title`, `text`), `queries.jsonl` (`_id`, `text`), the two also
+  compressed (`corpus.jsonl.gz`, as BeIR's Hugging Face repositories hold them; `formats.COMPRESSIONS`), and
   `qrels/{split}.tsv` (`query-id`, `corpus-id`, `score`). A document may name an image instead of or beside its
   text, `"image": "pages/p1.png"` (relative to the folder): a corpus of page images, every document with one.
 - **Hugging Face datasets saved to disk**: `corpus/`, `queries/` and `qrels/` `save_to_disk` folders (qrels a
@@ -35,6 +36,7 @@ import numpy as np
 from PIL import Image
 
 from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.formats import COMPRESSIONS, open_text
 from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.tar_shards import read_regular
 
@@ -84,18 +86,28 @@ class BeirSet:
     """The documents' images in `corpus_ids` order, where the documents are pages (None: a text corpus)."""
 
 
+def _beir_file(folder: Path, name: str) -> Path:
+    """`folder / name` (`corpus.jsonl`), or its compressed copy where only that is there (`corpus.jsonl.gz`)."""
+    return next((p for p in (folder / (name + s) for s in ("", *COMPRESSIONS)) if p.is_file()), folder / name)
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """(where, row) of a BEIR jsonl file."""
     if not path.is_file():
         raise DataError(f"{path}: not found; a BEIR folder holds corpus.jsonl, queries.jsonl and qrels/<split>.tsv")
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{n}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: not JSON ({e.msg}); write one JSON object per line") from None
+    try:
+        with open_text(path) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield f"{path}:{n}", json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{n}: not JSON ({e.msg}); write one JSON object per line") from None
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged compressed file: each decompressor's own error type
+        raise DataError(f"{path}: not readable ({type(e).__name__}: {e})") from None
 
 
 def _datasets(path: Path) -> Any:
@@ -241,9 +253,10 @@ def read_beir(folder: str | Path, split: str = "test", judged_only: bool = False
     of the corpus, the documents the split's qrels name (a training set's rows), the others skipped as read."""
     folder = Path(folder)
     table, root = None, None
-    if (folder / "corpus.jsonl").exists() or not ((folder / "corpus").is_dir() or _is_saved_dataset(folder)):
-        documents, root = _jsonl_rows(folder / "corpus.jsonl"), folder
-        queries = _documents(_jsonl_rows(folder / "queries.jsonl"), "query", None)
+    corpus_file = _beir_file(folder, "corpus.jsonl")
+    if corpus_file.exists() or not ((folder / "corpus").is_dir() or _is_saved_dataset(folder)):
+        documents, root = _jsonl_rows(corpus_file), folder
+        queries = _documents(_jsonl_rows(_beir_file(folder, "queries.jsonl")), "query", None)
         judgements: Iterable[tuple[str, Any]] = _tsv_rows(folder / "qrels" / f"{split}.tsv")
     elif not (folder / "corpus").is_dir():
         return _read_qa(folder, split)
@@ -266,7 +279,7 @@ def read_beir(folder: str | Path, split: str = "test", judged_only: bool = False
         if grade > 0:
             qrels.setdefault(qid, {})[did] = grade
     ids = sorted(corpus)
-    images = _images(corpus, ids, table, str(folder / ("corpus" if table is not None else "corpus.jsonl")))
+    images = _images(corpus, ids, table, str(folder / "corpus" if table is not None else corpus_file))
     judged = [qid for qid in queries if qid in qrels]  # the split's own queries, as BEIR's loader keeps them
     if not judged:
         raise DataError(f"{folder}: split {split!r} has no query with a relevant document (a qrels score > 0)")
@@ -277,7 +290,8 @@ def is_beir_folder(path: str | Path) -> bool:
     """Whether `path` is a folder of a retrieval set's corpus and queries (BEIR's files, or saved datasets)."""
     folder = Path(path).expanduser()
     return folder.is_dir() and any(
-        (folder / f"corpus{suffix}").exists() and (folder / f"queries{suffix}").exists() for suffix in (".jsonl", "")
+        _beir_file(folder, f"corpus{suffix}").exists() and _beir_file(folder, f"queries{suffix}").exists()
+        for suffix in (".jsonl", "")
     )
 
 
@@ -304,7 +318,7 @@ def beir_splits(folder: str | Path, split: str) -> list[str]:
             raise DataError(f"eval.beir_split={split!r}: give a split name, several separated by commas, or *")
         return names
     folder = Path(folder)
-    if (folder / "corpus.jsonl").exists():
+    if _beir_file(folder, "corpus.jsonl").exists():
         found = sorted(p.stem for p in (folder / "qrels").glob("*.tsv"))
     elif (folder / "corpus").is_dir() and not _is_saved_dataset(folder / "qrels"):
         found = _repo_splits(folder, "qrels")
