@@ -375,24 +375,39 @@ def test_epochs_give_the_run_its_steps(tmp_path: Path) -> None:
     assert _epochs_run(tmp_path / "c", "--training.steps=7").cfg.training.steps == 7  # epochs 0: the steps given
 
 
-def test_every_epoch_evaluates_and_saves_at_each_epochs_end(tmp_path: Path) -> None:
-    """`eval.every_epoch` and `checkpoint.every_epoch`: an evaluation and a checkpoint after each epoch's last
-    optimizer step (6 loader steps an epoch of 256, one a step: steps 6 and 12 of 2 epochs), in place of eval.freq
-    and checkpoint.interval; an epoch that ends inside an optimizer step is one line naming the field."""
+@pytest.mark.parametrize(
+    "local, steps, ends",
+    [(256, 12, [6, 12]), (128, 13, [7, 13])],  # 6 loader steps an epoch, one a step; 13 an epoch, two a step
+    ids=["whole-steps", "inside-a-step"],
+)
+def test_every_epoch_evaluates_and_saves_at_each_epochs_end(tmp_path: Path, local: int, steps: int, ends) -> None:
+    """`eval.every_epoch` and `checkpoint.every_epoch`: an evaluation and a checkpoint after the optimizer step in
+    which each epoch's last batch is (2 epochs), in place of eval.freq and checkpoint.interval; an epoch of 13 loader
+    steps ends inside the 7th step of 2 (its loader steps 13 and 14), and the evaluation follows that step."""
     every = ["--eval.every_epoch=true", "--checkpoint.every_epoch=true", "--eval.freq=5", "--checkpoint.interval=5"]
     trainer = _epochs_run(
-        tmp_path / "a", "--training.epochs=2", "--training.local_batch_size=256", "--eval.enable=true",
-        "--checkpoint.enable=true", "--checkpoint.keep_latest_k=0", *every,
+        tmp_path, "--training.epochs=2", f"--training.local_batch_size={local}", "--eval.enable=true",
+        "--checkpoint.enable=true", "--checkpoint.keep_latest_k=0", "--checkpoint.keep_best=loss", *every,
     )  # fmt: skip
-    assert (trainer.cfg.training.steps, trainer.cfg.eval.freq, trainer.cfg.checkpoint.interval) == (12, 6, 6)
+    assert (trainer.cfg.training.steps, trainer.ga_steps) == (steps, 256 // local)
     trainer.train()
-    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["kind"] == "eval"] == [6, 12]
-    assert sorted(p.name for p in (tmp_path / "a" / "checkpoint").glob("step-*")) == ["step-12", "step-6"]
-    with pytest.raises(ConfigError) as info:
-        _epochs_run(tmp_path / "b", "--checkpoint.every_epoch=true", "--checkpoint.enable=true")  # 13 steps of 2
-    message = str(info.value)
-    assert "\n" not in message and message.startswith("checkpoint.every_epoch=true: an epoch is 13 loader steps")
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == ends
+    assert sorted(p.name for p in (tmp_path / "checkpoint").glob("step-*")) == sorted(f"step-{s}" for s in ends)
+
+
+@pytest.mark.parametrize("ga_steps", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("epoch_steps", [1, 2, 3, 7, 13, 16])
+def test_an_epochs_interval_is_the_step_holding_its_last_batch(epoch_steps: int, ga_steps: int) -> None:
+    """`Interval` in epochs against its definition over loader steps: an epoch ends at each multiple of its loader
+    steps, inside the optimizer step that holds that loader step (steps of `ga_steps` loader steps, from 1)."""
+    from titan_contrastive.config.epochs import Interval
+
+    interval, last = Interval(epoch_steps=epoch_steps, ga_steps=ga_steps), 40
+    holding = sorted({-(-loader // ga_steps) for loader in range(1, last * ga_steps + 1) if loader % epoch_steps == 0})
+    assert [s for s in range(1, last + 1) if interval(s)] == holding == interval.until(last)
+    assert Interval(steps=6).until(20) == [6, 12, 18] == [s for s in range(1, 21) if Interval(steps=6)(s)]
+    assert Interval().until(20) == [] and not any(map(Interval(), range(1, 21)))
 
 
 def test_epochs_are_checked_as_the_steps_they_give() -> None:
@@ -412,6 +427,10 @@ def test_epochs_are_checked_as_the_steps_they_give() -> None:
     with pytest.raises(ConfigError, match=r"training.epochs=-1 is out of range"):
         parse_args(["--training.epochs=-1"])
     best = ["--checkpoint.enable=true", "--checkpoint.keep_best=loss", "--checkpoint.interval=12"]
-    assert run_steps(cfg := parse_args([*best, "--eval.every_epoch=true"]), 12, 2) and cfg.eval.freq == 6
-    with pytest.raises(ConfigError, match=r"eval.freq=5 does not divide checkpoint.interval=12"):  # checked then
+    steps, evaluates = run_steps(parse_args([*best, "--eval.every_epoch=true"]), 12, 2)  # every 6 steps
+    assert evaluates.until(steps) == list(range(6, steps + 1, 6))
+    with pytest.raises(ConfigError) as info:  # every 5 steps, saves every 12: checked then
         run_steps(parse_args([*best, "--eval.every_epoch=true"]), 10, 2)
+    message = str(info.value)
+    assert "\n" not in message and "needs an evaluation at every checkpoint, and the save after step 12 has" in message
+    assert run_steps(parse_args([*best, "--eval.every_epoch=true", "--training.steps=12"]), 10, 2)[0] == 12  # the last

@@ -104,7 +104,7 @@ class Trainer:
             host_group=host_group,  # the ranks share the tokenization of text pairs
         )
         self.train_set, self.eval_set, self.loader = data.train_set, data.eval_set, data.loader
-        self.profiler.last_step = run_steps(cfg, data.loader.steps_per_epoch, self.ga_steps)  # training.epochs: steps
+        self.profiler.last_step, self.eval_due = run_steps(cfg, data.loader.steps_per_epoch, self.ga_steps)
         self.text_evals = TextEvals.from_config(cfg.eval, self.forward, self.train_set.tokenizer, flavor_args)
 
         # 4. model -> AC -> compile -> data parallelism; optimizer after sharding (DTensor params); the step
@@ -251,7 +251,7 @@ class Trainer:
                     saved = self.checkpointer.maybe_save(self.step, last_step=True, protect_before=protect)
                     logger.info(stop_message(stop, self.step, saved))
                     break
-                side_work = evaluates and (last or (cfg.eval.freq and self.step % cfg.eval.freq == 0))
+                side_work = evaluates and (last or self.eval_due(self.step))
                 results = self._evaluate_and_log(last) if side_work else results
                 scored = results if side_work else None  # recorded in this step's checkpoint ([checkpoint] keep_best)
                 saved = self.checkpointer.maybe_save(

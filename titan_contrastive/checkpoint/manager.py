@@ -125,8 +125,10 @@ class CheckpointManager:
         dp_degree: int,
         model_info: dict[str, Any] | None = None,
         run_config: dict[str, Any] | None = None,
+        due: Callable[[int], bool] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.due = due or (lambda step: step % cfg.interval == 0)  # the steps saved on (`config.epochs.every`)
         self.model_info = model_info  # {"family", "args"}: what `models.weights.read_ours` rebuilds the model from
         self.run_config = run_config  # {section: {key: value}}: what a resume compares its config with
         self.folder = Path(dump_folder) / cfg.folder
@@ -181,10 +183,10 @@ class CheckpointManager:
         protect_before: int | None = None,
         evaluation: dict[str, Any] | None = None,
     ) -> bool:
-        """Save when enabled and `step` is on the interval or the last one; return whether it saved.
+        """Save when enabled and `step` is due (`due`: on `interval`) or the last one; return whether it saved.
         `evaluation`: the results of the evaluation at this step, if it was evaluated. With an
         `async_mode` an interval's save finishes in the background, the last one does not."""
-        if not self.cfg.enable or not (last_step or step % self.cfg.interval == 0):
+        if not self.cfg.enable or not (last_step or self.due(step)):
             return False
         self.save(step, protect_before=protect_before, evaluation=evaluation, background=not last_step)
         return True

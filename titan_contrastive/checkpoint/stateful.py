@@ -30,7 +30,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_contrastive.checkpoint.manager import CheckpointManager
 from titan_contrastive.config import ConfigError
+from titan_contrastive.config.epochs import every
 from titan_contrastive.grad_cache.rng import RNGSnapshot, capture_rng, cuda_index, restore_rng
+from titan_contrastive.parallelisms import gradient_accumulation_steps
 
 
 class ModelState:
@@ -162,6 +164,7 @@ def build_checkpointer(
     device, rank = dist.device, dist.rank
     if cfg.checkpoint.enable and cfg.checkpoint.async_mode == "async_with_pinned_mem":
         check_forward_keeps_state(model)
+    ga_steps = gradient_accumulation_steps(cfg.training.global_batch_size, cfg.training.local_batch_size, dp_degree)
     return CheckpointManager(
         cfg.checkpoint,
         dump_folder=cfg.job.dump_folder,
@@ -177,6 +180,7 @@ def build_checkpointer(
         dp_degree=dp_degree,
         model_info={"family": cfg.model.name, "args": asdict(model_args)},
         run_config=asdict(cfg),
+        due=every(cfg.checkpoint, loader.steps_per_epoch, ga_steps),
     )
 
 

@@ -321,8 +321,7 @@ class Eval:
     freq: int = opt(0, lambda v: v >= 0, "an integer >= 0 (0 = only after the last step)")
     """Evaluate every this many steps (and always after the last step)."""
     every_epoch: bool = False
-    """Evaluate after each epoch's last step, in place of `freq`: an epoch's optimizer steps, which must be whole (its
-    loader steps a multiple of the accumulation steps; else a one-line error at start)."""
+    """Evaluate after each epoch's last step (the optimizer step holding its last batch), in place of `freq`."""
     batch_size: int = positive(500)
     """Images per evaluation batch; the eval loss is the mean over consecutive batches of this size."""
     zero_shot_path: str = ""
@@ -392,8 +391,7 @@ class Checkpoint:
     interval: int = positive(100)
     """Save every this many steps (and after the last step, and after the step a SIGTERM/SIGUSR1 stops)."""
     every_epoch: bool = False
-    """Save after each epoch's last step, in place of `interval` (an epoch's optimizer steps, whole, as
-    `eval.every_epoch`)."""
+    """Save after each epoch's last step (the optimizer step holding its last batch), in place of `interval`."""
     keep_latest_k: int = opt(2, lambda v: v >= 0, "an integer >= 0 (0 keeps all)")
     """Keep only the newest k complete checkpoints (and the best by keep_best); 0 keeps all."""
     keep_best: str = ""

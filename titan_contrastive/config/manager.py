@@ -325,11 +325,11 @@ def _check_combinations(cfg: JobConfig) -> None:
         )
 
 
-def check_keep_best(cfg: JobConfig, epochs_known: bool = False) -> None:
+def check_keep_best(cfg: JobConfig) -> None:
     """`checkpoint.keep_best` compares checkpoints by the evaluation at their steps: it needs
     checkpoints, an evaluation at each of them and something to evaluate (the metric's name itself
     is checked against the first evaluation's, `checkpoint/best.py`). Intervals given in epochs are checked once
-    `epochs.run_steps` knows them (`epochs_known`)."""
+    `epochs.run_steps` knows the steps."""
     best, ckpt, ev, data = cfg.checkpoint.keep_best, cfg.checkpoint, cfg.eval, cfg.data
     if not best:
         return
@@ -338,7 +338,7 @@ def check_keep_best(cfg: JobConfig, epochs_known: bool = False) -> None:
             f"checkpoint.keep_best={best!r} keeps the best checkpoint by its evaluation: set checkpoint.enable=true "
             "and eval.enable=true"
         )
-    in_epochs = (ev.every_epoch or ckpt.every_epoch) and not epochs_known  # checked again when they are known
+    in_epochs = ev.every_epoch or ckpt.every_epoch  # checked when the steps are known
     if not in_epochs and (not ev.freq or ckpt.interval % ev.freq):
         raise ConfigError(
             f"checkpoint.keep_best={best!r} needs an evaluation at every checkpoint, and eval.freq={ev.freq} does not "
