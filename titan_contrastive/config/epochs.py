@@ -78,8 +78,9 @@ def _epoch_intervals(cfg: JobConfig, epoch_steps: int, ga_steps: int) -> None:
     last = cfg.training.steps
     ends = Interval(epoch_steps=epoch_steps, ga_steps=ga_steps).until(last)
     shown = ", ".join(map(str, ends[:4])) + (", ..." if len(ends) > 4 else "")
+    tail = "" if ends and ends[-1] == last else f" and the last, {last}"
     for name in asked:
-        logger.info(f"{name}.every_epoch: after steps {shown or 'none'} (where an epoch ends) and the last, {last}")
+        logger.info(f"{name}.every_epoch: after steps {shown or 'none'} (where an epoch ends){tail}")
     if cfg.checkpoint.keep_best:
         evaluates, saves = (every(getattr(cfg, name), epoch_steps, ga_steps) for name in ("eval", "checkpoint"))
         unscored = next((s for s in saves.until(last - 1) if not evaluates(s)), None)
