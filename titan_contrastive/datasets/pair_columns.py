@@ -150,6 +150,13 @@ def check_columns(
             f"{file}: a {scored[0]!r} column: scored pairs train with loss.distill=cosent (CoSENT), which reads it; "
             "set it, drop the column, or name the text columns in data.pairs_columns"
         )
+    texts = [k for k in (names if names is not None else sorted(keys)) if k != id_column]
+    if not columns and named and len(texts) == 1:
+        raise DataError(
+            f"{file}: its rows hold one text column, {texts[0]!r}, and a row is a query and its positive: give both, "
+            f"or train each text as its own positive (unsupervised SimCSE: the model's dropout makes the two views) "
+            f'with data.pairs_columns = ["{texts[0]}", "{texts[0]}"]'
+        )
     return has_ids, ""
 
 
