@@ -1,5 +1,5 @@
 """The qwen_vl family on `data.dataset = "vl_pairs"` rows (a query image and text, a document image
-and text): the retrieval modes whose two sides both need more than a caption, i2i, t2t and m2i,
+and text): the retrieval modes whose two sides both need more than a caption, i2i, t2t, m2i and m2t,
 each side with its own packed images (none for a text side). GradCache with fixed chunks and token
 budgets equals the dense objective over the whole batch in float64; bad rows are substituted and
 counted; what a mode cannot read is one line. Helpers shared with tests/test_qwen_vl.py."""
@@ -77,10 +77,10 @@ def _vl_pairs_run(tmp: Path, mode: str, *extra: str, bad: bool = False, negative
     )
 
 
-@pytest.mark.parametrize("mode", ["i2i", "t2t", "m2i"])
+@pytest.mark.parametrize("mode", ["i2i", "t2t", "m2i", "m2t"])
 @pytest.mark.parametrize("chunks", ["--gradcache.chunk_sizes=4", "--gradcache.chunk_tokens=60"])
 def test_vl_pairs_in_every_mode_equal_the_dense_objective(tmp_path: Path, mode: str, chunks: str) -> None:
-    """i2i, t2t and m2i (image + text queries) on vl_pairs rows with images of different sizes: each
+    """i2i, t2t, m2i and m2t (image + text queries) on vl_pairs rows with images of different sizes: each
     side carries its own packed images (none for a text side); GradCache with fixed chunks and with a
     token budget equals the dense objective over the whole batch in float64."""
     trainer = _vl_pairs_run(tmp_path, mode, "--gradcache.enabled=true", chunks)
@@ -88,7 +88,7 @@ def test_vl_pairs_in_every_mode_equal_the_dense_objective(tmp_path: Path, mode: 
     batch = trainer.train_set.__getitems__(list(range(7)))
     batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     image_token = trainer.model.tower.config.image_token_id
-    for side, kind in zip(("query", "doc"), {"i2i": "ii", "t2t": "tt", "m2i": "mi"}[mode]):
+    for side, kind in zip(("query", "doc"), {"i2i": "ii", "t2t": "tt", "m2i": "mi", "m2t": "mt"}[mode]):
         grid, ids = batch[f"{side}_image_grid_thw"], batch[side]
         assert len(grid) == (0 if kind == "t" else 7)
         visual = (ids == image_token).sum(1)
@@ -110,6 +110,7 @@ def test_vl_pairs_in_every_mode_equal_the_dense_objective(tmp_path: Path, mode: 
 HARD_NEGATIVE_CASES = [
     ("t2i", "--gradcache.chunk_sizes=4"),
     ("t2t", "--gradcache.chunk_tokens=90"),
+    ("m2t", "--gradcache.chunk_sizes=3"),
     pytest.param("i2i", "--gradcache.chunk_tokens=200", marks=pytest.mark.slow),
     pytest.param("m2i", "--loss.negatives=global", marks=pytest.mark.slow),
 ]
@@ -123,7 +124,7 @@ def test_vl_pairs_hard_negatives_equal_the_definition(tmp_path: Path, mode: str,
     it) and global negatives equal the definition, with each negative embedded on its own, in float64."""
     from titan_contrastive.batching import NEGATIVES
 
-    kind = "text" if mode == "t2t" else "image"
+    kind = "text" if mode in ("t2t", "m2t") else "image"
     gradcache = () if "negatives=global" in step else ("--gradcache.enabled=true",)
     trainer = _vl_pairs_run(tmp_path, mode, *gradcache, step, negatives=kind)
     trainer.model.eval()
@@ -137,6 +138,43 @@ def test_vl_pairs_hard_negatives_equal_the_definition(tmp_path: Path, mode: str,
     out = trainer.train_step([batch])
     assert_grads_close(grads(trainer.model), want)
     assert abs(out["loss"] - want_loss) <= REL * want_loss
+    trainer.metrics.close()
+
+
+def test_m2t_masks_another_rows_copy_of_the_answer(tmp_path: Path) -> None:
+    """m2t on rows whose answers repeat (as a VQA set's "yes" and "no") with `loss.mask_duplicates`: for each query
+    the other rows' copies of its answer leave the softmax of both directions; GradCache in chunks of 3 equals that
+    definition in float64."""
+    import json
+
+    import torch.nn.functional as F
+
+    from tests.test_qwen_vl import _embeddings
+    from tests.test_trainer import full
+
+    table = _vl_pairs(tmp_path / "data")
+    rows = [json.loads(line) for line in table.read_text().splitlines()]
+    answers = [("a dog", "a cat on a warm roof", "frozen water")[i % 3] for i in range(len(rows))]  # in the vocabulary
+    table.write_text("".join(json.dumps({**r, "doc_text": a}) + "\n" for r, a in zip(rows, answers)))
+    trainer = _vl_pairs_run(
+        tmp_path, "m2t", "--gradcache.enabled=true", "--gradcache.chunk_sizes=3", "--loss.mask_duplicates=true"
+    )
+    trainer.model.eval()
+    batch = {k: v for k, v in trainer.train_set.__getitems__(list(range(7))).items() if isinstance(v, torch.Tensor)}
+    assert len(set(trainer.step_context.document_ids(batch).tolist())) == 3  # three answers, by their token ids
+    trainer.train_step([batch])
+    model = trainer.spec.build_model(trainer.model_args).double()
+    model.load_state_dict({k: full(v) for k, v in trainer.model.state_dict().items()})
+    model.eval()
+    q, d = _embeddings(model, batch)
+    masked = torch.tensor([[c != i and answers[c] == answers[i] for c in range(7)] for i in range(7)])
+    logits = (model.logit_scale.exp() * q @ d.T).masked_fill(masked, float("-inf"))
+    labels = torch.arange(7)
+    want_loss = 0.5 * (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels))
+    want_loss.backward()
+    out = trainer.train_step([batch])
+    assert masked.sum() == 10 and abs(out["loss"] - want_loss.item()) <= REL * want_loss.item()
+    assert_grads_close(grads(trainer.model), grads(model))
     trainer.metrics.close()
 
 

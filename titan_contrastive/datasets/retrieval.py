@@ -25,6 +25,7 @@ MODES: dict[str, tuple[str, str]] = {
     "t2t": ("text", "text"),
     "i2t": ("image", "text"),
     "m2i": ("multi", "image"),
+    "m2t": ("multi", "text"),
 }
 
 

@@ -1,5 +1,5 @@
 """The user's query-document rows with images and texts on either side, for the qwen_vl family
-(`data.dataset = "vl_pairs"`): every retrieval mode, i2i, t2t and m2i included.
+(`data.dataset = "vl_pairs"`): every retrieval mode, i2i, t2t, m2i and m2t included.
 
 Files: `.jsonl` (one JSON object per line), `.json` (an array of them, or JSON lines), `.csv`, `.tsv` (both with a
 header line) or `.parquet` (`tables.table_rows`), with the columns `query_image`, `query_text`, `doc_image`,
@@ -7,7 +7,7 @@ header line) or `.parquet` (`tables.table_rows`), with the columns `query_image`
 (`shards`) is one source, each file's image paths relative to its own folder. `[data] retrieval_mode` says which a
 row needs (`retrieval.MODES`: a text side its `*_text`, an image side its `*_image`, a multi side
 both); the others may be absent or empty. An optional `doc_negatives` column holds a row's hard
-negatives, documents of the documents' kind: texts (t2t, i2t) or image paths (t2i, i2i, m2i), a
+negatives, documents of the documents' kind: texts (t2t, i2t, m2t) or image paths (t2i, i2i, m2i), a
 list (JSONL, Parquet) or one value; every row has as many as the first (the train split only, and
 only with `data.hard_negatives`). With `data.negatives_per_row = k` rows hold any number and each epoch
 serves k of them (`pools.Pools`: by the seed, the row and the epoch; a row without one is a bad sample).
