@@ -77,18 +77,19 @@ def _vl_pairs_run(tmp: Path, mode: str, *extra: str, bad: bool = False, negative
     )
 
 
-@pytest.mark.parametrize("mode", ["i2i", "t2t", "m2i", "m2t"])
+@pytest.mark.parametrize("mode", ["i2i", "t2t", "m2i", "m2t", "t2m", "i2m", "m2m"])
 @pytest.mark.parametrize("chunks", ["--gradcache.chunk_sizes=4", "--gradcache.chunk_tokens=60"])
 def test_vl_pairs_in_every_mode_equal_the_dense_objective(tmp_path: Path, mode: str, chunks: str) -> None:
-    """i2i, t2t, m2i and m2t (image + text queries) on vl_pairs rows with images of different sizes: each
-    side carries its own packed images (none for a text side); GradCache with fixed chunks and with a
+    """i2i, t2t, m2i, m2t, t2m, i2m and m2m (m: an image and a text) on vl_pairs rows with images of different
+    sizes: each side carries its own packed images (none for a text side); GradCache with fixed chunks and with a
     token budget equals the dense objective over the whole batch in float64."""
     trainer = _vl_pairs_run(tmp_path, mode, "--gradcache.enabled=true", chunks)
     trainer.model.eval()
     batch = trainer.train_set.__getitems__(list(range(7)))
     batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     image_token = trainer.model.tower.config.image_token_id
-    for side, kind in zip(("query", "doc"), {"i2i": "ii", "t2t": "tt", "m2i": "mi", "m2t": "mt"}[mode]):
+    kinds = {"i2i": "ii", "t2t": "tt", "m2i": "mi", "m2t": "mt", "t2m": "tm", "i2m": "im", "m2m": "mm"}
+    for side, kind in zip(("query", "doc"), kinds[mode]):
         grid, ids = batch[f"{side}_image_grid_thw"], batch[side]
         assert len(grid) == (0 if kind == "t" else 7)
         visual = (ids == image_token).sum(1)
@@ -176,6 +177,25 @@ def test_m2t_masks_another_rows_copy_of_the_answer(tmp_path: Path) -> None:
     assert masked.sum() == 10 and abs(out["loss"] - want_loss.item()) <= REL * want_loss.item()
     assert_grads_close(grads(trainer.model), grads(model))
     trainer.metrics.close()
+
+
+def test_documents_of_an_image_and_a_text_refuse_what_they_cannot_read(tmp_path: Path) -> None:
+    """t2m: hard negatives (a negative would need an image and a text) and BEIR folders (documents of one kind) are
+    one line each; without the negatives the rows train."""
+    from tests.test_retrieval_metrics import write_beir
+
+    with pytest.raises(DataError) as err:
+        _vl_pairs_run(tmp_path / "a", "t2m", negatives="image")
+    message = str(err.value)
+    assert "\n" not in message and "doc_negatives of documents of an image and a text (retrieval_mode=t2m)" in message
+    assert message.endswith("set data.hard_negatives=false")
+    trainer = _vl_pairs_run(tmp_path / "b", "t2m", "--data.hard_negatives=false", negatives="image")
+    assert trainer.train_set.num_negatives == 0
+    trainer.train()
+    trainer.metrics.close()
+    beir = write_beir(tmp_path / "beir")
+    with pytest.raises(DataError, match=r"read documents of one kind, texts or pages; data.retrieval_mode=t2m embeds"):
+        _vl_pairs_run(tmp_path / "c", "t2m", "--eval.enable=true", f"--eval.beir_path={beir}")
 
 
 def _two_ranks(tmp: str, mode: str, *extra: str) -> None:

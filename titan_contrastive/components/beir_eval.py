@@ -249,6 +249,11 @@ def side_embedders(
             f"eval.beir_path and eval.sts_path read text queries; data.retrieval_mode={process.mode} embeds "
             f"{kinds['query']} queries (t2i and t2t read text queries)"
         )
+    if kinds["doc"] == "multi":
+        raise DataError(
+            f"eval.beir_path and eval.sts_path read documents of one kind, texts or pages; data.retrieval_mode="
+            f"{process.mode} embeds an image and a text per document: evaluate on data.val_path"
+        )
     blank = [np.full((64, 64, 3), 255, dtype=np.uint8)]
 
     def batch(texts: list[str] | None, docs: list[Any] | None) -> dict[str, torch.Tensor]:

@@ -119,9 +119,9 @@ class Data:
     """Mixed resolutions (model.name=vlm or vae): each image is served at one of these square sizes
     (train: drawn per sample and epoch; test: cycled), as Qwen-VL-style packed patches (vlm) or
     zero-padded with a pixel mask (vae). Empty = one size (image_size or native)."""
-    retrieval_mode: Literal["t2i", "i2t", "i2i", "t2t", "m2i", "m2t"] = "t2i"
-    """qwen_vl: each side's kind (t2i: texts query images; i2t, i2i, t2t; m2i: image + text queries, images; m2t:
-    image + text queries, texts); image-text data trains t2i and i2t, the others need data.dataset = "vl_pairs"."""
+    retrieval_mode: Literal["t2i", "i2t", "i2i", "t2t", "m2i", "m2t", "t2m", "i2m", "m2m"] = "t2i"
+    """qwen_vl: each side's kind, t (text), i (image) or m (an image and a text): t2i (texts query images), i2t, i2i,
+    t2t, m2i, m2t, t2m, i2m, m2m; image-text data trains t2i and i2t, the others need data.dataset = "vl_pairs"."""
     min_pixels: int = opt(0, lambda v: v >= 0, "an integer >= 0")
     """qwen_vl: images resized to at least this many pixels; 0 = the model folder's image processor's."""
     max_pixels: int = opt(0, lambda v: v >= 0, "an integer >= 0")

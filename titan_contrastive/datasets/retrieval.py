@@ -26,6 +26,9 @@ MODES: dict[str, tuple[str, str]] = {
     "i2t": ("image", "text"),
     "m2i": ("multi", "image"),
     "m2t": ("multi", "text"),
+    "t2m": ("text", "multi"),
+    "i2m": ("image", "multi"),
+    "m2m": ("multi", "multi"),
 }
 
 

@@ -1,5 +1,5 @@
 """The user's query-document rows with images and texts on either side, for the qwen_vl family
-(`data.dataset = "vl_pairs"`): every retrieval mode, i2i, t2t, m2i and m2t included.
+(`data.dataset = "vl_pairs"`): every retrieval mode, i2i, t2t and those of image + text sides (m2i, t2m, ...) included.
 
 Files: `.jsonl` (one JSON object per line), `.json` (an array of them, or JSON lines), `.csv`, `.tsv` (both with a
 header line) or `.parquet` (`tables.table_rows`), with the columns `query_image`, `query_text`, `doc_image`,
@@ -7,8 +7,8 @@ header line) or `.parquet` (`tables.table_rows`), with the columns `query_image`
 (`shards`) is one source, each file's image paths relative to its own folder. `[data] retrieval_mode` says which a
 row needs (`retrieval.MODES`: a text side its `*_text`, an image side its `*_image`, a multi side
 both); the others may be absent or empty. An optional `doc_negatives` column holds a row's hard
-negatives, documents of the documents' kind: texts (t2t, i2t, m2t) or image paths (t2i, i2i, m2i), a
-list (JSONL, Parquet) or one value; every row has as many as the first (the train split only, and
+negatives, documents of the documents' kind: texts (t2t, i2t, m2t) or image paths (t2i, i2i, m2i; none in
+t2m, i2m, m2m), a list (JSONL, Parquet) or one value; every row has as many as the first (the train split only, and
 only with `data.hard_negatives`). With `data.negatives_per_row = k` rows hold any number and each epoch
 serves k of them (`pools.Pools`: by the seed, the row and the epoch; a row without one is a bad sample).
 They go through the processor like the documents (`SideProcessor.sides`' `negatives`). With `loss.distill`
@@ -134,22 +134,21 @@ class VLPairsDataset:
             logger.info(f"vl_pairs: the teacher's scores of each served document from {path} (loss.distill={teacher})")
         self.negative_kind = "text" if self.kinds["doc"] == "text" else "image"
         counts = {f.source: int(f.negatives[0]) for f in self._files}
-        self.num_negatives = next(iter(counts.values())) if hard_negatives and split == "train" else 0
+        served = hard_negatives and split == "train"
+        self.num_negatives = next(iter(counts.values())) if served else 0
+        if self.kinds["doc"] == "multi" and served and any(f.negatives.any() for f in self._files):
+            raise DataError(
+                f"{key}={path}: {NEGATIVES_COLUMN} of documents of an image and a text (retrieval_mode={mode}) are "
+                "not read (a negative would need both); set data.hard_negatives=false"
+            )
         self._pools: list[Pools] | None = None
         """With negatives_per_row (train split): per file, each row's draw of its negatives."""
-        if negatives_per_row and hard_negatives and split == "train":
-            self.num_negatives, self._pools = (
-                negatives_per_row,
-                [
-                    Pools(
-                        [1] * len(f.rows),
-                        np.maximum(f.negatives, 1),
-                        negatives_per_row,
-                        seed + i,
-                    )
-                    for i, f in enumerate(self._files)
-                ],
+        if negatives_per_row and served:
+            drawn = (
+                Pools([1] * len(f.rows), np.maximum(f.negatives, 1), negatives_per_row, seed + i)
+                for i, f in enumerate(self._files)
             )
+            self.num_negatives, self._pools = negatives_per_row, list(drawn)
             logger.info(
                 f"vl_pairs: {negatives_per_row} of each row's {NEGATIVES_COLUMN} served per epoch from {path}, drawn "
                 "by the seed (a row without one is a bad sample)"

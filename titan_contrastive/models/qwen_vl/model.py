@@ -8,7 +8,7 @@ embedding is its tokens end to end at the most tokens its template can give
 (`QwenVLArgs.side_tokens`), padding and the columns past a text's end the zero vector.
 
 `[data] retrieval_mode` gives each side's kind (`datasets.retrieval.MODES`: t2i, i2t, i2i, t2t,
-m2i, m2t; text, image, or multi = image + text). A batch (served through `QwenVLArgs.processor`:
+m2i, m2t, t2m, i2m, m2m; text, image, or multi = image + text). A batch (served through `QwenVLArgs.processor`:
 image-text data in t2i / i2t, `vl_pairs` rows in every mode) holds `query` and `doc` token ids
 [B, L] right-padded with -1, and per side the packed `{side}_pixel_values` with its
 `{side}_image_grid_thw` (one image per sample; a side without images: 0 rows, grid [0, 3]). The
@@ -92,8 +92,8 @@ class QwenVLArgs(LoraFields):
     path: str = ""
     """The model folder (config, weights, tokenizer, preprocessor_config.json); `[model] path`."""
     mode: str = "t2i"
-    """`[data] retrieval_mode`: t2i (captions query images), i2t, i2i, t2t, m2i (image + text queries, images) or
-    m2t (image + text queries, texts)."""
+    """`[data] retrieval_mode`: t2i (captions query images), i2t, i2i, t2t, m2i (image + text queries, images),
+    m2t (image + text queries, texts), t2m, i2m, m2m (image + text documents)."""
     pooling: str = "last_token"
     query_template: str = TEMPLATES["text"]
     """The queries' template (`[model] query_prompt`; `auto`: `TEMPLATES` of the side's kind): `{text}`
