@@ -226,6 +226,17 @@ def test_errors_in_one_line(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "fake.jsonl.zst").write_text(json.dumps({"query": "q", "positive": "p"}) + "\n")
     if installed("data"):
         fails(tmp_path / "fake.jsonl.zst", "fake.jsonl.zst: not a readable jsonl file (ZstdError")
+    from titan_contrastive.components.sts_eval import load_sts
+    from titan_contrastive.datasets.sources import CsvSource
+
+    for suffix in (".bz2", ".xz", ".zst") if installed("data") else (".bz2", ".xz"):  # an image-text CSV, STS pairs
+        fake = tmp_path / f"fake.csv{suffix}"
+        fake.write_text("filepath\ttitle\na.png\ta caption\n")
+        for read in (CsvSource, load_sts):
+            with pytest.raises(DataError) as err:
+                read(str(fake))
+            _one_line(err, f"fake.csv{suffix}: not ")
+            assert "readable" in str(err.value)
     monkeypatch.setitem(sys.modules, "zstandard", None)  # as without the [data] extra
     fails(
         tmp_path / "fake.jsonl.zst",

@@ -457,6 +457,7 @@ def test_two_towers_embed_each_side_with_its_own(tmp_path: Path, capsys: pytest.
         (["--out=pairs.csv"], "is the input"),
         (["--out=exists.jsonl"], "exists"),
         (["--model=<a folder of nothing>"], "--model="),
+        (["--image-root=<a folder of nothing>"], "--image-root: for page rows"),
     ],
 )
 def test_bad_arguments_are_one_line_before_the_model(

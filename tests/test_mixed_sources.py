@@ -36,7 +36,8 @@ from tests.test_user_data import _damaged_csv, _dataset, write_emoji_files
 from titan_contrastive.config.data import Data
 from titan_contrastive.datasets import DataError
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
-from titan_contrastive.datasets.build import check_joined_sources, open_source
+from titan_contrastive.datasets.build import check_joined_sources
+from titan_contrastive.datasets.file_sources import open_source
 from titan_contrastive.datasets.files import FileImageTextDataset
 from titan_contrastive.datasets.loader import BlockedDistributedSampler, build_dataloader
 from titan_contrastive.datasets.mixing import SourceMix, joins, split_sources

@@ -153,6 +153,42 @@ def test_the_mined_file_trains_as_vl_pairs_with_hard_negatives(tmp_path: Path, c
     trainer.metrics.close()
 
 
+def test_rows_apart_from_their_pages_mine_and_train_through_the_image_root(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Rows kept apart from their pages (`--image-root`, `data.image_root`): the mined negatives are the ones mined
+    beside the pages, their paths still relative to that root, and a run given the root reads them."""
+    from titan_contrastive.mine import main
+
+    folder = vl_folder(tmp_path, "qwen2_vl", dropout=0.0)
+    rows = rows_file(tmp_path / "data")
+    (tmp_path / "annotations").mkdir()
+    apart = rows.rename(tmp_path / "annotations" / "rows.jsonl")
+    argv = ["--model", str(folder), "--negatives", "2", "--relative-margin", "none"]
+    assert main([str(apart), *argv, "--out", str(tmp_path / "a.jsonl"), "--image-root", str(tmp_path / "data")]) == 0
+    beside = tmp_path / "data" / "rows.jsonl"
+    beside.write_text(apart.read_text())
+    assert main([str(beside), *argv, "--out", str(tmp_path / "data" / "b.jsonl")]) == 0
+    capsys.readouterr()
+    mined, reference = (
+        [json.loads(line) for line in f.read_text().splitlines()]
+        for f in (tmp_path / "a.jsonl", tmp_path / "data" / "b.jsonl")
+    )
+    assert mined == reference and all(n.startswith("pages/") for r in mined for n in r["doc_negatives"])
+    trainer = vl_run(
+        tmp_path,
+        "qwen2_vl",
+        "--data.dataset=vl_pairs",
+        f"--data.path={tmp_path / 'a.jsonl'}",
+        f"--data.image_root={tmp_path / 'data'}",
+        "--training.local_batch_size=3",
+        sizes=(),
+    )
+    batch = trainer.train_set.__getitems__([0, 1, 2])
+    assert batch["neg"].shape[:2] == (3, 2) and len(batch["neg_image_grid_thw"]) == 6
+    trainer.metrics.close()
+
+
 def test_keep_fewer_keeps_a_query_with_fewer_pages_to_draw_from(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """--keep-fewer with 5 negatives of 6 pages: the query with two pages of its own keeps the 4 others (left out
     without the flag), every other row 5; a run draws 2 of each row's per epoch (data.negatives_per_row)."""
@@ -197,6 +233,7 @@ def test_what_page_mining_cannot_take_is_one_line(tmp_path: Path, capsys: pytest
         ([str(bad)], "row 0 has no query_text and doc_image"),
         ([str(rows), "--corpus", str(rows)], f"--corpus={rows}: not a folder; a page model mines from a folder"),
         ([str(rows), "--corpus", str(tmp_path / "empty")], "no images (jpg, jpeg, png, webp) below it"),
+        ([str(rows), "--image-root", str(tmp_path / "nope")], f"--image-root={tmp_path / 'nope'}: no such folder"),
     ]
     (tmp_path / "empty").mkdir()
     for argv, message in cases:

@@ -24,8 +24,9 @@ from tests.needs import installed, require
 from titan_contrastive.config.data import Data
 from titan_contrastive.datasets import DataError, build_dataset
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES, BadSampleLog
-from titan_contrastive.datasets.build import build_file_dataset, open_source
+from titan_contrastive.datasets.build import build_file_dataset
 from titan_contrastive.datasets.emoji import MEAN, STD
+from titan_contrastive.datasets.file_sources import open_source
 from titan_contrastive.datasets.files import FileImageTextDataset
 from titan_contrastive.datasets.image_folder import ImageFolderZeroShot, load_templates
 from titan_contrastive.datasets.loader import build_dataloader

@@ -137,9 +137,14 @@ def run_pages(opts: argparse.Namespace, out: Path) -> tuple[Path, int, int]:
             f"--out={out}: a CSV cell holds one negative page; write .jsonl or .parquet for {opts.negatives}"
         )
     src = Path(opts.pairs).expanduser()
+    root = Path(opts.image_root).expanduser() if opts.image_root else src.parent
+    if not root.is_dir():
+        raise MineError(
+            f"--image-root={opts.image_root}: no such folder; give the folder the rows' page paths start from"
+        )
     pairs = read_pairs(src)
-    corpus = corpus_pages(opts.corpus, src.parent, [page for _, page in pairs]) if opts.corpus else None
-    encoder = page_encoder(opts, src.parent)
+    corpus = corpus_pages(opts.corpus, root, [page for _, page in pairs]) if opts.corpus else None
+    encoder = page_encoder(opts, root)
     mined = mine([list(p) for p in pairs], encoder, opts, corpus)
     kept = [row for row in mined if row is not None]
     if not kept:
@@ -148,8 +153,8 @@ def run_pages(opts: argparse.Namespace, out: Path) -> tuple[Path, int, int]:
             "--relative-margin / --max-score / --range-min, or raise --range-max"
         )
 
-    def moved(path: str) -> str:  # relative to the output's folder, as vl_pairs reads it
-        if os.path.isabs(path):
+    def moved(path: str) -> str:  # relative to the output's folder, as vl_pairs reads it (or still to --image-root)
+        if os.path.isabs(path) or opts.image_root:
             return path
         return os.path.relpath((src.parent / path).resolve(), out.parent.resolve())
 

@@ -46,8 +46,11 @@ class Data:
     model.query_prompt. Empty = model.query_prompt for every source."""
     doc_prompts: list[str] = opt([], None)
     """pairs, vl_pairs: the same for each source's documents and hard negatives; empty = model.doc_prompt."""
+    image_root: str = ""
+    """csv and vl_pairs: the folder that the files' relative image paths start from (VLM2Vec's `image_dir`, for
+    annotations kept apart from their images); empty = each file's own folder."""
     csv_img_key: str = "filepath"
-    """csv: column of image paths (relative paths resolve against the CSV's folder)."""
+    """csv: column of image paths (relative paths resolve against `image_root`, else the CSV's folder)."""
     csv_caption_key: str = "title"
     """csv: column of captions."""
     csv_separator: str = "\t"

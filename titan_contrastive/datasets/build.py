@@ -13,6 +13,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -23,16 +24,15 @@ from titan_contrastive.config.data import Data
 from titan_contrastive.config.job_config import JobConfig
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.clip_bpe import ClipBpeTokenizer
+from titan_contrastive.datasets.file_sources import open_source
 from titan_contrastive.datasets.files import FileImageTextDataset
 from titan_contrastive.datasets.formats import data_suffix
 from titan_contrastive.datasets.frozen import BUNDLED_PROCESSED, EmbeddingTable
-from titan_contrastive.datasets.hf_disk import HfSource
 from titan_contrastive.datasets.image_folder import ImageFolderZeroShot, load_templates
 from titan_contrastive.datasets.loader import EpochLoader, build_dataloader
-from titan_contrastive.datasets.mixing import joins, split_sources
 from titan_contrastive.datasets.pairs import PairsDataset
 from titan_contrastive.datasets.protocol import Dataset
-from titan_contrastive.datasets.sources import CsvSource, Source, WebDatasetSource, WeightedSources
+from titan_contrastive.datasets.sources import Source
 from titan_contrastive.datasets.synthetic import SyntheticSource
 from titan_contrastive.datasets.tokenizer import ByteTokenizer, CaptionTokenizer
 from titan_contrastive.datasets.vl_pairs import VLPairsDataset, family_refusal
@@ -140,6 +140,23 @@ def check_teacher(data: Data, distill: str) -> None:
         )
 
 
+def check_image_root(data: Data) -> None:
+    """`data.image_root` only for files of relative image paths (csv, vl_pairs, a CSV `val_path`), and a folder."""
+    if not data.image_root:
+        return
+    csv_val = data_suffix(data.val_path) in (".csv", ".tsv")
+    if data.dataset not in ("csv", "vl_pairs") and not csv_val:
+        raise DataError(
+            f"data.image_root={data.image_root!r}: the relative image paths of csv and vl_pairs files are read "
+            f"from it, and data.dataset={data.dataset!r} has none; leave it empty"
+        )
+    if not Path(data.image_root).expanduser().is_dir():
+        raise DataError(
+            f"data.image_root={data.image_root!r}: no such folder; give the folder that the files' relative "
+            "image paths start from"
+        )
+
+
 def check_joined_sources(data: Data) -> None:
     """`::`-joined sources and their factors only where the data kind reads several; per-source prompts
     only for text pairs and vl_pairs rows."""
@@ -159,49 +176,6 @@ def check_joined_sources(data: Data) -> None:
             f"data.{key}={getattr(data, key)!r}: data.dataset={data.dataset!r} reads one source; several sources "
             "joined with '::' (and their factors) are for csv, webdataset, hf, pairs and vl_pairs data"
         )
-
-
-def open_source(kind: str, path: str, data: Data, *, split: str = "train", negatives: bool = False) -> Source:
-    """The records behind `path` (`::` joins several, the train split's weighted by `data.upsampling_factors`), read
-    as the `[data]` section `data` says (column names, shard member keys; with `negatives`, the
-    negative captions its `*_negative_*` keys name)."""
-    if not path:
-        raise DataError(
-            f"data.path is empty: data.dataset={kind!r} reads your files; set data.path (see README, 'Your own data')"
-        )
-    parts, factors = split_sources(path, data.upsampling_factors if split == "train" else ())
-    sources: list[Source] = []
-    for part in parts:
-        if kind == "csv":
-            sources.append(
-                CsvSource(
-                    part,
-                    img_key=data.csv_img_key,
-                    caption_key=data.csv_caption_key,
-                    separator=data.csv_separator,
-                    negative_keys=data.csv_negative_keys if negatives else (),
-                )
-            )
-        elif kind == "webdataset":
-            sources.append(
-                WebDatasetSource(
-                    part,
-                    image_keys=data.wds_image_key,
-                    caption_key=data.wds_caption_key,
-                    negative_key=data.wds_negative_key if negatives else "",
-                )
-            )
-        else:
-            sources.append(
-                HfSource(
-                    part,
-                    image_column=data.hf_image_column,
-                    text_column=data.hf_text_column,
-                    split=split,
-                    negative_columns=data.hf_negative_columns if negatives else (),
-                )
-            )
-    return WeightedSources(sources, factors) if joins(factors) else sources[0]
 
 
 def _query_length(data: Any, pair_tokenizer: Any) -> int:
@@ -323,6 +297,7 @@ def build_data(
     check_teacher(data, scores)
     frozen = frozen_table(cfg)
     check_joined_sources(data)
+    check_image_root(data)
     if data.dataset in FILE_SOURCES:
         if pair_tokenizer is not None and not isinstance(pair_tokenizer, CaptionTokenizer):
             raise DataError(
@@ -401,10 +376,10 @@ def build_data(
             doc_templates=data.doc_prompts,
             in_batch_negatives=data.in_batch_negatives,
             teacher=scores,
+            image_root=data.image_root,
         )
-        eval_sets.append(
-            VLPairsDataset(split="test", path=data.val_path, mode=data.retrieval_mode) if data.val_path else None
-        )
+        held_out = dict(split="test", path=data.val_path, mode=data.retrieval_mode, image_root=data.image_root)
+        eval_sets.append(VLPairsDataset(**held_out) if data.val_path else None)
     else:
         if data.tokenizer == "clip_bpe":
             raise DataError(

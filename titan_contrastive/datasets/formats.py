@@ -15,13 +15,21 @@ from typing import IO
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.extras import import_failure
 
-__all__ = ["COMPRESSIONS", "TEXT_FORMATS", "data_suffix", "file_kind", "formats_named", "open_text"]
+try:
+    from zstandard import ZstdError
+except ImportError:  # without the [data] extra a .zst file is refused before it is read
+    ZstdError = OSError
+
+__all__ = ["COMPRESSIONS", "DAMAGED", "TEXT_FORMATS", "data_suffix", "file_kind", "formats_named", "open_text"]
 
 TEXT_FORMATS = (".jsonl", ".json", ".csv", ".tsv")
 """The formats that may come compressed (one of `COMPRESSIONS` after the suffix)."""
 
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 """gzip, bzip2, xz (Python's own modules) and Zstandard (`zstandard`, the `[data]` extra)."""
+
+DAMAGED: tuple[type[Exception], ...] = (OSError, EOFError, lzma.LZMAError, ZstdError)
+"""What reading a damaged or cut-short file raises: an OS error, and each decompressor's own."""
 
 
 def data_suffix(file: str | Path) -> str:

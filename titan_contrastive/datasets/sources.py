@@ -49,7 +49,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.formats import open_text
+from titan_contrastive.datasets.formats import DAMAGED, open_text
 from titan_contrastive.datasets.mixing import SourceMix
 from titan_contrastive.datasets.packed_rows import PackedRows
 from titan_contrastive.datasets.tar_shards import NotRegularFile, TarShard, looks_like_tar, read_regular
@@ -175,8 +175,8 @@ def first_negative_count(values_of: Callable[[int], Sequence[Any]], size: int, s
 
 
 class CsvSource:
-    """Rows of a CSV/TSV (gzipped too): an image path (relative paths resolve against the file's folder), a caption
-    and, with `negative_keys`, one negative caption per named column."""
+    """Rows of a CSV/TSV (compressed too): an image path (relative paths resolve against `image_root`, else the file's
+    folder), a caption and, with `negative_keys`, one negative caption per named column."""
 
     def __init__(
         self,
@@ -186,6 +186,7 @@ class CsvSource:
         caption_key: str = "title",
         separator: str = "\t",
         negative_keys: Sequence[str] = (),
+        image_root: str = "",
     ) -> None:
         file = Path(path).expanduser()
         if not file.is_file():
@@ -208,12 +209,12 @@ class CsvSource:
                         f"{file}: no column {unknown[0]!r} (columns: {', '.join(columns)}); fix "
                         f"data.csv_negative_keys={list(negative_keys)}"
                     )
-                folder = str(file.parent)
+                folder = str(Path(image_root).expanduser()) if image_root else str(file.parent)
                 self._rows = PackedRows(
                     [rooted(folder, row[img_key]), row[caption_key], *(row[c] for c in negative_keys)] for row in reader
                 )
                 """Per row: [image path, caption, negative captions...], packed as read (shared by forked workers)."""
-        except (UnicodeDecodeError, csv.Error, OSError, EOFError) as e:  # OSError, EOFError: a damaged gzip
+        except (UnicodeDecodeError, csv.Error, *DAMAGED) as e:
             raise DataError(f"{file}: not a readable UTF-8 CSV ({e}); fix the file or data.csv_separator") from None
         if not self._rows:
             raise DataError(f"{file}: no rows; give a CSV with at least one image and caption")

@@ -40,9 +40,9 @@ class Rows(Iterator[Any]):
 
 def read_table(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, list[Any]]:
     """(the column names, or None when rows come unnamed or name their own; the rows: dicts by
-    column name, or lists of values). `split`: a saved DatasetDict's split to read."""
-    names, rows = table_rows(file, columns, split)
-    return names, list(rows)
+    column name, or lists of values). `split`: a saved DatasetDict's split to read. A damaged file: a DataError."""
+    names, rows = opened_rows(file, columns, split)
+    return names, list(guarded_rows(file, rows))
 
 
 def table_rows(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, Rows]:

@@ -3,13 +3,13 @@
 
 Files: `.jsonl` (one JSON object per line), `.json` (an array of them, or JSON lines), `.csv`, `.tsv` (both with a
 header line) or `.parquet` (`tables.table_rows`), with the columns `query_image`, `query_text`, `doc_image`,
-`doc_text`; image paths are relative to the file's folder. A glob pattern or a folder of such files
-(`shards`) is one source, each file's image paths relative to its own folder. `[data] retrieval_mode` says which a
-row needs (`retrieval.MODES`: a text side its `*_text`, an image side its `*_image`, a multi side
-both); the others may be absent or empty. An optional `doc_negatives` column holds a row's hard
-negatives, documents of the documents' kind: texts (t2t, i2t, m2t) or image paths (t2i, i2i, m2i; none in
-t2m, i2m, m2m), a list (JSONL, Parquet) or one value; every row has as many as the first (the train split only, and
-only with `data.hard_negatives`). With `data.negatives_per_row = k` rows hold any number and each epoch
+`doc_text`; image paths are relative to the file's folder, or to `data.image_root`. A glob pattern or a folder of
+such files (`shards`) is one source, each file's image paths relative to its own folder (or that root).
+`[data] retrieval_mode` says which a row needs (`retrieval.MODES`: a text side its `*_text`, an image side its
+`*_image`, a multi side both); the others may be absent or empty. An optional `doc_negatives` column holds a row's
+hard negatives, documents of the documents' kind: texts (t2t, i2t, m2t) or image paths (t2i, i2i, m2i; none in t2m,
+i2m, m2m), a list (JSONL, Parquet) or one value; every row has as many as the first (the train split only, and only
+with `data.hard_negatives`). With `data.negatives_per_row = k` rows hold any number and each epoch
 serves k of them (`pools.Pools`: by the seed, the row and the epoch; a row without one is a bad sample).
 They go through the processor like the documents (`SideProcessor.sides`' `negatives`). With `loss.distill`
 (kl or margin_mse) a `doc_scores` column holds a teacher's scores of the row's documents, the document's and then
@@ -110,11 +110,14 @@ class VLPairsDataset:
         doc_templates: Sequence[str] = (),
         in_batch_negatives: Sequence[bool] = (),
         teacher: str = "",
+        image_root: str = "",
     ) -> None:
         """`negatives_per_row`: k > 0 serves k of each row's `doc_negatives` per epoch, drawn by `seed`
         (`pools.Pools`); 0 serves them all, as many per row as the first row's. `in_batch_negatives`: one per
         file, false flags its queries to be scored against their own documents only (`batching.OWN_GROUP`).
-        `teacher`: the loss.distill kind that reads the rows' `doc_scores` (the train split; "": none)."""
+        `teacher`: the loss.distill kind that reads the rows' `doc_scores` (the train split; "": none).
+        `image_root`: the folder relative image paths are read from (`data.image_root`; "": each file's own)."""
+        self.image_root = Path(image_root).expanduser() if image_root else None
         if mode not in MODES:
             raise DataError(f"data.retrieval_mode={mode!r}: vl_pairs trains {', '.join(MODES)}")
         self.kinds = dict(zip(SIDES, MODES[mode]))
@@ -204,7 +207,7 @@ class VLPairsDataset:
 
         def rows() -> Iterator[list[Any]]:  # every file's, each row's count of hard negatives kept as it goes
             for file in files:
-                for values in self._file_rows(file, shards is not None, mode, split, at):
+                for values in self._file_rows(file, shards is not None and not self.image_root, mode, split, at):
                     negatives.append(len(_as_list(values[place])))
                     yield values
 
@@ -221,11 +224,10 @@ class VLPairsDataset:
             raise
         except (OSError, UnicodeDecodeError, csv.Error) as e:
             raise DataError(f"{at[0]}: not readable ({type(e).__name__}: {e})") from None
-        except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file
-            raise DataError(
-                f"{at[0]}: not a readable {data_suffix(at[0])[1:]} file ({type(e).__name__}: {e})"
-            ) from None
-        return _File(files[0].parent, path, packed, np.frombuffer(negatives, dtype=np.int64))
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file, a decompressor's
+            kind = data_suffix(at[0])[1:]
+            raise DataError(f"{at[0]}: not a readable {kind} file ({type(e).__name__}: {e})") from None
+        return _File(self.image_root or files[0].parent, path, packed, np.frombuffer(negatives, dtype=np.int64))
 
     def _file_rows(self, file: Path, rooted: bool, mode: str, split: str, at: list[Any]) -> Iterator[list[Any]]:
         """One file's rows, each its values of the dataset's columns (`_columns`) as it is read, `at` the file and the
@@ -467,7 +469,7 @@ class VLPairsDataset:
 
 class _File(NamedTuple):
     root: Path
-    """Image paths are relative to it (the file's folder)."""
+    """Image paths are relative to it (`data.image_root`, else the file's folder)."""
     source: str
     rows: PackedRows
     """Per row, its values of the dataset's columns (`VLPairsDataset._columns`), in that order."""
