@@ -1,8 +1,8 @@
 """Rows of a table file, as the text-pair readers take them: JSON lines, JSON (one array of rows, or JSON lines), CSV,
 TSV (with a header line, or without one where the columns are named elsewhere), the four compressed too (`formats`),
-Parquet (pyarrow,
-the `[data]` extra), and a Hugging Face `save_to_disk` folder or `.arrow` file (`hf_disk`). Shared by text pairs
-(`pairs`), query-document rows with images (`vl_pairs`) and STS evaluation pairs (`components/sts_eval`)."""
+Parquet (pyarrow, the `[data]` extra), and a Hugging Face `save_to_disk` folder or `.arrow` file (`hf_disk`). Shared
+by text pairs (`pairs`), query-document rows with images (`vl_pairs`) and STS evaluation pairs
+(`components/sts_eval`)."""
 
 from __future__ import annotations
 
