@@ -3,8 +3,9 @@
 
 Files: `.jsonl` (one JSON object per line), `.json` (an array of them, or JSON lines), `.csv`, `.tsv` (both with a
 header line) or `.parquet` (`tables.table_rows`), with the columns `query_image`, `query_text`, `doc_image`,
-`doc_text`; image paths are relative to the file's folder, or to `data.image_root`. A glob pattern or a folder of
-such files (`shards`) is one source, each file's image paths relative to its own folder (or that root).
+`doc_text` (or VLM2Vec's, `vl_rows.from_vlm2vec`); image paths are relative to the file's folder, or to
+`data.image_root`. A glob pattern or a folder of such files (`shards`) is one source, each file's image paths
+relative to its own folder (or that root).
 `[data] retrieval_mode` says which a row needs (`retrieval.MODES`: a text side its `*_text`, an image side its
 `*_image`, a multi side both); the others may be absent or empty. An optional `doc_negatives` column holds a row's
 hard negatives, documents of the documents' kind: texts (t2t, i2t, m2t) or image paths (t2i, i2i, m2i; none in t2m,
@@ -64,6 +65,7 @@ from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.sources import BadSample, read_file, rooted
 from titan_contrastive.datasets.tables import table_rows
 from titan_contrastive.datasets.vl_items import FILE_SIDES, Item, carried, item_key, side_key
+from titan_contrastive.datasets.vl_rows import as_list, from_vlm2vec, written
 
 __all__ = ["COLUMNS", "VLPairsDataset", "family_refusal"]
 
@@ -208,7 +210,7 @@ class VLPairsDataset:
         def rows() -> Iterator[list[Any]]:  # every file's, each row's count of hard negatives kept as it goes
             for file in files:
                 for values in self._file_rows(file, shards is not None and not self.image_root, mode, split, at):
-                    negatives.append(len(_as_list(values[place])))
+                    negatives.append(len(as_list(values[place])))
                     yield values
 
         try:
@@ -245,6 +247,7 @@ class VLPairsDataset:
                 raise DataError(
                     f"{file}: row {n}: rows must be JSON objects (or a header line) naming {', '.join(self.needed)}"
                 )
+            row = from_vlm2vec(row)
             seen.update(row)
             yield [_rooted(root, c, row.get(c)) if rooted and c in images else row.get(c) for c in self._columns]
         if not at[1]:
@@ -334,7 +337,7 @@ class VLPairsDataset:
             c: self._value(file, c, "text" if c.endswith("_text") else "image", row[c], key, keyed) for c in self.needed
         }
         out: dict[str, Any] = {c: value for c, (value, _) in fields.items()}
-        negatives, places = _as_list(row[NEGATIVES_COLUMN]), list(range(self.num_negatives))
+        negatives, places = as_list(row[NEGATIVES_COLUMN]), list(range(self.num_negatives))
         if self._pools is not None:
             if not negatives:
                 raise BadSample("no_negatives", file.source, key, f"{NEGATIVES_COLUMN} is empty")
@@ -434,11 +437,11 @@ class VLPairsDataset:
                 row = dict(zip(self._columns, values))
                 for side, name in FILE_SIDES.items():
                     kind = self.kinds[side]
-                    text = _written(row.get(f"{side}_text")) if kind != "image" else ""
-                    image = _written(row.get(f"{side}_image")) if kind != "text" else ""
+                    text = written(row.get(f"{side}_text")) if kind != "image" else ""
+                    image = written(row.get(f"{side}_image")) if kind != "text" else ""
                     found[name].setdefault(Item(s, self._template(side, s), text, image), None)
-                for value in _as_list(row.get(NEGATIVES_COLUMN)) if self.num_negatives else ():
-                    text, image = (_written(value), "") if self.negative_kind == "text" else ("", _written(value))
+                for value in as_list(row.get(NEGATIVES_COLUMN)) if self.num_negatives else ():
+                    text, image = (written(value), "") if self.negative_kind == "text" else ("", written(value))
                     found["document"].setdefault(Item(s, self._template("doc", s), text, image), None)
         return {side: list(items) for side, items in found.items()}
 
@@ -482,19 +485,5 @@ def _rooted(root: str, column: str, value: Any) -> Any:
     if not value:
         return value
     if column == NEGATIVES_COLUMN:
-        return [rooted(root, v) for v in _as_list(value)]
+        return [rooted(root, v) for v in as_list(value)]
     return rooted(root, value)
-
-
-def _written(value: Any) -> str:
-    """A text or image path as written ("" for a value that is none)."""
-    return value if isinstance(value, str) else ""
-
-
-def _as_list(value: Any) -> list[Any]:
-    """A negatives cell as a list: a list (JSONL, Parquet) as it is, one non-empty value as one, else none."""
-    if value is None or isinstance(value, str):
-        return [value] if value and value.strip() else []
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return list(value.tolist()) if hasattr(value, "tolist") else [value]  # a list read as an array

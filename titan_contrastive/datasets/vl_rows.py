@@ -1,0 +1,42 @@
+"""A vl_pairs row's cells as `vl_pairs` reads them: VLM2Vec's MMEB-train columns taken as ours (`from_vlm2vec`), a
+negatives cell as a list (`as_list`), a text or path as written (`written`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["VLM2VEC", "as_list", "from_vlm2vec", "written"]
+
+VLM2VEC = {"qry": "query_text", "qry_image_path": "query_image", "pos_text": "doc_text", "pos_image_path": "doc_image"}
+"""VLM2Vec's MMEB-train columns -> ours (its `neg_text` / `neg_image_path` are not read)."""
+
+_PLACEHOLDER = re.compile(r"\s*(?:<\|image_1\|>|<image>)\s*")
+"""The image tokens VLM2Vec writes into its texts (Phi-3-V's `<|image_1|>`, LLaVA's `<image>`), with the white space
+around them."""
+
+
+def from_vlm2vec(row: dict[str, Any]) -> dict[str, Any]:
+    """A row of VLM2Vec's columns (`qry` and none of ours) in ours, its texts without the image placeholders (the run's
+    templates place each image, `{image}`); any other row as it is."""
+    if "qry" not in row or any(ours in row for ours in VLM2VEC.values()):
+        return row
+    out = {k: v for k, v in row.items() if k not in VLM2VEC}
+    for theirs, ours in VLM2VEC.items():
+        value = row.get(theirs)
+        out[ours] = _PLACEHOLDER.sub(" ", value).strip() if ours.endswith("_text") and isinstance(value, str) else value
+    return out
+
+
+def written(value: Any) -> str:
+    """A text or image path as written ("" for a value that is none)."""
+    return value if isinstance(value, str) else ""
+
+
+def as_list(value: Any) -> list[Any]:
+    """A negatives cell as a list: a list (JSONL, Parquet) as it is, one non-empty value as one, else none."""
+    if value is None or isinstance(value, str):
+        return [value] if value and value.strip() else []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return list(value.tolist()) if hasattr(value, "tolist") else [value]  # a list read as an array
