@@ -26,15 +26,29 @@ def test_vlm2vec_columns_and_placeholders() -> None:
         "doc_text": "yes",
         "doc_image": "",
         "neg_text": "",
+        "doc_negatives": [],
     }
     assert from_vlm2vec({"qry": "find it", "pos_text": "<image> Represent the given image."})["doc_text"] == (
         "Represent the given image."
     )
-    ours = {"qry": "a column of its own", "query_text": "q", "doc_text": "d"}
+    ours = {"qry": "a column of its own", "query_text": "q", "doc_text": "d", "neg_text": "n"}
     assert from_vlm2vec(ours) is ours and from_vlm2vec({"query_text": "q"}) == {"query_text": "q"}
 
 
-def _mmeb(root: Path) -> tuple[Path, Path]:
+def test_vlm2vec_hard_negatives() -> None:
+    """VLM2Vec's `neg_text` / `neg_image_path` (a value each, or side-by-side lists with "" for none) become the
+    documents' kind's `doc_negatives`, placeholders out and empty ones left out; a row's own `doc_negatives` wins."""
+    texts, paths = ["<|image_1|> a red one", "", "<image>a blue one"], ["n/0.png", "n/1.png", ""]
+    row = {"qry": "q", "pos_text": "d", "neg_text": texts, "neg_image_path": paths}
+    assert from_vlm2vec(row)["doc_negatives"] == ["a red one", "a blue one"]
+    assert from_vlm2vec(row, "image")["doc_negatives"] == ["n/0.png", "n/1.png"]
+    assert from_vlm2vec(row, "multi")["doc_negatives"] == ["a red one", "n/1.png", "a blue one"]
+    assert from_vlm2vec({"qry": "q", "neg_text": "<image> one"})["doc_negatives"] == ["one"]
+    assert from_vlm2vec({"qry": "q", "neg_text": [""], "neg_image_path": [None]}, "image")["doc_negatives"] == []
+    assert from_vlm2vec({"qry": "q", "neg_text": "x", "doc_negatives": ["y"]})["doc_negatives"] == ["y"]
+
+
+def _mmeb(root: Path, negatives: bool = False) -> tuple[Path, Path]:
     """(a Parquet file of VLM2Vec rows in `root/annotations`, their images' root `root/mmeb`), and our rows of the
     same samples beside the images (`root/mmeb/ours.jsonl`)."""
     require("data")
@@ -54,10 +68,14 @@ def _mmeb(root: Path) -> tuple[Path, Path]:
         "pos_text": ANSWERS,
         "pos_image_path": [""] * len(paths),
     }
+    if negatives:  # VLM2Vec's lists of hard negatives: each row's other answers, "" for none beside each text
+        theirs["neg_text"] = [[f"<|image_1|> {a}" for a in ANSWERS if a != answer] for answer in ANSWERS]
+        theirs["neg_image_path"] = [[""] * (len(ANSWERS) - 1)] * len(ANSWERS)
     (root / "annotations").mkdir()
     pq.write_table(pa.table(theirs), root / "annotations" / "VQA.parquet")
     ours = [
         {"query_text": f"Represent the given image with the following question: {q}", "query_image": p, "doc_text": a}
+        | ({"doc_negatives": [b for b in ANSWERS if b != a]} if negatives else {})
         for q, p, a in zip(QUESTIONS, paths, ANSWERS)
     ]
     (root / "mmeb" / "ours.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ours))
@@ -72,6 +90,17 @@ def test_mmeb_rows_are_read_as_ours(tmp_path: Path) -> None:
     assert [g.keys() for g in got] == [w.keys() for w in want] == [{"query_image", "query_text", "doc_text"}] * 4
     assert all(np.array_equal(g[k], w[k]) for g, w in zip(got, want) for k in w)
     assert got[2]["doc_text"] == "a cat on a warm roof" and got[1]["query_image"].shape == (56, 56, 3)
+
+
+def test_mmeb_hard_negatives_are_served_as_ours(tmp_path: Path) -> None:
+    parquet, images = _mmeb(tmp_path, negatives=True)
+    theirs = VLPairsDataset(split="train", path=str(parquet), mode="m2t", image_root=str(images))
+    ours = VLPairsDataset(split="train", path=str(images / "ours.jsonl"), mode="m2t")
+    assert theirs.num_negatives == ours.num_negatives == 3
+    got, want = ([ds._fields(0, i)["doc_negatives"] for i in range(4)] for ds in (theirs, ours))
+    assert got == want and got[0] == ["a dog", "a cat on a warm roof", "frozen water"]
+    drawn = VLPairsDataset(split="train", path=str(parquet), mode="m2t", image_root=str(images), negatives_per_row=1)
+    assert all(drawn._fields(0, i)["doc_negatives"][0] in want[i] for i in range(4))
 
 
 @needs("hf")

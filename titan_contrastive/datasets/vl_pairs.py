@@ -247,7 +247,7 @@ class VLPairsDataset:
                 raise DataError(
                     f"{file}: row {n}: rows must be JSON objects (or a header line) naming {', '.join(self.needed)}"
                 )
-            row = from_vlm2vec(row)
+            row = from_vlm2vec(row, self.kinds["doc"])
             seen.update(row)
             yield [_rooted(root, c, row.get(c)) if rooted and c in images else row.get(c) for c in self._columns]
         if not at[1]:

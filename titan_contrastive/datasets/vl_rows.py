@@ -3,29 +3,48 @@ negatives cell as a list (`as_list`), a text or path as written (`written`)."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Any
 
 __all__ = ["VLM2VEC", "as_list", "from_vlm2vec", "written"]
 
 VLM2VEC = {"qry": "query_text", "qry_image_path": "query_image", "pos_text": "doc_text", "pos_image_path": "doc_image"}
-"""VLM2Vec's MMEB-train columns -> ours (its `neg_text` / `neg_image_path` are not read)."""
+"""VLM2Vec's MMEB-train columns -> ours; its hard negatives' `neg_text` / `neg_image_path` (a value or a list each, the
+two lists side by side) become `doc_negatives` of the documents' kind (`from_vlm2vec`)."""
+NEGATIVES = {"text": ("neg_text",), "image": ("neg_image_path",), "multi": ("neg_text", "neg_image_path")}
+"""The documents' kind -> the VLM2Vec columns its hard negatives are read from."""
 
 _PLACEHOLDER = re.compile(r"\s*(?:<\|image_1\|>|<image>)\s*")
 """The image tokens VLM2Vec writes into its texts (Phi-3-V's `<|image_1|>`, LLaVA's `<image>`), with the white space
 around them."""
 
 
-def from_vlm2vec(row: dict[str, Any]) -> dict[str, Any]:
-    """A row of VLM2Vec's columns (`qry` and none of ours) in ours, its texts without the image placeholders (the run's
-    templates place each image, `{image}`); any other row as it is."""
+def _text(value: Any) -> Any:
+    """A VLM2Vec text without its image placeholders (the run's templates place each image, `{image}`)."""
+    return _PLACEHOLDER.sub(" ", value).strip() if isinstance(value, str) else value
+
+
+def from_vlm2vec(row: dict[str, Any], doc_kind: str = "text") -> dict[str, Any]:
+    """A row of VLM2Vec's columns (`qry` and none of ours) in ours, its texts without the image placeholders; its
+    hard negatives (`NEGATIVES` of `doc_kind`, the documents' kind; VLM2Vec's empty ones left out) its
+    `doc_negatives` where it has none. Any other row as it is."""
     if "qry" not in row or any(ours in row for ours in VLM2VEC.values()):
         return row
     out = {k: v for k, v in row.items() if k not in VLM2VEC}
     for theirs, ours in VLM2VEC.items():
         value = row.get(theirs)
-        out[ours] = _PLACEHOLDER.sub(" ", value).strip() if ours.endswith("_text") and isinstance(value, str) else value
+        out[ours] = _text(value) if ours.endswith("_text") else value
+    if "doc_negatives" not in row:
+        texts, paths = (as_list(row.get(column)) for column in ("neg_text", "neg_image_path"))
+        given = {"neg_text": [_text(t) for t in texts], "neg_image_path": paths}
+        pairs = itertools.zip_longest(*(given[c] for c in NEGATIVES.get(doc_kind, ())), fillvalue="")
+        out["doc_negatives"] = [next(v for v in pair if _given(v)) for pair in pairs if any(map(_given, pair))]
     return out
+
+
+def _given(value: Any) -> bool:
+    return bool(written(value).strip())
 
 
 def written(value: Any) -> str:
