@@ -243,9 +243,9 @@ def test_errors_in_one_line(tmp_path: Path, monkeypatch) -> None:
         "fake.jsonl.zst (Zstandard) needs zstandard: pip install -e '.[data]' (or give it gzipped)",
     )
     fails(
-        tmp_path / "notes.txt.xz",
-        "not an existing .jsonl/.json/.csv/.tsv/.parquet/.arrow (the text ones also compressed: .jsonl.gz, .bz2, .xz, "
-        ".zst) file or save_to_disk folder",
+        tmp_path / "notes.md.xz",
+        "not an existing .jsonl/.json/.csv/.tsv/.txt/.parquet/.arrow (the text ones also compressed: .jsonl.gz, .bz2, "
+        ".xz, .zst) file or save_to_disk folder",
     )
 
 

@@ -214,9 +214,9 @@ def test_errors_in_one_line(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "both" / "a.jsonl", [{"query": "q", "positive": "p"}])
     gzipped(tmp_path / "both" / "a.jsonl")
     fails(tmp_path / "both", "files of 2 formats (.jsonl, .jsonl.gz)", f"{tmp_path / 'both' / '*.jsonl'}")
-    (tmp_path / "notes.txt.gz").write_bytes(gzip.compress(b"query\tpositive\n"))
+    (tmp_path / "notes.md.gz").write_bytes(gzip.compress(b"query\tpositive\n"))
     fails(
-        tmp_path / "notes.txt.gz",
-        "not an existing .jsonl/.json/.csv/.tsv/.parquet/.arrow (the text ones also compressed: .jsonl.gz, .bz2, .xz, "
-        ".zst) file or save_to_disk folder",
+        tmp_path / "notes.md.gz",
+        "not an existing .jsonl/.json/.csv/.tsv/.txt/.parquet/.arrow (the text ones also compressed: .jsonl.gz, .bz2, "
+        ".xz, .zst) file or save_to_disk folder",
     )

@@ -73,7 +73,7 @@ def test_shards_of_one_source_read_as_one_file(tmp_path: Path, tokenizer) -> Non
         (
             f"{tmp_path}/nothing-*.jsonl",
             (
-                "the pattern matches no .jsonl/.json/.csv/.tsv/.parquet/.arrow (the text ones also compressed: "
+                "the pattern matches no .jsonl/.json/.csv/.tsv/.txt/.parquet/.arrow (the text ones also compressed: "
                 ".jsonl.gz, .bz2, .xz, .zst) file",
             ),
         ),

@@ -338,8 +338,8 @@ def build_data(
         )
         if not data.path:
             raise DataError(
-                "data.path is empty: data.dataset='pairs' reads your .jsonl/.json/.csv/.tsv/.parquet file or Hugging "
-                "Face dataset folder; set data.path"
+                "data.path is empty: data.dataset='pairs' reads your .jsonl/.json/.csv/.tsv/.txt/.parquet file or "
+                "Hugging Face dataset folder; set data.path"
             )
         group = host_group() if host_group else None  # every rank is here: the ranks share the tokenization
         train = PairsDataset(

@@ -1,4 +1,4 @@
-"""A data file's format: its suffix (`data_suffix`); JSON lines, JSON, CSV and TSV may come compressed
+"""A data file's format: its suffix (`data_suffix`); JSON lines, JSON, CSV, TSV and plain text may come compressed
 (`train.jsonl.gz`, `collection.tsv.gz`, as sentence-transformers' training files and tevatron's corpora are published;
 `.bz2`, `.xz`, and `.zst` with the `[data]` extra): the format is then the suffix before the compression's, and the
 file is decompressed as it is read (`open_text`), never written out whole."""
@@ -22,7 +22,7 @@ except ImportError:  # without the [data] extra a .zst file is refused before it
 
 __all__ = ["COMPRESSIONS", "DAMAGED", "TEXT_FORMATS", "data_suffix", "file_kind", "formats_named", "open_text"]
 
-TEXT_FORMATS = (".jsonl", ".json", ".csv", ".tsv")
+TEXT_FORMATS = (".jsonl", ".json", ".csv", ".tsv", ".txt")
 """The formats that may come compressed (one of `COMPRESSIONS` after the suffix)."""
 
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
@@ -54,8 +54,8 @@ def file_kind(file: Path) -> str:
 
 
 def open_text(file: Path, newline: str | None = None) -> IO[str]:
-    """A JSON lines, JSON, CSV or TSV file opened to read as text, decompressed as it is read where it is compressed
-    (`COMPRESSIONS`); a byte-order mark is dropped (no JSON, and not part of a CSV's first column)."""
+    """A JSON lines, JSON, CSV, TSV or plain text file opened to read as text, decompressed as it is read where it is
+    compressed (`COMPRESSIONS`); a byte-order mark is dropped (no JSON, and not part of a CSV's first column)."""
     if data_suffix(file) == file.suffix:
         return open(file, encoding="utf-8-sig", newline=newline)
     return _opener(file)(file, "rt", encoding="utf-8-sig", newline=newline)

@@ -2,7 +2,8 @@
 
 Files: `.jsonl` (one JSON object per line, or a JSON list), `.json` (an array of them, or JSON lines), `.csv`
 (comma-separated, a header line), `.tsv` (tab-separated; a header line when `data.pairs_columns` names the columns,
-else none), `.parquet`, and Hugging Face datasets on disk: a `save_to_disk` folder (of a DatasetDict,
+else none), `.txt` (a text a line, the one column `text`: unsupervised SimCSE's data, `data.pairs_columns = ["text",
+"text"]`), `.parquet`, and Hugging Face datasets on disk: a `save_to_disk` folder (of a DatasetDict,
 the split "train" or "test") or an `.arrow` file (`hf_disk`, never the hub). A glob pattern or a folder
 of such files (a dataset repository's shards) is one source, its files read in sorted order (`shards`).
 
@@ -61,7 +62,7 @@ from titan_contrastive.datasets.tables import guarded_rows, opened_rows
 
 logger = logging.getLogger("titan_contrastive")
 
-FORMATS = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".arrow")
+FORMATS = (".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet", ".arrow")
 
 
 class PairRows(NamedTuple):

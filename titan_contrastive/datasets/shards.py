@@ -20,6 +20,9 @@ SAVED = ("dataset_dict.json", "state.json")
 METADATA = ("dataset_info.json", "dataset_infos.json", *SAVED)
 """JSON files that say what a dataset is, never its rows (a Hugging Face repository's, a saved dataset's)."""
 
+ASIDE = (".json", ".txt")
+"""Formats whose files beside files of another format say what those are (a `shards.json`, a `LICENSE.txt`)."""
+
 
 def is_pattern(path: str) -> bool:
     return any(c in path for c in "*?[")
@@ -27,8 +30,8 @@ def is_pattern(path: str) -> bool:
 
 def shard_files(path: str, suffixes: Collection[str], field: str = "data.path") -> list[Path] | None:
     """The data files `path` names when it names several (see the module), sorted: a pattern's matches or a
-    folder's own files with one of `suffixes` (other files are not data, nor `METADATA`, nor `.json` files beside files
-    of another format: a `shards.json`, a `_stats.json`). None for anything else: one file,
+    folder's own files with one of `suffixes` (other files are not data, nor `METADATA`, nor `ASIDE` files beside files
+    of another format: a `shards.json`, a `_stats.json`, a `README.txt`). None for anything else: one file,
     a `save_to_disk` folder, a path that does not exist (its reader says so). A DataError, one line naming the
     `field`, when the pattern or folder holds no such file, or files of more than one format."""
     target = Path(path).expanduser()
@@ -41,8 +44,8 @@ def shard_files(path: str, suffixes: Collection[str], field: str = "data.path") 
     else:
         return None
     files = sorted(p for p in found if p.is_file() and data_suffix(p) in suffixes and p.name not in METADATA)
-    if any(data_suffix(p) != ".json" for p in files):  # JSON beside another format's files says what they are
-        files = [p for p in files if data_suffix(p) != ".json"]
+    if any(data_suffix(p) not in ASIDE for p in files):
+        files = [p for p in files if data_suffix(p) not in ASIDE]
     if not files:
         raise DataError(f"{where} no {formats_named(suffixes)} file; point it at the dataset's data files")
     kinds = sorted({file_kind(p) for p in files})

@@ -1,5 +1,6 @@
 """Rows of a table file, as the text-pair readers take them: JSON lines, JSON (one array of rows, or JSON lines), CSV,
-TSV (with a header line, or without one where the columns are named elsewhere), the four compressed too (`formats`),
+TSV (with a header line, or without one where the columns are named elsewhere), plain text (a text a line, the column
+`text`, as Hugging Face datasets' text builder names it), the five compressed too (`formats`),
 Parquet (pyarrow, the `[data]` extra), and a Hugging Face `save_to_disk` folder or `.arrow` file (`hf_disk`). Shared
 by text pairs (`pairs`), query-document rows with images (`vl_pairs`) and STS evaluation pairs
 (`components/sts_eval`)."""
@@ -17,7 +18,10 @@ from titan_contrastive.datasets.formats import data_suffix, open_text
 from titan_contrastive.datasets.hf_disk import open_hf_dataset
 from titan_contrastive.extras import import_failure
 
-__all__ = ["Rows", "arrow_batches", "guarded_rows", "opened_rows", "read_table", "table_rows"]
+__all__ = ["TEXT_COLUMN", "Rows", "arrow_batches", "guarded_rows", "opened_rows", "read_table", "table_rows"]
+
+TEXT_COLUMN = "text"
+"""A `.txt` file's one column."""
 
 BATCH = 4096
 """Rows an Arrow table (Parquet, a saved dataset) is read by at a time."""
@@ -54,6 +58,8 @@ def table_rows(file: Path, columns: Sequence[str], split: str) -> tuple[list[str
     if kind in (".csv", ".tsv") and not file.is_dir():
         rows = _csv_rows(file, named=kind == ".csv" or bool(columns))
         return next(rows), Rows(rows)
+    if kind == ".txt" and not file.is_dir():
+        return [TEXT_COLUMN], Rows(_text_lines(file))
     names, batches, length = arrow_batches(file, split)
     return names, Rows(_batched(batches), length)
 
@@ -140,6 +146,14 @@ def _csv_rows(file: Path, named: bool) -> Iterator[Any]:
         reader = csv.DictReader(f, **dialect)
         yield list(reader.fieldnames or [])
         yield from reader
+
+
+def _text_lines(file: Path) -> Iterator[dict[str, str]]:
+    """A `.txt` file's rows: each line that is not blank, without its line break (SimCSE's `wiki1m_for_simcse.txt`)."""
+    with open_text(file) as f:
+        for line in f:
+            if line.strip():
+                yield {TEXT_COLUMN: line.rstrip("\n")}
 
 
 def _batched(batches: Iterator[Any]) -> Iterator[dict[str, Any]]:
