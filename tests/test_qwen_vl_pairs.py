@@ -187,7 +187,7 @@ def test_documents_of_an_image_and_a_text_refuse_what_they_cannot_read(tmp_path:
     with pytest.raises(DataError) as err:
         _vl_pairs_run(tmp_path / "a", "t2m", negatives="image")
     message = str(err.value)
-    assert "\n" not in message and "doc_negatives of documents of an image and a text (retrieval_mode=t2m)" in message
+    assert "\n" not in message and "doc_negatives of documents of an image and a text (retrieval mode t2m)" in message
     assert message.endswith("set data.hard_negatives=false")
     trainer = _vl_pairs_run(tmp_path / "b", "t2m", "--data.hard_negatives=false", negatives="image")
     assert trainer.train_set.num_negatives == 0

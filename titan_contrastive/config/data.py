@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from titan_contrastive.config.fields import opt
 
-__all__ = ["Data"]
+__all__ = ["Data", "RetrievalMode"]
+
+RetrievalMode = Literal["t2i", "i2t", "i2i", "t2t", "m2i", "m2t", "t2m", "i2m", "m2m"]
 
 
 @dataclass
@@ -122,9 +124,16 @@ class Data:
     """Mixed resolutions (model.name=vlm or vae): each image is served at one of these square sizes
     (train: drawn per sample and epoch; test: cycled), as Qwen-VL-style packed patches (vlm) or
     zero-padded with a pixel mask (vae). Empty = one size (image_size or native)."""
-    retrieval_mode: Literal["t2i", "i2t", "i2i", "t2t", "m2i", "m2t", "t2m", "i2m", "m2m"] = "t2i"
+    retrieval_mode: RetrievalMode = "t2i"
     """qwen_vl: each side's kind, t (text), i (image) or m (an image and a text): t2i (texts query images), i2t, i2i,
-    t2t, m2i, m2t, t2m, i2m, m2m; image-text data trains t2i and i2t, the others need data.dataset = "vl_pairs"."""
+    t2t, m2i, m2t, t2m, i2m, m2m; image-text data trains t2i and i2t, the others need data.dataset = "vl_pairs".
+    With retrieval_modes, the mode of evaluation (val_path) and of the exported model."""
+    retrieval_modes: list[str] = opt(
+        [], lambda v: set(v) <= set(get_args(RetrievalMode)), f"a list of {', '.join(get_args(RetrievalMode))}"
+    )
+    """vl_pairs: one retrieval mode per `::`-joined source of `path` (MMEB's tasks: VQA in m2t beside retrieval in t2i,
+    ...), with same_source_batches = true (a step is one source's, so of one mode); a t2t source joins no other mode.
+    Empty = retrieval_mode for every source."""
     min_pixels: int = opt(0, lambda v: v >= 0, "an integer >= 0")
     """qwen_vl: images resized to at least this many pixels; 0 = the model folder's image processor's."""
     max_pixels: int = opt(0, lambda v: v >= 0, "an integer >= 0")

@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from titan_contrastive.batching import IMAGE_FIELDS, BatchError
+from titan_contrastive.datasets.base import DataError
 
-__all__ = ["MODES", "unpack_batch"]
+__all__ = ["MODES", "source_modes", "unpack_batch"]
 
 TEXT_FIELDS = ("input_ids", "attention_mask")
 
@@ -30,6 +31,39 @@ MODES: dict[str, tuple[str, str]] = {
     "i2m": ("image", "multi"),
     "m2m": ("multi", "multi"),
 }
+
+
+def source_modes(data: Any) -> list[str]:
+    """The retrieval mode of each `::`-joined source of `data.path` (`data.retrieval_modes`, else `data.retrieval_mode`
+    for each); a DataError, one line naming the field, for modes of data other than vl_pairs rows, one per source,
+    several mixed within a step (without `data.same_source_batches`), or t2t beside another (its steps would leave
+    the vision tower without gradients, which DDP needs every step)."""
+    parts = data.path.split("::")
+    modes = list(data.retrieval_modes)
+    if not modes:
+        return [data.retrieval_mode] * len(parts)
+    given = f"data.retrieval_modes={modes}"
+    if data.dataset != "vl_pairs":
+        raise DataError(
+            f"{given}: per-source modes are for vl_pairs rows, not data.dataset={data.dataset!r}; leave it empty "
+            "and set data.retrieval_mode"
+        )
+    if len(modes) != len(parts):
+        raise DataError(
+            f"{given}: {len(modes)} mode(s) for the {len(parts)} source(s) in data.path; give one per '::'-joined "
+            "source, or leave it empty for data.retrieval_mode"
+        )
+    if len(set(modes)) > 1 and not data.same_source_batches:
+        raise DataError(
+            f"{given}: a batch holds the rows of one mode; set data.same_source_batches = true (each step one "
+            "source's), or train one mode"
+        )
+    if "t2t" in modes and len(set(modes)) > 1:
+        raise DataError(
+            f"{given}: a t2t step would leave the vision tower without gradients, which the other modes train (and "
+            "DDP needs each step); train the t2t source apart, or give its rows images"
+        )
+    return modes
 
 
 def _pick(batch: Mapping[str, Any], prefix: str, field: str, legacy: bool) -> Any:

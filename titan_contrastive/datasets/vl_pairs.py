@@ -28,7 +28,10 @@ Several files join with `::` (`mixing.SourceMix`, weighted by `data.upsampling_f
 relative to each file's folder; a bad row's substitute comes from its own file). Each file may have
 its own side templates (`data.query_prompts`, `data.doc_prompts`: a task's instruction, as VLM2Vec
 gives each dataset one), used in place of the model's (`model.query_prompt`, `doc_prompt`) for its
-rows, its hard negatives included; "" keeps the model's.
+rows, its hard negatives included; "" keeps the model's. Each file may have its own retrieval mode
+(`data.retrieval_modes`: MMEB's VQA in m2t beside its retrieval in t2i), read as `vl_files.VLFile` says; a batch is
+one file's (`data.same_source_batches`), so of one mode, and a side of another kind than the model's takes that kind's
+default template (`SideProcessor.template`) unless the file has its own.
 With `[loss] teacher_embeddings` (or `guide_embeddings`), a file of a frozen model's embeddings of the rows' queries and
 documents written ahead (`embed_images`, keyed as `vl_items` says), each batch carries the vectors of its queries and
 documents (`frozen_query` [B, d], `frozen_doc` [B, d] or [B, 1 + k, d] with its hard negatives).
@@ -38,12 +41,10 @@ documents: recall@1/5/10 query -> document and back.
 
 from __future__ import annotations
 
-import csv
 import logging
-from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,31 +54,29 @@ from titan_contrastive.batching import OWN_GROUP, TEACHER_SCORES
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.files import MAX_SUBSTITUTES
-from titan_contrastive.datasets.formats import data_suffix, formats_named
 from titan_contrastive.datasets.image_keys import image_key
 from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, in_batch_per_source, joins, split_sources
-from titan_contrastive.datasets.packed_rows import PackedRows, Unpackable, packable
 from titan_contrastive.datasets.pair_rows import document_scores
 from titan_contrastive.datasets.pools import Pools
 from titan_contrastive.datasets.retrieval import MODES
-from titan_contrastive.datasets.shards import shard_files
-from titan_contrastive.datasets.sources import BadSample, read_file, rooted
-from titan_contrastive.datasets.tables import table_rows
+from titan_contrastive.datasets.sources import BadSample, read_file
+from titan_contrastive.datasets.vl_files import (
+    COLUMNS,
+    NEGATIVES_COLUMN,
+    SCORES_COLUMN,
+    SIDES,
+    VLFile,
+    needed,
+    read_source,
+)
 from titan_contrastive.datasets.vl_items import FILE_SIDES, Item, carried, item_key, side_key
-from titan_contrastive.datasets.vl_rows import as_list, from_vlm2vec, written
+from titan_contrastive.datasets.vl_rows import as_list, written
 
 __all__ = ["COLUMNS", "VLPairsDataset", "family_refusal"]
 
 logger = logging.getLogger("titan_contrastive")
 
-FORMATS = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
-SIDES = ("query", "doc")
-FIELDS = {"text": ("text",), "image": ("image",), "multi": ("image", "text")}
-"""A side's kind -> the fields a row needs for it."""
-COLUMNS = tuple(f"{side}_{field}" for side in SIDES for field in ("image", "text"))
-NEGATIVES_COLUMN = "doc_negatives"
-SCORES_COLUMN = "doc_scores"
 KEYS = "frozen_keys"
 """A sample's (query key, document key, hard negatives' keys, where) with a frozen model's embeddings (`vl_items`)."""
 
@@ -104,6 +103,7 @@ class VLPairsDataset:
         split: str,
         path: str,
         mode: str,
+        modes: Sequence[str] = (),
         hard_negatives: bool = True,
         negatives_per_row: int = 0,
         seed: int = 0,
@@ -114,37 +114,46 @@ class VLPairsDataset:
         teacher: str = "",
         image_root: str = "",
     ) -> None:
-        """`negatives_per_row`: k > 0 serves k of each row's `doc_negatives` per epoch, drawn by `seed`
-        (`pools.Pools`); 0 serves them all, as many per row as the first row's. `in_batch_negatives`: one per
+        """`modes`: one retrieval mode per `::`-joined file (`data.retrieval_modes`; a batch's rows are of one mode);
+        empty: `mode` for each. `negatives_per_row`: k > 0 serves k of each row's `doc_negatives` per epoch, drawn by
+        `seed` (`pools.Pools`); 0 serves them all, as many per row as the first row's. `in_batch_negatives`: one per
         file, false flags its queries to be scored against their own documents only (`batching.OWN_GROUP`).
         `teacher`: the loss.distill kind that reads the rows' `doc_scores` (the train split; "": none).
         `image_root`: the folder relative image paths are read from (`data.image_root`; "": each file's own)."""
         self.image_root = Path(image_root).expanduser() if image_root else None
-        if mode not in MODES:
-            raise DataError(f"data.retrieval_mode={mode!r}: vl_pairs trains {', '.join(MODES)}")
-        self.kinds = dict(zip(SIDES, MODES[mode]))
-        self.needed = [f"{side}_{field}" for side, kind in self.kinds.items() for field in FIELDS[kind]]
         key = "data.path" if split == "train" else "data.val_path"
         parts, factors = split_sources(path, factors)
+        modes = list(modes) or [mode] * len(parts)
+        for given in modes:
+            if given not in MODES:
+                raise DataError(f"data.retrieval_mode={given!r}: vl_pairs trains {', '.join(MODES)}")
         self.templates = {"query": list(query_templates), "doc": list(doc_templates)}
         """Per side, one template per file (`data.query_prompts` / `doc_prompts`; "": the model's), or none."""
         for side, given in self.templates.items():
             check_per_source(f"{side}_prompts", given, parts, empty="the model's")
         self.scored = bool(teacher) and split == "train"
         """Whether rows give a teacher's scores of their documents (`SCORES_COLUMN`), served as TEACHER_SCORES."""
-        self._columns = (*self.needed, NEGATIVES_COLUMN, *((SCORES_COLUMN,) if self.scored else ()))
-        """What a file's row holds (`_File.rows`), in this order."""
-        self._files = [self._read_source(part, key, mode, split) for part in parts]
+        used = {c for m in modes for c in needed(m)}
+        self._columns = (
+            *(c for c in COLUMNS if c in used),
+            NEGATIVES_COLUMN,
+            *((SCORES_COLUMN,) if self.scored else ()),
+        )
+        """What a file's row holds (`VLFile.rows`), in this order."""
+        self._files = [
+            read_source(part, key, m, split, self._columns, self.image_root, self.scored)
+            for part, m in zip(parts, modes)
+        ]
         if self.scored:
             logger.info(f"vl_pairs: the teacher's scores of each served document from {path} (loss.distill={teacher})")
-        self.negative_kind = "text" if self.kinds["doc"] == "text" else "image"
         counts = {f.source: int(f.negatives[0]) for f in self._files}
         served = hard_negatives and split == "train"
         self.num_negatives = next(iter(counts.values())) if served else 0
-        if self.kinds["doc"] == "multi" and served and any(f.negatives.any() for f in self._files):
+        multi = next((f for f in self._files if f.kinds["doc"] == "multi" and f.negatives.any()), None)
+        if multi is not None and served:
             raise DataError(
-                f"{key}={path}: {NEGATIVES_COLUMN} of documents of an image and a text (retrieval_mode={mode}) are "
-                "not read (a negative would need both); set data.hard_negatives=false"
+                f"{key}={multi.source}: {NEGATIVES_COLUMN} of documents of an image and a text (retrieval mode "
+                f"{multi.mode}) are not read (a negative would need both); set data.hard_negatives=false"
             )
         self._pools: list[Pools] | None = None
         """With negatives_per_row (train split): per file, each row's draw of its negatives."""
@@ -193,78 +202,6 @@ class VLPairsDataset:
         self._frozen: Any = None
         self.views = 0
 
-    def _read_source(self, path: str, key: str, mode: str, split: str) -> _File:
-        """One source's rows: its file's, or the rows of each file a pattern or a folder of shards names
-        (`shards.shard_files`) in order, each file's image paths made absolute from its own folder; packed
-        (`packed_rows.PackedRows`) as they are read, each row's count of hard negatives beside them."""
-        shards = shard_files(path, FORMATS)
-        files = [Path(path).expanduser()] if shards is None else shards
-        for file in files:
-            if data_suffix(file) not in FORMATS or not file.is_file():
-                raise DataError(
-                    f"{key}={path}: not an existing {formats_named(FORMATS)} file; data.dataset='vl_pairs' reads rows "
-                    f"with the columns {', '.join(COLUMNS)}"
-                )
-        negatives, at, place = array("q"), [files[0], 0], self._columns.index(NEGATIVES_COLUMN)
-
-        def rows() -> Iterator[list[Any]]:  # every file's, each row's count of hard negatives kept as it goes
-            for file in files:
-                for values in self._file_rows(file, shards is not None and not self.image_root, mode, split, at):
-                    negatives.append(len(as_list(values[place])))
-                    yield values
-
-        try:
-            packed = PackedRows(rows())
-        except Unpackable as e:
-            column, value = next((c, v) for c, v in zip(self._columns, e.value) if not packable(v))
-            raise DataError(
-                f"{at[0]}: row {at[1]}: {column} holds a {type(value).__name__}; "
-                "vl_pairs reads texts and image paths (strings), lists of them and numbers: write the images as files "
-                "and their paths in the column"
-            ) from None
-        except DataError:
-            raise
-        except (OSError, UnicodeDecodeError, csv.Error) as e:
-            raise DataError(f"{at[0]}: not readable ({type(e).__name__}: {e})") from None
-        except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file, a decompressor's
-            kind = data_suffix(at[0])[1:]
-            raise DataError(f"{at[0]}: not a readable {kind} file ({type(e).__name__}: {e})") from None
-        return _File(self.image_root or files[0].parent, path, packed, np.frombuffer(negatives, dtype=np.int64))
-
-    def _file_rows(self, file: Path, rooted: bool, mode: str, split: str, at: list[Any]) -> Iterator[list[Any]]:
-        """One file's rows, each its values of the dataset's columns (`_columns`) as it is read, `at` the file and the
-        row (from 1); `rooted`: image paths made absolute from the file's folder. A DataError naming what is wrong."""
-        at[:] = [file, 0]
-        images = {c for c in self.needed if c.endswith("_image")} | (
-            {NEGATIVES_COLUMN} if self.kinds["doc"] != "text" else set()
-        )
-        root = str(file.parent.absolute())
-        seen: set[str] = set()
-        _, rows = table_rows(file, (*COLUMNS, NEGATIVES_COLUMN, SCORES_COLUMN), split)
-        for n, row in enumerate(rows, 1):
-            at[1] = n
-            if not isinstance(row, dict):
-                raise DataError(
-                    f"{file}: row {n}: rows must be JSON objects (or a header line) naming {', '.join(self.needed)}"
-                )
-            row = from_vlm2vec(row, self.kinds["doc"])
-            seen.update(row)
-            yield [_rooted(root, c, row.get(c)) if rooted and c in images else row.get(c) for c in self._columns]
-        if not at[1]:
-            raise DataError(f"{file}: no rows; give one row per query-document pair with {', '.join(self.needed)}")
-        missing = [c for c in self.needed if c not in seen]
-        if missing:
-            raise DataError(
-                f"{file}: no column {', '.join(missing)}; data.retrieval_mode={mode} needs "
-                f"{', '.join(self.needed)} (image paths relative to the file's folder)"
-            )
-        if self.scored and SCORES_COLUMN not in seen:
-            raise DataError(
-                f"{file}: loss.distill reads a teacher's scores of each row's documents from a {SCORES_COLUMN} column "
-                f"(the document's, then each of {NEGATIVES_COLUMN}'), and it has none; add it, or leave loss.distill "
-                "empty"
-            )
-
     def __len__(self) -> int:
         return len(self._files[0].rows) if self._mix is None else len(self._mix)
 
@@ -288,15 +225,16 @@ class VLPairsDataset:
             )
         if not hasattr(process, "sides"):
             raise DataError("data.dataset='vl_pairs' needs a processor that fills both sides: use model.name='qwen_vl'")
-        for side, given in self.templates.items():
-            for i, template in enumerate(given):
-                if template:
-                    process.check_template(side, template, f"data.{side}_prompts[{i}]")
-        if any(self.templates.values()):
-            for i, file in enumerate(self._files):
-                shown = {s: (t[i] if t and t[i] else process.templates[s]) for s, t in self.templates.items()}
-                logger.info(f"vl_pairs: {file.source}: query template {shown['query']!r}, document {shown['doc']!r}")
         self._process, self.tokenizer = process, process.tokenizer
+        for i, file in enumerate(self._files):
+            shown = {side: self._template(side, i) for side in SIDES}
+            for side, template in shown.items():
+                given = bool(self.templates[side] and self.templates[side][i])
+                key = f"data.{side}_prompts[{i}]" if given else f"model.{side}_prompt (or {file.mode}'s default)"
+                process.check_template(side, template, key, file.mode)
+            if any(self.templates.values()) or file.mode != process.mode:
+                shown_as = f"query template {shown['query']!r}, document {shown['doc']!r}"
+                logger.info(f"vl_pairs: {file.source} ({file.mode}): {shown_as}")
 
     def pack_patches(self, *args: Any) -> None:
         raise DataError(family_refusal("vlm"))
@@ -304,7 +242,7 @@ class VLPairsDataset:
     def serve_masked(self, *args: Any) -> None:
         raise DataError(family_refusal("vae"))
 
-    def _value(self, file: _File, column: str, kind: str, value: Any, key: str, keyed: bool) -> tuple[Any, str]:
+    def _value(self, file: VLFile, column: str, kind: str, value: Any, key: str, keyed: bool) -> tuple[Any, str]:
         """One field and its key: a text stripped (its own key), or an image path read and decoded to a uint8 HWC array
         and, where `keyed` (a frozen model's embeddings are looked up or written), the SHA-1 of the file's bytes
         (`image_keys.image_key`; else ""); BadSample."""
@@ -334,7 +272,7 @@ class VLPairsDataset:
         row, key = dict(zip(self._columns, file.rows[j])), str(j)
         keyed = self._frozen is not None
         fields = {
-            c: self._value(file, c, "text" if c.endswith("_text") else "image", row[c], key, keyed) for c in self.needed
+            c: self._value(file, c, "text" if c.endswith("_text") else "image", row[c], key, keyed) for c in file.needed
         }
         out: dict[str, Any] = {c: value for c, (value, _) in fields.items()}
         negatives, places = as_list(row[NEGATIVES_COLUMN]), list(range(self.num_negatives))
@@ -345,7 +283,7 @@ class VLPairsDataset:
         elif self.num_negatives and len(negatives) != self.num_negatives:
             detail = f"{NEGATIVES_COLUMN} holds {len(negatives)}, the first row {self.num_negatives}"
             raise BadSample("ragged_negatives", file.source, key, detail)
-        picked = [self._value(file, NEGATIVES_COLUMN, self.negative_kind, negatives[p], key, keyed) for p in places]
+        picked = [self._value(file, NEGATIVES_COLUMN, file.negative_kind, negatives[p], key, keyed) for p in places]
         if self.num_negatives:
             out[NEGATIVES_COLUMN] = [value for value, _ in picked]
         if self._frozen is not None:
@@ -372,7 +310,7 @@ class VLPairsDataset:
             for side in SIDES
         ]
         doc = self._template("doc", source)
-        return (*own, [side_key(self.kinds["doc"], doc, k, k) for k in negatives], where)
+        return (*own, [side_key(self._files[source].kinds["doc"], doc, k, k) for k in negatives], where)
 
     def _read(self, index: int, bad: list[BadSample]) -> tuple[int, dict[str, Any]]:
         """Sample `index`'s file and fields, or those of the next good row of its file (each bad one appended
@@ -395,10 +333,17 @@ class VLPairsDataset:
             raise DataError(family_refusal("this family"))
         bad: list[BadSample] = []
         sources, rows = zip(*(self._read(int(i), bad) for i in indices))
-        fields = {c: [r[c] for r in rows] if c in self.needed else None for c in COLUMNS}
+        modes = {self._files[s].mode for s in sources}
+        if len(modes) > 1:
+            raise DataError(
+                f"a batch of rows of the retrieval modes {sorted(modes)}: a batch is one mode's; set "
+                "data.same_source_batches = true"
+            )
+        (mode,) = modes
+        fields = {c: [r[c] for r in rows] if c in needed(mode) else None for c in COLUMNS}
         negatives = [n for r in rows for n in r.get(NEGATIVES_COLUMN, ())]  # k per row, row after row
         templates = {side: [given[s] for s in sources] for side, given in self.templates.items() if given}
-        batch = self._process.sides(*(fields[c] for c in COLUMNS), negatives=negatives, templates=templates)
+        batch = self._process.sides(*(fields[c] for c in COLUMNS), negatives=negatives, templates=templates, mode=mode)
         if self._own is not None:
             batch[OWN_GROUP] = torch.tensor([self._own[s] for s in sources])
         if self.scored:
@@ -408,9 +353,10 @@ class VLPairsDataset:
         return {**batch, "index": torch.as_tensor(list(indices), dtype=torch.long), BAD_SAMPLES: bad}
 
     def _template(self, side: str, source: int) -> str:
-        """The template of `side` ("query" or "doc") for the rows of file `source`: its own, else the model's."""
+        """The template of `side` ("query" or "doc") for the rows of file `source`: its own, else the model's for its
+        mode (`SideProcessor.template`)."""
         given = self.templates[side]
-        return (given[source] if given else "") or self._process.templates[side]
+        return (given[source] if given else "") or self._process.template(side, self._files[source].mode)
 
     def carry_frozen(self, table: Any, probe: int = 16) -> None:
         """Serve a frozen model's embeddings beside each sample (a `datasets.frozen.EmbeddingTable` of this data's
@@ -419,6 +365,7 @@ class VLPairsDataset:
         `probe` samples are looked up here, before any compute; a sample the file misses later is a DataError when
         its batch is made."""
         table.check_sides(tuple(FILE_SIDES.values()), "vl_pairs rows look up each query and document")
+        self._one_mode("a frozen model's embeddings (loss.teacher_embeddings, guide_embeddings)")
         self._frozen = table
         bad: list[BadSample] = []
         self._frozen_of([self._read(i, bad)[1][KEYS] for i in range(min(probe, len(self)))])
@@ -431,26 +378,36 @@ class VLPairsDataset:
         """Each query and each document an epoch can serve (every hard negative of every row, whichever an epoch
         draws), by the file's side (`query`, `document`), each once, in row order: what a frozen model embeds ahead
         (`embed_images`)."""
+        self._one_mode("embed_images")
         found: dict[str, dict[Item, None]] = {side: {} for side in FILE_SIDES.values()}
         for s, file in enumerate(self._files):
             for values in file.rows:
                 row = dict(zip(self._columns, values))
                 for side, name in FILE_SIDES.items():
-                    kind = self.kinds[side]
+                    kind = file.kinds[side]
                     text = written(row.get(f"{side}_text")) if kind != "image" else ""
                     image = written(row.get(f"{side}_image")) if kind != "text" else ""
                     found[name].setdefault(Item(s, self._template(side, s), text, image), None)
                 for value in as_list(row.get(NEGATIVES_COLUMN)) if self.num_negatives else ():
-                    text, image = (written(value), "") if self.negative_kind == "text" else ("", written(value))
+                    text, image = (written(value), "") if file.negative_kind == "text" else ("", written(value))
                     found["document"].setdefault(Item(s, self._template("doc", s), text, image), None)
         return {side: list(items) for side, items in found.items()}
+
+    def _one_mode(self, what: str) -> None:
+        """A DataError naming `what` where the files are of several retrieval modes (`data.retrieval_modes`)."""
+        modes = sorted({f.mode for f in self._files})
+        if len(modes) > 1:
+            raise DataError(
+                f"{what}: rows of several retrieval modes ({', '.join(modes)}, data.retrieval_modes) are not embedded "
+                "ahead; embed and train each mode apart, or train without it"
+            )
 
     def item_inputs(self, side: str, items: Sequence[Item]) -> tuple[dict[str, torch.Tensor], list[str]]:
         """The processor's inputs of `items` of the file's `side` (`frozen_items`): `ids`, and with images
         `pixel_values` and `image_grid_thw`, and their keys (`vl_items.item_key`); an item whose text is empty or
         whose image is missing or does not decode is left out (training never serves it). ({}, []) when none is
         left."""
-        kind = self.kinds["query" if side == "query" else "doc"]
+        kind = self._files[0].kinds["query" if side == "query" else "doc"]
         templates, texts, images, keys = [], [], [], []
         for item in items:
             file = self._files[item.source]
@@ -468,22 +425,3 @@ class VLPairsDataset:
         if not keys:
             return {}, []
         return self._process.items(templates, texts, None if kind == "text" else images), keys
-
-
-class _File(NamedTuple):
-    root: Path
-    """Image paths are relative to it (`data.image_root`, else the file's folder)."""
-    source: str
-    rows: PackedRows
-    """Per row, its values of the dataset's columns (`VLPairsDataset._columns`), in that order."""
-    negatives: np.ndarray
-    """int64 [rows]: how many hard negatives each row holds."""
-
-
-def _rooted(root: str, column: str, value: Any) -> Any:
-    """An image column's value with its paths made absolute from the folder `root` (an absolute path stays as it is)."""
-    if not value:
-        return value
-    if column == NEGATIVES_COLUMN:
-        return [rooted(root, v) for v in as_list(value)]
-    return rooted(root, value)

@@ -34,7 +34,7 @@ from titan_contrastive.batching import NEGATIVES, right_trimmed
 from titan_contrastive.components.lora import LoraFields, add_lora
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.retrieval import MODES
+from titan_contrastive.datasets.retrieval import MODES, source_modes
 from titan_contrastive.models.bi_encoder.colbert import refuse_for_colbert
 from titan_contrastive.models.bi_encoder.folder import layer_blocks, load_config, read_text_folder
 from titan_contrastive.models.bi_encoder.pooling import pooled
@@ -94,6 +94,8 @@ class QwenVLArgs(LoraFields):
     mode: str = "t2i"
     """`[data] retrieval_mode`: t2i (captions query images), i2t, i2i, t2t, m2i (image + text queries, images),
     m2t (image + text queries, texts), t2m, i2m, m2m (image + text documents)."""
+    modes: tuple[str, ...] = ()
+    """Every mode the run trains and evaluates: its sources' (`[data] retrieval_modes`) and `mode`; () = `mode`."""
     pooling: str = "last_token"
     query_template: str = TEMPLATES["text"]
     """The queries' template (`[model] query_prompt`; `auto`: `TEMPLATES` of the side's kind): `{text}`
@@ -122,9 +124,11 @@ class QwenVLArgs(LoraFields):
         mode = cfg.data.retrieval_mode
         if mode not in MODES:
             raise ConfigError(f"data.retrieval_mode={mode!r}: the qwen_vl family trains {', '.join(MODES)}")
-        if cfg.loss.mask_duplicates and MODES[mode][1] != "text":
+        every = tuple(dict.fromkeys([*source_modes(cfg.data), mode]))
+        imaged = next((m for m in every if MODES[m][1] != "text"), "")
+        if cfg.loss.mask_duplicates and imaged:
             raise ConfigError(
-                f"loss.mask_duplicates=true with retrieval_mode={mode}: duplicates are found by their token ids, "
+                f"loss.mask_duplicates=true with retrieval_mode={imaged}: duplicates are found by their token ids, "
                 "and an image document's ids are its template and visual-token placeholders (two different "
                 "images of one size look alike); use loss.mask_margin or mask_relative, or set it false"
             )
@@ -159,7 +163,7 @@ class QwenVLArgs(LoraFields):
         late = pooling == "colbert"
         if late:
             refuse_for_colbert(cfg)
-            if "image" in MODES[mode] or "multi" in MODES[mode]:
+            if any(MODES[m] != ("text", "text") for m in every):
                 most = VLProcessor(path, cfg.data.min_pixels, cfg.data.max_pixels, 0).most_visual_tokens
                 if most > MOST_VISUAL_TOKENS:
                     raise ConfigError(
@@ -171,6 +175,7 @@ class QwenVLArgs(LoraFields):
             self,
             path=path,
             mode=mode,
+            modes=every,
             pooling=pooling,
             query_template=templates["query"],
             doc_template=templates["doc"],
@@ -260,10 +265,18 @@ class SideProcessor:
             else f"data.retrieval_mode={args.mode} needs rows with a query and a document: data.dataset='vl_pairs'"
         )
 
-    def check_template(self, side: str, template: str, key: str) -> None:
-        """A template for `side` in this mode (`data.query_prompts` / `doc_prompts` of vl_pairs data), or
-        one ConfigError naming `key`; under ColBERT pooling, one that fits the side's length (`side_tokens`)."""
-        check_template(side, self.kinds[side], template, self.mode, key)
+    def template(self, side: str, mode: str) -> str:
+        """`side`'s template for rows of `mode` (a source's, `[data] retrieval_modes`): the model's where the side is of
+        the model's kind, else the kind's default (`TEMPLATES`)."""
+        kind = dict(zip(SIDES, MODES[mode]))[side]
+        return self.templates[side] if kind == self.kinds[side] else TEMPLATES[kind]
+
+    def check_template(self, side: str, template: str, key: str, mode: str = "") -> None:
+        """A template for `side` in `mode` (default: the model's; `data.query_prompts` / `doc_prompts` of vl_pairs
+        data, a source's own), or one ConfigError naming `key`; under ColBERT pooling, one that fits the side's length
+        (`side_tokens`)."""
+        mode = mode or self.mode
+        check_template(side, dict(zip(SIDES, MODES[mode]))[side], template, mode, key)
         if self.lengths and self.proc.most_tokens(template) + JOIN_SLACK > self.lengths[side]:
             raise ConfigError(
                 f"{key}={template!r}: it gives up to {self.proc.most_tokens(template)} tokens, and model.pooling="
@@ -289,20 +302,24 @@ class SideProcessor:
         doc_texts: Sequence[str] | None,
         negatives: Sequence[str] | Sequence[np.ndarray] = (),
         templates: dict[str, Sequence[str]] | None = None,
+        mode: str = "",
     ) -> dict[str, Tensor]:
         """The batch of these samples: uint8 HWC images and texts per side; `negatives`: k hard negatives
         per sample, row after row, documents of the documents' kind (texts, or images): `neg` [B, k, L]
         ids, and for images `neg_pixel_values` + `neg_image_grid_thw` (k per sample; empty otherwise).
         `templates`: a side's template per sample in place of its own ("": its own; a source's template,
-        `datasets.vl_pairs`); the negatives take their row's document template."""
+        `datasets.vl_pairs`); the negatives take their row's document template. `mode`: the samples' (a source's,
+        `[data] retrieval_modes`; default the model's), each side of its kind and by default its `template`."""
+        mode = mode or self.mode
+        kinds = dict(zip(SIDES, MODES[mode]))
         given = {"query": (query_images, query_texts), "doc": (doc_images, doc_texts)}
         own = (templates or {}).get
         chosen = {
-            side: [t or self.templates[side] for t in own(side)] if own(side) else self.templates[side]
+            side: [t or self.template(side, mode) for t in own(side)] if own(side) else self.template(side, mode)
             for side in SIDES
         }
         batch: dict[str, Tensor] = {}
-        for side, kind in self.kinds.items():
+        for side, kind in kinds.items():
             images, texts = given[side]
             images = None if kind == "text" else images
             count = len(texts) if texts is not None else len(images) if images is not None else 0
@@ -324,7 +341,7 @@ class SideProcessor:
             template = (
                 chosen["doc"] if isinstance(chosen["doc"], str) else [t for t in chosen["doc"] for _ in range(per_row)]
             )
-            if self.kinds["doc"] == "text":
+            if kinds["doc"] == "text":
                 ids = self.proc.encode(template, negatives, None)["ids"]
             else:
                 out = self.proc.encode(template, [""] * len(negatives), negatives)
@@ -400,7 +417,8 @@ class QwenVLEmbedder(PretrainedScale, nn.Module):
         self.tower = load_text_tower(args.path, attention=args.attn_implementation)
         if args.lora_rank:
             add_lora(self.tower, args)
-        if MODES[args.mode] == ("text", "text"):  # t2t never runs the vision tower: frozen (DDP needs every grad)
+        if all(MODES[m] == ("text", "text") for m in args.modes or (args.mode,)):  # t2t never runs the vision
+            # tower: frozen (DDP needs every grad)
             for p in getattr(self.tower, "visual", nn.Module()).parameters():
                 p.requires_grad_(False)
         width = self.tower.config.get_text_config().hidden_size

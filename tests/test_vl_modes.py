@@ -1,0 +1,132 @@
+"""A retrieval mode per vl_pairs source (`data.retrieval_modes`, MMEB's training mix: VQA in m2t beside retrieval in
+t2i): with `data.same_source_batches` each step is one source's, so of one mode; each source's batch is what that
+source alone gives in its mode (the sides of another kind than the model's with that kind's default template), and
+GradCache on it equals the dense objective in float64; modes that cannot train together are one line at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.needs import require
+from tests.test_hard_negatives import assert_grads_close
+from tests.test_hf_text import grads
+from tests.test_pairs_data import _one_line
+from tests.test_qwen_vl import REL, _dense, vl_run
+from tests.test_qwen_vl_pairs import _vl_pairs
+from titan_contrastive.config import ConfigError
+from titan_contrastive.config.manager import parse_args
+from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.retrieval import source_modes
+
+require("hf")
+
+KEYS = ("query", "doc", "query_pixel_values", "query_image_grid_thw", "doc_pixel_values", "doc_image_grid_thw")
+
+
+def _mixed(tmp: Path, *extra: str, mode: str = "t2i"):
+    """A trainer (model mode `mode`) on two sources, m2t rows then t2i rows, each step one source's."""
+    first, second = _vl_pairs(tmp / "a"), _vl_pairs(tmp / "b", count=8)
+    trainer = vl_run(
+        tmp,
+        "qwen2_vl",
+        "--data.dataset=vl_pairs",
+        f"--data.path={first}::{second}",
+        f"--data.retrieval_mode={mode}",
+        "--data.retrieval_modes=m2t,t2i",
+        "--data.same_source_batches=true",
+        "--training.local_batch_size=4",
+        *extra,
+        sizes=(),
+    )
+    return trainer, first, second
+
+
+@pytest.mark.parametrize("chunks", ["--gradcache.chunk_sizes=3", "--gradcache.chunk_tokens=70"])
+def test_each_source_in_its_own_mode_equals_the_dense_objective(tmp_path: Path, chunks: str) -> None:
+    from titan_contrastive.datasets.vl_pairs import VLPairsDataset
+
+    trainer, first, second = _mixed(tmp_path, "--gradcache.enabled=true", chunks)
+    trainer.model.eval()
+    data = trainer.train_set
+    assert any(p.requires_grad for p in trainer.model.tower.visual.parameters())
+    image_token = trainer.model.tower.config.image_token_id
+    for path, mode, rows in ((first, "m2t", range(4)), (second, "t2i", range(9, 13))):
+        batch = data.__getitems__(list(rows))
+        alone = VLPairsDataset(split="train", path=str(path), mode=mode)
+        alone.serve_processed(data._process)
+        want = alone.__getitems__([r - rows[0] for r in rows])
+        for key in KEYS:
+            assert torch.equal(batch[key], want[key]), (mode, key)
+        query_images, doc_images = (len(batch[f"{side}_image_grid_thw"]) for side in ("query", "doc"))
+        assert (query_images, doc_images) == ((4, 0) if mode == "m2t" else (0, 4))
+        words = (batch["query"] != -1).sum(1) - (batch["query"] == image_token).sum(1)
+        assert (words > 2).all()  # m2t: its text beside the image's tokens; t2i: the caption
+        if mode == "m2t":  # the multi query's and the text document's default templates, not the model's t2i ones
+            assert data._template("query", 0) == "{image} {text}" and data._template("doc", 0) == "{text}"
+        batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        trainer.train_step([batch])
+        want_loss, want_grads = _dense(trainer, [batch])
+        out = trainer.train_step([batch])
+        assert_grads_close(grads(trainer.model), want_grads)
+        assert abs(out["loss"] - want_loss) <= REL * want_loss
+    trainer.metrics.close()
+
+
+def test_a_run_of_two_modes_trains_and_evaluates(tmp_path: Path) -> None:
+    """Steps alternate between the sources (each step one source's), nothing is a bad sample, and the held-out split
+    is evaluated in data.retrieval_mode (t2t: its vision tower is trained all the same, for the sources' images)."""
+    held_out = _vl_pairs(tmp_path / "val", count=6)
+    trainer, _, _ = _mixed(
+        tmp_path, "--training.steps=4", f"--data.val_path={held_out}", "--eval.enable=true", mode="t2t"
+    )
+    assert all(p.requires_grad for p in trainer.model.tower.visual.parameters())
+    order = trainer.loader.sampler.global_order().tolist()
+    assert {tuple({i >= 9 for i in order[j : j + 4]}) for j in range(0, len(order), 4)} == {(False,), (True,)}
+    trainer.train()
+    assert trainer.step == 4 and not trainer.loader.bad_samples.values()
+    results = trainer.evaluate()
+    assert results["num_samples"] == 6 and 0 <= results["query_to_doc_r@1"] <= 1
+    trainer.metrics.close()
+
+
+def test_modes_that_cannot_train_together_are_one_line(tmp_path: Path) -> None:
+    def data(**fields):
+        given = dict(dataset="vl_pairs", path="a.jsonl::b.jsonl", retrieval_mode="t2i", same_source_batches=True)
+        return SimpleNamespace(**(given | fields))
+
+    assert source_modes(data(retrieval_modes=[])) == ["t2i", "t2i"]
+    assert source_modes(data(retrieval_modes=["m2t", "i2t"])) == ["m2t", "i2t"]
+    cases = [
+        (dict(dataset="pairs", retrieval_modes=["m2t", "t2i"]), "per-source modes are for vl_pairs rows"),
+        (dict(retrieval_modes=["m2t"]), "1 mode(s) for the 2 source(s) in data.path"),
+        (dict(retrieval_modes=["m2t", "t2i"], same_source_batches=False), "set data.same_source_batches = true"),
+        (dict(retrieval_modes=["t2t", "t2i"]), "a t2t step would leave the vision tower without gradients"),
+    ]
+    for fields, needle in cases:
+        with pytest.raises(DataError) as err:
+            source_modes(data(**fields))
+        _one_line(err, "data.retrieval_modes=", needle)
+    with pytest.raises((ConfigError, SystemExit)):
+        parse_args(["--data.retrieval_modes=m2t,x2y"])
+    from titan_contrastive.datasets.vl_pairs import VLPairsDataset
+
+    first, second = _vl_pairs(tmp_path / "a"), _vl_pairs(tmp_path / "b", count=8)
+    mixed = VLPairsDataset(split="train", path=f"{first}::{second}", mode="t2i", modes=["m2t", "t2i"])
+    process = SimpleNamespace(tokenizer=None, sides=None, mode="t2i", template=lambda *a: "", check_template=print)
+    mixed.serve_processed(process)
+    with pytest.raises(DataError) as err:
+        mixed.__getitems__([0, 9])
+    _one_line(err, "a batch of rows of the retrieval modes ['m2t', 't2i']", "data.same_source_batches = true")
+    with pytest.raises(DataError) as err:
+        mixed.frozen_items()
+    _one_line(err, "embed_images: rows of several retrieval modes (m2t, t2i")
+    vqa = tmp_path / "a" / "vqa.jsonl"  # each source needs only its mode's columns: m2t rows without a document image
+    vqa.write_text("".join(line.replace('"doc_image"', '"other"') + "\n" for line in first.read_text().splitlines()))
+    VLPairsDataset(split="train", path=f"{vqa}::{second}", mode="t2i", modes=["m2t", "t2i"])
+    with pytest.raises(DataError) as err:
+        VLPairsDataset(split="train", path=f"{second}::{vqa}", mode="t2i", modes=["m2t", "t2i"])
+    _one_line(err, "vqa.jsonl: no column doc_image; its retrieval mode, t2i, needs query_text, doc_image")

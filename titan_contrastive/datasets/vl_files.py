@@ -1,0 +1,149 @@
+"""A vl_pairs source read into memory (`read_source`): its files' rows, each its values of the dataset's columns, packed
+as they are read (`packed_rows.PackedRows`), each row's count of hard negatives beside them, and the source's retrieval
+mode (`VLFile`: which of a row's cells its sides read)."""
+
+from __future__ import annotations
+
+import csv
+from array import array
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.formats import data_suffix, formats_named
+from titan_contrastive.datasets.packed_rows import PackedRows, Unpackable, packable
+from titan_contrastive.datasets.retrieval import MODES
+from titan_contrastive.datasets.shards import shard_files
+from titan_contrastive.datasets.sources import rooted
+from titan_contrastive.datasets.tables import table_rows
+from titan_contrastive.datasets.vl_rows import as_list, from_vlm2vec
+
+__all__ = ["COLUMNS", "FORMATS", "NEGATIVES_COLUMN", "SCORES_COLUMN", "SIDES", "VLFile", "needed", "read_source"]
+
+FORMATS = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
+SIDES = ("query", "doc")
+FIELDS = {"text": ("text",), "image": ("image",), "multi": ("image", "text")}
+"""A side's kind -> the fields a row needs for it."""
+COLUMNS = tuple(f"{side}_{field}" for side in SIDES for field in ("image", "text"))
+NEGATIVES_COLUMN = "doc_negatives"
+SCORES_COLUMN = "doc_scores"
+
+
+def needed(mode: str) -> list[str]:
+    """The columns a row of `mode` needs (`retrieval.MODES`): a text side's `*_text`, an image side's `*_image`, a
+    multi side's both."""
+    return [f"{side}_{field}" for side, kind in zip(SIDES, MODES[mode]) for field in FIELDS[kind]]
+
+
+class VLFile(NamedTuple):
+    root: Path
+    """Image paths are relative to it (`data.image_root`, else the file's folder)."""
+    source: str
+    rows: PackedRows
+    """Per row, its values of the dataset's columns (`VLPairsDataset._columns`), in that order."""
+    negatives: np.ndarray
+    """int64 [rows]: how many hard negatives each row holds."""
+    mode: str
+    """Its retrieval mode (`[data] retrieval_modes`, else `retrieval_mode`)."""
+
+    @property
+    def kinds(self) -> dict[str, str]:
+        """Each side's kind: text, image or multi."""
+        return dict(zip(SIDES, MODES[self.mode]))
+
+    @property
+    def needed(self) -> list[str]:
+        return needed(self.mode)
+
+    @property
+    def negative_kind(self) -> str:
+        """Its hard negatives' kind: text for text documents, else image paths."""
+        return "text" if self.kinds["doc"] == "text" else "image"
+
+
+def read_source(
+    path: str, key: str, mode: str, split: str, columns: Sequence[str], image_root: Path | None, scored: bool
+) -> VLFile:
+    """One source's rows: its file's, or the rows of each file a pattern or a folder of shards names
+    (`shards.shard_files`) in order, each file's image paths made absolute from its own folder (unless `image_root`);
+    each row its values of `columns`. `scored`: its rows give a teacher's scores (`SCORES_COLUMN`)."""
+    shards = shard_files(path, FORMATS)
+    files = [Path(path).expanduser()] if shards is None else shards
+    for file in files:
+        if data_suffix(file) not in FORMATS or not file.is_file():
+            raise DataError(
+                f"{key}={path}: not an existing {formats_named(FORMATS)} file; data.dataset='vl_pairs' reads rows "
+                f"with the columns {', '.join(COLUMNS)}"
+            )
+    negatives, at, place = array("q"), [files[0], 0], list(columns).index(NEGATIVES_COLUMN)
+    each_root = shards is not None and not image_root
+
+    def rows() -> Iterator[list[Any]]:  # every file's, each row's count of hard negatives kept as it goes
+        for file in files:
+            for values in _file_rows(file, each_root, mode, split, columns, scored, at):
+                negatives.append(len(as_list(values[place])))
+                yield values
+
+    try:
+        packed = PackedRows(rows())
+    except Unpackable as e:
+        column, value = next((c, v) for c, v in zip(columns, e.value) if not packable(v))
+        raise DataError(
+            f"{at[0]}: row {at[1]}: {column} holds a {type(value).__name__}; "
+            "vl_pairs reads texts and image paths (strings), lists of them and numbers: write the images as files "
+            "and their paths in the column"
+        ) from None
+    except DataError:
+        raise
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise DataError(f"{at[0]}: not readable ({type(e).__name__}: {e})") from None
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged Parquet file, a decompressor's
+        kind = data_suffix(at[0])[1:]
+        raise DataError(f"{at[0]}: not a readable {kind} file ({type(e).__name__}: {e})") from None
+    return VLFile(image_root or files[0].parent, path, packed, np.frombuffer(negatives, dtype=np.int64), mode)
+
+
+def _file_rows(
+    file: Path, each_root: bool, mode: str, split: str, columns: Sequence[str], scored: bool, at: list[Any]
+) -> Iterator[list[Any]]:
+    """One file's rows, each its values of `columns` as it is read, `at` the file and the row (from 1); `each_root`:
+    image paths made absolute from the file's folder. A DataError naming what is wrong."""
+    at[:] = [file, 0]
+    need, doc_kind = needed(mode), MODES[mode][1]
+    images = {c for c in need if c.endswith("_image")} | ({NEGATIVES_COLUMN} if doc_kind != "text" else set())
+    root = str(file.parent.absolute())
+    seen: set[str] = set()
+    _, rows = table_rows(file, (*COLUMNS, NEGATIVES_COLUMN, SCORES_COLUMN), split)
+    for n, row in enumerate(rows, 1):
+        at[1] = n
+        if not isinstance(row, dict):
+            raise DataError(f"{file}: row {n}: rows must be JSON objects (or a header line) naming {', '.join(need)}")
+        row = from_vlm2vec(row, doc_kind)
+        seen.update(row)
+        yield [_rooted(root, c, row.get(c)) if each_root and c in images else row.get(c) for c in columns]
+    if not at[1]:
+        raise DataError(f"{file}: no rows; give one row per query-document pair with {', '.join(need)}")
+    missing = [c for c in need if c not in seen]
+    if missing:
+        raise DataError(
+            f"{file}: no column {', '.join(missing)}; its retrieval mode, {mode}, needs {', '.join(need)} (image paths "
+            "relative to the file's folder)"
+        )
+    if scored and SCORES_COLUMN not in seen:
+        raise DataError(
+            f"{file}: loss.distill reads a teacher's scores of each row's documents from a {SCORES_COLUMN} column "
+            f"(the document's, then each of {NEGATIVES_COLUMN}'), and it has none; add it, or leave loss.distill "
+            "empty"
+        )
+
+
+def _rooted(root: str, column: str, value: Any) -> Any:
+    """An image column's value with its paths made absolute from the folder `root` (an absolute path stays as it is)."""
+    if not value:
+        return value
+    if column == NEGATIVES_COLUMN:
+        return [rooted(root, v) for v in as_list(value)]
+    return rooted(root, value)
