@@ -10,12 +10,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from tests.dist_utils import run_distributed
+from tests.hf_folders import vl_folder
 from tests.needs import require
 from tests.test_hard_negatives import assert_grads_close
 from tests.test_hf_text import grads
 from tests.test_pairs_data import _one_line
-from tests.test_qwen_vl import REL, _dense, vl_run
+from tests.test_qwen_vl import REL, _dense, _step, vl_run
 from tests.test_qwen_vl_pairs import _vl_pairs
 from titan_contrastive.config import ConfigError
 from titan_contrastive.config.manager import parse_args
@@ -74,6 +77,32 @@ def test_each_source_in_its_own_mode_equals_the_dense_objective(tmp_path: Path, 
         assert_grads_close(grads(trainer.model), want_grads)
         assert abs(out["loss"] - want_loss) <= REL * want_loss
     trainer.metrics.close()
+
+
+def _two_ranks(tmp: str) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    first, second = Path(tmp) / "a" / "pairs.jsonl", Path(tmp) / "b" / "pairs.jsonl"
+    data = (
+        "--data.dataset=vl_pairs",
+        f"--data.path={first}::{second}",
+        "--data.retrieval_mode=t2i",
+        "--data.retrieval_modes=m2t,t2i",
+        "--data.same_source_batches=true",
+    )
+    _step(Path(tmp), "qwen2_vl", "global", *data, sizes=())
+    _step(Path(tmp) / "gc", "qwen2_vl", "gradcache-tokens", *data, "--gradcache.chunk_tokens=200", sizes=())
+
+
+@pytest.mark.slow  # two processes, two trainers each
+def test_two_ranks(tmp_path: Path) -> None:
+    """Two gloo processes, a global batch of the m2t source (the model's mode is t2i): global negatives and GradCache
+    with a token budget against the dense objective over both ranks' rows."""
+    _vl_pairs(tmp_path / "a", count=12)
+    _vl_pairs(tmp_path / "b", count=12)
+    vl_folder(tmp_path, "qwen2_vl")
+    vl_folder(tmp_path / "gc", "qwen2_vl")
+    run_distributed(_two_ranks, 2, str(tmp_path))
 
 
 def test_a_run_of_two_modes_trains_and_evaluates(tmp_path: Path) -> None:
