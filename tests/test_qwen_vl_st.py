@@ -74,6 +74,39 @@ def test_the_chat_template_gives_the_run_ids(tmp_path: Path, query: str, doc: st
                 assert expanded == row[row != -1].tolist(), (template, told)
 
 
+def test_a_chat_template_of_several_kinds_per_side_gives_the_run_ids(tmp_path: Path) -> None:
+    """A run of several modes (`data.retrieval_modes` m2t and t2i, the model's t2i): each side's templates are the
+    run's own for its kind and the defaults for the others (`side_template`, as training filled them); each kind of
+    message, with its task and without one, renders to the ids `VLProcessor.encode` gives it with that template."""
+    from tests.hf_folders import vl_folder
+    from titan_contrastive.models.qwen_vl.chat_template import chat_template
+    from titan_contrastive.models.qwen_vl.model import QwenVLArgs, side_template
+    from titan_contrastive.models.qwen_vl.processor import VLProcessor
+
+    args = QwenVLArgs(mode="t2i", modes=("m2t", "t2i"), query_template="Find: {text}", doc_template="{image} Look")
+    query, doc = ([side_template(args, side, m) for m in args.modes] for side in ("query", "doc"))
+    assert query == ["{image} {text}", "Find: {text}"] and doc == ["{text}", "{image} Look"]
+    processor = VLProcessor(str(vl_folder(tmp_path)), 0, 0, 6)
+    tokenizer = processor.tokenizer
+    tokenizer.chat_template = chat_template(query, doc)
+    g = np.random.default_rng(1)
+    images = [g.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((28, 56), (56, 28))]
+    texts = ["a small cat", "frozen water"]
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    cases = [(t, "query", "query") for t in query] + [(t, "document", told) for t in doc for told in ("document", None)]
+    cases.append(("{image} {text}", "query", None))  # without a task: the document's where it reads the kinds
+    for template, task, told in cases:
+        kind = _kind(template)
+        want = processor.encode(template, texts, images if kind != "text" else None)
+        counts = processor.visual_tokens(want["image_grid_thw"]) if kind != "text" else [0, 0]
+        for row, text, count in zip(want["ids"], texts, counts, strict=True):
+            extra = {"task": told} if told else {}
+            rendered = tokenizer.apply_chat_template(_message(kind, processor.cut(text)), tokenize=False, **extra)
+            ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+            expanded = [t for i in ids for t in ([pad] * count if i == pad else [i])]
+            assert expanded == row[row != -1].tolist(), (template, task, told)
+
+
 def test_the_chat_template_refuses_what_training_never_saw(tmp_path: Path) -> None:
     """Two images in one input, an image where the side's template has none (and none where it has one), and a
     system prompt: each a one-line error from the template, naming what to give."""

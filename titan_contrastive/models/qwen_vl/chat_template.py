@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from titan_contrastive.config import ConfigError
@@ -42,36 +43,46 @@ _TEMPLATE = """\
 {%- endfor -%}
 {%- endif -%}
 {%- endfor -%}
-{%- set query = QUERY -%}
-{%- set document = DOCUMENT -%}
+{%- set want = [ns.images > 0, ns.text != ""] -%}
 {%- if task is defined and task == "query" -%}
-{%- set template = query -%}
+{%- set sides = [QUERY] -%}
 {%- elif task is defined and task == "document" -%}
-{%- set template = document -%}
+{%- set sides = [DOCUMENT] -%}
 {%- else -%}
-{%- set kinds = [ns.images > 0, ns.text != ""] -%}
-{%- if kinds == ["{image}" in document, "{text}" in document] -%}
-{%- set template = document -%}
-{%- elif kinds == ["{image}" in query, "{text}" in query] or kinds[0] != ("{image}" in document) -%}
-{%- set template = query -%}
-{%- else -%}
-{%- set template = document -%}
+{%- set sides = [DOCUMENT, QUERY] -%}
 {%- endif -%}
+{%- set found = namespace(template=none) -%}
+{%- for exact in [true, false] -%}
+{%- for side in sides -%}
+{%- for each in side -%}
+{%- if found.template is none and each[1] == want[0] and (not exact or each[2] == want[1]) -%}
+{%- set found.template = each[0] -%}
 {%- endif -%}
+{%- endfor -%}
+{%- endfor -%}
+{%- endfor -%}
 {%- if ns.images > 1 -%}
 {{- raise_exception("one image per input, as in training") -}}
-{%- elif (ns.images > 0) != ("{image}" in template) -%}
-{{- raise_exception("the template " + template + " takes " + ("an image" if ns.images == 0 else "no image")) -}}
+{%- elif found.template is none -%}
+{%- set named = sides[-1] | map(attribute=0) | join(" or ") -%}
+{{- raise_exception("the template " + named + " takes " + ("an image" if ns.images == 0 else "no image")) -}}
 {%- endif -%}
+{%- set template = found.template -%}
 {{- template.replace("{image}", VISION).replace("{text}", ns.text) -}}
 """
 
 
-def chat_template(query: str, document: str) -> str:
-    """The Jinja chat template rendering a message as the run's `query` or `document` template: its image as
+def chat_template(query: str | Sequence[str], document: str | Sequence[str]) -> str:
+    """The Jinja chat template rendering a message as the run's `query` or `document` template (one per kind of
+    side the run trained: several with `[data] retrieval_modes`): its image as
     `<|vision_start|><|image_pad|><|vision_end|>` (the processor repeats the pad per visual token), its text in
-    place of `{text}`."""
-    literal = {"QUERY": query, "DOCUMENT": document, "VISION": VISION}
+    place of `{text}`. A side's template is the one that reads the message's kinds (an image, a text), else the one
+    that reads an image where the message has one; without a task the document's first, then the query's."""
+
+    def kinds(templates: str | Sequence[str]) -> list[tuple[str, bool, bool]]:
+        return [(t, IMAGE in t, "{text}" in t) for t in ([templates] if isinstance(templates, str) else templates)]
+
+    literal = {"QUERY": kinds(query), "DOCUMENT": kinds(document), "VISION": VISION}
     out = _TEMPLATE
     for name, value in literal.items():  # a JSON string is a Jinja string literal (non-ASCII kept as it is)
         out = out.replace(name, json.dumps(value, ensure_ascii=False))

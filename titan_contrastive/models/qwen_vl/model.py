@@ -53,6 +53,7 @@ __all__ = [
     "SideProcessor",
     "qwen_vl_blocks",
     "qwen_vl_flavors",
+    "side_template",
     "vl_embed",
 ]
 
@@ -85,6 +86,13 @@ def check_template(side: str, kind: str, template: str, mode: str, key: str = ""
             f"{key}: the {side} side is text in retrieval_mode={mode}; remove {IMAGE} from it (e.g. '{{text}}') "
             "or choose a mode whose " + ("queries" if side == "query" else "documents") + " are images"
         )
+
+
+def side_template(args: QwenVLArgs, side: str, mode: str) -> str:
+    """`side`'s template for rows of `mode`: the run's own (`args.{side}_template`) where the side is of the kind it has
+    in `args.mode`, else that kind's default (`TEMPLATES`)."""
+    kind = dict(zip(SIDES, MODES[mode]))[side]
+    return getattr(args, f"{side}_template") if kind == dict(zip(SIDES, MODES[args.mode]))[side] else TEMPLATES[kind]
 
 
 @dataclass(frozen=True)
@@ -250,7 +258,7 @@ class SideProcessor:
     """
 
     def __init__(self, args: QwenVLArgs) -> None:
-        self.mode = args.mode
+        self.args, self.mode = args, args.mode
         self.proc = VLProcessor(args.path, args.min_pixels, args.max_pixels, args.text_length)
         self.tokenizer = self.proc.tokenizer
         self.kinds = dict(zip(SIDES, MODES[args.mode]))
@@ -266,10 +274,8 @@ class SideProcessor:
         )
 
     def template(self, side: str, mode: str) -> str:
-        """`side`'s template for rows of `mode` (a source's, `[data] retrieval_modes`): the model's where the side is of
-        the model's kind, else the kind's default (`TEMPLATES`)."""
-        kind = dict(zip(SIDES, MODES[mode]))[side]
-        return self.templates[side] if kind == self.kinds[side] else TEMPLATES[kind]
+        """`side`'s template for rows of `mode` (a source's, `[data] retrieval_modes`): `side_template`."""
+        return side_template(self.args, side, mode)
 
     def check_template(self, side: str, template: str, key: str, mode: str = "") -> None:
         """A template for `side` in `mode` (default: the model's; `data.query_prompts` / `doc_prompts` of vl_pairs
@@ -417,8 +423,7 @@ class QwenVLEmbedder(PretrainedScale, nn.Module):
         self.tower = load_text_tower(args.path, attention=args.attn_implementation)
         if args.lora_rank:
             add_lora(self.tower, args)
-        if all(MODES[m] == ("text", "text") for m in args.modes or (args.mode,)):  # t2t never runs the vision
-            # tower: frozen (DDP needs every grad)
+        if all(MODES[m] == ("text", "text") for m in args.modes or (args.mode,)):  # no image: frozen (DDP: every grad)
             for p in getattr(self.tower, "visual", nn.Module()).parameters():
                 p.requires_grad_(False)
         width = self.tower.config.get_text_config().hidden_size

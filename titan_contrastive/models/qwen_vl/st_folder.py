@@ -1,6 +1,6 @@
 """A qwen_vl run as a sentence-transformers folder (`--to sentence-transformers`): what `SentenceTransformer(DIR)`
 (a ColQwen run: `MultiVectorEncoder(DIR)`) loads, `encode_query` and `encode_document` embedding as the run's two
-sides.
+sides (a side of several kinds, with `[data] retrieval_modes`, each kind as the run read it: `side_template`).
 
 The folder holds the tower (LoRA merged) with its tokenizer and image processor (the run's `min_pixels` /
 `max_pixels`), a chat template that writes the run's templates (`chat_template.py`), then the run's Pooling (last
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.models.export_check import compare, packed_tokens, refuse, reloaded
 from titan_contrastive.models.qwen_vl.chat_template import chat_template
-from titan_contrastive.models.qwen_vl.model import SIDES, QwenVLArgs
+from titan_contrastive.models.qwen_vl.model import SIDES, QwenVLArgs, side_template
 from titan_contrastive.models.qwen_vl.processor import VLProcessor
 
 __all__ = ["check_loadable", "check_reloaded", "write_sentence_transformers"]
@@ -69,7 +69,10 @@ def write_sentence_transformers(plain: nn.Module, head: nn.Linear | None, args: 
 
     plain.save_pretrained(str(out))
     processor = VLProcessor(args.path, args.min_pixels, args.max_pixels, args.text_length)
-    processor.tokenizer.chat_template = chat_template(args.query_template, args.doc_template)
+    query, doc = (
+        list(dict.fromkeys(side_template(args, side, m) for m in args.modes or (args.mode,))) for side in SIDES
+    )
+    processor.tokenizer.chat_template = chat_template(query, doc)
     processor.tokenizer.save_pretrained(str(out))
     processor.images.save_pretrained(str(out))
     hidden = {"method": "forward", "method_output_name": "last_hidden_state"}  # texts and images, not videos
