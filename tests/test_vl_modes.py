@@ -30,9 +30,11 @@ require("hf")
 KEYS = ("query", "doc", "query_pixel_values", "query_image_grid_thw", "doc_pixel_values", "doc_image_grid_thw")
 
 
-def _mixed(tmp: Path, *extra: str, mode: str = "t2i"):
-    """A trainer (model mode `mode`) on two sources, m2t rows then t2i rows, each step one source's."""
-    first, second = _vl_pairs(tmp / "a"), _vl_pairs(tmp / "b", count=8)
+def _mixed(tmp: Path, *extra: str, mode: str = "t2i", negatives: bool = False):
+    """A trainer (model mode `mode`) on two sources, m2t rows then t2i rows, each step one source's; with `negatives`
+    two hard negatives a row, texts for the m2t rows' text documents and images for the t2i rows'."""
+    first = _vl_pairs(tmp / "a", negatives="text" if negatives else "")
+    second = _vl_pairs(tmp / "b", count=8, negatives="image" if negatives else "")
     trainer = vl_run(
         tmp,
         "qwen2_vl",
@@ -48,11 +50,14 @@ def _mixed(tmp: Path, *extra: str, mode: str = "t2i"):
     return trainer, first, second
 
 
-@pytest.mark.parametrize("chunks", ["--gradcache.chunk_sizes=3", "--gradcache.chunk_tokens=70"])
-def test_each_source_in_its_own_mode_equals_the_dense_objective(tmp_path: Path, chunks: str) -> None:
+@pytest.mark.parametrize(
+    ("chunks", "negatives"),
+    [("--gradcache.chunk_sizes=3", False), ("--gradcache.chunk_tokens=70", False), ("--gradcache.chunk_sizes=3", True)],
+)
+def test_each_source_in_its_own_mode_equals_the_dense_objective(tmp_path: Path, chunks: str, negatives: bool) -> None:
     from titan_contrastive.datasets.vl_pairs import VLPairsDataset
 
-    trainer, first, second = _mixed(tmp_path, "--gradcache.enabled=true", chunks)
+    trainer, first, second = _mixed(tmp_path, "--gradcache.enabled=true", chunks, negatives=negatives)
     trainer.model.eval()
     data = trainer.train_set
     assert any(p.requires_grad for p in trainer.model.tower.visual.parameters())
@@ -62,8 +67,10 @@ def test_each_source_in_its_own_mode_equals_the_dense_objective(tmp_path: Path, 
         alone = VLPairsDataset(split="train", path=str(path), mode=mode)
         alone.serve_processed(data._process)
         want = alone.__getitems__([r - rows[0] for r in rows])
-        for key in KEYS:
+        for key in (*KEYS, "neg", "neg_pixel_values", "neg_image_grid_thw") if negatives else KEYS:
             assert torch.equal(batch[key], want[key]), (mode, key)
+        if negatives:  # texts beside text documents (no images), images beside image documents
+            assert batch["neg"].shape[:2] == (4, 2) and len(batch["neg_image_grid_thw"]) == (0 if mode == "m2t" else 8)
         query_images, doc_images = (len(batch[f"{side}_image_grid_thw"]) for side in ("query", "doc"))
         assert (query_images, doc_images) == ((4, 0) if mode == "m2t" else (0, 4))
         words = (batch["query"] != -1).sum(1) - (batch["query"] == image_token).sum(1)
