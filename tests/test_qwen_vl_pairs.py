@@ -30,7 +30,7 @@ def _vl_pairs(root: Path, bad: bool = False, negatives: str = "", count: int = 9
     """Nine JSONL rows of a query image and text and a document image and text, the images PNGs of
     different sizes; with `bad`, row 2's document image is missing and row 4's query text empty;
     `negatives` "image" or "text": two hard negatives per row in `doc_negatives` (images of sizes
-    unlike their row's document); `count` rows (sizes cycled)."""
+    unlike their row's document), "multi" two `{"image", "text"}` objects; `count` rows (sizes cycled)."""
     import json
 
     from PIL import Image
@@ -51,10 +51,13 @@ def _vl_pairs(root: Path, bad: bool = False, negatives: str = "", count: int = 9
                 "doc_text": f"a dog {i} in frozen water",
             }
         )
-        if negatives == "image":
+        if negatives in ("image", "multi"):
             for j, (nh, nw) in enumerate([sizes[(i + 3) % 9], sizes[(i + 5) % 9]]):
                 Image.fromarray(g.integers(0, 256, (nh, nw, 3), dtype=np.uint8)).save(root / "img" / f"n{i}{j}.png")
             rows[-1]["doc_negatives"] = [f"img/n{i}0.png", f"img/n{i}1.png"]
+            if negatives == "multi":  # an image and a text each, as the documents
+                texts = [f"a cat {i} on a warm roof", "frozen water"]
+                rows[-1]["doc_negatives"] = [{"image": p, "text": t} for p, t in zip(rows[-1]["doc_negatives"], texts)]
         elif negatives == "text":
             rows[-1]["doc_negatives"] = [f"a cat {i} on a warm roof", f"frozen water {i} without a dog"]
     if bad:
@@ -112,6 +115,7 @@ HARD_NEGATIVE_CASES = [
     ("t2i", "--gradcache.chunk_sizes=4"),
     ("t2t", "--gradcache.chunk_tokens=90"),
     ("m2t", "--gradcache.chunk_sizes=3"),
+    ("t2m", "--gradcache.chunk_tokens=200"),
     pytest.param("i2i", "--gradcache.chunk_tokens=200", marks=pytest.mark.slow),
     pytest.param("m2i", "--loss.negatives=global", marks=pytest.mark.slow),
 ]
@@ -120,12 +124,13 @@ HARD_NEGATIVE_CASES = [
 @pytest.mark.parametrize(("mode", "step"), HARD_NEGATIVE_CASES)
 def test_vl_pairs_hard_negatives_equal_the_definition(tmp_path: Path, mode: str, step: str) -> None:
     """Two hard negatives per row (`doc_negatives`: images of their own sizes where the documents are
-    images, texts where they are texts): every query against the N (1 + k) documents, the documents
-    against the queries; GradCache (fixed chunks, token budgets: a sample's negative images move with
-    it) and global negatives equal the definition, with each negative embedded on its own, in float64."""
+    images, texts where they are texts, both where they are both, t2m): every query against the N (1 + k)
+    documents, the documents against the queries; GradCache (fixed chunks, token budgets: a sample's negative
+    images move with it) and global negatives equal the definition, with each negative embedded on its own, in
+    float64."""
     from titan_contrastive.batching import NEGATIVES
 
-    kind = "text" if mode in ("t2t", "m2t") else "image"
+    kind = {"t": "text", "i": "image", "m": "multi"}[mode[-1]]
     gradcache = () if "negatives=global" in step else ("--gradcache.enabled=true",)
     trainer = _vl_pairs_run(tmp_path, mode, *gradcache, step, negatives=kind)
     trainer.model.eval()
@@ -133,7 +138,10 @@ def test_vl_pairs_hard_negatives_equal_the_definition(tmp_path: Path, mode: str,
     batch = trainer.train_set.__getitems__(list(range(7)))
     batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     assert batch[NEGATIVES].shape[:2] == (7, 2)
-    assert len(batch["neg_image_grid_thw"]) == (14 if kind == "image" else 0)
+    assert len(batch["neg_image_grid_thw"]) == (0 if kind == "text" else 14)
+    neg, image_token = batch[NEGATIVES], trainer.model.tower.config.image_token_id
+    words = (neg != -1).sum(-1) - (neg == image_token).sum(-1) - (2 if kind != "text" else 0)  # beside vision start/end
+    assert (words > 0).all() if kind != "image" else (words == 0).all()  # each negative's text where it reads one
     trainer.train_step([batch])
     want_loss, want = _dense(trainer, [batch])  # each negative embedded on its own (tests/test_qwen_vl._embeddings)
     out = trainer.train_step([batch])
@@ -180,22 +188,16 @@ def test_m2t_masks_another_rows_copy_of_the_answer(tmp_path: Path) -> None:
 
 
 def test_documents_of_an_image_and_a_text_refuse_what_they_cannot_read(tmp_path: Path) -> None:
-    """t2m: hard negatives (a negative would need an image and a text) and BEIR folders (documents of one kind) are
-    one line each; without the negatives the rows train."""
+    """t2m: BEIR folders (documents of one kind) are one line; a multi document's hard negative that is not an
+    `{"image", "text"}` object (a path alone) is a bad sample."""
     from tests.test_retrieval_metrics import write_beir
 
-    with pytest.raises(DataError) as err:
-        _vl_pairs_run(tmp_path / "a", "t2m", negatives="image")
-    message = str(err.value)
-    assert "\n" not in message and "doc_negatives of documents of an image and a text (retrieval mode t2m)" in message
-    assert message.endswith("set data.hard_negatives=false")
-    trainer = _vl_pairs_run(tmp_path / "b", "t2m", "--data.hard_negatives=false", negatives="image")
-    assert trainer.train_set.num_negatives == 0
-    trainer.train()
-    trainer.metrics.close()
     beir = write_beir(tmp_path / "beir")
     with pytest.raises(DataError, match=r"read documents of one kind, texts or pages; data.retrieval_mode=t2m embeds"):
         _vl_pairs_run(tmp_path / "c", "t2m", "--eval.enable=true", f"--eval.beir_path={beir}")
+    trainer = _vl_pairs_run(tmp_path / "a", "t2m", negatives="image")
+    with pytest.raises(DataError, match=r'bad_negative \(doc_negatives: not an object \{"image": ..., "text": ...\}'):
+        trainer.train_set.__getitems__([0])  # every row's negatives are paths alone: no good row to take its slot
 
 
 def _two_ranks(tmp: str, mode: str, *extra: str) -> None:
@@ -444,6 +446,17 @@ def test_vl_pairs_shards_in_their_own_folders_are_one_source(tmp_path: Path, mon
             assert torch.equal(got[key], want[key]), (path, key)
     trainer.train()
     trainer.metrics.close()
+    _vl_pairs(tmp_path / "m1", negatives="multi", count=3)  # image + text negatives: their images rooted the same way
+    _vl_pairs(tmp_path / "m2", negatives="multi", count=2)
+    from PIL import Image
+
+    for j in range(2):  # the second folder's own pixels under the first's names
+        Image.fromarray(np.full((28, 42, 3), 40 * j, dtype=np.uint8)).save(tmp_path / "m2" / "img" / f"n1{j}.png")
+    both = VLPairsDataset(split="train", path="m*/pairs.jsonl", mode="t2m")
+    alone = VLPairsDataset(split="train", path="m2/pairs.jsonl", mode="t2m")
+    got, want = both._fields(0, 4)["doc_negatives"], alone._fields(0, 1)["doc_negatives"]
+    assert [t for _, t in got] == [t for _, t in want] == ["a cat 1 on a warm roof", "frozen water"]
+    assert all(np.array_equal(g, w) for (g, _), (w, _) in zip(got, want))
 
 
 def test_vl_pairs_negatives_drawn_per_epoch_are_served_as_rows_holding_them(tmp_path: Path) -> None:

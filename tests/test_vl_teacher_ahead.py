@@ -353,13 +353,14 @@ def test_what_cannot_work_is_one_line(tmp_path: Path, ahead: Ahead, capsys: pyte
     assert not (tmp_path / "v.parquet").exists()
 
 
-@pytest.mark.parametrize("mode, negatives", [("t2t", "text"), ("i2t", "text"), ("t2i", "image")])
+@pytest.mark.parametrize("mode, negatives", [("t2t", "text"), ("i2t", "text"), ("t2i", "image"), ("t2m", "multi")])
 def test_in_each_mode_the_file_teaches_as_the_running_teacher(
     tmp_path: Path, ahead: Ahead, mode: str, negatives: str
 ) -> None:
     """Text queries and documents (t2t), text documents and negatives of image queries (i2t), image documents of text
-    queries (t2i), bad rows included: the batches carry the running teacher's embeddings of what they serve, and a
-    GradCache step (3 of 7) taught from the file `embed_images` writes equals one taught by the teacher."""
+    queries (t2i), documents and negatives of an image and a text (t2m), bad rows included: the batches carry the
+    running teacher's embeddings of what they serve, and a GradCache step (3 of 7) taught from the file `embed_images`
+    writes equals one taught by the teacher."""
     data = _vl_pairs(tmp_path / "data", bad=True, negatives=negatives)
     flags = [arg.replace("m2i", mode) for arg in run_flags(ahead.root, str(data))]
     file = embed(tmp_path / "teacher.parquet", flags, ahead.teacher)

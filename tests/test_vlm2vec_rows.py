@@ -42,7 +42,11 @@ def test_vlm2vec_hard_negatives() -> None:
     row = {"qry": "q", "pos_text": "d", "neg_text": texts, "neg_image_path": paths}
     assert from_vlm2vec(row)["doc_negatives"] == ["a red one", "a blue one"]
     assert from_vlm2vec(row, "image")["doc_negatives"] == ["n/0.png", "n/1.png"]
-    assert from_vlm2vec(row, "multi")["doc_negatives"] == ["a red one", "n/1.png", "a blue one"]
+    assert from_vlm2vec(row, "multi")["doc_negatives"] == [
+        {"text": "a red one", "image": "n/0.png"},
+        {"text": "", "image": "n/1.png"},
+        {"text": "a blue one", "image": ""},
+    ]
     assert from_vlm2vec({"qry": "q", "neg_text": "<image> one"})["doc_negatives"] == ["one"]
     assert from_vlm2vec({"qry": "q", "neg_text": [""], "neg_image_path": [None]}, "image")["doc_negatives"] == []
     assert from_vlm2vec({"qry": "q", "neg_text": "x", "doc_negatives": ["y"]})["doc_negatives"] == ["y"]

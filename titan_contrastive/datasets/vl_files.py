@@ -60,8 +60,8 @@ class VLFile(NamedTuple):
 
     @property
     def negative_kind(self) -> str:
-        """Its hard negatives' kind: text for text documents, else image paths."""
-        return "text" if self.kinds["doc"] == "text" else "image"
+        """Its hard negatives' kind, its documents': texts, image paths, or (multi) `{"image", "text"}` objects."""
+        return self.kinds["doc"]
 
 
 def read_source(
@@ -144,6 +144,9 @@ def _rooted(root: str, column: str, value: Any) -> Any:
     """An image column's value with its paths made absolute from the folder `root` (an absolute path stays as it is)."""
     if not value:
         return value
-    if column == NEGATIVES_COLUMN:
-        return [rooted(root, v) for v in as_list(value)]
-    return rooted(root, value)
+    if column == NEGATIVES_COLUMN:  # image paths, or `{"image", "text"}` objects of image + text documents
+        return [
+            {**v, "image": _rooted(root, "", v.get("image"))} if isinstance(v, dict) else _rooted(root, "", v)
+            for v in as_list(value)
+        ]
+    return rooted(root, value) if isinstance(value, str) else value

@@ -8,10 +8,10 @@ header line) or `.parquet` (`tables.table_rows`), with the columns `query_image`
 relative to its own folder (or that root).
 `[data] retrieval_mode` says which a row needs (`retrieval.MODES`: a text side its `*_text`, an image side its
 `*_image`, a multi side both); the others may be absent or empty. An optional `doc_negatives` column holds a row's
-hard negatives, documents of the documents' kind: texts (t2t, i2t, m2t) or image paths (t2i, i2i, m2i; none in t2m,
-i2m, m2m), a list (JSONL, Parquet) or one value; every row has as many as the first (the train split only, and only
-with `data.hard_negatives`). With `data.negatives_per_row = k` rows hold any number and each epoch
-serves k of them (`pools.Pools`: by the seed, the row and the epoch; a row without one is a bad sample).
+hard negatives, documents of the documents' kind: texts (t2t, i2t, m2t), image paths (t2i, i2i, m2i) or
+`{"image", "text"}` objects (t2m, i2m, m2m), a list (JSONL, Parquet) or one value; every row has as many as the first
+(the train split only, and only with `data.hard_negatives`). With `data.negatives_per_row = k` rows hold any number
+and each epoch serves k of them (`pools.Pools`: by the seed, the row and the epoch; a row without one is a bad sample).
 They go through the processor like the documents (`SideProcessor.sides`' `negatives`). With `loss.distill`
 (kl or margin_mse) a `doc_scores` column holds a teacher's scores of the row's documents, the document's and then
 each of `doc_negatives`' in order (FlagEmbedding's `pos_scores` + `neg_scores`); the scores of the documents an
@@ -71,7 +71,7 @@ from titan_contrastive.datasets.vl_files import (
     read_source,
 )
 from titan_contrastive.datasets.vl_items import FILE_SIDES, Item, carried, item_key, side_key
-from titan_contrastive.datasets.vl_rows import as_list, written
+from titan_contrastive.datasets.vl_rows import as_list, negative_parts, written
 
 __all__ = ["COLUMNS", "VLPairsDataset", "family_refusal"]
 
@@ -149,12 +149,6 @@ class VLPairsDataset:
         counts = {f.source: int(f.negatives[0]) for f in self._files}
         served = hard_negatives and split == "train"
         self.num_negatives = next(iter(counts.values())) if served else 0
-        multi = next((f for f in self._files if f.kinds["doc"] == "multi" and f.negatives.any()), None)
-        if multi is not None and served:
-            raise DataError(
-                f"{key}={multi.source}: {NEGATIVES_COLUMN} of documents of an image and a text (retrieval mode "
-                f"{multi.mode}) are not read (a negative would need both); set data.hard_negatives=false"
-            )
         self._pools: list[Pools] | None = None
         """With negatives_per_row (train split): per file, each row's draw of its negatives."""
         if negatives_per_row and served:
@@ -245,8 +239,15 @@ class VLPairsDataset:
     def _value(self, file: VLFile, column: str, kind: str, value: Any, key: str, keyed: bool) -> tuple[Any, str]:
         """One field and its key: a text stripped (its own key), or an image path read and decoded to a uint8 HWC array
         and, where `keyed` (a frozen model's embeddings are looked up or written), the SHA-1 of the file's bytes
-        (`image_keys.image_key`; else ""); BadSample."""
+        (`image_keys.image_key`; else ""); a multi document's hard negative, an `{"image", "text"}` object, both as
+        ((image, text), (text key, image key)); BadSample."""
         where = file.source
+        if kind == "multi":
+            if not isinstance(value, dict):
+                raise BadSample("bad_negative", where, key, f'{column}: not an object {{"image": ..., "text": ...}}')
+            image, seen = self._value(file, column, "image", value.get("image"), key, keyed)
+            text, said = self._value(file, column, "text", value.get("text"), key, keyed)
+            return (image, text), (said, seen)
         if kind == "text":
             if not isinstance(value, str) or not value.strip():
                 raise BadSample("missing_text", where, key, f"{column} is empty")
@@ -310,7 +311,8 @@ class VLPairsDataset:
             for side in SIDES
         ]
         doc = self._template("doc", source)
-        return (*own, [side_key(self._files[source].kinds["doc"], doc, k, k) for k in negatives], where)
+        kind = self._files[source].kinds["doc"]
+        return (*own, [side_key(kind, doc, *(k if isinstance(k, tuple) else (k, k))) for k in negatives], where)
 
     def _read(self, index: int, bad: list[BadSample]) -> tuple[int, dict[str, Any]]:
         """Sample `index`'s file and fields, or those of the next good row of its file (each bad one appended
@@ -389,7 +391,7 @@ class VLPairsDataset:
                     image = written(row.get(f"{side}_image")) if kind != "text" else ""
                     found[name].setdefault(Item(s, self._template(side, s), text, image), None)
                 for value in as_list(row.get(NEGATIVES_COLUMN)) if self.num_negatives else ():
-                    text, image = (written(value), "") if file.negative_kind == "text" else ("", written(value))
+                    text, image = negative_parts(file.negative_kind, value)
                     found["document"].setdefault(Item(s, self._template("doc", s), text, image), None)
         return {side: list(items) for side, items in found.items()}
 

@@ -7,13 +7,13 @@ import itertools
 import re
 from typing import Any
 
-__all__ = ["VLM2VEC", "as_list", "from_vlm2vec", "written"]
+__all__ = ["VLM2VEC", "as_list", "from_vlm2vec", "negative_parts", "written"]
 
 VLM2VEC = {"qry": "query_text", "qry_image_path": "query_image", "pos_text": "doc_text", "pos_image_path": "doc_image"}
 """VLM2Vec's MMEB-train columns -> ours; its hard negatives' `neg_text` / `neg_image_path` (a value or a list each, the
 two lists side by side) become `doc_negatives` of the documents' kind (`from_vlm2vec`)."""
 NEGATIVES = {"text": ("neg_text",), "image": ("neg_image_path",), "multi": ("neg_text", "neg_image_path")}
-"""The documents' kind -> the VLM2Vec columns its hard negatives are read from."""
+"""The documents' kind -> the VLM2Vec columns its hard negatives are read from (multi: `{"image", "text"}` objects)."""
 
 _PLACEHOLDER = re.compile(r"\s*(?:<\|image_1\|>|<image>)\s*")
 """The image tokens VLM2Vec writes into its texts (Phi-3-V's `<|image_1|>`, LLaVA's `<image>`), with the white space
@@ -39,7 +39,10 @@ def from_vlm2vec(row: dict[str, Any], doc_kind: str = "text") -> dict[str, Any]:
         texts, paths = (as_list(row.get(column)) for column in ("neg_text", "neg_image_path"))
         given = {"neg_text": [_text(t) for t in texts], "neg_image_path": paths}
         pairs = itertools.zip_longest(*(given[c] for c in NEGATIVES.get(doc_kind, ())), fillvalue="")
-        out["doc_negatives"] = [next(v for v in pair if _given(v)) for pair in pairs if any(map(_given, pair))]
+        kept = [pair for pair in pairs if any(map(_given, pair))]
+        out["doc_negatives"] = (
+            [{"text": t, "image": i} for t, i in kept] if doc_kind == "multi" else [p[0] for p in kept]
+        )
     return out
 
 
@@ -53,9 +56,19 @@ def written(value: Any) -> str:
 
 
 def as_list(value: Any) -> list[Any]:
-    """A negatives cell as a list: a list (JSONL, Parquet) as it is, one non-empty value as one, else none."""
+    """A negatives cell as a list: a list (JSONL, Parquet) as it is, one non-empty value or object as one, else none."""
     if value is None or isinstance(value, str):
         return [value] if value and value.strip() else []
+    if isinstance(value, dict):
+        return [value]
     if isinstance(value, (list, tuple)):
         return list(value)
     return list(value.tolist()) if hasattr(value, "tolist") else [value]  # a list read as an array
+
+
+def negative_parts(kind: str, value: Any) -> tuple[str, str]:
+    """(text, image path) of a hard negative of documents of `kind` as written ("" for what it lacks or the kind does
+    not read): a text, an image path, or a multi document's `{"image", "text"}` object."""
+    if kind == "multi":
+        return (written(value.get("text")), written(value.get("image"))) if isinstance(value, dict) else ("", "")
+    return (written(value), "") if kind == "text" else ("", written(value))

@@ -306,12 +306,12 @@ class SideProcessor:
         query_texts: Sequence[str] | None,
         doc_images: Sequence[np.ndarray] | None,
         doc_texts: Sequence[str] | None,
-        negatives: Sequence[str] | Sequence[np.ndarray] = (),
+        negatives: Sequence[Any] = (),
         templates: dict[str, Sequence[str]] | None = None,
         mode: str = "",
     ) -> dict[str, Tensor]:
-        """The batch of these samples: uint8 HWC images and texts per side; `negatives`: k hard negatives
-        per sample, row after row, documents of the documents' kind (texts, or images): `neg` [B, k, L]
+        """The batch of these samples: uint8 HWC images and texts per side; `negatives`: k hard negatives per sample,
+        row after row, documents of the documents' kind (texts, images, or (image, text) pairs): `neg` [B, k, L]
         ids, and for images `neg_pixel_values` + `neg_image_grid_thw` (k per sample; empty otherwise).
         `templates`: a side's template per sample in place of its own ("": its own; a source's template,
         `datasets.vl_pairs`); the negatives take their row's document template. `mode`: the samples' (a source's,
@@ -349,8 +349,9 @@ class SideProcessor:
             )
             if kinds["doc"] == "text":
                 ids = self.proc.encode(template, negatives, None)["ids"]
-            else:
-                out = self.proc.encode(template, [""] * len(negatives), negatives)
+            else:  # images, or a multi document's (image, text) pairs
+                images, texts = zip(*negatives) if kinds["doc"] == "multi" else (negatives, [""] * len(negatives))
+                out = self.proc.encode(template, list(texts), list(images))
                 ids = out["ids"]
                 self.proc.check(ids, out["image_grid_thw"])
                 batch[f"{NEGATIVES}_pixel_values"] = out["pixel_values"]
