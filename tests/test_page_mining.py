@@ -109,6 +109,14 @@ def test_a_corpus_folder_adds_its_pages(tmp_path: Path, capsys: pytest.CaptureFi
     assert corpus_pages(str(rows.parent), rows.parent, [absolute])[1:3] == [absolute, "pages/p2.png"]
 
     assert read_pairs(rows)[4] == ("winter snow", "pages/p4.png")
+    theirs = rows.parent / "vlm2vec.jsonl"  # VLM2Vec's t2i columns, the instruction's placeholder in pos_text
+    lines = [json.loads(line) for line in rows.read_text().splitlines()]
+    entries = [
+        {"qry": r["query_text"], "pos_text": "<|image_1|> Represent the page.", "pos_image_path": r["doc_image"]}
+        for r in lines
+    ]
+    theirs.write_text("".join(json.dumps(r) + "\n" for r in entries))
+    assert read_pairs(theirs) == read_pairs(rows)
     assert_the_definitions_choice(rows, folder, 6, corpus)  # 6 of 6 or 7 candidates: a scanned page among them
 
     out = tmp_path / "mined" / "rows.jsonl"

@@ -1,8 +1,8 @@
 """Hard negative pages for query-page rows: `python -m titan_contrastive.mine ROWS --model MODEL --out FILE` where
 MODEL is a qwen_vl step folder or a Qwen-VL folder (a ColQwen one too: late interaction, scored by MaxSim).
 
-ROWS is a `vl_pairs` file of the t2i kind (`.jsonl`, `.csv`, `.tsv`, `.parquet`: `query_text` and `doc_image`,
-image paths relative to the file's folder; `datasets.vl_pairs`). Every distinct page of the file is the corpus, and
+ROWS is a `vl_pairs` file of the t2i kind (`.jsonl`, `.csv`, `.tsv`, `.parquet`: `query_text` and `doc_image`, or
+VLM2Vec's `qry` and `pos_image_path`; image paths relative to the file's folder; `datasets.vl_pairs`). Every distinct page of the file is the corpus, and
 with `--corpus DIR` every image below DIR too (the pages of your documents that no query names); each query's
 candidates are the pages ranked by the model (queries and pages embedded as the run embeds them:
 `beir_eval.side_embedders`), without the query's own pages (every row with that query text), filtered and taken
@@ -93,12 +93,15 @@ class PageEncoder:
 
 
 def read_pairs(path: Path) -> list[tuple[str, str]]:
-    """(query text, page path) of each row of a t2i `vl_pairs` file, or a MineError naming the row."""
+    """(query text, page path) of each row of a t2i `vl_pairs` file (or of VLM2Vec's columns, `vl_rows.from_vlm2vec`),
+    or a MineError naming the row."""
     from titan_contrastive.datasets.tables import read_table
+    from titan_contrastive.datasets.vl_rows import from_vlm2vec
 
     _, rows = read_table(path, COLUMNS, "train")
     pairs = []
     for n, row in enumerate(rows):
+        row = from_vlm2vec(row, "image") if isinstance(row, dict) else row
         if not isinstance(row, dict) or not all(isinstance(row.get(c), str) and row[c].strip() for c in COLUMNS):
             raise MineError(
                 f"ROWS={path}: row {n} has no {' and '.join(COLUMNS)}; a page model mines t2i rows (a query's text "
