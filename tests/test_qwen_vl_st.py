@@ -80,8 +80,9 @@ def test_a_chat_template_of_several_kinds_per_side_gives_the_run_ids(tmp_path: P
     message, with its task and without one, renders to the ids `VLProcessor.encode` gives it with that template."""
     from tests.hf_folders import vl_folder
     from titan_contrastive.models.qwen_vl.chat_template import chat_template
-    from titan_contrastive.models.qwen_vl.model import QwenVLArgs, side_template
+    from titan_contrastive.models.qwen_vl.model import QwenVLArgs
     from titan_contrastive.models.qwen_vl.processor import VLProcessor
+    from titan_contrastive.models.qwen_vl.templates import side_template
 
     args = QwenVLArgs(mode="t2i", modes=("m2t", "t2i"), query_template="Find: {text}", doc_template="{image} Look")
     query, doc = ([side_template(args, side, m) for m in args.modes] for side in ("query", "doc"))

@@ -5,6 +5,7 @@ GradCache on it equals the dense objective in float64; modes that cannot train t
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -152,7 +153,9 @@ def test_modes_that_cannot_train_together_are_one_line(tmp_path: Path) -> None:
 
     first, second = _vl_pairs(tmp_path / "a"), _vl_pairs(tmp_path / "b", count=8)
     mixed = VLPairsDataset(split="train", path=f"{first}::{second}", mode="t2i", modes=["m2t", "t2i"])
-    process = SimpleNamespace(tokenizer=None, sides=None, mode="t2i", template=lambda *a: "", check_template=print)
+    process = SimpleNamespace(
+        tokenizer=None, sides=None, mode="t2i", template=lambda *a: "", check_template=lambda *a: 0
+    )
     mixed.serve_processed(process)
     with pytest.raises(DataError) as err:
         mixed.__getitems__([0, 9])
@@ -166,3 +169,20 @@ def test_modes_that_cannot_train_together_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(DataError) as err:
         VLPairsDataset(split="train", path=f"{second}::{vqa}", mode="t2i", modes=["m2t", "t2i"])
     _one_line(err, "vqa.jsonl: no column doc_image; its retrieval mode, t2i, needs query_text, doc_image")
+
+
+def test_colbert_lays_each_side_out_at_the_longest_of_its_kinds(tmp_path: Path) -> None:
+    """Under ColBERT pooling every item of a side is laid out at one length: with m2t beside t2i, the query side's is
+    the multi default's (an image and a text), longer than the model's text template alone gives."""
+    from titan_contrastive.models.qwen_vl.model import JOIN_SLACK, QwenVLArgs
+    from titan_contrastive.models.qwen_vl.processor import VLProcessor
+
+    path = str(vl_folder(tmp_path, "qwen2_vl"))
+    one = QwenVLArgs(path=path, mode="t2i", query_template="{text}", doc_template="{image}", text_length=6)
+    both = dataclasses.replace(one, modes=("m2t", "t2i"))
+    proc = VLProcessor(path, 0, 0, 6)
+    assert one.side_tokens == {
+        s: proc.most_tokens(t) + JOIN_SLACK for s, t in (("query", "{text}"), ("doc", "{image}"))
+    }
+    assert both.side_tokens == {"query": proc.most_tokens("{image} {text}") + JOIN_SLACK, "doc": one.side_tokens["doc"]}
+    assert both.side_tokens["query"] > one.side_tokens["query"] + proc.most_visual_tokens - 1

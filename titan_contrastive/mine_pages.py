@@ -2,12 +2,12 @@
 MODEL is a qwen_vl step folder or a Qwen-VL folder (a ColQwen one too: late interaction, scored by MaxSim).
 
 ROWS is a `vl_pairs` file of the t2i kind (`.jsonl`, `.csv`, `.tsv`, `.parquet`: `query_text` and `doc_image`, or
-VLM2Vec's `qry` and `pos_image_path`; image paths relative to the file's folder; `datasets.vl_pairs`). Every distinct page of the file is the corpus, and
-with `--corpus DIR` every image below DIR too (the pages of your documents that no query names); each query's
-candidates are the pages ranked by the model (queries and pages embedded as the run embeds them:
-`beir_eval.side_embedders`), without the query's own pages (every row with that query text), filtered and taken
-as for text pairs (`--relative-margin`, `--range-min`, `--sampling`, ...): the mining is sentence-transformers'
-`mine_hard_negatives`, to which `PageEncoder` presents the model as the encoder it calls.
+VLM2Vec's `qry` and `pos_image_path`; image paths relative to the file's folder; `datasets.vl_pairs`). Every distinct
+page of the file is the corpus, and with `--corpus DIR` every image below DIR too (the pages of your documents that
+no query names); each query's candidates are the pages ranked by the model (queries and pages embedded as the run
+embeds them: `beir_eval.side_embedders`), without the query's own pages (every row with that query text), filtered
+and taken as for text pairs (`--relative-margin`, `--range-min`, `--sampling`, ...): the mining is
+sentence-transformers' `mine_hard_negatives`, to which `PageEncoder` presents the model as the encoder it calls.
 
 FILE (`.jsonl` or `.parquet`; `.csv` for one negative) holds the rows in the input's order with `query_text`,
 `doc_image` and `doc_negatives` (the mined pages), every path relative to FILE's folder (an absolute one stays

@@ -42,7 +42,8 @@ from titan_contrastive.models.bi_encoder.tower import load_text_tower
 from titan_contrastive.models.pretrained_scale import PretrainedScale, scale_fields
 from titan_contrastive.models.qwen_vl import colpali
 from titan_contrastive.models.qwen_vl.chat_template import folder_templates
-from titan_contrastive.models.qwen_vl.processor import IMAGE, PAD, VLProcessor
+from titan_contrastive.models.qwen_vl.processor import PAD, VLProcessor
+from titan_contrastive.models.qwen_vl.templates import SIDES, TEMPLATES, check_template, side_template
 
 __all__ = [
     "MODES",
@@ -53,16 +54,12 @@ __all__ = [
     "SideProcessor",
     "qwen_vl_blocks",
     "qwen_vl_flavors",
-    "side_template",
     "vl_embed",
 ]
 
 LORA_TARGETS = ("q_proj", "v_proj")
 """LoRA's default: the language model's query and value projections (the vision blocks name theirs
 `qkv`: they stay frozen unless `[lora] target_modules` names them)."""
-SIDES = ("query", "doc")
-TEMPLATES = {"text": "{text}", "image": IMAGE, "multi": IMAGE + " {text}"}
-"""A side's default template by its kind (`MODES[mode]`: (query kind, document kind))."""
 JOIN_SLACK = 8
 """ColBERT's tokens per side beyond `VLProcessor.most_tokens`: a BPE tokenizer may split a text that was cut to
 its first tokens into a few more once it is joined to the template."""
@@ -70,29 +67,6 @@ MOST_VISUAL_TOKENS = 4096
 """ColBERT pads every image to its most visual tokens: more than this is refused (set `[data] max_pixels`)."""
 IMAGE_TEXT_MODES = ("t2i", "i2t")
 """The modes of image-text data (an image and a caption per row): the image is one side, the caption the other."""
-
-
-def check_template(side: str, kind: str, template: str, mode: str, key: str = "") -> None:
-    """An image or multi side's template has `{image}`, a text side's has none: else one ConfigError
-    naming `key` (default: `model.{side}_prompt`)."""
-    key = f"{key or f'model.{side}_prompt'}={template!r}"
-    if kind != "text" and IMAGE not in template:
-        raise ConfigError(
-            f"{key}: the {kind} side's template needs {IMAGE} where the image goes (retrieval_mode={mode}), "
-            f"e.g. '{IMAGE} Summarize above image in one word:'" + (" or '{image} {text}'" if kind == "multi" else "")
-        )
-    if kind == "text" and IMAGE in template:
-        raise ConfigError(
-            f"{key}: the {side} side is text in retrieval_mode={mode}; remove {IMAGE} from it (e.g. '{{text}}') "
-            "or choose a mode whose " + ("queries" if side == "query" else "documents") + " are images"
-        )
-
-
-def side_template(args: QwenVLArgs, side: str, mode: str) -> str:
-    """`side`'s template for rows of `mode`: the run's own (`args.{side}_template`) where the side is of the kind it has
-    in `args.mode`, else that kind's default (`TEMPLATES`)."""
-    kind = dict(zip(SIDES, MODES[mode]))[side]
-    return getattr(args, f"{side}_template") if kind == dict(zip(SIDES, MODES[args.mode]))[side] else TEMPLATES[kind]
 
 
 @dataclass(frozen=True)
@@ -212,10 +186,15 @@ class QwenVLArgs(LoraFields):
 
     @functools.cached_property
     def side_tokens(self) -> dict[str, int]:
-        """ColBERT's tokens per side ("query", "doc"; hard negatives are documents): the most its template gives
-        (`VLProcessor.most_tokens`) and `JOIN_SLACK`; every text of the side is laid out at this length."""
+        """ColBERT's tokens per side ("query", "doc"; hard negatives are documents): the most its templates give (of
+        each mode's kind, `side_template`; `VLProcessor.most_tokens`) and `JOIN_SLACK`; every item of the side is laid
+        out at this length."""
         proc = VLProcessor(self.path, self.min_pixels, self.max_pixels, self.text_length)
-        return {side: proc.most_tokens(getattr(self, f"{side}_template")) + JOIN_SLACK for side in SIDES}
+        most = {
+            side: max(proc.most_tokens(side_template(self, side, m)) for m in self.modes or (self.mode,))
+            for side in SIDES
+        }
+        return {side: most[side] + JOIN_SLACK for side in SIDES}
 
     @functools.cached_property
     def _counts(self) -> tuple[int, int]:

@@ -26,8 +26,9 @@ from torch import Tensor, nn
 from titan_contrastive.datasets.retrieval import MODES
 from titan_contrastive.models.export_check import compare, packed_tokens, refuse, reloaded
 from titan_contrastive.models.qwen_vl.chat_template import chat_template
-from titan_contrastive.models.qwen_vl.model import SIDES, QwenVLArgs, side_template
+from titan_contrastive.models.qwen_vl.model import SIDES, QwenVLArgs
 from titan_contrastive.models.qwen_vl.processor import VLProcessor
+from titan_contrastive.models.qwen_vl.templates import side_template
 
 __all__ = ["check_loadable", "check_reloaded", "write_sentence_transformers"]
 
