@@ -63,6 +63,11 @@ def test_shards_of_one_source_read_as_one_file(tmp_path: Path, tokenizer) -> Non
     )
     assert joined.source_sizes == [len(ROWS), len(ROWS)]  # the pattern is one source of all its files
     (tmp_path / "empty").mkdir()
+    (tmp_path / "splits").mkdir()  # a repository's splits side by side (MMEB-train's subsets hold three)
+    for split in ("original", "diverse_instruction"):
+        write_jsonl(tmp_path / "splits" / f"{split}-00000-of-00001.jsonl", rows)
+    one = PairsDataset(split="train", path=f"{tmp_path}/splits/original-*", tokenizer=tokenizer, query_length=24)
+    assert len(one) == len(ROWS)  # a pattern names its split
     (tmp_path / "mixed").mkdir()
     write_jsonl(tmp_path / "mixed" / "a.jsonl", rows[:2])
     datasets.Dataset.from_list(rows[2:]).to_parquet(str(tmp_path / "mixed" / "b.parquet"))
@@ -78,6 +83,13 @@ def test_shards_of_one_source_read_as_one_file(tmp_path: Path, tokenizer) -> Non
             ),
         ),
         (str(tmp_path / "empty"), ("the folder (not a save_to_disk folder) holds no",)),
+        (
+            str(tmp_path / "splits"),
+            (
+                "holds the shards of 2 splits (diverse_instruction, original, by their names); name one, e.g. ",
+                "/splits/diverse_instruction-*.jsonl",
+            ),
+        ),
         (str(tmp_path / "mixed"), ("files of 2 formats (.jsonl, .parquet)", "mixed/*.jsonl")),
         (str(tmp_path / "jsonl"), ("train-00009-of-00003.jsonl and train-00000-of-00003.jsonl differ", "ids")),
     ):

@@ -6,6 +6,7 @@ one source of rows; `::` still joins sources, each with its own weight and promp
 from __future__ import annotations
 
 import glob
+import re
 from collections.abc import Collection
 from pathlib import Path
 
@@ -24,6 +25,10 @@ ASIDE = (".json", ".txt")
 """Formats whose files beside files of another format say what those are (a `shards.json`, a `LICENSE.txt`)."""
 
 
+SPLIT_SHARD = re.compile(r"^(?P<split>.+)-\d{5}-of-\d{5}\.")
+"""A Hugging Face repository's shard name, `{split}-00000-of-00004.parquet`: the split it belongs to."""
+
+
 def is_pattern(path: str) -> bool:
     return any(c in path for c in "*?[")
 
@@ -33,7 +38,9 @@ def shard_files(path: str, suffixes: Collection[str], field: str = "data.path") 
     folder's own files with one of `suffixes` (other files are not data, nor `METADATA`, nor `ASIDE` files beside files
     of another format: a `shards.json`, a `_stats.json`, a `README.txt`). None for anything else: one file,
     a `save_to_disk` folder, a path that does not exist (its reader says so). A DataError, one line naming the
-    `field`, when the pattern or folder holds no such file, or files of more than one format."""
+    `field`, when the pattern or folder holds no such file, files of more than one format, or (a folder) the shards of
+    more than one split (`SPLIT_SHARD`: a repository's `train-*` beside its `test-*`, MMEB-train's `original-*`
+    beside `diverse_instruction-*`), which would be read as one source."""
     target = Path(path).expanduser()
     if is_pattern(path):
         found = [Path(p) for p in glob.glob(str(target), recursive=True)]
@@ -48,6 +55,12 @@ def shard_files(path: str, suffixes: Collection[str], field: str = "data.path") 
         files = [p for p in files if data_suffix(p) not in ASIDE]
     if not files:
         raise DataError(f"{where} no {formats_named(suffixes)} file; point it at the dataset's data files")
+    splits = sorted({m["split"] for m in map(SPLIT_SHARD.match, (p.name for p in files)) if m})
+    if len(splits) > 1 and not is_pattern(path):
+        shown = Path(path) / f"{'train' if 'train' in splits else splits[0]}-*{file_kind(files[0])}"
+        raise DataError(
+            f"{where} the shards of {len(splits)} splits ({', '.join(splits)}, by their names); name one, e.g. {shown}"
+        )
     kinds = sorted({file_kind(p) for p in files})
     if len(kinds) > 1:
         raise DataError(
