@@ -36,8 +36,8 @@ def test_one_text_column_is_a_one_line_error_naming_simcse(tmp_path: Path) -> No
 
 def test_text_files_are_rows_of_one_text_column(tmp_path: Path) -> None:
     """A `.txt` file (or `.txt.gz`) is its lines that are not blank, each without its line break (CRLF too: universal
-    newlines), in the column `text`; a folder of shards reads its data files, not a `README.txt` beside them; a corpus
-    of plain text (no ids) is a one-line error."""
+    newlines), in the column `text`; a folder of shards reads its data files, not a `README.txt` beside them; plain text
+    (no ids) is no corpus format, nor STS pairs': a one-line error."""
     from titan_contrastive.datasets.corpus import corpus_texts
     from titan_contrastive.datasets.pair_rows import read_rows
 
@@ -59,7 +59,7 @@ def test_text_files_are_rows_of_one_text_column(tmp_path: Path) -> None:
     assert rows.texts == [[s, s] for s in SENTENCES]
     with pytest.raises(DataError) as err:
         corpus_texts(str(tmp_path / "wiki.txt"), None, {}, "data.corpus")
-    _one_line(err, "a corpus row holds an id", "its columns are text")
+    _one_line(err, "wiki.txt: not an existing .jsonl/.json/.csv/.tsv/.parquet/.arrow", "(an id and a text each)")
 
 
 @needs("hf")

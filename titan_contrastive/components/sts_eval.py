@@ -21,7 +21,7 @@ from titan_contrastive.components.beir_eval import embed_texts
 from titan_contrastive.components.evaluate import dim_cuts
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.formats import data_suffix, formats_named
-from titan_contrastive.datasets.pair_rows import FORMATS
+from titan_contrastive.datasets.pair_rows import TABLE_FORMATS as FORMATS
 from titan_contrastive.datasets.tables import read_table
 from titan_contrastive.extras import import_failure
 

@@ -4,8 +4,8 @@
 A corpus row is a document's id and its text: by column, the id in `docid` (tevatron), `_id` (BEIR) or `id`
 (Pyserini), the text in `text` or `contents` (Pyserini), a `title` read before the text with a space between, as a
 tevatron passage is; unnamed, a row (a TSV without a header, a JSON list) is `id, text` (MS MARCO's collection.tsv)
-or `id, title, text`. The formats and shards are the text pairs' (`pair_rows.FORMATS`; a pattern or a folder of
-files is one corpus).
+or `id, title, text`. The formats and shards are the text pairs' but `.txt` (`pair_rows.TABLE_FORMATS`; a pattern or a
+folder of files is one corpus).
 
 The corpus is read a row at a time and only the documents that the rows name are kept, each text held once with
 the rows' own: a corpus of millions of passages costs the memory of those the training rows use. A Parquet or Arrow
@@ -29,7 +29,8 @@ from typing import Any
 from titan_contrastive.datasets.bad_samples import too_many_bad
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.formats import data_suffix, formats_named, open_text
-from titan_contrastive.datasets.pair_rows import FORMATS, PairRows, cell_text, doc_id, kept_rows
+from titan_contrastive.datasets.pair_rows import TABLE_FORMATS as FORMATS
+from titan_contrastive.datasets.pair_rows import PairRows, cell_text, doc_id, kept_rows
 from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.tables import STREAM_BYTES, arrow_batches, guarded_rows, opened_rows
 

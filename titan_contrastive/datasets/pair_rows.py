@@ -63,6 +63,8 @@ from titan_contrastive.datasets.tables import guarded_rows, opened_rows
 logger = logging.getLogger("titan_contrastive")
 
 FORMATS = (".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet", ".arrow")
+TABLE_FORMATS = tuple(f for f in FORMATS if f != ".txt")
+"""The formats of rows of several columns (a corpus's ids and texts, STS pairs and scores): a `.txt` file has one."""
 
 
 class PairRows(NamedTuple):
