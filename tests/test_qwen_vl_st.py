@@ -331,3 +331,36 @@ def test_sentence_transformers_embeds_a_folder_as_a_run_on_it(tmp_path: Path, sa
     pictures = [Image.fromarray(x) for x in images]
     assert torch.allclose(query, theirs.encode_query(texts, convert_to_tensor=True), atol=1e-5)
     assert torch.allclose(doc, theirs.encode_document(pictures, convert_to_tensor=True), atol=1e-5)
+
+
+def test_a_run_of_two_modes_exports_a_template_for_each_kind(tmp_path: Path) -> None:
+    """Where torchvision imports: a run of m2t and t2i sources (the model's mode t2i) exports a folder whose
+    `encode_query` embeds an image with its question, and `encode_document` a text answer, as the run embedded the m2t
+    rows (the export's own check covers the model's t2i sides)."""
+    pytest.importorskip("torchvision", reason="transformers' Qwen-VL processor needs torchvision to load")
+    from sentence_transformers import SentenceTransformer
+
+    from tests.test_vl_modes import _mixed
+    from titan_contrastive.export import main as export_main
+
+    common = ("--training.steps=2", "--training.dtype=float32", "--checkpoint.enable=true", "--optimizer.lr=1e-2")
+    run, first, _ = _mixed(tmp_path, *common)
+    run.train()
+    run.metrics.close()
+    out = tmp_path / "st"
+    assert export_main([str(tmp_path / "run-qwen2_vl" / "checkpoint" / "step-2"), "--to", "sentence-transformers",
+                        "--out", str(out)]) == 0  # fmt: skip
+    batch = run.train_set.__getitems__([0, 1])  # the m2t file's rows
+    run.model.eval()
+    with torch.no_grad():
+        queries = run.model.embed(batch["query"], batch["query_pixel_values"], batch["query_image_grid_thw"], "query")
+        documents = run.model.embed(batch["doc"], side="doc")
+    rows = [json.loads(line) for line in first.read_text().splitlines()[:2]]
+    model = SentenceTransformer(str(out), device="cpu")
+    samples = [
+        {"image": Image.open(first.parent / r["query_image"]).convert("RGB"), "text": r["query_text"]} for r in rows
+    ]
+    got_queries = torch.as_tensor(model.encode_query(samples, batch_size=2))
+    got_documents = torch.as_tensor(model.encode_document([r["doc_text"] for r in rows], batch_size=2))
+    torch.testing.assert_close(got_queries, queries.float(), atol=1e-4, rtol=0)
+    torch.testing.assert_close(got_documents, documents.float(), atol=1e-4, rtol=0)

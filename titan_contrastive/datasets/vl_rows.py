@@ -1,5 +1,6 @@
 """A vl_pairs row's cells as `vl_pairs` reads them: VLM2Vec's MMEB-train columns taken as ours (`from_vlm2vec`), a
-negatives cell as a list (`as_list`), a text or path as written (`written`)."""
+negatives cell as a list (`as_list`) and a negative's text and image path (`negative_parts`), a text or path as
+written (`written`)."""
 
 from __future__ import annotations
 
