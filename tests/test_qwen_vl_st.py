@@ -256,7 +256,13 @@ def test_without_torchvision_the_export_is_refused_in_one_line(tmp_path: Path, c
 
 @pytest.mark.parametrize(
     "mode, lora, pooling",
-    [("t2i", False, "last_token"), ("t2i", True, "last_token"), ("m2i", False, "mean"), ("t2i", True, "colbert")],
+    [
+        ("t2i", False, "last_token"),
+        ("t2i", True, "last_token"),
+        ("m2i", False, "mean"),
+        ("m2t", False, "last_token"),
+        ("t2i", True, "colbert"),
+    ],
 )
 def test_the_folder_loads_in_sentence_transformers_and_embeds_as_the_run(
     tmp_path: Path, mode: str, lora: bool, pooling: str
@@ -264,7 +270,8 @@ def test_the_folder_loads_in_sentence_transformers_and_embeds_as_the_run(
     """Where torchvision imports: the export passes its own check (sentence-transformers' query and document
     embeddings of images of three sizes and three texts, one cut, equal the run's; a ColQwen run's tokens, as a
     MultiVectorEncoder), and the folder holds the run's pooling or projection; `encode` without a task takes the side
-    whose template reads the sample's kinds (t2i: an image is a document; m2i: an image with a text is a query)."""
+    whose template reads the sample's kinds (t2i: an image is a document; m2i, m2t: an image with a text is a
+    query)."""
     pytest.importorskip("torchvision", reason="transformers' Qwen-VL processor needs torchvision to load")
     from sentence_transformers import MultiVectorEncoder, SentenceTransformer
 
