@@ -121,3 +121,22 @@ def test_a_run_trains_and_evaluates_on_rows_apart_from_their_images(tmp_path: Pa
     trainer.metrics.close()
     assert trainer.step == 1 and results["num_samples"] == 4 and "query_to_doc_r@1" in results
     assert not trainer.loader.bad_samples.values()  # every image read
+
+
+@needs("hf")
+def test_image_and_text_negatives_are_rooted_per_shard_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pattern over two folders of t2m rows whose hard negatives are `{"image", "text"}` objects: each negative's
+    image is read from its own file's folder (the second folder's pixels under the first's names), as that file alone
+    reads it."""
+    from tests.test_qwen_vl_pairs import _vl_pairs
+
+    monkeypatch.chdir(tmp_path)
+    _vl_pairs(tmp_path / "m1", negatives="multi", count=3)
+    _vl_pairs(tmp_path / "m2", negatives="multi", count=2)
+    for j in range(2):
+        Image.fromarray(np.full((28, 42, 3), 40 * j, dtype=np.uint8)).save(tmp_path / "m2" / "img" / f"n1{j}.png")
+    both = VLPairsDataset(split="train", path="m*/pairs.jsonl", mode="t2m")
+    alone = VLPairsDataset(split="train", path="m2/pairs.jsonl", mode="t2m")
+    got, want = both._fields(0, 4)["doc_negatives"], alone._fields(0, 1)["doc_negatives"]
+    assert [t for _, t in got] == [t for _, t in want] == ["a cat 1 on a warm roof", "frozen water"]
+    assert all(np.array_equal(g, w) for (g, _), (w, _) in zip(got, want))

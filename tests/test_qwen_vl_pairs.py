@@ -446,17 +446,6 @@ def test_vl_pairs_shards_in_their_own_folders_are_one_source(tmp_path: Path, mon
             assert torch.equal(got[key], want[key]), (path, key)
     trainer.train()
     trainer.metrics.close()
-    _vl_pairs(tmp_path / "m1", negatives="multi", count=3)  # image + text negatives: their images rooted the same way
-    _vl_pairs(tmp_path / "m2", negatives="multi", count=2)
-    from PIL import Image
-
-    for j in range(2):  # the second folder's own pixels under the first's names
-        Image.fromarray(np.full((28, 42, 3), 40 * j, dtype=np.uint8)).save(tmp_path / "m2" / "img" / f"n1{j}.png")
-    both = VLPairsDataset(split="train", path="m*/pairs.jsonl", mode="t2m")
-    alone = VLPairsDataset(split="train", path="m2/pairs.jsonl", mode="t2m")
-    got, want = both._fields(0, 4)["doc_negatives"], alone._fields(0, 1)["doc_negatives"]
-    assert [t for _, t in got] == [t for _, t in want] == ["a cat 1 on a warm roof", "frozen water"]
-    assert all(np.array_equal(g, w) for (g, _), (w, _) in zip(got, want))
 
 
 def test_vl_pairs_negatives_drawn_per_epoch_are_served_as_rows_holding_them(tmp_path: Path) -> None:
