@@ -15,7 +15,7 @@ from typing import Any
 from titan_contrastive.batching import IMAGE_FIELDS, BatchError
 from titan_contrastive.datasets.base import DataError
 
-__all__ = ["MODES", "source_modes", "unpack_batch"]
+__all__ = ["MODES", "SIDES", "side_kinds", "source_modes", "unpack_batch"]
 
 TEXT_FIELDS = ("input_ids", "attention_mask")
 
@@ -31,6 +31,12 @@ MODES: dict[str, tuple[str, str]] = {
     "i2m": ("image", "multi"),
     "m2m": ("multi", "multi"),
 }
+SIDES = ("query", "doc")
+
+
+def side_kinds(mode: str) -> dict[str, str]:
+    """Each side's kind (text, image or multi) in retrieval mode `mode`: {"query": ..., "doc": ...}."""
+    return dict(zip(SIDES, MODES[mode]))
 
 
 def source_modes(data: Any) -> list[str]:

@@ -15,16 +15,15 @@ import numpy as np
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.formats import data_suffix, formats_named
 from titan_contrastive.datasets.packed_rows import PackedRows, Unpackable, packable
-from titan_contrastive.datasets.retrieval import MODES
+from titan_contrastive.datasets.retrieval import MODES, SIDES, side_kinds
 from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.sources import rooted
 from titan_contrastive.datasets.tables import table_rows
 from titan_contrastive.datasets.vl_rows import as_list, from_vlm2vec
 
-__all__ = ["COLUMNS", "FORMATS", "NEGATIVES_COLUMN", "SCORES_COLUMN", "SIDES", "VLFile", "needed", "read_source"]
+__all__ = ["COLUMNS", "FORMATS", "NEGATIVES_COLUMN", "SCORES_COLUMN", "VLFile", "needed", "read_source"]
 
 FORMATS = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
-SIDES = ("query", "doc")
 FIELDS = {"text": ("text",), "image": ("image",), "multi": ("image", "text")}
 """A side's kind -> the fields a row needs for it."""
 COLUMNS = tuple(f"{side}_{field}" for side in SIDES for field in ("image", "text"))
@@ -35,7 +34,7 @@ SCORES_COLUMN = "doc_scores"
 def needed(mode: str) -> list[str]:
     """The columns a row of `mode` needs (`retrieval.MODES`): a text side's `*_text`, an image side's `*_image`, a
     multi side's both."""
-    return [f"{side}_{field}" for side, kind in zip(SIDES, MODES[mode]) for field in FIELDS[kind]]
+    return [f"{side}_{field}" for side, kind in side_kinds(mode).items() for field in FIELDS[kind]]
 
 
 class VLFile(NamedTuple):
@@ -52,7 +51,7 @@ class VLFile(NamedTuple):
     @property
     def kinds(self) -> dict[str, str]:
         """Each side's kind: text, image or multi."""
-        return dict(zip(SIDES, MODES[self.mode]))
+        return side_kinds(self.mode)
 
     @property
     def needed(self) -> list[str]:

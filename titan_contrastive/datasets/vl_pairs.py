@@ -59,13 +59,12 @@ from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, in_batch_per_source, joins, split_sources
 from titan_contrastive.datasets.pair_rows import document_scores
 from titan_contrastive.datasets.pools import Pools
-from titan_contrastive.datasets.retrieval import MODES
+from titan_contrastive.datasets.retrieval import MODES, SIDES
 from titan_contrastive.datasets.sources import BadSample, read_file
 from titan_contrastive.datasets.vl_files import (
     COLUMNS,
     NEGATIVES_COLUMN,
     SCORES_COLUMN,
-    SIDES,
     VLFile,
     needed,
     read_source,

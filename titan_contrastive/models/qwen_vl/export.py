@@ -25,12 +25,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from titan_contrastive.datasets.retrieval import SIDES
 from titan_contrastive.models.bi_encoder.export import adapted, plain_tower
 from titan_contrastive.models.bi_encoder.folder import load_config
 from titan_contrastive.models.bi_encoder.tower import load_text_tower
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, refuse, reloaded
 from titan_contrastive.models.qwen_vl.colpali import CLASSES, reload_colpali, write_colpali
-from titan_contrastive.models.qwen_vl.model import SIDES, QwenVLArgs, vl_embed
+from titan_contrastive.models.qwen_vl.model import QwenVLArgs, vl_embed
 from titan_contrastive.models.qwen_vl.processor import PAD, VLProcessor
 from titan_contrastive.models.qwen_vl.st_folder import (
     check_loadable,

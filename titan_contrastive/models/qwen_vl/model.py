@@ -34,7 +34,7 @@ from titan_contrastive.batching import NEGATIVES, right_trimmed
 from titan_contrastive.components.lora import LoraFields, add_lora
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.retrieval import MODES, source_modes
+from titan_contrastive.datasets.retrieval import MODES, SIDES, side_kinds, source_modes
 from titan_contrastive.models.bi_encoder.colbert import refuse_for_colbert
 from titan_contrastive.models.bi_encoder.folder import layer_blocks, load_config, read_text_folder
 from titan_contrastive.models.bi_encoder.pooling import pooled
@@ -43,11 +43,10 @@ from titan_contrastive.models.pretrained_scale import PretrainedScale, scale_fie
 from titan_contrastive.models.qwen_vl import colpali
 from titan_contrastive.models.qwen_vl.chat_template import folder_templates
 from titan_contrastive.models.qwen_vl.processor import PAD, VLProcessor
-from titan_contrastive.models.qwen_vl.templates import SIDES, TEMPLATES, check_template, side_template
+from titan_contrastive.models.qwen_vl.templates import TEMPLATES, check_template, side_template
 
 __all__ = [
     "MODES",
-    "SIDES",
     "TEMPLATES",
     "QwenVLArgs",
     "QwenVLEmbedder",
@@ -127,7 +126,7 @@ class QwenVLArgs(LoraFields):
         ours = {side: getattr(cfg.model, f"{side}_prompt") for side in SIDES}
         derived = folder_templates(folder, MODES[mode]) if "auto" in ours.values() else {}
         templates = {}
-        for side, kind in zip(SIDES, MODES[mode]):
+        for side, kind in side_kinds(mode).items():
             templates[side] = derived.get(side, TEMPLATES[kind]) if ours[side] == "auto" else ours[side]
             check_template(side, kind, templates[side], mode)
         pooling = (folder.pooling or "last_token") if cfg.model.pooling == "auto" else cfg.model.pooling
@@ -240,7 +239,7 @@ class SideProcessor:
         self.args, self.mode = args, args.mode
         self.proc = VLProcessor(args.path, args.min_pixels, args.max_pixels, args.text_length)
         self.tokenizer = self.proc.tokenizer
-        self.kinds = dict(zip(SIDES, MODES[args.mode]))
+        self.kinds = side_kinds(args.mode)
         self.templates = {"query": args.query_template, "doc": args.doc_template}
         self.negatives = args.mode == "i2t"
         self.lengths = args.side_tokens if args.token_dim else {}
@@ -261,7 +260,7 @@ class SideProcessor:
         data, a source's own), or one ConfigError naming `key`; under ColBERT pooling, one that fits the side's length
         (`side_tokens`)."""
         mode = mode or self.mode
-        check_template(side, dict(zip(SIDES, MODES[mode]))[side], template, mode, key)
+        check_template(side, side_kinds(mode)[side], template, mode, key)
         if self.lengths and self.proc.most_tokens(template) + JOIN_SLACK > self.lengths[side]:
             raise ConfigError(
                 f"{key}={template!r}: it gives up to {self.proc.most_tokens(template)} tokens, and model.pooling="
@@ -296,7 +295,7 @@ class SideProcessor:
         `datasets.vl_pairs`); the negatives take their row's document template. `mode`: the samples' (a source's,
         `[data] retrieval_modes`; default the model's), each side of its kind and by default its `template`."""
         mode = mode or self.mode
-        kinds = dict(zip(SIDES, MODES[mode]))
+        kinds = side_kinds(mode)
         given = {"query": (query_images, query_texts), "doc": (doc_images, doc_texts)}
         own = (templates or {}).get
         chosen = {

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor, nn
 
-from titan_contrastive.datasets.retrieval import MODES
+from titan_contrastive.datasets.retrieval import SIDES, side_kinds
 from titan_contrastive.models.export_check import compare, packed_tokens, refuse, reloaded
 from titan_contrastive.models.qwen_vl.chat_template import chat_template
-from titan_contrastive.models.qwen_vl.model import SIDES, QwenVLArgs
+from titan_contrastive.models.qwen_vl.model import QwenVLArgs
 from titan_contrastive.models.qwen_vl.processor import VLProcessor
 from titan_contrastive.models.qwen_vl.templates import side_template
 
@@ -113,7 +113,7 @@ def check_reloaded(
     library = MultiVectorEncoder if args.token_dim else SentenceTransformer
     model = reloaded("sentence-transformers", lambda: library(str(out), device="cpu"))
     processor = VLProcessor(args.path, args.min_pixels, args.max_pixels, args.text_length)
-    kinds = dict(zip(SIDES, MODES[args.mode]))
+    kinds = side_kinds(args.mode)
     encode = {"query": model.encode_query, "doc": model.encode_document}
     for side, mine in zip(SIDES, want):
         images, texts = probe[side]

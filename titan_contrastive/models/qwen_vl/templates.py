@@ -7,14 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from titan_contrastive.config import ConfigError
-from titan_contrastive.datasets.retrieval import MODES
+from titan_contrastive.datasets.retrieval import side_kinds
 from titan_contrastive.models.qwen_vl.processor import IMAGE
 
-__all__ = ["SIDES", "TEMPLATES", "check_template", "side_template"]
+__all__ = ["TEMPLATES", "check_template", "side_template"]
 
-SIDES = ("query", "doc")
 TEMPLATES = {"text": "{text}", "image": IMAGE, "multi": IMAGE + " {text}"}
-"""A side's default template by its kind (`MODES[mode]`: (query kind, document kind))."""
+"""A side's default template by its kind (`retrieval.side_kinds`)."""
 
 
 def check_template(side: str, kind: str, template: str, mode: str, key: str = "") -> None:
@@ -36,5 +35,5 @@ def check_template(side: str, kind: str, template: str, mode: str, key: str = ""
 def side_template(args: Any, side: str, mode: str) -> str:
     """`side`'s template for rows of `mode`: the run's own (`args.{side}_template`) where the side is of the kind it has
     in `args.mode`, else that kind's default (`TEMPLATES`)."""
-    kind = dict(zip(SIDES, MODES[mode]))[side]
-    return getattr(args, f"{side}_template") if kind == dict(zip(SIDES, MODES[args.mode]))[side] else TEMPLATES[kind]
+    kind = side_kinds(mode)[side]
+    return getattr(args, f"{side}_template") if kind == side_kinds(args.mode)[side] else TEMPLATES[kind]
