@@ -122,7 +122,7 @@ class Trainer:
         self.train_state = TrainState()
         self.nonfinite = NonFiniteGuard(cfg.training.on_nonfinite, cfg.training.max_consecutive_skips)
         states = (model, self.optimizer, self.lr_scheduler, self.train_state, self.loader)
-        self.checkpointer = build_checkpointer(cfg, *states, dist=dist, dp_degree=dp, model_args=self.model_args)
+        self.checkpointer = build_checkpointer(cfg, *states, dp, self.ga_steps, dist=dist, model_args=self.model_args)
         log_run_start(cfg, data, self.model_args, dist, dims, precision, self.ga_steps, self.gradient_step)
         log_config_warnings(cfg)
         self.checkpointer.preflight(checkpoint_bytes(model))

@@ -32,7 +32,6 @@ from titan_contrastive.checkpoint.manager import CheckpointManager
 from titan_contrastive.config import ConfigError
 from titan_contrastive.config.epochs import every
 from titan_contrastive.grad_cache.rng import RNGSnapshot, capture_rng, cuda_index, restore_rng
-from titan_contrastive.parallelisms import gradient_accumulation_steps
 
 
 class ModelState:
@@ -152,19 +151,20 @@ def build_checkpointer(
     scheduler: torch.optim.lr_scheduler.LambdaLR,
     train_state: TrainState,
     loader: Stateful,
+    dp_degree: int,
+    ga_steps: int,
     *,
     dist: Any,
-    dp_degree: int,
     model_args: Any,
 ) -> CheckpointManager:
     """The run's CheckpointManager (`cfg` is the JobConfig): model, optimizer, schedule and counters
     saved once; each data-parallel rank's loader position and RNG streams per rank (the DP rank is
     the global rank); the manifest records the model (family, args) and the run's config. `dist`:
-    this process's parallelisms.DistInfo."""
+    this process's parallelisms.DistInfo; `ga_steps`: the run's loader steps per optimizer step
+    (`checkpoint.every_epoch` counts in them)."""
     device, rank = dist.device, dist.rank
     if cfg.checkpoint.enable and cfg.checkpoint.async_mode == "async_with_pinned_mem":
         check_forward_keeps_state(model)
-    ga_steps = gradient_accumulation_steps(cfg.training.global_batch_size, cfg.training.local_batch_size, dp_degree)
     return CheckpointManager(
         cfg.checkpoint,
         dump_folder=cfg.job.dump_folder,
