@@ -150,11 +150,13 @@ def test_sources_pack_each_row_as_they_read_it(tmp_path: Path) -> None:
 
 @needs("data")
 def test_vl_pairs_refuses_a_value_it_cannot_keep_in_one_line(tmp_path: Path) -> None:
-    """An image stored as bytes in a Parquet column (a Hugging Face image column's way): the row and the column."""
+    """A text stored as bytes in a Parquet column (images may be, `held_images`): the row and the column."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({"query_text": ["a", "b"], "doc_image": pa.array([None, b"\x89PNG"], type=pa.binary())})
-    pq.write_table(table, tmp_path / "rows.parquet")
-    with pytest.raises(DataError, match=r"rows.parquet: row 2: doc_image holds a bytes; .* their paths in the column$"):
+    texts = pa.array([None, b"a"], type=pa.binary())
+    pq.write_table(pa.table({"query_text": texts, "doc_image": ["x.png", "y.png"]}), tmp_path / "rows.parquet")
+    with pytest.raises(
+        DataError, match=r"rows.parquet: row 2: query_text holds a bytes; .* lists of them and numbers$"
+    ):
         VLPairsDataset(split="train", path=str(tmp_path / "rows.parquet"), mode="t2i")

@@ -51,6 +51,10 @@ class Data:
     image_root: str = ""
     """csv and vl_pairs: the folder that the files' relative image paths start from (VLM2Vec's `image_dir`, for
     annotations kept apart from their images); empty = each file's own folder."""
+    image_cache: str = ""
+    """vl_pairs: the folder the images held in the files' cells (a Parquet file's Hugging Face Image column, or
+    encoded bytes) are written to once, each named by the SHA-1 of its bytes; empty = titan_contrastive/images in
+    $XDG_CACHE_HOME, else ~/.cache."""
     csv_img_key: str = "filepath"
     """csv: column of image paths (relative paths resolve against `image_root`, else the CSV's folder)."""
     csv_caption_key: str = "title"

@@ -362,10 +362,11 @@ def build_data(
     elif data.dataset == "vl_pairs":  # images and texts per side, through the family's processor (qwen_vl)
         if not data.path:
             raise DataError(
-                "data.path is empty: data.dataset='vl_pairs' reads your .jsonl/.json/.csv/.tsv/.parquet rows "
+                "data.path is empty: data.dataset='vl_pairs' reads your .jsonl/.json/.csv/.tsv/.parquet/.arrow rows "
                 "(query_image, query_text, doc_image, doc_text); set data.path"
             )
         context_length = data.context_length or DEFAULT_CONTEXT["byte"]
+        folders = {"image_root": data.image_root, "image_cache": data.image_cache}
         train = VLPairsDataset(
             split="train",
             path=data.path,
@@ -379,9 +380,9 @@ def build_data(
             doc_templates=data.doc_prompts,
             in_batch_negatives=data.in_batch_negatives,
             teacher=scores,
-            image_root=data.image_root,
+            **folders,
         )
-        held_out = dict(split="test", path=data.val_path, mode=data.retrieval_mode, image_root=data.image_root)
+        held_out = dict(split="test", path=data.val_path, mode=data.retrieval_mode, **folders)
         eval_sets.append(VLPairsDataset(**held_out) if data.val_path else None)
     else:
         if data.tokenizer == "clip_bpe":

@@ -14,16 +14,17 @@ import numpy as np
 
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.formats import data_suffix, formats_named
+from titan_contrastive.datasets.held_images import ImageStore
 from titan_contrastive.datasets.packed_rows import PackedRows, Unpackable, packable
 from titan_contrastive.datasets.retrieval import MODES, SIDES, side_kinds
 from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.sources import rooted
 from titan_contrastive.datasets.tables import table_rows
-from titan_contrastive.datasets.vl_rows import as_list, from_vlm2vec
+from titan_contrastive.datasets.vl_rows import as_list, from_colpali, from_vlm2vec
 
 __all__ = ["COLUMNS", "FORMATS", "NEGATIVES_COLUMN", "SCORES_COLUMN", "VLFile", "needed", "read_source"]
 
-FORMATS = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
+FORMATS = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".arrow")
 FIELDS = {"text": ("text",), "image": ("image",), "multi": ("image", "text")}
 """A side's kind -> the fields a row needs for it."""
 COLUMNS = tuple(f"{side}_{field}" for side in SIDES for field in ("image", "text"))
@@ -64,17 +65,26 @@ class VLFile(NamedTuple):
 
 
 def read_source(
-    path: str, key: str, mode: str, split: str, columns: Sequence[str], image_root: Path | None, scored: bool
+    path: str,
+    key: str,
+    mode: str,
+    split: str,
+    columns: Sequence[str],
+    image_root: Path | None,
+    scored: bool,
+    store: ImageStore,
 ) -> VLFile:
     """One source's rows: its file's, or the rows of each file a pattern or a folder of shards names
     (`shards.shard_files`) in order, each file's image paths made absolute from its own folder (unless `image_root`);
-    each row its values of `columns`. `scored`: its rows give a teacher's scores (`SCORES_COLUMN`)."""
+    each row its values of `columns`. `scored`: its rows give a teacher's scores (`SCORES_COLUMN`). Images held in
+    the cells (a Parquet file's Hugging Face image column) are written to `store` and read from there."""
     shards = shard_files(path, FORMATS)
     files = [Path(path).expanduser()] if shards is None else shards
     for file in files:
-        if data_suffix(file) not in FORMATS or not file.is_file():
+        if not (file.is_dir() or data_suffix(file) in FORMATS and file.is_file()):
             raise DataError(
-                f"{key}={path}: not an existing {formats_named(FORMATS)} file; data.dataset='vl_pairs' reads rows "
+                f"{key}={path}: not an existing {formats_named(FORMATS)} file or save_to_disk folder; "
+                "data.dataset='vl_pairs' reads rows "
                 f"with the columns {', '.join(COLUMNS)}"
             )
     negatives, at, place = array("q"), [files[0], 0], list(columns).index(NEGATIVES_COLUMN)
@@ -82,7 +92,7 @@ def read_source(
 
     def rows() -> Iterator[list[Any]]:  # every file's, each row's count of hard negatives kept as it goes
         for file in files:
-            for values in _file_rows(file, each_root, mode, split, columns, scored, at):
+            for values in _file_rows(file, each_root, mode, split, columns, scored, at, store):
                 negatives.append(len(as_list(values[place])))
                 yield values
 
@@ -92,8 +102,8 @@ def read_source(
         column, value = next((c, v) for c, v in zip(columns, e.value) if not packable(v))
         raise DataError(
             f"{at[0]}: row {at[1]}: {column} holds a {type(value).__name__}; "
-            "vl_pairs reads texts and image paths (strings), lists of them and numbers: write the images as files "
-            "and their paths in the column"
+            "vl_pairs reads texts and image paths (strings), images in image columns (encoded bytes, or a Hugging "
+            "Face Image column's {bytes, path}), lists of them and numbers"
         ) from None
     except DataError:
         raise
@@ -106,13 +116,21 @@ def read_source(
 
 
 def _file_rows(
-    file: Path, each_root: bool, mode: str, split: str, columns: Sequence[str], scored: bool, at: list[Any]
+    file: Path,
+    each_root: bool,
+    mode: str,
+    split: str,
+    columns: Sequence[str],
+    scored: bool,
+    at: list[Any],
+    store: ImageStore,
 ) -> Iterator[list[Any]]:
     """One file's rows, each its values of `columns` as it is read, `at` the file and the row (from 1); `each_root`:
-    image paths made absolute from the file's folder. A DataError naming what is wrong."""
+    image paths made absolute from the file's folder; images held in cells written to `store`, their paths in their
+    place. A DataError naming what is wrong."""
     at[:] = [file, 0]
     need, doc_kind = needed(mode), MODES[mode][1]
-    images = {c for c in need if c.endswith("_image")} | ({NEGATIVES_COLUMN} if doc_kind != "text" else set())
+    images = {c for c in columns if c.endswith("_image")} | ({NEGATIVES_COLUMN} if doc_kind != "text" else set())
     root = str(file.parent.absolute())
     seen: set[str] = set()
     _, rows = table_rows(file, (*COLUMNS, NEGATIVES_COLUMN, SCORES_COLUMN), split)
@@ -120,9 +138,10 @@ def _file_rows(
         at[1] = n
         if not isinstance(row, dict):
             raise DataError(f"{file}: row {n}: rows must be JSON objects (or a header line) naming {', '.join(need)}")
-        row = from_vlm2vec(row, doc_kind)
+        row = from_colpali(from_vlm2vec(row, doc_kind))
         seen.update(row)
-        yield [_rooted(root, c, row.get(c)) if each_root and c in images else row.get(c) for c in columns]
+        values = [_stored(store, c, row.get(c)) if c in images else row.get(c) for c in columns]
+        yield [_rooted(root, c, v) if each_root and c in images else v for c, v in zip(columns, values)]
     if not at[1]:
         raise DataError(f"{file}: no rows; give one row per query-document pair with {', '.join(need)}")
     missing = [c for c in need if c not in seen]
@@ -137,6 +156,16 @@ def _file_rows(
             f"(the document's, then each of {NEGATIVES_COLUMN}'), and it has none; add it, or leave loss.distill "
             "empty"
         )
+
+
+def _stored(store: ImageStore, column: str, value: Any) -> Any:
+    """An image column's value with the images its cells hold written to `store`, their paths in their place."""
+    if column != NEGATIVES_COLUMN or not isinstance(value, (list, tuple)):
+        return store.path(value)
+    return [
+        {**v, "image": store.path(v.get("image"))} if isinstance(v, dict) and "image" in v else store.path(v)
+        for v in value
+    ]
 
 
 def _rooted(root: str, column: str, value: Any) -> Any:

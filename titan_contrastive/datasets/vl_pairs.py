@@ -2,9 +2,10 @@
 (`data.dataset = "vl_pairs"`): every retrieval mode, i2i, t2t and those of image + text sides (m2i, t2m, ...) included.
 
 Files: `.jsonl` (one JSON object per line), `.json` (an array of them, or JSON lines), `.csv`, `.tsv` (both with a
-header line) or `.parquet` (`tables.table_rows`), with the columns `query_image`, `query_text`, `doc_image`,
-`doc_text` (or VLM2Vec's, `vl_rows.from_vlm2vec`); image paths are relative to the file's folder, or to
-`data.image_root`. A glob pattern or a folder of such files (`shards`) is one source, each file's image paths
+header line), `.parquet` or `.arrow`, or a `save_to_disk` folder (`tables.table_rows`), with the columns
+`query_image`, `query_text`, `doc_image`, `doc_text` (or VLM2Vec's or colpali-engine's, `vl_rows`); image paths are
+relative to the file's folder, or to `data.image_root`; images held in the cells (a Hugging Face Image column) are
+written once to `data.image_cache` and read from there (`held_images`). A glob pattern or a folder of such files (`shards`) is one source, each file's image paths
 relative to its own folder (or that root).
 `[data] retrieval_mode` says which a row needs (`retrieval.MODES`: a text side its `*_text`, an image side its
 `*_image`, a multi side both); the others may be absent or empty. An optional `doc_negatives` column holds a row's
@@ -54,6 +55,7 @@ from titan_contrastive.batching import OWN_GROUP, TEACHER_SCORES
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.files import MAX_SUBSTITUTES
+from titan_contrastive.datasets.held_images import ImageStore, default_folder
 from titan_contrastive.datasets.image_keys import image_key
 from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, in_batch_per_source, joins, split_sources
@@ -112,13 +114,15 @@ class VLPairsDataset:
         in_batch_negatives: Sequence[bool] = (),
         teacher: str = "",
         image_root: str = "",
+        image_cache: str = "",
     ) -> None:
         """`modes`: one retrieval mode per `::`-joined file (`data.retrieval_modes`; a batch's rows are of one mode);
         empty: `mode` for each. `negatives_per_row`: k > 0 serves k of each row's `doc_negatives` per epoch, drawn by
         `seed` (`pools.Pools`); 0 serves them all, as many per row as the first row's. `in_batch_negatives`: one per
         file, false flags its queries to be scored against their own documents only (`batching.OWN_GROUP`).
         `teacher`: the loss.distill kind that reads the rows' `doc_scores` (the train split; "": none).
-        `image_root`: the folder relative image paths are read from (`data.image_root`; "": each file's own)."""
+        `image_root`: the folder relative image paths are read from (`data.image_root`; "": each file's own).
+        `image_cache`: where images held in the files' cells are written (`data.image_cache`; "": `held_images`')."""
         self.image_root = Path(image_root).expanduser() if image_root else None
         key = "data.path" if split == "train" else "data.val_path"
         parts, factors = split_sources(path, factors)
@@ -139,10 +143,16 @@ class VLPairsDataset:
             *((SCORES_COLUMN,) if self.scored else ()),
         )
         """What a file's row holds (`VLFile.rows`), in this order."""
+        store = ImageStore(image_cache or default_folder())
         self._files = [
-            read_source(part, key, m, split, self._columns, self.image_root, self.scored)
+            read_source(part, key, m, split, self._columns, self.image_root, self.scored, store)
             for part, m in zip(parts, modes)
         ]
+        if store.images:
+            logger.info(
+                f"vl_pairs: {store.images} images held in the cells of {path}, read from {store.folder} "
+                f"({store.written} written now)"
+            )
         if self.scored:
             logger.info(f"vl_pairs: the teacher's scores of each served document from {path} (loss.distill={teacher})")
         counts = {f.source: int(f.negatives[0]) for f in self._files}

@@ -1,4 +1,5 @@
-"""A vl_pairs row's cells as `vl_pairs` reads them: VLM2Vec's MMEB-train columns taken as ours (`from_vlm2vec`), a
+"""A vl_pairs row's cells as `vl_pairs` reads them: VLM2Vec's MMEB-train columns and colpali-engine's training set's
+taken as ours (`from_vlm2vec`, `from_colpali`), a
 negatives cell as a list (`as_list`) and a negative's text and image path (`negative_parts`), a text or path as
 written (`written`)."""
 
@@ -8,11 +9,13 @@ import itertools
 import re
 from typing import Any
 
-__all__ = ["VLM2VEC", "as_list", "from_vlm2vec", "negative_parts", "written"]
+__all__ = ["COLPALI", "VLM2VEC", "as_list", "from_colpali", "from_vlm2vec", "negative_parts", "written"]
 
 VLM2VEC = {"qry": "query_text", "qry_image_path": "query_image", "pos_text": "doc_text", "pos_image_path": "doc_image"}
 """VLM2Vec's MMEB-train columns -> ours; its hard negatives' `neg_text` / `neg_image_path` (a value or a list each, the
 two lists side by side) become `doc_negatives` of the documents' kind (`from_vlm2vec`)."""
+COLPALI = {"query": "query_text", "image": "doc_image"}
+"""colpali-engine's training set's columns (vidore/colpali_train_set: a page `image`, a `query` of it) -> ours."""
 NEGATIVES = {"text": ("neg_text",), "image": ("neg_image_path",), "multi": ("neg_text", "neg_image_path")}
 """The documents' kind -> the VLM2Vec columns its hard negatives are read from (multi: `{"image", "text"}` objects)."""
 
@@ -45,6 +48,13 @@ def from_vlm2vec(row: dict[str, Any], doc_kind: str = "text") -> dict[str, Any]:
             [{"text": t, "image": i} for t, i in kept] if doc_kind == "multi" else [p[0] for p in kept]
         )
     return out
+
+
+def from_colpali(row: dict[str, Any]) -> dict[str, Any]:
+    """A row of colpali-engine's columns (`query` and `image`, and none of ours) in ours; any other row as it is."""
+    if not all(theirs in row for theirs in COLPALI) or any(ours in row for ours in COLPALI.values()):
+        return row
+    return {COLPALI.get(k, k): v for k, v in row.items()}
 
 
 def _given(value: Any) -> bool:

@@ -1,0 +1,163 @@
+"""vl_pairs rows whose images are held in a Parquet file's cells (a Hugging Face Image column's `{"bytes", "path"}`
+structs, or encoded bytes), as the hub's datasets write them: written once as files (`datasets/held_images.py`) and
+served as the same rows with their images on disk are."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.needs import needs
+from tests.test_qwen_vl import vl_run
+from tests.test_qwen_vl_pairs import _vl_pairs
+from titan_contrastive.datasets.base import DataError
+from titan_contrastive.datasets.image_keys import image_key
+from titan_contrastive.datasets.vl_pairs import VLPairsDataset
+
+pytestmark = needs("data")
+
+
+def _held(root: Path) -> tuple[Path, Path]:
+    """(`_vl_pairs`' nine rows with two image negatives each, their files on disk; the same rows in a Parquet file
+    holding the images: the query's as encoded bytes, the document's and the negatives' as Image structs)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = _vl_pairs(root / "files", negatives="image")
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+
+    def struct(path: str) -> dict:
+        return {"bytes": (jsonl.parent / path).read_bytes(), "path": Path(path).name}
+
+    table = {
+        "query_image": pa.array([(jsonl.parent / r["query_image"]).read_bytes() for r in rows], pa.binary()),
+        "query_text": [r["query_text"] for r in rows],
+        "doc_image": [struct(r["doc_image"]) for r in rows],
+        "doc_text": [r["doc_text"] for r in rows],
+        "doc_negatives": [[struct(p) for p in r["doc_negatives"]] for r in rows],
+    }
+    (root / "held").mkdir()
+    pq.write_table(pa.table(table), root / "held" / "rows.parquet")
+    return jsonl, root / "held" / "rows.parquet"
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        for x, y in zip(*(v if isinstance(v, list) else [v] for v in (value, b[key])), strict=True):
+            assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y, key
+
+
+def test_images_held_in_cells_are_served_as_their_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """m2i rows (a query image and text, a document image, two image negatives): the Parquet file's rows decode to
+    the same images and texts as the files'; each image is written once, named by its key (the SHA-1 of its bytes,
+    as `embed_images` keys it) with its struct's suffix, holding those bytes; a second load writes none."""
+    jsonl, parquet = _held(tmp_path)
+    cache = tmp_path / "cache"
+    files = VLPairsDataset(split="train", path=str(jsonl), mode="m2i")
+    with caplog.at_level(logging.INFO, logger="titan_contrastive"):
+        held = VLPairsDataset(split="train", path=str(parquet), mode="m2i", image_cache=str(cache))
+    assert held.num_negatives == files.num_negatives == 2
+    for i in range(9):
+        _same(held._read(i, [])[1], files._read(i, [])[1])
+    written = sorted(p for p in cache.rglob("*") if p.is_file())
+    originals = sorted((jsonl.parent / "img").iterdir())
+    assert len(written) == len(originals) == 9 * 4
+    by_key = {image_key(p.read_bytes()): p for p in originals}
+    for file in written:
+        assert file.parent.name == file.stem[:2] and file.read_bytes() == by_key[file.stem].read_bytes()
+        assert file.suffix == ("" if by_key[file.stem].name.startswith("q") else ".png")  # bytes, or a struct's name
+    assert f"36 images held in the cells of {parquet}, read from {cache} (36 written now)" in caplog.text
+    caplog.clear()
+    before = {p: p.stat().st_mtime_ns for p in written}
+    with caplog.at_level(logging.INFO, logger="titan_contrastive"):
+        VLPairsDataset(split="train", path=str(parquet), mode="m2i", image_cache=str(cache))
+    assert "(0 written now)" in caplog.text and {p: p.stat().st_mtime_ns for p in written} == before
+
+
+def test_colpali_columns_and_structs_of_paths(tmp_path: Path) -> None:
+    """colpali-engine's training set's columns (`query`, a page `image`) are t2i rows; an Image struct without bytes
+    is its path, relative to the file's folder as any image path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = _vl_pairs(tmp_path / "files")
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    image = [{"bytes": (jsonl.parent / r["doc_image"]).read_bytes(), "path": None} for r in rows[:5]]
+    image += [{"bytes": None, "path": r["doc_image"]} for r in rows[5:]]  # beside the file: files/img/...
+    pq.write_table(pa.table({"query": [r["query_text"] for r in rows], "image": image}), jsonl.parent / "c.parquet")
+    theirs = VLPairsDataset(split="train", path=str(jsonl.parent / "c.parquet"), mode="t2i", image_cache=str(tmp_path))
+    ours = VLPairsDataset(split="train", path=str(jsonl), mode="t2i")
+    for i in range(9):
+        _same(theirs._read(i, [])[1], ours._read(i, [])[1])
+    assert len([p for p in tmp_path.glob("??/*") if p.is_file()]) == 5
+
+
+def test_a_cache_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    """A cache folder that cannot be made: one line naming data.image_cache and the fix (bytes in a text column:
+    `test_packed_rows`)."""
+    _, parquet = _held(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(DataError, match=r"^data.image_cache='.*a_file/cache': cannot write .* to a writable folder$"):
+        VLPairsDataset(split="train", path=str(parquet), mode="m2i", image_cache=str(tmp_path / "a_file" / "cache"))
+
+
+@needs("hf")
+def test_a_run_on_held_images_serves_the_batches_of_their_files(tmp_path: Path) -> None:
+    """The trainer on the Parquet file (`--data.image_cache`) serves, through the Qwen-VL processor, the batches the
+    rows with their files serve: token ids, patches and grids, the negatives' too."""
+    jsonl, parquet = _held(tmp_path)
+    cache = tmp_path / "cache"
+    trainer = vl_run(
+        tmp_path,
+        "qwen2_vl",
+        "--data.dataset=vl_pairs",
+        f"--data.path={parquet}",
+        f"--data.image_cache={cache}",
+        "--data.retrieval_mode=m2i",
+        "--training.local_batch_size=7",
+        sizes=(),
+    )
+    files = VLPairsDataset(split="train", path=str(jsonl), mode="m2i")
+    files.serve_processed(trainer.train_set._process)
+    mine, theirs = (d.__getitems__(list(range(7))) for d in (trainer.train_set, files))
+    tensors = [k for k, v in theirs.items() if isinstance(v, torch.Tensor)]
+    assert {"neg", "neg_pixel_values", "doc_pixel_values", "query_pixel_values"} <= set(tensors)
+    for key in tensors:
+        assert torch.equal(mine[key], theirs[key]), key
+    assert any(cache.rglob("*.png"))
+
+
+@needs("hf")
+def test_a_saved_dataset_of_an_image_feature(tmp_path: Path) -> None:
+    """A Hugging Face dataset saved to disk (`save_to_disk`), its documents an `Image` feature: the rows of the
+    Parquet file's; a path that is neither a file nor such a folder is one line naming both."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    jsonl, parquet = _held(tmp_path)
+    features = datasets.Features(
+        {
+            "query_image": datasets.Value("binary"),
+            "query_text": datasets.Value("string"),
+            "doc_image": datasets.Image(),
+            "doc_text": datasets.Value("string"),
+            "doc_negatives": datasets.Sequence(datasets.Image()),
+        }
+    )
+    rows = pq.read_table(parquet).to_pydict()
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "saved"))  # in memory: no cache
+    cache = str(tmp_path / "cache")
+    saved = VLPairsDataset(split="train", path=str(tmp_path / "saved"), mode="m2i", image_cache=cache)
+    files = VLPairsDataset(split="train", path=str(jsonl), mode="m2i")
+    for i in range(9):
+        _same(saved._read(i, [])[1], files._read(i, [])[1])
+    with pytest.raises(
+        DataError, match=r"^data.path=.*nowhere: not an existing .*\.arrow .*file or save_to_disk folder;"
+    ):
+        VLPairsDataset(split="train", path=str(tmp_path / "nowhere"), mode="m2i")
