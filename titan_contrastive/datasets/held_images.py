@@ -36,8 +36,8 @@ class ImageStore:
     """Writes the images held in cells to `folder` (`data.image_cache`) and gives their paths; `images` counts the
     cells it was given, `written` the files it wrote (the others were there)."""
 
-    def __init__(self, folder: str | os.PathLike, key: str = "data.image_cache") -> None:
-        self.folder, self.key = Path(folder).expanduser(), key
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = Path(folder).expanduser()
         self.images = self.written = 0
 
     def path(self, value: Any) -> Any:
@@ -59,8 +59,8 @@ class ImageStore:
                 write_atomically(file, lambda tmp: tmp.write_bytes(data))
             except OSError as e:
                 raise DataError(
-                    f"{self.key}={str(self.folder)!r}: cannot write the images held in the rows' cells there "
-                    f"({type(e).__name__}: {e}); set {self.key} to a writable folder"
+                    f"data.image_cache={str(self.folder)!r}: cannot write the images held in the rows' cells there "
+                    f"({type(e).__name__}: {e}); set data.image_cache to a writable folder"
                 ) from None
             self.written += 1
         return str(file)

@@ -5,8 +5,8 @@ Files: `.jsonl` (one JSON object per line), `.json` (an array of them, or JSON l
 header line), `.parquet` or `.arrow`, or a `save_to_disk` folder (`tables.table_rows`), with the columns
 `query_image`, `query_text`, `doc_image`, `doc_text` (or VLM2Vec's or colpali-engine's, `vl_rows`); image paths are
 relative to the file's folder, or to `data.image_root`; images held in the cells (a Hugging Face Image column) are
-written once to `data.image_cache` and read from there (`held_images`). A glob pattern or a folder of such files (`shards`) is one source, each file's image paths
-relative to its own folder (or that root).
+written once to `data.image_cache` and read from there (`held_images`). A glob pattern or a folder of such files
+(`shards`) is one source, each file's image paths relative to its own folder (or that root).
 `[data] retrieval_mode` says which a row needs (`retrieval.MODES`: a text side its `*_text`, an image side its
 `*_image`, a multi side both); the others may be absent or empty. An optional `doc_negatives` column holds a row's
 hard negatives, documents of the documents' kind: texts (t2t, i2t, m2t), image paths (t2i, i2i, m2i) or
