@@ -320,7 +320,9 @@ def test_a_run_trains_on_rows_of_ids_and_evaluates(tmp_path: Path) -> None:
     common = ("--model.name=bi_encoder", "--model.flavor=shared", f"--data.corpus={corpus}")
     with pytest.raises(DataError) as err:
         make_trainer(str(tmp_path / "wordnet"), *common, "--data.dataset=wordnet")
-    _one_line(err, f"data.corpus={str(corpus)!r} holds the documents of text pairs", "data.dataset='pairs'")
+    _one_line(
+        err, f"data.corpus={str(corpus)!r} holds the documents of rows of ids", "data.dataset='pairs' or 'vl_pairs'"
+    )
     trainer = make_trainer(
         str(tmp_path / "run"),
         *common,

@@ -46,11 +46,18 @@ def _held(root: Path) -> tuple[Path, Path]:
     return jsonl, root / "held" / "rows.parquet"
 
 
-def _same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for key, value in a.items():
-        for x, y in zip(*(v if isinstance(v, list) else [v] for v in (value, b[key])), strict=True):
-            assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y, key
+def _same(a: object, b: object) -> None:
+    """Two samples' fields equal: the same keys, texts, numbers and decoded images, in lists and tuples alike."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for key in a:
+            _same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
 
 
 def test_images_held_in_cells_are_served_as_their_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

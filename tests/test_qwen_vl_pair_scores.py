@@ -91,7 +91,7 @@ def test_vl_pairs_teacher_scores_follow_the_draw_and_distil_exactly(tmp_path: Pa
         served = data.__getitems__(list(range(7)))[TEACHER_SCORES]
         for j in range(7):
             scores = rows[j]["doc_scores"]
-            want = [scores[0]] + [scores[1 + p] for p in data.drawn(0, j)]
+            want = [scores[0]] + [scores[1 + p] for p in data.drawn(0, j)[1]]
             assert served[j].tolist() == pytest.approx(want), (epoch, j)
     data.set_epoch(0)
     batch = {k: v for k, v in data.__getitems__(list(range(7))).items() if isinstance(v, torch.Tensor)}

@@ -473,7 +473,7 @@ def test_vl_pairs_negatives_drawn_per_epoch_are_served_as_rows_holding_them(tmp_
         batch = data.__getitems__(list(range(7)))
         held = []
         for i, row in enumerate(rows[:7]):
-            places = data.drawn(0, i)
+            places = data.drawn(0, i)[1]
             assert len(places) == 2 and all(0 <= p < len(row["doc_negatives"]) for p in places)
             seen[i].update(places)
             held.append(row | {"doc_negatives": [row["doc_negatives"][p] for p in places]})

@@ -86,7 +86,8 @@ class Data:
     corpus: str = ""
     """pairs: a file of documents by id (tevatron's corpus: `docid`, `text`[, `title`] rows; BEIR's `_id`; MS MARCO's
     collection.tsv), which the rows' documents then name by id (tevatron's `positive_document_ids`,
-    `negative_document_ids`); only the documents the rows name are kept. Empty = the rows hold the texts."""
+    `negative_document_ids`); only the documents the rows name are kept. vl_pairs: `docid`, `image`, `text` rows (an
+    image, a text or both). Empty = the rows hold their documents."""
     hard_negatives: bool = True
     """Serve the data's hard negatives (a pairs file's extra columns, WordNet's mined negative, the
     negative captions of csv/webdataset/hf); false = in-batch negatives only."""

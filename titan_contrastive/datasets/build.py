@@ -93,8 +93,10 @@ def check_negative_keys(data: Data) -> None:
             f"data.wds_negative_key={data.wds_negative_key!r}: name a member extension (e.g. 'neg.txt') or a list "
             "field of the sample's JSON ('json:negatives')"
         )
-    if data.corpus and data.dataset != "pairs":
-        raise DataError(f"data.corpus={data.corpus!r} holds the documents of text pairs: set data.dataset='pairs'")
+    if data.corpus and data.dataset not in ("pairs", "vl_pairs"):
+        raise DataError(
+            f"data.corpus={data.corpus!r} holds the documents of rows of ids: set data.dataset='pairs' or 'vl_pairs'"
+        )
     rows = data.dataset in ("pairs", "vl_pairs")
     if data.negatives_per_row and not (rows and data.hard_negatives):
         fix = "set data.hard_negatives=true" if rows else "leave it 0"
@@ -366,7 +368,7 @@ def build_data(
                 "(query_image, query_text, doc_image, doc_text); set data.path"
             )
         context_length = data.context_length or DEFAULT_CONTEXT["byte"]
-        folders = {"image_root": data.image_root, "image_cache": data.image_cache}
+        folders = {"image_root": data.image_root, "image_cache": data.image_cache, "corpus": data.corpus}
         train = VLPairsDataset(
             split="train",
             path=data.path,

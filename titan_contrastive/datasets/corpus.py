@@ -34,14 +34,22 @@ from titan_contrastive.datasets.pair_rows import PairRows, cell_text, doc_id, ke
 from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.tables import STREAM_BYTES, arrow_batches, guarded_rows, opened_rows
 
-__all__ = ["corpus_texts", "resolve_documents", "resolved"]
+__all__ = [
+    "ID_COLUMNS",
+    "TEXT_COLUMNS",
+    "corpus_files",
+    "corpus_texts",
+    "numbered_rows",
+    "resolve_documents",
+    "resolved",
+]
 
 logger = logging.getLogger("titan_contrastive")
 
 ID_COLUMNS = ("docid", "_id", "id")
 TEXT_COLUMNS = ("text", "contents")
 ARROW_JSON_BYTES = 32 << 20
-"""The size from which a JSON lines corpus is read by Arrow (`_numbered_rows`): below it, a line at a time is as fast
+"""The size from which a JSON lines corpus is read by Arrow (`numbered_rows`): below it, a line at a time is as fast
 and spares the process pyarrow's libraries (~55 MiB)."""
 
 
@@ -85,18 +93,9 @@ def corpus_texts(path: str, wanted: set[str] | None, seen: dict[str, str], field
     """{id: text} of the `wanted` documents (None: every one) of the corpus at `path`, each text interned in `seen`;
     a DataError naming `field` (the option that gave `path`) for a corpus that cannot be read or whose rows hold no
     id and text, or one id given two texts."""
-    files = shard_files(path, FORMATS, field=field)
-    if files is None:
-        file = Path(path).expanduser()
-        if not (file.is_dir() or (data_suffix(file) in FORMATS and file.is_file())):
-            raise DataError(
-                f"{field}={path}: not an existing {formats_named(FORMATS)} file or save_to_disk folder; give the "
-                "documents' rows (an id and a text each) in one of those"
-            )
-        files = [file]
     texts: dict[str, str] = {}
-    for file in files:
-        for n, row in guarded_rows(file, _numbered_rows(file, wanted)):
+    for file in corpus_files(path, field):
+        for n, row in guarded_rows(file, numbered_rows(file, wanted)):
             ident, cells = _document(file, n, row, field)
             text = cell_text(cells) if wanted is None or ident in wanted else ""
             if not text:
@@ -109,17 +108,34 @@ def corpus_texts(path: str, wanted: set[str] | None, seen: dict[str, str], field
     return texts
 
 
-def _numbered_rows(file: Path, wanted: set[str] | None) -> Iterator[tuple[int, Any]]:
+def corpus_files(path: str, field: str, what: str = "an id and a text") -> list[Path]:
+    """The files of the corpus at `path` (a file, a saved dataset, or the shards a pattern or folder names); a DataError
+    naming `field` for a path that is none of them (`what`: what its rows hold, for the message)."""
+    files = shard_files(path, FORMATS, field=field)
+    if files is not None:
+        return files
+    file = Path(path).expanduser()
+    if not (file.is_dir() or (data_suffix(file) in FORMATS and file.is_file())):
+        raise DataError(
+            f"{field}={path}: not an existing {formats_named(FORMATS)} file or save_to_disk folder; give the "
+            f"documents' rows ({what} each) in one of those"
+        )
+    return [file]
+
+
+def numbered_rows(
+    file: Path, wanted: set[str] | None, bodies: Sequence[str] = TEXT_COLUMNS
+) -> Iterator[tuple[int, Any]]:
     """(row number from 0, row) of the corpus file `file`: every row, or of a Parquet file, saved dataset or JSON lines
-    (of `ARROW_JSON_BYTES` or more) with an id and a text column, the rows whose id may be `wanted`, chosen by Arrow
-    (`pyarrow.compute`) before any row is made Python objects (a corpus of millions read for the thousands the rows
-    name); the others `corpus_texts` skips. JSON lines that Arrow does not read as one table (an id of two types, a
-    row without the first row's id column, an unnamed row, no pyarrow) are read again a line at a time, as every
-    corpus was: the rows given twice are the same documents."""
+    (of `ARROW_JSON_BYTES` or more) with an id and a content column (one of `bodies`), the rows whose id may be
+    `wanted`, chosen by Arrow (`pyarrow.compute`) before any row is made Python objects (a corpus of millions read for
+    the thousands the rows name); the others `corpus_texts` skips. JSON lines that Arrow does not read as one table
+    (an id of two types, a row without the first row's id column, an unnamed row, no pyarrow) are read again a line at
+    a time, as every corpus was: the rows given twice are the same documents."""
     if wanted is not None and (file.is_dir() or file.suffix in (".parquet", ".arrow")):
         names, batches, _ = arrow_batches(file, "train")
         ident = next((c for c in ID_COLUMNS if c in names), None)
-        if ident is not None and set(TEXT_COLUMNS) & set(names):
+        if ident is not None and set(bodies) & set(names):
             yield from _wanted_rows(batches, ident, wanted)
             return
     if wanted is not None and data_suffix(file) in (".jsonl", ".json") and file.stat().st_size >= ARROW_JSON_BYTES:
@@ -133,7 +149,7 @@ def _numbered_rows(file: Path, wanted: set[str] | None) -> Iterator[tuple[int, A
 
 
 class _NotOneTable(Exception):
-    """JSON lines that Arrow does not read as a table of the first row's columns (`_numbered_rows`)."""
+    """JSON lines that Arrow does not read as a table of the first row's columns (`numbered_rows`)."""
 
 
 def _json_batches(file: Path) -> tuple[Iterator[Any], str]:

@@ -5,6 +5,7 @@ mode (`VLFile`: which of a row's cells its sides read)."""
 from __future__ import annotations
 
 import csv
+import logging
 from array import array
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -20,9 +21,19 @@ from titan_contrastive.datasets.retrieval import MODES, SIDES, side_kinds
 from titan_contrastive.datasets.shards import shard_files
 from titan_contrastive.datasets.sources import rooted
 from titan_contrastive.datasets.tables import table_rows
+from titan_contrastive.datasets.vl_corpus import POSITIVE_IDS, POSITIVES_COLUMN, by_id, read_corpus, resolved_rows
 from titan_contrastive.datasets.vl_rows import as_list, from_colpali, from_vlm2vec
 
-__all__ = ["COLUMNS", "FORMATS", "NEGATIVES_COLUMN", "SCORES_COLUMN", "VLFile", "needed", "read_source"]
+__all__ = [
+    "COLUMNS",
+    "FORMATS",
+    "NEGATIVES_COLUMN",
+    "SCORES_COLUMN",
+    "VLFile",
+    "needed",
+    "read_source",
+    "with_documents",
+]
 
 FORMATS = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".arrow")
 FIELDS = {"text": ("text",), "image": ("image",), "multi": ("image", "text")}
@@ -30,6 +41,8 @@ FIELDS = {"text": ("text",), "image": ("image",), "multi": ("image", "text")}
 COLUMNS = tuple(f"{side}_{field}" for side in SIDES for field in ("image", "text"))
 NEGATIVES_COLUMN = "doc_negatives"
 SCORES_COLUMN = "doc_scores"
+
+logger = logging.getLogger("titan_contrastive")
 
 
 def needed(mode: str) -> list[str]:
@@ -48,6 +61,8 @@ class VLFile(NamedTuple):
     """int64 [rows]: how many hard negatives each row holds."""
     mode: str
     """Its retrieval mode (`[data] retrieval_modes`, else `retrieval_mode`)."""
+    positives: np.ndarray | None = None
+    """int64 [rows]: how many positives each row names (rows of document ids, `with_documents`); None: one each."""
 
     @property
     def kinds(self) -> dict[str, str]:
@@ -73,11 +88,13 @@ def read_source(
     image_root: Path | None,
     scored: bool,
     store: ImageStore,
+    ids: bool = False,
 ) -> VLFile:
     """One source's rows: its file's, or the rows of each file a pattern or a folder of shards names
     (`shards.shard_files`) in order, each file's image paths made absolute from its own folder (unless `image_root`);
     each row its values of `columns`. `scored`: its rows give a teacher's scores (`SCORES_COLUMN`). Images held in
-    the cells (a Parquet file's Hugging Face image column) are written to `store` and read from there."""
+    the cells (a Parquet file's Hugging Face image column) are written to `store` and read from there. `ids`: rows of
+    document ids (`vl_corpus`; `with_documents` then reads their documents)."""
     shards = shard_files(path, FORMATS)
     files = [Path(path).expanduser()] if shards is None else shards
     for file in files:
@@ -92,7 +109,7 @@ def read_source(
 
     def rows() -> Iterator[list[Any]]:  # every file's, each row's count of hard negatives kept as it goes
         for file in files:
-            for values in _file_rows(file, each_root, mode, split, columns, scored, at, store):
+            for values in _file_rows(file, each_root, mode, split, columns, scored, at, store, ids):
                 negatives.append(len(as_list(values[place])))
                 yield values
 
@@ -124,13 +141,18 @@ def _file_rows(
     scored: bool,
     at: list[Any],
     store: ImageStore,
+    ids: bool,
 ) -> Iterator[list[Any]]:
     """One file's rows, each its values of `columns` as it is read, `at` the file and the row (from 1); `each_root`:
     image paths made absolute from the file's folder; images held in cells written to `store`, their paths in their
-    place. A DataError naming what is wrong."""
+    place; `ids`: rows of document ids (`vl_corpus.by_id`). A DataError naming what is wrong."""
     at[:] = [file, 0]
     need, doc_kind = needed(mode), MODES[mode][1]
-    images = {c for c in columns if c.endswith("_image")} | ({NEGATIVES_COLUMN} if doc_kind != "text" else set())
+    if ids:
+        need = [c for c in need if c.startswith("query_")] + [POSITIVE_IDS]
+    images = {c for c in columns if c.endswith("_image")} | (
+        {NEGATIVES_COLUMN} if doc_kind != "text" and not ids else set()
+    )
     root = str(file.parent.absolute())
     seen: set[str] = set()
     _, rows = table_rows(file, (*COLUMNS, NEGATIVES_COLUMN, SCORES_COLUMN), split)
@@ -140,6 +162,7 @@ def _file_rows(
             raise DataError(f"{file}: row {n}: rows must be JSON objects (or a header line) naming {', '.join(need)}")
         row = from_colpali(from_vlm2vec(row, doc_kind))
         seen.update(row)
+        row = by_id(row) if ids else row
         values = [_stored(store, c, row.get(c)) if c in images else row.get(c) for c in columns]
         yield [_rooted(root, c, v) if each_root and c in images else v for c, v in zip(columns, values)]
     if not at[1]:
@@ -156,6 +179,32 @@ def _file_rows(
             f"(the document's, then each of {NEGATIVES_COLUMN}'), and it has none; add it, or leave loss.distill "
             "empty"
         )
+
+
+def with_documents(
+    file: VLFile, columns: Sequence[str], corpus: str, store: ImageStore, image_root: Path | None
+) -> VLFile:
+    """`file`'s rows of document ids (`read_source`'s `ids`) with the documents of the corpus at `corpus` in their place
+    (`vl_corpus`); a DataError where it holds none of them."""
+    wanted = {i for row in file.rows for c in (POSITIVES_COLUMN, NEGATIVES_COLUMN) for i in row[columns.index(c)]}
+    docs = read_corpus(corpus, wanted, store, image_root)
+    if not docs:
+        example = f" (e.g. {min(wanted)!r})" if wanted else ""
+        raise DataError(
+            f"data.corpus={corpus}: holds none of the {len(wanted)} documents {file.source}'s rows name{example}; its "
+            "ids are read from a docid, _id or id column"
+        )
+    place = columns.index(POSITIVES_COLUMN)
+    counts = np.array([max(1, len(row[place])) for row in file.rows], dtype=np.int64)
+    unknown = sum(
+        any(i not in docs for c in (place, columns.index(NEGATIVES_COLUMN)) for i in row[c]) for row in file.rows
+    )
+    logger.info(
+        f"data.corpus={corpus}: {len(docs)} of the {len(wanted)} documents {file.source}'s rows name"
+        + (f"; {unknown} row(s) name one it does not hold, bad samples when served" if unknown else "")
+    )
+    rows = PackedRows(resolved_rows(file.rows, columns, docs, file.negative_kind))
+    return file._replace(rows=rows, positives=counts)
 
 
 def _stored(store: ImageStore, column: str, value: Any) -> Any:

@@ -6,7 +6,8 @@ header line), `.parquet` or `.arrow`, or a `save_to_disk` folder (`tables.table_
 `query_image`, `query_text`, `doc_image`, `doc_text` (or VLM2Vec's or colpali-engine's, `vl_rows`); image paths are
 relative to the file's folder, or to `data.image_root`; images held in the cells (a Hugging Face Image column) are
 written once to `data.image_cache` and read from there (`held_images`). A glob pattern or a folder of such files
-(`shards`) is one source, each file's image paths relative to its own folder (or that root).
+(`shards`) is one source, each file's image paths relative to its own folder (or that root). With `data.corpus`
+the rows name their documents by id into it, as tevatron's multimodal rows do (`vl_corpus`).
 `[data] retrieval_mode` says which a row needs (`retrieval.MODES`: a text side its `*_text`, an image side its
 `*_image`, a multi side both); the others may be absent or empty. An optional `doc_negatives` column holds a row's
 hard negatives, documents of the documents' kind: texts (t2t, i2t, m2t), image paths (t2i, i2i, m2i) or
@@ -63,6 +64,7 @@ from titan_contrastive.datasets.pair_rows import document_scores
 from titan_contrastive.datasets.pools import Pools
 from titan_contrastive.datasets.retrieval import MODES, SIDES
 from titan_contrastive.datasets.sources import BadSample, read_file
+from titan_contrastive.datasets.vl_corpus import POSITIVE_IDS, POSITIVES_COLUMN
 from titan_contrastive.datasets.vl_files import (
     COLUMNS,
     NEGATIVES_COLUMN,
@@ -70,6 +72,7 @@ from titan_contrastive.datasets.vl_files import (
     VLFile,
     needed,
     read_source,
+    with_documents,
 )
 from titan_contrastive.datasets.vl_items import FILE_SIDES, Item, carried, item_key, side_key
 from titan_contrastive.datasets.vl_rows import as_list, negative_parts, written
@@ -115,6 +118,7 @@ class VLPairsDataset:
         teacher: str = "",
         image_root: str = "",
         image_cache: str = "",
+        corpus: str = "",
     ) -> None:
         """`modes`: one retrieval mode per `::`-joined file (`data.retrieval_modes`; a batch's rows are of one mode);
         empty: `mode` for each. `negatives_per_row`: k > 0 serves k of each row's `doc_negatives` per epoch, drawn by
@@ -122,7 +126,8 @@ class VLPairsDataset:
         file, false flags its queries to be scored against their own documents only (`batching.OWN_GROUP`).
         `teacher`: the loss.distill kind that reads the rows' `doc_scores` (the train split; "": none).
         `image_root`: the folder relative image paths are read from (`data.image_root`; "": each file's own).
-        `image_cache`: where images held in the files' cells are written (`data.image_cache`; "": `held_images`')."""
+        `image_cache`: where images held in the files' cells are written (`data.image_cache`; "": `held_images`').
+        `corpus`: the file of the documents that rows of document ids name (`data.corpus`, `vl_corpus`)."""
         self.image_root = Path(image_root).expanduser() if image_root else None
         key = "data.path" if split == "train" else "data.val_path"
         parts, factors = split_sources(path, factors)
@@ -141,16 +146,24 @@ class VLPairsDataset:
             *(c for c in COLUMNS if c in used),
             NEGATIVES_COLUMN,
             *((SCORES_COLUMN,) if self.scored else ()),
+            *((POSITIVES_COLUMN,) if corpus else ()),
         )
         """What a file's row holds (`VLFile.rows`), in this order."""
         store = ImageStore(image_cache or default_folder())
         self._files = [
-            read_source(part, key, m, split, self._columns, self.image_root, self.scored, store)
+            read_source(part, key, m, split, self._columns, self.image_root, self.scored, store, bool(corpus))
             for part, m in zip(parts, modes)
         ]
+        if corpus:
+            if self.scored:
+                raise DataError(
+                    f"data.corpus={corpus}: rows of document ids give no teacher's scores; leave loss.distill empty"
+                )
+            self._files = [with_documents(f, self._columns, corpus, store, self.image_root) for f in self._files]
         if store.images:
             logger.info(
-                f"vl_pairs: {store.images} images held in the cells of {path}, read from {store.folder} "
+                f"vl_pairs: {store.images} images held in the cells of {path}{' and data.corpus' if corpus else ''}, "
+                f"read from {store.folder} "
                 f"({store.written} written now)"
             )
         if self.scored:
@@ -160,9 +173,15 @@ class VLPairsDataset:
         self.num_negatives = next(iter(counts.values())) if served else 0
         self._pools: list[Pools] | None = None
         """With negatives_per_row (train split): per file, each row's draw of its negatives."""
+        several = next((f.source for f in self._files if f.positives is not None and f.positives.max() > 1), "")
+        if several and split == "train" and not (negatives_per_row and served):
+            raise DataError(
+                f"{key}={path}: rows of {several} name several {POSITIVE_IDS}, and a row here serves one positive; set "
+                "data.negatives_per_row = k to draw one of them (and k negatives) per epoch, as tevatron does"
+            )
         if negatives_per_row and served:
             drawn = (
-                Pools([1] * len(f.rows), np.maximum(f.negatives, 1), negatives_per_row, seed + i)
+                Pools(_ones(f.positives, len(f.rows)), np.maximum(f.negatives, 1), negatives_per_row, seed + i)
                 for i, f in enumerate(self._files)
             )
             self.num_negatives, self._pools = negatives_per_row, list(drawn)
@@ -269,27 +288,31 @@ class VLPairsDataset:
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
             raise BadSample("undecodable_image", where, key, f"{column}: {type(e).__name__}: {e}") from None
 
-    def drawn(self, source: int, j: int) -> list[int]:
-        """The places in row `j`'s `doc_negatives` (of `::`-joined file `source`) that this epoch serves."""
+    def drawn(self, source: int, j: int) -> tuple[int, list[int]]:
+        """(the place among row `j`'s positives, the places in its `doc_negatives`) that this epoch serves, of
+        `::`-joined file `source`."""
         if self._pools is None:
-            return list(range(self.num_negatives))
+            return 0, list(range(self.num_negatives))
         pools = self._pools[source]
-        return (pools.draw(torch.tensor([j]), self.epoch)[0, 1:] - pools.start[j] - 1).tolist()
+        places = pools.draw(torch.tensor([j]), self.epoch)[0] - pools.start[j]
+        return int(places[0]), (places[1:] - pools.positives[j]).tolist()
 
     def _fields(self, source: int, j: int) -> dict[str, Any]:
         """Row `j` of file `source`: its needed fields (and its hard negatives, a list), or BadSample."""
         file = self._files[source]
         row, key = dict(zip(self._columns, file.rows[j])), str(j)
+        positive, places = self.drawn(source, j)
+        if row.get(POSITIVES_COLUMN):  # of several positives (documents by id), the one this epoch serves
+            row["doc_image"], row["doc_text"] = (row[POSITIVES_COLUMN][positive][f] for f in ("image", "text"))
         keyed = self._frozen is not None
         fields = {
             c: self._value(file, c, "text" if c.endswith("_text") else "image", row[c], key, keyed) for c in file.needed
         }
         out: dict[str, Any] = {c: value for c, (value, _) in fields.items()}
-        negatives, places = as_list(row[NEGATIVES_COLUMN]), list(range(self.num_negatives))
+        negatives = as_list(row[NEGATIVES_COLUMN])
         if self._pools is not None:
             if not negatives:
                 raise BadSample("no_negatives", file.source, key, f"{NEGATIVES_COLUMN} is empty")
-            places = self.drawn(source, j)
         elif self.num_negatives and len(negatives) != self.num_negatives:
             detail = f"{NEGATIVES_COLUMN} holds {len(negatives)}, the first row {self.num_negatives}"
             raise BadSample("ragged_negatives", file.source, key, detail)
@@ -399,6 +422,9 @@ class VLPairsDataset:
                     text = written(row.get(f"{side}_text")) if kind != "image" else ""
                     image = written(row.get(f"{side}_image")) if kind != "text" else ""
                     found[name].setdefault(Item(s, self._template(side, s), text, image), None)
+                for value in as_list(row.get(POSITIVES_COLUMN)):  # each positive a row of document ids names
+                    text, image = (value[f] if file.kinds["doc"] in (f, "multi") else "" for f in ("text", "image"))
+                    found["document"].setdefault(Item(s, self._template("doc", s), text, image), None)
                 for value in as_list(row.get(NEGATIVES_COLUMN)) if self.num_negatives else ():
                     text, image = negative_parts(file.negative_kind, value)
                     found["document"].setdefault(Item(s, self._template("doc", s), text, image), None)
@@ -436,3 +462,8 @@ class VLPairsDataset:
         if not keys:
             return {}, []
         return self._process.items(templates, texts, None if kind == "text" else images), keys
+
+
+def _ones(counts: np.ndarray | None, rows: int) -> Any:
+    """Each row's positives (`VLFile.positives`; None: one each)."""
+    return [1] * rows if counts is None else counts
