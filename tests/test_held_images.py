@@ -46,16 +46,16 @@ def _held(root: Path) -> tuple[Path, Path]:
     return jsonl, root / "held" / "rows.parquet"
 
 
-def _same(a: object, b: object) -> None:
+def same_fields(a: object, b: object) -> None:
     """Two samples' fields equal: the same keys, texts, numbers and decoded images, in lists and tuples alike."""
     if isinstance(a, dict):
         assert isinstance(b, dict) and a.keys() == b.keys()
         for key in a:
-            _same(a[key], b[key])
+            same_fields(a[key], b[key])
     elif isinstance(a, (list, tuple)):
         assert isinstance(b, (list, tuple)) and len(a) == len(b)
         for x, y in zip(a, b):
-            _same(x, y)
+            same_fields(x, y)
     else:
         assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
 
@@ -71,7 +71,7 @@ def test_images_held_in_cells_are_served_as_their_files(tmp_path: Path, caplog: 
         held = VLPairsDataset(split="train", path=str(parquet), mode="m2i", image_cache=str(cache))
     assert held.num_negatives == files.num_negatives == 2
     for i in range(9):
-        _same(held._read(i, [])[1], files._read(i, [])[1])
+        same_fields(held._read(i, [])[1], files._read(i, [])[1])
     written = sorted(p for p in cache.rglob("*") if p.is_file())
     originals = sorted((jsonl.parent / "img").iterdir())
     assert len(written) == len(originals) == 9 * 4
@@ -101,7 +101,7 @@ def test_colpali_columns_and_structs_of_paths(tmp_path: Path) -> None:
     theirs = VLPairsDataset(split="train", path=str(jsonl.parent / "c.parquet"), mode="t2i", image_cache=str(tmp_path))
     ours = VLPairsDataset(split="train", path=str(jsonl), mode="t2i")
     for i in range(9):
-        _same(theirs._read(i, [])[1], ours._read(i, [])[1])
+        same_fields(theirs._read(i, [])[1], ours._read(i, [])[1])
     assert len([p for p in tmp_path.glob("??/*") if p.is_file()]) == 5
 
 
@@ -119,25 +119,30 @@ def test_a_run_on_held_images_serves_the_batches_of_their_files(tmp_path: Path) 
     """The trainer on the Parquet file (`--data.image_cache`) serves, through the Qwen-VL processor, the batches the
     rows with their files serve: token ids, patches and grids, the negatives' too."""
     jsonl, parquet = _held(tmp_path)
-    cache = tmp_path / "cache"
+    same_batches(tmp_path, jsonl, f"--data.path={parquet}")
+    assert any((tmp_path / "cache").rglob("*.png"))
+
+
+def same_batches(tmp: Path, rows: Path, *flags: str) -> None:
+    """An m2i run's first batch of 7 (its data given by `flags`, images written to `tmp/cache`) through the Qwen-VL
+    processor equals that of the m2i `rows` holding their images as files: ids, patches, grids, negatives'."""
     trainer = vl_run(
-        tmp_path,
+        tmp,
         "qwen2_vl",
         "--data.dataset=vl_pairs",
-        f"--data.path={parquet}",
-        f"--data.image_cache={cache}",
+        *flags,
+        f"--data.image_cache={tmp / 'cache'}",
         "--data.retrieval_mode=m2i",
         "--training.local_batch_size=7",
         sizes=(),
     )
-    files = VLPairsDataset(split="train", path=str(jsonl), mode="m2i")
+    files = VLPairsDataset(split="train", path=str(rows), mode="m2i")
     files.serve_processed(trainer.train_set._process)
     mine, theirs = (d.__getitems__(list(range(7))) for d in (trainer.train_set, files))
     tensors = [k for k, v in theirs.items() if isinstance(v, torch.Tensor)]
     assert {"neg", "neg_pixel_values", "doc_pixel_values", "query_pixel_values"} <= set(tensors)
     for key in tensors:
         assert torch.equal(mine[key], theirs[key]), key
-    assert any(cache.rglob("*.png"))
 
 
 @needs("hf")
@@ -163,7 +168,7 @@ def test_a_saved_dataset_of_an_image_feature(tmp_path: Path) -> None:
     saved = VLPairsDataset(split="train", path=str(tmp_path / "saved"), mode="m2i", image_cache=cache)
     files = VLPairsDataset(split="train", path=str(jsonl), mode="m2i")
     for i in range(9):
-        _same(saved._read(i, [])[1], files._read(i, [])[1])
+        same_fields(saved._read(i, [])[1], files._read(i, [])[1])
     with pytest.raises(
         DataError, match=r"^data.path=.*nowhere: not an existing .*\.arrow .*file or save_to_disk folder;"
     ):

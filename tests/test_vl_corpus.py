@@ -8,11 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.needs import needs
-from tests.test_held_images import _same
-from tests.test_qwen_vl import vl_run
+from tests.test_held_images import same_batches, same_fields
 from tests.test_qwen_vl_pairs import _vl_pairs
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.vl_pairs import VLPairsDataset
@@ -80,7 +78,7 @@ def test_rows_of_ids_serve_their_documents(tmp_path: Path, mode: str, negatives:
         for epoch in range(3):
             theirs.epoch = ours.epoch = epoch
             for i in range(9):
-                _same(theirs._read(i, [])[1], ours._read(i, [])[1])
+                same_fields(theirs._read(i, [])[1], ours._read(i, [])[1])
 
 
 def test_several_positives_are_drawn_per_epoch(tmp_path: Path) -> None:
@@ -129,7 +127,7 @@ def test_unknown_documents_and_bad_corpora(tmp_path: Path, caplog: pytest.LogCap
     bad: list = []
     _, fields = data._read(4, bad)
     assert [(b.reason, b.key) for b in bad] == [("missing_image", "4")]
-    _same(fields, data._read(5, [])[1])
+    same_fields(fields, data._read(5, [])[1])
     pq.write_table(pa.table({"docid": ["x"], "text": ["a dog"]}), tmp_path / "other.parquet")
     with pytest.raises(DataError, match=r"^data.corpus=.*other.parquet: holds none of the 27 documents .*ids.jsonl"):
         VLPairsDataset(corpus=str(tmp_path / "other.parquet"), **common)
@@ -155,21 +153,4 @@ def test_a_run_with_a_corpus_serves_the_batches_of_the_rows_it_names(tmp_path: P
     """The trainer with `--data.corpus` serves, through the Qwen-VL processor, the batches of the rows holding their
     documents: ids, patches, grids, negatives."""
     jsonl, ids, corpus = _by_id(tmp_path, "image")
-    trainer = vl_run(
-        tmp_path,
-        "qwen2_vl",
-        "--data.dataset=vl_pairs",
-        f"--data.path={ids}",
-        f"--data.corpus={corpus}",
-        f"--data.image_cache={tmp_path / 'cache'}",
-        "--data.retrieval_mode=m2i",
-        "--training.local_batch_size=7",
-        sizes=(),
-    )
-    files = VLPairsDataset(split="train", path=str(jsonl), mode="m2i")
-    files.serve_processed(trainer.train_set._process)
-    mine, theirs = (d.__getitems__(list(range(7))) for d in (trainer.train_set, files))
-    tensors = [k for k, v in theirs.items() if isinstance(v, torch.Tensor)]
-    assert {"neg", "neg_pixel_values", "doc_pixel_values", "query_pixel_values"} <= set(tensors)
-    for key in tensors:
-        assert torch.equal(mine[key], theirs[key]), key
+    same_batches(tmp_path, jsonl, f"--data.path={ids}", f"--data.corpus={corpus}")
