@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.dist_utils import run_distributed
 from tests.needs import needs
 from tests.test_qwen_vl import vl_run
 from tests.test_qwen_vl_pairs import _vl_pairs
@@ -85,6 +86,32 @@ def test_images_held_in_cells_are_served_as_their_files(tmp_path: Path, caplog: 
     with caplog.at_level(logging.INFO, logger="titan_contrastive"):
         VLPairsDataset(split="train", path=str(parquet), mode="m2i", image_cache=str(cache))
     assert "(0 written now)" in caplog.text and {p: p.stat().st_mtime_ns for p in written} == before
+
+
+def _shared(jsonl: str, parquet: str, cache: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    held = VLPairsDataset(split="train", path=parquet, mode="m2i", image_cache=cache, group=dist.group.WORLD)
+    files = VLPairsDataset(split="train", path=jsonl, mode="m2i")
+    for i in range(9):  # every image there once every rank has built the dataset, whichever rank wrote it
+        same_fields(held._read(i, [])[1], files._read(i, [])[1])
+    keys = [image_key(p.read_bytes()) for p in sorted((Path(jsonl).parent / "img").iterdir())]
+    assert held.num_negatives == 2 and len(set(keys)) == 36
+    counts = torch.tensor([float(sum(int(k[:8], 16) % world == r for k in keys)) for r in range(world)])
+    mine = torch.zeros(world)
+    mine[rank] = held.image_store.written
+    dist.all_reduce(mine)
+    assert torch.equal(mine, counts) and counts.min() > 0  # each rank wrote the images that fall to it, and only those
+
+
+@pytest.mark.parametrize("world", [2])
+def test_the_ranks_of_a_machine_share_the_writes(tmp_path: Path, world: int) -> None:
+    """On 2 gloo processes building the dataset at once: each writes the images whose key falls to its local rank
+    (their count by the keys), and every rank serves every image once the dataset is built."""
+    jsonl, parquet = _held(tmp_path)
+    run_distributed(_shared, world, str(jsonl), str(parquet), str(tmp_path / "cache"))
 
 
 def test_colpali_columns_and_structs_of_paths(tmp_path: Path) -> None:

@@ -369,6 +369,7 @@ def build_data(
             )
         context_length = data.context_length or DEFAULT_CONTEXT["byte"]
         folders = {"image_root": data.image_root, "image_cache": data.image_cache, "corpus": data.corpus}
+        folders["group"] = host_group() if host_group else None  # every rank is here: they share the image writes
         train = VLPairsDataset(
             split="train",
             path=data.path,

@@ -50,13 +50,14 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from PIL import Image
 
 from titan_contrastive.batching import OWN_GROUP, TEACHER_SCORES
 from titan_contrastive.datasets.bad_samples import BAD_SAMPLES
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.files import MAX_SUBSTITUTES
-from titan_contrastive.datasets.held_images import ImageStore, default_folder
+from titan_contrastive.datasets.held_images import ImageStore, default_folder, local_share
 from titan_contrastive.datasets.image_keys import image_key
 from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.mixing import SourceMix, check_per_source, in_batch_per_source, joins, split_sources
@@ -119,6 +120,7 @@ class VLPairsDataset:
         image_root: str = "",
         image_cache: str = "",
         corpus: str = "",
+        group: Any = None,
     ) -> None:
         """`modes`: one retrieval mode per `::`-joined file (`data.retrieval_modes`; a batch's rows are of one mode);
         empty: `mode` for each. `negatives_per_row`: k > 0 serves k of each row's `doc_negatives` per epoch, drawn by
@@ -127,7 +129,9 @@ class VLPairsDataset:
         `teacher`: the loss.distill kind that reads the rows' `doc_scores` (the train split; "": none).
         `image_root`: the folder relative image paths are read from (`data.image_root`; "": each file's own).
         `image_cache`: where images held in the files' cells are written (`data.image_cache`; "": `held_images`').
-        `corpus`: the file of the documents that rows of document ids name (`data.corpus`, `vl_corpus`)."""
+        `corpus`: the file of the documents that rows of document ids name (`data.corpus`, `vl_corpus`). `group`:
+        every rank of the run (gloo), building this dataset at once: the ranks of a machine share the writing of the
+        images held in cells (`held_images.local_share`) and wait for each other's; None: this process writes all."""
         self.image_root = Path(image_root).expanduser() if image_root else None
         key = "data.path" if split == "train" else "data.val_path"
         parts, factors = split_sources(path, factors)
@@ -149,7 +153,8 @@ class VLPairsDataset:
             *((POSITIVES_COLUMN,) if corpus else ()),
         )
         """What a file's row holds (`VLFile.rows`), in this order."""
-        store = ImageStore(image_cache or default_folder())
+        self.image_store = store = ImageStore(image_cache or default_folder(), local_share() if group else (0, 1))
+        """Where the images held in the files' cells went, and how many this process wrote."""
         self._files = [
             read_source(part, key, m, split, self._columns, self.image_root, self.scored, store, bool(corpus))
             for part, m in zip(parts, modes)
@@ -160,11 +165,13 @@ class VLPairsDataset:
                     f"data.corpus={corpus}: rows of document ids give no teacher's scores; leave loss.distill empty"
                 )
             self._files = [with_documents(f, self._columns, corpus, store, self.image_root) for f in self._files]
+        if group is not None:  # every image held in a cell written, by whichever rank it fell to
+            dist.barrier(group=group)
         if store.images:
             logger.info(
                 f"vl_pairs: {store.images} images held in the cells of {path}{' and data.corpus' if corpus else ''}, "
                 f"read from {store.folder} "
-                f"({store.written} written now)"
+                f"({store.written} written now{' by this rank' if group is not None else ''})"
             )
         if self.scored:
             logger.info(f"vl_pairs: the teacher's scores of each served document from {path} (loss.distill={teacher})")
