@@ -48,6 +48,7 @@ class ImageStore:
     def __init__(self, folder: str | os.PathLike, share: tuple[int, int] = (0, 1)) -> None:
         self.folder, self.share = Path(folder).expanduser(), share
         self.images = self.written = 0
+        self._made: set[Path] = set()  # the folders this store has made (or found): one mkdir each
 
     def path(self, value: Any) -> Any:
         """The path of the image `value` holds (its file, written now unless there); a struct without bytes: its own
@@ -65,7 +66,9 @@ class ImageStore:
         rank, world = self.share
         if int(digest[:8], 16) % world == rank and not file.is_file():
             try:
-                file.parent.mkdir(parents=True, exist_ok=True)
+                if file.parent not in self._made:
+                    file.parent.mkdir(parents=True, exist_ok=True)
+                    self._made.add(file.parent)
                 write_atomically(file, lambda tmp: tmp.write_bytes(data))
             except OSError as e:
                 raise DataError(
