@@ -249,3 +249,30 @@ def test_what_page_mining_cannot_take_is_one_line(tmp_path: Path, capsys: pytest
         assert main([*argv, "--model", str(folder), *out]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and message in err and "\n" not in err, err
+
+
+def test_pages_held_in_the_cells_mine_as_their_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """colpali-engine's rows (`query`, a page `image` held in its Parquet cell) mine the pages the same rows with
+    their files mine: each page written once to `--image-cache`, the rows naming those files (absolute paths)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from titan_contrastive.mine import main
+
+    folder = vl_folder(tmp_path, "qwen2_vl", dropout=0.0)
+    rows = rows_file(tmp_path / "data")
+    images = [{"bytes": (rows.parent / "pages" / p).read_bytes(), "path": p} for _, p in ROWS]
+    pq.write_table(pa.table({"query": [q for q, _ in ROWS], "image": images}), tmp_path / "held.parquet")
+    common = ["--model", str(folder), "--negatives", "2", "--relative-margin", "none"]
+    cache = tmp_path / "cache"
+    assert main([str(rows), "--out", str(tmp_path / "files.jsonl"), *common]) == 0
+    held_rows = [str(tmp_path / "held.parquet"), "--image-cache", str(cache)]
+    assert main([*held_rows, "--out", str(tmp_path / "held.jsonl"), *common]) == 0
+
+    def pages(out: Path) -> list[list[bytes]]:  # each row's page and negatives, as the bytes of their files
+        written = [json.loads(line) for line in out.read_text().splitlines()]
+        return [[(out.parent / p).read_bytes() for p in [r["doc_image"], *r["doc_negatives"]]] for r in written]
+
+    assert pages(tmp_path / "held.jsonl") == pages(tmp_path / "files.jsonl")
+    held = [json.loads(line) for line in (tmp_path / "held.jsonl").read_text().splitlines()]
+    assert all(Path(p).parent.parent == cache for r in held for p in [r["doc_image"], *r["doc_negatives"]])

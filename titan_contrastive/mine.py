@@ -228,6 +228,11 @@ def parser() -> argparse.ArgumentParser:
         help="page rows: the folder their relative page paths start from (data.image_root; default: the rows' folder)",
     )
     p.add_argument(
+        "--image-cache",
+        default="",
+        help="page rows: where the images held in their cells are written (data.image_cache; default: your cache)",
+    )
+    p.add_argument(
         "--ids",
         action="store_true",
         help="the rows' documents are ids into --corpus (as with data.corpus); the mined ones are written as ids",
@@ -277,8 +282,10 @@ def run(opts: argparse.Namespace) -> tuple[Path, int, int]:
         if opts.ids:
             raise MineError(f"--ids: --model={opts.model} mines pages, which are files, not ids; leave --ids out")
         return run_pages(opts, out)
-    if opts.image_root:
-        raise MineError(f"--image-root: for page rows; --model={opts.model} mines texts, leave it out")
+    for given in ("image_root", "image_cache"):
+        if getattr(opts, given):
+            flag = "--" + given.replace("_", "-")
+            raise MineError(f"{flag}: for page rows; --model={opts.model} mines texts, leave it out")
     columns = [c.strip() for c in opts.columns.split(",") if c.strip()]
     if columns and len(columns) != 2:
         raise MineError(f"--columns={opts.columns}: name two columns, the query's and the positive's")

@@ -2,7 +2,8 @@
 MODEL is a qwen_vl step folder or a Qwen-VL folder (a ColQwen one too: late interaction, scored by MaxSim).
 
 ROWS is a `vl_pairs` file of the t2i kind (`.jsonl`, `.csv`, `.tsv`, `.parquet`: `query_text` and `doc_image`, or
-VLM2Vec's `qry` and `pos_image_path`; image paths relative to the file's folder; `datasets.vl_pairs`). Every distinct
+VLM2Vec's `qry` and `pos_image_path`, or colpali-engine's `query` and `image`; image paths relative to the file's
+folder, or the pages held in the cells, written once to `--image-cache`; `datasets.vl_pairs`). Every distinct
 page of the file is the corpus, and with `--corpus DIR` every image below DIR too (the pages of your documents that
 no query names); each query's candidates are the pages ranked by the model (queries and pages embedded as the run
 embeds them: `beir_eval.side_embedders`), without the query's own pages (every row with that query text), filtered
@@ -92,16 +93,20 @@ class PageEncoder:
         raise MineError("--model: a page model's embeddings are searched exactly; FAISS is not used for them")
 
 
-def read_pairs(path: Path) -> list[tuple[str, str]]:
-    """(query text, page path) of each row of a t2i `vl_pairs` file (or of VLM2Vec's columns, `vl_rows.from_vlm2vec`),
-    or a MineError naming the row."""
-    from titan_contrastive.datasets.tables import read_table
-    from titan_contrastive.datasets.vl_rows import from_vlm2vec
+def read_pairs(path: Path, cache: str = "") -> list[tuple[str, str]]:
+    """(query text, page path) of each row of a t2i `vl_pairs` file (or of VLM2Vec's or colpali-engine's columns,
+    `vl_rows`), a page held in its cell written to `cache` (`held_images`; "": the default folder) and named by that
+    file's absolute path; or a MineError naming the row."""
+    from titan_contrastive.datasets.held_images import ImageStore, default_folder
+    from titan_contrastive.datasets.tables import guarded_rows, opened_rows
+    from titan_contrastive.datasets.vl_rows import from_colpali, from_vlm2vec
 
-    _, rows = read_table(path, COLUMNS, "train")
-    pairs = []
+    _, read = opened_rows(path, COLUMNS, "train")
+    rows = guarded_rows(path, read)  # a row at a time: a page held in its cell is let go once written
+    store, pairs = ImageStore(cache or default_folder()), []
     for n, row in enumerate(rows):
-        row = from_vlm2vec(row, "image") if isinstance(row, dict) else row
+        row = from_colpali(from_vlm2vec(row, "image")) if isinstance(row, dict) else row
+        row = {**row, "doc_image": store.path(row.get("doc_image"))} if isinstance(row, dict) else row
         if not isinstance(row, dict) or not all(isinstance(row.get(c), str) and row[c].strip() for c in COLUMNS):
             raise MineError(
                 f"ROWS={path}: row {n} has no {' and '.join(COLUMNS)}; a page model mines t2i rows (a query's text "
@@ -145,7 +150,7 @@ def run_pages(opts: argparse.Namespace, out: Path) -> tuple[Path, int, int]:
         raise MineError(
             f"--image-root={opts.image_root}: no such folder; give the folder the rows' page paths start from"
         )
-    pairs = read_pairs(src)
+    pairs = read_pairs(src, opts.image_cache)
     corpus = corpus_pages(opts.corpus, root, [page for _, page in pairs]) if opts.corpus else None
     encoder = page_encoder(opts, root)
     mined = mine([list(p) for p in pairs], encoder, opts, corpus)
