@@ -133,8 +133,13 @@ def test_colpali_columns_and_structs_of_paths(tmp_path: Path) -> None:
 
 
 def test_a_cache_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
-    """A cache folder that cannot be made: one line naming data.image_cache and the fix (bytes in a text column:
-    `test_packed_rows`)."""
+    """A cache folder that cannot be made, or a cache for other data: one line naming data.image_cache and the fix
+    (bytes in a text column: `test_packed_rows`)."""
+    from titan_contrastive.config.data import Data
+    from titan_contrastive.datasets.build import check_image_root
+
+    with pytest.raises(DataError, match=r"^data.image_cache='c': .* data.dataset='csv' reads no such rows; leave it"):
+        check_image_root(Data(dataset="csv", image_cache="c"))
     _, parquet = _held(tmp_path)
     (tmp_path / "a_file").write_text("")
     with pytest.raises(DataError, match=r"^data.image_cache='.*a_file/cache': cannot write .* to a writable folder$"):

@@ -144,7 +144,13 @@ def check_teacher(data: Data, distill: str) -> None:
 
 
 def check_image_root(data: Data) -> None:
-    """`data.image_root` only for files of relative image paths (csv, vl_pairs, a CSV `val_path`), and a folder."""
+    """`data.image_root` only for files of relative image paths (csv, vl_pairs, a CSV `val_path`), and a folder;
+    `data.image_cache` only for vl_pairs rows (the images held in their cells)."""
+    if data.image_cache and data.dataset != "vl_pairs":
+        raise DataError(
+            f"data.image_cache={data.image_cache!r}: the images held in vl_pairs rows' cells are written there, and "
+            f"data.dataset={data.dataset!r} reads no such rows; leave it empty"
+        )
     if not data.image_root:
         return
     csv_val = data_suffix(data.val_path) in (".csv", ".tsv")
