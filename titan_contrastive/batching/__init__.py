@@ -31,7 +31,7 @@ from .negatives import (
     with_negatives,
 )
 from .tokens import PaddedField, max_over_ranks, padded_fields, right_trimmed, token_chunks, trim_padding
-from .vlm import IMAGE_FIELDS, split_sides, split_vlm_inputs, take_vlm_chunks
+from .vlm import IMAGE_FIELDS, interleave_images, split_sides, split_vlm_inputs, take_vlm_chunks
 
 __all__ = [
     "DOC_IDS",
@@ -49,6 +49,7 @@ __all__ = [
     "padded_fields",
     "right_trimmed",
     "split_inputs",
+    "interleave_images",
     "split_sides",
     "split_vlm_inputs",
     "take_chunks",

@@ -10,6 +10,7 @@ batch on dim 0 cuts images apart; `split_vlm_inputs` cuts on image boundaries in
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from .inputs import BatchError, batch_size, split_inputs, take_chunks
 
-__all__ = ["IMAGE_FIELDS", "split_sides", "split_vlm_inputs", "take_vlm_chunks"]
+__all__ = ["IMAGE_FIELDS", "interleave_images", "split_sides", "split_vlm_inputs", "take_vlm_chunks"]
 
 IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
 """The entries of a packed image batch: the patches and each image's (t, h, w) grid."""
@@ -102,17 +103,18 @@ def _packed_groups(inputs: Mapping[str, Any]) -> list[str]:
 def take_vlm_chunks(inputs: Any, order: Tensor, sizes: Sequence[int], what: str = "input") -> list[Any]:
     """`batching.take_chunks` (chunks of a permutation of the samples) for packed inputs too: each
     packed group (`pixel_values` + `image_grid_thw`, or per side `query_pixel_values` +
-    `query_image_grid_thw`, ...) holds the same number m of images per sample, sample after sample
-    (m = 1; 0 for a side without images; k for k hard negative images each), and each chunk gets its
-    samples' grid and patch rows in the chunk's order; the other tensors are batch-major. Without a
-    packed group this is `take_chunks`."""
+    `query_image_grid_thw`, ...) holds its samples' images sample after sample, the same number m each
+    (m = 1; 0 for a side without images; k for k hard negative images each) or, where the group has
+    `{group}image_counts` [samples], that many each (rows of several retrieval modes); each chunk gets
+    its samples' grid and patch rows in the chunk's order; the other tensors (the counts too) are
+    batch-major. Without a packed group this is `take_chunks`."""
     groups = _packed_groups(inputs) if isinstance(inputs, Mapping) else []
     if not groups:
         return take_chunks(inputs, order, sizes, what)
     packed = {f"{g}{f}" for g in groups for f in IMAGE_FIELDS}
     rest = {k: v for k, v in inputs.items() if k not in packed}
     samples = len(order)
-    rows: dict[str, tuple[Tensor, Tensor]] = {}
+    rows: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
     for g in groups:
         grid, pixels = inputs[f"{g}image_grid_thw"], inputs[f"{g}pixel_values"]
         patches = grid.long().prod(dim=1)
@@ -121,11 +123,21 @@ def take_vlm_chunks(inputs: Any, order: Tensor, sizes: Sequence[int], what: str 
                 f"{what}: {g}image_grid_thw gives {int(patches.sum())} patches but {g}pixel_values has "
                 f"{pixels.shape[0]} rows"
             )
-        if samples and len(grid) % samples:
+        counts = inputs.get(f"{g}image_counts")
+        if counts is None:
+            if samples and len(grid) % samples:
+                raise BatchError(
+                    f"{what}: {len(grid)} images in {g}image_grid_thw for {samples} samples; the same number each, "
+                    f"or each sample's in {g}image_counts"
+                )
+            counts = torch.full((samples,), len(grid) // samples if samples else 0, dtype=torch.long)
+        elif len(counts) != samples or int(counts.sum()) != len(grid):
             raise BatchError(
-                f"{what}: {len(grid)} images in {g}image_grid_thw for {samples} samples; the same number each"
+                f"{what}: {g}image_counts gives {len(counts)} samples and {int(counts.sum())} images, the batch "
+                f"{samples} and {len(grid)}"
             )
-        rows[g] = (torch.cumsum(patches, 0) - patches, patches)
+        counts = counts.long().cpu()
+        rows[g] = (torch.cumsum(patches, 0) - patches, patches, torch.cumsum(counts, 0) - counts, counts)
     chunks = take_chunks(rest, order, list(sizes), what) if rest else [{} for _ in sizes]
     out, at = [], 0
     for chunk, size in zip(chunks, sizes):
@@ -137,12 +149,12 @@ def take_vlm_chunks(inputs: Any, order: Tensor, sizes: Sequence[int], what: str 
             if not len(grid):  # a side without images
                 chunk[f"{g}image_grid_thw"], chunk[f"{g}pixel_values"] = grid, pixels
                 continue
-            starts, counts = rows[g]
-            m = len(grid) // samples
-            images = [r * m + i for r in members for i in range(m)]
-            index = [torch.arange(int(starts[j]), int(starts[j] + counts[j])) for j in images]
+            starts, sizes_, first, counts = rows[g]
+            images = [int(first[r]) + i for r in members for i in range(int(counts[r]))]
+            index = [torch.arange(int(starts[j]), int(starts[j] + sizes_[j])) for j in images]
             chunk[f"{g}image_grid_thw"] = grid[images]
-            chunk[f"{g}pixel_values"] = pixels.index_select(0, torch.cat(index).to(pixels.device))
+            rows_of = torch.cat(index) if index else torch.zeros(0, dtype=torch.long)  # a chunk of none: empty
+            chunk[f"{g}pixel_values"] = pixels.index_select(0, rows_of.to(pixels.device))
         out.append(chunk)
     return out
 
@@ -162,3 +174,18 @@ def split_sides(inputs: Any, chunk_size: int) -> list[Any]:
     samples = batch_size(rest, "inputs") if rest else max(len(inputs[f"{g}image_grid_thw"]) for g in groups)
     sizes = [min(chunk_size, samples - start) for start in range(0, samples, chunk_size)]
     return take_vlm_chunks(inputs, torch.arange(samples), sizes, "inputs")
+
+
+def interleave_images(pixels: Tensor, grid: Tensor, neg_pixels: Tensor, neg_grid: Tensor) -> tuple[Tensor, Tensor]:
+    """The packed images of the documents and their hard negatives in `with_negatives`' order: document by
+    document, its image then its k negatives' (patch rows and grid rows alike). Every document with an image
+    has k negatives with one each (a row's negatives are of its documents' kind), so rows without (rows of
+    another mode, `[data] retrieval_modes`) change nothing: their documents have none to place."""
+    b = len(grid)
+    k = len(neg_grid) // b
+    both = torch.cat([grid, neg_grid])
+    order = torch.cat([torch.arange(b).unsqueeze(1), b + torch.arange(b * k).view(b, k)], 1).flatten()
+    patches = both.long().prod(-1).tolist()  # a host read, as the vision tower's own (it sizes its attention)
+    starts = list(itertools.accumulate(patches, initial=0))
+    rows = torch.cat([torch.arange(starts[i], starts[i] + patches[i]) for i in order.tolist()])
+    return torch.cat([pixels, neg_pixels]).index_select(0, rows.to(pixels.device)), both[order.to(both.device)]

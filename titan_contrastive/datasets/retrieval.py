@@ -41,9 +41,9 @@ def side_kinds(mode: str) -> dict[str, str]:
 
 def source_modes(data: Any) -> list[str]:
     """The retrieval mode of each `::`-joined source of `data.path` (`data.retrieval_modes`, else `data.retrieval_mode`
-    for each); a DataError, one line naming the field, for modes of data other than vl_pairs rows, one per source,
-    several mixed within a step (without `data.same_source_batches`), or t2t beside another (its steps would leave
-    the vision tower without gradients, which DDP needs every step)."""
+    for each); a DataError, one line naming the field, for modes of data other than vl_pairs rows, another count than
+    sources, or t2t beside another (a step or a rank of text rows alone would leave the vision tower without
+    gradients, which DDP needs every step). Rows of several modes share a batch unless `data.same_source_batches`."""
     parts = data.path.split("::")
     modes = list(data.retrieval_modes)
     if not modes:
@@ -58,11 +58,6 @@ def source_modes(data: Any) -> list[str]:
         raise DataError(
             f"{given}: {len(modes)} mode(s) for the {len(parts)} source(s) in data.path; give one per '::'-joined "
             "source, or leave it empty for data.retrieval_mode"
-        )
-    if len(set(modes)) > 1 and not data.same_source_batches:
-        raise DataError(
-            f"{given}: a batch holds the rows of one mode; set data.same_source_batches = true (each step one "
-            "source's), or train one mode"
         )
     if "t2t" in modes and len(set(modes)) > 1:
         raise DataError(

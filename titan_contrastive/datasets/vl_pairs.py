@@ -374,14 +374,10 @@ class VLPairsDataset:
             raise DataError(family_refusal("this family"))
         bad: list[BadSample] = []
         sources, rows = zip(*(self._read(int(i), bad) for i in indices))
-        modes = {self._files[s].mode for s in sources}
-        if len(modes) > 1:
-            raise DataError(
-                f"a batch of rows of the retrieval modes {sorted(modes)}: a batch is one mode's; set "
-                "data.same_source_batches = true"
-            )
-        (mode,) = modes
-        fields = {c: [r[c] for r in rows] if c in needed(mode) else None for c in COLUMNS}
+        modes = [self._files[s].mode for s in sources]
+        used = {c for m in set(modes) for c in needed(m)}
+        fields = {c: [r.get(c) for r in rows] if c in used else None for c in COLUMNS}
+        mode = modes[0] if len(set(modes)) == 1 else modes  # rows of several modes: each side's kind per row
         negatives = [n for r in rows for n in r.get(NEGATIVES_COLUMN, ())]  # k per row, row after row
         templates = {side: [given[s] for s in sources] for side, given in self.templates.items() if given}
         batch = self._process.sides(*(fields[c] for c in COLUMNS), negatives=negatives, templates=templates, mode=mode)

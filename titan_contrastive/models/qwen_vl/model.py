@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from titan_contrastive.batching import NEGATIVES, right_trimmed
+from titan_contrastive.batching import NEGATIVES, interleave_images, right_trimmed
 from titan_contrastive.components.lora import LoraFields, add_lora
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.base import DataError
@@ -44,6 +43,7 @@ from titan_contrastive.models.qwen_vl import colpali
 from titan_contrastive.models.qwen_vl.chat_template import folder_templates
 from titan_contrastive.models.qwen_vl.processor import PAD, VLProcessor
 from titan_contrastive.models.qwen_vl.templates import TEMPLATES, check_template, side_template
+from titan_contrastive.models.qwen_vl.visual_anchor import visual_anchor
 
 __all__ = [
     "MODES",
@@ -280,63 +280,69 @@ class SideProcessor:
 
     def sides(
         self,
-        query_images: Sequence[np.ndarray] | None,
+        query_images: Sequence[np.ndarray | None] | None,
         query_texts: Sequence[str] | None,
-        doc_images: Sequence[np.ndarray] | None,
+        doc_images: Sequence[np.ndarray | None] | None,
         doc_texts: Sequence[str] | None,
         negatives: Sequence[Any] = (),
         templates: dict[str, Sequence[str]] | None = None,
-        mode: str = "",
+        mode: str | Sequence[str] = "",
     ) -> dict[str, Tensor]:
         """The batch of these samples: uint8 HWC images and texts per side; `negatives`: k hard negatives per sample,
-        row after row, documents of the documents' kind (texts, images, or (image, text) pairs): `neg` [B, k, L]
-        ids, and for images `neg_pixel_values` + `neg_image_grid_thw` (k per sample; empty otherwise).
+        row after row, documents of the row's documents' kind (texts, images, or (image, text) pairs): `neg` [B, k, L]
+        ids, and for images `neg_pixel_values` + `neg_image_grid_thw` (empty where none has one).
         `templates`: a side's template per sample in place of its own ("": its own; a source's template,
         `datasets.vl_pairs`); the negatives take their row's document template. `mode`: the samples' (a source's,
-        `[data] retrieval_modes`; default the model's), each side of its kind and by default its `template`."""
-        mode = mode or self.mode
-        kinds = side_kinds(mode)
+        `[data] retrieval_modes`; default the model's), or one per sample (rows of several modes in one batch), each
+        side of its kind and by default its `template`. Each side (and the negatives) carries `{side}_image_counts`
+        [B], each sample's images (`batching.take_vlm_chunks`: some rows may have none)."""
         given = {"query": (query_images, query_texts), "doc": (doc_images, doc_texts)}
         own = (templates or {}).get
-        chosen = {
-            side: [t or self.template(side, mode) for t in own(side)] if own(side) else self.template(side, mode)
-            for side in SIDES
-        }
         batch: dict[str, Tensor] = {}
-        for side, kind in kinds.items():
+        modes, chosen = {}, {}
+        for side in SIDES:  # a side's samples: its texts', else its images' (a side may be given alone)
             images, texts = given[side]
-            images = None if kind == "text" else images
             count = len(texts) if texts is not None else len(images) if images is not None else 0
-            texts = [""] * count if kind == "image" or texts is None else texts
-            out = self.proc.encode(chosen[side], texts, images)
-            self._fits(side, out["ids"])
-            batch[side] = out["ids"]
-            if images is not None:
-                self.proc.check(out["ids"], out["image_grid_thw"])  # the tokenizer kept every <|image_pad|>
-                batch[f"{side}_pixel_values"] = out["pixel_values"]
-                batch[f"{side}_image_grid_thw"] = out["image_grid_thw"]
-            else:
-                batch[f"{side}_pixel_values"] = torch.zeros(0, self.patch_width)
-                batch[f"{side}_image_grid_thw"] = torch.zeros(0, 3, dtype=torch.long)
+            modes[side] = [mode or self.mode] * count if isinstance(mode, str) else list(mode)
+            kinds = [side_kinds(m)[side] for m in modes[side]]
+            chosen[side] = [(own(side) or [""] * count)[r] or self.template(side, modes[side][r]) for r in range(count)]
+            images = [None if k == "text" else images[r] for r, k in enumerate(kinds)] if images else None
+            texts = ["" if k == "image" or texts is None else texts[r] for r, k in enumerate(kinds)]
+            self._side(batch, side, self.proc.encode(chosen[side], texts, images), images)
+        rows = len(batch["doc"])
         batch[f"{NEGATIVES}_pixel_values"] = torch.zeros(0, self.patch_width)
         batch[f"{NEGATIVES}_image_grid_thw"] = torch.zeros(0, 3, dtype=torch.long)
+        batch[f"{NEGATIVES}_image_counts"] = torch.zeros(rows, dtype=torch.long)
         if len(negatives):
-            per_row = len(negatives) // len(batch["doc"])
-            template = (
-                chosen["doc"] if isinstance(chosen["doc"], str) else [t for t in chosen["doc"] for _ in range(per_row)]
-            )
-            if kinds["doc"] == "text":
-                ids = self.proc.encode(template, negatives, None)["ids"]
-            else:  # images, or a multi document's (image, text) pairs
-                images, texts = zip(*negatives) if kinds["doc"] == "multi" else (negatives, [""] * len(negatives))
-                out = self.proc.encode(template, list(texts), list(images))
-                ids = out["ids"]
-                self.proc.check(ids, out["image_grid_thw"])
-                batch[f"{NEGATIVES}_pixel_values"] = out["pixel_values"]
-                batch[f"{NEGATIVES}_image_grid_thw"] = out["image_grid_thw"]
-            self._fits("doc", ids)
-            batch[NEGATIVES] = ids.reshape(len(batch["doc"]), per_row, -1)
+            per_row = len(negatives) // rows
+            images, texts = [], []
+            for n, value in enumerate(negatives):
+                kind = side_kinds(modes["doc"][n // per_row])["doc"]
+                image, text = value if kind == "multi" else (value, "") if kind == "image" else (None, value)
+                images.append(image)
+                texts.append(text)
+            template = [t for t in chosen["doc"] for _ in range(per_row)]
+            imaged = images if any(image is not None for image in images) else None
+            out = self.proc.encode(template, texts, imaged)
+            self._side(batch, NEGATIVES, out, imaged, per_row)
+            batch[NEGATIVES] = batch[NEGATIVES].reshape(rows, per_row, -1)
         return batch
+
+    def _side(self, batch: dict[str, Tensor], side: str, out: dict[str, Tensor], images: Any, per_row: int = 1) -> None:
+        """One side's encoding `out` (of `images`, None for a sample without, or None for none) into `batch`: its ids,
+        its images (empty where none has one) and each row's count of them (`per_row` samples of `out` a row: the hard
+        negatives)."""
+        self._fits("doc" if side == NEGATIVES else side, out["ids"])
+        batch[side] = out["ids"]
+        if "image_grid_thw" in out:
+            self.proc.check(out["ids"], out["image_grid_thw"])  # the tokenizer kept every <|image_pad|>
+            batch[f"{side}_pixel_values"] = out["pixel_values"]
+            batch[f"{side}_image_grid_thw"] = out["image_grid_thw"]
+        else:
+            batch[f"{side}_pixel_values"] = torch.zeros(0, self.patch_width)
+            batch[f"{side}_image_grid_thw"] = torch.zeros(0, 3, dtype=torch.long)
+        imaged = [image is not None for image in images] if images is not None else [False] * len(out["ids"])
+        batch[f"{side}_image_counts"] = torch.tensor(imaged, dtype=torch.long).view(-1, per_row).sum(1)
 
     def items(
         self, templates: Sequence[str], texts: Sequence[str], images: Sequence[np.ndarray] | None
@@ -370,11 +376,14 @@ def vl_embed(
     pixel_values: Tensor | None = None,
     image_grid_thw: Tensor | None = None,
     late: tuple[nn.Module, int] | None = None,
+    anchored: bool = False,
 ) -> Tensor:
     """The normalized embedding of each row of `ids` (-1 padded), with its image's patches when it has
     one; the columns that are padding in every row are cut first (as GradCache cuts a chunk: the same
     shapes, so the same dropout draws, in both). `late`: (projection, tokens) of ColBERT pooling: each
-    token projected and normalized, padding zero, laid out at `tokens` [B, tokens * dim]."""
+    token projected and normalized, padding zero, laid out at `tokens` [B, tokens * dim]. `anchored`: rows
+    without images still run the vision tower, at zero weight (`visual_anchor`)."""
+    anchor = visual_anchor(tower, ids) if anchored and pixel_values is None else None
     ids = right_trimmed(ids, PAD)
     mask = ids != PAD
     images = {} if pixel_values is None else {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
@@ -384,6 +393,7 @@ def vl_embed(
         mm_token_type_ids=(ids == tower.config.image_token_id).long(),
         **images,
     ).last_hidden_state
+    hidden = hidden if anchor is None else hidden + anchor.to(hidden.dtype)
     if late is None:
         return F.normalize(pooled(hidden, mask, pooling), dim=-1)
     head, tokens = late
@@ -409,6 +419,7 @@ class QwenVLEmbedder(PretrainedScale, nn.Module):
         # ColPali's projection, trained under LoRA too (colpali-engine adapts it with the language model)
         self.head = colpali.projection(width, args.colbert_dim, args.path) if args.token_dim else None
         self.lengths = args.side_tokens if args.token_dim else {}
+        self.mixed = len(set(args.modes)) > 1  # rows of several modes: every forward runs the vision tower
         self.add_logit_scale()
 
     @property
@@ -435,7 +446,7 @@ class QwenVLEmbedder(PretrainedScale, nn.Module):
     ) -> Tensor:
         """The embeddings of one side's ("query" or "doc") `ids`, with their images where given."""
         late = (self.head, self.lengths[side]) if self.head is not None else None
-        return vl_embed(self.tower, ids, self.args.pooling, pixel_values, image_grid_thw, late)
+        return vl_embed(self.tower, ids, self.args.pooling, pixel_values, image_grid_thw, late, self.mixed)
 
     def forward(
         self,
@@ -447,30 +458,22 @@ class QwenVLEmbedder(PretrainedScale, nn.Module):
         doc_image_grid_thw: Tensor,
         neg_pixel_values: Tensor | None = None,
         neg_image_grid_thw: Tensor | None = None,
+        query_image_counts: Tensor | None = None,
+        doc_image_counts: Tensor | None = None,
+        neg_image_counts: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(query embeddings, document embeddings, exp(logit_scale)); each side with its own images
         when its grid has rows. Hard negative images (`neg_*`, k per sample) join the documents' when
-        `doc` holds them too (`batching.with_negatives`: B (1 + k) rows, each sample's positive first)."""
-        if neg_image_grid_thw is not None and len(neg_image_grid_thw) and len(doc) > len(doc_image_grid_thw):
+        `doc` holds them too (`batching.with_negatives`: B (1 + k) rows, each sample's positive first).
+        `*_image_counts`: each sample's images (rows of several modes: some have none), which chunk the batch
+        (`batching.take_vlm_chunks`); here the images stand in their rows' order already."""
+        if neg_image_grid_thw is not None and len(neg_image_grid_thw) and len(doc) > len(query):
             doc_pixel_values, doc_image_grid_thw = interleave_images(
                 doc_pixel_values, doc_image_grid_thw, neg_pixel_values, neg_image_grid_thw
             )
         query_images = (query_pixel_values, query_image_grid_thw) if len(query_image_grid_thw) else (None, None)
         doc_images = (doc_pixel_values, doc_image_grid_thw) if len(doc_image_grid_thw) else (None, None)
         return self.embed(query, *query_images, "query"), self.embed(doc, *doc_images, "doc"), *self.temperature()
-
-
-def interleave_images(pixels: Tensor, grid: Tensor, neg_pixels: Tensor, neg_grid: Tensor) -> tuple[Tensor, Tensor]:
-    """The packed images of B documents and their B k hard negatives in `with_negatives`' order:
-    sample by sample, its document's image then its k negatives' (patch rows and grid rows alike)."""
-    b = len(grid)
-    k = len(neg_grid) // b
-    both = torch.cat([grid, neg_grid])
-    order = torch.cat([torch.arange(b).unsqueeze(1), b + torch.arange(b * k).view(b, k)], 1).flatten()
-    patches = both.long().prod(-1).tolist()  # a host read, as the vision tower's own (it sizes its attention)
-    starts = list(itertools.accumulate(patches, initial=0))
-    rows = torch.cat([torch.arange(starts[i], starts[i] + patches[i]) for i in order.tolist()])
-    return torch.cat([pixels, neg_pixels]).index_select(0, rows.to(pixels.device)), both[order.to(both.device)]
 
 
 def qwen_vl_blocks(model: QwenVLEmbedder) -> list[nn.Module]:

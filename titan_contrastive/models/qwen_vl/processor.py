@@ -95,22 +95,27 @@ class VLProcessor:
         return self.tokenizer.decode(words[: self.max_text_tokens]) if len(words) > self.max_text_tokens else text
 
     def encode(
-        self, template: str | Sequence[str], texts: Sequence[str], images: Sequence[np.ndarray] | None
+        self,
+        template: str | Sequence[str],
+        texts: Sequence[str],
+        images: Sequence[np.ndarray | None] | None,
     ) -> dict[str, Tensor]:
-        """One side of a batch: `template` for every sample, or one per sample (each with `{image}` when
-        `images` are given, one each)."""
+        """One side of a batch: `template` for every sample, or one per sample (each with `{image}` when the sample
+        has an image: `images` one per sample, None for a sample without; None: none has one). `pixel_values` and
+        `image_grid_thw` hold the images of the samples that have one, in their order."""
         templates = [template] * len(texts) if isinstance(template, str) else list(template)
-        for each in dict.fromkeys(templates):
-            if (IMAGE in each) != (images is not None):
-                need = (
-                    "an image side needs {image} in its template" if images is not None else "a text side has no image"
-                )
-                raise ConfigError(f"template {each!r}: {need}")
+        each = [None] * len(texts) if images is None else list(images)
+        for used, imaged in dict.fromkeys((t, image is not None) for t, image in zip(templates, each)):
+            if (IMAGE in used) != imaged:
+                need = "an image side needs {image} in its template" if imaged else "a text side has no image"
+                raise ConfigError(f"template {used!r}: {need}")
         out: dict[str, Tensor] = {}
         counts = [0] * len(texts)
-        if images is not None:
-            out["pixel_values"], out["image_grid_thw"] = self.pixels(images)
-            counts = self.visual_tokens(out["image_grid_thw"])
+        present = [i for i, image in enumerate(each) if image is not None]
+        if present:
+            out["pixel_values"], out["image_grid_thw"] = self.pixels([each[i] for i in present])
+            for i, count in zip(present, self.visual_tokens(out["image_grid_thw"])):
+                counts[i] = count
         rows = []
         for text, count, template in zip(texts, counts, templates, strict=True):
             # the whole string at once, as the transformers processor tokenizes it (BPE merges across the template)
@@ -123,8 +128,9 @@ class VLProcessor:
         return out
 
     def check(self, ids: Tensor, grid: Tensor) -> None:
-        """A side's ids must hold each image's visual tokens: `<|image_pad|>` per row = its image's count."""
-        have = (ids == self.image_token_id).sum(1).tolist()
+        """A side's ids must hold each image's visual tokens: `<|image_pad|>` per row with an image = its image's
+        count (the rows without one hold none)."""
+        have = [n for n in (ids == self.image_token_id).sum(1).tolist() if n]
         want = self.visual_tokens(grid)
         if have != want:
             raise ConfigError(
