@@ -137,8 +137,8 @@ class Data:
         [], lambda v: set(v) <= set(get_args(RetrievalMode)), f"a list of {', '.join(get_args(RetrievalMode))}"
     )
     """vl_pairs: one retrieval mode per `::`-joined source of `path` (MMEB's tasks: VQA in m2t beside retrieval in t2i,
-    ...), with same_source_batches = true (a step is one source's, so of one mode); a t2t source joins no other mode.
-    Empty = retrieval_mode for every source."""
+    ...); a batch mixes the sources' rows, each of its own mode, unless same_source_batches (a step one source's); a
+    t2t source joins no other mode. Empty = retrieval_mode for every source."""
     min_pixels: int = opt(0, lambda v: v >= 0, "an integer >= 0")
     """qwen_vl: images resized to at least this many pixels; 0 = the model folder's image processor's."""
     max_pixels: int = opt(0, lambda v: v >= 0, "an integer >= 0")

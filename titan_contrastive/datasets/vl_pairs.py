@@ -32,8 +32,9 @@ its own side templates (`data.query_prompts`, `data.doc_prompts`: a task's instr
 gives each dataset one), used in place of the model's (`model.query_prompt`, `doc_prompt`) for its
 rows, its hard negatives included; "" keeps the model's. Each file may have its own retrieval mode
 (`data.retrieval_modes`: MMEB's VQA in m2t beside its retrieval in t2i), read as `vl_files.VLFile` says; a batch is
-one file's (`data.same_source_batches`), so of one mode, and a side of another kind than the model's takes that kind's
-default template (`SideProcessor.template`) unless the file has its own.
+one file's (`data.same_source_batches`) or mixes them, each row of its file's mode (`SideProcessor.sides`' modes per
+row), and a side of another kind than the model's takes that kind's default template (`SideProcessor.template`)
+unless the file has its own.
 With `[loss] teacher_embeddings` (or `guide_embeddings`), a file of a frozen model's embeddings of the rows' queries and
 documents written ahead (`embed_images`, keyed as `vl_items` says), each batch carries the vectors of its queries and
 documents (`frozen_query` [B, d], `frozen_doc` [B, d] or [B, 1 + k, d] with its hard negatives).
