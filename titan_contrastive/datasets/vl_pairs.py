@@ -123,7 +123,7 @@ class VLPairsDataset:
         corpus: str = "",
         group: Any = None,
     ) -> None:
-        """`modes`: one retrieval mode per `::`-joined file (`data.retrieval_modes`; a batch's rows are of one mode);
+        """`modes`: one retrieval mode per `::`-joined file (`data.retrieval_modes`; a batch's rows each of its file's);
         empty: `mode` for each. `negatives_per_row`: k > 0 serves k of each row's `doc_negatives` per epoch, drawn by
         `seed` (`pools.Pools`); 0 serves them all, as many per row as the first row's. `in_batch_negatives`: one per
         file, false flags its queries to be scored against their own documents only (`batching.OWN_GROUP`).
