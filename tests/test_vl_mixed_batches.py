@@ -14,10 +14,9 @@ import torch.distributed as dist
 from tests.dist_utils import run_distributed
 from tests.hf_folders import vl_folder
 from tests.needs import require
-from tests.test_hard_negatives import assert_grads_close
-from tests.test_hf_text import grads
-from tests.test_qwen_vl import REL, _dense, _step, vl_run
+from tests.test_qwen_vl import _step, vl_run
 from tests.test_qwen_vl_pairs import _vl_pairs
+from tests.test_vl_modes import assert_dense_step, two_sources
 from titan_contrastive.models.qwen_vl.processor import PAD
 
 require("hf")
@@ -85,12 +84,7 @@ def test_a_mixed_batch_is_its_rows_and_equals_the_dense_objective(tmp_path: Path
             assert got[0] == expected[0] and torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
     if negatives:
         assert batch["neg_image_counts"].tolist() == [0, 2, 0, 2, 2, 0] and len(batch["neg_image_grid_thw"]) == 6
-    batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    trainer.train_step([batch])
-    want_loss, want_grads = _dense(trainer, [batch])
-    out = trainer.train_step([batch])
-    assert_grads_close(grads(trainer.model), want_grads)
-    assert abs(out["loss"] - want_loss) <= REL * want_loss
+    assert_dense_step(trainer, batch)
     trainer.metrics.close()
 
 
@@ -107,13 +101,7 @@ def test_a_run_of_mixed_batches_trains(tmp_path: Path) -> None:
 def _two_ranks(tmp: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    first, second = Path(tmp) / "a" / "pairs.jsonl", Path(tmp) / "b" / "pairs.jsonl"
-    data = (
-        "--data.dataset=vl_pairs",
-        f"--data.path={first}::{second}",
-        "--data.retrieval_mode=t2i",
-        "--data.retrieval_modes=m2t,t2i",
-    )
+    data = two_sources(Path(tmp), "--data.retrieval_modes=m2t,t2i")  # batches mixing the sources' rows
     _step(Path(tmp), "qwen2_vl", "gradcache", *data, sizes=())  # rank 1's rows: 3 m2t, then 3 t2i
     _step(Path(tmp) / "gl", "qwen2_vl", "global", *data, sizes=())
 

@@ -78,26 +78,31 @@ def test_each_source_in_its_own_mode_equals_the_dense_objective(tmp_path: Path, 
         assert (words > 2).all()  # m2t: its text beside the image's tokens; t2i: the caption
         if mode == "m2t":  # the multi query's and the text document's default templates, not the model's t2i ones
             assert data._template("query", 0) == "{image} {text}" and data._template("doc", 0) == "{text}"
-        batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-        trainer.train_step([batch])
-        want_loss, want_grads = _dense(trainer, [batch])
-        out = trainer.train_step([batch])
-        assert_grads_close(grads(trainer.model), want_grads)
-        assert abs(out["loss"] - want_loss) <= REL * want_loss
+        assert_dense_step(trainer, batch)
     trainer.metrics.close()
+
+
+def assert_dense_step(trainer, batch: dict) -> None:
+    """The trainer's step on `batch` (its tensors), after one warm-up step on it, equals the dense objective over it
+    in float64: the loss and every gradient."""
+    batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    trainer.train_step([batch])
+    want_loss, want_grads = _dense(trainer, [batch])
+    out = trainer.train_step([batch])
+    assert_grads_close(grads(trainer.model), want_grads)
+    assert abs(out["loss"] - want_loss) <= REL * want_loss
+
+
+def two_sources(tmp: Path, *extra: str) -> tuple[str, ...]:
+    """The data flags of the m2t rows of `tmp`/a joined with the t2i rows of `tmp`/b, the model's mode t2i."""
+    first, second = tmp / "a" / "pairs.jsonl", tmp / "b" / "pairs.jsonl"
+    return ("--data.dataset=vl_pairs", f"--data.path={first}::{second}", "--data.retrieval_mode=t2i", *extra)
 
 
 def _two_ranks(tmp: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    first, second = Path(tmp) / "a" / "pairs.jsonl", Path(tmp) / "b" / "pairs.jsonl"
-    data = (
-        "--data.dataset=vl_pairs",
-        f"--data.path={first}::{second}",
-        "--data.retrieval_mode=t2i",
-        "--data.retrieval_modes=m2t,t2i",
-        "--data.same_source_batches=true",
-    )
+    data = two_sources(Path(tmp), "--data.retrieval_modes=m2t,t2i", "--data.same_source_batches=true")
     _step(Path(tmp), "qwen2_vl", "global", *data, sizes=())
     _step(Path(tmp) / "gc", "qwen2_vl", "gradcache-tokens", *data, "--gradcache.chunk_tokens=200", sizes=())
 
