@@ -14,7 +14,6 @@ its slot), and the load says how many rows name one.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,8 +27,6 @@ from titan_contrastive.datasets.tables import guarded_rows
 from titan_contrastive.datasets.vl_rows import as_list
 
 __all__ = ["NEGATIVE_IDS", "POSITIVES_COLUMN", "POSITIVE_IDS", "by_id", "read_corpus", "resolved_rows"]
-
-logger = logging.getLogger("titan_contrastive")
 
 POSITIVE_IDS, NEGATIVE_IDS = "positive_document_ids", "negative_document_ids"
 POSITIVES_COLUMN = "doc_positives"
