@@ -93,6 +93,7 @@ def test_a_run_of_mixed_batches_trains(tmp_path: Path) -> None:
     trainer, _, _ = _mixed(tmp_path, "--training.steps=3", "--gradcache.enabled=true", "--gradcache.chunk_sizes=4")
     order = trainer.loader.sampler.global_order().tolist()
     assert any(len({i >= 9 for i in order[j : j + 6]}) == 2 for j in range(0, len(order) - 5, 6))
+    assert trainer.model.args.mixed  # a forward without images runs the vision tower at zero weight
     trainer.train()
     assert trainer.step == 3 and not trainer.loader.bad_samples.values()
     trainer.metrics.close()

@@ -62,6 +62,7 @@ def test_each_source_in_its_own_mode_equals_the_dense_objective(tmp_path: Path, 
     trainer.model.eval()
     data = trainer.train_set
     assert any(p.requires_grad for p in trainer.model.tower.visual.parameters())
+    assert not trainer.model.args.mixed  # each batch one source's: no forward runs the vision tower without images
     image_token = trainer.model.tower.config.image_token_id
     for path, mode, rows in ((first, "m2t", range(4)), (second, "t2i", range(9, 13))):
         batch = data.__getitems__(list(rows))
@@ -126,6 +127,7 @@ def test_a_run_of_two_modes_trains_and_evaluates(tmp_path: Path) -> None:
         tmp_path, "--training.steps=4", f"--data.val_path={held_out}", "--eval.enable=true", mode="t2t"
     )
     assert all(p.requires_grad for p in trainer.model.tower.visual.parameters())
+    assert not trainer.model.args.mixed
     order = trainer.loader.sampler.global_order().tolist()
     assert {tuple({i >= 9 for i in order[j : j + 4]}) for j in range(0, len(order), 4)} == {(False,), (True,)}
     trainer.train()

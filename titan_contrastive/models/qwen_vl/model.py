@@ -77,6 +77,9 @@ class QwenVLArgs(LoraFields):
     m2t (image + text queries, texts), t2m, i2m, m2m (image + text documents)."""
     modes: tuple[str, ...] = ()
     """Every mode the run trains and evaluates: its sources' (`[data] retrieval_modes`) and `mode`; () = `mode`."""
+    mixed: bool = False
+    """Rows of several modes share a batch (`[data] retrieval_modes` without `same_source_batches`): a forward without
+    images runs the vision tower at zero weight (`visual_anchor`), so every rank runs the same blocks."""
     pooling: str = "last_token"
     query_template: str = TEMPLATES["text"]
     """The queries' template (`[model] query_prompt`; `auto`: `TEMPLATES` of the side's kind): `{text}`
@@ -105,7 +108,8 @@ class QwenVLArgs(LoraFields):
         mode = cfg.data.retrieval_mode
         if mode not in MODES:
             raise ConfigError(f"data.retrieval_mode={mode!r}: the qwen_vl family trains {', '.join(MODES)}")
-        every = tuple(dict.fromkeys([*source_modes(cfg.data), mode]))
+        sources = source_modes(cfg.data)
+        every = tuple(dict.fromkeys([*sources, mode]))
         imaged = next((m for m in every if MODES[m][1] != "text"), "")
         if cfg.loss.mask_duplicates and imaged:
             raise ConfigError(
@@ -157,6 +161,7 @@ class QwenVLArgs(LoraFields):
             path=path,
             mode=mode,
             modes=every,
+            mixed=len(set(sources)) > 1 and not cfg.data.same_source_batches,
             pooling=pooling,
             query_template=templates["query"],
             doc_template=templates["doc"],
@@ -419,7 +424,6 @@ class QwenVLEmbedder(PretrainedScale, nn.Module):
         # ColPali's projection, trained under LoRA too (colpali-engine adapts it with the language model)
         self.head = colpali.projection(width, args.colbert_dim, args.path) if args.token_dim else None
         self.lengths = args.side_tokens if args.token_dim else {}
-        self.mixed = len(set(args.modes)) > 1  # rows of several modes: every forward runs the vision tower
         self.add_logit_scale()
 
     @property
@@ -446,7 +450,7 @@ class QwenVLEmbedder(PretrainedScale, nn.Module):
     ) -> Tensor:
         """The embeddings of one side's ("query" or "doc") `ids`, with their images where given."""
         late = (self.head, self.lengths[side]) if self.head is not None else None
-        return vl_embed(self.tower, ids, self.args.pooling, pixel_values, image_grid_thw, late, self.mixed)
+        return vl_embed(self.tower, ids, self.args.pooling, pixel_values, image_grid_thw, late, self.args.mixed)
 
     def forward(
         self,
