@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -205,3 +206,42 @@ def test_a_saved_dataset_of_an_image_feature(tmp_path: Path) -> None:
         DataError, match=r"^data.path=.*nowhere: not an existing .*\.arrow .*file or save_to_disk folder;"
     ):
         VLPairsDataset(split="train", path=str(tmp_path / "nowhere"), mode="m2i")
+
+
+def _embed_held(out: str, flags: list[str], teacher: str) -> None:
+    """One rank of `embed_images` on `flags`' rows; its count of images written goes to `written.<rank>` beside
+    `out`, read from the dataset's log line."""
+    from tests.test_vl_teacher_ahead import embed
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("titan_contrastive")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    embed(Path(out), flags, Path(teacher))
+    [line] = [x for x in lines if "images held in the cells" in x]
+    (Path(out).parent / f"written.{os.environ['RANK']}").write_text(line.split("(")[-1].split()[0])
+
+
+@needs("hf")
+def test_ranks_embedding_ahead_share_the_writes(tmp_path: Path) -> None:
+    """`embed_images` on 2 gloo processes over the Parquet file: each rank writes the images whose key falls to it
+    (every image once in all), and the file holds the rows one process writes of the rows holding files (each image
+    keyed by its bytes)."""
+    from tests.hf_folders import vl_folder
+    from tests.test_embed_on_ranks import assert_same_rows
+    from tests.test_qwen_vl_teacher import teacher_folder
+    from tests.test_vl_teacher_ahead import embed, run_flags
+
+    jsonl, parquet = _held(tmp_path)
+    vl_folder(tmp_path)
+    teacher = teacher_folder(tmp_path)
+    want = embed(tmp_path / "files.parquet", run_flags(tmp_path, str(jsonl)), teacher)
+    held = run_flags(tmp_path, str(parquet), f"--data.image_cache={tmp_path / 'cache'}")
+    (tmp_path / "out").mkdir()
+    run_distributed(_embed_held, 2, str(tmp_path / "out" / "held.parquet"), held, str(teacher))
+    assert_same_rows(tmp_path / "out" / "held.parquet", want)
+    keys = [image_key(p.read_bytes()) for p in (jsonl.parent / "img").iterdir()]
+    written = [int((tmp_path / "out" / f"written.{r}").read_text()) for r in range(2)]
+    assert written == [sum(int(k[:8], 16) % 2 == r for k in keys) for r in range(2)] and sum(written) == 36

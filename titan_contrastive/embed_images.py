@@ -59,7 +59,7 @@ from titan_contrastive.datasets.vl_items import FILE_SIDES, ItemChunks
 from titan_contrastive.embed import OUT_FORMATS, write_rows
 from titan_contrastive.extras import import_failure
 from titan_contrastive.mining import MineError
-from titan_contrastive.parallelisms import DistInfo, destroy_distributed, init_distributed
+from titan_contrastive.parallelisms import DistInfo, destroy_distributed, host_group, init_distributed
 from titan_contrastive.row_spool import RowSpool, shard
 
 
@@ -113,7 +113,9 @@ def check(opts: argparse.Namespace, cfg: JobConfig) -> tuple[Path, JobConfig]:
 
 
 def build(cfg: JobConfig) -> tuple[Any, Any, Any]:
-    """(the family's spec, the training set, the model args sized by the data), built as the trainer builds them."""
+    """(the family's spec, the training set, the model args sized by the data), built as the trainer builds them: under
+    torchrun every rank builds it, sharing the writing of images held in cells and the tokenization
+    (`build_data`'s `host_group`)."""
     from titan_contrastive import models
     from titan_contrastive.datasets import build_dataset
     from titan_contrastive.datasets.build import build_data
@@ -131,6 +133,7 @@ def build(cfg: JobConfig) -> tuple[Any, Any, Any]:
         dp_rank=0,
         dp_degree=1,
         pin_memory=False,
+        host_group=host_group,
     )
     train = data.train_set
     sized = args.update_from_data(
