@@ -115,3 +115,22 @@ def test_two_ranks(tmp_path: Path) -> None:
     vl_folder(tmp_path, "qwen2_vl")
     vl_folder(tmp_path / "gl", "qwen2_vl")
     run_distributed(_two_ranks, 2, str(tmp_path))
+
+
+def test_a_teacher_s_file_of_mixed_rows_teaches_as_the_teacher(tmp_path: Path) -> None:
+    """`embed_images` on m2t rows joined with t2i rows (text and image hard negatives; a chunk of items holds both
+    kinds) writes each source's queries and documents in its own mode: a mixed batch carries the running teacher's
+    embeddings of what it serves, and a GradCache step (3 of 7) taught from the file equals one taught by it."""
+    from tests.test_qwen_vl_teacher import teacher_folder
+    from tests.test_vl_teacher_ahead import assert_carried_and_taught, embed, read_file, run_flags
+
+    first, second = _sources(tmp_path, negatives=True)
+    vl_folder(tmp_path)
+    teacher = teacher_folder(tmp_path)
+    flags = [
+        f.replace("m2i", "t2i") for f in run_flags(tmp_path, f"{first}::{second}", "--data.retrieval_modes=m2t,t2i")
+    ]
+    file = embed(tmp_path / "teacher.parquet", flags, teacher, "--batch-size=4")
+    sides = [side for side, _ in read_file(file)]
+    assert sides.count("query") == 17  # the nine m2t queries of an image and a text, the eight t2i captions
+    assert_carried_and_taught(tmp_path, flags, file, teacher, 2, rows=[*ROWS, 12])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -99,13 +100,13 @@ def taught_runs(tmp: Path, flags: list[str], file: Path, teacher: Path, *steps: 
     return runs
 
 
-def assert_same_step(runs: list, local: int) -> None:
-    """Each run's step on its first `local` samples from one seed: the loss and every trainable parameter's gradient
-    agree to float32's precision."""
+def assert_same_step(runs: list, local: int, rows: Sequence[int] = ()) -> None:
+    """Each run's step on its first `local` samples (or on `rows`) from one seed: the loss and every trainable
+    parameter's gradient agree to float32's precision."""
     outs = []
     for trainer in runs:
         torch.manual_seed(5)
-        loss = trainer.train_step([trainer.train_set.__getitems__(list(range(local)))])["loss"]
+        loss = trainer.train_step([trainer.train_set.__getitems__(list(rows or range(local)))])["loss"]
         outs.append((loss, {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}))
         trainer.metrics.close()
     (file_loss, file_grads), (model_loss, model_grads) = outs
@@ -113,21 +114,23 @@ def assert_same_step(runs: list, local: int) -> None:
     assert_close(file_grads, model_grads, rel=1e-5)
 
 
-def assert_carried_and_taught(tmp: Path, flags: list[str], file: Path, teacher: Path, negatives: int) -> None:
-    """Runs of `flags` taught from `file` and by the running `teacher` (GradCache 3 of 7): the first 7 samples' batch
+def assert_carried_and_taught(
+    tmp: Path, flags: list[str], file: Path, teacher: Path, negatives: int, rows: Sequence[int] = range(7)
+) -> None:
+    """Runs of `flags` taught from `file` and by the running `teacher` (GradCache 3 of 7): the batch of 7 `rows`
     carries the teacher's embeddings of what it serves (its `negatives` per sample too), and the steps agree
     (`assert_same_step`)."""
     steps = ["--training.local_batch_size=7", "--gradcache.enabled=true", "--gradcache.chunk_sizes=3", *TAUGHT]
     runs = taught_runs(tmp, flags, file, teacher, *steps)
-    batch = runs[0].train_set.__getitems__(list(range(7)))
-    tensors = served(runs[1], range(7))
+    batch = runs[0].train_set.__getitems__(list(rows))
+    tensors = served(runs[1], rows)
     with torch.no_grad():
         q, d = _embeddings(runs[1].step_context.guide, tensors)
     docs = torch.cat([d[:7, None], d[7:].view(7, negatives, -1)], 1) if negatives else d
     assert batch[FROZEN_DOCS].shape == docs.shape
     torch.testing.assert_close(batch[FROZEN_QUERIES].double(), q, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(batch[FROZEN_DOCS].double(), docs, rtol=1e-6, atol=1e-7)
-    assert_same_step(runs, 7)
+    assert_same_step(runs, 7, rows)
 
 
 @pytest.fixture(scope="module")

@@ -403,7 +403,6 @@ class VLPairsDataset:
         `probe` samples are looked up here, before any compute; a sample the file misses later is a DataError when
         its batch is made."""
         table.check_sides(tuple(FILE_SIDES.values()), "vl_pairs rows look up each query and document")
-        self._one_mode("a frozen model's embeddings (loss.teacher_embeddings, guide_embeddings)")
         self._frozen = table
         bad: list[BadSample] = []
         self._frozen_of([self._read(i, bad)[1][KEYS] for i in range(min(probe, len(self)))])
@@ -416,7 +415,6 @@ class VLPairsDataset:
         """Each query and each document an epoch can serve (every hard negative of every row, whichever an epoch
         draws), by the file's side (`query`, `document`), each once, in row order: what a frozen model embeds ahead
         (`embed_images`)."""
-        self._one_mode("embed_images")
         found: dict[str, dict[Item, None]] = {side: {} for side in FILE_SIDES.values()}
         for s, file in enumerate(self._files):
             for values in file.rows:
@@ -434,24 +432,15 @@ class VLPairsDataset:
                     found["document"].setdefault(Item(s, self._template("doc", s), text, image), None)
         return {side: list(items) for side, items in found.items()}
 
-    def _one_mode(self, what: str) -> None:
-        """A DataError naming `what` where the files are of several retrieval modes (`data.retrieval_modes`)."""
-        modes = sorted({f.mode for f in self._files})
-        if len(modes) > 1:
-            raise DataError(
-                f"{what}: rows of several retrieval modes ({', '.join(modes)}, data.retrieval_modes) are not embedded "
-                "ahead; embed and train each mode apart, or train without it"
-            )
-
     def item_inputs(self, side: str, items: Sequence[Item]) -> tuple[dict[str, torch.Tensor], list[str]]:
         """The processor's inputs of `items` of the file's `side` (`frozen_items`): `ids`, and with images
         `pixel_values` and `image_grid_thw`, and their keys (`vl_items.item_key`); an item whose text is empty or
         whose image is missing or does not decode is left out (training never serves it). ({}, []) when none is
         left."""
-        kind = self._files[0].kinds["query" if side == "query" else "doc"]
         templates, texts, images, keys = [], [], [], []
         for item in items:
             file = self._files[item.source]
+            kind = file.kinds["query" if side == "query" else "doc"]  # its file's mode's (`data.retrieval_modes`)
             try:
                 text = self._value(file, f"{side}_text", "text", item.text, "", True) if kind != "image" else ("", "")
                 image = (
@@ -465,7 +454,7 @@ class VLPairsDataset:
             keys.append(item_key(item.template, text[1], image[1]))
         if not keys:
             return {}, []
-        return self._process.items(templates, texts, None if kind == "text" else images), keys
+        return self._process.items(templates, texts, images if any(i is not None for i in images) else None), keys
 
 
 def _ones(counts: np.ndarray | None, rows: int) -> Any:

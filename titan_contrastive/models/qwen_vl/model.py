@@ -350,9 +350,10 @@ class SideProcessor:
         batch[f"{side}_image_counts"] = torch.tensor(imaged, dtype=torch.long).view(-1, per_row).sum(1)
 
     def items(
-        self, templates: Sequence[str], texts: Sequence[str], images: Sequence[np.ndarray] | None
+        self, templates: Sequence[str], texts: Sequence[str], images: Sequence[np.ndarray | None] | None
     ) -> dict[str, Tensor]:
-        """Items of one side on their own, each with its template and its text (and its image, or `images` None):
+        """Items of one side on their own, each with its template and its text and its image (None: it has none;
+        `images` None: no item has one):
         `ids`, and with images `pixel_values` and `image_grid_thw`, what `QwenVLEmbedder.embed` reads (a frozen
         model's embeddings written ahead, `datasets.vl_items`)."""
         out = self.proc.encode(list(templates), texts, images)
