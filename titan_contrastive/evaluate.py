@@ -98,7 +98,7 @@ def load_text_model(src: str, query_length: int, doc_length: int, trust: bool = 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m titan_contrastive.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a bi_encoder step folder, or a transformers / sentence-transformers folder")
-    parser.add_argument("--beir", default="bundled", help="a BEIR folder (default: the bundled WordNet set)")
+    parser.add_argument("--beir", help="a BEIR folder (default: the bundled WordNet set, unless --mmeb alone)")
     parser.add_argument(
         "--split", default="test", help="the qrels split (qrels/{split}.tsv); several: a,b or * (default: test)"
     )
@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     qwen.add_argument("--max-pixels", type=int, default=0, help="[data] max_pixels (default: the folder's)")
     qwen.add_argument("--min-pixels", type=int, default=0, help="[data] min_pixels (default: the folder's)")
     qwen.add_argument("--retrieval-mode", default="", help="t2i (default: pages) or t2t ([data] retrieval_mode)")
+    qwen.add_argument("--mmeb", default="", help="MMEB-eval sets: a file or a folder of them ([eval] mmeb_path)")
+    qwen.add_argument("--mmeb-image-root", default="", help="the folder their image paths are relative to")
     opts = parser.parse_args(argv)
     import torch
     import torch.distributed as dist
@@ -149,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         pair_embedders,
         side_embedders,
     )
+    from titan_contrastive.components.mmeb_eval import evaluate_mmeb, mode_embedders
     from titan_contrastive.components.sts_eval import evaluate_sts, load_sts
+    from titan_contrastive.datasets.mmeb_sets import read_mmeb
     from titan_contrastive.models.bi_encoder import build_tokenizer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -165,10 +169,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"--pool-factor {opts.pool_factor} --pool-protected {opts.pool_protected}: use a factor >= 1 "
                 "(1 = no pooling) and an integer >= 0"
             )
-        sets = load_beir(opts.beir, opts.split)
+        beir = opts.beir if opts.beir is not None else "" if opts.mmeb else "bundled"
+        sets = load_beir(beir, opts.split) if beir else {}
+        mmeb = read_mmeb(opts.mmeb, opts.mmeb_image_root, ("--mmeb", "--mmeb-image-root")) if opts.mmeb else {}
         sts = load_sts(opts.sts, opts.sts_split) if opts.sts else None
         vl = is_vl_folder(opts.model)
-        set_vl = [f"--{o.replace('_', '-')}" for o in VL_OPTIONS if getattr(opts, o)]
+        set_vl = [f"--{o.replace('_', '-')}" for o in (*VL_OPTIONS, "mmeb") if getattr(opts, o)]
         if set_vl and not vl:
             raise ValueError(f"{' '.join(set_vl)}: for a Qwen-VL model folder; {opts.model} is not one, leave it out")
         if vl and opts.doc_length:
@@ -182,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         dtype = getattr(torch, opts.dtype)
         model.to(device, dtype)
         token_dim = getattr(model, "token_dim", 0)
+        if token_dim and opts.mmeb:
+            raise ValueError(
+                f"--mmeb: {opts.model} embeds a text as its tokens (ColBERT), and MMEB is scored here as one vector "
+                "per query and candidate; leave it out"
+            )
         if token_dim and opts.sts:
             raise ValueError(
                 f"--sts: {opts.model} embeds a text as its tokens (ColBERT), scored by late interaction, and --sts "
@@ -204,18 +215,25 @@ def main(argv: list[str] | None = None) -> int:
 
         forward = device_forward(model, device, dtype)
         process = args.processor() if hasattr(args, "processor") else None  # qwen_vl's fills both sides
-        if process is not None:
-            embedders = side_embedders(forward, process)
-        else:
-            embedders = pair_embedders(forward, build_tokenizer(args), args.query_length)
-        sizes = {"batch_size": opts.batch_size, "rank": rank, "world_size": world, "dims": opts.dims}
-        kinds = {"sparse": getattr(model, "sparse_embeddings", False), "token_dim": token_dim}
-        scoring = {"graded": opts.graded, "pool_factor": opts.pool_factor, "pool_protected": opts.pool_protected}
-        scoring["precisions"] = opts.precision
-        pages = process is not None and process.kinds["doc"] == "image"
-        results = evaluate_sets(sets, *embedders, **sizes, prefix="", **kinds, **scoring, pages=pages)
-        if sts is not None:
-            results |= evaluate_sts(sts, embedders[0], **sizes)
+        sizes = {"batch_size": opts.batch_size, "rank": rank, "world_size": world}
+        results: dict[str, float] = {}
+        if mmeb:  # each set in its own mode
+            results = evaluate_mmeb(mmeb, lambda mode: mode_embedders(forward, process, mode), **sizes)
+        if sets or sts is not None:
+            if process is not None:
+                embedders = side_embedders(forward, process)
+            else:
+                embedders = pair_embedders(forward, build_tokenizer(args), args.query_length)
+            kinds = {"sparse": getattr(model, "sparse_embeddings", False), "token_dim": token_dim}
+            scoring = {"graded": opts.graded, "pool_factor": opts.pool_factor, "pool_protected": opts.pool_protected}
+            scoring["precisions"] = opts.precision
+            pages = process is not None and process.kinds["doc"] == "image"
+            if sets:
+                results |= evaluate_sets(
+                    sets, *embedders, **sizes, dims=opts.dims, prefix="", **kinds, **scoring, pages=pages
+                )
+            if sts is not None:
+                results |= evaluate_sts(sts, embedders[0], **sizes, dims=opts.dims)
     except (ValueError, OSError) as e:
         code = failures.report(e)
         if code is None:
@@ -226,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     if rank == 0:
-        text = json.dumps({"model": opts.model, "beir": opts.beir, "split": opts.split, **results}, indent=1)
+        given = {"beir": beir, "split": opts.split} if beir else {}
+        text = json.dumps({"model": opts.model, **given, **({"mmeb": opts.mmeb} if mmeb else {}), **results}, indent=1)
         print(text)
         if opts.out is not None:
             write_text_atomically(opts.out, text + "\n")

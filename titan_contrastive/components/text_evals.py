@@ -1,9 +1,10 @@
-"""The text evaluations a run asks for beside its own held-out split: retrieval on a BEIR folder (`[eval]
-beir_path`, `beir_eval`) and semantic similarity on scored sentence pairs (`[eval] sts_path`, `sts_eval`). Both
-read the model through its query and document embedders (`beir_eval.pair_embedders` for a text-pair model,
-`side_embedders` for one whose processor fills both sides: qwen_vl's, whose documents may be page images): BEIR's
-queries and corpus through their own sides, both sentences of a pair through the query side (its prompt: E5's
-"query: " for symmetric tasks, an instruction)."""
+"""The retrieval evaluations a run asks for beside its own held-out split: retrieval on a BEIR folder (`[eval]
+beir_path`, `beir_eval`), semantic similarity on scored sentence pairs (`[eval] sts_path`, `sts_eval`) and MMEB's
+tasks (`[eval] mmeb_path`, `mmeb_eval`). BEIR and STS read the model through its query and document embedders
+(`beir_eval.pair_embedders` for a text-pair model, `side_embedders` for one whose processor fills both sides:
+qwen_vl's, whose documents may be page images): BEIR's queries and corpus through their own sides, both sentences of
+a pair through the query side (its prompt: E5's "query: " for symmetric tasks, an instruction); MMEB's sets each in
+their own mode through that processor (`mmeb_eval.mode_embedders`)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from titan_contrastive.components.beir_eval import (
     pair_embedders,
     side_embedders,
 )
+from titan_contrastive.components.mmeb_eval import evaluate_mmeb, mode_embedders
 from titan_contrastive.components.sts_eval import StsSet, evaluate_sts, load_sts
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.beir_folder import BeirSet
+from titan_contrastive.datasets.mmeb_sets import MmebSet, read_mmeb
 
 __all__ = ["TextEvals"]
 
@@ -42,6 +45,8 @@ class TextEvals:
     """A late-interaction model's document tokens pooled: factor, protected tokens (`[eval] beir_pool_factor`)."""
     precisions: tuple[str, ...] = ()
     """The corpus precisions BEIR is also searched in (`[eval] beir_precisions`)."""
+    mmeb: dict[str, MmebSet] = field(default_factory=dict)
+    """MMEB's sets by name (`[eval] mmeb_path`)."""
 
     @classmethod
     def from_config(
@@ -51,7 +56,7 @@ class TextEvals:
         without text queries, or a corpus the model cannot read (pages for a text model, texts for a page
         embedder), stop the run at start (a DataError, one line). `args`: the model's, whose `processor()` (qwen_vl)
         fills both sides, in place of `tokenizer`."""
-        if not ev.enable or not (ev.beir_path or ev.sts_path):
+        if not ev.enable or not (ev.beir_path or ev.sts_path or ev.mmeb_path):
             return cls()
         if callable(getattr(args, "processor", None)):
             tokenizer = args.processor()  # type: ignore[attr-defined]
@@ -63,7 +68,13 @@ class TextEvals:
             ev.beir_graded,
             (ev.beir_pool_factor, ev.beir_pool_protected),
             tuple(ev.beir_precisions),
+            read_mmeb(ev.mmeb_path, ev.mmeb_image_root) if ev.mmeb_path else {},
         )
+        if evals.mmeb and (not hasattr(evals.tokenizer, "sides") or getattr(args, "token_dim", 0)):
+            raise ConfigError(
+                f"eval.mmeb_path={ev.mmeb_path!r}: MMEB's queries and candidates are images and texts, scored as one "
+                "vector each; evaluate it with a qwen_vl model of last_token or mean pooling, or leave it empty"
+            )
         if ev.beir_pool_factor != 1 and not getattr(args, "token_dim", 0):
             raise ConfigError(
                 f"eval.beir_pool_factor={ev.beir_pool_factor!r} pools the tokens of a late-interaction model's "
@@ -76,7 +87,8 @@ class TextEvals:
                 f"this model embeds a text as {'its tokens' if getattr(args, 'token_dim', 0) else 'a sparse vector'}; "
                 "leave it empty"
             )
-        evals._embedders(0)
+        if evals.beir or evals.sts is not None:
+            evals._embedders(0)
         for beir in evals.beir.values():
             check_corpus(beir, evals.pages)
         return evals
@@ -92,7 +104,7 @@ class TextEvals:
         return pair_embedders(self.forward, self.tokenizer, query_length)  # type: ignore[arg-type]
 
     def __bool__(self) -> bool:
-        return bool(self.beir) or self.sts is not None
+        return bool(self.beir) or self.sts is not None or bool(self.mmeb)
 
     def __call__(
         self,
@@ -104,12 +116,21 @@ class TextEvals:
         dims: Sequence[int] = (),
         model: object = None,
     ) -> dict[str, float]:
-        """Every set's metrics (`beir/...`, `sts/...`; with `dims`, also `dim{m}/beir/...`, `dim{m}/sts/...`), each
-        text embedded once across the ranks; for a `model` whose embeddings are sparse (`sparse_embeddings`,
-        SPLADE's), BEIR's active dimensions too; for one whose embeddings are token sets (`token_dim`, ColBERT's),
-        BEIR by late interaction (STS, which compares two vectors, is refused for it before the run)."""
+        """Every set's metrics (`beir/...`, `sts/...`, `mmeb/...`; with `dims`, also `dim{m}/beir/...` and
+        `dim{m}/sts/...`), each text embedded once across the ranks; for a `model` whose embeddings are sparse
+        (`sparse_embeddings`, SPLADE's), BEIR's active dimensions too; for one whose embeddings are token sets
+        (`token_dim`, ColBERT's), BEIR by late interaction (STS, which compares two vectors, is refused for it before
+        the run)."""
+        sizes = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
+        mmeb = (
+            evaluate_mmeb(self.mmeb, lambda mode: mode_embedders(self.forward, self.tokenizer, mode), **sizes)
+            if self.mmeb
+            else {}
+        )
+        if not (self.beir or self.sts is not None):
+            return mmeb
         queries, docs = self._embedders(query_length)
-        common = {"batch_size": batch_size, "rank": rank, "world_size": world_size, "dims": dims}
+        common = {**sizes, "dims": dims}
         embeddings = {
             "sparse": bool(getattr(model, "sparse_embeddings", False)),
             "token_dim": getattr(model, "token_dim", 0),
@@ -122,4 +143,4 @@ class TextEvals:
             "precisions": self.precisions,
         }
         results = evaluate_sets(self.beir, queries, docs, **common, **embeddings, **scoring) if self.beir else {}
-        return results | (evaluate_sts(self.sts, queries, **common) if self.sts is not None else {})
+        return mmeb | results | (evaluate_sts(self.sts, queries, **common) if self.sts is not None else {})

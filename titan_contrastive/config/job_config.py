@@ -361,6 +361,14 @@ class Eval:
     sentence-transformers' EmbeddingSimilarityEvaluator (keys `sts/pearson_cosine`, `sts/spearman_cosine`)."""
     sts_split: str = "test"
     """Which split of a saved DatasetDict `sts_path` reads."""
+    mmeb_path: str = ""
+    """qwen_vl: also MMEB's evaluation (VLM2Vec's MMEB-eval rows `qry_text`, `qry_img_path`, `tgt_text`,
+    `tgt_img_path`: each query against its own candidates, the right one first), a set's file or a folder of them
+    (the hub's layout), each set in the retrieval mode its items hold: the share of queries whose best candidate is the
+    right one (key `mmeb/hit@1`; several sets: `mmeb/{set}/hit@1` and `mmeb/hit@1` their mean); empty = none."""
+    mmeb_image_root: str = ""
+    """The folder `mmeb_path`'s image paths are relative to (where MMEB-eval's images were unpacked, VLM2Vec's
+    `image_dir`); empty = each file's folder."""
     dims: list[int] = opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")
     """Also the retrieval recall (and the BEIR and STS metrics) of the embeddings cut to their first m dims and
     re-normalized, per m (keys `dim{m}/...`): a Matryoshka model's smaller embeddings, or a plain model's

@@ -1,5 +1,5 @@
 """A vl_pairs row's cells as `vl_pairs` reads them: VLM2Vec's MMEB-train columns and colpali-engine's training set's
-taken as ours (`from_vlm2vec`, `from_colpali`), a
+taken as ours (`from_vlm2vec`, `from_colpali`; VLM2Vec's texts without its image placeholders, `plain_text`), a
 negatives cell as a list (`as_list`) and a negative's text and image path (`negative_parts`), a text or path as
 written (`written`)."""
 
@@ -9,7 +9,16 @@ import itertools
 import re
 from typing import Any
 
-__all__ = ["COLPALI", "VLM2VEC", "as_list", "from_colpali", "from_vlm2vec", "negative_parts", "written"]
+__all__ = [
+    "COLPALI",
+    "VLM2VEC",
+    "as_list",
+    "from_colpali",
+    "from_vlm2vec",
+    "negative_parts",
+    "plain_text",
+    "written",
+]
 
 VLM2VEC = {"qry": "query_text", "qry_image_path": "query_image", "pos_text": "doc_text", "pos_image_path": "doc_image"}
 """VLM2Vec's MMEB-train columns -> ours; its hard negatives' `neg_text` / `neg_image_path` (a value or a list each, the
@@ -24,7 +33,7 @@ _PLACEHOLDER = re.compile(r"\s*(?:<\|image_1\|>|<image>)\s*")
 around them."""
 
 
-def _text(value: Any) -> Any:
+def plain_text(value: Any) -> Any:
     """A VLM2Vec text without its image placeholders (the run's templates place each image, `{image}`)."""
     return _PLACEHOLDER.sub(" ", value).strip() if isinstance(value, str) else value
 
@@ -38,10 +47,10 @@ def from_vlm2vec(row: dict[str, Any], doc_kind: str = "text") -> dict[str, Any]:
     out = {k: v for k, v in row.items() if k not in VLM2VEC}
     for theirs, ours in VLM2VEC.items():
         value = row.get(theirs)
-        out[ours] = _text(value) if ours.endswith("_text") else value
+        out[ours] = plain_text(value) if ours.endswith("_text") else value
     if "doc_negatives" not in row:
         texts, paths = (as_list(row.get(column)) for column in ("neg_text", "neg_image_path"))
-        given = {"neg_text": [_text(t) for t in texts], "neg_image_path": paths}
+        given = {"neg_text": [plain_text(t) for t in texts], "neg_image_path": paths}
         pairs = itertools.zip_longest(*(given[c] for c in NEGATIVES.get(doc_kind, ())), fillvalue="")
         kept = [pair for pair in pairs if any(map(_given, pair))]
         out["doc_negatives"] = (
