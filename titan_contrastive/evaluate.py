@@ -11,8 +11,9 @@ sentence-transformers' InformationRetrievalEvaluator gives; `--graded`: nDCG as 
 give it; `--pool-factor`: a late-interaction model's documents token-pooled, `components/token_pooling.py`;
 `--precision int8 ubinary`: also with the corpus quantized, `components/quantized_search.py`);
 with `--sts FILE` (scored sentence pairs, `[eval] sts_path`'s format) also `sts/pearson_cosine` and
-`sts/spearman_cosine`, as its EmbeddingSimilarityEvaluator gives them (`components/sts_eval.py`); `--out` writes
-them to a file too.
+`sts/spearman_cosine`, as its EmbeddingSimilarityEvaluator gives them (`components/sts_eval.py`); with `--mmeb DIR`
+(a Qwen-VL model: VLM2Vec's MMEB-eval sets, `[eval] mmeb_path`'s) each set's `mmeb/.../hit@1`
+(`components/mmeb_eval.py`), BEIR then only where `--beir` is given; `--out` writes them to a file too.
 
 Under torchrun (`torchrun --nproc_per_node=N -m titan_contrastive.evaluate ...`) every process
 holds the model and embeds its shard of the queries and the corpus; the results are the same as
