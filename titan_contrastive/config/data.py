@@ -134,11 +134,14 @@ class Data:
     t2t, m2i, m2t, t2m, i2m, m2m; image-text data trains t2i and i2t, the others need data.dataset = "vl_pairs".
     With retrieval_modes, the mode of evaluation (val_path) and of the exported model."""
     retrieval_modes: list[str] = opt(
-        [], lambda v: set(v) <= set(get_args(RetrievalMode)), f"a list of {', '.join(get_args(RetrievalMode))}"
+        [],
+        lambda v: set(v) <= {*get_args(RetrievalMode), "auto"},
+        f"a list of {', '.join(get_args(RetrievalMode))} or auto",
     )
     """vl_pairs: one retrieval mode per `::`-joined source of `path` (MMEB's tasks: VQA in m2t beside retrieval in t2i,
     ...); a batch mixes the sources' rows, each of its own mode, unless same_source_batches (a step one source's); a
-    t2t source joins no other mode. Empty = retrieval_mode for every source."""
+    t2t source joins no other mode. "auto": the mode the source's first rows hold (texts, images or both on each
+    side); ["auto"] alone: every source's. Empty = retrieval_mode for every source."""
     min_pixels: int = opt(0, lambda v: v >= 0, "an integer >= 0")
     """qwen_vl: images resized to at least this many pixels; 0 = the model folder's image processor's."""
     max_pixels: int = opt(0, lambda v: v >= 0, "an integer >= 0")

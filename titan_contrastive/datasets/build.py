@@ -32,7 +32,7 @@ from titan_contrastive.datasets.image_folder import ImageFolderZeroShot, load_te
 from titan_contrastive.datasets.loader import EpochLoader, build_dataloader
 from titan_contrastive.datasets.pairs import PairsDataset
 from titan_contrastive.datasets.protocol import Dataset
-from titan_contrastive.datasets.retrieval import source_modes
+from titan_contrastive.datasets.source_modes import source_modes
 from titan_contrastive.datasets.sources import Source
 from titan_contrastive.datasets.synthetic import SyntheticSource
 from titan_contrastive.datasets.tokenizer import ByteTokenizer, CaptionTokenizer
@@ -168,7 +168,7 @@ def check_image_root(data: Data) -> None:
 
 def check_joined_sources(data: Data) -> None:
     """`::`-joined sources and their factors only where the data kind reads several; per-source prompts
-    only for text pairs and vl_pairs rows, per-source modes for vl_pairs rows (`retrieval.source_modes`)."""
+    only for text pairs and vl_pairs rows, per-source modes for vl_pairs rows (`source_modes`)."""
     source_modes(data)
     for key in ("query_prompts", "doc_prompts"):
         if getattr(data, key) and data.dataset not in ("pairs", "vl_pairs"):

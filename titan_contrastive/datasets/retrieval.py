@@ -13,9 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from titan_contrastive.batching import IMAGE_FIELDS, BatchError
-from titan_contrastive.datasets.base import DataError
 
-__all__ = ["MODES", "SIDES", "side_kinds", "source_modes", "unpack_batch"]
+__all__ = ["MODES", "SIDES", "side_kinds", "unpack_batch"]
 
 TEXT_FIELDS = ("input_ids", "attention_mask")
 
@@ -37,34 +36,6 @@ SIDES = ("query", "doc")
 def side_kinds(mode: str) -> dict[str, str]:
     """Each side's kind (text, image or multi) in retrieval mode `mode`: {"query": ..., "doc": ...}."""
     return dict(zip(SIDES, MODES[mode]))
-
-
-def source_modes(data: Any) -> list[str]:
-    """The retrieval mode of each `::`-joined source of `data.path` (`data.retrieval_modes`, else `data.retrieval_mode`
-    for each); a DataError, one line naming the field, for modes of data other than vl_pairs rows, another count than
-    sources, or t2t beside another (a step or a rank of text rows alone would leave the vision tower without
-    gradients, which DDP needs every step). Rows of several modes share a batch unless `data.same_source_batches`."""
-    parts = data.path.split("::")
-    modes = list(data.retrieval_modes)
-    if not modes:
-        return [data.retrieval_mode] * len(parts)
-    given = f"data.retrieval_modes={modes}"
-    if data.dataset != "vl_pairs":
-        raise DataError(
-            f"{given}: per-source modes are for vl_pairs rows, not data.dataset={data.dataset!r}; leave it empty "
-            "and set data.retrieval_mode"
-        )
-    if len(modes) != len(parts):
-        raise DataError(
-            f"{given}: {len(modes)} mode(s) for the {len(parts)} source(s) in data.path; give one per '::'-joined "
-            "source, or leave it empty for data.retrieval_mode"
-        )
-    if "t2t" in modes and len(set(modes)) > 1:
-        raise DataError(
-            f"{given}: a t2t step would leave the vision tower without gradients, which the other modes train (and "
-            "DDP needs each step); train the t2t source apart, or give its rows images"
-        )
-    return modes
 
 
 def _pick(batch: Mapping[str, Any], prefix: str, field: str, legacy: bool) -> Any:

@@ -33,7 +33,8 @@ from titan_contrastive.batching import NEGATIVES, interleave_images, right_trimm
 from titan_contrastive.components.lora import LoraFields, add_lora
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.retrieval import MODES, SIDES, side_kinds, source_modes
+from titan_contrastive.datasets.retrieval import MODES, SIDES, side_kinds
+from titan_contrastive.datasets.source_modes import source_modes
 from titan_contrastive.models.bi_encoder.colbert import refuse_for_colbert
 from titan_contrastive.models.bi_encoder.folder import layer_blocks, load_config, read_text_folder
 from titan_contrastive.models.bi_encoder.pooling import pooled
