@@ -39,10 +39,15 @@ VL_OPTIONS = ("query_prompt", "doc_prompt", "max_pixels", "min_pixels", "retriev
 
 
 def is_vl_folder(src: str) -> bool:
-    """Whether `src` is a Qwen-VL model folder (its config.json's model type)."""
+    """Whether `src` is a Qwen-VL model folder (its config.json's model type, or that of the model a retrieval wrapper
+    holds: transformers' ColQwen2, `bi_encoder.folder.WRAPPERS`)."""
+    from titan_contrastive.models.bi_encoder.folder import WRAPPERS
+
     config = Path(src).expanduser() / "config.json"
     try:
-        return json.loads(config.read_text()).get("model_type") in VL_TYPES
+        given = json.loads(config.read_text())
+        inner = given.get(WRAPPERS[given.get("model_type")][0], {}) if given.get("model_type") in WRAPPERS else given
+        return inner.get("model_type") in VL_TYPES
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -23,8 +23,8 @@ from titan_contrastive.models.bi_encoder.folder import (
     load_tokenizer,
     pad_id,
     read_text_folder,
-    text_model_class,
 )
+from titan_contrastive.models.bi_encoder.tower import text_model_class
 from titan_contrastive.models.pretrained_scale import scale_fields
 
 DEFAULT_DOC_LENGTH = 512  # a folder's documents when neither it nor the config says

@@ -39,10 +39,10 @@ from titan_contrastive.models.bi_encoder.args import BiEncoderArgs
 from titan_contrastive.models.bi_encoder.colbert import colbert_embed, write_pylate
 from titan_contrastive.models.bi_encoder.cut import cut_to
 from titan_contrastive.models.bi_encoder.embedding import embed
-from titan_contrastive.models.bi_encoder.folder import ST_POOLING_NAMES, read_text_folder, text_model_class
+from titan_contrastive.models.bi_encoder.folder import ST_POOLING_NAMES, read_text_folder
 from titan_contrastive.models.bi_encoder.model import BiEncoder, build_tokenizer
 from titan_contrastive.models.bi_encoder.multi_vector import write_multi_vector
-from titan_contrastive.models.bi_encoder.tower import load_text_tower
+from titan_contrastive.models.bi_encoder.tower import load_text_tower, text_model_class
 from titan_contrastive.models.export_check import PROBE_TEXTS, compare, packed_tokens, refuse, reloaded
 from titan_contrastive.models.registry import StateDictAdapter
 from titan_contrastive.models.weights import read_ours

@@ -362,17 +362,23 @@ def ready_shipped_code(model_dir: str) -> None:
                 ) from None
 
 
+WRAPPERS = {"colqwen2": ("vlm_config", "vlm.")}
+"""transformers' retrieval wrappers around a base model (`ColQwen2ForRetrieval`): model type -> (the base model's
+config in theirs, its weights' prefix). Their folders read as the base model's (`load_config`, `load_text_tower`)."""
+
+
 @functools.lru_cache(maxsize=8)
 def load_config(model_dir: str, trust: bool = False) -> Any:
     """The folder's config: transformers' own classes, or with `trust` (`[model] trust_remote_code`) the
     classes the folder ships (`ready_shipped_code`); without it, that code is never run and transformers
-    never asks on the terminal whether to run it."""
+    never asks on the terminal whether to run it. A wrapper's folder (`WRAPPERS`): its base model's config."""
     from transformers import AutoConfig
 
     if trust:
         ready_shipped_code(model_dir)
     try:
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust)
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust)
+        return getattr(config, WRAPPERS[config.model_type][0]) if config.model_type in WRAPPERS else config
     except (OSError, ValueError, KeyError) as e:
         file = Path(model_dir) / "config.json"
         shipped = folder_json(file) if file.is_file() else {}
@@ -445,40 +451,6 @@ def is_causal(config: Any) -> bool:
 
     kind = config.model_type
     return kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
-
-def text_model_class(config: Any, model_dir: str, masked_lm: bool = False) -> Any:
-    """The transformers auto class a folder's text tower loads with: `AutoModelForTextEncoding` where
-    transformers names a text encoder for the architecture (an encoder-decoder's encoder alone: T5, mT5,
-    UMT5, as sentence-T5 and GTR use them; the decoder would want inputs of its own), else `AutoModel`
-    (the base model, no head); TextFolderError for another encoder-decoder, whose encoder has no class.
-    `masked_lm` (the splade pooling): `AutoModelForMaskedLM`, the model with its vocabulary head, or a
-    TextFolderError where transformers knows none for the architecture."""
-    from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForTextEncoding
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-        MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES,
-    )
-
-    if masked_lm:
-        if config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES and "AutoModelForMaskedLM" not in (
-            getattr(config, "auto_map", None) or {}
-        ):
-            raise TextFolderError(
-                f"model.pooling='splade' with {model_dir}: it reads a masked-LM head's logits over the vocabulary, "
-                f"and transformers knows none for {config.model_type!r}; use a BERT-like folder (BERT, DistilBERT, "
-                "ModernBERT, a SPLADE checkpoint)"
-            )
-        return AutoModelForMaskedLM
-
-    if config.model_type in MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES:
-        return AutoModelForTextEncoding
-    if getattr(config, "is_encoder_decoder", False):
-        raise TextFolderError(
-            f"{model_dir}: an encoder-decoder ({config.model_type}) whose encoder transformers cannot load alone "
-            "(AutoModelForTextEncoding); save its encoder as a model folder of its own and set model.path to it"
-        )
-    return AutoModel
 
 
 def layer_blocks(model: nn.Module) -> list[nn.Module]:

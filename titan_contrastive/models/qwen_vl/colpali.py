@@ -5,9 +5,11 @@ here), projects every token's last hidden state, normalizes it and zeroes the pa
 "colbert"` computes on the qwen_vl family. Its classes fix the width: 128 (ColQwen2, ColQwen2.5), 320 (ColQwen3).
 
 A run reads the projection of a merged ColQwen folder given as `[model] path` (or of a sentence-transformers
-MultiVectorEncoder's Dense, a run's `--to sentence-transformers` export), and exports `--to colpali`
-(`export.py`); transformers' own `ColQwen2ForRetrieval` is not written: it runs the language model on embeddings
-without the ids, so its image tokens get text positions.
+MultiVectorEncoder's Dense, a run's `--to sentence-transformers` export, or of transformers' own
+`ColQwen2ForRetrieval` folder, vidore's `-hf` ports: its `embedding_proj_layer`, the base model under `vlm.`,
+`bi_encoder.folder.WRAPPERS`), and exports `--to colpali` (`export.py`). transformers' folder is read, not written:
+its forward runs the language model on embeddings without the ids, so its image tokens get text positions, where
+colpali-engine (which trained those weights) and this family give them M-RoPE's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from torch import nn
 from titan_contrastive.config import ConfigError
 
 PROJECTION = "custom_text_proj"
+HF_PROJECTION = "embedding_proj_layer"
+"""transformers' `ColQwen2ForRetrieval`'s name for it."""
 CLASSES = {"qwen2_vl": ("ColQwen2", 128), "qwen2_5_vl": ("ColQwen2_5", 128), "qwen3_vl": ("ColQwen3", 320)}
 """colpali-engine's class for a model type, and the width it fixes."""
 
@@ -30,16 +34,17 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def read_projection(folder: str) -> dict[str, torch.Tensor]:
-    """The folder's `custom_text_proj` weight and bias, or a sentence-transformers MultiVectorEncoder's Dense (its
-    bias 0 where it has none); {} for a plain Qwen-VL folder. Read without the rest."""
+    """The folder's `custom_text_proj` (or `embedding_proj_layer`) weight and bias, or a sentence-transformers
+    MultiVectorEncoder's Dense (its bias 0 where it has none); {} for a plain Qwen-VL folder. Read without the rest."""
     from safetensors import safe_open
 
     found: dict[str, torch.Tensor] = {}
     for file in _weight_files(Path(folder)):
         with safe_open(str(file), "pt") as weights:
             for key in weights.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if key.startswith(f"{PROJECTION}."):
-                    found[key.removeprefix(f"{PROJECTION}.")] = weights.get_tensor(key)
+                name = key.split(".", 1)
+                if name[0] in (PROJECTION, HF_PROJECTION) and len(name) == 2:
+                    found[name[1]] = weights.get_tensor(key)
     modules = Path(folder) / "modules.json"
     dense = (
         [m for m in json.loads(modules.read_text()) if m.get("type", "").endswith(".Dense")]
