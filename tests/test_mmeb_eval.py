@@ -67,7 +67,7 @@ def test_the_sets_are_read_each_in_its_mode(tmp_path: Path) -> None:
     assert (cls.mode, ret.mode) == ("m2t", "t2m")
     assert cls.queries[0] == ("Represent the given image for classification", str(tmp_path / "data/img/q0.png"))
     assert cls.candidates == [(label, "") for label in LABELS]  # each label once
-    assert cls.rows[1] == (1, [1, 2, 3, 0]) and len(cls.rows) == 7
+    assert cls.rows[1][0] == 1 and cls.rows[1][1].tolist() == [1, 2, 3, 0] and len(cls.rows) == 7
     assert ret.candidates[0] == ("Represent the given image.", str(tmp_path / "data/img/d0.png"))
     assert ret.rows[2][1][0] == ret.candidates.index(("Represent the given image.", str(tmp_path / "data/img/d2.png")))
     assert len(ret.candidates) == len({j for i in range(6) for j in (i, (i + 1) % 9, (i + 4) % 9)})

@@ -55,10 +55,10 @@ def _image(path: str) -> np.ndarray:
         raise DataError(f"MMEB image {path!r} does not read ({type(e).__name__}: {e}); fix or drop its row") from None
 
 
-def hits(queries: torch.Tensor, candidates: torch.Tensor, rows: Sequence[tuple[int, list[int]]]) -> list[bool]:
+def hits(queries: torch.Tensor, candidates: torch.Tensor, rows: Sequence[tuple[int, Sequence[int]]]) -> list[bool]:
     """Per row (its query's index, its candidates' indices, the right one first): whether the query scores its first
     candidate highest (the first of equal scores wins)."""
-    return [bool((candidates[own] @ queries[q]).argmax() == 0) for q, own in rows]
+    return [bool((candidates[torch.as_tensor(own, dtype=torch.long)] @ queries[q]).argmax() == 0) for q, own in rows]
 
 
 def evaluate_mmeb(
