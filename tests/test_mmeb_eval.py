@@ -80,9 +80,10 @@ def test_hits_are_the_first_candidate_scored_highest() -> None:
     assert hits(queries, candidates, [(0, [0, 1]), (1, [0, 1]), (0, [2, 0]), (1, [1, 2])]) == [True, False, True, True]
 
 
-def _reference(process, model, sets) -> dict[str, float]:  # noqa: ANN001
+def _reference(process, model, sets, m: int = 0) -> dict[str, float]:  # noqa: ANN001
     """Each set's share of rows whose query, embedded alone by `model` (its inputs made by `process`, its side
-    processor), scores its right candidate, embedded alone, highest (the first of equal scores)."""
+    processor), scores its right candidate, embedded alone, highest (the first of equal scores); with `m`, each
+    embedding's first m dims normalized again (keys `dim{m}/...`)."""
     import numpy as np
 
     from titan_contrastive.datasets.image_transforms import decode_image
@@ -93,7 +94,8 @@ def _reference(process, model, sets) -> dict[str, float]:  # noqa: ANN001
         image = [np.asarray(decode_image(Path(path).read_bytes()))] if kind != "text" else None
         ids = process.proc.encode(process.template(side, mode), [text if kind != "image" else ""], image)
         grid = (ids["pixel_values"].double(), ids["image_grid_thw"]) if image else (None, None)
-        return model.embed(ids["ids"], *grid, side)[0]
+        vector = model.embed(ids["ids"], *grid, side)[0]
+        return vector[:m] / vector[:m].norm() if m else vector
 
     out = {}
     model.eval()
@@ -105,7 +107,7 @@ def _reference(process, model, sets) -> dict[str, float]:  # noqa: ANN001
                 query = one(task.queries[q], "query", kinds["query"])
                 scores = torch.stack([one(task.candidates[c], "doc", kinds["doc"]) @ query for c in own])
                 right += int(scores.argmax()) == 0
-            out[f"mmeb/{name}/hit@1"] = right / len(task.rows)
+            out[f"{f'dim{m}/' if m else ''}mmeb/{name}/hit@1"] = right / len(task.rows)
     return out
 
 
@@ -132,14 +134,15 @@ def _trainer(tmp: Path, *extra: str):
 
 def test_a_run_scores_each_set_as_its_items_alone(tmp_path: Path) -> None:
     """The run (trained in m2i) evaluates an m2t and a t2m set in batches of 3: each set's hit@1 is the reference's,
-    the mean is theirs, and the query counts are the rows'."""
+    at the embeddings' first 16 dims too (`eval.dims`), the mean is theirs, and the query counts are the rows'."""
     _mmeb(tmp_path)
-    trainer = _trainer(tmp_path)
+    trainer = _trainer(tmp_path, "--eval.dims=16")
     results = trainer.evaluate()
-    want = _reference(trainer.model_args.processor(), trainer.model, trainer.text_evals.mmeb)
-    for key, value in want.items():
-        assert results[key] == pytest.approx(value, abs=1e-12), key
-    assert results["mmeb/hit@1"] == pytest.approx(sum(want.values()) / 2, abs=1e-12)
+    for m, cut in ((0, ""), (16, "dim16/")):
+        want = _reference(trainer.model_args.processor(), trainer.model, trainer.text_evals.mmeb, m)
+        for key, value in want.items():
+            assert results[key] == pytest.approx(value, abs=1e-12), key
+        assert results[f"{cut}mmeb/hit@1"] == pytest.approx(sum(want.values()) / 2, abs=1e-12)
     assert (results["mmeb/cls/num_queries"], results["mmeb/ret/num_queries"]) == (7, 6)
     assert 0 < results["mmeb/cls/hit@1"] < 1 or 0 < results["mmeb/ret/hit@1"] < 1  # the scores decide something
     trainer.metrics.close()

@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = {"batch_size": opts.batch_size, "rank": rank, "world_size": world}
         results: dict[str, float] = {}
         if mmeb:  # each set in its own mode
-            results = evaluate_mmeb(mmeb, lambda mode: mode_embedders(forward, process, mode), **sizes)
+            results = evaluate_mmeb(mmeb, lambda mode: mode_embedders(forward, process, mode), **sizes, dims=opts.dims)
         if sets or sts is not None:
             if process is not None:
                 embedders = side_embedders(forward, process)

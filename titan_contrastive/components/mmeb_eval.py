@@ -15,11 +15,13 @@ import numpy as np
 import torch
 
 from titan_contrastive.components.beir_eval import embed_texts
+from titan_contrastive.components.evaluate import dim_cuts
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.image_transforms import decode_image
 from titan_contrastive.datasets.mmeb_sets import Item, MmebSet
 from titan_contrastive.datasets.retrieval import side_kinds
 from titan_contrastive.datasets.tar_shards import read_regular
+from titan_contrastive.losses import matryoshka
 
 __all__ = ["evaluate_mmeb", "hits", "mode_embedders"]
 
@@ -68,21 +70,26 @@ def evaluate_mmeb(
     batch_size: int,
     rank: int = 0,
     world_size: int = 1,
+    dims: Sequence[int] = (),
     prefix: str = "mmeb/",
 ) -> dict[str, float]:
     """Each set's `hit@1` (`{prefix}hit@1` for one set; `{prefix}{name}/hit@1` for each of several, and
-    `{prefix}hit@1` their mean, as MMEB averages its tasks) and its row count. `embedders(mode)`: `mode_embedders`."""
+    `{prefix}hit@1` their mean, as MMEB averages its tasks) and its row count; with `dims`, also of the embeddings cut
+    to their first m dims and normalized again (`dim{m}/...`, `evaluate.dim_cuts`). `embedders(mode)`:
+    `mode_embedders`."""
     out: dict[str, float] = {}
-    each = []
+    each: dict[str, list[float]] = {}
     for name, task in sets.items():
         embed_queries, embed_candidates = embedders(task.mode)
         sizes = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
         queries = embed_texts(embed_queries, task.queries, **sizes)
         candidates = embed_texts(embed_candidates, task.candidates, **sizes)
-        score = float(np.mean(hits(queries, candidates, task.rows)))
-        each.append(score)
         key = prefix if len(sets) == 1 else f"{prefix}{name}/"
-        out |= {f"{key}hit@1": score, f"{key}num_queries": float(len(task.rows))}
+        out[f"{key}num_queries"] = float(len(task.rows))
+        for m, cut in dim_cuts(queries.shape[-1], dims):
+            q, c = (matryoshka.prefix(x, m) if cut else x for x in (queries, candidates))
+            out[f"{cut}{key}hit@1"] = score = float(np.mean(hits(q, c, task.rows)))
+            each.setdefault(cut, []).append(score)
     if len(sets) > 1:
-        out[f"{prefix}hit@1"] = float(np.mean(each))
+        out |= {f"{cut}{prefix}hit@1": float(np.mean(scores)) for cut, scores in each.items()}
     return out

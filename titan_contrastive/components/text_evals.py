@@ -116,14 +116,16 @@ class TextEvals:
         dims: Sequence[int] = (),
         model: object = None,
     ) -> dict[str, float]:
-        """Every set's metrics (`beir/...`, `sts/...`, `mmeb/...`; with `dims`, also `dim{m}/beir/...` and
-        `dim{m}/sts/...`), each text embedded once across the ranks; for a `model` whose embeddings are sparse
-        (`sparse_embeddings`, SPLADE's), BEIR's active dimensions too; for one whose embeddings are token sets
-        (`token_dim`, ColBERT's), BEIR by late interaction (STS, which compares two vectors, is refused for it before
-        the run)."""
+        """Every set's metrics (`beir/...`, `sts/...`, `mmeb/...`; with `dims`, also `dim{m}/beir/...`,
+        `dim{m}/sts/...` and `dim{m}/mmeb/...`), each text embedded once across the ranks; for a `model` whose
+        embeddings are sparse (`sparse_embeddings`, SPLADE's), BEIR's active dimensions too; for one whose embeddings
+        are token sets (`token_dim`, ColBERT's), BEIR by late interaction (STS, which compares two vectors, is refused
+        for it before the run)."""
         sizes = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
         mmeb = (
-            evaluate_mmeb(self.mmeb, lambda mode: mode_embedders(self.forward, self.tokenizer, mode), **sizes)
+            evaluate_mmeb(
+                self.mmeb, lambda mode: mode_embedders(self.forward, self.tokenizer, mode), **sizes, dims=dims
+            )
             if self.mmeb
             else {}
         )
