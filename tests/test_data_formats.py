@@ -220,7 +220,7 @@ def test_errors_in_one_line(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "strings.json").write_text(json.dumps([{"query": "q", "positive": "p"}, "p2"]))
     fails(tmp_path / "strings.json", "strings.json: row 2 of its JSON array is a str; write each row as an object")
     (tmp_path / "cut.json").write_text('[\n {"query": "q", "positive": "p"},\n {"query": "q2", "pos')
-    fails(tmp_path / "cut.json", "cut.json: neither one JSON array of rows nor JSON lines (", "line 3 column")
+    fails(tmp_path / "cut.json", "cut.json: neither one JSON array of rows nor JSON lines (row 2: Unterminated string")
     (tmp_path / "fake.jsonl.xz").write_text(json.dumps({"query": "q", "positive": "p"}) + "\n")
     fails(tmp_path / "fake.jsonl.xz", "fake.jsonl.xz: not a readable jsonl file (LZMAError")
     (tmp_path / "fake.jsonl.zst").write_text(json.dumps({"query": "q", "positive": "p"}) + "\n")
@@ -270,3 +270,37 @@ def test_a_beir_folder_of_compressed_corpus_and_queries(tmp_path: Path, suffix: 
     with pytest.raises(DataError) as err:
         read_beir(packed)
     _one_line(err, f"corpus.jsonl{suffix}: not readable (")
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 20])
+def test_a_json_array_is_read_a_row_at_a_time(tmp_path: Path, monkeypatch, chunk: int) -> None:
+    """A JSON array's rows, read through windows of `chunk` characters (rows and strings cut at every place, white
+    space, escapes and non-ASCII text inside), are the rows `json.loads` gives, each served before the file is read
+    to its end; an array that is not one is one line naming the row."""
+    from titan_contrastive.datasets import tables
+
+    monkeypatch.setattr(tables, "JSON_CHUNK", chunk)
+    rows = [{"query": f'q {i} \u00e9\u4e2d \\"x\\"', "pos": [f"p {i}", "]"], "n": i} for i in range(40)] + [["a", "b"]]
+    file = tmp_path / "rows.json"
+    file.write_text(
+        "  \n[" + ",\n\t ".join(json.dumps(r, ensure_ascii=i % 2 == 0) for i, r in enumerate(rows)) + "]\n "
+    )
+    _, read = tables.table_rows(file, (), "train")
+    assert next(read) == rows[0]
+    assert [rows[0], *read] == json.loads(file.read_text())
+    assert list(tables.table_rows(_write(tmp_path / "empty.json", "[ ]"), (), "train")[1]) == []
+    for text, needle in [
+        ('[{"a": 1}, {"a": 2}] {"a": 3}', "(more follows its closing ])"),
+        ('[{"a": 1} {"a": 2}]', "(row 1 is followed by '{', not a comma)"),
+        ('[{"a": 1}, {"a": 2}', "(it ends before its closing ])"),
+        ('[{"a": 1}, {"a": 2,}]', "(row 2: Expecting property name enclosed in double quotes)"),
+        ('[{"a": 1},]', "(row 2: Expecting value)"),
+    ]:
+        with pytest.raises(DataError) as err:
+            list(tables.table_rows(_write(tmp_path / "bad.json", text), (), "train")[1])
+        _one_line(err, "bad.json: neither one JSON array of rows nor JSON lines " + needle)
+
+
+def _write(file: Path, text: str) -> Path:
+    file.write_text(text)
+    return file

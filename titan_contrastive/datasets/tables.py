@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,11 @@ __all__ = ["TEXT_COLUMN", "Rows", "arrow_batches", "guarded_rows", "opened_rows"
 
 TEXT_COLUMN = "text"
 """A `.txt` file's one column."""
+
+JSON_CHUNK = 1 << 20
+"""Characters a JSON array's file is read by (`_array_rows`)."""
+_SPACE = re.compile(r"[ \t\n\r]*")
+"""JSON's white space."""
 
 BATCH = 4096
 """Rows an Arrow table (Parquet, a saved dataset) is read by at a time."""
@@ -80,40 +86,82 @@ def arrow_batches(file: Path, split: str) -> tuple[list[str], Iterator[Any], int
 
 
 def _json_rows(file: Path) -> Iterator[Any]:
-    """A JSON lines file's rows, or a `.json` file's: one JSON array of rows (objects or lists), read whole as Hugging
-    Face datasets' JSON builder reads one, or else JSON lines."""
-    rows = _json_array(file) if data_suffix(file) == ".json" else None
-    if rows is None:
+    """A JSON lines file's rows, or a `.json` file's: one JSON array of rows (objects or lists), read an element at a
+    time (`_array_rows`), or else JSON lines."""
+    if data_suffix(file) == ".json" and _is_array(file):
+        yield from _array_rows(file)
+    else:
         yield from _json_lines(file)
-        return
-    for n, obj in enumerate(rows, 1):
-        if not isinstance(obj, (dict, list)):
-            raise DataError(f"{file}: row {n} of its JSON array is a {type(obj).__name__}; write each row as an object")
-        yield obj
 
 
-def _json_array(file: Path) -> list[Any] | None:
-    """The rows of the `.json` file `file` where it holds one JSON array: its first character other than white space
-    is `[`, and its first line is not a whole JSON value followed by more (JSON lines of lists, `["a query", "its
-    document"]` a line, are JSON lines). None where it holds JSON lines."""
+def _is_array(file: Path) -> bool:
+    """Whether the `.json` file holds one JSON array: its first character other than white space is `[`, and its first
+    line is not a whole JSON value followed by more (JSON lines of lists, `["a query", "its document"]` a line, are
+    JSON lines)."""
     with open_text(file) as f:
         first = next((line for line in f if line.strip()), "")
         if not first.lstrip().startswith("["):
-            return None
+            return False
         try:
-            rows = json.loads(first)
+            json.loads(first)
         except ValueError:
-            text = first + f.read()  # an array over several lines
-        else:
-            return rows if next((line for line in f if line.strip()), None) is None else None
-    try:
-        rows = json.loads(text)
-    except ValueError as e:
-        raise DataError(
-            f"{file}: neither one JSON array of rows nor JSON lines ({e}); write a JSON array of objects, or one "
-            "object per line"
-        ) from None
-    return rows
+            return True  # an array over several lines
+        return next((line for line in f if line.strip()), None) is None
+
+
+def _array_rows(file: Path) -> Iterator[Any]:
+    """The elements of the JSON array in `file`, each decoded as its text is read (`json.JSONDecoder.raw_decode` over
+    a window of the file, grown only while an element does not fit in it): the array is never held whole."""
+    decoder = json.JSONDecoder()
+    with open_text(file) as f:
+        text, at, done, n, value = "", 0, False, 0, True  # value: a row (or the end) comes next, not a comma
+
+        def fill() -> None:  # the window from `at` on, and as much again of the file (at least JSON_CHUNK)
+            nonlocal text, at, done
+            chunk = f.read(max(JSON_CHUNK, len(text) - at))
+            text, at, done = text[at:] + chunk, 0, not chunk
+
+        fill()
+        while _SPACE.match(text, at).end() == len(text) and not done:  # to the [ (`_is_array`)
+            at = len(text)
+            fill()
+        at = _SPACE.match(text, at).end() + 1
+        while True:
+            at = _SPACE.match(text, at).end()
+            if at == len(text):
+                if done:
+                    raise _bad_array(file, "it ends before its closing ]")
+                fill()
+                continue
+            if text[at] == "]" and (not value or not n):
+                if (text[at + 1 :] + f.read()).strip():
+                    raise _bad_array(file, "more follows its closing ]")
+                return
+            if not value:
+                if text[at] != ",":
+                    raise _bad_array(file, f"row {n} is followed by {text[at]!r}, not a comma")
+                at, value = at + 1, True
+                continue
+            try:
+                obj, end = decoder.raw_decode(text, at)
+            except ValueError as e:
+                if done:
+                    raise _bad_array(file, f"row {n + 1}: {e.msg}") from None
+                fill()  # the row goes on past the window
+                continue
+            n, at, value = n + 1, end, False
+            if not isinstance(obj, (dict, list)):
+                raise DataError(
+                    f"{file}: row {n} of its JSON array is a {type(obj).__name__}; write each row as an object"
+                )
+            yield obj
+
+
+def _bad_array(file: Path, why: str) -> DataError:
+    return DataError(
+        f"{file}: neither one JSON array of rows nor JSON lines ({why}); write a JSON array of objects, or one object "
+        "per line"
+    )
 
 
 def _json_lines(file: Path) -> Iterator[Any]:
