@@ -1,21 +1,24 @@
 """The memory a rank needs while it reads a training set's rows: a CSV of image paths and captions (`csv`) and
-vl_pairs rows from JSON lines (`vl_pairs`) or Parquet (`parquet`), each row packed as it is read (this tree) against
-the rows read whole and then packed (`--baseline`) (CPU).
+vl_pairs rows from JSON lines (`vl_pairs`), Parquet (`parquet`) or one JSON array (`json`, with `--kinds json`), each
+row packed as it is read (this tree) against the rows read whole and then packed (`--baseline`) (CPU).
 
     python -m benchmarks.load_memory_bench                                         # docs/performance.md's table
     python -m benchmarks.load_memory_bench --rows 4096 --repeats 1 --out /tmp/l   # smoke (half a minute)
+    python -m benchmarks.load_memory_bench --kinds json --baseline 5549dd4 --out benchmarks/results/json_array
 
 The files are worker_memory_bench's (`make`: per row an image path and a caption of about 60 characters; a query of
 about 60 characters, a document of about 150 and two hard negatives like it), the Parquet file the JSON lines' rows
-written by pyarrow in row groups of 64K. Each measurement is a fresh process (this file run as a script, the
-variant's titan_contrastive first on PYTHONPATH) that builds the run's data as the trainer does (`build_data`, as
-worker_memory_bench does, no data workers) and draws nothing. Per variant, medians of `--repeats` interleaved runs of:
+written by pyarrow in row groups of 64K, the JSON array the same rows between `[` and `]`, a row a line. Each
+measurement is a fresh process (this file run as a script, the variant's titan_contrastive first on PYTHONPATH) that
+builds the run's data as the trainer does (`build_data`, as worker_memory_bench does, no data workers) and draws
+nothing. Per variant, medians of `--repeats` interleaved runs of:
 - `peak_mib`: the process's largest resident memory while it built the data, above its resident memory before
   (VmHWM of /proc/self/status, reset to the current RSS first: `harness.reset_peak_rss`);
 - `kept_mib`: its anonymous memory after the build, above that before (RssAnon): the rows kept, the processor;
 - `load_s`: the build's seconds.
 `file_mib` is the training file's size. `this` is this tree; `before` the baseline's package (default c71de30, the
-last commit before rows were packed as read), extracted by `harness.package_at`.
+last commit before rows were packed as read; for `json`, 5549dd4, the last before a JSON array was read a row at a
+time), extracted by `harness.package_at`.
 Writes load_memory_bench.{json,csv,png} under --out.
 """
 
@@ -37,14 +40,15 @@ from benchmarks.worker_memory_bench import flags, make
 
 NAME = "load_memory_bench"
 FIELDS = ["kind", "variant", "rows", "file_mib", "peak_mib", "kept_mib", "load_s"]
-KINDS = ("csv", "vl_pairs", "parquet")
+KINDS = ("csv", "vl_pairs", "parquet", "json")
+DEFAULT_KINDS = KINDS[:3]
 VARIANTS = ("this", "before")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1 << 18, 1 << 20])
-    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(DEFAULT_KINDS))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--baseline", default="c71de30", help="the commit before rows were packed as read")
     p.add_argument("--out", default=str(harness.RESULTS))
@@ -54,7 +58,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def data_file(folder: Path, kind: str) -> Path:
-    return folder / {"csv": "rows.csv", "vl_pairs": "rows.jsonl", "parquet": "rows.parquet"}[kind]
+    return folder / {"csv": "rows.csv", "vl_pairs": "rows.jsonl", "parquet": "rows.parquet", "json": "rows.json"}[kind]
 
 
 def make_kind(folder: Path, kind: str, n: int) -> Path:
@@ -65,6 +69,10 @@ def make_kind(folder: Path, kind: str, n: int) -> Path:
         import pyarrow.parquet as pq
 
         pq.write_table(pyarrow.json.read_json(made), data_file(folder, kind), row_group_size=1 << 16)
+        made.unlink()
+    if kind == "json":
+        with made.open() as lines, data_file(folder, kind).open("w") as out:
+            out.write("[\n" + ",\n".join(line.rstrip("\n") for line in lines) + "\n]\n")
         made.unlink()
     return data_file(folder, kind)
 
