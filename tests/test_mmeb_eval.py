@@ -198,6 +198,12 @@ def test_what_cannot_be_read_is_one_line(tmp_path: Path) -> None:
     ev = Eval(mmeb_path=str(folder), mmeb_image_root=str(tmp_path / "data"))
     with pytest.raises(ConfigError, match=r"^eval.mmeb_path='.*': MMEB's .* evaluate it with a qwen_vl model"):
         TextEvals.from_config(ev, lambda batch: batch, None)  # a text model's pair tokenizer fills no sides
+    from titan_contrastive.config import parse_args
+
+    best = ["--checkpoint.enable=true", "--checkpoint.interval=2", "--eval.freq=2", "--checkpoint.keep_best=mmeb/hit@1"]
+    parse_args([*best, f"--eval.mmeb_path={folder}"])  # an MMEB set is something to evaluate
+    with pytest.raises(ConfigError, match=r"keep_best='mmeb/hit@1' is an MMEB metric and eval.mmeb_path is empty"):
+        parse_args([*best, "--data.val_path=x.jsonl"])
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"^eval.mmeb_path='.*empty': no set in it"):
         read_mmeb(str(tmp_path / "empty"))
