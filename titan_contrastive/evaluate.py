@@ -11,7 +11,9 @@ sentence-transformers' InformationRetrievalEvaluator gives; `--graded`: nDCG as 
 give it; `--pool-factor`: a late-interaction model's documents token-pooled, `components/token_pooling.py`;
 `--precision int8 ubinary`: also with the corpus quantized, `components/quantized_search.py`);
 with `--sts FILE` (scored sentence pairs, `[eval] sts_path`'s format) also `sts/pearson_cosine` and
-`sts/spearman_cosine`, as its EmbeddingSimilarityEvaluator gives them (`components/sts_eval.py`); with `--mmeb DIR`
+`sts/spearman_cosine`, as its EmbeddingSimilarityEvaluator gives them (`components/sts_eval.py`); with `--reranking
+FILE` (rows of a query, its positives and negatives) `reranking/map`, `mrr@10` and `ndcg@10`, as its
+RerankingEvaluator gives them (`components/reranking_eval.py`); with `--mmeb DIR`
 (a Qwen-VL model: VLM2Vec's MMEB-eval sets, `[eval] mmeb_path`'s) each set's `mmeb/.../hit@1`
 (`components/mmeb_eval.py`), BEIR then only where `--beir` is given; `--out` writes them to a file too.
 
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc-length", type=int, default=0, help="document tokens (default: the run's / folder's)")
     parser.add_argument("--sts", default="", help="also semantic similarity on this file of scored sentence pairs")
     parser.add_argument("--sts-split", default="test", help="the split of a saved dataset --sts reads (default: test)")
+    parser.add_argument("--reranking", default="", help="also reranking: rows of a query, positives and negatives")
     parser.add_argument(
         "--dims", type=int, nargs="+", default=[], help="also at the embeddings' first m dims (Matryoshka), per m"
     )
@@ -158,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         side_embedders,
     )
     from titan_contrastive.components.mmeb_eval import evaluate_mmeb, mode_embedders
+    from titan_contrastive.components.reranking_eval import evaluate_reranking
     from titan_contrastive.components.sts_eval import evaluate_sts, load_sts
     from titan_contrastive.datasets.mmeb_sets import read_mmeb
+    from titan_contrastive.datasets.reranking_sets import read_reranking
     from titan_contrastive.models.bi_encoder import build_tokenizer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -179,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         sets = load_beir(beir, opts.split) if beir else {}
         mmeb = read_mmeb(opts.mmeb, opts.mmeb_image_root, ("--mmeb", "--mmeb-image-root")) if opts.mmeb else {}
         sts = load_sts(opts.sts, opts.sts_split) if opts.sts else None
+        reranking = read_reranking(opts.reranking, key="--reranking") if opts.reranking else None
         vl = is_vl_folder(opts.model)
         set_vl = [f"--{o.replace('_', '-')}" for o in (*VL_OPTIONS, "mmeb") if getattr(opts, o)]
         if set_vl and not vl:
@@ -198,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(
                 f"--mmeb: {opts.model} embeds a text as its tokens (ColBERT), and MMEB is scored here as one vector "
                 "per query and candidate; leave it out"
+            )
+        if token_dim and opts.reranking:
+            raise ValueError(
+                f"--reranking: {opts.model} embeds a text as its tokens (ColBERT), and reranking compares one vector "
+                "per text by cosine; leave it out"
             )
         if token_dim and opts.sts:
             raise ValueError(
@@ -225,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, float] = {}
         if mmeb:  # each set in its own mode
             results = evaluate_mmeb(mmeb, lambda mode: mode_embedders(forward, process, mode), **sizes, dims=opts.dims)
-        if sets or sts is not None:
+        if sets or sts is not None or reranking is not None:
             if process is not None:
                 embedders = side_embedders(forward, process)
             else:
@@ -240,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if sts is not None:
                 results |= evaluate_sts(sts, embedders[0], **sizes, dims=opts.dims)
+            if reranking is not None:
+                results |= evaluate_reranking(reranking, *embedders, **sizes, dims=opts.dims)
     except (ValueError, OSError) as e:
         code = failures.report(e)
         if code is None:

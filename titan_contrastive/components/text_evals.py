@@ -1,6 +1,7 @@
 """The retrieval evaluations a run asks for beside its own held-out split: retrieval on a BEIR folder (`[eval]
-beir_path`, `beir_eval`), semantic similarity on scored sentence pairs (`[eval] sts_path`, `sts_eval`) and MMEB's
-tasks (`[eval] mmeb_path`, `mmeb_eval`). BEIR and STS read the model through its query and document embedders
+beir_path`, `beir_eval`), semantic similarity on scored sentence pairs (`[eval] sts_path`, `sts_eval`), reranking of
+each query's own candidates (`[eval] reranking_path`, `reranking_eval`) and MMEB's tasks (`[eval] mmeb_path`,
+`mmeb_eval`). BEIR, STS and reranking read the model through its query and document embedders
 (`beir_eval.pair_embedders` for a text-pair model, `side_embedders` for one whose processor fills both sides:
 qwen_vl's, whose documents may be page images): BEIR's queries and corpus through their own sides, both sentences of
 a pair through the query side (its prompt: E5's "query: " for symmetric tasks, an instruction); MMEB's sets each in
@@ -22,10 +23,12 @@ from titan_contrastive.components.beir_eval import (
     side_embedders,
 )
 from titan_contrastive.components.mmeb_eval import evaluate_mmeb, mode_embedders
+from titan_contrastive.components.reranking_eval import evaluate_reranking
 from titan_contrastive.components.sts_eval import StsSet, evaluate_sts, load_sts
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.beir_folder import BeirSet
 from titan_contrastive.datasets.mmeb_sets import MmebSet, read_mmeb
+from titan_contrastive.datasets.reranking_sets import RerankSet, read_reranking
 
 __all__ = ["TextEvals"]
 
@@ -47,6 +50,8 @@ class TextEvals:
     """The corpus precisions BEIR is also searched in (`[eval] beir_precisions`)."""
     mmeb: dict[str, MmebSet] = field(default_factory=dict)
     """MMEB's sets by name (`[eval] mmeb_path`)."""
+    reranking: RerankSet | None = None
+    """Queries each with its own candidates (`[eval] reranking_path`)."""
 
     @classmethod
     def from_config(
@@ -56,7 +61,7 @@ class TextEvals:
         without text queries, or a corpus the model cannot read (pages for a text model, texts for a page
         embedder), stop the run at start (a DataError, one line). `args`: the model's, whose `processor()` (qwen_vl)
         fills both sides, in place of `tokenizer`."""
-        if not ev.enable or not (ev.beir_path or ev.sts_path or ev.mmeb_path):
+        if not ev.enable or not (ev.beir_path or ev.sts_path or ev.reranking_path or ev.mmeb_path):
             return cls()
         if callable(getattr(args, "processor", None)):
             tokenizer = args.processor()  # type: ignore[attr-defined]
@@ -69,6 +74,7 @@ class TextEvals:
             (ev.beir_pool_factor, ev.beir_pool_protected),
             tuple(ev.beir_precisions),
             read_mmeb(ev.mmeb_path, ev.mmeb_image_root) if ev.mmeb_path else {},
+            read_reranking(ev.reranking_path, ev.reranking_split) if ev.reranking_path else None,
         )
         if evals.mmeb and (not hasattr(evals.tokenizer, "sides") or getattr(args, "token_dim", 0)):
             raise ConfigError(
@@ -87,8 +93,18 @@ class TextEvals:
                 f"this model embeds a text as {'its tokens' if getattr(args, 'token_dim', 0) else 'a sparse vector'}; "
                 "leave it empty"
             )
-        if evals.beir or evals.sts is not None:
+        if evals.texts:
             evals._embedders(0)
+        if evals.reranking is not None and getattr(args, "token_dim", 0):
+            raise ConfigError(
+                f"eval.reranking_path={ev.reranking_path!r}: reranking compares one vector per text by cosine, and "
+                "this model embeds a text as its tokens (ColBERT); leave it empty"
+            )
+        if evals.reranking is not None and evals.pages:
+            raise ConfigError(
+                f"eval.reranking_path={ev.reranking_path!r}: its candidates are texts, and this run's documents are "
+                "images; rerank with a model of text documents (data.retrieval_mode=t2t), or leave it empty"
+            )
         for beir in evals.beir.values():
             check_corpus(beir, evals.pages)
         return evals
@@ -103,8 +119,13 @@ class TextEvals:
             return side_embedders(self.forward, self.tokenizer)  # type: ignore[arg-type]
         return pair_embedders(self.forward, self.tokenizer, query_length)  # type: ignore[arg-type]
 
+    @property
+    def texts(self) -> bool:
+        """Whether a set reads the model through its text embedders (BEIR, STS, reranking)."""
+        return bool(self.beir) or self.sts is not None or self.reranking is not None
+
     def __bool__(self) -> bool:
-        return bool(self.beir) or self.sts is not None or bool(self.mmeb)
+        return self.texts or bool(self.mmeb)
 
     def __call__(
         self,
@@ -116,8 +137,8 @@ class TextEvals:
         dims: Sequence[int] = (),
         model: object = None,
     ) -> dict[str, float]:
-        """Every set's metrics (`beir/...`, `sts/...`, `mmeb/...`; with `dims`, also `dim{m}/beir/...`,
-        `dim{m}/sts/...` and `dim{m}/mmeb/...`), each text embedded once across the ranks; for a `model` whose
+        """Every set's metrics (`beir/...`, `sts/...`, `reranking/...`, `mmeb/...`; with `dims`, also at each cut,
+        `dim{m}/...`), each text embedded once across the ranks; for a `model` whose
         embeddings are sparse (`sparse_embeddings`, SPLADE's), BEIR's active dimensions too; for one whose embeddings
         are token sets (`token_dim`, ColBERT's), BEIR by late interaction (STS, which compares two vectors, is refused
         for it before the run)."""
@@ -129,7 +150,7 @@ class TextEvals:
             if self.mmeb
             else {}
         )
-        if not (self.beir or self.sts is not None):
+        if not self.texts:
             return mmeb
         queries, docs = self._embedders(query_length)
         common = {**sizes, "dims": dims}
@@ -145,4 +166,6 @@ class TextEvals:
             "precisions": self.precisions,
         }
         results = evaluate_sets(self.beir, queries, docs, **common, **embeddings, **scoring) if self.beir else {}
+        if self.reranking is not None:
+            results |= evaluate_reranking(self.reranking, queries, docs, **common)
         return mmeb | results | (evaluate_sts(self.sts, queries, **common) if self.sts is not None else {})

@@ -361,6 +361,11 @@ class Eval:
     sentence-transformers' EmbeddingSimilarityEvaluator (keys `sts/pearson_cosine`, `sts/spearman_cosine`)."""
     sts_split: str = "test"
     """Which split of a saved DatasetDict `sts_path` reads."""
+    reranking_path: str = ""
+    """Text queries: also reranking, each query against its own candidates (rows of `query`, `positive`, `negative`,
+    as sentence-transformers' RerankingEvaluator and MTEB's reranking tasks hold them; .jsonl/.json/.parquet or a saved
+    dataset's `reranking_split`), by cosine: MAP, MRR@10, nDCG@10 (keys `reranking/...`); empty = none."""
+    reranking_split: str = "test"
     mmeb_path: str = ""
     """qwen_vl: also MMEB's evaluation (VLM2Vec's MMEB-eval rows `qry_text`, `qry_img_path`, `tgt_text`,
     `tgt_img_path`: each query against its own candidates, the right one first), a set's file or a folder of them

@@ -345,7 +345,8 @@ def check_keep_best(cfg: JobConfig) -> None:
             f"divide checkpoint.interval={ckpt.interval}: set eval.freq={ckpt.interval} (or a divisor of it)"
         )
     bundled = data.dataset in ("fashion_mnist", "emoji", "wordnet")  # they bring their test split
-    if not (bundled or data.val_path or ev.beir_path or ev.sts_path or ev.mmeb_path or ev.zero_shot_path):
+    given = (ev.beir_path, ev.sts_path, ev.reranking_path, ev.mmeb_path, ev.zero_shot_path)
+    if not (bundled or data.val_path or any(given)):
         raise ConfigError(
             f"checkpoint.keep_best={best!r}: this run evaluates nothing; set data.val_path (or eval.beir_path)"
         )
@@ -353,6 +354,7 @@ def check_keep_best(cfg: JobConfig) -> None:
         ("a BEIR", "eval.beir_path", ev.beir_path),
         ("an STS", "eval.sts_path", ev.sts_path),
         ("an MMEB", "eval.mmeb_path", ev.mmeb_path),
+        ("a reranking", "eval.reranking_path", ev.reranking_path),
     ):
         if best.startswith(f"{kind.split()[1].lower()}/") and not value:
             raise ConfigError(f"checkpoint.keep_best={best!r} is {kind} metric and {key} is empty; set it")
