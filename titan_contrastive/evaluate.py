@@ -13,7 +13,9 @@ give it; `--pool-factor`: a late-interaction model's documents token-pooled, `co
 with `--sts FILE` (scored sentence pairs, `[eval] sts_path`'s format) also `sts/pearson_cosine` and
 `sts/spearman_cosine`, as its EmbeddingSimilarityEvaluator gives them (`components/sts_eval.py`); with `--reranking
 FILE` (rows of a query, its positives and negatives) `reranking/map`, `mrr@10` and `ndcg@10`, as its
-RerankingEvaluator gives them (`components/reranking_eval.py`); with `--mmeb DIR`
+RerankingEvaluator gives them (`components/reranking_eval.py`); with `--clustering FILE` (rows of sentences and
+labels) `clustering/v_measure`, as MTEB's ClusteringEvaluator gives it (`components/clustering_eval.py`); with
+`--mmeb DIR`
 (a Qwen-VL model: VLM2Vec's MMEB-eval sets, `[eval] mmeb_path`'s) each set's `mmeb/.../hit@1`
 (`components/mmeb_eval.py`), BEIR then only where `--beir` is given; `--out` writes them to a file too.
 
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sts", default="", help="also semantic similarity on this file of scored sentence pairs")
     parser.add_argument("--sts-split", default="test", help="the split of a saved dataset --sts reads (default: test)")
     parser.add_argument("--reranking", default="", help="also reranking: rows of a query, positives and negatives")
+    parser.add_argument("--clustering", default="", help="also clustering (MTEB's): rows of sentences and labels")
     parser.add_argument(
         "--dims", type=int, nargs="+", default=[], help="also at the embeddings' first m dims (Matryoshka), per m"
     )
@@ -160,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         pair_embedders,
         side_embedders,
     )
+    from titan_contrastive.components.clustering_eval import evaluate_clustering, load_clustering
     from titan_contrastive.components.mmeb_eval import evaluate_mmeb, mode_embedders
     from titan_contrastive.components.reranking_eval import evaluate_reranking
     from titan_contrastive.components.sts_eval import evaluate_sts, load_sts
@@ -185,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         mmeb = read_mmeb(opts.mmeb, opts.mmeb_image_root, ("--mmeb", "--mmeb-image-root")) if opts.mmeb else {}
         sts = load_sts(opts.sts, opts.sts_split) if opts.sts else None
         reranking = read_reranking(opts.reranking, key="--reranking") if opts.reranking else None
+        clustering = load_clustering(opts.clustering, key="--clustering") if opts.clustering else None
         vl = is_vl_folder(opts.model)
         set_vl = [f"--{o.replace('_', '-')}" for o in (*VL_OPTIONS, "mmeb") if getattr(opts, o)]
         if set_vl and not vl:
@@ -200,20 +205,11 @@ def main(argv: list[str] | None = None) -> int:
         dtype = getattr(torch, opts.dtype)
         model.to(device, dtype)
         token_dim = getattr(model, "token_dim", 0)
-        if token_dim and opts.mmeb:
+        one_vector = [f"--{flag}" for flag in ("sts", "reranking", "clustering", "mmeb") if getattr(opts, flag)]
+        if token_dim and one_vector:
             raise ValueError(
-                f"--mmeb: {opts.model} embeds a text as its tokens (ColBERT), and MMEB is scored here as one vector "
-                "per query and candidate; leave it out"
-            )
-        if token_dim and opts.reranking:
-            raise ValueError(
-                f"--reranking: {opts.model} embeds a text as its tokens (ColBERT), and reranking compares one vector "
-                "per text by cosine; leave it out"
-            )
-        if token_dim and opts.sts:
-            raise ValueError(
-                f"--sts: {opts.model} embeds a text as its tokens (ColBERT), scored by late interaction, and --sts "
-                "reads one vector per text; leave it out"
+                f"{' '.join(one_vector)}: {opts.model} embeds a text as its tokens (ColBERT), scored by late "
+                "interaction, and these compare one vector per text; leave them out"
             )
         if opts.pool_factor != 1 and not token_dim:
             raise ValueError(
@@ -236,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, float] = {}
         if mmeb:  # each set in its own mode
             results = evaluate_mmeb(mmeb, lambda mode: mode_embedders(forward, process, mode), **sizes, dims=opts.dims)
-        if sets or sts is not None or reranking is not None:
+        if sets or any(s is not None for s in (sts, reranking, clustering)):
             if process is not None:
                 embedders = side_embedders(forward, process)
             else:
@@ -253,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                 results |= evaluate_sts(sts, embedders[0], **sizes, dims=opts.dims)
             if reranking is not None:
                 results |= evaluate_reranking(reranking, *embedders, **sizes, dims=opts.dims)
+            if clustering is not None:
+                results |= evaluate_clustering(clustering, embedders[0], **sizes, dims=opts.dims)
     except (ValueError, OSError) as e:
         code = failures.report(e)
         if code is None:

@@ -1,10 +1,12 @@
 """The retrieval evaluations a run asks for beside its own held-out split: retrieval on a BEIR folder (`[eval]
 beir_path`, `beir_eval`), semantic similarity on scored sentence pairs (`[eval] sts_path`, `sts_eval`), reranking of
-each query's own candidates (`[eval] reranking_path`, `reranking_eval`) and MMEB's tasks (`[eval] mmeb_path`,
-`mmeb_eval`). BEIR, STS and reranking read the model through its query and document embedders
+each query's own candidates (`[eval] reranking_path`, `reranking_eval`), clustering (`[eval] clustering_path`,
+`clustering_eval`) and MMEB's tasks (`[eval] mmeb_path`, `mmeb_eval`). The text sets read the model through its query
+and document embedders
 (`beir_eval.pair_embedders` for a text-pair model, `side_embedders` for one whose processor fills both sides:
 qwen_vl's, whose documents may be page images): BEIR's queries and corpus through their own sides, both sentences of
-a pair through the query side (its prompt: E5's "query: " for symmetric tasks, an instruction); MMEB's sets each in
+a pair and a clustering row's sentences through the query side (its prompt: E5's "query: " for symmetric tasks, an
+instruction); MMEB's sets each in
 their own mode through that processor (`mmeb_eval.mode_embedders`)."""
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from titan_contrastive.components.beir_eval import (
     pair_embedders,
     side_embedders,
 )
+from titan_contrastive.components.clustering_eval import ClusteringSet, evaluate_clustering, load_clustering
 from titan_contrastive.components.mmeb_eval import evaluate_mmeb, mode_embedders
 from titan_contrastive.components.reranking_eval import evaluate_reranking
 from titan_contrastive.components.sts_eval import StsSet, evaluate_sts, load_sts
@@ -52,6 +55,8 @@ class TextEvals:
     """MMEB's sets by name (`[eval] mmeb_path`)."""
     reranking: RerankSet | None = None
     """Queries each with its own candidates (`[eval] reranking_path`)."""
+    clustering: ClusteringSet | None = None
+    """Rows of sentences and their labels (`[eval] clustering_path`)."""
 
     @classmethod
     def from_config(
@@ -61,7 +66,9 @@ class TextEvals:
         without text queries, or a corpus the model cannot read (pages for a text model, texts for a page
         embedder), stop the run at start (a DataError, one line). `args`: the model's, whose `processor()` (qwen_vl)
         fills both sides, in place of `tokenizer`."""
-        if not ev.enable or not (ev.beir_path or ev.sts_path or ev.reranking_path or ev.mmeb_path):
+        if not ev.enable or not (
+            ev.beir_path or ev.sts_path or ev.reranking_path or ev.clustering_path or ev.mmeb_path
+        ):
             return cls()
         if callable(getattr(args, "processor", None)):
             tokenizer = args.processor()  # type: ignore[attr-defined]
@@ -75,6 +82,7 @@ class TextEvals:
             tuple(ev.beir_precisions),
             read_mmeb(ev.mmeb_path, ev.mmeb_image_root) if ev.mmeb_path else {},
             read_reranking(ev.reranking_path, ev.reranking_split) if ev.reranking_path else None,
+            load_clustering(ev.clustering_path, ev.clustering_split) if ev.clustering_path else None,
         )
         if evals.mmeb and (not hasattr(evals.tokenizer, "sides") or getattr(args, "token_dim", 0)):
             raise ConfigError(
@@ -95,11 +103,12 @@ class TextEvals:
             )
         if evals.texts:
             evals._embedders(0)
-        if evals.reranking is not None and getattr(args, "token_dim", 0):
-            raise ConfigError(
-                f"eval.reranking_path={ev.reranking_path!r}: reranking compares one vector per text by cosine, and "
-                "this model embeds a text as its tokens (ColBERT); leave it empty"
-            )
+        for key in ("reranking_path", "clustering_path"):
+            if getattr(ev, key) and getattr(args, "token_dim", 0):
+                raise ConfigError(
+                    f"eval.{key}={getattr(ev, key)!r}: it compares one vector per text, and this model embeds a text "
+                    "as its tokens (ColBERT); leave it empty"
+                )
         if evals.reranking is not None and evals.pages:
             raise ConfigError(
                 f"eval.reranking_path={ev.reranking_path!r}: its candidates are texts, and this run's documents are "
@@ -121,8 +130,8 @@ class TextEvals:
 
     @property
     def texts(self) -> bool:
-        """Whether a set reads the model through its text embedders (BEIR, STS, reranking)."""
-        return bool(self.beir) or self.sts is not None or self.reranking is not None
+        """Whether a set reads the model through its text embedders (BEIR, STS, reranking, clustering)."""
+        return bool(self.beir) or any(s is not None for s in (self.sts, self.reranking, self.clustering))
 
     def __bool__(self) -> bool:
         return self.texts or bool(self.mmeb)
@@ -137,11 +146,11 @@ class TextEvals:
         dims: Sequence[int] = (),
         model: object = None,
     ) -> dict[str, float]:
-        """Every set's metrics (`beir/...`, `sts/...`, `reranking/...`, `mmeb/...`; with `dims`, also at each cut,
-        `dim{m}/...`), each text embedded once across the ranks; for a `model` whose
-        embeddings are sparse (`sparse_embeddings`, SPLADE's), BEIR's active dimensions too; for one whose embeddings
-        are token sets (`token_dim`, ColBERT's), BEIR by late interaction (STS, which compares two vectors, is refused
-        for it before the run)."""
+        """Every set's metrics (`beir/...`, `sts/...`, `reranking/...`, `clustering/...`, `mmeb/...`; with `dims`,
+        also at each cut, `dim{m}/...`), each text embedded once across the ranks; for a `model` whose embeddings are
+        sparse (`sparse_embeddings`, SPLADE's), BEIR's active dimensions too; for one whose embeddings are token sets
+        (`token_dim`, ColBERT's), BEIR by late interaction (STS, which compares two vectors, is refused for it before
+        the run)."""
         sizes = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
         mmeb = (
             evaluate_mmeb(
@@ -168,4 +177,6 @@ class TextEvals:
         results = evaluate_sets(self.beir, queries, docs, **common, **embeddings, **scoring) if self.beir else {}
         if self.reranking is not None:
             results |= evaluate_reranking(self.reranking, queries, docs, **common)
+        if self.clustering is not None:
+            results |= evaluate_clustering(self.clustering, queries, **common)
         return mmeb | results | (evaluate_sts(self.sts, queries, **common) if self.sts is not None else {})

@@ -366,6 +366,11 @@ class Eval:
     as sentence-transformers' RerankingEvaluator and MTEB's reranking tasks hold them; .jsonl/.json/.parquet or a saved
     dataset's `reranking_split`), by cosine: MAP, MRR@10, nDCG@10 (keys `reranking/...`); empty = none."""
     reranking_split: str = "test"
+    clustering_path: str = ""
+    """Text queries: also clustering, as MTEB measures it (rows of `sentences` and their `labels`; .jsonl/.json/.parquet
+    or a saved dataset's `clustering_split`): each row's embeddings by k-means into as many clusters as labels, the
+    V-measure averaged over the rows (key `clustering/v_measure`); empty = none."""
+    clustering_split: str = "test"
     mmeb_path: str = ""
     """qwen_vl: also MMEB's evaluation (VLM2Vec's MMEB-eval rows `qry_text`, `qry_img_path`, `tgt_text`,
     `tgt_img_path`: each query against its own candidates, the right one first), a set's file or a folder of them

@@ -345,7 +345,7 @@ def check_keep_best(cfg: JobConfig) -> None:
             f"divide checkpoint.interval={ckpt.interval}: set eval.freq={ckpt.interval} (or a divisor of it)"
         )
     bundled = data.dataset in ("fashion_mnist", "emoji", "wordnet")  # they bring their test split
-    given = (ev.beir_path, ev.sts_path, ev.reranking_path, ev.mmeb_path, ev.zero_shot_path)
+    given = (ev.beir_path, ev.sts_path, ev.reranking_path, ev.clustering_path, ev.mmeb_path, ev.zero_shot_path)
     if not (bundled or data.val_path or any(given)):
         raise ConfigError(
             f"checkpoint.keep_best={best!r}: this run evaluates nothing; set data.val_path (or eval.beir_path)"
@@ -355,6 +355,7 @@ def check_keep_best(cfg: JobConfig) -> None:
         ("an STS", "eval.sts_path", ev.sts_path),
         ("an MMEB", "eval.mmeb_path", ev.mmeb_path),
         ("a reranking", "eval.reranking_path", ev.reranking_path),
+        ("a clustering", "eval.clustering_path", ev.clustering_path),
     ):
         if best.startswith(f"{kind.split()[1].lower()}/") and not value:
             raise ConfigError(f"checkpoint.keep_best={best!r} is {kind} metric and {key} is empty; set it")
