@@ -102,7 +102,7 @@ def test_bad_files_are_one_line(tmp_path: Path) -> None:
     single = write_rows(tmp_path / "single.jsonl", [{"sentences": ["a", "b"], "labels": ["x", "x"]}])
     for path, message in (
         (tmp_path / "missing.jsonl", "does not exist; give a .jsonl, .json or .parquet file of sentences, labels"),
-        (tmp_path / "columns.jsonl", "no column labels; a clustering row holds sentences, labels"),
+        (tmp_path / "columns.jsonl", "row 0 has no column labels; its rows hold sentences, labels"),
         (uneven, "row 0 holds 2 sentence(s) and 1 label(s); give a text and a label for each"),
         (single, "no row with two labels or more"),
     ):

@@ -280,6 +280,8 @@ def test_settings_colbert_cannot_take_are_one_line(tmp_path: Path) -> None:
         (f"--model.path={folder}", "--model.colbert_dim=4"): r"^model.colbert_dim=4: the PyLate folder projects tok",
         (f"--model.path={folder}", "--model.pooling=mean"): r"^model.pooling='mean' with .*: a PyLate folder embeds",
         ("--model.pooling=colbert", "--model.freeze=query"): r"^model.freeze=\['query'\]: a locked tower runs without",
+        ("--model.pooling=colbert", "--eval.reranking_path=r.jsonl"): r"^eval.reranking_path=r.jsonl: model.pool",
+        ("--model.pooling=colbert", "--eval.clustering_path=c.jsonl"): r"^eval.clustering_path=c.jsonl: model.poo",
     }
     for argv, message in cases.items():
         with pytest.raises(ConfigError, match=message):

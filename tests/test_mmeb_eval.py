@@ -185,7 +185,9 @@ def test_what_cannot_be_read_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"^eval.mmeb_path='.*nowhere' is neither a file nor a folder"):
         read_mmeb(str(tmp_path / "nowhere"))
     (tmp_path / "bad.jsonl").write_text(json.dumps({"qry_text": "a", "tgt_text": ["b"]}) + "\n")
-    with pytest.raises(DataError, match=r"^eval.mmeb_path: .*bad.jsonl has no column qry_img_path, tgt_img_path;"):
+    with pytest.raises(
+        DataError, match=r"^eval.mmeb_path: .*bad.jsonl: row 0 has no column qry_img_path, tgt_img_path;"
+    ):
         read_mmeb(str(tmp_path / "bad.jsonl"))
     row = {"qry_text": "a", "qry_img_path": "", "tgt_text": ["b", "c"], "tgt_img_path": ["img/d0.png", ""]}
     (tmp_path / "mixed.jsonl").write_text(json.dumps(row) + "\n")

@@ -146,10 +146,13 @@ def test_bad_files_are_one_line(tmp_path: Path) -> None:
     from titan_contrastive.datasets.reranking_sets import read_reranking
 
     (tmp_path / "columns.jsonl").write_text(json.dumps({"query": "a", "positives": ["b"], "negative": ["c"]}) + "\n")
+    good = {"query": "a", "positive": ["b"], "negative": ["c"]}
+    (tmp_path / "later.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(["a", ["b"], ["c"]]) + "\n")
     empty = write_rows(tmp_path / "empty.jsonl", [{"query": "a", "positive": [], "negative": ["c"]}])
     for path, message in (
         (tmp_path / "missing.jsonl", "does not exist; give a .jsonl, .json or .parquet file of query, positive"),
-        (tmp_path / "columns.jsonl", "no column positive; a reranking row holds query, positive, negative"),
+        (tmp_path / "columns.jsonl", "row 0 has no column positive; its rows hold query, positive, negative"),
+        (tmp_path / "later.jsonl", "row 1 has no column query, positive, negative; its rows hold query, positive"),
         (empty, "no row with a query, a positive and a negative"),
     ):
         with pytest.raises(DataError) as err:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from titan_contrastive.components.beir_eval import embed_texts
 from titan_contrastive.components.evaluate import dim_cuts
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.tables import read_table
+from titan_contrastive.datasets.tables import column_rows
 
 __all__ = ["COLUMNS", "ClusteringSet", "evaluate_clustering", "load_clustering"]
 
@@ -40,14 +40,7 @@ class ClusteringSet:
 def load_clustering(path: str, split: str = "test", key: str = "eval.clustering_path") -> ClusteringSet:
     """The set in `path` (.jsonl, .json, .parquet, a saved dataset's `split`); a DataError, one line naming `key`, for
     a missing file, rows without the two columns or with lists of different lengths, or no row of two labels."""
-    file = Path(path).expanduser()
-    if not file.exists():
-        raise DataError(f"{key}={path!r} does not exist; give a .jsonl, .json or .parquet file of sentences, labels")
-    names, table = read_table(file, COLUMNS, split)
-    first = table[0] if table else {}
-    missing = [c for c in COLUMNS if c not in (names or (first if isinstance(first, dict) else ()))]
-    if missing:
-        raise DataError(f"{key}={path!r}: no column {', '.join(missing)}; a clustering row holds sentences, labels")
+    table = column_rows(Path(path).expanduser(), COLUMNS, split, f"{key}={path!r}")
     sentences: dict[str, int] = {}
     rows = []
     for n, row in enumerate(table):

@@ -103,12 +103,6 @@ class TextEvals:
             )
         if evals.texts:
             evals._embedders(0)
-        for key in ("reranking_path", "clustering_path"):
-            if getattr(ev, key) and getattr(args, "token_dim", 0):
-                raise ConfigError(
-                    f"eval.{key}={getattr(ev, key)!r}: it compares one vector per text, and this model embeds a text "
-                    "as its tokens (ColBERT); leave it empty"
-                )
         if evals.reranking is not None and evals.pages:
             raise ConfigError(
                 f"eval.reranking_path={ev.reranking_path!r}: its candidates are texts, and this run's documents are "
@@ -149,8 +143,8 @@ class TextEvals:
         """Every set's metrics (`beir/...`, `sts/...`, `reranking/...`, `clustering/...`, `mmeb/...`; with `dims`,
         also at each cut, `dim{m}/...`), each text embedded once across the ranks; for a `model` whose embeddings are
         sparse (`sparse_embeddings`, SPLADE's), BEIR's active dimensions too; for one whose embeddings are token sets
-        (`token_dim`, ColBERT's), BEIR by late interaction (STS, which compares two vectors, is refused for it before
-        the run)."""
+        (`token_dim`, ColBERT's), BEIR by late interaction (STS, reranking and clustering, which compare one vector per
+        text, are refused for it before the run: `colbert.refuse_for_colbert`)."""
         sizes = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
         mmeb = (
             evaluate_mmeb(

@@ -18,7 +18,7 @@ import numpy as np
 from titan_contrastive.datasets.base import DataError
 from titan_contrastive.datasets.formats import data_suffix
 from titan_contrastive.datasets.retrieval import MODES
-from titan_contrastive.datasets.tables import read_table
+from titan_contrastive.datasets.tables import column_rows
 from titan_contrastive.datasets.vl_rows import as_list, plain_text, written
 
 __all__ = ["COLUMNS", "MmebSet", "read_mmeb"]
@@ -83,13 +83,7 @@ def _read_set(files: list[Path], root: Path | None, keys: tuple[str, str]) -> Mm
     candidates: dict[Item, int] = {}
     rows: list[tuple[int, np.ndarray]] = []
     for file in files:
-        names, table = read_table(file, COLUMNS, "test")
-        missing = [c for c in COLUMNS if c not in (names or (table[0] if table else {}))]
-        if missing or names is None and table and not isinstance(table[0], dict):
-            raise DataError(
-                f"{key}: {file} has no column {', '.join(missing) or 'names'}; MMEB-eval's rows hold "
-                f"{', '.join(COLUMNS)}"
-            )
+        table = column_rows(file, COLUMNS, "test", f"{key}: {file}")
         base = root or file.parent
         for n, row in enumerate(table):
             texts, images = as_list(row["tgt_text"]), as_list(row["tgt_img_path"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from titan_contrastive.datasets.base import DataError
-from titan_contrastive.datasets.tables import read_table
+from titan_contrastive.datasets.tables import column_rows
 from titan_contrastive.datasets.vl_rows import as_list
 
 __all__ = ["COLUMNS", "RerankSet", "read_reranking"]
@@ -33,14 +33,7 @@ class RerankSet:
 def read_reranking(path: str, split: str = "test", key: str = "eval.reranking_path") -> RerankSet:
     """The set in `path`; a DataError, one line naming `key`, for a path that is not such a file, rows without the
     three columns, or no row with a positive and a negative."""
-    file = Path(path).expanduser()
-    if not file.exists():
-        raise DataError(f"{key}={path!r} does not exist; give a .jsonl, .json or .parquet file of {', '.join(COLUMNS)}")
-    names, table = read_table(file, COLUMNS, split)
-    first = table[0] if table else {}
-    missing = [c for c in COLUMNS if c not in (names or (first if isinstance(first, dict) else ()))]
-    if missing:
-        raise DataError(f"{key}={path!r}: no column {', '.join(missing)}; a reranking row holds {', '.join(COLUMNS)}")
+    table = column_rows(Path(path).expanduser(), COLUMNS, split, f"{key}={path!r}")
     queries: dict[str, int] = {}
     documents: dict[str, int] = {}
     rows = []

@@ -76,8 +76,7 @@ def rows_mode(path: str, given: str) -> str:
     if not file.exists():
         raise DataError(f"{given}: 'auto' reads each source's rows, and {path} does not exist; give an existing file")
     stat = file.stat()
-    kinds = _kinds(str(file), stat.st_mtime_ns, stat.st_size)
-    mode = next((m for m, k in MODES.items() if k == kinds), "")
+    mode, kinds = _read_mode(str(file), stat.st_mtime_ns, stat.st_size)
     if not mode:
         empty = next(side for side, kind in zip(SIDES, kinds) if not kind)
         raise DataError(
@@ -88,8 +87,9 @@ def rows_mode(path: str, given: str) -> str:
 
 
 @functools.cache
-def _kinds(file: str, version: int, size: int) -> tuple[str, ...]:
-    """Each side's kind in `file`'s first rows ("" for a side they do not hold), logged once per version."""
+def _read_mode(file: str, version: int, size: int) -> tuple[str, tuple[str, ...]]:
+    """The mode of `file`'s first rows ("" for none) and each side's kind in them ("" for a side they do not hold),
+    logged once per version."""
     _, rows = table_rows(Path(file), COLUMNS, "train")
     seen = {side: {"text": False, "image": False} for side in SIDES}
     for row in itertools.islice(rows, PROBE):
@@ -101,7 +101,7 @@ def _kinds(file: str, version: int, size: int) -> tuple[str, ...]:
     mode = next((m for m, k in MODES.items() if k == kinds), "")
     if mode:
         logger.info(f"{file}: rows of retrieval mode {mode} (data.retrieval_modes 'auto', read from its first rows)")
-    return kinds
+    return mode, kinds
 
 
 def _text(value: Any) -> bool:

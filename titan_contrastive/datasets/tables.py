@@ -55,6 +55,19 @@ def read_table(file: Path, columns: Sequence[str], split: str) -> tuple[list[str
     return names, list(guarded_rows(file, rows))
 
 
+def column_rows(file: Path, columns: Sequence[str], split: str, where: str) -> list[dict[str, Any]]:
+    """`read_table`'s rows, each a dict holding `columns` (an evaluation set's rows); a DataError, one line beginning
+    with `where` (the setting and the path), for a file that is not there or a row without the columns."""
+    if not file.exists():
+        raise DataError(f"{where} does not exist; give a .jsonl, .json or .parquet file of {', '.join(columns)}")
+    rows = read_table(file, columns, split)[1]
+    for n, row in enumerate(rows):
+        missing = [c for c in columns if not isinstance(row, dict) or c not in row]
+        if missing:
+            raise DataError(f"{where}: row {n} has no column {', '.join(missing)}; its rows hold {', '.join(columns)}")
+    return rows
+
+
 def table_rows(file: Path, columns: Sequence[str], split: str) -> tuple[list[str] | None, Rows]:
     """`read_table`'s column names and its rows one at a time, read from the file as they are iterated: a reader that
     keeps what it needs of each row never holds the whole file. A damaged file's error comes from the iteration."""

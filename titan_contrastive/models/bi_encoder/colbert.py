@@ -195,6 +195,8 @@ def refuse_for_colbert(cfg: Any) -> None:
         ("loss.teacher_model", loss.teacher_model),
         ("loss.teacher_embeddings", loss.teacher_embeddings),
         ("eval.sts_path", cfg.eval.sts_path),
+        ("eval.reranking_path", cfg.eval.reranking_path),
+        ("eval.clustering_path", cfg.eval.clustering_path),
     ):
         if value:
             raise ConfigError(
