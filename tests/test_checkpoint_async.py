@@ -300,7 +300,7 @@ def test_the_pinned_mode_refuses_a_forward_that_writes_to_the_state(tmp_path: Pa
     cfg = parse_args([f"--job.dump_folder={tmp_path}", *pinned])
     dist = type("Dist", (), {"device": torch.device("cpu"), "rank": 0})
     with pytest.raises(ConfigError) as info:
-        build_checkpointer(cfg, model, None, None, None, None, 1, 1, dist=dist, model_args=None)
+        build_checkpointer(cfg, model, None, None, None, None, None, 1, 1, dist=dist, model_args=None)
     assert str(info.value) == (
         'checkpoint.async_mode = "async_with_pinned_mem": 1 (BatchNorm1d) updates its running statistics in '
         'forward, beside the copy of the state that this mode makes; set checkpoint.async_mode = "async"'

@@ -22,6 +22,7 @@ import torch
 from titan_contrastive import exit_codes, failures, models
 from titan_contrastive.checkpoint import TrainState, build_checkpointer
 from titan_contrastive.checkpoint.resume import model_source, report_unread_init_from
+from titan_contrastive.components.early_stopping import EarlyStopping
 from titan_contrastive.components.evaluate import (
     EvalContext,
     check_embedding_dims,
@@ -29,7 +30,7 @@ from titan_contrastive.components.evaluate import (
     eval_mode,
     evaluate_sets,
 )
-from titan_contrastive.components.lr_scheduler import build_lr_scheduler
+from titan_contrastive.components.lr_scheduler import advance, build_lr_scheduler
 from titan_contrastive.components.memory_planner import MemoryPlan, measured_first_step, plan_step, probe_batches
 from titan_contrastive.components.metrics import MetricsProcessor, log_run_start
 from titan_contrastive.components.nonfinite import NonFiniteGuard
@@ -121,7 +122,8 @@ class Trainer:
         self.gradient_step = build_gradient_step(spec, self.step_context, cfg, self.objective)
         self.train_state = TrainState()
         self.nonfinite = NonFiniteGuard(cfg.training.on_nonfinite, cfg.training.max_consecutive_skips)
-        states = (model, self.optimizer, self.lr_scheduler, self.train_state, self.loader)
+        self.patience = EarlyStopping.for_run(cfg)  # [eval] patience: its count is checkpointed
+        states = (model, self.optimizer, self.lr_scheduler, self.train_state, self.loader, self.patience)
         self.checkpointer = build_checkpointer(cfg, *states, dp, self.ga_steps, dist=dist, model_args=self.model_args)
         log_run_start(cfg, data, self.model_args, dist, dims, precision, self.ga_steps, self.gradient_step)
         log_config_warnings(cfg)
@@ -174,13 +176,9 @@ class Trainer:
             skipped = self.precision.optimizer_step(
                 self.optimizer, f"step {step}: float16 gradients overflowed (grad_norm={grad_norm})"
             )
-        with warnings.catch_warnings():  # a skipped step advances the schedule on purpose
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
-            self.lr_scheduler.step()
-        self.train_state.skipped_steps += int(skipped)
+        advance(self.lr_scheduler)  # a skipped step advances the schedule too
         clamp_logit_scale(self.model)
-        self.train_state.step = step
-        self.train_state.samples_seen += self.global_batch_size
+        self.train_state.advance(self.global_batch_size, skipped)
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped_steps": self.train_state.skipped_steps}
 
     def next_microbatches(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
@@ -224,12 +222,11 @@ class Trainer:
         )
 
     def train(self) -> dict[str, Any]:
-        """The loop; a run resumed at its last step only evaluates (how a finished run is re-evaluated)."""
+        """The loop; a run resumed at its last step, or where it stopped early, only evaluates again."""
         cfg = self.cfg
-        evaluates = cfg.eval.enable and (
-            bool(self.text_evals) or any(s is not None for s in self.data.eval_sets.values())
-        )
-        if self.step >= cfg.training.steps:  # nothing left to train (the checkpoint is at the last step)
+        held_out = [s for s in self.data.eval_sets.values() if s is not None]
+        evaluates = cfg.eval.enable and bool(self.text_evals or held_out)
+        if self.step >= cfg.training.steps or (self.patience and self.patience.stopped):  # nothing left to train
             return self._evaluate_and_log(last=True) if evaluates else {}
         data_iter, resumed_at, results = iter(self.loader), self.step, {}
         self.metrics.reset()
@@ -254,9 +251,12 @@ class Trainer:
                 side_work = evaluates and (last or self.eval_due(self.step))
                 results = self._evaluate_and_log(last) if side_work else results
                 scored = results if side_work else None  # recorded in this step's checkpoint ([checkpoint] keep_best)
+                early = bool(scored and self.patience and self.patience.update(self.step, scored))  # logs, saves last
                 saved = self.checkpointer.maybe_save(
-                    self.step, last_step=last, protect_before=protect, evaluation=scored
+                    self.step, last_step=last or early, protect_before=protect, evaluation=scored
                 )
+                if early:
+                    break
                 if saved or side_work:  # eval and checkpoint time stay out of samples/s
                     self.metrics.reset()
                 self.profiler.step()  # a traced step: its data, its step, its logging, evaluation, checkpoint

@@ -87,6 +87,8 @@ FAULT_ENV = "TITAN_CONTRASTIVE_FAULT"
 _STEP_DIR = re.compile(r"step-(\d+)")
 _TMP_DIR = re.compile(r"step-(\d+)\.tmp")
 T = TypeVar("T")
+OPTIONAL_STATES = ("early_stopping",)
+"""States a checkpoint may lack (one saved before they were kept, or by a run without them): theirs start fresh."""
 # one process saves with no_dist=True on purpose (and a background save warns in its own thread)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -271,6 +273,7 @@ class CheckpointManager:
             manifest,
             what=f"loading checkpoint step-{step} ({path})",
             distributed=self._distributed(),
+            optional=OPTIONAL_STATES,
         )
         if self.rank == 0:
             logger.info(f"resumed from checkpoint step-{step} ({path})")

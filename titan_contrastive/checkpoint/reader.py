@@ -227,11 +227,19 @@ class SafeFileSystemReader(FileSystemReader):
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's DefaultLoadPlanner that reads byte items with `weights_only=True` and refuses an item
-    whose kind does not fit the state it loads into (see the module docstring)."""
+    whose kind does not fit the state it loads into (see the module docstring). `optional`: the
+    states a checkpoint may lack (written before they existed), which keep their values."""
+
+    def __init__(self, optional: tuple[str, ...] = ()) -> None:
+        super().__init__(allow_partial_load=bool(optional))
+        self.optional = tuple(f"{name}." for name in optional)
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
         stored = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        lacking = [fqn for fqn in self.state_dict if fqn not in stored and not fqn.startswith(self.optional)]
+        if lacking:
+            raise RuntimeError(f"Missing key in checkpoint state_dict: {lacking[0]}.")  # as DCP's own refusal
         for fqn, value in self.state_dict.items():
             entry = stored.get(fqn)
             if not isinstance(value, torch.Tensor) or entry is None:
@@ -343,10 +351,12 @@ def load(
     *,
     what: str | None = None,
     distributed: bool = False,
+    optional: tuple[str, ...] = (),
 ) -> None:
     """`dcp.load(state_dict)` from a folder `verify`/`validate` accepted (collective when
-    `distributed`), through `SafeFileSystemReader` and `SafeLoadPlanner`; any failure is one
-    CheckpointError line starting with `what` (default: "loading checkpoint FOLDER")."""
+    `distributed`), through `SafeFileSystemReader` and `SafeLoadPlanner` (`optional`: its states a
+    checkpoint may lack); any failure is one CheckpointError line starting with `what` (default:
+    "loading checkpoint FOLDER")."""
     folder = Path(folder)
     reader = SafeFileSystemReader(folder, _entries(manifest["files"]))
     what = what or f"loading checkpoint {folder}"
@@ -354,6 +364,6 @@ def load(
         reader.read_metadata()  # here rather than in DCP, which logs a failure with a traceback and tries another file
         with warnings.catch_warnings():  # no_dist is intended when not distributed
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not distributed)
+            dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(optional), no_dist=not distributed)
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"{what} failed: {describe(exc)}") from exc

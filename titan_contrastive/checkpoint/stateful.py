@@ -115,6 +115,14 @@ class TrainState:
     samples_seen: int = 0
     skipped_steps: int = 0
 
+    def advance(self, samples: int, skipped: bool) -> None:
+        """Count an optimizer step of `samples` samples (`skipped`: one the finite check or the scaler skipped)."""
+        self.step, self.samples_seen, self.skipped_steps = (
+            self.step + 1,
+            self.samples_seen + samples,
+            self.skipped_steps + skipped,
+        )
+
     def state_dict(self) -> dict[str, int]:
         return asdict(self)
 
@@ -151,6 +159,7 @@ def build_checkpointer(
     scheduler: torch.optim.lr_scheduler.LambdaLR,
     train_state: TrainState,
     loader: Stateful,
+    early_stopping: Stateful | None,
     dp_degree: int,
     ga_steps: int,
     *,
@@ -161,7 +170,7 @@ def build_checkpointer(
     saved once; each data-parallel rank's loader position and RNG streams per rank (the DP rank is
     the global rank); the manifest records the model (family, args) and the run's config. `dist`:
     this process's parallelisms.DistInfo; `ga_steps`: the run's loader steps per optimizer step
-    (`checkpoint.every_epoch` counts in them)."""
+    (`checkpoint.every_epoch` counts in them); `early_stopping`: its count, where `[eval] patience` keeps one."""
     device, rank = dist.device, dist.rank
     if cfg.checkpoint.enable and cfg.checkpoint.async_mode == "async_with_pinned_mem":
         check_forward_keeps_state(model)
@@ -173,6 +182,7 @@ def build_checkpointer(
             "optimizer": OptimizerState(model, optimizer),
             "lr_scheduler": LRSchedulerState(scheduler),
             "train_state": train_state,
+            **({"early_stopping": early_stopping} if early_stopping is not None else {}),
         },
         per_rank_states={"dataloader": loader, "rng": RNGState(device)},
         rank=rank,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -53,7 +54,7 @@ def lr_factor(
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Build the scheduler; call `.step()` once after every optimizer step."""
+    """Build the scheduler; `advance` it once after every optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_factor(
@@ -65,3 +66,11 @@ def build_lr_scheduler(
             decay_ratio=cfg.decay_ratio,
         ),
     )
+
+
+def advance(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """`scheduler.step()` after an optimizer step, a skipped one too: the schedule follows the steps, so torch's
+    warning of a schedule stepped before its optimizer (after a skipped first step) is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        scheduler.step()

@@ -324,6 +324,10 @@ class Eval:
     """Evaluate after each epoch's last step (the optimizer step holding its last batch), in place of `freq`."""
     batch_size: int = positive(500)
     """Images per evaluation batch; the eval loss is the mean over consecutive batches of this size."""
+    patience: int = opt(0, lambda v: v >= 0, "an integer >= 0 (0 = never stop early)")
+    """Stop the run after this many evaluations in a row without checkpoint.keep_best's metric improving."""
+    patience_threshold: float = opt(0.0, lambda v: v >= 0, "a number >= 0")
+    """The least change of that metric that counts as improving (Hugging Face's early_stopping_threshold)."""
     zero_shot_path: str = ""
     """Zero-shot classification on an ImageFolder-layout folder (one sub-folder of images per
     class), as well as the run's own evaluation; empty = none."""

@@ -328,9 +328,17 @@ def _check_combinations(cfg: JobConfig) -> None:
 def check_keep_best(cfg: JobConfig) -> None:
     """`checkpoint.keep_best` compares checkpoints by the evaluation at their steps: it needs
     checkpoints, an evaluation at each of them and something to evaluate (the metric's name itself
-    is checked against the first evaluation's, `checkpoint/best.py`). Intervals given in epochs are checked once
-    `epochs.run_steps` knows the steps."""
+    is checked against the first evaluation's, `checkpoint/best.py`); `eval.patience` watches its metric.
+    Intervals given in epochs are checked once `epochs.run_steps` knows the steps."""
     best, ckpt, ev, data = cfg.checkpoint.keep_best, cfg.checkpoint, cfg.eval, cfg.data
+    if ev.patience_threshold and not ev.patience:
+        raise ConfigError(f"eval.patience_threshold={ev.patience_threshold!r} with eval.patience=0: set eval.patience")
+    if ev.patience and not best:
+        raise ConfigError(
+            f"eval.patience={ev.patience} stops the run when checkpoint.keep_best's metric stops improving, and "
+            "keep_best is empty; set checkpoint.keep_best (e.g. 'loss' or 'beir/ndcg@10'): its checkpoint is the one "
+            "to use"
+        )
     if not best:
         return
     if not (ckpt.enable and ev.enable):
