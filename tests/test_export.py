@@ -133,7 +133,10 @@ def test_byte_tokenizer_one_channel_model_exports_to_open_clip_faithfully(
         assert (reloaded.encode_image(images) - ours.encode_image(images)).abs().max() <= 1e-5
     marker = json.loads((tmp_path / "oc" / export_module.MARKER).read_text())
     assert marker["format"] == "open_clip" and marker["source"] == str(step.resolve())
-    assert marker["files"] == ["open_clip_config.json", "open_clip_model.safetensors"] and leftovers(tmp_path) == []
+    assert (
+        marker["files"] == ["README.md", "open_clip_config.json", "open_clip_model.safetensors"]
+        and leftovers(tmp_path) == []
+    )
 
 
 def test_byte_tokenizer_model_to_hf_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from titan_contrastive.extras import import_failure
+from titan_contrastive.model_card import write_card
 
 FORMATS = ("hf", "open_clip", "sentence-transformers", "peft", "pylate", "colpali", "model2vec")
 """The built-in families' formats; a registered family may add its own (`StateDictAdapter.writes`)."""
@@ -187,6 +188,7 @@ def export(src: str, out: Path, to: str, *, tower: str | None = None, overwrite:
     tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make the export private
     try:
         write(src, tmp, tower, **options)
+        write_card(src, tmp, to, target.name)
         files = _files(tmp)
         (tmp / MARKER).write_text(
             json.dumps({"format": to, "source": str(Path(src).expanduser().resolve()), "files": files}, indent=1)

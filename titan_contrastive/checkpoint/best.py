@@ -22,7 +22,12 @@ from titan_contrastive.checkpoint.reader import MANIFEST, CheckpointError
 
 BEST_FILE = "best.json"
 
-__all__ = ["BEST_FILE", "BestCheckpoint"]
+__all__ = ["BEST_FILE", "BestCheckpoint", "scores"]
+
+
+def scores(results: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers of an evaluation's `results`, as a manifest records them."""
+    return {k: float(v) for k, v in results.items() if isinstance(v, int | float) and not isinstance(v, bool)}
 
 
 class BestCheckpoint:
@@ -35,7 +40,7 @@ class BestCheckpoint:
     def scores(self, results: Mapping[str, Any]) -> dict[str, float]:
         """The numbers of an evaluation's `results`, to record in a manifest; a CheckpointError naming the
         evaluation's metrics when `metric` is not one of them (checked on every rank before the save)."""
-        numbers = {k: float(v) for k, v in results.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        numbers = scores(results)
         if self.metric not in numbers:
             named = ", ".join(sorted(k for k in numbers if not k.endswith("num_samples"))) or "none"
             raise CheckpointError(

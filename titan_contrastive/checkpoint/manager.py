@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_contrastive.checkpoint import reader
 from titan_contrastive.checkpoint.best import BestCheckpoint
+from titan_contrastive.checkpoint.best import scores as eval_scores
 from titan_contrastive.checkpoint.reader import MANIFEST, CheckpointError
 from titan_contrastive.checkpoint.resume import IncompatibleResume, config_changes
 from titan_contrastive.checkpoint.writer import (
@@ -208,7 +209,7 @@ class CheckpointManager:
         copy started; `wait_for_staging` before the state changes); the rest follows in a thread
         (`writer.py`), and the next save (or `wait`) raises its error."""
         self.wait()  # an earlier background save is complete (or raises) before this one starts
-        scores = self.best.scores(evaluation) if self.best is not None and evaluation is not None else None
+        scores = None if evaluation is None else self.best.scores(evaluation) if self.best else eval_scores(evaluation)
         start = time.perf_counter()
         tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
         self._on_rank0(lambda: self._prepare(tmp), f"preparing {tmp}")

@@ -1,0 +1,105 @@
+"""The model card `export` leaves (`model_card.py`): read back by huggingface_hub's `ModelCard` as the Hub reads it;
+the target library's own card kept (sentence-transformers' usage), its metadata completed; the evaluation table the
+values the checkpoint's manifest recorded; the settings' overrides rebuild the run's config through `parse_args`;
+the base model named only where `model.path` names a Hugging Face model; no card for a source that is not ours."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from tests.needs import needs
+from titan_contrastive.config import parse_args
+from titan_contrastive.model_card import BUNDLED, base_model, overrides, write_card
+
+
+def _without_job(config: dict) -> dict:
+    return {section: values for section, values in config.items() if section != "job"}
+
+
+@pytest.mark.parametrize(
+    ("path", "family", "want"),
+    [
+        ("", "bi_encoder", BUNDLED),
+        ("", "clip", None),  # built from scratch
+        ("BAAI/bge-small-en-v1.5", "bi_encoder", "BAAI/bge-small-en-v1.5"),  # a hub id (from the local cache)
+        ("/cache/hub/models--Qwen--Qwen2-VL-2B-Instruct/snapshots/0a1b", "qwen_vl", "Qwen/Qwen2-VL-2B-Instruct"),
+        ("/models/my-encoder", "bi_encoder", None),  # a folder of one's own
+    ],
+)
+def test_the_base_model(path: str, family: str, want: str | None) -> None:
+    assert base_model(path, family) == want
+
+
+def test_a_local_folder_named_like_a_hub_id_is_no_base_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "org" / "model").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert base_model("org/model", "bi_encoder") is None
+
+
+def test_the_overrides_rebuild_the_config() -> None:
+    cfg = parse_args(
+        [
+            "--data.dataset=emoji",
+            "--training.steps=7",
+            "--optimizer.lr=3e-05",
+            "--loss.matryoshka_dims=16,8",
+            "--model.query_prompt=query: a, b ",
+            "--lr_scheduler.decay_ratio=0.25",
+            "--eval.freq=2",
+            "--job.description=left out",
+        ]
+    )
+    args = overrides(asdict(cfg))
+    assert "--training.steps=7" in args and "--loss.matryoshka_dims=[16, 8]" in args
+    assert not any(a.startswith("--job.") for a in args)
+    rebuilt = parse_args(shlex.split(shlex.join(args)))  # as the card's shell block hands them over
+    assert _without_job(asdict(rebuilt)) == _without_job(asdict(cfg))
+    assert overrides({"model": {"no_such_key": 1}, "nowhere": {"x": 2}}) == []  # keys of another version
+
+
+def test_a_source_that_is_not_ours_gets_no_card(tmp_path: Path) -> None:
+    write_card(tmp_path / "hf-clip", tmp_path, "hf", "out")
+    assert not (tmp_path / "README.md").exists()
+
+
+@needs("hf")
+def test_exports_carry_the_run_card(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from huggingface_hub import ModelCard
+
+    from tests.test_hf_text import folder_run
+    from titan_contrastive.export import main as export_main
+
+    run = folder_run(
+        tmp_path, "encoder", "--training.local_batch_size=4", "--training.global_batch_size=8", "--training.steps=2",
+        "--checkpoint.enable=true", "--eval.enable=true", f"--data.val_path={tmp_path / 'pairs.jsonl'}",
+        "--eval.freq=1", "--model.query_prompt=query: ",
+    )  # fmt: skip
+    run.train()
+    run.metrics.close()
+    step = tmp_path / "run-encoder" / "checkpoint" / "step-2"
+    manifest = json.loads((step / "manifest.json").read_text())
+    for to, library in (("sentence-transformers", "sentence-transformers"), ("hf", "transformers")):
+        out = tmp_path / to
+        assert export_main([str(step), "--to", to, "--out", str(out)]) == 0
+        card = ModelCard.load(out / "README.md")
+        assert card.data.library_name == library and "titan-contrastive" in card.data.tags
+        assert card.data.base_model is None  # a tiny folder of the test's own
+        assert "from checkpoint `step-2` of 2 steps" in card.text
+        assert "A step's batch: 8 (4 a microbatch x 2 accumulation steps x 1 data-parallel rank(s))." in card.text
+        table = dict(re.findall(r"^\| (\S+) \| ([-\d.]+) \|$", card.text, re.MULTILINE))
+        recorded = {k: v for k, v in manifest["eval"].items() if k != "num_samples"}
+        assert table.keys() == recorded.keys() and recorded
+        assert all(abs(float(table[k]) - v) <= 5e-5 for k, v in recorded.items())
+        block = card.text.split("```bash\n")[-1].split("```")[0]  # ours, the last
+        args = shlex.split(block.replace("\\\n", " "))[3:]  # after `python -m titan_contrastive.train`
+        assert _without_job(asdict(parse_args(args))) == _without_job(manifest["config"])
+        assert "README.md" in json.loads(next(out.glob(".titan_contrastive_export*")).read_text())["files"]
+    assert "model = SentenceTransformer(" in ModelCard.load(tmp_path / "sentence-transformers" / "README.md").text
+    assert 'AutoModel.from_pretrained("hf")' in ModelCard.load(tmp_path / "hf" / "README.md").text
+    capsys.readouterr()
