@@ -15,6 +15,8 @@ with `--sts FILE` (scored sentence pairs, `[eval] sts_path`'s format) also `sts/
 FILE` (rows of a query, its positives and negatives) `reranking/map`, `mrr@10` and `ndcg@10`, as its
 RerankingEvaluator gives them (`components/reranking_eval.py`); with `--clustering FILE` (rows of sentences and
 labels) `clustering/v_measure`, as MTEB's ClusteringEvaluator gives it (`components/clustering_eval.py`); with
+`--pair-classification FILE` (sentence pairs labelled 0 or 1) `pair_classification/cosine_ap`, `..._accuracy`,
+`..._f1`, ..., as its BinaryClassificationEvaluator gives them (`components/pair_classification_eval.py`); with
 `--mmeb DIR`
 (a Qwen-VL model: VLM2Vec's MMEB-eval sets, `[eval] mmeb_path`'s) each set's `mmeb/.../hit@1`
 (`components/mmeb_eval.py`), BEIR then only where `--beir` is given; `--out` writes them to a file too.
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sts-split", default="test", help="the split of a saved dataset --sts reads (default: test)")
     parser.add_argument("--reranking", default="", help="also reranking: rows of a query, positives and negatives")
     parser.add_argument("--clustering", default="", help="also clustering (MTEB's): rows of sentences and labels")
+    parser.add_argument("--pair-classification", default="", help="also pair classification: pairs labelled 0/1")
     parser.add_argument(
         "--dims", type=int, nargs="+", default=[], help="also at the embeddings' first m dims (Matryoshka), per m"
     )
@@ -165,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     from titan_contrastive.components.clustering_eval import evaluate_clustering, load_clustering
     from titan_contrastive.components.mmeb_eval import evaluate_mmeb, mode_embedders
+    from titan_contrastive.components.pair_classification_eval import (
+        evaluate_pair_classification,
+        load_pair_classification,
+    )
     from titan_contrastive.components.reranking_eval import evaluate_reranking
     from titan_contrastive.components.sts_eval import evaluate_sts, load_sts
     from titan_contrastive.datasets.mmeb_sets import read_mmeb
@@ -190,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         sts = load_sts(opts.sts, opts.sts_split) if opts.sts else None
         reranking = read_reranking(opts.reranking, key="--reranking") if opts.reranking else None
         clustering = load_clustering(opts.clustering, key="--clustering") if opts.clustering else None
+        pairs = opts.pair_classification
+        pairs = load_pair_classification(pairs, key="--pair-classification") if pairs else None
         vl = is_vl_folder(opts.model)
         set_vl = [f"--{o.replace('_', '-')}" for o in (*VL_OPTIONS, "mmeb") if getattr(opts, o)]
         if set_vl and not vl:
@@ -205,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype = getattr(torch, opts.dtype)
         model.to(device, dtype)
         token_dim = getattr(model, "token_dim", 0)
-        one_vector = [f"--{flag}" for flag in ("sts", "reranking", "clustering", "mmeb") if getattr(opts, flag)]
+        flags = ("sts", "reranking", "clustering", "pair_classification", "mmeb")
+        one_vector = [f"--{flag.replace('_', '-')}" for flag in flags if getattr(opts, flag)]
         if token_dim and one_vector:
             raise ValueError(
                 f"{' '.join(one_vector)}: {opts.model} embeds a text as its tokens (ColBERT), scored by late "
@@ -232,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, float] = {}
         if mmeb:  # each set in its own mode
             results = evaluate_mmeb(mmeb, lambda mode: mode_embedders(forward, process, mode), **sizes, dims=opts.dims)
-        if sets or any(s is not None for s in (sts, reranking, clustering)):
+        if sets or any(s is not None for s in (sts, reranking, clustering, pairs)):
             if process is not None:
                 embedders = side_embedders(forward, process)
             else:
@@ -251,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                 results |= evaluate_reranking(reranking, *embedders, **sizes, dims=opts.dims)
             if clustering is not None:
                 results |= evaluate_clustering(clustering, embedders[0], **sizes, dims=opts.dims)
+            if pairs is not None:
+                results |= evaluate_pair_classification(pairs, embedders[0], **sizes, dims=opts.dims)
     except (ValueError, OSError) as e:
         code = failures.report(e)
         if code is None:

@@ -1,13 +1,13 @@
 """The retrieval evaluations a run asks for beside its own held-out split: retrieval on a BEIR folder (`[eval]
 beir_path`, `beir_eval`), semantic similarity on scored sentence pairs (`[eval] sts_path`, `sts_eval`), reranking of
 each query's own candidates (`[eval] reranking_path`, `reranking_eval`), clustering (`[eval] clustering_path`,
-`clustering_eval`) and MMEB's tasks (`[eval] mmeb_path`, `mmeb_eval`). The text sets read the model through its query
-and document embedders
+`clustering_eval`), pair classification (`[eval] pair_classification_path`, `pair_classification_eval`) and MMEB's
+tasks (`[eval] mmeb_path`, `mmeb_eval`). The text sets read the model through its query and document embedders
 (`beir_eval.pair_embedders` for a text-pair model, `side_embedders` for one whose processor fills both sides:
-qwen_vl's, whose documents may be page images): BEIR's queries and corpus through their own sides, both sentences of
-a pair and a clustering row's sentences through the query side (its prompt: E5's "query: " for symmetric tasks, an
-instruction); MMEB's sets each in
-their own mode through that processor (`mmeb_eval.mode_embedders`)."""
+qwen_vl's, whose documents may be page images): BEIR's queries and corpus through their own sides; both sentences of
+an STS or a classified pair and a clustering row's sentences through the query side (its prompt: E5's "query: " for
+symmetric tasks, an instruction); MMEB's sets each in their own mode through that processor
+(`mmeb_eval.mode_embedders`)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ from titan_contrastive.components.beir_eval import (
 )
 from titan_contrastive.components.clustering_eval import ClusteringSet, evaluate_clustering, load_clustering
 from titan_contrastive.components.mmeb_eval import evaluate_mmeb, mode_embedders
+from titan_contrastive.components.pair_classification_eval import (
+    PairSet,
+    evaluate_pair_classification,
+    load_pair_classification,
+)
 from titan_contrastive.components.reranking_eval import evaluate_reranking
 from titan_contrastive.components.sts_eval import StsSet, evaluate_sts, load_sts
 from titan_contrastive.config import ConfigError
@@ -57,6 +62,8 @@ class TextEvals:
     """Queries each with its own candidates (`[eval] reranking_path`)."""
     clustering: ClusteringSet | None = None
     """Rows of sentences and their labels (`[eval] clustering_path`)."""
+    pair_classification: PairSet | None = None
+    """Sentence pairs labelled 0 or 1 (`[eval] pair_classification_path`)."""
 
     @classmethod
     def from_config(
@@ -66,9 +73,8 @@ class TextEvals:
         without text queries, or a corpus the model cannot read (pages for a text model, texts for a page
         embedder), stop the run at start (a DataError, one line). `args`: the model's, whose `processor()` (qwen_vl)
         fills both sides, in place of `tokenizer`."""
-        if not ev.enable or not (
-            ev.beir_path or ev.sts_path or ev.reranking_path or ev.clustering_path or ev.mmeb_path
-        ):
+        named = (ev.beir_path, ev.sts_path, ev.reranking_path, ev.clustering_path, ev.pair_classification_path)
+        if not ev.enable or not (any(named) or ev.mmeb_path):
             return cls()
         if callable(getattr(args, "processor", None)):
             tokenizer = args.processor()  # type: ignore[attr-defined]
@@ -83,6 +89,9 @@ class TextEvals:
             read_mmeb(ev.mmeb_path, ev.mmeb_image_root) if ev.mmeb_path else {},
             read_reranking(ev.reranking_path, ev.reranking_split) if ev.reranking_path else None,
             load_clustering(ev.clustering_path, ev.clustering_split) if ev.clustering_path else None,
+            load_pair_classification(ev.pair_classification_path, ev.pair_classification_split)
+            if ev.pair_classification_path
+            else None,
         )
         if evals.mmeb and (not hasattr(evals.tokenizer, "sides") or getattr(args, "token_dim", 0)):
             raise ConfigError(
@@ -124,8 +133,9 @@ class TextEvals:
 
     @property
     def texts(self) -> bool:
-        """Whether a set reads the model through its text embedders (BEIR, STS, reranking, clustering)."""
-        return bool(self.beir) or any(s is not None for s in (self.sts, self.reranking, self.clustering))
+        """Whether a set reads the model through its text embedders (BEIR, STS, reranking, clustering, pairs)."""
+        one_vector = (self.sts, self.reranking, self.clustering, self.pair_classification)
+        return bool(self.beir) or any(s is not None for s in one_vector)
 
     def __bool__(self) -> bool:
         return self.texts or bool(self.mmeb)
@@ -140,11 +150,12 @@ class TextEvals:
         dims: Sequence[int] = (),
         model: object = None,
     ) -> dict[str, float]:
-        """Every set's metrics (`beir/...`, `sts/...`, `reranking/...`, `clustering/...`, `mmeb/...`; with `dims`,
+        """Every set's metrics (`beir/...`, `sts/...`, `reranking/...`, `clustering/...`, `pair_classification/...`,
+        `mmeb/...`; with `dims`,
         also at each cut, `dim{m}/...`), each text embedded once across the ranks; for a `model` whose embeddings are
         sparse (`sparse_embeddings`, SPLADE's), BEIR's active dimensions too; for one whose embeddings are token sets
-        (`token_dim`, ColBERT's), BEIR by late interaction (STS, reranking and clustering, which compare one vector per
-        text, are refused for it before the run: `colbert.refuse_for_colbert`)."""
+        (`token_dim`, ColBERT's), BEIR by late interaction (STS, reranking, clustering and pair classification, which
+        compare one vector per text, are refused for it before the run: `colbert.refuse_for_colbert`)."""
         sizes = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
         mmeb = (
             evaluate_mmeb(
@@ -173,4 +184,6 @@ class TextEvals:
             results |= evaluate_reranking(self.reranking, queries, docs, **common)
         if self.clustering is not None:
             results |= evaluate_clustering(self.clustering, queries, **common)
+        if self.pair_classification is not None:
+            results |= evaluate_pair_classification(self.pair_classification, queries, **common)
         return mmeb | results | (evaluate_sts(self.sts, queries, **common) if self.sts is not None else {})

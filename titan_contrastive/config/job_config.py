@@ -375,6 +375,10 @@ class Eval:
     or a saved dataset's `clustering_split`): each row's embeddings by k-means into as many clusters as labels, the
     V-measure averaged over the rows (key `clustering/v_measure`); empty = none."""
     clustering_split: str = "test"
+    pair_classification_path: str = ""
+    """Text queries: also pair classification, as sentence-transformers' BinaryClassificationEvaluator (rows of
+    `sentence1`, `sentence2`, a 0/1 `label`, or MTEB's lists), by cosine (keys `pair_classification/cosine_ap`, ...)."""
+    pair_classification_split: str = "test"
     mmeb_path: str = ""
     """qwen_vl: also MMEB's evaluation (VLM2Vec's MMEB-eval rows `qry_text`, `qry_img_path`, `tgt_text`,
     `tgt_img_path`: each query against its own candidates, the right one first), a set's file or a folder of them

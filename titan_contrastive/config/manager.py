@@ -353,20 +353,15 @@ def check_keep_best(cfg: JobConfig) -> None:
             f"divide checkpoint.interval={ckpt.interval}: set eval.freq={ckpt.interval} (or a divisor of it)"
         )
     bundled = data.dataset in ("fashion_mnist", "emoji", "wordnet")  # they bring their test split
-    given = (ev.beir_path, ev.sts_path, ev.reranking_path, ev.clustering_path, ev.mmeb_path, ev.zero_shot_path)
-    if not (bundled or data.val_path or any(given)):
+    sets = {"beir": "a BEIR", "sts": "an STS", "mmeb": "an MMEB", "reranking": "a reranking"}
+    sets |= {"clustering": "a clustering", "pair_classification": "a pair classification"}
+    if not (bundled or data.val_path or ev.zero_shot_path or any(getattr(ev, f"{s}_path") for s in sets)):
         raise ConfigError(
             f"checkpoint.keep_best={best!r}: this run evaluates nothing; set data.val_path (or eval.beir_path)"
         )
-    for kind, key, value in (
-        ("a BEIR", "eval.beir_path", ev.beir_path),
-        ("an STS", "eval.sts_path", ev.sts_path),
-        ("an MMEB", "eval.mmeb_path", ev.mmeb_path),
-        ("a reranking", "eval.reranking_path", ev.reranking_path),
-        ("a clustering", "eval.clustering_path", ev.clustering_path),
-    ):
-        if best.startswith(f"{kind.split()[1].lower()}/") and not value:
-            raise ConfigError(f"checkpoint.keep_best={best!r} is {kind} metric and {key} is empty; set it")
+    for name, kind in sets.items():
+        if best.startswith(f"{name}/") and not getattr(ev, f"{name}_path"):
+            raise ConfigError(f"checkpoint.keep_best={best!r} is {kind} metric and eval.{name}_path is empty; set it")
 
 
 def check_profiling(cfg: JobConfig, steps: int | None) -> None:

@@ -197,6 +197,7 @@ def refuse_for_colbert(cfg: Any) -> None:
         ("eval.sts_path", cfg.eval.sts_path),
         ("eval.reranking_path", cfg.eval.reranking_path),
         ("eval.clustering_path", cfg.eval.clustering_path),
+        ("eval.pair_classification_path", cfg.eval.pair_classification_path),
     ):
         if value:
             raise ConfigError(
