@@ -17,7 +17,8 @@ RerankingEvaluator gives them (`components/reranking_eval.py`); with `--clusteri
 labels) `clustering/v_measure`, as MTEB's ClusteringEvaluator gives it (`components/clustering_eval.py`); with
 `--pair-classification FILE` (sentence pairs labelled 0 or 1) `pair_classification/cosine_ap`, `..._accuracy`,
 `..._f1`, ..., as its BinaryClassificationEvaluator gives them (`components/pair_classification_eval.py`); with
-`--mmeb DIR`
+`--triplets FILE` (rows of an anchor, a positive and a negative) `triplet/cosine_accuracy`, as its TripletEvaluator
+gives it (`components/triplet_eval.py`); with `--mmeb DIR`
 (a Qwen-VL model: VLM2Vec's MMEB-eval sets, `[eval] mmeb_path`'s) each set's `mmeb/.../hit@1`
 (`components/mmeb_eval.py`), BEIR then only where `--beir` is given; `--out` writes them to a file too.
 
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reranking", default="", help="also reranking: rows of a query, positives and negatives")
     parser.add_argument("--clustering", default="", help="also clustering (MTEB's): rows of sentences and labels")
     parser.add_argument("--pair-classification", default="", help="also pair classification: pairs labelled 0/1")
+    parser.add_argument("--triplets", default="", help="also triplet accuracy: rows of anchor, positive, negative")
     parser.add_argument(
         "--dims", type=int, nargs="+", default=[], help="also at the embeddings' first m dims (Matryoshka), per m"
     )
@@ -174,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from titan_contrastive.components.reranking_eval import evaluate_reranking
     from titan_contrastive.components.sts_eval import evaluate_sts, load_sts
+    from titan_contrastive.components.triplet_eval import evaluate_triplets, load_triplets
     from titan_contrastive.datasets.mmeb_sets import read_mmeb
     from titan_contrastive.datasets.reranking_sets import read_reranking
     from titan_contrastive.models.bi_encoder import build_tokenizer
@@ -199,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         clustering = load_clustering(opts.clustering, key="--clustering") if opts.clustering else None
         pairs = opts.pair_classification
         pairs = load_pair_classification(pairs, key="--pair-classification") if pairs else None
+        triplets = load_triplets(opts.triplets, key="--triplets") if opts.triplets else None
         vl = is_vl_folder(opts.model)
         set_vl = [f"--{o.replace('_', '-')}" for o in (*VL_OPTIONS, "mmeb") if getattr(opts, o)]
         if set_vl and not vl:
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype = getattr(torch, opts.dtype)
         model.to(device, dtype)
         token_dim = getattr(model, "token_dim", 0)
-        flags = ("sts", "reranking", "clustering", "pair_classification", "mmeb")
+        flags = ("sts", "reranking", "clustering", "pair_classification", "triplets", "mmeb")
         one_vector = [f"--{flag.replace('_', '-')}" for flag in flags if getattr(opts, flag)]
         if token_dim and one_vector:
             raise ValueError(
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, float] = {}
         if mmeb:  # each set in its own mode
             results = evaluate_mmeb(mmeb, lambda mode: mode_embedders(forward, process, mode), **sizes, dims=opts.dims)
-        if sets or any(s is not None for s in (sts, reranking, clustering, pairs)):
+        if sets or any(s is not None for s in (sts, reranking, clustering, pairs, triplets)):
             if process is not None:
                 embedders = side_embedders(forward, process)
             else:
@@ -263,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                 results |= evaluate_clustering(clustering, embedders[0], **sizes, dims=opts.dims)
             if pairs is not None:
                 results |= evaluate_pair_classification(pairs, embedders[0], **sizes, dims=opts.dims)
+            if triplets is not None:
+                results |= evaluate_triplets(triplets, *embedders, **sizes, dims=opts.dims)
     except (ValueError, OSError) as e:
         code = failures.report(e)
         if code is None:

@@ -1,13 +1,13 @@
 """The retrieval evaluations a run asks for beside its own held-out split: retrieval on a BEIR folder (`[eval]
 beir_path`, `beir_eval`), semantic similarity on scored sentence pairs (`[eval] sts_path`, `sts_eval`), reranking of
 each query's own candidates (`[eval] reranking_path`, `reranking_eval`), clustering (`[eval] clustering_path`,
-`clustering_eval`), pair classification (`[eval] pair_classification_path`, `pair_classification_eval`) and MMEB's
-tasks (`[eval] mmeb_path`, `mmeb_eval`). The text sets read the model through its query and document embedders
-(`beir_eval.pair_embedders` for a text-pair model, `side_embedders` for one whose processor fills both sides:
-qwen_vl's, whose documents may be page images): BEIR's queries and corpus through their own sides; both sentences of
-an STS or a classified pair and a clustering row's sentences through the query side (its prompt: E5's "query: " for
-symmetric tasks, an instruction); MMEB's sets each in their own mode through that processor
-(`mmeb_eval.mode_embedders`)."""
+`clustering_eval`), pair classification (`[eval] pair_classification_path`, `pair_classification_eval`), triplets
+(`[eval] triplet_path`, `triplet_eval`) and MMEB's tasks (`[eval] mmeb_path`, `mmeb_eval`). The text sets read the
+model through its query and document embedders (`beir_eval.pair_embedders` for a text-pair model, `side_embedders`
+for one whose processor fills both sides: qwen_vl's, whose documents may be page images): BEIR's queries and corpus,
+reranking's and triplets' through their own sides; both sentences of an STS or a classified pair and a clustering
+row's sentences through the query side (its prompt: E5's "query: " for symmetric tasks, an instruction); MMEB's sets
+each in their own mode through that processor (`mmeb_eval.mode_embedders`)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from titan_contrastive.components.pair_classification_eval import (
 )
 from titan_contrastive.components.reranking_eval import evaluate_reranking
 from titan_contrastive.components.sts_eval import StsSet, evaluate_sts, load_sts
+from titan_contrastive.components.triplet_eval import TripletSet, evaluate_triplets, load_triplets
 from titan_contrastive.config import ConfigError
 from titan_contrastive.datasets.beir_folder import BeirSet
 from titan_contrastive.datasets.mmeb_sets import MmebSet, read_mmeb
@@ -64,6 +65,8 @@ class TextEvals:
     """Rows of sentences and their labels (`[eval] clustering_path`)."""
     pair_classification: PairSet | None = None
     """Sentence pairs labelled 0 or 1 (`[eval] pair_classification_path`)."""
+    triplets: TripletSet | None = None
+    """Anchors, each with a positive and a negative (`[eval] triplet_path`)."""
 
     @classmethod
     def from_config(
@@ -74,6 +77,7 @@ class TextEvals:
         embedder), stop the run at start (a DataError, one line). `args`: the model's, whose `processor()` (qwen_vl)
         fills both sides, in place of `tokenizer`."""
         named = (ev.beir_path, ev.sts_path, ev.reranking_path, ev.clustering_path, ev.pair_classification_path)
+        named += (ev.triplet_path,)
         if not ev.enable or not (any(named) or ev.mmeb_path):
             return cls()
         if callable(getattr(args, "processor", None)):
@@ -92,6 +96,7 @@ class TextEvals:
             load_pair_classification(ev.pair_classification_path, ev.pair_classification_split)
             if ev.pair_classification_path
             else None,
+            load_triplets(ev.triplet_path, ev.triplet_split) if ev.triplet_path else None,
         )
         if evals.mmeb and (not hasattr(evals.tokenizer, "sides") or getattr(args, "token_dim", 0)):
             raise ConfigError(
@@ -112,11 +117,12 @@ class TextEvals:
             )
         if evals.texts:
             evals._embedders(0)
-        if evals.reranking is not None and evals.pages:
-            raise ConfigError(
-                f"eval.reranking_path={ev.reranking_path!r}: its candidates are texts, and this run's documents are "
-                "images; rerank with a model of text documents (data.retrieval_mode=t2t), or leave it empty"
-            )
+        for key, loaded in (("reranking_path", evals.reranking), ("triplet_path", evals.triplets)):
+            if loaded is not None and evals.pages:
+                raise ConfigError(
+                    f"eval.{key}={getattr(ev, key)!r}: its documents are texts, and this run's documents are images; "
+                    "measure it with a model of text documents (data.retrieval_mode=t2t), or leave it empty"
+                )
         for beir in evals.beir.values():
             check_corpus(beir, evals.pages)
         return evals
@@ -133,8 +139,8 @@ class TextEvals:
 
     @property
     def texts(self) -> bool:
-        """Whether a set reads the model through its text embedders (BEIR, STS, reranking, clustering, pairs)."""
-        one_vector = (self.sts, self.reranking, self.clustering, self.pair_classification)
+        """Whether a set reads the model through its text embedders (BEIR, STS, reranking, clustering, pairs, ...)."""
+        one_vector = (self.sts, self.reranking, self.clustering, self.pair_classification, self.triplets)
         return bool(self.beir) or any(s is not None for s in one_vector)
 
     def __bool__(self) -> bool:
@@ -151,11 +157,11 @@ class TextEvals:
         model: object = None,
     ) -> dict[str, float]:
         """Every set's metrics (`beir/...`, `sts/...`, `reranking/...`, `clustering/...`, `pair_classification/...`,
-        `mmeb/...`; with `dims`,
+        `triplet/...`, `mmeb/...`; with `dims`,
         also at each cut, `dim{m}/...`), each text embedded once across the ranks; for a `model` whose embeddings are
         sparse (`sparse_embeddings`, SPLADE's), BEIR's active dimensions too; for one whose embeddings are token sets
-        (`token_dim`, ColBERT's), BEIR by late interaction (STS, reranking, clustering and pair classification, which
-        compare one vector per text, are refused for it before the run: `colbert.refuse_for_colbert`)."""
+        (`token_dim`, ColBERT's), BEIR by late interaction (the other sets, which compare one vector per text, are
+        refused for it before the run: `colbert.refuse_for_colbert`)."""
         sizes = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
         mmeb = (
             evaluate_mmeb(
@@ -186,4 +192,6 @@ class TextEvals:
             results |= evaluate_clustering(self.clustering, queries, **common)
         if self.pair_classification is not None:
             results |= evaluate_pair_classification(self.pair_classification, queries, **common)
+        if self.triplets is not None:
+            results |= evaluate_triplets(self.triplets, queries, docs, **common)
         return mmeb | results | (evaluate_sts(self.sts, queries, **common) if self.sts is not None else {})

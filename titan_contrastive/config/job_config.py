@@ -1,5 +1,5 @@
-"""The configuration tree: one dataclass per TOML section (`[data]`'s in `data.py`, `[loss]`'s in `loss.py`), every
-field documented.
+"""The configuration tree: one dataclass per TOML section (`[data]`'s in `data.py`, `[loss]`'s in `loss.py`, `[eval]`'s
+in `evaluation.py`), every field documented.
 
 The docstring under each field is what `--help` prints (tyro reads it). Range constraints live next to the
 field (`fields.py`: `opt(default, predicate, "what is valid")`): `manager.py` names key, value and fix in one line.
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from titan_contrastive.config.data import Data
+from titan_contrastive.config.evaluation import Eval
 from titan_contrastive.config.fields import non_negative, opt, positive
 from titan_contrastive.config.loss import Loss
 
@@ -312,85 +313,6 @@ class Memory:
     """With budget_gib: print the plan and exit without training (a dry run)."""
     margin: float = opt(0.05, lambda v: 0 <= v < 0.5, "a fraction in [0, 0.5)")
     """Head-room kept below the budget (allocator fragmentation, data-dependent sizes)."""
-
-
-@dataclass
-class Eval:
-    enable: bool = True
-    """Evaluate at all (every `freq` steps and after the last step)."""
-    freq: int = opt(0, lambda v: v >= 0, "an integer >= 0 (0 = only after the last step)")
-    """Evaluate every this many steps (and always after the last step)."""
-    every_epoch: bool = False
-    """Evaluate after each epoch's last step (the optimizer step holding its last batch), in place of `freq`."""
-    batch_size: int = positive(500)
-    """Images per evaluation batch; the eval loss is the mean over consecutive batches of this size."""
-    patience: int = opt(0, lambda v: v >= 0, "an integer >= 0 (0 = never stop early)")
-    """Stop the run after this many evaluations in a row without checkpoint.keep_best's metric improving."""
-    patience_threshold: float = opt(0.0, lambda v: v >= 0, "a number >= 0")
-    """The least change of that metric that counts as improving (Hugging Face's early_stopping_threshold)."""
-    zero_shot_path: str = ""
-    """Zero-shot classification on an ImageFolder-layout folder (one sub-folder of images per
-    class), as well as the run's own evaluation; empty = none."""
-    zero_shot_names: str = ""
-    """A text file of class names, one per line in sorted sub-folder order; empty = the folder
-    names (underscores as spaces)."""
-    zero_shot_templates: str = "openai"
-    """Prompt templates: `openai` (CLIP's 80 ImageNet prompts, as open_clip), `simple` (open_clip's
-    short list), or a text file with one template per line, each with `{}` for the class name."""
-    beir_path: str = ""
-    """Text pairs and qwen_vl (t2i, t2t): also retrieval on a BEIR folder (corpus.jsonl, queries.jsonl, qrels/; a
-    corpus of page images; ViDoRe's sets saved to disk), embedded once across the ranks: nDCG@5/10, MRR@10,
-    MAP@100, Recall@1/5/10/100 (keys `beir/...`); `bundled` = the WordNet set in assets/wordnet_beir; empty = none."""
-    beir_split: str = "test"
-    """Which qrels split of `beir_path` (qrels/{split}.tsv; a saved DatasetDict's split). Several, separated by commas,
-    or `*` for every one (NanoBEIR's 13 sets): each set's keys `beir/{split}/...`, and `beir/...` their mean."""
-    beir_graded: bool = False
-    """nDCG with the qrels' grades as gains (pytrec_eval's, as MTEB and ViDoRe report it); off = binary relevance,
-    as sentence-transformers' InformationRetrievalEvaluator."""
-    beir_pool_factor: float = opt(1.0, lambda v: 1 <= v < float("inf"), "a number >= 1 (1 = no pooling)")
-    """Late interaction (ColBERT, ColQwen): each BEIR document's tokens pooled to about 1 / this many (Ward clusters'
-    means, sentence-transformers' HierarchicalTokenPooling), the index PyLate and colpali-engine build with a pool
-    factor; `beir/corpus_tokens` reports the tokens a document keeps. 1 = every token."""
-    beir_pool_protected: int = opt(1, lambda v: v >= 0, "an integer >= 0")
-    """The first tokens of each document kept out of the pooling (1: ColBERT's [CLS]; 0 as colpali-engine pools)."""
-    beir_precisions: list[str] = opt([], lambda v: set(v) <= {"int8", "ubinary"}, "a list of 'int8', 'ubinary'")
-    """One dense vector per text: also BEIR's metrics with the corpus quantized to each precision (keys
-    `{precision}/beir/...`, at each `dims` cut too), searched as sentence-transformers' embedding quantization does
-    (`quantize_embeddings`, `semantic_search_usearch`: the float queries rescore the 2 x k best; needs usearch, in
-    .[hf]): `int8` (4x smaller than float32), `ubinary` (the signs, 32x smaller)."""
-    sts_path: str = ""
-    """Text pairs: also semantic similarity on scored sentence pairs (STS-B's `sentence1`, `sentence2`, `score`, or
-    three columns in that order; .jsonl/.csv/.tsv/.parquet or a saved dataset), embedded once across the ranks,
-    both sentences through the query side: Pearson and Spearman correlation of their cosine with the score, as
-    sentence-transformers' EmbeddingSimilarityEvaluator (keys `sts/pearson_cosine`, `sts/spearman_cosine`)."""
-    sts_split: str = "test"
-    """Which split of a saved DatasetDict `sts_path` reads."""
-    reranking_path: str = ""
-    """Text queries: also reranking, each query against its own candidates (rows of `query`, `positive`, `negative`,
-    as sentence-transformers' RerankingEvaluator and MTEB's reranking tasks hold them; .jsonl/.json/.parquet or a saved
-    dataset's `reranking_split`), by cosine: MAP, MRR@10, nDCG@10 (keys `reranking/...`); empty = none."""
-    reranking_split: str = "test"
-    clustering_path: str = ""
-    """Text queries: also clustering, as MTEB measures it (rows of `sentences` and their `labels`; .jsonl/.json/.parquet
-    or a saved dataset's `clustering_split`): each row's embeddings by k-means into as many clusters as labels, the
-    V-measure averaged over the rows (key `clustering/v_measure`); empty = none."""
-    clustering_split: str = "test"
-    pair_classification_path: str = ""
-    """Text queries: also pair classification, as sentence-transformers' BinaryClassificationEvaluator (rows of
-    `sentence1`, `sentence2`, a 0/1 `label`, or MTEB's lists), by cosine (keys `pair_classification/cosine_ap`, ...)."""
-    pair_classification_split: str = "test"
-    mmeb_path: str = ""
-    """qwen_vl: also MMEB's evaluation (VLM2Vec's MMEB-eval rows `qry_text`, `qry_img_path`, `tgt_text`,
-    `tgt_img_path`: each query against its own candidates, the right one first), a set's file or a folder of them
-    (the hub's layout), each set in the retrieval mode its items hold: the share of queries whose best candidate is the
-    right one (key `mmeb/hit@1`; several sets: `mmeb/{set}/hit@1` and `mmeb/hit@1` their mean); empty = none."""
-    mmeb_image_root: str = ""
-    """The folder `mmeb_path`'s image paths are relative to (where MMEB-eval's images were unpacked, VLM2Vec's
-    `image_dir`); empty = each file's folder."""
-    dims: list[int] = opt([], lambda v: all(x >= 1 for x in v), "integers >= 1")
-    """Also the retrieval recall (and the BEIR and STS metrics) of the embeddings cut to their first m dims and
-    re-normalized, per m (keys `dim{m}/...`): a Matryoshka model's smaller embeddings, or a plain model's
-    truncated ones; empty = `loss.matryoshka_dims`."""
 
 
 @dataclass

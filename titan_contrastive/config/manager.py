@@ -354,7 +354,7 @@ def check_keep_best(cfg: JobConfig) -> None:
         )
     bundled = data.dataset in ("fashion_mnist", "emoji", "wordnet")  # they bring their test split
     sets = {"beir": "a BEIR", "sts": "an STS", "mmeb": "an MMEB", "reranking": "a reranking"}
-    sets |= {"clustering": "a clustering", "pair_classification": "a pair classification"}
+    sets |= {"clustering": "a clustering", "pair_classification": "a pair classification", "triplet": "a triplet"}
     if not (bundled or data.val_path or ev.zero_shot_path or any(getattr(ev, f"{s}_path") for s in sets)):
         raise ConfigError(
             f"checkpoint.keep_best={best!r}: this run evaluates nothing; set data.val_path (or eval.beir_path)"

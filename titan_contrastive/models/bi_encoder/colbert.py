@@ -198,6 +198,7 @@ def refuse_for_colbert(cfg: Any) -> None:
         ("eval.reranking_path", cfg.eval.reranking_path),
         ("eval.clustering_path", cfg.eval.clustering_path),
         ("eval.pair_classification_path", cfg.eval.pair_classification_path),
+        ("eval.triplet_path", cfg.eval.triplet_path),
     ):
         if value:
             raise ConfigError(
