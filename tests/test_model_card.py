@@ -63,6 +63,27 @@ def test_the_overrides_rebuild_the_config() -> None:
     assert overrides({"model": {"no_such_key": 1}, "nowhere": {"x": 2}}) == []  # keys of another version
 
 
+def test_a_local_base_model_is_replaced_or_dropped(tmp_path: Path) -> None:
+    """PEFT's card names the folder the base was loaded from, which the Hub cannot read: the run's hub id in its
+    place (in the adapter tag too), or nothing where the run names none."""
+    from huggingface_hub import ModelCard
+
+    peft = "---\nbase_model: /data/base\ntags:\n- base_model:adapter:/data/base\n- lora\n---\n\n# Model Card\n"
+    for path, want in (("/hf/hub/models--BAAI--bge-small-en-v1.5/snapshots/1", "BAAI/bge-small-en-v1.5"), ("/x", None)):
+        src, out = tmp_path / "step-3", tmp_path / f"out-{want is None}"
+        src.mkdir(exist_ok=True)
+        config = {"model": {"path": path}, "training": {"local_batch_size": 4, "steps": 5}}
+        (src / "manifest.json").write_text(json.dumps({"step": 3, "model": {"family": "bi_encoder"}, "config": config}))
+        out.mkdir()
+        (out / "README.md").write_text(peft)
+        write_card(src, out, "peft", "adapter")
+        card = ModelCard.load(out / "README.md")
+        assert card.data.base_model == want and card.data.library_name == "peft"
+        adapter = [f"base_model:adapter:{want}"] if want else []
+        assert card.data.tags == ["lora", "titan-contrastive", *adapter], card.data.tags
+        assert "# Model Card" in card.text and "from checkpoint `step-3` of 5 steps" in card.text
+
+
 def test_a_source_that_is_not_ours_gets_no_card(tmp_path: Path) -> None:
     write_card(tmp_path / "hf-clip", tmp_path, "hf", "out")
     assert not (tmp_path / "README.md").exists()

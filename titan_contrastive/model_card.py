@@ -98,8 +98,12 @@ def write_card(src: str | Path, out: Path, to: str, name: str) -> None:
     data.pipeline_tag = data.pipeline_tag or pipeline
     data.tags = [*(data.tags or []), *([] if TAG in (data.tags or []) else [TAG])]
     base = base_model(config.get("model", {}).get("path", ""), family)
-    if base and not data.base_model:
+    local = isinstance(data.base_model, str) and Path(data.base_model).is_absolute()  # PEFT's: the folder loaded
+    if base or local:  # a local folder is no Hub id: ours in its place, or none
         data.base_model = base
+        kept = [t for t in data.tags if not (t.startswith("base_model:") and Path(t.rsplit(":", 1)[-1]).is_absolute())]
+        kinds = [t.rsplit(":", 1)[0] for t in data.tags if t not in kept]
+        data.tags = kept + ([f"{kind}:{base}" for kind in kinds] if base else [])
     card.text = card.text.rstrip() + "\n\n" + _section(manifest, family, config, to) + "\n"
     card.save(file)
 
