@@ -72,7 +72,8 @@ def test_a_local_base_model_is_replaced_or_dropped(tmp_path: Path) -> None:
     for path, want in (("/hf/hub/models--BAAI--bge-small-en-v1.5/snapshots/1", "BAAI/bge-small-en-v1.5"), ("/x", None)):
         src, out = tmp_path / "step-3", tmp_path / f"out-{want is None}"
         src.mkdir(exist_ok=True)
-        config = {"model": {"path": path}, "training": {"local_batch_size": 4, "steps": 5}}
+        epochs = {} if want else {"epochs": 2}  # a run given in epochs: its steps field is not its length
+        config = {"model": {"path": path}, "training": {"local_batch_size": 4, "steps": 5, **epochs}}
         (src / "manifest.json").write_text(json.dumps({"step": 3, "model": {"family": "bi_encoder"}, "config": config}))
         out.mkdir()
         (out / "README.md").write_text(peft)
@@ -81,7 +82,8 @@ def test_a_local_base_model_is_replaced_or_dropped(tmp_path: Path) -> None:
         assert card.data.base_model == want and card.data.library_name == "peft"
         adapter = [f"base_model:adapter:{want}"] if want else []
         assert card.data.tags == ["lora", "titan-contrastive", *adapter], card.data.tags
-        assert "# Model Card" in card.text and "from checkpoint `step-3` of 5 steps" in card.text
+        length = "5 steps." if want else "a run of 2 epoch(s)."
+        assert "# Model Card" in card.text and f"from checkpoint `step-3` of {length}" in card.text
 
 
 def test_a_source_that_is_not_ours_gets_no_card(tmp_path: Path) -> None:

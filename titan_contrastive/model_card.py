@@ -118,7 +118,7 @@ def _section(manifest: dict[str, Any], family: str, config: dict[str, Any], to: 
         "",
         f"Trained with titan_contrastive (model family `{family}`) and exported with "
         f"`python -m titan_contrastive.export --to {to}` from checkpoint `step-{step}` of "
-        f"{training.get('steps', '?')} steps.",
+        + (f"a run of {training['epochs']} epoch(s)." if training.get("epochs") else f"{training.get('steps')} steps."),
     ]
     if local:
         lines.append(
