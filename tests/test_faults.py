@@ -104,9 +104,9 @@ def test_changed_lr_and_steps_on_resume_are_applied_and_logged(
     "change, message",
     [
         (
-            "--training.local_batch_size=8",
-            "training.local_batch_size: 16 -> 8 since checkpoint step-2, but the data position is counted in local "
-            "batches",
+            "--optimizer.layer_decay=0.9",
+            "optimizer.layer_decay: 1.0 -> 0.9 since checkpoint step-2, but the optimizer's parameter groups are built "
+            "from it",
         ),
         ("--data.context_length=16", "checkpoint step-2 holds a different architecture (context_length: 32 -> 16"),
         (

@@ -219,7 +219,9 @@ def test_same_source_loader_resumes_exactly(tmp_path: Path, tokenizer) -> None:
     ds = PairsDataset(path=_joined(files), split="train", tokenizer=tokenizer, query_length=12, factors=[1.0, 1.0, 2.0])
 
     def loader():
-        return build_dataloader(ds, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=5, same_source_steps=4)
+        return build_dataloader(
+            ds, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=5, step_samples=4, same_source=True
+        )
 
     straight = loader()
     source = _source_of(ds.source_sizes)
@@ -300,11 +302,13 @@ def test_errors(tmp_path: Path, tokenizer) -> None:
         check_joined_sources(Data(dataset="vl_pairs", path="a::b", **{key: ["x", "y"]}))  # templates there
     one = PairsDataset(path=str(plain[0]), **common)
     with pytest.raises(DataError) as err:
-        build_dataloader(one, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, same_source_steps=2)
+        build_dataloader(one, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, step_samples=2, same_source=True)
     _one_line(err, "data.same_source_batches=true", "is one source", "join several with '::'")
     small = PairsDataset(path=_joined([plain[0], plain[0]]), factors=[1.0, 0.5], **common)
     with pytest.raises(DataError) as err:
-        build_dataloader(small, local_batch_size=2, dp_rank=0, dp_world_size=2, seed=0, same_source_steps=4)
+        build_dataloader(
+            small, local_batch_size=2, dp_rank=0, dp_world_size=2, seed=0, step_samples=4, same_source=True
+        )
     _one_line(err, "source 2 of data.path gives 3 samples per epoch, fewer than the 4", "data.upsampling_factors")
 
 
@@ -416,7 +420,7 @@ def test_weighted_sources(emoji: dict) -> None:
     )
     assert ds.source_sizes == [200, 100]
     ranks = [
-        build_dataloader(ds, local_batch_size=10, dp_rank=r, dp_world_size=2, seed=0, same_source_steps=20)
+        build_dataloader(ds, local_batch_size=10, dp_rank=r, dp_world_size=2, seed=0, step_samples=20, same_source=True)
         for r in range(2)
     ]
     assert ranks[0].steps_per_epoch == 15

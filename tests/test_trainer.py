@@ -361,29 +361,30 @@ def _epochs_run(tmp: Path, *extra: str) -> Trainer:
 
 
 def test_epochs_give_the_run_its_steps(tmp_path: Path) -> None:
-    """`training.epochs`: the optimizer steps of that many passes over the train set (an epoch's loader steps, its
-    tail short of a local batch dropped, times the epochs, over the accumulation steps), in place of
-    `training.steps`: the loop, the learning-rate schedule and the profiler's windows all end there."""
+    """`training.epochs`: the optimizer steps of that many passes over the train set (an epoch's whole optimizer
+    steps, its tail short of a global batch dropped, times the epochs), in place of `training.steps`: the loop, the
+    learning-rate schedule and the profiler's windows all end there."""
     trainer = _epochs_run(tmp_path / "a", "--training.epochs=2", "--training.steps=1000")
-    per_epoch = len(trainer.train_set) // 128
-    steps = 2 * per_epoch // 2
-    assert per_epoch == 13 and trainer.cfg.training.steps == steps == trainer.profiler.last_step
+    per_epoch = len(trainer.train_set) // 256
+    steps = 2 * per_epoch
+    assert per_epoch == 6 and trainer.loader.steps_per_epoch == 12  # loader steps of 128
+    assert trainer.cfg.training.steps == steps == trainer.profiler.last_step
     trainer.train()
     assert trainer.step == steps and trainer.train_state.samples_seen == steps * 256
     assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)  # cosine to 0 at the derived end
-    assert _epochs_run(tmp_path / "b", "--training.epochs=3").cfg.training.steps == 3 * per_epoch // 2  # 19, not 18
+    assert _epochs_run(tmp_path / "b", "--training.epochs=3").cfg.training.steps == 3 * per_epoch
     assert _epochs_run(tmp_path / "c", "--training.steps=7").cfg.training.steps == 7  # epochs 0: the steps given
 
 
 @pytest.mark.parametrize(
     "local, steps, ends",
-    [(256, 12, [6, 12]), (128, 13, [7, 13])],  # 6 loader steps an epoch, one a step; 13 an epoch, two a step
-    ids=["whole-steps", "inside-a-step"],
+    [(256, 12, [6, 12]), (128, 12, [6, 12])],  # 6 loader steps an epoch, one a step; 12 an epoch, two a step
+    ids=["one-loader-step-a-step", "two-loader-steps-a-step"],
 )
 def test_every_epoch_evaluates_and_saves_at_each_epochs_end(tmp_path: Path, local: int, steps: int, ends) -> None:
     """`eval.every_epoch` and `checkpoint.every_epoch`: an evaluation and a checkpoint after the optimizer step in
-    which each epoch's last batch is (2 epochs), in place of eval.freq and checkpoint.interval; an epoch of 13 loader
-    steps ends inside the 7th step of 2 (its loader steps 13 and 14), and the evaluation follows that step."""
+    which each epoch's last batch is (2 epochs), in place of eval.freq and checkpoint.interval; an epoch is whole
+    optimizer steps however many loader steps make one (the 1,706 samples' tail short of 256 dropped)."""
     every = ["--eval.every_epoch=true", "--checkpoint.every_epoch=true", "--eval.freq=5", "--checkpoint.interval=5"]
     trainer = _epochs_run(
         tmp_path, "--training.epochs=2", f"--training.local_batch_size={local}", "--eval.enable=true",

@@ -21,8 +21,8 @@ loader position, RNG) differ between data-parallel ranks, so each is stored unde
 pickled into one bytes object: its nested structure (the StatefulDataLoader's state has None-or-dict
 fields) then need not match the structure of a fresh object at load time, which DCP would otherwise
 require. The bytes are unpickled with an allowlist of the globals such a state names
-(`reader.unpickle_state`), never with `pickle.loads`. Those states cannot be mapped onto another
-data-parallel degree, so resuming with one is an error, not a silent change of the data order.
+(`reader.unpickle_state`), never with `pickle.loads`. A run on another data-parallel degree maps them onto its
+ranks (`reshard.py`): the data continues in the order the saving run would have taken it.
 
 A `load_step` older than the newest checkpoint is a rewind: the newer checkpoints are moved aside
 (not deleted) into `abandoned-<time>-<random>/`, so the next auto-resume continues the new history rather
@@ -65,6 +65,7 @@ from titan_contrastive.checkpoint import reader
 from titan_contrastive.checkpoint.best import BestCheckpoint
 from titan_contrastive.checkpoint.best import scores as eval_scores
 from titan_contrastive.checkpoint.reader import MANIFEST, CheckpointError
+from titan_contrastive.checkpoint.reshard import reshard_for
 from titan_contrastive.checkpoint.resume import IncompatibleResume, config_changes
 from titan_contrastive.checkpoint.writer import (
     BackgroundSave,
@@ -257,8 +258,8 @@ class CheckpointManager:
 
         Returns the step restored; None when disabled or when the folder holds no complete
         checkpoint. Raises CheckpointError for a missing or corrupt `load_step`, when every
-        complete checkpoint is corrupt, for a changed data-parallel degree, and when DCP fails or
-        the checkpoint holds more than plain data (`reader.py`: nothing in it may run code)."""
+        complete checkpoint is corrupt, for per-rank states that cannot be mapped onto this data-parallel degree
+        (`reshard.py`), and when DCP fails or the checkpoint holds more than plain data (`reader.py`)."""
         if not self.cfg.enable:
             return None
         chosen = self._on_rank0(self._choose, f"choosing a checkpoint in {self.folder}")
@@ -268,14 +269,17 @@ class CheckpointManager:
             return None
         step, manifest, changes = chosen
         path = self.folder / f"step-{step}"
+        reshard = reshard_for(self.per_rank_states, manifest, self.dp_degree, step, self.run_config)
         reader.load(
-            self._dcp_state(),
+            self._dcp_state() if reshard is None else {**self.states, **reshard.dcp_state()},
             path,
             manifest,
             what=f"loading checkpoint step-{step} ({path})",
             distributed=self._distributed(),
             optional=OPTIONAL_STATES,
         )
+        if reshard is not None:
+            reshard.apply(self.dp_rank)
         if self.rank == 0:
             logger.info(f"resumed from checkpoint step-{step} ({path})")
             if "config" not in manifest:
@@ -382,13 +386,7 @@ class CheckpointManager:
     def _compatible(self, step: int, manifest: dict[str, Any]) -> list[str]:
         """The config changes to apply since `step` (`resume.py`); CheckpointError when the run
         cannot continue it (another data-parallel degree, model or trainable set)."""
-        saved_dp = int(manifest["dp_degree"])
-        if self.per_rank_states and saved_dp != self.dp_degree:
-            raise CheckpointError(
-                f"checkpoint step-{step} was saved with dp degree {saved_dp}, this run has {self.dp_degree}; "
-                f"model and optimizer would reshard but the data loader position cannot; resume with "
-                f"{saved_dp} data-parallel processes or start a new run (set checkpoint.folder to a new folder)"
-            )
+        reshard_for(self.per_rank_states, manifest, self.dp_degree, step, self.run_config)  # refused here
         try:
             return config_changes(step, manifest, self.run_config, self.model_info)
         except IncompatibleResume as exc:

@@ -1,7 +1,8 @@
 """Resume semantics: what a resumed run takes from its checkpoint, and what from its config.
 
 From the checkpoint: model weights; optimizer moments and step counts; each data-parallel rank's
-data position and RNG streams; the train state (step, samples seen, skipped steps).
+data position and RNG streams (mapped onto another number of ranks: `reshard.py`); the train state (step,
+samples seen, skipped steps).
 
 From the config (a change since the save is applied, and logged as `key: old -> new`): learning
 rate and schedule (warmup, decay, min_lr_factor, training.steps: the lr is recomputed at the
@@ -12,8 +13,8 @@ checkpoint interval and keep; timeouts; everything else not below.
 Must agree (a change is a one-line error before anything is loaded): the model (family and
 architecture args, LoRA's rank and target modules among them); which parameters train
 (model.freeze, unlocked_layers: they decide which have optimizer state); optimizer.layer_decay and
-static_query_lr (the optimizer's parameter groups); the data-parallel degree and training.local_batch_size (the data
-position is counted in their batches).
+static_query_lr (the optimizer's parameter groups). The data-parallel degree and the local batch may change: the
+data position is mapped onto them (`reshard.py`).
 
 Why a change is applied rather than refused: lowering the lr after a loss spike, extending
 `training.steps`, or raising the global batch is how runs are steered, and it must take effect
@@ -54,7 +55,6 @@ NOT_COMPARED = {
 MUST_AGREE = {
     "model.freeze": "the frozen parameters have no optimizer state",
     "model.unlocked_layers": "the frozen parameters have no optimizer state",
-    "training.local_batch_size": "the data position is counted in local batches",
     "optimizer.layer_decay": "the optimizer's parameter groups are built from it",
     "optimizer.static_query_lr": "the optimizer's parameter groups are built from it",
 }

@@ -151,6 +151,11 @@ class RNGState:
         cuda = {self.cuda_index: state_dict["cuda"]} if self.cuda_index is not None and "cuda" in state_dict else {}
         restore_rng(RNGSnapshot(state_dict["cpu"], cuda))
 
+    def load_resharded(self, states: list[dict[str, torch.Tensor]], dp_rank: int) -> None:
+        """Saved by another number of ranks (`checkpoint/reshard.py`): continue the streams of saved rank
+        `dp_rank` mod their number."""
+        self.load_state_dict(states[dp_rank % len(states)])
+
 
 def build_checkpointer(
     cfg: Any,

@@ -476,7 +476,8 @@ def build_data(
         num_workers=data.num_workers,
         pin_memory=pin_memory,
         max_bad_fraction=data.max_bad_fraction,
-        same_source_steps=(global_batch_size or local_batch_size * dp_degree) if data.same_source_batches else 0,
+        step_samples=global_batch_size or local_batch_size * dp_degree,
+        same_source=data.same_source_batches,
         step_batches=max(1, global_batch_size // (local_batch_size * dp_degree)),
     )
     if data.same_source_batches:

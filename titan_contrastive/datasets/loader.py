@@ -24,6 +24,7 @@ import gc
 import math
 import signal
 import warnings
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,11 +45,14 @@ class BlockedDistributedSampler(Sampler[int]):
     """This rank's indices for one epoch, in blocks of `local_batch_size` (guarantee 1 above).
 
     The epoch's permutation is `torch.randperm(n)` seeded with `seed + epoch` (as in
-    DistributedSampler). With `drop_last` the trailing n mod G samples are dropped; without it
-    the permutation wraps around to fill the last global batch, so every rank has equal steps.
+    DistributedSampler). An epoch is cut into whole optimizer steps of `step_samples` (local batch x ranks x
+    accumulation steps; one loader step, G, where 0): with `drop_last` the trailing n mod step_samples samples are
+    dropped; without it the permutation wraps around to fill the last step, so every rank has equal steps. No
+    optimizer step then spans two epochs (whose permutations could put one sample in it twice), and the epoch's
+    order does not depend on how the step is split into ranks and microbatches (`EpochLoader.load_resharded`).
     State is (epoch, yielded), the same protocol as torchdata's StatefulDistributedSampler,
-    so StatefulDataLoader saves and restores it. `source_sizes` / `step_samples`: batches of one
-    source per step (module docstring); the tails are then always dropped.
+    so StatefulDataLoader saves and restores it. `source_sizes`: batches of one source per step (module
+    docstring); the tails are then always dropped.
     """
 
     def __init__(
@@ -75,19 +79,20 @@ class BlockedDistributedSampler(Sampler[int]):
         self.yielded = 0
         self._resume_at: int | None = None
         global_batch = local_batch_size * world_size
-        self.steps_per_epoch = dataset_len // global_batch if drop_last else math.ceil(dataset_len / global_batch)
-        self.source_sizes, self.step_samples = list(source_sizes), step_samples
+        self.source_sizes, self.step_samples = list(source_sizes), step_samples or global_batch
+        if self.step_samples % global_batch or (self.source_sizes and sum(self.source_sizes) != dataset_len):
+            raise ValueError(
+                f"step_samples={step_samples} must be a multiple of the {global_batch} samples a loader step "
+                f"takes, and source_sizes={self.source_sizes} must add up to the {dataset_len} samples"
+            )
         if self.source_sizes:
-            if step_samples < 1 or step_samples % global_batch or sum(self.source_sizes) != dataset_len:
-                raise ValueError(
-                    f"step_samples={step_samples} must be a multiple of the {global_batch} samples a loader step "
-                    f"takes, and source_sizes={self.source_sizes} must add up to the {dataset_len} samples"
-                )
-            steps = sum(size // step_samples for size in self.source_sizes)
-            self.steps_per_epoch = steps * (step_samples // global_batch)
+            steps = sum(size // self.step_samples for size in self.source_sizes)
+        else:
+            steps = dataset_len // self.step_samples if drop_last else math.ceil(dataset_len / self.step_samples)
+        self.steps_per_epoch = steps * (self.step_samples // global_batch)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self.epoch, self._resume_at = epoch, None
 
     def global_order(self) -> torch.Tensor:
         """The epoch's sample order over all ranks, trimmed or wrapped to whole global batches."""
@@ -112,15 +117,16 @@ class BlockedDistributedSampler(Sampler[int]):
         return torch.cat([steps[i] for i in pick])
 
     def __iter__(self) -> Iterator[int]:
-        # eager (not a generator body): `yielded` is right even before the first index is drawn
+        # eager (not a generator body): `yielded` is right even before the first index is drawn; a restored position
+        # holds until one is (a loader with workers calls this twice before drawing) or the epoch changes
         start = self._resume_at or 0
-        self._resume_at = None
         self.yielded = start
         blocks = self.global_order().view(self.steps_per_epoch, self.world_size, self.local_batch_size)
         return self._count(blocks[:, self.rank].reshape(-1)[start:].tolist())
 
     def _count(self, indices: list[int]) -> Iterator[int]:
         for index in indices:
+            self._resume_at = None
             self.yielded += 1
             yield index
 
@@ -164,6 +170,9 @@ class EpochLoader:
         self.dataset = dataset
         self.bad_samples = bad_samples
         self.epoch = 0
+        self.served: int | None = 0
+        """Batches served in this epoch: its global order's first `served` x G samples (None: not known, after
+        loading a state that predates the count, until the next epoch)."""
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
         self._set_epoch(0)
         self._source_ends = torch.tensor(sampler.source_sizes, dtype=torch.long).cumsum(0)
@@ -180,8 +189,8 @@ class EpochLoader:
     def steps_per_epoch(self) -> int:
         return self.sampler.steps_per_epoch
 
-    def _set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def _set_epoch(self, epoch: int, served: int | None = 0) -> None:
+        self.epoch, self.served = epoch, served
         self.sampler.set_epoch(epoch)
         self.dataset.set_epoch(epoch)
 
@@ -203,20 +212,54 @@ class EpochLoader:
         if len(self._source_ends):  # the joined index space holds the sources one after another
             source = int(torch.searchsorted(self._source_ends, batch["index"][:1], right=True)[0])
             self.step_source = self.source_names[source]
+        if self.served is not None:
+            self.served += 1
         return self.bad_samples.update(batch)
+
+    @property
+    def loader_step(self) -> int:
+        """The samples one batch of every rank take together (G): local batch x data-parallel ranks."""
+        return self.sampler.local_batch_size * self.sampler.world_size
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
+            **({} if self.served is None else {"position": self.served * self.loader_step}),
             "dataloader": self.dataloader.state_dict(),
             "bad_samples": self.bad_samples.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state from `state_dict()`; the next batch is the one that followed it."""
-        self._set_epoch(state_dict["epoch"])
+        position = state_dict.get("position")
+        self._set_epoch(state_dict["epoch"], None if position is None else position // self.loader_step)
         self.dataloader.load_state_dict(state_dict["dataloader"])
         self.bad_samples.load_state_dict(state_dict.get("bad_samples", {}))
+        self._iterator = None
+
+    def load_resharded(self, states: list[dict[str, Any]], dp_rank: int) -> None:
+        """Continue the states every rank of a run with another number of data-parallel ranks saved (`states[r]`
+        is its rank r's): the next batches of all ranks together are those that run's would have been, since an
+        epoch's order does not depend on the split (`BlockedDistributedSampler`). ValueError where the saved
+        position is not a whole number of this run's loader steps (a global batch changed since), or a state
+        predates positions. This rank's skipped-sample counts: rank 0 takes the saved ranks' together."""
+        if any("position" not in state for state in states):
+            raise ValueError("its data loader states predate resuming on another number of ranks")
+        epoch, position = states[0]["epoch"], states[0]["position"]
+        if any((state["epoch"], state["position"]) != (epoch, position) for state in states):
+            raise ValueError(f"its ranks' data loaders stopped at different places: {[s['position'] for s in states]}")
+        if position % self.loader_step:
+            raise ValueError(
+                f"it stopped {position} samples into epoch {epoch}, not a whole number of this run's loader steps of "
+                f"{self.loader_step} samples (local batch x data-parallel ranks)"
+            )
+        self._set_epoch(epoch, position // self.loader_step)
+        self.sampler.load_state_dict({"epoch": epoch, "yielded": position // self.sampler.world_size})
+        counts: Counter[str] = Counter()
+        for state in states if dp_rank == 0 else ():
+            counts.update(state["bad_samples"].get("counts", {}))
+        seen = sum(s["bad_samples"].get("seen", 0) for s in states) if dp_rank == 0 else 0
+        self.bad_samples.load_state_dict({"counts": dict(counts), "seen": seen})
         self._iterator = None
 
     def end_workers(self) -> None:
@@ -296,13 +339,15 @@ def build_dataloader(
     drop_last: bool = True,
     pin_memory: bool = False,
     max_bad_fraction: float = 0.001,
-    same_source_steps: int = 0,
+    step_samples: int = 0,
+    same_source: bool = False,
     step_batches: int = 1,
 ) -> EpochLoader:
     """This rank's endless, resumable batch stream (an EpochLoader over a StatefulDataLoader).
 
-    same_source_steps: > 0 draws each run of that many samples (an optimizer step's, over all
-    ranks) from one of the dataset's `source_sizes` (`data.same_source_batches`).
+    step_samples: an optimizer step's samples over all ranks (the global batch); epochs are cut into whole
+    steps of them (`BlockedDistributedSampler`). 0: one loader step's, local_batch_size x dp_world_size.
+    same_source: draw each step's samples from one of the dataset's `source_sizes` (`data.same_source_batches`).
 
     step_batches: the batches (microbatches) the trainer takes for one optimizer step; the workers keep
     that many ready (at least two each, PyTorch's default, at most MAX_PREFETCH each), so that they load
@@ -323,18 +368,24 @@ def build_dataloader(
             f"{local_batch_size * dp_world_size} samples per step exceeds the {len(dataset)} samples of "
             f"{dataset.name}/{dataset.split}; use a local batch size of at most {len(dataset) // dp_world_size}"
         )
-    sizes = list(getattr(dataset, "source_sizes", None) or ()) if same_source_steps else []
-    if same_source_steps and len(sizes) < 2:
+    step_samples = step_samples or local_batch_size * dp_world_size
+    if step_samples > len(dataset):
+        raise DataError(
+            f"training.global_batch_size={step_samples} exceeds the {len(dataset)} samples of "
+            f"{dataset.name}/{dataset.split}: one step would use samples twice; lower it or use more data"
+        )
+    sizes = list(getattr(dataset, "source_sizes", None) or ()) if same_source else []
+    if same_source and len(sizes) < 2:
         raise DataError(
             f"data.same_source_batches=true: {dataset.name}/{dataset.split} is one source; join several with '::' in "
             "data.path (csv, webdataset, hf, pairs or vl_pairs data), or set data.same_source_batches=false"
         )
-    small = [(i, size) for i, size in enumerate(sizes) if size < same_source_steps]
+    small = [(i, size) for i, size in enumerate(sizes) if size < step_samples]
     if small:
         i, size = small[0]
         raise DataError(
             f"data.same_source_batches=true: source {i + 1} of data.path gives {size} samples per epoch, fewer than "
-            f"the {same_source_steps} of one step (training.global_batch_size); raise its data.upsampling_factors, "
+            f"the {step_samples} of one step (training.global_batch_size); raise its data.upsampling_factors, "
             "lower the global batch, or leave it out"
         )
     sampler = BlockedDistributedSampler(
@@ -346,7 +397,7 @@ def build_dataloader(
         shuffle=shuffle,
         drop_last=drop_last,
         source_sizes=sizes,
-        step_samples=same_source_steps,
+        step_samples=step_samples,
     )
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in recent torch; harmless
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
