@@ -282,6 +282,9 @@ def test_settings_colbert_cannot_take_are_one_line(tmp_path: Path) -> None:
         ("--model.pooling=colbert", "--model.freeze=query"): r"^model.freeze=\['query'\]: a locked tower runs without",
         ("--model.pooling=colbert", "--eval.reranking_path=r.jsonl"): r"^eval.reranking_path=r.jsonl: model.pool",
         ("--model.pooling=colbert", "--eval.clustering_path=c.jsonl"): r"^eval.clustering_path=c.jsonl: model.poo",
+        ("--model.pooling=colbert", "--eval.pair_classification_path=p.jsonl"): r"^eval.pair_classification_path=p",
+        ("--model.pooling=colbert", "--eval.triplet_path=t.jsonl"): r"^eval.triplet_path=t.jsonl: model.pooling=",
+        ("--model.pooling=colbert", "--eval.mmeb_path=m"): r"^eval.mmeb_path=m: model.pooling='colbert' embeds",
     }
     for argv, message in cases.items():
         with pytest.raises(ConfigError, match=message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -262,3 +263,18 @@ def test_repeated_flag_warns_and_the_last_wins(capsys: pytest.CaptureFixture) ->
     assert parse_args(["--training.steps=5", "--training.steps=6"]).training.steps == 6
     err = capsys.readouterr().err
     assert "warning: command line: --training.steps is given more than once (5, then 6); the last one is used" in err
+
+
+def test_the_evaluation_sets_table_names_every_set(capsys: pytest.CaptureFixture) -> None:
+    """`config.evaluation.EVAL_SETS`, which the checks naming every set read: each `[eval] *_path` but the zero-shot
+    folder is in it, and each of its options is `evaluate`'s."""
+    from titan_contrastive.config.evaluation import EVAL_SETS, Eval
+    from titan_contrastive.evaluate import main
+
+    paths = {field.name for field in dataclasses.fields(Eval) if field.name.endswith("_path")}
+    assert paths - {f"{s.name}_path" for s in EVAL_SETS} == {"zero_shot_path"}
+    assert {f"{s.name}_path" for s in EVAL_SETS} <= paths
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    options = capsys.readouterr().out
+    assert all(f"{s.flag} " in options for s in EVAL_SETS), options

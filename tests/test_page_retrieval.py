@@ -358,8 +358,20 @@ def test_the_commands_bad_input_is_one_line(tmp_path: Path, capsys: pytest.Captu
 
     folder = vl_folder(tmp_path, "qwen2_vl", dropout=0.0)
     beir_folder = jsonl_set(tmp_path / "pages", pages())
+    texts = tmp_path / "texts.jsonl"  # a reranking set's rows, and a triplet set's
+    texts.write_text(
+        json.dumps({"query": "a cat", "positive": ["cats"], "negative": ["a car"]}) + "\n"
+        + json.dumps({"anchor": "a cat", "positive": "cats", "negative": "a car"}) + "\n"
+    )  # fmt: skip
+    reranking, triplets = tmp_path / "reranking.jsonl", tmp_path / "triplets.jsonl"
+    reranking.write_text(texts.read_text().splitlines()[0] + "\n")
+    triplets.write_text(texts.read_text().splitlines()[1] + "\n")
+    text_documents = "its documents are texts, and {} embeds page images as its documents; leave it out"
+    capsys.readouterr()  # the folder's writing
     cases = [
         (["", "--beir", str(beir_folder), "--doc-prompt", "{image}"], "--doc-prompt: for a Qwen-VL model folder"),
+        ([str(folder), "--reranking", str(reranking)], "--reranking: " + text_documents.format(folder)),
+        ([str(folder), "--triplets", str(triplets), "--reranking", str(reranking)], "--reranking --triplets: "),
         ([str(folder), "--beir", str(beir_folder), "--doc-length", "8"], "--doc-length: "),
         ([str(folder), "--beir", str(beir_folder), "--doc-prompt", "{text}"], "model.doc_prompt='{text}'"),
         (["", "--beir", str(beir_folder)], "a corpus of page images without texts, and this model embeds texts"),

@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     from titan_contrastive.components.reranking_eval import evaluate_reranking
     from titan_contrastive.components.sts_eval import evaluate_sts, load_sts
     from titan_contrastive.components.triplet_eval import evaluate_triplets, load_triplets
+    from titan_contrastive.config.evaluation import EVAL_SETS
     from titan_contrastive.datasets.mmeb_sets import read_mmeb
     from titan_contrastive.datasets.reranking_sets import read_reranking
     from titan_contrastive.models.bi_encoder import build_tokenizer
@@ -218,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype = getattr(torch, opts.dtype)
         model.to(device, dtype)
         token_dim = getattr(model, "token_dim", 0)
-        flags = ("sts", "reranking", "clustering", "pair_classification", "triplets", "mmeb")
-        one_vector = [f"--{flag.replace('_', '-')}" for flag in flags if getattr(opts, flag)]
+        given = [s for s in EVAL_SETS if getattr(opts, s.flag[2:].replace("-", "_"), None)]
+        one_vector = [s.flag for s in given if s.one_vector]
         if token_dim and one_vector:
             raise ValueError(
                 f"{' '.join(one_vector)}: {opts.model} embeds a text as its tokens (ColBERT), scored by late "
@@ -242,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
 
         forward = device_forward(model, device, dtype)
         process = args.processor() if hasattr(args, "processor") else None  # qwen_vl's fills both sides
+        pages = process is not None and process.kinds["doc"] == "image"
+        text_documents = [s.flag for s in given if s.text_documents]
+        if pages and text_documents:
+            raise ValueError(
+                f"{' '.join(text_documents)}: its documents are texts, and {opts.model} embeds page images as its "
+                "documents; leave it out"
+            )
         sizes = {"batch_size": opts.batch_size, "rank": rank, "world_size": world}
         results: dict[str, float] = {}
         if mmeb:  # each set in its own mode
@@ -254,7 +262,6 @@ def main(argv: list[str] | None = None) -> int:
             kinds = {"sparse": getattr(model, "sparse_embeddings", False), "token_dim": token_dim}
             scoring = {"graded": opts.graded, "pool_factor": opts.pool_factor, "pool_protected": opts.pool_protected}
             scoring["precisions"] = opts.precision
-            pages = process is not None and process.kinds["doc"] == "image"
             if sets:
                 results |= evaluate_sets(
                     sets, *embedders, **sizes, dims=opts.dims, prefix="", **kinds, **scoring, pages=pages

@@ -35,6 +35,7 @@ from titan_contrastive.components.reranking_eval import evaluate_reranking
 from titan_contrastive.components.sts_eval import StsSet, evaluate_sts, load_sts
 from titan_contrastive.components.triplet_eval import TripletSet, evaluate_triplets, load_triplets
 from titan_contrastive.config import ConfigError
+from titan_contrastive.config.evaluation import EVAL_SETS
 from titan_contrastive.datasets.beir_folder import BeirSet
 from titan_contrastive.datasets.mmeb_sets import MmebSet, read_mmeb
 from titan_contrastive.datasets.reranking_sets import RerankSet, read_reranking
@@ -76,9 +77,7 @@ class TextEvals:
         without text queries, or a corpus the model cannot read (pages for a text model, texts for a page
         embedder), stop the run at start (a DataError, one line). `args`: the model's, whose `processor()` (qwen_vl)
         fills both sides, in place of `tokenizer`."""
-        named = (ev.beir_path, ev.sts_path, ev.reranking_path, ev.clustering_path, ev.pair_classification_path)
-        named += (ev.triplet_path,)
-        if not ev.enable or not (any(named) or ev.mmeb_path):
+        if not ev.enable or not any(getattr(ev, f"{s.name}_path") for s in EVAL_SETS):
             return cls()
         if callable(getattr(args, "processor", None)):
             tokenizer = args.processor()  # type: ignore[attr-defined]
@@ -117,8 +116,8 @@ class TextEvals:
             )
         if evals.texts:
             evals._embedders(0)
-        for key, loaded in (("reranking_path", evals.reranking), ("triplet_path", evals.triplets)):
-            if loaded is not None and evals.pages:
+        for key in (f"{s.name}_path" for s in EVAL_SETS if s.text_documents):
+            if getattr(ev, key) and evals.pages:
                 raise ConfigError(
                     f"eval.{key}={getattr(ev, key)!r}: its documents are texts, and this run's documents are images; "
                     "measure it with a model of text documents (data.retrieval_mode=t2t), or leave it empty"

@@ -8,7 +8,35 @@ from dataclasses import dataclass
 
 from titan_contrastive.config.fields import opt, positive
 
-__all__ = ["Eval"]
+__all__ = ["EVAL_SETS", "Eval", "EvalSet"]
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """A kind of evaluation set: `[eval] {name}_path` names one, its metrics' keys begin `{name}/`."""
+
+    name: str
+    kind: str
+    """How a message calls one ("a BEIR")."""
+    flag: str
+    """`python -m titan_contrastive.evaluate`'s option for one."""
+    one_vector: bool = True
+    """It compares one vector per text (or per image): not for a late-interaction model's token sets."""
+    text_documents: bool = False
+    """Its documents are texts: not for a model whose documents are images."""
+
+
+EVAL_SETS = (
+    EvalSet("beir", "a BEIR", "--beir", one_vector=False),  # scored by MaxSim too, and page corpora
+    EvalSet("sts", "an STS", "--sts"),
+    EvalSet("reranking", "a reranking", "--reranking", text_documents=True),
+    EvalSet("clustering", "a clustering", "--clustering"),
+    EvalSet("pair_classification", "a pair classification", "--pair-classification"),
+    EvalSet("triplet", "a triplet", "--triplets", text_documents=True),
+    EvalSet("mmeb", "an MMEB", "--mmeb"),
+)
+"""The evaluation sets besides the run's own split and zero-shot classes, each read by its component
+(`components/*_eval.py`); the checks that name them all read this table."""
 
 
 @dataclass

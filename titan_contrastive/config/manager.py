@@ -32,6 +32,7 @@ from typing import Any
 
 import tyro
 
+from titan_contrastive.config.evaluation import EVAL_SETS
 from titan_contrastive.config.job_config import MAX_FIXED_LOGIT_SCALE, MAX_LOGIT_SCALE, JobConfig
 
 if sys.version_info >= (3, 11):
@@ -353,15 +354,15 @@ def check_keep_best(cfg: JobConfig) -> None:
             f"divide checkpoint.interval={ckpt.interval}: set eval.freq={ckpt.interval} (or a divisor of it)"
         )
     bundled = data.dataset in ("fashion_mnist", "emoji", "wordnet")  # they bring their test split
-    sets = {"beir": "a BEIR", "sts": "an STS", "mmeb": "an MMEB", "reranking": "a reranking"}
-    sets |= {"clustering": "a clustering", "pair_classification": "a pair classification", "triplet": "a triplet"}
-    if not (bundled or data.val_path or ev.zero_shot_path or any(getattr(ev, f"{s}_path") for s in sets)):
+    if not (bundled or data.val_path or ev.zero_shot_path or any(getattr(ev, f"{s.name}_path") for s in EVAL_SETS)):
         raise ConfigError(
             f"checkpoint.keep_best={best!r}: this run evaluates nothing; set data.val_path (or eval.beir_path)"
         )
-    for name, kind in sets.items():
-        if best.startswith(f"{name}/") and not getattr(ev, f"{name}_path"):
-            raise ConfigError(f"checkpoint.keep_best={best!r} is {kind} metric and eval.{name}_path is empty; set it")
+    for s in EVAL_SETS:
+        if best.startswith(f"{s.name}/") and not getattr(ev, f"{s.name}_path"):
+            raise ConfigError(
+                f"checkpoint.keep_best={best!r} is {s.kind} metric and eval.{s.name}_path is empty; set it"
+            )
 
 
 def check_profiling(cfg: JobConfig, steps: int | None) -> None:

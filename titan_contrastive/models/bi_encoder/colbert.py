@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from titan_contrastive.batching import right_trimmed
 from titan_contrastive.config import ConfigError
+from titan_contrastive.config.evaluation import EVAL_SETS
 
 DEFAULT_DIM = 128  # PyLate's embedding_size when it adds the projection
 SKIPLIST = tuple(string.punctuation)  # PyLate's skiplist_words: left out of documents
@@ -194,11 +195,7 @@ def refuse_for_colbert(cfg: Any) -> None:
         ("loss.flops_doc_weight", loss.flops_doc_weight),
         ("loss.teacher_model", loss.teacher_model),
         ("loss.teacher_embeddings", loss.teacher_embeddings),
-        ("eval.sts_path", cfg.eval.sts_path),
-        ("eval.reranking_path", cfg.eval.reranking_path),
-        ("eval.clustering_path", cfg.eval.clustering_path),
-        ("eval.pair_classification_path", cfg.eval.pair_classification_path),
-        ("eval.triplet_path", cfg.eval.triplet_path),
+        *((f"eval.{s.name}_path", getattr(cfg.eval, f"{s.name}_path")) for s in EVAL_SETS if s.one_vector),
     ):
         if value:
             raise ConfigError(
