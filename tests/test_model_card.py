@@ -15,7 +15,7 @@ import pytest
 
 from tests.needs import needs
 from titan_contrastive.config import parse_args
-from titan_contrastive.model_card import BUNDLED, base_model, overrides, write_card
+from titan_contrastive.model_card import BUNDLED, base_model, eval_results, overrides, write_card
 
 
 def _without_job(config: dict) -> dict:
@@ -98,10 +98,13 @@ def test_exports_carry_the_run_card(tmp_path: Path, capsys: pytest.CaptureFixtur
     from tests.test_hf_text import folder_run
     from titan_contrastive.export import main as export_main
 
+    triplets = tmp_path / "my_triplets.jsonl"
+    rows = [("a cat", "cats", "a car"), ("the sea", "an ocean", "a desert"), ("red", "crimson", "blue")]
+    triplets.write_text("".join(json.dumps(dict(zip(("anchor", "positive", "negative"), r))) + "\n" for r in rows))
     run = folder_run(
         tmp_path, "encoder", "--training.local_batch_size=4", "--training.global_batch_size=8", "--training.steps=2",
         "--checkpoint.enable=true", "--eval.enable=true", f"--data.val_path={tmp_path / 'pairs.jsonl'}",
-        "--eval.freq=1", "--model.query_prompt=query: ",
+        "--eval.freq=1", "--model.query_prompt=query: ", f"--eval.triplet_path={triplets}",
     )  # fmt: skip
     run.train()
     run.metrics.close()
@@ -119,6 +122,14 @@ def test_exports_carry_the_run_card(tmp_path: Path, capsys: pytest.CaptureFixtur
         recorded = {k: v for k, v in manifest["eval"].items() if k != "num_samples"}
         assert table.keys() == recorded.keys() and recorded
         assert all(abs(float(table[k]) - v) <= 5e-5 for k, v in recorded.items())
+        (result,) = card.data.eval_results  # the set's, in the Hub's model-index; the run's own split's in the table
+        assert (result.task_type, result.dataset_name, result.metric_type) == (
+            "triplet",
+            "my_triplets",
+            "cosine_accuracy",
+        )
+        assert result.metric_value == recorded["triplet/cosine_accuracy"] and result.dataset_split is None
+        assert card.data.model_name == to
         block = card.text.split("```bash\n")[-1].split("```")[0]  # ours, the last
         args = shlex.split(block.replace("\\\n", " "))[3:]  # after `python -m titan_contrastive.train`
         assert _without_job(asdict(parse_args(args))) == _without_job(manifest["config"])
@@ -126,3 +137,18 @@ def test_exports_carry_the_run_card(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "model = SentenceTransformer(" in ModelCard.load(tmp_path / "sentence-transformers" / "README.md").text
     assert 'AutoModel.from_pretrained("hf")' in ModelCard.load(tmp_path / "hf" / "README.md").text
     capsys.readouterr()
+
+
+def test_the_sets_scores_are_the_hubs_results() -> None:
+    """Only the keys of the evaluation sets (`EVAL_SETS`) become model-index results; a folder's split is named."""
+    config = {"eval": {"beir_path": "/data/scifact/", "beir_split": "test", "sts_path": "/data/stsb.csv"}}
+    scores = {"beir/ndcg@10": 0.5, "dim64/beir/ndcg@10": 0.4, "sts/spearman_cosine": 0.8, "r@1": 0.9, "loss": 1.2}
+    got = [
+        (r.task_type, r.dataset_name, r.dataset_split, r.metric_type, r.metric_value)
+        for r in eval_results(scores, config)
+    ]
+    assert got == [
+        ("information-retrieval", "scifact", "test", "ndcg@10", 0.5),
+        ("semantic-similarity", "stsb", None, "spearman_cosine", 0.8),
+    ]
+    assert eval_results(scores, {"eval": {}}) == []

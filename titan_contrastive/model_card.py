@@ -1,10 +1,11 @@
 """The model card (`README.md`) `export` leaves beside what it writes from one of our step folders, as
 sentence-transformers' `save` and PEFT's `save_pretrained` leave theirs: the card the target library wrote (if any),
 its metadata completed (`library_name`, `pipeline_tag`, `base_model` where the run's `model.path` names a Hugging Face
-model, a `titan-contrastive` tag), and a section of the run: the step exported, the batch, the evaluation recorded at
-that step, and every setting the run changed from the defaults as command-line overrides, which rebuild its config
-(the data they name must be where they say). Read and written through `huggingface_hub`'s `ModelCard` (a
-dependency of tokenizers), so the Hub reads what it reads of its own cards."""
+model, a `titan-contrastive` tag, the evaluation sets' scores as the Hub's `model-index`), and a section of the run:
+the step exported, the batch, the evaluation recorded at that step, and every setting the run changed from the
+defaults as command-line overrides, which rebuild its config (the data they name must be where they say). Read and
+written through `huggingface_hub`'s `ModelCard` (a dependency of tokenizers), so the Hub reads what it reads of its
+own cards."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CARD", "base_model", "overrides", "write_card"]
+__all__ = ["CARD", "base_model", "eval_results", "overrides", "write_card"]
 
 CARD = "README.md"
 TAG = "titan-contrastive"
@@ -78,6 +79,37 @@ def overrides(config: dict[str, dict[str, Any]]) -> list[str]:
     return args
 
 
+def eval_results(scores: dict[str, float], config: dict[str, dict[str, Any]]) -> list[Any]:
+    """The scores of the run's evaluation sets (`config.evaluation.EVAL_SETS`, keys `{set}/...`) as the Hub's
+    `model-index` results (huggingface_hub's EvalResult), each set named by its file or folder (a folder's split
+    given); the run's own split's and zero-shot keys, and those at a Matryoshka cut, stay in the card's table only."""
+    from huggingface_hub import EvalResult
+
+    from titan_contrastive.config.evaluation import EVAL_SETS
+
+    evaluation, results = config.get("eval", {}), []
+    for kind in EVAL_SETS:
+        path = str(evaluation.get(f"{kind.name}_path") or "")
+        if not path:
+            continue
+        dataset = "wordnet_beir" if path == "bundled" else Path(path.rstrip("/")).stem
+        split = None if Path(path).suffix else evaluation.get(f"{kind.name}_split")  # a file has none
+        for key, value in scores.items():
+            if key.startswith(f"{kind.name}/"):
+                results.append(
+                    EvalResult(
+                        task_type=kind.task,
+                        dataset_type=dataset,
+                        dataset_name=dataset,
+                        dataset_split=split,
+                        metric_type=key.split("/", 1)[1],
+                        metric_value=value,
+                        metric_name=key,
+                    )
+                )
+    return results
+
+
 def write_card(src: str | Path, out: Path, to: str, name: str) -> None:
     """Complete or write `out/README.md` for an export of `src` to be named `name` (see the module docstring);
     nothing for a source that is not one of our step folders (no manifest: a Hugging Face or open_clip checkpoint
@@ -104,8 +136,17 @@ def write_card(src: str | Path, out: Path, to: str, name: str) -> None:
         kept = [t for t in data.tags if not (t.startswith("base_model:") and Path(t.rsplit(":", 1)[-1]).is_absolute())]
         kinds = [t.rsplit(":", 1)[0] for t in data.tags if t not in kept]
         data.tags = kept + ([f"{kind}:{base}" for kind in kinds] if base else [])
+    results = eval_results(_scores(manifest), config)
+    if results:
+        data.model_name = data.model_name or name
+        data.eval_results = [*(data.eval_results or []), *results]
     card.text = card.text.rstrip() + "\n\n" + _section(manifest, family, config, to) + "\n"
     card.save(file)
+
+
+def _scores(manifest: dict[str, Any]) -> dict[str, float]:
+    """The evaluation the manifest records at its step (its numbers but the sample count)."""
+    return {k: v for k, v in manifest.get("eval", {}).items() if isinstance(v, int | float) and k != "num_samples"}
 
 
 def _section(manifest: dict[str, Any], family: str, config: dict[str, Any], to: str) -> str:
@@ -125,7 +166,7 @@ def _section(manifest: dict[str, Any], family: str, config: dict[str, Any], to: 
             f"A step's batch: {local * accumulation * dp} ({local} a microbatch x {accumulation} accumulation steps x "
             f"{dp} data-parallel rank(s))."
         )
-    scores = {k: v for k, v in manifest.get("eval", {}).items() if isinstance(v, int | float) and k != "num_samples"}
+    scores = _scores(manifest)
     if scores:
         lines += ["", f"### Evaluation at step {step}", "", "| Metric | Value |", "|:--|--:|"]
         lines += [f"| {name} | {value:.4f} |" for name, value in scores.items()]

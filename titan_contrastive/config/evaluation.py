@@ -20,6 +20,8 @@ class EvalSet:
     """How a message calls one ("a BEIR")."""
     flag: str
     """`python -m titan_contrastive.evaluate`'s option for one."""
+    task: str
+    """Its task in a model card's results (sentence-transformers' names for its evaluators' tasks)."""
     one_vector: bool = True
     """It compares one vector per text (or per image): not for a late-interaction model's token sets."""
     text_documents: bool = False
@@ -27,13 +29,13 @@ class EvalSet:
 
 
 EVAL_SETS = (
-    EvalSet("beir", "a BEIR", "--beir", one_vector=False),  # scored by MaxSim too, and page corpora
-    EvalSet("sts", "an STS", "--sts"),
-    EvalSet("reranking", "a reranking", "--reranking", text_documents=True),
-    EvalSet("clustering", "a clustering", "--clustering"),
-    EvalSet("pair_classification", "a pair classification", "--pair-classification"),
-    EvalSet("triplet", "a triplet", "--triplets", text_documents=True),
-    EvalSet("mmeb", "an MMEB", "--mmeb"),
+    EvalSet("beir", "a BEIR", "--beir", "information-retrieval", one_vector=False),  # MaxSim too, and page corpora
+    EvalSet("sts", "an STS", "--sts", "semantic-similarity"),
+    EvalSet("reranking", "a reranking", "--reranking", "reranking", text_documents=True),
+    EvalSet("clustering", "a clustering", "--clustering", "clustering"),
+    EvalSet("pair_classification", "a pair classification", "--pair-classification", "binary-classification"),
+    EvalSet("triplet", "a triplet", "--triplets", "triplet", text_documents=True),
+    EvalSet("mmeb", "an MMEB", "--mmeb", "information-retrieval"),
 )
 """The evaluation sets besides the run's own split and zero-shot classes, each read by its component
 (`components/*_eval.py`); the checks that name them all read this table."""
