@@ -285,6 +285,7 @@ def test_settings_colbert_cannot_take_are_one_line(tmp_path: Path) -> None:
         ("--model.pooling=colbert", "--eval.pair_classification_path=p.jsonl"): r"^eval.pair_classification_path=p",
         ("--model.pooling=colbert", "--eval.triplet_path=t.jsonl"): r"^eval.triplet_path=t.jsonl: model.pooling=",
         ("--model.pooling=colbert", "--eval.mmeb_path=m"): r"^eval.mmeb_path=m: model.pooling='colbert' embeds",
+        ("--model.pooling=colbert", "--eval.classification_path=c"): r"^eval.classification_path=c: model.pooling=",
     }
     for argv, message in cases.items():
         with pytest.raises(ConfigError, match=message):

@@ -18,7 +18,9 @@ labels) `clustering/v_measure`, as MTEB's ClusteringEvaluator gives it (`compone
 `--pair-classification FILE` (sentence pairs labelled 0 or 1) `pair_classification/cosine_ap`, `..._accuracy`,
 `..._f1`, ..., as its BinaryClassificationEvaluator gives them (`components/pair_classification_eval.py`); with
 `--triplets FILE` (rows of an anchor, a positive and a negative) `triplet/cosine_accuracy`, as its TripletEvaluator
-gives it (`components/triplet_eval.py`); with `--mmeb DIR`
+gives it (`components/triplet_eval.py`); with `--classification DIR` (a folder of train and test rows of a text and
+its label) `classification/accuracy`, `f1`, ..., as MTEB's logistic-regression classification gives them
+(`components/classification_eval.py`); with `--mmeb DIR`
 (a Qwen-VL model: VLM2Vec's MMEB-eval sets, `[eval] mmeb_path`'s) each set's `mmeb/.../hit@1`
 (`components/mmeb_eval.py`), BEIR then only where `--beir` is given; `--out` writes them to a file too.
 
@@ -125,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pair-classification", default="", help="also pair classification: pairs labelled 0/1")
     parser.add_argument("--triplets", default="", help="also triplet accuracy: rows of anchor, positive, negative")
     parser.add_argument(
+        "--classification", default="", help="also classification (MTEB's): a folder of train and test text/label rows"
+    )
+    parser.add_argument(
+        "--classification-per-label", type=int, default=8, help="train rows per label a fit takes (default: 8)"
+    )
+    parser.add_argument(
         "--dims", type=int, nargs="+", default=[], help="also at the embeddings' first m dims (Matryoshka), per m"
     )
     parser.add_argument("--out", type=Path, help="also write the metrics (JSON) to this file")
@@ -168,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         pair_embedders,
         side_embedders,
     )
+    from titan_contrastive.components.classification_eval import evaluate_classification, load_classification
     from titan_contrastive.components.clustering_eval import evaluate_clustering, load_clustering
     from titan_contrastive.components.mmeb_eval import evaluate_mmeb, mode_embedders
     from titan_contrastive.components.pair_classification_eval import (
@@ -188,8 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     try:
-        if opts.batch_size < 1:
-            raise ValueError(f"--batch-size {opts.batch_size}: use an integer >= 1")
+        if opts.batch_size < 1 or opts.classification_per_label < 1:
+            raise ValueError(
+                f"--batch-size {opts.batch_size} --classification-per-label {opts.classification_per_label}: use "
+                "integers >= 1"
+            )
         if not 1 <= opts.pool_factor < float("inf") or opts.pool_protected < 0:
             raise ValueError(
                 f"--pool-factor {opts.pool_factor} --pool-protected {opts.pool_protected}: use a factor >= 1 "
@@ -204,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         pairs = opts.pair_classification
         pairs = load_pair_classification(pairs, key="--pair-classification") if pairs else None
         triplets = load_triplets(opts.triplets, key="--triplets") if opts.triplets else None
+        classes = opts.classification
+        classes = load_classification(classes, key="--classification") if classes else None
         vl = is_vl_folder(opts.model)
         set_vl = [f"--{o.replace('_', '-')}" for o in (*VL_OPTIONS, "mmeb") if getattr(opts, o)]
         if set_vl and not vl:
@@ -254,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, float] = {}
         if mmeb:  # each set in its own mode
             results = evaluate_mmeb(mmeb, lambda mode: mode_embedders(forward, process, mode), **sizes, dims=opts.dims)
-        if sets or any(s is not None for s in (sts, reranking, clustering, pairs, triplets)):
+        if sets or any(s is not None for s in (sts, reranking, clustering, pairs, triplets, classes)):
             if process is not None:
                 embedders = side_embedders(forward, process)
             else:
@@ -276,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
                 results |= evaluate_pair_classification(pairs, embedders[0], **sizes, dims=opts.dims)
             if triplets is not None:
                 results |= evaluate_triplets(triplets, *embedders, **sizes, dims=opts.dims)
+            if classes is not None:
+                per_label = opts.classification_per_label
+                results |= evaluate_classification(classes, embedders[0], **sizes, dims=opts.dims, per_label=per_label)
     except (ValueError, OSError) as e:
         code = failures.report(e)
         if code is None:

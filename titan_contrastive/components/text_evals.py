@@ -24,6 +24,11 @@ from titan_contrastive.components.beir_eval import (
     pair_embedders,
     side_embedders,
 )
+from titan_contrastive.components.classification_eval import (
+    ClassificationSet,
+    evaluate_classification,
+    load_classification,
+)
 from titan_contrastive.components.clustering_eval import ClusteringSet, evaluate_clustering, load_clustering
 from titan_contrastive.components.mmeb_eval import evaluate_mmeb, mode_embedders
 from titan_contrastive.components.pair_classification_eval import (
@@ -68,6 +73,10 @@ class TextEvals:
     """Sentence pairs labelled 0 or 1 (`[eval] pair_classification_path`)."""
     triplets: TripletSet | None = None
     """Anchors, each with a positive and a negative (`[eval] triplet_path`)."""
+    classification: ClassificationSet | None = None
+    """Texts and labels in a train and a test split (`[eval] classification_path`)."""
+    per_label: int = 8
+    """Train rows per label each classifier fit takes (`[eval] classification_per_label`)."""
 
     @classmethod
     def from_config(
@@ -96,6 +105,8 @@ class TextEvals:
             if ev.pair_classification_path
             else None,
             load_triplets(ev.triplet_path, ev.triplet_split) if ev.triplet_path else None,
+            load_classification(ev.classification_path, ev.classification_split) if ev.classification_path else None,
+            ev.classification_per_label,
         )
         if evals.mmeb and (not hasattr(evals.tokenizer, "sides") or getattr(args, "token_dim", 0)):
             raise ConfigError(
@@ -140,6 +151,7 @@ class TextEvals:
     def texts(self) -> bool:
         """Whether a set reads the model through its text embedders (BEIR, STS, reranking, clustering, pairs, ...)."""
         one_vector = (self.sts, self.reranking, self.clustering, self.pair_classification, self.triplets)
+        one_vector += (self.classification,)
         return bool(self.beir) or any(s is not None for s in one_vector)
 
     def __bool__(self) -> bool:
@@ -156,7 +168,7 @@ class TextEvals:
         model: object = None,
     ) -> dict[str, float]:
         """Every set's metrics (`beir/...`, `sts/...`, `reranking/...`, `clustering/...`, `pair_classification/...`,
-        `triplet/...`, `mmeb/...`; with `dims`,
+        `triplet/...`, `classification/...`, `mmeb/...`; with `dims`,
         also at each cut, `dim{m}/...`), each text embedded once across the ranks; for a `model` whose embeddings are
         sparse (`sparse_embeddings`, SPLADE's), BEIR's active dimensions too; for one whose embeddings are token sets
         (`token_dim`, ColBERT's), BEIR by late interaction (the other sets, which compare one vector per text, are
@@ -193,4 +205,6 @@ class TextEvals:
             results |= evaluate_pair_classification(self.pair_classification, queries, **common)
         if self.triplets is not None:
             results |= evaluate_triplets(self.triplets, queries, docs, **common)
+        if self.classification is not None:
+            results |= evaluate_classification(self.classification, queries, **common, per_label=self.per_label)
         return mmeb | results | (evaluate_sts(self.sts, queries, **common) if self.sts is not None else {})

@@ -1,6 +1,6 @@
 """The `[eval]` section: when the run evaluates, on what (its held-out split, zero-shot classes, BEIR folders, STS,
-reranking, clustering, pair classification, triplet and MMEB sets) and how (cuts, pooling, precisions, early
-stopping)."""
+reranking, clustering, pair classification, triplet, classification and MMEB sets) and how (cuts, pooling,
+precisions, early stopping)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ EVAL_SETS = (
     EvalSet("clustering", "a clustering", "--clustering", "clustering"),
     EvalSet("pair_classification", "a pair classification", "--pair-classification", "binary-classification"),
     EvalSet("triplet", "a triplet", "--triplets", "triplet", text_documents=True),
+    EvalSet("classification", "a classification", "--classification", "text-classification"),
     EvalSet("mmeb", "an MMEB", "--mmeb", "information-retrieval"),
 )
 """The evaluation sets besides the run's own split and zero-shot classes, each read by its component
@@ -110,6 +111,15 @@ class Eval:
     """Text queries: also triplet accuracy, as sentence-transformers' TripletEvaluator (rows of `anchor`, `positive`,
     `negative`): the share whose anchor is nearer its positive by cosine (key `triplet/cosine_accuracy`)."""
     triplet_split: str = "test"
+    classification_path: str = ""
+    """Text queries: also classification, as MTEB measures it (a folder of `train` and `test` tables of `text` and
+    `label` rows, .jsonl/.json/.csv/.parquet, or a saved DatasetDict): a logistic regression fit on
+    `classification_per_label` train rows of each label, 10 times, labels the test rows: accuracy, macro and weighted
+    F1, AP with two labels, the means (keys `classification/...`)."""
+    classification_split: str = "test"
+    """The split `classification_path` labels (the classifier is fit on its `train` split)."""
+    classification_per_label: int = positive(8)
+    """Train rows per label each of the 10 fits takes (MTEB's samples_per_label)."""
     mmeb_path: str = ""
     """qwen_vl: also MMEB's evaluation (VLM2Vec's MMEB-eval rows `qry_text`, `qry_img_path`, `tgt_text`,
     `tgt_img_path`: each query against its own candidates, the right one first), a set's file or a folder of them

@@ -1,0 +1,167 @@
+"""Classification evaluation (`components/classification_eval.py`, `[eval] classification_path`, `python -m
+titan_contrastive.evaluate --classification`): MTEB's logistic-regression classification (10 undersampled fits,
+accuracy, F1, AP for two labels) equal to MTEB's procedure written out from its source, on two and on three labels,
+numbers and strings; a folder of tables and a saved DatasetDict read alike; 2 gloo processes give what 1 gives;
+through the trainer (the best checkpoint kept by it) and the command; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+from tests.needs import needs
+from tests.test_clustering_eval import _letters
+from tests.test_hf_text import folder_run
+from tests.test_retrieval_metrics import write_beir
+from titan_contrastive.components.classification_eval import evaluate_classification, load_classification
+from titan_contrastive.datasets.base import DataError
+
+pytestmark = needs("hf")  # scikit-learn comes with the [hf] extra
+
+# each label's first 4 words train (one of them mostly another label's letters: which rows a fit draws matters)
+WORDS = {0: ["aab", "aaab", "abmm", "azzz", "aaaab", "aba"], 1: ["zzy", "zzzy", "zymm", "zaaa", "zzzzy", "zzyy"]}
+WORDS[2] = ["mmn", "mnm", "mnaa", "mzzz", "mmnn", "mmmmn"]
+
+
+def write_set(folder: Path, labels: tuple = (0, 1), names: dict | None = None, per_split: int = 4) -> Path:
+    """Each label's first `per_split` words in train, the rest (and a mixed word) in test, as .jsonl files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    named = names or {label: label for label in labels}
+    train = [{"text": w, "label": named[k]} for k in labels for w in WORDS[k][:per_split]]
+    test = [{"text": w, "label": named[k]} for k in labels for w in WORDS[k][per_split:]] + [
+        {"text": "azmy", "label": named[labels[0]]}
+    ]
+    for name, rows in (("train", train), ("test", test)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def mteb(folder: Path, per_label: int) -> dict[str, float]:
+    """MTEB's AbsTaskClassification with its logRegClassificationEvaluator, written out: the global generator seeded
+    with 42, one index order shuffled again per experiment, the first `per_label` of each label; raw labels."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import accuracy_score, average_precision_score, f1_score
+
+    rows = {
+        s: [json.loads(line) for line in (folder / f"{s}.jsonl").read_text().splitlines()] for s in ("train", "test")
+    }
+    x = {s: [r["text"] for r in rows[s]] for s in rows}
+    y = {s: [r["label"] for r in rows[s]] for s in rows}
+    np.random.seed(42)
+    idxs, scores = np.arange(len(y["train"])), []
+    for _ in range(10):
+        np.random.shuffle(idxs)
+        counter, picked_x, picked_y = defaultdict(int), [], []
+        for i in idxs:
+            if counter[y["train"][i]] < per_label:
+                picked_x.append(x["train"][i])
+                picked_y.append(y["train"][i])
+                counter[y["train"][i]] += 1
+        clf = LogisticRegression(random_state=42, max_iter=100)  # and n_jobs=-1, which lbfgs does not use
+        clf.fit(np.stack([_letters([t])[0].numpy() for t in picked_x]), picked_y)
+        predicted = clf.predict(np.stack([_letters([t])[0].numpy() for t in x["test"]]))
+        s = {"accuracy": accuracy_score(y["test"], predicted), "f1": f1_score(y["test"], predicted, average="macro")}
+        s["f1_weighted"] = f1_score(y["test"], predicted, average="weighted")
+        if len(np.unique(picked_y)) == 2:
+            s["ap"] = average_precision_score(y["test"], predicted)
+        scores.append(s)
+    return {f"classification/{k}": float(np.mean([s[k] for s in scores])) for k in scores[0]}
+
+
+@pytest.mark.parametrize(
+    "labels, names, per_label",
+    [((0, 1), None, 2), ((0, 1, 2), None, 1), ((0, 1, 2), {0: "sea", 1: "desert", 2: "forest"}, 8)],
+    ids=["two-numbers", "three-numbers", "three-strings"],
+)
+def test_it_equals_mtebs_procedure(tmp_path: Path, labels: tuple, names: dict | None, per_label: int) -> None:
+    folder = write_set(tmp_path / "set", labels, names)
+    task = load_classification(str(folder))
+    got = evaluate_classification(task, _letters, batch_size=3, per_label=per_label, dims=(2,))
+    want = mteb(folder, per_label)
+    assert {k: v for k, v in got.items() if not k.startswith("dim")} == pytest.approx(want, abs=1e-12)
+    assert ("classification/ap" in got) == (len(labels) == 2)
+    assert 0 < got["dim2/classification/accuracy"] <= 1  # a and b alone: the classes of z and m look alike there
+    if per_label < 4:  # fewer than the train rows of a label: the experiments' fits differ
+        assert len(task.train[0]) == 4 * len(labels)
+
+
+def test_a_saved_dataset_dict_reads_as_the_folder(tmp_path: Path) -> None:
+    from datasets import Dataset, DatasetDict
+
+    folder = write_set(tmp_path / "set", (0, 1, 2))
+    splits = {
+        s: [json.loads(line) for line in (folder / f"{s}.jsonl").read_text().splitlines()] for s in ("train", "test")
+    }
+    DatasetDict({s: Dataset.from_list(rows) for s, rows in splits.items()}).save_to_disk(tmp_path / "saved")
+    a, b = load_classification(str(folder)), load_classification(str(tmp_path / "saved"))
+    assert a.texts == b.texts
+    for x, y in zip((*a.train, *a.test), (*b.train, *b.test), strict=True):
+        assert np.array_equal(x, y)
+
+
+def _on_ranks(folder: str, out: str) -> None:
+    dist.init_process_group("gloo")
+    task = load_classification(folder)
+    results = evaluate_classification(task, _letters, batch_size=2, rank=dist.get_rank(), world_size=2, per_label=2)
+    torch.save(results, Path(out) / f"rank{dist.get_rank()}.pt")
+
+
+def test_two_processes_give_what_one_gives(tmp_path: Path) -> None:
+    folder = write_set(tmp_path / "set", (0, 1, 2))
+    one = evaluate_classification(load_classification(str(folder)), _letters, batch_size=2, per_label=2)
+    run_distributed(_on_ranks, 2, str(folder), str(tmp_path))
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == one
+
+
+def test_training_and_the_command_measure_it(tmp_path: Path) -> None:
+    from titan_contrastive.config import ConfigError
+    from titan_contrastive.evaluate import main
+
+    folder = write_set(tmp_path / "set", (0, 1, 2))
+    flags = ["--training.local_batch_size=6", "--training.steps=2", "--eval.enable=true", "--eval.freq=1"]
+    flags += ["--checkpoint.enable=true", "--checkpoint.interval=1", "--checkpoint.keep_best=classification/f1"]
+    trainer = folder_run(tmp_path, "encoder", *flags, f"--eval.classification_path={folder}")
+    trainer.train()
+    trainer.metrics.close()
+    evals = [json.loads(line) for line in (tmp_path / "run-encoder" / "metrics.jsonl").read_text().splitlines()]
+    assert len([e for e in evals if 0 <= e.get("classification/accuracy", -1) <= 1 and "classification/f1" in e]) == 2
+    assert (tmp_path / "run-encoder" / "checkpoint" / "best.json").is_file()
+    with pytest.raises(
+        ConfigError, match="keep_best='classification/f1' is a classification metric and eval.classification_path"
+    ):
+        folder_run(tmp_path / "none", "encoder", *flags, "--eval.beir_path=bundled")
+    out = tmp_path / "out.json"
+    beir = write_beir(tmp_path / "beir")
+    argv = ["", "--beir", str(beir), "--classification", str(folder), "--classification-per-label", "2"]
+    assert main([*argv, "--out", str(out)]) == 0  # the bundled MiniLM
+    assert 0 <= json.loads(out.read_text())["classification/f1_weighted"] <= 1
+
+
+def test_bad_sets_are_one_line(tmp_path: Path) -> None:
+    good = write_set(tmp_path / "good")
+    (tmp_path / "no_test").mkdir()
+    (tmp_path / "no_test" / "train.jsonl").write_text((good / "train.jsonl").read_text())
+    columns = write_set(tmp_path / "columns")
+    (columns / "test.jsonl").write_text(json.dumps({"text": "a", "labels": 1}) + "\n")
+    one = write_set(tmp_path / "one", (0,))
+    listed = write_set(tmp_path / "listed")
+    (listed / "train.jsonl").write_text(json.dumps({"text": "a", "label": [1]}) + "\n")
+    for path, message in (
+        (good / "train.jsonl", "is not a folder; give a folder of train and test tables"),
+        (tmp_path / "no_test", "holds no test table; give test.jsonl (or .json, .csv, .parquet) beside the other"),
+        (columns, "(test): row 0 has no column label; its rows hold text, label"),
+        (one, "its train rows hold fewer than two labels or its test rows none"),
+        (listed, "(train): row 0 holds no text and label; give a text and its label (a number or a string)"),
+    ):
+        with pytest.raises(DataError) as err:
+            load_classification(str(path))
+        assert str(err.value).startswith(f"eval.classification_path='{path}'") and message in str(err.value)
+        assert "\n" not in str(err.value)
