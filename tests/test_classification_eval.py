@@ -1,8 +1,8 @@
 """Classification evaluation (`components/classification_eval.py`, `[eval] classification_path`, `python -m
-titan_contrastive.evaluate --classification`): MTEB's logistic-regression classification (10 undersampled fits,
-accuracy, F1, AP for two labels) equal to MTEB's procedure written out from its source, on two and on three labels,
-numbers and strings; a folder of tables and a saved DatasetDict read alike; 2 gloo processes give what 1 gives;
-through the trainer (the best checkpoint kept by it) and the command; bad input is one line."""
+titan_contrastive.evaluate --classification`): MTEB's logistic-regression classification (10 undersampled fits;
+accuracy, F1, precision, recall, AP for two labels) equal to mteb 2's procedure written out from its source, on two
+and on three labels, numbers and strings; a folder of tables and a saved DatasetDict read alike; 2 gloo processes
+give what 1 gives; through the trainer (the best checkpoint kept by it) and the command; bad input is one line."""
 
 from __future__ import annotations
 
@@ -44,33 +44,43 @@ def write_set(folder: Path, labels: tuple = (0, 1), names: dict | None = None, p
 
 
 def mteb(folder: Path, per_label: int) -> dict[str, float]:
-    """MTEB's AbsTaskClassification with its logRegClassificationEvaluator, written out: the global generator seeded
-    with 42, one index order shuffled again per experiment, the first `per_label` of each label; raw labels."""
+    """mteb 2's AbsTaskClassification with its LogisticRegression, written out from its source: one index list,
+    shuffled again by each experiment with a RandomState seeded anew with 42, the first `per_label` rows of each label
+    kept; raw labels; `_calculate_scores`' metrics (AP where the test labels are two), averaged."""
     from sklearn.linear_model import LogisticRegression
-    from sklearn.metrics import accuracy_score, average_precision_score, f1_score
+    from sklearn.metrics import accuracy_score, average_precision_score, f1_score, precision_score, recall_score
 
     rows = {
         s: [json.loads(line) for line in (folder / f"{s}.jsonl").read_text().splitlines()] for s in ("train", "test")
     }
     x = {s: [r["text"] for r in rows[s]] for s in rows}
     y = {s: [r["label"] for r in rows[s]] for s in rows}
-    np.random.seed(42)
-    idxs, scores = np.arange(len(y["train"])), []
+    model = LogisticRegression(max_iter=100).set_params(random_state=42)
+    idxs, scores = list(range(len(y["train"]))), []
     for _ in range(10):
-        np.random.shuffle(idxs)
-        counter, picked_x, picked_y = defaultdict(int), [], []
+        np.random.RandomState(42).shuffle(idxs)
+        counter, picked = defaultdict(int), []
         for i in idxs:
             if counter[y["train"][i]] < per_label:
-                picked_x.append(x["train"][i])
-                picked_y.append(y["train"][i])
+                picked.append(i)
                 counter[y["train"][i]] += 1
-        clf = LogisticRegression(random_state=42, max_iter=100)  # and n_jobs=-1, which lbfgs does not use
-        clf.fit(np.stack([_letters([t])[0].numpy() for t in picked_x]), picked_y)
-        predicted = clf.predict(np.stack([_letters([t])[0].numpy() for t in x["test"]]))
-        s = {"accuracy": accuracy_score(y["test"], predicted), "f1": f1_score(y["test"], predicted, average="macro")}
-        s["f1_weighted"] = f1_score(y["test"], predicted, average="weighted")
-        if len(np.unique(picked_y)) == 2:
-            s["ap"] = average_precision_score(y["test"], predicted)
+        model.fit(np.stack([_letters([x["train"][i]])[0].numpy() for i in picked]), [y["train"][i] for i in picked])
+        y_pred = model.predict(np.stack([_letters([t])[0].numpy() for t in x["test"]]))
+        y_test = y["test"]
+        s = {"accuracy": accuracy_score(y_test, y_pred)}
+        s["f1"], s["f1_weighted"] = (
+            f1_score(y_test, y_pred, average="macro"),
+            f1_score(y_test, y_pred, average="weighted"),
+        )
+        s["precision"] = precision_score(y_test, y_pred, average="macro")
+        s["precision_weighted"] = precision_score(y_test, y_pred, average="weighted")
+        s["recall"], s["recall_weighted"] = (
+            recall_score(y_test, y_pred, average="macro"),
+            recall_score(y_test, y_pred, average="weighted"),
+        )
+        if len(np.unique(y_test)) == 2:
+            s["ap"] = average_precision_score(y_test, y_pred, average="macro")
+            s["ap_weighted"] = average_precision_score(y_test, y_pred, average="weighted")
         scores.append(s)
     return {f"classification/{k}": float(np.mean([s[k] for s in scores])) for k in scores[0]}
 

@@ -1,12 +1,13 @@
 """Classification as MTEB measures it (its classification tasks: Banking77Classification, EmotionClassification,
-AmazonCounterfactualClassification, ...; its logistic-regression evaluator): a set holds `text` and `label` rows in a
-train and a test split; in each of 10 experiments the train rows are shuffled and the first `per_label` of each label
-kept (MTEB's undersampling, its shuffles from one seeded generator), scikit-learn's LogisticRegression (100
-iterations, seeded) is fit on their embeddings and predicts the test rows' labels: accuracy, macro F1, weighted F1
-and, with two labels, the average precision of the predictions, each the mean over the experiments
-(`classification/accuracy`, ...). Every distinct text is embedded once across the ranks (`beir_eval.embed_texts`),
-through the query side (its prompt, as MTEB's instruction). Used by the trainer (`[eval] classification_path`) and by
-`python -m titan_contrastive.evaluate --classification`."""
+AmazonCounterfactualClassification, ...; `AbsTaskClassification` of mteb 2): a set holds `text` and `label` rows in a
+train and a test split; in each of 10 experiments the train rows' order is shuffled again (by a generator seeded
+anew with 42, as MTEB's undersampling) and the first `per_label` rows of each label kept, scikit-learn's
+LogisticRegression (100 iterations, seeded) is fit on their embeddings and predicts the test rows' labels: accuracy,
+F1, precision and recall (macro and weighted) and, where the test rows hold two labels, the average precision of the
+predictions (macro and weighted), each the mean over the experiments (`classification/accuracy`, ...). Every
+distinct text is embedded once across the ranks (`beir_eval.embed_texts`), through the query side (its prompt, as
+MTEB's instruction). Used by the trainer (`[eval] classification_path`) and by `python -m titan_contrastive.evaluate
+--classification`."""
 
 from __future__ import annotations
 
@@ -104,11 +105,11 @@ def load_classification(path: str, split: str = "test", key: str = "eval.classif
 
 
 def undersampled(labels: np.ndarray, per_label: int) -> list[np.ndarray]:
-    """Each experiment's train rows: MTEB's undersampling, one order shuffled again by each experiment (from a
-    generator seeded with SEED), then the first `per_label` rows of each label in that order."""
-    rng, order, picks = np.random.RandomState(SEED), np.arange(len(labels)), []
+    """Each experiment's train rows: MTEB's undersampling, one order shuffled again by each experiment (by a
+    generator seeded anew with SEED each time), then the first `per_label` rows of each label in that order."""
+    order, picks = np.arange(len(labels)), []
     for _ in range(EXPERIMENTS):
-        rng.shuffle(order)
+        np.random.RandomState(SEED).shuffle(order)
         counts: Counter[int] = Counter()
         pick = []
         for i in order:
@@ -130,30 +131,39 @@ def evaluate_classification(
     per_label: int = 8,
     prefix: str = "classification/",
 ) -> dict[str, float]:
-    """`{prefix}accuracy`, `f1`, `f1_weighted` (and `ap` with two labels), the means over the experiments; with
-    `dims`, also of the embeddings' first m dims normalized again (`dim{m}/...`)."""
+    """`{prefix}accuracy`, `f1`, `f1_weighted`, `precision`, `precision_weighted`, `recall`, `recall_weighted` (and
+    `ap`, `ap_weighted` with two test labels), the means over the experiments; with `dims`, also of the embeddings'
+    first m dims normalized again (`dim{m}/...`)."""
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.linear_model import LogisticRegression
-    from sklearn.metrics import accuracy_score, average_precision_score, f1_score
 
     embedded = embed_texts(embed, task.texts, batch_size=batch_size, rank=rank, world_size=world_size)
     (train, y_train), (test, y_test) = task.train, task.test
     picks = undersampled(y_train, per_label)
-    binary = len(np.unique(y_train)) == 2
     out = {}
     for m, cut in dim_cuts(embedded.shape[-1], dims):
         vectors = (F.normalize(embedded[..., :m], dim=-1) if cut else embedded).double().numpy()
-        scores: dict[str, list[float]] = {"accuracy": [], "f1": [], "f1_weighted": [], **({"ap": []} if binary else {})}
+        scores: dict[str, list[float]] = {}
         for pick in picks:
             classifier = LogisticRegression(random_state=SEED, max_iter=MAX_ITER)
             with warnings.catch_warnings():  # MTEB's 100 iterations are the measure, converged or not
                 warnings.simplefilter("ignore", ConvergenceWarning)
                 classifier.fit(vectors[train[pick]], y_train[pick])
-            predicted = classifier.predict(vectors[test])
-            scores["accuracy"].append(accuracy_score(y_test, predicted))
-            scores["f1"].append(f1_score(y_test, predicted, average="macro"))
-            scores["f1_weighted"].append(f1_score(y_test, predicted, average="weighted"))
-            if binary:
-                scores["ap"].append(average_precision_score(y_test, predicted))
+            for name, value in label_scores(y_test, classifier.predict(vectors[test])).items():
+                scores.setdefault(name, []).append(value)
         out |= {f"{cut}{prefix}{name}": float(np.mean(values)) for name, values in scores.items()}
     return out
+
+
+def label_scores(truth: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
+    """One experiment's scores of the predicted labels, MTEB's `_calculate_scores` (AP where `truth` holds two)."""
+    from sklearn.metrics import accuracy_score, average_precision_score, f1_score, precision_score, recall_score
+
+    scores = {"accuracy": accuracy_score(truth, predicted)}
+    for name, score in (("f1", f1_score), ("precision", precision_score), ("recall", recall_score)):
+        scores[name] = score(truth, predicted, average="macro")
+        scores[f"{name}_weighted"] = score(truth, predicted, average="weighted")
+    if len(np.unique(truth)) == 2:
+        scores["ap"] = average_precision_score(truth, predicted, average="macro")
+        scores["ap_weighted"] = average_precision_score(truth, predicted, average="weighted")
+    return {name: float(value) for name, value in scores.items()}
