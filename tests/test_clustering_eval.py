@@ -23,11 +23,15 @@ from titan_contrastive.datasets.base import DataError
 
 pytestmark = needs("hf")  # scikit-learn comes with the [hf] extra
 
-APART = {"a": ["aaaa b", "aaa bb", "aaaaa"], "z": ["zzzz y", "zzz yy", "zzzzz"], "m": ["mmmm n", "mmm nn", "mmmmm"]}
+APART = {
+    "a": ["aaaa b", "aaa bb", "aaaaa", "aaaab", "baaaa"],
+    "z": ["zzzz y", "zzz yy", "zzzzz", "zzzzy", "yzzzz"],
+    "m": ["mmmm n", "mmm nn", "mmmmm", "mmmmn", "nmmmm"],
+}
 ROWS = [
     {"sentences": [s for group in APART.values() for s in group], "labels": [k for k, g in APART.items() for _ in g]},
     {"sentences": ["aaaa b", "zzzz y", "aaa bb", "zzz yy"], "labels": [1, 1, 2, 2]},  # labels across the groups
-    {"sentences": ["mmmmm", "aaaaa"], "labels": ["x", "x"]},  # one label: left out
+    {"sentences": ["mmmmm", "aaaaa"], "labels": ["x", "x"]},  # one label: 1.0, as mteb counts it
 ]
 
 
@@ -47,13 +51,14 @@ def test_clusters_apart_are_found_and_the_rest_scored_as_mteb(tmp_path: Path) ->
     from sklearn.metrics import v_measure_score
 
     task = load_clustering(str(write_rows(tmp_path / "clusters.jsonl")))
-    assert len(task.rows) == 2 and len(task.sentences) == 9  # row 2 repeats row 1's sentences; row 3 left out
+    assert len(task.rows) == 3 and len(task.sentences) == 15  # row 2 repeats row 1's sentences; row 3 not embedded
     got = evaluate_clustering(task, _letters, batch_size=4, dims=(3,))
     want = []
-    for row in ROWS[:2]:
+    for row in ROWS[:2]:  # mteb 2's AbsTaskClusteringLegacy and ClusteringEvaluator, written out
         vectors = np.stack([_letters([s])[0].numpy() for s in row["sentences"]])
-        kmeans = MiniBatchKMeans(n_clusters=len(set(row["labels"])), batch_size=500, n_init="auto", random_state=0)
-        want.append(v_measure_score([str(x) for x in row["labels"]], kmeans.fit(vectors).labels_))
+        kmeans = MiniBatchKMeans(n_clusters=len(set(row["labels"])), batch_size=500, n_init="auto", random_state=42)
+        want.append(v_measure_score(row["labels"], kmeans.fit(vectors).labels_))
+    want.append(1.0)  # a row of one label
     assert want[0] == 1.0 and want[1] < 1.0  # the groups apart are found; labels across them are not
     assert got["clustering/v_measure"] == pytest.approx(np.mean(want), abs=1e-12)
     assert 0 <= got["dim3/clustering/v_measure"] <= 1  # the first 3 letters (a, b, c): z and m look alike there

@@ -1,8 +1,9 @@
-"""Clustering as MTEB measures it (its ClusteringEvaluator): each row of a clustering set holds `sentences` and their
-`labels` (MTEB's clustering tasks: ArxivClusteringS2S, RedditClustering, TwentyNewsgroupsClustering, ...); a row's
-embeddings are clustered by scikit-learn's MiniBatchKMeans into as many clusters as it has labels (batches of 500,
-as MTEB; seeded here, so a run's figure is reproducible), and the V-measure of the clusters against the labels is
-averaged over the rows (`clustering/v_measure`). Every distinct sentence is embedded once across the ranks
+"""Clustering as MTEB measures it (mteb 2's `AbsTaskClusteringLegacy` and its ClusteringEvaluator): each row of a
+clustering set holds `sentences` and their `labels` (MTEB's clustering tasks: ArxivClusteringS2S, RedditClustering,
+TwentyNewsgroupsClustering, ...); a row's embeddings are clustered by scikit-learn's MiniBatchKMeans into as many
+clusters as it has labels (batches of 500, seeded with 42, as mteb), and the V-measure of the clusters against the
+labels is averaged over the rows, a row of one label counting 1.0 unclustered, as mteb counts it
+(`clustering/v_measure`). Every distinct sentence is embedded once across the ranks
 (`beir_eval.embed_texts`), through the query side (its prompt, as MTEB's instruction). Used by the trainer
 (`[eval] clustering_path`) and by `python -m titan_contrastive.evaluate --clustering`."""
 
@@ -26,12 +27,14 @@ __all__ = ["COLUMNS", "ClusteringSet", "evaluate_clustering", "load_clustering"]
 COLUMNS = ("sentences", "labels")
 BATCH = 500
 """MiniBatchKMeans' batch size (MTEB's `clustering_batch_size`)."""
-SEED = 0
+SEED = 42
+"""mteb's evaluators' seed."""
 
 
 @dataclass(frozen=True)
 class ClusteringSet:
-    """The distinct sentences, and per row its sentences' indices (int32) and their labels."""
+    """The distinct sentences, and per row its sentences' indices (int32) and their labels (a row of one label: no
+    indices, its V-measure 1.0)."""
 
     sentences: list[str]
     rows: list[tuple[np.ndarray, list[str]]]
@@ -50,10 +53,12 @@ def load_clustering(path: str, split: str = "test", key: str = "eval.clustering_
                 f"{key}={path!r}: row {n} holds {len(texts)} sentence(s) and {len(labels)} label(s); give a text and a "
                 "label for each"
             )
-        if len(set(labels)) > 1:  # one cluster measures nothing
+        if len(set(labels)) > 1:
             own = [sentences.setdefault(text, len(sentences)) for text in texts]
             rows.append((np.array(own, dtype=np.int32), labels))
-    if not rows:
+        else:  # one cluster: mteb counts 1.0 and embeds nothing
+            rows.append((np.zeros(0, dtype=np.int32), labels))
+    if not sentences:
         raise DataError(f"{key}={path!r}: no row with two labels or more; give rows of sentences of several labels")
     return ClusteringSet(list(sentences), rows)
 
@@ -76,9 +81,13 @@ def evaluate_clustering(
     embedded = embed_texts(embed, task.sentences, batch_size=batch_size, rank=rank, world_size=world_size)
     out = {}
     for m, cut in dim_cuts(embedded.shape[-1], dims):
-        vectors = (F.normalize(embedded[..., :m], dim=-1) if cut else embedded).double().numpy()
+        vectors = F.normalize(embedded[..., :m], dim=-1) if cut else embedded
+        vectors = vectors.to(torch.float64 if vectors.dtype == torch.float64 else torch.float32).numpy()  # as given
         scores = []
         for own, labels in task.rows:
+            if not len(own):
+                scores.append(1.0)
+                continue
             kmeans = MiniBatchKMeans(n_clusters=len(set(labels)), batch_size=BATCH, n_init="auto", random_state=SEED)
             scores.append(v_measure_score(labels, kmeans.fit(vectors[own]).labels_))
         out[f"{cut}{prefix}v_measure"] = float(np.mean(scores))
