@@ -114,8 +114,8 @@ class Eval:
     classification_path: str = ""
     """Text queries: also classification, as MTEB measures it (a folder of `train` and `test` tables of `text` and
     `label` rows, .jsonl/.json/.csv/.parquet, or a saved DatasetDict): a logistic regression fit on
-    `classification_per_label` train rows of each label, 10 times, labels the test rows: accuracy, macro and weighted
-    F1, AP with two labels, the means (keys `classification/...`)."""
+    `classification_per_label` train rows of each label, 10 times, labels the test rows: accuracy, F1, precision and
+    recall (macro and weighted), AP with two labels, the means (keys `classification/...`)."""
     classification_split: str = "test"
     """The split `classification_path` labels (the classifier is fit on its `train` split)."""
     classification_per_label: int = positive(8)
