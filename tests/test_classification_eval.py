@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.eval_runs import keep_best_run
 from tests.needs import needs
 from tests.test_clustering_eval import _letters
-from tests.test_hf_text import folder_run
 from tests.test_retrieval_metrics import write_beir
 from titan_contrastive.components.classification_eval import evaluate_classification, load_classification
 from titan_contrastive.datasets.base import DataError
@@ -132,22 +132,11 @@ def test_two_processes_give_what_one_gives(tmp_path: Path) -> None:
 
 
 def test_training_and_the_command_measure_it(tmp_path: Path) -> None:
-    from titan_contrastive.config import ConfigError
     from titan_contrastive.evaluate import main
 
     folder = write_set(tmp_path / "set", (0, 1, 2))
-    flags = ["--training.local_batch_size=6", "--training.steps=2", "--eval.enable=true", "--eval.freq=1"]
-    flags += ["--checkpoint.enable=true", "--checkpoint.interval=1", "--checkpoint.keep_best=classification/f1"]
-    trainer = folder_run(tmp_path, "encoder", *flags, f"--eval.classification_path={folder}")
-    trainer.train()
-    trainer.metrics.close()
-    evals = [json.loads(line) for line in (tmp_path / "run-encoder" / "metrics.jsonl").read_text().splitlines()]
-    assert len([e for e in evals if 0 <= e.get("classification/accuracy", -1) <= 1 and "classification/f1" in e]) == 2
-    assert (tmp_path / "run-encoder" / "checkpoint" / "best.json").is_file()
-    with pytest.raises(
-        ConfigError, match="keep_best='classification/f1' is a classification metric and eval.classification_path"
-    ):
-        folder_run(tmp_path / "none", "encoder", *flags, "--eval.beir_path=bundled")
+    evals = keep_best_run(tmp_path, "classification_path", folder, "classification/f1")
+    assert all(0 <= e["classification/accuracy"] <= 1 and 0 <= e["classification/recall"] <= 1 for e in evals)
     out = tmp_path / "out.json"
     beir = write_beir(tmp_path / "beir")
     argv = ["", "--beir", str(beir), "--classification", str(folder), "--classification-per-label", "2"]

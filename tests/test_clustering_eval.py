@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.eval_runs import keep_best_run
 from tests.needs import needs
-from tests.test_hf_text import folder_run
 from tests.test_retrieval_metrics import write_beir
 from titan_contrastive.components.clustering_eval import evaluate_clustering, load_clustering
 from titan_contrastive.datasets.base import DataError
@@ -80,21 +80,11 @@ def test_two_processes_give_what_one_gives(tmp_path: Path) -> None:
 
 
 def test_training_and_the_command_measure_it(tmp_path: Path) -> None:
-    from titan_contrastive.config import ConfigError
     from titan_contrastive.evaluate import main
 
     file = write_rows(tmp_path / "clusters.jsonl")
-    flags = ["--training.local_batch_size=6", "--training.steps=2", "--eval.enable=true", "--eval.freq=1"]
-    flags += ["--checkpoint.enable=true", "--checkpoint.interval=1", "--checkpoint.keep_best=clustering/v_measure"]
-    trainer = folder_run(tmp_path, "encoder", *flags, f"--eval.clustering_path={file}")
-    trainer.train()
-    trainer.metrics.close()
-    evals = [json.loads(line) for line in (tmp_path / "run-encoder" / "metrics.jsonl").read_text().splitlines()]
-    assert len([e for e in evals if 0 <= e.get("clustering/v_measure", -1) <= 1]) == 2
-    with pytest.raises(
-        ConfigError, match="keep_best='clustering/v_measure' is a clustering metric and eval.clustering"
-    ):
-        folder_run(tmp_path / "none", "encoder", *flags, "--eval.beir_path=bundled")
+    evals = keep_best_run(tmp_path, "clustering_path", file, "clustering/v_measure")
+    assert all(0 <= e["clustering/v_measure"] <= 1 for e in evals)
     out = tmp_path / "out.json"
     beir = write_beir(tmp_path / "beir")
     assert main(["", "--beir", str(beir), "--clustering", str(file), "--out", str(out)]) == 0  # the bundled MiniLM

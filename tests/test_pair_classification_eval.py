@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.eval_runs import keep_best_run
 from tests.needs import needs
 from tests.test_hf_text import folder_run
 from tests.test_retrieval_metrics import write_beir
@@ -117,18 +118,8 @@ def test_training_measures_it_and_keeps_the_best(tmp_path: Path) -> None:
     from titan_contrastive.config import ConfigError
 
     file = write_rows(tmp_path / "classified.jsonl")
-    flags = ["--training.local_batch_size=6", "--training.steps=2", "--eval.enable=true", "--eval.freq=1"]
-    flags += ["--checkpoint.enable=true", "--checkpoint.interval=1"]
-    flags += ["--checkpoint.keep_best=pair_classification/cosine_ap"]
-    trainer = folder_run(tmp_path, "encoder", *flags, f"--eval.pair_classification_path={file}")
-    trainer.train()
-    trainer.metrics.close()
-    evals = [json.loads(line) for line in (tmp_path / "run-encoder" / "metrics.jsonl").read_text().splitlines()]
-    assert len([e for e in evals if 0 < e.get("pair_classification/cosine_ap", -1) <= 1]) == 2
-    best = json.loads((tmp_path / "run-encoder" / "checkpoint" / "best.json").read_text())
-    assert best["metric"] == "pair_classification/cosine_ap"
-    with pytest.raises(ConfigError, match="keep_best='pair_classification/cosine_ap' is a pair classification metric"):
-        folder_run(tmp_path / "none", "encoder", *flags, "--eval.beir_path=bundled")
+    evals = keep_best_run(tmp_path, "pair_classification_path", file, "pair_classification/cosine_ap")
+    assert all(0 < e["pair_classification/cosine_ap"] <= 1 for e in evals)
     with pytest.raises(ConfigError, match=r"^eval.pair_classification_path=.*: model.pooling='colbert' embeds a text"):
         folder_run(
             tmp_path / "colbert", "encoder", "--model.pooling=colbert", f"--eval.pair_classification_path={file}"

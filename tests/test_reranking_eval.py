@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.eval_runs import keep_best_run
 from tests.needs import needs
-from tests.test_hf_text import folder_run
 from tests.test_retrieval_metrics import write_beir
 from titan_contrastive.datasets.base import DataError
 
@@ -125,21 +125,9 @@ def test_two_processes_give_what_one_gives(tmp_path: Path) -> None:
 
 
 def test_training_evaluates_reranking_and_keeps_the_best(tmp_path: Path) -> None:
-    from titan_contrastive.config import ConfigError
-
     file = write_rows(tmp_path / "rerank.jsonl")
-    flags = ["--training.local_batch_size=6", "--training.steps=2", "--eval.enable=true", "--eval.freq=1"]
-    flags += ["--checkpoint.enable=true", "--checkpoint.interval=1", "--checkpoint.keep_best=reranking/ndcg@10"]
-    trainer = folder_run(tmp_path, "encoder", *flags, f"--eval.reranking_path={file}", "--eval.dims=8")
-    trainer.train()
-    trainer.metrics.close()
-    evals = [json.loads(line) for line in (tmp_path / "run-encoder" / "metrics.jsonl").read_text().splitlines()]
-    evals = [e for e in evals if "reranking/map" in e]
-    assert len(evals) == 2 and all(0 < e["reranking/ndcg@10"] <= 1 and 0 < e["dim8/reranking/map"] <= 1 for e in evals)
-    with pytest.raises(
-        ConfigError, match="keep_best='reranking/ndcg@10' is a reranking metric and eval.reranking_path"
-    ):
-        folder_run(tmp_path / "no-reranking", "encoder", *flags, "--eval.beir_path=bundled")
+    evals = keep_best_run(tmp_path, "reranking_path", file, "reranking/ndcg@10", "--eval.dims=8")
+    assert all(0 < e["reranking/ndcg@10"] <= 1 and 0 < e["dim8/reranking/map"] <= 1 for e in evals)
 
 
 def test_bad_files_are_one_line(tmp_path: Path) -> None:

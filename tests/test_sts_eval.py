@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.eval_runs import keep_best_run
 from tests.needs import needs
-from tests.test_hf_text import folder_run
 from tests.test_retrieval_metrics import write_beir
 from titan_contrastive.components.sts_eval import evaluate_sts, load_sts
 from titan_contrastive.datasets.base import DataError
@@ -144,22 +144,11 @@ def test_bad_files_are_one_line(tmp_path: Path) -> None:
 def test_training_evaluates_on_scored_pairs_and_keeps_the_best(tmp_path: Path) -> None:
     """`[eval] sts_path`: the correlations (and at `eval.dims`) land in metrics.jsonl, and `checkpoint.keep_best`
     can name one."""
-    from titan_contrastive.config import ConfigError
 
     file = write_sts(tmp_path / "sts.jsonl")
-    flags = ["--training.local_batch_size=6", "--training.steps=2", "--eval.enable=true", "--eval.freq=1"]
-    flags += ["--checkpoint.enable=true", "--checkpoint.interval=1", "--checkpoint.keep_best=sts/spearman_cosine"]
-    trainer = folder_run(tmp_path, "encoder", *flags, f"--eval.sts_path={file}", "--eval.dims=8")
-    trainer.train()
-    trainer.metrics.close()
-    evals = [json.loads(line) for line in (tmp_path / "run-encoder" / "metrics.jsonl").read_text().splitlines()]
-    evals = [e for e in evals if "sts/spearman_cosine" in e]
-    assert len(evals) == 2 and all(-1 <= e["sts/pearson_cosine"] <= 1 for e in evals)
+    evals = keep_best_run(tmp_path, "sts_path", file, "sts/spearman_cosine", "--eval.dims=8")
+    assert all(-1 <= e["sts/pearson_cosine"] <= 1 for e in evals)
     assert all(-1 <= e["dim8/sts/spearman_cosine"] <= 1 for e in evals)  # the first 8 of 16 dims
-    with pytest.raises(
-        ConfigError, match="keep_best='sts/spearman_cosine' is an STS metric and eval.sts_path is empty"
-    ):
-        folder_run(tmp_path / "no-sts", "encoder", *flags, "--eval.beir_path=bundled")
     with pytest.raises(DataError, match="eval.beir_path and eval.sts_path need a text-to-text model family"):
         from tests.test_trainer import make_trainer
 

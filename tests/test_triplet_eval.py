@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.eval_runs import keep_best_run
 from tests.needs import needs
 from tests.test_hf_text import folder_run
 from tests.test_retrieval_metrics import write_beir
@@ -109,16 +110,8 @@ def test_training_measures_it_and_keeps_the_best(tmp_path: Path) -> None:
     from titan_contrastive.config import ConfigError
 
     file = write_rows(tmp_path / "triplets.jsonl")
-    flags = ["--training.local_batch_size=6", "--training.steps=2", "--eval.enable=true", "--eval.freq=1"]
-    flags += ["--checkpoint.enable=true", "--checkpoint.interval=1", "--checkpoint.keep_best=triplet/cosine_accuracy"]
-    trainer = folder_run(tmp_path, "encoder", *flags, f"--eval.triplet_path={file}")
-    trainer.train()
-    trainer.metrics.close()
-    evals = [json.loads(line) for line in (tmp_path / "run-encoder" / "metrics.jsonl").read_text().splitlines()]
-    assert len([e for e in evals if 0 <= e.get("triplet/cosine_accuracy", -1) <= 1]) == 2
-    assert json.loads((tmp_path / "run-encoder" / "checkpoint" / "best.json").read_text())["step"] in (1, 2)
-    with pytest.raises(ConfigError, match="keep_best='triplet/cosine_accuracy' is a triplet metric and eval.triplet"):
-        folder_run(tmp_path / "none", "encoder", *flags, "--eval.beir_path=bundled")
+    evals = keep_best_run(tmp_path, "triplet_path", file, "triplet/cosine_accuracy")
+    assert all(0 <= e["triplet/cosine_accuracy"] <= 1 for e in evals)
     with pytest.raises(ConfigError, match=r"^eval.triplet_path=.*: model.pooling='colbert' embeds a text as its"):
         folder_run(tmp_path / "colbert", "encoder", "--model.pooling=colbert", f"--eval.triplet_path={file}")
 
