@@ -1,13 +1,16 @@
-"""Resuming on another number of data-parallel ranks (`checkpoint/reshard.py`, `EpochLoader.load_resharded`).
+"""Resuming on another number of data-parallel ranks or another local batch (`checkpoint/reshard.py`,
+`EpochLoader.load_resharded`).
 
 - the sampler: an epoch is cut into whole optimizer steps, so no step spans two epochs (and holds a sample twice),
   and the epoch's order does not depend on how a step is split into ranks and microbatches;
 - the loader: states saved by 2 ranks, loaded on 1 and on 4 (with workers too), give the optimizer steps the
   2 ranks would have taken next, across epoch ends; a position that is no whole number of the new loader steps, a
   state that predates positions, ranks that disagree: ValueError; rank 0 takes the skipped-sample counts;
-- through the trainer on gloo processes in float64: 2 ranks to a checkpoint, resumed on 1 and on 4, train the
-  weights the uninterrupted 2-rank run trains (<= 1e-10), across an epoch end; the log says so; a checkpoint whose
-  position cannot be split is a one-line error before any step.
+- through the trainer on gloo processes in float64: 2 ranks to a checkpoint, resumed on 1 (of the same local batch
+  and of twice it) and on 4, train the weights the uninterrupted 2-rank run trains (<= 1e-10), across an epoch end;
+  the log says so; a checkpoint whose position cannot be split is a one-line error before any step;
+- which checkpoints are mapped; a per-rank state that cannot be is one line; microbatch negatives are said to change
+  size; RNG streams continue saved rank r mod W's.
 """
 
 from __future__ import annotations

@@ -385,7 +385,7 @@ class CheckpointManager:
 
     def _compatible(self, step: int, manifest: dict[str, Any]) -> list[str]:
         """The config changes to apply since `step` (`resume.py`); CheckpointError when the run
-        cannot continue it (another data-parallel degree, model or trainable set)."""
+        cannot continue it (per-rank states it cannot map onto its ranks, another model or trainable set)."""
         reshard_for(self.per_rank_states, manifest, self.dp_degree, step, self.run_config)  # refused here
         try:
             return config_changes(step, manifest, self.run_config, self.model_info)
