@@ -191,6 +191,9 @@ class EpochLoader:
 
     def _set_epoch(self, epoch: int, served: int | None = 0) -> None:
         self.epoch, self.served = epoch, served
+        # the seed the epoch's iterator draws for its workers, a function of the epoch: a run resumed where an epoch
+        # ended starts the next one's workers as the uninterrupted run does
+        self.dataloader.generator.manual_seed(self.sampler.seed + epoch)
         self.sampler.set_epoch(epoch)
         self.dataset.set_epoch(epoch)
 
